@@ -1,0 +1,322 @@
+//! [`JsonBody`]: the top level of a JSON object, with every value kept as raw text.
+//!
+//! The request path never needs more than the top level of a client's body: the rewriter
+//! sets a handful of sampling fields, connectors add their handoff fields, and routers read
+//! `model`. Prompts of megabytes pass through as the bytes they arrived as: values are
+//! slices of the original buffer ([`Bytes`], no copy), keys keep their order, and
+//! re-emitting the object writes each value back verbatim.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+use crate::error::BodyError;
+
+/// The top level of a JSON object: ordered keys, raw values.
+///
+/// Duplicate keys are folded as Python's `json` (and so vLLM and SGLang) reads them: the
+/// key keeps its first position and takes its last value. This matters for safety: a
+/// field the proxy sets or removes cannot be smuggled past it in a second copy.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::body::JsonBody;
+///
+/// let mut body = JsonBody::parse(br#"{"model":"m","prompt":"hi","stream":true}"#)?;
+/// body.set("stream", &false);
+/// body.remove("model");
+/// assert_eq!(&body.to_bytes()[..], br#"{"prompt":"hi","stream":false}"#);
+/// # Ok::<(), disagg_core::error::BodyError>(())
+/// ```
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct JsonBody {
+    fields: Vec<(Box<str>, Bytes)>,
+}
+
+impl JsonBody {
+    /// Parse the top level of `bytes`, which must be one JSON object.
+    ///
+    /// Values are validated as JSON but not built: each becomes a slice of the input.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError::InvalidJson`] for malformed JSON, [`BodyError::NotAnObject`] when the
+    /// top level is not an object.
+    pub fn parse(bytes: &[u8]) -> Result<Self, BodyError> {
+        Self::parse_bytes(&Bytes::copy_from_slice(bytes))
+    }
+
+    /// Like [`parse`](Self::parse), with values sharing `bytes`' buffer instead of a copy.
+    ///
+    /// # Errors
+    ///
+    /// As [`parse`](Self::parse).
+    pub fn parse_bytes(bytes: &Bytes) -> Result<Self, BodyError> {
+        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+        if first != Some(&b'{') {
+            // Tell "not JSON" from "JSON, but not an object".
+            return match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => Err(BodyError::NotAnObject),
+                Err(e) => Err(BodyError::InvalidJson(e)),
+            };
+        }
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let spans = de
+            .deserialize_map(SpanVisitor { base: bytes })
+            .map_err(BodyError::InvalidJson)?;
+        de.end().map_err(BodyError::InvalidJson)?;
+        let mut body = JsonBody {
+            fields: Vec::with_capacity(spans.len()),
+        };
+        for (key, start, end) in spans {
+            body.insert_slot(key, bytes.slice(start..end));
+        }
+        Ok(body)
+    }
+
+    fn insert_slot(&mut self, key: Box<str>, value: Bytes) {
+        match self.fields.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = value,
+            None => self.fields.push((key, value)),
+        }
+    }
+
+    /// The raw JSON text of `key`'s value.
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.fields
+            .iter()
+            .find(|(k, _)| &**k == key)
+            .map(|(_, v)| &v[..])
+    }
+
+    /// The value of `key` as its own [`Bytes`] (no copy).
+    pub fn get_bytes(&self, key: &str) -> Option<Bytes> {
+        self.fields
+            .iter()
+            .find(|(k, _)| &**k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    /// Whether `key` is present.
+    pub fn contains(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// Deserialize `key`'s value; `None` when absent.
+    ///
+    /// # Errors
+    ///
+    /// When the value does not deserialize as `T`.
+    pub fn get_as<'a, T: Deserialize<'a>>(&'a self, key: &str) -> Option<serde_json::Result<T>> {
+        self.get(key).map(serde_json::from_slice)
+    }
+
+    /// Whether `key` is absent or `null`.
+    pub fn is_null_or_absent(&self, key: &str) -> bool {
+        self.get(key).is_none_or(|v| v == b"null")
+    }
+
+    /// Set `key` to `value`, in place if present, else appended.
+    pub fn set<T: Serialize + ?Sized>(&mut self, key: &str, value: &T) {
+        // Serializing plain data (numbers, bools, strings, maps of them) cannot fail;
+        // a value whose `Serialize` impl fails is a bug in the caller.
+        let raw = serde_json::to_vec(value).unwrap_or_else(|_| b"null".to_vec());
+        self.set_raw(key, Bytes::from(raw));
+    }
+
+    /// Set `key` to raw JSON text, which the caller vouches is one valid JSON value.
+    pub fn set_raw(&mut self, key: &str, raw: Bytes) {
+        match self.fields.iter_mut().find(|(k, _)| &**k == key) {
+            Some(slot) => slot.1 = raw,
+            None => self.fields.push((key.into(), raw)),
+        }
+    }
+
+    /// Set `key` to a checked raw value.
+    pub fn set_raw_value(&mut self, key: &str, raw: &RawValue) {
+        self.set_raw(key, Bytes::copy_from_slice(raw.get().as_bytes()));
+    }
+
+    /// Remove `key`, returning its raw value.
+    pub fn remove(&mut self, key: &str) -> Option<Bytes> {
+        let i = self.fields.iter().position(|(k, _)| &**k == key)?;
+        Some(self.fields.remove(i).1)
+    }
+
+    /// The keys in order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.fields.iter().map(|(k, _)| &**k)
+    }
+
+    /// The number of top-level fields.
+    pub fn len(&self) -> usize {
+        self.fields.len()
+    }
+
+    /// Whether the object has no field.
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty()
+    }
+
+    /// The object as compact JSON text; values are written back byte for byte.
+    pub fn to_bytes(&self) -> Bytes {
+        let len: usize = 2 + self
+            .fields
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum::<usize>();
+        let mut out = BytesMut::with_capacity(len);
+        out.put_u8(b'{');
+        for (i, (k, v)) in self.fields.iter().enumerate() {
+            if i > 0 {
+                out.put_u8(b',');
+            }
+            write_json_str(&mut out, k);
+            out.put_u8(b':');
+            out.put_slice(v);
+        }
+        out.put_u8(b'}');
+        out.freeze()
+    }
+}
+
+impl fmt::Debug for JsonBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&String::from_utf8_lossy(&self.to_bytes()))
+    }
+}
+
+fn write_json_str(out: &mut BytesMut, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.put_u8(b'"');
+        out.put_slice(s.as_bytes());
+        out.put_u8(b'"');
+    } else {
+        let escaped = serde_json::to_string(s).unwrap_or_default();
+        out.put_slice(escaped.as_bytes());
+    }
+}
+
+/// Collects `(key, start, end)` for each top-level value, as offsets into `base`.
+struct SpanVisitor<'b> {
+    base: &'b [u8],
+}
+
+impl<'de> Visitor<'de> for SpanVisitor<'_> {
+    type Value = Vec<(Box<str>, usize, usize)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(map.size_hint().unwrap_or(16));
+        let base = self.base.as_ptr() as usize;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            let raw: &'de RawValue = map.next_value()?;
+            let text = raw.get();
+            // `RawValue` borrowed from a slice deserializer points into that slice.
+            let start = (text.as_ptr() as usize)
+                .checked_sub(base)
+                .filter(|s| s + text.len() <= self.base.len())
+                .ok_or_else(|| de::Error::custom("raw value outside of the input"))?;
+            out.push((key.into_owned().into_boxed_str(), start, start + text.len()));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(b: &JsonBody) -> String {
+        String::from_utf8(b.to_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn keeps_order_and_raw_values() {
+        let b =
+            JsonBody::parse(br#" { "z": 1.50, "a" : {"x": [1, 2]}, "s": "\u00e9\n", "n": null } "#)
+                .unwrap();
+        assert_eq!(
+            s(&b),
+            r#"{"z":1.50,"a":{"x": [1, 2]},"s":"\u00e9\n","n":null}"#
+        );
+        assert_eq!(b.keys().collect::<Vec<_>>(), ["z", "a", "s", "n"]);
+        assert!(b.is_null_or_absent("n"));
+        assert!(b.is_null_or_absent("missing"));
+        assert!(!b.is_null_or_absent("z"));
+    }
+
+    #[test]
+    fn duplicate_keys_take_first_position_last_value() {
+        let b = JsonBody::parse(br#"{"a":1,"b":2,"a":3}"#).unwrap();
+        assert_eq!(s(&b), r#"{"a":3,"b":2}"#);
+    }
+
+    #[test]
+    fn escaped_keys_round_trip() {
+        let b = JsonBody::parse(br#"{"a\"b":1,"\u0041":2}"#).unwrap();
+        assert_eq!(s(&b), r#"{"a\"b":1,"A":2}"#);
+        assert!(b.contains("A"));
+    }
+
+    #[test]
+    fn rejects_non_objects_and_garbage() {
+        assert!(matches!(
+            JsonBody::parse(b"[1]"),
+            Err(BodyError::NotAnObject)
+        ));
+        assert!(matches!(
+            JsonBody::parse(b"\"x\""),
+            Err(BodyError::NotAnObject)
+        ));
+        assert!(matches!(
+            JsonBody::parse(b"{"),
+            Err(BodyError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            JsonBody::parse(b"{}x"),
+            Err(BodyError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            JsonBody::parse(b""),
+            Err(BodyError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            JsonBody::parse(br#"{"a":tru}"#),
+            Err(BodyError::InvalidJson(_))
+        ));
+    }
+
+    #[test]
+    fn set_and_remove() {
+        let mut b = JsonBody::parse(br#"{"a":1,"b":2}"#).unwrap();
+        b.set("a", &"x");
+        b.set("c", &serde_json::json!({"k": true}));
+        assert_eq!(b.remove("b").as_deref(), Some(&b"2"[..]));
+        assert_eq!(s(&b), r#"{"a":"x","c":{"k":true}}"#);
+        assert_eq!(b.get_as::<String>("a").unwrap().unwrap(), "x");
+        assert!(b.remove("b").is_none());
+        let empty = JsonBody::parse(b"{}").unwrap();
+        assert_eq!(s(&empty), "{}");
+    }
+
+    #[test]
+    fn values_share_the_input_buffer() {
+        let input = Bytes::from_static(br#"{"prompt":"a long prompt"}"#);
+        let b = JsonBody::parse_bytes(&input).unwrap();
+        let v = b.get_bytes("prompt").unwrap();
+        assert_eq!(&v[..], br#""a long prompt""#);
+        // Same allocation: the slice points inside the input.
+        let start = v.as_ptr() as usize - input.as_ptr() as usize;
+        assert_eq!(start, 10);
+    }
+}

@@ -1,0 +1,402 @@
+//! Errors, one enum per concern, and the opaque edge error [`PdError`].
+//!
+//! Each layer of the request path has its own error: [`BodyError`] for the client's
+//! JSON, [`RouteError`] for routing, [`ConnectorError`] for the KV handoff and
+//! [`TransportError`] for the wire. [`PdError`] wraps them at the edge and tells a
+//! server what it needs to answer: the HTTP [`status`](PdError::status), the
+//! [`side`](PdError::side) that failed, a stable [`code`](PdError::code), and whether a
+//! retry on another pair could help.
+
+use std::fmt;
+
+use http::StatusCode;
+
+use crate::endpoint::EndpointId;
+
+/// A boxed error, the currency of transports and bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The client's request body could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BodyError {
+    /// The body is not valid JSON.
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(#[source] serde_json::Error),
+    /// The body is JSON, but its top level is not an object.
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    /// A field has a type the request path cannot work with.
+    #[error("field `{field}` has the wrong type: expected {expected}")]
+    FieldType {
+        /// The top-level field.
+        field: &'static str,
+        /// What was expected, in words.
+        expected: &'static str,
+    },
+}
+
+/// No route could be chosen for a request.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// The endpoint set has no prefill endpoint.
+    #[error("no prefill endpoint is available")]
+    NoPrefill,
+    /// The endpoint set has no decode endpoint.
+    #[error("no decode endpoint is available")]
+    NoDecode,
+}
+
+/// A connector could not build or complete a handoff.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectorError {
+    /// The connector needs a prefill endpoint, and the route has none.
+    #[error("the {connector} connector needs a prefill endpoint")]
+    NeedsPrefill {
+        /// The connector's name.
+        connector: &'static str,
+    },
+    /// The prefill's answer carried no usable handoff.
+    #[error("prefill endpoint {endpoint} returned no `{field}`")]
+    MissingHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The field that was missing.
+        field: &'static str,
+    },
+    /// The prefill's answer carried the handoff field in an unusable shape.
+    #[error("prefill endpoint {endpoint} returned a malformed `{field}`")]
+    InvalidHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The field.
+        field: &'static str,
+    },
+    /// A value the connector had to serialize could not be.
+    #[error("could not encode `{field}`")]
+    Encode {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The transport could not complete an exchange with an endpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// No connection could be made (refused, unreachable, DNS).
+    #[error("connection failed")]
+    Connect(#[source] BoxError),
+    /// The exchange did not finish in time.
+    #[error("timed out")]
+    Timeout,
+    /// The connection broke while sending or receiving.
+    #[error("connection broke")]
+    Io(#[source] BoxError),
+}
+
+impl TransportError {
+    /// Whether the request certainly never reached the endpoint.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, TransportError::Connect(_))
+    }
+}
+
+/// Which party a failure belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Side {
+    /// The client sent something unusable.
+    Client,
+    /// The router had nowhere to send the request.
+    Router,
+    /// The prefill leg failed.
+    Prefill,
+    /// The decode leg failed.
+    Decode,
+}
+
+impl Side {
+    /// The side as a lowercase word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Client => "client",
+            Side::Router => "router",
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug)]
+enum Kind {
+    Body,
+    BodyTooLarge {
+        limit: usize,
+    },
+    NotFound,
+    Route,
+    Connector,
+    UpstreamStatus {
+        endpoint: EndpointId,
+        status: StatusCode,
+    },
+    UpstreamBody {
+        endpoint: EndpointId,
+    },
+    Transport {
+        endpoint: EndpointId,
+    },
+    Timeout {
+        endpoint: EndpointId,
+        phase: &'static str,
+    },
+}
+
+/// The error a P/D request ends with, as the HTTP edge sees it.
+///
+/// Opaque on purpose: match on [`side`](Self::side), [`status`](Self::status),
+/// [`code`](Self::code) and [`is_retryable`](Self::is_retryable), and reach the cause
+/// through [`std::error::Error::source`].
+pub struct PdError {
+    kind: Kind,
+    side: Side,
+    source: Option<BoxError>,
+}
+
+impl PdError {
+    fn new(kind: Kind, side: Side, source: Option<BoxError>) -> Self {
+        PdError { kind, side, source }
+    }
+
+    /// The client's body was not usable.
+    pub fn body(err: BodyError) -> Self {
+        Self::new(Kind::Body, Side::Client, Some(err.into()))
+    }
+
+    /// The client's body was larger than `limit` bytes.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self::new(Kind::BodyTooLarge { limit }, Side::Client, None)
+    }
+
+    /// The request names no route this service serves.
+    pub fn not_found() -> Self {
+        Self::new(Kind::NotFound, Side::Client, None)
+    }
+
+    /// Routing failed.
+    pub fn route(err: RouteError) -> Self {
+        Self::new(Kind::Route, Side::Router, Some(err.into()))
+    }
+
+    /// The connector failed on `side`.
+    pub fn connector(side: Side, err: ConnectorError) -> Self {
+        Self::new(Kind::Connector, side, Some(err.into()))
+    }
+
+    /// An endpoint answered a status the leg cannot go on with; `detail` is the
+    /// engine's own message, if it gave one.
+    pub fn upstream_status(
+        side: Side,
+        endpoint: EndpointId,
+        status: StatusCode,
+        detail: Option<String>,
+    ) -> Self {
+        let source = detail.map(|d| BoxError::from(UpstreamMessage(d)));
+        Self::new(Kind::UpstreamStatus { endpoint, status }, side, source)
+    }
+
+    /// An endpoint answered a body the leg cannot use.
+    pub fn upstream_body(side: Side, endpoint: EndpointId, source: BoxError) -> Self {
+        Self::new(Kind::UpstreamBody { endpoint }, side, Some(source))
+    }
+
+    /// The transport failed for `endpoint`.
+    pub fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
+        match err {
+            TransportError::Timeout => Self::timeout(side, endpoint, "response"),
+            err => Self::new(Kind::Transport { endpoint }, side, Some(err.into())),
+        }
+    }
+
+    /// A leg ran out of time in `phase`.
+    pub fn timeout(side: Side, endpoint: EndpointId, phase: &'static str) -> Self {
+        Self::new(Kind::Timeout { endpoint, phase }, side, None)
+    }
+
+    /// Which party the failure belongs to.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// The HTTP status a client should see.
+    pub fn status(&self) -> StatusCode {
+        match &self.kind {
+            Kind::Body => StatusCode::BAD_REQUEST,
+            Kind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::NotFound => StatusCode::NOT_FOUND,
+            Kind::Route => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::Connector
+            | Kind::UpstreamStatus { .. }
+            | Kind::UpstreamBody { .. }
+            | Kind::Transport { .. } => StatusCode::BAD_GATEWAY,
+            Kind::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`.
+    pub fn code(&self) -> &'static str {
+        match (&self.kind, self.side) {
+            (Kind::Body, _) => "invalid_request_body",
+            (Kind::BodyTooLarge { .. }, _) => "request_too_large",
+            (Kind::NotFound, _) => "not_found",
+            (Kind::Route, _) => match self.route_error() {
+                Some(RouteError::NoPrefill) => "no_prefill_endpoint",
+                _ => "no_decode_endpoint",
+            },
+            (Kind::Timeout { .. }, Side::Prefill) => "prefill_timeout",
+            (Kind::Timeout { .. }, _) => "decode_timeout",
+            (_, Side::Prefill) => "prefill_failed",
+            (_, _) => "decode_failed",
+        }
+    }
+
+    /// OpenAI's `error.type` for this error.
+    pub fn error_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    /// Whether the same request could succeed on another prefill/decode pair.
+    ///
+    /// True for routing gaps, connection failures, timeouts and 5xx answers; a retry is
+    /// only allowed before the first decode byte has reached the client.
+    pub fn is_retryable(&self) -> bool {
+        match &self.kind {
+            Kind::Route | Kind::Timeout { .. } => true,
+            Kind::Transport { .. } => true,
+            Kind::UpstreamStatus { status, .. } => status.is_server_error(),
+            _ => false,
+        }
+    }
+
+    fn route_error(&self) -> Option<&RouteError> {
+        self.source.as_deref()?.downcast_ref::<RouteError>()
+    }
+}
+
+impl fmt::Debug for PdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PdError")
+            .field("kind", &self.kind)
+            .field("side", &self.side)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for PdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            Kind::Body => f.write_str("invalid request body"),
+            Kind::BodyTooLarge { limit } => {
+                write!(f, "request body is larger than the limit of {limit} bytes")
+            }
+            Kind::NotFound => f.write_str("no such route"),
+            Kind::Route => f.write_str("no route for the request"),
+            Kind::Connector => write!(f, "{} handoff failed", self.side),
+            Kind::UpstreamStatus { endpoint, status } => {
+                write!(f, "{} endpoint {endpoint} answered {status}", self.side)
+            }
+            Kind::UpstreamBody { endpoint } => {
+                write!(
+                    f,
+                    "{} endpoint {endpoint} sent an unusable answer",
+                    self.side
+                )
+            }
+            Kind::Transport { endpoint } => {
+                write!(f, "{} endpoint {endpoint} could not be reached", self.side)
+            }
+            Kind::Timeout { endpoint, phase } => {
+                write!(
+                    f,
+                    "{} endpoint {endpoint} timed out waiting for the {phase}",
+                    self.side
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for PdError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// An engine's own error message, kept as the cause of a [`PdError`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UpstreamMessage(pub String);
+
+/// The message of an error and of each of its causes, joined with `": "`.
+///
+/// `Display` of disagg's errors describes one level only; this is what a client or a log
+/// line should see.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cur = e.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_codes() {
+        let e = PdError::body(BodyError::NotAnObject);
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.side(), Side::Client);
+        assert_eq!(e.error_type(), "invalid_request_error");
+        assert_eq!(
+            error_chain(&e),
+            "invalid request body: request body must be a JSON object"
+        );
+
+        let e = PdError::route(RouteError::NoPrefill);
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code(), "no_prefill_endpoint");
+        assert!(e.is_retryable());
+
+        let id = EndpointId::from("http://p:1");
+        let e = PdError::transport(Side::Prefill, id.clone(), TransportError::Timeout);
+        assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(e.code(), "prefill_timeout");
+
+        let e = PdError::upstream_status(Side::Decode, id, StatusCode::BAD_REQUEST, None);
+        assert!(!e.is_retryable());
+        assert_eq!(e.code(), "decode_failed");
+    }
+}

@@ -1,0 +1,69 @@
+//! The core of **disagg**: prefill/decode (P/D) disaggregated LLM serving, without an
+//! HTTP stack.
+//!
+//! A disaggregated deployment splits inference in two: a *prefill* engine computes the
+//! prompt's KV cache, a *decode* engine receives it and generates the tokens. This crate
+//! orchestrates one request across both:
+//!
+//! 1. an [`EndpointSource`](source::EndpointSource) publishes the endpoints as an
+//!    immutable snapshot;
+//! 2. a [`Router`](router::Router) picks a prefill and a decode endpoint;
+//! 3. a [`KvConnector`](connector::KvConnector) plans both legs: the prefill body (built by
+//!    the [`PrefillRewriter`](rewrite::PrefillRewriter)), the decode body, and how to
+//!    dispatch them;
+//! 4. the [`Orchestrator`](orchestrator::Orchestrator) sends them through a
+//!    [`Transport`](transport::Transport) and streams the decode's answer back, frame by
+//!    frame, in a [`PdBody`](orchestrator::PdBody).
+//!
+//! The core knows nothing of hyper: `disagg-http` supplies the pooled transport and the
+//! tower service.
+//!
+//! # Examples
+//!
+//! Planning one request with the vLLM NIXL connector (no I/O):
+//!
+//! ```
+//! use std::sync::Arc;
+//! use disagg_core::connector::{KvConnector, VllmNixl};
+//! use disagg_core::endpoint::{Endpoint, Role};
+//! use disagg_core::request::{Api, PdRequest};
+//! use disagg_core::router::{RequestView, RoundRobin, Router};
+//! use disagg_core::source::{EndpointSource, StaticSource};
+//!
+//! let source = StaticSource::new([
+//!     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
+//!     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
+//! ]);
+//! let req = PdRequest::new(
+//!     Api::Chat,
+//!     Default::default(),
+//!     &r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#.into(),
+//! )?;
+//! let route = RoundRobin::new().select(&RequestView::from(&req), &source.snapshot())?;
+//! let handoff = VllmNixl::new().prepare(&route, &req)?;
+//! assert_eq!(handoff.prefill.body.get("stream"), Some(&b"false"[..]));
+//! assert_eq!(handoff.decode.body.get("stream"), Some(&b"true"[..]));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod body;
+pub mod connector;
+pub mod endpoint;
+pub mod error;
+pub mod orchestrator;
+pub mod request;
+pub mod rewrite;
+pub mod router;
+pub mod source;
+pub mod transport;
+
+pub use body::JsonBody;
+pub use connector::{Dispatch, Handoff, KvConnector, Leg, VllmNixl};
+pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
+pub use error::{BoxError, PdError, Side};
+pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
+pub use request::{Api, PdRequest};
+pub use rewrite::PrefillRewriter;
+pub use router::{LeastInFlight, RoundRobin, Route, Router};
+pub use source::{EndpointSource, StaticSource};
+pub use transport::Transport;

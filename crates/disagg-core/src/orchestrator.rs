@@ -1,0 +1,763 @@
+//! The [`Orchestrator`]: one request's whole way across the prefill and the decode leg.
+//!
+//! ```text
+//! snapshot → Router::select → KvConnector::prepare
+//!   AfterPrefill: prefill (non-streaming, read in full) → KvConnector::complete → decode
+//!   Concurrent:   prefill ∥ decode
+//! → decode response, body streamed frame by frame in a PdBody
+//! ```
+//!
+//! The orchestrator owns no per-request state beyond the request's own future and its
+//! response body: dropping either abandons both legs (their transport futures and bodies
+//! drop with them), releases the in-flight counts, and reports the outcome to the router.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Response};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{BodyExt, Full, Limited};
+
+use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
+use crate::endpoint::InFlightGuard;
+use crate::error::{BoxError, ConnectorError, PdError, RouteError, Side, error_chain};
+use crate::request::{PdRequest, REQUEST_ID};
+use crate::router::{Outcome, RequestView, RoundRobin, Route, Router};
+use crate::source::EndpointSource;
+use crate::transport::{BoxBody, Transport};
+
+/// The response header that says how the KV reached the decode engine:
+/// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
+/// computed the prompt itself) or `decode-only` (no prefill leg was sent).
+pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
+
+/// The response header naming the leg whose answer is passed through on a failure.
+pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
+
+/// What to do when no prefill endpoint is available.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum NoPrefill {
+    /// Fail with 503 `no_prefill_endpoint` (the default: a broken prefill pool must not
+    /// hide behind slower answers).
+    #[default]
+    Fail,
+    /// Send the request to a decode endpoint alone; it computes the prompt itself. The
+    /// answer carries `x-disagg-handoff: decode-only`.
+    DecodeOnly,
+}
+
+/// What to do when the prefill answered 2xx but carried no KV handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKv {
+    /// Send the decode leg without a handoff, so the decode engine computes the prompt
+    /// itself (what vLLM's reference proxy does); the answer carries
+    /// `x-disagg-handoff: none` and a warning is logged. The default.
+    #[default]
+    LocalPrefill,
+    /// Fail the request with 502.
+    Fail,
+}
+
+/// Orchestrator settings.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct OrchestratorConfig {
+    /// Time for the whole prefill exchange: connect, head and full answer.
+    pub prefill_timeout: Duration,
+    /// Time from sending the decode leg to its response head.
+    pub decode_head_timeout: Duration,
+    /// Largest prefill answer read, in bytes.
+    pub max_prefill_answer: usize,
+    /// No prefill endpoint available.
+    pub no_prefill: NoPrefill,
+    /// Prefill answered without a handoff.
+    pub missing_kv: MissingKv,
+    /// Forward the client's `authorization` header to both legs.
+    pub forward_authorization: bool,
+    /// Client headers forwarded to both legs (besides the request id and the session
+    /// header, which always are).
+    pub forward_headers: Vec<HeaderName>,
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        OrchestratorConfig {
+            // A long prompt can take tens of seconds to prefill on a busy engine.
+            prefill_timeout: Duration::from_secs(300),
+            // The decode engine may queue the request before its head goes out.
+            decode_head_timeout: Duration::from_secs(300),
+            // Answers to max_tokens=1 requests are small; prompt logprobs are removed.
+            max_prefill_answer: 8 * 1024 * 1024,
+            no_prefill: NoPrefill::Fail,
+            missing_kv: MissingKv::LocalPrefill,
+            forward_authorization: false,
+            forward_headers: vec![
+                HeaderName::from_static("traceparent"),
+                HeaderName::from_static("tracestate"),
+                HeaderName::from_static("x-correlation-id"),
+            ],
+        }
+    }
+}
+
+struct Inner {
+    source: Arc<dyn EndpointSource>,
+    router: Arc<dyn Router>,
+    connector: Arc<dyn KvConnector>,
+    transport: Arc<dyn Transport>,
+    config: OrchestratorConfig,
+}
+
+/// Runs requests across a prefill and a decode endpoint.
+///
+/// Cheap to clone (an `Arc` inside). See the [module docs](self) for the flow.
+#[derive(Clone)]
+pub struct Orchestrator {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Orchestrator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Orchestrator")
+            .field("connector", &self.inner.connector.name())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`Orchestrator`].
+pub struct OrchestratorBuilder {
+    source: Arc<dyn EndpointSource>,
+    transport: Arc<dyn Transport>,
+    router: Arc<dyn Router>,
+    connector: Arc<dyn KvConnector>,
+    config: OrchestratorConfig,
+}
+
+impl fmt::Debug for OrchestratorBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OrchestratorBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OrchestratorBuilder {
+    /// Route with `router` (default: [`RoundRobin`]).
+    pub fn router(mut self, router: impl Router) -> Self {
+        self.router = Arc::new(router);
+        self
+    }
+
+    /// Hand KV over with `connector` (default: [`VllmNixl`]).
+    pub fn connector(mut self, connector: impl KvConnector) -> Self {
+        self.connector = Arc::new(connector);
+        self
+    }
+
+    /// Use `config`.
+    pub fn config(mut self, config: OrchestratorConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The orchestrator.
+    pub fn build(self) -> Orchestrator {
+        Orchestrator {
+            inner: Arc::new(Inner {
+                source: self.source,
+                router: self.router,
+                connector: self.connector,
+                transport: self.transport,
+                config: self.config,
+            }),
+        }
+    }
+}
+
+impl Orchestrator {
+    /// A builder over `source` and `transport`, with round-robin routing and the vLLM
+    /// NIXL connector until told otherwise.
+    pub fn builder(source: impl EndpointSource, transport: impl Transport) -> OrchestratorBuilder {
+        OrchestratorBuilder {
+            source: Arc::new(source),
+            transport: Arc::new(transport),
+            router: Arc::new(RoundRobin::new()),
+            connector: Arc::new(VllmNixl::new()),
+            config: OrchestratorConfig::default(),
+        }
+    }
+
+    /// The endpoint source.
+    pub fn source(&self) -> &dyn EndpointSource {
+        &*self.inner.source
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &dyn Transport {
+        &*self.inner.transport
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &OrchestratorConfig {
+        &self.inner.config
+    }
+
+    /// Serve `req` disaggregated.
+    ///
+    /// Resolves to the decode engine's response, whose body streams as the engine writes
+    /// it, or to the prefill's answer when that is a client error (4xx, passed through).
+    /// The returned future owns everything it needs; dropping it cancels both legs.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`] when no route exists, a leg cannot be reached, times out, or answers
+    /// something the handoff cannot go on with. See `PdError::status` for the mapping.
+    pub fn serve(
+        &self,
+        req: PdRequest,
+    ) -> impl Future<Output = Result<Response<PdBody>, PdError>> + Send + 'static {
+        let inner = Arc::clone(&self.inner);
+        async move { inner.serve(req).await }
+    }
+}
+
+/// What the prefill leg ended with, when it did not fail.
+enum PrefillResult {
+    Answer(PrefillAnswer),
+    /// A 4xx: the client's fault, passed through as the engine wrote it.
+    ClientError(Response<PdBody>),
+}
+
+impl Inner {
+    async fn serve(self: Arc<Self>, req: PdRequest) -> Result<Response<PdBody>, PdError> {
+        let set = self.source.snapshot();
+        let route = self
+            .router
+            .select(&RequestView::from(&req), &set)
+            .map_err(PdError::route)?;
+        drop(set);
+
+        if route.prefill.is_none() {
+            return match self.config.no_prefill {
+                NoPrefill::Fail => Err(PdError::route(RouteError::NoPrefill)),
+                NoPrefill::DecodeOnly => {
+                    let leg = Leg::new(route.decode.clone(), req.body().clone());
+                    self.decode(&req, route, leg, "decode-only").await
+                }
+            };
+        }
+        let mut handoff = self
+            .connector
+            .prepare(&route, &req)
+            .map_err(|e| PdError::connector(Side::Prefill, e))?;
+
+        match handoff.dispatch {
+            Dispatch::AfterPrefill => {
+                let answer = match self.prefill(&req, &handoff.prefill).await {
+                    Ok(PrefillResult::Answer(a)) => a,
+                    Ok(PrefillResult::ClientError(resp)) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Ok(resp);
+                    }
+                    Err(e) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Err(e);
+                    }
+                };
+                let handed = self.complete(&mut handoff, &answer).await;
+                let mark = match handed {
+                    Ok(KvOutcome::Handed) => "kv",
+                    Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
+                        tracing::warn!(
+                            request_id = ?req.request_id(),
+                            prefill = %handoff.prefill.endpoint.id(),
+                            "prefill returned no KV handoff; decode computes the prompt itself"
+                        );
+                        "none"
+                    }
+                    Ok(_) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Err(PdError::connector(
+                            Side::Prefill,
+                            ConnectorError::MissingHandoff {
+                                endpoint: handoff.prefill.endpoint.id().clone(),
+                                field: "kv handoff",
+                            },
+                        ));
+                    }
+                    Err(e) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Err(e);
+                    }
+                };
+                self.decode(&req, route, handoff.decode, mark).await
+            }
+            Dispatch::Concurrent => {
+                let Handoff {
+                    prefill, decode, ..
+                } = handoff;
+                let guard = route.decode.track();
+                let (p, d) = tokio::join!(
+                    self.prefill(&req, &prefill),
+                    self.decode_head(&req, &decode)
+                );
+                match p {
+                    Ok(PrefillResult::Answer(_)) => {}
+                    Ok(PrefillResult::ClientError(resp)) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Ok(resp);
+                    }
+                    Err(e) => {
+                        self.router.observe(&route, Outcome::PrefillFailed);
+                        return Err(e);
+                    }
+                }
+                let head = d.inspect_err(|_| self.router.observe(&route, Outcome::DecodeFailed))?;
+                Ok(self.respond(&req, route, guard, head, "kv"))
+            }
+        }
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<KvOutcome, PdError> {
+        self.connector
+            .complete(handoff, answer)
+            .await
+            .map_err(|e| PdError::connector(Side::Prefill, e))
+    }
+
+    /// Build the HTTP request for one leg.
+    fn leg_request(&self, req: &PdRequest, leg: &Leg) -> Result<http::Request<Bytes>, PdError> {
+        let side = match leg.endpoint.role() {
+            crate::endpoint::Role::Prefill => Side::Prefill,
+            crate::endpoint::Role::Decode => Side::Decode,
+        };
+        let uri = leg.endpoint.uri(req.api().path()).map_err(|e| {
+            PdError::transport(
+                side,
+                leg.endpoint.id().clone(),
+                crate::error::TransportError::Connect(e.into()),
+            )
+        })?;
+        let mut out = http::Request::new(leg.body.to_bytes());
+        *out.method_mut() = http::Method::POST;
+        *out.uri_mut() = uri;
+        let h = out.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(REQUEST_ID, req.request_id().clone());
+        for (name, value) in req.headers() {
+            if is_session_header(name)
+                || self.config.forward_headers.contains(name)
+                || (self.config.forward_authorization && name == header::AUTHORIZATION)
+            {
+                h.append(name.clone(), value.clone());
+            }
+        }
+        for (name, value) in &leg.headers {
+            h.insert(name.clone(), value.clone());
+        }
+        Ok(out)
+    }
+
+    /// Send the prefill leg and read its answer in full, within the prefill timeout.
+    async fn prefill(&self, req: &PdRequest, leg: &Leg) -> Result<PrefillResult, PdError> {
+        let ep = &leg.endpoint;
+        let _guard = ep.track();
+        let http_req = self.leg_request(req, leg)?;
+        let exchange = async {
+            let resp = self
+                .transport
+                .send(http_req)
+                .await
+                .map_err(|e| PdError::transport(Side::Prefill, ep.id().clone(), e))?;
+            let (parts, body) = resp.into_parts();
+            let bytes = read_limited(body, self.config.max_prefill_answer)
+                .await
+                .map_err(|e| PdError::upstream_body(Side::Prefill, ep.id().clone(), e))?;
+            if parts.status.is_success() {
+                let body = crate::body::JsonBody::parse_bytes(&bytes).map_err(|e| {
+                    PdError::upstream_body(Side::Prefill, ep.id().clone(), e.into())
+                })?;
+                return Ok(PrefillResult::Answer(PrefillAnswer {
+                    status: parts.status,
+                    headers: parts.headers,
+                    body,
+                }));
+            }
+            if parts.status.is_client_error() {
+                let mut resp = Response::new(PdBody::full(bytes));
+                *resp.status_mut() = parts.status;
+                copy_end_to_end(&parts.headers, resp.headers_mut());
+                resp.headers_mut()
+                    .insert(REQUEST_ID, req.request_id().clone());
+                resp.headers_mut()
+                    .insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
+                return Ok(PrefillResult::ClientError(resp));
+            }
+            Err(PdError::upstream_status(
+                Side::Prefill,
+                ep.id().clone(),
+                parts.status,
+                upstream_message(&bytes),
+            ))
+        };
+        match tokio::time::timeout(self.config.prefill_timeout, exchange).await {
+            Ok(r) => r,
+            Err(_) => Err(PdError::timeout(
+                Side::Prefill,
+                ep.id().clone(),
+                "prefill answer",
+            )),
+        }
+    }
+
+    /// Send the decode leg and wait for its response head, within the decode timeout.
+    async fn decode_head(&self, req: &PdRequest, leg: &Leg) -> Result<Response<BoxBody>, PdError> {
+        let ep = &leg.endpoint;
+        let http_req = self.leg_request(req, leg)?;
+        match tokio::time::timeout(
+            self.config.decode_head_timeout,
+            self.transport.send(http_req),
+        )
+        .await
+        {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(PdError::transport(Side::Decode, ep.id().clone(), e)),
+            Err(_) => Err(PdError::timeout(
+                Side::Decode,
+                ep.id().clone(),
+                "response head",
+            )),
+        }
+    }
+
+    async fn decode(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        leg: Leg,
+        mark: &'static str,
+    ) -> Result<Response<PdBody>, PdError> {
+        let guard = leg.endpoint.track();
+        match self.decode_head(req, &leg).await {
+            Ok(head) => Ok(self.respond(req, route, guard, head, mark)),
+            Err(e) => {
+                self.router.observe(&route, Outcome::DecodeFailed);
+                Err(e)
+            }
+        }
+    }
+
+    /// The client's response: the decode's head and its body, streamed in a [`PdBody`].
+    fn respond(
+        self: &Inner,
+        req: &PdRequest,
+        route: Route,
+        guard: InFlightGuard,
+        head: Response<BoxBody>,
+        mark: &'static str,
+    ) -> Response<PdBody> {
+        let (parts, body) = head.into_parts();
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let mut resp = Response::new(PdBody::stream(
+            body,
+            sse,
+            Finish {
+                guard: Some(guard),
+                router: Some((Arc::clone(&self.router), route)),
+            },
+        ));
+        *resp.status_mut() = parts.status;
+        copy_end_to_end(&parts.headers, resp.headers_mut());
+        let h = resp.headers_mut();
+        h.insert(REQUEST_ID, req.request_id().clone());
+        h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
+        if !parts.status.is_success() {
+            h.insert(FAILED_LEG_HEADER, HeaderValue::from_static("decode"));
+        }
+        resp
+    }
+}
+
+/// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
+/// (`x-session-id`, `x_session_id`, ...). Header names are already lowercase.
+pub fn is_session_header(name: &HeaderName) -> bool {
+    const WANT: &[u8] = b"x-session-id";
+    let got = name.as_str().as_bytes();
+    got.len() == WANT.len()
+        && got
+            .iter()
+            .zip(WANT)
+            .all(|(g, w)| g == w || (*g == b'_' && *w == b'-'))
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "te"
+            | "trailer"
+    )
+}
+
+fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !is_hop_by_hop(name) {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+fn read_limited(
+    body: BoxBody,
+    limit: usize,
+) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static {
+    // A named future with a `'static` error type: `?` on the collected body inside an
+    // `async fn` trips the compiler's `Send` inference (higher-ranked `From`).
+    use futures::TryFutureExt;
+    Limited::new(body, limit).collect().map_ok(|c| c.to_bytes())
+}
+
+/// The message of an engine's error answer, for the client's error text.
+fn upstream_message(bytes: &Bytes) -> Option<String> {
+    const MAX: usize = 512;
+    if bytes.is_empty() {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Wrapped {
+        error: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        message: String,
+    }
+    let msg = serde_json::from_slice::<Wrapped>(bytes)
+        .map(|w| w.error.message)
+        .or_else(|_| serde_json::from_slice::<Inner>(bytes).map(|i| i.message))
+        .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned());
+    let mut msg = msg.trim().to_owned();
+    if msg.len() > MAX {
+        let mut cut = MAX;
+        while !msg.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        msg.truncate(cut);
+        msg.push('…');
+    }
+    Some(msg)
+}
+
+/// What a response body releases when it ends: the in-flight count and the router's
+/// feedback.
+struct Finish {
+    guard: Option<InFlightGuard>,
+    router: Option<(Arc<dyn Router>, Route)>,
+}
+
+impl Finish {
+    fn done(&mut self, outcome: Outcome) {
+        self.guard = None;
+        if let Some((router, route)) = self.router.take() {
+            router.observe(&route, outcome);
+        }
+    }
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        // Dropped before the end of the stream: the client went away.
+        self.done(Outcome::Cancelled);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The client's response body: the decode engine's body, forwarded frame by frame.
+    ///
+    /// Nothing is buffered or re-encoded. The body holds the decode endpoint's in-flight
+    /// count until it ends or is dropped. When the decode stream breaks after its head
+    /// went out and the response is an event stream, one last event
+    /// `data: {"error": {...}}` tells the client (the `openai` clients raise it as an
+    /// `APIError`), and the stream ends; other bodies end with the error, which the
+    /// server turns into an aborted response.
+    pub struct PdBody {
+        #[pin]
+        inner: BoxBody,
+        sse: bool,
+        done: bool,
+        finish: Option<Finish>,
+    }
+}
+
+impl fmt::Debug for PdBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PdBody")
+            .field("sse", &self.sse)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PdBody {
+    /// A body holding `bytes`.
+    pub fn full(bytes: Bytes) -> Self {
+        PdBody {
+            inner: Full::new(bytes).map_err(|never| match never {}).boxed(),
+            sse: false,
+            done: false,
+            finish: None,
+        }
+    }
+
+    /// An empty body.
+    pub fn empty() -> Self {
+        Self::full(Bytes::new())
+    }
+
+    fn stream(inner: BoxBody, sse: bool, finish: Finish) -> Self {
+        PdBody {
+            inner,
+            sse,
+            done: false,
+            finish: Some(finish),
+        }
+    }
+}
+
+impl Default for PdBody {
+    fn default() -> Self {
+        Self::empty()
+    }
+}
+
+impl Body for PdBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(None) => {
+                *this.done = true;
+                if let Some(mut f) = this.finish.take() {
+                    f.done(Outcome::Success);
+                }
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(err))) => {
+                *this.done = true;
+                let message = format!("decode stream broke: {}", error_chain(&*err));
+                tracing::warn!(%message, "decode stream failed mid-response");
+                if let Some(mut f) = this.finish.take() {
+                    f.done(Outcome::DecodeFailed);
+                }
+                if *this.sse {
+                    Poll::Ready(Some(Ok(Frame::data(sse_error_event(&message)))))
+                } else {
+                    Poll::Ready(Some(Err(err)))
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.sse {
+            // An in-band error event may be added; promise no exact length.
+            let mut h = SizeHint::new();
+            h.set_lower(self.inner.size_hint().lower());
+            h
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+/// One SSE event carrying an OpenAI-format error.
+fn sse_error_event(message: &str) -> Bytes {
+    let json = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": "server_error",
+            "param": null,
+            "code": "decode_stream_failed",
+        }
+    });
+    let mut out = b"\n\ndata: ".to_vec();
+    // Writing a `Value` to a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, &json);
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_header_matches_rewrites() {
+        for n in ["x-session-id", "x_session_id", "x-session_id"] {
+            assert!(is_session_header(&HeaderName::from_static(n)), "{n}");
+        }
+        for n in ["x-session-ids", "session-id", "x-sessionid"] {
+            assert!(!is_session_header(&HeaderName::from_static(n)), "{n}");
+        }
+    }
+
+    #[test]
+    fn upstream_messages_are_extracted_and_bounded() {
+        let m = upstream_message(&Bytes::from_static(
+            br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#,
+        ));
+        assert_eq!(m.as_deref(), Some("boom"));
+        let m = upstream_message(&Bytes::from_static(
+            br#"{"object":"error","message":"old"}"#,
+        ));
+        assert_eq!(m.as_deref(), Some("old"));
+        let m = upstream_message(&Bytes::from("é".repeat(600))).unwrap();
+        assert!(m.len() <= 515 && m.ends_with('…'));
+        assert_eq!(upstream_message(&Bytes::new()), None);
+    }
+
+    #[test]
+    fn sse_error_event_is_valid_json() {
+        let ev = sse_error_event("x \"y\"");
+        let text = std::str::from_utf8(&ev).unwrap();
+        let data = text.trim().strip_prefix("data: ").unwrap();
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["error"]["message"], "x \"y\"");
+    }
+}

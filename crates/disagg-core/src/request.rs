@@ -1,0 +1,222 @@
+//! [`PdRequest`]: one client request, parsed once, cleaned of handoff fields.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::body::JsonBody;
+use crate::error::BodyError;
+
+/// The OpenAI API a request belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/completions`.
+    Completions,
+}
+
+impl Api {
+    /// The request path of this API, sent to both legs.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+
+    /// The API served at `path`, if any.
+    pub fn from_path(path: &str) -> Option<Api> {
+        match path {
+            "/v1/chat/completions" => Some(Api::Chat),
+            "/v1/completions" => Some(Api::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// Top-level fields that carry a KV handoff between legs.
+///
+/// They are the proxy's to write, never the client's: a client-supplied value is removed
+/// when the request is built, otherwise any client could point a decode engine at a host
+/// of its choosing (vLLM `kv_transfer_params.remote_host`, SGLang `bootstrap_host`).
+pub const HANDOFF_FIELDS: &[&str] = &[
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "disagg_prefill_dp_rank",
+    "data_parallel_rank_decode",
+];
+
+/// The request id header, sent on both legs.
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Longest client-supplied request id that is kept; a longer one is replaced.
+const MAX_REQUEST_ID_LEN: usize = 256;
+
+/// One client request on its way through the orchestrator.
+///
+/// Built once per request: the body's top level is parsed here and nowhere else, handoff
+/// fields the client sent are removed, and the request id is fixed.
+#[derive(Debug, Clone)]
+pub struct PdRequest {
+    api: Api,
+    headers: HeaderMap,
+    body: JsonBody,
+    request_id: HeaderValue,
+    model: Option<String>,
+    stream: bool,
+}
+
+impl PdRequest {
+    /// Parse a client request for `api` from its headers and raw body.
+    ///
+    /// The `x-request-id` header is kept when it is present and sane (visible ASCII, at most
+    /// 256 bytes); otherwise a new one is generated.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`] when the body is not a JSON object, or `model`/`stream` have the
+    /// wrong type.
+    pub fn new(api: Api, headers: HeaderMap, body: &Bytes) -> Result<Self, BodyError> {
+        let mut body = JsonBody::parse_bytes(body)?;
+        for field in HANDOFF_FIELDS {
+            body.remove(field);
+        }
+        let model = match body.get_as::<Option<String>>("model") {
+            None => None,
+            Some(Ok(m)) => m,
+            Some(Err(_)) => {
+                return Err(BodyError::FieldType {
+                    field: "model",
+                    expected: "a string",
+                });
+            }
+        };
+        let stream = match body.get_as::<Option<bool>>("stream") {
+            None => false,
+            Some(Ok(s)) => s.unwrap_or(false),
+            Some(Err(_)) => {
+                return Err(BodyError::FieldType {
+                    field: "stream",
+                    expected: "a boolean",
+                });
+            }
+        };
+        let request_id = headers
+            .get(&REQUEST_ID)
+            .filter(|v| {
+                !v.is_empty()
+                    && v.len() <= MAX_REQUEST_ID_LEN
+                    && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
+            })
+            .cloned()
+            .unwrap_or_else(new_request_id);
+        Ok(PdRequest {
+            api,
+            headers,
+            body,
+            request_id,
+            model,
+            stream,
+        })
+    }
+
+    /// The API.
+    pub fn api(&self) -> Api {
+        self.api
+    }
+
+    /// The client's headers, as received.
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The client's body, without handoff fields.
+    pub fn body(&self) -> &JsonBody {
+        &self.body
+    }
+
+    /// The request id sent on both legs.
+    pub fn request_id(&self) -> &HeaderValue {
+        &self.request_id
+    }
+
+    /// The requested model, if the body names one.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    /// Whether the client asked for a stream.
+    pub fn is_stream(&self) -> bool {
+        self.stream
+    }
+}
+
+/// A fresh request id: a random UUID, hyphenless.
+pub fn new_request_id() -> HeaderValue {
+    let mut buf = [0u8; 32];
+    let s = uuid::Uuid::new_v4().simple().encode_lower(&mut buf);
+    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(headers: HeaderMap, body: &str) -> Result<PdRequest, BodyError> {
+        PdRequest::new(Api::Chat, headers, &Bytes::from(body.to_owned()))
+    }
+
+    #[test]
+    fn strips_client_handoff_fields() {
+        let r = req(
+            HeaderMap::new(),
+            r#"{"model":"m","kv_transfer_params":{"remote_host":"evil"},"bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2,"messages":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.body().keys().collect::<Vec<_>>(), ["model", "messages"]);
+        assert_eq!(r.model(), Some("m"));
+        assert!(!r.is_stream());
+    }
+
+    #[test]
+    fn request_id_kept_or_generated() {
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID, HeaderValue::from_static("abc-123"));
+        assert_eq!(req(h, "{}").unwrap().request_id(), "abc-123");
+        let a = req(HeaderMap::new(), "{}").unwrap();
+        let b = req(HeaderMap::new(), "{}").unwrap();
+        assert_eq!(a.request_id().len(), 32);
+        assert_ne!(a.request_id(), b.request_id());
+        let mut h = HeaderMap::new();
+        h.insert(REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_ne!(req(h, "{}").unwrap().request_id(), "has space");
+    }
+
+    #[test]
+    fn field_types_checked() {
+        assert!(matches!(
+            req(HeaderMap::new(), r#"{"model":1}"#),
+            Err(BodyError::FieldType { field: "model", .. })
+        ));
+        assert!(matches!(
+            req(HeaderMap::new(), r#"{"stream":"yes"}"#),
+            Err(BodyError::FieldType {
+                field: "stream",
+                ..
+            })
+        ));
+        assert!(
+            req(HeaderMap::new(), r#"{"stream":true}"#)
+                .unwrap()
+                .is_stream()
+        );
+        assert!(
+            !req(HeaderMap::new(), r#"{"stream":null}"#)
+                .unwrap()
+                .is_stream()
+        );
+    }
+}

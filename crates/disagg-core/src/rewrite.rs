@@ -1,0 +1,222 @@
+//! The prefill-request rewriter.
+//!
+//! The prefill leg exists only to fill the KV cache of the prompt. Everything that shapes
+//! the *prompt* (`messages`, `prompt`, `tools`, `chat_template*`, `model`, multimodal
+//! parts, ...) is kept exactly as the client sent it; everything that shapes *sampling* is
+//! changed so the leg ends after one token, length-capped, and cheaply:
+//!
+//! | field | prefill leg | why |
+//! |---|---|---|
+//! | `max_tokens` | `1` | the handoff needs exactly one engine step |
+//! | `max_completion_tokens` | `1` on chat, set even if absent | vLLM reads `max_completion_tokens or max_tokens`, so a client value would win over `max_tokens` |
+//! | `min_tokens`, `min_completion_tokens` | removed | vLLM rejects `min_tokens > max_tokens` |
+//! | `stream` | `false` | the handoff (`kv_transfer_params`) is only in the non-streaming answer |
+//! | `stream_options` | removed | vLLM rejects it without `stream` |
+//! | `stop`, `stop_token_ids` | removed | a first token matching a stop ends the leg "stopped", and vLLM then keeps no KV for the remote decode |
+//! | `ignore_eos` | `true` | the same for an EOS first token (configurable, for engines without it) |
+//! | `include_stop_str_in_output` | removed | meaningless without stops; defaults to `false` |
+//! | `n`, `best_of` | `1` when present | one KV handoff has one consumer; the decode leg keeps the client's `n` |
+//! | `logprobs`, `top_logprobs`, `echo`, `prompt_logprobs` | removed | the prefill's token is discarded; these only cost time |
+//!
+//! Every other field passes through unchanged and in order. Handoff fields
+//! (`kv_transfer_params`, ...) are the connector's to add. Sources: vLLM's NIXL toy proxy
+//! and `kv_transfer_params` handling, Ray Serve LLM's `prepare_prefill_request`, llm-d's
+//! NIXL v2 connector (see `docs/protocols.md`).
+
+use crate::body::JsonBody;
+use crate::request::Api;
+
+/// Fields removed from the prefill leg.
+const REMOVED: &[&str] = &[
+    "min_tokens",
+    "min_completion_tokens",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "prompt_logprobs",
+];
+
+/// Builds the prefill leg's body from the client's: one token, length-capped, no stream.
+///
+/// Pure and cheap: no I/O, and the caller's body is never mutated (a new one is returned).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::body::JsonBody;
+/// use disagg_core::request::Api;
+/// use disagg_core::rewrite::PrefillRewriter;
+///
+/// let client = JsonBody::parse(br#"{"model":"m","prompt":"hi","max_tokens":64,"stream":true}"#)?;
+/// let prefill = PrefillRewriter::new().rewrite(Api::Completions, &client);
+/// assert_eq!(
+///     &prefill.to_bytes()[..],
+///     br#"{"model":"m","prompt":"hi","max_tokens":1,"stream":false,"ignore_eos":true}"#
+/// );
+/// # Ok::<(), disagg_core::error::BodyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PrefillRewriter {
+    ignore_eos: bool,
+}
+
+impl Default for PrefillRewriter {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PrefillRewriter {
+    /// The rewriter with every rule of the module table.
+    pub fn new() -> Self {
+        PrefillRewriter { ignore_eos: true }
+    }
+
+    /// Whether to set `ignore_eos: true` (default on). Turn it off only for engines that
+    /// reject the field; an EOS first token then loses the KV handoff.
+    pub fn with_ignore_eos(mut self, on: bool) -> Self {
+        self.ignore_eos = on;
+        self
+    }
+
+    /// The prefill leg's body for a client `body` of `api`.
+    pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
+        let mut out = body.clone();
+        for field in REMOVED {
+            out.remove(field);
+        }
+        out.set_raw("max_tokens", ONE.clone());
+        if api == Api::Chat {
+            out.set_raw("max_completion_tokens", ONE.clone());
+        }
+        out.set_raw("stream", bytes::Bytes::from_static(b"false"));
+        for field in ["n", "best_of"] {
+            if out.contains(field) {
+                out.set_raw(field, ONE.clone());
+            }
+        }
+        if self.ignore_eos {
+            out.set_raw("ignore_eos", bytes::Bytes::from_static(b"true"));
+        }
+        out
+    }
+}
+
+static ONE: bytes::Bytes = bytes::Bytes::from_static(b"1");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rw(api: Api, body: &str) -> String {
+        let b = JsonBody::parse(body.as_bytes()).unwrap();
+        let out = PrefillRewriter::new().rewrite(api, &b);
+        String::from_utf8(out.to_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn chat_sets_both_token_limits_even_when_absent() {
+        assert_eq!(
+            rw(
+                Api::Chat,
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#
+            ),
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1,"max_completion_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+    }
+
+    #[test]
+    fn chat_overrides_client_limits_in_place() {
+        assert_eq!(
+            rw(
+                Api::Chat,
+                r#"{"max_completion_tokens":500,"messages":[],"max_tokens":100}"#
+            ),
+            r#"{"max_completion_tokens":1,"messages":[],"max_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+    }
+
+    #[test]
+    fn completions_do_not_gain_max_completion_tokens() {
+        assert_eq!(
+            rw(Api::Completions, r#"{"prompt":"p","max_tokens":7}"#),
+            r#"{"prompt":"p","max_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+    }
+
+    #[test]
+    fn stream_forced_off_and_options_removed() {
+        assert_eq!(
+            rw(
+                Api::Completions,
+                r#"{"prompt":"p","stream":true,"stream_options":{"include_usage":true}}"#
+            ),
+            r#"{"prompt":"p","stream":false,"max_tokens":1,"ignore_eos":true}"#
+        );
+    }
+
+    #[test]
+    fn stop_conditions_neutralized() {
+        assert_eq!(
+            rw(
+                Api::Completions,
+                r#"{"prompt":"p","stop":["\n"],"stop_token_ids":[2],"include_stop_str_in_output":true,"ignore_eos":false,"min_tokens":5,"min_completion_tokens":5}"#
+            ),
+            r#"{"prompt":"p","ignore_eos":true,"max_tokens":1,"stream":false}"#
+        );
+    }
+
+    #[test]
+    fn fan_out_and_logprobs_reduced() {
+        assert_eq!(
+            rw(
+                Api::Chat,
+                r#"{"messages":[],"n":4,"best_of":8,"logprobs":true,"top_logprobs":5,"prompt_logprobs":1}"#
+            ),
+            r#"{"messages":[],"n":1,"best_of":1,"max_tokens":1,"max_completion_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+        assert_eq!(
+            rw(
+                Api::Completions,
+                r#"{"prompt":"p","echo":true,"logprobs":3}"#
+            ),
+            r#"{"prompt":"p","max_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+    }
+
+    #[test]
+    fn prompt_shaping_fields_pass_through_untouched() {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"tools":[{"type":"function"}],"tool_choice":"auto","chat_template_kwargs":{"a":1},"add_generation_prompt":true,"temperature":0.7,"unknown_field":{"deep":[1,2,3]},"user":"u"}"#;
+        let out = rw(Api::Chat, body);
+        let expect = format!(
+            "{},{}",
+            &body[..body.len() - 1],
+            r#""max_tokens":1,"max_completion_tokens":1,"stream":false,"ignore_eos":true}"#
+        );
+        assert_eq!(out, expect);
+    }
+
+    #[test]
+    fn caller_body_is_not_mutated() {
+        let b = JsonBody::parse(br#"{"prompt":"p","stream":true,"stop":"x"}"#).unwrap();
+        let before = b.to_bytes();
+        let _ = PrefillRewriter::new().rewrite(Api::Completions, &b);
+        assert_eq!(b.to_bytes(), before);
+    }
+
+    #[test]
+    fn ignore_eos_can_be_turned_off() {
+        let b = JsonBody::parse(br#"{"prompt":"p"}"#).unwrap();
+        let out = PrefillRewriter::new()
+            .with_ignore_eos(false)
+            .rewrite(Api::Completions, &b);
+        assert_eq!(
+            &out.to_bytes()[..],
+            br#"{"prompt":"p","max_tokens":1,"stream":false}"#
+        );
+    }
+}

@@ -1,0 +1,42 @@
+//! The transport seam: how a leg's request reaches an endpoint.
+//!
+//! The core speaks only `http` types. A transport takes a complete request (absolute URI,
+//! headers, body as [`Bytes`]) and returns the response head with a streaming body. The
+//! returned future is `'static` so a leg can be spawned. `disagg-http` provides the pooled
+//! hyper-util implementation; tests and other stacks can stand in their own.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::error::{BoxError, TransportError};
+
+/// A streaming response body, as the transport and the orchestrator pass it around.
+pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// The future a [`Transport`] returns.
+pub type ResponseFuture =
+    Pin<Box<dyn Future<Output = Result<http::Response<BoxBody>, TransportError>> + Send>>;
+
+/// Sends one leg's request and returns the response as soon as its head arrives.
+///
+/// Contract:
+/// - the request URI is absolute (`http://host:port/path`);
+/// - the future resolves when the response head is in; the body streams afterwards;
+/// - dropping the future or the body abandons the exchange (a pooled connection in the
+///   middle of a response is closed, not reused), which is how cancellation reaches the
+///   engine;
+/// - `Err` means no usable response head: [`TransportError::Connect`] when the request
+///   certainly never reached the endpoint.
+pub trait Transport: Send + Sync + 'static {
+    /// Send `req`.
+    fn send(&self, req: http::Request<Bytes>) -> ResponseFuture;
+}
+
+impl<T: Transport + ?Sized> Transport for Arc<T> {
+    fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
+        (**self).send(req)
+    }
+}
