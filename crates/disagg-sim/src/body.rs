@@ -1,0 +1,368 @@
+//! Response bodies: whole JSON documents, SSE streams generated frame by
+//! frame, and the deliberately broken ones of fault injection.
+
+use std::fmt::Write as _;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use thiserror::Error;
+use tokio::time::Sleep;
+
+use crate::generate::Generation;
+use crate::stats::RequestGuard;
+
+/// The error a body yields to make hyper abort the connection.
+#[derive(Debug, Error)]
+#[error("connection dropped by fault injection")]
+pub(crate) struct FaultAbort;
+
+/// The body of every response of the engine.
+#[derive(Debug)]
+pub(crate) enum SimBody {
+    /// A complete body, sent as one frame. The guard (if any) is completed
+    /// when the frame is handed to hyper.
+    Full {
+        data: Option<Bytes>,
+        guard: Option<RequestGuard>,
+    },
+    /// The first half of `data`, then an abort.
+    Truncated {
+        data: Option<Bytes>,
+        guard: Option<RequestGuard>,
+        flushed: bool,
+    },
+    /// A server-sent-events stream.
+    Sse(Box<SseBody>),
+}
+
+impl SimBody {
+    pub(crate) fn full(data: impl Into<Bytes>) -> Self {
+        SimBody::Full {
+            data: Some(data.into()),
+            guard: None,
+        }
+    }
+
+    pub(crate) fn empty() -> Self {
+        SimBody::Full {
+            data: None,
+            guard: None,
+        }
+    }
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = FaultAbort;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, FaultAbort>>> {
+        match self.get_mut() {
+            SimBody::Full { data, guard } => {
+                if let Some(mut g) = guard.take() {
+                    g.complete();
+                }
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d))))
+            }
+            SimBody::Truncated {
+                data,
+                guard,
+                flushed,
+            } => match data.take() {
+                Some(d) => Poll::Ready(Some(Ok(Frame::data(d.slice(..d.len() / 2))))),
+                None if !*flushed => {
+                    *flushed = true;
+                    yield_once(cx)
+                }
+                None => {
+                    if let Some(mut g) = guard.take() {
+                        g.complete();
+                    }
+                    Poll::Ready(Some(Err(FaultAbort)))
+                }
+            },
+            SimBody::Sse(sse) => sse.poll_event(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            SimBody::Full { data, .. } => data.is_none(),
+            SimBody::Truncated { .. } => false,
+            SimBody::Sse(sse) => sse.finished,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// Which OpenAI route a stream answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Phase {
+    Role(usize),
+    Token { step: usize, choice: usize },
+    Usage,
+    Done,
+}
+
+/// A streamed answer, rendered one SSE event per frame as hyper asks for
+/// it: no task, no channel, and a timer only when there is a delay.
+#[derive(Debug)]
+pub(crate) struct SseBody {
+    guard: Option<RequestGuard>,
+    endpoint: Endpoint,
+    /// `data: {"id":..,"object":..,"created":..,"model":..,"choices":[`
+    prefix: String,
+    choices: Vec<Generation>,
+    /// `(prompt_tokens, completion_tokens)` when usage is to be streamed.
+    usage: Option<(u64, u64)>,
+    phase: Option<Phase>,
+    delay: Duration,
+    sleep: Option<Pin<Box<Sleep>>>,
+    delayed_step: usize,
+    emitted: usize,
+    drop_after: Option<usize>,
+    /// Whether hyper had a chance to flush the events before the abort.
+    abort_flushed: bool,
+    finished: bool,
+}
+
+/// What an [`SseBody`] streams.
+#[derive(Debug)]
+pub(crate) struct SseSpec {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    /// The model name, already JSON-encoded (quoted and escaped).
+    pub(crate) model_json: String,
+    pub(crate) choices: Vec<Generation>,
+    pub(crate) usage: Option<(u64, u64)>,
+    pub(crate) delay: Duration,
+    pub(crate) drop_after: Option<usize>,
+}
+
+impl SseBody {
+    pub(crate) fn new(spec: SseSpec, guard: RequestGuard) -> Self {
+        let object = match spec.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut prefix = String::with_capacity(96 + spec.id.len() + spec.model_json.len());
+        prefix.push_str("data: {\"id\":");
+        push_json_str(&mut prefix, &spec.id);
+        let _ = write!(
+            prefix,
+            ",\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[",
+            spec.created, spec.model_json
+        );
+        let mut body = Self {
+            guard: Some(guard),
+            endpoint: spec.endpoint,
+            prefix,
+            choices: spec.choices,
+            usage: spec.usage,
+            phase: None,
+            delay: spec.delay,
+            sleep: None,
+            delayed_step: 0,
+            emitted: 0,
+            drop_after: spec.drop_after,
+            abort_flushed: false,
+            finished: false,
+        };
+        body.phase = match body.endpoint {
+            Endpoint::Chat if !body.choices.is_empty() => Some(Phase::Role(0)),
+            _ => body.after_roles(),
+        };
+        body
+    }
+
+    fn first_token_pos(&self, mut step: usize, mut choice: usize) -> Option<Phase> {
+        let max = self
+            .choices
+            .iter()
+            .map(|c| c.steps.len())
+            .max()
+            .unwrap_or(0);
+        while step < max {
+            if let Some(c) =
+                (choice..self.choices.len()).find(|&c| self.choices[c].steps.len() > step)
+            {
+                return Some(Phase::Token { step, choice: c });
+            }
+            step += 1;
+            choice = 0;
+        }
+        None
+    }
+
+    fn after_roles(&self) -> Option<Phase> {
+        self.first_token_pos(0, 0).or_else(|| self.after_tokens())
+    }
+
+    fn after_tokens(&self) -> Option<Phase> {
+        Some(if self.usage.is_some() {
+            Phase::Usage
+        } else {
+            Phase::Done
+        })
+    }
+
+    /// Renders the event of `phase` and returns it with the next phase.
+    fn render(&self, phase: Phase) -> (String, Option<Phase>) {
+        let mut s = String::with_capacity(self.prefix.len() + 128);
+        match phase {
+            Phase::Role(i) => {
+                s.push_str(&self.prefix);
+                let _ = write!(
+                    s,
+                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
+                );
+                let next = if i + 1 < self.choices.len() {
+                    Some(Phase::Role(i + 1))
+                } else {
+                    self.after_roles()
+                };
+                (s, next)
+            }
+            Phase::Token { step, choice } => {
+                let generation = &self.choices[choice];
+                // Vocabulary tokens need no JSON escaping.
+                let token = generation.steps[step];
+                s.push_str(&self.prefix);
+                let _ = match self.endpoint {
+                    Endpoint::Chat => write!(
+                        s,
+                        "{{\"index\":{choice},\"delta\":{{\"content\":\"{token}\"}},\"logprobs\":null,"
+                    ),
+                    Endpoint::Completions => write!(
+                        s,
+                        "{{\"index\":{choice},\"text\":\"{token}\",\"logprobs\":null,"
+                    ),
+                };
+                if step + 1 == generation.steps.len() {
+                    let _ = write!(
+                        s,
+                        "\"finish_reason\":\"{}\",\"stop_reason\":",
+                        generation.finish.as_str()
+                    );
+                    match &generation.stop_reason {
+                        Some(stop) => push_json_str(&mut s, stop),
+                        None => s.push_str("null"),
+                    }
+                } else if self.endpoint == Endpoint::Completions {
+                    s.push_str("\"finish_reason\":null,\"stop_reason\":null");
+                } else {
+                    s.push_str("\"finish_reason\":null");
+                }
+                s.push_str("}]}\n\n");
+                let next = self
+                    .first_token_pos(step, choice + 1)
+                    .or_else(|| self.after_tokens());
+                (s, next)
+            }
+            Phase::Usage => {
+                let (prompt, completion) = self.usage.unwrap_or_default();
+                s.push_str(&self.prefix);
+                let _ = write!(
+                    s,
+                    "],\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}}}}\n\n",
+                    prompt + completion
+                );
+                (s, Some(Phase::Done))
+            }
+            Phase::Done => {
+                s.push_str("data: [DONE]\n\n");
+                (s, None)
+            }
+        }
+    }
+
+    fn poll_event(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, FaultAbort>>> {
+        loop {
+            let Some(phase) = self.phase else {
+                self.finished = true;
+                if let Some(mut g) = self.guard.take() {
+                    g.complete();
+                }
+                return Poll::Ready(None);
+            };
+            if self.drop_after.is_some_and(|n| self.emitted >= n) {
+                if !self.abort_flushed {
+                    self.abort_flushed = true;
+                    return yield_once(cx);
+                }
+                self.phase = None;
+                self.finished = true;
+                if let Some(mut g) = self.guard.take() {
+                    g.complete();
+                }
+                return Poll::Ready(Some(Err(FaultAbort)));
+            }
+            if let Some(sleep) = self.sleep.as_mut() {
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                self.sleep = None;
+            } else if let Phase::Token { step, .. } = phase
+                && step > self.delayed_step
+                && !self.delay.is_zero()
+            {
+                self.delayed_step = step;
+                self.sleep = Some(Box::pin(tokio::time::sleep(self.delay)));
+                continue;
+            }
+            let (event, next) = self.render(phase);
+            self.phase = next;
+            self.emitted += 1;
+            if next.is_none() {
+                // `[DONE]` is out: the answer is complete once hyper takes it.
+                self.finished = true;
+                if let Some(mut g) = self.guard.take() {
+                    g.complete();
+                }
+            }
+            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))));
+        }
+    }
+}
+
+/// Returns `Pending` once so that hyper flushes what it has buffered before
+/// the body aborts the connection.
+fn yield_once<T>(cx: &mut Context<'_>) -> Poll<T> {
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}
+
+/// Appends `s` as a JSON string literal.
+pub(crate) fn push_json_str(out: &mut String, s: &str) {
+    match serde_json::to_string(s) {
+        Ok(quoted) => out.push_str(&quoted),
+        // Serializing a str cannot fail; keep the output valid JSON anyway.
+        Err(_) => out.push_str("\"\""),
+    }
+}

@@ -1,0 +1,298 @@
+//! The KV side channel: blocks held by a prefill, the pull protocol, and
+//! the decode's client for it.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use thiserror::Error;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout};
+
+use crate::generate::KvDigest;
+use crate::stats::{Counters, bump};
+
+/// How long a decode waits for the prefill's side channel to accept.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long either side waits for the other's line.
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest line either side accepts.
+const MAX_LINE: u64 = 1 << 20;
+
+/// The line a decode sends to a prefill's side channel to pull KV blocks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideChannelRequest {
+    /// The engine id the decode expects to reach (`remote_engine_id`).
+    pub engine_id: String,
+    /// The prefill's request id (`remote_request_id`).
+    pub request_id: String,
+    /// The blocks to pull (`remote_block_ids`).
+    pub block_ids: Vec<u64>,
+}
+
+/// The line a prefill's side channel answers with, before closing.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideChannelResponse {
+    /// Whether the pull succeeded (the blocks are then freed).
+    pub ok: bool,
+    /// On success: the "KV" of each block, in the requested order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<Vec<String>>,
+    /// On success: the digest of the whole prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_digest: Option<String>,
+    /// On failure: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl SideChannelResponse {
+    fn failure(error: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            blocks: None,
+            prompt_digest: None,
+            error: Some(error.into()),
+        }
+    }
+}
+
+/// Why a decode could not load its KV from the prefill.
+#[derive(Debug, Error)]
+pub(crate) enum KvTransferError {
+    #[error("invalid kv_transfer_params: {0}")]
+    BadParams(&'static str),
+    #[error("cannot connect to {addr}: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("connecting to {0} timed out")]
+    ConnectTimeout(String),
+    #[error("side channel I/O error: {0}")]
+    Io(#[from] io::Error),
+    #[error("side channel timed out")]
+    Timeout,
+    #[error("malformed side channel answer: {0}")]
+    Malformed(String),
+    #[error("remote engine refused the pull: {0}")]
+    Rejected(String),
+    #[error("pulled KV blocks do not match the prompt ({0})")]
+    Mismatch(&'static str),
+}
+
+#[derive(Debug)]
+struct Held {
+    block_ids: Vec<u64>,
+    digest: KvDigest,
+    expires: Instant,
+}
+
+/// KV blocks a prefill keeps for remote decodes, keyed by request id.
+#[derive(Debug, Default)]
+pub(crate) struct KvStore {
+    held: Mutex<HashMap<String, Held>>,
+    next_block: AtomicU64,
+    next_request: AtomicU64,
+}
+
+impl KvStore {
+    /// Allocates blocks for `digest`, keeps them until `lease` runs out and
+    /// returns the new remote request id and the block ids.
+    pub(crate) fn hold(
+        &self,
+        counters: &Counters,
+        request_id: &str,
+        digest: KvDigest,
+        lease: Duration,
+    ) -> (String, Vec<u64>) {
+        let n = digest.blocks.len() as u64;
+        let first = self.next_block.fetch_add(n, Relaxed);
+        let block_ids: Vec<u64> = (first..first + n).collect();
+        let seq = self.next_request.fetch_add(1, Relaxed);
+        let remote_request_id = format!("{request_id}-{seq}");
+        let held = Held {
+            block_ids: block_ids.clone(),
+            digest,
+            expires: Instant::now() + lease,
+        };
+        let mut map = lock(&self.held);
+        map.insert(remote_request_id.clone(), held);
+        counters.blocks_held.fetch_add(n, Relaxed);
+        (remote_request_id, block_ids)
+    }
+
+    /// Hands the blocks of a request over to a pull and frees them.
+    fn take(&self, counters: &Counters, req: &SideChannelRequest) -> Result<KvDigest, String> {
+        let mut map = lock(&self.held);
+        let Some(held) = map.get(&req.request_id) else {
+            return Err(format!("unknown request id {:?}", req.request_id));
+        };
+        if held.expires <= Instant::now() {
+            let n = held.block_ids.len() as u64;
+            map.remove(&req.request_id);
+            counters.blocks_held.fetch_sub(n, Relaxed);
+            return Err(format!("KV of request {:?} expired", req.request_id));
+        }
+        if held.block_ids != req.block_ids {
+            return Err(format!(
+                "block ids {:?} do not match the blocks of request {:?}",
+                req.block_ids, req.request_id
+            ));
+        }
+        let held = map
+            .remove(&req.request_id)
+            .ok_or_else(|| "request vanished".to_owned())?;
+        counters
+            .blocks_held
+            .fetch_sub(held.block_ids.len() as u64, Relaxed);
+        Ok(held.digest)
+    }
+
+    /// Frees the blocks whose lease ran out.
+    pub(crate) fn sweep(&self, counters: &Counters) {
+        let now = Instant::now();
+        let mut map = lock(&self.held);
+        let mut freed = 0u64;
+        map.retain(|_, held| {
+            let keep = held.expires > now;
+            if !keep {
+                freed += held.block_ids.len() as u64;
+            }
+            keep
+        });
+        counters.blocks_held.fetch_sub(freed, Relaxed);
+    }
+}
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it
+/// (every critical section here leaves the data consistent).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn read_line<R: AsyncRead + Unpin>(r: R) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    BufReader::new(tokio::io::AsyncReadExt::take(r, MAX_LINE))
+        .read_until(b'\n', &mut buf)
+        .await?;
+    Ok(buf)
+}
+
+/// Serves one side-channel connection: one request line, one answer line.
+pub(crate) async fn serve_pull(
+    store: &KvStore,
+    counters: &Counters,
+    engine_id: &str,
+    mut stream: TcpStream,
+) -> io::Result<()> {
+    let (read, mut write) = stream.split();
+    let line = timeout(IO_TIMEOUT, read_line(read))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no request line"))??;
+    let answer = match serde_json::from_slice::<SideChannelRequest>(&line) {
+        Err(e) => SideChannelResponse::failure(format!("malformed request: {e}")),
+        Ok(req) if req.engine_id != engine_id => SideChannelResponse::failure(format!(
+            "engine id mismatch: this is {engine_id:?}, not {:?}",
+            req.engine_id
+        )),
+        Ok(req) => match store.take(counters, &req) {
+            Ok(digest) => {
+                bump(&counters.side_channel_served);
+                SideChannelResponse {
+                    ok: true,
+                    blocks: Some(digest.blocks),
+                    prompt_digest: Some(digest.prompt),
+                    error: None,
+                }
+            }
+            Err(e) => SideChannelResponse::failure(e),
+        },
+    };
+    let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
+    out.push(b'\n');
+    timeout(IO_TIMEOUT, async {
+        write.write_all(&out).await?;
+        write.shutdown().await
+    })
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))?
+}
+
+/// Pulls the KV named by valid decode-side `kv_transfer_params` from the
+/// prefill's side channel.
+pub(crate) async fn pull(params: &Map<String, Value>) -> Result<KvDigest, KvTransferError> {
+    let host = params
+        .get("remote_host")
+        .and_then(Value::as_str)
+        .ok_or(KvTransferError::BadParams("remote_host is not a string"))?;
+    let port = params
+        .get("remote_port")
+        .and_then(Value::as_u64)
+        .and_then(|p| u16::try_from(p).ok())
+        .ok_or(KvTransferError::BadParams(
+            "remote_port is not a port number",
+        ))?;
+    let engine_id = params
+        .get("remote_engine_id")
+        .and_then(Value::as_str)
+        .ok_or(KvTransferError::BadParams(
+            "remote_engine_id is not a string",
+        ))?;
+    let request_id = params
+        .get("remote_request_id")
+        .and_then(Value::as_str)
+        .ok_or(KvTransferError::BadParams(
+            "remote_request_id is not a string",
+        ))?;
+    let block_ids = params
+        .get("remote_block_ids")
+        .and_then(Value::as_array)
+        .and_then(|ids| ids.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+        .ok_or(KvTransferError::BadParams(
+            "remote_block_ids is not a list of block ids",
+        ))?;
+
+    let addr = format!("{host}:{port}");
+    let mut stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port))).await {
+        Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
+        Ok(Err(source)) => return Err(KvTransferError::Connect { addr, source }),
+        Ok(Ok(s)) => s,
+    };
+    // Best effort: the exchange is one small line each way.
+    let _ = stream.set_nodelay(true);
+    let request = SideChannelRequest {
+        engine_id: engine_id.to_owned(),
+        request_id: request_id.to_owned(),
+        block_ids,
+    };
+    let mut line =
+        serde_json::to_vec(&request).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    line.push(b'\n');
+    let answer = timeout(IO_TIMEOUT, async {
+        stream.write_all(&line).await?;
+        read_line(&mut stream).await
+    })
+    .await
+    .map_err(|_| KvTransferError::Timeout)??;
+    if answer.is_empty() {
+        return Err(KvTransferError::Malformed(
+            "connection closed without an answer".to_owned(),
+        ));
+    }
+    let answer: SideChannelResponse =
+        serde_json::from_slice(&answer).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    if !answer.ok {
+        return Err(KvTransferError::Rejected(
+            answer.error.unwrap_or_else(|| "no reason given".to_owned()),
+        ));
+    }
+    match (answer.blocks, answer.prompt_digest) {
+        (Some(blocks), Some(prompt)) => Ok(KvDigest { blocks, prompt }),
+        _ => Err(KvTransferError::Malformed(
+            "ok answer without blocks or prompt_digest".to_owned(),
+        )),
+    }
+}

@@ -1,0 +1,680 @@
+//! The engine: listeners, routing and the completion pipeline.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::api::{Answer, ApiError, CompletionRequest, KvParamsOut, truthy};
+use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
+use crate::config::{Faults, SimConfig};
+use crate::generate::{Finish, GenParams, Generation, generate_choice, kv_digest, prompt_hash};
+use crate::kv::{self, KvStore, KvTransferError, lock};
+use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
+
+/// Largest request body accepted.
+const MAX_BODY: usize = 64 << 20;
+const X_REQUEST_ID: &str = "x-request-id";
+
+/// A completion request as the engine received it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RecordedRequest {
+    /// The request path, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// The request headers, in order (values that are not UTF-8 are
+    /// converted lossily).
+    pub headers: Vec<(String, String)>,
+    /// The JSON body; a body that is not JSON is kept as a JSON string.
+    pub body: Value,
+}
+
+impl RecordedRequest {
+    /// The value of the first header named `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// State shared by every task of an engine.
+#[derive(Debug)]
+struct Inner {
+    config: SimConfig,
+    engine_id: String,
+    model_json: String,
+    models_body: Bytes,
+    side_channel_port: u16,
+    faults: Mutex<Faults>,
+    counters: Arc<Counters>,
+    kv: KvStore,
+    recorded: Mutex<VecDeque<Recorded>>,
+    next_id: AtomicU64,
+    id_salt: u64,
+}
+
+/// A simulated vLLM OpenAI server with a NIXL-like KV side channel.
+///
+/// Every task it spawns (accept loops, connections, the lease sweeper) ends
+/// with [`SimEngine::shutdown`] or when the engine is dropped.
+pub struct SimEngine {
+    inner: Arc<Inner>,
+    addr: SocketAddr,
+    side_channel_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl fmt::Debug for SimEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimEngine")
+            .field("addr", &self.addr)
+            .field("side_channel_addr", &self.side_channel_addr)
+            .field("engine_id", &self.inner.engine_id)
+            .field("model", &self.inner.config.model)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl SimEngine {
+    /// Starts an engine whose HTTP server and side channel listen on
+    /// ephemeral ports of 127.0.0.1. Must be called within a Tokio runtime.
+    pub async fn start(config: SimConfig) -> std::io::Result<SimEngine> {
+        let http = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let side_channel = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        Self::start_on(config, http, side_channel).await
+    }
+
+    /// Starts an engine on listeners the caller bound. The side channel's
+    /// port is the `remote_port` advertised in `kv_transfer_params`.
+    pub async fn start_on(
+        config: SimConfig,
+        http: TcpListener,
+        side_channel: TcpListener,
+    ) -> std::io::Result<SimEngine> {
+        let addr = http.local_addr()?;
+        let side_channel_addr = side_channel.local_addr()?;
+        let engine_id = config
+            .engine_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let mut model_json = String::new();
+        push_json_str(&mut model_json, &config.model);
+        let models = json!({
+            "object": "list",
+            "data": [{
+                "id": config.model,
+                "object": "model",
+                "created": unix_now(),
+                "owned_by": "vllm",
+                "root": config.model,
+                "parent": null,
+                "max_model_len": config.max_model_len,
+            }],
+        });
+        let models_body = Bytes::from(serde_json::to_vec(&models).map_err(std::io::Error::other)?);
+        let salt = uuid::Uuid::new_v4().as_u64_pair().0;
+        let faults = config.faults;
+        let lease = config.kv_lease;
+        let inner = Arc::new(Inner {
+            config,
+            engine_id,
+            model_json,
+            models_body,
+            side_channel_port: side_channel_addr.port(),
+            faults: Mutex::new(faults),
+            counters: Arc::default(),
+            kv: KvStore::default(),
+            recorded: Mutex::default(),
+            next_id: AtomicU64::new(0),
+            id_salt: salt,
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let tasks = vec![
+            tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
+            tokio::spawn(accept_side_channel(
+                inner.clone(),
+                side_channel,
+                stop_rx.clone(),
+            )),
+            tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)),
+        ];
+        tracing::debug!(%addr, %side_channel_addr, engine_id = %inner.engine_id, "sim engine started");
+        Ok(SimEngine {
+            inner,
+            addr,
+            side_channel_addr,
+            stop,
+            tasks,
+        })
+    }
+
+    /// The HTTP address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The HTTP base URL, e.g. `http://127.0.0.1:41234`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The side channel address (its port is the advertised `remote_port`).
+    pub fn side_channel_addr(&self) -> SocketAddr {
+        self.side_channel_addr
+    }
+
+    /// The engine id advertised as `remote_engine_id`.
+    pub fn engine_id(&self) -> &str {
+        &self.inner.engine_id
+    }
+
+    /// The configuration the engine runs with (faults as at start).
+    pub fn config(&self) -> &SimConfig {
+        &self.inner.config
+    }
+
+    /// A snapshot of the counters (also served as JSON on `GET /stats`).
+    pub fn stats(&self) -> Stats {
+        self.inner.counters.snapshot()
+    }
+
+    /// The last completion requests received, oldest first (at most
+    /// [`SimConfig::record_requests`]).
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        lock(&self.inner.recorded)
+            .iter()
+            .map(Recorded::to_public)
+            .collect()
+    }
+
+    /// Forgets the recorded requests.
+    pub fn clear_requests(&self) {
+        lock(&self.inner.recorded).clear();
+    }
+
+    /// The faults currently injected.
+    pub fn faults(&self) -> Faults {
+        *lock(&self.inner.faults)
+    }
+
+    /// Changes the injected faults; requests that arrive afterwards see
+    /// the new ones.
+    pub fn set_faults(&self, faults: Faults) {
+        *lock(&self.inner.faults) = faults;
+    }
+
+    /// Stops the engine and waits until every task is gone: listeners are
+    /// closed, open connections (and the requests on them) are dropped.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        for task in std::mem::take(&mut self.tasks) {
+            // A task ends by itself on the stop signal; it only fails if it
+            // panicked, which has been reported already.
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for SimEngine {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        // Aborting an accept loop drops its JoinSet, which aborts the
+        // connection tasks in turn.
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+async fn accept_http(inner: Arc<Inner>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    connections.spawn(serve_http(inner.clone(), stream));
+                }
+                Err(e) => accept_error(&e).await,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
+}
+
+async fn accept_side_channel(
+    inner: Arc<Inner>,
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let inner = inner.clone();
+                    connections.spawn(async move {
+                        let _ = stream.set_nodelay(true);
+                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, stream).await {
+                            tracing::debug!(%peer, error = %e, "side channel connection failed");
+                        }
+                    });
+                }
+                Err(e) => accept_error(&e).await,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
+}
+
+/// Backs off after a failed accept (e.g. out of file descriptors).
+async fn accept_error(e: &std::io::Error) {
+    tracing::warn!(error = %e, "accept failed");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Receiver<bool>) {
+    let period = (lease / 4).clamp(Duration::from_millis(5), Duration::from_secs(1));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            _ = tick.tick() => inner.kv.sweep(&inner.counters),
+        }
+    }
+}
+
+async fn serve_http(inner: Arc<Inner>, stream: TcpStream) {
+    let _connection = ConnectionGuard::new(inner.counters.clone());
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+    }
+    let service = service_fn(move |req| {
+        let inner = inner.clone();
+        async move { Ok::<_, Infallible>(route(&inner, req).await) }
+    });
+    if let Err(e) = http1::Builder::new()
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+    {
+        tracing::debug!(error = %e, "HTTP connection ended with an error");
+    }
+}
+
+fn json_response(status: StatusCode, body: SimBody, request_id: Option<&str>) -> Response<SimBody> {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(value) = request_id.and_then(|r| HeaderValue::from_str(r).ok()) {
+        headers.insert(X_REQUEST_ID, value);
+    }
+    response
+}
+
+fn error_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBody> {
+    json_response(error.status, SimBody::full(error.body()), request_id)
+}
+
+async fn route(inner: &Inner, req: Request<Incoming>) -> Response<SimBody> {
+    let endpoint = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => return Response::new(SimBody::empty()),
+        (&Method::GET, "/v1/models") => {
+            return json_response(
+                StatusCode::OK,
+                SimBody::full(inner.models_body.clone()),
+                None,
+            );
+        }
+        (&Method::GET, "/stats") => {
+            let body = serde_json::to_vec(&inner.counters.snapshot()).unwrap_or_default();
+            return json_response(StatusCode::OK, SimBody::full(body), None);
+        }
+        (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
+        (&Method::POST, "/v1/completions") => Endpoint::Completions,
+        _ => {
+            return error_response(&ApiError::new(StatusCode::NOT_FOUND, "Not Found"), None);
+        }
+    };
+    completion(inner, endpoint, req).await
+}
+
+/// A request as kept in the ring: cheap to store (the body and header
+/// values are reference-counted), converted on [`SimEngine::requests`].
+#[derive(Debug)]
+struct Recorded {
+    path: String,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Recorded {
+    fn to_public(&self) -> RecordedRequest {
+        RecordedRequest {
+            path: self.path.clone(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().to_owned(),
+                        String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
+            body: serde_json::from_slice(&self.body).unwrap_or_else(|_| {
+                Value::String(String::from_utf8_lossy(&self.body).into_owned())
+            }),
+        }
+    }
+}
+
+fn record(inner: &Inner, path: &str, headers: &HeaderMap, body: &Bytes) {
+    let capacity = inner.config.record_requests;
+    if capacity == 0 {
+        return;
+    }
+    let recorded = Recorded {
+        path: path.to_owned(),
+        headers: headers.clone(),
+        body: body.clone(),
+    };
+    let mut ring = lock(&inner.recorded);
+    while ring.len() >= capacity {
+        ring.pop_front();
+    }
+    ring.push_back(recorded);
+}
+
+/// Whether decode-side `kv_transfer_params` pass vLLM's validation.
+fn valid_decode_params(params: &serde_json::Map<String, Value>) -> bool {
+    truthy(params.get("remote_block_ids"))
+        && [
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+        ]
+        .iter()
+        .all(|k| params.contains_key(*k))
+}
+
+async fn completion(
+    inner: &Inner,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+) -> Response<SimBody> {
+    let mut guard = RequestGuard::new(inner.counters.clone());
+    let (parts, body) = req.into_parts();
+    let header_id = parts
+        .headers
+        .get(X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let header_id = header_id.as_deref();
+    let bytes = match Limited::new(body, MAX_BODY).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) => {
+            guard.complete();
+            return error_response(
+                &ApiError::bad_request(format!("cannot read the request body: {e}")),
+                header_id,
+            );
+        }
+    };
+    let parsed = match serde_json::from_slice::<Value>(&bytes) {
+        Ok(v) => CompletionRequest::parse(endpoint, &v, &inner.config),
+        Err(e) => Err(ApiError::bad_request(format!("JSON decode error: {e}"))),
+    };
+    record(inner, parts.uri.path(), &parts.headers, &bytes);
+
+    let faults = *lock(&inner.faults);
+    if let Some(status) = faults.status {
+        guard.complete();
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let message = format!("Simulated fault: the engine answers {}", status.as_u16());
+        return error_response(&ApiError::new(status, message), header_id);
+    }
+    if faults.hang {
+        // Held until the client leaves: hyper then drops this future, and
+        // the guard counts the request as cancelled.
+        std::future::pending::<()>().await;
+    }
+
+    let request = match parsed {
+        Ok(r) => r,
+        Err(e) => {
+            guard.complete();
+            return error_response(&e, header_id);
+        }
+    };
+    let request_id = match header_id {
+        Some(id) => id.to_owned(),
+        None => format!(
+            "{:016x}{:016x}",
+            inner.id_salt,
+            inner.next_id.fetch_add(1, Relaxed)
+        ),
+    };
+
+    match serve_completion(inner, &request, &request_id, header_id, faults, guard).await {
+        Ok(response) => response,
+        Err((e, mut guard)) => {
+            guard.complete();
+            error_response(&e, header_id)
+        }
+    }
+}
+
+/// Prefills (locally or from remote KV), generates and renders the answer.
+async fn serve_completion(
+    inner: &Inner,
+    request: &CompletionRequest,
+    request_id: &str,
+    header_id: Option<&str>,
+    faults: Faults,
+    guard: RequestGuard,
+) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
+    let config = &inner.config;
+    let counters = &inner.counters;
+    let params = request.kv_transfer_params.as_ref();
+    let is_prefill = params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+
+    // KV: pulled from a remote prefill, or computed here.
+    let mut remote_kv = false;
+    if let Some(p) = params.filter(|p| truthy(p.get("do_remote_prefill"))) {
+        if valid_decode_params(p) {
+            let own = kv_digest(&config.model, config.block_size, request.tokens());
+            let pulled = kv::pull(p).await.and_then(|remote| {
+                if remote.blocks.len() != own.blocks.len() {
+                    Err(KvTransferError::Mismatch("wrong number of blocks"))
+                } else if remote != own {
+                    Err(KvTransferError::Mismatch("block contents differ"))
+                } else {
+                    Ok(())
+                }
+            });
+            if let Err(e) = pulled {
+                bump(&counters.kv_pull_failures);
+                tracing::debug!(error = %e, request_id, "KV transfer failed");
+                return Err((
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("KV transfer failed: {e}"),
+                    ),
+                    guard,
+                ));
+            }
+            bump(&counters.remote_decodes);
+            remote_kv = true;
+        } else {
+            bump(&counters.invalid_kv_params);
+            tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
+        }
+    }
+    if !remote_kv {
+        bump(&counters.local_prefills);
+        let tokens = u32::try_from(request.prompt_tokens).unwrap_or(u32::MAX);
+        let delay = config.prefill_delay_per_token.saturating_mul(tokens);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+    }
+    if is_prefill {
+        bump(&counters.prefill_requests);
+    }
+
+    // Generation.
+    let gen_params = GenParams {
+        max_tokens: request.max_tokens as usize,
+        min_tokens: request.min_tokens as usize,
+        eos_period: config.eos_period,
+        ignore_eos: request.ignore_eos,
+        stop: &request.stop,
+        include_stop_str_in_output: request.include_stop_str_in_output,
+    };
+    let mut choices: Vec<Generation> =
+        Vec::with_capacity(request.prompts.len() * request.n as usize);
+    for prompt in &request.prompts {
+        let hash = prompt_hash(prompt);
+        for i in 0..request.n {
+            choices.push(generate_choice(hash, i, &gen_params));
+        }
+    }
+
+    // A length-capped prefill keeps its KV for the decode.
+    let kv_out = if is_prefill && choices.iter().all(|c| c.finish == Finish::Length) {
+        let digest = kv_digest(&config.model, config.block_size, request.tokens());
+        let (remote_request_id, block_ids) =
+            inner.kv.hold(counters, request_id, digest, config.kv_lease);
+        Some(KvParamsOut {
+            do_remote_prefill: true,
+            do_remote_decode: false,
+            remote_block_ids: block_ids,
+            remote_engine_id: &inner.engine_id,
+            remote_request_id,
+            remote_host: &config.advertised_host,
+            remote_port: inner.side_channel_port,
+            tp_size: 1,
+        })
+    } else {
+        None
+    };
+
+    let prefix = match request.endpoint {
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Completions => "cmpl-",
+    };
+    let id = format!("{prefix}{request_id}");
+    let created = unix_now();
+
+    if request.stream {
+        let completion_tokens = choices.iter().map(|c| c.steps.len() as u64).sum();
+        let spec = SseSpec {
+            endpoint: request.endpoint,
+            id,
+            created,
+            model_json: inner.model_json.clone(),
+            choices,
+            usage: request
+                .include_usage
+                .then_some((request.prompt_tokens, completion_tokens)),
+            delay: config.inter_token_delay,
+            drop_after: faults.drop_after_chunks,
+        };
+        let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
+        let headers = response.headers_mut();
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
+            headers.insert(X_REQUEST_ID, value);
+        }
+        return Ok(response);
+    }
+
+    let steps = choices.iter().map(|c| c.steps.len()).max().unwrap_or(0);
+    if steps > 1 && !config.inter_token_delay.is_zero() {
+        let steps = u32::try_from(steps - 1).unwrap_or(u32::MAX);
+        tokio::time::sleep(config.inter_token_delay.saturating_mul(steps)).await;
+    }
+    if kv_out.is_some() {
+        bump(&counters.kv_params_returned);
+    }
+    let answer = Answer {
+        endpoint: request.endpoint,
+        id: &id,
+        created,
+        model: &config.model,
+        choices: &choices,
+        prompt_tokens: request.prompt_tokens,
+        kv_transfer_params: kv_out.as_ref(),
+    };
+    let body = match answer.render() {
+        Ok(body) => Bytes::from(body),
+        Err(e) => {
+            return Err((
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                guard,
+            ));
+        }
+    };
+    let response = if faults.drop_after_chunks.is_some() {
+        let len = body.len();
+        let mut response = json_response(
+            StatusCode::OK,
+            SimBody::Truncated {
+                data: Some(body),
+                guard: Some(guard),
+                flushed: false,
+            },
+            header_id,
+        );
+        response
+            .headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from(len));
+        response
+    } else {
+        json_response(
+            StatusCode::OK,
+            SimBody::Full {
+                data: Some(body),
+                guard: Some(guard),
+            },
+            header_id,
+        )
+    };
+    Ok(response)
+}

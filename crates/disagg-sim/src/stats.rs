@@ -1,0 +1,133 @@
+//! Counters of an engine and the guards that keep them honest.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of an engine's counters, from [`SimEngine::stats`] or
+/// `GET /stats`.
+///
+/// [`SimEngine::stats`]: crate::SimEngine::stats
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Stats {
+    /// Completion and chat requests received.
+    pub requests: u64,
+    /// Requests that came with `kv_transfer_params.do_remote_decode` set
+    /// (this engine acted as the prefill).
+    pub prefill_requests: u64,
+    /// Prefill answers that carried `kv_transfer_params`.
+    pub kv_params_returned: u64,
+    /// Decode requests whose KV was pulled over the side channel.
+    pub remote_decodes: u64,
+    /// Decode requests whose pull failed (answered with 500).
+    pub kv_pull_failures: u64,
+    /// Decode requests with `kv_transfer_params` that vLLM rejects as
+    /// invalid (they are prefilled locally).
+    pub invalid_kv_params: u64,
+    /// Requests that computed their prompt locally, without remote KV
+    /// (plain requests and prefills included).
+    pub local_prefills: u64,
+    /// Pulls served by this engine's side channel (as a prefill).
+    pub side_channel_served: u64,
+    /// KV blocks currently held for a remote decode (freed when pulled or
+    /// when the lease expires).
+    pub blocks_held: u64,
+    /// Completion requests currently being processed.
+    pub active_requests: u64,
+    /// HTTP connections currently open.
+    pub open_connections: u64,
+    /// Requests whose client went away before the answer was complete.
+    pub cancelled: u64,
+}
+
+/// The live counters behind [`Stats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) requests: AtomicU64,
+    pub(crate) prefill_requests: AtomicU64,
+    pub(crate) kv_params_returned: AtomicU64,
+    pub(crate) remote_decodes: AtomicU64,
+    pub(crate) kv_pull_failures: AtomicU64,
+    pub(crate) invalid_kv_params: AtomicU64,
+    pub(crate) local_prefills: AtomicU64,
+    pub(crate) side_channel_served: AtomicU64,
+    pub(crate) blocks_held: AtomicU64,
+    pub(crate) active_requests: AtomicU64,
+    pub(crate) open_connections: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+}
+
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> Stats {
+        Stats {
+            requests: self.requests.load(Relaxed),
+            prefill_requests: self.prefill_requests.load(Relaxed),
+            kv_params_returned: self.kv_params_returned.load(Relaxed),
+            remote_decodes: self.remote_decodes.load(Relaxed),
+            kv_pull_failures: self.kv_pull_failures.load(Relaxed),
+            invalid_kv_params: self.invalid_kv_params.load(Relaxed),
+            local_prefills: self.local_prefills.load(Relaxed),
+            side_channel_served: self.side_channel_served.load(Relaxed),
+            blocks_held: self.blocks_held.load(Relaxed),
+            active_requests: self.active_requests.load(Relaxed),
+            open_connections: self.open_connections.load(Relaxed),
+            cancelled: self.cancelled.load(Relaxed),
+        }
+    }
+}
+
+/// Counts a completion request as active while it lives. Dropped before
+/// [`RequestGuard::complete`] was called, it counts the request as
+/// cancelled: its client went away (or the engine shut down) first.
+#[derive(Debug)]
+pub(crate) struct RequestGuard {
+    counters: Arc<Counters>,
+    complete: bool,
+}
+
+impl RequestGuard {
+    pub(crate) fn new(counters: Arc<Counters>) -> Self {
+        bump(&counters.requests);
+        bump(&counters.active_requests);
+        Self {
+            counters,
+            complete: false,
+        }
+    }
+
+    /// Marks the answer as fully handed over (or deliberately aborted).
+    pub(crate) fn complete(&mut self) {
+        self.complete = true;
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.counters.active_requests.fetch_sub(1, Relaxed);
+        if !self.complete {
+            bump(&self.counters.cancelled);
+        }
+    }
+}
+
+/// Counts an HTTP connection as open while it lives.
+#[derive(Debug)]
+pub(crate) struct ConnectionGuard(Arc<Counters>);
+
+impl ConnectionGuard {
+    pub(crate) fn new(counters: Arc<Counters>) -> Self {
+        bump(&counters.open_connections);
+        Self(counters)
+    }
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.open_connections.fetch_sub(1, Relaxed);
+    }
+}

@@ -1,0 +1,154 @@
+//! A minimal HTTP/1.1 client over real loopback sockets for the tests.
+
+#![allow(dead_code, unreachable_pub, missing_docs)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_sim::{SimEngine, Stats};
+use http::{HeaderMap, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+
+/// One client connection; dropping it closes the socket.
+pub struct Conn {
+    pub sender: SendRequest<Full<Bytes>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Conn {
+    pub async fn open(addr: SocketAddr) -> Conn {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        stream.set_nodelay(true).unwrap();
+        let (sender, conn) = http1::handshake(TokioIo::new(stream)).await.unwrap();
+        let task = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Conn { sender, task }
+    }
+
+    pub async fn send(
+        &mut self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<Vec<u8>>,
+    ) -> Response<Incoming> {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "sim");
+        if body.is_some() {
+            req = req.header("content-type", "application/json");
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.unwrap_or_default())))
+            .unwrap();
+        self.sender.ready().await.unwrap();
+        self.sender.send_request(req).await.unwrap()
+    }
+}
+
+/// A complete answer.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8(self.body.to_vec()).unwrap()
+    }
+
+    /// The JSON payloads of the SSE events (`[DONE]` as the string "[DONE]").
+    pub fn events(&self) -> Vec<Value> {
+        sse_events(&self.text())
+    }
+}
+
+pub fn sse_events(text: &str) -> Vec<Value> {
+    assert!(text.is_empty() || text.ends_with("\n\n"), "{text:?}");
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("{e:?}"));
+            if data == "[DONE]" {
+                Value::String("[DONE]".into())
+            } else {
+                serde_json::from_str(data).unwrap()
+            }
+        })
+        .collect()
+}
+
+pub async fn read(resp: Response<Incoming>) -> Reply {
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> Reply {
+    let mut conn = Conn::open(addr).await;
+    let resp = conn.send(method, path, headers, body).await;
+    read(resp).await
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
+    request(
+        addr,
+        "POST",
+        path,
+        &[],
+        Some(serde_json::to_vec(body).unwrap()),
+    )
+    .await
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Reply {
+    request(addr, "GET", path, &[], None).await
+}
+
+/// Waits (up to 5 s) until the engine's stats satisfy `pred`.
+pub async fn wait_for(engine: &SimEngine, pred: impl Fn(&Stats) -> bool) -> Stats {
+    for _ in 0..500 {
+        let s = engine.stats();
+        if pred(&s) {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition never met: {:?}", engine.stats());
+}

@@ -1,0 +1,705 @@
+//! Wire shapes, validation, faults and bookkeeping of a single engine.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use disagg_sim::{Faults, SimConfig, SimEngine, Stats, generate};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+
+async fn engine() -> SimEngine {
+    SimEngine::start(SimConfig::default()).await.unwrap()
+}
+
+fn text(prompt: &str, n: usize) -> String {
+    generate(prompt, n, 0).concat()
+}
+
+#[tokio::test]
+async fn chat_non_stream_shape() {
+    let e = engine().await;
+    let body = json!({
+        "model": "sim-model",
+        "messages": [
+            {"role": "system", "content": "You are"},
+            {"role": "user", "content": [{"type": "text", "text": "a  helpful\nbot"}]}
+        ],
+        "max_tokens": 5
+    });
+    let reply = request(
+        e.addr(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-request-id", "abc-123")],
+        Some(serde_json::to_vec(&body).unwrap()),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.headers["content-type"], "application/json");
+    assert_eq!(reply.headers["x-request-id"], "abc-123");
+    let v = reply.json();
+    let created = v["created"].as_u64().unwrap();
+    assert!(created > 1_600_000_000);
+    let expected = json!({
+        "id": "chatcmpl-abc-123",
+        "object": "chat.completion",
+        "created": created,
+        "model": "sim-model",
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text("You are a helpful bot", 5), "tool_calls": []},
+            "logprobs": null,
+            "finish_reason": "length",
+            "stop_reason": null
+        }],
+        "usage": {"prompt_tokens": 5, "total_tokens": 10, "completion_tokens": 5, "prompt_tokens_details": null},
+        "prompt_logprobs": null,
+        "kv_transfer_params": null
+    });
+    assert_eq!(v, expected);
+    // Key order as vLLM renders it.
+    let raw = reply.text();
+    let order = [
+        "\"id\"",
+        "\"object\"",
+        "\"created\"",
+        "\"model\"",
+        "\"choices\"",
+        "\"usage\"",
+        "\"prompt_logprobs\"",
+        "\"kv_transfer_params\"",
+    ];
+    let positions: Vec<usize> = order.iter().map(|k| raw.find(k).unwrap()).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "{raw}");
+
+    let s = e.stats();
+    assert_eq!(s.requests, 1);
+    assert_eq!(s.local_prefills, 1);
+    assert_eq!(s.active_requests, 0);
+    assert_eq!(s.cancelled, 0);
+}
+
+#[tokio::test]
+async fn completions_non_stream_shape_and_prompt_forms() {
+    let e = engine().await;
+    let reply = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": "one two three", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let v = reply.json();
+    let id = v["id"].as_str().unwrap();
+    assert!(id.starts_with("cmpl-") && id.len() > 10, "{id}");
+    assert!(reply.headers.get("x-request-id").is_none());
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(
+        v["choices"],
+        json!([{"index": 0, "text": text("one two three", 4), "logprobs": null, "finish_reason": "length", "stop_reason": null, "prompt_logprobs": null}])
+    );
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "total_tokens": 7, "completion_tokens": 4, "prompt_tokens_details": null})
+    );
+    assert_eq!(v["kv_transfer_params"], Value::Null);
+
+    // Default max tokens, and no model field.
+    let v = post(e.addr(), "/v1/completions", &json!({"prompt": "x"}))
+        .await
+        .json();
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["model"], "sim-model");
+
+    // A list of prompts: one choice each; n multiplies.
+    let v = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": ["a b", "c"], "max_tokens": 2, "n": 2}),
+    )
+    .await
+    .json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    assert_eq!(choices[0]["text"], text("a b", 2));
+    assert_eq!(choices[2]["text"], text("c", 2));
+    assert_ne!(choices[0]["text"], choices[1]["text"]);
+    assert_eq!(choices[3]["index"], 3);
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+
+    // Token ids: each id is a token.
+    let v = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": [1, 22, 333], "max_tokens": 3}),
+    )
+    .await
+    .json();
+    assert_eq!(v["choices"][0]["text"], text("1 22 333", 3));
+    assert_eq!(v["usage"]["prompt_tokens"], 3);
+    let v = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": [[1, 2], [3]], "max_tokens": 3}),
+    )
+    .await
+    .json();
+    assert_eq!(v["choices"][1]["text"], text("3", 3));
+}
+
+#[tokio::test]
+async fn chat_stream_shape() {
+    let e = engine().await;
+    let body = json!({"messages": [{"role": "user", "content": "stream me"}], "max_completion_tokens": 3, "max_tokens": 99,
+        "stream": true, "stream_options": {"include_usage": true}});
+    let reply = post(e.addr(), "/v1/chat/completions", &body).await;
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.headers["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = reply.events();
+    assert_eq!(events.len(), 1 + 3 + 1 + 1, "{events:?}");
+    let id = events[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for ev in &events[..5] {
+        assert_eq!(ev["id"], id);
+        assert_eq!(ev["object"], "chat.completion.chunk");
+        assert_eq!(ev["model"], "sim-model");
+    }
+    assert_eq!(
+        events[0]["choices"],
+        json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])
+    );
+    let tokens = generate("stream me", 3, 0);
+    for (i, tok) in tokens.iter().enumerate() {
+        let choice = &events[1 + i]["choices"][0];
+        assert_eq!(choice["delta"], json!({"content": tok}));
+        assert_eq!(choice["logprobs"], Value::Null);
+        if i < 2 {
+            assert_eq!(choice["finish_reason"], Value::Null);
+        } else {
+            assert_eq!(choice["finish_reason"], "length");
+        }
+    }
+    assert_eq!(events[4]["choices"], json!([]));
+    assert_eq!(
+        events[4]["usage"],
+        json!({"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3})
+    );
+    assert_eq!(events[5], "[DONE]");
+    let s = wait_for(&e, |s| s.active_requests == 0).await;
+    assert_eq!(s.cancelled, 0);
+}
+
+#[tokio::test]
+async fn completions_stream_shape() {
+    let e = engine().await;
+    let reply = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": "p q", "max_tokens": 4, "stream": true}),
+    )
+    .await;
+    let events = reply.events();
+    assert_eq!(events.len(), 5);
+    let streamed: String = events[..4]
+        .iter()
+        .map(|ev| {
+            assert_eq!(ev["object"], "text_completion");
+            ev["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(streamed, text("p q", 4));
+    assert_eq!(
+        events[0]["choices"][0],
+        json!({"index": 0, "text": generate("p q", 1, 0)[0], "logprobs": null, "finish_reason": null, "stop_reason": null})
+    );
+    assert_eq!(events[3]["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[4], "[DONE]");
+    let non_stream = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": "p q", "max_tokens": 4}),
+    )
+    .await
+    .json();
+    assert_eq!(non_stream["choices"][0]["text"], streamed);
+}
+
+#[tokio::test]
+async fn stream_frames_are_paced_and_separate() {
+    let e = SimEngine::start(SimConfig {
+        inter_token_delay: Duration::from_millis(30),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut conn = Conn::open(e.addr()).await;
+    let body =
+        serde_json::to_vec(&json!({"prompt": "x", "max_tokens": 4, "stream": true})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    let mut body = resp.into_body();
+    let start = std::time::Instant::now();
+    let mut frames = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let data = frame.unwrap().into_data().unwrap();
+        frames.push((start.elapsed(), data));
+    }
+    // 4 tokens + [DONE], one event per frame.
+    assert_eq!(frames.len(), 5);
+    assert!(
+        frames
+            .iter()
+            .all(|(_, d)| d.starts_with(b"data: ") && d.ends_with(b"\n\n"))
+    );
+    let spread = frames[3].0 - frames[0].0;
+    assert!(spread >= Duration::from_millis(85), "{spread:?}");
+}
+
+#[tokio::test]
+async fn eos_stop_strings_and_min_tokens() {
+    let e = SimEngine::start(SimConfig {
+        eos_period: 3,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let prompt = (0..)
+        .map(|i| format!("eos {i}"))
+        .find(|p| generate(p, 1, 3).is_empty())
+        .unwrap();
+    let v = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8}),
+    )
+    .await
+    .json();
+    assert_eq!(v["choices"][0]["text"], "");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], 1);
+    // ignore_eos and min_tokens keep generating.
+    for extra in [json!({"ignore_eos": true}), json!({"min_tokens": 8})] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 8});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let v = post(e.addr(), "/v1/completions", &body).await.json();
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{body}");
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+    }
+    // Stop strings.
+    let long = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "ignore_eos": true}),
+    )
+    .await
+    .json();
+    let words: Vec<String> = long["choices"][0]["text"]
+        .as_str()
+        .unwrap()
+        .split(' ')
+        .skip(1)
+        .map(str::to_owned)
+        .collect();
+    let stop = words[2].clone();
+    let first = words.iter().position(|w| *w == stop).unwrap();
+    let v = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 6, "ignore_eos": true, "stop": [stop]}),
+    )
+    .await
+    .json();
+    let c = &v["choices"][0];
+    assert_eq!(c["finish_reason"], "stop");
+    assert_eq!(c["stop_reason"], stop.as_str());
+    let kept: String = words[..first].iter().map(|w| format!(" {w}")).collect();
+    assert_eq!(c["text"], kept.as_str());
+    let v = post(e.addr(), "/v1/completions", &json!({"prompt": prompt, "max_tokens": 6, "ignore_eos": true, "stop": stop, "include_stop_str_in_output": true})).await.json();
+    assert_eq!(v["choices"][0]["text"], format!("{kept} {stop}"));
+}
+
+#[tokio::test]
+async fn validation_errors() {
+    let e = engine().await;
+    let check = |reply: Reply, status: u16, kind: &str, message: Option<&str>| {
+        assert_eq!(reply.status, status, "{}", reply.text());
+        let v = reply.json();
+        assert_eq!(v["error"]["type"], kind);
+        assert_eq!(v["error"]["code"], status);
+        assert_eq!(v["error"]["param"], Value::Null);
+        if let Some(m) = message {
+            assert_eq!(v["error"]["message"], m);
+        }
+    };
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    check(
+        post(
+            e.addr(),
+            chat,
+            &json!({"messages": msgs, "stream_options": {"include_usage": true}}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        Some("Stream options can only be defined when `stream=True`."),
+    );
+    check(
+        post(
+            e.addr(),
+            chat,
+            &json!({"messages": msgs, "stream": false, "stream_options": {}}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(e.addr(), chat, &json!({"model": "gpt-9", "messages": msgs})).await,
+        404,
+        "NotFoundError",
+        Some("The model `gpt-9` does not exist."),
+    );
+    check(
+        request(e.addr(), "POST", chat, &[], Some(b"{not json".to_vec())).await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(e.addr(), chat, &json!({"messages": msgs, "max_tokens": 0})).await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(
+            e.addr(),
+            chat,
+            &json!({"messages": msgs, "max_completion_tokens": -1}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(
+            e.addr(),
+            chat,
+            &json!({"messages": msgs, "max_tokens": 2, "min_tokens": 3}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(e.addr(), chat, &json!({"prompt": "no messages"})).await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(e.addr(), "/v1/completions", &json!({"prompt": ""})).await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(
+            e.addr(),
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 9000}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        post(
+            e.addr(),
+            "/v1/completions",
+            &json!({"prompt": "x", "kv_transfer_params": 3}),
+        )
+        .await,
+        400,
+        "BadRequestError",
+        None,
+    );
+    check(
+        get(e.addr(), "/nope").await,
+        404,
+        "NotFoundError",
+        Some("Not Found"),
+    );
+    assert_eq!(
+        get(e.addr(), "/nope").await.json(),
+        json!({"error": {"message": "Not Found", "type": "NotFoundError", "param": null, "code": 404}})
+    );
+    // Stream options with stream=true are fine.
+    let ok = post(
+        e.addr(),
+        chat,
+        &json!({"messages": msgs, "stream": true, "stream_options": {"include_usage": false}}),
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+    let s = e.stats();
+    assert_eq!(s.requests, 12);
+    assert_eq!(s.active_requests, 0);
+    assert_eq!(s.cancelled, 0);
+}
+
+#[tokio::test]
+async fn health_models_stats() {
+    let e = engine().await;
+    let health = get(e.addr(), "/health").await;
+    assert_eq!(health.status, 200);
+    assert!(health.body.is_empty());
+    let models = get(e.addr(), "/v1/models").await.json();
+    assert_eq!(models["object"], "list");
+    let m = &models["data"][0];
+    assert_eq!(m["id"], "sim-model");
+    assert_eq!(m["object"], "model");
+    assert_eq!(m["owned_by"], "vllm");
+    assert_eq!(m["root"], "sim-model");
+    assert_eq!(m["parent"], Value::Null);
+    assert_eq!(m["max_model_len"], 8192);
+    assert!(m["created"].is_u64());
+    post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 1}),
+    )
+    .await;
+    wait_for(&e, |s| s.open_connections == 0).await;
+    let stats: Stats = serde_json::from_slice(&get(e.addr(), "/stats").await.body).unwrap();
+    assert_eq!(stats.requests, 1);
+    assert_eq!(stats.open_connections, 1); // the /stats connection itself
+    assert_eq!(e.url(), format!("http://{}", e.addr()));
+    assert!(!e.engine_id().is_empty());
+}
+
+#[tokio::test]
+async fn keep_alive_and_connection_count() {
+    let e = engine().await;
+    let mut conn = Conn::open(e.addr()).await;
+    for i in 0..3 {
+        let body =
+            serde_json::to_vec(&json!({"prompt": format!("k {i}"), "max_tokens": 2})).unwrap();
+        let reply = read(conn.send("POST", "/v1/completions", &[], Some(body)).await).await;
+        assert_eq!(reply.status, 200);
+    }
+    let s = e.stats();
+    assert_eq!(s.open_connections, 1);
+    assert_eq!(s.requests, 3);
+    drop(conn);
+    wait_for(&e, |s| s.open_connections == 0).await;
+}
+
+#[tokio::test]
+async fn recorded_requests_are_bounded() {
+    let e = SimEngine::start(SimConfig {
+        record_requests: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    for i in 0..3 {
+        request(
+            e.addr(),
+            "POST",
+            "/v1/completions",
+            &[("x-request-id", &format!("r{i}"))],
+            Some(serde_json::to_vec(&json!({"prompt": format!("p{i}"), "max_tokens": 1})).unwrap()),
+        )
+        .await;
+    }
+    let recorded = e.requests();
+    assert_eq!(recorded.len(), 2);
+    assert_eq!(recorded[0].path, "/v1/completions");
+    assert_eq!(recorded[0].header("X-Request-Id"), Some("r1"));
+    assert_eq!(recorded[1].body, json!({"prompt": "p2", "max_tokens": 1}));
+    e.clear_requests();
+    assert!(e.requests().is_empty());
+}
+
+#[tokio::test]
+async fn fault_status() {
+    let e = SimEngine::start(SimConfig {
+        faults: Faults {
+            status: Some(503),
+            ..Faults::default()
+        },
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let reply = post(e.addr(), "/v1/chat/completions", &json!({"messages": []})).await;
+    assert_eq!(reply.status, 503);
+    let v = reply.json();
+    assert_eq!(v["error"]["code"], 503);
+    assert!(v["error"]["type"].as_str().unwrap().ends_with("Error"));
+    assert_eq!(get(e.addr(), "/health").await.status, 200);
+    assert_eq!(get(e.addr(), "/v1/models").await.status, 200);
+    e.set_faults(Faults {
+        status: Some(500),
+        ..Faults::default()
+    });
+    let reply = post(e.addr(), "/v1/completions", &json!({"prompt": "x"})).await;
+    assert_eq!(reply.json()["error"]["type"], "InternalServerError");
+    e.set_faults(Faults::default());
+    assert_eq!(
+        post(e.addr(), "/v1/completions", &json!({"prompt": "x"}))
+            .await
+            .status,
+        200
+    );
+    let s = e.stats();
+    assert_eq!((s.requests, s.active_requests, s.cancelled), (3, 0, 0));
+}
+
+#[tokio::test]
+async fn fault_hang_until_client_leaves() {
+    let e = engine().await;
+    e.set_faults(Faults {
+        hang: true,
+        ..Faults::default()
+    });
+    assert!(e.faults().hang);
+    let body = serde_json::to_string(&json!({"prompt": "x"})).unwrap();
+    let mut stream = tokio::net::TcpStream::connect(e.addr()).await.unwrap();
+    stream
+        .write_all(
+            format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    wait_for(&e, |s| s.active_requests == 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(e.stats().active_requests, 1);
+    assert_eq!(get(e.addr(), "/health").await.status, 200);
+    drop(stream);
+    let s = wait_for(&e, |s| s.active_requests == 0 && s.open_connections == 0).await;
+    assert_eq!(s.cancelled, 1);
+}
+
+#[tokio::test]
+async fn fault_drop_after_chunks() {
+    let e = engine().await;
+    e.set_faults(Faults {
+        drop_after_chunks: Some(2),
+        ..Faults::default()
+    });
+    // Streaming: two events, then the connection is aborted.
+    let mut conn = Conn::open(e.addr()).await;
+    let body =
+        serde_json::to_vec(&json!({"prompt": "x", "max_tokens": 10, "stream": true})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut events = 0;
+    let mut failed = false;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                let data = f.into_data().unwrap();
+                assert!(!data.starts_with(b"data: [DONE]"));
+                events += 1;
+            }
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert_eq!(events, 2);
+    assert!(failed, "the stream must not end cleanly");
+
+    // Non-streaming: the body is cut short.
+    let mut conn = Conn::open(e.addr()).await;
+    let body = serde_json::to_vec(&json!({"prompt": "x", "max_tokens": 10})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.into_body().collect().await.is_err());
+
+    let s = wait_for(&e, |s| s.active_requests == 0).await;
+    assert_eq!(s.cancelled, 0);
+    assert_eq!(s.requests, 2);
+}
+
+#[tokio::test]
+async fn client_leaving_mid_stream_is_cancelled() {
+    let e = SimEngine::start(SimConfig {
+        inter_token_delay: Duration::from_millis(10),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut conn = Conn::open(e.addr()).await;
+    let body = serde_json::to_vec(&json!({"messages": [{"role": "user", "content": "long"}], "max_tokens": 1000, "stream": true})).unwrap();
+    let resp = conn
+        .send("POST", "/v1/chat/completions", &[], Some(body))
+        .await;
+    let mut body = resp.into_body();
+    for _ in 0..3 {
+        body.frame().await.unwrap().unwrap();
+    }
+    assert_eq!(e.stats().active_requests, 1);
+    drop(body);
+    drop(conn);
+    let s = wait_for(&e, |s| s.active_requests == 0).await;
+    assert_eq!(s.cancelled, 1);
+    wait_for(&e, |s| s.open_connections == 0).await;
+}
+
+#[tokio::test]
+async fn shutdown_closes_everything() {
+    let e = SimEngine::start(SimConfig {
+        faults: Faults {
+            hang: true,
+            ..Faults::default()
+        },
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let addr = e.addr();
+    let side = e.side_channel_addr();
+    let mut conn = Conn::open(addr).await;
+    let body = serde_json::to_vec(&json!({"prompt": "x"})).unwrap();
+    let pending = tokio::spawn(async move {
+        let resp = conn.sender.send_request(
+            http::Request::post("/v1/completions")
+                .header("host", "sim")
+                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                .unwrap(),
+        );
+        resp.await.is_err()
+    });
+    wait_for(&e, |s| s.active_requests == 1).await;
+    e.shutdown().await;
+    assert!(
+        pending.await.unwrap(),
+        "the hung request must fail once the engine is gone"
+    );
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    assert!(tokio::net::TcpStream::connect(side).await.is_err());
+}

@@ -1,0 +1,377 @@
+//! Prefill/decode disaggregation done by hand between two engines, over the
+//! real side channel.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use disagg_sim::{SideChannelRequest, SideChannelResponse, SimConfig, SimEngine, generate};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+const CHAT: &str = "/v1/chat/completions";
+
+async fn pair() -> (SimEngine, SimEngine) {
+    let prefill = SimEngine::start(SimConfig {
+        engine_id: Some("prefill-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let decode = SimEngine::start(SimConfig {
+        engine_id: Some("decode-0".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    (prefill, decode)
+}
+
+fn chat(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "sim-model", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
+}
+
+fn with_params(mut body: Value, params: Value) -> Value {
+    body["kv_transfer_params"] = params;
+    body
+}
+
+/// Sends the prefill leg and returns its `kv_transfer_params`.
+async fn prefill(engine: &SimEngine, prompt: &str) -> Value {
+    let body = with_params(
+        chat(prompt, 1),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    let reply = post(engine.addr(), CHAT, &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()["kv_transfer_params"].clone()
+}
+
+// 36 words: 3 blocks of 16 tokens.
+const PROMPT: &str = "the quick brown fox jumps over the lazy dog and then some more words follow \
+    so that the prompt spans several blocks of sixteen tokens each which is what we want here \
+    to test block lists";
+
+#[tokio::test]
+async fn prefill_then_decode_matches_direct() {
+    let (p, d) = pair().await;
+    let params = prefill(&p, PROMPT).await;
+    let tokens = PROMPT.split_whitespace().count();
+    assert_eq!(tokens, 36);
+    assert_eq!(params["do_remote_prefill"], true);
+    assert_eq!(params["do_remote_decode"], false);
+    assert_eq!(params["remote_block_ids"], json!([0, 1, 2]));
+    assert_eq!(params["remote_engine_id"], "prefill-0");
+    assert_eq!(params["remote_host"], "127.0.0.1");
+    assert_eq!(params["remote_port"], p.side_channel_addr().port());
+    assert_eq!(params["tp_size"], 1);
+    assert!(params["remote_request_id"].is_string());
+    let s = p.stats();
+    assert_eq!(
+        (
+            s.prefill_requests,
+            s.kv_params_returned,
+            s.blocks_held,
+            s.local_prefills
+        ),
+        (1, 1, 3, 1)
+    );
+
+    let decoded = post(d.addr(), CHAT, &with_params(chat(PROMPT, 12), params)).await;
+    assert_eq!(decoded.status, 200, "{}", decoded.text());
+    let decoded = decoded.json();
+    assert_eq!(decoded["kv_transfer_params"], Value::Null);
+    let direct = post(p.addr(), CHAT, &chat(PROMPT, 12)).await.json();
+    assert_eq!(decoded["choices"], direct["choices"]);
+    assert_eq!(decoded["usage"], direct["usage"]);
+    assert_eq!(
+        decoded["choices"][0]["message"]["content"],
+        generate(PROMPT, 12, 0).concat()
+    );
+
+    let ds = d.stats();
+    assert_eq!(
+        (ds.remote_decodes, ds.local_prefills, ds.kv_pull_failures),
+        (1, 0, 0)
+    );
+    let ps = p.stats();
+    assert_eq!((ps.side_channel_served, ps.blocks_held), (1, 0));
+
+    // A second prefill gets fresh blocks.
+    let again = prefill(&p, "short prompt").await;
+    assert_eq!(again["remote_block_ids"], json!([3]));
+    assert_ne!(again["remote_request_id"], Value::Null);
+}
+
+#[tokio::test]
+async fn decode_with_remote_kv_skips_prefill_delay_and_streams() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let d = SimEngine::start(SimConfig {
+        prefill_delay_per_token: Duration::from_millis(20),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let params = prefill(&p, PROMPT).await;
+    let mut body = with_params(chat(PROMPT, 4), params);
+    body["stream"] = json!(true);
+    let start = std::time::Instant::now();
+    let reply = post(d.addr(), CHAT, &body).await;
+    assert!(
+        start.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+    let streamed: String = reply.events()[1..5]
+        .iter()
+        .map(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(streamed, generate(PROMPT, 4, 0).concat());
+    // Locally, 36 tokens × 20 ms of prefill.
+    let start = std::time::Instant::now();
+    post(d.addr(), CHAT, &chat(PROMPT, 1)).await;
+    assert!(
+        start.elapsed() >= Duration::from_millis(715),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+async fn assert_pull_fails(d: &SimEngine, body: &Value, why: &str) {
+    let reply = post(d.addr(), CHAT, body).await;
+    assert_eq!(reply.status, 500, "{why}: {}", reply.text());
+    let err = reply.json()["error"].clone();
+    assert_eq!(err["type"], "InternalServerError");
+    assert_eq!(err["code"], 500);
+    let message = err["message"].as_str().unwrap();
+    assert!(message.starts_with("KV transfer failed: "), "{message}");
+}
+
+#[tokio::test]
+async fn wrong_params_fail_the_pull() {
+    let (p, d) = pair().await;
+    let params = prefill(&p, PROMPT).await;
+
+    // Nobody listening on that port.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closed_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let mut bad = params.clone();
+    bad["remote_port"] = json!(closed_port);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong port").await;
+
+    let mut bad = params.clone();
+    bad["remote_engine_id"] = json!("someone-else");
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong engine").await;
+
+    let mut bad = params.clone();
+    bad["remote_block_ids"] = json!([0, 1, 7]);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong blocks").await;
+
+    let mut bad = params.clone();
+    bad["remote_request_id"] = json!("nope");
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong request").await;
+
+    let mut bad = params.clone();
+    bad["remote_host"] = json!(42);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "host not a string").await;
+
+    // Streamed decodes fail the same way, before any response head.
+    let mut bad = params.clone();
+    bad["remote_engine_id"] = json!("someone-else");
+    let mut body = with_params(chat(PROMPT, 4), bad);
+    body["stream"] = json!(true);
+    assert_pull_fails(&d, &body, "stream, wrong engine").await;
+
+    // None of those reached the blocks: they are still held.
+    assert_eq!(p.stats().blocks_held, 3);
+    assert_eq!(p.stats().side_channel_served, 0);
+
+    // KV of another prompt: the pull goes through but the KV does not fit.
+    let other = format!("{PROMPT} extra");
+    assert_pull_fails(
+        &d,
+        &with_params(chat(&other, 4), params.clone()),
+        "other prompt",
+    )
+    .await;
+    assert_eq!(p.stats().blocks_held, 0);
+
+    // Pulled once, gone: a second decode with the same params fails.
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "already pulled").await;
+
+    let s = d.stats();
+    assert_eq!(s.kv_pull_failures, 8);
+    assert_eq!(
+        (s.remote_decodes, s.local_prefills, s.active_requests),
+        (0, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn kv_of_another_model_or_block_size_fails() {
+    let p = SimEngine::start(SimConfig {
+        block_size: 8,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+    let params = prefill(&p, PROMPT).await;
+    assert_eq!(params["remote_block_ids"].as_array().unwrap().len(), 5);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "block size").await;
+}
+
+#[tokio::test]
+async fn invalid_params_fall_back_to_local_prefill() {
+    let (p, d) = pair().await;
+    let params = prefill(&p, PROMPT).await;
+    let mut cases = Vec::new();
+    for key in [
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+    ] {
+        let mut bad = params.clone();
+        bad.as_object_mut().unwrap().remove(key);
+        cases.push(bad);
+    }
+    let mut empty = params.clone();
+    empty["remote_block_ids"] = json!([]);
+    cases.push(empty);
+    let mut missing = params.clone();
+    missing.as_object_mut().unwrap().remove("remote_block_ids");
+    cases.push(missing);
+    for bad in cases {
+        let reply = post(d.addr(), CHAT, &with_params(chat(PROMPT, 3), bad.clone())).await;
+        assert_eq!(reply.status, 200, "{bad}");
+        assert_eq!(
+            reply.json()["choices"][0]["message"]["content"],
+            generate(PROMPT, 3, 0).concat()
+        );
+    }
+    // Not a decode request at all: plain local prefill, not invalid.
+    let reply = post(
+        d.addr(),
+        CHAT,
+        &with_params(chat(PROMPT, 3), json!({"do_remote_prefill": false})),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    let s = d.stats();
+    assert_eq!(
+        (
+            s.invalid_kv_params,
+            s.local_prefills,
+            s.remote_decodes,
+            s.kv_pull_failures
+        ),
+        (6, 7, 0, 0)
+    );
+    // The prefill still holds its blocks: nobody pulled them.
+    assert_eq!(p.stats().blocks_held, 3);
+}
+
+#[tokio::test]
+async fn prefill_stopped_by_eos_returns_no_params() {
+    let p = SimEngine::start(SimConfig {
+        eos_period: 4,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let prompt = (0..)
+        .map(|i| format!("stop here {i}"))
+        .find(|p| generate(p, 1, 4).is_empty())
+        .unwrap();
+    let body = with_params(chat(&prompt, 1), json!({"do_remote_decode": true}));
+    let v = post(p.addr(), CHAT, &body).await.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["kv_transfer_params"], Value::Null);
+    let s = p.stats();
+    assert_eq!(
+        (s.prefill_requests, s.kv_params_returned, s.blocks_held),
+        (1, 0, 0)
+    );
+
+    // A stop string on the first token does the same.
+    let first = generate("plain words", 1, 0)[0].trim().to_owned();
+    let mut body = with_params(chat("plain words", 1), json!({"do_remote_decode": true}));
+    body["stop"] = json!([first]);
+    let plain = SimEngine::start(SimConfig::default()).await.unwrap();
+    let v = post(plain.addr(), CHAT, &body).await.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["kv_transfer_params"], Value::Null);
+    assert_eq!(plain.stats().blocks_held, 0);
+}
+
+#[tokio::test]
+async fn streamed_prefill_carries_no_params_but_holds_blocks() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let mut body = with_params(chat(PROMPT, 1), json!({"do_remote_decode": true}));
+    body["stream"] = json!(true);
+    let reply = post(p.addr(), CHAT, &body).await;
+    assert!(!reply.text().contains("kv_transfer_params"));
+    let s = p.stats();
+    assert_eq!(
+        (s.prefill_requests, s.kv_params_returned, s.blocks_held),
+        (1, 0, 3)
+    );
+}
+
+#[tokio::test]
+async fn lease_expiry_frees_blocks() {
+    let p = SimEngine::start(SimConfig {
+        kv_lease: Duration::from_millis(100),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+    let params = prefill(&p, PROMPT).await;
+    assert_eq!(p.stats().blocks_held, 3);
+    let s = wait_for(&p, |s| s.blocks_held == 0).await;
+    assert_eq!(s.side_channel_served, 0);
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "expired").await;
+}
+
+#[tokio::test]
+async fn side_channel_protocol_by_hand() {
+    let p = SimEngine::start(SimConfig {
+        engine_id: Some("e1".into()),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let params = prefill(&p, "a b c").await;
+    let side = p.side_channel_addr();
+    let exchange = |line: String| async move {
+        let mut s = tokio::net::TcpStream::connect(side).await.unwrap();
+        s.write_all(line.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        BufReader::new(s).read_line(&mut answer).await.unwrap();
+        serde_json::from_str::<SideChannelResponse>(&answer).unwrap()
+    };
+    let bad = exchange("garbage\n".into()).await;
+    assert!(!bad.ok && bad.error.is_some());
+    let req = SideChannelRequest {
+        engine_id: "e1".into(),
+        request_id: params["remote_request_id"].as_str().unwrap().into(),
+        block_ids: vec![0],
+    };
+    let good = exchange(format!("{}\n", serde_json::to_string(&req).unwrap())).await;
+    assert!(good.ok, "{good:?}");
+    assert_eq!(good.blocks.unwrap().len(), 1);
+    assert!(good.prompt_digest.is_some());
+    assert_eq!(p.stats().side_channel_served, 1);
+    let again = exchange(format!("{}\n", serde_json::to_string(&req).unwrap())).await;
+    assert!(!again.ok);
+}
