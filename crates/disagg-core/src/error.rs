@@ -190,6 +190,11 @@ impl PdError {
         Self::new(Kind::BodyTooLarge { limit }, Side::Client, None)
     }
 
+    /// The client's body could not be read (the client broke off while sending it).
+    pub fn client_body(source: BoxError) -> Self {
+        Self::new(Kind::Body, Side::Client, Some(source))
+    }
+
     /// The request names no route this service serves.
     pub fn not_found() -> Self {
         Self::new(Kind::NotFound, Side::Client, None)

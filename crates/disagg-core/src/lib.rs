@@ -5,15 +5,15 @@
 //! prompt's KV cache, a *decode* engine receives it and generates the tokens. This crate
 //! orchestrates one request across both:
 //!
-//! 1. an [`EndpointSource`](source::EndpointSource) publishes the endpoints as an
+//! 1. an [`EndpointSource`] publishes the endpoints as an
 //!    immutable snapshot;
-//! 2. a [`Router`](router::Router) picks a prefill and a decode endpoint;
-//! 3. a [`KvConnector`](connector::KvConnector) plans both legs: the prefill body (built by
-//!    the [`PrefillRewriter`](rewrite::PrefillRewriter)), the decode body, and how to
+//! 2. a [`Router`] picks a prefill and a decode endpoint;
+//! 3. a [`KvConnector`] plans both legs: the prefill body (built by
+//!    the [`PrefillRewriter`]), the decode body, and how to
 //!    dispatch them;
-//! 4. the [`Orchestrator`](orchestrator::Orchestrator) sends them through a
-//!    [`Transport`](transport::Transport) and streams the decode's answer back, frame by
-//!    frame, in a [`PdBody`](orchestrator::PdBody).
+//! 4. the [`Orchestrator`] sends them through a
+//!    [`Transport`] and streams the decode's answer back, frame by
+//!    frame, in a [`PdBody`].
 //!
 //! The core knows nothing of hyper: `disagg-http` supplies the pooled transport and the
 //! tower service.

@@ -15,7 +15,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
@@ -38,6 +38,38 @@ pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff
 
 /// The response header naming the leg whose answer is passed through on a failure.
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
+
+/// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
+/// `decode` (time to the decode's response head), in milliseconds.
+pub const SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+
+/// Phase durations of one request, reported in `server-timing`.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timing {
+    prefill: Option<Duration>,
+    handoff: Option<Duration>,
+    decode_head: Option<Duration>,
+}
+
+impl Timing {
+    fn header_value(&self) -> Option<HeaderValue> {
+        use std::fmt::Write;
+        let mut out = String::new();
+        for (name, d) in [
+            ("prefill", self.prefill),
+            ("handoff", self.handoff),
+            ("decode", self.decode_head),
+        ] {
+            if let Some(d) = d {
+                if !out.is_empty() {
+                    out.push_str(", ");
+                }
+                let _ = write!(out, "{name};dur={:.3}", d.as_secs_f64() * 1e3);
+            }
+        }
+        HeaderValue::from_str(&out).ok().filter(|_| !out.is_empty())
+    }
+}
 
 /// What to do when no prefill endpoint is available.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -250,7 +282,8 @@ impl Inner {
                 NoPrefill::Fail => Err(PdError::route(RouteError::NoPrefill)),
                 NoPrefill::DecodeOnly => {
                     let leg = Leg::new(route.decode.clone(), req.body().clone());
-                    self.decode(&req, route, leg, "decode-only").await
+                    self.decode(&req, route, leg, "decode-only", Timing::default())
+                        .await
                 }
             };
         }
@@ -261,6 +294,7 @@ impl Inner {
 
         match handoff.dispatch {
             Dispatch::AfterPrefill => {
+                let start = Instant::now();
                 let answer = match self.prefill(&req, &handoff.prefill).await {
                     Ok(PrefillResult::Answer(a)) => a,
                     Ok(PrefillResult::ClientError(resp)) => {
@@ -272,7 +306,13 @@ impl Inner {
                         return Err(e);
                     }
                 };
+                let prefilled = Instant::now();
                 let handed = self.complete(&mut handoff, &answer).await;
+                let timing = Timing {
+                    prefill: Some(prefilled - start),
+                    handoff: Some(prefilled.elapsed()),
+                    decode_head: None,
+                };
                 let mark = match handed {
                     Ok(KvOutcome::Handed) => "kv",
                     Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
@@ -298,7 +338,7 @@ impl Inner {
                         return Err(e);
                     }
                 };
-                self.decode(&req, route, handoff.decode, mark).await
+                self.decode(&req, route, handoff.decode, mark, timing).await
             }
             Dispatch::Concurrent => {
                 let Handoff {
@@ -321,7 +361,7 @@ impl Inner {
                     }
                 }
                 let head = d.inspect_err(|_| self.router.observe(&route, Outcome::DecodeFailed))?;
-                Ok(self.respond(&req, route, guard, head, "kv"))
+                Ok(self.respond(&req, route, guard, head, "kv", Timing::default()))
             }
         }
     }
@@ -451,10 +491,15 @@ impl Inner {
         route: Route,
         leg: Leg,
         mark: &'static str,
+        mut timing: Timing,
     ) -> Result<Response<PdBody>, PdError> {
         let guard = leg.endpoint.track();
+        let start = Instant::now();
         match self.decode_head(req, &leg).await {
-            Ok(head) => Ok(self.respond(req, route, guard, head, mark)),
+            Ok(head) => {
+                timing.decode_head = Some(start.elapsed());
+                Ok(self.respond(req, route, guard, head, mark, timing))
+            }
             Err(e) => {
                 self.router.observe(&route, Outcome::DecodeFailed);
                 Err(e)
@@ -470,6 +515,7 @@ impl Inner {
         guard: InFlightGuard,
         head: Response<BoxBody>,
         mark: &'static str,
+        timing: Timing,
     ) -> Response<PdBody> {
         let (parts, body) = head.into_parts();
         let sse = parts
@@ -489,6 +535,9 @@ impl Inner {
         let h = resp.headers_mut();
         h.insert(REQUEST_ID, req.request_id().clone());
         h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
+        if let Some(v) = timing.header_value() {
+            h.append(SERVER_TIMING, v);
+        }
         if !parts.status.is_success() {
             h.insert(FAILED_LEG_HEADER, HeaderValue::from_static("decode"));
         }

@@ -1,0 +1,59 @@
+//! OpenAI-format error responses: the one place errors become HTTP.
+
+use bytes::Bytes;
+use disagg_core::PdBody;
+use disagg_core::error::{PdError, error_chain};
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+
+/// An OpenAI-format error body: `{"error": {"message", "type", "param", "code"}}`.
+pub fn openai_error_body(message: &str, error_type: &str, code: &str) -> Bytes {
+    let v = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": null,
+            "code": code,
+        }
+    });
+    Bytes::from(v.to_string())
+}
+
+/// A response with `status` and an OpenAI-format error body.
+pub fn error_response(
+    status: StatusCode,
+    message: &str,
+    error_type: &str,
+    code: &str,
+) -> Response<PdBody> {
+    let mut resp = Response::new(PdBody::full(openai_error_body(message, error_type, code)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// The response for a [`PdError`]: its status, and its whole cause chain as the message.
+pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
+    error_response(
+        err.status(),
+        &error_chain(err),
+        err.error_type(),
+        err.code(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn body_shape() {
+        let b = openai_error_body("bad \"x\"", "invalid_request_error", "c");
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["message"], "bad \"x\"");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "c");
+        assert!(v["error"]["param"].is_null());
+    }
+}

@@ -1,0 +1,31 @@
+//! The HTTP adapter of **disagg**: a pooled hyper-util [`HttpTransport`], the tower
+//! [`PdService`] that serves OpenAI chat and completion requests disaggregated, the
+//! OpenAI error format, and a small [`serve`](server::serve) helper.
+//!
+//! # Examples
+//!
+//! A proxy in front of one prefill and one decode engine:
+//!
+//! ```no_run
+//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_http::{HttpTransport, PdService, server};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let source = StaticSource::new([
+//!     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
+//!     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
+//! ]);
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
+//! server::serve(listener, PdService::new(orchestrator), std::future::pending()).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod error;
+pub mod server;
+pub mod service;
+pub mod transport;
+
+pub use service::{PdService, PdServiceConfig};
+pub use transport::{HttpTransport, HttpTransportConfig};

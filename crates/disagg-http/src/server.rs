@@ -1,0 +1,84 @@
+//! Serving helpers: accept connections and run a service on each, over hyper.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_core::error::BoxError;
+use http::{Request, Response};
+use http_body::Body;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+
+/// How long in-flight requests may run on after shutdown is asked before they are cut.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serve `service` on every connection `listener` accepts, HTTP/1.1 with keep-alive and
+/// `TCP_NODELAY`, until `shutdown` resolves; then stop accepting and let in-flight
+/// requests finish (at most 30 s).
+///
+/// # Errors
+///
+/// Only when accepting fails in a way that is not about one connection.
+pub async fn serve<S, B>(
+    listener: TcpListener,
+    service: S,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let graceful = GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new());
+    // Slow or idle clients must not hold a connection's task open forever.
+    http.header_read_timeout(Duration::from_secs(30));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            res = listener.accept() => match res {
+                Ok(conn) => conn,
+                Err(e) if is_per_connection(&e) => continue,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, do not spin.
+                    tracing::error!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let conn = http.serve_connection(
+            TokioIo::new(stream),
+            TowerToHyperService::new(service.clone()),
+        );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;
+    Ok(())
+}
+
+fn is_per_connection(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | ConnectionRefused
+    )
+}

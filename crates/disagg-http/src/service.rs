@@ -1,0 +1,310 @@
+//! [`PdService`]: the tower service that serves OpenAI requests disaggregated.
+//!
+//! | route | answer |
+//! |---|---|
+//! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
+//! | `GET /v1/models` | the union of the decode endpoints' models |
+//! | `GET /health` | 200 when a request could be routed now, else 503 |
+//! | anything else | 404 (405 for a known path with another method) |
+//!
+//! Every failure is an OpenAI-format error response, so the service never fails
+//! (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as it is.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_core::error::{BoxError, PdError};
+use disagg_core::orchestrator::NoPrefill;
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::{Orchestrator, PdBody};
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+use crate::error::{error_response, pd_error_response};
+
+/// Settings of the [`PdService`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct PdServiceConfig {
+    /// Largest client body accepted, in bytes; a larger one is answered 413.
+    pub max_body_bytes: usize,
+    /// Time to gather the models of every decode endpoint for `GET /v1/models`.
+    pub models_timeout: Duration,
+}
+
+impl Default for PdServiceConfig {
+    fn default() -> Self {
+        PdServiceConfig {
+            // Long multimodal prompts inline their images; 32 MiB fits them with room.
+            max_body_bytes: 32 * 1024 * 1024,
+            models_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+struct Inner {
+    orchestrator: Orchestrator,
+    config: PdServiceConfig,
+}
+
+/// Serves OpenAI chat and completion requests through an [`Orchestrator`].
+///
+/// `Clone + Send + Sync` (an `Arc` inside); `poll_ready` is always ready.
+#[derive(Clone)]
+pub struct PdService {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for PdService {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PdService")
+            .field("orchestrator", &self.inner.orchestrator)
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+impl PdService {
+    /// A service over `orchestrator` with the default settings.
+    pub fn new(orchestrator: Orchestrator) -> Self {
+        Self::with_config(orchestrator, PdServiceConfig::default())
+    }
+
+    /// A service over `orchestrator` with `config`.
+    pub fn with_config(orchestrator: Orchestrator, config: PdServiceConfig) -> Self {
+        PdService {
+            inner: Arc::new(Inner {
+                orchestrator,
+                config,
+            }),
+        }
+    }
+
+    /// The orchestrator.
+    pub fn orchestrator(&self) -> &Orchestrator {
+        &self.inner.orchestrator
+    }
+}
+
+/// The future of `PdService`'s `tower::Service::call`.
+pub struct ResponseFuture {
+    inner: Pin<Box<dyn Future<Output = Result<Response<PdBody>, Infallible>> + Send>>,
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Response<PdBody>, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+impl<B> tower::Service<Request<B>> for PdService
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<PdBody>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> ResponseFuture {
+        let inner = Arc::clone(&self.inner);
+        ResponseFuture {
+            inner: Box::pin(async move { Ok(inner.handle(req).await) }),
+        }
+    }
+}
+
+impl Inner {
+    async fn handle<B>(&self, req: Request<B>) -> Response<PdBody>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let path = req.uri().path();
+        if let Some(api) = Api::from_path(path) {
+            if req.method() != Method::POST {
+                return method_not_allowed();
+            }
+            return match self.completion(api, req).await {
+                Ok(resp) => resp,
+                Err(err) => {
+                    tracing::warn!(error = %disagg_core::error::error_chain(&err), "request failed");
+                    pd_error_response(&err)
+                }
+            };
+        }
+        match path {
+            "/v1/models" if req.method() == Method::GET => self.models().await,
+            "/health" if req.method() == Method::GET => self.health(),
+            "/v1/models" | "/health" => method_not_allowed(),
+            _ => pd_error_response(&PdError::not_found()),
+        }
+    }
+
+    async fn completion<B>(&self, api: Api, req: Request<B>) -> Result<Response<PdBody>, PdError>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let limit = self.config.max_body_bytes;
+        let (parts, body) = req.into_parts();
+        let declared = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(PdError::body_too_large(limit));
+        }
+        let bytes = read_body(body, limit).await?;
+        let req = PdRequest::new(api, parts.headers, &bytes).map_err(PdError::body)?;
+        self.orchestrator.serve(req).await
+    }
+
+    fn health(&self) -> Response<PdBody> {
+        let set = self.orchestrator.source().snapshot();
+        let prefill_ok = !set.prefill().is_empty()
+            || self.orchestrator.config().no_prefill == NoPrefill::DecodeOnly;
+        if prefill_ok && !set.decode().is_empty() {
+            json_response(StatusCode::OK, Bytes::from_static(br#"{"status":"ok"}"#))
+        } else {
+            error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!(
+                    "not ready: {} prefill and {} decode endpoints",
+                    set.prefill().len(),
+                    set.decode().len()
+                ),
+                "server_error",
+                "not_ready",
+            )
+        }
+    }
+
+    async fn models(&self) -> Response<PdBody> {
+        let set = self.orchestrator.source().snapshot();
+        let transport = self.orchestrator.transport();
+        let fetches = set.decode().iter().map(|ep| {
+            let uri = ep.uri("/v1/models");
+            let fut = uri.map(|uri| {
+                let mut r = Request::new(Bytes::new());
+                *r.uri_mut() = uri;
+                transport.send(r)
+            });
+            async move {
+                let resp = fut.ok()?.await.ok()?;
+                if !resp.status().is_success() {
+                    return None;
+                }
+                let body = collect_limited(resp.into_body(), 4 * 1024 * 1024)
+                    .await
+                    .ok()?;
+                let list: ModelList = serde_json::from_slice(&body).ok()?;
+                Some(list.data)
+            }
+        });
+        let all = tokio::time::timeout(
+            self.config.models_timeout,
+            futures::future::join_all(fetches),
+        )
+        .await
+        .unwrap_or_default();
+        let mut data: Vec<serde_json::Map<String, serde_json::Value>> = Vec::new();
+        let mut answered = false;
+        for list in all.into_iter().flatten() {
+            answered = true;
+            for model in list {
+                let id = model.get("id").cloned();
+                if !data.iter().any(|m| m.get("id") == id.as_ref()) {
+                    data.push(model);
+                }
+            }
+        }
+        if !answered {
+            return error_response(
+                StatusCode::BAD_GATEWAY,
+                "no decode endpoint answered GET /v1/models",
+                "server_error",
+                "decode_failed",
+            );
+        }
+        let body = serde_json::json!({"object": "list", "data": data});
+        json_response(StatusCode::OK, Bytes::from(body.to_string()))
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct ModelList {
+    data: Vec<serde_json::Map<String, serde_json::Value>>,
+}
+
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, PdError>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    match collect_limited(body, limit).await {
+        Ok(bytes) => Ok(bytes),
+        Err(e) if e.is::<LengthLimitError>() => Err(PdError::body_too_large(limit)),
+        Err(e) => Err(PdError::client_body(e)),
+    }
+}
+
+/// Collect at most `limit` bytes of `body`.
+///
+/// A named `'static` future rather than an `async fn`: awaiting `Limited`'s collect
+/// directly inside an async block trips the compiler's `Send` inference (a
+/// higher-ranked `From` bound on the boxed error).
+fn collect_limited<B>(
+    body: B,
+    limit: usize,
+) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    use futures::TryFutureExt;
+    Limited::new(body, limit).collect().map_ok(|c| c.to_bytes())
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody> {
+    let mut resp = Response::new(PdBody::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn method_not_allowed() -> Response<PdBody> {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method not allowed on this route",
+        "invalid_request_error",
+        "method_not_allowed",
+    )
+}

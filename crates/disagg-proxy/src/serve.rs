@@ -1,0 +1,127 @@
+//! `disagg-proxy serve`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use disagg_core::orchestrator::{MissingKv, NoPrefill};
+use disagg_core::{
+    Endpoint, LeastInFlight, Orchestrator, OrchestratorConfig, Role, RoundRobin, StaticSource,
+};
+use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
+use tokio::net::TcpListener;
+
+use crate::BoxError;
+
+/// Flags of `serve`. `--prefill` and `--decode` follow the SGLang and vLLM routers.
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// A prefill engine's base URL (http://host:port). Repeat for several engines.
+    #[arg(long = "prefill", value_name = "URL", required = true)]
+    prefill: Vec<String>,
+    /// A decode engine's base URL (http://host:port). Repeat for several engines.
+    #[arg(long = "decode", value_name = "URL", required = true)]
+    decode: Vec<String>,
+    /// The address the proxy listens on.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
+    listen: SocketAddr,
+    /// How endpoints are picked for each leg.
+    #[arg(long, value_enum, default_value_t = Policy::RoundRobin)]
+    policy: Policy,
+    /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    prefill_timeout: f64,
+    /// Seconds from sending the decode leg to its response head; past it, 504.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    decode_timeout: f64,
+    /// Seconds to establish a TCP connection to an engine.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    connect_timeout: f64,
+    /// Largest client request body, in bytes; larger ones are answered 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// When no prefill engine is configured or available, serve requests on a decode
+    /// engine alone (it computes the prompt itself) instead of answering 503. Answers
+    /// served this way carry `x-disagg-handoff: decode-only`.
+    #[arg(long)]
+    decode_only_fallback: bool,
+    /// What to do when the prefill answers without `kv_transfer_params`: let the decode
+    /// engine compute the prompt itself (`x-disagg-handoff: none`), or fail with 502.
+    #[arg(long, value_enum, default_value_t = MissingKvArg::LocalPrefill)]
+    missing_kv: MissingKvArg,
+    /// Forward the client's `Authorization` header to the engines.
+    #[arg(long)]
+    forward_authorization: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+#[value(rename_all = "snake_case")]
+enum Policy {
+    /// Independent round-robin over prefill and over decode engines.
+    RoundRobin,
+    /// The engine with the fewest requests in flight (streams count until they end).
+    LeastInFlight,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+#[value(rename_all = "kebab-case")]
+enum MissingKvArg {
+    /// Send the decode leg without a handoff.
+    LocalPrefill,
+    /// Answer 502.
+    Fail,
+}
+
+fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
+}
+
+/// Build the proxy's service from the flags.
+pub(crate) fn build(args: &ServeArgs) -> Result<PdService, BoxError> {
+    let mut endpoints = Vec::new();
+    for url in &args.prefill {
+        endpoints.push(Endpoint::new(url, Role::Prefill)?);
+    }
+    for url in &args.decode {
+        endpoints.push(Endpoint::new(url, Role::Decode)?);
+    }
+    let mut transport = HttpTransportConfig::default();
+    transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+    let mut config = OrchestratorConfig::default();
+    config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
+    config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
+    config.forward_authorization = args.forward_authorization;
+    if args.decode_only_fallback {
+        config.no_prefill = NoPrefill::DecodeOnly;
+    }
+    config.missing_kv = match args.missing_kv {
+        MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
+        MissingKvArg::Fail => MissingKv::Fail,
+    };
+    let builder =
+        Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::new(transport))
+            .config(config);
+    let orchestrator = match args.policy {
+        Policy::RoundRobin => builder.router(RoundRobin::new()).build(),
+        Policy::LeastInFlight => builder.router(LeastInFlight::new()).build(),
+    };
+    let mut svc = PdServiceConfig::default();
+    svc.max_body_bytes = args.max_body_bytes;
+    Ok(PdService::with_config(orchestrator, svc))
+}
+
+pub(crate) async fn run(args: ServeArgs) -> Result<(), BoxError> {
+    let service = build(&args)?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        prefill = ?args.prefill,
+        decode = ?args.decode,
+        "disagg-proxy serving"
+    );
+    disagg_http::server::serve(listener, service, crate::shutdown_signal()).await?;
+    Ok(())
+}

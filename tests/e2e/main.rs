@@ -1,0 +1,362 @@
+//! End to end over real loopback sockets: the proxy in front of simulated vLLM-like
+//! engines whose decode really pulls the KV from the prefill's side channel.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use serde_json::{Value, json};
+use support::*;
+
+/// One request through the proxy; the same request straight to the decode engine must
+/// give the same text, and the engines' counters must show a real KV handoff.
+async fn disaggregated_equals_direct(path: &str, body: String) {
+    let stack = Stack::start().await;
+    let a = post(&stack.url, path, body.clone(), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    let text = a.content();
+    assert!(!text.is_empty());
+
+    let (p, d) = (stack.p().stats(), stack.d().stats());
+    assert_eq!(p.prefill_requests, 1, "prefill saw one prefill request");
+    assert_eq!(p.kv_params_returned, 1);
+    assert_eq!(p.side_channel_served, 1, "KV left over the side channel");
+    assert_eq!(p.blocks_held, 0, "pulled blocks are freed");
+    assert_eq!(d.remote_decodes, 1, "decode pulled the KV");
+    assert_eq!(d.local_prefills, 0, "decode did not compute the prompt");
+    assert_eq!(d.kv_pull_failures, 0);
+
+    let direct = post(&stack.d().url(), path, body, &[]).await;
+    assert_eq!(direct.status, 200);
+    assert_eq!(direct.content(), text, "same text as a direct run");
+    assert_eq!(stack.d().stats().local_prefills, 1);
+}
+
+#[tokio::test]
+async fn chat_non_streaming() {
+    disaggregated_equals_direct(
+        "/v1/chat/completions",
+        chat("the quick brown fox", 12, false),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn chat_streaming() {
+    disaggregated_equals_direct(
+        "/v1/chat/completions",
+        chat("the quick brown fox", 12, true),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn completions_non_streaming() {
+    disaggregated_equals_direct("/v1/completions", completion("once upon a time", 9, false)).await;
+}
+
+#[tokio::test]
+async fn completions_streaming() {
+    disaggregated_equals_direct("/v1/completions", completion("once upon a time", 9, true)).await;
+}
+
+#[tokio::test]
+async fn streaming_answer_is_real_sse() {
+    let stack = Stack::start().await;
+    let a = post(
+        &stack.url,
+        "/v1/chat/completions",
+        chat("stream me", 5, true),
+        &[],
+    )
+    .await;
+    assert!(
+        a.header("content-type")
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = a.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // Role chunk, five tokens; the decode's own framing reaches the client unchanged.
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks.len(), 6, "{events:?}");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+}
+
+#[tokio::test]
+async fn prefill_sees_exactly_the_rewritten_body_and_decode_the_client_body() {
+    let stack = Stack::start().await;
+    let client_body = json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "rewrite me please"}],
+        "max_tokens": 20,
+        "max_completion_tokens": 20,
+        "min_tokens": 2,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "stop": ["zzz"],
+        "stop_token_ids": [7],
+        "logprobs": true,
+        "top_logprobs": 2,
+        "temperature": 0.5,
+        "custom_field": {"kept": [1, 2, 3]},
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_host": "203.0.113.9", "remote_port": 1},
+    });
+    let a = post(
+        &stack.url,
+        "/v1/chat/completions",
+        client_body.to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.events().last().map(String::as_str), Some("[DONE]"));
+
+    let p = stack.p().requests();
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].path, "/v1/chat/completions");
+    assert_eq!(
+        p[0].body,
+        json!({
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": "rewrite me please"}],
+            "max_tokens": 1,
+            "max_completion_tokens": 1,
+            "stream": false,
+            "temperature": 0.5,
+            "custom_field": {"kept": [1, 2, 3]},
+            "ignore_eos": true,
+            "kv_transfer_params": {
+                "do_remote_decode": true, "do_remote_prefill": false,
+                "remote_engine_id": null, "remote_block_ids": null,
+                "remote_host": null, "remote_port": null,
+            },
+        })
+    );
+
+    let d = stack.d().requests();
+    assert_eq!(d.len(), 1);
+    let mut expect = client_body.clone();
+    let params = &d[0].body["kv_transfer_params"];
+    expect["kv_transfer_params"] = params.clone();
+    assert_eq!(
+        d[0].body, expect,
+        "decode gets the client's body plus the handoff"
+    );
+    // The handoff is the prefill's, not the client's.
+    assert_eq!(params["remote_engine_id"], stack.p().engine_id());
+    assert_eq!(params["remote_host"], "127.0.0.1");
+    assert_eq!(params["remote_port"], stack.p().side_channel_addr().port());
+    assert_eq!(params["do_remote_prefill"], true);
+    assert!(
+        params["remote_block_ids"]
+            .as_array()
+            .is_some_and(|b| !b.is_empty())
+    );
+}
+
+#[tokio::test]
+async fn client_request_id_is_sent_on_both_legs() {
+    let stack = Stack::start().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("ids", 3, false),
+        &[("x-request-id", "client-rid-42")],
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.header("x-request-id"), Some("client-rid-42"));
+    for engine in [stack.p(), stack.d()] {
+        let r = &engine.requests()[0];
+        let rid = r
+            .headers
+            .iter()
+            .find(|(k, _)| k == "x-request-id")
+            .map(|(_, v)| v.as_str());
+        assert_eq!(rid, Some("client-rid-42"));
+    }
+}
+
+#[tokio::test]
+async fn generated_request_id_is_the_same_on_both_legs() {
+    let stack = Stack::start().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("ids", 3, false),
+        &[],
+    )
+    .await;
+    let rid = a.header("x-request-id").expect("a request id").to_owned();
+    assert_eq!(rid.len(), 32);
+    for engine in [stack.p(), stack.d()] {
+        let r = &engine.requests()[0];
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| k == "x-request-id" && *v == rid)
+        );
+    }
+}
+
+#[tokio::test]
+async fn session_header_is_kept_on_both_legs_whatever_its_spelling() {
+    let stack = Stack::start().await;
+    for (name, value) in [("x-session-id", "s-1"), ("x_session_id", "s-2")] {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion("s", 2, false),
+            &[(name, value)],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+    }
+    for engine in [stack.p(), stack.d()] {
+        let reqs = engine.requests();
+        assert!(
+            reqs[0]
+                .headers
+                .iter()
+                .any(|(k, v)| k == "x-session-id" && v == "s-1")
+        );
+        assert!(
+            reqs[1]
+                .headers
+                .iter()
+                .any(|(k, v)| k == "x_session_id" && v == "s-2")
+        );
+    }
+}
+
+#[tokio::test]
+async fn authorization_is_not_forwarded_unless_configured() {
+    let stack = Stack::start().await;
+    post(
+        &stack.url,
+        "/v1/completions",
+        completion("a", 2, false),
+        &[("authorization", "Bearer k")],
+    )
+    .await;
+    assert!(
+        !stack.p().requests()[0]
+            .headers
+            .iter()
+            .any(|(k, _)| k == "authorization")
+    );
+
+    let stack = Stack::builder()
+        .config(|c| c.forward_authorization = true)
+        .build()
+        .await;
+    post(
+        &stack.url,
+        "/v1/completions",
+        completion("a", 2, false),
+        &[("authorization", "Bearer k")],
+    )
+    .await;
+    for engine in [stack.p(), stack.d()] {
+        assert!(
+            engine.requests()[0]
+                .headers
+                .iter()
+                .any(|(k, v)| k == "authorization" && v == "Bearer k")
+        );
+    }
+}
+
+#[tokio::test]
+async fn eos_first_token_still_hands_over_kv() {
+    // With an EOS at every position the prefill would end "stopped" and vLLM would keep
+    // no KV; the rewriter's ignore_eos keeps it length-capped.
+    let eos = disagg_sim::SimConfig {
+        eos_period: 1,
+        ..Default::default()
+    };
+    let stack = Stack::builder().prefill(vec![eos]).build().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("stop early", 4, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    assert_eq!(stack.d().stats().remote_decodes, 1);
+}
+
+#[tokio::test]
+async fn xpyd_round_robin_spreads_both_legs() {
+    use disagg_sim::SimConfig;
+    let stack = Stack::builder()
+        .prefill(vec![SimConfig::default(), SimConfig::default()])
+        .decode(vec![
+            SimConfig::default(),
+            SimConfig::default(),
+            SimConfig::default(),
+        ])
+        .build()
+        .await;
+    for i in 0..6 {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&format!("req {i}"), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+    }
+    for p in &stack.prefill {
+        assert_eq!(p.stats().prefill_requests, 3);
+        assert_eq!(p.stats().side_channel_served, 3);
+    }
+    for d in &stack.decode {
+        assert_eq!(d.stats().remote_decodes, 2);
+    }
+}
+
+#[tokio::test]
+async fn health_models_and_unknown_routes() {
+    let stack = Stack::start().await;
+    let h = get(&stack.url, "/health").await;
+    assert_eq!(h.status, 200);
+    let m = get(&stack.url, "/v1/models").await;
+    assert_eq!(m.status, 200);
+    let v = m.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "sim-model");
+    assert_openai_error(&get(&stack.url, "/v2/nothing").await, 404, "not_found");
+    assert_openai_error(
+        &get(&stack.url, "/v1/completions").await,
+        405,
+        "method_not_allowed",
+    );
+}
+
+#[tokio::test]
+async fn server_timing_reports_phases() {
+    let stack = Stack::start().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("time", 2, false),
+        &[],
+    )
+    .await;
+    let t = a.header("server-timing").expect("server-timing");
+    for phase in ["prefill;dur=", "handoff;dur=", "decode;dur="] {
+        assert!(t.contains(phase), "{t}");
+    }
+}

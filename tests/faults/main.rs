@@ -1,0 +1,411 @@
+//! Bad input and faults: each has a defined outcome in OpenAI's error format, and no
+//! upstream request outlives the client's.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use std::time::Duration;
+
+use disagg_core::orchestrator::NoPrefill;
+use disagg_sim::{Faults, SimConfig};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn faulty(faults: Faults) -> SimConfig {
+    SimConfig {
+        faults,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn malformed_json_is_400() {
+    let stack = Stack::start().await;
+    for body in [
+        r#"{"model":"sim-model","prompt":"#,
+        "[1,2]",
+        "",
+        r#"{"model":5}"#,
+        r#"{"stream":"yes"}"#,
+    ] {
+        let a = post(&stack.url, "/v1/completions", body.to_owned(), &[]).await;
+        assert_openai_error(&a, 400, "invalid_request_body");
+    }
+    assert_eq!(stack.p().stats().requests, 0, "nothing reached an engine");
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn body_over_the_limit_is_413() {
+    let stack = Stack::builder()
+        .service(|s| s.max_body_bytes = 1024)
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion(&"word ".repeat(400), 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 413, "request_too_large");
+    let ok = post(
+        &stack.url,
+        "/v1/completions",
+        completion("small", 2, false),
+        &[],
+    )
+    .await;
+    assert_eq!(ok.status, 200);
+}
+
+#[tokio::test]
+async fn no_prefill_endpoint_is_503() {
+    let stack = Stack::builder().prefill(vec![]).build().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 503, "no_prefill_endpoint");
+    assert_eq!(get(&stack.url, "/health").await.status, 503);
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn no_decode_endpoint_is_503() {
+    let stack = Stack::builder().decode(vec![]).build().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 503, "no_decode_endpoint");
+    assert_eq!(stack.p().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn decode_only_fallback_when_configured() {
+    let stack = Stack::builder()
+        .prefill(vec![])
+        .config(|c| c.no_prefill = NoPrefill::DecodeOnly)
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("fallback", 3, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.header("x-disagg-handoff"), Some("decode-only"));
+    assert_eq!(stack.d().stats().local_prefills, 1);
+    assert!(
+        !stack.d().requests()[0]
+            .body
+            .as_object()
+            .unwrap()
+            .contains_key("kv_transfer_params")
+    );
+}
+
+#[tokio::test]
+async fn prefill_4xx_is_passed_through() {
+    let stack = Stack::builder()
+        .prefill(vec![faulty(Faults {
+            status: Some(400),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 400);
+    assert_eq!(a.header("x-disagg-failed-leg"), Some("prefill"));
+    assert_eq!(
+        a.json()["error"]["type"],
+        "BadRequestError",
+        "the engine's own body"
+    );
+    assert_eq!(
+        stack.d().stats().requests,
+        0,
+        "no decode leg after a failed prefill"
+    );
+}
+
+#[tokio::test]
+async fn unknown_model_is_the_engines_404() {
+    let stack = Stack::start().await;
+    let body = serde_json::json!({"model": "no-such-model", "prompt": "x"}).to_string();
+    let a = post(&stack.url, "/v1/completions", body, &[]).await;
+    assert_eq!(a.status, 404);
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-model")
+    );
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn prefill_5xx_is_502_with_the_engines_message() {
+    let stack = Stack::builder()
+        .prefill(vec![faulty(Faults {
+            status: Some(500),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let a = post(&stack.url, "/v1/chat/completions", chat("x", 2, true), &[]).await;
+    assert_openai_error(&a, 502, "prefill_failed");
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("500"),
+        "{}",
+        a.text()
+    );
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn prefill_connection_refused_is_502() {
+    let stack = Stack::builder()
+        .prefill(vec![])
+        .dead_prefill(dead_url().await)
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 502, "prefill_failed");
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("could not be reached")
+    );
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn prefill_timeout_is_504_and_the_prefill_request_is_abandoned() {
+    let stack = Stack::builder()
+        .prefill(vec![faulty(Faults {
+            hang: true,
+            ..Default::default()
+        })])
+        .config(|c| c.prefill_timeout = Duration::from_millis(300))
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 504, "prefill_timeout");
+    let p = stack.p();
+    assert!(
+        eventually(Duration::from_secs(1), || p.stats().active_requests == 0).await,
+        "{:?}",
+        p.stats()
+    );
+    assert_eq!(p.stats().cancelled, 1);
+    assert_eq!(stack.d().stats().requests, 0);
+}
+
+#[tokio::test]
+async fn decode_timeout_is_504() {
+    let stack = Stack::builder()
+        .decode(vec![faulty(Faults {
+            hang: true,
+            ..Default::default()
+        })])
+        .config(|c| c.decode_head_timeout = Duration::from_millis(300))
+        .build()
+        .await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 504, "decode_timeout");
+    let d = stack.d();
+    assert!(eventually(Duration::from_secs(1), || d.stats().active_requests == 0).await);
+}
+
+#[tokio::test]
+async fn wrong_side_channel_host_really_fails_the_decode() {
+    // The prefill advertises a host where its side channel does not listen; the decode
+    // engine's pull fails and its error reaches the client as the engine wrote it.
+    let wrong = SimConfig {
+        advertised_host: "127.0.0.2".into(),
+        ..Default::default()
+    };
+    let stack = Stack::builder().prefill(vec![wrong]).build().await;
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("x", 2, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 500, "{}", a.text());
+    assert_eq!(a.header("x-disagg-failed-leg"), Some("decode"));
+    assert!(
+        a.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV transfer failed")
+    );
+    assert_eq!(stack.d().stats().kv_pull_failures, 1);
+    assert_eq!(stack.d().stats().remote_decodes, 0);
+}
+
+#[tokio::test]
+async fn decode_failing_mid_stream_ends_with_an_sse_error_event() {
+    let stack = Stack::builder()
+        .decode(vec![faulty(Faults {
+            drop_after_chunks: Some(3),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let a = post(&stack.url, "/v1/chat/completions", chat("x", 10, true), &[]).await;
+    assert_eq!(a.status, 200);
+    let events = a.events();
+    assert!(!events.iter().any(|e| e == "[DONE]"), "{events:?}");
+    let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "decode_stream_failed", "{events:?}");
+    // The three chunks before the break reached the client.
+    assert_eq!(events.len(), 4, "{events:?}");
+}
+
+#[tokio::test]
+async fn decode_failing_mid_body_aborts_a_non_streaming_answer() {
+    let stack = Stack::builder()
+        .decode(vec![faulty(Faults {
+            drop_after_chunks: Some(0),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let req = http::Request::post(format!("{}/v1/completions", stack.url))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(completion(
+            "x", 4, false,
+        ))))
+        .unwrap();
+    let outcome: Result<(), Box<dyn std::error::Error + Send + Sync>> =
+        tokio::time::timeout(Duration::from_secs(5), async {
+            let resp = client().request(req).await?;
+            use http_body_util::BodyExt;
+            resp.into_body().collect().await?;
+            Ok(())
+        })
+        .await
+        .expect("no hang");
+    assert!(
+        outcome.is_err(),
+        "a truncated answer must not look complete"
+    );
+}
+
+/// Send a raw HTTP request and return the open socket.
+async fn raw_request(base: &str, path: &str, body: &str) -> TcpStream {
+    let addr = base.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    s
+}
+
+#[tokio::test]
+async fn client_disconnect_during_prefill_closes_the_prefill_request() {
+    let stack = Stack::builder()
+        .prefill(vec![faulty(Faults {
+            hang: true,
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let s = raw_request(&stack.url, "/v1/completions", &completion("x", 2, false)).await;
+    let p = stack.p();
+    assert!(eventually(Duration::from_secs(2), || p.stats().active_requests == 1).await);
+    drop(s);
+    assert!(
+        eventually(Duration::from_secs(1), || {
+            let st = p.stats();
+            st.active_requests == 0 && st.open_connections == 0
+        })
+        .await,
+        "prefill request and connection closed within 1 s: {:?}",
+        p.stats()
+    );
+    assert_eq!(p.stats().cancelled, 1);
+    assert_eq!(
+        stack.d().stats().requests,
+        0,
+        "no decode leg for a client that left"
+    );
+}
+
+#[tokio::test]
+async fn client_disconnect_mid_stream_closes_the_decode_request() {
+    let slow = SimConfig {
+        inter_token_delay: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let stack = Stack::builder().decode(vec![slow]).build().await;
+    let mut s = raw_request(&stack.url, "/v1/chat/completions", &chat("x", 200, true)).await;
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let d = stack.d();
+    assert_eq!(d.stats().active_requests, 1);
+    drop(s);
+    assert!(
+        eventually(Duration::from_secs(1), || {
+            let st = d.stats();
+            st.active_requests == 0 && st.open_connections == 0
+        })
+        .await,
+        "decode request and connection closed within 1 s: {:?}",
+        d.stats()
+    );
+    assert_eq!(d.stats().cancelled, 1);
+    // The prefill leg had finished; its KV was pulled, nothing is stranded.
+    assert_eq!(stack.p().stats().blocks_held, 0);
+}

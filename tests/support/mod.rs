@@ -1,0 +1,296 @@
+//! Shared test support: simulated engines and a proxy on real loopback sockets.
+#![allow(dead_code, unreachable_pub, missing_docs)] // each test binary uses a part
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_core::orchestrator::OrchestratorConfig;
+use disagg_core::{Endpoint, Orchestrator, Role, RoundRobin, StaticSource};
+use disagg_http::{HttpTransport, PdService, PdServiceConfig};
+use disagg_sim::{SimConfig, SimEngine};
+use http::{HeaderMap, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// A proxy over simulated engines, all on 127.0.0.1 with ephemeral ports.
+pub struct Stack {
+    pub prefill: Vec<SimEngine>,
+    pub decode: Vec<SimEngine>,
+    pub url: String,
+    stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+pub struct StackBuilder {
+    prefill: Vec<SimConfig>,
+    decode: Vec<SimConfig>,
+    extra_prefill_urls: Vec<String>,
+    config: OrchestratorConfig,
+    service: PdServiceConfig,
+}
+
+impl Stack {
+    /// One prefill and one decode engine with default settings.
+    pub async fn start() -> Stack {
+        Stack::builder().build().await
+    }
+
+    pub fn builder() -> StackBuilder {
+        StackBuilder {
+            prefill: vec![SimConfig::default()],
+            decode: vec![SimConfig::default()],
+            extra_prefill_urls: Vec::new(),
+            config: OrchestratorConfig::default(),
+            service: PdServiceConfig::default(),
+        }
+    }
+
+    pub fn p(&self) -> &SimEngine {
+        &self.prefill[0]
+    }
+
+    pub fn d(&self) -> &SimEngine {
+        &self.decode[0]
+    }
+}
+
+impl StackBuilder {
+    pub fn prefill(mut self, configs: Vec<SimConfig>) -> Self {
+        self.prefill = configs;
+        self
+    }
+
+    pub fn decode(mut self, configs: Vec<SimConfig>) -> Self {
+        self.decode = configs;
+        self
+    }
+
+    /// A prefill endpoint URL with no engine behind it (connection refused).
+    pub fn dead_prefill(mut self, url: String) -> Self {
+        self.extra_prefill_urls.push(url);
+        self
+    }
+
+    pub fn config(mut self, f: impl FnOnce(&mut OrchestratorConfig)) -> Self {
+        f(&mut self.config);
+        self
+    }
+
+    pub fn service(mut self, f: impl FnOnce(&mut PdServiceConfig)) -> Self {
+        f(&mut self.service);
+        self
+    }
+
+    pub async fn build(self) -> Stack {
+        let mut prefill = Vec::new();
+        for c in self.prefill {
+            prefill.push(SimEngine::start(c).await.expect("start prefill sim"));
+        }
+        let mut decode = Vec::new();
+        for c in self.decode {
+            decode.push(SimEngine::start(c).await.expect("start decode sim"));
+        }
+        let mut endpoints = Vec::new();
+        for e in &prefill {
+            endpoints.push(Endpoint::new(&e.url(), Role::Prefill).unwrap());
+        }
+        for u in &self.extra_prefill_urls {
+            endpoints.push(Endpoint::new(u, Role::Prefill).unwrap());
+        }
+        for e in &decode {
+            endpoints.push(Endpoint::new(&e.url(), Role::Decode).unwrap());
+        }
+        let orchestrator =
+            Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::default())
+                .router(RoundRobin::new())
+                .config(self.config)
+                .build();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = oneshot::channel::<()>();
+        let svc = PdService::with_config(orchestrator, self.service);
+        tokio::spawn(disagg_http::server::serve(listener, svc, async {
+            let _ = rx.await;
+        }));
+        Stack {
+            prefill,
+            decode,
+            url,
+            stop: Some(tx),
+        }
+    }
+}
+
+/// A URL on 127.0.0.1 where nothing listens.
+pub async fn dead_url() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    drop(l);
+    url
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The SSE `data:` payloads, `[DONE]` included as a string.
+    pub fn events(&self) -> Vec<String> {
+        sse_payloads(&self.body)
+    }
+
+    /// The text of a chat or completion answer, streamed or not.
+    pub fn content(&self) -> String {
+        if self
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("text/event-stream"))
+        {
+            let mut out = String::new();
+            for e in self.events() {
+                if e == "[DONE]" {
+                    continue;
+                }
+                let v: serde_json::Value = serde_json::from_str(&e).unwrap();
+                for c in v["choices"].as_array().into_iter().flatten() {
+                    if let Some(t) = c["delta"]["content"].as_str() {
+                        out.push_str(t);
+                    }
+                    if let Some(t) = c["text"].as_str() {
+                        out.push_str(t);
+                    }
+                }
+            }
+            out
+        } else {
+            let v = self.json();
+            let c = &v["choices"][0];
+            c["message"]["content"]
+                .as_str()
+                .or_else(|| c["text"].as_str())
+                .unwrap_or_default()
+                .to_owned()
+        }
+    }
+}
+
+pub fn sse_payloads(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter_map(|ev| ev.trim().strip_prefix("data: ").map(str::to_owned))
+        .collect()
+}
+
+/// POST `body` to `base + path` and read the whole answer.
+pub async fn post(
+    base: &str,
+    path: &str,
+    body: impl Into<Bytes>,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let mut req =
+        http::Request::post(format!("{base}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+        .await
+        .expect("answer head in time")
+        .expect("request sent");
+    let (parts, body) = resp.into_parts();
+    let body = tokio::time::timeout(Duration::from_secs(20), body.collect())
+        .await
+        .expect("answer body in time")
+        .map(|c| c.to_bytes())
+        .unwrap_or_else(|e| panic!("body broke: {e}"));
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn get(base: &str, path: &str) -> Answer {
+    let req = http::Request::get(format!("{base}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = client().request(req).await.expect("request sent");
+    let (parts, body) = resp.into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+pub fn chat(content: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+pub fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// Assert an OpenAI-format error with `status` and `code`.
+pub fn assert_openai_error(a: &Answer, status: u16, code: &str) {
+    assert_eq!(a.status.as_u16(), status, "body: {}", a.text());
+    let v = a.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string(), "{v}");
+    assert_eq!(e["code"], code, "{v}");
+}
+
+/// Wait until `f` holds, polling every 10 ms, up to `limit`.
+pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
