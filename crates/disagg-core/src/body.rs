@@ -35,7 +35,10 @@ use crate::error::BodyError;
 /// ```
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct JsonBody {
-    fields: Vec<(Box<str>, Bytes)>,
+    /// `(key, raw value)`. The key is the unescaped key text as UTF-8; like the value it
+    /// is a slice of the input when the key has no escapes, so cloning a body never
+    /// allocates per field.
+    fields: Vec<(Bytes, Bytes)>,
 }
 
 impl JsonBody {
@@ -74,32 +77,37 @@ impl JsonBody {
             fields: Vec::with_capacity(spans.len()),
         };
         for (key, start, end) in spans {
+            let key = match key {
+                Key::Span(a, b) => bytes.slice(a..b),
+                Key::Owned(k) => Bytes::from(k),
+            };
             body.insert_slot(key, bytes.slice(start..end));
         }
         Ok(body)
     }
 
-    fn insert_slot(&mut self, key: Box<str>, value: Bytes) {
+    fn insert_slot(&mut self, key: Bytes, value: Bytes) {
         match self.fields.iter_mut().find(|(k, _)| *k == key) {
             Some(slot) => slot.1 = value,
             None => self.fields.push((key, value)),
         }
     }
 
-    /// The raw JSON text of `key`'s value.
-    pub fn get(&self, key: &str) -> Option<&[u8]> {
+    fn slot(&self, key: &str) -> Option<&Bytes> {
         self.fields
             .iter()
-            .find(|(k, _)| &**k == key)
-            .map(|(_, v)| &v[..])
+            .find(|(k, _)| k.as_ref() == key.as_bytes())
+            .map(|(_, v)| v)
+    }
+
+    /// The raw JSON text of `key`'s value.
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.slot(key).map(|v| &v[..])
     }
 
     /// The value of `key` as its own [`Bytes`] (no copy).
     pub fn get_bytes(&self, key: &str) -> Option<Bytes> {
-        self.fields
-            .iter()
-            .find(|(k, _)| &**k == key)
-            .map(|(_, v)| v.clone())
+        self.slot(key).cloned()
     }
 
     /// Whether `key` is present.
@@ -131,9 +139,15 @@ impl JsonBody {
 
     /// Set `key` to raw JSON text, which the caller vouches is one valid JSON value.
     pub fn set_raw(&mut self, key: &str, raw: Bytes) {
-        match self.fields.iter_mut().find(|(k, _)| &**k == key) {
+        match self
+            .fields
+            .iter_mut()
+            .find(|(k, _)| k.as_ref() == key.as_bytes())
+        {
             Some(slot) => slot.1 = raw,
-            None => self.fields.push((key.into(), raw)),
+            None => self
+                .fields
+                .push((Bytes::copy_from_slice(key.as_bytes()), raw)),
         }
     }
 
@@ -144,13 +158,19 @@ impl JsonBody {
 
     /// Remove `key`, returning its raw value.
     pub fn remove(&mut self, key: &str) -> Option<Bytes> {
-        let i = self.fields.iter().position(|(k, _)| &**k == key)?;
+        let i = self
+            .fields
+            .iter()
+            .position(|(k, _)| k.as_ref() == key.as_bytes())?;
         Some(self.fields.remove(i).1)
     }
 
     /// The keys in order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.fields.iter().map(|(k, _)| &**k)
+        // Keys come from `&str`s (parsed or given), so they are valid UTF-8.
+        self.fields
+            .iter()
+            .map(|(k, _)| std::str::from_utf8(k).unwrap_or_default())
     }
 
     /// The number of top-level fields.
@@ -191,16 +211,22 @@ impl fmt::Debug for JsonBody {
     }
 }
 
-fn write_json_str(out: &mut BytesMut, s: &str) {
-    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+fn write_json_str(out: &mut BytesMut, s: &[u8]) {
+    if s.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.reserve(s.len() + 2);
         out.put_u8(b'"');
-        out.put_slice(s.as_bytes());
+        out.put_slice(s);
         out.put_u8(b'"');
     } else {
-        let escaped = serde_json::to_string(s).unwrap_or_default();
+        let escaped = serde_json::to_string(&*String::from_utf8_lossy(s)).unwrap_or_default();
         out.put_slice(escaped.as_bytes());
     }
+}
+
+/// Where a parsed key's text is: a span of the input (no escapes), or unescaped text.
+enum Key {
+    Span(usize, usize),
+    Owned(String),
 }
 
 /// Collects `(key, start, end)` for each top-level value, as offsets into `base`.
@@ -208,8 +234,19 @@ struct SpanVisitor<'b> {
     base: &'b [u8],
 }
 
+impl SpanVisitor<'_> {
+    /// The offset of `part` inside the input. Borrowed keys and `RawValue`s from a slice
+    /// deserializer point into that slice; anything else is a bug, reported as an error.
+    fn offset(&self, part: &[u8]) -> Result<usize, &'static str> {
+        (part.as_ptr() as usize)
+            .checked_sub(self.base.as_ptr() as usize)
+            .filter(|s| s + part.len() <= self.base.len())
+            .ok_or("parsed text outside of the input")
+    }
+}
+
 impl<'de> Visitor<'de> for SpanVisitor<'_> {
-    type Value = Vec<(Box<str>, usize, usize)>;
+    type Value = Vec<(Key, usize, usize)>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object")
@@ -217,16 +254,19 @@ impl<'de> Visitor<'de> for SpanVisitor<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::with_capacity(map.size_hint().unwrap_or(16));
-        let base = self.base.as_ptr() as usize;
         while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            let key = match key {
+                // A borrowed key has no escapes and points into the input.
+                Cow::Borrowed(k) => {
+                    let start = self.offset(k.as_bytes()).map_err(de::Error::custom)?;
+                    Key::Span(start, start + k.len())
+                }
+                Cow::Owned(k) => Key::Owned(k),
+            };
             let raw: &'de RawValue = map.next_value()?;
-            let text = raw.get();
-            // `RawValue` borrowed from a slice deserializer points into that slice.
-            let start = (text.as_ptr() as usize)
-                .checked_sub(base)
-                .filter(|s| s + text.len() <= self.base.len())
-                .ok_or_else(|| de::Error::custom("raw value outside of the input"))?;
-            out.push((key.into_owned().into_boxed_str(), start, start + text.len()));
+            let text = raw.get().as_bytes();
+            let start = self.offset(text).map_err(de::Error::custom)?;
+            out.push((key, start, start + text.len()));
         }
         Ok(out)
     }
