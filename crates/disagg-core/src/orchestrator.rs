@@ -685,6 +685,18 @@ impl PdBody {
         Self::full(Bytes::new())
     }
 
+    /// A body forwarding `inner` frame by frame; `sse` turns on the in-band error event
+    /// when `inner` breaks. (The orchestrator's own bodies also carry the decode
+    /// endpoint's in-flight guard.)
+    pub fn forward(inner: BoxBody, sse: bool) -> Self {
+        PdBody {
+            inner,
+            sse,
+            done: false,
+            finish: None,
+        }
+    }
+
     fn stream(inner: BoxBody, sse: bool, finish: Finish) -> Self {
         PdBody {
             inner,
