@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Args;
-use disagg_sim::{SimConfig, SimEngine};
+use disagg_sim::{Faults, SimConfig, SimEngine};
 use tokio::net::TcpListener;
 
 use crate::BoxError;
@@ -33,6 +33,16 @@ pub(crate) struct SimArgs {
     /// Time between generated tokens, in milliseconds.
     #[arg(long, default_value_t = 0.0)]
     inter_token_ms: f64,
+    /// Fault: answer every completion request with this HTTP status and a vLLM-style error.
+    #[arg(long, value_name = "STATUS")]
+    fail_status: Option<u16>,
+    /// Fault: accept completion requests and never answer them.
+    #[arg(long)]
+    hang: bool,
+    /// Fault: abort each answer's connection after this many SSE events (0 for
+    /// non-streaming answers: before the body is complete).
+    #[arg(long, value_name = "N")]
+    drop_after_chunks: Option<usize>,
 }
 
 pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
@@ -42,6 +52,11 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
         advertised_host: args.advertised_host,
         prefill_delay_per_token: Duration::from_secs_f64(args.prefill_ms_per_token.max(0.0) / 1e3),
         inter_token_delay: Duration::from_secs_f64(args.inter_token_ms.max(0.0) / 1e3),
+        faults: Faults {
+            status: args.fail_status,
+            hang: args.hang,
+            drop_after_chunks: args.drop_after_chunks,
+        },
         ..SimConfig::default()
     };
     let http = TcpListener::bind(args.listen)
