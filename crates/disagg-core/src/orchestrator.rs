@@ -26,7 +26,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
 use crate::endpoint::InFlightGuard;
 use crate::error::{BoxError, ConnectorError, PdError, RouteError, Side, error_chain};
-use crate::request::{PdRequest, REQUEST_ID};
+use crate::request::{PdRequest, REQUEST_ID, RequestIds};
 use crate::router::{Outcome, RequestView, RoundRobin, Route, Router};
 use crate::source::EndpointSource;
 use crate::transport::{BoxBody, Transport};
@@ -140,6 +140,7 @@ impl Default for OrchestratorConfig {
 }
 
 struct Inner {
+    ids: RequestIds,
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
@@ -204,6 +205,7 @@ impl OrchestratorBuilder {
     pub fn build(self) -> Orchestrator {
         Orchestrator {
             inner: Arc::new(Inner {
+                ids: RequestIds::new(),
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
@@ -225,6 +227,21 @@ impl Orchestrator {
             connector: Arc::new(VllmNixl::new()),
             config: OrchestratorConfig::default(),
         }
+    }
+
+    /// Parse a client request for `api`, generating its request id (when the client sent
+    /// none) from this orchestrator's [`RequestIds`].
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) as [`PdRequest::new`].
+    pub fn request(
+        &self,
+        api: crate::request::Api,
+        headers: HeaderMap,
+        body: &Bytes,
+    ) -> Result<PdRequest, crate::error::BodyError> {
+        PdRequest::with_ids(api, headers, body, &self.inner.ids)
     }
 
     /// The endpoint source.

@@ -21,7 +21,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::NoPrefill;
-use disagg_core::request::{Api, PdRequest};
+use disagg_core::request::Api;
 use disagg_core::{Orchestrator, PdBody};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
@@ -180,7 +180,10 @@ impl Inner {
             return Err(PdError::body_too_large(limit));
         }
         let bytes = read_body(body, limit).await?;
-        let req = PdRequest::new(api, parts.headers, &bytes).map_err(PdError::body)?;
+        let req = self
+            .orchestrator
+            .request(api, parts.headers, &bytes)
+            .map_err(PdError::body)?;
         self.orchestrator.serve(req).await
     }
 
