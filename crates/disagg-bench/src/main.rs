@@ -1,0 +1,122 @@
+//! `disagg-bench`: what the disagg proxy costs, measured in one run on one machine.
+//!
+//! ```sh
+//! cargo run --release -p disagg-bench -- [--duration SECS] [--json PATH] ...
+//! ```
+//!
+//! # Set-up
+//!
+//! Everything runs on 127.0.0.1, nothing else is ever addressed:
+//!
+//! - **Engines.** Three simulated vLLM-like engines ([`disagg_sim::SimEngine`], request
+//!   recording off) run in the bench process on a Tokio runtime of their own: a
+//!   prefill, a decode (both with zero delay) and a second decode with an inter-token
+//!   delay, for the held streams.
+//! - **Proxy.** The proxy runs in a process of its own, so that its CPU time and memory
+//!   can be read apart from everything else: the bench re-executes itself
+//!   (`std::env::current_exe()`) with the hidden subcommand
+//!   `proxy --prefill URL --decode URL --listen 127.0.0.1:0 --threads N`, which builds
+//!   the proxy as `disagg-proxy serve` does with its default flags (`Orchestrator`,
+//!   `RoundRobin`, `VllmNixl`, `HttpTransport`, `PdService`, served by
+//!   `disagg_http::server::serve`) and prints its bound address. The child ends when
+//!   its stdin closes, which the bench does at the end, and which happens as well when
+//!   the bench dies; the bench also kills it on every error path.
+//! - **Load generator.** In the bench process, on a second runtime: one hyper-util
+//!   legacy `Client` (large pool, `TCP_NODELAY`), `N` tasks each sending one request
+//!   after the other with a prebuilt `Bytes` body and recording its latencies in its
+//!   own vector (no lock on the hot path); the vectors are merged when the phase ends.
+//!   A phase ends after `--duration` seconds or `--max-requests` requests, whichever
+//!   comes first; requests in flight then complete.
+//!
+//! # Phases
+//!
+//! For non-streaming and streaming chat requests (a ~256-byte body asking for 16
+//! tokens), at concurrency 1, 16 and 64, first directly to the decode engine (the
+//! baseline) and then through the proxy (prefill on one engine, KV pulled by the decode
+//! engine over the simulator's side channel, the decode's answer streamed back). Each
+//! measured phase follows a warm-up with the same load.
+//!
+//! Every answer is checked: status 200, `x-disagg-handoff: kv` through the proxy, a
+//! JSON object when not streamed, a body ending with `data: [DONE]\n\n` when streamed.
+//! Failures are counted and a run with any is flagged (and exits with status 1).
+//!
+//! # Figures
+//!
+//! - **Throughput**: successful answers per second of wall time, at concurrency 64.
+//! - **Latency p50/p99**: from sending the request to the end of the answer.
+//! - **TTFT p50/p99**: to the first body frame carrying SSE data (`data:`) for streams;
+//!   the whole answer otherwise.
+//! - **Added latency**: proxy p50 − direct p50 at concurrency 1. It includes the
+//!   disaggregation itself (the prefill round trip and the KV pull), not only the
+//!   proxy's own work.
+//! - **Proxy CPU per request**: the proxy process's `utime + stime` from
+//!   `/proc/<pid>/stat`, read before and after the measured phase, in clock ticks
+//!   (`getconf CLK_TCK`, 100 assumed if it cannot be read), divided by the successful
+//!   requests: CPU seconds per 1,000 requests × 1000 = µs per request. The bench
+//!   process's own CPU per request (engines and load generator) is shown beside it.
+//! - **Idle RSS**: `VmRSS` of the proxy after start-up and a warm-up at concurrency 1;
+//!   **peak RSS**: its `VmHWM` after every phase.
+//! - **Memory per stream**: a second proxy process in front of the slow decode engine
+//!   (default 50 ms × 16 tokens); after a small warm-up its `VmRSS` is the idle figure;
+//!   then `--streams` (256) streams are started, spread over a quarter of a stream's
+//!   time (all at once, they overflow the proxy's listen backlog of 128 and the
+//!   dropped connections wait for a SYN retransmission), and `VmRSS` is sampled every
+//!   5 ms: (RSS with the most streams open − idle RSS) / streams open.
+//!
+//! The 2-core machine this was written for is shared by the proxy, the engines and the
+//! load generator: throughput figures are those of the whole set-up, and the proxy's
+//! CPU per request is the figure that carries across machines.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod load;
+mod procfs;
+mod proxy;
+mod report;
+mod run;
+
+/// The error everything ends with.
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Benchmark the disagg proxy against simulated engines on 127.0.0.1: throughput,
+/// latency, time to first token, CPU per request and memory, next to a direct
+/// connection to the decode engine.
+#[derive(Debug, Parser)]
+#[command(name = "disagg-bench", version, about, long_about = None)]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: run::RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Internal: the proxy process the bench starts.
+    #[command(hide = true)]
+    Proxy(proxy::ProxyArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Proxy(args)) => proxy::main(args).map(|()| true),
+        None => run::main(cli.run),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut cur = e.source();
+            while let Some(c) = cur {
+                eprintln!("  caused by: {c}");
+                cur = c.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! What the bench reads from `/proc`, and the proxy child process.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+use crate::BoxError;
+
+/// CPU time a process spent, all threads, in clock ticks: `utime` and `stime`, fields
+/// 14 and 15 of `/proc/<pid>/stat`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CpuTicks {
+    /// In user space.
+    pub(crate) user: u64,
+    /// In the kernel.
+    pub(crate) system: u64,
+}
+
+impl CpuTicks {
+    /// User plus system.
+    pub(crate) fn total(self) -> u64 {
+        self.user + self.system
+    }
+
+    /// The ticks spent since `earlier`.
+    pub(crate) fn since(self, earlier: CpuTicks) -> CpuTicks {
+        CpuTicks {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+        }
+    }
+}
+
+/// [`CpuTicks`] of `pid`.
+pub(crate) fn cpu_ticks(pid: u32) -> io::Result<CpuTicks> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    parse_cpu_ticks(&stat)
+        .ok_or_else(|| io::Error::other(format!("cannot parse /proc/{pid}/stat: {stat}")))
+}
+
+fn parse_cpu_ticks(stat: &str) -> Option<CpuTicks> {
+    // The command name (field 2) is in parentheses and may hold spaces and ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    // `rest` starts at field 3 (state): utime is field 14, stime field 15.
+    let user = fields.nth(11)?.parse().ok()?;
+    let system = fields.next()?.parse().ok()?;
+    Some(CpuTicks { user, system })
+}
+
+/// A process's resident memory, from `/proc/<pid>/status`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Memory {
+    /// `VmRSS`: resident now, in KiB.
+    pub(crate) rss_kib: u64,
+    /// `VmHWM`: the most ever resident, in KiB.
+    pub(crate) hwm_kib: u64,
+}
+
+/// [`Memory`] of `pid`.
+pub(crate) fn memory(pid: u32) -> io::Result<Memory> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    parse_memory(&status)
+        .ok_or_else(|| io::Error::other(format!("no VmRSS/VmHWM in /proc/{pid}/status")))
+}
+
+fn parse_memory(status: &str) -> Option<Memory> {
+    let field = |name: &str| {
+        status.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .trim()
+                .strip_suffix("kB")?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+    };
+    Some(Memory {
+        rss_kib: field("VmRSS:")?,
+        hwm_kib: field("VmHWM:")?,
+    })
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`), and whether it was read (`false`: the
+/// usual 100 is assumed).
+pub(crate) fn clock_ticks() -> (f64, bool) {
+    let read = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|&t| t > 0.0);
+    match read {
+        Some(t) => (t, true),
+        None => (100.0, false),
+    }
+}
+
+/// The machine: logical CPUs, CPU model, total memory in KiB.
+pub(crate) fn machine() -> (usize, String, u64) {
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".to_owned());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("MemTotal:")?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        })
+        .unwrap_or(0);
+    (cpus, model, mem)
+}
+
+/// The proxy, running as `<this executable> proxy ...` in a child process.
+///
+/// The child is killed when this is dropped (error paths included), and ends by itself
+/// when its stdin closes, which happens too if the bench dies: no orphan outlives a run.
+#[derive(Debug)]
+pub(crate) struct ProxyProcess {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    // Kept open so that the child never writes into a closed pipe.
+    _stdout: Lines<BufReader<ChildStdout>>,
+    pid: u32,
+    addr: SocketAddr,
+}
+
+impl ProxyProcess {
+    /// Start the proxy in front of `prefill` and `decode` with `threads` worker threads
+    /// and wait until it listens.
+    pub(crate) async fn spawn(
+        prefill: &str,
+        decode: &str,
+        threads: usize,
+    ) -> Result<ProxyProcess, BoxError> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .arg("proxy")
+            .args(["--prefill", prefill, "--decode", decode])
+            .args(["--listen", "127.0.0.1:0"])
+            .args(["--threads", &threads.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the proxy process: {e}"))?;
+        let pid = child.id().ok_or("the proxy process has no pid")?;
+        let stdin = child.stdin.take();
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or("the proxy process has no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = match tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await {
+            Ok(Ok(Some(line))) => line,
+            Ok(Ok(None)) => {
+                let status = child.wait().await?;
+                return Err(format!("the proxy process exited before listening ({status})").into());
+            }
+            Ok(Err(e)) => return Err(format!("cannot read the proxy's address: {e}").into()),
+            Err(_) => return Err("the proxy did not report its address within 20 s".into()),
+        };
+        let addr: SocketAddr = line
+            .trim()
+            .parse()
+            .map_err(|e| format!("the proxy printed {line:?}, not an address: {e}"))?;
+        if addr.ip() != IpAddr::V4(Ipv4Addr::LOCALHOST) {
+            return Err(format!("the proxy listens on {addr}, not on 127.0.0.1").into());
+        }
+        Ok(ProxyProcess {
+            child,
+            stdin,
+            _stdout: lines,
+            pid,
+            addr,
+        })
+    }
+
+    /// The child's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Where it listens.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Fails if the child has exited.
+    pub(crate) fn check_alive(&mut self) -> Result<(), BoxError> {
+        match self.child.try_wait()? {
+            None => Ok(()),
+            Some(status) => Err(format!("the proxy process exited ({status})").into()),
+        }
+    }
+
+    /// Close its stdin so that it shuts down, and wait for it (killing it after 5 s).
+    pub(crate) async fn stop(mut self) -> Result<(), BoxError> {
+        drop(self.stdin.take());
+        match tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await {
+            Ok(Ok(status)) if status.success() => Ok(()),
+            Ok(Ok(status)) => Err(format!("the proxy process ended with {status}").into()),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => {
+                self.child.kill().await?;
+                Err("the proxy process did not stop within 5 s; killed".into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat() {
+        let stat = "1234 (tokio (rt) x) S 1 1234 1234 0 -1 4194560 100 0 0 0 \
+                    250 75 0 0 20 0 3 0 123 456 789";
+        let ticks = parse_cpu_ticks(stat);
+        assert_eq!(
+            ticks,
+            Some(CpuTicks {
+                user: 250,
+                system: 75
+            })
+        );
+        assert_eq!(ticks.map(CpuTicks::total), Some(325));
+        assert_eq!(parse_cpu_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn parses_status() {
+        let status = "Name:\tdisagg-bench\nVmHWM:\t   15360 kB\nVmRSS:\t    9876 kB\n";
+        let m = parse_memory(status);
+        assert_eq!(m.map(|m| (m.rss_kib, m.hwm_kib)), Some((9876, 15360)));
+    }
+
+    #[test]
+    fn reads_own_process() -> io::Result<()> {
+        let pid = std::process::id();
+        cpu_ticks(pid)?;
+        assert!(memory(pid)?.rss_kib > 0);
+        Ok(())
+    }
+}

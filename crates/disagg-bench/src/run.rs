@@ -1,0 +1,415 @@
+//! The benchmark run: engines, proxy processes, phases, memory hold.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Args;
+use disagg_sim::{SimConfig, SimEngine};
+use http::Uri;
+
+use crate::BoxError;
+use crate::load::{self, Gauge, Hold, HttpClient, Outcome, Target};
+use crate::procfs::{self, ProxyProcess};
+use crate::report::{HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via};
+
+/// The concurrencies of the latency phases.
+pub(crate) const LATENCY_CONCURRENCY: [usize; 2] = [1, 16];
+/// The concurrency of the throughput phase.
+pub(crate) const THROUGHPUT_CONCURRENCY: usize = 64;
+
+/// Flags of a benchmark run.
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Seconds each measured phase lasts (12 phases: direct and proxy, non-streaming and
+    /// streaming, concurrency 1, 16 and 64).
+    #[arg(long, value_name = "SECS", default_value_t = 3.0)]
+    duration: f64,
+    /// Seconds of warm-up (same load, not measured) before each measured phase.
+    #[arg(long, value_name = "SECS", default_value_t = 0.5)]
+    warmup: f64,
+    /// Most requests sent in one measured phase (and in one warm-up).
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
+    max_requests: u64,
+    /// Tokio worker threads of the proxy process.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    proxy_threads: usize,
+    /// Tokio worker threads of the simulated engines' runtime (in the bench process).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    engine_threads: usize,
+    /// Tokio worker threads of the load generator's runtime (in the bench process).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    client_threads: usize,
+    /// Tokens generated per request (`max_tokens`).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    tokens: u32,
+    /// Size of the chat request body, in bytes (the prompt is padded to it).
+    #[arg(long, value_name = "BYTES", default_value_t = 256)]
+    body_bytes: usize,
+    /// Streams held open at once to measure the proxy's memory per stream.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    streams: usize,
+    /// Time between two tokens of the decode engine behind the held streams, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 50.0)]
+    stream_delay_ms: f64,
+    /// Also write every figure as JSON to this file.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+}
+
+fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
+}
+
+/// The engines, on the bench's engine runtime.
+struct Engines {
+    prefill: SimEngine,
+    decode: SimEngine,
+    /// A decode engine with an inter-token delay, for the held streams.
+    slow_decode: SimEngine,
+}
+
+/// Run the benchmark, print the table, write the JSON. `Ok(false)` when some request
+/// failed: the figures are then suspect.
+pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
+    let duration = secs(args.duration, "duration")?;
+    let warmup = secs(args.warmup, "warmup")?;
+    let delay = Duration::try_from_secs_f64(args.stream_delay_ms / 1e3)
+        .map_err(|_| "--stream-delay-ms must be a non-negative number")?;
+    if duration.is_zero() || args.max_requests == 0 {
+        return Err("--duration and --max-requests must be positive".into());
+    }
+    let (ticks_per_sec, ticks_read) = procfs::clock_ticks();
+    let (cpus, cpu_model, mem_total_kib) = procfs::machine();
+    let config = RunConfig {
+        duration,
+        warmup,
+        max_requests: args.max_requests,
+        proxy_threads: args.proxy_threads.max(1),
+        engine_threads: args.engine_threads.max(1),
+        client_threads: args.client_threads.max(1),
+        tokens: args.tokens,
+        body_bytes: 0,
+        streams: args.streams.max(1),
+        stream_delay: delay,
+        ticks_per_sec,
+        ticks_read,
+        cpus,
+        cpu_model,
+        mem_total_kib,
+    };
+
+    let engine_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.engine_threads)
+        .thread_name("sim-engine")
+        .enable_all()
+        .build()?;
+    let load_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.client_threads)
+        .thread_name("load")
+        .enable_all()
+        .build()?;
+    let engines = engine_rt.block_on(start_engines(config.tokens, delay))?;
+    let result = load_rt.block_on(bench(config, &args, &engines));
+    engine_rt.block_on(async {
+        engines.prefill.shutdown().await;
+        engines.decode.shutdown().await;
+        engines.slow_decode.shutdown().await;
+    });
+    load_rt.shutdown_timeout(Duration::from_secs(2));
+    engine_rt.shutdown_timeout(Duration::from_secs(2));
+
+    let report = result?;
+    print!("{}", report.table());
+    if let Some(path) = &args.json {
+        let json = serde_json::to_vec_pretty(&report.json())?;
+        std::fs::write(path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        println!("figures written to {}", path.display());
+    }
+    Ok(report.errors() == 0)
+}
+
+async fn start_engines(tokens: u32, delay: Duration) -> Result<Engines, BoxError> {
+    let sim = |id: &str, inter_token_delay: Duration| SimConfig {
+        engine_id: Some(id.to_owned()),
+        default_max_tokens: tokens,
+        inter_token_delay,
+        record_requests: 0,
+        ..SimConfig::default()
+    };
+    Ok(Engines {
+        prefill: SimEngine::start(sim("prefill-0", Duration::ZERO)).await?,
+        decode: SimEngine::start(sim("decode-0", Duration::ZERO)).await?,
+        slow_decode: SimEngine::start(sim("decode-slow", delay)).await?,
+    })
+}
+
+/// A chat request of `size` bytes (or the smallest possible), prompt padded with words.
+fn chat_body(size: usize, tokens: u32, stream: bool) -> Result<Bytes, BoxError> {
+    const WORDS: &str = "Explain why splitting prefill and decode across engines helps serving \
+                         large language models at scale, with the costs of moving the KV cache. ";
+    let make = |content: &str| {
+        serde_json::to_vec(&serde_json::json!({
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": tokens,
+            "stream": stream,
+        }))
+    };
+    let empty = make("")?.len();
+    let pad = size.saturating_sub(empty);
+    let content: String = WORDS.chars().cycle().take(pad).collect();
+    Ok(Bytes::from(make(&content)?))
+}
+
+fn chat_uri(base: &str) -> Result<Uri, BoxError> {
+    Ok(format!("{base}/v1/chat/completions").parse()?)
+}
+
+async fn bench(
+    mut config: RunConfig,
+    args: &RunArgs,
+    engines: &Engines,
+) -> Result<Report, BoxError> {
+    let bodies = [
+        chat_body(args.body_bytes, config.tokens, false)?,
+        chat_body(args.body_bytes, config.tokens, true)?,
+    ];
+    config.body_bytes = bodies[0].len();
+    let client = load::client();
+    let prefill = engines.prefill.url();
+    let mut proxy =
+        ProxyProcess::spawn(&prefill, &engines.decode.url(), config.proxy_threads).await?;
+    let measured = phases(&config, engines, &client, &mut proxy, &bodies).await;
+    let stopped = proxy.stop().await;
+    let (phases, idle, peak) = measured?;
+    stopped?;
+
+    let hold_proxy =
+        ProxyProcess::spawn(&prefill, &engines.slow_decode.url(), config.proxy_threads).await?;
+    let held = hold(&config, &client, &hold_proxy, &bodies[1]).await;
+    let stopped = hold_proxy.stop().await;
+    let hold = held?;
+    stopped?;
+
+    Ok(Report {
+        config,
+        phases,
+        memory: MemoryStats {
+            idle_rss_kib: idle.rss_kib,
+            peak_rss_kib: peak.hwm_kib,
+            hold,
+        },
+    })
+}
+
+/// Warm up the proxy, read its idle memory, then run every phase; the proxy's peak
+/// memory at the end.
+async fn phases(
+    config: &RunConfig,
+    engines: &Engines,
+    client: &HttpClient,
+    proxy: &mut ProxyProcess,
+    bodies: &[Bytes; 2],
+) -> Result<(Vec<PhaseStats>, procfs::Memory, procfs::Memory), BoxError> {
+    let direct = chat_uri(&engines.decode.url())?;
+    let through = chat_uri(&format!("http://{}", proxy.addr()))?;
+    let target = |via: Via, stream: bool| Target {
+        uri: match via {
+            Via::Direct => direct.clone(),
+            Via::Proxy => through.clone(),
+        },
+        body: bodies[usize::from(stream)].clone(),
+        stream,
+        expect_kv: via == Via::Proxy,
+    };
+    let pid = proxy.pid();
+    let me = std::process::id();
+
+    // Start-up warm-up at concurrency 1, then the idle figure.
+    let mut startup_errors = 0;
+    for stream in [false, true] {
+        let out = load::run(
+            client,
+            &target(Via::Proxy, stream),
+            1,
+            config.warmup,
+            config.max_requests,
+            None,
+        )
+        .await?;
+        startup_errors += out.errors;
+        if let Some(e) = out.first_error {
+            eprintln!("warm-up error: {e}");
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let idle = procfs::memory(pid)?;
+    eprintln!(
+        "proxy pid {pid} on {}: idle RSS {:.1} MiB after warm-up",
+        proxy.addr(),
+        idle.rss_kib as f64 / 1024.0
+    );
+
+    let mut phases = Vec::new();
+    for stream in [false, true] {
+        let concurrencies = LATENCY_CONCURRENCY
+            .iter()
+            .copied()
+            .chain([THROUGHPUT_CONCURRENCY]);
+        for concurrency in concurrencies {
+            for via in [Via::Direct, Via::Proxy] {
+                let t = target(via, stream);
+                let warm = load::run(
+                    client,
+                    &t,
+                    concurrency,
+                    config.warmup,
+                    config.max_requests,
+                    None,
+                )
+                .await?;
+                let proxy0 = procfs::cpu_ticks(pid)?;
+                let me0 = procfs::cpu_ticks(me)?;
+                let out = load::run(
+                    client,
+                    &t,
+                    concurrency,
+                    config.duration,
+                    config.max_requests,
+                    None,
+                )
+                .await?;
+                let proxy_ticks = procfs::cpu_ticks(pid)?.since(proxy0);
+                let me_ticks = procfs::cpu_ticks(me)?.since(me0);
+                proxy.check_alive()?;
+                let mut warmup_errors = warm.errors;
+                if phases.is_empty() {
+                    warmup_errors += startup_errors;
+                }
+                let stats = PhaseStats::new(
+                    via,
+                    stream,
+                    concurrency,
+                    &out,
+                    warm.first_error,
+                    warmup_errors,
+                    (via == Via::Proxy).then(|| ProxyCpu {
+                        us_per_req: per_request_us(proxy_ticks.total(), config, &out),
+                        system_share: share(proxy_ticks.system, proxy_ticks.total()),
+                    }),
+                    per_request_us(me_ticks.total(), config, &out),
+                );
+                eprintln!("{}", stats.progress_line());
+                phases.push(stats);
+            }
+        }
+    }
+    let peak = procfs::memory(pid)?;
+    Ok((phases, idle, peak))
+}
+
+/// CPU µs per successful request from a tick count.
+fn per_request_us(ticks: u64, config: &RunConfig, out: &Outcome) -> f64 {
+    if out.ok == 0 {
+        return f64::NAN;
+    }
+    ticks as f64 / config.ticks_per_sec / out.ok as f64 * 1e6
+}
+
+/// `part / total`, `NaN` when `total` is 0.
+fn share(part: u64, total: u64) -> f64 {
+    if total == 0 {
+        f64::NAN
+    } else {
+        part as f64 / total as f64
+    }
+}
+
+/// Hold `config.streams` streams open through `proxy` (whose decode engine is slow),
+/// sampling its memory.
+async fn hold(
+    config: &RunConfig,
+    client: &HttpClient,
+    proxy: &ProxyProcess,
+    body: &Bytes,
+) -> Result<HoldStats, BoxError> {
+    let pid = proxy.pid();
+    let target = Target {
+        uri: chat_uri(&format!("http://{}", proxy.addr()))?,
+        body: body.clone(),
+        stream: true,
+        expect_kv: true,
+    };
+    let stream_time = config.stream_delay.saturating_mul(config.tokens.max(1));
+    let window = stream_time * 2 + Duration::from_secs(5);
+
+    // Warm-up: a few streams, as the idle figure of the main proxy.
+    let warm = load::run(client, &target, 4, window, 4, None).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let idle = procfs::memory(pid)?;
+
+    let gauge = Arc::new(Gauge::default());
+    let streams = config.streams;
+    // Streams started all at once overflow the proxy's accept queue (a listen backlog
+    // of 128, Tokio's default), and the connections dropped wait for a SYN
+    // retransmission: start them over a quarter of a stream's time instead.
+    let stagger = (stream_time / 4) / u32::try_from(streams).unwrap_or(u32::MAX);
+    let started = Instant::now();
+    let task = {
+        let client = client.clone();
+        let target = target.clone();
+        let hold = Hold {
+            gauge: gauge.clone(),
+            stagger,
+        };
+        tokio::spawn(async move {
+            load::run(
+                &client,
+                &target,
+                streams,
+                window,
+                streams as u64,
+                Some(hold),
+            )
+            .await
+        })
+    };
+    // The sample with the most streams open, the largest RSS among those.
+    let mut best = (0usize, idle.rss_kib, Duration::ZERO);
+    let mut ticker = tokio::time::interval(Duration::from_millis(5));
+    let sampled: Result<(), BoxError> = async {
+        while !task.is_finished() {
+            ticker.tick().await;
+            let open = gauge.open();
+            let rss = procfs::memory(pid)?.rss_kib;
+            if (open, rss) > (best.0, best.1) {
+                best = (open, rss, started.elapsed());
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = sampled {
+        task.abort();
+        return Err(e);
+    }
+    let out = task.await??;
+    let after = procfs::memory(pid)?;
+    let (open, during, at) = best;
+    Ok(HoldStats {
+        streams,
+        max_open: gauge.max(),
+        sampled_open: open,
+        idle_rss_kib: idle.rss_kib,
+        during_rss_kib: during,
+        sampled_at: at,
+        hwm_kib: after.hwm_kib,
+        ok: out.ok,
+        errors: out.errors + warm.errors,
+        first_error: out.first_error.or(warm.first_error),
+        stream_p50_ms: load::quantile_ms(&out.latency_ns, 0.5),
+    })
+}
