@@ -14,6 +14,29 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 
+/// The accept queue asked for by [`bind`]. The default of the standard library and of
+/// Tokio (128) overflows when a few hundred clients connect at once, and the dropped
+/// connections wait a whole SYN retransmission (about a second) before they get in.
+/// The kernel caps it at `net.core.somaxconn`.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Bind a listener on `addr` for [`serve`], with `SO_REUSEADDR` (a restarted proxy can
+/// bind at once) and a [`LISTEN_BACKLOG`]-deep accept queue.
+///
+/// # Errors
+///
+/// When the socket cannot be created, bound or put into listening state.
+pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// How long in-flight requests may run on after shutdown is asked before they are cut.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 

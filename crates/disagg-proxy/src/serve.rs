@@ -9,7 +9,6 @@ use disagg_core::{
     Endpoint, LeastInFlight, Orchestrator, OrchestratorConfig, Role, RoundRobin, StaticSource,
 };
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
-use tokio::net::TcpListener;
 
 use crate::BoxError;
 
@@ -113,8 +112,7 @@ pub(crate) fn build(args: &ServeArgs) -> Result<PdService, BoxError> {
 
 pub(crate) async fn run(args: ServeArgs) -> Result<(), BoxError> {
     let service = build(&args)?;
-    let listener = TcpListener::bind(args.listen)
-        .await
+    let listener = disagg_http::server::bind(args.listen)
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     tracing::info!(
         listen = %listener.local_addr()?,
