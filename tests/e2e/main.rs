@@ -360,3 +360,96 @@ async fn server_timing_reports_phases() {
         assert!(t.contains(phase), "{t}");
     }
 }
+
+/// Read a raw HTTP/1.1 response with a chunked body; return each chunk with the time it
+/// was complete, measured from the request.
+async fn raw_chunks(base: &str, path: &str, body: &str) -> Vec<(std::time::Duration, Vec<u8>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = base.trim_start_matches("http://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    let start = std::time::Instant::now();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let mut chunks = Vec::new();
+    let mut head_done = None;
+    let mut tmp = [0u8; 65536];
+    loop {
+        let n = s.read(&mut tmp).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&tmp[..n]);
+        if head_done.is_none() {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                head_done = Some(());
+                buf.drain(..i + 4);
+            } else {
+                continue;
+            }
+        }
+        // Take every complete chunk.
+        while let Some(i) = buf.windows(2).position(|w| w == b"\r\n") {
+            let size = usize::from_str_radix(std::str::from_utf8(&buf[..i]).unwrap(), 16).unwrap();
+            if buf.len() < i + 2 + size + 2 {
+                break;
+            }
+            let data = buf[i + 2..i + 2 + size].to_vec();
+            buf.drain(..i + 2 + size + 2);
+            if size == 0 {
+                return chunks;
+            }
+            chunks.push((start.elapsed(), data));
+        }
+    }
+    chunks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_events_reach_the_client_as_they_arrive() {
+    // 10 tokens, 40 ms apart: each must be forwarded when it comes, not at the end.
+    let slow = disagg_sim::SimConfig {
+        inter_token_delay: std::time::Duration::from_millis(40),
+        ..Default::default()
+    };
+    let stack = Stack::builder().decode(vec![slow]).build().await;
+    let chunks = raw_chunks(&stack.url, "/v1/chat/completions", &chat("pace", 10, true)).await;
+    let events: usize = chunks
+        .iter()
+        .map(|(_, c)| String::from_utf8_lossy(c).matches("data: ").count())
+        .sum();
+    assert_eq!(events, 12, "role chunk, 10 tokens, [DONE]");
+    assert!(
+        chunks.len() >= 9,
+        "tokens spaced in time go out one by one: {}",
+        chunks.len()
+    );
+    let first = chunks[0].0;
+    let last = chunks[chunks.len() - 1].0;
+    assert!(
+        last - first >= std::time::Duration::from_millis(300),
+        "the first token left {first:?}, the last {last:?}: the stream was buffered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_arrive_together_leave_together() {
+    // A zero-delay decode writes its 18 events in one burst; the proxy joins the frames
+    // that have already arrived instead of writing each on its own.
+    let stack = Stack::start().await;
+    let chunks = raw_chunks(&stack.url, "/v1/chat/completions", &chat("burst", 16, true)).await;
+    let events: usize = chunks
+        .iter()
+        .map(|(_, c)| String::from_utf8_lossy(c).matches("data: ").count())
+        .sum();
+    assert_eq!(events, 18);
+    assert!(
+        chunks.len() < events,
+        "{} chunks for {events} events",
+        chunks.len()
+    );
+}

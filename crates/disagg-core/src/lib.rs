@@ -52,6 +52,7 @@ pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
 pub mod request;
+pub mod response;
 pub mod rewrite;
 pub mod router;
 pub mod source;

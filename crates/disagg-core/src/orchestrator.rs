@@ -12,20 +12,17 @@
 //! drop with them), releases the in-flight counts, and reports the outcome to the router.
 
 use std::fmt;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response};
-use http_body::{Body, Frame, SizeHint};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
 use crate::endpoint::InFlightGuard;
-use crate::error::{BoxError, ConnectorError, PdError, RouteError, Side, error_chain};
+use crate::error::{BoxError, ConnectorError, PdError, RouteError, Side};
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
 use crate::router::{Outcome, RequestView, RoundRobin, Route, Router};
 use crate::source::EndpointSource;
@@ -38,6 +35,9 @@ pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff
 
 /// The response header naming the leg whose answer is passed through on a failure.
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
+
+use crate::response::Finish;
+pub use crate::response::PdBody;
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
 /// `decode` (time to the decode's response head), in milliseconds.
@@ -636,171 +636,6 @@ fn upstream_message(bytes: &Bytes) -> Option<String> {
     Some(msg)
 }
 
-/// What a response body releases when it ends: the in-flight count and the router's
-/// feedback.
-struct Finish {
-    guard: Option<InFlightGuard>,
-    router: Option<(Arc<dyn Router>, Route)>,
-}
-
-impl Finish {
-    fn done(&mut self, outcome: Outcome) {
-        self.guard = None;
-        if let Some((router, route)) = self.router.take() {
-            router.observe(&route, outcome);
-        }
-    }
-}
-
-impl Drop for Finish {
-    fn drop(&mut self) {
-        // Dropped before the end of the stream: the client went away.
-        self.done(Outcome::Cancelled);
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// The client's response body: the decode engine's body, forwarded frame by frame.
-    ///
-    /// Nothing is buffered or re-encoded. The body holds the decode endpoint's in-flight
-    /// count until it ends or is dropped. When the decode stream breaks after its head
-    /// went out and the response is an event stream, one last event
-    /// `data: {"error": {...}}` tells the client (the `openai` clients raise it as an
-    /// `APIError`), and the stream ends; other bodies end with the error, which the
-    /// server turns into an aborted response.
-    pub struct PdBody {
-        #[pin]
-        inner: BoxBody,
-        sse: bool,
-        done: bool,
-        finish: Option<Finish>,
-    }
-}
-
-impl fmt::Debug for PdBody {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PdBody")
-            .field("sse", &self.sse)
-            .field("done", &self.done)
-            .finish_non_exhaustive()
-    }
-}
-
-impl PdBody {
-    /// A body holding `bytes`.
-    pub fn full(bytes: Bytes) -> Self {
-        PdBody {
-            inner: Full::new(bytes).map_err(|never| match never {}).boxed(),
-            sse: false,
-            done: false,
-            finish: None,
-        }
-    }
-
-    /// An empty body.
-    pub fn empty() -> Self {
-        Self::full(Bytes::new())
-    }
-
-    /// A body forwarding `inner` frame by frame; `sse` turns on the in-band error event
-    /// when `inner` breaks. (The orchestrator's own bodies also carry the decode
-    /// endpoint's in-flight guard.)
-    pub fn forward(inner: BoxBody, sse: bool) -> Self {
-        PdBody {
-            inner,
-            sse,
-            done: false,
-            finish: None,
-        }
-    }
-
-    fn stream(inner: BoxBody, sse: bool, finish: Finish) -> Self {
-        PdBody {
-            inner,
-            sse,
-            done: false,
-            finish: Some(finish),
-        }
-    }
-}
-
-impl Default for PdBody {
-    fn default() -> Self {
-        Self::empty()
-    }
-}
-
-impl Body for PdBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.project();
-        if *this.done {
-            return Poll::Ready(None);
-        }
-        match this.inner.poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-            Poll::Ready(None) => {
-                *this.done = true;
-                if let Some(mut f) = this.finish.take() {
-                    f.done(Outcome::Success);
-                }
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(err))) => {
-                *this.done = true;
-                let message = format!("decode stream broke: {}", error_chain(&*err));
-                tracing::warn!(%message, "decode stream failed mid-response");
-                if let Some(mut f) = this.finish.take() {
-                    f.done(Outcome::DecodeFailed);
-                }
-                if *this.sse {
-                    Poll::Ready(Some(Ok(Frame::data(sse_error_event(&message)))))
-                } else {
-                    Poll::Ready(Some(Err(err)))
-                }
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.done || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        if self.sse {
-            // An in-band error event may be added; promise no exact length.
-            let mut h = SizeHint::new();
-            h.set_lower(self.inner.size_hint().lower());
-            h
-        } else {
-            self.inner.size_hint()
-        }
-    }
-}
-
-/// One SSE event carrying an OpenAI-format error.
-fn sse_error_event(message: &str) -> Bytes {
-    let json = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": "server_error",
-            "param": null,
-            "code": "decode_stream_failed",
-        }
-    });
-    let mut out = b"\n\ndata: ".to_vec();
-    // Writing a `Value` to a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut out, &json);
-    out.extend_from_slice(b"\n\n");
-    Bytes::from(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -828,14 +663,5 @@ mod tests {
         let m = upstream_message(&Bytes::from("é".repeat(600))).unwrap();
         assert!(m.len() <= 515 && m.ends_with('…'));
         assert_eq!(upstream_message(&Bytes::new()), None);
-    }
-
-    #[test]
-    fn sse_error_event_is_valid_json() {
-        let ev = sse_error_event("x \"y\"");
-        let text = std::str::from_utf8(&ev).unwrap();
-        let data = text.trim().strip_prefix("data: ").unwrap();
-        let v: serde_json::Value = serde_json::from_str(data).unwrap();
-        assert_eq!(v["error"]["message"], "x \"y\"");
     }
 }
