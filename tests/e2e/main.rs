@@ -453,3 +453,24 @@ async fn events_that_arrive_together_leave_together() {
         chunks.len()
     );
 }
+
+#[tokio::test]
+async fn decode_reuses_its_side_channel_connection() {
+    // vLLM makes the NIXL handshake once per remote engine; the simulated decode keeps
+    // its side-channel connection to the prefill for later pulls in the same way.
+    let stack = Stack::start().await;
+    for i in 0..5 {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&format!("reuse {i}"), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+    }
+    let p = stack.p().stats();
+    assert_eq!(p.side_channel_served, 5);
+    assert_eq!(p.side_channel_connections, 1);
+    assert_eq!(stack.d().stats().remote_decodes, 5);
+}

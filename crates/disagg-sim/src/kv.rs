@@ -23,6 +23,22 @@ pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest line either side accepts.
 const MAX_LINE: u64 = 1 << 20;
+/// How long a side-channel connection may sit idle before the prefill closes it.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Idle side-channel connections a decode keeps per prefill.
+const MAX_IDLE_PER_PEER: usize = 64;
+
+async fn connect(host: &str, port: u16) -> Result<TcpStream, KvTransferError> {
+    let addr = format!("{host}:{port}");
+    let stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port))).await {
+        Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
+        Ok(Err(source)) => return Err(KvTransferError::Connect { addr, source }),
+        Ok(Ok(s)) => s,
+    };
+    // Best effort: the exchange is one small line each way.
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
 
 /// The line a decode sends to a prefill's side channel to pull KV blocks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,7 +197,11 @@ async fn read_line<R: AsyncRead + Unpin>(r: R) -> io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Serves one side-channel connection: one request line, one answer line.
+/// Serves one side-channel connection: request lines, each answered by one line.
+///
+/// Like vLLM's NIXL handshake, which a decode engine makes once per remote engine and
+/// then reuses, a side-channel connection stays open for further pulls; it ends when the
+/// decode closes it or leaves it idle for [`IDLE_TIMEOUT`].
 pub(crate) async fn serve_pull(
     store: &KvStore,
     counters: &Counters,
@@ -189,10 +209,36 @@ pub(crate) async fn serve_pull(
     mut stream: TcpStream,
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
-    let line = timeout(IO_TIMEOUT, read_line(read))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "no request line"))??;
-    let answer = match serde_json::from_slice::<SideChannelRequest>(&line) {
+    let mut reader = BufReader::new(read);
+    loop {
+        let mut line = Vec::new();
+        let read = timeout(
+            IDLE_TIMEOUT,
+            tokio::io::AsyncReadExt::take(&mut reader, MAX_LINE).read_until(b'\n', &mut line),
+        )
+        .await;
+        match read {
+            // Idle for too long, or closed by the decode: done.
+            Err(_) | Ok(Ok(0)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+            Ok(Ok(_)) => {}
+        }
+        let answer = answer(store, counters, engine_id, &line);
+        let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
+        out.push(b'\n');
+        timeout(IO_TIMEOUT, write.write_all(&out))
+            .await
+            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))??;
+    }
+}
+
+fn answer(
+    store: &KvStore,
+    counters: &Counters,
+    engine_id: &str,
+    line: &[u8],
+) -> SideChannelResponse {
+    match serde_json::from_slice::<SideChannelRequest>(line) {
         Err(e) => SideChannelResponse::failure(format!("malformed request: {e}")),
         Ok(req) if req.engine_id != engine_id => SideChannelResponse::failure(format!(
             "engine id mismatch: this is {engine_id:?}, not {:?}",
@@ -210,20 +256,51 @@ pub(crate) async fn serve_pull(
             }
             Err(e) => SideChannelResponse::failure(e),
         },
-    };
-    let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
-    out.push(b'\n');
-    timeout(IO_TIMEOUT, async {
-        write.write_all(&out).await?;
-        write.shutdown().await
+    }
+}
+
+/// Idle side-channel connections of a decode engine, by prefill address, for reuse.
+#[derive(Debug, Default)]
+pub(crate) struct SidePool {
+    idle: Mutex<HashMap<(String, u16), Vec<TcpStream>>>,
+}
+
+impl SidePool {
+    fn take(&self, key: &(String, u16)) -> Option<TcpStream> {
+        lock(&self.idle).get_mut(key).and_then(Vec::pop)
+    }
+
+    fn give_back(&self, key: (String, u16), stream: TcpStream) {
+        let mut idle = lock(&self.idle);
+        let streams = idle.entry(key).or_default();
+        if streams.len() < MAX_IDLE_PER_PEER {
+            streams.push(stream);
+        }
+    }
+}
+
+/// One pull over `stream`: the request line out, the answer line in.
+async fn exchange(stream: &mut TcpStream, line: &[u8]) -> Result<Vec<u8>, KvTransferError> {
+    let answer = timeout(IO_TIMEOUT, async {
+        stream.write_all(line).await?;
+        read_line(&mut *stream).await
     })
     .await
-    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))?
+    .map_err(|_| KvTransferError::Timeout)??;
+    if answer.is_empty() {
+        return Err(KvTransferError::Malformed(
+            "connection closed without an answer".to_owned(),
+        ));
+    }
+    Ok(answer)
 }
 
 /// Pulls the KV named by valid decode-side `kv_transfer_params` from the
 /// prefill's side channel.
-pub(crate) async fn pull(params: &Map<String, Value>) -> Result<KvDigest, KvTransferError> {
+pub(crate) async fn pull(
+    pool: &SidePool,
+    params: &Map<String, Value>,
+) -> Result<KvDigest, KvTransferError> {
     let host = params
         .get("remote_host")
         .and_then(Value::as_str)
@@ -255,14 +332,6 @@ pub(crate) async fn pull(params: &Map<String, Value>) -> Result<KvDigest, KvTran
             "remote_block_ids is not a list of block ids",
         ))?;
 
-    let addr = format!("{host}:{port}");
-    let mut stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port))).await {
-        Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
-        Ok(Err(source)) => return Err(KvTransferError::Connect { addr, source }),
-        Ok(Ok(s)) => s,
-    };
-    // Best effort: the exchange is one small line each way.
-    let _ = stream.set_nodelay(true);
     let request = SideChannelRequest {
         engine_id: engine_id.to_owned(),
         request_id: request_id.to_owned(),
@@ -271,17 +340,23 @@ pub(crate) async fn pull(params: &Map<String, Value>) -> Result<KvDigest, KvTran
     let mut line =
         serde_json::to_vec(&request).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
     line.push(b'\n');
-    let answer = timeout(IO_TIMEOUT, async {
-        stream.write_all(&line).await?;
-        read_line(&mut stream).await
-    })
-    .await
-    .map_err(|_| KvTransferError::Timeout)??;
-    if answer.is_empty() {
-        return Err(KvTransferError::Malformed(
-            "connection closed without an answer".to_owned(),
-        ));
-    }
+
+    let key = (host.to_owned(), port);
+    // A pooled connection may have been closed by the prefill since (idle timeout,
+    // restart): on failure, try once more on a fresh one.
+    let mut reused = pool.take(&key);
+    let (stream, answer) = loop {
+        let (mut stream, was_reused) = match reused.take() {
+            Some(s) => (s, true),
+            None => (connect(host, port).await?, false),
+        };
+        match exchange(&mut stream, &line).await {
+            Ok(answer) => break (stream, answer),
+            Err(_) if was_reused => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    pool.give_back(key, stream);
     let answer: SideChannelResponse =
         serde_json::from_slice(&answer).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
     if !answer.ok {

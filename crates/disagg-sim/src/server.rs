@@ -65,6 +65,7 @@ struct Inner {
     faults: Mutex<Faults>,
     counters: Arc<Counters>,
     kv: KvStore,
+    side_pool: kv::SidePool,
     recorded: Mutex<VecDeque<Recorded>>,
     next_id: AtomicU64,
     id_salt: u64,
@@ -148,6 +149,7 @@ impl SimEngine {
             faults: Mutex::new(faults),
             counters: Arc::default(),
             kv: KvStore::default(),
+            side_pool: kv::SidePool::default(),
             recorded: Mutex::default(),
             next_id: AtomicU64::new(0),
             id_salt: salt,
@@ -279,6 +281,7 @@ async fn accept_side_channel(
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    bump(&inner.counters.side_channel_connections);
                     let inner = inner.clone();
                     connections.spawn(async move {
                         let _ = stream.set_nodelay(true);
@@ -516,7 +519,7 @@ async fn serve_completion(
     if let Some(p) = params.filter(|p| truthy(p.get("do_remote_prefill"))) {
         if valid_decode_params(p) {
             let own = kv_digest(&config.model, config.block_size, request.tokens());
-            let pulled = kv::pull(p).await.and_then(|remote| {
+            let pulled = kv::pull(&inner.side_pool, p).await.and_then(|remote| {
                 if remote.blocks.len() != own.blocks.len() {
                     Err(KvTransferError::Mismatch("wrong number of blocks"))
                 } else if remote != own {

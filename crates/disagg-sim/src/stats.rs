@@ -39,6 +39,9 @@ pub struct Stats {
     pub open_connections: u64,
     /// Requests whose client went away before the answer was complete.
     pub cancelled: u64,
+    /// Connections accepted by the KV side channel (a decode reuses its connection for
+    /// further pulls, as vLLM reuses its NIXL handshake).
+    pub side_channel_connections: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -56,6 +59,7 @@ pub(crate) struct Counters {
     pub(crate) active_requests: AtomicU64,
     pub(crate) open_connections: AtomicU64,
     pub(crate) cancelled: AtomicU64,
+    pub(crate) side_channel_connections: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -77,6 +81,7 @@ impl Counters {
             active_requests: self.active_requests.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),
             cancelled: self.cancelled.load(Relaxed),
+            side_channel_connections: self.side_channel_connections.load(Relaxed),
         }
     }
 }
