@@ -9,8 +9,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
-mod serve;
 mod sim;
+
+use disagg_proxy::{BoxError, serve};
 
 /// A prefill/decode disaggregating proxy for OpenAI-compatible LLM engines.
 #[derive(Debug, Parser)]
@@ -33,6 +34,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(matches!(cli.command, Command::Demo(_)));
+    if let Command::Serve(args) = &cli.command {
+        return report(run_serve(args));
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -43,13 +47,38 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async {
+    report(runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve::run(args).await,
+            Command::Serve(_) => Ok(()),
             Command::Demo(args) => demo::run(args).await,
             Command::Sim(args) => sim::run(args).await,
         }
+    }))
+}
+
+/// `serve`: the serving threads run their own event loops; this thread waits for the
+/// stop signal on a small one of its own.
+fn run_serve(args: &serve::ServeArgs) -> Result<(), BoxError> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let waiter = std::thread::Builder::new()
+        .name("disagg-signals".into())
+        .spawn(move || {
+            signals.block_on(shutdown_signal());
+            let _ = stop_tx.send(true);
+        })?;
+    let result = serve::run(args, stop_rx, |addr| {
+        tracing::info!(listen = %addr, engines = ?args.engine_urls().collect::<Vec<_>>(), "disagg-proxy serving");
     });
+    if result.is_ok() {
+        let _ = waiter.join();
+    }
+    result
+}
+
+fn report(result: Result<(), BoxError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -73,9 +102,6 @@ fn init_tracing(quiet: bool) {
         .with_writer(std::io::stderr)
         .try_init();
 }
-
-/// The error every subcommand ends with.
-type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Resolves when the process is asked to stop (Ctrl-C or SIGTERM).
 async fn shutdown_signal() {

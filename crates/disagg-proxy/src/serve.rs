@@ -1,20 +1,22 @@
-//! `disagg-proxy serve`.
+//! `disagg-proxy serve`: the proxy, from command-line flags.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
 use disagg_core::{
-    Endpoint, LeastInFlight, Orchestrator, OrchestratorConfig, Role, RoundRobin, StaticSource,
+    Endpoint, KvConnector, LeastInFlight, Orchestrator, OrchestratorConfig, Role, RoundRobin,
+    Router, StaticSource, VllmNixl,
 };
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 
 use crate::BoxError;
 
 /// Flags of `serve`. `--prefill` and `--decode` follow the SGLang and vLLM routers.
-#[derive(Debug, Args)]
-pub(crate) struct ServeArgs {
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
     /// A prefill engine's base URL (http://host:port). Repeat for several engines.
     #[arg(long = "prefill", value_name = "URL", required = true)]
     prefill: Vec<String>,
@@ -24,6 +26,10 @@ pub(crate) struct ServeArgs {
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
+    /// Threads serving requests, each with its own event loop, listening socket and
+    /// connection pool (default: the number of CPUs).
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
     /// How endpoints are picked for each leg.
     #[arg(long, value_enum, default_value_t = Policy::RoundRobin)]
     policy: Policy,
@@ -76,50 +82,103 @@ fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
         .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
 }
 
-/// Build the proxy's service from the flags.
-pub(crate) fn build(args: &ServeArgs) -> Result<PdService, BoxError> {
-    let mut endpoints = Vec::new();
-    for url in &args.prefill {
-        endpoints.push(Endpoint::new(url, Role::Prefill)?);
+impl ServeArgs {
+    /// The address to listen on.
+    pub fn listen(&self) -> SocketAddr {
+        self.listen
     }
-    for url in &args.decode {
-        endpoints.push(Endpoint::new(url, Role::Decode)?);
+
+    /// Every engine URL given, prefill then decode.
+    pub fn engine_urls(&self) -> impl Iterator<Item = &str> {
+        self.prefill.iter().chain(&self.decode).map(String::as_str)
     }
-    let mut transport = HttpTransportConfig::default();
-    transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
-    let mut config = OrchestratorConfig::default();
-    config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
-    config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
-    config.forward_authorization = args.forward_authorization;
-    if args.decode_only_fallback {
-        config.no_prefill = NoPrefill::DecodeOnly;
-    }
-    config.missing_kv = match args.missing_kv {
-        MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
-        MissingKvArg::Fail => MissingKv::Fail,
-    };
-    let builder =
-        Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::new(transport))
-            .config(config);
-    let orchestrator = match args.policy {
-        Policy::RoundRobin => builder.router(RoundRobin::new()).build(),
-        Policy::LeastInFlight => builder.router(LeastInFlight::new()).build(),
-    };
-    let mut svc = PdServiceConfig::default();
-    svc.max_body_bytes = args.max_body_bytes;
-    Ok(PdService::with_config(orchestrator, svc))
 }
 
-pub(crate) async fn run(args: ServeArgs) -> Result<(), BoxError> {
-    let service = build(&args)?;
-    let listener = disagg_http::server::bind(args.listen)
-        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    tracing::info!(
-        listen = %listener.local_addr()?,
-        prefill = ?args.prefill,
-        decode = ?args.decode,
-        "disagg-proxy serving"
-    );
-    disagg_http::server::serve(listener, service, crate::shutdown_signal()).await?;
+/// The proxy's parts that every serving thread shares.
+struct Shared {
+    source: Arc<StaticSource>,
+    router: Arc<dyn Router>,
+    connector: Arc<dyn KvConnector>,
+    transport: HttpTransportConfig,
+    config: OrchestratorConfig,
+    service: PdServiceConfig,
+}
+
+impl Shared {
+    fn from_args(args: &ServeArgs) -> Result<Self, BoxError> {
+        let mut endpoints = Vec::new();
+        for url in &args.prefill {
+            endpoints.push(Endpoint::new(url, Role::Prefill)?);
+        }
+        for url in &args.decode {
+            endpoints.push(Endpoint::new(url, Role::Decode)?);
+        }
+        let mut transport = HttpTransportConfig::default();
+        transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        let mut config = OrchestratorConfig::default();
+        config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
+        config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
+        config.forward_authorization = args.forward_authorization;
+        if args.decode_only_fallback {
+            config.no_prefill = NoPrefill::DecodeOnly;
+        }
+        config.missing_kv = match args.missing_kv {
+            MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
+            MissingKvArg::Fail => MissingKv::Fail,
+        };
+        let router: Arc<dyn Router> = match args.policy {
+            Policy::RoundRobin => Arc::new(RoundRobin::new()),
+            Policy::LeastInFlight => Arc::new(LeastInFlight::new()),
+        };
+        let mut service = PdServiceConfig::default();
+        service.max_body_bytes = args.max_body_bytes;
+        Ok(Shared {
+            source: Arc::new(StaticSource::new(endpoints)),
+            router,
+            connector: Arc::new(VllmNixl::new()),
+            transport,
+            config,
+            service,
+        })
+    }
+
+    /// One thread's service: shared source, router and connector (so load and
+    /// round-robin state are global), a transport and its pool of its own.
+    fn service(&self) -> PdService {
+        let orchestrator = Orchestrator::builder(
+            Arc::clone(&self.source),
+            HttpTransport::new(self.transport.clone()),
+        )
+        .router(Arc::clone(&self.router))
+        .connector(Arc::clone(&self.connector))
+        .config(self.config.clone())
+        .build();
+        PdService::with_config(orchestrator, self.service.clone())
+    }
+}
+
+/// Run the proxy described by `args` until `shutdown` turns `true`; `on_bound` gets the
+/// listening address once every serving thread is up. Blocks the calling thread.
+///
+/// # Errors
+///
+/// Invalid flags, or an address that cannot be bound.
+pub fn run(
+    args: &ServeArgs,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    on_bound: impl FnOnce(SocketAddr),
+) -> Result<(), BoxError> {
+    let shared = Shared::from_args(args)?;
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
+    disagg_http::server::serve_threads(
+        args.listen,
+        threads,
+        move || shared.service(),
+        shutdown,
+        on_bound,
+    )
+    .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
     Ok(())
 }
