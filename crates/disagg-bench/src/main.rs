@@ -110,12 +110,7 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
-            eprintln!("error: {e}");
-            let mut cur = e.source();
-            while let Some(c) = cur {
-                eprintln!("  caused by: {c}");
-                cur = c.source();
-            }
+            eprintln!("error: {}", disagg_core::error::error_chain(&*e));
             ExitCode::FAILURE
         }
     }

@@ -82,12 +82,7 @@ fn report(result: Result<(), BoxError>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
-            let mut cur = e.source();
-            while let Some(c) = cur {
-                eprintln!("  caused by: {c}");
-                cur = c.source();
-            }
+            eprintln!("error: {}", disagg_core::error::error_chain(&*e));
             ExitCode::FAILURE
         }
     }
