@@ -15,10 +15,9 @@
 //! - **Proxy.** The proxy runs in a process of its own, so that its CPU time and memory
 //!   can be read apart from everything else: the bench re-executes itself
 //!   (`std::env::current_exe()`) with the hidden subcommand
-//!   `proxy --prefill URL --decode URL --listen 127.0.0.1:0 --threads N`, which builds
-//!   the proxy as `disagg-proxy serve` does with its default flags (`Orchestrator`,
-//!   `RoundRobin`, `VllmNixl`, `HttpTransport`, `PdService`, served by
-//!   `disagg_http::server::serve`) and prints its bound address. The child ends when
+//!   `proxy --prefill URL --decode URL --listen 127.0.0.1:0 --threads N`, which runs
+//!   the very code of `disagg-proxy serve` (`disagg_proxy::serve::run`, same flags and
+//!   defaults) and prints its bound address. The child ends when
 //!   its stdin closes, which the bench does at the end, and which happens as well when
 //!   the bench dies; the bench also kills it on every error path.
 //! - **Load generator.** In the bench process, on a second runtime: one hyper-util
