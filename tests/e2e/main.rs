@@ -474,3 +474,39 @@ async fn decode_reuses_its_side_channel_connection() {
     assert_eq!(p.side_channel_connections, 1);
     assert_eq!(stack.d().stats().remote_decodes, 5);
 }
+
+#[tokio::test]
+async fn upstream_connections_are_kept_alive_and_reused() {
+    let stack = Stack::start().await;
+    for i in 0..4 {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&format!("ka {i}"), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+        let a = post(
+            &stack.url,
+            "/v1/chat/completions",
+            chat(&format!("ka {i}"), 3, true),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+    }
+    // Eight sequential requests, each leg on the one pooled connection per engine.
+    for engine in [stack.p(), stack.d()] {
+        let s = engine.stats();
+        assert_eq!(s.requests, 8);
+        assert!(
+            eventually(std::time::Duration::from_secs(1), || engine
+                .stats()
+                .open_connections
+                == 1)
+            .await,
+            "{s:?}"
+        );
+    }
+}

@@ -1,15 +1,33 @@
-//! [`HttpTransport`]: the core's [`Transport`] on hyper-util's pooled client.
+//! [`HttpTransport`]: the core's [`Transport`] over pooled HTTP/1.1 keep-alive
+//! connections.
+//!
+//! A deliberately small pool on hyper's connection-level client
+//! (`hyper::client::conn::http1`): idle connections are kept per `host:port` in a short
+//! list, a connection goes back to it when its response body has been read to the end,
+//! and a response body dropped before its end closes its connection (that is how a
+//! client's disconnect reaches the engine). Compared with hyper-util's general-purpose
+//! client this skips the hashed pool keys, URI rewriting and connection racing the proxy
+//! does not need, which the profile showed at about 12,000 instructions per leg
+//! (`docs/performance.md`).
 
 use std::fmt;
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use disagg_core::error::TransportError;
-use disagg_core::transport::{ResponseFuture, Transport};
+use disagg_core::error::{BoxError, TransportError};
+use disagg_core::transport::{BoxBody, ResponseFuture, Transport};
+use http::header::{HOST, HeaderValue};
+use http::uri::{Authority, Uri};
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 /// Settings of the [`HttpTransport`].
 #[derive(Debug, Clone)]
@@ -35,17 +53,35 @@ impl Default for HttpTransportConfig {
     }
 }
 
+type Sender = SendRequest<Full<Bytes>>;
+
+struct Idle {
+    sender: Sender,
+    since: Instant,
+}
+
+struct Inner {
+    config: HttpTransportConfig,
+    /// Idle connections by endpoint. A list, not a map: a proxy talks to a handful of
+    /// endpoints, and comparing a few authorities is cheaper than hashing one.
+    idle: Mutex<Vec<(Authority, Vec<Idle>)>>,
+}
+
 /// HTTP/1.1 to the engines over pooled keep-alive connections with `TCP_NODELAY`.
 ///
-/// Cheap to clone; clones share the pool.
+/// Cheap to clone; clones share the pool. Connections run on the Tokio runtime that
+/// opened them: give each runtime its own transport (as `server::serve_threads` users
+/// do) so a request and its connections stay on one thread.
 #[derive(Clone)]
 pub struct HttpTransport {
-    client: Client<HttpConnector, Full<Bytes>>,
+    inner: Arc<Inner>,
 }
 
 impl fmt::Debug for HttpTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HttpTransport").finish_non_exhaustive()
+        f.debug_struct("HttpTransport")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -56,33 +92,210 @@ impl Default for HttpTransport {
 }
 
 impl HttpTransport {
-    /// A transport with `config`. Must be called within a Tokio runtime's context only
-    /// when requests are sent; building needs none.
+    /// A transport with `config`. Requests must be sent from within a Tokio runtime.
     pub fn new(config: HttpTransportConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        // Without it, Nagle's algorithm holds small writes (an SSE event) for up to
-        // 40 ms on loopback while the peer delays its ACK.
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_max_idle_per_host(config.pool_max_idle_per_host)
-            .build(connector);
-        HttpTransport { client }
+        HttpTransport {
+            inner: Arc::new(Inner {
+                config,
+                idle: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// Idle pooled connections to `authority` now.
+    pub fn idle_connections(&self, authority: &Authority) -> usize {
+        lock(&self.inner.idle)
+            .iter()
+            .find(|(a, _)| a == authority)
+            .map_or(0, |(_, v)| v.len())
     }
 }
 
 impl Transport for HttpTransport {
-    fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
-        let fut = self.client.request(req.map(Full::new));
-        Box::pin(async move {
-            match fut.await {
-                Ok(resp) => Ok(resp.map(|b| b.map_err(Into::into).boxed())),
-                Err(e) if e.is_connect() => Err(TransportError::Connect(e.into())),
-                Err(e) => Err(TransportError::Io(e.into())),
+    fn send(&self, req: Request<Bytes>) -> ResponseFuture {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move { inner.send(req).await })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The pool's critical sections cannot leave it inconsistent.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Inner {
+    async fn send(
+        self: Arc<Self>,
+        req: Request<Bytes>,
+    ) -> Result<Response<BoxBody>, TransportError> {
+        let (mut parts, body) = req.into_parts();
+        let Some(authority) = parts.uri.authority().cloned() else {
+            return Err(TransportError::Connect("request URI has no host".into()));
+        };
+        // Origin-form request target, and the Host header it then needs.
+        parts.uri = parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| Uri::from_static("/"), |p| Uri::from(p.clone()));
+        if !parts.headers.contains_key(HOST)
+            && let Ok(v) = HeaderValue::from_str(authority.as_str())
+        {
+            parts.headers.insert(HOST, v);
+        }
+        let mut req = Request::from_parts(parts, Full::new(body));
+
+        // Pooled connections first. One the engine has closed since hands the request
+        // back unsent, and the next is tried.
+        while let Some(mut sender) = self.take(&authority) {
+            if sender.ready().await.is_err() {
+                continue;
             }
+            match sender.try_send_request(req).await {
+                Ok(resp) => return Ok(self.respond(authority, sender, resp)),
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) => req = unsent,
+                    None => return Err(TransportError::Io(e.into_error().into())),
+                },
+            }
+        }
+        let mut sender = self.connect(&authority).await?;
+        match sender.send_request(req).await {
+            Ok(resp) => Ok(self.respond(authority, sender, resp)),
+            Err(e) => Err(TransportError::Io(e.into())),
+        }
+    }
+
+    fn take(&self, authority: &Authority) -> Option<Sender> {
+        let mut idle = lock(&self.idle);
+        let list = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
+        let max_age = self.config.pool_idle_timeout;
+        // Most recently used first: it is the least likely to have been closed.
+        while let Some(conn) = list.pop() {
+            if conn.since.elapsed() < max_age && !conn.sender.is_closed() {
+                return Some(conn.sender);
+            }
+        }
+        None
+    }
+
+    fn give_back(&self, authority: Authority, sender: Sender) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = lock(&self.idle);
+        let conn = Idle {
+            sender,
+            since: Instant::now(),
+        };
+        match idle.iter_mut().find(|(a, _)| *a == authority) {
+            Some((_, list)) if list.len() < self.config.pool_max_idle_per_host => list.push(conn),
+            Some(_) => {}
+            None => idle.push((authority, vec![conn])),
+        }
+    }
+
+    async fn connect(&self, authority: &Authority) -> Result<Sender, TransportError> {
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let port = authority.port_u16().unwrap_or(80);
+        let stream = match tokio::time::timeout(
+            self.config.connect_timeout,
+            TcpStream::connect((host, port)),
+        )
+        .await
+        {
+            Err(_) => return Err(TransportError::Connect("connect timed out".into())),
+            Ok(Err(e)) => return Err(TransportError::Connect(e.into())),
+            Ok(Ok(s)) => s,
+        };
+        // Without it, Nagle's algorithm holds small writes (an SSE event) for up to
+        // 40 ms on loopback while the peer delays its ACK.
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| TransportError::Connect(e.into()))?;
+        // The connection task ends when the connection closes: its sender dropped while
+        // idle, the peer gone, or a response body dropped before its end.
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "engine connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+
+    fn respond(
+        self: Arc<Self>,
+        authority: Authority,
+        sender: Sender,
+        resp: Response<Incoming>,
+    ) -> Response<BoxBody> {
+        resp.map(|body| {
+            Returning {
+                body,
+                back: Some((self, authority, sender)),
+            }
+            .boxed()
         })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that puts its connection back in the pool once read to the end.
+    struct Returning {
+        #[pin]
+        body: Incoming,
+        back: Option<(Arc<Inner>, Authority, Sender)>,
+    }
+}
+
+impl Returning {
+    fn release(back: &mut Option<(Arc<Inner>, Authority, Sender)>) {
+        if let Some((pool, authority, sender)) = back.take() {
+            pool.give_back(authority, sender);
+        }
+    }
+}
+
+impl Body for Returning {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        match this.body.as_mut().poll_frame(cx) {
+            Poll::Ready(None) => {
+                Self::release(this.back);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                // A broken body leaves the connection unusable: drop it.
+                this.back.take();
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(Some(Ok(frame))) => {
+                // Callers may stop at the last frame without polling for the end (the
+                // body said it was over): release the connection here, not only at
+                // `None`, or it would be dropped instead of reused.
+                if this.body.is_end_stream() {
+                    Self::release(this.back);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
