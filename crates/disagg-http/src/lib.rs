@@ -1,4 +1,4 @@
-//! The HTTP adapter of **disagg**: a pooled hyper-util [`HttpTransport`], the tower
+//! The HTTP adapter of **disagg**: a pooled keep-alive [`HttpTransport`] on hyper, the tower
 //! [`PdService`] that serves OpenAI chat and completion requests disaggregated, the
 //! OpenAI error format, and a small [`serve`](server::serve) helper.
 //!
