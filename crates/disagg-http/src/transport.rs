@@ -35,7 +35,9 @@ use tokio::net::TcpStream;
 pub struct HttpTransportConfig {
     /// Time to establish a TCP connection.
     pub connect_timeout: Duration,
-    /// How long an idle pooled connection is kept.
+    /// How long an idle pooled connection is kept. Keep it below the engines' own
+    /// keep-alive timeout, so that a connection the engine is about to close is never
+    /// picked for a request (vLLM's uvicorn closes idle connections after 5 s).
     pub pool_idle_timeout: Duration,
     /// Idle connections kept per endpoint. Size it for the concurrency: a pool smaller
     /// than the load reconnects on every overflowing request, which costs more than the
@@ -47,7 +49,8 @@ impl Default for HttpTransportConfig {
     fn default() -> Self {
         HttpTransportConfig {
             connect_timeout: Duration::from_secs(5),
-            pool_idle_timeout: Duration::from_secs(90),
+            // Under uvicorn's 5 s keep-alive timeout (vLLM's default), with a margin.
+            pool_idle_timeout: Duration::from_secs(4),
             pool_max_idle_per_host: 1024,
         }
     }
