@@ -1,0 +1,102 @@
+//! `HttpTransport` against a simulated engine over loopback: keep-alive reuse, early
+//! drops closing their connection, idle expiry, connection errors.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_core::error::TransportError;
+use disagg_core::transport::Transport;
+use disagg_http::{HttpTransport, HttpTransportConfig};
+use disagg_sim::{SimConfig, SimEngine};
+use http::uri::Authority;
+use http_body_util::BodyExt;
+
+fn request(engine: &SimEngine, stream: bool, max_tokens: u32) -> http::Request<Bytes> {
+    let body = serde_json::json!({
+        "model": "sim-model", "prompt": "keep alive", "max_tokens": max_tokens, "stream": stream,
+    });
+    let mut req = http::Request::new(Bytes::from(body.to_string()));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = format!("{}/v1/completions", engine.url()).parse().unwrap();
+    req.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    req
+}
+
+fn authority(engine: &SimEngine) -> Authority {
+    engine.addr().to_string().parse().unwrap()
+}
+
+async fn until(mut f: impl FnMut() -> bool) -> bool {
+    for _ in 0..100 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
+
+#[tokio::test]
+async fn sequential_requests_share_one_connection() {
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let t = HttpTransport::default();
+    for stream in [false, true, false] {
+        let resp = t.send(request(&engine, stream, 3)).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(t.idle_connections(&authority(&engine)), 1);
+    assert!(until(|| engine.stats().open_connections == 1).await);
+    assert_eq!(engine.stats().requests, 3);
+}
+
+#[tokio::test]
+async fn a_body_dropped_early_closes_its_connection() {
+    let slow = SimConfig {
+        inter_token_delay: Duration::from_millis(20),
+        ..SimConfig::default()
+    };
+    let engine = SimEngine::start(slow).await.unwrap();
+    let t = HttpTransport::default();
+    let resp = t.send(request(&engine, true, 100)).await.unwrap();
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    assert!(
+        until(|| engine.stats().open_connections == 0).await,
+        "{:?}",
+        engine.stats()
+    );
+    assert_eq!(engine.stats().cancelled, 1);
+    assert_eq!(t.idle_connections(&authority(&engine)), 0);
+}
+
+#[tokio::test]
+async fn idle_connections_expire() {
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let mut config = HttpTransportConfig::default();
+    config.pool_idle_timeout = Duration::from_millis(50);
+    let t = HttpTransport::new(config);
+    let resp = t.send(request(&engine, false, 2)).await.unwrap();
+    resp.into_body().collect().await.unwrap();
+    assert_eq!(t.idle_connections(&authority(&engine)), 1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The expired connection is dropped, not used; the request goes on a new one.
+    let resp = t.send(request(&engine, false, 2)).await.unwrap();
+    resp.into_body().collect().await.unwrap();
+    assert!(until(|| engine.stats().open_connections == 1).await);
+    assert_eq!(t.idle_connections(&authority(&engine)), 1);
+}
+
+#[tokio::test]
+async fn refused_connections_are_connect_errors() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    drop(l);
+    let mut req = http::Request::new(Bytes::from_static(b"{}"));
+    *req.uri_mut() = format!("http://{addr}/v1/completions").parse().unwrap();
+    let err = HttpTransport::default().send(req).await.unwrap_err();
+    assert!(matches!(err, TransportError::Connect(_)), "{err:?}");
+    assert!(err.is_connect());
+}
