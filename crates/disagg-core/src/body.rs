@@ -9,7 +9,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -190,18 +190,18 @@ impl JsonBody {
             .iter()
             .map(|(k, v)| k.len() + v.len() + 4)
             .sum::<usize>();
-        let mut out = BytesMut::with_capacity(len);
-        out.put_u8(b'{');
+        let mut out = Vec::with_capacity(len);
+        out.push(b'{');
         for (i, (k, v)) in self.fields.iter().enumerate() {
             if i > 0 {
-                out.put_u8(b',');
+                out.push(b',');
             }
             write_json_str(&mut out, k);
-            out.put_u8(b':');
-            out.put_slice(v);
+            out.push(b':');
+            out.extend_from_slice(v);
         }
-        out.put_u8(b'}');
-        out.freeze()
+        out.push(b'}');
+        Bytes::from(out)
     }
 }
 
@@ -211,15 +211,14 @@ impl fmt::Debug for JsonBody {
     }
 }
 
-fn write_json_str(out: &mut BytesMut, s: &[u8]) {
+fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     if s.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\') {
-        out.reserve(s.len() + 2);
-        out.put_u8(b'"');
-        out.put_slice(s);
-        out.put_u8(b'"');
+        out.push(b'"');
+        out.extend_from_slice(s);
+        out.push(b'"');
     } else {
         let escaped = serde_json::to_string(&*String::from_utf8_lossy(s)).unwrap_or_default();
-        out.put_slice(escaped.as_bytes());
+        out.extend_from_slice(escaped.as_bytes());
     }
 }
 

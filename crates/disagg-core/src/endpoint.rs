@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use http::Uri;
+
+use crate::request::Api;
 use http::uri::{Authority, Scheme};
 
 /// An endpoint's identity: its base URL as configured.
@@ -89,6 +91,10 @@ pub struct Endpoint {
     role: Role,
     in_flight: AtomicUsize,
     ext: http::Extensions,
+    /// The URIs of the two completion APIs, built once: a leg's request then clones
+    /// shared bytes instead of parsing and allocating a URI per request.
+    chat_uri: Uri,
+    completions_uri: Uri,
 }
 
 impl Endpoint {
@@ -142,8 +148,18 @@ impl Endpoint {
         {
             return Err(unsupported());
         }
+        let api_uri = |api: Api| {
+            Uri::builder()
+                .scheme(scheme.clone())
+                .authority(authority.clone())
+                .path_and_query(api.path())
+                .build()
+                .map_err(|_| unsupported())
+        };
         Ok(Endpoint {
             id: EndpointId::from(trimmed),
+            chat_uri: api_uri(Api::Chat)?,
+            completions_uri: api_uri(Api::Completions)?,
             scheme,
             authority,
             role,
@@ -186,6 +202,18 @@ impl Endpoint {
             .authority(self.authority.clone())
             .path_and_query(path_and_query)
             .build()
+    }
+
+    /// The absolute URI of `api` on this endpoint (built once, cloned cheaply).
+    ///
+    /// # Errors
+    ///
+    /// None today; the `Result` keeps room for endpoints whose API paths are configured.
+    pub fn api_uri(&self, api: Api) -> Result<Uri, http::Error> {
+        Ok(match api {
+            Api::Chat => self.chat_uri.clone(),
+            Api::Completions => self.completions_uri.clone(),
+        })
     }
 
     /// Connector data attached to this endpoint.

@@ -400,7 +400,7 @@ impl Inner {
             crate::endpoint::Role::Prefill => Side::Prefill,
             crate::endpoint::Role::Decode => Side::Decode,
         };
-        let uri = leg.endpoint.uri(req.api().path()).map_err(|e| {
+        let uri = leg.endpoint.api_uri(req.api()).map_err(|e| {
             PdError::transport(
                 side,
                 leg.endpoint.id().clone(),
@@ -458,7 +458,7 @@ impl Inner {
             if parts.status.is_client_error() {
                 let mut resp = Response::new(PdBody::full(bytes));
                 *resp.status_mut() = parts.status;
-                copy_end_to_end(&parts.headers, resp.headers_mut());
+                *resp.headers_mut() = end_to_end(parts.headers);
                 resp.headers_mut()
                     .insert(REQUEST_ID, req.request_id().clone());
                 resp.headers_mut()
@@ -548,7 +548,7 @@ impl Inner {
             },
         ));
         *resp.status_mut() = parts.status;
-        copy_end_to_end(&parts.headers, resp.headers_mut());
+        *resp.headers_mut() = end_to_end(parts.headers);
         let h = resp.headers_mut();
         h.insert(REQUEST_ID, req.request_id().clone());
         h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
@@ -588,12 +588,22 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
-    for (name, value) in from {
-        if !is_hop_by_hop(name) {
-            to.append(name.clone(), value.clone());
+/// `headers` without the hop-by-hop ones, reusing the map (no copy of the rest).
+fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
+    if headers.keys().any(is_hop_by_hop) {
+        for name in [
+            header::CONNECTION,
+            HeaderName::from_static("keep-alive"),
+            HeaderName::from_static("proxy-connection"),
+            header::TRANSFER_ENCODING,
+            header::UPGRADE,
+            header::TE,
+            header::TRAILER,
+        ] {
+            headers.remove(name);
         }
     }
+    headers
 }
 
 fn read_limited(
