@@ -6,7 +6,6 @@
 //! slices of the original buffer ([`Bytes`], no copy), keys keep their order, and
 //! re-emitting the object writes each value back verbatim.
 
-use std::borrow::Cow;
 use std::fmt;
 
 use bytes::Bytes;
@@ -205,6 +204,158 @@ impl JsonBody {
     }
 }
 
+/// The raw value of the top-level field `key` of the JSON object `bytes`, found without
+/// building the rest.
+///
+/// The object is walked at its top level only: strings are skipped escape-aware, nested
+/// values by bracket depth, and only the value found is validated as JSON. Cheaper than
+/// [`JsonBody::parse_bytes`] when one field of a large answer is wanted (the prefill's
+/// `kv_transfer_params`); a malformed object is an error, as with a full parse. Keys are
+/// compared after unescaping; the last of duplicate keys wins.
+///
+/// # Errors
+///
+/// [`BodyError`] when `bytes` is not a JSON object or the value found is not valid JSON.
+///
+/// # Examples
+///
+/// ```
+/// use bytes::Bytes;
+/// use disagg_core::body::top_level_field;
+///
+/// let answer = Bytes::from_static(br#"{"choices":[{"text":"}"}],"kv_transfer_params":{"a":1}}"#);
+/// let v = top_level_field(&answer, "kv_transfer_params")?.unwrap();
+/// assert_eq!(&v[..], br#"{"a":1}"#);
+/// # Ok::<(), disagg_core::error::BodyError>(())
+/// ```
+pub fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
+    match scan_field(bytes, key.as_bytes()) {
+        Some(found) => {
+            if let Some((start, end)) = found {
+                serde_json::from_slice::<de::IgnoredAny>(&bytes[start..end])
+                    .map_err(BodyError::InvalidJson)?;
+                return Ok(Some(bytes.slice(start..end)));
+            }
+            Ok(None)
+        }
+        // Malformed: let the full parser say precisely what is wrong.
+        None => match JsonBody::parse_bytes(bytes) {
+            Err(e) => Err(e),
+            Ok(_) => Err(BodyError::NotAnObject),
+        },
+    }
+}
+
+/// `Some(Some(span))` for the last top-level value of `key`, `Some(None)` when the object
+/// has no such key, `None` when `b` is not a well-formed object at its top level.
+fn scan_field(b: &[u8], key: &[u8]) -> Option<Option<(usize, usize)>> {
+    let ws = |i: &mut usize| {
+        while *i < b.len() && b[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    };
+    let mut i = 0;
+    ws(&mut i);
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    let mut found = None;
+    ws(&mut i);
+    if b.get(i) == Some(&b'}') {
+        i += 1;
+        ws(&mut i);
+        return (i == b.len()).then_some(None);
+    }
+    loop {
+        ws(&mut i);
+        if b.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_end = skip_string(b, i)?;
+        let raw_key = &b[i + 1..key_end - 1];
+        let matches = if raw_key.contains(&b'\\') {
+            serde_json::from_slice::<String>(&b[i..key_end])
+                .ok()
+                .is_some_and(|k| k.as_bytes() == key)
+        } else {
+            raw_key == key
+        };
+        i = key_end;
+        ws(&mut i);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i += 1;
+        ws(&mut i);
+        let start = i;
+        i = skip_value(b, i)?;
+        if matches {
+            found = Some((start, i));
+        }
+        ws(&mut i);
+        match b.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => {
+                i += 1;
+                ws(&mut i);
+                return (i == b.len()).then_some(found);
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// The index just past the string starting at `b[i] == b'"'`.
+fn skip_string(b: &[u8], mut i: usize) -> Option<usize> {
+    i += 1;
+    while i < b.len() {
+        match b[i] {
+            b'"' => return Some(i + 1),
+            b'\\' => i += 2,
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// The index just past the value starting at `b[i]` (its shape only; the one value
+/// returned is validated by the caller).
+fn skip_value(b: &[u8], mut i: usize) -> Option<usize> {
+    match *b.get(i)? {
+        b'"' => skip_string(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            while i < b.len() {
+                match b[i] {
+                    b'"' => {
+                        i = skip_string(b, i)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+            None
+        }
+        _ => {
+            let start = i;
+            while i < b.len() && !matches!(b[i], b',' | b'}' | b']') && !b[i].is_ascii_whitespace()
+            {
+                i += 1;
+            }
+            (i > start).then_some(i)
+        }
+    }
+}
+
 impl fmt::Debug for JsonBody {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&String::from_utf8_lossy(&self.to_bytes()))
@@ -219,6 +370,35 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     } else {
         let escaped = serde_json::to_string(&*String::from_utf8_lossy(s)).unwrap_or_default();
         out.extend_from_slice(escaped.as_bytes());
+    }
+}
+
+/// A key as the deserializer hands it over: borrowed from the input when it has no
+/// escapes. (serde's own `Cow<str>` always allocates: it deserializes as `String`.)
+enum KeyText<'de> {
+    Borrowed(&'de str),
+    Owned(String),
+}
+
+impl<'de> Deserialize<'de> for KeyText<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = KeyText<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(KeyText::Borrowed(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(KeyText::Owned(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(KeyText::Owned(v))
+            }
+        }
+        d.deserialize_str(V)
     }
 }
 
@@ -253,14 +433,14 @@ impl<'de> Visitor<'de> for SpanVisitor<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::with_capacity(map.size_hint().unwrap_or(16));
-        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+        while let Some(key) = map.next_key::<KeyText<'de>>()? {
             let key = match key {
                 // A borrowed key has no escapes and points into the input.
-                Cow::Borrowed(k) => {
+                KeyText::Borrowed(k) => {
                     let start = self.offset(k.as_bytes()).map_err(de::Error::custom)?;
                     Key::Span(start, start + k.len())
                 }
-                Cow::Owned(k) => Key::Owned(k),
+                KeyText::Owned(k) => Key::Owned(k),
             };
             let raw: &'de RawValue = map.next_value()?;
             let text = raw.get().as_bytes();
@@ -349,6 +529,48 @@ mod tests {
     }
 
     #[test]
+    fn top_level_field_finds_only_top_level_keys() {
+        let f = |body: &str, key: &str| {
+            top_level_field(&Bytes::from(body.to_owned()), key)
+                .map(|v| v.map(|v| String::from_utf8(v.to_vec()).unwrap()))
+        };
+        let body = r#" {"a": {"k": 1, "s": "}\"k\""}, "list": [[1], {"k": [2]}], "k" : {"x": [1, 2]} , "n": -1.5e3 } "#;
+        assert_eq!(f(body, "k").unwrap().as_deref(), Some(r#"{"x": [1, 2]}"#));
+        assert_eq!(f(body, "n").unwrap().as_deref(), Some("-1.5e3"));
+        assert_eq!(f(body, "missing").unwrap(), None);
+        assert_eq!(
+            f(r#"{"k\u0041":true}"#, "kA").unwrap().as_deref(),
+            Some("true")
+        );
+        assert_eq!(f(r#"{"k":1,"k":2}"#, "k").unwrap().as_deref(), Some("2"));
+        assert_eq!(f("{}", "k").unwrap(), None);
+        for bad in [
+            r#"{"k":1"#,
+            r#"{"k" 1}"#,
+            "[1]",
+            r#"{"k":{"a":}}"#,
+            r#"{"k":1}x"#,
+            "",
+        ] {
+            assert!(f(bad, "k").is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn top_level_field_agrees_with_the_full_parse() {
+        let body = br#"{"id":"x","choices":[{"index":0,"message":{"content":"a \" } ]"}}],"usage":{"p":1},"kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_host":"h"}}"#;
+        let bytes = Bytes::from_static(body);
+        let full = JsonBody::parse_bytes(&bytes).unwrap();
+        for key in ["id", "choices", "usage", "kv_transfer_params", "nope"] {
+            assert_eq!(
+                top_level_field(&bytes, key).unwrap(),
+                full.get_bytes(key),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
     fn values_share_the_input_buffer() {
         let input = Bytes::from_static(br#"{"prompt":"a long prompt"}"#);
         let b = JsonBody::parse_bytes(&input).unwrap();
@@ -357,5 +579,8 @@ mod tests {
         // Same allocation: the slice points inside the input.
         let start = v.as_ptr() as usize - input.as_ptr() as usize;
         assert_eq!(start, 10);
+        // So does the key (it has no escapes).
+        let key = &b.fields[0].0;
+        assert_eq!(key.as_ptr() as usize - input.as_ptr() as usize, 2);
     }
 }

@@ -66,15 +66,39 @@ pub struct Handoff {
     pub decode: Leg,
 }
 
-/// The prefill's successful answer, top level parsed.
+/// The prefill's successful answer.
+///
+/// The body is kept as received; a connector reads what it needs with
+/// [`field`](Self::field) (one top-level field, found without parsing the rest) or
+/// [`json`](Self::json) (the whole top level).
 #[derive(Debug)]
 pub struct PrefillAnswer {
     /// The status (2xx).
     pub status: StatusCode,
     /// The headers.
     pub headers: HeaderMap,
-    /// The body's top level.
-    pub body: JsonBody,
+    /// The body, as received.
+    pub body: bytes::Bytes,
+}
+
+impl PrefillAnswer {
+    /// The raw value of the top-level field `key` of the answer, if present.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
+    pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
+        crate::body::top_level_field(&self.body, key)
+    }
+
+    /// The answer's whole top level.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
+    pub fn json(&self) -> Result<JsonBody, crate::error::BodyError> {
+        JsonBody::parse_bytes(&self.body)
+    }
 }
 
 /// What [`KvConnector::complete`] found in the prefill's answer.

@@ -74,6 +74,15 @@ pub enum ConnectorError {
         /// The field.
         field: &'static str,
     },
+    /// The prefill's 2xx answer is not a JSON object.
+    #[error("prefill endpoint {endpoint} answered something that is not a JSON object")]
+    InvalidAnswer {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// Why it did not parse.
+        #[source]
+        source: BodyError,
+    },
     /// A value the connector had to serialize could not be.
     #[error("could not encode `{field}`")]
     Encode {

@@ -101,7 +101,14 @@ impl KvConnector for VllmNixl {
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
-        let Some(params) = answer.body.get_bytes(KV_TRANSFER_PARAMS) else {
+        let params =
+            answer
+                .field(KV_TRANSFER_PARAMS)
+                .map_err(|source| ConnectorError::InvalidAnswer {
+                    endpoint: handoff.prefill.endpoint.id().clone(),
+                    source,
+                })?;
+        let Some(params) = params else {
             return Ok(KvOutcome::Missing);
         };
         match params.first() {
@@ -156,7 +163,7 @@ mod tests {
         PrefillAnswer {
             status: StatusCode::OK,
             headers: HeaderMap::new(),
-            body: JsonBody::parse(body.as_bytes()).unwrap(),
+            body: Bytes::from(body.to_owned()),
         }
     }
 
@@ -224,6 +231,10 @@ mod tests {
             c.complete(&mut h, &answer(r#"{"kv_transfer_params":"x"}"#))
                 .await,
             Err(ConnectorError::InvalidHandoff { .. })
+        ));
+        assert!(matches!(
+            c.complete(&mut h, &answer(r#"{"choices":[}"#)).await,
+            Err(ConnectorError::InvalidAnswer { .. })
         ));
     }
 
