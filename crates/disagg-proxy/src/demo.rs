@@ -37,14 +37,14 @@ pub(crate) struct DemoArgs {
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
-    let sim = |engine_id: &str| SimConfig {
-        engine_id: Some(engine_id.to_owned()),
+    let sim = SimConfig {
         prefill_delay_per_token: Duration::from_secs_f64(args.prefill_ms_per_token / 1e3),
         inter_token_delay: Duration::from_secs_f64(args.inter_token_ms / 1e3),
         ..SimConfig::default()
     };
-    let prefill = SimEngine::start(sim("prefill-0")).await?;
-    let decode = SimEngine::start(sim("decode-0")).await?;
+    let plan = nixl_plan()?;
+    let prefill = start_planned(sim.clone(), &plan.engines[0]).await?;
+    let decode = start_planned(sim, &plan.engines[1]).await?;
     println!(
         "prefill engine  {}  (KV side channel {})",
         prefill.url(),
@@ -197,6 +197,35 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let _ = stop_tx.send(());
     server.await??;
     Ok(())
+}
+
+/// The side-channel ports and engine ids of the demo's engines, from the NIXL planner as
+/// a launcher would compute them for one node: prefill then decode, default bases.
+fn nixl_plan() -> Result<disagg_nixl::NodePlan, BoxError> {
+    use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role as NixlRole};
+    let node = Host::new("127.0.0.1")
+        .with_deployment(Deployment::new("prefill", NixlRole::Prefill))
+        .with_deployment(Deployment::new("decode", NixlRole::Decode));
+    Ok(Plan::new(PortScheme::PerEngine).with_host(node).plan()?)
+}
+
+/// Starts a simulated engine whose side channel listens on its planned port, or on any
+/// free port if that one is taken on this machine (the demo must run anywhere).
+async fn start_planned(
+    config: SimConfig,
+    engine: &disagg_nixl::EnginePlan,
+) -> Result<SimEngine, BoxError> {
+    let http = TcpListener::bind("127.0.0.1:0").await?;
+    let side_channel =
+        match TcpListener::bind((engine.side_channel_host.as_str(), engine.port)).await {
+            Ok(listener) => listener,
+            Err(_) => TcpListener::bind("127.0.0.1:0").await?,
+        };
+    let config = SimConfig {
+        engine_id: Some(engine.engine_id.clone()),
+        ..config
+    };
+    Ok(SimEngine::start_on(config, http, side_channel).await?)
 }
 
 fn body_json(args: &DemoArgs, stream: bool) -> serde_json::Value {

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod nixl;
 mod sim;
 
 use disagg_proxy::{BoxError, serve};
@@ -29,6 +30,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Run a simulated vLLM-like engine (NIXL-style KV side channel included).
     Sim(sim::SimArgs),
+    /// Plan NIXL side-channel ports and engine ids from a plan file (TOML), or say why it fails.
+    NixlPorts(nixl::NixlPortsArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
             Command::Serve(_) => Ok(()),
             Command::Demo(args) => demo::run(args).await,
             Command::Sim(args) => sim::run(args).await,
+            Command::NixlPorts(args) => nixl::run(args).await,
         }
     }))
 }
