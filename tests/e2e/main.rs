@@ -510,3 +510,68 @@ async fn upstream_connections_are_kept_alive_and_reused() {
         );
     }
 }
+
+/// Two side-channel bases free on this machine now: tests never use fixed ports, so the
+/// plan's bases are taken from the OS and handed to the planner as explicit bases.
+fn free_ports() -> (std::net::TcpListener, std::net::TcpListener) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    (a, b)
+}
+
+#[tokio::test]
+async fn side_channel_ports_come_from_the_nixl_planner() {
+    use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role as NixlRole};
+    let (hold_p, hold_d) = free_ports();
+    let (base_p, base_d) = (
+        hold_p.local_addr().unwrap().port(),
+        hold_d.local_addr().unwrap().port(),
+    );
+    let plan = Plan::new(PortScheme::PerEngine)
+        .with_host(
+            Host::new("127.0.0.1")
+                .with_deployment(Deployment::new("prefill", NixlRole::Prefill).with_base(base_p))
+                .with_deployment(Deployment::new("decode", NixlRole::Decode).with_base(base_d)),
+        )
+        .plan()
+        .expect("a plan with disjoint bases");
+    let [p_plan, d_plan] = [&plan.engines[0], &plan.engines[1]];
+    assert_eq!((p_plan.port, d_plan.port), (base_p, base_d));
+    drop((hold_p, hold_d));
+
+    let mut engines = Vec::new();
+    for e in [p_plan, d_plan] {
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let side = tokio::net::TcpListener::bind(("127.0.0.1", e.port))
+            .await
+            .unwrap();
+        let config = disagg_sim::SimConfig {
+            engine_id: Some(e.engine_id.clone()),
+            ..Default::default()
+        };
+        engines.push(
+            disagg_sim::SimEngine::start_on(config, http, side)
+                .await
+                .unwrap(),
+        );
+    }
+    let decode = engines.pop().unwrap();
+    let prefill = engines.pop().unwrap();
+    let stack = Stack::builder()
+        .build_with(vec![prefill], vec![decode])
+        .await;
+
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion("planned", 3, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // The decode pulled from the planned port, identified by the planned engine id.
+    let params = &stack.d().requests()[0].body["kv_transfer_params"];
+    assert_eq!(params["remote_port"], base_p);
+    assert_eq!(params["remote_engine_id"], p_plan.engine_id.as_str());
+    assert_eq!(stack.d().stats().remote_decodes, 1);
+}

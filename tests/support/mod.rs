@@ -92,15 +92,20 @@ impl StackBuilder {
         self
     }
 
-    pub async fn build(self) -> Stack {
+    pub async fn build(mut self) -> Stack {
         let mut prefill = Vec::new();
-        for c in self.prefill {
+        for c in std::mem::take(&mut self.prefill) {
             prefill.push(SimEngine::start(c).await.expect("start prefill sim"));
         }
         let mut decode = Vec::new();
-        for c in self.decode {
+        for c in std::mem::take(&mut self.decode) {
             decode.push(SimEngine::start(c).await.expect("start decode sim"));
         }
+        self.build_with(prefill, decode).await
+    }
+
+    /// The proxy in front of engines already started (the configs given are ignored).
+    pub async fn build_with(self, prefill: Vec<SimEngine>, decode: Vec<SimEngine>) -> Stack {
         let mut endpoints = Vec::new();
         for e in &prefill {
             endpoints.push(Endpoint::new(&e.url(), Role::Prefill).unwrap());
