@@ -409,3 +409,64 @@ async fn client_disconnect_mid_stream_closes_the_decode_request() {
     // The prefill leg had finished; its KV was pulled, nothing is stranded.
     assert_eq!(stack.p().stats().blocks_held, 0);
 }
+
+#[tokio::test]
+async fn no_in_flight_count_outlives_its_request() {
+    // Success, a decode failure mid-stream, a client that leaves mid-stream, and a
+    // prefill failure: every path gives its in-flight counts back.
+    let stack = Stack::builder()
+        .decode(vec![
+            SimConfig::default(),
+            faulty(Faults {
+                drop_after_chunks: Some(2),
+                ..Default::default()
+            }),
+            SimConfig {
+                inter_token_delay: Duration::from_millis(50),
+                ..Default::default()
+            },
+        ])
+        .build()
+        .await;
+    // Round-robin: the first request goes to the healthy decode, the second to the
+    // breaking one.
+    let ok = post(&stack.url, "/v1/chat/completions", chat("a", 4, true), &[]).await;
+    assert_eq!(ok.status, 200);
+    let broken = post(&stack.url, "/v1/chat/completions", chat("b", 8, true), &[]).await;
+    assert!(
+        broken.text().contains("decode_stream_failed"),
+        "{}",
+        broken.text()
+    );
+    assert_eq!(stack.in_flight(), 0);
+
+    // The third goes to the slow decode; the client leaves after the first event.
+    let mut s = raw_request(&stack.url, "/v1/chat/completions", &chat("c", 100, true)).await;
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(stack.in_flight(), 1, "the open stream is counted");
+    drop(s);
+    assert!(eventually(Duration::from_secs(1), || stack.in_flight() == 0).await);
+
+    let failing = Stack::builder()
+        .prefill(vec![faulty(Faults {
+            status: Some(503),
+            ..Default::default()
+        })])
+        .build()
+        .await;
+    let a = post(
+        &failing.url,
+        "/v1/completions",
+        completion("d", 2, false),
+        &[],
+    )
+    .await;
+    assert_openai_error(&a, 502, "prefill_failed");
+    assert_eq!(failing.in_flight(), 0);
+}

@@ -21,6 +21,8 @@ pub struct Stack {
     pub prefill: Vec<SimEngine>,
     pub decode: Vec<SimEngine>,
     pub url: String,
+    /// The proxy's endpoint source: its endpoints carry the live in-flight counts.
+    pub source: std::sync::Arc<StaticSource>,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -62,6 +64,17 @@ impl Stack {
 
     pub fn d(&self) -> &SimEngine {
         &self.decode[0]
+    }
+
+    /// Requests the proxy counts in flight, over every endpoint.
+    pub fn in_flight(&self) -> usize {
+        use disagg_core::EndpointSource;
+        let set = self.source.snapshot();
+        set.prefill()
+            .iter()
+            .chain(set.decode())
+            .map(|e| e.in_flight())
+            .sum()
     }
 }
 
@@ -116,8 +129,9 @@ impl StackBuilder {
         for e in &decode {
             endpoints.push(Endpoint::new(&e.url(), Role::Decode).unwrap());
         }
+        let source = std::sync::Arc::new(StaticSource::new(endpoints));
         let orchestrator =
-            Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::default())
+            Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
                 .router(RoundRobin::new())
                 .config(self.config)
                 .build();
@@ -132,6 +146,7 @@ impl StackBuilder {
             prefill,
             decode,
             url,
+            source,
             stop: Some(tx),
         }
     }
