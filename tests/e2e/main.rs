@@ -575,3 +575,49 @@ async fn side_channel_ports_come_from_the_nixl_planner() {
     assert_eq!(params["remote_engine_id"], p_plan.engine_id.as_str());
     assert_eq!(stack.d().stats().remote_decodes, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
+    use disagg_core::policy::{PerLeg, PowerOfTwo, RoundRobinPick};
+    // In flight is counted until the response body ends: while one decode engine holds
+    // a long stream, power-of-two choices sends every other request to the other one.
+    let slow = disagg_sim::SimConfig {
+        inter_token_delay: std::time::Duration::from_millis(100),
+        ..Default::default()
+    };
+    let stack = Stack::builder()
+        .decode(vec![slow.clone(), slow])
+        .router(PerLeg::new(
+            RoundRobinPick::new(),
+            PowerOfTwo::from_seed(11),
+        ))
+        .build()
+        .await;
+    let url = stack.url.clone();
+    let long = tokio::spawn(async move {
+        post(&url, "/v1/chat/completions", chat("long", 20, true), &[]).await
+    });
+    assert!(eventually(std::time::Duration::from_secs(2), || stack.in_flight() == 1).await);
+    let busy = if stack.decode[0].stats().active_requests == 1 {
+        0
+    } else {
+        1
+    };
+    for i in 0..5 {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&format!("short {i}"), 1, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+    }
+    assert_eq!(
+        stack.decode[busy].stats().requests,
+        1,
+        "only the long stream"
+    );
+    assert_eq!(stack.decode[1 - busy].stats().requests, 5);
+    assert_eq!(long.await.unwrap().status, 200);
+}

@@ -35,6 +35,7 @@ impl Drop for Stack {
 }
 
 pub struct StackBuilder {
+    router: Option<Box<dyn disagg_core::Router>>,
     prefill: Vec<SimConfig>,
     decode: Vec<SimConfig>,
     extra_prefill_urls: Vec<String>,
@@ -50,6 +51,7 @@ impl Stack {
 
     pub fn builder() -> StackBuilder {
         StackBuilder {
+            router: None,
             prefill: vec![SimConfig::default()],
             decode: vec![SimConfig::default()],
             extra_prefill_urls: Vec::new(),
@@ -95,6 +97,11 @@ impl StackBuilder {
         self
     }
 
+    pub fn router(mut self, router: impl disagg_core::Router) -> Self {
+        self.router = Some(Box::new(router));
+        self
+    }
+
     pub fn config(mut self, f: impl FnOnce(&mut OrchestratorConfig)) -> Self {
         f(&mut self.config);
         self
@@ -130,11 +137,13 @@ impl StackBuilder {
             endpoints.push(Endpoint::new(&e.url(), Role::Decode).unwrap());
         }
         let source = std::sync::Arc::new(StaticSource::new(endpoints));
-        let orchestrator =
+        let builder =
             Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
-                .router(RoundRobin::new())
-                .config(self.config)
-                .build();
+                .config(self.config);
+        let orchestrator = match self.router {
+            Some(router) => builder.router(BoxedRouter(router)).build(),
+            None => builder.router(RoundRobin::new()).build(),
+        };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = oneshot::channel::<()>();
@@ -149,6 +158,18 @@ impl StackBuilder {
             source,
             stop: Some(tx),
         }
+    }
+}
+
+struct BoxedRouter(Box<dyn disagg_core::Router>);
+
+impl disagg_core::Router for BoxedRouter {
+    fn select(
+        &self,
+        req: &disagg_core::router::RequestView<'_>,
+        set: &disagg_core::EndpointSet,
+    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        self.0.select(req, set)
     }
 }
 

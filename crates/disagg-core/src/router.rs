@@ -6,13 +6,13 @@
 //! waits.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use http::HeaderMap;
 
 use crate::body::JsonBody;
-use crate::endpoint::{Endpoint, EndpointSet, Role};
+use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::RouteError;
+use crate::policy::{LeastInFlightPick, PerLeg, RoundRobinPick};
 use crate::request::{Api, PdRequest};
 
 /// What a router may read of a request.
@@ -92,47 +92,33 @@ impl<T: Router + ?Sized> Router for Arc<T> {
     }
 }
 
-fn route_from(
-    set: &EndpointSet,
-    mut pick: impl FnMut(Role, &[Arc<Endpoint>]) -> Arc<Endpoint>,
-) -> Result<Route, RouteError> {
-    let decode = match set.decode() {
-        [] => return Err(RouteError::NoDecode),
-        eps => pick(Role::Decode, eps),
-    };
-    let prefill = match set.prefill() {
-        [] => None,
-        eps => Some(pick(Role::Prefill, eps)),
-    };
-    Ok(Route { prefill, decode })
-}
-
 /// Independent round-robin over the prefill and the decode endpoints.
 ///
 /// Use it when engines are alike and requests are alike; it needs no load signal.
-#[derive(Debug, Default)]
+/// (A [`PerLeg`] of two [`RoundRobinPick`]s.)
+#[derive(Debug)]
 pub struct RoundRobin {
-    prefill: AtomicUsize,
-    decode: AtomicUsize,
+    legs: PerLeg,
+}
+
+impl Default for RoundRobin {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl RoundRobin {
     /// A round-robin router starting at the first endpoint of each role.
     pub fn new() -> Self {
-        Self::default()
+        RoundRobin {
+            legs: PerLeg::new(RoundRobinPick::new(), RoundRobinPick::new()),
+        }
     }
 }
 
 impl Router for RoundRobin {
-    fn select(&self, _req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        route_from(set, |role, eps| {
-            let counter = match role {
-                Role::Prefill => &self.prefill,
-                Role::Decode => &self.decode,
-            };
-            let i = counter.fetch_add(1, Ordering::Relaxed) % eps.len();
-            Arc::clone(&eps[i])
-        })
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.legs.select(req, set)
     }
 }
 
@@ -140,39 +126,37 @@ impl Router for RoundRobin {
 ///
 /// In-flight requests are counted until their response body ends, so long streams weigh
 /// as long as they last. Ties are broken round-robin, so an idle set is still spread.
-/// Use it when request lengths vary widely.
-#[derive(Debug, Default)]
+/// Use it when request lengths vary widely. (A [`PerLeg`] of two [`LeastInFlightPick`]s.)
+#[derive(Debug)]
 pub struct LeastInFlight {
-    tie: AtomicUsize,
+    legs: PerLeg,
+}
+
+impl Default for LeastInFlight {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl LeastInFlight {
     /// A least-in-flight router.
     pub fn new() -> Self {
-        Self::default()
+        LeastInFlight {
+            legs: PerLeg::new(LeastInFlightPick::new(), LeastInFlightPick::new()),
+        }
     }
 }
 
 impl Router for LeastInFlight {
-    fn select(&self, _req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        let start = self.tie.fetch_add(1, Ordering::Relaxed);
-        route_from(set, |_role, eps| {
-            let n = eps.len();
-            let mut best = &eps[start % n];
-            for k in 1..n {
-                let ep = &eps[(start + k) % n];
-                if ep.in_flight() < best.in_flight() {
-                    best = ep;
-                }
-            }
-            Arc::clone(best)
-        })
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.legs.select(req, set)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Role;
 
     fn set(p: usize, d: usize) -> EndpointSet {
         let mut eps = Vec::new();

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
+use disagg_core::policy::{
+    LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick,
+};
 use disagg_core::{
-    Endpoint, KvConnector, LeastInFlight, Orchestrator, OrchestratorConfig, Role, RoundRobin,
-    Router, StaticSource, VllmNixl,
+    Endpoint, KvConnector, Orchestrator, OrchestratorConfig, Role, Router, StaticSource, VllmNixl,
 };
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 
@@ -30,9 +32,15 @@ pub struct ServeArgs {
     /// connection pool (default: the number of CPUs).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
-    /// How endpoints are picked for each leg.
+    /// How endpoints are picked, for both legs (see --prefill-policy, --decode-policy).
     #[arg(long, value_enum, default_value_t = Policy::RoundRobin)]
     policy: Policy,
+    /// How the prefill endpoint is picked (default: --policy).
+    #[arg(long, value_enum)]
+    prefill_policy: Option<Policy>,
+    /// How the decode endpoint is picked (default: --policy).
+    #[arg(long, value_enum)]
+    decode_policy: Option<Policy>,
     /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     prefill_timeout: f64,
@@ -62,10 +70,25 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Copy, ValueEnum)]
 #[value(rename_all = "snake_case")]
 enum Policy {
-    /// Independent round-robin over prefill and over decode engines.
+    /// The next engine in turn.
     RoundRobin,
+    /// A uniformly random engine.
+    Random,
     /// The engine with the fewest requests in flight (streams count until they end).
     LeastInFlight,
+    /// The less loaded of two distinct random engines (in flight until the body ends).
+    PowerOfTwo,
+}
+
+impl Policy {
+    fn pick(self) -> Box<dyn Pick> {
+        match self {
+            Policy::RoundRobin => Box::new(RoundRobinPick::new()),
+            Policy::Random => Box::new(RandomPick::new()),
+            Policy::LeastInFlight => Box::new(LeastInFlightPick::new()),
+            Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -126,10 +149,10 @@ impl Shared {
             MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
             MissingKvArg::Fail => MissingKv::Fail,
         };
-        let router: Arc<dyn Router> = match args.policy {
-            Policy::RoundRobin => Arc::new(RoundRobin::new()),
-            Policy::LeastInFlight => Arc::new(LeastInFlight::new()),
-        };
+        let router: Arc<dyn Router> = Arc::new(PerLeg::new(
+            args.prefill_policy.unwrap_or(args.policy).pick(),
+            args.decode_policy.unwrap_or(args.policy).pick(),
+        ));
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         Ok(Shared {

@@ -1,0 +1,370 @@
+//! Per-leg endpoint policies: how one leg's endpoint is picked, and [`PerLeg`], the
+//! router that combines one policy for the prefill leg with another for the decode leg.
+//!
+//! | policy | picks | use it when |
+//! |---|---|---|
+//! | [`RoundRobinPick`] | the next endpoint in turn | engines and requests are alike |
+//! | [`RandomPick`] | a uniformly random endpoint | many proxies share the engines and must not move in lockstep |
+//! | [`LeastInFlightPick`] | the endpoint with the fewest requests in flight (ties in turn) | request lengths vary; one proxy sees all the load |
+//! | [`PowerOfTwo`] | the less loaded of two distinct random endpoints | several proxies share the engines: load-aware without herding |
+//!
+//! In-flight requests are counted until their response body ends (see
+//! [`Endpoint::track`]), so long streams weigh as long as they last.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::endpoint::{Endpoint, EndpointSet};
+use crate::error::RouteError;
+use crate::router::{RequestView, Route, Router};
+
+/// Picks one endpoint of a leg among candidates.
+///
+/// Synchronous and cheap, like [`Router::select`]: no I/O, no lock held past its return.
+/// `candidates` is never empty; the result must be an index into it.
+pub trait Pick: Send + Sync + 'static {
+    /// The index of the chosen candidate.
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize;
+}
+
+impl<T: Pick + ?Sized> Pick for Arc<T> {
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        (**self).pick(req, candidates)
+    }
+}
+
+impl<T: Pick + ?Sized> Pick for Box<T> {
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        (**self).pick(req, candidates)
+    }
+}
+
+/// A router from one [`Pick`] per leg.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::policy::{LeastInFlightPick, PerLeg, PowerOfTwo};
+/// // Prefill spread by load over two random choices, decode by least in flight.
+/// let router = PerLeg::new(PowerOfTwo::from_seed(7), LeastInFlightPick::new());
+/// # let _ = router;
+/// ```
+pub struct PerLeg {
+    prefill: Box<dyn Pick>,
+    decode: Box<dyn Pick>,
+}
+
+impl std::fmt::Debug for PerLeg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PerLeg").finish_non_exhaustive()
+    }
+}
+
+impl PerLeg {
+    /// `prefill` picks the prefill endpoint, `decode` the decode endpoint.
+    pub fn new(prefill: impl Pick, decode: impl Pick) -> Self {
+        PerLeg {
+            prefill: Box::new(prefill),
+            decode: Box::new(decode),
+        }
+    }
+}
+
+impl Router for PerLeg {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let decode = match set.decode() {
+            [] => return Err(RouteError::NoDecode),
+            eps => Arc::clone(&eps[self.decode.pick(req, eps).min(eps.len() - 1)]),
+        };
+        let prefill = match set.prefill() {
+            [] => None,
+            eps => Some(Arc::clone(
+                &eps[self.prefill.pick(req, eps).min(eps.len() - 1)],
+            )),
+        };
+        Ok(Route { prefill, decode })
+    }
+}
+
+/// The next endpoint in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobinPick {
+    next: AtomicUsize,
+}
+
+impl RoundRobinPick {
+    /// Starting at the first endpoint.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Pick for RoundRobinPick {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % candidates.len()
+    }
+}
+
+/// The endpoint with the fewest requests in flight; ties are broken in turn, so an idle
+/// set is still spread.
+#[derive(Debug, Default)]
+pub struct LeastInFlightPick {
+    tie: AtomicUsize,
+}
+
+impl LeastInFlightPick {
+    /// A least-in-flight policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Pick for LeastInFlightPick {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        let n = candidates.len();
+        let start = self.tie.fetch_add(1, Ordering::Relaxed);
+        let mut best = start % n;
+        for k in 1..n {
+            let i = (start + k) % n;
+            if candidates[i].in_flight() < candidates[best].in_flight() {
+                best = i;
+            }
+        }
+        best
+    }
+}
+
+/// A small, lock-free pseudo-random generator (splitmix64 over an atomic counter), so
+/// policies can be seeded for deterministic tests.
+#[derive(Debug)]
+struct Rng {
+    state: AtomicU64,
+}
+
+impl Rng {
+    fn from_seed(seed: u64) -> Self {
+        Rng {
+            state: AtomicU64::new(seed),
+        }
+    }
+
+    fn random() -> Self {
+        Self::from_seed(uuid::Uuid::new_v4().as_u64_pair().0)
+    }
+
+    fn next_u64(&self) -> u64 {
+        let mut z = self
+            .state
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+            .wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`), by multiply-shift (Lemire), without modulo bias
+    /// worth speaking of for endpoint counts.
+    fn below(&self, n: usize) -> usize {
+        ((u128::from(self.next_u64()) * n as u128) >> 64) as usize
+    }
+}
+
+/// A uniformly random endpoint.
+#[derive(Debug)]
+pub struct RandomPick {
+    rng: Rng,
+}
+
+impl Default for RandomPick {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RandomPick {
+    /// Seeded from the OS.
+    pub fn new() -> Self {
+        RandomPick { rng: Rng::random() }
+    }
+
+    /// With a fixed seed, for deterministic tests.
+    pub fn from_seed(seed: u64) -> Self {
+        RandomPick {
+            rng: Rng::from_seed(seed),
+        }
+    }
+}
+
+impl Pick for RandomPick {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        self.rng.below(candidates.len())
+    }
+}
+
+/// Power of two choices: two *distinct* random endpoints, the one with fewer requests in
+/// flight wins (the first on a tie). With one candidate it is that one; it never silently
+/// degrades to a single random choice when two exist.
+#[derive(Debug)]
+pub struct PowerOfTwo {
+    rng: Rng,
+}
+
+impl Default for PowerOfTwo {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PowerOfTwo {
+    /// Seeded from the OS.
+    pub fn new() -> Self {
+        PowerOfTwo { rng: Rng::random() }
+    }
+
+    /// With a fixed seed, for deterministic tests.
+    pub fn from_seed(seed: u64) -> Self {
+        PowerOfTwo {
+            rng: Rng::from_seed(seed),
+        }
+    }
+
+    /// Two distinct indices below `n` (`n >= 2`).
+    fn pair(&self, n: usize) -> (usize, usize) {
+        let a = self.rng.below(n);
+        // Draw the second from the n - 1 others: distinct by construction.
+        let mut b = self.rng.below(n - 1);
+        if b >= a {
+            b += 1;
+        }
+        (a, b)
+    }
+}
+
+impl Pick for PowerOfTwo {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        if candidates.len() < 2 {
+            return 0;
+        }
+        let (a, b) = self.pair(candidates.len());
+        if candidates[b].in_flight() < candidates[a].in_flight() {
+            b
+        } else {
+            a
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderMap;
+
+    use super::*;
+    use crate::body::JsonBody;
+    use crate::endpoint::Role;
+    use crate::request::Api;
+
+    fn eps(n: usize, role: Role) -> Vec<Arc<Endpoint>> {
+        (0..n)
+            .map(|i| Arc::new(Endpoint::new(&format!("http://e{i}:1"), role).unwrap()))
+            .collect()
+    }
+
+    fn with_view<R>(f: impl FnOnce(&RequestView<'_>) -> R) -> R {
+        let (h, b) = (HeaderMap::new(), JsonBody::default());
+        f(&RequestView {
+            api: Api::Chat,
+            model: None,
+            headers: &h,
+            body: &b,
+        })
+    }
+
+    #[test]
+    fn power_of_two_pairs_are_distinct_and_cover_all() {
+        let p2c = PowerOfTwo::from_seed(1);
+        for n in 2..10 {
+            let mut seen = vec![false; n];
+            for _ in 0..2_000 {
+                let (a, b) = p2c.pair(n);
+                assert!(a < n && b < n && a != b, "n={n}: {a},{b}");
+                seen[a] = true;
+                seen[b] = true;
+            }
+            assert!(seen.iter().all(|s| *s), "n={n}");
+        }
+    }
+
+    #[test]
+    fn power_of_two_never_picks_the_busiest_of_two() {
+        let c = eps(2, Role::Decode);
+        let _busy: Vec<_> = (0..3).map(|_| c[1].track()).collect();
+        let p2c = PowerOfTwo::from_seed(9);
+        with_view(|v| {
+            for _ in 0..100 {
+                assert_eq!(p2c.pick(v, &c), 0);
+            }
+        });
+    }
+
+    #[test]
+    fn power_of_two_avoids_the_most_loaded_of_many() {
+        let c = eps(4, Role::Decode);
+        let _busy: Vec<_> = (0..5).map(|_| c[2].track()).collect();
+        let p2c = PowerOfTwo::from_seed(3);
+        with_view(|v| {
+            for _ in 0..1_000 {
+                assert_ne!(
+                    p2c.pick(v, &c),
+                    2,
+                    "the loaded one loses every pair it is in"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn random_is_roughly_uniform_and_seeded() {
+        let c = eps(4, Role::Prefill);
+        let (a, b) = (RandomPick::from_seed(5), RandomPick::from_seed(5));
+        let mut counts = [0usize; 4];
+        with_view(|v| {
+            for _ in 0..4_000 {
+                let i = a.pick(v, &c);
+                assert_eq!(i, b.pick(v, &c), "same seed, same choices");
+                counts[i] += 1;
+            }
+        });
+        assert!(
+            counts.iter().all(|&k| (800..1200).contains(&k)),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn per_leg_uses_each_policy_for_its_leg() {
+        let set =
+            EndpointSet::new(eps(2, Role::Prefill).into_iter().chain(
+                eps(3, Role::Decode).into_iter().map(|e| {
+                    Arc::new(Endpoint::new(&format!("{}0", e.id()), Role::Decode).unwrap())
+                }),
+            ));
+        let _busy = set.decode()[0].track();
+        let r = PerLeg::new(RoundRobinPick::new(), LeastInFlightPick::new());
+        with_view(|v| {
+            let picks: Vec<_> = (0..4)
+                .map(|_| {
+                    let route = r.select(v, &set).unwrap();
+                    (
+                        route.prefill.unwrap().id().clone(),
+                        route.decode.id().clone(),
+                    )
+                })
+                .collect();
+            assert_eq!(picks[0].0, *set.prefill()[0].id());
+            assert_eq!(picks[1].0, *set.prefill()[1].id());
+            assert!(picks.iter().all(|(_, d)| d != set.decode()[0].id()));
+        });
+        let empty = EndpointSet::new(eps(1, Role::Prefill));
+        with_view(|v| assert!(matches!(r.select(v, &empty), Err(RouteError::NoDecode))));
+    }
+}
