@@ -621,3 +621,58 @@ async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
     assert_eq!(stack.decode[1 - busy].stats().requests, 5);
     assert_eq!(long.await.unwrap().status, 200);
 }
+
+#[tokio::test]
+async fn consistent_hash_keeps_a_session_on_its_engines() {
+    use disagg_affinity::ConsistentHash;
+    use disagg_core::policy::PerLeg;
+    use disagg_sim::SimConfig;
+    let three = || {
+        vec![
+            SimConfig::default(),
+            SimConfig::default(),
+            SimConfig::default(),
+        ]
+    };
+    let stack = Stack::builder()
+        .prefill(three())
+        .decode(three())
+        .router(PerLeg::new(
+            ConsistentHash::default(),
+            ConsistentHash::default(),
+        ))
+        .build()
+        .await;
+    for (session, spelling) in [("alice", "x-session-id"), ("bob", "x_session_id")] {
+        for i in 0..10 {
+            let a = post(
+                &stack.url,
+                "/v1/completions",
+                completion(&format!("{session} turn {i}"), 2, false),
+                &[(spelling, session)],
+            )
+            .await;
+            assert_eq!(a.status, 200);
+        }
+    }
+    // Each session's ten requests all went to one prefill and one decode engine.
+    for engines in [&stack.prefill, &stack.decode] {
+        for session in ["alice", "bob"] {
+            let hits: Vec<usize> = engines
+                .iter()
+                .map(|e| {
+                    e.requests()
+                        .iter()
+                        .filter(|r| r.headers.iter().any(|(_, v)| v == session))
+                        .count()
+                })
+                .collect();
+            assert_eq!(
+                hits.iter().filter(|&&n| n > 0).count(),
+                1,
+                "{session}: {hits:?}"
+            );
+            assert_eq!(hits.iter().sum::<usize>(), 10);
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //! | [`RandomPick`] | a uniformly random endpoint | many proxies share the engines and must not move in lockstep |
 //! | [`LeastInFlightPick`] | the endpoint with the fewest requests in flight (ties in turn) | request lengths vary; one proxy sees all the load |
 //! | [`PowerOfTwo`] | the less loaded of two distinct random endpoints | several proxies share the engines: load-aware without herding |
+//! | `disagg_affinity::ConsistentHash` | the session's endpoint by rendezvous hashing, bounded by load | multi-turn sessions that should keep their engine's prefix cache |
 //!
 //! In-flight requests are counted until their response body ends (see
 //! [`Endpoint::track`]), so long streams weigh as long as they last.

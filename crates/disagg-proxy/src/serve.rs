@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use disagg_affinity::ConsistentHash;
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
 use disagg_core::policy::{
     LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick,
@@ -78,6 +79,8 @@ enum Policy {
     LeastInFlight,
     /// The less loaded of two distinct random engines (in flight until the body ends).
     PowerOfTwo,
+    /// Sticky per session (x-session-id, then `user`), bounded by load.
+    ConsistentHash,
 }
 
 impl Policy {
@@ -87,6 +90,7 @@ impl Policy {
             Policy::Random => Box::new(RandomPick::new()),
             Policy::LeastInFlight => Box::new(LeastInFlightPick::new()),
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
+            Policy::ConsistentHash => Box::new(ConsistentHash::default()),
         }
     }
 }

@@ -1,0 +1,349 @@
+//! [`ConsistentHash`]: sticky per session, bounded by load.
+//!
+//! With a session key, candidates are ranked by their weighted rendezvous score
+//! ([`hrw`](crate::hrw)) and the best one *under the load cap* is picked, following
+//! "Consistent Hashing with Bounded Loads" (Mirrokni, Thorup and Zadimoghaddam, SODA
+//! 2018): counting this request, no endpoint may carry more than
+//! `ceil(c × (in flight + 1) / N)` requests. A session therefore stays on its engine
+//! while that engine is not overloaded, spills to its next-ranked engine (the same one
+//! every time, for every proxy) when it is, and returns when load falls. With `c ≥ 1` at
+//! least one endpoint is always under the cap.
+//!
+//! Without a key the request has nothing to stick to, and a fallback [`Pick`] decides
+//! (least in flight by default).
+
+use std::fmt;
+use std::sync::Arc;
+
+use disagg_core::Endpoint;
+use disagg_core::policy::{LeastInFlightPick, Pick};
+use disagg_core::router::RequestView;
+
+use crate::hrw::{Weights, beats};
+use crate::key::SessionKey;
+
+/// The default load factor: an endpoint may carry 25% more than the average before a
+/// session spills. The bounded-loads paper and HAProxy's `hash-balance-factor`
+/// (where 125 is the commonly recommended value) both find this keeps most keys home
+/// while capping the hottest endpoint.
+pub const DEFAULT_LOAD_FACTOR: f64 = 1.25;
+
+/// Why a load factor was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadFactorError {
+    /// Below 1 the cap can be under the average, and then no endpoint may fit; NaN
+    /// compares false with everything. `f64::INFINITY` is allowed (no bound).
+    #[error("load factor {0} is not at least 1")]
+    BelowOne(f64),
+}
+
+/// Consistent hashing on a session key with bounded load, as a per-leg [`Pick`].
+///
+/// Use it for multi-turn chat, where a session's earlier turns sit in one engine's
+/// prefix cache: keep the session there unless that engine is overloaded.
+///
+/// Cost: one key lookup (a scan of the headers, then at most one top-level body field),
+/// then one hash and one logarithm per candidate; no allocation unless a JSON string key
+/// holds escapes.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_affinity::{ConsistentHash, KeySource, SessionKey, Weights};
+/// use disagg_core::policy::RoundRobinPick;
+///
+/// let policy = ConsistentHash::new()
+///     .with_key(SessionKey::new([KeySource::header("x-conversation-id")]))
+///     .with_weights(Weights::new().with_weight("http://10.0.0.9:8200", 2.0)?)
+///     .with_load_factor(1.5)?
+///     .with_fallback(RoundRobinPick::new());
+/// # let _ = policy;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ConsistentHash {
+    key: SessionKey,
+    weights: Weights,
+    load_factor: f64,
+    fallback: Box<dyn Pick>,
+}
+
+impl fmt::Debug for ConsistentHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsistentHash")
+            .field("key", &self.key)
+            .field("weights", &self.weights)
+            .field("load_factor", &self.load_factor)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for ConsistentHash {
+    fn default() -> Self {
+        ConsistentHash {
+            key: SessionKey::default(),
+            weights: Weights::new(),
+            load_factor: DEFAULT_LOAD_FACTOR,
+            fallback: Box::new(LeastInFlightPick::new()),
+        }
+    }
+}
+
+// === impl ConsistentHash ===
+
+impl ConsistentHash {
+    /// Key `x-session-id` then `user`, equal weights, load factor 1.25, least in flight
+    /// for requests without a key.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Where the session key is looked for.
+    pub fn with_key(mut self, key: SessionKey) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// Per-endpoint weights.
+    pub fn with_weights(mut self, weights: Weights) -> Self {
+        self.weights = weights;
+        self
+    }
+
+    /// The load factor `c`: an endpoint may carry at most `ceil(c × average)` requests,
+    /// counting this one. `f64::INFINITY` disables the bound (pure consistent hashing).
+    ///
+    /// # Errors
+    ///
+    /// [`LoadFactorError::BelowOne`] when `c` is below 1 or NaN.
+    pub fn with_load_factor(mut self, c: f64) -> Result<Self, LoadFactorError> {
+        if c.is_nan() || c < 1.0 {
+            return Err(LoadFactorError::BelowOne(c));
+        }
+        self.load_factor = c;
+        Ok(self)
+    }
+
+    /// The policy for requests without a session key.
+    pub fn with_fallback(mut self, fallback: impl Pick) -> Self {
+        self.fallback = Box::new(fallback);
+        self
+    }
+
+    /// The session key configuration.
+    pub fn key(&self) -> &SessionKey {
+        &self.key
+    }
+
+    /// The load factor `c`.
+    pub fn load_factor(&self) -> f64 {
+        self.load_factor
+    }
+
+    /// The most requests in flight an endpoint may already carry and still take one
+    /// more: `ceil(c × (total + 1) / n) - 1`, where `total` is the in-flight sum over
+    /// `n` candidates. `usize::MAX` when unbounded.
+    pub fn cap(&self, total_in_flight: usize, candidates: usize) -> usize {
+        if self.load_factor.is_infinite() || candidates == 0 {
+            return usize::MAX;
+        }
+        let avg = (total_in_flight as f64 + 1.0) / candidates as f64;
+        // At least 1 (c ≥ 1 and total + 1 ≥ 1), so the subtraction cannot wrap.
+        let limit = (self.load_factor * avg).ceil().max(1.0);
+        if limit >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            limit as usize - 1
+        }
+    }
+
+    /// The candidate for session `key`: the highest-scoring one whose in-flight count is
+    /// at most [`cap`](Self::cap). `candidates` must not be empty (then `0`).
+    pub fn pick_key(&self, key: &[u8], candidates: &[Arc<Endpoint>]) -> usize {
+        let total = candidates
+            .iter()
+            .fold(0usize, |acc, e| acc.saturating_add(e.in_flight()));
+        let cap = self.cap(total, candidates.len());
+        // The best under the cap, and the best overall should in-flight counts move
+        // under us between the sum and this scan and leave none under it.
+        let mut best: Option<(f64, &str, usize)> = None;
+        let mut any: Option<(f64, &str, usize)> = None;
+        for (i, e) in candidates.iter().enumerate() {
+            let id = e.id().as_str();
+            let s = self.weights.score(key, id);
+            if any.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
+                any = Some((s, id, i));
+            }
+            if e.in_flight() <= cap && best.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
+                best = Some((s, id, i));
+            }
+        }
+        best.or(any).map_or(0, |(_, _, i)| i)
+    }
+}
+
+impl Pick for ConsistentHash {
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        match self.key.extract(req) {
+            Some(key) => self.pick_key(&key, candidates),
+            None => self.fallback.pick(req, candidates),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use disagg_core::{Api, JsonBody, Role};
+    use http::HeaderMap;
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::hrw::best;
+
+    fn eps(n: usize) -> Vec<Arc<Endpoint>> {
+        (0..n)
+            .map(|i| {
+                Arc::new(
+                    Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
+                        .expect("valid url"),
+                )
+            })
+            .collect()
+    }
+
+    fn ids(c: &[Arc<Endpoint>]) -> Vec<String> {
+        c.iter().map(|e| e.id().as_str().to_owned()).collect()
+    }
+
+    fn pick_with(
+        p: &ConsistentHash,
+        headers: &HeaderMap,
+        body: &str,
+        c: &[Arc<Endpoint>],
+    ) -> usize {
+        let b = JsonBody::parse(body.as_bytes()).expect("test body");
+        p.pick(
+            &RequestView {
+                api: Api::Chat,
+                model: None,
+                headers,
+                body: &b,
+            },
+            c,
+        )
+    }
+
+    #[test]
+    fn a_session_sticks_to_its_hrw_endpoint() {
+        let c = eps(5);
+        let p = ConsistentHash::default();
+        let mut h = HeaderMap::new();
+        h.insert("x-session-id", "abc".parse().expect("value"));
+        let home = best(b"abc", &ids(&c), &Weights::new()).expect("non-empty");
+        for _ in 0..50 {
+            assert_eq!(pick_with(&p, &h, "{}", &c), home);
+        }
+        // The body's `user` is the key when no header is sent.
+        let home = best(b"alice", &ids(&c), &Weights::new()).expect("non-empty");
+        assert_eq!(
+            pick_with(&p, &HeaderMap::new(), r#"{"user":"alice"}"#, &c),
+            home
+        );
+    }
+
+    #[test]
+    fn no_key_uses_the_fallback() {
+        let c = eps(3);
+        let _busy: Vec<_> = [0, 0, 2].iter().map(|&i| c[i].track()).collect();
+        // Default fallback: least in flight.
+        let p = ConsistentHash::default();
+        for _ in 0..10 {
+            assert_eq!(pick_with(&p, &HeaderMap::new(), r#"{"model":"m"}"#, &c), 1);
+        }
+        // A configured fallback.
+        struct Last;
+        impl Pick for Last {
+            fn pick(&self, _: &RequestView<'_>, c: &[Arc<Endpoint>]) -> usize {
+                c.len() - 1
+            }
+        }
+        let p = ConsistentHash::new().with_fallback(Last);
+        assert_eq!(pick_with(&p, &HeaderMap::new(), "{}", &c), 2);
+    }
+
+    #[test]
+    fn a_hot_session_spills_and_returns() {
+        let c = eps(3);
+        let p = ConsistentHash::default();
+        let home = p.pick_key(b"hot", &c);
+        let mut guards = Vec::new();
+        let mut picks = Vec::new();
+        for _ in 0..30 {
+            let i = p.pick_key(b"hot", &c);
+            picks.push(i);
+            guards.push(c[i].track());
+        }
+        assert!(picks.iter().any(|&i| i != home), "spilled: {picks:?}");
+        let loads: Vec<usize> = c.iter().map(|e| e.in_flight()).collect();
+        // The 30th pick saw 29 in flight: ceil(1.25 × 30 / 3) = 13 counting itself.
+        assert!(loads.iter().all(|&l| l <= 13), "{loads:?}");
+        guards.clear();
+        assert_eq!(p.pick_key(b"hot", &c), home, "back home once idle");
+    }
+
+    #[test]
+    fn caps() {
+        let p = ConsistentHash::default();
+        assert_eq!(p.cap(0, 3), 0); // ceil(1.25/3) = 1 → may hold 0
+        assert_eq!(p.cap(8, 3), 3); // ceil(1.25 × 3) = 4
+        assert_eq!(p.cap(0, 1), 1); // ceil(1.25) = 2
+        let unbounded = ConsistentHash::new()
+            .with_load_factor(f64::INFINITY)
+            .expect("valid");
+        assert_eq!(unbounded.cap(100, 2), usize::MAX);
+        assert!(ConsistentHash::new().with_load_factor(0.9).is_err());
+        assert!(ConsistentHash::new().with_load_factor(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn golden_picks() {
+        let c = eps(6);
+        let p = ConsistentHash::default();
+        let got: Vec<usize> = ["session-1", "session-2", "alice", "bob"]
+            .iter()
+            .map(|k| p.pick_key(k.as_bytes(), &c))
+            .collect();
+        // Idle endpoints: the pure HRW choice, pinned like `hrw`'s golden values.
+        assert_eq!(got, [3, 3, 0, 5], "{got:?}");
+    }
+
+    proptest! {
+        /// Bounded load never picks an endpoint over the cap while another is under it,
+        /// and never leaves the key's HRW choice when that one is under the cap.
+        #[test]
+        fn bounded_load_respects_the_cap(
+            loads in proptest::collection::vec(0usize..20, 1..8),
+            key in any::<Vec<u8>>(),
+            c in prop_oneof![Just(1.0), Just(1.25), 1.0f64..3.0],
+        ) {
+            let cands = eps(loads.len());
+            let _guards: Vec<_> = loads
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &l)| (0..l).map(move |_| i))
+                .map(|i| cands[i].track())
+                .collect();
+            let p = ConsistentHash::new().with_load_factor(c).expect("c >= 1");
+            let cap = p.cap(loads.iter().sum(), loads.len());
+            prop_assert!(loads.iter().any(|&l| l <= cap), "someone fits");
+            let i = p.pick_key(&key, &cands);
+            prop_assert!(loads[i] <= cap, "picked {} with {} > cap {}", i, loads[i], cap);
+            let home = best(&key, &ids(&cands), &Weights::new()).expect("non-empty");
+            if loads[home] <= cap {
+                prop_assert_eq!(i, home);
+            }
+            // Stable across calls.
+            prop_assert_eq!(i, p.pick_key(&key, &cands));
+        }
+    }
+}
