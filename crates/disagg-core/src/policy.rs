@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`RoundRobinPick`] | the next endpoint in turn | engines and requests are alike |
 //! | [`RandomPick`] | a uniformly random endpoint | many proxies share the engines and must not move in lockstep |
+//! | [`WeightedRandom`] | a random endpoint, in proportion to its weight | engines of unequal size (more GPUs, a faster model build) |
 //! | [`LeastInFlightPick`] | the endpoint with the fewest requests in flight (ties in turn) | request lengths vary; one proxy sees all the load |
 //! | [`PowerOfTwo`] | the less loaded of two distinct random endpoints | several proxies share the engines: load-aware without herding |
 //! | `disagg_affinity::ConsistentHash` | the session's endpoint by rendezvous hashing, bounded by load | multi-turn sessions that should keep their engine's prefix cache |
@@ -202,6 +203,74 @@ impl Pick for RandomPick {
     }
 }
 
+/// A random endpoint, chosen in proportion to its weight (1.0 unless set).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::policy::WeightedRandom;
+/// // The engine at :8200 has twice the GPUs of the others.
+/// let policy = WeightedRandom::new().with_weight("http://10.0.0.7:8200", 2.0);
+/// # let _ = policy;
+/// ```
+#[derive(Debug)]
+pub struct WeightedRandom {
+    rng: Rng,
+    weights: std::collections::HashMap<crate::endpoint::EndpointId, f64>,
+}
+
+impl Default for WeightedRandom {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl WeightedRandom {
+    /// Every endpoint weighs 1.0; seeded from the OS.
+    pub fn new() -> Self {
+        WeightedRandom {
+            rng: Rng::random(),
+            weights: Default::default(),
+        }
+    }
+
+    /// With a fixed seed, for deterministic tests.
+    pub fn from_seed(seed: u64) -> Self {
+        WeightedRandom {
+            rng: Rng::from_seed(seed),
+            weights: Default::default(),
+        }
+    }
+
+    /// Set the weight of the endpoint `id` (its base URL). Weights that are not finite
+    /// and positive are ignored: the endpoint keeps weight 1.0.
+    pub fn with_weight(mut self, id: &str, weight: f64) -> Self {
+        if weight.is_finite() && weight > 0.0 {
+            self.weights.insert(id.into(), weight);
+        }
+        self
+    }
+
+    fn weight(&self, ep: &Endpoint) -> f64 {
+        self.weights.get(ep.id()).copied().unwrap_or(1.0)
+    }
+}
+
+impl Pick for WeightedRandom {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        let total: f64 = candidates.iter().map(|e| self.weight(e)).sum();
+        // 53 random bits: uniform in [0, 1).
+        let mut x = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+        for (i, ep) in candidates.iter().enumerate() {
+            x -= self.weight(ep);
+            if x < 0.0 {
+                return i;
+            }
+        }
+        candidates.len() - 1
+    }
+}
+
 /// Power of two choices: two *distinct* random endpoints, the one with fewer requests in
 /// flight wins (the first on a tie). With one candidate it is that one; it never silently
 /// degrades to a single random choice when two exist.
@@ -339,6 +408,26 @@ mod tests {
             counts.iter().all(|&k| (800..1200).contains(&k)),
             "{counts:?}"
         );
+    }
+
+    #[test]
+    fn weighted_random_follows_the_weights() {
+        let c = eps(3, Role::Decode);
+        let w = WeightedRandom::from_seed(42)
+            .with_weight(c[1].id().as_str(), 2.0)
+            .with_weight(c[2].id().as_str(), 5.0)
+            .with_weight("http://unknown:1", f64::NAN);
+        let mut counts = [0usize; 3];
+        with_view(|v| {
+            for _ in 0..100_000 {
+                counts[w.pick(v, &c)] += 1;
+            }
+        });
+        // Expected shares 1/8, 2/8, 5/8, within two points.
+        for (n, share) in counts.iter().zip([0.125, 0.25, 0.625]) {
+            let got = *n as f64 / 100_000.0;
+            assert!((got - share).abs() < 0.02, "{counts:?}");
+        }
     }
 
     #[test]

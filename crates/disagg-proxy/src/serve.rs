@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use disagg_affinity::ConsistentHash;
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
 use disagg_core::policy::{
-    LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick,
+    LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
 };
 use disagg_core::{
     Endpoint, KvConnector, Orchestrator, OrchestratorConfig, Role, Router, StaticSource, VllmNixl,
@@ -42,6 +42,9 @@ pub struct ServeArgs {
     /// How the decode endpoint is picked (default: --policy).
     #[arg(long, value_enum)]
     decode_policy: Option<Policy>,
+    /// An engine's weight for `weighted_random`, as URL=WEIGHT (default 1). Repeatable.
+    #[arg(long = "weight", value_name = "URL=WEIGHT", value_parser = parse_weight)]
+    weights: Vec<(String, f64)>,
     /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
     #[arg(long, value_name = "SECS", default_value_t = 300.0)]
     prefill_timeout: f64,
@@ -79,13 +82,22 @@ enum Policy {
     LeastInFlight,
     /// The less loaded of two distinct random engines (in flight until the body ends).
     PowerOfTwo,
+    /// A random engine, in proportion to its --weight.
+    WeightedRandom,
     /// Sticky per session (x-session-id, then `user`), bounded by load.
     ConsistentHash,
 }
 
 impl Policy {
-    fn pick(self) -> Box<dyn Pick> {
+    fn pick(self, weights: &[(String, f64)]) -> Box<dyn Pick> {
         match self {
+            Policy::WeightedRandom => Box::new(
+                weights
+                    .iter()
+                    .fold(WeightedRandom::new(), |w, (url, weight)| {
+                        w.with_weight(url.trim_end_matches('/'), *weight)
+                    }),
+            ),
             Policy::RoundRobin => Box::new(RoundRobinPick::new()),
             Policy::Random => Box::new(RandomPick::new()),
             Policy::LeastInFlight => Box::new(LeastInFlightPick::new()),
@@ -102,6 +114,17 @@ enum MissingKvArg {
     LocalPrefill,
     /// Answer 502.
     Fail,
+}
+
+fn parse_weight(s: &str) -> Result<(String, f64), String> {
+    let (url, w) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=WEIGHT"))?;
+    let w: f64 = w.parse().map_err(|_| format!("`{w}` is not a number"))?;
+    if !(w.is_finite() && w > 0.0) {
+        return Err(format!("weight `{w}` must be a positive number"));
+    }
+    Ok((url.to_owned(), w))
 }
 
 fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
@@ -154,8 +177,12 @@ impl Shared {
             MissingKvArg::Fail => MissingKv::Fail,
         };
         let router: Arc<dyn Router> = Arc::new(PerLeg::new(
-            args.prefill_policy.unwrap_or(args.policy).pick(),
-            args.decode_policy.unwrap_or(args.policy).pick(),
+            args.prefill_policy
+                .unwrap_or(args.policy)
+                .pick(&args.weights),
+            args.decode_policy
+                .unwrap_or(args.policy)
+                .pick(&args.weights),
         ));
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
