@@ -155,13 +155,11 @@ impl Rng {
     }
 
     fn next_u64(&self) -> u64 {
-        let mut z = self
-            .state
-            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
-            .wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        // splitmix64: the state advances by its gamma, the mixer adds it once more.
+        crate::request::splitmix64(
+            self.state
+                .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed),
+        )
     }
 
     /// Uniform in `0..n` (`n > 0`), by multiply-shift (Lemire), without modulo bias

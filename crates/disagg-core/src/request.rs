@@ -239,8 +239,9 @@ impl RequestIds {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
-/// A bijective 64-bit mixer (splitmix64's finalizer), so consecutive ids look unrelated.
-fn splitmix64(mut z: u64) -> u64 {
+/// A bijective 64-bit mixer (splitmix64's step and finalizer), so consecutive inputs give
+/// unrelated outputs; shared by the request ids and the policies' random numbers.
+pub(crate) fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
