@@ -27,12 +27,24 @@ pub const LISTEN_BACKLOG: u32 = 4096;
 ///
 /// When the socket cannot be created, bound or put into listening state.
 pub fn bind(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    listen(addr, false)
+}
+
+/// Bind and listen on `addr` with `SO_REUSEADDR`, [`LISTEN_BACKLOG`], and `SO_REUSEPORT`
+/// when `shared` (several threads listening on one address).
+fn listen(addr: std::net::SocketAddr, shared: bool) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    if shared {
+        socket.set_reuseport(true)?;
+    }
+    #[cfg(not(unix))]
+    let _ = shared;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
 }
@@ -156,7 +168,7 @@ where
                     .enable_all()
                     .build()?;
                 rt.block_on(async move {
-                    let listener = match bind_shared(bound) {
+                    let listener = match listen(bound, true) {
                         Ok(l) => l,
                         Err(e) => {
                             let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
@@ -188,18 +200,4 @@ where
         }
     }
     result
-}
-
-/// Like [`bind`], with `SO_REUSEPORT` so that several threads can listen on one address.
-fn bind_shared(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    #[cfg(unix)]
-    socket.set_reuseport(true)?;
-    socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)
 }
