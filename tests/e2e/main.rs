@@ -364,16 +364,9 @@ async fn server_timing_reports_phases() {
 /// Read a raw HTTP/1.1 response with a chunked body; return each chunk with the time it
 /// was complete, measured from the request.
 async fn raw_chunks(base: &str, path: &str, body: &str) -> Vec<(std::time::Duration, Vec<u8>)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let addr = base.trim_start_matches("http://");
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.set_nodelay(true).unwrap();
+    use tokio::io::AsyncReadExt;
     let start = std::time::Instant::now();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
+    let mut s = raw_request(base, path, body).await;
     let mut buf = Vec::new();
     let mut chunks = Vec::new();
     let mut head_done = None;

@@ -9,8 +9,7 @@ use std::time::Duration;
 use disagg_core::orchestrator::NoPrefill;
 use disagg_sim::{Faults, SimConfig};
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::AsyncReadExt;
 
 fn faulty(faults: Faults) -> SimConfig {
     SimConfig {
@@ -331,18 +330,6 @@ async fn decode_failing_mid_body_aborts_a_non_streaming_answer() {
         outcome.is_err(),
         "a truncated answer must not look complete"
     );
-}
-
-/// Send a raw HTTP request and return the open socket.
-async fn raw_request(base: &str, path: &str, body: &str) -> TcpStream {
-    let addr = base.trim_start_matches("http://");
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    s
 }
 
 #[tokio::test]
