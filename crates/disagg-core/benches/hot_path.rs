@@ -41,12 +41,12 @@ fn chat_body(size: usize) -> Bytes {
 }
 
 fn route() -> disagg_core::Route {
-    disagg_core::Route {
-        prefill: Some(Arc::new(
+    disagg_core::Route::new(
+        Some(Arc::new(
             Endpoint::new("http://10.0.0.1:8100", Role::Prefill).unwrap(),
         )),
-        decode: Arc::new(Endpoint::new("http://10.0.0.2:8200", Role::Decode).unwrap()),
-    }
+        Arc::new(Endpoint::new("http://10.0.0.2:8200", Role::Decode).unwrap()),
+    )
 }
 
 fn parse_and_rewrite(c: &mut Criterion) {

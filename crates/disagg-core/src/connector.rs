@@ -1,9 +1,21 @@
 //! KV connectors: the protocol that carries the prompt's KV cache from prefill to decode.
 //!
 //! A connector is a plan, not a bag of hooks: [`KvConnector::prepare`] turns a request and
-//! its [`Route`] into a [`Handoff`] (both legs' bodies and how to dispatch them), and, for
-//! protocols whose handoff comes back in the prefill's answer,
-//! [`KvConnector::complete`] folds that answer into the decode leg.
+//! its [`Route`] into a [`Handoff`] (both legs' bodies and how to dispatch them). Two
+//! optional async steps complete the plan where a protocol needs the engines' word:
+//! [`KvConnector::resolve`] before any leg is sent (vLLM Mooncake asks the prefill's
+//! bootstrap server for its engine id), and [`KvConnector::complete`] after the prefill
+//! answered, for protocols whose handoff comes back in that answer (vLLM NIXL).
+//!
+//! How the legs are sent is the plan's [`Dispatch`], not the orchestrator's choice: the
+//! orchestrator runs every connector through one code path, so a new protocol is one file
+//! (`docs/connectors.md` walks through writing one).
+//!
+//! | connector | dispatch | handoff |
+//! |---|---|---|
+//! | [`VllmNixl`] | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
+//! | [`SglangBootstrap`] | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
+//! | [`VllmMooncake`] | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
 
 use std::sync::Arc;
 
@@ -14,11 +26,24 @@ use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
 use crate::error::ConnectorError;
 use crate::request::PdRequest;
-use crate::router::Route;
+use crate::router::{Outcome, Route};
+use crate::transport::Transport;
 
+pub mod mooncake;
+pub mod room;
+pub mod sglang;
 pub mod vllm;
 
+pub use mooncake::VllmMooncake;
+pub use sglang::SglangBootstrap;
 pub use vllm::VllmNixl;
+
+/// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
+/// SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`. `BootstrapPort(None)` is SGLang's `none` (the field is
+/// sent as `null`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootstrapPort(pub Option<u16>);
 
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +53,9 @@ pub enum Dispatch {
     /// [`KvConnector::complete`], then send the decode (vLLM NIXL).
     AfterPrefill,
     /// Send both legs at once; the engines meet through a bootstrap server (SGLang,
-    /// vLLM Mooncake).
+    /// vLLM Mooncake). The decode's answer is relayed as soon as its head arrives; the
+    /// prefill's answer is read alongside, and a prefill that fails ends the request
+    /// (the decode leg is dropped) wherever it is.
     Concurrent,
 }
 
@@ -64,6 +91,21 @@ pub struct Handoff {
     pub prefill: Leg,
     /// The decode leg.
     pub decode: Leg,
+    /// The connector's own state, carried from [`KvConnector::prepare`] to
+    /// [`KvConnector::resolve`] and [`KvConnector::complete`] (a transfer id, say).
+    pub ext: http::Extensions,
+}
+
+impl Handoff {
+    /// A plan with both legs and no connector state.
+    pub fn new(dispatch: Dispatch, prefill: Leg, decode: Leg) -> Self {
+        Handoff {
+            dispatch,
+            prefill,
+            decode,
+            ext: http::Extensions::new(),
+        }
+    }
 }
 
 /// The prefill's successful answer.
@@ -115,10 +157,14 @@ pub enum KvOutcome {
 
 /// One KV-transfer protocol.
 ///
-/// `prepare` is pure: it builds both legs from the client's request with no I/O and
-/// never waits. `complete` runs only for [`Dispatch::AfterPrefill`], after a 2xx prefill
-/// answer; it is async because some protocols wait there for the engines' own signal
-/// (LMCache's KV-ready notifications); NIXL's fold is immediate.
+/// The orchestrator calls, per attempt: `prepare` (pure: both legs from the client's
+/// request, no I/O, never waits), then `resolve` (async, before any leg is sent; most
+/// connectors need nothing here), then sends the legs as the plan's [`Dispatch`] says,
+/// calling `complete` between the legs for [`Dispatch::AfterPrefill`]. When the request
+/// has ended, `observe` hears how.
+///
+/// A retry runs `prepare` again, so per-attempt values (an SGLang room, a Mooncake
+/// transfer id) must be drawn there, never cached per request.
 #[async_trait]
 pub trait KvConnector: Send + Sync + 'static {
     /// The connector's name, for logs and errors.
@@ -132,6 +178,24 @@ pub trait KvConnector: Send + Sync + 'static {
     /// endpoint, an endpoint without the connector's configuration).
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError>;
 
+    /// Complete the plan with what only the engines can tell, before any leg is sent.
+    ///
+    /// `transport` reaches the engines (vLLM Mooncake asks the prefill's bootstrap server
+    /// `GET /query` for its engine id, and caches the answer). Implementations must cache
+    /// what they learn: this runs on every request. The default does nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`ConnectorError`] when the engines cannot tell what the plan needs; the request
+    /// fails with 502 and no leg is sent.
+    async fn resolve(
+        &self,
+        _handoff: &mut Handoff,
+        _transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        Ok(())
+    }
+
     /// Fold the prefill's answer into the decode leg.
     ///
     /// # Errors
@@ -144,6 +208,11 @@ pub trait KvConnector: Send + Sync + 'static {
     ) -> Result<KvOutcome, ConnectorError> {
         Ok(KvOutcome::Handed)
     }
+
+    /// Optional feedback: how a request over `route` ended (a connector that caches what
+    /// it learned from an engine forgets it when that engine's leg fails). The default
+    /// does nothing. Called once per attempt; must be cheap and must not block.
+    fn observe(&self, _route: &Route, _outcome: Outcome) {}
 }
 
 #[async_trait]
@@ -156,11 +225,23 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
         (**self).prepare(route, req)
     }
 
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        (**self).resolve(handoff, transport).await
+    }
+
     async fn complete(
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
         (**self).complete(handoff, answer).await
+    }
+
+    fn observe(&self, route: &Route, outcome: Outcome) {
+        (**self).observe(route, outcome)
     }
 }

@@ -83,6 +83,18 @@ pub enum ConnectorError {
         #[source]
         source: BodyError,
     },
+    /// The prefill's bootstrap server could not tell what the handoff needs (vLLM
+    /// Mooncake's engine id).
+    #[error("bootstrap server {addr} of prefill endpoint {endpoint} gave no usable answer")]
+    Bootstrap {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The bootstrap server's address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
     /// A value the connector had to serialize could not be.
     #[error("could not encode `{field}`")]
     Encode {

@@ -60,7 +60,9 @@ pub mod source;
 pub mod transport;
 
 pub use body::JsonBody;
-pub use connector::{Dispatch, Handoff, KvConnector, Leg, VllmNixl};
+pub use connector::{
+    BootstrapPort, Dispatch, Handoff, KvConnector, Leg, SglangBootstrap, VllmMooncake, VllmNixl,
+};
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, Side};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};

@@ -1,15 +1,23 @@
 //! The [`Orchestrator`]: one request's whole way across the prefill and the decode leg.
 //!
 //! ```text
-//! snapshot → Router::select → KvConnector::prepare
-//!   AfterPrefill: prefill (non-streaming, read in full) → KvConnector::complete → decode
-//!   Concurrent:   prefill ∥ decode
+//! snapshot → Router::select → KvConnector::prepare → KvConnector::resolve
+//!   AfterPrefill: prefill (read in full) → KvConnector::complete → decode
+//!   Concurrent:   prefill ∥ decode; the decode's head is relayed as soon as it
+//!                 arrives, the prefill's answer is read alongside
 //! → decode response, body streamed frame by frame in a PdBody
 //! ```
 //!
+//! Failure is fail-fast in both directions. A prefill that fails before the decode's
+//! head ends the attempt and drops the decode leg; one that fails after the head was
+//! relayed ends the stream (an SSE error event for event streams); a decode that fails
+//! drops the prefill leg. A client that leaves drops the response body, and with it
+//! whatever leg is still running.
+//!
 //! The orchestrator owns no per-request state beyond the request's own future and its
-//! response body: dropping either abandons both legs (their transport futures and bodies
-//! drop with them), releases the in-flight counts, and reports the outcome to the router.
+//! response body, and spawns no task: dropping either abandons both legs (their
+//! transport futures and bodies drop with them), releases the in-flight counts, and
+//! reports the outcome to the router and the connector.
 
 use std::fmt;
 use std::sync::Arc;
@@ -18,15 +26,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response};
-use http_body_util::{BodyExt, Limited};
+
+use futures::FutureExt;
+use futures::future::{Either, select};
+use http::StatusCode;
 
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
-use crate::endpoint::InFlightGuard;
-use crate::error::{BoxError, ConnectorError, PdError, RouteError, Side};
+use crate::endpoint::{Endpoint, InFlightGuard};
+use crate::error::{ConnectorError, PdError, RouteError, Side};
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
 use crate::router::{Outcome, RequestView, RoundRobin, Route, Router};
 use crate::source::EndpointSource;
-use crate::transport::{BoxBody, Transport};
+use crate::transport::{BoxBody, Transport, read_limited};
 
 /// The response header that says how the KV reached the decode engine:
 /// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
@@ -36,7 +47,7 @@ pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff
 /// The response header naming the leg whose answer is passed through on a failure.
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 
-use crate::response::Finish;
+use crate::response::{Feedback, Finish, PendingPrefill};
 pub use crate::response::PdBody;
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
@@ -147,6 +158,11 @@ pub struct OrchestratorConfig {
     /// Client headers forwarded to both legs (besides the request id and the session
     /// header, which always are).
     pub forward_headers: Vec<HeaderName>,
+    /// Further attempts after a retryable failure ([`PdError::is_retryable`]) that
+    /// happened before any byte of an answer reached the client. Each attempt selects a
+    /// new route and runs the connector's `prepare` again (a new SGLang room, a new
+    /// Mooncake transfer id). Default 0: no retry.
+    pub retries: u32,
 }
 
 impl Default for OrchestratorConfig {
@@ -166,6 +182,7 @@ impl Default for OrchestratorConfig {
                 HeaderName::from_static("tracestate"),
                 HeaderName::from_static("x-correlation-id"),
             ],
+            retries: 0,
         }
     }
 }
@@ -313,15 +330,85 @@ impl Orchestrator {
 enum PrefillResult {
     Answer(PrefillAnswer),
     /// A 4xx: the client's fault, passed through as the engine wrote it.
-    ClientError(Response<PdBody>),
+    ClientError {
+        endpoint: Arc<Endpoint>,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+}
+
+impl PrefillResult {
+    /// The engine's 4xx as the client's response.
+    fn client_error_response(
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+        req: &PdRequest,
+    ) -> Response<PdBody> {
+        let mut resp = Response::new(PdBody::full(body));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = end_to_end(headers);
+        resp.headers_mut()
+            .insert(REQUEST_ID, req.request_id().clone());
+        resp.headers_mut()
+            .insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
+        resp
+    }
+
+    /// The prefill's outcome once the decode's answer is already on its way to the
+    /// client: only success or an error can still be told.
+    fn into_late(self) -> Result<(), PdError> {
+        match self {
+            PrefillResult::Answer(_) => Ok(()),
+            PrefillResult::ClientError {
+                endpoint,
+                status,
+                body,
+                ..
+            } => Err(PdError::upstream_status(
+                Side::Prefill,
+                endpoint.id().clone(),
+                status,
+                upstream_message(&body),
+            )),
+        }
+    }
 }
 
 impl Inner {
+    /// Feedback to the router and the connector.
+    fn observe(&self, route: &Route, outcome: Outcome) {
+        self.router.observe(route, outcome);
+        self.connector.observe(route, outcome);
+    }
+
     async fn serve(self: Arc<Self>, req: PdRequest) -> Result<Response<PdBody>, PdError> {
+        let mut retries = self.config.retries;
+        loop {
+            match self.attempt(&req).await {
+                Ok(resp) => return Ok(resp),
+                Err(e) if retries > 0 && e.is_retryable() => {
+                    retries -= 1;
+                    tracing::warn!(
+                        request_id = ?req.request_id(),
+                        error = %crate::error::error_chain(&e),
+                        retries_left = retries,
+                        "attempt failed before any answer reached the client; retrying on a new pair"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One attempt: a route, a plan, both legs. Every error here happened before any
+    /// byte of an answer reached the client.
+    async fn attempt(&self, req: &PdRequest) -> Result<Response<PdBody>, PdError> {
         let set = self.source.snapshot();
         let route = self
             .router
-            .select(&RequestView::from(&req), &set)
+            .select(&RequestView::from(req), &set)
             .map_err(PdError::route)?;
         drop(set);
 
@@ -330,37 +417,72 @@ impl Inner {
                 NoPrefill::Fail => Err(PdError::route(RouteError::NoPrefill)),
                 NoPrefill::DecodeOnly => {
                     let leg = Leg::new(route.decode.clone(), req.body().clone());
-                    self.decode(&req, route, leg, "decode-only", Timing::default())
+                    self.decode(req, route, leg, "decode-only", Timing::default())
                         .await
                 }
             };
         }
-        let mut handoff = self
+        let fail = |route: &Route, e: PdError| {
+            self.observe(route, Outcome::PrefillFailed);
+            e
+        };
+        let mut handoff = match self.connector.prepare(&route, req) {
+            Ok(h) => h,
+            Err(e) => return Err(fail(&route, PdError::connector(Side::Prefill, e))),
+        };
+        if let Err(e) = self
             .connector
-            .prepare(&route, &req)
-            .map_err(|e| PdError::connector(Side::Prefill, e))?;
+            .resolve(&mut handoff, &*self.transport)
+            .await
+        {
+            return Err(fail(&route, PdError::connector(Side::Prefill, e)));
+        }
+        self.dispatch(req, route, handoff).await
+    }
 
-        match handoff.dispatch {
+    /// Send both legs as the plan says. One path for every connector: the prefill
+    /// exchange starts first; [`Dispatch::AfterPrefill`] waits for it and folds its
+    /// answer into the decode leg, [`Dispatch::Concurrent`] sends the decode at once and
+    /// races the two.
+    async fn dispatch(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        mut handoff: Handoff,
+    ) -> Result<Response<PdBody>, PdError> {
+        let start = Instant::now();
+        let prefill = Box::pin(self.prefill(req, &handoff.prefill));
+        let mut timing = Timing::default();
+        let failed = |route: &Route, outcome, e| {
+            self.observe(route, outcome);
+            Err(e)
+        };
+
+        let (mark, pending) = match handoff.dispatch {
             Dispatch::AfterPrefill => {
-                let start = Instant::now();
-                let answer = match self.prefill(&req, &handoff.prefill).await {
+                let answer = match prefill.await {
                     Ok(PrefillResult::Answer(a)) => a,
-                    Ok(PrefillResult::ClientError(resp)) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Ok(resp);
+                    Ok(PrefillResult::ClientError {
+                        status,
+                        headers,
+                        body,
+                        ..
+                    }) => {
+                        self.observe(&route, Outcome::PrefillFailed);
+                        return Ok(PrefillResult::client_error_response(
+                            status, headers, body, req,
+                        ));
                     }
-                    Err(e) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Err(e);
-                    }
+                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
                 };
                 let prefilled = Instant::now();
-                let handed = self.complete(&mut handoff, &answer).await;
-                let timing = Timing {
-                    prefill: Some(prefilled - start),
-                    handoff: Some(prefilled.elapsed()),
-                    decode_head: None,
-                };
+                timing.prefill = Some(prefilled - start);
+                let handed = self
+                    .connector
+                    .complete(&mut handoff, &answer)
+                    .await
+                    .map_err(|e| PdError::connector(Side::Prefill, e));
+                timing.handoff = Some(prefilled.elapsed());
                 let mark = match handed {
                     Ok(KvOutcome::Handed) => "kv",
                     Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
@@ -372,57 +494,62 @@ impl Inner {
                         "none"
                     }
                     Ok(_) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Err(PdError::connector(
+                        let e = PdError::connector(
                             Side::Prefill,
                             ConnectorError::MissingHandoff {
                                 endpoint: handoff.prefill.endpoint.id().clone(),
                                 field: "kv handoff",
                             },
+                        );
+                        return failed(&route, Outcome::PrefillFailed, e);
+                    }
+                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
+                };
+                (mark, None)
+            }
+            Dispatch::Concurrent => ("kv", Some(prefill)),
+        };
+
+        let guard = handoff.decode.endpoint.track();
+        let decode_start = Instant::now();
+        let decode = Box::pin(self.decode_head(req, &handoff.decode));
+        let (head, pending) = match pending {
+            None => (decode.await, None),
+            Some(prefill) => match select(prefill, decode).await {
+                // The prefill ended first: a failure ends the attempt (dropping the
+                // decode leg); a success leaves the decode to finish.
+                Either::Left((p, decode)) => match p {
+                    Ok(PrefillResult::Answer(_)) => {
+                        timing.prefill = Some(start.elapsed());
+                        (decode.await, None)
+                    }
+                    Ok(PrefillResult::ClientError {
+                        status,
+                        headers,
+                        body,
+                        ..
+                    }) => {
+                        self.observe(&route, Outcome::PrefillFailed);
+                        return Ok(PrefillResult::client_error_response(
+                            status, headers, body, req,
                         ));
                     }
-                    Err(e) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Err(e);
-                    }
-                };
-                self.decode(&req, route, handoff.decode, mark, timing).await
-            }
-            Dispatch::Concurrent => {
-                let Handoff {
-                    prefill, decode, ..
-                } = handoff;
-                let guard = route.decode.track();
-                let (p, d) = tokio::join!(
-                    self.prefill(&req, &prefill),
-                    self.decode_head(&req, &decode)
-                );
-                match p {
-                    Ok(PrefillResult::Answer(_)) => {}
-                    Ok(PrefillResult::ClientError(resp)) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Ok(resp);
-                    }
-                    Err(e) => {
-                        self.router.observe(&route, Outcome::PrefillFailed);
-                        return Err(e);
-                    }
-                }
-                let head = d.inspect_err(|_| self.router.observe(&route, Outcome::DecodeFailed))?;
-                Ok(self.respond(&req, route, guard, head, "kv", Timing::default()))
-            }
-        }
-    }
-
-    async fn complete(
-        &self,
-        handoff: &mut Handoff,
-        answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, PdError> {
-        self.connector
-            .complete(handoff, answer)
-            .await
-            .map_err(|e| PdError::connector(Side::Prefill, e))
+                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
+                },
+                // The decode's head came first: relay it now, the prefill rides along.
+                Either::Right((d, prefill)) => (d, Some(prefill)),
+            },
+        };
+        let head = match head {
+            Ok(h) => h,
+            Err(e) => return failed(&route, Outcome::DecodeFailed, e),
+        };
+        timing.decode_head = Some(decode_start.elapsed());
+        // A decode that answered an error needs no KV: the prefill leg is dropped.
+        let pending = pending.filter(|_| head.status().is_success());
+        let pending: Option<PendingPrefill> =
+            pending.map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as _);
+        Ok(self.respond(req, route, guard, head, mark, timing, pending))
     }
 
     /// Build the HTTP request for one leg.
@@ -461,52 +588,63 @@ impl Inner {
         Ok(out)
     }
 
-    /// Send the prefill leg and read its answer in full, within the prefill timeout.
-    async fn prefill(&self, req: &PdRequest, leg: &Leg) -> Result<PrefillResult, PdError> {
-        let ep = &leg.endpoint;
-        let _guard = ep.track();
-        let http_req = self.leg_request(req, leg)?;
-        let exchange = async {
-            let resp = self
-                .transport
-                .send(http_req)
-                .await
-                .map_err(|e| PdError::transport(Side::Prefill, ep.id().clone(), e))?;
-            let (parts, body) = resp.into_parts();
-            let bytes = read_limited(body, self.config.max_prefill_answer)
-                .await
-                .map_err(|e| PdError::upstream_body(Side::Prefill, ep.id().clone(), e))?;
-            if parts.status.is_success() {
-                return Ok(PrefillResult::Answer(PrefillAnswer {
-                    status: parts.status,
-                    headers: parts.headers,
-                    body: bytes,
-                }));
+    /// The prefill exchange: send the leg and read its answer in full, within the
+    /// prefill timeout. The future owns what it needs (`'static`), so a concurrent
+    /// handoff can keep it running inside the response body; it holds the prefill
+    /// endpoint's in-flight count until it ends or is dropped.
+    fn prefill(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+    ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
+        let ep = Arc::clone(&leg.endpoint);
+        let guard = ep.track();
+        let http_req = self.leg_request(req, leg);
+        let transport = Arc::clone(&self.transport);
+        let timeout = self.config.prefill_timeout;
+        let limit = self.config.max_prefill_answer;
+        async move {
+            let _guard = guard;
+            let http_req = http_req?;
+            let exchange = async {
+                let resp = transport
+                    .send(http_req)
+                    .await
+                    .map_err(|e| PdError::transport(Side::Prefill, ep.id().clone(), e))?;
+                let (parts, body) = resp.into_parts();
+                let bytes = read_limited(body, limit)
+                    .await
+                    .map_err(|e| PdError::upstream_body(Side::Prefill, ep.id().clone(), e))?;
+                if parts.status.is_success() {
+                    return Ok(PrefillResult::Answer(PrefillAnswer {
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: bytes,
+                    }));
+                }
+                if parts.status.is_client_error() {
+                    return Ok(PrefillResult::ClientError {
+                        endpoint: Arc::clone(&ep),
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: bytes,
+                    });
+                }
+                Err(PdError::upstream_status(
+                    Side::Prefill,
+                    ep.id().clone(),
+                    parts.status,
+                    upstream_message(&bytes),
+                ))
+            };
+            match tokio::time::timeout(timeout, exchange).await {
+                Ok(r) => r,
+                Err(_) => Err(PdError::timeout(
+                    Side::Prefill,
+                    ep.id().clone(),
+                    "prefill answer",
+                )),
             }
-            if parts.status.is_client_error() {
-                let mut resp = Response::new(PdBody::full(bytes));
-                *resp.status_mut() = parts.status;
-                *resp.headers_mut() = end_to_end(parts.headers);
-                resp.headers_mut()
-                    .insert(REQUEST_ID, req.request_id().clone());
-                resp.headers_mut()
-                    .insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
-                return Ok(PrefillResult::ClientError(resp));
-            }
-            Err(PdError::upstream_status(
-                Side::Prefill,
-                ep.id().clone(),
-                parts.status,
-                upstream_message(&bytes),
-            ))
-        };
-        match tokio::time::timeout(self.config.prefill_timeout, exchange).await {
-            Ok(r) => r,
-            Err(_) => Err(PdError::timeout(
-                Side::Prefill,
-                ep.id().clone(),
-                "prefill answer",
-            )),
         }
     }
 
@@ -530,6 +668,7 @@ impl Inner {
         }
     }
 
+    /// A decode leg alone (decode-only serving).
     async fn decode(
         &self,
         req: &PdRequest,
@@ -543,16 +682,18 @@ impl Inner {
         match self.decode_head(req, &leg).await {
             Ok(head) => {
                 timing.decode_head = Some(start.elapsed());
-                Ok(self.respond(req, route, guard, head, mark, timing))
+                Ok(self.respond(req, route, guard, head, mark, timing, None))
             }
             Err(e) => {
-                self.router.observe(&route, Outcome::DecodeFailed);
+                self.observe(&route, Outcome::DecodeFailed);
                 Err(e)
             }
         }
     }
 
-    /// The client's response: the decode's head and its body, streamed in a [`PdBody`].
+    /// The client's response: the decode's head and its body, streamed in a [`PdBody`]
+    /// that also carries a concurrent handoff's unfinished prefill exchange.
+    #[allow(clippy::too_many_arguments)] // private; each argument is one part of the answer
     fn respond(
         self: &Inner,
         req: &PdRequest,
@@ -561,6 +702,7 @@ impl Inner {
         head: Response<BoxBody>,
         mark: &'static str,
         timing: Timing,
+        prefill: Option<PendingPrefill>,
     ) -> Response<PdBody> {
         let (parts, body) = head.into_parts();
         let sse = parts
@@ -572,8 +714,13 @@ impl Inner {
             sse,
             Finish {
                 guard: Some(guard),
-                router: Some((Arc::clone(&self.router), route)),
+                feedback: Some(Feedback {
+                    router: Arc::clone(&self.router),
+                    connector: Arc::clone(&self.connector),
+                    route,
+                }),
             },
+            prefill,
         ));
         *resp.status_mut() = parts.status;
         *resp.headers_mut() = end_to_end(parts.headers);
@@ -634,15 +781,6 @@ fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
     headers
 }
 
-fn read_limited(
-    body: BoxBody,
-    limit: usize,
-) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static {
-    // A named future with a `'static` error type: `?` on the collected body inside an
-    // `async fn` trips the compiler's `Send` inference (higher-ranked `From`).
-    use futures::TryFutureExt;
-    Limited::new(body, limit).collect().map_ok(|c| c.to_bytes())
-}
 
 /// The message of an engine's error answer, for the client's error text.
 fn upstream_message(bytes: &Bytes) -> Option<String> {

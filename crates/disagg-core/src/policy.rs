@@ -84,7 +84,7 @@ impl Router for PerLeg {
                 &eps[self.prefill.pick(req, eps).min(eps.len() - 1)],
             )),
         };
-        Ok(Route { prefill, decode })
+        Ok(Route::new(prefill, decode))
     }
 }
 

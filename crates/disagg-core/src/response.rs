@@ -15,14 +15,22 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
+use sync_wrapper::SyncWrapper;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 
+use std::future::Future;
+
+use crate::connector::KvConnector;
 use crate::endpoint::InFlightGuard;
-use crate::error::{BoxError, error_chain};
+use crate::error::{BoxError, PdError, error_chain};
 use crate::router::{Outcome, Route, Router};
 use crate::transport::BoxBody;
+
+/// The prefill exchange of a concurrent handoff, still running when the decode's head
+/// was relayed.
+pub(crate) type PendingPrefill = Pin<Box<dyn Future<Output = Result<(), PdError>> + Send>>;
 
 /// Most bytes joined into one frame; a larger burst goes out in several.
 const MAX_JOINED: usize = 64 * 1024;
@@ -37,18 +45,26 @@ const MAX_JOINED: usize = 64 * 1024;
 /// microseconds of latency, never a wait for the network.
 const JOIN_YIELDS: u8 = 3;
 
-/// What a response body releases when it ends: the in-flight count and the router's
-/// feedback.
+/// Who hears how a request ended.
+pub(crate) struct Feedback {
+    pub(crate) router: Arc<dyn Router>,
+    pub(crate) connector: Arc<dyn KvConnector>,
+    pub(crate) route: Route,
+}
+
+/// What a response body releases when it ends: the in-flight count and the feedback to
+/// the router and the connector.
 pub(crate) struct Finish {
     pub(crate) guard: Option<InFlightGuard>,
-    pub(crate) router: Option<(Arc<dyn Router>, Route)>,
+    pub(crate) feedback: Option<Feedback>,
 }
 
 impl Finish {
     fn done(&mut self, outcome: Outcome) {
         self.guard = None;
-        if let Some((router, route)) = self.router.take() {
-            router.observe(&route, outcome);
+        if let Some(f) = self.feedback.take() {
+            f.router.observe(&f.route, outcome);
+            f.connector.observe(&f.route, outcome);
         }
     }
 }
@@ -65,6 +81,8 @@ enum End {
     Eos,
     Trailers(HeaderMap),
     Error(BoxError),
+    /// The prefill leg of a concurrent handoff failed after the decode's head went out.
+    Prefill(PdError),
 }
 
 pin_project_lite::pin_project! {
@@ -77,6 +95,11 @@ pin_project_lite::pin_project! {
     /// `data: {"error": {...}}` tells the client (the `openai` clients raise it as an
     /// `APIError`), and the stream ends; other bodies end with the error, which the
     /// server turns into an aborted response.
+    ///
+    /// For a concurrent handoff the body also carries the prefill exchange when it was
+    /// still running as the decode's head went out: it is polled alongside the stream,
+    /// a failure ends the stream the same way (and drops the decode leg at once), and
+    /// the stream's end waits for it, so no leg outlives the body.
     pub struct PdBody {
         #[pin]
         inner: BoxBody,
@@ -87,6 +110,7 @@ pin_project_lite::pin_project! {
         idle_yields: u8,
         end: Option<End>,
         finish: Option<Finish>,
+        prefill: Option<SyncWrapper<PendingPrefill>>,
     }
 }
 
@@ -126,12 +150,19 @@ impl PdBody {
             idle_yields: 0,
             end: None,
             finish: None,
+            prefill: None,
         }
     }
 
-    pub(crate) fn stream(inner: BoxBody, sse: bool, finish: Finish) -> Self {
+    pub(crate) fn stream(
+        inner: BoxBody,
+        sse: bool,
+        finish: Finish,
+        prefill: Option<PendingPrefill>,
+    ) -> Self {
         let mut body = Self::forward(inner, sse);
         body.finish = Some(finish);
+        body.prefill = prefill.map(SyncWrapper::new);
         body
     }
 }
@@ -153,7 +184,26 @@ impl Body for PdBody {
         if *this.done {
             return Poll::Ready(None);
         }
+        if let Some(prefill) = this.prefill.as_mut()
+            && let Poll::Ready(result) = prefill.get_mut().as_mut().poll(cx)
+        {
+            *this.prefill = None;
+            if let Err(e) = result {
+                // Drop the decode leg now: without the KV it has nothing to say.
+                this.inner.set(empty_body());
+                *this.end = Some(End::Prefill(e));
+                if !this.joined.is_empty() {
+                    return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
+                }
+            }
+        }
         if let Some(end) = this.end.take() {
+            if matches!(end, End::Eos) && this.prefill.is_some() {
+                // The decode is done; the stream ends when the prefill leg has too (it
+                // was polled above, so its progress wakes this body).
+                *this.end = Some(end);
+                return Poll::Pending;
+            }
             return end_with(end, *this.sse, this.done, this.finish);
         }
         loop {
@@ -195,6 +245,10 @@ impl Body for PdBody {
                 }
             };
             if this.joined.is_empty() {
+                if matches!(next, End::Eos) && this.prefill.is_some() {
+                    *this.end = Some(next);
+                    return Poll::Pending;
+                }
                 return end_with(next, *this.sse, this.done, this.finish);
             }
             *this.end = Some(next);
@@ -205,6 +259,7 @@ impl Body for PdBody {
     fn is_end_stream(&self) -> bool {
         self.done
             || (self.joined.is_empty()
+                && self.prefill.is_none()
                 && matches!(self.end, None | Some(End::Eos))
                 && self.inner.is_end_stream())
     }
@@ -240,23 +295,50 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
                 f.done(Outcome::DecodeFailed);
             }
             if sse {
-                Poll::Ready(Some(Ok(Frame::data(sse_error_event(&message)))))
+                Poll::Ready(Some(Ok(Frame::data(sse_error_event(
+                    &message,
+                    "server_error",
+                    "decode_stream_failed",
+                )))))
             } else {
                 Poll::Ready(Some(Err(err)))
+            }
+        }
+        End::Prefill(err) => {
+            *done = true;
+            let message = error_chain(&err);
+            tracing::warn!(%message, "prefill leg failed after the decode's answer began");
+            if let Some(mut f) = finish.take() {
+                f.done(Outcome::PrefillFailed);
+            }
+            if sse {
+                Poll::Ready(Some(Ok(Frame::data(sse_error_event(
+                    &message,
+                    err.error_type(),
+                    err.code(),
+                )))))
+            } else {
+                Poll::Ready(Some(Err(Box::new(err))))
             }
         }
     }
 }
 
+fn empty_body() -> BoxBody {
+    http_body_util::Empty::new()
+        .map_err(|never| match never {})
+        .boxed()
+}
+
 /// One SSE event carrying an OpenAI-format error. It starts with a blank line, which
 /// ends an event the broken stream may have left half-written.
-fn sse_error_event(message: &str) -> Bytes {
+fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
     let json = serde_json::json!({
         "error": {
             "message": message,
-            "type": "server_error",
+            "type": error_type,
             "param": null,
-            "code": "decode_stream_failed",
+            "code": code,
         }
     });
     let mut out = b"\n\ndata: ".to_vec();
@@ -395,7 +477,7 @@ mod tests {
 
     #[test]
     fn sse_error_event_is_valid_json() {
-        let ev = sse_error_event("x \"y\"");
+        let ev = sse_error_event("x \"y\"", "server_error", "c");
         let text = std::str::from_utf8(&ev).unwrap();
         let data = text.trim().strip_prefix("data: ").unwrap();
         let v: serde_json::Value = serde_json::from_str(data).unwrap();

@@ -47,6 +47,32 @@ pub struct Route {
     pub prefill: Option<Arc<Endpoint>>,
     /// The decode endpoint.
     pub decode: Arc<Endpoint>,
+    /// The prefill engine's data-parallel rank, when the router picked one. Connectors
+    /// pass it on as their protocol says (SGLang `data_parallel_rank`, vLLM Mooncake
+    /// `X-data-parallel-rank`); `None` lets the engine choose.
+    pub prefill_rank: Option<u32>,
+    /// The decode engine's data-parallel rank, when the router picked one (SGLang
+    /// `data_parallel_rank_decode`).
+    pub decode_rank: Option<u32>,
+}
+
+impl Route {
+    /// A route to `prefill` (or decode-only) and `decode`, naming no data-parallel rank.
+    pub fn new(prefill: Option<Arc<Endpoint>>, decode: Arc<Endpoint>) -> Self {
+        Route {
+            prefill,
+            decode,
+            prefill_rank: None,
+            decode_rank: None,
+        }
+    }
+
+    /// The same route with data-parallel ranks named for each leg.
+    pub fn with_ranks(mut self, prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Self {
+        self.prefill_rank = prefill_rank;
+        self.decode_rank = decode_rank;
+        self
+    }
 }
 
 /// How a request ended, as fed back to [`Router::observe`].

@@ -40,3 +40,18 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
         (**self).send(req)
     }
 }
+
+/// Read `body` to its end, at most `limit` bytes.
+///
+/// A named future with a `'static` error type: `?` on a collected boxed-error body
+/// inside an `async fn` trips the compiler's `Send` inference (higher-ranked `From`).
+pub(crate) fn read_limited(
+    body: BoxBody,
+    limit: usize,
+) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static {
+    use futures::TryFutureExt;
+    use http_body_util::BodyExt;
+    http_body_util::Limited::new(body, limit)
+        .collect()
+        .map_ok(|c| c.to_bytes())
+}

@@ -45,10 +45,10 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 /// use disagg_core::router::Route;
 /// use std::sync::Arc;
 ///
-/// let route = Route {
-///     prefill: Some(Arc::new(Endpoint::new("http://p:8100", Role::Prefill)?)),
-///     decode: Arc::new(Endpoint::new("http://d:8200", Role::Decode)?),
-/// };
+/// let route = Route::new(
+///     Some(Arc::new(Endpoint::new("http://p:8100", Role::Prefill)?)),
+///     Arc::new(Endpoint::new("http://d:8200", Role::Decode)?),
+/// );
 /// let req = PdRequest::new(
 ///     Api::Completions,
 ///     Default::default(),
@@ -89,11 +89,11 @@ impl KvConnector for VllmNixl {
         })?;
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
         prefill.set_raw(KV_TRANSFER_PARAMS, Bytes::from_static(PREFILL_PARAMS));
-        Ok(Handoff {
-            dispatch: Dispatch::AfterPrefill,
-            prefill: Leg::new(prefill_ep, prefill),
-            decode: Leg::new(route.decode.clone(), req.body().clone()),
-        })
+        Ok(Handoff::new(
+            Dispatch::AfterPrefill,
+            Leg::new(prefill_ep, prefill),
+            Leg::new(route.decode.clone(), req.body().clone()),
+        ))
     }
 
     async fn complete(
@@ -147,12 +147,10 @@ mod tests {
     use crate::request::Api;
 
     fn route() -> Route {
-        Route {
-            prefill: Some(Arc::new(
-                Endpoint::new("http://p:1", Role::Prefill).unwrap(),
-            )),
-            decode: Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap()),
-        }
+        Route::new(
+            Some(Arc::new(Endpoint::new("http://p:1", Role::Prefill).unwrap())),
+            Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap()),
+        )
     }
 
     fn req(api: Api, body: &str) -> PdRequest {

@@ -1,0 +1,484 @@
+//! vLLM's Mooncake connector (the concurrent generation): both legs at once, linked by a
+//! proxy-chosen `transfer_id`.
+//!
+//! Protocol (vLLM `vllm/distributed/kv_transfer/kv_connector/v1/mooncake/
+//! mooncake_connector.py`; reference proxy `examples/online_serving/
+//! disaggregated_serving/mooncake_connector/mooncake_connector_proxy.py`):
+//!
+//! - every prefill engine runs a bootstrap HTTP server (`VLLM_MOONCAKE_BOOTSTRAP_PORT`,
+//!   default 8998) whose `GET /query` answers `{"<dp_rank>": {"engine_id": ..,
+//!   "worker_addr": ..}, ..}`;
+//! - the prefill gets the [rewritten](crate::rewrite) body plus `kv_transfer_params =
+//!   {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": ..}`, and the
+//!   header `X-data-parallel-rank` when the route names a rank; it answers with no
+//!   handoff of its own;
+//! - the decode gets the client's body plus `kv_transfer_params = {"do_remote_prefill":
+//!   true, "do_remote_decode": false, "remote_bootstrap_addr": "http://<p-host>:<port>",
+//!   "remote_engine_id": <the rank's engine id>, "transfer_id": ..}` and fetches the KV
+//!   from the prefill by that transfer id, waiting for it if the prefill is still busy.
+//!
+//! The engine id is learned in [`KvConnector::resolve`] from `GET /query` on the prefill's
+//! bootstrap server, cached per prefill endpoint, and forgotten when a request over that
+//! prefill fails (a restarted engine draws a new id), so the next request asks again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+
+use crate::connector::room::Rooms;
+use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
+use crate::endpoint::EndpointId;
+use crate::error::{BoxError, ConnectorError};
+use crate::request::PdRequest;
+use crate::rewrite::PrefillRewriter;
+use crate::router::{Outcome, Route};
+use crate::transport::{Transport, read_limited};
+
+/// The bootstrap port of a prefill endpoint that configures none
+/// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// The header naming the prefill's data-parallel rank.
+pub const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
+/// Largest `/query` answer read.
+const MAX_QUERY_ANSWER: usize = 1 << 20;
+
+/// Cached engine-id maps kept at most; past it the cache starts over (a proxy serves a
+/// handful of prefill endpoints, so this only bounds a pathological endpoint churn).
+const MAX_CACHED: usize = 4096;
+
+/// The vLLM Mooncake connector: concurrent dispatch, linked by a `transfer_id`.
+///
+/// Each prefill endpoint's bootstrap port comes from its [`BootstrapPort`] extension
+/// ([`DEFAULT_BOOTSTRAP_PORT`] when it has none).
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use disagg_core::connector::{Dispatch, KvConnector, VllmMooncake};
+/// use disagg_core::endpoint::{Endpoint, Role};
+/// use disagg_core::request::{Api, PdRequest};
+/// use disagg_core::router::Route;
+///
+/// let route = Route::new(
+///     Some(Arc::new(Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?)),
+///     Arc::new(Endpoint::new("http://10.0.0.7:8200", Role::Decode)?),
+/// );
+/// let req = PdRequest::new(Api::Completions, Default::default(), &r#"{"prompt":"hi"}"#.into())?;
+/// let h = VllmMooncake::new().prepare(&route, &req)?;
+/// assert_eq!(h.dispatch, Dispatch::Concurrent);
+/// assert_eq!(h.prefill.body.get("max_tokens"), Some(&b"1"[..]));
+/// // The decode's handoff needs the engine id: `resolve` asks the prefill for it.
+/// assert!(!h.decode.body.contains("kv_transfer_params"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct VllmMooncake {
+    rewriter: PrefillRewriter,
+    ids: Rooms,
+    query_timeout: Duration,
+    /// Engine id per data-parallel rank, per prefill endpoint.
+    engines: Mutex<HashMap<EndpointId, EngineIds>>,
+}
+
+/// A prefill's engine ids, by data-parallel rank.
+type EngineIds = Arc<HashMap<u32, Arc<str>>>;
+
+impl Default for VllmMooncake {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What `prepare` leaves for `resolve`.
+#[derive(Debug, Clone)]
+struct Plan {
+    transfer_id: String,
+    bootstrap_addr: String,
+    rank: u32,
+}
+
+impl VllmMooncake {
+    /// The connector with the default [`PrefillRewriter`] and a 5 s bootstrap query
+    /// timeout.
+    pub fn new() -> Self {
+        VllmMooncake {
+            rewriter: PrefillRewriter::new(),
+            ids: Rooms::new(),
+            query_timeout: Duration::from_secs(5),
+            engines: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The same connector drawing transfer ids from `ids` (seeded in tests).
+    pub fn with_ids(mut self, ids: Rooms) -> Self {
+        self.ids = ids;
+        self
+    }
+
+    /// The same connector with a custom rewriter for the prefill leg.
+    pub fn with_rewriter(mut self, rewriter: PrefillRewriter) -> Self {
+        self.rewriter = rewriter;
+        self
+    }
+
+    /// How long `GET /query` on a bootstrap server may take.
+    pub fn with_query_timeout(mut self, timeout: Duration) -> Self {
+        self.query_timeout = timeout;
+        self
+    }
+
+    /// The engine ids cached for `prefill`, by data-parallel rank.
+    pub fn cached_engine_ids(&self, prefill: &EndpointId) -> Option<HashMap<u32, String>> {
+        let engines = lock(&self.engines);
+        engines.get(prefill).map(|m| {
+            m.iter()
+                .map(|(rank, id)| (*rank, id.to_string()))
+                .collect()
+        })
+    }
+
+    fn cached(&self, prefill: &EndpointId) -> Option<EngineIds> {
+        lock(&self.engines).get(prefill).cloned()
+    }
+
+    /// Ask the bootstrap server at `addr` for its engine ids.
+    async fn query(
+        &self,
+        addr: &str,
+        transport: &dyn Transport,
+    ) -> Result<HashMap<u32, Arc<str>>, BoxError> {
+        let uri: http::Uri = format!("{addr}/query").parse()?;
+        let mut req = http::Request::new(Bytes::new());
+        *req.uri_mut() = uri;
+        let exchange = async {
+            // Errors are boxed by hand: `?` on a boxed error inside an async block trips
+            // the compiler's `Send` inference (higher-ranked `From`).
+            let resp = match transport.send(req).await {
+                Ok(r) => r,
+                Err(e) => return Err(Box::new(e) as BoxError),
+            };
+            let (parts, body) = resp.into_parts();
+            let bytes = match read_limited(body, MAX_QUERY_ANSWER).await {
+                Ok(b) => b,
+                Err(e) => return Err(e),
+            };
+            if !parts.status.is_success() {
+                return Err(BoxError::from(format!("answered {}", parts.status)));
+            }
+            Ok(bytes)
+        };
+        match tokio::time::timeout(self.query_timeout, exchange).await {
+            Ok(Ok(bytes)) => parse_query(&bytes),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(BoxError::from("timed out")),
+        }
+    }
+}
+
+/// The engine ids of a `GET /query` answer, by rank.
+fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
+    #[derive(serde::Deserialize)]
+    struct Rank {
+        engine_id: String,
+    }
+    let ranks: HashMap<String, Rank> = serde_json::from_slice(bytes)?;
+    ranks
+        .into_iter()
+        .map(|(rank, r)| {
+            let rank: u32 = rank
+                .parse()
+                .map_err(|_| BoxError::from(format!("rank `{rank}` is not a number")))?;
+            Ok((rank, Arc::from(r.engine_id)))
+        })
+        .collect()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[async_trait]
+impl KvConnector for VllmMooncake {
+    fn name(&self) -> &'static str {
+        "vllm-mooncake"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
+            connector: self.name(),
+        })?;
+        let port = match prefill_ep.ext().get::<BootstrapPort>() {
+            Some(BootstrapPort(Some(p))) => *p,
+            _ => DEFAULT_BOOTSTRAP_PORT,
+        };
+        let host = prefill_ep.authority().host();
+        let plan = Plan {
+            transfer_id: format!("xfer-{:016x}", self.ids.next_room()),
+            bootstrap_addr: format!("http://{host}:{port}"),
+            rank: route.prefill_rank.unwrap_or(0),
+        };
+        let mut body = self.rewriter.rewrite(req.api(), req.body());
+        body.set(
+            "kv_transfer_params",
+            &serde_json::json!({
+                "do_remote_decode": true,
+                "do_remote_prefill": false,
+                "transfer_id": plan.transfer_id,
+            }),
+        );
+        let mut prefill = Leg::new(prefill_ep, body);
+        if let Some(rank) = route.prefill_rank {
+            prefill
+                .headers
+                .insert(DATA_PARALLEL_RANK, HeaderValue::from(rank));
+        }
+        let decode = Leg::new(Arc::clone(&route.decode), req.body().clone());
+        let mut handoff = Handoff::new(Dispatch::Concurrent, prefill, decode);
+        handoff.ext.insert(plan);
+        Ok(handoff)
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        let Some(plan) = handoff.ext.get::<Plan>().cloned() else {
+            // Not a plan of ours: nothing to resolve.
+            return Ok(());
+        };
+        let prefill = handoff.prefill.endpoint.id().clone();
+        let bootstrap_error = |source: BoxError| ConnectorError::Bootstrap {
+            endpoint: prefill.clone(),
+            addr: plan.bootstrap_addr.clone(),
+            source,
+        };
+        let engines = match self.cached(&prefill) {
+            Some(e) => e,
+            None => {
+                // No lock is held across this await: a concurrent first request may ask
+                // too, and the later answer simply replaces the earlier.
+                let fresh = Arc::new(
+                    self.query(&plan.bootstrap_addr, transport)
+                        .await
+                        .map_err(bootstrap_error)?,
+                );
+                let mut cache = lock(&self.engines);
+                if cache.len() >= MAX_CACHED {
+                    cache.clear();
+                }
+                cache.insert(prefill.clone(), Arc::clone(&fresh));
+                fresh
+            }
+        };
+        let engine_id = engines.get(&plan.rank).ok_or_else(|| {
+            bootstrap_error(format!("it serves no data-parallel rank {}", plan.rank).into())
+        })?;
+        handoff.decode.body.set(
+            "kv_transfer_params",
+            &serde_json::json!({
+                "do_remote_prefill": true,
+                "do_remote_decode": false,
+                "remote_bootstrap_addr": plan.bootstrap_addr,
+                "remote_engine_id": &**engine_id,
+                "transfer_id": plan.transfer_id,
+            }),
+        );
+        Ok(())
+    }
+
+    fn observe(&self, route: &Route, outcome: Outcome) {
+        if matches!(outcome, Outcome::PrefillFailed | Outcome::DecodeFailed)
+            && let Some(p) = &route.prefill
+        {
+            // The engine may have restarted under a new id: ask again next time.
+            lock(&self.engines).remove(p.id());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http::{HeaderMap, Response};
+    use http_body_util::{BodyExt, Full};
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::endpoint::{Endpoint, Role};
+    use crate::error::TransportError;
+    use crate::request::Api;
+    use crate::transport::ResponseFuture;
+
+    /// Answers `GET /query` with a fixed body, counting the queries.
+    struct Bootstrap {
+        answer: &'static str,
+        queries: AtomicUsize,
+        seen: Mutex<Vec<String>>,
+    }
+
+    impl Transport for Bootstrap {
+        fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
+            self.queries.fetch_add(1, Ordering::Relaxed);
+            lock(&self.seen).push(req.uri().to_string());
+            let body = Full::new(Bytes::from_static(self.answer.as_bytes()))
+                .map_err(|never| match never {})
+                .boxed();
+            Box::pin(async move { Ok::<_, TransportError>(Response::new(body)) })
+        }
+    }
+
+    fn bootstrap(answer: &'static str) -> Bootstrap {
+        Bootstrap {
+            answer,
+            queries: AtomicUsize::new(0),
+            seen: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn route(port: Option<u16>) -> Route {
+        let mut ext = http::Extensions::new();
+        if let Some(p) = port {
+            ext.insert(BootstrapPort(Some(p)));
+        }
+        Route::new(
+            Some(Arc::new(
+                Endpoint::with_extensions("http://10.1.2.3:8100", Role::Prefill, ext).unwrap(),
+            )),
+            Arc::new(Endpoint::new("http://10.1.2.4:8200", Role::Decode).unwrap()),
+        )
+    }
+
+    fn req(body: &str) -> PdRequest {
+        PdRequest::new(Api::Chat, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
+    }
+
+    fn json_of(b: &crate::body::JsonBody) -> Value {
+        serde_json::from_slice(&b.to_bytes()).unwrap()
+    }
+
+    const QUERY: &str = r#"{"0":{"engine_id":"e0","worker_addr":{"0":{"0":"10.1.2.3:7000"}}},"1":{"engine_id":"e1","worker_addr":{}}}"#;
+
+    #[tokio::test]
+    async fn golden_legs() {
+        let c = VllmMooncake::new().with_ids(Rooms::from_seed(3));
+        let t = bootstrap(QUERY);
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":20}"#;
+        let mut h = c.prepare(&route(Some(9000)), &req(body)).unwrap();
+        c.resolve(&mut h, &t).await.unwrap();
+        let xfer = format!("xfer-{:016x}", Rooms::from_seed(3).next_room());
+        let p = json_of(&h.prefill.body);
+        assert_eq!(
+            p["kv_transfer_params"],
+            json!({"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": xfer})
+        );
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["stream"], false);
+        assert!(p.get("stream_options").is_none());
+        let d = json_of(&h.decode.body);
+        assert_eq!(
+            d["kv_transfer_params"],
+            json!({
+                "do_remote_prefill": true,
+                "do_remote_decode": false,
+                "remote_bootstrap_addr": "http://10.1.2.3:9000",
+                "remote_engine_id": "e0",
+                "transfer_id": xfer,
+            })
+        );
+        assert_eq!(d["stream"], true);
+        assert_eq!(d["max_tokens"], 20);
+        assert!(h.prefill.headers.get(DATA_PARALLEL_RANK).is_none());
+        assert_eq!(
+            lock(&t.seen).as_slice(),
+            ["http://10.1.2.3:9000/query".to_owned()]
+        );
+    }
+
+    #[tokio::test]
+    async fn engine_ids_are_cached_and_forgotten_on_failure() {
+        let c = VllmMooncake::new();
+        let t = bootstrap(QUERY);
+        let r = route(None);
+        for _ in 0..3 {
+            let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
+            c.resolve(&mut h, &t).await.unwrap();
+        }
+        assert_eq!(t.queries.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            lock(&t.seen)[0],
+            format!("http://10.1.2.3:{DEFAULT_BOOTSTRAP_PORT}/query")
+        );
+        c.observe(&r, Outcome::Success);
+        c.observe(&r, Outcome::Cancelled);
+        assert!(c.cached_engine_ids(r.prefill.as_ref().unwrap().id()).is_some());
+        c.observe(&r, Outcome::DecodeFailed);
+        assert!(c.cached_engine_ids(r.prefill.as_ref().unwrap().id()).is_none());
+        let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
+        c.resolve(&mut h, &t).await.unwrap();
+        assert_eq!(t.queries.load(Ordering::Relaxed), 2);
+    }
+
+    #[tokio::test]
+    async fn ranks_pick_the_engine_id_and_the_header() {
+        let c = VllmMooncake::new();
+        let t = bootstrap(QUERY);
+        let mut h = c
+            .prepare(
+                &route(None).with_ranks(Some(1), None),
+                &req(r#"{"messages":[]}"#),
+            )
+            .unwrap();
+        c.resolve(&mut h, &t).await.unwrap();
+        assert_eq!(h.prefill.headers.get(DATA_PARALLEL_RANK).unwrap(), "1");
+        assert_eq!(
+            json_of(&h.decode.body)["kv_transfer_params"]["remote_engine_id"],
+            "e1"
+        );
+        let mut h = c
+            .prepare(
+                &route(None).with_ranks(Some(7), None),
+                &req(r#"{"messages":[]}"#),
+            )
+            .unwrap();
+        let err = c.resolve(&mut h, &t).await.unwrap_err();
+        assert!(matches!(err, ConnectorError::Bootstrap { .. }));
+        assert!(
+            crate::error::error_chain(&err).contains("no data-parallel rank 7"),
+            "{}",
+            crate::error::error_chain(&err)
+        );
+    }
+
+    #[tokio::test]
+    async fn unusable_query_answers_are_errors() {
+        for answer in ["[]", "{\"x\":{\"engine_id\":\"e\"}}", "not json"] {
+            let c = VllmMooncake::new();
+            let t = bootstrap(answer);
+            let mut h = c.prepare(&route(None), &req(r#"{"messages":[]}"#)).unwrap();
+            assert!(matches!(
+                c.resolve(&mut h, &t).await,
+                Err(ConnectorError::Bootstrap { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn each_prepare_draws_a_new_transfer_id() {
+        let c = VllmMooncake::new();
+        let a = c.prepare(&route(None), &req(r#"{"messages":[]}"#)).unwrap();
+        let b = c.prepare(&route(None), &req(r#"{"messages":[]}"#)).unwrap();
+        assert_ne!(
+            json_of(&a.prefill.body)["kv_transfer_params"]["transfer_id"],
+            json_of(&b.prefill.body)["kv_transfer_params"]["transfer_id"]
+        );
+    }
+}

@@ -1,0 +1,308 @@
+//! SGLang's bootstrap protocol: both legs at once, meeting by host, port and room.
+//!
+//! Protocol (SGLang `python/sglang/srt/managers/io_struct.py` `GenerateReqInput`; the
+//! router's side in `sgl-model-gateway/src/routers/http/pd_router.rs`):
+//!
+//! - the prefill and the decode get the **same** body: the client's, untouched (the
+//!   prefill engine, started with `--disaggregation-mode prefill`, only prefills), plus
+//!   `bootstrap_host` (the prefill endpoint's host), `bootstrap_port` (its
+//!   `--disaggregation-bootstrap-port`, or `null`) and `bootstrap_room` (a 63-bit id);
+//! - a batched request gets arrays of the three, one element per sequence, with a
+//!   distinct room each: chat with `n > 1` has `n` elements, completions whose `prompt`
+//!   is a list of prompts one per prompt (the router's own rule);
+//! - when the route names data-parallel ranks, `data_parallel_rank` (the prefill's) and
+//!   `data_parallel_rank_decode` ride along;
+//! - both legs are sent concurrently: the decode engine connects to the prefill's
+//!   bootstrap server and waits for the room (SGLang waits up to
+//!   `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s), which is why a failed prefill must
+//!   abort the decode leg at once rather than leave it waiting.
+//!
+//! SGLang's routers merge `meta_info.input_token_logprobs` from the prefill into the
+//! decode's answer on the native `/generate` API; the OpenAI routes served here carry no
+//! `meta_info`, so their answers pass through unchanged.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde_json::value::RawValue;
+
+use crate::connector::room::Rooms;
+use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
+use crate::error::ConnectorError;
+use crate::request::{Api, PdRequest};
+use crate::router::Route;
+
+/// The SGLang bootstrap connector: concurrent dispatch, `bootstrap_host/port/room` on
+/// both legs.
+///
+/// The bootstrap port of each prefill endpoint comes from its
+/// [`BootstrapPort`] extension; an endpoint without one gets `bootstrap_port: null`
+/// (SGLang's `none`).
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use disagg_core::connector::room::Rooms;
+/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector, SglangBootstrap};
+/// use disagg_core::endpoint::{Endpoint, Role};
+/// use disagg_core::request::{Api, PdRequest};
+/// use disagg_core::router::Route;
+///
+/// let mut ext = http::Extensions::new();
+/// ext.insert(BootstrapPort(Some(8998)));
+/// let p = Endpoint::with_extensions("http://10.0.0.5:30000", Role::Prefill, ext)?;
+/// let route = Route::new(
+///     Some(Arc::new(p)),
+///     Arc::new(Endpoint::new("http://10.0.0.7:30001", Role::Decode)?),
+/// );
+/// let req = PdRequest::new(Api::Completions, Default::default(), &r#"{"prompt":"hi"}"#.into())?;
+/// let h = SglangBootstrap::with_rooms(Rooms::from_seed(7)).prepare(&route, &req)?;
+/// assert_eq!(h.dispatch, Dispatch::Concurrent);
+/// assert_eq!(h.prefill.body.get("bootstrap_host"), Some(&br#""10.0.0.5""#[..]));
+/// assert_eq!(h.prefill.body.get("bootstrap_port"), Some(&b"8998"[..]));
+/// assert_eq!(h.prefill.body.to_bytes(), h.decode.body.to_bytes());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct SglangBootstrap {
+    rooms: Rooms,
+}
+
+impl SglangBootstrap {
+    /// The connector, drawing rooms from a randomly keyed [`Rooms`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The connector drawing rooms from `rooms` (a seeded one makes tests deterministic).
+    pub fn with_rooms(rooms: Rooms) -> Self {
+        SglangBootstrap { rooms }
+    }
+}
+
+/// How many sequences a request asks the engines for, as SGLang's router counts them:
+/// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of
+/// prompts), `None` for a single sequence.
+pub fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
+    match api {
+        Api::Chat => match body.get_as::<Option<u64>>("n") {
+            Some(Ok(Some(n))) if n > 1 => usize::try_from(n).ok(),
+            _ => None,
+        },
+        Api::Completions => {
+            let raw = body.get("prompt")?;
+            if raw.first() != Some(&b'[') {
+                return None;
+            }
+            // Only the list's own level is parsed; the prompts stay raw.
+            let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
+            let first = items.first()?.get().as_bytes().first().copied();
+            // A flat list of token ids is one prompt; a list of strings or of token-id
+            // lists is a batch.
+            matches!(first, Some(b'"' | b'[')).then_some(items.len())
+        }
+    }
+}
+
+#[async_trait]
+impl KvConnector for SglangBootstrap {
+    fn name(&self) -> &'static str {
+        "sglang"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
+            connector: self.name(),
+        })?;
+        let host = serde_json::to_vec(prefill_ep.host()).map_err(|source| {
+            ConnectorError::Encode {
+                field: "bootstrap_host",
+                source,
+            }
+        })?;
+        let port = match prefill_ep.ext().get::<BootstrapPort>() {
+            Some(BootstrapPort(Some(p))) => p.to_string().into_bytes(),
+            _ => b"null".to_vec(),
+        };
+        let mut body = req.body().clone();
+        match batch_size(req.api(), req.body()) {
+            None => {
+                body.set_raw("bootstrap_host", Bytes::from(host));
+                body.set_raw("bootstrap_port", Bytes::from(port));
+                body.set("bootstrap_room", &self.rooms.next_room());
+            }
+            Some(n) => {
+                body.set_raw("bootstrap_host", repeat(&host, n));
+                body.set_raw("bootstrap_port", repeat(&port, n));
+                let rooms: Vec<u64> = (0..n).map(|_| self.rooms.next_room()).collect();
+                body.set("bootstrap_room", &rooms);
+            }
+        }
+        if let Some(rank) = route.prefill_rank {
+            body.set("data_parallel_rank", &rank);
+        }
+        if let Some(rank) = route.decode_rank {
+            body.set("data_parallel_rank_decode", &rank);
+        }
+        Ok(Handoff::new(
+            Dispatch::Concurrent,
+            Leg::new(prefill_ep, body.clone()),
+            Leg::new(Arc::clone(&route.decode), body),
+        ))
+    }
+}
+
+/// A JSON array of `n` copies of the raw value `item`.
+fn repeat(item: &[u8], n: usize) -> Bytes {
+    let mut out = Vec::with_capacity(2 + n * (item.len() + 1));
+    out.push(b'[');
+    for i in 0..n {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(item);
+    }
+    out.push(b']');
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderMap;
+    use serde_json::Value;
+
+    use super::*;
+    use crate::endpoint::{Endpoint, Role};
+
+    fn route(port: Option<BootstrapPort>) -> Route {
+        let mut ext = http::Extensions::new();
+        if let Some(p) = port {
+            ext.insert(p);
+        }
+        Route::new(
+            Some(Arc::new(
+                Endpoint::with_extensions("http://10.1.2.3:30000", Role::Prefill, ext).unwrap(),
+            )),
+            Arc::new(Endpoint::new("http://10.1.2.4:30001", Role::Decode).unwrap()),
+        )
+    }
+
+    fn req(api: Api, body: &str) -> PdRequest {
+        PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
+    }
+
+    fn json(b: &crate::body::JsonBody) -> Value {
+        serde_json::from_slice(&b.to_bytes()).unwrap()
+    }
+
+    #[test]
+    fn golden_single() {
+        let c = SglangBootstrap::with_rooms(Rooms::from_seed(0));
+        let r = req(
+            Api::Chat,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9,"bootstrap_room":5,"future":{"x":[1]}}"#,
+        );
+        let h = c
+            .prepare(&route(Some(BootstrapPort(Some(8998)))), &r)
+            .unwrap();
+        let expected_room = Rooms::from_seed(0).next_room();
+        assert_eq!(
+            String::from_utf8(h.decode.body.to_bytes().to_vec()).unwrap(),
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"stream":true,"max_tokens":9,"future":{{"x":[1]}},"bootstrap_host":"10.1.2.3","bootstrap_port":8998,"bootstrap_room":{expected_room}}}"#
+            )
+        );
+        // The identical JSON goes to both legs: no rewrite for the prefill.
+        assert_eq!(h.prefill.body.to_bytes(), h.decode.body.to_bytes());
+        assert_eq!(h.prefill.endpoint.id().as_str(), "http://10.1.2.3:30000");
+        assert_eq!(h.decode.endpoint.id().as_str(), "http://10.1.2.4:30001");
+    }
+
+    #[test]
+    fn port_is_null_without_configuration_or_when_none() {
+        let c = SglangBootstrap::new();
+        let r = req(Api::Completions, r#"{"prompt":"a"}"#);
+        for port in [None, Some(BootstrapPort(None))] {
+            let h = c.prepare(&route(port), &r).unwrap();
+            assert_eq!(h.decode.body.get("bootstrap_port"), Some(&b"null"[..]));
+        }
+    }
+
+    #[test]
+    fn batches_get_arrays_with_distinct_rooms() {
+        let c = SglangBootstrap::new();
+        let cases = [
+            (Api::Chat, r#"{"messages":[],"n":3}"#, Some(3)),
+            (Api::Chat, r#"{"messages":[],"n":1}"#, None),
+            (Api::Completions, r#"{"prompt":["a","b"]}"#, Some(2)),
+            (Api::Completions, r#"{"prompt":[[1,2],[3],[4]]}"#, Some(3)),
+            (Api::Completions, r#"{"prompt":[1,2,3]}"#, None),
+            (Api::Completions, r#"{"prompt":"a","n":4}"#, None),
+        ];
+        for (api, body, want) in cases {
+            let h = c
+                .prepare(&route(Some(BootstrapPort(Some(1)))), &req(api, body))
+                .unwrap();
+            let v = json(&h.prefill.body);
+            match want {
+                None => {
+                    assert!(v["bootstrap_room"].is_u64(), "{body}");
+                    assert_eq!(v["bootstrap_host"], "10.1.2.3");
+                }
+                Some(n) => {
+                    let rooms: Vec<u64> = v["bootstrap_room"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|r| r.as_u64().unwrap())
+                        .collect();
+                    assert_eq!(rooms.len(), n, "{body}");
+                    let distinct: std::collections::HashSet<_> = rooms.iter().collect();
+                    assert_eq!(distinct.len(), n, "rooms must differ: {rooms:?}");
+                    assert!(rooms.iter().all(|r| *r <= super::super::room::MAX_ROOM));
+                    assert_eq!(v["bootstrap_host"], serde_json::json!(vec!["10.1.2.3"; n]));
+                    assert_eq!(v["bootstrap_port"], serde_json::json!(vec![1; n]));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_prepare_draws_new_rooms() {
+        let c = SglangBootstrap::new();
+        let r = req(Api::Completions, r#"{"prompt":"a"}"#);
+        let a = c.prepare(&route(None), &r).unwrap();
+        let b = c.prepare(&route(None), &r).unwrap();
+        assert_ne!(
+            a.decode.body.get("bootstrap_room"),
+            b.decode.body.get("bootstrap_room")
+        );
+    }
+
+    #[test]
+    fn ranks_ride_along_when_named() {
+        let c = SglangBootstrap::new();
+        let r = req(Api::Completions, r#"{"prompt":"a"}"#);
+        let h = c.prepare(&route(None), &r).unwrap();
+        assert!(!h.decode.body.contains("data_parallel_rank"));
+        let h = c
+            .prepare(&route(None).with_ranks(Some(2), Some(5)), &r)
+            .unwrap();
+        let v = json(&h.decode.body);
+        assert_eq!(v["data_parallel_rank"], 2);
+        assert_eq!(v["data_parallel_rank_decode"], 5);
+        assert_eq!(json(&h.prefill.body), v);
+    }
+
+    #[test]
+    fn needs_a_prefill_endpoint() {
+        let mut r = route(None);
+        r.prefill = None;
+        assert!(matches!(
+            SglangBootstrap::new().prepare(&r, &req(Api::Completions, "{}")),
+            Err(ConnectorError::NeedsPrefill { .. })
+        ));
+    }
+}
