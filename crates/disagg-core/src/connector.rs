@@ -213,6 +213,14 @@ pub trait KvConnector: Send + Sync + 'static {
     /// it learned from an engine forgets it when that engine's leg fails). The default
     /// does nothing. Called once per attempt; must be cheap and must not block.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
+
+    /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
+    /// `prefill_tp` to a decode engine of size `decode_tp` (used by
+    /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
+    /// accepts equal sizes only.
+    fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
+        prefill_tp == decode_tp
+    }
 }
 
 #[async_trait]
@@ -243,5 +251,9 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
 
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
+    }
+
+    fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
+        (**self).bridges_tp(prefill_tp, decode_tp)
     }
 }

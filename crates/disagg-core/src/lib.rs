@@ -51,6 +51,7 @@ pub mod connector;
 pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
+pub mod pairing;
 pub mod policy;
 pub mod request;
 pub mod response;

@@ -47,8 +47,8 @@ pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff
 /// The response header naming the leg whose answer is passed through on a failure.
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 
-use crate::response::{Feedback, Finish, PendingPrefill};
 pub use crate::response::PdBody;
+use crate::response::{Feedback, Finish, PendingPrefill};
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
 /// `decode` (time to the decode's response head), in milliseconds.
@@ -249,7 +249,22 @@ impl OrchestratorBuilder {
         self
     }
 
-    /// The orchestrator.
+    /// The orchestrator, after checking that every prefill/decode pair of the source
+    /// can hand KV over with the connector; the source is then followed through a
+    /// [`ValidatedSource`](crate::pairing::ValidatedSource), so a later endpoint set with
+    /// a bad pair is refused too (see [`pairing`](crate::pairing)).
+    ///
+    /// # Errors
+    ///
+    /// [`PairingError`](crate::pairing::PairingError) naming every refused pair.
+    pub fn try_build(mut self) -> Result<Orchestrator, crate::pairing::PairingError> {
+        let validated =
+            crate::pairing::ValidatedSource::new(self.source, Arc::clone(&self.connector))?;
+        self.source = Arc::new(validated);
+        Ok(self.build())
+    }
+
+    /// The orchestrator, without pair validation (see [`try_build`](Self::try_build)).
     pub fn build(self) -> Orchestrator {
         Orchestrator {
             inner: Arc::new(Inner {
@@ -430,11 +445,7 @@ impl Inner {
             Ok(h) => h,
             Err(e) => return Err(fail(&route, PdError::connector(Side::Prefill, e))),
         };
-        if let Err(e) = self
-            .connector
-            .resolve(&mut handoff, &*self.transport)
-            .await
-        {
+        if let Err(e) = self.connector.resolve(&mut handoff, &*self.transport).await {
             return Err(fail(&route, PdError::connector(Side::Prefill, e)));
         }
         self.dispatch(req, route, handoff).await
@@ -780,7 +791,6 @@ fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
     }
     headers
 }
-
 
 /// The message of an engine's error answer, for the client's error text.
 fn upstream_message(bytes: &Bytes) -> Option<String> {

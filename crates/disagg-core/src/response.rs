@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use sync_wrapper::SyncWrapper;
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
+use sync_wrapper::SyncWrapper;
 
 use std::future::Future;
 

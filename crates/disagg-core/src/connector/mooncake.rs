@@ -137,11 +137,9 @@ impl VllmMooncake {
     /// The engine ids cached for `prefill`, by data-parallel rank.
     pub fn cached_engine_ids(&self, prefill: &EndpointId) -> Option<HashMap<u32, String>> {
         let engines = lock(&self.engines);
-        engines.get(prefill).map(|m| {
-            m.iter()
-                .map(|(rank, id)| (*rank, id.to_string()))
-                .collect()
-        })
+        engines
+            .get(prefill)
+            .map(|m| m.iter().map(|(rank, id)| (*rank, id.to_string())).collect())
     }
 
     fn cached(&self, prefill: &EndpointId) -> Option<EngineIds> {
@@ -419,9 +417,15 @@ mod tests {
         );
         c.observe(&r, Outcome::Success);
         c.observe(&r, Outcome::Cancelled);
-        assert!(c.cached_engine_ids(r.prefill.as_ref().unwrap().id()).is_some());
+        assert!(
+            c.cached_engine_ids(r.prefill.as_ref().unwrap().id())
+                .is_some()
+        );
         c.observe(&r, Outcome::DecodeFailed);
-        assert!(c.cached_engine_ids(r.prefill.as_ref().unwrap().id()).is_none());
+        assert!(
+            c.cached_engine_ids(r.prefill.as_ref().unwrap().id())
+                .is_none()
+        );
         let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
         c.resolve(&mut h, &t).await.unwrap();
         assert_eq!(t.queries.load(Ordering::Relaxed), 2);

@@ -116,12 +116,11 @@ impl KvConnector for SglangBootstrap {
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
-        let host = serde_json::to_vec(prefill_ep.host()).map_err(|source| {
-            ConnectorError::Encode {
+        let host =
+            serde_json::to_vec(prefill_ep.host()).map_err(|source| ConnectorError::Encode {
                 field: "bootstrap_host",
                 source,
-            }
-        })?;
+            })?;
         let port = match prefill_ep.ext().get::<BootstrapPort>() {
             Some(BootstrapPort(Some(p))) => p.to_string().into_bytes(),
             _ => b"null".to_vec(),

@@ -127,6 +127,14 @@ impl KvConnector for VllmNixl {
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(KvOutcome::Handed)
     }
+
+    /// NIXL maps ranks by the ratio of the sizes (a decode rank reads from prefill rank
+    /// `tp_rank / (decode_tp / prefill_tp)`; vLLM's compatibility matrix lists
+    /// heterogeneous TP as supported), so one size must divide the other.
+    fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
+        let (lo, hi) = (prefill_tp.min(decode_tp), prefill_tp.max(decode_tp));
+        lo > 0 && hi % lo == 0
+    }
 }
 
 fn is_empty_object(raw: &[u8]) -> bool {
@@ -148,7 +156,9 @@ mod tests {
 
     fn route() -> Route {
         Route::new(
-            Some(Arc::new(Endpoint::new("http://p:1", Role::Prefill).unwrap())),
+            Some(Arc::new(
+                Endpoint::new("http://p:1", Role::Prefill).unwrap(),
+            )),
             Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap()),
         )
     }

@@ -1,0 +1,560 @@
+//! P/D pair validation: refuse prefill/decode pairs that cannot hand KV over.
+//!
+//! An endpoint may declare, in a [`KvProfile`] kept in its
+//! [`Endpoint::ext`](crate::endpoint::Endpoint::ext), the KV connector its engine runs
+//! (vLLM's `kv_connector`, or `sglang`), its `kv_role` and its tensor-parallel size.
+//! [`check_pairs`] checks every prefill/decode pair of a set against the orchestrator's
+//! connector and refuses, naming both endpoints and the mismatch:
+//!
+//! - a declared connector that differs from the other engine's or from the proxy's
+//!   (engines of different connectors never meet: a NIXL decode cannot read from a
+//!   Mooncake prefill);
+//! - roles that cannot hand over: the prefill must be `kv_producer` or `kv_both`, the
+//!   decode `kv_consumer` or `kv_both`;
+//! - tensor-parallel sizes the connector cannot bridge
+//!   ([`KvConnector::bridges_tp`]).
+//!
+//! What an endpoint does not declare is not checked. [`ValidatedSource`] applies the
+//! check at start-up and to every endpoint set its inner source publishes later: an
+//! invalid set is refused (logged, kept in [`ValidatedSource::last_error`]) and the last
+//! valid one stays in force.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use crate::connector::KvConnector;
+use crate::endpoint::{EndpointId, EndpointSet};
+use crate::source::EndpointSource;
+
+/// An engine's `kv_role` (vLLM `kv_transfer_config.kv_role`; SGLang's
+/// `--disaggregation-mode prefill|decode` maps to producer and consumer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvRole {
+    /// `kv_producer`: computes KV for others.
+    Producer,
+    /// `kv_consumer`: receives KV from others.
+    Consumer,
+    /// `kv_both`: either.
+    Both,
+}
+
+impl KvRole {
+    /// The role as vLLM writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvRole::Producer => "kv_producer",
+            KvRole::Consumer => "kv_consumer",
+            KvRole::Both => "kv_both",
+        }
+    }
+}
+
+impl fmt::Display for KvRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The text is not a `kv_role`.
+#[derive(Debug, thiserror::Error)]
+#[error("`{0}` is not a kv_role (kv_producer, kv_consumer, kv_both; or prefill, decode)")]
+pub struct KvRoleError(String);
+
+impl FromStr for KvRole {
+    type Err = KvRoleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "kv_producer" | "producer" | "prefill" => Ok(KvRole::Producer),
+            "kv_consumer" | "consumer" | "decode" => Ok(KvRole::Consumer),
+            "kv_both" | "both" => Ok(KvRole::Both),
+            _ => Err(KvRoleError(s.to_owned())),
+        }
+    }
+}
+
+/// What an endpoint declares about its KV transfer; every part optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvProfile {
+    /// The engine's KV connector: vLLM's `kv_connector` (`NixlConnector`,
+    /// `MooncakeConnector`, ...), or a disagg connector name (`nixl`, `vllm-mooncake`,
+    /// `sglang`). Compared by [`connector_kind`].
+    pub connector: Option<String>,
+    /// The engine's `kv_role`.
+    pub role: Option<KvRole>,
+    /// The engine's tensor-parallel size.
+    pub tp_size: Option<u32>,
+}
+
+/// The protocol a connector name stands for, so that vLLM's and disagg's spellings
+/// compare equal: lowercase, without a `vllm-` prefix and without `connector`
+/// (`NixlConnector` and `vllm-nixl` are both `nixl`).
+pub fn connector_kind(name: &str) -> String {
+    let lower = name.trim().to_ascii_lowercase();
+    let lower = lower.strip_prefix("vllm-").unwrap_or(&lower);
+    lower.replace("connector", "").replace(['-', '_'], "")
+}
+
+/// Why one pair cannot hand over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Mismatch {
+    /// The two engines declare different connectors.
+    #[error("the prefill runs connector `{prefill}` and the decode `{decode}`")]
+    Connectors {
+        /// The prefill's connector.
+        prefill: String,
+        /// The decode's connector.
+        decode: String,
+    },
+    /// An engine declares a connector other than the proxy's.
+    #[error("the {leg} runs connector `{declared}` but the proxy speaks `{proxy}`")]
+    NotTheProxys {
+        /// `prefill` or `decode`.
+        leg: &'static str,
+        /// The engine's connector.
+        declared: String,
+        /// The proxy's connector.
+        proxy: &'static str,
+    },
+    /// The prefill is declared a pure consumer.
+    #[error("the prefill is declared {0}, which cannot produce KV")]
+    PrefillRole(KvRole),
+    /// The decode is declared a pure producer.
+    #[error("the decode is declared {0}, which cannot consume KV")]
+    DecodeRole(KvRole),
+    /// The connector cannot bridge the two tensor-parallel sizes.
+    #[error(
+        "connector `{connector}` cannot hand KV from tensor-parallel size {prefill} to {decode}"
+    )]
+    TpSize {
+        /// The proxy's connector.
+        connector: &'static str,
+        /// The prefill's TP size.
+        prefill: u32,
+        /// The decode's TP size.
+        decode: u32,
+    },
+}
+
+/// One prefill/decode pair that cannot hand KV over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("prefill endpoint {prefill} and decode endpoint {decode} cannot be paired: {mismatch}")]
+pub struct PairError {
+    /// The prefill endpoint.
+    pub prefill: EndpointId,
+    /// The decode endpoint.
+    pub decode: EndpointId,
+    /// Why.
+    pub mismatch: Mismatch,
+}
+
+/// Every pair of an endpoint set that cannot hand KV over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PairingError {
+    /// The refused pairs (at least one).
+    pub pairs: Vec<PairError>,
+}
+
+impl fmt::Display for PairingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} prefill/decode pair(s) refused", self.pairs.len())?;
+        for p in &self.pairs {
+            write!(f, "; {p}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for PairingError {}
+
+/// Check one pair of declared profiles against `connector`.
+///
+/// # Errors
+///
+/// The first [`Mismatch`] found.
+pub fn check_pair(
+    prefill: &KvProfile,
+    decode: &KvProfile,
+    connector: &dyn KvConnector,
+) -> Result<(), Mismatch> {
+    let proxy = connector.name();
+    let proxy_kind = connector_kind(proxy);
+    if let (Some(p), Some(d)) = (&prefill.connector, &decode.connector)
+        && connector_kind(p) != connector_kind(d)
+    {
+        return Err(Mismatch::Connectors {
+            prefill: p.clone(),
+            decode: d.clone(),
+        });
+    }
+    for (leg, declared) in [
+        ("prefill", &prefill.connector),
+        ("decode", &decode.connector),
+    ] {
+        if let Some(c) = declared
+            && connector_kind(c) != proxy_kind
+        {
+            return Err(Mismatch::NotTheProxys {
+                leg,
+                declared: c.clone(),
+                proxy,
+            });
+        }
+    }
+    if let Some(r @ KvRole::Consumer) = prefill.role {
+        return Err(Mismatch::PrefillRole(r));
+    }
+    if let Some(r @ KvRole::Producer) = decode.role {
+        return Err(Mismatch::DecodeRole(r));
+    }
+    if let (Some(p), Some(d)) = (prefill.tp_size, decode.tp_size)
+        && !connector.bridges_tp(p, d)
+    {
+        return Err(Mismatch::TpSize {
+            connector: proxy,
+            prefill: p,
+            decode: d,
+        });
+    }
+    Ok(())
+}
+
+/// Check every prefill/decode pair of `set` against `connector`.
+///
+/// # Errors
+///
+/// [`PairingError`] listing every refused pair.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use disagg_core::connector::VllmNixl;
+/// use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
+/// use disagg_core::pairing::{KvProfile, KvRole, check_pairs};
+///
+/// let mut ext = http::Extensions::new();
+/// ext.insert(KvProfile { role: Some(KvRole::Producer), ..Default::default() });
+/// let decode_as_producer = Endpoint::with_extensions("http://d:1", Role::Decode, ext)?;
+/// let set = EndpointSet::new([
+///     Arc::new(Endpoint::new("http://p:1", Role::Prefill)?),
+///     Arc::new(decode_as_producer),
+/// ]);
+/// let err = check_pairs(&set, &VllmNixl::new()).unwrap_err();
+/// assert!(err.to_string().contains("http://p:1"));
+/// assert!(err.to_string().contains("http://d:1"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn check_pairs(set: &EndpointSet, connector: &dyn KvConnector) -> Result<(), PairingError> {
+    let none = KvProfile::default();
+    let mut pairs = Vec::new();
+    for p in set.prefill() {
+        let pp = p.ext().get::<KvProfile>().unwrap_or(&none);
+        for d in set.decode() {
+            let dp = d.ext().get::<KvProfile>().unwrap_or(&none);
+            if let Err(mismatch) = check_pair(pp, dp, connector) {
+                pairs.push(PairError {
+                    prefill: p.id().clone(),
+                    decode: d.id().clone(),
+                    mismatch,
+                });
+            }
+        }
+    }
+    if pairs.is_empty() {
+        Ok(())
+    } else {
+        Err(PairingError { pairs })
+    }
+}
+
+struct Shared {
+    tx: watch::Sender<Arc<EndpointSet>>,
+    last_error: Mutex<Option<PairingError>>,
+}
+
+/// An [`EndpointSource`] that publishes only endpoint sets whose every prefill/decode
+/// pair can hand KV over ([`check_pairs`]).
+///
+/// Built over another source: the current set is checked at once (an invalid one is an
+/// error, so a proxy refuses to start), and, when built inside a Tokio runtime, every
+/// set the inner source publishes later is checked before it is passed on; an invalid
+/// one is refused with an error log and kept in [`last_error`](Self::last_error), and
+/// the last valid set stays in force. The watching task ends when this source is
+/// dropped.
+pub struct ValidatedSource {
+    shared: Arc<Shared>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl fmt::Debug for ValidatedSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ValidatedSource")
+            .field("watching", &self.task.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ValidatedSource {
+    /// Check `inner`'s current set and follow its changes.
+    ///
+    /// # Errors
+    ///
+    /// [`PairingError`] when the current set has a pair that cannot hand over.
+    pub fn new(
+        inner: impl EndpointSource,
+        connector: Arc<dyn KvConnector>,
+    ) -> Result<Self, PairingError> {
+        let mut rx = inner.watch();
+        let first = rx.borrow_and_update().clone();
+        check_pairs(&first, &*connector)?;
+        let (tx, _) = watch::channel(first);
+        let shared = Arc::new(Shared {
+            tx,
+            last_error: Mutex::new(None),
+        });
+        let task = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            let shared = Arc::clone(&shared);
+            rt.spawn(async move {
+                // The inner source is kept alive while its sets are followed.
+                let _inner = inner;
+                while rx.changed().await.is_ok() {
+                    let set = rx.borrow_and_update().clone();
+                    match check_pairs(&set, &*connector) {
+                        Ok(()) => {
+                            *lock(&shared.last_error) = None;
+                            shared.tx.send_replace(set);
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "endpoint set refused; the previous one stays in force");
+                            *lock(&shared.last_error) = Some(e);
+                        }
+                    }
+                }
+            })
+        });
+        Ok(ValidatedSource { shared, task })
+    }
+
+    /// Why the latest set the inner source published was refused, if it was.
+    pub fn last_error(&self) -> Option<PairingError> {
+        lock(&self.shared.last_error).clone()
+    }
+}
+
+impl Drop for ValidatedSource {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+impl EndpointSource for ValidatedSource {
+    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+        self.shared.tx.subscribe()
+    }
+
+    fn snapshot(&self) -> Arc<EndpointSet> {
+        self.shared.tx.borrow().clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::connector::{SglangBootstrap, VllmMooncake, VllmNixl};
+    use crate::endpoint::{Endpoint, Role};
+
+    fn ep(url: &str, role: Role, profile: KvProfile) -> Arc<Endpoint> {
+        let mut ext = http::Extensions::new();
+        ext.insert(profile);
+        Arc::new(Endpoint::with_extensions(url, role, ext).unwrap())
+    }
+
+    fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> KvProfile {
+        KvProfile {
+            connector: connector.map(str::to_owned),
+            role,
+            tp_size: tp,
+        }
+    }
+
+    #[test]
+    fn kinds_compare_vllm_and_disagg_spellings() {
+        assert_eq!(connector_kind("NixlConnector"), "nixl");
+        assert_eq!(connector_kind("vllm-nixl"), "nixl");
+        assert_eq!(connector_kind("MooncakeConnector"), "mooncake");
+        assert_eq!(connector_kind("vllm-mooncake"), "mooncake");
+        assert_eq!(connector_kind("sglang"), "sglang");
+        assert_eq!("kv_both".parse::<KvRole>().unwrap(), KvRole::Both);
+        assert!("kv_nothing".parse::<KvRole>().is_err());
+    }
+
+    #[test]
+    fn undeclared_profiles_pass() {
+        let nixl = VllmNixl::new();
+        assert_eq!(
+            check_pair(&KvProfile::default(), &KvProfile::default(), &nixl),
+            Ok(())
+        );
+        let ok = profile(Some("NixlConnector"), Some(KvRole::Both), Some(4));
+        assert_eq!(check_pair(&ok, &ok, &nixl), Ok(()));
+    }
+
+    #[test]
+    fn each_mismatch_is_named() {
+        let nixl = VllmNixl::new();
+        let c = |p, d| check_pair(&p, &d, &nixl).unwrap_err();
+        assert!(matches!(
+            c(
+                profile(Some("NixlConnector"), None, None),
+                profile(Some("MooncakeConnector"), None, None)
+            ),
+            Mismatch::Connectors { .. }
+        ));
+        assert!(matches!(
+            c(
+                profile(Some("sglang"), None, None),
+                profile(Some("sglang"), None, None)
+            ),
+            Mismatch::NotTheProxys { leg: "prefill", .. }
+        ));
+        assert_eq!(
+            c(
+                profile(None, Some(KvRole::Consumer), None),
+                KvProfile::default()
+            ),
+            Mismatch::PrefillRole(KvRole::Consumer)
+        );
+        assert_eq!(
+            c(
+                KvProfile::default(),
+                profile(None, Some(KvRole::Producer), None)
+            ),
+            Mismatch::DecodeRole(KvRole::Producer)
+        );
+        assert!(matches!(
+            c(profile(None, None, Some(4)), profile(None, None, Some(6))),
+            Mismatch::TpSize {
+                prefill: 4,
+                decode: 6,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn tp_bridging_is_the_connectors_call() {
+        let tp = |p, d, c: &dyn KvConnector| {
+            check_pair(
+                &profile(None, None, Some(p)),
+                &profile(None, None, Some(d)),
+                c,
+            )
+            .is_ok()
+        };
+        // NIXL maps ranks by the size ratio: one size must divide the other.
+        assert!(tp(2, 8, &VllmNixl::new()));
+        assert!(tp(8, 2, &VllmNixl::new()));
+        assert!(!tp(4, 6, &VllmNixl::new()));
+        // The others are taken at equal sizes only.
+        assert!(tp(4, 4, &VllmMooncake::new()));
+        assert!(!tp(2, 4, &VllmMooncake::new()));
+        assert!(!tp(2, 4, &SglangBootstrap::new()));
+    }
+
+    #[test]
+    fn every_refused_pair_is_listed_with_both_endpoints() {
+        let set = EndpointSet::new([
+            ep("http://p1:1", Role::Prefill, profile(None, None, Some(2))),
+            ep("http://p2:1", Role::Prefill, profile(None, None, Some(4))),
+            ep("http://d1:1", Role::Decode, profile(None, None, Some(4))),
+            ep("http://d2:1", Role::Decode, profile(None, None, Some(8))),
+        ]);
+        let err = check_pairs(&set, &VllmMooncake::new()).unwrap_err();
+        let pairs: Vec<(&str, &str)> = err
+            .pairs
+            .iter()
+            .map(|p| (p.prefill.as_str(), p.decode.as_str()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                ("http://p1:1", "http://d1:1"),
+                ("http://p1:1", "http://d2:1"),
+                ("http://p2:1", "http://d2:1"),
+            ]
+        );
+        let text = err.to_string();
+        assert!(text.contains("3 prefill/decode pair(s) refused"), "{text}");
+        assert!(text.contains("from tensor-parallel size 4 to 8"), "{text}");
+    }
+
+    /// A source whose sets the test publishes.
+    struct Dynamic(watch::Sender<Arc<EndpointSet>>);
+
+    impl EndpointSource for Dynamic {
+        fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+            self.0.subscribe()
+        }
+    }
+
+    #[tokio::test]
+    async fn invalid_sets_are_refused_on_change_and_at_start() {
+        let good = Arc::new(EndpointSet::new([
+            ep("http://p:1", Role::Prefill, KvProfile::default()),
+            ep("http://d:1", Role::Decode, KvProfile::default()),
+        ]));
+        let (tx, _) = watch::channel(Arc::clone(&good));
+        let tx2 = tx.clone();
+        let src = ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).unwrap();
+        assert_eq!(src.snapshot().decode().len(), 1);
+
+        // A bad decode joins: refused, the good set stays.
+        let bad = Arc::new(EndpointSet::new([
+            ep("http://p:1", Role::Prefill, KvProfile::default()),
+            ep("http://d:1", Role::Decode, KvProfile::default()),
+            ep(
+                "http://d:2",
+                Role::Decode,
+                profile(Some("MooncakeConnector"), None, None),
+            ),
+        ]));
+        tx2.send_replace(Arc::clone(&bad));
+        let mut waited = 0;
+        while src.last_error().is_none() && waited < 200 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            waited += 1;
+        }
+        let err = src.last_error().expect("the bad set is refused");
+        assert_eq!(err.pairs[0].decode.as_str(), "http://d:2");
+        assert_eq!(src.snapshot().decode().len(), 1);
+
+        // A good set passes again.
+        let better = Arc::new(EndpointSet::new([
+            ep("http://p:1", Role::Prefill, KvProfile::default()),
+            ep("http://d:3", Role::Decode, KvProfile::default()),
+        ]));
+        tx2.send_replace(better);
+        let mut rx = src.watch();
+        tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(src.snapshot().decode()[0].id().as_str(), "http://d:3");
+        assert!(src.last_error().is_none());
+
+        // At start, an invalid set is an error.
+        let (tx, _) = watch::channel(bad);
+        assert!(ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).is_err());
+    }
+}
