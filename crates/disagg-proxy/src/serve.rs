@@ -7,11 +7,13 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use disagg_affinity::ConsistentHash;
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
+use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::policy::{
     LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
 };
 use disagg_core::{
-    Endpoint, KvConnector, Orchestrator, OrchestratorConfig, Role, Router, StaticSource, VllmNixl,
+    BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
+    Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
 };
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 
@@ -20,12 +22,39 @@ use crate::BoxError;
 /// Flags of `serve`. `--prefill` and `--decode` follow the SGLang and vLLM routers.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// A prefill engine's base URL (http://host:port). Repeat for several engines.
-    #[arg(long = "prefill", value_name = "URL", required = true)]
+    /// A prefill engine: its base URL (http://host:port), then optionally its bootstrap
+    /// port, as SGLang's router writes it (`--prefill http://p1:30000 8998`, or `none`):
+    /// SGLang's --disaggregation-bootstrap-port (sent as `bootstrap_port`, `null` when
+    /// absent), vLLM Mooncake's VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998). Repeat for
+    /// several engines.
+    #[arg(
+        long = "prefill",
+        value_names = ["URL", "BOOTSTRAP_PORT"],
+        num_args = 1..=2,
+        action = clap::ArgAction::Append,
+        required = true
+    )]
     prefill: Vec<String>,
     /// A decode engine's base URL (http://host:port). Repeat for several engines.
     #[arg(long = "decode", value_name = "URL", required = true)]
     decode: Vec<String>,
+    /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
+    /// answer carries the handoff), SGLang bootstrap or vLLM Mooncake (concurrent: both
+    /// legs at once, meeting through the prefill's bootstrap server).
+    #[arg(long, value_enum, default_value_t = ConnectorArg::Nixl)]
+    connector: ConnectorArg,
+    /// What an engine declares about its KV transfer, checked for every prefill/decode
+    /// pair at start-up: URL=CONNECTOR,ROLE,TP, each part optional (e.g.
+    /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose
+    /// connectors differ, whose roles cannot hand over, or whose TP sizes the connector
+    /// cannot bridge stops the proxy with an error naming both engines. Repeatable.
+    #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
+    kv_profiles: Vec<(String, KvProfile)>,
+    /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
+    /// connection failure, a timeout or a 5xx that happened before any answer reached
+    /// the client.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    retries: u32,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -107,6 +136,28 @@ impl Policy {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "kebab-case")]
+pub(crate) enum ConnectorArg {
+    /// vLLM NixlConnector (pull): sequential, `kv_transfer_params` from the prefill's answer.
+    Nixl,
+    /// SGLang: concurrent, `bootstrap_host/port/room` on both legs.
+    Sglang,
+    /// vLLM MooncakeConnector (concurrent generation): linked by a `transfer_id`.
+    Mooncake,
+}
+
+impl ConnectorArg {
+    /// The connector.
+    pub(crate) fn connector(self) -> Arc<dyn KvConnector> {
+        match self {
+            ConnectorArg::Nixl => Arc::new(VllmNixl::new()),
+            ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
+            ConnectorArg::Mooncake => Arc::new(VllmMooncake::new()),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 #[value(rename_all = "kebab-case")]
 enum MissingKvArg {
@@ -127,6 +178,64 @@ fn parse_weight(s: &str) -> Result<(String, f64), String> {
     Ok((url.to_owned(), w))
 }
 
+fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
+    let (url, spec) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=CONNECTOR,ROLE,TP"))?;
+    let mut parts = spec.split(',').map(str::trim);
+    let mut profile = KvProfile::default();
+    if let Some(c) = parts.next().filter(|c| !c.is_empty()) {
+        profile.connector = Some(c.to_owned());
+    }
+    if let Some(r) = parts.next().filter(|r| !r.is_empty()) {
+        profile.role = Some(
+            r.parse()
+                .map_err(|e: disagg_core::pairing::KvRoleError| e.to_string())?,
+        );
+    }
+    if let Some(tp) = parts.next().filter(|t| !t.is_empty()) {
+        let tp: u32 = tp
+            .parse()
+            .ok()
+            .filter(|t| *t > 0)
+            .ok_or_else(|| format!("TP size `{tp}` is not a positive number"))?;
+        profile.tp_size = Some(tp);
+    }
+    if parts.next().is_some() {
+        return Err(format!("`{spec}` has more than CONNECTOR,ROLE,TP"));
+    }
+    Ok((url.trim_end_matches('/').to_owned(), profile))
+}
+
+/// The `--prefill` values regrouped per engine: a URL, then its bootstrap port if the
+/// next value is a port or `none` (clap hands the values of every occurrence over as
+/// one list; a port is never a URL, so the grouping is unambiguous).
+fn parse_prefills(values: &[String]) -> Result<Vec<(&str, Option<u16>)>, BoxError> {
+    let mut out: Vec<(&str, Option<u16>)> = Vec::new();
+    let mut port_allowed = false;
+    for v in values {
+        if v.contains("://") {
+            out.push((v, None));
+            port_allowed = true;
+            continue;
+        }
+        let Some(last) = out.last_mut().filter(|_| port_allowed) else {
+            return Err(format!("--prefill {v}: expected an engine URL (http://host:port)").into());
+        };
+        port_allowed = false;
+        if !v.eq_ignore_ascii_case("none") {
+            let port: u16 = v.parse().map_err(|_| {
+                format!(
+                    "--prefill {} {v}: the bootstrap port must be a port number or `none`",
+                    last.0
+                )
+            })?;
+            last.1 = Some(port);
+        }
+    }
+    Ok(out)
+}
+
 fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
     Duration::try_from_secs_f64(v)
         .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
@@ -140,7 +249,11 @@ impl ServeArgs {
 
     /// Every engine URL given, prefill then decode.
     pub fn engine_urls(&self) -> impl Iterator<Item = &str> {
-        self.prefill.iter().chain(&self.decode).map(String::as_str)
+        self.prefill
+            .iter()
+            .filter(|v| v.contains("://"))
+            .chain(&self.decode)
+            .map(String::as_str)
     }
 }
 
@@ -156,19 +269,47 @@ struct Shared {
 
 impl Shared {
     fn from_args(args: &ServeArgs) -> Result<Self, BoxError> {
+        let profile = |url: &str| {
+            let url = url.trim_end_matches('/');
+            args.kv_profiles
+                .iter()
+                .find(|(u, _)| u == url)
+                .map(|(_, p)| p.clone())
+        };
         let mut endpoints = Vec::new();
-        for url in &args.prefill {
-            endpoints.push(Endpoint::new(url, Role::Prefill)?);
+        for (url, port) in parse_prefills(&args.prefill)? {
+            let mut ext = http::Extensions::new();
+            ext.insert(BootstrapPort(port));
+            if let Some(p) = profile(url) {
+                ext.insert(p);
+            }
+            endpoints.push(Endpoint::with_extensions(url, Role::Prefill, ext)?);
         }
         for url in &args.decode {
-            endpoints.push(Endpoint::new(url, Role::Decode)?);
+            let mut ext = http::Extensions::new();
+            if let Some(p) = profile(url) {
+                ext.insert(p);
+            }
+            endpoints.push(Endpoint::with_extensions(url, Role::Decode, ext)?);
         }
+        for (url, _) in &args.kv_profiles {
+            if !args.engine_urls().any(|u| u.trim_end_matches('/') == url) {
+                return Err(format!(
+                    "--kv-profile names {url}, which is no --prefill or --decode engine"
+                )
+                .into());
+            }
+        }
+        let connector = args.connector.connector();
+        let source = Arc::new(StaticSource::new(endpoints));
+        check_pairs(&source.snapshot(), &*connector)?;
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
+        config.retries = args.retries;
         if args.decode_only_fallback {
             config.no_prefill = NoPrefill::DecodeOnly;
         }
@@ -187,9 +328,9 @@ impl Shared {
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         Ok(Shared {
-            source: Arc::new(StaticSource::new(endpoints)),
+            source,
             router,
-            connector: Arc::new(VllmNixl::new()),
+            connector,
             transport,
             config,
             service,
@@ -235,4 +376,90 @@ pub fn run(
     )
     .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn prefill_values_group_as_sglang_writes_them() {
+        let v = strings(&[
+            "http://p1:30000",
+            "8998",
+            "http://p2:30000",
+            "none",
+            "http://p3:1",
+        ]);
+        assert_eq!(
+            parse_prefills(&v).unwrap(),
+            [
+                ("http://p1:30000", Some(8998)),
+                ("http://p2:30000", None),
+                ("http://p3:1", None),
+            ]
+        );
+        assert!(parse_prefills(&strings(&["8998"])).is_err());
+        assert!(parse_prefills(&strings(&["http://p:1", "1", "2"])).is_err());
+        assert!(parse_prefills(&strings(&["http://p:1", "port"])).is_err());
+    }
+
+    #[test]
+    fn profiles_parse_with_optional_parts() {
+        let (url, p) = parse_profile("http://p:8100/=NixlConnector,kv_producer,8").unwrap();
+        assert_eq!(url, "http://p:8100");
+        assert_eq!(p.connector.as_deref(), Some("NixlConnector"));
+        assert_eq!(p.role, Some(disagg_core::pairing::KvRole::Producer));
+        assert_eq!(p.tp_size, Some(8));
+        let (_, p) = parse_profile("http://d:1=,,4").unwrap();
+        assert_eq!(
+            p,
+            KvProfile {
+                tp_size: Some(4),
+                ..KvProfile::default()
+            }
+        );
+        assert!(parse_profile("http://d:1=,kv_what,").is_err());
+        assert!(parse_profile("http://d:1=,,0").is_err());
+        assert!(parse_profile("no-equals").is_err());
+    }
+
+    #[test]
+    fn a_pair_that_cannot_hand_over_stops_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--connector",
+            "sglang",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "8998",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--kv-profile",
+            "http://127.0.0.1:2=NixlConnector,,",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("http://127.0.0.1:1") && err.contains("http://127.0.0.1:2"),
+            "{err}"
+        );
+        assert!(
+            err.contains("NixlConnector") && err.contains("sglang"),
+            "{err}"
+        );
+    }
 }
