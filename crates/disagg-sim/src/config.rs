@@ -22,8 +22,9 @@ pub struct SimConfig {
     /// Served model name (`"sim-model"` by default). Requests naming another
     /// model are answered with 404, like vLLM.
     pub model: String,
-    /// The NIXL engine id put in `kv_transfer_params.remote_engine_id`.
-    /// `None` (the default) draws a random UUID at start.
+    /// The NIXL engine id put in `kv_transfer_params.remote_engine_id`
+    /// (Mooncake: the engine id of data-parallel rank 0). `None` (the
+    /// default) draws a random UUID at start.
     pub engine_id: Option<String>,
     /// The `remote_host` advertised in `kv_transfer_params` (default
     /// `"127.0.0.1"`). A decode engine connects to this host and the side
@@ -55,6 +56,23 @@ pub struct SimConfig {
     pub record_requests: usize,
     /// Faults injected into the completion routes.
     pub faults: Faults,
+    /// Which P/D KV protocol the engine speaks (default [`KvMode::Nixl`]).
+    pub kv_mode: KvMode,
+    /// How long a side waits for its peer (default 300 s, like SGLang's
+    /// `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` and `..._WAITING_TIMEOUT`):
+    /// a decode for the prefill's room or transfer id, a bootstrap server or
+    /// side channel for the room or transfer id a decode asks for, an SGLang
+    /// prefill for a decode to take its KV. Unused in [`KvMode::Nixl`].
+    pub bootstrap_timeout: Duration,
+    /// Fixed time before the engine starts working on any completion request
+    /// (scheduling, queueing), before the prefill, in every mode (default
+    /// zero).
+    pub request_delay: Duration,
+    /// Data-parallel ranks (default 1). In [`KvMode::Mooncake`] each rank
+    /// has its own engine id (see
+    /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)), picked by
+    /// the `X-data-parallel-rank` request header. Values below 1 count as 1.
+    pub dp_size: u32,
 }
 
 impl Default for SimConfig {
@@ -72,8 +90,59 @@ impl Default for SimConfig {
             max_model_len: 8192,
             record_requests: 256,
             faults: Faults::default(),
+            kv_mode: KvMode::Nixl,
+            bootstrap_timeout: Duration::from_secs(300),
+            request_delay: Duration::ZERO,
+            dp_size: 1,
         }
     }
+}
+
+/// Which prefill/decode KV protocol an engine speaks.
+///
+/// See the [crate documentation](crate) for each protocol on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KvMode {
+    /// vLLM's NIXL connector, pull mode: the prefill answers with
+    /// `kv_transfer_params` naming its KV blocks and the decode, sent
+    /// afterwards, pulls them over the side channel. One engine plays both
+    /// roles, as the request's `kv_transfer_params` say.
+    #[default]
+    Nixl,
+    /// SGLang started with `--disaggregation-mode prefill|decode`: the router
+    /// sends the same request, with `bootstrap_host`, `bootstrap_port` and
+    /// `bootstrap_room`, to both engines at once; the decode fetches the KV of
+    /// each room from the prefill's bootstrap server.
+    Sglang(SimRole),
+    /// vLLM's (newer, concurrent) MooncakeConnector with `kv_role`
+    /// `kv_producer` ([`SimRole::Prefill`]) or `kv_consumer`
+    /// ([`SimRole::Decode`]): the proxy sends both legs at once, correlated by
+    /// a proxy-chosen `transfer_id`; the decode looks the prefill's engine id
+    /// up on its bootstrap server and pulls the KV over the side channel.
+    Mooncake(SimRole),
+}
+
+impl KvMode {
+    /// Whether this engine runs a bootstrap server
+    /// ([`SimEngine::bootstrap_addr`](crate::SimEngine::bootstrap_addr)):
+    /// SGLang and Mooncake prefills do.
+    pub fn has_bootstrap_server(self) -> bool {
+        matches!(
+            self,
+            KvMode::Sglang(SimRole::Prefill) | KvMode::Mooncake(SimRole::Prefill)
+        )
+    }
+}
+
+/// The role of an engine in a protocol where engines are started as either
+/// prefill or decode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SimRole {
+    /// Computes prompts' KV and hands it to decodes.
+    Prefill,
+    /// Takes KV from a prefill and generates.
+    Decode,
 }
 
 /// Faults injected into the completion routes (`/v1/completions` and

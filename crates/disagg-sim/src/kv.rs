@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use thiserror::Error;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout};
 
@@ -28,7 +28,7 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle side-channel connections a decode keeps per prefill.
 const MAX_IDLE_PER_PEER: usize = 64;
 
-async fn connect(host: &str, port: u16) -> Result<TcpStream, KvTransferError> {
+pub(crate) async fn connect(host: &str, port: u16) -> Result<TcpStream, KvTransferError> {
     let addr = format!("{host}:{port}");
     let stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port))).await {
         Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
@@ -97,6 +97,115 @@ pub(crate) enum KvTransferError {
     Rejected(String),
     #[error("pulled KV blocks do not match the prompt ({0})")]
     Mismatch(&'static str),
+    #[error("cannot reach bootstrap server {addr}: {reason}")]
+    Unreachable { addr: String, reason: String },
+    /// The peer did not show up in time (counted in `bootstrap_timeouts`).
+    #[error("{0}")]
+    PeerTimeout(String),
+    #[error("engine id {engine_id} is not served by {addr}")]
+    UnknownEngine { engine_id: String, addr: String },
+    #[error("{0}")]
+    Bootstrap(String),
+}
+
+impl KvTransferError {
+    /// Whether the peer did not show up in time.
+    pub(crate) fn is_timeout(&self) -> bool {
+        matches!(self, KvTransferError::PeerTimeout(_))
+    }
+}
+
+/// The line an SGLang bootstrap server or a Mooncake side channel answers a
+/// KV request with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BootstrapResponse {
+    /// Whether the KV was handed over (it is then gone from the prefill).
+    pub ok: bool,
+    /// On success: the digest of the prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_digest: Option<String>,
+    /// On success: the "KV" of each block of the prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<Vec<String>>,
+    /// On failure: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// On failure: whether it is because nothing was registered under the
+    /// requested key within the prefill's bootstrap timeout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
+}
+
+impl BootstrapResponse {
+    pub(crate) fn success(digest: KvDigest) -> Self {
+        Self {
+            ok: true,
+            prompt_digest: Some(digest.prompt),
+            blocks: Some(digest.blocks),
+            error: None,
+            timed_out: false,
+        }
+    }
+
+    pub(crate) fn failure(error: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            prompt_digest: None,
+            blocks: None,
+            error: Some(error.into()),
+            timed_out: false,
+        }
+    }
+
+    pub(crate) fn timeout(error: impl Into<String>) -> Self {
+        Self {
+            timed_out: true,
+            ..Self::failure(error)
+        }
+    }
+
+    /// The KV of a successful answer; `what` names the key in errors.
+    pub(crate) fn into_digest(self, what: &str) -> Result<KvDigest, KvTransferError> {
+        if !self.ok {
+            let error = self.error.unwrap_or_else(|| "no reason given".to_owned());
+            return Err(if self.timed_out {
+                KvTransferError::PeerTimeout(format!("no prefill for {what}: {error}"))
+            } else {
+                KvTransferError::Rejected(error)
+            });
+        }
+        match (self.blocks, self.prompt_digest) {
+            (Some(blocks), Some(prompt)) => Ok(KvDigest { blocks, prompt }),
+            _ => Err(KvTransferError::Malformed(
+                "ok answer without blocks or prompt_digest".to_owned(),
+            )),
+        }
+    }
+}
+
+/// The line a Mooncake decode sends to the prefill's side channel to pull
+/// the KV of a transfer (told from a [`SideChannelRequest`] by its
+/// `transfer_id`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MooncakePullRequest {
+    /// The engine id of the data-parallel rank that holds the KV
+    /// (`remote_engine_id`).
+    pub engine_id: String,
+    /// The proxy-chosen id shared by both legs (`transfer_id`).
+    pub transfer_id: String,
+}
+
+/// Mooncake KV held by a prefill, by (engine id of the rank, transfer id).
+pub(crate) type Transfers = crate::rendezvous::Rendezvous<(String, String), KvDigest>;
+
+/// What a side channel needs to serve Mooncake pulls.
+#[derive(Debug)]
+pub(crate) struct MooncakeSide<'a> {
+    pub(crate) transfers: &'a Transfers,
+    /// The engine ids of the data-parallel ranks.
+    pub(crate) engine_ids: &'a [String],
+    /// How long a pull waits for its transfer id to be held.
+    pub(crate) wait: Duration,
 }
 
 #[derive(Debug)]
@@ -201,11 +310,14 @@ async fn read_line<R: AsyncRead + Unpin>(r: R) -> io::Result<Vec<u8>> {
 ///
 /// Like vLLM's NIXL handshake, which a decode engine makes once per remote engine and
 /// then reuses, a side-channel connection stays open for further pulls; it ends when the
-/// decode closes it or leaves it idle for [`IDLE_TIMEOUT`].
+/// decode closes it or leaves it idle for [`IDLE_TIMEOUT`]. A line with a `transfer_id`
+/// is a Mooncake pull, served from `mooncake` (refused when this engine is not a Mooncake
+/// prefill).
 pub(crate) async fn serve_pull(
     store: &KvStore,
     counters: &Counters,
     engine_id: &str,
+    mooncake: Option<MooncakeSide<'_>>,
     mut stream: TcpStream,
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
@@ -223,13 +335,90 @@ pub(crate) async fn serve_pull(
             Ok(Err(e)) => return Err(e),
             Ok(Ok(_)) => {}
         }
-        let answer = answer(store, counters, engine_id, &line);
-        let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
+        let mut out = match serde_json::from_slice::<MooncakePullRequest>(&line) {
+            Ok(pull) => {
+                let answer = match &mooncake {
+                    None => BootstrapResponse::failure("this engine is not a Mooncake prefill"),
+                    Some(side) => {
+                        tokio::select! {
+                            answer = serve_mooncake_pull(side, counters, &pull) => answer,
+                            // The decode left (or gave up): stop waiting, take nothing.
+                            () = peer_gone(&mut reader) => return Ok(()),
+                        }
+                    }
+                };
+                serde_json::to_vec(&answer)
+            }
+            Err(_) => serde_json::to_vec(&answer(store, counters, engine_id, &line)),
+        }
+        .map_err(io::Error::other)?;
         out.push(b'\n');
         timeout(IO_TIMEOUT, write.write_all(&out))
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))??;
     }
+}
+
+/// Hands the KV of a Mooncake transfer over, waiting for the prefill to hold it.
+async fn serve_mooncake_pull(
+    side: &MooncakeSide<'_>,
+    counters: &Counters,
+    pull: &MooncakePullRequest,
+) -> BootstrapResponse {
+    if !side.engine_ids.contains(&pull.engine_id) {
+        return BootstrapResponse::failure(format!(
+            "engine id mismatch: this engine serves {:?}, not {:?}",
+            side.engine_ids, pull.engine_id
+        ));
+    }
+    let key = (pull.engine_id.clone(), pull.transfer_id.clone());
+    match side.transfers.take(counters, &key, side.wait).await {
+        Some(digest) => {
+            bump(&counters.side_channel_served);
+            BootstrapResponse::success(digest)
+        }
+        None => {
+            bump(&counters.bootstrap_timeouts);
+            BootstrapResponse::timeout(format!(
+                "no KV held for transfer id {:?} within {:?}",
+                pull.transfer_id, side.wait
+            ))
+        }
+    }
+}
+
+/// Resolves when the peer of a request-answer connection closes it (or the
+/// connection fails) while its request is being served; never if the peer
+/// sends more data instead, which is kept for the next request.
+pub(crate) async fn peer_gone<R: AsyncBufRead + Unpin>(reader: &mut R) {
+    match reader.fill_buf().await {
+        Ok(buf) if !buf.is_empty() => std::future::pending().await,
+        _ => {}
+    }
+}
+
+/// Sends one request line and reads the answer line, waiting for it as
+/// long as the caller lets it (no timeout of its own).
+pub(crate) async fn request_line<T: Serialize, A: for<'de> Deserialize<'de>>(
+    stream: &mut TcpStream,
+    request: &T,
+) -> Result<A, KvTransferError> {
+    let mut line =
+        serde_json::to_vec(request).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    line.push(b'\n');
+    stream.write_all(&line).await?;
+    let answer = read_line(&mut *stream).await?;
+    if answer.is_empty() {
+        return Err(KvTransferError::Malformed(
+            "connection closed without an answer".to_owned(),
+        ));
+    }
+    serde_json::from_slice(&answer).map_err(|e| {
+        KvTransferError::Malformed(format!(
+            "{e} in {:?}",
+            String::from_utf8_lossy(&answer[..answer.len().min(80)])
+        ))
+    })
 }
 
 fn answer(

@@ -1,5 +1,6 @@
 //! Simulated LLM engines that behave, on the wire, like a vLLM OpenAI server
-//! running the NIXL connector, for the `disagg` demo, integration tests and
+//! running the NIXL or Mooncake connector, or an SGLang server in
+//! disaggregation mode, for the `disagg` demo, integration tests and
 //! benchmarks.
 //!
 //! A [`SimEngine`] serves `POST /v1/chat/completions` and
@@ -9,6 +10,17 @@
 //! the same answer whether it is served in one piece or disaggregated.
 //!
 //! # Prefill/decode disaggregation
+//!
+//! An engine speaks one of three P/D KV protocols, chosen by
+//! [`SimConfig::kv_mode`]. In each, the KV really travels over loopback
+//! sockets, so a wrong host, port, room, transfer id or engine id fails
+//! where it would fail between real engines. Every completion request first
+//! waits [`SimConfig::request_delay`] (scheduling), then prefills (locally,
+//! [`SimConfig::prefill_delay_per_token`] per prompt token, or from remote
+//! KV). A decode whose KV cannot be fetched answers HTTP 500
+//! `"KV transfer failed: ..."` before any response head.
+//!
+//! ## vLLM NIXL ([`KvMode::Nixl`], the default): sequential
 //!
 //! The engine plays both roles of vLLM's NIXL pull mode:
 //!
@@ -31,6 +43,56 @@
 //!   keys, empty `remote_block_ids`) are ignored and the prompt is prefilled
 //!   locally.
 //!
+//! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
+//!
+//! The router sends the same body to a prefill and a decode at once, with
+//! `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (a `u63`). A
+//! request is a batch when it is a chat request with `n > 1` (`n`
+//! elements, sharing the conversation) or a completion request whose
+//! `prompt` is a list of strings or of token-id lists (one element per
+//! prompt); the three fields are then lists of that length, otherwise
+//! scalars (anything else is a 400). Each element's KV is that of its
+//! prompt.
+//!
+//! * **Prefill** (`--disaggregation-mode prefill`, with a bootstrap server at
+//!   [`SimEngine::bootstrap_addr`]). `bootstrap_room` is required. After the
+//!   prefill, the KV of each element is registered under its room (a room
+//!   already registered by another request: 409) and the request waits until
+//!   decodes took every room, at most [`SimConfig::bootstrap_timeout`] (then
+//!   500 `"KV transfer failed: no decode took room R within ..."`). It then
+//!   answers like a plain engine, but with only the first token of each
+//!   choice. Its rooms are withdrawn whenever it ends, client gone included.
+//! * **Decode** (`--disaggregation-mode decode`). `bootstrap_host` and
+//!   `bootstrap_room` are required, a null `bootstrap_port` means 8998
+//!   (SGLang's default). It takes the KV of every element's room from
+//!   `bootstrap_host:bootstrap_port`, all at once, within its own
+//!   [`SimConfig::bootstrap_timeout`], checks it against its own prompt and
+//!   generates normally.
+//!
+//! ## vLLM Mooncake ([`KvMode::Mooncake`]): concurrent, by transfer id
+//!
+//! The proxy sends both legs at once, correlated by a `transfer_id` it
+//! chose.
+//!
+//! * **Prefill** (`kv_producer`). The request's `kv_transfer_params` must
+//!   have `do_remote_decode: true` and a string `transfer_id`; the
+//!   `X-data-parallel-rank` header picks one of the [`SimConfig::dp_size`]
+//!   ranks (default 0), each with its own engine id
+//!   ([`SimEngine::engine_ids`]). After the prefill, the KV is held under
+//!   (engine id of the rank, transfer id) for [`SimConfig::kv_lease`] (a
+//!   transfer id already held: 400) and the answer is a plain completion
+//!   with `"kv_transfer_params": null`. A client that leaves before its
+//!   answer is complete gets nothing held. The bootstrap HTTP server at
+//!   [`SimEngine::bootstrap_addr`] answers `GET /query` with every rank:
+//!   `{"0":{"engine_id":"<id>","worker_addr":{"0":{"0":"<host>:<side channel port>"}}},..}`.
+//! * **Decode** (`kv_consumer`). The request's `kv_transfer_params` must have
+//!   `do_remote_prefill: true`, `remote_bootstrap_addr`
+//!   (`"http://HOST:PORT"`), `remote_engine_id` and `transfer_id`. The
+//!   decode asks `GET {remote_bootstrap_addr}/query` for the worker address
+//!   of `remote_engine_id`, pulls the transfer from that side channel (see
+//!   below), checks the KV against its own prompt and generates normally,
+//!   all of it within its own [`SimConfig::bootstrap_timeout`].
+//!
 //! # Side channel protocol
 //!
 //! The side channel is the simulator's own, line-based stand-in for NIXL:
@@ -48,11 +110,50 @@
 //! digest of the model name and the block's tokens, chained to the previous
 //! block's digest.
 //!
+//! A Mooncake pull is a line with a `transfer_id` instead, a
+//! [`MooncakePullRequest`]:
+//!
+//! ```text
+//! {"engine_id":"<remote_engine_id>","transfer_id":"<transfer_id>"}
+//! ```
+//!
+//! The prefill waits, up to its [`SimConfig::bootstrap_timeout`], for the
+//! transfer to be held under that engine id (its own prefill may still be
+//! running), then answers a [`BootstrapResponse`]:
+//! `{"ok":true,"prompt_digest":"..","blocks":[..]}` (the KV is then freed),
+//! `{"ok":false,"error":"..","timed_out":true}` when the wait ran out, or
+//! `{"ok":false,"error":".."}` (unknown engine id, not a Mooncake prefill).
+//! A decode that closes the connection while waiting takes nothing.
+//!
+//! # SGLang bootstrap protocol
+//!
+//! The simulator's own stand-in for SGLang's bootstrap server and KV
+//! transfer: the decode connects to `bootstrap_host:bootstrap_port` and
+//! sends one JSON line per room, a [`BootstrapRequest`]:
+//! `{"room":123}`. The server waits, up to the prefill's
+//! [`SimConfig::bootstrap_timeout`], for a request to register that room,
+//! takes it (a room is taken once; a second taker waits like for an unknown
+//! room) and answers one [`BootstrapResponse`] line, as above. The
+//! connection stays open for further rooms; a decode that closes it while
+//! waiting takes nothing.
+//!
 //! # Faults
 //!
 //! [`Faults`] make the completion routes answer an error status, hang until
 //! the client leaves, or abort the connection mid-answer; they can be
-//! changed at run time with [`SimEngine::set_faults`].
+//! changed at run time with [`SimEngine::set_faults`]. They apply in every
+//! [`KvMode`], before any KV work: an SGLang prefill with an error status
+//! answers it at once, without registering its rooms.
+//!
+//! # Cancellation
+//!
+//! A request whose client leaves before its answer is complete is counted in
+//! [`Stats::cancelled`] and dropped at once, whatever it was waiting for:
+//! an SGLang prefill's rooms are withdrawn, a Mooncake prefill's KV is
+//! freed, and a decode waiting for its peer closes its connection, which
+//! makes the peer's bootstrap server or side channel stop waiting for it
+//! (and take nothing). Rooms and transfers not yet taken are counted in
+//! [`Stats::kv_transfers_pending`].
 //!
 //! # Example
 //!
@@ -89,11 +190,15 @@ mod body;
 mod config;
 mod generate;
 mod kv;
+mod mooncake;
+mod rendezvous;
 mod server;
+mod sglang;
 mod stats;
 
-pub use config::{Faults, SimConfig};
+pub use config::{Faults, KvMode, SimConfig, SimRole};
 pub use generate::generate;
-pub use kv::{SideChannelRequest, SideChannelResponse};
+pub use kv::{BootstrapResponse, MooncakePullRequest, SideChannelRequest, SideChannelResponse};
 pub use server::{RecordedRequest, SimEngine};
+pub use sglang::BootstrapRequest;
 pub use stats::Stats;

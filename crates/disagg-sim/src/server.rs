@@ -20,13 +20,18 @@ use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{Instant, timeout_at};
 
 use crate::api::{Answer, ApiError, CompletionRequest, KvParamsOut, truthy};
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
-use crate::config::{Faults, SimConfig};
-use crate::generate::{Finish, GenParams, Generation, generate_choice, kv_digest, prompt_hash};
+use crate::config::{Faults, KvMode, SimConfig, SimRole};
+use crate::generate::{
+    Finish, GenParams, Generation, KvDigest, generate_choice, kv_digest, prompt_hash,
+};
 use crate::kv::{self, KvStore, KvTransferError, lock};
+use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
+use crate::{mooncake, sglang};
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 64 << 20;
@@ -59,6 +64,8 @@ impl RecordedRequest {
 struct Inner {
     config: SimConfig,
     engine_id: String,
+    /// One engine id per data-parallel rank, rank 0's being `engine_id`.
+    engine_ids: Vec<String>,
     model_json: String,
     models_body: Bytes,
     side_channel_port: u16,
@@ -66,12 +73,17 @@ struct Inner {
     counters: Arc<Counters>,
     kv: KvStore,
     side_pool: kv::SidePool,
+    /// SGLang prefill: KV registered under bootstrap rooms.
+    rooms: sglang::Rooms,
+    /// Mooncake prefill: KV held by (engine id, transfer id).
+    transfers: Arc<kv::Transfers>,
     recorded: Mutex<VecDeque<Recorded>>,
     next_id: AtomicU64,
     id_salt: u64,
 }
 
-/// A simulated vLLM OpenAI server with a NIXL-like KV side channel.
+/// A simulated vLLM OpenAI server with a NIXL-like KV side channel (and, as
+/// [`SimConfig::kv_mode`] says, an SGLang or Mooncake bootstrap server).
 ///
 /// Every task it spawns (accept loops, connections, the lease sweeper) ends
 /// with [`SimEngine::shutdown`] or when the engine is dropped.
@@ -79,6 +91,7 @@ pub struct SimEngine {
     inner: Arc<Inner>,
     addr: SocketAddr,
     side_channel_addr: SocketAddr,
+    bootstrap_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -88,6 +101,8 @@ impl fmt::Debug for SimEngine {
         f.debug_struct("SimEngine")
             .field("addr", &self.addr)
             .field("side_channel_addr", &self.side_channel_addr)
+            .field("bootstrap_addr", &self.bootstrap_addr)
+            .field("kv_mode", &self.inner.config.kv_mode)
             .field("engine_id", &self.inner.engine_id)
             .field("model", &self.inner.config.model)
             .finish_non_exhaustive()
@@ -101,8 +116,9 @@ fn unix_now() -> u64 {
 }
 
 impl SimEngine {
-    /// Starts an engine whose HTTP server and side channel listen on
-    /// ephemeral ports of 127.0.0.1. Must be called within a Tokio runtime.
+    /// Starts an engine whose HTTP server and side channel (and bootstrap
+    /// server, if its [`KvMode`] has one) listen on ephemeral ports of
+    /// 127.0.0.1. Must be called within a Tokio runtime.
     pub async fn start(config: SimConfig) -> std::io::Result<SimEngine> {
         let http = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let side_channel = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
@@ -110,18 +126,65 @@ impl SimEngine {
     }
 
     /// Starts an engine on listeners the caller bound. The side channel's
-    /// port is the `remote_port` advertised in `kv_transfer_params`.
+    /// port is the `remote_port` advertised in `kv_transfer_params`. When
+    /// the [`KvMode`] needs a bootstrap server, it listens on an ephemeral
+    /// port of 127.0.0.1 (see [`SimEngine::start_with_bootstrap`] to choose).
     pub async fn start_on(
         config: SimConfig,
         http: TcpListener,
         side_channel: TcpListener,
     ) -> std::io::Result<SimEngine> {
+        let bootstrap = if config.kv_mode.has_bootstrap_server() {
+            Some(TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?)
+        } else {
+            None
+        };
+        Self::start_inner(config, http, side_channel, bootstrap).await
+    }
+
+    /// Starts an engine on listeners the caller bound, the bootstrap server
+    /// (SGLang's `--disaggregation-bootstrap-port`, Mooncake's bootstrap
+    /// HTTP server) included. Fails with [`std::io::ErrorKind::InvalidInput`]
+    /// if the [`KvMode`] has no bootstrap server.
+    pub async fn start_with_bootstrap(
+        config: SimConfig,
+        http: TcpListener,
+        side_channel: TcpListener,
+        bootstrap: TcpListener,
+    ) -> std::io::Result<SimEngine> {
+        if !config.kv_mode.has_bootstrap_server() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("kv mode {:?} has no bootstrap server", config.kv_mode),
+            ));
+        }
+        Self::start_inner(config, http, side_channel, Some(bootstrap)).await
+    }
+
+    async fn start_inner(
+        config: SimConfig,
+        http: TcpListener,
+        side_channel: TcpListener,
+        bootstrap: Option<TcpListener>,
+    ) -> std::io::Result<SimEngine> {
         let addr = http.local_addr()?;
         let side_channel_addr = side_channel.local_addr()?;
+        let bootstrap_addr = bootstrap
+            .as_ref()
+            .map(TcpListener::local_addr)
+            .transpose()?;
         let engine_id = config
             .engine_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let engine_ids: Vec<String> = std::iter::once(engine_id.clone())
+            .chain((1..config.dp_size.max(1)).map(|r| format!("{engine_id}-dp{r}")))
+            .collect();
+        let query_body = mooncake::query_body(
+            &engine_ids,
+            &format!("{}:{}", config.advertised_host, side_channel_addr.port()),
+        )
+        .map_err(std::io::Error::other)?;
         let mut model_json = String::new();
         push_json_str(&mut model_json, &config.model);
         let models = json!({
@@ -143,6 +206,7 @@ impl SimEngine {
         let inner = Arc::new(Inner {
             config,
             engine_id,
+            engine_ids,
             model_json,
             models_body,
             side_channel_port: side_channel_addr.port(),
@@ -150,25 +214,58 @@ impl SimEngine {
             counters: Arc::default(),
             kv: KvStore::default(),
             side_pool: kv::SidePool::default(),
+            rooms: sglang::Rooms::default(),
+            transfers: Arc::default(),
             recorded: Mutex::default(),
             next_id: AtomicU64::new(0),
             id_salt: salt,
         });
         let (stop, stop_rx) = watch::channel(false);
-        let tasks = vec![
+        let mut tasks = vec![
             tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
             tokio::spawn(accept_side_channel(
                 inner.clone(),
                 side_channel,
                 stop_rx.clone(),
             )),
-            tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)),
         ];
-        tracing::debug!(%addr, %side_channel_addr, engine_id = %inner.engine_id, "sim engine started");
+        match (inner.config.kv_mode, bootstrap) {
+            (KvMode::Sglang(SimRole::Prefill), Some(listener)) => {
+                let inner = inner.clone();
+                tasks.push(tokio::spawn(accept_loop(
+                    listener,
+                    stop_rx.clone(),
+                    move |stream, peer| {
+                        let inner = inner.clone();
+                        async move {
+                            let _ = stream.set_nodelay(true);
+                            let wait = inner.config.bootstrap_timeout;
+                            if let Err(e) =
+                                sglang::serve_bootstrap(&inner.rooms, &inner.counters, wait, stream)
+                                    .await
+                            {
+                                tracing::debug!(%peer, error = %e, "bootstrap connection failed");
+                            }
+                        }
+                    },
+                )));
+            }
+            (KvMode::Mooncake(SimRole::Prefill), Some(listener)) => {
+                tasks.push(tokio::spawn(accept_loop(
+                    listener,
+                    stop_rx.clone(),
+                    move |stream, _| mooncake::serve_bootstrap(query_body.clone(), stream),
+                )));
+            }
+            _ => {}
+        }
+        tasks.push(tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)));
+        tracing::debug!(%addr, %side_channel_addr, ?bootstrap_addr, engine_id = %inner.engine_id, "sim engine started");
         Ok(SimEngine {
             inner,
             addr,
             side_channel_addr,
+            bootstrap_addr,
             stop,
             tasks,
         })
@@ -192,6 +289,21 @@ impl SimEngine {
     /// The engine id advertised as `remote_engine_id`.
     pub fn engine_id(&self) -> &str {
         &self.inner.engine_id
+    }
+
+    /// The engine ids of the [`SimConfig::dp_size`] data-parallel ranks:
+    /// rank 0's is [`SimEngine::engine_id`], rank `r`'s is
+    /// `"{engine_id}-dp{r}"`.
+    pub fn engine_ids(&self) -> Vec<String> {
+        self.inner.engine_ids.clone()
+    }
+
+    /// The bootstrap server's address: the SGLang bootstrap server (the
+    /// decode's `bootstrap_host`/`bootstrap_port`) of an SGLang prefill, the
+    /// bootstrap HTTP server (`remote_bootstrap_addr`) of a Mooncake
+    /// prefill; `None` in the other modes.
+    pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
+        self.bootstrap_addr
     }
 
     /// The configuration the engine runs with (faults as at start).
@@ -285,10 +397,40 @@ async fn accept_side_channel(
                     let inner = inner.clone();
                     connections.spawn(async move {
                         let _ = stream.set_nodelay(true);
-                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, stream).await {
+                        let mooncake = (inner.config.kv_mode == KvMode::Mooncake(SimRole::Prefill))
+                            .then(|| kv::MooncakeSide {
+                                transfers: &inner.transfers,
+                                engine_ids: &inner.engine_ids,
+                                wait: inner.config.bootstrap_timeout,
+                            });
+                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, mooncake, stream).await {
                             tracing::debug!(%peer, error = %e, "side channel connection failed");
                         }
                     });
+                }
+                Err(e) => accept_error(&e).await,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    connections.shutdown().await;
+}
+
+/// Accepts connections until the stop signal, each served by a task made by
+/// `serve`; the tasks end with the loop.
+async fn accept_loop<F, Fut>(listener: TcpListener, mut stop: watch::Receiver<bool>, mut serve: F)
+where
+    F: FnMut(TcpStream, SocketAddr) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(serve(stream, peer));
                 }
                 Err(e) => accept_error(&e).await,
             },
@@ -312,7 +454,10 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
     loop {
         tokio::select! {
             _ = stop.changed() => break,
-            _ = tick.tick() => inner.kv.sweep(&inner.counters),
+            _ = tick.tick() => {
+                inner.kv.sweep(&inner.counters);
+                inner.transfers.sweep(&inner.counters);
+            }
         }
     }
 }
@@ -456,10 +601,15 @@ async fn completion(
             );
         }
     };
-    let parsed = match serde_json::from_slice::<Value>(&bytes) {
-        Ok(v) => CompletionRequest::parse(endpoint, &v, &inner.config),
-        Err(e) => Err(ApiError::bad_request(format!("JSON decode error: {e}"))),
-    };
+    // The request, and its JSON for the fields of the concurrent protocols.
+    let parsed = serde_json::from_slice::<Value>(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
+        .and_then(|json| {
+            Ok((
+                CompletionRequest::parse(endpoint, &json, &inner.config)?,
+                json,
+            ))
+        });
     record(inner, parts.uri.path(), &parts.headers, &bytes);
 
     let faults = *lock(&inner.faults);
@@ -475,13 +625,21 @@ async fn completion(
         std::future::pending::<()>().await;
     }
 
-    let request = match parsed {
-        Ok(r) => r,
+    let (request, json) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             guard.complete();
             return error_response(&e, header_id);
         }
     };
+    let plan = match plan(inner, &request, &json, &parts.headers) {
+        Ok(plan) => plan,
+        Err(e) => {
+            guard.complete();
+            return error_response(&e, header_id);
+        }
+    };
+    drop(json);
     let request_id = match header_id {
         Some(id) => id.to_owned(),
         None => format!(
@@ -491,7 +649,7 @@ async fn completion(
         ),
     };
 
-    match serve_completion(inner, &request, &request_id, header_id, faults, guard).await {
+    match serve_completion(inner, &request, plan, &request_id, header_id, faults, guard).await {
         Ok(response) => response,
         Err((e, mut guard)) => {
             guard.complete();
@@ -500,51 +658,185 @@ async fn completion(
     }
 }
 
+/// What the engine's KV protocol asks of a request, read and validated
+/// before any work.
+#[derive(Debug)]
+enum Plan {
+    /// vLLM NIXL: as the request's `kv_transfer_params` say.
+    Nixl,
+    /// SGLang prefill: register the rooms, wait for decodes to take them.
+    SglangPrefill(Vec<sglang::Element>),
+    /// SGLang decode: take the rooms from their bootstrap servers.
+    SglangDecode(Vec<sglang::Element>),
+    /// Mooncake prefill: hold the KV under (engine id of the rank, transfer id).
+    MooncakePrefill { key: (String, String) },
+    /// Mooncake decode: pull the KV of a transfer.
+    MooncakeDecode(mooncake::Remote),
+}
+
+fn plan(
+    inner: &Inner,
+    request: &CompletionRequest,
+    json: &Value,
+    headers: &HeaderMap,
+) -> Result<Plan, ApiError> {
+    let config = &inner.config;
+    let params = request.kv_transfer_params.as_ref();
+    Ok(match config.kv_mode {
+        KvMode::Nixl => Plan::Nixl,
+        KvMode::Sglang(role) => {
+            let decode = role == SimRole::Decode;
+            let elements =
+                sglang::elements(json, request, &config.model, config.block_size, decode)?;
+            if decode {
+                Plan::SglangDecode(elements)
+            } else {
+                Plan::SglangPrefill(elements)
+            }
+        }
+        KvMode::Mooncake(SimRole::Prefill) => {
+            let transfer_id = mooncake::prefill_transfer_id(params)?;
+            let rank = mooncake::dp_rank(headers, inner.engine_ids.len())?;
+            let engine_id = inner.engine_ids.get(rank).cloned().unwrap_or_default();
+            Plan::MooncakePrefill {
+                key: (engine_id, transfer_id),
+            }
+        }
+        KvMode::Mooncake(SimRole::Decode) => Plan::MooncakeDecode(mooncake::decode_remote(params)?),
+    })
+}
+
+/// Counts a failed KV fetch of a decode and makes its answer.
+fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> ApiError {
+    bump(&counters.kv_pull_failures);
+    if e.is_timeout() {
+        bump(&counters.bootstrap_timeouts);
+    }
+    tracing::debug!(error = %e, request_id, "KV transfer failed");
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("KV transfer failed: {e}"),
+    )
+}
+
+/// Checks KV pulled from a prefill against the KV of our own prompt.
+fn check_kv(remote: &KvDigest, own: &KvDigest) -> Result<(), KvTransferError> {
+    if remote.blocks.len() != own.blocks.len() {
+        Err(KvTransferError::Mismatch("wrong number of blocks"))
+    } else if remote != own {
+        Err(KvTransferError::Mismatch("block contents differ"))
+    } else {
+        Ok(())
+    }
+}
+
+/// SGLang prefill: registers the KV of every element under its room and
+/// waits until decodes took them all, within the bootstrap timeout. The
+/// rooms are withdrawn on every way out (timeout, cancellation).
+async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<(), ApiError> {
+    let counters = &inner.counters;
+    let wait = inner.config.bootstrap_timeout;
+    let entries = elements
+        .iter()
+        .map(|e| (e.room, e.digest.clone()))
+        .collect();
+    let registration = inner
+        .rooms
+        .register(counters, entries, None)
+        .map_err(|room| {
+            ApiError::new(
+                StatusCode::CONFLICT,
+                format!("bootstrap_room {room} is already registered by another request"),
+            )
+        })?;
+    let _withdraw = WithdrawOnDrop {
+        rendezvous: &inner.rooms,
+        counters,
+        keys: elements.iter().map(|e| e.room).collect(),
+        owner: registration.owner,
+    };
+    let deadline = Instant::now() + wait;
+    for (room, taken) in registration.taken {
+        match timeout_at(deadline, taken).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("KV transfer failed: room {room} was withdrawn"),
+                ));
+            }
+            Err(_) => {
+                bump(&counters.bootstrap_timeouts);
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("KV transfer failed: no decode took room {room} within {wait:?}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Prefills (locally or from remote KV), generates and renders the answer.
 async fn serve_completion(
     inner: &Inner,
     request: &CompletionRequest,
+    plan: Plan,
     request_id: &str,
     header_id: Option<&str>,
     faults: Faults,
-    guard: RequestGuard,
+    mut guard: RequestGuard,
 ) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
     let config = &inner.config;
     let counters = &inner.counters;
     let params = request.kv_transfer_params.as_ref();
-    let is_prefill = params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+    let is_prefill =
+        matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+
+    if !config.request_delay.is_zero() {
+        tokio::time::sleep(config.request_delay).await;
+    }
 
     // KV: pulled from a remote prefill, or computed here.
     let mut remote_kv = false;
-    if let Some(p) = params.filter(|p| truthy(p.get("do_remote_prefill"))) {
-        if valid_decode_params(p) {
-            let own = kv_digest(&config.model, config.block_size, request.tokens());
-            let pulled = kv::pull(&inner.side_pool, p).await.and_then(|remote| {
-                if remote.blocks.len() != own.blocks.len() {
-                    Err(KvTransferError::Mismatch("wrong number of blocks"))
-                } else if remote != own {
-                    Err(KvTransferError::Mismatch("block contents differ"))
+    match &plan {
+        Plan::Nixl => {
+            if let Some(p) = params.filter(|p| truthy(p.get("do_remote_prefill"))) {
+                if valid_decode_params(p) {
+                    let own = kv_digest(&config.model, config.block_size, request.tokens());
+                    let pulled = kv::pull(&inner.side_pool, p)
+                        .await
+                        .and_then(|remote| check_kv(&remote, &own));
+                    if let Err(e) = pulled {
+                        return Err((kv_failure(counters, &e, request_id), guard));
+                    }
+                    bump(&counters.remote_decodes);
+                    remote_kv = true;
                 } else {
-                    Ok(())
+                    bump(&counters.invalid_kv_params);
+                    tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
                 }
-            });
-            if let Err(e) = pulled {
-                bump(&counters.kv_pull_failures);
-                tracing::debug!(error = %e, request_id, "KV transfer failed");
-                return Err((
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("KV transfer failed: {e}"),
-                    ),
-                    guard,
-                ));
+            }
+        }
+        Plan::SglangDecode(elements) => {
+            if let Err(e) = sglang::fetch(elements, config.bootstrap_timeout).await {
+                return Err((kv_failure(counters, &e, request_id), guard));
             }
             bump(&counters.remote_decodes);
             remote_kv = true;
-        } else {
-            bump(&counters.invalid_kv_params);
-            tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
         }
+        Plan::MooncakeDecode(remote) => {
+            let own = kv_digest(&config.model, config.block_size, request.tokens());
+            let pulled = mooncake::fetch(remote, config.bootstrap_timeout)
+                .await
+                .and_then(|remote| check_kv(&remote, &own));
+            if let Err(e) = pulled {
+                return Err((kv_failure(counters, &e, request_id), guard));
+            }
+            bump(&counters.remote_decodes);
+            remote_kv = true;
+        }
+        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } => {}
     }
     if !remote_kv {
         bump(&counters.local_prefills);
@@ -554,14 +846,47 @@ async fn serve_completion(
             tokio::time::sleep(delay).await;
         }
     }
-    if is_prefill {
-        bump(&counters.prefill_requests);
+    let mut max_tokens = request.max_tokens;
+    match plan {
+        Plan::Nixl if is_prefill => bump(&counters.prefill_requests),
+        Plan::SglangPrefill(elements) => {
+            bump(&counters.prefill_requests);
+            if let Err(e) = hand_over_rooms(inner, &elements).await {
+                return Err((e, guard));
+            }
+            // The prefill answers with the first token only.
+            max_tokens = 1;
+        }
+        Plan::MooncakePrefill { key } => {
+            bump(&counters.prefill_requests);
+            let digest = kv_digest(&config.model, config.block_size, request.tokens());
+            let entry = vec![(key.clone(), digest)];
+            match inner
+                .transfers
+                .register(counters, entry, Some(config.kv_lease))
+            {
+                Ok(registration) => {
+                    // A client that leaves before the answer gets no KV held for it.
+                    let transfers = inner.transfers.clone();
+                    let counters = inner.counters.clone();
+                    let owner = registration.owner;
+                    guard.on_cancel(move || transfers.withdraw(&counters, [&key], owner));
+                }
+                Err((_, transfer_id)) => {
+                    let e = ApiError::bad_request(format!(
+                        "Mooncake: transfer_id {transfer_id:?} is already in use"
+                    ));
+                    return Err((e, guard));
+                }
+            }
+        }
+        _ => {}
     }
 
     // Generation.
     let gen_params = GenParams {
-        max_tokens: request.max_tokens as usize,
-        min_tokens: request.min_tokens as usize,
+        max_tokens: max_tokens as usize,
+        min_tokens: request.min_tokens.min(max_tokens) as usize,
         eos_period: config.eos_period,
         ignore_eos: request.ignore_eos,
         stop: &request.stop,

@@ -1,5 +1,6 @@
 //! Counters of an engine and the guards that keep them honest.
 
+use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -42,6 +43,16 @@ pub struct Stats {
     /// Connections accepted by the KV side channel (a decode reuses its connection for
     /// further pulls, as vLLM reuses its NIXL handshake).
     pub side_channel_connections: u64,
+    /// Times a side gave up waiting for its peer within
+    /// [`SimConfig::bootstrap_timeout`](crate::SimConfig::bootstrap_timeout)
+    /// (SGLang and Mooncake modes).
+    #[serde(default)]
+    pub bootstrap_timeouts: u64,
+    /// SGLang rooms and Mooncake transfer ids registered by this prefill and
+    /// not yet taken by a decode (freed when taken, when the request ends or
+    /// is cancelled, or when the lease expires).
+    #[serde(default)]
+    pub kv_transfers_pending: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -60,6 +71,8 @@ pub(crate) struct Counters {
     pub(crate) open_connections: AtomicU64,
     pub(crate) cancelled: AtomicU64,
     pub(crate) side_channel_connections: AtomicU64,
+    pub(crate) bootstrap_timeouts: AtomicU64,
+    pub(crate) kv_transfers_pending: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -82,17 +95,31 @@ impl Counters {
             open_connections: self.open_connections.load(Relaxed),
             cancelled: self.cancelled.load(Relaxed),
             side_channel_connections: self.side_channel_connections.load(Relaxed),
+            bootstrap_timeouts: self.bootstrap_timeouts.load(Relaxed),
+            kv_transfers_pending: self.kv_transfers_pending.load(Relaxed),
         }
     }
 }
 
+/// Work undone when a request is cancelled.
+type OnCancel = Box<dyn FnOnce() + Send + Sync>;
+
 /// Counts a completion request as active while it lives. Dropped before
 /// [`RequestGuard::complete`] was called, it counts the request as
 /// cancelled: its client went away (or the engine shut down) first.
-#[derive(Debug)]
 pub(crate) struct RequestGuard {
     counters: Arc<Counters>,
     complete: bool,
+    on_cancel: Option<OnCancel>,
+}
+
+impl fmt::Debug for RequestGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestGuard")
+            .field("complete", &self.complete)
+            .field("on_cancel", &self.on_cancel.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RequestGuard {
@@ -102,7 +129,15 @@ impl RequestGuard {
         Self {
             counters,
             complete: false,
+            on_cancel: None,
         }
+    }
+
+    /// Runs `undo` if the request is cancelled (dropped before
+    /// [`RequestGuard::complete`]), e.g. to free KV held for an answer its
+    /// client never got.
+    pub(crate) fn on_cancel(&mut self, undo: impl FnOnce() + Send + Sync + 'static) {
+        self.on_cancel = Some(Box::new(undo));
     }
 
     /// Marks the answer as fully handed over (or deliberately aborted).
@@ -116,6 +151,9 @@ impl Drop for RequestGuard {
         self.counters.active_requests.fetch_sub(1, Relaxed);
         if !self.complete {
             bump(&self.counters.cancelled);
+            if let Some(undo) = self.on_cancel.take() {
+                undo();
+            }
         }
     }
 }

@@ -152,3 +152,37 @@ pub async fn wait_for(engine: &SimEngine, pred: impl Fn(&Stats) -> bool) -> Stat
     }
     panic!("condition never met: {:?}", engine.stats());
 }
+
+/// Sends a POST by hand and returns the open socket without reading the
+/// answer: dropping it makes the client leave.
+pub async fn raw_post(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let body = serde_json::to_string(body).unwrap();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    stream
+}
+
+/// A loopback port nobody listens on (bound, then released).
+pub async fn unused_port() -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap().port()
+}
