@@ -5,9 +5,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use disagg_core::orchestrator::OrchestratorConfig;
-use disagg_core::{Endpoint, Orchestrator, Role, RoundRobin, StaticSource};
+use std::sync::Arc;
+
+use disagg_core::{
+    BootstrapPort, Endpoint, KvConnector, Orchestrator, Role, RoundRobin, StaticSource,
+};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
-use disagg_sim::{SimConfig, SimEngine};
+use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -34,7 +38,43 @@ impl Drop for Stack {
     }
 }
 
+/// The P/D protocol a stack's engines and proxy speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// vLLM NIXL (sequential).
+    Nixl,
+    /// SGLang bootstrap (concurrent).
+    Sglang,
+    /// vLLM Mooncake (concurrent).
+    Mooncake,
+}
+
+impl Protocol {
+    fn modes(self) -> (KvMode, KvMode) {
+        match self {
+            Protocol::Nixl => (KvMode::Nixl, KvMode::Nixl),
+            Protocol::Sglang => (
+                KvMode::Sglang(SimRole::Prefill),
+                KvMode::Sglang(SimRole::Decode),
+            ),
+            Protocol::Mooncake => (
+                KvMode::Mooncake(SimRole::Prefill),
+                KvMode::Mooncake(SimRole::Decode),
+            ),
+        }
+    }
+
+    fn connector(self) -> Arc<dyn KvConnector> {
+        match self {
+            Protocol::Nixl => Arc::new(disagg_core::VllmNixl::new()),
+            Protocol::Sglang => Arc::new(disagg_core::SglangBootstrap::new()),
+            Protocol::Mooncake => Arc::new(disagg_core::VllmMooncake::new()),
+        }
+    }
+}
+
 pub struct StackBuilder {
+    protocol: Protocol,
     router: Option<Box<dyn disagg_core::Router>>,
     prefill: Vec<SimConfig>,
     decode: Vec<SimConfig>,
@@ -51,6 +91,7 @@ impl Stack {
 
     pub fn builder() -> StackBuilder {
         StackBuilder {
+            protocol: Protocol::Nixl,
             router: None,
             prefill: vec![SimConfig::default()],
             decode: vec![SimConfig::default()],
@@ -81,6 +122,13 @@ impl Stack {
 }
 
 impl StackBuilder {
+    /// Engines and proxy speak `protocol`: the engines' `kv_mode` is set by role, the
+    /// proxy gets the matching connector, and each prefill endpoint its bootstrap port.
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
     pub fn prefill(mut self, configs: Vec<SimConfig>) -> Self {
         self.prefill = configs;
         self
@@ -113,12 +161,21 @@ impl StackBuilder {
     }
 
     pub async fn build(mut self) -> Stack {
+        let (p_mode, d_mode) = self.protocol.modes();
         let mut prefill = Vec::new();
         for c in std::mem::take(&mut self.prefill) {
+            let c = SimConfig {
+                kv_mode: p_mode,
+                ..c
+            };
             prefill.push(SimEngine::start(c).await.expect("start prefill sim"));
         }
         let mut decode = Vec::new();
         for c in std::mem::take(&mut self.decode) {
+            let c = SimConfig {
+                kv_mode: d_mode,
+                ..c
+            };
             decode.push(SimEngine::start(c).await.expect("start decode sim"));
         }
         self.build_with(prefill, decode).await
@@ -128,10 +185,19 @@ impl StackBuilder {
     pub async fn build_with(self, prefill: Vec<SimEngine>, decode: Vec<SimEngine>) -> Stack {
         let mut endpoints = Vec::new();
         for e in &prefill {
-            endpoints.push(Endpoint::new(&e.url(), Role::Prefill).unwrap());
+            let mut ext = http::Extensions::new();
+            if let Some(b) = e.bootstrap_addr() {
+                ext.insert(BootstrapPort(Some(b.port())));
+            }
+            endpoints.push(Endpoint::with_extensions(&e.url(), Role::Prefill, ext).unwrap());
         }
         for u in &self.extra_prefill_urls {
-            endpoints.push(Endpoint::new(u, Role::Prefill).unwrap());
+            // A dead prefill's bootstrap port is dead too: its own port, where nothing
+            // listens.
+            let port = u.rsplit(':').next().and_then(|p| p.parse().ok());
+            let mut ext = http::Extensions::new();
+            ext.insert(BootstrapPort(port));
+            endpoints.push(Endpoint::with_extensions(u, Role::Prefill, ext).unwrap());
         }
         for e in &decode {
             endpoints.push(Endpoint::new(&e.url(), Role::Decode).unwrap());
@@ -139,6 +205,7 @@ impl StackBuilder {
         let source = std::sync::Arc::new(StaticSource::new(endpoints));
         let builder =
             Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
+                .connector(self.protocol.connector())
                 .config(self.config);
         let orchestrator = match self.router {
             Some(router) => builder.router(BoxedRouter(router)).build(),

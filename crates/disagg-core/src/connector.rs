@@ -29,6 +29,10 @@ use crate::request::PdRequest;
 use crate::router::{Outcome, Route};
 use crate::transport::Transport;
 
+pub mod guide {
+    //! The connector guide (`docs/connectors.md`), with its example compiled.
+    #![doc = include_str!("../../../docs/connectors.md")]
+}
 pub mod mooncake;
 pub mod room;
 pub mod sglang;

@@ -315,6 +315,13 @@ impl PdError {
             Kind::Route | Kind::Timeout { .. } => true,
             Kind::Transport { .. } => true,
             Kind::UpstreamStatus { status, .. } => status.is_server_error(),
+            // An unreachable bootstrap server is another prefill's chance.
+            Kind::Connector => matches!(
+                self.source
+                    .as_deref()
+                    .and_then(|e| e.downcast_ref::<ConnectorError>()),
+                Some(ConnectorError::Bootstrap { .. })
+            ),
             _ => false,
         }
     }

@@ -1,20 +1,22 @@
 //! `disagg-proxy demo`: one streaming chat request through the proxy, end to end, over
-//! loopback sockets, against two simulated vLLM-like engines.
+//! loopback sockets, against two simulated engines speaking the chosen connector's
+//! protocol (`--connector nixl|sglang|mooncake`).
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
-use disagg_sim::{SimConfig, SimEngine};
+use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 
 use crate::BoxError;
+use crate::serve::ConnectorArg;
 
 /// Flags of `demo`.
 #[derive(Debug, Args)]
@@ -34,6 +36,9 @@ pub(crate) struct DemoArgs {
     /// Simulated time between generated tokens, in milliseconds.
     #[arg(long, default_value_t = 25.0)]
     inter_token_ms: f64,
+    /// The KV-transfer protocol the simulated engines and the proxy speak.
+    #[arg(long, value_enum, default_value_t = ConnectorArg::Nixl)]
+    connector: ConnectorArg,
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
@@ -42,24 +47,60 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         inter_token_delay: Duration::from_secs_f64(args.inter_token_ms / 1e3),
         ..SimConfig::default()
     };
+    let (p_mode, d_mode) = match args.connector {
+        ConnectorArg::Nixl => (KvMode::Nixl, KvMode::Nixl),
+        ConnectorArg::Sglang => (
+            KvMode::Sglang(SimRole::Prefill),
+            KvMode::Sglang(SimRole::Decode),
+        ),
+        ConnectorArg::Mooncake => (
+            KvMode::Mooncake(SimRole::Prefill),
+            KvMode::Mooncake(SimRole::Decode),
+        ),
+    };
     let plan = nixl_plan()?;
-    let prefill = start_planned(sim.clone(), &plan.engines[0]).await?;
-    let decode = start_planned(sim, &plan.engines[1]).await?;
-    println!(
-        "prefill engine  {}  (KV side channel {})",
-        prefill.url(),
-        prefill.side_channel_addr()
-    );
+    let prefill = start_planned(
+        SimConfig {
+            kv_mode: p_mode,
+            ..sim.clone()
+        },
+        &plan.engines[0],
+    )
+    .await?;
+    let decode = start_planned(
+        SimConfig {
+            kv_mode: d_mode,
+            ..sim
+        },
+        &plan.engines[1],
+    )
+    .await?;
+    match prefill.bootstrap_addr() {
+        Some(b) => println!(
+            "prefill engine  {}  (bootstrap server {b}, KV side channel {})",
+            prefill.url(),
+            prefill.side_channel_addr()
+        ),
+        None => println!(
+            "prefill engine  {}  (KV side channel {})",
+            prefill.url(),
+            prefill.side_channel_addr()
+        ),
+    }
     println!("decode engine   {}", decode.url());
 
+    let mut ext = http::Extensions::new();
+    ext.insert(BootstrapPort(prefill.bootstrap_addr().map(|a| a.port())));
     let orchestrator = Orchestrator::builder(
         StaticSource::new([
-            Endpoint::new(&prefill.url(), Role::Prefill)?,
+            Endpoint::with_extensions(&prefill.url(), Role::Prefill, ext)?,
             Endpoint::new(&decode.url(), Role::Decode)?,
         ]),
         HttpTransport::default(),
     )
-    .build();
+    .connector(args.connector.connector())
+    .try_build()?;
+    println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -150,7 +191,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             .split(", ")
             .find_map(|p| p.strip_prefix(name)?.strip_prefix(";dur="))
             .and_then(|v| v.parse::<f64>().ok())
-            .map_or_else(|| "?".to_owned(), |v| format!("{v:.1} ms"))
+            .map_or_else(|| "-".to_owned(), |v| format!("{v:.1} ms"))
     };
     println!(
         "timing: prefill {} | handoff {} | decode head {} | first token {} | total {}",
@@ -161,24 +202,31 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ms(total),
     );
 
-    // Proof that the KV really crossed the side channel, from the engines' own counters.
+    // Proof that the KV really crossed from the prefill, from the engines' own counters.
     let p = prefill.stats();
     let d = decode.stats();
     println!(
-        "kv handoff ({handoff}): the prefill engine served {} side-channel pull(s); the decode engine pulled remote KV {} time(s) and computed {} prompt(s) locally; KV blocks still held: {}",
-        p.side_channel_served, d.remote_decodes, d.local_prefills, p.blocks_held
+        "kv handoff ({handoff}): the prefill engine handled {} prefill(s); the decode engine took remote KV {} time(s) and computed {} prompt(s) locally; KV still held by the prefill: {} block(s), {} transfer(s)",
+        p.prefill_requests,
+        d.remote_decodes,
+        d.local_prefills,
+        p.blocks_held,
+        p.kv_transfers_pending
     );
-    if handoff != "kv"
-        || p.side_channel_served != 1
-        || d.remote_decodes != 1
-        || d.local_prefills != 0
+    if handoff != "kv" || p.prefill_requests != 1 || d.remote_decodes != 1 || d.local_prefills != 0
     {
-        return Err("the KV was not handed over through the side channel".into());
+        return Err("the KV was not handed over from the prefill engine".into());
     }
 
-    // The same request straight to the decode engine must give the same text.
+    // The same request to a plain engine (no disaggregation; the decode engine of a
+    // concurrent protocol refuses requests without handoff fields) gives the same text.
+    let plain = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Nixl,
+        ..decode.config().clone()
+    })
+    .await?;
     let direct = body_json(&args, false);
-    let req = http::Request::post(format!("{}/v1/chat/completions", decode.url()))
+    let req = http::Request::post(format!("{}/v1/chat/completions", plain.url()))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(direct.to_string())))?;
     let resp = client.request(req).await?;
@@ -192,7 +240,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             format!("disaggregated text differs from a direct run: {direct_text:?}").into(),
         );
     }
-    println!("output identical to a direct (non-disaggregated) run on the decode engine: yes");
+    println!("output identical to a direct (non-disaggregated) run: yes");
+    plain.shutdown().await;
 
     let _ = stop_tx.send(());
     server.await??;

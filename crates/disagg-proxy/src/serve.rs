@@ -136,9 +136,10 @@ impl Policy {
     }
 }
 
+/// The KV-transfer protocol, as `--connector` names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 #[value(rename_all = "kebab-case")]
-pub(crate) enum ConnectorArg {
+pub enum ConnectorArg {
     /// vLLM NixlConnector (pull): sequential, `kv_transfer_params` from the prefill's answer.
     Nixl,
     /// SGLang: concurrent, `bootstrap_host/port/room` on both legs.
@@ -148,8 +149,17 @@ pub(crate) enum ConnectorArg {
 }
 
 impl ConnectorArg {
+    /// The protocol's name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConnectorArg::Nixl => "nixl",
+            ConnectorArg::Sglang => "sglang",
+            ConnectorArg::Mooncake => "mooncake",
+        }
+    }
+
     /// The connector.
-    pub(crate) fn connector(self) -> Arc<dyn KvConnector> {
+    pub fn connector(self) -> Arc<dyn KvConnector> {
         match self {
             ConnectorArg::Nixl => Arc::new(VllmNixl::new()),
             ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
