@@ -471,20 +471,9 @@ impl Inner {
 
         let (mark, pending) = match handoff.dispatch {
             Dispatch::AfterPrefill => {
-                let answer = match prefill.await {
-                    Ok(PrefillResult::Answer(a)) => a,
-                    Ok(PrefillResult::ClientError {
-                        status,
-                        headers,
-                        body,
-                        ..
-                    }) => {
-                        self.observe(&route, Outcome::PrefillFailed);
-                        return Ok(PrefillResult::client_error_response(
-                            status, headers, body, req,
-                        ));
-                    }
-                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
+                let answer = match self.prefill_answer(&route, req, prefill.await) {
+                    Ok(a) => a,
+                    Err(end) => return *end,
                 };
                 let prefilled = Instant::now();
                 timing.prefill = Some(prefilled - start);
@@ -529,23 +518,12 @@ impl Inner {
             Some(prefill) => match select(prefill, decode).await {
                 // The prefill ended first: a failure ends the attempt (dropping the
                 // decode leg); a success leaves the decode to finish.
-                Either::Left((p, decode)) => match p {
-                    Ok(PrefillResult::Answer(_)) => {
+                Either::Left((p, decode)) => match self.prefill_answer(&route, req, p) {
+                    Ok(_) => {
                         timing.prefill = Some(start.elapsed());
                         (decode.await, None)
                     }
-                    Ok(PrefillResult::ClientError {
-                        status,
-                        headers,
-                        body,
-                        ..
-                    }) => {
-                        self.observe(&route, Outcome::PrefillFailed);
-                        return Ok(PrefillResult::client_error_response(
-                            status, headers, body, req,
-                        ));
-                    }
-                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
+                    Err(end) => return *end,
                 },
                 // The decode's head came first: relay it now, the prefill rides along.
                 Either::Right((d, prefill)) => (d, Some(prefill)),
@@ -561,6 +539,31 @@ impl Inner {
         let pending: Option<PendingPrefill> =
             pending.map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as _);
         Ok(self.respond(req, route, guard, head, mark, timing, pending))
+    }
+
+    /// The prefill's answer, or, when the prefill failed, how the attempt ends: an
+    /// engine's 4xx passed through to the client, or the error.
+    fn prefill_answer(
+        &self,
+        route: &Route,
+        req: &PdRequest,
+        result: Result<PrefillResult, PdError>,
+    ) -> Result<PrefillAnswer, Box<Result<Response<PdBody>, PdError>>> {
+        let end = match result {
+            Ok(PrefillResult::Answer(a)) => return Ok(a),
+            Ok(PrefillResult::ClientError {
+                status,
+                headers,
+                body,
+                ..
+            }) => Ok(PrefillResult::client_error_response(
+                status, headers, body, req,
+            )),
+            Err(e) => Err(e),
+        };
+        self.observe(route, Outcome::PrefillFailed);
+        // Boxed: only failures take this path, and they should not size every answer.
+        Err(Box::new(end))
     }
 
     /// Build the HTTP request for one leg.

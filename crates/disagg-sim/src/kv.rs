@@ -322,20 +322,8 @@ pub(crate) async fn serve_pull(
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
     let mut reader = BufReader::new(read);
-    loop {
-        let mut line = Vec::new();
-        let read = timeout(
-            IDLE_TIMEOUT,
-            tokio::io::AsyncReadExt::take(&mut reader, MAX_LINE).read_until(b'\n', &mut line),
-        )
-        .await;
-        match read {
-            // Idle for too long, or closed by the decode: done.
-            Err(_) | Ok(Ok(0)) => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-            Ok(Ok(_)) => {}
-        }
-        let mut out = match serde_json::from_slice::<MooncakePullRequest>(&line) {
+    while let Some(line) = next_line(&mut reader).await? {
+        let answer = match serde_json::from_slice::<MooncakePullRequest>(&line) {
             Ok(pull) => {
                 let answer = match &mooncake {
                     None => BootstrapResponse::failure("this engine is not a Mooncake prefill"),
@@ -347,15 +335,62 @@ pub(crate) async fn serve_pull(
                         }
                     }
                 };
-                serde_json::to_vec(&answer)
+                serde_json::to_value(&answer)
             }
-            Err(_) => serde_json::to_vec(&answer(store, counters, engine_id, &line)),
+            Err(_) => serde_json::to_value(answer(store, counters, engine_id, &line)),
         }
         .map_err(io::Error::other)?;
-        out.push(b'\n');
-        timeout(IO_TIMEOUT, write.write_all(&out))
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))??;
+        write_line(&mut write, &answer).await?;
+    }
+    Ok(())
+}
+
+/// The next request line of a request-answer connection (side channel, bootstrap
+/// server); `None` when the peer closed it or left it idle for [`IDLE_TIMEOUT`].
+pub(crate) async fn next_line<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+) -> io::Result<Option<Vec<u8>>> {
+    let mut line = Vec::new();
+    let read = timeout(
+        IDLE_TIMEOUT,
+        tokio::io::AsyncReadExt::take(reader, MAX_LINE).read_until(b'\n', &mut line),
+    )
+    .await;
+    match read {
+        Err(_) | Ok(Ok(0)) => Ok(None),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(_)) => Ok(Some(line)),
+    }
+}
+
+/// Writes one answer line, giving up if the peer does not take it in time.
+pub(crate) async fn write_line<W: tokio::io::AsyncWrite + Unpin>(
+    write: &mut W,
+    answer: &impl Serialize,
+) -> io::Result<()> {
+    let mut out = serde_json::to_vec(answer).map_err(io::Error::other)?;
+    out.push(b'\n');
+    timeout(IO_TIMEOUT, write.write_all(&out))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))?
+}
+
+/// The answer to a wait for KV at a rendezvous: the KV taken, or a timeout (counted)
+/// described by `what`.
+pub(crate) fn taken_or_timed_out(
+    counters: &Counters,
+    taken: Option<KvDigest>,
+    what: impl FnOnce() -> String,
+) -> BootstrapResponse {
+    match taken {
+        Some(digest) => {
+            bump(&counters.side_channel_served);
+            BootstrapResponse::success(digest)
+        }
+        None => {
+            bump(&counters.bootstrap_timeouts);
+            BootstrapResponse::timeout(what())
+        }
     }
 }
 
@@ -372,19 +407,13 @@ async fn serve_mooncake_pull(
         ));
     }
     let key = (pull.engine_id.clone(), pull.transfer_id.clone());
-    match side.transfers.take(counters, &key, side.wait).await {
-        Some(digest) => {
-            bump(&counters.side_channel_served);
-            BootstrapResponse::success(digest)
-        }
-        None => {
-            bump(&counters.bootstrap_timeouts);
-            BootstrapResponse::timeout(format!(
-                "no KV held for transfer id {:?} within {:?}",
-                pull.transfer_id, side.wait
-            ))
-        }
-    }
+    let taken = side.transfers.take(counters, &key, side.wait).await;
+    taken_or_timed_out(counters, taken, || {
+        format!(
+            "no KV held for transfer id {:?} within {:?}",
+            pull.transfer_id, side.wait
+        )
+    })
 }
 
 /// Resolves when the peer of a request-answer connection closes it (or the

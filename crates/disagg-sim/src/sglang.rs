@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::BufReader;
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
@@ -16,17 +16,11 @@ use crate::body::Endpoint;
 use crate::generate::{KvDigest, kv_digest};
 use crate::kv::{self, BootstrapResponse, KvTransferError, peer_gone};
 use crate::rendezvous::Rendezvous;
-use crate::stats::{Counters, bump};
+use crate::stats::Counters;
 
 /// SGLang's default `--disaggregation-bootstrap-port`, used by a decode when
 /// the request's `bootstrap_port` is null.
 pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
-/// Longest request line the bootstrap server accepts.
-const MAX_LINE: u64 = 4096;
-/// How long a bootstrap connection may sit idle before the server closes it.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// How long the server waits for a decode to read an answer.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// KV registered by a prefill under its rooms.
 pub(crate) type Rooms = Rendezvous<u64, KvDigest>;
@@ -177,42 +171,21 @@ pub(crate) async fn serve_bootstrap(
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
     let mut reader = BufReader::new(read);
-    loop {
-        let mut line = Vec::new();
-        let read = timeout(
-            IDLE_TIMEOUT,
-            tokio::io::AsyncReadExt::take(&mut reader, MAX_LINE).read_until(b'\n', &mut line),
-        )
-        .await;
-        match read {
-            Err(_) | Ok(Ok(0)) => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-            Ok(Ok(_)) => {}
-        }
+    while let Some(line) = kv::next_line(&mut reader).await? {
         let answer = match serde_json::from_slice::<BootstrapRequest>(&line) {
             Err(e) => BootstrapResponse::failure(format!("malformed request: {e}")),
             Ok(BootstrapRequest { room }) => tokio::select! {
-                taken = rooms.take(counters, &room, wait) => match taken {
-                    Some(digest) => {
-                        bump(&counters.side_channel_served);
-                        BootstrapResponse::success(digest)
-                    }
-                    None => {
-                        bump(&counters.bootstrap_timeouts);
-                        BootstrapResponse::timeout(format!(
-                            "room {room} was not registered within {wait:?}"
-                        ))
-                    }
-                },
+                taken = rooms.take(counters, &room, wait) => kv::taken_or_timed_out(
+                    counters,
+                    taken,
+                    || format!("room {room} was not registered within {wait:?}"),
+                ),
                 () = peer_gone(&mut reader) => return Ok(()),
             },
         };
-        let mut out = serde_json::to_vec(&answer).map_err(io::Error::other)?;
-        out.push(b'\n');
-        timeout(WRITE_TIMEOUT, write.write_all(&out))
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "answer not taken"))??;
+        kv::write_line(&mut write, &answer).await?;
     }
+    Ok(())
 }
 
 /// Takes the KV of one room from the bootstrap server at `host:port`,
