@@ -462,7 +462,7 @@ impl Inner {
         mut handoff: Handoff,
     ) -> Result<Response<PdBody>, PdError> {
         let start = Instant::now();
-        let prefill = Box::pin(self.prefill(req, &handoff.prefill));
+        let prefill = self.prefill(req, &handoff.prefill);
         let mut timing = Timing::default();
         let failed = |route: &Route, outcome, e| {
             self.observe(route, outcome);
@@ -507,15 +507,16 @@ impl Inner {
                 };
                 (mark, None)
             }
-            Dispatch::Concurrent => ("kv", Some(prefill)),
+            // Boxed only here: the race needs it pinned, and it may move into the body.
+            Dispatch::Concurrent => ("kv", Some(Box::pin(prefill))),
         };
 
         let guard = handoff.decode.endpoint.track();
         let decode_start = Instant::now();
-        let decode = Box::pin(self.decode_head(req, &handoff.decode));
+        let decode = self.decode_head(req, &handoff.decode);
         let (head, pending) = match pending {
             None => (decode.await, None),
-            Some(prefill) => match select(prefill, decode).await {
+            Some(prefill) => match select(prefill, Box::pin(decode)).await {
                 // The prefill ended first: a failure ends the attempt (dropping the
                 // decode leg); a success leaves the decode to finish.
                 Either::Left((p, decode)) => match self.prefill_answer(&route, req, p) {

@@ -198,6 +198,12 @@ fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
         .collect()
 }
 
+/// `s` as a JSON string (quoted and escaped).
+fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    // Serializing a `str` into a `Vec` cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -223,13 +229,14 @@ impl KvConnector for VllmMooncake {
             rank: route.prefill_rank.unwrap_or(0),
         };
         let mut body = self.rewriter.rewrite(req.api(), req.body());
-        body.set(
+        // Written directly (the id is `xfer-` and hex digits, nothing to escape): a
+        // `serde_json::Value` here cost more than the rest of `prepare`.
+        body.set_raw(
             "kv_transfer_params",
-            &serde_json::json!({
-                "do_remote_decode": true,
-                "do_remote_prefill": false,
-                "transfer_id": plan.transfer_id,
-            }),
+            Bytes::from(format!(
+                r#"{{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"{}"}}"#,
+                plan.transfer_id
+            )),
         );
         let mut prefill = Leg::new(prefill_ep, body);
         if let Some(rank) = route.prefill_rank {
@@ -248,7 +255,7 @@ impl KvConnector for VllmMooncake {
         handoff: &mut Handoff,
         transport: &dyn Transport,
     ) -> Result<(), ConnectorError> {
-        let Some(plan) = handoff.ext.get::<Plan>().cloned() else {
+        let Some(plan) = handoff.ext.remove::<Plan>() else {
             // Not a plan of ours: nothing to resolve.
             return Ok(());
         };
@@ -279,16 +286,20 @@ impl KvConnector for VllmMooncake {
         let engine_id = engines.get(&plan.rank).ok_or_else(|| {
             bootstrap_error(format!("it serves no data-parallel rank {}", plan.rank).into())
         })?;
-        handoff.decode.body.set(
-            "kv_transfer_params",
-            &serde_json::json!({
-                "do_remote_prefill": true,
-                "do_remote_decode": false,
-                "remote_bootstrap_addr": plan.bootstrap_addr,
-                "remote_engine_id": &**engine_id,
-                "transfer_id": plan.transfer_id,
-            }),
+        let mut params = Vec::with_capacity(192);
+        params.extend_from_slice(
+            br#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_bootstrap_addr":"#,
         );
+        push_json_str(&mut params, &plan.bootstrap_addr);
+        params.extend_from_slice(br#","remote_engine_id":"#);
+        push_json_str(&mut params, engine_id);
+        params.extend_from_slice(br#","transfer_id":"#);
+        push_json_str(&mut params, &plan.transfer_id);
+        params.push(b'}');
+        handoff
+            .decode
+            .body
+            .set_raw("kv_transfer_params", Bytes::from(params));
         Ok(())
     }
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Instructions per request of the proxy's request path, counted by callgrind (repeatable
+# where wall-clock CPU figures on a shared 2-core machine are not; docs/performance.md).
+#
+#   scripts/instructions.sh [PROXY_BINARY] [CONNECTOR]
+#
+# Starts two simulated engines (prefill and decode, speaking CONNECTOR: nixl, sglang or
+# mooncake; default nixl) and the proxy under `valgrind --tool=callgrind --threads 1`,
+# sends WARM then WARM+N sequential non-streaming chat requests (about 250 bytes) over one
+# keep-alive connection in two runs, and prints (I(WARM+N) - I(WARM)) / N: start-up
+# cost cancels out. Needs valgrind and python3; everything listens on 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BIN=${1:-target/release/disagg-proxy}
+CONNECTOR=${2:-nixl}
+WARM=${WARM:-200}
+N=${N:-2000}
+# The engines always run from this tree's build; only the measured proxy may be another
+# binary (an older commit's, for a before/after comparison).
+cargo build --release -q -p disagg-proxy
+SIM=target/release/disagg-proxy
+OUT=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$OUT"' EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+case "$CONNECTOR" in
+  nixl) PMODE=nixl; DMODE=nixl ;;
+  sglang) PMODE=sglang-prefill; DMODE=sglang-decode ;;
+  mooncake) PMODE=mooncake-prefill; DMODE=mooncake-decode ;;
+  *) echo "unknown connector $CONNECTOR" >&2; exit 2 ;;
+esac
+
+P=$(free_port); PS=$(free_port); PB=$(free_port); D=$(free_port); DS=$(free_port)
+if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
+  BOOT=(--bootstrap 127.0.0.1:$PB); PORT_ARG=("$PB"); CONN=(--connector "$CONNECTOR"); fi
+"$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" \
+  --kv-mode $PMODE >/dev/null 2>&1 &
+"$SIM" sim --listen 127.0.0.1:$D --side-channel 127.0.0.1:$DS --kv-mode $DMODE >/dev/null 2>&1 &
+sleep 0.5
+PREFILL="http://127.0.0.1:$P"
+
+count() { # requests → total instructions of one proxy run
+  local n=$1 port
+  port=$(free_port)
+  valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
+    "$BIN" serve --threads 1 --listen 127.0.0.1:$port "${CONN[@]}" \
+    --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "http://127.0.0.1:$D" \
+    >/dev/null 2>"$OUT/log.$n" &
+  local pid=$!
+  python3 - "$port" "$n" <<'EOF'
+import http.client, json, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+body = json.dumps({"model": "sim-model", "max_tokens": 16,
+                   "messages": [{"role": "user", "content": "x " * 100}]})
+for _ in range(600):
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port); c.connect(); break
+    except OSError:
+        time.sleep(0.05)
+for _ in range(n):
+    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    r = c.getresponse(); data = r.read()
+    assert r.status == 200, (r.status, data)
+EOF
+  kill -TERM $pid; wait $pid || true
+  grep -E '^(summary|totals):' "$OUT/cg.$n" | head -1 | awk '{print $2}'
+}
+
+A=$(count "$WARM")
+B=$(count "$((WARM + N))")
+echo "$CONNECTOR: $(( (B - A) / N )) instructions per request ($BIN)"
