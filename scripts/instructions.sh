@@ -3,6 +3,7 @@
 # where wall-clock CPU figures on a shared 2-core machine are not; docs/performance.md).
 #
 #   scripts/instructions.sh [PROXY_BINARY] [CONNECTOR]
+#   STREAM=1 scripts/instructions.sh ...     (streamed answers, 16 tokens each)
 #
 # Starts two simulated engines (prefill and decode, speaking CONNECTOR: nixl, sglang or
 # mooncake; default nixl) and the proxy under `valgrind --tool=callgrind --threads 1`,
@@ -49,10 +50,10 @@ count() { # requests → total instructions of one proxy run
     --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "http://127.0.0.1:$D" \
     >/dev/null 2>"$OUT/log.$n" &
   local pid=$!
-  python3 - "$port" "$n" <<'EOF'
+  python3 - "$port" "$n" "${STREAM:-0}" <<'EOF'
 import http.client, json, sys, time
-port, n = int(sys.argv[1]), int(sys.argv[2])
-body = json.dumps({"model": "sim-model", "max_tokens": 16,
+port, n, stream = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": stream,
                    "messages": [{"role": "user", "content": "x " * 100}]})
 for _ in range(600):
     try:
@@ -70,4 +71,4 @@ EOF
 
 A=$(count "$WARM")
 B=$(count "$((WARM + N))")
-echo "$CONNECTOR: $(( (B - A) / N )) instructions per request ($BIN)"
+echo "$CONNECTOR$([ "${STREAM:-0}" = 1 ] && echo ' (streamed)'): $(( (B - A) / N )) instructions per request ($BIN)"
