@@ -362,7 +362,8 @@ impl fmt::Debug for JsonBody {
     }
 }
 
-fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
+/// `s` as a JSON string: copied between quotes when nothing needs escaping.
+pub(crate) fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     if s.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.push(b'"');
         out.extend_from_slice(s);

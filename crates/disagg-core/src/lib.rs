@@ -61,6 +61,12 @@ pub mod source;
 pub mod transport;
 
 pub use body::JsonBody;
+
+/// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
+/// section in this crate leaves its data consistent).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, Leg, SglangBootstrap, VllmMooncake, VllmNixl,
 };

@@ -398,6 +398,12 @@ impl Inner {
         self.connector.observe(route, outcome);
     }
 
+    /// `e` ends the attempt over `route`: tell the router and the connector how.
+    fn failed(&self, route: &Route, outcome: Outcome, e: PdError) -> PdError {
+        self.observe(route, outcome);
+        e
+    }
+
     async fn serve(self: Arc<Self>, req: PdRequest) -> Result<Response<PdBody>, PdError> {
         let mut retries = self.config.retries;
         loop {
@@ -437,16 +443,19 @@ impl Inner {
                 }
             };
         }
-        let fail = |route: &Route, e: PdError| {
-            self.observe(route, Outcome::PrefillFailed);
-            e
+        let prefill_failed = |e| {
+            self.failed(
+                &route,
+                Outcome::PrefillFailed,
+                PdError::connector(Side::Prefill, e),
+            )
         };
-        let mut handoff = match self.connector.prepare(&route, req) {
-            Ok(h) => h,
-            Err(e) => return Err(fail(&route, PdError::connector(Side::Prefill, e))),
-        };
+        let mut handoff = self
+            .connector
+            .prepare(&route, req)
+            .map_err(prefill_failed)?;
         if let Err(e) = self.connector.resolve(&mut handoff, &*self.transport).await {
-            return Err(fail(&route, PdError::connector(Side::Prefill, e)));
+            return Err(prefill_failed(e));
         }
         self.dispatch(req, route, handoff).await
     }
@@ -464,10 +473,6 @@ impl Inner {
         let start = Instant::now();
         let prefill = self.prefill(req, &handoff.prefill);
         let mut timing = Timing::default();
-        let failed = |route: &Route, outcome, e| {
-            self.observe(route, outcome);
-            Err(e)
-        };
 
         let (mark, pending) = match handoff.dispatch {
             Dispatch::AfterPrefill => {
@@ -501,9 +506,9 @@ impl Inner {
                                 field: "kv handoff",
                             },
                         );
-                        return failed(&route, Outcome::PrefillFailed, e);
+                        return Err(self.failed(&route, Outcome::PrefillFailed, e));
                     }
-                    Err(e) => return failed(&route, Outcome::PrefillFailed, e),
+                    Err(e) => return Err(self.failed(&route, Outcome::PrefillFailed, e)),
                 };
                 (mark, None)
             }
@@ -532,7 +537,7 @@ impl Inner {
         };
         let head = match head {
             Ok(h) => h,
-            Err(e) => return failed(&route, Outcome::DecodeFailed, e),
+            Err(e) => return Err(self.failed(&route, Outcome::DecodeFailed, e)),
         };
         timing.decode_head = Some(decode_start.elapsed());
         // A decode that answered an error needs no KV: the prefill leg is dropped.
@@ -699,10 +704,7 @@ impl Inner {
                 timing.decode_head = Some(start.elapsed());
                 Ok(self.respond(req, route, guard, head, mark, timing, None))
             }
-            Err(e) => {
-                self.observe(&route, Outcome::DecodeFailed);
-                Err(e)
-            }
+            Err(e) => Err(self.failed(&route, Outcome::DecodeFailed, e)),
         }
     }
 

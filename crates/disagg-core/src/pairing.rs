@@ -27,6 +27,7 @@ use tokio::sync::watch;
 
 use crate::connector::KvConnector;
 use crate::endpoint::{EndpointId, EndpointSet};
+use crate::lock;
 use crate::source::EndpointSource;
 
 /// An engine's `kv_role` (vLLM `kv_transfer_config.kv_role`; SGLang's
@@ -362,10 +363,6 @@ impl EndpointSource for ValidatedSource {
     fn snapshot(&self) -> Arc<EndpointSet> {
         self.shared.tx.borrow().clone()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

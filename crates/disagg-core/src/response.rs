@@ -197,16 +197,16 @@ impl Body for PdBody {
                 }
             }
         }
-        if let Some(end) = this.end.take() {
-            if matches!(end, End::Eos) && this.prefill.is_some() {
-                // The decode is done; the stream ends when the prefill leg has too (it
-                // was polled above, so its progress wakes this body).
-                *this.end = Some(end);
-                return Poll::Pending;
-            }
-            return end_with(end, *this.sse, this.done, this.finish);
-        }
         loop {
+            if let Some(end) = this.end.take() {
+                if matches!(end, End::Eos) && this.prefill.is_some() {
+                    // The decode is done; the stream ends when the prefill leg has too
+                    // (it was polled above, so its progress wakes this body).
+                    *this.end = Some(end);
+                    return Poll::Pending;
+                }
+                return end_with(end, *this.sse, this.done, this.finish);
+            }
             if this.joined.len() >= MAX_JOINED {
                 return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
             }
@@ -244,14 +244,11 @@ impl Body for PdBody {
                     return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
                 }
             };
-            if this.joined.is_empty() {
-                if matches!(next, End::Eos) && this.prefill.is_some() {
-                    *this.end = Some(next);
-                    return Poll::Pending;
-                }
-                return end_with(next, *this.sse, this.done, this.finish);
-            }
             *this.end = Some(next);
+            if this.joined.is_empty() {
+                // Nothing joined to hand over first: end now (top of the loop).
+                continue;
+            }
             return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
         }
     }

@@ -29,10 +29,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
+use crate::body::write_json_str;
 use crate::connector::room::Rooms;
 use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
 use crate::endpoint::EndpointId;
 use crate::error::{BoxError, ConnectorError};
+use crate::lock;
 use crate::request::PdRequest;
 use crate::rewrite::PrefillRewriter;
 use crate::router::{Outcome, Route};
@@ -198,16 +200,6 @@ fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
         .collect()
 }
 
-/// `s` as a JSON string (quoted and escaped).
-fn push_json_str(out: &mut Vec<u8>, s: &str) {
-    // Serializing a `str` into a `Vec` cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 #[async_trait]
 impl KvConnector for VllmMooncake {
     fn name(&self) -> &'static str {
@@ -290,11 +282,11 @@ impl KvConnector for VllmMooncake {
         params.extend_from_slice(
             br#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_bootstrap_addr":"#,
         );
-        push_json_str(&mut params, &plan.bootstrap_addr);
+        write_json_str(&mut params, plan.bootstrap_addr.as_bytes());
         params.extend_from_slice(br#","remote_engine_id":"#);
-        push_json_str(&mut params, engine_id);
+        write_json_str(&mut params, engine_id.as_bytes());
         params.extend_from_slice(br#","transfer_id":"#);
-        push_json_str(&mut params, &plan.transfer_id);
+        write_json_str(&mut params, plan.transfer_id.as_bytes());
         params.push(b'}');
         handoff
             .decode
