@@ -589,3 +589,14 @@ pub(crate) async fn pull(
         )),
     }
 }
+
+/// Whether KV fetched from a peer is the KV of this engine's own prompt.
+pub(crate) fn check_kv(remote: &KvDigest, own: &KvDigest) -> Result<(), KvTransferError> {
+    if remote.blocks.len() != own.blocks.len() {
+        Err(KvTransferError::Mismatch("wrong number of blocks"))
+    } else if remote != own {
+        Err(KvTransferError::Mismatch("block contents differ"))
+    } else {
+        Ok(())
+    }
+}

@@ -25,9 +25,7 @@ use tokio::time::{Instant, timeout_at};
 use crate::api::{Answer, ApiError, CompletionRequest, KvParamsOut, truthy};
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
-use crate::generate::{
-    Finish, GenParams, Generation, KvDigest, generate_choice, kv_digest, prompt_hash,
-};
+use crate::generate::{Finish, GenParams, Generation, generate_choice, kv_digest, prompt_hash};
 use crate::kv::{self, KvStore, KvTransferError, lock};
 use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
@@ -719,17 +717,6 @@ fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> Api
     )
 }
 
-/// Checks KV pulled from a prefill against the KV of our own prompt.
-fn check_kv(remote: &KvDigest, own: &KvDigest) -> Result<(), KvTransferError> {
-    if remote.blocks.len() != own.blocks.len() {
-        Err(KvTransferError::Mismatch("wrong number of blocks"))
-    } else if remote != own {
-        Err(KvTransferError::Mismatch("block contents differ"))
-    } else {
-        Ok(())
-    }
-}
-
 /// SGLang prefill: registers the KV of every element under its room and
 /// waits until decodes took them all, within the bootstrap timeout. The
 /// rooms are withdrawn on every way out (timeout, cancellation).
@@ -797,47 +784,42 @@ async fn serve_completion(
         tokio::time::sleep(config.request_delay).await;
     }
 
-    // KV: pulled from a remote prefill, or computed here.
-    let mut remote_kv = false;
-    match &plan {
-        Plan::Nixl => {
-            if let Some(p) = params.filter(|p| truthy(p.get("do_remote_prefill"))) {
-                if valid_decode_params(p) {
-                    let own = kv_digest(&config.model, config.block_size, request.tokens());
-                    let pulled = kv::pull(&inner.side_pool, p)
-                        .await
-                        .and_then(|remote| check_kv(&remote, &own));
-                    if let Err(e) = pulled {
-                        return Err((kv_failure(counters, &e, request_id), guard));
-                    }
-                    bump(&counters.remote_decodes);
-                    remote_kv = true;
-                } else {
-                    bump(&counters.invalid_kv_params);
-                    tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
-                }
+    // KV: fetched from a remote prefill (checked against this prompt's own), or computed
+    // here. `None`: this request takes no remote KV.
+    let own = || kv_digest(&config.model, config.block_size, request.tokens());
+    let fetched = match &plan {
+        Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
+            Some(p) if valid_decode_params(p) => Some(
+                kv::pull(&inner.side_pool, p)
+                    .await
+                    .and_then(|remote| kv::check_kv(&remote, &own())),
+            ),
+            Some(_) => {
+                bump(&counters.invalid_kv_params);
+                tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
+                None
             }
-        }
+            None => None,
+        },
+        // Each element's KV is checked against its own prompt as it arrives.
         Plan::SglangDecode(elements) => {
-            if let Err(e) = sglang::fetch(elements, config.bootstrap_timeout).await {
-                return Err((kv_failure(counters, &e, request_id), guard));
-            }
-            bump(&counters.remote_decodes);
-            remote_kv = true;
+            Some(sglang::fetch(elements, config.bootstrap_timeout).await)
         }
-        Plan::MooncakeDecode(remote) => {
-            let own = kv_digest(&config.model, config.block_size, request.tokens());
-            let pulled = mooncake::fetch(remote, config.bootstrap_timeout)
+        Plan::MooncakeDecode(remote) => Some(
+            mooncake::fetch(remote, config.bootstrap_timeout)
                 .await
-                .and_then(|remote| check_kv(&remote, &own));
-            if let Err(e) = pulled {
-                return Err((kv_failure(counters, &e, request_id), guard));
-            }
+                .and_then(|remote| kv::check_kv(&remote, &own())),
+        ),
+        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } => None,
+    };
+    let remote_kv = match fetched {
+        Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
+        Some(Ok(())) => {
             bump(&counters.remote_decodes);
-            remote_kv = true;
+            true
         }
-        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } => {}
-    }
+        None => false,
+    };
     if !remote_kv {
         bump(&counters.local_prefills);
         let tokens = u32::try_from(request.prompt_tokens).unwrap_or(u32::MAX);

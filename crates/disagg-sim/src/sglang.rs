@@ -222,13 +222,7 @@ pub(crate) async fn fetch(elements: &[Element], wait: Duration) -> Result<(), Kv
             .map_err(|_| {
                 KvTransferError::PeerTimeout(format!("no prefill for room {room} within {wait:?}"))
             })??;
-        if remote.blocks.len() != e.digest.blocks.len() {
-            Err(KvTransferError::Mismatch("wrong number of blocks"))
-        } else if remote != e.digest {
-            Err(KvTransferError::Mismatch("block contents differ"))
-        } else {
-            Ok(())
-        }
+        kv::check_kv(&remote, &e.digest)
     });
     futures::future::try_join_all(fetches).await.map(drop)
 }
