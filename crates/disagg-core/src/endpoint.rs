@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use http::Uri;
 
+use crate::error::RouteError;
 use crate::request::Api;
 use http::uri::{Authority, Scheme};
 
@@ -78,9 +79,23 @@ pub enum EndpointError {
         /// What was given.
         url: String,
     },
+    /// The `@RANK` suffix is not a data-parallel rank.
+    #[error("endpoint `{url}`: the data-parallel rank after `@` must fit in 32 bits")]
+    InvalidRank {
+        /// What was given.
+        url: String,
+    },
 }
 
-/// One engine: where it is, what it does, and how busy it is now.
+/// One engine (or one data-parallel rank of an engine): where it is, what it does, what
+/// it serves and how busy it is now.
+///
+/// An engine that runs several data-parallel (DP) ranks behind one HTTP server is
+/// configured as one endpoint per rank, written `URL@RANK` (`http://10.0.0.5:8100@1`).
+/// Each rank is then a routing candidate of its own with its own in-flight count, so
+/// every policy spreads, pins or balances over ranks without knowing about them; the
+/// ranks share the engine's connection pool, and the route carries the rank to the
+/// connector, which passes it on as its protocol says.
 ///
 /// Protocol data (a bootstrap port, NIXL ranks) does not live here as fields: connectors
 /// keep their typed values in [`ext`](Self::ext).
@@ -89,6 +104,8 @@ pub struct Endpoint {
     scheme: Scheme,
     authority: Authority,
     role: Role,
+    rank: Option<u32>,
+    models: Option<Arc<[Arc<str>]>>,
     in_flight: AtomicUsize,
     ext: http::Extensions,
     /// The URIs of the two completion APIs, built once: a leg's request then clones
@@ -98,11 +115,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// An endpoint at `url` (`http://host:port`, a trailing `/` allowed) with `role`.
+    /// An endpoint at `url` (`http://host:port`, a trailing `/` allowed) with `role`;
+    /// `url@RANK` names one data-parallel rank of the engine.
     ///
     /// # Errors
     ///
-    /// [`EndpointError`] when `url` is not an absolute `http` URL without a path.
+    /// [`EndpointError`] when `url` is not an absolute `http` URL without a path, or its
+    /// rank is not a number.
     ///
     /// # Examples
     ///
@@ -110,6 +129,11 @@ impl Endpoint {
     /// use disagg_core::endpoint::{Endpoint, Role};
     /// let p = Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?;
     /// assert_eq!(p.host(), "10.0.0.5");
+    /// assert_eq!(p.rank(), None);
+    ///
+    /// let rank = Endpoint::new("http://10.0.0.5:8100@3", Role::Prefill)?;
+    /// assert_eq!((rank.authority().as_str(), rank.rank()), ("10.0.0.5:8100", Some(3)));
+    /// assert_eq!(rank.id().as_str(), "http://10.0.0.5:8100@3");
     /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
     /// ```
     pub fn new(url: &str, role: Role) -> Result<Self, EndpointError> {
@@ -126,7 +150,8 @@ impl Endpoint {
         role: Role,
         ext: http::Extensions,
     ) -> Result<Self, EndpointError> {
-        let trimmed = url.trim_end_matches('/');
+        let (base, rank) = split_rank(url)?;
+        let trimmed = base.trim_end_matches('/');
         let uri: Uri = trimmed
             .parse()
             .map_err(|source| EndpointError::InvalidUrl {
@@ -141,7 +166,10 @@ impl Endpoint {
         if scheme != Scheme::HTTP {
             return Err(unsupported());
         }
-        let authority = parts.authority.ok_or_else(unsupported)?;
+        let authority = parts
+            .authority
+            .filter(|a| !a.as_str().contains('@'))
+            .ok_or_else(unsupported)?;
         if parts
             .path_and_query
             .is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty())
@@ -156,8 +184,14 @@ impl Endpoint {
                 .build()
                 .map_err(|_| unsupported())
         };
+        let id = match rank {
+            Some(r) => EndpointId::from(format!("{trimmed}@{r}")),
+            None => EndpointId::from(trimmed),
+        };
         Ok(Endpoint {
-            id: EndpointId::from(trimmed),
+            id,
+            rank,
+            models: None,
             chat_uri: api_uri(Api::Chat)?,
             completions_uri: api_uri(Api::Completions)?,
             scheme,
@@ -168,9 +202,40 @@ impl Endpoint {
         })
     }
 
-    /// The endpoint's id (its base URL).
+    /// The same endpoint, serving only `models` (the names clients put in `model`).
+    ///
+    /// An endpoint that declares no models serves any model. Once any endpoint of a set
+    /// declares models, the set routes by model: see [`EndpointSet::for_model`].
+    pub fn with_models<I>(mut self, models: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<Arc<str>>,
+    {
+        self.models = Some(models.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// The endpoint's id: its base URL, with `@RANK` for a data-parallel rank.
     pub fn id(&self) -> &EndpointId {
         &self.id
+    }
+
+    /// The data-parallel rank this endpoint stands for, if it names one.
+    pub fn rank(&self) -> Option<u32> {
+        self.rank
+    }
+
+    /// The models this endpoint declares it serves; `None` when it declares none (and
+    /// serves any).
+    pub fn models(&self) -> Option<&[Arc<str>]> {
+        self.models.as_deref()
+    }
+
+    /// Whether this endpoint serves `model`: it declares it, or declares no models.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models
+            .as_deref()
+            .is_none_or(|ms| ms.iter().any(|m| &**m == model))
     }
 
     /// The endpoint's role.
@@ -245,6 +310,21 @@ impl fmt::Debug for Endpoint {
     }
 }
 
+/// `url` without a trailing `@RANK`, and the rank. A URL with user information
+/// (`http://user@host`) is not an engine URL; an `@` whose tail is not a number is left
+/// for the URL check to refuse.
+fn split_rank(url: &str) -> Result<(&str, Option<u32>), EndpointError> {
+    match url.rsplit_once('@') {
+        Some((base, rank)) if !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
+            let rank = rank.parse().map_err(|_| EndpointError::InvalidRank {
+                url: url.to_owned(),
+            })?;
+            Ok((base, Some(rank)))
+        }
+        _ => Ok((url, None)),
+    }
+}
+
 /// Holds one unit of an endpoint's in-flight count; dropping it releases the unit.
 ///
 /// The orchestrator keeps the decode leg's guard inside the response body, so a stream is
@@ -268,15 +348,38 @@ impl Drop for InFlightGuard {
 }
 
 /// An immutable snapshot of the endpoints requests may go to, by role.
+///
+/// When any endpoint declares the models it serves ([`Endpoint::with_models`]), the set
+/// also holds, built once here, the subset of endpoints for each model, and requests are
+/// routed by their `model` ([`for_model`](Self::for_model)); a lookup on the request path
+/// costs one hash of the model name and allocates nothing.
 #[derive(Debug, Clone, Default)]
 pub struct EndpointSet {
     prefill: Vec<Arc<Endpoint>>,
     decode: Vec<Arc<Endpoint>>,
+    models: Option<Arc<ModelIndex>>,
+}
+
+/// The per-model subsets of a set whose endpoints declare models.
+#[derive(Debug)]
+struct ModelIndex {
+    /// Each declared model: the endpoints declaring it, plus those declaring none.
+    by_model: std::collections::HashMap<Arc<str>, EndpointSet>,
+    /// The endpoints declaring no model: they serve any name the others do not.
+    undeclared: EndpointSet,
+    /// The models some decode endpoint declares, sorted.
+    served: Arc<[Arc<str>]>,
 }
 
 impl EndpointSet {
     /// A set from endpoints of either role.
     pub fn new(endpoints: impl IntoIterator<Item = Arc<Endpoint>>) -> Self {
+        let mut set = Self::by_roles(endpoints);
+        set.models = ModelIndex::build(&set).map(Arc::new);
+        set
+    }
+
+    fn by_roles(endpoints: impl IntoIterator<Item = Arc<Endpoint>>) -> Self {
         let mut set = EndpointSet::default();
         for ep in endpoints {
             match ep.role() {
@@ -303,6 +406,99 @@ impl EndpointSet {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
         }
+    }
+
+    /// Whether the endpoints declare the models they serve (and requests are routed by
+    /// model).
+    pub fn routes_by_model(&self) -> bool {
+        self.models.is_some()
+    }
+
+    /// The models some decode endpoint declares, sorted; empty when no endpoint
+    /// declares any.
+    pub fn served_models(&self) -> &[Arc<str>] {
+        self.models.as_ref().map_or(&[], |m| &m.served)
+    }
+
+    /// The endpoints that serve `model`: the whole set when no endpoint declares models;
+    /// otherwise those declaring `model` and those declaring none. A request without a
+    /// model goes to the one model served, if there is just one.
+    ///
+    /// # Errors
+    ///
+    /// [`RouteError::UnknownModel`](crate::RouteError::UnknownModel) when no decode
+    /// endpoint serves `model`, and
+    /// [`RouteError::ModelRequired`](crate::RouteError::ModelRequired) when the request
+    /// names no model and the endpoints serve several.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use disagg_core::{Endpoint, EndpointSet, Role, RouteError};
+    ///
+    /// let set = EndpointSet::new([
+    ///     Endpoint::new("http://p1:8100", Role::Prefill)?.with_models(["llama"]),
+    ///     Endpoint::new("http://d1:8200", Role::Decode)?.with_models(["llama"]),
+    ///     Endpoint::new("http://d2:8200", Role::Decode)?.with_models(["qwen"]),
+    /// ].map(Arc::new));
+    /// let llama = set.for_model(Some("llama"))?;
+    /// assert_eq!(llama.decode()[0].id().as_str(), "http://d1:8200");
+    /// assert!(matches!(set.for_model(Some("gpt")), Err(RouteError::UnknownModel { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn for_model(&self, model: Option<&str>) -> Result<&EndpointSet, RouteError> {
+        let Some(index) = &self.models else {
+            return Ok(self);
+        };
+        let found = match model {
+            Some(m) => index.by_model.get(m).or(Some(&index.undeclared)),
+            None => match &*index.served {
+                [only] => index.by_model.get(only),
+                _ => Some(&index.undeclared),
+            },
+        };
+        match (found, model) {
+            (Some(set), _) if !set.decode.is_empty() => Ok(set),
+            (_, Some(m)) => Err(RouteError::UnknownModel {
+                model: m.to_owned(),
+                served: Arc::clone(&index.served),
+            }),
+            (_, None) => Err(RouteError::ModelRequired {
+                served: Arc::clone(&index.served),
+            }),
+        }
+    }
+}
+
+impl ModelIndex {
+    /// The index of `set`, or `None` when no endpoint declares a model.
+    fn build(set: &EndpointSet) -> Option<ModelIndex> {
+        let all = || set.prefill.iter().chain(&set.decode);
+        all().find_map(|e| e.models())?;
+        let declared: std::collections::BTreeSet<&Arc<str>> =
+            all().filter_map(|e| e.models()).flatten().collect();
+        let subset = |keep: &dyn Fn(&Endpoint) -> bool| {
+            EndpointSet::by_roles(all().filter(|e| keep(e)).cloned())
+        };
+        let by_model = declared
+            .iter()
+            .map(|m| ((*m).clone(), subset(&|e| e.serves(m))))
+            .collect();
+        let served = set
+            .decode
+            .iter()
+            .filter_map(|e| e.models())
+            .flatten()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .cloned()
+            .collect();
+        Some(ModelIndex {
+            by_model,
+            undeclared: subset(&|e| e.models().is_none()),
+            served,
+        })
     }
 }
 
@@ -335,5 +531,108 @@ mod tests {
         assert_eq!(ep.in_flight(), 1);
         drop(b);
         assert_eq!(ep.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_rank_suffix_names_a_data_parallel_rank() {
+        let ep = Endpoint::new("http://10.0.0.1:8100/@7", Role::Prefill).unwrap();
+        assert_eq!(ep.rank(), Some(7));
+        assert_eq!(ep.id().as_str(), "http://10.0.0.1:8100@7");
+        assert_eq!(ep.authority().as_str(), "10.0.0.1:8100");
+        assert_eq!(
+            ep.api_uri(Api::Chat).unwrap().to_string(),
+            "http://10.0.0.1:8100/v1/chat/completions"
+        );
+        assert!(matches!(
+            Endpoint::new("http://h:1@99999999999", Role::Decode),
+            Err(EndpointError::InvalidRank { .. })
+        ));
+        // User information is no rank, and no engine URL either.
+        assert!(Endpoint::new("http://user@h:1", Role::Decode).is_err());
+        let route = crate::router::Route::new(
+            Some(Arc::new(ep)),
+            Arc::new(Endpoint::new("http://d:1@2", Role::Decode).unwrap()),
+        );
+        assert_eq!((route.prefill_rank, route.decode_rank), (Some(7), Some(2)));
+    }
+
+    fn ep(url: &str, role: Role, models: &[&str]) -> Arc<Endpoint> {
+        let ep = Endpoint::new(url, role).unwrap();
+        Arc::new(if models.is_empty() {
+            ep
+        } else {
+            ep.with_models(models.iter().copied())
+        })
+    }
+
+    fn ids(eps: &[Arc<Endpoint>]) -> Vec<&str> {
+        eps.iter().map(|e| e.id().as_str()).collect()
+    }
+
+    #[test]
+    fn a_set_without_declared_models_serves_any() {
+        let set = EndpointSet::new([
+            ep("http://p:1", Role::Prefill, &[]),
+            ep("http://d:1", Role::Decode, &[]),
+        ]);
+        assert!(!set.routes_by_model());
+        assert!(set.served_models().is_empty());
+        assert!(std::ptr::eq(set.for_model(Some("anything")).unwrap(), &set));
+        assert!(std::ptr::eq(set.for_model(None).unwrap(), &set));
+    }
+
+    #[test]
+    fn models_limit_the_candidates() {
+        let set = EndpointSet::new([
+            ep("http://p1:1", Role::Prefill, &["llama"]),
+            ep("http://p2:1", Role::Prefill, &["qwen", "llama"]),
+            ep("http://d1:1", Role::Decode, &["llama"]),
+            ep("http://d2:1", Role::Decode, &["qwen"]),
+            ep("http://p3:1", Role::Prefill, &["mistral"]),
+        ]);
+        assert!(set.routes_by_model());
+        assert_eq!(
+            set.served_models().iter().map(|m| &**m).collect::<Vec<_>>(),
+            ["llama", "qwen"],
+            "a model only a prefill serves cannot be served"
+        );
+        let llama = set.for_model(Some("llama")).unwrap();
+        assert_eq!(ids(llama.prefill()), ["http://p1:1", "http://p2:1"]);
+        assert_eq!(ids(llama.decode()), ["http://d1:1"]);
+        let qwen = set.for_model(Some("qwen")).unwrap();
+        assert_eq!(ids(qwen.prefill()), ["http://p2:1"]);
+        assert_eq!(ids(qwen.decode()), ["http://d2:1"]);
+        match set.for_model(Some("mistral")) {
+            Err(RouteError::UnknownModel { model, served }) => {
+                assert_eq!(model, "mistral");
+                assert_eq!(served.len(), 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            set.for_model(Some("gpt")),
+            Err(RouteError::UnknownModel { .. })
+        ));
+        assert!(matches!(
+            set.for_model(None),
+            Err(RouteError::ModelRequired { .. })
+        ));
+    }
+
+    #[test]
+    fn undeclared_endpoints_serve_every_model_and_the_rest() {
+        let set = EndpointSet::new([
+            ep("http://p1:1", Role::Prefill, &[]),
+            ep("http://d1:1", Role::Decode, &["llama"]),
+            ep("http://d2:1", Role::Decode, &[]),
+        ]);
+        let llama = set.for_model(Some("llama")).unwrap();
+        assert_eq!(ids(llama.prefill()), ["http://p1:1"]);
+        assert_eq!(ids(llama.decode()), ["http://d1:1", "http://d2:1"]);
+        let other = set.for_model(Some("other")).unwrap();
+        assert_eq!(ids(other.decode()), ["http://d2:1"]);
+        // One declared model: a request naming none goes to it.
+        let one = EndpointSet::new([ep("http://d1:1", Role::Decode, &["llama"])]);
+        assert_eq!(ids(one.for_model(None).unwrap().decode()), ["http://d1:1"]);
     }
 }

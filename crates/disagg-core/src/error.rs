@@ -46,6 +46,42 @@ pub enum RouteError {
     /// The endpoint set has no decode endpoint.
     #[error("no decode endpoint is available")]
     NoDecode,
+    /// No decode endpoint serves the requested model (404 `model_not_found`).
+    #[error(
+        "the model `{model}` does not exist; served models: {}",
+        Served(served)
+    )]
+    UnknownModel {
+        /// The model the client asked for.
+        model: String,
+        /// The models some decode endpoint serves, sorted.
+        served: std::sync::Arc<[std::sync::Arc<str>]>,
+    },
+    /// The request names no model, and the endpoints serve several (400
+    /// `model_required`).
+    #[error("the request must name a `model`; served models: {}", Served(served))]
+    ModelRequired {
+        /// The models some decode endpoint serves, sorted.
+        served: std::sync::Arc<[std::sync::Arc<str>]>,
+    },
+}
+
+/// A model list, as error messages print it.
+struct Served<'a>(&'a [std::sync::Arc<str>]);
+
+impl fmt::Display for Served<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, m) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(m)?;
+        }
+        Ok(())
+    }
 }
 
 /// A connector could not build or complete a handoff.
@@ -272,7 +308,11 @@ impl PdError {
             Kind::Body => StatusCode::BAD_REQUEST,
             Kind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Kind::NotFound => StatusCode::NOT_FOUND,
-            Kind::Route => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::Route => match self.route_error() {
+                Some(RouteError::UnknownModel { .. }) => StatusCode::NOT_FOUND,
+                Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
+                _ => StatusCode::SERVICE_UNAVAILABLE,
+            },
             Kind::Connector
             | Kind::UpstreamStatus { .. }
             | Kind::UpstreamBody { .. }
@@ -289,6 +329,8 @@ impl PdError {
             (Kind::NotFound, _) => "not_found",
             (Kind::Route, _) => match self.route_error() {
                 Some(RouteError::NoPrefill) => "no_prefill_endpoint",
+                Some(RouteError::UnknownModel { .. }) => "model_not_found",
+                Some(RouteError::ModelRequired { .. }) => "model_required",
                 _ => "no_decode_endpoint",
             },
             (Kind::Timeout { .. }, Side::Prefill) => "prefill_timeout",
@@ -312,7 +354,8 @@ impl PdError {
     /// only allowed before the first decode byte has reached the client.
     pub fn is_retryable(&self) -> bool {
         match &self.kind {
-            Kind::Route | Kind::Timeout { .. } => true,
+            Kind::Route => self.status() == StatusCode::SERVICE_UNAVAILABLE,
+            Kind::Timeout { .. } => true,
             Kind::Transport { .. } => true,
             Kind::UpstreamStatus { status, .. } => status.is_server_error(),
             // An unreachable bootstrap server is another prefill's chance.
@@ -349,6 +392,11 @@ impl fmt::Display for PdError {
                 write!(f, "request body is larger than the limit of {limit} bytes")
             }
             Kind::NotFound => f.write_str("no such route"),
+            // A client's mistake is told in the cause's own words.
+            Kind::Route if self.status().is_client_error() => match self.route_error() {
+                Some(e) => fmt::Display::fmt(e, f),
+                None => f.write_str("no route for the request"),
+            },
             Kind::Route => f.write_str("no route for the request"),
             Kind::Connector => write!(f, "{} handoff failed", self.side),
             Kind::UpstreamStatus { endpoint, status } => {
@@ -377,6 +425,10 @@ impl fmt::Display for PdError {
 
 impl std::error::Error for PdError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        if matches!(self.kind, Kind::Route) && self.status().is_client_error() {
+            // Display already told the cause (a model the endpoints do not serve).
+            return None;
+        }
         self.source
             .as_deref()
             .map(|e| e as &(dyn std::error::Error + 'static))
@@ -422,6 +474,23 @@ mod tests {
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code(), "no_prefill_endpoint");
         assert!(e.is_retryable());
+
+        let served: std::sync::Arc<[std::sync::Arc<str>]> = ["llama".into(), "qwen".into()].into();
+        let e = PdError::route(RouteError::UnknownModel {
+            model: "gpt".into(),
+            served: served.clone(),
+        });
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        assert_eq!(e.code(), "model_not_found");
+        assert_eq!(e.error_type(), "invalid_request_error");
+        assert!(!e.is_retryable());
+        assert_eq!(
+            error_chain(&e),
+            "the model `gpt` does not exist; served models: llama, qwen"
+        );
+        let e = PdError::route(RouteError::ModelRequired { served });
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.code(), "model_required");
 
         let id = EndpointId::from("http://p:1");
         let e = PdError::transport(Side::Prefill, id.clone(), TransportError::Timeout);

@@ -48,6 +48,7 @@
 
 pub mod body;
 pub mod connector;
+pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
@@ -71,7 +72,7 @@ pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, Leg, SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-pub use error::{BoxError, PdError, Side};
+pub use error::{BoxError, PdError, RouteError, Side};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;

@@ -32,6 +32,7 @@ use futures::future::{Either, select};
 use http::StatusCode;
 
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
+use crate::disaggregate::{Always, Decision, Disaggregate};
 use crate::endpoint::{Endpoint, InFlightGuard};
 use crate::error::{ConnectorError, PdError, RouteError, Side};
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
@@ -41,7 +42,9 @@ use crate::transport::{BoxBody, Transport, read_limited};
 
 /// The response header that says how the KV reached the decode engine:
 /// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
-/// computed the prompt itself) or `decode-only` (no prefill leg was sent).
+/// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
+/// the configuration allows serving without) or `direct` (the
+/// [`Disaggregate`] hook chose not to disaggregate this request).
 pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
 
 /// The response header naming the leg whose answer is passed through on a failure.
@@ -192,6 +195,7 @@ struct Inner {
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
+    disaggregate: Arc<dyn Disaggregate>,
     transport: Arc<dyn Transport>,
     config: OrchestratorConfig,
 }
@@ -219,6 +223,7 @@ pub struct OrchestratorBuilder {
     transport: Arc<dyn Transport>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
+    disaggregate: Arc<dyn Disaggregate>,
     config: OrchestratorConfig,
 }
 
@@ -240,6 +245,13 @@ impl OrchestratorBuilder {
     /// Hand KV over with `connector` (default: [`VllmNixl`]).
     pub fn connector(mut self, connector: impl KvConnector) -> Self {
         self.connector = Arc::new(connector);
+        self
+    }
+
+    /// Decide per request whether to disaggregate with `hook` (default: [`Always`]);
+    /// see [`disaggregate`](crate::disaggregate).
+    pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
+        self.disaggregate = Arc::new(hook);
         self
     }
 
@@ -272,6 +284,7 @@ impl OrchestratorBuilder {
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
+                disaggregate: self.disaggregate,
                 transport: self.transport,
                 config: self.config,
             }),
@@ -288,6 +301,7 @@ impl Orchestrator {
             transport: Arc::new(transport),
             router: Arc::new(RoundRobin::new()),
             connector: Arc::new(VllmNixl::new()),
+            disaggregate: Arc::new(Always),
             config: OrchestratorConfig::default(),
         }
     }
@@ -426,22 +440,38 @@ impl Inner {
     /// One attempt: a route, a plan, both legs. Every error here happened before any
     /// byte of an answer reached the client.
     async fn attempt(&self, req: &PdRequest) -> Result<Response<PdBody>, PdError> {
+        let view = RequestView::from(req);
+        let decision = self.disaggregate.decide(&view);
         let set = self.source.snapshot();
-        let route = self
-            .router
-            .select(&RequestView::from(req), &set)
+        let route = set
+            .for_model(req.model())
+            .and_then(|candidates| match decision {
+                Decision::Disaggregate => self.router.select(&view, candidates),
+                Decision::Direct { .. } => self.router.select_direct(&view, candidates),
+            })
             .map_err(PdError::route)?;
         drop(set);
 
-        if route.prefill.is_none() {
-            return match self.config.no_prefill {
-                NoPrefill::Fail => Err(PdError::route(RouteError::NoPrefill)),
-                NoPrefill::DecodeOnly => {
-                    let leg = Leg::new(route.decode.clone(), req.body().clone());
-                    self.decode(req, route, leg, "decode-only", Timing::default())
-                        .await
-                }
-            };
+        // A request served on its decode endpoint alone, and the mark its answer gets.
+        let alone = match (decision, &route.prefill) {
+            (Decision::Direct { reason }, _) => {
+                tracing::debug!(
+                    request_id = ?req.request_id(),
+                    decode = %route.decode.id(),
+                    reason,
+                    "not disaggregated: served on a decode endpoint alone"
+                );
+                Some("direct")
+            }
+            (Decision::Disaggregate, Some(_)) => None,
+            (Decision::Disaggregate, None) => match self.config.no_prefill {
+                NoPrefill::Fail => return Err(PdError::route(RouteError::NoPrefill)),
+                NoPrefill::DecodeOnly => Some("decode-only"),
+            },
+        };
+        if let Some(mark) = alone {
+            let leg = Leg::new(route.decode.clone(), req.body().clone());
+            return self.decode(req, route, leg, mark, Timing::default()).await;
         }
         let prefill_failed = |e| {
             self.failed(

@@ -72,12 +72,24 @@ impl PerLeg {
     }
 }
 
+impl PerLeg {
+    fn decode(
+        &self,
+        req: &RequestView<'_>,
+        set: &EndpointSet,
+    ) -> Result<Arc<Endpoint>, RouteError> {
+        match set.decode() {
+            [] => Err(RouteError::NoDecode),
+            eps => Ok(Arc::clone(
+                &eps[self.decode.pick(req, eps).min(eps.len() - 1)],
+            )),
+        }
+    }
+}
+
 impl Router for PerLeg {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        let decode = match set.decode() {
-            [] => return Err(RouteError::NoDecode),
-            eps => Arc::clone(&eps[self.decode.pick(req, eps).min(eps.len() - 1)]),
-        };
+        let decode = self.decode(req, set)?;
         let prefill = match set.prefill() {
             [] => None,
             eps => Some(Arc::clone(
@@ -85,6 +97,11 @@ impl Router for PerLeg {
             )),
         };
         Ok(Route::new(prefill, decode))
+    }
+
+    /// The decode policy alone: the prefill policy is not asked.
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        Ok(Route::new(None, self.decode(req, set)?))
     }
 }
 

@@ -47,7 +47,8 @@ pub struct Route {
     pub prefill: Option<Arc<Endpoint>>,
     /// The decode endpoint.
     pub decode: Arc<Endpoint>,
-    /// The prefill engine's data-parallel rank, when the router picked one. Connectors
+    /// The prefill engine's data-parallel rank, when the route names one (by default
+    /// the rank of the endpoint, see [`Endpoint::rank`]). Connectors
     /// pass it on as their protocol says (SGLang `data_parallel_rank`, vLLM Mooncake
     /// `X-data-parallel-rank`); `None` lets the engine choose.
     pub prefill_rank: Option<u32>,
@@ -57,13 +58,14 @@ pub struct Route {
 }
 
 impl Route {
-    /// A route to `prefill` (or decode-only) and `decode`, naming no data-parallel rank.
+    /// A route to `prefill` (or decode-only) and `decode`, naming the data-parallel
+    /// rank each endpoint stands for ([`Endpoint::rank`]), if any.
     pub fn new(prefill: Option<Arc<Endpoint>>, decode: Arc<Endpoint>) -> Self {
         Route {
+            prefill_rank: prefill.as_ref().and_then(|p| p.rank()),
+            decode_rank: decode.rank(),
             prefill,
             decode,
-            prefill_rank: None,
-            decode_rank: None,
         }
     }
 
@@ -104,6 +106,20 @@ pub trait Router: Send + Sync + 'static {
     /// Choose the endpoints for `req` from `set`.
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError>;
 
+    /// Choose a decode endpoint for `req`, which will be served without a prefill leg
+    /// (a [`Disaggregate`](crate::disaggregate::Disaggregate) hook chose not to
+    /// disaggregate it). The default calls [`select`](Self::select) and drops the
+    /// prefill; override it when picking a prefill endpoint has effects (round-robin
+    /// turns, cache-locality records) that an unsent leg should not have.
+    ///
+    /// # Errors
+    ///
+    /// As [`select`](Self::select).
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let route = self.select(req, set)?;
+        Ok(Route::new(None, route.decode).with_ranks(None, route.decode_rank))
+    }
+
     /// Optional feedback: how a routed request ended. The default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 }
@@ -111,6 +127,10 @@ pub trait Router: Send + Sync + 'static {
 impl<T: Router + ?Sized> Router for Arc<T> {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
         (**self).select(req, set)
+    }
+
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        (**self).select_direct(req, set)
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {
@@ -146,6 +166,10 @@ impl Router for RoundRobin {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
         self.legs.select(req, set)
     }
+
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.legs.select_direct(req, set)
+    }
 }
 
 /// The endpoint of each role with the fewest requests in flight.
@@ -176,6 +200,10 @@ impl LeastInFlight {
 impl Router for LeastInFlight {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
         self.legs.select(req, set)
+    }
+
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.legs.select_direct(req, set)
     }
 }
 

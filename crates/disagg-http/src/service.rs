@@ -3,7 +3,7 @@
 //! | route | answer |
 //! |---|---|
 //! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
-//! | `GET /v1/models` | the union of the decode endpoints' models |
+//! | `GET /v1/models` | the union of the decode endpoints' models: those they declare ([`Endpoint::with_models`](disagg_core::Endpoint::with_models)), and what each that declares none answers |
 //! | `GET /health` | 200 when a request could be routed now, else 503 |
 //! | anything else | 404 (405 for a known path with another method) |
 //!
@@ -210,33 +210,43 @@ impl Inner {
     async fn models(&self) -> Response<PdBody> {
         let set = self.orchestrator.source().snapshot();
         let transport = self.orchestrator.transport();
-        let fetches = set.decode().iter().map(|ep| {
-            let uri = ep.uri("/v1/models");
-            let fut = uri.map(|uri| {
-                let mut r = Request::new(Bytes::new());
-                *r.uri_mut() = uri;
-                transport.send(r)
-            });
-            async move {
-                let resp = fut.ok()?.await.ok()?;
-                if !resp.status().is_success() {
-                    return None;
+        // Models the endpoints declare are listed as declared; only decode endpoints
+        // that declare none are asked.
+        let fetches = set
+            .decode()
+            .iter()
+            .filter(|ep| ep.models().is_none())
+            .map(|ep| {
+                let uri = ep.uri("/v1/models");
+                let fut = uri.map(|uri| {
+                    let mut r = Request::new(Bytes::new());
+                    *r.uri_mut() = uri;
+                    transport.send(r)
+                });
+                async move {
+                    let resp = fut.ok()?.await.ok()?;
+                    if !resp.status().is_success() {
+                        return None;
+                    }
+                    let body = collect_limited(resp.into_body(), 4 * 1024 * 1024)
+                        .await
+                        .ok()?;
+                    let list: ModelList = serde_json::from_slice(&body).ok()?;
+                    Some(list.data)
                 }
-                let body = collect_limited(resp.into_body(), 4 * 1024 * 1024)
-                    .await
-                    .ok()?;
-                let list: ModelList = serde_json::from_slice(&body).ok()?;
-                Some(list.data)
-            }
-        });
+            });
         let all = tokio::time::timeout(
             self.config.models_timeout,
             futures::future::join_all(fetches),
         )
         .await
         .unwrap_or_default();
-        let mut data: Vec<serde_json::Map<String, serde_json::Value>> = Vec::new();
-        let mut answered = false;
+        let mut data: Vec<serde_json::Map<String, serde_json::Value>> = set
+            .served_models()
+            .iter()
+            .map(|m| declared_model(m))
+            .collect();
+        let mut answered = !data.is_empty();
         for list in all.into_iter().flatten() {
             answered = true;
             for model in list {
@@ -257,6 +267,19 @@ impl Inner {
         let body = serde_json::json!({"object": "list", "data": data});
         json_response(StatusCode::OK, Bytes::from(body.to_string()))
     }
+}
+
+/// An OpenAI model card for a model an endpoint declares.
+fn declared_model(id: &str) -> serde_json::Map<String, serde_json::Value> {
+    [
+        ("id", id.into()),
+        ("object", "model".into()),
+        ("created", 0.into()),
+        ("owned_by", "disagg".into()),
+    ]
+    .into_iter()
+    .map(|(k, v): (&str, serde_json::Value)| (k.to_owned(), v))
+    .collect()
 }
 
 #[derive(serde::Deserialize)]

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_affinity::ConsistentHash;
+use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
 use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::policy::{
@@ -36,8 +37,25 @@ pub struct ServeArgs {
     )]
     prefill: Vec<String>,
     /// A decode engine's base URL (http://host:port). Repeat for several engines.
+    ///
+    /// An engine running several data-parallel ranks can be given once per rank as
+    /// URL@RANK, or as URL@FIRST-LAST for a range (`http://d:8200@0-3`; also for
+    /// --prefill): each rank is then routed to, and load-counted, on its own, and the
+    /// connector names the rank to the engine.
     #[arg(long = "decode", value_name = "URL", required = true)]
     decode: Vec<String>,
+    /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
+    /// rank). Once any engine declares models, requests are routed by their `model` to
+    /// the engines serving it, an unknown model is answered 404 naming the served ones,
+    /// and GET /v1/models lists the declared models. Engines declaring none serve any
+    /// other name. Repeatable.
+    #[arg(long = "served-model", value_name = "URL=NAME[,NAME]", value_parser = parse_models)]
+    served_models: Vec<(String, Vec<String>)>,
+    /// Disaggregate only requests whose prompt is estimated at N tokens or more (one
+    /// token per 4 bytes of prompt JSON; token-id prompts counted exactly); shorter ones
+    /// go to a decode engine alone and their answer carries `x-disagg-handoff: direct`.
+    #[arg(long, value_name = "N")]
+    min_prefill_tokens: Option<usize>,
     /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
     /// answer carries the handoff), SGLang bootstrap or vLLM Mooncake (concurrent: both
     /// legs at once, meeting through the prefill's bootstrap server).
@@ -188,6 +206,50 @@ fn parse_weight(s: &str) -> Result<(String, f64), String> {
     Ok((url.to_owned(), w))
 }
 
+fn parse_models(s: &str) -> Result<(String, Vec<String>), String> {
+    let (url, names) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=NAME[,NAME]"))?;
+    let names: Vec<String> = names
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if names.is_empty() {
+        return Err(format!("`{s}` names no model"));
+    }
+    Ok((url.trim_end_matches('/').to_owned(), names))
+}
+
+/// `url` without a data-parallel `@RANK` or `@FIRST-LAST` suffix, and its trailing `/`.
+fn base_url(url: &str) -> &str {
+    let base = match url.rsplit_once('@') {
+        Some((base, ranks)) if ranks.bytes().all(|b| b.is_ascii_digit() || b == b'-') => base,
+        _ => url,
+    };
+    base.trim_end_matches('/')
+}
+
+/// `url`, or one URL per rank when it ends in `@FIRST-LAST`.
+fn expand_ranks(url: &str) -> Result<Vec<String>, BoxError> {
+    let Some((base, range)) = url.rsplit_once('@') else {
+        return Ok(vec![url.to_owned()]);
+    };
+    let Some((first, last)) = range.split_once('-') else {
+        return Ok(vec![url.to_owned()]);
+    };
+    let bad = || format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)");
+    let (first, last): (u32, u32) = (
+        first.parse().map_err(|_| bad())?,
+        last.parse().map_err(|_| bad())?,
+    );
+    if first > last {
+        return Err(bad().into());
+    }
+    Ok((first..=last).map(|r| format!("{base}@{r}")).collect())
+}
+
 fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
     let (url, spec) = s
         .rsplit_once('=')
@@ -272,6 +334,7 @@ struct Shared {
     source: Arc<StaticSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
+    disaggregate: Arc<dyn Disaggregate>,
     transport: HttpTransportConfig,
     config: OrchestratorConfig,
     service: PdServiceConfig,
@@ -279,33 +342,43 @@ struct Shared {
 
 impl Shared {
     fn from_args(args: &ServeArgs) -> Result<Self, BoxError> {
-        let profile = |url: &str| {
-            let url = url.trim_end_matches('/');
-            args.kv_profiles
-                .iter()
-                .find(|(u, _)| u == url)
-                .map(|(_, p)| p.clone())
+        // Engine-wide settings are given for the engine URL and apply to all its ranks.
+        let endpoint = |url: &str, role: Role, mut ext: http::Extensions| {
+            let base = base_url(url);
+            let profile = args.kv_profiles.iter().find(|(u, _)| u == base);
+            if let Some((_, p)) = profile {
+                ext.insert(p.clone());
+            }
+            let models = args.served_models.iter().find(|(u, _)| u == base);
+            let ep = Endpoint::with_extensions(url, role, ext)?;
+            Ok::<_, BoxError>(match models {
+                Some((_, names)) => ep.with_models(names.iter().map(String::as_str)),
+                None => ep,
+            })
         };
         let mut endpoints = Vec::new();
         for (url, port) in parse_prefills(&args.prefill)? {
-            let mut ext = http::Extensions::new();
-            ext.insert(BootstrapPort(port));
-            if let Some(p) = profile(url) {
-                ext.insert(p);
+            for url in expand_ranks(url)? {
+                let mut ext = http::Extensions::new();
+                ext.insert(BootstrapPort(port));
+                endpoints.push(endpoint(&url, Role::Prefill, ext)?);
             }
-            endpoints.push(Endpoint::with_extensions(url, Role::Prefill, ext)?);
         }
         for url in &args.decode {
-            let mut ext = http::Extensions::new();
-            if let Some(p) = profile(url) {
-                ext.insert(p);
+            for url in expand_ranks(url)? {
+                endpoints.push(endpoint(&url, Role::Decode, http::Extensions::new())?);
             }
-            endpoints.push(Endpoint::with_extensions(url, Role::Decode, ext)?);
         }
-        for (url, _) in &args.kv_profiles {
-            if !args.engine_urls().any(|u| u.trim_end_matches('/') == url) {
+        let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));
+        let named = named.chain(
+            args.served_models
+                .iter()
+                .map(|(u, _)| ("--served-model", u)),
+        );
+        for (flag, url) in named {
+            if !args.engine_urls().any(|u| base_url(u) == url) {
                 return Err(format!(
-                    "--kv-profile names {url}, which is no --prefill or --decode engine"
+                    "{flag} names {url}, which is no --prefill or --decode engine"
                 )
                 .into());
             }
@@ -335,12 +408,17 @@ impl Shared {
                 .unwrap_or(args.policy)
                 .pick(&args.weights),
         ));
+        let disaggregate: Arc<dyn Disaggregate> = match args.min_prefill_tokens {
+            Some(n) => Arc::new(PromptThreshold::new(n)),
+            None => Arc::new(Always),
+        };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         Ok(Shared {
             source,
             router,
             connector,
+            disaggregate,
             transport,
             config,
             service,
@@ -356,6 +434,7 @@ impl Shared {
         )
         .router(Arc::clone(&self.router))
         .connector(Arc::clone(&self.connector))
+        .disaggregate(Arc::clone(&self.disaggregate))
         .config(self.config.clone())
         .build();
         PdService::with_config(orchestrator, self.service.clone())
@@ -416,6 +495,34 @@ mod tests {
         assert!(parse_prefills(&strings(&["8998"])).is_err());
         assert!(parse_prefills(&strings(&["http://p:1", "1", "2"])).is_err());
         assert!(parse_prefills(&strings(&["http://p:1", "port"])).is_err());
+    }
+
+    #[test]
+    fn rank_ranges_expand_and_base_urls_drop_ranks() {
+        assert_eq!(expand_ranks("http://d:1").unwrap(), ["http://d:1"]);
+        assert_eq!(expand_ranks("http://d:1@2").unwrap(), ["http://d:1@2"]);
+        assert_eq!(
+            expand_ranks("http://d:1@1-3").unwrap(),
+            ["http://d:1@1", "http://d:1@2", "http://d:1@3"]
+        );
+        assert!(expand_ranks("http://d:1@3-1").is_err());
+        assert!(expand_ranks("http://d:1@a-b").is_err());
+        assert_eq!(base_url("http://d:1/@0-3"), "http://d:1");
+        assert_eq!(base_url("http://d:1@2"), "http://d:1");
+        assert_eq!(base_url("http://d:1/"), "http://d:1");
+    }
+
+    #[test]
+    fn served_models_parse() {
+        assert_eq!(
+            parse_models("http://d:1/=llama, qwen").unwrap(),
+            (
+                "http://d:1".to_owned(),
+                vec!["llama".to_owned(), "qwen".to_owned()]
+            )
+        );
+        assert!(parse_models("http://d:1=").is_err());
+        assert!(parse_models("llama").is_err());
     }
 
     #[test]

@@ -44,8 +44,16 @@ use crate::transport::{Transport, read_limited};
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
-/// The header naming the prefill's data-parallel rank.
+/// The header by which a vLLM server lets a request pick its data-parallel rank.
 pub const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
+/// Name `rank` to a vLLM engine in [`DATA_PARALLEL_RANK`], if the route picked one.
+pub(crate) fn set_rank(leg: &mut Leg, rank: Option<u32>) {
+    if let Some(rank) = rank {
+        leg.headers
+            .insert(DATA_PARALLEL_RANK, HeaderValue::from(rank));
+    }
+}
 
 /// Largest `/query` answer read.
 const MAX_QUERY_ANSWER: usize = 1 << 20;
@@ -231,12 +239,9 @@ impl KvConnector for VllmMooncake {
             )),
         );
         let mut prefill = Leg::new(prefill_ep, body);
-        if let Some(rank) = route.prefill_rank {
-            prefill
-                .headers
-                .insert(DATA_PARALLEL_RANK, HeaderValue::from(rank));
-        }
-        let decode = Leg::new(Arc::clone(&route.decode), req.body().clone());
+        set_rank(&mut prefill, route.prefill_rank);
+        let mut decode = Leg::new(Arc::clone(&route.decode), req.body().clone());
+        set_rank(&mut decode, route.decode_rank);
         let mut handoff = Handoff::new(Dispatch::Concurrent, prefill, decode);
         handoff.ext.insert(plan);
         Ok(handoff)

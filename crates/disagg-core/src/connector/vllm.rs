@@ -12,7 +12,10 @@
 //!    id, the KV block ids, its side-channel host and port (and, by version,
 //!    `remote_request_id`, `tp_size`, `remote_num_tokens`);
 //! 3. the decode gets the client's body plus that dict **verbatim**: its shape changes
-//!    between vLLM versions, so it is copied as raw bytes, never interpreted.
+//!    between vLLM versions, so it is copied as raw bytes, never interpreted;
+//! 4. when the route names data-parallel ranks (endpoints written `URL@RANK`), each leg
+//!    carries its rank in `X-data-parallel-rank`, the header by which the vLLM API
+//!    server lets a request pick its rank.
 //!
 //! When the answer's `kv_transfer_params` is missing, `null` or `{}` (the prefill ended
 //! "stopped" on older vLLM, or the engine runs no KV connector), `complete` reports
@@ -21,6 +24,7 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 
+use crate::connector::mooncake::set_rank;
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
 use crate::error::ConnectorError;
 use crate::request::PdRequest;
@@ -89,11 +93,11 @@ impl KvConnector for VllmNixl {
         })?;
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
         prefill.set_raw(KV_TRANSFER_PARAMS, Bytes::from_static(PREFILL_PARAMS));
-        Ok(Handoff::new(
-            Dispatch::AfterPrefill,
-            Leg::new(prefill_ep, prefill),
-            Leg::new(route.decode.clone(), req.body().clone()),
-        ))
+        let mut prefill = Leg::new(prefill_ep, prefill);
+        set_rank(&mut prefill, route.prefill_rank);
+        let mut decode = Leg::new(route.decode.clone(), req.body().clone());
+        set_rank(&mut decode, route.decode_rank);
+        Ok(Handoff::new(Dispatch::AfterPrefill, prefill, decode))
     }
 
     async fn complete(
