@@ -7,8 +7,9 @@ use bytes::Bytes;
 use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
+use disagg_core::disaggregate::Disaggregate;
 use disagg_core::{
-    BootstrapPort, Endpoint, KvConnector, Orchestrator, Role, RoundRobin, StaticSource,
+    BootstrapPort, Endpoint, KvConnector, ManualSource, Orchestrator, Role, RoundRobin,
 };
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
@@ -25,8 +26,9 @@ pub struct Stack {
     pub prefill: Vec<SimEngine>,
     pub decode: Vec<SimEngine>,
     pub url: String,
-    /// The proxy's endpoint source: its endpoints carry the live in-flight counts.
-    pub source: std::sync::Arc<StaticSource>,
+    /// The proxy's endpoint source: its endpoints carry the live in-flight counts, and
+    /// a test may change the set.
+    pub source: std::sync::Arc<ManualSource>,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -81,6 +83,9 @@ pub struct StackBuilder {
     extra_prefill_urls: Vec<String>,
     config: OrchestratorConfig,
     service: PdServiceConfig,
+    disaggregate: Option<Arc<dyn Disaggregate>>,
+    declare_models: bool,
+    ranks: (u32, u32),
 }
 
 impl Stack {
@@ -98,6 +103,9 @@ impl Stack {
             extra_prefill_urls: Vec::new(),
             config: OrchestratorConfig::default(),
             service: PdServiceConfig::default(),
+            disaggregate: None,
+            declare_models: false,
+            ranks: (1, 1),
         }
     }
 
@@ -160,6 +168,25 @@ impl StackBuilder {
         self
     }
 
+    pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
+        self.disaggregate = Some(Arc::new(hook));
+        self
+    }
+
+    /// Each endpoint declares its engine's model (`SimConfig::model`), so the proxy
+    /// routes by model.
+    pub fn declare_models(mut self) -> Self {
+        self.declare_models = true;
+        self
+    }
+
+    /// Every prefill engine is configured as `prefill` data-parallel ranks
+    /// (`URL@0`...), every decode engine as `decode` ranks; 1 names no rank.
+    pub fn ranks(mut self, prefill: u32, decode: u32) -> Self {
+        self.ranks = (prefill, decode);
+        self
+    }
+
     pub async fn build(mut self) -> Stack {
         let (p_mode, d_mode) = self.protocol.modes();
         let mut prefill = Vec::new();
@@ -183,13 +210,31 @@ impl StackBuilder {
 
     /// The proxy in front of engines already started (the configs given are ignored).
     pub async fn build_with(self, prefill: Vec<SimEngine>, decode: Vec<SimEngine>) -> Stack {
+        let declare = self.declare_models;
+        let endpoints_of = |e: &SimEngine, role: Role, ranks: u32| -> Vec<Endpoint> {
+            let urls: Vec<String> = match ranks {
+                0 | 1 => vec![e.url()],
+                n => (0..n).map(|r| format!("{}@{r}", e.url())).collect(),
+            };
+            let bootstrap = e.bootstrap_addr().filter(|_| role == Role::Prefill);
+            urls.iter()
+                .map(|url| {
+                    let mut ext = http::Extensions::new();
+                    if let Some(b) = bootstrap {
+                        ext.insert(BootstrapPort(Some(b.port())));
+                    }
+                    let ep = Endpoint::with_extensions(url, role, ext).unwrap();
+                    if declare {
+                        ep.with_models([e.config().model.as_str()])
+                    } else {
+                        ep
+                    }
+                })
+                .collect()
+        };
         let mut endpoints = Vec::new();
         for e in &prefill {
-            let mut ext = http::Extensions::new();
-            if let Some(b) = e.bootstrap_addr() {
-                ext.insert(BootstrapPort(Some(b.port())));
-            }
-            endpoints.push(Endpoint::with_extensions(&e.url(), Role::Prefill, ext).unwrap());
+            endpoints.extend(endpoints_of(e, Role::Prefill, self.ranks.0));
         }
         for u in &self.extra_prefill_urls {
             // A dead prefill's bootstrap port is dead too: its own port, where nothing
@@ -200,13 +245,16 @@ impl StackBuilder {
             endpoints.push(Endpoint::with_extensions(u, Role::Prefill, ext).unwrap());
         }
         for e in &decode {
-            endpoints.push(Endpoint::new(&e.url(), Role::Decode).unwrap());
+            endpoints.extend(endpoints_of(e, Role::Decode, self.ranks.1));
         }
-        let source = std::sync::Arc::new(StaticSource::new(endpoints));
-        let builder =
+        let source = std::sync::Arc::new(ManualSource::new(endpoints));
+        let mut builder =
             Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
                 .connector(self.protocol.connector())
                 .config(self.config);
+        if let Some(hook) = self.disaggregate {
+            builder = builder.disaggregate(hook);
+        }
         let orchestrator = match self.router {
             Some(router) => builder.router(BoxedRouter(router)).build(),
             None => builder.router(RoundRobin::new()).build(),
@@ -237,6 +285,18 @@ impl disagg_core::Router for BoxedRouter {
         set: &disagg_core::EndpointSet,
     ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
         self.0.select(req, set)
+    }
+
+    fn select_direct(
+        &self,
+        req: &disagg_core::router::RequestView<'_>,
+        set: &disagg_core::EndpointSet,
+    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        self.0.select_direct(req, set)
+    }
+
+    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::router::Outcome) {
+        self.0.observe(route, outcome)
     }
 }
 

@@ -77,5 +77,5 @@ pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
 pub use router::{LeastInFlight, RoundRobin, Route, Router};
-pub use source::{EndpointSource, StaticSource};
+pub use source::{EndpointSource, ManualSource, StaticSource};
 pub use transport::Transport;

@@ -1,4 +1,5 @@
-//! Where endpoints come from: the [`EndpointSource`] trait and [`StaticSource`].
+//! Where endpoints come from: the [`EndpointSource`] trait, [`StaticSource`] (a fixed
+//! set) and [`ManualSource`] (a set the embedding program changes).
 //!
 //! A source publishes immutable [`EndpointSet`] snapshots through a
 //! [`tokio::sync::watch`] channel. Discovery and health checking run in the background
@@ -71,6 +72,86 @@ impl EndpointSource for StaticSource {
 
     fn snapshot(&self) -> Arc<EndpointSet> {
         // No receiver needed: read the sender's current value directly.
+        self.tx.borrow().clone()
+    }
+}
+
+/// A set of endpoints the embedding program changes at run time: an admin API, its own
+/// service discovery, an operator draining an engine.
+///
+/// Every change publishes a new snapshot. Endpoints that stay keep their `Arc`, so their
+/// in-flight counts carry over; requests already routed to a removed endpoint finish
+/// there.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::endpoint::{Endpoint, Role};
+/// use disagg_core::source::{EndpointSource, ManualSource};
+///
+/// let source = ManualSource::new([
+///     Endpoint::new("http://10.0.0.1:8200", Role::Decode)?,
+///     Endpoint::new("http://10.0.0.2:8200", Role::Decode)?,
+/// ]);
+/// assert!(source.remove("http://10.0.0.1:8200"));
+/// assert_eq!(source.snapshot().decode().len(), 1);
+/// source.insert(Endpoint::new("http://10.0.0.3:8200", Role::Decode)?);
+/// assert_eq!(source.snapshot().decode().len(), 2);
+/// # Ok::<(), disagg_core::endpoint::EndpointError>(())
+/// ```
+#[derive(Debug)]
+pub struct ManualSource {
+    tx: watch::Sender<Arc<EndpointSet>>,
+}
+
+impl ManualSource {
+    /// A source publishing `endpoints` until told otherwise.
+    pub fn new(endpoints: impl IntoIterator<Item = Endpoint>) -> Self {
+        let set = EndpointSet::new(endpoints.into_iter().map(Arc::new));
+        let (tx, _rx) = watch::channel(Arc::new(set));
+        ManualSource { tx }
+    }
+
+    /// Publish `endpoints` in place of the current set.
+    pub fn replace(&self, endpoints: impl IntoIterator<Item = Arc<Endpoint>>) {
+        self.tx.send_replace(Arc::new(EndpointSet::new(endpoints)));
+    }
+
+    /// Add `endpoint` to the set.
+    pub fn insert(&self, endpoint: Endpoint) {
+        let endpoint = Arc::new(endpoint);
+        self.tx.send_modify(|set| {
+            let all = all(set).chain(std::iter::once(endpoint));
+            *set = Arc::new(EndpointSet::new(all));
+        });
+    }
+
+    /// Remove the endpoint whose id is `id` (its URL, with `@RANK` for a rank); whether
+    /// there was one.
+    pub fn remove(&self, id: &str) -> bool {
+        self.tx.send_if_modified(|set| {
+            let before = set.prefill().len() + set.decode().len();
+            let kept: Vec<_> = all(set).filter(|e| e.id().as_str() != id).collect();
+            if kept.len() == before {
+                return false;
+            }
+            *set = Arc::new(EndpointSet::new(kept));
+            true
+        })
+    }
+}
+
+/// Every endpoint of `set`, prefill first.
+fn all(set: &EndpointSet) -> impl Iterator<Item = Arc<Endpoint>> + '_ {
+    set.prefill().iter().chain(set.decode()).cloned()
+}
+
+impl EndpointSource for ManualSource {
+    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+        self.tx.subscribe()
+    }
+
+    fn snapshot(&self) -> Arc<EndpointSet> {
         self.tx.borrow().clone()
     }
 }
