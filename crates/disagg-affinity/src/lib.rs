@@ -50,7 +50,9 @@
 pub mod consistent;
 pub mod hrw;
 pub mod key;
+pub mod prefix;
 
 pub use consistent::{ConsistentHash, LoadFactorError};
 pub use hrw::{WeightError, Weights};
 pub use key::{KeySource, SessionKey};
+pub use prefix::{PrefixError, PrefixHasher};
