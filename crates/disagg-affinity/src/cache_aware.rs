@@ -266,7 +266,7 @@ impl CacheAware {
 
     /// Whether load overrides locality for these in-flight extremes.
     fn imbalanced(&self, min: usize, max: usize) -> bool {
-        max - min > self.balance_abs && max as f64 > self.balance_rel * min as f64
+        max.saturating_sub(min) > self.balance_abs && max as f64 > self.balance_rel * min as f64
     }
 
     fn lock(&self) -> MutexGuard<'_, Table> {
@@ -311,6 +311,10 @@ impl CacheAware {
 
 impl Pick for CacheAware {
     fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        if candidates.is_empty() {
+            // Outside the contract; 0 is what `PerLeg` clamps to, and nothing is learnt.
+            return 0;
+        }
         let blocks = self.prefix.block_hashes(req);
         if blocks.is_empty() {
             return self.fallback.pick(req, candidates);
@@ -627,6 +631,13 @@ mod tests {
             let b = JsonBody::parse(body.as_bytes()).expect("test body");
             assert_eq!(pick(&p, &b, &c), 1, "{body}");
         }
+        assert_eq!(p.entries(), 0);
+    }
+
+    #[test]
+    fn no_candidates_do_not_panic() {
+        let p = CacheAware::new();
+        assert_eq!(pick(&p, &chat(&long_text("a", 1_000), "hello"), &[]), 0);
         assert_eq!(p.entries(), 0);
     }
 
