@@ -47,6 +47,10 @@ pub enum LoadFactorError {
 /// then one hash and one logarithm per candidate; no allocation unless a JSON string key
 /// holds escapes.
 ///
+/// Measured cost: ~0.6 µs / 4.4 µs / 38 µs per pick at 8 / 64 / 512 endpoints, a session
+/// key in a header (criterion, this repo's `cargo bench -p disagg-affinity`, 2-core VM;
+/// the 512 figure ranged from 33 to 45 µs between runs on the shared machine).
+///
 /// # Examples
 ///
 /// ```

@@ -35,7 +35,7 @@ fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
 
 /// splitmix64's finalizer: FNV-1a alone mixes its last bytes poorly into the high bits,
 /// and endpoint ids often differ only in their last characters (`...:8201`, `...:8202`).
-fn finalize(mut z: u64) -> u64 {
+pub(crate) fn finalize(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)

@@ -1,6 +1,7 @@
-//! Session affinity for disagg: keep a multi-turn session on the same engines.
+//! Affinity for disagg: keep a request on the engine that already holds its context,
+//! by session key or by prompt prefix.
 //!
-//! Three pieces, each usable alone:
+//! The pieces, each usable alone:
 //!
 //! - [`key`]: find a request's session key — the `x-session-id` header under any spelling
 //!   a proxy may have rewritten it to (`X-Session-Id`, `x_session_id`, ...), then a
@@ -14,6 +15,18 @@
 //!   for one leg: sticky per session key, bounded by load so one hot session cannot
 //!   overload an engine, and a fallback policy (least in flight by default) for requests
 //!   without a key.
+//! - [`prefix`]: [`PrefixHasher`], a request's prompt (chat `messages` or completions
+//!   `prompt`) as chained hashes of fixed-size blocks, read lazily and within a bounded
+//!   budget: equal leading hashes mean equal prompt prefixes.
+//! - [`cache_aware`]: [`CacheAware`], a `Pick` policy for the prefill leg that remembers,
+//!   in a table of bounded memory, which engine was last sent which prefix blocks, and
+//!   sends a request to the engine holding the longest part of its prompt unless the
+//!   engines' loads are too far apart.
+//!
+//! | policy | needs | state | use it when |
+//! |---|---|---|---|
+//! | [`ConsistentHash`] | a session key | none: any proxy replica decides alike | multi-turn sessions that name themselves |
+//! | [`CacheAware`] | a prompt | a table per proxy (≤ 58 bytes per entry) | shared prefixes without a key: long system prompts, few-shot templates, agents |
 //!
 //! # Examples
 //!
@@ -47,10 +60,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod cache_aware;
 pub mod consistent;
 pub mod hrw;
 pub mod key;
+pub mod prefix;
 
+pub use cache_aware::{CacheAware, CacheAwareError};
 pub use consistent::{ConsistentHash, LoadFactorError};
 pub use hrw::{WeightError, Weights};
 pub use key::{KeySource, SessionKey};
+pub use prefix::{PrefixError, PrefixHasher};
