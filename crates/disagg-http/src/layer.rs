@@ -874,7 +874,7 @@ impl<B: Body<Data = Bytes>> Body for SyncBody<B> {
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.hint.clone()
+        self.hint
     }
 }
 
@@ -917,7 +917,12 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(Arc::ptr_eq(&ep, &s.prefill()[1]));
-        assert!(check(false).resolve(&HeaderMap::new(), &s).unwrap().is_none());
+        assert!(
+            check(false)
+                .resolve(&HeaderMap::new(), &s)
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[test]

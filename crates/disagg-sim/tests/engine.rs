@@ -722,10 +722,16 @@ async fn in_process_service_answers_like_the_wire_and_opens_no_connection() {
     assert_eq!(resp.status(), 200);
     let bytes = resp.into_body().collect().await.unwrap().to_bytes();
     let v: Value = serde_json::from_slice(&bytes).unwrap();
-    assert_eq!(v["choices"][0]["text"], over_wire.json()["choices"][0]["text"]);
+    assert_eq!(
+        v["choices"][0]["text"],
+        over_wire.json()["choices"][0]["text"]
+    );
     assert_eq!(v["choices"][0]["text"], text("one two", 3));
 
     let stats = e.stats();
     assert_eq!(stats.requests, 2);
-    assert_eq!(stats.http_connections, 1, "the in-process call opened no connection");
+    assert_eq!(
+        stats.http_connections, 1,
+        "the in-process call opened no connection"
+    );
 }
