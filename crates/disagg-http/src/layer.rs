@@ -88,6 +88,9 @@
 //! # }
 //! ```
 //!
+//! The guide, [`guide`], says which mode fits which deployment, with the way of a
+//! request in each drawn.
+//!
 //! [`HttpTransport`]: crate::HttpTransport
 
 use std::fmt;
@@ -117,6 +120,11 @@ use tower::{Layer, Service, ServiceExt};
 
 use crate::error::error_response;
 use crate::{HttpTransport, PdService, PdServiceConfig};
+
+pub mod guide {
+    //! The embedding guide (`docs/embedding.md`).
+    #![doc = include_str!("../../../docs/embedding.md")]
+}
 
 /// The request header in which an upstream scheduler names the prefill endpoint of a
 /// sidecar, as `host:port` (llm-d's inference scheduler,
