@@ -23,9 +23,11 @@
 //! ```
 
 pub mod error;
+pub mod layer;
 pub mod server;
 pub mod service;
 pub mod transport;
 
+pub use layer::{PdLayer, PdMiddleware};
 pub use service::{PdService, PdServiceConfig};
 pub use transport::{HttpTransport, HttpTransportConfig};

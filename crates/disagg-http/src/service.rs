@@ -92,6 +92,24 @@ impl PdService {
     pub fn orchestrator(&self) -> &Orchestrator {
         &self.inner.orchestrator
     }
+
+    /// Serve one chat or completion request of `api`, whatever path it came on: read
+    /// the body (413 past the limit), parse it, orchestrate both legs. Every failure
+    /// is an OpenAI-format error response. The one request path of both the service
+    /// and [`PdLayer`](crate::PdLayer).
+    pub(crate) fn completion<B>(
+        &self,
+        api: Api,
+        req: Request<B>,
+    ) -> impl Future<Output = Response<PdBody>> + Send + 'static
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let inner = Arc::clone(&self.inner);
+        async move { inner.completion_response(api, req).await }
+    }
 }
 
 /// The future of `PdService`'s `tower::Service::call`.
@@ -147,19 +165,30 @@ impl Inner {
             if req.method() != Method::POST {
                 return method_not_allowed();
             }
-            return match self.completion(api, req).await {
-                Ok(resp) => resp,
-                Err(err) => {
-                    tracing::warn!(error = %disagg_core::error::error_chain(&err), "request failed");
-                    pd_error_response(&err)
-                }
-            };
+            return self.completion_response(api, req).await;
         }
         match path {
             "/v1/models" if req.method() == Method::GET => self.models().await,
             "/health" if req.method() == Method::GET => self.health(),
             "/v1/models" | "/health" => method_not_allowed(),
             _ => pd_error_response(&PdError::not_found()),
+        }
+    }
+
+    /// A chat or completion request, whatever its path, answered: the decode's
+    /// streaming answer, or any failure as an OpenAI-format error response.
+    async fn completion_response<B>(&self, api: Api, req: Request<B>) -> Response<PdBody>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        match self.completion(api, req).await {
+            Ok(resp) => resp,
+            Err(err) => {
+                tracing::warn!(error = %disagg_core::error::error_chain(&err), "request failed");
+                pd_error_response(&err)
+            }
         }
     }
 

@@ -199,6 +199,6 @@ mod stats;
 pub use config::{Faults, KvMode, SimConfig, SimRole};
 pub use generate::generate;
 pub use kv::{BootstrapResponse, MooncakePullRequest, SideChannelRequest, SideChannelResponse};
-pub use server::{RecordedRequest, SimEngine};
+pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

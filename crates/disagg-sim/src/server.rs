@@ -12,7 +12,6 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -30,6 +29,13 @@ use crate::kv::{self, KvStore, KvTransferError, lock};
 use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
 use crate::{mooncake, sglang};
+
+/// The error type of bodies the engine reads or writes through [`SimService`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The response body of [`SimService`]: the engine's own body (one JSON document, or an
+/// SSE stream generated frame by frame), boxed.
+pub type SimServiceBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
 /// Largest request body accepted.
 const MAX_BODY: usize = 64 << 20;
@@ -314,6 +320,16 @@ impl SimEngine {
         self.inner.counters.snapshot()
     }
 
+    /// The engine as an in-process tower service: the same routes, counters, KV store
+    /// and side channel client as its HTTP server, with no socket in between (a
+    /// sidecar calls its local decode engine this way). Requests served here open no
+    /// HTTP connection ([`Stats::http_connections`] does not move).
+    pub fn service(&self) -> SimService {
+        SimService {
+            inner: self.inner.clone(),
+        }
+    }
+
     /// The last completion requests received, oldest first (at most
     /// [`SimConfig::record_requests`]).
     pub fn requests(&self) -> Vec<RecordedRequest> {
@@ -359,6 +375,51 @@ impl Drop for SimEngine {
         for task in &self.tasks {
             task.abort();
         }
+    }
+}
+
+/// A [`SimEngine`] served in process, from [`SimEngine::service`].
+///
+/// Accepts requests with any body of [`Bytes`]; never fails (errors are HTTP answers,
+/// as on the wire). Cheap to clone. It stays usable after the engine's listeners are
+/// shut down, but the engine's side channel then no longer serves pulls.
+#[derive(Clone)]
+pub struct SimService {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SimService {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimService")
+            .field("engine_id", &self.inner.engine_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> tower::Service<Request<B>> for SimService
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<SimServiceBody>;
+    type Error = Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn Future<Output = Result<Response<SimServiceBody>, Infallible>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let resp = route(&inner, req).await;
+            Ok(resp.map(|b| b.map_err(BoxError::from).boxed_unsync()))
+        })
     }
 }
 
@@ -493,7 +554,11 @@ fn error_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBod
     json_response(error.status, SimBody::full(error.body()), request_id)
 }
 
-async fn route(inner: &Inner, req: Request<Incoming>) -> Response<SimBody> {
+async fn route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => return Response::new(SimBody::empty()),
         (&Method::GET, "/v1/models") => {
@@ -576,11 +641,11 @@ fn valid_decode_params(params: &serde_json::Map<String, Value>) -> bool {
         .all(|k| params.contains_key(*k))
 }
 
-async fn completion(
-    inner: &Inner,
-    endpoint: Endpoint,
-    req: Request<Incoming>,
-) -> Response<SimBody> {
+async fn completion<B>(inner: &Inner, endpoint: Endpoint, req: Request<B>) -> Response<SimBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
     let mut guard = RequestGuard::new(inner.counters.clone());
     let (parts, body) = req.into_parts();
     let header_id = parts

@@ -38,6 +38,10 @@ pub struct Stats {
     pub active_requests: u64,
     /// HTTP connections currently open.
     pub open_connections: u64,
+    /// HTTP connections accepted since the engine started (requests served in process
+    /// through [`SimEngine::service`](crate::SimEngine::service) open none).
+    #[serde(default)]
+    pub http_connections: u64,
     /// Requests whose client went away before the answer was complete.
     pub cancelled: u64,
     /// Connections accepted by the KV side channel (a decode reuses its connection for
@@ -69,6 +73,7 @@ pub(crate) struct Counters {
     pub(crate) blocks_held: AtomicU64,
     pub(crate) active_requests: AtomicU64,
     pub(crate) open_connections: AtomicU64,
+    pub(crate) http_connections: AtomicU64,
     pub(crate) cancelled: AtomicU64,
     pub(crate) side_channel_connections: AtomicU64,
     pub(crate) bootstrap_timeouts: AtomicU64,
@@ -93,6 +98,7 @@ impl Counters {
             blocks_held: self.blocks_held.load(Relaxed),
             active_requests: self.active_requests.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),
+            http_connections: self.http_connections.load(Relaxed),
             cancelled: self.cancelled.load(Relaxed),
             side_channel_connections: self.side_channel_connections.load(Relaxed),
             bootstrap_timeouts: self.bootstrap_timeouts.load(Relaxed),
@@ -165,6 +171,7 @@ pub(crate) struct ConnectionGuard(Arc<Counters>);
 impl ConnectionGuard {
     pub(crate) fn new(counters: Arc<Counters>) -> Self {
         bump(&counters.open_connections);
+        bump(&counters.http_connections);
         Self(counters)
     }
 }

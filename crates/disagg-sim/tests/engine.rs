@@ -703,3 +703,35 @@ async fn shutdown_closes_everything() {
     assert!(tokio::net::TcpStream::connect(addr).await.is_err());
     assert!(tokio::net::TcpStream::connect(side).await.is_err());
 }
+
+#[tokio::test]
+async fn in_process_service_answers_like_the_wire_and_opens_no_connection() {
+    use tower::ServiceExt;
+    let e = engine().await;
+    let body = json!({"model": "sim-model", "prompt": "one two", "max_tokens": 3});
+    let over_wire = post(e.addr(), "/v1/completions", &body).await;
+    assert_eq!(e.stats().http_connections, 1);
+
+    let req = http::Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            serde_json::to_vec(&body).unwrap(),
+        )))
+        .unwrap();
+    let resp = e.service().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        v["choices"][0]["text"],
+        over_wire.json()["choices"][0]["text"]
+    );
+    assert_eq!(v["choices"][0]["text"], text("one two", 3));
+
+    let stats = e.stats();
+    assert_eq!(stats.requests, 2);
+    assert_eq!(
+        stats.http_connections, 1,
+        "the in-process call opened no connection"
+    );
+}
