@@ -383,3 +383,65 @@ async fn send_any(stack: &Stack, n: usize) {
         assert_eq!(a.status, 200, "{}", a.text());
     }
 }
+
+/// A chat body with `system` as the system prompt and `user` as the turn.
+fn chat_with(system: &str, user: &str) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ],
+        "max_tokens": 2,
+    })
+    .to_string()
+}
+
+#[tokio::test]
+async fn cache_aware_keeps_a_shared_prefix_on_one_prefill_engine() {
+    use disagg_affinity::CacheAware;
+    let stack = stack_3p3d(CacheAware::default(), RoundRobinPick::new()).await;
+    // Three tenants, each with its own long system prompt and many different questions.
+    let systems: Vec<String> = (0..3)
+        .map(|t| format!("tenant {t}: ") + &"You are a careful assistant. ".repeat(40))
+        .collect();
+    // In an irregular order, so that no rotation could pin them by accident.
+    let order = [0, 0, 1, 2, 1, 0, 2, 2, 1, 0, 1, 2, 0, 2, 1, 1, 0, 2, 0, 1];
+    for (q, &t) in order.iter().enumerate() {
+        let a = post(
+            &stack.url,
+            "/v1/chat/completions",
+            chat_with(&systems[t], &format!("question {q}")),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    }
+    // Each tenant's prompts all went to one prefill engine, and the tenants spread.
+    let mut homes = Vec::new();
+    for t in 0..systems.len() {
+        let tag = format!("tenant {t}: ");
+        let used: Vec<usize> = stack
+            .prefill
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| {
+                e.requests().iter().any(|r| {
+                    r.body["messages"][0]["content"]
+                        .as_str()
+                        .is_some_and(|c| c.starts_with(&tag))
+                })
+            })
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(used.len(), 1, "tenant {t}: {used:?}");
+        homes.push(used[0]);
+    }
+    homes.sort_unstable();
+    homes.dedup();
+    assert!(
+        homes.len() >= 2,
+        "the tenants do not all share one engine: {homes:?}"
+    );
+}

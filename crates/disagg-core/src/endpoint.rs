@@ -426,9 +426,9 @@ impl EndpointSet {
     ///
     /// # Errors
     ///
-    /// [`RouteError::UnknownModel`](crate::RouteError::UnknownModel) when no decode
+    /// [`RouteError::UnknownModel`] when no decode
     /// endpoint serves `model`, and
-    /// [`RouteError::ModelRequired`](crate::RouteError::ModelRequired) when the request
+    /// [`RouteError::ModelRequired`] when the request
     /// names no model and the endpoints serve several.
     ///
     /// # Examples

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use disagg_affinity::ConsistentHash;
+use disagg_affinity::{CacheAware, ConsistentHash};
 use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
 use disagg_core::orchestrator::{MissingKv, NoPrefill};
 use disagg_core::pairing::{KvProfile, check_pairs};
@@ -133,6 +133,9 @@ enum Policy {
     WeightedRandom,
     /// Sticky per session (x-session-id, then `user`), bounded by load.
     ConsistentHash,
+    /// The engine that most recently received the longest prefix of this prompt, unless
+    /// the engines' loads are out of balance (then the least loaded).
+    CacheAware,
 }
 
 impl Policy {
@@ -150,6 +153,7 @@ impl Policy {
             Policy::LeastInFlight => Box::new(LeastInFlightPick::new()),
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
             Policy::ConsistentHash => Box::new(ConsistentHash::default()),
+            Policy::CacheAware => Box::new(CacheAware::default()),
         }
     }
 }
