@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use disagg_core::orchestrator::NoPrefill;
+use disagg_core::orchestrator::PrefillFailure;
 use disagg_sim::{Faults, SimConfig};
 use support::*;
 use tokio::io::AsyncReadExt;
@@ -92,7 +92,7 @@ async fn no_decode_endpoint_is_503() {
 async fn decode_only_fallback_when_configured() {
     let stack = Stack::builder()
         .prefill(vec![])
-        .config(|c| c.no_prefill = NoPrefill::DecodeOnly)
+        .config(|c| c.prefill_failure = PrefillFailure::DecodeOnly)
         .build()
         .await;
     let a = post(

@@ -117,7 +117,7 @@ impl Handoff {
 /// The body is kept as received; a connector reads what it needs with
 /// [`field`](Self::field) (one top-level field, found without parsing the rest) or
 /// [`json`](Self::json) (the whole top level).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PrefillAnswer {
     /// The status (2xx).
     pub status: StatusCode,

@@ -217,8 +217,59 @@ enum Kind {
     },
     Timeout {
         endpoint: EndpointId,
-        phase: &'static str,
+        phase: Phase,
     },
+    Deadline {
+        phase: Phase,
+    },
+    QueueFull {
+        retry_after: std::time::Duration,
+    },
+    QueueTimeout {
+        waited: std::time::Duration,
+    },
+}
+
+/// The step of a request a time budget covers; each has its own error
+/// [`code`](PdError::code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Phase {
+    /// Waiting in the admission queue.
+    Queue,
+    /// The prefill exchange: connect, response head and the whole answer
+    /// (`prefill_timeout`).
+    Prefill,
+    /// The connector's handoff work around the legs: bootstrap lookups, folding the
+    /// prefill's answer into the decode leg (`handoff_timeout`).
+    Handoff,
+    /// From sending the decode leg to its response head, the time to first byte
+    /// (`decode_timeout`).
+    DecodeHead,
+    /// Between two chunks of the decode's body (`decode_idle_timeout`).
+    DecodeIdle,
+    /// Any other exchange a transport timed out on.
+    Response,
+}
+
+impl Phase {
+    /// The phase in words, as error messages use it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Queue => "admission queue",
+            Phase::Prefill => "prefill answer",
+            Phase::Handoff => "KV handoff",
+            Phase::DecodeHead => "response head",
+            Phase::DecodeIdle => "next chunk",
+            Phase::Response => "response",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The error a P/D request ends with, as the HTTP edge sees it.
@@ -287,14 +338,40 @@ impl PdError {
     /// The transport failed for `endpoint`.
     pub fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
         match err {
-            TransportError::Timeout => Self::timeout(side, endpoint, "response"),
+            TransportError::Timeout => Self::timeout(side, endpoint, Phase::Response),
             err => Self::new(Kind::Transport { endpoint }, side, Some(err.into())),
         }
     }
 
-    /// A leg ran out of time in `phase`.
-    pub fn timeout(side: Side, endpoint: EndpointId, phase: &'static str) -> Self {
+    /// A leg ran out of its own time budget in `phase`.
+    pub fn timeout(side: Side, endpoint: EndpointId, phase: Phase) -> Self {
         Self::new(Kind::Timeout { endpoint, phase }, side, None)
+    }
+
+    /// The request's total deadline passed during `phase` (504 `deadline_exceeded`).
+    pub fn deadline(side: Side, phase: Phase) -> Self {
+        Self::new(Kind::Deadline { phase }, side, None)
+    }
+
+    /// The admission queue is full (429 `queue_full`); a client may try again after
+    /// `retry_after`.
+    pub fn queue_full(retry_after: std::time::Duration) -> Self {
+        Self::new(Kind::QueueFull { retry_after }, Side::Router, None)
+    }
+
+    /// The request waited `waited` in the admission queue without being admitted (503
+    /// `queue_timeout`).
+    pub fn queue_timeout(waited: std::time::Duration) -> Self {
+        Self::new(Kind::QueueTimeout { waited }, Side::Router, None)
+    }
+
+    /// How long a client should wait before trying again, for the `retry-after` header:
+    /// set for a full admission queue.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self.kind {
+            Kind::QueueFull { retry_after } => Some(retry_after),
+            _ => None,
+        }
     }
 
     /// Which party the failure belongs to.
@@ -317,7 +394,9 @@ impl PdError {
             | Kind::UpstreamStatus { .. }
             | Kind::UpstreamBody { .. }
             | Kind::Transport { .. } => StatusCode::BAD_GATEWAY,
-            Kind::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Kind::Timeout { .. } | Kind::Deadline { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Kind::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Kind::QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -333,8 +412,15 @@ impl PdError {
                 Some(RouteError::ModelRequired { .. }) => "model_required",
                 _ => "no_decode_endpoint",
             },
-            (Kind::Timeout { .. }, Side::Prefill) => "prefill_timeout",
-            (Kind::Timeout { .. }, _) => "decode_timeout",
+            (Kind::Deadline { .. }, _) => "deadline_exceeded",
+            (Kind::QueueFull { .. }, _) => "queue_full",
+            (Kind::QueueTimeout { .. }, _) => "queue_timeout",
+            (Kind::Timeout { phase, .. }, side) => match phase {
+                Phase::Handoff => "handoff_timeout",
+                Phase::DecodeIdle => "decode_idle_timeout",
+                _ if side == Side::Prefill => "prefill_timeout",
+                _ => "decode_timeout",
+            },
             (_, Side::Prefill) => "prefill_failed",
             (_, _) => "decode_failed",
         }
@@ -343,21 +429,34 @@ impl PdError {
     /// OpenAI's `error.type` for this error.
     pub fn error_type(&self) -> &'static str {
         match self.status().as_u16() {
+            429 => "rate_limit_error",
             400..=499 => "invalid_request_error",
             _ => "server_error",
         }
     }
 
-    /// Whether the same request could succeed on another prefill/decode pair.
+    /// Whether the same request could succeed on another prefill/decode pair, and may be
+    /// sent again there.
     ///
-    /// True for routing gaps, connection failures, timeouts and 5xx answers; a retry is
-    /// only allowed before the first decode byte has reached the client.
+    /// True for a prefill leg that could not connect or answered 502, 503 or 504, for a
+    /// decode leg that could not connect (it certainly never reached the engine), and
+    /// for an unreachable bootstrap server. Not for timeouts (a slow engine is rarely
+    /// faster the second time, and the deadline has been spent), not for other 5xx (the
+    /// engine saw the request and failed on it), never for client errors. A retry is
+    /// only ever made before the first byte of an answer reached the client.
     pub fn is_retryable(&self) -> bool {
         match &self.kind {
-            Kind::Route => self.status() == StatusCode::SERVICE_UNAVAILABLE,
-            Kind::Timeout { .. } => true,
-            Kind::Transport { .. } => true,
-            Kind::UpstreamStatus { status, .. } => status.is_server_error(),
+            Kind::Transport { .. } => {
+                self.side == Side::Prefill
+                    || self
+                        .source
+                        .as_deref()
+                        .and_then(|e| e.downcast_ref::<TransportError>())
+                        .is_some_and(TransportError::is_connect)
+            }
+            Kind::UpstreamStatus { status, .. } => {
+                self.side == Side::Prefill && matches!(status.as_u16(), 502..=504)
+            }
             // An unreachable bootstrap server is another prefill's chance.
             Kind::Connector => matches!(
                 self.source
@@ -419,6 +518,23 @@ impl fmt::Display for PdError {
                     self.side
                 )
             }
+            Kind::Deadline { phase } => {
+                write!(
+                    f,
+                    "the request's deadline passed waiting for the {} {phase}",
+                    self.side
+                )
+            }
+            Kind::QueueFull { retry_after } => write!(
+                f,
+                "the proxy is at its in-flight limit and its queue is full; retry after {} s",
+                retry_after.as_secs().max(1)
+            ),
+            Kind::QueueTimeout { waited } => write!(
+                f,
+                "the request waited {} ms in the admission queue and was not admitted",
+                waited.as_millis()
+            ),
         }
     }
 }
@@ -473,7 +589,7 @@ mod tests {
         let e = PdError::route(RouteError::NoPrefill);
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code(), "no_prefill_endpoint");
-        assert!(e.is_retryable());
+        assert!(!e.is_retryable());
 
         let served: std::sync::Arc<[std::sync::Arc<str>]> = ["llama".into(), "qwen".into()].into();
         let e = PdError::route(RouteError::UnknownModel {
@@ -500,5 +616,74 @@ mod tests {
         let e = PdError::upstream_status(Side::Decode, id, StatusCode::BAD_REQUEST, None);
         assert!(!e.is_retryable());
         assert_eq!(e.code(), "decode_failed");
+    }
+
+    #[test]
+    fn each_budget_has_its_own_code() {
+        let id = EndpointId::from("http://e:1");
+        let cases = [
+            (
+                PdError::timeout(Side::Prefill, id.clone(), Phase::Prefill),
+                "prefill_timeout",
+            ),
+            (
+                PdError::timeout(Side::Prefill, id.clone(), Phase::Handoff),
+                "handoff_timeout",
+            ),
+            (
+                PdError::timeout(Side::Decode, id.clone(), Phase::DecodeHead),
+                "decode_timeout",
+            ),
+            (
+                PdError::timeout(Side::Decode, id, Phase::DecodeIdle),
+                "decode_idle_timeout",
+            ),
+            (
+                PdError::deadline(Side::Decode, Phase::DecodeHead),
+                "deadline_exceeded",
+            ),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.code(), code);
+            assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT, "{code}");
+            assert!(!e.is_retryable(), "{code}");
+        }
+        let e = PdError::queue_full(std::time::Duration::from_secs(2));
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::TOO_MANY_REQUESTS, "queue_full")
+        );
+        assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(2)));
+        assert_eq!(e.error_type(), "rate_limit_error");
+        let e = PdError::queue_timeout(std::time::Duration::from_millis(1500));
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::SERVICE_UNAVAILABLE, "queue_timeout")
+        );
+        assert_eq!(e.retry_after(), None);
+    }
+
+    #[test]
+    fn only_failures_before_the_engine_worked_are_retried() {
+        let id = EndpointId::from("http://e:1");
+        let refused = || TransportError::Connect("refused".into());
+        let broke = || TransportError::Io("reset".into());
+        assert!(PdError::transport(Side::Prefill, id.clone(), refused()).is_retryable());
+        assert!(PdError::transport(Side::Prefill, id.clone(), broke()).is_retryable());
+        assert!(PdError::transport(Side::Decode, id.clone(), refused()).is_retryable());
+        assert!(!PdError::transport(Side::Decode, id.clone(), broke()).is_retryable());
+        for (status, retry) in [
+            (500, false),
+            (502, true),
+            (503, true),
+            (504, true),
+            (429, false),
+        ] {
+            let s = StatusCode::from_u16(status).unwrap();
+            let e = PdError::upstream_status(Side::Prefill, id.clone(), s, None);
+            assert_eq!(e.is_retryable(), retry, "prefill {status}");
+            let e = PdError::upstream_status(Side::Decode, id.clone(), s, None);
+            assert!(!e.is_retryable(), "decode {status}");
+        }
     }
 }

@@ -46,6 +46,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod admission;
 pub mod body;
 pub mod connector;
 pub mod disaggregate;
@@ -56,9 +57,11 @@ pub mod pairing;
 pub mod policy;
 pub mod request;
 pub mod response;
+pub mod retry;
 pub mod rewrite;
 pub mod router;
 pub mod source;
+pub mod stats;
 pub mod transport;
 
 pub use body::JsonBody;
@@ -72,10 +75,11 @@ pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, Leg, SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-pub use error::{BoxError, PdError, RouteError, Side};
+pub use error::{BoxError, PdError, Phase, RouteError, Side};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
 pub use router::{LeastInFlight, RoundRobin, Route, Router};
 pub use source::{EndpointSource, ManualSource, StaticSource};
+pub use stats::OrchestratorStats;
 pub use transport::Transport;

@@ -20,8 +20,11 @@
 //! reports the outcome to the router and the connector.
 
 use std::fmt;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::time::Instant as TokioInstant;
 
 use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
@@ -31,13 +34,18 @@ use futures::FutureExt;
 use futures::future::{Either, select};
 use http::StatusCode;
 
+use crate::admission::{Admission, AdmissionConfig, RoomFreed};
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
 use crate::disaggregate::{Always, Decision, Disaggregate};
 use crate::endpoint::{Endpoint, InFlightGuard};
-use crate::error::{ConnectorError, PdError, RouteError, Side};
+use crate::error::{ConnectorError, PdError, Phase, RouteError, Side};
+use crate::policy::Rng;
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
+use crate::retry::{RetryBudget, RetryPolicy};
+use crate::rewrite::PrefillRewriter;
 use crate::router::{Outcome, RequestView, RoundRobin, Route, Router};
 use crate::source::EndpointSource;
+use crate::stats::{Counters, GaugeGuard, OrchestratorStats, bump};
 use crate::transport::{BoxBody, Transport, read_limited};
 
 /// The response header that says how the KV reached the decode engine:
@@ -51,7 +59,7 @@ pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 
 pub use crate::response::PdBody;
-use crate::response::{Feedback, Finish, PendingPrefill};
+use crate::response::{Feedback, Finish, PendingPrefill, StreamTimer};
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
 /// `decode` (time to the decode's response head), in milliseconds.
@@ -116,17 +124,78 @@ fn itoa(mut n: u128) -> Vec<u8> {
     digits
 }
 
-/// What to do when no prefill endpoint is available.
+/// What to do when the prefill leg cannot be had: no prefill endpoint is available
+/// (none configured, none healthy, none serving the model), or the prefill leg failed
+/// on the engine's side (unreachable, 5xx, timed out, an unusable answer) and retries,
+/// if any, did not help.
+///
+/// A prefill's 4xx is the client's fault and is passed through under either policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum NoPrefill {
-    /// Fail with 503 `no_prefill_endpoint` (the default: a broken prefill pool must not
-    /// hide behind slower answers).
+pub enum PrefillFailure {
+    /// Fail the request: 503 `no_prefill_endpoint`, or the prefill's own error (the
+    /// default: a broken prefill pool must not hide behind slower answers).
     #[default]
     Fail,
     /// Send the request to a decode endpoint alone; it computes the prompt itself. The
-    /// answer carries `x-disagg-handoff: decode-only`.
+    /// answer carries `x-disagg-handoff: decode-only` and `x-disagg-fallback` naming
+    /// why (the error code, `no_prefill_endpoint` say), a warning is logged and
+    /// [`OrchestratorStats::prefill_fallbacks`] counts it. Not possible once the decode's
+    /// answer has begun (a concurrent handoff whose prefill fails mid-stream ends the
+    /// stream with an error) or once the deadline has passed.
     DecodeOnly,
+}
+
+/// The response header naming why a request was served decode-only under
+/// [`PrefillFailure::DecodeOnly`]: the code of the prefill's failure.
+pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-disagg-fallback");
+
+/// The request header a client may set to shorten its request's deadline, in
+/// milliseconds, when [`OrchestratorConfig::client_deadline`] allows it.
+pub const DEADLINE_HEADER: HeaderName = HeaderName::from_static("x-disagg-deadline-ms");
+
+/// Early release of a prefill's KV blocks when the decode leg that would have taken
+/// them is not going to (see [`OrchestratorConfig::kv_release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KvRelease {
+    /// Leave the blocks to the prefill engine's own timeout or lease (vLLM: 30 s
+    /// `kv_lease_duration`; older builds 120-480 s). The default.
+    #[default]
+    Off,
+    /// For connectors that send the decode after the prefill
+    /// ([`Dispatch::AfterPrefill`], vLLM NIXL): when a request ends after its prefill
+    /// answered with a handoff but before the decode's response head arrived (the
+    /// client left, a budget ran out, the decode could not be reached), send the
+    /// decode leg anyway as a one-token, non-streaming request and drop it after
+    /// `wait`: the decode engine takes (and so frees) the blocks, or, aborted while
+    /// queued, tells the prefill to free them. A request cancelled while its prefill
+    /// was still running waits up to `grace` for the prefill's answer in the
+    /// background (an answer already on the wire would otherwise strand its blocks);
+    /// a prefill still running after `grace` is aborted, which frees its blocks.
+    ///
+    /// Each release is a short background task (counted in
+    /// [`OrchestratorStats::kv_releases_in_flight`]), ended by `grace` + `wait` at the
+    /// latest; a release that finds nothing to release sends nothing. A decode that
+    /// already received the leg may see it twice (the second pull fails harmlessly),
+    /// which is why this is opt-in.
+    AbortDecode {
+        /// How long a cancelled request waits for a running prefill's answer.
+        grace: Duration,
+        /// How long the release waits for the decode's response head before dropping
+        /// it.
+        wait: Duration,
+    },
+}
+
+impl KvRelease {
+    /// [`AbortDecode`](Self::AbortDecode) with a 100 ms grace and a 2 s wait.
+    pub fn abort_decode() -> Self {
+        KvRelease::AbortDecode {
+            grace: Duration::from_millis(100),
+            wait: Duration::from_secs(2),
+        }
+    }
 }
 
 /// What to do when the prefill answered 2xx but carried no KV handoff.
@@ -143,17 +212,38 @@ pub enum MissingKv {
 }
 
 /// Orchestrator settings.
+///
+/// Time budgets: a request may have a total [`deadline`](Self::deadline), and each step
+/// has a budget of its own; a step gets its budget or what is left of the deadline,
+/// whichever is less, and the error says which ran out (`prefill_timeout`,
+/// `handoff_timeout`, `decode_timeout`, `decode_idle_timeout`, or `deadline_exceeded`,
+/// all 504).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct OrchestratorConfig {
+    /// The whole request, from arrival to the last byte of the answer (default `None`:
+    /// no total deadline, only the per-step budgets). A stream still running at the
+    /// deadline is ended with an error event.
+    pub deadline: Option<Duration>,
+    /// Let a client shorten (never extend) its deadline with the
+    /// [`DEADLINE_HEADER`] (`x-disagg-deadline-ms`; default off). With no configured
+    /// deadline, the client's value is the deadline.
+    pub client_deadline: bool,
     /// Time for the whole prefill exchange: connect, head and full answer.
     pub prefill_timeout: Duration,
+    /// Time for each step of the connector's handoff work (a bootstrap lookup, folding
+    /// the prefill's answer into the decode leg; default 10 s).
+    pub handoff_timeout: Duration,
     /// Time from sending the decode leg to its response head.
     pub decode_head_timeout: Duration,
+    /// Longest silence between two chunks of the decode's body once its head arrived
+    /// (default 120 s; `None`: no limit). A non-streaming decode is silent until its
+    /// answer is complete, so this must exceed the longest generation of those.
+    pub decode_idle_timeout: Option<Duration>,
     /// Largest prefill answer read, in bytes.
     pub max_prefill_answer: usize,
-    /// No prefill endpoint available.
-    pub no_prefill: NoPrefill,
+    /// The prefill leg cannot be had: fail, or serve decode-only.
+    pub prefill_failure: PrefillFailure,
     /// Prefill answered without a handoff.
     pub missing_kv: MissingKv,
     /// Forward the client's `authorization` header to both legs.
@@ -161,23 +251,33 @@ pub struct OrchestratorConfig {
     /// Client headers forwarded to both legs (besides the request id and the session
     /// header, which always are).
     pub forward_headers: Vec<HeaderName>,
-    /// Further attempts after a retryable failure ([`PdError::is_retryable`]) that
-    /// happened before any byte of an answer reached the client. Each attempt selects a
+    /// Retries of an attempt that failed retryably ([`PdError::is_retryable`]) before
+    /// any byte of an answer reached the client (default: none). Each attempt selects a
     /// new route and runs the connector's `prepare` again (a new SGLang room, a new
-    /// Mooncake transfer id). Default 0: no retry.
-    pub retries: u32,
+    /// Mooncake transfer id), after a jittered backoff, within the deadline and the
+    /// retry budget; see [`retry`](crate::retry).
+    pub retry: RetryPolicy,
+    /// In-flight limits and the admission queue (default: no limit); see
+    /// [`admission`](crate::admission).
+    pub admission: AdmissionConfig,
+    /// Early release of a prefill's KV blocks (default off).
+    pub kv_release: KvRelease,
 }
 
 impl Default for OrchestratorConfig {
     fn default() -> Self {
         OrchestratorConfig {
+            deadline: None,
+            client_deadline: false,
             // A long prompt can take tens of seconds to prefill on a busy engine.
             prefill_timeout: Duration::from_secs(300),
+            handoff_timeout: Duration::from_secs(10),
+            decode_idle_timeout: Some(Duration::from_secs(120)),
             // The decode engine may queue the request before its head goes out.
             decode_head_timeout: Duration::from_secs(300),
             // Answers to max_tokens=1 requests are small; prompt logprobs are removed.
             max_prefill_answer: 8 * 1024 * 1024,
-            no_prefill: NoPrefill::Fail,
+            prefill_failure: PrefillFailure::Fail,
             missing_kv: MissingKv::LocalPrefill,
             forward_authorization: false,
             forward_headers: vec![
@@ -185,13 +285,19 @@ impl Default for OrchestratorConfig {
                 HeaderName::from_static("tracestate"),
                 HeaderName::from_static("x-correlation-id"),
             ],
-            retries: 0,
+            retry: RetryPolicy::default(),
+            admission: AdmissionConfig::default(),
+            kv_release: KvRelease::Off,
         }
     }
 }
 
 struct Inner {
     ids: RequestIds,
+    admission: Arc<Admission>,
+    budget: Arc<RetryBudget>,
+    counters: Arc<Counters>,
+    rng: Rng,
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
@@ -281,6 +387,10 @@ impl OrchestratorBuilder {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
+                admission: Arc::new(Admission::new(self.config.admission.clone())),
+                budget: Arc::new(RetryBudget::for_policy(&self.config.retry)),
+                counters: Arc::default(),
+                rng: Rng::random(),
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
@@ -321,6 +431,31 @@ impl Orchestrator {
         PdRequest::with_ids(api, headers, body, &self.inner.ids)
     }
 
+    /// An orchestrator that sends its legs through `transport` and shares everything
+    /// else with this one: endpoints, router, connector, settings, and the state that
+    /// must be global to be right (admission limits and queue, retry budget, counters).
+    ///
+    /// A server with one event loop per core builds one orchestrator, then one of these
+    /// per loop, each with a transport (and connection pool) of its own.
+    pub fn with_transport(&self, transport: impl Transport) -> Orchestrator {
+        let i = &self.inner;
+        Orchestrator {
+            inner: Arc::new(Inner {
+                ids: RequestIds::new(),
+                admission: Arc::clone(&i.admission),
+                budget: Arc::clone(&i.budget),
+                counters: Arc::clone(&i.counters),
+                rng: Rng::random(),
+                source: Arc::clone(&i.source),
+                router: Arc::clone(&i.router),
+                connector: Arc::clone(&i.connector),
+                disaggregate: Arc::clone(&i.disaggregate),
+                transport: Arc::new(transport),
+                config: i.config.clone(),
+            }),
+        }
+    }
+
     /// The endpoint source.
     pub fn source(&self) -> &dyn EndpointSource {
         &*self.inner.source
@@ -334,6 +469,29 @@ impl Orchestrator {
     /// The settings.
     pub fn config(&self) -> &OrchestratorConfig {
         &self.inner.config
+    }
+
+    /// What this orchestrator counted so far: requests, retries, fallbacks, admission,
+    /// early KV releases.
+    pub fn stats(&self) -> OrchestratorStats {
+        let i = &self.inner;
+        let c = &i.counters;
+        let a = &i.admission.counters;
+        let load = Counters::load;
+        OrchestratorStats {
+            requests: load(&c.requests),
+            in_flight: i.admission.running() as u64,
+            queued_now: i.admission.waiting() as u64,
+            queued: load(&a.queued),
+            rejected_queue_full: load(&a.queue_full),
+            queue_timeouts: load(&a.queue_timeouts),
+            retries: load(&c.retries),
+            retries_denied: load(&c.retries_denied),
+            prefill_fallbacks: load(&c.prefill_fallbacks),
+            deadlines_exceeded: load(&c.deadlines_exceeded),
+            kv_releases: load(&c.kv_releases),
+            kv_releases_in_flight: load(&c.kv_releases_in_flight),
+        }
     }
 
     /// Serve `req` disaggregated.
@@ -405,6 +563,173 @@ impl PrefillResult {
     }
 }
 
+/// When a request must be done by.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    deadline: Option<TokioInstant>,
+}
+
+impl Clock {
+    /// The time a step with budget `step` may take, and whether the deadline (rather
+    /// than the step's own budget) is what limits it.
+    fn budget(&self, step: Duration) -> (Duration, bool) {
+        match self.deadline {
+            None => (step, false),
+            Some(d) => {
+                let left = d.saturating_duration_since(TokioInstant::now());
+                if left < step {
+                    (left, true)
+                } else {
+                    (step, false)
+                }
+            }
+        }
+    }
+
+    fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| TokioInstant::now() >= d)
+    }
+}
+
+/// The error for a step that ran out of time: its own budget, or the deadline.
+fn out_of_time(by_deadline: bool, side: Side, endpoint: &Arc<Endpoint>, phase: Phase) -> PdError {
+    if by_deadline {
+        PdError::deadline(side, phase)
+    } else {
+        PdError::timeout(side, endpoint.id().clone(), phase)
+    }
+}
+
+type PrefillFuture = Pin<Box<dyn Future<Output = Result<PrefillResult, PdError>> + Send>>;
+
+/// Where a sequential handoff is, for an early KV release ([`KvRelease`]) should the
+/// request end before its decode's head arrives.
+enum Stage {
+    /// Nothing to release (the feature is off, the prefill failed or handed nothing,
+    /// or the decode's head arrived).
+    Idle,
+    /// The prefill exchange is running.
+    Prefilling(PrefillFuture),
+    /// The prefill answered; the handoff is being completed.
+    Answered(PrefillAnswer),
+    /// The decode leg is ready (and maybe sent).
+    Handed(Leg),
+}
+
+/// The prefill exchange of a sequential handoff, and what an early release needs should
+/// the request be dropped before the decode's head: on drop, a release still armed
+/// goes on in a background task (see [`KvRelease::AbortDecode`]).
+struct Sequential {
+    stage: Stage,
+    release: Option<Release>,
+}
+
+/// What a background release needs, cloned only when the feature is on.
+struct Release {
+    grace: Duration,
+    wait: Duration,
+    handoff: Handoff,
+    api: crate::request::Api,
+    request_id: HeaderValue,
+    connector: Arc<dyn KvConnector>,
+    transport: Arc<dyn Transport>,
+    counters: Arc<Counters>,
+}
+
+impl Sequential {
+    /// The prefill's result; while it runs, a dropped request releases what it answers.
+    async fn prefill(&mut self) -> Result<PrefillResult, PdError> {
+        let Stage::Prefilling(fut) = &mut self.stage else {
+            unreachable!("the prefill exchange is awaited once, first");
+        };
+        let result = fut.await;
+        self.stage = Stage::Idle;
+        result
+    }
+
+    fn answered(&mut self, answer: &PrefillAnswer) {
+        if self.release.is_some() {
+            self.stage = Stage::Answered(answer.clone());
+        }
+    }
+
+    fn handed(&mut self, leg: &Leg) {
+        if self.release.is_some() {
+            self.stage = Stage::Handed(leg.clone());
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.stage = Stage::Idle;
+    }
+}
+
+impl Drop for Sequential {
+    fn drop(&mut self) {
+        let stage = std::mem::replace(&mut self.stage, Stage::Idle);
+        if matches!(stage, Stage::Idle) {
+            return;
+        }
+        let (Some(release), Ok(runtime)) =
+            (self.release.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        runtime.spawn(release.run(stage));
+    }
+}
+
+impl Release {
+    /// Release the KV a dropped request's prefill holds (see [`KvRelease::AbortDecode`]).
+    async fn run(mut self, stage: Stage) {
+        let counters = Arc::clone(&self.counters);
+        let _running = GaugeGuard::new(&counters.kv_releases_in_flight);
+        let answer = match stage {
+            Stage::Idle => return,
+            Stage::Handed(leg) => return self.send(leg).await,
+            Stage::Answered(answer) => answer,
+            Stage::Prefilling(fut) => match tokio::time::timeout(self.grace, fut).await {
+                Ok(Ok(PrefillResult::Answer(answer))) => answer,
+                // Failed, refused by the engine, or still running: it holds nothing,
+                // or is aborted (and frees its blocks) as `fut` drops here.
+                _ => return,
+            },
+        };
+        let complete = self.connector.complete(&mut self.handoff, &answer);
+        if let Ok(Ok(KvOutcome::Handed)) = tokio::time::timeout(self.wait, complete).await {
+            let leg = self.handoff.decode.clone();
+            self.send(leg).await;
+        }
+    }
+
+    /// Send `leg` as a one-token, non-streaming request, and drop it at its response
+    /// head or after `wait`.
+    async fn send(self, leg: Leg) {
+        let body = PrefillRewriter::new().rewrite(self.api, &leg.body);
+        let Ok(uri) = leg.endpoint.api_uri(self.api) else {
+            return;
+        };
+        let mut req = http::Request::new(body.to_bytes());
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = uri;
+        let h = req.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(REQUEST_ID, self.request_id);
+        for (name, value) in &leg.headers {
+            h.insert(name.clone(), value.clone());
+        }
+        bump(&self.counters.kv_releases);
+        tracing::debug!(
+            decode = %leg.endpoint.id(),
+            "releasing the KV of a request that ended before its decode"
+        );
+        let _ = tokio::time::timeout(self.wait, self.transport.send(req)).await;
+    }
+}
+
 impl Inner {
     /// Feedback to the router and the connector.
     fn observe(&self, route: &Route, outcome: Outcome) {
@@ -418,42 +743,175 @@ impl Inner {
         e
     }
 
+    /// The request's deadline: the configured one, shortened by the client's header when
+    /// allowed.
+    fn clock(&self, req: &PdRequest) -> Clock {
+        let configured = self.config.deadline;
+        let client = self
+            .config
+            .client_deadline
+            .then(|| req.headers().get(DEADLINE_HEADER))
+            .flatten()
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .map(Duration::from_millis);
+        let total = match (configured, client) {
+            (Some(c), Some(h)) => Some(c.min(h)),
+            (c, h) => c.or(h),
+        };
+        Clock {
+            deadline: total.map(|t| TokioInstant::now() + t),
+        }
+    }
+
     async fn serve(self: Arc<Self>, req: PdRequest) -> Result<Response<PdBody>, PdError> {
-        let mut retries = self.config.retries;
-        loop {
-            match self.attempt(&req).await {
-                Ok(resp) => return Ok(resp),
-                Err(e) if retries > 0 && e.is_retryable() => {
-                    retries -= 1;
-                    tracing::warn!(
-                        request_id = ?req.request_id(),
-                        error = %crate::error::error_chain(&e),
-                        retries_left = retries,
-                        "attempt failed before any answer reached the client; retrying on a new pair"
-                    );
+        bump(&self.counters.requests);
+        self.budget.deposit();
+        let clock = self.clock(&req);
+        let permit = self.admission.admit(clock.deadline).await?;
+        let mut retries = 0;
+        let result = loop {
+            let e = match self.attempt(&req, clock).await {
+                Ok(resp) => break Ok(resp),
+                Err(e) => e,
+            };
+            match self.retry_wait(&req, &e, retries, clock) {
+                Some(wait) => {
+                    retries += 1;
+                    tokio::time::sleep(wait).await;
                 }
-                Err(e) => return Err(e),
+                None => break self.after_failure(&req, e, clock).await,
             }
+        };
+        match result {
+            Ok(mut resp) => {
+                resp.body_mut().hold(permit);
+                Ok(resp)
+            }
+            Err(e) => {
+                if e.code() == "deadline_exceeded" {
+                    bump(&self.counters.deadlines_exceeded);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The wait before retrying after `e`, or `None` when it must not be retried: not
+    /// retryable, retries used up, no time left before the deadline, or the budget
+    /// spent.
+    fn retry_wait(
+        &self,
+        req: &PdRequest,
+        e: &PdError,
+        done: u32,
+        clock: Clock,
+    ) -> Option<Duration> {
+        let policy = &self.config.retry;
+        if done >= policy.max_retries || !e.is_retryable() {
+            return None;
+        }
+        let wait = policy.backoff(done + 1, self.rng.next_u64());
+        if clock
+            .deadline
+            .is_some_and(|d| TokioInstant::now() + wait >= d)
+        {
+            return None;
+        }
+        if !self.budget.withdraw() {
+            bump(&self.counters.retries_denied);
+            tracing::warn!(
+                request_id = ?req.request_id(),
+                error = %crate::error::error_chain(e),
+                "retry budget spent: not retrying"
+            );
+            return None;
+        }
+        bump(&self.counters.retries);
+        tracing::warn!(
+            request_id = ?req.request_id(),
+            error = %crate::error::error_chain(e),
+            retry = done + 1,
+            backoff_ms = wait.as_millis() as u64,
+            "attempt failed before any answer reached the client; retrying on a new pair"
+        );
+        Some(wait)
+    }
+
+    /// The request failed for good with `e`: serve it decode-only when the prefill could
+    /// not be had and the policy says so, else fail.
+    async fn after_failure(
+        &self,
+        req: &PdRequest,
+        e: PdError,
+        clock: Clock,
+    ) -> Result<Response<PdBody>, PdError> {
+        let prefill_missing = e.side() == Side::Prefill || e.code() == "no_prefill_endpoint";
+        if self.config.prefill_failure != PrefillFailure::DecodeOnly
+            || !prefill_missing
+            || e.code() == "deadline_exceeded"
+            || clock.expired()
+        {
+            return Err(e);
+        }
+        bump(&self.counters.prefill_fallbacks);
+        tracing::warn!(
+            request_id = ?req.request_id(),
+            reason = e.code(),
+            error = %crate::error::error_chain(&e),
+            "prefill unavailable: serving decode-only, as configured"
+        );
+        let view = RequestView::from(req);
+        let set = self.source.snapshot();
+        let route = set
+            .for_model(req.model())
+            .and_then(|candidates| self.router.select_direct(&view, candidates))
+            .map_err(PdError::route)?;
+        drop(set);
+        let leg = Leg::new(route.decode.clone(), req.body().clone());
+        let mut resp = self
+            .decode(req, route, leg, "decode-only", Timing::default(), clock)
+            .await?;
+        resp.headers_mut()
+            .insert(FALLBACK_HEADER, HeaderValue::from_static(e.code()));
+        Ok(resp)
+    }
+
+    /// The route for `req`, waiting in the admission queue while an endpoint it chose is
+    /// at its in-flight limit.
+    async fn route(
+        &self,
+        req: &PdRequest,
+        view: &RequestView<'_>,
+        decision: Decision,
+        clock: Clock,
+    ) -> Result<Route, PdError> {
+        let mut since = None;
+        loop {
+            let set = self.source.snapshot();
+            let route = set
+                .for_model(req.model())
+                .and_then(|candidates| match decision {
+                    Decision::Disaggregate => self.router.select(view, candidates),
+                    Decision::Direct { .. } => self.router.select_direct(view, candidates),
+                })
+                .map_err(PdError::route)?;
+            drop(set);
+            if self.admission.has_room(&route) {
+                return Ok(route);
+            }
+            let since = *since.get_or_insert_with(TokioInstant::now);
+            self.admission.wait_for_room(since, clock.deadline).await?;
         }
     }
 
     /// One attempt: a route, a plan, both legs. Every error here happened before any
     /// byte of an answer reached the client.
-    async fn attempt(&self, req: &PdRequest) -> Result<Response<PdBody>, PdError> {
+    async fn attempt(&self, req: &PdRequest, clock: Clock) -> Result<Response<PdBody>, PdError> {
         let view = RequestView::from(req);
         let decision = self.disaggregate.decide(&view);
-        let set = self.source.snapshot();
-        let route = set
-            .for_model(req.model())
-            .and_then(|candidates| match decision {
-                Decision::Disaggregate => self.router.select(&view, candidates),
-                Decision::Direct { .. } => self.router.select_direct(&view, candidates),
-            })
-            .map_err(PdError::route)?;
-        drop(set);
+        let route = self.route(req, &view, decision, clock).await?;
 
-        // A request served on its decode endpoint alone, and the mark its answer gets.
-        let alone = match (decision, &route.prefill) {
+        match (decision, &route.prefill) {
             (Decision::Direct { reason }, _) => {
                 tracing::debug!(
                     request_id = ?req.request_id(),
@@ -461,17 +919,13 @@ impl Inner {
                     reason,
                     "not disaggregated: served on a decode endpoint alone"
                 );
-                Some("direct")
+                let leg = Leg::new(route.decode.clone(), req.body().clone());
+                return self
+                    .decode(req, route, leg, "direct", Timing::default(), clock)
+                    .await;
             }
-            (Decision::Disaggregate, Some(_)) => None,
-            (Decision::Disaggregate, None) => match self.config.no_prefill {
-                NoPrefill::Fail => return Err(PdError::route(RouteError::NoPrefill)),
-                NoPrefill::DecodeOnly => Some("decode-only"),
-            },
-        };
-        if let Some(mark) = alone {
-            let leg = Leg::new(route.decode.clone(), req.body().clone());
-            return self.decode(req, route, leg, mark, Timing::default()).await;
+            (Decision::Disaggregate, Some(_)) => {}
+            (Decision::Disaggregate, None) => return Err(PdError::route(RouteError::NoPrefill)),
         }
         let prefill_failed = |e| {
             self.failed(
@@ -484,10 +938,26 @@ impl Inner {
             .connector
             .prepare(&route, req)
             .map_err(prefill_failed)?;
-        if let Err(e) = self.connector.resolve(&mut handoff, &*self.transport).await {
-            return Err(prefill_failed(e));
+        let (budget, by_deadline) = clock.budget(self.config.handoff_timeout);
+        match tokio::time::timeout(
+            budget,
+            self.connector.resolve(&mut handoff, &*self.transport),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(prefill_failed(e)),
+            Err(_) => {
+                let e = out_of_time(
+                    by_deadline,
+                    Side::Prefill,
+                    &handoff.prefill.endpoint,
+                    Phase::Handoff,
+                );
+                return Err(self.failed(&route, Outcome::PrefillFailed, e));
+            }
         }
-        self.dispatch(req, route, handoff).await
+        self.dispatch(req, route, handoff, clock).await
     }
 
     /// Send both legs as the plan says. One path for every connector: the prefill
@@ -499,28 +969,45 @@ impl Inner {
         req: &PdRequest,
         route: Route,
         mut handoff: Handoff,
+        clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
         let start = Instant::now();
-        let prefill = self.prefill(req, &handoff.prefill);
+        let prefill = self.prefill(req, &handoff.prefill, clock);
         let mut timing = Timing::default();
 
-        let (mark, pending) = match handoff.dispatch {
+        let (mark, pending, mut sequential) = match handoff.dispatch {
             Dispatch::AfterPrefill => {
-                let answer = match self.prefill_answer(&route, req, prefill.await) {
+                let mut seq = self.sequential(req, &handoff, Box::pin(prefill));
+                let answer = match self.prefill_answer(&route, req, seq.prefill().await) {
                     Ok(a) => a,
                     Err(end) => return *end,
                 };
+                seq.answered(&answer);
                 let prefilled = Instant::now();
                 timing.prefill = Some(prefilled - start);
-                let handed = self
-                    .connector
-                    .complete(&mut handoff, &answer)
-                    .await
-                    .map_err(|e| PdError::connector(Side::Prefill, e));
+                let (budget, by_deadline) = clock.budget(self.config.handoff_timeout);
+                let handed = match tokio::time::timeout(
+                    budget,
+                    self.connector.complete(&mut handoff, &answer),
+                )
+                .await
+                {
+                    Ok(r) => r.map_err(|e| PdError::connector(Side::Prefill, e)),
+                    Err(_) => Err(out_of_time(
+                        by_deadline,
+                        Side::Prefill,
+                        &handoff.prefill.endpoint,
+                        Phase::Handoff,
+                    )),
+                };
                 timing.handoff = Some(prefilled.elapsed());
                 let mark = match handed {
-                    Ok(KvOutcome::Handed) => "kv",
+                    Ok(KvOutcome::Handed) => {
+                        seq.handed(&handoff.decode);
+                        "kv"
+                    }
                     Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
+                        seq.disarm();
                         tracing::warn!(
                             request_id = ?req.request_id(),
                             prefill = %handoff.prefill.endpoint.id(),
@@ -529,6 +1016,7 @@ impl Inner {
                         "none"
                     }
                     Ok(_) => {
+                        seq.disarm();
                         let e = PdError::connector(
                             Side::Prefill,
                             ConnectorError::MissingHandoff {
@@ -538,17 +1026,20 @@ impl Inner {
                         );
                         return Err(self.failed(&route, Outcome::PrefillFailed, e));
                     }
-                    Err(e) => return Err(self.failed(&route, Outcome::PrefillFailed, e)),
+                    Err(e) => {
+                        seq.disarm();
+                        return Err(self.failed(&route, Outcome::PrefillFailed, e));
+                    }
                 };
-                (mark, None)
+                (mark, None, Some(seq))
             }
             // Boxed only here: the race needs it pinned, and it may move into the body.
-            Dispatch::Concurrent => ("kv", Some(Box::pin(prefill))),
+            Dispatch::Concurrent => ("kv", Some(Box::pin(prefill)), None),
         };
 
         let guard = handoff.decode.endpoint.track();
         let decode_start = Instant::now();
-        let decode = self.decode_head(req, &handoff.decode);
+        let decode = self.decode_head(req, &handoff.decode, clock);
         let (head, pending) = match pending {
             None => (decode.await, None),
             Some(prefill) => match select(prefill, Box::pin(decode)).await {
@@ -569,12 +1060,38 @@ impl Inner {
             Ok(h) => h,
             Err(e) => return Err(self.failed(&route, Outcome::DecodeFailed, e)),
         };
+        // The decode engine has the leg: its KV is the engine's business now.
+        if let Some(seq) = sequential.as_mut() {
+            seq.disarm();
+        }
         timing.decode_head = Some(decode_start.elapsed());
         // A decode that answered an error needs no KV: the prefill leg is dropped.
         let pending = pending.filter(|_| head.status().is_success());
         let pending: Option<PendingPrefill> =
             pending.map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as _);
-        Ok(self.respond(req, route, guard, head, mark, timing, pending))
+        Ok(self.respond(req, route, guard, head, mark, timing, pending, clock))
+    }
+
+    /// The prefill exchange of a sequential handoff, with what an early KV release
+    /// needs when it is on.
+    fn sequential(&self, req: &PdRequest, handoff: &Handoff, prefill: PrefillFuture) -> Sequential {
+        let release = match self.config.kv_release {
+            KvRelease::Off => None,
+            KvRelease::AbortDecode { grace, wait } => Some(Release {
+                grace,
+                wait,
+                handoff: handoff.clone(),
+                api: req.api(),
+                request_id: req.request_id().clone(),
+                connector: Arc::clone(&self.connector),
+                transport: Arc::clone(&self.transport),
+                counters: Arc::clone(&self.counters),
+            }),
+        };
+        Sequential {
+            stage: Stage::Prefilling(prefill),
+            release,
+        }
     }
 
     /// The prefill's answer, or, when the prefill failed, how the attempt ends: an
@@ -646,15 +1163,22 @@ impl Inner {
         &self,
         req: &PdRequest,
         leg: &Leg,
+        clock: Clock,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
         let guard = ep.track();
         let http_req = self.leg_request(req, leg);
         let transport = Arc::clone(&self.transport);
-        let timeout = self.config.prefill_timeout;
+        let (timeout, by_deadline) = clock.budget(self.config.prefill_timeout);
         let limit = self.config.max_prefill_answer;
+        // Requests waiting for room on this endpoint hear when the exchange ends.
+        let admission = self
+            .admission
+            .per_endpoint()
+            .then(|| Arc::clone(&self.admission));
         async move {
             let _guard = guard;
+            let _room = admission.map(RoomFreed);
             let http_req = http_req?;
             let exchange = async {
                 let resp = transport
@@ -689,31 +1213,29 @@ impl Inner {
             };
             match tokio::time::timeout(timeout, exchange).await {
                 Ok(r) => r,
-                Err(_) => Err(PdError::timeout(
-                    Side::Prefill,
-                    ep.id().clone(),
-                    "prefill answer",
-                )),
+                Err(_) => Err(out_of_time(by_deadline, Side::Prefill, &ep, Phase::Prefill)),
             }
         }
     }
 
     /// Send the decode leg and wait for its response head, within the decode timeout.
-    async fn decode_head(&self, req: &PdRequest, leg: &Leg) -> Result<Response<BoxBody>, PdError> {
+    async fn decode_head(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+        clock: Clock,
+    ) -> Result<Response<BoxBody>, PdError> {
         let ep = &leg.endpoint;
         let http_req = self.leg_request(req, leg)?;
-        match tokio::time::timeout(
-            self.config.decode_head_timeout,
-            self.transport.send(http_req),
-        )
-        .await
-        {
+        let (budget, by_deadline) = clock.budget(self.config.decode_head_timeout);
+        match tokio::time::timeout(budget, self.transport.send(http_req)).await {
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => Err(PdError::transport(Side::Decode, ep.id().clone(), e)),
-            Err(_) => Err(PdError::timeout(
+            Err(_) => Err(out_of_time(
+                by_deadline,
                 Side::Decode,
-                ep.id().clone(),
-                "response head",
+                ep,
+                Phase::DecodeHead,
             )),
         }
     }
@@ -726,13 +1248,14 @@ impl Inner {
         leg: Leg,
         mark: &'static str,
         mut timing: Timing,
+        clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
         let guard = leg.endpoint.track();
         let start = Instant::now();
-        match self.decode_head(req, &leg).await {
+        match self.decode_head(req, &leg, clock).await {
             Ok(head) => {
                 timing.decode_head = Some(start.elapsed());
-                Ok(self.respond(req, route, guard, head, mark, timing, None))
+                Ok(self.respond(req, route, guard, head, mark, timing, None, clock))
             }
             Err(e) => Err(self.failed(&route, Outcome::DecodeFailed, e)),
         }
@@ -750,12 +1273,18 @@ impl Inner {
         mark: &'static str,
         timing: Timing,
         prefill: Option<PendingPrefill>,
+        clock: Clock,
     ) -> Response<PdBody> {
         let (parts, body) = head.into_parts();
         let sse = parts
             .headers
             .get(header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let timer = StreamTimer::new(
+            self.config.decode_idle_timeout,
+            clock.deadline,
+            guard.endpoint().id(),
+        );
         let mut resp = Response::new(PdBody::stream(
             body,
             sse,
@@ -766,8 +1295,10 @@ impl Inner {
                     connector: Arc::clone(&self.connector),
                     route,
                 }),
+                permit: None,
             },
             prefill,
+            timer,
         ));
         *resp.status_mut() = parts.status;
         *resp.headers_mut() = end_to_end(parts.headers);

@@ -167,7 +167,7 @@ impl Pick for LeastInFlightPick {
 /// A small, lock-free pseudo-random generator (splitmix64 over an atomic counter), so
 /// policies can be seeded for deterministic tests.
 #[derive(Debug)]
-struct Rng {
+pub(crate) struct Rng {
     state: AtomicU64,
 }
 
@@ -178,11 +178,11 @@ impl Rng {
         }
     }
 
-    fn random() -> Self {
+    pub(crate) fn random() -> Self {
         Self::from_seed(uuid::Uuid::new_v4().as_u64_pair().0)
     }
 
-    fn next_u64(&self) -> u64 {
+    pub(crate) fn next_u64(&self) -> u64 {
         // splitmix64: the state advances by its gamma, the mixer adds it once more.
         crate::request::splitmix64(
             self.state

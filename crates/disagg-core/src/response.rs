@@ -22,9 +22,14 @@ use sync_wrapper::SyncWrapper;
 
 use std::future::Future;
 
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::admission::Permit;
 use crate::connector::KvConnector;
-use crate::endpoint::InFlightGuard;
-use crate::error::{BoxError, PdError, error_chain};
+use crate::endpoint::{EndpointId, InFlightGuard};
+use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::router::{Outcome, Route, Router};
 use crate::transport::BoxBody;
 
@@ -52,16 +57,18 @@ pub(crate) struct Feedback {
     pub(crate) route: Route,
 }
 
-/// What a response body releases when it ends: the in-flight count and the feedback to
-/// the router and the connector.
+/// What a response body releases when it ends: the in-flight count, the admission
+/// permit, and the feedback to the router and the connector.
 pub(crate) struct Finish {
     pub(crate) guard: Option<InFlightGuard>,
     pub(crate) feedback: Option<Feedback>,
+    pub(crate) permit: Option<Permit>,
 }
 
 impl Finish {
     fn done(&mut self, outcome: Outcome) {
         self.guard = None;
+        self.permit = None;
         if let Some(f) = self.feedback.take() {
             f.router.observe(&f.route, outcome);
             f.connector.observe(&f.route, outcome);
@@ -81,8 +88,88 @@ enum End {
     Eos,
     Trailers(HeaderMap),
     Error(BoxError),
-    /// The prefill leg of a concurrent handoff failed after the decode's head went out.
-    Prefill(PdError),
+    /// The prefill leg of a concurrent handoff failed after the decode's head went out,
+    /// or a time limit of the stream passed: the decode leg was dropped.
+    Abort(PdError),
+}
+
+/// The time limits of a decode stream: the longest silence between two chunks, and the
+/// request's deadline.
+///
+/// One timer for both, moved only when it fires: a chunk just notes the time it came
+/// (no timer reset per chunk), and a timer that fires early is set again to the true
+/// limit.
+pub(crate) struct StreamTimer {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    idle: Option<Duration>,
+    deadline: Option<Instant>,
+    last: Instant,
+    endpoint: EndpointId,
+}
+
+impl StreamTimer {
+    /// A timer for a stream from `endpoint`, or `None` when it has no limit.
+    pub(crate) fn new(
+        idle: Option<Duration>,
+        deadline: Option<Instant>,
+        endpoint: &EndpointId,
+    ) -> Option<Self> {
+        if idle.is_none() && deadline.is_none() {
+            return None;
+        }
+        let now = Instant::now();
+        let mut t = StreamTimer {
+            sleep: Box::pin(tokio::time::sleep_until(now)),
+            idle,
+            deadline,
+            last: now,
+            endpoint: endpoint.clone(),
+        };
+        let at = t.limit();
+        t.sleep.as_mut().reset(at);
+        Some(t)
+    }
+
+    /// When the stream must have said something (or ended) by.
+    fn limit(&self) -> Instant {
+        let idle = self.idle.and_then(|i| self.last.checked_add(i));
+        match (idle, self.deadline) {
+            (Some(i), Some(d)) => i.min(d),
+            (Some(i), None) => i,
+            (None, Some(d)) => d,
+            // Not built without a limit; far away if it were.
+            (None, None) => self.last + Duration::from_secs(86_400 * 365),
+        }
+    }
+
+    /// A chunk arrived.
+    fn chunk(&mut self) {
+        if self.idle.is_some() {
+            self.last = Instant::now();
+        }
+    }
+
+    /// The error, once a limit has passed; registers the wake-up otherwise.
+    fn poll_expired(&mut self, cx: &mut Context<'_>) -> Option<PdError> {
+        loop {
+            if self.sleep.as_mut().poll(cx).is_pending() {
+                return None;
+            }
+            let now = Instant::now();
+            if self.deadline.is_some_and(|d| now >= d) {
+                return Some(PdError::deadline(Side::Decode, Phase::DecodeIdle));
+            }
+            let at = self.limit();
+            if now >= at {
+                return Some(PdError::timeout(
+                    Side::Decode,
+                    self.endpoint.clone(),
+                    Phase::DecodeIdle,
+                ));
+            }
+            self.sleep.as_mut().reset(at);
+        }
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -111,6 +198,7 @@ pin_project_lite::pin_project! {
         end: Option<End>,
         finish: Option<Finish>,
         prefill: Option<SyncWrapper<PendingPrefill>>,
+        timer: Option<SyncWrapper<StreamTimer>>,
     }
 }
 
@@ -151,6 +239,7 @@ impl PdBody {
             end: None,
             finish: None,
             prefill: None,
+            timer: None,
         }
     }
 
@@ -159,11 +248,27 @@ impl PdBody {
         sse: bool,
         finish: Finish,
         prefill: Option<PendingPrefill>,
+        timer: Option<StreamTimer>,
     ) -> Self {
         let mut body = Self::forward(inner, sse);
         body.finish = Some(finish);
         body.prefill = prefill.map(SyncWrapper::new);
+        body.timer = timer.map(SyncWrapper::new);
         body
+    }
+
+    /// Keep the request's admission permit until the body ends.
+    pub(crate) fn hold(&mut self, permit: Permit) {
+        match &mut self.finish {
+            Some(f) => f.permit = Some(permit),
+            None => {
+                self.finish = Some(Finish {
+                    guard: None,
+                    feedback: None,
+                    permit: Some(permit),
+                })
+            }
+        }
     }
 }
 
@@ -191,7 +296,7 @@ impl Body for PdBody {
             if let Err(e) = result {
                 // Drop the decode leg now: without the KV it has nothing to say.
                 this.inner.set(empty_body());
-                *this.end = Some(End::Prefill(e));
+                *this.end = Some(End::Abort(e));
                 if !this.joined.is_empty() {
                     return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
                 }
@@ -214,6 +319,9 @@ impl Body for PdBody {
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => {
                         *this.idle_yields = 0;
+                        if let Some(t) = this.timer.as_mut() {
+                            t.get_mut().chunk();
+                        }
                         if this.joined.is_empty() && this.inner.is_end_stream() {
                             // The last frame and nothing before it: no copy.
                             *this.end = Some(End::Eos);
@@ -231,17 +339,29 @@ impl Body for PdBody {
                 Poll::Ready(Some(Err(e))) => End::Error(e),
                 Poll::Pending => {
                     if this.joined.is_empty() {
-                        return Poll::Pending;
+                        let expired = this
+                            .timer
+                            .as_mut()
+                            .and_then(|t| t.get_mut().poll_expired(cx));
+                        let Some(e) = expired else {
+                            return Poll::Pending;
+                        };
+                        // Out of time: drop the decode leg and end with the error.
+                        *this.timer = None;
+                        this.inner.set(empty_body());
+                        End::Abort(e)
+                    } else {
+                        if *this.idle_yields < JOIN_YIELDS {
+                            // Let the upstream connection task deliver what it has
+                            // already read, then come back: a yield, not a wait for the
+                            // network.
+                            *this.idle_yields += 1;
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                        *this.idle_yields = 0;
+                        return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
                     }
-                    if *this.idle_yields < JOIN_YIELDS {
-                        // Let the upstream connection task deliver what it has already
-                        // read, then come back: a yield, not a wait for the network.
-                        *this.idle_yields += 1;
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    *this.idle_yields = 0;
-                    return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
                 }
             };
             *this.end = Some(next);
@@ -301,12 +421,18 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
                 Poll::Ready(Some(Err(err)))
             }
         }
-        End::Prefill(err) => {
+        End::Abort(err) => {
             *done = true;
             let message = error_chain(&err);
-            tracing::warn!(%message, "prefill leg failed after the decode's answer began");
+            let outcome = if err.side() == Side::Prefill {
+                tracing::warn!(%message, "prefill leg failed after the decode's answer began");
+                Outcome::PrefillFailed
+            } else {
+                tracing::warn!(%message, "decode stream ended: out of time");
+                Outcome::DecodeFailed
+            };
             if let Some(mut f) = finish.take() {
-                f.done(Outcome::PrefillFailed);
+                f.done(outcome);
             }
             if sse {
                 Poll::Ready(Some(Ok(Frame::data(sse_error_event(

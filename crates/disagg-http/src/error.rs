@@ -3,7 +3,7 @@
 use bytes::Bytes;
 use disagg_core::PdBody;
 use disagg_core::error::{PdError, error_chain};
-use http::header::{CONTENT_TYPE, HeaderValue};
+use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 /// An OpenAI-format error body: `{"error": {"message", "type", "param", "code"}}`.
@@ -33,14 +33,21 @@ pub fn error_response(
     resp
 }
 
-/// The response for a [`PdError`]: its status, and its whole cause chain as the message.
+/// The response for a [`PdError`]: its status, its whole cause chain as the message,
+/// and `retry-after` (whole seconds, at least 1) when the error names one.
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
-    error_response(
+    let mut resp = error_response(
         err.status(),
         &error_chain(err),
         err.error_type(),
         err.code(),
-    )
+    );
+    if let Some(after) = err.retry_after() {
+        let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+        resp.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
+    }
+    resp
 }
 
 #[cfg(test)]

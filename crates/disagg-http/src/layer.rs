@@ -103,7 +103,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use disagg_core::endpoint::EndpointError;
 use disagg_core::error::{BoxError, RouteError, TransportError};
-use disagg_core::orchestrator::NoPrefill;
+use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::policy::{Pick, RoundRobinPick};
 use disagg_core::router::{RequestView, Route, Router};
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
@@ -434,7 +434,7 @@ where
         config.forward_headers.retain(|h| *h != m.header);
         if matches!(m.unnamed, Unnamed::DecodeOnly) {
             // The router names no prefill for such requests on purpose.
-            config.no_prefill = NoPrefill::DecodeOnly;
+            config.prefill_failure = PrefillFailure::DecodeOnly;
         }
         let orchestrator = Orchestrator::builder(Arc::clone(&m.source), transport)
             .router(router)

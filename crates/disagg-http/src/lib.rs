@@ -24,6 +24,7 @@
 
 pub mod error;
 pub mod layer;
+pub mod metrics;
 pub mod server;
 pub mod service;
 pub mod transport;

@@ -5,6 +5,7 @@
 //! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
 //! | `GET /v1/models` | the union of the decode endpoints' models: those they declare ([`Endpoint::with_models`](disagg_core::Endpoint::with_models)), and what each that declares none answers |
 //! | `GET /health` | 200 when a request could be routed now, else 503 |
+//! | `GET /metrics` | the orchestrator's counters and each endpoint's in-flight count, in the Prometheus text format |
 //! | anything else | 404 (405 for a known path with another method) |
 //!
 //! Every failure is an OpenAI-format error response, so the service never fails
@@ -20,7 +21,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use disagg_core::error::{BoxError, PdError};
-use disagg_core::orchestrator::NoPrefill;
+use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::request::Api;
 use disagg_core::{Orchestrator, PdBody};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
@@ -170,7 +171,8 @@ impl Inner {
         match path {
             "/v1/models" if req.method() == Method::GET => self.models().await,
             "/health" if req.method() == Method::GET => self.health(),
-            "/v1/models" | "/health" => method_not_allowed(),
+            "/metrics" if req.method() == Method::GET => self.metrics(),
+            "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
             _ => pd_error_response(&PdError::not_found()),
         }
     }
@@ -216,10 +218,20 @@ impl Inner {
         self.orchestrator.serve(req).await
     }
 
+    fn metrics(&self) -> Response<PdBody> {
+        let text = crate::metrics::render(&self.orchestrator);
+        let mut resp = Response::new(PdBody::full(Bytes::from(text)));
+        resp.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        );
+        resp
+    }
+
     fn health(&self) -> Response<PdBody> {
         let set = self.orchestrator.source().snapshot();
         let prefill_ok = !set.prefill().is_empty()
-            || self.orchestrator.config().no_prefill == NoPrefill::DecodeOnly;
+            || self.orchestrator.config().prefill_failure == PrefillFailure::DecodeOnly;
         if prefill_ok && !set.decode().is_empty() {
             json_response(StatusCode::OK, Bytes::from_static(br#"{"status":"ok"}"#))
         } else {

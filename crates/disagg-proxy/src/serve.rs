@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_affinity::{CacheAware, ConsistentHash};
+use disagg_core::admission::AdmissionConfig;
 use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
-use disagg_core::orchestrator::{MissingKv, NoPrefill};
+use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::policy::{
     LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
 };
+use disagg_core::retry::RetryPolicy;
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
     Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
@@ -69,10 +71,14 @@ pub struct ServeArgs {
     #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
     kv_profiles: Vec<(String, KvProfile)>,
     /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
-    /// connection failure, a timeout or a 5xx that happened before any answer reached
-    /// the client.
+    /// prefill leg that could not connect or answered 502/503/504, or a decode leg that
+    /// could not connect, before any answer reached the client; with jittered
+    /// exponential backoff, within the deadline and the retry budget.
     #[arg(long, value_name = "N", default_value_t = 0)]
     retries: u32,
+    /// Deadlines, retries, admission and KV release.
+    #[command(flatten)]
+    reliability: ReliabilityArgs,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -104,10 +110,8 @@ pub struct ServeArgs {
     /// Largest client request body, in bytes; larger ones are answered 413.
     #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
     max_body_bytes: usize,
-    /// When no prefill engine is configured or available, serve requests on a decode
-    /// engine alone (it computes the prompt itself) instead of answering 503. Answers
-    /// served this way carry `x-disagg-handoff: decode-only`.
-    #[arg(long)]
+    /// Same as `--prefill-failure decode-only`.
+    #[arg(long, hide = true)]
     decode_only_fallback: bool,
     /// What to do when the prefill answers without `kv_transfer_params`: let the decode
     /// engine compute the prompt itself (`x-disagg-handoff: none`), or fail with 502.
@@ -116,6 +120,110 @@ pub struct ServeArgs {
     /// Forward the client's `Authorization` header to the engines.
     #[arg(long)]
     forward_authorization: bool,
+}
+
+/// Flags for deadlines, retries, admission and KV release (docs/reliability.md).
+#[derive(Debug, Clone, Args)]
+pub struct ReliabilityArgs {
+    /// Seconds a whole request may take, from arrival to its answer's last byte
+    /// (default: no total deadline, only the per-step budgets); past it, 504
+    /// `deadline_exceeded`, or an error event for a stream already under way.
+    #[arg(long, value_name = "SECS")]
+    deadline: Option<f64>,
+    /// Let clients shorten their deadline with `x-disagg-deadline-ms`.
+    #[arg(long)]
+    client_deadline: bool,
+    /// Seconds for each step of the connector's handoff work (bootstrap lookups,
+    /// folding the prefill's answer into the decode leg); past it, 504
+    /// `handoff_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    handoff_timeout: f64,
+    /// Seconds of silence allowed between two chunks of the decode's answer (0: no
+    /// limit); past it, the stream ends with `decode_idle_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    decode_idle_timeout: f64,
+    /// Milliseconds of backoff before the first retry, doubled for each further one,
+    /// drawn with full jitter.
+    #[arg(long, value_name = "MS", default_value_t = 20)]
+    retry_backoff_ms: u64,
+    /// Retries allowed per request on average (the retry budget), beyond a reserve of
+    /// 10; stops retry storms when a pool fails.
+    #[arg(long, value_name = "RATIO", default_value_t = 0.2)]
+    retry_budget: f64,
+    /// When the prefill cannot be had (no prefill engine available, or its leg failed
+    /// on the engine's side after retries): `fail` (503 or the prefill's error), or
+    /// `decode-only` (serve on a decode engine alone, marked `x-disagg-handoff:
+    /// decode-only` and `x-disagg-fallback: REASON`, counted in /metrics).
+    #[arg(long, value_enum, default_value_t = PrefillFailureArg::Fail)]
+    prefill_failure: PrefillFailureArg,
+    /// Requests served at once, all engines together (default: no limit); more wait in
+    /// a FIFO queue.
+    #[arg(long, value_name = "N")]
+    max_in_flight: Option<usize>,
+    /// Requests in flight on one engine endpoint (default: no limit); more wait in the
+    /// queue.
+    #[arg(long, value_name = "N")]
+    max_in_flight_per_endpoint: Option<usize>,
+    /// Requests that may wait for admission; one more is answered 429 with
+    /// `retry-after`.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_queue: usize,
+    /// Seconds a request may wait for admission; past it, 503 `queue_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    queue_timeout: f64,
+    /// Early release of a prefill's KV blocks when a NIXL request ends before its
+    /// decode took them: `off` (the engine's lease frees them), or `abort-decode`
+    /// (send the decode leg as a one-token request and drop it, so the decode engine
+    /// frees them now).
+    #[arg(long, value_enum, default_value_t = KvReleaseArg::Off)]
+    kv_release: KvReleaseArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum PrefillFailureArg {
+    Fail,
+    DecodeOnly,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum KvReleaseArg {
+    Off,
+    AbortDecode,
+}
+
+impl ReliabilityArgs {
+    /// Apply the flags to `config`.
+    fn apply(&self, config: &mut OrchestratorConfig, retries: u32) -> Result<(), BoxError> {
+        config.deadline = self.deadline.map(|d| secs(d, "deadline")).transpose()?;
+        config.client_deadline = self.client_deadline;
+        config.handoff_timeout = secs(self.handoff_timeout, "handoff-timeout")?;
+        config.decode_idle_timeout = match self.decode_idle_timeout {
+            0.0 => None,
+            s => Some(secs(s, "decode-idle-timeout")?),
+        };
+        let mut retry = RetryPolicy::retries(retries);
+        retry.backoff_base = Duration::from_millis(self.retry_backoff_ms);
+        if !(self.retry_budget >= 0.0 && self.retry_budget.is_finite()) {
+            return Err("--retry-budget must be a ratio of 0 or more".into());
+        }
+        retry.budget_ratio = self.retry_budget;
+        config.retry = retry;
+        config.prefill_failure = match self.prefill_failure {
+            PrefillFailureArg::Fail => PrefillFailure::Fail,
+            PrefillFailureArg::DecodeOnly => PrefillFailure::DecodeOnly,
+        };
+        let mut admission = AdmissionConfig::default();
+        admission.max_in_flight = self.max_in_flight;
+        admission.max_in_flight_per_endpoint = self.max_in_flight_per_endpoint;
+        admission.max_queue = self.max_queue;
+        admission.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
+        config.admission = admission;
+        config.kv_release = match self.kv_release {
+            KvReleaseArg::Off => KvRelease::Off,
+            KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
+        };
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -333,14 +441,12 @@ impl ServeArgs {
     }
 }
 
-/// The proxy's parts that every serving thread shares.
+/// The proxy's parts that every serving thread shares: one orchestrator (endpoints,
+/// router, connector, admission, retry budget, counters), of which each thread takes a
+/// copy with a transport and connection pool of its own.
 struct Shared {
-    source: Arc<StaticSource>,
-    router: Arc<dyn Router>,
-    connector: Arc<dyn KvConnector>,
-    disaggregate: Arc<dyn Disaggregate>,
+    orchestrator: Orchestrator,
     transport: HttpTransportConfig,
-    config: OrchestratorConfig,
     service: PdServiceConfig,
 }
 
@@ -396,9 +502,9 @@ impl Shared {
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
-        config.retries = args.retries;
+        args.reliability.apply(&mut config, args.retries)?;
         if args.decode_only_fallback {
-            config.no_prefill = NoPrefill::DecodeOnly;
+            config.prefill_failure = PrefillFailure::DecodeOnly;
         }
         config.missing_kv = match args.missing_kv {
             MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
@@ -418,29 +524,25 @@ impl Shared {
         };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
+        let orchestrator = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
+            .router(router)
+            .connector(connector)
+            .disaggregate(disaggregate)
+            .config(config)
+            .build();
         Ok(Shared {
-            source,
-            router,
-            connector,
-            disaggregate,
+            orchestrator,
             transport,
-            config,
             service,
         })
     }
 
-    /// One thread's service: shared source, router and connector (so load and
-    /// round-robin state are global), a transport and its pool of its own.
+    /// One thread's service: the shared orchestrator (so load, round-robin state,
+    /// admission and counters are global), with a transport and pool of its own.
     fn service(&self) -> PdService {
-        let orchestrator = Orchestrator::builder(
-            Arc::clone(&self.source),
-            HttpTransport::new(self.transport.clone()),
-        )
-        .router(Arc::clone(&self.router))
-        .connector(Arc::clone(&self.connector))
-        .disaggregate(Arc::clone(&self.disaggregate))
-        .config(self.config.clone())
-        .build();
+        let orchestrator = self
+            .orchestrator
+            .with_transport(HttpTransport::new(self.transport.clone()));
         PdService::with_config(orchestrator, self.service.clone())
     }
 }

@@ -1,0 +1,78 @@
+//! What an orchestrator counted: [`OrchestratorStats`].
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// A snapshot of an orchestrator's counters and gauges, from
+/// [`Orchestrator::stats`](crate::Orchestrator::stats).
+///
+/// Counters only grow; gauges (`in_flight`, `queued_now`, `kv_releases_in_flight`) are
+/// the current value. All are per orchestrator: an application running several (one per
+/// serving thread, say) adds them up.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OrchestratorStats {
+    /// Requests served (each counted once, whatever its retries).
+    pub requests: u64,
+    /// Requests admitted and not yet ended (their answer's last byte not yet sent):
+    /// a gauge.
+    pub in_flight: u64,
+    /// Requests waiting for admission now: a gauge.
+    pub queued_now: u64,
+    /// Requests that had to wait for admission.
+    pub queued: u64,
+    /// Requests refused because the admission queue was full (429).
+    pub rejected_queue_full: u64,
+    /// Requests that waited too long for admission (503).
+    pub queue_timeouts: u64,
+    /// Retries made.
+    pub retries: u64,
+    /// Retries not made because the retry budget was spent.
+    pub retries_denied: u64,
+    /// Requests served decode-only because their prefill could not be had
+    /// ([`PrefillFailure::DecodeOnly`](crate::orchestrator::PrefillFailure::DecodeOnly)).
+    pub prefill_fallbacks: u64,
+    /// Requests that ended because their total deadline passed.
+    pub deadlines_exceeded: u64,
+    /// Early KV releases sent ([`KvRelease`](crate::orchestrator::KvRelease)).
+    pub kv_releases: u64,
+    /// Early KV releases still running: a gauge.
+    pub kv_releases_in_flight: u64,
+}
+
+/// The live counters behind [`OrchestratorStats`] that are not admission's.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) requests: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) retries_denied: AtomicU64,
+    pub(crate) prefill_fallbacks: AtomicU64,
+    pub(crate) deadlines_exceeded: AtomicU64,
+    pub(crate) kv_releases: AtomicU64,
+    pub(crate) kv_releases_in_flight: AtomicU64,
+}
+
+pub(crate) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Relaxed);
+}
+
+/// Counts one running task in a gauge while it lives.
+pub(crate) struct GaugeGuard<'a>(&'a AtomicU64);
+
+impl<'a> GaugeGuard<'a> {
+    pub(crate) fn new(gauge: &'a AtomicU64) -> Self {
+        gauge.fetch_add(1, Relaxed);
+        GaugeGuard(gauge)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+impl Counters {
+    pub(crate) fn load(counter: &AtomicU64) -> u64 {
+        counter.load(Relaxed)
+    }
+}
