@@ -198,7 +198,10 @@ mod stats;
 
 pub use config::{Faults, KvMode, SimConfig, SimRole};
 pub use generate::generate;
-pub use kv::{BootstrapResponse, MooncakePullRequest, SideChannelRequest, SideChannelResponse};
+pub use kv::{
+    BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
+    SideChannelResponse,
+};
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;
