@@ -75,10 +75,11 @@ pub struct SideChannelRelease {
     pub release: SideChannelRequest,
 }
 
-/// The line a prefill's side channel answers with, before closing.
+/// The line a prefill's side channel answers a [`SideChannelRequest`] (or a
+/// [`SideChannelRelease`]) with.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SideChannelResponse {
-    /// Whether the pull succeeded (the blocks are then freed).
+    /// Whether the pull (or the release) succeeded: the blocks are then freed.
     pub ok: bool,
     /// On success: the "KV" of each block, in the requested order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
