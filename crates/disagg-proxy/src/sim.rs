@@ -86,6 +86,15 @@ pub(crate) struct SimArgs {
     /// non-streaming answers: before the body is complete).
     #[arg(long, value_name = "N")]
     drop_after_chunks: Option<usize>,
+    /// Fault: after this many SSE events, send nothing more and keep the connection open
+    /// until the client leaves (non-streaming answers: after half the body). Wins over
+    /// --drop-after-chunks.
+    #[arg(long, value_name = "N")]
+    stall_after_chunks: Option<usize>,
+    /// Fault: vLLM NIXL prefills answer a JSON string as `kv_transfer_params` and hold
+    /// no KV blocks.
+    #[arg(long)]
+    malformed_kv_params: bool,
 }
 
 pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
@@ -104,6 +113,8 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
             status: args.fail_status,
             hang: args.hang,
             drop_after_chunks: args.drop_after_chunks,
+            stall_after_chunks: args.stall_after_chunks,
+            malformed_kv_params: args.malformed_kv_params,
         },
         ..SimConfig::default()
     };

@@ -410,6 +410,16 @@ pub(crate) struct KvParamsOut<'a> {
     pub(crate) tp_size: u32,
 }
 
+/// The `kv_transfer_params` field of an answer, when not `null`.
+#[derive(Clone, Copy, Debug, Serialize)]
+#[serde(untagged)]
+pub(crate) enum KvParamsField<'a> {
+    /// The parameters of the held blocks.
+    Params(&'a KvParamsOut<'a>),
+    /// An unusable value of fault injection.
+    Malformed(&'static str),
+}
+
 #[derive(Serialize)]
 struct Usage {
     prompt_tokens: u64,
@@ -453,7 +463,7 @@ struct ChatResponse<'a> {
     choices: Vec<ChatChoice<'a>>,
     usage: Usage,
     prompt_logprobs: Option<()>,
-    kv_transfer_params: Option<&'a KvParamsOut<'a>>,
+    kv_transfer_params: Option<KvParamsField<'a>>,
 }
 
 #[derive(Serialize)]
@@ -464,7 +474,7 @@ struct TextResponse<'a> {
     model: &'a str,
     choices: Vec<TextChoice<'a>>,
     usage: Usage,
-    kv_transfer_params: Option<&'a KvParamsOut<'a>>,
+    kv_transfer_params: Option<KvParamsField<'a>>,
 }
 
 /// Everything a non-streamed answer is made of.
@@ -476,7 +486,7 @@ pub(crate) struct Answer<'a> {
     pub(crate) model: &'a str,
     pub(crate) choices: &'a [Generation],
     pub(crate) prompt_tokens: u64,
-    pub(crate) kv_transfer_params: Option<&'a KvParamsOut<'a>>,
+    pub(crate) kv_transfer_params: Option<KvParamsField<'a>>,
 }
 
 impl Answer<'_> {

@@ -35,6 +35,14 @@ pub(crate) enum SimBody {
         guard: Option<RequestGuard>,
         flushed: bool,
     },
+    /// The first half of `data`, then nothing, with the connection left open
+    /// until the client leaves (the request then counts as cancelled).
+    Stalled {
+        data: Option<Bytes>,
+        /// Never completed: dropped with the body, it counts the request as
+        /// cancelled.
+        _guard: RequestGuard,
+    },
     /// A server-sent-events stream.
     Sse(Box<SseBody>),
 }
@@ -87,6 +95,11 @@ impl Body for SimBody {
                     Poll::Ready(Some(Err(FaultAbort)))
                 }
             },
+            // Never woken: hyper drops the body, and its guard, when the client leaves.
+            SimBody::Stalled { data, .. } => match data.take() {
+                Some(d) => Poll::Ready(Some(Ok(Frame::data(d.slice(..d.len() / 2))))),
+                None => Poll::Pending,
+            },
             SimBody::Sse(sse) => sse.poll_event(cx),
         }
     }
@@ -94,7 +107,7 @@ impl Body for SimBody {
     fn is_end_stream(&self) -> bool {
         match self {
             SimBody::Full { data, .. } => data.is_none(),
-            SimBody::Truncated { .. } => false,
+            SimBody::Truncated { .. } | SimBody::Stalled { .. } => false,
             SimBody::Sse(sse) => sse.finished,
         }
     }
@@ -143,6 +156,7 @@ pub(crate) struct SseBody {
     delayed_step: usize,
     emitted: usize,
     drop_after: Option<usize>,
+    stall_after: Option<usize>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -160,6 +174,8 @@ pub(crate) struct SseSpec {
     pub(crate) usage: Option<(u64, u64)>,
     pub(crate) delay: Duration,
     pub(crate) drop_after: Option<usize>,
+    /// After this many events, send nothing more (wins over `drop_after`).
+    pub(crate) stall_after: Option<usize>,
 }
 
 impl SseBody {
@@ -188,6 +204,7 @@ impl SseBody {
             delayed_step: 0,
             emitted: 0,
             drop_after: spec.drop_after,
+            stall_after: spec.stall_after,
             abort_flushed: false,
             finished: false,
         };
@@ -311,7 +328,12 @@ impl SseBody {
                 }
                 return Poll::Ready(None);
             };
-            if self.drop_after.is_some_and(|n| self.emitted >= n) {
+            if self.stall_after.is_some_and(|n| self.emitted >= n) {
+                // Never woken: the stream hangs, the connection stays open, until
+                // the client leaves and hyper drops the body (and its guard).
+                return Poll::Pending;
+            }
+            if self.stall_after.is_none() && self.drop_after.is_some_and(|n| self.emitted >= n) {
                 if !self.abort_flushed {
                     self.abort_flushed = true;
                     return yield_once(cx);

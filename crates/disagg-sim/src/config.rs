@@ -147,8 +147,29 @@ pub enum SimRole {
 
 /// Faults injected into the completion routes (`/v1/completions` and
 /// `/v1/chat/completions`); `/health`, `/v1/models` and `/stats` keep
-/// working. When several are set, `status` wins over `hang`, which wins over
-/// `drop_after_chunks`.
+/// working. They can be changed at run time with
+/// [`SimEngine::set_faults`](crate::SimEngine::set_faults): a request sees
+/// the faults of the moment it arrived.
+///
+/// Precedence, when several are set: `status` wins over everything (the
+/// request is answered at once, before any KV work); then `hang` (nothing is
+/// answered); then `stall_after_chunks` wins over `drop_after_chunks` (the
+/// connection is never dropped after a stall). `malformed_kv_params` only
+/// changes the body of a vLLM NIXL prefill's answer and combines with the
+/// two body faults.
+///
+/// What a proxy's fault matrix can inject with them, per connector:
+///
+/// | fault | how |
+/// |---|---|
+/// | connection refused | a port nobody listens on (no engine needed) |
+/// | 500, 503, any status | `status` |
+/// | hang before the response head | `hang` |
+/// | hang mid-stream (or mid-body) | `stall_after_chunks` |
+/// | connection dropped mid-stream (or mid-body) | `drop_after_chunks` |
+/// | slow prefill, beyond a budget | [`SimConfig::prefill_delay_per_token`], [`SimConfig::request_delay`] |
+/// | malformed `kv_transfer_params` (vLLM NIXL) | `malformed_kv_params` |
+/// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
     /// Answer every completion request with this HTTP status and a vLLM
@@ -161,4 +182,19 @@ pub struct Faults {
     /// `[DONE]`, no clean end of the chunked body). Non-streaming: abort the
     /// connection before the body is complete.
     pub drop_after_chunks: Option<usize>,
+    /// Streaming: after this many SSE events (`Some(0)`: right after the
+    /// response head), send nothing more but keep the connection open until
+    /// the client leaves. Non-streaming: send the head (with the full
+    /// `content-length`) and half the body, then hang likewise. The request
+    /// counts as cancelled ([`Stats::cancelled`](crate::Stats::cancelled))
+    /// when the client leaves.
+    pub stall_after_chunks: Option<usize>,
+    /// vLLM NIXL prefills (requests with `kv_transfer_params.do_remote_decode`)
+    /// answer 200 with `"kv_transfer_params": "malformed by fault injection"`,
+    /// a JSON string where an object is expected, and hold no KV blocks: a
+    /// proxy cannot hand anything to a decode, and nothing is stranded if it
+    /// gives up. A streamed prefill holds no blocks either. No effect on
+    /// other requests and in the other [`KvMode`]s, whose prefills answer no
+    /// parameters.
+    pub malformed_kv_params: bool,
 }

@@ -51,10 +51,35 @@ pub struct SideChannelRequest {
     pub block_ids: Vec<u64>,
 }
 
-/// The line a prefill's side channel answers with, before closing.
+/// The line a decode sends to a prefill's side channel to free KV blocks it
+/// will never pull: its request was aborted before the pull completed.
+///
+/// The stand-in for the notification a vLLM decode worker sends for a
+/// request that is aborted before its KV was loaded, so that the prefill
+/// does not keep the blocks until the lease runs out. On the wire, the
+/// blocks are named like in a pull, nested under `release`:
+///
+/// ```text
+/// {"release":{"engine_id":"<remote_engine_id>","request_id":"<remote_request_id>","block_ids":[0,1,2]}}
+/// ```
+///
+/// The prefill frees the blocks only when all three match blocks it holds
+/// (counted in [`Stats::kv_released_on_abort`](crate::Stats::kv_released_on_abort))
+/// and answers a [`SideChannelResponse`] without blocks: `{"ok":true}`, or
+/// `{"ok":false,"error":".."}` when nothing was freed (wrong engine id,
+/// unknown request id, e.g. because the blocks were already pulled, other
+/// block ids).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideChannelRelease {
+    /// The blocks to free, named as in a pull.
+    pub release: SideChannelRequest,
+}
+
+/// The line a prefill's side channel answers a [`SideChannelRequest`] (or a
+/// [`SideChannelRelease`]) with.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SideChannelResponse {
-    /// Whether the pull succeeded (the blocks are then freed).
+    /// Whether the pull (or the release) succeeded: the blocks are then freed.
     pub ok: bool,
     /// On success: the "KV" of each block, in the requested order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -276,6 +301,31 @@ impl KvStore {
         Ok(held.digest)
     }
 
+    /// Frees the blocks of a request whose decode was aborted before it
+    /// pulled them. Returns how many blocks were freed.
+    fn release(&self, counters: &Counters, req: &SideChannelRequest) -> Result<u64, String> {
+        let mut map = lock(&self.held);
+        let Some(held) = map.get(&req.request_id) else {
+            return Err(format!("unknown request id {:?}", req.request_id));
+        };
+        if held.block_ids != req.block_ids {
+            return Err(format!(
+                "block ids {:?} do not match the blocks of request {:?}",
+                req.block_ids, req.request_id
+            ));
+        }
+        let expired = held.expires <= Instant::now();
+        let n = held.block_ids.len() as u64;
+        map.remove(&req.request_id);
+        counters.blocks_held.fetch_sub(n, Relaxed);
+        if expired {
+            // Freed by the lease, not by the notice.
+            return Err(format!("KV of request {:?} expired", req.request_id));
+        }
+        bump(&counters.kv_released_on_abort);
+        Ok(n)
+    }
+
     /// Frees the blocks whose lease ran out.
     pub(crate) fn sweep(&self, counters: &Counters) {
         let now = Instant::now();
@@ -312,7 +362,7 @@ async fn read_line<R: AsyncRead + Unpin>(r: R) -> io::Result<Vec<u8>> {
 /// then reuses, a side-channel connection stays open for further pulls; it ends when the
 /// decode closes it or leaves it idle for [`IDLE_TIMEOUT`]. A line with a `transfer_id`
 /// is a Mooncake pull, served from `mooncake` (refused when this engine is not a Mooncake
-/// prefill).
+/// prefill); a line with `release` is a [`SideChannelRelease`].
 pub(crate) async fn serve_pull(
     store: &KvStore,
     counters: &Counters,
@@ -337,7 +387,12 @@ pub(crate) async fn serve_pull(
                 };
                 serde_json::to_value(&answer)
             }
-            Err(_) => serde_json::to_value(answer(store, counters, engine_id, &line)),
+            Err(_) => match serde_json::from_slice::<SideChannelRelease>(&line) {
+                Ok(notice) => {
+                    serde_json::to_value(release(store, counters, engine_id, &notice.release))
+                }
+                Err(_) => serde_json::to_value(answer(store, counters, engine_id, &line)),
+            },
         }
         .map_err(io::Error::other)?;
         write_line(&mut write, &answer).await?;
@@ -477,6 +532,33 @@ fn answer(
     }
 }
 
+/// Serves a [`SideChannelRelease`]: frees the named blocks if they are held here.
+fn release(
+    store: &KvStore,
+    counters: &Counters,
+    engine_id: &str,
+    req: &SideChannelRequest,
+) -> SideChannelResponse {
+    if req.engine_id != engine_id {
+        return SideChannelResponse::failure(format!(
+            "engine id mismatch: this is {engine_id:?}, not {:?}",
+            req.engine_id
+        ));
+    }
+    match store.release(counters, req) {
+        Ok(freed) => {
+            tracing::debug!(request_id = %req.request_id, freed, "KV released by an aborted decode");
+            SideChannelResponse {
+                ok: true,
+                blocks: None,
+                prompt_digest: None,
+                error: None,
+            }
+        }
+        Err(e) => SideChannelResponse::failure(e),
+    }
+}
+
 /// Idle side-channel connections of a decode engine, by prefill address, for reuse.
 #[derive(Debug, Default)]
 pub(crate) struct SidePool {
@@ -513,52 +595,70 @@ async fn exchange(stream: &mut TcpStream, line: &[u8]) -> Result<Vec<u8>, KvTran
     Ok(answer)
 }
 
-/// Pulls the KV named by valid decode-side `kv_transfer_params` from the
-/// prefill's side channel.
+/// Where a vLLM NIXL decode pulls its KV from, and what it asks for, read
+/// from valid decode-side `kv_transfer_params`.
+#[derive(Clone, Debug)]
+pub(crate) struct PullTarget {
+    host: String,
+    port: u16,
+    request: SideChannelRequest,
+}
+
+impl PullTarget {
+    /// Reads the prefill's side channel address and the blocks to pull.
+    pub(crate) fn parse(params: &Map<String, Value>) -> Result<Self, KvTransferError> {
+        let host = params
+            .get("remote_host")
+            .and_then(Value::as_str)
+            .ok_or(KvTransferError::BadParams("remote_host is not a string"))?;
+        let port = params
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or(KvTransferError::BadParams(
+                "remote_port is not a port number",
+            ))?;
+        let engine_id = params
+            .get("remote_engine_id")
+            .and_then(Value::as_str)
+            .ok_or(KvTransferError::BadParams(
+                "remote_engine_id is not a string",
+            ))?;
+        let request_id = params
+            .get("remote_request_id")
+            .and_then(Value::as_str)
+            .ok_or(KvTransferError::BadParams(
+                "remote_request_id is not a string",
+            ))?;
+        let block_ids = params
+            .get("remote_block_ids")
+            .and_then(Value::as_array)
+            .and_then(|ids| ids.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or(KvTransferError::BadParams(
+                "remote_block_ids is not a list of block ids",
+            ))?;
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+            request: SideChannelRequest {
+                engine_id: engine_id.to_owned(),
+                request_id: request_id.to_owned(),
+                block_ids,
+            },
+        })
+    }
+}
+
+/// Pulls the KV named by `target` from the prefill's side channel.
 pub(crate) async fn pull(
     pool: &SidePool,
-    params: &Map<String, Value>,
+    target: &PullTarget,
 ) -> Result<KvDigest, KvTransferError> {
-    let host = params
-        .get("remote_host")
-        .and_then(Value::as_str)
-        .ok_or(KvTransferError::BadParams("remote_host is not a string"))?;
-    let port = params
-        .get("remote_port")
-        .and_then(Value::as_u64)
-        .and_then(|p| u16::try_from(p).ok())
-        .ok_or(KvTransferError::BadParams(
-            "remote_port is not a port number",
-        ))?;
-    let engine_id = params
-        .get("remote_engine_id")
-        .and_then(Value::as_str)
-        .ok_or(KvTransferError::BadParams(
-            "remote_engine_id is not a string",
-        ))?;
-    let request_id = params
-        .get("remote_request_id")
-        .and_then(Value::as_str)
-        .ok_or(KvTransferError::BadParams(
-            "remote_request_id is not a string",
-        ))?;
-    let block_ids = params
-        .get("remote_block_ids")
-        .and_then(Value::as_array)
-        .and_then(|ids| ids.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-        .ok_or(KvTransferError::BadParams(
-            "remote_block_ids is not a list of block ids",
-        ))?;
-
-    let request = SideChannelRequest {
-        engine_id: engine_id.to_owned(),
-        request_id: request_id.to_owned(),
-        block_ids,
-    };
-    let mut line =
-        serde_json::to_vec(&request).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    let mut line = serde_json::to_vec(&target.request)
+        .map_err(|e| KvTransferError::Malformed(e.to_string()))?;
     line.push(b'\n');
 
+    let (host, port) = (target.host.as_str(), target.port);
     let key = (host.to_owned(), port);
     // A pooled connection may have been closed by the prefill since (idle timeout,
     // restart): on failure, try once more on a fresh one.
@@ -587,6 +687,28 @@ pub(crate) async fn pull(
         _ => Err(KvTransferError::Malformed(
             "ok answer without blocks or prompt_digest".to_owned(),
         )),
+    }
+}
+
+/// Tells the prefill named by `target` to free the blocks a pull would have
+/// taken (a [`SideChannelRelease`]), on a connection of its own.
+pub(crate) async fn send_release(target: &PullTarget) -> Result<(), KvTransferError> {
+    let notice = SideChannelRelease {
+        release: target.request.clone(),
+    };
+    let mut line =
+        serde_json::to_vec(&notice).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    line.push(b'\n');
+    let mut stream = connect(&target.host, target.port).await?;
+    let answer = exchange(&mut stream, &line).await?;
+    let answer: SideChannelResponse =
+        serde_json::from_slice(&answer).map_err(|e| KvTransferError::Malformed(e.to_string()))?;
+    if answer.ok {
+        Ok(())
+    } else {
+        Err(KvTransferError::Rejected(
+            answer.error.unwrap_or_else(|| "no reason given".to_owned()),
+        ))
     }
 }
 

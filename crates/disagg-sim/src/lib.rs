@@ -103,12 +103,25 @@
 //! {"engine_id":"<remote_engine_id>","request_id":"<remote_request_id>","block_ids":[0,1,2]}
 //! ```
 //!
-//! The prefill answers one JSON line, a [`SideChannelResponse`], and closes:
+//! The prefill answers one JSON line, a [`SideChannelResponse`] (the
+//! connection stays open for further lines, as a decode reuses it):
 //! `{"ok":true,"blocks":["<digest>",..],"prompt_digest":"<digest>"}` on
 //! success (the blocks are then freed, like vLLM's "read done"
 //! notification), or `{"ok":false,"error":"..."}`. Each block's "KV" is a
 //! digest of the model name and the block's tokens, chained to the previous
 //! block's digest.
+//!
+//! A decode that will never pull the blocks it was given (its request was
+//! aborted first, see [KV block lifetime](#kv-block-lifetime)) sends a
+//! [`SideChannelRelease`] instead, the same fields nested under `release`:
+//!
+//! ```text
+//! {"release":{"engine_id":"<remote_engine_id>","request_id":"<remote_request_id>","block_ids":[0,1,2]}}
+//! ```
+//!
+//! The prefill frees the blocks if all three match blocks it holds and
+//! answers `{"ok":true}`, or frees nothing and answers
+//! `{"ok":false,"error":"..."}`.
 //!
 //! A Mooncake pull is a line with a `transfer_id` instead, a
 //! [`MooncakePullRequest`]:
@@ -140,10 +153,15 @@
 //! # Faults
 //!
 //! [`Faults`] make the completion routes answer an error status, hang until
-//! the client leaves, or abort the connection mid-answer; they can be
-//! changed at run time with [`SimEngine::set_faults`]. They apply in every
+//! the client leaves (before the response head, or mid-answer with
+//! [`Faults::stall_after_chunks`]), abort the connection mid-answer, or make
+//! a vLLM NIXL prefill answer unusable `kv_transfer_params`
+//! ([`Faults::malformed_kv_params`]); they can be changed at run time with
+//! [`SimEngine::set_faults`]. The status and hang faults apply in every
 //! [`KvMode`], before any KV work: an SGLang prefill with an error status
-//! answers it at once, without registering its rooms.
+//! answers it at once, without registering its rooms. The [`Faults`]
+//! documentation says which wins when several are set and maps each fault
+//! of a proxy's fault matrix to a knob.
 //!
 //! # Cancellation
 //!
@@ -153,7 +171,47 @@
 //! freed, and a decode waiting for its peer closes its connection, which
 //! makes the peer's bootstrap server or side channel stop waiting for it
 //! (and take nothing). Rooms and transfers not yet taken are counted in
-//! [`Stats::kv_transfers_pending`].
+//! [`Stats::kv_transfers_pending`]. What a cancelled request leaves behind
+//! on its peer is the subject of the next section.
+//!
+//! # KV block lifetime
+//!
+//! How long a prefill keeps the KV it computed for a decode, as the real
+//! engines do. Every block held is counted in [`Stats::blocks_held`],
+//! whatever the protocol, so `blocks_held == 0` on every prefill proves that
+//! nothing is stranded; SGLang rooms and Mooncake transfers are also
+//! counted in [`Stats::kv_transfers_pending`].
+//!
+//! * **vLLM NIXL.** A length-capped prefill holds its blocks when it
+//!   answers. They are freed when a decode pulls them, when the lease
+//!   ([`SimConfig::kv_lease`]) runs out, or when a decode is aborted before
+//!   its pull: a decode request with valid remote-prefill
+//!   `kv_transfer_params` whose client leaves (or that is otherwise
+//!   dropped) before the pull completed, whether it was waiting in
+//!   [`SimConfig::request_delay`] or in the pull itself, sends the prefill a
+//!   [`SideChannelRelease`] at once, as vLLM's decode worker notifies the
+//!   prefill of a request aborted before its KV was loaded. The prefill
+//!   frees the blocks ([`Stats::kv_released_on_abort`]; the decode counts
+//!   [`Stats::kv_releases_sent`]). Once the pull is over, successful or
+//!   not, nothing is sent: a pulled prefill already freed its blocks, and a
+//!   request that completes, with or without an error, never sends one. So
+//!   a proxy can free a prefill's blocks early by sending the decode leg and
+//!   aborting it right away. Neither a decode rejected before its pull (a
+//!   validation error, a [`Faults::status`]) or hung by [`Faults::hang`],
+//!   nor a prefill whose client leaves
+//!   after its blocks were held (while its answer is being written) frees
+//!   anything: those blocks wait for the lease, like vLLM's. A prefill
+//!   cancelled before it finished holds nothing.
+//! * **SGLang.** A prefill's rooms live as long as its request: they are
+//!   withdrawn when a decode took them, when the request is cancelled, or
+//!   when no decode took them within [`SimConfig::bootstrap_timeout`] (the
+//!   prefill then answers 500). A decode aborted before it took its room
+//!   tells nobody: the room stays until the prefill's request ends.
+//! * **vLLM Mooncake.** A prefill holds its transfer from its answer until a
+//!   decode pulls it or the lease runs out ([`SimConfig::kv_lease`], the
+//!   stand-in for `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`); a prefill whose
+//!   client leaves before its answer holds nothing. A decode aborted before
+//!   it pulled tells nobody: the transfer stays until the lease runs out.
 //!
 //! # Example
 //!
@@ -198,7 +256,10 @@ mod stats;
 
 pub use config::{Faults, KvMode, SimConfig, SimRole};
 pub use generate::generate;
-pub use kv::{BootstrapResponse, MooncakePullRequest, SideChannelRequest, SideChannelResponse};
+pub use kv::{
+    BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
+    SideChannelResponse,
+};
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

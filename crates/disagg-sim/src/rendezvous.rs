@@ -12,8 +12,22 @@ use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 use tokio::time::{Instant, timeout_at};
 
+use crate::generate::KvDigest;
 use crate::kv::lock;
 use crate::stats::Counters;
+
+/// A value held at a rendezvous that occupies KV blocks, counted in
+/// [`Counters::blocks_held`] while it is held.
+pub(crate) trait HeldBlocks {
+    /// How many KV blocks the value occupies.
+    fn held_blocks(&self) -> u64;
+}
+
+impl HeldBlocks for KvDigest {
+    fn held_blocks(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+}
 
 #[derive(Debug)]
 struct Slot<V> {
@@ -28,8 +42,9 @@ struct Slot<V> {
 
 /// Values registered under unique keys, each taken at most once.
 ///
-/// Every slot is counted in [`Counters::kv_transfers_pending`] from its
-/// registration until it is taken, withdrawn or swept.
+/// Every slot is counted in [`Counters::kv_transfers_pending`], and its
+/// blocks in [`Counters::blocks_held`], from its registration until it is
+/// taken, withdrawn or swept.
 #[derive(Debug)]
 pub(crate) struct Rendezvous<K, V> {
     slots: Mutex<HashMap<K, Slot<V>>>,
@@ -57,7 +72,7 @@ pub(crate) struct Registration<K> {
     pub(crate) taken: Vec<(K, oneshot::Receiver<()>)>,
 }
 
-impl<K: Eq + Hash + Clone, V> Rendezvous<K, V> {
+impl<K: Eq + Hash + Clone, V: HeldBlocks> Rendezvous<K, V> {
     /// Registers every entry, or none when one of the keys is already
     /// registered (that key is returned). A `lease` makes the slots expire
     /// (see [`Rendezvous::sweep`]).
@@ -77,6 +92,7 @@ impl<K: Eq + Hash + Clone, V> Rendezvous<K, V> {
             }
             for (key, value) in entries {
                 let (tx, rx) = oneshot::channel();
+                counters.blocks_held.fetch_add(value.held_blocks(), Relaxed);
                 let slot = Slot {
                     value,
                     owner,
@@ -104,9 +120,10 @@ impl<K: Eq + Hash + Clone, V> Rendezvous<K, V> {
     {
         let mut slots = lock(&self.slots);
         for key in keys {
-            if slots.get(key).is_some_and(|s| s.owner == owner) {
-                slots.remove(key);
-                counters.kv_transfers_pending.fetch_sub(1, Relaxed);
+            if slots.get(key).is_some_and(|s| s.owner == owner)
+                && let Some(slot) = slots.remove(key)
+            {
+                release(counters, &slot);
             }
         }
     }
@@ -116,7 +133,7 @@ impl<K: Eq + Hash + Clone, V> Rendezvous<K, V> {
         let slot = {
             let mut slots = lock(&self.slots);
             let slot = slots.remove(key)?;
-            counters.kv_transfers_pending.fetch_sub(1, Relaxed);
+            release(counters, &slot);
             slot
         };
         if slot.expires.is_some_and(|e| e <= Instant::now()) {
@@ -147,26 +164,35 @@ impl<K: Eq + Hash + Clone, V> Rendezvous<K, V> {
     pub(crate) fn sweep(&self, counters: &Counters) {
         let now = Instant::now();
         let mut slots = lock(&self.slots);
-        let before = slots.len();
-        slots.retain(|_, slot| slot.expires.is_none_or(|e| e > now));
-        let freed = (before - slots.len()) as u64;
-        if freed > 0 {
-            counters.kv_transfers_pending.fetch_sub(freed, Relaxed);
-        }
+        slots.retain(|_, slot| {
+            let keep = slot.expires.is_none_or(|e| e > now);
+            if !keep {
+                release(counters, slot);
+            }
+            keep
+        });
     }
+}
+
+/// Uncounts a slot that left the rendezvous.
+fn release<V: HeldBlocks>(counters: &Counters, slot: &Slot<V>) {
+    counters.kv_transfers_pending.fetch_sub(1, Relaxed);
+    counters
+        .blocks_held
+        .fetch_sub(slot.value.held_blocks(), Relaxed);
 }
 
 /// Withdraws the slots of a registration that were not taken when dropped:
 /// on every path out of a request, cancellation included.
 #[derive(Debug)]
-pub(crate) struct WithdrawOnDrop<'a, K: Eq + Hash + Clone, V> {
+pub(crate) struct WithdrawOnDrop<'a, K: Eq + Hash + Clone, V: HeldBlocks> {
     pub(crate) rendezvous: &'a Rendezvous<K, V>,
     pub(crate) counters: &'a Counters,
     pub(crate) keys: Vec<K>,
     pub(crate) owner: u64,
 }
 
-impl<K: Eq + Hash + Clone, V> Drop for WithdrawOnDrop<'_, K, V> {
+impl<K: Eq + Hash + Clone, V: HeldBlocks> Drop for WithdrawOnDrop<'_, K, V> {
     fn drop(&mut self) {
         self.rendezvous
             .withdraw(self.counters, &self.keys, self.owner);
@@ -177,6 +203,19 @@ impl<K: Eq + Hash + Clone, V> Drop for WithdrawOnDrop<'_, K, V> {
 mod tests {
     use super::*;
 
+    /// Test values occupy as many blocks as their length.
+    impl HeldBlocks for &str {
+        fn held_blocks(&self) -> u64 {
+            self.len() as u64
+        }
+    }
+
+    impl HeldBlocks for u32 {
+        fn held_blocks(&self) -> u64 {
+            u64::from(*self)
+        }
+    }
+
     #[tokio::test]
     async fn register_take_withdraw() {
         let counters = Counters::default();
@@ -185,6 +224,7 @@ mod tests {
             .register(&counters, vec![(1, "a"), (2, "b")], None)
             .unwrap();
         assert_eq!(counters.snapshot().kv_transfers_pending, 2);
+        assert_eq!(counters.snapshot().blocks_held, 2);
         assert_eq!(
             r.register(&counters, vec![(3, "c"), (2, "x")], None)
                 .unwrap_err(),
@@ -200,8 +240,10 @@ mod tests {
         // Someone else's slot is not withdrawn.
         r.withdraw(&counters, &[2], reg.owner + 1);
         assert_eq!(counters.snapshot().kv_transfers_pending, 1);
+        assert_eq!(counters.snapshot().blocks_held, 1);
         r.withdraw(&counters, &[1, 2], reg.owner);
         assert_eq!(counters.snapshot().kv_transfers_pending, 0);
+        assert_eq!(counters.snapshot().blocks_held, 0);
     }
 
     #[tokio::test]
@@ -227,8 +269,11 @@ mod tests {
             .unwrap();
         r.register(&counters, vec![(2, 2)], Some(Duration::from_secs(60)))
             .unwrap();
+        assert_eq!(counters.snapshot().blocks_held, 3);
         r.sweep(&counters);
         assert_eq!(counters.snapshot().kv_transfers_pending, 1);
+        assert_eq!(counters.snapshot().blocks_held, 2);
         assert_eq!(r.take(&counters, &2, Duration::ZERO).await, Some(2));
+        assert_eq!(counters.snapshot().blocks_held, 0);
     }
 }

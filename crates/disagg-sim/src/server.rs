@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, timeout_at};
 
-use crate::api::{Answer, ApiError, CompletionRequest, KvParamsOut, truthy};
+use crate::api::{Answer, ApiError, CompletionRequest, KvParamsField, KvParamsOut, truthy};
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::generate::{Finish, GenParams, Generation, generate_choice, kv_digest, prompt_hash};
@@ -84,13 +84,16 @@ struct Inner {
     recorded: Mutex<VecDeque<Recorded>>,
     next_id: AtomicU64,
     id_salt: u64,
+    /// Turns true when the engine stops (ends the tasks sending release notices).
+    stop: watch::Receiver<bool>,
 }
 
 /// A simulated vLLM OpenAI server with a NIXL-like KV side channel (and, as
 /// [`SimConfig::kv_mode`] says, an SGLang or Mooncake bootstrap server).
 ///
-/// Every task it spawns (accept loops, connections, the lease sweeper) ends
-/// with [`SimEngine::shutdown`] or when the engine is dropped.
+/// Every task it spawns (accept loops, connections, the lease sweeper, the
+/// short-lived senders of [`SideChannelRelease`](crate::SideChannelRelease)
+/// notices) ends with [`SimEngine::shutdown`] or when the engine is dropped.
 pub struct SimEngine {
     inner: Arc<Inner>,
     addr: SocketAddr,
@@ -207,6 +210,7 @@ impl SimEngine {
         let salt = uuid::Uuid::new_v4().as_u64_pair().0;
         let faults = config.faults;
         let lease = config.kv_lease;
+        let (stop, stop_rx) = watch::channel(false);
         let inner = Arc::new(Inner {
             config,
             engine_id,
@@ -223,8 +227,8 @@ impl SimEngine {
             recorded: Mutex::default(),
             next_id: AtomicU64::new(0),
             id_salt: salt,
+            stop: stop_rx.clone(),
         });
-        let (stop, stop_rx) = watch::channel(false);
         let mut tasks = vec![
             tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
             tokio::spawn(accept_side_channel(
@@ -769,6 +773,35 @@ fn plan(
     })
 }
 
+/// The `kv_transfer_params` of a NIXL prefill's answer under
+/// [`Faults::malformed_kv_params`]: a string where an object is expected.
+const MALFORMED_KV_PARAMS: &str = "malformed by fault injection";
+
+/// Makes a cancellation of a vLLM NIXL decode, until [`RequestGuard::disarm`],
+/// send the prefill a [`SideChannelRelease`](crate::SideChannelRelease) for the
+/// blocks of `target` (from a short task: the guard is dropped synchronously).
+fn arm_release(inner: &Inner, guard: &mut RequestGuard, target: kv::PullTarget) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let counters = inner.counters.clone();
+    let mut stop = inner.stop.clone();
+    guard.on_cancel(move || {
+        bump(&counters.kv_releases_sent);
+        runtime.spawn(async move {
+            tokio::select! {
+                sent = kv::send_release(&target) => {
+                    if let Err(e) = sent {
+                        tracing::debug!(error = %e, "KV release notice failed");
+                    }
+                }
+                // The engine stopped.
+                _ = stop.wait_for(|stopped| *stopped) => {}
+            }
+        });
+    });
+}
+
 /// Counts a failed KV fetch of a decode and makes its answer.
 fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> ApiError {
     bump(&counters.kv_pull_failures);
@@ -845,6 +878,25 @@ async fn serve_completion(
     let is_prefill =
         matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
 
+    // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
+    // cancellation tells the prefill to free the blocks (vLLM's decode worker
+    // does, not to strand them until the lease runs out).
+    let nixl_pull = match &plan {
+        Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
+            Some(p) if valid_decode_params(p) => Some(kv::PullTarget::parse(p)),
+            Some(_) => {
+                bump(&counters.invalid_kv_params);
+                tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
+                None
+            }
+            None => None,
+        },
+        _ => None,
+    };
+    if let Some(Ok(target)) = &nixl_pull {
+        arm_release(inner, &mut guard, target.clone());
+    }
+
     if !config.request_delay.is_zero() {
         tokio::time::sleep(config.request_delay).await;
     }
@@ -853,16 +905,15 @@ async fn serve_completion(
     // here. `None`: this request takes no remote KV.
     let own = || kv_digest(&config.model, config.block_size, request.tokens());
     let fetched = match &plan {
-        Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
-            Some(p) if valid_decode_params(p) => Some(
-                kv::pull(&inner.side_pool, p)
-                    .await
-                    .and_then(|remote| kv::check_kv(&remote, &own())),
-            ),
-            Some(_) => {
-                bump(&counters.invalid_kv_params);
-                tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
-                None
+        Plan::Nixl => match nixl_pull {
+            Some(target) => {
+                let pulled = match target {
+                    Ok(target) => kv::pull(&inner.side_pool, &target).await,
+                    Err(e) => Err(e),
+                };
+                // Pulled (the prefill freed the blocks) or failed: nothing to release.
+                guard.disarm();
+                Some(pulled.and_then(|remote| kv::check_kv(&remote, &own())))
             }
             None => None,
         },
@@ -948,8 +999,10 @@ async fn serve_completion(
         }
     }
 
-    // A length-capped prefill keeps its KV for the decode.
-    let kv_out = if is_prefill && choices.iter().all(|c| c.finish == Finish::Length) {
+    // A length-capped prefill keeps its KV for the decode, unless a fault
+    // makes it answer unusable parameters instead.
+    let malformed = is_prefill && faults.malformed_kv_params;
+    let kv_out = if is_prefill && !malformed && choices.iter().all(|c| c.finish == Finish::Length) {
         let digest = kv_digest(&config.model, config.block_size, request.tokens());
         let (remote_request_id, block_ids) =
             inner.kv.hold(counters, request_id, digest, config.kv_lease);
@@ -987,6 +1040,7 @@ async fn serve_completion(
                 .then_some((request.prompt_tokens, completion_tokens)),
             delay: config.inter_token_delay,
             drop_after: faults.drop_after_chunks,
+            stall_after: faults.stall_after_chunks,
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();
@@ -1015,7 +1069,11 @@ async fn serve_completion(
         model: &config.model,
         choices: &choices,
         prompt_tokens: request.prompt_tokens,
-        kv_transfer_params: kv_out.as_ref(),
+        kv_transfer_params: match &kv_out {
+            Some(params) => Some(KvParamsField::Params(params)),
+            None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
+            None => None,
+        },
     };
     let body = match answer.render() {
         Ok(body) => Bytes::from(body),
@@ -1026,7 +1084,21 @@ async fn serve_completion(
             ));
         }
     };
-    let response = if faults.drop_after_chunks.is_some() {
+    let response = if faults.stall_after_chunks.is_some() {
+        let len = body.len();
+        let mut response = json_response(
+            StatusCode::OK,
+            SimBody::Stalled {
+                data: Some(body),
+                _guard: guard,
+            },
+            header_id,
+        );
+        response
+            .headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from(len));
+        response
+    } else if faults.drop_after_chunks.is_some() {
         let len = body.len();
         let mut response = json_response(
             StatusCode::OK,

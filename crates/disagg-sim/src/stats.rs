@@ -31,8 +31,11 @@ pub struct Stats {
     pub local_prefills: u64,
     /// Pulls served by this engine's side channel (as a prefill).
     pub side_channel_served: u64,
-    /// KV blocks currently held for a remote decode (freed when pulled or
-    /// when the lease expires).
+    /// KV blocks currently held for a remote decode: a vLLM NIXL prefill's
+    /// blocks (freed when pulled, released by an aborted decode, or when the
+    /// lease expires) and the blocks of the SGLang rooms and Mooncake
+    /// transfers counted in [`Stats::kv_transfers_pending`] (freed with
+    /// them). See the crate's "KV block lifetime" section.
     pub blocks_held: u64,
     /// Completion requests currently being processed.
     pub active_requests: u64,
@@ -57,6 +60,19 @@ pub struct Stats {
     /// is cancelled, or when the lease expires).
     #[serde(default)]
     pub kv_transfers_pending: u64,
+    /// vLLM NIXL prefill: requests whose held blocks were freed early by a
+    /// release notice from a decode that was aborted before it pulled them
+    /// (see [`SideChannelRelease`](crate::SideChannelRelease)). Notices that
+    /// freed nothing (wrong engine id, unknown request id, blocks already
+    /// pulled) are not counted.
+    #[serde(default)]
+    pub kv_released_on_abort: u64,
+    /// vLLM NIXL decode: release notices sent to a prefill's side channel
+    /// because a request with valid remote-prefill `kv_transfer_params` ended
+    /// before its pull completed; counted when sent, whatever the prefill
+    /// answers.
+    #[serde(default)]
+    pub kv_releases_sent: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -78,6 +94,8 @@ pub(crate) struct Counters {
     pub(crate) side_channel_connections: AtomicU64,
     pub(crate) bootstrap_timeouts: AtomicU64,
     pub(crate) kv_transfers_pending: AtomicU64,
+    pub(crate) kv_released_on_abort: AtomicU64,
+    pub(crate) kv_releases_sent: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -103,6 +121,8 @@ impl Counters {
             side_channel_connections: self.side_channel_connections.load(Relaxed),
             bootstrap_timeouts: self.bootstrap_timeouts.load(Relaxed),
             kv_transfers_pending: self.kv_transfers_pending.load(Relaxed),
+            kv_released_on_abort: self.kv_released_on_abort.load(Relaxed),
+            kv_releases_sent: self.kv_releases_sent.load(Relaxed),
         }
     }
 }
@@ -144,6 +164,12 @@ impl RequestGuard {
     /// client never got.
     pub(crate) fn on_cancel(&mut self, undo: impl FnOnce() + Send + Sync + 'static) {
         self.on_cancel = Some(Box::new(undo));
+    }
+
+    /// Forgets the work registered with [`RequestGuard::on_cancel`]: from now
+    /// on, a cancellation undoes nothing.
+    pub(crate) fn disarm(&mut self) {
+        self.on_cancel = None;
     }
 
     /// Marks the answer as fully handed over (or deliberately aborted).

@@ -404,6 +404,52 @@ async fn sglang_decode_client_leaving_abandons_the_wait() {
     assert_eq!(p.stats().kv_transfers_pending, 0);
 }
 
+#[tokio::test]
+async fn sglang_decode_aborted_before_taking_leaves_the_room_to_the_prefill_timeout() {
+    let p = engine(SGLANG_P, |c| c.bootstrap_timeout = Duration::from_secs(1)).await;
+    let d = engine(SGLANG_D, |c| {
+        c.bootstrap_timeout = Duration::from_secs(5);
+        c.request_delay = Duration::from_millis(300);
+    })
+    .await;
+    let body = sglang_body(chat(PROMPT, 4), &p, json!(11));
+    let started = Instant::now();
+    let prefill = tokio::spawn({
+        let body = body.clone();
+        let addr = p.addr();
+        async move { post(addr, CHAT, &body).await }
+    });
+    let s = wait_for(&p, |s| s.kv_transfers_pending == 1).await;
+    assert_eq!(s.blocks_held, 3);
+
+    let stream = raw_post(d.addr(), CHAT, &[], &body).await;
+    wait_for(&d, |s| s.active_requests == 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(stream);
+    let ds = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (ds.cancelled, ds.kv_pull_failures, ds.kv_releases_sent),
+        (1, 0, 0)
+    );
+    // Nothing tells the prefill: it keeps the room and its blocks...
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = p.stats();
+    assert_eq!((s.kv_transfers_pending, s.blocks_held), (1, 3));
+    // ... until its own request gives up waiting.
+    assert_kv_failure(&prefill.await.unwrap(), "no decode took room 11");
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    let s = p.stats();
+    assert_eq!(
+        (
+            s.kv_transfers_pending,
+            s.blocks_held,
+            s.bootstrap_timeouts,
+            s.active_requests
+        ),
+        (0, 0, 1, 0)
+    );
+}
+
 // -------------------------------------------------------------- Mooncake
 
 /// The two legs of a Mooncake proxy: the prefill's body (max_tokens 1) and
@@ -692,6 +738,39 @@ async fn mooncake_decode_client_leaving_abandons_the_wait() {
     assert_eq!(p.stats().kv_transfers_pending, 0);
 }
 
+#[tokio::test]
+async fn mooncake_decode_aborted_before_pulling_leaves_the_kv_to_the_lease() {
+    let p = engine(MOONCAKE_P, |c| c.kv_lease = Duration::from_millis(800)).await;
+    let d = engine(MOONCAKE_D, |c| {
+        c.bootstrap_timeout = Duration::from_secs(5);
+        c.request_delay = Duration::from_millis(300);
+    })
+    .await;
+    let (pb, db) = mooncake_bodies(&chat(PROMPT, 4), &p, p.engine_id(), "abandoned");
+    assert_eq!(post(p.addr(), CHAT, &pb).await.status, 200);
+    let answered = Instant::now();
+    let s = p.stats();
+    assert_eq!((s.kv_transfers_pending, s.blocks_held), (1, 3));
+
+    let stream = raw_post(d.addr(), CHAT, &[], &db).await;
+    wait_for(&d, |s| s.active_requests == 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(stream);
+    let ds = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (ds.cancelled, ds.kv_pull_failures, ds.kv_releases_sent),
+        (1, 0, 0)
+    );
+    // Nothing tells the prefill: it keeps the KV...
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = p.stats();
+    assert_eq!((s.kv_transfers_pending, s.blocks_held), (1, 3));
+    // ... until the lease runs out.
+    let s = wait_for(&p, |s| s.kv_transfers_pending == 0).await;
+    assert!(answered.elapsed() >= Duration::from_millis(600));
+    assert_eq!((s.blocks_held, s.side_channel_served), (0, 0));
+}
+
 // ------------------------------------------------------------ Both modes
 
 #[tokio::test]
@@ -713,6 +792,43 @@ async fn faults_answer_at_once_in_every_mode() {
         let s = e.stats();
         assert_eq!((s.kv_transfers_pending, s.prefill_requests), (0, 0));
     }
+}
+
+#[tokio::test]
+async fn bootstrap_never_met_is_a_counted_timeout() {
+    // SGLang: the prefill's bootstrap server is up, its request never comes.
+    let (p, d) = sglang_pair().await;
+    let start = Instant::now();
+    let reply = post(d.addr(), CHAT, &sglang_body(chat(PROMPT, 4), &p, json!(77))).await;
+    assert_kv_failure(&reply, "no prefill for room 77");
+    assert!(start.elapsed() >= WAIT);
+    let ds = d.stats();
+    assert_eq!(
+        (
+            ds.bootstrap_timeouts,
+            ds.kv_pull_failures,
+            ds.remote_decodes
+        ),
+        (1, 1, 0)
+    );
+
+    // Mooncake: likewise for a transfer id.
+    let p = engine(MOONCAKE_P, |_| {}).await;
+    let d = engine(MOONCAKE_D, |_| {}).await;
+    let (_, db) = mooncake_bodies(&chat(PROMPT, 4), &p, p.engine_id(), "never");
+    let start = Instant::now();
+    let reply = post(d.addr(), CHAT, &db).await;
+    assert_kv_failure(&reply, "transfer id \"never\"");
+    assert!(start.elapsed() >= WAIT);
+    let ds = d.stats();
+    assert_eq!(
+        (
+            ds.bootstrap_timeouts,
+            ds.kv_pull_failures,
+            ds.remote_decodes
+        ),
+        (1, 1, 0)
+    );
 }
 
 /// Prefill 200 ms, decode scheduling 150 ms: the legs overlap, so the

@@ -646,6 +646,143 @@ async fn fault_drop_after_chunks() {
 }
 
 #[tokio::test]
+async fn fault_stall_after_chunks_hangs_mid_answer_until_the_client_leaves() {
+    let e = engine().await;
+    e.set_faults(Faults {
+        stall_after_chunks: Some(2),
+        // The stall wins: the connection is never dropped.
+        drop_after_chunks: Some(2),
+        ..Faults::default()
+    });
+    assert_eq!(e.faults().stall_after_chunks, Some(2));
+    const SILENCE: Duration = Duration::from_millis(350);
+
+    // Streaming: two events, then nothing, on a connection that stays open.
+    let mut conn = Conn::open(e.addr()).await;
+    let body =
+        serde_json::to_vec(&json!({"prompt": "x", "max_tokens": 10, "stream": true})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    for _ in 0..2 {
+        let data = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert!(data.starts_with(b"data: {"), "{data:?}");
+    }
+    assert!(
+        tokio::time::timeout(SILENCE, body.frame()).await.is_err(),
+        "nothing more may arrive"
+    );
+    let s = e.stats();
+    assert_eq!(
+        (s.active_requests, s.open_connections, s.cancelled),
+        (1, 1, 0)
+    );
+    drop(body);
+    drop(conn);
+    let s = wait_for(&e, |s| s.active_requests == 0 && s.open_connections == 0).await;
+    assert_eq!(s.cancelled, 1);
+
+    // Non-streaming: the head and half the body, then nothing.
+    let mut conn = Conn::open(e.addr()).await;
+    let body = serde_json::to_vec(&json!({"prompt": "x", "max_tokens": 10})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    assert_eq!(resp.status(), 200);
+    let length: usize = resp.headers()["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut body = resp.into_body();
+    let half = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(half.len(), length / 2);
+    assert!(tokio::time::timeout(SILENCE, body.frame()).await.is_err());
+    assert_eq!(e.stats().active_requests, 1);
+    drop(body);
+    drop(conn);
+    let s = wait_for(&e, |s| s.active_requests == 0 && s.open_connections == 0).await;
+    assert_eq!(s.cancelled, 2);
+
+    // Streaming, stalled right after the head.
+    e.set_faults(Faults {
+        stall_after_chunks: Some(0),
+        ..Faults::default()
+    });
+    let mut conn = Conn::open(e.addr()).await;
+    let body = serde_json::to_vec(&json!({"prompt": "x", "stream": true})).unwrap();
+    let resp = conn.send("POST", "/v1/completions", &[], Some(body)).await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    assert!(tokio::time::timeout(SILENCE, body.frame()).await.is_err());
+    drop(body);
+    drop(conn);
+    let s = wait_for(&e, |s| s.active_requests == 0).await;
+    assert_eq!(s.cancelled, 3);
+
+    // Lifted at run time: answers are whole again.
+    e.set_faults(Faults::default());
+    let reply = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"prompt": "x", "stream": true}),
+    )
+    .await;
+    assert_eq!(reply.events().last(), Some(&json!("[DONE]")));
+    assert_eq!(e.stats().cancelled, 3);
+}
+
+#[tokio::test]
+async fn fault_malformed_kv_params() {
+    let p = engine().await;
+    p.set_faults(Faults {
+        malformed_kv_params: true,
+        ..Faults::default()
+    });
+    let chat = |params: Value| {
+        json!({"messages": [{"role": "user", "content": "some prompt"}], "max_tokens": 1,
+               "kv_transfer_params": params})
+    };
+    let prefill = chat(json!({"do_remote_decode": true, "do_remote_prefill": false}));
+    let reply = post(p.addr(), "/v1/chat/completions", &prefill).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let v = reply.json();
+    let params = v["kv_transfer_params"].clone();
+    assert!(params.is_string(), "{params}");
+    assert_eq!(
+        v["choices"][0]["message"]["content"],
+        text("some prompt", 1)
+    );
+    let s = p.stats();
+    assert_eq!(
+        (s.prefill_requests, s.kv_params_returned, s.blocks_held),
+        (1, 0, 0)
+    );
+
+    // Requests that are not prefills are untouched.
+    let plain = json!({"prompt": "some prompt", "max_tokens": 1});
+    assert_eq!(
+        post(p.addr(), "/v1/completions", &plain).await.json()["kv_transfer_params"],
+        Value::Null
+    );
+
+    // Copied verbatim onto a decode, the string is refused there.
+    let d = engine().await;
+    let reply = post(d.addr(), "/v1/chat/completions", &chat(params)).await;
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    assert!(reply.text().contains("kv_transfer_params"));
+
+    // Lifted at run time: the prefill holds its blocks and names them again.
+    p.set_faults(Faults::default());
+    let v = post(p.addr(), "/v1/chat/completions", &prefill)
+        .await
+        .json();
+    assert!(
+        v["kv_transfer_params"]["remote_block_ids"].is_array(),
+        "{v}"
+    );
+    assert_eq!(p.stats().blocks_held, 1);
+}
+
+#[tokio::test]
 async fn client_leaving_mid_stream_is_cancelled() {
     let e = SimEngine::start(SimConfig {
         inter_token_delay: Duration::from_millis(10),

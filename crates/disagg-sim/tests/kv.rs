@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use disagg_sim::{SideChannelRequest, SideChannelResponse, SimConfig, SimEngine, generate};
+use disagg_sim::{
+    SideChannelRelease, SideChannelRequest, SideChannelResponse, SimConfig, SimEngine, generate,
+};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -374,4 +376,185 @@ async fn side_channel_protocol_by_hand() {
     assert_eq!(p.stats().side_channel_served, 1);
     let again = exchange(format!("{}\n", serde_json::to_string(&req).unwrap())).await;
     assert!(!again.ok);
+}
+
+// ------------------------------------------------- KV release on abort
+
+/// A decode engine that waits `request_delay` before it pulls, so that its
+/// client can leave first.
+async fn slow_decode() -> SimEngine {
+    SimEngine::start(SimConfig {
+        engine_id: Some("decode-0".into()),
+        request_delay: Duration::from_millis(300),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Polls the engine's stats every 10 ms, at most for `within`.
+async fn within(
+    engine: &SimEngine,
+    within: Duration,
+    pred: impl Fn(&disagg_sim::Stats) -> bool,
+) -> disagg_sim::Stats {
+    let start = std::time::Instant::now();
+    loop {
+        let s = engine.stats();
+        if pred(&s) {
+            return s;
+        }
+        assert!(start.elapsed() < within, "not within {within:?}: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Sends the decode leg and leaves after 50 ms, while it still waits.
+async fn abort_decode(d: &SimEngine, params: Value) {
+    let stream = raw_post(d.addr(), CHAT, &[], &with_params(chat(PROMPT, 4), params)).await;
+    wait_for(d, |s| s.active_requests == 1).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(stream);
+    let s = wait_for(d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (s.cancelled, s.remote_decodes, s.kv_pull_failures),
+        (1, 0, 0),
+        "{s:?}"
+    );
+}
+
+#[tokio::test]
+async fn decode_aborted_before_its_pull_releases_the_prefill_blocks() {
+    let (p, _) = pair().await;
+    let d = slow_decode().await;
+    let params = prefill(&p, PROMPT).await;
+    assert_eq!(p.stats().blocks_held, 3);
+
+    abort_decode(&d, params.clone()).await;
+    assert_eq!(d.stats().kv_releases_sent, 1);
+    // Freed at once (the lease is 30 s), by the notice, not by a pull.
+    let s = within(&p, Duration::from_secs(2), |s| s.blocks_held == 0).await;
+    assert_eq!((s.kv_released_on_abort, s.side_channel_served), (1, 0));
+
+    // Nothing is left to pull.
+    assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "released").await;
+    assert_eq!(p.stats().kv_released_on_abort, 1);
+}
+
+#[tokio::test]
+async fn decode_that_pulled_sends_no_release() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let d = SimEngine::start(SimConfig {
+        inter_token_delay: Duration::from_millis(20),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+
+    // Completed normally.
+    let params = prefill(&p, PROMPT).await;
+    let reply = post(d.addr(), CHAT, &with_params(chat(PROMPT, 3), params)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+
+    // Cancelled mid-stream, after its pull.
+    let params = prefill(&p, PROMPT).await;
+    let mut body = with_params(chat(PROMPT, 200), params);
+    body["stream"] = json!(true);
+    let mut conn = Conn::open(d.addr()).await;
+    let resp = conn
+        .send("POST", CHAT, &[], Some(serde_json::to_vec(&body).unwrap()))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.into_body();
+    for _ in 0..3 {
+        http_body_util::BodyExt::frame(&mut stream)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    drop(stream);
+    drop(conn);
+    let ds = wait_for(&d, |s| s.active_requests == 0).await;
+    assert_eq!(
+        (ds.remote_decodes, ds.cancelled, ds.kv_releases_sent),
+        (2, 1, 0)
+    );
+    // Give a stray notice time to arrive: there is none.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ps = p.stats();
+    assert_eq!(
+        (
+            ps.side_channel_served,
+            ps.kv_released_on_abort,
+            ps.blocks_held
+        ),
+        (2, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn release_naming_another_engine_or_request_frees_nothing() {
+    let (p, _) = pair().await;
+    let d = slow_decode().await;
+    let params = prefill(&p, PROMPT).await;
+
+    // Through a decode whose parameters name another engine id.
+    let mut other = params.clone();
+    other["remote_engine_id"] = json!("someone-else");
+    abort_decode(&d, other).await;
+    assert_eq!(d.stats().kv_releases_sent, 1);
+    wait_for(&p, |s| s.side_channel_connections == 1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let s = p.stats();
+    assert_eq!((s.blocks_held, s.kv_released_on_abort), (3, 0));
+
+    // By hand.
+    let side = p.side_channel_addr();
+    let exchange = |release: SideChannelRequest| async move {
+        let line = serde_json::to_string(&SideChannelRelease { release }).unwrap();
+        let mut s = tokio::net::TcpStream::connect(side).await.unwrap();
+        s.write_all(format!("{line}\n").as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        BufReader::new(s).read_line(&mut answer).await.unwrap();
+        serde_json::from_str::<SideChannelResponse>(&answer).unwrap()
+    };
+    let good = SideChannelRequest {
+        engine_id: "prefill-0".into(),
+        request_id: params["remote_request_id"].as_str().unwrap().into(),
+        block_ids: vec![0, 1, 2],
+    };
+    let wrong = [
+        SideChannelRequest {
+            engine_id: "someone-else".into(),
+            ..good.clone()
+        },
+        SideChannelRequest {
+            request_id: "nope".into(),
+            ..good.clone()
+        },
+        SideChannelRequest {
+            block_ids: vec![0, 1],
+            ..good.clone()
+        },
+    ];
+    for release in wrong {
+        let answer = exchange(release.clone()).await;
+        assert!(
+            !answer.ok && answer.error.is_some(),
+            "{release:?}: {answer:?}"
+        );
+        let s = p.stats();
+        assert_eq!(
+            (s.blocks_held, s.kv_released_on_abort),
+            (3, 0),
+            "{release:?}"
+        );
+    }
+    let answer = exchange(good.clone()).await;
+    assert!(answer.ok && answer.blocks.is_none(), "{answer:?}");
+    let s = p.stats();
+    assert_eq!((s.blocks_held, s.kv_released_on_abort), (0, 1));
+    // Released once: a second notice frees nothing more.
+    assert!(!exchange(good).await.ok);
+    assert_eq!(p.stats().kv_released_on_abort, 1);
 }
