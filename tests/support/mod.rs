@@ -29,6 +29,8 @@ pub struct Stack {
     /// The proxy's endpoint source: its endpoints carry the live in-flight counts, and
     /// a test may change the set.
     pub source: std::sync::Arc<ManualSource>,
+    /// The proxy's orchestrator, for its counters.
+    pub orchestrator: Orchestrator,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -262,7 +264,7 @@ impl StackBuilder {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = oneshot::channel::<()>();
-        let svc = PdService::with_config(orchestrator, self.service);
+        let svc = PdService::with_config(orchestrator.clone(), self.service);
         tokio::spawn(disagg_http::server::serve(listener, svc, async {
             let _ = rx.await;
         }));
@@ -271,6 +273,7 @@ impl StackBuilder {
             decode,
             url,
             source,
+            orchestrator,
             stop: Some(tx),
         }
     }

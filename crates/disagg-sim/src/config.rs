@@ -73,6 +73,14 @@ pub struct SimConfig {
     /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)), picked by
     /// the `X-data-parallel-rank` request header. Values below 1 count as 1.
     pub dp_size: u32,
+    /// vLLM NIXL decode: whether a decode aborted before its KV pull tells the
+    /// prefill to free the blocks (default `true`, as vLLM's decode does since
+    /// it handles aborted remote-prefill requests). `false` models an engine
+    /// that leaves them to the prefill's lease, which is what a proxy's early
+    /// release ([`KvRelease`] in disagg-core) is for.
+    ///
+    /// [`KvRelease`]: https://docs.rs/disagg-core/latest/disagg_core/orchestrator/enum.KvRelease.html
+    pub release_on_abort: bool,
 }
 
 impl Default for SimConfig {
@@ -94,6 +102,7 @@ impl Default for SimConfig {
             bootstrap_timeout: Duration::from_secs(300),
             request_delay: Duration::ZERO,
             dp_size: 1,
+            release_on_abort: true,
         }
     }
 }

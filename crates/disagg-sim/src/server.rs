@@ -893,7 +893,7 @@ async fn serve_completion(
         },
         _ => None,
     };
-    if let Some(Ok(target)) = &nixl_pull {
+    if let Some(Ok(target)) = nixl_pull.as_ref().filter(|_| config.release_on_abort) {
         arm_release(inner, &mut guard, target.clone());
     }
 
