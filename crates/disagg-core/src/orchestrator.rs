@@ -189,10 +189,10 @@ pub enum KvRelease {
 }
 
 impl KvRelease {
-    /// [`AbortDecode`](Self::AbortDecode) with a 100 ms grace and a 2 s wait.
+    /// [`AbortDecode`](Self::AbortDecode) with a 250 ms grace and a 2 s wait.
     pub fn abort_decode() -> Self {
         KvRelease::AbortDecode {
-            grace: Duration::from_millis(100),
+            grace: Duration::from_millis(250),
             wait: Duration::from_secs(2),
         }
     }
@@ -637,14 +637,15 @@ struct Release {
 }
 
 impl Sequential {
-    /// The prefill's result; while it runs, a dropped request releases what it answers.
-    async fn prefill(&mut self) -> Result<PrefillResult, PdError> {
+    /// The prefill's result, or `None` when `budget` ran out first. While it runs, and
+    /// after a timeout, a dropped request releases what the prefill answers.
+    async fn prefill(&mut self, budget: Duration) -> Option<Result<PrefillResult, PdError>> {
         let Stage::Prefilling(fut) = &mut self.stage else {
-            unreachable!("the prefill exchange is awaited once, first");
+            return None;
         };
-        let result = fut.await;
+        let result = tokio::time::timeout(budget, fut).await.ok()?;
         self.stage = Stage::Idle;
-        result
+        Some(result)
     }
 
     fn answered(&mut self, answer: &PrefillAnswer) {
@@ -972,13 +973,20 @@ impl Inner {
         clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
         let start = Instant::now();
-        let prefill = self.prefill(req, &handoff.prefill, clock);
         let mut timing = Timing::default();
 
         let (mark, pending, mut sequential) = match handoff.dispatch {
             Dispatch::AfterPrefill => {
-                let mut seq = self.sequential(req, &handoff, Box::pin(prefill));
-                let answer = match self.prefill_answer(&route, req, seq.prefill().await) {
+                // Timed here rather than inside: a prefill out of time stays with the
+                // early release, which may still catch its answer.
+                let exchange = self.exchange(req, &handoff.prefill);
+                let mut seq = self.sequential(req, &handoff, Box::pin(exchange));
+                let (budget, by_deadline) = clock.budget(self.config.prefill_timeout);
+                let result = seq.prefill(budget).await.unwrap_or_else(|| {
+                    let ep = &handoff.prefill.endpoint;
+                    Err(out_of_time(by_deadline, Side::Prefill, ep, Phase::Prefill))
+                });
+                let answer = match self.prefill_answer(&route, req, result) {
                     Ok(a) => a,
                     Err(end) => return *end,
                 };
@@ -1034,7 +1042,10 @@ impl Inner {
                 (mark, None, Some(seq))
             }
             // Boxed only here: the race needs it pinned, and it may move into the body.
-            Dispatch::Concurrent => ("kv", Some(Box::pin(prefill)), None),
+            Dispatch::Concurrent => {
+                let prefill = self.prefill(req, &handoff.prefill, clock);
+                ("kv", Some(Box::pin(prefill)), None)
+            }
         };
 
         let guard = handoff.decode.endpoint.track();
@@ -1155,10 +1166,7 @@ impl Inner {
         Ok(out)
     }
 
-    /// The prefill exchange: send the leg and read its answer in full, within the
-    /// prefill timeout. The future owns what it needs (`'static`), so a concurrent
-    /// handoff can keep it running inside the response body; it holds the prefill
-    /// endpoint's in-flight count until it ends or is dropped.
+    /// The prefill exchange within the prefill budget (or the deadline).
     fn prefill(
         &self,
         req: &PdRequest,
@@ -1166,10 +1174,29 @@ impl Inner {
         clock: Clock,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
+        let (timeout, by_deadline) = clock.budget(self.config.prefill_timeout);
+        let exchange = self.exchange(req, leg);
+        async move {
+            match tokio::time::timeout(timeout, exchange).await {
+                Ok(r) => r,
+                Err(_) => Err(out_of_time(by_deadline, Side::Prefill, &ep, Phase::Prefill)),
+            }
+        }
+    }
+
+    /// The prefill exchange, untimed: send the leg and read its answer in full. The
+    /// future owns what it needs (`'static`), so a concurrent handoff can keep it
+    /// running inside the response body and an early release in a background task; it
+    /// holds the prefill endpoint's in-flight count until it ends or is dropped.
+    fn exchange(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+    ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
+        let ep = Arc::clone(&leg.endpoint);
         let guard = ep.track();
         let http_req = self.leg_request(req, leg);
         let transport = Arc::clone(&self.transport);
-        let (timeout, by_deadline) = clock.budget(self.config.prefill_timeout);
         let limit = self.config.max_prefill_answer;
         // Requests waiting for room on this endpoint hear when the exchange ends.
         let admission = self
@@ -1211,10 +1238,7 @@ impl Inner {
                     upstream_message(&bytes),
                 ))
             };
-            match tokio::time::timeout(timeout, exchange).await {
-                Ok(r) => r,
-                Err(_) => Err(out_of_time(by_deadline, Side::Prefill, &ep, Phase::Prefill)),
-            }
+            exchange.await
         }
     }
 

@@ -1,0 +1,312 @@
+//! Soak: 50,000 requests through the proxy with random faults and cancellations, in
+//! one bounded run (about a minute in a debug build on 2 cores).
+//!
+//! Asserts that, once the run is over:
+//! - resident memory is back within 24 MiB of its level after a warm-up of the same mix
+//!   (engines, proxy and load generator all live in this process, so this bounds leaks
+//!   in all three);
+//! - the prefill engines hold no KV blocks and no pending transfers (early KV release
+//!   on), and no engine has a request left running;
+//! - the proxy has nothing in flight: endpoint counts, admitted requests, running
+//!   releases.
+//!
+//! The faults, switched at random every few milliseconds on one prefill and one decode
+//! engine: a prefill answering 503 (retried elsewhere) or 500, a prefill that hangs past
+//! its 250 ms budget, a decode stream that stalls past the 250 ms idle budget or whose connection
+//! drops. Decode faults are those that strike after the decode took the KV; a decode
+//! that refuses a request without taking the KV leaves it to the prefill's lease (see
+//! docs/reliability.md), which a zero-stranded assertion cannot allow. Cancellations:
+//! one request in five is abandoned by its client after 0-8 ms, at whatever stage it is.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_core::orchestrator::KvRelease;
+use disagg_core::retry::RetryPolicy;
+use disagg_sim::{Faults, SimConfig};
+use http_body_util::{BodyExt, Full};
+use support::*;
+
+const TOTAL: u64 = 50_000;
+const WARM_UP: u64 = 5_000;
+const CLIENTS: u64 = 48;
+const RSS_MARGIN: u64 = 24 * 1024 * 1024;
+
+/// Resident memory of this process, in bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A small deterministic generator per client (xorshift64*).
+struct Rand(u64);
+
+impl Rand {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    errors: AtomicU64,
+    cancelled: AtomicU64,
+    /// Failed requests by status and OpenAI error code (or how the body broke).
+    codes: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl Tally {
+    fn failed(&self, what: String) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        *self.codes.lock().unwrap().entry(what).or_default() += 1;
+    }
+}
+
+/// The status and error code of a failed answer.
+fn failure(status: http::StatusCode, body: &[u8]) -> String {
+    let code = body
+        .windows(8)
+        .position(|w| w == b"\"code\":\"")
+        .and_then(|i| {
+            let rest = &body[i + 8..];
+            let end = rest.iter().position(|&b| b == b'"')?;
+            Some(String::from_utf8_lossy(&rest[..end]).into_owned())
+        })
+        .unwrap_or_default();
+    format!("{} {code}", status.as_u16())
+}
+
+/// Send requests numbered `from..to` (shared counter) with random shapes and
+/// cancellations, `CLIENTS` at a time.
+async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
+    let client = client();
+    let mut tasks = Vec::new();
+    for c in 0..CLIENTS {
+        let (client, url, next, tally) = (
+            client.clone(),
+            url.to_owned(),
+            Arc::clone(next),
+            Arc::clone(tally),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut rand = Rand(0x9e37_79b9_7f4a_7c15 ^ ((c + 1) * 0x1234_5678));
+            while let Ok(n) = next.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < to).then_some(n + 1)
+            }) {
+                let stream = rand.below(2) == 0;
+                let tokens = 1 + rand.below(6) as u32;
+                let (path, body) = if rand.below(2) == 0 {
+                    (
+                        "/v1/chat/completions",
+                        chat(&format!("soak {n}"), tokens, stream),
+                    )
+                } else {
+                    (
+                        "/v1/completions",
+                        completion(&format!("soak {n}"), tokens, stream),
+                    )
+                };
+                let req = http::Request::post(format!("{url}{path}"))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(body)))
+                    .unwrap();
+                let exchange = async {
+                    let resp = client
+                        .request(req)
+                        .await
+                        .map_err(|_| "request failed".to_owned())?;
+                    let status = resp.status();
+                    let body = resp
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_err(|_| "body broke".to_owned())?
+                        .to_bytes();
+                    let broken = body.windows(9).any(|w| w == b"{\"error\":");
+                    if status.is_success() && !broken {
+                        Ok(())
+                    } else {
+                        Err(failure(status, &body))
+                    }
+                };
+                let limit = if rand.below(5) == 0 {
+                    Duration::from_millis(rand.below(9))
+                } else {
+                    Duration::from_secs(10)
+                };
+                match tokio::time::timeout(limit, exchange).await {
+                    Ok(Ok(())) => {
+                        tally.ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Err(what)) => tally.failed(what),
+                    Err(_) => {
+                        tally.cancelled.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_behind() {
+    let fast = || SimConfig {
+        record_requests: 0,
+        bootstrap_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let s = Stack::builder()
+        .prefill(vec![fast(), fast(), fast()])
+        .decode(vec![fast(), fast()])
+        .config(|c| {
+            c.prefill_timeout = Duration::from_millis(250);
+            c.decode_idle_timeout = Some(Duration::from_millis(250));
+            c.decode_head_timeout = Duration::from_secs(5);
+            c.retry = RetryPolicy::retries(1);
+            // A generous grace: under load a prefill's answer may take a while to be read.
+            c.kv_release = KvRelease::AbortDecode {
+                grace: Duration::from_secs(1),
+                wait: Duration::from_secs(2),
+            };
+        })
+        .build()
+        .await;
+
+    // Faults switched at random on prefill 2 and decode 1 until the run ends.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let chaos = async {
+        let (p, d) = (&s.prefill[2], &s.decode[1]);
+        let mut rand = Rand(42);
+        while !stop.load(Ordering::Relaxed) {
+            let pf = match rand.below(8) {
+                0 => Faults {
+                    status: Some(503),
+                    ..Faults::default()
+                },
+                1 => Faults {
+                    status: Some(500),
+                    ..Faults::default()
+                },
+                2 => Faults {
+                    hang: true,
+                    ..Faults::default()
+                },
+                _ => Faults::default(),
+            };
+            let df = match rand.below(6) {
+                0 => Faults {
+                    stall_after_chunks: Some(1),
+                    ..Faults::default()
+                },
+                1 => Faults {
+                    drop_after_chunks: Some(1),
+                    ..Faults::default()
+                },
+                _ => Faults::default(),
+            };
+            p.set_faults(pf);
+            d.set_faults(df);
+            tokio::time::sleep(Duration::from_millis(5 + rand.below(20))).await;
+        }
+        p.set_faults(Faults::default());
+        d.set_faults(Faults::default());
+    };
+
+    let next = Arc::new(AtomicU64::new(0));
+    let tally = Arc::new(Tally::default());
+    let start = Instant::now();
+    let mut warm_rss = 0;
+    let load = async {
+        drive(&s.url, &next, WARM_UP, &tally).await;
+        warm_rss = rss();
+        drive(&s.url, &next, TOTAL, &tally).await;
+        stop.store(true, Ordering::Relaxed);
+    };
+    tokio::join!(chaos, load);
+    let took = start.elapsed();
+
+    let (ok, errors, cancelled) = (
+        tally.ok.load(Ordering::Relaxed),
+        tally.errors.load(Ordering::Relaxed),
+        tally.cancelled.load(Ordering::Relaxed),
+    );
+    eprintln!(
+        "soak: {TOTAL} requests in {took:?}: {ok} ok, {errors} failed {:?}, {cancelled} cancelled; {:?}",
+        tally.codes.lock().unwrap(),
+        s.orchestrator.stats()
+    );
+    assert_eq!(ok + errors + cancelled, TOTAL);
+    assert!(ok > TOTAL / 2, "most requests succeed despite the faults");
+    assert!(
+        cancelled > TOTAL / 10 && errors > 0,
+        "faults and cancellations happened"
+    );
+
+    // Nothing left in flight, in the proxy or the engines.
+    let settled = eventually(Duration::from_secs(10), || {
+        let st = s.orchestrator.stats();
+        s.in_flight() == 0
+            && st.in_flight == 0
+            && st.kv_releases_in_flight == 0
+            && s.prefill
+                .iter()
+                .chain(&s.decode)
+                .all(|e| e.stats().active_requests == 0)
+    })
+    .await;
+    assert!(
+        settled,
+        "left over: {} in flight, {:?}, engines {:?}",
+        s.in_flight(),
+        s.orchestrator.stats(),
+        s.prefill
+            .iter()
+            .chain(&s.decode)
+            .map(|e| e.stats().active_requests)
+            .collect::<Vec<_>>()
+    );
+    // No stranded KV: every block a prefill held was pulled or released.
+    let stranded = || -> Vec<(u64, u64)> {
+        s.prefill
+            .iter()
+            .map(|p| {
+                let st = p.stats();
+                (st.blocks_held, st.kv_transfers_pending)
+            })
+            .collect()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || stranded()
+            .iter()
+            .all(|&(b, t)| b == 0 && t == 0))
+        .await,
+        "stranded KV on the prefills: {:?}",
+        stranded()
+    );
+    let after_rss = rss();
+    eprintln!("soak: RSS after warm-up {warm_rss} B, after the run {after_rss} B");
+    assert!(
+        after_rss <= warm_rss + RSS_MARGIN,
+        "resident memory grew from {warm_rss} to {after_rss} bytes"
+    );
+}
