@@ -51,6 +51,7 @@ pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
+pub mod health;
 pub mod orchestrator;
 pub mod pairing;
 pub mod policy;
@@ -73,6 +74,7 @@ pub use connector::{
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, RouteError, Side};
+pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
