@@ -52,6 +52,7 @@ pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
+pub mod health;
 pub mod orchestrator;
 pub mod pairing;
 pub mod policy;
@@ -76,6 +77,7 @@ pub use connector::{
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, Phase, RouteError, Side};
+pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;

@@ -1,0 +1,397 @@
+//! Endpoint health over real loopback sockets: active checks against simulated engines
+//! and a server whose `/health` answer a test flips, and passive ejection seen through a
+//! proxy routing from a `HealthSource`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_core::orchestrator::NoPrefill;
+use disagg_core::{
+    Endpoint, EndpointHealth, EndpointSource, HealthConfig, HealthSource, ManualSource,
+    Orchestrator, OrchestratorConfig, Role, RoundRobin, Transport,
+};
+use disagg_http::{HttpTransport, PdService};
+use disagg_sim::{SimConfig, SimEngine};
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use support::*;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+
+/// Short active-check timings, so a test takes a second, not a minute.
+fn fast_checks() -> HealthConfig {
+    let mut config = HealthConfig::default();
+    config.checks.interval = Duration::from_millis(100);
+    config.checks.timeout = Duration::from_millis(200);
+    config
+}
+
+/// Slack for a loaded 2-core machine on top of each expected time.
+const SLACK: Duration = Duration::from_millis(1_500);
+
+/// Polls `cond` every 10 ms until it holds; the time it took. Panics after `limit`.
+async fn eventually(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+fn ids(eps: &[Arc<Endpoint>]) -> Vec<String> {
+    eps.iter().map(|e| e.id().to_string()).collect()
+}
+
+/// Runs the source's active checks over the HTTP transport until the sender drops.
+fn spawn_checks(source: &HealthSource) -> watch::Sender<bool> {
+    let (stop_tx, stop) = watch::channel(false);
+    tokio::spawn(Arc::clone(source.health()).run_checks(HttpTransport::default(), stop));
+    stop_tx
+}
+
+/// A server whose `GET /health` answers the status in `status` (0: never answers),
+/// counting the checks.
+struct Flip {
+    url: String,
+    status: Arc<AtomicU16>,
+    hits: Arc<AtomicUsize>,
+}
+
+async fn flip_server() -> Flip {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let status = Arc::new(AtomicU16::new(200));
+    let hits = Arc::new(AtomicUsize::new(0));
+    let (s, h) = (Arc::clone(&status), Arc::clone(&hits));
+    tokio::spawn(async move {
+        while let Ok((io, _)) = listener.accept().await {
+            let (s, h) = (Arc::clone(&s), Arc::clone(&h));
+            let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                let (s, h) = (Arc::clone(&s), Arc::clone(&h));
+                async move {
+                    assert_eq!(req.uri().path(), "/health");
+                    h.fetch_add(1, Ordering::SeqCst);
+                    let code = s.load(Ordering::SeqCst);
+                    if code == 0 {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                    }
+                    let mut resp = http::Response::new(Full::new(Bytes::from_static(b"{}")));
+                    *resp.status_mut() = http::StatusCode::from_u16(code).unwrap();
+                    Ok::<_, Infallible>(resp)
+                }
+            });
+            tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(io), svc));
+        }
+    });
+    Flip { url, status, hits }
+}
+
+#[tokio::test]
+async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts_there() {
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let dead = dead_url().await;
+    let inner = ManualSource::new([
+        Endpoint::new(&engine.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&dead, Role::Prefill).unwrap(),
+        Endpoint::new(&engine.url(), Role::Decode).unwrap(),
+    ]);
+    let config = fast_checks();
+    let source = HealthSource::new(inner, config.clone());
+    let _stop = spawn_checks(&source);
+    let checks = &config.checks;
+
+    let took = eventually(
+        checks.interval * checks.unhealthy_threshold + SLACK,
+        "dead port taken out",
+        || source.snapshot().prefill().len() == 1,
+    )
+    .await;
+    assert!(
+        took >= checks.interval,
+        "two failed checks, not one: {took:?}"
+    );
+    assert_eq!(ids(source.snapshot().prefill()), [engine.url()]);
+    let states = source.health().states();
+    assert_eq!(states[1].0.as_str(), dead);
+    assert_eq!(states[1].2, EndpointHealth::Down);
+
+    // Several more rounds: the working engine stays in.
+    tokio::time::sleep(checks.interval * 5).await;
+    let set = source.snapshot();
+    assert_eq!(ids(set.prefill()), [engine.url()]);
+    assert_eq!(ids(set.decode()), [engine.url()]);
+    assert!(engine.stats().requests == 0, "checks are no completions");
+
+    // An engine starts on the dead port: back after one passed check.
+    let addr: SocketAddr = dead.trim_start_matches("http://").parse().unwrap();
+    let http = TcpListener::bind(addr).await.unwrap();
+    let side = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let _revived = SimEngine::start_on(SimConfig::default(), http, side)
+        .await
+        .unwrap();
+    eventually(
+        checks.interval * checks.healthy_threshold + SLACK,
+        "revived engine back",
+        || source.snapshot().prefill().len() == 2,
+    )
+    .await;
+    assert!(
+        source
+            .health()
+            .states()
+            .iter()
+            .all(|(_, _, h)| *h == EndpointHealth::Healthy)
+    );
+}
+
+#[tokio::test]
+async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_per_round() {
+    let flip = flip_server().await;
+    let other = SimEngine::start(SimConfig::default()).await.unwrap();
+    let inner = ManualSource::new([
+        Endpoint::new(&format!("{}@0", flip.url), Role::Prefill).unwrap(),
+        Endpoint::new(&format!("{}@1", flip.url), Role::Prefill).unwrap(),
+        Endpoint::new(&format!("{}@2", flip.url), Role::Prefill).unwrap(),
+        Endpoint::new(&flip.url, Role::Decode).unwrap(),
+        Endpoint::new(&other.url(), Role::Decode).unwrap(),
+    ]);
+    let config = fast_checks();
+    let source = HealthSource::new(inner, config.clone());
+    let checks = &config.checks;
+    let _stop = spawn_checks(&source);
+
+    // Once per engine per round, not once per rank and role (4 endpoints here).
+    tokio::time::sleep(checks.interval * 10).await;
+    let hits = flip.hits.load(Ordering::SeqCst);
+    assert!((5..=12).contains(&hits), "{hits} checks in 10 intervals");
+    assert_eq!(source.snapshot().prefill().len(), 3);
+
+    flip.status.store(503, Ordering::SeqCst);
+    eventually(
+        checks.interval * checks.unhealthy_threshold + SLACK,
+        "503 engine taken out",
+        || source.snapshot().prefill().is_empty(),
+    )
+    .await;
+    let set = source.snapshot();
+    assert_eq!(
+        ids(set.decode()),
+        [other.url()],
+        "its decode role is the same engine"
+    );
+    let down = source
+        .health()
+        .states()
+        .into_iter()
+        .filter(|(_, _, h)| *h == EndpointHealth::Down)
+        .count();
+    assert_eq!(down, 4);
+
+    flip.status.store(200, Ordering::SeqCst);
+    eventually(
+        checks.interval * checks.healthy_threshold + SLACK,
+        "engine back",
+        || source.snapshot().prefill().len() == 3,
+    )
+    .await;
+    assert_eq!(source.snapshot().decode().len(), 2);
+}
+
+#[tokio::test]
+async fn a_health_check_without_an_answer_in_time_is_a_failure() {
+    let flip = flip_server().await;
+    flip.status.store(0, Ordering::SeqCst);
+    let inner = ManualSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
+    let config = fast_checks();
+    let source = HealthSource::new(inner, config.clone());
+    let _stop = spawn_checks(&source);
+    let checks = &config.checks;
+    eventually(
+        (checks.interval + checks.timeout) * checks.unhealthy_threshold + SLACK,
+        "hanging engine taken out",
+        || source.snapshot().decode().is_empty(),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn stopping_the_checks_ends_them() {
+    let flip = flip_server().await;
+    let inner = ManualSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
+    let source = HealthSource::new(inner, fast_checks());
+    let (stop_tx, stop) = watch::channel(false);
+    let task = tokio::spawn(Arc::clone(source.health()).run_checks(HttpTransport::default(), stop));
+    eventually(SLACK, "first check", || {
+        flip.hits.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    stop_tx.send_replace(true);
+    tokio::time::timeout(Duration::from_secs(2), task)
+        .await
+        .expect("checker ended")
+        .unwrap();
+    let hits = flip.hits.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(flip.hits.load(Ordering::SeqCst), hits);
+}
+
+/// A proxy on loopback routing from `source`.
+async fn proxy(source: HealthSource, config: OrchestratorConfig) -> (String, oneshot::Sender<()>) {
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+        .router(RoundRobin::new())
+        .config(config)
+        .build();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(disagg_http::server::serve(
+        listener,
+        PdService::new(orchestrator),
+        async {
+            let _ = rx.await;
+        },
+    ));
+    (url, tx)
+}
+
+fn passive(ejection: Duration) -> HealthConfig {
+    let mut config = HealthConfig::default();
+    config.base_ejection = ejection;
+    config.max_ejection = ejection * 8;
+    config
+}
+
+#[tokio::test]
+async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succeeds() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+    let dead = dead_url().await;
+    let inner = Arc::new(ManualSource::new([
+        Endpoint::new(&p.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&dead, Role::Prefill).unwrap(),
+        Endpoint::new(&d.url(), Role::Decode).unwrap(),
+    ]));
+    let source = HealthSource::new(Arc::clone(&inner), passive(Duration::from_secs(60)));
+    let health = Arc::clone(source.health());
+    let (url, _stop) = proxy(source.clone(), OrchestratorConfig::default()).await;
+
+    // Round-robin sends every other request to the dead prefill: they fail.
+    let mut failed = 0;
+    for i in 0..4 {
+        let a = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("r{i}"), 2, false),
+            &[],
+        )
+        .await;
+        failed += usize::from(a.status != 200);
+    }
+    assert_eq!(failed, 2, "the dead prefill is routed before any ejection");
+
+    // What the orchestrator will report: the dead prefill's legs fail to connect.
+    let dead_ep = Arc::clone(&inner.snapshot().prefill()[1]);
+    let transport = HttpTransport::default();
+    for _ in 0..5 {
+        let mut req = http::Request::new(Bytes::new());
+        *req.uri_mut() = dead_ep.uri("/v1/completions").unwrap();
+        let ok = transport.send(req).await.is_ok();
+        assert!(!ok);
+        health.record(&dead_ep, ok);
+    }
+    assert!(matches!(
+        health.state(&dead_ep),
+        Some(EndpointHealth::Ejected { .. })
+    ));
+    for i in 0..6 {
+        let a = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("s{i}"), 2, false),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(p.stats().requests, 2 + 6);
+
+    // Both prefills ejected: the set has no prefill, and the proxy says so.
+    let live = Arc::clone(&inner.snapshot().prefill()[0]);
+    for _ in 0..5 {
+        health.record(&live, false);
+    }
+    assert!(source.snapshot().prefill().is_empty());
+    let a = post(&url, "/v1/completions", completion("none", 2, false), &[]).await;
+    assert_openai_error(&a, 503, "no_prefill_endpoint");
+}
+
+#[tokio::test]
+async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejection_time() {
+    // One engine in both roles; the decode-only fallback shows its decode leg is kept.
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let inner = ManualSource::new([
+        Endpoint::new(&engine.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&engine.url(), Role::Decode).unwrap(),
+    ]);
+    let ejection = Duration::from_millis(400);
+    let source = HealthSource::new(inner, passive(ejection));
+    let health = Arc::clone(source.health());
+    let mut config = OrchestratorConfig::default();
+    config.no_prefill = NoPrefill::DecodeOnly;
+    let (url, _stop) = proxy(source.clone(), config).await;
+    let prefill = Arc::clone(&source.snapshot().prefill()[0]);
+    let decode = Arc::clone(&source.snapshot().decode()[0]);
+
+    let a = post(&url, "/v1/completions", completion("a", 2, false), &[]).await;
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+
+    let ejected_at = Instant::now();
+    for _ in 0..5 {
+        health.record(&prefill, false);
+    }
+    assert_eq!(health.state(&decode), Some(EndpointHealth::Healthy));
+    let a = post(&url, "/v1/completions", completion("b", 2, false), &[]).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    if ejected_at.elapsed() < ejection {
+        assert_eq!(a.header("x-disagg-handoff"), Some("decode-only"));
+    }
+
+    // Nobody records anything: the prefill leg returns, half-open, after the time.
+    eventually(ejection + SLACK, "prefill back", || {
+        source.snapshot().prefill().len() == 1
+    })
+    .await;
+    assert!(ejected_at.elapsed() >= ejection);
+    assert_eq!(health.state(&prefill), Some(EndpointHealth::HalfOpen));
+    let a = post(&url, "/v1/completions", completion("c", 2, false), &[]).await;
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+
+    // Half-open failure: out again for twice the time; success later closes.
+    let reopened = Instant::now();
+    health.record(&prefill, false);
+    match health.state(&prefill) {
+        Some(EndpointHealth::Ejected { until }) => {
+            let t = until - tokio::time::Instant::from_std(reopened);
+            assert!(t >= ejection * 2 - Duration::from_millis(50), "{t:?}");
+            assert!(t <= ejection * 2 + Duration::from_millis(50), "{t:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    eventually(ejection * 2 + SLACK, "prefill back again", || {
+        source.snapshot().prefill().len() == 1
+    })
+    .await;
+    assert!(reopened.elapsed() >= ejection * 2);
+    health.record(&prefill, true);
+    assert_eq!(health.state(&prefill), Some(EndpointHealth::Healthy));
+}
