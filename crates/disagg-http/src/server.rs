@@ -1,8 +1,14 @@
 //! Serving helpers: accept connections and run a service on each, over hyper.
+//!
+//! Every server here stops the same way once asked: the listening socket closes at once,
+//! idle connections close, answers in flight (streams included) run to their end within
+//! [`ServeConfig::drain_timeout`], and connections still open at that deadline are cut.
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_core::error::BoxError;
@@ -13,6 +19,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tokio::task::JoinSet;
 
 /// The accept queue asked for by [`bind`]. The default of the standard library and of
 /// Tokio (128) overflows when a few hundred clients connect at once, and the dropped
@@ -49,12 +56,42 @@ fn listen(addr: std::net::SocketAddr, shared: bool) -> std::io::Result<TcpListen
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// How long in-flight requests may run on after shutdown is asked before they are cut.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How a server started by [`serve_with`] or [`serve_threads_with`] runs and stops.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use disagg_http::server::ServeConfig;
+///
+/// let mut config = ServeConfig::default();
+/// config.drain_timeout = Duration::from_secs(5);
+/// assert_eq!(ServeConfig::default().drain_timeout, Duration::from_secs(30));
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ServeConfig {
+    /// How long requests in flight when shutdown is asked (streams included) may run on.
+    ///
+    /// Shutdown closes the listening socket at once and idle keep-alive connections as
+    /// soon as they are idle; a connection still busy when this deadline passes is cut
+    /// (its client sees the connection close mid-answer). Zero cuts every connection at
+    /// once. Default 30 s: long enough for most streams, short enough for an orchestrator's
+    /// stop timeout (Kubernetes waits 30 s before SIGKILL by default).
+    pub drain_timeout: Duration,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
 
 /// Serve `service` on every connection `listener` accepts, HTTP/1.1 with keep-alive and
-/// `TCP_NODELAY`, until `shutdown` resolves; then stop accepting and let in-flight
-/// requests finish (at most 30 s).
+/// `TCP_NODELAY`, until `shutdown` resolves; then drain as [`serve_with`] does, with the
+/// default [`ServeConfig`] (in-flight requests get at most 30 s).
 ///
 /// # Errors
 ///
@@ -73,7 +110,125 @@ where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    serve_with(listener, service, shutdown, &ServeConfig::default()).await
+}
+
+/// Serve `service` on every connection `listener` accepts, HTTP/1.1 with keep-alive and
+/// `TCP_NODELAY`, until `shutdown` resolves; then drain and return.
+///
+/// The drain, once `shutdown` resolves:
+///
+/// 1. the listener is closed at once: new connections are refused;
+/// 2. every connection is told to finish: an idle keep-alive connection (or one that has
+///    sent nothing yet) is closed, a busy one closes after its current answer, however
+///    long that answer streams;
+/// 3. when every connection has closed, or [`ServeConfig::drain_timeout`] has passed
+///    (then the connections still open are cut), the function returns.
+///
+/// The start of the drain (with the number of open connections) and its end (drained,
+/// or how many connections were cut) are logged at `info`. Dropping the returned future
+/// cuts every connection it serves.
+///
+/// # Errors
+///
+/// Only when accepting fails in a way that is not about one connection.
+pub async fn serve_with<S, B>(
+    listener: TcpListener,
+    service: S,
+    shutdown: impl Future<Output = ()>,
+    config: &ServeConfig,
+) -> std::io::Result<()>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let tracker = Arc::new(DrainTracker::default());
+    let drained = serve_until(listener, service, shutdown, config, &tracker).await;
+    drained.log();
+    Ok(())
+}
+
+/// Open connections across the listeners of one server, counted for the drain's log.
+#[derive(Debug, Default)]
+struct DrainTracker {
+    open: AtomicUsize,
+    /// Whether the drain's start was logged (once per server, by its first thread).
+    announced: AtomicBool,
+}
+
+/// Counts one open connection until dropped (with its connection's task).
+struct OpenConnection(Arc<DrainTracker>);
+
+impl OpenConnection {
+    fn new(tracker: &Arc<DrainTracker>) -> Self {
+        tracker.open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(Arc::clone(tracker))
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// How one listener's drain ended.
+#[derive(Debug, Clone, Copy, Default)]
+struct Drained {
+    /// Connections cut at the deadline.
+    cut: usize,
+    /// From the shutdown signal to the last connection's end.
+    took: Duration,
+}
+
+impl Drained {
+    /// Several listeners' drains as one: their cuts summed, the longest time.
+    fn merge(self, other: Drained) -> Drained {
+        Drained {
+            cut: self.cut + other.cut,
+            took: self.took.max(other.took),
+        }
+    }
+
+    fn log(self) {
+        let took_ms = u64::try_from(self.took.as_millis()).unwrap_or(u64::MAX);
+        if self.cut == 0 {
+            tracing::info!(took_ms, "drain finished: every connection closed");
+        } else {
+            tracing::info!(
+                cut = self.cut,
+                took_ms,
+                "drain deadline passed: cut the connections still open"
+            );
+        }
+    }
+}
+
+/// The accept loop and the drain of one listener; the caller logs the outcome.
+async fn serve_until<S, B>(
+    listener: TcpListener,
+    service: S,
+    shutdown: impl Future<Output = ()>,
+    config: &ServeConfig,
+    tracker: &Arc<DrainTracker>,
+) -> Drained
+where
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     let graceful = GracefulShutdown::new();
+    // Every connection's task, so that the drain can cut those left at its deadline.
+    let mut connections = JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new());
     // Slow or idle clients must not hold a connection's task open forever.
@@ -81,6 +236,9 @@ where
     tokio::pin!(shutdown);
     loop {
         let (stream, _peer) = tokio::select! {
+            // A stop asked under a flood of connections is not delayed by them.
+            biased;
+            () = &mut shutdown => break,
             res = listener.accept() => match res {
                 Ok(conn) => conn,
                 Err(e) if is_per_connection(&e) => continue,
@@ -91,7 +249,8 @@ where
                     continue;
                 }
             },
-            () = &mut shutdown => break,
+            // Reap ended connections so the set holds only live ones.
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let _ = stream.set_nodelay(true);
         let conn = http.serve_connection(
@@ -99,15 +258,44 @@ where
             TowerToHyperService::new(service.clone()),
         );
         let conn = graceful.watch(conn);
-        tokio::spawn(async move {
+        let open = OpenConnection::new(tracker);
+        connections.spawn(async move {
+            let _open = open;
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
     }
+    let started = Instant::now();
+    // Refuse new connections from now on.
     drop(listener);
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await;
-    Ok(())
+    if !tracker.announced.swap(true, Ordering::Relaxed) {
+        let drain_timeout_ms = u64::try_from(config.drain_timeout.as_millis()).unwrap_or(u64::MAX);
+        tracing::info!(
+            open_connections = tracker.open.load(Ordering::Relaxed),
+            drain_timeout_ms,
+            "shutting down: listener closed, draining in-flight requests"
+        );
+    }
+    let all_closed = async {
+        // Tells every connection to close once idle, then waits for all of them.
+        graceful.shutdown().await;
+        while connections.join_next().await.is_some() {}
+    };
+    let cut = match tokio::time::timeout(config.drain_timeout, all_closed).await {
+        Ok(()) => 0,
+        Err(_) => {
+            while connections.try_join_next().is_some() {}
+            let cut = connections.len();
+            // Aborts each task: its connection is dropped, so its socket closes.
+            connections.shutdown().await;
+            cut
+        }
+    };
+    Drained {
+        cut,
+        took: started.elapsed(),
+    }
 }
 
 fn is_per_connection(e: &std::io::Error) -> bool {
@@ -120,18 +308,8 @@ fn is_per_connection(e: &std::io::Error) -> bool {
 
 /// Serve on `threads` OS threads, each a single-threaded Tokio runtime with its own
 /// listening socket on `addr` (`SO_REUSEPORT`: the kernel spreads new connections over
-/// them) and its own service, built on that thread by `make_service`.
-///
-/// A request, its upstream legs and their pooled connections then stay on one thread:
-/// the request path takes no cross-thread wake-up, which on a loaded 2-core machine
-/// costs more than the proxying itself (measured with `disagg-bench`). Share what must be
-/// shared (endpoint source, router, connector) through `make_service`; give each thread
-/// its own transport so its connection pool is thread-local.
-///
-/// Blocks until `shutdown` turns `true` and every thread has drained. `on_bound` is
-/// called once with the bound address (useful with port 0). On targets without
-/// `SO_REUSEPORT` one thread is used. If a later thread fails to start, the threads
-/// already started keep serving until `shutdown`.
+/// them) and its own service, built on that thread by `make_service`; drain as
+/// [`serve_threads_with`] does, with the default [`ServeConfig`].
 ///
 /// # Errors
 ///
@@ -153,17 +331,70 @@ where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
+    serve_threads_with(
+        addr,
+        threads,
+        make_service,
+        shutdown,
+        on_bound,
+        &ServeConfig::default(),
+    )
+}
+
+/// Serve on `threads` OS threads, each a single-threaded Tokio runtime with its own
+/// listening socket on `addr` (`SO_REUSEPORT`: the kernel spreads new connections over
+/// them) and its own service, built on that thread by `make_service`.
+///
+/// A request, its upstream legs and their pooled connections then stay on one thread:
+/// the request path takes no cross-thread wake-up, which on a loaded 2-core machine
+/// costs more than the proxying itself (measured with `disagg-bench`). Share what must be
+/// shared (endpoint source, router, connector) through `make_service`; give each thread
+/// its own transport so its connection pool is thread-local.
+///
+/// Blocks until `shutdown` turns `true` and every thread has drained: each closes its
+/// listening socket at once and drains its connections as [`serve_with`] describes, within
+/// `config`'s [`drain_timeout`](ServeConfig::drain_timeout); the drain's start and end are
+/// logged once for all threads. Whatever a thread's runtime still runs at the end (cut
+/// connections, upstream connections) is dropped with it. `on_bound` is called once
+/// with the bound address (useful with port 0). On targets without `SO_REUSEPORT` one
+/// thread is used. If a later thread fails to start, the threads already started keep
+/// serving until `shutdown`.
+///
+/// # Errors
+///
+/// When a runtime cannot start or the address cannot be bound.
+pub fn serve_threads_with<M, S, B>(
+    addr: std::net::SocketAddr,
+    threads: usize,
+    make_service: M,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    on_bound: impl FnOnce(std::net::SocketAddr),
+    config: &ServeConfig,
+) -> std::io::Result<()>
+where
+    M: Fn() -> S + Send + Sync + 'static,
+    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     let threads = if cfg!(unix) { threads.max(1) } else { 1 };
-    let make_service = std::sync::Arc::new(make_service);
+    let make_service = Arc::new(make_service);
+    let tracker = Arc::new(DrainTracker::default());
     let mut handles = Vec::with_capacity(threads);
     let mut bound = addr;
     for i in 0..threads {
         let (tx, rx) = std::sync::mpsc::channel();
-        let make_service = std::sync::Arc::clone(&make_service);
+        let make_service = Arc::clone(&make_service);
+        let tracker = Arc::clone(&tracker);
+        let config = config.clone();
         let mut shutdown = shutdown.clone();
         let handle = std::thread::Builder::new()
             .name(format!("disagg-{i}"))
-            .spawn(move || -> std::io::Result<()> {
+            .spawn(move || -> std::io::Result<Drained> {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?;
@@ -179,7 +410,7 @@ where
                     let stop = async move {
                         let _ = shutdown.wait_for(|stop| *stop).await;
                     };
-                    serve(listener, make_service(), stop).await
+                    Ok(serve_until(listener, make_service(), stop, &config, &tracker).await)
                 })
             })?;
         handles.push(handle);
@@ -192,12 +423,14 @@ where
     }
     on_bound(bound);
     let mut result = Ok(());
+    let mut drained = Drained::default();
     for h in handles {
         match h.join() {
-            Ok(Ok(())) => {}
+            Ok(Ok(d)) => drained = drained.merge(d),
             Ok(Err(e)) => result = Err(e),
             Err(_) => result = Err(std::io::Error::other("server thread panicked")),
         }
     }
+    drained.log();
     result
 }

@@ -62,24 +62,41 @@ fn main() -> ExitCode {
 
 /// `serve`: the serving threads run their own event loops; this thread waits for the
 /// stop signal on a small one of its own.
+///
+/// The first SIGTERM or SIGINT (Ctrl-C) starts the drain (`--drain-timeout`); the process
+/// exits 0 once it has ended. A second signal during the drain exits at once, status 1.
 fn run_serve(args: &serve::ServeArgs) -> Result<(), BoxError> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let signals = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let waiter = std::thread::Builder::new()
+    // Install the handlers before the port opens: a signal that arrives once clients can
+    // connect must start the drain, not kill the process on the default action.
+    let mut stop = {
+        let _runtime = signals.enter();
+        StopSignals::install()?
+    };
+    std::thread::Builder::new()
         .name("disagg-signals".into())
         .spawn(move || {
-            signals.block_on(shutdown_signal());
+            let name = signals.block_on(stop.recv());
+            tracing::info!(
+                signal = name,
+                "stop asked: draining (a second signal exits at once)"
+            );
             let _ = stop_tx.send(true);
+            let name = signals.block_on(stop.recv());
+            tracing::warn!(
+                signal = name,
+                "second stop signal: exiting without draining"
+            );
+            std::process::exit(1);
         })?;
-    let result = serve::run(args, stop_rx, |addr| {
+    // The signal thread is not joined: it waits for a second signal that may never come,
+    // and returning from `main` ends the process with it.
+    serve::run(args, stop_rx, |addr| {
         tracing::info!(listen = %addr, engines = ?args.engine_urls().collect::<Vec<_>>(), "disagg-proxy serving");
-    });
-    if result.is_ok() {
-        let _ = waiter.join();
-    }
-    result
+    })
 }
 
 fn report(result: Result<(), BoxError>) -> ExitCode {
@@ -102,25 +119,56 @@ fn init_tracing(quiet: bool) {
         .try_init();
 }
 
-/// Resolves when the process is asked to stop (Ctrl-C or SIGTERM).
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// The signals that stop the proxy: SIGTERM and SIGINT (Ctrl-C).
+struct StopSignals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Install the handlers, replacing the default action (termination). Must run inside
+    /// a Tokio runtime context.
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(StopSignals {
+                term: signal(SignalKind::terminate())?,
+                int: signal(SignalKind::interrupt())?,
+            })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
+        #[cfg(not(unix))]
+        Ok(StopSignals {})
     }
-    tracing::info!("shutting down: finishing in-flight requests");
+
+    /// The next stop signal, by name.
+    async fn recv(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => "SIGINT",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
+}
+
+/// Resolves when the process is asked to stop (Ctrl-C or SIGTERM), for subcommands that
+/// need no drain (`sim`).
+async fn shutdown_signal() {
+    match StopSignals::install() {
+        Ok(mut signals) => {
+            let name = signals.recv().await;
+            tracing::info!(signal = name, "shutting down");
+        }
+        // No handler: the default action (termination) stops the process instead.
+        Err(_) => std::future::pending::<()>().await,
+    }
 }

@@ -120,6 +120,11 @@ pub struct ServeArgs {
     /// Forward the client's `Authorization` header to the engines.
     #[arg(long)]
     forward_authorization: bool,
+    /// Seconds that requests in flight at SIGTERM or Ctrl-C (streams included) may run
+    /// on. The listening socket closes at once and idle connections are closed; past
+    /// this deadline the connections still open are cut and the process exits (status 0).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    drain_timeout: f64,
 }
 
 /// Flags for deadlines, retries, admission and KV release (docs/reliability.md).
@@ -547,8 +552,9 @@ impl Shared {
     }
 }
 
-/// Run the proxy described by `args` until `shutdown` turns `true`; `on_bound` gets the
-/// listening address once every serving thread is up. Blocks the calling thread.
+/// Run the proxy described by `args` until `shutdown` turns `true`, then drain within
+/// `--drain-timeout`; `on_bound` gets the listening address once every serving thread is
+/// up. Blocks the calling thread.
 ///
 /// # Errors
 ///
@@ -562,12 +568,15 @@ pub fn run(
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
-    disagg_http::server::serve_threads(
+    let mut serve_config = disagg_http::server::ServeConfig::default();
+    serve_config.drain_timeout = secs(args.drain_timeout, "drain-timeout")?;
+    disagg_http::server::serve_threads_with(
         args.listen,
         threads,
         move || shared.service(),
         shutdown,
         on_bound,
+        &serve_config,
     )
     .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
     Ok(())

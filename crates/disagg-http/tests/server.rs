@@ -1,0 +1,151 @@
+//! `server::serve_with`'s drain over loopback: on shutdown the listener closes, an answer
+//! in flight streams to its end within the drain timeout, and what is left at the
+//! deadline is cut before the function returns.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_http::server::{ServeConfig, serve_with};
+use http::{Request, Response};
+use http_body_util::StreamBody;
+use hyper::body::{Frame, Incoming};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A server whose every answer is `frames` chunks, one per `every`; stopped through the
+/// sender.
+async fn start(
+    frames: u32,
+    every: Duration,
+    drain_timeout: Duration,
+) -> (
+    SocketAddr,
+    oneshot::Sender<()>,
+    JoinHandle<std::io::Result<()>>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = tower::service_fn(move |_req: Request<Incoming>| async move {
+        let chunks = futures::stream::unfold(0u32, move |i| async move {
+            if i == frames {
+                return None;
+            }
+            if i > 0 {
+                tokio::time::sleep(every).await;
+            }
+            let frame = Frame::data(Bytes::from(format!("frame {i}\n")));
+            Some((Ok::<_, Infallible>(frame), i + 1))
+        });
+        Ok::<_, Infallible>(Response::new(StreamBody::new(chunks)))
+    });
+    let (stop, stopped) = oneshot::channel::<()>();
+    let mut config = ServeConfig::default();
+    config.drain_timeout = drain_timeout;
+    let server = tokio::spawn(async move {
+        serve_with(
+            listener,
+            service,
+            async {
+                let _ = stopped.await;
+            },
+            &config,
+        )
+        .await
+    });
+    (addr, stop, server)
+}
+
+/// Connect and send a GET.
+async fn get(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET / HTTP/1.1\r\nhost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    s
+}
+
+/// Read from `s` into `got` until it contains `want` (true) or the connection ends
+/// (false), for at most 10 s.
+async fn read_until(s: &mut TcpStream, got: &mut Vec<u8>, want: &[u8]) -> bool {
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !got.windows(want.len()).any(|w| w == want) {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+            Ok(_) => return false,
+            Err(_) => panic!("nothing more in 10 s: {}", String::from_utf8_lossy(got)),
+        }
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_in_flight_streams_to_its_end() {
+    // 6 frames, 100 ms apart: 0.5 s of answer, well within the 10 s drain.
+    let (addr, stop, server) = start(6, Duration::from_millis(100), Duration::from_secs(10)).await;
+    let mut s = get(addr).await;
+    let mut got = Vec::new();
+    assert!(read_until(&mut s, &mut got, b"frame 0").await);
+    stop.send(()).unwrap();
+
+    // The listener is closed at once (one listener: no race to retry).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let refused = TcpStream::connect(addr).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
+        "{refused:?}"
+    );
+    assert!(!server.is_finished(), "returned before the answer ended");
+
+    // The answer arrives whole, its last chunk included.
+    assert!(
+        read_until(&mut s, &mut got, b"frame 5\n\r\n0\r\n\r\n").await,
+        "cut: {}",
+        String::from_utf8_lossy(&got)
+    );
+    let ended = Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("serve_with returns once the answer is out")
+        .unwrap()
+        .unwrap();
+    assert!(ended.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_cuts_what_is_left() {
+    // 100 frames, 100 ms apart: 10 s of answer against a 200 ms drain.
+    let (addr, stop, server) =
+        start(100, Duration::from_millis(100), Duration::from_millis(200)).await;
+    let mut s = get(addr).await;
+    let mut got = Vec::new();
+    assert!(read_until(&mut s, &mut got, b"frame 0").await);
+    let stopped = Instant::now();
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("serve_with returns at its deadline")
+        .unwrap()
+        .unwrap();
+    let took = stopped.elapsed();
+    assert!(
+        took >= Duration::from_millis(200),
+        "no drain at all: {took:?}"
+    );
+    // The runtime runs on: the connection's task must have been cut, not left behind.
+    assert!(
+        !read_until(&mut s, &mut got, b"\r\n0\r\n\r\n").await,
+        "the answer ended cleanly"
+    );
+    assert!(
+        stopped.elapsed() < Duration::from_secs(2),
+        "the connection stayed open"
+    );
+    assert!(!got.windows(8).any(|w| w == b"frame 99"));
+}
