@@ -27,10 +27,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Every per-step budget of the proxy (prefill, handoff, decode head, decode idle):
 /// short, so a fault found by a budget shows fast.
-const BUDGET: Duration = Duration::from_millis(300);
+const BUDGET: Duration = Duration::from_millis(500);
 /// Most time a failure may take that needs no budget to run out (refused, an error
-/// status, a malformed answer, a dropped connection).
-const FAST: Duration = Duration::from_millis(1000);
+/// status, a malformed answer, a dropped connection): less than [`BUDGET`], so a leg
+/// the proxy waited for instead of dropping it at once (until its budget ran out)
+/// fails the case.
+const FAST: Duration = Duration::from_millis(400);
 /// Most time a failure may take that a budget finds.
 const TIMED: Duration = Duration::from_millis(1500);
 /// How long an engine waits for its peer (`SimConfig::bootstrap_timeout`): an SGLang
@@ -126,8 +128,8 @@ struct Case {
     min: Duration,
     max: Duration,
     kv: Kv,
-    /// The engine whose request the proxy must abandon: its `cancelled` count reaches 1.
-    abandoned: Option<Leg>,
+    /// The engines whose request the proxy must abandon: their `cancelled` count is 1.
+    abandoned: Vec<Leg>,
     /// The decode engine never receives a request.
     decode_untouched: bool,
     /// The prefill engine waits this long before working (so it is still busy when an
@@ -145,7 +147,7 @@ impl Case {
             min: Duration::ZERO,
             max: FAST,
             kv: Kv::Freed,
-            abandoned: None,
+            abandoned: Vec::new(),
             decode_untouched: false,
             prefill_delay: Duration::ZERO,
         }
@@ -169,8 +171,17 @@ impl Case {
     }
 
     fn abandons(mut self, leg: Leg) -> Self {
-        self.abandoned = Some(leg);
+        self.abandoned.push(leg);
         self
+    }
+
+    fn abandons_if(self, yes: bool, leg: Leg) -> Self {
+        if yes { self.abandons(leg) } else { self }
+    }
+
+    /// Concurrent connectors only: the other leg, sent alongside, is abandoned too.
+    fn abandons_if_concurrent(self, p: Protocol, leg: Leg) -> Self {
+        self.abandons_if(p != Protocol::Nixl, leg)
     }
 
     fn decode_untouched_if(mut self, yes: bool) -> Self {
@@ -251,6 +262,7 @@ fn table(p: Protocol) -> Vec<Case> {
         )
         .timed()
         .abandons(Leg::Prefill)
+        .abandons_if_concurrent(p, Leg::Decode)
         .decode_untouched_if(sequential),
         // A Mooncake prefill answers at once and holds its transfer for the decode; the
         // decode hangs before it pulls, and a Mooncake decode aborted before its pull
@@ -276,6 +288,7 @@ fn table(p: Protocol) -> Vec<Case> {
         )
         .timed()
         .abandons(Leg::Decode)
+        .abandons_if(p == Protocol::Sglang, Leg::Prefill)
         .kv(if p == Protocol::Sglang {
             Kv::Freed
         } else {
@@ -307,6 +320,7 @@ fn table(p: Protocol) -> Vec<Case> {
         )
         .timed()
         .abandons(Leg::Prefill)
+        .abandons_if_concurrent(p, Leg::Decode)
         .decode_untouched_if(sequential),
     ];
     match p {
@@ -357,16 +371,6 @@ fn table(p: Protocol) -> Vec<Case> {
         );
     }
     t
-}
-
-impl Case {
-    fn abandons_if_concurrent(self, p: Protocol, leg: Leg) -> Self {
-        if p == Protocol::Nixl {
-            self
-        } else {
-            self.abandons(leg)
-        }
-    }
 }
 
 /// An engine of the matrix: peers give up quickly, and the lease is short where the
@@ -548,7 +552,7 @@ async fn run(p: Protocol, case: Case) {
         s.orchestrator.stats(),
         engines().map(|e| e.stats()).collect::<Vec<_>>()
     );
-    if let Some(leg) = case.abandoned {
+    for &leg in &case.abandoned {
         let e = match leg {
             Leg::Prefill => s.p(),
             Leg::Decode => s.d(),
