@@ -516,6 +516,16 @@ async fn run(p: Protocol, case: Case) {
     let answered = Instant::now();
 
     check_outcome(&ctx, case.outcome, &got);
+    if let Fault::PrefillStatus(code) = case.fault {
+        let text = got
+            .body
+            .as_ref()
+            .map(|b| String::from_utf8_lossy(b).into_owned());
+        assert!(
+            text.as_ref().is_ok_and(|t| t.contains(&code.to_string())),
+            "{ctx}: the message names the engine's status: {text:?}"
+        );
+    }
     assert!(
         took >= case.min && took < case.max,
         "{ctx}: answered in {took:?}, expected {:?}..{:?}",
