@@ -480,3 +480,61 @@ pub async fn raw_request(base: &str, path: &str, body: &str) -> tokio::net::TcpS
     s.write_all(req.as_bytes()).await.unwrap();
     s
 }
+
+impl StackBuilder {
+    /// Build the stack with one decode endpoint at `url`, where nothing listens
+    /// (connection refused), and no decode engine; the decode configs given are
+    /// ignored.
+    pub async fn build_with_dead_decode(self, url: String) -> Stack {
+        let stack = self.decode(vec![]).build().await;
+        stack
+            .source
+            .insert(Endpoint::new(&url, Role::Decode).expect("dead decode endpoint"));
+        stack
+    }
+}
+
+/// An answer whose body may have broken: the head, and the body or how it broke.
+pub struct Fetched {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    /// The whole body, or the error that ended it early.
+    pub body: Result<Bytes, String>,
+}
+
+/// POST `body` to `base + path` and read the answer, keeping a broken body as an error
+/// instead of panicking (for tests of answers that break mid-body).
+pub async fn fetch(base: &str, path: &str, body: impl Into<Bytes>) -> Fetched {
+    let req = http::Request::post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(body.into()))
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+        .await
+        .expect("answer head in time")
+        .expect("request sent");
+    let (parts, body) = resp.into_parts();
+    let body = tokio::time::timeout(Duration::from_secs(20), body.collect())
+        .await
+        .expect("answer body ends in time")
+        .map(|c| c.to_bytes())
+        .map_err(|e| e.to_string());
+    Fetched {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// A URL on 127.0.0.1 where nothing listens (connection refused), and the socket that
+/// holds its port: bound, never listening, so no other listener of the test process
+/// can take the port while the socket lives (with [`dead_url`], a stack started
+/// meanwhile may get it).
+pub fn held_dead_url() -> (String, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind");
+    let url = format!("http://{}", socket.local_addr().expect("bound address"));
+    (url, socket)
+}
