@@ -9,7 +9,7 @@
 //! request on any engine, no engine that gave up waiting for a peer the proxy forgot, and
 //! no KV held on a prefill, except where the protocol itself keeps it until a lease (see
 //! "KV block lifetime" in crates/disagg-sim/src/lib.rs), which the case then states and
-//! checks. The outcomes are tabled in docs/fault-matrix.md.
+//! checks. The outcomes are tabled in docs/reliability.md (fault matrix).
 //!
 //! One test per connector; its cases run concurrently, each on a stack of its own
 //! (ephemeral ports), so a connector's whole table takes about as long as its slowest

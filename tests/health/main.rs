@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use disagg_core::orchestrator::NoPrefill;
+use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::{
     Endpoint, EndpointHealth, EndpointSource, HealthConfig, HealthSource, ManualSource,
     Orchestrator, OrchestratorConfig, Role, RoundRobin, Transport,
@@ -347,7 +347,7 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
     let source = HealthSource::new(inner, passive(ejection));
     let health = Arc::clone(source.health());
     let mut config = OrchestratorConfig::default();
-    config.no_prefill = NoPrefill::DecodeOnly;
+    config.prefill_failure = PrefillFailure::DecodeOnly;
     let (url, _stop) = proxy(source.clone(), config).await;
     let prefill = Arc::clone(&source.snapshot().prefill()[0]);
     let decode = Arc::clone(&source.snapshot().decode()[0]);

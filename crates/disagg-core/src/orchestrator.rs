@@ -39,6 +39,7 @@ use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAn
 use crate::disaggregate::{Always, Decision, Disaggregate};
 use crate::endpoint::{Endpoint, InFlightGuard};
 use crate::error::{ConnectorError, PdError, Phase, RouteError, Side};
+use crate::health::Health;
 use crate::policy::Rng;
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
 use crate::retry::{RetryBudget, RetryPolicy};
@@ -294,6 +295,7 @@ impl Default for OrchestratorConfig {
 
 struct Inner {
     ids: RequestIds,
+    health: Option<Arc<Health>>,
     admission: Arc<Admission>,
     budget: Arc<RetryBudget>,
     counters: Arc<Counters>,
@@ -325,6 +327,7 @@ impl fmt::Debug for Orchestrator {
 
 /// Builds an [`Orchestrator`].
 pub struct OrchestratorBuilder {
+    health: Option<Arc<Health>>,
     source: Arc<dyn EndpointSource>,
     transport: Arc<dyn Transport>,
     router: Arc<dyn Router>,
@@ -361,6 +364,15 @@ impl OrchestratorBuilder {
         self
     }
 
+    /// Report each leg's result to `health` (passive health checking): an engine's
+    /// failure on a leg counts against that endpoint in that role only, a client's
+    /// error or a cancelled request counts for nothing. Use the [`Health`] of the
+    /// [`HealthSource`](crate::health::HealthSource) the orchestrator routes over.
+    pub fn health(mut self, health: Arc<Health>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
     /// Use `config`.
     pub fn config(mut self, config: OrchestratorConfig) -> Self {
         self.config = config;
@@ -387,6 +399,7 @@ impl OrchestratorBuilder {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
+                health: self.health,
                 admission: Arc::new(Admission::new(self.config.admission.clone())),
                 budget: Arc::new(RetryBudget::for_policy(&self.config.retry)),
                 counters: Arc::default(),
@@ -407,6 +420,7 @@ impl Orchestrator {
     /// NIXL connector until told otherwise.
     pub fn builder(source: impl EndpointSource, transport: impl Transport) -> OrchestratorBuilder {
         OrchestratorBuilder {
+            health: None,
             source: Arc::new(source),
             transport: Arc::new(transport),
             router: Arc::new(RoundRobin::new()),
@@ -442,6 +456,7 @@ impl Orchestrator {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
+                health: i.health.clone(),
                 admission: Arc::clone(&i.admission),
                 budget: Arc::clone(&i.budget),
                 counters: Arc::clone(&i.counters),
@@ -738,10 +753,32 @@ impl Inner {
         self.connector.observe(route, outcome);
     }
 
-    /// `e` ends the attempt over `route`: tell the router and the connector how.
+    /// `e` ends the attempt over `route`: tell the router and the connector how, and
+    /// the health tracker which leg's engine failed (when it was the engine's fault).
     fn failed(&self, route: &Route, outcome: Outcome, e: PdError) -> PdError {
         self.observe(route, outcome);
+        self.record_failure(route, &e);
         e
+    }
+
+    /// Passive health: `e` counts against the endpoint of its leg when the engine is
+    /// to blame (it could not be reached, failed, timed out on its own budget, or
+    /// answered something unusable), not for the client's errors or the request's
+    /// own deadline.
+    fn record_failure(&self, route: &Route, e: &PdError) {
+        let Some(health) = &self.health else { return };
+        if !e.status().is_server_error() || e.code() == "deadline_exceeded" {
+            return;
+        }
+        match e.side() {
+            Side::Prefill => {
+                if let Some(p) = &route.prefill {
+                    health.record(p, false);
+                }
+            }
+            Side::Decode => health.record(&route.decode, false),
+            _ => {}
+        }
     }
 
     /// The request's deadline: the configured one, shortened by the client's header when
@@ -1113,6 +1150,10 @@ impl Inner {
         req: &PdRequest,
         result: Result<PrefillResult, PdError>,
     ) -> Result<PrefillAnswer, Box<Result<Response<PdBody>, PdError>>> {
+        if let (Some(health), Some(p), Ok(_)) = (&self.health, &route.prefill, &result) {
+            // An answer, even the client's 4xx: the engine works.
+            health.record(p, true);
+        }
         let end = match result {
             Ok(PrefillResult::Answer(a)) => return Ok(a),
             Ok(PrefillResult::ClientError {
@@ -1123,7 +1164,10 @@ impl Inner {
             }) => Ok(PrefillResult::client_error_response(
                 status, headers, body, req,
             )),
-            Err(e) => Err(e),
+            Err(e) => {
+                self.record_failure(route, &e);
+                Err(e)
+            }
         };
         self.observe(route, Outcome::PrefillFailed);
         // Boxed: only failures take this path, and they should not size every answer.
@@ -1317,6 +1361,15 @@ impl Inner {
                 feedback: Some(Feedback {
                     router: Arc::clone(&self.router),
                     connector: Arc::clone(&self.connector),
+                    // A decode that answered 5xx failed now; one that streams is told
+                    // when its body ends.
+                    health: match &self.health {
+                        Some(h) if parts.status.is_server_error() => {
+                            h.record(&route.decode, false);
+                            None
+                        }
+                        h => h.clone(),
+                    },
                     route,
                 }),
                 permit: None,

@@ -54,6 +54,8 @@ const JOIN_YIELDS: u8 = 3;
 pub(crate) struct Feedback {
     pub(crate) router: Arc<dyn Router>,
     pub(crate) connector: Arc<dyn KvConnector>,
+    /// Passive health, told how the stream ended (`None` when already told).
+    pub(crate) health: Option<Arc<crate::health::Health>>,
     pub(crate) route: Route,
 }
 
@@ -72,6 +74,18 @@ impl Finish {
         if let Some(f) = self.feedback.take() {
             f.router.observe(&f.route, outcome);
             f.connector.observe(&f.route, outcome);
+            if let Some(h) = &f.health {
+                match outcome {
+                    Outcome::Success => h.record(&f.route.decode, true),
+                    Outcome::DecodeFailed => h.record(&f.route.decode, false),
+                    Outcome::PrefillFailed => {
+                        if let Some(p) = &f.route.prefill {
+                            h.record(p, false);
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
     }
 }

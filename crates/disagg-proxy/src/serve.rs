@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use disagg_affinity::{CacheAware, ConsistentHash};
 use disagg_core::admission::AdmissionConfig;
 use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
+use disagg_core::health::{Health, HealthConfig, HealthSource};
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::policy::{
@@ -182,6 +183,29 @@ pub struct ReliabilityArgs {
     /// frees them now).
     #[arg(long, value_enum, default_value_t = KvReleaseArg::Off)]
     kv_release: KvReleaseArg,
+    /// Consecutive failures of an engine on one leg (unreachable, 5xx, out of its
+    /// budget) that take that endpoint out of routing (0: never); it returns after
+    /// --ejection-time, half-open, and the next result decides.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    eject_after: u32,
+    /// Seconds an endpoint stays out after its first ejection; doubled on each
+    /// repeated one, up to --max-ejection-time.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    ejection_time: f64,
+    /// Longest ejection, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    max_ejection_time: f64,
+    /// Seconds between active health checks (`GET --health-check-path` on every engine;
+    /// 0: no active checks). Two failed checks in a row take the engine out, one pass
+    /// brings it back.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    health_check_interval: f64,
+    /// Seconds a health check may take.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    health_check_timeout: f64,
+    /// The path of the engines' health check.
+    #[arg(long, value_name = "PATH", default_value = "/health")]
+    health_check_path: String,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -197,6 +221,24 @@ enum KvReleaseArg {
 }
 
 impl ReliabilityArgs {
+    /// The health settings, and whether active checks run.
+    fn health(&self) -> Result<(HealthConfig, bool), BoxError> {
+        let mut config = HealthConfig::default();
+        config.failure_threshold = self.eject_after;
+        config.base_ejection = secs(self.ejection_time, "ejection-time")?;
+        config.max_ejection = secs(self.max_ejection_time, "max-ejection-time")?;
+        let active = self.health_check_interval > 0.0;
+        if active {
+            config.checks.interval = secs(self.health_check_interval, "health-check-interval")?;
+        }
+        config.checks.timeout = secs(self.health_check_timeout, "health-check-timeout")?;
+        config.checks.path = self
+            .health_check_path
+            .parse()
+            .map_err(|e| format!("--health-check-path: {e}"))?;
+        Ok((config, active))
+    }
+
     /// Apply the flags to `config`.
     fn apply(&self, config: &mut OrchestratorConfig, retries: u32) -> Result<(), BoxError> {
         config.deadline = self.deadline.map(|d| secs(d, "deadline")).transpose()?;
@@ -453,6 +495,8 @@ struct Shared {
     orchestrator: Orchestrator,
     transport: HttpTransportConfig,
     service: PdServiceConfig,
+    /// Set when active health checks run.
+    health: Option<Arc<Health>>,
 }
 
 impl Shared {
@@ -499,8 +543,10 @@ impl Shared {
             }
         }
         let connector = args.connector.connector();
-        let source = Arc::new(StaticSource::new(endpoints));
+        let (health_config, active_checks) = args.reliability.health()?;
+        let source = HealthSource::new(StaticSource::new(endpoints), health_config);
         check_pairs(&source.snapshot(), &*connector)?;
+        let health = Arc::clone(source.health());
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
         let mut config = OrchestratorConfig::default();
@@ -530,6 +576,7 @@ impl Shared {
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         let orchestrator = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
+            .health(Arc::clone(&health))
             .router(router)
             .connector(connector)
             .disaggregate(disaggregate)
@@ -539,6 +586,7 @@ impl Shared {
             orchestrator,
             transport,
             service,
+            health: active_checks.then_some(health),
         })
     }
 
@@ -565,6 +613,22 @@ pub fn run(
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(), BoxError> {
     let shared = Shared::from_args(args)?;
+    // Active health checks on a small thread of their own, until shutdown.
+    let checker = match &shared.health {
+        None => None,
+        Some(health) => {
+            let (health, stop) = (Arc::clone(health), shutdown.clone());
+            let transport = HttpTransport::new(shared.transport.clone());
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            Some(
+                std::thread::Builder::new()
+                    .name("disagg-health".into())
+                    .spawn(move || runtime.block_on(health.run_checks(transport, stop)))?,
+            )
+        }
+    };
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
@@ -579,6 +643,9 @@ pub fn run(
         &serve_config,
     )
     .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    if let Some(checker) = checker {
+        let _ = checker.join();
+    }
     Ok(())
 }
 
