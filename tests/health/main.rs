@@ -395,3 +395,53 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
     health.record(&prefill, true);
     assert_eq!(health.state(&prefill), Some(EndpointHealth::Healthy));
 }
+
+#[tokio::test]
+async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traffic_alone() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+    let dead = dead_url().await;
+    let inner = Arc::new(ManualSource::new([
+        Endpoint::new(&p.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&dead, Role::Prefill).unwrap(),
+        Endpoint::new(&d.url(), Role::Decode).unwrap(),
+    ]));
+    let mut config = passive(Duration::from_secs(60));
+    config.failure_threshold = 2;
+    let source = HealthSource::new(Arc::clone(&inner), config);
+    let health = Arc::clone(source.health());
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+        .router(RoundRobin::new())
+        .health(Arc::clone(&health))
+        .build();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (_stop, rx) = oneshot::channel::<()>();
+    tokio::spawn(disagg_http::server::serve(
+        listener,
+        PdService::new(orchestrator),
+        async {
+            let _ = rx.await;
+        },
+    ));
+
+    // Round-robin alternates; the dead prefill fails twice and is then out of routing.
+    let mut failed = 0;
+    for i in 0..10 {
+        let body = completion(&format!("t{i}"), 2, false);
+        let a = post(&url, "/v1/completions", body, &[]).await;
+        failed += usize::from(a.status != 200);
+    }
+    assert_eq!(failed, 2, "ejected after exactly two failures");
+    let dead_ep = Arc::clone(&inner.snapshot().prefill()[1]);
+    assert!(matches!(
+        health.state(&dead_ep),
+        Some(EndpointHealth::Ejected { .. })
+    ));
+    // Successes were recorded too: the live engines are healthy in both roles.
+    let live = Arc::clone(&inner.snapshot().prefill()[0]);
+    let decode = Arc::clone(&inner.snapshot().decode()[0]);
+    assert_eq!(health.state(&live), Some(EndpointHealth::Healthy));
+    assert_eq!(health.state(&decode), Some(EndpointHealth::Healthy));
+    assert_eq!(p.stats().requests, 8);
+}
