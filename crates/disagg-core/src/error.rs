@@ -468,6 +468,16 @@ impl PdError {
         }
     }
 
+    /// Whether the request's total deadline passed (`deadline_exceeded`).
+    pub fn is_deadline(&self) -> bool {
+        matches!(self.kind, Kind::Deadline { .. })
+    }
+
+    /// Whether no prefill endpoint was available (`no_prefill_endpoint`).
+    pub fn is_no_prefill(&self) -> bool {
+        matches!(self.route_error(), Some(RouteError::NoPrefill))
+    }
+
     fn route_error(&self) -> Option<&RouteError> {
         self.source.as_deref()?.downcast_ref::<RouteError>()
     }
@@ -589,6 +599,7 @@ mod tests {
         let e = PdError::route(RouteError::NoPrefill);
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code(), "no_prefill_endpoint");
+        assert!(e.is_no_prefill());
         assert!(!e.is_retryable());
 
         let served: std::sync::Arc<[std::sync::Arc<str>]> = ["llama".into(), "qwen".into()].into();
@@ -645,6 +656,7 @@ mod tests {
         ];
         for (e, code) in cases {
             assert_eq!(e.code(), code);
+            assert_eq!(e.is_deadline(), code == "deadline_exceeded", "{code}");
             assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT, "{code}");
             assert!(!e.is_retryable(), "{code}");
         }

@@ -606,6 +606,23 @@ impl Clock {
     }
 }
 
+/// Run `step` within `budget` (or what is left of the deadline, if less); out of time,
+/// the error names which ran out.
+async fn within<T>(
+    clock: Clock,
+    budget: Duration,
+    side: Side,
+    endpoint: &Arc<Endpoint>,
+    phase: Phase,
+    step: impl Future<Output = Result<T, PdError>>,
+) -> Result<T, PdError> {
+    let (budget, by_deadline) = clock.budget(budget);
+    match tokio::time::timeout(budget, step).await {
+        Ok(r) => r,
+        Err(_) => Err(out_of_time(by_deadline, side, endpoint, phase)),
+    }
+}
+
 /// The error for a step that ran out of time: its own budget, or the deadline.
 fn out_of_time(by_deadline: bool, side: Side, endpoint: &Arc<Endpoint>, phase: Phase) -> PdError {
     if by_deadline {
@@ -721,22 +738,13 @@ impl Release {
     /// Send `leg` as a one-token, non-streaming request, and drop it at its response
     /// head or after `wait`.
     async fn send(self, leg: Leg) {
-        let body = PrefillRewriter::new().rewrite(self.api, &leg.body);
-        let Ok(uri) = leg.endpoint.api_uri(self.api) else {
+        let body = PrefillRewriter::new()
+            .rewrite(self.api, &leg.body)
+            .to_bytes();
+        let Ok(req) = http_request(self.api, &self.request_id, &leg, body, std::iter::empty())
+        else {
             return;
         };
-        let mut req = http::Request::new(body.to_bytes());
-        *req.method_mut() = http::Method::POST;
-        *req.uri_mut() = uri;
-        let h = req.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        h.insert(REQUEST_ID, self.request_id);
-        for (name, value) in &leg.headers {
-            h.insert(name.clone(), value.clone());
-        }
         bump(&self.counters.kv_releases);
         tracing::debug!(
             decode = %leg.endpoint.id(),
@@ -767,7 +775,7 @@ impl Inner {
     /// own deadline.
     fn record_failure(&self, route: &Route, e: &PdError) {
         let Some(health) = &self.health else { return };
-        if !e.status().is_server_error() || e.code() == "deadline_exceeded" {
+        if !e.status().is_server_error() || e.is_deadline() {
             return;
         }
         match e.side() {
@@ -826,7 +834,7 @@ impl Inner {
                 Ok(resp)
             }
             Err(e) => {
-                if e.code() == "deadline_exceeded" {
+                if e.is_deadline() {
                     bump(&self.counters.deadlines_exceeded);
                 }
                 Err(e)
@@ -883,10 +891,10 @@ impl Inner {
         e: PdError,
         clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
-        let prefill_missing = e.side() == Side::Prefill || e.code() == "no_prefill_endpoint";
+        let prefill_missing = e.side() == Side::Prefill || e.is_no_prefill();
         if self.config.prefill_failure != PrefillFailure::DecodeOnly
             || !prefill_missing
-            || e.code() == "deadline_exceeded"
+            || e.is_deadline()
             || clock.expired()
         {
             return Err(e);
@@ -976,24 +984,21 @@ impl Inner {
             .connector
             .prepare(&route, req)
             .map_err(prefill_failed)?;
-        let (budget, by_deadline) = clock.budget(self.config.handoff_timeout);
-        match tokio::time::timeout(
+        let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
+        let resolve = self.connector.resolve(&mut handoff, &*self.transport);
+        let resolve = resolve.map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+        let budget = self.config.handoff_timeout;
+        if let Err(e) = within(
+            clock,
             budget,
-            self.connector.resolve(&mut handoff, &*self.transport),
+            Side::Prefill,
+            &prefill_ep,
+            Phase::Handoff,
+            resolve,
         )
         .await
         {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(prefill_failed(e)),
-            Err(_) => {
-                let e = out_of_time(
-                    by_deadline,
-                    Side::Prefill,
-                    &handoff.prefill.endpoint,
-                    Phase::Handoff,
-                );
-                return Err(self.failed(&route, Outcome::PrefillFailed, e));
-            }
+            return Err(self.failed(&route, Outcome::PrefillFailed, e));
         }
         self.dispatch(req, route, handoff, clock).await
     }
@@ -1030,21 +1035,20 @@ impl Inner {
                 seq.answered(&answer);
                 let prefilled = Instant::now();
                 timing.prefill = Some(prefilled - start);
-                let (budget, by_deadline) = clock.budget(self.config.handoff_timeout);
-                let handed = match tokio::time::timeout(
+                let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
+                let complete = self.connector.complete(&mut handoff, &answer);
+                let complete =
+                    complete.map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+                let budget = self.config.handoff_timeout;
+                let handed = within(
+                    clock,
                     budget,
-                    self.connector.complete(&mut handoff, &answer),
+                    Side::Prefill,
+                    &prefill_ep,
+                    Phase::Handoff,
+                    complete,
                 )
-                .await
-                {
-                    Ok(r) => r.map_err(|e| PdError::connector(Side::Prefill, e)),
-                    Err(_) => Err(out_of_time(
-                        by_deadline,
-                        Side::Prefill,
-                        &handoff.prefill.endpoint,
-                        Phase::Handoff,
-                    )),
-                };
+                .await;
                 timing.handoff = Some(prefilled.elapsed());
                 let mark = match handed {
                     Ok(KvOutcome::Handed) => {
@@ -1176,38 +1180,29 @@ impl Inner {
 
     /// Build the HTTP request for one leg.
     fn leg_request(&self, req: &PdRequest, leg: &Leg) -> Result<http::Request<Bytes>, PdError> {
-        let side = match leg.endpoint.role() {
-            crate::endpoint::Role::Prefill => Side::Prefill,
-            crate::endpoint::Role::Decode => Side::Decode,
-        };
-        let uri = leg.endpoint.api_uri(req.api()).map_err(|e| {
+        let forwarded = req.headers().iter().filter(|(name, _)| {
+            is_session_header(name)
+                || self.config.forward_headers.contains(name)
+                || (self.config.forward_authorization && *name == header::AUTHORIZATION)
+        });
+        http_request(
+            req.api(),
+            req.request_id(),
+            leg,
+            leg.body.to_bytes(),
+            forwarded,
+        )
+        .map_err(|e| {
+            let side = match leg.endpoint.role() {
+                crate::endpoint::Role::Prefill => Side::Prefill,
+                crate::endpoint::Role::Decode => Side::Decode,
+            };
             PdError::transport(
                 side,
                 leg.endpoint.id().clone(),
                 crate::error::TransportError::Connect(e.into()),
             )
-        })?;
-        let mut out = http::Request::new(leg.body.to_bytes());
-        *out.method_mut() = http::Method::POST;
-        *out.uri_mut() = uri;
-        let h = out.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        h.insert(REQUEST_ID, req.request_id().clone());
-        for (name, value) in req.headers() {
-            if is_session_header(name)
-                || self.config.forward_headers.contains(name)
-                || (self.config.forward_authorization && name == header::AUTHORIZATION)
-            {
-                h.append(name.clone(), value.clone());
-            }
-        }
-        for (name, value) in &leg.headers {
-            h.insert(name.clone(), value.clone());
-        }
-        Ok(out)
+        })
     }
 
     /// The prefill exchange within the prefill budget (or the deadline).
@@ -1218,14 +1213,9 @@ impl Inner {
         clock: Clock,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
-        let (timeout, by_deadline) = clock.budget(self.config.prefill_timeout);
+        let budget = self.config.prefill_timeout;
         let exchange = self.exchange(req, leg);
-        async move {
-            match tokio::time::timeout(timeout, exchange).await {
-                Ok(r) => r,
-                Err(_) => Err(out_of_time(by_deadline, Side::Prefill, &ep, Phase::Prefill)),
-            }
-        }
+        async move { within(clock, budget, Side::Prefill, &ep, Phase::Prefill, exchange).await }
     }
 
     /// The prefill exchange, untimed: send the leg and read its answer in full. The
@@ -1295,17 +1285,12 @@ impl Inner {
     ) -> Result<Response<BoxBody>, PdError> {
         let ep = &leg.endpoint;
         let http_req = self.leg_request(req, leg)?;
-        let (budget, by_deadline) = clock.budget(self.config.decode_head_timeout);
-        match tokio::time::timeout(budget, self.transport.send(http_req)).await {
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) => Err(PdError::transport(Side::Decode, ep.id().clone(), e)),
-            Err(_) => Err(out_of_time(
-                by_deadline,
-                Side::Decode,
-                ep,
-                Phase::DecodeHead,
-            )),
-        }
+        let send = self
+            .transport
+            .send(http_req)
+            .map(|r| r.map_err(|e| PdError::transport(Side::Decode, ep.id().clone(), e)));
+        let budget = self.config.decode_head_timeout;
+        within(clock, budget, Side::Decode, ep, Phase::DecodeHead, send).await
     }
 
     /// A decode leg alone (decode-only serving).
@@ -1390,6 +1375,35 @@ impl Inner {
         }
         resp
     }
+}
+
+/// The HTTP request of a leg: `body` posted to the endpoint's `api` URI with the JSON
+/// content type, the request id, the `forwarded` client headers, then the leg's own
+/// headers (which win over a forwarded one of the same name).
+fn http_request<'a>(
+    api: crate::request::Api,
+    request_id: &HeaderValue,
+    leg: &Leg,
+    body: Bytes,
+    forwarded: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) -> Result<http::Request<Bytes>, http::Error> {
+    let uri = leg.endpoint.api_uri(api)?;
+    let mut out = http::Request::new(body);
+    *out.method_mut() = http::Method::POST;
+    *out.uri_mut() = uri;
+    let h = out.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(REQUEST_ID, request_id.clone());
+    for (name, value) in forwarded {
+        h.append(name.clone(), value.clone());
+    }
+    for (name, value) in &leg.headers {
+        h.insert(name.clone(), value.clone());
+    }
+    Ok(out)
 }
 
 /// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
