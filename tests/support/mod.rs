@@ -388,26 +388,11 @@ pub async fn post(
     body: impl Into<Bytes>,
     headers: &[(&str, &str)],
 ) -> Answer {
-    let mut req =
-        http::Request::post(format!("{base}{path}")).header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req.body(Full::new(body.into())).unwrap();
-    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
-        .await
-        .expect("answer head in time")
-        .expect("request sent");
-    let (parts, body) = resp.into_parts();
-    let body = tokio::time::timeout(Duration::from_secs(20), body.collect())
-        .await
-        .expect("answer body in time")
-        .map(|c| c.to_bytes())
-        .unwrap_or_else(|e| panic!("body broke: {e}"));
+    let f = fetch_with(base, path, body, headers).await;
     Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body,
+        status: f.status,
+        headers: f.headers,
+        body: f.body.unwrap_or_else(|e| panic!("body broke: {e}")),
     }
 }
 
@@ -505,10 +490,22 @@ pub struct Fetched {
 /// POST `body` to `base + path` and read the answer, keeping a broken body as an error
 /// instead of panicking (for tests of answers that break mid-body).
 pub async fn fetch(base: &str, path: &str, body: impl Into<Bytes>) -> Fetched {
-    let req = http::Request::post(format!("{base}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(body.into()))
-        .unwrap();
+    fetch_with(base, path, body, &[]).await
+}
+
+/// [`fetch`] with extra request headers.
+async fn fetch_with(
+    base: &str,
+    path: &str,
+    body: impl Into<Bytes>,
+    headers: &[(&str, &str)],
+) -> Fetched {
+    let mut req =
+        http::Request::post(format!("{base}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).unwrap();
     let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
         .await
         .expect("answer head in time")
