@@ -16,6 +16,14 @@
 //! | [`VllmNixl`] | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
 //! | [`SglangBootstrap`] | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
 //! | [`VllmMooncake`] | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
+//! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
+//!
+//! Three more hooks serve protocols whose prefill already produces part of the answer
+//! (LMCache's first token): a plan may name a leg's own [`Leg::api`], start the client's
+//! stream with [`Handoff::lead`] as soon as the prefill answered, hold the decode leg
+//! back until its KV is ready ([`Handoff::gate`]), and shape the decode's answer into
+//! the client's with [`KvConnector::reply`]; [`KvOutcome::Finished`] says the prefill's
+//! answer is the whole answer and no decode leg is sent.
 
 use std::sync::Arc;
 
@@ -25,9 +33,9 @@ use http::{HeaderMap, StatusCode};
 use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
 use crate::error::ConnectorError;
-use crate::request::PdRequest;
+use crate::request::{Api, PdRequest};
 use crate::router::{Outcome, Route};
-use crate::transport::Transport;
+use crate::transport::{BoxBody, Transport};
 
 pub mod guide {
     //! The connector guide (`docs/connectors.md`), with its example compiled.
@@ -73,17 +81,45 @@ pub struct Leg {
     /// Extra headers for this leg only (a data-parallel rank, say). The orchestrator adds
     /// the request id, the session header and the forwarded client headers itself.
     pub headers: HeaderMap,
+    /// The API this leg is posted to; `None` (the default) is the client's. LMCache sends
+    /// both legs of a chat request to `/v1/completions`.
+    pub api: Option<Api>,
 }
 
 impl Leg {
-    /// A leg to `endpoint` carrying `body`, with no extra header.
+    /// A leg to `endpoint` carrying `body`, with no extra header, posted to the client's
+    /// API.
     pub fn new(endpoint: Arc<Endpoint>, body: JsonBody) -> Self {
         Leg {
             endpoint,
             body,
             headers: HeaderMap::new(),
+            api: None,
         }
     }
+
+    /// The same leg, posted to `api`.
+    pub fn with_api(mut self, api: Api) -> Self {
+        self.api = Some(api);
+        self
+    }
+}
+
+/// What a sequential handoff waits for between the prefill's answer and the decode leg:
+/// the KV's arrival at the decode engine, when the engines say so out of band (LMCache's
+/// ZMQ notifications).
+///
+/// A gate is part of the plan ([`Handoff::gate`]), so it lives exactly as long as the
+/// request's handoff: dropping the plan drops whatever the gate registered.
+#[async_trait]
+pub trait KvGate: Send + Sync + std::fmt::Debug + 'static {
+    /// Resolves when the decode leg may be sent. The orchestrator bounds the wait with
+    /// the handoff budget (`handoff_timeout`).
+    ///
+    /// # Errors
+    ///
+    /// [`ConnectorError`] when the KV will never be ready; the request fails with 502.
+    async fn ready(&self) -> Result<(), ConnectorError>;
 }
 
 /// The plan for one request: both legs and how to send them.
@@ -96,8 +132,18 @@ pub struct Handoff {
     /// The decode leg.
     pub decode: Leg,
     /// The connector's own state, carried from [`KvConnector::prepare`] to
-    /// [`KvConnector::resolve`] and [`KvConnector::complete`] (a transfer id, say).
+    /// [`KvConnector::resolve`], [`KvConnector::complete`] and [`KvConnector::reply`] (a
+    /// transfer id, say).
     pub ext: http::Extensions,
+    /// The first bytes of a streaming answer, known once the prefill answered (set by
+    /// [`KvConnector::complete`]; [`Dispatch::AfterPrefill`] only). When set and the
+    /// client asked for a stream, the client's response (200, `text/event-stream`) starts
+    /// at once with these bytes, before the decode leg is sent; what fails afterwards
+    /// ends the stream with an error event. Ignored for other answers.
+    pub lead: Option<bytes::Bytes>,
+    /// What the decode leg waits for after the prefill's answer ([`Dispatch::AfterPrefill`]
+    /// only), within the handoff budget.
+    pub gate: Option<Arc<dyn KvGate>>,
 }
 
 impl Handoff {
@@ -108,6 +154,8 @@ impl Handoff {
             prefill,
             decode,
             ext: http::Extensions::new(),
+            lead: None,
+            gate: None,
         }
     }
 }
@@ -157,6 +205,10 @@ pub enum KvOutcome {
     /// its length, or the engine runs no KV connector). The decode leg is unchanged and
     /// would compute the prompt itself; the orchestrator decides whether that is allowed.
     Missing,
+    /// The prefill's answer is the whole answer (LMCache: its one token already ended
+    /// the generation): no decode leg is sent, and the client's answer is
+    /// [`KvConnector::reply`] to an empty `200` (after [`Handoff::lead`] for a stream).
+    Finished,
 }
 
 /// One KV-transfer protocol.
@@ -213,6 +265,22 @@ pub trait KvConnector: Send + Sync + 'static {
         Ok(KvOutcome::Handed)
     }
 
+    /// The client's answer, made from the decode's (`decode` has a 2xx status; error
+    /// answers are passed through untouched). The default returns `decode` as it is,
+    /// which is what a connector should do unless its legs change the answer's form
+    /// (LMCache serves chat through completions and adds the prefill's first token).
+    ///
+    /// When the client's stream already started with [`Handoff::lead`], only the body of
+    /// what this returns is used. After [`KvOutcome::Finished`], `decode` is an empty 200
+    /// and no decode leg was sent.
+    fn reply(
+        &self,
+        _handoff: &Handoff,
+        decode: http::Response<BoxBody>,
+    ) -> http::Response<BoxBody> {
+        decode
+    }
+
     /// Optional feedback: how a request over `route` ended (a connector that caches what
     /// it learned from an engine forgets it when that engine's leg fails). The default
     /// does nothing. Called once per attempt; must be cheap and must not block.
@@ -251,6 +319,10 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
         (**self).complete(handoff, answer).await
+    }
+
+    fn reply(&self, handoff: &Handoff, decode: http::Response<BoxBody>) -> http::Response<BoxBody> {
+        (**self).reply(handoff, decode)
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {

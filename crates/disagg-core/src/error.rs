@@ -131,6 +131,41 @@ pub enum ConnectorError {
         #[source]
         source: BoxError,
     },
+    /// The client's request asks for something the connector cannot carry (LMCache: more
+    /// than one choice). Answered 400 `unsupported_by_connector`.
+    #[error("the {connector} connector cannot serve {what}")]
+    Unsupported {
+        /// The connector's name.
+        connector: &'static str,
+        /// What it cannot serve.
+        what: String,
+    },
+    /// An endpoint of the route lacks the configuration the connector needs (an LMCache
+    /// decode without receiver ports).
+    #[error("endpoint {endpoint} has no {what}")]
+    NotConfigured {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// What it lacks.
+        what: &'static str,
+    },
+    /// A call the handoff needs on an engine failed (LMCache's `/tokenize`).
+    #[error("{what} on endpoint {endpoint} failed")]
+    Engine {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The call.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// The KV never became ready for the decode leg ([`KvGate`](crate::connector::KvGate)).
+    #[error("KV for the decode leg will not be ready: {reason}")]
+    NotReady {
+        /// Why.
+        reason: String,
+    },
     /// A value the connector had to serialize could not be.
     #[error("could not encode `{field}`")]
     Encode {
@@ -390,6 +425,7 @@ impl PdError {
                 Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
                 _ => StatusCode::SERVICE_UNAVAILABLE,
             },
+            Kind::Connector if self.is_unsupported() => StatusCode::BAD_REQUEST,
             Kind::Connector
             | Kind::UpstreamStatus { .. }
             | Kind::UpstreamBody { .. }
@@ -412,6 +448,7 @@ impl PdError {
                 Some(RouteError::ModelRequired { .. }) => "model_required",
                 _ => "no_decode_endpoint",
             },
+            (Kind::Connector, _) if self.is_unsupported() => "unsupported_by_connector",
             (Kind::Deadline { .. }, _) => "deadline_exceeded",
             (Kind::QueueFull { .. }, _) => "queue_full",
             (Kind::QueueTimeout { .. }, _) => "queue_timeout",
@@ -433,6 +470,17 @@ impl PdError {
             400..=499 => "invalid_request_error",
             _ => "server_error",
         }
+    }
+
+    /// Whether the connector cannot carry this request at all
+    /// ([`ConnectorError::Unsupported`]): the client's fault, answered 400.
+    fn is_unsupported(&self) -> bool {
+        matches!(
+            self.source
+                .as_deref()
+                .and_then(|e| e.downcast_ref::<ConnectorError>()),
+            Some(ConnectorError::Unsupported { .. })
+        )
     }
 
     /// Whether the same request could succeed on another prefill/decode pair, and may be

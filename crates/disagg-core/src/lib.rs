@@ -73,7 +73,8 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use connector::{
-    BootstrapPort, Dispatch, Handoff, KvConnector, Leg, SglangBootstrap, VllmMooncake, VllmNixl,
+    BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer,
+    SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, Phase, RouteError, Side};

@@ -52,15 +52,18 @@ use crate::transport::{BoxBody, Transport, read_limited};
 /// The response header that says how the KV reached the decode engine:
 /// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
 /// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
-/// the configuration allows serving without) or `direct` (the
-/// [`Disaggregate`] hook chose not to disaggregate this request).
+/// the configuration allows serving without), `direct` (the
+/// [`Disaggregate`] hook chose not to disaggregate this request) or `prefill` (the
+/// prefill's answer was the whole answer, [`KvOutcome::Finished`]: no decode leg).
 pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
 
 /// The response header naming the leg whose answer is passed through on a failure.
 pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 
 pub use crate::response::PdBody;
-use crate::response::{Feedback, Finish, PendingPrefill, StreamTimer};
+use crate::response::{
+    Feedback, Finish, LeadBody, PendingDecode, PendingPrefill, StreamTimer, empty_body,
+};
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
 /// `decode` (time to the decode's response head), in milliseconds.
@@ -1055,6 +1058,10 @@ impl Inner {
                         seq.handed(&handoff.decode);
                         "kv"
                     }
+                    Ok(KvOutcome::Finished) => {
+                        seq.disarm();
+                        return Ok(self.finished(req, route, handoff, timing, clock));
+                    }
                     Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
                         seq.disarm();
                         tracing::warn!(
@@ -1080,6 +1087,26 @@ impl Inner {
                         return Err(self.failed(&route, Outcome::PrefillFailed, e));
                     }
                 };
+                if req.is_stream() && handoff.lead.is_some() {
+                    // The client's stream starts now; the gate and the decode's head
+                    // are waited for inside its body.
+                    seq.disarm();
+                    return self.lead_stream(req, route, handoff, mark, timing, clock);
+                }
+                if let Some(gate) = handoff.gate.clone() {
+                    let ready = gate
+                        .ready()
+                        .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+                    let budget = self.config.handoff_timeout;
+                    let ep = &handoff.prefill.endpoint;
+                    if let Err(e) =
+                        within(clock, budget, Side::Prefill, ep, Phase::Handoff, ready).await
+                    {
+                        // `seq` stays armed: dropping it releases the KV when asked to.
+                        return Err(self.failed(&route, Outcome::PrefillFailed, e));
+                    }
+                    timing.handoff = Some(prefilled.elapsed());
+                }
                 (mark, None, Some(seq))
             }
             // Boxed only here: the race needs it pinned, and it may move into the body.
@@ -1109,6 +1136,7 @@ impl Inner {
             },
         };
         let head = match head {
+            Ok(h) if h.status().is_success() => self.connector.reply(&handoff, h),
             Ok(h) => h,
             Err(e) => return Err(self.failed(&route, Outcome::DecodeFailed, e)),
         };
@@ -1122,6 +1150,105 @@ impl Inner {
         let pending: Option<PendingPrefill> =
             pending.map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as _);
         Ok(self.respond(req, route, guard, head, mark, timing, pending, clock))
+    }
+
+    /// A streaming answer that starts with the plan's lead as soon as the prefill
+    /// answered: the body then waits for the gate (within the handoff budget), sends the
+    /// decode leg (within the decode-head budget) and forwards what
+    /// [`KvConnector::reply`] makes of its answer. A failure from here on can only end the
+    /// stream, with an error event carrying its code.
+    fn lead_stream(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        mut handoff: Handoff,
+        mark: &'static str,
+        timing: Timing,
+        clock: Clock,
+    ) -> Result<Response<PdBody>, PdError> {
+        let lead = handoff.lead.take().unwrap_or_default();
+        let http_req = match self.leg_request(req, &handoff.decode) {
+            Ok(r) => r,
+            Err(e) => return Err(self.failed(&route, Outcome::DecodeFailed, e)),
+        };
+        let guard = handoff.decode.endpoint.track();
+        let transport = Arc::clone(&self.transport);
+        let connector = Arc::clone(&self.connector);
+        let (gate_budget, head_budget) =
+            (self.config.handoff_timeout, self.config.decode_head_timeout);
+        let limit = self.config.max_prefill_answer;
+        let pending: PendingDecode = Box::pin(async move {
+            let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
+            let decode_ep = Arc::clone(&handoff.decode.endpoint);
+            if let Some(gate) = handoff.gate.clone() {
+                let ready = gate
+                    .ready()
+                    .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+                within(
+                    clock,
+                    gate_budget,
+                    Side::Prefill,
+                    &prefill_ep,
+                    Phase::Handoff,
+                    ready,
+                )
+                .await?;
+            }
+            let send = transport.send(http_req).map(|r| {
+                r.map_err(|e| PdError::transport(Side::Decode, decode_ep.id().clone(), e))
+            });
+            let head = within(
+                clock,
+                head_budget,
+                Side::Decode,
+                &decode_ep,
+                Phase::DecodeHead,
+                send,
+            )
+            .await?;
+            if !head.status().is_success() {
+                let (parts, body) = head.into_parts();
+                let bytes = read_limited(body, limit).await.unwrap_or_default();
+                return Err(PdError::upstream_status(
+                    Side::Decode,
+                    decode_ep.id().clone(),
+                    parts.status,
+                    upstream_message(&bytes),
+                ));
+            }
+            Ok(connector.reply(&handoff, head).into_body())
+        });
+        let body = BoxBody::new(LeadBody::deferred(lead, pending));
+        Ok(self.respond(req, route, guard, sse_head(body), mark, timing, None, clock))
+    }
+
+    /// The answer when the prefill's is the whole answer ([`KvOutcome::Finished`]): no
+    /// decode leg; the connector makes the client's answer from an empty 200.
+    fn finished(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        mut handoff: Handoff,
+        timing: Timing,
+        clock: Clock,
+    ) -> Response<PdBody> {
+        let guard = handoff.decode.endpoint.track();
+        let lead = handoff.lead.take().filter(|_| req.is_stream());
+        let mut empty = Response::new(empty_body());
+        let content_type = if req.is_stream() {
+            "text/event-stream"
+        } else {
+            "application/json"
+        };
+        empty
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        let shaped = self.connector.reply(&handoff, empty);
+        let head = match lead {
+            Some(lead) => sse_head(BoxBody::new(LeadBody::then(lead, shaped.into_body()))),
+            None => shaped,
+        };
+        self.respond(req, route, guard, head, "prefill", timing, None, clock)
     }
 
     /// The prefill exchange of a sequential handoff, with what an early KV release
@@ -1377,6 +1504,18 @@ impl Inner {
     }
 }
 
+/// A 200 event-stream head over `body`.
+fn sse_head(body: BoxBody) -> Response<BoxBody> {
+    let mut head = Response::new(body);
+    let h = head.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    head
+}
+
 /// The HTTP request of a leg: `body` posted to the endpoint's `api` URI with the JSON
 /// content type, the request id, the `forwarded` client headers, then the leg's own
 /// headers (which win over a forwarded one of the same name).
@@ -1387,7 +1526,7 @@ fn http_request<'a>(
     body: Bytes,
     forwarded: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
 ) -> Result<http::Request<Bytes>, http::Error> {
-    let uri = leg.endpoint.api_uri(api)?;
+    let uri = leg.endpoint.api_uri(leg.api.unwrap_or(api))?;
     let mut out = http::Request::new(body);
     *out.method_mut() = http::Method::POST;
     *out.uri_mut() = uri;
