@@ -248,14 +248,15 @@ mod body;
 mod config;
 mod generate;
 mod kv;
+mod lmcache;
 mod mooncake;
 mod rendezvous;
 mod server;
 mod sglang;
 mod stats;
 
-pub use config::{Faults, KvMode, SimConfig, SimRole};
-pub use generate::generate;
+pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
+pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
     SideChannelResponse,
