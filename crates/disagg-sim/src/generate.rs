@@ -59,7 +59,7 @@ pub(crate) fn mix(mut z: u64) -> u64 {
 }
 
 /// Number of token ids of the simulated vocabulary: every id is below it.
-/// Ids under [`FIRST_WORD_ID`] are special tokens, the others are words.
+/// Ids under 16 are special tokens (such as [`EOS_TOKEN_ID`]), the others are words.
 pub const VOCAB_SIZE: u32 = 1 << 20;
 
 /// The end-of-sequence token id: the `first_tok` of an LMCache prefill whose
@@ -378,7 +378,10 @@ mod tests {
     #[test]
     fn ids_and_offsets() {
         let ids = tokenize("one two three");
-        assert!(ids.iter().all(|&id| id >= FIRST_WORD_ID && id < VOCAB_SIZE));
+        assert!(
+            ids.iter()
+                .all(|id| (FIRST_WORD_ID..VOCAB_SIZE).contains(id))
+        );
         let h = ids_hash(&ids);
         let whole = GenParams {
             start: 0,

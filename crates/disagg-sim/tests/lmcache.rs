@@ -60,7 +60,7 @@ impl Proxy {
     /// Connections the PULL socket accepted so far.
     fn accepted(&mut self) -> usize {
         let mut n = 0;
-        while let Ok(Some(event)) = self.events.try_next() {
+        while let Ok(event) = self.events.try_recv() {
             if matches!(event, SocketEvent::Accepted(..)) {
                 n += 1;
             }
