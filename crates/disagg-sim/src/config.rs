@@ -43,7 +43,8 @@ pub struct SimConfig {
     /// means never.
     pub eos_period: u32,
     /// How long a prefill keeps KV blocks nobody pulled (default 30 s, like
-    /// vLLM's `kv_lease_duration`).
+    /// vLLM's `kv_lease_duration`); in [`KvMode::Lmcache`], how long a decode
+    /// keeps received KV no request took.
     pub kv_lease: Duration,
     /// Prompt tokens per KV block (default 16).
     pub block_size: usize,

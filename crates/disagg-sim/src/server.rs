@@ -904,7 +904,12 @@ fn plan(
         }
         KvMode::Mooncake(SimRole::Decode) => Plan::MooncakeDecode(mooncake::decode_remote(params)?),
         KvMode::Lmcache(role) => {
-            if request.prompts.len() != 1 {
+            let spec = match role {
+                SimRole::Decode => None,
+                SimRole::Prefill => lmcache::disagg_spec(params)?,
+            };
+            // A decode, or a prefill that pushes, works on the KV of one prompt.
+            if (role == SimRole::Decode || spec.is_some()) && request.prompts.len() != 1 {
                 return Err(ApiError::bad_request(
                     "LMCache P/D: one prompt per request, not a batch",
                 ));
@@ -912,7 +917,6 @@ fn plan(
             match role {
                 SimRole::Decode => Plan::LmcacheDecode,
                 SimRole::Prefill => {
-                    let spec = lmcache::disagg_spec(params)?;
                     if spec.is_some() && inner.notifications.notifier.is_none() {
                         return Err(ApiError::new(
                             StatusCode::INTERNAL_SERVER_ERROR,

@@ -15,7 +15,9 @@ pub struct Stats {
     /// Completion and chat requests received.
     pub requests: u64,
     /// Requests that came with `kv_transfer_params.do_remote_decode` set
-    /// (this engine acted as the prefill).
+    /// (this engine acted as the prefill); in the other modes, requests a
+    /// prefill served for a decode (SGLang, Mooncake, LMCache with a
+    /// `disagg_spec`).
     pub prefill_requests: u64,
     /// Prefill answers that carried `kv_transfer_params`.
     pub kv_params_returned: u64,

@@ -684,6 +684,22 @@ async fn prefill_without_spec_or_without_proxy() {
     assert_eq!(v["kv_transfer_params"], Value::Null);
     assert_eq!(p.stats().prefill_requests, 0);
 
+    // Batches are served as by a plain engine, but cannot be pushed.
+    let reply = post(
+        p.addr(),
+        COMPLETIONS,
+        &json!({"prompt": ["a b", "c"], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.json()["choices"][1]["text"],
+        generate("c", 2, 0).concat()
+    );
+    let mut batch = prefill_body(&ids, spec("b", &d));
+    batch["prompt"] = json!([ids, ids]);
+    assert_eq!(post(p.addr(), COMPLETIONS, &batch).await.status, 400);
+
     // A malformed disagg_spec is a 400.
     let bad = prefill_body(&ids, json!({"req_id": "r", "receiver_host": "127.0.0.1"}));
     assert_eq!(post(p.addr(), COMPLETIONS, &bad).await.status, 400);
