@@ -1,10 +1,10 @@
 //! `disagg-proxy sim`: a simulated vLLM-like engine on chosen ports.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
+use disagg_sim::{Faults, KvMode, LmcacheReceiver, SimConfig, SimEngine, SimRole};
 use tokio::net::TcpListener;
 
 use crate::BoxError;
@@ -22,6 +22,12 @@ enum KvModeArg {
     MooncakePrefill,
     /// vLLM MooncakeConnector `kv_consumer`.
     MooncakeDecode,
+    /// vLLM + LMCacheConnectorV1 P/D sender (`kv_producer`): pushes the KV to the decode's
+    /// receiver ports named in `disagg_spec` and notifies `--lmcache-proxy` over ZMQ.
+    LmcachePrefill,
+    /// vLLM + LMCacheConnectorV1 P/D receiver (`kv_consumer`), listening on
+    /// `--lmcache-init-ports` and `--lmcache-alloc-ports`.
+    LmcacheDecode,
 }
 
 impl From<KvModeArg> for KvMode {
@@ -32,6 +38,8 @@ impl From<KvModeArg> for KvMode {
             KvModeArg::SglangDecode => KvMode::Sglang(SimRole::Decode),
             KvModeArg::MooncakePrefill => KvMode::Mooncake(SimRole::Prefill),
             KvModeArg::MooncakeDecode => KvMode::Mooncake(SimRole::Decode),
+            KvModeArg::LmcachePrefill => KvMode::Lmcache(SimRole::Prefill),
+            KvModeArg::LmcacheDecode => KvMode::Lmcache(SimRole::Decode),
         }
     }
 }
@@ -95,29 +103,102 @@ pub(crate) struct SimArgs {
     /// no KV blocks.
     #[arg(long)]
     malformed_kv_params: bool,
+    /// LMCache prefill: the proxy's ZMQ PULL address for KV-ready notifications
+    /// (LMCache's pd_proxy_host:pd_proxy_port).
+    #[arg(long, value_name = "HOST:PORT")]
+    lmcache_proxy: Option<String>,
+    /// LMCache decode: the address the receiver ports listen on (LMCache's pd_peer_host).
+    #[arg(long, value_name = "IP", default_value_t = IpAddr::V4(Ipv4Addr::LOCALHOST))]
+    lmcache_receiver_host: IpAddr,
+    /// LMCache decode: the init port of each TP rank, comma-separated (0: ephemeral).
+    #[arg(long, value_name = "PORTS", value_delimiter = ',', default_value = "0")]
+    lmcache_init_ports: Vec<u16>,
+    /// LMCache decode: the alloc port of each TP rank, comma-separated (0: ephemeral); as
+    /// many as --lmcache-init-ports.
+    #[arg(long, value_name = "PORTS", value_delimiter = ',', default_value = "0")]
+    lmcache_alloc_ports: Vec<u16>,
+    /// How long a decode holds received (LMCache) or a prefill held (NIXL, Mooncake) KV
+    /// that nobody took, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    kv_lease: f64,
+    /// Fault (LMCache prefill): send the KV-ready notifications this long after the push,
+    /// in milliseconds, while the answer goes out at once.
+    #[arg(long, value_name = "MS", default_value_t = 0.0)]
+    notify_delay_ms: f64,
+    /// Fault (LMCache prefill): probability (0 to 1) that each notification is lost.
+    #[arg(long, value_name = "P", default_value_t = 0.0)]
+    notify_loss: f64,
+    /// Fault (LMCache prefill): extra copies of each notification.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    notify_duplicates: u32,
+    /// Seed of the generator that decides which notifications --notify-loss loses.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    notify_seed: u64,
 }
 
-pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
-    let config = SimConfig {
-        model: args.model,
-        engine_id: args.engine_id,
-        advertised_host: args.advertised_host,
-        prefill_delay_per_token: Duration::from_secs_f64(args.prefill_ms_per_token.max(0.0) / 1e3),
-        inter_token_delay: Duration::from_secs_f64(args.inter_token_ms.max(0.0) / 1e3),
+/// Milliseconds from a flag, as a duration.
+fn millis(flag: &str, ms: f64) -> Result<Duration, BoxError> {
+    Duration::try_from_secs_f64(ms.max(0.0) / 1e3).map_err(|e| format!("{flag}: {e}").into())
+}
+
+/// The engine configuration the flags describe.
+fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
+    if args.lmcache_init_ports.len() != args.lmcache_alloc_ports.len() {
+        return Err(format!(
+            "--lmcache-init-ports names {} ports but --lmcache-alloc-ports {} (one of each per TP rank)",
+            args.lmcache_init_ports.len(),
+            args.lmcache_alloc_ports.len()
+        )
+        .into());
+    }
+    if !(0.0..=1.0).contains(&args.notify_loss) {
+        return Err(format!(
+            "--notify-loss: {} is not a probability (0 to 1)",
+            args.notify_loss
+        )
+        .into());
+    }
+    if args.kv_mode == KvModeArg::LmcachePrefill && args.lmcache_proxy.is_none() {
+        tracing::warn!(
+            "--kv-mode lmcache-prefill without --lmcache-proxy: requests with a disagg_spec will fail"
+        );
+    }
+    Ok(SimConfig {
+        model: args.model.clone(),
+        engine_id: args.engine_id.clone(),
+        advertised_host: args.advertised_host.clone(),
+        prefill_delay_per_token: millis("--prefill-ms-per-token", args.prefill_ms_per_token)?,
+        inter_token_delay: millis("--inter-token-ms", args.inter_token_ms)?,
         kv_mode: args.kv_mode.into(),
         bootstrap_timeout: Duration::try_from_secs_f64(args.bootstrap_timeout.max(0.0))
             .map_err(|e| format!("--bootstrap-timeout: {e}"))?,
-        request_delay: Duration::from_secs_f64(args.request_delay_ms.max(0.0) / 1e3),
+        request_delay: millis("--request-delay-ms", args.request_delay_ms)?,
         dp_size: args.dp_size.max(1),
+        kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))
+            .map_err(|e| format!("--kv-lease: {e}"))?,
+        lmcache_proxy: args.lmcache_proxy.clone(),
+        lmcache_receiver: LmcacheReceiver {
+            host: args.lmcache_receiver_host,
+            init_ports: args.lmcache_init_ports.clone(),
+            alloc_ports: args.lmcache_alloc_ports.clone(),
+        },
+        notify_seed: args.notify_seed,
         faults: Faults {
             status: args.fail_status,
             hang: args.hang,
             drop_after_chunks: args.drop_after_chunks,
             stall_after_chunks: args.stall_after_chunks,
             malformed_kv_params: args.malformed_kv_params,
+            notify_delay: millis("--notify-delay-ms", args.notify_delay_ms)?,
+            notify_loss: args.notify_loss,
+            notify_duplicates: args.notify_duplicates,
         },
         ..SimConfig::default()
-    };
+    })
+}
+
+pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
+    let config = config(&args)?;
     let http = TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
@@ -135,6 +216,13 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
     };
     let kv_mode = args.kv_mode.to_possible_value();
     let kv_mode = kv_mode.as_ref().map_or("nixl", |v| v.get_name());
+    if !engine.lmcache_init_ports().is_empty() {
+        tracing::info!(
+            init_ports = ?engine.lmcache_init_ports(),
+            alloc_ports = ?engine.lmcache_alloc_ports(),
+            "LMCache receiver listening"
+        );
+    }
     match engine.bootstrap_addr() {
         Some(bootstrap) => tracing::info!(
             url = %engine.url(),
@@ -155,4 +243,108 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
     crate::shutdown_signal().await;
     drop(engine);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<SimConfig, BoxError> {
+        let cli = Cli::try_parse_from(std::iter::once("sim").chain(args.iter().copied()))?;
+        config(&cli.sim)
+    }
+
+    #[test]
+    fn lmcache_flags() {
+        let c = parse(&[
+            "--kv-mode",
+            "lmcache-prefill",
+            "--lmcache-proxy",
+            "127.0.0.1:7500",
+            "--notify-delay-ms",
+            "250",
+            "--notify-loss",
+            "0.5",
+            "--notify-duplicates",
+            "2",
+            "--notify-seed",
+            "9",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_mode, KvMode::Lmcache(SimRole::Prefill));
+        assert_eq!(c.lmcache_proxy.as_deref(), Some("127.0.0.1:7500"));
+        assert_eq!(c.faults.notify_delay, Duration::from_millis(250));
+        assert_eq!(c.faults.notify_loss, 0.5);
+        assert_eq!(c.faults.notify_duplicates, 2);
+        assert_eq!(c.notify_seed, 9);
+
+        let c = parse(&[
+            "--kv-mode",
+            "lmcache-decode",
+            "--lmcache-init-ports",
+            "7300,7301",
+            "--lmcache-alloc-ports",
+            "7400,7401",
+            "--lmcache-receiver-host",
+            "0.0.0.0",
+            "--kv-lease",
+            "5",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_mode, KvMode::Lmcache(SimRole::Decode));
+        assert_eq!(c.lmcache_receiver.init_ports, [7300, 7301]);
+        assert_eq!(c.lmcache_receiver.alloc_ports, [7400, 7401]);
+        assert_eq!(c.lmcache_receiver.host, IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        assert_eq!(c.kv_lease, Duration::from_secs(5));
+
+        // Defaults: one rank on ephemeral ports, no notification fault.
+        let c = parse(&["--kv-mode", "lmcache-decode"]).unwrap();
+        assert_eq!(c.lmcache_receiver, LmcacheReceiver::ephemeral(1));
+        assert_eq!(c.faults, Faults::default());
+
+        assert!(
+            parse(&[
+                "--lmcache-init-ports",
+                "7300,7301",
+                "--lmcache-alloc-ports",
+                "7400"
+            ])
+            .is_err()
+        );
+        assert!(parse(&["--notify-loss", "1.5"]).is_err());
+        assert!(parse(&["--lmcache-init-ports", "70000"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn lmcache_decode_binds_the_flagged_ports() {
+        let port = |l: &std::net::TcpListener| l.local_addr().unwrap().port();
+        // Free ports, released for the engine to bind.
+        let listeners: Vec<_> = (0..4)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let ports: Vec<String> = listeners.iter().map(|l| port(l).to_string()).collect();
+        drop(listeners);
+        let init = format!("{},{}", ports[0], ports[1]);
+        let alloc = format!("{},{}", ports[2], ports[3]);
+        let c = parse(&[
+            "--kv-mode",
+            "lmcache-decode",
+            "--lmcache-init-ports",
+            &init,
+            "--lmcache-alloc-ports",
+            &alloc,
+        ])
+        .unwrap();
+        let engine = SimEngine::start(c).await.unwrap();
+        let as_strings = |v: Vec<u16>| v.iter().map(u16::to_string).collect::<Vec<_>>();
+        assert_eq!(as_strings(engine.lmcache_init_ports()), ports[..2]);
+        assert_eq!(as_strings(engine.lmcache_alloc_ports()), ports[2..]);
+    }
 }

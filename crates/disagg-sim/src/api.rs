@@ -7,7 +7,7 @@ use thiserror::Error;
 
 use crate::body::Endpoint;
 use crate::config::SimConfig;
-use crate::generate::Generation;
+use crate::generate::{Generation, VOCAB_SIZE, tokenize};
 
 /// An error answered in vLLM's shape:
 /// `{"error":{"message":..,"type":..,"param":null,"code":..}}`.
@@ -81,8 +81,9 @@ fn error_type(status: StatusCode) -> String {
 #[derive(Debug)]
 pub(crate) struct CompletionRequest {
     pub(crate) endpoint: Endpoint,
-    /// The prompts (one for chat); each is whitespace-tokenized.
-    pub(crate) prompts: Vec<String>,
+    /// The prompts as token ids (one prompt for chat: its messages rendered
+    /// by [`chat_prompt`]).
+    pub(crate) prompts: Vec<Vec<u32>>,
     pub(crate) prompt_tokens: u64,
     pub(crate) max_tokens: u32,
     pub(crate) min_tokens: u32,
@@ -155,19 +156,24 @@ fn push_content(out: &mut String, content: &Value) -> Result<(), ApiError> {
     }
 }
 
-fn token_ids(ids: &[Value]) -> Option<String> {
-    let mut out = String::with_capacity(ids.len() * 6);
-    for id in ids {
-        let id = id.as_u64()?;
-        if !out.is_empty() {
-            out.push(' ');
-        }
-        out.push_str(&id.to_string());
-    }
-    Some(out)
+/// Token ids as given; `None` if one is not a non-negative integer.
+fn token_ids(ids: &[Value]) -> Option<Vec<u64>> {
+    ids.iter().map(Value::as_u64).collect()
 }
 
-fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<String>, ApiError> {
+/// Checks that every id is a token of the vocabulary, like vLLM.
+fn in_vocab(ids: Vec<u64>) -> Result<Vec<u32>, ApiError> {
+    ids.into_iter()
+        .map(|id| {
+            u32::try_from(id)
+                .ok()
+                .filter(|id| *id < VOCAB_SIZE)
+                .ok_or_else(|| ApiError::bad_request(format!("Token id {id} is out of vocabulary")))
+        })
+        .collect()
+}
+
+fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
     let invalid = || {
         ApiError::bad_request(
             "prompt: should be a string, a list of strings, a list of token ids or a list of lists of token ids",
@@ -175,29 +181,113 @@ fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<String>, ApiError> {
     };
     let prompts = match prompt {
         None => return Err(ApiError::bad_request("prompt: Field required")),
-        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::String(s)) => vec![tokenize(s)],
         Some(Value::Array(items)) if items.is_empty() => return Err(invalid()),
         Some(Value::Array(items)) if items.iter().all(Value::is_string) => items
             .iter()
-            .filter_map(|s| s.as_str().map(str::to_owned))
+            .filter_map(|s| s.as_str().map(tokenize))
             .collect(),
         Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
-            vec![token_ids(items).ok_or_else(invalid)?]
+            vec![in_vocab(token_ids(items).ok_or_else(invalid)?)?]
         }
         Some(Value::Array(items)) => items
             .iter()
             .map(|item| item.as_array().and_then(|ids| token_ids(ids)))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(invalid)?,
+            .ok_or_else(invalid)?
+            .into_iter()
+            .map(in_vocab)
+            .collect::<Result<_, _>>()?,
         Some(_) => return Err(invalid()),
     };
-    if prompts
-        .iter()
-        .any(|p| p.split_whitespace().next().is_none())
-    {
+    if prompts.iter().any(Vec::is_empty) {
         return Err(ApiError::bad_request("The decoder prompt cannot be empty"));
     }
     Ok(prompts)
+}
+
+/// The simulator's chat template: the text of every message's `content`,
+/// each followed by a newline (roles are not rendered, and there is no
+/// assistant header, so `add_generation_prompt` adds nothing). The chat route
+/// and `POST /tokenize {"messages"}` both tokenize this text.
+pub(crate) fn chat_prompt(messages: Option<&Value>) -> Result<String, ApiError> {
+    let Some(messages) = messages else {
+        return Err(ApiError::bad_request("messages: Field required"));
+    };
+    let Some(messages) = messages.as_array() else {
+        return Err(ApiError::bad_request(
+            "messages: Input should be a valid list",
+        ));
+    };
+    let mut text = String::new();
+    for message in messages {
+        if !message.is_object() {
+            return Err(ApiError::bad_request(
+                "messages: each message should be an object",
+            ));
+        }
+        push_content(&mut text, message.get("content").unwrap_or(&Value::Null))?;
+    }
+    Ok(text)
+}
+
+/// Checks a request's optional `model` against the served one, like vLLM.
+fn check_model(obj: &Map<String, Value>, config: &SimConfig) -> Result<(), ApiError> {
+    match opt_field(obj, "model") {
+        None => Ok(()),
+        Some(Value::String(m)) if *m == config.model => Ok(()),
+        Some(Value::String(m)) => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("The model `{m}` does not exist."),
+        )),
+        Some(_) => Err(ApiError::bad_request(
+            "model: Input should be a valid string",
+        )),
+    }
+}
+
+/// The answer to `POST /tokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TokenizeAnswer {
+    count: usize,
+    max_model_len: u32,
+    tokens: Vec<u32>,
+    token_strs: Option<()>,
+}
+
+/// Serves `POST /tokenize`: `{"prompt": "text"}` or `{"messages": [..]}`
+/// (with an optional `add_generation_prompt`), as vLLM's tokenizer route.
+pub(crate) fn tokenize_request(
+    body: &Value,
+    config: &SimConfig,
+) -> Result<TokenizeAnswer, ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Err(ApiError::bad_request(
+            "Input should be a valid dictionary or object to extract fields from",
+        ));
+    };
+    check_model(obj, config)?;
+    let tokens = if obj.contains_key("messages") {
+        // Validated, although the template has no generation prompt to add.
+        opt_bool(obj, "add_generation_prompt")?;
+        tokenize(&chat_prompt(obj.get("messages"))?)
+    } else {
+        match obj.get("prompt") {
+            None => return Err(ApiError::bad_request("prompt: Field required")),
+            Some(Value::String(s)) => tokenize(s),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "prompt: Input should be a valid string",
+                ));
+            }
+        }
+    };
+    Ok(TokenizeAnswer {
+        count: tokens.len(),
+        max_model_len: config.max_model_len,
+        tokens,
+        token_strs: None,
+    })
 }
 
 impl CompletionRequest {
@@ -212,21 +302,7 @@ impl CompletionRequest {
                 "Input should be a valid dictionary or object to extract fields from",
             ));
         };
-        match opt_field(obj, "model") {
-            None => {}
-            Some(Value::String(m)) if *m == config.model => {}
-            Some(Value::String(m)) => {
-                return Err(ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    format!("The model `{m}` does not exist."),
-                ));
-            }
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "model: Input should be a valid string",
-                ));
-            }
-        }
+        check_model(obj, config)?;
 
         let stream = opt_bool(obj, "stream")?;
         let include_usage = match opt_field(obj, "stream_options") {
@@ -245,32 +321,10 @@ impl CompletionRequest {
         };
 
         let prompts = match endpoint {
-            Endpoint::Chat => {
-                let Some(messages) = obj.get("messages") else {
-                    return Err(ApiError::bad_request("messages: Field required"));
-                };
-                let Some(messages) = messages.as_array() else {
-                    return Err(ApiError::bad_request(
-                        "messages: Input should be a valid list",
-                    ));
-                };
-                let mut text = String::new();
-                for message in messages {
-                    if !message.is_object() {
-                        return Err(ApiError::bad_request(
-                            "messages: each message should be an object",
-                        ));
-                    }
-                    push_content(&mut text, message.get("content").unwrap_or(&Value::Null))?;
-                }
-                vec![text]
-            }
+            Endpoint::Chat => vec![tokenize(&chat_prompt(obj.get("messages"))?)],
             Endpoint::Completions => completion_prompts(obj.get("prompt"))?,
         };
-        let prompt_tokens: u64 = prompts
-            .iter()
-            .map(|p| p.split_whitespace().count() as u64)
-            .sum();
+        let prompt_tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
 
         let requested = match endpoint {
             Endpoint::Chat => match opt_int(obj, "max_completion_tokens")? {
@@ -280,11 +334,7 @@ impl CompletionRequest {
             Endpoint::Completions => opt_int(obj, "max_tokens")?.map(|m| ("max_tokens", m)),
         };
         let max_model_len = u64::from(config.max_model_len);
-        let max_prompt = prompts
-            .iter()
-            .map(|p| p.split_whitespace().count() as u64)
-            .max()
-            .unwrap_or(0);
+        let max_prompt = prompts.iter().map(|p| p.len() as u64).max().unwrap_or(0);
         let max_tokens = match requested {
             Some((key, m)) if m < 1 => {
                 return Err(ApiError::bad_request(format!(
@@ -380,8 +430,8 @@ impl CompletionRequest {
     }
 
     /// All prompt tokens, prompt after prompt.
-    pub(crate) fn tokens(&self) -> impl Iterator<Item = &str> {
-        self.prompts.iter().flat_map(|p| p.split_whitespace())
+    pub(crate) fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        self.prompts.iter().flatten().copied()
     }
 }
 
@@ -418,6 +468,14 @@ pub(crate) enum KvParamsField<'a> {
     Params(&'a KvParamsOut<'a>),
     /// An unusable value of fault injection.
     Malformed(&'static str),
+    /// An LMCache prefill's first token.
+    FirstTok(FirstTok),
+}
+
+/// The `kv_transfer_params` of an LMCache prefill's answer (`ret_first_tok`).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub(crate) struct FirstTok {
+    pub(crate) first_tok: u32,
 }
 
 #[derive(Serialize)]

@@ -1,5 +1,6 @@
 //! Engine configuration and fault injection knobs.
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 /// Configuration of a [`SimEngine`](crate::SimEngine).
@@ -42,7 +43,8 @@ pub struct SimConfig {
     /// means never.
     pub eos_period: u32,
     /// How long a prefill keeps KV blocks nobody pulled (default 30 s, like
-    /// vLLM's `kv_lease_duration`).
+    /// vLLM's `kv_lease_duration`); in [`KvMode::Lmcache`], how long a decode
+    /// keeps received KV no request took.
     pub kv_lease: Duration,
     /// Prompt tokens per KV block (default 16).
     pub block_size: usize,
@@ -81,6 +83,56 @@ pub struct SimConfig {
     ///
     /// [`KvRelease`]: https://docs.rs/disagg-core/latest/disagg_core/orchestrator/enum.KvRelease.html
     pub release_on_abort: bool,
+    /// LMCache prefill: where the proxy's ZMQ `PULL` socket listens for
+    /// `ProxyNotif` messages, as `HOST:PORT` (LMCache's `pd_proxy_host` and
+    /// `pd_proxy_port`). Default `None`: a prefill request with a
+    /// `disagg_spec` is then answered 500. Unused in the other modes.
+    pub lmcache_proxy: Option<String>,
+    /// LMCache decode: the receiver ports it listens on, per TP rank
+    /// (LMCache's `pd_peer_host`, `pd_peer_init_port`,
+    /// `pd_peer_alloc_port`). Unused in the other modes.
+    pub lmcache_receiver: LmcacheReceiver,
+    /// Seed of the engine's own random generator behind
+    /// [`Faults::notify_loss`] (default 0): the same seed and the same
+    /// sequence of notifications lose the same ones.
+    pub notify_seed: u64,
+}
+
+/// The receiver ports of an LMCache decode ([`KvMode::Lmcache`] with
+/// [`SimRole::Decode`]): one init port and one alloc port per tensor-parallel
+/// rank, the lists indexed by rank. A port 0 is an ephemeral one; the bound
+/// ports are
+/// [`SimEngine::lmcache_init_ports`](crate::SimEngine::lmcache_init_ports)
+/// and
+/// [`SimEngine::lmcache_alloc_ports`](crate::SimEngine::lmcache_alloc_ports).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LmcacheReceiver {
+    /// The address the ports are bound on (default 127.0.0.1).
+    pub host: IpAddr,
+    /// Init port of each rank (LMCache's `pd_peer_init_port`).
+    pub init_ports: Vec<u16>,
+    /// Alloc port of each rank (LMCache's `pd_peer_alloc_port`); as many as
+    /// `init_ports`.
+    pub alloc_ports: Vec<u16>,
+}
+
+impl LmcacheReceiver {
+    /// `tp_size` ranks (at least one) on ephemeral ports of 127.0.0.1.
+    pub fn ephemeral(tp_size: usize) -> Self {
+        let n = tp_size.max(1);
+        Self {
+            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            init_ports: vec![0; n],
+            alloc_ports: vec![0; n],
+        }
+    }
+}
+
+impl Default for LmcacheReceiver {
+    /// One rank on ephemeral ports of 127.0.0.1.
+    fn default() -> Self {
+        Self::ephemeral(1)
+    }
 }
 
 impl Default for SimConfig {
@@ -103,6 +155,9 @@ impl Default for SimConfig {
             request_delay: Duration::ZERO,
             dp_size: 1,
             release_on_abort: true,
+            lmcache_proxy: None,
+            lmcache_receiver: LmcacheReceiver::default(),
+            notify_seed: 0,
         }
     }
 }
@@ -130,6 +185,14 @@ pub enum KvMode {
     /// a proxy-chosen `transfer_id`; the decode looks the prefill's engine id
     /// up on its bootstrap server and pulls the KV over the side channel.
     Mooncake(SimRole),
+    /// vLLM with `LMCacheConnectorV1` and LMCache's P/D mode (`enable_pd`),
+    /// as `kv_producer` ([`SimRole::Prefill`], LMCache's `pd_role: sender`)
+    /// or `kv_consumer` ([`SimRole::Decode`], `pd_role: receiver`): the
+    /// proxy tokenizes the prompt, sends it as token ids to the prefill with
+    /// a `disagg_spec` naming the decode's receiver ports, the prefill pushes
+    /// the KV to every receiver rank and tells the proxy over ZMQ, and the
+    /// proxy then sends the decode the ids followed by the first token.
+    Lmcache(SimRole),
 }
 
 impl KvMode {
@@ -178,8 +241,9 @@ pub enum SimRole {
 /// | connection dropped mid-stream (or mid-body) | `drop_after_chunks` |
 /// | slow prefill, beyond a budget | [`SimConfig::prefill_delay_per_token`], [`SimConfig::request_delay`] |
 /// | malformed `kv_transfer_params` (vLLM NIXL) | `malformed_kv_params` |
+/// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Faults {
     /// Answer every completion request with this HTTP status and a vLLM
     /// error body.
@@ -206,4 +270,16 @@ pub struct Faults {
     /// other requests and in the other [`KvMode`]s, whose prefills answer no
     /// parameters.
     pub malformed_kv_params: bool,
+    /// LMCache prefill: how long after the KV push the `ProxyNotif`
+    /// notifications are sent. Zero (the default): they are sent before the
+    /// HTTP answer is written. Otherwise they are sent by a task of their
+    /// own once the delay ran out, and the answer goes out at once.
+    pub notify_delay: Duration,
+    /// LMCache prefill: the probability (0 to 1) that a notification is
+    /// lost (not sent), drawn for each one, duplicates included, from the
+    /// engine's own generator seeded by [`SimConfig::notify_seed`].
+    pub notify_loss: f64,
+    /// LMCache prefill: extra copies of each notification, sent after all
+    /// the originals of the request.
+    pub notify_duplicates: u32,
 }

@@ -51,18 +51,55 @@ impl Fnv {
 }
 
 /// SplitMix64 finalizer: a cheap, well-mixing bijection on `u64`.
-fn mix(mut z: u64) -> u64 {
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
-/// Hash of a prompt's tokens (whitespace-split words).
-pub(crate) fn prompt_hash(prompt: &str) -> u64 {
-    prompt
-        .split_whitespace()
-        .fold(Fnv::new(), Fnv::token)
+/// Number of token ids of the simulated vocabulary: every id is below it.
+/// Ids under 16 are special tokens (such as [`EOS_TOKEN_ID`]), the others are words.
+pub const VOCAB_SIZE: u32 = 1 << 20;
+
+/// The end-of-sequence token id: the `first_tok` of an LMCache prefill whose
+/// first generated token ends the sequence.
+pub const EOS_TOKEN_ID: u32 = 2;
+
+/// The first id of a word; ids below it are reserved for special tokens.
+const FIRST_WORD_ID: u32 = 16;
+
+/// The token id of one whitespace-free word: a stable hash of its bytes.
+pub(crate) fn word_id(word: &str) -> u32 {
+    let h = Fnv::new().bytes(word.as_bytes()).finish();
+    let span = u64::from(VOCAB_SIZE - FIRST_WORD_ID);
+    // The remainder is below `span`, so it fits in a u32.
+    FIRST_WORD_ID + u32::try_from(h % span).unwrap_or(0)
+}
+
+/// Tokenizes text the way the simulated engine does: one token per
+/// whitespace-separated word, whose id is a stable hash of the word (below
+/// [`VOCAB_SIZE`], never a special token such as [`EOS_TOKEN_ID`]).
+///
+/// A completion request whose `prompt` is these ids is answered exactly like
+/// one whose `prompt` is the text; `POST /tokenize` answers them.
+///
+/// ```
+/// use disagg_sim::tokenize;
+///
+/// let ids = tokenize(" Hello   world\n");
+/// assert_eq!(ids.len(), 2);
+/// assert_eq!(ids, tokenize("Hello world"));
+/// assert_ne!(ids[0], ids[1]);
+/// ```
+pub fn tokenize(text: &str) -> Vec<u32> {
+    text.split_whitespace().map(word_id).collect()
+}
+
+/// Hash of a prompt's token ids: what generation is seeded from.
+pub(crate) fn ids_hash(ids: &[u32]) -> u64 {
+    ids.iter()
+        .fold(Fnv::new(), |h, &id| h.u64(u64::from(id)))
         .finish()
 }
 
@@ -101,7 +138,13 @@ impl Finish {
 /// Sampling parameters that shape one generation.
 #[derive(Debug)]
 pub(crate) struct GenParams<'a> {
+    /// The position of the first generated token: 0 for a whole answer, 1
+    /// for an LMCache decode, whose prompt ends with the token at position 0.
+    pub(crate) start: usize,
+    /// Tokens to generate at most (counted from `start`).
     pub(crate) max_tokens: usize,
+    /// Tokens to generate at least before an EOS or stop string may end the
+    /// answer (counted from `start`).
     pub(crate) min_tokens: usize,
     pub(crate) eos_period: u32,
     pub(crate) ignore_eos: bool,
@@ -115,6 +158,8 @@ pub(crate) struct Generation {
     /// The text of every generated token, in order: the final token is `""`
     /// when it is an EOS token or an excluded stop string.
     pub(crate) steps: Vec<&'static str>,
+    /// The token id sampled at every step ([`EOS_TOKEN_ID`] for an EOS).
+    pub(crate) ids: Vec<u32>,
     pub(crate) finish: Finish,
     /// The stop string that ended the generation, if any.
     pub(crate) stop_reason: Option<String>,
@@ -126,43 +171,38 @@ impl Generation {
     }
 }
 
-/// Generates one choice for a prompt whose [`prompt_hash`] is given.
+/// Generates one choice for a prompt whose [`ids_hash`] is given.
 pub(crate) fn generate_choice(prompt_hash: u64, choice: u32, params: &GenParams<'_>) -> Generation {
     let seed = choice_seed(prompt_hash, choice);
     let mut steps = Vec::with_capacity(params.max_tokens.min(4096));
-    for pos in 0..params.max_tokens {
+    let mut ids = Vec::with_capacity(params.max_tokens.min(4096));
+    let end = |steps, ids, finish, stop_reason| Generation {
+        steps,
+        ids,
+        finish,
+        stop_reason,
+    };
+    for (i, pos) in (params.start..params.start.saturating_add(params.max_tokens)).enumerate() {
         let (token, eos) = token_at(seed, pos, params.eos_period);
-        let may_stop = pos + 1 > params.min_tokens;
+        let may_stop = i + 1 > params.min_tokens;
         if eos && may_stop && !params.ignore_eos {
             steps.push("");
-            return Generation {
-                steps,
-                finish: Finish::Stop,
-                stop_reason: None,
-            };
+            ids.push(EOS_TOKEN_ID);
+            return end(steps, ids, Finish::Stop, None);
         }
-        if may_stop {
-            let word = &token[1..];
-            if let Some(stop) = params.stop.iter().find(|s| *s == word || *s == token) {
-                steps.push(if params.include_stop_str_in_output {
-                    token
-                } else {
-                    ""
-                });
-                return Generation {
-                    steps,
-                    finish: Finish::Stop,
-                    stop_reason: Some(stop.clone()),
-                };
-            }
+        let word = &token[1..];
+        ids.push(word_id(word));
+        if may_stop && let Some(stop) = params.stop.iter().find(|s| *s == word || *s == token) {
+            steps.push(if params.include_stop_str_in_output {
+                token
+            } else {
+                ""
+            });
+            return end(steps, ids, Finish::Stop, Some(stop.clone()));
         }
         steps.push(token);
     }
-    Generation {
-        steps,
-        finish: Finish::Length,
-        stop_reason: None,
-    }
+    end(steps, ids, Finish::Length, None)
 }
 
 /// The tokens the engine generates for `prompt` (choice 0, no stop strings,
@@ -189,7 +229,21 @@ pub(crate) fn generate_choice(prompt_hash: u64, choice: u32, params: &GenParams<
 /// assert!(generate(&eos_first, 10, 3).is_empty());
 /// ```
 pub fn generate(prompt: &str, n_tokens: usize, eos_period: u32) -> Vec<String> {
+    generate_from_ids(&tokenize(prompt), n_tokens, eos_period)
+}
+
+/// [`generate`] for a prompt given as token ids (see [`tokenize`]): what the
+/// engine answers to a completion request whose `prompt` is `ids`.
+///
+/// ```
+/// use disagg_sim::{generate, generate_from_ids, tokenize};
+///
+/// let ids = tokenize("Hello there");
+/// assert_eq!(generate_from_ids(&ids, 4, 0), generate("Hello there", 4, 0));
+/// ```
+pub fn generate_from_ids(ids: &[u32], n_tokens: usize, eos_period: u32) -> Vec<String> {
     let params = GenParams {
+        start: 0,
         max_tokens: n_tokens,
         min_tokens: 0,
         eos_period,
@@ -197,7 +251,7 @@ pub fn generate(prompt: &str, n_tokens: usize, eos_period: u32) -> Vec<String> {
         stop: &[],
         include_stop_str_in_output: false,
     };
-    generate_choice(prompt_hash(prompt), 0, &params)
+    generate_choice(ids_hash(ids), 0, &params)
         .steps
         .into_iter()
         .filter(|t| !t.is_empty())
@@ -214,12 +268,12 @@ pub(crate) struct KvDigest {
     pub(crate) prompt: String,
 }
 
-/// Computes the KV digests of the token sequence `tokens` for `model`.
+/// Computes the KV digests of the token ids `tokens` for `model`.
 /// A prompt with no token still occupies one block.
-pub(crate) fn kv_digest<'a>(
+pub(crate) fn kv_digest(
     model: &str,
     block_size: usize,
-    tokens: impl Iterator<Item = &'a str>,
+    tokens: impl IntoIterator<Item = u32>,
 ) -> KvDigest {
     let block_size = block_size.max(1);
     let base = Fnv::new().token(model);
@@ -230,8 +284,8 @@ pub(crate) fn kv_digest<'a>(
     let mut in_block = 0usize;
     let mut count = 0u64;
     for token in tokens {
-        whole = whole.token(token);
-        block = block.token(token);
+        whole = whole.u64(u64::from(token));
+        block = block.u64(u64::from(token));
         in_block += 1;
         count += 1;
         if in_block == block_size {
@@ -257,9 +311,10 @@ mod tests {
 
     #[test]
     fn deterministic_and_choice_dependent() {
-        let h = prompt_hash("a b  c");
-        assert_eq!(h, prompt_hash(" a b c\n"));
+        let h = ids_hash(&tokenize("a b  c"));
+        assert_eq!(h, ids_hash(&tokenize(" a b c\n")));
         let p = GenParams {
+            start: 0,
             max_tokens: 8,
             min_tokens: 0,
             eos_period: 0,
@@ -282,8 +337,9 @@ mod tests {
             .map(|i| format!("x {i}"))
             .find(|p| generate(p, 1, 2).is_empty())
             .unwrap();
-        let h = prompt_hash(&prompt);
+        let h = ids_hash(&tokenize(&prompt));
         let mut p = GenParams {
+            start: 0,
             max_tokens: 5,
             min_tokens: 0,
             eos_period: 2,
@@ -308,14 +364,62 @@ mod tests {
 
     #[test]
     fn digests() {
-        let a = kv_digest("m", 2, "a b c".split_whitespace());
+        let a = kv_digest("m", 2, tokenize("a b c"));
         assert_eq!(a.blocks.len(), 2);
-        let b = kv_digest("m", 2, "a b d".split_whitespace());
+        let b = kv_digest("m", 2, tokenize("a b d"));
         assert_eq!(a.blocks[0], b.blocks[0]);
         assert_ne!(a.blocks[1], b.blocks[1]);
         assert_ne!(a.prompt, b.prompt);
-        let other_model = kv_digest("n", 2, "a b c".split_whitespace());
+        let other_model = kv_digest("n", 2, tokenize("a b c"));
         assert_ne!(a.blocks[0], other_model.blocks[0]);
-        assert_eq!(kv_digest("m", 4, std::iter::empty()).blocks.len(), 1);
+        assert_eq!(kv_digest("m", 4, []).blocks.len(), 1);
+    }
+
+    #[test]
+    fn ids_and_offsets() {
+        let ids = tokenize("one two three");
+        assert!(
+            ids.iter()
+                .all(|id| (FIRST_WORD_ID..VOCAB_SIZE).contains(id))
+        );
+        let h = ids_hash(&ids);
+        let whole = GenParams {
+            start: 0,
+            max_tokens: 6,
+            min_tokens: 0,
+            eos_period: 0,
+            ignore_eos: false,
+            stop: &[],
+            include_stop_str_in_output: false,
+        };
+        let g = generate_choice(h, 0, &whole);
+        // Every generated token's id is its tokenization.
+        let text_ids: Vec<u32> = g.steps.iter().flat_map(|t| tokenize(t)).collect();
+        assert_eq!(g.ids, text_ids);
+        // A continuation from position 1 is the rest of the whole answer.
+        let rest = generate_choice(
+            h,
+            0,
+            &GenParams {
+                start: 1,
+                max_tokens: 5,
+                ..whole
+            },
+        );
+        assert_eq!(rest.steps, g.steps[1..]);
+        assert_eq!(rest.ids, g.ids[1..]);
+        // EOS has its own id.
+        let prompt = (0..)
+            .map(|i| format!("e {i}"))
+            .find(|p| generate(p, 1, 2).is_empty())
+            .unwrap();
+        let p = GenParams {
+            eos_period: 2,
+            ..whole
+        };
+        assert_eq!(
+            generate_choice(ids_hash(&tokenize(&prompt)), 0, &p).ids,
+            [EOS_TOKEN_ID]
+        );
     }
 }

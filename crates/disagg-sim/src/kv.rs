@@ -20,7 +20,7 @@ use crate::stats::{Counters, bump};
 /// How long a decode waits for the prefill's side channel to accept.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long either side waits for the other's line.
-const IO_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest line either side accepts.
 const MAX_LINE: u64 = 1 << 20;
 /// How long a side-channel connection may sit idle before the prefill closes it.
@@ -580,7 +580,10 @@ impl SidePool {
 }
 
 /// One pull over `stream`: the request line out, the answer line in.
-async fn exchange(stream: &mut TcpStream, line: &[u8]) -> Result<Vec<u8>, KvTransferError> {
+pub(crate) async fn exchange(
+    stream: &mut TcpStream,
+    line: &[u8],
+) -> Result<Vec<u8>, KvTransferError> {
     let answer = timeout(IO_TIMEOUT, async {
         stream.write_all(line).await?;
         read_line(&mut *stream).await

@@ -1,17 +1,39 @@
 //! Simulated LLM engines that behave, on the wire, like a vLLM OpenAI server
-//! running the NIXL or Mooncake connector, or an SGLang server in
+//! running the NIXL, Mooncake or LMCache connector, or an SGLang server in
 //! disaggregation mode, for the `disagg` demo, integration tests and
 //! benchmarks.
 //!
 //! A [`SimEngine`] serves `POST /v1/chat/completions` and
-//! `POST /v1/completions` (streamed or not), `GET /health`, `GET /v1/models`
-//! and `GET /stats` over real HTTP/1.1 on a loopback port. Its "model" is a
-//! deterministic function of the prompt (see [`generate`]), so a prompt gets
-//! the same answer whether it is served in one piece or disaggregated.
+//! `POST /v1/completions` (streamed or not), `POST /tokenize`,
+//! `GET /health`, `GET /v1/models` and `GET /stats` over real HTTP/1.1 on a
+//! loopback port. Its "model" is a deterministic function of the prompt (see
+//! [`generate`]), so a prompt gets the same answer whether it is served in
+//! one piece or disaggregated.
+//!
+//! # Tokens
+//!
+//! The engine's tokenizer ([`tokenize`]) makes one token per
+//! whitespace-separated word, whose id is a stable hash of the word (below
+//! [`VOCAB_SIZE`]; [`EOS_TOKEN_ID`] is the end-of-sequence token). The
+//! answer is seeded from the prompt's token ids, so a completion request
+//! whose `prompt` is a list of ids is answered exactly like the text that
+//! tokenizes to them, and a chat request exactly like a completion request
+//! whose prompt is the tokenized conversation ([`generate_from_ids`] predicts
+//! either). Generated words have ids too: their tokenization. Ids outside the
+//! vocabulary are rejected with 400, like vLLM.
+//!
+//! `POST /tokenize` answers, in every mode and whatever the [`Faults`],
+//! `{"count": n, "max_model_len": M, "tokens": [ids..], "token_strs": null}`
+//! for a body `{"model"?, "prompt": "text"}` or `{"model"?, "messages":
+//! [..], "add_generation_prompt"?: bool}`. The chat template, shared with
+//! the chat route, is the text of every message's content followed by a
+//! newline (roles are not rendered and there is no assistant header, so
+//! `add_generation_prompt` adds nothing). Bad input is a vLLM-style 400, an
+//! unknown model a 404.
 //!
 //! # Prefill/decode disaggregation
 //!
-//! An engine speaks one of three P/D KV protocols, chosen by
+//! An engine speaks one of four P/D KV protocols, chosen by
 //! [`SimConfig::kv_mode`]. In each, the KV really travels over loopback
 //! sockets, so a wrong host, port, room, transfer id or engine id fails
 //! where it would fail between real engines. Every completion request first
@@ -93,6 +115,54 @@
 //!   below), checks the KV against its own prompt and generates normally,
 //!   all of it within its own [`SimConfig::bootstrap_timeout`].
 //!
+//! ## LMCache ([`KvMode::Lmcache`]): sequential, pushed, notified over ZMQ
+//!
+//! vLLM with `LMCacheConnectorV1` and LMCache's P/D mode. The proxy
+//! tokenizes the prompt (`POST /tokenize`), sends the ids to the prefill,
+//! waits for one ZMQ notification per decode rank, then sends the decode the
+//! ids followed by the prefill's first token.
+//!
+//! * **Prefill** (`kv_producer`, LMCache's `pd_role: sender`). A completion
+//!   request whose `kv_transfer_params` has a `disagg_spec`
+//!   (`{"req_id": "<str>", "receiver_host": "..", "receiver_init_port":
+//!   [p0, ..], "receiver_alloc_port": [a0, ..]}`, one port of each per
+//!   decode TP rank, other keys ignored; anything else malformed is a 400)
+//!   takes one prompt. After the prefill, its KV is pushed to every rank `r`
+//!   at once, at `receiver_host` on `receiver_init_port[r]` and
+//!   `receiver_alloc_port[r]` (see [LMCache receiver
+//!   protocol](#lmcache-receiver-protocol)); once rank `r` acknowledged it,
+//!   the proxy at [`SimConfig::lmcache_proxy`] gets one notification, the
+//!   msgpack map `{"type": "ProxyNotif", "req_id": "<req_id>"}` in a single
+//!   frame, from a ZMQ `PUSH` socket the engine connects on first use and
+//!   keeps (every send within 1 s, so a missing proxy costs at most that and
+//!   never hangs the engine; counted in [`Stats::notification_failures`]).
+//!   With [`Faults::notify_delay`] zero, the notifications are handed to the
+//!   socket before the HTTP answer is written; otherwise a task sends them
+//!   after the delay and the answer goes out at once. [`Faults::notify_loss`]
+//!   and [`Faults::notify_duplicates`] lose or repeat them. The answer is a
+//!   plain completion (`max_tokens: 1` gives the first token as
+//!   `choices[0].text`) with `"kv_transfer_params": {"first_tok": <id>}`
+//!   when the request asked `ret_first_tok`. A push that fails (nobody
+//!   listening, wrong port, wrong host, refused by the receiver, timed out)
+//!   makes the request answer 500 `"KV transfer failed: rank R (..): .."`,
+//!   and that rank is not notified (ranks whose push succeeded are). A
+//!   `disagg_spec` on an engine without [`SimConfig::lmcache_proxy`] is a
+//!   500; a request without `disagg_spec` is served like by a plain engine.
+//! * **Decode** (`kv_consumer`, `pd_role: receiver`). It listens on the
+//!   init and alloc port of each rank of [`SimConfig::lmcache_receiver`]
+//!   ([`SimEngine::lmcache_init_ports`], [`SimEngine::lmcache_alloc_ports`])
+//!   and keeps the KV received, per rank, by prompt, for
+//!   [`SimConfig::kv_lease`] (counted in [`Stats::blocks_held`]; expired KV
+//!   in [`Stats::kv_expired`]). A completion request (no
+//!   `kv_transfer_params` needed) whose prompt is `ids + [first_tok]` takes
+//!   the KV of `ids` from every rank and generates what a direct run on
+//!   `ids` generates from its second token on; `max_tokens` and
+//!   `min_tokens` count its own output, and `usage.prompt_tokens` is the
+//!   length of the prompt it got. If the KV of `ids` is missing on any rank
+//!   (never pushed, pushed to some ranks only, expired, already taken), it
+//!   takes nothing and answers 500 `"KV cache for this request has not
+//!   arrived (..)"`, counted in [`Stats::kv_missing`].
+//!
 //! # Side channel protocol
 //!
 //! The side channel is the simulator's own, line-based stand-in for NIXL:
@@ -138,6 +208,29 @@
 //! `{"ok":false,"error":".."}` (unknown engine id, not a Mooncake prefill).
 //! A decode that closes the connection while waiting takes nothing.
 //!
+//! # LMCache receiver protocol
+//!
+//! The simulator's own stand-in for LMCache's NIXL transfer channel, one
+//! JSON line each way per step, on the decode's receiver ports of rank `r`:
+//!
+//! 1. The prefill connects to the **init port** and sends
+//!    `{"type":"init","rank":r,"sender":"<engine id>"}`; the receiver answers
+//!    `{"ok":true,"session":"<token>"}`, a session valid once, for a while,
+//!    on the alloc port of the same rank only.
+//! 2. It connects to the **alloc port** and sends
+//!    `{"type":"alloc","session":"<token>","rank":r,"req_id":"..","prompt_digest":"..","num_blocks":n}`;
+//!    the receiver answers `{"ok":true,"block_ids":[..]}`.
+//! 3. On the same connection it sends
+//!    `{"type":"write","block_ids":[..],"prompt_digest":"..","blocks":["<digest>",..]}`;
+//!    the receiver keeps the KV and answers `{"ok":true}`, the
+//!    acknowledgement after which the rank is notified.
+//!
+//! Any refusal is `{"ok":false,"error":".."}`: a line sent to the wrong kind
+//! of port, a rank that is not the port's, a session unknown to the port's
+//! rank (the init port of one rank and the alloc port of another), a write
+//! that does not match the allocation. So a wrong host or either wrong port
+//! fails the push, as between real engines.
+//!
 //! # SGLang bootstrap protocol
 //!
 //! The simulator's own stand-in for SGLang's bootstrap server and KV
@@ -180,7 +273,8 @@
 //! engines do. Every block held is counted in [`Stats::blocks_held`],
 //! whatever the protocol, so `blocks_held == 0` on every prefill proves that
 //! nothing is stranded; SGLang rooms and Mooncake transfers are also
-//! counted in [`Stats::kv_transfers_pending`].
+//! counted in [`Stats::kv_transfers_pending`]. In LMCache mode the KV is held
+//! by the decode instead.
 //!
 //! * **vLLM NIXL.** A length-capped prefill holds its blocks when it
 //!   answers. They are freed when a decode pulls them, when the lease
@@ -212,6 +306,10 @@
 //!   stand-in for `VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`); a prefill whose
 //!   client leaves before its answer holds nothing. A decode aborted before
 //!   it pulled tells nobody: the transfer stays until the lease runs out.
+//! * **LMCache.** A prefill keeps nothing. A decode holds each rank's KV from
+//!   the push until a request takes it (from every rank at once) or the lease
+//!   ([`SimConfig::kv_lease`]) runs out; KV that reached only some ranks
+//!   waits for its lease.
 //!
 //! # Example
 //!
@@ -248,14 +346,15 @@ mod body;
 mod config;
 mod generate;
 mod kv;
+mod lmcache;
 mod mooncake;
 mod rendezvous;
 mod server;
 mod sglang;
 mod stats;
 
-pub use config::{Faults, KvMode, SimConfig, SimRole};
-pub use generate::generate;
+pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
+pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
     SideChannelResponse,

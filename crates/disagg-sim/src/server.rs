@@ -21,11 +21,16 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, timeout_at};
 
-use crate::api::{Answer, ApiError, CompletionRequest, KvParamsField, KvParamsOut, truthy};
+use crate::api::{
+    Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, KvParamsOut, truthy,
+};
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
-use crate::generate::{Finish, GenParams, Generation, generate_choice, kv_digest, prompt_hash};
+use crate::generate::{
+    EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
+};
 use crate::kv::{self, KvStore, KvTransferError, lock};
+use crate::lmcache::{self, DisaggSpec, LossRng, Notifier, TakeError};
 use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
 use crate::{mooncake, sglang};
@@ -86,6 +91,18 @@ struct Inner {
     id_salt: u64,
     /// Turns true when the engine stops (ends the tasks sending release notices).
     stop: watch::Receiver<bool>,
+    /// LMCache decode: the KV received on the receiver ports.
+    receiver: lmcache::Receiver,
+    /// LMCache prefill: how notifications reach the proxy.
+    notifications: Arc<Notifications>,
+}
+
+/// An LMCache prefill's ZMQ socket to the proxy and the generator deciding
+/// which notifications [`Faults::notify_loss`] loses.
+#[derive(Debug)]
+struct Notifications {
+    notifier: Option<Notifier>,
+    rng: LossRng,
 }
 
 /// A simulated vLLM OpenAI server with a NIXL-like KV side channel (and, as
@@ -99,6 +116,8 @@ pub struct SimEngine {
     addr: SocketAddr,
     side_channel_addr: SocketAddr,
     bootstrap_addr: Option<SocketAddr>,
+    lmcache_init_ports: Vec<u16>,
+    lmcache_alloc_ports: Vec<u16>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -207,6 +226,44 @@ impl SimEngine {
             }],
         });
         let models_body = Bytes::from(serde_json::to_vec(&models).map_err(std::io::Error::other)?);
+        // LMCache decode: the receiver ports of every rank.
+        let mut receivers = Vec::new();
+        if config.kv_mode == KvMode::Lmcache(SimRole::Decode) {
+            let ports = &config.lmcache_receiver;
+            if ports.init_ports.is_empty() || ports.init_ports.len() != ports.alloc_ports.len() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "lmcache_receiver: {} init ports and {} alloc ports (one of each per rank)",
+                        ports.init_ports.len(),
+                        ports.alloc_ports.len()
+                    ),
+                ));
+            }
+            for (rank, (&init, &alloc)) in
+                ports.init_ports.iter().zip(&ports.alloc_ports).enumerate()
+            {
+                let init = TcpListener::bind((ports.host, init)).await?;
+                let alloc = TcpListener::bind((ports.host, alloc)).await?;
+                receivers.push((rank, init, alloc));
+            }
+        }
+        let lmcache_init_ports = receivers
+            .iter()
+            .map(|(_, l, _)| l.local_addr().map(|a| a.port()))
+            .collect::<std::io::Result<Vec<u16>>>()?;
+        let lmcache_alloc_ports = receivers
+            .iter()
+            .map(|(_, _, l)| l.local_addr().map(|a| a.port()))
+            .collect::<std::io::Result<Vec<u16>>>()?;
+        let notifier = match (&config.kv_mode, &config.lmcache_proxy) {
+            (KvMode::Lmcache(SimRole::Prefill), Some(proxy)) => Some(Notifier::new(proxy)?),
+            _ => None,
+        };
+        let notifications = Arc::new(Notifications {
+            notifier,
+            rng: LossRng::new(config.notify_seed),
+        });
         let salt = uuid::Uuid::new_v4().as_u64_pair().0;
         let faults = config.faults;
         let lease = config.kv_lease;
@@ -228,6 +285,8 @@ impl SimEngine {
             next_id: AtomicU64::new(0),
             id_salt: salt,
             stop: stop_rx.clone(),
+            receiver: lmcache::Receiver::new(receivers.len()),
+            notifications,
         });
         let mut tasks = vec![
             tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
@@ -267,6 +326,33 @@ impl SimEngine {
             }
             _ => {}
         }
+        for (rank, init, alloc) in receivers {
+            for (port, listener) in [(lmcache::Port::Init, init), (lmcache::Port::Alloc, alloc)] {
+                let inner = inner.clone();
+                tasks.push(tokio::spawn(accept_loop(
+                    listener,
+                    stop_rx.clone(),
+                    move |stream, peer| {
+                        let inner = inner.clone();
+                        async move {
+                            let _ = stream.set_nodelay(true);
+                            let lease = inner.config.kv_lease;
+                            let served = lmcache::serve(
+                                &inner.receiver,
+                                &inner.counters,
+                                port,
+                                rank,
+                                lease,
+                                stream,
+                            );
+                            if let Err(e) = served.await {
+                                tracing::debug!(%peer, error = %e, "LMCache receiver connection failed");
+                            }
+                        }
+                    },
+                )));
+            }
+        }
         tasks.push(tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)));
         tracing::debug!(%addr, %side_channel_addr, ?bootstrap_addr, engine_id = %inner.engine_id, "sim engine started");
         Ok(SimEngine {
@@ -274,6 +360,8 @@ impl SimEngine {
             addr,
             side_channel_addr,
             bootstrap_addr,
+            lmcache_init_ports,
+            lmcache_alloc_ports,
             stop,
             tasks,
         })
@@ -312,6 +400,18 @@ impl SimEngine {
     /// prefill; `None` in the other modes.
     pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
         self.bootstrap_addr
+    }
+
+    /// The bound init port of each receiver rank of an LMCache decode
+    /// (`receiver_init_port` of a `disagg_spec`); empty in the other modes.
+    pub fn lmcache_init_ports(&self) -> Vec<u16> {
+        self.lmcache_init_ports.clone()
+    }
+
+    /// The bound alloc port of each receiver rank of an LMCache decode
+    /// (`receiver_alloc_port` of a `disagg_spec`); empty in the other modes.
+    pub fn lmcache_alloc_ports(&self) -> Vec<u16> {
+        self.lmcache_alloc_ports.clone()
     }
 
     /// The configuration the engine runs with (faults as at start).
@@ -520,6 +620,7 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
             _ = tick.tick() => {
                 inner.kv.sweep(&inner.counters);
                 inner.transfers.sweep(&inner.counters);
+                inner.receiver.sweep(&inner.counters);
             }
         }
     }
@@ -576,6 +677,7 @@ where
             let body = serde_json::to_vec(&inner.counters.snapshot()).unwrap_or_default();
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
+        (&Method::POST, "/tokenize") => return tokenize_route(inner, req).await,
         (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
         _ => {
@@ -583,6 +685,31 @@ where
         }
     };
     completion(inner, endpoint, req).await
+}
+
+/// `POST /tokenize`, in every mode and whatever the [`Faults`].
+async fn tokenize_route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    bump(&inner.counters.tokenize_requests);
+    let answer = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
+            .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
+            .and_then(|json| crate::api::tokenize_request(&json, &inner.config))
+            .and_then(|answer| {
+                serde_json::to_vec(&answer)
+                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+            }),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "cannot read the request body: {e}"
+        ))),
+    };
+    match answer {
+        Ok(body) => json_response(StatusCode::OK, SimBody::full(body), None),
+        Err(e) => error_response(&e, None),
+    }
 }
 
 /// A request as kept in the ring: cheap to store (the body and header
@@ -739,6 +866,12 @@ enum Plan {
     MooncakePrefill { key: (String, String) },
     /// Mooncake decode: pull the KV of a transfer.
     MooncakeDecode(mooncake::Remote),
+    /// LMCache prefill: push the KV to the decode's receiver ranks, if the
+    /// request has a `disagg_spec`, and notify the proxy.
+    LmcachePrefill(Option<DisaggSpec>),
+    /// LMCache decode: take the KV of the prompt minus its last token from
+    /// the receiver, and continue after that token.
+    LmcacheDecode,
 }
 
 fn plan(
@@ -770,6 +903,30 @@ fn plan(
             }
         }
         KvMode::Mooncake(SimRole::Decode) => Plan::MooncakeDecode(mooncake::decode_remote(params)?),
+        KvMode::Lmcache(role) => {
+            let spec = match role {
+                SimRole::Decode => None,
+                SimRole::Prefill => lmcache::disagg_spec(params)?,
+            };
+            // A decode, or a prefill that pushes, works on the KV of one prompt.
+            if (role == SimRole::Decode || spec.is_some()) && request.prompts.len() != 1 {
+                return Err(ApiError::bad_request(
+                    "LMCache P/D: one prompt per request, not a batch",
+                ));
+            }
+            match role {
+                SimRole::Decode => Plan::LmcacheDecode,
+                SimRole::Prefill => {
+                    if spec.is_some() && inner.notifications.notifier.is_none() {
+                        return Err(ApiError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "LMCache: this prefill has no proxy to notify (lmcache_proxy is not set)",
+                        ));
+                    }
+                    Plan::LmcachePrefill(spec)
+                }
+            }
+        }
     })
 }
 
@@ -813,6 +970,143 @@ fn kv_failure(counters: &Counters, e: &KvTransferError, request_id: &str) -> Api
         StatusCode::INTERNAL_SERVER_ERROR,
         format!("KV transfer failed: {e}"),
     )
+}
+
+/// The ids of an LMCache decode's prompt whose KV the prefill pushed: all but
+/// the last (the first token of the answer).
+fn lmcache_kv_ids(request: &CompletionRequest) -> &[u32] {
+    let prompt = request.prompts.first().map_or(&[][..], Vec::as_slice);
+    &prompt[..prompt.len().saturating_sub(1)]
+}
+
+/// LMCache prefill: pushes the prompt's KV to every receiver rank of `spec`
+/// at once, then notifies the proxy once per acknowledged rank (at once, or
+/// from a task after [`Faults::notify_delay`]). A failed push fails the
+/// request, and its rank is not notified.
+async fn push_and_notify(
+    inner: &Inner,
+    spec: &DisaggSpec,
+    digest: &KvDigest,
+    faults: Faults,
+) -> Result<(), ApiError> {
+    let counters = &inner.counters;
+    let pushes =
+        (0..spec.init_ports.len()).map(|rank| lmcache::push(spec, rank, &inner.engine_id, digest));
+    let mut acked = 0u32;
+    let mut failures = Vec::new();
+    for (rank, pushed) in futures::future::join_all(pushes)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        match pushed {
+            Ok(()) => {
+                bump(&counters.kv_pushes);
+                acked += 1;
+            }
+            Err(e) => {
+                bump(&counters.kv_push_failures);
+                failures.push(format!(
+                    "rank {rank} ({}:{}/{}): {e}",
+                    spec.host,
+                    spec.init_ports.get(rank).copied().unwrap_or_default(),
+                    spec.alloc_ports.get(rank).copied().unwrap_or_default()
+                ));
+            }
+        }
+    }
+    if acked > 0 {
+        let batch = NotifyBatch {
+            req_id: spec.req_id.clone(),
+            originals: acked,
+            duplicates: faults.notify_duplicates,
+            loss: faults.notify_loss,
+        };
+        if faults.notify_delay.is_zero() {
+            send_notifications(&inner.notifications, counters, &batch).await;
+        } else if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let notifications = inner.notifications.clone();
+            let counters = inner.counters.clone();
+            let mut stop = inner.stop.clone();
+            let delay = faults.notify_delay;
+            runtime.spawn(async move {
+                tokio::select! {
+                    () = async {
+                        tokio::time::sleep(delay).await;
+                        send_notifications(&notifications, &counters, &batch).await;
+                    } => {}
+                    // The engine stopped.
+                    _ = stop.wait_for(|stopped| *stopped) => {}
+                }
+            });
+        }
+    }
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        tracing::debug!(req_id = %spec.req_id, ?failures, "LMCache KV push failed");
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("KV transfer failed: {}", failures.join("; ")),
+        ))
+    }
+}
+
+/// The notifications of one LMCache prefill.
+#[derive(Debug)]
+struct NotifyBatch {
+    req_id: String,
+    /// One per acknowledged rank.
+    originals: u32,
+    /// Extra copies of each, sent after all the originals.
+    duplicates: u32,
+    /// Probability that each one is lost.
+    loss: f64,
+}
+
+/// Sends the notifications of a batch, in order. After a failure (no proxy
+/// within the timeout) the rest are not tried, so that a missing proxy costs
+/// one timeout per request at most.
+async fn send_notifications(
+    notifications: &Notifications,
+    counters: &Counters,
+    batch: &NotifyBatch,
+) {
+    let Some(notifier) = &notifications.notifier else {
+        return;
+    };
+    let payload = match lmcache::proxy_notif(&batch.req_id) {
+        Ok(payload) => payload,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot encode a notification");
+            return;
+        }
+    };
+    let total = u64::from(batch.originals) * (1 + u64::from(batch.duplicates));
+    let mut failed = false;
+    for _ in 0..total {
+        if notifications.rng.lose(batch.loss) {
+            bump(&counters.notifications_lost);
+            continue;
+        }
+        if failed {
+            bump(&counters.notification_failures);
+            continue;
+        }
+        match notifier.send(&payload).await {
+            Ok(()) => bump(&counters.notifications_sent),
+            Err(e) => {
+                failed = true;
+                bump(&counters.notification_failures);
+                tracing::debug!(error = %e, req_id = %batch.req_id, "notification not sent");
+            }
+        }
+    }
+    // The socket's writer task writes what was handed to it as soon as it
+    // runs: let it run before the caller answers.
+    for _ in 0..4 {
+        tokio::task::yield_now().await;
+    }
 }
 
 /// SGLang prefill: registers the KV of every element under its room and
@@ -926,7 +1220,25 @@ async fn serve_completion(
                 .await
                 .and_then(|remote| kv::check_kv(&remote, &own())),
         ),
-        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } => None,
+        Plan::LmcacheDecode => {
+            // The prompt is the ids whose KV was pushed, then the first token.
+            let own = kv_digest(
+                &config.model,
+                config.block_size,
+                lmcache_kv_ids(request).iter().copied(),
+            );
+            match inner.receiver.take(counters, &own) {
+                Ok(()) => Some(Ok(())),
+                Err(TakeError::Mismatch(e)) => Some(Err(e)),
+                Err(e @ TakeError::Missing { .. }) => {
+                    bump(&counters.kv_missing);
+                    tracing::debug!(error = %e, request_id, "LMCache decode refused");
+                    let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+                    return Err((e, guard));
+                }
+            }
+        }
+        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } | Plan::LmcachePrefill(_) => None,
     };
     let remote_kv = match fetched {
         Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
@@ -945,6 +1257,8 @@ async fn serve_completion(
         }
     }
     let mut max_tokens = request.max_tokens;
+    let lmcache_decode = matches!(plan, Plan::LmcacheDecode);
+    let first_tok = matches!(plan, Plan::LmcachePrefill(_)) && lmcache::ret_first_tok(params);
     match plan {
         Plan::Nixl if is_prefill => bump(&counters.prefill_requests),
         Plan::SglangPrefill(elements) => {
@@ -978,11 +1292,20 @@ async fn serve_completion(
                 }
             }
         }
+        Plan::LmcachePrefill(Some(spec)) => {
+            bump(&counters.prefill_requests);
+            let digest = kv_digest(&config.model, config.block_size, request.tokens());
+            if let Err(e) = push_and_notify(inner, &spec, &digest, faults).await {
+                return Err((e, guard));
+            }
+        }
         _ => {}
     }
 
-    // Generation.
+    // Generation. An LMCache decode continues after the last prompt token,
+    // the first token of the answer the prefill computed.
     let gen_params = GenParams {
+        start: usize::from(lmcache_decode),
         max_tokens: max_tokens as usize,
         min_tokens: request.min_tokens.min(max_tokens) as usize,
         eos_period: config.eos_period,
@@ -993,7 +1316,11 @@ async fn serve_completion(
     let mut choices: Vec<Generation> =
         Vec::with_capacity(request.prompts.len() * request.n as usize);
     for prompt in &request.prompts {
-        let hash = prompt_hash(prompt);
+        let hash = if lmcache_decode {
+            ids_hash(lmcache_kv_ids(request))
+        } else {
+            ids_hash(prompt)
+        };
         for i in 0..request.n {
             choices.push(generate_choice(hash, i, &gen_params));
         }
@@ -1072,6 +1399,12 @@ async fn serve_completion(
         kv_transfer_params: match &kv_out {
             Some(params) => Some(KvParamsField::Params(params)),
             None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
+            None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
+                first_tok: choices
+                    .first()
+                    .and_then(|c| c.ids.first().copied())
+                    .unwrap_or(EOS_TOKEN_ID),
+            })),
             None => None,
         },
     };

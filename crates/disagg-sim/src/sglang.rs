@@ -149,12 +149,12 @@ pub(crate) fn elements(
             Endpoint::Chat => request.prompts.first(),
             Endpoint::Completions => request.prompts.get(i),
         }
-        .map_or("", String::as_str);
+        .map_or(&[][..], Vec::as_slice);
         out.push(Element {
             host,
             port,
             room,
-            digest: kv_digest(model, block_size, prompt.split_whitespace()),
+            digest: kv_digest(model, block_size, prompt.iter().copied()),
         });
     }
     Ok(out)

@@ -15,7 +15,9 @@ pub struct Stats {
     /// Completion and chat requests received.
     pub requests: u64,
     /// Requests that came with `kv_transfer_params.do_remote_decode` set
-    /// (this engine acted as the prefill).
+    /// (this engine acted as the prefill); in the other modes, requests a
+    /// prefill served for a decode (SGLang, Mooncake, LMCache with a
+    /// `disagg_spec`).
     pub prefill_requests: u64,
     /// Prefill answers that carried `kv_transfer_params`.
     pub kv_params_returned: u64,
@@ -73,6 +75,42 @@ pub struct Stats {
     /// answers.
     #[serde(default)]
     pub kv_releases_sent: u64,
+    /// `POST /tokenize` requests served (in every mode; not counted in
+    /// [`Stats::requests`]).
+    #[serde(default)]
+    pub tokenize_requests: u64,
+    /// LMCache prefill: KV pushes to a decode's receiver rank that the
+    /// receiver acknowledged (one per rank).
+    #[serde(default)]
+    pub kv_pushes: u64,
+    /// LMCache prefill: KV pushes to a receiver rank that failed (nobody
+    /// listening, wrong port, refused by the receiver, timed out).
+    #[serde(default)]
+    pub kv_push_failures: u64,
+    /// LMCache prefill: `ProxyNotif` notifications handed to the ZMQ socket,
+    /// duplicates included.
+    #[serde(default)]
+    pub notifications_sent: u64,
+    /// LMCache prefill: notifications dropped by
+    /// [`Faults::notify_loss`](crate::Faults::notify_loss).
+    #[serde(default)]
+    pub notifications_lost: u64,
+    /// LMCache prefill: notifications that could not be sent (no proxy
+    /// reachable within the send timeout).
+    #[serde(default)]
+    pub notification_failures: u64,
+    /// LMCache decode: KV pushes received and acknowledged (one per rank).
+    #[serde(default)]
+    pub kv_received: u64,
+    /// LMCache decode: requests refused because the KV of their prompt had
+    /// not arrived on every rank.
+    #[serde(default)]
+    pub kv_missing: u64,
+    /// LMCache decode: received KV dropped because no request took it
+    /// within [`SimConfig::kv_lease`](crate::SimConfig::kv_lease) (one per
+    /// rank).
+    #[serde(default)]
+    pub kv_expired: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -96,6 +134,15 @@ pub(crate) struct Counters {
     pub(crate) kv_transfers_pending: AtomicU64,
     pub(crate) kv_released_on_abort: AtomicU64,
     pub(crate) kv_releases_sent: AtomicU64,
+    pub(crate) tokenize_requests: AtomicU64,
+    pub(crate) kv_pushes: AtomicU64,
+    pub(crate) kv_push_failures: AtomicU64,
+    pub(crate) notifications_sent: AtomicU64,
+    pub(crate) notifications_lost: AtomicU64,
+    pub(crate) notification_failures: AtomicU64,
+    pub(crate) kv_received: AtomicU64,
+    pub(crate) kv_missing: AtomicU64,
+    pub(crate) kv_expired: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -123,6 +170,15 @@ impl Counters {
             kv_transfers_pending: self.kv_transfers_pending.load(Relaxed),
             kv_released_on_abort: self.kv_released_on_abort.load(Relaxed),
             kv_releases_sent: self.kv_releases_sent.load(Relaxed),
+            tokenize_requests: self.tokenize_requests.load(Relaxed),
+            kv_pushes: self.kv_pushes.load(Relaxed),
+            kv_push_failures: self.kv_push_failures.load(Relaxed),
+            notifications_sent: self.notifications_sent.load(Relaxed),
+            notifications_lost: self.notifications_lost.load(Relaxed),
+            notification_failures: self.notification_failures.load(Relaxed),
+            kv_received: self.kv_received.load(Relaxed),
+            kv_missing: self.kv_missing.load(Relaxed),
+            kv_expired: self.kv_expired.load(Relaxed),
         }
     }
 }

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use disagg_sim::{Faults, SimConfig, SimEngine, Stats, generate};
+use disagg_sim::{Faults, SimConfig, SimEngine, Stats, generate, generate_from_ids};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
@@ -131,7 +131,7 @@ async fn completions_non_stream_shape_and_prompt_forms() {
     assert_eq!(v["usage"]["prompt_tokens"], 3);
     assert_eq!(v["usage"]["completion_tokens"], 8);
 
-    // Token ids: each id is a token.
+    // Token ids: the prompt's tokens, as `tokenize` makes them from text.
     let v = post(
         e.addr(),
         "/v1/completions",
@@ -139,7 +139,10 @@ async fn completions_non_stream_shape_and_prompt_forms() {
     )
     .await
     .json();
-    assert_eq!(v["choices"][0]["text"], text("1 22 333", 3));
+    assert_eq!(
+        v["choices"][0]["text"],
+        generate_from_ids(&[1, 22, 333], 3, 0).concat()
+    );
     assert_eq!(v["usage"]["prompt_tokens"], 3);
     let v = post(
         e.addr(),
@@ -148,7 +151,10 @@ async fn completions_non_stream_shape_and_prompt_forms() {
     )
     .await
     .json();
-    assert_eq!(v["choices"][1]["text"], text("3", 3));
+    assert_eq!(
+        v["choices"][1]["text"],
+        generate_from_ids(&[3], 3, 0).concat()
+    );
 }
 
 #[tokio::test]
