@@ -1,0 +1,58 @@
+//! LMCache prefill/decode support for disagg.
+//!
+//! With LMCache's P/D mode (vLLM `LMCacheConnectorV1`, KV moved over NIXL) the prefill's
+//! HTTP answer does not say when the KV cache has reached the decode. Instead every
+//! prefill tensor-parallel rank PUSH-connects to a ZMQ PULL socket owned by the proxy and,
+//! once its share of a request's KV has been written to the decode, sends a msgpack map
+//! `{"type": "ProxyNotif", "req_id": "<id>"}` (older LMCache: `"NixlProxyNotif"`). The
+//! proxy sends the decode leg only after it has as many notifications for the request as
+//! the decode has TP ranks. The wire format is described in `PROTOCOLS.md` §5.3; its
+//! source is LMCache's `lmcache/v1/storage_backend/pd_backend.py` (`ProxyNotif`, a
+//! `msgspec.Struct` with `tag=True`).
+//!
+//! This crate is that listener:
+//!
+//! - [`Notifications`] binds the PULL socket (pure-Rust ZMQ, no libzmq) and keeps a
+//!   bounded registry of the requests waiting for their KV;
+//! - [`Pending`] is one registration: [`Pending::ready`] resolves when the expected
+//!   number of notifications arrived, and dropping it forgets the request.
+//!
+//! # Examples
+//!
+//! A prefill rank's notification, sent over a real PUSH socket:
+//!
+//! ```
+//! use disagg_lmcache::{Notifications, NotifyConfig};
+//! use zeromq::{Socket, SocketSend};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let notifications = Notifications::bind("127.0.0.1:0", NotifyConfig::default()).await?;
+//! let addr = notifications.local_addr().ok_or("no address")?;
+//!
+//! // Register before the prefill is sent: a decode with one TP rank waits for one
+//! // notification.
+//! let pending = notifications.register("req-42", 1)?;
+//!
+//! // What an LMCache prefill rank does once the KV is on the decode.
+//! let mut push = zeromq::PushSocket::new();
+//! push.connect(&format!("tcp://{addr}")).await?;
+//! #[derive(serde::Serialize)]
+//! struct ProxyNotif<'a> {
+//!     #[serde(rename = "type")]
+//!     kind: &'a str,
+//!     req_id: &'a str,
+//! }
+//! let wire = rmp_serde::to_vec_named(&ProxyNotif { kind: "ProxyNotif", req_id: "req-42" })?;
+//! push.send(wire.into()).await?;
+//!
+//! pending.ready().await?;
+//! assert_eq!(notifications.stats().completed, 1);
+//! # Ok(())
+//! # }
+//! ```
+#![warn(missing_docs)]
+
+pub mod notify;
+
+pub use notify::{Notifications, NotifyConfig, NotifyError, NotifyStats, Pending, WaitError};

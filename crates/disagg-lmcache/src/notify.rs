@@ -1,0 +1,1122 @@
+//! LMCache's KV-ready notifications: a ZMQ PULL listener and the registry of requests
+//! waiting for their KV.
+//!
+//! # Protocol
+//!
+//! In LMCache's P/D mode every prefill TP rank PUSH-connects to
+//! `tcp://pd_proxy_host:pd_proxy_port` and, after the last chunk of a request's KV has been
+//! written to the decode (`transfer_spec.is_last_prefill`), sends
+//! `msgspec.msgpack.encode(ProxyNotif(req_id=…))`. `ProxyNotif` is a
+//! `msgspec.Struct` with `tag=True`, so the wire form is a msgpack **map**
+//! `{"type": "ProxyNotif", "req_id": "<str>"}`; LMCache's older `nixl_connector_v3` tags it
+//! `"NixlProxyNotif"`. Sources: `LMCache/LMCache lmcache/v1/storage_backend/pd_backend.py`
+//! and the proxy in `examples/disagg_prefill/xpyd/`, summarised in `PROTOCOLS.md` §5.3. The
+//! `req_id` is the one the proxy chose and put in the prefill's
+//! `kv_transfer_params.disagg_spec.req_id`; the proxy waits for as many notifications as
+//! the decode has TP ranks (`len(receiver_init_port)`).
+//!
+//! # Registry
+//!
+//! A request is [registered](Notifications::register) before its prefill is sent; the
+//! returned [`Pending`] resolves once the expected number of notifications arrived, and
+//! dropping it forgets the request. Only live registrations are stored: a notification for
+//! an id nobody registered is counted and dropped, and one beyond the expected count is
+//! counted and ignored, so the registry's size is bounded by
+//! [`NotifyConfig::max_pending`] whatever the engines send. A registration older than
+//! [`NotifyConfig::ttl`] is evicted (its waiter gets [`WaitError::Evicted`]): a defence
+//! against an owner that never drops its `Pending`, not a timeout for the handoff (the
+//! caller bounds its own wait, e.g. with `tokio::time::timeout`).
+//!
+//! The registry is one `std::sync::Mutex` over a `HashMap`, held only for map updates and
+//! never across an await; waiters are woken through a `tokio::sync::watch` per
+//! registration, so nothing polls.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use zeromq::{Socket, SocketRecv};
+
+/// The message tags accepted as a KV-ready notification: LMCache's `ProxyNotif` and the
+/// older `nixl_connector_v3`'s `NixlProxyNotif`.
+const NOTIFY_TYPES: [&str; 2] = ["ProxyNotif", "NixlProxyNotif"];
+
+/// The shortest sweep period: `tokio::time::interval` panics on a zero period, and a
+/// sweeper spinning faster than this would only burn CPU.
+const MIN_SWEEP_INTERVAL: Duration = Duration::from_millis(1);
+
+/// The longest sweep period: tokio adds the period to the current instant and panics on
+/// overflow, so an "effectively never" setting such as `Duration::MAX` is capped here.
+const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The longest pause after repeated socket receive errors. A single error (one peer's
+/// broken framing) is followed at once by the next receive; only an error streak backs
+/// off, so a persistently failing socket cannot spin a core.
+const MAX_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+
+// === NotifyConfig ===
+
+/// Settings of a [`Notifications`] registry.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use disagg_lmcache::NotifyConfig;
+///
+/// let config = NotifyConfig { ttl: Duration::from_secs(30), ..NotifyConfig::default() };
+/// assert_eq!(config.max_pending, 65_536);
+/// ```
+#[derive(Debug, Clone)]
+pub struct NotifyConfig {
+    /// Age after which a registration is evicted, whatever its state (default 120 s). A
+    /// safety net for registrations whose owner forgot them; keep it above the longest
+    /// prefill plus KV transfer.
+    pub ttl: Duration,
+    /// How often the sweeper looks for expired registrations (default 1 s; kept between
+    /// 1 ms and one day). Expired registrations are also removed by [`Notifications::register`].
+    pub sweep_interval: Duration,
+    /// Registrations alive at once; [`Notifications::register`] fails with
+    /// [`NotifyError::Full`] beyond it (default 65,536).
+    pub max_pending: usize,
+}
+
+impl Default for NotifyConfig {
+    fn default() -> Self {
+        NotifyConfig {
+            ttl: Duration::from_secs(120),
+            sweep_interval: Duration::from_secs(1),
+            max_pending: 65_536,
+        }
+    }
+}
+
+// === NotifyStats ===
+
+/// Counters of a [`Notifications`] registry since it was created.
+///
+/// Every message is counted once in `received` and once in exactly one of `matched`,
+/// `unknown`, `extra` and `malformed`, so
+/// `received == matched + unknown + extra + malformed` once the registry is idle.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NotifyStats {
+    /// Notifications received: messages read from the socket plus
+    /// [`Notifications::notify`] calls.
+    pub received: u64,
+    /// Notifications counted towards a live registration.
+    pub matched: u64,
+    /// Registrations that reached their expected count.
+    pub completed: u64,
+    /// Notifications for an id with no registration (ignored, never stored).
+    pub unknown: u64,
+    /// Notifications for a registration already complete (ignored).
+    pub extra: u64,
+    /// Socket messages that are not a msgpack `ProxyNotif`/`NixlProxyNotif` map (ignored).
+    pub malformed: u64,
+    /// Registrations removed because they outlived [`NotifyConfig::ttl`].
+    pub evicted: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    received: AtomicU64,
+    matched: AtomicU64,
+    completed: AtomicU64,
+    unknown: AtomicU64,
+    extra: AtomicU64,
+    malformed: AtomicU64,
+    evicted: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> NotifyStats {
+        NotifyStats {
+            received: self.received.load(Ordering::Relaxed),
+            matched: self.matched.load(Ordering::Relaxed),
+            completed: self.completed.load(Ordering::Relaxed),
+            unknown: self.unknown.load(Ordering::Relaxed),
+            extra: self.extra.load(Ordering::Relaxed),
+            malformed: self.malformed.load(Ordering::Relaxed),
+            evicted: self.evicted.load(Ordering::Relaxed),
+        }
+    }
+}
+
+// === errors ===
+
+/// Why a [`Notifications`] listener could not start, or a registration was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NotifyError {
+    /// The bind address is not `host:port` or `tcp://host:port`.
+    #[error("invalid notification address {addr:?}: {reason}")]
+    InvalidAddress {
+        /// The address as given.
+        addr: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The TCP listener could not be bound (address in use, unresolvable host, …).
+    #[error("cannot bind the notification listener on {addr}")]
+    Bind {
+        /// The address as given.
+        addr: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The ZMQ PULL socket could not take the bound listener.
+    #[error("cannot start the notification socket on {addr}")]
+    Listen {
+        /// The address as given.
+        addr: String,
+        /// The ZMQ error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// The request id is already registered (its `Pending` is still alive).
+    #[error("request id {req_id:?} is already registered")]
+    Duplicate {
+        /// The request id.
+        req_id: String,
+    },
+    /// [`NotifyConfig::max_pending`] registrations are alive.
+    #[error("{max_pending} registrations are already waiting")]
+    Full {
+        /// The configured limit.
+        max_pending: usize,
+    },
+    /// A registration must expect at least one notification.
+    #[error("a registration must expect at least one notification")]
+    ZeroExpected,
+}
+
+/// Why [`Pending::ready`] ended without the expected notifications.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// The registration outlived [`NotifyConfig::ttl`] and was removed.
+    #[error("registration evicted after its time to live")]
+    Evicted,
+    /// The registry shut down: every [`Notifications`] handle was dropped.
+    #[error("notification listener closed")]
+    Closed,
+}
+
+// === registry internals ===
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Ready,
+    Evicted,
+}
+
+/// What a registration's waiters see. "Closed" is the channel's sender being dropped
+/// without a terminal state: the registry itself is gone.
+#[derive(Debug, Clone, Copy)]
+struct Status {
+    received: usize,
+    state: State,
+}
+
+#[derive(Debug)]
+struct Slot {
+    /// Tells this registration apart from an earlier or later one with the same id, so a
+    /// stale `Pending` never removes its successor.
+    generation: u64,
+    expected: usize,
+    received: usize,
+    /// `None` when `now + ttl` overflows: never expires.
+    deadline: Option<Instant>,
+    status: watch::Sender<Status>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    slots: HashMap<Arc<str>, Slot>,
+    /// The live registrations by generation. Generations and deadlines are both assigned
+    /// under the lock with one TTL, so this is also deadline order: the sweep pops expired
+    /// entries from the front and stops at the first live one.
+    by_age: BTreeMap<u64, Arc<str>>,
+    next_generation: u64,
+}
+
+impl Registry {
+    /// Removes the registrations whose deadline is at or before `now`; returns how many.
+    fn remove_expired(&mut self, now: Instant) -> u64 {
+        let mut evicted = 0;
+        while let Some((&generation, id)) = self.by_age.first_key_value() {
+            let id = Arc::clone(id);
+            let expired = match self.slots.get(&id) {
+                // Kept in step with `slots`; a stray index entry is just dropped.
+                Some(slot) if slot.generation == generation => {
+                    matches!(slot.deadline, Some(deadline) if deadline <= now)
+                }
+                _ => {
+                    self.by_age.pop_first();
+                    continue;
+                }
+            };
+            if !expired {
+                break;
+            }
+            self.by_age.pop_first();
+            if let Some(slot) = self.slots.remove(&id) {
+                // A completed registration stays completed for its waiter: the KV did
+                // arrive; only the entry is reclaimed.
+                if slot.received < slot.expected {
+                    slot.status.send_replace(Status {
+                        received: slot.received,
+                        state: State::Evicted,
+                    });
+                }
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+}
+
+/// Where one notification went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Matched,
+    Completed,
+    Unknown,
+    Extra,
+}
+
+struct Inner {
+    config: NotifyConfig,
+    local_addr: Option<SocketAddr>,
+    registry: Mutex<Registry>,
+    counters: Counters,
+    /// Never sent on: dropped with the last handle, which ends the socket task and the
+    /// sweeper (their `changed()` fails).
+    _shutdown: watch::Sender<()>,
+}
+
+impl Inner {
+    fn new(
+        config: NotifyConfig,
+        local_addr: Option<SocketAddr>,
+    ) -> (Arc<Inner>, watch::Receiver<()>) {
+        let (shutdown, on_shutdown) = watch::channel(());
+        let inner = Arc::new(Inner {
+            config,
+            local_addr,
+            registry: Mutex::new(Registry::default()),
+            counters: Counters::default(),
+            _shutdown: shutdown,
+        });
+        (inner, on_shutdown)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Registry> {
+        // No code path panics while holding the lock, and the registry stays consistent
+        // between statements anyway: a poisoned lock is still usable.
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn sweep(&self, now: Instant) {
+        let evicted = self.lock().remove_expired(now);
+        self.record_evicted(evicted);
+    }
+
+    fn record_evicted(&self, evicted: u64) {
+        if evicted > 0 {
+            Counters::add(&self.counters.evicted, evicted);
+            tracing::warn!(
+                evicted,
+                ttl = ?self.config.ttl,
+                "evicted LMCache KV-ready registrations older than their time to live"
+            );
+        }
+    }
+
+    fn notify(&self, req_id: &str) -> Outcome {
+        Counters::add(&self.counters.received, 1);
+        let outcome = {
+            let mut registry = self.lock();
+            match registry.slots.get_mut(req_id) {
+                None => Outcome::Unknown,
+                Some(slot) if slot.received >= slot.expected => Outcome::Extra,
+                Some(slot) => {
+                    slot.received += 1;
+                    let done = slot.received == slot.expected;
+                    slot.status.send_replace(Status {
+                        received: slot.received,
+                        state: if done { State::Ready } else { State::Waiting },
+                    });
+                    if done {
+                        Outcome::Completed
+                    } else {
+                        Outcome::Matched
+                    }
+                }
+            }
+        };
+        match outcome {
+            Outcome::Matched => Counters::add(&self.counters.matched, 1),
+            Outcome::Completed => {
+                Counters::add(&self.counters.matched, 1);
+                Counters::add(&self.counters.completed, 1);
+            }
+            Outcome::Unknown => {
+                Counters::add(&self.counters.unknown, 1);
+                tracing::debug!(
+                    req_id,
+                    "ignored a KV-ready notification for an unregistered request"
+                );
+            }
+            Outcome::Extra => {
+                Counters::add(&self.counters.extra, 1);
+                tracing::debug!(
+                    req_id,
+                    "ignored a KV-ready notification beyond the expected count"
+                );
+            }
+        }
+        outcome
+    }
+
+    /// One socket message: its first frame is the notification.
+    fn on_frame(&self, frame: Option<&[u8]>) {
+        let decoded = frame.ok_or(Malformed::Empty).and_then(decode);
+        match decoded {
+            Ok(req_id) => {
+                self.notify(req_id);
+            }
+            Err(reason) => {
+                Counters::add(&self.counters.received, 1);
+                Counters::add(&self.counters.malformed, 1);
+                tracing::debug!(
+                    len = frame.map_or(0, <[u8]>::len),
+                    %reason,
+                    "ignored a malformed LMCache notification"
+                );
+            }
+        }
+    }
+
+    fn forget(&self, req_id: &str, generation: u64) {
+        let mut registry = self.lock();
+        if registry
+            .slots
+            .get(req_id)
+            .is_some_and(|slot| slot.generation == generation)
+        {
+            registry.slots.remove(req_id);
+            registry.by_age.remove(&generation);
+        }
+    }
+}
+
+// === decoding ===
+
+/// The fields of `ProxyNotif`/`NixlProxyNotif` the proxy needs; other keys are ignored.
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    req_id: &'a str,
+}
+
+#[derive(Debug)]
+enum Malformed {
+    Empty,
+    Undecodable(rmp_serde::decode::Error),
+    UnknownType(String),
+}
+
+impl fmt::Display for Malformed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Malformed::Empty => f.write_str("message without frames"),
+            Malformed::Undecodable(error) => write!(f, "not a notification map: {error}"),
+            Malformed::UnknownType(kind) => write!(f, "unknown message type {kind:?}"),
+        }
+    }
+}
+
+/// The request id of a `ProxyNotif`/`NixlProxyNotif` frame.
+fn decode(frame: &[u8]) -> Result<&str, Malformed> {
+    let wire: Wire<'_> = rmp_serde::from_slice(frame).map_err(Malformed::Undecodable)?;
+    if NOTIFY_TYPES.contains(&wire.kind) {
+        Ok(wire.req_id)
+    } else {
+        Err(Malformed::UnknownType(wire.kind.to_owned()))
+    }
+}
+
+// === background tasks ===
+
+async fn receive_loop(
+    mut socket: zeromq::PullSocket,
+    registry: Weak<Inner>,
+    mut shutdown: watch::Receiver<()>,
+) {
+    let mut failures: u32 = 0;
+    loop {
+        let received = tokio::select! {
+            biased;
+            _ = shutdown.changed() => break,
+            received = socket.recv() => received,
+        };
+        match received {
+            Ok(message) => {
+                failures = 0;
+                let Some(inner) = registry.upgrade() else {
+                    break;
+                };
+                inner.on_frame(message.get(0).map(|frame| &frame[..]));
+            }
+            Err(error) => {
+                failures = failures.saturating_add(1);
+                tracing::warn!(%error, failures, "LMCache notification socket: receive failed");
+                if failures > 1 {
+                    let pause =
+                        Duration::from_millis(1u64 << failures.min(7)).min(MAX_ERROR_BACKOFF);
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.changed() => break,
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+    for error in socket.close().await {
+        tracing::debug!(%error, "LMCache notification socket: close");
+    }
+}
+
+async fn sweep_loop(registry: Weak<Inner>, period: Duration, mut shutdown: watch::Receiver<()>) {
+    let mut ticks = tokio::time::interval(period.clamp(MIN_SWEEP_INTERVAL, MAX_SWEEP_INTERVAL));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => break,
+            _ = ticks.tick() => {}
+        }
+        let Some(inner) = registry.upgrade() else {
+            break;
+        };
+        inner.sweep(Instant::now());
+    }
+}
+
+/// `host:port` from `host:port`, `tcp://host:port` or ZMQ's `tcp://*:port`.
+fn listen_address(addr: &str) -> Result<String, NotifyError> {
+    let invalid = |reason| NotifyError::InvalidAddress {
+        addr: addr.to_owned(),
+        reason,
+    };
+    let rest = match addr.split_once("://") {
+        Some(("tcp", rest)) => rest,
+        Some(_) => return Err(invalid("only tcp:// endpoints are supported")),
+        None => addr,
+    };
+    if rest.is_empty() {
+        return Err(invalid("no host and port"));
+    }
+    // ZMQ spells "all interfaces" `*`.
+    Ok(match rest.strip_prefix("*:") {
+        Some(port) => format!("0.0.0.0:{port}"),
+        None => rest.to_owned(),
+    })
+}
+
+// === Notifications ===
+
+/// The KV-ready notification listener and its registry of waiting requests.
+///
+/// Cheap to clone (an `Arc` inside). The socket task and the sweeper hold no handle: they
+/// end, and the socket is closed, when the last clone is dropped; waiters then get
+/// [`WaitError::Closed`].
+///
+/// # Examples
+///
+/// ```
+/// use disagg_lmcache::{Notifications, NotifyConfig};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let notifications = Notifications::bind("127.0.0.1:0", NotifyConfig::default()).await?;
+/// // The prefill engines' `pd_proxy_host`/`pd_proxy_port`.
+/// let addr = notifications.local_addr().ok_or("no address")?;
+/// assert_ne!(addr.port(), 0);
+///
+/// // A decode with two TP ranks: two notifications.
+/// let pending = notifications.register("req-7", 2)?;
+/// notifications.notify("req-7"); // what the socket task does per `ProxyNotif`
+/// assert_eq!(pending.received(), 1);
+/// notifications.notify("req-7");
+/// pending.ready().await?;
+///
+/// drop(pending); // the registration is gone
+/// assert_eq!(notifications.pending_len(), 0);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Notifications {
+    inner: Arc<Inner>,
+}
+
+impl Notifications {
+    /// Binds a ZMQ PULL socket on `addr` and starts listening.
+    ///
+    /// `addr` is `host:port` or `tcp://host:port` (`tcp://*:port` for all interfaces);
+    /// port 0 picks a free port, see [`local_addr`](Self::local_addr). Spawns the receive
+    /// task and the TTL sweeper on the current tokio runtime; both end when the last
+    /// handle is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`NotifyError::InvalidAddress`] for another scheme or an empty address,
+    /// [`NotifyError::Bind`] when the address cannot be bound, [`NotifyError::Listen`]
+    /// when the ZMQ socket cannot take the listener.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub async fn bind(addr: &str, config: NotifyConfig) -> Result<Notifications, NotifyError> {
+        let bind_error = |source| NotifyError::Bind {
+            addr: addr.to_owned(),
+            source,
+        };
+        let target = listen_address(addr)?;
+        // Bound here rather than by zeromq so the resolved address (port 0, host names) is
+        // known exactly.
+        let listener = tokio::net::TcpListener::bind(target.as_str())
+            .await
+            .map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
+        let listener = listener.into_std().map_err(bind_error)?;
+        let mut socket = zeromq::PullSocket::new();
+        socket
+            .bind_listener(listener)
+            .await
+            .map_err(|error| NotifyError::Listen {
+                addr: addr.to_owned(),
+                source: Box::new(error),
+            })?;
+
+        let sweep_interval = config.sweep_interval;
+        let (inner, shutdown) = Inner::new(config, Some(local_addr));
+        tokio::spawn(receive_loop(
+            socket,
+            Arc::downgrade(&inner),
+            shutdown.clone(),
+        ));
+        tokio::spawn(sweep_loop(Arc::downgrade(&inner), sweep_interval, shutdown));
+        tracing::debug!(%local_addr, "LMCache notification listener bound");
+        Ok(Notifications { inner })
+    }
+
+    /// A registry with no socket, fed through [`notify`](Self::notify) (another transport,
+    /// tests).
+    ///
+    /// Called inside a tokio runtime it spawns the TTL sweeper, which ends when the last
+    /// handle is dropped; outside one, expired registrations are removed only by
+    /// [`register`](Self::register).
+    pub fn detached(config: NotifyConfig) -> Notifications {
+        let sweep_interval = config.sweep_interval;
+        let (inner, shutdown) = Inner::new(config, None);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(sweep_loop(Arc::downgrade(&inner), sweep_interval, shutdown));
+        }
+        Notifications { inner }
+    }
+
+    /// The address the socket is bound to (port 0 resolved); `None` when
+    /// [`detached`](Self::detached).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.local_addr
+    }
+
+    /// Registers `req_id`, expecting `expected` notifications; call it before the prefill
+    /// is sent, so no notification can arrive first.
+    ///
+    /// Expired registrations are removed first. The registration lives until the returned
+    /// [`Pending`] is dropped or it outlives [`NotifyConfig::ttl`].
+    ///
+    /// # Errors
+    ///
+    /// [`NotifyError::ZeroExpected`] when `expected` is 0, [`NotifyError::Duplicate`]
+    /// when `req_id` is registered already, [`NotifyError::Full`] when
+    /// [`NotifyConfig::max_pending`] registrations are alive.
+    pub fn register(&self, req_id: &str, expected: usize) -> Result<Pending, NotifyError> {
+        if expected == 0 {
+            return Err(NotifyError::ZeroExpected);
+        }
+        let now = Instant::now();
+        let mut registry = self.inner.lock();
+        let evicted = registry.remove_expired(now);
+        let registered = if registry.slots.contains_key(req_id) {
+            Err(NotifyError::Duplicate {
+                req_id: req_id.to_owned(),
+            })
+        } else if registry.slots.len() >= self.inner.config.max_pending {
+            Err(NotifyError::Full {
+                max_pending: self.inner.config.max_pending,
+            })
+        } else {
+            let generation = registry.next_generation;
+            registry.next_generation += 1;
+            let id: Arc<str> = Arc::from(req_id);
+            let (status, on_status) = watch::channel(Status {
+                received: 0,
+                state: State::Waiting,
+            });
+            registry.slots.insert(
+                Arc::clone(&id),
+                Slot {
+                    generation,
+                    expected,
+                    received: 0,
+                    deadline: now.checked_add(self.inner.config.ttl),
+                    status,
+                },
+            );
+            registry.by_age.insert(generation, Arc::clone(&id));
+            Ok(Pending {
+                req_id: id,
+                expected,
+                generation,
+                status: on_status,
+                registry: Arc::downgrade(&self.inner),
+            })
+        };
+        drop(registry);
+        self.inner.record_evicted(evicted);
+        registered
+    }
+
+    /// Counts one notification for `req_id`: what the socket task does for every decoded
+    /// message.
+    ///
+    /// Unknown ids and notifications beyond the expected count are counted in
+    /// [`stats`](Self::stats) and otherwise ignored.
+    pub fn notify(&self, req_id: &str) {
+        self.inner.notify(req_id);
+    }
+
+    /// Registrations alive now (an expired one counts until it is swept).
+    pub fn pending_len(&self) -> usize {
+        self.inner.lock().slots.len()
+    }
+
+    /// The counters since the registry was created.
+    pub fn stats(&self) -> NotifyStats {
+        self.inner.counters.snapshot()
+    }
+}
+
+impl fmt::Debug for Notifications {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Notifications")
+            .field("local_addr", &self.inner.local_addr)
+            .field("config", &self.inner.config)
+            .field("pending", &self.pending_len())
+            .finish()
+    }
+}
+
+// === Pending ===
+
+/// One registration: resolves when its notifications arrived; dropping it removes the
+/// entry, whatever its state.
+///
+/// `Send + Sync`, not `Clone`. It does not keep the registry alive: once every
+/// [`Notifications`] handle is gone, [`ready`](Self::ready) returns
+/// [`WaitError::Closed`].
+pub struct Pending {
+    req_id: Arc<str>,
+    expected: usize,
+    generation: u64,
+    status: watch::Receiver<Status>,
+    registry: Weak<Inner>,
+}
+
+impl Pending {
+    /// The registered request id.
+    pub fn req_id(&self) -> &str {
+        &self.req_id
+    }
+
+    /// Notifications counted so far (at most [`expected`](Self::expected)).
+    pub fn received(&self) -> usize {
+        self.status.borrow().received
+    }
+
+    /// Notifications this registration waits for.
+    pub fn expected(&self) -> usize {
+        self.expected
+    }
+
+    /// Waits until [`expected`](Self::expected) notifications arrived; returns at once if
+    /// they already have.
+    ///
+    /// Woken by the registry, no polling. Cancel-safe: dropping the future (e.g. on a
+    /// `tokio::time::timeout`) loses nothing, and it may be called again.
+    ///
+    /// # Errors
+    ///
+    /// [`WaitError::Evicted`] when the registration outlived [`NotifyConfig::ttl`] before
+    /// completing, [`WaitError::Closed`] when the registry shut down first.
+    pub async fn ready(&self) -> Result<(), WaitError> {
+        let mut status = self.status.clone();
+        let state = status
+            .wait_for(|status| status.state != State::Waiting)
+            .await
+            .map(|status| status.state);
+        match state {
+            Ok(State::Ready) => Ok(()),
+            Ok(State::Evicted) => Err(WaitError::Evicted),
+            Ok(State::Waiting) | Err(_) => Err(WaitError::Closed),
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(inner) = self.registry.upgrade() {
+            inner.forget(&self.req_id, self.generation);
+        }
+    }
+}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending")
+            .field("req_id", &self.req_id)
+            .field("received", &self.received())
+            .field("expected", &self.expected)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(kind: &str, req_id: &str) -> Vec<u8> {
+        #[derive(serde::Serialize)]
+        struct Notif<'a> {
+            #[serde(rename = "type")]
+            kind: &'a str,
+            req_id: &'a str,
+        }
+        rmp_serde::to_vec_named(&Notif { kind, req_id }).expect("encode")
+    }
+
+    fn config(ttl: Duration, max_pending: usize) -> NotifyConfig {
+        NotifyConfig {
+            ttl,
+            sweep_interval: Duration::from_secs(1),
+            max_pending,
+        }
+    }
+
+    fn assert_consistent(stats: NotifyStats) {
+        assert_eq!(
+            stats.received,
+            stats.matched + stats.unknown + stats.extra + stats.malformed,
+            "{stats:?}"
+        );
+    }
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        fn check<T: Send + Sync + 'static>() {}
+        check::<Pending>();
+        check::<Notifications>();
+        check::<NotifyError>();
+        check::<WaitError>();
+    }
+
+    #[test]
+    fn decodes_both_tags_and_ignores_other_keys() {
+        assert_eq!(decode(&wire("ProxyNotif", "42")).ok(), Some("42"));
+        assert_eq!(decode(&wire("NixlProxyNotif", "a-b")).ok(), Some("a-b"));
+
+        // Key order and extra keys do not matter.
+        let mut map = std::collections::BTreeMap::new();
+        map.insert("req_id", "r1");
+        map.insert("type", "ProxyNotif");
+        map.insert("extra", "x");
+        let bytes = rmp_serde::to_vec_named(&map).expect("encode");
+        assert_eq!(decode(&bytes).ok(), Some("r1"));
+    }
+
+    #[test]
+    fn rejects_what_is_not_a_notification() {
+        assert!(matches!(
+            decode(&wire("ProxyAck", "42")),
+            Err(Malformed::UnknownType(kind)) if kind == "ProxyAck"
+        ));
+        assert!(matches!(
+            decode(b"\xc1garbage"),
+            Err(Malformed::Undecodable(_))
+        ));
+        assert!(matches!(decode(b""), Err(Malformed::Undecodable(_))));
+        // A map without req_id, and one whose req_id is not a string.
+        let mut missing = std::collections::BTreeMap::new();
+        missing.insert("type", "ProxyNotif");
+        let bytes = rmp_serde::to_vec_named(&missing).expect("encode");
+        assert!(matches!(decode(&bytes), Err(Malformed::Undecodable(_))));
+        #[derive(serde::Serialize)]
+        struct NumericId {
+            #[serde(rename = "type")]
+            kind: &'static str,
+            req_id: u64,
+        }
+        let bytes = rmp_serde::to_vec_named(&NumericId {
+            kind: "ProxyNotif",
+            req_id: 42,
+        })
+        .expect("encode");
+        assert!(matches!(decode(&bytes), Err(Malformed::Undecodable(_))));
+    }
+
+    #[test]
+    fn malformed_frames_are_counted_not_stored() {
+        let notifications = Notifications::detached(NotifyConfig::default());
+        let pending = notifications.register("r", 1).expect("register");
+        notifications.inner.on_frame(None);
+        notifications.inner.on_frame(Some(&b"\x93\x01\x02"[..]));
+        notifications.inner.on_frame(Some(&wire("Other", "r")));
+        assert_eq!(pending.received(), 0);
+        notifications.inner.on_frame(Some(&wire("ProxyNotif", "r")));
+        assert_eq!(pending.received(), 1);
+        let stats = notifications.stats();
+        assert_eq!(stats.malformed, 3);
+        assert_eq!(stats.received, 4);
+        assert_eq!(stats.completed, 1);
+        assert_consistent(stats);
+    }
+
+    #[test]
+    fn register_refuses_zero_duplicates_and_overflow() {
+        let notifications = Notifications::detached(config(Duration::from_secs(60), 2));
+        assert!(matches!(
+            notifications.register("a", 0),
+            Err(NotifyError::ZeroExpected)
+        ));
+        let a = notifications.register("a", 1).expect("a");
+        assert!(matches!(
+            notifications.register("a", 1),
+            Err(NotifyError::Duplicate { req_id }) if req_id == "a"
+        ));
+        let _b = notifications.register("b", 1).expect("b");
+        assert!(matches!(
+            notifications.register("c", 1),
+            Err(NotifyError::Full { max_pending: 2 })
+        ));
+        assert_eq!(notifications.pending_len(), 2);
+        // Dropping a registration frees both its id and its room.
+        drop(a);
+        assert_eq!(notifications.pending_len(), 1);
+        let _a = notifications.register("a", 1).expect("a again");
+        assert!(matches!(
+            notifications.register("c", 1),
+            Err(NotifyError::Full { .. })
+        ));
+    }
+
+    #[test]
+    fn counts_unknown_matched_completed_and_extra() {
+        let notifications = Notifications::detached(NotifyConfig::default());
+        let pending = notifications.register("r", 3).expect("register");
+        assert_eq!(notifications.inner.notify("nobody"), Outcome::Unknown);
+        assert_eq!(notifications.inner.notify("r"), Outcome::Matched);
+        assert_eq!(notifications.inner.notify("r"), Outcome::Matched);
+        assert_eq!(pending.received(), 2);
+        assert_eq!(notifications.inner.notify("r"), Outcome::Completed);
+        assert_eq!(notifications.inner.notify("r"), Outcome::Extra);
+        assert_eq!(pending.received(), 3);
+        assert_eq!(pending.expected(), 3);
+        assert_eq!(pending.req_id(), "r");
+        // Unknown ids are not stored.
+        assert_eq!(notifications.pending_len(), 1);
+        assert_eq!(
+            notifications.stats(),
+            NotifyStats {
+                received: 5,
+                matched: 3,
+                completed: 1,
+                unknown: 1,
+                extra: 1,
+                malformed: 0,
+                evicted: 0,
+            }
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ready_waits_for_the_last_notification() {
+        let notifications = Notifications::detached(NotifyConfig::default());
+        let pending = notifications.register("r", 2).expect("register");
+        notifications.notify("r");
+        let early = tokio::time::timeout(Duration::from_millis(50), pending.ready()).await;
+        assert!(early.is_err(), "ready after 1 of 2: {early:?}");
+        notifications.notify("r");
+        // Called again after a timeout, and after the fact: returns at once.
+        tokio::time::timeout(Duration::from_millis(1), pending.ready())
+            .await
+            .expect("ready at once")
+            .expect("ready");
+        pending.ready().await.expect("ready again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ready_wakes_a_waiter_already_waiting() {
+        let notifications = Notifications::detached(NotifyConfig::default());
+        let pending = notifications.register("r", 1).expect("register");
+        let waiter = tokio::spawn(async move { pending.ready().await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        notifications.notify("r");
+        assert_eq!(waiter.await.expect("join"), Ok(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ttl_evicts_and_wakes_the_waiter() {
+        let notifications = Notifications::detached(config(Duration::from_secs(10), 16));
+        let pending = notifications.register("r", 2).expect("register");
+        notifications.notify("r");
+        let started = Instant::now();
+        let outcome = pending.ready().await;
+        assert_eq!(outcome, Err(WaitError::Evicted));
+        let waited = started.elapsed();
+        // The sweeper runs every second: evicted between 10 and 11 s.
+        assert!(
+            waited >= Duration::from_secs(10) && waited <= Duration::from_secs(11),
+            "{waited:?}"
+        );
+        assert_eq!(notifications.pending_len(), 0);
+        assert_eq!(notifications.stats().evicted, 1);
+        // The id is free again, and late notifications for it are unknown.
+        notifications.notify("r");
+        assert_eq!(notifications.stats().unknown, 1);
+        assert_eq!(pending.ready().await, Err(WaitError::Evicted));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn extreme_sweep_intervals_are_clamped() {
+        // Zero would panic `tokio::time::interval`, `Duration::MAX` would overflow its next
+        // deadline: either way the sweeper would die and the waiter never hear of its
+        // eviction. Also a TTL too long to add to an instant: never expires.
+        for (sweep_interval, evicted_within) in [
+            (Duration::ZERO, Duration::from_secs(11)),
+            (Duration::MAX, Duration::from_secs(2 * 24 * 60 * 60)),
+        ] {
+            let notifications = Notifications::detached(NotifyConfig {
+                ttl: Duration::from_secs(10),
+                sweep_interval,
+                max_pending: 16,
+            });
+            let pending = notifications.register("r", 1).expect("register");
+            let outcome = tokio::time::timeout(evicted_within, pending.ready()).await;
+            assert_eq!(outcome, Ok(Err(WaitError::Evicted)), "{sweep_interval:?}");
+        }
+        let notifications = Notifications::detached(NotifyConfig {
+            ttl: Duration::MAX,
+            sweep_interval: Duration::from_secs(60 * 60),
+            max_pending: 16,
+        });
+        let pending = notifications.register("r", 1).expect("register");
+        tokio::time::sleep(Duration::from_secs(30 * 24 * 60 * 60)).await;
+        assert_eq!(notifications.pending_len(), 1);
+        notifications.notify("r");
+        assert_eq!(pending.ready().await, Ok(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completed_registration_stays_ready_when_evicted() {
+        let notifications = Notifications::detached(config(Duration::from_secs(5), 16));
+        let pending = notifications.register("r", 1).expect("register");
+        notifications.notify("r");
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        assert_eq!(notifications.pending_len(), 0);
+        assert_eq!(notifications.stats().evicted, 1);
+        assert_eq!(pending.ready().await, Ok(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_pending_does_not_remove_its_successor() {
+        let notifications = Notifications::detached(config(Duration::from_secs(5), 16));
+        let stale = notifications.register("r", 1).expect("first");
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert_eq!(stale.ready().await, Err(WaitError::Evicted));
+        let fresh = notifications.register("r", 1).expect("second");
+        drop(stale);
+        assert_eq!(notifications.pending_len(), 1);
+        notifications.notify("r");
+        assert_eq!(fresh.ready().await, Ok(()));
+    }
+
+    #[test]
+    fn register_evicts_expired_entries_without_a_runtime() {
+        // Outside a runtime there is no sweeper: `register` reclaims the room itself.
+        let notifications = Notifications::detached(config(Duration::ZERO, 1));
+        let first = notifications.register("a", 1).expect("a");
+        let second = notifications.register("b", 1).expect("b, a expired");
+        assert_eq!(notifications.pending_len(), 1);
+        assert_eq!(notifications.stats().evicted, 1);
+        assert_eq!(first.status.borrow().state, State::Evicted);
+        drop(second);
+        assert_eq!(notifications.pending_len(), 0);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_last_handle_closes_waiters() {
+        let notifications = Notifications::detached(NotifyConfig::default());
+        let pending = notifications.register("r", 1).expect("register");
+        let clone = notifications.clone();
+        drop(notifications);
+        clone.notify("nobody");
+        drop(clone);
+        assert_eq!(pending.ready().await, Err(WaitError::Closed));
+        // Dropping it after the registry is gone is harmless.
+        drop(pending);
+    }
+
+    #[test]
+    fn listen_address_forms() {
+        assert_eq!(
+            listen_address("127.0.0.1:7500").expect("plain"),
+            "127.0.0.1:7500"
+        );
+        assert_eq!(
+            listen_address("tcp://10.0.0.1:0").expect("tcp"),
+            "10.0.0.1:0"
+        );
+        assert_eq!(
+            listen_address("tcp://*:7500").expect("star"),
+            "0.0.0.0:7500"
+        );
+        assert!(matches!(
+            listen_address("ipc:///tmp/x"),
+            Err(NotifyError::InvalidAddress { .. })
+        ));
+        assert!(matches!(
+            listen_address("tcp://"),
+            Err(NotifyError::InvalidAddress { .. })
+        ));
+    }
+}
