@@ -53,6 +53,8 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod connector;
 pub mod notify;
 
+pub use connector::{Lmcache, LmcacheReceiver, ReceiverError};
 pub use notify::{Notifications, NotifyConfig, NotifyError, NotifyStats, Pending, WaitError};

@@ -1,0 +1,953 @@
+//! The LMCache P/D connector ([`Lmcache`]).
+//!
+//! One request, as the engines see it:
+//!
+//! 1. `POST /tokenize` on the prefill engine (chat: the messages, with the generation
+//!    prompt; completions: the prompt), once per attempt; a prompt already given as token
+//!    ids is not tokenized again.
+//! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
+//!    notification may beat the prefill's HTTP answer).
+//! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
+//!    and `kv_transfer_params: {ret_first_tok: true, disagg_spec: {req_id, receiver_host,
+//!    receiver_init_port, receiver_alloc_port}}`, the receiver being the chosen decode
+//!    endpoint's [`LmcacheReceiver`]. The engine pushes the KV there, each of its TP ranks
+//!    notifies, and it answers the first token (`kv_transfer_params.first_tok`).
+//! 4. A streaming client gets the first token as its first chunk at once
+//!    ([`Handoff::lead`]); the decode leg waits for one notification per decode TP rank
+//!    ([`Handoff::gate`], within the handoff budget).
+//! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`,
+//!    streaming as the client asked. When the first token already ended the answer
+//!    (`finish_reason: stop`, or `max_tokens: 1`), no decode leg is sent.
+//! 6. The decode's answer is turned into the client's ([`KvConnector::reply`]): the first
+//!    token is put in front of a non-streaming answer, usage counts the prompt and every
+//!    generated token once, and a chat client gets the chat form (chunks and body).
+//!
+//! The decode stream is parsed event by event only as far as this needs (each `data:`
+//! event is one JSON object, re-encoded in the client's form); events are forwarded as
+//! they arrive, never collected.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use disagg_core::body::JsonBody;
+use disagg_core::connector::{
+    Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer,
+};
+use disagg_core::endpoint::Endpoint;
+use disagg_core::error::{BoxError, ConnectorError};
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::router::Route;
+use disagg_core::transport::{BoxBody, Transport};
+use http::{HeaderValue, Response, header};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use crate::notify::{Notifications, Pending};
+
+/// The largest `/tokenize` answer and non-streaming decode answer read, in bytes.
+const MAX_BODY: usize = 64 * 1024 * 1024;
+
+/// Chat-only request fields a completions leg does not carry.
+const CHAT_ONLY: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+];
+
+/// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
+/// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode [`Endpoint::ext`].
+/// One init and one alloc port per TP rank; the decode leg waits for one notification
+/// per rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LmcacheReceiver {
+    host: String,
+    init_ports: Vec<u16>,
+    alloc_ports: Vec<u16>,
+}
+
+/// An [`LmcacheReceiver`] could not be built.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiverError {
+    /// No port was given.
+    #[error("an LMCache receiver needs at least one init and one alloc port")]
+    NoPorts,
+    /// The two lists differ in length.
+    #[error("{init} init ports but {alloc} alloc ports: give one of each per TP rank")]
+    Mismatch {
+        /// Init ports given.
+        init: usize,
+        /// Alloc ports given.
+        alloc: usize,
+    },
+    /// The text form did not parse.
+    #[error("`{0}` is not HOST:INIT[,INIT...]:ALLOC[,ALLOC...]")]
+    Syntax(String),
+}
+
+impl LmcacheReceiver {
+    /// A receiver on `host` with one init and one alloc port per TP rank.
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError`] when the lists are empty or differ in length.
+    pub fn new(
+        host: impl Into<String>,
+        init_ports: Vec<u16>,
+        alloc_ports: Vec<u16>,
+    ) -> Result<Self, ReceiverError> {
+        if init_ports.is_empty() || alloc_ports.is_empty() {
+            return Err(ReceiverError::NoPorts);
+        }
+        if init_ports.len() != alloc_ports.len() {
+            return Err(ReceiverError::Mismatch {
+                init: init_ports.len(),
+                alloc: alloc_ports.len(),
+            });
+        }
+        Ok(LmcacheReceiver {
+            host: host.into(),
+            init_ports,
+            alloc_ports,
+        })
+    }
+
+    /// Parses `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` (`10.0.0.7:7300,7301:7400,7401`).
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError`] when the text is not of that form.
+    pub fn parse(s: &str) -> Result<Self, ReceiverError> {
+        let syntax = || ReceiverError::Syntax(s.to_owned());
+        let mut parts = s.rsplitn(3, ':');
+        let (Some(alloc), Some(init), Some(host)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(syntax());
+        };
+        let ports = |list: &str| {
+            list.split(',')
+                .map(|p| p.trim().parse::<u16>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| syntax())
+        };
+        if host.is_empty() {
+            return Err(syntax());
+        }
+        Self::new(host, ports(init)?, ports(alloc)?)
+    }
+
+    /// The host the prefill pushes to.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The init port of each TP rank.
+    pub fn init_ports(&self) -> &[u16] {
+        &self.init_ports
+    }
+
+    /// The alloc port of each TP rank.
+    pub fn alloc_ports(&self) -> &[u16] {
+        &self.alloc_ports
+    }
+
+    /// The decode's TP size: how many notifications make its KV ready.
+    pub fn ranks(&self) -> usize {
+        self.init_ports.len()
+    }
+}
+
+/// The LMCache P/D connector (vLLM `LMCacheConnectorV1`, NIXL transfer channel).
+///
+/// Decode endpoints carry an [`LmcacheReceiver`] in their extensions; the prefill
+/// engines' `pd_proxy_host`/`pd_proxy_port` point at the [`Notifications`] socket.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use disagg_core::{Endpoint, Role};
+/// use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
+/// let connector = Lmcache::new(notifications);
+/// let mut ext = http::Extensions::new();
+/// ext.insert(LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?);
+/// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?;
+/// # let _ = (connector, decode);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Lmcache {
+    notifications: Notifications,
+    prefix: u64,
+    next: AtomicU64,
+}
+
+impl Lmcache {
+    /// A connector whose requests wait on `notifications`.
+    pub fn new(notifications: Notifications) -> Self {
+        // A fresh prefix per connector: a notification left over from an earlier
+        // process can never complete one of this one's requests.
+        let prefix = RandomState::new().build_hasher().finish();
+        Lmcache {
+            notifications,
+            prefix,
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// The notification registry the connector waits on.
+    pub fn notifications(&self) -> &Notifications {
+        &self.notifications
+    }
+
+    fn next_req_id(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("disagg-{:016x}-{n}", self.prefix)
+    }
+}
+
+/// What one attempt carries from `prepare` to `reply`.
+#[derive(Debug, Clone)]
+struct Plan {
+    req_id: String,
+    chat: bool,
+    stream: bool,
+    include_usage: bool,
+    /// The client's `max_tokens` (or `max_completion_tokens`).
+    max_tokens: Option<u64>,
+    min_tokens: Option<u64>,
+    /// The client's `stream_options`, restored on the decode leg.
+    stream_options: Option<Bytes>,
+    /// How many decode ranks notify.
+    ranks: usize,
+    /// The `/tokenize` request, unless the prompt is token ids already.
+    tokenize: Option<Bytes>,
+    /// The prompt's token ids, once tokenized.
+    tokens: Option<Arc<[u64]>>,
+    /// The prefill's first token, once it answered with one.
+    first: Option<First>,
+}
+
+/// The prefill's answer, as far as the client's answer needs it.
+#[derive(Debug, Clone)]
+struct First {
+    id: String,
+    created: u64,
+    model: String,
+    text: String,
+    /// `Some` when the first token ended the answer.
+    finish: Option<String>,
+}
+
+/// The KV-ready wait of one attempt: its registration, dropped with the plan.
+#[derive(Debug)]
+struct Gate(Pending);
+
+#[async_trait]
+impl KvGate for Gate {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        self.0
+            .ready()
+            .await
+            .map_err(|e| ConnectorError::NotReady {
+                reason: format!("request {}: {e}", self.0.req_id()),
+            })
+    }
+}
+
+#[async_trait]
+impl KvConnector for Lmcache {
+    fn name(&self) -> &'static str {
+        "lmcache"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        let prefill_ep = route.prefill.as_ref().ok_or(ConnectorError::NeedsPrefill {
+            connector: self.name(),
+        })?;
+        let receiver = route.decode.ext().get::<LmcacheReceiver>().ok_or_else(|| {
+            ConnectorError::NotConfigured {
+                endpoint: route.decode.id().clone(),
+                what: "LMCache receiver (host, init and alloc ports)",
+            }
+        })?;
+        let body = req.body();
+        let unsupported = |what: &str| ConnectorError::Unsupported {
+            connector: self.name(),
+            what: what.to_owned(),
+        };
+        if int_field(body, "n").is_some_and(|n| n > 1)
+            || int_field(body, "best_of").is_some_and(|n| n > 1)
+        {
+            return Err(unsupported("more than one choice (n, best_of)"));
+        }
+        let chat = req.api() == Api::Chat;
+        if !chat && matches!(body.get("prompt"), Some(p) if is_batch(p)) {
+            return Err(unsupported("a batch of prompts"));
+        }
+        let max_tokens = if chat {
+            int_field(body, "max_completion_tokens").or_else(|| int_field(body, "max_tokens"))
+        } else {
+            int_field(body, "max_tokens")
+        };
+        let stream_options = body.get_bytes("stream_options");
+        let include_usage = body
+            .get_as::<Value>("stream_options")
+            .and_then(Result::ok)
+            .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
+
+        let tokenize = tokenize_request(body, chat)?;
+
+        // The completions form both legs share.
+        let mut base = body.clone();
+        for field in CHAT_ONLY {
+            base.remove(field);
+        }
+        base.remove("kv_transfer_params");
+        base.remove("stream_options");
+
+        let req_id = self.next_req_id();
+        let mut prefill = base.clone();
+        prefill.set("max_tokens", &1);
+        prefill.set("stream", &false);
+        prefill.remove("min_tokens");
+        let spec = json!({
+            "ret_first_tok": true,
+            "disagg_spec": {
+                "req_id": req_id,
+                "receiver_host": receiver.host(),
+                "receiver_init_port": receiver.init_ports(),
+                "receiver_alloc_port": receiver.alloc_ports(),
+            }
+        });
+        prefill.set("kv_transfer_params", &spec);
+
+        // The decode leg as it goes when the prefill hands no first token: the whole
+        // answer from the prompt (completed in `resolve` with the token ids).
+        let mut decode = base;
+        if let Some(m) = max_tokens {
+            decode.set("max_tokens", &m);
+        }
+        decode.set("stream", &req.is_stream());
+        if req.is_stream()
+            && let Some(o) = &stream_options
+        {
+            decode.set_raw("stream_options", o.clone());
+        }
+
+        let mut handoff = Handoff::new(
+            Dispatch::AfterPrefill,
+            Leg::new(Arc::clone(prefill_ep), prefill).with_api(Api::Completions),
+            Leg::new(Arc::clone(&route.decode), decode).with_api(Api::Completions),
+        );
+        handoff.ext.insert(Plan {
+            req_id,
+            chat,
+            stream: req.is_stream(),
+            include_usage,
+            max_tokens,
+            min_tokens: int_field(body, "min_tokens"),
+            stream_options: stream_options.filter(|_| req.is_stream()),
+            ranks: receiver.ranks(),
+            tokenize,
+            tokens: None,
+            first: None,
+        });
+        Ok(handoff)
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        let ep = Arc::clone(&handoff.prefill.endpoint);
+        let Some(plan) = handoff.ext.get::<Plan>().cloned() else {
+            return Err(ConnectorError::NotReady {
+                reason: "the plan was not prepared by this connector".into(),
+            });
+        };
+        let tokens: Arc<[u64]> = match (&plan.tokenize, handoff.prefill.body.get("prompt")) {
+            (Some(t), _) => tokenize(transport, &ep, t.clone())
+                .await
+                .map_err(|e| engine_error(&ep, "/tokenize", e))?,
+            (None, Some(raw)) => serde_json::from_slice::<Vec<u64>>(raw)
+                .map_err(|e| engine_error(&ep, "reading the prompt's token ids", e.into()))?
+                .into(),
+            (None, None) => return Err(engine_error(&ep, "/tokenize", "no prompt".into())),
+        };
+        if tokens.is_empty() {
+            return Err(engine_error(
+                &ep,
+                "/tokenize",
+                "the prompt tokenized to nothing".into(),
+            ));
+        }
+        handoff.prefill.body.set("prompt", &*tokens);
+        handoff.decode.body.set("prompt", &*tokens);
+        // Registered before the prefill leg exists: its notifications may come first.
+        let pending = self
+            .notifications
+            .register(&plan.req_id, plan.ranks)
+            .map_err(|e| ConnectorError::NotReady {
+                reason: e.to_string(),
+            })?;
+        handoff.gate = Some(Arc::new(Gate(pending)));
+        if let Some(p) = handoff.ext.get_mut::<Plan>() {
+            p.tokens = Some(tokens);
+        }
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<KvOutcome, ConnectorError> {
+        let endpoint = handoff.prefill.endpoint.id().clone();
+        let reply: PrefillReply =
+            serde_json::from_slice(&answer.body).map_err(|_| ConnectorError::InvalidHandoff {
+                endpoint: endpoint.clone(),
+                field: "choices",
+            })?;
+        let Some(plan) = handoff.ext.get_mut::<Plan>() else {
+            return Ok(KvOutcome::Missing);
+        };
+        let first_tok = reply.kv_transfer_params.as_ref().and_then(|p| p.first_tok);
+        let (Some(first_tok), Some(choice), Some(tokens)) =
+            (first_tok, reply.choices.first(), plan.tokens.clone())
+        else {
+            // No first token: the decode computes the whole answer from the prompt.
+            handoff.gate = None;
+            return Ok(KvOutcome::Missing);
+        };
+        let finished = choice.finish_reason.as_deref().is_some_and(|f| f != "length")
+            || plan.max_tokens.is_some_and(|m| m <= 1);
+        let first = First {
+            id: reply.id.unwrap_or_else(|| format!("cmpl-{}", plan.req_id)),
+            created: reply.created.unwrap_or(0),
+            model: reply.model.unwrap_or_default(),
+            text: choice.text.clone().unwrap_or_default(),
+            finish: finished.then(|| {
+                choice
+                    .finish_reason
+                    .clone()
+                    .unwrap_or_else(|| "length".to_owned())
+            }),
+        };
+        plan.first = Some(first);
+        let plan = plan.clone();
+        if plan.stream {
+            handoff.lead = Some(lead(&plan, tokens.len()));
+        }
+        if finished {
+            handoff.gate = None;
+            return Ok(KvOutcome::Finished);
+        }
+        let decode = &mut handoff.decode.body;
+        let mut prompt = Vec::with_capacity(tokens.len() + 1);
+        prompt.extend_from_slice(&tokens);
+        prompt.push(first_tok);
+        decode.set("prompt", &prompt);
+        if let Some(m) = plan.max_tokens {
+            decode.set("max_tokens", &(m - 1));
+        }
+        if let Some(m) = plan.min_tokens {
+            decode.set("min_tokens", &m.saturating_sub(1));
+        }
+        decode.set("stream", &plan.stream);
+        if let Some(o) = &plan.stream_options {
+            decode.set_raw("stream_options", o.clone());
+        }
+        Ok(KvOutcome::Handed)
+    }
+
+    fn reply(&self, handoff: &Handoff, decode: Response<BoxBody>) -> Response<BoxBody> {
+        let Some(plan) = handoff.ext.get::<Plan>() else {
+            return decode;
+        };
+        let prompt_tokens = plan.tokens.as_ref().map_or(0, |t| t.len());
+        let shape = Arc::new(Shape {
+            chat: plan.chat,
+            first: plan.first.clone(),
+            prompt_tokens,
+        });
+        if !shape.chat && shape.first.is_none() {
+            // Nothing to change: the decode answered the client's own request.
+            return decode;
+        }
+        let (mut parts, body) = decode.into_parts();
+        parts.headers.remove(header::CONTENT_LENGTH);
+        let body = if plan.stream {
+            BoxBody::new(SseMap {
+                inner: body,
+                buf: BytesMut::new(),
+                shape,
+                ended: false,
+            })
+        } else {
+            parts.headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            let whole = whole_answer(body, shape);
+            BoxBody::new(http_body_util::StreamBody::new(futures::stream::once(
+                whole,
+            )))
+        };
+        Response::from_parts(parts, body)
+    }
+
+    fn bridges_tp(&self, _prefill_tp: u32, _decode_tp: u32) -> bool {
+        // LMCache's NIXL channel moves KV chunks by token range, whatever either
+        // side's TP; each side's ranks talk to the proxy on their own.
+        true
+    }
+}
+
+/// The client's non-streaming answer, from the decode's whole body.
+async fn whole_answer(body: BoxBody, shape: Arc<Shape>) -> Result<Frame<Bytes>, BoxError> {
+    let bytes = read_all(body).await?;
+    shape.whole(&bytes).map(Frame::data)
+}
+
+/// The first chunk(s) of a streaming answer, from the prefill's first token: the token,
+/// and when it ended the answer, the finish, the usage asked for and `[DONE]`.
+fn lead(plan: &Plan, prompt_tokens: usize) -> Bytes {
+    let Some(first) = &plan.first else {
+        return Bytes::new();
+    };
+    let mut out = Vec::with_capacity(256);
+    let shape = Shape {
+        chat: plan.chat,
+        first: Some(first.clone()),
+        prompt_tokens,
+    };
+    let mut choice = Map::new();
+    choice.insert("index".into(), json!(0));
+    if plan.chat {
+        choice.insert(
+            "delta".into(),
+            json!({"role": "assistant", "content": first.text}),
+        );
+    } else {
+        choice.insert("text".into(), json!(first.text));
+    }
+    choice.insert("logprobs".into(), Value::Null);
+    choice.insert("finish_reason".into(), json!(first.finish));
+    let mut chunk = shape.envelope(vec![Value::Object(choice)]);
+    event(&mut out, &chunk);
+    if first.finish.is_some() {
+        if plan.include_usage {
+            chunk.insert("choices".into(), json!([]));
+            chunk.insert("usage".into(), usage(prompt_tokens as u64, 1));
+            event(&mut out, &chunk);
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+    }
+    Bytes::from(out)
+}
+
+fn event(out: &mut Vec<u8>, chunk: &Map<String, Value>) {
+    out.extend_from_slice(b"data: ");
+    // A map of JSON values always encodes.
+    if serde_json::to_writer(&mut *out, chunk).is_err() {
+        out.extend_from_slice(b"{}");
+    }
+    out.extend_from_slice(b"\n\n");
+}
+
+fn usage(prompt: u64, completion: u64) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    })
+}
+
+/// How the decode's answer becomes the client's.
+#[derive(Debug)]
+struct Shape {
+    chat: bool,
+    first: Option<First>,
+    prompt_tokens: usize,
+}
+
+impl Shape {
+    /// A chunk's envelope: id, object, created, model.
+    fn envelope(&self, choices: Vec<Value>) -> Map<String, Value> {
+        let mut m = Map::new();
+        if let Some(f) = &self.first {
+            m.insert("id".into(), json!(self.id(&f.id)));
+            m.insert(
+                "object".into(),
+                json!(if self.chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                }),
+            );
+            m.insert("created".into(), json!(f.created));
+            m.insert("model".into(), json!(f.model));
+        }
+        m.insert("choices".into(), Value::Array(choices));
+        m
+    }
+
+    fn id(&self, id: &str) -> String {
+        match (self.chat, id.strip_prefix("cmpl-")) {
+            (true, Some(rest)) => format!("chatcmpl-{rest}"),
+            (true, None) if !id.starts_with("chatcmpl-") => format!("chatcmpl-{id}"),
+            _ => id.to_owned(),
+        }
+    }
+
+    /// Usage as the client counts it: the prompt once, every generated token once.
+    fn fix_usage(&self, obj: &mut Map<String, Value>) {
+        let Some(Value::Object(u)) = obj.get_mut("usage") else {
+            return;
+        };
+        let generated = u
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            + u64::from(self.first.is_some());
+        let prompt = if self.first.is_some() {
+            self.prompt_tokens as u64
+        } else {
+            u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0)
+        };
+        *u = match usage(prompt, generated) {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        };
+    }
+
+    /// One streamed chunk of the decode, in the client's form.
+    fn chunk(&self, mut obj: Map<String, Value>) -> Map<String, Value> {
+        if obj.contains_key("error") {
+            return obj;
+        }
+        if let Some(f) = &self.first {
+            obj.insert("id".into(), json!(self.id(&f.id)));
+        }
+        if self.chat {
+            obj.insert("object".into(), json!("chat.completion.chunk"));
+            if let Some(Value::Array(choices)) = obj.get_mut("choices") {
+                for c in choices.iter_mut() {
+                    if let Value::Object(c) = c {
+                        let text = c.remove("text").unwrap_or(Value::Null);
+                        c.remove("prompt_logprobs");
+                        c.insert("delta".into(), json!({ "content": text }));
+                        c.insert("logprobs".into(), Value::Null);
+                    }
+                }
+            }
+        }
+        self.fix_usage(&mut obj);
+        obj
+    }
+
+    /// The client's whole (non-streaming) answer from the decode's, which is empty when
+    /// no decode leg was sent.
+    fn whole(&self, decode: &[u8]) -> Result<Bytes, BoxError> {
+        let mut obj = if decode.is_empty() {
+            let first = self.first.as_ref().ok_or("no decode answer and no first token")?;
+            let mut m = Map::new();
+            m.insert(
+                "choices".into(),
+                json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": first.finish}]),
+            );
+            m.insert("usage".into(), usage(self.prompt_tokens as u64, 0));
+            m
+        } else {
+            match serde_json::from_slice::<Value>(decode)? {
+                Value::Object(m) => m,
+                _ => return Err("the decode's answer is not a JSON object".into()),
+            }
+        };
+        if let Some(f) = &self.first {
+            obj.insert("id".into(), json!(self.id(&f.id)));
+            obj.insert("created".into(), json!(f.created));
+            obj.insert("model".into(), json!(f.model));
+        }
+        if let Some(Value::Array(choices)) = obj.get_mut("choices") {
+            for c in choices.iter_mut() {
+                let Value::Object(c) = c else { continue };
+                let mut text = self
+                    .first
+                    .as_ref()
+                    .map(|f| f.text.clone())
+                    .unwrap_or_default();
+                if let Some(Value::String(t)) = c.remove("text") {
+                    text.push_str(&t);
+                }
+                if self.chat {
+                    c.remove("prompt_logprobs");
+                    c.insert(
+                        "message".into(),
+                        json!({"role": "assistant", "content": text}),
+                    );
+                    c.insert("logprobs".into(), Value::Null);
+                } else {
+                    c.insert("text".into(), json!(text));
+                }
+            }
+        }
+        obj.insert(
+            "object".into(),
+            json!(if self.chat {
+                "chat.completion"
+            } else {
+                "text_completion"
+            }),
+        );
+        self.fix_usage(&mut obj);
+        Ok(Bytes::from(serde_json::to_vec(&obj)?))
+    }
+
+    /// One SSE event (without its blank-line terminator), in the client's form.
+    fn event(&self, ev: &[u8], out: &mut BytesMut) {
+        let data = ev.strip_prefix(b"data: ").or_else(|| ev.strip_prefix(b"data:"));
+        let parsed = data
+            .filter(|d| d.first() == Some(&b'{'))
+            .and_then(|d| serde_json::from_slice::<Map<String, Value>>(d).ok());
+        match parsed {
+            Some(obj) => {
+                let mut v = Vec::with_capacity(ev.len() + 64);
+                event(&mut v, &self.chunk(obj));
+                out.extend_from_slice(&v);
+            }
+            // `[DONE]`, comments, anything else: as it came.
+            None => {
+                out.extend_from_slice(ev);
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+    }
+}
+
+/// The decode's event stream, event by event in the client's form. Only an unfinished
+/// event is held back; each frame's complete events go out with it.
+struct SseMap {
+    inner: BoxBody,
+    buf: BytesMut,
+    shape: Arc<Shape>,
+    ended: bool,
+}
+
+impl Body for SseMap {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
+                Poll::Ready(Some(Ok(frame))) => {
+                    let data = match frame.into_data() {
+                        Ok(d) => d,
+                        Err(other) => return Poll::Ready(Some(Ok(other))),
+                    };
+                    this.buf.extend_from_slice(&data);
+                    let mut out = BytesMut::new();
+                    while let Some(end) = find(&this.buf, b"\n\n") {
+                        let ev = this.buf.split_to(end + 2);
+                        this.shape.event(&ev[..end], &mut out);
+                    }
+                    if !out.is_empty() {
+                        return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                    }
+                }
+                Poll::Ready(None) => {
+                    this.ended = true;
+                    let rest = this.buf.split();
+                    let trimmed = rest.strip_suffix(b"\n").unwrap_or(&rest);
+                    if trimmed.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    let mut out = BytesMut::new();
+                    this.shape.event(trimmed, &mut out);
+                    return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                }
+            }
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[derive(Deserialize)]
+struct PrefillReply {
+    id: Option<String>,
+    created: Option<u64>,
+    model: Option<String>,
+    #[serde(default)]
+    choices: Vec<ChoiceIn>,
+    kv_transfer_params: Option<KvParamsIn>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceIn {
+    text: Option<String>,
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct KvParamsIn {
+    first_tok: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Tokenized {
+    tokens: Vec<u64>,
+}
+
+fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
+    body.get_as::<Option<u64>>(key).and_then(Result::ok).flatten()
+}
+
+fn is_batch(raw: &[u8]) -> bool {
+    serde_json::from_slice::<Vec<Value>>(raw)
+        .is_ok_and(|v| v.iter().any(|x| x.is_string() || x.is_array()))
+}
+
+fn is_token_ids(raw: &[u8]) -> bool {
+    raw.first() == Some(&b'[') && serde_json::from_slice::<Vec<u64>>(raw).is_ok()
+}
+
+/// The `/tokenize` body for a client's request (`None`: its prompt is token ids).
+fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, ConnectorError> {
+    let mut out = Map::new();
+    let raw = |key: &str| {
+        body.get_as::<Value>(key)
+            .and_then(Result::ok)
+            .filter(|v| !v.is_null())
+    };
+    if let Some(m) = raw("model") {
+        out.insert("model".into(), m);
+    }
+    if chat {
+        let messages = raw("messages").unwrap_or(Value::Array(Vec::new()));
+        out.insert("messages".into(), messages);
+        let generation_prompt = raw("add_generation_prompt").unwrap_or(Value::Bool(true));
+        out.insert("add_generation_prompt".into(), generation_prompt);
+        for key in ["continue_final_message", "chat_template", "chat_template_kwargs"] {
+            if let Some(v) = raw(key) {
+                out.insert(key.into(), v);
+            }
+        }
+    } else {
+        match body.get("prompt") {
+            Some(p) if is_token_ids(p) => return Ok(None),
+            _ => {
+                out.insert("prompt".into(), raw("prompt").unwrap_or(Value::Null));
+            }
+        }
+    }
+    serde_json::to_vec(&out)
+        .map(|v| Some(Bytes::from(v)))
+        .map_err(|source| ConnectorError::Encode {
+            field: "tokenize",
+            source,
+        })
+}
+
+fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> ConnectorError {
+    ConnectorError::Engine {
+        endpoint: ep.id().clone(),
+        what,
+        source,
+    }
+}
+
+/// The prompt's token ids, from the prefill engine's `/tokenize`.
+async fn tokenize(
+    transport: &dyn Transport,
+    ep: &Arc<Endpoint>,
+    body: Bytes,
+) -> Result<Arc<[u64]>, BoxError> {
+    let mut req = http::Request::new(body);
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = ep.uri("/tokenize").map_err(boxed)?;
+    req.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let resp = transport.send(req).await.map_err(boxed)?;
+    let status = resp.status();
+    let bytes = read_all(resp.into_body()).await?;
+    if !status.is_success() {
+        let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
+        return Err(boxed(EngineAnswer { status, shown }));
+    }
+    let t: Tokenized = serde_json::from_slice(&bytes).map_err(boxed)?;
+    Ok(t.tokens.into())
+}
+
+/// A whole body, up to [`MAX_BODY`] bytes.
+async fn read_all(mut body: BoxBody) -> Result<Bytes, BoxError> {
+    let mut out = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let data = match frame {
+            Ok(f) => f.into_data().unwrap_or_default(),
+            Err(e) => return Err(e),
+        };
+        if out.len() + data.len() > MAX_BODY {
+            return Err(boxed(TooLarge));
+        }
+        out.extend_from_slice(&data);
+    }
+    Ok(out.freeze())
+}
+
+/// A body over [`MAX_BODY`].
+#[derive(Debug, thiserror::Error)]
+#[error("answer larger than {MAX_BODY} bytes")]
+struct TooLarge;
+
+fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
+    Box::new(e)
+}
+
+/// An engine's error answer.
+#[derive(Debug, thiserror::Error)]
+#[error("answered {status}: {shown}")]
+struct EngineAnswer {
+    status: http::StatusCode,
+    shown: String,
+}
