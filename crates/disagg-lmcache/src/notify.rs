@@ -254,7 +254,8 @@ struct Registry {
 
 impl Registry {
     /// Removes the registrations whose deadline is at or before `now`; returns how many.
-    fn remove_expired(&mut self, now: Instant) -> u64 {
+    /// Each is counted before its waiter is woken.
+    fn remove_expired(&mut self, now: Instant, counters: &Counters) -> u64 {
         let mut evicted = 0;
         while let Some((&generation, id)) = self.by_age.first_key_value() {
             let id = Arc::clone(id);
@@ -273,6 +274,7 @@ impl Registry {
             }
             self.by_age.pop_first();
             if let Some(slot) = self.slots.remove(&id) {
+                Counters::add(&counters.evicted, 1);
                 // A completed registration stays completed for its waiter: the KV did
                 // arrive; only the entry is reclaimed.
                 if slot.received < slot.expected {
@@ -330,19 +332,8 @@ impl Inner {
     }
 
     fn sweep(&self, now: Instant) {
-        let evicted = self.lock().remove_expired(now);
-        self.record_evicted(evicted);
-    }
-
-    fn record_evicted(&self, evicted: u64) {
-        if evicted > 0 {
-            Counters::add(&self.counters.evicted, evicted);
-            tracing::warn!(
-                evicted,
-                ttl = ?self.config.ttl,
-                "evicted LMCache KV-ready registrations older than their time to live"
-            );
-        }
+        let evicted = self.lock().remove_expired(now, &self.counters);
+        log_evicted(evicted, self.config.ttl);
     }
 
     fn notify(&self, req_id: &str) -> Outcome {
@@ -355,6 +346,12 @@ impl Inner {
                 Some(slot) => {
                     slot.received += 1;
                     let done = slot.received == slot.expected;
+                    // Counted before the waiter is woken, so a waiter that reads the
+                    // stats after `ready()` sees its own notification in them.
+                    Counters::add(&self.counters.matched, 1);
+                    if done {
+                        Counters::add(&self.counters.completed, 1);
+                    }
                     slot.status.send_replace(Status {
                         received: slot.received,
                         state: if done { State::Ready } else { State::Waiting },
@@ -368,11 +365,7 @@ impl Inner {
             }
         };
         match outcome {
-            Outcome::Matched => Counters::add(&self.counters.matched, 1),
-            Outcome::Completed => {
-                Counters::add(&self.counters.matched, 1);
-                Counters::add(&self.counters.completed, 1);
-            }
+            Outcome::Matched | Outcome::Completed => {}
             Outcome::Unknown => {
                 Counters::add(&self.counters.unknown, 1);
                 tracing::debug!(
@@ -420,6 +413,16 @@ impl Inner {
             registry.slots.remove(req_id);
             registry.by_age.remove(&generation);
         }
+    }
+}
+
+fn log_evicted(evicted: u64, ttl: Duration) {
+    if evicted > 0 {
+        tracing::warn!(
+            evicted,
+            ?ttl,
+            "evicted LMCache KV-ready registrations older than their time to live"
+        );
     }
 }
 
@@ -665,7 +668,7 @@ impl Notifications {
         }
         let now = Instant::now();
         let mut registry = self.inner.lock();
-        let evicted = registry.remove_expired(now);
+        let evicted = registry.remove_expired(now, &self.inner.counters);
         let registered = if registry.slots.contains_key(req_id) {
             Err(NotifyError::Duplicate {
                 req_id: req_id.to_owned(),
@@ -702,7 +705,7 @@ impl Notifications {
             })
         };
         drop(registry);
-        self.inner.record_evicted(evicted);
+        log_evicted(evicted, self.inner.config.ttl);
         registered
     }
 
@@ -721,6 +724,10 @@ impl Notifications {
     }
 
     /// The counters since the registry was created.
+    ///
+    /// A registration's `matched`, `completed` and `evicted` counts are updated before its
+    /// waiter is woken, so a caller that reads the stats after [`Pending::ready`] returned
+    /// sees them.
     pub fn stats(&self) -> NotifyStats {
         self.inner.counters.snapshot()
     }
