@@ -42,6 +42,9 @@ struct Opts {
     kv_lease: Duration,
     /// Decode receivers as the proxy knows them (`None`: the engines' real ports).
     receivers: Option<Vec<LmcacheReceiver>>,
+    /// Hold every byte from a prefill engine back this long on its way to the proxy
+    /// (a slow network on the HTTP path only; the notifications go straight).
+    prefill_answer_delay: Option<Duration>,
 }
 
 impl Default for Opts {
@@ -50,6 +53,7 @@ impl Default for Opts {
             handoff_timeout: Duration::from_secs(5),
             kv_lease: Duration::from_secs(30),
             receivers: None,
+            prefill_answer_delay: None,
         }
     }
 }
@@ -79,11 +83,17 @@ async fn start(opts: Opts) -> Lm {
         };
         prefill.push(SimEngine::start(c).await.expect("start prefill"));
     }
-    let direct = SimEngine::start(SimConfig::default()).await.expect("direct");
+    let direct = SimEngine::start(SimConfig::default())
+        .await
+        .expect("direct");
 
     let mut endpoints = Vec::new();
     for p in &prefill {
-        endpoints.push(Endpoint::new(&p.url(), Role::Prefill).unwrap());
+        let url = match opts.prefill_answer_delay {
+            Some(d) => format!("http://{}", delaying_relay(p.addr(), d).await),
+            None => p.url(),
+        };
+        endpoints.push(Endpoint::new(&url, Role::Prefill).unwrap());
     }
     for (i, d) in decode.iter().enumerate() {
         let receiver = match &opts.receivers {
@@ -126,6 +136,39 @@ async fn start(opts: Opts) -> Lm {
         orchestrator,
         _stop: tx,
     }
+}
+
+/// A TCP relay to `upstream` that forwards what the client sends at once and holds
+/// every read from `upstream` back by `delay`.
+async fn delaying_relay(upstream: std::net::SocketAddr, delay: Duration) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = tokio::io::copy(&mut cr, &mut sw);
+                let down = async {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = sr.read(&mut buf).await?;
+                        if n == 0 {
+                            return cw.shutdown().await;
+                        }
+                        tokio::time::sleep(delay).await;
+                        cw.write_all(&buf[..n]).await?;
+                    }
+                };
+                let _ = tokio::join!(up, down);
+            });
+        }
+    });
+    addr
 }
 
 impl Lm {
@@ -195,8 +238,14 @@ async fn same_as_direct(lm: &Lm, path: &str, body: &str) -> Answer {
     } else {
         let (v, d) = (via.json(), direct.json());
         assert_eq!(v["object"], d["object"]);
-        assert_eq!(v["choices"][0]["finish_reason"], d["choices"][0]["finish_reason"]);
-        assert_eq!(v["usage"], d["usage"], "usage counts the prompt and each token once");
+        assert_eq!(
+            v["choices"][0]["finish_reason"],
+            d["choices"][0]["finish_reason"]
+        );
+        assert_eq!(
+            v["usage"], d["usage"],
+            "usage counts the prompt and each token once"
+        );
     }
     via
 }
@@ -224,7 +273,11 @@ async fn chat_and_completions_streamed_or_not_equal_a_direct_run() {
     assert_eq!(lm.notifications.pending_len(), 0);
     let n = lm.notifications.stats();
     assert_eq!(n.completed, 16, "{n:?}");
-    assert_eq!(n.matched, 16 * TP as u64, "one notification per decode TP rank: {n:?}");
+    assert_eq!(
+        n.matched,
+        16 * TP as u64,
+        "one notification per decode TP rank: {n:?}"
+    );
 }
 
 #[tokio::test]
@@ -249,7 +302,13 @@ async fn a_streamed_answer_starts_with_the_first_token_before_the_kv_is_ready() 
     assert_eq!(resp.status(), 200);
     use http_body_util::BodyExt;
     let mut body_stream = resp.into_body();
-    let first = body_stream.frame().await.unwrap().unwrap().into_data().unwrap();
+    let first = body_stream
+        .frame()
+        .await
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
     let first_at = started.elapsed();
     let first: serde_json::Value =
         serde_json::from_slice(first.strip_prefix(b"data: ").unwrap().trim_ascii()).unwrap();
@@ -278,16 +337,42 @@ async fn a_streamed_answer_starts_with_the_first_token_before_the_kv_is_ready() 
 
 #[tokio::test]
 async fn notifications_before_the_prefills_answer_are_not_lost() {
-    let lm = start(Opts::default()).await;
-    // The default: each rank notifies as soon as its push is acknowledged, before the
-    // prefill writes its HTTP answer; the registration made before the prefill leg
-    // catches them.
-    for i in 0..10 {
-        same_as_direct(&lm, COMPLETIONS, &completion_body(&format!("early {i}"), 6, false)).await;
+    // The prefill's HTTP answer reaches the proxy 300 ms late, its notifications (sent as
+    // each rank's push is acknowledged, before the answer is written) at once: they
+    // come first, and the registration made before the prefill leg catches them.
+    let lm = start(Opts {
+        prefill_answer_delay: Some(Duration::from_millis(300)),
+        ..Opts::default()
+    })
+    .await;
+    for i in 0..4 {
+        let a = same_as_direct(
+            &lm,
+            COMPLETIONS,
+            &completion_body(&format!("early {i}"), 6, false),
+        )
+        .await;
+        // No wait between the prefill's answer and the decode leg: the KV was ready.
+        let handoff_ms = server_timing(&a, "handoff").expect("handoff timing");
+        assert!(
+            handoff_ms < 150.0,
+            "waited {handoff_ms} ms for notifications"
+        );
     }
     let n = lm.notifications.stats();
-    assert_eq!(n.completed, 10, "{n:?}");
-    assert_eq!(n.unknown, 0, "no notification came before its registration: {n:?}");
+    assert_eq!(n.completed, 4, "{n:?}");
+    assert_eq!(
+        n.unknown, 0,
+        "no notification came before its registration: {n:?}"
+    );
+}
+
+/// A `server-timing` metric's duration, in ms.
+fn server_timing(a: &Answer, name: &str) -> Option<f64> {
+    a.header("server-timing")?.split(',').find_map(|m| {
+        let (n, rest) = m.trim().split_once(';')?;
+        (n == name).then(|| rest.trim().strip_prefix("dur=")?.parse().ok())?
+    })
 }
 
 #[tokio::test]
@@ -304,14 +389,21 @@ async fn a_lost_notification_times_out_in_bounded_time() {
     });
     let started = Instant::now();
     let a = ask(&lm.url, CHAT, &chat_body("lost", 8, false)).await;
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
     assert_openai_error(&a, 504, "handoff_timeout");
     // Streamed: the first token went out, then the stream ends with the error event.
     let a = ask(&lm.url, CHAT, &chat_body("lost", 8, true)).await;
     assert_eq!(a.status, 200);
     let events = a.events();
     let first: serde_json::Value = serde_json::from_str(&events[0]).unwrap();
-    assert!(first["choices"][0]["delta"]["content"].is_string(), "{events:?}");
+    assert!(
+        first["choices"][0]["delta"]["content"].is_string(),
+        "{events:?}"
+    );
     let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "handoff_timeout", "{events:?}");
     assert_eq!(lm.decode_requests(), 0, "no decode leg without the KV");
@@ -340,8 +432,9 @@ async fn duplicate_and_unknown_notifications_are_ignored() {
         .await
         .unwrap();
     for i in 0..5 {
-        let msg = rmp_serde::to_vec_named(&json!({"type": "ProxyNotif", "req_id": format!("x{i}")}))
-            .unwrap();
+        let msg =
+            rmp_serde::to_vec_named(&json!({"type": "ProxyNotif", "req_id": format!("x{i}")}))
+                .unwrap();
         push.send(zeromq::ZmqMessage::from(msg)).await.unwrap();
     }
     for i in 0..6 {
@@ -349,13 +442,21 @@ async fn duplicate_and_unknown_notifications_are_ignored() {
     }
     let lm_ref = &lm;
     assert!(
-        eventually(Duration::from_secs(5), || lm_ref.notifications.stats().unknown >= 5).await,
+        eventually(Duration::from_secs(5), || lm_ref
+            .notifications
+            .stats()
+            .unknown
+            >= 5)
+        .await,
         "{:?}",
         lm.notifications.stats()
     );
     let n = lm.notifications.stats();
     assert_eq!(n.completed, 6, "{n:?}");
-    assert!(n.extra + n.unknown >= 6 * 2 * TP as u64, "duplicates were counted: {n:?}");
+    assert!(
+        n.extra + n.unknown >= 6 * 2 * TP as u64,
+        "duplicates were counted: {n:?}"
+    );
     assert_eq!(lm.notifications.pending_len(), 0);
 }
 
@@ -450,9 +551,16 @@ async fn ten_thousand_requests_with_lost_notifications_leave_nothing_pending() {
         timed_out += t;
     }
     assert_eq!(ok + timed_out, N);
-    assert!(timed_out > 0, "1% loss on 2 ranks lost nothing in {N} requests?");
+    assert!(
+        timed_out > 0,
+        "1% loss on 2 ranks lost nothing in {N} requests?"
+    );
     assert!(ok > N * 9 / 10, "{ok} of {N}");
-    assert_eq!(lm.notifications.pending_len(), 0, "the pending map is empty");
+    assert_eq!(
+        lm.notifications.pending_len(),
+        0,
+        "the pending map is empty"
+    );
     assert_eq!(lm.orchestrator.stats().in_flight, 0);
     let decodes = &lm.decode;
     assert!(

@@ -261,6 +261,8 @@ struct First {
     text: String,
     /// `Some` when the first token ended the answer.
     finish: Option<String>,
+    /// The prefill's usage (the prompt and one token).
+    usage: Option<Value>,
 }
 
 /// The KV-ready wait of one attempt: its registration, dropped with the plan.
@@ -270,12 +272,9 @@ struct Gate(Pending);
 #[async_trait]
 impl KvGate for Gate {
     async fn ready(&self) -> Result<(), ConnectorError> {
-        self.0
-            .ready()
-            .await
-            .map_err(|e| ConnectorError::NotReady {
-                reason: format!("request {}: {e}", self.0.req_id()),
-            })
+        self.0.ready().await.map_err(|e| ConnectorError::NotReady {
+            reason: format!("request {}: {e}", self.0.req_id()),
+        })
     }
 }
 
@@ -445,13 +444,17 @@ impl KvConnector for Lmcache {
             handoff.gate = None;
             return Ok(KvOutcome::Missing);
         };
-        let finished = choice.finish_reason.as_deref().is_some_and(|f| f != "length")
+        let finished = choice
+            .finish_reason
+            .as_deref()
+            .is_some_and(|f| f != "length")
             || plan.max_tokens.is_some_and(|m| m <= 1);
         let first = First {
             id: reply.id.unwrap_or_else(|| format!("cmpl-{}", plan.req_id)),
             created: reply.created.unwrap_or(0),
             model: reply.model.unwrap_or_default(),
             text: choice.text.clone().unwrap_or_default(),
+            usage: reply.usage,
             finish: finished.then(|| {
                 choice
                     .finish_reason
@@ -564,7 +567,11 @@ fn lead(plan: &Plan, prompt_tokens: usize) -> Bytes {
     if first.finish.is_some() {
         if plan.include_usage {
             chunk.insert("choices".into(), json!([]));
-            chunk.insert("usage".into(), usage(prompt_tokens as u64, 1));
+            let own = first.usage.clone();
+            chunk.insert(
+                "usage".into(),
+                own.unwrap_or_else(|| usage(prompt_tokens as u64, 1)),
+            );
             event(&mut out, &chunk);
         }
         out.extend_from_slice(b"data: [DONE]\n\n");
@@ -626,25 +633,24 @@ impl Shape {
         }
     }
 
-    /// Usage as the client counts it: the prompt once, every generated token once.
+    /// Usage as the client counts it: the prompt once, every generated token once (the
+    /// decode saw the first token as part of its prompt). Other usage fields stay.
     fn fix_usage(&self, obj: &mut Map<String, Value>) {
         let Some(Value::Object(u)) = obj.get_mut("usage") else {
             return;
         };
+        if self.first.is_none() {
+            return;
+        }
         let generated = u
             .get("completion_tokens")
             .and_then(Value::as_u64)
             .unwrap_or(0)
-            + u64::from(self.first.is_some());
-        let prompt = if self.first.is_some() {
-            self.prompt_tokens as u64
-        } else {
-            u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0)
-        };
-        *u = match usage(prompt, generated) {
-            Value::Object(m) => m,
-            _ => Map::new(),
-        };
+            + 1;
+        let prompt = self.prompt_tokens as u64;
+        u.insert("prompt_tokens".into(), json!(prompt));
+        u.insert("completion_tokens".into(), json!(generated));
+        u.insert("total_tokens".into(), json!(prompt + generated));
     }
 
     /// One streamed chunk of the decode, in the client's form.
@@ -675,18 +681,26 @@ impl Shape {
     /// The client's whole (non-streaming) answer from the decode's, which is empty when
     /// no decode leg was sent.
     fn whole(&self, decode: &[u8]) -> Result<Bytes, BoxError> {
-        let mut obj = if decode.is_empty() {
-            let first = self.first.as_ref().ok_or("no decode answer and no first token")?;
+        let (mut obj, from_decode) = if decode.is_empty() {
+            let first = self
+                .first
+                .as_ref()
+                .ok_or("no decode answer and no first token")?;
             let mut m = Map::new();
             m.insert(
                 "choices".into(),
                 json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": first.finish}]),
             );
-            m.insert("usage".into(), usage(self.prompt_tokens as u64, 0));
-            m
+            // The prefill's own usage: the prompt and its one token.
+            let own = first.usage.clone();
+            m.insert(
+                "usage".into(),
+                own.unwrap_or_else(|| usage(self.prompt_tokens as u64, 1)),
+            );
+            (m, false)
         } else {
             match serde_json::from_slice::<Value>(decode)? {
-                Value::Object(m) => m,
+                Value::Object(m) => (m, true),
                 _ => return Err("the decode's answer is not a JSON object".into()),
             }
         };
@@ -726,13 +740,17 @@ impl Shape {
                 "text_completion"
             }),
         );
-        self.fix_usage(&mut obj);
+        if from_decode {
+            self.fix_usage(&mut obj);
+        }
         Ok(Bytes::from(serde_json::to_vec(&obj)?))
     }
 
     /// One SSE event (without its blank-line terminator), in the client's form.
     fn event(&self, ev: &[u8], out: &mut BytesMut) {
-        let data = ev.strip_prefix(b"data: ").or_else(|| ev.strip_prefix(b"data:"));
+        let data = ev
+            .strip_prefix(b"data: ")
+            .or_else(|| ev.strip_prefix(b"data:"));
         let parsed = data
             .filter(|d| d.first() == Some(&b'{'))
             .and_then(|d| serde_json::from_slice::<Map<String, Value>>(d).ok());
@@ -819,6 +837,7 @@ struct PrefillReply {
     #[serde(default)]
     choices: Vec<ChoiceIn>,
     kv_transfer_params: Option<KvParamsIn>,
+    usage: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -838,7 +857,9 @@ struct Tokenized {
 }
 
 fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
-    body.get_as::<Option<u64>>(key).and_then(Result::ok).flatten()
+    body.get_as::<Option<u64>>(key)
+        .and_then(Result::ok)
+        .flatten()
 }
 
 fn is_batch(raw: &[u8]) -> bool {
@@ -866,7 +887,11 @@ fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, Connec
         out.insert("messages".into(), messages);
         let generation_prompt = raw("add_generation_prompt").unwrap_or(Value::Bool(true));
         out.insert("add_generation_prompt".into(), generation_prompt);
-        for key in ["continue_final_message", "chat_template", "chat_template_kwargs"] {
+        for key in [
+            "continue_final_message",
+            "chat_template",
+            "chat_template_kwargs",
+        ] {
             if let Some(v) = raw(key) {
                 out.insert(key.into(), v);
             }
