@@ -1,6 +1,6 @@
 //! `disagg-proxy demo`: one streaming chat request through the proxy, end to end, over
 //! loopback sockets, against two simulated engines speaking the chosen connector's
-//! protocol (`--connector nixl|sglang|mooncake`).
+//! protocol (`--connector nixl|sglang|mooncake|lmcache`).
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -9,6 +9,7 @@ use bytes::Bytes;
 use clap::Args;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
+use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -57,11 +58,28 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             KvMode::Mooncake(SimRole::Prefill),
             KvMode::Mooncake(SimRole::Decode),
         ),
+        ConnectorArg::Lmcache => (
+            KvMode::Lmcache(SimRole::Prefill),
+            KvMode::Lmcache(SimRole::Decode),
+        ),
     };
+    // LMCache: the proxy's notification socket, which the prefill engine reports to, and
+    // a decode engine of TP 2 receiving the KV on two init and two alloc ports.
+    let notifications = match args.connector {
+        ConnectorArg::Lmcache => {
+            Some(Notifications::bind("127.0.0.1:0", NotifyConfig::default()).await?)
+        }
+        _ => None,
+    };
+    let lmcache_proxy = notifications
+        .as_ref()
+        .and_then(Notifications::local_addr)
+        .map(|a| a.to_string());
     let plan = nixl_plan()?;
     let prefill = start_planned(
         SimConfig {
             kv_mode: p_mode,
+            lmcache_proxy,
             ..sim.clone()
         },
         &plan.engines[0],
@@ -70,6 +88,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let decode = start_planned(
         SimConfig {
             kv_mode: d_mode,
+            lmcache_receiver: disagg_sim::LmcacheReceiver::ephemeral(2),
             ..sim
         },
         &plan.engines[1],
@@ -87,18 +106,30 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             prefill.side_channel_addr()
         ),
     }
-    println!("decode engine   {}", decode.url());
+    let mut decode_ext = http::Extensions::new();
+    if let Some(n) = &notifications {
+        let (init, alloc) = (decode.lmcache_init_ports(), decode.lmcache_alloc_ports());
+        println!(
+            "decode engine   {}  (LMCache receiver: init ports {init:?}, alloc ports {alloc:?}; proxy notifications on {})",
+            decode.url(),
+            n.local_addr()
+                .map_or_else(|| "-".to_owned(), |a| a.to_string()),
+        );
+        decode_ext.insert(LmcacheReceiver::new("127.0.0.1", init, alloc)?);
+    } else {
+        println!("decode engine   {}", decode.url());
+    }
 
     let mut ext = http::Extensions::new();
     ext.insert(BootstrapPort(prefill.bootstrap_addr().map(|a| a.port())));
     let orchestrator = Orchestrator::builder(
         StaticSource::new([
             Endpoint::with_extensions(&prefill.url(), Role::Prefill, ext)?,
-            Endpoint::new(&decode.url(), Role::Decode)?,
+            Endpoint::with_extensions(&decode.url(), Role::Decode, decode_ext)?,
         ]),
         HttpTransport::default(),
     )
-    .connector(args.connector.connector())
+    .connector(args.connector.connector(notifications.clone())?)
     .try_build()?;
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;

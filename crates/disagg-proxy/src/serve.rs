@@ -20,6 +20,7 @@ use disagg_core::{
     Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
 };
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
+use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 
 use crate::BoxError;
 
@@ -64,6 +65,10 @@ pub struct ServeArgs {
     /// legs at once, meeting through the prefill's bootstrap server).
     #[arg(long, value_enum, default_value_t = ConnectorArg::Nixl)]
     connector: ConnectorArg,
+    /// LMCache (`--connector lmcache`): where its notifications come in and where each
+    /// decode receives KV.
+    #[command(flatten)]
+    lmcache: LmcacheArgs,
     /// What an engine declares about its KV transfer, checked for every prefill/decode
     /// pair at start-up: URL=CONNECTOR,ROLE,TP, each part optional (e.g.
     /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose
@@ -126,6 +131,34 @@ pub struct ServeArgs {
     /// this deadline the connections still open are cut and the process exits (status 0).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     drain_timeout: f64,
+}
+
+/// Flags of the LMCache connector.
+#[derive(Debug, Clone, Args)]
+pub struct LmcacheArgs {
+    /// LMCache: the address the ZMQ PULL socket for the prefill engines' KV-ready
+    /// notifications binds (their `pd_proxy_host`/`pd_proxy_port`).
+    #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:7500")]
+    lmcache_notify: String,
+    /// LMCache: where a decode engine receives KV, as
+    /// URL=HOST:INIT_PORT[,INIT_PORT...]:ALLOC_PORT[,ALLOC_PORT...] (its `pd_peer_host`,
+    /// `pd_peer_init_port`, `pd_peer_alloc_port`; one port of each per TP rank, and the
+    /// decode leg waits for one notification per rank). Required for every --decode
+    /// engine with `--connector lmcache`. Repeatable.
+    #[arg(long = "lmcache-receiver", value_name = "URL=HOST:INIT:ALLOC", value_parser = parse_receiver)]
+    lmcache_receivers: Vec<(String, LmcacheReceiver)>,
+    /// LMCache: seconds after which a request still waiting for notifications is
+    /// forgotten (the handoff budget, --handoff-timeout, normally ends the wait first).
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    lmcache_notify_ttl: f64,
+}
+
+fn parse_receiver(s: &str) -> Result<(String, LmcacheReceiver), String> {
+    let (url, spec) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=HOST:INIT_PORTS:ALLOC_PORTS"))?;
+    let receiver = LmcacheReceiver::parse(spec).map_err(|e| e.to_string())?;
+    Ok((base_url(url).to_owned(), receiver))
 }
 
 /// Flags for deadlines, retries, admission and KV release (docs/reliability.md).
@@ -323,6 +356,9 @@ pub enum ConnectorArg {
     Sglang,
     /// vLLM MooncakeConnector (concurrent generation): linked by a `transfer_id`.
     Mooncake,
+    /// vLLM LMCacheConnectorV1 (P/D over NIXL): the prefill pushes KV to the decode's
+    /// receiver ports and notifies over ZMQ; the first token comes from the prefill.
+    Lmcache,
 }
 
 impl ConnectorArg {
@@ -332,16 +368,27 @@ impl ConnectorArg {
             ConnectorArg::Nixl => "nixl",
             ConnectorArg::Sglang => "sglang",
             ConnectorArg::Mooncake => "mooncake",
+            ConnectorArg::Lmcache => "lmcache",
         }
     }
 
-    /// The connector.
-    pub fn connector(self) -> Arc<dyn KvConnector> {
-        match self {
+    /// The connector; LMCache's waits on `notifications`, which it needs.
+    ///
+    /// # Errors
+    ///
+    /// LMCache without a notification listener.
+    pub fn connector(
+        self,
+        notifications: Option<Notifications>,
+    ) -> Result<Arc<dyn KvConnector>, BoxError> {
+        Ok(match self {
             ConnectorArg::Nixl => Arc::new(VllmNixl::new()),
             ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
             ConnectorArg::Mooncake => Arc::new(VllmMooncake::new()),
-        }
+            ConnectorArg::Lmcache => Arc::new(Lmcache::new(
+                notifications.ok_or("the lmcache connector needs its notification listener")?,
+            )),
+        })
     }
 }
 
@@ -500,7 +547,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn from_args(args: &ServeArgs) -> Result<Self, BoxError> {
+    fn from_args(args: &ServeArgs, notifications: Option<Notifications>) -> Result<Self, BoxError> {
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         let endpoint = |url: &str, role: Role, mut ext: http::Extensions| {
             let base = base_url(url);
@@ -523,9 +570,25 @@ impl Shared {
                 endpoints.push(endpoint(&url, Role::Prefill, ext)?);
             }
         }
+        let lmcache = args.connector == ConnectorArg::Lmcache;
         for url in &args.decode {
+            let mut ext = http::Extensions::new();
+            let receiver = args.lmcache.lmcache_receivers.iter();
+            match receiver.clone().find(|(u, _)| u == base_url(url)) {
+                Some((_, r)) => {
+                    ext.insert(r.clone());
+                }
+                None if lmcache => {
+                    return Err(format!(
+                        "--connector lmcache: decode engine {url} needs --lmcache-receiver {}=HOST:INIT_PORTS:ALLOC_PORTS",
+                        base_url(url)
+                    )
+                    .into());
+                }
+                None => {}
+            }
             for url in expand_ranks(url)? {
-                endpoints.push(endpoint(&url, Role::Decode, http::Extensions::new())?);
+                endpoints.push(endpoint(&url, Role::Decode, ext.clone())?);
             }
         }
         let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));
@@ -533,6 +596,12 @@ impl Shared {
             args.served_models
                 .iter()
                 .map(|(u, _)| ("--served-model", u)),
+        );
+        let named = named.chain(
+            args.lmcache
+                .lmcache_receivers
+                .iter()
+                .map(|(u, _)| ("--lmcache-receiver", u)),
         );
         for (flag, url) in named {
             if !args.engine_urls().any(|u| base_url(u) == url) {
@@ -542,7 +611,7 @@ impl Shared {
                 .into());
             }
         }
-        let connector = args.connector.connector();
+        let connector = args.connector.connector(notifications)?;
         let (health_config, active_checks) = args.reliability.health()?;
         let source = HealthSource::new(StaticSource::new(endpoints), health_config);
         check_pairs(&source.snapshot(), &*connector)?;
@@ -612,7 +681,15 @@ pub fn run(
     shutdown: tokio::sync::watch::Receiver<bool>,
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(), BoxError> {
-    let shared = Shared::from_args(args)?;
+    // LMCache's notification socket, on a small thread of its own until shutdown.
+    let (notifications, listener) = match args.connector {
+        ConnectorArg::Lmcache => {
+            let (n, thread) = lmcache_listener(&args.lmcache, shutdown.clone())?;
+            (Some(n), Some(thread))
+        }
+        _ => (None, None),
+    };
+    let shared = Shared::from_args(args, notifications)?;
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
         None => None,
@@ -646,7 +723,43 @@ pub fn run(
     if let Some(checker) = checker {
         let _ = checker.join();
     }
+    if let Some(listener) = listener {
+        let _ = listener.join();
+    }
     Ok(())
+}
+
+/// Binds LMCache's notification socket on a thread of its own, which runs the socket
+/// until `shutdown` turns `true`.
+fn lmcache_listener(
+    args: &LmcacheArgs,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<(Notifications, std::thread::JoinHandle<()>), BoxError> {
+    let config = NotifyConfig {
+        ttl: secs(args.lmcache_notify_ttl, "lmcache-notify-ttl")?,
+        ..NotifyConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let notifications = runtime
+        .block_on(Notifications::bind(&args.lmcache_notify, config))
+        .map_err(|e| format!("--lmcache-notify {}: {e}", args.lmcache_notify))?;
+    if let Some(addr) = notifications.local_addr() {
+        tracing::info!(%addr, "LMCache notifications listening");
+    }
+    let thread = std::thread::Builder::new()
+        .name("disagg-lmcache".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                while !*shutdown.borrow_and_update() {
+                    if shutdown.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+        })?;
+    Ok((notifications, thread))
 }
 
 #[cfg(test)]
@@ -748,7 +861,7 @@ mod tests {
             "http://127.0.0.1:2=NixlConnector,,",
         ])
         .unwrap();
-        let err = Shared::from_args(&cli.serve)
+        let err = Shared::from_args(&cli.serve, None)
             .err()
             .expect("refused")
             .to_string();
