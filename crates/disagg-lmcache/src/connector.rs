@@ -655,9 +655,6 @@ impl Shape {
 
     /// One streamed chunk of the decode, in the client's form.
     fn chunk(&self, mut obj: Map<String, Value>) -> Map<String, Value> {
-        if obj.contains_key("error") {
-            return obj;
-        }
         if let Some(f) = &self.first {
             obj.insert("id".into(), json!(self.id(&f.id)));
         }
@@ -755,13 +752,13 @@ impl Shape {
             .filter(|d| d.first() == Some(&b'{'))
             .and_then(|d| serde_json::from_slice::<Map<String, Value>>(d).ok());
         match parsed {
-            Some(obj) => {
+            Some(obj) if !obj.contains_key("error") => {
                 let mut v = Vec::with_capacity(ev.len() + 64);
                 event(&mut v, &self.chunk(obj));
                 out.extend_from_slice(&v);
             }
-            // `[DONE]`, comments, anything else: as it came.
-            None => {
+            // Error events, `[DONE]`, comments, anything else: as it came.
+            _ => {
                 out.extend_from_slice(ev);
                 out.extend_from_slice(b"\n\n");
             }
@@ -975,4 +972,217 @@ fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
 struct EngineAnswer {
     status: http::StatusCode,
     shown: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use disagg_core::Role;
+    use disagg_core::endpoint::Endpoint;
+    use http::HeaderMap;
+
+    fn route(receiver: Option<LmcacheReceiver>) -> Route {
+        let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
+        let mut ext = http::Extensions::new();
+        if let Some(r) = receiver {
+            ext.insert(r);
+        }
+        let d = Arc::new(Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap());
+        Route::new(Some(p), d)
+    }
+
+    fn request(api: Api, body: &str) -> PdRequest {
+        PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
+    }
+
+    fn connector() -> Lmcache {
+        Lmcache::new(Notifications::detached(crate::NotifyConfig::default()))
+    }
+
+    fn receiver() -> LmcacheReceiver {
+        LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401").unwrap()
+    }
+
+    #[test]
+    fn receivers_parse_and_refuse_what_cannot_be_one() {
+        let r = receiver();
+        assert_eq!(r.host(), "10.0.0.7");
+        assert_eq!(r.init_ports(), [7300, 7301]);
+        assert_eq!(r.alloc_ports(), [7400, 7401]);
+        assert_eq!(r.ranks(), 2);
+        assert_eq!(
+            LmcacheReceiver::parse("h:1,2:3"),
+            Err(ReceiverError::Mismatch { init: 2, alloc: 1 })
+        );
+        for bad in ["h:1", ":1:2", "h:x:2", "h:1:", "1:2"] {
+            assert!(LmcacheReceiver::parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            LmcacheReceiver::new("h", vec![], vec![]),
+            Err(ReceiverError::NoPorts)
+        );
+    }
+
+    #[test]
+    fn the_prefill_leg_is_a_one_token_completion_carrying_the_receiver() {
+        let req = request(
+            Api::Chat,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":9,"stream":true,"stream_options":{"include_usage":true},"logprobs":true,"temperature":0.5}"#,
+        );
+        let h = connector().prepare(&route(Some(receiver())), &req).unwrap();
+        assert_eq!(h.dispatch, Dispatch::AfterPrefill);
+        assert_eq!(h.prefill.api, Some(Api::Completions));
+        assert_eq!(h.decode.api, Some(Api::Completions));
+        let p: Value = serde_json::from_slice(&h.prefill.body.to_bytes()).unwrap();
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["stream"], false);
+        assert_eq!(p["temperature"], 0.5);
+        for gone in [
+            "messages",
+            "max_completion_tokens",
+            "stream_options",
+            "logprobs",
+        ] {
+            assert!(p.get(gone).is_none(), "{gone} in {p}");
+        }
+        let spec = &p["kv_transfer_params"];
+        assert_eq!(spec["ret_first_tok"], true);
+        assert_eq!(spec["disagg_spec"]["receiver_host"], "10.0.0.7");
+        assert_eq!(
+            spec["disagg_spec"]["receiver_init_port"],
+            json!([7300, 7301])
+        );
+        assert_eq!(
+            spec["disagg_spec"]["receiver_alloc_port"],
+            json!([7400, 7401])
+        );
+        assert!(spec["disagg_spec"]["req_id"].is_string());
+        let d: Value = serde_json::from_slice(&h.decode.body.to_bytes()).unwrap();
+        assert_eq!(d["max_tokens"], 9);
+        assert_eq!(d["stream"], true);
+        assert_eq!(d["stream_options"]["include_usage"], true);
+        assert!(d.get("kv_transfer_params").is_none());
+        // Each attempt gets its own id.
+        let again = connector().prepare(&route(Some(receiver())), &req).unwrap();
+        let id = |h: &Handoff| {
+            let v: Value = serde_json::from_slice(&h.prefill.body.to_bytes()).unwrap();
+            v["kv_transfer_params"]["disagg_spec"]["req_id"].clone()
+        };
+        assert_ne!(id(&h), id(&again));
+    }
+
+    #[test]
+    fn what_the_protocol_cannot_carry_is_refused() {
+        let c = connector();
+        let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"n":2}"#;
+        assert!(matches!(
+            c.prepare(&route(Some(receiver())), &request(Api::Chat, chat)),
+            Err(ConnectorError::Unsupported { .. })
+        ));
+        let batch = r#"{"model":"m","prompt":["a","b"]}"#;
+        assert!(matches!(
+            c.prepare(&route(Some(receiver())), &request(Api::Completions, batch)),
+            Err(ConnectorError::Unsupported { .. })
+        ));
+        let ok = r#"{"model":"m","prompt":"a"}"#;
+        assert!(matches!(
+            c.prepare(&route(None), &request(Api::Completions, ok)),
+            Err(ConnectorError::NotConfigured { .. })
+        ));
+    }
+
+    fn shape(chat: bool) -> Shape {
+        Shape {
+            chat,
+            first: Some(First {
+                id: "cmpl-7".into(),
+                created: 5,
+                model: "m".into(),
+                text: " one".into(),
+                finish: None,
+                usage: None,
+            }),
+            prompt_tokens: 3,
+        }
+    }
+
+    fn events(out: &[u8]) -> Vec<String> {
+        String::from_utf8_lossy(out)
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_completion_stream_becomes_a_chat_stream_event_by_event() {
+        let decode = concat!(
+            "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" two\",\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+            "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2,\"total_tokens\":6}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        // Frames cut in the middle of events.
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = decode
+            .as_bytes()
+            .chunks(37)
+            .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
+        let body = BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
+            frames,
+        )));
+        let mapped = SseMap {
+            inner: body,
+            buf: BytesMut::new(),
+            shape: Arc::new(shape(true)),
+            ended: false,
+        };
+        let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
+        let evs = events(&out);
+        assert_eq!(evs.len(), 3, "{evs:?}");
+        let first: Value = serde_json::from_str(evs[0].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(first["id"], "chatcmpl-7");
+        assert_eq!(first["object"], "chat.completion.chunk");
+        assert_eq!(first["choices"][0]["delta"]["content"], " two");
+        assert!(first["choices"][0].get("text").is_none());
+        let last: Value = serde_json::from_str(evs[1].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        // The prompt once (3, not the decode's 4), and the prefill's token counted.
+        assert_eq!(
+            last["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+        );
+        assert_eq!(evs[2], "data: [DONE]");
+    }
+
+    #[test]
+    fn error_events_and_done_pass_unchanged() {
+        let s = shape(true);
+        let mut out = BytesMut::new();
+        s.event(br#"data: {"error":{"message":"x","code":"c"}}"#, &mut out);
+        s.event(b"data: [DONE]", &mut out);
+        assert_eq!(
+            events(&out),
+            [
+                r#"data: {"error":{"message":"x","code":"c"}}"#,
+                "data: [DONE]"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_whole_answer_gets_the_first_token_in_front() {
+        let decode = br#"{"id":"cmpl-d","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":" two three","logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}"#;
+        let chat: Value = serde_json::from_slice(&shape(true).whole(decode).unwrap()).unwrap();
+        assert_eq!(chat["object"], "chat.completion");
+        assert_eq!(chat["id"], "chatcmpl-7");
+        assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+        assert_eq!(chat["choices"][0]["message"]["content"], " one two three");
+        assert_eq!(chat["choices"][0]["finish_reason"], "stop");
+        assert_eq!(chat["usage"]["prompt_tokens"], 3);
+        assert_eq!(chat["usage"]["completion_tokens"], 3);
+        let text: Value = serde_json::from_slice(&shape(false).whole(decode).unwrap()).unwrap();
+        assert_eq!(text["object"], "text_completion");
+        assert_eq!(text["choices"][0]["text"], " one two three");
+        assert!(shape(true).whole(b"[1]").is_err());
+    }
 }
