@@ -251,17 +251,7 @@ async fn proxy(source: HealthSource, config: OrchestratorConfig) -> (String, one
         .router(RoundRobin::new())
         .config(config)
         .build();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(
-        listener,
-        PdService::new(orchestrator),
-        async {
-            let _ = rx.await;
-        },
-    ));
-    (url, tx)
+    serve_proxy(orchestrator).await
 }
 
 fn passive(ejection: Duration) -> HealthConfig {

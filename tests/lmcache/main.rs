@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::{Endpoint, ManualSource, Orchestrator, Role, RoundRobin};
-use disagg_http::{HttpTransport, PdService};
+use disagg_http::HttpTransport;
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::json;
@@ -21,8 +21,6 @@ use support::{Answer, assert_openai_error, eventually, post};
 async fn ask(base: &str, path: &str, body: &str) -> Answer {
     post(base, path, body.to_owned(), &[]).await
 }
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
 
 const TP: usize = 2;
 
@@ -34,7 +32,7 @@ struct Lm {
     direct: SimEngine,
     notifications: Notifications,
     orchestrator: Orchestrator,
-    _stop: oneshot::Sender<()>,
+    _stop: tokio::sync::oneshot::Sender<()>,
 }
 
 struct Opts {
@@ -117,16 +115,7 @@ async fn start(opts: Opts) -> Lm {
     .connector(Lmcache::new(notifications.clone()))
     .config(config)
     .build();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(
-        listener,
-        PdService::new(orchestrator.clone()),
-        async {
-            let _ = rx.await;
-        },
-    ));
+    let (url, stop) = support::serve_proxy(orchestrator.clone()).await;
     Lm {
         url,
         prefill,
@@ -134,7 +123,7 @@ async fn start(opts: Opts) -> Lm {
         direct,
         notifications,
         orchestrator,
-        _stop: tx,
+        _stop: stop,
     }
 }
 
@@ -142,7 +131,7 @@ async fn start(opts: Opts) -> Lm {
 /// every read from `upstream` back by `delay`.
 async fn delaying_relay(upstream: std::net::SocketAddr, delay: Duration) -> std::net::SocketAddr {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((client, _)) = listener.accept().await {
@@ -176,6 +165,15 @@ impl Lm {
         for p in &self.prefill {
             p.set_faults(faults);
         }
+    }
+
+    /// Whether the decodes soon hold no KV.
+    async fn kv_drains(&self) -> bool {
+        let decodes = &self.decode;
+        eventually(Duration::from_secs(5), || {
+            decodes.iter().all(|d| d.stats().blocks_held == 0)
+        })
+        .await
     }
 
     fn decode_requests(&self) -> u64 {
@@ -409,12 +407,9 @@ async fn a_lost_notification_times_out_in_bounded_time() {
     assert_eq!(lm.decode_requests(), 0, "no decode leg without the KV");
     assert_eq!(lm.notifications.pending_len(), 0);
     // The KV pushed for nothing expires on the decodes.
-    let decodes = &lm.decode;
     assert!(
-        eventually(Duration::from_secs(5), || decodes
-            .iter()
-            .all(|d| d.stats().blocks_held == 0))
-        .await
+        lm.kv_drains().await,
+        "the KV pushed for nothing expires on the decodes"
     );
 }
 
@@ -562,12 +557,8 @@ async fn ten_thousand_requests_with_lost_notifications_leave_nothing_pending() {
         "the pending map is empty"
     );
     assert_eq!(lm.orchestrator.stats().in_flight, 0);
-    let decodes = &lm.decode;
     assert!(
-        eventually(Duration::from_secs(5), || decodes
-            .iter()
-            .all(|d| d.stats().blocks_held == 0))
-        .await,
+        lm.kv_drains().await,
         "KV of the timed-out requests expires on the decodes"
     );
 }

@@ -303,6 +303,22 @@ impl disagg_core::Router for BoxedRouter {
     }
 }
 
+/// `orchestrator` behind a `PdService` on a loopback port: its URL, and the sender that
+/// stops it (dropping the sender stops it too).
+pub async fn serve_proxy(orchestrator: Orchestrator) -> (String, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(disagg_http::server::serve(
+        listener,
+        PdService::new(orchestrator),
+        async {
+            let _ = rx.await;
+        },
+    ));
+    (url, tx)
+}
+
 /// A URL on 127.0.0.1 where nothing listens.
 pub async fn dead_url() -> String {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
