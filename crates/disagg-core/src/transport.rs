@@ -41,11 +41,12 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
 }
 
-/// Read `body` to its end, at most `limit` bytes.
+/// Read `body` to its end, at most `limit` bytes (a longer body is an error).
 ///
 /// A named future with a `'static` error type: `?` on a collected boxed-error body
-/// inside an `async fn` trips the compiler's `Send` inference (higher-ranked `From`).
-pub(crate) fn read_limited(
+/// inside an `async fn` trips the compiler's `Send` inference (higher-ranked `From`),
+/// so connectors that read an engine's answer use this rather than collecting it.
+pub fn read_limited(
     body: BoxBody,
     limit: usize,
 ) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static {

@@ -43,10 +43,9 @@ use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{BoxError, ConnectorError};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
-use disagg_core::transport::{BoxBody, Transport};
+use disagg_core::transport::{BoxBody, Transport, read_limited};
 use http::{HeaderValue, Response, header};
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -534,7 +533,7 @@ impl KvConnector for Lmcache {
 
 /// The client's non-streaming answer, from the decode's whole body.
 async fn whole_answer(body: BoxBody, shape: Arc<Shape>) -> Result<Frame<Bytes>, BoxError> {
-    let bytes = read_all(body).await?;
+    let bytes = read_limited(body, MAX_BODY).await?;
     shape.whole(&bytes).map(Frame::data)
 }
 
@@ -932,7 +931,7 @@ async fn tokenize(
     );
     let resp = transport.send(req).await.map_err(boxed)?;
     let status = resp.status();
-    let bytes = read_all(resp.into_body()).await?;
+    let bytes = read_limited(resp.into_body(), MAX_BODY).await?;
     if !status.is_success() {
         let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
         return Err(boxed(EngineAnswer { status, shown }));
@@ -940,27 +939,6 @@ async fn tokenize(
     let t: Tokenized = serde_json::from_slice(&bytes).map_err(boxed)?;
     Ok(t.tokens.into())
 }
-
-/// A whole body, up to [`MAX_BODY`] bytes.
-async fn read_all(mut body: BoxBody) -> Result<Bytes, BoxError> {
-    let mut out = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let data = match frame {
-            Ok(f) => f.into_data().unwrap_or_default(),
-            Err(e) => return Err(e),
-        };
-        if out.len() + data.len() > MAX_BODY {
-            return Err(boxed(TooLarge));
-        }
-        out.extend_from_slice(&data);
-    }
-    Ok(out.freeze())
-}
-
-/// A body over [`MAX_BODY`].
-#[derive(Debug, thiserror::Error)]
-#[error("answer larger than {MAX_BODY} bytes")]
-struct TooLarge;
 
 fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
     Box::new(e)
@@ -980,6 +958,7 @@ mod tests {
     use disagg_core::Role;
     use disagg_core::endpoint::Endpoint;
     use http::HeaderMap;
+    use http_body_util::BodyExt;
 
     fn route(receiver: Option<LmcacheReceiver>) -> Route {
         let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
