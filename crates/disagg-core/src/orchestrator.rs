@@ -626,6 +626,33 @@ async fn within<T>(
     }
 }
 
+/// Wait for the plan's [`Handoff::gate`], if any, within `budget` (a handoff step: its
+/// failure is the prefill side's).
+async fn kv_ready(handoff: &Handoff, clock: Clock, budget: Duration) -> Result<(), PdError> {
+    let Some(gate) = &handoff.gate else {
+        return Ok(());
+    };
+    let ready = gate
+        .ready()
+        .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+    let ep = &handoff.prefill.endpoint;
+    within(clock, budget, Side::Prefill, ep, Phase::Handoff, ready).await
+}
+
+/// Send a decode leg's request and wait for its response head within `budget`.
+async fn send_decode(
+    transport: &dyn Transport,
+    http_req: http::Request<Bytes>,
+    ep: &Arc<Endpoint>,
+    clock: Clock,
+    budget: Duration,
+) -> Result<Response<BoxBody>, PdError> {
+    let send = transport
+        .send(http_req)
+        .map(|r| r.map_err(|e| PdError::transport(Side::Decode, ep.id().clone(), e)));
+    within(clock, budget, Side::Decode, ep, Phase::DecodeHead, send).await
+}
+
 /// The error for a step that ran out of time: its own budget, or the deadline.
 fn out_of_time(by_deadline: bool, side: Side, endpoint: &Arc<Endpoint>, phase: Phase) -> PdError {
     if by_deadline {
@@ -1093,15 +1120,9 @@ impl Inner {
                     seq.disarm();
                     return self.lead_stream(req, route, handoff, mark, timing, clock);
                 }
-                if let Some(gate) = handoff.gate.clone() {
-                    let ready = gate
-                        .ready()
-                        .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+                if handoff.gate.is_some() {
                     let budget = self.config.handoff_timeout;
-                    let ep = &handoff.prefill.endpoint;
-                    if let Err(e) =
-                        within(clock, budget, Side::Prefill, ep, Phase::Handoff, ready).await
-                    {
+                    if let Err(e) = kv_ready(&handoff, clock, budget).await {
                         // `seq` stays armed: dropping it releases the KV when asked to.
                         return Err(self.failed(&route, Outcome::PrefillFailed, e));
                     }
@@ -1178,34 +1199,9 @@ impl Inner {
             (self.config.handoff_timeout, self.config.decode_head_timeout);
         let limit = self.config.max_prefill_answer;
         let pending: PendingDecode = Box::pin(async move {
-            let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
-            let decode_ep = Arc::clone(&handoff.decode.endpoint);
-            if let Some(gate) = handoff.gate.clone() {
-                let ready = gate
-                    .ready()
-                    .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
-                within(
-                    clock,
-                    gate_budget,
-                    Side::Prefill,
-                    &prefill_ep,
-                    Phase::Handoff,
-                    ready,
-                )
-                .await?;
-            }
-            let send = transport.send(http_req).map(|r| {
-                r.map_err(|e| PdError::transport(Side::Decode, decode_ep.id().clone(), e))
-            });
-            let head = within(
-                clock,
-                head_budget,
-                Side::Decode,
-                &decode_ep,
-                Phase::DecodeHead,
-                send,
-            )
-            .await?;
+            kv_ready(&handoff, clock, gate_budget).await?;
+            let decode_ep = &handoff.decode.endpoint;
+            let head = send_decode(&*transport, http_req, decode_ep, clock, head_budget).await?;
             if !head.status().is_success() {
                 let (parts, body) = head.into_parts();
                 let bytes = read_limited(body, limit).await.unwrap_or_default();
@@ -1410,14 +1406,9 @@ impl Inner {
         leg: &Leg,
         clock: Clock,
     ) -> Result<Response<BoxBody>, PdError> {
-        let ep = &leg.endpoint;
         let http_req = self.leg_request(req, leg)?;
-        let send = self
-            .transport
-            .send(http_req)
-            .map(|r| r.map_err(|e| PdError::transport(Side::Decode, ep.id().clone(), e)));
         let budget = self.config.decode_head_timeout;
-        within(clock, budget, Side::Decode, ep, Phase::DecodeHead, send).await
+        send_decode(&*self.transport, http_req, &leg.endpoint, clock, budget).await
     }
 
     /// A decode leg alone (decode-only serving).
