@@ -239,8 +239,6 @@ struct Plan {
     /// The client's `max_tokens` (or `max_completion_tokens`).
     max_tokens: Option<u64>,
     min_tokens: Option<u64>,
-    /// The client's `stream_options`, restored on the decode leg.
-    stream_options: Option<Bytes>,
     /// How many decode ranks notify.
     ranks: usize,
     /// The `/tokenize` request, unless the prompt is token ids already.
@@ -344,8 +342,9 @@ impl KvConnector for Lmcache {
         });
         prefill.set("kv_transfer_params", &spec);
 
-        // The decode leg as it goes when the prefill hands no first token: the whole
-        // answer from the prompt (completed in `resolve` with the token ids).
+        // The decode leg, streaming as the client asked. As it stands it computes the
+        // whole answer from the prompt (what a prefill without a first token leaves);
+        // `resolve` adds the token ids, `complete` the first token and the budgets left.
         let mut decode = base;
         if let Some(m) = max_tokens {
             decode.set("max_tokens", &m);
@@ -369,7 +368,6 @@ impl KvConnector for Lmcache {
             include_usage,
             max_tokens,
             min_tokens: int_field(body, "min_tokens"),
-            stream_options: stream_options.filter(|_| req.is_stream()),
             ranks: receiver.ranks(),
             tokenize,
             tokens: None,
@@ -462,9 +460,8 @@ impl KvConnector for Lmcache {
             }),
         };
         plan.first = Some(first);
-        let plan = plan.clone();
         if plan.stream {
-            handoff.lead = Some(lead(&plan, tokens.len()));
+            handoff.lead = Some(lead(plan));
         }
         if finished {
             handoff.gate = None;
@@ -481,10 +478,6 @@ impl KvConnector for Lmcache {
         if let Some(m) = plan.min_tokens {
             decode.set("min_tokens", &m.saturating_sub(1));
         }
-        decode.set("stream", &plan.stream);
-        if let Some(o) = &plan.stream_options {
-            decode.set_raw("stream_options", o.clone());
-        }
         Ok(KvOutcome::Handed)
     }
 
@@ -492,12 +485,7 @@ impl KvConnector for Lmcache {
         let Some(plan) = handoff.ext.get::<Plan>() else {
             return decode;
         };
-        let prompt_tokens = plan.tokens.as_ref().map_or(0, |t| t.len());
-        let shape = Arc::new(Shape {
-            chat: plan.chat,
-            first: plan.first.clone(),
-            prompt_tokens,
-        });
+        let shape = Arc::new(Shape::of(plan));
         if !shape.chat && shape.first.is_none() {
             // Nothing to change: the decode answered the client's own request.
             return decode;
@@ -539,16 +527,12 @@ async fn whole_answer(body: BoxBody, shape: Arc<Shape>) -> Result<Frame<Bytes>, 
 
 /// The first chunk(s) of a streaming answer, from the prefill's first token: the token,
 /// and when it ended the answer, the finish, the usage asked for and `[DONE]`.
-fn lead(plan: &Plan, prompt_tokens: usize) -> Bytes {
+fn lead(plan: &Plan) -> Bytes {
     let Some(first) = &plan.first else {
         return Bytes::new();
     };
     let mut out = Vec::with_capacity(256);
-    let shape = Shape {
-        chat: plan.chat,
-        first: Some(first.clone()),
-        prompt_tokens,
-    };
+    let shape = Shape::of(plan);
     let mut choice = Map::new();
     choice.insert("index".into(), json!(0));
     if plan.chat {
@@ -569,7 +553,7 @@ fn lead(plan: &Plan, prompt_tokens: usize) -> Bytes {
             let own = first.usage.clone();
             chunk.insert(
                 "usage".into(),
-                own.unwrap_or_else(|| usage(prompt_tokens as u64, 1)),
+                own.unwrap_or_else(|| usage(shape.prompt_tokens as u64, 1)),
             );
             event(&mut out, &chunk);
         }
@@ -604,6 +588,15 @@ struct Shape {
 }
 
 impl Shape {
+    /// The shape of `plan`'s answer.
+    fn of(plan: &Plan) -> Self {
+        Shape {
+            chat: plan.chat,
+            first: plan.first.clone(),
+            prompt_tokens: plan.tokens.as_ref().map_or(0, |t| t.len()),
+        }
+    }
+
     /// A chunk's envelope: id, object, created, model.
     fn envelope(&self, choices: Vec<Value>) -> Map<String, Value> {
         let mut m = Map::new();
