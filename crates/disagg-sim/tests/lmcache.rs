@@ -283,6 +283,18 @@ async fn token_ids_are_first_class_prompts() {
     assert!(error_message(&reply).contains("out of vocabulary"));
 }
 
+/// The decode leg the proxy sends once the prefill answered: `ids` and then `first_tok`.
+async fn decode_after(d: &SimEngine, ids: &[u32], first_tok: u64, max_tokens: u32) -> Reply {
+    let mut prompt: Vec<u64> = ids.iter().map(|&i| u64::from(i)).collect();
+    prompt.push(first_tok);
+    post(
+        d.addr(),
+        COMPLETIONS,
+        &json!({"prompt": prompt, "max_tokens": max_tokens}),
+    )
+    .await
+}
+
 /// One request through a 1P1D pair by hand, as the proxy does it; returns
 /// the first token's text, the decode's reply and the first token id.
 async fn one_request(
@@ -386,14 +398,8 @@ async fn one_prefill_one_decode_tp2_by_hand() {
     assert_eq!(ds.blocks_held, 0);
 
     // The KV was taken: the same decode again is refused.
-    let mut ids = tokenize(PROMPT);
-    ids.push(tokenize(&first)[0]);
-    let again = post(
-        d.addr(),
-        COMPLETIONS,
-        &json!({"prompt": ids, "max_tokens": 3}),
-    )
-    .await;
+    let first_tok = u64::from(tokenize(&first)[0]);
+    let again = decode_after(&d, &tokenize(PROMPT), first_tok, 3).await;
     assert_eq!(again.status, 500);
 }
 
@@ -578,14 +584,7 @@ async fn kv_on_one_of_two_ranks_is_refused() {
     let held = d.stats().blocks_held;
     assert!(held > 0);
 
-    let mut decode_ids: Vec<u64> = ids.iter().map(|&i| u64::from(i)).collect();
-    decode_ids.push(first_tok);
-    let reply = post(
-        d.addr(),
-        COMPLETIONS,
-        &json!({"prompt": decode_ids, "max_tokens": 3}),
-    )
-    .await;
+    let reply = decode_after(&d, &ids, first_tok, 3).await;
     assert_eq!(reply.status, 500);
     let message = error_message(&reply);
     assert!(
@@ -648,14 +647,7 @@ async fn received_kv_expires() {
     let stats = wait_for(&d, |s| s.blocks_held == 0).await;
     assert_eq!(stats.kv_expired, 2);
 
-    let mut decode_ids: Vec<u64> = ids.iter().map(|&i| u64::from(i)).collect();
-    decode_ids.push(first_tok);
-    let reply = post(
-        d.addr(),
-        COMPLETIONS,
-        &json!({"prompt": decode_ids, "max_tokens": 3}),
-    )
-    .await;
+    let reply = decode_after(&d, &ids, first_tok, 3).await;
     assert_eq!(reply.status, 500);
 }
 
