@@ -62,7 +62,7 @@ fn rejected_bodies() -> Vec<(&'static str, Vec<u8>)> {
         ),
         (
             "duplicate stream, last wrong",
-            b(r#"{"model":"sim-model","prompt":"x","stream":true,"stream":"yes"}"#),
+            b(r#"{"model":"sim-model","prompt":"x","stream":true,"stream":"maybe"}"#),
         ),
         (
             "duplicate model, last wrong",
@@ -70,7 +70,7 @@ fn rejected_bodies() -> Vec<(&'static str, Vec<u8>)> {
         ),
         (
             "escaped stream key, wrong type",
-            b(r#"{"model":"sim-model","prompt":"x","\u0073tream":"yes"}"#),
+            b(r#"{"model":"sim-model","prompt":"x","\u0073tream":"maybe"}"#),
         ),
         (
             "huge number stream",
@@ -136,6 +136,56 @@ async fn bodies_the_parser_rejects_are_400_and_reach_no_engine() {
     );
 }
 
+/// Fields the proxy rewrites on the prefill leg, with values the engines refuse: the
+/// prefill engine never sees the client's value, so the proxy refuses them itself, as
+/// vLLM would, before any engine is contacted, naming the field in `param`.
+#[tokio::test]
+async fn rewritten_fields_the_engine_would_refuse_are_400_before_any_engine() {
+    let stack = Stack::start().await;
+    let chat = |extra: &str| {
+        format!(r#"{{"model":"sim-model","messages":[{{"role":"user","content":"x"}}],{extra}}}"#)
+    };
+    let cmpl = |extra: &str| format!(r#"{{"model":"sim-model","prompt":"x",{extra}}}"#);
+    let cases = [
+        (
+            "/v1/chat/completions",
+            chat(r#""max_tokens":"many""#),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(r#""max_completion_tokens":-1"#),
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/completions",
+            cmpl(r#""max_tokens":1e400"#),
+            "max_tokens",
+        ),
+        ("/v1/completions", cmpl(r#""n":"two""#), "n"),
+        (
+            "/v1/completions",
+            cmpl(r#""stream":true,"stream_options":5"#),
+            "stream_options",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let a = post(&stack.url, path, body.clone(), &[]).await;
+        assert_openai_error(&a, 400, "invalid_parameter");
+        assert_eq!(a.json()["error"]["param"], param, "{body}");
+    }
+    assert_eq!(
+        stack.p().stats().requests,
+        0,
+        "a refused body reached the prefill"
+    );
+    assert_eq!(
+        stack.d().stats().requests,
+        0,
+        "a refused body reached the decode"
+    );
+}
+
 /// Fields the proxy does not read, wrongly typed: the proxy passes them on (the engine
 /// owns their validation) and the engine's 4xx reaches the client, still in OpenAI's
 /// format.
@@ -155,26 +205,6 @@ async fn wrongly_typed_fields_the_engine_rejects_stay_4xx() {
         (
             "/v1/chat/completions",
             r#"{"model":"sim-model","messages":[1,2]}"#,
-        ),
-        (
-            "/v1/chat/completions",
-            r#"{"model":"sim-model","messages":[{"role":"user","content":"x"}],"max_tokens":"many"}"#,
-        ),
-        (
-            "/v1/chat/completions",
-            r#"{"model":"sim-model","messages":[{"role":"user","content":"x"}],"max_completion_tokens":-1}"#,
-        ),
-        (
-            "/v1/completions",
-            r#"{"model":"sim-model","prompt":"x","max_tokens":1e400}"#,
-        ),
-        (
-            "/v1/completions",
-            r#"{"model":"sim-model","prompt":"x","n":"two"}"#,
-        ),
-        (
-            "/v1/completions",
-            r#"{"model":"sim-model","prompt":"x","stream":true,"stream_options":5}"#,
         ),
     ];
     let engine_requests = || stack.p().stats().requests + stack.d().stats().requests;

@@ -162,31 +162,49 @@ async fn prefill_sees_exactly_the_rewritten_body_and_decode_the_client_body() {
     );
 }
 
+/// The `x-request-id` each engine received for the `i`th request it recorded.
+fn engine_rid(engine: &disagg_sim::SimEngine, i: usize) -> String {
+    engine.requests()[i]
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-request-id")
+        .map(|(_, v)| v.clone())
+        .expect("the leg carried a request id")
+}
+
+/// The engines get the proxy's own id, the same on both legs of a request and new for
+/// every request, whatever the client sends (vLLM's push-mode NIXL pairs the legs by it,
+/// and a client's id can repeat); the client's id stays in the answer.
 #[tokio::test]
-async fn client_request_id_is_sent_on_both_legs() {
+async fn client_request_id_stays_in_the_answer_and_engines_get_a_fresh_shared_one() {
     let stack = Stack::start().await;
-    let a = post(
-        &stack.url,
-        "/v1/completions",
-        completion("ids", 3, false),
-        &[("x-request-id", "client-rid-42")],
-    )
-    .await;
-    assert_eq!(a.status, 200);
-    assert_eq!(a.header("x-request-id"), Some("client-rid-42"));
-    for engine in [stack.p(), stack.d()] {
-        let r = &engine.requests()[0];
-        let rid = r
-            .headers
-            .iter()
-            .find(|(k, _)| k == "x-request-id")
-            .map(|(_, v)| v.as_str());
-        assert_eq!(rid, Some("client-rid-42"));
+    for _ in 0..2 {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion("ids", 3, false),
+            &[("x-request-id", "client-rid-42")],
+        )
+        .await;
+        assert_eq!(a.status, 200);
+        assert_eq!(a.header("x-request-id"), Some("client-rid-42"));
+    }
+    let (p0, d0) = (engine_rid(stack.p(), 0), engine_rid(stack.d(), 0));
+    let (p1, d1) = (engine_rid(stack.p(), 1), engine_rid(stack.d(), 1));
+    assert_eq!(p0, d0, "both legs of a request carry one id");
+    assert_eq!(p1, d1, "both legs of a request carry one id");
+    assert_ne!(
+        p0, p1,
+        "a repeated client id must not repeat on the engines"
+    );
+    for rid in [&p0, &p1] {
+        assert_ne!(rid, "client-rid-42");
+        assert_eq!(rid.len(), 32);
     }
 }
 
 #[tokio::test]
-async fn generated_request_id_is_the_same_on_both_legs() {
+async fn generated_request_id_answers_and_legs_share_one_id() {
     let stack = Stack::start().await;
     let a = post(
         &stack.url,
@@ -197,14 +215,7 @@ async fn generated_request_id_is_the_same_on_both_legs() {
     .await;
     let rid = a.header("x-request-id").expect("a request id").to_owned();
     assert_eq!(rid.len(), 32);
-    for engine in [stack.p(), stack.d()] {
-        let r = &engine.requests()[0];
-        assert!(
-            r.headers
-                .iter()
-                .any(|(k, v)| k == "x-request-id" && *v == rid)
-        );
-    }
+    assert_eq!(engine_rid(stack.p(), 0), engine_rid(stack.d(), 0));
 }
 
 #[tokio::test]

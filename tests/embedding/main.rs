@@ -366,7 +366,7 @@ async fn sidecar_decode_leg_is_the_inner_service_with_the_handoff() {
 }
 
 /// What the inner service receives as the decode leg: the client's body plus the
-/// prefill's handoff, the request id, and no prefiller header.
+/// prefill's handoff, the prefill leg's request id, and no prefiller header.
 #[tokio::test]
 async fn sidecar_decode_leg_carries_the_prefill_handoff_and_no_prefiller_header() {
     let (p, d) = nixl_pair().await;
@@ -393,7 +393,12 @@ async fn sidecar_decode_leg_carries_the_prefill_handoff_and_no_prefiller_header(
     assert_eq!(prefill_leg.header("x-prefiller-host-port"), None);
     let decode_leg = d.requests().pop().unwrap();
     assert_eq!(decode_leg.path, "/v1/completions");
-    assert_eq!(decode_leg.header("x-request-id"), Some("sc-2"));
+    // The engines share the proxy's own id for this request, never the client's.
+    assert_eq!(
+        decode_leg.header("x-request-id"),
+        prefill_leg.header("x-request-id")
+    );
+    assert_ne!(decode_leg.header("x-request-id"), Some("sc-2"));
     assert_eq!(decode_leg.header("x-prefiller-host-port"), None);
     let params = &decode_leg.body["kv_transfer_params"];
     assert_eq!(params["do_remote_prefill"], true);

@@ -31,8 +31,9 @@ use async_trait::async_trait;
 use http::{HeaderMap, StatusCode};
 
 use crate::body::JsonBody;
+use crate::disaggregate::Decision;
 use crate::endpoint::Endpoint;
-use crate::error::ConnectorError;
+use crate::error::{ConnectorError, InvalidParam};
 use crate::request::{Api, PdRequest};
 use crate::router::{Outcome, Route};
 use crate::transport::{BoxBody, Transport};
@@ -213,8 +214,8 @@ pub enum KvOutcome {
 
 /// One KV-transfer protocol.
 ///
-/// The orchestrator calls, per attempt: `prepare` (pure: both legs from the client's
-/// request, no I/O, never waits), then `resolve` (async, before any leg is sent; most
+/// The orchestrator calls `check` once per request (pure, before routing), then, per
+/// attempt: `prepare` (pure: both legs from the client's request, no I/O, never waits), then `resolve` (async, before any leg is sent; most
 /// connectors need nothing here), then sends the legs as the plan's [`Dispatch`] says,
 /// calling `complete` between the legs for [`Dispatch::AfterPrefill`]. When the request
 /// has ended, `observe` hears how.
@@ -225,6 +226,24 @@ pub enum KvOutcome {
 pub trait KvConnector: Send + Sync + 'static {
     /// The connector's name, for logs and errors.
     fn name(&self) -> &'static str;
+
+    /// Whether this connector can carry `req`, decided once per request before routing.
+    ///
+    /// Pure and cheap: no I/O. A connector that sends the prefill engine other values
+    /// than the client's for some fields (the [rewriter](crate::rewrite)) refuses here
+    /// what the engines would refuse in those fields, since the prefill engine never
+    /// sees them and the decode would only refuse them after the prefill ran; and it
+    /// answers [`Decision::Direct`] for requests whose handoff its engines drop (vLLM
+    /// beam search), which are then served by a decode engine alone. The default carries
+    /// everything.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidParam`] when an engine would refuse the request; answered 400 with no
+    /// engine contacted.
+    fn check(&self, _req: &PdRequest) -> Result<Decision, InvalidParam> {
+        Ok(Decision::Disaggregate)
+    }
 
     /// Build the handoff for `req` over `route`.
     ///
@@ -299,6 +318,10 @@ pub trait KvConnector: Send + Sync + 'static {
 impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
     fn name(&self) -> &'static str {
         (**self).name()
+    }
+
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        (**self).check(req)
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {

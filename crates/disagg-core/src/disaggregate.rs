@@ -23,7 +23,7 @@ pub enum Decision {
     Disaggregate,
     /// Send the request to a decode endpoint alone; it computes the prompt itself.
     Direct {
-        /// Why, for the logs (`"short prompt"`).
+        /// Why, for the logs (`"short_prompt"`).
         reason: &'static str,
     },
 }
@@ -132,7 +132,7 @@ impl Disaggregate for PromptThreshold {
     fn decide(&self, req: &RequestView<'_>) -> Decision {
         match Self::estimate(req) {
             Some(tokens) if tokens < self.min_tokens => Decision::Direct {
-                reason: "short prompt",
+                reason: "short_prompt",
             },
             _ => Decision::Disaggregate,
         }
@@ -198,7 +198,7 @@ mod tests {
         assert_eq!(
             decide(format!(r#"{{"prompt":"{}"}}"#, "y".repeat(100))),
             Decision::Direct {
-                reason: "short prompt"
+                reason: "short_prompt"
             }
         );
         assert_eq!(

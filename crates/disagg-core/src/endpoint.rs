@@ -107,6 +107,9 @@ pub struct Endpoint {
     rank: Option<u32>,
     models: Option<Arc<[Arc<str>]>>,
     in_flight: AtomicUsize,
+    /// The whole engine, for a rank endpoint made by [`Endpoint::dp_rank`]: its requests
+    /// count there too.
+    engine: Option<Arc<Endpoint>>,
     ext: http::Extensions,
     /// The URIs of the two completion APIs, built once: a leg's request then clones
     /// shared bytes instead of parsing and allocating a URI per request.
@@ -198,8 +201,56 @@ impl Endpoint {
             authority,
             role,
             in_flight: AtomicUsize::new(0),
+            engine: None,
             ext,
         })
+    }
+
+    /// One data-parallel rank of this engine, for a connector that picks the rank itself
+    /// after routing (vLLM Mooncake asks the engine which ranks it runs): `URL@rank`, with
+    /// this endpoint's role, models and connector data, and its own in-flight count,
+    /// which also counts towards this endpoint's, so that routers keep seeing the whole
+    /// engine's load.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use disagg_core::endpoint::{Endpoint, Role};
+    /// let engine = Arc::new(Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?);
+    /// let rank = Arc::new(engine.dp_rank(1));
+    /// assert_eq!(rank.id().as_str(), "http://10.0.0.5:8100@1");
+    /// let guard = rank.track();
+    /// assert_eq!((rank.in_flight(), engine.in_flight()), (1, 1));
+    /// drop(guard);
+    /// assert_eq!((rank.in_flight(), engine.in_flight()), (0, 0));
+    /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
+    /// ```
+    pub fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
+        let base = self.engine.as_ref().unwrap_or(self);
+        // An endpoint configured as `URL@RANK` names a rank already: its engine's URL is
+        // the part before the `@`.
+        let base_url = match base.rank {
+            Some(_) => base
+                .id
+                .as_str()
+                .rsplit_once('@')
+                .map_or(base.id.as_str(), |(u, _)| u),
+            None => base.id.as_str(),
+        };
+        Endpoint {
+            id: EndpointId::from(format!("{base_url}@{rank}")),
+            scheme: base.scheme.clone(),
+            authority: base.authority.clone(),
+            role: base.role,
+            rank: Some(rank),
+            models: base.models.clone(),
+            in_flight: AtomicUsize::new(0),
+            engine: Some(Arc::clone(base)),
+            ext: base.ext.clone(),
+            chat_uri: base.chat_uri.clone(),
+            completions_uri: base.completions_uri.clone(),
+        }
     }
 
     /// The same endpoint, serving only `models` (the names clients put in `model`).
@@ -294,6 +345,9 @@ impl Endpoint {
     /// Count one more request in flight until the returned guard drops.
     pub fn track(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        if let Some(engine) = &self.engine {
+            engine.in_flight.fetch_add(1, Ordering::Relaxed);
+        }
         InFlightGuard {
             endpoint: Arc::clone(self),
         }
@@ -344,6 +398,9 @@ impl InFlightGuard {
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         self.endpoint.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(engine) = &self.endpoint.engine {
+            engine.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

@@ -34,6 +34,40 @@ pub enum BodyError {
         /// What was expected, in words.
         expected: &'static str,
     },
+    /// A field the engines would refuse (checked by the proxy for the fields it
+    /// rewrites, see [`PrefillRewriter::check`](crate::rewrite::PrefillRewriter::check)).
+    #[error(transparent)]
+    Invalid(#[from] InvalidParam),
+}
+
+/// A request parameter an engine would refuse, in the engine's own words.
+///
+/// Its [`param`](Self::param) is OpenAI's `error.param`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidParam {
+    param: &'static str,
+    message: String,
+}
+
+impl InvalidParam {
+    /// `param` is refused, with `message` saying why.
+    pub fn new(param: &'static str, message: impl Into<String>) -> Self {
+        InvalidParam {
+            param,
+            message: message.into(),
+        }
+    }
+
+    /// The refused top-level field.
+    pub fn param(&self) -> &'static str {
+        self.param
+    }
+
+    /// Why it is refused.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 /// No route could be chosen for a request.
@@ -436,9 +470,19 @@ impl PdError {
         }
     }
 
+    /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
+    /// refused a field the engines would refuse ([`InvalidParam`]).
+    pub fn param(&self) -> Option<&'static str> {
+        match self.source.as_deref()?.downcast_ref::<BodyError>()? {
+            BodyError::Invalid(p) => Some(p.param()),
+            _ => None,
+        }
+    }
+
     /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`.
     pub fn code(&self) -> &'static str {
         match (&self.kind, self.side) {
+            (Kind::Body, _) if self.param().is_some() => "invalid_parameter",
             (Kind::Body, _) => "invalid_request_body",
             (Kind::BodyTooLarge { .. }, _) => "request_too_large",
             (Kind::NotFound, _) => "not_found",

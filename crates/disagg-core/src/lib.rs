@@ -53,6 +53,7 @@ pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
 pub mod health;
+mod lax;
 pub mod orchestrator;
 pub mod pairing;
 pub mod policy;

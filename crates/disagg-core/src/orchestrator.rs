@@ -38,7 +38,7 @@ use crate::admission::{Admission, AdmissionConfig, RoomFreed};
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer, VllmNixl};
 use crate::disaggregate::{Always, Decision, Disaggregate};
 use crate::endpoint::{Endpoint, InFlightGuard};
-use crate::error::{ConnectorError, PdError, Phase, RouteError, Side};
+use crate::error::{BodyError, ConnectorError, PdError, Phase, RouteError, Side};
 use crate::health::Health;
 use crate::policy::Rng;
 use crate::request::{PdRequest, REQUEST_ID, RequestIds};
@@ -509,6 +509,8 @@ impl Orchestrator {
             deadlines_exceeded: load(&c.deadlines_exceeded),
             kv_releases: load(&c.kv_releases),
             kv_releases_in_flight: load(&c.kv_releases_in_flight),
+            direct: c.direct_counts(),
+            invalid_params: load(&c.invalid_params),
         }
     }
 
@@ -692,7 +694,6 @@ struct Release {
     wait: Duration,
     handoff: Handoff,
     api: crate::request::Api,
-    request_id: HeaderValue,
     connector: Arc<dyn KvConnector>,
     transport: Arc<dyn Transport>,
     counters: Arc<Counters>,
@@ -771,8 +772,7 @@ impl Release {
         let body = PrefillRewriter::new()
             .rewrite(self.api, &leg.body)
             .to_bytes();
-        let Ok(req) = http_request(self.api, &self.request_id, &leg, body, std::iter::empty())
-        else {
+        let Ok(req) = http_request(self.api, &leg, body, std::iter::empty()) else {
             return;
         };
         bump(&self.counters.kv_releases);
@@ -785,6 +785,17 @@ impl Release {
 }
 
 impl Inner {
+    /// `leg` with a fresh engine-side request id.
+    ///
+    /// The engines get an id of the proxy's for every attempt, never the client's
+    /// `x-request-id`: vLLM's push-mode NIXL pairs the two legs by it, so it must be the
+    /// same on both legs and unique among requests in flight, which a client's id (a
+    /// retry, a buggy client) is not. The client's id stays in the answer and the logs.
+    fn stamped(&self, mut leg: Leg) -> Leg {
+        leg.headers.insert(REQUEST_ID, self.ids.next_id());
+        leg
+    }
+
     /// Feedback to the router and the connector.
     fn observe(&self, route: &Route, outcome: Outcome) {
         self.router.observe(route, outcome);
@@ -841,12 +852,13 @@ impl Inner {
 
     async fn serve(self: Arc<Self>, req: PdRequest) -> Result<Response<PdBody>, PdError> {
         bump(&self.counters.requests);
+        let decision = self.decide(&req)?;
         self.budget.deposit();
         let clock = self.clock(&req);
         let permit = self.admission.admit(clock.deadline).await?;
         let mut retries = 0;
         let result = loop {
-            let e = match self.attempt(&req, clock).await {
+            let e = match self.attempt(&req, decision, clock).await {
                 Ok(resp) => break Ok(resp),
                 Err(e) => e,
             };
@@ -870,6 +882,25 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// Whether to disaggregate `req`, decided once per request before anything else:
+    /// the connector refuses what the engines would refuse in the fields it rewrites
+    /// (400, no engine contacted) and sends direct what it cannot carry; otherwise the
+    /// [`Disaggregate`] hook decides.
+    fn decide(&self, req: &PdRequest) -> Result<Decision, PdError> {
+        let decision = match self.connector.check(req) {
+            Ok(Decision::Disaggregate) => self.disaggregate.decide(&RequestView::from(req)),
+            Ok(direct) => direct,
+            Err(e) => {
+                bump(&self.counters.invalid_params);
+                return Err(PdError::body(BodyError::Invalid(e)));
+            }
+        };
+        if let Decision::Direct { reason } = decision {
+            self.counters.direct(reason);
+        }
+        Ok(decision)
     }
 
     /// The wait before retrying after `e`, or `None` when it must not be retried: not
@@ -943,7 +974,7 @@ impl Inner {
             .and_then(|candidates| self.router.select_direct(&view, candidates))
             .map_err(PdError::route)?;
         drop(set);
-        let leg = Leg::new(route.decode.clone(), req.body().clone());
+        let leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
         let mut resp = self
             .decode(req, route, leg, "decode-only", Timing::default(), clock)
             .await?;
@@ -982,9 +1013,13 @@ impl Inner {
 
     /// One attempt: a route, a plan, both legs. Every error here happened before any
     /// byte of an answer reached the client.
-    async fn attempt(&self, req: &PdRequest, clock: Clock) -> Result<Response<PdBody>, PdError> {
+    async fn attempt(
+        &self,
+        req: &PdRequest,
+        decision: Decision,
+        clock: Clock,
+    ) -> Result<Response<PdBody>, PdError> {
         let view = RequestView::from(req);
-        let decision = self.disaggregate.decide(&view);
         let route = self.route(req, &view, decision, clock).await?;
 
         match (decision, &route.prefill) {
@@ -995,7 +1030,7 @@ impl Inner {
                     reason,
                     "not disaggregated: served on a decode endpoint alone"
                 );
-                let leg = Leg::new(route.decode.clone(), req.body().clone());
+                let leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
                 return self
                     .decode(req, route, leg, "direct", Timing::default(), clock)
                     .await;
@@ -1014,6 +1049,10 @@ impl Inner {
             .connector
             .prepare(&route, req)
             .map_err(prefill_failed)?;
+        // One engine-side id per attempt, the same on both legs (see `stamped`).
+        let id = self.ids.next_id();
+        handoff.prefill.headers.insert(REQUEST_ID, id.clone());
+        handoff.decode.headers.insert(REQUEST_ID, id);
         let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
         let resolve = self.connector.resolve(&mut handoff, &*self.transport);
         let resolve = resolve.map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
@@ -1161,8 +1200,12 @@ impl Inner {
             Ok(h) => h,
             Err(e) => return Err(self.failed(&route, Outcome::DecodeFailed, e)),
         };
-        // The decode engine has the leg: its KV is the engine's business now.
-        if let Some(seq) = sequential.as_mut() {
+        // The decode engine took the leg: its KV is the engine's business now. One that
+        // refused it took nothing, so `seq` stays armed and, dropped at the end of this
+        // attempt, releases the prefill's KV when asked to.
+        if head.status().is_success()
+            && let Some(seq) = sequential.as_mut()
+        {
             seq.disarm();
         }
         timing.decode_head = Some(decode_start.elapsed());
@@ -1257,7 +1300,6 @@ impl Inner {
                 wait,
                 handoff: handoff.clone(),
                 api: req.api(),
-                request_id: req.request_id().clone(),
                 connector: Arc::clone(&self.connector),
                 transport: Arc::clone(&self.transport),
                 counters: Arc::clone(&self.counters),
@@ -1304,18 +1346,12 @@ impl Inner {
     /// Build the HTTP request for one leg.
     fn leg_request(&self, req: &PdRequest, leg: &Leg) -> Result<http::Request<Bytes>, PdError> {
         let forwarded = req.headers().iter().filter(|(name, _)| {
-            is_session_header(name)
+            (is_session_header(name)
                 || self.config.forward_headers.contains(name)
-                || (self.config.forward_authorization && *name == header::AUTHORIZATION)
+                || (self.config.forward_authorization && *name == header::AUTHORIZATION))
+                && !is_rank_header(name)
         });
-        http_request(
-            req.api(),
-            req.request_id(),
-            leg,
-            leg.body.to_bytes(),
-            forwarded,
-        )
-        .map_err(|e| {
+        http_request(req.api(), leg, leg.body.to_bytes(), forwarded).map_err(|e| {
             let side = match leg.endpoint.role() {
                 crate::endpoint::Role::Prefill => Side::Prefill,
                 crate::endpoint::Role::Decode => Side::Decode,
@@ -1508,11 +1544,10 @@ fn sse_head(body: BoxBody) -> Response<BoxBody> {
 }
 
 /// The HTTP request of a leg: `body` posted to the endpoint's `api` URI with the JSON
-/// content type, the request id, the `forwarded` client headers, then the leg's own
-/// headers (which win over a forwarded one of the same name).
+/// content type, the `forwarded` client headers, then the leg's own headers, the
+/// engine-side request id among them (which win over a forwarded one of the same name).
 fn http_request<'a>(
     api: crate::request::Api,
-    request_id: &HeaderValue,
     leg: &Leg,
     body: Bytes,
     forwarded: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
@@ -1526,7 +1561,6 @@ fn http_request<'a>(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    h.insert(REQUEST_ID, request_id.clone());
     for (name, value) in forwarded {
         h.append(name.clone(), value.clone());
     }
@@ -1534,6 +1568,14 @@ fn http_request<'a>(
         h.insert(name.clone(), value.clone());
     }
     Ok(out)
+}
+
+/// Whether `name` pins a request to an engine's data-parallel rank (vLLM's
+/// `X-data-parallel-rank`, SGLang's `x-override-disagg-prefill-dp-rank`): only the proxy
+/// names ranks, never a forwarded client header.
+fn is_rank_header(name: &HeaderName) -> bool {
+    name == crate::connector::mooncake::DATA_PARALLEL_RANK
+        || name.as_str() == "x-override-disagg-prefill-dp-rank"
 }
 
 /// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did

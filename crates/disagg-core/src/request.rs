@@ -34,17 +34,23 @@ impl Api {
     }
 }
 
-/// Top-level fields that carry a KV handoff between legs.
+/// Top-level fields that carry a KV handoff between legs, or pin a leg to an engine's
+/// data-parallel rank.
 ///
 /// They are the proxy's to write, never the client's: a client-supplied value is removed
 /// when the request is built, otherwise any client could point a decode engine at a host
-/// of its choosing (vLLM `kv_transfer_params.remote_host`, SGLang `bootstrap_host`).
+/// of its choosing (vLLM `kv_transfer_params.remote_host`, SGLang `bootstrap_host`), or
+/// pin a leg to a rank the other leg does not expect (SGLang reads `routed_dp_rank`, its
+/// deprecated alias `data_parallel_rank`, and `disagg_prefill_dp_rank`; a decode told
+/// another prefill rank than the one that holds the KV fails).
 pub const HANDOFF_FIELDS: &[&str] = &[
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
     "bootstrap_pair_key",
+    "routed_dp_rank",
+    "data_parallel_rank",
     "disagg_prefill_dp_rank",
     "data_parallel_rank_decode",
 ];
@@ -119,10 +125,13 @@ impl PdRequest {
                 });
             }
         };
-        let stream = match body.get_as::<Option<bool>>("stream") {
-            None => false,
-            Some(Ok(s)) => s.unwrap_or(false),
-            Some(Err(_)) => {
+        // Read as the engines' pydantic models read it (`"yes"`, `1` and `"true"` are
+        // true): the decode leg carries the client's value, and the proxy must frame the
+        // answer as the engine will.
+        let stream = match body.get("stream").map(crate::lax::bool_value) {
+            None | Some(Ok(None)) => false,
+            Some(Ok(Some(s))) => s,
+            Some(Err(())) => {
                 return Err(BodyError::FieldType {
                     field: "stream",
                     expected: "a boolean",
@@ -267,7 +276,7 @@ mod tests {
     fn strips_client_handoff_fields() {
         let r = req(
             HeaderMap::new(),
-            r#"{"model":"m","kv_transfer_params":{"remote_host":"evil"},"bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2,"messages":[]}"#,
+            r#"{"model":"m","kv_transfer_params":{"remote_host":"evil"},"bootstrap_host":"evil","bootstrap_port":1,"bootstrap_room":2,"routed_dp_rank":1,"data_parallel_rank":1,"disagg_prefill_dp_rank":1,"data_parallel_rank_decode":1,"messages":[]}"#,
         )
         .unwrap();
         assert_eq!(r.body().keys().collect::<Vec<_>>(), ["model", "messages"]);
@@ -309,13 +318,26 @@ mod tests {
             req(HeaderMap::new(), r#"{"model":1}"#),
             Err(BodyError::FieldType { field: "model", .. })
         ));
-        assert!(matches!(
-            req(HeaderMap::new(), r#"{"stream":"yes"}"#),
-            Err(BodyError::FieldType {
-                field: "stream",
-                ..
-            })
-        ));
+        for lax in [r#""yes""#, r#""true""#, "1", "1.0", r#""On""#] {
+            let r = req(HeaderMap::new(), &format!(r#"{{"stream":{lax}}}"#)).unwrap();
+            assert!(r.is_stream(), "{lax}");
+        }
+        for no in [r#""no""#, "0", "false"] {
+            let r = req(HeaderMap::new(), &format!(r#"{{"stream":{no}}}"#)).unwrap();
+            assert!(!r.is_stream(), "{no}");
+        }
+        for bad in ["2", r#""maybe""#, "[]", r#"" yes ""#] {
+            assert!(
+                matches!(
+                    req(HeaderMap::new(), &format!(r#"{{"stream":{bad}}}"#)),
+                    Err(BodyError::FieldType {
+                        field: "stream",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
         assert!(
             req(HeaderMap::new(), r#"{"stream":true}"#)
                 .unwrap()

@@ -37,6 +37,14 @@ pub struct OrchestratorStats {
     pub kv_releases: u64,
     /// Early KV releases still running: a gauge.
     pub kv_releases_in_flight: u64,
+    /// Requests served by a decode engine alone, by reason (`beam_search` and
+    /// `prompt_only`, which the connector cannot carry; `short_prompt` from
+    /// [`PromptThreshold`](crate::disaggregate::PromptThreshold); a custom hook's own),
+    /// in the order the reasons were first seen.
+    pub direct: Vec<(&'static str, u64)>,
+    /// Requests refused before routing because an engine would refuse a field the
+    /// proxy rewrites (400 `invalid_parameter`).
+    pub invalid_params: u64,
 }
 
 /// The live counters behind [`OrchestratorStats`] that are not admission's.
@@ -49,6 +57,10 @@ pub(crate) struct Counters {
     pub(crate) deadlines_exceeded: AtomicU64,
     pub(crate) kv_releases: AtomicU64,
     pub(crate) kv_releases_in_flight: AtomicU64,
+    pub(crate) invalid_params: AtomicU64,
+    /// By reason. A short list (a handful of static reasons) behind a lock taken only
+    /// for requests served direct, and never across an await.
+    direct: std::sync::Mutex<Vec<(&'static str, u64)>>,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -74,5 +86,19 @@ impl Drop for GaugeGuard<'_> {
 impl Counters {
     pub(crate) fn load(counter: &AtomicU64) -> u64 {
         counter.load(Relaxed)
+    }
+
+    /// Count one request served direct for `reason`.
+    pub(crate) fn direct(&self, reason: &'static str) {
+        let mut by_reason = crate::lock(&self.direct);
+        match by_reason.iter_mut().find(|(r, _)| *r == reason) {
+            Some((_, n)) => *n += 1,
+            None => by_reason.push((reason, 1)),
+        }
+    }
+
+    /// The direct counts by reason.
+    pub(crate) fn direct_counts(&self) -> Vec<(&'static str, u64)> {
+        crate::lock(&self.direct).clone()
     }
 }

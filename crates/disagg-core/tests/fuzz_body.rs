@@ -22,7 +22,7 @@ use serde::Deserialize;
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-// === the rewriter's documented table (`disagg_core::rewrite`, PROTOCOLS.md §9.3) ===
+// === the rewriter's documented table (`disagg_core::rewrite`, docs/protocols.md) ===
 
 /// Removed from the prefill leg.
 const REMOVED: &[&str] = &[
@@ -34,8 +34,18 @@ const REMOVED: &[&str] = &[
     "include_stop_str_in_output",
     "logprobs",
     "top_logprobs",
+    "logprob_token_ids",
     "echo",
     "prompt_logprobs",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+    "structural_tag",
 ];
 
 /// Set to `1` when the client sent them.
@@ -57,8 +67,12 @@ const SPECIAL_KEYS: &[&str] = &[
     "min_tokens",
     "ignore_eos",
     "logprobs",
+    "logprob_token_ids",
+    "response_format",
+    "guided_json",
     "echo",
     "kv_transfer_params",
+    "routed_dp_rank",
     "bootstrap_host",
     "bootstrap_room",
     "temperature",
@@ -446,13 +460,36 @@ fn folded(fields: &[(Key, Json)]) -> Vec<(String, Json)> {
 
 /// The field `PdRequest::new` must reject, if any: `model` must be a string or null,
 /// then `stream` a boolean or null.
+/// Pydantic's lax boolean, as both engines read `stream` (written here independently of
+/// the library): `Some(None)` for null, `None` for a value pydantic refuses.
+fn lax_bool(text: &str) -> Option<Option<bool>> {
+    match serde_json::from_str::<serde_json::Value>(text).ok()? {
+        serde_json::Value::Null => Some(None),
+        serde_json::Value::Bool(b) => Some(Some(b)),
+        serde_json::Value::Number(n) => match n.as_f64()? {
+            1.0 => Some(Some(true)),
+            0.0 => Some(Some(false)),
+            _ => None,
+        },
+        serde_json::Value::String(s) => match s.to_lowercase().as_str() {
+            "1" | "on" | "t" | "true" | "y" | "yes" => Some(Some(true)),
+            "0" | "off" | "f" | "false" | "n" | "no" => Some(Some(false)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 fn rejected_field(object: &[(String, Json)]) -> Option<&'static str> {
     let kind = |k: &str| object.iter().find(|(o, _)| o == k).map(|(_, v)| v.kind);
     let model_ok = matches!(
         kind("model"),
         None | Some(Kind::Null) | Some(Kind::Str { valid: true })
     );
-    let stream_ok = matches!(kind("stream"), None | Some(Kind::Null) | Some(Kind::Bool));
+    let stream_ok = object
+        .iter()
+        .find(|(o, _)| o == "stream")
+        .is_none_or(|(_, v)| lax_bool(&v.text).is_some());
     if !model_ok {
         Some("model")
     } else if !stream_ok {
@@ -513,7 +550,8 @@ proptest! {
                     .filter(|v| v.kind != Kind::Null)
                     .map(|v| serde_json::from_str::<String>(&v.text).unwrap());
                 prop_assert_eq!(req.model(), model.as_deref());
-                prop_assert_eq!(req.is_stream(), field("stream").is_some_and(|v| v.text == "true"));
+                let stream = field("stream").and_then(|v| lax_bool(&v.text)).flatten();
+                prop_assert_eq!(req.is_stream(), stream == Some(true));
                 check_prefill(api, req.body());
                 check_scanner(&bytes, req.body());
             }

@@ -6,13 +6,19 @@ use disagg_core::error::{PdError, error_chain};
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-/// An OpenAI-format error body: `{"error": {"message", "type", "param", "code"}}`.
+/// An OpenAI-format error body: `{"error": {"message", "type", "param", "code"}}`, with
+/// `param` null.
 pub fn openai_error_body(message: &str, error_type: &str, code: &str) -> Bytes {
+    error_body(message, error_type, None, code)
+}
+
+/// The OpenAI-format error body, `param` naming the request field at fault, if any.
+fn error_body(message: &str, error_type: &str, param: Option<&str>, code: &str) -> Bytes {
     let v = serde_json::json!({
         "error": {
             "message": message,
             "type": error_type,
-            "param": null,
+            "param": param,
             "code": code,
         }
     });
@@ -36,12 +42,11 @@ pub fn error_response(
 /// The response for a [`PdError`]: its status, its whole cause chain as the message,
 /// and `retry-after` (whole seconds, at least 1) when the error names one.
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
-    let mut resp = error_response(
-        err.status(),
-        &error_chain(err),
-        err.error_type(),
-        err.code(),
-    );
+    let body = error_body(&error_chain(err), err.error_type(), err.param(), err.code());
+    let mut resp = Response::new(PdBody::full(body));
+    *resp.status_mut() = err.status();
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     if let Some(after) = err.retry_after() {
         let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
         resp.headers_mut()

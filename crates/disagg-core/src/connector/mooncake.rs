@@ -20,8 +20,20 @@
 //! The engine id is learned in [`KvConnector::resolve`] from `GET /query` on the prefill's
 //! bootstrap server, cached per prefill endpoint, and forgotten when a request over that
 //! prefill fails (a restarted engine draws a new id), so the next request asks again.
+//!
+//! Data-parallel ranks: a prefill engine with several ranks places a request that names
+//! none on a rank of its own choosing (vLLM's DP load balancer, `core_client.py`), while
+//! the decode waits on the engine id the proxy named, so an unpinned prefill leg stalls
+//! the request for the engine's abort timeout (480 s) whenever the engine picks another
+//! rank. The prefill leg is therefore always pinned: to the rank the route names (an
+//! endpoint written `URL@RANK`), or else to the least loaded of the ranks `/query` lists
+//! (ties in turn), as vLLM's own proxy spreads requests over `(prefill, dp_rank)` pairs.
+//! Each rank's load is counted on a rank endpoint (`URL@r`, see
+//! [`Endpoint::dp_rank`](crate::endpoint::Endpoint::dp_rank)) that the prefill exchange
+//! tracks, and that counts towards the engine's own load too.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,8 +44,9 @@ use http::{HeaderName, HeaderValue};
 use crate::body::write_json_str;
 use crate::connector::room::Rooms;
 use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
-use crate::endpoint::EndpointId;
-use crate::error::{BoxError, ConnectorError};
+use crate::disaggregate::Decision;
+use crate::endpoint::{Endpoint, EndpointId};
+use crate::error::{BoxError, ConnectorError, InvalidParam};
 use crate::lock;
 use crate::request::PdRequest;
 use crate::rewrite::PrefillRewriter;
@@ -61,6 +74,56 @@ const MAX_QUERY_ANSWER: usize = 1 << 20;
 /// Cached engine-id maps kept at most; past it the cache starts over (a proxy serves a
 /// handful of prefill endpoints, so this only bounds a pathological endpoint churn).
 const MAX_CACHED: usize = 4096;
+
+/// A prefill engine's data-parallel ranks, as its bootstrap server lists them.
+#[derive(Debug)]
+struct Ranks {
+    /// By rank, ascending.
+    ranks: Vec<Rank>,
+    /// Where the next tie-break starts.
+    turn: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct Rank {
+    rank: u32,
+    engine_id: Arc<str>,
+    /// `URL@rank`: the prefill leg's endpoint when the proxy picks the rank, so that the
+    /// exchange counts on it.
+    endpoint: Arc<Endpoint>,
+}
+
+impl Ranks {
+    fn new(engine: &Arc<Endpoint>, ids: HashMap<u32, Arc<str>>) -> Self {
+        let mut ranks: Vec<Rank> = ids
+            .into_iter()
+            .map(|(rank, engine_id)| Rank {
+                rank,
+                engine_id,
+                endpoint: Arc::new(engine.dp_rank(rank)),
+            })
+            .collect();
+        ranks.sort_by_key(|r| r.rank);
+        Ranks {
+            ranks,
+            turn: AtomicUsize::new(0),
+        }
+    }
+
+    fn get(&self, rank: u32) -> Option<&Rank> {
+        self.ranks.iter().find(|r| r.rank == rank)
+    }
+
+    /// The rank with the fewest requests in flight; ties go round, so an idle engine's
+    /// ranks are used in turn rather than rank 0 first.
+    fn least_loaded(&self) -> Option<&Rank> {
+        let n = self.ranks.len();
+        let start = self.turn.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|i| &self.ranks[(start + i) % n])
+            .min_by_key(|r| r.endpoint.in_flight())
+    }
+}
 
 /// The vLLM Mooncake connector: concurrent dispatch, linked by a `transfer_id`.
 ///
@@ -94,11 +157,8 @@ pub struct VllmMooncake {
     ids: Rooms,
     query_timeout: Duration,
     /// Engine id per data-parallel rank, per prefill endpoint.
-    engines: Mutex<HashMap<EndpointId, EngineIds>>,
+    engines: Mutex<HashMap<EndpointId, Arc<Ranks>>>,
 }
-
-/// A prefill's engine ids, by data-parallel rank.
-type EngineIds = Arc<HashMap<u32, Arc<str>>>;
 
 impl Default for VllmMooncake {
     fn default() -> Self {
@@ -111,7 +171,8 @@ impl Default for VllmMooncake {
 struct Plan {
     transfer_id: String,
     bootstrap_addr: String,
-    rank: u32,
+    /// The rank the route named; `None`: the connector picks one in `resolve`.
+    rank: Option<u32>,
 }
 
 impl VllmMooncake {
@@ -147,12 +208,15 @@ impl VllmMooncake {
     /// The engine ids cached for `prefill`, by data-parallel rank.
     pub fn cached_engine_ids(&self, prefill: &EndpointId) -> Option<HashMap<u32, String>> {
         let engines = lock(&self.engines);
-        engines
-            .get(prefill)
-            .map(|m| m.iter().map(|(rank, id)| (*rank, id.to_string())).collect())
+        engines.get(prefill).map(|m| {
+            m.ranks
+                .iter()
+                .map(|r| (r.rank, r.engine_id.to_string()))
+                .collect()
+        })
     }
 
-    fn cached(&self, prefill: &EndpointId) -> Option<EngineIds> {
+    fn cached(&self, prefill: &EndpointId) -> Option<Arc<Ranks>> {
         lock(&self.engines).get(prefill).cloned()
     }
 
@@ -214,6 +278,12 @@ impl KvConnector for VllmMooncake {
         "vllm-mooncake"
     }
 
+    /// The rewriter's [`check`](PrefillRewriter::check): what vLLM refuses in the fields
+    /// the prefill leg changes, and beam search served direct.
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        self.rewriter.check(req.api(), req.body())
+    }
+
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
@@ -226,7 +296,7 @@ impl KvConnector for VllmMooncake {
         let plan = Plan {
             transfer_id: format!("xfer-{:016x}", self.ids.next_room()),
             bootstrap_addr: format!("http://{host}:{port}"),
-            rank: route.prefill_rank.unwrap_or(0),
+            rank: route.prefill_rank,
         };
         let mut body = self.rewriter.rewrite(req.api(), req.body());
         // Written directly (the id is `xfer-` and hex digits, nothing to escape): a
@@ -267,11 +337,11 @@ impl KvConnector for VllmMooncake {
             None => {
                 // No lock is held across this await: a concurrent first request may ask
                 // too, and the later answer simply replaces the earlier.
-                let fresh = Arc::new(
-                    self.query(&plan.bootstrap_addr, transport)
-                        .await
-                        .map_err(bootstrap_error)?,
-                );
+                let ids = self
+                    .query(&plan.bootstrap_addr, transport)
+                    .await
+                    .map_err(bootstrap_error)?;
+                let fresh = Arc::new(Ranks::new(&handoff.prefill.endpoint, ids));
                 let mut cache = lock(&self.engines);
                 if cache.len() >= MAX_CACHED {
                     cache.clear();
@@ -280,9 +350,22 @@ impl KvConnector for VllmMooncake {
                 fresh
             }
         };
-        let engine_id = engines.get(&plan.rank).ok_or_else(|| {
-            bootstrap_error(format!("it serves no data-parallel rank {}", plan.rank).into())
-        })?;
+        let rank = match plan.rank {
+            Some(r) => engines.get(r).ok_or_else(|| {
+                bootstrap_error(format!("it serves no data-parallel rank {r}").into())
+            })?,
+            None => {
+                let rank = engines
+                    .least_loaded()
+                    .ok_or_else(|| bootstrap_error("it lists no data-parallel rank".into()))?;
+                // Pin the leg to the rank whose engine id the decode is given; the
+                // exchange then counts on that rank.
+                handoff.prefill.endpoint = Arc::clone(&rank.endpoint);
+                set_rank(&mut handoff.prefill, Some(rank.rank));
+                rank
+            }
+        };
+        let engine_id = &rank.engine_id;
         let mut params = Vec::with_capacity(192);
         params.extend_from_slice(
             br#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_bootstrap_addr":"#,
@@ -402,11 +485,55 @@ mod tests {
         );
         assert_eq!(d["stream"], true);
         assert_eq!(d["max_tokens"], 20);
-        assert!(h.prefill.headers.get(DATA_PARALLEL_RANK).is_none());
+        // The route named no rank: the leg is pinned to the rank whose engine id the
+        // decode is given (the first turn goes to rank 0).
+        assert_eq!(h.prefill.headers[DATA_PARALLEL_RANK], "0");
+        assert_eq!(h.prefill.endpoint.id().as_str(), "http://10.1.2.3:8100@0");
         assert_eq!(
             lock(&t.seen).as_slice(),
             ["http://10.1.2.3:9000/query".to_owned()]
         );
+    }
+
+    #[tokio::test]
+    async fn unpinned_legs_are_pinned_to_the_least_loaded_rank_they_name() {
+        let c = VllmMooncake::new();
+        let t = bootstrap(QUERY);
+        let r = route(None);
+        let engine = Arc::clone(r.prefill.as_ref().unwrap());
+        let mut held = Vec::new();
+        let mut ranks = Vec::new();
+        for _ in 0..4 {
+            let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
+            c.resolve(&mut h, &t).await.unwrap();
+            let rank = h.prefill.headers[DATA_PARALLEL_RANK]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            let d = json_of(&h.decode.body);
+            // The decode waits on exactly the engine id of the rank the prefill runs on.
+            assert_eq!(
+                d["kv_transfer_params"]["remote_engine_id"],
+                format!("e{rank}")
+            );
+            assert_eq!(h.prefill.endpoint.rank(), Some(rank.parse().unwrap()));
+            // The leg is in flight (as the orchestrator's exchange tracks it).
+            held.push(h.prefill.endpoint.track());
+            ranks.push(rank);
+        }
+        // Two ranks, each busy in turn: the load is spread evenly, and counted on the
+        // engine as a whole too.
+        assert_eq!(ranks, ["0", "1", "0", "1"]);
+        assert_eq!(engine.in_flight(), 4);
+        // Rank 1 frees up: the next leg goes there whatever the turn.
+        held.remove(3);
+        held.remove(1);
+        held.remove(0);
+        let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
+        c.resolve(&mut h, &t).await.unwrap();
+        assert_eq!(h.prefill.headers[DATA_PARALLEL_RANK], "1");
+        drop(held);
+        assert_eq!(engine.in_flight(), 0);
     }
 
     #[tokio::test]

@@ -10,8 +10,15 @@
 //! - a batched request gets arrays of the three, one element per sequence, with a
 //!   distinct room each: chat with `n > 1` has `n` elements, completions whose `prompt`
 //!   is a list of prompts one per prompt (the router's own rule);
-//! - when the route names data-parallel ranks, `data_parallel_rank` (the prefill's) and
-//!   `data_parallel_rank_decode` ride along;
+//! - when the route names data-parallel ranks, the two legs differ, as SGLang reads them
+//!   (`io_struct.py` `GenerateReqInput`, `disaggregation/common/conn.py`): the prefill
+//!   gets `routed_dp_rank = p`, the decode `routed_dp_rank = d` and
+//!   `disagg_prefill_dp_rank = p`. Without `disagg_prefill_dp_rank` the decode assumes
+//!   the prefill's rank is `bootstrap_room % dp_size` (the prefill's default
+//!   `follow_bootstrap_room` balancing), and a prefill pinned elsewhere fails with
+//!   "follow_bootstrap_room conflict". (`data_parallel_rank` is only a deprecated alias
+//!   of `routed_dp_rank`; an older `data_parallel_rank_decode` is read by no current
+//!   SGLang.)
 //! - both legs are sent concurrently: the decode engine connects to the prefill's
 //!   bootstrap server and waits for the room (SGLang waits up to
 //!   `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s), which is why a failed prefill must
@@ -82,6 +89,14 @@ impl SglangBootstrap {
     }
 }
 
+/// The body field that pins a request to a data-parallel rank of the engine it is sent
+/// to (SGLang `GenerateReqInput.routed_dp_rank`).
+pub const ROUTED_DP_RANK: &str = "routed_dp_rank";
+
+/// The decode leg's field naming the prefill's data-parallel rank (SGLang
+/// `GenerateReqInput.disagg_prefill_dp_rank`).
+pub const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
+
 /// How many sequences a request asks the engines for, as SGLang's router counts them:
 /// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of
 /// prompts), `None` for a single sequence.
@@ -139,16 +154,19 @@ impl KvConnector for SglangBootstrap {
                 body.set("bootstrap_room", &rooms);
             }
         }
-        if let Some(rank) = route.prefill_rank {
-            body.set("data_parallel_rank", &rank);
+        let mut prefill = body.clone();
+        let mut decode = body;
+        if let Some(p) = route.prefill_rank {
+            prefill.set(ROUTED_DP_RANK, &p);
+            decode.set(PREFILL_DP_RANK, &p);
         }
-        if let Some(rank) = route.decode_rank {
-            body.set("data_parallel_rank_decode", &rank);
+        if let Some(d) = route.decode_rank {
+            decode.set(ROUTED_DP_RANK, &d);
         }
         Ok(Handoff::new(
             Dispatch::Concurrent,
-            Leg::new(prefill_ep, body.clone()),
-            Leg::new(Arc::clone(&route.decode), body),
+            Leg::new(prefill_ep, prefill),
+            Leg::new(Arc::clone(&route.decode), decode),
         ))
     }
 }
@@ -281,18 +299,44 @@ mod tests {
     }
 
     #[test]
-    fn ranks_ride_along_when_named() {
+    fn ranks_go_where_sglang_reads_them() {
         let c = SglangBootstrap::new();
         let r = req(Api::Completions, r#"{"prompt":"a"}"#);
         let h = c.prepare(&route(None), &r).unwrap();
-        assert!(!h.decode.body.contains("data_parallel_rank"));
+        for leg in [&h.prefill, &h.decode] {
+            for field in [ROUTED_DP_RANK, PREFILL_DP_RANK, "data_parallel_rank"] {
+                assert!(!leg.body.contains(field), "{field}");
+            }
+        }
+        // Both ranks: the legs differ.
         let h = c
             .prepare(&route(None).with_ranks(Some(2), Some(5)), &r)
             .unwrap();
-        let v = json(&h.decode.body);
-        assert_eq!(v["data_parallel_rank"], 2);
-        assert_eq!(v["data_parallel_rank_decode"], 5);
-        assert_eq!(json(&h.prefill.body), v);
+        let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
+        assert_eq!(p[ROUTED_DP_RANK], 2);
+        assert!(p.get(PREFILL_DP_RANK).is_none());
+        assert_eq!(d[ROUTED_DP_RANK], 5);
+        assert_eq!(d[PREFILL_DP_RANK], 2);
+        for v in [&p, &d] {
+            assert!(v.get("data_parallel_rank").is_none());
+            assert!(v.get("data_parallel_rank_decode").is_none());
+        }
+        assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
+        // Only the prefill's rank: the decode is told where the KV is, and picks its own.
+        let h = c
+            .prepare(&route(None).with_ranks(Some(1), None), &r)
+            .unwrap();
+        let d = json(&h.decode.body);
+        assert_eq!(d[PREFILL_DP_RANK], 1);
+        assert!(d.get(ROUTED_DP_RANK).is_none());
+        // Only the decode's rank: the prefill follows its room, as the decode assumes.
+        let h = c
+            .prepare(&route(None).with_ranks(None, Some(3)), &r)
+            .unwrap();
+        let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
+        assert!(p.get(ROUTED_DP_RANK).is_none());
+        assert_eq!(d[ROUTED_DP_RANK], 3);
+        assert!(d.get(PREFILL_DP_RANK).is_none());
     }
 
     #[test]

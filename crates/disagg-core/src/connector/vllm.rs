@@ -26,7 +26,8 @@ use bytes::Bytes;
 
 use crate::connector::mooncake::set_rank;
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
-use crate::error::ConnectorError;
+use crate::disaggregate::Decision;
+use crate::error::{ConnectorError, InvalidParam};
 use crate::request::PdRequest;
 use crate::rewrite::PrefillRewriter;
 use crate::router::Route;
@@ -85,6 +86,12 @@ impl VllmNixl {
 impl KvConnector for VllmNixl {
     fn name(&self) -> &'static str {
         "vllm-nixl"
+    }
+
+    /// The rewriter's [`check`](PrefillRewriter::check): what vLLM refuses in the fields
+    /// the prefill leg changes, and beam search served direct.
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        self.rewriter.check(req.api(), req.body())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {

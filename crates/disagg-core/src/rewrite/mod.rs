@@ -1,9 +1,9 @@
-//! The prefill-request rewriter.
+//! The prefill-request rewriter, and the checks that keep it honest.
 //!
 //! The prefill leg exists only to fill the KV cache of the prompt. Everything that shapes
-//! the *prompt* (`messages`, `prompt`, `tools`, `chat_template*`, `model`, multimodal
-//! parts, ...) is kept exactly as the client sent it; everything that shapes *sampling* is
-//! changed so the leg ends after one token, length-capped, and cheaply:
+//! the *prompt* (`messages`, `prompt`, `tools`, `tool_choice`, `chat_template*`, `model`,
+//! multimodal parts, ...) is kept exactly as the client sent it; everything that shapes
+//! *sampling* is changed so the leg ends after one token, length-capped, and cheaply:
 //!
 //! | field | prefill leg | why |
 //! |---|---|---|
@@ -16,14 +16,31 @@
 //! | `ignore_eos` | `true` | the same for an EOS first token (configurable, for engines without it) |
 //! | `include_stop_str_in_output` | removed | meaningless without stops; defaults to `false` |
 //! | `n`, `best_of` | `1` when present | one KV handoff has one consumer; the decode leg keeps the client's `n` |
-//! | `logprobs`, `top_logprobs`, `echo`, `prompt_logprobs` | removed | the prefill's token is discarded; these only cost time |
+//! | `logprobs`, `top_logprobs`, `logprob_token_ids`, `echo`, `prompt_logprobs` | removed | the prefill's token is discarded; these only cost time, and vLLM refuses `logprob_token_ids` or `top_logprobs` without `logprobs` |
+//! | `response_format`, `structured_outputs`, `guided_*`, `structural_tag` | removed | a grammar compiled for one discarded token is wasted work |
+//!
+//! The rule behind the table: a prefill leg never keeps a field whose companion the
+//! rewriter removed or changed (vLLM refuses `logprob_token_ids` once `logprobs` is gone,
+//! `stream_options` once `stream` is off, `min_tokens` above the new cap).
+//!
+//! Because the prefill engine never sees the client's values of these fields, it can
+//! never refuse them: [`PrefillRewriter::check`] refuses them as vLLM would, before any
+//! leg is sent (see [`check`](self::check) for the rules and their sources), and says
+//! which requests P/D cannot carry at all (beam search). `docs/protocols.md` holds the
+//! whole rule table.
 //!
 //! Every other field passes through unchanged and in order. Handoff fields
 //! (`kv_transfer_params`, ...) are the connector's to add. Sources: vLLM's NIXL toy proxy
 //! and `kv_transfer_params` handling, Ray Serve LLM's `prepare_prefill_request`, llm-d's
 //! NIXL v2 connector (see `docs/protocols.md`).
 
+pub mod check;
+
+pub use check::VllmLimits;
+
 use crate::body::JsonBody;
+use crate::disaggregate::Decision;
+use crate::error::InvalidParam;
 use crate::request::Api;
 
 /// Fields removed from the prefill leg.
@@ -36,8 +53,20 @@ const REMOVED: &[&str] = &[
     "include_stop_str_in_output",
     "logprobs",
     "top_logprobs",
+    "logprob_token_ids",
     "echo",
     "prompt_logprobs",
+    // Grammars: vLLM 0.33 reads `response_format` and `structured_outputs`; older
+    // releases the `guided_*` fields and `structural_tag`.
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "guided_decoding_backend",
+    "structural_tag",
 ];
 
 /// Builds the prefill leg's body from the client's: one token, length-capped, no stream.
@@ -62,6 +91,7 @@ const REMOVED: &[&str] = &[
 #[derive(Debug, Clone)]
 pub struct PrefillRewriter {
     ignore_eos: bool,
+    limits: VllmLimits,
 }
 
 impl Default for PrefillRewriter {
@@ -73,7 +103,54 @@ impl Default for PrefillRewriter {
 impl PrefillRewriter {
     /// The rewriter with every rule of the module table.
     pub fn new() -> Self {
-        PrefillRewriter { ignore_eos: true }
+        PrefillRewriter {
+            ignore_eos: true,
+            limits: VllmLimits::default(),
+        }
+    }
+
+    /// Check against `limits` (the engines' `--max-logprobs` and
+    /// `VLLM_MAX_STOP_STRINGS`) instead of vLLM's defaults.
+    pub fn with_limits(mut self, limits: VllmLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The limits [`check`](Self::check) applies.
+    pub fn limits(&self) -> &VllmLimits {
+        &self.limits
+    }
+
+    /// Refuse what a vLLM engine would refuse in the fields [`rewrite`](Self::rewrite)
+    /// changes, and say whether P/D can carry the request at all.
+    ///
+    /// Pure and cheap (the top level is already parsed; only the handful of sampling
+    /// fields are read). Call it once per request, before routing: a request it refuses
+    /// must be answered 400 with no engine contacted, and one it answers
+    /// [`Decision::Direct`] (beam search, `echo` without generation) must go to a decode
+    /// engine alone, as the client sent it.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidParam`] naming the field and, in vLLM's words, why.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::body::JsonBody;
+    /// use disagg_core::disaggregate::Decision;
+    /// use disagg_core::request::Api;
+    /// use disagg_core::rewrite::PrefillRewriter;
+    ///
+    /// let rw = PrefillRewriter::new();
+    /// let bad = JsonBody::parse(br#"{"messages":[],"max_tokens":-1}"#)?;
+    /// assert_eq!(rw.check(Api::Chat, &bad).unwrap_err().param(), "max_tokens");
+    /// let beam = JsonBody::parse(br#"{"prompt":"p","use_beam_search":true}"#)?;
+    /// assert!(matches!(rw.check(Api::Completions, &beam), Ok(Decision::Direct { .. })));
+    /// # Ok::<(), disagg_core::error::BodyError>(())
+    /// ```
+    pub fn check(&self, api: Api, body: &JsonBody) -> Result<Decision, InvalidParam> {
+        check::check(api, body, &self.limits)
     }
 
     /// Whether to set `ignore_eos: true` (default on). Turn it off only for engines that

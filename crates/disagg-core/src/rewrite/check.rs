@@ -1,0 +1,756 @@
+//! What a vLLM engine refuses in the fields a prefill rewrite changes, checked before any
+//! leg is sent.
+//!
+//! The rewriter sends the prefill engine other values than the client's for a handful of
+//! fields (the token caps, `n`, `stream`, the stop and logprob families, the grammar
+//! fields). The prefill engine therefore never sees, and never refuses, a client value
+//! that only the decode engine would refuse: without these checks a whole prefill runs,
+//! and with NIXL its KV stays pinned until the engine's lease ends, for a request that
+//! then fails on its decode leg. So the proxy checks exactly those fields as vLLM 0.33
+//! does, and refuses with 400 before routing; every other field reaches both engines
+//! unchanged and is left to them.
+//!
+//! The rules follow vLLM's own code, stage by stage (vllm-project/vllm v0.33.0):
+//!
+//! - *parse*: the request models' `mode="before"` validators, which read the raw body
+//!   with Python truthiness (`check_logprobs`, `validate_stream_options`,
+//!   `check_structured_outputs_count`, `validate_response_format` in
+//!   `vllm/entrypoints/openai/chat_completion/protocol.py` and
+//!   `.../completion/protocol.py`), then pydantic's lax field types (see
+//!   [`lax`](crate::lax));
+//! - *max tokens*: the handler's `get_max_tokens`
+//!   (`vllm/entrypoints/serve/utils/api_utils.py`: chat reads
+//!   `max_completion_tokens`, else `max_tokens`);
+//! - *sampling*: `to_sampling_params` and `SamplingParams._verify_args`,
+//!   `_verify_greedy_sampling`, `_validate_logprobs` (`vllm/sampling_params.py`), with
+//!   the server's `--max-logprobs` (default 20) and `VLLM_MAX_STOP_STRINGS` (default 4)
+//!   as [`VllmLimits`].
+//!
+//! What the proxy cannot know it leaves to the engines: the prompt's length (a
+//! `min_tokens` above the context left), the vocabulary (out-of-range token ids), a
+//! server's sampling defaults (a model whose generation config makes sampling greedy),
+//! and the inside of a JSON schema or grammar (only the shape of `response_format` and
+//! `structured_outputs` is checked). Such a request is refused by the decode after its
+//! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
+
+use crate::body::JsonBody;
+use crate::disaggregate::Decision;
+use crate::error::InvalidParam;
+use crate::lax::{bool_value, int_value, truthy};
+use crate::request::Api;
+
+/// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct VllmLimits {
+    /// The servers' `--max-logprobs` (vLLM's default 20; `-1` means the vocabulary size,
+    /// which the proxy treats as unbounded).
+    pub max_logprobs: i64,
+    /// The servers' `VLLM_MAX_STOP_STRINGS` (default 4): the longest `stop` list.
+    pub max_stop_strings: usize,
+}
+
+impl Default for VllmLimits {
+    fn default() -> Self {
+        VllmLimits {
+            max_logprobs: 20,
+            max_stop_strings: 4,
+        }
+    }
+}
+
+/// vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily.
+const SAMPLING_EPS: f64 = 1e-5;
+/// vLLM's `MAX_LOGPROB_TOKEN_IDS`.
+const MAX_LOGPROB_TOKEN_IDS: usize = 128;
+
+/// Why the proxy serves a request on a decode engine alone: vLLM builds beam-search
+/// parameters for it, which carry no `kv_transfer_params`, so neither leg's handoff
+/// would be read (`chat_completion/serving.py`: `to_beam_search_params`).
+pub const BEAM_SEARCH: &str = "beam_search";
+/// Why the proxy serves a request on a decode engine alone: a completions request with
+/// `echo` and `max_tokens: 0` generates nothing (vLLM answers with the prompt only), so
+/// there is no decode for a KV handoff to feed.
+pub const PROMPT_ONLY: &str = "prompt_only";
+
+/// Check `body` of `api` as vLLM would, for the fields a prefill rewrite changes, and say
+/// whether P/D can carry it.
+pub(super) fn check(
+    api: Api,
+    body: &JsonBody,
+    limits: &VllmLimits,
+) -> Result<Decision, InvalidParam> {
+    let chat = api == Api::Chat;
+    let raw = |k: &str| body.get(k);
+    if matches!(raw("use_beam_search").map(bool_value), Some(Ok(Some(true)))) {
+        // The body goes to the decode engine untouched, which checks it itself.
+        return Ok(Decision::Direct {
+            reason: BEAM_SEARCH,
+        });
+    }
+
+    // Parse stage, `mode="before"` validators on the raw body.
+    if truthy(raw("stream_options")) && !truthy(raw("stream")) {
+        return Err(InvalidParam::new(
+            "stream_options",
+            "Stream options can only be defined when `stream=True`.",
+        ));
+    }
+    if truthy(raw("logprob_token_ids")) {
+        if chat && !truthy(raw("logprobs")) {
+            return Err(InvalidParam::new(
+                "logprob_token_ids",
+                "when using `logprob_token_ids`, `logprobs` must be set to true.",
+            ));
+        }
+        if !chat {
+            if truthy(raw("echo")) && raw("max_tokens") == Some(b"0") {
+                return Err(InvalidParam::new(
+                    "logprob_token_ids",
+                    "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens are generated.",
+                ));
+            }
+            if body.is_null_or_absent("logprobs") {
+                return Err(InvalidParam::new(
+                    "logprob_token_ids",
+                    "when using `logprob_token_ids`, `logprobs` must be set.",
+                ));
+            }
+        }
+    }
+    let counts = if chat {
+        ["prompt_logprobs", "top_logprobs"]
+    } else {
+        ["prompt_logprobs", "logprobs"]
+    };
+    for field in counts {
+        if let Some(v) = raw(field)
+            && v != b"null"
+            && number(v).is_none()
+        {
+            return Err(InvalidParam::new(
+                field,
+                format!("`{field}` must be an integer."),
+            ));
+        }
+    }
+    if let Some(pl) = raw("prompt_logprobs").and_then(number) {
+        if truthy(raw("stream")) && (pl > 0.0 || pl == -1.0) {
+            return Err(InvalidParam::new(
+                "prompt_logprobs",
+                "`prompt_logprobs` are not available when `stream=True`.",
+            ));
+        }
+        if pl < 0.0 && pl != -1.0 {
+            return Err(InvalidParam::new(
+                "prompt_logprobs",
+                "`prompt_logprobs` must be a positive value or -1.",
+            ));
+        }
+    }
+    if chat {
+        if let Some(tl) = raw("top_logprobs").and_then(number) {
+            if tl < 0.0 && tl != -1.0 {
+                return Err(InvalidParam::new(
+                    "top_logprobs",
+                    "`top_logprobs` must be a positive value or -1.",
+                ));
+            }
+            if (tl == -1.0 || tl > 0.0) && !truthy(raw("logprobs")) {
+                return Err(InvalidParam::new(
+                    "top_logprobs",
+                    "when using `top_logprobs`, `logprobs` must be set to true.",
+                ));
+            }
+        }
+    } else if let Some(lp) = raw("logprobs").and_then(number)
+        && lp < 0.0
+        && lp != -1.0
+    {
+        return Err(InvalidParam::new(
+            "logprobs",
+            "`logprobs` must be a positive value or -1.",
+        ));
+    }
+    check_grammar(chat, body)?;
+
+    // Parse stage, pydantic's lax field types.
+    opt_bool(body, "stream")?;
+    check_stream_options(body)?;
+    let max_tokens = opt_int(body, "max_tokens")?;
+    let max_completion_tokens = if chat {
+        opt_int(body, "max_completion_tokens")?
+    } else {
+        None
+    };
+    let min_tokens = int_not_null(body, "min_tokens")?.unwrap_or(0);
+    let n = if chat {
+        opt_int(body, "n")?
+    } else {
+        int_not_null(body, "n")?
+    }
+    .unwrap_or(1);
+    let stop = stop_strings(body, limits)?;
+    let logprob_token_ids = int_list(body, "logprob_token_ids")?;
+    int_list(body, "stop_token_ids")?;
+    for field in ["include_stop_str_in_output", "ignore_eos"] {
+        bool_not_null(body, field)?;
+    }
+    let echo = if chat {
+        bool_not_null(body, "echo")?
+    } else {
+        opt_bool(body, "echo")?
+    }
+    .unwrap_or(false);
+    let logprobs_on = if chat {
+        opt_bool(body, "logprobs")?.unwrap_or(false)
+    } else {
+        false
+    };
+    let top_logprobs = if chat {
+        opt_int(body, "top_logprobs")?.unwrap_or(0)
+    } else {
+        0
+    };
+    let logprobs_count = if chat {
+        None
+    } else {
+        opt_int(body, "logprobs")?
+    };
+    let prompt_logprobs = opt_int(body, "prompt_logprobs")?;
+    let temperature = opt_float(body, "temperature")?;
+
+    // Max tokens, as the handler resolves them.
+    let requested = if chat {
+        max_completion_tokens.or(max_tokens)
+    } else {
+        // Completions: `max_tokens: null` means the model's default of 16.
+        Some(max_tokens.unwrap_or(16))
+    };
+    if !chat && echo && requested == Some(0) {
+        return Ok(Decision::Direct {
+            reason: PROMPT_ONLY,
+        });
+    }
+
+    // Sampling stage.
+    if let Some(m) = requested
+        && m < 1
+    {
+        let param = if max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        return Err(InvalidParam::new(
+            param,
+            format!("max_tokens must be at least 1, got {m}."),
+        ));
+    }
+    if min_tokens < 0 {
+        return Err(InvalidParam::new(
+            "min_tokens",
+            format!("min_tokens must be greater than or equal to 0, got {min_tokens}."),
+        ));
+    }
+    if let Some(m) = requested
+        && min_tokens > m
+    {
+        return Err(InvalidParam::new(
+            "min_tokens",
+            format!("min_tokens must be less than or equal to max_tokens={m}, got {min_tokens}."),
+        ));
+    }
+    if n < 1 {
+        return Err(InvalidParam::new(
+            "n",
+            format!("n must be at least 1, got {n}."),
+        ));
+    }
+    // vLLM's default temperature is 1.0 (a server's generation config may lower it; the
+    // proxy cannot see that).
+    if n > 1 && temperature.unwrap_or(1.0) < SAMPLING_EPS {
+        return Err(InvalidParam::new(
+            "n",
+            format!("n must be 1 when using greedy sampling, got {n}."),
+        ));
+    }
+    if stop.iter().any(String::is_empty) {
+        return Err(InvalidParam::new(
+            "stop",
+            "stop cannot contain an empty string.",
+        ));
+    }
+    if let Some(ids) = &logprob_token_ids
+        && ids.len() > MAX_LOGPROB_TOKEN_IDS
+    {
+        return Err(InvalidParam::new(
+            "logprob_token_ids",
+            format!(
+                "Requested logprob_token_ids of length {}, which is greater than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
+                ids.len()
+            ),
+        ));
+    }
+    let has_ids = logprob_token_ids
+        .as_ref()
+        .is_some_and(|ids| !ids.is_empty());
+    let sample = match (chat, has_ids) {
+        (_, true) => None,
+        (true, false) => logprobs_on.then_some(top_logprobs),
+        (false, false) => logprobs_count,
+    };
+    let prompt = prompt_logprobs.or(if !echo {
+        None
+    } else if chat {
+        Some(top_logprobs)
+    } else {
+        logprobs_count
+    });
+    if let Some(n) = sample.filter(|n| *n != 0) {
+        if n < 0 && n != -1 {
+            return Err(InvalidParam::new(
+                "logprobs",
+                format!("logprobs must be non-negative or -1, got {n}."),
+            ));
+        }
+        over_max("sample", "logprobs", n, limits)?;
+    }
+    if let Some(n) = prompt.filter(|n| *n != 0) {
+        if n < 0 && n != -1 {
+            return Err(InvalidParam::new(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be non-negative or -1, got {n}."),
+            ));
+        }
+        over_max("prompt", "prompt_logprobs", n, limits)?;
+    }
+    Ok(Decision::Disaggregate)
+}
+
+/// Refuse `n` logprobs above the servers' `--max-logprobs` (`-1` asks for the whole
+/// vocabulary, which only an unbounded server allows).
+fn over_max(
+    kind: &str,
+    param: &'static str,
+    n: i64,
+    limits: &VllmLimits,
+) -> Result<(), InvalidParam> {
+    if limits.max_logprobs == -1 {
+        return Ok(());
+    }
+    if n == -1 || n > limits.max_logprobs {
+        let asked = if n == -1 {
+            "the whole vocabulary".to_owned()
+        } else {
+            n.to_string()
+        };
+        return Err(InvalidParam::new(
+            param,
+            format!(
+                "Requested {kind} logprobs of {asked}, which is greater than max allowed: {}",
+                limits.max_logprobs
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The shape of the grammar fields, as vLLM's `mode="before"` validators check it; the
+/// rewriter removes these fields from prefill legs whose token is discarded.
+fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
+    if let Some(raw) = body.get("response_format").filter(|v| *v != b"null") {
+        #[derive(serde::Deserialize)]
+        struct Format<'a> {
+            #[serde(rename = "type", borrow)]
+            kind: Option<&'a str>,
+            #[serde(borrow)]
+            json_schema: Option<&'a serde_json::value::RawValue>,
+        }
+        let format: Format<'_> = serde_json::from_slice(raw).map_err(|_| {
+            InvalidParam::new(
+                "response_format",
+                "response_format: Input should be a valid dictionary",
+            )
+        })?;
+        match format.kind {
+            Some("text" | "json_object" | "structural_tag") => {}
+            Some("json_schema") => {
+                if format.json_schema.is_none_or(|s| s.get() == "null") {
+                    return Err(InvalidParam::new(
+                        "response_format",
+                        "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+                    ));
+                }
+            }
+            _ => {
+                return Err(InvalidParam::new(
+                    "response_format",
+                    "response_format: type must be one of 'text', 'json_object', 'json_schema', 'structural_tag'",
+                ));
+            }
+        }
+    }
+    if let Some(raw) = body.get("structured_outputs").filter(|v| *v != b"null") {
+        let fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(raw)
+            .map_err(|_| {
+                InvalidParam::new(
+                    "structured_outputs",
+                    "structured_outputs: Input should be a valid dictionary",
+                )
+            })?;
+        let count = ["json", "regex", "choice"]
+            .iter()
+            .filter(|k| fields.get(**k).is_some_and(|v| !v.is_null()))
+            .count();
+        if count > 1 {
+            return Err(InvalidParam::new(
+                "structured_outputs",
+                "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
+            ));
+        }
+        if chat && count > 0 {
+            let choice = body.get("tool_choice").unwrap_or(br#""none""#);
+            if !matches!(choice, br#""none""# | br#""auto""# | br#""required""#) {
+                return Err(InvalidParam::new(
+                    "structured_outputs",
+                    "You can only either use constraints for structured outputs or tools, not both.",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_stream_options(body: &JsonBody) -> Result<(), InvalidParam> {
+    let Some(raw) = body.get("stream_options").filter(|v| *v != b"null") else {
+        return Ok(());
+    };
+    let options: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(raw).map_err(|_| {
+            InvalidParam::new(
+                "stream_options",
+                "stream_options: Input should be a valid dictionary",
+            )
+        })?;
+    for key in ["include_usage", "continuous_usage_stats"] {
+        if let Some(v) = options.get(key) {
+            let text = v.to_string();
+            if bool_value(text.as_bytes()).is_err() {
+                return Err(InvalidParam::new(
+                    "stream_options",
+                    format!("stream_options.{key}: Input should be a valid boolean"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A raw JSON number (booleans count: Python's `bool` is an `int`), as vLLM's
+/// `isinstance(value, (int, float))` accepts it.
+fn number(raw: &[u8]) -> Option<f64> {
+    match raw {
+        b"true" => Some(1.0),
+        b"false" => Some(0.0),
+        _ => serde_json::from_slice::<f64>(raw).ok(),
+    }
+}
+
+fn type_error(field: &'static str, expected: &str) -> InvalidParam {
+    InvalidParam::new(
+        field,
+        format!("{field}: Input should be a valid {expected}"),
+    )
+}
+
+fn opt_bool(body: &JsonBody, field: &'static str) -> Result<Option<bool>, InvalidParam> {
+    body.get(field).map_or(Ok(None), |raw| {
+        bool_value(raw).map_err(|()| type_error(field, "boolean"))
+    })
+}
+
+/// A `bool` field without `None` in its type: `null` is refused too.
+fn bool_not_null(body: &JsonBody, field: &'static str) -> Result<Option<bool>, InvalidParam> {
+    match opt_bool(body, field)? {
+        None if body.contains(field) => Err(type_error(field, "boolean")),
+        v => Ok(v),
+    }
+}
+
+fn opt_int(body: &JsonBody, field: &'static str) -> Result<Option<i64>, InvalidParam> {
+    body.get(field).map_or(Ok(None), |raw| {
+        int_value(raw).map_err(|()| type_error(field, "integer"))
+    })
+}
+
+/// An `int` field without `None` in its type: `null` is refused too.
+fn int_not_null(body: &JsonBody, field: &'static str) -> Result<Option<i64>, InvalidParam> {
+    match opt_int(body, field)? {
+        None if body.contains(field) => Err(type_error(field, "integer")),
+        v => Ok(v),
+    }
+}
+
+fn opt_float(body: &JsonBody, field: &'static str) -> Result<Option<f64>, InvalidParam> {
+    let Some(raw) = body.get(field).filter(|v| *v != b"null") else {
+        return Ok(None);
+    };
+    if let Some(n) = number(raw) {
+        return Ok(Some(n));
+    }
+    // Pydantic's lax float also takes numeric strings.
+    serde_json::from_slice::<String>(raw)
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .map(Some)
+        .ok_or_else(|| type_error(field, "number"))
+}
+
+/// `list[int] | None` with lax elements.
+fn int_list(body: &JsonBody, field: &'static str) -> Result<Option<Vec<i64>>, InvalidParam> {
+    let Some(raw) = body.get(field).filter(|v| *v != b"null") else {
+        return Ok(None);
+    };
+    let items: Vec<&serde_json::value::RawValue> =
+        serde_json::from_slice(raw).map_err(|_| type_error(field, "list"))?;
+    items
+        .iter()
+        .map(|item| match int_value(item.get().as_bytes()) {
+            Ok(Some(i)) => Ok(i),
+            _ => Err(InvalidParam::new(
+                field,
+                format!("{field}: Input should be a valid list of integers"),
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// `stop`: `str | list[str] | None`, the list at most `max_stop_strings` long.
+fn stop_strings(body: &JsonBody, limits: &VllmLimits) -> Result<Vec<String>, InvalidParam> {
+    let Some(raw) = body.get("stop").filter(|v| *v != b"null") else {
+        return Ok(Vec::new());
+    };
+    let bad = || {
+        InvalidParam::new(
+            "stop",
+            "stop: Input should be a valid string or a list of strings",
+        )
+    };
+    match raw.first() {
+        Some(b'"') => Ok(vec![serde_json::from_slice(raw).map_err(|_| bad())?]),
+        Some(b'[') => {
+            let list: Vec<String> = serde_json::from_slice(raw).map_err(|_| bad())?;
+            if list.len() > limits.max_stop_strings {
+                return Err(InvalidParam::new(
+                    "stop",
+                    format!(
+                        "stop: List should have at most {} items after validation, not {}",
+                        limits.max_stop_strings,
+                        list.len()
+                    ),
+                ));
+            }
+            Ok(list)
+        }
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `check` says of `extra` added to a minimal body: `"ok"`, `"direct:REASON"`
+    /// or the refused param.
+    fn verdict(api: Api, extra: &str) -> String {
+        let base = match api {
+            Api::Chat => r#"{"model":"m","messages":[{"role":"user","content":"hi"}]"#,
+            Api::Completions => r#"{"model":"m","prompt":"hi""#,
+        };
+        let sep = if extra.is_empty() { "" } else { "," };
+        let body = JsonBody::parse(format!("{base}{sep}{extra}}}").as_bytes()).unwrap();
+        match check(api, &body, &VllmLimits::default()) {
+            Ok(Decision::Disaggregate) => "ok".to_owned(),
+            Ok(Decision::Direct { reason }) => format!("direct:{reason}"),
+            Err(e) => e.param().to_owned(),
+        }
+    }
+
+    /// Each row was checked against vLLM 0.33's own request models and sampling code.
+    #[test]
+    fn rule_table() {
+        use Api::{Chat, Completions as Cmpl};
+        let rows: &[(Api, &str, &str)] = &[
+            (Chat, "", "ok"),
+            // Token caps: integers (lax) of at least 1; chat reads max_completion_tokens
+            // first.
+            (Chat, r#""max_tokens":5"#, "ok"),
+            (Chat, r#""max_tokens":"5""#, "ok"),
+            (Chat, r#""max_tokens":5.0"#, "ok"),
+            (Chat, r#""max_tokens":null"#, "ok"),
+            (Chat, r#""max_tokens":-1"#, "max_tokens"),
+            (Chat, r#""max_tokens":0"#, "max_tokens"),
+            (Chat, r#""max_tokens":"abc""#, "max_tokens"),
+            (Chat, r#""max_tokens":1.5"#, "max_tokens"),
+            (
+                Chat,
+                r#""max_completion_tokens":0"#,
+                "max_completion_tokens",
+            ),
+            (
+                Chat,
+                r#""max_completion_tokens":-5"#,
+                "max_completion_tokens",
+            ),
+            (Chat, r#""max_tokens":-1,"max_completion_tokens":5"#, "ok"),
+            (
+                Chat,
+                r#""max_tokens":"x","max_completion_tokens":5"#,
+                "max_tokens",
+            ),
+            (Cmpl, r#""max_tokens":null"#, "ok"),
+            (Cmpl, r#""max_tokens":0"#, "max_tokens"),
+            // min_tokens: an integer, not null, within [0, max_tokens].
+            (Chat, r#""min_tokens":3,"max_tokens":5"#, "ok"),
+            (Chat, r#""min_tokens":-1"#, "min_tokens"),
+            (Chat, r#""min_tokens":6,"max_tokens":5"#, "min_tokens"),
+            (Chat, r#""min_tokens":null"#, "min_tokens"),
+            // n: at least 1, and 1 under greedy sampling; completions' n is not nullable.
+            (Chat, r#""n":"2""#, "ok"),
+            (Chat, r#""n":null"#, "ok"),
+            (Chat, r#""n":0"#, "n"),
+            (Chat, r#""n":-1"#, "n"),
+            (Chat, r#""n":"two""#, "n"),
+            (Chat, r#""n":2,"temperature":0"#, "n"),
+            (Chat, r#""n":2,"temperature":0.5"#, "ok"),
+            (Cmpl, r#""n":null"#, "n"),
+            // stream and stream_options.
+            (Chat, r#""stream":"yes""#, "ok"),
+            (Chat, r#""stream":1"#, "ok"),
+            (Chat, r#""stream":2"#, "stream"),
+            (
+                Chat,
+                r#""stream_options":{"include_usage":true}"#,
+                "stream_options",
+            ),
+            (
+                Chat,
+                r#""stream":true,"stream_options":{"include_usage":true}"#,
+                "ok",
+            ),
+            (
+                Chat,
+                r#""stream":true,"stream_options":5"#,
+                "stream_options",
+            ),
+            (Chat, r#""stream":false,"stream_options":{}"#, "ok"),
+            // Stops.
+            (Chat, r#""stop":"x""#, "ok"),
+            (Chat, r#""stop":["a","b"]"#, "ok"),
+            (Chat, r#""stop":5"#, "stop"),
+            (Chat, r#""stop":[""]"#, "stop"),
+            (Chat, r#""stop":"""#, "stop"),
+            (Chat, r#""stop":["a","b","c","d","e"]"#, "stop"),
+            (Chat, r#""stop_token_ids":[1,"2"]"#, "ok"),
+            (Chat, r#""stop_token_ids":["a"]"#, "stop_token_ids"),
+            (Chat, r#""ignore_eos":"maybe""#, "ignore_eos"),
+            (Chat, r#""ignore_eos":null"#, "ignore_eos"),
+            (Chat, r#""include_stop_str_in_output":"yes""#, "ok"),
+            // Logprobs, chat.
+            (Chat, r#""logprobs":true,"top_logprobs":5"#, "ok"),
+            (Chat, r#""top_logprobs":5"#, "top_logprobs"),
+            (Chat, r#""top_logprobs":0"#, "ok"),
+            (Chat, r#""logprobs":true,"top_logprobs":-2"#, "top_logprobs"),
+            (
+                Chat,
+                r#""logprobs":true,"top_logprobs":"5""#,
+                "top_logprobs",
+            ),
+            (Chat, r#""logprobs":true,"top_logprobs":21"#, "logprobs"),
+            (Chat, r#""logprobs":true,"top_logprobs":-1"#, "logprobs"),
+            (Chat, r#""logprobs":true,"logprob_token_ids":[5,6]"#, "ok"),
+            (Chat, r#""logprob_token_ids":[5,6]"#, "logprob_token_ids"),
+            (Chat, r#""prompt_logprobs":1"#, "ok"),
+            (
+                Chat,
+                r#""prompt_logprobs":1,"stream":true"#,
+                "prompt_logprobs",
+            ),
+            (Chat, r#""prompt_logprobs":0,"stream":true"#, "ok"),
+            (Chat, r#""prompt_logprobs":-3"#, "prompt_logprobs"),
+            (Chat, r#""prompt_logprobs":25"#, "prompt_logprobs"),
+            (
+                Chat,
+                r#""echo":true,"logprobs":true,"top_logprobs":21"#,
+                "logprobs",
+            ),
+            // Logprobs, completions.
+            (Cmpl, r#""logprobs":3"#, "ok"),
+            (Cmpl, r#""logprobs":-5"#, "logprobs"),
+            (Cmpl, r#""logprobs":"3""#, "logprobs"),
+            (Cmpl, r#""logprobs":21"#, "logprobs"),
+            (Cmpl, r#""logprob_token_ids":[5]"#, "logprob_token_ids"),
+            (Cmpl, r#""logprob_token_ids":[5],"logprobs":0"#, "ok"),
+            // Grammars: their shape.
+            (Chat, r#""response_format":{"type":"json_object"}"#, "ok"),
+            (
+                Chat,
+                r#""response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{}}}"#,
+                "ok",
+            ),
+            (
+                Chat,
+                r#""response_format":{"type":"json_schema"}"#,
+                "response_format",
+            ),
+            (
+                Chat,
+                r#""response_format":{"type":"yaml"}"#,
+                "response_format",
+            ),
+            (Chat, r#""structured_outputs":{"regex":"a+"}"#, "ok"),
+            (
+                Chat,
+                r#""structured_outputs":{"regex":"a+","choice":["a"]}"#,
+                "structured_outputs",
+            ),
+            (
+                Chat,
+                r#""structured_outputs":{"regex":"a+"},"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":{"type":"function","function":{"name":"f"}}"#,
+                "structured_outputs",
+            ),
+            // Requests P/D cannot carry.
+            (
+                Chat,
+                r#""use_beam_search":true,"n":2"#,
+                "direct:beam_search",
+            ),
+            (Cmpl, r#""use_beam_search":"yes""#, "direct:beam_search"),
+            (Cmpl, r#""use_beam_search":false"#, "ok"),
+            (Cmpl, r#""echo":true,"max_tokens":0"#, "direct:prompt_only"),
+        ];
+        for (api, extra, want) in rows {
+            assert_eq!(&verdict(*api, extra), want, "{api:?} {extra}");
+        }
+    }
+
+    #[test]
+    fn limits_are_the_servers() {
+        let body =
+            JsonBody::parse(br#"{"messages":[],"logprobs":true,"top_logprobs":30}"#).unwrap();
+        let wide = VllmLimits {
+            max_logprobs: 50,
+            ..VllmLimits::default()
+        };
+        assert!(check(Api::Chat, &body, &VllmLimits::default()).is_err());
+        assert!(check(Api::Chat, &body, &wide).is_ok());
+        let unbounded = VllmLimits {
+            max_logprobs: -1,
+            ..VllmLimits::default()
+        };
+        let all = JsonBody::parse(br#"{"messages":[],"logprobs":true,"top_logprobs":-1}"#).unwrap();
+        assert!(check(Api::Chat, &all, &unbounded).is_ok());
+    }
+}
