@@ -14,6 +14,12 @@
 //! - tensor-parallel sizes the connector cannot bridge
 //!   ([`KvConnector::bridges_tp`]).
 //!
+//! The profile is the one place a size is declared. Where a connector's own endpoint
+//! configuration already fixes the size, the connector's helper writes it into the
+//! profile when it installs that configuration (`disagg_lmcache::LmcacheReceiver::insert_into`:
+//! a decode's receiver port count is its TP size), so this check needs no
+//! connector-specific hook.
+//!
 //! What an endpoint does not declare is not checked. [`ValidatedSource`] applies the
 //! check at start-up and to every endpoint set its inner source publishes later: an
 //! invalid set is refused (logged, kept in [`ValidatedSource::last_error`]) and the last
@@ -91,12 +97,24 @@ pub struct KvProfile {
 }
 
 /// The protocol a connector name stands for, so that vLLM's and disagg's spellings
-/// compare equal: lowercase, without a `vllm-` prefix and without `connector`
-/// (`NixlConnector` and `vllm-nixl` are both `nixl`).
+/// compare equal: lowercase, without a `vllm-` prefix, without `connector` and without
+/// a trailing interface version (`NixlConnector` and `vllm-nixl` are both `nixl`;
+/// `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
 pub fn connector_kind(name: &str) -> String {
     let lower = name.trim().to_ascii_lowercase();
     let lower = lower.strip_prefix("vllm-").unwrap_or(&lower);
-    lower.replace("connector", "").replace(['-', '_'], "")
+    let kind = lower.replace("connector", "").replace(['-', '_'], "");
+    // vLLM names some connectors after the version of its connector interface
+    // (`LMCacheConnectorV1` implements `KVConnectorBase_V1`): the version says nothing
+    // of the wire protocol, so `lmcachev1` is `lmcache`.
+    let unnumbered = kind.trim_end_matches(|c: char| c.is_ascii_digit());
+    if unnumbered.len() < kind.len()
+        && let Some(base) = unnumbered.strip_suffix('v')
+        && !base.is_empty()
+    {
+        return base.to_owned();
+    }
+    kind
 }
 
 /// Why one pair cannot hand over.
@@ -392,6 +410,11 @@ mod tests {
         assert_eq!(connector_kind("MooncakeConnector"), "mooncake");
         assert_eq!(connector_kind("vllm-mooncake"), "mooncake");
         assert_eq!(connector_kind("sglang"), "sglang");
+        assert_eq!(connector_kind("LMCacheConnectorV1"), "lmcache");
+        assert_eq!(connector_kind("lmcache"), "lmcache");
+        // Only a `v` followed by digits is a version.
+        assert_eq!(connector_kind("P2pNcclConnector"), "p2pnccl");
+        assert_eq!(connector_kind("LMCacheMPConnector"), "lmcachemp");
         assert_eq!("kv_both".parse::<KvRole>().unwrap(), KvRole::Both);
         assert!("kv_nothing".parse::<KvRole>().is_err());
     }

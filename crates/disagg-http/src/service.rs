@@ -5,7 +5,7 @@
 //! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
 //! | `GET /v1/models` | the union of the decode endpoints' models: those they declare ([`Endpoint::with_models`](disagg_core::Endpoint::with_models)), and what each that declares none answers |
 //! | `GET /health` | 200 when a request could be routed now, else 503 |
-//! | `GET /metrics` | the orchestrator's counters and each endpoint's in-flight count, in the Prometheus text format |
+//! | `GET /metrics` | the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`], in the Prometheus text format |
 //! | anything else | 404 (405 for a known path with another method) |
 //!
 //! Every failure is an OpenAI-format error response, so the service never fails
@@ -30,6 +30,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::{error_response, pd_error_response};
+use crate::metrics::ExtraMetrics;
 
 /// Settings of the [`PdService`].
 #[derive(Debug, Clone)]
@@ -39,6 +40,9 @@ pub struct PdServiceConfig {
     pub max_body_bytes: usize,
     /// Time to gather the models of every decode endpoint for `GET /v1/models`.
     pub models_timeout: Duration,
+    /// Metric families appended to `GET /metrics` after the orchestrator's, in order
+    /// (an adapter's own counters; default none).
+    pub extra_metrics: Vec<ExtraMetrics>,
 }
 
 impl Default for PdServiceConfig {
@@ -47,6 +51,7 @@ impl Default for PdServiceConfig {
             // Long multimodal prompts inline their images; 32 MiB fits them with room.
             max_body_bytes: 32 * 1024 * 1024,
             models_timeout: Duration::from_secs(5),
+            extra_metrics: Vec::new(),
         }
     }
 }
@@ -219,7 +224,10 @@ impl Inner {
     }
 
     fn metrics(&self) -> Response<PdBody> {
-        let text = crate::metrics::render(&self.orchestrator);
+        let mut text = crate::metrics::render(&self.orchestrator);
+        for extra in &self.config.extra_metrics {
+            extra.render(&mut text);
+        }
         let mut resp = Response::new(PdBody::full(Bytes::from(text)));
         resp.headers_mut().insert(
             CONTENT_TYPE,

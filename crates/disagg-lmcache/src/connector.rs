@@ -41,6 +41,7 @@ use disagg_core::connector::{
 };
 use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{BoxError, ConnectorError};
+use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::{BoxBody, Transport, read_limited};
@@ -105,6 +106,17 @@ pub enum ReceiverError {
     /// The text form did not parse.
     #[error("`{0}` is not HOST:INIT[,INIT...]:ALLOC[,ALLOC...]")]
     Syntax(String),
+    /// The endpoint already declares ([`KvProfile::tp_size`]) a tensor-parallel size
+    /// other than the receiver's rank count ([`LmcacheReceiver::insert_into`]).
+    #[error(
+        "the decode declares tensor-parallel size {declared} but its LMCache receiver has {ranks} port(s) of each kind, one per TP rank"
+    )]
+    TpSize {
+        /// The size the endpoint's profile declares.
+        declared: u32,
+        /// The receiver's ranks (ports of each kind).
+        ranks: usize,
+    },
 }
 
 impl LmcacheReceiver {
@@ -177,12 +189,73 @@ impl LmcacheReceiver {
     pub fn ranks(&self) -> usize {
         self.init_ports.len()
     }
+
+    /// [`ranks`](Self::ranks) as a [`KvProfile::tp_size`]; a list too long for a `u32`
+    /// saturates (no engine has that many ranks, so it still matches none).
+    fn tp_size(&self) -> u32 {
+        u32::try_from(self.ranks()).unwrap_or(u32::MAX)
+    }
+
+    /// Put this receiver into a decode endpoint's extensions, declaring with it the
+    /// endpoint's tensor-parallel size: the port count ([`ranks`](Self::ranks)) is set as
+    /// the [`KvProfile::tp_size`] (a profile already there keeps its other parts), so
+    /// that pair validation ([`check_pairs`](disagg_core::pairing::check_pairs),
+    /// [`ValidatedSource`](disagg_core::pairing::ValidatedSource)) refuses a prefill of
+    /// another declared size (LMCache needs equal sizes, see [`Lmcache`]).
+    ///
+    /// Insert the profile the engine declares first, if any; a plain
+    /// `ext.insert(receiver)` declares nothing, and the pair is then checked only per
+    /// request, by [`Lmcache`]'s `prepare`.
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError::TpSize`] when `ext` already declares another size; `ext` is then
+    /// left as it was.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::pairing::KvProfile;
+    /// use disagg_lmcache::{LmcacheReceiver, ReceiverError};
+    ///
+    /// let mut ext = http::Extensions::new();
+    /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
+    /// assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
+    ///
+    /// let mut ext = http::Extensions::new();
+    /// ext.insert(KvProfile { tp_size: Some(4), ..KvProfile::default() });
+    /// let err = LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext);
+    /// assert_eq!(err, Err(ReceiverError::TpSize { declared: 4, ranks: 2 }));
+    /// # Ok::<(), ReceiverError>(())
+    /// ```
+    pub fn insert_into(self, ext: &mut http::Extensions) -> Result<(), ReceiverError> {
+        let tp = self.tp_size();
+        let mut profile = ext.get::<KvProfile>().cloned().unwrap_or_default();
+        match profile.tp_size {
+            Some(declared) if declared != tp => {
+                return Err(ReceiverError::TpSize {
+                    declared,
+                    ranks: self.ranks(),
+                });
+            }
+            _ => profile.tp_size = Some(tp),
+        }
+        ext.insert(profile);
+        ext.insert(self);
+        Ok(())
+    }
 }
 
 /// The LMCache P/D connector (vLLM `LMCacheConnectorV1`, NIXL transfer channel).
 ///
 /// Decode endpoints carry an [`LmcacheReceiver`] in their extensions; the prefill
 /// engines' `pd_proxy_host`/`pd_proxy_port` point at the [`Notifications`] socket.
+///
+/// A prefill and a decode pair only at equal tensor-parallel sizes
+/// ([`bridges_tp`](KvConnector::bridges_tp)), the decode's size being its receiver's
+/// rank count: [`LmcacheReceiver::insert_into`] declares it, so that pair validation
+/// refuses a prefill that declares another size, and `prepare` refuses such a pair per
+/// request when the receiver was inserted without declaring it.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -193,7 +266,7 @@ impl LmcacheReceiver {
 /// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
 /// let connector = Lmcache::new(notifications);
 /// let mut ext = http::Extensions::new();
-/// ext.insert(LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?);
+/// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
 /// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?;
 /// # let _ = (connector, decode);
 /// # Ok(()) }
@@ -262,6 +335,45 @@ struct First {
     usage: Option<Value>,
 }
 
+/// The per-request form of pair validation, for endpoints whose receiver was inserted
+/// without declaring its size ([`LmcacheReceiver::insert_into`] declares it, and then
+/// [`check_pairs`](disagg_core::pairing::check_pairs) refuses the pair before any
+/// request): a declared size that disagrees with the receiver's rank count would make
+/// the decode leg wait out the handoff budget, or fail the prefill engine, so the
+/// attempt is refused at once. Undeclared sizes are not checked.
+fn check_tp(
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    receiver: &LmcacheReceiver,
+) -> Result<(), ConnectorError> {
+    let declared = |ep: &Endpoint| ep.ext().get::<KvProfile>().and_then(|p| p.tp_size);
+    let ranks = receiver.tp_size();
+    if let Some(d) = declared(decode).filter(|d| *d != ranks) {
+        let err = ReceiverError::TpSize {
+            declared: d,
+            ranks: receiver.ranks(),
+        };
+        return Err(ConnectorError::NotReady {
+            reason: format!("decode endpoint {}: {err}", decode.id()),
+        });
+    }
+    if let Some(p) = declared(prefill).filter(|p| *p != ranks) {
+        let err = PairError {
+            prefill: prefill.id().clone(),
+            decode: decode.id().clone(),
+            mismatch: Mismatch::TpSize {
+                connector: "lmcache",
+                prefill: p,
+                decode: ranks,
+            },
+        };
+        return Err(ConnectorError::NotReady {
+            reason: err.to_string(),
+        });
+    }
+    Ok(())
+}
+
 /// The KV-ready wait of one attempt: its registration, dropped with the plan.
 #[derive(Debug)]
 struct Gate(Pending);
@@ -291,6 +403,7 @@ impl KvConnector for Lmcache {
                 what: "LMCache receiver (host, init and alloc ports)",
             }
         })?;
+        check_tp(prefill_ep, &route.decode, receiver)?;
         let body = req.body();
         let unsupported = |what: &str| ConnectorError::Unsupported {
             connector: self.name(),
@@ -374,6 +487,16 @@ impl KvConnector for Lmcache {
             first: None,
         });
         Ok(handoff)
+    }
+
+    /// Equal sizes only, whatever the trait's default: each prefill TP rank pushes to
+    /// and notifies for the receiver port of its own rank
+    /// (`receiver_init_port[tp_rank]` in `PDBackend.batched_submit_put_task`,
+    /// LMCache/LMCache `lmcache/v1/storage_backend/pd_backend.py`), and the decode leg
+    /// waits for one notification per port. Fewer prefill ranks never complete the
+    /// wait; more index past the list and fail in the prefill engine.
+    fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
+        prefill_tp == decode_tp
     }
 
     async fn resolve(
@@ -510,12 +633,6 @@ impl KvConnector for Lmcache {
             )))
         };
         Response::from_parts(parts, body)
-    }
-
-    fn bridges_tp(&self, _prefill_tp: u32, _decode_tp: u32) -> bool {
-        // LMCache's NIXL channel moves KV chunks by token range, whatever either
-        // side's TP; each side's ranks talk to the proxy on their own.
-        true
     }
 }
 
@@ -950,6 +1067,7 @@ mod tests {
     use super::*;
     use disagg_core::Role;
     use disagg_core::endpoint::Endpoint;
+    use disagg_core::pairing::KvRole;
     use http::HeaderMap;
     use http_body_util::BodyExt;
 
@@ -1156,5 +1274,216 @@ mod tests {
         assert_eq!(text["object"], "text_completion");
         assert_eq!(text["choices"][0]["text"], " one two three");
         assert!(shape(true).whole(b"[1]").is_err());
+    }
+
+    /// An endpoint declaring `profile`, with `receiver` installed as a proxy does it
+    /// (`insert_into`, declaring its size).
+    fn declared(
+        url: &str,
+        role: Role,
+        profile: Option<KvProfile>,
+        receiver: Option<LmcacheReceiver>,
+    ) -> Endpoint {
+        let mut ext = http::Extensions::new();
+        if let Some(p) = profile {
+            ext.insert(p);
+        }
+        if let Some(r) = receiver {
+            r.insert_into(&mut ext).unwrap();
+        }
+        Endpoint::with_extensions(url, role, ext).unwrap()
+    }
+
+    fn tp(size: u32) -> Option<KvProfile> {
+        Some(KvProfile {
+            tp_size: Some(size),
+            ..KvProfile::default()
+        })
+    }
+
+    #[test]
+    fn pairs_of_unequal_tp_are_refused_the_decodes_size_being_its_receivers() {
+        use disagg_core::endpoint::EndpointSet;
+        use disagg_core::pairing::check_pairs;
+        // The decode declares no profile: its receiver's two ports are its size.
+        let set = EndpointSet::new(
+            [
+                declared("http://p1:7100", Role::Prefill, tp(1), None),
+                declared("http://p2:7100", Role::Prefill, tp(2), None),
+                declared("http://p4:7100", Role::Prefill, tp(4), None),
+                declared("http://p0:7100", Role::Prefill, None, None),
+                declared("http://d:7200", Role::Decode, None, Some(receiver())),
+            ]
+            .map(Arc::new),
+        );
+        let err = check_pairs(&set, &connector()).unwrap_err();
+        let refused: Vec<_> = err
+            .pairs
+            .iter()
+            .map(|p| (p.prefill.as_str(), p.decode.as_str(), p.mismatch.clone()))
+            .collect();
+        let mismatch = |prefill, decode| Mismatch::TpSize {
+            connector: "lmcache",
+            prefill,
+            decode,
+        };
+        // Fewer prefill ranks would never complete the wait, more would fail the
+        // prefill; equal and undeclared sizes pass.
+        assert_eq!(
+            refused,
+            [
+                ("http://p1:7100", "http://d:7200", mismatch(1, 2)),
+                ("http://p4:7100", "http://d:7200", mismatch(4, 2)),
+            ]
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("prefill endpoint http://p1:7100 and decode endpoint http://d:7200")
+                && text.contains("from tensor-parallel size 1 to 2"),
+            "{text}"
+        );
+        // A decode profile that declares other parts keeps them and gains the size.
+        let role = KvProfile {
+            role: Some(KvRole::Consumer),
+            ..KvProfile::default()
+        };
+        let d = declared("http://d:7200", Role::Decode, Some(role), Some(receiver()));
+        let p = d.ext().get::<KvProfile>().unwrap();
+        assert_eq!((p.role, p.tp_size), (Some(KvRole::Consumer), Some(2)));
+        assert!(connector().bridges_tp(2, 2));
+        assert!(!connector().bridges_tp(1, 2) && !connector().bridges_tp(4, 2));
+    }
+
+    #[test]
+    fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
+        let mut ext = http::Extensions::new();
+        ext.insert(tp(4).unwrap());
+        assert_eq!(
+            receiver().insert_into(&mut ext),
+            Err(ReceiverError::TpSize {
+                declared: 4,
+                ranks: 2
+            })
+        );
+        // Left as it was: no receiver, the declared size untouched.
+        assert!(ext.get::<LmcacheReceiver>().is_none());
+        assert_eq!(ext.get::<KvProfile>(), tp(4).as_ref());
+        let mut ext = http::Extensions::new();
+        ext.insert(tp(2).unwrap());
+        receiver().insert_into(&mut ext).unwrap();
+        assert_eq!(ext.get::<LmcacheReceiver>(), Some(&receiver()));
+    }
+
+    #[tokio::test]
+    async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
+        use disagg_core::pairing::ValidatedSource;
+        use disagg_core::{EndpointSource, ManualSource};
+        let decode = || declared("http://d:7200", Role::Decode, None, Some(receiver()));
+        let inner = Arc::new(ManualSource::new([
+            declared("http://p2:7100", Role::Prefill, tp(2), None),
+            decode(),
+        ]));
+        let source = ValidatedSource::new(Arc::clone(&inner), Arc::new(connector())).unwrap();
+        // Discovery publishes a prefill of TP 1 next to the decode of two ports.
+        inner.insert(declared("http://p1:7100", Role::Prefill, tp(1), None));
+        let refused = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            loop {
+                if let Some(e) = source.last_error() {
+                    return e;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the set is refused");
+        assert_eq!(refused.pairs.len(), 1);
+        assert_eq!(refused.pairs[0].prefill.as_str(), "http://p1:7100");
+        assert_eq!(
+            refused.pairs[0].mismatch,
+            Mismatch::TpSize {
+                connector: "lmcache",
+                prefill: 1,
+                decode: 2
+            }
+        );
+        // The last valid set stays in force.
+        let set = source.snapshot();
+        assert_eq!(set.prefill().len(), 1);
+        assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+        // And a new decode whose receiver has one port is refused against TP 2.
+        inner.replace([
+            Arc::new(declared("http://p2:7100", Role::Prefill, tp(2), None)),
+            Arc::new(declared(
+                "http://d1:7200",
+                Role::Decode,
+                None,
+                Some(LmcacheReceiver::parse("10.0.0.8:7300:7400").unwrap()),
+            )),
+        ]);
+        let refused = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            loop {
+                if let Some(e) = source.last_error()
+                    && e.pairs[0].decode.as_str() == "http://d1:7200"
+                {
+                    return e;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the set is refused");
+        assert!(matches!(
+            refused.pairs[0].mismatch,
+            Mismatch::TpSize {
+                prefill: 2,
+                decode: 1,
+                ..
+            }
+        ));
+        assert_eq!(source.snapshot().decode()[0].id().as_str(), "http://d:7200");
+    }
+
+    #[test]
+    fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
+        let req = request(
+            Api::Completions,
+            r#"{"model":"m","prompt":"hi","max_tokens":4}"#,
+        );
+        // The receiver inserted plainly: pair validation cannot see the decode's size.
+        let route = |prefill: Option<KvProfile>, decode: Option<KvProfile>| {
+            let mut ext = http::Extensions::new();
+            if let Some(p) = prefill {
+                ext.insert(p);
+            }
+            let p = Endpoint::with_extensions("http://p:7100", Role::Prefill, ext).unwrap();
+            let mut ext = http::Extensions::new();
+            if let Some(d) = decode {
+                ext.insert(d);
+            }
+            ext.insert(receiver());
+            let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap();
+            Route::new(Some(Arc::new(p)), Arc::new(d))
+        };
+        let refusal = |prefill, decode| {
+            connector()
+                .prepare(&route(prefill, decode), &req)
+                .unwrap_err()
+                .to_string()
+        };
+        let text = refusal(tp(1), None);
+        assert!(
+            text.contains("prefill endpoint http://p:7100 and decode endpoint http://d:7200")
+                && text.contains("from tensor-parallel size 1 to 2"),
+            "{text}"
+        );
+        let text = refusal(None, tp(4));
+        assert!(
+            text.contains("decode endpoint http://d:7200")
+                && text.contains("tensor-parallel size 4")
+                && text.contains("2 port(s)"),
+            "{text}"
+        );
+        assert!(connector().prepare(&route(tp(2), tp(2)), &req).is_ok());
+        assert!(connector().prepare(&route(None, None), &req).is_ok());
     }
 }

@@ -10,7 +10,7 @@
 //! `msgspec.Struct` with `tag=True`, so the wire form is a msgpack **map**
 //! `{"type": "ProxyNotif", "req_id": "<str>"}`; LMCache's older `nixl_connector_v3` tags it
 //! `"NixlProxyNotif"`. Sources: `LMCache/LMCache lmcache/v1/storage_backend/pd_backend.py`
-//! and the proxy in `examples/disagg_prefill/xpyd/`, summarised in `PROTOCOLS.md` §5.3. The
+//! and the proxy in `examples/disagg_prefill/xpyd/`. The
 //! `req_id` is the one the proxy chose and put in the prefill's
 //! `kv_transfer_params.disagg_spec.req_id`; the proxy waits for as many notifications as
 //! the decode has TP ranks (`len(receiver_init_port)`).
@@ -730,6 +730,82 @@ impl Notifications {
     /// sees them.
     pub fn stats(&self) -> NotifyStats {
         self.inner.counters.snapshot()
+    }
+
+    /// Appends the registry's counters to `out` in the Prometheus text format (0.0.4),
+    /// for a proxy's `GET /metrics` (`disagg-http`'s `ExtraMetrics` takes this as it is):
+    ///
+    /// | metric | type | meaning |
+    /// |---|---|---|
+    /// | `disagg_lmcache_notifications_total{outcome}` | counter | notifications received, by outcome: `matched` (counted towards a waiting request), `unknown` (no such request waiting), `extra` (beyond the expected count: a duplicate), `malformed` (not a notification) |
+    /// | `disagg_lmcache_registrations_completed_total` | counter | requests whose every expected notification arrived |
+    /// | `disagg_lmcache_registrations_evicted_total` | counter | registrations removed after outliving [`NotifyConfig::ttl`] |
+    /// | `disagg_lmcache_registrations_pending` | gauge | requests waiting for notifications now |
+    ///
+    /// The outcomes partition what was received: their sum is [`NotifyStats::received`]
+    /// (so no separate total is exported).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_lmcache::{Notifications, NotifyConfig};
+    ///
+    /// let notifications = Notifications::detached(NotifyConfig::default());
+    /// let _pending = notifications.register("req-1", 2)?;
+    /// notifications.notify("req-1");
+    /// notifications.notify("someone-else");
+    /// let mut text = String::new();
+    /// notifications.render_metrics(&mut text);
+    /// assert!(text.contains("disagg_lmcache_notifications_total{outcome=\"matched\"} 1\n"));
+    /// assert!(text.contains("disagg_lmcache_notifications_total{outcome=\"unknown\"} 1\n"));
+    /// assert!(text.contains("disagg_lmcache_registrations_pending 1\n"));
+    /// # Ok::<(), disagg_lmcache::NotifyError>(())
+    /// ```
+    pub fn render_metrics(&self, out: &mut String) {
+        use std::fmt::Write;
+        let s = self.stats();
+        // Writing to a String cannot fail.
+        let _ = writeln!(
+            out,
+            "# HELP disagg_lmcache_notifications_total LMCache KV-ready notifications received, by outcome."
+        );
+        let _ = writeln!(out, "# TYPE disagg_lmcache_notifications_total counter");
+        for (outcome, n) in [
+            ("matched", s.matched),
+            ("unknown", s.unknown),
+            ("extra", s.extra),
+            ("malformed", s.malformed),
+        ] {
+            let _ = writeln!(
+                out,
+                "disagg_lmcache_notifications_total{{outcome=\"{outcome}\"}} {n}"
+            );
+        }
+        let rows: [(&str, &str, &str, u64); 3] = [
+            (
+                "registrations_completed_total",
+                "counter",
+                "Requests whose every expected LMCache notification arrived.",
+                s.completed,
+            ),
+            (
+                "registrations_evicted_total",
+                "counter",
+                "LMCache registrations removed after outliving their time to live.",
+                s.evicted,
+            ),
+            (
+                "registrations_pending",
+                "gauge",
+                "Requests waiting for LMCache KV-ready notifications.",
+                self.pending_len() as u64,
+            ),
+        ];
+        for (name, kind, help, value) in rows {
+            let _ = writeln!(out, "# HELP disagg_lmcache_{name} {help}");
+            let _ = writeln!(out, "# TYPE disagg_lmcache_{name} {kind}");
+            let _ = writeln!(out, "disagg_lmcache_{name} {value}");
+        }
     }
 }
 

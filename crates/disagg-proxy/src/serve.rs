@@ -19,6 +19,7 @@ use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
     Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
 };
+use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 
@@ -73,7 +74,8 @@ pub struct ServeArgs {
     /// pair at start-up: URL=CONNECTOR,ROLE,TP, each part optional (e.g.
     /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose
     /// connectors differ, whose roles cannot hand over, or whose TP sizes the connector
-    /// cannot bridge stops the proxy with an error naming both engines. Repeatable.
+    /// cannot bridge stops the proxy with an error naming both engines (LMCache: equal
+    /// sizes only, a decode's size being its --lmcache-receiver port count). Repeatable.
     #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
     kv_profiles: Vec<(String, KvProfile)>,
     /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
@@ -144,7 +146,9 @@ pub struct LmcacheArgs {
     /// URL=HOST:INIT_PORT[,INIT_PORT...]:ALLOC_PORT[,ALLOC_PORT...] (its `pd_peer_host`,
     /// `pd_peer_init_port`, `pd_peer_alloc_port`; one port of each per TP rank, and the
     /// decode leg waits for one notification per rank). Required for every --decode
-    /// engine with `--connector lmcache`. Repeatable.
+    /// engine with `--connector lmcache`. The port count is the decode's TP size: a
+    /// prefill whose --kv-profile declares another TP size is refused at start-up (each
+    /// prefill rank pushes to the port of its own rank). Repeatable.
     #[arg(long = "lmcache-receiver", value_name = "URL=HOST:INIT:ALLOC", value_parser = parse_receiver)]
     lmcache_receivers: Vec<(String, LmcacheReceiver)>,
     /// LMCache: seconds after which a request still waiting for notifications is
@@ -555,6 +559,13 @@ impl Shared {
             if let Some((_, p)) = profile {
                 ext.insert(p.clone());
             }
+            // LMCache: a decode's receiver port count is its TP size, declared with it
+            // for the pair check below.
+            if let Some(r) = ext.remove::<LmcacheReceiver>() {
+                r.insert_into(&mut ext).map_err(|e| {
+                    format!("--kv-profile and --lmcache-receiver disagree on {base}: {e}")
+                })?;
+            }
             let models = args.served_models.iter().find(|(u, _)| u == base);
             let ep = Endpoint::with_extensions(url, role, ext)?;
             Ok::<_, BoxError>(match models {
@@ -611,6 +622,10 @@ impl Shared {
                 .into());
             }
         }
+        // LMCache's notification counters join GET /metrics.
+        let lmcache_metrics = notifications
+            .clone()
+            .map(|n| ExtraMetrics::new(move |out: &mut String| n.render_metrics(out)));
         let connector = args.connector.connector(notifications)?;
         let (health_config, active_checks) = args.reliability.health()?;
         let source = HealthSource::new(StaticSource::new(endpoints), health_config);
@@ -644,6 +659,7 @@ impl Shared {
         };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
+        service.extra_metrics.extend(lmcache_metrics);
         let orchestrator = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
             .health(Arc::clone(&health))
             .router(router)

@@ -133,3 +133,216 @@ fn a_decode_without_a_receiver_is_refused_at_start() {
         "{err}"
     );
 }
+
+/// Run `serve --connector lmcache` with `args` after the engines, expecting it to stop
+/// at start-up; its stderr.
+fn refused_at_start(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+        .args([
+            "serve",
+            "--connector",
+            "lmcache",
+            "--lmcache-notify",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run disagg-proxy");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "started: {err}");
+    err
+}
+
+#[test]
+fn an_lmcache_pair_of_unequal_tp_is_refused_at_start() {
+    // The decode's two receiver ports make it TP 2, though it declares no profile.
+    let err = refused_at_start(&[
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--prefill",
+        "http://127.0.0.1:3",
+        "--prefill",
+        "http://127.0.0.1:4",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--lmcache-receiver",
+        "http://127.0.0.1:2=127.0.0.1:7300,7301:7400,7401",
+        "--kv-profile",
+        "http://127.0.0.1:1=LMCacheConnectorV1,kv_producer,1",
+        "--kv-profile",
+        "http://127.0.0.1:3=,,4",
+        "--kv-profile",
+        "http://127.0.0.1:4=LMCacheConnectorV1,kv_producer,2",
+    ]);
+    // Fewer prefill ranks than receiver ports, and more: both pairs named with both
+    // sizes; the prefill of TP 2 is not.
+    assert!(err.contains("2 prefill/decode pair(s) refused"), "{err}");
+    assert!(
+        err.contains(
+            "prefill endpoint http://127.0.0.1:1 and decode endpoint http://127.0.0.1:2 cannot be paired: connector `lmcache` cannot hand KV from tensor-parallel size 1 to 2"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains(
+            "prefill endpoint http://127.0.0.1:3 and decode endpoint http://127.0.0.1:2 cannot be paired: connector `lmcache` cannot hand KV from tensor-parallel size 4 to 2"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("http://127.0.0.1:4 and"), "{err}");
+}
+
+#[test]
+fn a_decode_whose_profile_disagrees_with_its_receiver_is_refused_at_start() {
+    let err = refused_at_start(&[
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--lmcache-receiver",
+        "http://127.0.0.1:2=127.0.0.1:7300,7301:7400,7401",
+        "--kv-profile",
+        "http://127.0.0.1:2=,kv_consumer,4",
+    ]);
+    assert!(
+        err.contains("disagree on http://127.0.0.1:2")
+            && err.contains("declares tensor-parallel size 4")
+            && err.contains("has 2 port(s)"),
+        "{err}"
+    );
+}
+
+/// GET /metrics over a fresh connection: the body.
+async fn scrape(proxy: &Proxy) -> String {
+    let mut sock = TcpStream::connect(proxy.addr).await.expect("connect");
+    sock.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut raw))
+        .await
+        .expect("metrics in time")
+        .expect("read");
+    let raw = String::from_utf8(raw).expect("utf-8");
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    let (_, body) = raw.split_once("\r\n\r\n").expect("a body");
+    body.to_owned()
+}
+
+/// The value of the sample `series` (name and labels, as written) in `text`.
+fn sample(text: &str, series: &str) -> u64 {
+    let values: Vec<u64> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.parse().expect("an integer sample"))
+        .collect();
+    assert_eq!(values.len(), 1, "one `{series}` sample in:\n{text}");
+    values[0]
+}
+
+const MATCHED: &str = r#"disagg_lmcache_notifications_total{outcome="matched"}"#;
+
+#[tokio::test]
+async fn lmcache_notification_counters_are_in_metrics() {
+    const TP: usize = 2;
+    const REQUESTS: u64 = 3;
+    let notify = free_addr();
+    let decode = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Decode),
+        lmcache_receiver: LmcacheReceiver::ephemeral(TP),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("decode sim");
+    let prefill = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Prefill),
+        lmcache_proxy: Some(notify.to_string()),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("prefill sim");
+    let join = |p: Vec<u16>| p.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+    let receiver = format!(
+        "{}=127.0.0.1:{}:{}",
+        decode.url(),
+        join(decode.lmcache_init_ports()),
+        join(decode.lmcache_alloc_ports())
+    );
+    // Both engines declare their TP, equal to the decode's port count: accepted.
+    let prefill_profile = format!("{}=LMCacheConnectorV1,kv_producer,{TP}", prefill.url());
+    let decode_profile = format!("{}=LMCacheConnectorV1,kv_consumer,{TP}", decode.url());
+    let notify = notify.to_string();
+    let proxy = Proxy::start(
+        &prefill,
+        &decode,
+        &[
+            "--connector",
+            "lmcache",
+            "--lmcache-notify",
+            &notify,
+            "--lmcache-receiver",
+            &receiver,
+            "--kv-profile",
+            &prefill_profile,
+            "--kv-profile",
+            &decode_profile,
+        ],
+    )
+    .await;
+
+    let before = scrape(&proxy).await;
+    assert_eq!(sample(&before, MATCHED), 0, "{before}");
+    assert!(
+        before.contains("# TYPE disagg_lmcache_notifications_total counter\n")
+            && before.contains("# TYPE disagg_lmcache_registrations_pending gauge\n"),
+        "{before}"
+    );
+    for i in 0..REQUESTS {
+        let answer = chat(&proxy, i % 2 == 1).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.contains("x-disagg-handoff: kv"),
+            "{answer}\n{}",
+            proxy.log()
+        );
+    }
+    // Each answer waited for one notification per decode rank before its decode leg.
+    let after = scrape(&proxy).await;
+    assert_eq!(sample(&after, MATCHED), REQUESTS * TP as u64, "{after}");
+    assert_eq!(
+        sample(&after, "disagg_lmcache_registrations_completed_total"),
+        REQUESTS,
+        "{after}"
+    );
+    for outcome in ["unknown", "extra", "malformed"] {
+        let series = format!(r#"disagg_lmcache_notifications_total{{outcome="{outcome}"}}"#);
+        assert_eq!(sample(&after, &series), 0, "{after}");
+    }
+    assert_eq!(
+        sample(&after, "disagg_lmcache_registrations_evicted_total"),
+        0
+    );
+    assert_eq!(
+        prefill.stats().notifications_sent,
+        REQUESTS * TP as u64,
+        "the engines sent what the proxy counted"
+    );
+    // A registration lives as long as its request: none is left once the answers
+    // ended (a stream's may be released a moment after its last byte).
+    let start = std::time::Instant::now();
+    loop {
+        let now = scrape(&proxy).await;
+        if sample(&now, "disagg_lmcache_registrations_pending") == 0 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "{now}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The orchestrator's own metrics are still there, before the LMCache ones.
+    let core = after
+        .find("\ndisagg_requests_total ")
+        .expect("core metrics");
+    assert!(core < after.find(MATCHED).unwrap(), "{after}");
+}
