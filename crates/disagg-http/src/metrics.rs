@@ -14,6 +14,8 @@
 //! | `disagg_deadlines_exceeded_total` | counter | requests ended by their total deadline |
 //! | `disagg_kv_releases_total` | counter | early KV releases sent |
 //! | `disagg_kv_releases_in_flight` | gauge | early KV releases running |
+//! | `disagg_invalid_params_total` | counter | requests refused 400 before routing: a field the proxy rewrites holds a value the engines refuse |
+//! | `disagg_direct_total{reason}` | counter | requests served by a decode engine alone, by reason (`beam_search`, `prompt_only`: the connector cannot carry them; `short_prompt`: `--min-prefill-tokens`) |
 //! | `disagg_endpoint_in_flight{role,endpoint}` | gauge | requests in flight on each endpoint |
 //!
 //! Metrics kept outside the orchestrator (an adapter's own counters) are appended after
@@ -153,6 +155,22 @@ pub fn render(orchestrator: &Orchestrator) -> String {
         let _ = writeln!(out, "# HELP disagg_{name} {help}");
         let _ = writeln!(out, "# TYPE disagg_{name} {kind}");
         let _ = writeln!(out, "disagg_{name} {value}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP disagg_invalid_params_total Requests refused before routing: a field the proxy rewrites holds a value the engines refuse.\n# TYPE disagg_invalid_params_total counter\ndisagg_invalid_params_total {}",
+        s.invalid_params
+    );
+    let _ = writeln!(
+        out,
+        "# HELP disagg_direct_total Requests served by a decode engine alone, by reason.\n# TYPE disagg_direct_total counter"
+    );
+    for (reason, n) in &s.direct {
+        let _ = writeln!(
+            out,
+            "disagg_direct_total{{reason=\"{}\"}} {n}",
+            escape(reason)
+        );
     }
     let set = orchestrator.source().snapshot();
     let _ = writeln!(

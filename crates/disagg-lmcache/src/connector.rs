@@ -39,10 +39,12 @@ use disagg_core::body::JsonBody;
 use disagg_core::connector::{
     Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer,
 };
+use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::Endpoint;
-use disagg_core::error::{BoxError, ConnectorError};
+use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
+use disagg_core::rewrite::VllmLimits;
 use disagg_core::router::Route;
 use disagg_core::transport::{BoxBody, Transport, read_limited};
 use http::{HeaderValue, Response, header};
@@ -276,6 +278,7 @@ pub struct Lmcache {
     notifications: Notifications,
     prefix: u64,
     next: AtomicU64,
+    limits: VllmLimits,
 }
 
 impl Lmcache {
@@ -288,7 +291,15 @@ impl Lmcache {
             notifications,
             prefix,
             next: AtomicU64::new(0),
+            limits: VllmLimits::default(),
         }
+    }
+
+    /// Check requests against `limits` (the engines' `--max-logprobs` and
+    /// `VLLM_MAX_STOP_STRINGS`) instead of vLLM's defaults.
+    pub fn with_limits(mut self, limits: VllmLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// The notification registry the connector waits on.
@@ -391,6 +402,14 @@ impl KvGate for Gate {
 impl KvConnector for Lmcache {
     fn name(&self) -> &'static str {
         "lmcache"
+    }
+
+    /// The legs are vLLM's: the prefill gets other `max_tokens`, `min_tokens`, `stream`
+    /// and `stream_options` than the client's, so what vLLM refuses in them is refused
+    /// here, before a prefill runs; beam search (whose parameters carry no
+    /// `kv_transfer_params`, so no KV would be pushed) is served by a decode alone.
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        disagg_core::rewrite::check::check(req.api(), req.body(), &self.limits)
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {

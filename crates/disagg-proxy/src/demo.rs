@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
+use disagg_core::rewrite::VllmLimits;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
@@ -129,7 +130,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ]),
         HttpTransport::default(),
     )
-    .connector(args.connector.connector(notifications.clone())?)
+    .connector(
+        args.connector
+            .connector(notifications.clone(), VllmLimits::default())?,
+    )
     .try_build()?;
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;

@@ -15,6 +15,7 @@ use disagg_core::policy::{
     LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
 };
 use disagg_core::retry::RetryPolicy;
+use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
     Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
@@ -125,6 +126,20 @@ pub struct ServeArgs {
     /// engine compute the prompt itself (`x-disagg-handoff: none`), or fail with 502.
     #[arg(long, value_enum, default_value_t = MissingKvArg::LocalPrefill)]
     missing_kv: MissingKvArg,
+    /// The vLLM engines' `--max-logprobs` (vLLM's default 20; -1: unbounded). The proxy
+    /// refuses, before any engine is contacted, logprob counts above it: the prefill
+    /// leg carries none, so only the decode would refuse them, after a prefill ran.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 20,
+        allow_negative_numbers = true
+    )]
+    max_logprobs: i64,
+    /// The vLLM engines' `VLLM_MAX_STOP_STRINGS` (default 4): longer `stop` lists are
+    /// refused before any engine is contacted, for the same reason.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    max_stop_strings: usize,
     /// Forward the client's `Authorization` header to the engines.
     #[arg(long)]
     forward_authorization: bool,
@@ -384,14 +399,19 @@ impl ConnectorArg {
     pub fn connector(
         self,
         notifications: Option<Notifications>,
+        limits: VllmLimits,
     ) -> Result<Arc<dyn KvConnector>, BoxError> {
+        let rewriter = PrefillRewriter::new().with_limits(limits);
         Ok(match self {
-            ConnectorArg::Nixl => Arc::new(VllmNixl::new()),
+            ConnectorArg::Nixl => Arc::new(VllmNixl::with_rewriter(rewriter)),
             ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
-            ConnectorArg::Mooncake => Arc::new(VllmMooncake::new()),
-            ConnectorArg::Lmcache => Arc::new(Lmcache::new(
-                notifications.ok_or("the lmcache connector needs its notification listener")?,
-            )),
+            ConnectorArg::Mooncake => Arc::new(VllmMooncake::new().with_rewriter(rewriter)),
+            ConnectorArg::Lmcache => Arc::new(
+                Lmcache::new(
+                    notifications.ok_or("the lmcache connector needs its notification listener")?,
+                )
+                .with_limits(limits),
+            ),
         })
     }
 }
@@ -626,7 +646,10 @@ impl Shared {
         let lmcache_metrics = notifications
             .clone()
             .map(|n| ExtraMetrics::new(move |out: &mut String| n.render_metrics(out)));
-        let connector = args.connector.connector(notifications)?;
+        let mut limits = VllmLimits::default();
+        limits.max_logprobs = args.max_logprobs;
+        limits.max_stop_strings = args.max_stop_strings;
+        let connector = args.connector.connector(notifications, limits)?;
         let (health_config, active_checks) = args.reliability.health()?;
         let source = HealthSource::new(StaticSource::new(endpoints), health_config);
         check_pairs(&source.snapshot(), &*connector)?;

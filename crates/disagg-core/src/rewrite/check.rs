@@ -74,12 +74,13 @@ pub const BEAM_SEARCH: &str = "beam_search";
 pub const PROMPT_ONLY: &str = "prompt_only";
 
 /// Check `body` of `api` as vLLM would, for the fields a prefill rewrite changes, and say
-/// whether P/D can carry it.
-pub(super) fn check(
-    api: Api,
-    body: &JsonBody,
-    limits: &VllmLimits,
-) -> Result<Decision, InvalidParam> {
+/// whether P/D can carry it: [`PrefillRewriter::check`](super::PrefillRewriter::check),
+/// for connectors that build their vLLM legs without the rewriter (LMCache).
+///
+/// # Errors
+///
+/// [`InvalidParam`] naming the field vLLM would refuse, and why.
+pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
     let chat = api == Api::Chat;
     let raw = |k: &str| body.get(k);
     if matches!(raw("use_beam_search").map(bool_value), Some(Ok(Some(true)))) {
