@@ -6,9 +6,10 @@
 //! once its share of a request's KV has been written to the decode, sends a msgpack map
 //! `{"type": "ProxyNotif", "req_id": "<id>"}` (older LMCache: `"NixlProxyNotif"`). The
 //! proxy sends the decode leg only after it has as many notifications for the request as
-//! the decode has TP ranks. The wire format is described in `PROTOCOLS.md` §5.3; its
-//! source is LMCache's `lmcache/v1/storage_backend/pd_backend.py` (`ProxyNotif`, a
-//! `msgspec.Struct` with `tag=True`).
+//! the decode has TP ranks. The wire format's source is LMCache/LMCache
+//! `lmcache/v1/storage_backend/pd_backend.py` (`ProxyNotif`, a `msgspec.Struct` with
+//! `tag=True`); LMCache's reference proxy is
+//! `examples/disagg_prefill/xpyd/disagg_proxy_server_first_token_from_prefiller_xpyd.py`.
 //!
 //! This crate is that listener:
 //!
