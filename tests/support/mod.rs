@@ -88,6 +88,7 @@ pub struct StackBuilder {
     disaggregate: Option<Arc<dyn Disaggregate>>,
     declare_models: bool,
     ranks: (u32, u32),
+    connector: Option<Arc<dyn KvConnector>>,
 }
 
 impl Stack {
@@ -108,6 +109,7 @@ impl Stack {
             disaggregate: None,
             declare_models: false,
             ranks: (1, 1),
+            connector: None,
         }
     }
 
@@ -152,6 +154,13 @@ impl StackBuilder {
     /// A prefill endpoint URL with no engine behind it (connection refused).
     pub fn dead_prefill(mut self, url: String) -> Self {
         self.extra_prefill_urls.push(url);
+        self
+    }
+
+    /// The proxy uses `connector` instead of the protocol's default one (the engines
+    /// still speak the protocol).
+    pub fn connector(mut self, connector: impl KvConnector) -> Self {
+        self.connector = Some(Arc::new(connector));
         self
     }
 
@@ -252,7 +261,7 @@ impl StackBuilder {
         let source = std::sync::Arc::new(ManualSource::new(endpoints));
         let mut builder =
             Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
-                .connector(self.protocol.connector())
+                .connector(self.connector.unwrap_or_else(|| self.protocol.connector()))
                 .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
