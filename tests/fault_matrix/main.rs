@@ -1,15 +1,18 @@
-//! The fault matrix: each connector (vLLM NIXL, SGLang, vLLM Mooncake) against each
-//! fault an engine can show, on each leg where it applies: a refused connection, 500 and
-//! 503, a hang before the response head, a stall and a dropped connection mid-stream, a
-//! prefill slower than its budget, a malformed handoff, and a bootstrap that never meets.
+//! The fault matrix: each connector (vLLM NIXL, SGLang, vLLM Mooncake, LMCache) against
+//! each fault an engine can show, on each leg where it applies: a refused connection, 500
+//! and 503, a hang before the response head, a stall and a dropped connection mid-stream,
+//! a prefill slower than its budget, a malformed handoff, a bootstrap that never meets,
+//! and (LMCache) a KV-ready notification that never comes.
 //!
 //! Every case asserts what the client gets (the status and OpenAI error code, or the
 //! in-band end of a stream that broke after its head), within a stated time, and that
 //! nothing survives it: no endpoint in-flight count, no admitted request, no running
 //! request on any engine, no engine that gave up waiting for a peer the proxy forgot, and
-//! no KV held on a prefill, except where the protocol itself keeps it until a lease (see
-//! "KV block lifetime" in crates/disagg-sim/src/lib.rs), which the case then states and
-//! checks. The outcomes are tabled in docs/reliability.md (fault matrix).
+//! no KV held on a prefill (LMCache: on a decode, where its KV lives), except where the
+//! protocol itself keeps it until a lease (see "KV block lifetime" in
+//! crates/disagg-sim/src/lib.rs), which the case then states and checks, and (LMCache) no
+//! request left in the proxy's notification registry. The outcomes are tabled in
+//! docs/reliability.md (fault matrix).
 //!
 //! One test per connector; its cases run concurrently, each on a stack of its own
 //! (ephemeral ports), so a connector's whole table takes about as long as its slowest
@@ -81,6 +84,8 @@ enum Fault {
     /// SGLang and Mooncake: the prefill answers 503 at once and so never registers the
     /// room or transfer the decode leg, sent alongside, waits for.
     BootstrapNeverMet,
+    /// LMCache: the prefill pushes the KV but its KV-ready notification is lost.
+    NotificationLost,
 }
 
 /// What the client gets.
@@ -98,7 +103,8 @@ enum Outcome {
     BrokenBody,
 }
 
-/// What a prefill engine holds once the case is over.
+/// What the engine holding a request's KV for the decode holds once the case is over:
+/// the prefill, or with LMCache (whose prefill pushes the KV at once) the decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kv {
     /// Nothing, within [`SETTLE`]: it was freed at once (pulled, withdrawn with its
@@ -181,7 +187,7 @@ impl Case {
 
     /// Concurrent connectors only: the other leg, sent alongside, is abandoned too.
     fn abandons_if_concurrent(self, p: Protocol, leg: Leg) -> Self {
-        self.abandons_if(p != Protocol::Nixl, leg)
+        self.abandons_if(concurrent(p), leg)
     }
 
     fn decode_untouched_if(mut self, yes: bool) -> Self {
@@ -195,25 +201,38 @@ impl Case {
     }
 }
 
+/// Whether `p` sends both legs at once.
+fn concurrent(p: Protocol) -> bool {
+    matches!(p, Protocol::Sglang | Protocol::Mooncake)
+}
+
 /// The matrix for `p`. Where the connectors differ, the row says why.
 fn table(p: Protocol) -> Vec<Case> {
     use Fault::*;
     use Outcome::*;
     let nixl = p == Protocol::Nixl;
     let mooncake = p == Protocol::Mooncake;
-    // vLLM NIXL sends the decode leg only after the prefill answered, so a prefill
-    // failure never reaches the decode engine. Mooncake resolves the prefill's engine id
-    // on its bootstrap server before sending either leg, so a prefill that cannot be
-    // reached never reaches the decode engine either. SGLang sends both legs at once.
-    let sequential = nixl;
+    let lmcache = p == Protocol::Lmcache;
+    // vLLM NIXL and LMCache send the decode leg only after the prefill answered (LMCache:
+    // and notified), so a prefill failure never reaches the decode engine. Mooncake
+    // resolves the prefill's engine id on its bootstrap server before sending either leg,
+    // so a prefill that cannot be reached never reaches the decode engine either. SGLang
+    // sends both legs at once.
+    let sequential = !concurrent(p);
     // A decode that fails before its head: a NIXL prefill has already answered and holds
     // its blocks for a decode that will never pull them, and neither a refused decode, a
     // decode answering an error status before its pull, nor a hung one tells the prefill
     // (sim docs: "Neither a decode rejected before its pull ... nor hung by
-    // Faults::hang ... frees anything"). Concurrent prefills are still busy and are
-    // dropped with the attempt: SGLang's rooms are withdrawn, a Mooncake prefill
-    // cancelled before its answer holds nothing.
-    let decode_failed_early = if nixl { Kv::UntilLease } else { Kv::Freed };
+    // Faults::hang ... frees anything"). An LMCache prefill has pushed the KV to the
+    // decode's receiver, where it waits for a request that takes it, or for its lease
+    // (sim docs, "LMCache"). Concurrent prefills are still busy and are dropped with the
+    // attempt: SGLang's rooms are withdrawn, a Mooncake prefill cancelled before its
+    // answer holds nothing.
+    let decode_failed_early = if nixl || lmcache {
+        Kv::UntilLease
+    } else {
+        Kv::Freed
+    };
     // A Mooncake prefill without a delay can answer (and hold its transfer) before an
     // instant decode failure drops it, a race; a 100 ms scheduling delay makes these
     // rows deterministic. The `decode hang` row shows the other side of the race.
@@ -352,12 +371,30 @@ fn table(p: Protocol) -> Vec<Case> {
                 .decode_untouched_if(true),
             );
         }
+        Protocol::Lmcache => {
+            // The prefill pushed the KV and answered, but the proxy never hears that the
+            // KV arrived: the handoff budget ends the wait, no decode leg is sent, and the
+            // registration is forgotten. The pushed KV waits on the decode for its lease.
+            t.push(
+                Case::new(
+                    "notification lost",
+                    NotificationLost,
+                    Error(504, "handoff_timeout"),
+                )
+                .timed()
+                .kv(Kv::UntilLease)
+                .decode_untouched_if(true),
+            );
+            // No malformed-handoff row: LMCache's handoff is the notification (its loss
+            // is the row above); a prefill answer without `first_tok` is a connector unit
+            // test's matter.
+        }
         // No malformed-handoff row for SGLang: the proxy chooses the room and reads
         // nothing from either engine to build the legs (the prefill's answer is only
         // checked for success), so there is nothing an engine could malform.
         _ => {}
     }
-    if !nixl {
+    if concurrent(p) {
         // The decode leg goes out with the prefill leg and waits for a room or transfer
         // that will never be registered; the proxy must drop it as soon as the prefill
         // failed, not leave it to the engine's bootstrap timeout.
@@ -425,6 +462,13 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
             },
             none,
         ),
+        Fault::NotificationLost => (
+            Faults {
+                notify_loss: 1.0,
+                ..none
+            },
+            none,
+        ),
         _ => (none, none),
     };
     let mut prefill = engine(case, pf);
@@ -447,6 +491,19 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
         Fault::PrefillRefused => {
             let (url, held) = held_dead_url();
             let s = builder.prefill(vec![]).dead_prefill(url).build().await;
+            (s, Some(held))
+        }
+        Fault::DecodeRefused if p == Protocol::Lmcache => {
+            // The decode's HTTP port refuses while its KV receiver works (the prefill's
+            // push must succeed for the decode leg to be sent at all).
+            let (url, held) = held_dead_url();
+            let s = builder.build().await;
+            let mut ext = http::Extensions::new();
+            ext.insert(lmcache_receiver(s.d()));
+            let decode = Endpoint::with_extensions(&url, Role::Decode, ext).expect("endpoint");
+            let prefill = s.source.snapshot().prefill().to_vec();
+            s.source
+                .replace(prefill.into_iter().chain([std::sync::Arc::new(decode)]));
             (s, Some(held))
         }
         Fault::DecodeRefused => {
@@ -515,7 +572,7 @@ async fn run(p: Protocol, case: Case) {
     let took = start.elapsed();
     let answered = Instant::now();
 
-    check_outcome(&ctx, case.outcome, &got);
+    check_outcome(&ctx, p, case.outcome, &got);
     if let Fault::PrefillStatus(code) = case.fault {
         let text = got
             .body
@@ -533,11 +590,17 @@ async fn run(p: Protocol, case: Case) {
         case.max
     );
 
+    // The engines that hold KV for a decode.
+    let holders = if p == Protocol::Lmcache {
+        &s.decode
+    } else {
+        &s.prefill
+    };
     if case.kv == Kv::UntilLease {
-        let st = s.p().stats();
+        let st = holders[0].stats();
         assert!(
             st.blocks_held >= 1,
-            "{ctx}: the prefill holds the KV it handed over when the client is answered: {st:?}"
+            "{ctx}: the KV handed over is held when the client is answered: {st:?}"
         );
         if p == Protocol::Mooncake {
             assert_eq!(st.kv_transfers_pending, 1, "{ctx}: {st:?}");
@@ -546,20 +609,23 @@ async fn run(p: Protocol, case: Case) {
 
     // Nothing of the request is left on the proxy, and no engine still works on it.
     let engines = || s.prefill.iter().chain(&s.decode);
+    let registered = || s.notifications.as_ref().map_or(0, |n| n.pending_len());
     let settled = eventually(SETTLE, || {
         let o = s.orchestrator.stats();
         s.in_flight() == 0
             && o.in_flight == 0
             && o.queued_now == 0
             && o.kv_releases_in_flight == 0
+            && registered() == 0
             && engines().all(|e| e.stats().active_requests == 0)
     })
     .await;
     assert!(
         settled,
-        "{ctx}: left over after {SETTLE:?}: {} in flight, {:?}, engines {:?}",
+        "{ctx}: left over after {SETTLE:?}: {} in flight, {:?}, {} awaiting notifications, engines {:?}",
         s.in_flight(),
         s.orchestrator.stats(),
+        registered(),
         engines().map(|e| e.stats()).collect::<Vec<_>>()
     );
     for &leg in &case.abandoned {
@@ -587,7 +653,7 @@ async fn run(p: Protocol, case: Case) {
     match case.kv {
         Kv::Freed => {
             let freed = eventually(SETTLE, || {
-                s.prefill.iter().all(|e| {
+                holders.iter().all(|e| {
                     let st = e.stats();
                     st.blocks_held == 0 && st.kv_transfers_pending == 0
                 })
@@ -595,21 +661,21 @@ async fn run(p: Protocol, case: Case) {
             .await;
             assert!(
                 freed,
-                "{ctx}: KV left on a prefill: {:?}",
-                s.prefill.iter().map(|e| e.stats()).collect::<Vec<_>>()
+                "{ctx}: KV left behind: {:?}",
+                holders.iter().map(|e| e.stats()).collect::<Vec<_>>()
             );
         }
         Kv::UntilLease => {
-            let p = s.p();
+            let h = &holders[0];
             let freed = eventually(LEASE_FREED, || {
-                let st = p.stats();
+                let st = h.stats();
                 st.blocks_held == 0 && st.kv_transfers_pending == 0
             })
             .await;
             assert!(
                 freed,
                 "{ctx}: freed by the {SHORT_LEASE:?} lease: {:?}",
-                p.stats()
+                h.stats()
             );
         }
     }
@@ -637,7 +703,7 @@ async fn run(p: Protocol, case: Case) {
 }
 
 /// Assert that `got` is `want`.
-fn check_outcome(ctx: &str, want: Outcome, got: &Fetched) {
+fn check_outcome(ctx: &str, p: Protocol, want: Outcome, got: &Fetched) {
     let body = match &got.body {
         Ok(b) => b.clone(),
         Err(e) => {
@@ -698,9 +764,12 @@ fn check_outcome(ctx: &str, want: Outcome, got: &Fetched) {
                 .and_then(|e| serde_json::from_str(e).ok())
                 .unwrap_or_else(|| panic!("{ctx}: no final JSON event: {events:?}"));
             assert_eq!(last["error"]["code"], code, "{ctx}: {events:?}");
+            // LMCache's proxy sends the prefill's first token as the first chunk, before
+            // any of the decode's.
+            let lead = usize::from(p == Protocol::Lmcache);
             assert_eq!(
                 events.len(),
-                3,
+                lead + 3,
                 "{ctx}: the two events before the fault, then the error: {events:?}"
             );
         }
@@ -733,4 +802,9 @@ async fn sglang_fault_matrix() {
 #[tokio::test]
 async fn mooncake_fault_matrix() {
     matrix(Protocol::Mooncake).await;
+}
+
+#[tokio::test]
+async fn lmcache_fault_matrix() {
+    matrix(Protocol::Lmcache).await;
 }

@@ -6,7 +6,7 @@ mod support;
 
 use std::time::Duration;
 
-use disagg_core::orchestrator::PrefillFailure;
+use disagg_core::orchestrator::{MissingKv, PrefillFailure};
 use disagg_sim::{Faults, SimConfig};
 use support::*;
 use tokio::io::AsyncReadExt;
@@ -456,4 +456,126 @@ async fn no_in_flight_count_outlives_its_request() {
     .await;
     assert_openai_error(&a, 502, "prefill_failed");
     assert_eq!(failing.in_flight(), 0);
+}
+
+// === a prefill that answers 2xx without a KV handoff ===
+
+/// The prefill engines' `eos_period` in the missing-handoff tests.
+const EOS_PERIOD: u32 = 3;
+
+/// A prompt whose first generated token is EOS on an engine with [`EOS_PERIOD`].
+fn eos_first_prompt() -> String {
+    (0..)
+        .map(|i| format!("stop at once {i}"))
+        .find(|p| disagg_sim::generate(p, 1, EOS_PERIOD).is_empty())
+        .expect("some prompt starts with EOS")
+}
+
+/// A NIXL stack whose prefill ends "stopped" on [`eos_first_prompt`] and so answers
+/// `"kv_transfer_params": null`, as vLLM drops the KV of a `FINISHED_STOPPED` prefill
+/// (vllm-project/vllm `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`,
+/// `request_finished`): its first token is EOS, and the proxy's rewriter does not set
+/// `ignore_eos` (the setting for engines that refuse the field). The decode engine has no
+/// EOS, so its answer is the whole `max_tokens`.
+async fn stopped_prefill(missing: MissingKv) -> Stack {
+    use disagg_core::rewrite::PrefillRewriter;
+    Stack::builder()
+        .prefill(vec![SimConfig {
+            eos_period: EOS_PERIOD,
+            ..Default::default()
+        }])
+        .connector(disagg_core::VllmNixl::with_rewriter(
+            PrefillRewriter::new().with_ignore_eos(false),
+        ))
+        .config(|c| c.missing_kv = missing)
+        .build()
+        .await
+}
+
+#[tokio::test]
+async fn a_prefill_without_handoff_lets_the_decode_compute_the_prompt_by_default() {
+    let stack = stopped_prefill(MissingKv::default()).await;
+    let prompt = eos_first_prompt();
+    let expected = disagg_sim::generate(&prompt, 6, 0).concat();
+    for stream in [false, true] {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&prompt, 6, stream),
+            &[],
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("none"));
+        assert_eq!(a.content(), expected, "the decode's whole answer");
+        if stream {
+            assert_eq!(a.events().last().map(String::as_str), Some("[DONE]"));
+        }
+    }
+    // The prefill answered both legs without KV and holds nothing.
+    let p = stack.p().stats();
+    assert_eq!(
+        (p.prefill_requests, p.kv_params_returned, p.blocks_held),
+        (2, 0, 0),
+        "{p:?}"
+    );
+    // The decode got the client's body without a handoff and computed the prompt itself.
+    let d = stack.d().stats();
+    assert_eq!(
+        (
+            d.requests,
+            d.local_prefills,
+            d.remote_decodes,
+            d.invalid_kv_params
+        ),
+        (2, 2, 0, 0),
+        "{d:?}"
+    );
+    for r in stack.d().requests() {
+        assert!(
+            !r.body
+                .as_object()
+                .unwrap()
+                .contains_key("kv_transfer_params"),
+            "{:?}",
+            r.body
+        );
+    }
+    assert!(eventually(Duration::from_secs(1), || stack.in_flight() == 0).await);
+}
+
+#[tokio::test]
+async fn a_prefill_without_handoff_is_502_under_missing_kv_fail() {
+    let stack = stopped_prefill(MissingKv::Fail).await;
+    let prompt = eos_first_prompt();
+    for stream in [false, true] {
+        let a = post(
+            &stack.url,
+            "/v1/completions",
+            completion(&prompt, 6, stream),
+            &[],
+        )
+        .await;
+        assert_openai_error(&a, 502, "prefill_failed");
+        assert!(a.text().contains("kv handoff"), "{}", a.text());
+    }
+    let p = stack.p().stats();
+    assert_eq!((p.prefill_requests, p.blocks_held), (2, 0), "{p:?}");
+    assert_eq!(stack.d().stats().requests, 0, "no decode leg was sent");
+    assert!(eventually(Duration::from_secs(1), || stack.in_flight() == 0).await);
+    // The same stack hands KV over as usual when the prefill ends length-capped.
+    let control = (0..)
+        .map(|i| format!("go on {i}"))
+        .find(|p| !disagg_sim::generate(p, 1, EOS_PERIOD).is_empty())
+        .expect("some prompt does not start with EOS");
+    let a = post(
+        &stack.url,
+        "/v1/completions",
+        completion(&control, 4, false),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    assert_eq!(stack.d().stats().remote_decodes, 1);
 }

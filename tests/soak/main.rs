@@ -1,7 +1,12 @@
 //! Soak: 50,000 requests through the proxy with random faults and cancellations, in
 //! one bounded run (about a minute in a debug build on 2 cores).
 //!
-//! Asserts that, once the run is over:
+//! Asserts that every answer is either right or a defined failure: a 2xx answer carries
+//! exactly the text the simulated model gives for its prompt (predicted with
+//! `disagg_sim::generate`), and a stream ends with `[DONE]`; a failure is one of the
+//! outcomes the injected faults define (see `DEFINED_FAILURES`); and every request that no
+//! fault could have touched (no fault was on from its start to its end) succeeds. And,
+//! once the run is over:
 //! - resident memory is back within 24 MiB of its level after a warm-up of the same mix
 //!   (engines, proxy and load generator all live in this process, so this bounds leaks
 //!   in all three);
@@ -10,8 +15,8 @@
 //! - the proxy has nothing in flight: endpoint counts, admitted requests, running
 //!   releases.
 //!
-//! The faults, switched at random every few milliseconds on one prefill and one decode
-//! engine: a prefill answering 503 (retried elsewhere) or 500, a prefill that hangs past
+//! The faults, switched at random every few milliseconds (with a calm spell of 200 ms now
+//! and then) on one prefill and one decode engine: a prefill answering 503 (retried elsewhere) or 500, a prefill that hangs past
 //! its 250 ms budget, a decode stream that stalls past the 250 ms idle budget or whose connection
 //! drops. Decode faults are those that strike after the decode took the KV; a decode
 //! that refuses a request without taking the KV leaves it to the prefill's lease (see
@@ -63,11 +68,70 @@ impl Rand {
     }
 }
 
+/// How a request may fail when it met an injected fault, as "STATUS CODE" (the proxy's
+/// OpenAI error code, or the code of a stream's final error event), or how its body broke.
+/// Anything else (a wrong text, a stream without `[DONE]` and without an error event, a
+/// 2xx whose body is not an answer) is a bug.
+const DEFINED_FAILURES: &[&str] = &[
+    // A prefill answering 500, or 503 with no retry left (budget, or the retry met the
+    // fault again).
+    "502 prefill_failed",
+    // A prefill hanging past its budget.
+    "504 prefill_timeout",
+    // A decode stream that stalls, or whose connection drops, after its head.
+    "200 decode_idle_timeout",
+    "200 decode_stream_failed",
+    // The same faults on a non-streamed answer: its body breaks.
+    "body broke (not streamed)",
+];
+
+/// Which faults are on: the chaos task turns them on and off, and a request checks it
+/// at its start and end to know whether a fault could have touched it.
+#[derive(Default)]
+struct FaultClock {
+    /// Some fault is set on an engine now.
+    on: std::sync::atomic::AtomicBool,
+    /// Times a fault was turned on.
+    switched_on: AtomicU64,
+}
+
+impl FaultClock {
+    /// Before setting `faulty` faults on the engines (or after clearing them).
+    fn before_set(&self, faulty: bool) {
+        if faulty {
+            self.on.store(true, Ordering::SeqCst);
+            self.switched_on.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// After setting the engines' faults.
+    fn after_set(&self, faulty: bool) {
+        if !faulty {
+            self.on.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// A mark taken when a request starts: `None` if a fault is on.
+    fn start(&self) -> Option<u64> {
+        let generation = self.switched_on.load(Ordering::SeqCst);
+        (!self.on.load(Ordering::SeqCst)).then_some(generation)
+    }
+
+    /// Whether no fault was on at any time since `mark`: engines apply the faults of
+    /// the moment a leg arrives, so such a request met none.
+    fn clean_since(&self, mark: Option<u64>) -> bool {
+        mark.is_some_and(|g| g == self.switched_on.load(Ordering::SeqCst))
+    }
+}
+
 #[derive(Default)]
 struct Tally {
     ok: AtomicU64,
     errors: AtomicU64,
     cancelled: AtomicU64,
+    /// Requests no fault could have touched, and how many of them failed.
+    clean: AtomicU64,
+    clean_failed: std::sync::Mutex<Vec<String>>,
     /// Failed requests by status and OpenAI error code (or how the body broke).
     codes: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
@@ -93,17 +157,68 @@ fn failure(status: http::StatusCode, body: &[u8]) -> String {
     format!("{} {code}", status.as_u16())
 }
 
+/// The generated text of a 2xx answer, if it is a complete answer: a stream must end
+/// with `[DONE]`. `Err` names what the body is instead: the code of a stream's final
+/// error event, or that it is no answer.
+fn answer_text(chat: bool, stream: bool, body: &[u8]) -> Result<String, String> {
+    let text_of = |v: &serde_json::Value| -> Option<String> {
+        let c = &v["choices"][0];
+        let t = if !chat {
+            &c["text"]
+        } else if stream {
+            &c["delta"]["content"]
+        } else {
+            &c["message"]["content"]
+        };
+        t.as_str().map(str::to_owned)
+    };
+    if !stream {
+        let v: serde_json::Value =
+            serde_json::from_slice(body).map_err(|_| "2xx: not JSON".to_owned())?;
+        if let Some(code) = v["error"]["code"].as_str() {
+            return Err(format!("200 {code}"));
+        }
+        return text_of(&v).ok_or_else(|| "2xx: no text".to_owned());
+    }
+    let events = sse_payloads(body);
+    let mut out = String::new();
+    for (i, e) in events.iter().enumerate() {
+        if e == "[DONE]" {
+            return if i + 1 == events.len() {
+                Ok(out)
+            } else {
+                Err("2xx: events after [DONE]".to_owned())
+            };
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(e).map_err(|_| "2xx: an event is not JSON".to_owned())?;
+        if let Some(code) = v["error"]["code"].as_str() {
+            return Err(format!("200 {code}"));
+        }
+        // A chat stream's first chunk names the role; its content is empty.
+        out.push_str(&text_of(&v).unwrap_or_default());
+    }
+    Err("2xx: stream without [DONE] or error event".to_owned())
+}
+
 /// Send requests numbered `from..to` (shared counter) with random shapes and
 /// cancellations, `CLIENTS` at a time.
-async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
+async fn drive(
+    url: &str,
+    next: &Arc<AtomicU64>,
+    to: u64,
+    tally: &Arc<Tally>,
+    faults: &Arc<FaultClock>,
+) {
     let client = client();
     let mut tasks = Vec::new();
     for c in 0..CLIENTS {
-        let (client, url, next, tally) = (
+        let (client, url, next, tally, faults) = (
             client.clone(),
             url.to_owned(),
             Arc::clone(next),
             Arc::clone(tally),
+            Arc::clone(faults),
         );
         tasks.push(tokio::spawn(async move {
             let mut rand = Rand(0x9e37_79b9_7f4a_7c15 ^ ((c + 1) * 0x1234_5678));
@@ -112,7 +227,12 @@ async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
             }) {
                 let stream = rand.below(2) == 0;
                 let tokens = 1 + rand.below(6) as u32;
-                let (path, body) = if rand.below(2) == 0 {
+                let is_chat = rand.below(2) == 0;
+                // The chat template is the message's text and a newline, which tokenizes
+                // like the text alone: both forms have the same answer.
+                let expected =
+                    disagg_sim::generate(&format!("soak {n}"), tokens as usize, 0).concat();
+                let (path, body) = if is_chat {
                     (
                         "/v1/chat/completions",
                         chat(&format!("soak {n}"), tokens, stream),
@@ -123,6 +243,7 @@ async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
                         completion(&format!("soak {n}"), tokens, stream),
                     )
                 };
+                let body_shape = format!("n={n} tokens={tokens} stream={stream}");
                 let req = http::Request::post(format!("{url}{path}"))
                     .header("content-type", "application/json")
                     .body(Full::new(Bytes::from(body)))
@@ -137,13 +258,22 @@ async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
                         .into_body()
                         .collect()
                         .await
-                        .map_err(|_| "body broke".to_owned())?
+                        .map_err(|_| {
+                            if stream {
+                                "body broke (streamed)".to_owned()
+                            } else {
+                                "body broke (not streamed)".to_owned()
+                            }
+                        })?
                         .to_bytes();
-                    let broken = body.windows(9).any(|w| w == b"{\"error\":");
-                    if status.is_success() && !broken {
+                    if !status.is_success() {
+                        return Err(failure(status, &body));
+                    }
+                    let text = answer_text(is_chat, stream, &body)?;
+                    if text == expected {
                         Ok(())
                     } else {
-                        Err(failure(status, &body))
+                        Err(format!("2xx: wrong text {text:?}, expected {expected:?}"))
                     }
                 };
                 let limit = if rand.below(5) == 0 {
@@ -151,11 +281,26 @@ async fn drive(url: &str, next: &Arc<AtomicU64>, to: u64, tally: &Arc<Tally>) {
                 } else {
                     Duration::from_secs(10)
                 };
-                match tokio::time::timeout(limit, exchange).await {
+                let mark = faults.start();
+                let result = tokio::time::timeout(limit, exchange).await;
+                let clean = faults.clean_since(mark);
+                if clean && result.is_ok() {
+                    tally.clean.fetch_add(1, Ordering::Relaxed);
+                }
+                match result {
                     Ok(Ok(())) => {
                         tally.ok.fetch_add(1, Ordering::Relaxed);
                     }
-                    Ok(Err(what)) => tally.failed(what),
+                    Ok(Err(what)) => {
+                        if clean {
+                            tally
+                                .clean_failed
+                                .lock()
+                                .unwrap()
+                                .push(format!("{path} {body_shape}: {what}"));
+                        }
+                        tally.failed(what);
+                    }
                     Err(_) => {
                         tally.cancelled.fetch_add(1, Ordering::Relaxed);
                     }
@@ -194,6 +339,7 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
 
     // Faults switched at random on prefill 2 and decode 1 until the run ends.
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let faults = Arc::new(FaultClock::default());
     let chaos = async {
         let (p, d) = (&s.prefill[2], &s.decode[1]);
         let mut rand = Rand(42);
@@ -224,9 +370,19 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
                 },
                 _ => Faults::default(),
             };
+            let faulty = pf != Faults::default() || df != Faults::default();
+            faults.before_set(faulty);
             p.set_faults(pf);
             d.set_faults(df);
-            tokio::time::sleep(Duration::from_millis(5 + rand.below(20))).await;
+            faults.after_set(faulty);
+            // Now and then a calm spell longer than a request takes under this load, so
+            // that many requests meet no fault at all and can be held to succeed.
+            let spell = if !faulty && rand.below(10) == 0 {
+                200
+            } else {
+                5 + rand.below(20)
+            };
+            tokio::time::sleep(Duration::from_millis(spell)).await;
         }
         p.set_faults(Faults::default());
         d.set_faults(Faults::default());
@@ -237,9 +393,9 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
     let start = Instant::now();
     let mut warm_rss = 0;
     let load = async {
-        drive(&s.url, &next, WARM_UP, &tally).await;
+        drive(&s.url, &next, WARM_UP, &tally, &faults).await;
         warm_rss = rss();
-        drive(&s.url, &next, TOTAL, &tally).await;
+        drive(&s.url, &next, TOTAL, &tally, &faults).await;
         stop.store(true, Ordering::Relaxed);
     };
     tokio::join!(chaos, load);
@@ -257,6 +413,33 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
     );
     assert_eq!(ok + errors + cancelled, TOTAL);
     assert!(ok > TOTAL / 2, "most requests succeed despite the faults");
+    // Every failure is one the faults define.
+    let undefined: Vec<(String, u64)> = tally
+        .codes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(what, _)| !DEFINED_FAILURES.contains(&what.as_str()))
+        .map(|(w, n)| (w.clone(), *n))
+        .collect();
+    assert!(
+        undefined.is_empty(),
+        "failures no fault defines: {undefined:?}"
+    );
+    // Every request no fault could have touched succeeded, and there were many.
+    let clean = tally.clean.load(Ordering::Relaxed);
+    let clean_failed = std::mem::take(&mut *tally.clean_failed.lock().unwrap());
+    eprintln!("soak: {clean} requests met no fault");
+    assert!(
+        clean_failed.is_empty(),
+        "{} of {clean} requests that met no fault failed: {:?}",
+        clean_failed.len(),
+        &clean_failed[..clean_failed.len().min(20)]
+    );
+    assert!(
+        clean >= 1000,
+        "too few requests without faults ({clean}) to tell"
+    );
     assert!(
         cancelled > TOTAL / 10 && errors > 0,
         "faults and cancellations happened"

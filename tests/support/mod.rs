@@ -31,6 +31,8 @@ pub struct Stack {
     pub source: std::sync::Arc<ManualSource>,
     /// The proxy's orchestrator, for its counters.
     pub orchestrator: Orchestrator,
+    /// [`Protocol::Lmcache`]: the proxy's notification listener, for its registry.
+    pub notifications: Option<disagg_lmcache::Notifications>,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -51,6 +53,10 @@ pub enum Protocol {
     Sglang,
     /// vLLM Mooncake (concurrent).
     Mooncake,
+    /// vLLM with LMCache's P/D mode (sequential: the prefill pushes the KV to the
+    /// decode's receiver and notifies the proxy over ZMQ). Decode engines keep their
+    /// configured `lmcache_receiver` (one TP rank by default).
+    Lmcache,
 }
 
 impl Protocol {
@@ -65,16 +71,39 @@ impl Protocol {
                 KvMode::Mooncake(SimRole::Prefill),
                 KvMode::Mooncake(SimRole::Decode),
             ),
+            Protocol::Lmcache => (
+                KvMode::Lmcache(SimRole::Prefill),
+                KvMode::Lmcache(SimRole::Decode),
+            ),
         }
     }
 
-    fn connector(self) -> Arc<dyn KvConnector> {
+    /// The protocol's connector; LMCache's listens on `notifications`.
+    fn connector(
+        self,
+        notifications: Option<&disagg_lmcache::Notifications>,
+    ) -> Arc<dyn KvConnector> {
         match self {
             Protocol::Nixl => Arc::new(disagg_core::VllmNixl::new()),
             Protocol::Sglang => Arc::new(disagg_core::SglangBootstrap::new()),
             Protocol::Mooncake => Arc::new(disagg_core::VllmMooncake::new()),
+            Protocol::Lmcache => Arc::new(disagg_lmcache::Lmcache::new(
+                notifications
+                    .expect("an LMCache stack binds its notification listener")
+                    .clone(),
+            )),
         }
     }
+}
+
+/// Where an LMCache decode engine receives KV, as the proxy's endpoint carries it.
+pub fn lmcache_receiver(decode: &SimEngine) -> disagg_lmcache::LmcacheReceiver {
+    disagg_lmcache::LmcacheReceiver::new(
+        "127.0.0.1",
+        decode.lmcache_init_ports(),
+        decode.lmcache_alloc_ports(),
+    )
+    .expect("the engine's receiver ports")
 }
 
 pub struct StackBuilder {
@@ -88,6 +117,8 @@ pub struct StackBuilder {
     disaggregate: Option<Arc<dyn Disaggregate>>,
     declare_models: bool,
     ranks: (u32, u32),
+    connector: Option<Arc<dyn KvConnector>>,
+    notifications: Option<disagg_lmcache::Notifications>,
 }
 
 impl Stack {
@@ -108,6 +139,8 @@ impl Stack {
             disaggregate: None,
             declare_models: false,
             ranks: (1, 1),
+            connector: None,
+            notifications: None,
         }
     }
 
@@ -155,6 +188,13 @@ impl StackBuilder {
         self
     }
 
+    /// The proxy uses `connector` instead of the protocol's default one (the engines
+    /// still speak the protocol).
+    pub fn connector(mut self, connector: impl KvConnector) -> Self {
+        self.connector = Some(Arc::new(connector));
+        self
+    }
+
     pub fn router(mut self, router: impl disagg_core::Router) -> Self {
         self.router = Some(Box::new(router));
         self
@@ -191,10 +231,25 @@ impl StackBuilder {
 
     pub async fn build(mut self) -> Stack {
         let (p_mode, d_mode) = self.protocol.modes();
+        if self.protocol == Protocol::Lmcache {
+            let n = disagg_lmcache::Notifications::bind(
+                "127.0.0.1:0",
+                disagg_lmcache::NotifyConfig::default(),
+            )
+            .await
+            .expect("bind the LMCache notification socket");
+            self.notifications = Some(n);
+        }
+        let notify_addr = self
+            .notifications
+            .as_ref()
+            .and_then(|n| n.local_addr())
+            .map(|a| a.to_string());
         let mut prefill = Vec::new();
         for c in std::mem::take(&mut self.prefill) {
             let c = SimConfig {
                 kv_mode: p_mode,
+                lmcache_proxy: notify_addr.clone(),
                 ..c
             };
             prefill.push(SimEngine::start(c).await.expect("start prefill sim"));
@@ -219,11 +274,16 @@ impl StackBuilder {
                 n => (0..n).map(|r| format!("{}@{r}", e.url())).collect(),
             };
             let bootstrap = e.bootstrap_addr().filter(|_| role == Role::Prefill);
+            let receiver = (e.config().kv_mode == KvMode::Lmcache(SimRole::Decode))
+                .then(|| lmcache_receiver(e));
             urls.iter()
                 .map(|url| {
                     let mut ext = http::Extensions::new();
                     if let Some(b) = bootstrap {
                         ext.insert(BootstrapPort(Some(b.port())));
+                    }
+                    if let Some(r) = &receiver {
+                        ext.insert(r.clone());
                     }
                     let ep = Endpoint::with_extensions(url, role, ext).unwrap();
                     if declare {
@@ -252,7 +312,10 @@ impl StackBuilder {
         let source = std::sync::Arc::new(ManualSource::new(endpoints));
         let mut builder =
             Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
-                .connector(self.protocol.connector())
+                .connector(
+                    self.connector
+                        .unwrap_or_else(|| self.protocol.connector(self.notifications.as_ref())),
+                )
                 .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
@@ -274,6 +337,7 @@ impl StackBuilder {
             url,
             source,
             orchestrator,
+            notifications: self.notifications,
             stop: Some(tx),
         }
     }

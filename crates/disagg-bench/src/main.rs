@@ -39,6 +39,14 @@
 //! JSON object when not streamed, a body ending with `data: [DONE]\n\n` when streamed.
 //! Failures are counted and a run with any is flagged (and exits with status 1).
 //!
+//! `x-disagg-handoff: kv` is only the proxy's claim, so at the end the engines' own
+//! counters (what their `GET /stats` serves) are compared with the answers so marked:
+//! the prefill must have returned `kv_transfer_params` and served a side-channel pull
+//! for each, each decode engine must have pulled the KV of each of its proxied requests
+//! (`remote_decodes`) and computed no prompt but those of the direct requests
+//! (`local_prefills`), and the prefill must hold no KV left. A run where they differ is
+//! flagged likewise.
+//!
 //! # Figures
 //!
 //! - **Throughput**: successful answers per second of wall time, at concurrency 64.

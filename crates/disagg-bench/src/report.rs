@@ -216,12 +216,82 @@ pub(crate) struct MemoryStats {
     pub(crate) hold: HoldStats,
 }
 
+/// The KV handoffs the engines saw, against the ones the proxies claimed.
+///
+/// `x-disagg-handoff: kv` is the proxy's own word. Each request it marks so must have
+/// made the prefill answer `kv_transfer_params` and serve one pull over its side
+/// channel, and made the decode engine pull the KV (`remote_decodes`) instead of
+/// computing the prompt itself (`local_prefills`, which only the direct requests may
+/// add to). The engines' counters are read once every request has been answered.
+#[derive(Debug, Clone)]
+pub(crate) struct HandoffCheck {
+    /// Answers of the measured proxy (warm-ups included) marked `kv`.
+    pub(crate) marked_kv: u64,
+    /// Answers of the held-streams proxy marked `kv`.
+    pub(crate) hold_marked_kv: u64,
+    /// Requests sent straight to the decode engine (the baseline phases).
+    pub(crate) direct_sent: u64,
+    /// The prefill engine's counters (both proxies share it).
+    pub(crate) prefill: disagg_sim::Stats,
+    /// The decode engine behind the measured proxy (and the direct phases).
+    pub(crate) decode: disagg_sim::Stats,
+    /// The slow decode engine behind the held-streams proxy.
+    pub(crate) slow_decode: disagg_sim::Stats,
+}
+
+impl HandoffCheck {
+    /// Every way the engines' counts differ from the proxies' claims; empty when they
+    /// agree.
+    pub(crate) fn mismatches(&self) -> Vec<String> {
+        let marked = self.marked_kv + self.hold_marked_kv;
+        let (p, d, slow) = (&self.prefill, &self.decode, &self.slow_decode);
+        let mut out = Vec::new();
+        let mut check = |what: &str, seen: u64, claimed: u64| {
+            if seen != claimed {
+                out.push(format!(
+                    "{what}: the engines counted {seen}, the proxies' answers imply {claimed}"
+                ));
+            }
+        };
+        check(
+            "prefill answers with kv_transfer_params",
+            p.kv_params_returned,
+            marked,
+        );
+        check(
+            "prefill side-channel pulls served",
+            p.side_channel_served,
+            marked,
+        );
+        check(
+            "decode KV pulls (measured proxy)",
+            d.remote_decodes,
+            self.marked_kv,
+        );
+        check(
+            "decode KV pulls (held streams)",
+            slow.remote_decodes,
+            self.hold_marked_kv,
+        );
+        // A proxied request that the decode computed itself, or a direct one it did not.
+        check(
+            "decode local prefills (only the direct requests)",
+            d.local_prefills,
+            self.direct_sent,
+        );
+        check("slow decode local prefills", slow.local_prefills, 0);
+        check("KV blocks still held by the prefill", p.blocks_held, 0);
+        out
+    }
+}
+
 /// Everything a run measured.
 #[derive(Debug, Clone)]
 pub(crate) struct Report {
     pub(crate) config: RunConfig,
     pub(crate) phases: Vec<PhaseStats>,
     pub(crate) memory: MemoryStats,
+    pub(crate) handoffs: HandoffCheck,
 }
 
 /// A target of the issue.
@@ -249,6 +319,12 @@ impl Report {
     /// Failed requests, warm-ups and held streams included.
     pub(crate) fn errors(&self) -> u64 {
         self.phases.iter().map(PhaseStats::all_errors).sum::<u64>() + self.memory.hold.errors
+    }
+
+    /// Whether the figures can be trusted: no request failed, and the engines saw the
+    /// KV handoffs the proxies claimed.
+    pub(crate) fn valid(&self) -> bool {
+        self.errors() == 0 && self.handoffs.mismatches().is_empty()
     }
 
     fn phase(&self, via: Via, stream: bool, concurrency: usize) -> Option<&PhaseStats> {
@@ -474,6 +550,29 @@ impl Report {
                 verdict
             );
         }
+        let hc = &self.handoffs;
+        let _ = writeln!(
+            s,
+            "\nKV handoffs: the proxies marked {} answers `kv` ({} + {} held streams); the \
+             prefill returned kv_transfer_params {} times and served {} pulls; the decodes \
+             pulled {} + {} and computed {} prompts themselves ({} direct requests)",
+            hc.marked_kv + hc.hold_marked_kv,
+            hc.marked_kv,
+            hc.hold_marked_kv,
+            hc.prefill.kv_params_returned,
+            hc.prefill.side_channel_served,
+            hc.decode.remote_decodes,
+            hc.slow_decode.remote_decodes,
+            hc.decode.local_prefills + hc.slow_decode.local_prefills,
+            hc.direct_sent,
+        );
+        let mismatches = hc.mismatches();
+        for m in &mismatches {
+            let _ = writeln!(s, "FLAGGED: {m}");
+        }
+        if mismatches.is_empty() {
+            let _ = writeln!(s, "the engines saw every KV handoff the proxies claimed");
+        }
         let errors = self.errors();
         if errors > 0 {
             let first = self
@@ -568,8 +667,21 @@ impl Report {
                 },
             },
             "targets": targets,
+            "handoffs": {
+                "marked_kv": self.handoffs.marked_kv,
+                "hold_marked_kv": self.handoffs.hold_marked_kv,
+                "direct_sent": self.handoffs.direct_sent,
+                "prefill_kv_params_returned": self.handoffs.prefill.kv_params_returned,
+                "prefill_side_channel_served": self.handoffs.prefill.side_channel_served,
+                "prefill_blocks_held": self.handoffs.prefill.blocks_held,
+                "decode_remote_decodes": self.handoffs.decode.remote_decodes,
+                "decode_local_prefills": self.handoffs.decode.local_prefills,
+                "slow_decode_remote_decodes": self.handoffs.slow_decode.remote_decodes,
+                "slow_decode_local_prefills": self.handoffs.slow_decode.local_prefills,
+                "mismatches": self.handoffs.mismatches(),
+            },
             "errors": self.errors(),
-            "valid": self.errors() == 0,
+            "valid": self.valid(),
         })
     }
 }
@@ -611,7 +723,56 @@ fn thousands(v: f64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::thousands;
+    use super::{HandoffCheck, thousands};
+
+    /// The counters of a run where 10 requests went straight to the decode, the measured
+    /// proxy handed 30 over and the held-streams proxy 4.
+    fn consistent() -> HandoffCheck {
+        let stats = disagg_sim::Stats::default;
+        HandoffCheck {
+            marked_kv: 30,
+            hold_marked_kv: 4,
+            direct_sent: 10,
+            prefill: disagg_sim::Stats {
+                kv_params_returned: 34,
+                side_channel_served: 34,
+                ..stats()
+            },
+            decode: disagg_sim::Stats {
+                remote_decodes: 30,
+                local_prefills: 10,
+                ..stats()
+            },
+            slow_decode: disagg_sim::Stats {
+                remote_decodes: 4,
+                ..stats()
+            },
+        }
+    }
+
+    #[test]
+    fn engines_that_saw_every_claimed_handoff_agree() {
+        assert_eq!(consistent().mismatches(), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_claimed_handoff_the_engines_did_not_see_is_flagged() {
+        // The proxy said `kv` but the decode computed the prompt itself (the prefill's
+        // handoff went nowhere): three counters disagree.
+        let mut c = consistent();
+        c.prefill.side_channel_served -= 1;
+        c.decode.remote_decodes -= 1;
+        c.decode.local_prefills += 1;
+        let m = c.mismatches();
+        assert_eq!(m.len(), 3, "{m:?}");
+        assert!(m[0].contains("side-channel pulls served"), "{m:?}");
+        assert!(m[1].contains("decode KV pulls (measured proxy)"), "{m:?}");
+        assert!(m[2].contains("decode local prefills"), "{m:?}");
+        // KV left on the prefill (a handoff nobody pulled) is flagged as well.
+        let mut c = consistent();
+        c.prefill.blocks_held = 2;
+        assert_eq!(c.mismatches().len(), 1);
+    }
 
     #[test]
     fn groups_thousands() {

@@ -10,9 +10,11 @@ use disagg_sim::{SimConfig, SimEngine};
 use http::Uri;
 
 use crate::BoxError;
-use crate::load::{self, Gauge, Hold, HttpClient, Outcome, Target};
+use crate::load::{self, Claims, Gauge, Hold, HttpClient, Outcome, Target};
 use crate::procfs::{self, ProxyProcess};
-use crate::report::{HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via};
+use crate::report::{
+    HandoffCheck, HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via,
+};
 
 /// The concurrencies of the latency phases.
 pub(crate) const LATENCY_CONCURRENCY: [usize; 2] = [1, 16];
@@ -128,7 +130,7 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
         std::fs::write(path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
         println!("figures written to {}", path.display());
     }
-    Ok(report.errors() == 0)
+    Ok(report.valid())
 }
 
 async fn start_engines(tokens: u32, delay: Duration) -> Result<Engines, BoxError> {
@@ -180,20 +182,31 @@ async fn bench(
     config.body_bytes = bodies[0].len();
     let client = load::client();
     let prefill = engines.prefill.url();
+    let claims = PhaseClaims::default();
     let mut proxy =
         ProxyProcess::spawn(&prefill, &engines.decode.url(), config.proxy_threads).await?;
-    let measured = phases(&config, engines, &client, &mut proxy, &bodies).await;
+    let measured = phases(&config, engines, &client, &mut proxy, &bodies, &claims).await;
     let stopped = proxy.stop().await;
     let (phases, idle, peak) = measured?;
     stopped?;
 
+    let hold_claims = Arc::new(Claims::default());
     let hold_proxy =
         ProxyProcess::spawn(&prefill, &engines.slow_decode.url(), config.proxy_threads).await?;
-    let held = hold(&config, &client, &hold_proxy, &bodies[1]).await;
+    let held = hold(&config, &client, &hold_proxy, &bodies[1], &hold_claims).await;
     let stopped = hold_proxy.stop().await;
     let hold = held?;
     stopped?;
 
+    // Every request has been answered: the engines' counters are final.
+    let handoffs = HandoffCheck {
+        marked_kv: claims.proxy.kv(),
+        hold_marked_kv: hold_claims.kv(),
+        direct_sent: claims.direct.sent(),
+        prefill: engines.prefill.stats(),
+        decode: engines.decode.stats(),
+        slow_decode: engines.slow_decode.stats(),
+    };
     Ok(Report {
         config,
         phases,
@@ -202,7 +215,16 @@ async fn bench(
             peak_rss_kib: peak.hwm_kib,
             hold,
         },
+        handoffs,
     })
+}
+
+/// The claims of the main proxy's phases: through the proxy, and straight to the
+/// decode engine.
+#[derive(Debug, Default)]
+struct PhaseClaims {
+    proxy: Arc<Claims>,
+    direct: Arc<Claims>,
 }
 
 /// Warm up the proxy, read its idle memory, then run every phase; the proxy's peak
@@ -213,6 +235,7 @@ async fn phases(
     client: &HttpClient,
     proxy: &mut ProxyProcess,
     bodies: &[Bytes; 2],
+    claims: &PhaseClaims,
 ) -> Result<(Vec<PhaseStats>, procfs::Memory, procfs::Memory), BoxError> {
     let direct = chat_uri(&engines.decode.url())?;
     let through = chat_uri(&format!("http://{}", proxy.addr()))?;
@@ -224,6 +247,10 @@ async fn phases(
         body: bodies[usize::from(stream)].clone(),
         stream,
         expect_kv: via == Via::Proxy,
+        claims: match via {
+            Via::Direct => Arc::clone(&claims.direct),
+            Via::Proxy => Arc::clone(&claims.proxy),
+        },
     };
     let pid = proxy.pid();
     let me = std::process::id();
@@ -335,6 +362,7 @@ async fn hold(
     client: &HttpClient,
     proxy: &ProxyProcess,
     body: &Bytes,
+    claims: &Arc<Claims>,
 ) -> Result<HoldStats, BoxError> {
     let pid = proxy.pid();
     let target = Target {
@@ -342,6 +370,7 @@ async fn hold(
         body: body.clone(),
         stream: true,
         expect_kv: true,
+        claims: Arc::clone(claims),
     };
     let stream_time = config.stream_delay.saturating_mul(config.tokens.max(1));
     let window = stream_time * 2 + Duration::from_secs(5);

@@ -22,7 +22,9 @@ use serde::Deserialize;
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-// === the rewriter's documented table (`disagg_core::rewrite`, docs/protocols.md) ===
+// === the rewriter's documented table (`disagg_core::rewrite`; sources: vllm-project/vllm
+// `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`, ray-project/ray
+// `python/ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py`) ===
 
 /// Removed from the prefill leg.
 const REMOVED: &[&str] = &[

@@ -72,21 +72,46 @@ async fn a_body_dropped_early_closes_its_connection() {
     assert_eq!(t.idle_connections(&authority(&engine)), 0);
 }
 
-#[tokio::test]
-async fn idle_connections_expire() {
+/// Two requests `pause` apart through a transport whose pool keeps idle connections for
+/// `idle_timeout`; the engine's count of the HTTP connections it accepted afterwards.
+async fn connections_for_two_requests(idle_timeout: Duration, pause: Duration) -> u64 {
     let engine = SimEngine::start(SimConfig::default()).await.unwrap();
     let mut config = HttpTransportConfig::default();
-    config.pool_idle_timeout = Duration::from_millis(50);
+    config.pool_idle_timeout = idle_timeout;
     let t = HttpTransport::new(config);
     let resp = t.send(request(&engine, false, 2)).await.unwrap();
     resp.into_body().collect().await.unwrap();
     assert_eq!(t.idle_connections(&authority(&engine)), 1);
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // The expired connection is dropped, not used; the request goes on a new one.
+    assert_eq!(engine.stats().http_connections, 1);
+    tokio::time::sleep(pause).await;
     let resp = t.send(request(&engine, false, 2)).await.unwrap();
     resp.into_body().collect().await.unwrap();
-    assert!(until(|| engine.stats().open_connections == 1).await);
+    // Whatever the first connection's fate, one connection is left open and pooled.
+    assert!(
+        until(|| engine.stats().open_connections == 1).await,
+        "{:?}",
+        engine.stats()
+    );
     assert_eq!(t.idle_connections(&authority(&engine)), 1);
+    assert_eq!(engine.stats().requests, 2);
+    engine.stats().http_connections
+}
+
+#[tokio::test]
+async fn idle_connections_expire() {
+    // Idle past the pool's timeout: the expired connection is dropped, not used, and the
+    // second request opens a new one (the engine accepted two).
+    let accepted =
+        connections_for_two_requests(Duration::from_millis(50), Duration::from_millis(150)).await;
+    assert_eq!(accepted, 2, "the expired connection was reused");
+    // The control: the same pause within the timeout reuses the first connection, so the
+    // count above is the expiry's doing.
+    let accepted =
+        connections_for_two_requests(Duration::from_secs(30), Duration::from_millis(150)).await;
+    assert_eq!(
+        accepted, 1,
+        "a connection idle within its timeout was not reused"
+    );
 }
 
 #[tokio::test]

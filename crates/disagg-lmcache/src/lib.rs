@@ -8,7 +8,8 @@
 //! proxy sends the decode leg only after it has as many notifications for the request as
 //! the decode has TP ranks, so a prefill and a decode pair only at equal TP sizes. The
 //! wire format's source is LMCache/LMCache `lmcache/v1/storage_backend/pd_backend.py`
-//! (`ProxyNotif`, a `msgspec.Struct` with `tag=True`).
+//! (`ProxyNotif`, a `msgspec.Struct` with `tag=True`); LMCache's reference proxy is
+//! `examples/disagg_prefill/xpyd/disagg_proxy_server_first_token_from_prefiller_xpyd.py`.
 //!
 //! This crate is that listener:
 //!

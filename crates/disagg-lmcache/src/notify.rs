@@ -10,7 +10,8 @@
 //! `msgspec.Struct` with `tag=True`, so the wire form is a msgpack **map**
 //! `{"type": "ProxyNotif", "req_id": "<str>"}`; LMCache's older `nixl_connector_v3` tags it
 //! `"NixlProxyNotif"`. Sources: `LMCache/LMCache lmcache/v1/storage_backend/pd_backend.py`
-//! and the proxy in `examples/disagg_prefill/xpyd/`. The
+//! and the proxy
+//! `examples/disagg_prefill/xpyd/disagg_proxy_server_first_token_from_prefiller_xpyd.py`. The
 //! `req_id` is the one the proxy chose and put in the prefill's
 //! `kv_transfer_params.disagg_spec.req_id`; the proxy waits for as many notifications as
 //! the decode has TP ranks (`len(receiver_init_port)`).

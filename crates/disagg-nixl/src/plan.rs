@@ -346,8 +346,9 @@ impl Plan {
 /// Refuses loopback side-channel hosts when prefill and decode are on different hosts.
 ///
 /// Every engine is checked, not only prefills: the engines run as `kv_both`, and the
-/// prefill's `remote_host` is literally its `VLLM_NIXL_SIDE_CHANNEL_HOST`
-/// (`PROTOCOLS.md` section 2.5).
+/// prefill's `remote_host` is literally its `VLLM_NIXL_SIDE_CHANNEL_HOST` (vllm-project/vllm
+/// `vllm/envs.py` and `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`, e.g.
+/// commit 002a105; `docs/features/nixl_connector_usage.md`).
 fn check_loopback(engines: &[EnginePlan]) -> Result<(), PlanError> {
     let roles: BTreeSet<Role> = engines.iter().map(|e| e.role).collect();
     let hosts: BTreeSet<&str> = engines.iter().map(|e| e.host.as_str()).collect();

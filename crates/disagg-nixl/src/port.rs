@@ -127,7 +127,8 @@ impl Offset {
 ///   [default base](Role::default_base), plus the [`Offset`].
 ///
 /// Source: `ray-project/ray python/ray/llm/_internal/serve/engines/vllm/kv_transfer/nixl.py`
-/// and `…/base.py` (see also `PROTOCOLS.md` section 6).
+/// and `…/base.py` (`_compute_port_offset`), with the decode's default base from
+/// `python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py`.
 ///
 /// # Errors
 ///
@@ -166,7 +167,7 @@ pub(crate) fn checked_port(port: u64) -> Result<u16, PortError> {
 }
 
 /// Which listeners a vLLM engine opens from `VLLM_NIXL_SIDE_CHANNEL_PORT`, by vLLM
-/// generation (`PROTOCOLS.md` section 2.5).
+/// generation (each variant names the vLLM sources and versions it matches).
 ///
 /// Both layouts are contiguous from the variable's value; they differ in how many ports
 /// an engine takes. Pick the one matching the engines actually deployed.

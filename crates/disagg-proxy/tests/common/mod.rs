@@ -31,17 +31,24 @@ impl Proxy {
     /// Start the proxy on a free port in front of `prefill` and `decode`, with `extra`
     /// flags, and wait until it accepts connections.
     pub async fn start(prefill: &SimEngine, decode: &SimEngine, extra: &[&str]) -> Proxy {
+        let mut args = vec![
+            "--prefill".to_owned(),
+            prefill.url(),
+            "--decode".to_owned(),
+            decode.url(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        Proxy::start_args(&args).await
+    }
+
+    /// Start `disagg-proxy serve ARGS` on a free port (`args` name the engines), and
+    /// wait until it accepts connections.
+    pub async fn start_args(args: &[String]) -> Proxy {
         let addr = free_addr();
         let mut child = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
-            .args([
-                "serve",
-                "--prefill",
-                &prefill.url(),
-                "--decode",
-                &decode.url(),
-            ])
+            .arg("serve")
+            .args(args)
             .args(["--listen", &addr.to_string(), "--threads", "2"])
-            .args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -80,6 +87,28 @@ impl Proxy {
         }
     }
 
+    /// The proxy's base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The value of the unlabelled metric `name` in the proxy's `GET /metrics`.
+    pub async fn metric(&self, name: &str) -> u64 {
+        let text = get(&self.url(), "/metrics").await.text();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
+    }
+
+    /// Whether the endpoint `url` of `role` is in the set the proxy routes to: `GET
+    /// /metrics` lists every routed endpoint's in-flight gauge, and an ejected (or
+    /// checked-down) endpoint is left out of that set.
+    pub async fn routes_to(&self, role: &str, url: &str) -> bool {
+        let text = get(&self.url(), "/metrics").await.text();
+        let line = format!("disagg_endpoint_in_flight{{role=\"{role}\",endpoint=\"{url}\"}}");
+        text.lines().any(|l| l.starts_with(&line))
+    }
+
     pub fn log(&self) -> String {
         String::from_utf8_lossy(&self.log.lock().unwrap()).into_owned()
     }
@@ -107,6 +136,139 @@ impl Proxy {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// A whole answer.
+pub struct Answer {
+    pub status: http::StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: bytes::Bytes,
+}
+
+impl Answer {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The SSE `data:` payloads, `[DONE]` included.
+    pub fn events(&self) -> Vec<String> {
+        self.text()
+            .split("\n\n")
+            .filter_map(|ev| ev.trim().strip_prefix("data: ").map(str::to_owned))
+            .collect()
+    }
+
+    /// The generated text of a completion answer, streamed or not.
+    pub fn content(&self) -> String {
+        let streamed = self
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("text/event-stream"));
+        if !streamed {
+            return self.json()["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+        }
+        let mut out = String::new();
+        for e in self.events().iter().filter(|e| *e != "[DONE]") {
+            let v: serde_json::Value = serde_json::from_str(e).expect("a JSON event");
+            out.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+        }
+        out
+    }
+
+    /// Assert an OpenAI-format error with `status` and `code`.
+    pub fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(self.status.as_u16(), status, "body: {}", self.text());
+        let v = self.json();
+        let e = &v["error"];
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string(), "{v}");
+        assert_eq!(e["code"], code, "{v}");
+    }
+}
+
+/// Send `req` (a fresh connection each time) and read the whole answer, within 20 s.
+async fn send(req: http::Request<http_body_util::Full<bytes::Bytes>>) -> Answer {
+    use http_body_util::BodyExt;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let exchange = async {
+        let resp = client.request(req).await.expect("request sent");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("whole body").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), exchange)
+        .await
+        .expect("answered within 20 s")
+}
+
+/// POST the JSON `body` to `base + path`.
+pub async fn post(base: &str, path: &str, body: &str) -> Answer {
+    let req = http::Request::post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_owned(),
+        )))
+        .expect("a request");
+    send(req).await
+}
+
+/// GET `base + path`.
+pub async fn get(base: &str, path: &str) -> Answer {
+    let req = http::Request::get(format!("{base}{path}"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .expect("a request");
+    send(req).await
+}
+
+/// A completion request for `prompt`.
+pub fn completion(prompt: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// Wait until `f` holds, polling every 10 ms, up to `limit`.
+pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    f()
+}
+
+/// A URL on 127.0.0.1 where nothing listens (connection refused), and the socket that
+/// holds its port: bound, never listening, so no other listener can take the port while
+/// the socket lives.
+pub fn held_dead_url() -> (String, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind");
+    let url = format!("http://{}", socket.local_addr().expect("bound address"));
+    (url, socket)
 }
 
 /// A loopback address nothing listens on right now.
