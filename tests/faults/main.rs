@@ -26,7 +26,7 @@ async fn malformed_json_is_400() {
         "[1,2]",
         "",
         r#"{"model":5}"#,
-        r#"{"stream":"yes"}"#,
+        r#"{"stream":"maybe"}"#,
     ] {
         let a = post(&stack.url, "/v1/completions", body.to_owned(), &[]).await;
         assert_openai_error(&a, 400, "invalid_request_body");
