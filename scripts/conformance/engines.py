@@ -44,7 +44,7 @@ The model stand-ins (``ModelShape``) carry only what those steps read: context l
 vocabulary size, ``--max-logprobs``, data-parallel size.
 
 Only the standard library and the engines' own packages are used. Importing vLLM takes
-about 15 s (it imports torch); both engines are imported once, on first use.
+about 15 s (it imports torch); each engine is imported once, when its class is built.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Headers(dict):
     def __init__(self, items: dict | None = None):
         super().__init__({k.lower(): v for k, v in (items or {}).items()})
 
-    def get(self, key, default=None):  # noqa: D401 - mapping protocol
+    def get(self, key, default=None):
         return super().get(key.lower(), default)
 
 
