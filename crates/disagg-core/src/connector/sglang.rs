@@ -11,13 +11,18 @@
 //!   distinct room each: chat with `n > 1` has `n` elements, completions whose `prompt`
 //!   is a list of prompts one per prompt (the router's own rule);
 //! - when the route names data-parallel ranks, the two legs differ, as SGLang reads them
-//!   (`io_struct.py` `GenerateReqInput`, `disaggregation/common/conn.py`): the prefill
-//!   gets `routed_dp_rank = p`, the decode `routed_dp_rank = d` and
-//!   `disagg_prefill_dp_rank = p`. Without `disagg_prefill_dp_rank` the decode assumes
-//!   the prefill's rank is `bootstrap_room % dp_size` (the prefill's default
-//!   `follow_bootstrap_room` balancing), and a prefill pinned elsewhere fails with
-//!   "follow_bootstrap_room conflict". (`data_parallel_rank` is only a deprecated alias
-//!   of `routed_dp_rank`; an older `data_parallel_rank_decode` is read by no current
+//!   (`io_struct.py` `GenerateReqInput`, `disaggregation/common/conn.py`,
+//!   `disaggregation/decode.py`): the prefill gets `routed_dp_rank = p` and
+//!   `disagg_prefill_dp_rank = p`, the decode `routed_dp_rank = d` and
+//!   `disagg_prefill_dp_rank = p`. A prefill engine balances with
+//!   `follow_bootstrap_room` by default (rank = room mod DP size); its KV sender fails a
+//!   request dispatched to another rank with "follow_bootstrap_room conflict" unless the
+//!   request itself carries `disagg_prefill_dp_rank` (`CommonKVSender`), and a decode
+//!   not told `disagg_prefill_dp_rank` looks for the KV on rank room mod DP size
+//!   (`_resolve_prefill_dp_rank`). SGLang writes the prefill leg the same way when it
+//!   re-sends one itself (`Req.build_rebootstrap_payload` in
+//!   `managers/schedule_batch.py`). (`data_parallel_rank` is only a deprecated alias of
+//!   `routed_dp_rank`; an older `data_parallel_rank_decode` is read by no current
 //!   SGLang.)
 //! - both legs are sent concurrently: the decode engine connects to the prefill's
 //!   bootstrap server and waits for the room (SGLang waits up to
@@ -158,6 +163,9 @@ impl KvConnector for SglangBootstrap {
         let mut decode = body;
         if let Some(p) = route.prefill_rank {
             prefill.set(ROUTED_DP_RANK, &p);
+            // Also on the prefill: without it, its KV sender refuses a rank other than
+            // room mod DP size ("follow_bootstrap_room conflict").
+            prefill.set(PREFILL_DP_RANK, &p);
             decode.set(PREFILL_DP_RANK, &p);
         }
         if let Some(d) = route.decode_rank {
@@ -314,7 +322,7 @@ mod tests {
             .unwrap();
         let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
         assert_eq!(p[ROUTED_DP_RANK], 2);
-        assert!(p.get(PREFILL_DP_RANK).is_none());
+        assert_eq!(p[PREFILL_DP_RANK], 2);
         assert_eq!(d[ROUTED_DP_RANK], 5);
         assert_eq!(d[PREFILL_DP_RANK], 2);
         for v in [&p, &d] {
