@@ -344,8 +344,10 @@
 mod api;
 mod body;
 mod config;
+mod dp;
 mod generate;
 mod kv;
+mod lax;
 mod lmcache;
 mod mooncake;
 mod rendezvous;
@@ -356,8 +358,8 @@ mod stats;
 pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
-    BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
-    SideChannelResponse,
+    BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
+    SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;

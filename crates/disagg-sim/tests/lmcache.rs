@@ -197,7 +197,7 @@ async fn tokenize_text_and_messages() {
         (json!({"messages": "hi"}), 400, "messages"),
         (json!({"messages": [1]}), 400, "messages"),
         (
-            json!({"messages": [], "add_generation_prompt": "yes"}),
+            json!({"messages": [], "add_generation_prompt": "maybe"}),
             400,
             "add_generation_prompt",
         ),
