@@ -14,6 +14,10 @@ use crate::BoxError;
 enum KvModeArg {
     /// vLLM NIXL connector (sequential P then D; one engine plays both roles).
     Nixl,
+    /// vLLM NixlPushConnector: the decode registers under its own request id and the
+    /// prefill pairs it with a finished request of the same base id (one engine plays
+    /// both roles).
+    NixlPush,
     /// SGLang `--disaggregation-mode prefill` (bootstrap server on `--bootstrap`).
     SglangPrefill,
     /// SGLang `--disaggregation-mode decode`.
@@ -34,6 +38,7 @@ impl From<KvModeArg> for KvMode {
     fn from(mode: KvModeArg) -> Self {
         match mode {
             KvModeArg::Nixl => KvMode::Nixl,
+            KvModeArg::NixlPush => KvMode::NixlPush,
             KvModeArg::SglangPrefill => KvMode::Sglang(SimRole::Prefill),
             KvModeArg::SglangDecode => KvMode::Sglang(SimRole::Decode),
             KvModeArg::MooncakePrefill => KvMode::Mooncake(SimRole::Prefill),
@@ -81,9 +86,20 @@ pub(crate) struct SimArgs {
     /// Fixed scheduling delay before any completion request is worked on, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     request_delay_ms: f64,
-    /// Data-parallel ranks (Mooncake: one engine id per rank).
+    /// Data-parallel ranks. vLLM modes: the X-data-parallel-rank header pins a request,
+    /// else the engine's balancer picks (Mooncake: one engine id per rank). SGLang: the
+    /// X-Data-Parallel-Rank header, routed_dp_rank or data_parallel_rank pins it, else a
+    /// prefill follows the bootstrap room and a decode takes turns.
     #[arg(long, value_name = "N", default_value_t = 1)]
     dp_size: u32,
+    /// vLLM's --max-logprobs: requests asking for more logprobs per token are refused
+    /// with 400 (vLLM modes).
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    max_logprobs: u32,
+    /// LMCache prefill: its tensor-parallel size, each rank pushing to the receiver port
+    /// of its index and notifying once (default: as many as the disagg_spec names ports).
+    #[arg(long, value_name = "N")]
+    lmcache_prefill_tp_size: Option<usize>,
     /// Fault: answer every completion request with this HTTP status and a vLLM-style error.
     #[arg(long, value_name = "STATUS")]
     fail_status: Option<u16>,
@@ -174,6 +190,8 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             .map_err(|e| format!("--bootstrap-timeout: {e}"))?,
         request_delay: millis("--request-delay-ms", args.request_delay_ms)?,
         dp_size: args.dp_size.max(1),
+        max_logprobs: args.max_logprobs,
+        lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
         kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))
             .map_err(|e| format!("--kv-lease: {e}"))?,
         lmcache_proxy: args.lmcache_proxy.clone(),
@@ -320,6 +338,37 @@ mod tests {
         );
         assert!(parse(&["--notify-loss", "1.5"]).is_err());
         assert!(parse(&["--lmcache-init-ports", "70000"]).is_err());
+    }
+
+    #[test]
+    fn engine_behaviour_flags() {
+        let c = parse(&[
+            "--kv-mode",
+            "nixl-push",
+            "--dp-size",
+            "2",
+            "--max-logprobs",
+            "5",
+            "--bootstrap-timeout",
+            "0.5",
+        ])
+        .unwrap();
+        assert_eq!(c.kv_mode, KvMode::NixlPush);
+        assert_eq!(c.dp_size, 2);
+        assert_eq!(c.max_logprobs, 5);
+        assert_eq!(c.bootstrap_timeout, Duration::from_millis(500));
+        let c = parse(&[
+            "--kv-mode",
+            "lmcache-prefill",
+            "--lmcache-prefill-tp-size",
+            "3",
+        ])
+        .unwrap();
+        assert_eq!(c.lmcache_prefill_tp_size, Some(3));
+        // Defaults: vLLM's --max-logprobs, the prefill TP of the spec.
+        let c = parse(&[]).unwrap();
+        assert_eq!((c.max_logprobs, c.lmcache_prefill_tp_size), (20, None));
+        assert!(parse(&["--kv-mode", "nixl-pull"]).is_err());
     }
 
     #[tokio::test]

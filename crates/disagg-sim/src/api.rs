@@ -1,4 +1,5 @@
-//! The OpenAI request and response shapes, as vLLM parses and renders them.
+//! The OpenAI request and response shapes, as vLLM parses and renders them
+//! (and SGLang, whose request rules are laxer: see [`Dialect`]).
 
 use http::StatusCode;
 use serde::Serialize;
@@ -6,8 +7,9 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 
 use crate::body::Endpoint;
-use crate::config::SimConfig;
+use crate::config::{KvMode, SimConfig};
 use crate::generate::{Generation, VOCAB_SIZE, tokenize};
+use crate::lax;
 
 /// An error answered in vLLM's shape:
 /// `{"error":{"message":..,"type":..,"param":null,"code":..}}`.
@@ -94,29 +96,11 @@ pub(crate) struct CompletionRequest {
     pub(crate) ignore_eos: bool,
     pub(crate) include_stop_str_in_output: bool,
     pub(crate) kv_transfer_params: Option<Map<String, Value>>,
-}
-
-fn opt_field<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    obj.get(key).filter(|v| !v.is_null())
-}
-
-fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match opt_field(obj, key) {
-        None => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(ApiError::bad_request(format!(
-            "{key}: Input should be a valid boolean"
-        ))),
-    }
-}
-
-fn opt_int(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, ApiError> {
-    match opt_field(obj, key) {
-        None => Ok(None),
-        Some(v) => v.as_i64().map(Some).ok_or_else(|| {
-            ApiError::bad_request(format!("{key}: Input should be a valid integer"))
-        }),
-    }
+    /// `use_beam_search`: vLLM builds beam-search parameters, which carry no
+    /// `kv_transfer_params`.
+    pub(crate) beam_search: bool,
+    /// Whether the request asks for structured output (a grammar to compile).
+    pub(crate) grammar: bool,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -233,7 +217,7 @@ pub(crate) fn chat_prompt(messages: Option<&Value>) -> Result<String, ApiError> 
 
 /// Checks a request's optional `model` against the served one, like vLLM.
 fn check_model(obj: &Map<String, Value>, config: &SimConfig) -> Result<(), ApiError> {
-    match opt_field(obj, "model") {
+    match lax::field(obj, "model") {
         None => Ok(()),
         Some(Value::String(m)) if *m == config.model => Ok(()),
         Some(Value::String(m)) => Err(ApiError::new(
@@ -269,7 +253,7 @@ pub(crate) fn tokenize_request(
     check_model(obj, config)?;
     let tokens = if obj.contains_key("messages") {
         // Validated, although the template has no generation prompt to add.
-        opt_bool(obj, "add_generation_prompt")?;
+        lax::opt_bool(obj, "add_generation_prompt")?;
         tokenize(&chat_prompt(obj.get("messages"))?)
     } else {
         match obj.get("prompt") {
@@ -291,7 +275,10 @@ pub(crate) fn tokenize_request(
 }
 
 impl CompletionRequest {
-    /// Parses and validates a request body like vLLM's OpenAI server.
+    /// Parses and validates a request body like the engine the
+    /// [`KvMode`](crate::KvMode) stands for: vLLM's rules (its request
+    /// model's validators, then the checks of its sampling parameters) or
+    /// SGLang's laxer ones. See [`Dialect`].
     pub(crate) fn parse(
         endpoint: Endpoint,
         body: &Value,
@@ -303,16 +290,27 @@ impl CompletionRequest {
             ));
         };
         check_model(obj, config)?;
+        let dialect = Dialect::of(config.kv_mode);
+        let vllm = dialect == Dialect::Vllm;
+        if vllm {
+            vllm_before_validators(endpoint, obj)?;
+        }
 
-        let stream = opt_bool(obj, "stream")?;
-        let include_usage = match opt_field(obj, "stream_options") {
+        // vLLM's check reads the raw values with Python truthiness (so
+        // `"stream_options": {}` passes, and so does `"stream": "no"`);
+        // SGLang's request model does the same.
+        if truthy(obj.get("stream_options")) && !truthy(obj.get("stream")) {
+            return Err(ApiError::bad_request(
+                "Stream options can only be defined when `stream=True`.",
+            ));
+        }
+        let stream = lax::opt_bool(obj, "stream")?.unwrap_or(false);
+        let include_usage = match lax::field(obj, "stream_options") {
             None => false,
-            Some(_) if !stream => {
-                return Err(ApiError::bad_request(
-                    "Stream options can only be defined when `stream=True`.",
-                ));
+            Some(Value::Object(o)) => {
+                lax::opt_bool(o, "continuous_usage_stats")?;
+                lax::opt_bool(o, "include_usage")?.unwrap_or(false)
             }
-            Some(Value::Object(o)) => opt_bool(o, "include_usage")?,
             Some(_) => {
                 return Err(ApiError::bad_request(
                     "stream_options: Input should be a valid dictionary",
@@ -326,26 +324,38 @@ impl CompletionRequest {
         };
         let prompt_tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
 
+        // Typed fields, coerced like pydantic's lax mode in both dialects.
+        let beam_search = lax::opt_bool(obj, "use_beam_search")?.unwrap_or(false);
+        let temperature = lax::opt_float(obj, "temperature")?;
+        lax::opt_int_list(obj, "stop_token_ids")?;
+        lax::opt_bool(obj, "echo")?;
+        let (sample_logprobs, prompt_logprobs) = logprob_fields(endpoint, obj)?;
+        let grammar = grammar_fields(obj)?;
+
         let requested = match endpoint {
-            Endpoint::Chat => match opt_int(obj, "max_completion_tokens")? {
+            Endpoint::Chat => match lax::opt_int(obj, "max_completion_tokens")? {
                 Some(m) => Some(("max_completion_tokens", m)),
-                None => opt_int(obj, "max_tokens")?.map(|m| ("max_tokens", m)),
+                None => lax::opt_int(obj, "max_tokens")?.map(|m| ("max_tokens", m)),
             },
-            Endpoint::Completions => opt_int(obj, "max_tokens")?.map(|m| ("max_tokens", m)),
+            Endpoint::Completions => lax::opt_int(obj, "max_tokens")?.map(|m| ("max_tokens", m)),
         };
         let max_model_len = u64::from(config.max_model_len);
         let max_prompt = prompts.iter().map(|p| p.len() as u64).max().unwrap_or(0);
+        // vLLM refuses fewer than one token; SGLang serves `max_tokens: 0`
+        // (an answer without tokens).
+        let least_tokens = if vllm { 1 } else { 0 };
         let max_tokens = match requested {
-            Some((key, m)) if m < 1 => {
+            Some((key, m)) if m < least_tokens => {
                 return Err(ApiError::bad_request(format!(
-                    "{key} must be at least 1, got {m}."
+                    "{key} must be at least {least_tokens}, got {m}."
                 )));
             }
             Some((_, m)) => {
-                if max_prompt + m as u64 > max_model_len {
+                let m = u64::try_from(m).unwrap_or(0);
+                if max_prompt.saturating_add(m) > max_model_len {
                     return Err(ApiError::bad_request(format!(
                         "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({max_prompt} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
-                        max_prompt + m as u64
+                        max_prompt.saturating_add(m)
                     )));
                 }
                 u32::try_from(m).unwrap_or(u32::MAX)
@@ -360,7 +370,7 @@ impl CompletionRequest {
                 config.default_max_tokens.min(room).max(1)
             }
         };
-        let min_tokens = match opt_int(obj, "min_tokens")? {
+        let min_tokens = match lax::opt_int(obj, "min_tokens")? {
             None => 0,
             Some(m) if m < 0 => {
                 return Err(ApiError::bad_request(format!(
@@ -374,11 +384,13 @@ impl CompletionRequest {
             }
             Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
         };
-        let n = match opt_int(obj, "n")? {
+        // vLLM refuses `n < 1`; SGLang takes `n: 0` and answers one choice.
+        let least_n = if vllm { 1 } else { 0 };
+        let n = match lax::opt_int(obj, "n")? {
             None => 1,
-            Some(n) if n < 1 => {
+            Some(n) if n < least_n => {
                 return Err(ApiError::bad_request(format!(
-                    "n must be at least 1, got {n}."
+                    "n must be at least {least_n}, got {n}."
                 )));
             }
             Some(n) if n > 128 => {
@@ -386,25 +398,10 @@ impl CompletionRequest {
                     "n must be at most 128, got {n}."
                 )));
             }
-            Some(n) => u32::try_from(n).unwrap_or(1),
+            Some(n) => u32::try_from(n).unwrap_or(1).max(1),
         };
-        let stop = match opt_field(obj, "stop") {
-            None => Vec::new(),
-            Some(Value::String(s)) => vec![s.clone()],
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|s| s.as_str().map(str::to_owned))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| {
-                    ApiError::bad_request("stop: Input should be a string or a list of strings")
-                })?,
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "stop: Input should be a string or a list of strings",
-                ));
-            }
-        };
-        let kv_transfer_params = match opt_field(obj, "kv_transfer_params") {
+        let stop = lax::opt_str_or_list(obj, "stop")?.unwrap_or_default();
+        let kv_transfer_params = match lax::field(obj, "kv_transfer_params") {
             None => None,
             Some(Value::Object(o)) => Some(o.clone()),
             Some(_) => {
@@ -413,6 +410,31 @@ impl CompletionRequest {
                 ));
             }
         };
+        let ignore_eos = lax::opt_bool(obj, "ignore_eos")?.unwrap_or(false);
+        let include_stop_str_in_output =
+            lax::opt_bool(obj, "include_stop_str_in_output")?.unwrap_or(false);
+
+        match dialect {
+            Dialect::Vllm => {
+                let sampling = SamplingChecks {
+                    beam_search,
+                    temperature,
+                    n,
+                    stop: &stop,
+                    sample_logprobs,
+                    prompt_logprobs,
+                    max_logprobs: config.max_logprobs,
+                };
+                sampling.check()?;
+            }
+            Dialect::Sglang => {
+                // SGLang's own sampling check: only a negative temperature.
+                if temperature.is_some_and(|t| t < 0.0) {
+                    return Err(ApiError::bad_request("temperature must be non-negative"));
+                }
+            }
+        }
+
         Ok(Self {
             endpoint,
             prompts,
@@ -423,15 +445,252 @@ impl CompletionRequest {
             stream,
             include_usage,
             stop,
-            ignore_eos: opt_bool(obj, "ignore_eos")?,
-            include_stop_str_in_output: opt_bool(obj, "include_stop_str_in_output")?,
+            ignore_eos,
+            include_stop_str_in_output,
             kv_transfer_params,
+            beam_search,
+            grammar,
         })
     }
 
     /// All prompt tokens, prompt after prompt.
     pub(crate) fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
         self.prompts.iter().flatten().copied()
+    }
+}
+
+/// Whose request rules an engine applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// vLLM 0.33 (every vLLM [`KvMode`](crate::KvMode)): its request
+    /// model's validators on the raw body, pydantic's lax types, then the
+    /// checks of its sampling parameters (`SamplingParams._verify_args`,
+    /// the engine's `--max-logprobs`).
+    Vllm,
+    /// SGLang 0.5.23 ([`KvMode::Sglang`](crate::KvMode::Sglang)): pydantic's
+    /// lax types, but `max_tokens: 0`, `n: 0`, `temperature: 3` or
+    /// `top_logprobs: 50` are served.
+    Sglang,
+}
+
+impl Dialect {
+    pub(crate) fn of(mode: KvMode) -> Self {
+        if mode.is_vllm() {
+            Dialect::Vllm
+        } else {
+            Dialect::Sglang
+        }
+    }
+}
+
+/// A raw number as vLLM's `mode="before"` validators compare it (Python
+/// compares `true` as 1); `Err` for a value that is not a number.
+fn raw_number(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>, ApiError> {
+    match lax::field(obj, key) {
+        None => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64()),
+        Some(Value::Bool(b)) => Ok(Some(f64::from(u8::from(*b)))),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "`{key}` must be an integer."
+        ))),
+    }
+}
+
+/// vLLM's `mode="before"` validators of the chat and completion request
+/// models (`vllm/entrypoints/openai/chat_completion/protocol.py`,
+/// `.../completion/protocol.py`): they read the raw body, with Python
+/// truthiness, before any field is typed.
+fn vllm_before_validators(endpoint: Endpoint, obj: &Map<String, Value>) -> Result<(), ApiError> {
+    let bad = |m: &str| Err(ApiError::bad_request(m));
+    if let Some(Value::Object(rf)) = lax::field(obj, "response_format")
+        && rf.get("type").and_then(Value::as_str) == Some("json_schema")
+        && lax::field(rf, "json_schema").is_none()
+    {
+        return bad(
+            "When response_format type is 'json_schema', the 'json_schema' field must be provided.",
+        );
+    }
+    if let Some(Value::Object(so)) = lax::field(obj, "structured_outputs") {
+        let kinds = ["json", "regex", "choice"]
+            .iter()
+            .filter(|k| lax::field(so, k).is_some())
+            .count();
+        if kinds > 1 {
+            return bad(
+                "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
+            );
+        }
+    }
+    let stream = truthy(obj.get("stream"));
+    let logprobs = truthy(obj.get("logprobs"));
+    if endpoint == Endpoint::Chat
+        && let Some(Value::Array(ids)) = lax::field(obj, "logprob_token_ids")
+    {
+        if ids.is_empty() {
+            return bad("`logprob_token_ids` must not be an empty list.");
+        }
+        if truthy(obj.get("use_beam_search")) {
+            return bad("`logprob_token_ids` is not supported with beam search.");
+        }
+        if !logprobs {
+            return bad("when using `logprob_token_ids`, `logprobs` must be set to true.");
+        }
+    }
+    if let Some(p) = raw_number(obj, "prompt_logprobs")? {
+        if stream && (p > 0.0 || p == -1.0) {
+            return bad("`prompt_logprobs` are not available when `stream=True`.");
+        }
+        if p < 0.0 && p != -1.0 {
+            return bad("`prompt_logprobs` must be a positive value or -1.");
+        }
+    }
+    match endpoint {
+        Endpoint::Chat => {
+            if let Some(top) = raw_number(obj, "top_logprobs")? {
+                if top < 0.0 && top != -1.0 {
+                    return bad("`top_logprobs` must be a positive value or -1.");
+                }
+                if (top == -1.0 || top > 0.0) && !logprobs {
+                    return bad("when using `top_logprobs`, `logprobs` must be set to true.");
+                }
+            }
+        }
+        Endpoint::Completions => {
+            if raw_number(obj, "logprobs")?.is_some_and(|l| l < 0.0) {
+                return bad("`logprobs` must be a positive value.");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The logprobs a request asks for, typed: (per generated token, per
+/// prompt token), `-1` meaning the whole vocabulary. Chat asks per token
+/// with `logprobs: true` and `top_logprobs` (none when `logprob_token_ids`
+/// names the tokens instead); completions with an integer `logprobs`.
+fn logprob_fields(
+    endpoint: Endpoint,
+    obj: &Map<String, Value>,
+) -> Result<(Option<i64>, Option<i64>), ApiError> {
+    let prompt = lax::opt_int(obj, "prompt_logprobs")?;
+    let sample = match endpoint {
+        Endpoint::Chat => {
+            let on = lax::opt_bool(obj, "logprobs")?.unwrap_or(false);
+            let top = lax::opt_int(obj, "top_logprobs")?.unwrap_or(0);
+            let ids = lax::opt_int_list(obj, "logprob_token_ids")?;
+            (on && ids.is_none()).then_some(top)
+        }
+        Endpoint::Completions => lax::opt_int(obj, "logprobs")?,
+    };
+    Ok((sample, prompt))
+}
+
+/// Whether the request makes the engine compile a grammar (structured
+/// output): `response_format` of type `json_object`, `json_schema` or
+/// `structural_tag`, `structured_outputs`, or one of the older `guided_json`,
+/// `guided_regex`, `guided_choice`, `guided_grammar` fields. A malformed
+/// `response_format` is a 400, as its pydantic model refuses it.
+fn grammar_fields(obj: &Map<String, Value>) -> Result<bool, ApiError> {
+    let response_format = match lax::field(obj, "response_format") {
+        None => false,
+        Some(Value::Object(rf)) => match rf.get("type").and_then(Value::as_str) {
+            Some("text") => false,
+            Some("json_object" | "json_schema" | "structural_tag") => true,
+            _ => {
+                return Err(ApiError::bad_request(
+                    "response_format: type should be 'text', 'json_object', 'json_schema' or 'structural_tag'",
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "response_format: Input should be a valid dictionary",
+            ));
+        }
+    };
+    let structured = match lax::field(obj, "structured_outputs") {
+        None => false,
+        Some(Value::Object(so)) => so.values().any(|v| !v.is_null()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "structured_outputs: Input should be a valid dictionary",
+            ));
+        }
+    };
+    let guided = [
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ]
+    .iter()
+    .any(|k| lax::field(obj, k).is_some());
+    Ok(response_format || structured || guided)
+}
+
+/// What vLLM checks when it builds a request's sampling parameters
+/// (`vllm/sampling_params.py`, `SamplingParams._verify_args` and
+/// `_verify_greedy_sampling`) and when the engine takes them (the
+/// `--max-logprobs` limit). A beam search builds other parameters, which
+/// check none of the temperature rules.
+#[derive(Debug)]
+struct SamplingChecks<'a> {
+    beam_search: bool,
+    temperature: Option<f64>,
+    n: u32,
+    stop: &'a [String],
+    sample_logprobs: Option<i64>,
+    prompt_logprobs: Option<i64>,
+    max_logprobs: u32,
+}
+
+/// Below this temperature vLLM samples greedily (`_SAMPLING_EPS`).
+const SAMPLING_EPS: f64 = 1e-5;
+
+impl SamplingChecks<'_> {
+    fn check(&self) -> Result<(), ApiError> {
+        let bad = |m: String| Err(ApiError::bad_request(m));
+        if !self.beam_search
+            && let Some(t) = self.temperature
+        {
+            if !t.is_finite() {
+                return bad(format!("temperature must be a finite number, got {t}."));
+            }
+            if t < 0.0 {
+                return bad(format!("temperature must be non-negative, got {t}."));
+            }
+            if t > 2.0 {
+                return bad(format!("temperature must be in [0, 2], got {t}."));
+            }
+            // Greedy sampling gives every choice the same text.
+            if t < SAMPLING_EPS && self.n > 1 {
+                return bad(format!(
+                    "n must be 1 when using greedy sampling, got {}.",
+                    self.n
+                ));
+            }
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return bad("stop cannot contain an empty string.".to_owned());
+        }
+        // -1 asks for the whole vocabulary.
+        let count = |n: i64| if n == -1 { i64::from(VOCAB_SIZE) } else { n };
+        let max = i64::from(self.max_logprobs);
+        if let Some(n) = self.sample_logprobs.map(count)
+            && n > max
+        {
+            return bad(format!(
+                "Requested sample logprobs of {n}, which is greater than max allowed: {max}"
+            ));
+        }
+        if let Some(n) = self.prompt_logprobs.map(count)
+            && n > max
+        {
+            return bad(format!(
+                "Requested prompt logprobs of {n}, which is greater than max allowed: {max}"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -458,6 +717,9 @@ pub(crate) struct KvParamsOut<'a> {
     pub(crate) remote_host: &'a str,
     pub(crate) remote_port: u16,
     pub(crate) tp_size: u32,
+    /// NIXL push: the prompt tokens computed (vLLM's push prefill adds it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) remote_num_tokens: Option<u64>,
 }
 
 /// The `kv_transfer_params` field of an answer, when not `null`.
@@ -607,6 +869,371 @@ impl Answer<'_> {
                 usage,
                 kv_transfer_params: self.kv_transfer_params,
             }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SimRole;
+    use serde_json::json;
+
+    const CHAT: Endpoint = Endpoint::Chat;
+    const COMPLETIONS: Endpoint = Endpoint::Completions;
+
+    fn parse(mode: KvMode, endpoint: Endpoint, extra: Value) -> Result<CompletionRequest, String> {
+        let mut body = match endpoint {
+            Endpoint::Chat => json!({"messages": [{"role": "user", "content": "hi there"}]}),
+            Endpoint::Completions => json!({"prompt": "hi there"}),
+        };
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let config = SimConfig {
+            kv_mode: mode,
+            ..SimConfig::default()
+        };
+        CompletionRequest::parse(endpoint, &body, &config).map_err(|e| {
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{}", e.message);
+            e.message
+        })
+    }
+
+    /// Bodies and what vLLM 0.33 answers: `Ok` accepted, `Err(needle)` a 400
+    /// whose message contains `needle`. Each refusal is where vLLM refuses
+    /// (its request model's validators, pydantic's lax types, its sampling
+    /// parameters' checks); the accepted rows are the edges it lets through.
+    #[test]
+    fn vllm_accepts_and_refuses_like_vllm() {
+        let table: &[(Endpoint, Value, Result<(), &str>)] = &[
+            // Dependent fields.
+            (
+                CHAT,
+                json!({"logprob_token_ids": [1, 2]}),
+                Err("`logprobs` must be set to true"),
+            ),
+            (
+                CHAT,
+                json!({"logprob_token_ids": [1], "logprobs": true}),
+                Ok(()),
+            ),
+            (
+                CHAT,
+                json!({"logprob_token_ids": [], "logprobs": true}),
+                Err("must not be an empty list"),
+            ),
+            (
+                CHAT,
+                json!({"logprob_token_ids": [1], "logprobs": true, "use_beam_search": true}),
+                Err("not supported with beam search"),
+            ),
+            (
+                CHAT,
+                json!({"top_logprobs": 3}),
+                Err("when using `top_logprobs`, `logprobs` must be set to true"),
+            ),
+            (CHAT, json!({"top_logprobs": 0}), Ok(())),
+            (CHAT, json!({"top_logprobs": 3, "logprobs": true}), Ok(())),
+            (
+                CHAT,
+                json!({"top_logprobs": -2, "logprobs": true}),
+                Err("`top_logprobs` must be a positive value or -1"),
+            ),
+            (
+                CHAT,
+                json!({"top_logprobs": "3", "logprobs": true}),
+                Err("`top_logprobs` must be an integer"),
+            ),
+            (
+                CHAT,
+                json!({"stream_options": {"include_usage": true}}),
+                Err("Stream options can only be defined when `stream=True`"),
+            ),
+            (
+                CHAT,
+                json!({"stream_options": {"include_usage": true}, "stream": true}),
+                Ok(()),
+            ),
+            // vLLM's check reads the raw values: an empty dict is falsy.
+            (CHAT, json!({"stream_options": {}}), Ok(())),
+            (
+                CHAT,
+                json!({"prompt_logprobs": 1, "stream": true}),
+                Err("`prompt_logprobs` are not available when `stream=True`"),
+            ),
+            (CHAT, json!({"prompt_logprobs": 0, "stream": true}), Ok(())),
+            (CHAT, json!({"prompt_logprobs": 1}), Ok(())),
+            (
+                COMPLETIONS,
+                json!({"prompt_logprobs": 2, "stream": true}),
+                Err("`prompt_logprobs` are not available"),
+            ),
+            (
+                COMPLETIONS,
+                json!({"logprobs": -1}),
+                Err("`logprobs` must be a positive value"),
+            ),
+            (COMPLETIONS, json!({"logprobs": 5}), Ok(())),
+            // The server's --max-logprobs (20).
+            (CHAT, json!({"top_logprobs": 20, "logprobs": true}), Ok(())),
+            (
+                CHAT,
+                json!({"top_logprobs": 21, "logprobs": true}),
+                Err("Requested sample logprobs of 21, which is greater than max allowed: 20"),
+            ),
+            (
+                CHAT,
+                json!({"top_logprobs": -1, "logprobs": true}),
+                Err("greater than max allowed: 20"),
+            ),
+            (
+                COMPLETIONS,
+                json!({"logprobs": 50}),
+                Err("Requested sample logprobs of 50"),
+            ),
+            (
+                COMPLETIONS,
+                json!({"prompt_logprobs": 21}),
+                Err("Requested prompt logprobs of 21"),
+            ),
+            // Ranges and types.
+            (
+                CHAT,
+                json!({"max_tokens": 0}),
+                Err("max_tokens must be at least 1, got 0"),
+            ),
+            (
+                CHAT,
+                json!({"max_completion_tokens": -1}),
+                Err("max_completion_tokens must be at least 1"),
+            ),
+            (
+                COMPLETIONS,
+                json!({"max_tokens": "abc"}),
+                Err("max_tokens: Input should be a valid integer"),
+            ),
+            (
+                COMPLETIONS,
+                json!({"max_tokens": 1.5}),
+                Err("got a number with a fractional part"),
+            ),
+            (COMPLETIONS, json!({"max_tokens": "2"}), Ok(())),
+            (COMPLETIONS, json!({"max_tokens": 2.0}), Ok(())),
+            (CHAT, json!({"n": 0}), Err("n must be at least 1, got 0")),
+            (
+                CHAT,
+                json!({"n": 2, "temperature": 0}),
+                Err("n must be 1 when using greedy sampling, got 2"),
+            ),
+            (CHAT, json!({"n": 2, "temperature": 0.7}), Ok(())),
+            (CHAT, json!({"n": 2}), Ok(())),
+            (
+                CHAT,
+                json!({"temperature": 3}),
+                Err("temperature must be in [0, 2], got 3"),
+            ),
+            (
+                CHAT,
+                json!({"temperature": -0.5}),
+                Err("temperature must be non-negative"),
+            ),
+            (
+                CHAT,
+                json!({"stop": [""]}),
+                Err("stop cannot contain an empty string"),
+            ),
+            (
+                CHAT,
+                json!({"stop": ""}),
+                Err("stop cannot contain an empty string"),
+            ),
+            (
+                CHAT,
+                json!({"stop": 5}),
+                Err("stop: Input should be a valid string"),
+            ),
+            (
+                CHAT,
+                json!({"stop": ["a", 5]}),
+                Err("stop: Input should be a valid string"),
+            ),
+            (CHAT, json!({"stop": ["a", "b"]}), Ok(())),
+            (
+                CHAT,
+                json!({"stop_token_ids": ["a"]}),
+                Err("stop_token_ids: Input should be a valid integer"),
+            ),
+            (
+                CHAT,
+                json!({"stop_token_ids": 5}),
+                Err("stop_token_ids: Input should be a valid list"),
+            ),
+            (CHAT, json!({"stop_token_ids": [5, "6"]}), Ok(())),
+            (
+                CHAT,
+                json!({"min_tokens": -1}),
+                Err("min_tokens must be greater than or equal to 0"),
+            ),
+            (
+                CHAT,
+                json!({"min_tokens": 5, "max_tokens": 4}),
+                Err("min_tokens must be less than or equal to max_tokens=4"),
+            ),
+            // Lax booleans.
+            (CHAT, json!({"stream": "yes"}), Ok(())),
+            (CHAT, json!({"stream": "true"}), Ok(())),
+            (CHAT, json!({"stream": 1}), Ok(())),
+            (CHAT, json!({"stream": "on"}), Ok(())),
+            (CHAT, json!({"stream": "off"}), Ok(())),
+            (
+                CHAT,
+                json!({"stream": "maybe"}),
+                Err("stream: Input should be a valid boolean"),
+            ),
+            (
+                CHAT,
+                json!({"stream": 2}),
+                Err("stream: Input should be a valid boolean"),
+            ),
+            (CHAT, json!({"ignore_eos": "no"}), Ok(())),
+            (
+                CHAT,
+                json!({"use_beam_search": "sure"}),
+                Err("use_beam_search: Input should be a valid boolean"),
+            ),
+            // Beam search builds other parameters: no greedy or temperature rule.
+            (
+                CHAT,
+                json!({"use_beam_search": true, "n": 2, "temperature": 0}),
+                Ok(()),
+            ),
+            // Structured output.
+            (
+                CHAT,
+                json!({"response_format": {"type": "json_schema"}}),
+                Err("'json_schema' field must be provided"),
+            ),
+            (
+                CHAT,
+                json!({"response_format": {"type": "yaml"}}),
+                Err("response_format"),
+            ),
+            (
+                CHAT,
+                json!({"structured_outputs": {"json": {}, "regex": "a+"}}),
+                Err("only use one kind of constraints"),
+            ),
+            (
+                CHAT,
+                json!({"response_format": {"type": "json_object"}}),
+                Ok(()),
+            ),
+        ];
+        for (endpoint, extra, expected) in table {
+            let got = parse(KvMode::Nixl, *endpoint, extra.clone());
+            match (expected, &got) {
+                (Ok(()), Ok(_)) => {}
+                (Err(needle), Err(message)) => {
+                    assert!(
+                        message.contains(needle),
+                        "{extra}: {message:?} lacks {needle:?}"
+                    );
+                }
+                _ => panic!(
+                    "{endpoint:?} {extra}: expected {expected:?}, got {:?}",
+                    got.map(|_| ())
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn every_vllm_mode_uses_vllm_rules_and_sglang_its_own() {
+        let vllm = [
+            KvMode::Nixl,
+            KvMode::NixlPush,
+            KvMode::Mooncake(SimRole::Prefill),
+            KvMode::Mooncake(SimRole::Decode),
+            KvMode::Lmcache(SimRole::Prefill),
+            KvMode::Lmcache(SimRole::Decode),
+        ];
+        let sglang_only = [
+            json!({"max_tokens": 0}),
+            json!({"n": 0}),
+            json!({"temperature": 3}),
+            json!({"top_logprobs": 50, "logprobs": true}),
+            json!({"top_logprobs": 50}),
+        ];
+        for extra in &sglang_only {
+            for mode in vllm {
+                assert!(
+                    parse(mode, CHAT, extra.clone()).is_err(),
+                    "{mode:?} {extra}"
+                );
+            }
+            for role in [SimRole::Prefill, SimRole::Decode] {
+                let parsed = parse(KvMode::Sglang(role), CHAT, extra.clone());
+                assert!(parsed.is_ok(), "SGLang {extra}: {parsed:?}");
+            }
+        }
+        // SGLang: no tokens asked, none generated; n: 0 is one choice.
+        let r = parse(
+            KvMode::Sglang(SimRole::Decode),
+            CHAT,
+            json!({"max_tokens": 0, "n": 0}),
+        )
+        .unwrap();
+        assert_eq!((r.max_tokens, r.n), (0, 1));
+        // Both read lax types the same way.
+        for mode in [KvMode::Nixl, KvMode::Sglang(SimRole::Decode)] {
+            assert!(parse(mode, CHAT, json!({"stream": "yes"})).unwrap().stream);
+            assert!(!parse(mode, CHAT, json!({"stream": "no"})).unwrap().stream);
+            assert_eq!(
+                parse(mode, CHAT, json!({"max_tokens": "3"}))
+                    .unwrap()
+                    .max_tokens,
+                3
+            );
+            assert!(parse(mode, CHAT, json!({"max_tokens": "abc"})).is_err());
+            assert!(parse(mode, CHAT, json!({"stream": "maybe"})).is_err());
+        }
+    }
+
+    #[test]
+    fn beam_search_and_grammar_are_read() {
+        let r = parse(KvMode::Nixl, CHAT, json!({"use_beam_search": "true"})).unwrap();
+        assert!(r.beam_search);
+        assert!(!r.grammar);
+        for extra in [
+            json!({"response_format": {"type": "json_object"}}),
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            json!({"structured_outputs": {"regex": "[a-z]+"}}),
+            json!({"guided_json": {"type": "object"}}),
+            json!({"guided_regex": "a+"}),
+            json!({"guided_choice": ["a", "b"]}),
+            json!({"guided_grammar": "root ::= \"a\""}),
+        ] {
+            assert!(
+                parse(KvMode::Nixl, CHAT, extra.clone()).unwrap().grammar,
+                "{extra}"
+            );
+            assert!(
+                parse(KvMode::Nixl, COMPLETIONS, extra.clone())
+                    .unwrap()
+                    .grammar,
+                "{extra}"
+            );
+        }
+        for extra in [
+            json!({"response_format": {"type": "text"}}),
+            json!({"response_format": null}),
+            json!({"guided_json": null}),
+        ] {
+            assert!(
+                !parse(KvMode::Nixl, CHAT, extra.clone()).unwrap().grammar,
+                "{extra}"
+            );
         }
     }
 }

@@ -70,10 +70,15 @@ pub struct SimConfig {
     /// (scheduling, queueing), before the prefill, in every mode (default
     /// zero).
     pub request_delay: Duration,
-    /// Data-parallel ranks (default 1). In [`KvMode::Mooncake`] each rank
-    /// has its own engine id (see
-    /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)), picked by
-    /// the `X-data-parallel-rank` request header. Values below 1 count as 1.
+    /// Data-parallel ranks (default 1). Values below 1 count as 1. Every
+    /// completion request is placed on one rank, as the engine would
+    /// (counted in [`Stats::requests_per_dp_rank`](crate::Stats::requests_per_dp_rank)):
+    /// a vLLM engine takes the `X-data-parallel-rank` header, else its own
+    /// load balancer picks; an SGLang engine reads the rank from the request
+    /// or its own balancer (see the crate's "Data-parallel ranks" section).
+    /// In [`KvMode::Mooncake`] each rank has its own engine id (see
+    /// [`SimEngine::engine_ids`](crate::SimEngine::engine_ids)), and an
+    /// SGLang prefill registers each room under the rank that computed it.
     pub dp_size: u32,
     /// vLLM NIXL decode: whether a decode aborted before its KV pull tells the
     /// prefill to free the blocks (default `true`, as vLLM's decode does since
@@ -96,6 +101,23 @@ pub struct SimConfig {
     /// [`Faults::notify_loss`] (default 0): the same seed and the same
     /// sequence of notifications lose the same ones.
     pub notify_seed: u64,
+    /// vLLM's `--max-logprobs` (default 20, vLLM's default): a request
+    /// asking for more logprobs per token (`top_logprobs` with chat's
+    /// `logprobs: true`, completions' `logprobs`, `prompt_logprobs`; `-1`
+    /// counts as the whole vocabulary) is answered 400. Unused by SGLang
+    /// engines, which take `top_logprobs: 50`.
+    pub max_logprobs: u32,
+    /// LMCache prefill: its tensor-parallel size. Each TP rank of an LMCache
+    /// prefill pushes its share of the KV to the receiver port its own rank
+    /// indexes in the `disagg_spec` (`receiver_init_port[rank]`,
+    /// `receiver_alloc_port[rank]`) and sends the proxy one notification.
+    /// `None` (the default): as many ranks as the `disagg_spec` names ports,
+    /// the only pairing that works. With fewer ranks, the ports beyond them
+    /// get nothing: the proxy waits for notifications that never come and
+    /// the decode misses that KV. With more, the ranks beyond the port list
+    /// fail (LMCache indexes the list out of range): the request answers 500
+    /// after the other ranks pushed and notified.
+    pub lmcache_prefill_tp_size: Option<usize>,
 }
 
 /// The receiver ports of an LMCache decode ([`KvMode::Lmcache`] with
@@ -158,6 +180,8 @@ impl Default for SimConfig {
             lmcache_proxy: None,
             lmcache_receiver: LmcacheReceiver::default(),
             notify_seed: 0,
+            max_logprobs: 20,
+            lmcache_prefill_tp_size: None,
         }
     }
 }
@@ -193,9 +217,24 @@ pub enum KvMode {
     /// the KV to every receiver rank and tells the proxy over ZMQ, and the
     /// proxy then sends the decode the ids followed by the first token.
     Lmcache(SimRole),
+    /// vLLM's `NixlPushConnector`: the prefill writes the KV into the
+    /// decode's blocks. The decode registers its request over the prefill's
+    /// side channel under its own request id; the prefill pairs the
+    /// registration with a finished request whose id has the same base (the
+    /// id minus vLLM's `-` and 8 hex digits suffix), so both legs need the
+    /// same `X-Request-Id`, unique among requests in flight. One engine
+    /// plays both roles, as the request's `kv_transfer_params` say. See the
+    /// crate's "vLLM NIXL push" section.
+    NixlPush,
 }
 
 impl KvMode {
+    /// Whether the engine is a vLLM one (every mode but [`KvMode::Sglang`]):
+    /// it validates requests like vLLM and honours `use_beam_search`.
+    pub fn is_vllm(self) -> bool {
+        !matches!(self, KvMode::Sglang(_))
+    }
+
     /// Whether this engine runs a bootstrap server
     /// ([`SimEngine::bootstrap_addr`](crate::SimEngine::bootstrap_addr)):
     /// SGLang and Mooncake prefills do.

@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 use tokio::time::{Instant, timeout};
 
 use crate::generate::KvDigest;
@@ -73,6 +74,37 @@ pub struct SideChannelRequest {
 pub struct SideChannelRelease {
     /// The blocks to free, named as in a pull.
     pub release: SideChannelRequest,
+}
+
+/// The line a vLLM NIXL push decode ([`KvMode::NixlPush`](crate::KvMode::NixlPush))
+/// sends to the prefill's side channel to register its request, the
+/// stand-in for the registration vLLM's `NixlPushConnector` sends as a NIXL
+/// notification:
+///
+/// ```text
+/// {"register":{"engine_id":"<remote_engine_id>","request_id":"<the decode's own request id>"}}
+/// ```
+///
+/// The prefill pairs it with the KV of a request it finished: the one held
+/// under exactly that id, else the oldest whose id has the same base (the id
+/// minus vLLM's `-` and 8 hex digits suffix). It waits for such KV up to its
+/// [`SimConfig::bootstrap_timeout`](crate::SimConfig::bootstrap_timeout) and
+/// answers a [`BootstrapResponse`]: the KV (then freed on the prefill), a
+/// timeout, or a refusal (another engine id, not a push prefill).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideChannelRegister {
+    /// The registration.
+    pub register: PushRegistration,
+}
+
+/// The body of a [`SideChannelRegister`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PushRegistration {
+    /// The engine id the decode expects to reach (`remote_engine_id`).
+    pub engine_id: String,
+    /// The decode's own internal request id: its `X-Request-Id` (or a random
+    /// id) followed by `-` and 8 hex digits, as vLLM makes it.
+    pub request_id: String,
 }
 
 /// The line a prefill's side channel answers a [`SideChannelRequest`] (or a
@@ -238,6 +270,8 @@ struct Held {
     block_ids: Vec<u64>,
     digest: KvDigest,
     expires: Instant,
+    /// Order of holding (a NIXL push registration takes the oldest match).
+    seq: u64,
 }
 
 /// KV blocks a prefill keeps for remote decodes, keyed by request id.
@@ -246,6 +280,32 @@ pub(crate) struct KvStore {
     held: Mutex<HashMap<String, Held>>,
     next_block: AtomicU64,
     next_request: AtomicU64,
+    /// Woken on every hold, for NIXL push registrations waiting for theirs.
+    held_new: Notify,
+}
+
+/// vLLM's internal request id: the request's id (`X-Request-Id`, or a random
+/// one) followed by `-` and 8 hex digits (`input_processor.assign_request_id`),
+/// so two requests with the same id stay apart inside the engine.
+pub(crate) fn internal_request_id(request_id: &str, seq: u64) -> String {
+    format!("{request_id}-{:08x}", seq & 0xffff_ffff)
+}
+
+/// An internal request id minus vLLM's random suffix (`get_base_request_id`
+/// in vLLM's NIXL connector: a trailing `-` and 8 hex digits, any case).
+pub(crate) fn base_request_id(id: &str) -> &str {
+    match id
+        .len()
+        .checked_sub(9)
+        .and_then(|i| id.get(i..).map(|tail| (i, tail)))
+    {
+        Some((i, tail))
+            if tail.starts_with('-') && tail[1..].bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            &id[..i]
+        }
+        _ => id,
+    }
 }
 
 impl KvStore {
@@ -262,16 +322,63 @@ impl KvStore {
         let first = self.next_block.fetch_add(n, Relaxed);
         let block_ids: Vec<u64> = (first..first + n).collect();
         let seq = self.next_request.fetch_add(1, Relaxed);
-        let remote_request_id = format!("{request_id}-{seq}");
+        let remote_request_id = internal_request_id(request_id, seq);
         let held = Held {
             block_ids: block_ids.clone(),
             digest,
             expires: Instant::now() + lease,
+            seq,
         };
-        let mut map = lock(&self.held);
-        map.insert(remote_request_id.clone(), held);
-        counters.blocks_held.fetch_add(n, Relaxed);
+        {
+            let mut map = lock(&self.held);
+            map.insert(remote_request_id.clone(), held);
+            counters.blocks_held.fetch_add(n, Relaxed);
+        }
+        self.held_new.notify_waiters();
         (remote_request_id, block_ids)
+    }
+
+    /// NIXL push: takes the KV a registration pairs with, as vLLM's
+    /// `NixlPushConnector` pairs them: the request held under exactly the
+    /// registration's id, else the oldest one whose id has the same base
+    /// (both ids minus their random suffix). Waits up to `wait` for it to be
+    /// held; `None` when the wait ran out.
+    pub(crate) async fn take_push(
+        &self,
+        counters: &Counters,
+        registration_id: &str,
+        wait: Duration,
+    ) -> Option<KvDigest> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let held_new = self.held_new.notified();
+            tokio::pin!(held_new);
+            // Listen before looking, so that a hold in between is not missed.
+            held_new.as_mut().enable();
+            if let Some(digest) = self.try_take_push(counters, registration_id) {
+                return Some(digest);
+            }
+            tokio::time::timeout_at(deadline, held_new).await.ok()?;
+        }
+    }
+
+    fn try_take_push(&self, counters: &Counters, registration_id: &str) -> Option<KvDigest> {
+        let now = Instant::now();
+        let base = base_request_id(registration_id);
+        let mut map = lock(&self.held);
+        let key = if map.get(registration_id).is_some_and(|h| h.expires > now) {
+            registration_id.to_owned()
+        } else {
+            map.iter()
+                .filter(|(id, held)| held.expires > now && base_request_id(id) == base)
+                .min_by_key(|(_, held)| held.seq)
+                .map(|(id, _)| id.clone())?
+        };
+        let held = map.remove(&key)?;
+        counters
+            .blocks_held
+            .fetch_sub(held.block_ids.len() as u64, Relaxed);
+        Some(held.digest)
     }
 
     /// Hands the blocks of a request over to a pull and frees them.
@@ -362,17 +469,41 @@ async fn read_line<R: AsyncRead + Unpin>(r: R) -> io::Result<Vec<u8>> {
 /// then reuses, a side-channel connection stays open for further pulls; it ends when the
 /// decode closes it or leaves it idle for [`IDLE_TIMEOUT`]. A line with a `transfer_id`
 /// is a Mooncake pull, served from `mooncake` (refused when this engine is not a Mooncake
-/// prefill); a line with `release` is a [`SideChannelRelease`].
+/// prefill); a line with `register` is a NIXL push registration, served with a wait of
+/// `push_wait` (refused when this engine is not a push prefill); a line with `release` is
+/// a [`SideChannelRelease`].
 pub(crate) async fn serve_pull(
     store: &KvStore,
     counters: &Counters,
     engine_id: &str,
     mooncake: Option<MooncakeSide<'_>>,
+    push_wait: Option<Duration>,
     mut stream: TcpStream,
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
     let mut reader = BufReader::new(read);
     while let Some(line) = next_line(&mut reader).await? {
+        if let Ok(SideChannelRegister { register }) = serde_json::from_slice(&line) {
+            let answer = match push_wait {
+                None => BootstrapResponse::failure("this engine is not a NIXL push prefill"),
+                Some(_) if register.engine_id != engine_id => BootstrapResponse::failure(format!(
+                    "engine id mismatch: this is {engine_id:?}, not {:?}",
+                    register.engine_id
+                )),
+                Some(wait) => tokio::select! {
+                    taken = store.take_push(counters, &register.request_id, wait) => {
+                        taken_or_timed_out(counters, taken, || format!(
+                            "no finished request paired with request id {:?} within {wait:?}",
+                            register.request_id
+                        ))
+                    }
+                    // The decode left (or gave up): stop waiting, take nothing.
+                    () = peer_gone(&mut reader) => return Ok(()),
+                },
+            };
+            write_line(&mut write, &answer).await?;
+            continue;
+        }
         let answer = match serde_json::from_slice::<MooncakePullRequest>(&line) {
             Ok(pull) => {
                 let answer = match &mooncake {
@@ -691,6 +822,50 @@ pub(crate) async fn pull(
             "ok answer without blocks or prompt_digest".to_owned(),
         )),
     }
+}
+
+/// Where a vLLM NIXL push decode registers, read from its
+/// `kv_transfer_params`.
+#[derive(Clone, Debug)]
+pub(crate) struct PushTarget {
+    host: String,
+    port: u16,
+    registration: PushRegistration,
+}
+
+impl PushTarget {
+    /// Reads the prefill's coordinates, which vLLM's push decode indexes
+    /// (`remote_engine_id`, `remote_host`, `remote_port`, `tp_size`); `None`
+    /// when one is missing or of the wrong type. `request_id` is the
+    /// decode's own internal request id.
+    pub(crate) fn parse(params: &Map<String, Value>, request_id: String) -> Option<Self> {
+        let host = params.get("remote_host").and_then(Value::as_str)?;
+        let port = params
+            .get("remote_port")
+            .and_then(Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok())?;
+        let engine_id = params.get("remote_engine_id").and_then(Value::as_str)?;
+        params.get("tp_size").and_then(Value::as_u64)?;
+        Some(Self {
+            host: host.to_owned(),
+            port,
+            registration: PushRegistration {
+                engine_id: engine_id.to_owned(),
+                request_id,
+            },
+        })
+    }
+}
+
+/// Registers a NIXL push decode with its prefill and waits, as long as the
+/// caller lets it, for the KV the prefill pairs with it.
+pub(crate) async fn register_push(target: &PushTarget) -> Result<KvDigest, KvTransferError> {
+    let mut stream = connect(&target.host, target.port).await?;
+    let line = SideChannelRegister {
+        register: target.registration.clone(),
+    };
+    let answer: BootstrapResponse = request_line(&mut stream, &line).await?;
+    answer.into_digest(&format!("request id {:?}", target.registration.request_id))
 }
 
 /// Tells the prefill named by `target` to free the blocks a pull would have

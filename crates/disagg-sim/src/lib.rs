@@ -31,9 +31,129 @@
 //! `add_generation_prompt` adds nothing). Bad input is a vLLM-style 400, an
 //! unknown model a 404.
 //!
+//! # Request validation
+//!
+//! A completion request is refused with 400, in vLLM's error shape, exactly
+//! where the engine of the [`KvMode`] refuses it, before any KV work.
+//!
+//! * **Types**, in every mode: fields are coerced like pydantic v2's lax mode,
+//!   which both engines' request models use. A boolean may be `true`,
+//!   `false`, `0`, `1`, `0.0`, `1.0` or one of the strings `"1"`, `"on"`,
+//!   `"t"`, `"true"`, `"y"`, `"yes"`, `"0"`, `"off"`, `"f"`, `"false"`,
+//!   `"n"`, `"no"` (any case), so `"stream": "yes"` streams and
+//!   `"stream": "off"` does not, while `"stream": "maybe"` or `2` is a 400.
+//!   An integer may be a JSON integer, a boolean, a float without fraction
+//!   (`2.0`) or a numeric string (`"2"`, `" 2 "`, `"+3"`, `"1_000"`,
+//!   `"2.0"`), but not `1.5`, `"2.5"`, `"abc"` or `"1e3"`. A string is only
+//!   a string (`"stop": 5` is refused); `stop_token_ids` must be a list of
+//!   integers. `null` is "not given". These rules were checked against
+//!   pydantic 2.13 itself.
+//! * **vLLM** ([`KvMode::Nixl`], [`KvMode::NixlPush`], [`KvMode::Mooncake`],
+//!   [`KvMode::Lmcache`]), as vLLM 0.33 refuses (its request models'
+//!   `mode="before"` validators in
+//!   `vllm/entrypoints/openai/chat_completion/protocol.py` and
+//!   `.../completion/protocol.py`, which read the raw body with Python
+//!   truthiness, then `SamplingParams._verify_args` in
+//!   `vllm/sampling_params.py`, then the engine's `--max-logprobs`):
+//!   - chat `logprob_token_ids` needs a truthy `logprobs` (and no beam
+//!     search, and is not empty); chat `top_logprobs` is at least 0 (or -1)
+//!     and, when not 0, needs a truthy `logprobs`;
+//!   - `stream_options` (unless an empty object) needs a truthy `stream`;
+//!     `prompt_logprobs` above 0 (or -1) is refused with a truthy `stream`;
+//!     completions' `logprobs` is at least 0;
+//!   - `max_tokens` / `max_completion_tokens` at least 1; `n` at least 1 (at
+//!     most 128), and `n > 1` with a `temperature` below 1e-5 (greedy) is
+//!     refused; `temperature` finite and within `[0, 2]`; no empty string in
+//!     `stop`; `min_tokens` from 0 to `max_tokens`;
+//!   - more logprobs per token than [`SimConfig::max_logprobs`] (default 20,
+//!     `-1` counting as the whole vocabulary), for generated tokens
+//!     (`top_logprobs` with `logprobs: true`, completions' `logprobs`) or
+//!     prompt tokens (`prompt_logprobs`);
+//!   - a `response_format` of type `json_schema` without its `json_schema`,
+//!     of an unknown type, or `structured_outputs` with more than one of
+//!     `json`, `regex`, `choice`.
+//!
+//!   With `use_beam_search: true` vLLM builds beam-search parameters, which
+//!   skip the temperature and greedy rules.
+//! * **SGLang** ([`KvMode::Sglang`]), as SGLang 0.5.23 is laxer: it serves
+//!   `max_tokens: 0` (an answer without tokens), `n: 0` (one choice),
+//!   `temperature: 3`, and `top_logprobs: 50` with or without `logprobs`. It
+//!   keeps the `stream_options`, `min_tokens` and negative-value checks.
+//!
+//! # Beam search and structured output (vLLM)
+//!
+//! A vLLM engine serves `use_beam_search: true` with beam-search
+//! parameters, which carry no `kv_transfer_params` (`to_beam_search_params`
+//! in vLLM's request models): neither role reads them. A NIXL or NIXL push
+//! prefill then keeps no KV and answers `"kv_transfer_params": null`; a
+//! NIXL decode computes its prompt locally (a local prefill, not invalid
+//! parameters) and pulls nothing; a Mooncake prefill needs no `transfer_id`
+//! and holds nothing; a Mooncake decode needs no parameters; an LMCache
+//! prefill ignores its `disagg_spec` (an LMCache decode reads no parameters
+//! anyway). Such requests are counted in [`Stats::beam_search_requests`].
+//!
+//! A vLLM engine compiles a grammar for a request with structured output: a
+//! `response_format` of type `json_object`, `json_schema` or
+//! `structural_tag`, `structured_outputs`, or one of the older
+//! `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` fields.
+//! Each accepted such request is counted in [`Stats::grammars_compiled`] of
+//! the engine that got it, so a test can tell which leg carried it.
+//!
+//! # Data-parallel ranks
+//!
+//! An engine has [`SimConfig::dp_size`] ranks and places each completion
+//! request on one, counted in [`Stats::requests_per_dp_rank`].
+//!
+//! * **vLLM.** The `X-data-parallel-rank` header pins the rank (not a
+//!   number, or out of range: 400). Without it, the engine's own balancer
+//!   picks: the rank with the fewest requests in flight, ties broken round
+//!   robin starting after the rank it chose last, as if rank 0 had just
+//!   been chosen at start. vLLM's DP client also sends an unpinned request to
+//!   the least loaded rank, but its counts come from the DP coordinator every
+//!   100 ms; the simulator's deterministic choice makes consecutive unpinned
+//!   requests land on different ranks and never favours rank 0, so that a
+//!   proxy that does not pin a request it must pin fails at once. A Mooncake
+//!   prefill holds the KV under the engine id of the rank the request ran
+//!   on ([`SimEngine::engine_ids`]); a decode told another rank's engine id
+//!   waits for the transfer until its [`SimConfig::bootstrap_timeout`] and
+//!   fails with 500 `"KV transfer failed: ..."`.
+//! * **SGLang** (`python/sglang/srt/entrypoints` request headers,
+//!   `managers/io_struct.py`, `managers/data_parallel_controller.py`,
+//!   `disaggregation/common/conn.py`). The rank of a request is the
+//!   `X-Data-Parallel-Rank` header (not an integer: 400), else the body's
+//!   `routed_dp_rank`, else its deprecated alias `data_parallel_rank`, else
+//!   the engine's balancer: a prefill follows the bootstrap room (rank =
+//!   `bootstrap_room % dp_size`), a decode takes its ranks in turn from rank
+//!   0. A rank out of range is a 400. `data_parallel_rank_decode` means
+//!   nothing. Each element of a batch is placed (and counted) on its own.
+//!   - A prefill registers each room under its rank on its bootstrap server.
+//!     With several ranks, a request pinned to a rank other than
+//!     `room % dp_size` is refused at once with 500 `"KV transfer failed:
+//!     follow_bootstrap_room conflict: dispatched to dp_rank R but
+//!     bootstrap_room N implies dp_rank K. ..."` (SGLang's prefill-side
+//!     check, counted in [`Stats::dp_rank_conflicts`]), unless the request
+//!     names `disagg_prefill_dp_rank`: then the router told the decode where
+//!     to look.
+//!   - A decode looks for its room on the prefill rank its request names in
+//!     `disagg_prefill_dp_rank` (overridden by the
+//!     `x-override-disagg-prefill-dp-rank` header), else on `room %
+//!     dp_size` of the prefill (`follow_bootstrap_room`). A room registered
+//!     on another rank never reaches it: it waits until the prefill's
+//!     bootstrap server gives up ([`SimConfig::bootstrap_timeout`]) and
+//!     fails with 500 `"KV transfer failed: ... room N was not registered on
+//!     dp rank K ..."`. A rank the prefill does not have fails at once
+//!     (`could not fetch bootstrap info`), as SGLang's bootstrap query does.
+//!
+//! # Recorded requests
+//!
+//! [`SimEngine::requests`] keeps the last completion requests as received:
+//! path, every header (e.g. `x-request-id`, `x-data-parallel-rank`,
+//! `traceparent`, in order, see [`RecordedRequest::header`]) and the JSON
+//! body, so a test can assert what each leg carried.
+//!
 //! # Prefill/decode disaggregation
 //!
-//! An engine speaks one of four P/D KV protocols, chosen by
+//! An engine speaks one of five P/D KV protocols, chosen by
 //! [`SimConfig::kv_mode`]. In each, the KV really travels over loopback
 //! sockets, so a wrong host, port, room, transfer id or engine id fails
 //! where it would fail between real engines. Every completion request first
@@ -99,8 +219,9 @@
 //! * **Prefill** (`kv_producer`). The request's `kv_transfer_params` must
 //!   have `do_remote_decode: true` and a string `transfer_id`; the
 //!   `X-data-parallel-rank` header picks one of the [`SimConfig::dp_size`]
-//!   ranks (default 0), each with its own engine id
-//!   ([`SimEngine::engine_ids`]). After the prefill, the KV is held under
+//!   ranks, each with its own engine id ([`SimEngine::engine_ids`]), and
+//!   without the header the engine's balancer picks one (see
+//!   [Data-parallel ranks](#data-parallel-ranks)). After the prefill, the KV is held under
 //!   (engine id of the rank, transfer id) for [`SimConfig::kv_lease`] (a
 //!   transfer id already held: 400) and the answer is a plain completion
 //!   with `"kv_transfer_params": null`. A client that leaves before its
@@ -115,6 +236,43 @@
 //!   below), checks the KV against its own prompt and generates normally,
 //!   all of it within its own [`SimConfig::bootstrap_timeout`].
 //!
+//! ## vLLM NIXL push ([`KvMode::NixlPush`]): by request id
+//!
+//! vLLM's `NixlPushConnector` (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py`
+//! and `push_worker.py`): the prefill writes the KV into the decode's blocks
+//! instead of the decode reading it. The legs may be sent one after the
+//! other or at once. Every request gets an internal id, its `X-Request-Id`
+//! (or a random id) followed by `-` and 8 hex digits, as vLLM's
+//! `assign_request_id` makes it.
+//!
+//! * **Prefill** (`"kv_transfer_params": {"do_remote_decode": true}`). After
+//!   the prefill, however it finished, the KV is held under the request's
+//!   internal id for [`SimConfig::kv_lease`], and the answer's
+//!   `kv_transfer_params` are the pull mode's (`do_remote_prefill`,
+//!   `remote_block_ids`, `remote_engine_id`, `remote_request_id` = the
+//!   internal id, `remote_host`, `remote_port`, `tp_size`) plus
+//!   `remote_num_tokens`.
+//! * **Decode** (`do_remote_prefill: true` with `remote_engine_id`,
+//!   `remote_host`, `remote_port` and `tp_size`, the prefill's coordinates a
+//!   proxy knows before the prefill answered; `remote_block_ids` and
+//!   `remote_request_id` are not needed). It registers over the prefill's
+//!   side channel under its **own** internal id (a [`SideChannelRegister`])
+//!   and waits, up to its [`SimConfig::bootstrap_timeout`], for the KV the
+//!   prefill pairs with it: the KV held under exactly that id, else the
+//!   oldest held under an id with the same base (both ids minus their
+//!   suffix), as vLLM's `get_base_request_id` pairs them. So both legs need
+//!   the same `X-Request-Id`, and it must be unique among requests in
+//!   flight: legs with different ids (or none) never pair (500 `"KV transfer
+//!   failed: ..."` after the wait), and two requests in flight with the same
+//!   id pair the wrong ways (the decode finds KV of another prompt and fails
+//!   with 500, as vLLM would compute on the wrong KV). Another engine id is
+//!   refused at once; parameters without the four keys are ignored (local
+//!   prefill, [`Stats::invalid_kv_params`]). The KV is freed when taken, when
+//!   the lease runs out, or when a decode whose parameters name the blocks
+//!   (`remote_request_id`, `remote_block_ids`, as a sequential proxy passes
+//!   the prefill's answer on) is aborted before its KV arrived
+//!   ([`SideChannelRelease`], as in pull mode).
+//!
 //! ## LMCache ([`KvMode::Lmcache`]): sequential, pushed, notified over ZMQ
 //!
 //! vLLM with `LMCacheConnectorV1` and LMCache's P/D mode. The proxy
@@ -127,9 +285,10 @@
 //!   (`{"req_id": "<str>", "receiver_host": "..", "receiver_init_port":
 //!   [p0, ..], "receiver_alloc_port": [a0, ..]}`, one port of each per
 //!   decode TP rank, other keys ignored; anything else malformed is a 400)
-//!   takes one prompt. After the prefill, its KV is pushed to every rank `r`
-//!   at once, at `receiver_host` on `receiver_init_port[r]` and
-//!   `receiver_alloc_port[r]` (see [LMCache receiver
+//!   takes one prompt. After the prefill, each of its TP ranks `r` (as many
+//!   as the ports, unless [`SimConfig::lmcache_prefill_tp_size`] says
+//!   otherwise) pushes its KV at once, at `receiver_host` on
+//!   `receiver_init_port[r]` and `receiver_alloc_port[r]` (see [LMCache receiver
 //!   protocol](#lmcache-receiver-protocol)); once rank `r` acknowledged it,
 //!   the proxy at [`SimConfig::lmcache_proxy`] gets one notification, the
 //!   msgpack map `{"type": "ProxyNotif", "req_id": "<req_id>"}` in a single
@@ -148,6 +307,14 @@
 //!   and that rank is not notified (ranks whose push succeeded are). A
 //!   `disagg_spec` on an engine without [`SimConfig::lmcache_proxy`] is a
 //!   500; a request without `disagg_spec` is served like by a plain engine.
+//!   A prefill whose TP size differs from the number of receiver ports
+//!   ([`SimConfig::lmcache_prefill_tp_size`]) is the mismatch LMCache cannot
+//!   handle: with fewer ranks, the ports beyond them get no KV and no
+//!   notification (a proxy waiting for one per port never completes, the
+//!   decode misses that rank's KV); with more, the extra ranks index the port
+//!   lists out of range and the request answers 500 `"KV transfer failed:
+//!   rank R (..): .. (list index out of range)"` after the other ranks
+//!   pushed and notified.
 //! * **Decode** (`kv_consumer`, `pd_role: receiver`). It listens on the
 //!   init and alloc port of each rank of [`SimConfig::lmcache_receiver`]
 //!   ([`SimEngine::lmcache_init_ports`], [`SimEngine::lmcache_alloc_ports`])
@@ -193,6 +360,18 @@
 //! answers `{"ok":true}`, or frees nothing and answers
 //! `{"ok":false,"error":"..."}`.
 //!
+//! A vLLM NIXL push decode registers instead, a [`SideChannelRegister`]
+//! naming the decode's own internal request id:
+//!
+//! ```text
+//! {"register":{"engine_id":"<remote_engine_id>","request_id":"<request id>-<8 hex digits>"}}
+//! ```
+//!
+//! The prefill waits, up to its [`SimConfig::bootstrap_timeout`], for KV it
+//! pairs with that id (see [vLLM NIXL push](#vllm-nixl-push-kvmodenixlpush-by-request-id)),
+//! and answers a [`BootstrapResponse`] (below): the KV, then freed; a
+//! timeout; or a refusal (another engine id, not a push prefill).
+//!
 //! A Mooncake pull is a line with a `transfer_id` instead, a
 //! [`MooncakePullRequest`]:
 //!
@@ -236,8 +415,10 @@
 //! The simulator's own stand-in for SGLang's bootstrap server and KV
 //! transfer: the decode connects to `bootstrap_host:bootstrap_port` and
 //! sends one JSON line per room, a [`BootstrapRequest`]:
-//! `{"room":123}`. The server waits, up to the prefill's
-//! [`SimConfig::bootstrap_timeout`], for a request to register that room,
+//! `{"room":123}`, or `{"room":123,"dp_rank":1}` when its request named the
+//! prefill's rank (`disagg_prefill_dp_rank`); without it, the server looks
+//! on rank `room % dp_size` of the prefill. The server waits, up to the prefill's
+//! [`SimConfig::bootstrap_timeout`], for a request to register that room on that rank,
 //! takes it (a room is taken once; a second taker waits like for an unknown
 //! room) and answers one [`BootstrapResponse`] line, as above. The
 //! connection stays open for further rooms; a decode that closes it while
@@ -296,6 +477,12 @@
 //!   after its blocks were held (while its answer is being written) frees
 //!   anything: those blocks wait for the lease, like vLLM's. A prefill
 //!   cancelled before it finished holds nothing.
+//! * **vLLM NIXL push.** A prefill holds its blocks when it answers (however
+//!   it finished); they are freed when a registration takes them, when the
+//!   lease runs out, or on a release notice from a decode aborted before its
+//!   KV arrived, as in pull mode. A decode aborted while waiting for its
+//!   registration closes the connection: the prefill stops waiting and takes
+//!   nothing.
 //! * **SGLang.** A prefill's rooms live as long as its request: they are
 //!   withdrawn when a decode took them, when the request is cancelled, or
 //!   when no decode took them within [`SimConfig::bootstrap_timeout`] (the
@@ -344,8 +531,10 @@
 mod api;
 mod body;
 mod config;
+mod dp;
 mod generate;
 mod kv;
+mod lax;
 mod lmcache;
 mod mooncake;
 mod rendezvous;
@@ -356,8 +545,8 @@ mod stats;
 pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
-    BootstrapResponse, MooncakePullRequest, SideChannelRelease, SideChannelRequest,
-    SideChannelResponse,
+    BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
+    SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;

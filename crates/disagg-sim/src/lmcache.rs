@@ -96,6 +96,15 @@ pub(crate) fn disagg_spec(
     }))
 }
 
+/// How many TP ranks of a prefill push the KV of a request: the prefill's
+/// own TP size (`SimConfig::lmcache_prefill_tp_size`), or by default as many
+/// as the `disagg_spec` names receiver ports. Rank `r` pushes to the ports at
+/// index `r` and notifies the proxy once; a rank beyond the port lists fails
+/// (see [`push`]).
+pub(crate) fn sender_ranks(spec: &DisaggSpec, prefill_tp_size: Option<usize>) -> usize {
+    prefill_tp_size.unwrap_or(spec.init_ports.len()).max(1)
+}
+
 /// Whether the prefill answers `{"first_tok": id}` (`ret_first_tok`).
 pub(crate) fn ret_first_tok(params: Option<&Map<String, Value>>) -> bool {
     truthy(params.and_then(|p| p.get("ret_first_tok")))
@@ -186,7 +195,10 @@ pub(crate) async fn push(
     let (Some(&init_port), Some(&alloc_port)) =
         (spec.init_ports.get(rank), spec.alloc_ports.get(rank))
     else {
-        return Err(KvTransferError::BadParams("no receiver port for this rank"));
+        // LMCache indexes the port lists by the sender's TP rank.
+        return Err(KvTransferError::BadParams(
+            "no receiver port for this TP rank (list index out of range)",
+        ));
     };
     let session = {
         let mut init = kv::connect(&spec.host, init_port).await?;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONNECTION, CONTENT_TYPE, HOST, HeaderValue};
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -20,8 +20,6 @@ use crate::body::SimBody;
 use crate::generate::KvDigest;
 use crate::kv::{self, BootstrapResponse, KvTransferError, MooncakePullRequest};
 
-/// The header that picks the data-parallel rank of a request.
-pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 /// Largest `/query` answer a decode reads.
 const MAX_QUERY: usize = 1 << 20;
 
@@ -70,25 +68,6 @@ pub(crate) async fn serve_bootstrap(query: Bytes, stream: TcpStream) {
     {
         tracing::debug!(error = %e, "bootstrap HTTP connection ended with an error");
     }
-}
-
-/// The data-parallel rank a request asks for (`X-data-parallel-rank`,
-/// default 0).
-pub(crate) fn dp_rank(headers: &HeaderMap, dp_size: usize) -> Result<usize, ApiError> {
-    let Some(value) = headers.get(DP_RANK_HEADER) else {
-        return Ok(0);
-    };
-    let rank = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .ok_or_else(|| ApiError::bad_request("X-data-parallel-rank: should be a number"))?;
-    if rank >= dp_size {
-        return Err(ApiError::bad_request(format!(
-            "X-data-parallel-rank: rank {rank} out of range, the engine has {dp_size} data-parallel ranks"
-        )));
-    }
-    Ok(rank)
 }
 
 /// The transfer id of a prefill-side request.

@@ -26,6 +26,7 @@ use crate::api::{
 };
 use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
+use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
 use crate::generate::{
     EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
 };
@@ -95,6 +96,10 @@ struct Inner {
     receiver: lmcache::Receiver,
     /// LMCache prefill: how notifications reach the proxy.
     notifications: Arc<Notifications>,
+    /// vLLM: where requests that name no data-parallel rank go.
+    balancer: Arc<Balancer>,
+    /// SGLang decode: where elements that name no rank go.
+    round_robin: RoundRobin,
 }
 
 /// An LMCache prefill's ZMQ socket to the proxy and the generator deciding
@@ -265,6 +270,7 @@ impl SimEngine {
             rng: LossRng::new(config.notify_seed),
         });
         let salt = uuid::Uuid::new_v4().as_u64_pair().0;
+        let dp_size = usize::try_from(config.dp_size.max(1)).unwrap_or(1);
         let faults = config.faults;
         let lease = config.kv_lease;
         let (stop, stop_rx) = watch::channel(false);
@@ -276,7 +282,7 @@ impl SimEngine {
             models_body,
             side_channel_port: side_channel_addr.port(),
             faults: Mutex::new(faults),
-            counters: Arc::default(),
+            counters: Arc::new(Counters::with_dp_size(dp_size)),
             kv: KvStore::default(),
             side_pool: kv::SidePool::default(),
             rooms: sglang::Rooms::default(),
@@ -287,6 +293,8 @@ impl SimEngine {
             stop: stop_rx.clone(),
             receiver: lmcache::Receiver::new(receivers.len()),
             notifications,
+            balancer: Arc::new(Balancer::new(dp_size)),
+            round_robin: RoundRobin::default(),
         });
         let mut tasks = vec![
             tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
@@ -307,9 +315,15 @@ impl SimEngine {
                         async move {
                             let _ = stream.set_nodelay(true);
                             let wait = inner.config.bootstrap_timeout;
-                            if let Err(e) =
-                                sglang::serve_bootstrap(&inner.rooms, &inner.counters, wait, stream)
-                                    .await
+                            let dp_size = inner.engine_ids.len();
+                            if let Err(e) = sglang::serve_bootstrap(
+                                &inner.rooms,
+                                &inner.counters,
+                                wait,
+                                dp_size,
+                                stream,
+                            )
+                            .await
                             {
                                 tracing::debug!(%peer, error = %e, "bootstrap connection failed");
                             }
@@ -566,7 +580,9 @@ async fn accept_side_channel(
                                 engine_ids: &inner.engine_ids,
                                 wait: inner.config.bootstrap_timeout,
                             });
-                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, mooncake, stream).await {
+                        let push_wait = (inner.config.kv_mode == KvMode::NixlPush)
+                            .then_some(inner.config.bootstrap_timeout);
+                        if let Err(e) = kv::serve_pull(&inner.kv, &inner.counters, &inner.engine_id, mooncake, push_wait, stream).await {
                             tracing::debug!(%peer, error = %e, "side channel connection failed");
                         }
                     });
@@ -826,14 +842,6 @@ where
             return error_response(&e, header_id);
         }
     };
-    let plan = match plan(inner, &request, &json, &parts.headers) {
-        Ok(plan) => plan,
-        Err(e) => {
-            guard.complete();
-            return error_response(&e, header_id);
-        }
-    };
-    drop(json);
     let request_id = match header_id {
         Some(id) => id.to_owned(),
         None => format!(
@@ -842,6 +850,48 @@ where
             inner.next_id.fetch_add(1, Relaxed)
         ),
     };
+    let vllm = inner.config.kv_mode.is_vllm();
+    // vLLM: the data-parallel rank, pinned by the header or chosen by the
+    // engine's balancer; it stays loaded while the request lives.
+    let placed = if vllm {
+        match dp::vllm_pinned_rank(&parts.headers, inner.engine_ids.len()) {
+            Ok(pinned) => Some(inner.balancer.place(pinned)),
+            Err(e) => {
+                guard.complete();
+                return error_response(&e, header_id);
+            }
+        }
+    } else {
+        None
+    };
+    let rank = placed.as_ref().map_or(0, dp::RankLoad::rank);
+    let planned = plan(inner, &request, &json, &parts.headers, rank, &request_id);
+    drop(json);
+    let plan = match planned {
+        Ok(plan) => plan,
+        Err(e) => {
+            guard.complete();
+            return error_response(&e, header_id);
+        }
+    };
+    let counters = &inner.counters;
+    match &plan {
+        Plan::SglangPrefill(elements) | Plan::SglangDecode(elements) => {
+            for e in elements {
+                counters.bump_rank(e.rank as usize);
+            }
+        }
+        _ => counters.bump_rank(rank),
+    }
+    if let Some(placed) = placed {
+        guard.keep(placed);
+    }
+    if vllm && request.beam_search {
+        bump(&counters.beam_search_requests);
+    }
+    if vllm && request.grammar {
+        bump(&counters.grammars_compiled);
+    }
 
     match serve_completion(inner, &request, plan, &request_id, header_id, faults, guard).await {
         Ok(response) => response,
@@ -856,8 +906,22 @@ where
 /// before any work.
 #[derive(Debug)]
 enum Plan {
+    /// No KV work: a plain request, or a vLLM beam search (whose parameters
+    /// carry no `kv_transfer_params`).
+    Plain,
     /// vLLM NIXL: as the request's `kv_transfer_params` say.
     Nixl,
+    /// vLLM NIXL push prefill: hold the KV under the request's internal id
+    /// for a decode's registration.
+    PushPrefill,
+    /// vLLM NIXL push decode: register with the prefill, receive the KV.
+    PushDecode {
+        target: kv::PushTarget,
+        /// The prefill's blocks, when the parameters name them (a
+        /// sequential proxy passed the prefill's answer on): released if
+        /// the request is aborted before its KV arrived.
+        release: Option<kv::PullTarget>,
+    },
     /// SGLang prefill: register the rooms, wait for decodes to take them.
     SglangPrefill(Vec<sglang::Element>),
     /// SGLang decode: take the rooms from their bootstrap servers.
@@ -879,24 +943,75 @@ fn plan(
     request: &CompletionRequest,
     json: &Value,
     headers: &HeaderMap,
+    rank: usize,
+    request_id: &str,
 ) -> Result<Plan, ApiError> {
     let config = &inner.config;
-    let params = request.kv_transfer_params.as_ref();
+    // vLLM builds beam-search parameters without the request's
+    // `kv_transfer_params`: neither role reads them.
+    let params = request
+        .kv_transfer_params
+        .as_ref()
+        .filter(|_| !(config.kv_mode.is_vllm() && request.beam_search));
     Ok(match config.kv_mode {
+        KvMode::Nixl if params.is_none() => Plan::Plain,
         KvMode::Nixl => Plan::Nixl,
+        KvMode::NixlPush => match params {
+            Some(p) if truthy(p.get("do_remote_decode")) => Plan::PushPrefill,
+            Some(p) if truthy(p.get("do_remote_prefill")) => {
+                let own_id =
+                    kv::internal_request_id(request_id, inner.next_id.fetch_add(1, Relaxed));
+                match kv::PushTarget::parse(p, own_id) {
+                    Some(target) => Plan::PushDecode {
+                        target,
+                        release: kv::PullTarget::parse(p).ok(),
+                    },
+                    None => {
+                        bump(&inner.counters.invalid_kv_params);
+                        tracing::debug!(
+                            request_id,
+                            "invalid NIXL push kv_transfer_params, prefilling locally"
+                        );
+                        Plan::Plain
+                    }
+                }
+            }
+            _ => Plan::Plain,
+        },
         KvMode::Sglang(role) => {
             let decode = role == SimRole::Decode;
-            let elements =
-                sglang::elements(json, request, &config.model, config.block_size, decode)?;
+            let empty = serde_json::Map::new();
+            let body = json.as_object().unwrap_or(&empty);
+            let placement = sglang::Placement {
+                ranks: SglangRanks::read(headers, body, inner.engine_ids.len())?,
+                dp_size: inner.engine_ids.len(),
+                round_robin: &inner.round_robin,
+            };
+            let elements = sglang::elements(
+                json,
+                request,
+                &config.model,
+                config.block_size,
+                decode,
+                &placement,
+            )?;
             if decode {
                 Plan::SglangDecode(elements)
             } else {
+                if let Err(conflict) = sglang::check_follow_room(&elements, &placement) {
+                    bump(&inner.counters.dp_rank_conflicts);
+                    tracing::debug!(request_id, %conflict, "SGLang prefill refused");
+                    return Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("KV transfer failed: {conflict}"),
+                    ));
+                }
                 Plan::SglangPrefill(elements)
             }
         }
+        KvMode::Mooncake(_) if request.beam_search => Plan::Plain,
         KvMode::Mooncake(SimRole::Prefill) => {
             let transfer_id = mooncake::prefill_transfer_id(params)?;
-            let rank = mooncake::dp_rank(headers, inner.engine_ids.len())?;
             let engine_id = inner.engine_ids.get(rank).cloned().unwrap_or_default();
             Plan::MooncakePrefill {
                 key: (engine_id, transfer_id),
@@ -990,8 +1105,8 @@ async fn push_and_notify(
     faults: Faults,
 ) -> Result<(), ApiError> {
     let counters = &inner.counters;
-    let pushes =
-        (0..spec.init_ports.len()).map(|rank| lmcache::push(spec, rank, &inner.engine_id, digest));
+    let ranks = lmcache::sender_ranks(spec, inner.config.lmcache_prefill_tp_size);
+    let pushes = (0..ranks).map(|rank| lmcache::push(spec, rank, &inner.engine_id, digest));
     let mut acked = 0u32;
     let mut failures = Vec::new();
     for (rank, pushed) in futures::future::join_all(pushes)
@@ -1117,12 +1232,12 @@ async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<
     let wait = inner.config.bootstrap_timeout;
     let entries = elements
         .iter()
-        .map(|e| (e.room, e.digest.clone()))
+        .map(|e| ((e.rank, e.room), e.digest.clone()))
         .collect();
     let registration = inner
         .rooms
         .register(counters, entries, None)
-        .map_err(|room| {
+        .map_err(|(_, room)| {
             ApiError::new(
                 StatusCode::CONFLICT,
                 format!("bootstrap_room {room} is already registered by another request"),
@@ -1131,11 +1246,11 @@ async fn hand_over_rooms(inner: &Inner, elements: &[sglang::Element]) -> Result<
     let _withdraw = WithdrawOnDrop {
         rendezvous: &inner.rooms,
         counters,
-        keys: elements.iter().map(|e| e.room).collect(),
+        keys: elements.iter().map(|e| (e.rank, e.room)).collect(),
         owner: registration.owner,
     };
     let deadline = Instant::now() + wait;
-    for (room, taken) in registration.taken {
+    for ((_, room), taken) in registration.taken {
         match timeout_at(deadline, taken).await {
             Ok(Ok(())) => {}
             Ok(Err(_)) => {
@@ -1169,8 +1284,8 @@ async fn serve_completion(
     let config = &inner.config;
     let counters = &inner.counters;
     let params = request.kv_transfer_params.as_ref();
-    let is_prefill =
-        matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+    let is_prefill = matches!(plan, Plan::PushPrefill)
+        || matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
 
     // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
     // cancellation tells the prefill to free the blocks (vLLM's decode worker
@@ -1188,6 +1303,16 @@ async fn serve_completion(
         _ => None,
     };
     if let Some(Ok(target)) = nixl_pull.as_ref().filter(|_| config.release_on_abort) {
+        arm_release(inner, &mut guard, target.clone());
+    }
+    // NIXL push decode: likewise, until its KV arrived, if it knows the
+    // prefill's blocks.
+    if let Plan::PushDecode {
+        release: Some(target),
+        ..
+    } = &plan
+        && config.release_on_abort
+    {
         arm_release(inner, &mut guard, target.clone());
     }
 
@@ -1215,6 +1340,18 @@ async fn serve_completion(
         Plan::SglangDecode(elements) => {
             Some(sglang::fetch(elements, config.bootstrap_timeout).await)
         }
+        Plan::PushDecode { target, .. } => {
+            let wait = config.bootstrap_timeout;
+            let pushed = match tokio::time::timeout(wait, kv::register_push(target)).await {
+                Ok(pushed) => pushed,
+                Err(_) => Err(KvTransferError::PeerTimeout(format!(
+                    "no prefill paired its KV with this request within {wait:?}"
+                ))),
+            };
+            // Received or failed: nothing to release.
+            guard.disarm();
+            Some(pushed.and_then(|remote| kv::check_kv(&remote, &own())))
+        }
         Plan::MooncakeDecode(remote) => Some(
             mooncake::fetch(remote, config.bootstrap_timeout)
                 .await
@@ -1238,7 +1375,11 @@ async fn serve_completion(
                 }
             }
         }
-        Plan::SglangPrefill(_) | Plan::MooncakePrefill { .. } | Plan::LmcachePrefill(_) => None,
+        Plan::Plain
+        | Plan::PushPrefill
+        | Plan::SglangPrefill(_)
+        | Plan::MooncakePrefill { .. }
+        | Plan::LmcachePrefill(_) => None,
     };
     let remote_kv = match fetched {
         Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
@@ -1258,9 +1399,10 @@ async fn serve_completion(
     }
     let mut max_tokens = request.max_tokens;
     let lmcache_decode = matches!(plan, Plan::LmcacheDecode);
+    let push_prefill = matches!(plan, Plan::PushPrefill);
     let first_tok = matches!(plan, Plan::LmcachePrefill(_)) && lmcache::ret_first_tok(params);
     match plan {
-        Plan::Nixl if is_prefill => bump(&counters.prefill_requests),
+        Plan::Nixl | Plan::PushPrefill if is_prefill => bump(&counters.prefill_requests),
         Plan::SglangPrefill(elements) => {
             bump(&counters.prefill_requests);
             if let Err(e) = hand_over_rooms(inner, &elements).await {
@@ -1329,7 +1471,14 @@ async fn serve_completion(
     // A length-capped prefill keeps its KV for the decode, unless a fault
     // makes it answer unusable parameters instead.
     let malformed = is_prefill && faults.malformed_kv_params;
-    let kv_out = if is_prefill && !malformed && choices.iter().all(|c| c.finish == Finish::Length) {
+    // A NIXL push prefill holds its KV however it finished (vLLM's push
+    // connector keeps the blocks of a stopped request too).
+    let holds = if push_prefill {
+        true
+    } else {
+        choices.iter().all(|c| c.finish == Finish::Length)
+    };
+    let kv_out = if is_prefill && !malformed && holds {
         let digest = kv_digest(&config.model, config.block_size, request.tokens());
         let (remote_request_id, block_ids) =
             inner.kv.hold(counters, request_id, digest, config.kv_lease);
@@ -1342,6 +1491,7 @@ async fn serve_completion(
             remote_host: &config.advertised_host,
             remote_port: inner.side_channel_port,
             tp_size: 1,
+            remote_num_tokens: push_prefill.then_some(request.prompt_tokens),
         })
     } else {
         None

@@ -13,6 +13,7 @@ use tokio::time::timeout;
 
 use crate::api::{ApiError, CompletionRequest};
 use crate::body::Endpoint;
+use crate::dp::{RoundRobin, SglangRanks};
 use crate::generate::{KvDigest, kv_digest};
 use crate::kv::{self, BootstrapResponse, KvTransferError, peer_gone};
 use crate::rendezvous::Rendezvous;
@@ -22,8 +23,9 @@ use crate::stats::Counters;
 /// the request's `bootstrap_port` is null.
 pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
-/// KV registered by a prefill under its rooms.
-pub(crate) type Rooms = Rendezvous<u64, KvDigest>;
+/// KV registered by a prefill under (data-parallel rank, room): each rank
+/// of an SGLang prefill serves the rooms of its own requests.
+pub(crate) type Rooms = Rendezvous<(u32, u64), KvDigest>;
 
 /// The line a decode sends to a prefill's SGLang bootstrap server to take the
 /// KV of a room; answered by a [`BootstrapResponse`].
@@ -31,6 +33,13 @@ pub(crate) type Rooms = Rendezvous<u64, KvDigest>;
 pub struct BootstrapRequest {
     /// The request's `bootstrap_room`.
     pub room: u64,
+    /// The prefill's data-parallel rank the decode expects the room on: the
+    /// request's `disagg_prefill_dp_rank`. `None` (omitted on the wire): the
+    /// decode follows the bootstrap room, and the server resolves the rank
+    /// as `room % dp_size` of the prefill (SGLang's decode reads the
+    /// prefill's `dp_size` from its bootstrap server to compute it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dp_rank: Option<u32>,
 }
 
 /// One element of a (possibly batched) SGLang request.
@@ -39,8 +48,66 @@ pub(crate) struct Element {
     pub(crate) host: Option<String>,
     pub(crate) port: u16,
     pub(crate) room: u64,
+    /// The data-parallel rank of this engine that serves the element.
+    pub(crate) rank: u32,
+    /// Decode: the prefill rank named by `disagg_prefill_dp_rank`.
+    pub(crate) prefill_rank: Option<u32>,
     /// The KV of the element's prompt.
     pub(crate) digest: KvDigest,
+}
+
+/// Where an SGLang engine places the elements of a request.
+#[derive(Debug)]
+pub(crate) struct Placement<'a> {
+    pub(crate) ranks: SglangRanks,
+    pub(crate) dp_size: usize,
+    /// A decode's balancer for elements no rank is named for.
+    pub(crate) round_robin: &'a RoundRobin,
+}
+
+impl Placement<'_> {
+    /// The rank of an element: the pinned one, else a prefill follows the
+    /// bootstrap room and a decode takes turns (SGLang's default
+    /// `load_balance_method` per role, `follow_bootstrap_room` and
+    /// `round_robin`, in `managers/data_parallel_controller.py`).
+    fn rank(&self, room: u64, decode: bool) -> u32 {
+        let rank = match self.ranks.pinned {
+            Some(rank) => rank,
+            None if decode => self.round_robin.next(self.dp_size),
+            None => follow_room(room, self.dp_size),
+        };
+        u32::try_from(rank).unwrap_or(0)
+    }
+}
+
+/// The rank `follow_bootstrap_room` gives a room.
+pub(crate) fn follow_room(room: u64, dp_size: usize) -> usize {
+    usize::try_from(room % dp_size.max(1) as u64).unwrap_or(0)
+}
+
+/// An SGLang prefill's check of its rank (`CommonKVSender.__init__` in
+/// `python/sglang/srt/disaggregation/common/conn.py`): with several ranks,
+/// and unless the request names `disagg_prefill_dp_rank` (then the decode
+/// knows where to look), a request must run on the rank its room implies,
+/// because the decode will look for the room there. Otherwise the transfer
+/// fails at once with SGLang's own message.
+pub(crate) fn check_follow_room(
+    elements: &[Element],
+    placement: &Placement<'_>,
+) -> Result<(), String> {
+    if placement.dp_size <= 1 || placement.ranks.prefill_rank.is_some() {
+        return Ok(());
+    }
+    for e in elements {
+        let implied = follow_room(e.room, placement.dp_size);
+        if e.rank as usize != implied {
+            return Err(format!(
+                "follow_bootstrap_room conflict: dispatched to dp_rank {} but bootstrap_room {} implies dp_rank {implied}. Set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing.",
+                e.rank, e.room
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The batch size of a request as SGLang counts it: `None` for a single
@@ -96,6 +163,7 @@ pub(crate) fn elements(
     model: &str,
     block_size: usize,
     decode: bool,
+    placement: &Placement<'_>,
 ) -> Result<Vec<Element>, ApiError> {
     let empty = Map::new();
     let body = body.as_object().unwrap_or(&empty);
@@ -154,6 +222,8 @@ pub(crate) fn elements(
             host,
             port,
             room,
+            rank: placement.rank(room, decode),
+            prefill_rank: placement.ranks.prefill_rank,
             digest: kv_digest(model, block_size, prompt.iter().copied()),
         });
     }
@@ -161,12 +231,16 @@ pub(crate) fn elements(
 }
 
 /// Serves one bootstrap connection: request lines, each answered by one
-/// line once the room is registered (or the wait runs out). A decode that
-/// leaves while waiting takes nothing.
+/// line once the room is registered on the rank the decode expects (or the
+/// wait runs out: a room registered on another rank never reaches it, as
+/// between SGLang engines). A rank the prefill does not have fails at once,
+/// as SGLang's `/route` query does. A decode that leaves while waiting takes
+/// nothing.
 pub(crate) async fn serve_bootstrap(
     rooms: &Rooms,
     counters: &Counters,
     wait: Duration,
+    dp_size: usize,
     mut stream: TcpStream,
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
@@ -174,14 +248,25 @@ pub(crate) async fn serve_bootstrap(
     while let Some(line) = kv::next_line(&mut reader).await? {
         let answer = match serde_json::from_slice::<BootstrapRequest>(&line) {
             Err(e) => BootstrapResponse::failure(format!("malformed request: {e}")),
-            Ok(BootstrapRequest { room }) => tokio::select! {
-                taken = rooms.take(counters, &room, wait) => kv::taken_or_timed_out(
-                    counters,
-                    taken,
-                    || format!("room {room} was not registered within {wait:?}"),
-                ),
-                () = peer_gone(&mut reader) => return Ok(()),
-            },
+            Ok(BootstrapRequest { room, dp_rank }) => {
+                let rank = dp_rank
+                    .unwrap_or_else(|| u32::try_from(follow_room(room, dp_size)).unwrap_or(0));
+                if rank as usize >= dp_size.max(1) {
+                    BootstrapResponse::failure(format!(
+                        "could not fetch bootstrap info for prefill_dp_rank {rank}: the prefill has {dp_size} data-parallel ranks"
+                    ))
+                } else {
+                    let key = (rank, room);
+                    tokio::select! {
+                        taken = rooms.take(counters, &key, wait) => kv::taken_or_timed_out(
+                            counters,
+                            taken,
+                            || format!("room {room} was not registered on dp rank {rank} within {wait:?}"),
+                        ),
+                        () = peer_gone(&mut reader) => return Ok(()),
+                    }
+                }
+            }
         };
         kv::write_line(&mut write, &answer).await?;
     }
@@ -190,7 +275,12 @@ pub(crate) async fn serve_bootstrap(
 
 /// Takes the KV of one room from the bootstrap server at `host:port`,
 /// waiting for the prefill as long as the caller lets it.
-async fn fetch_one(host: &str, port: u16, room: u64) -> Result<KvDigest, KvTransferError> {
+async fn fetch_one(
+    host: &str,
+    port: u16,
+    request: BootstrapRequest,
+) -> Result<KvDigest, KvTransferError> {
+    let room = request.room;
     let mut stream = kv::connect(host, port)
         .await
         .map_err(|e| KvTransferError::Unreachable {
@@ -200,14 +290,15 @@ async fn fetch_one(host: &str, port: u16, room: u64) -> Result<KvDigest, KvTrans
                 other => other.to_string(),
             },
         })?;
-    let answer: BootstrapResponse = kv::request_line(&mut stream, &BootstrapRequest { room })
-        .await
-        .map_err(|e| match e {
-            KvTransferError::Malformed(m) => KvTransferError::Bootstrap(format!(
-                "{host}:{port} is not an SGLang bootstrap server: {m}"
-            )),
-            other => other,
-        })?;
+    let answer: BootstrapResponse =
+        kv::request_line(&mut stream, &request)
+            .await
+            .map_err(|e| match e {
+                KvTransferError::Malformed(m) => KvTransferError::Bootstrap(format!(
+                    "{host}:{port} is not an SGLang bootstrap server: {m}"
+                )),
+                other => other,
+            })?;
     answer.into_digest(&format!("room {room}"))
 }
 
@@ -217,7 +308,11 @@ pub(crate) async fn fetch(elements: &[Element], wait: Duration) -> Result<(), Kv
     let fetches = elements.iter().map(|e| async move {
         let host = e.host.as_deref().unwrap_or_default();
         let room = e.room;
-        let remote = timeout(wait, fetch_one(host, e.port, room))
+        let request = BootstrapRequest {
+            room,
+            dp_rank: e.prefill_rank,
+        };
+        let remote = timeout(wait, fetch_one(host, e.port, request))
             .await
             .map_err(|_| {
                 KvTransferError::PeerTimeout(format!("no prefill for room {room} within {wait:?}"))

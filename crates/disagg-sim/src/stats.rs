@@ -111,6 +111,30 @@ pub struct Stats {
     /// rank).
     #[serde(default)]
     pub kv_expired: u64,
+    /// vLLM engines: accepted requests with `use_beam_search: true`. vLLM
+    /// builds beam-search parameters for them, which carry no
+    /// `kv_transfer_params`: such a request is served like a plain one
+    /// whatever its parameters say (a prefill holds nothing, a decode
+    /// computes its prompt locally).
+    #[serde(default)]
+    pub beam_search_requests: u64,
+    /// vLLM engines: accepted requests that make the engine compile a
+    /// grammar (structured output: `response_format` of type `json_object`,
+    /// `json_schema` or `structural_tag`, `structured_outputs`, or a
+    /// `guided_json`, `guided_regex`, `guided_choice` or `guided_grammar`
+    /// field). Not counted by SGLang engines.
+    #[serde(default)]
+    pub grammars_compiled: u64,
+    /// Completion requests placed on each data-parallel rank, indexed by
+    /// rank ([`SimConfig::dp_size`](crate::SimConfig::dp_size) entries). An
+    /// SGLang engine counts each element of a batch on its own rank.
+    #[serde(default)]
+    pub requests_per_dp_rank: Vec<u64>,
+    /// SGLang prefill: requests refused because the rank they were pinned
+    /// to is not the one their `bootstrap_room` implies
+    /// (`follow_bootstrap_room conflict`).
+    #[serde(default)]
+    pub dp_rank_conflicts: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -143,6 +167,11 @@ pub(crate) struct Counters {
     pub(crate) kv_received: AtomicU64,
     pub(crate) kv_missing: AtomicU64,
     pub(crate) kv_expired: AtomicU64,
+    pub(crate) beam_search_requests: AtomicU64,
+    pub(crate) grammars_compiled: AtomicU64,
+    /// One counter per data-parallel rank (none in [`Counters::default`]).
+    pub(crate) requests_per_dp_rank: Box<[AtomicU64]>,
+    pub(crate) dp_rank_conflicts: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -150,6 +179,21 @@ pub(crate) fn bump(counter: &AtomicU64) {
 }
 
 impl Counters {
+    /// Counters of an engine with `dp_size` data-parallel ranks.
+    pub(crate) fn with_dp_size(dp_size: usize) -> Self {
+        Self {
+            requests_per_dp_rank: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
+            ..Self::default()
+        }
+    }
+
+    /// Counts a request placed on `rank` (ignored if out of range).
+    pub(crate) fn bump_rank(&self, rank: usize) {
+        if let Some(counter) = self.requests_per_dp_rank.get(rank) {
+            bump(counter);
+        }
+    }
+
     pub(crate) fn snapshot(&self) -> Stats {
         Stats {
             requests: self.requests.load(Relaxed),
@@ -179,6 +223,14 @@ impl Counters {
             kv_received: self.kv_received.load(Relaxed),
             kv_missing: self.kv_missing.load(Relaxed),
             kv_expired: self.kv_expired.load(Relaxed),
+            beam_search_requests: self.beam_search_requests.load(Relaxed),
+            grammars_compiled: self.grammars_compiled.load(Relaxed),
+            requests_per_dp_rank: self
+                .requests_per_dp_rank
+                .iter()
+                .map(|c| c.load(Relaxed))
+                .collect(),
+            dp_rank_conflicts: self.dp_rank_conflicts.load(Relaxed),
         }
     }
 }
@@ -193,6 +245,9 @@ pub(crate) struct RequestGuard {
     counters: Arc<Counters>,
     complete: bool,
     on_cancel: Option<OnCancel>,
+    /// Values that live as long as the request (its data-parallel rank's
+    /// load), dropped with the guard.
+    kept: Vec<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl fmt::Debug for RequestGuard {
@@ -212,7 +267,13 @@ impl RequestGuard {
             counters,
             complete: false,
             on_cancel: None,
+            kept: Vec::new(),
         }
+    }
+
+    /// Keeps `value` until the request ends, whatever way it ends.
+    pub(crate) fn keep(&mut self, value: impl Send + Sync + 'static) {
+        self.kept.push(Box::new(value));
     }
 
     /// Runs `undo` if the request is cancelled (dropped before

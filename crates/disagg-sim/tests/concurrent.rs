@@ -589,7 +589,10 @@ async fn mooncake_dp_rank_header_picks_the_engine_id() {
 
     // Held on rank 0, pulled with rank 1's engine id.
     let (pb, db) = mooncake_bodies(&chat(PROMPT, 4), &p, &ids[1], "t2");
-    let (pr, dr) = tokio::join!(send(p.addr(), &[], pb), send(d.addr(), &[], db));
+    let (pr, dr) = tokio::join!(
+        send(p.addr(), &[("X-data-parallel-rank", "0")], pb),
+        send(d.addr(), &[], db)
+    );
     assert_eq!(pr.status, 200);
     assert_kv_failure(&dr, "no prefill held transfer id \"t2\"");
 

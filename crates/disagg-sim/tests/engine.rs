@@ -364,7 +364,7 @@ async fn validation_errors() {
         post(
             e.addr(),
             chat,
-            &json!({"messages": msgs, "stream": false, "stream_options": {}}),
+            &json!({"messages": msgs, "stream": false, "stream_options": {"include_usage": false}}),
         )
         .await,
         400,

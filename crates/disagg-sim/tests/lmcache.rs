@@ -197,7 +197,7 @@ async fn tokenize_text_and_messages() {
         (json!({"messages": "hi"}), 400, "messages"),
         (json!({"messages": [1]}), 400, "messages"),
         (
-            json!({"messages": [], "add_generation_prompt": "yes"}),
+            json!({"messages": [], "add_generation_prompt": "maybe"}),
             400,
             "add_generation_prompt",
         ),
@@ -595,6 +595,85 @@ async fn kv_on_one_of_two_ranks_is_refused() {
     // Refused: rank 0's KV is still there, for its lease.
     assert_eq!(d.stats().blocks_held, held);
     assert_eq!(d.stats().kv_missing, 1);
+}
+
+/// A prefill of `tp` tensor-parallel ranks.
+async fn prefill_tp(proxy: &Proxy, tp: usize) -> SimEngine {
+    SimEngine::start(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Prefill),
+        lmcache_proxy: Some(proxy.addr.clone()),
+        lmcache_prefill_tp_size: Some(tp),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn prefill_with_fewer_tp_ranks_than_receiver_ports_never_completes() {
+    let mut proxy = proxy().await;
+    let p = prefill_tp(&proxy, 1).await;
+    let d = decode(2).await;
+    let ids = tokenize(PROMPT);
+    // The spec names both decode ranks; the prefill's one rank pushes to
+    // port 0 only and notifies once.
+    let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, spec("tp1", &d))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let first_tok = reply.json()["kv_transfer_params"]["first_tok"]
+        .as_u64()
+        .unwrap();
+    // A proxy waiting for one notification per receiver port waits in vain.
+    assert_eq!(proxy.drain(Duration::from_millis(300)).await, ["tp1"]);
+    let ps = p.stats();
+    assert_eq!(
+        (ps.kv_pushes, ps.notifications_sent, ps.kv_push_failures),
+        (1, 1, 0)
+    );
+    // The decode has rank 0's KV only.
+    let reply = decode_after(&d, &ids, first_tok, 3).await;
+    assert_eq!(reply.status, 500);
+    assert!(
+        error_message(&reply).contains("rank [1]"),
+        "{}",
+        reply.text()
+    );
+}
+
+#[tokio::test]
+async fn prefill_with_more_tp_ranks_than_receiver_ports_fails() {
+    let mut proxy = proxy().await;
+    let p = prefill_tp(&proxy, 3).await;
+    let d = decode(2).await;
+    let ids = tokenize(PROMPT);
+    let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, spec("tp3", &d))).await;
+    // Rank 2 indexes the port lists out of range, as LMCache does.
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let message = error_message(&reply);
+    assert!(
+        message.starts_with("KV transfer failed: rank 2")
+            && message.contains("list index out of range"),
+        "{message}"
+    );
+    // Ranks 0 and 1 pushed and notified before.
+    assert_eq!(
+        proxy.drain(Duration::from_millis(300)).await,
+        ["tp3", "tp3"]
+    );
+    let ps = p.stats();
+    assert_eq!(
+        (ps.kv_pushes, ps.kv_push_failures, ps.notifications_sent),
+        (2, 1, 2)
+    );
+    assert_eq!(d.stats().kv_received, 2);
+
+    // With as many ranks as ports, the same request completes.
+    let p2 = prefill_tp(&proxy, 2).await;
+    let reply = post(p2.addr(), COMPLETIONS, &prefill_body(&ids, spec("tp2", &d))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        proxy.drain(Duration::from_millis(300)).await,
+        ["tp2", "tp2"]
+    );
 }
 
 #[tokio::test]

@@ -186,3 +186,38 @@ pub async fn unused_port() -> u16 {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     listener.local_addr().unwrap().port()
 }
+
+/// The `error.message` of an error answer in vLLM's shape (status and code
+/// checked to agree).
+pub fn error_message(reply: &Reply) -> String {
+    let v = reply.json();
+    assert_eq!(v["error"]["code"], reply.status, "{v}");
+    v["error"]["message"].as_str().unwrap().to_owned()
+}
+
+/// Asserts a 500 `"KV transfer failed: ..."` answer that says `why`.
+pub fn assert_transfer_failed(reply: &Reply, why: &str) {
+    assert_eq!(reply.status, 500, "{}", reply.text());
+    let message = error_message(reply);
+    assert!(
+        message.starts_with("KV transfer failed") && message.contains(why),
+        "{message:?} does not say {why:?}"
+    );
+}
+
+/// POSTs JSON with extra headers.
+pub async fn post_with(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> Reply {
+    request(
+        addr,
+        "POST",
+        path,
+        headers,
+        Some(serde_json::to_vec(body).unwrap()),
+    )
+    .await
+}

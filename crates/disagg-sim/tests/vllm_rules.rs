@@ -1,0 +1,353 @@
+//! What vLLM and SGLang engines accept, and what vLLM does with a beam
+//! search, a grammar and the headers of a request, over real loopback
+//! sockets.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole, generate};
+use serde_json::{Value, json};
+
+const CHAT: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+const PROMPT: &str = "the words of a prompt that spans more than one block of sixteen tokens so that \
+    the prefill holds two blocks";
+
+async fn engine(kv_mode: KvMode, tweak: impl FnOnce(&mut SimConfig)) -> SimEngine {
+    let mut config = SimConfig {
+        kv_mode,
+        bootstrap_timeout: Duration::from_millis(300),
+        ..SimConfig::default()
+    };
+    tweak(&mut config);
+    SimEngine::start(config).await.unwrap()
+}
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// The bodies the brief of the proxy's fixes names, each refused by every
+/// vLLM engine with a 400 in vLLM's shape before any KV work, or accepted.
+#[tokio::test]
+async fn vllm_engines_refuse_what_vllm_refuses() {
+    let table = [
+        (
+            json!({"logprob_token_ids": [3]}),
+            Some("`logprobs` must be set to true"),
+        ),
+        (
+            json!({"top_logprobs": 2}),
+            Some("`logprobs` must be set to true"),
+        ),
+        (
+            json!({"top_logprobs": -5, "logprobs": true}),
+            Some("`top_logprobs` must be a positive value or -1"),
+        ),
+        (
+            json!({"stream_options": {"include_usage": true}}),
+            Some("`stream=True`"),
+        ),
+        (
+            json!({"prompt_logprobs": 1, "stream": true}),
+            Some("`prompt_logprobs` are not available when `stream=True`"),
+        ),
+        (
+            json!({"top_logprobs": 21, "logprobs": true}),
+            Some("greater than max allowed: 20"),
+        ),
+        (
+            json!({"max_tokens": 0}),
+            Some("max_tokens must be at least 1"),
+        ),
+        (
+            json!({"max_tokens": "abc"}),
+            Some("max_tokens: Input should be a valid integer"),
+        ),
+        (
+            json!({"max_tokens": 1.5}),
+            Some("max_tokens: Input should be a valid integer"),
+        ),
+        (json!({"n": 0}), Some("n must be at least 1")),
+        (
+            json!({"n": 2, "temperature": 0}),
+            Some("n must be 1 when using greedy sampling"),
+        ),
+        (
+            json!({"stop": [""]}),
+            Some("stop cannot contain an empty string"),
+        ),
+        (
+            json!({"stop": 5}),
+            Some("stop: Input should be a valid string"),
+        ),
+        (
+            json!({"stop_token_ids": ["a"]}),
+            Some("stop_token_ids: Input should be a valid integer"),
+        ),
+        (
+            json!({"stream": "maybe"}),
+            Some("stream: Input should be a valid boolean"),
+        ),
+        (
+            json!({"temperature": 3}),
+            Some("temperature must be in [0, 2]"),
+        ),
+        (json!({"stream": "yes"}), None),
+        (json!({"stream": 1}), None),
+        (json!({"stream": "off"}), None),
+        (json!({"max_tokens": "2"}), None),
+        (json!({"top_logprobs": 20, "logprobs": "true"}), None),
+    ];
+    // A vLLM engine of every mode, as a decode or plain engine would get it.
+    let modes = [
+        KvMode::Nixl,
+        KvMode::NixlPush,
+        KvMode::Mooncake(SimRole::Decode),
+        KvMode::Lmcache(SimRole::Decode),
+    ];
+    for mode in modes {
+        let e = engine(mode, |_| {}).await;
+        for (extra, refusal) in &table {
+            let reply = post(e.addr(), CHAT, &chat(extra.clone())).await;
+            match refusal {
+                Some(why) => {
+                    assert_eq!(reply.status, 400, "{mode:?} {extra}: {}", reply.text());
+                    let v = reply.json();
+                    assert_eq!(v["error"]["type"], "BadRequestError");
+                    assert_eq!(v["error"]["param"], Value::Null);
+                    let message = error_message(&reply);
+                    assert!(message.contains(why), "{mode:?} {extra}: {message}");
+                }
+                // Accepted: past validation, whatever the mode then asks (a
+                // Mooncake decode needs its parameters, an LMCache decode its KV).
+                None => assert!(
+                    reply.status != 400 || error_message(&reply).starts_with("Mooncake:"),
+                    "{mode:?} {extra}: {}",
+                    reply.text()
+                ),
+            }
+        }
+        let s = e.stats();
+        assert_eq!((s.kv_pull_failures, s.blocks_held), (0, 0), "{mode:?}");
+    }
+    // A plain vLLM engine serves the accepted ones, lax values read as such.
+    let e = engine(KvMode::Nixl, |_| {}).await;
+    let reply = post(e.addr(), CHAT, &chat(json!({"stream": "yes"}))).await;
+    assert_eq!(reply.events().last().unwrap(), "[DONE]");
+    let reply = post(
+        e.addr(),
+        COMPLETIONS,
+        &json!({"prompt": PROMPT, "max_tokens": "3", "stream": "off"}),
+    )
+    .await;
+    assert_eq!(reply.json()["usage"]["completion_tokens"], 3);
+    // The server's --max-logprobs is a knob.
+    let wide = engine(KvMode::Nixl, |c| c.max_logprobs = 50).await;
+    let reply = post(
+        wide.addr(),
+        CHAT,
+        &chat(json!({"top_logprobs": 21, "logprobs": true})),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// SGLang's laxer ranges, through a real prefill/decode pair.
+#[tokio::test]
+async fn sglang_serves_what_vllm_refuses() {
+    let p = engine(KvMode::Sglang(SimRole::Prefill), |_| {}).await;
+    let d = engine(KvMode::Sglang(SimRole::Decode), |_| {}).await;
+    let port = p.bootstrap_addr().unwrap().port();
+    for (room, extra) in [
+        json!({"max_tokens": 0}),
+        json!({"n": 0}),
+        json!({"temperature": 3}),
+        json!({"top_logprobs": 50, "logprobs": true}),
+        json!({"top_logprobs": 50}),
+        json!({"stream": "yes"}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut body = chat(extra.clone());
+        body["bootstrap_host"] = json!("127.0.0.1");
+        body["bootstrap_port"] = json!(port);
+        body["bootstrap_room"] = json!(room);
+        let (pr, dr) = tokio::join!(post(p.addr(), CHAT, &body), post(d.addr(), CHAT, &body));
+        assert_eq!((pr.status, dr.status), (200, 200), "{extra}: {}", dr.text());
+    }
+    let body = |max_tokens: Value| {
+        json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens,
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 99})
+    };
+    // Still refused: a negative count, a type pydantic cannot coerce.
+    for bad in [json!(-1), json!("abc")] {
+        let r = post(d.addr(), CHAT, &body(bad.clone())).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+    }
+}
+
+#[tokio::test]
+async fn beam_search_ignores_kv_transfer_params_on_both_roles() {
+    let p = engine(KvMode::Nixl, |c| c.engine_id = Some("p".into())).await;
+    let d = engine(KvMode::Nixl, |_| {}).await;
+    let prefill = json!({"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let params = post(p.addr(), COMPLETIONS, &prefill).await.json()["kv_transfer_params"].clone();
+    assert_eq!(params["remote_engine_id"], "p");
+    let held = p.stats().blocks_held;
+
+    // A beam-search prefill keeps nothing and answers no parameters.
+    let mut beam = prefill.clone();
+    beam["use_beam_search"] = json!(true);
+    let r = post(p.addr(), COMPLETIONS, &beam).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["kv_transfer_params"], Value::Null);
+    assert_eq!(p.stats().blocks_held, held);
+
+    // A beam-search decode computes its prompt: the blocks it was named stay.
+    let decode = json!({"prompt": PROMPT, "max_tokens": 4, "use_beam_search": true, "n": 2,
+                        "temperature": 0, "kv_transfer_params": params.clone()});
+    let r = post(d.addr(), COMPLETIONS, &decode).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["choices"][0]["text"],
+        generate(PROMPT, 4, 0).concat()
+    );
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!(ps.blocks_held, held);
+    assert_eq!(ps.side_channel_served, 0);
+    assert_eq!(
+        (
+            ds.local_prefills,
+            ds.remote_decodes,
+            ds.invalid_kv_params,
+            ds.beam_search_requests
+        ),
+        (1, 0, 0, 1)
+    );
+    assert_eq!(p.stats().beam_search_requests, 1);
+    // Without beam search the same parameters are pulled.
+    let mut pulled = decode.clone();
+    pulled["use_beam_search"] = json!(false);
+    pulled["temperature"] = json!(1.0);
+    assert_eq!(post(d.addr(), COMPLETIONS, &pulled).await.status, 200);
+    assert_eq!((p.stats().blocks_held, d.stats().remote_decodes), (0, 1));
+
+    // Mooncake: a beam-search prefill needs no transfer id and holds
+    // nothing; a beam-search decode needs no parameters.
+    let mp = engine(KvMode::Mooncake(SimRole::Prefill), |_| {}).await;
+    let md = engine(KvMode::Mooncake(SimRole::Decode), |_| {}).await;
+    let beam = json!({"prompt": PROMPT, "max_tokens": 2, "use_beam_search": true,
+                      "kv_transfer_params": {"do_remote_decode": true}});
+    for e in [&mp, &md] {
+        let r = post(e.addr(), COMPLETIONS, &beam).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let s = e.stats();
+        assert_eq!(
+            (
+                s.beam_search_requests,
+                s.local_prefills,
+                s.kv_transfers_pending
+            ),
+            (1, 1, 0)
+        );
+    }
+    // A NIXL push prefill likewise holds nothing.
+    let pp = engine(KvMode::NixlPush, |_| {}).await;
+    let r = post(pp.addr(), COMPLETIONS, &beam).await;
+    assert_eq!(r.json()["kv_transfer_params"], Value::Null);
+    assert_eq!(pp.stats().blocks_held, 0);
+}
+
+#[tokio::test]
+async fn grammar_compilations_are_counted_per_engine() {
+    let p = engine(KvMode::Nixl, |_| {}).await;
+    let d = engine(KvMode::Nixl, |_| {}).await;
+    let grammars = [
+        json!({"response_format": {"type": "json_object"}}),
+        json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {}}}}),
+        json!({"structured_outputs": {"choice": ["a", "b"]}}),
+        json!({"guided_json": {"type": "object"}}),
+        json!({"guided_regex": "[a-z]+"}),
+        json!({"guided_choice": ["yes", "no"]}),
+        json!({"guided_grammar": "root ::= \"x\""}),
+    ];
+    for g in &grammars {
+        assert_eq!(
+            post(d.addr(), CHAT, &chat(g.clone())).await.status,
+            200,
+            "{g}"
+        );
+    }
+    // No grammar: plain text, or a request refused before the engine took it.
+    assert_eq!(
+        post(
+            d.addr(),
+            CHAT,
+            &chat(json!({"response_format": {"type": "text"}}))
+        )
+        .await
+        .status,
+        200
+    );
+    let refused = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 0}));
+    assert_eq!(post(d.addr(), CHAT, &refused).await.status, 400);
+    assert_eq!(d.stats().grammars_compiled, grammars.len() as u64);
+    // A prefill leg that carries none compiles none; one that does, does.
+    let leg = |extra: Value| {
+        let mut body = chat(extra);
+        body["kv_transfer_params"] = json!({"do_remote_decode": true});
+        body["max_tokens"] = json!(1);
+        body
+    };
+    assert_eq!(post(p.addr(), CHAT, &leg(json!({}))).await.status, 200);
+    assert_eq!(p.stats().grammars_compiled, 0);
+    assert_eq!(
+        post(p.addr(), CHAT, &leg(grammars[0].clone())).await.status,
+        200
+    );
+    assert_eq!(p.stats().grammars_compiled, 1);
+    // SGLang engines do not count.
+    let s = engine(KvMode::Sglang(SimRole::Decode), |_| {}).await;
+    let mut body = chat(grammars[0].clone());
+    body["bootstrap_host"] = json!("127.0.0.1");
+    body["bootstrap_room"] = json!(1);
+    post(s.addr(), CHAT, &body).await;
+    assert_eq!(s.stats().grammars_compiled, 0);
+}
+
+#[tokio::test]
+async fn recorded_requests_keep_the_headers_of_each_leg() {
+    let e = engine(KvMode::Nixl, |c| c.dp_size = 2).await;
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let headers = [
+        ("x-request-id", "leg-1"),
+        ("X-data-parallel-rank", "1"),
+        ("traceparent", traceparent),
+    ];
+    let r = post_with(e.addr(), CHAT, &headers, &chat(json!({}))).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        post(e.addr(), COMPLETIONS, &json!({"prompt": "x"}))
+            .await
+            .status,
+        200
+    );
+    let recorded = e.requests();
+    assert_eq!(recorded.len(), 2);
+    assert_eq!(recorded[0].path, CHAT);
+    assert_eq!(recorded[0].header("x-request-id"), Some("leg-1"));
+    assert_eq!(recorded[0].header("X-Data-Parallel-Rank"), Some("1"));
+    assert_eq!(recorded[0].header("traceparent"), Some(traceparent));
+    assert_eq!(recorded[0].body["max_tokens"], 2);
+    assert_eq!(recorded[1].header("x-request-id"), None);
+    assert_eq!(recorded[1].header("traceparent"), None);
+    assert_eq!(e.stats().requests_per_dp_rank, [0, 2]);
+}
