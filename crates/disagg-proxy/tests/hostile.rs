@@ -319,46 +319,37 @@ async fn a_body_sent_in_pieces_within_the_timeout_is_served() {
     assert_eq!(d.requests()[0].body["prompt"], "in three pieces");
 }
 
-/// How one client of the flood fared.
-#[derive(Debug)]
-struct Flooder {
-    /// The answer it got before the flood ended, and how long after its head.
-    answer: Option<(Answer, Duration)>,
+/// The budget of the flood test: the proxy may hold this many bytes of bodies at once.
+const CAP: u64 = 256 * MIB;
+
+/// What one flood did to the proxy.
+struct Flood {
+    /// Clients whose body the proxy took (and held until the flood ended).
+    held: usize,
+    /// The proxy's highest RSS while it held them.
+    during: u64,
+    /// Its RSS once the flood's connections were gone (back near idle, or after 10 s).
+    after: u64,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_back() {
-    const CAP: u64 = 256 * MIB;
-    const CLIENTS: usize = 64;
-    const DECLARED: usize = 31_000_000;
-    const SENT: usize = 30_000_000;
-    // Each admitted body takes its declared length from the budget before it is read.
-    const ADMITTED: usize = (CAP / DECLARED as u64) as usize;
-
-    let (p, d) = engines().await;
-    let cap = CAP.to_string();
-    let proxy = Proxy::start(&p, &d, &["--max-buffered-bytes", &cap]).await;
+/// Flood the proxy with `clients` that each declare `declared` bytes of body, send
+/// `sent` of them and stall until the flood ends. Checks that every client over the cap
+/// is answered 503 `server_busy` at once and that the others are held.
+async fn flood(proxy: &Proxy, clients: usize, declared: usize, sent: usize, idle: u64) -> Flood {
     let addr = proxy.addr;
-    // Idle, after a few requests have warmed both serving threads up.
-    for _ in 0..8 {
-        let mut sock = TcpStream::connect(addr).await.expect("connect");
-        sock.write_all(&small_request(addr)).await.expect("send");
-        assert_eq!(read_answer(&mut sock).await.expect("answer").status, 200);
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let idle = proxy.rss();
-
+    // Each admitted body takes its declared length from the budget before it is read.
+    let admitted = (CAP / declared as u64) as usize;
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel();
     let wrote_all = Arc::new(AtomicUsize::new(0));
-    let mut clients = Vec::new();
-    for _ in 0..CLIENTS {
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
         let (mut stop_w, mut stop_r) = (stop.clone(), stop.clone());
         let answered_tx = answered_tx.clone();
         let wrote_all = Arc::clone(&wrote_all);
-        clients.push(tokio::spawn(async move {
+        tasks.push(tokio::spawn(async move {
             let mut sock = TcpStream::connect(addr).await.expect("connect");
-            sock.write_all(head(addr, DECLARED).as_bytes())
+            sock.write_all(head(addr, declared).as_bytes())
                 .await
                 .expect("send the head");
             let sent_head = Instant::now();
@@ -366,13 +357,13 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
             // Most of the body, then a stall until the flood ends; the socket stays open.
             let writer = tokio::spawn(async move {
                 let chunk = vec![b' '; 256 * 1024];
-                let mut sent = 0;
-                while sent < SENT {
-                    let n = chunk.len().min(SENT - sent);
+                let mut done = 0;
+                while done < sent {
+                    let n = chunk.len().min(sent - done);
                     if wr.write_all(&chunk[..n]).await.is_err() {
                         return wr;
                     }
-                    sent += n;
+                    done += n;
                 }
                 wrote_all.fetch_add(1, Ordering::Relaxed);
                 let _ = stop_w.wait_for(|s| *s).await;
@@ -385,7 +376,7 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
             let _ = answered_tx.send(());
             let wr = writer.await.expect("the writer");
             drop((rd, wr));
-            Flooder { answer }
+            answer
         }));
     }
     drop(answered_tx);
@@ -393,14 +384,14 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
     // Every client over the cap is answered; the admitted ones send all they will.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut got = 0;
-    while got < CLIENTS - ADMITTED {
+    while got < clients - admitted {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, answered.recv()).await {
             Ok(Some(())) => got += 1,
             _ => panic!("only {got} clients were answered: {}", proxy.log()),
         }
     }
-    while wrote_all.load(Ordering::Relaxed) < ADMITTED {
+    while wrote_all.load(Ordering::Relaxed) < admitted {
         assert!(
             Instant::now() < deadline,
             "only {} admitted clients sent their bodies",
@@ -415,13 +406,11 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop_tx.send(true).expect("end the flood");
-    let mut rejected = 0;
-    let mut kept = 0;
-    for client in clients {
-        match client.await.expect("a client").answer {
-            None => kept += 1,
+    let mut held = 0;
+    for task in tasks {
+        match task.await.expect("a client") {
+            None => held += 1,
             Some((answer, after)) => {
-                rejected += 1;
                 assert_eq!(answer.status, 503, "{answer:?}");
                 let err = &answer.json()["error"];
                 assert_eq!(err["code"], "server_busy", "{answer:?}");
@@ -432,31 +421,8 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
             }
         }
     }
-    assert_eq!(
-        (kept, rejected),
-        (ADMITTED, CLIENTS - ADMITTED),
-        "clients held and refused"
-    );
-
-    // During the flood: the admitted bodies, and no more than the cap plus a margin for
-    // the connections' own buffers.
-    let held = (ADMITTED * SENT) as u64;
-    let margin = 64 * MIB;
-    eprintln!(
-        "RSS idle {} MiB, during the flood {} MiB (bodies held: {} MiB)",
-        idle / MIB,
-        during / MIB,
-        held / MIB
-    );
-    assert!(
-        during >= idle + held * 3 / 4,
-        "RSS {during} during the flood does not show the {held} bytes held (idle {idle})"
-    );
-    assert!(
-        during <= idle + CAP + margin,
-        "RSS {during} during the flood is past idle {idle} + the cap {CAP} + {margin}"
-    );
-    // After it: back near idle once the connections are gone.
+    assert_eq!(held, admitted, "clients held (the others were refused)");
+    // Back near idle once the connections are gone.
     let back = idle + 32 * MIB;
     let until = Instant::now() + Duration::from_secs(10);
     let mut after = proxy.rss();
@@ -464,11 +430,60 @@ async fn a_flood_of_stalled_bodies_is_held_under_the_cap_and_its_memory_given_ba
         tokio::time::sleep(Duration::from_millis(100)).await;
         after = proxy.rss();
     }
-    eprintln!("RSS after the flood {} MiB", after / MIB);
-    assert!(
-        after <= back,
-        "RSS {after} after the flood stays above idle {idle} + 32 MiB"
-    );
+    Flood {
+        held,
+        during,
+        after,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn floods_of_stalled_bodies_are_held_under_the_cap_and_their_memory_given_back() {
+    let (p, d) = engines().await;
+    let cap = CAP.to_string();
+    let proxy = Proxy::start(&p, &d, &["--max-buffered-bytes", &cap]).await;
+    let addr = proxy.addr;
+    // Idle, after a few requests have warmed both serving threads up.
+    for _ in 0..8 {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        sock.write_all(&small_request(addr)).await.expect("send");
+        assert_eq!(read_answer(&mut sock).await.expect("answer").status, 200);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = proxy.rss();
+
+    // 64 clients of 31 MB (8 held), then 64 of 12 MB (21 held): the second flood's
+    // bodies are of a size the allocator would by then have kept on its heap.
+    for (declared, sent) in [(31_000_000, 30_000_000), (12_000_000, 11_500_000)] {
+        let f = flood(&proxy, 64, declared, sent, idle).await;
+        let held = (f.held * sent) as u64;
+        let margin = 64 * MIB;
+        eprintln!(
+            "{declared} B bodies: RSS idle {} MiB, during the flood {} MiB ({} bodies, {} MiB held), after it {} MiB",
+            idle / MIB,
+            f.during / MIB,
+            f.held,
+            held / MIB,
+            f.after / MIB
+        );
+        // During the flood: the bodies held, and no more than the cap plus a margin
+        // for the connections' own buffers.
+        assert!(
+            f.during >= idle + held * 3 / 4,
+            "RSS {} during the flood does not show the {held} bytes held (idle {idle})",
+            f.during
+        );
+        assert!(
+            f.during <= idle + CAP + margin,
+            "RSS {} during the flood is past idle {idle} + the cap {CAP} + {margin}",
+            f.during
+        );
+        assert!(
+            f.after <= idle + 32 * MIB,
+            "RSS {} after the flood stays above idle {idle} + 32 MiB",
+            f.after
+        );
+    }
     // And the proxy serves again.
     let mut sock = TcpStream::connect(addr).await.expect("connect");
     sock.write_all(&small_request(addr)).await.expect("send");
