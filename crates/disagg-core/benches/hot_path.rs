@@ -1,6 +1,7 @@
 //! Micro-benchmarks of the request path's hot pieces: body parse + prefill rewrite for
-//! 1 KB, 64 KB and 1 MB bodies, routing decisions, SSE frame forwarding, and the health
-//! feedback and filtered snapshot.
+//! 1 KB, 64 KB and 1 MB bodies, the parse of bodies of many distinct keys (12 to 120k),
+//! routing decisions, SSE frame forwarding, and the health feedback and filtered
+//! snapshot.
 //!
 //! Run: `cargo bench -p disagg-core --bench hot_path`.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
@@ -10,6 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use disagg_core::body::JsonBody;
 use disagg_core::connector::{KvConnector, VllmNixl};
 use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
 use disagg_core::request::{Api, PdRequest};
@@ -79,6 +81,34 @@ fn parse_and_rewrite(c: &mut Criterion) {
             black_box((h.prefill.body.to_bytes(), h.decode.body.to_bytes()))
         })
     });
+    g.finish();
+}
+
+/// A hostile body: `n` distinct top-level keys (`"k0":0,"k1":1,...`), 120k of them
+/// making 1.3 MB. Parsing it was quadratic in the keys before duplicate keys were folded
+/// through a hash index.
+fn many_keys_body(n: usize) -> Bytes {
+    let mut s = String::from("{");
+    for i in 0..n {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!("\"k{i}\":{i}"));
+    }
+    s.push('}');
+    Bytes::from(s)
+}
+
+fn parse_many_keys(c: &mut Criterion) {
+    let mut g = c.benchmark_group("parse_many_keys");
+    g.sample_size(10);
+    for n in [12usize, 1_000, 120_000] {
+        let body = many_keys_body(n);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &body, |b, body| {
+            b.iter(|| black_box(JsonBody::parse_bytes(black_box(body)).unwrap().len()))
+        });
+    }
     g.finish();
 }
 
@@ -176,5 +206,12 @@ fn health(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, parse_and_rewrite, routing, sse_forwarding, health);
+criterion_group!(
+    benches,
+    parse_and_rewrite,
+    parse_many_keys,
+    routing,
+    sse_forwarding,
+    health
+);
 criterion_main!(benches);

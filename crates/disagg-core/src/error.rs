@@ -297,6 +297,12 @@ enum Kind {
     QueueTimeout {
         waited: std::time::Duration,
     },
+    BodyTimeout {
+        after: std::time::Duration,
+    },
+    ServerBusy {
+        retry_after: std::time::Duration,
+    },
 }
 
 /// The step of a request a time budget covers; each has its own error
@@ -434,11 +440,24 @@ impl PdError {
         Self::new(Kind::QueueTimeout { waited }, Side::Router, None)
     }
 
+    /// The client's body did not arrive within `after` (408 `request_timeout`): it
+    /// stopped half way, or trickled in too slowly.
+    pub fn body_timeout(after: std::time::Duration) -> Self {
+        Self::new(Kind::BodyTimeout { after }, Side::Client, None)
+    }
+
+    /// The proxy holds as many bytes of request bodies being received as it allows, and
+    /// this body would take it past them (503 `server_busy`); a client may try again
+    /// after `retry_after`.
+    pub fn server_busy(retry_after: std::time::Duration) -> Self {
+        Self::new(Kind::ServerBusy { retry_after }, Side::Router, None)
+    }
+
     /// How long a client should wait before trying again, for the `retry-after` header:
-    /// set for a full admission queue.
+    /// set for a full admission queue and for a busy server.
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self.kind {
-            Kind::QueueFull { retry_after } => Some(retry_after),
+            Kind::QueueFull { retry_after } | Kind::ServerBusy { retry_after } => Some(retry_after),
             _ => None,
         }
     }
@@ -466,7 +485,8 @@ impl PdError {
             | Kind::Transport { .. } => StatusCode::BAD_GATEWAY,
             Kind::Timeout { .. } | Kind::Deadline { .. } => StatusCode::GATEWAY_TIMEOUT,
             Kind::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Kind::QueueTimeout { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::QueueTimeout { .. } | Kind::ServerBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -496,6 +516,8 @@ impl PdError {
             (Kind::Deadline { .. }, _) => "deadline_exceeded",
             (Kind::QueueFull { .. }, _) => "queue_full",
             (Kind::QueueTimeout { .. }, _) => "queue_timeout",
+            (Kind::BodyTimeout { .. }, _) => "request_timeout",
+            (Kind::ServerBusy { .. }, _) => "server_busy",
             (Kind::Timeout { phase, .. }, side) => match phase {
                 Phase::Handoff => "handoff_timeout",
                 Phase::DecodeIdle => "decode_idle_timeout",
@@ -637,6 +659,16 @@ impl fmt::Display for PdError {
                 "the request waited {} ms in the admission queue and was not admitted",
                 waited.as_millis()
             ),
+            Kind::BodyTimeout { after } => write!(
+                f,
+                "the request body did not arrive within {} ms",
+                after.as_millis()
+            ),
+            Kind::ServerBusy { retry_after } => write!(
+                f,
+                "the proxy holds as many request bodies as it allows; retry after {} s",
+                retry_after.as_secs().max(1)
+            ),
         }
     }
 }
@@ -765,6 +797,36 @@ mod tests {
             (StatusCode::SERVICE_UNAVAILABLE, "queue_timeout")
         );
         assert_eq!(e.retry_after(), None);
+    }
+
+    #[test]
+    fn client_body_limits_have_their_codes() {
+        let e = PdError::body_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(
+            (e.status(), e.code(), e.error_type(), e.side()),
+            (
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                "invalid_request_error",
+                Side::Client
+            )
+        );
+        assert_eq!(e.retry_after(), None);
+        assert_eq!(
+            error_chain(&e),
+            "the request body did not arrive within 30000 ms"
+        );
+        let e = PdError::server_busy(std::time::Duration::from_secs(1));
+        assert_eq!(
+            (e.status(), e.code(), e.error_type()),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_busy",
+                "server_error"
+            )
+        );
+        assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(1)));
+        assert!(!e.is_retryable());
     }
 
     #[test]

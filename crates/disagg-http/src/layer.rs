@@ -10,8 +10,9 @@
 //! | gateway | a remote endpoint chosen by the router | a remote endpoint chosen by the router | [`PdLayer::gateway`] |
 //! | sidecar | a remote prefill endpoint: named by an upstream scheduler in a header, or picked from a pool | the inner service itself, called in process with the handoff fields | [`PdLayer::sidecar`] |
 //!
-//! Completion requests are handled exactly as [`PdService`] handles them (body limit,
-//! OpenAI-format errors, streaming). A P/D failure is an OpenAI error response, never a
+//! Completion requests are handled exactly as [`PdService`] handles them (the client
+//! body's limits of size, time and memory from [`crate::body`], OpenAI-format errors,
+//! streaming). A P/D failure is an OpenAI error response, never a
 //! service error, so the layered service keeps the inner service's error type and fits
 //! axum's routers (which need `Error: Into<Infallible>`) and
 //! `tower::ServiceBuilder` stacks next to timeouts, concurrency limits and tracing.
@@ -250,7 +251,7 @@ impl<M> PdLayer<M> {
         self
     }
 
-    /// Use `config` (body limit) for the orchestrated requests.
+    /// Use `config` (body limits, timeout and budget) for the orchestrated requests.
     pub fn service_config(mut self, config: PdServiceConfig) -> Self {
         self.service = config;
         self

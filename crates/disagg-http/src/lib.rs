@@ -22,6 +22,7 @@
 //! # }
 //! ```
 
+pub mod body;
 pub mod error;
 pub mod layer;
 pub mod metrics;

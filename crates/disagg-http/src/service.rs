@@ -22,22 +22,36 @@ use std::time::Duration;
 use bytes::Bytes;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
-use disagg_core::request::Api;
+use disagg_core::request::{Api, PdRequest};
 use disagg_core::{Orchestrator, PdBody};
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
-use http::{Method, Request, Response, StatusCode};
+use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Limited};
 
+use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
 use crate::metrics::ExtraMetrics;
 
 /// Settings of the [`PdService`].
+///
+/// Cloning shares the [`body_budget`](Self::body_budget): build every service of one
+/// server (one per event loop) from clones of one config.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct PdServiceConfig {
-    /// Largest client body accepted, in bytes; a larger one is answered 413.
+    /// Largest client body accepted, in bytes; a larger one is answered 413
+    /// `request_too_large`.
     pub max_body_bytes: usize,
+    /// Time for a client's whole body to arrive, from when its head has been read; past
+    /// it the request is answered 408 `request_timeout` and its connection closed.
+    /// Default 30 s: at the default body limit that asks a client for about 1 MB/s.
+    pub body_timeout: Duration,
+    /// Bytes that the bodies being received may hold at once, shared by every clone of
+    /// this config; a body that would take them past the limit is answered 503
+    /// `server_busy` (with `retry-after`) at once, unread, and its connection closed.
+    /// Default [`DEFAULT_BODY_BUDGET`](crate::body::DEFAULT_BODY_BUDGET) (1 GiB).
+    pub body_budget: BodyBudget,
     /// Time to gather the models of every decode endpoint for `GET /v1/models`.
     pub models_timeout: Duration,
     /// Metric families appended to `GET /metrics` after the orchestrator's, in order
@@ -50,6 +64,9 @@ impl Default for PdServiceConfig {
         PdServiceConfig {
             // Long multimodal prompts inline their images; 32 MiB fits them with room.
             max_body_bytes: 32 * 1024 * 1024,
+            // The time the server gives a request's head, too.
+            body_timeout: Duration::from_secs(30),
+            body_budget: BodyBudget::default(),
             models_timeout: Duration::from_secs(5),
             extra_metrics: Vec::new(),
         }
@@ -100,9 +117,9 @@ impl PdService {
     }
 
     /// Serve one chat or completion request of `api`, whatever path it came on: read
-    /// the body (413 past the limit), parse it, orchestrate both legs. Every failure
-    /// is an OpenAI-format error response. The one request path of both the service
-    /// and [`PdLayer`](crate::PdLayer).
+    /// the body (within the limits of [`crate::body`]), parse it, orchestrate both legs.
+    /// Every failure is an OpenAI-format error response. The one request path of both
+    /// the service and [`PdLayer`](crate::PdLayer).
     pub(crate) fn completion<B>(
         &self,
         api: Api,
@@ -190,37 +207,61 @@ impl Inner {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
-        match self.completion(api, req).await {
-            Ok(resp) => resp,
+        let (parts, body) = req.into_parts();
+        let limits = body::Limits {
+            max_bytes: self.config.max_body_bytes,
+            timeout: self.config.body_timeout,
+            budget: &self.config.body_budget,
+        };
+        let (bytes, share) = match body::read(body, limits).await {
+            Ok(read) => read,
             Err(err) => {
-                tracing::warn!(error = %disagg_core::error::error_chain(&err), "request failed");
-                pd_error_response(&err)
+                let mut resp = failed(&err);
+                // The rest of the body is unread: the connection cannot carry another
+                // request, and a client that stalled or flooded should not keep it.
+                resp.headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+                return resp;
             }
-        }
+        };
+        let parsed = self.parse(api, parts.headers, bytes).await;
+        // The body's bytes are in the request now (or gone): its share of the budget,
+        // which covers receiving and parsing, is given back.
+        drop(share);
+        let served = match parsed {
+            Ok(req) => self.orchestrator.serve(req).await,
+            Err(err) => Err(err),
+        };
+        served.unwrap_or_else(|err| failed(&err))
     }
 
-    async fn completion<B>(&self, api: Api, req: Request<B>) -> Result<Response<PdBody>, PdError>
-    where
-        B: Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
-    {
-        let limit = self.config.max_body_bytes;
-        let (parts, body) = req.into_parts();
-        let declared = parts
-            .headers
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limit as u64) {
-            return Err(PdError::body_too_large(limit));
+    /// Parse a client's body into a request, off the event loop when it is large.
+    async fn parse(
+        &self,
+        api: Api,
+        headers: HeaderMap,
+        bytes: Bytes,
+    ) -> Result<PdRequest, PdError> {
+        // A large body (or a hostile one of many keys) would hold the event loop, and
+        // every connection on it, for as long as its parse takes; see
+        // `PARSE_OFF_LOOP_FROM` for the threshold and why the blocking pool.
+        if bytes.len() >= body::PARSE_OFF_LOOP_FROM
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let orchestrator = self.orchestrator.clone();
+            let parsed = runtime
+                .spawn_blocking(move || orchestrator.request(api, headers, &bytes))
+                .await;
+            return match parsed {
+                Ok(parsed) => parsed.map_err(PdError::body),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                // The runtime is shutting down: no answer will reach the client anyway.
+                Err(_) => Err(PdError::server_busy(body::BUSY_RETRY_AFTER)),
+            };
         }
-        let bytes = read_body(body, limit).await?;
-        let req = self
-            .orchestrator
-            .request(api, parts.headers, &bytes)
-            .map_err(PdError::body)?;
-        self.orchestrator.serve(req).await
+        self.orchestrator
+            .request(api, headers, &bytes)
+            .map_err(PdError::body)
     }
 
     fn metrics(&self) -> Response<PdBody> {
@@ -336,20 +377,13 @@ struct ModelList {
     data: Vec<serde_json::Map<String, serde_json::Value>>,
 }
 
-async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, PdError>
-where
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-{
-    match collect_limited(body, limit).await {
-        Ok(bytes) => Ok(bytes),
-        Err(e) if e.is::<LengthLimitError>() => Err(PdError::body_too_large(limit)),
-        Err(e) => Err(PdError::client_body(e)),
-    }
+/// A failed request's answer, logged.
+fn failed(err: &PdError) -> Response<PdBody> {
+    tracing::warn!(error = %disagg_core::error::error_chain(err), "request failed");
+    pd_error_response(err)
 }
 
-/// Collect at most `limit` bytes of `body`.
+/// Collect at most `limit` bytes of an engine's answer `body`.
 ///
 /// A named `'static` future rather than an `async fn`: awaiting `Limited`'s collect
 /// directly inside an async block trips the compiler's `Send` inference (a

@@ -119,6 +119,9 @@ pub struct ServeArgs {
     /// Largest client request body, in bytes; larger ones are answered 413.
     #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Time and memory limits on client request bodies.
+    #[command(flatten)]
+    client_body: ClientBodyArgs,
     /// Same as `--prefill-failure decode-only`.
     #[arg(long, hide = true)]
     decode_only_fallback: bool,
@@ -148,6 +151,41 @@ pub struct ServeArgs {
     /// this deadline the connections still open are cut and the process exits (status 0).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     drain_timeout: f64,
+}
+
+/// Flags that hold client request bodies in time and in memory (docs/reliability.md).
+#[derive(Debug, Clone, Args)]
+pub struct ClientBodyArgs {
+    /// Seconds for a client's whole request body to arrive once its head is read; past
+    /// it, 408 `request_timeout` and the connection is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Bytes that the request bodies being received may hold at once, all connections
+    /// together (default 1 GiB; at least --max-body-bytes). A body that would go past it
+    /// is answered 503 `server_busy` with `retry-after` at once, unread, and its
+    /// connection closed.
+    #[arg(long, value_name = "BYTES", default_value_t = disagg_http::body::DEFAULT_BODY_BUDGET)]
+    max_buffered_bytes: usize,
+}
+
+impl ClientBodyArgs {
+    /// Apply the flags to `config`, whose `max_body_bytes` is already set.
+    fn apply(&self, config: &mut PdServiceConfig) -> Result<(), BoxError> {
+        config.body_timeout = secs(self.body_timeout, "body-timeout")?;
+        if config.body_timeout.is_zero() {
+            return Err("--body-timeout must be more than 0 seconds".into());
+        }
+        // A budget smaller than one body would refuse the largest bodies for ever.
+        if self.max_buffered_bytes < config.max_body_bytes {
+            return Err(format!(
+                "--max-buffered-bytes ({}) must be at least --max-body-bytes ({})",
+                self.max_buffered_bytes, config.max_body_bytes
+            )
+            .into());
+        }
+        config.body_budget = disagg_http::body::BodyBudget::new(self.max_buffered_bytes);
+        Ok(())
+    }
 }
 
 /// Flags of the LMCache connector.
@@ -683,6 +721,7 @@ impl Shared {
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         service.extra_metrics.extend(lmcache_metrics);
+        args.client_body.apply(&mut service)?;
         let orchestrator = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
             .health(Arc::clone(&health))
             .router(router)

@@ -29,7 +29,8 @@ impl Drop for Proxy {
 
 impl Proxy {
     /// Start the proxy on a free port in front of `prefill` and `decode`, with `extra`
-    /// flags, and wait until it accepts connections.
+    /// flags (two serving threads unless they say `--threads`), and wait until it
+    /// accepts connections.
     pub async fn start(prefill: &SimEngine, decode: &SimEngine, extra: &[&str]) -> Proxy {
         let mut args = vec![
             "--prefill".to_owned(),
@@ -45,10 +46,16 @@ impl Proxy {
     /// wait until it accepts connections.
     pub async fn start_args(args: &[String]) -> Proxy {
         let addr = free_addr();
+        let threads: &[&str] = if args.iter().any(|a| a == "--threads") {
+            &[]
+        } else {
+            &["--threads", "2"]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
             .arg("serve")
             .args(args)
-            .args(["--listen", &addr.to_string(), "--threads", "2"])
+            .args(["--listen", &addr.to_string()])
+            .args(threads)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -107,6 +114,18 @@ impl Proxy {
         let text = get(&self.url(), "/metrics").await.text();
         let line = format!("disagg_endpoint_in_flight{{role=\"{role}\",endpoint=\"{url}\"}}");
         text.lines().any(|l| l.starts_with(&line))
+    }
+
+    /// The process's resident memory (`VmRSS` of `/proc/PID/status`), in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("read the proxy's /proc status");
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("a VmRSS line");
+        kib * 1024
     }
 
     pub fn log(&self) -> String {

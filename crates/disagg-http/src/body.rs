@@ -1,0 +1,632 @@
+//! Reading a client's request body, bounded in size, in time and, across every
+//! connection of a server, in memory.
+//!
+//! One function reads every client body that [`PdService`](crate::PdService) and
+//! [`PdLayer`](crate::PdLayer) orchestrate. It holds a body to three limits:
+//!
+//! | limit | setting | past it |
+//! |---|---|---|
+//! | size of one body | [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) | 413 `request_too_large` |
+//! | time for the whole body | [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout) | 408 `request_timeout` |
+//! | bytes of all bodies being received at once | [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget) ([`BodyBudget`]) | 503 `server_busy`, with `retry-after` |
+//!
+//! Each of these answers closes the connection (`connection: close`): the rest of the
+//! body is never read.
+//!
+//! A body that declares its length (`content-length`) takes its share of the budget at
+//! once, before a byte of it is read, so a flood of large bodies is refused while it
+//! costs nothing; it is then read into one buffer of that size, from [`MAP_FROM`] on a
+//! memory mapping of its own, which goes back to the system when the body is freed (the
+//! allocator's heap would keep it).
+//! A chunked body takes its share as its buffer grows. A body that arrives in one piece,
+//! as small ones do, is used as it came, without a copy.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use disagg_core::error::{BoxError, PdError};
+use http_body::Body;
+
+/// Default of [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget):
+/// 1 GiB of request bodies being received at once, all connections together.
+///
+/// Room for 32 bodies of the default 32 MiB limit at once, or thousands of usual ones,
+/// while a flood of large bodies that stall (which took the proxy past 2 GB before the
+/// budget) stays within a size any host running an LLM proxy has to spare.
+pub const DEFAULT_BODY_BUDGET: usize = 1024 * 1024 * 1024;
+
+/// The `retry-after` of a 503 `server_busy`: bodies being received finish or hit the
+/// body timeout, so room comes back within seconds; one is the least the header says.
+pub const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Bodies from this size on are parsed on Tokio's blocking pool
+/// (`tokio::task::spawn_blocking`), not on the event loop that read them.
+///
+/// A parse of the body's top level runs at a few hundred MB/s: a 256 KiB body costs well
+/// under a millisecond, about what handing it to another thread and back costs, while a
+/// 32 MiB one (or a hostile one of many small keys) would hold the loop, and every
+/// connection on it, for tens of milliseconds. `disagg-proxy` runs one single-threaded
+/// event loop per core, where `block_in_place` is not available, so the work moves to
+/// the runtime's blocking threads instead.
+pub const PARSE_OFF_LOOP_FROM: usize = 256 * 1024;
+
+/// The bytes that request bodies being received may hold at once, shared by every clone.
+///
+/// A body takes its share when its reading starts (its declared length) or as it grows
+/// (a chunked body), and gives it back once it has been read and parsed. A body that
+/// would take the total past the limit is refused at once with 503 `server_busy`, and
+/// never buffered. Clones share one count: give every service of a server (one per
+/// event loop) a clone of the same budget, as cloning one
+/// [`PdServiceConfig`](crate::PdServiceConfig) does.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_http::body::BodyBudget;
+///
+/// let budget = BodyBudget::new(64 * 1024 * 1024);
+/// let shared = budget.clone();
+/// assert_eq!(shared.limit(), 64 * 1024 * 1024);
+/// assert_eq!(budget.in_use(), 0);
+/// ```
+#[derive(Debug, Clone)]
+pub struct BodyBudget {
+    inner: Arc<BudgetInner>,
+}
+
+#[derive(Debug)]
+struct BudgetInner {
+    limit: usize,
+    in_use: AtomicUsize,
+}
+
+impl Default for BodyBudget {
+    fn default() -> Self {
+        BodyBudget::new(DEFAULT_BODY_BUDGET)
+    }
+}
+
+impl BodyBudget {
+    /// A budget of `limit` bytes, with nothing taken.
+    pub fn new(limit: usize) -> Self {
+        BodyBudget {
+            inner: Arc::new(BudgetInner {
+                limit,
+                in_use: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The most bytes bodies may hold at once.
+    pub fn limit(&self) -> usize {
+        self.inner.limit
+    }
+
+    /// The bytes taken by bodies being received now.
+    pub fn in_use(&self) -> usize {
+        self.inner.in_use.load(Ordering::Relaxed)
+    }
+
+    /// Take `bytes` more, if the total stays within the limit. One atomic
+    /// read-modify-write, the only cost the budget adds to a request.
+    fn take(&self, bytes: usize) -> bool {
+        bytes == 0
+            || self
+                .inner
+                .in_use
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                    used.checked_add(bytes).filter(|&t| t <= self.inner.limit)
+                })
+                .is_ok()
+    }
+
+    fn give_back(&self, bytes: usize) {
+        if bytes > 0 {
+            self.inner.in_use.fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A body's share of a [`BodyBudget`], given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Share<'a> {
+    budget: &'a BodyBudget,
+    bytes: usize,
+}
+
+impl<'a> Share<'a> {
+    fn new(budget: &'a BodyBudget) -> Self {
+        Share { budget, bytes: 0 }
+    }
+
+    /// Hold `total` bytes in all; false (and nothing more held) past the budget.
+    fn grow_to(&mut self, total: usize) -> bool {
+        if total <= self.bytes {
+            return true;
+        }
+        if !self.budget.take(total - self.bytes) {
+            return false;
+        }
+        self.bytes = total;
+        true
+    }
+}
+
+impl Drop for Share<'_> {
+    fn drop(&mut self) {
+        self.budget.give_back(self.bytes);
+    }
+}
+
+/// The limits a client body is read under.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits<'a> {
+    /// The largest body, in bytes (413 past it).
+    pub(crate) max_bytes: usize,
+    /// Time for the whole body (408 past it).
+    pub(crate) timeout: Duration,
+    /// Bytes of all bodies being received at once (503 past it).
+    pub(crate) budget: &'a BodyBudget,
+}
+
+/// Read the whole of a client's `body` under `limits`: its bytes, and the share of the
+/// budget they hold (give it back by dropping it once the bytes are parsed).
+///
+/// The timeout runs from the first moment the body is waited for, which is when its
+/// head has been read (a body that arrived with its head is never waited for, and pays
+/// for no timer). It bounds the whole body, not the silence between two reads: a client
+/// trickling a byte now and then must not hold its connection and its share of the
+/// budget for ever.
+///
+/// # Errors
+///
+/// 413 `request_too_large` past `limits.max_bytes` (declared or received), 503
+/// `server_busy` when the body would take the budget past its limit, 408
+/// `request_timeout` when it did not arrive in time, 400 when the client broke off.
+/// After any of them the rest of the body is unread, so the connection must close.
+pub(crate) fn read<B>(
+    body: B,
+    limits: Limits<'_>,
+) -> impl Future<Output = Result<(Bytes, Share<'_>), PdError>> + Send + '_
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let hint = body.size_hint();
+    let mut share = Share::new(limits.budget);
+    let start = if hint.lower() > limits.max_bytes as u64 {
+        Err(PdError::body_too_large(limits.max_bytes))
+    } else {
+        // A declared length is taken from the budget now, before any of it is read.
+        let declared = hint.exact().and_then(|n| usize::try_from(n).ok());
+        match declared {
+            Some(n) if !share.grow_to(n) => Err(PdError::server_busy(BUSY_RETRY_AFTER)),
+            _ => Ok(declared),
+        }
+    };
+    ReadBody {
+        body,
+        start: Some(start.map(|declared| (declared, share))),
+        state: State::Empty,
+        received: 0,
+        limits,
+        timer: None,
+    }
+}
+
+/// What has been received so far.
+enum State {
+    /// Nothing yet.
+    Empty,
+    /// One chunk, kept as it came: most bodies arrive whole, and then need no copy.
+    One(Bytes),
+    /// Several chunks, copied into one buffer.
+    Many(Buffer),
+}
+
+/// Bodies from this size on are read into an anonymous memory mapping of their own
+/// rather than onto the allocator's heap: 64 KiB.
+///
+/// glibc's allocator maps large blocks on its own too, from 128 KiB at first, but it
+/// raises that threshold as mapped blocks are freed (up to 32 MiB): after a flood of
+/// 31 MB bodies, the next flood of 20 MB ones landed on its heap, which keeps freed
+/// memory, and the proxy's RSS stayed 170 MiB above idle. A mapping of our own is
+/// unmapped when its body is freed, whatever the allocator decided before, and its pages
+/// cost only as they are written. A body this large costs a mapping's two system calls
+/// and a page fault per 4 KiB written, a few microseconds beside its transfer and parse;
+/// smaller ones, the many usual requests, stay on the heap.
+pub const MAP_FROM: usize = 64 * 1024;
+
+/// A body's buffer of a fixed capacity: on the heap when small, a memory mapping of its
+/// own from [`MAP_FROM`] on.
+enum Buffer {
+    Heap(Vec<u8>),
+    Mapped { map: memmap2::MmapMut, len: usize },
+}
+
+impl Buffer {
+    fn with_capacity(capacity: usize) -> std::io::Result<Buffer> {
+        if capacity < MAP_FROM {
+            return Ok(Buffer::Heap(Vec::with_capacity(capacity)));
+        }
+        Ok(Buffer::Mapped {
+            map: memmap2::MmapMut::map_anon(capacity)?,
+            len: 0,
+        })
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buffer::Heap(v) => v.len(),
+            Buffer::Mapped { len, .. } => *len,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match self {
+            Buffer::Heap(v) => v.capacity(),
+            Buffer::Mapped { map, .. } => map.len(),
+        }
+    }
+
+    /// Append `data`, which the caller has checked fits in the capacity.
+    fn push(&mut self, data: &[u8]) {
+        match self {
+            Buffer::Heap(v) => v.extend_from_slice(data),
+            Buffer::Mapped { map, len } => {
+                map[*len..*len + data.len()].copy_from_slice(data);
+                *len += data.len();
+            }
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Buffer::Heap(v) => v,
+            Buffer::Mapped { map, len } => &map[..*len],
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Buffer::Heap(v) => Bytes::from(v),
+            // The mapping lives until the last slice of the body (a JSON value of the
+            // request) is dropped, then is unmapped.
+            Buffer::Mapped { map, len } => Bytes::from_owner(map).slice(..len),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`read`].
+    struct ReadBody<'a, B> {
+        #[pin]
+        body: B,
+        // The outcome of the checks made before reading: the declared length and the
+        // share taken for it. Taken out when the body ends.
+        start: Option<Result<(Option<usize>, Share<'a>), PdError>>,
+        state: State,
+        received: usize,
+        limits: Limits<'a>,
+        // Armed the first time the body is waited for.
+        #[pin]
+        timer: Option<tokio::time::Sleep>,
+    }
+}
+
+impl<'a, B> Future for ReadBody<'a, B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<(Bytes, Share<'a>), PdError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let Some(Ok((declared, share))) = this.start.as_mut() else {
+            let refused = this.start.take().and_then(Result::err);
+            return Poll::Ready(Err(refused.unwrap_or_else(|| {
+                // Polled again after it finished: a caller's bug, not the client's.
+                PdError::client_body("the body was already read".into())
+            })));
+        };
+        loop {
+            let frame = match this.body.as_mut().poll_frame(cx) {
+                Poll::Ready(frame) => frame,
+                Poll::Pending => {
+                    if this.timer.is_none() {
+                        this.timer
+                            .set(Some(tokio::time::sleep(this.limits.timeout)));
+                    }
+                    if let Some(timer) = this.timer.as_mut().as_pin_mut() {
+                        ready!(timer.poll(cx));
+                    }
+                    return Poll::Ready(Err(PdError::body_timeout(this.limits.timeout)));
+                }
+            };
+            let data = match frame {
+                None => break,
+                Some(Err(e)) => return Poll::Ready(Err(PdError::client_body(e.into()))),
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(mut data) => data.copy_to_bytes(data.remaining()),
+                    // Trailers carry nothing a completion request needs.
+                    Err(_) => continue,
+                },
+            };
+            if data.is_empty() {
+                continue;
+            }
+            *this.received += data.len();
+            if *this.received > this.limits.max_bytes {
+                return Poll::Ready(Err(PdError::body_too_large(this.limits.max_bytes)));
+            }
+            if let Err(e) = append(this.state, data, *declared, share, this.limits.max_bytes) {
+                return Poll::Ready(Err(e));
+            }
+        }
+        let bytes = match std::mem::replace(this.state, State::Empty) {
+            State::Empty => Bytes::new(),
+            State::One(b) => b,
+            State::Many(buf) => buf.into_bytes(),
+        };
+        match this.start.take() {
+            Some(Ok((_, share))) => Poll::Ready(Ok((bytes, share))),
+            _ => Poll::Ready(Err(PdError::client_body(
+                "the body was already read".into(),
+            ))),
+        }
+    }
+}
+
+/// Add `data` to what was received, taking from the budget what a chunked body's buffer
+/// grows by.
+fn append(
+    state: &mut State,
+    data: Bytes,
+    declared: Option<usize>,
+    share: &mut Share<'_>,
+    max_bytes: usize,
+) -> Result<(), PdError> {
+    let busy = || PdError::server_busy(BUSY_RETRY_AFTER);
+    match state {
+        State::Empty => {
+            // A chunked body's first chunk is already in memory; it counts from now.
+            if !share.grow_to(data.len()) {
+                return Err(busy());
+            }
+            *state = State::One(data);
+        }
+        State::One(first) => {
+            let needed = first.len() + data.len();
+            // One buffer of the declared size, so it never moves; a chunked body's
+            // buffer starts at twice what came and doubles from there.
+            let capacity = declared
+                .unwrap_or(needed.saturating_mul(2))
+                .clamp(needed, max_bytes.max(needed));
+            let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
+            // No memory for the buffer is the same answer as no room in the budget.
+            let mut buf = Buffer::with_capacity(capacity).map_err(|_| busy())?;
+            buf.push(first);
+            buf.push(&data);
+            *state = State::Many(buf);
+        }
+        State::Many(buf) => {
+            let needed = buf.len() + data.len();
+            if needed > buf.capacity() {
+                let capacity = needed
+                    .max(buf.capacity().saturating_mul(2))
+                    .min(max_bytes.max(needed));
+                let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
+                let mut bigger = Buffer::with_capacity(capacity).map_err(|_| busy())?;
+                bigger.push(buf.as_slice());
+                *buf = bigger;
+            }
+            buf.push(&data);
+        }
+    }
+    Ok(())
+}
+
+/// Grow `share` to `wanted` bytes, or to the `needed` ones when the budget has no room
+/// for the slack: a body that fits is not refused for its buffer's growth policy.
+fn grow(share: &mut Share<'_>, wanted: usize, needed: usize) -> Option<usize> {
+    [wanted, needed].into_iter().find(|&n| share.grow_to(n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{Full, StreamBody};
+
+    fn limits(budget: &BodyBudget) -> Limits<'_> {
+        Limits {
+            max_bytes: 1024,
+            timeout: Duration::from_secs(5),
+            budget,
+        }
+    }
+
+    /// A chunked body (no declared length) of `chunks`.
+    fn chunked(
+        chunks: Vec<&'static [u8]>,
+    ) -> impl Body<Data = Bytes, Error = BoxError> + Send + 'static {
+        StreamBody::new(futures::stream::iter(chunks.into_iter().map(|c| {
+            Ok::<_, BoxError>(http_body::Frame::data(Bytes::from_static(c)))
+        })))
+    }
+
+    #[tokio::test]
+    async fn a_whole_body_is_used_as_it_came() {
+        let budget = BodyBudget::new(100);
+        let input = Bytes::from_static(b"{\"a\":1}");
+        let (bytes, share) = read(Full::new(input.clone()), limits(&budget))
+            .await
+            .unwrap();
+        assert_eq!(bytes, input);
+        assert_eq!(bytes.as_ptr(), input.as_ptr(), "no copy");
+        assert_eq!(budget.in_use(), 7);
+        drop(share);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test]
+    async fn chunks_are_gathered_and_counted_as_the_buffer_grows() {
+        let budget = BodyBudget::new(1000);
+        let (bytes, share) = read(chunked(vec![b"ab", b"", b"cde", b"f"]), limits(&budget))
+            .await
+            .unwrap();
+        assert_eq!(&bytes[..], b"abcdef");
+        // The buffer's capacity is what the body holds: 2 * (2 + 3), then room for 1 more.
+        assert_eq!(budget.in_use(), 10);
+        drop(share);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// `chunks`, declaring their total length as `content-length` does.
+    struct Declared<B>(B, u64);
+
+    impl<B: Body + Unpin> Body for Declared<B> {
+        type Data = B::Data;
+        type Error = B::Error;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+            Pin::new(&mut self.0).poll_frame(cx)
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            http_body::SizeHint::with_exact(self.1)
+        }
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn large_bodies_are_read_whole_into_a_mapping() {
+        let budget = BodyBudget::new(1 << 24);
+        let limits = Limits {
+            max_bytes: 1 << 22,
+            ..limits(&budget)
+        };
+        let data = Bytes::from(pattern(3 * MAP_FROM + 17));
+        let pieces = || {
+            let mut at = 0;
+            let mut out = Vec::new();
+            for len in [1000, MAP_FROM, 5, MAP_FROM * 2] {
+                let end = (at + len).min(data.len());
+                out.push(Ok::<_, BoxError>(http_body::Frame::data(
+                    data.slice(at..end),
+                )));
+                at = end;
+            }
+            out
+        };
+        // Declared: one buffer of the declared size, taken from the budget up front.
+        let body = Declared(
+            StreamBody::new(futures::stream::iter(pieces())),
+            data.len() as u64,
+        );
+        let (bytes, share) = read(body, limits).await.unwrap();
+        assert_eq!(bytes, data);
+        assert_eq!(budget.in_use(), data.len());
+        drop(share);
+        // Chunked: the buffer moves from the heap to a mapping as it grows.
+        let body = StreamBody::new(futures::stream::iter(pieces()));
+        let (bytes, share) = read(body, limits).await.unwrap();
+        assert_eq!(bytes, data);
+        assert!(budget.in_use() >= data.len());
+        drop(share);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_past_the_budget_is_refused_before_reading() {
+        let budget = BodyBudget::new(100);
+        let other = budget.clone();
+        assert!(other.take(60));
+        let err = read(Full::new(Bytes::from(vec![b' '; 50])), limits(&budget))
+            .await
+            .unwrap_err();
+        assert_eq!((err.status().as_u16(), err.code()), (503, "server_busy"));
+        assert_eq!(err.retry_after(), Some(BUSY_RETRY_AFTER));
+        assert_eq!(budget.in_use(), 60, "nothing more taken");
+        other.give_back(60);
+        let (_, share) = read(Full::new(Bytes::from(vec![b' '; 50])), limits(&budget))
+            .await
+            .unwrap();
+        assert_eq!(budget.in_use(), 50);
+        drop(share);
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_past_the_budget_is_cut_as_it_grows() {
+        let budget = BodyBudget::new(8);
+        // Exactly the budget: the buffer grows to what is needed, not twice that.
+        let (bytes, share) = read(chunked(vec![b"abcd", b"efgh"]), limits(&budget))
+            .await
+            .unwrap();
+        assert_eq!(&bytes[..], b"abcdefgh");
+        assert_eq!(budget.in_use(), 8);
+        drop(share);
+        let err = read(chunked(vec![b"abcd", b"efgh", b"ij"]), limits(&budget))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "server_busy");
+        assert_eq!(budget.in_use(), 0, "the share is given back");
+    }
+
+    #[tokio::test]
+    async fn size_limits_hold_declared_or_received() {
+        let budget = BodyBudget::new(1 << 20);
+        let err = read(Full::new(Bytes::from(vec![b' '; 2000])), limits(&budget))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "request_too_large");
+        static BIG: [u8; 600] = [b' '; 600];
+        let err = read(chunked(vec![&BIG, &BIG]), limits(&budget))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "request_too_large");
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_times_out() {
+        let budget = BodyBudget::new(1 << 20);
+        let (mut tx, body) =
+            futures::channel::mpsc::channel::<Result<http_body::Frame<Bytes>, BoxError>>(1);
+        tx.try_send(Ok(http_body::Frame::data(Bytes::from_static(b"{\"a\""))))
+            .unwrap();
+        let body = StreamBody::new(body);
+        let started = tokio::time::Instant::now();
+        let err = read(body, limits(&budget)).await.unwrap_err();
+        assert_eq!(
+            (err.status().as_u16(), err.code()),
+            (408, "request_timeout")
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert_eq!(budget.in_use(), 0);
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_client_that_breaks_off_is_a_client_error() {
+        let budget = BodyBudget::new(1 << 20);
+        let body = StreamBody::new(futures::stream::iter([
+            Ok(http_body::Frame::data(Bytes::from_static(b"{"))),
+            Err::<http_body::Frame<Bytes>, BoxError>("reset".into()),
+        ]));
+        let err = read(body, limits(&budget)).await.unwrap_err();
+        assert_eq!(err.status().as_u16(), 400);
+    }
+}

@@ -1,0 +1,491 @@
+//! `disagg-proxy serve` holds against hostile clients: a body of very many keys is parsed
+//! without stalling the event loop it came on, a body that stops half way is cut by
+//! `--body-timeout`, and a flood of large bodies is held under `--max-buffered-bytes`,
+//! its memory given back after it. The real binary runs as a child process (its memory is
+//! read from `/proc/PID/status`), against simulated engines in this process, over raw
+//! loopback sockets.
+
+#![allow(missing_docs)] // a test binary
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use disagg_sim::{SimConfig, SimEngine};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+mod common;
+use common::Proxy;
+
+const MIB: u64 = 1024 * 1024;
+
+async fn engines() -> (SimEngine, SimEngine) {
+    let p = SimEngine::start(SimConfig::default())
+        .await
+        .expect("prefill sim");
+    let d = SimEngine::start(SimConfig::default())
+        .await
+        .expect("decode sim");
+    (p, d)
+}
+
+/// One HTTP/1.1 answer read off a raw socket.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "answer {} is not JSON ({e}): {}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+}
+
+/// Read one answer with a `content-length` or chunked body.
+async fn read_answer(sock: &mut (impl AsyncRead + Unpin)) -> std::io::Result<Answer> {
+    let mut raw = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let head_end = loop {
+        if let Some(i) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        raw.extend_from_slice(&buf[..n]);
+    };
+    let head = String::from_utf8_lossy(&raw[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let mut body = raw[head_end..].to_vec();
+    let length = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .map(|(_, v)| v.parse::<usize>().expect("a content length"));
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
+    loop {
+        let complete = match length {
+            Some(n) => body.len() >= n,
+            None if chunked => body.ends_with(b"0\r\n\r\n"),
+            None => false,
+        };
+        if complete {
+            break;
+        }
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            if length.is_none() && !chunked {
+                break;
+            }
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        body.extend_from_slice(&buf[..n]);
+    }
+    if chunked {
+        body = dechunk(&body);
+    }
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(i) = raw.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&raw[..i]).trim(), 16)
+            .expect("a chunk size");
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&raw[i + 2..i + 2 + size]);
+        raw = &raw[i + 2 + size + 2..];
+    }
+    out
+}
+
+/// Whether the peer closed the connection (end of stream or reset) within `limit`.
+async fn closes_within(sock: &mut (impl AsyncRead + Unpin), limit: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, sock.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+        }
+    }
+}
+
+fn head(addr: SocketAddr, length: usize) -> String {
+    format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n"
+    )
+}
+
+/// A small completion request, as one write.
+fn small_request(addr: SocketAddr) -> Vec<u8> {
+    let body = r#"{"model":"sim-model","prompt":"hello there","max_tokens":2}"#;
+    let mut req = head(addr, body.len()).into_bytes();
+    req.extend_from_slice(body.as_bytes());
+    req
+}
+
+/// A completion body with `n` distinct top-level keys besides its own fields, then
+/// `last`: 120k of them make 1.3 MB, which the proxy once took 13 s of an event loop to
+/// parse.
+fn many_keys_body(n: usize, last: &str) -> Vec<u8> {
+    let mut s = String::from(r#"{"model":"sim-model","prompt":"hello","max_tokens":2"#);
+    for i in 0..n {
+        s.push_str(&format!(",\"k{i}\":{i}"));
+    }
+    s.push_str(last);
+    s.push('}');
+    s.into_bytes()
+}
+
+/// Send `body` on a new connection; its answer, and the time it took.
+async fn post_timed(addr: SocketAddr, body: &[u8]) -> (Answer, Duration) {
+    let mut sock = TcpStream::connect(addr).await.expect("connect");
+    let started = Instant::now();
+    sock.write_all(head(addr, body.len()).as_bytes())
+        .await
+        .expect("send the head");
+    sock.write_all(body).await.expect("send the body");
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut sock))
+        .await
+        .expect("an answer within 10 s")
+        .expect("an answer");
+    (answer, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_body_of_many_keys_is_answered_promptly_while_its_loop_serves_others() {
+    let (p, d) = engines().await;
+    // One event loop: the big body and the small requests share it.
+    let proxy = Proxy::start(&p, &d, &["--threads", "1"]).await;
+    let addr = proxy.addr;
+
+    // A client doing small requests one after the other on one keep-alive connection,
+    // noting when each answer is complete.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let ticker = tokio::spawn(async move {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let req = small_request(addr);
+        let mut done = vec![Instant::now()];
+        while !*stop.borrow() {
+            sock.write_all(&req).await.expect("send a small request");
+            let answer = read_answer(&mut sock).await.expect("a small answer");
+            assert_eq!(answer.status, 200, "{answer:?}");
+            done.push(Instant::now());
+        }
+        done
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let started = Instant::now();
+    // 120k keys, then `model` again as a number: duplicate keys take their last value,
+    // so the proxy must parse and fold the whole body to refuse it, 400: its own
+    // answer, which no engine's time is part of.
+    let body = many_keys_body(120_000, r#","model":5"#);
+    assert!(body.len() > 1_300_000, "{}", body.len());
+    let (refused, took) = post_timed(addr, &body).await;
+    assert_eq!(refused.status, 400, "{refused:?}");
+    let err = &refused.json()["error"];
+    assert_eq!(err["code"], "invalid_request_body");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("model"),
+        "{err}"
+    );
+    // The same body, valid: served, every key passed on to the engines (their parse of
+    // it runs in this test process, so only the proxy's promptness above is timed).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop_tx.send(true).expect("stop the ticker");
+    let done = ticker.await.expect("the ticker");
+
+    assert!(
+        took < Duration::from_secs(1),
+        "the 120k-key body was answered after {took:?}"
+    );
+    // Gaps between the small answers from when the big body was sent to the end.
+    let gaps: Vec<Duration> = done
+        .windows(2)
+        .filter(|w| w[1] > started)
+        .map(|w| w[1] - w[0])
+        .collect();
+    assert!(gaps.len() >= 3, "few small answers meanwhile: {gaps:?}");
+    let worst = gaps.iter().max().copied().unwrap_or_default();
+    assert!(
+        worst <= Duration::from_millis(250),
+        "the other connection waited {worst:?} for an answer"
+    );
+
+    // The same body, valid: served, every key passed on to the engines. Not timed: the
+    // engines run in this process and parse it themselves, so their time is not the
+    // proxy's.
+    let (served, _) = post_timed(addr, &many_keys_body(120_000, "")).await;
+    assert_eq!(served.status, 200, "{served:?}");
+    assert!(
+        d.requests().iter().any(|r| r.body["k119999"] == 119_999),
+        "the decode engine got every key"
+    );
+}
+
+#[tokio::test]
+async fn a_stalled_body_is_cut_by_the_body_timeout() {
+    let (p, d) = engines().await;
+    let proxy = Proxy::start(&p, &d, &["--body-timeout", "1"]).await;
+    let mut sock = TcpStream::connect(proxy.addr).await.expect("connect");
+    // Half a body, then nothing.
+    sock.write_all(head(proxy.addr, 1000).as_bytes())
+        .await
+        .expect("send the head");
+    sock.write_all(&[b' '; 500]).await.expect("send half");
+    let started = Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut sock))
+        .await
+        .expect("an answer within 10 s")
+        .expect("an answer");
+    let took = started.elapsed();
+    assert_eq!(answer.status, 408, "{answer:?}");
+    let err = &answer.json()["error"];
+    assert_eq!(err["code"], "request_timeout");
+    assert_eq!(err["type"], "invalid_request_error");
+    assert!(err["param"].is_null());
+    assert!(err["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert_eq!(answer.header("connection"), Some("close"));
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "cut after {took:?}, for a 1 s timeout"
+    );
+    assert!(
+        closes_within(&mut sock, Duration::from_secs(2)).await,
+        "the connection stayed open after the 408"
+    );
+    assert!(d.requests().is_empty(), "nothing reached the engines");
+}
+
+#[tokio::test]
+async fn a_body_sent_in_pieces_within_the_timeout_is_served() {
+    let (p, d) = engines().await;
+    let proxy = Proxy::start(&p, &d, &["--body-timeout", "2"]).await;
+    let mut sock = TcpStream::connect(proxy.addr).await.expect("connect");
+    let body = br#"{"model":"sim-model","prompt":"in three pieces","max_tokens":2}"#;
+    sock.write_all(head(proxy.addr, body.len()).as_bytes())
+        .await
+        .expect("send the head");
+    for piece in body.chunks(body.len() / 3 + 1) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        sock.write_all(piece).await.expect("send a piece");
+    }
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut sock))
+        .await
+        .expect("an answer within 10 s")
+        .expect("an answer");
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(d.requests().len(), 1);
+    assert_eq!(d.requests()[0].body["prompt"], "in three pieces");
+}
+
+/// The budget of the flood test: the proxy may hold this many bytes of bodies at once.
+const CAP: u64 = 256 * MIB;
+
+/// What one flood did to the proxy.
+struct Flood {
+    /// Clients whose body the proxy took (and held until the flood ended).
+    held: usize,
+    /// The proxy's highest RSS while it held them.
+    during: u64,
+    /// Its RSS once the flood's connections were gone (back near idle, or after 10 s).
+    after: u64,
+}
+
+/// Flood the proxy with `clients` that each declare `declared` bytes of body, send
+/// `sent` of them and stall until the flood ends. Checks that every client over the cap
+/// is answered 503 `server_busy` at once and that the others are held.
+async fn flood(proxy: &Proxy, clients: usize, declared: usize, sent: usize, idle: u64) -> Flood {
+    let addr = proxy.addr;
+    // Each admitted body takes its declared length from the budget before it is read.
+    let admitted = (CAP / declared as u64) as usize;
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    let wrote_all = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (mut stop_w, mut stop_r) = (stop.clone(), stop.clone());
+        let answered_tx = answered_tx.clone();
+        let wrote_all = Arc::clone(&wrote_all);
+        tasks.push(tokio::spawn(async move {
+            let mut sock = TcpStream::connect(addr).await.expect("connect");
+            sock.write_all(head(addr, declared).as_bytes())
+                .await
+                .expect("send the head");
+            let sent_head = Instant::now();
+            let (mut rd, mut wr) = sock.into_split();
+            // Most of the body, then a stall until the flood ends; the socket stays open.
+            let writer = tokio::spawn(async move {
+                let chunk = vec![b' '; 256 * 1024];
+                let mut done = 0;
+                while done < sent {
+                    let n = chunk.len().min(sent - done);
+                    if wr.write_all(&chunk[..n]).await.is_err() {
+                        return wr;
+                    }
+                    done += n;
+                }
+                wrote_all.fetch_add(1, Ordering::Relaxed);
+                let _ = stop_w.wait_for(|s| *s).await;
+                wr
+            });
+            let answer = tokio::select! {
+                a = read_answer(&mut rd) => a.ok().map(|a| (a, sent_head.elapsed())),
+                _ = stop_r.wait_for(|s| *s) => None,
+            };
+            let _ = answered_tx.send(());
+            let wr = writer.await.expect("the writer");
+            drop((rd, wr));
+            answer
+        }));
+    }
+    drop(answered_tx);
+
+    // Every client over the cap is answered; the admitted ones send all they will.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = 0;
+    while got < clients - admitted {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, answered.recv()).await {
+            Ok(Some(())) => got += 1,
+            _ => panic!("only {got} clients were answered: {}", proxy.log()),
+        }
+    }
+    while wrote_all.load(Ordering::Relaxed) < admitted {
+        assert!(
+            Instant::now() < deadline,
+            "only {} admitted clients sent their bodies",
+            wrote_all.load(Ordering::Relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The proxy holds the admitted bodies now (the last bytes may still be in flight).
+    let mut during = 0;
+    for _ in 0..20 {
+        during = during.max(proxy.rss());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_tx.send(true).expect("end the flood");
+    let mut held = 0;
+    for task in tasks {
+        match task.await.expect("a client") {
+            None => held += 1,
+            Some((answer, after)) => {
+                assert_eq!(answer.status, 503, "{answer:?}");
+                let err = &answer.json()["error"];
+                assert_eq!(err["code"], "server_busy", "{answer:?}");
+                assert_eq!(err["type"], "server_error");
+                assert_eq!(answer.header("retry-after"), Some("1"));
+                assert_eq!(answer.header("connection"), Some("close"));
+                assert!(after < Duration::from_secs(2), "503 after {after:?}");
+            }
+        }
+    }
+    assert_eq!(held, admitted, "clients held (the others were refused)");
+    // Back near idle once the connections are gone.
+    let back = idle + 32 * MIB;
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut after = proxy.rss();
+    while after > back && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = proxy.rss();
+    }
+    Flood {
+        held,
+        during,
+        after,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn floods_of_stalled_bodies_are_held_under_the_cap_and_their_memory_given_back() {
+    let (p, d) = engines().await;
+    let cap = CAP.to_string();
+    let proxy = Proxy::start(&p, &d, &["--max-buffered-bytes", &cap]).await;
+    let addr = proxy.addr;
+    // Idle, after a few requests have warmed both serving threads up.
+    for _ in 0..8 {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        sock.write_all(&small_request(addr)).await.expect("send");
+        assert_eq!(read_answer(&mut sock).await.expect("answer").status, 200);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = proxy.rss();
+
+    // 64 clients of 31 MB (8 held), then 64 of 12 MB (21 held): the second flood's
+    // bodies are of a size the allocator would by then have kept on its heap.
+    for (declared, sent) in [(31_000_000, 30_000_000), (12_000_000, 11_500_000)] {
+        let f = flood(&proxy, 64, declared, sent, idle).await;
+        let held = (f.held * sent) as u64;
+        let margin = 64 * MIB;
+        eprintln!(
+            "{declared} B bodies: RSS idle {} MiB, during the flood {} MiB ({} bodies, {} MiB held), after it {} MiB",
+            idle / MIB,
+            f.during / MIB,
+            f.held,
+            held / MIB,
+            f.after / MIB
+        );
+        // During the flood: the bodies held, and no more than the cap plus a margin
+        // for the connections' own buffers.
+        assert!(
+            f.during >= idle + held * 3 / 4,
+            "RSS {} during the flood does not show the {held} bytes held (idle {idle})",
+            f.during
+        );
+        assert!(
+            f.during <= idle + CAP + margin,
+            "RSS {} during the flood is past idle {idle} + the cap {CAP} + {margin}",
+            f.during
+        );
+        assert!(
+            f.after <= idle + 32 * MIB,
+            "RSS {} after the flood stays above idle {idle} + 32 MiB",
+            f.after
+        );
+    }
+    // And the proxy serves again.
+    let mut sock = TcpStream::connect(addr).await.expect("connect");
+    sock.write_all(&small_request(addr)).await.expect("send");
+    assert_eq!(read_answer(&mut sock).await.expect("answer").status, 200);
+}
