@@ -796,6 +796,20 @@ impl Inner {
         leg
     }
 
+    /// The decode leg of a request served without a prefill leg (direct, decode-only):
+    /// the client's body, a fresh engine-side id and, when the route names the decode's
+    /// data-parallel rank, `X-Data-Parallel-Rank`, which vLLM and SGLang both read.
+    fn decode_alone(&self, route: &Route, req: &PdRequest) -> Leg {
+        let mut leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
+        if let Some(rank) = route.decode_rank {
+            leg.headers.insert(
+                crate::connector::mooncake::DATA_PARALLEL_RANK,
+                HeaderValue::from(rank),
+            );
+        }
+        leg
+    }
+
     /// Feedback to the router and the connector.
     fn observe(&self, route: &Route, outcome: Outcome) {
         self.router.observe(route, outcome);
@@ -974,7 +988,7 @@ impl Inner {
             .and_then(|candidates| self.router.select_direct(&view, candidates))
             .map_err(PdError::route)?;
         drop(set);
-        let leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
+        let leg = self.decode_alone(&route, req);
         let mut resp = self
             .decode(req, route, leg, "decode-only", Timing::default(), clock)
             .await?;
@@ -1030,7 +1044,7 @@ impl Inner {
                     reason,
                     "not disaggregated: served on a decode endpoint alone"
                 );
-                let leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
+                let leg = self.decode_alone(&route, req);
                 return self
                     .decode(req, route, leg, "direct", Timing::default(), clock)
                     .await;

@@ -410,6 +410,17 @@ fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
                 "You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice').",
             ));
         }
+        // `SamplingParams._validate_structured_outputs`.
+        if fields
+            .get("choice")
+            .and_then(serde_json::Value::as_array)
+            .is_some_and(Vec::is_empty)
+        {
+            return Err(InvalidParam::new(
+                "structured_outputs",
+                "Choice '[]' cannot be an empty list",
+            ));
+        }
         if chat && count > 0 {
             let choice = body.get("tool_choice").unwrap_or(br#""none""#);
             if !matches!(choice, br#""none""# | br#""auto""# | br#""required""#) {
@@ -712,6 +723,12 @@ mod tests {
                 "response_format",
             ),
             (Chat, r#""structured_outputs":{"regex":"a+"}"#, "ok"),
+            (
+                Chat,
+                r#""structured_outputs":{"choice":[]}"#,
+                "structured_outputs",
+            ),
+            (Chat, r#""structured_outputs":{"choice":["a","b"]}"#, "ok"),
             (
                 Chat,
                 r#""structured_outputs":{"regex":"a+","choice":["a"]}"#,
