@@ -386,7 +386,16 @@ def _mooncake_handoff(leg: capture.Leg, legs: dict, r: Result, run: Run) -> str 
     if prefill is None and "kv_transfer_params" not in leg.body:
         return None  # decode alone: no handoff
     pkv = prefill.body.get("kv_transfer_params") if prefill is not None else None
-    rank = PREFILL_RANK if r.mode == "dp" else 0
+    if r.mode == "dp":
+        rank = PREFILL_RANK
+    else:
+        # No rank configured: the proxy must still pin the prefill leg (a vLLM engine
+        # with several DP ranks places an unpinned request on a rank of its own), and
+        # give the decode exactly that rank's engine id.
+        pinned = prefill.headers.get("x-data-parallel-rank") if prefill is not None else None
+        if pinned is None or not pinned.isdigit():
+            return f"prefill leg not pinned to a rank (X-data-parallel-rank {pinned})"
+        rank = int(pinned)
     ok = (
         isinstance(kv, dict)
         and set(kv) == MOONCAKE_DECODE_KEYS
@@ -462,9 +471,13 @@ def check_dp(r: Result) -> None:
         else:
             ignored = " (vLLM 0.33 ignores body DP fields)"
         if r.mode == "plain":
-            # No ranks configured: the proxy chooses none, so any is the client's.
+            # No ranks configured: the proxy chooses none, so any is the client's; but a
+            # Mooncake prefill leg is always pinned, to the rank whose engine id the
+            # decode gets (checked with the handoff).
             if fields:
                 r.fail("dp-field", f"{leg.role} leg carries {engines.dump(fields)}{ignored}")
+            if r.connector == "mooncake" and leg.role == "prefill":
+                headers.pop("x-data-parallel-rank", None)
             if headers:
                 r.fail("dp-field", f"{leg.role} leg carries headers {engines.dump(headers)}")
             continue

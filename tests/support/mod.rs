@@ -53,6 +53,9 @@ pub enum Protocol {
     Sglang,
     /// vLLM Mooncake (concurrent).
     Mooncake,
+    /// vLLM NIXL in push mode (`NixlPushConnector`): the decode registers with the
+    /// prefill by the request id, which must be the same on both legs and unique.
+    NixlPush,
     /// vLLM with LMCache's P/D mode (sequential: the prefill pushes the KV to the
     /// decode's receiver and notifies the proxy over ZMQ). Decode engines keep their
     /// configured `lmcache_receiver` (one TP rank by default).
@@ -63,6 +66,7 @@ impl Protocol {
     fn modes(self) -> (KvMode, KvMode) {
         match self {
             Protocol::Nixl => (KvMode::Nixl, KvMode::Nixl),
+            Protocol::NixlPush => (KvMode::NixlPush, KvMode::NixlPush),
             Protocol::Sglang => (
                 KvMode::Sglang(SimRole::Prefill),
                 KvMode::Sglang(SimRole::Decode),
@@ -84,7 +88,7 @@ impl Protocol {
         notifications: Option<&disagg_lmcache::Notifications>,
     ) -> Arc<dyn KvConnector> {
         match self {
-            Protocol::Nixl => Arc::new(disagg_core::VllmNixl::new()),
+            Protocol::Nixl | Protocol::NixlPush => Arc::new(disagg_core::VllmNixl::new()),
             Protocol::Sglang => Arc::new(disagg_core::SglangBootstrap::new()),
             Protocol::Mooncake => Arc::new(disagg_core::VllmMooncake::new()),
             Protocol::Lmcache => Arc::new(disagg_lmcache::Lmcache::new(

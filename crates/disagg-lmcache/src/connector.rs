@@ -79,6 +79,30 @@ const CHAT_ONLY: &[&str] = &[
     "audio",
 ];
 
+/// Why a grammar-constrained request is served by a decode engine alone (see
+/// [`Lmcache`]'s `check`).
+pub const GRAMMAR: &str = "grammar";
+
+/// Whether `body` asks for a grammar: a `response_format` other than `text`,
+/// `structured_outputs`, or one of the older `guided_*` fields.
+fn has_grammar(body: &JsonBody) -> bool {
+    let present = |k: &str| !body.is_null_or_absent(k);
+    let format = body
+        .get_as::<Value>("response_format")
+        .and_then(Result::ok)
+        .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
+    format
+        || present("structured_outputs")
+        || [
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ]
+        .iter()
+        .any(|k| present(k))
+}
+
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
 /// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode [`Endpoint::ext`].
 /// One init and one alloc port per TP rank; the decode leg waits for one notification
@@ -408,8 +432,19 @@ impl KvConnector for Lmcache {
     /// and `stream_options` than the client's, so what vLLM refuses in them is refused
     /// here, before a prefill runs; beam search (whose parameters carry no
     /// `kv_transfer_params`, so no KV would be pushed) is served by a decode alone.
+    ///
+    /// Grammar-constrained requests (`response_format` other than `text`,
+    /// `structured_outputs`, the older `guided_*`) are served direct too: the first token
+    /// comes from the prefill and the decode continues from the prompt plus that token,
+    /// but vLLM feeds only generated tokens to a request's grammar
+    /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
+    /// decode's grammar would start over after a token already emitted.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        disagg_core::rewrite::check::check(req.api(), req.body(), &self.limits)
+        let decision = disagg_core::rewrite::check::check(req.api(), req.body(), &self.limits)?;
+        if decision == Decision::Disaggregate && has_grammar(req.body()) {
+            return Ok(Decision::Direct { reason: GRAMMAR });
+        }
+        Ok(decision)
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {

@@ -325,10 +325,13 @@
 //!   the KV of `ids` from every rank and generates what a direct run on
 //!   `ids` generates from its second token on; `max_tokens` and
 //!   `min_tokens` count its own output, and `usage.prompt_tokens` is the
-//!   length of the prompt it got. If the KV of `ids` is missing on any rank
-//!   (never pushed, pushed to some ranks only, expired, already taken), it
-//!   takes nothing and answers 500 `"KV cache for this request has not
-//!   arrived (..)"`, counted in [`Stats::kv_missing`].
+//!   length of the prompt it got. If the KV of `ids` is on no rank (never
+//!   pushed, expired, already taken, or a request served without a
+//!   prefill), LMCache's lookup misses and the engine computes the prompt
+//!   itself, as vLLM does (a local prefill). If it is on some ranks only
+//!   (a prefill of another TP size, a wrong port), it takes nothing and
+//!   answers 500 `"KV cache for this request has not arrived (..)"`,
+//!   counted in [`Stats::kv_missing`].
 //!
 //! # Side channel protocol
 //!

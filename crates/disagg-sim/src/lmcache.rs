@@ -259,7 +259,10 @@ pub(crate) struct Receiver {
 /// Why a decode cannot take the KV of its prompt.
 #[derive(Debug, Error)]
 pub(crate) enum TakeError {
-    /// Not (or not yet) received on every rank.
+    /// Received on no rank: the request is not a P/D decode leg (a cache miss).
+    #[error("no KV was pushed for this prompt")]
+    NotPushed,
+    /// Received on some ranks and not (or not yet) on others.
     #[error("KV cache for this request has not arrived (missing on rank {missing:?} of {ranks})")]
     Missing { missing: Vec<usize>, ranks: usize },
     /// Received, but not the KV of this prompt.
@@ -293,6 +296,11 @@ impl Receiver {
             })
             .map(|(r, _)| r)
             .collect();
+        if ranks > 0 && missing.len() == ranks {
+            // Nothing pushed for this prompt: a plain request (served direct), which
+            // LMCache's lookup misses and vLLM then prefills itself.
+            return Err(TakeError::NotPushed);
+        }
         if ranks == 0 || !missing.is_empty() {
             return Err(TakeError::Missing { missing, ranks });
         }

@@ -1366,6 +1366,8 @@ async fn serve_completion(
             );
             match inner.receiver.take(counters, &own) {
                 Ok(()) => Some(Ok(())),
+                // LMCache finds nothing for this prompt: vLLM computes it itself.
+                Err(TakeError::NotPushed) => None,
                 Err(TakeError::Mismatch(e)) => Some(Err(e)),
                 Err(e @ TakeError::Missing { .. }) => {
                     bump(&counters.kv_missing);

@@ -397,10 +397,14 @@ async fn one_prefill_one_decode_tp2_by_hand() {
     // Taken by the decodes.
     assert_eq!(ds.blocks_held, 0);
 
-    // The KV was taken: the same decode again is refused.
+    // The KV was taken: the same decode again finds none and computes the prompt.
     let first_tok = u64::from(tokenize(&first)[0]);
+    let before = d.stats();
     let again = decode_after(&d, &tokenize(PROMPT), first_tok, 3).await;
-    assert_eq!(again.status, 500);
+    assert_eq!(again.status, 200);
+    let after = d.stats();
+    assert_eq!(after.remote_decodes, before.remote_decodes);
+    assert_eq!(after.local_prefills, before.local_prefills + 1);
 }
 
 #[tokio::test]
@@ -540,8 +544,10 @@ async fn wrong_receiver_address_fails_the_prefill_without_notification() {
     assert_eq!(p.stats().kv_pushes, 2);
 }
 
+/// A decode request for a prompt whose KV was pushed to no rank is a cache miss to
+/// LMCache, and vLLM computes the prompt itself (a request served on the decode alone).
 #[tokio::test]
-async fn decode_without_kv_is_refused() {
+async fn decode_without_pushed_kv_computes_the_prompt_itself() {
     let d = decode(1).await;
     let ids = tokenize(PROMPT);
     for stream in [false, true] {
@@ -551,16 +557,12 @@ async fn decode_without_kv_is_refused() {
             &json!({"prompt": ids, "max_tokens": 3, "stream": stream}),
         )
         .await;
-        assert_eq!(reply.status, 500);
-        assert!(
-            error_message(&reply).contains("KV cache for this request has not arrived"),
-            "{}",
-            reply.text()
-        );
+        assert_eq!(reply.status, 200, "{}", reply.text());
     }
     let stats = d.stats();
-    assert_eq!(stats.kv_missing, 2);
-    assert_eq!(stats.local_prefills, 0);
+    assert_eq!(stats.local_prefills, 2);
+    assert_eq!(stats.remote_decodes, 0);
+    assert_eq!(stats.kv_missing, 0);
 }
 
 #[tokio::test]
@@ -726,8 +728,11 @@ async fn received_kv_expires() {
     let stats = wait_for(&d, |s| s.blocks_held == 0).await;
     assert_eq!(stats.kv_expired, 2);
 
+    // Expired on every rank: a miss, computed locally, not a remote decode.
     let reply = decode_after(&d, &ids, first_tok, 3).await;
-    assert_eq!(reply.status, 500);
+    assert_eq!(reply.status, 200);
+    let stats = d.stats();
+    assert_eq!((stats.remote_decodes, stats.local_prefills), (0, 1));
 }
 
 #[tokio::test]
