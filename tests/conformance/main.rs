@@ -321,6 +321,9 @@ async fn rewritten_fields_valid_values_are_served_and_invalid_ones_reach_no_engi
         ),
         ok(CHAT, r#""ignore_eos":"yes""#),
         bad(CHAT, r#""ignore_eos":"maybe""#, "ignore_eos"),
+        // A client's own handoff is never sent on, but vLLM types it as an object.
+        ok(CHAT, r#""kv_transfer_params":{"remote_host":"elsewhere"}"#),
+        bad(CHAT, r#""kv_transfer_params":"x""#, "kv_transfer_params"),
         ok(COMPLETIONS, r#""logprobs":2"#),
         bad(COMPLETIONS, r#""logprobs":-5"#, "logprobs"),
     ];

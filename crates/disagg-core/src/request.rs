@@ -73,6 +73,10 @@ pub struct PdRequest {
     request_id: HeaderValue,
     model: Option<String>,
     stream: bool,
+    /// The handoff fields the client sent (removed from `body`), kept for the checks of
+    /// connectors whose engines validate them; empty, and unallocated, for almost every
+    /// request.
+    removed: Vec<(&'static str, Bytes)>,
 }
 
 impl PdRequest {
@@ -112,8 +116,11 @@ impl PdRequest {
         new_id: impl FnOnce() -> HeaderValue,
     ) -> Result<Self, BodyError> {
         let mut body = JsonBody::parse_bytes(body)?;
+        let mut removed = Vec::new();
         for field in HANDOFF_FIELDS {
-            body.remove(field);
+            if let Some(raw) = body.remove(field) {
+                removed.push((*field, raw));
+            }
         }
         let model = match body.get_as::<Option<String>>("model") {
             None => None,
@@ -154,7 +161,18 @@ impl PdRequest {
             request_id,
             model,
             stream,
+            removed,
         })
+    }
+
+    /// The raw value of a [handoff field](HANDOFF_FIELDS) the client sent, which the
+    /// legs never carry (a vLLM connector refuses a `kv_transfer_params` that is not an
+    /// object, as vLLM would).
+    pub fn client_handoff(&self, field: &str) -> Option<&[u8]> {
+        self.removed
+            .iter()
+            .find(|(f, _)| *f == field)
+            .map(|(_, raw)| &raw[..])
     }
 
     /// The API.

@@ -440,7 +440,7 @@ impl KvConnector for Lmcache {
     /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
     /// decode's grammar would start over after a token already emitted.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        let decision = disagg_core::rewrite::check::check(req.api(), req.body(), &self.limits)?;
+        let decision = disagg_core::rewrite::check::check_request(req, &self.limits)?;
         if decision == Decision::Disaggregate && has_grammar(req.body()) {
             return Ok(Decision::Direct { reason: GRAMMAR });
         }

@@ -281,7 +281,7 @@ impl KvConnector for VllmMooncake {
     /// The rewriter's [`check`](PrefillRewriter::check): what vLLM refuses in the fields
     /// the prefill leg changes, and beam search served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        self.rewriter.check(req.api(), req.body())
+        crate::rewrite::check::check_request(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {

@@ -37,7 +37,7 @@ use crate::body::JsonBody;
 use crate::disaggregate::Decision;
 use crate::error::InvalidParam;
 use crate::lax::{bool_value, int_value, truthy};
-use crate::request::Api;
+use crate::request::{Api, PdRequest};
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,26 @@ impl Default for VllmLimits {
             max_stop_strings: 4,
         }
     }
+}
+
+/// [`check`] on a whole request: also the client's own `kv_transfer_params`, which the
+/// legs never carry (the connector writes its own) but which vLLM's request model types
+/// as an object, so a client's string or number there is refused as vLLM would refuse it.
+///
+/// # Errors
+///
+/// [`InvalidParam`] naming the field vLLM would refuse, and why.
+pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
+    if let Some(raw) = req.client_handoff("kv_transfer_params")
+        && raw.first() != Some(&b'{')
+        && raw != b"null"
+    {
+        return Err(InvalidParam::new(
+            "kv_transfer_params",
+            "kv_transfer_params: Input should be a valid dictionary",
+        ));
+    }
+    check(req.api(), req.body(), limits)
 }
 
 /// vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily.
