@@ -65,7 +65,7 @@ for _ in range(n):
     r = c.getresponse(); data = r.read()
     assert r.status == 200, (r.status, data)
 EOF
-  kill -TERM $pid; wait $pid || true
+  kill -TERM $pid; wait $pid || true; [ -n "${KEEP:-}" ] && cp "$OUT/cg.$n" "$KEEP.$n"
   grep -E '^(summary|totals):' "$OUT/cg.$n" | head -1 | awk '{print $2}'
 }
 

@@ -785,22 +785,18 @@ impl Release {
 }
 
 impl Inner {
-    /// `leg` with a fresh engine-side request id.
+    /// The decode leg of a request served without a prefill leg (direct, decode-only):
+    /// the client's body, the attempt's engine-side `id` and, when the route names the
+    /// decode's data-parallel rank, `X-Data-Parallel-Rank`, which vLLM and SGLang both
+    /// read.
     ///
     /// The engines get an id of the proxy's for every attempt, never the client's
     /// `x-request-id`: vLLM's push-mode NIXL pairs the two legs by it, so it must be the
     /// same on both legs and unique among requests in flight, which a client's id (a
     /// retry, a buggy client) is not. The client's id stays in the answer and the logs.
-    fn stamped(&self, mut leg: Leg) -> Leg {
-        leg.headers.insert(REQUEST_ID, self.ids.next_id());
-        leg
-    }
-
-    /// The decode leg of a request served without a prefill leg (direct, decode-only):
-    /// the client's body, a fresh engine-side id and, when the route names the decode's
-    /// data-parallel rank, `X-Data-Parallel-Rank`, which vLLM and SGLang both read.
-    fn decode_alone(&self, route: &Route, req: &PdRequest) -> Leg {
-        let mut leg = self.stamped(Leg::new(route.decode.clone(), req.body().clone()));
+    fn decode_alone(&self, route: &Route, req: &PdRequest, id: HeaderValue) -> Leg {
+        let mut leg = Leg::new(route.decode.clone(), req.body().clone());
+        leg.headers.insert(REQUEST_ID, id);
         if let Some(rank) = route.decode_rank {
             leg.headers.insert(
                 crate::connector::mooncake::DATA_PARALLEL_RANK,
@@ -872,7 +868,14 @@ impl Inner {
         let permit = self.admission.admit(clock.deadline).await?;
         let mut retries = 0;
         let result = loop {
-            let e = match self.attempt(&req, decision, clock).await {
+            // The first attempt's engine-side id is the request's own when the proxy drew
+            // it (fresh and unique already); a client's id, or a retry, gets a new one.
+            let id = if retries == 0 && req.has_generated_id() {
+                req.request_id().clone()
+            } else {
+                self.ids.next_id()
+            };
+            let e = match self.attempt(&req, id, decision, clock).await {
                 Ok(resp) => break Ok(resp),
                 Err(e) => e,
             };
@@ -988,7 +991,7 @@ impl Inner {
             .and_then(|candidates| self.router.select_direct(&view, candidates))
             .map_err(PdError::route)?;
         drop(set);
-        let leg = self.decode_alone(&route, req);
+        let leg = self.decode_alone(&route, req, self.ids.next_id());
         let mut resp = self
             .decode(req, route, leg, "decode-only", Timing::default(), clock)
             .await?;
@@ -1030,6 +1033,7 @@ impl Inner {
     async fn attempt(
         &self,
         req: &PdRequest,
+        id: HeaderValue,
         decision: Decision,
         clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
@@ -1044,7 +1048,7 @@ impl Inner {
                     reason,
                     "not disaggregated: served on a decode endpoint alone"
                 );
-                let leg = self.decode_alone(&route, req);
+                let leg = self.decode_alone(&route, req, id);
                 return self
                     .decode(req, route, leg, "direct", Timing::default(), clock)
                     .await;
@@ -1063,8 +1067,7 @@ impl Inner {
             .connector
             .prepare(&route, req)
             .map_err(prefill_failed)?;
-        // One engine-side id per attempt, the same on both legs (see `stamped`).
-        let id = self.ids.next_id();
+        // One engine-side id per attempt, the same on both legs (see `decode_alone`).
         handoff.prefill.headers.insert(REQUEST_ID, id.clone());
         handoff.decode.headers.insert(REQUEST_ID, id);
         let prefill_ep = Arc::clone(&handoff.prefill.endpoint);

@@ -71,6 +71,8 @@ pub struct PdRequest {
     headers: HeaderMap,
     body: JsonBody,
     request_id: HeaderValue,
+    /// Whether `request_id` was drawn here (the client sent none usable).
+    generated_id: bool,
     model: Option<String>,
     stream: bool,
     /// The handoff fields the client sent (removed from `body`), kept for the checks of
@@ -145,20 +147,22 @@ impl PdRequest {
                 });
             }
         };
-        let request_id = headers
+        let client_id = headers
             .get(&REQUEST_ID)
             .filter(|v| {
                 !v.is_empty()
                     && v.len() <= MAX_REQUEST_ID_LEN
                     && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
             })
-            .cloned()
-            .unwrap_or_else(new_id);
+            .cloned();
+        let generated_id = client_id.is_none();
+        let request_id = client_id.unwrap_or_else(new_id);
         Ok(PdRequest {
             api,
             headers,
             body,
             request_id,
+            generated_id,
             model,
             stream,
             removed,
@@ -190,9 +194,18 @@ impl PdRequest {
         &self.body
     }
 
-    /// The request id sent on both legs.
+    /// The request's id: the client's `x-request-id` when it sent a usable one, else one
+    /// drawn for it. It names the request in the answer and the logs; the engines get an
+    /// id of the proxy's per attempt (the orchestrator's), which for a first attempt is
+    /// this one when it was drawn here.
     pub fn request_id(&self) -> &HeaderValue {
         &self.request_id
+    }
+
+    /// Whether [`request_id`](Self::request_id) was drawn by the proxy rather than sent
+    /// by the client (and so is unique, and fit to be an engine-side id).
+    pub fn has_generated_id(&self) -> bool {
+        self.generated_id
     }
 
     /// The requested model, if the body names one.

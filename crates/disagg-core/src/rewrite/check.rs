@@ -93,6 +93,65 @@ pub const BEAM_SEARCH: &str = "beam_search";
 /// there is no decode for a KV handoff to feed.
 pub const PROMPT_ONLY: &str = "prompt_only";
 
+/// The raw values of the fields the checks read, gathered in one pass over the body
+/// (a search per field would cost more than the checks).
+#[derive(Default)]
+struct Fields<'a> {
+    use_beam_search: Option<&'a [u8]>,
+    stream: Option<&'a [u8]>,
+    stream_options: Option<&'a [u8]>,
+    max_tokens: Option<&'a [u8]>,
+    max_completion_tokens: Option<&'a [u8]>,
+    min_tokens: Option<&'a [u8]>,
+    n: Option<&'a [u8]>,
+    stop: Option<&'a [u8]>,
+    stop_token_ids: Option<&'a [u8]>,
+    include_stop_str_in_output: Option<&'a [u8]>,
+    ignore_eos: Option<&'a [u8]>,
+    logprobs: Option<&'a [u8]>,
+    top_logprobs: Option<&'a [u8]>,
+    logprob_token_ids: Option<&'a [u8]>,
+    prompt_logprobs: Option<&'a [u8]>,
+    echo: Option<&'a [u8]>,
+    temperature: Option<&'a [u8]>,
+    response_format: Option<&'a [u8]>,
+    structured_outputs: Option<&'a [u8]>,
+    tool_choice: Option<&'a [u8]>,
+}
+
+impl<'a> Fields<'a> {
+    fn of(body: &'a JsonBody) -> Self {
+        let mut f = Fields::default();
+        for (key, value) in body.fields() {
+            let slot = match key {
+                b"use_beam_search" => &mut f.use_beam_search,
+                b"stream" => &mut f.stream,
+                b"stream_options" => &mut f.stream_options,
+                b"max_tokens" => &mut f.max_tokens,
+                b"max_completion_tokens" => &mut f.max_completion_tokens,
+                b"min_tokens" => &mut f.min_tokens,
+                b"n" => &mut f.n,
+                b"stop" => &mut f.stop,
+                b"stop_token_ids" => &mut f.stop_token_ids,
+                b"include_stop_str_in_output" => &mut f.include_stop_str_in_output,
+                b"ignore_eos" => &mut f.ignore_eos,
+                b"logprobs" => &mut f.logprobs,
+                b"top_logprobs" => &mut f.top_logprobs,
+                b"logprob_token_ids" => &mut f.logprob_token_ids,
+                b"prompt_logprobs" => &mut f.prompt_logprobs,
+                b"echo" => &mut f.echo,
+                b"temperature" => &mut f.temperature,
+                b"response_format" => &mut f.response_format,
+                b"structured_outputs" => &mut f.structured_outputs,
+                b"tool_choice" => &mut f.tool_choice,
+                _ => continue,
+            };
+            *slot = Some(value);
+        }
+        f
+    }
+}
+
 /// Check `body` of `api` as vLLM would, for the fields a prefill rewrite changes, and say
 /// whether P/D can carry it: [`PrefillRewriter::check`](super::PrefillRewriter::check),
 /// for connectors that build their vLLM legs without the rewriter (LMCache).
@@ -102,8 +161,8 @@ pub const PROMPT_ONLY: &str = "prompt_only";
 /// [`InvalidParam`] naming the field vLLM would refuse, and why.
 pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
     let chat = api == Api::Chat;
-    let raw = |k: &str| body.get(k);
-    if matches!(raw("use_beam_search").map(bool_value), Some(Ok(Some(true)))) {
+    let f = Fields::of(body);
+    if matches!(f.use_beam_search.map(bool_value), Some(Ok(Some(true)))) {
         // The body goes to the decode engine untouched, which checks it itself.
         return Ok(Decision::Direct {
             reason: BEAM_SEARCH,
@@ -111,27 +170,27 @@ pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision,
     }
 
     // Parse stage, `mode="before"` validators on the raw body.
-    if truthy(raw("stream_options")) && !truthy(raw("stream")) {
+    if truthy(f.stream_options) && !truthy(f.stream) {
         return Err(InvalidParam::new(
             "stream_options",
             "Stream options can only be defined when `stream=True`.",
         ));
     }
-    if truthy(raw("logprob_token_ids")) {
-        if chat && !truthy(raw("logprobs")) {
+    if truthy(f.logprob_token_ids) {
+        if chat && !truthy(f.logprobs) {
             return Err(InvalidParam::new(
                 "logprob_token_ids",
                 "when using `logprob_token_ids`, `logprobs` must be set to true.",
             ));
         }
         if !chat {
-            if truthy(raw("echo")) && raw("max_tokens") == Some(b"0") {
+            if truthy(f.echo) && f.max_tokens == Some(b"0") {
                 return Err(InvalidParam::new(
                     "logprob_token_ids",
                     "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no output tokens are generated.",
                 ));
             }
-            if body.is_null_or_absent("logprobs") {
+            if f.logprobs.is_none_or(|v| v == b"null") {
                 return Err(InvalidParam::new(
                     "logprob_token_ids",
                     "when using `logprob_token_ids`, `logprobs` must be set.",
@@ -140,12 +199,18 @@ pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision,
         }
     }
     let counts = if chat {
-        ["prompt_logprobs", "top_logprobs"]
+        [
+            ("prompt_logprobs", f.prompt_logprobs),
+            ("top_logprobs", f.top_logprobs),
+        ]
     } else {
-        ["prompt_logprobs", "logprobs"]
+        [
+            ("prompt_logprobs", f.prompt_logprobs),
+            ("logprobs", f.logprobs),
+        ]
     };
-    for field in counts {
-        if let Some(v) = raw(field)
+    for (field, raw) in counts {
+        if let Some(v) = raw
             && v != b"null"
             && number(v).is_none()
         {
@@ -155,8 +220,8 @@ pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision,
             ));
         }
     }
-    if let Some(pl) = raw("prompt_logprobs").and_then(number) {
-        if truthy(raw("stream")) && (pl > 0.0 || pl == -1.0) {
+    if let Some(pl) = f.prompt_logprobs.and_then(number) {
+        if truthy(f.stream) && (pl > 0.0 || pl == -1.0) {
             return Err(InvalidParam::new(
                 "prompt_logprobs",
                 "`prompt_logprobs` are not available when `stream=True`.",
@@ -170,21 +235,21 @@ pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision,
         }
     }
     if chat {
-        if let Some(tl) = raw("top_logprobs").and_then(number) {
+        if let Some(tl) = f.top_logprobs.and_then(number) {
             if tl < 0.0 && tl != -1.0 {
                 return Err(InvalidParam::new(
                     "top_logprobs",
                     "`top_logprobs` must be a positive value or -1.",
                 ));
             }
-            if (tl == -1.0 || tl > 0.0) && !truthy(raw("logprobs")) {
+            if (tl == -1.0 || tl > 0.0) && !truthy(f.logprobs) {
                 return Err(InvalidParam::new(
                     "top_logprobs",
                     "when using `top_logprobs`, `logprobs` must be set to true.",
                 ));
             }
         }
-    } else if let Some(lp) = raw("logprobs").and_then(number)
+    } else if let Some(lp) = f.logprobs.and_then(number)
         && lp < 0.0
         && lp != -1.0
     {
@@ -193,53 +258,52 @@ pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision,
             "`logprobs` must be a positive value or -1.",
         ));
     }
-    check_grammar(chat, body)?;
+    check_grammar(chat, &f)?;
 
     // Parse stage, pydantic's lax field types.
-    opt_bool(body, "stream")?;
-    check_stream_options(body)?;
-    let max_tokens = opt_int(body, "max_tokens")?;
+    opt_bool("stream", f.stream)?;
+    check_stream_options(f.stream_options)?;
+    let max_tokens = opt_int("max_tokens", f.max_tokens)?;
     let max_completion_tokens = if chat {
-        opt_int(body, "max_completion_tokens")?
+        opt_int("max_completion_tokens", f.max_completion_tokens)?
     } else {
         None
     };
-    let min_tokens = int_not_null(body, "min_tokens")?.unwrap_or(0);
+    let min_tokens = int_not_null("min_tokens", f.min_tokens)?.unwrap_or(0);
     let n = if chat {
-        opt_int(body, "n")?
+        opt_int("n", f.n)?
     } else {
-        int_not_null(body, "n")?
+        int_not_null("n", f.n)?
     }
     .unwrap_or(1);
-    let stop = stop_strings(body, limits)?;
-    let logprob_token_ids = int_list(body, "logprob_token_ids")?;
-    int_list(body, "stop_token_ids")?;
-    for field in ["include_stop_str_in_output", "ignore_eos"] {
-        bool_not_null(body, field)?;
-    }
+    let stop = stop_strings(f.stop, limits)?;
+    let logprob_token_ids = int_list("logprob_token_ids", f.logprob_token_ids)?;
+    int_list("stop_token_ids", f.stop_token_ids)?;
+    bool_not_null("include_stop_str_in_output", f.include_stop_str_in_output)?;
+    bool_not_null("ignore_eos", f.ignore_eos)?;
     let echo = if chat {
-        bool_not_null(body, "echo")?
+        bool_not_null("echo", f.echo)?
     } else {
-        opt_bool(body, "echo")?
+        opt_bool("echo", f.echo)?
     }
     .unwrap_or(false);
     let logprobs_on = if chat {
-        opt_bool(body, "logprobs")?.unwrap_or(false)
+        opt_bool("logprobs", f.logprobs)?.unwrap_or(false)
     } else {
         false
     };
     let top_logprobs = if chat {
-        opt_int(body, "top_logprobs")?.unwrap_or(0)
+        opt_int("top_logprobs", f.top_logprobs)?.unwrap_or(0)
     } else {
         0
     };
     let logprobs_count = if chat {
         None
     } else {
-        opt_int(body, "logprobs")?
+        opt_int("logprobs", f.logprobs)?
     };
-    let prompt_logprobs = opt_int(body, "prompt_logprobs")?;
-    let temperature = opt_float(body, "temperature")?;
+    let prompt_logprobs = opt_int("prompt_logprobs", f.prompt_logprobs)?;
+    let temperature = opt_float("temperature", f.temperature)?;
 
     // Max tokens, as the handler resolves them.
     let requested = if chat {
@@ -379,8 +443,8 @@ fn over_max(
 
 /// The shape of the grammar fields, as vLLM's `mode="before"` validators check it; the
 /// rewriter removes these fields from prefill legs whose token is discarded.
-fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
-    if let Some(raw) = body.get("response_format").filter(|v| *v != b"null") {
+fn check_grammar(chat: bool, f: &Fields<'_>) -> Result<(), InvalidParam> {
+    if let Some(raw) = f.response_format.filter(|v| *v != b"null") {
         #[derive(serde::Deserialize)]
         struct Format<'a> {
             #[serde(rename = "type", borrow)]
@@ -412,7 +476,7 @@ fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
             }
         }
     }
-    if let Some(raw) = body.get("structured_outputs").filter(|v| *v != b"null") {
+    if let Some(raw) = f.structured_outputs.filter(|v| *v != b"null") {
         let fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(raw)
             .map_err(|_| {
                 InvalidParam::new(
@@ -442,7 +506,7 @@ fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
             ));
         }
         if chat && count > 0 {
-            let choice = body.get("tool_choice").unwrap_or(br#""none""#);
+            let choice = f.tool_choice.unwrap_or(br#""none""#);
             if !matches!(choice, br#""none""# | br#""auto""# | br#""required""#) {
                 return Err(InvalidParam::new(
                     "structured_outputs",
@@ -454,8 +518,8 @@ fn check_grammar(chat: bool, body: &JsonBody) -> Result<(), InvalidParam> {
     Ok(())
 }
 
-fn check_stream_options(body: &JsonBody) -> Result<(), InvalidParam> {
-    let Some(raw) = body.get("stream_options").filter(|v| *v != b"null") else {
+fn check_stream_options(raw: Option<&[u8]>) -> Result<(), InvalidParam> {
+    let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(());
     };
     let options: serde_json::Map<String, serde_json::Value> =
@@ -496,36 +560,36 @@ fn type_error(field: &'static str, expected: &str) -> InvalidParam {
     )
 }
 
-fn opt_bool(body: &JsonBody, field: &'static str) -> Result<Option<bool>, InvalidParam> {
-    body.get(field).map_or(Ok(None), |raw| {
+fn opt_bool(field: &'static str, raw: Option<&[u8]>) -> Result<Option<bool>, InvalidParam> {
+    raw.map_or(Ok(None), |raw| {
         bool_value(raw).map_err(|()| type_error(field, "boolean"))
     })
 }
 
 /// A `bool` field without `None` in its type: `null` is refused too.
-fn bool_not_null(body: &JsonBody, field: &'static str) -> Result<Option<bool>, InvalidParam> {
-    match opt_bool(body, field)? {
-        None if body.contains(field) => Err(type_error(field, "boolean")),
+fn bool_not_null(field: &'static str, raw: Option<&[u8]>) -> Result<Option<bool>, InvalidParam> {
+    match opt_bool(field, raw)? {
+        None if raw.is_some() => Err(type_error(field, "boolean")),
         v => Ok(v),
     }
 }
 
-fn opt_int(body: &JsonBody, field: &'static str) -> Result<Option<i64>, InvalidParam> {
-    body.get(field).map_or(Ok(None), |raw| {
+fn opt_int(field: &'static str, raw: Option<&[u8]>) -> Result<Option<i64>, InvalidParam> {
+    raw.map_or(Ok(None), |raw| {
         int_value(raw).map_err(|()| type_error(field, "integer"))
     })
 }
 
 /// An `int` field without `None` in its type: `null` is refused too.
-fn int_not_null(body: &JsonBody, field: &'static str) -> Result<Option<i64>, InvalidParam> {
-    match opt_int(body, field)? {
-        None if body.contains(field) => Err(type_error(field, "integer")),
+fn int_not_null(field: &'static str, raw: Option<&[u8]>) -> Result<Option<i64>, InvalidParam> {
+    match opt_int(field, raw)? {
+        None if raw.is_some() => Err(type_error(field, "integer")),
         v => Ok(v),
     }
 }
 
-fn opt_float(body: &JsonBody, field: &'static str) -> Result<Option<f64>, InvalidParam> {
-    let Some(raw) = body.get(field).filter(|v| *v != b"null") else {
+fn opt_float(field: &'static str, raw: Option<&[u8]>) -> Result<Option<f64>, InvalidParam> {
+    let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(None);
     };
     if let Some(n) = number(raw) {
@@ -540,8 +604,8 @@ fn opt_float(body: &JsonBody, field: &'static str) -> Result<Option<f64>, Invali
 }
 
 /// `list[int] | None` with lax elements.
-fn int_list(body: &JsonBody, field: &'static str) -> Result<Option<Vec<i64>>, InvalidParam> {
-    let Some(raw) = body.get(field).filter(|v| *v != b"null") else {
+fn int_list(field: &'static str, raw: Option<&[u8]>) -> Result<Option<Vec<i64>>, InvalidParam> {
+    let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(None);
     };
     let items: Vec<&serde_json::value::RawValue> =
@@ -560,8 +624,8 @@ fn int_list(body: &JsonBody, field: &'static str) -> Result<Option<Vec<i64>>, In
 }
 
 /// `stop`: `str | list[str] | None`, the list at most `max_stop_strings` long.
-fn stop_strings(body: &JsonBody, limits: &VllmLimits) -> Result<Vec<String>, InvalidParam> {
-    let Some(raw) = body.get("stop").filter(|v| *v != b"null") else {
+fn stop_strings(raw: Option<&[u8]>, limits: &VllmLimits) -> Result<Vec<String>, InvalidParam> {
+    let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(Vec::new());
     };
     let bad = || {
