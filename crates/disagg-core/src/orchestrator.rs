@@ -438,7 +438,7 @@ impl Orchestrator {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) as [`PdRequest::new`].
+    /// [`BodyError`] as [`PdRequest::new`].
     pub fn request(
         &self,
         api: crate::request::Api,

@@ -17,7 +17,7 @@
 //!   `check_structured_outputs_count`, `validate_response_format` in
 //!   `vllm/entrypoints/openai/chat_completion/protocol.py` and
 //!   `.../completion/protocol.py`), then pydantic's lax field types (see
-//!   [`lax`](crate::lax));
+//!   `disagg_core::lax`, a private module);
 //! - *max tokens*: the handler's `get_max_tokens`
 //!   (`vllm/entrypoints/serve/utils/api_utils.py`: chat reads
 //!   `max_completion_tokens`, else `max_tokens`);

@@ -25,7 +25,7 @@
 //!
 //! Because the prefill engine never sees the client's values of these fields, it can
 //! never refuse them: [`PrefillRewriter::check`] refuses them as vLLM would, before any
-//! leg is sent (see [`check`](self::check) for the rules and their sources), and says
+//! leg is sent (see [`check`] for the rules and their sources), and says
 //! which requests P/D cannot carry at all (beam search). `docs/protocols.md` holds the
 //! whole rule table.
 //!
