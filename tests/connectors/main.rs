@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use disagg_core::retry::RetryPolicy;
+use disagg_resilience::RetryPolicy;
 use disagg_sim::{Faults, SimConfig, SimEngine};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
@@ -550,10 +550,8 @@ async fn a_retry_picks_a_new_pair_and_a_new_room() {
             .prefill(vec![engine(), hanging])
             .decode(vec![engine()])
             .router(DeadFirst(Default::default()))
-            .config(|c| {
-                c.retry = RetryPolicy::retries(1);
-                c.prefill_timeout = Duration::from_millis(300);
-            })
+            .retry(RetryPolicy::retries(1))
+            .config(|c| c.prefill_timeout = Duration::from_millis(300))
             .build()
             .await;
         let body = completion("second time lucky", 6, false);
@@ -604,7 +602,7 @@ async fn a_retry_passes_over_an_unreachable_prefill() {
             .decode(vec![engine()])
             .dead_prefill(dead_url().await)
             .router(DeadFirst(Default::default()))
-            .config(|c| c.retry = RetryPolicy::retries(1))
+            .retry(RetryPolicy::retries(1))
             .build()
             .await;
         let a = post(

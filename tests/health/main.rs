@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::{
-    Endpoint, EndpointHealth, EndpointSource, HealthConfig, HealthSource, ManualSource,
-    Orchestrator, OrchestratorConfig, Role, RoundRobin, Transport,
+    Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role, RoundRobin,
+    Transport,
 };
 use disagg_http::{HttpTransport, PdService};
+use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
 use disagg_sim::{SimConfig, SimEngine};
 use http_body_util::Full;
 use hyper::server::conn::http1;
@@ -245,9 +246,23 @@ async fn stopping_the_checks_ends_them() {
     assert_eq!(flip.hits.load(Ordering::SeqCst), hits);
 }
 
-/// A proxy on loopback routing from `source`.
+/// `source` without its listener: an orchestrator over it does not feed its health, so a
+/// test drives the breaker with `Health::record` alone.
+struct Unheard(HealthSource);
+
+impl EndpointSource for Unheard {
+    fn watch(&self) -> watch::Receiver<Arc<disagg_core::EndpointSet>> {
+        self.0.watch()
+    }
+
+    fn snapshot(&self) -> Arc<disagg_core::EndpointSet> {
+        self.0.snapshot()
+    }
+}
+
+/// A proxy on loopback routing from `source`, whose health only the test feeds.
 async fn proxy(source: HealthSource, config: OrchestratorConfig) -> (String, oneshot::Sender<()>) {
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+    let orchestrator = Orchestrator::builder(Unheard(source), HttpTransport::default())
         .router(RoundRobin::new())
         .config(config)
         .build();
@@ -402,7 +417,6 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     let health = Arc::clone(source.health());
     let orchestrator = Orchestrator::builder(source, HttpTransport::default())
         .router(RoundRobin::new())
-        .health(Arc::clone(&health))
         .build();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());

@@ -8,9 +8,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use disagg_core::admission::AdmissionConfig;
 use disagg_core::orchestrator::{KvRelease, PrefillFailure};
-use disagg_core::retry::RetryPolicy;
+use disagg_resilience::AdmissionConfig;
+use disagg_resilience::RetryPolicy;
 use disagg_sim::{Faults, SimConfig};
 use support::*;
 
@@ -198,7 +198,7 @@ async fn a_503_prefill_is_retried_on_another_endpoint() {
             }),
             SimConfig::default(),
         ])
-        .config(|c| c.retry = RetryPolicy::retries(1))
+        .retry(RetryPolicy::retries(1))
         .build()
         .await;
     let body = completion("retry me", 5, false);
@@ -233,12 +233,12 @@ async fn the_retry_budget_stops_a_retry_storm() {
     };
     let s = Stack::builder()
         .prefill(vec![down(), down()])
-        .config(|c| {
+        .retry({
             let mut retry = RetryPolicy::retries(1);
             retry.budget_ratio = 0.0;
             retry.budget_reserve = 3;
             retry.backoff_base = Duration::from_millis(1);
-            c.retry = retry;
+            retry
         })
         .build()
         .await;
@@ -311,12 +311,12 @@ async fn a_full_queue_is_429_with_retry_after_and_a_long_wait_is_503() {
             inter_token_delay: Duration::from_millis(50),
             ..Default::default()
         }])
-        .config(|c| {
+        .admission({
             let mut a = AdmissionConfig::default();
             a.max_in_flight = Some(1);
             a.max_queue = 1;
             a.queue_timeout = Duration::from_millis(300);
-            c.admission = a;
+            a
         })
         .build()
         .await;
@@ -378,10 +378,10 @@ async fn a_queued_request_is_admitted_when_a_stream_ends() {
             inter_token_delay: Duration::from_millis(20),
             ..Default::default()
         }])
-        .config(|c| {
+        .admission({
             let mut a = AdmissionConfig::default();
             a.max_in_flight_per_endpoint = Some(1);
-            c.admission = a;
+            a
         })
         .build()
         .await;

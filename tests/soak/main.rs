@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_core::orchestrator::KvRelease;
-use disagg_core::retry::RetryPolicy;
+use disagg_resilience::RetryPolicy;
 use disagg_sim::{Faults, SimConfig};
 use http_body_util::{BodyExt, Full};
 use support::*;
@@ -327,13 +327,13 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
             c.prefill_timeout = Duration::from_millis(250);
             c.decode_idle_timeout = Some(Duration::from_millis(250));
             c.decode_head_timeout = Duration::from_secs(5);
-            c.retry = RetryPolicy::retries(1);
             // A generous grace: under load a prefill's answer may take a while to be read.
             c.kv_release = KvRelease::AbortDecode {
                 grace: Duration::from_secs(1),
                 wait: Duration::from_secs(2),
             };
         })
+        .retry(RetryPolicy::retries(1))
         .build()
         .await;
 

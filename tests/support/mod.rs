@@ -117,6 +117,8 @@ pub struct StackBuilder {
     decode: Vec<SimConfig>,
     extra_prefill_urls: Vec<String>,
     config: OrchestratorConfig,
+    retry: Option<disagg_resilience::RetryPolicy>,
+    admission: Option<disagg_resilience::AdmissionConfig>,
     service: PdServiceConfig,
     disaggregate: Option<Arc<dyn Disaggregate>>,
     declare_models: bool,
@@ -139,6 +141,8 @@ impl Stack {
             decode: vec![SimConfig::default()],
             extra_prefill_urls: Vec::new(),
             config: OrchestratorConfig::default(),
+            retry: None,
+            admission: None,
             service: PdServiceConfig::default(),
             disaggregate: None,
             declare_models: false,
@@ -206,6 +210,18 @@ impl StackBuilder {
 
     pub fn config(mut self, f: impl FnOnce(&mut OrchestratorConfig)) -> Self {
         f(&mut self.config);
+        self
+    }
+
+    /// Retry failed attempts as `policy` says (`disagg_resilience::Backoff`).
+    pub fn retry(mut self, policy: disagg_resilience::RetryPolicy) -> Self {
+        self.retry = Some(policy);
+        self
+    }
+
+    /// Limit admission as `config` says (`disagg_resilience::Limits`).
+    pub fn admission(mut self, config: disagg_resilience::AdmissionConfig) -> Self {
+        self.admission = Some(config);
         self
     }
 
@@ -323,6 +339,12 @@ impl StackBuilder {
                 .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
+        }
+        if let Some(policy) = self.retry {
+            builder = builder.retry(disagg_resilience::Backoff::new(policy));
+        }
+        if let Some(config) = self.admission {
+            builder = builder.admission(disagg_resilience::Limits::new(config));
         }
         let orchestrator = match self.router {
             Some(router) => builder.router(BoxedRouter(router)).build(),

@@ -1,305 +1,115 @@
-//! Admission: how many requests run at once, and what happens to the rest.
+//! Admission: the seam through which an orchestrator limits how many requests run at
+//! once.
 //!
-//! Two limits, both off by default:
-//!
-//! - a **global** in-flight limit: a request past it waits in a FIFO queue (a fair
-//!   semaphore: permits go to waiters in arrival order) until one of the running
-//!   requests ends — its response body finished or dropped;
-//! - a **per-endpoint** in-flight limit: when the route chosen for a request has an
-//!   endpoint at its limit, the request waits in the same queue until some request
-//!   ends, then routes again (so it may go elsewhere). These waiters are woken
-//!   together and race for the freed room, so their order is close to, but not
-//!   strictly, FIFO; the limit is checked when a request is admitted, so requests
-//!   admitted at the same instant on different threads may pass it by one each.
-//!
-//! The queue is bounded: a request that finds it full is refused at once with 429
-//! `queue_full` and a `retry-after` header, and one that waits longer than the queue
-//! timeout (or past its deadline) gets 503 `queue_timeout`. Both are OpenAI-format
-//! errors. No request is dropped silently, and a waiting request that its client
-//! abandons leaves the queue at once.
+//! An orchestrator admits every request when it has no [`Admission`] (the default). An
+//! implementation (`disagg-resilience` has one with a global limit, a per-endpoint
+//! limit and a bounded FIFO queue) decides whether a request runs now, waits, or is
+//! refused; the [`Permit`] it grants is held by the response body until the answer's
+//! last byte, so a long stream counts as long as it lasts.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::any::Any;
+use std::fmt;
 
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use futures::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::error::PdError;
 use crate::router::Route;
 
-/// Admission settings.
-#[derive(Debug, Clone)]
+/// A request's place among the running ones: dropping it ends the request for
+/// admission. Opaque: it carries whatever the [`Admission`] that granted it needs to
+/// give the place back.
+pub struct Permit(#[allow(dead_code)] Box<dyn Any + Send + Sync>); // held for its drop
+
+impl Permit {
+    /// A permit holding `place`, which gives the place back when dropped.
+    pub fn new(place: impl Any + Send + Sync) -> Self {
+        Permit(Box::new(place))
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Permit")
+    }
+}
+
+/// What an [`Admission`] counted, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
-pub struct AdmissionConfig {
-    /// Requests served at once by the orchestrator, all endpoints together (default
-    /// `None`: no limit).
-    pub max_in_flight: Option<usize>,
-    /// Requests in flight on one endpoint (default `None`: no limit). A prefill
-    /// endpoint counts its prefill exchanges, a decode endpoint its streams.
-    pub max_in_flight_per_endpoint: Option<usize>,
-    /// Requests that may wait for admission; one more is refused with 429 (default
-    /// 1024).
-    pub max_queue: usize,
-    /// Longest wait in the queue before 503 `queue_timeout` (default 10 s). A request's
-    /// deadline, when shorter, bounds the wait too.
-    pub queue_timeout: Duration,
-    /// The `retry-after` a refused client is given (default 1 s).
-    pub retry_after: Duration,
+pub struct AdmissionStats {
+    /// Requests waiting now (a gauge).
+    pub waiting: u64,
+    /// Requests that had to wait.
+    pub queued: u64,
+    /// Requests refused because the queue was full (429).
+    pub queue_full: u64,
+    /// Requests that waited too long (503).
+    pub queue_timeouts: u64,
 }
 
-impl Default for AdmissionConfig {
-    fn default() -> Self {
-        AdmissionConfig {
-            max_in_flight: None,
-            max_in_flight_per_endpoint: None,
-            max_queue: 1024,
-            queue_timeout: Duration::from_secs(10),
-            retry_after: Duration::from_secs(1),
+impl AdmissionStats {
+    /// Stats with every count given.
+    pub fn new(waiting: u64, queued: u64, queue_full: u64, queue_timeouts: u64) -> Self {
+        AdmissionStats {
+            waiting,
+            queued,
+            queue_full,
+            queue_timeouts,
         }
     }
 }
 
-/// The admission state of one orchestrator.
-#[derive(Debug)]
-pub(crate) struct Admission {
-    config: AdmissionConfig,
-    global: Option<Arc<Semaphore>>,
-    /// Requests waiting, for either limit.
-    waiting: AtomicUsize,
-    /// Requests admitted and not yet ended.
-    running: AtomicUsize,
-    /// Rung when a request ends, for waiters on a per-endpoint limit.
-    ended: Notify,
-    pub(crate) counters: AdmissionCounters,
-}
+/// Decides when requests run.
+///
+/// The orchestrator calls, per request: [`try_admit`](Self::try_admit), and when it
+/// gives nothing, [`admit`](Self::admit), which may wait (within the request's
+/// `deadline`); then, per attempt, [`has_room`](Self::has_room) on the route chosen,
+/// and while that is false [`wait_for_room`](Self::wait_for_room) before routing again.
+/// [`exchange_ended`](Self::exchange_ended) tells it that a prefill exchange ended (a
+/// per-endpoint limit may have room again). The synchronous methods must be cheap: they
+/// run on every request.
+pub trait Admission: Send + Sync + 'static {
+    /// A permit at once, when one is free without waiting.
+    fn try_admit(&self) -> Option<Permit>;
 
-/// What admission counted.
-#[derive(Debug, Default)]
-pub(crate) struct AdmissionCounters {
-    pub(crate) queue_full: AtomicU64,
-    pub(crate) queue_timeouts: AtomicU64,
-    pub(crate) queued: AtomicU64,
-}
+    /// A permit, waiting for it if needed.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`] (429 `queue_full`, 503 `queue_timeout`) when the request is refused.
+    fn admit(&self, deadline: Option<Instant>) -> BoxFuture<'static, Result<Permit, PdError>>;
 
-/// A request's place among the running ones; dropping it ends the request for
-/// admission (the orchestrator keeps it in the response body until the last byte).
-#[derive(Debug)]
-pub(crate) struct Permit {
-    admission: Arc<Admission>,
-    _global: Option<OwnedSemaphorePermit>,
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        self.admission.running.fetch_sub(1, Ordering::Relaxed);
-        if self.admission.config.max_in_flight_per_endpoint.is_some() {
-            self.admission.ended.notify_waiters();
-        }
-    }
-}
-
-/// Counts a request as waiting while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Admission {
-    pub(crate) fn new(config: AdmissionConfig) -> Self {
-        Admission {
-            global: config.max_in_flight.map(|n| Arc::new(Semaphore::new(n))),
-            config,
-            waiting: AtomicUsize::new(0),
-            running: AtomicUsize::new(0),
-            ended: Notify::new(),
-            counters: AdmissionCounters::default(),
-        }
+    /// Whether the endpoints of `route` may take one more request. The default: always.
+    fn has_room(&self, _route: &Route) -> bool {
+        true
     }
 
-    /// Requests admitted and not yet ended.
-    pub(crate) fn running(&self) -> usize {
-        self.running.load(Ordering::Relaxed)
-    }
-
-    /// Requests waiting in the queue.
-    pub(crate) fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::Relaxed)
-    }
-
-    /// A place in the queue, or 429 when it is full.
-    fn enqueue(&self) -> Result<Waiting<'_>, PdError> {
-        let before = self.waiting.fetch_add(1, Ordering::Relaxed);
-        let guard = Waiting(&self.waiting);
-        if before >= self.config.max_queue {
-            self.counters.queue_full.fetch_add(1, Ordering::Relaxed);
-            return Err(PdError::queue_full(self.config.retry_after));
-        }
-        self.counters.queued.fetch_add(1, Ordering::Relaxed);
-        Ok(guard)
-    }
-
-    /// When a wait that started at `since` must end: the queue timeout or the request's
-    /// deadline, whichever comes first.
-    fn wait_until(&self, since: Instant, deadline: Option<Instant>) -> Instant {
-        let by_queue = since + self.config.queue_timeout;
-        deadline.map_or(by_queue, |d| d.min(by_queue))
-    }
-
-    fn timed_out(&self, since: Instant) -> PdError {
-        self.counters.queue_timeouts.fetch_add(1, Ordering::Relaxed);
-        PdError::queue_timeout(since.elapsed())
-    }
-
-    /// Admit a request under the global limit, waiting in the queue if needed.
-    pub(crate) async fn admit(
-        self: &Arc<Self>,
-        deadline: Option<Instant>,
-    ) -> Result<Permit, PdError> {
-        let global = match &self.global {
-            None => None,
-            Some(sem) => match Arc::clone(sem).try_acquire_owned() {
-                Ok(p) => Some(p),
-                Err(_) => {
-                    let _waiting = self.enqueue()?;
-                    let since = Instant::now();
-                    let until = self.wait_until(since, deadline);
-                    match tokio::time::timeout_at(until, Arc::clone(sem).acquire_owned()).await {
-                        Ok(Ok(p)) => Some(p),
-                        // Closed never happens: the semaphore is never closed.
-                        Ok(Err(_)) | Err(_) => return Err(self.timed_out(since)),
-                    }
-                }
-            },
-        };
-        self.running.fetch_add(1, Ordering::Relaxed);
-        Ok(Permit {
-            admission: Arc::clone(self),
-            _global: global,
-        })
-    }
-
-    /// Whether both endpoints of `route` are below the per-endpoint limit.
-    pub(crate) fn has_room(&self, route: &Route) -> bool {
-        let Some(limit) = self.config.max_in_flight_per_endpoint else {
-            return true;
-        };
-        route.decode.in_flight() < limit
-            && route.prefill.as_ref().is_none_or(|p| p.in_flight() < limit)
-    }
-
-    /// Wait, as a queued request, until some request ends; `since` is when this request
-    /// first found no room.
-    pub(crate) async fn wait_for_room(
+    /// Wait until some request ends, as a request that first found no room at `since`.
+    /// The default never waits.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`] when the wait is refused or too long.
+    fn wait_for_room(
         &self,
-        since: Instant,
-        deadline: Option<Instant>,
-    ) -> Result<(), PdError> {
-        let _waiting = self.enqueue()?;
-        let until = self.wait_until(since, deadline);
-        match tokio::time::timeout_at(until, self.ended.notified()).await {
-            Ok(()) => Ok(()),
-            Err(_) => Err(self.timed_out(since)),
-        }
+        _since: Instant,
+        _deadline: Option<Instant>,
+    ) -> BoxFuture<'static, Result<(), PdError>> {
+        Box::pin(async { Ok(()) })
     }
 
-    /// Whether a per-endpoint limit is set.
-    pub(crate) fn per_endpoint(&self) -> bool {
-        self.config.max_in_flight_per_endpoint.is_some()
-    }
-}
-
-/// Wakes the requests waiting for room on an endpoint when dropped: held by a prefill
-/// exchange, which ends before its request does.
-pub(crate) struct RoomFreed(pub(crate) Arc<Admission>);
-
-impl Drop for RoomFreed {
-    fn drop(&mut self) {
-        self.0.ended.notify_waiters();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn limited(n: usize, queue: usize, timeout_ms: u64) -> Arc<Admission> {
-        Arc::new(Admission::new(AdmissionConfig {
-            max_in_flight: Some(n),
-            max_queue: queue,
-            queue_timeout: Duration::from_millis(timeout_ms),
-            ..AdmissionConfig::default()
-        }))
+    /// Whether [`exchange_ended`](Self::exchange_ended) matters (a per-endpoint limit is
+    /// set); the orchestrator skips the call otherwise.
+    fn tracks_exchanges(&self) -> bool {
+        false
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_full_queue_is_refused_with_retry_after() {
-        let a = limited(1, 1, 1000);
-        let first = a.admit(None).await.unwrap();
-        let a2 = Arc::clone(&a);
-        let queued = tokio::spawn(async move { a2.admit(None).await.map(drop) });
-        tokio::task::yield_now().await;
-        assert_eq!(a.waiting(), 1);
-        let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_full");
-        assert_eq!(e.retry_after(), Some(Duration::from_secs(1)));
-        drop(first);
-        queued.await.unwrap().unwrap();
-        assert_eq!((a.waiting(), a.running()), (0, 0));
-    }
+    /// A prefill exchange ended (its endpoint may have room again).
+    fn exchange_ended(&self) {}
 
-    #[tokio::test(start_paused = true)]
-    async fn a_long_wait_is_a_queue_timeout() {
-        let a = limited(1, 8, 500);
-        let _first = a.admit(None).await.unwrap();
-        let start = Instant::now();
-        let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
-        assert_eq!(start.elapsed(), Duration::from_millis(500));
-        // A nearer deadline ends the wait sooner.
-        let e = a
-            .admit(Some(Instant::now() + Duration::from_millis(100)))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
-        assert_eq!(a.waiting(), 0);
-        assert_eq!(a.counters.queue_timeouts.load(Ordering::Relaxed), 2);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn waiters_are_admitted_in_arrival_order() {
-        let a = limited(1, 8, 10_000);
-        let first = a.admit(None).await.unwrap();
-        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        for i in 0..4 {
-            let (a, order) = (Arc::clone(&a), Arc::clone(&order));
-            tasks.push(tokio::spawn(async move {
-                let p = a.admit(None).await.unwrap();
-                order.lock().unwrap().push(i);
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                drop(p);
-            }));
-            // Each arrives after the previous one is queued.
-            tokio::task::yield_now().await;
-        }
-        drop(first);
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_abandoned_waiter_leaves_the_queue() {
-        let a = limited(1, 8, 10_000);
-        let _first = a.admit(None).await.unwrap();
-        let wait = a.admit(None);
-        let r = tokio::time::timeout(Duration::from_millis(10), wait).await;
-        assert!(r.is_err());
-        assert_eq!((a.waiting(), a.running()), (0, 1));
+    /// What it counted.
+    fn stats(&self) -> AdmissionStats {
+        AdmissionStats::default()
     }
 }

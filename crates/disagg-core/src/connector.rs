@@ -18,12 +18,13 @@
 //! | [`VllmMooncake`] | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
 //! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
 //!
-//! Three more hooks serve protocols whose prefill already produces part of the answer
-//! (LMCache's first token): a plan may name a leg's own [`Leg::api`], start the client's
-//! stream with [`Handoff::lead`] as soon as the prefill answered, hold the decode leg
-//! back until its KV is ready ([`Handoff::gate`]), and shape the decode's answer into
-//! the client's with [`KvConnector::reply`]; [`KvOutcome::Finished`] says the prefill's
-//! answer is the whole answer and no decode leg is sent.
+//! A plan may carry more for protocols whose prefill already produces part of the
+//! answer (LMCache's first token), all of it data: a leg's own [`Leg::api`], the first
+//! bytes of the client's stream ([`Handoff::lead`]), what the decode leg waits for
+//! ([`Handoff::gate`]), and the change of form from the decode's answer to the client's
+//! ([`Handoff::reshape`], a [`Reshape`] the adapter provides); [`KvOutcome::Finished`]
+//! says the prefill's answer is the whole answer and no decode leg is sent. No part of
+//! the trait sees an HTTP response.
 
 use std::sync::Arc;
 
@@ -133,7 +134,7 @@ pub struct Handoff {
     /// The decode leg.
     pub decode: Leg,
     /// The connector's own state, carried from [`KvConnector::prepare`] to
-    /// [`KvConnector::resolve`], [`KvConnector::complete`] and [`KvConnector::reply`] (a
+    /// [`KvConnector::resolve`] and [`KvConnector::complete`] (a
     /// transfer id, say).
     pub ext: http::Extensions,
     /// The first bytes of a streaming answer, known once the prefill answered (set by
@@ -145,6 +146,23 @@ pub struct Handoff {
     /// What the decode leg waits for after the prefill's answer ([`Dispatch::AfterPrefill`]
     /// only), within the handoff budget.
     pub gate: Option<Arc<dyn KvGate>>,
+    /// The change of form from the decode's answer to the client's, when the legs speak
+    /// another API than the client (set by [`KvConnector::complete`]).
+    pub reshape: Option<Arc<dyn Reshape>>,
+}
+
+/// The change of form from the decode's answer body to the client's, for a plan whose
+/// legs speak another API than the client (LMCache serves chat through completions, and
+/// its answer starts with the prefill's first token).
+///
+/// The orchestrator applies it to a 2xx answer's body only (an error answer passes
+/// through as the engine wrote it) and drops the answer's `content-length`, which no
+/// longer holds. After [`KvOutcome::Finished`] it gets an empty body (no decode leg was
+/// sent) and makes the whole answer from the plan.
+pub trait Reshape: Send + Sync + std::fmt::Debug + 'static {
+    /// The client's body, made from the decode's. It must stream what it can as the
+    /// decode's frames arrive (a non-streaming answer may be read whole first).
+    fn body(&self, decode: BoxBody) -> BoxBody;
 }
 
 impl Handoff {
@@ -157,6 +175,7 @@ impl Handoff {
             ext: http::Extensions::new(),
             lead: None,
             gate: None,
+            reshape: None,
         }
     }
 }
@@ -208,7 +227,7 @@ pub enum KvOutcome {
     Missing,
     /// The prefill's answer is the whole answer (LMCache: its one token already ended
     /// the generation): no decode leg is sent, and the client's answer is
-    /// [`KvConnector::reply`] to an empty `200` (after [`Handoff::lead`] for a stream).
+    /// the plan's [`Reshape`] of an empty body (after [`Handoff::lead`] for a stream).
     Finished,
 }
 
@@ -284,22 +303,6 @@ pub trait KvConnector: Send + Sync + 'static {
         Ok(KvOutcome::Handed)
     }
 
-    /// The client's answer, made from the decode's (`decode` has a 2xx status; error
-    /// answers are passed through untouched). The default returns `decode` as it is,
-    /// which is what a connector should do unless its legs change the answer's form
-    /// (LMCache serves chat through completions and adds the prefill's first token).
-    ///
-    /// When the client's stream already started with [`Handoff::lead`], only the body of
-    /// what this returns is used. After [`KvOutcome::Finished`], `decode` is an empty 200
-    /// and no decode leg was sent.
-    fn reply(
-        &self,
-        _handoff: &Handoff,
-        decode: http::Response<BoxBody>,
-    ) -> http::Response<BoxBody> {
-        decode
-    }
-
     /// Optional feedback: how a request over `route` ended (a connector that caches what
     /// it learned from an engine forgets it when that engine's leg fails). The default
     /// does nothing. Called once per attempt; must be cheap and must not block.
@@ -342,10 +345,6 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
         (**self).complete(handoff, answer).await
-    }
-
-    fn reply(&self, handoff: &Handoff, decode: http::Response<BoxBody>) -> http::Response<BoxBody> {
-        (**self).reply(handoff, decode)
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {

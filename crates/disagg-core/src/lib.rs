@@ -52,13 +52,12 @@ pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
-pub mod health;
 mod lax;
 pub mod orchestrator;
+pub mod outcome;
 pub mod pairing;
 pub mod policy;
 pub mod request;
-pub mod response;
 pub mod retry;
 pub mod rewrite;
 pub mod router;
@@ -74,12 +73,11 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use connector::{
-    BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer,
+    BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
     SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, Phase, RouteError, Side};
-pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;

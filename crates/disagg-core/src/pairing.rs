@@ -308,6 +308,8 @@ struct Shared {
 pub struct ValidatedSource {
     shared: Arc<Shared>,
     task: Option<tokio::task::JoinHandle<()>>,
+    /// The inner source's listener, passed on.
+    listener: Option<Arc<dyn crate::outcome::Listener>>,
 }
 
 impl fmt::Debug for ValidatedSource {
@@ -329,6 +331,7 @@ impl ValidatedSource {
         connector: Arc<dyn KvConnector>,
     ) -> Result<Self, PairingError> {
         let mut rx = inner.watch();
+        let listener = inner.listener();
         let first = rx.borrow_and_update().clone();
         check_pairs(&first, &*connector)?;
         let (tx, _) = watch::channel(first);
@@ -356,7 +359,11 @@ impl ValidatedSource {
                 }
             })
         });
-        Ok(ValidatedSource { shared, task })
+        Ok(ValidatedSource {
+            shared,
+            task,
+            listener,
+        })
     }
 
     /// Why the latest set the inner source published was refused, if it was.
@@ -380,6 +387,10 @@ impl EndpointSource for ValidatedSource {
 
     fn snapshot(&self) -> Arc<EndpointSet> {
         self.shared.tx.borrow().clone()
+    }
+
+    fn listener(&self) -> Option<Arc<dyn crate::outcome::Listener>> {
+        self.listener.clone()
     }
 }
 

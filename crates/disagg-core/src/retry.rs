@@ -1,181 +1,32 @@
-//! Retries of a failed attempt: how many, how far apart, and how many the proxy as a
-//! whole may afford.
+//! Retries: the seam through which an orchestrator sends a failed attempt again.
 //!
-//! An attempt that failed before any byte of an answer reached the client, in a way
-//! [`PdError::is_retryable`](crate::PdError::is_retryable) allows, may run again on a
-//! new route with a new plan (a new SGLang room, a new Mooncake transfer id), after a
-//! jittered exponential backoff, while the request's deadline allows and while the
-//! [`RetryBudget`] has a token for it.
-//!
-//! The budget is what keeps a failing pool from being hit by every request several
-//! times over (a retry storm): each request earns `ratio` of a retry, each retry spends
-//! one, and a small reserve lets a quiet proxy retry at all. With the default ratio of
-//! 0.2, retries can add at most about 20% to the load the engines see, whatever fails.
+//! An orchestrator retries nothing when it has no [`Retry`] (the default).
+//! `disagg-resilience` has a policy with full-jitter exponential backoff and a
+//! proxy-wide retry budget. Whatever the policy, the orchestrator retries only an
+//! attempt that failed before any byte of an answer reached the client, only within the
+//! request's deadline, and each retry selects a new route and runs the connector's
+//! `prepare` again (a new SGLang room, a new Mooncake transfer id, a new engine-side
+//! request id).
 
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-/// How a failed attempt is retried.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct RetryPolicy {
-    /// Further attempts after the first (default 0: no retry).
-    pub max_retries: u32,
-    /// Backoff before the first retry; each further retry doubles it (default 20 ms).
-    /// The wait is drawn uniformly from zero to that value ("full jitter"), so retries of
-    /// many requests that failed together do not arrive together.
-    pub backoff_base: Duration,
-    /// Largest backoff (default 1 s).
-    pub backoff_max: Duration,
-    /// Retries allowed per request, on average over time (default 0.2).
-    pub budget_ratio: f64,
-    /// Retries allowed beyond the ratio, for a proxy with little traffic (default 10).
-    pub budget_reserve: u32,
-}
+use crate::error::PdError;
 
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            max_retries: 0,
-            backoff_base: Duration::from_millis(20),
-            backoff_max: Duration::from_secs(1),
-            budget_ratio: 0.2,
-            budget_reserve: 10,
-        }
-    }
-}
+/// Decides whether, and after how long, a failed attempt is tried again.
+///
+/// All methods run on the request path and must be cheap.
+pub trait Retry: Send + Sync + 'static {
+    /// A request arrived (a budget may earn retries from the traffic). The default does
+    /// nothing.
+    fn deposit(&self) {}
 
-impl RetryPolicy {
-    /// The policy with `n` retries and the default backoff and budget.
-    pub fn retries(n: u32) -> Self {
-        RetryPolicy {
-            max_retries: n,
-            ..Self::default()
-        }
-    }
+    /// The wait before the next attempt after `error`, when `done` retries were made
+    /// already; `None` when `error` must not be retried.
+    fn backoff(&self, error: &PdError, done: u32) -> Option<Duration>;
 
-    /// The backoff before retry number `retry` (1 for the first), given a uniform
-    /// random `u64`.
-    pub fn backoff(&self, retry: u32, random: u64) -> Duration {
-        let shift = retry.saturating_sub(1).min(20);
-        let cap = self
-            .backoff_base
-            .saturating_mul(1 << shift)
-            .min(self.backoff_max);
-        let nanos = u64::try_from(cap.as_nanos()).unwrap_or(u64::MAX);
-        // Uniform in 0..=cap by multiply-shift.
-        Duration::from_nanos(((u128::from(random) * (u128::from(nanos) + 1)) >> 64) as u64)
-    }
-}
-
-/// Fixed-point scale of the budget's balance: one retry is `SCALE` units.
-const SCALE: i64 = 1000;
-
-/// The proxy-wide allowance of retries: a token bucket filled by requests and drained
-/// by retries (see the [module docs](self)). Lock-free; shared by every request of an
-/// orchestrator.
-#[derive(Debug)]
-pub struct RetryBudget {
-    balance: AtomicI64,
-    deposit: i64,
-    cap: i64,
-}
-
-impl RetryBudget {
-    /// A budget earning `ratio` of a retry per request, holding at most `reserve` retries
-    /// plus what the last hundred requests earned, and starting full.
-    pub fn new(ratio: f64, reserve: u32) -> Self {
-        let deposit = (ratio.clamp(0.0, 1000.0) * SCALE as f64) as i64;
-        let cap = i64::from(reserve) * SCALE + deposit * 100;
-        RetryBudget {
-            balance: AtomicI64::new(cap),
-            deposit,
-            cap,
-        }
-    }
-
-    /// The budget a policy describes.
-    pub fn for_policy(policy: &RetryPolicy) -> Self {
-        Self::new(policy.budget_ratio, policy.budget_reserve)
-    }
-
-    /// A request arrived: earn its share of a retry.
-    pub fn deposit(&self) {
-        if self.deposit == 0 {
-            return;
-        }
-        // Racy by at most one deposit per thread past the cap: harmless.
-        if self.balance.load(Ordering::Relaxed) < self.cap {
-            self.balance.fetch_add(self.deposit, Ordering::Relaxed);
-        }
-    }
-
-    /// Take one retry from the budget; `false` when it is spent.
-    pub fn withdraw(&self) -> bool {
-        self.balance
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                (b >= SCALE).then_some(b - SCALE)
-            })
-            .is_ok()
-    }
-
-    /// Whole retries the budget holds now.
-    pub fn available(&self) -> u64 {
-        u64::try_from(self.balance.load(Ordering::Relaxed) / SCALE).unwrap_or(0)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_the_cap_and_is_jittered() {
-        let p = RetryPolicy::default();
-        assert_eq!(p.backoff(1, u64::MAX), Duration::from_millis(20));
-        assert_eq!(p.backoff(2, u64::MAX), Duration::from_millis(40));
-        assert_eq!(p.backoff(3, u64::MAX), Duration::from_millis(80));
-        assert_eq!(p.backoff(30, u64::MAX), Duration::from_secs(1));
-        assert_eq!(p.backoff(1, 0), Duration::ZERO);
-        let half = p.backoff(2, u64::MAX / 2);
-        assert!(half > Duration::from_millis(19) && half < Duration::from_millis(21));
-    }
-
-    #[test]
-    fn budget_allows_the_reserve_then_the_ratio() {
-        let b = RetryBudget::new(0.2, 3);
-        // Full at start: the reserve plus a hundred requests' worth (20).
-        assert_eq!(b.available(), 23);
-        let mut spent = 0;
-        while b.withdraw() {
-            spent += 1;
-        }
-        assert_eq!(spent, 23);
-        // Then one retry per five requests.
-        for _ in 0..50 {
-            b.deposit();
-        }
-        let mut again = 0;
-        while b.withdraw() {
-            again += 1;
-        }
-        assert_eq!(again, 10);
-    }
-
-    #[test]
-    fn budget_does_not_grow_past_its_cap() {
-        let b = RetryBudget::new(0.5, 2);
-        for _ in 0..10_000 {
-            b.deposit();
-        }
-        assert_eq!(b.available(), 52);
-    }
-
-    #[test]
-    fn zero_ratio_leaves_only_the_reserve() {
-        let b = RetryBudget::new(0.0, 1);
-        b.deposit();
-        assert!(b.withdraw());
-        assert!(!b.withdraw());
+    /// Take one retry from the budget, if any; `false` denies the retry. Called only
+    /// when the retry fits in the request's deadline. The default always allows.
+    fn withdraw(&self) -> bool {
+        true
     }
 }

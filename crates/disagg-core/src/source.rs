@@ -24,6 +24,15 @@ pub trait EndpointSource: Send + Sync + 'static {
     fn snapshot(&self) -> Arc<EndpointSet> {
         self.watch().borrow().clone()
     }
+
+    /// What of this source must hear how each attempt ended, if anything: a source
+    /// that keeps per-endpoint state from the requests' outcomes (passive health) says
+    /// so here, and an orchestrator built over it adds it to its listeners, so the two
+    /// cannot be wired apart. A source that decorates another passes the inner one's
+    /// on. The default: nothing.
+    fn listener(&self) -> Option<Arc<dyn crate::outcome::Listener>> {
+        None
+    }
 }
 
 impl<T: EndpointSource + ?Sized> EndpointSource for Arc<T> {
@@ -33,6 +42,10 @@ impl<T: EndpointSource + ?Sized> EndpointSource for Arc<T> {
 
     fn snapshot(&self) -> Arc<EndpointSet> {
         (**self).snapshot()
+    }
+
+    fn listener(&self) -> Option<Arc<dyn crate::outcome::Listener>> {
+        (**self).listener()
     }
 }
 

@@ -51,6 +51,7 @@ pub struct OrchestratorStats {
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) requests: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
     pub(crate) retries: AtomicU64,
     pub(crate) retries_denied: AtomicU64,
     pub(crate) prefill_fallbacks: AtomicU64,
@@ -65,6 +66,24 @@ pub(crate) struct Counters {
 
 pub(crate) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Relaxed);
+}
+
+/// Counts one request in the orchestrator's in-flight gauge while it lives (held by the
+/// response body until the answer's last byte).
+#[derive(Debug)]
+pub(crate) struct InFlight(std::sync::Arc<Counters>);
+
+impl InFlight {
+    pub(crate) fn new(counters: &std::sync::Arc<Counters>) -> Self {
+        counters.in_flight.fetch_add(1, Relaxed);
+        InFlight(std::sync::Arc::clone(counters))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Relaxed);
+    }
 }
 
 /// Counts one running task in a gauge while it lives.

@@ -18,7 +18,7 @@
 //! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`,
 //!    streaming as the client asked. When the first token already ended the answer
 //!    (`finish_reason: stop`, or `max_tokens: 1`), no decode leg is sent.
-//! 6. The decode's answer is turned into the client's ([`KvConnector::reply`]): the first
+//! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
 //!    token is put in front of a non-streaming answer, usage counts the prompt and every
 //!    generated token once, and a chat client gets the chat form (chunks and body).
 //!
@@ -37,7 +37,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use disagg_core::body::JsonBody;
 use disagg_core::connector::{
-    Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer,
+    Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
 };
 use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::Endpoint;
@@ -47,7 +47,7 @@ use disagg_core::request::{Api, PdRequest};
 use disagg_core::rewrite::VllmLimits;
 use disagg_core::router::Route;
 use disagg_core::transport::{BoxBody, Transport, read_limited};
-use http::{HeaderValue, Response, header};
+use http::{HeaderValue, header};
 use http_body::{Body, Frame};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -337,7 +337,7 @@ impl Lmcache {
     }
 }
 
-/// What one attempt carries from `prepare` to `reply`.
+/// What one attempt carries from `prepare` to its reshape.
 #[derive(Debug, Clone)]
 struct Plan {
     req_id: String,
@@ -616,6 +616,7 @@ impl KvConnector for Lmcache {
         else {
             // No first token: the decode computes the whole answer from the prompt.
             handoff.gate = None;
+            handoff.reshape = reshaper(plan);
             return Ok(KvOutcome::Missing);
         };
         let finished = choice
@@ -637,6 +638,7 @@ impl KvConnector for Lmcache {
             }),
         };
         plan.first = Some(first);
+        handoff.reshape = reshaper(plan);
         if plan.stream {
             handoff.lead = Some(lead(plan));
         }
@@ -657,37 +659,47 @@ impl KvConnector for Lmcache {
         }
         Ok(KvOutcome::Handed)
     }
+}
 
-    fn reply(&self, handoff: &Handoff, decode: Response<BoxBody>) -> Response<BoxBody> {
-        let Some(plan) = handoff.ext.get::<Plan>() else {
-            return decode;
-        };
-        let shape = Arc::new(Shape::of(plan));
-        if !shape.chat && shape.first.is_none() {
-            // Nothing to change: the decode answered the client's own request.
-            return decode;
-        }
-        let (mut parts, body) = decode.into_parts();
-        parts.headers.remove(header::CONTENT_LENGTH);
-        let body = if plan.stream {
+/// LMCache's change of form ([`Reshape`]): the decode answered a completions request
+/// (the legs speak completions whatever the client asked) that continues after the
+/// prefill's first token; the client gets its own API's answer, first token included.
+#[derive(Debug)]
+struct Reshaper {
+    shape: Arc<Shape>,
+    stream: bool,
+}
+
+impl Reshape for Reshaper {
+    fn body(&self, decode: BoxBody) -> BoxBody {
+        let shape = Arc::clone(&self.shape);
+        if self.stream {
             BoxBody::new(SseMap {
-                inner: body,
+                inner: decode,
                 buf: BytesMut::new(),
                 shape,
                 ended: false,
             })
         } else {
-            parts.headers.insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            );
-            let whole = whole_answer(body, shape);
             BoxBody::new(http_body_util::StreamBody::new(futures::stream::once(
-                whole,
+                whole_answer(decode, shape),
             )))
-        };
-        Response::from_parts(parts, body)
+        }
     }
+}
+
+/// The plan's reshape, when the client's answer differs from the decode's: a chat
+/// request, or a first token from the prefill.
+fn reshaper(plan: &Plan) -> Option<Arc<dyn Reshape>> {
+    let shape = Shape::of(plan);
+    if !shape.chat && shape.first.is_none() {
+        // Nothing to change: the decode answers the client's own request.
+        return None;
+    }
+    Some(Arc::new(Reshaper {
+        shape: Arc::new(shape),
+        stream: plan.stream,
+    }))
 }
 
 /// The client's non-streaming answer, from the decode's whole body.

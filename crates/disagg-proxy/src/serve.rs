@@ -6,15 +6,12 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_affinity::{CacheAware, ConsistentHash};
-use disagg_core::admission::AdmissionConfig;
 use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
-use disagg_core::health::{Health, HealthConfig, HealthSource};
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::policy::{
     LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
 };
-use disagg_core::retry::RetryPolicy;
 use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
@@ -23,6 +20,9 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_resilience::{
+    AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,
+};
 
 use crate::BoxError;
 
@@ -329,8 +329,8 @@ impl ReliabilityArgs {
         Ok((config, active))
     }
 
-    /// Apply the flags to `config`.
-    fn apply(&self, config: &mut OrchestratorConfig, retries: u32) -> Result<(), BoxError> {
+    /// Apply the flags to `config`; the retry policy and admission limits they ask for.
+    fn apply(&self, config: &mut OrchestratorConfig, retries: u32) -> Result<Resilience, BoxError> {
         config.deadline = self.deadline.map(|d| secs(d, "deadline")).transpose()?;
         config.client_deadline = self.client_deadline;
         config.handoff_timeout = secs(self.handoff_timeout, "handoff-timeout")?;
@@ -344,7 +344,6 @@ impl ReliabilityArgs {
             return Err("--retry-budget must be a ratio of 0 or more".into());
         }
         retry.budget_ratio = self.retry_budget;
-        config.retry = retry;
         config.prefill_failure = match self.prefill_failure {
             PrefillFailureArg::Fail => PrefillFailure::Fail,
             PrefillFailureArg::DecodeOnly => PrefillFailure::DecodeOnly,
@@ -354,13 +353,18 @@ impl ReliabilityArgs {
         admission.max_in_flight_per_endpoint = self.max_in_flight_per_endpoint;
         admission.max_queue = self.max_queue;
         admission.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
-        config.admission = admission;
         config.kv_release = match self.kv_release {
             KvReleaseArg::Off => KvRelease::Off,
             KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
         };
-        Ok(())
+        Ok(Resilience { retry, admission })
     }
+}
+
+/// The resilience pieces the flags ask for.
+struct Resilience {
+    retry: RetryPolicy,
+    admission: AdmissionConfig,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -698,7 +702,7 @@ impl Shared {
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
-        args.reliability.apply(&mut config, args.retries)?;
+        let resilience = args.reliability.apply(&mut config, args.retries)?;
         if args.decode_only_fallback {
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
@@ -722,13 +726,22 @@ impl Shared {
         service.max_body_bytes = args.max_body_bytes;
         service.extra_metrics.extend(lmcache_metrics);
         args.client_body.apply(&mut service)?;
-        let orchestrator = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
-            .health(Arc::clone(&health))
+        // The source's health hears every attempt (it is the source's listener).
+        let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
             .router(router)
             .connector(connector)
             .disaggregate(disaggregate)
-            .config(config)
-            .build();
+            .config(config);
+        // Each piece only when asked for: a proxy with no limit and no retry pays
+        // nothing for them.
+        let a = &resilience.admission;
+        if a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some() {
+            builder = builder.admission(Limits::new(resilience.admission));
+        }
+        if resilience.retry.max_retries > 0 {
+            builder = builder.retry(Backoff::new(resilience.retry));
+        }
+        let orchestrator = builder.build();
         Ok(Shared {
             orchestrator,
             transport,

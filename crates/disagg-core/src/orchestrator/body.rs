@@ -27,11 +27,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::admission::Permit;
-use crate::connector::KvConnector;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
-use crate::router::{Outcome, Route, Router};
+use crate::outcome::{Report, Verdict};
+use crate::router::Outcome;
+use crate::stats::InFlight;
 use crate::transport::BoxBody;
+
+use super::report::Reporter;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
 /// was relayed.
@@ -50,50 +53,79 @@ const MAX_JOINED: usize = 64 * 1024;
 /// microseconds of latency, never a wait for the network.
 const JOIN_YIELDS: u8 = 3;
 
-/// Who hears how a request ended.
-pub(crate) struct Feedback {
-    pub(crate) router: Arc<dyn Router>,
-    pub(crate) connector: Arc<dyn KvConnector>,
-    /// Passive health, told how the stream ended (`None` when already told).
-    pub(crate) health: Option<Arc<crate::health::Health>>,
-    pub(crate) route: Route,
-}
-
-/// What a response body releases when it ends: the in-flight count, the admission
-/// permit, and the feedback to the router and the connector.
+/// What a response body releases and reports when it ends: the decode endpoint's
+/// in-flight count, the admission permit, the request's place in the in-flight gauge,
+/// and the attempt's [`Report`], made here once, whatever the way the body ends.
 pub(crate) struct Finish {
     pub(crate) guard: Option<InFlightGuard>,
-    pub(crate) feedback: Option<Feedback>,
     pub(crate) permit: Option<Permit>,
+    pub(crate) in_flight: Option<InFlight>,
+    /// The attempt's report, its decode verdict and outcome still to be decided by how
+    /// the stream ends (`None` for a body with no attempt behind it).
+    pub(crate) report: Option<(Arc<Reporter>, Report)>,
 }
 
 impl Finish {
-    fn done(&mut self, outcome: Outcome) {
+    /// A finish that only releases `permit` and the in-flight gauge.
+    pub(crate) fn holding(permit: Option<Permit>, in_flight: Option<InFlight>) -> Self {
+        Finish {
+            guard: None,
+            permit,
+            in_flight,
+            report: None,
+        }
+    }
+
+    /// The attempt ended as `outcome`; the legs' verdicts follow from it unless the
+    /// report already holds one (a decode that answered 5xx failed when its head came).
+    fn done(&mut self, outcome: Outcome, failed: Option<&PdError>) {
         self.guard = None;
         self.permit = None;
-        if let Some(f) = self.feedback.take() {
-            f.router.observe(&f.route, outcome);
-            f.connector.observe(&f.route, outcome);
-            if let Some(h) = &f.health {
-                match outcome {
-                    Outcome::Success => h.record(&f.route.decode, true),
-                    Outcome::DecodeFailed => h.record(&f.route.decode, false),
-                    Outcome::PrefillFailed => {
-                        if let Some(p) = &f.route.prefill {
-                            h.record(p, false);
-                        }
+        self.in_flight = None;
+        let Some((reporter, mut report)) = self.report.take() else {
+            return;
+        };
+        match outcome {
+            Outcome::Success => {
+                if report.decode == Verdict::Failed {
+                    report.outcome = Outcome::DecodeFailed;
+                } else {
+                    report.outcome = Outcome::Success;
+                    if report.decode != Verdict::NotSent {
+                        report.decode = Verdict::Answered;
                     }
-                    _ => {}
+                }
+                if report.prefill == Verdict::Abandoned {
+                    // A concurrent prefill still running at the head: the stream ends
+                    // only once it answered well.
+                    report.prefill = Verdict::Answered;
+                }
+            }
+            Outcome::PrefillFailed => {
+                report.outcome = Outcome::PrefillFailed;
+                report.prefill = failed.map_or(Verdict::Failed, super::verdict);
+                report.decode = Verdict::Abandoned;
+            }
+            Outcome::DecodeFailed => {
+                report.outcome = Outcome::DecodeFailed;
+                report.decode = failed.map_or(Verdict::Failed, super::verdict);
+            }
+            _ => {
+                report.outcome = Outcome::Cancelled;
+                // A concurrent prefill still running stays abandoned with it.
+                if report.decode != Verdict::NotSent {
+                    report.decode = Verdict::Abandoned;
                 }
             }
         }
+        reporter.report(&report);
     }
 }
 
 impl Drop for Finish {
     fn drop(&mut self) {
         // Dropped before the end of the stream: the client went away.
-        self.done(Outcome::Cancelled);
+        self.done(Outcome::Cancelled, None);
     }
 }
 
@@ -271,17 +303,15 @@ impl PdBody {
         body
     }
 
-    /// Keep the request's admission permit until the body ends.
-    pub(crate) fn hold(&mut self, permit: Permit) {
+    /// Keep the request's admission permit and its place in the in-flight gauge until
+    /// the body ends.
+    pub(crate) fn hold(&mut self, permit: Option<Permit>, in_flight: Option<InFlight>) {
         match &mut self.finish {
-            Some(f) => f.permit = Some(permit),
-            None => {
-                self.finish = Some(Finish {
-                    guard: None,
-                    feedback: None,
-                    permit: Some(permit),
-                })
+            Some(f) => {
+                f.permit = permit;
+                f.in_flight = in_flight;
             }
+            None => self.finish = Some(Finish::holding(permit, in_flight)),
         }
     }
 }
@@ -418,7 +448,7 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
         End::Eos => {
             *done = true;
             if let Some(mut f) = finish.take() {
-                f.done(Outcome::Success);
+                f.done(Outcome::Success, None);
             }
             Poll::Ready(None)
         }
@@ -427,7 +457,7 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
             let message = format!("decode stream broke: {}", error_chain(&*err));
             tracing::warn!(%message, "decode stream failed mid-response");
             if let Some(mut f) = finish.take() {
-                f.done(Outcome::DecodeFailed);
+                f.done(Outcome::DecodeFailed, None);
             }
             if sse {
                 Poll::Ready(Some(Ok(Frame::data(sse_error_event(
@@ -450,7 +480,7 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
                 Outcome::DecodeFailed
             };
             if let Some(mut f) = finish.take() {
-                f.done(outcome);
+                f.done(outcome, Some(&err));
             }
             if sse {
                 Poll::Ready(Some(Ok(Frame::data(sse_error_event(

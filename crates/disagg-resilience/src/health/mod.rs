@@ -6,7 +6,9 @@
 //!
 //! Each endpoint has a breaker per leg: an engine configured for both roles appears as
 //! two [`Endpoint`]s, and a failing prefill leg says nothing about the same engine's
-//! decode leg. The orchestrator reports each leg's result with [`Health::record`].
+//! decode leg. An orchestrator built over a [`HealthSource`] reports each leg's result
+//! to its [`Health`] (the source's [`listener`](EndpointSource::listener)); anyone else
+//! may call [`Health::record`].
 //!
 //! ```text
 //!                  failure_threshold failures in a row
@@ -60,7 +62,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use disagg_core::endpoint::{Endpoint, Role};
-//! use disagg_core::health::{EndpointHealth, HealthConfig, HealthSource};
+//! use disagg_resilience::health::{EndpointHealth, HealthConfig, HealthSource};
 //! use disagg_core::source::{EndpointSource, StaticSource};
 //!
 //! let source = HealthSource::new(
@@ -93,11 +95,20 @@ use http::uri::{Authority, PathAndQuery};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use crate::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-use crate::error::TransportError;
 use crate::lock;
-use crate::source::EndpointSource;
-use crate::transport::{Transport, read_limited};
+use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
+use disagg_core::error::TransportError;
+use disagg_core::outcome::{Listener, Report, Verdict};
+use disagg_core::source::EndpointSource;
+use disagg_core::transport::{Transport, read_limited};
+
+mod breaker;
+mod checks;
+mod source;
+
+use breaker::*;
+use checks::*;
+pub use source::HealthSource;
 
 /// Health settings: the passive circuit breaker and the active checks.
 ///
@@ -105,7 +116,7 @@ use crate::transport::{Transport, read_limited};
 ///
 /// ```
 /// use std::time::Duration;
-/// use disagg_core::health::HealthConfig;
+/// use disagg_resilience::health::HealthConfig;
 ///
 /// let mut config = HealthConfig::default();
 /// config.failure_threshold = 3;
@@ -316,192 +327,6 @@ impl Registry {
     fn get(&self, endpoint: &Endpoint) -> Option<&Arc<EndpointState>> {
         self.by_role[role_index(endpoint.role())].get(endpoint.id().as_str())
     }
-}
-
-/// One endpoint's breaker and active-check verdict. The request path reads atomics;
-/// transitions take `breaker`.
-struct EndpointState {
-    endpoint: Arc<Endpoint>,
-    /// [`CLOSED`], [`OPEN`] or [`HALF_OPEN`]; written under `breaker`.
-    phase: AtomicU8,
-    /// Consecutive failures while closed.
-    failures: AtomicU32,
-    /// While open: the end of the ejection, nanoseconds since the epoch.
-    until: AtomicU64,
-    /// The active checks' verdict.
-    down: AtomicBool,
-    /// Ejections in a row (the backoff's exponent); held for every transition.
-    breaker: Mutex<u32>,
-}
-
-/// Why a breaker opened.
-#[derive(Clone, Copy)]
-enum Cause {
-    Failures(u32),
-    HalfOpenFailure,
-}
-
-impl EndpointState {
-    fn new(endpoint: Arc<Endpoint>) -> Self {
-        EndpointState {
-            endpoint,
-            phase: AtomicU8::new(CLOSED),
-            failures: AtomicU32::new(0),
-            until: AtomicU64::new(0),
-            down: AtomicBool::new(false),
-            breaker: Mutex::new(0),
-        }
-    }
-
-    /// Apply one result; whether the breaker changed state.
-    fn record(&self, ok: bool, health: &Health) -> bool {
-        if ok && self.phase.load(Ordering::Acquire) == CLOSED {
-            // The common case: one load, and a store only after a failure.
-            if self.failures.load(Ordering::Relaxed) != 0 {
-                self.failures.store(0, Ordering::Relaxed);
-            }
-            return false;
-        }
-        let mut ejections = lock(&self.breaker);
-        let now = health.now_ns();
-        match self.phase.load(Ordering::Acquire) {
-            CLOSED if ok => {
-                self.failures.store(0, Ordering::Relaxed);
-                false
-            }
-            CLOSED => {
-                let n = self
-                    .failures
-                    .fetch_add(1, Ordering::Relaxed)
-                    .saturating_add(1);
-                let threshold = health.config.failure_threshold;
-                if threshold == 0 || n < threshold {
-                    return false;
-                }
-                self.open(&mut ejections, now, health, Cause::Failures(n));
-                true
-            }
-            // A result of a request sent before the ejection: it says nothing new.
-            OPEN if self.until.load(Ordering::Relaxed) > now => false,
-            // Half-open, or open with its time over: this result decides.
-            _ if ok => {
-                *ejections = 0;
-                self.failures.store(0, Ordering::Relaxed);
-                self.phase.store(CLOSED, Ordering::Release);
-                tracing::info!(
-                    endpoint = %self.endpoint.id(),
-                    role = ?self.endpoint.role(),
-                    reason = "succeeded while half-open",
-                    "endpoint healthy again: circuit closed"
-                );
-                true
-            }
-            _ => {
-                self.open(&mut ejections, now, health, Cause::HalfOpenFailure);
-                true
-            }
-        }
-    }
-
-    /// Eject: open the breaker for the next backoff time. Called with `breaker` held.
-    fn open(&self, ejections: &mut u32, now: u64, health: &Health, cause: Cause) {
-        *ejections = ejections.saturating_add(1);
-        let time = health.config.ejection_time(*ejections);
-        let until = now.saturating_add(nanos(time));
-        self.until.store(until, Ordering::Relaxed);
-        self.failures.store(0, Ordering::Relaxed);
-        self.phase.store(OPEN, Ordering::Release);
-        health.recheck_at.fetch_min(until, Ordering::AcqRel);
-        let (id, role) = (self.endpoint.id(), self.endpoint.role());
-        match cause {
-            Cause::Failures(n) => tracing::warn!(
-                endpoint = %id,
-                role = ?role,
-                reason = "consecutive failures",
-                failures = n,
-                ejected_for = ?time,
-                "endpoint ejected"
-            ),
-            Cause::HalfOpenFailure => tracing::warn!(
-                endpoint = %id,
-                role = ?role,
-                reason = "failed while half-open",
-                ejections = *ejections,
-                ejected_for = ?time,
-                "endpoint ejected again"
-            ),
-        }
-    }
-
-    /// Whether the endpoint is routed at `now`; an ejection whose time is over turns
-    /// half-open here. Lowers `next` to the end of a pending ejection.
-    fn routed(&self, now: u64, next: &mut u64) -> bool {
-        if self.phase.load(Ordering::Acquire) == OPEN {
-            let until = self.until.load(Ordering::Relaxed);
-            if until > now {
-                *next = (*next).min(until);
-                return false;
-            }
-            let _transition = lock(&self.breaker);
-            if self.phase.load(Ordering::Acquire) == OPEN {
-                self.phase.store(HALF_OPEN, Ordering::Release);
-                tracing::info!(
-                    endpoint = %self.endpoint.id(),
-                    role = ?self.endpoint.role(),
-                    reason = "ejection time over",
-                    "endpoint back in the routing set, half-open"
-                );
-            }
-        }
-        !self.down.load(Ordering::Acquire)
-    }
-
-    fn view(&self, now: u64, health: &Health) -> EndpointHealth {
-        if self.down.load(Ordering::Acquire) {
-            return EndpointHealth::Down;
-        }
-        match self.phase.load(Ordering::Acquire) {
-            CLOSED => EndpointHealth::Healthy,
-            OPEN => {
-                let until = self.until.load(Ordering::Relaxed);
-                if until > now {
-                    EndpointHealth::Ejected {
-                        until: health.instant(until),
-                    }
-                } else {
-                    EndpointHealth::HalfOpen
-                }
-            }
-            _ => EndpointHealth::HalfOpen,
-        }
-    }
-
-    /// Set the active checks' verdict; whether it changed.
-    fn set_down(&self, down: bool, reason: &dyn fmt::Display, checks: u32) -> bool {
-        if self.down.swap(down, Ordering::AcqRel) == down {
-            return false;
-        }
-        let (id, role) = (self.endpoint.id(), self.endpoint.role());
-        if down {
-            tracing::warn!(endpoint = %id, role = ?role, %reason, checks, "endpoint down: health check failed");
-        } else {
-            tracing::info!(endpoint = %id, role = ?role, %reason, checks, "endpoint back up");
-        }
-        true
-    }
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
-
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    // Every critical section leaves the registry whole.
-    l.read().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 // === impl Health ===
@@ -734,216 +559,10 @@ fn same_members(a: &EndpointSet, b: &EndpointSet) -> bool {
     same(a.prefill(), b.prefill()) && same(a.decode(), b.decode())
 }
 
-// === active checks ===
-
-/// One engine checked: every endpoint at one authority.
-struct Target {
-    authority: Authority,
-    uri: Uri,
-    states: Vec<Arc<EndpointState>>,
-    passes: u32,
-    failures: u32,
-    down: bool,
-}
-
-/// The checker's targets; on drop, lifts its Down verdicts.
-struct Checker {
-    health: Arc<Health>,
-    targets: Vec<Target>,
-}
-
-impl Checker {
-    /// Group the registry's endpoints by authority, keeping the counters and verdicts of
-    /// authorities still there; whether an endpoint's verdict changed.
-    fn retarget(&mut self) -> bool {
-        let path = self.health.config.checks.path.as_str();
-        let mut old = std::mem::take(&mut self.targets);
-        let registry = read(&self.health.registry);
-        let mut changed = false;
-        for state in &registry.order {
-            let authority = state.endpoint.authority();
-            if let Some(t) = self.targets.iter_mut().find(|t| &t.authority == authority) {
-                if t.down {
-                    changed |= state.set_down(true, &"engine already down", t.failures);
-                }
-                t.states.push(Arc::clone(state));
-                continue;
-            }
-            let uri = match state.endpoint.uri(path) {
-                Ok(uri) => uri,
-                Err(e) => {
-                    // A `PathAndQuery` always makes a URI; kept for the type's sake.
-                    tracing::error!(endpoint = %state.endpoint.id(), error = %e, "no health check URI");
-                    continue;
-                }
-            };
-            let mut target = match old.iter().position(|t| &t.authority == authority) {
-                Some(i) => {
-                    let mut t = old.swap_remove(i);
-                    t.states.clear();
-                    t
-                }
-                None => Target {
-                    authority: authority.clone(),
-                    uri,
-                    states: Vec::new(),
-                    passes: 0,
-                    failures: 0,
-                    down: false,
-                },
-            };
-            if target.down {
-                changed |= state.set_down(true, &"engine already down", target.failures);
-            }
-            target.states.push(Arc::clone(state));
-            self.targets.push(target);
-        }
-        changed
-    }
-
-    /// Check every target once, concurrently; whether a verdict changed.
-    async fn round(&mut self, transport: &impl Transport) -> bool {
-        let config = &self.health.config.checks;
-        let probes = self
-            .targets
-            .iter()
-            .map(|t| probe(transport, t.uri.clone(), config.timeout));
-        let results = futures::future::join_all(probes).await;
-        let mut changed = false;
-        for (t, result) in self.targets.iter_mut().zip(results) {
-            match result {
-                Ok(()) => {
-                    t.failures = 0;
-                    t.passes = t.passes.saturating_add(1);
-                    if t.down && t.passes >= config.healthy_threshold.max(1) {
-                        t.down = false;
-                        for s in &t.states {
-                            changed |= s.set_down(false, &"health check passed", t.passes);
-                        }
-                    }
-                }
-                Err(failure) => {
-                    t.passes = 0;
-                    t.failures = t.failures.saturating_add(1);
-                    if !t.down && t.failures >= config.unhealthy_threshold.max(1) {
-                        t.down = true;
-                        for s in &t.states {
-                            changed |= s.set_down(true, &failure, t.failures);
-                        }
-                    } else {
-                        tracing::debug!(authority = %t.authority, reason = %failure, "health check failed");
-                    }
-                }
-            }
-        }
-        changed
-    }
-}
-
-impl Drop for Checker {
-    fn drop(&mut self) {
-        let mut changed = false;
-        for t in &self.targets {
-            for s in &t.states {
-                changed |= s.set_down(false, &"health checks stopped", 0);
-            }
-        }
-        if changed {
-            self.health.refresh();
-        }
-    }
-}
-
-/// Why a check failed.
-enum CheckFailure {
-    Status(http::StatusCode),
-    Timeout(Duration),
-    Transport(TransportError),
-}
-
-impl fmt::Display for CheckFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CheckFailure::Status(s) => write!(f, "answered {s}"),
-            CheckFailure::Timeout(t) => write!(f, "no answer within {t:?}"),
-            CheckFailure::Transport(e) => f.write_str(&crate::error::error_chain(e)),
-        }
-    }
-}
-
-/// One check: `GET uri`, a 2xx within `timeout` passes.
-fn probe(
-    transport: &impl Transport,
-    uri: Uri,
-    timeout: Duration,
-) -> impl Future<Output = Result<(), CheckFailure>> + Send + 'static {
-    let mut req = http::Request::new(Bytes::new());
-    *req.uri_mut() = uri;
-    let sent = transport.send(req);
-    let exchange = async move {
-        let response = sent.await.map_err(CheckFailure::Transport)?;
-        let status = response.status();
-        // To the end, so the connection can serve the next check; its content is no
-        // part of the verdict.
-        let _ = read_limited(response.into_body(), MAX_CHECK_BODY).await;
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(CheckFailure::Status(status))
-        }
-    };
-    async move {
-        tokio::time::timeout(timeout, exchange)
-            .await
-            .unwrap_or(Err(CheckFailure::Timeout(timeout)))
-    }
-}
-
-// === impl HealthSource ===
-
-/// An [`EndpointSource`] over another that publishes its set minus the endpoints that
-/// are ejected or down.
-///
-/// The published set is rebuilt with [`EndpointSet::new`] (per-model subsets included)
-/// only when something is left out; otherwise the inner set itself is passed on. When
-/// every endpoint of a role is left out, the set has none of that role, and the
-/// orchestrator applies its no-prefill policy (or answers 503 for decode). See the
-/// [module docs](self) for when changes become visible.
-#[derive(Debug, Clone)]
-pub struct HealthSource {
-    health: Arc<Health>,
-}
-
-impl HealthSource {
-    /// Health-filter `inner`'s sets; every endpoint starts healthy.
-    pub fn new(inner: impl EndpointSource, config: HealthConfig) -> Self {
-        HealthSource {
-            health: Arc::new(Health::new(Box::new(inner), config)),
-        }
-    }
-
-    /// The health states and their feedback entry, shared with the orchestrator.
-    pub fn health(&self) -> &Arc<Health> {
-        &self.health
-    }
-}
-
-impl EndpointSource for HealthSource {
-    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
-        self.health.refresh_if_due();
-        self.health.tx.subscribe()
-    }
-
-    fn snapshot(&self) -> Arc<EndpointSet> {
-        self.health.refresh_if_due();
-        self.health.tx.borrow().clone()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::ManualSource;
+    use disagg_core::source::ManualSource;
     use std::sync::atomic::AtomicUsize;
 
     fn ep(url: &str, role: Role) -> Endpoint {
@@ -1169,7 +788,7 @@ mod tests {
 
     #[test]
     fn a_healthy_set_is_the_inner_set_itself() {
-        let inner = crate::source::StaticSource::new([ep("http://d:1", Role::Decode)]);
+        let inner = disagg_core::source::StaticSource::new([ep("http://d:1", Role::Decode)]);
         let first = inner.snapshot();
         let source = HealthSource::new(inner, HealthConfig::default());
         assert!(Arc::ptr_eq(&source.snapshot(), &first));
@@ -1242,7 +861,7 @@ mod tests {
     }
 
     impl Transport for Checks {
-        fn send(&self, req: http::Request<Bytes>) -> crate::transport::ResponseFuture {
+        fn send(&self, req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
             use http_body_util::BodyExt;
             let authority = req.uri().authority().unwrap().to_string();
             assert_eq!(req.uri().path(), "/health");

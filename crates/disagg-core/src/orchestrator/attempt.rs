@@ -1,0 +1,203 @@
+//! One attempt: route → plan → legs, ending in an [`Exchange`] for the client, or a
+//! [`Failure`] that no byte of an answer preceded.
+
+use std::time::Instant;
+
+use http::header::HeaderValue;
+use tokio::time::Instant as TokioInstant;
+
+use crate::connector::{Dispatch, Leg};
+use crate::disaggregate::Decision;
+use crate::error::{PdError, Phase, RouteError, Side};
+use crate::outcome::{Report, Verdict};
+use crate::request::{PdRequest, REQUEST_ID};
+use crate::router::{Outcome, RequestView, Route};
+
+use super::Inner;
+use super::clock::{Clock, within};
+use super::report::verdict;
+use super::respond::Exchange;
+
+/// How an attempt ended without an answer for the client.
+pub(super) struct Failure {
+    pub(super) error: PdError,
+    /// How the attempt went, when it had a route (an attempt refused before routing
+    /// reports nothing).
+    pub(super) report: Option<Report>,
+}
+
+impl Failure {
+    /// A failure before any route was chosen.
+    pub(super) fn unrouted(error: PdError) -> Self {
+        Failure {
+            error,
+            report: None,
+        }
+    }
+
+    /// The prefill side failed with `error` over `route`; the decode leg was `decode`.
+    pub(super) fn prefill(route: &Route, error: PdError, decode: Verdict) -> Self {
+        let report = Report::new(
+            route.clone(),
+            Outcome::PrefillFailed,
+            verdict(&error),
+            decode,
+        );
+        Failure {
+            error,
+            report: Some(report),
+        }
+    }
+
+    /// The decode leg failed with `error` over `route`, the prefill leg having gone as
+    /// `prefill`.
+    pub(super) fn decode(route: &Route, error: PdError, prefill: Verdict) -> Self {
+        let report = Report::new(
+            route.clone(),
+            Outcome::DecodeFailed,
+            prefill,
+            verdict(&error),
+        );
+        Failure {
+            error,
+            report: Some(report),
+        }
+    }
+}
+
+impl Inner {
+    /// One attempt for `req`, its legs carrying the engine-side request `id`.
+    pub(super) async fn attempt(
+        &self,
+        req: &PdRequest,
+        id: HeaderValue,
+        decision: Decision,
+        clock: Clock,
+    ) -> Result<Exchange, Failure> {
+        let view = RequestView::from(req);
+        let route = self
+            .route(req, &view, decision, clock)
+            .await
+            .map_err(Failure::unrouted)?;
+        if let Decision::Direct { reason } = decision {
+            tracing::debug!(
+                request_id = ?req.request_id(),
+                decode = %route.decode.id(),
+                reason,
+                "not disaggregated: served on a decode endpoint alone"
+            );
+            let leg = decode_alone(&route, req, id);
+            return self.alone(req, route, leg, "direct", clock).await;
+        }
+        if route.prefill.is_none() {
+            return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
+        }
+        let mut handoff = self.connector.prepare(&route, req).map_err(|e| {
+            Failure::prefill(
+                &route,
+                PdError::connector(Side::Prefill, e),
+                Verdict::NotSent,
+            )
+        })?;
+        // One engine-side id per attempt, the same on both legs (see `decode_alone`).
+        handoff.prefill.headers.insert(REQUEST_ID, id.clone());
+        handoff.decode.headers.insert(REQUEST_ID, id);
+        let prefill_ep = std::sync::Arc::clone(&handoff.prefill.endpoint);
+        let resolve = async {
+            self.connector
+                .resolve(&mut handoff, &*self.transport)
+                .await
+                .map_err(|e| PdError::connector(Side::Prefill, e))
+        };
+        let budget = self.config.handoff_timeout;
+        within(
+            clock,
+            budget,
+            Side::Prefill,
+            &prefill_ep,
+            Phase::Handoff,
+            resolve,
+        )
+        .await
+        .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
+        match handoff.dispatch {
+            Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock).await,
+            Dispatch::Concurrent => self.concurrent(req, route, handoff, clock).await,
+        }
+    }
+
+    /// The route for `req`, waiting in the admission queue while an endpoint it chose is
+    /// at its in-flight limit.
+    pub(super) async fn route(
+        &self,
+        req: &PdRequest,
+        view: &RequestView<'_>,
+        decision: Decision,
+        clock: Clock,
+    ) -> Result<Route, PdError> {
+        let mut since = None;
+        loop {
+            let set = self.source.snapshot();
+            let route = set
+                .for_model(req.model())
+                .and_then(|candidates| match decision {
+                    Decision::Disaggregate => self.router.select(view, candidates),
+                    Decision::Direct { .. } => self.router.select_direct(view, candidates),
+                })
+                .map_err(PdError::route)?;
+            drop(set);
+            let Some(admission) = &self.admission else {
+                return Ok(route);
+            };
+            if admission.has_room(&route) {
+                return Ok(route);
+            }
+            let since = *since.get_or_insert_with(TokioInstant::now);
+            admission.wait_for_room(since, clock.deadline).await?;
+        }
+    }
+
+    /// A decode leg alone (direct, decode-only): its head is the answer.
+    pub(super) async fn alone(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        leg: Leg,
+        mark: &'static str,
+        clock: Clock,
+    ) -> Result<Exchange, Failure> {
+        let guard = leg.endpoint.track();
+        let start = Instant::now();
+        match self.decode_head(req, &leg, clock).await {
+            Ok(head) => {
+                let mut ex = Exchange::new(route, head);
+                ex.timing.decode_head = Some(start.elapsed());
+                ex.mark = Some(mark);
+                ex.guard = Some(guard);
+                ex.decode_sent = true;
+                Ok(ex)
+            }
+            Err(e) => Err(Failure::decode(&route, e, Verdict::NotSent)),
+        }
+    }
+}
+
+/// The decode leg of a request served without a prefill leg (direct, decode-only): the
+/// client's body, the attempt's engine-side `id` and, when the route names the decode's
+/// data-parallel rank, `X-Data-Parallel-Rank`, which vLLM and SGLang both read.
+///
+/// The engines get an id of the proxy's for every attempt, never the client's
+/// `x-request-id`: vLLM's push-mode NIXL pairs the two legs by it, so it must be the
+/// same on both legs and unique among requests in flight, which a client's id (a retry,
+/// a buggy client) is not. The client's id stays in the answer and the logs.
+pub(super) fn decode_alone(route: &Route, req: &PdRequest, id: HeaderValue) -> Leg {
+    let mut leg = Leg::new(route.decode.clone(), req.body().clone());
+    leg.headers.insert(REQUEST_ID, id);
+    if let Some(rank) = route.decode_rank {
+        leg.headers.insert(
+            crate::connector::mooncake::DATA_PARALLEL_RANK,
+            HeaderValue::from(rank),
+        );
+    }
+    leg
+}

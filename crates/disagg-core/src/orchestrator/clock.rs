@@ -1,0 +1,147 @@
+//! Time: a request's deadline, each step's budget, and the `server-timing` header.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderValue;
+use tokio::time::Instant as TokioInstant;
+
+use crate::endpoint::Endpoint;
+use crate::error::{PdError, Phase, Side};
+
+/// Phase durations of one request, reported in `server-timing`.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Timing {
+    pub(super) prefill: Option<Duration>,
+    pub(super) handoff: Option<Duration>,
+    pub(super) decode_head: Option<Duration>,
+}
+
+impl Timing {
+    pub(super) fn header_value(&self) -> Option<HeaderValue> {
+        let mut out = Vec::with_capacity(64);
+        for (name, d) in [
+            ("prefill", self.prefill),
+            ("handoff", self.handoff),
+            ("decode", self.decode_head),
+        ] {
+            if let Some(d) = d {
+                if !out.is_empty() {
+                    out.extend_from_slice(b", ");
+                }
+                out.extend_from_slice(name.as_bytes());
+                out.extend_from_slice(b";dur=");
+                write_millis(&mut out, d);
+            }
+        }
+        HeaderValue::from_bytes(&out)
+            .ok()
+            .filter(|_| !out.is_empty())
+    }
+}
+
+/// `d` in milliseconds with three decimals (`12.345`), without float formatting, which
+/// the profile showed costing more than the rest of the response head.
+fn write_millis(out: &mut Vec<u8>, d: Duration) {
+    let micros = d.as_micros();
+    let mut int = itoa(micros / 1000);
+    out.append(&mut int);
+    let frac = (micros % 1000) as u16;
+    out.extend_from_slice(&[
+        b'.',
+        b'0' + (frac / 100) as u8,
+        b'0' + (frac / 10 % 10) as u8,
+        b'0' + (frac % 10) as u8,
+    ]);
+}
+
+fn itoa(mut n: u128) -> Vec<u8> {
+    let mut digits = Vec::with_capacity(8);
+    loop {
+        digits.push(b'0' + (n % 10) as u8);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    digits.reverse();
+    digits
+}
+
+/// When a request must be done by.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Clock {
+    pub(super) deadline: Option<TokioInstant>,
+}
+
+impl Clock {
+    /// The time a step with budget `step` may take, and whether the deadline (rather
+    /// than the step's own budget) is what limits it.
+    pub(super) fn budget(&self, step: Duration) -> (Duration, bool) {
+        match self.deadline {
+            None => (step, false),
+            Some(d) => {
+                let left = d.saturating_duration_since(TokioInstant::now());
+                if left < step {
+                    (left, true)
+                } else {
+                    (step, false)
+                }
+            }
+        }
+    }
+
+    pub(super) fn expired(&self) -> bool {
+        self.deadline.is_some_and(|d| TokioInstant::now() >= d)
+    }
+}
+
+/// Run `step` within `budget` (or what is left of the deadline, if less); out of time,
+/// the error names which ran out.
+pub(super) async fn within<T>(
+    clock: Clock,
+    budget: Duration,
+    side: Side,
+    endpoint: &Arc<Endpoint>,
+    phase: Phase,
+    step: impl Future<Output = Result<T, PdError>>,
+) -> Result<T, PdError> {
+    let (budget, by_deadline) = clock.budget(budget);
+    match tokio::time::timeout(budget, step).await {
+        Ok(r) => r,
+        Err(_) => Err(out_of_time(by_deadline, side, endpoint, phase)),
+    }
+}
+
+/// The error for a step that ran out of time: its own budget, or the deadline.
+pub(super) fn out_of_time(
+    by_deadline: bool,
+    side: Side,
+    endpoint: &Arc<Endpoint>,
+    phase: Phase,
+) -> PdError {
+    if by_deadline {
+        PdError::deadline(side, phase)
+    } else {
+        PdError::timeout(side, endpoint.id().clone(), phase)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_timing_values() {
+        let t = Timing {
+            prefill: Some(Duration::from_micros(12_345)),
+            handoff: Some(Duration::from_nanos(900)),
+            decode_head: Some(Duration::from_secs(2) + Duration::from_micros(7)),
+        };
+        assert_eq!(
+            t.header_value().unwrap(),
+            "prefill;dur=12.345, handoff;dur=0.000, decode;dur=2000.007"
+        );
+        assert!(Timing::default().header_value().is_none());
+    }
+}

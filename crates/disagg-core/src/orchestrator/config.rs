@@ -1,0 +1,177 @@
+//! Orchestrator settings and the response headers it writes.
+
+use std::time::Duration;
+
+use http::header::HeaderName;
+
+/// The response header that says how the KV reached the decode engine:
+/// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
+/// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
+/// the configuration allows serving without), `direct` (the
+/// [`Disaggregate`](crate::disaggregate::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
+/// prefill's answer was the whole answer, [`KvOutcome::Finished`](crate::connector::KvOutcome::Finished): no decode leg).
+pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
+
+/// The response header naming the leg whose answer is passed through on a failure.
+pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
+
+/// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
+/// `decode` (time to the decode's response head), in milliseconds.
+pub const SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+
+/// What to do when the prefill leg cannot be had: no prefill endpoint is available
+/// (none configured, none healthy, none serving the model), or the prefill leg failed
+/// on the engine's side (unreachable, 5xx, timed out, an unusable answer) and retries,
+/// if any, did not help.
+///
+/// A prefill's 4xx is the client's fault and is passed through under either policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PrefillFailure {
+    /// Fail the request: 503 `no_prefill_endpoint`, or the prefill's own error (the
+    /// default: a broken prefill pool must not hide behind slower answers).
+    #[default]
+    Fail,
+    /// Send the request to a decode endpoint alone; it computes the prompt itself. The
+    /// answer carries `x-disagg-handoff: decode-only` and `x-disagg-fallback` naming
+    /// why (the error code, `no_prefill_endpoint` say), a warning is logged and
+    /// [`OrchestratorStats::prefill_fallbacks`](crate::stats::OrchestratorStats::prefill_fallbacks) counts it. Not possible once the decode's
+    /// answer has begun (a concurrent handoff whose prefill fails mid-stream ends the
+    /// stream with an error) or once the deadline has passed.
+    DecodeOnly,
+}
+
+/// The response header naming why a request was served decode-only under
+/// [`PrefillFailure::DecodeOnly`]: the code of the prefill's failure.
+pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-disagg-fallback");
+
+/// The request header a client may set to shorten its request's deadline, in
+/// milliseconds, when [`OrchestratorConfig::client_deadline`] allows it.
+pub const DEADLINE_HEADER: HeaderName = HeaderName::from_static("x-disagg-deadline-ms");
+
+/// Early release of a prefill's KV blocks when the decode leg that would have taken
+/// them is not going to (see [`OrchestratorConfig::kv_release`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KvRelease {
+    /// Leave the blocks to the prefill engine's own timeout or lease (vLLM: 30 s
+    /// `kv_lease_duration`; older builds 120-480 s). The default.
+    #[default]
+    Off,
+    /// For connectors that send the decode after the prefill
+    /// ([`Dispatch::AfterPrefill`](crate::connector::Dispatch::AfterPrefill), vLLM NIXL): when a request ends after its prefill
+    /// answered with a handoff but before the decode's response head arrived (the
+    /// client left, a budget ran out, the decode could not be reached), send the
+    /// decode leg anyway as a one-token, non-streaming request and drop it after
+    /// `wait`: the decode engine takes (and so frees) the blocks, or, aborted while
+    /// queued, tells the prefill to free them. A request cancelled while its prefill
+    /// was still running waits up to `grace` for the prefill's answer in the
+    /// background (an answer already on the wire would otherwise strand its blocks);
+    /// a prefill still running after `grace` is aborted, which frees its blocks.
+    ///
+    /// Each release is a short background task (counted in
+    /// [`OrchestratorStats::kv_releases_in_flight`](crate::stats::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + `wait` at the
+    /// latest; a release that finds nothing to release sends nothing. A decode that
+    /// already received the leg may see it twice (the second pull fails harmlessly),
+    /// which is why this is opt-in.
+    AbortDecode {
+        /// How long a cancelled request waits for a running prefill's answer.
+        grace: Duration,
+        /// How long the release waits for the decode's response head before dropping
+        /// it.
+        wait: Duration,
+    },
+}
+
+impl KvRelease {
+    /// [`AbortDecode`](Self::AbortDecode) with a 250 ms grace and a 2 s wait.
+    pub fn abort_decode() -> Self {
+        KvRelease::AbortDecode {
+            grace: Duration::from_millis(250),
+            wait: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What to do when the prefill answered 2xx but carried no KV handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingKv {
+    /// Send the decode leg without a handoff, so the decode engine computes the prompt
+    /// itself (what vLLM's reference proxy does); the answer carries
+    /// `x-disagg-handoff: none` and a warning is logged. The default.
+    #[default]
+    LocalPrefill,
+    /// Fail the request with 502.
+    Fail,
+}
+
+/// Orchestrator settings.
+///
+/// Time budgets: a request may have a total [`deadline`](Self::deadline), and each step
+/// has a budget of its own; a step gets its budget or what is left of the deadline,
+/// whichever is less, and the error says which ran out (`prefill_timeout`,
+/// `handoff_timeout`, `decode_timeout`, `decode_idle_timeout`, or `deadline_exceeded`,
+/// all 504).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct OrchestratorConfig {
+    /// The whole request, from arrival to the last byte of the answer (default `None`:
+    /// no total deadline, only the per-step budgets). A stream still running at the
+    /// deadline is ended with an error event.
+    pub deadline: Option<Duration>,
+    /// Let a client shorten (never extend) its deadline with the
+    /// [`DEADLINE_HEADER`] (`x-disagg-deadline-ms`; default off). With no configured
+    /// deadline, the client's value is the deadline.
+    pub client_deadline: bool,
+    /// Time for the whole prefill exchange: connect, head and full answer.
+    pub prefill_timeout: Duration,
+    /// Time for each step of the connector's handoff work (a bootstrap lookup, folding
+    /// the prefill's answer into the decode leg; default 10 s).
+    pub handoff_timeout: Duration,
+    /// Time from sending the decode leg to its response head.
+    pub decode_head_timeout: Duration,
+    /// Longest silence between two chunks of the decode's body once its head arrived
+    /// (default 120 s; `None`: no limit). A non-streaming decode is silent until its
+    /// answer is complete, so this must exceed the longest generation of those.
+    pub decode_idle_timeout: Option<Duration>,
+    /// Largest prefill answer read, in bytes.
+    pub max_prefill_answer: usize,
+    /// The prefill leg cannot be had: fail, or serve decode-only.
+    pub prefill_failure: PrefillFailure,
+    /// Prefill answered without a handoff.
+    pub missing_kv: MissingKv,
+    /// Forward the client's `authorization` header to both legs.
+    pub forward_authorization: bool,
+    /// Client headers forwarded to both legs (besides the request id and the session
+    /// header, which always are).
+    pub forward_headers: Vec<HeaderName>,
+    /// Early release of a prefill's KV blocks (default off).
+    pub kv_release: KvRelease,
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        OrchestratorConfig {
+            deadline: None,
+            client_deadline: false,
+            // A long prompt can take tens of seconds to prefill on a busy engine.
+            prefill_timeout: Duration::from_secs(300),
+            handoff_timeout: Duration::from_secs(10),
+            decode_idle_timeout: Some(Duration::from_secs(120)),
+            // The decode engine may queue the request before its head goes out.
+            decode_head_timeout: Duration::from_secs(300),
+            // Answers to max_tokens=1 requests are small; prompt logprobs are removed.
+            max_prefill_answer: 8 * 1024 * 1024,
+            prefill_failure: PrefillFailure::Fail,
+            missing_kv: MissingKv::LocalPrefill,
+            forward_authorization: false,
+            forward_headers: vec![
+                HeaderName::from_static("traceparent"),
+                HeaderName::from_static("tracestate"),
+                HeaderName::from_static("x-correlation-id"),
+            ],
+            kv_release: KvRelease::Off,
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The legs: each leg's HTTP request (the headers in one place), the prefill exchange,
+//! and the decode's head.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{HeaderMap, Response, StatusCode};
+
+use crate::admission::Admission;
+use crate::connector::{Handoff, Leg, PrefillAnswer};
+use crate::endpoint::Endpoint;
+use crate::error::{PdError, Phase, Side};
+use crate::request::PdRequest;
+use crate::transport::{BoxBody, Transport, read_limited};
+
+use super::Inner;
+use super::clock::{Clock, within};
+
+/// Tells the admission that a prefill exchange ended when dropped (a request waiting
+/// for room on its endpoint may go now).
+struct RoomFreed(Arc<dyn Admission>);
+
+impl Drop for RoomFreed {
+    fn drop(&mut self) {
+        self.0.exchange_ended();
+    }
+}
+
+/// What the prefill leg ended with, when it did not fail.
+pub(super) enum PrefillResult {
+    Answer(PrefillAnswer),
+    /// A 4xx: the client's fault, passed through as the engine wrote it.
+    ClientError {
+        endpoint: Arc<Endpoint>,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+}
+
+impl PrefillResult {
+    /// The prefill's outcome once the decode's answer is already on its way to the
+    /// client: only success or an error can still be told.
+    pub(super) fn into_late(self) -> Result<(), PdError> {
+        match self {
+            PrefillResult::Answer(_) => Ok(()),
+            PrefillResult::ClientError {
+                endpoint,
+                status,
+                body,
+                ..
+            } => Err(PdError::upstream_status(
+                Side::Prefill,
+                endpoint.id().clone(),
+                status,
+                upstream_message(&body),
+            )),
+        }
+    }
+}
+
+/// Wait for the plan's [`Handoff::gate`], if any, within `budget` (a handoff step: its
+/// failure is the prefill side's).
+pub(super) async fn kv_ready(
+    handoff: &Handoff,
+    clock: Clock,
+    budget: Duration,
+) -> Result<(), PdError> {
+    let Some(gate) = &handoff.gate else {
+        return Ok(());
+    };
+    let ready = gate
+        .ready()
+        .map(|r| r.map_err(|e| PdError::connector(Side::Prefill, e)));
+    let ep = &handoff.prefill.endpoint;
+    within(clock, budget, Side::Prefill, ep, Phase::Handoff, ready).await
+}
+
+/// Send a decode leg's request and wait for its response head within `budget`.
+pub(super) async fn send_decode(
+    transport: &dyn Transport,
+    http_req: http::Request<Bytes>,
+    ep: &Arc<Endpoint>,
+    clock: Clock,
+    budget: Duration,
+) -> Result<Response<BoxBody>, PdError> {
+    let send = transport
+        .send(http_req)
+        .map(|r| r.map_err(|e| PdError::transport(Side::Decode, ep.id().clone(), e)));
+    within(clock, budget, Side::Decode, ep, Phase::DecodeHead, send).await
+}
+
+impl Inner {
+    /// Build the HTTP request for one leg.
+    pub(super) fn leg_request(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+    ) -> Result<http::Request<Bytes>, PdError> {
+        let forwarded = req.headers().iter().filter(|(name, _)| {
+            (is_session_header(name)
+                || self.config.forward_headers.contains(name)
+                || (self.config.forward_authorization && *name == header::AUTHORIZATION))
+                && !is_rank_header(name)
+        });
+        http_request(req.api(), leg, leg.body.to_bytes(), forwarded).map_err(|e| {
+            let side = match leg.endpoint.role() {
+                crate::endpoint::Role::Prefill => Side::Prefill,
+                crate::endpoint::Role::Decode => Side::Decode,
+            };
+            PdError::transport(
+                side,
+                leg.endpoint.id().clone(),
+                crate::error::TransportError::Connect(e.into()),
+            )
+        })
+    }
+
+    /// The prefill exchange within the prefill budget (or the deadline).
+    pub(super) fn prefill(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+        clock: Clock,
+    ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
+        let ep = Arc::clone(&leg.endpoint);
+        let budget = self.config.prefill_timeout;
+        let exchange = self.exchange(req, leg);
+        async move { within(clock, budget, Side::Prefill, &ep, Phase::Prefill, exchange).await }
+    }
+
+    /// The prefill exchange, untimed: send the leg and read its answer in full. The
+    /// future owns what it needs (`'static`), so a concurrent handoff can keep it
+    /// running inside the response body and an early release in a background task; it
+    /// holds the prefill endpoint's in-flight count until it ends or is dropped.
+    pub(super) fn exchange(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+    ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
+        let ep = Arc::clone(&leg.endpoint);
+        let guard = ep.track();
+        let http_req = self.leg_request(req, leg);
+        let transport = Arc::clone(&self.transport);
+        let limit = self.config.max_prefill_answer;
+        // Requests waiting for room on this endpoint hear when the exchange ends.
+        let room = self
+            .admission
+            .as_ref()
+            .filter(|a| a.tracks_exchanges())
+            .map(|a| RoomFreed(Arc::clone(a)));
+        async move {
+            let _guard = guard;
+            let _room = room;
+            let http_req = http_req?;
+            let exchange = async {
+                let resp = transport
+                    .send(http_req)
+                    .await
+                    .map_err(|e| PdError::transport(Side::Prefill, ep.id().clone(), e))?;
+                let (parts, body) = resp.into_parts();
+                let bytes = read_limited(body, limit)
+                    .await
+                    .map_err(|e| PdError::upstream_body(Side::Prefill, ep.id().clone(), e))?;
+                if parts.status.is_success() {
+                    return Ok(PrefillResult::Answer(PrefillAnswer {
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: bytes,
+                    }));
+                }
+                if parts.status.is_client_error() {
+                    return Ok(PrefillResult::ClientError {
+                        endpoint: Arc::clone(&ep),
+                        status: parts.status,
+                        headers: parts.headers,
+                        body: bytes,
+                    });
+                }
+                Err(PdError::upstream_status(
+                    Side::Prefill,
+                    ep.id().clone(),
+                    parts.status,
+                    upstream_message(&bytes),
+                ))
+            };
+            exchange.await
+        }
+    }
+
+    /// Send the decode leg and wait for its response head, within the decode timeout.
+    pub(super) async fn decode_head(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+        clock: Clock,
+    ) -> Result<Response<BoxBody>, PdError> {
+        let http_req = self.leg_request(req, leg)?;
+        let budget = self.config.decode_head_timeout;
+        send_decode(&*self.transport, http_req, &leg.endpoint, clock, budget).await
+    }
+}
+
+/// A 200 event-stream head over `body`.
+pub(super) fn sse_head(body: BoxBody) -> Response<BoxBody> {
+    let mut head = Response::new(body);
+    let h = head.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    head
+}
+
+/// The HTTP request of a leg: `body` posted to the endpoint's `api` URI with the JSON
+/// content type, the `forwarded` client headers, then the leg's own headers, the
+/// engine-side request id among them (which win over a forwarded one of the same name).
+pub(super) fn http_request<'a>(
+    api: crate::request::Api,
+    leg: &Leg,
+    body: Bytes,
+    forwarded: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
+) -> Result<http::Request<Bytes>, http::Error> {
+    let uri = leg.endpoint.api_uri(leg.api.unwrap_or(api))?;
+    let mut out = http::Request::new(body);
+    *out.method_mut() = http::Method::POST;
+    *out.uri_mut() = uri;
+    let h = out.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    for (name, value) in forwarded {
+        h.append(name.clone(), value.clone());
+    }
+    for (name, value) in &leg.headers {
+        h.insert(name.clone(), value.clone());
+    }
+    Ok(out)
+}
+
+/// Whether `name` pins a request to an engine's data-parallel rank (vLLM's
+/// `X-data-parallel-rank`, SGLang's `x-override-disagg-prefill-dp-rank`): only the proxy
+/// names ranks, never a forwarded client header.
+fn is_rank_header(name: &HeaderName) -> bool {
+    name == crate::connector::mooncake::DATA_PARALLEL_RANK
+        || name.as_str() == "x-override-disagg-prefill-dp-rank"
+}
+
+/// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
+/// (`x-session-id`, `x_session_id`, ...). Header names are already lowercase.
+pub fn is_session_header(name: &HeaderName) -> bool {
+    const WANT: &[u8] = b"x-session-id";
+    let got = name.as_str().as_bytes();
+    got.len() == WANT.len()
+        && got
+            .iter()
+            .zip(WANT)
+            .all(|(g, w)| g == w || (*g == b'_' && *w == b'-'))
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "te"
+            | "trailer"
+    )
+}
+
+/// `headers` without the hop-by-hop ones, reusing the map (no copy of the rest).
+pub(super) fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
+    if headers.keys().any(is_hop_by_hop) {
+        for name in [
+            header::CONNECTION,
+            HeaderName::from_static("keep-alive"),
+            HeaderName::from_static("proxy-connection"),
+            header::TRANSFER_ENCODING,
+            header::UPGRADE,
+            header::TE,
+            header::TRAILER,
+        ] {
+            headers.remove(name);
+        }
+    }
+    headers
+}
+
+/// The message of an engine's error answer, for the client's error text.
+pub(super) fn upstream_message(bytes: &Bytes) -> Option<String> {
+    const MAX: usize = 512;
+    if bytes.is_empty() {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Wrapped {
+        error: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        message: String,
+    }
+    let msg = serde_json::from_slice::<Wrapped>(bytes)
+        .map(|w| w.error.message)
+        .or_else(|_| serde_json::from_slice::<Inner>(bytes).map(|i| i.message))
+        .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned());
+    let mut msg = msg.trim().to_owned();
+    if msg.len() > MAX {
+        let mut cut = MAX;
+        while !msg.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        msg.truncate(cut);
+        msg.push('…');
+    }
+    Some(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_header_matches_rewrites() {
+        for n in ["x-session-id", "x_session_id", "x-session_id"] {
+            assert!(is_session_header(&HeaderName::from_static(n)), "{n}");
+        }
+        for n in ["x-session-ids", "session-id", "x-sessionid"] {
+            assert!(!is_session_header(&HeaderName::from_static(n)), "{n}");
+        }
+    }
+
+    #[test]
+    fn upstream_messages_are_extracted_and_bounded() {
+        let m = upstream_message(&Bytes::from_static(
+            br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#,
+        ));
+        assert_eq!(m.as_deref(), Some("boom"));
+        let m = upstream_message(&Bytes::from_static(
+            br#"{"object":"error","message":"old"}"#,
+        ));
+        assert_eq!(m.as_deref(), Some("old"));
+        let m = upstream_message(&Bytes::from("é".repeat(600))).unwrap();
+        assert!(m.len() <= 515 && m.ends_with('…'));
+        assert_eq!(upstream_message(&Bytes::new()), None);
+    }
+}

@@ -1,0 +1,333 @@
+//! The [`Orchestrator`]: one request's whole way across the prefill and the decode leg.
+//!
+//! ```text
+//! request ─ check (connector) ─ decide ─ admit ─┐
+//!   attempt: route → prepare → resolve → legs ──┤ Exchange ─ respond ─ PdBody ─ Report
+//!            (AfterPrefill: prefill, complete, decode; Concurrent: both at once)
+//!   a failed attempt: Report, then retry (a new route and plan) or fail / decode-only
+//! ```
+//!
+//! | file | holds |
+//! |---|---|
+//! | `serve.rs` | the request: the connector's check and the disaggregation hook, admission, the attempts and their retries, the decode-only fallback |
+//! | `attempt.rs` | one attempt: route (with the admission's per-endpoint limits), plan, legs; a failed attempt carries its report |
+//! | `sequential.rs` | [`Dispatch::AfterPrefill`](crate::connector::Dispatch::AfterPrefill) (vLLM NIXL, LMCache) |
+//! | `concurrent.rs` | [`Dispatch::Concurrent`](crate::connector::Dispatch::Concurrent) (SGLang, vLLM Mooncake) |
+//! | `release.rs` | the KV a sequential prefill holds, released unless its decode took it |
+//! | `legs.rs` | each leg's HTTP request (every header in one place), the prefill exchange, the decode's head |
+//! | `respond.rs` | the one place the client's response is built |
+//! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
+//! | `report.rs` | the one place a report is told: router, connector, listeners |
+//! | `clock.rs`, `config.rs` | deadlines and budgets; settings and header names |
+//!
+//! Failure is fail-fast in both directions. A prefill that fails before the decode's
+//! head ends the attempt and drops the decode leg; one that fails after the head was
+//! relayed ends the stream (an SSE error event for event streams); a decode that fails
+//! drops the prefill leg. A client that leaves drops the response body, and with it
+//! whatever leg is still running.
+//!
+//! The orchestrator owns no per-request state beyond the request's own future and its
+//! response body. It spawns one kind of task only: an early KV release
+//! ([`KvRelease::AbortDecode`], off by default), bounded in time. Every attempt is
+//! reported exactly once ([`outcome`](crate::outcome)).
+//!
+//! What is not the request path is optional and injected: admission
+//! ([`Admission`]), retries ([`Retry`]),
+//! listeners ([`Listener`]), the disaggregation hook; `disagg-resilience` has the
+//! implementations (limits and a queue, backoff with a budget, passive and active
+//! health).
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderMap, Response};
+
+use crate::admission::Admission;
+use crate::connector::{KvConnector, VllmNixl};
+use crate::disaggregate::{Always, Disaggregate};
+use crate::error::PdError;
+use crate::outcome::Listener;
+use crate::request::{PdRequest, RequestIds};
+use crate::retry::Retry;
+use crate::router::{RoundRobin, Router};
+use crate::source::EndpointSource;
+use crate::stats::{Counters, OrchestratorStats};
+use crate::transport::Transport;
+
+mod attempt;
+mod body;
+mod clock;
+mod concurrent;
+mod config;
+mod legs;
+mod release;
+mod report;
+mod respond;
+mod sequential;
+mod serve;
+
+pub use body::PdBody;
+pub use config::{
+    DEADLINE_HEADER, FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, KvRelease, MissingKv,
+    OrchestratorConfig, PrefillFailure, SERVER_TIMING,
+};
+pub use legs::is_session_header;
+
+pub(crate) use report::verdict;
+
+struct Inner {
+    ids: RequestIds,
+    source: Arc<dyn EndpointSource>,
+    router: Arc<dyn Router>,
+    connector: Arc<dyn KvConnector>,
+    disaggregate: Arc<dyn Disaggregate>,
+    transport: Arc<dyn Transport>,
+    admission: Option<Arc<dyn Admission>>,
+    retry: Option<Arc<dyn Retry>>,
+    reporter: Arc<report::Reporter>,
+    counters: Arc<Counters>,
+    config: OrchestratorConfig,
+}
+
+/// Runs requests across a prefill and a decode endpoint.
+///
+/// Cheap to clone (an `Arc` inside). See the [module docs](self) for the flow.
+#[derive(Clone)]
+pub struct Orchestrator {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Orchestrator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Orchestrator")
+            .field("connector", &self.inner.connector.name())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds an [`Orchestrator`].
+pub struct OrchestratorBuilder {
+    source: Arc<dyn EndpointSource>,
+    transport: Arc<dyn Transport>,
+    router: Arc<dyn Router>,
+    connector: Arc<dyn KvConnector>,
+    disaggregate: Arc<dyn Disaggregate>,
+    admission: Option<Arc<dyn Admission>>,
+    retry: Option<Arc<dyn Retry>>,
+    listeners: Vec<Arc<dyn Listener>>,
+    config: OrchestratorConfig,
+}
+
+impl fmt::Debug for OrchestratorBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OrchestratorBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OrchestratorBuilder {
+    /// Route with `router` (default: [`RoundRobin`]).
+    pub fn router(mut self, router: impl Router) -> Self {
+        self.router = Arc::new(router);
+        self
+    }
+
+    /// Hand KV over with `connector` (default: [`VllmNixl`]).
+    pub fn connector(mut self, connector: impl KvConnector) -> Self {
+        self.connector = Arc::new(connector);
+        self
+    }
+
+    /// Decide per request whether to disaggregate with `hook` (default: [`Always`]);
+    /// see [`disaggregate`](crate::disaggregate).
+    pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
+        self.disaggregate = Arc::new(hook);
+        self
+    }
+
+    /// Limit how many requests run at once with `admission` (default: none, every
+    /// request runs at once).
+    pub fn admission(mut self, admission: impl Admission) -> Self {
+        self.admission = Some(Arc::new(admission));
+        self
+    }
+
+    /// Retry failed attempts as `retry` says (default: no retries).
+    pub fn retry(mut self, retry: impl Retry) -> Self {
+        self.retry = Some(Arc::new(retry));
+        self
+    }
+
+    /// Tell `listener` how each attempt ended. The source's own listener
+    /// ([`EndpointSource::listener`]: passive health) is added by the builder.
+    pub fn listener(mut self, listener: impl Listener) -> Self {
+        self.listeners.push(Arc::new(listener));
+        self
+    }
+
+    /// Use `config`.
+    pub fn config(mut self, config: OrchestratorConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The orchestrator, after checking that every prefill/decode pair of the source
+    /// can hand KV over with the connector; the source is then followed through a
+    /// [`ValidatedSource`](crate::pairing::ValidatedSource), so a later endpoint set with
+    /// a bad pair is refused too (see [`pairing`](crate::pairing)).
+    ///
+    /// # Errors
+    ///
+    /// [`PairingError`](crate::pairing::PairingError) naming every refused pair.
+    pub fn try_build(mut self) -> Result<Orchestrator, crate::pairing::PairingError> {
+        let validated =
+            crate::pairing::ValidatedSource::new(self.source, Arc::clone(&self.connector))?;
+        self.source = Arc::new(validated);
+        Ok(self.build())
+    }
+
+    /// The orchestrator, without pair validation (see [`try_build`](Self::try_build)).
+    pub fn build(self) -> Orchestrator {
+        let mut listeners = self.listeners;
+        listeners.extend(self.source.listener());
+        let reporter = Arc::new(report::Reporter {
+            router: Arc::clone(&self.router),
+            connector: Arc::clone(&self.connector),
+            listeners,
+        });
+        Orchestrator {
+            inner: Arc::new(Inner {
+                ids: RequestIds::new(),
+                source: self.source,
+                router: self.router,
+                connector: self.connector,
+                disaggregate: self.disaggregate,
+                transport: self.transport,
+                admission: self.admission,
+                retry: self.retry,
+                reporter,
+                counters: Arc::default(),
+                config: self.config,
+            }),
+        }
+    }
+}
+
+impl Orchestrator {
+    /// A builder over `source` and `transport`, with round-robin routing and the vLLM
+    /// NIXL connector until told otherwise, and no admission limit, retry or listener.
+    pub fn builder(source: impl EndpointSource, transport: impl Transport) -> OrchestratorBuilder {
+        OrchestratorBuilder {
+            source: Arc::new(source),
+            transport: Arc::new(transport),
+            router: Arc::new(RoundRobin::new()),
+            connector: Arc::new(VllmNixl::new()),
+            disaggregate: Arc::new(Always),
+            admission: None,
+            retry: None,
+            listeners: Vec::new(),
+            config: OrchestratorConfig::default(),
+        }
+    }
+
+    /// Parse a client request for `api`, generating its request id (when the client sent
+    /// none) from this orchestrator's [`RequestIds`].
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) as [`PdRequest::new`].
+    pub fn request(
+        &self,
+        api: crate::request::Api,
+        headers: HeaderMap,
+        body: &Bytes,
+    ) -> Result<PdRequest, crate::error::BodyError> {
+        PdRequest::with_ids(api, headers, body, &self.inner.ids)
+    }
+
+    /// An orchestrator that sends its legs through `transport` and shares everything
+    /// else with this one: endpoints, router, connector, settings, listeners, and the
+    /// state that must be global to be right (admission, retries, counters).
+    ///
+    /// A server with one event loop per core builds one orchestrator, then one of these
+    /// per loop, each with a transport (and connection pool) of its own.
+    pub fn with_transport(&self, transport: impl Transport) -> Orchestrator {
+        let i = &self.inner;
+        Orchestrator {
+            inner: Arc::new(Inner {
+                ids: RequestIds::new(),
+                source: Arc::clone(&i.source),
+                router: Arc::clone(&i.router),
+                connector: Arc::clone(&i.connector),
+                disaggregate: Arc::clone(&i.disaggregate),
+                transport: Arc::new(transport),
+                admission: i.admission.clone(),
+                retry: i.retry.clone(),
+                reporter: Arc::clone(&i.reporter),
+                counters: Arc::clone(&i.counters),
+                config: i.config.clone(),
+            }),
+        }
+    }
+
+    /// The endpoint source.
+    pub fn source(&self) -> &dyn EndpointSource {
+        &*self.inner.source
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &dyn Transport {
+        &*self.inner.transport
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &OrchestratorConfig {
+        &self.inner.config
+    }
+
+    /// What this orchestrator counted so far: requests, retries, fallbacks, admission,
+    /// early KV releases.
+    pub fn stats(&self) -> OrchestratorStats {
+        let i = &self.inner;
+        let c = &i.counters;
+        let a = i.admission.as_ref().map(|a| a.stats()).unwrap_or_default();
+        let load = Counters::load;
+        OrchestratorStats {
+            requests: load(&c.requests),
+            in_flight: load(&c.in_flight),
+            queued_now: a.waiting,
+            queued: a.queued,
+            rejected_queue_full: a.queue_full,
+            queue_timeouts: a.queue_timeouts,
+            retries: load(&c.retries),
+            retries_denied: load(&c.retries_denied),
+            prefill_fallbacks: load(&c.prefill_fallbacks),
+            deadlines_exceeded: load(&c.deadlines_exceeded),
+            kv_releases: load(&c.kv_releases),
+            kv_releases_in_flight: load(&c.kv_releases_in_flight),
+            direct: c.direct_counts(),
+            invalid_params: load(&c.invalid_params),
+        }
+    }
+
+    /// Serve `req` disaggregated.
+    ///
+    /// Resolves to the decode engine's response, whose body streams as the engine writes
+    /// it, or to the prefill's answer when that is a client error (4xx, passed through).
+    /// The returned future owns everything it needs; dropping it cancels both legs.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`] when no route exists, a leg cannot be reached, times out, or answers
+    /// something the handoff cannot go on with. See `PdError::status` for the mapping.
+    pub fn serve(
+        &self,
+        req: PdRequest,
+    ) -> impl Future<Output = Result<Response<PdBody>, PdError>> + Send + 'static {
+        let inner = Arc::clone(&self.inner);
+        async move { inner.serve(req).await }
+    }
+}

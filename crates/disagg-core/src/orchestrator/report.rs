@@ -1,0 +1,48 @@
+//! The one place a [`Report`] is told: to the router's and the connector's `observe`,
+//! then to every [`Listener`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::connector::KvConnector;
+use crate::error::PdError;
+use crate::outcome::{Listener, Report, Verdict};
+use crate::router::Router;
+
+/// Who hears how each attempt ended.
+pub(crate) struct Reporter {
+    pub(crate) router: Arc<dyn Router>,
+    pub(crate) connector: Arc<dyn KvConnector>,
+    pub(crate) listeners: Vec<Arc<dyn Listener>>,
+}
+
+impl fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reporter")
+            .field("listeners", &self.listeners.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reporter {
+    /// Tell everyone how an attempt ended.
+    pub(crate) fn report(&self, report: &Report) {
+        self.router.observe(&report.route, report.outcome);
+        self.connector.observe(&report.route, report.outcome);
+        for l in &self.listeners {
+            l.on_report(report);
+        }
+    }
+}
+
+/// The verdict on the leg that failed with `e`: its engine is to blame when the error
+/// is a server error that is not the request's own deadline (it could not be reached,
+/// failed, timed out on its own budget, or answered something unusable); a client's
+/// error, or the deadline, blames no engine.
+pub(crate) fn verdict(e: &PdError) -> Verdict {
+    if e.status().is_server_error() && !e.is_deadline() {
+        Verdict::Failed
+    } else {
+        Verdict::Abandoned
+    }
+}

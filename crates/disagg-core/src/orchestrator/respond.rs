@@ -1,0 +1,127 @@
+//! The one place the client's response is built: from the [`Exchange`] an attempt
+//! produced.
+
+use std::sync::Arc;
+
+use http::Response;
+use http::header::{self, HeaderValue};
+
+use crate::endpoint::InFlightGuard;
+use crate::outcome::{Report, Verdict};
+use crate::request::{PdRequest, REQUEST_ID};
+use crate::router::{Outcome, Route};
+use crate::transport::BoxBody;
+
+use super::Inner;
+use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
+use super::clock::{Clock, Timing};
+use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
+use super::legs::end_to_end;
+
+/// What an attempt produced for the client: an answer's head and body, and what the
+/// response must carry and report.
+pub(super) struct Exchange {
+    /// Where the attempt went.
+    pub(super) route: Route,
+    /// The head and body to answer with: the decode's (reshaped when the plan says so),
+    /// a stream the orchestrator leads, or an engine's error passed through.
+    pub(super) head: Response<BoxBody>,
+    /// How the KV reached the decode (`x-disagg-handoff`); `None` for the prefill's own
+    /// 4xx passed through.
+    pub(super) mark: Option<&'static str>,
+    /// Phase durations, for `server-timing`.
+    pub(super) timing: Timing,
+    /// The decode endpoint's in-flight count, held until the body ends.
+    pub(super) guard: Option<InFlightGuard>,
+    /// A concurrent prefill still running when the decode's head came: it rides in the
+    /// body.
+    pub(super) pending: Option<PendingPrefill>,
+    /// The prefill leg, as far as it went (`Abandoned` while `pending` runs).
+    pub(super) prefill: Verdict,
+    /// Whether a decode leg was sent.
+    pub(super) decode_sent: bool,
+    /// Why the request was served decode-only (`x-disagg-fallback`).
+    pub(super) fallback: Option<&'static str>,
+}
+
+impl Exchange {
+    /// An exchange whose answer is `head`, over `route`, with nothing else yet.
+    pub(super) fn new(route: Route, head: Response<BoxBody>) -> Self {
+        Exchange {
+            route,
+            head,
+            mark: None,
+            timing: Timing::default(),
+            guard: None,
+            pending: None,
+            prefill: Verdict::NotSent,
+            decode_sent: false,
+            fallback: None,
+        }
+    }
+}
+
+impl Inner {
+    /// The client's response for `ex`: its head with the end-to-end headers, the
+    /// request's id, how the KV reached the decode, the phase timings and the failing
+    /// leg, and a [`PdBody`] that streams the answer and, when it ends, reports the
+    /// attempt once.
+    pub(super) fn respond(
+        self: &Inner,
+        req: &PdRequest,
+        ex: Exchange,
+        clock: Clock,
+    ) -> Response<PdBody> {
+        let (parts, body) = ex.head.into_parts();
+        let status = parts.status;
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        // The decode's own 5xx is its failure, whatever its body; a prefill's 4xx passed
+        // through ends the attempt as the prefill's.
+        let (outcome, decode) = match (ex.mark, ex.decode_sent) {
+            (None, _) => (Outcome::PrefillFailed, Verdict::NotSent),
+            (Some(_), false) => (Outcome::Success, Verdict::NotSent),
+            (Some(_), true) if status.is_server_error() => (Outcome::DecodeFailed, Verdict::Failed),
+            (Some(_), true) => (Outcome::Success, Verdict::Answered),
+        };
+        let timer = ex.guard.as_ref().and_then(|g| {
+            StreamTimer::new(
+                self.config.decode_idle_timeout,
+                clock.deadline,
+                g.endpoint().id(),
+            )
+        });
+        let report = Report::new(ex.route, outcome, ex.prefill, decode);
+        let finish = Finish {
+            guard: ex.guard,
+            permit: None,
+            in_flight: None,
+            report: Some((Arc::clone(&self.reporter), report)),
+        };
+        let mut resp = Response::new(PdBody::stream(body, sse, finish, ex.pending, timer));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = end_to_end(parts.headers);
+        let h = resp.headers_mut();
+        h.insert(REQUEST_ID, req.request_id().clone());
+        match ex.mark {
+            Some(mark) => {
+                h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
+                if let Some(v) = ex.timing.header_value() {
+                    h.append(SERVER_TIMING, v);
+                }
+                if !status.is_success() {
+                    h.insert(FAILED_LEG_HEADER, HeaderValue::from_static("decode"));
+                }
+            }
+            None => {
+                h.insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
+            }
+        }
+        if let Some(reason) = ex.fallback {
+            h.insert(FALLBACK_HEADER, HeaderValue::from_static(reason));
+        }
+        resp
+    }
+}

@@ -1,0 +1,250 @@
+//! [`Dispatch::AfterPrefill`](crate::connector::Dispatch::AfterPrefill): the prefill
+//! leg, its answer folded into the decode leg, then the decode leg.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{HeaderMap, Response, StatusCode};
+
+use crate::connector::{Handoff, KvOutcome};
+use crate::error::{ConnectorError, PdError, Phase, Side};
+use crate::outcome::Verdict;
+use crate::request::PdRequest;
+use crate::router::Route;
+use crate::transport::{BoxBody, read_limited};
+
+use super::Inner;
+use super::attempt::Failure;
+use super::body::{LeadBody, PendingDecode, empty_body};
+use super::clock::{Clock, Timing, out_of_time};
+use super::config::{KvRelease, MissingKv};
+use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
+use super::release::{KvHold, Release};
+use super::respond::Exchange;
+
+impl Inner {
+    /// Prefill, fold its answer into the decode leg, then decode.
+    pub(super) async fn sequential(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        mut handoff: Handoff,
+        clock: Clock,
+    ) -> Result<Exchange, Failure> {
+        let start = Instant::now();
+        let mut timing = Timing::default();
+        // Timed here rather than inside: a prefill out of time stays with the hold,
+        // whose release may still catch its answer.
+        let exchange = self.exchange(req, &handoff.prefill);
+        let mut hold = KvHold::new(Box::pin(exchange), self.release(req, &handoff));
+        let (budget, by_deadline) = clock.budget(self.config.prefill_timeout);
+        let result = hold.prefill(budget).await.unwrap_or_else(|| {
+            let ep = &handoff.prefill.endpoint;
+            Err(out_of_time(by_deadline, Side::Prefill, ep, Phase::Prefill))
+        });
+        let answer = match result {
+            Ok(PrefillResult::Answer(a)) => a,
+            Ok(PrefillResult::ClientError {
+                status,
+                headers,
+                body,
+                ..
+            }) => return Ok(prefill_refused(route, status, headers, body)),
+            Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+        };
+        let prefilled = Instant::now();
+        timing.prefill = Some(prefilled - start);
+        let budget = self.config.handoff_timeout;
+        let handed = hold
+            .complete(&*self.connector, &mut handoff, &answer, clock, budget)
+            .await;
+        timing.handoff = Some(prefilled.elapsed());
+        let mark = match handed {
+            Ok(KvOutcome::Handed) => "kv",
+            Ok(KvOutcome::Finished) => return Ok(finished(req, route, handoff, timing)),
+            Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
+                tracing::warn!(
+                    request_id = ?req.request_id(),
+                    prefill = %handoff.prefill.endpoint.id(),
+                    "prefill returned no KV handoff; decode computes the prompt itself"
+                );
+                "none"
+            }
+            Ok(_) => {
+                let e = PdError::connector(
+                    Side::Prefill,
+                    ConnectorError::MissingHandoff {
+                        endpoint: handoff.prefill.endpoint.id().clone(),
+                        field: "kv handoff",
+                    },
+                );
+                return Err(Failure::prefill(&route, e, Verdict::NotSent));
+            }
+            Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+        };
+        if req.is_stream() && handoff.lead.is_some() {
+            // The client's stream starts now; the gate and the decode's head are waited
+            // for inside its body, which takes the hold along.
+            return self.lead_stream(req, route, handoff, hold, mark, timing, clock);
+        }
+        if handoff.gate.is_some() {
+            if let Err(e) = kv_ready(&handoff, clock, budget).await {
+                // The hold drops with this attempt and releases the KV when asked to.
+                return Err(Failure::prefill(&route, e, Verdict::NotSent));
+            }
+            timing.handoff = Some(prefilled.elapsed());
+        }
+        let guard = handoff.decode.endpoint.track();
+        let decode_start = Instant::now();
+        let head = match self.decode_head(req, &handoff.decode, clock).await {
+            Ok(h) => h,
+            Err(e) => return Err(Failure::decode(&route, e, Verdict::Answered)),
+        };
+        timing.decode_head = Some(decode_start.elapsed());
+        let head = if head.status().is_success() {
+            hold.taken();
+            reshaped(&handoff, head)
+        } else {
+            // The decode refused its leg and took no KV: `hold` drops below and releases
+            // it when asked to.
+            head
+        };
+        let mut ex = Exchange::new(route, head);
+        ex.mark = Some(mark);
+        ex.timing = timing;
+        ex.guard = Some(guard);
+        ex.prefill = Verdict::Answered;
+        ex.decode_sent = true;
+        Ok(ex)
+    }
+
+    /// What an early release of this request's KV needs, when it is on.
+    fn release(&self, req: &PdRequest, handoff: &Handoff) -> Option<Release> {
+        match self.config.kv_release {
+            KvRelease::Off => None,
+            KvRelease::AbortDecode { grace, wait } => Some(Release {
+                grace,
+                wait,
+                handoff: handoff.clone(),
+                api: req.api(),
+                connector: Arc::clone(&self.connector),
+                transport: Arc::clone(&self.transport),
+                counters: Arc::clone(&self.counters),
+            }),
+        }
+    }
+
+    /// A streaming answer that starts with the plan's lead as soon as the prefill
+    /// answered: the body then waits for the gate (within the handoff budget), sends the
+    /// decode leg (within the decode-head budget) and forwards the decode's answer,
+    /// reshaped as the plan says. A failure from here on can only end the stream, with an
+    /// error event carrying its code.
+    #[allow(clippy::too_many_arguments)] // private; the attempt's parts, moved in
+    fn lead_stream(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        mut handoff: Handoff,
+        hold: KvHold,
+        mark: &'static str,
+        timing: Timing,
+        clock: Clock,
+    ) -> Result<Exchange, Failure> {
+        let lead = handoff.lead.take().unwrap_or_default();
+        let http_req = self
+            .leg_request(req, &handoff.decode)
+            .map_err(|e| Failure::decode(&route, e, Verdict::Answered))?;
+        let guard = handoff.decode.endpoint.track();
+        let transport = Arc::clone(&self.transport);
+        let (gate_budget, head_budget) =
+            (self.config.handoff_timeout, self.config.decode_head_timeout);
+        let limit = self.config.max_prefill_answer;
+        let pending: PendingDecode = Box::pin(async move {
+            kv_ready(&handoff, clock, gate_budget).await?;
+            let decode_ep = &handoff.decode.endpoint;
+            let head = send_decode(&*transport, http_req, decode_ep, clock, head_budget).await?;
+            if !head.status().is_success() {
+                let (parts, body) = head.into_parts();
+                let bytes = read_limited(body, limit).await.unwrap_or_default();
+                return Err(PdError::upstream_status(
+                    Side::Decode,
+                    decode_ep.id().clone(),
+                    parts.status,
+                    upstream_message(&bytes),
+                ));
+            }
+            hold.taken();
+            Ok(reshaped(&handoff, head).into_body())
+        });
+        let body = BoxBody::new(LeadBody::deferred(lead, pending));
+        let mut ex = Exchange::new(route, sse_head(body));
+        ex.mark = Some(mark);
+        ex.timing = timing;
+        ex.guard = Some(guard);
+        ex.prefill = Verdict::Answered;
+        ex.decode_sent = true;
+        Ok(ex)
+    }
+}
+
+/// The prefill's own 4xx, the client's fault, passed through as the engine wrote it.
+pub(super) fn prefill_refused(
+    route: Route,
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Exchange {
+    let mut head = Response::new(BoxBody::new(
+        http_body_util::Full::new(body).map_err(|never| match never {}),
+    ));
+    *head.status_mut() = status;
+    *head.headers_mut() = headers;
+    let mut ex = Exchange::new(route, head);
+    ex.prefill = Verdict::Answered;
+    ex
+}
+
+/// The answer when the prefill's is the whole answer ([`KvOutcome::Finished`]): no
+/// decode leg; the plan's reshape makes the client's answer from an empty body.
+fn finished(req: &PdRequest, route: Route, mut handoff: Handoff, timing: Timing) -> Exchange {
+    let guard = handoff.decode.endpoint.track();
+    let lead = handoff.lead.take().filter(|_| req.is_stream());
+    let content_type = if req.is_stream() {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    let body = match &handoff.reshape {
+        Some(r) => r.body(empty_body()),
+        None => empty_body(),
+    };
+    let mut shaped = Response::new(body);
+    shaped
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    let head = match lead {
+        Some(lead) => sse_head(BoxBody::new(LeadBody::then(lead, shaped.into_body()))),
+        None => shaped,
+    };
+    let mut ex = Exchange::new(route, head);
+    ex.mark = Some("prefill");
+    ex.timing = timing;
+    ex.guard = Some(guard);
+    ex.prefill = Verdict::Answered;
+    ex
+}
+
+/// A 2xx decode answer in the form the plan asks for: its body reshaped, its content
+/// length dropped (it no longer holds).
+pub(super) fn reshaped(handoff: &Handoff, head: Response<BoxBody>) -> Response<BoxBody> {
+    let Some(reshape) = &handoff.reshape else {
+        return head;
+    };
+    let (mut parts, body) = head.into_parts();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, reshape.body(body))
+}
+
+use http_body_util::BodyExt as _;

@@ -1,0 +1,203 @@
+//! One request: decide, admit, attempt (and retry), answer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Response;
+use tokio::time::Instant as TokioInstant;
+
+use crate::disaggregate::Decision;
+use crate::error::{BodyError, PdError};
+use crate::request::PdRequest;
+use crate::router::RequestView;
+use crate::stats::{InFlight, bump};
+
+use super::Inner;
+use super::attempt::decode_alone;
+use super::body::PdBody;
+use super::clock::Clock;
+use super::config::{DEADLINE_HEADER, PrefillFailure};
+
+impl Inner {
+    pub(super) async fn serve(
+        self: Arc<Self>,
+        req: PdRequest,
+    ) -> Result<Response<PdBody>, PdError> {
+        bump(&self.counters.requests);
+        let decision = self.decide(&req)?;
+        if let Some(retry) = &self.retry {
+            retry.deposit();
+        }
+        let clock = self.clock(&req);
+        let permit = match &self.admission {
+            None => None,
+            Some(admission) => Some(match admission.try_admit() {
+                Some(permit) => permit,
+                None => admission.admit(clock.deadline).await?,
+            }),
+        };
+        let in_flight = InFlight::new(&self.counters);
+        let mut retries = 0;
+        let result = loop {
+            // The first attempt's engine-side id is the request's own when the proxy
+            // drew it (fresh and unique already); a client's id, or a retry, gets a new
+            // one.
+            let id = if retries == 0 && req.has_generated_id() {
+                req.request_id().clone()
+            } else {
+                self.ids.next_id()
+            };
+            let failure = match self.attempt(&req, id, decision, clock).await {
+                Ok(ex) => break Ok(self.respond(&req, ex, clock)),
+                Err(f) => f,
+            };
+            if let Some(report) = &failure.report {
+                self.reporter.report(report);
+            }
+            match self.retry_wait(&req, &failure.error, retries, clock) {
+                Some(wait) => {
+                    retries += 1;
+                    tokio::time::sleep(wait).await;
+                }
+                None => break self.after_failure(&req, failure.error, clock).await,
+            }
+        };
+        match result {
+            Ok(mut resp) => {
+                resp.body_mut().hold(permit, Some(in_flight));
+                Ok(resp)
+            }
+            Err(e) => {
+                if e.is_deadline() {
+                    bump(&self.counters.deadlines_exceeded);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether to disaggregate `req`, decided once per request before anything else:
+    /// the connector refuses what the engines would refuse in the fields it rewrites
+    /// (400, no engine contacted) and sends direct what it cannot carry; otherwise the
+    /// [`Disaggregate`](crate::disaggregate::Disaggregate) hook decides.
+    fn decide(&self, req: &PdRequest) -> Result<Decision, PdError> {
+        let decision = match self.connector.check(req) {
+            Ok(Decision::Disaggregate) => self.disaggregate.decide(&RequestView::from(req)),
+            Ok(direct) => direct,
+            Err(e) => {
+                bump(&self.counters.invalid_params);
+                return Err(PdError::body(BodyError::Invalid(e)));
+            }
+        };
+        if let Decision::Direct { reason } = decision {
+            self.counters.direct(reason);
+        }
+        Ok(decision)
+    }
+
+    /// The request's deadline: the configured one, shortened by the client's header when
+    /// allowed.
+    fn clock(&self, req: &PdRequest) -> Clock {
+        let configured = self.config.deadline;
+        let client = self
+            .config
+            .client_deadline
+            .then(|| req.headers().get(DEADLINE_HEADER))
+            .flatten()
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .map(Duration::from_millis);
+        let total = match (configured, client) {
+            (Some(c), Some(h)) => Some(c.min(h)),
+            (c, h) => c.or(h),
+        };
+        Clock {
+            deadline: total.map(|t| TokioInstant::now() + t),
+        }
+    }
+
+    /// The wait before retrying after `e`, or `None` when it must not be retried: no
+    /// retry policy, an error no retry can help (or one that reached the engine), no
+    /// time left before the deadline, or the policy's budget spent.
+    fn retry_wait(
+        &self,
+        req: &PdRequest,
+        e: &PdError,
+        done: u32,
+        clock: Clock,
+    ) -> Option<Duration> {
+        let retry = self.retry.as_ref()?;
+        // Whatever the policy: only errors another pair could answer differently.
+        if !e.is_retryable() {
+            return None;
+        }
+        let wait = retry.backoff(e, done)?;
+        if clock
+            .deadline
+            .is_some_and(|d| TokioInstant::now() + wait >= d)
+        {
+            return None;
+        }
+        if !retry.withdraw() {
+            bump(&self.counters.retries_denied);
+            tracing::warn!(
+                request_id = ?req.request_id(),
+                error = %crate::error::error_chain(e),
+                "retry budget spent: not retrying"
+            );
+            return None;
+        }
+        bump(&self.counters.retries);
+        tracing::warn!(
+            request_id = ?req.request_id(),
+            error = %crate::error::error_chain(e),
+            retry = done + 1,
+            backoff_ms = wait.as_millis() as u64,
+            "attempt failed before any answer reached the client; retrying on a new pair"
+        );
+        Some(wait)
+    }
+
+    /// The request failed for good with `e`: serve it decode-only when the prefill could
+    /// not be had and the policy says so, else fail.
+    async fn after_failure(
+        &self,
+        req: &PdRequest,
+        e: PdError,
+        clock: Clock,
+    ) -> Result<Response<PdBody>, PdError> {
+        let prefill_missing = e.side() == crate::error::Side::Prefill || e.is_no_prefill();
+        if self.config.prefill_failure != PrefillFailure::DecodeOnly
+            || !prefill_missing
+            || e.is_deadline()
+            || clock.expired()
+        {
+            return Err(e);
+        }
+        bump(&self.counters.prefill_fallbacks);
+        tracing::warn!(
+            request_id = ?req.request_id(),
+            reason = e.code(),
+            error = %crate::error::error_chain(&e),
+            "prefill unavailable: serving decode-only, as configured"
+        );
+        let view = RequestView::from(req);
+        // Routed like any attempt: the admission's per-endpoint limits apply.
+        let decision = Decision::Direct {
+            reason: "decode_only",
+        };
+        let route = self.route(req, &view, decision, clock).await?;
+        let leg = decode_alone(&route, req, self.ids.next_id());
+        match self.alone(req, route, leg, "decode-only", clock).await {
+            Ok(mut ex) => {
+                ex.fallback = Some(e.code());
+                Ok(self.respond(req, ex, clock))
+            }
+            Err(f) => {
+                if let Some(report) = &f.report {
+                    self.reporter.report(report);
+                }
+                Err(f.error)
+            }
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! [`HealthSource`]: the set of another source minus its unhealthy endpoints.
+
+use super::*;
+
+// === impl HealthSource ===
+
+/// An [`EndpointSource`] over another that publishes its set minus the endpoints that
+/// are ejected or down.
+///
+/// The published set is rebuilt with [`EndpointSet::new`] (per-model subsets included)
+/// only when something is left out; otherwise the inner set itself is passed on. When
+/// every endpoint of a role is left out, the set has none of that role, and the
+/// orchestrator applies its no-prefill policy (or answers 503 for decode). See the
+/// [module docs](super) for when changes become visible. Its [`Health`] is the
+/// source's [`listener`](EndpointSource::listener): an orchestrator built over the
+/// source feeds it every attempt's report, with nothing to wire.
+#[derive(Debug, Clone)]
+pub struct HealthSource {
+    pub(super) health: Arc<Health>,
+}
+
+impl HealthSource {
+    /// Health-filter `inner`'s sets; every endpoint starts healthy.
+    pub fn new(inner: impl EndpointSource, config: HealthConfig) -> Self {
+        HealthSource {
+            health: Arc::new(Health::new(Box::new(inner), config)),
+        }
+    }
+
+    /// The health states and their feedback entry (also the source's listener).
+    pub fn health(&self) -> &Arc<Health> {
+        &self.health
+    }
+}
+
+impl EndpointSource for HealthSource {
+    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+        self.health.refresh_if_due();
+        self.health.tx.subscribe()
+    }
+
+    fn snapshot(&self) -> Arc<EndpointSet> {
+        self.health.refresh_if_due();
+        self.health.tx.borrow().clone()
+    }
+
+    fn listener(&self) -> Option<Arc<dyn Listener>> {
+        Some(Arc::clone(&self.health) as Arc<dyn Listener>)
+    }
+}
+
+/// Passive health: each leg's verdict counts for its endpoint in its role. An engine
+/// that answered (its 4xx included) works; one to blame failed; a leg that was not sent
+/// or was abandoned through no fault of its engine counts for nothing.
+impl Listener for Health {
+    fn on_report(&self, report: &Report) {
+        let legs = [
+            (report.route.prefill.as_ref(), report.prefill),
+            (Some(&report.route.decode), report.decode),
+        ];
+        for (endpoint, verdict) in legs {
+            let Some(endpoint) = endpoint else { continue };
+            match verdict {
+                Verdict::Answered => self.record(endpoint, true),
+                Verdict::Failed => self.record(endpoint, false),
+                _ => {}
+            }
+        }
+    }
+}

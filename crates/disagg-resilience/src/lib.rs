@@ -1,0 +1,49 @@
+//! Optional resilience for a disagg [`Orchestrator`](disagg_core::Orchestrator): each
+//! piece is independent, replaceable, and plugs into a seam of `disagg-core`.
+//!
+//! | piece | seam | what it does |
+//! |---|---|---|
+//! | [`health`]: [`HealthSource`] | [`EndpointSource`](disagg_core::EndpointSource) decorator + [`Listener`](disagg_core::outcome::Listener) | a circuit breaker per endpoint and leg fed by every attempt's [`Report`](disagg_core::outcome::Report), active checks, unhealthy endpoints left out of the published set |
+//! | [`admission`]: [`Limits`] | [`Admission`](disagg_core::admission::Admission) | a global and a per-endpoint in-flight limit, a bounded FIFO queue (429 / 503) |
+//! | [`retry`]: [`Backoff`] | [`Retry`](disagg_core::retry::Retry) | full-jitter exponential backoff within a proxy-wide retry budget |
+//!
+//! An orchestrator built without them admits everything, retries nothing and routes
+//! over every endpoint; with them:
+//!
+//! ```
+//! use disagg_core::endpoint::{Endpoint, Role};
+//! use disagg_core::source::StaticSource;
+//! use disagg_core::transport::Transport;
+//! use disagg_core::Orchestrator;
+//! use disagg_resilience::{AdmissionConfig, Backoff, HealthConfig, HealthSource, Limits, RetryPolicy};
+//!
+//! # fn build(transport: impl Transport) -> Result<(), Box<dyn std::error::Error>> {
+//! let source = HealthSource::new(
+//!     StaticSource::new([
+//!         Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?,
+//!         Endpoint::new("http://10.0.0.7:8200", Role::Decode)?,
+//!     ]),
+//!     HealthConfig::default(),
+//! );
+//! let mut admission = AdmissionConfig::default();
+//! admission.max_in_flight = Some(512);
+//! let orchestrator = Orchestrator::builder(source, transport) // the source's health hears every attempt
+//!     .admission(Limits::new(admission))
+//!     .retry(Backoff::new(RetryPolicy::retries(2)))
+//!     .build();
+//! # let _ = orchestrator; Ok(()) }
+//! ```
+
+pub mod admission;
+pub mod health;
+pub mod retry;
+
+pub use admission::{AdmissionConfig, Limits};
+pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
+pub use retry::{Backoff, RetryBudget, RetryPolicy};
+
+/// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
+/// section in this crate leaves its data consistent).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
