@@ -690,6 +690,27 @@ impl std::error::Error for PdError {
 #[error("{0}")]
 pub struct UpstreamMessage(pub String);
 
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one place
+/// it is built, for error answers (`disagg-http`) and for the error event that ends a
+/// broken stream ([`PdBody`](crate::PdBody)).
+pub fn openai_error_body(
+    message: &str,
+    error_type: &str,
+    param: Option<&str>,
+    code: &str,
+) -> bytes::Bytes {
+    let v = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": param,
+            "code": code,
+        }
+    });
+    // Serializing a `Value` cannot fail.
+    bytes::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+}
+
 /// The message of an error and of each of its causes, joined with `": "`.
 ///
 /// `Display` of disagg's errors describes one level only; this is what a client or a log

@@ -1,4 +1,5 @@
-//! OpenAI-format error responses: the one place errors become HTTP.
+//! OpenAI-format error responses: the one place errors become HTTP answers (their JSON
+//! body is built by `disagg_core::error::openai_error_body`).
 
 use bytes::Bytes;
 use disagg_core::PdBody;
@@ -6,23 +7,10 @@ use disagg_core::error::{PdError, error_chain};
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-/// An OpenAI-format error body: `{"error": {"message", "type", "param", "code"}}`, with
-/// `param` null.
+/// An OpenAI-format error body with `param` null (built by
+/// [`disagg_core::error::openai_error_body`], the one place it is built).
 pub fn openai_error_body(message: &str, error_type: &str, code: &str) -> Bytes {
-    error_body(message, error_type, None, code)
-}
-
-/// The OpenAI-format error body, `param` naming the request field at fault, if any.
-fn error_body(message: &str, error_type: &str, param: Option<&str>, code: &str) -> Bytes {
-    let v = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": error_type,
-            "param": param,
-            "code": code,
-        }
-    });
-    Bytes::from(v.to_string())
+    disagg_core::error::openai_error_body(message, error_type, None, code)
 }
 
 /// A response with `status` and an OpenAI-format error body.
@@ -42,7 +30,12 @@ pub fn error_response(
 /// The response for a [`PdError`]: its status, its whole cause chain as the message,
 /// and `retry-after` (whole seconds, at least 1) when the error names one.
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
-    let body = error_body(&error_chain(err), err.error_type(), err.param(), err.code());
+    let body = disagg_core::error::openai_error_body(
+        &error_chain(err),
+        err.error_type(),
+        err.param(),
+        err.code(),
+    );
     let mut resp = Response::new(PdBody::full(body));
     *resp.status_mut() = err.status();
     resp.headers_mut()

@@ -973,8 +973,8 @@ impl Body for SseMap {
                     };
                     this.buf.extend_from_slice(&data);
                     let mut out = BytesMut::new();
-                    while let Some(end) = find(&this.buf, b"\n\n") {
-                        let ev = this.buf.split_to(end + 2);
+                    while let Some((end, next)) = event_end(&this.buf) {
+                        let ev = this.buf.split_to(next);
                         this.shape.event(&ev[..end], &mut out);
                     }
                     if !out.is_empty() {
@@ -984,7 +984,13 @@ impl Body for SseMap {
                 Poll::Ready(None) => {
                     this.ended = true;
                     let rest = this.buf.split();
-                    let trimmed = rest.strip_suffix(b"\n").unwrap_or(&rest);
+                    let mut trimmed = &rest[..];
+                    while let Some(t) = trimmed
+                        .strip_suffix(b"\n")
+                        .or_else(|| trimmed.strip_suffix(b"\r"))
+                    {
+                        trimmed = t;
+                    }
                     if trimmed.is_empty() {
                         return Poll::Ready(None);
                     }
@@ -997,8 +1003,38 @@ impl Body for SseMap {
     }
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// Where the first complete event of `buf` ends, and where what follows it starts.
+///
+/// An event ends at a blank line, and a line may end with `\r\n`, `\n` or `\r` (the
+/// SSE specification, WHATWG HTML "event stream interpretation"), so `\n\n`,
+/// `\r\n\r\n`, `\r\r` and their mixes all end one. A `\r` at the very end of `buf`
+/// may be the first half of `\r\n`: it waits for the next frame.
+fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i < buf.len() {
+        match line_end(buf, i)? {
+            0 => i += 1,
+            first => match line_end(buf, i + first)? {
+                0 => i += first,
+                second => return Some((i, i + first + second)),
+            },
+        }
+    }
+    None
+}
+
+/// The length of the line terminator at `buf[i]` (0 when there is none), or `None`
+/// when a lone `\r` ends `buf` and the next byte decides.
+fn line_end(buf: &[u8], i: usize) -> Option<usize> {
+    match buf.get(i) {
+        Some(b'\n') => Some(1),
+        Some(b'\r') => match buf.get(i + 1) {
+            Some(b'\n') => Some(2),
+            Some(_) => Some(1),
+            None => None,
+        },
+        _ => Some(0),
+    }
 }
 
 #[derive(Deserialize)]
@@ -1308,6 +1344,40 @@ mod tests {
             json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
         );
         assert_eq!(evs[2], "data: [DONE]");
+    }
+
+    /// The SSE specification ends an event at a blank line whatever the line ends:
+    /// `\r\n\r\n` and `\r\r` too, even cut between its `\r` and `\n`.
+    #[tokio::test]
+    async fn events_framed_with_cr_and_crlf_are_found_wherever_the_frames_are_cut() {
+        let one = "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" two\",\"logprobs\":null,\"finish_reason\":null}]}";
+        for sep in ["\r\n\r\n", "\r\r", "\n\r\n", "\n\n"] {
+            let decode = format!("{one}{sep}{one}{sep}data: [DONE]{sep}");
+            for cut in 1..=decode.len() {
+                let frames: Vec<Result<Frame<Bytes>, BoxError>> = decode
+                    .as_bytes()
+                    .chunks(cut)
+                    .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+                    .collect();
+                let mapped = SseMap {
+                    inner: BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
+                        frames,
+                    ))),
+                    buf: BytesMut::new(),
+                    shape: Arc::new(shape(true)),
+                    ended: false,
+                };
+                let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
+                let evs = events(&out);
+                assert_eq!(evs.len(), 3, "{sep:?} cut {cut}: {evs:?}");
+                for ev in &evs[..2] {
+                    let v: Value =
+                        serde_json::from_str(ev.strip_prefix("data: ").unwrap()).unwrap();
+                    assert_eq!(v["object"], "chat.completion.chunk", "{sep:?} cut {cut}");
+                }
+                assert_eq!(evs[2], "data: [DONE]", "{sep:?} cut {cut}");
+            }
+        }
     }
 
     #[test]

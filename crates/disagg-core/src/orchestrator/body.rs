@@ -582,17 +582,10 @@ pub(crate) fn empty_body() -> BoxBody {
 /// One SSE event carrying an OpenAI-format error. It starts with a blank line, which
 /// ends an event the broken stream may have left half-written.
 fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
-    let json = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": error_type,
-            "param": null,
-            "code": code,
-        }
-    });
-    let mut out = b"\n\ndata: ".to_vec();
-    // Writing a `Value` to a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut out, &json);
+    let json = crate::error::openai_error_body(message, error_type, None, code);
+    let mut out = Vec::with_capacity(json.len() + 10);
+    out.extend_from_slice(b"\n\ndata: ");
+    out.extend_from_slice(&json);
     out.extend_from_slice(b"\n\n");
     Bytes::from(out)
 }
