@@ -164,11 +164,6 @@ impl JsonBody {
         }
     }
 
-    /// Set `key` to a checked raw value.
-    pub fn set_raw_value(&mut self, key: &str, raw: &RawValue) {
-        self.set_raw(key, Bytes::copy_from_slice(raw.get().as_bytes()));
-    }
-
     /// Remove `key`, returning its raw value.
     pub fn remove(&mut self, key: &str) -> Option<Bytes> {
         let i = self

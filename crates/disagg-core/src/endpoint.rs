@@ -325,7 +325,7 @@ impl Endpoint {
     /// # Errors
     ///
     /// None today; the `Result` keeps room for endpoints whose API paths are configured.
-    pub fn api_uri(&self, api: Api) -> Result<Uri, http::Error> {
+    pub(crate) fn api_uri(&self, api: Api) -> Result<Uri, http::Error> {
         Ok(match api {
             Api::Chat => self.chat_uri.clone(),
             Api::Completions => self.completions_uri.clone(),
@@ -390,7 +390,7 @@ pub struct InFlightGuard {
 
 impl InFlightGuard {
     /// The endpoint this guard counts against.
-    pub fn endpoint(&self) -> &Arc<Endpoint> {
+    pub(crate) fn endpoint(&self) -> &Arc<Endpoint> {
         &self.endpoint
     }
 }

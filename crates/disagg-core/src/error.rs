@@ -384,18 +384,18 @@ impl PdError {
     }
 
     /// Routing failed.
-    pub fn route(err: RouteError) -> Self {
+    pub(crate) fn route(err: RouteError) -> Self {
         Self::new(Kind::Route, Side::Router, Some(err.into()))
     }
 
     /// The connector failed on `side`.
-    pub fn connector(side: Side, err: ConnectorError) -> Self {
+    pub(crate) fn connector(side: Side, err: ConnectorError) -> Self {
         Self::new(Kind::Connector, side, Some(err.into()))
     }
 
     /// An endpoint answered a status the leg cannot go on with; `detail` is the
     /// engine's own message, if it gave one.
-    pub fn upstream_status(
+    pub(crate) fn upstream_status(
         side: Side,
         endpoint: EndpointId,
         status: StatusCode,
@@ -406,12 +406,12 @@ impl PdError {
     }
 
     /// An endpoint answered a body the leg cannot use.
-    pub fn upstream_body(side: Side, endpoint: EndpointId, source: BoxError) -> Self {
+    pub(crate) fn upstream_body(side: Side, endpoint: EndpointId, source: BoxError) -> Self {
         Self::new(Kind::UpstreamBody { endpoint }, side, Some(source))
     }
 
     /// The transport failed for `endpoint`.
-    pub fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
+    pub(crate) fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
         match err {
             TransportError::Timeout => Self::timeout(side, endpoint, Phase::Response),
             err => Self::new(Kind::Transport { endpoint }, side, Some(err.into())),
@@ -419,12 +419,12 @@ impl PdError {
     }
 
     /// A leg ran out of its own time budget in `phase`.
-    pub fn timeout(side: Side, endpoint: EndpointId, phase: Phase) -> Self {
+    pub(crate) fn timeout(side: Side, endpoint: EndpointId, phase: Phase) -> Self {
         Self::new(Kind::Timeout { endpoint, phase }, side, None)
     }
 
     /// The request's total deadline passed during `phase` (504 `deadline_exceeded`).
-    pub fn deadline(side: Side, phase: Phase) -> Self {
+    pub(crate) fn deadline(side: Side, phase: Phase) -> Self {
         Self::new(Kind::Deadline { phase }, side, None)
     }
 
@@ -588,7 +588,7 @@ impl PdError {
     }
 
     /// Whether no prefill endpoint was available (`no_prefill_endpoint`).
-    pub fn is_no_prefill(&self) -> bool {
+    pub(crate) fn is_no_prefill(&self) -> bool {
         matches!(self.route_error(), Some(RouteError::NoPrefill))
     }
 

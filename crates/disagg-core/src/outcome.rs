@@ -50,7 +50,7 @@ pub struct Report {
 impl Report {
     /// A report for an attempt over `route` that ended with `outcome`, its legs judged
     /// `prefill` and `decode`.
-    pub fn new(route: Route, outcome: Outcome, prefill: Verdict, decode: Verdict) -> Self {
+    pub(crate) fn new(route: Route, outcome: Outcome, prefill: Verdict, decode: Verdict) -> Self {
         Report {
             route,
             outcome,

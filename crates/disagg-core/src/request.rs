@@ -102,7 +102,7 @@ impl PdRequest {
     /// # Errors
     ///
     /// As [`new`](Self::new).
-    pub fn with_ids(
+    pub(crate) fn with_ids(
         api: Api,
         headers: HeaderMap,
         body: &Bytes,
@@ -172,7 +172,7 @@ impl PdRequest {
     /// The raw value of a [handoff field](HANDOFF_FIELDS) the client sent, which the
     /// legs never carry (a vLLM connector refuses a `kv_transfer_params` that is not an
     /// object, as vLLM would).
-    pub fn client_handoff(&self, field: &str) -> Option<&[u8]> {
+    pub(crate) fn client_handoff(&self, field: &str) -> Option<&[u8]> {
         self.removed
             .iter()
             .find(|(f, _)| *f == field)
@@ -204,7 +204,7 @@ impl PdRequest {
 
     /// Whether [`request_id`](Self::request_id) was drawn by the proxy rather than sent
     /// by the client (and so is unique, and fit to be an engine-side id).
-    pub fn has_generated_id(&self) -> bool {
+    pub(crate) fn has_generated_id(&self) -> bool {
         self.generated_id
     }
 
@@ -235,7 +235,7 @@ impl PdRequest {
 /// assert_eq!(a.len(), 32);
 /// ```
 #[derive(Debug)]
-pub struct RequestIds {
+pub(crate) struct RequestIds {
     seed: u128,
     counter: std::sync::atomic::AtomicU64,
 }
@@ -248,12 +248,12 @@ impl Default for RequestIds {
 
 impl RequestIds {
     /// A generator with a random seed.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::from_seed(uuid::Uuid::new_v4().as_u128())
     }
 
     /// A generator with a fixed seed, for deterministic tests.
-    pub fn from_seed(seed: u128) -> Self {
+    pub(crate) fn from_seed(seed: u128) -> Self {
         RequestIds {
             seed,
             counter: std::sync::atomic::AtomicU64::new(0),
@@ -261,7 +261,7 @@ impl RequestIds {
     }
 
     /// The next id.
-    pub fn next_id(&self) -> HeaderValue {
+    pub(crate) fn next_id(&self) -> HeaderValue {
         let n = self
             .counter
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -289,7 +289,7 @@ pub(crate) fn splitmix64(mut z: u64) -> u64 {
 }
 
 /// A fresh request id: a random UUID, hyphenless.
-pub fn new_request_id() -> HeaderValue {
+pub(crate) fn new_request_id() -> HeaderValue {
     let mut buf = [0u8; 32];
     let s = uuid::Uuid::new_v4().simple().encode_lower(&mut buf);
     HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("0"))

@@ -58,7 +58,7 @@ use crate::transport::{Transport, read_limited};
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// The header by which a vLLM server lets a request pick its data-parallel rank.
-pub const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+pub(crate) const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
 
 /// Name `rank` to a vLLM engine in [`DATA_PARALLEL_RANK`], if the route picked one.
 pub(crate) fn set_rank(leg: &mut Leg, rank: Option<u32>) {
@@ -206,7 +206,8 @@ impl VllmMooncake {
     }
 
     /// The engine ids cached for `prefill`, by data-parallel rank.
-    pub fn cached_engine_ids(&self, prefill: &EndpointId) -> Option<HashMap<u32, String>> {
+    #[cfg(test)]
+    pub(crate) fn cached_engine_ids(&self, prefill: &EndpointId) -> Option<HashMap<u32, String>> {
         let engines = lock(&self.engines);
         engines.get(prefill).map(|m| {
             m.ranks

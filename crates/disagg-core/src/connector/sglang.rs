@@ -96,11 +96,11 @@ impl SglangBootstrap {
 
 /// The body field that pins a request to a data-parallel rank of the engine it is sent
 /// to (SGLang `GenerateReqInput.routed_dp_rank`).
-pub const ROUTED_DP_RANK: &str = "routed_dp_rank";
+pub(crate) const ROUTED_DP_RANK: &str = "routed_dp_rank";
 
 /// The decode leg's field naming the prefill's data-parallel rank (SGLang
 /// `GenerateReqInput.disagg_prefill_dp_rank`).
-pub const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
+pub(crate) const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
 
 /// How many sequences a request asks the engines for, as SGLang's router counts them:
 /// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of

@@ -33,7 +33,7 @@ use crate::rewrite::PrefillRewriter;
 use crate::router::Route;
 
 /// The field that carries the handoff, on requests and on the prefill's answer.
-pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
 /// The prefill leg's `kv_transfer_params`: only `do_remote_decode` matters to the engine;
 /// the `null` keys are the convention every reference proxy follows.

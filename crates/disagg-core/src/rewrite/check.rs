@@ -87,11 +87,11 @@ const MAX_LOGPROB_TOKEN_IDS: usize = 128;
 /// Why the proxy serves a request on a decode engine alone: vLLM builds beam-search
 /// parameters for it, which carry no `kv_transfer_params`, so neither leg's handoff
 /// would be read (`chat_completion/serving.py`: `to_beam_search_params`).
-pub const BEAM_SEARCH: &str = "beam_search";
+pub(crate) const BEAM_SEARCH: &str = "beam_search";
 /// Why the proxy serves a request on a decode engine alone: a completions request with
 /// `echo` and `max_tokens: 0` generates nothing (vLLM answers with the prompt only), so
 /// there is no decode for a KV handoff to feed.
-pub const PROMPT_ONLY: &str = "prompt_only";
+pub(crate) const PROMPT_ONLY: &str = "prompt_only";
 
 /// The raw values of the fields the checks read, gathered in one pass over the body
 /// (a search per field would cost more than the checks).
