@@ -1,13 +1,33 @@
 //! **disagg**: prefill/decode disaggregated LLM serving, as a library.
 //!
-//! This facade re-exports the workspace's crates: [`core`] (always), [`http`] (feature
-//! `http`, on by default) and [`sim`] (feature `sim`). The README follows; its code
-//! sample is compiled as a doc test.
+//! This facade re-exports the workspace's crates, each behind a feature so that an
+//! embedder takes only what it needs:
+//!
+//! | module | crate | feature |
+//! |---|---|---|
+//! | [`core`] | `disagg-core`: the model, the seams (router, source, connector, transport, admission, retry, listeners), the orchestrator | always |
+//! | `http` | `disagg-http`: the pooled transport, the tower service and layer, serving | `http` (default) |
+//! | `affinity` | `disagg-affinity`: routing policies (session affinity, consistent hashing, cache-aware) | `affinity` |
+//! | `resilience` | `disagg-resilience`: health, admission limits, retries | `resilience` |
+//! | `lmcache` | `disagg-lmcache`: the LMCache connector | `lmcache` |
+//! | `nixl` | `disagg-nixl`: NIXL side-channel port planning | `nixl` |
+//! | `sim` | `disagg-sim`: simulated engines for demos and tests | `sim` |
+//!
+//! `full` turns every one on. The README follows; its code sample is compiled as a doc
+//! test.
 //!
 #![doc = include_str!("../README.md")]
 
 pub use disagg_core as core;
+#[cfg(feature = "affinity")]
+pub use disagg_affinity as affinity;
 #[cfg(feature = "http")]
 pub use disagg_http as http;
+#[cfg(feature = "lmcache")]
+pub use disagg_lmcache as lmcache;
+#[cfg(feature = "nixl")]
+pub use disagg_nixl as nixl;
+#[cfg(feature = "resilience")]
+pub use disagg_resilience as resilience;
 #[cfg(feature = "sim")]
 pub use disagg_sim as sim;
