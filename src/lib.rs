@@ -18,9 +18,9 @@
 //!
 #![doc = include_str!("../README.md")]
 
-pub use disagg_core as core;
 #[cfg(feature = "affinity")]
 pub use disagg_affinity as affinity;
+pub use disagg_core as core;
 #[cfg(feature = "http")]
 pub use disagg_http as http;
 #[cfg(feature = "lmcache")]

@@ -582,6 +582,14 @@ impl PdError {
         }
     }
 
+    /// The status an engine answered with, when this error is that answer.
+    pub(crate) fn engine_status(&self) -> Option<StatusCode> {
+        match &self.kind {
+            Kind::UpstreamStatus { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
     /// Whether the request's total deadline passed (`deadline_exceeded`).
     pub fn is_deadline(&self) -> bool {
         matches!(self.kind, Kind::Deadline { .. })

@@ -35,12 +35,15 @@ impl Reporter {
     }
 }
 
-/// The verdict on the leg that failed with `e`: its engine is to blame when the error
-/// is a server error that is not the request's own deadline (it could not be reached,
-/// failed, timed out on its own budget, or answered something unusable); a client's
-/// error, or the deadline, blames no engine.
+/// The verdict on the leg that failed with `e`: an engine that answered 4xx worked (the
+/// request was the client's fault); otherwise its engine is to blame when the error is a
+/// server error that is not the request's own deadline (it could not be reached,
+/// failed, timed out on its own budget, or answered something unusable); the deadline,
+/// or a client's error, blames no engine.
 pub(crate) fn verdict(e: &PdError) -> Verdict {
-    if e.status().is_server_error() && !e.is_deadline() {
+    if e.engine_status().is_some_and(|s| s.is_client_error()) {
+        Verdict::Answered
+    } else if e.status().is_server_error() && !e.is_deadline() {
         Verdict::Failed
     } else {
         Verdict::Abandoned
