@@ -85,9 +85,9 @@ impl PdRequest {
     /// Parse a client request for `api` from its headers and raw body.
     ///
     /// The `x-request-id` header is kept when it is present and sane (visible ASCII, at most
-    /// 256 bytes); otherwise a new random one is drawn. Servers should prefer
-    /// [`with_ids`](Self::with_ids) with one [`RequestIds`] for all requests, which draws
-    /// no randomness per request.
+    /// 256 bytes); otherwise a new random one is drawn. Servers should parse through
+    /// [`Orchestrator::request`](crate::Orchestrator::request), whose id generator draws no
+    /// randomness per request.
     ///
     /// # Errors
     ///

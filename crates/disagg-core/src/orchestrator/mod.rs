@@ -234,7 +234,7 @@ impl Orchestrator {
     }
 
     /// Parse a client request for `api`, generating its request id (when the client sent
-    /// none) from this orchestrator's [`RequestIds`].
+    /// none) from this orchestrator's id generator, which draws no randomness per request.
     ///
     /// # Errors
     ///
