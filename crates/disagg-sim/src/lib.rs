@@ -537,15 +537,18 @@ mod config;
 mod dp;
 mod generate;
 mod kv;
+mod kv_events;
 mod lax;
 mod lmcache;
 mod mooncake;
+mod prefix_cache;
 mod rendezvous;
 mod server;
 mod sglang;
 mod stats;
 
 pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
+pub use kv_events::KvEventsConfig;
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
