@@ -12,6 +12,7 @@
 //! shape is ignored, as vLLM logs and drops it.
 
 use std::collections::VecDeque;
+use std::hash::{BuildHasher, Hasher};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -143,7 +144,10 @@ impl Publishers {
     }
 }
 
-/// Binds one socket per rank on `base + rank` (a free base when `base` is 0).
+/// Binds one socket per rank on `base + rank`. With `base` 0, rank 0 takes a free
+/// port and the others the ports after it; when those are taken (the system hands out
+/// free ports in no order, and the next one is often in use), bases are drawn below
+/// Linux's default ephemeral range (32768 on), where no connection takes its port.
 async fn bind_ranks<S: Socket>(
     host: IpAddr,
     base: u16,
@@ -151,48 +155,18 @@ async fn bind_ranks<S: Socket>(
     new: fn() -> S,
 ) -> std::io::Result<(Vec<S>, SocketAddr)> {
     let mut last_error = None;
-    for _ in 0..BIND_ATTEMPTS {
-        let mut sockets = Vec::with_capacity(dp_size);
-        let mut first_port = base;
-        let mut failed = false;
-        for rank in 0..dp_size {
-            let port = if rank == 0 {
-                base
-            } else {
-                match u16::try_from(usize::from(first_port) + rank) {
-                    Ok(p) => p,
-                    Err(_) => {
-                        failed = true;
-                        break;
-                    }
-                }
-            };
-            let mut socket = new();
-            let endpoint = match host {
-                IpAddr::V4(ip) => format!("tcp://{ip}:{port}"),
-                IpAddr::V6(ip) => format!("tcp://[{ip}]:{port}"),
-            };
-            match socket.bind(&endpoint).await {
-                Ok(zeromq::Endpoint::Tcp(_, bound)) => {
-                    if rank == 0 {
-                        first_port = bound;
-                    }
-                    sockets.push(socket);
-                }
-                Ok(other) => {
-                    return Err(std::io::Error::other(format!(
-                        "bound {other} for a tcp endpoint"
-                    )));
-                }
-                Err(e) => {
-                    last_error = Some(e.to_string());
-                    failed = true;
-                    break;
-                }
+    let mut draw = std::collections::hash_map::RandomState::new().build_hasher();
+    for attempt in 0..BIND_ATTEMPTS {
+        let start = match (base, attempt) {
+            (0, 0) | (1.., _) => base,
+            (0, _) => {
+                draw.write_usize(attempt);
+                DRAWN_BASES.start + (draw.finish() % u64::from(DRAWN_BASES.end - DRAWN_BASES.start)) as u16
             }
-        }
-        if !failed {
-            return Ok((sockets, SocketAddr::new(host, first_port)));
+        };
+        match bind_from(host, start, dp_size, new).await {
+            Ok(bound) => return Ok(bound),
+            Err(e) => last_error = Some(e),
         }
         if base != 0 {
             // A fixed port taken: no other draw to try.
@@ -206,6 +180,44 @@ async fn bind_ranks<S: Socket>(
             last_error.unwrap_or_default()
         ),
     ))
+}
+
+/// Where drawn base ports come from: below Linux's default ephemeral port range.
+const DRAWN_BASES: std::ops::Range<u16> = 20_000..32_000;
+
+/// One attempt of [`bind_ranks`] from port `start` (0: a free one for rank 0).
+async fn bind_from<S: Socket>(
+    host: IpAddr,
+    start: u16,
+    dp_size: usize,
+    new: fn() -> S,
+) -> Result<(Vec<S>, SocketAddr), String> {
+    let mut sockets = Vec::with_capacity(dp_size);
+    let mut first_port = start;
+    for rank in 0..dp_size {
+        let port = if rank == 0 {
+            start
+        } else {
+            u16::try_from(usize::from(first_port) + rank)
+                .map_err(|_| format!("port {first_port} + {rank} is beyond 65535"))?
+        };
+        let endpoint = match host {
+            IpAddr::V4(ip) => format!("tcp://{ip}:{port}"),
+            IpAddr::V6(ip) => format!("tcp://[{ip}]:{port}"),
+        };
+        let mut socket = new();
+        match socket.bind(&endpoint).await {
+            Ok(zeromq::Endpoint::Tcp(_, bound)) => {
+                if rank == 0 {
+                    first_port = bound;
+                }
+                sockets.push(socket);
+            }
+            Ok(other) => return Err(format!("bound {other} for {endpoint}")),
+            Err(e) => return Err(format!("{endpoint}: {e}")),
+        }
+    }
+    Ok((sockets, SocketAddr::new(host, first_port)))
 }
 
 /// One rank's publisher.
