@@ -160,6 +160,13 @@ impl PrefixMatch {
             .max_by_key(|m| (m.tokens(), std::cmp::Reverse(m.dp_rank)))
     }
 
+    /// How far rank `dp_rank` of `engine` matches, if it does.
+    pub fn rank(&self, engine: &str, dp_rank: u32) -> Option<&HolderMatch> {
+        self.matches
+            .iter()
+            .find(|m| &*m.engine == engine && m.dp_rank == dp_rank)
+    }
+
     /// The holder with the most leading tokens (ties: the engine name, then rank, that
     /// sorts first, so that every replica reports the same).
     pub fn best(&self) -> Option<&HolderMatch> {
@@ -460,6 +467,15 @@ impl KvIndex {
     /// How many leading tokens of `tokens` `engine` holds (its best rank): for
     /// conditional disaggregation, the prompt a decode engine would not have to compute.
     pub fn cached_tokens(&self, engine: &str, tokens: &[u32]) -> usize {
+        self.cached_tokens_of(engine, None, tokens)
+    }
+
+    /// [`cached_tokens`](Self::cached_tokens) of one rank.
+    pub fn cached_tokens_on_rank(&self, engine: &str, dp_rank: u32, tokens: &[u32]) -> usize {
+        self.cached_tokens_of(engine, Some(dp_rank), tokens)
+    }
+
+    fn cached_tokens_of(&self, engine: &str, dp_rank: Option<u32>, tokens: &[u32]) -> usize {
         let registry = self.registry();
         let slots: Vec<u32> = registry
             .slots
@@ -467,7 +483,7 @@ impl KvIndex {
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
-                    .filter(|s| &*s.engine == engine)
+                    .filter(|s| &*s.engine == engine && dp_rank.is_none_or(|r| r == s.rank))
                     .and_then(|_| u32::try_from(i).ok())
             })
             .collect();

@@ -37,10 +37,7 @@
 //! index.apply("http://b:8000", 0, &batch);
 //!
 //! let scorer = KvScorer::new(index, ScorerConfig::default());
-//! let candidates = [
-//!     Candidate { engine: "http://a:8000", in_flight: 0 },
-//!     Candidate { engine: "http://b:8000", in_flight: 0 },
-//! ];
+//! let candidates = [Candidate::new("http://a:8000", 0), Candidate::new("http://b:8000", 0)];
 //! let decision = scorer.choose(&prompt, &candidates).expect("two candidates");
 //! assert_eq!(decision.index, 1);
 //! assert_eq!(decision.cached_tokens, 48);

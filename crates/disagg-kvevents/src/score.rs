@@ -76,13 +76,38 @@ impl Default for ScorerConfig {
     }
 }
 
-/// One candidate engine.
+/// One candidate: an engine, or one data-parallel rank of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Candidate<'a> {
     /// The engine's id, as its events are fed to the [`KvIndex`].
     pub engine: &'a str,
+    /// `Some(r)`: only rank `r`'s cache counts (a router whose endpoints are ranks);
+    /// `None`: the engine's best rank (reported in [`Decision::dp_rank`]).
+    pub dp_rank: Option<u32>,
     /// Its requests in flight on this leg, as the caller counts them.
     pub in_flight: usize,
+}
+
+impl<'a> Candidate<'a> {
+    /// An engine (any rank) with `in_flight` requests in flight.
+    pub fn new(engine: &'a str, in_flight: usize) -> Self {
+        Candidate {
+            engine,
+            dp_rank: None,
+            in_flight,
+        }
+    }
+
+    /// Only rank `dp_rank` of the engine.
+    pub fn with_dp_rank(mut self, dp_rank: u32) -> Self {
+        self.dp_rank = Some(dp_rank);
+        self
+    }
+
+    /// The candidate as the provisional entries and pending work know it.
+    fn tag(&self) -> u64 {
+        candidate_tag(self.engine, self.dp_rank)
+    }
 }
 
 /// The uncached tokens of a routed request, counted as pending work on its engine
@@ -143,7 +168,8 @@ pub struct KvScorer {
     index: Arc<KvIndex>,
     config: ScorerConfig,
     provisional: Mutex<Provisional>,
-    pending: Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
+    /// Pending prefill tokens by candidate tag.
+    pending: Mutex<HashMap<u64, Arc<AtomicU64>>>,
 }
 
 impl fmt::Debug for KvScorer {
@@ -160,9 +186,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// An engine as the provisional entries know it: a hash of its id.
-fn engine_tag(engine: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(engine.as_bytes())
+/// A candidate as the provisional entries and pending work know it: a hash of its id
+/// and rank.
+fn candidate_tag(engine: &str, dp_rank: Option<u32>) -> u64 {
+    let seed = dp_rank.map_or(0, |r| u64::from(r) + 1);
+    xxhash_rust::xxh3::xxh3_64_with_seed(engine.as_bytes(), seed)
 }
 
 // === impl KvScorer ===
@@ -205,46 +233,55 @@ impl KvScorer {
             return None;
         }
         let sizes = self.block_sizes(candidates);
-        // Per block size: the keys, the index's matches and the provisional ones.
-        let mut cached: HashMap<&str, (usize, Option<u32>)> = HashMap::new();
+        let tags: Vec<u64> = candidates.iter().map(Candidate::tag).collect();
+        // Per candidate: cached tokens and the rank holding them; per block size, the
+        // keys, the index's matches and the provisional ones.
+        let mut cached: Vec<(usize, Option<u32>)> = vec![(0, None); candidates.len()];
         let mut keys_by_size: Vec<BlockKeys> = Vec::with_capacity(sizes.len());
         for &block_size in &sizes {
             let keys = BlockKeys::new(tokens, block_size);
             let matched: PrefixMatch = self.index.match_keys(&keys);
-            let provisional = lock(&self.provisional).matches(&keys, now);
-            for c in candidates {
-                let from_index = matched.engine(c.engine).map(|m| (m.tokens(), m.dp_rank));
-                let from_provisional = provisional
-                    .get(&engine_tag(c.engine))
-                    .map(|&blocks| blocks * block_size);
-                let entry = cached.entry(c.engine).or_insert((0, None));
-                if let Some((t, rank)) = from_index {
-                    if t > entry.0 || (t == entry.0 && entry.1.is_none()) {
-                        *entry = (t, Some(rank));
-                    }
+            // Each holder's match by (engine, rank) and each engine's best, looked up
+            // once per candidate (a scan per candidate would be quadratic).
+            let mut by_rank: HashMap<(&str, u32), usize> = HashMap::new();
+            let mut by_engine: HashMap<&str, (usize, u32)> = HashMap::new();
+            for m in matched.holders() {
+                by_rank.insert((&*m.engine, m.dp_rank), m.tokens());
+                let best = by_engine.entry(&*m.engine).or_insert((m.tokens(), m.dp_rank));
+                if (m.tokens(), std::cmp::Reverse(m.dp_rank))
+                    > (best.0, std::cmp::Reverse(best.1))
+                {
+                    *best = (m.tokens(), m.dp_rank);
                 }
-                if let Some(t) = from_provisional {
-                    if t > entry.0 {
-                        entry.0 = t;
-                    }
+            }
+            let provisional = lock(&self.provisional).matches(&keys, now);
+            for (i, c) in candidates.iter().enumerate() {
+                let from_index = match c.dp_rank {
+                    Some(r) => by_rank.get(&(c.engine, r)).map(|&t| (t, r)),
+                    None => by_engine.get(c.engine).copied(),
+                };
+                let entry = &mut cached[i];
+                if let Some((t, rank)) = from_index
+                    && (t > entry.0 || (t == entry.0 && entry.1.is_none()))
+                {
+                    *entry = (t, Some(rank));
+                }
+                if let Some(&blocks) = provisional.get(&tags[i]) {
+                    entry.0 = entry.0.max(blocks * block_size);
                 }
             }
             keys_by_size.push(keys);
         }
         let pending: Vec<u64> = {
             let map = lock(&self.pending);
-            candidates
-                .iter()
-                .map(|c| {
-                    map.get(c.engine)
-                        .map_or(0, |p| p.load(Ordering::Relaxed))
-                })
+            tags.iter()
+                .map(|t| map.get(t).map_or(0, |p| p.load(Ordering::Relaxed)))
                 .collect()
         };
         let len = tokens.len();
         let mut best: Option<(u64, usize, usize, usize)> = None; // (cost, cached, in_flight, i)
         for (i, c) in candidates.iter().enumerate() {
-            let hit = cached.get(c.engine).map_or(0, |e| e.0).min(len);
+            let hit = cached[i].0.min(len);
             let in_flight = c.in_flight as u64;
             let cost = (len - hit) as u64
                 + pending[i]
@@ -258,16 +295,16 @@ impl KvScorer {
             }
         }
         let (cost, hit, _, index) = best?;
-        let chosen = candidates[index].engine;
-        let dp_rank = cached.get(chosen).and_then(|e| e.1);
+        let chosen = &candidates[index];
+        let dp_rank = chosen.dp_rank.or(cached[index].1);
         // Provisional entry, at the chosen engine's block size.
         let block_size = self
             .index
-            .block_size(chosen)
+            .block_size(chosen.engine)
             .unwrap_or(self.index.config().block_size);
         if let Some(keys) = keys_by_size.iter().find(|k| k.block_size() == block_size) {
             lock(&self.provisional).record(
-                engine_tag(chosen),
+                tags[index],
                 keys.keys(),
                 now + self.config.provisional_ttl,
                 now,
@@ -275,7 +312,7 @@ impl KvScorer {
             );
         }
         let uncached = len - hit;
-        let work = self.pending_work(chosen, uncached as u64);
+        let work = self.pending_work(tags[index], uncached as u64);
         Some(Decision {
             index,
             dp_rank,
@@ -286,59 +323,56 @@ impl KvScorer {
         })
     }
 
-    /// How many leading tokens of `tokens` `engine` holds, by its events or a
-    /// provisional entry (for conditional disaggregation: the prompt a decode engine
-    /// would not compute). Records nothing.
-    pub fn cached_tokens(&self, engine: &str, tokens: &[u32]) -> usize {
-        self.cached_tokens_at(engine, tokens, Instant::now())
+    /// How many leading tokens of `tokens` a candidate holds (its `in_flight` is not
+    /// read), by its events or a provisional entry: for conditional disaggregation, the
+    /// prompt a decode engine would not compute. Records nothing.
+    pub fn cached_tokens(&self, candidate: &Candidate<'_>, tokens: &[u32]) -> usize {
+        self.cached_tokens_at(candidate, tokens, Instant::now())
     }
 
     /// [`cached_tokens`](Self::cached_tokens) at a given time.
-    pub fn cached_tokens_at(&self, engine: &str, tokens: &[u32], now: Instant) -> usize {
-        let from_index = self.index.cached_tokens(engine, tokens);
+    pub fn cached_tokens_at(
+        &self,
+        candidate: &Candidate<'_>,
+        tokens: &[u32],
+        now: Instant,
+    ) -> usize {
+        let from_index = match candidate.dp_rank {
+            Some(r) => self.index.cached_tokens_on_rank(candidate.engine, r, tokens),
+            None => self.index.cached_tokens(candidate.engine, tokens),
+        };
         let block_size = self
             .index
-            .block_size(engine)
+            .block_size(candidate.engine)
             .unwrap_or(self.index.config().block_size);
         let keys = BlockKeys::new(tokens, block_size);
         let provisional = lock(&self.provisional)
             .matches(&keys, now)
-            .get(&engine_tag(engine))
+            .get(&candidate.tag())
             .map_or(0, |&b| b * block_size);
         from_index.max(provisional).min(tokens.len())
     }
 
-    /// The pending prefill tokens counted for `engine` (see [`PrefillWork`]).
-    pub fn pending_tokens(&self, engine: &str) -> u64 {
+    /// The pending prefill tokens counted for a candidate (see [`PrefillWork`]).
+    pub fn pending_tokens(&self, candidate: &Candidate<'_>) -> u64 {
         lock(&self.pending)
-            .get(engine)
+            .get(&candidate.tag())
             .map_or(0, |p| p.load(Ordering::Relaxed))
     }
 
-    /// Forgets an engine's provisional entries' load counter once nothing holds it
-    /// (call when an engine leaves the set; its index entries go with the subscriber).
-    pub fn forget(&self, engine: &str) {
+    /// Forgets a candidate's pending-work counter once no [`PrefillWork`] holds it
+    /// (call when it leaves the set; its index entries go with the subscriber, its
+    /// provisional entries expire).
+    pub fn forget(&self, candidate: &Candidate<'_>) {
+        let tag = candidate.tag();
         let mut map = lock(&self.pending);
-        if map
-            .get(engine)
-            .is_some_and(|p| Arc::strong_count(p) == 1)
-        {
-            map.remove(engine);
+        if map.get(&tag).is_some_and(|p| Arc::strong_count(p) == 1) {
+            map.remove(&tag);
         }
     }
 
-    fn pending_work(&self, engine: &str, tokens: u64) -> PrefillWork {
-        let counter = {
-            let mut map = lock(&self.pending);
-            match map.get(engine) {
-                Some(c) => c.clone(),
-                None => {
-                    let c = Arc::new(AtomicU64::new(0));
-                    map.insert(Arc::from(engine), c.clone());
-                    c
-                }
-            }
-        };
+    fn pending_work(&self, tag: u64, tokens: u64) -> PrefillWork {
+        let counter = lock(&self.pending).entry(tag).or_default().clone();
         counter.fetch_add(tokens, Ordering::Relaxed);
         PrefillWork {
             counter: Some(counter),
@@ -463,7 +497,7 @@ mod tests {
         let blocks = tokens.len() / 16;
         let stored = BlockStored {
             block_hashes: (0..blocks as u64)
-                .map(|b| BlockHash::Int(engine_tag(engine) ^ b))
+                .map(|b| BlockHash::Int(candidate_tag(engine, None) ^ b))
                 .collect(),
             token_ids: tokens[..blocks * 16].to_vec(),
             block_size: 16,
@@ -480,7 +514,7 @@ mod tests {
     fn cands<'a>(loads: &[(&'a str, usize)]) -> Vec<Candidate<'a>> {
         loads
             .iter()
-            .map(|&(engine, in_flight)| Candidate { engine, in_flight })
+            .map(|&(engine, in_flight)| Candidate::new(engine, in_flight))
             .collect()
     }
 
@@ -495,9 +529,9 @@ mod tests {
         assert_eq!((d.index, d.cached_tokens, d.uncached_tokens), (1, 160, 96));
         assert_eq!(d.dp_rank, Some(0));
         assert_eq!(d.work.tokens(), 96);
-        assert_eq!(scorer.pending_tokens("b"), 96);
+        assert_eq!(scorer.pending_tokens(&Candidate::new("b", 0)), 96);
         drop(d);
-        assert_eq!(scorer.pending_tokens("b"), 0);
+        assert_eq!(scorer.pending_tokens(&Candidate::new("b", 0)), 0);
     }
 
     #[test]
@@ -536,12 +570,12 @@ mod tests {
         // (cost 0 + 64 pending) against b (64 + 0): the tie goes to the cached prefix.
         let second = scorer.choose_at(&prompt, &c, now).unwrap();
         assert_eq!((second.index, second.cached_tokens), (0, 64));
-        assert_eq!(scorer.cached_tokens_at("a", &prompt, now), 64);
+        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, now), 64);
         // Once the entry expired, nothing is cached anywhere.
         let later = now + DEFAULT_PROVISIONAL_TTL + Duration::from_millis(1);
-        assert_eq!(scorer.cached_tokens_at("a", &prompt, later), 0);
+        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, later), 0);
         drop((first, second));
-        assert_eq!(scorer.pending_tokens("a"), 0);
+        assert_eq!(scorer.pending_tokens(&Candidate::new("a", 0)), 0);
     }
 
     #[test]
@@ -561,9 +595,38 @@ mod tests {
             assert!(lock(&scorer.provisional).blocks <= 8);
         }
         let last: Vec<u32> = (19_000..19_064).collect();
-        assert_eq!(scorer.cached_tokens_at("a", &last, now), 64);
+        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &last, now), 64);
         let first: Vec<u32> = (0..64).collect();
-        assert_eq!(scorer.cached_tokens_at("a", &first, now), 0);
+        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &first, now), 0);
+    }
+
+    #[test]
+    fn rank_candidates_count_their_own_rank_only() {
+        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        let prompt: Vec<u32> = (0..64).collect();
+        let stored = BlockStored {
+            block_hashes: (0..4).map(BlockHash::Int).collect(),
+            token_ids: prompt.clone(),
+            block_size: 16,
+            ..BlockStored::default()
+        };
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(stored)],
+            dp_rank: Some(1),
+        };
+        index.apply("e", 1, &batch);
+        let scorer = KvScorer::new(index, ScorerConfig::default());
+        let ranks = [
+            Candidate::new("e", 0).with_dp_rank(0),
+            Candidate::new("e", 0).with_dp_rank(1),
+        ];
+        let d = scorer.choose(&prompt, &ranks).unwrap();
+        assert_eq!((d.index, d.dp_rank, d.cached_tokens), (1, Some(1), 64));
+        assert_eq!(scorer.cached_tokens(&ranks[0], &prompt), 0);
+        // The whole engine: its best rank.
+        let d = scorer.choose(&prompt, &[Candidate::new("e", 0)]).unwrap();
+        assert_eq!((d.dp_rank, d.cached_tokens), (Some(1), 64));
     }
 
     #[test]

@@ -124,10 +124,7 @@ fn choose(scorer: &KvScorer, tokens: &[u32], engines: &[&SimEngine]) -> usize {
     let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
     let candidates: Vec<Candidate<'_>> = urls
         .iter()
-        .map(|u| Candidate {
-            engine: u,
-            in_flight: 0,
-        })
+        .map(|u| Candidate::new(u, 0))
         .collect();
     scorer.choose(tokens, &candidates).unwrap().index
 }
@@ -397,14 +394,17 @@ async fn data_parallel_ranks_are_holders_of_their_own() {
     let d = scorer
         .choose(
             &p,
-            &[Candidate {
-                engine: &url,
-                in_flight: 0,
-            }],
+            &[Candidate::new(&url, 0)],
         )
         .unwrap();
     assert_eq!((d.dp_rank, d.cached_tokens), (Some(1), 48));
     assert_eq!(e.cached_prefix_tokens(0, &p), 0);
+    // A router whose endpoints are ranks (`URL@r`) names them.
+    let ranks = [
+        Candidate::new(&url, 0).with_dp_rank(0),
+        Candidate::new(&url, 0).with_dp_rank(1),
+    ];
+    assert_eq!(scorer.choose(&p, &ranks).map(|d| d.index), Some(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
