@@ -47,6 +47,13 @@ struct Settings {
     system_tokens: usize,
     cache_blocks: usize,
     delay_us: u64,
+    /// Sessions in conversation at once: a session's next turn waits behind one turn
+    /// of every other active session (users reading and typing in between).
+    window: usize,
+    /// Proxy replicas sharing the engines; requests alternate between them.
+    replicas: usize,
+    /// [`ScorerConfig::miss_weight`] of `kv_events` and the oracle.
+    miss_weight: u64,
 }
 
 impl Settings {
@@ -60,12 +67,15 @@ impl Settings {
             system_tokens: 1024,
             cache_blocks: 640,
             delay_us: 20,
+            window: 64,
+            replicas: 2,
+            miss_weight: 1,
         };
         let args: Vec<String> = std::env::args().skip(1).collect();
         for pair in args.chunks(2) {
             let value = pair.get(1).and_then(|v| v.parse::<usize>().ok());
             let Some(v) = value else {
-                eprintln!("usage: routing_bench [--engines N] [--sessions N] [--turns N] [--clients N] [--systems N] [--system-tokens N] [--cache-blocks N] [--delay-us N]");
+                eprintln!("usage: routing_bench [--engines N] [--sessions N] [--turns N] [--clients N] [--systems N] [--system-tokens N] [--cache-blocks N] [--delay-us N] [--window N] [--replicas N] [--miss-weight N]");
                 std::process::exit(2);
             };
             match pair[0].as_str() {
@@ -77,6 +87,9 @@ impl Settings {
                 "--system-tokens" => s.system_tokens = v,
                 "--cache-blocks" => s.cache_blocks = v,
                 "--delay-us" => s.delay_us = v as u64,
+                "--window" => s.window = v,
+                "--replicas" => s.replicas = v.max(1),
+                "--miss-weight" => s.miss_weight = v as u64,
                 other => {
                     eprintln!("unknown flag {other}");
                     std::process::exit(2);
@@ -220,18 +233,29 @@ impl CacheAwareStandIn {
     }
 }
 
-/// Per-engine pending prefill tokens, for the oracle (the scorer keeps its own).
-struct Pending(Vec<AtomicUsize>);
+/// One proxy replica's routing state: its own counts, table, index and scorer.
+struct Replica {
+    in_flight: Vec<AtomicUsize>,
+    rr: AtomicUsize,
+    cache_aware: Mutex<CacheAwareStandIn>,
+    scorer: Option<KvScorer>,
+}
+
+/// The oracle's view: the engines' true caches, plus the prompts it sent that are
+/// still being computed (what a perfect provisional entry would say).
+struct Oracle {
+    pending: Vec<AtomicUsize>,
+    computing: Mutex<Vec<Vec<(u64, Vec<u32>)>>>,
+    next_id: AtomicUsize,
+}
 
 struct Router {
     policy: Policy,
     engines: Arc<Vec<SimEngine>>,
     urls: Vec<String>,
-    in_flight: Vec<AtomicUsize>,
-    rr: AtomicUsize,
-    cache_aware: Mutex<CacheAwareStandIn>,
-    scorer: Option<KvScorer>,
-    pending: Pending,
+    replicas: Vec<Replica>,
+    oracle: Oracle,
+    miss_weight: u64,
 }
 
 /// What keeps a routed request's accounting until its answer.
@@ -239,20 +263,30 @@ struct Router {
 enum Held {
     None,
     Work(disagg_kvevents::score::PrefillWork),
-    Oracle(usize, usize),
+    Oracle(usize, usize, u64),
+}
+
+/// Leading full blocks two prompts share, in tokens.
+fn common_blocks(a: &[u32], b: &[u32]) -> usize {
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    same / BLOCK * BLOCK
 }
 
 impl Router {
-    fn route(&self, prompt: &[u32]) -> (usize, Held) {
-        let loads: Vec<usize> = self
+    fn route(&self, replica: usize, prompt: &[u32]) -> (usize, Held) {
+        let r = &self.replicas[replica];
+        let loads: Vec<usize> = r
             .in_flight
             .iter()
             .map(|l| l.load(Ordering::Relaxed))
             .collect();
         match self.policy {
-            Policy::RoundRobin => (self.rr.fetch_add(1, Ordering::Relaxed) % self.urls.len(), Held::None),
+            Policy::RoundRobin => (
+                r.rr.fetch_add(1, Ordering::Relaxed) % self.urls.len(),
+                Held::None,
+            ),
             Policy::CacheAware => (
-                self.cache_aware
+                r.cache_aware
                     .lock()
                     .map(|mut c| c.pick(prompt, &loads))
                     .unwrap_or(0),
@@ -265,33 +299,46 @@ impl Router {
                     .zip(&loads)
                     .map(|(engine, &in_flight)| Candidate::new(engine, in_flight))
                     .collect();
-                match self.scorer.as_ref().and_then(|s| s.choose(prompt, &candidates)) {
+                match r.scorer.as_ref().and_then(|s| s.choose(prompt, &candidates)) {
                     Some(d) => (d.index, Held::Work(d.work)),
                     None => (0, Held::None),
                 }
             }
             Policy::Oracle => {
-                let mut best = (u64::MAX, 0usize, usize::MAX, 0usize);
+                let o = &self.oracle;
+                let mut computing = o.computing.lock().expect("oracle lock");
+                let mut best = (u64::MAX, std::cmp::Reverse(0usize), usize::MAX, 0usize);
                 for (i, e) in self.engines.iter().enumerate() {
-                    let hit = e.cached_prefix_tokens(0, prompt);
-                    let cost = (prompt.len() - hit) as u64
-                        + self.pending.0[i].load(Ordering::Relaxed) as u64;
+                    let truth = e.cached_prefix_tokens(0, prompt);
+                    let soon = computing[i]
+                        .iter()
+                        .map(|(_, p)| common_blocks(p, prompt))
+                        .max()
+                        .unwrap_or(0);
+                    let hit = truth.max(soon).min(prompt.len());
+                    let cost = (prompt.len() - hit) as u64 * self.miss_weight
+                        + o.pending[i].load(Ordering::Relaxed) as u64;
                     let key = (cost, std::cmp::Reverse(hit), loads[i], i);
-                    if key < (best.0, std::cmp::Reverse(best.1), best.2, best.3) {
-                        best = (cost, hit, loads[i], i);
+                    if key < best {
+                        best = key;
                     }
                 }
-                let (_, hit, _, i) = best;
+                let (_, std::cmp::Reverse(hit), _, i) = best;
                 let uncached = prompt.len() - hit;
-                self.pending.0[i].fetch_add(uncached, Ordering::Relaxed);
-                (i, Held::Oracle(i, uncached))
+                o.pending[i].fetch_add(uncached, Ordering::Relaxed);
+                let id = o.next_id.fetch_add(1, Ordering::Relaxed) as u64;
+                computing[i].push((id, prompt.to_vec()));
+                (i, Held::Oracle(i, uncached, id))
             }
         }
     }
 
     fn release(&self, held: Held) {
-        if let Held::Oracle(i, tokens) = held {
-            self.pending.0[i].fetch_sub(tokens, Ordering::Relaxed);
+        if let Held::Oracle(i, tokens, id) = held {
+            self.oracle.pending[i].fetch_sub(tokens, Ordering::Relaxed);
+            if let Ok(mut c) = self.oracle.computing.lock() {
+                c[i].retain(|(x, _)| *x != id);
+            }
         }
     }
 }
@@ -350,65 +397,120 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
     }
     let engines = Arc::new(engines);
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
-    let mut subscriber = None;
-    let scorer = if policy == Policy::KvEvents {
-        let index = Arc::new(KvIndex::new(IndexConfig::default()));
-        let sub = Subscriber::new(index.clone(), SubscriberConfig::default());
-        let endpoints = engines
-            .iter()
-            .map(|e| {
-                let ep = EngineEndpoint::new(e.url(), e.kv_events_endpoint().expect("publishes"))
-                    .expect("tcp endpoint");
-                match e.kv_events_replay_endpoint() {
-                    Some(r) => ep.with_replay(r).expect("tcp endpoint"),
-                    None => ep,
-                }
-            })
-            .collect();
-        sub.set_endpoints(endpoints).await;
-        // Let every SUB socket's subscription reach its engine before traffic (what
-        // is lost before that is replayed with the first batch anyway).
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while sub.status().iter().any(|r| !r.connected) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        subscriber = Some(sub);
-        Some(KvScorer::new(index, ScorerConfig::default()))
-    } else {
-        None
-    };
+    let mut subscribers = Vec::new();
+    let mut replicas = Vec::new();
+    for _ in 0..s.replicas {
+        let scorer = if policy == Policy::KvEvents {
+            // Each replica subscribes on its own, as separate proxies would.
+            let index = Arc::new(KvIndex::new(IndexConfig::default()));
+            let sub = Subscriber::new(index.clone(), SubscriberConfig::default());
+            let endpoints = engines
+                .iter()
+                .map(|e| {
+                    let ep =
+                        EngineEndpoint::new(e.url(), e.kv_events_endpoint().expect("publishes"))
+                            .expect("tcp endpoint");
+                    match e.kv_events_replay_endpoint() {
+                        Some(r) => ep.with_replay(r).expect("tcp endpoint"),
+                        None => ep,
+                    }
+                })
+                .collect();
+            sub.set_endpoints(endpoints).await;
+            subscribers.push(sub);
+            Some(KvScorer::new(
+                index,
+                ScorerConfig {
+                    miss_weight: s.miss_weight,
+                    ..ScorerConfig::default()
+                },
+            ))
+        } else {
+            None
+        };
+        replicas.push(Replica {
+            in_flight: (0..s.engines).map(|_| AtomicUsize::new(0)).collect(),
+            rr: AtomicUsize::new(0),
+            cache_aware: Mutex::new(CacheAwareStandIn::new()),
+            scorer,
+        });
+    }
+    // Let every SUB socket's subscription reach its engine before traffic (what is
+    // lost before that is replayed with the first batch anyway).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while subscribers
+        .iter()
+        .any(|sub| sub.status().iter().any(|r| !r.connected))
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let router = Arc::new(Router {
         policy,
         engines: engines.clone(),
         urls,
-        in_flight: (0..s.engines).map(|_| AtomicUsize::new(0)).collect(),
-        rr: AtomicUsize::new(0),
-        cache_aware: Mutex::new(CacheAwareStandIn::new()),
-        scorer,
-        pending: Pending((0..s.engines).map(|_| AtomicUsize::new(0)).collect()),
+        replicas,
+        oracle: Oracle {
+            pending: (0..s.engines).map(|_| AtomicUsize::new(0)).collect(),
+            computing: Mutex::new((0..s.engines).map(|_| Vec::new()).collect()),
+            next_id: AtomicUsize::new(0),
+        },
+        miss_weight: s.miss_weight,
     });
-    let next = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(AtomicUsize::new(0));
+    // The active sessions, in turn: a client takes the next (session, turn), and the
+    // session goes back to the end of the line after its turn, until its last; a new
+    // session joins when one ends.
+    let queue: Arc<Mutex<std::collections::VecDeque<(usize, usize)>>> = Arc::new(Mutex::new(
+        (0..s.window.min(s.sessions)).map(|i| (i, 0)).collect(),
+    ));
+    let joined = Arc::new(AtomicUsize::new(s.window.min(s.sessions)));
+    let done = Arc::new(AtomicUsize::new(0));
     let results = Arc::new(Mutex::new(Vec::new()));
     let started = Instant::now();
     let mut clients = Vec::new();
     for _ in 0..s.clients {
-        let (router, next, results, s) = (router.clone(), next.clone(), results.clone(), *s);
+        let (router, queue, joined, done, results, sent, s) = (
+            router.clone(),
+            queue.clone(),
+            joined.clone(),
+            done.clone(),
+            results.clone(),
+            sent.clone(),
+            *s,
+        );
         clients.push(tokio::spawn(async move {
             loop {
-                let session = next.fetch_add(1, Ordering::Relaxed);
-                if session >= s.sessions {
-                    break;
-                }
-                for prompt in session_prompts(&s, session) {
-                    let (i, held) = router.route(&prompt);
-                    router.in_flight[i].fetch_add(1, Ordering::Relaxed);
-                    let (ttft, cached) = prefill(router.engines[i].addr(), &prompt).await;
-                    router.in_flight[i].fetch_sub(1, Ordering::Relaxed);
-                    router.release(held);
-                    if let Ok(mut r) = results.lock() {
-                        r.push((ttft, prompt.len() as u64, cached));
+                let next = queue.lock().ok().and_then(|mut q| q.pop_front());
+                let Some((session, turn)) = next else {
+                    if done.load(Ordering::Relaxed) >= s.sessions {
+                        break;
                     }
+                    // Every active session's turn is in flight elsewhere.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                };
+                let prompt = session_prompts(&s, session).swap_remove(turn);
+                let replica = sent.fetch_add(1, Ordering::Relaxed) % s.replicas;
+                let (i, held) = router.route(replica, &prompt);
+                let in_flight = &router.replicas[replica].in_flight[i];
+                in_flight.fetch_add(1, Ordering::Relaxed);
+                let (ttft, cached) = prefill(router.engines[i].addr(), &prompt).await;
+                in_flight.fetch_sub(1, Ordering::Relaxed);
+                router.release(held);
+                if let Ok(mut r) = results.lock() {
+                    r.push((ttft, prompt.len() as u64, cached));
+                }
+                let follow = if turn + 1 < s.turns {
+                    Some((session, turn + 1))
+                } else {
+                    done.fetch_add(1, Ordering::Relaxed);
+                    let new = joined.fetch_add(1, Ordering::Relaxed);
+                    (new < s.sessions).then_some((new, 0))
+                };
+                if let (Some(item), Ok(mut q)) = (follow, queue.lock()) {
+                    q.push_back(item);
                 }
             }
         }));
@@ -432,7 +534,7 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
         hit += st.prefix_cache_hit_tokens;
         evictions += st.prefix_cache_evictions;
     }
-    if let Some(sub) = subscriber {
+    for sub in subscribers {
         sub.shutdown().await;
     }
     drop(router);
@@ -468,7 +570,7 @@ async fn main() {
         }
     }
     println!(
-        "{} engines x {} cache blocks of {BLOCK} tokens ({} blocks in all); {} sessions x {} turns over {} system prompts of {} tokens, {} clients; working set {working_set} blocks; {} us per uncached token, one prefill at a time per engine",
+        "{} engines x {} cache blocks of {BLOCK} tokens ({} blocks in all); {} sessions x {} turns over {} system prompts of {} tokens, {} active at once, {} requests in flight through {} proxy replicas; working set {working_set} blocks; {} us per uncached token, one prefill at a time per engine; miss weight {}",
         s.engines,
         s.cache_blocks,
         s.engines * s.cache_blocks,
@@ -476,8 +578,11 @@ async fn main() {
         s.turns,
         s.systems,
         s.system_tokens,
+        s.window,
         s.clients,
-        s.delay_us
+        s.replicas,
+        s.delay_us,
+        s.miss_weight
     );
     println!();
     println!("| policy | prefix hit rate | engines' hit rate | TTFT p50 | TTFT p90 | TTFT p99 | evicted blocks | wall time |");

@@ -9,7 +9,7 @@
 //!    blocks it holds, by the [`KvIndex`] (its best DP rank) or by a provisional entry
 //!    (below), whichever is longer.
 //! 2. Each candidate's **cost**, in tokens of prefill work before this request's first
-//!    token: `uncached + pending + in_flight × in_flight_cost_tokens`, where `uncached`
+//!    token: `uncached × miss_weight + pending + in_flight × in_flight_cost_tokens`, where `uncached`
 //!    is the prompt minus its cached tokens, `pending` the uncached tokens of the
 //!    requests this scorer sent there whose [`PrefillWork`] is still alive, and the last
 //!    term the caller's in-flight count at a configured price (for load the scorer did
@@ -64,6 +64,11 @@ pub struct ScorerConfig {
     /// [`PrefillWork`] until its prefill ends, which measures the same load in tokens;
     /// the mean uncached prompt length otherwise.
     pub in_flight_cost_tokens: u64,
+    /// What one uncached token costs relative to one token of queued work (default
+    /// 1: the time to first token alone). Above 1, a miss also pays for what it
+    /// evicts elsewhere and for the copy of the prefix it makes: requests stay with the
+    /// engine holding their prefix longer before load moves them.
+    pub miss_weight: u64,
 }
 
 impl Default for ScorerConfig {
@@ -72,6 +77,7 @@ impl Default for ScorerConfig {
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             provisional_max_blocks: DEFAULT_PROVISIONAL_MAX_BLOCKS,
             in_flight_cost_tokens: 0,
+            miss_weight: 1,
         }
     }
 }
@@ -283,7 +289,7 @@ impl KvScorer {
         for (i, c) in candidates.iter().enumerate() {
             let hit = cached[i].0.min(len);
             let in_flight = c.in_flight as u64;
-            let cost = (len - hit) as u64
+            let cost = ((len - hit) as u64).saturating_mul(self.config.miss_weight)
                 + pending[i]
                 + in_flight.saturating_mul(self.config.in_flight_cost_tokens);
             let better = best.is_none_or(|(b_cost, b_hit, b_load, _)| {
