@@ -109,7 +109,11 @@ fn bench(c: &mut Criterion) {
             .map(|engine| Candidate::new(engine, 0))
             .collect();
         group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
-            b.iter(|| scorer.choose(black_box(&probe), &candidates).map(|d| d.index))
+            b.iter(|| {
+                scorer
+                    .choose(black_box(&probe), &candidates)
+                    .map(|d| d.index)
+            })
         });
     }
     group.finish();
@@ -121,7 +125,12 @@ fn bench(c: &mut Criterion) {
     c.bench_function("apply/32_blocks", |b| {
         b.iter(|| {
             round = (round + 1) % fresh.len();
-            store(&index, "http://10.9.9.9:8000", &fresh[round], (round as u64) << 8);
+            store(
+                &index,
+                "http://10.9.9.9:8000",
+                &fresh[round],
+                (round as u64) << 8,
+            );
         })
     });
 }

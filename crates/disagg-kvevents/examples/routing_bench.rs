@@ -75,7 +75,9 @@ impl Settings {
         for pair in args.chunks(2) {
             let value = pair.get(1).and_then(|v| v.parse::<usize>().ok());
             let Some(v) = value else {
-                eprintln!("usage: routing_bench [--engines N] [--sessions N] [--turns N] [--clients N] [--systems N] [--system-tokens N] [--cache-blocks N] [--delay-us N] [--window N] [--replicas N] [--miss-weight N]");
+                eprintln!(
+                    "usage: routing_bench [--engines N] [--sessions N] [--turns N] [--clients N] [--systems N] [--system-tokens N] [--cache-blocks N] [--delay-us N] [--window N] [--replicas N] [--miss-weight N]"
+                );
                 std::process::exit(2);
             };
             match pair[0].as_str() {
@@ -241,11 +243,14 @@ struct Replica {
     scorer: Option<KvScorer>,
 }
 
+/// Per engine, the prompts being computed there, by request id.
+type Computing = Vec<Vec<(u64, Vec<u32>)>>;
+
 /// The oracle's view: the engines' true caches, plus the prompts it sent that are
 /// still being computed (what a perfect provisional entry would say).
 struct Oracle {
     pending: Vec<AtomicUsize>,
-    computing: Mutex<Vec<Vec<(u64, Vec<u32>)>>>,
+    computing: Mutex<Computing>,
     next_id: AtomicUsize,
 }
 
@@ -299,7 +304,11 @@ impl Router {
                     .zip(&loads)
                     .map(|(engine, &in_flight)| Candidate::new(engine, in_flight))
                     .collect();
-                match r.scorer.as_ref().and_then(|s| s.choose(prompt, &candidates)) {
+                match r
+                    .scorer
+                    .as_ref()
+                    .and_then(|s| s.choose(prompt, &candidates))
+                {
                     Some(d) => (d.index, Held::Work(d.work)),
                     None => (0, Held::None),
                 }
@@ -346,8 +355,8 @@ impl Router {
 /// One prefill leg: POST a completion of `prompt` with `max_tokens: 1`; the time to
 /// its answer and the answer's `cached_tokens`.
 async fn prefill(url_addr: std::net::SocketAddr, prompt: &[u32]) -> (Duration, u64) {
-    let body = serde_json::json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1})
-        .to_string();
+    let body =
+        serde_json::json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1}).to_string();
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -358,7 +367,9 @@ async fn prefill(url_addr: std::net::SocketAddr, prompt: &[u32]) -> (Duration, u
         .await
         .expect("engine listens");
     conn.set_nodelay(true).ok();
-    conn.write_all(request.as_bytes()).await.expect("request sent");
+    conn.write_all(request.as_bytes())
+        .await
+        .expect("request sent");
     let mut answer = Vec::new();
     conn.read_to_end(&mut answer).await.expect("answer read");
     let elapsed = started.elapsed();
@@ -393,7 +404,11 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
     };
     let mut engines = Vec::with_capacity(s.engines);
     for _ in 0..s.engines {
-        engines.push(SimEngine::start(config.clone()).await.expect("engine starts"));
+        engines.push(
+            SimEngine::start(config.clone())
+                .await
+                .expect("engine starts"),
+        );
     }
     let engines = Arc::new(engines);
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
@@ -585,7 +600,9 @@ async fn main() {
         s.miss_weight
     );
     println!();
-    println!("| policy | prefix hit rate | engines' hit rate | TTFT p50 | TTFT p90 | TTFT p99 | evicted blocks | wall time |");
+    println!(
+        "| policy | prefix hit rate | engines' hit rate | TTFT p50 | TTFT p90 | TTFT p99 | evicted blocks | wall time |"
+    );
     println!("|---|---|---|---|---|---|---|---|");
     let ms = |d: Duration| format!("{:.1} ms", d.as_secs_f64() * 1000.0);
     for policy in [

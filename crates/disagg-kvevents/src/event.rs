@@ -56,7 +56,9 @@ pub enum DecodeError {
     Untagged,
     /// A ZMQ message without its three frames `[topic, seq, payload]`, or a `seq` that
     /// is not 8 bytes.
-    #[error("message has {frames} frames or a seq of {seq_len} bytes, not [topic, seq (8 bytes), payload]")]
+    #[error(
+        "message has {frames} frames or a seq of {seq_len} bytes, not [topic, seq (8 bytes), payload]"
+    )]
     Frames {
         /// Frames received.
         frames: usize,
@@ -435,10 +437,7 @@ mod tests {
             decode_batch(&encode(&Value::from(3))),
             Err(DecodeError::Batch)
         );
-        let untagged = Value::Array(vec![
-            Value::F64(1.0),
-            Value::Array(vec![Value::from(5)]),
-        ]);
+        let untagged = Value::Array(vec![Value::F64(1.0), Value::Array(vec![Value::from(5)])]);
         assert_eq!(decode_batch(&encode(&untagged)), Err(DecodeError::Untagged));
     }
 }

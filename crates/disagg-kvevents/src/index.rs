@@ -617,8 +617,7 @@ impl KvIndex {
         let block_size = e.block_size;
         // Blocks whose engine hash covers more than their tokens, or of another cache
         // group: a request keyed by its tokens alone would not hit them.
-        if e.namespaced || e.group_idx.unwrap_or(0) != 0 || e.token_ids.len() < n * block_size
-        {
+        if e.namespaced || e.group_idx.unwrap_or(0) != 0 || e.token_ids.len() < n * block_size {
             applied.skipped += n;
             return;
         }
@@ -909,7 +908,7 @@ mod tests {
         assert_eq!(index.cached_tokens("b", &p), 8);
         assert_eq!(index.cached_tokens("c", &p), 0);
         // Another prompt sharing the first block only.
-        let mut other = p.clone();
+        let mut other = p;
         other[5] = 7;
         assert_eq!(index.cached_tokens("a", &other), 4);
     }

@@ -156,7 +156,7 @@ mod tests {
         let k0 = block_key(ROOT_KEY, &tokens[..16]);
         assert_eq!(keys.keys(), &[k0, block_key(k0, &tokens[16..32])]);
         // Same prefix, same leading keys; a change in block 0 changes every key after.
-        let mut other = tokens.clone();
+        let mut other = tokens;
         other[20] = 999;
         assert_eq!(BlockKeys::new(&other, 16).keys()[0], k0);
         assert_ne!(BlockKeys::new(&other, 16).keys()[1], keys.keys()[1]);

@@ -253,9 +253,10 @@ impl KvScorer {
             let mut by_engine: HashMap<&str, (usize, u32)> = HashMap::new();
             for m in matched.holders() {
                 by_rank.insert((&*m.engine, m.dp_rank), m.tokens());
-                let best = by_engine.entry(&*m.engine).or_insert((m.tokens(), m.dp_rank));
-                if (m.tokens(), std::cmp::Reverse(m.dp_rank))
-                    > (best.0, std::cmp::Reverse(best.1))
+                let best = by_engine
+                    .entry(&*m.engine)
+                    .or_insert((m.tokens(), m.dp_rank));
+                if (m.tokens(), std::cmp::Reverse(m.dp_rank)) > (best.0, std::cmp::Reverse(best.1))
                 {
                     *best = (m.tokens(), m.dp_rank);
                 }
@@ -344,7 +345,9 @@ impl KvScorer {
         now: Instant,
     ) -> usize {
         let from_index = match candidate.dp_rank {
-            Some(r) => self.index.cached_tokens_on_rank(candidate.engine, r, tokens),
+            Some(r) => self
+                .index
+                .cached_tokens_on_rank(candidate.engine, r, tokens),
             None => self.index.cached_tokens(candidate.engine, tokens),
         };
         let block_size = self
@@ -576,10 +579,16 @@ mod tests {
         // (cost 0 + 64 pending) against b (64 + 0): the tie goes to the cached prefix.
         let second = scorer.choose_at(&prompt, &c, now).unwrap();
         assert_eq!((second.index, second.cached_tokens), (0, 64));
-        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, now), 64);
+        assert_eq!(
+            scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, now),
+            64
+        );
         // Once the entry expired, nothing is cached anywhere.
         let later = now + DEFAULT_PROVISIONAL_TTL + Duration::from_millis(1);
-        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, later), 0);
+        assert_eq!(
+            scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, later),
+            0
+        );
         drop((first, second));
         assert_eq!(scorer.pending_tokens(&Candidate::new("a", 0)), 0);
     }
@@ -601,9 +610,15 @@ mod tests {
             assert!(lock(&scorer.provisional).blocks <= 8);
         }
         let last: Vec<u32> = (19_000..19_064).collect();
-        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &last, now), 64);
+        assert_eq!(
+            scorer.cached_tokens_at(&Candidate::new("a", 0), &last, now),
+            64
+        );
         let first: Vec<u32> = (0..64).collect();
-        assert_eq!(scorer.cached_tokens_at(&Candidate::new("a", 0), &first, now), 0);
+        assert_eq!(
+            scorer.cached_tokens_at(&Candidate::new("a", 0), &first, now),
+            0
+        );
     }
 
     #[test]

@@ -85,7 +85,9 @@ const END_SEQ: u64 = u64::MAX;
 #[non_exhaustive]
 pub enum EndpointError {
     /// Not `ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]`.
-    #[error("kv-events endpoint {0:?} is not ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]")]
+    #[error(
+        "kv-events endpoint {0:?} is not ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]"
+    )]
     Spec(String),
     /// Not `tcp://HOST:PORT` with a port number.
     #[error("{0:?} is not tcp://HOST:PORT")]
@@ -228,8 +230,8 @@ impl EngineEndpoint {
         port: u16,
         replay_port: Option<u16>,
     ) -> Result<Self, EndpointError> {
-        let host = url_host(engine_url)
-            .ok_or_else(|| EndpointError::EngineUrl(engine_url.to_owned()))?;
+        let host =
+            url_host(engine_url).ok_or_else(|| EndpointError::EngineUrl(engine_url.to_owned()))?;
         let endpoint = EngineEndpoint::new(engine_url, format!("tcp://{host}:{port}"))?;
         match replay_port {
             Some(p) => endpoint.with_replay(format!("tcp://{host}:{p}")),
@@ -557,14 +559,15 @@ impl RankTask {
 
     async fn subscribe(&self) -> Result<SubSocket, zeromq::ZmqError> {
         let mut socket = SubSocket::new();
-        match tokio::time::timeout(
-            self.config.connect_timeout,
-            socket.connect(&self.publisher),
-        )
-        .await
+        match tokio::time::timeout(self.config.connect_timeout, socket.connect(&self.publisher))
+            .await
         {
             Ok(connected) => connected?,
-            Err(_) => return Err(zeromq::ZmqError::ConnectTimeout(self.config.connect_timeout)),
+            Err(_) => {
+                return Err(zeromq::ZmqError::ConnectTimeout(
+                    self.config.connect_timeout,
+                ));
+            }
         }
         socket.subscribe(&self.config.topic).await?;
         tracing::debug!(engine = %self.engine, rank = self.rank, publisher = %self.publisher, "kv events: subscribed");
@@ -610,12 +613,10 @@ impl RankTask {
                     self.status(|s| s.gaps += 1);
                     self.recover(last + 1, seq).await;
                 }
-                None if catch_up && seq > 0 => {
-                    if self.replay.is_some() {
-                        // Best effort: a history the buffer no longer starts at 0 for
-                        // still teaches what it holds.
-                        let _ = self.replay_range(0, seq, false).await;
-                    }
+                // Best effort: a history the buffer no longer starts at 0 for still
+                // teaches what it holds.
+                None if catch_up && seq > 0 && self.replay.is_some() => {
+                    let _ = self.replay_range(0, seq, false).await;
                 }
                 _ => {}
             }
@@ -665,22 +666,28 @@ impl RankTask {
 
     /// Asks the replay socket for `[from, until)` and applies what it returns, in
     /// order. With `exact`, fails (applying nothing) unless every batch came back.
-    async fn replay_range(&mut self, from: u64, until: u64, exact: bool) -> Result<(), ReplayError> {
+    async fn replay_range(
+        &mut self,
+        from: u64,
+        until: u64,
+        exact: bool,
+    ) -> Result<(), ReplayError> {
         let Some(endpoint) = self.replay.clone() else {
             return Ok(());
         };
-        let fetched = tokio::time::timeout(
-            self.config.replay_timeout,
-            fetch_replay(&endpoint, from),
-        )
-        .await
-        .map_err(|_| ReplayError::Timeout)??;
+        let fetched =
+            tokio::time::timeout(self.config.replay_timeout, fetch_replay(&endpoint, from))
+                .await
+                .map_err(|_| ReplayError::Timeout)??;
         let batches: Vec<(u64, Bytes)> = fetched
             .into_iter()
             .filter(|(seq, _)| (from..until).contains(seq))
             .collect();
         let complete = batches.len() as u64 == until - from
-            && batches.iter().zip(from..).all(|((seq, _), want)| *seq == want);
+            && batches
+                .iter()
+                .zip(from..)
+                .all(|((seq, _), want)| *seq == want);
         if exact && !complete {
             return Err(ReplayError::Incomplete {
                 wanted: from,
@@ -730,7 +737,10 @@ mod tests {
     #[test]
     fn endpoint_specs() {
         let e = EngineEndpoint::parse("http://h:8000=tcp://h:5557").unwrap();
-        assert_eq!((e.publisher.as_str(), e.replay.as_deref(), e.dp_size), ("tcp://h:5557", None, 1));
+        assert_eq!(
+            (e.publisher.as_str(), e.replay.as_deref(), e.dp_size),
+            ("tcp://h:5557", None, 1)
+        );
         assert!(EngineEndpoint::parse("http://h:8000").is_err());
         assert!(EngineEndpoint::parse("=tcp://h:1").is_err());
         assert!(EngineEndpoint::parse("e=tcp://h:x").is_err());
@@ -738,7 +748,10 @@ mod tests {
         assert!(EngineEndpoint::parse("e=tcp://h:1,bogus=1").is_err());
         assert_eq!(
             EngineEndpoint::parse("e=tcp://h:65535,dp-size=2"),
-            Err(EndpointError::PortRange { port: 65535, dp_size: 2 })
+            Err(EndpointError::PortRange {
+                port: 65535,
+                dp_size: 2
+            })
         );
         let e = EngineEndpoint::parse("e=tcp://h:7000,dp-size=3").unwrap();
         assert_eq!(e.publisher_of(2), "tcp://h:7002");

@@ -123,7 +123,10 @@ fn newer_fields_unknown_events_and_batch_fields_are_tolerated() {
     );
     let index = KvIndex::new(IndexConfig::default());
     let applied = index.apply("e", 0, &batch);
-    assert_eq!((applied.stored, applied.unknown, applied.removed), (1, 1, 0));
+    assert_eq!(
+        (applied.stored, applied.unknown, applied.removed),
+        (1, 1, 0)
+    );
     // Removed from the CPU tier only: still on the GPU.
     assert_eq!(index.cached_tokens("e", &tokens(100..=131)), 16);
 }

@@ -29,7 +29,9 @@ fn config(cache_blocks: usize, replay: bool) -> SimConfig {
 }
 
 async fn engine(cache_blocks: usize, replay: bool) -> SimEngine {
-    SimEngine::start(config(cache_blocks, replay)).await.unwrap()
+    SimEngine::start(config(cache_blocks, replay))
+        .await
+        .unwrap()
 }
 
 fn endpoint(e: &SimEngine) -> EngineEndpoint {
@@ -113,7 +115,11 @@ async fn warm_up(s: &Subscriber, e: &SimEngine, seed: u32) {
     let deadline = Instant::now() + WAIT;
     let mut i = 0;
     while status(s, e, 0).batches == 0 {
-        assert!(Instant::now() < deadline, "no batch of {} received", e.url());
+        assert!(
+            Instant::now() < deadline,
+            "no batch of {} received",
+            e.url()
+        );
         complete(e, &prompt(seed + i, 1), &[]).await;
         i += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -122,10 +128,7 @@ async fn warm_up(s: &Subscriber, e: &SimEngine, seed: u32) {
 
 fn choose(scorer: &KvScorer, tokens: &[u32], engines: &[&SimEngine]) -> usize {
     let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
-    let candidates: Vec<Candidate<'_>> = urls
-        .iter()
-        .map(|u| Candidate::new(u, 0))
-        .collect();
+    let candidates: Vec<Candidate<'_>> = urls.iter().map(|u| Candidate::new(u, 0)).collect();
     scorer.choose(tokens, &candidates).unwrap().index
 }
 
@@ -319,7 +322,10 @@ async fn a_silent_engine_is_resubscribed() {
     let (index, subscriber) = subscribe(&[&e]).await;
     warm_up(&subscriber, &e, 900).await;
     // Silence past the timeout (500 ms): a new subscription.
-    eventually("a resubscription", || status(&subscriber, &e, 0).resubscribes >= 1).await;
+    eventually("a resubscription", || {
+        status(&subscriber, &e, 0).resubscribes >= 1
+    })
+    .await;
     eventually("connected again", || status(&subscriber, &e, 0).connected).await;
     // Events flow on the new subscription (what a slow joiner missed is replayed).
     let p = prompt(1, 2);
@@ -391,12 +397,7 @@ async fn data_parallel_ranks_are_holders_of_their_own() {
     .await;
     let scorer = KvScorer::new(index.clone(), ScorerConfig::default());
     let url = e.url();
-    let d = scorer
-        .choose(
-            &p,
-            &[Candidate::new(&url, 0)],
-        )
-        .unwrap();
+    let d = scorer.choose(&p, &[Candidate::new(&url, 0)]).unwrap();
     assert_eq!((d.dp_rank, d.cached_tokens), (Some(1), 48));
     assert_eq!(e.cached_prefix_tokens(0, &p), 0);
     // A router whose endpoints are ranks (`URL@r`) names them.
@@ -415,7 +416,10 @@ async fn the_engine_reports_its_hits() {
     assert_eq!(cached_tokens(&complete(&e, &p, &[]).await), 48);
     let stats = e.stats();
     assert_eq!(
-        (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens),
+        (
+            stats.prefix_cache_query_tokens,
+            stats.prefix_cache_hit_tokens
+        ),
         (98, 48)
     );
     assert_eq!(stats.prefix_cache_blocks, 3);

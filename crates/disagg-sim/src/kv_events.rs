@@ -161,7 +161,8 @@ async fn bind_ranks<S: Socket>(
             (0, 0) | (1.., _) => base,
             (0, _) => {
                 draw.write_usize(attempt);
-                DRAWN_BASES.start + (draw.finish() % u64::from(DRAWN_BASES.end - DRAWN_BASES.start)) as u16
+                DRAWN_BASES.start
+                    + (draw.finish() % u64::from(DRAWN_BASES.end - DRAWN_BASES.start)) as u16
             }
         };
         match bind_from(host, start, dp_size, new).await {

@@ -585,12 +585,12 @@ mod sglang;
 mod stats;
 
 pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
-pub use kv_events::KvEventsConfig;
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
     SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
+pub use kv_events::KvEventsConfig;
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

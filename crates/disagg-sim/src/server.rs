@@ -345,9 +345,7 @@ impl SimEngine {
             round_robin: RoundRobin::default(),
             prefix,
             publishers,
-            prefill_slots: (0..dp_size)
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
+            prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
         });
         tasks.push(tokio::spawn(accept_http(
             inner.clone(),
@@ -486,10 +484,7 @@ impl SimEngine {
     /// Where rank 0 publishes its KV-cache events (`tcp://HOST:PORT`; rank `r` on the
     /// port plus `r`), with [`SimConfig::kv_events`].
     pub fn kv_events_endpoint(&self) -> Option<String> {
-        self.inner
-            .publishers
-            .as_ref()
-            .map(|p| tcp_endpoint(p.addr))
+        self.inner.publishers.as_ref().map(|p| tcp_endpoint(p.addr))
     }
 
     /// Where rank 0 answers KV-event replay requests (`tcp://HOST:PORT`), with a
