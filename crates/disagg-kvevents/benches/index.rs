@@ -9,6 +9,8 @@
 //! - `match_prefix/miss/N`: a prompt whose first block nobody holds;
 //! - `choose/N`: the scorer's full decision over N candidates (keys, index walk,
 //!   provisional entries, costs), as a router calls it;
+//! - `choose_2k/N`: the same for a 2k-token prompt (the system prompt every engine
+//!   holds, then 64 new tokens);
 //! - `apply/32_blocks`: the writer applying one `BlockStored` of 32 blocks.
 //!
 //! Run: `cargo bench -p disagg-kvevents --bench index`.
@@ -112,6 +114,26 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 scorer
                     .choose(black_box(&probe), &candidates)
+                    .map(|d| d.index)
+            })
+        });
+    }
+    group.finish();
+
+    let mut group = c.benchmark_group("choose_2k");
+    for &n in &SIZES {
+        let (index, names, _) = setup(n);
+        let scorer = KvScorer::new(index, ScorerConfig::default());
+        let candidates: Vec<Candidate<'_>> = names
+            .iter()
+            .map(|engine| Candidate::new(engine, 0))
+            .collect();
+        let mut short = tokens(1, SYSTEM);
+        short.extend(tokens(5, 64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter(|| {
+                scorer
+                    .choose(black_box(&short), &candidates)
                     .map(|d| d.index)
             })
         });

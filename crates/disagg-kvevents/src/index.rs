@@ -20,10 +20,11 @@
 //!
 //! A lookup hashes the request's full blocks lazily and walks them in order: at each
 //! block it reads the set of holders of that key and keeps those that held every block
-//! so far; it stops at the first block nobody (still matching) holds. Cost: one hash
-//! and one map lookup per matched block, plus one step per (block, holder) matched, so
-//! a 32k-token prompt (2,048 blocks of 16) that only one engine holds costs about 2,048
-//! lookups whatever the number of engines (see the crate's bench).
+//! so far (a bit set intersected a word at a time); it stops at the first block nobody
+//! still matching holds. Cost: one hash and one map lookup per matched block, plus a
+//! word per 64 holders: a 32k-token prompt (2,048 blocks of 16) costs about 2,048
+//! lookups whatever the number of engines, and a prompt nobody holds one (see the
+//! crate's bench).
 //!
 //! # Concurrency
 //!
@@ -51,26 +52,25 @@
 //! the current one): the engine's own evictions normally keep a holder far below the
 //! cap; the cap bounds what lost removals or a misbehaving engine could pile up.
 //!
-//! A block held by one holder costs about 80 bytes: 40 bytes for its entry in the
-//! key → holders map (an 8-byte key and a holder set of up to 4 holders inline, plus
-//! hashbrown's control byte at up to 7/8 load) and 24 for the holder's engine hash → key
-//! entry (8 + 8 + medium flags, plus the control byte at up to 7/8 load), with hashbrown's
-//! power-of-two growth adding up to a half again. Each further holder of the same block
-//! costs about 30 bytes (its own engine hash entry and 4 bytes in the set; a fifth holder
-//! moves the set to the heap). At the default cap of 262,144 blocks per holder
-//! (4 million tokens at 16 per block) that is at most about 21 MiB per holder, reached
-//! only when an engine's cache is that large.
+//! A block held by one holder costs 64 bytes of entries: 40 in the key → holders map
+//! (the 8-byte key and a holder set of up to 4 holders inline) and 24 in the holder's
+//! engine hash → key map (two 8-byte hashes and the medium flags), plus a control byte
+//! in each map. hashbrown keeps its tables at most 7/8 full and grows them by doubling,
+//! so that is about 75 bytes per block with full tables and up to twice that just after
+//! a table grew. Each further holder of the same block adds its own 24-byte entry (and
+//! control byte) and 4 bytes in the set; beyond 4 holders the set becomes a bit set of
+//! one bit per holder slot (64 bytes at 512 holders). At the default cap of 262,144
+//! blocks per holder (4 million tokens at 16 per block) a holder costs at most about
+//! 20 to 40 MiB, reached only when an engine's cache is that large.
 
 use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
 use std::fmt;
-use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use smallvec::SmallVec;
 
 use crate::event::{BlockRemoved, BlockStored, EventBatch, KvEvent};
-use crate::key::{BlockKeys, KeyIter, ROOT_KEY, block_key};
+use crate::key::{BlockKeys, KeyIter, KeyMix, ROOT_KEY, block_key};
 
 /// Shards of the key → holders map: enough that two cores (or a few dozen) rarely meet
 /// on one lock, few enough that their fixed cost (a lock and an empty map each) is
@@ -236,9 +236,115 @@ impl fmt::Debug for KvIndex {
     }
 }
 
-/// The holders of one key, by slot: inline up to 4 (most blocks of most prompts sit on
-/// one or two engines).
-type HolderSet = SmallVec<[u32; 4]>;
+/// The holders of one key, by slot: a list inline up to [`FEW`] holders (most blocks
+/// of most prompts sit on one or two engines), a bit set beyond (a system prompt cached
+/// by hundreds of engines), so that a lookup intersects sets a word at a time.
+#[derive(Debug, Clone)]
+enum HolderSet {
+    Few(SmallVec<[u32; FEW]>),
+    /// Bit `s` set when slot `s` holds the key.
+    Many(Box<[u64]>),
+}
+
+/// Holders kept as a list before a key's set turns into a bit set.
+const FEW: usize = 4;
+
+impl Default for HolderSet {
+    fn default() -> Self {
+        HolderSet::Few(SmallVec::new())
+    }
+}
+
+impl HolderSet {
+    fn insert(&mut self, slot: u32) {
+        match self {
+            HolderSet::Few(list) if list.contains(&slot) => {}
+            HolderSet::Few(list) if list.len() < FEW => list.push(slot),
+            HolderSet::Few(list) => {
+                let mut bits = Bits::default();
+                for &s in list.iter().chain(std::iter::once(&slot)) {
+                    bits.set(s);
+                }
+                *self = HolderSet::Many(bits.0.into_boxed_slice());
+            }
+            HolderSet::Many(words) => {
+                let mut bits = Bits(std::mem::take(words).into_vec());
+                bits.set(slot);
+                *words = bits.0.into_boxed_slice();
+            }
+        }
+    }
+
+    /// Removes `slot`; whether the set is now empty.
+    fn remove(&mut self, slot: u32) -> bool {
+        match self {
+            HolderSet::Few(list) => {
+                list.retain(|s| *s != slot);
+                list.is_empty()
+            }
+            HolderSet::Many(words) => {
+                let (w, b) = (slot as usize / 64, slot % 64);
+                if let Some(word) = words.get_mut(w) {
+                    *word &= !(1u64 << b);
+                }
+                words.iter().all(|w| *w == 0)
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn contains(&self, slot: u32) -> bool {
+        match self {
+            HolderSet::Few(list) => list.contains(&slot),
+            HolderSet::Many(words) => words
+                .get(slot as usize / 64)
+                .is_some_and(|w| w & (1u64 << (slot % 64)) != 0),
+        }
+    }
+}
+
+/// A growable bit set of slots.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn zeroed(words: usize) -> Self {
+        Bits(vec![0; words])
+    }
+
+    fn set(&mut self, slot: u32) {
+        let w = slot as usize / 64;
+        if self.0.len() <= w {
+            self.0.resize(w + 1, 0);
+        }
+        self.0[w] |= 1u64 << (slot % 64);
+    }
+
+    fn has(&self, slot: u32) -> bool {
+        self.0
+            .get(slot as usize / 64)
+            .is_some_and(|w| w & (1u64 << (slot % 64)) != 0)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+
+    /// The slots set, in order.
+    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.0.iter().enumerate().flat_map(|(i, &word)| {
+            let mut w = word;
+            std::iter::from_fn(move || {
+                if w == 0 {
+                    return None;
+                }
+                let b = w.trailing_zeros();
+                w &= w - 1;
+                u32::try_from(i * 64).ok().map(|base| base + b)
+            })
+        })
+    }
+}
 
 /// Holders as readers see them: an immutable snapshot, replaced on change.
 #[derive(Debug, Clone, Default)]
@@ -247,8 +353,10 @@ struct Registry {
     slots: Vec<Option<SlotInfo>>,
     /// The distinct block sizes of the holders that have one.
     block_sizes: Vec<usize>,
-    /// Each engine's block size (its lowest rank's that has one).
-    by_engine: HashMap<Arc<str>, usize>,
+    /// Each engine's block size (its lowest rank's that has one). Engine ids are
+    /// configured, not chosen by clients: XXH3 hashes them several times faster than
+    /// SipHash.
+    by_engine: HashMap<Arc<str>, usize, xxhash_rust::xxh3::Xxh3DefaultBuilder>,
 }
 
 #[derive(Debug, Clone)]
@@ -595,20 +703,13 @@ impl KvIndex {
     }
 
     fn shard_add(&self, key: u64, slot: u32) {
-        let mut shard = write(self.shard(key));
-        let set = shard.entry(key).or_default();
-        if !set.contains(&slot) {
-            set.push(slot);
-        }
+        write(self.shard(key)).entry(key).or_default().insert(slot);
     }
 
     fn shard_remove(&self, key: u64, slot: u32) {
         let mut shard = write(self.shard(key));
-        if let Some(set) = shard.get_mut(&key) {
-            set.retain(|s| *s != slot);
-            if set.is_empty() {
-                shard.remove(&key);
-            }
+        if shard.get_mut(&key).is_some_and(|set| set.remove(slot)) {
+            shard.remove(&key);
         }
     }
 
@@ -749,10 +850,7 @@ impl KvIndex {
         only: Option<&[u32]>,
         out: &mut Vec<HolderMatch>,
     ) {
-        // depth[slot]: leading blocks matched so far. A holder is still matching at
-        // block i when its depth is i.
-        let mut depth = vec![0u32; registry.slots.len()];
-        let mut first: Vec<u32> = Vec::new();
+        let words = registry.slots.len().div_ceil(64);
         let eligible = |slot: u32| {
             registry
                 .slots
@@ -761,43 +859,84 @@ impl KvIndex {
                 .is_some_and(|s| s.block_size == Some(block_size))
                 && only.is_none_or(|o| o.contains(&slot))
         };
+        // The holders that held every block so far, as bits; a holder leaving the set
+        // at block `i` matched `i` blocks.
+        let mut alive = Bits::zeroed(words);
+        let mut next = Bits::zeroed(words);
+        let mut walked = 0usize;
         for (i, key) in keys.enumerate() {
-            let i = u32::try_from(i).unwrap_or(u32::MAX);
-            let mut advanced = false;
+            next.0.fill(0);
             {
                 let shard = read(self.shard(key));
                 let Some(set) = shard.get(&key) else {
                     break;
                 };
-                for &slot in set {
-                    let Some(d) = depth.get_mut(slot as usize) else {
-                        // Registered after this lookup began.
-                        continue;
-                    };
-                    if i == 0 {
-                        if eligible(slot) {
-                            *d = 1;
-                            first.push(slot);
-                            advanced = true;
+                match set {
+                    HolderSet::Few(list) => {
+                        for &slot in list {
+                            let keep = if i == 0 {
+                                eligible(slot)
+                            } else {
+                                alive.has(slot)
+                            };
+                            if keep && (slot as usize) < words * 64 {
+                                next.set(slot);
+                            }
                         }
-                    } else if *d == i {
-                        *d = i + 1;
-                        advanced = true;
+                    }
+                    HolderSet::Many(bits) => {
+                        for (w, word) in next.0.iter_mut().enumerate() {
+                            let held = bits.get(w).copied().unwrap_or(0);
+                            *word = if i == 0 { held } else { held & alive.0[w] };
+                        }
+                        if i == 0 {
+                            // Only holders of this block size (and among `only`).
+                            let ineligible: Vec<u32> =
+                                next.slots().filter(|&s| !eligible(s)).collect();
+                            for s in ineligible {
+                                next.0[s as usize / 64] &= !(1u64 << (s % 64));
+                            }
+                        }
                     }
                 }
             }
-            if !advanced {
+            if next.is_empty() {
                 break;
             }
+            if i > 0 {
+                self.push_left(registry, &alive, &next, i, block_size, out);
+            }
+            std::mem::swap(&mut alive, &mut next);
+            walked = i + 1;
         }
-        for slot in first {
-            if let Some(Some(info)) = registry.slots.get(slot as usize) {
-                out.push(HolderMatch {
-                    engine: info.engine.clone(),
-                    dp_rank: info.rank,
-                    blocks: depth[slot as usize] as usize,
-                    block_size,
-                });
+        // Those still matching when the walk stopped matched every block walked.
+        let none = Bits::zeroed(words);
+        self.push_left(registry, &alive, &none, walked, block_size, out);
+    }
+
+    /// Pushes the holders in `before` but not in `after`, with `blocks` matched.
+    fn push_left(
+        &self,
+        registry: &Registry,
+        before: &Bits,
+        after: &Bits,
+        blocks: usize,
+        block_size: usize,
+        out: &mut Vec<HolderMatch>,
+    ) {
+        for (w, (&b, &a)) in before.0.iter().zip(&after.0).enumerate() {
+            let mut left = b & !a;
+            while left != 0 {
+                let slot = w * 64 + left.trailing_zeros() as usize;
+                left &= left - 1;
+                if let Some(Some(info)) = registry.slots.get(slot) {
+                    out.push(HolderMatch {
+                        engine: info.engine.clone(),
+                        dp_rank: info.rank,
+                        blocks,
+                        block_size,
+                    });
+                }
             }
         }
     }
@@ -806,53 +945,6 @@ impl KvIndex {
 impl HolderState {
     fn get(&self, hash: u64) -> Option<&Block> {
         self.current.get(&hash).or_else(|| self.older.get(&hash))
-    }
-}
-
-/// Hashes the maps' keys. They are already well-mixed 64-bit hashes, but a client
-/// chooses its prompt and so could choose keys that share their low bits (the bucket
-/// index) and lengthen one probe sequence; mixing with a per-index random seed (which
-/// does not change the keys themselves, so replicas still agree) prevents that for one
-/// multiply-xorshift finalizer.
-#[derive(Debug, Clone)]
-struct KeyMix {
-    seed: u64,
-}
-
-impl KeyMix {
-    fn new() -> Self {
-        KeyMix {
-            seed: RandomState::new().hash_one(0u64),
-        }
-    }
-}
-
-impl BuildHasher for KeyMix {
-    type Hasher = MixHasher;
-
-    fn build_hasher(&self) -> MixHasher {
-        MixHasher(self.seed)
-    }
-}
-
-#[derive(Debug)]
-struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        // MurmurHash3's 64-bit finalizer.
-        let mut z = self.0 ^ x;
-        z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        z = (z ^ (z >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        self.0 = z ^ (z >> 33);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
     }
 }
 
@@ -985,6 +1077,75 @@ mod tests {
         assert_eq!(m.holders().len(), 1);
         assert_eq!(m.engine("b").map(|m| m.blocks), Some(1));
         assert_eq!(index.engines(), vec!["b".to_owned()]);
+    }
+
+    #[test]
+    fn entry_sizes_are_the_documented_ones() {
+        // The module docs' memory figures rest on these.
+        eprintln!(
+            "key entry {} bytes, holder entry {} bytes",
+            std::mem::size_of::<(u64, HolderSet)>(),
+            std::mem::size_of::<(u64, Block)>()
+        );
+        assert!(std::mem::size_of::<(u64, HolderSet)>() <= 40);
+        assert!(std::mem::size_of::<(u64, Block)>() <= 24);
+    }
+
+    #[test]
+    fn holder_sets_turn_into_bits_and_back_to_empty() {
+        let mut set = HolderSet::default();
+        for slot in [3, 1, 200, 64, 3, 7] {
+            set.insert(slot);
+        }
+        assert!(matches!(set, HolderSet::Many(_)));
+        for slot in [1, 3, 7, 64, 200] {
+            assert!(set.contains(slot));
+        }
+        assert!(!set.contains(2) && !set.contains(1000));
+        for slot in [1, 3, 7, 64] {
+            assert!(!set.remove(slot));
+        }
+        assert!(set.remove(200));
+        let bits = Bits(vec![0b1010, 0, 1]);
+        assert_eq!(bits.slots().collect::<Vec<_>>(), vec![1, 3, 128]);
+    }
+
+    #[test]
+    fn many_holders_match_like_few() {
+        // 70 engines hold the first two blocks, every tenth the third, one the fourth.
+        let index = KvIndex::new(IndexConfig::default());
+        let p = prompt();
+        for e in 0..70u64 {
+            let name = format!("e{e}");
+            let blocks = match e {
+                0 => 4,
+                e if e % 10 == 0 => 3,
+                _ => 2,
+            };
+            let hashes: Vec<u64> = (0..blocks).map(|b| e * 100 + b).collect();
+            index.apply(
+                &name,
+                0,
+                &batch(vec![stored(&hashes, None, &p[..blocks as usize * 4])]),
+            );
+        }
+        let m = index.match_prefix(&p);
+        assert_eq!(m.holders().len(), 70);
+        for e in 0..70 {
+            let want = match e {
+                0 => 4,
+                e if e % 10 == 0 => 3,
+                _ => 2,
+            };
+            assert_eq!(
+                m.engine(&format!("e{e}")).map(|m| m.blocks),
+                Some(want),
+                "e{e}"
+            );
+        }
+        assert_eq!(index.cached_tokens("e30", &p), 12);
+        index.remove_engine("e0");
+        assert_eq!(index.match_prefix(&p).best().map(|m| m.blocks), Some(3));
     }
 
     #[test]

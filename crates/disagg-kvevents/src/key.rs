@@ -21,6 +21,9 @@
 //! more for a guarantee the router does not need: a collision only misroutes one
 //! request to an engine that then computes the prompt itself.
 
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// The seed of the first block's key (the ASCII bytes of `"disagKV1"`): a fixed
@@ -141,6 +144,53 @@ impl BlockKeys {
     /// Whether the tokens do not fill one block.
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
+    }
+}
+
+/// Hashes the maps' keys. They are already well-mixed 64-bit hashes, but a client
+/// chooses its prompt and so could choose keys that share their low bits (the bucket
+/// index) and lengthen one probe sequence; mixing with a per-index random seed (which
+/// does not change the keys themselves, so replicas still agree) prevents that for one
+/// multiply-xorshift finalizer.
+#[derive(Debug, Clone)]
+pub(crate) struct KeyMix {
+    seed: u64,
+}
+
+impl KeyMix {
+    pub(crate) fn new() -> Self {
+        KeyMix {
+            seed: RandomState::new().hash_one(0u64),
+        }
+    }
+}
+
+impl BuildHasher for KeyMix {
+    type Hasher = MixHasher;
+
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(self.seed)
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxhash_rust::xxh3::xxh3_64_with_seed(bytes, self.0);
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        // MurmurHash3's 64-bit finalizer.
+        let mut z = self.0 ^ x;
+        z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        z = (z ^ (z >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        self.0 = z ^ (z >> 33);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }
 

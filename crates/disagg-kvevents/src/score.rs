@@ -41,7 +41,11 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use crate::index::{KvIndex, PrefixMatch};
-use crate::key::BlockKeys;
+use crate::key::{BlockKeys, KeyMix};
+
+/// Maps keyed by engine ids (configured, not chosen by clients) or candidate tags:
+/// XXH3, several times cheaper than SipHash on short keys.
+type FastMap<K, V> = HashMap<K, V, xxhash_rust::xxh3::Xxh3DefaultBuilder>;
 
 /// How long a provisional entry lasts by default: 5 s, longer than a prefill of tens of
 /// thousands of tokens queued behind a few others, after which the engine's own events
@@ -175,7 +179,7 @@ pub struct KvScorer {
     config: ScorerConfig,
     provisional: Mutex<Provisional>,
     /// Pending prefill tokens by candidate tag.
-    pending: Mutex<HashMap<u64, Arc<AtomicU64>>>,
+    pending: Mutex<FastMap<u64, Arc<AtomicU64>>>,
 }
 
 impl fmt::Debug for KvScorer {
@@ -249,8 +253,11 @@ impl KvScorer {
             let matched: PrefixMatch = self.index.match_keys(&keys);
             // Each holder's match by (engine, rank) and each engine's best, looked up
             // once per candidate (a scan per candidate would be quadratic).
-            let mut by_rank: HashMap<(&str, u32), usize> = HashMap::new();
-            let mut by_engine: HashMap<&str, (usize, u32)> = HashMap::new();
+            let n = matched.holders().len();
+            let mut by_rank: FastMap<(&str, u32), usize> =
+                FastMap::with_capacity_and_hasher(n, Default::default());
+            let mut by_engine: FastMap<&str, (usize, u32)> =
+                FastMap::with_capacity_and_hasher(n, Default::default());
             for m in matched.holders() {
                 by_rank.insert((&*m.engine, m.dp_rank), m.tokens());
                 let best = by_engine
@@ -406,10 +413,11 @@ impl KvScorer {
 }
 
 /// Provisional entries: keys recently routed to an engine, until they expire.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Provisional {
-    /// Key → (engine tag, expiry), the latest expiry per engine.
-    by_key: HashMap<u64, SmallVec<[(u64, Instant); 2]>>,
+    /// Key → (engine tag, expiry), the latest expiry per engine. Keys derive from
+    /// clients' prompts: the map's hasher is seeded (see [`KeyMix`]).
+    by_key: HashMap<u64, SmallVec<[(u64, Instant); 2]>, KeyMix>,
     /// Entries in the order recorded (so in the order they expire).
     order: VecDeque<Entry>,
     blocks: usize,
@@ -422,10 +430,20 @@ struct Entry {
     keys: Vec<u64>,
 }
 
+impl Default for Provisional {
+    fn default() -> Self {
+        Provisional {
+            by_key: HashMap::with_hasher(KeyMix::new()),
+            order: VecDeque::new(),
+            blocks: 0,
+        }
+    }
+}
+
 impl Provisional {
     /// Leading blocks of `keys` each engine holds provisionally at `now`.
-    fn matches(&self, keys: &BlockKeys, now: Instant) -> HashMap<u64, usize> {
-        let mut depth: HashMap<u64, usize> = HashMap::new();
+    fn matches(&self, keys: &BlockKeys, now: Instant) -> FastMap<u64, usize> {
+        let mut depth: FastMap<u64, usize> = FastMap::default();
         for (i, key) in keys.keys().iter().enumerate() {
             let Some(holders) = self.by_key.get(key) else {
                 break;
