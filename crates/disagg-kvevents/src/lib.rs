@@ -51,5 +51,5 @@ pub mod subscriber;
 
 pub use event::{DecodeError, EventBatch, KvEvent};
 pub use index::{HolderMatch, IndexConfig, KvIndex, PrefixMatch};
-pub use score::{Candidate, Decision, KvScorer, ScorerConfig};
-pub use subscriber::{EngineEndpoint, Subscriber, SubscriberConfig};
+pub use score::{Candidate, Decision, KvScorer, PrefillWork, ScorerConfig};
+pub use subscriber::{EndpointError, EngineEndpoint, RankStatus, Subscriber, SubscriberConfig};

@@ -88,6 +88,15 @@ async fn complete(e: &SimEngine, tokens: &[u32], headers: &[(&str, &str)]) -> Va
     serde_json::from_str(body).unwrap()
 }
 
+/// Sends a raw HTTP/1.1 request to `e`; the whole answer.
+async fn http(e: &SimEngine, request: &str) -> String {
+    let mut conn = tokio::net::TcpStream::connect(e.addr()).await.unwrap();
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    answer
+}
+
 fn cached_tokens(answer: &Value) -> u64 {
     answer["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -423,6 +432,31 @@ async fn the_engine_reports_its_hits() {
         (98, 48)
     );
     assert_eq!(stats.prefix_cache_blocks, 3);
+    // `/stats` serves the same counters.
+    let served = http(
+        &e,
+        "GET /stats HTTP/1.1\r\nhost: sim\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    let served: Value = serde_json::from_str(served.split_once("\r\n\r\n").unwrap().1).unwrap();
+    assert_eq!(served["prefix_cache_hit_tokens"], 48);
+    // A streamed answer carries them in its usage chunk.
+    let body = json!({"model": "sim-model", "prompt": p, "max_tokens": 2, "stream": true,
+        "stream_options": {"include_usage": true}})
+    .to_string();
+    let streamed = http(
+        &e,
+        &format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await;
+    assert!(
+        streamed.contains(r#""prompt_tokens_details":{"cached_tokens":48}"#),
+        "{streamed}"
+    );
     // An engine without a cache answers as before: no details.
     let plain = SimEngine::start(SimConfig::default()).await.unwrap();
     let answer = complete(&plain, &p, &[]).await;
