@@ -16,6 +16,22 @@
 //!   prefix, traded against its load, makes the request cheapest, plus a short-lived
 //!   provisional entry for what was just routed.
 //!
+//! # Wiring into a router
+//!
+//! Start one [`Subscriber`] per proxy over a shared [`KvIndex`] and keep its endpoint
+//! set in step with discovery ([`Subscriber::set_endpoints`]). On the request path,
+//! with the request's token ids (as the engine tokenizes them):
+//!
+//! - [`KvScorer::choose`] over the leg's candidates ([`Candidate::new`] with the
+//!   endpoint's id and in-flight count, [`Candidate::with_dp_rank`] for rank
+//!   endpoints) gives the chosen index; keep [`Decision::work`] alive until the
+//!   prefill ends (next to the in-flight guard), and pin [`Decision::dp_rank`] when the
+//!   candidates are whole engines;
+//! - [`KvScorer::cached_tokens`] on the chosen decode engine tells how much of the
+//!   prompt it already holds, for conditional disaggregation.
+//!
+//! Engine ids must be the same strings in the [`EngineEndpoint`]s and the candidates.
+//!
 //! # Examples
 //!
 //! ```
