@@ -745,7 +745,13 @@ struct Usage {
     prompt_tokens: u64,
     total_tokens: u64,
     completion_tokens: u64,
-    prompt_tokens_details: Option<()>,
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// vLLM's `usage.prompt_tokens_details` (with `--enable-prompt-tokens-details`).
+#[derive(Serialize)]
+struct PromptTokensDetails {
+    cached_tokens: u64,
 }
 
 #[derive(Serialize)]
@@ -806,6 +812,8 @@ pub(crate) struct Answer<'a> {
     pub(crate) model: &'a str,
     pub(crate) choices: &'a [Generation],
     pub(crate) prompt_tokens: u64,
+    /// Prompt tokens served from the prefix cache (`None` without one).
+    pub(crate) cached_tokens: Option<u64>,
     pub(crate) kv_transfer_params: Option<KvParamsField<'a>>,
 }
 
@@ -818,7 +826,9 @@ impl Answer<'_> {
             prompt_tokens: self.prompt_tokens,
             total_tokens: self.prompt_tokens + completion_tokens,
             completion_tokens,
-            prompt_tokens_details: None,
+            prompt_tokens_details: self
+                .cached_tokens
+                .map(|cached_tokens| PromptTokensDetails { cached_tokens }),
         };
         match self.endpoint {
             Endpoint::Chat => serde_json::to_vec(&ChatResponse {

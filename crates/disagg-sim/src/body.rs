@@ -150,6 +150,8 @@ pub(crate) struct SseBody {
     choices: Vec<Generation>,
     /// `(prompt_tokens, completion_tokens)` when usage is to be streamed.
     usage: Option<(u64, u64)>,
+    /// `usage.prompt_tokens_details.cached_tokens`, with a prefix cache.
+    cached_tokens: Option<u64>,
     phase: Option<Phase>,
     delay: Duration,
     sleep: Option<Pin<Box<Sleep>>>,
@@ -172,6 +174,8 @@ pub(crate) struct SseSpec {
     pub(crate) model_json: String,
     pub(crate) choices: Vec<Generation>,
     pub(crate) usage: Option<(u64, u64)>,
+    /// `usage.prompt_tokens_details.cached_tokens`, with a prefix cache.
+    pub(crate) cached_tokens: Option<u64>,
     pub(crate) delay: Duration,
     pub(crate) drop_after: Option<usize>,
     /// After this many events, send nothing more (wins over `drop_after`).
@@ -198,6 +202,7 @@ impl SseBody {
             prefix,
             choices: spec.choices,
             usage: spec.usage,
+            cached_tokens: spec.cached_tokens,
             phase: None,
             delay: spec.delay,
             sleep: None,
@@ -304,9 +309,16 @@ impl SseBody {
                 s.push_str(&self.prefix);
                 let _ = write!(
                     s,
-                    "],\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}}}}}\n\n",
+                    "],\"usage\":{{\"prompt_tokens\":{prompt},\"total_tokens\":{},\"completion_tokens\":{completion}",
                     prompt + completion
                 );
+                if let Some(cached) = self.cached_tokens {
+                    let _ = write!(
+                        s,
+                        ",\"prompt_tokens_details\":{{\"cached_tokens\":{cached}}}"
+                    );
+                }
+                s.push_str("}}\n\n");
                 (s, Some(Phase::Done))
             }
             Phase::Done => {

@@ -118,6 +118,23 @@ pub struct SimConfig {
     /// fail (LMCache indexes the list out of range): the request answers 500
     /// after the other ranks pushed and notified.
     pub lmcache_prefill_tp_size: Option<usize>,
+    /// Blocks of [`SimConfig::block_size`] tokens each data-parallel rank keeps in its
+    /// prefix cache, least recently used evicted first; 0 (the default) for none. With
+    /// a cache, a local prefill computes (and waits
+    /// [`SimConfig::prefill_delay_per_token`] for) only the tokens after its cached
+    /// prefix, answers `usage.prompt_tokens_details.cached_tokens`, and counts its hits
+    /// in [`Stats::prefix_cache_hit_tokens`](crate::Stats::prefix_cache_hit_tokens). See
+    /// the crate's "Prefix cache and KV events" section.
+    pub prefix_cache_blocks: usize,
+    /// Publish KV-cache events about the prefix cache over ZMQ, as vLLM's
+    /// `--kv-events-config` does (default `None`: no sockets). Needs
+    /// [`SimConfig::prefix_cache_blocks`].
+    pub kv_events: Option<crate::KvEventsConfig>,
+    /// Run one local prefill at a time per data-parallel rank (default `false`: every
+    /// request prefills at once). A GPU's compute is shared by the prompts it
+    /// prefills, so a busy engine's time to first token includes the prefills queued
+    /// ahead; with this, a prefill waits for the ones before it.
+    pub serial_prefill: bool,
 }
 
 /// The receiver ports of an LMCache decode ([`KvMode::Lmcache`] with
@@ -182,6 +199,9 @@ impl Default for SimConfig {
             notify_seed: 0,
             max_logprobs: 20,
             lmcache_prefill_tp_size: None,
+            prefix_cache_blocks: 0,
+            kv_events: None,
+            serial_prefill: false,
         }
     }
 }

@@ -501,6 +501,43 @@
 //!   ([`SimConfig::kv_lease`]) runs out; KV that reached only some ranks
 //!   waits for its lease.
 //!
+//! # Prefix cache and KV events
+//!
+//! With [`SimConfig::prefix_cache_blocks`] above 0, each data-parallel rank keeps the
+//! KV blocks of the prompts it computed in a prefix cache of that many blocks of
+//! [`SimConfig::block_size`] tokens, least recently used evicted first (a request
+//! touches its blocks from the last to the first, so a chain's tail goes before its
+//! head, as in vLLM's block pool). Blocks are keyed by a hash chained over the tokens,
+//! as vLLM's are. A local prefill looks its prompt up first and computes (waits
+//! [`SimConfig::prefill_delay_per_token`] for) only the tokens after the cached prefix;
+//! like vLLM it never hits the last token, so at most all but one block of a prompt
+//! that ends on a block boundary. The answer carries
+//! `usage.prompt_tokens_details.cached_tokens` (streamed answers too, in their usage
+//! chunk), as vLLM does with `--enable-prompt-tokens-details`; a decode that received
+//! its KV from a prefill caches it as well and counts the whole prompt as cached (vLLM
+//! counts externally computed tokens as cached). [`Stats`] counts the tokens looked up
+//! and hit, the blocks held and evicted; [`SimEngine::cached_prefix_tokens`] reads a
+//! rank's cache without touching it (ground truth for tests and benchmarks). Without a
+//! cache (the default), answers and timings are as before and `prompt_tokens_details`
+//! stays `null`. [`SimConfig::serial_prefill`] makes a rank prefill one request at a
+//! time, so that queued prefills add to the time to first token.
+//!
+//! With [`SimConfig::kv_events`] as well, each rank publishes its cache's changes as
+//! vLLM 0.33 does (`vllm/distributed/kv_events.py`): a ZMQ `PUB` socket on the
+//! configured port plus the rank ([`SimEngine::kv_events_endpoint`] for rank 0) sends
+//! `[topic, seq (u64 big-endian), payload]` per batch, the payload being msgpack
+//! `[ts, events, data_parallel_rank]` with map-tagged events: `BlockRemoved` for the
+//! blocks a prefill evicted, then `BlockStored` for the blocks it added
+//! (`block_hashes`, `parent_block_hash`, `token_ids`, `block_size`, `lora_id`,
+//! `medium: "GPU"`, `lora_name`, `group_idx: 0`), and `AllBlocksCleared` on
+//! [`SimEngine::reset_prefix_cache`]; the bytes are those vLLM's own msgspec encoder
+//! writes (a unit test compares them). The last [`KvEventsConfig::buffer_steps`]
+//! batches are kept for the replay `ROUTER` socket
+//! ([`SimEngine::kv_events_replay_endpoint`]): a `DEALER` sending `[empty, start seq]`
+//! gets `[empty, topic, seq, payload]` for each kept batch from `start` on, then
+//! `[empty, empty, -1, empty]`. [`SimEngine::lose_kv_events`] makes batches be numbered
+//! and kept but not sent, as a `PUB` socket drops messages for a slow subscriber.
+//!
 //! # Example
 //!
 //! ```
@@ -537,9 +574,11 @@ mod config;
 mod dp;
 mod generate;
 mod kv;
+mod kv_events;
 mod lax;
 mod lmcache;
 mod mooncake;
+mod prefix_cache;
 mod rendezvous;
 mod server;
 mod sglang;
@@ -551,6 +590,7 @@ pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
     SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
+pub use kv_events::KvEventsConfig;
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

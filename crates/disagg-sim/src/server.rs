@@ -31,7 +31,9 @@ use crate::generate::{
     EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
 };
 use crate::kv::{self, KvStore, KvTransferError, lock};
+use crate::kv_events::Publishers;
 use crate::lmcache::{self, DisaggSpec, LossRng, Notifier, TakeError};
+use crate::prefix_cache::PrefixCache;
 use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
 use crate::{mooncake, sglang};
@@ -100,6 +102,12 @@ struct Inner {
     balancer: Arc<Balancer>,
     /// SGLang decode: where elements that name no rank go.
     round_robin: RoundRobin,
+    /// The prefix cache of each rank, when configured.
+    prefix: Option<PrefixCache>,
+    /// Where its KV events go, when configured.
+    publishers: Option<Publishers>,
+    /// With [`SimConfig::serial_prefill`]: one prefill at a time per rank.
+    prefill_slots: Vec<tokio::sync::Mutex<()>>,
 }
 
 /// An LMCache prefill's ZMQ socket to the proxy and the generator deciding
@@ -137,6 +145,17 @@ impl fmt::Debug for SimEngine {
             .field("engine_id", &self.inner.engine_id)
             .field("model", &self.inner.config.model)
             .finish_non_exhaustive()
+    }
+}
+
+fn tcp_endpoint(addr: SocketAddr) -> String {
+    format!("tcp://{addr}")
+}
+
+/// Publishes a rank's KV events, when the engine publishes any.
+fn publish(inner: &Inner, rank: usize, events: Vec<crate::prefix_cache::Event>) {
+    if let Some(p) = &inner.publishers {
+        p.publish(rank, events);
     }
 }
 
@@ -274,6 +293,35 @@ impl SimEngine {
         let faults = config.faults;
         let lease = config.kv_lease;
         let (stop, stop_rx) = watch::channel(false);
+        let counters = Arc::new(Counters::with_dp_size(dp_size));
+        let mut tasks = Vec::new();
+        let prefix = (config.prefix_cache_blocks > 0).then(|| {
+            PrefixCache::new(
+                &config.model,
+                config.block_size,
+                config.prefix_cache_blocks,
+                dp_size,
+            )
+        });
+        let publishers = match (&config.kv_events, &prefix) {
+            (Some(events), Some(_)) => Some(
+                Publishers::start(
+                    events,
+                    dp_size,
+                    counters.clone(),
+                    stop_rx.clone(),
+                    &mut tasks,
+                )
+                .await?,
+            ),
+            (Some(_), None) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "kv_events needs a prefix cache (prefix_cache_blocks > 0)",
+                ));
+            }
+            (None, _) => None,
+        };
         let inner = Arc::new(Inner {
             config,
             engine_id,
@@ -282,7 +330,7 @@ impl SimEngine {
             models_body,
             side_channel_port: side_channel_addr.port(),
             faults: Mutex::new(faults),
-            counters: Arc::new(Counters::with_dp_size(dp_size)),
+            counters,
             kv: KvStore::default(),
             side_pool: kv::SidePool::default(),
             rooms: sglang::Rooms::default(),
@@ -295,15 +343,20 @@ impl SimEngine {
             notifications,
             balancer: Arc::new(Balancer::new(dp_size)),
             round_robin: RoundRobin::default(),
+            prefix,
+            publishers,
+            prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
         });
-        let mut tasks = vec![
-            tokio::spawn(accept_http(inner.clone(), http, stop_rx.clone())),
-            tokio::spawn(accept_side_channel(
-                inner.clone(),
-                side_channel,
-                stop_rx.clone(),
-            )),
-        ];
+        tasks.push(tokio::spawn(accept_http(
+            inner.clone(),
+            http,
+            stop_rx.clone(),
+        )));
+        tasks.push(tokio::spawn(accept_side_channel(
+            inner.clone(),
+            side_channel,
+            stop_rx.clone(),
+        )));
         match (inner.config.kv_mode, bootstrap) {
             (KvMode::Sglang(SimRole::Prefill), Some(listener)) => {
                 let inner = inner.clone();
@@ -426,6 +479,51 @@ impl SimEngine {
     /// (`receiver_alloc_port` of a `disagg_spec`); empty in the other modes.
     pub fn lmcache_alloc_ports(&self) -> Vec<u16> {
         self.lmcache_alloc_ports.clone()
+    }
+
+    /// Where rank 0 publishes its KV-cache events (`tcp://HOST:PORT`; rank `r` on the
+    /// port plus `r`), with [`SimConfig::kv_events`].
+    pub fn kv_events_endpoint(&self) -> Option<String> {
+        self.inner.publishers.as_ref().map(|p| tcp_endpoint(p.addr))
+    }
+
+    /// Where rank 0 answers KV-event replay requests (`tcp://HOST:PORT`), with a
+    /// [`KvEventsConfig::replay_port`](crate::KvEventsConfig::replay_port).
+    pub fn kv_events_replay_endpoint(&self) -> Option<String> {
+        self.inner
+            .publishers
+            .as_ref()
+            .and_then(|p| p.replay_addr)
+            .map(tcp_endpoint)
+    }
+
+    /// How many leading tokens of `tokens` rank `rank`'s prefix cache would serve
+    /// now (what a local prefill of them would hit), without touching the cache: the
+    /// simulator's ground truth, for tests and benchmarks. 0 without a prefix cache.
+    pub fn cached_prefix_tokens(&self, rank: usize, tokens: &[u32]) -> usize {
+        self.inner
+            .prefix
+            .as_ref()
+            .map_or(0, |c| c.peek(rank, tokens))
+    }
+
+    /// Empties every rank's prefix cache, publishing `AllBlocksCleared`, as vLLM's
+    /// `reset_prefix_cache` does.
+    pub fn reset_prefix_cache(&self) {
+        if let Some(cache) = &self.inner.prefix {
+            for (rank, events) in cache.clear(&self.inner.counters) {
+                publish(&self.inner, rank, events);
+            }
+        }
+    }
+
+    /// Makes rank `rank`'s next `batches` KV-event batches be numbered and kept for
+    /// replay but not sent, as a `PUB` socket drops messages for a subscriber past its
+    /// high-water mark: a subscriber sees a gap in the sequence.
+    pub fn lose_kv_events(&self, rank: usize, batches: u64) {
+        if let Some(p) = &self.inner.publishers {
+            p.lose(rank, batches);
+        }
     }
 
     /// The configuration the engine runs with (faults as at start).
@@ -893,7 +991,23 @@ where
         bump(&counters.grammars_compiled);
     }
 
-    match serve_completion(inner, &request, plan, &request_id, header_id, faults, guard).await {
+    // The rank whose prefix cache serves the request (an SGLang batch's first element's).
+    let cache_rank = match &plan {
+        Plan::SglangPrefill(elements) | Plan::SglangDecode(elements) => {
+            elements.first().map_or(0, |e| e.rank as usize)
+        }
+        _ => rank,
+    };
+    let served = serve_completion(
+        inner,
+        &request,
+        plan,
+        (&request_id, header_id),
+        cache_rank,
+        faults,
+        guard,
+    );
+    match served.await {
         Ok(response) => response,
         Err((e, mut guard)) => {
             guard.complete();
@@ -1276,8 +1390,8 @@ async fn serve_completion(
     inner: &Inner,
     request: &CompletionRequest,
     plan: Plan,
-    request_id: &str,
-    header_id: Option<&str>,
+    (request_id, header_id): (&str, Option<&str>),
+    rank: usize,
     faults: Faults,
     mut guard: RequestGuard,
 ) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
@@ -1391,13 +1505,43 @@ async fn serve_completion(
         }
         None => false,
     };
+    // `usage.prompt_tokens_details.cached_tokens`, with a prefix cache.
+    let mut cached_tokens = None;
     if !remote_kv {
         bump(&counters.local_prefills);
-        let tokens = u32::try_from(request.prompt_tokens).unwrap_or(u32::MAX);
+        // One prefill at a time on a rank, when its compute is modelled as shared.
+        let _slot = match inner.prefill_slots.get(rank) {
+            Some(slot) if config.serial_prefill => Some(slot.lock().await),
+            _ => None,
+        };
+        let mut computed = request.prompt_tokens;
+        if let Some(cache) = &inner.prefix {
+            let hit: u64 = request
+                .prompts
+                .iter()
+                .map(|p| cache.lookup(rank, p, counters) as u64)
+                .sum();
+            cached_tokens = Some(hit);
+            computed -= hit;
+        }
+        let tokens = u32::try_from(computed).unwrap_or(u32::MAX);
         let delay = config.prefill_delay_per_token.saturating_mul(tokens);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
+        // The computed blocks are cached once computed.
+        if let Some(cache) = &inner.prefix {
+            for p in &request.prompts {
+                publish(inner, rank, cache.store(rank, p, counters));
+            }
+        }
+    } else if let Some(cache) = &inner.prefix {
+        // KV received from a prefill is cached here too, and vLLM counts it as cached
+        // (external) prompt tokens.
+        for p in &request.prompts {
+            publish(inner, rank, cache.store(rank, p, counters));
+        }
+        cached_tokens = Some(request.prompt_tokens);
     }
     let mut max_tokens = request.max_tokens;
     let lmcache_decode = matches!(plan, Plan::LmcacheDecode);
@@ -1517,6 +1661,7 @@ async fn serve_completion(
             usage: request
                 .include_usage
                 .then_some((request.prompt_tokens, completion_tokens)),
+            cached_tokens,
             delay: config.inter_token_delay,
             drop_after: faults.drop_after_chunks,
             stall_after: faults.stall_after_chunks,
@@ -1548,6 +1693,7 @@ async fn serve_completion(
         model: &config.model,
         choices: &choices,
         prompt_tokens: request.prompt_tokens,
+        cached_tokens,
         kv_transfer_params: match &kv_out {
             Some(params) => Some(KvParamsField::Params(params)),
             None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),

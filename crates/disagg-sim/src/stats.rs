@@ -135,6 +135,27 @@ pub struct Stats {
     /// (`follow_bootstrap_room conflict`).
     #[serde(default)]
     pub dp_rank_conflicts: u64,
+    /// Prefix cache ([`SimConfig::prefix_cache_blocks`](crate::SimConfig::prefix_cache_blocks)):
+    /// prompt tokens of local prefills looked up in it.
+    #[serde(default)]
+    pub prefix_cache_query_tokens: u64,
+    /// Prefix cache: prompt tokens of local prefills found in it (not computed); the
+    /// hit rate is this over [`Stats::prefix_cache_query_tokens`].
+    #[serde(default)]
+    pub prefix_cache_hit_tokens: u64,
+    /// Prefix cache: blocks held now, all ranks together.
+    #[serde(default)]
+    pub prefix_cache_blocks: u64,
+    /// Prefix cache: blocks evicted to make room.
+    #[serde(default)]
+    pub prefix_cache_evictions: u64,
+    /// KV events ([`SimConfig::kv_events`](crate::SimConfig::kv_events)): batches
+    /// published (sequence numbers used), lost ones included.
+    #[serde(default)]
+    pub kv_event_batches: u64,
+    /// KV events: replay requests served.
+    #[serde(default)]
+    pub kv_event_replays: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -172,6 +193,12 @@ pub(crate) struct Counters {
     /// One counter per data-parallel rank (none in [`Counters::default`]).
     pub(crate) requests_per_dp_rank: Box<[AtomicU64]>,
     pub(crate) dp_rank_conflicts: AtomicU64,
+    pub(crate) prefix_cache_query_tokens: AtomicU64,
+    pub(crate) prefix_cache_hit_tokens: AtomicU64,
+    pub(crate) prefix_cache_blocks: AtomicU64,
+    pub(crate) prefix_cache_evictions: AtomicU64,
+    pub(crate) kv_event_batches: AtomicU64,
+    pub(crate) kv_event_replays: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -185,6 +212,22 @@ impl Counters {
             requests_per_dp_rank: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
             ..Self::default()
         }
+    }
+
+    /// Counts a prefix-cache lookup of `query` prompt tokens that found `hit`.
+    pub(crate) fn add_prefix_lookup(&self, query: usize, hit: usize) {
+        self.prefix_cache_query_tokens
+            .fetch_add(query as u64, Relaxed);
+        self.prefix_cache_hit_tokens.fetch_add(hit as u64, Relaxed);
+    }
+
+    /// Counts a rank's prefix cache going from `before` to `after` blocks, `evicted`
+    /// of them evicted.
+    pub(crate) fn prefix_blocks_changed(&self, before: usize, after: usize, evicted: usize) {
+        self.prefix_cache_blocks.fetch_add(after as u64, Relaxed);
+        self.prefix_cache_blocks.fetch_sub(before as u64, Relaxed);
+        self.prefix_cache_evictions
+            .fetch_add(evicted as u64, Relaxed);
     }
 
     /// Counts a request placed on `rank` (ignored if out of range).
@@ -231,6 +274,12 @@ impl Counters {
                 .map(|c| c.load(Relaxed))
                 .collect(),
             dp_rank_conflicts: self.dp_rank_conflicts.load(Relaxed),
+            prefix_cache_query_tokens: self.prefix_cache_query_tokens.load(Relaxed),
+            prefix_cache_hit_tokens: self.prefix_cache_hit_tokens.load(Relaxed),
+            prefix_cache_blocks: self.prefix_cache_blocks.load(Relaxed),
+            prefix_cache_evictions: self.prefix_cache_evictions.load(Relaxed),
+            kv_event_batches: self.kv_event_batches.load(Relaxed),
+            kv_event_replays: self.kv_event_replays.load(Relaxed),
         }
     }
 }
