@@ -26,7 +26,9 @@
 //! [`FakeApiServer::delete`] change pods, [`FakeApiServer::compact`] drops history,
 //! [`FakeApiServer::end_watches`] closes every open watch (as a server restart or a
 //! load balancer would), [`FakeApiServer::hold_watches`] keeps new watch requests
-//! waiting (a slow reconnect), [`FakeApiServer::bookmark`] sends a bookmark now.
+//! waiting (a slow reconnect), [`FakeApiServer::bookmark`] sends a bookmark now. A
+//! test waits for [`FakeApiServer::open_watches`] before it ends watches or asks for
+//! bookmarks, so that every watch sees the request.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -68,6 +70,21 @@ struct State {
     /// Requests seen: (is_watch, query string).
     requests: Vec<(bool, String)>,
     next_uid: u64,
+    /// Bookmarks written to watch streams.
+    bookmarks_sent: usize,
+    /// While true, every request is answered 500.
+    failing: bool,
+    /// Watch streams open now.
+    open_watches: usize,
+}
+
+/// Counts one open watch stream while it lives.
+struct OpenWatch(Arc<Mutex<State>>);
+
+impl Drop for OpenWatch {
+    fn drop(&mut self) {
+        self.0.lock().unwrap().open_watches -= 1;
+    }
 }
 
 /// The server; dropped at the end of the test with its task.
@@ -237,6 +254,24 @@ impl FakeApiServer {
         self.bookmarks.send_modify(|v| *v += 1);
     }
 
+    /// Answers every request 500 (`true`), ending the open watches, or serves again.
+    pub(crate) fn fail_requests(&self, failing: bool) {
+        self.state.lock().unwrap().failing = failing;
+        if failing {
+            self.end_watches();
+        }
+    }
+
+    /// Watch streams open now (each sees every later end, bookmark and change).
+    pub(crate) fn open_watches(&self) -> usize {
+        self.state.lock().unwrap().open_watches
+    }
+
+    /// Bookmarks written to watch streams so far.
+    pub(crate) fn bookmarks_sent(&self) -> usize {
+        self.state.lock().unwrap().bookmarks_sent
+    }
+
     /// List requests served so far.
     pub(crate) fn lists(&self) -> usize {
         self.state.lock().unwrap().requests.iter().filter(|(w, _)| !w).count()
@@ -278,6 +313,14 @@ async fn handle(shared: Shared, req: Request<Incoming>) -> Response<Body> {
         return full(
             StatusCode::UNAUTHORIZED,
             status(401, "Unauthorized", "Unauthorized"),
+        );
+    }
+    if shared.state.lock().unwrap().failing {
+        // 500, as the API server answers when its storage fails (kube-rs's client
+        // retries 429, 503 and 504 itself, so those would not reach the watcher soon).
+        return full(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            status(500, "InternalError", "an error on the server has prevented the request from succeeding"),
         );
     }
     let path = req.uri().path().to_owned();
@@ -378,7 +421,11 @@ async fn watch_pods(
     changed.mark_changed();
     ends.borrow_and_update();
     marks.borrow_and_update();
+    // Counted as open once it sees every later end and bookmark request.
+    shared.state.lock().unwrap().open_watches += 1;
+    let open = OpenWatch(Arc::clone(&shared.state));
     tokio::spawn(async move {
+        let _open = open;
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);
         loop {
@@ -409,7 +456,11 @@ async fn watch_pods(
                 r = marks.changed() => {
                     if r.is_err() { return; }
                     if bookmarks {
-                        let rv = shared.state.lock().unwrap().rv;
+                        let rv = {
+                            let mut s = shared.state.lock().unwrap();
+                            s.bookmarks_sent += 1;
+                            s.rv
+                        };
                         cursor = cursor.max(rv);
                         let mark = json!({"type": "BOOKMARK", "object": {
                             "kind": "Pod", "apiVersion": "v1",
