@@ -71,12 +71,17 @@ impl FromStr for DnsName {
         let s = s.trim();
         if s.starts_with('_') {
             let labels: Vec<&str> = s.trim_end_matches('.').split('.').collect();
-            if labels.len() < 3 || !labels[1].starts_with('_') || labels.iter().any(|l| l.is_empty()) {
+            if labels.len() < 3
+                || !labels[1].starts_with('_')
+                || labels.iter().any(|l| l.is_empty())
+            {
                 return Err(DnsNameError(s.to_owned()));
             }
             return Ok(DnsName::Srv(s.to_owned()));
         }
-        let (name, port) = s.rsplit_once(':').ok_or_else(|| DnsNameError(s.to_owned()))?;
+        let (name, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| DnsNameError(s.to_owned()))?;
         let port = port.parse().map_err(|_| DnsNameError(s.to_owned()))?;
         if name.is_empty() || name.contains(':') {
             return Err(DnsNameError(s.to_owned()));
@@ -224,11 +229,10 @@ fn resolver(config: &DnsConfig) -> Result<TokioResolver, DnsError> {
             for connection in &mut server.connections {
                 connection.port = addr.port();
             }
-            let builder = Resolver::builder_with_config(
+            Resolver::builder_with_config(
                 ResolverConfig::from_name_servers(vec![server]),
                 TokioRuntimeProvider::default(),
-            );
-            builder
+            )
         }
         None => Resolver::builder_tokio().map_err(DnsError::SystemConfig)?,
     };
@@ -292,7 +296,8 @@ async fn refresh_due(
             Err(Failure::NoRecords { negative_ttl }) => {
                 state.last = Some(Vec::new());
                 state.failures = 0;
-                let wait = negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
+                let wait =
+                    negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
                 state.due = Instant::now() + bound(wait);
             }
             Err(Failure::Lookup(e)) => {
@@ -394,7 +399,10 @@ async fn resolve(resolver: &TokioResolver, target: &DnsTarget) -> Result<Resolve
     }
 }
 
-async fn lookup_ip(resolver: &TokioResolver, name: &str) -> Result<(Vec<IpAddr>, Instant), Failure> {
+async fn lookup_ip(
+    resolver: &TokioResolver,
+    name: &str,
+) -> Result<(Vec<IpAddr>, Instant), Failure> {
     let lookup = resolver.lookup_ip(name).await?;
     let ips: Vec<IpAddr> = lookup.iter().collect();
     if ips.is_empty() {
@@ -433,7 +441,14 @@ mod tests {
             "_http._tcp.prefill.llm.svc".parse::<DnsName>().unwrap(),
             DnsName::Srv("_http._tcp.prefill.llm.svc".into())
         );
-        for bad in ["prefill", "prefill:x", ":80", "_http.prefill", "_http._tcp", "a:b:1"] {
+        for bad in [
+            "prefill",
+            "prefill:x",
+            ":80",
+            "_http.prefill",
+            "_http._tcp",
+            "a:b:1",
+        ] {
             assert!(bad.parse::<DnsName>().is_err(), "{bad}");
         }
     }
@@ -441,7 +456,13 @@ mod tests {
     #[test]
     fn addresses_become_urls() {
         let t = DnsTarget::new("x:1".parse().unwrap(), Role::Decode);
-        assert_eq!(spec(&t, "10.0.0.1".parse().unwrap(), 80).url, "http://10.0.0.1:80");
-        assert_eq!(spec(&t, "fd00::1".parse().unwrap(), 80).url, "http://[fd00::1]:80");
+        assert_eq!(
+            spec(&t, "10.0.0.1".parse().unwrap(), 80).url,
+            "http://10.0.0.1:80"
+        );
+        assert_eq!(
+            spec(&t, "fd00::1".parse().unwrap(), 80).url,
+            "http://[fd00::1]:80"
+        );
     }
 }

@@ -143,7 +143,8 @@ pub fn parse(text: &str) -> Result<Vec<EndpointSpec>, FileError> {
                 Role::Prefill => "prefill",
                 Role::Decode => "decode",
             };
-            let invalid = |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", i + 1));
+            let invalid =
+                |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", i + 1));
             let spec = entry.into_spec(role).map_err(invalid)?;
             spec.to_endpoints().map_err(|e| invalid(e.to_string()))?;
             if !seen.insert((table, spec.url.trim_end_matches('/').to_owned())) {
@@ -227,14 +228,21 @@ impl EntryModel {
             None => None,
             Some(ProfileModel::Text(t)) => Some(parse_kv_profile(&t).map_err(|e| e.to_string())?),
             Some(ProfileModel::Table(t)) => {
-                let mut profile = disagg_core::pairing::KvProfile::default();
-                profile.connector = t.connector;
-                profile.role = t.role.as_deref().map(parse_kv_role).transpose().map_err(|e| e.to_string())?;
-                profile.tp_size = t
-                    .tp
-                    .map(|tp| parse_tp(&tp.to_string()))
+                let role = t
+                    .role
+                    .as_deref()
+                    .map(parse_kv_role)
                     .transpose()
                     .map_err(|e| e.to_string())?;
+                let tp_size =
+                    t.tp.map(|tp| parse_tp(&tp.to_string()))
+                        .transpose()
+                        .map_err(|e| e.to_string())?;
+                let profile = disagg_core::pairing::KvProfile {
+                    connector: t.connector,
+                    role,
+                    tp_size,
+                };
                 Some(profile)
             }
         };
@@ -410,14 +418,35 @@ mod tests {
     #[test]
     fn invalid_files_name_the_problem() {
         let cases = [
-            ("[[prefill]]\nurl = \"http://p:1\"\nbootstarp_port = 1\n", "bootstarp_port"),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nbootstarp_port = 1\n",
+                "bootstarp_port",
+            ),
             ("[[decode]]\nurl = \"ftp://d:1\"\n", "[[decode]] #1"),
-            ("[[prefill]]\nurl = \"http://p:1\"\nranks = \"3-1\"\n", "3-1"),
-            ("[[prefill]]\nurl = \"http://p:1\"\nlmcache_receiver = \"h:1:2\"\n", "decode engines only"),
-            ("[[decode]]\nurl = \"http://d:1\"\n[[decode]]\nurl = \"http://d:1/\"\n", "twice"),
-            ("[[decode]]\nurl = \"http://d:1\"\nweight = -1.0\n", "weight"),
-            ("[[decode]]\nurl = \"http://d:1\"\nkv_events = \"d:5557\"\n", "kv_events"),
-            ("[[decode]]\nurl = \"http://d:1\"\nkv_profile = \"a,b,c\"\n", "kv profile"),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nranks = \"3-1\"\n",
+                "3-1",
+            ),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nlmcache_receiver = \"h:1:2\"\n",
+                "decode engines only",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\n[[decode]]\nurl = \"http://d:1/\"\n",
+                "twice",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nweight = -1.0\n",
+                "weight",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nkv_events = \"d:5557\"\n",
+                "kv_events",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nkv_profile = \"a,b,c\"\n",
+                "kv profile",
+            ),
             ("[[decode]\n", "TOML"),
         ];
         for (text, needle) in cases {

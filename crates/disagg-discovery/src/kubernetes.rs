@@ -205,8 +205,8 @@ pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesErr
             .await
             .map_err(KubernetesError::Infer)?,
         ClientConfig::Kubeconfig(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .map_err(KubernetesError::Kubeconfig)?;
+            let file =
+                kube::config::Kubeconfig::read_from(path).map_err(KubernetesError::Kubeconfig)?;
             kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
                 .await
                 .map_err(KubernetesError::Kubeconfig)?
@@ -276,6 +276,11 @@ pub fn spawn_with_client(
     Ok(source.with_task(task))
 }
 
+/// Every selector's watch events, tagged with the index of its [`Watched`].
+type PodEvents = futures::stream::SelectAll<
+    futures::stream::BoxStream<'static, (usize, Result<watcher::Event<Pod>, watcher::Error>)>,
+>;
+
 /// One role's watch.
 struct Watched {
     role: Role,
@@ -289,9 +294,7 @@ async fn run(
     config: KubernetesConfig,
     publisher: SpecPublisher,
     mut watched: Vec<Watched>,
-    mut events: futures::stream::SelectAll<
-        futures::stream::BoxStream<'static, (usize, Result<watcher::Event<Pod>, watcher::Error>)>,
-    >,
+    mut events: PodEvents,
 ) {
     let mut rejected: HashSet<(Role, String, String)> = HashSet::new();
     while let Some((index, event)) = events.next().await {
@@ -363,7 +366,11 @@ fn publish(
 /// # Errors
 ///
 /// The reason, when the pod has no port to use or an annotation does not parse.
-pub fn pod_spec(pod: &Pod, role: Role, config: &KubernetesConfig) -> Result<Option<EndpointSpec>, String> {
+pub fn pod_spec(
+    pod: &Pod,
+    role: Role,
+    config: &KubernetesConfig,
+) -> Result<Option<EndpointSpec>, String> {
     let Some(ip) = routable_ip(pod) else {
         return Ok(None);
     };
@@ -375,7 +382,12 @@ pub fn pod_spec(pod: &Pod, role: Role, config: &KubernetesConfig) -> Result<Opti
     let empty = BTreeMap::new();
     let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
     let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
-    let get = |key: &str| annotations.get(key).map(|v| v.trim()).filter(|v| !v.is_empty());
+    let get = |key: &str| {
+        annotations
+            .get(key)
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty())
+    };
     let bad = |key: &str, why: &dyn std::fmt::Display| format!("annotation {key}: {why}");
 
     let mut spec = EndpointSpec::new(url, role);
@@ -410,23 +422,26 @@ pub fn pod_spec(pod: &Pod, role: Role, config: &KubernetesConfig) -> Result<Opti
         }
         spec.weight = Some(w);
     }
-    let mut profile = KvProfile::default();
-    profile.connector = get(KV_CONNECTOR).map(str::to_owned);
-    profile.role = get(KV_ROLE)
-        .map(parse_kv_role)
-        .transpose()
-        .map_err(|e| bad(KV_ROLE, &e))?;
-    profile.tp_size = get(TP_SIZE)
-        .map(parse_tp)
-        .transpose()
-        .map_err(|e| bad(TP_SIZE, &e))?;
+    let profile = KvProfile {
+        connector: get(KV_CONNECTOR).map(str::to_owned),
+        role: get(KV_ROLE)
+            .map(parse_kv_role)
+            .transpose()
+            .map_err(|e| bad(KV_ROLE, &e))?,
+        tp_size: get(TP_SIZE)
+            .map(parse_tp)
+            .transpose()
+            .map_err(|e| bad(TP_SIZE, &e))?,
+    };
     if profile != KvProfile::default() {
         spec.kv_profile = Some(profile);
     }
     match (get(LMCACHE_INIT_PORTS), get(LMCACHE_ALLOC_PORTS)) {
         (None, None) => {}
         (Some(init), Some(alloc)) if role == Role::Decode => {
-            let ports = |key: &str, list: &str| parse_ports(list).map_err(|_| bad(key, &"not a list of ports"));
+            let ports = |key: &str, list: &str| {
+                parse_ports(list).map_err(|_| bad(key, &"not a list of ports"))
+            };
             let lmcache = LmcacheSpec {
                 host: ip.to_string(),
                 init_ports: ports(LMCACHE_INIT_PORTS, init)?,
@@ -449,7 +464,9 @@ pub fn pod_spec(pod: &Pod, role: Role, config: &KubernetesConfig) -> Result<Opti
         spec.kv_events = Some(if v.starts_with("tcp://") {
             v.to_owned()
         } else {
-            let port: u16 = v.parse().map_err(|_| bad(KV_EVENTS, &"neither a port nor tcp://HOST:PORT"))?;
+            let port: u16 = v
+                .parse()
+                .map_err(|_| bad(KV_EVENTS, &"neither a port nor tcp://HOST:PORT"))?;
             match ip {
                 IpAddr::V4(v4) => format!("tcp://{v4}:{port}"),
                 IpAddr::V6(v6) => format!("tcp://[{v6}]:{port}"),
@@ -506,35 +523,19 @@ fn pod_port(pod: &Pod, port: Option<&PortRef>) -> Result<u16, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{Container, ContainerPort, PodCondition, PodSpec, PodStatus};
 
     fn pod(ready: bool, annotations: &[(&str, &str)]) -> Pod {
-        let mut pod = Pod::default();
-        pod.metadata.name = Some("p".into());
-        pod.metadata.annotations = Some(
-            annotations
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect(),
-        );
-        pod.metadata.labels = Some([("model".to_owned(), "llama".to_owned())].into());
-        let mut port = ContainerPort::default();
-        port.container_port = 8100;
-        port.name = Some("http".into());
-        let mut container = Container::default();
-        container.ports = Some(vec![port]);
-        let mut spec = PodSpec::default();
-        spec.containers = vec![container];
-        pod.spec = Some(spec);
-        let mut condition = PodCondition::default();
-        condition.type_ = "Ready".into();
-        condition.status = if ready { "True" } else { "False" }.into();
-        let mut status = PodStatus::default();
-        status.phase = Some("Running".into());
-        status.pod_ip = Some("10.1.2.3".into());
-        status.conditions = Some(vec![condition]);
-        pod.status = Some(status);
-        pod
+        let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "labels": {"model": "llama"}, "annotations": annotations},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8100}]}]},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.1.2.3",
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+            },
+        }))
+        .unwrap()
     }
 
     fn config() -> KubernetesConfig {
@@ -581,7 +582,11 @@ mod tests {
 
     #[test]
     fn only_running_ready_live_pods_with_an_ip_route() {
-        assert!(pod_spec(&pod(false, &[]), Role::Decode, &config()).unwrap().is_none());
+        assert!(
+            pod_spec(&pod(false, &[]), Role::Decode, &config())
+                .unwrap()
+                .is_none()
+        );
         let mut p = pod(true, &[]);
         p.status.as_mut().unwrap().phase = Some("Pending".into());
         assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_none());
@@ -620,7 +625,10 @@ mod tests {
             (Role::Decode, vec![(LMCACHE_INIT_PORTS, "7300")]),
             (
                 Role::Decode,
-                vec![(LMCACHE_INIT_PORTS, "7300,7301"), (LMCACHE_ALLOC_PORTS, "7400")],
+                vec![
+                    (LMCACHE_INIT_PORTS, "7300,7301"),
+                    (LMCACHE_ALLOC_PORTS, "7400"),
+                ],
             ),
             (Role::Decode, vec![(KV_EVENTS, "nowhere")]),
         ] {
@@ -630,7 +638,10 @@ mod tests {
         // A decode ignores bootstrap ports.
         let p = pod(true, &[(SGLANG_BOOTSTRAP_PORT, "x")]);
         assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_some());
-        let p = pod(true, &[(LMCACHE_INIT_PORTS, "7300"), (LMCACHE_ALLOC_PORTS, "7400")]);
+        let p = pod(
+            true,
+            &[(LMCACHE_INIT_PORTS, "7300"), (LMCACHE_ALLOC_PORTS, "7400")],
+        );
         let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
         assert_eq!(spec.lmcache.unwrap().host, "10.1.2.3");
         assert!(pod_spec(&p, Role::Prefill, &config()).is_err());

@@ -33,7 +33,7 @@
 //! | (default) | the specs and the merged source, no discovery backend |
 //! | `kubernetes` | [`kubernetes`]: pods by label selector (kube-rs, k8s-openapi) |
 //! | `dns` | [`dns`]: A/AAAA and SRV names (hickory-resolver) |
-//! | `file` | [`file`]: a TOML endpoints file |
+//! | `file` | [`file`](mod@file): a TOML endpoints file |
 //! | `lmcache` | LMCache receivers become `disagg_lmcache::LmcacheReceiver`s |
 //! | `full` | all of the above |
 //!

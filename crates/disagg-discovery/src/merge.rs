@@ -127,10 +127,7 @@ impl MergedSourceBuilder {
     /// Connector data of the embedder's own for each discovered spec's endpoints.
     pub fn extend_with(
         mut self,
-        f: impl Fn(&EndpointSpec, &mut http::Extensions) -> Result<(), BoxError>
-        + Send
-        + Sync
-        + 'static,
+        f: impl Fn(&EndpointSpec, &mut http::Extensions) -> Result<(), BoxError> + Send + Sync + 'static,
     ) -> Self {
         self.extend = Some(Arc::new(f));
         self
@@ -274,7 +271,7 @@ impl MergedSource {
                 );
             }
         }
-        let rows: [(&str, &str, bool, fn(&SourceStats) -> u64); 4] = [
+        let rows: [Row; 4] = [
             (
                 "updates_total",
                 "Endpoint lists published by each discovery source.",
@@ -327,6 +324,9 @@ impl EndpointSource for MergedSource {
         self.tx.borrow().clone()
     }
 }
+
+/// One per-source metric: name, help, whether a gauge, and how to read it.
+type Row = (&'static str, &'static str, bool, fn(&SourceStats) -> u64);
 
 /// A label value with `\` and `"` escaped, as Prometheus' text format asks.
 fn escape(s: &str) -> String {
@@ -476,7 +476,10 @@ impl Merger {
         }
         self.current = next;
         let unchanged = order.len() == self.order.len()
-            && order.iter().zip(&self.order).all(|(a, b)| Arc::ptr_eq(a, b));
+            && order
+                .iter()
+                .zip(&self.order)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
         if unchanged && self.initialized {
             return None;
         }

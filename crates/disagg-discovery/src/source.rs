@@ -127,9 +127,7 @@ impl SpecPublisher {
     /// that the same endpoints found in another order are no change; a list equal to
     /// the current one is not published again. Returns whether it was published.
     pub fn publish(&self, mut specs: Vec<EndpointSpec>) -> bool {
-        specs.sort_by(|a, b| {
-            (role_order(a.role), &a.url).cmp(&(role_order(b.role), &b.url))
-        });
+        specs.sort_by(|a, b| (role_order(a.role), &a.url).cmp(&(role_order(b.role), &b.url)));
         let published = self.tx.send_if_modified(|current| {
             if current.as_deref() == Some(specs.as_slice()) {
                 return false;

@@ -13,8 +13,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use disagg_core::pairing::{KvProfile, KvRole};
 use disagg_core::endpoint::EndpointError;
+use disagg_core::pairing::{KvProfile, KvRole};
 use disagg_core::{BootstrapPort, Endpoint, Role};
 
 /// One engine as a discovery source describes it.
@@ -339,23 +339,33 @@ pub struct RanksError(String);
 pub fn parse_kv_profile(spec: &str) -> Result<KvProfile, ProfileError> {
     let mut parts = spec.split(',').map(str::trim);
     let connector = parts.next().filter(|c| !c.is_empty()).map(str::to_owned);
-    let role = parts.next().filter(|r| !r.is_empty()).map(parse_kv_role).transpose()?;
-    let tp_size = parts.next().filter(|t| !t.is_empty()).map(parse_tp).transpose()?;
+    let role = parts
+        .next()
+        .filter(|r| !r.is_empty())
+        .map(parse_kv_role)
+        .transpose()?;
+    let tp_size = parts
+        .next()
+        .filter(|t| !t.is_empty())
+        .map(parse_tp)
+        .transpose()?;
     if parts.next().is_some() {
         return Err(ProfileError(format!(
             "`{spec}` has more than CONNECTOR,ROLE,TP"
         )));
     }
-    let mut profile = KvProfile::default();
-    profile.connector = connector;
-    profile.role = role;
-    profile.tp_size = tp_size;
-    Ok(profile)
+    Ok(KvProfile {
+        connector,
+        role,
+        tp_size,
+    })
 }
 
 /// A `kv_role` (`kv_producer`, `kv_consumer`, `kv_both`, or `producer`/`consumer`/`both`).
 pub(crate) fn parse_kv_role(s: &str) -> Result<KvRole, ProfileError> {
-    s.trim().parse().map_err(|e: disagg_core::pairing::KvRoleError| ProfileError(e.to_string()))
+    s.trim()
+        .parse()
+        .map_err(|e: disagg_core::pairing::KvRoleError| ProfileError(e.to_string()))
 }
 
 /// A tensor-parallel size: a positive number.
@@ -383,7 +393,10 @@ mod tests {
         assert!("3-1".parse::<Ranks>().is_err());
         assert!("a-b".parse::<Ranks>().is_err());
         assert!("".parse::<Ranks>().is_err());
-        assert_eq!(Ranks::new(1, 3).unwrap().iter().collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(
+            Ranks::new(1, 3).unwrap().iter().collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
     }
 
     #[test]
@@ -399,7 +412,10 @@ mod tests {
         assert!(eps[0].ext().get::<BootstrapPort>().is_none());
         let p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
         let p = p.to_endpoints().unwrap();
-        assert_eq!(p[0].ext().get::<BootstrapPort>(), Some(&BootstrapPort(None)));
+        assert_eq!(
+            p[0].ext().get::<BootstrapPort>(),
+            Some(&BootstrapPort(None))
+        );
     }
 
     #[test]

@@ -274,12 +274,24 @@ impl FakeApiServer {
 
     /// List requests served so far.
     pub(crate) fn lists(&self) -> usize {
-        self.state.lock().unwrap().requests.iter().filter(|(w, _)| !w).count()
+        self.state
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|(w, _)| !w)
+            .count()
     }
 
     /// Watch requests received so far (held ones included).
     pub(crate) fn watches(&self) -> usize {
-        self.state.lock().unwrap().requests.iter().filter(|(w, _)| *w).count()
+        self.state
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|(w, _)| *w)
+            .count()
     }
 
     /// The query strings of every request so far.
@@ -320,7 +332,11 @@ async fn handle(shared: Shared, req: Request<Incoming>) -> Response<Body> {
         // retries 429, 503 and 504 itself, so those would not reach the watcher soon).
         return full(
             StatusCode::INTERNAL_SERVER_ERROR,
-            status(500, "InternalError", "an error on the server has prevented the request from succeeding"),
+            status(
+                500,
+                "InternalError",
+                "an error on the server has prevented the request from succeeding",
+            ),
         );
     }
     let path = req.uri().path().to_owned();
@@ -333,7 +349,11 @@ async fn handle(shared: Shared, req: Request<Incoming>) -> Response<Body> {
     else {
         return full(
             StatusCode::NOT_FOUND,
-            status(404, "NotFound", "the server could not find the requested resource"),
+            status(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+            ),
         );
     };
     let selector = match Selector::parse(params.get("labelSelector").map_or("", String::as_str)) {
@@ -341,7 +361,11 @@ async fn handle(shared: Shared, req: Request<Incoming>) -> Response<Body> {
         Err(e) => {
             return full(
                 StatusCode::BAD_REQUEST,
-                status(400, "BadRequest", &format!("unable to parse requirement: {e}")),
+                status(
+                    400,
+                    "BadRequest",
+                    &format!("unable to parse requirement: {e}"),
+                ),
             );
         }
     };
@@ -406,14 +430,20 @@ async fn watch_pods(
     else {
         return full(
             StatusCode::BAD_REQUEST,
-            status(400, "BadRequest", "this test server watches from a resourceVersion"),
+            status(
+                400,
+                "BadRequest",
+                "this test server watches from a resourceVersion",
+            ),
         );
     };
     let timeout = params
         .get("timeoutSeconds")
         .and_then(|t| t.parse::<u64>().ok())
         .map_or(Duration::from_secs(1800), Duration::from_secs);
-    let bookmarks = params.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+    let bookmarks = params
+        .get("allowWatchBookmarks")
+        .is_some_and(|v| v == "true");
     let (tx, rx) = mpsc::channel::<Value>(64);
     let mut changed = shared.changed.clone();
     let mut ends = shared.ends.clone();
@@ -604,7 +634,10 @@ impl Selector {
                 Requirement::In(k.trim().into(), set(rest)?)
             } else if let Some(k) = part.strip_prefix('!') {
                 Requirement::NotExists(k.trim().into())
-            } else if part.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c)) {
+            } else if part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+            {
                 Requirement::Exists(part.into())
             } else {
                 return Err(format!("`{part}`"));
@@ -694,5 +727,8 @@ fn selectors_parse_and_match() {
         assert_eq!(Selector::parse(s).unwrap().matches(&pod), m, "{s}");
     }
     assert!(Selector::parse("app in vllm").is_err());
-    assert_eq!(decode("app%3Dvllm%2Crole%3Dprefill"), "app=vllm,role=prefill");
+    assert_eq!(
+        decode("app%3Dvllm%2Crole%3Dprefill"),
+        "app=vllm,role=prefill"
+    );
 }

@@ -137,7 +137,11 @@ impl Dnsmasq {
         let tmp = self.hosts.with_extension("tmp");
         std::fs::write(&tmp, hosts).unwrap();
         std::fs::rename(&tmp, &self.hosts).unwrap();
-        let pid = self.child.as_ref().and_then(Child::id).expect("dnsmasq runs");
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .expect("dnsmasq runs");
         let hup = std::process::Command::new("kill")
             .args(["-HUP", &pid.to_string()])
             .status();
@@ -161,7 +165,11 @@ impl Dnsmasq {
 
     async fn restart(&mut self) {
         self.stop().await;
-        assert!(self.spawn().await, "dnsmasq restarted on port {}", self.port);
+        assert!(
+            self.spawn().await,
+            "dnsmasq restarted on port {}",
+            self.port
+        );
     }
 }
 
@@ -220,9 +228,12 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
         ]
     );
     assert_eq!(ids(&first, Role::Decode), ["http://127.0.0.21:8200"]);
-    assert!(first.prefill().iter().all(|e| {
-        e.ext().get::<BootstrapPort>() == Some(&BootstrapPort(Some(8998)))
-    }));
+    assert!(
+        first
+            .prefill()
+            .iter()
+            .all(|e| { e.ext().get::<BootstrapPort>() == Some(&BootstrapPort(Some(8998))) })
+    );
     let kept = first
         .prefill()
         .iter()
@@ -242,7 +253,10 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
         .iter()
         .find(|e| e.id().as_str() == "http://127.0.0.12:8100")
         .unwrap();
-    assert!(Arc::ptr_eq(still, &kept), "an address that stays keeps its endpoint");
+    assert!(
+        Arc::ptr_eq(still, &kept),
+        "an address that stays keeps its endpoint"
+    );
 
     // The decode name removed: NXDOMAIN is an answer, the name has no engines.
     server
@@ -265,7 +279,10 @@ async fn the_refresh_bound_caps_a_long_ttl() {
         .source(dns::spawn(config).await.unwrap())
         .build();
     merged.synced().await;
-    assert_eq!(ids(&merged.snapshot(), Role::Decode), ["http://127.0.0.41:8200"]);
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.41:8200"]
+    );
     // The records say an hour; the bound says a second.
     server.set_hosts("127.0.0.42 d.disagg.test\n").await;
     wait_for(&merged, SEEN, "the change despite the TTL", |s| {
@@ -287,7 +304,10 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
     let Some(mut server) = Dnsmasq::start(&dir, hosts, &srv, 1).await else {
         return;
     };
-    let mut config = config(&server, vec![target("_vllm._tcp.disagg.test", Role::Decode)]);
+    let mut config = config(
+        &server,
+        vec![target("_vllm._tcp.disagg.test", Role::Decode)],
+    );
     config.max_refresh = Duration::from_secs(60);
     let merged = MergedSource::builder()
         .source(dns::spawn(config).await.unwrap())
@@ -321,8 +341,7 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
 #[tokio::test]
 async fn a_failed_lookup_keeps_the_last_good_engines() {
     let dir = TempDir::new("dns-fail");
-    let Some(mut server) = Dnsmasq::start(&dir, "127.0.0.51 d.disagg.test\n", &[], 1).await
-    else {
+    let Some(mut server) = Dnsmasq::start(&dir, "127.0.0.51 d.disagg.test\n", &[], 1).await else {
         return;
     };
     let mut config = config(&server, vec![target("d.disagg.test:8200", Role::Decode)]);
@@ -338,8 +357,14 @@ async fn a_failed_lookup_keeps_the_last_good_engines() {
 
     // No server: lookups fail (refused or timed out), the engines stay.
     server.stop().await;
-    eventually(Duration::from_secs(15), "two failed lookups", || errors(&merged) >= 2).await;
-    assert!(Arc::ptr_eq(&merged.snapshot(), &before), "the set was kept as it was");
+    eventually(Duration::from_secs(15), "two failed lookups", || {
+        errors(&merged) >= 2
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&merged.snapshot(), &before),
+        "the set was kept as it was"
+    );
 
     // The server back with other records: the set follows.
     std::fs::write(&server.hosts, "127.0.0.52 d.disagg.test\n").unwrap();

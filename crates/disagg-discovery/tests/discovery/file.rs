@@ -86,7 +86,10 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
 
     // An edit in place (no rename) is seen too.
     std::fs::write(&path, FIRST).unwrap();
-    wait_for(&merged, RELOAD, "the edit in place", |s| s.decode().len() == 1).await;
+    wait_for(&merged, RELOAD, "the edit in place", |s| {
+        s.decode().len() == 1
+    })
+    .await;
     assert_eq!(errors(&merged), 0);
 }
 
@@ -101,7 +104,10 @@ async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
         &path,
         "[[decode]]\nurl = \"http://10.0.0.9:8200\"\nbootstarp_port = 1\n",
     );
-    eventually(Duration::from_secs(5), "the error counted", || errors(&merged) == 1).await;
+    eventually(Duration::from_secs(5), "the error counted", || {
+        errors(&merged) == 1
+    })
+    .await;
     // Polls of the same invalid content count nothing more, and publish nothing.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(errors(&merged), 1);
@@ -110,7 +116,10 @@ async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
 
     // Another invalid content counts again; then a valid edit is in force.
     replace(&path, "[[decode]\n");
-    eventually(Duration::from_secs(5), "the second error", || errors(&merged) == 2).await;
+    eventually(Duration::from_secs(5), "the second error", || {
+        errors(&merged) == 2
+    })
+    .await;
     replace(&path, "[[decode]]\nurl = \"http://10.0.0.9:8200\"\n");
     let set = wait_for(&merged, RELOAD, "the valid edit", |s| {
         ids(s, Role::Decode) == ["http://10.0.0.9:8200"]
@@ -126,7 +135,10 @@ async fn a_deleted_file_keeps_the_last_good_engines_until_it_is_back() {
     let before = merged.snapshot();
 
     std::fs::remove_file(&path).unwrap();
-    eventually(Duration::from_secs(5), "the deletion counted", || errors(&merged) == 1).await;
+    eventually(Duration::from_secs(5), "the deletion counted", || {
+        errors(&merged) == 1
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(errors(&merged), 1, "a missing file is counted once");
     assert!(Arc::ptr_eq(&merged.snapshot(), &before));
@@ -150,7 +162,10 @@ async fn a_missing_or_invalid_file_at_start_is_an_error() {
     let path = dir.path().join("endpoints.toml");
     let missing = file::spawn(FileConfig::new(&path)).await.unwrap_err();
     assert!(matches!(missing, FileError::Read { .. }), "{missing}");
-    replace(&path, "[[prefill]]\nurl = \"http://10.0.0.5:8100\"\nranks = \"x\"\n");
+    replace(
+        &path,
+        "[[prefill]]\nurl = \"http://10.0.0.5:8100\"\nranks = \"x\"\n",
+    );
     let invalid = file::spawn(FileConfig::new(&path)).await.unwrap_err();
     assert!(matches!(invalid, FileError::Invalid(_)), "{invalid}");
     assert!(invalid.to_string().contains("[[prefill]] #1"), "{invalid}");

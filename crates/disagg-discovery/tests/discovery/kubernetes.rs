@@ -134,7 +134,10 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     assert_eq!(ids(&first, Role::Prefill), ["http://127.0.1.1:8000"]);
     assert_eq!(ids(&first, Role::Decode), ["http://127.0.2.1:8000"]);
     let p1 = find(&first, Role::Prefill, "http://127.0.1.1:8000");
-    assert_eq!(p1.ext().get::<BootstrapPort>(), Some(&BootstrapPort(Some(8998))));
+    assert_eq!(
+        p1.ext().get::<BootstrapPort>(),
+        Some(&BootstrapPort(Some(8998)))
+    );
     let profile = p1.ext().get::<KvProfile>().unwrap();
     assert_eq!(
         (profile.connector.as_deref(), profile.tp_size),
@@ -154,14 +157,16 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
         }
         .json(),
     );
-    h.server.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
     let set = wait_for(&h.merged, WAIT, "d2 ready", |s| s.decode().len() == 2).await;
     let still = find(&set, Role::Decode, "http://127.0.2.1:8000");
     assert!(Arc::ptr_eq(&still, &d1), "d1 stays the same endpoint");
     assert_eq!(still.in_flight(), 1);
 
     // d1 turns not ready: out of the set; its request still holds it.
-    h.server.apply(pod("d1", "decode", "127.0.2.1", false).json());
+    h.server
+        .apply(pod("d1", "decode", "127.0.2.1", false).json());
     let set = wait_for(&h.merged, WAIT, "d1 not ready", |s| {
         ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
     })
@@ -172,7 +177,8 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     assert_eq!(d1.in_flight(), 0);
 
     // A second prefill joins; the first is deleted.
-    h.server.apply(pod("p2", "prefill", "127.0.1.2", true).json());
+    h.server
+        .apply(pod("p2", "prefill", "127.0.1.2", true).json());
     wait_for(&h.merged, WAIT, "p2 joins", |s| s.prefill().len() == 2).await;
     h.server.delete(NS, "p1");
     let set = wait_for(&h.merged, WAIT, "p1 deleted", |s| {
@@ -195,10 +201,22 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     // What the client asked: one list per selector, watches with bookmarks from the
     // list's version, nothing relisted.
     let requests = h.server.requests();
-    let lists: Vec<_> = requests.iter().filter(|(w, _)| !w).map(|(_, q)| q).collect();
+    let lists: Vec<_> = requests
+        .iter()
+        .filter(|(w, _)| !w)
+        .map(|(_, q)| q)
+        .collect();
     assert_eq!(lists.len(), 2, "{requests:?}");
-    assert!(lists.iter().any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Dprefill")));
-    assert!(lists.iter().any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Ddecode")));
+    assert!(
+        lists
+            .iter()
+            .any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Dprefill"))
+    );
+    assert!(
+        lists
+            .iter()
+            .any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Ddecode"))
+    );
     assert!(
         requests
             .iter()
@@ -238,7 +256,8 @@ async fn watches_that_time_out_or_drop_resume_from_their_version_without_relisti
     h.server.hold_watches(true);
     h.server.end_watches();
     h.server.delete(NS, "d1");
-    h.server.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
     h.server.hold_watches(false);
     wait_for(&h.merged, WAIT, "the missed changes", |s| {
         ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
@@ -268,7 +287,8 @@ async fn an_expired_version_relists_and_the_set_stays_until_the_relist_is_comple
     h.server.hold_watches(true);
     h.server.end_watches();
     h.server.delete(NS, "d1");
-    h.server.apply(pod("d3", "decode", "127.0.2.3", true).json());
+    h.server
+        .apply(pod("d3", "decode", "127.0.2.3", true).json());
     h.server.compact();
     h.server.hold_watches(false);
 
@@ -280,7 +300,10 @@ async fn an_expired_version_relists_and_the_set_stays_until_the_relist_is_comple
     eventually(WAIT, "both selectors relisted", || h.server.lists() == 4).await;
     // The relist kept the unchanged prefill as it was, and no set in between lost it.
     assert!(Arc::ptr_eq(&set.prefill()[0], &p1));
-    assert!(seen.lock().unwrap().iter().all(|(p, d)| *p == 1 && *d >= 1), "{seen:?}");
+    assert!(
+        seen.lock().unwrap().iter().all(|(p, d)| *p == 1 && *d >= 1),
+        "{seen:?}"
+    );
     // A 410 is the protocol's expiry signal, not a failure.
     assert_eq!(stats(&h).errors(), 0);
 }
@@ -306,15 +329,29 @@ async fn a_bookmark_lets_the_watch_resume_past_history_it_did_not_need() {
     let watches = h.server.watches();
     let bookmarked = h.server.resource_version();
     h.server.bookmark();
-    eventually(WAIT, "a bookmark on each watch", || h.server.bookmarks_sent() >= 2).await;
+    eventually(WAIT, "a bookmark on each watch", || {
+        h.server.bookmarks_sent() >= 2
+    })
+    .await;
     // The history up to the bookmark's version is gone: only a client that took the
     // bookmark's version resumes without 410.
     h.server.compact();
     h.server.end_watches();
-    eventually(WAIT, "the watches resumed", || h.server.watches() >= watches + 2).await;
-    h.server.apply(pod("d2", "decode", "127.0.2.2", true).json());
-    wait_for(&h.merged, WAIT, "d2 through the resumed watch", |s| s.decode().len() == 2).await;
-    assert_eq!(h.server.lists(), 2, "no relist: the bookmark's version was used");
+    eventually(WAIT, "the watches resumed", || {
+        h.server.watches() >= watches + 2
+    })
+    .await;
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    wait_for(&h.merged, WAIT, "d2 through the resumed watch", |s| {
+        s.decode().len() == 2
+    })
+    .await;
+    assert_eq!(
+        h.server.lists(),
+        2,
+        "no relist: the bookmark's version was used"
+    );
     assert!(
         h.server
             .requests()
@@ -338,9 +375,13 @@ async fn failed_requests_back_off_and_keep_the_last_good_pods() {
     watching(&h).await;
     h.server.fail_requests(true);
     eventually(WAIT, "failed watches counted", || stats(&h).errors() >= 2).await;
-    assert!(Arc::ptr_eq(&h.merged.snapshot(), &before), "the set was kept");
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
     // The server recovers, with a change made while it failed.
-    h.server.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
     h.server.fail_requests(false);
     let set = wait_for(&h.merged, WAIT, "recovery", |s| s.decode().len() == 2).await;
     assert!(Arc::ptr_eq(&set.prefill()[0], &before.prefill()[0]));
@@ -367,7 +408,11 @@ async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
         ids(&set, Role::Decode),
         ["http://127.0.2.1:8000@0", "http://127.0.2.1:8000@1"]
     );
-    assert!(set.decode().iter().all(|e| e.serves("meta-llama/Llama-3.1-8B")));
+    assert!(
+        set.decode()
+            .iter()
+            .all(|e| e.serves("meta-llama/Llama-3.1-8B"))
+    );
     assert_eq!(
         set.decode()[0]
             .ext()

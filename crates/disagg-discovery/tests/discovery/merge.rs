@@ -31,7 +31,10 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
     let merged = MergedSource::builder().source(discovered).build();
     merged.synced().await;
     let first = merged.snapshot();
-    assert_eq!(ids(&first, Role::Decode), ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]);
+    assert_eq!(
+        ids(&first, Role::Decode),
+        ["http://10.0.0.2:8200", "http://10.0.0.3:8200"]
+    );
 
     // Requests in flight on both decodes, taken from the first set.
     let staying = Arc::clone(&first.decode()[0]);
@@ -49,7 +52,10 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
         ids(s, Role::Decode).contains(&"http://10.0.0.4:8200".to_owned())
     })
     .await;
-    assert_eq!(ids(&second, Role::Decode), ["http://10.0.0.2:8200", "http://10.0.0.4:8200"]);
+    assert_eq!(
+        ids(&second, Role::Decode),
+        ["http://10.0.0.2:8200", "http://10.0.0.4:8200"]
+    );
     // The same endpoints, not equal copies: their counters are the ones requests hold.
     assert!(Arc::ptr_eq(&first.prefill()[0], &second.prefill()[0]));
     let kept = second
@@ -58,7 +64,11 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
         .find(|e| e.id().as_str() == "http://10.0.0.2:8200")
         .unwrap();
     assert!(Arc::ptr_eq(kept, &staying));
-    assert_eq!(kept.in_flight(), 1, "the new set sees the request in flight");
+    assert_eq!(
+        kept.in_flight(),
+        1,
+        "the new set sees the request in flight"
+    );
     // The one that left is out of the set, but the request on it still holds it.
     assert!(second.decode().iter().all(|e| !Arc::ptr_eq(e, &leaving)));
     assert_eq!(leaving.in_flight(), 1);
@@ -68,8 +78,14 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
     assert_eq!(kept.in_flight(), 0);
 
     let stats = merged.sources().find(|(n, _)| *n == "test").unwrap().1;
-    assert_eq!((stats.added(), stats.removed(), stats.replaced()), (4, 1, 0));
-    assert_eq!((stats.prefill_endpoints(), stats.decode_endpoints()), (1, 2));
+    assert_eq!(
+        (stats.added(), stats.removed(), stats.replaced()),
+        (4, 1, 0)
+    );
+    assert_eq!(
+        (stats.prefill_endpoints(), stats.decode_endpoints()),
+        (1, 2)
+    );
     assert_eq!(stats.updates(), 2);
 }
 
@@ -87,9 +103,15 @@ async fn a_changed_spec_makes_a_new_endpoint_with_the_new_data() {
     })
     .await;
     assert!(!Arc::ptr_eq(&before, &after.prefill()[0]));
-    assert_eq!(before.ext().get::<BootstrapPort>(), Some(&BootstrapPort(Some(8998))));
+    assert_eq!(
+        before.ext().get::<BootstrapPort>(),
+        Some(&BootstrapPort(Some(8998)))
+    );
     let stats = merged.sources().next().unwrap().1;
-    assert_eq!((stats.added(), stats.removed(), stats.replaced()), (1, 0, 1));
+    assert_eq!(
+        (stats.added(), stats.removed(), stats.replaced()),
+        (1, 0, 1)
+    );
 }
 
 #[tokio::test]
@@ -105,7 +127,10 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
             .await
             .is_err()
     );
-    assert_eq!(ids(&merged.snapshot(), Role::Prefill), ["http://10.0.0.1:8100"]);
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Prefill),
+        ["http://10.0.0.1:8100"]
+    );
     let fixed = Arc::clone(&merged.snapshot().prefill()[0]);
 
     // The discovered copy of the fixed engine (another bootstrap port) loses.
@@ -172,16 +197,25 @@ async fn two_sources_merge_in_order_and_dropping_the_merge_ends_them() {
     let merged = MergedSource::builder().source(first).source(second).build();
     first_pub.publish(vec![decode("http://10.0.0.1:8200")]);
     // One source published: not synced yet, but its endpoints are in the set.
-    wait_for(&merged, WAIT, "the first source's decode", |s| s.decode().len() == 1).await;
+    wait_for(&merged, WAIT, "the first source's decode", |s| {
+        s.decode().len() == 1
+    })
+    .await;
     assert!(
         tokio::time::timeout(Duration::from_millis(100), merged.synced())
             .await
             .is_err()
     );
-    second_pub.publish(vec![decode("http://10.0.0.2:8200"), decode("http://10.0.0.1:8200")]);
+    second_pub.publish(vec![
+        decode("http://10.0.0.2:8200"),
+        decode("http://10.0.0.1:8200"),
+    ]);
     merged.synced().await;
     let set = merged.snapshot();
-    assert_eq!(ids(&set, Role::Decode), ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]);
+    assert_eq!(
+        ids(&set, Role::Decode),
+        ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]
+    );
     let stats: Vec<_> = merged
         .sources()
         .map(|(n, s)| (n.to_owned(), s.decode_endpoints(), s.duplicates()))
@@ -195,7 +229,10 @@ async fn two_sources_merge_in_order_and_dropping_the_merge_ends_them() {
     let second_stats = merged.sources().nth(1).unwrap().1;
     eventually_eq(|| second_stats.decode_endpoints(), 2).await;
     let set = merged.snapshot();
-    assert_eq!(ids(&set, Role::Decode), ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]);
+    assert_eq!(
+        ids(&set, Role::Decode),
+        ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]
+    );
     assert!(Arc::ptr_eq(&set.decode()[0], &one));
     assert_eq!(second_stats.duplicates(), 0);
 

@@ -60,7 +60,10 @@ pub(crate) async fn wait_for(
         if pred(&set) {
             return set;
         }
-        if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+        if tokio::time::timeout_at(deadline, rx.changed())
+            .await
+            .is_err()
+        {
             panic!(
                 "{what}: not within {limit:?}; last set: prefill {:?}, decode {:?}",
                 ids(&set, Role::Prefill),
@@ -74,7 +77,10 @@ pub(crate) async fn wait_for(
 pub(crate) async fn eventually(limit: Duration, what: &str, check: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + limit;
     while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: not within {limit:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: not within {limit:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
