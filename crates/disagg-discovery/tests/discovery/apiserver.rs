@@ -581,7 +581,7 @@ fn decode(s: &str) -> String {
 
 /// A label selector: requirements that must all hold.
 #[derive(Debug)]
-struct Selector(Vec<Requirement>);
+pub(crate) struct Selector(Vec<Requirement>);
 
 #[derive(Debug)]
 enum Requirement {
@@ -597,7 +597,7 @@ impl Selector {
     /// Parses the label selector syntax (kubernetes.io/docs/concepts/overview/
     /// working-with-objects/labels/#label-selectors): comma-separated requirements,
     /// `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a,b)`, `k`, `!k`.
-    fn parse(s: &str) -> Result<Selector, String> {
+    pub(crate) fn parse(s: &str) -> Result<Selector, String> {
         let mut parts = Vec::new();
         let (mut depth, mut start) = (0, 0);
         for (i, c) in s.char_indices() {
@@ -647,7 +647,7 @@ impl Selector {
         Ok(Selector(reqs))
     }
 
-    fn matches(&self, pod: &Value) -> bool {
+    pub(crate) fn matches(&self, pod: &Value) -> bool {
         let labels = &pod["metadata"]["labels"];
         let get = |k: &str| labels.get(k).and_then(Value::as_str);
         self.0.iter().all(|r| match r {

@@ -5,5 +5,6 @@ mod apiserver;
 mod dns;
 mod file;
 mod kubernetes;
+mod manifests;
 mod merge;
 mod support;
