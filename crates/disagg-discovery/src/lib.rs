@@ -23,8 +23,8 @@
 //!   every change, and counting per source the endpoints and changes for `/metrics`
 //!   ([`MergedSource::render_metrics`]).
 //!
-//! The guide, with every flag, label and annotation, the Kubernetes manifests and what
-//! the tests prove, is `docs/discovery.md`.
+//! The [`guide`] (`docs/discovery.md`) has every flag, label and annotation, the
+//! Kubernetes manifests and what the tests prove.
 //!
 //! # Features
 //!
@@ -70,6 +70,11 @@ pub mod kubernetes;
 pub mod merge;
 pub mod source;
 pub mod spec;
+
+/// The guide: sources, flags, labels and annotations, merge rules, metrics, the
+/// Kubernetes walkthrough and what the tests prove (`docs/discovery.md`).
+#[doc = include_str!("../../../docs/discovery.md")]
+pub mod guide {}
 
 pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};
 pub use source::{SourceStats, SpecPublisher, SpecSource, Specs};
