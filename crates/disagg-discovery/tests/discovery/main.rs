@@ -2,6 +2,7 @@
 //! and Kubernetes through kube-rs's real client against an in-test API server.
 
 mod apiserver;
+mod churn;
 mod dns;
 mod file;
 mod kubernetes;
