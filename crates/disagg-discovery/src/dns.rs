@@ -1,0 +1,468 @@
+//! Engines from DNS (`--prefill-dns`, `--decode-dns`), with `hickory-resolver`.
+//!
+//! Two kinds of names:
+//!
+//! - `NAME:PORT`: every A and AAAA address of `NAME` is an engine at `PORT`; a
+//!   Kubernetes headless Service (`prefill.llm.svc.cluster.local:8100`) is the common
+//!   case;
+//! - `_service._proto.name` (an SRV name): every SRV record of the lowest priority value
+//!   (higher values are fallbacks, RFC 2782) names a target host and port; each address
+//!   of each target is an engine at that port.
+//!
+//! Each name is resolved again when its records' time to live runs out (the smallest
+//! TTL among the answers, the SRV records' and their targets'), bounded by
+//! [`DnsConfig::max_refresh`] (`--dns-refresh`) above and [`DnsConfig::min_refresh`]
+//! below (a TTL of 0 would otherwise mean a query loop).
+//!
+//! What a lookup's outcome does:
+//!
+//! - an answer with records replaces the name's engines;
+//! - an answer without records (NXDOMAIN, or the name without addresses) is an answer:
+//!   the name has no engines now (a headless Service scaled to zero, a record removed);
+//!   it is asked again after the answer's negative TTL (bounded likewise);
+//! - a failed lookup (timeout, SERVFAIL, refused, an unreachable server) keeps the
+//!   name's last good engines, is logged and counted
+//!   ([`SourceStats::errors`](crate::SourceStats::errors)), and is retried with a
+//!   backoff from `min_refresh` doubling up to `max_refresh`.
+//!
+//! The resolver is the system's (`/etc/resolv.conf`, with its search domains and
+//! `/etc/hosts`) unless [`DnsConfig::server`] (`--dns-server IP:PORT`) names one; then
+//! only that server is asked, over UDP with TCP for truncated answers. Answers are not
+//! cached between refreshes: each refresh asks the server.
+
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+use std::time::Duration;
+
+use disagg_core::Role;
+use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
+use hickory_resolver::net::NetError;
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RData;
+use hickory_resolver::{Resolver, TokioResolver};
+use tokio::time::Instant;
+
+use crate::source::{SpecPublisher, SpecSource};
+use crate::spec::EndpointSpec;
+
+/// The default source name of DNS discovery (the `source` label of its metrics).
+pub const SOURCE_NAME: &str = "dns";
+
+/// A DNS name to find engines under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DnsName {
+    /// `NAME:PORT`: each A/AAAA address of the name, at the port.
+    Host {
+        /// The name.
+        name: String,
+        /// The engines' HTTP port.
+        port: u16,
+    },
+    /// `_service._proto.name`: the SRV records' targets and ports.
+    Srv(String),
+}
+
+impl FromStr for DnsName {
+    type Err = DnsNameError;
+
+    /// `_service._proto.name` (a name starting with `_`) is an SRV name; anything else
+    /// must be `NAME:PORT`.
+    fn from_str(s: &str) -> Result<Self, DnsNameError> {
+        let s = s.trim();
+        if s.starts_with('_') {
+            let labels: Vec<&str> = s.trim_end_matches('.').split('.').collect();
+            if labels.len() < 3
+                || !labels[1].starts_with('_')
+                || labels.iter().any(|l| l.is_empty())
+            {
+                return Err(DnsNameError(s.to_owned()));
+            }
+            return Ok(DnsName::Srv(s.to_owned()));
+        }
+        let (name, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| DnsNameError(s.to_owned()))?;
+        let port = port.parse().map_err(|_| DnsNameError(s.to_owned()))?;
+        if name.is_empty() || name.contains(':') {
+            return Err(DnsNameError(s.to_owned()));
+        }
+        Ok(DnsName::Host {
+            name: name.to_owned(),
+            port,
+        })
+    }
+}
+
+impl std::fmt::Display for DnsName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DnsName::Host { name, port } => write!(f, "{name}:{port}"),
+            DnsName::Srv(name) => f.write_str(name),
+        }
+    }
+}
+
+/// A DNS name that is neither `NAME:PORT` nor `_service._proto.name`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is neither NAME:PORT nor an SRV name _service._proto.name")]
+pub struct DnsNameError(String);
+
+/// One name and the role (and fixed attributes) of the engines found under it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DnsTarget {
+    /// The name.
+    pub name: DnsName,
+    /// The role of every engine found under it.
+    pub role: Role,
+    /// The prefill engines' bootstrap port (one for all: DNS carries none).
+    pub bootstrap_port: Option<u16>,
+    /// The models every engine found under it serves (empty: any).
+    pub models: Vec<String>,
+}
+
+impl DnsTarget {
+    /// Engines of `role` under `name`.
+    pub fn new(name: DnsName, role: Role) -> Self {
+        DnsTarget {
+            name,
+            role,
+            bootstrap_port: None,
+            models: Vec::new(),
+        }
+    }
+}
+
+/// DNS discovery settings (`--prefill-dns`, `--decode-dns`, `--dns-refresh`,
+/// `--dns-server`).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DnsConfig {
+    /// The names to resolve.
+    pub targets: Vec<DnsTarget>,
+    /// The DNS server to ask instead of the system's resolver configuration.
+    pub server: Option<SocketAddr>,
+    /// The longest time between two resolutions of a name, whatever its TTL
+    /// (`--dns-refresh`): 30 s by default.
+    pub max_refresh: Duration,
+    /// The shortest time between two resolutions of a name (a TTL of 0 waits this
+    /// long): 1 s by default.
+    pub min_refresh: Duration,
+    /// How long one query may take before it is a failure: 5 s by default.
+    pub timeout: Duration,
+    /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
+    pub name: String,
+}
+
+impl DnsConfig {
+    /// Resolves `targets` with the system's resolver, refreshing at most every 30 s.
+    pub fn new(targets: impl IntoIterator<Item = DnsTarget>) -> Self {
+        DnsConfig {
+            targets: targets.into_iter().collect(),
+            server: None,
+            max_refresh: Duration::from_secs(30),
+            min_refresh: Duration::from_secs(1),
+            timeout: Duration::from_secs(5),
+            name: SOURCE_NAME.to_owned(),
+        }
+    }
+}
+
+/// DNS discovery could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DnsError {
+    /// The system's resolver configuration could not be read.
+    #[error("cannot read the system's DNS configuration")]
+    SystemConfig(#[source] NetError),
+    /// The resolver could not be built.
+    #[error("cannot build the DNS resolver")]
+    Resolver(#[source] NetError),
+    /// No names to resolve.
+    #[error("no DNS names to resolve")]
+    NoTargets,
+    /// The refresh bounds are inverted or zero.
+    #[error("the DNS refresh bounds must satisfy 0 < min_refresh <= max_refresh")]
+    Refresh,
+}
+
+/// Resolves every name once, publishes the engines found, and starts the task that
+/// resolves them again as their TTLs run out.
+///
+/// # Errors
+///
+/// [`DnsError`] when the resolver cannot be set up (no failed lookup is an error: it
+/// is retried).
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
+    if config.targets.is_empty() {
+        return Err(DnsError::NoTargets);
+    }
+    if config.min_refresh.is_zero() || config.min_refresh > config.max_refresh {
+        return Err(DnsError::Refresh);
+    }
+    let resolver = resolver(&config)?;
+    let (publisher, source) = SpecSource::channel(config.name.as_str());
+    let mut names: Vec<NameState> = config
+        .targets
+        .iter()
+        .cloned()
+        .map(|target| NameState {
+            target,
+            last: None,
+            due: Instant::now(),
+            failures: 0,
+        })
+        .collect();
+    refresh_due(&resolver, &config, &publisher, &mut names).await;
+    let task = tokio::spawn(run(resolver, config, publisher, names));
+    Ok(source.with_task(task))
+}
+
+fn resolver(config: &DnsConfig) -> Result<TokioResolver, DnsError> {
+    let mut builder = match config.server {
+        Some(addr) => {
+            let mut server = NameServerConfig::udp_and_tcp(addr.ip());
+            for connection in &mut server.connections {
+                connection.port = addr.port();
+            }
+            Resolver::builder_with_config(
+                ResolverConfig::from_name_servers(vec![server]),
+                TokioRuntimeProvider::default(),
+            )
+        }
+        None => Resolver::builder_tokio().map_err(DnsError::SystemConfig)?,
+    };
+    let opts = builder.options_mut();
+    // Every address is an engine: ask for both families.
+    opts.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
+    opts.timeout = config.timeout;
+    opts.attempts = 1;
+    if config.server.is_some() {
+        // The server named is the one asked, not /etc/hosts.
+        opts.use_hosts_file = ResolveHosts::Never;
+    }
+    builder.build().map_err(DnsError::Resolver)
+}
+
+/// One name's state between refreshes.
+struct NameState {
+    target: DnsTarget,
+    /// The name's last good engines (`None` before any answer).
+    last: Option<Vec<EndpointSpec>>,
+    /// When to resolve it next.
+    due: Instant,
+    /// Failed lookups in a row.
+    failures: u32,
+}
+
+async fn run(
+    resolver: TokioResolver,
+    config: DnsConfig,
+    publisher: SpecPublisher,
+    mut names: Vec<NameState>,
+) {
+    while !publisher.is_closed() {
+        let Some(next) = names.iter().map(|n| n.due).min() else {
+            return;
+        };
+        tokio::time::sleep_until(next).await;
+        refresh_due(&resolver, &config, &publisher, &mut names).await;
+    }
+}
+
+/// Resolves the names that are due and publishes every name's engines.
+async fn refresh_due(
+    resolver: &TokioResolver,
+    config: &DnsConfig,
+    publisher: &SpecPublisher,
+    names: &mut [NameState],
+) {
+    let now = Instant::now();
+    // Each refresh asks the server: the resolver's cache would answer within the TTL
+    // (or past it, for a bound shorter than the TTL) with what it already has.
+    resolver.clear_cache();
+    let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
+    for state in names.iter_mut().filter(|n| n.due <= now) {
+        match resolve(resolver, &state.target).await {
+            Ok(Resolved { specs, ttl }) => {
+                state.last = Some(specs);
+                state.failures = 0;
+                state.due = Instant::now() + bound(ttl);
+            }
+            Err(Failure::NoRecords { negative_ttl }) => {
+                state.last = Some(Vec::new());
+                state.failures = 0;
+                let wait =
+                    negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
+                state.due = Instant::now() + bound(wait);
+            }
+            Err(Failure::Lookup(e)) => {
+                publisher.record_error();
+                state.failures = state.failures.saturating_add(1);
+                // 1, 2, 4 ... times min_refresh, up to max_refresh.
+                let factor = 1u32 << state.failures.saturating_sub(1).min(16);
+                let wait = config.min_refresh.saturating_mul(factor);
+                tracing::warn!(
+                    name = %state.target.name,
+                    error = %e,
+                    retry_in = ?bound(wait),
+                    "DNS lookup failed; keeping the name's last good engines"
+                );
+                state.due = Instant::now() + bound(wait);
+            }
+        }
+    }
+    let specs = names
+        .iter()
+        .flat_map(|n| n.last.iter().flatten().cloned())
+        .collect::<Vec<_>>();
+    publisher.publish(dedup(specs));
+}
+
+/// One engine once, when two names (or an SRV name's targets) give the same address.
+fn dedup(mut specs: Vec<EndpointSpec>) -> Vec<EndpointSpec> {
+    let mut seen = std::collections::HashSet::new();
+    specs.retain(|s| seen.insert((crate::source::role_order(s.role), s.url.clone())));
+    specs
+}
+
+/// A successful resolution: the engines and how long the answer is valid.
+struct Resolved {
+    specs: Vec<EndpointSpec>,
+    ttl: Duration,
+}
+
+enum Failure {
+    /// An answer without records.
+    NoRecords { negative_ttl: Option<u32> },
+    /// No answer.
+    Lookup(NetError),
+}
+
+impl From<NetError> for Failure {
+    fn from(e: NetError) -> Self {
+        match &e {
+            NetError::Dns(hickory_resolver::net::DnsError::NoRecordsFound(no)) => {
+                Failure::NoRecords {
+                    negative_ttl: no.negative_ttl,
+                }
+            }
+            _ => Failure::Lookup(e),
+        }
+    }
+}
+
+async fn resolve(resolver: &TokioResolver, target: &DnsTarget) -> Result<Resolved, Failure> {
+    match &target.name {
+        DnsName::Host { name, port } => {
+            let (ips, valid_until) = lookup_ip(resolver, name).await?;
+            Ok(Resolved {
+                specs: ips.into_iter().map(|ip| spec(target, ip, *port)).collect(),
+                ttl: valid_until.saturating_duration_since(Instant::now()),
+            })
+        }
+        DnsName::Srv(name) => {
+            let lookup = resolver.srv_lookup(name.as_str()).await?;
+            let mut valid_until = Instant::from_std(lookup.valid_until());
+            let records: Vec<_> = lookup
+                .answers()
+                .iter()
+                .filter_map(|r| match &r.data {
+                    RData::SRV(srv) => Some(srv.clone()),
+                    _ => None,
+                })
+                .collect();
+            let Some(best) = records.iter().map(|s| s.priority).min() else {
+                return Err(Failure::NoRecords { negative_ttl: None });
+            };
+            let mut specs = Vec::new();
+            for srv in records.iter().filter(|s| s.priority == best) {
+                // A target without addresses contributes nothing; one whose lookup
+                // fails fails the whole name, so that its engines are kept.
+                let (ips, until) = match lookup_ip(resolver, &srv.target.to_utf8()).await {
+                    Ok(found) => found,
+                    Err(Failure::NoRecords { .. }) => continue,
+                    Err(e) => return Err(e),
+                };
+                valid_until = valid_until.min(until);
+                specs.extend(ips.into_iter().map(|ip| spec(target, ip, srv.port)));
+            }
+            Ok(Resolved {
+                specs,
+                ttl: valid_until.saturating_duration_since(Instant::now()),
+            })
+        }
+    }
+}
+
+async fn lookup_ip(
+    resolver: &TokioResolver,
+    name: &str,
+) -> Result<(Vec<IpAddr>, Instant), Failure> {
+    let lookup = resolver.lookup_ip(name).await?;
+    let ips: Vec<IpAddr> = lookup.iter().collect();
+    if ips.is_empty() {
+        return Err(Failure::NoRecords { negative_ttl: None });
+    }
+    Ok((ips, Instant::from_std(lookup.valid_until())))
+}
+
+fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
+    let url = match ip {
+        IpAddr::V4(v4) => format!("http://{v4}:{port}"),
+        IpAddr::V6(v6) => format!("http://[{v6}]:{port}"),
+    };
+    let mut spec = EndpointSpec::new(url, target.role);
+    spec.models.clone_from(&target.models);
+    if target.role == Role::Prefill {
+        spec.bootstrap_port = target.bootstrap_port;
+    }
+    spec
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(
+            "prefill.llm.svc:8100".parse::<DnsName>().unwrap(),
+            DnsName::Host {
+                name: "prefill.llm.svc".into(),
+                port: 8100
+            }
+        );
+        assert_eq!(
+            "_http._tcp.prefill.llm.svc".parse::<DnsName>().unwrap(),
+            DnsName::Srv("_http._tcp.prefill.llm.svc".into())
+        );
+        for bad in [
+            "prefill",
+            "prefill:x",
+            ":80",
+            "_http.prefill",
+            "_http._tcp",
+            "a:b:1",
+        ] {
+            assert!(bad.parse::<DnsName>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn addresses_become_urls() {
+        let t = DnsTarget::new("x:1".parse().unwrap(), Role::Decode);
+        assert_eq!(
+            spec(&t, "10.0.0.1".parse().unwrap(), 80).url,
+            "http://10.0.0.1:80"
+        );
+        assert_eq!(
+            spec(&t, "fd00::1".parse().unwrap(), 80).url,
+            "http://[fd00::1]:80"
+        );
+    }
+}

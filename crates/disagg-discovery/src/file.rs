@@ -1,0 +1,463 @@
+//! The endpoints file (`--endpoints-file PATH`): prefill and decode engines listed in
+//! TOML, reloaded when the file changes.
+//!
+//! ```toml
+//! [[prefill]]
+//! url = "http://10.0.0.5:8100"
+//! bootstrap_port = 8998                 # as the second value of --prefill
+//! model = "llama-3-8b"                  # or a list: ["a", "b"] (--served-model)
+//! ranks = "0-1"                         # data-parallel ranks: URL@0, URL@1
+//! weight = 2.0                          # for weighted_random (--weight)
+//! kv_profile = "NixlConnector,kv_producer,8"   # as --kv-profile, or a table:
+//! # kv_profile = { connector = "NixlConnector", role = "kv_producer", tp = 8 }
+//! kv_events = "tcp://10.0.0.5:5557"     # the engine's KV-events publisher
+//!
+//! [[decode]]
+//! url = "http://10.0.0.7:8200"
+//! lmcache_receiver = "10.0.0.7:7300:7400"      # as --lmcache-receiver (decode only)
+//! ```
+//!
+//! # Reloading
+//!
+//! The file is polled (every second by default): read whole and compared with what was
+//! read before, so a change is in force within about one interval. Polling, rather than
+//! inotify through the `notify` crate, because the ways such a file is replaced defeat a
+//! watch on the file itself: a Kubernetes ConfigMap volume swaps a `..data` symlink to a
+//! new directory, and editors save by renaming a new file over the old one; both leave
+//! an inotify watch on the old inode. Reading a small file once a second costs nothing
+//! measurable, needs no thread and no dependency, and compares content (not
+//! modification times, whose granularity can hide two edits in one second).
+//!
+//! # Failures keep the last good list
+//!
+//! - An edit that does not parse, or names an engine that makes no endpoint (a bad URL,
+//!   a decode with a bootstrap port, an LMCache receiver whose port lists differ), is
+//!   refused whole: the last good list stays, the error is logged and counted
+//!   ([`SourceStats::errors`](crate::SourceStats::errors)) once per distinct content.
+//! - A deleted (or unreadable) file also keeps the last good list, logged and counted
+//!   once: deletion is more often an accident or a step of a replacement than an intent
+//!   to drain every engine. To remove every engine, write a file with no entries.
+//! - At start, a missing or invalid file is an error of [`spawn`]: the proxy should not
+//!   start on a configuration it cannot read.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use disagg_core::Role;
+use serde::Deserialize;
+
+use crate::source::{SpecPublisher, SpecSource};
+use crate::spec::{EndpointSpec, LmcacheSpec, Ranks, parse_kv_profile, parse_kv_role, parse_tp};
+
+/// The default source name of the endpoints file (the `source` label of its metrics).
+pub const SOURCE_NAME: &str = "file";
+
+/// The largest endpoints file read: far above any real list, low enough that a wrong
+/// path (a log file, a device) cannot exhaust memory.
+const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+
+/// Where the endpoints file is and how often it is checked (`--endpoints-file`).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct FileConfig {
+    /// The TOML file.
+    pub path: PathBuf,
+    /// How often the file is read and compared: 1 s by default, so that a change is in
+    /// force within 2 s.
+    pub poll_interval: Duration,
+    /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
+    pub name: String,
+}
+
+impl FileConfig {
+    /// The file at `path`, polled every second.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        FileConfig {
+            path: path.into(),
+            poll_interval: Duration::from_secs(1),
+            name: SOURCE_NAME.to_owned(),
+        }
+    }
+}
+
+/// The endpoints file could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileError {
+    /// The file could not be read.
+    #[error("cannot read endpoints file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is larger than any endpoints file should be.
+    #[error("endpoints file {path} is larger than {MAX_FILE_BYTES} bytes")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The content is not a valid endpoints file.
+    #[error("invalid endpoints file: {0}")]
+    Invalid(String),
+}
+
+/// Parses the text of an endpoints file into specs (prefill first, in file order).
+///
+/// Every entry is checked as an endpoint would be built from it, so that an invalid
+/// entry refuses the whole file.
+///
+/// # Errors
+///
+/// [`FileError::Invalid`] naming the first problem: TOML syntax, an unknown key, a bad
+/// URL, ranks, weight, KV profile or LMCache receiver, a bootstrap port on a decode or
+/// an LMCache receiver on a prefill, or one URL listed twice for one role.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_discovery::file::parse;
+///
+/// let specs = parse(r#"
+///     [[prefill]]
+///     url = "http://10.0.0.5:8100"
+///     bootstrap_port = 8998
+///     [[decode]]
+///     url = "http://10.0.0.7:8200"
+///     model = ["llama", "llama-instruct"]
+/// "#)?;
+/// assert_eq!(specs[0].bootstrap_port, Some(8998));
+/// assert_eq!(specs[1].models, ["llama", "llama-instruct"]);
+/// assert!(parse("[[decode]]\nurl = \"http://d:1\"\nbootstrap_port = 1\n").is_err());
+/// # Ok::<(), disagg_discovery::file::FileError>(())
+/// ```
+pub fn parse(text: &str) -> Result<Vec<EndpointSpec>, FileError> {
+    let file: FileModel = toml::from_str(text).map_err(|e| FileError::Invalid(e.to_string()))?;
+    let mut specs = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (role, entries) in [(Role::Prefill, file.prefill), (Role::Decode, file.decode)] {
+        for (i, entry) in entries.into_iter().enumerate() {
+            let table = match role {
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+            };
+            let invalid =
+                |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", i + 1));
+            let spec = entry.into_spec(role).map_err(invalid)?;
+            spec.to_endpoints().map_err(|e| invalid(e.to_string()))?;
+            if !seen.insert((table, spec.url.trim_end_matches('/').to_owned())) {
+                return Err(invalid(format!("{} is listed twice", spec.url)));
+            }
+            specs.push(spec);
+        }
+    }
+    Ok(specs)
+}
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileModel {
+    #[serde(default)]
+    prefill: Vec<EntryModel>,
+    #[serde(default)]
+    decode: Vec<EntryModel>,
+}
+
+/// One `[[prefill]]` or `[[decode]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EntryModel {
+    url: String,
+    bootstrap_port: Option<u16>,
+    model: Option<OneOrMany>,
+    ranks: Option<String>,
+    weight: Option<f64>,
+    kv_profile: Option<ProfileModel>,
+    lmcache_receiver: Option<String>,
+    kv_events: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `kv_profile`: the command line's `CONNECTOR,ROLE,TP`, or a table.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ProfileModel {
+    Text(String),
+    Table(ProfileTable),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProfileTable {
+    connector: Option<String>,
+    role: Option<String>,
+    tp: Option<u32>,
+}
+
+impl EntryModel {
+    fn into_spec(self, role: Role) -> Result<EndpointSpec, String> {
+        let mut spec = EndpointSpec::new(self.url, role);
+        if self.bootstrap_port.is_some() && role == Role::Decode {
+            return Err("bootstrap_port applies to prefill engines only".into());
+        }
+        spec.bootstrap_port = self.bootstrap_port;
+        spec.models = match self.model {
+            None => Vec::new(),
+            Some(OneOrMany::One(m)) => vec![m],
+            Some(OneOrMany::Many(ms)) => ms,
+        };
+        if spec.models.iter().any(|m| m.trim().is_empty()) {
+            return Err("a model name is empty".into());
+        }
+        spec.ranks = self
+            .ranks
+            .map(|r| r.parse::<Ranks>())
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        spec.weight = self.weight;
+        spec.kv_profile = match self.kv_profile {
+            None => None,
+            Some(ProfileModel::Text(t)) => Some(parse_kv_profile(&t).map_err(|e| e.to_string())?),
+            Some(ProfileModel::Table(t)) => {
+                let role = t
+                    .role
+                    .as_deref()
+                    .map(parse_kv_role)
+                    .transpose()
+                    .map_err(|e| e.to_string())?;
+                let tp_size =
+                    t.tp.map(|tp| parse_tp(&tp.to_string()))
+                        .transpose()
+                        .map_err(|e| e.to_string())?;
+                let profile = disagg_core::pairing::KvProfile {
+                    connector: t.connector,
+                    role,
+                    tp_size,
+                };
+                Some(profile)
+            }
+        };
+        if let Some(r) = self.lmcache_receiver {
+            if role == Role::Prefill {
+                return Err("lmcache_receiver applies to decode engines only".into());
+            }
+            spec.lmcache = Some(LmcacheSpec::parse(&r).map_err(|e| e.to_string())?);
+        }
+        if let Some(events) = &self.kv_events
+            && !events.starts_with("tcp://")
+        {
+            return Err(format!("kv_events `{events}` is not tcp://HOST:PORT"));
+        }
+        spec.kv_events = self.kv_events;
+        Ok(spec)
+    }
+}
+
+/// Reads and parses the file.
+async fn load(path: &std::path::Path) -> Result<(Vec<u8>, Vec<EndpointSpec>), FileError> {
+    let bytes = read(path).await?;
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|_| FileError::Invalid("the file is not UTF-8 text".into()))?;
+    let specs = parse(text)?;
+    Ok((bytes, specs))
+}
+
+/// The file's bytes, read off the runtime's threads (the file may sit on a slow or
+/// network file system).
+async fn read(path: &std::path::Path) -> Result<Vec<u8>, FileError> {
+    let owned = path.to_owned();
+    let read = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let file = std::fs::File::open(&owned)?;
+        let mut bytes = Vec::new();
+        // One byte past the limit tells a file at the limit from a larger one.
+        file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
+        Ok::<_, std::io::Error>(bytes)
+    })
+    .await
+    .map_err(|e| FileError::Read {
+        path: path.to_owned(),
+        source: std::io::Error::other(e),
+    })?;
+    let bytes = read.map_err(|source| FileError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(FileError::TooLarge {
+            path: path.to_owned(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Reads the endpoints file, publishes its engines, and starts the task that reloads it
+/// when it changes.
+///
+/// # Errors
+///
+/// [`FileError`] when the file cannot be read or is invalid now.
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub async fn spawn(config: FileConfig) -> Result<SpecSource, FileError> {
+    let (bytes, specs) = load(&config.path).await?;
+    let (publisher, source) = SpecSource::channel(config.name.as_str());
+    publisher.publish(specs);
+    let task = tokio::spawn(poll(config, publisher, bytes));
+    Ok(source.with_task(task))
+}
+
+/// What the last poll saw, so that a state is logged and counted once.
+#[derive(PartialEq)]
+enum Seen {
+    /// This content (published if valid).
+    Content(Vec<u8>),
+    /// No readable file.
+    Unreadable,
+}
+
+async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>) {
+    let mut seen = Seen::Content(bytes);
+    let mut interval = tokio::time::interval(config.poll_interval);
+    // A slow read delays the next poll rather than bunching polls up.
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    while !publisher.is_closed() {
+        interval.tick().await;
+        let bytes = match read(&config.path).await {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                if seen != Seen::Unreadable {
+                    tracing::warn!(
+                        path = %config.path.display(),
+                        error = %e,
+                        "endpoints file unreadable; keeping the last good endpoints"
+                    );
+                    publisher.record_error();
+                    seen = Seen::Unreadable;
+                }
+                continue;
+            }
+        };
+        if matches!(&seen, Seen::Content(b) if *b == bytes) {
+            continue;
+        }
+        let parsed = std::str::from_utf8(&bytes)
+            .map_err(|_| FileError::Invalid("the file is not UTF-8 text".into()))
+            .and_then(parse);
+        match parsed {
+            Ok(specs) => {
+                let n = specs.len();
+                if publisher.publish(specs) {
+                    tracing::info!(path = %config.path.display(), engines = n, "endpoints file reloaded");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(
+                    path = %config.path.display(),
+                    error = %e,
+                    "endpoints file edit refused; keeping the last good endpoints"
+                );
+                publisher.record_error();
+            }
+        }
+        seen = Seen::Content(bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_field_of_an_entry_is_read() {
+        let specs = parse(
+            r#"
+            [[prefill]]
+            url = "http://10.0.0.5:8100"
+            bootstrap_port = 8998
+            model = "llama"
+            ranks = "0-1"
+            weight = 2.0
+            kv_profile = { connector = "NixlConnector", role = "kv_producer", tp = 8 }
+            kv_events = "tcp://10.0.0.5:5557"
+
+            [[decode]]
+            url = "http://10.0.0.7:8200"
+            kv_profile = "NixlConnector,kv_consumer,1"
+            lmcache_receiver = "10.0.0.7:7300:7400"
+            "#,
+        )
+        .unwrap();
+        let p = &specs[0];
+        assert_eq!(p.role, Role::Prefill);
+        assert_eq!(p.bootstrap_port, Some(8998));
+        assert_eq!(p.models, ["llama"]);
+        assert_eq!(p.ranks, Some(Ranks::new(0, 1).unwrap()));
+        assert_eq!(p.weight, Some(2.0));
+        let profile = p.kv_profile.as_ref().unwrap();
+        assert_eq!(profile.tp_size, Some(8));
+        assert_eq!(p.kv_events.as_deref(), Some("tcp://10.0.0.5:5557"));
+        let d = &specs[1];
+        assert_eq!(d.role, Role::Decode);
+        assert_eq!(d.lmcache.as_ref().unwrap().init_ports, [7300]);
+        assert_eq!(d.kv_profile.as_ref().unwrap().tp_size, Some(1));
+    }
+
+    #[test]
+    fn invalid_files_name_the_problem() {
+        let cases = [
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nbootstarp_port = 1\n",
+                "bootstarp_port",
+            ),
+            ("[[decode]]\nurl = \"ftp://d:1\"\n", "[[decode]] #1"),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nranks = \"3-1\"\n",
+                "3-1",
+            ),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nlmcache_receiver = \"h:1:2\"\n",
+                "decode engines only",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\n[[decode]]\nurl = \"http://d:1/\"\n",
+                "twice",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nweight = -1.0\n",
+                "weight",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nkv_events = \"d:5557\"\n",
+                "kv_events",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nkv_profile = \"a,b,c\"\n",
+                "kv profile",
+            ),
+            ("[[decode]\n", "TOML"),
+        ];
+        for (text, needle) in cases {
+            let err = parse(text).unwrap_err().to_string();
+            let matched = err.contains(needle) || (needle == "TOML" && err.starts_with("invalid"));
+            assert!(matched, "{text:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn an_empty_file_lists_no_engines() {
+        assert!(parse("").unwrap().is_empty());
+    }
+}

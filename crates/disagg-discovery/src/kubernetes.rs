@@ -1,0 +1,649 @@
+//! Prefill and decode pods found by label selectors, watched through the Kubernetes API
+//! with kube-rs's watcher and reflector (`--k8s-prefill-selector`,
+//! `--k8s-decode-selector`, `--k8s-namespace`, `--k8s-port`, `--k8s-model-label`).
+//!
+//! # What makes an engine
+//!
+//! A pod matching a role's selector in the namespace is an engine of that role while
+//! it is routable: `status.phase` is `Running`, its `Ready` condition is `True`, it is
+//! not being deleted (no `metadata.deletionTimestamp`: a terminating pod finishes what
+//! it has but takes nothing new, as a Service's endpoints do) and it has a
+//! `status.podIP`. The engine is `http://POD_IP:PORT`, the port being
+//! [`KubernetesConfig::port`]: a number, or the name of a container port; by default the
+//! first port the pod's containers declare. A pod that turns not-ready or is deleted
+//! leaves the set; the requests already sent to it finish.
+//!
+//! # Labels and annotations
+//!
+//! | key | kind | meaning |
+//! |---|---|---|
+//! | `model` ([`KubernetesConfig::model_label`]) | label | the model the engine serves |
+//! | `disagg.io/models` | annotation | the models it serves, comma-separated (names a label value cannot hold, such as `meta-llama/Llama-3.1-8B`); wins over the label |
+//! | `sglang.ai/bootstrap-port` | annotation | a prefill's bootstrap port (SGLang's gateway reads the same) |
+//! | `vllm.ai/bootstrap-port` | annotation | the same, as vLLM's router names it (read when the SGLang one is absent) |
+//! | `disagg.io/dp-ranks` | annotation | data-parallel ranks behind the pod's one server, `FIRST-LAST` or `N`: one endpoint per rank |
+//! | `disagg.io/weight` | annotation | the engine's weight for weighted policies |
+//! | `disagg.io/kv-connector` | annotation | the KV connector the engine runs (`NixlConnector`, ...) |
+//! | `disagg.io/kv-role` | annotation | its `kv_role` (`kv_producer`, `kv_consumer`, `kv_both`) |
+//! | `disagg.io/tp-size` | annotation | its tensor-parallel size |
+//! | `disagg.io/lmcache-init-ports` | annotation | a decode's LMCache `pd_peer_init_port`s, comma-separated, one per TP rank (the host is the pod IP) |
+//! | `disagg.io/lmcache-alloc-ports` | annotation | its `pd_peer_alloc_port`s, likewise |
+//! | `disagg.io/kv-events` | annotation | its KV-events publisher: a port (`tcp://POD_IP:PORT`) or `tcp://HOST:PORT` |
+//!
+//! A pod whose annotations do not parse, or that has no port to use, is left out,
+//! logged and counted as rejected ([`SourceStats::rejected`](crate::SourceStats::rejected)),
+//! rather than routed with a guess.
+//!
+//! # Watching
+//!
+//! The watcher lists the pods (`labelSelector`), then watches from the list's
+//! `resourceVersion` with bookmarks; a watch the server ends (its `timeoutSeconds`, a
+//! dropped connection) resumes from the last version seen; an expired version (`410
+//! Gone`) relists. Errors back off exponentially (kube-rs's default backoff, 0.8 s to
+//! 30 s) and are counted ([`SourceStats::errors`](crate::SourceStats::errors)); the
+//! reflector's store keeps the last good pods meanwhile, and a relist replaces them only
+//! once it is complete. The source publishes its first list once every selector's first
+//! list is complete.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use disagg_core::Role;
+use disagg_core::pairing::KvProfile;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+
+use crate::source::{SpecPublisher, SpecSource};
+use crate::spec::{EndpointSpec, LmcacheSpec, Ranks, parse_kv_role, parse_ports, parse_tp};
+
+/// The default source name of Kubernetes discovery (the `source` label of its metrics).
+pub const SOURCE_NAME: &str = "kubernetes";
+/// The label holding a pod's model, unless configured otherwise (production-stack's).
+pub const DEFAULT_MODEL_LABEL: &str = "model";
+
+/// SGLang's bootstrap-port annotation (sgl-project/sglang
+/// `sgl-model-gateway/src/service_discovery.rs`, `bootstrap_port_annotation`).
+pub const SGLANG_BOOTSTRAP_PORT: &str = "sglang.ai/bootstrap-port";
+/// vLLM router's bootstrap-port annotation.
+pub const VLLM_BOOTSTRAP_PORT: &str = "vllm.ai/bootstrap-port";
+/// The models a pod serves, comma-separated; wins over the model label.
+pub const MODELS: &str = "disagg.io/models";
+/// The data-parallel ranks behind the pod's server: `FIRST-LAST` or `N`.
+pub const DP_RANKS: &str = "disagg.io/dp-ranks";
+/// The engine's weight for weighted policies.
+pub const WEIGHT: &str = "disagg.io/weight";
+/// The engine's KV connector.
+pub const KV_CONNECTOR: &str = "disagg.io/kv-connector";
+/// The engine's `kv_role`.
+pub const KV_ROLE: &str = "disagg.io/kv-role";
+/// The engine's tensor-parallel size.
+pub const TP_SIZE: &str = "disagg.io/tp-size";
+/// A decode's LMCache init ports, comma-separated, one per TP rank.
+pub const LMCACHE_INIT_PORTS: &str = "disagg.io/lmcache-init-ports";
+/// A decode's LMCache alloc ports, comma-separated, one per TP rank.
+pub const LMCACHE_ALLOC_PORTS: &str = "disagg.io/lmcache-alloc-ports";
+/// The engine's KV-events publisher: a port on the pod, or `tcp://HOST:PORT`.
+pub const KV_EVENTS: &str = "disagg.io/kv-events";
+
+/// The engines' HTTP port on their pods: a number, or a container port's name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PortRef {
+    /// This port number.
+    Number(u16),
+    /// The container port of this name (`ports[].name`).
+    Name(String),
+}
+
+impl FromStr for PortRef {
+    type Err = std::convert::Infallible;
+
+    /// A number is a port number; anything else a port name.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s.trim().parse() {
+            Ok(n) => PortRef::Number(n),
+            Err(_) => PortRef::Name(s.trim().to_owned()),
+        })
+    }
+}
+
+/// Where the API server's address and credentials come from.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum ClientConfig {
+    /// `KUBECONFIG` (or `~/.kube/config`) when set, else the in-cluster service account
+    /// (kube-rs's `Config::infer`).
+    #[default]
+    Infer,
+    /// This kubeconfig file, its current context.
+    Kubeconfig(PathBuf),
+}
+
+/// Kubernetes discovery settings.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct KubernetesConfig {
+    /// The label selector of prefill pods (`app=vllm,role=prefill`); `None`: none.
+    pub prefill_selector: Option<String>,
+    /// The label selector of decode pods; `None`: none.
+    pub decode_selector: Option<String>,
+    /// The namespace to watch; `None`: in a cluster, the pod's own (its service
+    /// account's `/var/run/secrets/kubernetes.io/serviceaccount/namespace`); with a
+    /// kubeconfig, its context's namespace; else `default`.
+    pub namespace: Option<String>,
+    /// The engines' HTTP port; `None`: the first container port the pod declares.
+    pub port: Option<PortRef>,
+    /// The label holding a pod's model ([`DEFAULT_MODEL_LABEL`] by default).
+    pub model_label: String,
+    /// Where the API server's address and credentials come from.
+    pub client: ClientConfig,
+    /// The `timeoutSeconds` of each watch request (the server ends the watch then and
+    /// the watcher resumes it); `None`: kube-rs's 290 s.
+    pub watch_timeout: Option<u32>,
+    /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
+    pub name: String,
+}
+
+impl KubernetesConfig {
+    /// Prefill pods matching `prefill_selector` and decode pods matching
+    /// `decode_selector`, everything else by default.
+    pub fn new(prefill_selector: Option<String>, decode_selector: Option<String>) -> Self {
+        KubernetesConfig {
+            prefill_selector,
+            decode_selector,
+            namespace: None,
+            port: None,
+            model_label: DEFAULT_MODEL_LABEL.to_owned(),
+            client: ClientConfig::Infer,
+            watch_timeout: None,
+            name: SOURCE_NAME.to_owned(),
+        }
+    }
+}
+
+/// Kubernetes discovery could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KubernetesError {
+    /// Neither selector is set.
+    #[error("kubernetes discovery needs a prefill or a decode label selector")]
+    NoSelector,
+    /// No kubeconfig and no in-cluster service account.
+    #[error("no kubernetes configuration (KUBECONFIG, ~/.kube/config or in-cluster)")]
+    Infer(#[source] kube::config::InferConfigError),
+    /// The kubeconfig file could not be used.
+    #[error("cannot use the kubeconfig")]
+    Kubeconfig(#[source] kube::config::KubeconfigError),
+    /// The client could not be built.
+    #[error("cannot build the kubernetes client")]
+    Client(#[source] kube::Error),
+}
+
+/// Connects to the API server as `config` says and starts watching the pods.
+///
+/// The source publishes once every selector's first list is complete
+/// ([`SpecSource::synced`]).
+///
+/// # Errors
+///
+/// [`KubernetesError`] when no selector is set or the client cannot be configured. An
+/// API server that does not answer is no error: the watcher retries with backoff.
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesError> {
+    if config.prefill_selector.is_none() && config.decode_selector.is_none() {
+        return Err(KubernetesError::NoSelector);
+    }
+    let kube_config = match &config.client {
+        ClientConfig::Infer => kube::Config::infer()
+            .await
+            .map_err(KubernetesError::Infer)?,
+        ClientConfig::Kubeconfig(path) => {
+            let file =
+                kube::config::Kubeconfig::read_from(path).map_err(KubernetesError::Kubeconfig)?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(KubernetesError::Kubeconfig)?
+        }
+    };
+    let client = kube::Client::try_from(kube_config).map_err(KubernetesError::Client)?;
+    spawn_with_client(client, config)
+}
+
+/// Like [`spawn`], with a client the embedder built (its own credentials, timeouts or
+/// middleware); [`KubernetesConfig::client`] is not used.
+///
+/// # Errors
+///
+/// [`KubernetesError::NoSelector`] when no selector is set.
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub fn spawn_with_client(
+    client: kube::Client,
+    config: KubernetesConfig,
+) -> Result<SpecSource, KubernetesError> {
+    // The client's default namespace is the pod's own in a cluster (kube-rs reads the
+    // service account's namespace file), the kubeconfig context's otherwise, else
+    // `default`.
+    let namespace = config
+        .namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_owned());
+    let api: Api<Pod> = Api::namespaced(client, &namespace);
+    let mut watched = Vec::new();
+    let mut streams = Vec::new();
+    for (role, selector) in [
+        (Role::Prefill, &config.prefill_selector),
+        (Role::Decode, &config.decode_selector),
+    ] {
+        let Some(selector) = selector else { continue };
+        let mut wc = watcher::Config::default().labels(selector);
+        if let Some(t) = config.watch_timeout {
+            wc = wc.timeout(t);
+        }
+        let (reader, writer) = reflector::store();
+        let index = watched.len();
+        streams.push(
+            watcher(api.clone(), wc)
+                .default_backoff()
+                .reflect(writer)
+                .map(move |event| (index, event))
+                .boxed(),
+        );
+        watched.push(Watched {
+            role,
+            selector: selector.clone(),
+            store: reader,
+            listed: false,
+        });
+    }
+    tracing::info!(%namespace, "watching pods for engines");
+    let (publisher, source) = SpecSource::channel(config.name.as_str());
+    let task = tokio::spawn(run(
+        config,
+        publisher,
+        watched,
+        futures::stream::select_all(streams),
+    ));
+    Ok(source.with_task(task))
+}
+
+/// Every selector's watch events, tagged with the index of its [`Watched`].
+type PodEvents = futures::stream::SelectAll<
+    futures::stream::BoxStream<'static, (usize, Result<watcher::Event<Pod>, watcher::Error>)>,
+>;
+
+/// One role's watch.
+struct Watched {
+    role: Role,
+    selector: String,
+    store: Store<Pod>,
+    /// Whether its first list is complete.
+    listed: bool,
+}
+
+async fn run(
+    config: KubernetesConfig,
+    publisher: SpecPublisher,
+    mut watched: Vec<Watched>,
+    mut events: PodEvents,
+) {
+    let mut rejected: HashSet<(Role, String, String)> = HashSet::new();
+    while let Some((index, event)) = events.next().await {
+        if publisher.is_closed() {
+            return;
+        }
+        match event {
+            Ok(watcher::Event::InitDone) => {
+                watched[index].listed = true;
+            }
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {}
+            // A list in progress: the store swaps it in at InitDone.
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => continue,
+            Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                // Expected: the server no longer has the version the watch resumed
+                // from. The watcher relists; the store keeps the pods until then.
+                tracing::debug!(selector = %watched[index].selector, "watch expired (410 Gone); relisting");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    selector = %watched[index].selector,
+                    error = %e,
+                    "kubernetes watch failed; keeping the last good pods and retrying"
+                );
+                publisher.record_error();
+                continue;
+            }
+        }
+        if watched.iter().all(|w| w.listed) {
+            publish(&config, &publisher, &watched, &mut rejected);
+        }
+    }
+}
+
+/// Publishes the routable pods of every role; logs and counts pods newly rejected.
+fn publish(
+    config: &KubernetesConfig,
+    publisher: &SpecPublisher,
+    watched: &[Watched],
+    rejected: &mut HashSet<(Role, String, String)>,
+) {
+    let mut specs = Vec::new();
+    let mut now_rejected = HashSet::new();
+    for w in watched {
+        for pod in w.store.state() {
+            match pod_spec(&pod, w.role, config) {
+                Ok(Some(spec)) => specs.push(spec),
+                Ok(None) => {}
+                Err(why) => {
+                    let name = pod.metadata.name.clone().unwrap_or_default();
+                    let key = (w.role, name, why);
+                    if !rejected.contains(&key) {
+                        tracing::warn!(pod = %key.1, role = ?w.role, reason = %key.2, "pod left out");
+                        publisher.record_rejected(1);
+                    }
+                    now_rejected.insert(key);
+                }
+            }
+        }
+    }
+    *rejected = now_rejected;
+    publisher.publish(specs);
+}
+
+/// The engine a pod stands for: `Ok(None)` while it is not routable, `Err` (the reason)
+/// when its description is unusable.
+///
+/// # Errors
+///
+/// The reason, when the pod has no port to use or an annotation does not parse.
+pub fn pod_spec(
+    pod: &Pod,
+    role: Role,
+    config: &KubernetesConfig,
+) -> Result<Option<EndpointSpec>, String> {
+    let Some(ip) = routable_ip(pod) else {
+        return Ok(None);
+    };
+    let port = pod_port(pod, config.port.as_ref())?;
+    let url = match ip {
+        IpAddr::V4(v4) => format!("http://{v4}:{port}"),
+        IpAddr::V6(v6) => format!("http://[{v6}]:{port}"),
+    };
+    let empty = BTreeMap::new();
+    let annotations = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
+    let get = |key: &str| {
+        annotations
+            .get(key)
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty())
+    };
+    let bad = |key: &str, why: &dyn std::fmt::Display| format!("annotation {key}: {why}");
+
+    let mut spec = EndpointSpec::new(url, role);
+    spec.models = match get(MODELS) {
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        None => labels
+            .get(&config.model_label)
+            .filter(|m| !m.is_empty())
+            .map(|m| vec![m.clone()])
+            .unwrap_or_default(),
+    };
+    if role == Role::Prefill {
+        for key in [SGLANG_BOOTSTRAP_PORT, VLLM_BOOTSTRAP_PORT] {
+            if let Some(v) = get(key) {
+                spec.bootstrap_port = Some(v.parse().map_err(|_| bad(key, &"not a port number"))?);
+                break;
+            }
+        }
+    }
+    if let Some(v) = get(DP_RANKS) {
+        spec.ranks = Some(v.parse::<Ranks>().map_err(|e| bad(DP_RANKS, &e))?);
+    }
+    if let Some(v) = get(WEIGHT) {
+        let w: f64 = v.parse().map_err(|_| bad(WEIGHT, &"not a number"))?;
+        if !(w.is_finite() && w > 0.0) {
+            return Err(bad(WEIGHT, &"not a positive number"));
+        }
+        spec.weight = Some(w);
+    }
+    let profile = KvProfile {
+        connector: get(KV_CONNECTOR).map(str::to_owned),
+        role: get(KV_ROLE)
+            .map(parse_kv_role)
+            .transpose()
+            .map_err(|e| bad(KV_ROLE, &e))?,
+        tp_size: get(TP_SIZE)
+            .map(parse_tp)
+            .transpose()
+            .map_err(|e| bad(TP_SIZE, &e))?,
+    };
+    if profile != KvProfile::default() {
+        spec.kv_profile = Some(profile);
+    }
+    match (get(LMCACHE_INIT_PORTS), get(LMCACHE_ALLOC_PORTS)) {
+        (None, None) => {}
+        (Some(init), Some(alloc)) if role == Role::Decode => {
+            let ports = |key: &str, list: &str| {
+                parse_ports(list).map_err(|_| bad(key, &"not a list of ports"))
+            };
+            let lmcache = LmcacheSpec {
+                host: ip.to_string(),
+                init_ports: ports(LMCACHE_INIT_PORTS, init)?,
+                alloc_ports: ports(LMCACHE_ALLOC_PORTS, alloc)?,
+            };
+            spec.lmcache = Some(lmcache);
+        }
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "annotations {LMCACHE_INIT_PORTS} and {LMCACHE_ALLOC_PORTS} apply to decode pods only"
+            ));
+        }
+        _ => {
+            return Err(format!(
+                "annotations {LMCACHE_INIT_PORTS} and {LMCACHE_ALLOC_PORTS} go together"
+            ));
+        }
+    }
+    if let Some(v) = get(KV_EVENTS) {
+        spec.kv_events = Some(if v.starts_with("tcp://") {
+            v.to_owned()
+        } else {
+            let port: u16 = v
+                .parse()
+                .map_err(|_| bad(KV_EVENTS, &"neither a port nor tcp://HOST:PORT"))?;
+            match ip {
+                IpAddr::V4(v4) => format!("tcp://{v4}:{port}"),
+                IpAddr::V6(v6) => format!("tcp://[{v6}]:{port}"),
+            }
+        });
+    }
+    // What would make no endpoint is refused here, with the pod's name in the log.
+    spec.extensions().map_err(|e| e.to_string())?;
+    Ok(Some(spec))
+}
+
+/// The pod's IP while it is routable: Running, Ready, not being deleted.
+fn routable_ip(pod: &Pod) -> Option<IpAddr> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = pod.status.as_ref()?;
+    if status.phase.as_deref() != Some("Running") {
+        return None;
+    }
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return None;
+    }
+    status.pod_ip.as_deref()?.parse().ok()
+}
+
+/// The port to use on `pod`.
+fn pod_port(pod: &Pod, port: Option<&PortRef>) -> Result<u16, String> {
+    let declared = || {
+        pod.spec
+            .iter()
+            .flat_map(|s| &s.containers)
+            .flat_map(|c| c.ports.iter().flatten())
+    };
+    let number = |n: i32| u16::try_from(n).map_err(|_| format!("container port {n} is not a port"));
+    match port {
+        Some(PortRef::Number(n)) => Ok(*n),
+        Some(PortRef::Name(name)) => declared()
+            .find(|p| p.name.as_deref() == Some(name.as_str()))
+            .ok_or_else(|| format!("no container port named `{name}`"))
+            .and_then(|p| number(p.container_port)),
+        None => declared()
+            .next()
+            .ok_or_else(|| "no container port declared (set the port to use)".to_owned())
+            .and_then(|p| number(p.container_port)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(ready: bool, annotations: &[(&str, &str)]) -> Pod {
+        let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "labels": {"model": "llama"}, "annotations": annotations},
+            "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": 8100}]}]},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.1.2.3",
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn config() -> KubernetesConfig {
+        KubernetesConfig::new(Some("role=prefill".into()), None)
+    }
+
+    #[test]
+    fn a_ready_pod_is_an_engine_with_its_annotations() {
+        let pod = pod(
+            true,
+            &[
+                (VLLM_BOOTSTRAP_PORT, "8998"),
+                (DP_RANKS, "0-1"),
+                (KV_CONNECTOR, "NixlConnector"),
+                (TP_SIZE, "2"),
+                (KV_EVENTS, "5557"),
+                (WEIGHT, "3"),
+            ],
+        );
+        let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
+        assert_eq!(spec.url, "http://10.1.2.3:8100");
+        assert_eq!(spec.models, ["llama"]);
+        assert_eq!(spec.bootstrap_port, Some(8998));
+        assert_eq!(spec.ranks, Some(Ranks::new(0, 1).unwrap()));
+        assert_eq!(spec.kv_profile.as_ref().unwrap().tp_size, Some(2));
+        assert_eq!(spec.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
+        assert_eq!(spec.weight, Some(3.0));
+    }
+
+    #[test]
+    fn the_sglang_annotation_wins_and_models_annotation_beats_the_label() {
+        let pod = pod(
+            true,
+            &[
+                (SGLANG_BOOTSTRAP_PORT, "9000"),
+                (VLLM_BOOTSTRAP_PORT, "8998"),
+                (MODELS, "meta-llama/Llama-3.1-8B, llama"),
+            ],
+        );
+        let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
+        assert_eq!(spec.bootstrap_port, Some(9000));
+        assert_eq!(spec.models, ["meta-llama/Llama-3.1-8B", "llama"]);
+    }
+
+    #[test]
+    fn only_running_ready_live_pods_with_an_ip_route() {
+        assert!(
+            pod_spec(&pod(false, &[]), Role::Decode, &config())
+                .unwrap()
+                .is_none()
+        );
+        let mut p = pod(true, &[]);
+        p.status.as_mut().unwrap().phase = Some("Pending".into());
+        assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_none());
+        let mut p = pod(true, &[]);
+        p.status.as_mut().unwrap().pod_ip = None;
+        assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_none());
+        let mut p = pod(true, &[]);
+        p.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ));
+        assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_none());
+    }
+
+    #[test]
+    fn ports_by_number_name_or_first_declared() {
+        let p = pod(true, &[]);
+        let mut c = config();
+        assert_eq!(pod_port(&p, None), Ok(8100));
+        c.port = Some("http".parse().unwrap());
+        assert_eq!(pod_port(&p, c.port.as_ref()), Ok(8100));
+        c.port = Some("9000".parse().unwrap());
+        assert_eq!(pod_port(&p, c.port.as_ref()), Ok(9000));
+        c.port = Some("grpc".parse().unwrap());
+        assert!(pod_spec(&p, Role::Decode, &c).is_err());
+    }
+
+    #[test]
+    fn bad_annotations_leave_the_pod_out() {
+        for (role, annotations) in [
+            (Role::Prefill, vec![(SGLANG_BOOTSTRAP_PORT, "x")]),
+            (Role::Prefill, vec![(VLLM_BOOTSTRAP_PORT, "70000")]),
+            (Role::Decode, vec![(DP_RANKS, "3-1")]),
+            (Role::Decode, vec![(WEIGHT, "0")]),
+            (Role::Decode, vec![(KV_ROLE, "kv_maybe")]),
+            (Role::Decode, vec![(TP_SIZE, "0")]),
+            (Role::Decode, vec![(LMCACHE_INIT_PORTS, "7300")]),
+            (
+                Role::Decode,
+                vec![
+                    (LMCACHE_INIT_PORTS, "7300,7301"),
+                    (LMCACHE_ALLOC_PORTS, "7400"),
+                ],
+            ),
+            (Role::Decode, vec![(KV_EVENTS, "nowhere")]),
+        ] {
+            let p = pod(true, &annotations);
+            assert!(pod_spec(&p, role, &config()).is_err(), "{annotations:?}");
+        }
+        // A decode ignores bootstrap ports.
+        let p = pod(true, &[(SGLANG_BOOTSTRAP_PORT, "x")]);
+        assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_some());
+        let p = pod(
+            true,
+            &[(LMCACHE_INIT_PORTS, "7300"), (LMCACHE_ALLOC_PORTS, "7400")],
+        );
+        let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
+        assert_eq!(spec.lmcache.unwrap().host, "10.1.2.3");
+        assert!(pod_spec(&p, Role::Prefill, &config()).is_err());
+    }
+}

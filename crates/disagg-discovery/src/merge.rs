@@ -1,0 +1,606 @@
+//! [`MergedSource`]: several discovery sources (and endpoints given on the command line)
+//! merged into the one [`EndpointSet`] the orchestrator reads, through the core's
+//! [`EndpointSource`] seam.
+//!
+//! Hot changes drop nothing:
+//!
+//! - an endpoint whose spec did not change keeps its `Arc<Endpoint>` from one set to the
+//!   next, so its in-flight counts, and the health and cache-affinity state kept for it,
+//!   carry over; a router sees the same endpoint before and after;
+//! - an endpoint that leaves is only left out of the next set: requests already routed
+//!   to it hold their own `Arc` (through their in-flight guards) and finish there,
+//!   streams included;
+//! - an endpoint whose spec changed (a new bootstrap port, models or KV profile) is
+//!   replaced by a new one with the same id; requests in flight on the old one finish
+//!   there;
+//! - a spec that makes no endpoint (a bad URL, an LMCache receiver contradicting the
+//!   declared TP size) is left out, logged once and counted as rejected; the rest of the
+//!   set is published.
+//!
+//! When two sources name the same endpoint (role and id), the earlier one in the merge
+//! order wins: the command line's endpoints first, then the sources in the order they
+//! were added.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use disagg_core::{BoxError, Endpoint, EndpointSet, EndpointSource, Role};
+use futures::StreamExt;
+use tokio::sync::watch;
+
+use crate::source::{SourceStats, SpecSource, Specs};
+use crate::spec::EndpointSpec;
+
+/// Adds connector data of the embedder's own to the extensions a spec's endpoints get
+/// (after the spec's own [`EndpointSpec::extensions`]). An `Err` leaves the spec out,
+/// logged and counted as rejected.
+pub type ExtendFn =
+    dyn Fn(&EndpointSpec, &mut http::Extensions) -> Result<(), BoxError> + Send + Sync;
+
+/// The name of the pseudo-source of the endpoints given to
+/// [`MergedSourceBuilder::endpoints`].
+pub const STATIC_SOURCE: &str = "static";
+
+/// Several discovery sources and fixed endpoints merged into one [`EndpointSet`],
+/// published through the core's [`EndpointSource`] seam.
+///
+/// A background task (ended when this drops, with the sources' own tasks) merges every
+/// new list a source publishes. See the [module docs](self) for what a change keeps.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use disagg_core::{Endpoint, EndpointSource, Role};
+/// use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let (publisher, discovered) = SpecSource::channel("admin");
+/// let merged = MergedSource::builder()
+///     .endpoints([Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?])
+///     .source(discovered)
+///     .build();
+///
+/// publisher.publish(vec![EndpointSpec::new("http://10.0.0.7:8200", Role::Decode)]);
+/// merged.synced().await;
+/// let first = merged.snapshot();
+/// assert_eq!((first.prefill().len(), first.decode().len()), (1, 1));
+///
+/// // Another decode joins: the one that stays is the same endpoint.
+/// let mut rx = merged.watch();
+/// publisher.publish(vec![
+///     EndpointSpec::new("http://10.0.0.7:8200", Role::Decode),
+///     EndpointSpec::new("http://10.0.0.8:8200", Role::Decode),
+/// ]);
+/// rx.changed().await?;
+/// let second = merged.snapshot();
+/// assert!(Arc::ptr_eq(&first.decode()[0], &second.decode()[0]));
+/// assert_eq!(second.decode().len(), 2);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct MergedSource {
+    tx: watch::Sender<Arc<EndpointSet>>,
+    synced: watch::Receiver<bool>,
+    stats: Vec<(Arc<str>, Arc<SourceStats>)>,
+    // Dropped after the merge task: the sources' tasks end with their handles.
+    _task: AbortOnDrop,
+    _sources: Vec<SpecSource>,
+}
+
+/// Builds a [`MergedSource`].
+#[derive(Default)]
+pub struct MergedSourceBuilder {
+    endpoints: Vec<Endpoint>,
+    sources: Vec<SpecSource>,
+    extend: Option<Arc<ExtendFn>>,
+}
+
+impl std::fmt::Debug for MergedSourceBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MergedSourceBuilder")
+            .field("endpoints", &self.endpoints)
+            .field("sources", &self.sources)
+            .field("extend", &self.extend.is_some())
+            .finish()
+    }
+}
+
+impl MergedSourceBuilder {
+    /// Endpoints that are always in the set (`--prefill`, `--decode`), first in the
+    /// merge order, under the source name [`STATIC_SOURCE`].
+    pub fn endpoints(mut self, endpoints: impl IntoIterator<Item = Endpoint>) -> Self {
+        self.endpoints.extend(endpoints);
+        self
+    }
+
+    /// A discovery source, after those added before it in the merge order.
+    pub fn source(mut self, source: SpecSource) -> Self {
+        self.sources.push(source);
+        self
+    }
+
+    /// Connector data of the embedder's own for each discovered spec's endpoints.
+    pub fn extend_with(
+        mut self,
+        f: impl Fn(&EndpointSpec, &mut http::Extensions) -> Result<(), BoxError> + Send + Sync + 'static,
+    ) -> Self {
+        self.extend = Some(Arc::new(f));
+        self
+    }
+
+    /// Merges what the sources published so far and starts the task that merges what
+    /// they publish next.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime (the merge task is spawned on it).
+    pub fn build(self) -> MergedSource {
+        let mut stats = Vec::new();
+        let static_stats = (!self.endpoints.is_empty()).then(|| {
+            let s = Arc::new(SourceStats::default());
+            stats.push((Arc::<str>::from(STATIC_SOURCE), Arc::clone(&s)));
+            s
+        });
+        for source in &self.sources {
+            stats.push((Arc::from(source.name()), Arc::clone(source.stats())));
+        }
+        let mut merger = Merger {
+            fixed: self.endpoints.into_iter().map(Arc::new).collect(),
+            static_stats,
+            source_stats: self.sources.iter().map(|s| Arc::clone(s.stats())).collect(),
+            names: self.sources.iter().map(|s| Arc::from(s.name())).collect(),
+            extend: self.extend,
+            current: HashMap::new(),
+            order: Vec::new(),
+            rejected: HashSet::new(),
+            initialized: false,
+        };
+        let receivers: Vec<_> = self.sources.iter().map(SpecSource::watch).collect();
+        let lists = current_lists(&receivers);
+        let initial = merger.merge(&lists).unwrap_or_default();
+        let (tx, _) = watch::channel(Arc::new(initial));
+        let (synced_tx, synced) = watch::channel(lists.iter().all(Option::is_some));
+        let task = tokio::spawn(run(merger, receivers, tx.clone(), synced_tx));
+        MergedSource {
+            tx,
+            synced,
+            stats,
+            _task: AbortOnDrop(task),
+            _sources: self.sources,
+        }
+    }
+}
+
+impl MergedSource {
+    /// A builder.
+    pub fn builder() -> MergedSourceBuilder {
+        MergedSourceBuilder::default()
+    }
+
+    /// Waits until every source has published its first complete list and the set
+    /// holds it (a proxy may wait for this, bounded, before it serves).
+    pub async fn synced(&self) {
+        let mut rx = self.synced.clone();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// Each source's name and counters, in merge order ([`STATIC_SOURCE`] first when
+    /// there are fixed endpoints).
+    pub fn sources(&self) -> impl Iterator<Item = (&str, &SourceStats)> {
+        self.stats.iter().map(|(n, s)| (&**n, &**s))
+    }
+
+    /// Appends the sources' counters to `out` in Prometheus' text format:
+    ///
+    /// - `disagg_discovery_endpoints{source,role}` (gauge): endpoints each source
+    ///   contributes to the set now;
+    /// - `disagg_discovery_endpoint_changes_total{source,change}` (counter): endpoints
+    ///   `added` to the set, `removed` from it, or `replaced` because their spec
+    ///   changed;
+    /// - `disagg_discovery_updates_total{source}` (counter): lists published;
+    /// - `disagg_discovery_errors_total{source}` (counter): failed watches, lookups and
+    ///   reloads (the last good list stayed);
+    /// - `disagg_discovery_rejected_total{source}` (counter): engines left out because
+    ///   their description makes no endpoint;
+    /// - `disagg_discovery_duplicate_endpoints{source}` (gauge): endpoints a source finds
+    ///   that an earlier source already contributes.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::{Endpoint, Role};
+    /// use disagg_discovery::MergedSource;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let merged = MergedSource::builder()
+    ///     .endpoints([Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?])
+    ///     .build();
+    /// let mut out = String::new();
+    /// merged.render_metrics(&mut out);
+    /// assert!(out.contains("disagg_discovery_endpoints{source=\"static\",role=\"prefill\"} 1\n"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn render_metrics(&self, out: &mut String) {
+        let gauge = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP disagg_discovery_{name} {help}");
+            let _ = writeln!(out, "# TYPE disagg_discovery_{name} gauge");
+        };
+        let counter = |out: &mut String, name: &str, help: &str| {
+            let _ = writeln!(out, "# HELP disagg_discovery_{name} {help}");
+            let _ = writeln!(out, "# TYPE disagg_discovery_{name} counter");
+        };
+        // Writing to a String cannot fail.
+        gauge(
+            out,
+            "endpoints",
+            "Endpoints each discovery source contributes to the endpoint set now, by role.",
+        );
+        for (name, s) in &self.stats {
+            let name = escape(name);
+            for (role, n) in [("prefill", &s.prefill), ("decode", &s.decode)] {
+                let n = n.load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "disagg_discovery_endpoints{{source=\"{name}\",role=\"{role}\"}} {n}"
+                );
+            }
+        }
+        counter(
+            out,
+            "endpoint_changes_total",
+            "Endpoints added to, removed from or replaced in the endpoint set, by source.",
+        );
+        for (name, s) in &self.stats {
+            let name = escape(name);
+            for (change, n) in [
+                ("added", &s.added),
+                ("removed", &s.removed),
+                ("replaced", &s.replaced),
+            ] {
+                let n = n.load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "disagg_discovery_endpoint_changes_total{{source=\"{name}\",change=\"{change}\"}} {n}"
+                );
+            }
+        }
+        let rows: [Row; 4] = [
+            (
+                "updates_total",
+                "Endpoint lists published by each discovery source.",
+                false,
+                SourceStats::updates,
+            ),
+            (
+                "errors_total",
+                "Failed watches, lookups and reloads of each discovery source; the last good list stayed.",
+                false,
+                SourceStats::errors,
+            ),
+            (
+                "rejected_total",
+                "Engines a discovery source found but left out because their description makes no endpoint.",
+                false,
+                SourceStats::rejected,
+            ),
+            (
+                "duplicate_endpoints",
+                "Endpoints a discovery source finds that an earlier source already contributes.",
+                true,
+                SourceStats::duplicates,
+            ),
+        ];
+        for (metric, help, is_gauge, read) in rows {
+            if is_gauge {
+                gauge(out, metric, help);
+            } else {
+                counter(out, metric, help);
+            }
+            for (name, s) in &self.stats {
+                let _ = writeln!(
+                    out,
+                    "disagg_discovery_{metric}{{source=\"{}\"}} {}",
+                    escape(name),
+                    read(s)
+                );
+            }
+        }
+    }
+}
+
+impl EndpointSource for MergedSource {
+    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+        self.tx.subscribe()
+    }
+
+    fn snapshot(&self) -> Arc<EndpointSet> {
+        self.tx.borrow().clone()
+    }
+}
+
+/// One per-source metric: name, help, whether a gauge, and how to read it.
+type Row = (&'static str, &'static str, bool, fn(&SourceStats) -> u64);
+
+/// A label value with `\` and `"` escaped, as Prometheus' text format asks.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Aborts the merge task when the source drops.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn current_lists(receivers: &[watch::Receiver<Specs>]) -> Vec<Specs> {
+    receivers.iter().map(|rx| rx.borrow().clone()).collect()
+}
+
+/// The merge task: merges again whenever any source publishes, until every source has
+/// ended (their senders dropped).
+async fn run(
+    mut merger: Merger,
+    receivers: Vec<watch::Receiver<Specs>>,
+    tx: watch::Sender<Arc<EndpointSet>>,
+    synced: watch::Sender<bool>,
+) {
+    let changes = receivers.iter().cloned().map(|rx| {
+        futures::stream::unfold(rx, |mut rx| async move {
+            rx.changed().await.ok()?;
+            Some(((), rx))
+        })
+        .boxed()
+    });
+    let mut changes = futures::stream::select_all(changes);
+    // Level-triggered: every wake-up reads every source's current list, so a burst of
+    // publications is merged once.
+    while changes.next().await.is_some() {
+        let lists = current_lists(&receivers);
+        if let Some(set) = merger.merge(&lists) {
+            tx.send_replace(Arc::new(set));
+        }
+        if lists.iter().all(Option::is_some) {
+            synced.send_if_modified(|s| !std::mem::replace(s, true));
+        }
+    }
+}
+
+/// (role, endpoint id): one endpoint of the set.
+type Key = (Role, Arc<str>);
+
+/// One endpoint of the current set: the spec it was built from, and who contributed it.
+struct Entry {
+    spec: EndpointSpec,
+    endpoint: Arc<Endpoint>,
+    source: usize,
+}
+
+/// The merge state: the current endpoints by key, to reuse them.
+struct Merger {
+    fixed: Vec<Arc<Endpoint>>,
+    static_stats: Option<Arc<SourceStats>>,
+    source_stats: Vec<Arc<SourceStats>>,
+    names: Vec<Arc<str>>,
+    extend: Option<Arc<ExtendFn>>,
+    current: HashMap<Key, Entry>,
+    /// The current set's endpoints in order (fixed ones first), to tell a change.
+    order: Vec<Arc<Endpoint>>,
+    /// The specs refused last time, per source, so that each is logged and counted once.
+    rejected: HashSet<(usize, Role, String)>,
+    /// Whether a set was made already (the first one is always published).
+    initialized: bool,
+}
+
+impl Merger {
+    /// Merges `lists` (one per source, in order) into a new set, or `None` when the set
+    /// would be the same endpoints in the same order as the current one.
+    fn merge(&mut self, lists: &[Specs]) -> Option<EndpointSet> {
+        let mut seen: HashSet<Key> = HashSet::new();
+        let mut order: Vec<Arc<Endpoint>> = Vec::new();
+        if let Some(stats) = &self.static_stats {
+            let mut counts = [0u64; 2];
+            for ep in &self.fixed {
+                if seen.insert(key_of(ep)) {
+                    counts[usize::from(ep.role() == Role::Decode)] += 1;
+                    order.push(Arc::clone(ep));
+                }
+            }
+            if !self.initialized {
+                stats.added.store(counts[0] + counts[1], Ordering::Relaxed);
+            }
+            stats.prefill.store(counts[0], Ordering::Relaxed);
+            stats.decode.store(counts[1], Ordering::Relaxed);
+        }
+        let mut next: HashMap<Key, Entry> = HashMap::new();
+        let mut rejected = HashSet::new();
+        for (i, list) in lists.iter().enumerate() {
+            let stats = &self.source_stats[i];
+            let (mut counts, mut duplicates) = ([0u64; 2], 0u64);
+            for spec in list.iter().flat_map(|l| l.iter()) {
+                let Some(endpoints) = self.endpoints_for(i, spec, &mut rejected) else {
+                    continue;
+                };
+                for endpoint in endpoints {
+                    let key = key_of(&endpoint);
+                    if !seen.insert(key.clone()) {
+                        duplicates += 1;
+                        continue;
+                    }
+                    counts[usize::from(spec.role == Role::Decode)] += 1;
+                    order.push(Arc::clone(&endpoint));
+                    next.insert(
+                        key,
+                        Entry {
+                            spec: spec.clone(),
+                            endpoint,
+                            source: i,
+                        },
+                    );
+                }
+            }
+            stats.prefill.store(counts[0], Ordering::Relaxed);
+            stats.decode.store(counts[1], Ordering::Relaxed);
+            stats.duplicates.store(duplicates, Ordering::Relaxed);
+        }
+        self.rejected = rejected;
+        // The changes, each counted for the source that made it.
+        for (key, entry) in &next {
+            let stats = &self.source_stats[entry.source];
+            match self.current.get(key) {
+                None => stats.added.fetch_add(1, Ordering::Relaxed),
+                Some(old) if !Arc::ptr_eq(&old.endpoint, &entry.endpoint) => {
+                    stats.replaced.fetch_add(1, Ordering::Relaxed)
+                }
+                Some(_) => 0,
+            };
+        }
+        for (key, old) in &self.current {
+            if !next.contains_key(key) {
+                self.source_stats[old.source]
+                    .removed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.current = next;
+        let unchanged = order.len() == self.order.len()
+            && order
+                .iter()
+                .zip(&self.order)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
+        if unchanged && self.initialized {
+            return None;
+        }
+        self.initialized = true;
+        self.order.clone_from(&order);
+        Some(EndpointSet::new(order))
+    }
+
+    /// The endpoints of `spec` from source `i`: the current ones when the spec is
+    /// unchanged, new ones otherwise; `None` (logged once, counted) when it makes none.
+    fn endpoints_for(
+        &self,
+        i: usize,
+        spec: &EndpointSpec,
+        rejected: &mut HashSet<(usize, Role, String)>,
+    ) -> Option<Vec<Arc<Endpoint>>> {
+        let urls = spec.endpoint_urls();
+        let reused: Option<Vec<Arc<Endpoint>>> = urls
+            .iter()
+            .map(|url| {
+                let entry = self.current.get(&(spec.role, Arc::from(url.as_str())))?;
+                (entry.spec == *spec).then(|| Arc::clone(&entry.endpoint))
+            })
+            .collect();
+        if let Some(reused) = reused {
+            return Some(reused);
+        }
+        match self.build(spec) {
+            Ok(endpoints) => Some(endpoints.into_iter().map(Arc::new).collect()),
+            Err(e) => {
+                let id = (i, spec.role, spec.url.clone());
+                if !self.rejected.contains(&id) {
+                    tracing::warn!(
+                        source = %self.names[i],
+                        url = %spec.url,
+                        role = ?spec.role,
+                        error = %e,
+                        "discovered engine left out: its description makes no endpoint"
+                    );
+                    self.source_stats[i]
+                        .rejected
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                rejected.insert(id);
+                None
+            }
+        }
+    }
+
+    fn build(&self, spec: &EndpointSpec) -> Result<Vec<Endpoint>, BoxError> {
+        let mut ext = spec.extensions()?;
+        if let Some(extend) = &self.extend {
+            extend(spec, &mut ext)?;
+        }
+        Ok(spec.to_endpoints_with(ext)?)
+    }
+}
+
+fn key_of(endpoint: &Endpoint) -> Key {
+    (endpoint.role(), Arc::from(endpoint.id().as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode(url: &str) -> EndpointSpec {
+        EndpointSpec::new(url, Role::Decode)
+    }
+
+    fn merger(sources: usize) -> Merger {
+        Merger {
+            fixed: Vec::new(),
+            static_stats: None,
+            source_stats: (0..sources).map(|_| Arc::default()).collect(),
+            names: (0..sources).map(|i| Arc::from(format!("s{i}"))).collect(),
+            extend: None,
+            current: HashMap::new(),
+            order: Vec::new(),
+            rejected: HashSet::new(),
+            initialized: false,
+        }
+    }
+
+    fn list(specs: Vec<EndpointSpec>) -> Specs {
+        Some(Arc::from(specs))
+    }
+
+    #[test]
+    fn an_unchanged_publication_is_no_new_set() {
+        let mut m = merger(1);
+        assert!(m.merge(&[list(vec![decode("http://d1:1")])]).is_some());
+        assert!(m.merge(&[list(vec![decode("http://d1:1")])]).is_none());
+    }
+
+    #[test]
+    fn a_refused_spec_is_counted_once_while_it_stays() {
+        let mut m = merger(1);
+        let bad = vec![decode("https://d1:1"), decode("http://d2:1")];
+        let set = m.merge(&[list(bad.clone())]).unwrap();
+        assert_eq!(set.decode().len(), 1);
+        m.merge(&[list(bad.clone())]);
+        assert_eq!(m.source_stats[0].rejected(), 1);
+        // Gone, then back: counted again.
+        m.merge(&[list(vec![decode("http://d2:1")])]);
+        m.merge(&[list(bad)]);
+        assert_eq!(m.source_stats[0].rejected(), 2);
+    }
+
+    #[test]
+    fn the_earlier_source_wins_a_duplicate() {
+        let mut m = merger(2);
+        let mut with_models = decode("http://d1:1");
+        with_models.models = vec!["m".into()];
+        let set = m
+            .merge(&[list(vec![with_models]), list(vec![decode("http://d1:1")])])
+            .unwrap();
+        assert_eq!(set.decode().len(), 1);
+        assert!(set.decode()[0].models().is_some());
+        assert_eq!(m.source_stats[1].duplicates(), 1);
+        assert_eq!(m.source_stats[1].decode_endpoints(), 0);
+        assert_eq!(m.source_stats[0].decode_endpoints(), 1);
+    }
+}

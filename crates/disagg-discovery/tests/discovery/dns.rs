@@ -1,0 +1,376 @@
+//! DNS discovery against a real DNS server: Debian's dnsmasq, started by each test on a
+//! loopback port, serving A/AAAA records from a hosts file (re-read on SIGHUP) and SRV
+//! records from its command line (changed by a restart on the same port).
+//!
+//! scripts/test.sh installs dnsmasq when it is missing and then sets
+//! DISAGG_REQUIRE_DNSMASQ=1, which makes a missing dnsmasq a failure; without it (a
+//! bare `cargo test` on a machine without dnsmasq) the tests say loudly that they are
+//! skipped.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use disagg_core::{BootstrapPort, EndpointSource, Role};
+use disagg_discovery::MergedSource;
+use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::support::{TempDir, eventually, ids, wait_for};
+
+/// Well under the refresh bounds the tests configure, so that a change seen within it
+/// was seen because of the TTL (or the bound) under test.
+const SEEN: Duration = Duration::from_secs(10);
+
+/// The dnsmasq binary, or `None` (after saying so) when the test must be skipped.
+fn dnsmasq_binary() -> Option<PathBuf> {
+    for dir in ["/usr/sbin", "/usr/bin", "/sbin", "/bin", "/usr/local/sbin"] {
+        let path = Path::new(dir).join("dnsmasq");
+        if path.exists() {
+            return Some(path);
+        }
+    }
+    if std::env::var_os("DISAGG_REQUIRE_DNSMASQ").is_some_and(|v| v == "1") {
+        panic!("dnsmasq is required (DISAGG_REQUIRE_DNSMASQ=1) but not installed");
+    }
+    eprintln!(
+        "\n\n!!!!!!!! SKIPPED: dnsmasq is not installed, so the DNS discovery test did not \
+         run. Install it (apt-get install dnsmasq-base) or run scripts/test.sh, which \
+         does. !!!!!!!!\n"
+    );
+    None
+}
+
+/// A dnsmasq serving `hosts` (a hosts file) and `srv` (`--srv-host` values) for the
+/// local domain `disagg.test` on 127.0.0.1.
+struct Dnsmasq {
+    binary: PathBuf,
+    child: Option<Child>,
+    port: u16,
+    hosts: PathBuf,
+    srv: Vec<String>,
+    ttl: u32,
+}
+
+impl Dnsmasq {
+    async fn start(dir: &TempDir, hosts: &str, srv: &[&str], ttl: u32) -> Option<Dnsmasq> {
+        let binary = dnsmasq_binary()?;
+        let path = dir.path().join("hosts");
+        std::fs::write(&path, hosts).unwrap();
+        let mut server = Dnsmasq {
+            binary,
+            child: None,
+            port: 0,
+            hosts: path,
+            srv: srv.iter().map(|s| (*s).to_owned()).collect(),
+            ttl,
+        };
+        // A port free for both UDP and TCP now; another process may take it before
+        // dnsmasq binds, so try a few.
+        for _ in 0..5 {
+            server.port = free_port();
+            if server.spawn().await {
+                return Some(server);
+            }
+        }
+        panic!("dnsmasq did not start on any of 5 ports");
+    }
+
+    /// Starts dnsmasq on `self.port`; whether it started.
+    async fn spawn(&mut self) -> bool {
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--no-daemon")
+            .arg(format!("--port={}", self.port))
+            .arg("--listen-address=127.0.0.1")
+            .arg("--bind-interfaces")
+            .arg("--no-resolv")
+            .arg("--no-hosts")
+            .arg("--conf-file=/dev/null")
+            .arg("--pid-file=")
+            .arg("--log-facility=-")
+            // Names under disagg.test are answered from local data only: a name not
+            // there is NXDOMAIN, not REFUSED for want of an upstream server.
+            .arg("--local=/disagg.test/")
+            .arg(format!("--local-ttl={}", self.ttl))
+            .arg(format!("--addn-hosts={}", self.hosts.display()));
+        for srv in &self.srv {
+            cmd.arg(format!("--srv-host={srv}"));
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().expect("dnsmasq runs");
+        let stderr = child.stderr.take().unwrap();
+        let mut lines = BufReader::new(stderr).lines();
+        let started = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.contains("started, version") {
+                    return true;
+                }
+                if line.contains("failed") || line.contains("FAILED") {
+                    eprintln!("dnsmasq: {line}");
+                }
+            }
+            false
+        })
+        .await
+        .unwrap_or(false);
+        if !started {
+            let _ = child.kill().await;
+            return false;
+        }
+        // Keep reading its log so that dnsmasq never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        self.child = Some(child);
+        true
+    }
+
+    fn server(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.port).into()
+    }
+
+    /// New hosts-file records, re-read on SIGHUP.
+    async fn set_hosts(&mut self, hosts: &str) {
+        let tmp = self.hosts.with_extension("tmp");
+        std::fs::write(&tmp, hosts).unwrap();
+        std::fs::rename(&tmp, &self.hosts).unwrap();
+        let pid = self
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .expect("dnsmasq runs");
+        let hup = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status();
+        if !hup.is_ok_and(|s| s.success()) {
+            // No kill(1) here: a restart reads the file too.
+            self.restart().await;
+        }
+    }
+
+    /// New SRV records: dnsmasq reads them from its command line, so a restart.
+    async fn set_srv(&mut self, srv: &[&str]) {
+        self.srv = srv.iter().map(|s| (*s).to_owned()).collect();
+        self.restart().await;
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+    }
+
+    async fn restart(&mut self) {
+        self.stop().await;
+        assert!(
+            self.spawn().await,
+            "dnsmasq restarted on port {}",
+            self.port
+        );
+    }
+}
+
+fn free_port() -> u16 {
+    loop {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = udp.local_addr().unwrap().port();
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+fn config(server: &Dnsmasq, targets: Vec<DnsTarget>) -> DnsConfig {
+    let mut config = DnsConfig::new(targets);
+    config.server = Some(server.server());
+    config
+}
+
+fn target(name: &str, role: Role) -> DnsTarget {
+    DnsTarget::new(name.parse().unwrap(), role)
+}
+
+fn errors(merged: &MergedSource) -> u64 {
+    merged.sources().next().unwrap().1.errors()
+}
+
+#[tokio::test]
+async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
+    let dir = TempDir::new("dns-a");
+    let hosts = "127.0.0.11 prefill.disagg.test\n127.0.0.12 prefill.disagg.test\n\
+                 fd00::11 prefill.disagg.test\n127.0.0.21 decode.disagg.test\n";
+    // A TTL of 1 s against a refresh bound of 60 s: a change seen within 10 s was seen
+    // because the TTL ran out.
+    let Some(mut server) = Dnsmasq::start(&dir, hosts, &[], 1).await else {
+        return;
+    };
+    let mut prefill = target("prefill.disagg.test:8100", Role::Prefill);
+    prefill.bootstrap_port = Some(8998);
+    let mut config = config(
+        &server,
+        vec![prefill, target("decode.disagg.test:8200", Role::Decode)],
+    );
+    config.max_refresh = Duration::from_secs(60);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    let first = merged.snapshot();
+    assert_eq!(
+        ids(&first, Role::Prefill),
+        [
+            "http://127.0.0.11:8100",
+            "http://127.0.0.12:8100",
+            "http://[fd00::11]:8100"
+        ]
+    );
+    assert_eq!(ids(&first, Role::Decode), ["http://127.0.0.21:8200"]);
+    assert!(
+        first
+            .prefill()
+            .iter()
+            .all(|e| { e.ext().get::<BootstrapPort>() == Some(&BootstrapPort(Some(8998))) })
+    );
+    let kept = first
+        .prefill()
+        .iter()
+        .find(|e| e.id().as_str() == "http://127.0.0.12:8100")
+        .cloned()
+        .unwrap();
+
+    server
+        .set_hosts("127.0.0.12 prefill.disagg.test\n127.0.0.13 prefill.disagg.test\n127.0.0.21 decode.disagg.test\n")
+        .await;
+    let second = wait_for(&merged, SEEN, "the new addresses", |s| {
+        ids(s, Role::Prefill) == ["http://127.0.0.12:8100", "http://127.0.0.13:8100"]
+    })
+    .await;
+    let still = second
+        .prefill()
+        .iter()
+        .find(|e| e.id().as_str() == "http://127.0.0.12:8100")
+        .unwrap();
+    assert!(
+        Arc::ptr_eq(still, &kept),
+        "an address that stays keeps its endpoint"
+    );
+
+    // The decode name removed: NXDOMAIN is an answer, the name has no engines.
+    server
+        .set_hosts("127.0.0.12 prefill.disagg.test\n127.0.0.13 prefill.disagg.test\n")
+        .await;
+    wait_for(&merged, SEEN, "the removed name", |s| s.decode().is_empty()).await;
+    assert_eq!(errors(&merged), 0, "no lookup failed");
+}
+
+#[tokio::test]
+async fn the_refresh_bound_caps_a_long_ttl() {
+    let dir = TempDir::new("dns-bound");
+    let Some(mut server) = Dnsmasq::start(&dir, "127.0.0.41 d.disagg.test\n", &[], 3600).await
+    else {
+        return;
+    };
+    let mut config = config(&server, vec![target("d.disagg.test:8200", Role::Decode)]);
+    config.max_refresh = Duration::from_secs(1);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.41:8200"]
+    );
+    // The records say an hour; the bound says a second.
+    server.set_hosts("127.0.0.42 d.disagg.test\n").await;
+    wait_for(&merged, SEEN, "the change despite the TTL", |s| {
+        ids(s, Role::Decode) == ["http://127.0.0.42:8200"]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
+    let dir = TempDir::new("dns-srv");
+    let hosts = "127.0.0.31 d1.disagg.test\n127.0.0.32 d2.disagg.test\n127.0.0.33 d3.disagg.test\n";
+    let srv = [
+        "_vllm._tcp.disagg.test,d1.disagg.test,8201,0,10",
+        "_vllm._tcp.disagg.test,d2.disagg.test,8202,0,10",
+        // A fallback (higher priority value): not used while the others exist.
+        "_vllm._tcp.disagg.test,d3.disagg.test,8203,1,10",
+    ];
+    let Some(mut server) = Dnsmasq::start(&dir, hosts, &srv, 1).await else {
+        return;
+    };
+    let mut config = config(
+        &server,
+        vec![target("_vllm._tcp.disagg.test", Role::Decode)],
+    );
+    config.max_refresh = Duration::from_secs(60);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.31:8201", "http://127.0.0.32:8202"]
+    );
+    // d2 goes, d1 moves to another port.
+    server
+        .set_srv(&[
+            "_vllm._tcp.disagg.test,d1.disagg.test,8211,0,10",
+            "_vllm._tcp.disagg.test,d3.disagg.test,8203,1,10",
+        ])
+        .await;
+    wait_for(&merged, SEEN, "the new SRV records", |s| {
+        ids(s, Role::Decode) == ["http://127.0.0.31:8211"]
+    })
+    .await;
+    // Only the fallback left: it is the lowest priority now.
+    server
+        .set_srv(&["_vllm._tcp.disagg.test,d3.disagg.test,8203,1,10"])
+        .await;
+    wait_for(&merged, SEEN, "the fallback", |s| {
+        ids(s, Role::Decode) == ["http://127.0.0.33:8203"]
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_failed_lookup_keeps_the_last_good_engines() {
+    let dir = TempDir::new("dns-fail");
+    let Some(mut server) = Dnsmasq::start(&dir, "127.0.0.51 d.disagg.test\n", &[], 1).await else {
+        return;
+    };
+    let mut config = config(&server, vec![target("d.disagg.test:8200", Role::Decode)]);
+    config.max_refresh = Duration::from_secs(1);
+    config.min_refresh = Duration::from_millis(200);
+    config.timeout = Duration::from_millis(500);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    let before = merged.snapshot();
+    assert_eq!(ids(&before, Role::Decode), ["http://127.0.0.51:8200"]);
+
+    // No server: lookups fail (refused or timed out), the engines stay.
+    server.stop().await;
+    eventually(Duration::from_secs(15), "two failed lookups", || {
+        errors(&merged) >= 2
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&merged.snapshot(), &before),
+        "the set was kept as it was"
+    );
+
+    // The server back with other records: the set follows.
+    std::fs::write(&server.hosts, "127.0.0.52 d.disagg.test\n").unwrap();
+    server.restart().await;
+    wait_for(&merged, SEEN, "recovery", |s| {
+        ids(s, Role::Decode) == ["http://127.0.0.52:8200"]
+    })
+    .await;
+}

@@ -1,0 +1,172 @@
+//! The endpoints file: edits, an invalid edit, deletion.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use disagg_core::{BootstrapPort, EndpointSource, Role};
+use disagg_discovery::MergedSource;
+use disagg_discovery::file::{self, FileConfig, FileError};
+
+use crate::support::{TempDir, eventually, ids, wait_for};
+
+/// The issue's bound: a change is in force within 2 s (the default poll is 1 s).
+const RELOAD: Duration = Duration::from_secs(2);
+
+/// Replaces the file as editors and ConfigMap volumes do: a new file renamed over it.
+fn replace(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+const FIRST: &str = r#"
+[[prefill]]
+url = "http://10.0.0.5:8100"
+bootstrap_port = 8998
+
+[[decode]]
+url = "http://10.0.0.7:8200"
+"#;
+
+async fn start(dir: &TempDir) -> (std::path::PathBuf, MergedSource) {
+    let path = dir.path().join("endpoints.toml");
+    replace(&path, FIRST);
+    let source = file::spawn(FileConfig::new(&path)).await.unwrap();
+    let merged = MergedSource::builder().source(source).build();
+    merged.synced().await;
+    let set = merged.snapshot();
+    assert_eq!(ids(&set, Role::Prefill), ["http://10.0.0.5:8100"]);
+    assert_eq!(ids(&set, Role::Decode), ["http://10.0.0.7:8200"]);
+    (path, merged)
+}
+
+fn errors(merged: &MergedSource) -> u64 {
+    merged.sources().next().unwrap().1.errors()
+}
+
+#[tokio::test]
+async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
+    let dir = TempDir::new("file-edit");
+    let (path, merged) = start(&dir).await;
+    let before = merged.snapshot();
+
+    // A new decode, and the prefill's bootstrap port changes.
+    replace(
+        &path,
+        r#"
+        [[prefill]]
+        url = "http://10.0.0.5:8100"
+        bootstrap_port = 9000
+        [[decode]]
+        url = "http://10.0.0.7:8200"
+        [[decode]]
+        url = "http://10.0.0.8:8200"
+        model = "llama"
+        "#,
+    );
+    let after = wait_for(&merged, RELOAD, "the edit", |s| s.decode().len() == 2).await;
+    assert_eq!(
+        after.prefill()[0].ext().get::<BootstrapPort>(),
+        Some(&BootstrapPort(Some(9000)))
+    );
+    assert!(!Arc::ptr_eq(&before.prefill()[0], &after.prefill()[0]));
+    let kept = after
+        .decode()
+        .iter()
+        .find(|e| e.id().as_str() == "http://10.0.0.7:8200")
+        .unwrap();
+    assert!(Arc::ptr_eq(kept, &before.decode()[0]));
+    let added = after
+        .decode()
+        .iter()
+        .find(|e| e.id().as_str() == "http://10.0.0.8:8200")
+        .unwrap();
+    assert!(added.serves("llama") && !added.serves("qwen"));
+
+    // An edit in place (no rename) is seen too.
+    std::fs::write(&path, FIRST).unwrap();
+    wait_for(&merged, RELOAD, "the edit in place", |s| {
+        s.decode().len() == 1
+    })
+    .await;
+    assert_eq!(errors(&merged), 0);
+}
+
+#[tokio::test]
+async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
+    let dir = TempDir::new("file-invalid");
+    let (path, merged) = start(&dir).await;
+    let before = merged.snapshot();
+
+    // A typo in a key: the whole edit is refused.
+    replace(
+        &path,
+        "[[decode]]\nurl = \"http://10.0.0.9:8200\"\nbootstarp_port = 1\n",
+    );
+    eventually(Duration::from_secs(5), "the error counted", || {
+        errors(&merged) == 1
+    })
+    .await;
+    // Polls of the same invalid content count nothing more, and publish nothing.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(errors(&merged), 1);
+    let now = merged.snapshot();
+    assert!(Arc::ptr_eq(&now, &before), "the set was not republished");
+
+    // Another invalid content counts again; then a valid edit is in force.
+    replace(&path, "[[decode]\n");
+    eventually(Duration::from_secs(5), "the second error", || {
+        errors(&merged) == 2
+    })
+    .await;
+    replace(&path, "[[decode]]\nurl = \"http://10.0.0.9:8200\"\n");
+    let set = wait_for(&merged, RELOAD, "the valid edit", |s| {
+        ids(s, Role::Decode) == ["http://10.0.0.9:8200"]
+    })
+    .await;
+    assert!(set.prefill().is_empty());
+}
+
+#[tokio::test]
+async fn a_deleted_file_keeps_the_last_good_engines_until_it_is_back() {
+    let dir = TempDir::new("file-deleted");
+    let (path, merged) = start(&dir).await;
+    let before = merged.snapshot();
+
+    std::fs::remove_file(&path).unwrap();
+    eventually(Duration::from_secs(5), "the deletion counted", || {
+        errors(&merged) == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(errors(&merged), 1, "a missing file is counted once");
+    assert!(Arc::ptr_eq(&merged.snapshot(), &before));
+
+    // Back, with other engines: in force. An empty file would empty the set.
+    replace(&path, "[[decode]]\nurl = \"http://10.0.0.9:8200\"\n");
+    wait_for(&merged, RELOAD, "the file back", |s| {
+        ids(s, Role::Decode) == ["http://10.0.0.9:8200"]
+    })
+    .await;
+    replace(&path, "");
+    wait_for(&merged, RELOAD, "the empty file", |s| {
+        s.decode().is_empty() && s.prefill().is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_missing_or_invalid_file_at_start_is_an_error() {
+    let dir = TempDir::new("file-start");
+    let path = dir.path().join("endpoints.toml");
+    let missing = file::spawn(FileConfig::new(&path)).await.unwrap_err();
+    assert!(matches!(missing, FileError::Read { .. }), "{missing}");
+    replace(
+        &path,
+        "[[prefill]]\nurl = \"http://10.0.0.5:8100\"\nranks = \"x\"\n",
+    );
+    let invalid = file::spawn(FileConfig::new(&path)).await.unwrap_err();
+    assert!(matches!(invalid, FileError::Invalid(_)), "{invalid}");
+    assert!(invalid.to_string().contains("[[prefill]] #1"), "{invalid}");
+}

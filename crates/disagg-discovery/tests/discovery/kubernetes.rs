@@ -1,0 +1,431 @@
+//! Kubernetes discovery through kube-rs's real client (kubeconfig, HTTP, watcher,
+//! reflector) against the in-test API server of `apiserver.rs`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use disagg_core::pairing::KvProfile;
+use disagg_core::{BootstrapPort, EndpointSet, EndpointSource, Role};
+use disagg_discovery::MergedSource;
+use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
+
+use crate::apiserver::{FakeApiServer, PodDesc};
+use crate::support::{TempDir, eventually, ids, wait_for};
+
+/// Generous: a watch error backs off up to a few seconds before the retry.
+const WAIT: Duration = Duration::from_secs(20);
+
+const NS: &str = "llm";
+
+fn pod<'a>(name: &'a str, role: &'a str, ip: &'a str, ready: bool) -> PodDesc<'a> {
+    PodDesc {
+        namespace: NS,
+        name,
+        labels: if role == "prefill" {
+            &[("app", "vllm"), ("role", "prefill"), ("model", "llama")]
+        } else {
+            &[("app", "vllm"), ("role", "decode"), ("model", "llama")]
+        },
+        annotations: &[],
+        ip,
+        port: 8000,
+        phase: "Running",
+        ready,
+    }
+}
+
+struct Harness {
+    server: FakeApiServer,
+    _dir: TempDir,
+    merged: MergedSource,
+}
+
+/// The server with `pods`, and a merged source watching it through a kubeconfig whose
+/// context's namespace is `llm`.
+async fn start(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -> Harness {
+    let server = FakeApiServer::start().await;
+    for p in pods {
+        server.apply(p.json());
+    }
+    let dir = TempDir::new("k8s");
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, server.kubeconfig(NS)).unwrap();
+    let mut config = KubernetesConfig::new(
+        Some("app=vllm,role=prefill".into()),
+        Some("app=vllm,role=decode".into()),
+    );
+    config.client = ClientConfig::Kubeconfig(kubeconfig);
+    tune(&mut config);
+    let source = kubernetes::spawn(config).await.unwrap();
+    let merged = MergedSource::builder().source(source).build();
+    tokio::time::timeout(WAIT, merged.synced())
+        .await
+        .expect("the first lists");
+    Harness {
+        server,
+        _dir: dir,
+        merged,
+    }
+}
+
+/// Waits until both selectors' watches are open, so that they see what the test does
+/// to them.
+async fn watching(h: &Harness) {
+    eventually(WAIT, "both watches open", || h.server.open_watches() == 2).await;
+}
+
+fn stats(h: &Harness) -> &disagg_discovery::SourceStats {
+    h.merged.sources().next().unwrap().1
+}
+
+fn find(set: &EndpointSet, role: Role, id: &str) -> Arc<disagg_core::Endpoint> {
+    set.by_role(role)
+        .iter()
+        .find(|e| e.id().as_str() == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("{id} not in the set"))
+}
+
+/// Records the prefill and decode counts of every set published.
+fn record(merged: &MergedSource) -> Arc<Mutex<Vec<(usize, usize)>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut rx = merged.watch();
+    let out = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let set = rx.borrow_and_update().clone();
+            out.lock()
+                .unwrap()
+                .push((set.prefill().len(), set.decode().len()));
+        }
+    });
+    seen
+}
+
+#[tokio::test]
+async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
+    let mut p1 = pod("p1", "prefill", "127.0.1.1", true);
+    p1.annotations = &[
+        ("vllm.ai/bootstrap-port", "8998"),
+        ("disagg.io/kv-connector", "NixlConnector"),
+        ("disagg.io/kv-role", "kv_producer"),
+        ("disagg.io/tp-size", "2"),
+    ];
+    // Another namespace and another app: both out of scope.
+    let mut elsewhere = pod("p9", "prefill", "127.0.9.9", true);
+    elsewhere.namespace = "elsewhere";
+    let mut other_app = pod("o1", "prefill", "127.0.9.8", true);
+    other_app.labels = &[("app", "other"), ("role", "prefill")];
+    let h = start(
+        &[
+            p1,
+            pod("d1", "decode", "127.0.2.1", true),
+            PodDesc {
+                phase: "Pending",
+                ..pod("d2", "decode", "127.0.2.2", false)
+            },
+            elsewhere,
+            other_app,
+        ],
+        |_| {},
+    )
+    .await;
+    let first = h.merged.snapshot();
+    assert_eq!(ids(&first, Role::Prefill), ["http://127.0.1.1:8000"]);
+    assert_eq!(ids(&first, Role::Decode), ["http://127.0.2.1:8000"]);
+    let p1 = find(&first, Role::Prefill, "http://127.0.1.1:8000");
+    assert_eq!(
+        p1.ext().get::<BootstrapPort>(),
+        Some(&BootstrapPort(Some(8998)))
+    );
+    let profile = p1.ext().get::<KvProfile>().unwrap();
+    assert_eq!(
+        (profile.connector.as_deref(), profile.tp_size),
+        (Some("NixlConnector"), Some(2))
+    );
+    assert!(p1.serves("llama") && !p1.serves("qwen"));
+
+    // A request in flight on d1 for the whole test.
+    let d1 = find(&first, Role::Decode, "http://127.0.2.1:8000");
+    let in_flight = d1.track();
+
+    // d2 starts running, then turns ready.
+    h.server.apply(
+        PodDesc {
+            phase: "Running",
+            ..pod("d2", "decode", "127.0.2.2", false)
+        }
+        .json(),
+    );
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    let set = wait_for(&h.merged, WAIT, "d2 ready", |s| s.decode().len() == 2).await;
+    let still = find(&set, Role::Decode, "http://127.0.2.1:8000");
+    assert!(Arc::ptr_eq(&still, &d1), "d1 stays the same endpoint");
+    assert_eq!(still.in_flight(), 1);
+
+    // d1 turns not ready: out of the set; its request still holds it.
+    h.server
+        .apply(pod("d1", "decode", "127.0.2.1", false).json());
+    let set = wait_for(&h.merged, WAIT, "d1 not ready", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
+    })
+    .await;
+    assert!(set.decode().iter().all(|e| !Arc::ptr_eq(e, &d1)));
+    assert_eq!(d1.in_flight(), 1);
+    drop(in_flight);
+    assert_eq!(d1.in_flight(), 0);
+
+    // A second prefill joins; the first is deleted.
+    h.server
+        .apply(pod("p2", "prefill", "127.0.1.2", true).json());
+    wait_for(&h.merged, WAIT, "p2 joins", |s| s.prefill().len() == 2).await;
+    h.server.delete(NS, "p1");
+    let set = wait_for(&h.merged, WAIT, "p1 deleted", |s| {
+        ids(s, Role::Prefill) == ["http://127.0.1.2:8000"]
+    })
+    .await;
+
+    // d2 loses its role label: it no longer matches the selector (a DELETED event).
+    let d2 = find(&set, Role::Decode, "http://127.0.2.2:8000");
+    h.server.apply(
+        PodDesc {
+            labels: &[("app", "vllm"), ("role", "drained")],
+            ..pod("d2", "decode", "127.0.2.2", true)
+        }
+        .json(),
+    );
+    wait_for(&h.merged, WAIT, "d2 unlabelled", |s| s.decode().is_empty()).await;
+    assert_eq!(d2.in_flight(), 0);
+
+    // What the client asked: one list per selector, watches with bookmarks from the
+    // list's version, nothing relisted.
+    let requests = h.server.requests();
+    let lists: Vec<_> = requests
+        .iter()
+        .filter(|(w, _)| !w)
+        .map(|(_, q)| q)
+        .collect();
+    assert_eq!(lists.len(), 2, "{requests:?}");
+    assert!(
+        lists
+            .iter()
+            .any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Dprefill"))
+    );
+    assert!(
+        lists
+            .iter()
+            .any(|q| q.contains("labelSelector=app%3Dvllm%2Crole%3Ddecode"))
+    );
+    assert!(
+        requests
+            .iter()
+            .filter(|(w, _)| *w)
+            .all(|(_, q)| q.contains("allowWatchBookmarks=true") && q.contains("resourceVersion="))
+    );
+    let s = stats(&h);
+    assert_eq!((s.errors(), s.rejected()), (0, 0));
+    assert_eq!((s.added(), s.removed()), (4, 3));
+}
+
+#[tokio::test]
+async fn watches_that_time_out_or_drop_resume_from_their_version_without_relisting() {
+    // The server ends every watch after 1 s (timeoutSeconds=1).
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.watch_timeout = Some(1),
+    )
+    .await;
+    eventually(WAIT, "watches resumed after their timeout", || {
+        h.server.watches() >= 6
+    })
+    .await;
+    assert!(
+        h.server
+            .requests()
+            .iter()
+            .filter(|(w, _)| *w)
+            .all(|(_, q)| q.contains("timeoutSeconds=1"))
+    );
+
+    // Changes made while no watch is open are replayed when it resumes.
+    watching(&h).await;
+    h.server.hold_watches(true);
+    h.server.end_watches();
+    h.server.delete(NS, "d1");
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server.hold_watches(false);
+    wait_for(&h.merged, WAIT, "the missed changes", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
+    })
+    .await;
+    assert_eq!(h.server.lists(), 2, "resumed, not relisted");
+    assert_eq!(stats(&h).errors(), 0);
+}
+
+#[tokio::test]
+async fn an_expired_version_relists_and_the_set_stays_until_the_relist_is_complete() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+            pod("d2", "decode", "127.0.2.2", true),
+        ],
+        |_| {},
+    )
+    .await;
+    let seen = record(&h.merged);
+    let p1 = find(&h.merged.snapshot(), Role::Prefill, "http://127.0.1.1:8000");
+
+    // While the watches are down, d1 is deleted, d3 added, and the history compacted:
+    // the versions they resume from are gone.
+    watching(&h).await;
+    h.server.hold_watches(true);
+    h.server.end_watches();
+    h.server.delete(NS, "d1");
+    h.server
+        .apply(pod("d3", "decode", "127.0.2.3", true).json());
+    h.server.compact();
+    h.server.hold_watches(false);
+
+    let set = wait_for(&h.merged, WAIT, "the relisted pods", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.2:8000", "http://127.0.2.3:8000"]
+    })
+    .await;
+    // Each selector relists after its 410 (the second after its own backoff).
+    eventually(WAIT, "both selectors relisted", || h.server.lists() == 4).await;
+    // The relist kept the unchanged prefill as it was, and no set in between lost it.
+    assert!(Arc::ptr_eq(&set.prefill()[0], &p1));
+    assert!(
+        seen.lock().unwrap().iter().all(|(p, d)| *p == 1 && *d >= 1),
+        "{seen:?}"
+    );
+    // A 410 is the protocol's expiry signal, not a failure.
+    assert_eq!(stats(&h).errors(), 0);
+}
+
+#[tokio::test]
+async fn a_bookmark_lets_the_watch_resume_past_history_it_did_not_need() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |_| {},
+    )
+    .await;
+    // Changes to pods neither selector matches: no event reaches the watches, only
+    // the version moves on.
+    let mut other = pod("o1", "prefill", "127.0.9.1", true);
+    other.labels = &[("app", "other")];
+    for _ in 0..3 {
+        h.server.apply(other.json());
+    }
+    watching(&h).await;
+    let watches = h.server.watches();
+    let bookmarked = h.server.resource_version();
+    h.server.bookmark();
+    eventually(WAIT, "a bookmark on each watch", || {
+        h.server.bookmarks_sent() >= 2
+    })
+    .await;
+    // The history up to the bookmark's version is gone: only a client that took the
+    // bookmark's version resumes without 410.
+    h.server.compact();
+    h.server.end_watches();
+    eventually(WAIT, "the watches resumed", || {
+        h.server.watches() >= watches + 2
+    })
+    .await;
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    wait_for(&h.merged, WAIT, "d2 through the resumed watch", |s| {
+        s.decode().len() == 2
+    })
+    .await;
+    assert_eq!(
+        h.server.lists(),
+        2,
+        "no relist: the bookmark's version was used"
+    );
+    assert!(
+        h.server
+            .requests()
+            .iter()
+            .any(|(w, q)| *w && q.contains(&format!("resourceVersion={bookmarked}"))),
+        "a watch resumed from the bookmark's version {bookmarked}"
+    );
+}
+
+#[tokio::test]
+async fn failed_requests_back_off_and_keep_the_last_good_pods() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |_| {},
+    )
+    .await;
+    let before = h.merged.snapshot();
+    watching(&h).await;
+    h.server.fail_requests(true);
+    eventually(WAIT, "failed watches counted", || stats(&h).errors() >= 2).await;
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
+    // The server recovers, with a change made while it failed.
+    h.server
+        .apply(pod("d2", "decode", "127.0.2.2", true).json());
+    h.server.fail_requests(false);
+    let set = wait_for(&h.merged, WAIT, "recovery", |s| s.decode().len() == 2).await;
+    assert!(Arc::ptr_eq(&set.prefill()[0], &before.prefill()[0]));
+}
+
+#[tokio::test]
+async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
+    let mut bad = pod("p1", "prefill", "127.0.1.1", true);
+    bad.annotations = &[("sglang.ai/bootstrap-port", "eighty")];
+    let mut d1 = pod("d1", "decode", "127.0.2.1", true);
+    d1.annotations = &[
+        ("disagg.io/dp-ranks", "0-1"),
+        ("disagg.io/models", "meta-llama/Llama-3.1-8B"),
+        ("disagg.io/kv-events", "5557"),
+    ];
+    let h = start(&[bad, d1], |c| {
+        c.namespace = Some(NS.into());
+        c.port = Some(PortRef::Name("http".into()));
+    })
+    .await;
+    let set = h.merged.snapshot();
+    assert!(set.prefill().is_empty());
+    assert_eq!(
+        ids(&set, Role::Decode),
+        ["http://127.0.2.1:8000@0", "http://127.0.2.1:8000@1"]
+    );
+    assert!(
+        set.decode()
+            .iter()
+            .all(|e| e.serves("meta-llama/Llama-3.1-8B"))
+    );
+    assert_eq!(
+        set.decode()[0]
+            .ext()
+            .get::<disagg_discovery::KvEventsEndpoint>()
+            .map(|e| e.0.as_str()),
+        Some("tcp://127.0.2.1:5557")
+    );
+    assert_eq!(stats(&h).rejected(), 1);
+
+    // Fixed: it joins.
+    let mut fixed = pod("p1", "prefill", "127.0.1.1", true);
+    fixed.annotations = &[("sglang.ai/bootstrap-port", "8998")];
+    h.server.apply(fixed.json());
+    wait_for(&h.merged, WAIT, "the fixed pod", |s| s.prefill().len() == 1).await;
+    assert_eq!(stats(&h).rejected(), 1);
+}
