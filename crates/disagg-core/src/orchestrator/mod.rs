@@ -50,7 +50,7 @@ use crate::error::PdError;
 use crate::outcome::Listener;
 use crate::request::{PdRequest, RequestIds};
 use crate::retry::Retry;
-use crate::router::{RoundRobin, Router};
+use crate::router::{DefaultRouter, Router};
 use crate::source::EndpointSource;
 use crate::stats::{Counters, OrchestratorStats};
 use crate::transport::Transport;
@@ -129,7 +129,8 @@ impl fmt::Debug for OrchestratorBuilder {
 }
 
 impl OrchestratorBuilder {
-    /// Route with `router` (default: [`RoundRobin`]).
+    /// Route with `router` (default: round robin over each role, a private router; the
+    /// routing policies to choose from are `disagg-affinity`'s, such as its `PerLeg`).
     pub fn router(mut self, router: impl Router) -> Self {
         self.router = Arc::new(router);
         self
@@ -223,7 +224,7 @@ impl Orchestrator {
         OrchestratorBuilder {
             source: Arc::new(source),
             transport: Arc::new(transport),
-            router: Arc::new(RoundRobin::new()),
+            router: Arc::new(DefaultRouter::default()),
             connector: Arc::new(VllmNixl::new()),
             disaggregate: Arc::new(Always),
             admission: None,
