@@ -8,9 +8,9 @@ mod support;
 use std::time::Duration;
 
 use disagg_affinity::{
-    ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, Random, RoundRobin, WeightedRandom,
+    ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random, RoundRobin,
+    WeightedRandom,
 };
-use disagg_core::disaggregate::PromptThreshold;
 use disagg_core::router::Pick;
 use disagg_sim::{SimConfig, SimEngine};
 use support::*;

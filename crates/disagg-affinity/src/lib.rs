@@ -1,10 +1,12 @@
 //! Routing policies for disagg: which engine each leg of a request goes to, from the
 //! simple turn-taking and load-based picks to keeping a request on the engine that
-//! already holds its context, by session key or by prompt prefix.
+//! already holds its context, by session key or by prompt prefix; and whether a request
+//! is worth a prefill leg at all.
 //!
 //! `disagg-core` holds the seams these plug into: the
 //! [`Router`](disagg_core::router::Router) trait an orchestrator routes with, and the
-//! [`Pick`](disagg_core::router::Pick) trait, a policy for one leg. This crate holds the
+//! [`Pick`](disagg_core::router::Pick) trait, a policy for one leg, and the
+//! [`Disaggregate`](disagg_core::disaggregate::Disaggregate) hook. This crate holds the
 //! policies.
 //!
 //! # Naming
@@ -39,6 +41,9 @@
 //!   in a table of bounded memory, which engine was last sent which prefix blocks, and
 //!   sends a request to the engine holding the longest part of its prompt unless the
 //!   engines' loads are too far apart.
+//! - [`disaggregate`]: [`PromptThreshold`], a
+//!   [`Disaggregate`](disagg_core::disaggregate::Disaggregate) hook that serves prompts
+//!   estimated shorter than a threshold on a decode engine alone, before any routing.
 //!
 //! | affinity policy | needs | state | use it when |
 //! |---|---|---|---|
@@ -78,6 +83,7 @@
 
 pub mod cache_aware;
 pub mod consistent;
+pub mod disaggregate;
 pub mod hrw;
 pub mod key;
 pub mod policy;
@@ -85,6 +91,7 @@ pub mod prefix;
 
 pub use cache_aware::{CacheAware, CacheAwareError};
 pub use consistent::{ConsistentHash, LoadFactorError};
+pub use disaggregate::PromptThreshold;
 pub use hrw::{WeightError, Weights};
 pub use key::{KeySource, SessionKey};
 pub use policy::{LeastInFlight, PerLeg, PowerOfTwo, Random, RoundRobin, WeightedRandom};

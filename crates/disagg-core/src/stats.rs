@@ -39,7 +39,7 @@ pub struct OrchestratorStats {
     pub kv_releases_in_flight: u64,
     /// Requests served by a decode engine alone, by reason (`beam_search` and
     /// `prompt_only`, which the connector cannot carry; `short_prompt` from
-    /// [`PromptThreshold`](crate::disaggregate::PromptThreshold); a custom hook's own),
+    /// `disagg_affinity::PromptThreshold`; a custom hook's own),
     /// in the order the reasons were first seen.
     pub direct: Vec<(&'static str, u64)>,
     /// Requests refused before routing because an engine would refuse a field the

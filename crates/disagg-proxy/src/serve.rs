@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_affinity::{
-    CacheAware, ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, Random, RoundRobin,
-    WeightedRandom,
+    CacheAware, ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random,
+    RoundRobin, WeightedRandom,
 };
-use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
+use disagg_core::disaggregate::{Always, Disaggregate};
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::{KvProfile, check_pairs};
 use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
