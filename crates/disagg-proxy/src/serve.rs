@@ -11,7 +11,7 @@ use disagg_affinity::{
 };
 use disagg_core::disaggregate::{Always, Disaggregate};
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
-use disagg_core::pairing::{KvProfile, check_pairs};
+use disagg_core::pairing::KvProfile;
 use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
 use disagg_core::router::Pick;
 use disagg_core::{
@@ -21,6 +21,7 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_resilience::pairing::check_pairs;
 use disagg_resilience::{
     AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,
 };

@@ -175,22 +175,12 @@ impl OrchestratorBuilder {
         self
     }
 
-    /// The orchestrator, after checking that every prefill/decode pair of the source
-    /// can hand KV over with the connector; the source is then followed through a
-    /// [`ValidatedSource`](crate::pairing::ValidatedSource), so a later endpoint set with
-    /// a bad pair is refused too (see [`pairing`](crate::pairing)).
+    /// The orchestrator.
     ///
-    /// # Errors
-    ///
-    /// [`PairingError`](crate::pairing::PairingError) naming every refused pair.
-    pub fn try_build(mut self) -> Result<Orchestrator, crate::pairing::PairingError> {
-        let validated =
-            crate::pairing::ValidatedSource::new(self.source, Arc::clone(&self.connector))?;
-        self.source = Arc::new(validated);
-        Ok(self.build())
-    }
-
-    /// The orchestrator, without pair validation (see [`try_build`](Self::try_build)).
+    /// The builder trusts the source's prefill/decode pairs; to refuse pairs that
+    /// cannot hand KV over (see [`pairing`](crate::pairing)), build over
+    /// `disagg_resilience::pairing::ValidatedSource`, which checks the current set and
+    /// every later one.
     pub fn build(self) -> Orchestrator {
         let mut listeners = self.listeners;
         listeners.extend(self.source.listener());
