@@ -64,7 +64,6 @@ pub mod retry;
 pub mod rewrite;
 pub mod router;
 pub mod source;
-pub mod stats;
 pub mod transport;
 
 pub use body::JsonBody;
@@ -80,10 +79,9 @@ pub use connector::{
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use error::{BoxError, PdError, Phase, RouteError, Side};
-pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
+pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
 pub use router::{Route, Router};
 pub use source::{EndpointSource, ManualSource, StaticSource};
-pub use stats::OrchestratorStats;
 pub use transport::Transport;

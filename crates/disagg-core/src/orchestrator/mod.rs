@@ -18,6 +18,7 @@
 //! | `respond.rs` | the one place the client's response is built |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
+//! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
 //! | `clock.rs`, `config.rs` | deadlines and budgets; settings and header names |
 //!
 //! Failure is fail-fast in both directions. A prefill that fails before the decode's
@@ -52,7 +53,6 @@ use crate::request::{PdRequest, RequestIds};
 use crate::retry::Retry;
 use crate::router::{DefaultRouter, Router};
 use crate::source::EndpointSource;
-use crate::stats::{Counters, OrchestratorStats};
 use crate::transport::Transport;
 
 mod attempt;
@@ -66,6 +66,7 @@ mod report;
 mod respond;
 mod sequential;
 mod serve;
+mod stats;
 
 pub use body::PdBody;
 pub use config::{
@@ -75,6 +76,7 @@ pub use config::{
 pub use legs::is_session_header;
 
 pub(crate) use report::verdict;
+use stats::Counters;
 
 struct Inner {
     ids: RequestIds,
@@ -105,6 +107,51 @@ impl fmt::Debug for Orchestrator {
             .field("config", &self.inner.config)
             .finish_non_exhaustive()
     }
+}
+
+/// A snapshot of an orchestrator's counters and gauges, from
+/// [`Orchestrator::stats`].
+///
+/// Counters only grow; gauges (`in_flight`, `queued_now`, `kv_releases_in_flight`) are
+/// the current value. All are per orchestrator: an application running several (one per
+/// serving thread, say) adds them up.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OrchestratorStats {
+    /// Requests served (each counted once, whatever its retries).
+    pub requests: u64,
+    /// Requests admitted and not yet ended (their answer's last byte not yet sent):
+    /// a gauge.
+    pub in_flight: u64,
+    /// Requests waiting for admission now: a gauge.
+    pub queued_now: u64,
+    /// Requests that had to wait for admission.
+    pub queued: u64,
+    /// Requests refused because the admission queue was full (429).
+    pub rejected_queue_full: u64,
+    /// Requests that waited too long for admission (503).
+    pub queue_timeouts: u64,
+    /// Retries made.
+    pub retries: u64,
+    /// Retries not made because the retry budget was spent.
+    pub retries_denied: u64,
+    /// Requests served decode-only because their prefill could not be had
+    /// ([`PrefillFailure::DecodeOnly`]).
+    pub prefill_fallbacks: u64,
+    /// Requests that ended because their total deadline passed.
+    pub deadlines_exceeded: u64,
+    /// Early KV releases sent ([`KvRelease`]).
+    pub kv_releases: u64,
+    /// Early KV releases still running: a gauge.
+    pub kv_releases_in_flight: u64,
+    /// Requests served by a decode engine alone, by reason (`beam_search` and
+    /// `prompt_only`, which the connector cannot carry; `short_prompt` from
+    /// `disagg_affinity::PromptThreshold`; a custom hook's own),
+    /// in the order the reasons were first seen.
+    pub direct: Vec<(&'static str, u64)>,
+    /// Requests refused before routing because an engine would refuse a field the
+    /// proxy rewrites (400 `invalid_parameter`).
+    pub invalid_params: u64,
 }
 
 /// Builds an [`Orchestrator`].
