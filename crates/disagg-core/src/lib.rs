@@ -78,7 +78,7 @@ pub use connector::{
     SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-pub use error::{BoxError, PdError, Phase, RouteError, Side};
+pub use error::{BoxError, PdError, RouteError, Side};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;

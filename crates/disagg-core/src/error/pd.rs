@@ -1,0 +1,611 @@
+//! [`PdError`], the opaque edge error, and the [`Side`] a failure belongs to.
+
+use std::fmt;
+
+use http::StatusCode;
+
+use super::{BodyError, BoxError, ConnectorError, RouteError, TransportError};
+use crate::endpoint::EndpointId;
+
+/// Which party a failure belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Side {
+    /// The client sent something unusable.
+    Client,
+    /// The router had nowhere to send the request.
+    Router,
+    /// The prefill leg failed.
+    Prefill,
+    /// The decode leg failed.
+    Decode,
+}
+
+impl Side {
+    /// The side as a lowercase word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Client => "client",
+            Side::Router => "router",
+            Side::Prefill => "prefill",
+            Side::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug)]
+enum Kind {
+    Body,
+    BodyTooLarge {
+        limit: usize,
+    },
+    NotFound,
+    Route,
+    Connector,
+    UpstreamStatus {
+        endpoint: EndpointId,
+        status: StatusCode,
+    },
+    UpstreamBody {
+        endpoint: EndpointId,
+    },
+    Transport {
+        endpoint: EndpointId,
+    },
+    Timeout {
+        endpoint: EndpointId,
+        phase: Phase,
+    },
+    Deadline {
+        phase: Phase,
+    },
+    QueueFull {
+        retry_after: std::time::Duration,
+    },
+    QueueTimeout {
+        waited: std::time::Duration,
+    },
+    BodyTimeout {
+        after: std::time::Duration,
+    },
+    ServerBusy {
+        retry_after: std::time::Duration,
+    },
+}
+
+/// The step of a request a time budget covers; each has its own error
+/// [`code`](PdError::code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Phase {
+    /// The prefill exchange: connect, response head and the whole answer
+    /// (`prefill_timeout`).
+    Prefill,
+    /// The connector's handoff work around the legs: bootstrap lookups, folding the
+    /// prefill's answer into the decode leg (`handoff_timeout`).
+    Handoff,
+    /// From sending the decode leg to its response head, the time to first byte
+    /// (`decode_timeout`).
+    DecodeHead,
+    /// Between two chunks of the decode's body (`decode_idle_timeout`).
+    DecodeIdle,
+    /// Any other exchange a transport timed out on.
+    Response,
+}
+
+impl Phase {
+    /// The phase in words, as error messages use it.
+    fn as_str(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill answer",
+            Phase::Handoff => "KV handoff",
+            Phase::DecodeHead => "response head",
+            Phase::DecodeIdle => "next chunk",
+            Phase::Response => "response",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The error a P/D request ends with, as the HTTP edge sees it.
+///
+/// Opaque on purpose: match on [`side`](Self::side), [`status`](Self::status),
+/// [`code`](Self::code) and [`is_retryable`](Self::is_retryable), and reach the cause
+/// through [`std::error::Error::source`].
+pub struct PdError {
+    kind: Kind,
+    side: Side,
+    source: Option<BoxError>,
+}
+
+impl PdError {
+    fn new(kind: Kind, side: Side, source: Option<BoxError>) -> Self {
+        PdError { kind, side, source }
+    }
+
+    /// The client's body was not usable.
+    pub fn body(err: BodyError) -> Self {
+        Self::new(Kind::Body, Side::Client, Some(err.into()))
+    }
+
+    /// The client's body was larger than `limit` bytes.
+    pub fn body_too_large(limit: usize) -> Self {
+        Self::new(Kind::BodyTooLarge { limit }, Side::Client, None)
+    }
+
+    /// The client's body could not be read (the client broke off while sending it).
+    pub fn client_body(source: BoxError) -> Self {
+        Self::new(Kind::Body, Side::Client, Some(source))
+    }
+
+    /// The request names no route this service serves.
+    pub fn not_found() -> Self {
+        Self::new(Kind::NotFound, Side::Client, None)
+    }
+
+    /// Routing failed.
+    pub(crate) fn route(err: RouteError) -> Self {
+        Self::new(Kind::Route, Side::Router, Some(err.into()))
+    }
+
+    /// The connector failed on `side`.
+    pub(crate) fn connector(side: Side, err: ConnectorError) -> Self {
+        Self::new(Kind::Connector, side, Some(err.into()))
+    }
+
+    /// An endpoint answered a status the leg cannot go on with; `detail` is the
+    /// engine's own message, if it gave one.
+    pub(crate) fn upstream_status(
+        side: Side,
+        endpoint: EndpointId,
+        status: StatusCode,
+        detail: Option<String>,
+    ) -> Self {
+        let source = detail.map(|d| BoxError::from(UpstreamMessage(d)));
+        Self::new(Kind::UpstreamStatus { endpoint, status }, side, source)
+    }
+
+    /// An endpoint answered a body the leg cannot use.
+    pub(crate) fn upstream_body(side: Side, endpoint: EndpointId, source: BoxError) -> Self {
+        Self::new(Kind::UpstreamBody { endpoint }, side, Some(source))
+    }
+
+    /// The transport failed for `endpoint`.
+    pub(crate) fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
+        match err {
+            TransportError::Timeout => Self::timeout(side, endpoint, Phase::Response),
+            err => Self::new(Kind::Transport { endpoint }, side, Some(err.into())),
+        }
+    }
+
+    /// A leg ran out of its own time budget in `phase`.
+    pub(crate) fn timeout(side: Side, endpoint: EndpointId, phase: Phase) -> Self {
+        Self::new(Kind::Timeout { endpoint, phase }, side, None)
+    }
+
+    /// The request's total deadline passed during `phase` (504 `deadline_exceeded`).
+    pub(crate) fn deadline(side: Side, phase: Phase) -> Self {
+        Self::new(Kind::Deadline { phase }, side, None)
+    }
+
+    /// The admission queue is full (429 `queue_full`); a client may try again after
+    /// `retry_after`.
+    pub fn queue_full(retry_after: std::time::Duration) -> Self {
+        Self::new(Kind::QueueFull { retry_after }, Side::Router, None)
+    }
+
+    /// The request waited `waited` in the admission queue without being admitted (503
+    /// `queue_timeout`).
+    pub fn queue_timeout(waited: std::time::Duration) -> Self {
+        Self::new(Kind::QueueTimeout { waited }, Side::Router, None)
+    }
+
+    /// The client's body did not arrive within `after` (408 `request_timeout`): it
+    /// stopped half way, or trickled in too slowly.
+    pub fn body_timeout(after: std::time::Duration) -> Self {
+        Self::new(Kind::BodyTimeout { after }, Side::Client, None)
+    }
+
+    /// The proxy holds as many bytes of request bodies being received as it allows, and
+    /// this body would take it past them (503 `server_busy`); a client may try again
+    /// after `retry_after`.
+    pub fn server_busy(retry_after: std::time::Duration) -> Self {
+        Self::new(Kind::ServerBusy { retry_after }, Side::Router, None)
+    }
+
+    /// How long a client should wait before trying again, for the `retry-after` header:
+    /// set for a full admission queue and for a busy server.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self.kind {
+            Kind::QueueFull { retry_after } | Kind::ServerBusy { retry_after } => Some(retry_after),
+            _ => None,
+        }
+    }
+
+    /// Which party the failure belongs to.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// The HTTP status a client should see.
+    pub fn status(&self) -> StatusCode {
+        match &self.kind {
+            Kind::Body => StatusCode::BAD_REQUEST,
+            Kind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::NotFound => StatusCode::NOT_FOUND,
+            Kind::Route => match self.route_error() {
+                Some(RouteError::UnknownModel { .. }) => StatusCode::NOT_FOUND,
+                Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
+                _ => StatusCode::SERVICE_UNAVAILABLE,
+            },
+            Kind::Connector if self.is_unsupported() => StatusCode::BAD_REQUEST,
+            Kind::Connector
+            | Kind::UpstreamStatus { .. }
+            | Kind::UpstreamBody { .. }
+            | Kind::Transport { .. } => StatusCode::BAD_GATEWAY,
+            Kind::Timeout { .. } | Kind::Deadline { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Kind::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Kind::QueueTimeout { .. } | Kind::ServerBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Kind::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+        }
+    }
+
+    /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
+    /// refused a field the engines would refuse ([`InvalidParam`]).
+    pub fn param(&self) -> Option<&'static str> {
+        match self.source.as_deref()?.downcast_ref::<BodyError>()? {
+            BodyError::Invalid(p) => Some(p.param()),
+            _ => None,
+        }
+    }
+
+    /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`.
+    pub fn code(&self) -> &'static str {
+        match (&self.kind, self.side) {
+            (Kind::Body, _) if self.param().is_some() => "invalid_parameter",
+            (Kind::Body, _) => "invalid_request_body",
+            (Kind::BodyTooLarge { .. }, _) => "request_too_large",
+            (Kind::NotFound, _) => "not_found",
+            (Kind::Route, _) => match self.route_error() {
+                Some(RouteError::NoPrefill) => "no_prefill_endpoint",
+                Some(RouteError::UnknownModel { .. }) => "model_not_found",
+                Some(RouteError::ModelRequired { .. }) => "model_required",
+                _ => "no_decode_endpoint",
+            },
+            (Kind::Connector, _) if self.is_unsupported() => "unsupported_by_connector",
+            (Kind::Deadline { .. }, _) => "deadline_exceeded",
+            (Kind::QueueFull { .. }, _) => "queue_full",
+            (Kind::QueueTimeout { .. }, _) => "queue_timeout",
+            (Kind::BodyTimeout { .. }, _) => "request_timeout",
+            (Kind::ServerBusy { .. }, _) => "server_busy",
+            (Kind::Timeout { phase, .. }, side) => match phase {
+                Phase::Handoff => "handoff_timeout",
+                Phase::DecodeIdle => "decode_idle_timeout",
+                _ if side == Side::Prefill => "prefill_timeout",
+                _ => "decode_timeout",
+            },
+            (_, Side::Prefill) => "prefill_failed",
+            (_, _) => "decode_failed",
+        }
+    }
+
+    /// OpenAI's `error.type` for this error.
+    pub fn error_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    /// Whether the connector cannot carry this request at all
+    /// ([`ConnectorError::Unsupported`]): the client's fault, answered 400.
+    fn is_unsupported(&self) -> bool {
+        matches!(
+            self.source
+                .as_deref()
+                .and_then(|e| e.downcast_ref::<ConnectorError>()),
+            Some(ConnectorError::Unsupported { .. })
+        )
+    }
+
+    /// Whether the same request could succeed on another prefill/decode pair, and may be
+    /// sent again there.
+    ///
+    /// True for a prefill leg that could not connect or answered 502, 503 or 504, for a
+    /// decode leg that could not connect (it certainly never reached the engine), and
+    /// for an unreachable bootstrap server. Not for timeouts (a slow engine is rarely
+    /// faster the second time, and the deadline has been spent), not for other 5xx (the
+    /// engine saw the request and failed on it), never for client errors. A retry is
+    /// only ever made before the first byte of an answer reached the client.
+    pub fn is_retryable(&self) -> bool {
+        match &self.kind {
+            Kind::Transport { .. } => {
+                self.side == Side::Prefill
+                    || self
+                        .source
+                        .as_deref()
+                        .and_then(|e| e.downcast_ref::<TransportError>())
+                        .is_some_and(TransportError::is_connect)
+            }
+            Kind::UpstreamStatus { status, .. } => {
+                self.side == Side::Prefill && matches!(status.as_u16(), 502..=504)
+            }
+            // An unreachable bootstrap server is another prefill's chance.
+            Kind::Connector => matches!(
+                self.source
+                    .as_deref()
+                    .and_then(|e| e.downcast_ref::<ConnectorError>()),
+                Some(ConnectorError::Bootstrap { .. })
+            ),
+            _ => false,
+        }
+    }
+
+    /// Whether the request's total deadline passed (`deadline_exceeded`).
+    pub(crate) fn is_deadline(&self) -> bool {
+        matches!(self.kind, Kind::Deadline { .. })
+    }
+
+    /// Whether no prefill endpoint was available (`no_prefill_endpoint`).
+    pub(crate) fn is_no_prefill(&self) -> bool {
+        matches!(self.route_error(), Some(RouteError::NoPrefill))
+    }
+
+    fn route_error(&self) -> Option<&RouteError> {
+        self.source.as_deref()?.downcast_ref::<RouteError>()
+    }
+}
+
+impl fmt::Debug for PdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PdError")
+            .field("kind", &self.kind)
+            .field("side", &self.side)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for PdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            Kind::Body => f.write_str("invalid request body"),
+            Kind::BodyTooLarge { limit } => {
+                write!(f, "request body is larger than the limit of {limit} bytes")
+            }
+            Kind::NotFound => f.write_str("no such route"),
+            // A client's mistake is told in the cause's own words.
+            Kind::Route if self.status().is_client_error() => match self.route_error() {
+                Some(e) => fmt::Display::fmt(e, f),
+                None => f.write_str("no route for the request"),
+            },
+            Kind::Route => f.write_str("no route for the request"),
+            Kind::Connector => write!(f, "{} handoff failed", self.side),
+            Kind::UpstreamStatus { endpoint, status } => {
+                write!(f, "{} endpoint {endpoint} answered {status}", self.side)
+            }
+            Kind::UpstreamBody { endpoint } => {
+                write!(
+                    f,
+                    "{} endpoint {endpoint} sent an unusable answer",
+                    self.side
+                )
+            }
+            Kind::Transport { endpoint } => {
+                write!(f, "{} endpoint {endpoint} could not be reached", self.side)
+            }
+            Kind::Timeout { endpoint, phase } => {
+                write!(
+                    f,
+                    "{} endpoint {endpoint} timed out waiting for the {phase}",
+                    self.side
+                )
+            }
+            Kind::Deadline { phase } => {
+                write!(
+                    f,
+                    "the request's deadline passed waiting for the {} {phase}",
+                    self.side
+                )
+            }
+            Kind::QueueFull { retry_after } => write!(
+                f,
+                "the proxy is at its in-flight limit and its queue is full; retry after {} s",
+                retry_after.as_secs().max(1)
+            ),
+            Kind::QueueTimeout { waited } => write!(
+                f,
+                "the request waited {} ms in the admission queue and was not admitted",
+                waited.as_millis()
+            ),
+            Kind::BodyTimeout { after } => write!(
+                f,
+                "the request body did not arrive within {} ms",
+                after.as_millis()
+            ),
+            Kind::ServerBusy { retry_after } => write!(
+                f,
+                "the proxy holds as many request bodies as it allows; retry after {} s",
+                retry_after.as_secs().max(1)
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PdError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        if matches!(self.kind, Kind::Route) && self.status().is_client_error() {
+            // Display already told the cause (a model the endpoints do not serve).
+            return None;
+        }
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// An engine's own error message, kept as the cause of a [`PdError`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UpstreamMessage(String);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::error_chain;
+
+    #[test]
+    fn statuses_and_codes() {
+        let e = PdError::body(BodyError::NotAnObject);
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.side(), Side::Client);
+        assert_eq!(e.error_type(), "invalid_request_error");
+        assert_eq!(
+            error_chain(&e),
+            "invalid request body: request body must be a JSON object"
+        );
+
+        let e = PdError::route(RouteError::NoPrefill);
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.code(), "no_prefill_endpoint");
+        assert!(e.is_no_prefill());
+        assert!(!e.is_retryable());
+
+        let served: std::sync::Arc<[std::sync::Arc<str>]> = ["llama".into(), "qwen".into()].into();
+        let e = PdError::route(RouteError::UnknownModel {
+            model: "gpt".into(),
+            served: served.clone(),
+        });
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        assert_eq!(e.code(), "model_not_found");
+        assert_eq!(e.error_type(), "invalid_request_error");
+        assert!(!e.is_retryable());
+        assert_eq!(
+            error_chain(&e),
+            "the model `gpt` does not exist; served models: llama, qwen"
+        );
+        let e = PdError::route(RouteError::ModelRequired { served });
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(e.code(), "model_required");
+
+        let id = EndpointId::from("http://p:1");
+        let e = PdError::transport(Side::Prefill, id.clone(), TransportError::Timeout);
+        assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(e.code(), "prefill_timeout");
+
+        let e = PdError::upstream_status(Side::Decode, id, StatusCode::BAD_REQUEST, None);
+        assert!(!e.is_retryable());
+        assert_eq!(e.code(), "decode_failed");
+    }
+
+    #[test]
+    fn each_budget_has_its_own_code() {
+        let id = EndpointId::from("http://e:1");
+        let cases = [
+            (
+                PdError::timeout(Side::Prefill, id.clone(), Phase::Prefill),
+                "prefill_timeout",
+            ),
+            (
+                PdError::timeout(Side::Prefill, id.clone(), Phase::Handoff),
+                "handoff_timeout",
+            ),
+            (
+                PdError::timeout(Side::Decode, id.clone(), Phase::DecodeHead),
+                "decode_timeout",
+            ),
+            (
+                PdError::timeout(Side::Decode, id, Phase::DecodeIdle),
+                "decode_idle_timeout",
+            ),
+            (
+                PdError::deadline(Side::Decode, Phase::DecodeHead),
+                "deadline_exceeded",
+            ),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.code(), code);
+            assert_eq!(e.is_deadline(), code == "deadline_exceeded", "{code}");
+            assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT, "{code}");
+            assert!(!e.is_retryable(), "{code}");
+        }
+        let e = PdError::queue_full(std::time::Duration::from_secs(2));
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::TOO_MANY_REQUESTS, "queue_full")
+        );
+        assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(2)));
+        assert_eq!(e.error_type(), "rate_limit_error");
+        let e = PdError::queue_timeout(std::time::Duration::from_millis(1500));
+        assert_eq!(
+            (e.status(), e.code()),
+            (StatusCode::SERVICE_UNAVAILABLE, "queue_timeout")
+        );
+        assert_eq!(e.retry_after(), None);
+    }
+
+    #[test]
+    fn client_body_limits_have_their_codes() {
+        let e = PdError::body_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(
+            (e.status(), e.code(), e.error_type(), e.side()),
+            (
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                "invalid_request_error",
+                Side::Client
+            )
+        );
+        assert_eq!(e.retry_after(), None);
+        assert_eq!(
+            error_chain(&e),
+            "the request body did not arrive within 30000 ms"
+        );
+        let e = PdError::server_busy(std::time::Duration::from_secs(1));
+        assert_eq!(
+            (e.status(), e.code(), e.error_type()),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_busy",
+                "server_error"
+            )
+        );
+        assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(1)));
+        assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn only_failures_before_the_engine_worked_are_retried() {
+        let id = EndpointId::from("http://e:1");
+        let refused = || TransportError::Connect("refused".into());
+        let broke = || TransportError::Io("reset".into());
+        assert!(PdError::transport(Side::Prefill, id.clone(), refused()).is_retryable());
+        assert!(PdError::transport(Side::Prefill, id.clone(), broke()).is_retryable());
+        assert!(PdError::transport(Side::Decode, id.clone(), refused()).is_retryable());
+        assert!(!PdError::transport(Side::Decode, id.clone(), broke()).is_retryable());
+        for (status, retry) in [
+            (500, false),
+            (502, true),
+            (503, true),
+            (504, true),
+            (429, false),
+        ] {
+            let s = StatusCode::from_u16(status).unwrap();
+            let e = PdError::upstream_status(Side::Prefill, id.clone(), s, None);
+            assert_eq!(e.is_retryable(), retry, "prefill {status}");
+            let e = PdError::upstream_status(Side::Decode, id.clone(), s, None);
+            assert!(!e.is_retryable(), "decode {status}");
+        }
+    }
+}
