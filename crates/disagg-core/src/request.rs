@@ -56,7 +56,7 @@ pub const HANDOFF_FIELDS: &[&str] = &[
 ];
 
 /// The request id header, sent on both legs.
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Longest client-supplied request id that is kept; a longer one is replaced.
 const MAX_REQUEST_ID_LEN: usize = 256;

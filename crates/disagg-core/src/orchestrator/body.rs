@@ -267,8 +267,8 @@ impl PdBody {
         )
     }
 
-    /// An empty body.
-    pub fn empty() -> Self {
+    /// An empty body (also `PdBody::default()`).
+    pub(crate) fn empty() -> Self {
         Self::full(Bytes::new())
     }
 

@@ -73,7 +73,6 @@ pub use config::{
     DEADLINE_HEADER, FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, KvRelease, MissingKv,
     OrchestratorConfig, PrefillFailure, SERVER_TIMING,
 };
-pub use legs::is_session_header;
 
 pub(crate) use report::verdict;
 use stats::Counters;
