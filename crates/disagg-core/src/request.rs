@@ -86,8 +86,8 @@ impl PdRequest {
     ///
     /// The `x-request-id` header is kept when it is present and sane (visible ASCII, at most
     /// 256 bytes); otherwise a new random one is drawn. Servers should prefer
-    /// [`with_ids`](Self::with_ids) with one [`RequestIds`] for all requests, which draws
-    /// no randomness per request.
+    /// [`Orchestrator::request`](crate::Orchestrator::request), whose ids draw no
+    /// randomness per request.
     ///
     /// # Errors
     ///

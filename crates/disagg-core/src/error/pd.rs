@@ -261,7 +261,7 @@ impl PdError {
     }
 
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
-    /// refused a field the engines would refuse ([`InvalidParam`]).
+    /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
     pub fn param(&self) -> Option<&'static str> {
         match self.source.as_deref()?.downcast_ref::<BodyError>()? {
             BodyError::Invalid(p) => Some(p.param()),

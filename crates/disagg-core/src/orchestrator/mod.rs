@@ -271,7 +271,8 @@ impl Orchestrator {
     }
 
     /// Parse a client request for `api`, generating its request id (when the client sent
-    /// none) from this orchestrator's [`RequestIds`].
+    /// none) from this orchestrator's own generator (128 random bits drawn once, then a
+    /// counter: no randomness per request).
     ///
     /// # Errors
     ///
