@@ -582,7 +582,7 @@ async fn side_channel_ports_come_from_the_nixl_planner() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
-    use disagg_core::policy::{PerLeg, PowerOfTwo, RoundRobinPick};
+    use disagg_affinity::{PerLeg, PowerOfTwo, RoundRobin};
     // In flight is counted until the response body ends: while one decode engine holds
     // a long stream, power-of-two choices sends every other request to the other one.
     let slow = disagg_sim::SimConfig {
@@ -591,10 +591,7 @@ async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
     };
     let stack = Stack::builder()
         .decode(vec![slow.clone(), slow])
-        .router(PerLeg::new(
-            RoundRobinPick::new(),
-            PowerOfTwo::from_seed(11),
-        ))
+        .router(PerLeg::new(RoundRobin::new(), PowerOfTwo::from_seed(11)))
         .build()
         .await;
     let url = stack.url.clone();
@@ -628,8 +625,7 @@ async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
 
 #[tokio::test]
 async fn consistent_hash_keeps_a_session_on_its_engines() {
-    use disagg_affinity::ConsistentHash;
-    use disagg_core::policy::PerLeg;
+    use disagg_affinity::{ConsistentHash, PerLeg};
     use disagg_sim::SimConfig;
     let three = || {
         vec![

@@ -12,10 +12,10 @@ use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::{
-    Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role, RoundRobin,
-    Transport,
+    Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role, Transport,
 };
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
@@ -263,7 +263,7 @@ impl EndpointSource for Unheard {
 /// A proxy on loopback routing from `source`, whose health only the test feeds.
 async fn proxy(source: HealthSource, config: OrchestratorConfig) -> (String, oneshot::Sender<()>) {
     let orchestrator = Orchestrator::builder(Unheard(source), HttpTransport::default())
-        .router(RoundRobin::new())
+        .router(PerLeg::both(RoundRobin::new))
         .config(config)
         .build();
     serve_proxy(orchestrator).await
@@ -416,7 +416,7 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     let source = HealthSource::new(Arc::clone(&inner), config);
     let health = Arc::clone(source.health());
     let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-        .router(RoundRobin::new())
+        .router(PerLeg::both(RoundRobin::new))
         .build();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());

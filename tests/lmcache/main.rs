@@ -9,8 +9,9 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_core::orchestrator::OrchestratorConfig;
-use disagg_core::{Endpoint, ManualSource, Orchestrator, Role, RoundRobin};
+use disagg_core::{Endpoint, ManualSource, Orchestrator, Role};
 use disagg_http::HttpTransport;
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
@@ -111,7 +112,7 @@ async fn start(opts: Opts) -> Lm {
         Arc::new(ManualSource::new(endpoints)),
         HttpTransport::default(),
     )
-    .router(RoundRobin::new())
+    .router(PerLeg::both(RoundRobin::new))
     .connector(Lmcache::new(notifications.clone()))
     .config(config)
     .build();

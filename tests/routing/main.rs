@@ -7,11 +7,11 @@ mod support;
 
 use std::time::Duration;
 
-use disagg_affinity::ConsistentHash;
-use disagg_core::disaggregate::PromptThreshold;
-use disagg_core::policy::{
-    LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
+use disagg_affinity::{
+    ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random, RoundRobin,
+    WeightedRandom,
 };
+use disagg_core::router::Pick;
 use disagg_sim::{SimConfig, SimEngine};
 use support::*;
 
@@ -51,7 +51,7 @@ fn served(engines: &[SimEngine]) -> Vec<u64> {
 
 #[tokio::test]
 async fn round_robin_gives_each_engine_its_turn() {
-    let stack = stack_3p3d(RoundRobinPick::new(), RoundRobinPick::new()).await;
+    let stack = stack_3p3d(RoundRobin::new(), RoundRobin::new()).await;
     send(&stack, 30, &[]).await;
     assert_eq!(served(&stack.prefill), [10, 10, 10]);
     assert_eq!(served(&stack.decode), [10, 10, 10]);
@@ -59,7 +59,7 @@ async fn round_robin_gives_each_engine_its_turn() {
 
 #[tokio::test]
 async fn random_reaches_every_engine() {
-    let stack = stack_3p3d(RandomPick::from_seed(3), RandomPick::from_seed(4)).await;
+    let stack = stack_3p3d(Random::from_seed(3), Random::from_seed(4)).await;
     send(&stack, 60, &[]).await;
     for counts in [served(&stack.prefill), served(&stack.decode)] {
         assert_eq!(counts.iter().sum::<u64>(), 60);
@@ -80,7 +80,7 @@ async fn weighted_random_follows_the_weights_end_to_end() {
     let heavy = decode[2].url();
     let stack = Stack::builder()
         .router(PerLeg::new(
-            RoundRobinPick::new(),
+            RoundRobin::new(),
             WeightedRandom::from_seed(7).with_weight(&heavy, 8.0),
         ))
         .build_with(engines, decode)
@@ -94,7 +94,7 @@ async fn weighted_random_follows_the_weights_end_to_end() {
 
 #[tokio::test]
 async fn least_in_flight_spreads_an_idle_set_evenly() {
-    let stack = stack_3p3d(LeastInFlightPick::new(), LeastInFlightPick::new()).await;
+    let stack = stack_3p3d(LeastInFlight::new(), LeastInFlight::new()).await;
     send(&stack, 30, &[]).await;
     // One request at a time: every choice is a tie, broken in turn.
     assert_eq!(served(&stack.prefill), [10, 10, 10]);
@@ -119,7 +119,7 @@ async fn least_in_flight_counts_a_streaming_decode_until_its_last_chunk() {
     let stack = Stack::builder()
         .prefill(three())
         .decode(vec![slow; 3])
-        .router(PerLeg::new(RoundRobinPick::new(), LeastInFlightPick::new()))
+        .router(PerLeg::new(RoundRobin::new(), LeastInFlight::new()))
         .build()
         .await;
     // A 30-token stream (~1.2 s) holds one decode engine; its head arrived long before.
@@ -400,7 +400,7 @@ fn chat_with(system: &str, user: &str) -> String {
 #[tokio::test]
 async fn cache_aware_keeps_a_shared_prefix_on_one_prefill_engine() {
     use disagg_affinity::CacheAware;
-    let stack = stack_3p3d(CacheAware::default(), RoundRobinPick::new()).await;
+    let stack = stack_3p3d(CacheAware::default(), RoundRobin::new()).await;
     // Three tenants, each with its own long system prompt and many different questions.
     let systems: Vec<String> = (0..3)
         .map(|t| format!("tenant {t}: ") + &"You are a careful assistant. ".repeat(40))

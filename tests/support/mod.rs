@@ -8,9 +8,7 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
 use disagg_core::disaggregate::Disaggregate;
-use disagg_core::{
-    BootstrapPort, Endpoint, KvConnector, ManualSource, Orchestrator, Role, RoundRobin,
-};
+use disagg_core::{BootstrapPort, Endpoint, KvConnector, ManualSource, Orchestrator, Role};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
@@ -348,7 +346,8 @@ impl StackBuilder {
         }
         let orchestrator = match self.router {
             Some(router) => builder.router(BoxedRouter(router)).build(),
-            None => builder.router(RoundRobin::new()).build(),
+            // The orchestrator's own default: round robin over each role.
+            None => builder.build(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());

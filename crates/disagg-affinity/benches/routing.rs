@@ -1,9 +1,10 @@
-//! The cost of one routing decision, per policy, at 8, 64 and 512 candidates: core's
-//! `RoundRobinPick`, `RandomPick`, `WeightedRandom`, `LeastInFlightPick` and
-//! `PowerOfTwo`, and this crate's `ConsistentHash` (with a session key) and
-//! `CacheAware` (on a chat body with a 2 KB system prompt and varying user turns, the
-//! table warm). `prefix_hash` is `CacheAware`'s hashing step alone, then split into
-//! building the canonical stream and chaining the block hashes.
+//! The cost of one routing decision, per policy, at 8, 64 and 512 candidates:
+//! `RoundRobin`, `Random`, `WeightedRandom`, `LeastInFlight`, `PowerOfTwo`,
+//! `ConsistentHash` (with a session key) and `CacheAware` (on a chat body with a 2 KB
+//! system prompt and varying user turns, the table warm). `prefix_hash` is
+//! `CacheAware`'s hashing step alone, then split into building the canonical stream and
+//! chaining the block hashes. `route` is a whole router's decision (both legs, a
+//! `PerLeg` over 4 prefill and 4 decode endpoints).
 //!
 //! Run: `cargo bench -p disagg-affinity --bench routing`.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
@@ -13,12 +14,12 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use disagg_affinity::{CacheAware, ConsistentHash, PrefixHasher};
-use disagg_core::policy::{
-    LeastInFlightPick, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
+use disagg_affinity::{
+    CacheAware, ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PrefixHasher, Random,
+    RoundRobin, WeightedRandom,
 };
-use disagg_core::router::RequestView;
-use disagg_core::{Api, Endpoint, JsonBody, Role};
+use disagg_core::router::{Pick, RequestView, Router};
+use disagg_core::{Api, Endpoint, EndpointSet, JsonBody, Role};
 use http::HeaderMap;
 
 const SIZES: [usize; 3] = [8, 64, 512];
@@ -99,15 +100,15 @@ fn policies(c: &mut Criterion) {
         "chat-7f3a9c".parse().expect("a header value"),
     );
 
-    bench_policy(c, "round_robin", &RoundRobinPick::new(), &none);
-    bench_policy(c, "random", &RandomPick::from_seed(1), &none);
+    bench_policy(c, "round_robin", &RoundRobin::new(), &none);
+    bench_policy(c, "random", &Random::from_seed(1), &none);
     let weighted = (0..512)
         .step_by(7)
         .fold(WeightedRandom::from_seed(1), |w, i| {
             w.with_weight(&format!("http://10.0.{}.{}:8100", i / 250, i % 250), 2.0)
         });
     bench_policy(c, "weighted_random", &weighted, &none);
-    bench_policy(c, "least_in_flight", &LeastInFlightPick::new(), &none);
+    bench_policy(c, "least_in_flight", &LeastInFlight::new(), &none);
     bench_policy(c, "power_of_two", &PowerOfTwo::from_seed(1), &none);
     bench_policy(c, "consistent_hash", &ConsistentHash::new(), &session);
     bench_policy(c, "cache_aware", &CacheAware::new(), &none);
@@ -129,5 +130,32 @@ fn prefix_hash(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, policies, prefix_hash);
+fn routing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("route");
+    let mut eps = Vec::new();
+    for i in 0..8 {
+        let role = if i % 2 == 0 {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+        eps.push(Arc::new(
+            Endpoint::new(&format!("http://10.0.0.{i}:8000"), role).expect("valid url"),
+        ));
+    }
+    let set = EndpointSet::new(eps);
+    let (headers, bodies) = (HeaderMap::new(), chat_bodies());
+    let view = view(&headers, &bodies[0]);
+    let rr = PerLeg::both(RoundRobin::new);
+    let lif = PerLeg::both(LeastInFlight::new);
+    g.bench_function("round_robin_4p4d", |b| {
+        b.iter(|| black_box(rr.select(&view, &set)))
+    });
+    g.bench_function("least_in_flight_4p4d", |b| {
+        b.iter(|| black_box(lif.select(&view, &set)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, policies, prefix_hash, routing);
 criterion_main!(benches);

@@ -49,10 +49,10 @@ use std::num::NonZeroU64;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use disagg_core::Endpoint;
-use disagg_core::policy::{LeastInFlightPick, Pick};
-use disagg_core::router::RequestView;
+use disagg_core::router::{Pick, RequestView};
 
 use crate::hrw::finalize;
+use crate::policy::LeastInFlight;
 use crate::prefix::{PrefixError, PrefixHasher, block_hash};
 
 /// The default table capacity: 65,536 block entries.
@@ -128,14 +128,13 @@ pub enum CacheAwareError {
 /// # Examples
 ///
 /// ```
-/// use disagg_affinity::CacheAware;
-/// use disagg_core::policy::{LeastInFlightPick, PerLeg};
+/// use disagg_affinity::{CacheAware, LeastInFlight, PerLeg};
 ///
 /// let prefill = CacheAware::new()
 ///     .with_capacity(1 << 18)?
 ///     .with_cache_threshold(0.3)?
 ///     .with_balance(16, 2.0)?;
-/// let router = PerLeg::new(prefill, LeastInFlightPick::new());
+/// let router = PerLeg::new(prefill, LeastInFlight::new());
 /// # let _ = router;
 /// # Ok::<(), disagg_affinity::CacheAwareError>(())
 /// ```
@@ -145,7 +144,7 @@ pub struct CacheAware {
     cache_threshold: f64,
     balance_abs: usize,
     balance_rel: f64,
-    fallback: LeastInFlightPick,
+    fallback: LeastInFlight,
     table: Mutex<Table>,
 }
 
@@ -170,7 +169,7 @@ impl Default for CacheAware {
             cache_threshold: DEFAULT_CACHE_THRESHOLD,
             balance_abs: DEFAULT_BALANCE_ABS,
             balance_rel: DEFAULT_BALANCE_REL,
-            fallback: LeastInFlightPick::new(),
+            fallback: LeastInFlight::new(),
             table: Mutex::new(Table::new(DEFAULT_CAPACITY)),
         }
     }

@@ -16,11 +16,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use disagg_core::Endpoint;
-use disagg_core::policy::{LeastInFlightPick, Pick};
-use disagg_core::router::RequestView;
+use disagg_core::router::{Pick, RequestView};
 
 use crate::hrw::{Weights, beats};
 use crate::key::SessionKey;
+use crate::policy::LeastInFlight;
 
 /// The default load factor: an endpoint may carry 25% more than the average before a
 /// session spills. The bounded-loads paper and HAProxy's `hash-balance-factor`
@@ -54,14 +54,13 @@ pub enum LoadFactorError {
 /// # Examples
 ///
 /// ```
-/// use disagg_affinity::{ConsistentHash, KeySource, SessionKey, Weights};
-/// use disagg_core::policy::RoundRobinPick;
+/// use disagg_affinity::{ConsistentHash, KeySource, RoundRobin, SessionKey, Weights};
 ///
 /// let policy = ConsistentHash::new()
 ///     .with_key(SessionKey::new([KeySource::header("x-conversation-id")]))
 ///     .with_weights(Weights::new().with_weight("http://10.0.0.9:8200", 2.0)?)
 ///     .with_load_factor(1.5)?
-///     .with_fallback(RoundRobinPick::new());
+///     .with_fallback(RoundRobin::new());
 /// # let _ = policy;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -88,7 +87,7 @@ impl Default for ConsistentHash {
             key: SessionKey::default(),
             weights: Weights::new(),
             load_factor: DEFAULT_LOAD_FACTOR,
-            fallback: Box::new(LeastInFlightPick::new()),
+            fallback: Box::new(LeastInFlight::new()),
         }
     }
 }

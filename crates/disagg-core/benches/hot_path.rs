@@ -1,7 +1,7 @@
 //! Micro-benchmarks of the request path's hot pieces: body parse + prefill rewrite for
 //! 1 KB, 64 KB and 1 MB bodies, the parse of bodies of many distinct keys (12 to 120k),
-//! routing decisions and SSE frame forwarding (the health feedback's are in
-//! `disagg-resilience`).
+//! and SSE frame forwarding (routing decisions are measured with the policies, in
+//! `disagg-affinity`; the health feedback in `disagg-resilience`).
 //!
 //! Run: `cargo bench -p disagg-core --bench hot_path`.
 #![allow(missing_docs)] // criterion's macros generate undocumented items
@@ -13,9 +13,8 @@ use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use disagg_core::body::JsonBody;
 use disagg_core::connector::{KvConnector, VllmNixl};
-use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
+use disagg_core::endpoint::{Endpoint, Role};
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::router::{LeastInFlight, RequestView, RoundRobin, Router};
 use disagg_core::{BoxError, PdBody};
 use http::HeaderMap;
 use http_body::Frame;
@@ -112,33 +111,6 @@ fn parse_many_keys(c: &mut Criterion) {
     g.finish();
 }
 
-fn routing(c: &mut Criterion) {
-    let mut g = c.benchmark_group("route");
-    let mut eps = Vec::new();
-    for i in 0..8 {
-        let role = if i % 2 == 0 {
-            Role::Prefill
-        } else {
-            Role::Decode
-        };
-        eps.push(Arc::new(
-            Endpoint::new(&format!("http://10.0.0.{i}:8000"), role).unwrap(),
-        ));
-    }
-    let set = EndpointSet::new(eps);
-    let req = PdRequest::new(Api::Chat, HeaderMap::new(), &chat_body(256)).unwrap();
-    let view = RequestView::from(&req);
-    let rr = RoundRobin::new();
-    let lif = LeastInFlight::new();
-    g.bench_function("round_robin_4p4d", |b| {
-        b.iter(|| black_box(rr.select(&view, &set).unwrap()))
-    });
-    g.bench_function("least_in_flight_4p4d", |b| {
-        b.iter(|| black_box(lif.select(&view, &set).unwrap()))
-    });
-    g.finish();
-}
-
 fn sse_forwarding(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -162,11 +134,5 @@ fn sse_forwarding(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(
-    benches,
-    parse_and_rewrite,
-    parse_many_keys,
-    routing,
-    sse_forwarding
-);
+criterion_group!(benches, parse_and_rewrite, parse_many_keys, sse_forwarding);
 criterion_main!(benches);

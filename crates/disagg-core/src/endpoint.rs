@@ -283,7 +283,7 @@ impl Endpoint {
     }
 
     /// Whether this endpoint serves `model`: it declares it, or declares no models.
-    pub fn serves(&self, model: &str) -> bool {
+    pub(crate) fn serves(&self, model: &str) -> bool {
         self.models
             .as_deref()
             .is_none_or(|ms| ms.iter().any(|m| &**m == model))
@@ -465,12 +465,6 @@ impl EndpointSet {
         }
     }
 
-    /// Whether the endpoints declare the models they serve (and requests are routed by
-    /// model).
-    pub fn routes_by_model(&self) -> bool {
-        self.models.is_some()
-    }
-
     /// The models some decode endpoint declares, sorted; empty when no endpoint
     /// declares any.
     pub fn served_models(&self) -> &[Arc<str>] {
@@ -632,7 +626,8 @@ mod tests {
             ep("http://p:1", Role::Prefill, &[]),
             ep("http://d:1", Role::Decode, &[]),
         ]);
-        assert!(!set.routes_by_model());
+        // No endpoint declares models: the set does not route by model.
+        assert!(set.models.is_none());
         assert!(set.served_models().is_empty());
         assert!(std::ptr::eq(set.for_model(Some("anything")).unwrap(), &set));
         assert!(std::ptr::eq(set.for_model(None).unwrap(), &set));
@@ -647,7 +642,8 @@ mod tests {
             ep("http://d2:1", Role::Decode, &["qwen"]),
             ep("http://p3:1", Role::Prefill, &["mistral"]),
         ]);
-        assert!(set.routes_by_model());
+        // Some endpoint declares models: the set routes by model.
+        assert!(set.models.is_some());
         assert_eq!(
             set.served_models().iter().map(|m| &**m).collect::<Vec<_>>(),
             ["llama", "qwen"],

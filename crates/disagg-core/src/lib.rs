@@ -7,7 +7,8 @@
 //!
 //! 1. an [`EndpointSource`] publishes the endpoints as an
 //!    immutable snapshot;
-//! 2. a [`Router`] picks a prefill and a decode endpoint;
+//! 2. a [`Router`] picks a prefill and a decode endpoint (the policies are in
+//!    `disagg-affinity`; the orchestrator's default is a round robin over each role);
 //! 3. a [`KvConnector`] plans both legs: the prefill body (built by
 //!    the [`PrefillRewriter`]), the decode body, and how to
 //!    dispatch them;
@@ -27,7 +28,7 @@
 //! use disagg_core::connector::{KvConnector, VllmNixl};
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::request::{Api, PdRequest};
-//! use disagg_core::router::{RequestView, RoundRobin, Router};
+//! use disagg_core::router::Route;
 //! use disagg_core::source::{EndpointSource, StaticSource};
 //!
 //! let source = StaticSource::new([
@@ -39,7 +40,9 @@
 //!     Default::default(),
 //!     &r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#.into(),
 //! )?;
-//! let route = RoundRobin::new().select(&RequestView::from(&req), &source.snapshot())?;
+//! // What a router returns: here the set's first prefill and decode endpoint.
+//! let set = source.snapshot();
+//! let route = Route::new(Some(Arc::clone(&set.prefill()[0])), Arc::clone(&set.decode()[0]));
 //! let handoff = VllmNixl::new().prepare(&route, &req)?;
 //! assert_eq!(handoff.prefill.body.get("stream"), Some(&b"false"[..]));
 //! assert_eq!(handoff.decode.body.get("stream"), Some(&b"true"[..]));
@@ -56,13 +59,11 @@ mod lax;
 pub mod orchestrator;
 pub mod outcome;
 pub mod pairing;
-pub mod policy;
 pub mod request;
 pub mod retry;
 pub mod rewrite;
 pub mod router;
 pub mod source;
-pub mod stats;
 pub mod transport;
 
 pub use body::JsonBody;
@@ -77,11 +78,10 @@ pub use connector::{
     SglangBootstrap, VllmMooncake, VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-pub use error::{BoxError, PdError, Phase, RouteError, Side};
-pub use orchestrator::{Orchestrator, OrchestratorConfig, PdBody};
+pub use error::{BoxError, PdError, RouteError, Side};
+pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
 pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
-pub use router::{LeastInFlight, RoundRobin, Route, Router};
+pub use router::{Route, Router};
 pub use source::{EndpointSource, ManualSource, StaticSource};
-pub use stats::OrchestratorStats;
 pub use transport::Transport;

@@ -56,7 +56,7 @@ pub const HANDOFF_FIELDS: &[&str] = &[
 ];
 
 /// The request id header, sent on both legs.
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Longest client-supplied request id that is kept; a longer one is replaced.
 const MAX_REQUEST_ID_LEN: usize = 256;
@@ -85,8 +85,8 @@ impl PdRequest {
     /// Parse a client request for `api` from its headers and raw body.
     ///
     /// The `x-request-id` header is kept when it is present and sane (visible ASCII, at most
-    /// 256 bytes); otherwise a new random one is drawn. Servers should parse through
-    /// [`Orchestrator::request`](crate::Orchestrator::request), whose id generator draws no
+    /// 256 bytes); otherwise a new random one is drawn. Servers should prefer
+    /// [`Orchestrator::request`](crate::Orchestrator::request), whose ids draw no
     /// randomness per request.
     ///
     /// # Errors
@@ -223,7 +223,7 @@ impl PdRequest {
 ///
 /// Ids are 32 lowercase hex digits, unique within the generator (the low half is the seed
 /// plus the counter) and unpredictable across processes; drawing one costs no system call.
-/// (The unit test `generated_ids_are_distinct_hex` checks both.)
+/// (Private: `generated_ids_are_distinct_hex` below pins the format.)
 #[derive(Debug)]
 pub(crate) struct RequestIds {
     seed: u128,
@@ -270,7 +270,7 @@ impl RequestIds {
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
 /// A bijective 64-bit mixer (splitmix64's step and finalizer), so consecutive inputs give
-/// unrelated outputs; shared by the request ids and the policies' random numbers.
+/// unrelated outputs (the request ids).
 pub(crate) fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);

@@ -1,18 +1,26 @@
-//! Routing: the [`Router`] trait, the [`Route`] it returns, and the simple policies.
+//! Routing: the [`Router`] trait, the [`Route`] it returns, and [`Pick`], the seam for
+//! a policy that picks one leg's endpoint.
 //!
 //! A router is a synchronous, cheap decision over a snapshot: it reads the request's
 //! top level through a [`RequestView`] and the live load carried by each
 //! [`Endpoint`], and returns a prefill and a decode endpoint. It does no I/O and never
 //! waits.
+//!
+//! The policies live in `disagg-affinity`: round robin, least in flight, random,
+//! weighted random, power of two choices, consistent hashing and prefix-cache-aware
+//! picks, combined into a router by its `PerLeg` (one pick per leg). This module keeps
+//! the seams they plug into, and the one router the orchestrator needs of its own: a
+//! round robin over each role, [`Orchestrator::builder`](crate::Orchestrator::builder)'s
+//! default, which is private.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use http::HeaderMap;
 
 use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::RouteError;
-use crate::policy::{LeastInFlightPick, PerLeg, RoundRobinPick};
 use crate::request::{Api, PdRequest};
 
 /// What a router may read of a request.
@@ -70,7 +78,11 @@ impl Route {
     }
 
     /// The same route with data-parallel ranks named for each leg.
-    pub fn with_ranks(mut self, prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Self {
+    pub(crate) fn with_ranks(
+        mut self,
+        prefill_rank: Option<u32>,
+        decode_rank: Option<u32>,
+    ) -> Self {
         self.prefill_rank = prefill_rank;
         self.decode_rank = decode_rank;
         self
@@ -138,72 +150,71 @@ impl<T: Router + ?Sized> Router for Arc<T> {
     }
 }
 
-/// Independent round-robin over the prefill and the decode endpoints.
+/// Picks one endpoint of a leg among candidates: the seam of per-leg policies.
 ///
-/// Use it when engines are alike and requests are alike; it needs no load signal.
-/// (A [`PerLeg`] of two [`RoundRobinPick`]s.)
-#[derive(Debug)]
-pub struct RoundRobin {
-    legs: PerLeg,
+/// Synchronous and cheap, like [`Router::select`]: no I/O, no lock held past its return.
+/// `candidates` is never empty; the result must be an index into it. The
+/// implementations are in `disagg-affinity` (`RoundRobin`, `LeastInFlight`, `Random`,
+/// `WeightedRandom`, `PowerOfTwo`, `ConsistentHash`, `CacheAware`), and its `PerLeg`
+/// makes a [`Router`] of one pick per leg; `disagg-http`'s sidecar layer takes one for
+/// requests that name no prefill endpoint.
+pub trait Pick: Send + Sync + 'static {
+    /// The index of the chosen candidate.
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize;
 }
 
-impl Default for RoundRobin {
-    fn default() -> Self {
-        Self::new()
+impl<T: Pick + ?Sized> Pick for Arc<T> {
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        (**self).pick(req, candidates)
     }
 }
 
-impl RoundRobin {
-    /// A round-robin router starting at the first endpoint of each role.
-    pub fn new() -> Self {
-        RoundRobin {
-            legs: PerLeg::new(RoundRobinPick::new(), RoundRobinPick::new()),
+impl<T: Pick + ?Sized> Pick for Box<T> {
+    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        (**self).pick(req, candidates)
+    }
+}
+
+/// [`Orchestrator::builder`](crate::Orchestrator::builder)'s default router:
+/// independent round robin over the prefill and the decode endpoints, so that an
+/// orchestrator works with no routing policy chosen. It is private on purpose; the
+/// routing policies an application chooses from are `disagg-affinity`'s (this one is
+/// `disagg_affinity::PerLeg::both(disagg_affinity::RoundRobin::new)` there).
+#[derive(Debug, Default)]
+pub(crate) struct DefaultRouter {
+    prefill: AtomicUsize,
+    decode: AtomicUsize,
+}
+
+impl DefaultRouter {
+    /// The next endpoint of `eps` in `turn`'s order; `None` when `eps` is empty.
+    fn next(turn: &AtomicUsize, eps: &[Arc<Endpoint>]) -> Option<Arc<Endpoint>> {
+        match eps {
+            [] => None,
+            eps => Some(Arc::clone(
+                &eps[turn.fetch_add(1, Ordering::Relaxed) % eps.len()],
+            )),
         }
     }
-}
 
-impl Router for RoundRobin {
-    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.legs.select(req, set)
-    }
-
-    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.legs.select_direct(req, set)
+    fn decode(&self, set: &EndpointSet) -> Result<Arc<Endpoint>, RouteError> {
+        Self::next(&self.decode, set.decode()).ok_or(RouteError::NoDecode)
     }
 }
 
-/// The endpoint of each role with the fewest requests in flight.
-///
-/// In-flight requests are counted until their response body ends, so long streams weigh
-/// as long as they last. Ties are broken round-robin, so an idle set is still spread.
-/// Use it when request lengths vary widely. (A [`PerLeg`] of two [`LeastInFlightPick`]s.)
-#[derive(Debug)]
-pub struct LeastInFlight {
-    legs: PerLeg,
-}
-
-impl Default for LeastInFlight {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl LeastInFlight {
-    /// A least-in-flight router.
-    pub fn new() -> Self {
-        LeastInFlight {
-            legs: PerLeg::new(LeastInFlightPick::new(), LeastInFlightPick::new()),
-        }
-    }
-}
-
-impl Router for LeastInFlight {
-    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.legs.select(req, set)
+impl Router for DefaultRouter {
+    fn select(&self, _req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let decode = self.decode(set)?;
+        Ok(Route::new(Self::next(&self.prefill, set.prefill()), decode))
     }
 
-    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.legs.select_direct(req, set)
+    /// The decode's turn alone: a leg that is not sent takes no prefill turn.
+    fn select_direct(
+        &self,
+        _req: &RequestView<'_>,
+        set: &EndpointSet,
+    ) -> Result<Route, RouteError> {
+        Ok(Route::new(None, self.decode(set)?))
     }
 }
 
@@ -240,7 +251,7 @@ mod tests {
     fn round_robin_cycles_each_role_independently() {
         let s = set(2, 3);
         let (h, b) = (HeaderMap::new(), JsonBody::default());
-        let rr = RoundRobin::new();
+        let rr = DefaultRouter::default();
         let picks: Vec<(String, String)> = (0..6)
             .map(|_| {
                 let r = rr.select(&view(&h, &b), &s).unwrap();
@@ -260,37 +271,27 @@ mod tests {
     fn missing_roles() {
         let (h, b) = (HeaderMap::new(), JsonBody::default());
         assert!(matches!(
-            RoundRobin::new().select(&view(&h, &b), &set(1, 0)),
+            DefaultRouter::default().select(&view(&h, &b), &set(1, 0)),
             Err(RouteError::NoDecode)
         ));
-        let r = RoundRobin::new().select(&view(&h, &b), &set(0, 1)).unwrap();
+        let r = DefaultRouter::default()
+            .select(&view(&h, &b), &set(0, 1))
+            .unwrap();
         assert!(r.prefill.is_none());
     }
 
     #[test]
-    fn least_in_flight_prefers_idle_endpoints() {
+    fn a_direct_request_takes_no_prefill_turn() {
         let s = set(2, 2);
         let (h, b) = (HeaderMap::new(), JsonBody::default());
-        let _busy_p = s.prefill()[0].track();
-        let _busy_d1 = s.decode()[1].track();
-        let _busy_d1b = s.decode()[1].track();
-        let lif = LeastInFlight::new();
-        for _ in 0..4 {
-            let r = lif.select(&view(&h, &b), &s).unwrap();
-            assert_eq!(r.prefill.unwrap().id(), s.prefill()[1].id());
-            assert_eq!(r.decode.id(), s.decode()[0].id());
-        }
-    }
-
-    #[test]
-    fn least_in_flight_spreads_ties() {
-        let s = set(1, 3);
-        let (h, b) = (HeaderMap::new(), JsonBody::default());
-        let lif = LeastInFlight::new();
-        let mut seen = std::collections::HashSet::new();
-        for _ in 0..3 {
-            seen.insert(lif.select(&view(&h, &b), &s).unwrap().decode.id().clone());
-        }
-        assert_eq!(seen.len(), 3);
+        let rr = DefaultRouter::default();
+        let first = rr.select(&view(&h, &b), &s).unwrap();
+        let direct = rr.select_direct(&view(&h, &b), &s).unwrap();
+        assert!(direct.prefill.is_none());
+        assert_eq!(direct.decode.id(), s.decode()[1].id());
+        let next = rr.select(&view(&h, &b), &s).unwrap();
+        assert_eq!(first.prefill.unwrap().id(), s.prefill()[0].id());
+        assert_eq!(next.prefill.unwrap().id(), s.prefill()[1].id());
+        assert_eq!(next.decode.id(), s.decode()[0].id());
     }
 }

@@ -28,7 +28,8 @@
 //! The prefill endpoint is either named by an upstream scheduler in a request header
 //! (llm-d's `x-prefiller-host-port: host:port`, [`PREFILLER_HEADER`]) or, without the
 //! header, picked from the prefill endpoints of the sidecar's [`EndpointSource`] by a
-//! [`Pick`] policy (round robin unless told otherwise). A named prefill endpoint is
+//! [`Pick`] policy (round robin unless told otherwise; the policies to choose from are
+//! `disagg-affinity`'s). A named prefill endpoint is
 //! accepted only when it is one of the source's prefill endpoints (the allow-list),
 //! unless [`accept_any_prefiller`](PdLayer::accept_any_prefiller) turned the check off;
 //! otherwise the request is answered 400 and the named host is never contacted. The
@@ -99,14 +100,14 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use disagg_core::endpoint::EndpointError;
 use disagg_core::error::{BoxError, RouteError, TransportError};
 use disagg_core::orchestrator::PrefillFailure;
-use disagg_core::policy::{Pick, RoundRobinPick};
-use disagg_core::router::{RequestView, Route, Router};
+use disagg_core::router::{Pick, RequestView, Route, Router};
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
 use disagg_core::{
     Api, Endpoint, EndpointSet, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig,
@@ -290,7 +291,7 @@ impl PdLayer<Sidecar> {
                 local,
                 header: PREFILLER_HEADER,
                 any_prefiller: false,
-                unnamed: Unnamed::Pick(Arc::new(RoundRobinPick::new())),
+                unnamed: Unnamed::Pick(Arc::new(RoundRobin::default())),
                 _body: PhantomData,
             },
             paths: default_paths(),
@@ -307,7 +308,8 @@ impl<L> PdLayer<Sidecar<L>> {
     }
 
     /// Pick the prefill endpoint of a request that names none with `pick` (default:
-    /// round robin).
+    /// round robin; the policies are `disagg-affinity`'s, such as its `LeastInFlight`,
+    /// `PowerOfTwo` or `CacheAware`).
     pub fn pick(mut self, pick: impl Pick) -> Self {
         self.mode.unnamed = Unnamed::Pick(Arc::new(pick));
         self
@@ -777,6 +779,22 @@ impl Router for SidecarRouter {
             // set that changed in between lands here.
             Err(_) => Err(RouteError::NoPrefill),
         }
+    }
+}
+
+// === impl RoundRobin ===
+
+/// The sidecar's default pick: the prefill endpoints in turn. Private, so that this
+/// adapter needs no policy crate; an application that wants another passes one of
+/// `disagg-affinity`'s to [`PdLayer::pick`].
+#[derive(Debug, Default)]
+struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl Pick for RoundRobin {
+    fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % candidates.len()
     }
 }
 

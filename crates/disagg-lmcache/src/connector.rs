@@ -225,9 +225,9 @@ impl LmcacheReceiver {
     /// Put this receiver into a decode endpoint's extensions, declaring with it the
     /// endpoint's tensor-parallel size: the port count ([`ranks`](Self::ranks)) is set as
     /// the [`KvProfile::tp_size`] (a profile already there keeps its other parts), so
-    /// that pair validation ([`check_pairs`](disagg_core::pairing::check_pairs),
-    /// [`ValidatedSource`](disagg_core::pairing::ValidatedSource)) refuses a prefill of
-    /// another declared size (LMCache needs equal sizes, see [`Lmcache`]).
+    /// that pair validation (`disagg_resilience::pairing`'s `check_pairs` and
+    /// `ValidatedSource`, over [`check_pair`](disagg_core::pairing::check_pair)) refuses
+    /// a prefill of another declared size (LMCache needs equal sizes, see [`Lmcache`]).
     ///
     /// Insert the profile the engine declares first, if any; a plain
     /// `ext.insert(receiver)` declares nothing, and the pair is then checked only per
@@ -372,7 +372,7 @@ struct First {
 
 /// The per-request form of pair validation, for endpoints whose receiver was inserted
 /// without declaring its size ([`LmcacheReceiver::insert_into`] declares it, and then
-/// [`check_pairs`](disagg_core::pairing::check_pairs) refuses the pair before any
+/// `disagg_resilience::pairing::check_pairs` refuses the pair before any
 /// request): a declared size that disagrees with the receiver's rank count would make
 /// the decode leg wait out the handoff budget, or fail the prefill engine, so the
 /// attempt is refused at once. Undeclared sizes are not checked.
@@ -1440,7 +1440,7 @@ mod tests {
     #[test]
     fn pairs_of_unequal_tp_are_refused_the_decodes_size_being_its_receivers() {
         use disagg_core::endpoint::EndpointSet;
-        use disagg_core::pairing::check_pairs;
+        use disagg_resilience::pairing::check_pairs;
         // The decode declares no profile: its receiver's two ports are its size.
         let set = EndpointSet::new(
             [
@@ -1512,8 +1512,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
-        use disagg_core::pairing::ValidatedSource;
         use disagg_core::{EndpointSource, ManualSource};
+        use disagg_resilience::pairing::ValidatedSource;
         let decode = || declared("http://d:7200", Role::Decode, None, Some(receiver()));
         let inner = Arc::new(ManualSource::new([
             declared("http://p2:7100", Role::Prefill, tp(2), None),

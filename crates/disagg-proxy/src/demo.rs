@@ -3,6 +3,7 @@
 //! protocol (`--connector nixl|sglang|mooncake|lmcache`).
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -11,6 +12,7 @@ use disagg_core::rewrite::VllmLimits;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -123,18 +125,20 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
 
     let mut ext = http::Extensions::new();
     ext.insert(BootstrapPort(prefill.bootstrap_addr().map(|a| a.port())));
-    let orchestrator = Orchestrator::builder(
+    let connector = args
+        .connector
+        .connector(notifications.clone(), VllmLimits::default())?;
+    // Every prefill/decode pair is checked before the first request.
+    let source = ValidatedSource::new(
         StaticSource::new([
             Endpoint::with_extensions(&prefill.url(), Role::Prefill, ext)?,
             Endpoint::with_extensions(&decode.url(), Role::Decode, decode_ext)?,
         ]),
-        HttpTransport::default(),
-    )
-    .connector(
-        args.connector
-            .connector(notifications.clone(), VllmLimits::default())?,
-    )
-    .try_build()?;
+        Arc::clone(&connector),
+    )?;
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+        .connector(connector)
+        .build();
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);

@@ -5,14 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use disagg_affinity::{CacheAware, ConsistentHash};
-use disagg_core::disaggregate::{Always, Disaggregate, PromptThreshold};
-use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
-use disagg_core::pairing::{KvProfile, check_pairs};
-use disagg_core::policy::{
-    LeastInFlightPick, PerLeg, Pick, PowerOfTwo, RandomPick, RoundRobinPick, WeightedRandom,
+use disagg_affinity::{
+    CacheAware, ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random,
+    RoundRobin, WeightedRandom,
 };
+use disagg_core::disaggregate::{Always, Disaggregate};
+use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
+use disagg_core::pairing::KvProfile;
 use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
+use disagg_core::router::Pick;
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
     Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
@@ -20,6 +21,7 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_resilience::pairing::check_pairs;
 use disagg_resilience::{
     AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,
 };
@@ -397,9 +399,9 @@ impl Policy {
                         w.with_weight(url.trim_end_matches('/'), *weight)
                     }),
             ),
-            Policy::RoundRobin => Box::new(RoundRobinPick::new()),
-            Policy::Random => Box::new(RandomPick::new()),
-            Policy::LeastInFlight => Box::new(LeastInFlightPick::new()),
+            Policy::RoundRobin => Box::new(RoundRobin::new()),
+            Policy::Random => Box::new(Random::new()),
+            Policy::LeastInFlight => Box::new(LeastInFlight::new()),
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
             Policy::ConsistentHash => Box::new(ConsistentHash::default()),
             Policy::CacheAware => Box::new(CacheAware::default()),

@@ -6,9 +6,11 @@
 //! | [`health`]: [`HealthSource`] | [`EndpointSource`](disagg_core::EndpointSource) decorator + [`Listener`](disagg_core::outcome::Listener) | a circuit breaker per endpoint and leg fed by every attempt's [`Report`](disagg_core::outcome::Report), active checks, unhealthy endpoints left out of the published set |
 //! | [`admission`]: [`Limits`] | [`Admission`](disagg_core::admission::Admission) | a global and a per-endpoint in-flight limit, a bounded FIFO queue (429 / 503) |
 //! | [`retry`]: [`Backoff`] | [`Retry`](disagg_core::retry::Retry) | full-jitter exponential backoff within a proxy-wide retry budget |
+//! | [`pairing`]: [`ValidatedSource`] | [`EndpointSource`](disagg_core::EndpointSource) decorator | endpoint sets with a prefill/decode pair that cannot hand KV over refused, at start-up and on every change |
 //!
-//! An orchestrator built without them admits everything, retries nothing and routes
-//! over every endpoint; with them:
+//! An orchestrator built without them admits everything, retries nothing, routes over
+//! every endpoint and trusts every pair; with them (pair validation is shown in
+//! [`pairing`]):
 //!
 //! ```
 //! use disagg_core::endpoint::{Endpoint, Role};
@@ -36,10 +38,12 @@
 
 pub mod admission;
 pub mod health;
+pub mod pairing;
 pub mod retry;
 
 pub use admission::{AdmissionConfig, Limits};
 pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
+pub use pairing::{PairingError, ValidatedSource};
 pub use retry::{Backoff, RetryBudget, RetryPolicy};
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical

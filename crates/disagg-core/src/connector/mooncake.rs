@@ -55,7 +55,7 @@ use crate::transport::{Transport, read_limited};
 
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
-pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// The header by which a vLLM server lets a request pick its data-parallel rank.
 pub(crate) const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
@@ -128,7 +128,7 @@ impl Ranks {
 /// The vLLM Mooncake connector: concurrent dispatch, linked by a `transfer_id`.
 ///
 /// Each prefill endpoint's bootstrap port comes from its [`BootstrapPort`] extension
-/// ([`DEFAULT_BOOTSTRAP_PORT`] when it has none).
+/// (8998, `VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default, when it has none).
 ///
 /// # Examples
 ///
@@ -279,8 +279,9 @@ impl KvConnector for VllmMooncake {
         "vllm-mooncake"
     }
 
-    /// The rewriter's [`check`](PrefillRewriter::check): what vLLM refuses in the fields
-    /// the prefill leg changes, and beam search served direct.
+    /// [`check_request`](crate::rewrite::check::check_request) with the rewriter's
+    /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
+    /// served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
         crate::rewrite::check::check_request(req, self.rewriter.limits())
     }

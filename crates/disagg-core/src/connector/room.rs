@@ -15,19 +15,22 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The largest room: `2^63 - 1` (SGLang's rooms are non-negative `i64`s).
-pub const MAX_ROOM: u64 = (1 << 63) - 1;
+pub(crate) const MAX_ROOM: u64 = (1 << 63) - 1;
 
-/// Draws handoff ids that are unique within this generator and look random.
+/// Draws handoff ids that are unique within this generator and look random, in
+/// `0..=2^63 - 1`.
+///
+/// A connector draws from its own; give it a seeded one for deterministic tests.
 ///
 /// # Examples
 ///
 /// ```
-/// use disagg_core::connector::room::{MAX_ROOM, Rooms};
-/// let rooms = Rooms::from_seed(1);
-/// let a = rooms.next_room();
-/// let b = rooms.next_room();
-/// assert_ne!(a, b);
-/// assert!(a <= MAX_ROOM && b <= MAX_ROOM);
+/// use disagg_core::connector::room::Rooms;
+/// use disagg_core::connector::{SglangBootstrap, VllmMooncake};
+/// // The same seed draws the same rooms, run after run.
+/// let sglang = SglangBootstrap::with_rooms(Rooms::from_seed(1));
+/// let mooncake = VllmMooncake::new().with_ids(Rooms::from_seed(2));
+/// # let _ = (sglang, mooncake);
 /// ```
 #[derive(Debug)]
 pub struct Rooms {
@@ -56,7 +59,7 @@ impl Rooms {
     }
 
     /// The next room, in `0..=MAX_ROOM`.
-    pub fn next_room(&self) -> u64 {
+    pub(crate) fn next_room(&self) -> u64 {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         permute63(n.wrapping_add(self.key))
     }

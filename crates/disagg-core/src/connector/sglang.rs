@@ -105,7 +105,7 @@ pub(crate) const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
 /// How many sequences a request asks the engines for, as SGLang's router counts them:
 /// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of
 /// prompts), `None` for a single sequence.
-pub fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
+pub(crate) fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
     match api {
         Api::Chat => match body.get_as::<Option<u64>>("n") {
             Some(Ok(Some(n))) if n > 1 => usize::try_from(n).ok(),

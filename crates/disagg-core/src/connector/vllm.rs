@@ -88,8 +88,9 @@ impl KvConnector for VllmNixl {
         "vllm-nixl"
     }
 
-    /// The rewriter's [`check`](PrefillRewriter::check): what vLLM refuses in the fields
-    /// the prefill leg changes, and beam search served direct.
+    /// [`check_request`](crate::rewrite::check::check_request) with the rewriter's
+    /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
+    /// served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
         crate::rewrite::check::check_request(req, self.rewriter.limits())
     }

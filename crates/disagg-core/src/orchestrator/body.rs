@@ -26,12 +26,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::stats::InFlight;
 use crate::admission::Permit;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::outcome::{Report, Verdict};
 use crate::router::Outcome;
-use crate::stats::InFlight;
 use crate::transport::BoxBody;
 
 use super::report::Reporter;
@@ -267,8 +267,8 @@ impl PdBody {
         )
     }
 
-    /// An empty body.
-    pub fn empty() -> Self {
+    /// An empty body (also `PdBody::default()`).
+    pub(crate) fn empty() -> Self {
         Self::full(Bytes::new())
     }
 

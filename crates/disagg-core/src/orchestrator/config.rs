@@ -35,7 +35,7 @@ pub enum PrefillFailure {
     /// Send the request to a decode endpoint alone; it computes the prompt itself. The
     /// answer carries `x-disagg-handoff: decode-only` and `x-disagg-fallback` naming
     /// why (the error code, `no_prefill_endpoint` say), a warning is logged and
-    /// [`OrchestratorStats::prefill_fallbacks`](crate::stats::OrchestratorStats::prefill_fallbacks) counts it. Not possible once the decode's
+    /// [`OrchestratorStats::prefill_fallbacks`](super::OrchestratorStats::prefill_fallbacks) counts it. Not possible once the decode's
     /// answer has begun (a concurrent handoff whose prefill fails mid-stream ends the
     /// stream with an error) or once the deadline has passed.
     DecodeOnly,
@@ -70,7 +70,7 @@ pub enum KvRelease {
     /// a prefill still running after `grace` is aborted, which frees its blocks.
     ///
     /// Each release is a short background task (counted in
-    /// [`OrchestratorStats::kv_releases_in_flight`](crate::stats::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + `wait` at the
+    /// [`OrchestratorStats::kv_releases_in_flight`](super::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + `wait` at the
     /// latest; a release that finds nothing to release sends nothing. A decode that
     /// already received the leg may see it twice (the second pull fails harmlessly),
     /// which is why this is opt-in.

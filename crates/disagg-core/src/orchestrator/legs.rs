@@ -253,7 +253,7 @@ fn is_rank_header(name: &HeaderName) -> bool {
 
 /// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
 /// (`x-session-id`, `x_session_id`, ...). Header names are already lowercase.
-pub fn is_session_header(name: &HeaderName) -> bool {
+pub(crate) fn is_session_header(name: &HeaderName) -> bool {
     const WANT: &[u8] = b"x-session-id";
     let got = name.as_str().as_bytes();
     got.len() == WANT.len()

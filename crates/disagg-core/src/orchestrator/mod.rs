@@ -18,6 +18,7 @@
 //! | `respond.rs` | the one place the client's response is built |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
+//! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
 //! | `clock.rs`, `config.rs` | deadlines and budgets; settings and header names |
 //!
 //! Failure is fail-fast in both directions. A prefill that fails before the decode's
@@ -50,9 +51,8 @@ use crate::error::PdError;
 use crate::outcome::Listener;
 use crate::request::{PdRequest, RequestIds};
 use crate::retry::Retry;
-use crate::router::{RoundRobin, Router};
+use crate::router::{DefaultRouter, Router};
 use crate::source::EndpointSource;
-use crate::stats::{Counters, OrchestratorStats};
 use crate::transport::Transport;
 
 mod attempt;
@@ -66,15 +66,16 @@ mod report;
 mod respond;
 mod sequential;
 mod serve;
+mod stats;
 
 pub use body::PdBody;
 pub use config::{
     DEADLINE_HEADER, FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, KvRelease, MissingKv,
     OrchestratorConfig, PrefillFailure, SERVER_TIMING,
 };
-pub use legs::is_session_header;
 
 pub(crate) use report::verdict;
+use stats::Counters;
 
 struct Inner {
     ids: RequestIds,
@@ -107,6 +108,51 @@ impl fmt::Debug for Orchestrator {
     }
 }
 
+/// A snapshot of an orchestrator's counters and gauges, from
+/// [`Orchestrator::stats`].
+///
+/// Counters only grow; gauges (`in_flight`, `queued_now`, `kv_releases_in_flight`) are
+/// the current value. All are per orchestrator: an application running several (one per
+/// serving thread, say) adds them up.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OrchestratorStats {
+    /// Requests served (each counted once, whatever its retries).
+    pub requests: u64,
+    /// Requests admitted and not yet ended (their answer's last byte not yet sent):
+    /// a gauge.
+    pub in_flight: u64,
+    /// Requests waiting for admission now: a gauge.
+    pub queued_now: u64,
+    /// Requests that had to wait for admission.
+    pub queued: u64,
+    /// Requests refused because the admission queue was full (429).
+    pub rejected_queue_full: u64,
+    /// Requests that waited too long for admission (503).
+    pub queue_timeouts: u64,
+    /// Retries made.
+    pub retries: u64,
+    /// Retries not made because the retry budget was spent.
+    pub retries_denied: u64,
+    /// Requests served decode-only because their prefill could not be had
+    /// ([`PrefillFailure::DecodeOnly`]).
+    pub prefill_fallbacks: u64,
+    /// Requests that ended because their total deadline passed.
+    pub deadlines_exceeded: u64,
+    /// Early KV releases sent ([`KvRelease`]).
+    pub kv_releases: u64,
+    /// Early KV releases still running: a gauge.
+    pub kv_releases_in_flight: u64,
+    /// Requests served by a decode engine alone, by reason (`beam_search` and
+    /// `prompt_only`, which the connector cannot carry; `short_prompt` from
+    /// `disagg_affinity::PromptThreshold`; a custom hook's own),
+    /// in the order the reasons were first seen.
+    pub direct: Vec<(&'static str, u64)>,
+    /// Requests refused before routing because an engine would refuse a field the
+    /// proxy rewrites (400 `invalid_parameter`).
+    pub invalid_params: u64,
+}
+
 /// Builds an [`Orchestrator`].
 pub struct OrchestratorBuilder {
     source: Arc<dyn EndpointSource>,
@@ -129,7 +175,8 @@ impl fmt::Debug for OrchestratorBuilder {
 }
 
 impl OrchestratorBuilder {
-    /// Route with `router` (default: [`RoundRobin`]).
+    /// Route with `router` (default: round robin over each role, a private router; the
+    /// routing policies to choose from are `disagg-affinity`'s, such as its `PerLeg`).
     pub fn router(mut self, router: impl Router) -> Self {
         self.router = Arc::new(router);
         self
@@ -174,22 +221,12 @@ impl OrchestratorBuilder {
         self
     }
 
-    /// The orchestrator, after checking that every prefill/decode pair of the source
-    /// can hand KV over with the connector; the source is then followed through a
-    /// [`ValidatedSource`](crate::pairing::ValidatedSource), so a later endpoint set with
-    /// a bad pair is refused too (see [`pairing`](crate::pairing)).
+    /// The orchestrator.
     ///
-    /// # Errors
-    ///
-    /// [`PairingError`](crate::pairing::PairingError) naming every refused pair.
-    pub fn try_build(mut self) -> Result<Orchestrator, crate::pairing::PairingError> {
-        let validated =
-            crate::pairing::ValidatedSource::new(self.source, Arc::clone(&self.connector))?;
-        self.source = Arc::new(validated);
-        Ok(self.build())
-    }
-
-    /// The orchestrator, without pair validation (see [`try_build`](Self::try_build)).
+    /// The builder trusts the source's prefill/decode pairs; to refuse pairs that
+    /// cannot hand KV over (see [`pairing`](crate::pairing)), build over
+    /// `disagg_resilience::pairing::ValidatedSource`, which checks the current set and
+    /// every later one.
     pub fn build(self) -> Orchestrator {
         let mut listeners = self.listeners;
         listeners.extend(self.source.listener());
@@ -223,7 +260,7 @@ impl Orchestrator {
         OrchestratorBuilder {
             source: Arc::new(source),
             transport: Arc::new(transport),
-            router: Arc::new(RoundRobin::new()),
+            router: Arc::new(DefaultRouter::default()),
             connector: Arc::new(VllmNixl::new()),
             disaggregate: Arc::new(Always),
             admission: None,
@@ -234,7 +271,8 @@ impl Orchestrator {
     }
 
     /// Parse a client request for `api`, generating its request id (when the client sent
-    /// none) from this orchestrator's id generator, which draws no randomness per request.
+    /// none) from this orchestrator's own generator (128 random bits drawn once, then a
+    /// counter: no randomness per request).
     ///
     /// # Errors
     ///

@@ -14,11 +14,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::stats::{Counters, GaugeGuard, bump};
 use crate::connector::{Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
 use crate::request::Api;
 use crate::rewrite::PrefillRewriter;
-use crate::stats::{Counters, GaugeGuard, bump};
 use crate::transport::Transport;
 
 use super::clock::{Clock, within};

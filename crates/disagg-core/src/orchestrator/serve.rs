@@ -6,11 +6,11 @@ use std::time::Duration;
 use http::Response;
 use tokio::time::Instant as TokioInstant;
 
+use super::stats::{InFlight, bump};
 use crate::disaggregate::Decision;
 use crate::error::{BodyError, PdError};
 use crate::request::PdRequest;
 use crate::router::RequestView;
-use crate::stats::{InFlight, bump};
 
 use super::Inner;
 use super::attempt::decode_alone;

@@ -59,13 +59,38 @@ impl Default for VllmLimits {
     }
 }
 
-/// [`check`] on a whole request: also the client's own `kv_transfer_params`, which the
+/// Check `req` as vLLM would, for the fields a prefill rewrite changes, and say whether
+/// P/D can carry it (beam search and `echo` without generation go to a decode engine
+/// alone, [`Decision::Direct`]). Also the client's own `kv_transfer_params`, which the
 /// legs never carry (the connector writes its own) but which vLLM's request model types
 /// as an object, so a client's string or number there is refused as vLLM would refuse it.
+///
+/// Pure and cheap (the top level is already parsed; only the handful of sampling fields
+/// are read). A connector calls it from its
+/// [`KvConnector::check`](crate::connector::KvConnector::check), with its
+/// [`PrefillRewriter::limits`](super::PrefillRewriter::limits) or, building its vLLM legs
+/// without the rewriter (LMCache), limits of its own: a request it refuses is answered
+/// 400 with no engine contacted.
 ///
 /// # Errors
 ///
 /// [`InvalidParam`] naming the field vLLM would refuse, and why.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::disaggregate::Decision;
+/// use disagg_core::request::{Api, PdRequest};
+/// use disagg_core::rewrite::check::check_request;
+/// use disagg_core::rewrite::VllmLimits;
+///
+/// let limits = VllmLimits::default();
+/// let bad = PdRequest::new(Api::Chat, Default::default(), &r#"{"messages":[],"max_tokens":-1}"#.into())?;
+/// assert_eq!(check_request(&bad, &limits).unwrap_err().param(), "max_tokens");
+/// let beam = PdRequest::new(Api::Completions, Default::default(), &r#"{"prompt":"p","use_beam_search":true}"#.into())?;
+/// assert!(matches!(check_request(&beam, &limits), Ok(Decision::Direct { .. })));
+/// # Ok::<(), disagg_core::error::BodyError>(())
+/// ```
 pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
     if let Some(raw) = req.client_handoff("kv_transfer_params")
         && raw.first() != Some(&b'{')
@@ -152,14 +177,12 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Check `body` of `api` as vLLM would, for the fields a prefill rewrite changes, and say
-/// whether P/D can carry it: [`PrefillRewriter::check`](super::PrefillRewriter::check),
-/// for connectors that build their vLLM legs without the rewriter (LMCache).
-///
-/// # Errors
-///
-/// [`InvalidParam`] naming the field vLLM would refuse, and why.
-pub fn check(api: Api, body: &JsonBody, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
+/// [`check_request`] on the body alone: `body` of `api`, checked as vLLM would check it.
+pub(crate) fn check(
+    api: Api,
+    body: &JsonBody,
+    limits: &VllmLimits,
+) -> Result<Decision, InvalidParam> {
     let chat = api == Api::Chat;
     let f = Fields::of(body);
     if matches!(f.use_beam_search.map(bool_value), Some(Ok(Some(true)))) {

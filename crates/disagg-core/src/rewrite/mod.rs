@@ -24,7 +24,7 @@
 //! `stream_options` once `stream` is off, `min_tokens` above the new cap).
 //!
 //! Because the prefill engine never sees the client's values of these fields, it can
-//! never refuse them: [`PrefillRewriter::check`] refuses them as vLLM would, before any
+//! never refuse them: [`check::check_request`] refuses them as vLLM would, before any
 //! leg is sent (see [`check`] for the rules and their sources), and says
 //! which requests P/D cannot carry at all (beam search). `docs/protocols.md` holds the
 //! whole rule table.
@@ -39,8 +39,6 @@ pub mod check;
 pub use check::VllmLimits;
 
 use crate::body::JsonBody;
-use crate::disaggregate::Decision;
-use crate::error::InvalidParam;
 use crate::request::Api;
 
 /// Whether `key` is removed from the prefill leg: the table of the module docs, as one
@@ -120,41 +118,10 @@ impl PrefillRewriter {
         self
     }
 
-    /// The limits [`check`](Self::check) applies.
+    /// The limits the connector's checks apply
+    /// ([`check_request`](check::check_request)).
     pub fn limits(&self) -> &VllmLimits {
         &self.limits
-    }
-
-    /// Refuse what a vLLM engine would refuse in the fields [`rewrite`](Self::rewrite)
-    /// changes, and say whether P/D can carry the request at all.
-    ///
-    /// Pure and cheap (the top level is already parsed; only the handful of sampling
-    /// fields are read). Call it once per request, before routing: a request it refuses
-    /// must be answered 400 with no engine contacted, and one it answers
-    /// [`Decision::Direct`] (beam search, `echo` without generation) must go to a decode
-    /// engine alone, as the client sent it.
-    ///
-    /// # Errors
-    ///
-    /// [`InvalidParam`] naming the field and, in vLLM's words, why.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use disagg_core::body::JsonBody;
-    /// use disagg_core::disaggregate::Decision;
-    /// use disagg_core::request::Api;
-    /// use disagg_core::rewrite::PrefillRewriter;
-    ///
-    /// let rw = PrefillRewriter::new();
-    /// let bad = JsonBody::parse(br#"{"messages":[],"max_tokens":-1}"#)?;
-    /// assert_eq!(rw.check(Api::Chat, &bad).unwrap_err().param(), "max_tokens");
-    /// let beam = JsonBody::parse(br#"{"prompt":"p","use_beam_search":true}"#)?;
-    /// assert!(matches!(rw.check(Api::Completions, &beam), Ok(Decision::Direct { .. })));
-    /// # Ok::<(), disagg_core::error::BodyError>(())
-    /// ```
-    pub fn check(&self, api: Api, body: &JsonBody) -> Result<Decision, InvalidParam> {
-        check::check(api, body, &self.limits)
     }
 
     /// Whether to set `ignore_eos: true` (default on). Turn it off only for engines that

@@ -1,51 +1,7 @@
-//! What an orchestrator counted: [`OrchestratorStats`].
+//! The live counters behind [`OrchestratorStats`](super::OrchestratorStats): atomics
+//! bumped on the request path, read by [`Orchestrator::stats`](super::Orchestrator::stats).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-
-/// A snapshot of an orchestrator's counters and gauges, from
-/// [`Orchestrator::stats`](crate::Orchestrator::stats).
-///
-/// Counters only grow; gauges (`in_flight`, `queued_now`, `kv_releases_in_flight`) are
-/// the current value. All are per orchestrator: an application running several (one per
-/// serving thread, say) adds them up.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct OrchestratorStats {
-    /// Requests served (each counted once, whatever its retries).
-    pub requests: u64,
-    /// Requests admitted and not yet ended (their answer's last byte not yet sent):
-    /// a gauge.
-    pub in_flight: u64,
-    /// Requests waiting for admission now: a gauge.
-    pub queued_now: u64,
-    /// Requests that had to wait for admission.
-    pub queued: u64,
-    /// Requests refused because the admission queue was full (429).
-    pub rejected_queue_full: u64,
-    /// Requests that waited too long for admission (503).
-    pub queue_timeouts: u64,
-    /// Retries made.
-    pub retries: u64,
-    /// Retries not made because the retry budget was spent.
-    pub retries_denied: u64,
-    /// Requests served decode-only because their prefill could not be had
-    /// ([`PrefillFailure::DecodeOnly`](crate::orchestrator::PrefillFailure::DecodeOnly)).
-    pub prefill_fallbacks: u64,
-    /// Requests that ended because their total deadline passed.
-    pub deadlines_exceeded: u64,
-    /// Early KV releases sent ([`KvRelease`](crate::orchestrator::KvRelease)).
-    pub kv_releases: u64,
-    /// Early KV releases still running: a gauge.
-    pub kv_releases_in_flight: u64,
-    /// Requests served by a decode engine alone, by reason (`beam_search` and
-    /// `prompt_only`, which the connector cannot carry; `short_prompt` from
-    /// [`PromptThreshold`](crate::disaggregate::PromptThreshold); a custom hook's own),
-    /// in the order the reasons were first seen.
-    pub direct: Vec<(&'static str, u64)>,
-    /// Requests refused before routing because an engine would refuse a field the
-    /// proxy rewrites (400 `invalid_parameter`).
-    pub invalid_params: u64,
-}
 
 /// The live counters behind [`OrchestratorStats`] that are not admission's.
 #[derive(Debug, Default)]

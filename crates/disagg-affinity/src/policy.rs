@@ -1,15 +1,15 @@
-//! Per-leg endpoint policies: how one leg's endpoint is picked, and [`PerLeg`], the
-//! router that combines one policy for the prefill leg with another for the decode leg.
+//! The simple per-leg policies, and [`PerLeg`], the router that combines one policy for
+//! the prefill leg with another for the decode leg.
 //!
 //! | policy | picks | use it when |
 //! |---|---|---|
-//! | [`RoundRobinPick`] | the next endpoint in turn | engines and requests are alike |
-//! | [`RandomPick`] | a uniformly random endpoint | many proxies share the engines and must not move in lockstep |
+//! | [`RoundRobin`] | the next endpoint in turn | engines and requests are alike |
+//! | [`Random`] | a uniformly random endpoint | many proxies share the engines and must not move in lockstep |
 //! | [`WeightedRandom`] | a random endpoint, in proportion to its weight | engines of unequal size (more GPUs, a faster model build) |
-//! | [`LeastInFlightPick`] | the endpoint with the fewest requests in flight (ties in turn) | request lengths vary; one proxy sees all the load |
+//! | [`LeastInFlight`] | the endpoint with the fewest requests in flight (ties in turn) | request lengths vary; one proxy sees all the load |
 //! | [`PowerOfTwo`] | the less loaded of two distinct random endpoints | several proxies share the engines: load-aware without herding |
-//! | `disagg_affinity::ConsistentHash` | the session's endpoint by rendezvous hashing, bounded by load | multi-turn sessions that should keep their engine's prefix cache |
-//! | `disagg_affinity::CacheAware` | the endpoint holding the longest prefix of the prompt, unless load is out of balance | prefix-caching prefill engines with shared system prompts |
+//! | [`ConsistentHash`](crate::ConsistentHash) | the session's endpoint by rendezvous hashing, bounded by load | multi-turn sessions that should keep their engine's prefix cache |
+//! | [`CacheAware`](crate::CacheAware) | the endpoint holding the longest prefix of the prompt, unless load is out of balance | prefix-caching prefill engines with shared system prompts |
 //!
 //! Every policy's decision cost is measured by `cargo bench -p disagg-affinity` (criterion,
 //! 2-core VM) at 8, 64 and 512 candidates and stated on the policy; see also
@@ -21,40 +21,21 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use crate::endpoint::{Endpoint, EndpointSet};
-use crate::error::RouteError;
-use crate::router::{RequestView, Route, Router};
-
-/// Picks one endpoint of a leg among candidates.
-///
-/// Synchronous and cheap, like [`Router::select`]: no I/O, no lock held past its return.
-/// `candidates` is never empty; the result must be an index into it.
-pub trait Pick: Send + Sync + 'static {
-    /// The index of the chosen candidate.
-    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize;
-}
-
-impl<T: Pick + ?Sized> Pick for Arc<T> {
-    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
-        (**self).pick(req, candidates)
-    }
-}
-
-impl<T: Pick + ?Sized> Pick for Box<T> {
-    fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
-        (**self).pick(req, candidates)
-    }
-}
+use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet};
+use disagg_core::error::RouteError;
+use disagg_core::router::{Pick, RequestView, Route, Router};
 
 /// A router from one [`Pick`] per leg.
 ///
 /// # Examples
 ///
 /// ```
-/// use disagg_core::policy::{LeastInFlightPick, PerLeg, PowerOfTwo};
+/// use disagg_affinity::{LeastInFlight, PerLeg, PowerOfTwo, RoundRobin};
 /// // Prefill spread by load over two random choices, decode by least in flight.
-/// let router = PerLeg::new(PowerOfTwo::from_seed(7), LeastInFlightPick::new());
-/// # let _ = router;
+/// let router = PerLeg::new(PowerOfTwo::from_seed(7), LeastInFlight::new());
+/// // Round robin over each role, each leg in its own turn.
+/// let round_robin = PerLeg::both(RoundRobin::new);
+/// # let _ = (router, round_robin);
 /// ```
 pub struct PerLeg {
     prefill: Box<dyn Pick>,
@@ -75,9 +56,13 @@ impl PerLeg {
             decode: Box::new(decode),
         }
     }
-}
 
-impl PerLeg {
+    /// The same policy for both legs, one instance each (`make` is called twice), so
+    /// each leg keeps its own state: its own turn, its own table, its own random draws.
+    pub fn both<P: Pick>(make: impl Fn() -> P) -> Self {
+        PerLeg::new(make(), make())
+    }
+
     fn decode(
         &self,
         req: &RequestView<'_>,
@@ -115,18 +100,18 @@ impl Router for PerLeg {
 /// Measured cost: ~7 ns per pick at 8 / 64 / 512 endpoints (criterion, `cargo bench -p
 /// disagg-affinity`, 2-core VM).
 #[derive(Debug, Default)]
-pub struct RoundRobinPick {
+pub struct RoundRobin {
     next: AtomicUsize,
 }
 
-impl RoundRobinPick {
+impl RoundRobin {
     /// Starting at the first endpoint.
     pub fn new() -> Self {
         Self::default()
     }
 }
 
-impl Pick for RoundRobinPick {
+impl Pick for RoundRobin {
     fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
         self.next.fetch_add(1, Ordering::Relaxed) % candidates.len()
     }
@@ -138,18 +123,18 @@ impl Pick for RoundRobinPick {
 /// Measured cost: ~25 ns / ~150 ns / ~1.1 µs per pick at 8 / 64 / 512 endpoints (a scan
 /// of every candidate; criterion, `cargo bench -p disagg-affinity`, 2-core VM).
 #[derive(Debug, Default)]
-pub struct LeastInFlightPick {
+pub struct LeastInFlight {
     tie: AtomicUsize,
 }
 
-impl LeastInFlightPick {
+impl LeastInFlight {
     /// A least-in-flight policy.
     pub fn new() -> Self {
         Self::default()
     }
 }
 
-impl Pick for LeastInFlightPick {
+impl Pick for LeastInFlight {
     fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
         let n = candidates.len();
         let start = self.tie.fetch_add(1, Ordering::Relaxed);
@@ -164,10 +149,13 @@ impl Pick for LeastInFlightPick {
     }
 }
 
+/// splitmix64's gamma (2^64 divided by the golden ratio, odd): the step of its state.
+const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
 /// A small, lock-free pseudo-random generator (splitmix64 over an atomic counter), so
 /// policies can be seeded for deterministic tests.
 #[derive(Debug)]
-pub(crate) struct Rng {
+struct Rng {
     state: AtomicU64,
 }
 
@@ -178,16 +166,15 @@ impl Rng {
         }
     }
 
-    pub(crate) fn random() -> Self {
+    fn random() -> Self {
         Self::from_seed(uuid::Uuid::new_v4().as_u64_pair().0)
     }
 
-    pub(crate) fn next_u64(&self) -> u64 {
-        // splitmix64: the state advances by its gamma, the mixer adds it once more.
-        crate::request::splitmix64(
-            self.state
-                .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed),
-        )
+    fn next_u64(&self) -> u64 {
+        // splitmix64: the state advances by its gamma, and the output is the finalizer
+        // of the advanced state.
+        let state = self.state.fetch_add(GAMMA, Ordering::Relaxed);
+        crate::hrw::finalize(state.wrapping_add(GAMMA))
     }
 
     /// Uniform in `0..n` (`n > 0`), by multiply-shift (Lemire), without modulo bias
@@ -202,31 +189,31 @@ impl Rng {
 /// Measured cost: ~8-12 ns per pick at 8 / 64 / 512 endpoints (criterion, `cargo bench
 /// -p disagg-affinity`, 2-core VM).
 #[derive(Debug)]
-pub struct RandomPick {
+pub struct Random {
     rng: Rng,
 }
 
-impl Default for RandomPick {
+impl Default for Random {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl RandomPick {
+impl Random {
     /// Seeded from the OS.
     pub fn new() -> Self {
-        RandomPick { rng: Rng::random() }
+        Random { rng: Rng::random() }
     }
 
     /// With a fixed seed, for deterministic tests.
     pub fn from_seed(seed: u64) -> Self {
-        RandomPick {
+        Random {
             rng: Rng::from_seed(seed),
         }
     }
 }
 
-impl Pick for RandomPick {
+impl Pick for Random {
     fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
         self.rng.below(candidates.len())
     }
@@ -240,7 +227,7 @@ impl Pick for RandomPick {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::policy::WeightedRandom;
+/// use disagg_affinity::WeightedRandom;
 /// // The engine at :8200 has twice the GPUs of the others.
 /// let policy = WeightedRandom::new().with_weight("http://10.0.0.7:8200", 2.0);
 /// # let _ = policy;
@@ -248,7 +235,7 @@ impl Pick for RandomPick {
 #[derive(Debug)]
 pub struct WeightedRandom {
     rng: Rng,
-    weights: std::collections::HashMap<crate::endpoint::EndpointId, f64>,
+    weights: std::collections::HashMap<EndpointId, f64>,
 }
 
 impl Default for WeightedRandom {
@@ -364,9 +351,8 @@ mod tests {
     use http::HeaderMap;
 
     use super::*;
-    use crate::body::JsonBody;
-    use crate::endpoint::Role;
-    use crate::request::Api;
+    use disagg_core::endpoint::Role;
+    use disagg_core::{Api, JsonBody};
 
     fn eps(n: usize, role: Role) -> Vec<Arc<Endpoint>> {
         (0..n)
@@ -430,7 +416,7 @@ mod tests {
     #[test]
     fn random_is_roughly_uniform_and_seeded() {
         let c = eps(4, Role::Prefill);
-        let (a, b) = (RandomPick::from_seed(5), RandomPick::from_seed(5));
+        let (a, b) = (Random::from_seed(5), Random::from_seed(5));
         let mut counts = [0usize; 4];
         with_view(|v| {
             for _ in 0..4_000 {
@@ -474,7 +460,7 @@ mod tests {
                 }),
             ));
         let _busy = set.decode()[0].track();
-        let r = PerLeg::new(RoundRobinPick::new(), LeastInFlightPick::new());
+        let r = PerLeg::new(RoundRobin::new(), LeastInFlight::new());
         with_view(|v| {
             let picks: Vec<_> = (0..4)
                 .map(|_| {
@@ -491,5 +477,84 @@ mod tests {
         });
         let empty = EndpointSet::new(eps(1, Role::Prefill));
         with_view(|v| assert!(matches!(r.select(v, &empty), Err(RouteError::NoDecode))));
+    }
+
+    /// `p` prefill and `d` decode endpoints, `http://pN:1` and `http://dN:1`.
+    fn set(p: usize, d: usize) -> EndpointSet {
+        let mut eps = Vec::new();
+        for i in 0..p {
+            eps.push(Arc::new(
+                Endpoint::new(&format!("http://p{i}:1"), Role::Prefill).unwrap(),
+            ));
+        }
+        for i in 0..d {
+            eps.push(Arc::new(
+                Endpoint::new(&format!("http://d{i}:1"), Role::Decode).unwrap(),
+            ));
+        }
+        EndpointSet::new(eps)
+    }
+
+    #[test]
+    fn round_robin_cycles_each_role_independently() {
+        let s = set(2, 3);
+        let rr = PerLeg::both(RoundRobin::new);
+        let picks: Vec<(String, String)> = with_view(|v| {
+            (0..6)
+                .map(|_| {
+                    let r = rr.select(v, &s).unwrap();
+                    (
+                        r.prefill.unwrap().id().to_string(),
+                        r.decode.id().to_string(),
+                    )
+                })
+                .collect()
+        });
+        let p: Vec<_> = picks.iter().map(|x| &x.0[7..9]).collect();
+        let d: Vec<_> = picks.iter().map(|x| &x.1[7..9]).collect();
+        assert_eq!(p, ["p0", "p1", "p0", "p1", "p0", "p1"]);
+        assert_eq!(d, ["d0", "d1", "d2", "d0", "d1", "d2"]);
+    }
+
+    #[test]
+    fn missing_roles() {
+        let rr = PerLeg::both(RoundRobin::new);
+        with_view(|v| {
+            assert!(matches!(
+                rr.select(v, &set(1, 0)),
+                Err(RouteError::NoDecode)
+            ));
+            let r = rr.select(v, &set(0, 1)).unwrap();
+            assert!(r.prefill.is_none());
+        });
+    }
+
+    #[test]
+    fn least_in_flight_prefers_idle_endpoints() {
+        let s = set(2, 2);
+        let _busy_p = s.prefill()[0].track();
+        let _busy_d1 = s.decode()[1].track();
+        let _busy_d1b = s.decode()[1].track();
+        let lif = PerLeg::both(LeastInFlight::new);
+        with_view(|v| {
+            for _ in 0..4 {
+                let r = lif.select(v, &s).unwrap();
+                assert_eq!(r.prefill.unwrap().id(), s.prefill()[1].id());
+                assert_eq!(r.decode.id(), s.decode()[0].id());
+            }
+        });
+    }
+
+    #[test]
+    fn least_in_flight_spreads_ties() {
+        let s = set(1, 3);
+        let lif = PerLeg::both(LeastInFlight::new);
+        let mut seen = std::collections::HashSet::new();
+        with_view(|v| {
+            for _ in 0..3 {
+                seen.insert(lif.select(v, &s).unwrap().decode.id().clone());
+            }
+        });
+        assert_eq!(seen.len(), 3);
     }
 }

@@ -1,0 +1,274 @@
+//! Errors, one enum per concern, and the opaque edge error [`PdError`].
+//!
+//! Each layer of the request path has its own error: [`BodyError`] for the client's
+//! JSON, [`RouteError`] for routing, [`ConnectorError`] for the KV handoff and
+//! [`TransportError`] for the wire. [`PdError`] wraps them at the edge and tells a
+//! server what it needs to answer: the HTTP [`status`](PdError::status), the
+//! [`side`](PdError::side) that failed, a stable [`code`](PdError::code), and whether a
+//! retry on another pair could help.
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | the errors of each concern, and the edge helpers ([`openai_error_body`], [`error_chain`]) |
+//! | `pd.rs` | [`PdError`] and its [`Side`]: the classification a server answers by |
+
+use std::fmt;
+
+use crate::endpoint::EndpointId;
+
+mod pd;
+
+pub(crate) use pd::Phase;
+pub use pd::{PdError, Side};
+
+/// A boxed error, the currency of transports and bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The client's request body could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BodyError {
+    /// The body is not valid JSON.
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(#[source] serde_json::Error),
+    /// The body is JSON, but its top level is not an object.
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    /// A field has a type the request path cannot work with.
+    #[error("field `{field}` has the wrong type: expected {expected}")]
+    FieldType {
+        /// The top-level field.
+        field: &'static str,
+        /// What was expected, in words.
+        expected: &'static str,
+    },
+    /// A field the engines would refuse (checked by the proxy for the fields it
+    /// rewrites, see [`check_request`](crate::rewrite::check::check_request)).
+    #[error(transparent)]
+    Invalid(#[from] InvalidParam),
+}
+
+/// A request parameter an engine would refuse, in the engine's own words (its
+/// `Display`).
+///
+/// Its [`param`](Self::param) is OpenAI's `error.param`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidParam {
+    param: &'static str,
+    message: String,
+}
+
+impl InvalidParam {
+    /// `param` is refused, with `message` saying why.
+    pub fn new(param: &'static str, message: impl Into<String>) -> Self {
+        InvalidParam {
+            param,
+            message: message.into(),
+        }
+    }
+
+    /// The refused top-level field.
+    pub fn param(&self) -> &'static str {
+        self.param
+    }
+}
+
+/// No route could be chosen for a request.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouteError {
+    /// The endpoint set has no prefill endpoint.
+    #[error("no prefill endpoint is available")]
+    NoPrefill,
+    /// The endpoint set has no decode endpoint.
+    #[error("no decode endpoint is available")]
+    NoDecode,
+    /// No decode endpoint serves the requested model (404 `model_not_found`).
+    #[error(
+        "the model `{model}` does not exist; served models: {}",
+        Served(served)
+    )]
+    UnknownModel {
+        /// The model the client asked for.
+        model: String,
+        /// The models some decode endpoint serves, sorted.
+        served: std::sync::Arc<[std::sync::Arc<str>]>,
+    },
+    /// The request names no model, and the endpoints serve several (400
+    /// `model_required`).
+    #[error("the request must name a `model`; served models: {}", Served(served))]
+    ModelRequired {
+        /// The models some decode endpoint serves, sorted.
+        served: std::sync::Arc<[std::sync::Arc<str>]>,
+    },
+}
+
+/// A model list, as error messages print it.
+struct Served<'a>(&'a [std::sync::Arc<str>]);
+
+impl fmt::Display for Served<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, m) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(m)?;
+        }
+        Ok(())
+    }
+}
+
+/// A connector could not build or complete a handoff.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectorError {
+    /// The connector needs a prefill endpoint, and the route has none.
+    #[error("the {connector} connector needs a prefill endpoint")]
+    NeedsPrefill {
+        /// The connector's name.
+        connector: &'static str,
+    },
+    /// The prefill's answer carried no usable handoff.
+    #[error("prefill endpoint {endpoint} returned no `{field}`")]
+    MissingHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The field that was missing.
+        field: &'static str,
+    },
+    /// The prefill's answer carried the handoff field in an unusable shape.
+    #[error("prefill endpoint {endpoint} returned a malformed `{field}`")]
+    InvalidHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The field.
+        field: &'static str,
+    },
+    /// The prefill's 2xx answer is not a JSON object.
+    #[error("prefill endpoint {endpoint} answered something that is not a JSON object")]
+    InvalidAnswer {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// Why it did not parse.
+        #[source]
+        source: BodyError,
+    },
+    /// The prefill's bootstrap server could not tell what the handoff needs (vLLM
+    /// Mooncake's engine id).
+    #[error("bootstrap server {addr} of prefill endpoint {endpoint} gave no usable answer")]
+    Bootstrap {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The bootstrap server's address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// The client's request asks for something the connector cannot carry (LMCache: more
+    /// than one choice). Answered 400 `unsupported_by_connector`.
+    #[error("the {connector} connector cannot serve {what}")]
+    Unsupported {
+        /// The connector's name.
+        connector: &'static str,
+        /// What it cannot serve.
+        what: String,
+    },
+    /// An endpoint of the route lacks the configuration the connector needs (an LMCache
+    /// decode without receiver ports).
+    #[error("endpoint {endpoint} has no {what}")]
+    NotConfigured {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// What it lacks.
+        what: &'static str,
+    },
+    /// A call the handoff needs on an engine failed (LMCache's `/tokenize`).
+    #[error("{what} on endpoint {endpoint} failed")]
+    Engine {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// The call.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// The KV never became ready for the decode leg ([`KvGate`](crate::connector::KvGate)).
+    #[error("KV for the decode leg will not be ready: {reason}")]
+    NotReady {
+        /// Why.
+        reason: String,
+    },
+    /// A value the connector had to serialize could not be.
+    #[error("could not encode `{field}`")]
+    Encode {
+        /// The field.
+        field: &'static str,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// The transport could not complete an exchange with an endpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// No connection could be made (refused, unreachable, DNS).
+    #[error("connection failed")]
+    Connect(#[source] BoxError),
+    /// The exchange did not finish in time.
+    #[error("timed out")]
+    Timeout,
+    /// The connection broke while sending or receiving.
+    #[error("connection broke")]
+    Io(#[source] BoxError),
+}
+
+impl TransportError {
+    /// Whether the request certainly never reached the endpoint.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, TransportError::Connect(_))
+    }
+}
+
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one place
+/// it is built, for error answers (`disagg-http`) and for the error event that ends a
+/// broken stream ([`PdBody`](crate::PdBody)).
+pub fn openai_error_body(
+    message: &str,
+    error_type: &str,
+    param: Option<&str>,
+    code: &str,
+) -> bytes::Bytes {
+    let v = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": param,
+            "code": code,
+        }
+    });
+    // Serializing a `Value` cannot fail.
+    bytes::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+}
+
+/// The message of an error and of each of its causes, joined with `": "`.
+///
+/// `Display` of disagg's errors describes one level only; this is what a client or a log
+/// line should see.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        out.push_str(": ");
+        out.push_str(&e.to_string());
+        cur = e.source();
+    }
+    out
+}
