@@ -407,7 +407,10 @@ mod tests {
         let eps = spec.to_endpoints().unwrap();
         let ids: Vec<_> = eps.iter().map(|e| e.id().as_str().to_owned()).collect();
         assert_eq!(ids, ["http://10.0.0.5:8100@2", "http://10.0.0.5:8100@3"]);
-        assert!(eps.iter().all(|e| e.serves("llama") && !e.serves("qwen")));
+        assert!(eps.iter().all(|e| {
+            e.models()
+                .is_some_and(|ms| ms.len() == 1 && &*ms[0] == "llama")
+        }));
         // A decode carries no bootstrap port; a prefill always does (None when absent).
         assert!(eps[0].ext().get::<BootstrapPort>().is_none());
         let p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);

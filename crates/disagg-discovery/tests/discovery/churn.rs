@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg_core::{EndpointSource, Orchestrator, Role, RoundRobin, VllmNixl};
+use disagg_core::{EndpointSource, Orchestrator, Role, VllmNixl};
 use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_sim::{SimConfig, SimEngine};
@@ -72,7 +72,6 @@ async fn engines_added_and_removed_under_load_fail_no_request() {
     let merged = Arc::new(MergedSource::builder().source(discovered).build());
     let orchestrator = Orchestrator::builder(Arc::clone(&merged), HttpTransport::default())
         .connector(VllmNixl::new())
-        .router(RoundRobin::new())
         .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!(

@@ -8,7 +8,7 @@ use disagg_core::{BootstrapPort, EndpointSource, Role};
 use disagg_discovery::MergedSource;
 use disagg_discovery::file::{self, FileConfig, FileError};
 
-use crate::support::{TempDir, eventually, ids, wait_for};
+use crate::support::{TempDir, eventually, ids, serves, wait_for};
 
 /// The bound: a change is in force within 2 s (the default poll is 1 s).
 const RELOAD: Duration = Duration::from_secs(2);
@@ -82,7 +82,7 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
         .iter()
         .find(|e| e.id().as_str() == "http://10.0.0.8:8200")
         .unwrap();
-    assert!(added.serves("llama") && !added.serves("qwen"));
+    assert!(serves(added, "llama") && !serves(added, "qwen"));
 
     // An edit in place (no rename) is seen too.
     std::fs::write(&path, FIRST).unwrap();

@@ -10,7 +10,7 @@ use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
 
 use crate::apiserver::{FakeApiServer, PodDesc};
-use crate::support::{TempDir, eventually, ids, wait_for};
+use crate::support::{TempDir, eventually, ids, serves, wait_for};
 
 /// Generous: a watch error backs off up to a few seconds before the retry.
 const WAIT: Duration = Duration::from_secs(20);
@@ -143,7 +143,7 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
         (profile.connector.as_deref(), profile.tp_size),
         (Some("NixlConnector"), Some(2))
     );
-    assert!(p1.serves("llama") && !p1.serves("qwen"));
+    assert!(serves(&p1, "llama") && !serves(&p1, "qwen"));
 
     // A request in flight on d1 for the whole test.
     let d1 = find(&first, Role::Decode, "http://127.0.2.1:8000");
@@ -411,7 +411,7 @@ async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
     assert!(
         set.decode()
             .iter()
-            .all(|e| e.serves("meta-llama/Llama-3.1-8B"))
+            .all(|e| serves(e, "meta-llama/Llama-3.1-8B"))
     );
     assert_eq!(
         set.decode()[0]

@@ -117,7 +117,7 @@ async fn the_example_vllm_pods_are_found_with_the_proxys_flags() {
         (&set.prefill()[0], "127.0.3.1"),
         (&set.decode()[0], "127.0.4.1"),
     ] {
-        assert!(endpoint.serves("llama-3.1-8b-instruct"));
+        assert!(crate::support::serves(endpoint, "llama-3.1-8b-instruct"));
         let profile = endpoint.ext().get::<KvProfile>().unwrap();
         assert_eq!(profile.connector.as_deref(), Some("NixlConnector"));
         assert_eq!(profile.role, Some(KvRole::Both));

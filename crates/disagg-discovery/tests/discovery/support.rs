@@ -84,3 +84,8 @@ pub(crate) async fn eventually(limit: Duration, what: &str, check: impl Fn() -> 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Whether `e` serves `model`: it declares it, or declares no models (the core's rule).
+pub(crate) fn serves(e: &disagg_core::Endpoint, model: &str) -> bool {
+    e.models().is_none_or(|ms| ms.iter().any(|m| &**m == model))
+}
