@@ -3,7 +3,7 @@
 
 mod fixture;
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use disagg_core::{Api, JsonBody};
@@ -11,8 +11,8 @@ use disagg_tokenize::{HfTokenizer, LoadError, Tokenize, TokenizeError};
 use fixture::{BOS, END_HEADER, EOT, START_HEADER};
 
 /// The model directory, made once per test binary.
-fn model_dir() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
+fn model_dir() -> &'static Path {
+    static DIR: OnceLock<fixture::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = fixture::temp_dir("hf");
         fixture::write_model(&dir, &fixture::tokenizer(1200), Some(fixture::TEMPLATE));
