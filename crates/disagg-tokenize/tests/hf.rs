@@ -3,30 +3,27 @@
 
 mod fixture;
 
-use std::path::Path;
 use std::sync::OnceLock;
 
 use disagg_core::{Api, JsonBody};
 use disagg_tokenize::{HfTokenizer, LoadError, Tokenize, TokenizeError};
 use fixture::{BOS, END_HEADER, EOT, START_HEADER};
 
-/// The model directory, made once per test binary.
-fn model_dir() -> &'static Path {
-    static DIR: OnceLock<fixture::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = fixture::temp_dir("hf");
-        fixture::write_model(&dir, &fixture::tokenizer(1200), Some(fixture::TEMPLATE));
-        dir
-    })
+/// The model's `tokenizer.json`, trained once per test binary.
+fn tokenizer_json() -> &'static str {
+    static JSON: OnceLock<String> = OnceLock::new();
+    JSON.get_or_init(|| fixture::tokenizer(1200).to_string(false).unwrap())
 }
 
+/// The model directory's files as they would be read.
 fn hf() -> HfTokenizer {
-    HfTokenizer::from_dir(model_dir()).unwrap()
+    let config = fixture::config(Some(fixture::TEMPLATE));
+    HfTokenizer::from_bytes(tokenizer_json().as_bytes(), Some(config.as_bytes())).unwrap()
 }
 
 /// The raw tokenizer, to encode expected texts and decode ids.
 fn raw() -> tokenizers::Tokenizer {
-    tokenizers::Tokenizer::from_file(model_dir().join("tokenizer.json")).unwrap()
+    tokenizer_json().parse().unwrap()
 }
 
 fn encode(text: &str, special: bool) -> Vec<u32> {
