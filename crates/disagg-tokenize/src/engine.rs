@@ -109,8 +109,13 @@ impl EngineTokenizer {
                 // vLLM truncates a text prompt inside the tokenizer, which keeps the
                 // special tokens it adds; which of the answer's ids those are is not
                 // known here.
-                if let (Some(t), PromptInput::Text { add_special_tokens: true, .. }) =
-                    (&prompt.truncation, &prompt.input)
+                if let (
+                    Some(t),
+                    PromptInput::Text {
+                        add_special_tokens: true,
+                        ..
+                    },
+                ) = (&prompt.truncation, &prompt.input)
                     && t.side.is_none()
                 {
                     return Err(TokenizeError::not_supported(
@@ -173,7 +178,9 @@ fn check_messages(raw: &[u8]) -> Result<(), TokenizeError> {
             if part.is_string() {
                 continue;
             }
-            let kind = Part::deserialize(&part).ok().and_then(|p| p.kind.map(str::to_owned));
+            let kind = Part::deserialize(&part)
+                .ok()
+                .and_then(|p| p.kind.map(str::to_owned));
             if !matches!(kind.as_deref(), Some("text" | "input_text" | "output_text")) {
                 return Err(TokenizeError::not_supported("non-text content parts"));
             }
@@ -232,7 +239,11 @@ pub fn request_body(prompt: &Prompt) -> Result<Option<Bytes>, TokenizeError> {
                 field(&mut out, "continue_final_message", b"true");
             }
             if chat.sent_special_tokens {
-                field(&mut out, "add_special_tokens", boolean(chat.add_special_tokens));
+                field(
+                    &mut out,
+                    "add_special_tokens",
+                    boolean(chat.add_special_tokens),
+                );
             }
             for (key, raw) in [
                 ("tools", &chat.tools),
@@ -311,7 +322,11 @@ mod tests {
     #[test]
     fn completions_body_carries_the_prompt_and_special_tokens() {
         assert_eq!(
-            body(Api::Completions, r#"{"model":"m","prompt":"a \"b\"","max_tokens":3}"#).unwrap(),
+            body(
+                Api::Completions,
+                r#"{"model":"m","prompt":"a \"b\"","max_tokens":3}"#
+            )
+            .unwrap(),
             r#"{"model":"m","prompt":"a \"b\"","add_special_tokens":true}"#
         );
         assert_eq!(body(Api::Completions, r#"{"prompt":[1,2]}"#), None);
@@ -320,8 +335,11 @@ mod tests {
     #[test]
     fn chat_body_forwards_only_what_the_client_sent() {
         assert_eq!(
-            body(Api::Chat, r#"{"messages":[{"role":"user","content":"x"}],"stream":true}"#)
-                .unwrap(),
+            body(
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"x"}],"stream":true}"#
+            )
+            .unwrap(),
             r#"{"messages":[{"role":"user","content":"x"}]}"#
         );
         assert_eq!(
@@ -336,7 +354,10 @@ mod tests {
 
     #[test]
     fn non_text_parts_are_not_supported() {
-        assert!(check_messages(br#"[{"role":"user","content":[{"type":"text","text":"a"},"b"]}]"#).is_ok());
+        assert!(
+            check_messages(br#"[{"role":"user","content":[{"type":"text","text":"a"},"b"]}]"#)
+                .is_ok()
+        );
         let err = check_messages(
             br#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]"#,
         )

@@ -20,19 +20,22 @@
 //!
 //! # Cost
 //!
-//! [`HfTokenizer`], measured by `cargo bench -p disagg-tokenize` (release build, one
-//! core of a 2-core x86-64 VM, a byte-level BPE tokenizer of 4,000 merges built by the
-//! bench, English-like text):
+//! [`HfTokenizer`], measured by `cargo bench -p disagg-tokenize --bench tokenize`
+//! (release build, a 2-core x86-64 VM shared with other builds, the tests' byte-level
+//! BPE tokenizer of 4,000 entries with Llama 3's pre-tokenizer, English-like text with
+//! numbers and some non-ASCII words), on the calling thread:
 //!
-//! | prompt | completions (text) | chat (template + text) |
+//! | prompt | completions (text) | chat (template, then text) |
 //! |---|---|---|
-//! | 2k tokens | ~0.35 ms | ~0.4 ms |
-//! | 32k tokens | ~6 ms | ~6.5 ms |
+//! | 2k tokens (7.6 KB) | 1.2 ms | 1.3 ms |
+//! | 32k tokens (122 KB) | 25.8 ms | 25.3 ms |
 //!
-//! Tokenization is linear in the text; the template adds little. Prompts from
-//! [`DEFAULT_OFF_LOOP_FROM`](hf::DEFAULT_OFF_LOOP_FROM) bytes on are tokenized on
-//! Tokio's blocking pool so that the event loop keeps serving other connections.
-//! [`EngineTokenizer`] costs the engine's own tokenization plus a round trip.
+//! About 6 MB/s, a little slower on long texts; the template adds little (a few
+//! percent). That is too long to run on an event loop that serves other connections:
+//! prompts from [`DEFAULT_OFF_LOOP_FROM`](hf::DEFAULT_OFF_LOOP_FROM) bytes (4 KiB) on
+//! are tokenized on Tokio's blocking pool. A router that tokenizes every request pays
+//! this per request; [`EngineTokenizer`] pays a round trip instead, and the engine's
+//! own tokenization.
 //!
 //! # Examples
 //!

@@ -157,8 +157,8 @@ fn completion(body: &JsonBody) -> Result<PromptInput, TokenizeError> {
     let Some(raw) = present(body, "prompt") else {
         return Err(TokenizeError::invalid("prompt", "field required"));
     };
-    let value: Value = serde_json::from_slice(raw)
-        .map_err(|_| TokenizeError::invalid("prompt", "not JSON"))?;
+    let value: Value =
+        serde_json::from_slice(raw).map_err(|_| TokenizeError::invalid("prompt", "not JSON"))?;
     match value {
         Value::String(text) => Ok(PromptInput::Text {
             text,
@@ -215,14 +215,20 @@ fn chat(body: &JsonBody) -> Result<ChatPrompt, TokenizeError> {
     // vLLM refuses a request's own template unless the server trusts request
     // templates; a template from the client is not rendered in the proxy either.
     if present(body, "chat_template").is_some() {
-        return Err(TokenizeError::not_supported("a request's own chat_template"));
+        return Err(TokenizeError::not_supported(
+            "a request's own chat_template",
+        ));
     }
-    let chat_template_kwargs = body.get_bytes("chat_template_kwargs").filter(|raw| &raw[..] != b"null");
+    let chat_template_kwargs = body
+        .get_bytes("chat_template_kwargs")
+        .filter(|raw| &raw[..] != b"null");
     if let Some(raw) = &chat_template_kwargs {
         let kwargs: serde_json::Map<String, Value> = serde_json::from_slice(raw)
             .map_err(|_| TokenizeError::invalid("chat_template_kwargs", "expected an object"))?;
         if kwargs.get("chat_template").is_some_and(|t| !t.is_null()) {
-            return Err(TokenizeError::not_supported("a request's own chat_template"));
+            return Err(TokenizeError::not_supported(
+                "a request's own chat_template",
+            ));
         }
     }
     let sent_generation_prompt = lax_bool(body, "add_generation_prompt")?;
@@ -238,12 +244,14 @@ fn chat(body: &JsonBody) -> Result<ChatPrompt, TokenizeError> {
     }
     let sent_special_tokens = lax_bool(body, "add_special_tokens")?;
     let tools = body.get_bytes("tools").filter(|raw| &raw[..] != b"null");
-    if let Some(raw) = &tools {
-        if raw.first() != Some(&b'[') {
-            return Err(TokenizeError::invalid("tools", "expected a list"));
-        }
+    if let Some(raw) = &tools
+        && raw.first() != Some(&b'[')
+    {
+        return Err(TokenizeError::invalid("tools", "expected a list"));
     }
-    let documents = body.get_bytes("documents").filter(|raw| &raw[..] != b"null");
+    let documents = body
+        .get_bytes("documents")
+        .filter(|raw| &raw[..] != b"null");
     let reasoning_effort = match present(body, "reasoning_effort") {
         None => None,
         Some(raw) => Some(
@@ -339,10 +347,17 @@ mod tests {
             p.input,
             PromptInput::Text { ref text, add_special_tokens: true } if text == "hi"
         ));
-        let p = read(Api::Completions, r#"{"prompt":["hi"],"add_special_tokens":"no"}"#).unwrap();
+        let p = read(
+            Api::Completions,
+            r#"{"prompt":["hi"],"add_special_tokens":"no"}"#,
+        )
+        .unwrap();
         assert!(matches!(
             p.input,
-            PromptInput::Text { add_special_tokens: false, .. }
+            PromptInput::Text {
+                add_special_tokens: false,
+                ..
+            }
         ));
         let p = read(Api::Completions, r#"{"prompt":[1,2,3]}"#).unwrap();
         assert!(matches!(p.input, PromptInput::Ids(ref ids) if ids == &[1, 2, 3]));
@@ -373,7 +388,11 @@ mod tests {
             (Api::Completions, r#"{"prompt":5}"#, "prompt"),
             (Api::Completions, r#"{"prompt":[]}"#, "prompt"),
             (Api::Completions, r#"{"prompt":[1,-2]}"#, "prompt"),
-            (Api::Completions, r#"{"prompt":"a","add_special_tokens":2}"#, "add_special_tokens"),
+            (
+                Api::Completions,
+                r#"{"prompt":"a","add_special_tokens":2}"#,
+                "add_special_tokens",
+            ),
             (Api::Chat, r#"{}"#, "messages"),
             (Api::Chat, r#"{"messages":{}}"#, "messages"),
             (
@@ -382,7 +401,11 @@ mod tests {
                 "continue_final_message",
             ),
             (Api::Chat, r#"{"messages":[],"tools":{}}"#, "tools"),
-            (Api::Chat, r#"{"messages":[],"truncation_side":"middle","truncate_prompt_tokens":3}"#, "truncation_side"),
+            (
+                Api::Chat,
+                r#"{"messages":[],"truncation_side":"middle","truncate_prompt_tokens":3}"#,
+                "truncation_side",
+            ),
         ] {
             match read(api, body) {
                 Err(TokenizeError::Invalid { field: f, .. }) => assert_eq!(f, field, "{body}"),
@@ -393,7 +416,11 @@ mod tests {
 
     #[test]
     fn chat_defaults_and_what_the_client_sent() {
-        let p = read(Api::Chat, r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        let p = read(
+            Api::Chat,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
         let PromptInput::Chat(c) = p.input else {
             panic!("not chat")
         };
@@ -414,7 +441,11 @@ mod tests {
 
     #[test]
     fn truncation_keeps_the_last_tokens_unless_told_right() {
-        let p = read(Api::Completions, r#"{"prompt":"a","truncate_prompt_tokens":2}"#).unwrap();
+        let p = read(
+            Api::Completions,
+            r#"{"prompt":"a","truncate_prompt_tokens":2}"#,
+        )
+        .unwrap();
         let t = p.truncation.unwrap();
         let mut ids = vec![1, 2, 3, 4];
         t.apply(&mut ids);

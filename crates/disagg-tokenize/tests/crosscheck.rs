@@ -67,7 +67,8 @@ fn cases() -> Vec<Value> {
 /// The request body a case stands for.
 fn request(case: &Value) -> (Api, String) {
     if case["kind"] == "text" {
-        let body = json!({"prompt": case["text"], "add_special_tokens": case["add_special_tokens"]});
+        let body =
+            json!({"prompt": case["text"], "add_special_tokens": case["add_special_tokens"]});
         return (Api::Completions, body.to_string());
     }
     let mut body = json!({

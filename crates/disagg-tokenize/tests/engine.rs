@@ -19,7 +19,10 @@ async fn engine() -> SimEngine {
 
 fn tokenizer(url: &str) -> EngineTokenizer {
     let transport: Arc<dyn Transport> = Arc::new(HttpTransport::default());
-    EngineTokenizer::new(transport, Arc::new(Endpoint::new(url, Role::Prefill).unwrap()))
+    EngineTokenizer::new(
+        transport,
+        Arc::new(Endpoint::new(url, Role::Prefill).unwrap()),
+    )
 }
 
 async fn tokenize(t: &EngineTokenizer, api: Api, body: &str) -> Result<Vec<u32>, TokenizeError> {
@@ -33,9 +36,13 @@ async fn text_and_chat_prompts_get_the_engines_ids() {
     let e = engine().await;
     let t = tokenizer(&e.url());
     let text = "the prefix cache of the engine";
-    let ids = tokenize(&t, Api::Completions, &format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#))
-        .await
-        .unwrap();
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#),
+    )
+    .await
+    .unwrap();
     assert_eq!(ids, disagg_sim::tokenize(text));
 
     // The simulator's template is each message's content on a line of its own.
@@ -103,7 +110,9 @@ async fn an_engine_that_is_gone_is_a_transport_error() {
     let url = e.url();
     e.shutdown().await;
     let t = tokenizer(&url);
-    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#).await.unwrap_err();
+    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, TokenizeError::Engine(EngineError::Transport(ref t)) if t.is_connect()),
         "{err:?}"
@@ -115,7 +124,9 @@ async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
     let e = engine().await;
     // The engine's completions route answers 200 with a completion, not ids.
     let t = tokenizer(&e.url()).with_path("/v1/completions");
-    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#).await.unwrap_err();
+    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#)
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, TokenizeError::Engine(EngineError::Decode(_))),
         "{err:?}"
@@ -125,5 +136,8 @@ async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
     let err = tokenize(&t, Api::Completions, r#"{"prompt":"a b c d e f g"}"#)
         .await
         .unwrap_err();
-    assert!(matches!(err, TokenizeError::Engine(EngineError::Body(_))), "{err:?}");
+    assert!(
+        matches!(err, TokenizeError::Engine(EngineError::Body(_))),
+        "{err:?}"
+    );
 }

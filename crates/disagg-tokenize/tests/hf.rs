@@ -48,15 +48,29 @@ const CHAT: &str = r#"[{"role":"system","content":"  You are terse. "},{"role":"
 async fn text_prompts_round_trip_with_the_bos_the_post_processor_adds() {
     let t = hf();
     let text = "Hello world, the engine's prefix cache holds 12345 blocks.\nCafé über naïve!";
-    let ids = tokenize(&t, Api::Completions, &completion(text, "")).await.unwrap();
-    assert_eq!(ids[0], BOS, "add_special_tokens defaults to true for completions");
-    assert_eq!(raw().decode(&ids[1..], false).unwrap(), text);
-    // Merges were applied: fewer ids than bytes.
-    assert!(ids.len() < text.len() / 2, "{} ids for {} bytes", ids.len(), text.len());
-
-    let without = tokenize(&t, Api::Completions, &completion(text, r#","add_special_tokens":false"#))
+    let ids = tokenize(&t, Api::Completions, &completion(text, ""))
         .await
         .unwrap();
+    assert_eq!(
+        ids[0], BOS,
+        "add_special_tokens defaults to true for completions"
+    );
+    assert_eq!(raw().decode(&ids[1..], false).unwrap(), text);
+    // Merges were applied: fewer ids than bytes.
+    assert!(
+        ids.len() < text.len() / 2,
+        "{} ids for {} bytes",
+        ids.len(),
+        text.len()
+    );
+
+    let without = tokenize(
+        &t,
+        Api::Completions,
+        &completion(text, r#","add_special_tokens":false"#),
+    )
+    .await
+    .unwrap();
     assert_eq!(without, ids[1..]);
     // A batch of one is that prompt.
     let one = format!(r#"{{"prompt":[{}]}}"#, serde_json::to_string(text).unwrap());
@@ -74,25 +88,38 @@ async fn special_token_text_in_a_prompt_is_one_token() {
 #[tokio::test]
 async fn token_id_prompts_are_taken_as_they_are_and_truncated_as_vllm() {
     let t = hf();
-    let ids = tokenize(&t, Api::Completions, r#"{"prompt":[9,8,7,6]}"#).await.unwrap();
-    assert_eq!(ids, [9, 8, 7, 6]);
-    let ids = tokenize(&t, Api::Completions, r#"{"prompt":[9,8,7,6],"truncate_prompt_tokens":2}"#)
+    let ids = tokenize(&t, Api::Completions, r#"{"prompt":[9,8,7,6]}"#)
         .await
         .unwrap();
+    assert_eq!(ids, [9, 8, 7, 6]);
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        r#"{"prompt":[9,8,7,6],"truncate_prompt_tokens":2}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!(ids, [7, 6]);
     // A text prompt truncated inside the tokenizer keeps the BOS (vLLM's tokenizer
     // truncates from the left, leaving room for the special tokens).
     let text = "the model and the engine and the cache";
     let full = encode(text, false);
-    let ids = tokenize(&t, Api::Completions, &completion(text, r#","truncate_prompt_tokens":3"#))
-        .await
-        .unwrap();
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &completion(text, r#","truncate_prompt_tokens":3"#),
+    )
+    .await
+    .unwrap();
     assert_eq!(ids, [BOS, full[full.len() - 2], full[full.len() - 1]]);
     // With an explicit side, vLLM slices the full ids.
     let ids = tokenize(
         &t,
         Api::Completions,
-        &completion(text, r#","truncate_prompt_tokens":3,"truncation_side":"left""#),
+        &completion(
+            text,
+            r#","truncate_prompt_tokens":3,"truncation_side":"left""#,
+        ),
     )
     .await
     .unwrap();
@@ -115,7 +142,9 @@ fn rendered(generation_prompt: bool) -> String {
 #[tokio::test]
 async fn chat_renders_the_template_then_tokenizes_without_adding_special_tokens() {
     let t = hf();
-    let ids = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#)).await.unwrap();
+    let ids = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap();
     assert_eq!(ids, encode(&rendered(true), false));
     // One BOS (the template's), the special tokens as single ids.
     assert_eq!(ids.iter().filter(|&&i| i == BOS).count(), 1);
@@ -123,7 +152,10 @@ async fn chat_renders_the_template_then_tokenizes_without_adding_special_tokens(
     assert_eq!(ids.iter().filter(|&&i| i == START_HEADER).count(), 3);
     assert_eq!(ids.iter().filter(|&&i| i == EOT).count(), 2);
     let last_header = ids.iter().rposition(|&i| i == END_HEADER).unwrap();
-    assert_eq!(raw().decode(&ids[last_header + 1..], false).unwrap(), "\n\n");
+    assert_eq!(
+        raw().decode(&ids[last_header + 1..], false).unwrap(),
+        "\n\n"
+    );
 
     // The same text as a completions prompt (which adds its own BOS) gives the same
     // ids after the extra BOS: the rendered text is exactly what we expect.
@@ -160,7 +192,9 @@ async fn generation_prompt_on_and_off() {
     .unwrap();
     assert_eq!(off, encode(&rendered(false), false));
     assert_eq!(*off.last().unwrap(), EOT);
-    let on = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#)).await.unwrap();
+    let on = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap();
     assert!(on.len() > off.len() && on[..off.len()] == off[..]);
 
     // A template argument reaches the template.
@@ -171,7 +205,10 @@ async fn generation_prompt_on_and_off() {
     )
     .await
     .unwrap();
-    assert_eq!(thinking, encode(&format!("{}<think>", rendered(true)), false));
+    assert_eq!(
+        thinking,
+        encode(&format!("{}<think>", rendered(true)), false)
+    );
     // `reasoning_effort` turns thinking on as vLLM's chat route does, unless the
     // request's template arguments say otherwise.
     let effort = tokenize(
@@ -210,7 +247,13 @@ async fn continue_final_message_leaves_the_last_message_open() {
     )
     .await
     .unwrap_err();
-    assert!(matches!(err, TokenizeError::Invalid { field: "continue_final_message", .. }));
+    assert!(matches!(
+        err,
+        TokenizeError::Invalid {
+            field: "continue_final_message",
+            ..
+        }
+    ));
 }
 
 #[tokio::test]
@@ -241,14 +284,24 @@ async fn a_template_that_raises_gives_a_typed_error_with_its_reason() {
     .unwrap_err();
     match err {
         TokenizeError::Template { message } => {
-            assert_eq!(message, "Conversations must start with a user or system message");
+            assert_eq!(
+                message,
+                "Conversations must start with a user or system message"
+            );
         }
         other => panic!("{other:?}"),
     }
-    let err = tokenize(&t, Api::Chat, r#"{"messages":[{"role":"tool","content":"x"}]}"#)
-        .await
-        .unwrap_err();
-    assert!(matches!(err, TokenizeError::Template { ref message } if message == "Unknown role: tool"), "{err:?}");
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"tool","content":"x"}]}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Template { ref message } if message == "Unknown role: tool"),
+        "{err:?}"
+    );
 }
 
 #[tokio::test]
@@ -260,7 +313,10 @@ async fn shapes_it_cannot_reproduce_are_not_supported() {
             Api::Chat,
             r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}"#,
         ),
-        (Api::Chat, r#"{"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"}"#),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"}"#,
+        ),
     ] {
         let err = tokenize(&t, api, body).await.unwrap_err();
         assert!(err.is_not_supported(), "{body}: {err:?}");
@@ -270,10 +326,14 @@ async fn shapes_it_cannot_reproduce_are_not_supported() {
     fixture::write_model(&dir, &raw(), None);
     let bare = HfTokenizer::from_dir(&dir).unwrap();
     assert!(!bare.has_chat_template());
-    let err = tokenize(&bare, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#)).await.unwrap_err();
+    let err = tokenize(&bare, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap_err();
     assert!(err.is_not_supported());
     assert_eq!(
-        tokenize(&bare, Api::Completions, &completion("hello", "")).await.unwrap(),
+        tokenize(&bare, Api::Completions, &completion("hello", ""))
+            .await
+            .unwrap(),
         encode("hello", true)
     );
 }
@@ -288,9 +348,13 @@ async fn a_standalone_chat_template_file_takes_priority() {
     )
     .unwrap();
     let t = HfTokenizer::from_dir(&dir).unwrap();
-    let ids = tokenize(&t, Api::Chat, r#"{"messages":[{"role":"user","content":"hello"}]}"#)
-        .await
-        .unwrap();
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hello"}]}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!(ids, encode("USER: hello\n", false));
 }
 
@@ -316,9 +380,13 @@ async fn content_parts_follow_the_templates_content_format() {
         .unwrap();
     let ids = tokenize(&t, Api::Chat, parts).await.unwrap();
     assert_eq!(ids, encode("[text:What is][text:the weather?]", false));
-    let plain = tokenize(&t, Api::Chat, r#"{"messages":[{"role":"user","content":"hi"}]}"#)
-        .await
-        .unwrap();
+    let plain = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await
+    .unwrap();
     assert_eq!(plain, encode("[text:hi]", false));
 }
 
@@ -345,11 +413,17 @@ fn loading_errors_name_the_file_and_the_fault() {
         other => panic!("{other:?}"),
     }
     std::fs::write(dir.join("tokenizer.json"), "{\"not\": \"a tokenizer\"}").unwrap();
-    assert!(matches!(HfTokenizer::from_dir(&dir), Err(LoadError::Tokenizer { .. })));
+    assert!(matches!(
+        HfTokenizer::from_dir(&dir),
+        Err(LoadError::Tokenizer { .. })
+    ));
 
     raw().save(dir.join("tokenizer.json"), false).unwrap();
     std::fs::write(dir.join("tokenizer_config.json"), "[1, 2]").unwrap();
-    assert!(matches!(HfTokenizer::from_dir(&dir), Err(LoadError::Config { .. })));
+    assert!(matches!(
+        HfTokenizer::from_dir(&dir),
+        Err(LoadError::Config { .. })
+    ));
 
     std::fs::write(
         dir.join("tokenizer_config.json"),
@@ -370,9 +444,15 @@ fn loading_errors_name_the_file_and_the_fault() {
     });
     std::fs::write(dir.join("tokenizer_config.json"), named.to_string()).unwrap();
     let t = HfTokenizer::from_dir(&dir).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     let plain = rt
-        .block_on(tokenize(&t, Api::Chat, r#"{"messages":[{"role":"user","content":"x"}]}"#))
+        .block_on(tokenize(
+            &t,
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        ))
         .unwrap();
     assert_eq!(plain, encode("plain", false));
     let tools = rt

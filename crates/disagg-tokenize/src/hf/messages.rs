@@ -62,19 +62,27 @@ fn role(m: &Fields) -> &str {
 }
 
 fn present(m: &Fields, key: &str) -> Option<Value> {
-    m.get(key).filter(|v| !v.is_none() && !v.is_undefined()).cloned()
+    m.get(key)
+        .filter(|v| !v.is_none() && !v.is_undefined())
+        .cloned()
 }
 
 fn message(m: &Fields, openai_format: bool) -> Result<Fields, TokenizeError> {
     let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
-        return Err(TokenizeError::invalid(FIELD, "each message needs a string role"));
+        return Err(TokenizeError::invalid(
+            FIELD,
+            "each message needs a string role",
+        ));
     };
     let mut texts = texts(m.get("content"))?;
     if role == "system" {
         texts = texts
             .into_iter()
             .filter_map(|t| match t.strip_prefix(BILLING_HEADER) {
-                Some(_) => t.split_once('\n').map(|(_, rest)| rest.to_owned()).filter(|r| !r.is_empty()),
+                Some(_) => t
+                    .split_once('\n')
+                    .map(|(_, rest)| rest.to_owned())
+                    .filter(|r| !r.is_empty()),
                 None => Some(t),
             })
             .collect();
@@ -97,10 +105,10 @@ fn message(m: &Fields, openai_format: bool) -> Result<Fields, TokenizeError> {
     ]);
     match role.as_str() {
         "assistant" => {
-            if let Some(calls) = present(m, "tool_calls") {
-                if let Some(calls) = tool_calls(&calls)? {
-                    out.set("tool_calls", calls);
-                }
+            if let Some(calls) = present(m, "tool_calls")
+                && let Some(calls) = tool_calls(&calls)?
+            {
+                out.set("tool_calls", calls);
             }
             if let Some(reasoning) = present(m, "reasoning") {
                 out.set("reasoning", reasoning.clone());
@@ -134,7 +142,10 @@ fn texts(content: Option<&Value>) -> Result<Vec<String>, TokenizeError> {
         return Ok(vec![s.to_owned()]);
     }
     if content.kind() != ValueKind::Seq {
-        return Err(TokenizeError::invalid(FIELD, "content must be a string or a list of parts"));
+        return Err(TokenizeError::invalid(
+            FIELD,
+            "content must be a string or a list of parts",
+        ));
     }
     let mut out = Vec::new();
     let parts = content
@@ -146,16 +157,28 @@ fn texts(content: Option<&Value>) -> Result<Vec<String>, TokenizeError> {
             continue;
         }
         if part.kind() != ValueKind::Map {
-            return Err(TokenizeError::invalid(FIELD, "a content part must be an object"));
+            return Err(TokenizeError::invalid(
+                FIELD,
+                "a content part must be an object",
+            ));
         }
         let kind = part.get_attr("type").ok();
         match kind.as_ref().and_then(Value::as_str) {
             Some("text" | "input_text" | "output_text") => {
                 // vLLM skips a text part whose text is missing or null.
-                if let Some(text) = part.get_attr("text").ok().filter(|t| !t.is_none() && !t.is_undefined()) {
+                if let Some(text) = part
+                    .get_attr("text")
+                    .ok()
+                    .filter(|t| !t.is_none() && !t.is_undefined())
+                {
                     match text.as_str() {
                         Some(t) => out.push(t.to_owned()),
-                        None => return Err(TokenizeError::invalid(FIELD, "a text part's text must be a string")),
+                        None => {
+                            return Err(TokenizeError::invalid(
+                                FIELD,
+                                "a text part's text must be a string",
+                            ));
+                        }
                     }
                 }
             }
@@ -192,8 +215,7 @@ fn tool_calls(calls: &Value) -> Result<Option<Value>, TokenizeError> {
             None => true,
             Some(k) => k.as_str() == Some("function"),
         };
-        let Some(function) = function.filter(|f| f.kind() == ValueKind::Map && is_function)
-        else {
+        let Some(function) = function.filter(|f| f.kind() == ValueKind::Map && is_function) else {
             return Err(bad("only tool_calls of type 'function' are supported"));
         };
         let mut function = Fields::of(&function).map_err(|_| bad("unreadable function"))?;
@@ -287,25 +309,37 @@ pub(crate) fn tools(raw: &[u8]) -> Result<Value, TokenizeError> {
     }
     let mut out = Vec::with_capacity(tools.len());
     for tool in tools {
-        if tool.get("type").is_some_and(|t| t.as_str() != Some("function")) {
+        if tool
+            .get("type")
+            .is_some_and(|t| t.as_str() != Some("function"))
+        {
             return Err(bad("only tools of type 'function' are supported"));
         }
         let Some(function) = tool.get("function").filter(|f| f.kind() == ValueKind::Map) else {
             return Err(bad("a tool needs a function"));
         };
         let function = Fields::of(function).map_err(|_| bad("unreadable function"))?;
-        let Some(name) = function.get("name").filter(|n| n.kind() == ValueKind::String) else {
+        let Some(name) = function
+            .get("name")
+            .filter(|n| n.kind() == ValueKind::String)
+        else {
             return Err(bad("a function needs a string name"));
         };
         let mut dumped = Fields(vec![
             ("name".to_owned(), name.clone()),
             (
                 "description".to_owned(),
-                function.get("description").cloned().unwrap_or(Value::from(())),
+                function
+                    .get("description")
+                    .cloned()
+                    .unwrap_or(Value::from(())),
             ),
             (
                 "parameters".to_owned(),
-                function.get("parameters").cloned().unwrap_or(Value::from(())),
+                function
+                    .get("parameters")
+                    .cloned()
+                    .unwrap_or(Value::from(())),
             ),
         ]);
         let tool_defer = tool.get("defer_loading").filter(|v| !v.is_none()).cloned();
@@ -343,7 +377,13 @@ mod tests {
             "{{ m | tojson }}".into(),
         )])
         .unwrap();
-        let m = Value::from(fields.iter().cloned().map(Fields::into_value).collect::<Vec<_>>());
+        let m = Value::from(
+            fields
+                .iter()
+                .cloned()
+                .map(Fields::into_value)
+                .collect::<Vec<_>>(),
+        );
         t.render("default", minijinja::context! { m => m }).unwrap()
     }
 
@@ -419,7 +459,13 @@ mod tests {
         .unwrap_err();
         assert!(err.is_not_supported());
         let err = conversation(br#"[{"content":"x"}]"#, false, false).unwrap_err();
-        assert!(matches!(err, TokenizeError::Invalid { field: "messages", .. }));
+        assert!(matches!(
+            err,
+            TokenizeError::Invalid {
+                field: "messages",
+                ..
+            }
+        ));
     }
 
     #[test]

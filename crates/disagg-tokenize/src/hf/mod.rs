@@ -41,9 +41,7 @@ use disagg_core::request::Api;
 use minijinja::value::Value;
 use serde_json::Value as Json;
 use tokenizers::tokenizer::AddedToken;
-use tokenizers::utils::truncation::{
-    TruncationDirection, TruncationParams, TruncationStrategy,
-};
+use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, TruncationStrategy};
 
 use self::template::{Fields, Templates};
 use crate::error::TokenizeError;
@@ -53,13 +51,13 @@ use crate::{Tokenize, Tokens};
 /// Prompts from this size on (bytes of text, or of messages and tools) are tokenized on
 /// Tokio's blocking pool (`spawn_blocking`), not on the event loop.
 ///
-/// The bench (`cargo bench -p disagg-tokenize`) measures a byte-level BPE tokenizer at
-/// roughly 5 to 10 MB/s of text on one core of the reference machine, so 16 KiB (about
-/// 4k tokens) costs some 2 ms: as long as handing the work to another thread and back
-/// is worth, while every connection on the event loop would wait for a larger one.
-/// Below it, the handoff (a few microseconds plus a thread wake-up) would cost more
-/// than it saves.
-pub const DEFAULT_OFF_LOOP_FROM: usize = 16 * 1024;
+/// The bench (`cargo bench -p disagg-tokenize`) measures a byte-level BPE tokenizer
+/// with Llama 3's pre-tokenizer at about 6 MB/s of text on one core of the reference
+/// machine (2k tokens, 7.6 KB: 1.2 ms), so 4 KiB costs some 0.7 ms: about the most the
+/// event loop, and every connection on it, should wait for one request (the same
+/// budget as the core's off-loop JSON parse, "well under a millisecond"). Below it the
+/// handoff to another thread (tens of microseconds with the wake-up) buys little.
+pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
 
 /// The named special tokens of transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order.
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -314,7 +312,10 @@ impl HfTokenizer {
         self.with_templates(vec![("default".to_owned(), source.into())])
     }
 
-    fn with_templates(mut self, templates: Vec<(String, String)>) -> Result<HfTokenizer, LoadError> {
+    fn with_templates(
+        mut self,
+        templates: Vec<(String, String)>,
+    ) -> Result<HfTokenizer, LoadError> {
         let compiled = Templates::new(templates)
             .map_err(|(name, source)| LoadError::Template { name, source })?;
         Arc::make_mut(&mut self.inner).templates = Some(compiled);
@@ -397,9 +398,7 @@ impl Tokenize for HfTokenizer {
         let size = match &prompt.input {
             PromptInput::Ids(_) => 0,
             PromptInput::Text { text, .. } => text.len(),
-            PromptInput::Chat(c) => {
-                c.messages.len() + c.tools.as_ref().map_or(0, |t| t.len())
-            }
+            PromptInput::Chat(c) => c.messages.len() + c.tools.as_ref().map_or(0, |t| t.len()),
         };
         // A large prompt would hold the event loop, and every connection on it, for
         // milliseconds; see `DEFAULT_OFF_LOOP_FROM`.
@@ -407,7 +406,10 @@ impl Tokenize for HfTokenizer {
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             let inner = Arc::clone(&self.inner);
-            return match runtime.spawn_blocking(move || inner.tokenize(&prompt)).await {
+            return match runtime
+                .spawn_blocking(move || inner.tokenize(&prompt))
+                .await
+            {
                 Ok(result) => result,
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(e) => Err(TokenizeError::Tokenizer(Box::new(e))),
@@ -502,7 +504,8 @@ impl Inner {
             ContentFormat::String => false,
             ContentFormat::OpenAi => true,
         };
-        let mut conversation = messages::conversation(&chat.messages, openai, entry.developer_role)?;
+        let mut conversation =
+            messages::conversation(&chat.messages, openai, entry.developer_role)?;
         if conversation.is_empty() {
             return Err(TokenizeError::invalid(
                 "messages",
@@ -514,7 +517,11 @@ impl Inner {
         }
         // The request's own fields win over its chat_template_kwargs (vLLM's
         // `build_chat_params`).
-        set(&mut kwargs, "add_generation_prompt".into(), Value::from(chat.add_generation_prompt));
+        set(
+            &mut kwargs,
+            "add_generation_prompt".into(),
+            Value::from(chat.add_generation_prompt),
+        );
         if let Some(raw) = &chat.documents {
             let docs: Value = serde_json::from_slice(raw)
                 .map_err(|_| TokenizeError::invalid("documents", "not JSON"))?;
@@ -522,9 +529,17 @@ impl Inner {
         }
         if let Some(effort) = &chat.reasoning_effort {
             if !kwargs.iter().any(|(k, _)| k == "enable_thinking") {
-                set(&mut kwargs, "enable_thinking".into(), Value::from(effort != "none"));
+                set(
+                    &mut kwargs,
+                    "enable_thinking".into(),
+                    Value::from(effort != "none"),
+                );
             }
-            set(&mut kwargs, "reasoning_effort".into(), Value::from(effort.as_str()));
+            set(
+                &mut kwargs,
+                "reasoning_effort".into(),
+                Value::from(effort.as_str()),
+            );
         }
         if let Some(tools) = tools {
             set(&mut kwargs, "tools".into(), tools);
@@ -612,11 +627,18 @@ fn mark_final(message: &mut Fields) -> Result<(), TokenizeError> {
         return Ok(());
     }
     let mut parts: Vec<Value> = content.try_iter().map_err(|_| missing())?.collect();
-    let Some(i) = parts.iter().rposition(|p| p.get_attr("text").is_ok_and(|t| t.as_str().is_some())) else {
+    let Some(i) = parts
+        .iter()
+        .rposition(|p| p.get_attr("text").is_ok_and(|t| t.as_str().is_some()))
+    else {
         return Err(missing());
     };
     let mut part = Fields::of(&parts[i]).map_err(|_| missing())?;
-    let text = part.get("text").and_then(Value::as_str).unwrap_or("").to_owned();
+    let text = part
+        .get("text")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
     part.set("text", Value::from(format!("{text}{CONTINUE_TAG}")));
     parts[i] = part.into_value();
     message.set("content", Value::from(parts));
@@ -649,12 +671,11 @@ fn load(
     (json_path, json): (PathBuf, &[u8]),
     config: Option<(PathBuf, &[u8])>,
 ) -> Result<HfTokenizer, LoadError> {
-    let mut tokenizer = tokenizers::Tokenizer::from_bytes(json).map_err(|source| {
-        LoadError::Tokenizer {
+    let mut tokenizer =
+        tokenizers::Tokenizer::from_bytes(json).map_err(|source| LoadError::Tokenizer {
             path: json_path,
             source,
-        }
-    })?;
+        })?;
     let mut special = Vec::new();
     let mut templates = None;
     if let Some((path, bytes)) = config {
@@ -714,9 +735,9 @@ fn load(
     }
     let templates = match templates {
         None => None,
-        Some(t) => Some(
-            Templates::new(t).map_err(|(name, source)| LoadError::Template { name, source })?,
-        ),
+        Some(t) => {
+            Some(Templates::new(t).map_err(|(name, source)| LoadError::Template { name, source })?)
+        }
     };
     Ok(HfTokenizer {
         inner: Arc::new(Inner {

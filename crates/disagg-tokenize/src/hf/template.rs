@@ -54,8 +54,7 @@ impl Templates {
             entries.push(Entry {
                 name: name.clone(),
                 // vLLM's test (`_detect_developer_role_support`, vllm/renderers/hf.py).
-                developer_role: source.contains("\"developer\"")
-                    || source.contains("'developer'"),
+                developer_role: source.contains("\"developer\"") || source.contains("'developer'"),
                 iterates_content: iterates_content(&source),
             });
             env.add_template_owned(name.clone(), source)
@@ -410,7 +409,12 @@ impl Object for Fields {
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Values(self.0.iter().map(|(k, _)| Value::from(k.as_str())).collect())
+        Enumerator::Values(
+            self.0
+                .iter()
+                .map(|(k, _)| Value::from(k.as_str()))
+                .collect(),
+        )
     }
 
     fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
@@ -471,10 +475,9 @@ mod tests {
 
     #[test]
     fn tojson_writes_as_python_json_dumps() {
-        let v: Value = serde_json::from_str(
-            r#"{"b":1,"a":[true,null,"é\n\"x\""],"c":{},"d":[],"e":2.0}"#,
-        )
-        .unwrap();
+        let v: Value =
+            serde_json::from_str(r#"{"b":1,"a":[true,null,"é\n\"x\""],"c":{},"d":[],"e":2.0}"#)
+                .unwrap();
         let ctx = minijinja::context! { v => v };
         let got = render("{{ v | tojson }}", ctx.clone()).unwrap();
         assert_eq!(
@@ -527,7 +530,11 @@ mod tests {
         let keys: Vec<&str> = f.0.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(keys, ["z", "a"]);
         assert_eq!(f.get("z").and_then(Value::as_i64), Some(3));
-        let got = render("{{ f | tojson }}", minijinja::context! { f => f.into_value() }).unwrap();
+        let got = render(
+            "{{ f | tojson }}",
+            minijinja::context! { f => f.into_value() },
+        )
+        .unwrap();
         assert_eq!(got, r#"{"z": 3, "a": 2}"#);
     }
 }
