@@ -106,18 +106,17 @@ impl EngineTokenizer {
         let mut ids = match &prompt.input {
             PromptInput::Ids(ids) => ids.clone(),
             _ => {
-                // vLLM truncates a text prompt inside the tokenizer, which keeps the
-                // special tokens it adds; which of the answer's ids those are is not
-                // known here.
-                if let (
-                    Some(t),
+                // Without an explicit side vLLM truncates text inside the tokenizer,
+                // which keeps the special tokens it adds; which of the answer's ids
+                // those are is not known here.
+                let special = match &prompt.input {
                     PromptInput::Text {
-                        add_special_tokens: true,
-                        ..
-                    },
-                ) = (&prompt.truncation, &prompt.input)
-                    && t.side.is_none()
-                {
+                        add_special_tokens, ..
+                    } => *add_special_tokens,
+                    PromptInput::Chat(chat) => chat.add_special_tokens,
+                    PromptInput::Ids(_) => false,
+                };
+                if special && prompt.truncation.is_some_and(|t| t.side.is_none()) {
                     return Err(TokenizeError::not_supported(
                         "truncate_prompt_tokens with special tokens, through the engine",
                     ));

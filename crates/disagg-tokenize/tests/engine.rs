@@ -75,6 +75,17 @@ async fn text_and_chat_prompts_get_the_engines_ids() {
     .unwrap();
     assert_eq!(ids, disagg_sim::tokenize("d e"));
     assert_eq!(e.stats().tokenize_requests, 3);
+    // Truncated inside the tokenizer with its special tokens kept: which ids those are
+    // is not known from the answer, so the engine is not asked.
+    let err = tokenize(
+        &t,
+        Api::Completions,
+        r#"{"prompt":"a b c","truncate_prompt_tokens":2}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.is_not_supported(), "{err:?}");
+    assert_eq!(e.stats().tokenize_requests, 3);
 }
 
 #[tokio::test]

@@ -124,6 +124,17 @@ async fn token_id_prompts_are_taken_as_they_are_and_truncated_as_vllm() {
     .await
     .unwrap();
     assert_eq!(ids, full[full.len() - 3..]);
+    // A chat's rendered text is truncated the same way: with `add_special_tokens` the
+    // BOS the tokenizer adds stays in front.
+    let chat = encode(&rendered(true), false);
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"add_special_tokens":true,"truncate_prompt_tokens":3}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [BOS, chat[chat.len() - 2], chat[chat.len() - 1]]);
 }
 
 /// The text the template must render for `CHAT` (its content stripped, headers and

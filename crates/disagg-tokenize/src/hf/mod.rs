@@ -25,7 +25,7 @@
 //! Not reproduced: transformers' model-specific tokenizer classes that rebuild part of
 //! the pipeline instead of reading `tokenizer.json` (a few SentencePiece models with
 //! `legacy` settings), and chat templates that need Jinja2 features minijinja lacks.
-//! For those, route with `--tokenize engine` ([`EngineTokenizer`](crate::EngineTokenizer)).
+//! For those, tokenize through the engine ([`EngineTokenizer`](crate::EngineTokenizer)).
 
 mod messages;
 mod template;
@@ -424,20 +424,19 @@ impl Tokenize for HfTokenizer {
 impl Inner {
     fn tokenize(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
         let truncation = prompt.truncation;
+        // Without an explicit side vLLM truncates text inside the tokenizer
+        // (`TokenizeParams.get_encode_kwargs`), which keeps the special tokens it adds;
+        // a chat's rendered text included.
+        let inside = truncation.filter(|t| t.side.is_none()).map(|t| t.keep);
         let mut ids = match &prompt.input {
             PromptInput::Ids(ids) => ids.clone(),
             PromptInput::Text {
                 text,
                 add_special_tokens,
-            } => {
-                // Without an explicit side vLLM truncates inside the tokenizer
-                // (`TokenizeParams.get_encode_kwargs`), which keeps the special tokens.
-                let inside = truncation.filter(|t| t.side.is_none()).map(|t| t.keep);
-                self.encode(text, *add_special_tokens, inside)?
-            }
+            } => self.encode(text, *add_special_tokens, inside)?,
             PromptInput::Chat(chat) => {
                 let text = self.render(chat)?;
-                self.encode(&text, chat.add_special_tokens, None)?
+                self.encode(&text, chat.add_special_tokens, inside)?
             }
         };
         if let Some(t) = truncation {
