@@ -218,12 +218,7 @@ fn admit(
     if check_pairs(next, connector).is_ok() {
         return (Arc::clone(next), None);
     }
-    let in_force = |e: &Arc<Endpoint>| {
-        current
-            .by_role(e.role())
-            .iter()
-            .any(|c| c.id() == e.id())
-    };
+    let in_force = |e: &Arc<Endpoint>| current.by_role(e.role()).iter().any(|c| c.id() == e.id());
     let all = || next.prefill().iter().chain(next.decode());
     let mut admitted: Vec<Arc<Endpoint>> = all().filter(|e| in_force(e)).cloned().collect();
     let none = KvProfile::default();
