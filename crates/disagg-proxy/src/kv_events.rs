@@ -366,3 +366,72 @@ impl Tokenizer for SetTokenizer {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        kv: KvEventsArgs,
+    }
+
+    fn kv(flags: &[&str]) -> KvEvents {
+        let cli = Cli::try_parse_from(std::iter::once("x").chain(flags.iter().copied())).unwrap();
+        KvEvents::new(&cli.kv).unwrap()
+    }
+
+    fn set() -> EndpointSet {
+        let mut discovered = http::Extensions::new();
+        discovered.insert(disagg_discovery::KvEventsEndpoint(
+            "tcp://10.0.0.9:6000".into(),
+        ));
+        let eps = [
+            Endpoint::new("http://10.0.0.1:8000", Role::Prefill).unwrap(),
+            Endpoint::new("http://10.0.0.2:8000@0", Role::Decode).unwrap(),
+            Endpoint::new("http://10.0.0.2:8000@1", Role::Decode).unwrap(),
+            Endpoint::with_extensions("http://10.0.0.9:8000", Role::Decode, discovered).unwrap(),
+        ];
+        EndpointSet::new(eps.into_iter().map(Arc::new))
+    }
+
+    #[test]
+    fn publishers_come_from_flags_then_discovery_then_the_engines_host() {
+        let kv = kv(&[
+            "--kv-events-port",
+            "5557",
+            "--kv-events-replay-port",
+            "5600",
+            "--kv-events-endpoint",
+            "http://10.0.0.1:8000/=tcp://10.0.0.7:7000",
+        ]);
+        let got = kv.engine_endpoints(&set());
+        let find = |engine: &str| got.iter().find(|e| e.engine == engine).unwrap();
+        // The flag wins over --kv-events-port, and carries no replay of its own.
+        let p = find("http://10.0.0.1:8000");
+        assert_eq!(
+            (p.publisher.as_str(), p.replay.as_deref()),
+            ("tcp://10.0.0.7:7000", None)
+        );
+        // Two rank endpoints: one engine with two ranks on the engine's host.
+        let d = find("http://10.0.0.2:8000");
+        assert_eq!(d.dp_size, 2);
+        assert_eq!(d.publisher_of(1), "tcp://10.0.0.2:5558");
+        assert_eq!(d.replay_of(1).as_deref(), Some("tcp://10.0.0.2:5601"));
+        // A discovered publisher, the replay port on its host.
+        let x = find("http://10.0.0.9:8000");
+        assert_eq!(x.publisher, "tcp://10.0.0.9:6000");
+        assert_eq!(x.replay.as_deref(), Some("tcp://10.0.0.9:5600"));
+        assert_eq!(got.len(), 3);
+    }
+
+    #[test]
+    fn engines_without_a_known_publisher_are_not_subscribed() {
+        let got = kv(&[]).engine_endpoints(&set());
+        let engines: Vec<&str> = got.iter().map(|e| e.engine.as_str()).collect();
+        assert_eq!(engines, ["http://10.0.0.9:8000"]);
+    }
+}

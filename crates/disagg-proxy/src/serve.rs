@@ -1073,4 +1073,31 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn kv_events_without_a_tokenizer_stops_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--prefill-policy",
+            "kv_events",
+            "--kv-events-port",
+            "5557",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("--tokenizer") && err.contains("--tokenize engine"), "{err}");
+    }
 }
