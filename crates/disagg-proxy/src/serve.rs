@@ -1098,6 +1098,9 @@ mod tests {
             .err()
             .expect("refused")
             .to_string();
-        assert!(err.contains("--tokenizer") && err.contains("--tokenize engine"), "{err}");
+        assert!(
+            err.contains("--tokenizer") && err.contains("--tokenize engine"),
+            "{err}"
+        );
     }
 }

@@ -121,7 +121,8 @@ async fn token_ids<T: Tokenize + ?Sized>(
 }
 
 /// Any shared [`Tokenize`] (`Arc<dyn Tokenize>`) is the orchestrator's tokenizer
-/// (`OrchestratorBuilder::tokenizer`): see [`token_ids`]'s mapping of errors.
+/// (`OrchestratorBuilder::tokenizer`): a prompt that is not one sequence has no ids
+/// (`Ok(None)`), every other [`TokenizeError`] is a failure the orchestrator counts.
 #[async_trait]
 impl disagg_core::Tokenizer for dyn Tokenize {
     async fn token_ids(
