@@ -117,7 +117,7 @@ pub enum PrefixError {
 ///     ]});
 ///     let body = JsonBody::parse(body.to_string().as_bytes()).expect("an object");
 ///     let headers = HeaderMap::new();
-///     let view = RequestView { api: Api::Chat, model: None, headers: &headers, body: &body };
+///     let view = RequestView::new(Api::Chat, None, &headers, &body);
 ///     hasher.block_hashes(&view)
 /// };
 /// let (a, b) = (blocks("Bonjour ?"), blocks("What is the capital of Peru?"));
@@ -573,12 +573,7 @@ mod tests {
     fn with_body<R>(api: Api, body: &[u8], f: impl FnOnce(&RequestView<'_>) -> R) -> R {
         let b = JsonBody::parse(body).expect("test body");
         let h = HeaderMap::new();
-        f(&RequestView {
-            api,
-            model: None,
-            headers: &h,
-            body: &b,
-        })
+        f(&RequestView::new(api, None, &h, &b))
     }
 
     fn canonical(api: Api, body: &str) -> Vec<u8> {
@@ -700,12 +695,7 @@ mod tests {
             // `JsonBody` refuses the bad escape outright; the rest parse.
             if let Ok(b) = JsonBody::parse(bad.as_bytes()) {
                 let h = HeaderMap::new();
-                let v = RequestView {
-                    api: Api::Completions,
-                    model: None,
-                    headers: &h,
-                    body: &b,
-                };
+                let v = RequestView::new(Api::Completions, None, &h, &b);
                 assert!(PrefixHasher::new().canonical(&v).is_empty(), "{bad}");
             }
         }

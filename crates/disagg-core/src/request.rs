@@ -84,6 +84,9 @@ pub struct PdRequest {
     /// connectors whose engines validate them; empty, and unallocated, for almost every
     /// request.
     removed: Vec<(&'static str, Bytes)>,
+    /// The prompt's token ids, once a [`Tokenizer`](crate::tokens::Tokenizer) gave them
+    /// (see [`tokens`](crate::tokens)).
+    tokens: Option<crate::tokens::TokenIds>,
 }
 
 impl PdRequest {
@@ -172,6 +175,7 @@ impl PdRequest {
             stream,
             arrival: crate::outcome::now(),
             removed,
+            tokens: None,
         })
     }
 
@@ -240,6 +244,25 @@ impl PdRequest {
     /// body was read).
     pub fn set_arrival(&mut self, at: Instant) {
         self.arrival = at;
+    }
+
+    /// The prompt's token ids, when the orchestrator's
+    /// [`Tokenizer`](crate::tokens::Tokenizer) gave them (or the application set them):
+    /// see [`tokens`](crate::tokens). `None` for a request nothing asked ids for, or
+    /// whose prompt could not be tokenized.
+    pub fn tokens(&self) -> Option<&[u32]> {
+        self.tokens.as_deref()
+    }
+
+    /// The prompt's token ids, shared.
+    pub fn token_ids(&self) -> Option<&crate::tokens::TokenIds> {
+        self.tokens.as_ref()
+    }
+
+    /// Set the prompt's token ids (an application that tokenized the request itself;
+    /// the orchestrator then does not tokenize it again).
+    pub fn set_tokens(&mut self, tokens: Option<crate::tokens::TokenIds>) {
+        self.tokens = tokens;
     }
 }
 

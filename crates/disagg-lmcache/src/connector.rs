@@ -4,7 +4,8 @@
 //!
 //! 1. `POST /tokenize` on the prefill engine (chat: the messages, with the generation
 //!    prompt; completions: the prompt), once per attempt; a prompt already given as token
-//!    ids is not tokenized again.
+//!    ids is not tokenized again, nor one the orchestrator's tokenizer already turned
+//!    into ids ([`PdRequest::tokens`]: a router reading tokens asked for them).
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
@@ -482,7 +483,13 @@ impl KvConnector for Lmcache {
             .and_then(Result::ok)
             .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
 
-        let tokenize = tokenize_request(body, chat)?;
+        // The ids the orchestrator already has (its tokenizer ran for a router that
+        // reads them) spare the prefill engine's `/tokenize` round trip.
+        let known = req.tokens();
+        let tokenize = match known {
+            Some(_) => None,
+            None => tokenize_request(body, chat)?,
+        };
 
         // The completions form both legs share.
         let mut base = body.clone();
@@ -507,11 +514,17 @@ impl KvConnector for Lmcache {
             }
         });
         prefill.set("kv_transfer_params", &spec);
+        if let Some(ids) = known {
+            prefill.set("prompt", ids);
+        }
 
         // The decode leg, streaming as the client asked. As it stands it computes the
         // whole answer from the prompt (what a prefill without a first token leaves);
         // `resolve` adds the token ids, `complete` the first token and the budgets left.
         let mut decode = base;
+        if let Some(ids) = known {
+            decode.set("prompt", ids);
+        }
         if let Some(m) = max_tokens {
             decode.set("max_tokens", &m);
         }

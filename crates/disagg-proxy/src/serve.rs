@@ -61,6 +61,9 @@ pub struct ServeArgs {
     /// Disaggregate only requests whose prompt is estimated at N tokens or more (one
     /// token per 4 bytes of prompt JSON; token-id prompts counted exactly); shorter ones
     /// go to a decode engine alone and their answer carries `x-disagg-handoff: direct`.
+    /// With `--decode-policy kv_events`, only the tokens the best decode engine does not
+    /// already cache count (a follow-up turn whose prefix sits on a decode engine is
+    /// served there alone).
     #[arg(long, value_name = "N")]
     min_prefill_tokens: Option<usize>,
     /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
@@ -92,6 +95,9 @@ pub struct ServeArgs {
     /// Endpoints discovered in Kubernetes, DNS or a file, besides --prefill/--decode.
     #[command(flatten)]
     discovery: crate::discover::DiscoveryArgs,
+    /// The `kv_events` policy: the engines' KV-event publishers, and the tokenizer.
+    #[command(flatten)]
+    kv_events: crate::kv_events::KvEventsArgs,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -389,11 +395,19 @@ enum Policy {
     /// The engine that most recently received the longest prefix of this prompt, unless
     /// the engines' loads are out of balance (then the least loaded).
     CacheAware,
+    /// The engine whose cache, by its own KV events, holds the longest prefix of this
+    /// prompt, traded against its load (needs --tokenizer or --tokenize, and
+    /// --kv-events-port, --kv-events-endpoint or discovered endpoints).
+    KvEvents,
 }
 
 impl Policy {
-    fn pick(self, weights: &[(String, f64)]) -> Box<dyn Pick> {
-        match self {
+    fn pick(
+        self,
+        weights: &[(String, f64)],
+        kv: Option<&crate::kv_events::KvEvents>,
+    ) -> Result<Box<dyn Pick>, BoxError> {
+        Ok(match self {
             Policy::WeightedRandom => Box::new(
                 weights
                     .iter()
@@ -407,7 +421,11 @@ impl Policy {
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
             Policy::ConsistentHash => Box::new(ConsistentHash::default()),
             Policy::CacheAware => Box::new(CacheAware::default()),
-        }
+            Policy::KvEvents => Box::new(disagg_kvevents::KvEventsPick::new(Arc::clone(
+                &kv.ok_or("kv_events: the policy's scorer was not built")?
+                    .scorer,
+            ))),
+        })
     }
 }
 
@@ -616,6 +634,9 @@ struct Shared {
     health: Option<Arc<Health>>,
     /// The discovery sources' thread, when discovery runs (it ends at shutdown).
     discovery: Option<std::thread::JoinHandle<()>>,
+    /// The KV-event subscriber's thread, with the `kv_events` policy (it ends at
+    /// shutdown).
+    kv_events: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Shared {
@@ -714,24 +735,39 @@ impl Shared {
         let connector = args.connector.connector(notifications, limits)?;
         let (health_config, active_checks) = args.reliability.health()?;
         let mut extra_metrics = Vec::new();
-        let (source, health, discovery): (Arc<dyn EndpointSource>, _, _) = if args.discovery.any() {
+        let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
+        let decode_policy = args.decode_policy.unwrap_or(args.policy);
+        let kv_events = [prefill_policy, decode_policy]
+            .iter()
+            .any(|p| matches!(p, Policy::KvEvents))
+            .then(|| crate::kv_events::KvEvents::new(&args.kv_events))
+            .transpose()?;
+        // The set the KV-event subscriber follows: every engine found, before health
+        // takes any out (an ejected engine keeps its cache, and its entries).
+        let (source, health, discovery, follow): (
+            Arc<dyn EndpointSource>,
+            _,
+            _,
+            Arc<dyn EndpointSource>,
+        ) = if args.discovery.any() {
             let d = crate::discover::start(
                 &args.discovery,
                 endpoints,
                 Arc::clone(&connector),
                 health_config,
-                shutdown,
+                shutdown.clone(),
             )?;
             let merged = Arc::clone(&d.merged);
             extra_metrics.push(ExtraMetrics::new(move |out: &mut String| {
                 merged.render_metrics(out)
             }));
-            (Arc::new(d.source), d.health, Some(d.thread))
+            (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
             check_pairs(&source.snapshot(), &*connector)?;
             let health = Arc::clone(source.health());
-            (Arc::new(source), health, None)
+            let all = Arc::new(crate::kv_events::Fixed::new(source.snapshot()));
+            (Arc::new(source), health, None, all)
         };
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
@@ -748,16 +784,30 @@ impl Shared {
             MissingKvArg::Fail => MissingKv::Fail,
         };
         let router: Arc<dyn Router> = Arc::new(PerLeg::new(
-            args.prefill_policy
-                .unwrap_or(args.policy)
-                .pick(&args.weights),
-            args.decode_policy
-                .unwrap_or(args.policy)
-                .pick(&args.weights),
+            prefill_policy.pick(&args.weights, kv_events.as_ref())?,
+            decode_policy.pick(&args.weights, kv_events.as_ref())?,
         ));
-        let disaggregate: Arc<dyn Disaggregate> = match args.min_prefill_tokens {
-            Some(n) => Arc::new(PromptThreshold::new(n)),
-            None => Arc::new(Always),
+        let disaggregate: Arc<dyn Disaggregate> = match (args.min_prefill_tokens, &kv_events) {
+            // The decode leg is picked by what the decode engines hold: only the
+            // prompt the best of them lacks is worth a prefill leg.
+            (Some(n), Some(kv)) if matches!(decode_policy, Policy::KvEvents) => {
+                Arc::new(disagg_kvevents::CachedPrefixThreshold::new(
+                    Arc::clone(&kv.scorer),
+                    Arc::clone(&source),
+                    n,
+                    Arc::new(PromptThreshold::new(n)),
+                ))
+            }
+            (Some(n), _) => Arc::new(PromptThreshold::new(n)),
+            (None, _) => Arc::new(Always),
+        };
+        let tokenizer = match &kv_events {
+            None => None,
+            Some(_) => Some(
+                args.kv_events
+                    .tokenizer(Arc::clone(&source), transport.clone())?
+                    .ok_or("the kv_events policy needs token ids: give --tokenizer PATH or --tokenize engine")?,
+            ),
         };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
@@ -770,6 +820,9 @@ impl Shared {
             .connector(connector)
             .disaggregate(disaggregate)
             .config(config);
+        if let Some(t) = tokenizer {
+            builder = builder.tokenizer(t);
+        }
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
@@ -780,12 +833,20 @@ impl Shared {
             builder = builder.retry(Backoff::new(resilience.retry));
         }
         let orchestrator = builder.build();
+        let kv_thread = match &kv_events {
+            None => None,
+            Some(kv) => {
+                service.extra_metrics.push(kv.metrics(orchestrator.clone()));
+                Some(kv.start(follow, shutdown)?)
+            }
+        };
         Ok(Shared {
             orchestrator,
             transport,
             service,
             health: active_checks.then_some(health),
             discovery,
+            kv_events: kv_thread,
         })
     }
 
@@ -821,6 +882,7 @@ pub fn run(
     };
     let mut shared = Shared::from_args(args, notifications, shutdown.clone())?;
     let discovery = shared.discovery.take();
+    let kv_events = shared.kv_events.take();
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
         None => None,
@@ -856,6 +918,9 @@ pub fn run(
     }
     if let Some(discovery) = discovery {
         let _ = discovery.join();
+    }
+    if let Some(kv_events) = kv_events {
+        let _ = kv_events.join();
     }
     if let Some(listener) = listener {
         let _ = listener.join();
@@ -1005,6 +1070,36 @@ mod tests {
         );
         assert!(
             err.contains("NixlConnector") && err.contains("sglang"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kv_events_without_a_tokenizer_stops_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--prefill-policy",
+            "kv_events",
+            "--kv-events-port",
+            "5557",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("--tokenizer") && err.contains("--tokenize engine"),
             "{err}"
         );
     }
