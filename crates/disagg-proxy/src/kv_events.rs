@@ -98,6 +98,20 @@ pub(crate) struct KvEvents {
 }
 
 impl KvEventsArgs {
+    /// The flag that only the `kv_events` policy reads, if one was given: given
+    /// without that policy it would be silently ignored, which hides a mistyped policy.
+    pub(crate) fn needs_the_policy(&self) -> Option<&'static str> {
+        if !self.kv_events_endpoints.is_empty() {
+            Some("--kv-events-endpoint")
+        } else if self.kv_events_port.is_some() {
+            Some("--kv-events-port")
+        } else if self.kv_events_replay_port.is_some() {
+            Some("--kv-events-replay-port")
+        } else {
+            None
+        }
+    }
+
     /// The tokenizer the flags ask for (`None`: neither flag).
     pub(crate) fn tokenizer(
         &self,

@@ -742,6 +742,14 @@ impl Shared {
             .any(|p| matches!(p, Policy::KvEvents))
             .then(|| crate::kv_events::KvEvents::new(&args.kv_events))
             .transpose()?;
+        if kv_events.is_none()
+            && let Some(flag) = args.kv_events.needs_the_policy()
+        {
+            return Err(format!(
+                "{flag} is read only by the kv_events policy: add --prefill-policy kv_events or --decode-policy kv_events"
+            )
+            .into());
+        }
         // The set the KV-event subscriber follows: every engine found, before health
         // takes any out (an ejected engine keeps its cache, and its entries).
         let (source, health, discovery, follow): (
@@ -1100,6 +1108,34 @@ mod tests {
             .to_string();
         assert!(
             err.contains("--tokenizer") && err.contains("--tokenize engine"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kv_events_flags_without_the_policy_stop_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--kv-events-port",
+            "5557",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("--kv-events-port") && err.contains("kv_events"),
             "{err}"
         );
     }
