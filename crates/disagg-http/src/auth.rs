@@ -116,6 +116,11 @@ use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
+pub mod guide {
+    //! The security guide (`docs/security.md`).
+    #![doc = include_str!("../../../docs/security.md")]
+}
+
 /// The longest key accepted: far above any real one (OpenAI's are under 200 bytes), low
 /// enough that a key file mistaken for another file is refused.
 const MAX_KEY_BYTES: usize = 4096;
@@ -591,7 +596,8 @@ impl ApiKeys {
             return Err(Refusal::Missing);
         };
         let presented = sha256(token);
-        let set = Arc::clone(&read(&self.shared.set));
+        // Held to the end of the check: a reload waits for it (microseconds).
+        let set = read(&self.shared.set);
         // Every digest is compared, whatever matched: the time taken tells nothing of
         // which key matched or how far a guess was right.
         let mut found = subtle::Choice::from(0u8);
