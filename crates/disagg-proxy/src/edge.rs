@@ -153,7 +153,9 @@ impl EdgeArgs {
         !self.api_keys.is_empty() || self.api_key_file.is_some()
     }
 
-    /// Build the edge for engines at `engine_urls`.
+    /// Build the edge for engines at `engine_urls`; `discovery` says whether more engines
+    /// may be found at run time (an engine key may then name one not listed, and
+    /// `https://` engines may appear).
     ///
     /// # Errors
     ///
@@ -162,6 +164,7 @@ impl EdgeArgs {
     pub(crate) fn build<'a>(
         &self,
         engine_urls: impl Iterator<Item = &'a str> + Clone,
+        discovery: bool,
     ) -> Result<Edge, BoxError> {
         let interval = Duration::try_from_secs_f64(self.reload_interval)
             .ok()
@@ -213,7 +216,9 @@ impl EdgeArgs {
             edge.engine_keys = match &k.url {
                 None => edge.engine_keys.with_default(k.key.expose()),
                 Some(url) => {
-                    if !engine_urls.clone().any(|u| base(u) == url) {
+                    // Without discovery a URL naming no engine is a typo; with it, the
+                    // engine may be found later.
+                    if !discovery && !engine_urls.clone().any(|u| base(u) == url) {
                         return Err(format!(
                             "--engine-api-key names {url}, which is no --prefill or --decode engine"
                         )
@@ -225,16 +230,30 @@ impl EdgeArgs {
             .map_err(|e| format!("--engine-api-key: {e}"))?;
         }
         let https = engine_urls.clone().any(|u| u.starts_with("https://"));
-        if https || self.engine_ca.is_some() || self.engine_client_cert.is_some() {
+        if https || discovery || self.engine_ca.is_some() || self.engine_client_cert.is_some() {
             let roots = match &self.engine_ca {
                 Some(path) => tls::roots_from_pem_file(path)
                     .map_err(|e| format!("--engine-ca: {}", chain(&e)))?,
-                None => tls::native_roots().map_err(|e| {
-                    format!(
-                        "https engines: {}; name their CA with --engine-ca",
-                        chain(&e)
-                    )
-                })?,
+                None => match tls::native_roots() {
+                    Ok(roots) => roots,
+                    // Discovery alone does not say an engine will speak https: without a
+                    // trust store, plain engines still work and an https one fails its
+                    // requests with a clear error.
+                    Err(e) if !https && discovery && self.engine_client_cert.is_none() => {
+                        tracing::warn!(
+                            "no trust store for https engines found by discovery: {}; name their CA with --engine-ca",
+                            chain(&e)
+                        );
+                        return Ok(edge);
+                    }
+                    Err(e) => {
+                        return Err(format!(
+                            "https engines: {}; name their CA with --engine-ca",
+                            chain(&e)
+                        )
+                        .into());
+                    }
+                },
             };
             let client = match (&self.engine_client_cert, &self.engine_client_key) {
                 (Some(cert), Some(key)) => {

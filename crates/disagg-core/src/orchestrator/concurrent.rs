@@ -5,22 +5,23 @@
 //! before the decode's head ends the attempt and drops the decode leg; a decode that
 //! fails drops the prefill leg.
 
-use std::time::Instant;
+use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::{Either, select};
 
 use crate::connector::Handoff;
-use crate::outcome::Verdict;
+use crate::outcome::now;
+use crate::outcome::{Timeline, Verdict};
 use crate::request::PdRequest;
 use crate::router::Route;
 
 use super::Inner;
 use super::attempt::Failure;
 use super::body::PendingPrefill;
-use super::clock::{Clock, Timing};
+use super::clock::Clock;
 use super::legs::PrefillResult;
-use super::respond::Exchange;
+use super::respond::{Exchange, LateMarks};
 use super::sequential::{prefill_refused, reshaped};
 
 impl Inner {
@@ -31,20 +32,21 @@ impl Inner {
         route: Route,
         handoff: Handoff,
         clock: Clock,
+        tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
-        let start = Instant::now();
-        let mut timing = Timing::default();
+        let start = now();
+        tl.prefill_sent = Some(start);
+        tl.decode_sent = Some(start);
         // Boxed: the race needs them pinned, and the prefill may move into the body.
         let prefill = Box::pin(self.prefill(req, &handoff.prefill, clock));
         let guard = handoff.decode.endpoint.track();
-        let decode_start = Instant::now();
         let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
         let (head, pending, prefilled) = match select(prefill, decode).await {
             // The prefill ended first: a failure ends the attempt (dropping the decode
             // leg); a success leaves the decode to finish.
             Either::Left((p, decode)) => match p {
                 Ok(PrefillResult::Answer(_)) => {
-                    timing.prefill = Some(start.elapsed());
+                    tl.prefill_done = Some(now());
                     (decode.await, None, Verdict::Answered)
                 }
                 Ok(PrefillResult::ClientError {
@@ -59,7 +61,7 @@ impl Inner {
             Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned),
         };
         let head = head.map_err(|e| Failure::decode(&route, e, prefilled))?;
-        timing.decode_head = Some(decode_start.elapsed());
+        tl.decode_head = Some(now());
         let success = head.status().is_success();
         let head = if success {
             reshaped(&handoff, head)
@@ -67,12 +69,19 @@ impl Inner {
             head
         };
         // A decode that answered an error needs no KV: the prefill leg is dropped.
-        let pending: Option<PendingPrefill> = pending
-            .filter(|_| success)
-            .map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as PendingPrefill);
+        let marks = Arc::new(LateMarks::default());
+        let marked = Arc::clone(&marks);
+        let pending: Option<PendingPrefill> = pending.filter(|_| success).map(|p| {
+            Box::pin(p.map(move |r| {
+                let _ = marked.prefill_done.set(now());
+                r.and_then(PrefillResult::into_late)
+            })) as PendingPrefill
+        });
         let mut ex = Exchange::new(route, head);
+        if pending.is_some() {
+            ex.late = Some(marks);
+        }
         ex.mark = Some("kv");
-        ex.timing = timing;
         ex.guard = Some(guard);
         ex.prefill = prefilled;
         ex.pending = pending;
