@@ -340,20 +340,18 @@ impl CertStore {
     }
 
     /// Poll the files every `interval` until dropped (reads on the blocking pool).
-    fn watch(self: Arc<Self>, interval: Duration) -> impl Future<Output = ()> + Send + 'static {
-        async move {
-            if self.files.is_none() {
-                return;
-            }
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    async fn watch(self: Arc<Self>, interval: Duration) {
+        if self.files.is_none() {
+            return;
+        }
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
             tick.tick().await;
-            loop {
-                tick.tick().await;
-                let store = Arc::clone(&self);
-                // Its outcome is logged and counted by `reload`.
-                let _ = tokio::task::spawn_blocking(move || store.reload()).await;
-            }
+            let store = Arc::clone(&self);
+            // Its outcome is logged and counted by `reload`.
+            let _ = tokio::task::spawn_blocking(move || store.reload()).await;
         }
     }
 }

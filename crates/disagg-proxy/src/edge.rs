@@ -163,7 +163,7 @@ impl EdgeArgs {
     /// key naming no engine, https engines and no usable trust store.
     pub(crate) fn build<'a>(
         &self,
-        engine_urls: impl Iterator<Item = &'a str> + Clone,
+        mut engine_urls: impl Iterator<Item = &'a str> + Clone,
         discovery: bool,
     ) -> Result<Edge, BoxError> {
         let interval = Duration::try_from_secs_f64(self.reload_interval)
@@ -229,7 +229,7 @@ impl EdgeArgs {
             }
             .map_err(|e| format!("--engine-api-key: {e}"))?;
         }
-        let https = engine_urls.clone().any(|u| u.starts_with("https://"));
+        let https = engine_urls.any(|u| u.starts_with("https://"));
         if https || discovery || self.engine_ca.is_some() || self.engine_client_cert.is_some() {
             let roots = match &self.engine_ca {
                 Some(path) => tls::roots_from_pem_file(path)
