@@ -569,6 +569,64 @@ async fn engine_keys_go_on_both_legs_models_and_health_checks() {
     );
 }
 
+/// LMCache's connector asks an engine's `POST /tokenize` (outside vLLM's guarded `/v1`
+/// paths): the engine key goes there too, as on every request to an engine.
+#[tokio::test]
+async fn engine_keys_go_on_lmcaches_tokenize_requests() {
+    use disagg_sim::{KvMode, LmcacheReceiver, SimRole};
+    let notify = common::free_addr();
+    let decode = engine(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Decode),
+        lmcache_receiver: LmcacheReceiver::ephemeral(1),
+        api_key: Some("sk-lmcache-engines".to_owned()),
+        ..SimConfig::default()
+    })
+    .await;
+    let prefill = engine(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Prefill),
+        lmcache_proxy: Some(notify.to_string()),
+        api_key: Some("sk-lmcache-engines".to_owned()),
+        ..SimConfig::default()
+    })
+    .await;
+    let receiver = format!(
+        "{}=127.0.0.1:{}:{}",
+        decode.url(),
+        decode.lmcache_init_ports()[0],
+        decode.lmcache_alloc_ports()[0]
+    );
+    let notify = notify.to_string();
+    let proxy = Proxy::start(
+        &prefill,
+        &decode,
+        &[
+            "--connector",
+            "lmcache",
+            "--lmcache-notify",
+            &notify,
+            "--lmcache-receiver",
+            &receiver,
+            "--engine-api-key",
+            "sk-lmcache-engines",
+        ],
+    )
+    .await;
+    let chat = serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "keys on every engine path"}],
+        "max_tokens": 4,
+    });
+    let a = post(&proxy.url(), "/v1/chat/completions", &chat.to_string()).await;
+    assert_eq!(a.status, 200, "{}\n{}", a.text(), proxy.log());
+    let (p, d) = (prefill.stats(), decode.stats());
+    assert!(
+        p.tokenize_requests + d.tokenize_requests > 0,
+        "no /tokenize was asked: {p:?} {d:?}"
+    );
+    assert_eq!((p.requests_without_key, d.requests_without_key), (0, 0));
+    assert_eq!((p.unauthorized, d.unauthorized), (0, 0));
+}
+
 // === TLS to engines ===
 
 fn https_config(ca: &Ca, client_ca: Option<&Ca>) -> SimConfig {
