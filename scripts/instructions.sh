@@ -110,5 +110,12 @@ EOF
 
 A=$(count "$WARM")
 B=$(count "$((WARM + N))")
-VARIANT="$([ "${STREAM:-0}" = 1 ] && echo ' streamed')$([ -n "${AUTH:-}" ] && echo ' auth')$([ -n "${TLS_IN:-}" ] && echo ' tls-in')$([ -n "${TLS_OUT:-}" ] && echo ' tls-out')$([ "${NEW_CONN:-0}" = 1 ] && echo ' new-conn')"
+# Built with `if`s: under `set -e` an assignment whose last `$(... && ...)` is false
+# would end the script before it prints.
+VARIANT=""
+if [ "${STREAM:-0}" = 1 ]; then VARIANT+=" streamed"; fi
+if [ -n "${AUTH:-}" ]; then VARIANT+=" auth"; fi
+if [ -n "${TLS_IN:-}" ]; then VARIANT+=" tls-in"; fi
+if [ -n "${TLS_OUT:-}" ]; then VARIANT+=" tls-out"; fi
+if [ "${NEW_CONN:-0}" = 1 ]; then VARIANT+=" new-conn"; fi
 echo "$CONNECTOR$VARIANT: $(( (B - A) / N )) instructions per request ($BIN)"
