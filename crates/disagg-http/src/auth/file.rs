@@ -21,7 +21,7 @@ use super::{KeyError, MAX_KEY_FILE_BYTES, valid_key};
 pub struct KeyFile {
     /// The file.
     pub path: PathBuf,
-    /// How often [`ApiKeys::watch`] reads it: 1 s by default, so a change is in force
+    /// How often [`ApiKeys::watch`](super::ApiKeys::watch) reads it: 1 s by default, so a change is in force
     /// within about 2 s.
     pub poll_interval: Duration,
 }

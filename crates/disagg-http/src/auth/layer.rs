@@ -43,7 +43,7 @@ impl Policy {
 }
 
 /// A tower layer that checks API keys (and their limits) before the inner service
-/// sees a request: see the [module documentation](self).
+/// sees a request: see the [module documentation](super).
 #[derive(Debug, Clone)]
 pub struct ApiKeyLayer {
     policy: Arc<Policy>,

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
 
-/// Why a request was refused by [`ApiKeys::check`].
+/// Why a request was refused by [`ApiKeys::check`](super::ApiKeys::check).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {
