@@ -73,8 +73,8 @@ pub enum EndpointError {
         #[source]
         source: http::uri::InvalidUri,
     },
-    /// Not an `http://host:port` URL.
-    #[error("endpoint url `{url}` must be http://host[:port] with no path")]
+    /// Not an `http://host:port` or `https://host:port` URL.
+    #[error("endpoint url `{url}` must be http://host[:port] or https://host[:port] with no path")]
     Unsupported {
         /// What was given.
         url: String,
@@ -118,13 +118,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// An endpoint at `url` (`http://host:port`, a trailing `/` allowed) with `role`;
-    /// `url@RANK` names one data-parallel rank of the engine.
+    /// An endpoint at `url` (`http://host:port` or `https://host:port`, a trailing `/`
+    /// allowed) with `role`; `url@RANK` names one data-parallel rank of the engine.
     ///
     /// # Errors
     ///
-    /// [`EndpointError`] when `url` is not an absolute `http` URL without a path, or its
-    /// rank is not a number.
+    /// [`EndpointError`] when `url` is not an absolute `http` or `https` URL without a
+    /// path, or its rank is not a number.
     ///
     /// # Examples
     ///
@@ -166,7 +166,9 @@ impl Endpoint {
             url: url.to_owned(),
         };
         let scheme = parts.scheme.ok_or_else(unsupported)?;
-        if scheme != Scheme::HTTP {
+        // `https` is the transport's business (TLS to the engine); the core only keeps
+        // the scheme in the URIs it builds.
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
             return Err(unsupported());
         }
         let authority = parts
@@ -567,7 +569,12 @@ mod tests {
             "http://127.0.0.1:8000/v1/completions"
         );
         assert!(Endpoint::new("http://h:1/v1", Role::Decode).is_err());
-        assert!(Endpoint::new("https://h:1", Role::Decode).is_err());
+        let tls = Endpoint::new("https://h:1", Role::Decode).unwrap();
+        assert_eq!(
+            tls.uri("/health").unwrap().to_string(),
+            "https://h:1/health"
+        );
+        assert!(Endpoint::new("ftp://h:1", Role::Decode).is_err());
         assert!(Endpoint::new("h:1", Role::Decode).is_err());
         assert!(Endpoint::new("not a url", Role::Decode).is_err());
     }

@@ -153,9 +153,13 @@ pub struct ServeArgs {
     /// refused before any engine is contacted, for the same reason.
     #[arg(long, value_name = "N", default_value_t = 4)]
     max_stop_strings: usize,
-    /// Forward the client's `Authorization` header to the engines.
+    /// Forward the client's `Authorization` header to the engines (not with client keys:
+    /// the proxy's keys are never passed on; an --engine-api-key replaces it).
     #[arg(long)]
     forward_authorization: bool,
+    /// API keys, limits per key, TLS in and out (docs/security.md).
+    #[command(flatten)]
+    edge: crate::edge::EdgeArgs,
     /// Seconds that requests in flight at SIGTERM or Ctrl-C (streams included) may run
     /// on. The listening socket closes at once and idle connections are closed; past
     /// this deadline the connections still open are cut and the process exits (status 0).
@@ -630,6 +634,8 @@ struct Shared {
     orchestrator: Orchestrator,
     transport: HttpTransportConfig,
     service: PdServiceConfig,
+    /// Keys, limits and TLS at the edge.
+    edge: crate::edge::Edge,
     /// Set when active health checks run.
     health: Option<Arc<Health>>,
     /// The discovery sources' thread, when discovery runs (it ends at shutdown).
@@ -734,6 +740,13 @@ impl Shared {
         limits.max_stop_strings = args.max_stop_strings;
         let connector = args.connector.connector(notifications, limits)?;
         let (health_config, active_checks) = args.reliability.health()?;
+        if args.forward_authorization && args.edge.client_keys() {
+            return Err("--forward-authorization cannot be used with client keys (--api-key, --api-key-file): the clients' keys are the proxy's and never go to engines; give the engines theirs with --engine-api-key".into());
+        }
+        let edge = args.edge.build(
+            args.engine_urls().collect::<Vec<_>>().into_iter(),
+            args.discovery.any(),
+        )?;
         let mut extra_metrics = Vec::new();
         let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
         let decode_policy = args.decode_policy.unwrap_or(args.policy);
@@ -779,6 +792,7 @@ impl Shared {
         };
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        edge.apply(&mut transport);
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
@@ -820,6 +834,7 @@ impl Shared {
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         service.extra_metrics.extend(lmcache_metrics);
+        service.extra_metrics.extend(edge.metrics());
         service.extra_metrics.extend(extra_metrics);
         args.client_body.apply(&mut service)?;
         // The source's health hears every attempt (it is the source's listener).
@@ -852,6 +867,7 @@ impl Shared {
             orchestrator,
             transport,
             service,
+            edge,
             health: active_checks.then_some(health),
             discovery,
             kv_events: kv_thread,
@@ -912,15 +928,39 @@ pub fn run(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
     let mut serve_config = disagg_http::server::ServeConfig::default();
     serve_config.drain_timeout = secs(args.drain_timeout, "drain-timeout")?;
-    disagg_http::server::serve_threads_with(
-        args.listen,
-        threads,
-        move || shared.service(),
-        shutdown,
-        on_bound,
-        &serve_config,
-    )
-    .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    serve_config.tls = shared.edge.server_tls.clone();
+    // The key file and certificates, re-read on a small thread of their own.
+    let reloader = match shared.edge.reloads() {
+        None => None,
+        Some(reloads) => Some(crate::edge::spawn_until(
+            "disagg-reload",
+            reloads,
+            shutdown.clone(),
+        )?),
+    };
+    let served = match shared.edge.layer.clone() {
+        // Without keys the service is served bare: no layer, no cost.
+        None => disagg_http::server::serve_threads_with(
+            args.listen,
+            threads,
+            move || shared.service(),
+            shutdown,
+            on_bound,
+            &serve_config,
+        ),
+        Some(layer) => disagg_http::server::serve_threads_with(
+            args.listen,
+            threads,
+            move || tower::Layer::layer(&layer, shared.service()),
+            shutdown,
+            on_bound,
+            &serve_config,
+        ),
+    };
+    served.map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    if let Some(reloader) = reloader {
+        let _ = reloader.join();
+    }
     if let Some(checker) = checker {
         let _ = checker.join();
     }

@@ -583,8 +583,10 @@ mod rendezvous;
 mod server;
 mod sglang;
 mod stats;
+#[cfg(feature = "tls")]
+mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
+pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole, SimTls};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

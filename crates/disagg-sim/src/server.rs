@@ -347,9 +347,14 @@ impl SimEngine {
             publishers,
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
         });
+        let tls = match &inner.config.tls {
+            None => None,
+            Some(t) => Some(tls_acceptor(t)?),
+        };
         tasks.push(tokio::spawn(accept_http(
             inner.clone(),
             http,
+            tls,
             stop_rx.clone(),
         )));
         tasks.push(tokio::spawn(accept_side_channel(
@@ -439,9 +444,15 @@ impl SimEngine {
         self.addr
     }
 
-    /// The HTTP base URL, e.g. `http://127.0.0.1:41234`.
+    /// The HTTP base URL, e.g. `http://127.0.0.1:41234` (`https://` with
+    /// [`SimConfig::tls`]).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.inner.config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The side channel address (its port is the advertised `remote_port`).
@@ -639,14 +650,39 @@ where
     }
 }
 
-async fn accept_http(inner: Arc<Inner>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+/// The TLS acceptor of [`SimConfig::tls`].
+#[cfg(feature = "tls")]
+type TlsAcceptor = tokio_rustls::TlsAcceptor;
+/// Without the `tls` feature no acceptor can exist.
+#[cfg(not(feature = "tls"))]
+type TlsAcceptor = std::convert::Infallible;
+
+#[cfg(feature = "tls")]
+fn tls_acceptor(tls: &crate::config::SimTls) -> std::io::Result<TlsAcceptor> {
+    crate::tls::acceptor(tls)
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_acceptor(_tls: &crate::config::SimTls) -> std::io::Result<TlsAcceptor> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "SimConfig::tls needs disagg-sim's `tls` feature",
+    ))
+}
+
+async fn accept_http(
+    inner: Arc<Inner>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    connections.spawn(serve_http(inner.clone(), stream));
+                    connections.spawn(serve_http(inner.clone(), stream, tls.clone()));
                 }
                 Err(e) => accept_error(&e).await,
             },
@@ -740,18 +776,47 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
     }
 }
 
-async fn serve_http(inner: Arc<Inner>, stream: TcpStream) {
+/// How long a client may take over its TLS handshake.
+#[cfg(feature = "tls")]
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn serve_http(inner: Arc<Inner>, stream: TcpStream, tls: Option<TlsAcceptor>) {
     let _connection = ConnectionGuard::new(inner.counters.clone());
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "cannot set TCP_NODELAY");
     }
+    match tls {
+        None => serve_io(inner, TokioIo::new(stream)).await,
+        #[cfg(feature = "tls")]
+        Some(acceptor) => {
+            match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => serve_io(inner, TokioIo::new(tls)).await,
+                Ok(Err(e)) => {
+                    bump(&inner.counters.tls_handshake_failures);
+                    tracing::debug!(error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    bump(&inner.counters.tls_handshake_failures);
+                    tracing::debug!("TLS handshake timed out");
+                }
+            }
+        }
+        #[cfg(not(feature = "tls"))]
+        Some(never) => match never {},
+    }
+}
+
+async fn serve_io<I>(inner: Arc<Inner>, io: I)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
     let service = service_fn(move |req| {
         let inner = inner.clone();
         async move { Ok::<_, Infallible>(route(&inner, req).await) }
     });
     if let Err(e) = http1::Builder::new()
         .keep_alive(true)
-        .serve_connection(TokioIo::new(stream), service)
+        .serve_connection(io, service)
         .await
     {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
@@ -773,11 +838,41 @@ fn error_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBod
     json_response(error.status, SimBody::full(error.body()), request_id)
 }
 
+/// Whether `headers` carry `key` as vLLM's `AuthenticationMiddleware` reads it: the
+/// value split at its first space, the scheme `bearer` in any case, the rest exactly
+/// the key.
+fn has_key(headers: &HeaderMap, key: &str) -> bool {
+    let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+        return false;
+    };
+    let Some((scheme, token)) = value.as_bytes().split_at_checked(6) else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case(b"bearer")
+        && token.first() == Some(&b' ')
+        && &token[1..] == key.as_bytes()
+}
+
 async fn route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    if let Some(key) = &inner.config.api_key
+        && req.uri().path() != "/stats"
+        && !has_key(req.headers(), key)
+    {
+        bump(&inner.counters.requests_without_key);
+        // vLLM guards the OpenAI routes only (`/v1...`), answering its own error shape.
+        if req.uri().path().starts_with("/v1") {
+            bump(&inner.counters.unauthorized);
+            return json_response(
+                StatusCode::UNAUTHORIZED,
+                SimBody::full(Bytes::from_static(br#"{"error":"Unauthorized"}"#)),
+                None,
+            );
+        }
+    }
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::GET, "/health") => return Response::new(SimBody::empty()),
         (&Method::GET, "/v1/models") => {

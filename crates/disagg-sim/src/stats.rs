@@ -156,6 +156,19 @@ pub struct Stats {
     /// KV events: replay requests served.
     #[serde(default)]
     pub kv_event_replays: u64,
+    /// With [`SimConfig::api_key`](crate::SimConfig::api_key): requests on any path
+    /// that did not carry the key, those the engine served (paths outside `/v1`, as
+    /// vLLM) and those it refused alike; `GET /stats` is not counted.
+    #[serde(default)]
+    pub requests_without_key: u64,
+    /// With [`SimConfig::api_key`](crate::SimConfig::api_key): requests answered 401.
+    #[serde(default)]
+    pub unauthorized: u64,
+    /// With [`SimConfig::tls`](crate::SimConfig::tls): TLS handshakes that failed
+    /// (a client that does not trust the certificate, no client certificate where one
+    /// is required).
+    #[serde(default)]
+    pub tls_handshake_failures: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -199,6 +212,9 @@ pub(crate) struct Counters {
     pub(crate) prefix_cache_evictions: AtomicU64,
     pub(crate) kv_event_batches: AtomicU64,
     pub(crate) kv_event_replays: AtomicU64,
+    pub(crate) requests_without_key: AtomicU64,
+    pub(crate) unauthorized: AtomicU64,
+    pub(crate) tls_handshake_failures: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -280,6 +296,9 @@ impl Counters {
             prefix_cache_evictions: self.prefix_cache_evictions.load(Relaxed),
             kv_event_batches: self.kv_event_batches.load(Relaxed),
             kv_event_replays: self.kv_event_replays.load(Relaxed),
+            requests_without_key: self.requests_without_key.load(Relaxed),
+            unauthorized: self.unauthorized.load(Relaxed),
+            tls_handshake_failures: self.tls_handshake_failures.load(Relaxed),
         }
     }
 }
