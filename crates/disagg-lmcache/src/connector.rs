@@ -463,6 +463,10 @@ impl KvConnector for Lmcache {
             connector: self.name(),
             what: what.to_owned(),
         };
+        if req.api() == Api::Generate {
+            // LMCache's legs are vLLM's OpenAI routes; SGLang's API has no place there.
+            return Err(unsupported("SGLang's native /generate API"));
+        }
         if int_field(body, "n").is_some_and(|n| n > 1)
             || int_field(body, "best_of").is_some_and(|n| n > 1)
         {

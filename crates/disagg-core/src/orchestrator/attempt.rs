@@ -122,7 +122,9 @@ impl Inner {
         .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
         match handoff.dispatch {
             Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock).await,
-            Dispatch::Concurrent => self.concurrent(req, route, handoff, clock).await,
+            Dispatch::Concurrent | Dispatch::Joined => {
+                self.concurrent(req, route, handoff, clock).await
+            }
         }
     }
 
