@@ -156,6 +156,23 @@ pub struct Stats {
     /// KV events: replay requests served.
     #[serde(default)]
     pub kv_event_replays: u64,
+    /// SGLang engines: `POST /generate` requests received (also counted in
+    /// [`Stats::requests`]).
+    #[serde(default)]
+    pub generate_requests: u64,
+    /// `POST /detokenize` requests served.
+    #[serde(default)]
+    pub detokenize_requests: u64,
+    /// `POST /v1/embeddings` requests served.
+    #[serde(default)]
+    pub embeddings_requests: u64,
+    /// `POST /v1/responses` requests served.
+    #[serde(default)]
+    pub responses_requests: u64,
+    /// Admin requests received (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+    /// `/reset_prefix_cache`), answered or refused.
+    #[serde(default)]
+    pub admin_requests: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -199,6 +216,11 @@ pub(crate) struct Counters {
     pub(crate) prefix_cache_evictions: AtomicU64,
     pub(crate) kv_event_batches: AtomicU64,
     pub(crate) kv_event_replays: AtomicU64,
+    pub(crate) generate_requests: AtomicU64,
+    pub(crate) detokenize_requests: AtomicU64,
+    pub(crate) embeddings_requests: AtomicU64,
+    pub(crate) responses_requests: AtomicU64,
+    pub(crate) admin_requests: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -280,6 +302,11 @@ impl Counters {
             prefix_cache_evictions: self.prefix_cache_evictions.load(Relaxed),
             kv_event_batches: self.kv_event_batches.load(Relaxed),
             kv_event_replays: self.kv_event_replays.load(Relaxed),
+            generate_requests: self.generate_requests.load(Relaxed),
+            detokenize_requests: self.detokenize_requests.load(Relaxed),
+            embeddings_requests: self.embeddings_requests.load(Relaxed),
+            responses_requests: self.responses_requests.load(Relaxed),
+            admin_requests: self.admin_requests.load(Relaxed),
         }
     }
 }
