@@ -1,19 +1,32 @@
-//! How an attempt ended: one [`Report`], told once to every [`Listener`].
+//! How an attempt ended: one [`Report`], told once to every [`Listener`]; how a request
+//! ended: one [`Summary`].
 //!
 //! Every attempt the orchestrator makes (a request makes one, or more when it is
 //! retried) ends exactly once: when it fails before any answer reached the client, or
 //! when the client's response body ends, breaks or is dropped. At that moment one report
 //! is made and handed to the router's and the connector's `observe`, then to every
-//! listener: passive health, metrics, tracing, an access log. Nothing else reports
-//! outcomes, so a listener sees each attempt once and sees them all.
+//! listener: passive health, metrics, tracing. Nothing else reports outcomes, so a
+//! listener sees each attempt once and sees them all.
+//!
+//! Every request the orchestrator parsed or refused ends exactly once too, after its
+//! last attempt's report: one [`Summary`] (what the client got, when each byte went,
+//! the phases of the attempt that answered) goes to every listener, for request
+//! metrics, the request's trace span and an access log. A request refused before any
+//! attempt (a malformed body, an invalid parameter, a full queue) has a summary and no
+//! report.
 //!
 //! Listeners run on the request path (at the end of a body, on the task that polls
 //! it): they must be cheap, must not block, and must not hold a lock across anything
 //! slow.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
 
+use http::{HeaderValue, StatusCode};
+
+use crate::request::Api;
 use crate::router::{Outcome, Route};
+use crate::trace::TraceIds;
 
 /// What one leg of an attempt did, as far as its engine's health is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,34 +58,260 @@ pub struct Report {
     pub prefill: Verdict,
     /// The decode leg.
     pub decode: Verdict,
+    /// Which attempt of its request this was: 0 for the first, 1 for the first retry...
+    pub attempt: u32,
+    /// When each of its steps happened.
+    pub timeline: Timeline,
+    /// The trace identities of its spans, when the orchestrator traces.
+    pub trace: Option<TraceIds>,
 }
 
 impl Report {
     /// A report for an attempt over `route` that ended with `outcome`, its legs judged
-    /// `prefill` and `decode`.
-    pub(crate) fn new(route: Route, outcome: Outcome, prefill: Verdict, decode: Verdict) -> Self {
+    /// `prefill` and `decode`, its steps timed in `timeline`.
+    pub(crate) fn new(
+        route: Route,
+        outcome: Outcome,
+        prefill: Verdict,
+        decode: Verdict,
+        timeline: Timeline,
+    ) -> Self {
         Report {
             route,
             outcome,
             prefill,
             decode,
+            attempt: 0,
+            timeline,
+            trace: None,
         }
     }
 }
 
-/// Hears how each attempt ended.
+/// Now, on tokio's clock (the same as the system's monotonic clock, except under
+/// tokio's paused test clock, where the orchestrator's timers run too).
+pub(crate) fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// When each step of one attempt happened; a step that did not happen is `None`.
 ///
-/// Called once per attempt, on the request path: must be cheap and must not block (see
-/// the [module docs](self)). [`EndpointSource::listener`](crate::EndpointSource::listener)
+/// Instants, not durations, so that a trace can place each leg's span exactly; the
+/// methods give the durations the metrics want.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct Timeline {
+    /// The attempt began (its route chosen, after any admission wait).
+    pub start: Instant,
+    /// The prefill leg was sent.
+    pub prefill_sent: Option<Instant>,
+    /// The prefill engine answered (for a concurrent handoff whose prefill was still
+    /// running at the decode's head: when it answered, before the stream ended).
+    pub prefill_done: Option<Instant>,
+    /// The handoff step began: the prefill's answer (sequential), or the plan's
+    /// resolution (concurrent).
+    pub handoff_start: Option<Instant>,
+    /// The decode leg was sent (after the handoff step: the bootstrap, the
+    /// notification wait).
+    pub decode_sent: Option<Instant>,
+    /// The decode engine's response head arrived.
+    pub decode_head: Option<Instant>,
+    /// The decode's first body chunk arrived (under a lead the proxy streams itself,
+    /// LMCache's first token, the first chunk after the decode's head).
+    pub decode_first_chunk: Option<Instant>,
+    /// The attempt ended: it failed, or its response body ended or was dropped.
+    pub end: Option<Instant>,
+}
+
+impl Timeline {
+    /// A timeline that starts now.
+    pub(crate) fn starting() -> Self {
+        Timeline {
+            start: now(),
+            prefill_sent: None,
+            prefill_done: None,
+            handoff_start: None,
+            decode_sent: None,
+            decode_head: None,
+            decode_first_chunk: None,
+            end: None,
+        }
+    }
+
+    /// The prefill leg: sent until answered.
+    pub fn prefill(&self) -> Option<Duration> {
+        Some(
+            self.prefill_done?
+                .saturating_duration_since(self.prefill_sent?),
+        )
+    }
+
+    /// The handoff step: from its start until the decode leg was sent.
+    pub fn handoff(&self) -> Option<Duration> {
+        Some(
+            self.decode_sent?
+                .saturating_duration_since(self.handoff_start?),
+        )
+    }
+
+    /// The decode leg's head: sent until its response head arrived.
+    pub fn decode_head(&self) -> Option<Duration> {
+        Some(
+            self.decode_head?
+                .saturating_duration_since(self.decode_sent?),
+        )
+    }
+
+    /// The decode leg's first chunk: sent until its first body chunk arrived.
+    pub fn decode_first_chunk(&self) -> Option<Duration> {
+        Some(
+            self.decode_first_chunk?
+                .saturating_duration_since(self.decode_sent?),
+        )
+    }
+}
+
+/// How the client's response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ended {
+    /// The whole answer went out (an error answer included: see [`Summary::status`]).
+    Complete,
+    /// The client went away before the end.
+    Cancelled,
+    /// The answer broke after its head went out (a decode stream that failed, a time
+    /// limit of the stream, a concurrent prefill that failed).
+    Broken,
+}
+
+/// How one request ended, told once to every listener after its last attempt.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Summary {
+    /// The API the client called.
+    pub api: Api,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    /// The model the body names.
+    pub model: Option<Arc<str>>,
+    /// The client's request id (its `x-request-id`, or one drawn for it).
+    pub request_id: Option<HeaderValue>,
+    /// The engine-side request id of the attempt that answered.
+    pub engine_request_id: Option<HeaderValue>,
+    /// The status the client got.
+    pub status: StatusCode,
+    /// The error code (OpenAI's `code`) when the request failed or its stream broke.
+    pub error: Option<&'static str>,
+    /// How the KV reached the decode (`x-disagg-handoff`: `kv`, `direct`, ...).
+    pub handoff: Option<&'static str>,
+    /// Why the request was served decode-only (`x-disagg-fallback`).
+    pub fallback: Option<&'static str>,
+    /// Where the attempt that answered went.
+    pub route: Option<Route>,
+    /// Attempts made (0 when refused before any).
+    pub attempts: u32,
+    /// When the request arrived.
+    pub arrival: Instant,
+    /// The same moment on the wall clock (for logs and exported spans).
+    pub arrival_wall: SystemTime,
+    /// Time spent waiting for admission.
+    pub queued: Option<Duration>,
+    /// The steps of the attempt that answered.
+    pub timeline: Option<Timeline>,
+    /// When the first byte of the response body went to the client.
+    pub first_byte: Option<Instant>,
+    /// When the response ended (its last byte, its break, or the client leaving).
+    pub end: Instant,
+    /// Response body bytes handed to the client.
+    pub bytes: u64,
+    /// How the response ended.
+    pub ended: Ended,
+    /// The trace identities of the request's spans, when the orchestrator traces.
+    pub trace: Option<TraceIds>,
+}
+
+impl Summary {
+    /// A summary of a request for `api` that arrived at `arrival` and is answered
+    /// `status` now, with nothing else known yet.
+    pub(crate) fn new(api: Api, arrival: Instant, status: StatusCode) -> Self {
+        // One read of each clock, when the summary is made rather than on arrival.
+        let end = now();
+        let wall = SystemTime::now();
+        Summary {
+            api,
+            stream: false,
+            model: None,
+            request_id: None,
+            engine_request_id: None,
+            status,
+            error: None,
+            handoff: None,
+            fallback: None,
+            route: None,
+            attempts: 0,
+            arrival,
+            arrival_wall: wall
+                .checked_sub(end.saturating_duration_since(arrival))
+                .unwrap_or(wall),
+            queued: None,
+            timeline: None,
+            first_byte: None,
+            end,
+            bytes: 0,
+            ended: Ended::Complete,
+            trace: None,
+        }
+    }
+
+    /// From arrival to the response's end.
+    pub fn duration(&self) -> Duration {
+        self.end.saturating_duration_since(self.arrival)
+    }
+
+    /// From arrival to the first byte of the response body.
+    pub fn time_to_first_byte(&self) -> Option<Duration> {
+        Some(self.first_byte?.saturating_duration_since(self.arrival))
+    }
+
+    /// The request's outcome in one word, for metric labels and logs: `success` (a 2xx
+    /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
+    /// `cancelled` (the client left first).
+    pub fn outcome(&self) -> &'static str {
+        match self.ended {
+            Ended::Cancelled => "cancelled",
+            Ended::Broken => "error",
+            Ended::Complete if self.status.is_success() => "success",
+            Ended::Complete if self.status.is_client_error() => "client_error",
+            Ended::Complete => "error",
+        }
+    }
+}
+
+/// Hears how each attempt and each request ended.
+///
+/// Called on the request path: must be cheap and must not block (see the
+/// [module docs](self)). Both methods do nothing unless implemented, so a listener
+/// implements what it needs. [`EndpointSource::listener`](crate::EndpointSource::listener)
 /// lets a source that keeps per-endpoint state (health) hear the reports of the
 /// orchestrator that routes over it, without being wired twice.
 pub trait Listener: Send + Sync + 'static {
     /// `report` is how an attempt ended.
-    fn on_report(&self, report: &Report);
+    fn on_report(&self, report: &Report) {
+        let _ = report;
+    }
+
+    /// `summary` is how a request ended (after its last attempt's report).
+    fn on_request(&self, summary: &Summary) {
+        let _ = summary;
+    }
 }
 
 impl<T: Listener + ?Sized> Listener for Arc<T> {
     fn on_report(&self, report: &Report) {
         (**self).on_report(report)
+    }
+
+    fn on_request(&self, summary: &Summary) {
+        (**self).on_request(summary)
     }
 }

@@ -1,5 +1,8 @@
 //! [`PdRequest`]: one client request, parsed once, cleaned of handoff fields.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -81,8 +84,10 @@ pub struct PdRequest {
     request_id: HeaderValue,
     /// Whether `request_id` was drawn here (the client sent none usable).
     generated_id: bool,
-    model: Option<String>,
+    model: Option<Arc<str>>,
     stream: bool,
+    /// When the request arrived (its parse, unless the server says otherwise).
+    arrival: Instant,
     /// The handoff fields the client sent (removed from `body`), kept for the checks of
     /// connectors whose engines validate them; empty, and unallocated, for almost every
     /// request.
@@ -134,7 +139,7 @@ impl PdRequest {
         }
         let model = match body.get_as::<Option<String>>("model") {
             None => None,
-            Some(Ok(m)) => m,
+            Some(Ok(m)) => m.map(Arc::from),
             Some(Err(_)) => {
                 return Err(BodyError::FieldType {
                     field: "model",
@@ -173,6 +178,7 @@ impl PdRequest {
             generated_id,
             model,
             stream,
+            arrival: crate::outcome::now(),
             removed,
         })
     }
@@ -221,9 +227,27 @@ impl PdRequest {
         self.model.as_deref()
     }
 
+    /// The requested model, shared.
+    pub(crate) fn model_arc(&self) -> Option<Arc<str>> {
+        self.model.clone()
+    }
+
     /// Whether the client asked for a stream.
     pub fn is_stream(&self) -> bool {
         self.stream
+    }
+
+    /// When the request arrived: when it was parsed, unless the server set the moment
+    /// its head came in ([`set_arrival`](Self::set_arrival)). Request durations and the
+    /// time to the first byte count from here.
+    pub fn arrival(&self) -> Instant {
+        self.arrival
+    }
+
+    /// Set when the request arrived (a server knows: when its head came in, before the
+    /// body was read).
+    pub fn set_arrival(&mut self, at: Instant) {
+        self.arrival = at;
     }
 }
 

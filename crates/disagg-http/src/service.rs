@@ -33,6 +33,9 @@ use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
 use crate::metrics::ExtraMetrics;
 
+/// The request id header a client may send (`x-request-id`).
+const REQUEST_ID: &str = "x-request-id";
+
 /// Settings of the [`PdService`].
 ///
 /// Cloning shares the [`body_budget`](Self::body_budget): build every service of one
@@ -207,6 +210,7 @@ impl Inner {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
+        let arrival = tokio::time::Instant::now().into_std();
         let (parts, body) = req.into_parts();
         let limits = body::Limits {
             max_bytes: self.config.max_body_bytes,
@@ -216,6 +220,8 @@ impl Inner {
         let (bytes, share) = match body::read(body, limits).await {
             Ok(read) => read,
             Err(err) => {
+                let id = parts.headers.get(REQUEST_ID).cloned();
+                self.orchestrator.refused(api, id, arrival, &err);
                 let mut resp = failed(&err);
                 // The rest of the body is unread: the connection cannot carry another
                 // request, and a client that stalled or flooded should not keep it.
@@ -224,13 +230,20 @@ impl Inner {
                 return resp;
             }
         };
+        let id = parts.headers.get(REQUEST_ID).cloned();
         let parsed = self.parse(api, parts.headers, bytes).await;
         // The body's bytes are in the request now (or gone): its share of the budget,
         // which covers receiving and parsing, is given back.
         drop(share);
         let served = match parsed {
-            Ok(req) => self.orchestrator.serve(req).await,
-            Err(err) => Err(err),
+            Ok(mut req) => {
+                req.set_arrival(arrival);
+                self.orchestrator.serve(req).await
+            }
+            Err(err) => {
+                self.orchestrator.refused(api, id, arrival, &err);
+                Err(err)
+            }
         };
         served.unwrap_or_else(|err| failed(&err))
     }

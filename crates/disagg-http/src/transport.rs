@@ -74,9 +74,7 @@ impl Body for LegBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
-            LegBody::Full(b) => Pin::new(b)
-                .poll_frame(cx)
-                .map_err(|never| match never {}),
+            LegBody::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
             LegBody::Stream(b) => Pin::new(b).poll_frame(cx),
         }
     }

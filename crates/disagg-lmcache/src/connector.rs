@@ -47,7 +47,6 @@ use disagg_core::request::{Api, PdRequest};
 use disagg_core::rewrite::VllmLimits;
 use disagg_core::router::Route;
 use disagg_core::transport::{BoxBody, Transport, read_limited};
-use http::{HeaderValue, header};
 use http_body::{Body, Frame};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -1063,11 +1062,6 @@ struct KvParamsIn {
     first_tok: Option<u64>,
 }
 
-#[derive(Deserialize)]
-struct Tokenized {
-    tokens: Vec<u64>,
-}
-
 fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
     body.get_as::<Option<u64>>(key)
         .and_then(Result::ok)
@@ -1132,40 +1126,22 @@ fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> Connecto
     }
 }
 
-/// The prompt's token ids, from the prefill engine's `/tokenize`.
+/// The prompt's token ids, from the prefill engine's `/tokenize` (the exchange
+/// `disagg-tokenize`'s `EngineTokenizer` makes too).
 async fn tokenize(
     transport: &dyn Transport,
     ep: &Arc<Endpoint>,
     body: Bytes,
 ) -> Result<Arc<[u64]>, BoxError> {
-    let mut req = http::Request::new(body);
-    *req.method_mut() = http::Method::POST;
-    *req.uri_mut() = ep.uri("/tokenize").map_err(boxed)?;
-    req.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    let resp = transport.send(req).await.map_err(boxed)?;
-    let status = resp.status();
-    let bytes = read_limited(resp.into_body(), MAX_BODY).await?;
-    if !status.is_success() {
-        let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
-        return Err(boxed(EngineAnswer { status, shown }));
-    }
-    let t: Tokenized = serde_json::from_slice(&bytes).map_err(boxed)?;
-    Ok(t.tokens.into())
+    let uri = ep.uri("/tokenize").map_err(boxed)?;
+    let ids = disagg_tokenize::engine::request_tokens(transport, uri, body, MAX_BODY)
+        .await
+        .map_err(boxed)?;
+    Ok(ids.into_iter().map(u64::from).collect())
 }
 
 fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
     Box::new(e)
-}
-
-/// An engine's error answer.
-#[derive(Debug, thiserror::Error)]
-#[error("answered {status}: {shown}")]
-struct EngineAnswer {
-    status: http::StatusCode,
-    shown: String,
 }
 
 #[cfg(test)]

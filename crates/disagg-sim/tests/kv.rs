@@ -323,7 +323,10 @@ async fn streamed_prefill_carries_no_params_but_holds_blocks() {
     let reply = post(p.addr(), CHAT, &body).await;
     // Chunks carry the field as vLLM 0.33 sets it, null: no parameters.
     for event in reply.events().iter().filter(|e| e.is_object()) {
-        assert_eq!(event.get("kv_transfer_params").unwrap_or(&Value::Null), &Value::Null);
+        assert_eq!(
+            event.get("kv_transfer_params").unwrap_or(&Value::Null),
+            &Value::Null
+        );
     }
     let s = p.stats();
     assert_eq!(

@@ -1,17 +1,17 @@
 //! One attempt: route → plan → legs, ending in an [`Exchange`] for the client, or a
 //! [`Failure`] that no byte of an answer preceded.
 
-use std::time::Instant;
-
 use http::header::HeaderValue;
 use tokio::time::Instant as TokioInstant;
 
 use crate::connector::{Dispatch, Leg};
 use crate::disaggregate::Decision;
 use crate::error::{PdError, Phase, RouteError, Side};
-use crate::outcome::{Report, Verdict};
+use crate::outcome::now;
+use crate::outcome::{Report, Timeline, Verdict};
 use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::{Outcome, RequestView, Route};
+use crate::trace::TraceIds;
 
 use super::Inner;
 use super::clock::{Clock, within};
@@ -23,7 +23,7 @@ pub(super) struct Failure {
     pub(super) error: PdError,
     /// How the attempt went, when it had a route (an attempt refused before routing
     /// reports nothing).
-    pub(super) report: Option<Report>,
+    pub(super) report: Option<Box<Report>>,
 }
 
 impl Failure {
@@ -42,10 +42,11 @@ impl Failure {
             Outcome::PrefillFailed,
             verdict(&error),
             decode,
+            Timeline::starting(),
         );
         Failure {
             error,
-            report: Some(report),
+            report: Some(Box::new(report)),
         }
     }
 
@@ -57,28 +58,61 @@ impl Failure {
             Outcome::DecodeFailed,
             prefill,
             verdict(&error),
+            Timeline::starting(),
         );
         Failure {
             error,
-            report: Some(report),
+            report: Some(Box::new(report)),
         }
     }
 }
 
 impl Inner {
-    /// One attempt for `req`, its legs carrying the engine-side request `id`.
+    /// One attempt for `req`, its legs carrying the engine-side request `id` and, when
+    /// tracing, the trace context of their spans; its steps timed.
     pub(super) async fn attempt(
         &self,
         req: &PdRequest,
         id: HeaderValue,
+        trace: Option<&TraceIds>,
         decision: Decision,
         clock: Clock,
+    ) -> Result<Exchange, Failure> {
+        let mut tl = Timeline::starting();
+        let result = self
+            .attempt_timed(req, id, trace, decision, clock, &mut tl)
+            .await;
+        match result {
+            Ok(mut ex) => {
+                ex.timeline = tl;
+                Ok(ex)
+            }
+            Err(mut f) => {
+                if let Some(r) = &mut f.report {
+                    tl.end = Some(now());
+                    r.timeline = tl;
+                    r.trace = trace.cloned();
+                }
+                Err(f)
+            }
+        }
+    }
+
+    async fn attempt_timed(
+        &self,
+        req: &PdRequest,
+        id: HeaderValue,
+        trace: Option<&TraceIds>,
+        decision: Decision,
+        clock: Clock,
+        tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
         let view = RequestView::from(req);
         let route = self
             .route(req, &view, decision, clock)
             .await
             .map_err(Failure::unrouted)?;
+        tl.start = now();
         if let Decision::Direct { reason } = decision {
             tracing::debug!(
                 request_id = ?req.request_id(),
@@ -86,8 +120,11 @@ impl Inner {
                 reason,
                 "not disaggregated: served on a decode endpoint alone"
             );
-            let leg = decode_alone(&route, req, id);
-            return self.alone(req, route, leg, "direct", clock).await;
+            let mut leg = decode_alone(&route, req, id);
+            if let Some(t) = trace {
+                t.inject(&t.decode, &mut leg.headers);
+            }
+            return self.alone(req, route, leg, "direct", clock, tl).await;
         }
         if route.prefill.is_none() {
             return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
@@ -102,6 +139,10 @@ impl Inner {
         // One engine-side id per attempt, the same on both legs (see `decode_alone`).
         handoff.prefill.headers.insert(REQUEST_ID, id.clone());
         handoff.decode.headers.insert(REQUEST_ID, id);
+        if let Some(t) = trace {
+            t.inject(&t.prefill, &mut handoff.prefill.headers);
+            t.inject(&t.decode, &mut handoff.decode.headers);
+        }
         let prefill_ep = std::sync::Arc::clone(&handoff.prefill.endpoint);
         let resolve = async {
             self.connector
@@ -110,6 +151,7 @@ impl Inner {
                 .map_err(|e| PdError::connector(Side::Prefill, e))
         };
         let budget = self.config.handoff_timeout;
+        let resolving = now();
         within(
             clock,
             budget,
@@ -121,9 +163,11 @@ impl Inner {
         .await
         .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
         match handoff.dispatch {
-            Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock).await,
+            Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock, tl).await,
             Dispatch::Concurrent | Dispatch::Joined => {
-                self.concurrent(req, route, handoff, clock).await
+                // Both legs go at once: the handoff step is the plan's resolution.
+                tl.handoff_start = Some(resolving);
+                self.concurrent(req, route, handoff, clock, tl).await
             }
         }
     }
@@ -167,13 +211,14 @@ impl Inner {
         leg: Leg,
         mark: &'static str,
         clock: Clock,
+        tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
         let guard = leg.endpoint.track();
-        let start = Instant::now();
+        tl.decode_sent = Some(now());
         match self.decode_head(req, &leg, clock).await {
             Ok(head) => {
+                tl.decode_head = Some(now());
                 let mut ex = Exchange::new(route, head);
-                ex.timing.decode_head = Some(start.elapsed());
                 ex.mark = Some(mark);
                 ex.guard = Some(guard);
                 ex.decode_sent = true;

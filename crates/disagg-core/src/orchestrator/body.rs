@@ -22,7 +22,7 @@ use sync_wrapper::SyncWrapper;
 
 use std::future::Future;
 
-use std::time::Duration;
+use std::time::{Duration, Instant as StdInstant};
 
 use tokio::time::Instant;
 
@@ -30,11 +30,13 @@ use super::stats::InFlight;
 use crate::admission::Permit;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
-use crate::outcome::{Report, Verdict};
+use crate::outcome::now;
+use crate::outcome::{Ended, Report, Summary, Verdict};
 use crate::router::Outcome;
 use crate::transport::BoxBody;
 
 use super::report::Reporter;
+use super::respond::LateMarks;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
 /// was relayed.
@@ -63,6 +65,17 @@ pub(crate) struct Finish {
     /// The attempt's report, its decode verdict and outcome still to be decided by how
     /// the stream ends (`None` for a body with no attempt behind it).
     pub(crate) report: Option<(Arc<Reporter>, Report)>,
+    /// Steps of the attempt that happen inside the body.
+    pub(crate) late: Option<Arc<LateMarks>>,
+    /// The request's summary, completed and told when the body ends (`None` when no
+    /// one listens).
+    pub(crate) summary: Option<Box<Summary>>,
+    /// When the decode's first body chunk arrived.
+    pub(crate) first_chunk: Option<StdInstant>,
+    /// When the first byte went to the client.
+    pub(crate) first_byte: Option<StdInstant>,
+    /// Body bytes handed to the client.
+    pub(crate) bytes: u64,
 }
 
 impl Finish {
@@ -73,6 +86,37 @@ impl Finish {
             permit,
             in_flight,
             report: None,
+            late: None,
+            summary: None,
+            first_chunk: None,
+            first_byte: None,
+            bytes: 0,
+        }
+    }
+
+    /// A data frame of `len` bytes is going to the client.
+    fn sent(&mut self, len: usize) {
+        if self.summary.is_none() {
+            return;
+        }
+        if self.first_byte.is_none() {
+            self.first_byte = Some(now());
+        }
+        self.bytes += len as u64;
+    }
+
+    /// A chunk came from the decode (or from the proxy's own lead before it).
+    fn chunk(&mut self) {
+        if self.first_chunk.is_some() || self.report.is_none() {
+            return;
+        }
+        // Under a lead of the proxy's own, the decode's chunks are those after its head.
+        let decodes = self
+            .late
+            .as_ref()
+            .is_none_or(|l| !l.lead || l.decode_head.get().is_some());
+        if decodes {
+            self.first_chunk = Some(now());
         }
     }
 
@@ -85,6 +129,14 @@ impl Finish {
         let Some((reporter, mut report)) = self.report.take() else {
             return;
         };
+        let end = now();
+        report.timeline.end = Some(end);
+        if let Some(late) = &self.late {
+            late.apply(&mut report.timeline);
+        }
+        if report.timeline.decode_first_chunk.is_none() {
+            report.timeline.decode_first_chunk = self.first_chunk;
+        }
         match outcome {
             Outcome::Success => {
                 if report.decode == Verdict::Failed {
@@ -119,6 +171,21 @@ impl Finish {
             }
         }
         reporter.report(&report);
+        if let Some(mut summary) = self.summary.take() {
+            summary.end = end;
+            summary.first_byte = self.first_byte;
+            summary.bytes = self.bytes;
+            summary.timeline = Some(report.timeline);
+            summary.ended = match outcome {
+                Outcome::Success => Ended::Complete,
+                Outcome::Cancelled => Ended::Cancelled,
+                _ => Ended::Broken,
+            };
+            if summary.ended == Ended::Broken {
+                summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
+            }
+            reporter.summarize(&summary);
+        }
     }
 }
 
@@ -328,7 +395,42 @@ impl Body for PdBody {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
+        let polled = self.as_mut().poll_body(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+            && let Some(f) = self.project().finish.as_mut()
+        {
+            f.sent(data.len());
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+            || (self.joined.is_empty()
+                && self.prefill.is_none()
+                && matches!(self.end, None | Some(End::Eos))
+                && self.inner.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let inner = self.inner.size_hint();
+        let joined = self.joined.len() as u64;
+        let mut h = SizeHint::new();
+        h.set_lower(inner.lower() + joined);
+        // An in-band error event may be added to an event stream: no upper bound there.
+        if let (false, Some(upper)) = (self.sse, inner.upper()) {
+            h.set_upper(upper + joined);
+        }
+        h
+    }
+}
+
+impl PdBody {
+    /// The next frame for the client (the body's whole logic; `poll_frame` only counts
+    /// what goes out).
+    fn poll_body(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
         let mut this = self.project();
         if *this.done {
             return Poll::Ready(None);
@@ -365,6 +467,9 @@ impl Body for PdBody {
                         *this.idle_yields = 0;
                         if let Some(t) = this.timer.as_mut() {
                             t.get_mut().chunk();
+                        }
+                        if let Some(f) = this.finish.as_mut() {
+                            f.chunk();
                         }
                         if this.joined.is_empty() && this.inner.is_end_stream() {
                             // The last frame and nothing before it: no copy.
@@ -419,26 +524,6 @@ impl Body for PdBody {
             }
             return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
         }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.done
-            || (self.joined.is_empty()
-                && self.prefill.is_none()
-                && matches!(self.end, None | Some(End::Eos))
-                && self.inner.is_end_stream())
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        let inner = self.inner.size_hint();
-        let joined = self.joined.len() as u64;
-        let mut h = SizeHint::new();
-        h.set_lower(inner.lower() + joined);
-        // An in-band error event may be added to an event stream: no upper bound there.
-        if let (false, Some(upper)) = (self.sse, inner.upper()) {
-            h.set_upper(upper + joined);
-        }
-        h
     }
 }
 

@@ -8,36 +8,30 @@ use tokio::time::Instant as TokioInstant;
 
 use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side};
+use crate::outcome::Timeline;
 
-/// Phase durations of one request, reported in `server-timing`.
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct Timing {
-    pub(super) prefill: Option<Duration>,
-    pub(super) handoff: Option<Duration>,
-    pub(super) decode_head: Option<Duration>,
+/// The `server-timing` value for an attempt's phases: `prefill` (its leg, sent to
+/// answered), `handoff` (the step until the decode leg was sent) and `decode` (the decode
+/// leg, sent to its head); `None` when none happened.
+pub(super) fn server_timing(tl: &Timeline) -> Option<HeaderValue> {
+    server_timing_of([tl.prefill(), tl.handoff(), tl.decode_head()])
 }
 
-impl Timing {
-    pub(super) fn header_value(&self) -> Option<HeaderValue> {
-        let mut out = Vec::with_capacity(64);
-        for (name, d) in [
-            ("prefill", self.prefill),
-            ("handoff", self.handoff),
-            ("decode", self.decode_head),
-        ] {
-            if let Some(d) = d {
-                if !out.is_empty() {
-                    out.extend_from_slice(b", ");
-                }
-                out.extend_from_slice(name.as_bytes());
-                out.extend_from_slice(b";dur=");
-                write_millis(&mut out, d);
+fn server_timing_of(phases: [Option<Duration>; 3]) -> Option<HeaderValue> {
+    let mut out = Vec::with_capacity(64);
+    for (name, d) in ["prefill", "handoff", "decode"].into_iter().zip(phases) {
+        if let Some(d) = d {
+            if !out.is_empty() {
+                out.extend_from_slice(b", ");
             }
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b";dur=");
+            write_millis(&mut out, d);
         }
-        HeaderValue::from_bytes(&out)
-            .ok()
-            .filter(|_| !out.is_empty())
     }
+    HeaderValue::from_bytes(&out)
+        .ok()
+        .filter(|_| !out.is_empty())
 }
 
 /// `d` in milliseconds with three decimals (`12.345`), without float formatting, which
@@ -133,15 +127,20 @@ mod tests {
 
     #[test]
     fn server_timing_values() {
-        let t = Timing {
-            prefill: Some(Duration::from_micros(12_345)),
-            handoff: Some(Duration::from_nanos(900)),
-            decode_head: Some(Duration::from_secs(2) + Duration::from_micros(7)),
-        };
+        let t = [
+            Some(Duration::from_micros(12_345)),
+            Some(Duration::from_nanos(900)),
+            Some(Duration::from_secs(2) + Duration::from_micros(7)),
+        ];
         assert_eq!(
-            t.header_value().unwrap(),
+            server_timing_of(t).unwrap(),
             "prefill;dur=12.345, handoff;dur=0.000, decode;dur=2000.007"
         );
-        assert!(Timing::default().header_value().is_none());
+        assert_eq!(
+            server_timing_of([None, None, t[2]]).unwrap(),
+            "decode;dur=2000.007"
+        );
+        assert!(server_timing_of([None; 3]).is_none());
+        assert!(server_timing(&Timeline::starting()).is_none());
     }
 }

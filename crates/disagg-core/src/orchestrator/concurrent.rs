@@ -10,23 +10,23 @@
 //! folds into the plan (the reshape of the decode's answer) before the head goes out.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::{Either, select};
 
 use crate::connector::{Dispatch, Handoff, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
-use crate::outcome::Verdict;
+use crate::outcome::now;
+use crate::outcome::{Timeline, Verdict};
 use crate::request::PdRequest;
 use crate::router::Route;
 
 use super::Inner;
 use super::attempt::Failure;
 use super::body::PendingPrefill;
-use super::clock::{Clock, Timing, within};
+use super::clock::{Clock, within};
 use super::legs::PrefillResult;
-use super::respond::Exchange;
+use super::respond::{Exchange, LateMarks};
 use super::sequential::{prefill_refused, reshaped};
 
 impl Inner {
@@ -39,21 +39,22 @@ impl Inner {
         route: Route,
         mut handoff: Handoff,
         clock: Clock,
+        tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
-        let start = Instant::now();
-        let mut timing = Timing::default();
+        let start = now();
+        tl.prefill_sent = Some(start);
+        tl.decode_sent = Some(start);
         let joined = handoff.dispatch == Dispatch::Joined;
         // Boxed: the race needs them pinned, and the prefill may move into the body.
         let prefill = Box::pin(self.prefill(req, &handoff.prefill, clock));
         let guard = handoff.decode.endpoint.track();
-        let decode_start = Instant::now();
         let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
         let (head, pending, prefilled, answer) = match select(prefill, decode).await {
             // The prefill ended first: a failure ends the attempt (dropping the decode
             // leg); a success leaves the decode to finish.
             Either::Left((p, decode)) => match p {
                 Ok(PrefillResult::Answer(a)) => {
-                    timing.prefill = Some(start.elapsed());
+                    tl.prefill_done = Some(now());
                     (decode.await, None, Verdict::Answered, Some(a))
                 }
                 Ok(PrefillResult::ClientError {
@@ -69,7 +70,7 @@ impl Inner {
             Either::Right((d, prefill)) if joined && d.as_ref().is_ok_and(success) => {
                 match prefill.await {
                     Ok(PrefillResult::Answer(a)) => {
-                        timing.prefill = Some(start.elapsed());
+                        tl.prefill_done = Some(now());
                         (d, None, Verdict::Answered, Some(a))
                     }
                     Ok(PrefillResult::ClientError {
@@ -85,7 +86,7 @@ impl Inner {
             Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned, None),
         };
         let head = head.map_err(|e| Failure::decode(&route, e, prefilled))?;
-        timing.decode_head = Some(decode_start.elapsed());
+        tl.decode_head = Some(now());
         let success = head.status().is_success();
         if let (true, true, Some(answer)) = (joined, success, &answer) {
             self.fold(&mut handoff, answer, clock)
@@ -98,12 +99,19 @@ impl Inner {
             head
         };
         // A decode that answered an error needs no KV: the prefill leg is dropped.
-        let pending: Option<PendingPrefill> = pending
-            .filter(|_| success)
-            .map(|p| Box::pin(p.map(|r| r.and_then(PrefillResult::into_late))) as PendingPrefill);
+        let marks = Arc::new(LateMarks::default());
+        let marked = Arc::clone(&marks);
+        let pending: Option<PendingPrefill> = pending.filter(|_| success).map(|p| {
+            Box::pin(p.map(move |r| {
+                let _ = marked.prefill_done.set(now());
+                r.and_then(PrefillResult::into_late)
+            })) as PendingPrefill
+        });
         let mut ex = Exchange::new(route, head);
+        if pending.is_some() {
+            ex.late = Some(marks);
+        }
         ex.mark = Some("kv");
-        ex.timing = timing;
         ex.guard = Some(guard);
         ex.prefill = prefilled;
         ex.pending = pending;

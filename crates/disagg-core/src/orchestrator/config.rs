@@ -148,6 +148,12 @@ pub struct OrchestratorConfig {
     pub forward_headers: Vec<HeaderName>,
     /// Early release of a prefill's KV blocks (default off).
     pub kv_release: KvRelease,
+    /// Trace requests: the share of new traces sampled, from 0 to 1 (a client's
+    /// `traceparent` decides for its own trace). Each leg then carries a `traceparent`
+    /// naming its own span, and reports and summaries carry the spans' ids (see
+    /// [`trace`](crate::trace)). `None` (the default): no trace ids are drawn, and the
+    /// client's `traceparent` is forwarded as it came (see `forward_headers`).
+    pub trace_ratio: Option<f64>,
 }
 
 impl Default for OrchestratorConfig {
@@ -172,6 +178,7 @@ impl Default for OrchestratorConfig {
                 HeaderName::from_static("x-correlation-id"),
             ],
             kv_release: KvRelease::Off,
+            trace_ratio: None,
         }
     }
 }

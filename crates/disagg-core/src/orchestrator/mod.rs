@@ -42,7 +42,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, Response};
+use http::{HeaderMap, HeaderValue, Response};
 
 use crate::admission::Admission;
 use crate::connector::{KvConnector, VllmNixl};
@@ -79,6 +79,7 @@ use stats::Counters;
 
 struct Inner {
     ids: RequestIds,
+    spans: crate::trace::SpanIds,
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
@@ -238,6 +239,7 @@ impl OrchestratorBuilder {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
+                spans: crate::trace::SpanIds::new(),
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
@@ -286,6 +288,27 @@ impl Orchestrator {
         PdRequest::with_ids(api, headers, body, &self.inner.ids)
     }
 
+    /// Tell the listeners of a request for `api` that the server refused before it could
+    /// be parsed into a [`PdRequest`] (its body too large or too slow, not JSON): the
+    /// summary of a request no attempt was made for. `arrival` is when its head came
+    /// in; `request_id` is the client's `x-request-id`, if it sent one.
+    pub fn refused(
+        &self,
+        api: crate::request::Api,
+        request_id: Option<HeaderValue>,
+        arrival: std::time::Instant,
+        error: &PdError,
+    ) {
+        let reporter = &self.inner.reporter;
+        if !reporter.listening() {
+            return;
+        }
+        let mut summary = crate::outcome::Summary::new(api, arrival, error.status());
+        summary.request_id = request_id;
+        summary.error = Some(error.code());
+        reporter.summarize(&summary);
+    }
+
     /// An orchestrator that sends its legs through `transport` and shares everything
     /// else with this one: endpoints, router, connector, settings, listeners, and the
     /// state that must be global to be right (admission, retries, counters).
@@ -297,6 +320,7 @@ impl Orchestrator {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
+                spans: crate::trace::SpanIds::new(),
                 source: Arc::clone(&i.source),
                 router: Arc::clone(&i.router),
                 connector: Arc::clone(&i.connector),

@@ -1,12 +1,12 @@
-//! The one place a [`Report`] is told: to the router's and the connector's `observe`,
-//! then to every [`Listener`].
+//! The one place a [`Report`] is told (to the router's and the connector's `observe`,
+//! then to every [`Listener`]), and a [`Summary`].
 
 use std::fmt;
 use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{Listener, Report, Verdict};
+use crate::outcome::{Listener, Report, Summary, Verdict};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -31,6 +31,18 @@ impl Reporter {
         self.connector.observe(&report.route, report.outcome);
         for l in &self.listeners {
             l.on_report(report);
+        }
+    }
+
+    /// Whether anyone hears summaries: without listeners none is made.
+    pub(crate) fn listening(&self) -> bool {
+        !self.listeners.is_empty()
+    }
+
+    /// Tell every listener how a request ended.
+    pub(crate) fn summarize(&self, summary: &Summary) {
+        for l in &self.listeners {
+            l.on_request(summary);
         }
     }
 }

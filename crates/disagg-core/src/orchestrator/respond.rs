@@ -1,20 +1,21 @@
 //! The one place the client's response is built: from the [`Exchange`] an attempt
 //! produced.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use http::Response;
 use http::header::{self, HeaderValue};
 
 use crate::endpoint::InFlightGuard;
-use crate::outcome::{Report, Verdict};
+use crate::outcome::{Report, Summary, Timeline, Verdict};
 use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::{Outcome, Route};
 use crate::transport::BoxBody;
 
 use super::Inner;
 use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
-use super::clock::{Clock, Timing};
+use super::clock::{Clock, server_timing};
 use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
 use super::legs::end_to_end;
 
@@ -29,8 +30,11 @@ pub(super) struct Exchange {
     /// How the KV reached the decode (`x-disagg-handoff`); `None` for the prefill's own
     /// 4xx passed through.
     pub(super) mark: Option<&'static str>,
-    /// Phase durations, for `server-timing`.
-    pub(super) timing: Timing,
+    /// When each step happened (set by the attempt).
+    pub(super) timeline: Timeline,
+    /// Steps still to happen inside the body (a lead stream's decode leg, a concurrent
+    /// prefill still running).
+    pub(super) late: Option<Arc<LateMarks>>,
     /// The decode endpoint's in-flight count, held until the body ends.
     pub(super) guard: Option<InFlightGuard>,
     /// A concurrent prefill still running when the decode's head came: it rides in the
@@ -51,7 +55,8 @@ impl Exchange {
             route,
             head,
             mark: None,
-            timing: Timing::default(),
+            timeline: Timeline::starting(),
+            late: None,
             guard: None,
             pending: None,
             prefill: Verdict::NotSent,
@@ -61,7 +66,68 @@ impl Exchange {
     }
 }
 
+/// Steps of an attempt that happen inside its response body, after the head went out:
+/// set by the body's own futures, read once when the attempt is reported.
+#[derive(Debug, Default)]
+pub(crate) struct LateMarks {
+    /// Whether the body leads with a part of the proxy's own (LMCache's first token)
+    /// before the decode's: its first chunk is not the decode's.
+    pub(crate) lead: bool,
+    pub(crate) prefill_done: OnceLock<Instant>,
+    pub(super) decode_sent: OnceLock<Instant>,
+    pub(super) decode_head: OnceLock<Instant>,
+}
+
+impl LateMarks {
+    /// Put the steps that happened into `tl`.
+    pub(crate) fn apply(&self, tl: &mut Timeline) {
+        if let Some(t) = self.prefill_done.get() {
+            tl.prefill_done = Some(*t);
+        }
+        if let Some(t) = self.decode_sent.get() {
+            tl.decode_sent = Some(*t);
+        }
+        if let Some(t) = self.decode_head.get() {
+            tl.decode_head = Some(*t);
+        }
+    }
+}
+
+/// What the serving of a request knows beyond its attempt, for its summary.
+#[derive(Debug)]
+pub(super) struct RequestMeta {
+    /// Attempts made, the answering one included.
+    pub(super) attempts: u32,
+    /// Time spent waiting for admission.
+    pub(super) queued: Option<Duration>,
+    /// The answering attempt's engine-side id.
+    pub(super) engine_id: HeaderValue,
+    /// The trace identities, when tracing.
+    pub(super) trace: Option<crate::trace::TraceIds>,
+}
+
 impl Inner {
+    /// A summary of `req` answered with `status`, its body not yet sent (the caller, or
+    /// the body's end, completes it).
+    pub(super) fn summary(
+        &self,
+        req: &PdRequest,
+        status: http::StatusCode,
+        meta: Option<RequestMeta>,
+    ) -> Summary {
+        let mut s = Summary::new(req.api(), req.arrival(), status);
+        s.stream = req.is_stream();
+        s.model = req.model_arc();
+        s.request_id = Some(req.request_id().clone());
+        if let Some(m) = meta {
+            s.attempts = m.attempts;
+            s.queued = m.queued;
+            s.engine_request_id = Some(m.engine_id);
+            s.trace = m.trace;
+        }
+        s
+    }
+
     /// The client's response for `ex`: its head with the end-to-end headers, the
     /// request's id, how the KV reached the decode, the phase timings and the failing
     /// leg, and a [`PdBody`] that streams the answer and, when it ends, reports the
@@ -71,6 +137,7 @@ impl Inner {
         req: &PdRequest,
         ex: Exchange,
         clock: Clock,
+        meta: RequestMeta,
     ) -> Response<PdBody> {
         let (parts, body) = ex.head.into_parts();
         let status = parts.status;
@@ -93,12 +160,26 @@ impl Inner {
                 g.endpoint().id(),
             )
         });
-        let report = Report::new(ex.route, outcome, ex.prefill, decode);
+        let mut report = Report::new(ex.route, outcome, ex.prefill, decode, ex.timeline);
+        report.attempt = meta.attempts.saturating_sub(1);
+        report.trace = meta.trace.clone();
+        let summary = self.reporter.listening().then(|| {
+            let mut s = self.summary(req, status, Some(meta));
+            s.handoff = ex.mark;
+            s.fallback = ex.fallback;
+            s.route = Some(report.route.clone());
+            Box::new(s)
+        });
         let finish = Finish {
             guard: ex.guard,
             permit: None,
             in_flight: None,
             report: Some((Arc::clone(&self.reporter), report)),
+            late: ex.late,
+            summary,
+            first_chunk: None,
+            first_byte: None,
+            bytes: 0,
         };
         let mut resp = Response::new(PdBody::stream(body, sse, finish, ex.pending, timer));
         *resp.status_mut() = status;
@@ -108,7 +189,7 @@ impl Inner {
         match ex.mark {
             Some(mark) => {
                 h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
-                if let Some(v) = ex.timing.header_value() {
+                if let Some(v) = server_timing(&ex.timeline) {
                     h.append(SERVER_TIMING, v);
                 }
                 if !status.is_success() {

@@ -2,7 +2,6 @@
 //! leg, its answer folded into the decode leg, then the decode leg.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -10,7 +9,8 @@ use http::{HeaderMap, Response, StatusCode};
 
 use crate::connector::{Handoff, KvOutcome};
 use crate::error::{ConnectorError, PdError, Phase, Side};
-use crate::outcome::Verdict;
+use crate::outcome::now;
+use crate::outcome::{Timeline, Verdict};
 use crate::request::PdRequest;
 use crate::router::Route;
 use crate::transport::{BoxBody, read_limited};
@@ -18,11 +18,11 @@ use crate::transport::{BoxBody, read_limited};
 use super::Inner;
 use super::attempt::Failure;
 use super::body::{LeadBody, PendingDecode, empty_body};
-use super::clock::{Clock, Timing, out_of_time};
+use super::clock::{Clock, out_of_time};
 use super::config::{KvRelease, MissingKv};
 use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
 use super::release::{KvHold, Release};
-use super::respond::Exchange;
+use super::respond::{Exchange, LateMarks};
 
 impl Inner {
     /// Prefill, fold its answer into the decode leg, then decode.
@@ -32,9 +32,9 @@ impl Inner {
         route: Route,
         mut handoff: Handoff,
         clock: Clock,
+        tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
-        let start = Instant::now();
-        let mut timing = Timing::default();
+        tl.prefill_sent = Some(now());
         // Timed here rather than inside: a prefill out of time stays with the hold,
         // whose release may still catch its answer.
         let exchange = self.exchange(req, &handoff.prefill);
@@ -54,16 +54,16 @@ impl Inner {
             }) => return Ok(prefill_refused(route, status, headers, body)),
             Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
         };
-        let prefilled = Instant::now();
-        timing.prefill = Some(prefilled - start);
+        let prefilled = now();
+        tl.prefill_done = Some(prefilled);
+        tl.handoff_start = Some(prefilled);
         let budget = self.config.handoff_timeout;
         let handed = hold
             .complete(&*self.connector, &mut handoff, &answer, clock, budget)
             .await;
-        timing.handoff = Some(prefilled.elapsed());
         let mark = match handed {
             Ok(KvOutcome::Handed) => "kv",
-            Ok(KvOutcome::Finished) => return Ok(finished(req, route, handoff, timing)),
+            Ok(KvOutcome::Finished) => return Ok(finished(req, route, handoff)),
             Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
                 tracing::warn!(
                     request_id = ?req.request_id(),
@@ -87,22 +87,21 @@ impl Inner {
         if req.is_stream() && handoff.lead.is_some() {
             // The client's stream starts now; the gate and the decode's head are waited
             // for inside its body, which takes the hold along.
-            return self.lead_stream(req, route, handoff, hold, mark, timing, clock);
+            return self.lead_stream(req, route, handoff, hold, mark, clock);
         }
-        if handoff.gate.is_some() {
-            if let Err(e) = kv_ready(&handoff, clock, budget).await {
-                // The hold drops with this attempt and releases the KV when asked to.
-                return Err(Failure::prefill(&route, e, Verdict::NotSent));
-            }
-            timing.handoff = Some(prefilled.elapsed());
+        if handoff.gate.is_some()
+            && let Err(e) = kv_ready(&handoff, clock, budget).await
+        {
+            // The hold drops with this attempt and releases the KV when asked to.
+            return Err(Failure::prefill(&route, e, Verdict::NotSent));
         }
         let guard = handoff.decode.endpoint.track();
-        let decode_start = Instant::now();
+        tl.decode_sent = Some(now());
         let head = match self.decode_head(req, &handoff.decode, clock).await {
             Ok(h) => h,
             Err(e) => return Err(Failure::decode(&route, e, Verdict::Answered)),
         };
-        timing.decode_head = Some(decode_start.elapsed());
+        tl.decode_head = Some(now());
         let head = if head.status().is_success() {
             hold.taken();
             reshaped(&handoff, head)
@@ -113,7 +112,6 @@ impl Inner {
         };
         let mut ex = Exchange::new(route, head);
         ex.mark = Some(mark);
-        ex.timing = timing;
         ex.guard = Some(guard);
         ex.prefill = Verdict::Answered;
         ex.decode_sent = true;
@@ -149,7 +147,6 @@ impl Inner {
         mut handoff: Handoff,
         hold: KvHold,
         mark: &'static str,
-        timing: Timing,
         clock: Clock,
     ) -> Result<Exchange, Failure> {
         let lead = handoff.lead.take().unwrap_or_default();
@@ -161,10 +158,17 @@ impl Inner {
         let (gate_budget, head_budget) =
             (self.config.handoff_timeout, self.config.decode_head_timeout);
         let limit = self.config.max_prefill_answer;
+        let marks = Arc::new(LateMarks {
+            lead: true,
+            ..LateMarks::default()
+        });
+        let marked = Arc::clone(&marks);
         let pending: PendingDecode = Box::pin(async move {
             kv_ready(&handoff, clock, gate_budget).await?;
+            let _ = marked.decode_sent.set(now());
             let decode_ep = &handoff.decode.endpoint;
             let head = send_decode(&*transport, http_req, decode_ep, clock, head_budget).await?;
+            let _ = marked.decode_head.set(now());
             if !head.status().is_success() {
                 let (parts, body) = head.into_parts();
                 let bytes = read_limited(body, limit).await.unwrap_or_default();
@@ -181,7 +185,7 @@ impl Inner {
         let body = BoxBody::new(LeadBody::deferred(lead, pending));
         let mut ex = Exchange::new(route, sse_head(body));
         ex.mark = Some(mark);
-        ex.timing = timing;
+        ex.late = Some(marks);
         ex.guard = Some(guard);
         ex.prefill = Verdict::Answered;
         ex.decode_sent = true;
@@ -208,7 +212,7 @@ pub(super) fn prefill_refused(
 
 /// The answer when the prefill's is the whole answer ([`KvOutcome::Finished`]): no
 /// decode leg; the plan's reshape makes the client's answer from an empty body.
-fn finished(req: &PdRequest, route: Route, mut handoff: Handoff, timing: Timing) -> Exchange {
+fn finished(req: &PdRequest, route: Route, mut handoff: Handoff) -> Exchange {
     let guard = handoff.decode.endpoint.track();
     let lead = handoff.lead.take().filter(|_| req.is_stream());
     let content_type = if req.is_stream() {
@@ -230,7 +234,6 @@ fn finished(req: &PdRequest, route: Route, mut handoff: Handoff, timing: Timing)
     };
     let mut ex = Exchange::new(route, head);
     ex.mark = Some("prefill");
-    ex.timing = timing;
     ex.guard = Some(guard);
     ex.prefill = Verdict::Answered;
     ex

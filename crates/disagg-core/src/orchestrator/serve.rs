@@ -9,14 +9,17 @@ use tokio::time::Instant as TokioInstant;
 use super::stats::{InFlight, bump};
 use crate::disaggregate::Decision;
 use crate::error::{BodyError, PdError};
+use crate::outcome::now;
 use crate::request::PdRequest;
 use crate::router::RequestView;
 
 use super::Inner;
-use super::attempt::decode_alone;
+use super::attempt::{Failure, decode_alone};
 use super::body::PdBody;
 use super::clock::Clock;
 use super::config::{DEADLINE_HEADER, PrefillFailure};
+use super::respond::RequestMeta;
+use crate::outcome::{Report, Timeline};
 
 impl Inner {
     pub(super) async fn serve(
@@ -24,16 +27,32 @@ impl Inner {
         req: PdRequest,
     ) -> Result<Response<PdBody>, PdError> {
         bump(&self.counters.requests);
-        let decision = self.decide(&req)?;
+        let mut trace = self
+            .config
+            .trace_ratio
+            .map(|ratio| self.spans.request(req.headers(), ratio));
+        let decision = match self.decide(&req) {
+            Ok(d) => d,
+            Err(e) => return Err(self.failed(&req, e, None, None)),
+        };
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
         let clock = self.clock(&req);
+        let mut queued = None;
         let permit = match &self.admission {
             None => None,
             Some(admission) => Some(match admission.try_admit() {
                 Some(permit) => permit,
-                None => admission.admit(clock.deadline).await?,
+                None => {
+                    let since = now();
+                    let admitted = admission.admit(clock.deadline).await;
+                    queued = Some(since.elapsed());
+                    match admitted {
+                        Ok(permit) => permit,
+                        Err(e) => return Err(self.failed(&req, e, None, None)),
+                    }
+                }
             }),
         };
         let in_flight = InFlight::new(&self.counters);
@@ -47,11 +66,28 @@ impl Inner {
             } else {
                 self.ids.next_id()
             };
-            let failure = match self.attempt(&req, id, decision, clock).await {
-                Ok(ex) => break Ok(self.respond(&req, ex, clock)),
+            if retries > 0
+                && let Some(t) = &mut trace
+            {
+                self.spans.next_attempt(t);
+            }
+            let mut failure = match self
+                .attempt(&req, id.clone(), trace.as_ref(), decision, clock)
+                .await
+            {
+                Ok(ex) => {
+                    let meta = RequestMeta {
+                        attempts: retries + 1,
+                        queued,
+                        engine_id: id,
+                        trace,
+                    };
+                    break Ok(self.respond(&req, ex, clock, meta));
+                }
                 Err(f) => f,
             };
-            if let Some(report) = &failure.report {
+            if let Some(report) = &mut failure.report {
+                report.attempt = retries;
                 self.reporter.report(report);
             }
             match self.retry_wait(&req, &failure.error, retries, clock) {
@@ -59,7 +95,15 @@ impl Inner {
                     retries += 1;
                     tokio::time::sleep(wait).await;
                 }
-                None => break self.after_failure(&req, failure.error, clock).await,
+                None => {
+                    let meta = RequestMeta {
+                        attempts: retries + 1,
+                        queued,
+                        engine_id: id,
+                        trace,
+                    };
+                    break self.after_failure(&req, failure, clock, meta).await;
+                }
             }
         };
         match result {
@@ -74,6 +118,27 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// `req` failed for good with `e` before any answer went out (its last attempt's
+    /// report, if any, already told): its summary is told, and `e` is the answer.
+    fn failed(
+        &self,
+        req: &PdRequest,
+        e: PdError,
+        last: Option<Box<Report>>,
+        meta: Option<RequestMeta>,
+    ) -> PdError {
+        if self.reporter.listening() {
+            let mut s = self.summary(req, e.status(), meta);
+            s.error = Some(e.code());
+            if let Some(r) = last {
+                s.route = Some(r.route);
+                s.timeline = Some(r.timeline);
+            }
+            self.reporter.summarize(&s);
+        }
+        e
     }
 
     /// Whether to disaggregate `req`, decided once per request before anything else:
@@ -157,21 +222,23 @@ impl Inner {
         Some(wait)
     }
 
-    /// The request failed for good with `e`: serve it decode-only when the prefill could
-    /// not be had and the policy says so, else fail.
+    /// The request failed for good with the attempt's `failure`: serve it decode-only
+    /// when the prefill could not be had and the policy says so, else fail.
     async fn after_failure(
         &self,
         req: &PdRequest,
-        e: PdError,
+        failure: Failure,
         clock: Clock,
+        mut meta: RequestMeta,
     ) -> Result<Response<PdBody>, PdError> {
+        let Failure { error: e, report } = failure;
         let prefill_missing = e.side() == crate::error::Side::Prefill || e.is_no_prefill();
         if self.config.prefill_failure != PrefillFailure::DecodeOnly
             || !prefill_missing
             || e.is_deadline()
             || clock.expired()
         {
-            return Err(e);
+            return Err(self.failed(req, e, report, Some(meta)));
         }
         bump(&self.counters.prefill_fallbacks);
         tracing::warn!(
@@ -185,18 +252,37 @@ impl Inner {
         let decision = Decision::Direct {
             reason: "decode_only",
         };
-        let route = self.route(req, &view, decision, clock).await?;
-        let leg = decode_alone(&route, req, self.ids.next_id());
-        match self.alone(req, route, leg, "decode-only", clock).await {
+        let route = match self.route(req, &view, decision, clock).await {
+            Ok(r) => r,
+            Err(e) => return Err(self.failed(req, e, None, Some(meta))),
+        };
+        let id = self.ids.next_id();
+        let mut leg = decode_alone(&route, req, id.clone());
+        if let Some(t) = &mut meta.trace {
+            self.spans.next_attempt(t);
+            t.inject(&t.decode, &mut leg.headers);
+        }
+        meta.attempts += 1;
+        meta.engine_id = id;
+        let mut tl = Timeline::starting();
+        match self
+            .alone(req, route, leg, "decode-only", clock, &mut tl)
+            .await
+        {
             Ok(mut ex) => {
                 ex.fallback = Some(e.code());
-                Ok(self.respond(req, ex, clock))
+                ex.timeline = tl;
+                Ok(self.respond(req, ex, clock, meta))
             }
-            Err(f) => {
-                if let Some(report) = &f.report {
-                    self.reporter.report(report);
+            Err(Failure { error, mut report }) => {
+                if let Some(r) = &mut report {
+                    tl.end = Some(now());
+                    r.timeline = tl;
+                    r.attempt = meta.attempts - 1;
+                    r.trace = meta.trace.clone();
+                    self.reporter.report(r);
                 }
-                Err(f.error)
+                Err(self.failed(req, error, report, Some(meta)))
             }
         }
     }

@@ -10,6 +10,7 @@
 //! abandoned it, and when).
 
 mod fake;
+mod observe;
 
 use std::future::Future;
 use std::sync::Arc;

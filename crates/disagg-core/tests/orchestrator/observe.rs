@@ -1,0 +1,391 @@
+//! What listeners hear: one report per attempt and one summary per request, with the
+//! instants of every step on the paused clock, and the trace context each leg carries.
+
+use std::sync::Mutex;
+
+use disagg_core::outcome::{Ended, Listener, Report, Summary, Verdict};
+use disagg_core::router::Outcome;
+
+use super::*;
+
+/// Every report and summary an orchestrator told.
+#[derive(Default)]
+struct Heard {
+    reports: Mutex<Vec<Report>>,
+    summaries: Mutex<Vec<Summary>>,
+}
+
+impl Listener for Heard {
+    fn on_report(&self, report: &Report) {
+        self.reports.lock().unwrap().push(report.clone());
+    }
+
+    fn on_request(&self, summary: &Summary) {
+        self.summaries.lock().unwrap().push(summary.clone());
+    }
+}
+
+impl Heard {
+    fn reports(&self) -> Vec<Report> {
+        self.reports.lock().unwrap().clone()
+    }
+
+    fn summaries(&self) -> Vec<Summary> {
+        self.summaries.lock().unwrap().clone()
+    }
+
+    /// The one summary told; fails if there were none or several.
+    fn summary(&self) -> Summary {
+        let all = self.summaries();
+        let [s] = &all[..] else {
+            panic!("expected one summary, got {}: {all:?}", all.len())
+        };
+        s.clone()
+    }
+}
+
+/// An orchestrator over `prefill` and [`D1`] whose listener is the returned [`Heard`].
+fn heard(
+    fake: &Fake,
+    prefill: &[&str],
+    connector: impl KvConnector,
+    config: impl FnOnce(&mut Setup),
+) -> (Orchestrator, Arc<Heard>) {
+    let heard = Arc::new(Heard::default());
+    let mut c = Setup::default();
+    config(&mut c);
+    let source = StaticSource::new(endpoints(prefill, &[D1]));
+    let builder = Orchestrator::builder(source, fake.clone())
+        .connector(connector)
+        .listener(Arc::clone(&heard));
+    (c.apply(builder).build(), heard)
+}
+
+fn std_ms(n: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(n)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(30)));
+    fake.on(
+        D1,
+        CHAT,
+        Reply::sse()
+            .after(ms(5))
+            .frame(ms(7), event(0))
+            .frame(ms(11), event(1))
+            .frame(ms(2), DONE),
+    );
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    let resp = serve(&orch, chat_with(&orch, &[("x-request-id", "client-7")]))
+        .await
+        .unwrap();
+    assert!(heard.summaries().is_empty(), "nothing told before the end");
+    let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
+
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("{reports:?}")
+    };
+    assert_eq!(r.outcome, Outcome::Success);
+    assert_eq!(
+        (r.prefill, r.decode, r.attempt),
+        (Verdict::Answered, Verdict::Answered, 0)
+    );
+    let tl = r.timeline;
+    assert_eq!(tl.prefill(), Some(std_ms(30)));
+    assert_eq!(tl.handoff(), Some(std_ms(0)));
+    assert_eq!(tl.decode_head(), Some(std_ms(5)));
+    assert_eq!(tl.decode_first_chunk(), Some(std_ms(12)));
+    assert_eq!(tl.end.unwrap() - tl.start, std_ms(55));
+
+    let s = heard.summary();
+    assert_eq!(
+        (s.status, s.ended, s.outcome()),
+        (StatusCode::OK, Ended::Complete, "success")
+    );
+    assert_eq!(s.request_id.as_ref().unwrap(), "client-7");
+    let calls = fake.calls();
+    assert_eq!(s.engine_request_id.as_ref().unwrap(), calls[0].id());
+    assert_eq!(
+        (s.api, s.stream, s.model.as_deref()),
+        (Api::Chat, true, Some("m"))
+    );
+    assert_eq!(
+        (s.handoff, s.fallback, s.error, s.attempts),
+        (Some("kv"), None, None, 1)
+    );
+    let route = s.route.as_ref().unwrap();
+    assert_eq!(route.decode.id().as_str(), D1);
+    assert_eq!(route.prefill.as_ref().unwrap().id().as_str(), P1);
+    assert_eq!(s.bytes, all.len() as u64);
+    // The first event went out 30 + 5 + 7 ms after arrival; the last 13 ms later.
+    assert_eq!(s.time_to_first_byte(), Some(std_ms(42)));
+    assert_eq!(s.duration(), std_ms(55));
+    assert_eq!(s.timeline.unwrap().decode_head, tl.decode_head);
+    assert_eq!(s.queued, None);
+    assert_eq!(s.trace, None, "not traced unless configured");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retried_request_reports_each_attempt_and_is_summarized_once() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, engine_error(503, "overloaded"));
+    fake.on(P2, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+    let (orch, heard) = heard(&fake, &[P1, P2], VllmNixl::new(), |c| {
+        c.retry = RetryPolicy::retries(1)
+    });
+    let resp = serve(&orch, chat(&orch)).await.unwrap();
+    within(resp.into_body().collect()).await.unwrap();
+    let reports = heard.reports();
+    let [first, second] = &reports[..] else {
+        panic!("{reports:?}")
+    };
+    assert_eq!((first.attempt, first.outcome), (0, Outcome::PrefillFailed));
+    assert_eq!(first.route.prefill.as_ref().unwrap().id().as_str(), P1);
+    assert!(
+        first.timeline.end.is_some(),
+        "a failed attempt's end is timed"
+    );
+    assert_eq!((second.attempt, second.outcome), (1, Outcome::Success));
+    let s = heard.summary();
+    assert_eq!((s.attempts, s.status), (2, StatusCode::OK));
+    assert_eq!(s.route.unwrap().prefill.unwrap().id().as_str(), P2);
+    // The summary names the answering attempt's engine-side id.
+    let p2 = &fake.calls_to(P2)[0];
+    assert_eq!(s.engine_request_id.unwrap(), p2.id());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_refused_before_any_attempt_has_a_summary_and_no_report() {
+    let fake = Fake::new();
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    // vLLM refuses `n: 0`; so does the proxy, before routing.
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"n":0}"#;
+    let req = orch
+        .request(
+            Api::Chat,
+            HeaderMap::new(),
+            &Bytes::from_static(body.as_bytes()),
+        )
+        .unwrap();
+    let e = serve(&orch, req).await.unwrap_err();
+    assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+    assert!(heard.reports().is_empty());
+    let s = heard.summary();
+    assert_eq!(
+        (s.status, s.error, s.attempts),
+        (StatusCode::BAD_REQUEST, Some(e.code()), 0)
+    );
+    assert_eq!(s.outcome(), "client_error");
+    assert!(s.route.is_none() && s.timeline.is_none());
+    assert!(fake.calls().is_empty());
+
+    // A body the server could not even parse: the server tells the orchestrator.
+    let err = orch
+        .request(
+            Api::Chat,
+            HeaderMap::new(),
+            &Bytes::from_static(b"{not json"),
+        )
+        .map_err(PdError::body)
+        .unwrap_err();
+    let arrival = Instant::now().into_std();
+    sleep(ms(3)).await;
+    orch.refused(
+        Api::Chat,
+        Some(HeaderValue::from_static("c-1")),
+        arrival,
+        &err,
+    );
+    let all = heard.summaries();
+    let s = all.last().unwrap();
+    assert_eq!((s.status.as_u16(), s.error), (400, Some(err.code())));
+    assert_eq!(s.request_id.as_ref().unwrap(), "c-1");
+    assert_eq!(s.duration(), std_ms(3));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_fails_for_good_is_summarized_with_its_route_and_code() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, engine_error(500, "boom").after(ms(8)));
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    let e = serve(&orch, chat(&orch)).await.unwrap_err();
+    assert_error(&e, 502, "prefill_failed");
+    let [r] = &heard.reports()[..] else { panic!() };
+    assert_eq!(
+        (r.outcome, r.prefill),
+        (Outcome::PrefillFailed, Verdict::Failed)
+    );
+    let s = heard.summary();
+    assert_eq!(
+        (s.status.as_u16(), s.error, s.attempts),
+        (502, Some("prefill_failed"), 1)
+    );
+    assert_eq!(s.outcome(), "error");
+    assert_eq!(
+        s.route
+            .as_ref()
+            .unwrap()
+            .prefill
+            .as_ref()
+            .unwrap()
+            .id()
+            .as_str(),
+        P1
+    );
+    assert_eq!(s.duration(), std_ms(8));
+    assert_eq!(s.time_to_first_byte(), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_mid_stream_is_summarized_as_cancelled() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let (decode, feed) = Reply::sse().fed();
+    fake.on(D1, CHAT, decode);
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    feed.send(event(0));
+    let first = data(&mut body).await;
+    sleep(ms(100)).await;
+    drop(body);
+    let s = heard.summary();
+    assert_eq!((s.ended, s.outcome()), (Ended::Cancelled, "cancelled"));
+    assert_eq!(s.bytes, first.len() as u64);
+    assert_eq!(s.duration(), std_ms(100));
+    assert_eq!(heard.reports()[0].outcome, Outcome::Cancelled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_that_breaks_is_summarized_with_the_breaks_code() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(10), event(0)).stall());
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |c| {
+        c.decode_idle_timeout = Some(ms(300))
+    });
+    let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    within(body.collect()).await.unwrap();
+    let s = heard.summary();
+    assert_eq!((s.ended, s.outcome()), (Ended::Broken, "error"));
+    assert_eq!(s.error, Some("decode_idle_timeout"));
+    assert_eq!(s.status, StatusCode::OK, "the head had gone out");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_concurrent_prefill_answering_after_the_decode_head_is_timed_when_it_answers() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::json(200, r#"{"id":"p"}"#).after(ms(40)));
+    fake.on(D1, CHAT, Reply::sse().after(ms(10)).frame(ms(5), DONE));
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+    let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    within(body.collect()).await.unwrap();
+    let tl = heard.summary().timeline.unwrap();
+    assert_eq!(tl.prefill(), Some(std_ms(40)));
+    assert_eq!(tl.decode_head(), Some(std_ms(10)));
+    assert_eq!(tl.decode_first_chunk(), Some(std_ms(15)));
+    assert_eq!(tl.prefill_sent, tl.decode_sent, "both legs at once");
+}
+
+const CLIENT_TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_leg_carries_its_own_span_in_the_clients_trace() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(1), DONE));
+    // A ratio of 0 samples no new trace; the client's sampled flag decides for its own.
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |c| c.trace_ratio = Some(0.0));
+    let req = chat_with(
+        &orch,
+        &[("traceparent", CLIENT_TRACE), ("tracestate", "congo=t61")],
+    );
+    let body = serve(&orch, req).await.unwrap().into_body();
+    within(body.collect()).await.unwrap();
+    let s = heard.summary();
+    let t = s.trace.expect("traced");
+    assert_eq!(hex(&t.trace_id), "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(hex(&t.parent.unwrap()), "00f067aa0ba902b7");
+    assert!(t.sampled);
+    let calls = fake.calls();
+    let [p, d] = &calls[..] else {
+        panic!("{calls:?}")
+    };
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    assert_eq!(
+        p.header("traceparent").unwrap(),
+        format!("00-{trace}-{}-01", hex(&t.prefill))
+    );
+    assert_eq!(
+        d.header("traceparent").unwrap(),
+        format!("00-{trace}-{}-01", hex(&t.decode))
+    );
+    assert_eq!(
+        (p.header("tracestate"), d.header("tracestate")),
+        (Some("congo=t61"), Some("congo=t61"))
+    );
+    let ids = [t.request, t.prefill, t.handoff, t.decode];
+    assert!(
+        ids.iter()
+            .all(|id| *id != [0; 8] && ids.iter().filter(|x| *x == id).count() == 1)
+    );
+    assert_eq!(
+        heard.reports()[0].trace.as_ref(),
+        Some(&t),
+        "the attempt's report names the same spans"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_gets_new_leg_spans_in_the_same_trace_and_an_unsampled_trace_still_propagates() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::refuse());
+    fake.on(P2, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+    let (orch, heard) = heard(&fake, &[P1, P2], VllmNixl::new(), |c| {
+        c.retry = RetryPolicy::retries(1);
+        c.trace_ratio = Some(0.0);
+    });
+    let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    within(body.collect()).await.unwrap();
+    let reports = heard.reports();
+    let (a, b) = (
+        reports[0].trace.clone().unwrap(),
+        reports[1].trace.clone().unwrap(),
+    );
+    assert_eq!((a.trace_id, a.request), (b.trace_id, b.request));
+    assert_ne!(a.prefill, b.prefill);
+    assert!(!a.sampled && a.parent.is_none());
+    // Unsampled, the context still travels (flags 00), so the engines agree not to record.
+    let p2 = &fake.calls_to(P2)[0];
+    assert_eq!(
+        p2.header("traceparent").unwrap(),
+        format!("00-{}-{}-00", hex(&b.trace_id), hex(&b.prefill))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_tracing_the_clients_traceparent_goes_to_the_legs_as_it_came() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    let body = serve(&orch, chat_with(&orch, &[("traceparent", CLIENT_TRACE)]))
+        .await
+        .unwrap()
+        .into_body();
+    within(body.collect()).await.unwrap();
+    for call in fake.calls() {
+        assert_eq!(call.header("traceparent"), Some(CLIENT_TRACE));
+    }
+    assert_eq!(heard.summary().trace, None);
+}

@@ -1,0 +1,751 @@
+//! [`HfTokenizer`]: the model's Hugging Face tokenizer and chat template, in process.
+//!
+//! What it loads, as transformers 5 loads a model's tokenizer (vLLM 0.33 uses
+//! transformers' `AutoTokenizer`):
+//!
+//! - `tokenizer.json` with the `tokenizers` crate: normalizer, pre-tokenizer, model,
+//!   post-processor (the special tokens `add_special_tokens` adds) and added tokens, as
+//!   Python's `tokenizers` reads the same file;
+//! - `tokenizer_config.json`: the named special tokens (`bos_token`, `eos_token`,
+//!   `unk_token`, `sep_token`, `pad_token`, `cls_token`, `mask_token`; a string or an
+//!   `{"content": ...}` object), added as special tokens when `tokenizer.json` lacks
+//!   them and passed to the template; `split_special_tokens`; and `chat_template`, a
+//!   string or a list of `{"name", "template"}`;
+//! - `chat_template.jinja` beside it, and `additional_chat_templates/<name>.jinja`,
+//!   which take priority over the config's templates, as in transformers 5.
+//!
+//! The `tokenizers` crate is built with the pure-Rust `fancy-regex` engine instead of
+//! its default Oniguruma (a C library built from source) and without `esaxx_fast` (C++,
+//! only for training), so the crate builds with the Rust toolchain alone. The
+//! pre-tokenizer patterns of the common BPE tokenizers (GPT-2, Llama 3, Qwen) use only
+//! what both engines implement alike (Unicode classes, `(?i:...)`, `(?!\S)`); the
+//! cross-check script (`scripts/tokenize_crosscheck.py`) compares the ids with Python's
+//! `tokenizers` on such a tokenizer.
+//!
+//! Not reproduced: transformers' model-specific tokenizer classes that rebuild part of
+//! the pipeline instead of reading `tokenizer.json` (a few SentencePiece models with
+//! `legacy` settings), and chat templates that need Jinja2 features minijinja lacks.
+//! For those, tokenize through the engine ([`EngineTokenizer`](crate::EngineTokenizer)).
+
+mod messages;
+mod template;
+
+use std::borrow::Cow;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use disagg_core::body::JsonBody;
+use disagg_core::request::Api;
+use minijinja::value::Value;
+use serde_json::Value as Json;
+use tokenizers::tokenizer::AddedToken;
+use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, TruncationStrategy};
+
+use self::template::{Fields, Templates};
+use crate::error::TokenizeError;
+use crate::prompt::{ChatPrompt, Prompt, PromptInput};
+use crate::{Tokenize, Tokens};
+
+/// Prompts from this size on (bytes of text, or of messages and tools) are tokenized on
+/// Tokio's blocking pool (`spawn_blocking`), not on the event loop.
+///
+/// The bench (`cargo bench -p disagg-tokenize`) measures a byte-level BPE tokenizer
+/// with Llama 3's pre-tokenizer at about 6 MB/s of text on one core of the reference
+/// machine (2k tokens, 7.6 KB: 1.2 ms), so 4 KiB costs some 0.7 ms: about the most the
+/// event loop, and every connection on it, should wait for one request (the same
+/// budget as the core's off-loop JSON parse, "well under a millisecond"). Below it the
+/// handoff to another thread (tens of microseconds with the wake-up) buys little.
+pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
+
+/// The named special tokens of transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order.
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// Keyword arguments of transformers' `apply_chat_template` that it consumes itself:
+/// given in `chat_template_kwargs`, they never reach the template.
+const CONSUMED_KWARGS: [&str; 12] = [
+    "conversation",
+    "chat_template",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "continue_final_message",
+    "sanitize_control_tokens",
+];
+
+/// The marker transformers appends to the final message to find where it ends
+/// (`render_jinja_template`, `continue_final_message`).
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// How message content reaches the chat template (vLLM's
+/// `--chat-template-content-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ContentFormat {
+    /// Decide per template, as vLLM's `auto`: [`OpenAi`](Self::OpenAi) when the
+    /// template loops over a message's content, else [`String`](Self::String).
+    #[default]
+    Auto,
+    /// Content is a string (text parts joined with newlines).
+    String,
+    /// Content is a list of `{"type": "text", "text": ...}` parts.
+    OpenAi,
+}
+
+/// Why a tokenizer could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// A file could not be read (missing `tokenizer.json` included).
+    #[error("cannot read {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` is not a tokenizer the `tokenizers` crate can load.
+    #[error("invalid tokenizer file {}", path.display())]
+    Tokenizer {
+        /// The file (`tokenizer.json` for bytes given directly).
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// `tokenizer_config.json` is not valid JSON of the expected shape.
+    #[error("invalid tokenizer config {}: {reason}", path.display())]
+    Config {
+        /// The file (`tokenizer_config.json` for bytes given directly).
+        path: PathBuf,
+        /// What is wrong.
+        reason: Cow<'static, str>,
+    },
+    /// A chat template does not compile.
+    #[error("invalid chat template `{name}`")]
+    Template {
+        /// The template's name (`default` for the single one).
+        name: String,
+        /// Why.
+        #[source]
+        source: minijinja::Error,
+    },
+}
+
+/// A Hugging Face tokenizer and chat template, tokenizing requests as vLLM 0.33 does.
+///
+/// Cheap to clone (shared). Tokenization runs on the calling thread for small prompts
+/// and on Tokio's blocking pool for large ones ([`DEFAULT_OFF_LOOP_FROM`]).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::{Api, JsonBody};
+/// use disagg_tokenize::{HfTokenizer, Tokenize};
+///
+/// // A word-level tokenizer with a BOS token the post-processor adds.
+/// let tokenizer_json = r#"{
+///   "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+///   "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+///                     "rstrip": false, "normalized": false, "special": true}],
+///   "pre_tokenizer": {"type": "Whitespace"},
+///   "post_processor": {"type": "TemplateProcessing",
+///     "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+///     "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+///     "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+///   "decoder": null,
+///   "model": {"type": "WordLevel", "vocab": {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3},
+///             "unk_token": "<unk>"}
+/// }"#;
+/// let config = r#"{"bos_token": "<s>",
+///   "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content.strip() }} {% endfor %}"}"#;
+/// let tokenizer = HfTokenizer::from_bytes(tokenizer_json.as_bytes(), Some(config.as_bytes()))?;
+///
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// let body = JsonBody::parse(br#"{"prompt": "hello world"}"#)?;
+/// assert_eq!(&*tokenizer.tokenize(Api::Completions, &body).await?, [0, 2, 3]);
+///
+/// let body = JsonBody::parse(br#"{"messages": [{"role": "user", "content": " hello "}]}"#)?;
+/// assert_eq!(&*tokenizer.tokenize(Api::Chat, &body).await?, [0, 2]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct HfTokenizer {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    tokenizer: tokenizers::Tokenizer,
+    templates: Option<Templates>,
+    /// The named special tokens the config sets, for the template's context.
+    special: Vec<(&'static str, String)>,
+    content_format: ContentFormat,
+    /// The server's `--default-chat-template-kwargs`, below the request's.
+    default_kwargs: Vec<(String, Value)>,
+    off_loop_from: usize,
+}
+
+impl fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("vocab_size", &self.inner.tokenizer.get_vocab_size(true))
+            .field("chat_template", &self.inner.templates.is_some())
+            .field("content_format", &self.inner.content_format)
+            .field("off_loop_from", &self.inner.off_loop_from)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HfTokenizer {
+    /// Load a model directory: `tokenizer.json`, and when present
+    /// `tokenizer_config.json`, `chat_template.jinja` and
+    /// `additional_chat_templates/*.jinja`.
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError`] when `tokenizer.json` is missing or any file is invalid.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<HfTokenizer, LoadError> {
+        let dir = dir.as_ref();
+        let config = dir.join("tokenizer_config.json");
+        let config = config.exists().then_some(config);
+        let mut tokenizer = HfTokenizer::from_files(dir.join("tokenizer.json"), config.as_deref())?;
+        // Standalone template files take priority over the config's, as in
+        // transformers 5 (`PreTrainedTokenizerBase.from_pretrained`).
+        let mut files = Vec::new();
+        let single = dir.join("chat_template.jinja");
+        if single.exists() {
+            files.push(("default".to_owned(), read(&single)?));
+        }
+        let extra = dir.join("additional_chat_templates");
+        if let Ok(entries) = std::fs::read_dir(&extra) {
+            let mut paths: Vec<PathBuf> = entries
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
+                .collect();
+            paths.sort();
+            for path in paths {
+                let name = path
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                files.push((name, read(&path)?));
+            }
+        }
+        if !files.is_empty() {
+            tokenizer = tokenizer.with_templates(files)?;
+        }
+        Ok(tokenizer)
+    }
+
+    /// Load `tokenizer.json` and, optionally, `tokenizer_config.json` from their paths.
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError`] when a file is missing or invalid.
+    pub fn from_files(
+        tokenizer_json: impl AsRef<Path>,
+        tokenizer_config: Option<&Path>,
+    ) -> Result<HfTokenizer, LoadError> {
+        let tokenizer_json = tokenizer_json.as_ref();
+        let json = std::fs::read(tokenizer_json).map_err(|source| LoadError::Read {
+            path: tokenizer_json.to_owned(),
+            source,
+        })?;
+        let config = match tokenizer_config {
+            None => None,
+            Some(p) => Some((
+                p.to_owned(),
+                std::fs::read(p).map_err(|source| LoadError::Read {
+                    path: p.to_owned(),
+                    source,
+                })?,
+            )),
+        };
+        load(
+            (tokenizer_json.to_owned(), &json),
+            config.as_ref().map(|(p, b)| (p.clone(), &b[..])),
+        )
+    }
+
+    /// Load from the contents of `tokenizer.json` and, optionally,
+    /// `tokenizer_config.json`.
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError`] when either is invalid.
+    pub fn from_bytes(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<&[u8]>,
+    ) -> Result<HfTokenizer, LoadError> {
+        load(
+            (PathBuf::from("tokenizer.json"), tokenizer_json),
+            tokenizer_config.map(|c| (PathBuf::from("tokenizer_config.json"), c)),
+        )
+    }
+
+    /// Use `source` as the chat template, whatever the model ships (vLLM's
+    /// `--chat-template`).
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError::Template`] when it does not compile.
+    pub fn with_chat_template(self, source: impl Into<String>) -> Result<HfTokenizer, LoadError> {
+        self.with_templates(vec![("default".to_owned(), source.into())])
+    }
+
+    fn with_templates(
+        mut self,
+        templates: Vec<(String, String)>,
+    ) -> Result<HfTokenizer, LoadError> {
+        let compiled = Templates::new(templates)
+            .map_err(|(name, source)| LoadError::Template { name, source })?;
+        Arc::make_mut(&mut self.inner).templates = Some(compiled);
+        Ok(self)
+    }
+
+    /// How message content reaches the template ([`ContentFormat::Auto`] by default,
+    /// as vLLM).
+    pub fn with_content_format(mut self, format: ContentFormat) -> HfTokenizer {
+        Arc::make_mut(&mut self.inner).content_format = format;
+        self
+    }
+
+    /// The server's default chat template arguments (vLLM's
+    /// `--default-chat-template-kwargs`), a JSON object; a request's own override them.
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError::Config`] when `json` is not a JSON object.
+    pub fn with_default_chat_template_kwargs(
+        mut self,
+        json: &str,
+    ) -> Result<HfTokenizer, LoadError> {
+        let fields: Fields = serde_json::from_str(json).map_err(|_| LoadError::Config {
+            path: PathBuf::from("--default-chat-template-kwargs"),
+            reason: "not a JSON object".into(),
+        })?;
+        Arc::make_mut(&mut self.inner).default_kwargs = fields.0;
+        Ok(self)
+    }
+
+    /// Prompts from `bytes` on are tokenized on the blocking pool
+    /// ([`DEFAULT_OFF_LOOP_FROM`] by default; `usize::MAX` never moves them).
+    pub fn with_off_loop_from(mut self, bytes: usize) -> HfTokenizer {
+        Arc::make_mut(&mut self.inner).off_loop_from = bytes;
+        self
+    }
+
+    /// Whether a chat template was loaded.
+    pub fn has_chat_template(&self) -> bool {
+        self.inner.templates.is_some()
+    }
+
+    /// The ids of `text`, with the post-processor's special tokens when
+    /// `add_special_tokens`. Runs on the calling thread.
+    ///
+    /// # Errors
+    ///
+    /// [`TokenizeError::Tokenizer`] when the tokenizer fails.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.inner.encode(text, add_special_tokens, None)
+    }
+
+    /// The text vLLM renders for a chat prompt, before tokenization. Runs on the
+    /// calling thread.
+    ///
+    /// # Errors
+    ///
+    /// [`TokenizeError::NotSupported`] without a chat template or for non-text content,
+    /// [`TokenizeError::Invalid`] for malformed messages, [`TokenizeError::Template`]
+    /// when the template fails or raises.
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        self.inner.render(chat)
+    }
+
+    /// The token ids of an already read prompt, on the calling thread.
+    ///
+    /// # Errors
+    ///
+    /// As [`Tokenize::tokenize`].
+    pub fn tokenize_prompt_blocking(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
+        self.inner.tokenize(prompt)
+    }
+}
+
+#[async_trait]
+impl Tokenize for HfTokenizer {
+    async fn tokenize(&self, api: Api, body: &JsonBody) -> Result<Tokens, TokenizeError> {
+        let prompt = Prompt::read(api, body)?;
+        let size = match &prompt.input {
+            PromptInput::Ids(_) => 0,
+            PromptInput::Text { text, .. } => text.len(),
+            PromptInput::Chat(c) => c.messages.len() + c.tools.as_ref().map_or(0, |t| t.len()),
+        };
+        // A large prompt would hold the event loop, and every connection on it, for
+        // milliseconds; see `DEFAULT_OFF_LOOP_FROM`.
+        if size >= self.inner.off_loop_from
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let inner = Arc::clone(&self.inner);
+            return match runtime
+                .spawn_blocking(move || inner.tokenize(&prompt))
+                .await
+            {
+                Ok(result) => result,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => Err(TokenizeError::Tokenizer(Box::new(e))),
+            };
+        }
+        self.inner.tokenize(&prompt)
+    }
+}
+
+// === impl Inner ===
+
+impl Inner {
+    fn tokenize(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
+        let truncation = prompt.truncation;
+        // Without an explicit side vLLM truncates text inside the tokenizer
+        // (`TokenizeParams.get_encode_kwargs`), which keeps the special tokens it adds;
+        // a chat's rendered text included.
+        let inside = truncation.filter(|t| t.side.is_none()).map(|t| t.keep);
+        let mut ids = match &prompt.input {
+            PromptInput::Ids(ids) => ids.clone(),
+            PromptInput::Text {
+                text,
+                add_special_tokens,
+            } => self.encode(text, *add_special_tokens, inside)?,
+            PromptInput::Chat(chat) => {
+                let text = self.render(chat)?;
+                self.encode(&text, chat.add_special_tokens, inside)?
+            }
+        };
+        if let Some(t) = truncation {
+            t.apply(&mut ids);
+        }
+        Ok(ids.into())
+    }
+
+    fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let encoding = match max_length {
+            None => self.tokenizer.encode_fast(text, add_special_tokens),
+            Some(max_length) => {
+                // Rare (a request with `truncate_prompt_tokens`): a copy of the
+                // tokenizer truncates from the left as vLLM's does, room kept for the
+                // special tokens.
+                let mut t = self.tokenizer.clone();
+                t.with_truncation(Some(TruncationParams {
+                    direction: TruncationDirection::Left,
+                    max_length,
+                    strategy: TruncationStrategy::LongestFirst,
+                    stride: 0,
+                }))
+                .map_err(TokenizeError::Tokenizer)?;
+                t.encode_fast(text, add_special_tokens)
+            }
+        };
+        encoding
+            .map(|e| e.get_ids().to_vec())
+            .map_err(TokenizeError::Tokenizer)
+    }
+
+    fn render(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
+        let Some(templates) = &self.templates else {
+            return Err(TokenizeError::not_supported("no chat template"));
+        };
+        // Tools: the request's, unless its chat_template_kwargs carry their own.
+        let mut kwargs: Vec<(String, Value)> = self.default_kwargs.clone();
+        let mut request_kwargs: Vec<(String, Value)> = Vec::new();
+        if let Some(raw) = &chat.chat_template_kwargs {
+            let fields: Fields = serde_json::from_slice(raw).map_err(|_| {
+                TokenizeError::invalid("chat_template_kwargs", "expected an object")
+            })?;
+            // vLLM's merge drops `None` values: they leave the default in place.
+            request_kwargs = fields.0.into_iter().filter(|(_, v)| !v.is_none()).collect();
+        }
+        let user_tools = request_kwargs.iter().any(|(k, _)| k == "tools");
+        let tools = match (&chat.tools, user_tools) {
+            (Some(raw), false) => Some(messages::tools(raw)?),
+            _ => None,
+        };
+        let has_tools = tools.is_some() || user_tools;
+        let Some(entry) = templates.select(has_tools) else {
+            return Err(TokenizeError::not_supported(
+                "several chat templates and none named default",
+            ));
+        };
+        let openai = match self.content_format {
+            ContentFormat::Auto => entry.iterates_content,
+            ContentFormat::String => false,
+            ContentFormat::OpenAi => true,
+        };
+        let mut conversation =
+            messages::conversation(&chat.messages, openai, entry.developer_role)?;
+        if conversation.is_empty() {
+            return Err(TokenizeError::invalid(
+                "messages",
+                "cannot apply the chat template to an empty conversation",
+            ));
+        }
+        for (k, v) in request_kwargs {
+            set(&mut kwargs, k, v);
+        }
+        // The request's own fields win over its chat_template_kwargs (vLLM's
+        // `build_chat_params`).
+        set(
+            &mut kwargs,
+            "add_generation_prompt".into(),
+            Value::from(chat.add_generation_prompt),
+        );
+        if let Some(raw) = &chat.documents {
+            let docs: Value = serde_json::from_slice(raw)
+                .map_err(|_| TokenizeError::invalid("documents", "not JSON"))?;
+            set(&mut kwargs, "documents".into(), docs);
+        }
+        if let Some(effort) = &chat.reasoning_effort {
+            if !kwargs.iter().any(|(k, _)| k == "enable_thinking") {
+                set(
+                    &mut kwargs,
+                    "enable_thinking".into(),
+                    Value::from(effort != "none"),
+                );
+            }
+            set(
+                &mut kwargs,
+                "reasoning_effort".into(),
+                Value::from(effort.as_str()),
+            );
+        }
+        if let Some(tools) = tools {
+            set(&mut kwargs, "tools".into(), tools);
+        }
+        if kwargs
+            .iter()
+            .any(|(k, v)| k == "sanitize_control_tokens" && v.is_true())
+        {
+            return Err(TokenizeError::not_supported("sanitize_control_tokens"));
+        }
+        // transformers' `continue_final_message`: mark the end of the final message,
+        // render, and cut the text there.
+        if chat.continue_final_message {
+            let last = conversation.last_mut().ok_or_else(|| {
+                TokenizeError::invalid("messages", "no final message to continue")
+            })?;
+            mark_final(last)?;
+        }
+        // The context: special tokens, then the kwargs (which override them), then
+        // what `render_jinja_template` passes by name.
+        let mut context = Fields::default();
+        for (name, value) in &self.special {
+            context.set(name, Value::from(value.as_str()));
+        }
+        let mut documents = Value::from(());
+        let mut tools_value = Value::from(());
+        let mut add_generation_prompt = Value::from(false);
+        for (k, v) in kwargs {
+            match k.as_str() {
+                "documents" => documents = v,
+                "tools" => tools_value = v,
+                "add_generation_prompt" => add_generation_prompt = v,
+                k if CONSUMED_KWARGS.contains(&k) => {}
+                _ => context.set(&k, v),
+            }
+        }
+        context.set(
+            "messages",
+            Value::from(
+                conversation
+                    .into_iter()
+                    .map(Fields::into_value)
+                    .collect::<Vec<_>>(),
+            ),
+        );
+        context.set("tools", tools_value);
+        context.set("documents", documents);
+        context.set("add_generation_prompt", add_generation_prompt);
+        let rendered = templates
+            .render(&entry.name, context.into_value())
+            .map_err(|e| TokenizeError::Template {
+                message: template_message(&e),
+            })?;
+        if !chat.continue_final_message {
+            return Ok(rendered);
+        }
+        let tag = CONTINUE_TAG.trim();
+        let Some(at) = rendered.rfind(tag) else {
+            return Err(TokenizeError::invalid(
+                "continue_final_message",
+                "the final message does not appear in the rendered chat",
+            ));
+        };
+        Ok(if rendered[at..].starts_with(CONTINUE_TAG) {
+            rendered[..at].to_owned()
+        } else {
+            // The template trimmed the message's trailing space.
+            rendered[..at].trim_end().to_owned()
+        })
+    }
+}
+
+/// Append transformers' marker to the final message's content (a string, or its last
+/// text part).
+fn mark_final(message: &mut Fields) -> Result<(), TokenizeError> {
+    let missing = || {
+        TokenizeError::invalid(
+            "continue_final_message",
+            "the final message has no content to continue",
+        )
+    };
+    let content = message.get("content").cloned().ok_or_else(missing)?;
+    if let Some(s) = content.as_str() {
+        message.set("content", Value::from(format!("{s}{CONTINUE_TAG}")));
+        return Ok(());
+    }
+    let mut parts: Vec<Value> = content.try_iter().map_err(|_| missing())?.collect();
+    let Some(i) = parts
+        .iter()
+        .rposition(|p| p.get_attr("text").is_ok_and(|t| t.as_str().is_some()))
+    else {
+        return Err(missing());
+    };
+    let mut part = Fields::of(&parts[i]).map_err(|_| missing())?;
+    let text = part
+        .get("text")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned();
+    part.set("text", Value::from(format!("{text}{CONTINUE_TAG}")));
+    parts[i] = part.into_value();
+    message.set("content", Value::from(parts));
+    Ok(())
+}
+
+fn set(kwargs: &mut Vec<(String, Value)>, key: String, value: Value) {
+    match kwargs.iter_mut().find(|(k, _)| *k == key) {
+        Some(slot) => slot.1 = value,
+        None => kwargs.push((key, value)),
+    }
+}
+
+/// The reason a render failed: the template's own (`raise_exception`) or minijinja's.
+fn template_message(e: &minijinja::Error) -> String {
+    match e.detail() {
+        Some(detail) if e.kind() == minijinja::ErrorKind::InvalidOperation => detail.to_owned(),
+        _ => e.to_string(),
+    }
+}
+
+fn read(path: &Path) -> Result<String, LoadError> {
+    std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn load(
+    (json_path, json): (PathBuf, &[u8]),
+    config: Option<(PathBuf, &[u8])>,
+) -> Result<HfTokenizer, LoadError> {
+    let mut tokenizer =
+        tokenizers::Tokenizer::from_bytes(json).map_err(|source| LoadError::Tokenizer {
+            path: json_path,
+            source,
+        })?;
+    let mut special = Vec::new();
+    let mut templates = None;
+    if let Some((path, bytes)) = config {
+        let bad = |reason: &'static str| LoadError::Config {
+            path: path.clone(),
+            reason: reason.into(),
+        };
+        let config: serde_json::Map<String, Json> =
+            serde_json::from_slice(bytes).map_err(|_| bad("not a JSON object"))?;
+        for name in SPECIAL_TOKENS {
+            let content = match config.get(name) {
+                None | Some(Json::Null) => continue,
+                Some(Json::String(s)) => s.clone(),
+                Some(Json::Object(o)) => match o.get("content") {
+                    Some(Json::String(s)) => s.clone(),
+                    _ => return Err(bad("a special token object without content")),
+                },
+                Some(_) => return Err(bad("a special token must be a string or an object")),
+            };
+            special.push((name, content));
+        }
+        // Named special tokens missing from tokenizer.json are added as special
+        // tokens, as transformers' `TokenizersBackend` does when it loads.
+        let missing: Vec<AddedToken> = special
+            .iter()
+            .filter(|(_, c)| tokenizer.token_to_id(c).is_none())
+            .map(|(_, c)| AddedToken::from(c.clone(), true))
+            .collect();
+        if !missing.is_empty() {
+            tokenizer
+                .add_special_tokens(missing)
+                .map_err(|source| LoadError::Tokenizer {
+                    path: path.clone(),
+                    source,
+                })?;
+        }
+        if config.get("split_special_tokens") == Some(&Json::Bool(true)) {
+            tokenizer.set_encode_special_tokens(true);
+        }
+        templates = match config.get("chat_template") {
+            None | Some(Json::Null) => None,
+            Some(Json::String(s)) => Some(vec![("default".to_owned(), s.clone())]),
+            Some(Json::Array(list)) => {
+                let mut named = Vec::with_capacity(list.len());
+                for item in list {
+                    match (item.get("name"), item.get("template")) {
+                        (Some(Json::String(n)), Some(Json::String(t))) => {
+                            named.push((n.clone(), t.clone()));
+                        }
+                        _ => return Err(bad("a chat template entry needs a name and a template")),
+                    }
+                }
+                Some(named)
+            }
+            Some(_) => return Err(bad("chat_template must be a string or a list")),
+        };
+    }
+    let templates = match templates {
+        None => None,
+        Some(t) => {
+            Some(Templates::new(t).map_err(|(name, source)| LoadError::Template { name, source })?)
+        }
+    };
+    Ok(HfTokenizer {
+        inner: Arc::new(Inner {
+            tokenizer,
+            templates,
+            special,
+            content_format: ContentFormat::Auto,
+            default_kwargs: Vec::new(),
+            off_loop_from: DEFAULT_OFF_LOOP_FROM,
+        }),
+    })
+}

@@ -1,0 +1,154 @@
+//! `EngineTokenizer` against the simulated engine's `POST /tokenize` over loopback: the
+//! ids are the engine's, token-id prompts never reach it, and its failures are typed.
+
+use std::sync::Arc;
+
+use disagg_core::{Api, Endpoint, JsonBody, Role, Transport};
+use disagg_http::HttpTransport;
+use disagg_sim::{SimConfig, SimEngine};
+use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};
+
+async fn engine() -> SimEngine {
+    SimEngine::start(SimConfig {
+        model: "sim-model".into(),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+fn tokenizer(url: &str) -> EngineTokenizer {
+    let transport: Arc<dyn Transport> = Arc::new(HttpTransport::default());
+    EngineTokenizer::new(
+        transport,
+        Arc::new(Endpoint::new(url, Role::Prefill).unwrap()),
+    )
+}
+
+async fn tokenize(t: &EngineTokenizer, api: Api, body: &str) -> Result<Vec<u32>, TokenizeError> {
+    t.tokenize(api, &JsonBody::parse(body.as_bytes()).unwrap())
+        .await
+        .map(|ids| ids.to_vec())
+}
+
+#[tokio::test]
+async fn text_and_chat_prompts_get_the_engines_ids() {
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    let text = "the prefix cache of the engine";
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &format!(r#"{{"model":"sim-model","prompt":"{text}"}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, disagg_sim::tokenize(text));
+
+    // The simulator's template is each message's content on a line of its own.
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"model":"sim-model","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hello there"}],"stream":true}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, disagg_sim::tokenize("be brief\nhello there\n"));
+    assert_eq!(e.stats().tokenize_requests, 2);
+
+    // Token ids are not sent; truncation applies to them as vLLM applies it.
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        r#"{"prompt":[5,6,7,8],"truncate_prompt_tokens":3}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [6, 7, 8]);
+    // Chat ids come back whole from the engine and are truncated here.
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"a b c d e"}],"truncate_prompt_tokens":2}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, disagg_sim::tokenize("d e"));
+    assert_eq!(e.stats().tokenize_requests, 3);
+    // Truncated inside the tokenizer with its special tokens kept: which ids those are
+    // is not known from the answer, so the engine is not asked.
+    let err = tokenize(
+        &t,
+        Api::Completions,
+        r#"{"prompt":"a b c","truncate_prompt_tokens":2}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.is_not_supported(), "{err:?}");
+    assert_eq!(e.stats().tokenize_requests, 3);
+}
+
+#[tokio::test]
+async fn an_engine_error_is_typed_with_its_status_and_message() {
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    // A model the engine does not serve: 404, as vLLM answers.
+    let err = tokenize(&t, Api::Completions, r#"{"model":"other","prompt":"hi"}"#)
+        .await
+        .unwrap_err();
+    match err {
+        TokenizeError::Engine(EngineError::Status { status, message }) => {
+            assert_eq!(status, 404);
+            assert!(message.contains("other"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Shapes the engine would tokenize differently are refused before any request.
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(err.is_not_supported());
+    assert_eq!(e.stats().tokenize_requests, 1);
+}
+
+#[tokio::test]
+async fn an_engine_that_is_gone_is_a_transport_error() {
+    let e = engine().await;
+    let url = e.url();
+    e.shutdown().await;
+    let t = tokenizer(&url);
+    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Engine(EngineError::Transport(ref t)) if t.is_connect()),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
+    let e = engine().await;
+    // The engine's completions route answers 200 with a completion, not ids.
+    let t = tokenizer(&e.url()).with_path("/v1/completions");
+    let err = tokenize(&t, Api::Completions, r#"{"prompt":"hi"}"#)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Engine(EngineError::Decode(_))),
+        "{err:?}"
+    );
+    // An answer over the limit is not read.
+    let t = tokenizer(&e.url()).with_max_answer(8);
+    let err = tokenize(&t, Api::Completions, r#"{"prompt":"a b c d e f g"}"#)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Engine(EngineError::Body(_))),
+        "{err:?}"
+    );
+}

@@ -1,0 +1,477 @@
+//! `HfTokenizer` on a model directory the test makes (see `fixture`): text and chat
+//! ids, special tokens, the generation prompt, template errors, loading errors.
+
+mod fixture;
+
+use std::sync::OnceLock;
+
+use disagg_core::{Api, JsonBody};
+use disagg_tokenize::{HfTokenizer, LoadError, Tokenize, TokenizeError};
+use fixture::{BOS, END_HEADER, EOT, START_HEADER};
+
+/// The model's `tokenizer.json`, trained once per test binary.
+fn tokenizer_json() -> &'static str {
+    static JSON: OnceLock<String> = OnceLock::new();
+    JSON.get_or_init(|| fixture::tokenizer(1200).to_string(false).unwrap())
+}
+
+/// The model directory's files as they would be read.
+fn hf() -> HfTokenizer {
+    let config = fixture::config(Some(fixture::TEMPLATE));
+    HfTokenizer::from_bytes(tokenizer_json().as_bytes(), Some(config.as_bytes())).unwrap()
+}
+
+/// The raw tokenizer, to encode expected texts and decode ids.
+fn raw() -> tokenizers::Tokenizer {
+    tokenizer_json().parse().unwrap()
+}
+
+fn encode(text: &str, special: bool) -> Vec<u32> {
+    raw().encode(text, special).unwrap().get_ids().to_vec()
+}
+
+async fn tokenize(t: &HfTokenizer, api: Api, body: &str) -> Result<Vec<u32>, TokenizeError> {
+    let body = JsonBody::parse(body.as_bytes()).unwrap();
+    t.tokenize(api, &body).await.map(|ids| ids.to_vec())
+}
+
+fn completion(prompt: &str, extra: &str) -> String {
+    format!(
+        r#"{{"model":"m","prompt":{}{extra}}}"#,
+        serde_json::to_string(prompt).unwrap()
+    )
+}
+
+const CHAT: &str = r#"[{"role":"system","content":"  You are terse. "},{"role":"user","content":"What is the weather in Paris today?\n"}]"#;
+
+#[tokio::test]
+async fn text_prompts_round_trip_with_the_bos_the_post_processor_adds() {
+    let t = hf();
+    let text = "Hello world, the engine's prefix cache holds 12345 blocks.\nCafé über naïve!";
+    let ids = tokenize(&t, Api::Completions, &completion(text, ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        ids[0], BOS,
+        "add_special_tokens defaults to true for completions"
+    );
+    assert_eq!(raw().decode(&ids[1..], false).unwrap(), text);
+    // Merges were applied: fewer ids than bytes.
+    assert!(
+        ids.len() < text.len() / 2,
+        "{} ids for {} bytes",
+        ids.len(),
+        text.len()
+    );
+
+    let without = tokenize(
+        &t,
+        Api::Completions,
+        &completion(text, r#","add_special_tokens":false"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(without, ids[1..]);
+    // A batch of one is that prompt.
+    let one = format!(r#"{{"prompt":[{}]}}"#, serde_json::to_string(text).unwrap());
+    assert_eq!(tokenize(&t, Api::Completions, &one).await.unwrap(), ids);
+}
+
+#[tokio::test]
+async fn special_token_text_in_a_prompt_is_one_token() {
+    let ids = tokenize(&hf(), Api::Completions, &completion("<|eot_id|>hello", ""))
+        .await
+        .unwrap();
+    assert_eq!(ids[..2], [BOS, EOT]);
+}
+
+#[tokio::test]
+async fn token_id_prompts_are_taken_as_they_are_and_truncated_as_vllm() {
+    let t = hf();
+    let ids = tokenize(&t, Api::Completions, r#"{"prompt":[9,8,7,6]}"#)
+        .await
+        .unwrap();
+    assert_eq!(ids, [9, 8, 7, 6]);
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        r#"{"prompt":[9,8,7,6],"truncate_prompt_tokens":2}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [7, 6]);
+    // A text prompt truncated inside the tokenizer keeps the BOS (vLLM's tokenizer
+    // truncates from the left, leaving room for the special tokens).
+    let text = "the model and the engine and the cache";
+    let full = encode(text, false);
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &completion(text, r#","truncate_prompt_tokens":3"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [BOS, full[full.len() - 2], full[full.len() - 1]]);
+    // With an explicit side, vLLM slices the full ids.
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &completion(
+            text,
+            r#","truncate_prompt_tokens":3,"truncation_side":"left""#,
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, full[full.len() - 3..]);
+    // A chat's rendered text is truncated the same way: with `add_special_tokens` the
+    // BOS the tokenizer adds stays in front.
+    let chat = encode(&rendered(true), false);
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"add_special_tokens":true,"truncate_prompt_tokens":3}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [BOS, chat[chat.len() - 2], chat[chat.len() - 1]]);
+}
+
+/// The text the template must render for `CHAT` (its content stripped, headers and
+/// `<|eot_id|>` around each message).
+fn rendered(generation_prompt: bool) -> String {
+    let mut s = String::from(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>\
+         <|start_header_id|>user<|end_header_id|>\n\nWhat is the weather in Paris today?<|eot_id|>",
+    );
+    if generation_prompt {
+        s.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
+    }
+    s
+}
+
+#[tokio::test]
+async fn chat_renders_the_template_then_tokenizes_without_adding_special_tokens() {
+    let t = hf();
+    let ids = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap();
+    assert_eq!(ids, encode(&rendered(true), false));
+    // One BOS (the template's), the special tokens as single ids.
+    assert_eq!(ids.iter().filter(|&&i| i == BOS).count(), 1);
+    assert_eq!(ids[..2], [BOS, START_HEADER]);
+    assert_eq!(ids.iter().filter(|&&i| i == START_HEADER).count(), 3);
+    assert_eq!(ids.iter().filter(|&&i| i == EOT).count(), 2);
+    let last_header = ids.iter().rposition(|&i| i == END_HEADER).unwrap();
+    assert_eq!(
+        raw().decode(&ids[last_header + 1..], false).unwrap(),
+        "\n\n"
+    );
+
+    // The same text as a completions prompt (which adds its own BOS) gives the same
+    // ids after the extra BOS: the rendered text is exactly what we expect.
+    let as_text = tokenize(
+        &t,
+        Api::Completions,
+        &completion(&rendered(true), r#","add_special_tokens":false"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(as_text, ids);
+
+    // `add_special_tokens: true` on chat adds the post-processor's BOS on top.
+    let doubled = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"add_special_tokens":true}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(doubled[..2], [BOS, BOS]);
+    assert_eq!(doubled[1..], ids);
+}
+
+#[tokio::test]
+async fn generation_prompt_on_and_off() {
+    let t = hf();
+    let off = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"add_generation_prompt":false}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(off, encode(&rendered(false), false));
+    assert_eq!(*off.last().unwrap(), EOT);
+    let on = tokenize(&t, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap();
+    assert!(on.len() > off.len() && on[..off.len()] == off[..]);
+
+    // A template argument reaches the template.
+    let thinking = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"chat_template_kwargs":{{"enable_thinking":true}}}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        thinking,
+        encode(&format!("{}<think>", rendered(true)), false)
+    );
+    // `reasoning_effort` turns thinking on as vLLM's chat route does, unless the
+    // request's template arguments say otherwise.
+    let effort = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"reasoning_effort":"high"}}"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(effort, thinking);
+    let overridden = tokenize(
+        &t,
+        Api::Chat,
+        &format!(
+            r#"{{"messages":{CHAT},"reasoning_effort":"high","chat_template_kwargs":{{"enable_thinking":false}}}}"#
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(overridden, on);
+}
+
+#[tokio::test]
+async fn continue_final_message_leaves_the_last_message_open() {
+    let t = hf();
+    let body = r#"{"messages":[{"role":"user","content":"Say hello"},{"role":"assistant","content":"Hello, the "}],"add_generation_prompt":false,"continue_final_message":true}"#;
+    let ids = tokenize(&t, Api::Chat, body).await.unwrap();
+    let expected = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nSay hello<|eot_id|>\
+                    <|start_header_id|>assistant<|end_header_id|>\n\nHello, the";
+    assert_eq!(ids, encode(expected, false));
+    // Both at once is refused, as vLLM refuses it.
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"x"}],"continue_final_message":true}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        TokenizeError::Invalid {
+            field: "continue_final_message",
+            ..
+        }
+    ));
+}
+
+#[tokio::test]
+async fn tools_are_rendered_as_vllm_dumps_them() {
+    let t = hf();
+    let body = format!(
+        r#"{{"messages":{CHAT},"tools":[{{"type":"function","function":{{"name":"weather","parameters":{{"type":"object","properties":{{"city":{{"type":"string"}}}}}}}}}}]}}"#
+    );
+    let ids = tokenize(&t, Api::Chat, &body).await.unwrap();
+    let tool = "{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"weather\",\n    \"description\": null,\n    \"parameters\": {\n      \"type\": \"object\",\n      \"properties\": {\n        \"city\": {\n          \"type\": \"string\"\n        }\n      }\n    }\n  }\n}";
+    let expected = rendered(true).replacen(
+        "<|begin_of_text|>",
+        &format!("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nTools:\n{tool}\n<|eot_id|>"),
+        1,
+    );
+    assert_eq!(ids, encode(&expected, false));
+}
+
+#[tokio::test]
+async fn a_template_that_raises_gives_a_typed_error_with_its_reason() {
+    let t = hf();
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"assistant","content":"first"}]}"#,
+    )
+    .await
+    .unwrap_err();
+    match err {
+        TokenizeError::Template { message } => {
+            assert_eq!(
+                message,
+                "Conversations must start with a user or system message"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"tool","content":"x"}]}"#,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, TokenizeError::Template { ref message } if message == "Unknown role: tool"),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn shapes_it_cannot_reproduce_are_not_supported() {
+    let t = hf();
+    for (api, body) in [
+        (Api::Completions, r#"{"prompt":["a","b"]}"#),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}"#,
+        ),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"chat_template":"{{ 1 }}"}"#,
+        ),
+    ] {
+        let err = tokenize(&t, api, body).await.unwrap_err();
+        assert!(err.is_not_supported(), "{body}: {err:?}");
+    }
+    // Without a chat template, chat requests are not supported; text still works.
+    let dir = fixture::temp_dir("no-template");
+    fixture::write_model(&dir, &raw(), None);
+    let bare = HfTokenizer::from_dir(&dir).unwrap();
+    assert!(!bare.has_chat_template());
+    let err = tokenize(&bare, Api::Chat, &format!(r#"{{"messages":{CHAT}}}"#))
+        .await
+        .unwrap_err();
+    assert!(err.is_not_supported());
+    assert_eq!(
+        tokenize(&bare, Api::Completions, &completion("hello", ""))
+            .await
+            .unwrap(),
+        encode("hello", true)
+    );
+}
+
+#[tokio::test]
+async fn a_standalone_chat_template_file_takes_priority() {
+    let dir = fixture::temp_dir("jinja");
+    fixture::write_model(&dir, &raw(), Some(fixture::TEMPLATE));
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}",
+    )
+    .unwrap();
+    let t = HfTokenizer::from_dir(&dir).unwrap();
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hello"}]}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, encode("USER: hello\n", false));
+}
+
+#[tokio::test]
+async fn content_parts_follow_the_templates_content_format() {
+    let t = hf();
+    // The fixture's template uses `.strip()` on the content: the string format, parts
+    // joined with newlines.
+    let parts = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"What is"},{"type":"text","text":"the weather?"}]}],"add_generation_prompt":false}"#;
+    let ids = tokenize(&t, Api::Chat, parts).await.unwrap();
+    assert_eq!(
+        ids,
+        encode(
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is\nthe weather?<|eot_id|>",
+            false
+        )
+    );
+    // A template that loops over the content gets the parts.
+    let t = hf()
+        .with_chat_template(
+            "{% for m in messages %}{% for p in m['content'] %}[{{ p.type }}:{{ p.text }}]{% endfor %}{% endfor %}",
+        )
+        .unwrap();
+    let ids = tokenize(&t, Api::Chat, parts).await.unwrap();
+    assert_eq!(ids, encode("[text:What is][text:the weather?]", false));
+    let plain = tokenize(
+        &t,
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(plain, encode("[text:hi]", false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_prompts_tokenized_off_the_event_loop_give_the_same_ids() {
+    let text = fixture::text(64 * 1024, 11);
+    let body = completion(&text, "");
+    let inline = hf().with_off_loop_from(usize::MAX);
+    let off_loop = hf().with_off_loop_from(0);
+    let a = tokenize(&inline, Api::Completions, &body).await.unwrap();
+    let b = tokenize(&off_loop, Api::Completions, &body).await.unwrap();
+    assert_eq!(a, b);
+    assert_eq!(a, encode(&text, true));
+}
+
+#[test]
+fn loading_errors_name_the_file_and_the_fault() {
+    let dir = fixture::temp_dir("errors");
+    match HfTokenizer::from_dir(&dir) {
+        Err(LoadError::Read { path, source }) => {
+            assert!(path.ends_with("tokenizer.json"));
+            assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(dir.join("tokenizer.json"), "{\"not\": \"a tokenizer\"}").unwrap();
+    assert!(matches!(
+        HfTokenizer::from_dir(&dir),
+        Err(LoadError::Tokenizer { .. })
+    ));
+
+    raw().save(dir.join("tokenizer.json"), false).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), "[1, 2]").unwrap();
+    assert!(matches!(
+        HfTokenizer::from_dir(&dir),
+        Err(LoadError::Config { .. })
+    ));
+
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        fixture::config(Some("{% for m in messages %}{{ m.content }")),
+    )
+    .unwrap();
+    match HfTokenizer::from_dir(&dir) {
+        Err(LoadError::Template { name, .. }) => assert_eq!(name, "default"),
+        other => panic!("{other:?}"),
+    }
+    // Named templates: `tool_use` is chosen when the request has tools.
+    let named = serde_json::json!({
+        "bos_token": "<|begin_of_text|>",
+        "chat_template": [
+            {"name": "default", "template": "plain"},
+            {"name": "tool_use", "template": "with tools"},
+        ],
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), named.to_string()).unwrap();
+    let t = HfTokenizer::from_dir(&dir).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let plain = rt
+        .block_on(tokenize(
+            &t,
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        ))
+        .unwrap();
+    assert_eq!(plain, encode("plain", false));
+    let tools = rt
+        .block_on(tokenize(
+            &t,
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#,
+        ))
+        .unwrap();
+    assert_eq!(tools, encode("with tools", false));
+}
