@@ -24,12 +24,16 @@
 
 pub mod body;
 pub mod error;
+pub mod forward;
 pub mod layer;
 pub mod metrics;
+pub mod models;
+pub mod routes;
 pub mod server;
 pub mod service;
 pub mod transport;
 
 pub use layer::{PdLayer, PdMiddleware};
+pub use routes::{RouteAction, RouteTable};
 pub use service::{PdService, PdServiceConfig};
 pub use transport::{HttpTransport, HttpTransportConfig};
