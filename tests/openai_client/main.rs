@@ -114,5 +114,8 @@ async fn openai_python_client_lists_and_retrieves_models_through_the_proxy() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("openai models: 3 checks passed"), "{stdout}");
+    assert!(
+        stdout.contains("openai models: 3 checks passed"),
+        "{stdout}"
+    );
 }
