@@ -1602,7 +1602,11 @@ mod tests {
                 ..
             }
         ));
-        assert_eq!(source.snapshot().decode()[0].id().as_str(), "http://d:7200");
+        // Only the decode that cannot pair is left out (disagg-resilience keeps the rest
+        // of a changing set): the new prefill is in force, the refused decode is not.
+        let set = source.snapshot();
+        assert!(set.decode().iter().all(|d| d.id().as_str() != "http://d1:7200"));
+        assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
     }
 
     #[test]
