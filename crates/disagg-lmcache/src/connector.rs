@@ -1605,7 +1605,11 @@ mod tests {
         // Only the decode that cannot pair is left out (disagg-resilience keeps the rest
         // of a changing set): the new prefill is in force, the refused decode is not.
         let set = source.snapshot();
-        assert!(set.decode().iter().all(|d| d.id().as_str() != "http://d1:7200"));
+        assert!(
+            set.decode()
+                .iter()
+                .all(|d| d.id().as_str() != "http://d1:7200")
+        );
         assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
     }
 
