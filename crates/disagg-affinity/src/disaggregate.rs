@@ -64,7 +64,10 @@ impl PromptThreshold {
         let raw = req
             .body
             .get("messages")
-            .or_else(|| req.body.get("prompt"))?;
+            .or_else(|| req.body.get("prompt"))
+            // SGLang's `/generate`.
+            .or_else(|| req.body.get("text"))
+            .or_else(|| req.body.get("input_ids"))?;
         if is_token_ids(raw) {
             return Some(raw.iter().filter(|b| **b == b',').count() + 1);
         }

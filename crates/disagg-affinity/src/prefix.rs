@@ -194,7 +194,8 @@ impl PrefixHasher {
     /// of them; empty when the request has no usable prompt or it is shorter than one
     /// block.
     ///
-    /// Reads only `messages` (chat) or `prompt` (completions) of the body.
+    /// Reads only `messages` (chat), `prompt` (completions) or `text` / `input_ids`
+    /// (SGLang's `/generate`) of the body.
     pub fn block_hashes(&self, req: &RequestView<'_>) -> Vec<u64> {
         self.hash_stream(req.model, &self.canonical(req))
     }
@@ -204,7 +205,11 @@ impl PrefixHasher {
     pub fn canonical(&self, req: &RequestView<'_>) -> Vec<u8> {
         let (field, write): (_, fn(&[u8], &mut Stream) -> Flow) = match req.api {
             Api::Chat => ("messages", write_messages),
-            Api::Completions => ("prompt", write_prompt),
+            // SGLang's `/generate`: the prompt is `text` (a string or a list of them), or
+            // `input_ids` (token ids or lists of them), read as completions' `prompt`.
+            Api::Generate if req.body.contains("text") => ("text", write_prompt),
+            Api::Generate => ("input_ids", write_prompt),
+            _ => ("prompt", write_prompt),
         };
         let Some(raw) = req.body.get(field) else {
             return Vec::new();

@@ -111,10 +111,11 @@ pub struct Endpoint {
     /// count there too.
     engine: Option<Arc<Endpoint>>,
     ext: http::Extensions,
-    /// The URIs of the two completion APIs, built once: a leg's request then clones
+    /// The URIs of the APIs legs are sent to, built once: a leg's request then clones
     /// shared bytes instead of parsing and allocating a URI per request.
     chat_uri: Uri,
     completions_uri: Uri,
+    generate_uri: Uri,
 }
 
 impl Endpoint {
@@ -199,6 +200,7 @@ impl Endpoint {
             models: None,
             chat_uri: api_uri(Api::Chat)?,
             completions_uri: api_uri(Api::Completions)?,
+            generate_uri: api_uri(Api::Generate)?,
             scheme,
             authority,
             role,
@@ -252,6 +254,7 @@ impl Endpoint {
             ext: base.ext.clone(),
             chat_uri: base.chat_uri.clone(),
             completions_uri: base.completions_uri.clone(),
+            generate_uri: base.generate_uri.clone(),
         }
     }
 
@@ -331,6 +334,7 @@ impl Endpoint {
         Ok(match api {
             Api::Chat => self.chat_uri.clone(),
             Api::Completions => self.completions_uri.clone(),
+            Api::Generate => self.generate_uri.clone(),
         })
     }
 

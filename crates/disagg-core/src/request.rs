@@ -9,13 +9,19 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use crate::body::JsonBody;
 use crate::error::BodyError;
 
-/// The OpenAI API a request belongs to.
+/// The API a request belongs to: OpenAI's chat and completions, and SGLang's native
+/// `/generate`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Api {
     /// `POST /v1/chat/completions`.
     Chat,
     /// `POST /v1/completions`.
     Completions,
+    /// `POST /generate`, SGLang's native API (`text` or `input_ids`, single or batch;
+    /// `sampling_params`; `return_logprob`), served P/D by the SGLang connector
+    /// (`sglang/srt/entrypoints/http_server.py` `generate_request`).
+    Generate,
 }
 
 impl Api {
@@ -24,6 +30,7 @@ impl Api {
         match self {
             Api::Chat => "/v1/chat/completions",
             Api::Completions => "/v1/completions",
+            Api::Generate => "/generate",
         }
     }
 
@@ -32,6 +39,7 @@ impl Api {
         match path {
             "/v1/chat/completions" => Some(Api::Chat),
             "/v1/completions" => Some(Api::Completions),
+            "/generate" => Some(Api::Generate),
             _ => None,
         }
     }

@@ -29,8 +29,11 @@
 pub mod auth;
 pub mod body;
 pub mod error;
+pub mod forward;
 pub mod layer;
 pub mod metrics;
+pub mod models;
+pub mod routes;
 pub mod server;
 pub mod service;
 #[cfg(feature = "tls")]
@@ -38,5 +41,6 @@ pub mod tls;
 pub mod transport;
 
 pub use layer::{PdLayer, PdMiddleware};
+pub use routes::{RouteAction, RouteTable};
 pub use service::{PdService, PdServiceConfig};
 pub use transport::{HttpTransport, HttpTransportConfig};

@@ -74,7 +74,43 @@ impl Default for HttpTransportConfig {
     }
 }
 
-type Sender = SendRequest<Full<Bytes>>;
+type Sender = SendRequest<LegBody>;
+
+/// A request body as the pool sends it: a leg's, whole; or a forwarded request's,
+/// streaming as the client sends it ([`Transport::send_streaming`]).
+enum LegBody {
+    Full(Full<Bytes>),
+    Stream(BoxBody),
+}
+
+impl Body for LegBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            LegBody::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+            LegBody::Stream(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            LegBody::Full(b) => b.is_end_stream(),
+            LegBody::Stream(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            LegBody::Full(b) => b.size_hint(),
+            LegBody::Stream(b) => b.size_hint(),
+        }
+    }
+}
 
 /// Where pooled connections go: the engine's authority, over TLS or not (an engine
 /// served both ways must not get a plain connection for an `https` request).
@@ -144,7 +180,17 @@ impl HttpTransport {
 impl Transport for HttpTransport {
     fn send(&self, req: Request<Bytes>) -> ResponseFuture {
         let inner = Arc::clone(&self.inner);
-        Box::pin(async move { inner.send(req).await })
+        Box::pin(async move { inner.send(req.map(|b| LegBody::Full(Full::new(b)))).await })
+    }
+
+    fn send_streaming(
+        &self,
+        req: Request<BoxBody>,
+    ) -> Result<ResponseFuture, Box<Request<BoxBody>>> {
+        let inner = Arc::clone(&self.inner);
+        Ok(Box::pin(async move {
+            inner.send(req.map(LegBody::Stream)).await
+        }))
     }
 }
 
@@ -156,7 +202,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Inner {
     async fn send(
         self: Arc<Self>,
-        req: Request<Bytes>,
+        req: Request<LegBody>,
     ) -> Result<Response<BoxBody>, TransportError> {
         let (mut parts, body) = req.into_parts();
         let Some(authority) = parts.uri.authority().cloned() else {
@@ -179,7 +225,7 @@ impl Inner {
         {
             parts.headers.insert(HOST, v);
         }
-        let mut req = Request::from_parts(parts, Full::new(body));
+        let mut req = Request::from_parts(parts, body);
 
         // Pooled connections first. One the engine has closed since hands the request
         // back unsent, and the next is tried.

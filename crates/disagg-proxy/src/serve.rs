@@ -66,6 +66,14 @@ pub struct ServeArgs {
     /// served there alone).
     #[arg(long, value_name = "N")]
     min_prefill_tokens: Option<usize>,
+    /// Open the engines' admin routes (LoRA load and unload, cache resets, sleep and
+    /// wake, profiling, weight updates; the list in docs/routes.md), closed by default
+    /// (403 `admin_route_closed`). Opened, each goes to every prefill and decode engine
+    /// of the body's `model` (every engine when it names none), and the answer lists
+    /// each engine's result: a pair whose sides disagree about a LoRA adapter cannot
+    /// hand KV over.
+    #[arg(long)]
+    admin_routes: bool,
     /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
     /// answer carries the handoff), SGLang bootstrap or vLLM Mooncake (concurrent: both
     /// legs at once, meeting through the prefill's bootstrap server).
@@ -833,6 +841,7 @@ impl Shared {
         };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
+        service.routes = disagg_http::RouteTable::default().admin_routes(args.admin_routes);
         service.extra_metrics.extend(lmcache_metrics);
         service.extra_metrics.extend(edge.metrics());
         service.extra_metrics.extend(extra_metrics);

@@ -103,6 +103,10 @@ pub(crate) struct SimArgs {
     /// Fault: answer every completion request with this HTTP status and a vLLM-style error.
     #[arg(long, value_name = "STATUS")]
     fail_status: Option<u16>,
+    /// Fault: answer the admin routes (LoRA load/unload, prefix-cache reset) with this
+    /// HTTP status and a vLLM-style error, changing nothing.
+    #[arg(long, value_name = "STATUS")]
+    fail_admin_status: Option<u16>,
     /// Fault: accept completion requests and never answer them.
     #[arg(long)]
     hang: bool,
@@ -245,6 +249,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             notify_delay: millis("--notify-delay-ms", args.notify_delay_ms)?,
             notify_loss: args.notify_loss,
             notify_duplicates: args.notify_duplicates,
+            admin_status: args.fail_admin_status,
         },
         ..SimConfig::default()
     })

@@ -379,4 +379,8 @@ pub struct Faults {
     /// LMCache prefill: extra copies of each notification, sent after all
     /// the originals of the request.
     pub notify_duplicates: u32,
+    /// Answer every admin request (`/v1/load_lora_adapter`,
+    /// `/v1/unload_lora_adapter`, `/reset_prefix_cache`) with this HTTP status and a
+    /// vLLM error body, changing nothing: an engine that fails its part of a fan-out.
+    pub admin_status: Option<u16>,
 }

@@ -169,6 +169,23 @@ pub struct Stats {
     /// is required).
     #[serde(default)]
     pub tls_handshake_failures: u64,
+    /// SGLang engines: `POST /generate` requests received (also counted in
+    /// [`Stats::requests`]).
+    #[serde(default)]
+    pub generate_requests: u64,
+    /// `POST /detokenize` requests served.
+    #[serde(default)]
+    pub detokenize_requests: u64,
+    /// `POST /v1/embeddings` requests served.
+    #[serde(default)]
+    pub embeddings_requests: u64,
+    /// `POST /v1/responses` requests served.
+    #[serde(default)]
+    pub responses_requests: u64,
+    /// Admin requests received (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+    /// `/reset_prefix_cache`), answered or refused.
+    #[serde(default)]
+    pub admin_requests: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -215,6 +232,11 @@ pub(crate) struct Counters {
     pub(crate) requests_without_key: AtomicU64,
     pub(crate) unauthorized: AtomicU64,
     pub(crate) tls_handshake_failures: AtomicU64,
+    pub(crate) generate_requests: AtomicU64,
+    pub(crate) detokenize_requests: AtomicU64,
+    pub(crate) embeddings_requests: AtomicU64,
+    pub(crate) responses_requests: AtomicU64,
+    pub(crate) admin_requests: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -299,6 +321,11 @@ impl Counters {
             requests_without_key: self.requests_without_key.load(Relaxed),
             unauthorized: self.unauthorized.load(Relaxed),
             tls_handshake_failures: self.tls_handshake_failures.load(Relaxed),
+            generate_requests: self.generate_requests.load(Relaxed),
+            detokenize_requests: self.detokenize_requests.load(Relaxed),
+            embeddings_requests: self.embeddings_requests.load(Relaxed),
+            responses_requests: self.responses_requests.load(Relaxed),
+            admin_requests: self.admin_requests.load(Relaxed),
         }
     }
 }
