@@ -60,42 +60,84 @@ impl RouteAction {
     }
 }
 
-/// The routes that change an engine's state, closed by default.
-///
-/// vLLM's (`vllm/entrypoints/openai/api_server.py` and `vllm/entrypoints/serve/`): LoRA
-/// load and unload, the prefix and multimodal cache resets, sleep and wake, the
-/// profiler, `collective_rpc`, `server_info`, elastic expert parallelism. SGLang's
-/// (`sglang/srt/entrypoints/http_server.py`): `flush_cache`, weight updates, memory
-/// release and resume, LoRA, profiling, logging, request abort, pausing.
+/// The routes that change an engine's state (or expose its internals), closed by
+/// default. Checked against vLLM 0.33 (`vllm/entrypoints/openai/api_server.py` and the
+/// routers under `vllm/entrypoints/serve/`) and SGLang 0.5.23
+/// (`sglang/srt/entrypoints/http_server.py`).
 pub const ADMIN_ROUTES: &[&str] = &[
+    // vLLM: runtime LoRA, cache resets, sleep and pause, the profiler, dev mode's RPC
+    // and introspection, elastic EP, weight transfer and updates, fault tolerance.
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/reset_prefix_cache",
     "/reset_mm_cache",
+    "/reset_encoder_cache",
+    "/release_kv_cache_memory",
     "/sleep",
     "/wake_up",
     "/is_sleeping",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/abort_requests",
     "/collective_rpc",
     "/server_info",
+    "/get_world_size",
     "/start_profile",
     "/stop_profile",
     "/scale_elastic_ep",
     "/is_scaling_elastic_ep",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/shutdown_weight_transfer_engine",
+    "/update_weights",
+    "/update_weight_version",
+    "/weight_checker",
+    "/weight_info",
+    "/fault_tolerance/*",
+    // SGLang: cache flush, LoRA, weight updates and transfer groups, memory release,
+    // logging and tracing, request abort and pausing, sessions (engine-local state a
+    // P/D pair would not share), expert-distribution recording, the dumper, HiCache's
+    // storage backend, corpora, role switching, GC.
     "/flush_cache",
     "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
     "/unload_lora_adapter",
     "/update_weights_from_disk",
     "/update_weights_from_tensor",
     "/update_weights_from_distributed",
+    "/update_weights_from_ipc",
     "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/get_weights_by_name",
+    "/weights_checker",
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/configure_logging",
+    "/set_trace_level",
     "/abort_request",
     "/pause_generation",
     "/continue_generation",
     "/slow_down",
     "/set_internal_state",
+    "/open_session",
+    "/close_session",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/dumper/*",
+    "/hicache/storage-backend",
+    "/hicache/storage-backend/*",
+    "/add_external_corpus",
+    "/remove_external_corpus",
+    "/pd_role_switch",
+    "/freeze_gc",
 ];
 
 /// Generation routes that P/D does not orchestrate, served by one decode engine.
@@ -244,6 +286,17 @@ mod tests {
             assert_eq!(closed.action(path), RouteAction::Refused, "{path}");
         }
         assert_eq!(closed.action("/v1/completions"), RouteAction::Orchestrated);
+        // Admin prefixes close the paths below them, not their neighbours.
+        assert_eq!(
+            closed.action("/fault_tolerance/apply"),
+            RouteAction::Refused
+        );
+        assert_eq!(
+            closed.action("/hicache/storage-backend/clear"),
+            RouteAction::Refused
+        );
+        assert_eq!(closed.action("/dumper/start"), RouteAction::Refused);
+        assert_eq!(closed.action("/tokenizer_info"), RouteAction::Forwarded);
     }
 
     #[test]
