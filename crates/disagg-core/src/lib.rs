@@ -64,6 +64,7 @@ pub mod retry;
 pub mod rewrite;
 pub mod router;
 pub mod source;
+pub mod sse;
 pub mod tokens;
 pub mod trace;
 pub mod transport;

@@ -29,10 +29,8 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -47,8 +45,9 @@ use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::rewrite::VllmLimits;
 use disagg_core::router::Route;
+use disagg_core::sse::{EventMap, MapEvents};
 use disagg_core::transport::{BoxBody, Transport, read_limited};
-use http_body::{Body, Frame};
+use http_body::Frame;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -694,12 +693,7 @@ impl Reshape for Reshaper {
     fn body(&self, decode: BoxBody) -> BoxBody {
         let shape = Arc::clone(&self.shape);
         if self.stream {
-            BoxBody::new(SseMap {
-                inner: decode,
-                buf: BytesMut::new(),
-                shape,
-                ended: false,
-            })
+            BoxBody::new(MapEvents::new(decode, shape))
         } else {
             BoxBody::new(http_body_util::StreamBody::new(futures::stream::once(
                 whole_answer(decode, shape),
@@ -978,7 +972,7 @@ impl Shape {
     }
 
     /// One SSE event (without its blank-line terminator), in the client's form.
-    fn event(&self, ev: &[u8], out: &mut BytesMut) {
+    fn map_event(&self, ev: &[u8], out: &mut BytesMut) {
         let data = ev
             .strip_prefix(b"data: ")
             .or_else(|| ev.strip_prefix(b"data:"));
@@ -1000,99 +994,9 @@ impl Shape {
     }
 }
 
-/// The decode's event stream, event by event in the client's form. Only an unfinished
-/// event is held back; each frame's complete events go out with it.
-struct SseMap {
-    inner: BoxBody,
-    buf: BytesMut,
-    shape: Arc<Shape>,
-    ended: bool,
-}
-
-impl Body for SseMap {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        loop {
-            if this.ended {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut this.inner).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(Some(Ok(frame))) => {
-                    let data = match frame.into_data() {
-                        Ok(d) => d,
-                        Err(other) => return Poll::Ready(Some(Ok(other))),
-                    };
-                    this.buf.extend_from_slice(&data);
-                    let mut out = BytesMut::new();
-                    while let Some((end, next)) = event_end(&this.buf) {
-                        let ev = this.buf.split_to(next);
-                        this.shape.event(&ev[..end], &mut out);
-                    }
-                    if !out.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
-                    }
-                }
-                Poll::Ready(None) => {
-                    this.ended = true;
-                    let rest = this.buf.split();
-                    let mut trimmed = &rest[..];
-                    while let Some(t) = trimmed
-                        .strip_suffix(b"\n")
-                        .or_else(|| trimmed.strip_suffix(b"\r"))
-                    {
-                        trimmed = t;
-                    }
-                    if trimmed.is_empty() {
-                        return Poll::Ready(None);
-                    }
-                    let mut out = BytesMut::new();
-                    this.shape.event(trimmed, &mut out);
-                    return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
-                }
-            }
-        }
-    }
-}
-
-/// Where the first complete event of `buf` ends, and where what follows it starts.
-///
-/// An event ends at a blank line, and a line may end with `\r\n`, `\n` or `\r` (the
-/// SSE specification, WHATWG HTML "event stream interpretation"), so `\n\n`,
-/// `\r\n\r\n`, `\r\r` and their mixes all end one. A `\r` at the very end of `buf`
-/// may be the first half of `\r\n`: it waits for the next frame.
-fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
-    while i < buf.len() {
-        match line_end(buf, i)? {
-            0 => i += 1,
-            first => match line_end(buf, i + first)? {
-                0 => i += first,
-                second => return Some((i, i + first + second)),
-            },
-        }
-    }
-    None
-}
-
-/// The length of the line terminator at `buf[i]` (0 when there is none), or `None`
-/// when a lone `\r` ends `buf` and the next byte decides.
-fn line_end(buf: &[u8], i: usize) -> Option<usize> {
-    match buf.get(i) {
-        Some(b'\n') => Some(1),
-        Some(b'\r') => match buf.get(i + 1) {
-            Some(b'\n') => Some(2),
-            Some(_) => Some(1),
-            None => None,
-        },
-        _ => Some(0),
+impl EventMap for Shape {
+    fn event(&self, event: &[u8], out: &mut BytesMut) {
+        self.map_event(event, out);
     }
 }
 
@@ -1361,12 +1265,7 @@ mod tests {
         let body = BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
             frames,
         )));
-        let mapped = SseMap {
-            inner: body,
-            buf: BytesMut::new(),
-            shape: Arc::new(shape(true)),
-            ended: false,
-        };
+        let mapped = MapEvents::new(body, Arc::new(shape(true)));
         let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
         let evs = events(&out);
         assert_eq!(evs.len(), 3, "{evs:?}");
@@ -1398,14 +1297,12 @@ mod tests {
                     .chunks(cut)
                     .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
                     .collect();
-                let mapped = SseMap {
-                    inner: BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
+                let mapped = MapEvents::new(
+                    BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
                         frames,
                     ))),
-                    buf: BytesMut::new(),
-                    shape: Arc::new(shape(true)),
-                    ended: false,
-                };
+                    Arc::new(shape(true)),
+                );
                 let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
                 let evs = events(&out);
                 assert_eq!(evs.len(), 3, "{sep:?} cut {cut}: {evs:?}");

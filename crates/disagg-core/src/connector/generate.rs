@@ -20,18 +20,17 @@
 //! - SGLang streams `data: {"text", "output_ids", "meta_info", ("index")}` events, then
 //!   `data: [DONE]`.
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http_body::{Body, Frame};
+use http_body::Frame;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
 use crate::body::JsonBody;
 use crate::connector::{PrefillAnswer, Reshape};
 use crate::error::BoxError;
+use crate::sse::{EventMap, MapEvents, event_end};
 use crate::transport::{BoxBody, read_limited};
 
 /// Largest non-streaming decode answer merged with the prefill's logprobs: it is read
@@ -175,12 +174,7 @@ impl Reshape for LogprobMerge {
     fn body(&self, decode: BoxBody) -> BoxBody {
         let prefill = Arc::clone(&self.prefill);
         if self.stream {
-            BoxBody::new(SseMerge {
-                inner: decode,
-                buf: BytesMut::new(),
-                prefill,
-                ended: false,
-            })
+            BoxBody::new(MapEvents::new(decode, MergeEvents { prefill }))
         } else {
             BoxBody::new(http_body_util::StreamBody::new(futures::stream::once(
                 whole(decode, prefill),
@@ -213,24 +207,11 @@ async fn whole(decode: BoxBody, prefill: Arc<[Option<Value>]>) -> Result<Frame<B
 
 /// The decode's event stream with each `data:` event merged; only an unfinished event is
 /// held back, each frame's complete events go out with it.
-struct SseMerge {
-    inner: BoxBody,
-    buf: BytesMut,
+struct MergeEvents {
     prefill: Arc<[Option<Value>]>,
-    ended: bool,
 }
 
-impl SseMerge {
-    /// The complete events in the buffer, merged.
-    fn drain(&mut self) -> Bytes {
-        let mut out = BytesMut::new();
-        while let Some((end, next)) = event_end(&self.buf) {
-            let ev = self.buf.split_to(next);
-            self.event(&ev[..end], &mut out);
-        }
-        out.freeze()
-    }
-
+impl EventMap for MergeEvents {
     fn event(&self, ev: &[u8], out: &mut BytesMut) {
         match data_json(ev) {
             Some(Value::Object(mut o)) if !o.contains_key("error") => {
@@ -249,58 +230,6 @@ impl SseMerge {
                 out.extend_from_slice(b"\n\n");
             }
         }
-    }
-}
-
-impl Body for SseMerge {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        loop {
-            if self.ended {
-                return Poll::Ready(None);
-            }
-            match Pin::new(&mut self.inner).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue;
-                    };
-                    self.buf.extend_from_slice(&data);
-                    let out = self.drain();
-                    if !out.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(out))));
-                    }
-                }
-                Poll::Ready(None) => {
-                    self.ended = true;
-                    // An unterminated last event goes out as it came.
-                    let rest = self.buf.split().freeze();
-                    if !rest.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(rest))));
-                    }
-                    return Poll::Ready(None);
-                }
-            }
-        }
-    }
-}
-
-/// Where the first complete event of `buf` ends (its blank-line separator excluded) and
-/// where the next begins; SGLang separates events with `\n\n` (`\r\n\r\n` taken too).
-fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n");
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n");
-    match (lf, crlf) {
-        (Some(a), Some(b)) if b < a => Some((b, b + 4)),
-        (Some(a), _) => Some((a, a + 2)),
-        (None, Some(b)) => Some((b, b + 4)),
-        (None, None) => None,
     }
 }
 
