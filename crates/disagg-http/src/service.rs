@@ -5,7 +5,7 @@
 //! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
 //! | `GET /v1/models` | the union of the decode endpoints' models: those they declare ([`Endpoint::with_models`](disagg_core::Endpoint::with_models)), and what each that declares none answers |
 //! | `GET /health` | 200 when a request could be routed now, else 503 |
-//! | `GET /metrics` | the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`], in the Prometheus text format |
+//! | `GET /metrics` | the [`PdServiceConfig::metrics`] histograms, the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`]: OpenMetrics when the scraper accepts it, else the Prometheus text format (see [`metrics`](crate::metrics)) |
 //! | anything else | 404 (405 for a known path with another method) |
 //!
 //! Every failure is an OpenAI-format error response, so the service never fails
@@ -31,7 +31,7 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
-use crate::metrics::ExtraMetrics;
+use crate::metrics::{ExtraMetrics, Metrics};
 
 /// The request id header a client may send (`x-request-id`).
 const REQUEST_ID: &str = "x-request-id";
@@ -57,8 +57,14 @@ pub struct PdServiceConfig {
     pub body_budget: BodyBudget,
     /// Time to gather the models of every decode endpoint for `GET /v1/models`.
     pub models_timeout: Duration,
-    /// Metric families appended to `GET /metrics` after the orchestrator's, in order
-    /// (an adapter's own counters; default none).
+    /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
+    /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
+    /// `GET /metrics` has the orchestrator's counters and gauges only.
+    ///
+    /// [`OrchestratorBuilder::listener`]: disagg_core::orchestrator::OrchestratorBuilder::listener
+    pub metrics: Option<Metrics>,
+    /// More metrics for `GET /metrics`, registered after the orchestrator's, in order
+    /// (an adapter's own; default none).
     pub extra_metrics: Vec<ExtraMetrics>,
 }
 
@@ -71,6 +77,7 @@ impl Default for PdServiceConfig {
             body_timeout: Duration::from_secs(30),
             body_budget: BodyBudget::default(),
             models_timeout: Duration::from_secs(5),
+            metrics: None,
             extra_metrics: Vec::new(),
         }
     }
@@ -79,6 +86,8 @@ impl Default for PdServiceConfig {
 struct Inner {
     orchestrator: Orchestrator,
     config: PdServiceConfig,
+    /// What `GET /metrics` encodes, built once.
+    registry: prometheus_client::registry::Registry,
 }
 
 /// Serves OpenAI chat and completion requests through an [`Orchestrator`].
@@ -106,10 +115,19 @@ impl PdService {
 
     /// A service over `orchestrator` with `config`.
     pub fn with_config(orchestrator: Orchestrator, config: PdServiceConfig) -> Self {
+        let mut registry = prometheus_client::registry::Registry::default();
+        match &config.metrics {
+            Some(metrics) => metrics.register(&mut registry, &orchestrator),
+            None => crate::metrics::register_orchestrator(&mut registry, &orchestrator),
+        }
+        for extra in &config.extra_metrics {
+            extra.register(&mut registry);
+        }
         PdService {
             inner: Arc::new(Inner {
                 orchestrator,
                 config,
+                registry,
             }),
         }
     }
@@ -117,6 +135,12 @@ impl PdService {
     /// The orchestrator.
     pub fn orchestrator(&self) -> &Orchestrator {
         &self.inner.orchestrator
+    }
+
+    /// The metrics `GET /metrics` serves, for an embedder that serves them elsewhere
+    /// (encode with [`metrics::encode`](crate::metrics::encode)).
+    pub fn registry(&self) -> &prometheus_client::registry::Registry {
+        &self.inner.registry
     }
 
     /// Serve one chat or completion request of `api`, whatever path it came on: read
@@ -196,7 +220,9 @@ impl Inner {
         match path {
             "/v1/models" if req.method() == Method::GET => self.models().await,
             "/health" if req.method() == Method::GET => self.health(),
-            "/metrics" if req.method() == Method::GET => self.metrics(),
+            "/metrics" if req.method() == Method::GET => {
+                self.metrics(req.headers().get(http::header::ACCEPT))
+            }
             "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
             _ => pd_error_response(&PdError::not_found()),
         }
@@ -277,16 +303,11 @@ impl Inner {
             .map_err(PdError::body)
     }
 
-    fn metrics(&self) -> Response<PdBody> {
-        let mut text = crate::metrics::render(&self.orchestrator);
-        for extra in &self.config.extra_metrics {
-            extra.render(&mut text);
-        }
+    fn metrics(&self, accept: Option<&HeaderValue>) -> Response<PdBody> {
+        let (text, content_type) = crate::metrics::encode(&self.registry, accept);
         let mut resp = Response::new(PdBody::full(Bytes::from(text)));
-        resp.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        );
+        resp.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         resp
     }
 

@@ -689,7 +689,7 @@ impl Shared {
         // LMCache's notification counters join GET /metrics.
         let lmcache_metrics = notifications
             .clone()
-            .map(|n| ExtraMetrics::new(move |out: &mut String| n.render_metrics(out)));
+            .map(|n| ExtraMetrics::new(move |registry| n.register_metrics(registry)));
         let mut limits = VllmLimits::default();
         limits.max_logprobs = args.max_logprobs;
         limits.max_stop_strings = args.max_stop_strings;
