@@ -1,6 +1,7 @@
 //! The library half of `disagg-proxy`: the `serve` subcommand's flags and runner, so
 //! that other binaries (the benchmark) run exactly the proxy users run.
 
+pub mod discover;
 pub mod serve;
 
 /// The error the subcommands end with.

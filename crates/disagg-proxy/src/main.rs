@@ -25,11 +25,11 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve OpenAI requests disaggregated across prefill and decode engines.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Run one streaming request through the proxy against simulated engines, in-process.
     Demo(demo::DemoArgs),
     /// Run a simulated vLLM-like engine (NIXL-style KV side channel included).
-    Sim(sim::SimArgs),
+    Sim(Box<sim::SimArgs>),
     /// Plan NIXL side-channel ports and engine ids from a plan file (TOML), or say why it fails.
     NixlPorts(nixl::NixlPortsArgs),
 }
@@ -54,7 +54,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Serve(_) => Ok(()),
             Command::Demo(args) => demo::run(args).await,
-            Command::Sim(args) => sim::run(args).await,
+            Command::Sim(args) => sim::run(*args).await,
             Command::NixlPorts(args) => nixl::run(args).await,
         }
     }))

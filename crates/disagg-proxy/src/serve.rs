@@ -40,8 +40,7 @@ pub struct ServeArgs {
         long = "prefill",
         value_names = ["URL", "BOOTSTRAP_PORT"],
         num_args = 1..=2,
-        action = clap::ArgAction::Append,
-        required = true
+        action = clap::ArgAction::Append
     )]
     prefill: Vec<String>,
     /// A decode engine's base URL (http://host:port). Repeat for several engines.
@@ -50,7 +49,7 @@ pub struct ServeArgs {
     /// URL@RANK, or as URL@FIRST-LAST for a range (`http://d:8200@0-3`; also for
     /// --prefill): each rank is then routed to, and load-counted, on its own, and the
     /// connector names the rank to the engine.
-    #[arg(long = "decode", value_name = "URL", required = true)]
+    #[arg(long = "decode", value_name = "URL")]
     decode: Vec<String>,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
@@ -90,6 +89,9 @@ pub struct ServeArgs {
     /// Deadlines, retries, admission and KV release.
     #[command(flatten)]
     reliability: ReliabilityArgs,
+    /// Endpoints discovered in Kubernetes, DNS or a file, besides --prefill/--decode.
+    #[command(flatten)]
+    discovery: crate::discover::DiscoveryArgs,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -582,7 +584,7 @@ fn parse_prefills(values: &[String]) -> Result<Vec<(&str, Option<u16>)>, BoxErro
     Ok(out)
 }
 
-fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+pub(crate) fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
     Duration::try_from_secs_f64(v)
         .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
 }
@@ -612,10 +614,26 @@ struct Shared {
     service: PdServiceConfig,
     /// Set when active health checks run.
     health: Option<Arc<Health>>,
+    /// The discovery sources' thread, when discovery runs (it ends at shutdown).
+    discovery: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Shared {
-    fn from_args(args: &ServeArgs, notifications: Option<Notifications>) -> Result<Self, BoxError> {
+    fn from_args(
+        args: &ServeArgs,
+        notifications: Option<Notifications>,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Self, BoxError> {
+        if args.decode.is_empty() && !args.discovery.may_find_decode() {
+            return Err(
+                "no decode engine: give --decode, or a discovery source that can find one \
+                 (--k8s-decode-selector, --decode-dns, --endpoints-file)"
+                    .into(),
+            );
+        }
+        if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback {
+            return Err("no prefill engine: give --prefill, or a discovery source".into());
+        }
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         let endpoint = |url: &str, role: Role, mut ext: http::Extensions| {
             let base = base_url(url);
@@ -695,9 +713,26 @@ impl Shared {
         limits.max_stop_strings = args.max_stop_strings;
         let connector = args.connector.connector(notifications, limits)?;
         let (health_config, active_checks) = args.reliability.health()?;
-        let source = HealthSource::new(StaticSource::new(endpoints), health_config);
-        check_pairs(&source.snapshot(), &*connector)?;
-        let health = Arc::clone(source.health());
+        let mut extra_metrics = Vec::new();
+        let (source, health, discovery): (Arc<dyn EndpointSource>, _, _) = if args.discovery.any() {
+            let d = crate::discover::start(
+                &args.discovery,
+                endpoints,
+                Arc::clone(&connector),
+                health_config,
+                shutdown,
+            )?;
+            let merged = Arc::clone(&d.merged);
+            extra_metrics.push(ExtraMetrics::new(move |out: &mut String| {
+                merged.render_metrics(out)
+            }));
+            (Arc::new(d.source), d.health, Some(d.thread))
+        } else {
+            let source = HealthSource::new(StaticSource::new(endpoints), health_config);
+            check_pairs(&source.snapshot(), &*connector)?;
+            let health = Arc::clone(source.health());
+            (Arc::new(source), health, None)
+        };
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
         let mut config = OrchestratorConfig::default();
@@ -727,6 +762,7 @@ impl Shared {
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
         service.extra_metrics.extend(lmcache_metrics);
+        service.extra_metrics.extend(extra_metrics);
         args.client_body.apply(&mut service)?;
         // The source's health hears every attempt (it is the source's listener).
         let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
@@ -749,6 +785,7 @@ impl Shared {
             transport,
             service,
             health: active_checks.then_some(health),
+            discovery,
         })
     }
 
@@ -782,7 +819,8 @@ pub fn run(
         }
         _ => (None, None),
     };
-    let shared = Shared::from_args(args, notifications)?;
+    let mut shared = Shared::from_args(args, notifications, shutdown.clone())?;
+    let discovery = shared.discovery.take();
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
         None => None,
@@ -815,6 +853,9 @@ pub fn run(
     .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
     if let Some(checker) = checker {
         let _ = checker.join();
+    }
+    if let Some(discovery) = discovery {
+        let _ = discovery.join();
     }
     if let Some(listener) = listener {
         let _ = listener.join();
@@ -954,7 +995,7 @@ mod tests {
             "http://127.0.0.1:2=NixlConnector,,",
         ])
         .unwrap();
-        let err = Shared::from_args(&cli.serve, None)
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
             .err()
             .expect("refused")
             .to_string();

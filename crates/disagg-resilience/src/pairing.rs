@@ -8,9 +8,9 @@
 //! prefill/decode pair of a set against the orchestrator's connector and refuses,
 //! naming both endpoints and the mismatch of each refused pair; [`ValidatedSource`]
 //! applies the check at start-up (a set with a bad pair is an error, so a proxy refuses
-//! to start) and to every endpoint set its inner source publishes later: an invalid set
-//! is refused (logged, kept in [`ValidatedSource::last_error`]) and the last valid one
-//! stays in force.
+//! to start) and to every endpoint set its inner source publishes later: an endpoint
+//! joining that cannot pair with those in force is left out (logged, kept in
+//! [`ValidatedSource::last_error`]), and the rest of the change goes through.
 //!
 //! # Examples
 //!
@@ -43,7 +43,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use disagg_core::connector::KvConnector;
-use disagg_core::endpoint::EndpointSet;
+use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
 use disagg_core::outcome::Listener;
 use disagg_core::pairing::{KvProfile, PairError, check_pair};
 use disagg_core::source::EndpointSource;
@@ -130,10 +130,14 @@ struct Shared {
 ///
 /// Built over another source: the current set is checked at once (an invalid one is an
 /// error, so a proxy refuses to start), and, when built inside a Tokio runtime, every
-/// set the inner source publishes later is checked before it is passed on; an invalid
-/// one is refused with an error log and kept in [`last_error`](Self::last_error), and
-/// the last valid set stays in force. The watching task ends when this source is
-/// dropped.
+/// set the inner source publishes later is checked before it is passed on. In a later
+/// set, the endpoints already in force stay (they pair with each other); each
+/// endpoint that joins is admitted only if it pairs with every endpoint of the other
+/// role admitted so far, and is otherwise left out of the published set, with an error
+/// log and the refused pairs in [`last_error`](Self::last_error). So one engine
+/// discovered with the wrong KV profile never takes the fleet's other changes with it,
+/// and never crashes the proxy; it joins as soon as a set without the conflict comes.
+/// The watching task ends when this source is dropped.
 pub struct ValidatedSource {
     shared: Arc<Shared>,
     task: Option<tokio::task::JoinHandle<()>>,
@@ -175,16 +179,16 @@ impl ValidatedSource {
                 let _inner = inner;
                 while rx.changed().await.is_ok() {
                     let set = rx.borrow_and_update().clone();
-                    match check_pairs(&set, &*connector) {
-                        Ok(()) => {
-                            *lock(&shared.last_error) = None;
-                            shared.tx.send_replace(set);
-                        }
-                        Err(e) => {
-                            tracing::error!(error = %e, "endpoint set refused; the previous one stays in force");
+                    let current = shared.tx.borrow().clone();
+                    let (admitted, refused) = admit(&current, &set, &*connector);
+                    match refused {
+                        None => *lock(&shared.last_error) = None,
+                        Some(e) => {
+                            tracing::error!(error = %e, "endpoints left out of the set: they cannot hand KV over");
                             *lock(&shared.last_error) = Some(e);
                         }
                     }
+                    shared.tx.send_replace(admitted);
                 }
             })
         });
@@ -195,10 +199,55 @@ impl ValidatedSource {
         })
     }
 
-    /// Why the latest set the inner source published was refused, if it was.
+    /// The pairs that kept endpoints of the latest set the inner source published out of
+    /// the published set, if any.
     pub fn last_error(&self) -> Option<PairingError> {
         lock(&self.shared.last_error).clone()
     }
+}
+
+/// The set to publish for `next`, the inner source's new set, when `current` is in force:
+/// the endpoints of `next` already in force (by id) first, then each other endpoint of
+/// `next`, in its order, if it pairs with every endpoint of the other role admitted so
+/// far. Returns the set and the pairs that left endpoints out.
+fn admit(
+    current: &EndpointSet,
+    next: &Arc<EndpointSet>,
+    connector: &dyn KvConnector,
+) -> (Arc<EndpointSet>, Option<PairingError>) {
+    if check_pairs(next, connector).is_ok() {
+        return (Arc::clone(next), None);
+    }
+    let in_force = |e: &Arc<Endpoint>| current.by_role(e.role()).iter().any(|c| c.id() == e.id());
+    let all = || next.prefill().iter().chain(next.decode());
+    let mut admitted: Vec<Arc<Endpoint>> = all().filter(|e| in_force(e)).cloned().collect();
+    let none = KvProfile::default();
+    let mut pairs = Vec::new();
+    for e in all().filter(|e| !in_force(e)) {
+        let profile = e.ext().get::<KvProfile>().unwrap_or(&none);
+        let mut bad = Vec::new();
+        for other in admitted.iter().filter(|o| o.role() != e.role()) {
+            let theirs = other.ext().get::<KvProfile>().unwrap_or(&none);
+            let (p, d, pp, dp) = match e.role() {
+                Role::Prefill => (e, other, profile, theirs),
+                Role::Decode => (other, e, theirs, profile),
+            };
+            if let Err(mismatch) = check_pair(pp, dp, connector) {
+                bad.push(PairError {
+                    prefill: p.id().clone(),
+                    decode: d.id().clone(),
+                    mismatch,
+                });
+            }
+        }
+        if bad.is_empty() {
+            admitted.push(Arc::clone(e));
+        } else {
+            pairs.extend(bad);
+        }
+    }
+    let refused = (!pairs.is_empty()).then_some(PairingError { pairs });
+    (Arc::new(EndpointSet::new(admitted)), refused)
 }
 
 impl Drop for ValidatedSource {
@@ -281,7 +330,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn invalid_sets_are_refused_on_change_and_at_start() {
+    async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start() {
         let good = Arc::new(EndpointSet::new([
             ep("http://p:1", Role::Prefill, KvProfile::default()),
             ep("http://d:1", Role::Decode, KvProfile::default()),
@@ -307,9 +356,37 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             waited += 1;
         }
-        let err = src.last_error().expect("the bad set is refused");
+        let err = src.last_error().expect("the bad decode is left out");
         assert_eq!(err.pairs[0].decode.as_str(), "http://d:2");
         assert_eq!(src.snapshot().decode().len(), 1);
+
+        // With the bad decode still there, a good one joining is admitted: one bad
+        // engine does not hold the fleet's other changes back.
+        let more = Arc::new(EndpointSet::new([
+            ep("http://p:1", Role::Prefill, KvProfile::default()),
+            ep("http://d:1", Role::Decode, KvProfile::default()),
+            ep(
+                "http://d:2",
+                Role::Decode,
+                profile(Some("MooncakeConnector"), None, None),
+            ),
+            ep("http://d:4", Role::Decode, KvProfile::default()),
+        ]));
+        let mut rx = src.watch();
+        rx.borrow_and_update();
+        tx2.send_replace(more);
+        tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let ids: Vec<_> = src
+            .snapshot()
+            .decode()
+            .iter()
+            .map(|e| e.id().as_str().to_owned())
+            .collect();
+        assert_eq!(ids, ["http://d:1", "http://d:4"]);
+        assert_eq!(src.last_error().unwrap().pairs.len(), 1);
 
         // A good set passes again.
         let better = Arc::new(EndpointSet::new([

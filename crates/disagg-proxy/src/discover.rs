@@ -1,0 +1,222 @@
+//! `serve`'s discovery flags: Kubernetes pods, DNS names and an endpoints file, merged
+//! with `--prefill` / `--decode` into the set the proxy routes over.
+//!
+//! The sources run on a thread of their own (one small tokio runtime): their watches
+//! and refreshes never share an event loop with requests. The chain they feed is built
+//! there too, since its pieces follow their inner source from that runtime:
+//! `MergedSource` (CLI endpoints first, then each source) → `ValidatedSource` (an engine
+//! that cannot pair is left out, never crashing the proxy) → `HealthSource` (passive and
+//! active health). Health is outermost because it follows its inner set lazily, when
+//! the orchestrator reads it; the pair check follows the merged set eagerly, on its own
+//! task. The proxy waits, bounded by `--discovery-sync-timeout`, for
+//! every source's first complete list before it serves, so it does not start by
+//! answering 503 while a watch is still listing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use disagg_core::{Endpoint, EndpointSource, KvConnector, Role};
+use disagg_discovery::MergedSource;
+use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
+use disagg_discovery::file::{self, FileConfig};
+use disagg_discovery::kubernetes::{self, KubernetesConfig};
+use disagg_resilience::{Health, HealthConfig, HealthSource, ValidatedSource};
+
+use crate::BoxError;
+
+/// Where else endpoints come from (docs/discovery.md has every flag, label and
+/// annotation).
+#[derive(Debug, Clone, Default, Args)]
+pub struct DiscoveryArgs {
+    /// Kubernetes: the label selector of prefill pods (`app=vllm,role=prefill`).
+    #[arg(long, value_name = "LABELS")]
+    k8s_prefill_selector: Option<String>,
+    /// Kubernetes: the label selector of decode pods.
+    #[arg(long, value_name = "LABELS")]
+    k8s_decode_selector: Option<String>,
+    /// Kubernetes: the namespace to watch (default: the pod's own, else the kubeconfig
+    /// context's, else `default`). The API server comes from KUBECONFIG or the
+    /// in-cluster service account.
+    #[arg(long, value_name = "NS")]
+    k8s_namespace: Option<String>,
+    /// Kubernetes: the engines' HTTP port, a number or a container port's name
+    /// (default: the pod's first container port).
+    #[arg(long, value_name = "PORT|NAME")]
+    k8s_port: Option<String>,
+    /// Kubernetes: the pod label naming its model.
+    #[arg(long, value_name = "LABEL", default_value = kubernetes::DEFAULT_MODEL_LABEL)]
+    k8s_model_label: String,
+    /// DNS: prefill engines at every A/AAAA address of NAME:PORT (a headless Service),
+    /// or at the targets of an SRV name `_service._proto.name`. Repeatable.
+    #[arg(long, value_name = "NAME:PORT|SRV")]
+    prefill_dns: Vec<String>,
+    /// DNS: decode engines, as --prefill-dns. Repeatable.
+    #[arg(long, value_name = "NAME:PORT|SRV")]
+    decode_dns: Vec<String>,
+    /// DNS: the longest time between two lookups of a name (records are looked up
+    /// again when their TTL ends, at most this long after).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    dns_refresh: f64,
+    /// DNS: the resolver to ask instead of the system's (/etc/resolv.conf).
+    #[arg(long, value_name = "IP:PORT")]
+    dns_server: Option<std::net::SocketAddr>,
+    /// A TOML file of `[[prefill]]` and `[[decode]]` entries, reloaded within 2 s of a
+    /// change; an invalid edit keeps the previous set.
+    #[arg(long, value_name = "PATH")]
+    endpoints_file: Option<std::path::PathBuf>,
+    /// How long to wait at start for every discovery source's first list before
+    /// serving anyway.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    discovery_sync_timeout: f64,
+}
+
+impl DiscoveryArgs {
+    /// Whether any discovery source is asked for.
+    pub fn any(&self) -> bool {
+        self.k8s_prefill_selector.is_some()
+            || self.k8s_decode_selector.is_some()
+            || !self.prefill_dns.is_empty()
+            || !self.decode_dns.is_empty()
+            || self.endpoints_file.is_some()
+    }
+
+    /// Whether decode engines may come from discovery (so `--decode` may be absent).
+    pub fn may_find_decode(&self) -> bool {
+        self.k8s_decode_selector.is_some()
+            || !self.decode_dns.is_empty()
+            || self.endpoints_file.is_some()
+    }
+
+    fn dns(&self) -> Result<Option<DnsConfig>, BoxError> {
+        let mut targets = Vec::new();
+        let roles = [
+            (&self.prefill_dns, Role::Prefill, "--prefill-dns"),
+            (&self.decode_dns, Role::Decode, "--decode-dns"),
+        ];
+        for (names, role, flag) in roles {
+            for n in names {
+                let name = n.parse().map_err(|e| format!("{flag} {n}: {e}"))?;
+                targets.push(DnsTarget::new(name, role));
+            }
+        }
+        if targets.is_empty() {
+            return Ok(None);
+        }
+        let mut c = DnsConfig::new(targets);
+        c.max_refresh = crate::serve::secs(self.dns_refresh, "dns-refresh")?;
+        c.server = self.dns_server;
+        Ok(Some(c))
+    }
+
+    fn kubernetes(&self) -> Option<KubernetesConfig> {
+        if self.k8s_prefill_selector.is_none() && self.k8s_decode_selector.is_none() {
+            return None;
+        }
+        let mut c = KubernetesConfig::new(
+            self.k8s_prefill_selector.clone(),
+            self.k8s_decode_selector.clone(),
+        );
+        c.namespace = self.k8s_namespace.clone();
+        c.port = self.k8s_port.as_deref().map(|p| match p.parse() {
+            Ok(p) => p,
+            Err(never) => match never {},
+        });
+        c.model_label = self.k8s_model_label.clone();
+        Some(c)
+    }
+}
+
+/// The discovered, health-filtered, pair-checked endpoint set, its health, and the
+/// thread its sources run on (it ends at `shutdown`).
+pub(crate) struct Discovered {
+    pub(crate) source: HealthSource,
+    pub(crate) health: Arc<Health>,
+    pub(crate) merged: Arc<MergedSource>,
+    pub(crate) thread: std::thread::JoinHandle<()>,
+}
+
+/// Start the sources `args` asks for on a thread of their own and build the chain over
+/// them and `cli` (the `--prefill` / `--decode` endpoints).
+pub(crate) fn start(
+    args: &DiscoveryArgs,
+    cli: Vec<Endpoint>,
+    connector: Arc<dyn KvConnector>,
+    health: HealthConfig,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<Discovered, BoxError> {
+    let kubernetes = args.kubernetes();
+    let dns = args.dns()?;
+    let file = args.endpoints_file.clone().map(FileConfig::new);
+    let sync = crate::serve::secs(args.discovery_sync_timeout, "discovery-sync-timeout")?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("disagg-discovery".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let built = build(kubernetes, dns, file, cli, connector, health, sync).await;
+                let failed = built.is_err();
+                if tx.send(built).is_err() || failed {
+                    return;
+                }
+                // The sources' tasks run on this runtime until the proxy stops.
+                let _ = shutdown.wait_for(|stop| *stop).await;
+            })
+        })?;
+    match rx.recv() {
+        Ok(Ok((source, health, merged))) => Ok(Discovered {
+            source,
+            health,
+            merged,
+            thread,
+        }),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => Err("the discovery thread ended before it started its sources".into()),
+    }
+}
+
+type Built = (HealthSource, Arc<Health>, Arc<MergedSource>);
+
+async fn build(
+    kubernetes: Option<KubernetesConfig>,
+    dns: Option<DnsConfig>,
+    file: Option<FileConfig>,
+    cli: Vec<Endpoint>,
+    connector: Arc<dyn KvConnector>,
+    health: HealthConfig,
+    sync: Duration,
+) -> Result<Built, BoxError> {
+    let mut merged = MergedSource::builder().endpoints(cli);
+    if let Some(c) = kubernetes {
+        merged = merged.source(kubernetes::spawn(c).await?);
+    }
+    if let Some(c) = dns {
+        merged = merged.source(dns::spawn(c).await?);
+    }
+    if let Some(c) = file {
+        merged = merged.source(file::spawn(c).await?);
+    }
+    let merged = Arc::new(merged.build());
+    if tokio::time::timeout(sync, merged.synced()).await.is_err() {
+        tracing::warn!(
+            waited_secs = sync.as_secs_f64(),
+            "not every discovery source has listed its endpoints yet; serving with what is known"
+        );
+    }
+    let set = merged.snapshot();
+    tracing::info!(
+        prefill = set.prefill().len(),
+        decode = set.decode().len(),
+        "endpoints discovered"
+    );
+    let validated = ValidatedSource::new(Arc::clone(&merged), connector)?;
+    let source = HealthSource::new(validated, health);
+    let h = Arc::clone(source.health());
+    Ok((source, h, merged))
+}
