@@ -723,8 +723,8 @@ impl Shared {
                 shutdown,
             )?;
             let merged = Arc::clone(&d.merged);
-            extra_metrics.push(ExtraMetrics::new(move |out: &mut String| {
-                merged.render_metrics(out)
+            extra_metrics.push(ExtraMetrics::new(move |registry| {
+                merged.register_metrics(registry)
             }));
             (Arc::new(d.source), d.health, Some(d.thread))
         } else {
