@@ -22,6 +22,7 @@
 //! # }
 //! ```
 
+pub mod access_log;
 pub mod body;
 pub mod error;
 pub mod layer;

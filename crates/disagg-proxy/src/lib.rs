@@ -2,6 +2,7 @@
 //! that other binaries (the benchmark) run exactly the proxy users run.
 
 pub mod discover;
+pub mod observe;
 pub mod serve;
 
 /// The error the subcommands end with.

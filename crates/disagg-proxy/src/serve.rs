@@ -92,6 +92,9 @@ pub struct ServeArgs {
     /// Endpoints discovered in Kubernetes, DNS or a file, besides --prefill/--decode.
     #[command(flatten)]
     discovery: crate::discover::DiscoveryArgs,
+    /// Metrics, traces and the access log.
+    #[command(flatten)]
+    observe: crate::observe::ObserveArgs,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -616,6 +619,8 @@ struct Shared {
     health: Option<Arc<Health>>,
     /// The discovery sources' thread, when discovery runs (it ends at shutdown).
     discovery: Option<std::thread::JoinHandle<()>>,
+    /// The access log and traces to flush at shutdown.
+    finish: crate::observe::Finish,
 }
 
 impl Shared {
@@ -740,6 +745,7 @@ impl Shared {
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
         let resilience = args.reliability.apply(&mut config, args.retries)?;
+        let observe = args.observe.start(args.connector.name(), &mut config)?;
         if args.decode_only_fallback {
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
@@ -763,6 +769,13 @@ impl Shared {
         service.max_body_bytes = args.max_body_bytes;
         service.extra_metrics.extend(lmcache_metrics);
         service.extra_metrics.extend(extra_metrics);
+        let health_metrics = Arc::clone(&health);
+        service
+            .extra_metrics
+            .push(ExtraMetrics::new(move |registry| {
+                health_metrics.register_metrics(registry)
+            }));
+        observe.serve_metrics(&mut service);
         args.client_body.apply(&mut service)?;
         // The source's health hears every attempt (it is the source's listener).
         let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
@@ -779,13 +792,14 @@ impl Shared {
         if resilience.retry.max_retries > 0 {
             builder = builder.retry(Backoff::new(resilience.retry));
         }
-        let orchestrator = builder.build();
+        let orchestrator = observe.attach(builder).build();
         Ok(Shared {
             orchestrator,
             transport,
             service,
             health: active_checks.then_some(health),
             discovery,
+            finish: observe.into_finish(),
         })
     }
 
@@ -821,6 +835,7 @@ pub fn run(
     };
     let mut shared = Shared::from_args(args, notifications, shutdown.clone())?;
     let discovery = shared.discovery.take();
+    let finish = std::mem::take(&mut shared.finish);
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
         None => None,
@@ -860,6 +875,8 @@ pub fn run(
     if let Some(listener) = listener {
         let _ = listener.join();
     }
+    // The requests are over: their last log lines and spans go out.
+    finish.close();
     Ok(())
 }
 
