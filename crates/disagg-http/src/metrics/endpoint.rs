@@ -224,10 +224,12 @@ impl Endpoints {
     }
 }
 
-fn leg_labels(role: Role, id: &Cow<'static, str>, outcome: &'static str) -> Labels<3> {
+/// The label set of `id`'s legs of `outcome` (built when a series is created or
+/// removed, never per request).
+fn leg_labels(role: Role, id: &str, outcome: &'static str) -> Labels<3> {
     [
         ("role", Cow::Borrowed(role_name(role))),
-        ("endpoint", id.clone()),
+        ("endpoint", Cow::Owned(id.to_owned())),
         ("outcome", Cow::Borrowed(outcome)),
     ]
 }
