@@ -4,9 +4,11 @@
 //! [`AccessLog`] is a [`Listener`]: attach it to the orchestrator
 //! ([`OrchestratorBuilder::listener`](disagg_core::orchestrator::OrchestratorBuilder::listener))
 //! and every request it parses or refuses gets one line from its [`Summary`]. The line
-//! is formatted on the request's task (a few hundred nanoseconds) and handed to a
-//! writer thread through a bounded channel: the request path never waits on the
-//! output. When the writer falls behind by [`QUEUE_LINES`] lines (a stdout piped to a
+//! is formatted on the request's task and handed to a writer thread through a bounded
+//! channel: the request path never waits on the output. The writer gathers the lines
+//! of a burst for 20 ms and writes them at once, so a busy proxy does not wake it (nor
+//! make a system call) per request; a line shows within about 20 ms of its request's
+//! end. When the writer falls behind by [`QUEUE_LINES`] lines (a stdout piped to a
 //! stalled reader), further lines are dropped and counted
 //! (`disagg_access_log_dropped_total`, [`AccessLog::register_metrics`]) rather than
 //! slowing or blocking requests.
@@ -42,7 +44,7 @@
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -199,26 +201,41 @@ impl Listener for AccessLog {
     }
 }
 
-/// The writer thread: write what arrives, flush whenever the queue is empty (so a line
-/// shows at once when idle, and a burst is written in few system calls).
+/// How long the writer gathers lines after the first of a burst before writing them:
+/// short enough that a line shows within a blink, long enough that a busy proxy's
+/// requests do not wake the thread (and make a system call) one by one.
+const GATHER: Duration = Duration::from_millis(20);
+
+/// The writer thread: block until a line comes (idle, it costs nothing), then gather
+/// what comes for [`GATHER`] at a time and write it in one go, until a round brings
+/// nothing; back to blocking then. Stops at the end mark or when every sender is gone.
 fn write_lines(rx: Receiver<Option<String>>, out: impl Write) {
     let mut out = io::BufWriter::with_capacity(64 * 1024, out);
-    while let Ok(Some(line)) = rx.recv() {
-        let mut next = Some(line);
-        while let Some(line) = next.take() {
-            // A closed stdout loses the log, not the proxy.
-            let _ = out.write_all(line.as_bytes());
-            let _ = out.write_all(b"\n");
-            match rx.try_recv() {
-                Ok(Some(line)) => next = Some(line),
-                Ok(None) => {
-                    let _ = out.flush();
-                    return;
+    // A closed stdout loses the log, not the proxy: write errors are ignored.
+    let put = |out: &mut io::BufWriter<_>, line: String| {
+        let _ = out.write_all(line.as_bytes());
+        let _ = out.write_all(b"\n");
+    };
+    'idle: while let Ok(Some(line)) = rx.recv() {
+        put(&mut out, line);
+        loop {
+            std::thread::sleep(GATHER);
+            let mut any = false;
+            loop {
+                match rx.try_recv() {
+                    Ok(Some(line)) => {
+                        any = true;
+                        put(&mut out, line);
+                    }
+                    Ok(None) | Err(TryRecvError::Disconnected) => break 'idle,
+                    Err(TryRecvError::Empty) => break,
                 }
-                Err(_) => {}
+            }
+            let _ = out.flush();
+            if !any {
+                continue 'idle;
             }
         }
-        let _ = out.flush();
     }
     let _ = out.flush();
 }
