@@ -1552,7 +1552,12 @@ mod tests {
                 ..
             }
         ));
-        assert_eq!(source.snapshot().decode()[0].id().as_str(), "http://d:7200");
+        // The refused decode is left out; the old one left the inner set, so no decode
+        // is published (requests get 503 until a decode that pairs appears) while the
+        // prefill in force stays.
+        let set = source.snapshot();
+        assert!(set.decode().is_empty());
+        assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
     }
 
     #[test]
