@@ -8,6 +8,12 @@
 #   TRACE=1 scripts/instructions.sh ...      (traces at --trace-ratio 1.0, exported to a
 #                                             local OTLP sink that answers 200)
 #
+# At the edge (docs/security.md; the certificates are made by openssl):
+#   AUTH=1       the proxy checks a client key (`--api-key`), the client sends it
+#   TLS_IN=1     the proxy serves HTTPS (`--tls-cert`), the client speaks TLS to it
+#   TLS_OUT=1    the engines serve HTTPS, the proxy reaches them with `--engine-ca`
+#   NEW_CONN=1   a new client connection per request (with TLS_IN: a handshake each)
+#
 # Starts two simulated engines (prefill and decode, speaking CONNECTOR: nixl, sglang or
 # mooncake; default nixl) and the proxy under `valgrind --tool=callgrind --threads 1`,
 # sends WARM then WARM+N sequential non-streaming chat requests (about 250 bytes) over one
@@ -36,6 +42,27 @@ case "$CONNECTOR" in
   *) echo "unknown connector $CONNECTOR" >&2; exit 2 ;;
 esac
 
+# A CA and a certificate for 127.0.0.1, for the TLS variants.
+EDGE=(); SIM_TLS=(); SCHEME=http; CLIENT_CA=""; KEY=""
+if [ -n "${TLS_IN:-}${TLS_OUT:-}" ]; then
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+    -subj /CN=instructions-ca -keyout "$OUT/ca.key" -out "$OUT/ca.pem" 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=127.0.0.1 \
+    -keyout "$OUT/tls.key" -out "$OUT/tls.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >"$OUT/ext"
+  openssl x509 -req -in "$OUT/tls.csr" -CA "$OUT/ca.pem" -CAkey "$OUT/ca.key" \
+    -CAcreateserial -days 2 -extfile "$OUT/ext" -out "$OUT/tls.crt" 2>/dev/null
+fi
+# The certificate is never re-read during a run (polls would add instructions in
+# proportion to the run's length, which does not cancel out).
+if [ -n "${TLS_IN:-}" ]; then
+  EDGE+=(--tls-cert "$OUT/tls.crt" --tls-key "$OUT/tls.key" --reload-interval 86400)
+  CLIENT_CA="$OUT/ca.pem"; fi
+if [ -n "${TLS_OUT:-}" ]; then
+  SIM_TLS=(--tls-cert "$OUT/tls.crt" --tls-key "$OUT/tls.key"); SCHEME=https
+  EDGE+=(--engine-ca "$OUT/ca.pem"); fi
+if [ -n "${AUTH:-}" ]; then KEY=sk-instructions-0123456789abcdef; EDGE+=(--api-key "$KEY"); fi
+
 P=$(free_port); PS=$(free_port); PB=$(free_port); D=$(free_port); DS=$(free_port)
 # shellcheck disable=SC2206 # split on purpose: several flags in one variable
 EXTRA=(${PROXY_ARGS:-})
@@ -57,32 +84,45 @@ SINK
 fi
 if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
   BOOT=(--bootstrap 127.0.0.1:$PB); PORT_ARG=("$PB"); CONN=(--connector "$CONNECTOR"); fi
-"$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" \
+"$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" "${SIM_TLS[@]}" \
   --kv-mode $PMODE >/dev/null 2>&1 &
-"$SIM" sim --listen 127.0.0.1:$D --side-channel 127.0.0.1:$DS --kv-mode $DMODE >/dev/null 2>&1 &
+"$SIM" sim --listen 127.0.0.1:$D --side-channel 127.0.0.1:$DS "${SIM_TLS[@]}" \
+  --kv-mode $DMODE >/dev/null 2>&1 &
 sleep 0.5
-PREFILL="http://127.0.0.1:$P"
+PREFILL="$SCHEME://127.0.0.1:$P"
 
 count() { # requests → total instructions of one proxy run
   local n=$1 port
   port=$(free_port)
   valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
     "$BIN" serve --threads 1 --listen 127.0.0.1:$port "${CONN[@]}" \
-    --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "http://127.0.0.1:$D" "${EXTRA[@]}" \
+    --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "$SCHEME://127.0.0.1:$D" "${EDGE[@]}" \
+    "${EXTRA[@]}" \
     >/dev/null 2>"$OUT/log.$n" &
   local pid=$!
-  python3 - "$port" "$n" "${STREAM:-0}" <<'EOF'
-import http.client, json, sys, time
+  python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" <<'EOF'
+import http.client, json, ssl, sys, time
 port, n, stream = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+ca, key, new_conn = sys.argv[4], sys.argv[5], sys.argv[6] == "1"
 body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": stream,
                    "messages": [{"role": "user", "content": "x " * 100}]})
+headers = {"content-type": "application/json"}
+if key:
+    headers["authorization"] = f"Bearer {key}"
+def connect():
+    if ca:
+        return http.client.HTTPSConnection(
+            "127.0.0.1", port, context=ssl.create_default_context(cafile=ca))
+    return http.client.HTTPConnection("127.0.0.1", port)
 for _ in range(600):
     try:
-        c = http.client.HTTPConnection("127.0.0.1", port); c.connect(); break
+        c = connect(); c.connect(); break
     except OSError:
         time.sleep(0.05)
 for _ in range(n):
-    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    if new_conn:
+        c.close(); c = connect()
+    c.request("POST", "/v1/chat/completions", body, headers)
     r = c.getresponse(); data = r.read()
     assert r.status == 200, (r.status, data)
 EOF
@@ -92,4 +132,12 @@ EOF
 
 A=$(count "$WARM")
 B=$(count "$((WARM + N))")
-echo "$CONNECTOR$([ "${STREAM:-0}" = 1 ] && echo ' (streamed)'): $(( (B - A) / N )) instructions per request ($BIN)"
+# Built with `if`s: under `set -e` an assignment whose last `$(... && ...)` is false
+# would end the script before it prints.
+VARIANT=""
+if [ "${STREAM:-0}" = 1 ]; then VARIANT+=" streamed"; fi
+if [ -n "${AUTH:-}" ]; then VARIANT+=" auth"; fi
+if [ -n "${TLS_IN:-}" ]; then VARIANT+=" tls-in"; fi
+if [ -n "${TLS_OUT:-}" ]; then VARIANT+=" tls-out"; fi
+if [ "${NEW_CONN:-0}" = 1 ]; then VARIANT+=" new-conn"; fi
+echo "$CONNECTOR$VARIANT: $(( (B - A) / N )) instructions per request ($BIN)"

@@ -309,9 +309,12 @@ async fn a_streamed_answer_starts_with_the_first_token_before_the_kv_is_ready() 
         .into_data()
         .unwrap();
     let first_at = started.elapsed();
-    let first: serde_json::Value =
-        serde_json::from_slice(first.strip_prefix(b"data: ").unwrap().trim_ascii()).unwrap();
-    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    // The first frame: the role-only chunk, then the first token's.
+    let lead = support::sse_payloads(&first);
+    assert_eq!(lead.len(), 2, "{lead:?}");
+    let role: serde_json::Value = serde_json::from_str(&lead[0]).unwrap();
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
+    let first: serde_json::Value = serde_json::from_str(&lead[1]).unwrap();
     let rest = body_stream.collect().await.unwrap().to_bytes();
     let total = started.elapsed();
     assert!(
@@ -562,4 +565,39 @@ async fn ten_thousand_requests_with_lost_notifications_leave_nothing_pending() {
         lm.kv_drains().await,
         "KV of the timed-out requests expires on the decodes"
     );
+}
+
+/// The first chunks a client sees, event by event and field by field, with the
+/// simulator's own (vLLM 0.33's form), `id` and `created` aside.
+#[tokio::test]
+async fn the_first_chunks_are_the_ones_vllm_streams() {
+    let lm = start(Opts::default()).await;
+    let fields = |e: &str| -> serde_json::Value {
+        let mut v: serde_json::Value = serde_json::from_str(e).unwrap();
+        let o = v.as_object_mut().unwrap();
+        assert!(o.remove("id").is_some_and(|id| id.is_string()), "{e}");
+        assert!(o.remove("created").is_some_and(|c| c.is_u64()), "{e}");
+        v
+    };
+    for (path, body, lead) in [
+        (CHAT, chat_body("the first chunk of a chat", 6, true), 2),
+        (
+            COMPLETIONS,
+            completion_body("the first chunk of a completion", 6, true),
+            1,
+        ),
+    ] {
+        let via = ask(&lm.url, path, &body).await;
+        let direct = ask(&lm.direct.url(), path, &body).await;
+        assert_eq!(via.header("x-disagg-handoff"), Some("kv"));
+        let (v, d) = (via.events(), direct.events());
+        // The proxy's own chunks (the role chunk for chat, then the first token's),
+        // and the decode's first after them.
+        for i in 0..=lead {
+            assert_eq!(fields(&v[i]), fields(&d[i]), "{path} chunk {i}");
+        }
+        // The last token's chunk too: its finish, `stop_reason` and the rest.
+        let last = |e: &[String]| fields(&e[e.len() - 2]);
+        assert_eq!(last(&v), last(&d), "{path} last chunk");
+    }
 }

@@ -83,3 +83,39 @@ async fn openai_python_client_against_the_proxy() {
     assert_eq!(stack.d().stats().remote_decodes - remote_before, 4);
     assert_eq!(stack.p().stats().side_channel_served, 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_lists_and_retrieves_models_through_the_proxy() {
+    let stack = Stack::start().await;
+    // A loaded LoRA adapter is a card of its own, with `parent` set.
+    let load = serde_json::json!({"lora_name": "sql", "lora_path": "/adapters/sql"});
+    let loaded = post(
+        &stack.d().url(),
+        "/v1/load_lora_adapter",
+        load.to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(loaded.status, 200, "{}", loaded.text());
+    let own = get(&stack.d().url(), "/v1/models").await.text();
+
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/models.py");
+    let url = stack.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python())
+            .arg(script)
+            .arg(url)
+            .arg(own)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "python failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("openai models: 3 checks passed"),
+        "{stdout}"
+    );
+}

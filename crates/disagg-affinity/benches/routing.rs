@@ -63,12 +63,12 @@ fn chat_bodies() -> Vec<JsonBody> {
 }
 
 fn view<'a>(headers: &'a HeaderMap, body: &'a JsonBody) -> RequestView<'a> {
-    RequestView {
-        api: Api::Chat,
-        model: Some("meta-llama/Llama-3.1-8B-Instruct"),
+    RequestView::new(
+        Api::Chat,
+        Some("meta-llama/Llama-3.1-8B-Instruct"),
         headers,
         body,
-    }
+    )
 }
 
 fn bench_policy(c: &mut Criterion, name: &str, policy: &dyn Pick, headers: &HeaderMap) {

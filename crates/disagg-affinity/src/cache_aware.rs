@@ -473,15 +473,7 @@ mod tests {
 
     fn pick(p: &CacheAware, body: &JsonBody, c: &[Arc<Endpoint>]) -> usize {
         let h = HeaderMap::new();
-        p.pick(
-            &RequestView {
-                api: Api::Chat,
-                model: Some("m"),
-                headers: &h,
-                body,
-            },
-            c,
-        )
+        p.pick(&RequestView::new(Api::Chat, Some("m"), &h, body), c)
     }
 
     fn long_text(seed: &str, bytes: usize) -> String {

@@ -225,15 +225,7 @@ mod tests {
         c: &[Arc<Endpoint>],
     ) -> usize {
         let b = JsonBody::parse(body.as_bytes()).expect("test body");
-        p.pick(
-            &RequestView {
-                api: Api::Chat,
-                model: None,
-                headers,
-                body: &b,
-            },
-            c,
-        )
+        p.pick(&RequestView::new(Api::Chat, None, headers, &b), c)
     }
 
     #[test]

@@ -36,7 +36,7 @@ use disagg_core::router::RequestView;
 /// let hook = PromptThreshold::new(256);
 /// let headers = HeaderMap::new();
 /// let body = JsonBody::parse(br#"{"model":"m","prompt":"Say hi."}"#)?;
-/// let view = RequestView { api: Api::Completions, model: Some("m"), headers: &headers, body: &body };
+/// let view = RequestView::new(Api::Completions, Some("m"), &headers, &body);
 /// assert!(matches!(hook.decide(&view), Decision::Direct { .. }));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -64,7 +64,10 @@ impl PromptThreshold {
         let raw = req
             .body
             .get("messages")
-            .or_else(|| req.body.get("prompt"))?;
+            .or_else(|| req.body.get("prompt"))
+            // SGLang's `/generate`.
+            .or_else(|| req.body.get("text"))
+            .or_else(|| req.body.get("input_ids"))?;
         if is_token_ids(raw) {
             return Some(raw.iter().filter(|b| **b == b',').count() + 1);
         }
@@ -105,12 +108,7 @@ mod tests {
 
     fn estimate(api: Api, body: &str) -> Option<usize> {
         let (h, b) = (HeaderMap::new(), JsonBody::parse(body.as_bytes()).unwrap());
-        PromptThreshold::estimate(&RequestView {
-            api,
-            model: None,
-            headers: &h,
-            body: &b,
-        })
+        PromptThreshold::estimate(&RequestView::new(api, None, &h, &b))
     }
 
     #[test]
@@ -144,12 +142,7 @@ mod tests {
         let h = HeaderMap::new();
         let decide = |body: String| {
             let b = JsonBody::parse(body.as_bytes()).unwrap();
-            hook.decide(&RequestView {
-                api: Api::Completions,
-                model: None,
-                headers: &h,
-                body: &b,
-            })
+            hook.decide(&RequestView::new(Api::Completions, None, &h, &b))
         };
         assert_eq!(
             decide(format!(r#"{{"prompt":"{}"}}"#, "y".repeat(100))),

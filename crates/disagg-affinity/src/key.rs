@@ -70,7 +70,7 @@ impl KeySource {
 /// let key = SessionKey::new([KeySource::header("x-conversation"), KeySource::body_field("user")]);
 /// let headers = HeaderMap::new();
 /// let body = JsonBody::parse(br#"{"user":"alice","prompt":"hi"}"#)?;
-/// let view = RequestView { api: Api::Completions, model: None, headers: &headers, body: &body };
+/// let view = RequestView::new(Api::Completions, None, &headers, &body);
 /// assert_eq!(key.extract(&view).as_deref(), Some(&b"alice"[..]));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -165,12 +165,7 @@ mod tests {
             );
         }
         let b = JsonBody::parse(body.as_bytes()).expect("test body");
-        f(&RequestView {
-            api: Api::Chat,
-            model: None,
-            headers: &h,
-            body: &b,
-        })
+        f(&RequestView::new(Api::Chat, None, &h, &b))
     }
 
     fn key_of(headers: &[(&str, &str)], body: &str) -> Option<Vec<u8>> {
@@ -315,7 +310,7 @@ mod props {
                 HeaderValue::from_str(&value).expect("valid value"),
             );
             let b = JsonBody::default();
-            let v = RequestView { api: Api::Chat, model: None, headers: &h, body: &b };
+            let v = RequestView::new(Api::Chat, None, &h, &b);
             let found = SessionKey::default().extract(&v).map(Cow::into_owned);
             prop_assert_eq!(found, Some(value.into_bytes()));
         }

@@ -69,7 +69,7 @@
 //! // A proxy upstream rewrote the dash to an underscore; the session still sticks.
 //! headers.insert("x_session_id", "chat-42".parse()?);
 //! let body = JsonBody::parse(br#"{"model":"m","messages":[]}"#)?;
-//! let view = RequestView { api: Api::Chat, model: Some("m"), headers: &headers, body: &body };
+//! let view = RequestView::new(Api::Chat, Some("m"), &headers, &body);
 //!
 //! let first = policy.pick(&view, &engines);
 //! for _ in 0..10 {

@@ -93,6 +93,11 @@ impl Router for PerLeg {
     fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
         Ok(Route::new(None, self.decode(req, set)?))
     }
+
+    /// Either leg's policy reads token ids.
+    fn wants_tokens(&self) -> bool {
+        self.prefill.wants_tokens() || self.decode.wants_tokens()
+    }
 }
 
 /// The next endpoint in turn.
@@ -362,12 +367,7 @@ mod tests {
 
     fn with_view<R>(f: impl FnOnce(&RequestView<'_>) -> R) -> R {
         let (h, b) = (HeaderMap::new(), JsonBody::default());
-        f(&RequestView {
-            api: Api::Chat,
-            model: None,
-            headers: &h,
-            body: &b,
-        })
+        f(&RequestView::new(Api::Chat, None, &h, &b))
     }
 
     #[test]

@@ -117,7 +117,7 @@ pub enum PrefixError {
 ///     ]});
 ///     let body = JsonBody::parse(body.to_string().as_bytes()).expect("an object");
 ///     let headers = HeaderMap::new();
-///     let view = RequestView { api: Api::Chat, model: None, headers: &headers, body: &body };
+///     let view = RequestView::new(Api::Chat, None, &headers, &body);
 ///     hasher.block_hashes(&view)
 /// };
 /// let (a, b) = (blocks("Bonjour ?"), blocks("What is the capital of Peru?"));
@@ -194,7 +194,8 @@ impl PrefixHasher {
     /// of them; empty when the request has no usable prompt or it is shorter than one
     /// block.
     ///
-    /// Reads only `messages` (chat) or `prompt` (completions) of the body.
+    /// Reads only `messages` (chat), `prompt` (completions) or `text` / `input_ids`
+    /// (SGLang's `/generate`) of the body.
     pub fn block_hashes(&self, req: &RequestView<'_>) -> Vec<u64> {
         self.hash_stream(req.model, &self.canonical(req))
     }
@@ -204,7 +205,11 @@ impl PrefixHasher {
     pub fn canonical(&self, req: &RequestView<'_>) -> Vec<u8> {
         let (field, write): (_, fn(&[u8], &mut Stream) -> Flow) = match req.api {
             Api::Chat => ("messages", write_messages),
-            Api::Completions => ("prompt", write_prompt),
+            // SGLang's `/generate`: the prompt is `text` (a string or a list of them), or
+            // `input_ids` (token ids or lists of them), read as completions' `prompt`.
+            Api::Generate if req.body.contains("text") => ("text", write_prompt),
+            Api::Generate => ("input_ids", write_prompt),
+            _ => ("prompt", write_prompt),
         };
         let Some(raw) = req.body.get(field) else {
             return Vec::new();
@@ -573,12 +578,7 @@ mod tests {
     fn with_body<R>(api: Api, body: &[u8], f: impl FnOnce(&RequestView<'_>) -> R) -> R {
         let b = JsonBody::parse(body).expect("test body");
         let h = HeaderMap::new();
-        f(&RequestView {
-            api,
-            model: None,
-            headers: &h,
-            body: &b,
-        })
+        f(&RequestView::new(api, None, &h, &b))
     }
 
     fn canonical(api: Api, body: &str) -> Vec<u8> {
@@ -700,12 +700,7 @@ mod tests {
             // `JsonBody` refuses the bad escape outright; the rest parse.
             if let Ok(b) = JsonBody::parse(bad.as_bytes()) {
                 let h = HeaderMap::new();
-                let v = RequestView {
-                    api: Api::Completions,
-                    model: None,
-                    headers: &h,
-                    body: &b,
-                };
+                let v = RequestView::new(Api::Completions, None, &h, &b);
                 assert!(PrefixHasher::new().canonical(&v).is_empty(), "{bad}");
             }
         }

@@ -43,6 +43,7 @@ pub mod guide {
     //! The connector guide (`docs/connectors.md`), with its example compiled.
     #![doc = include_str!("../../../docs/connectors.md")]
 }
+mod generate;
 pub mod mooncake;
 pub mod room;
 pub mod sglang;
@@ -59,6 +60,19 @@ pub use vllm::VllmNixl;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BootstrapPort(pub Option<u16>);
 
+/// Refuse SGLang's native `/generate` in a connector whose engines do not serve it (the
+/// vLLM connectors): 400 `unsupported_by_connector`, as for anything else the protocol
+/// cannot carry.
+pub(crate) fn openai_only(connector: &'static str, api: Api) -> Result<(), ConnectorError> {
+    match api {
+        Api::Generate => Err(ConnectorError::Unsupported {
+            connector,
+            what: "SGLang's native /generate API (only the SGLang connector carries it)".to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -71,6 +85,13 @@ pub enum Dispatch {
     /// prefill's answer is read alongside, and a prefill that fails ends the request
     /// (the decode leg is dropped) wherever it is.
     Concurrent,
+    /// Send both legs at once, as [`Concurrent`](Self::Concurrent), but relay the
+    /// decode's answer only once the prefill's has come in whole, and fold the prefill's
+    /// answer into the plan with [`KvConnector::complete`] first: the client's answer
+    /// holds part of the prefill's (SGLang's native `/generate` with `return_logprob`:
+    /// the prompt's logprobs, which only the prefill computed, are merged into the
+    /// decode's answer by the plan's [`Reshape`], as SGLang's router does).
+    Joined,
 }
 
 /// One leg of a handoff: where it goes and what it carries.

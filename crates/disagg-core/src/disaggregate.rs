@@ -37,11 +37,21 @@ pub enum Decision {
 pub trait Disaggregate: Send + Sync + 'static {
     /// The decision for `req`.
     fn decide(&self, req: &RequestView<'_>) -> Decision;
+
+    /// Whether this hook reads [`RequestView::tokens`] (see
+    /// [`Router::wants_tokens`](crate::Router::wants_tokens)). The default: `false`.
+    fn wants_tokens(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Disaggregate + ?Sized> Disaggregate for std::sync::Arc<T> {
     fn decide(&self, req: &RequestView<'_>) -> Decision {
         (**self).decide(req)
+    }
+
+    fn wants_tokens(&self) -> bool {
+        (**self).wants_tokens()
     }
 }
 

@@ -73,8 +73,8 @@ pub enum EndpointError {
         #[source]
         source: http::uri::InvalidUri,
     },
-    /// Not an `http://host:port` URL.
-    #[error("endpoint url `{url}` must be http://host[:port] with no path")]
+    /// Not an `http://host:port` or `https://host:port` URL.
+    #[error("endpoint url `{url}` must be http://host[:port] or https://host[:port] with no path")]
     Unsupported {
         /// What was given.
         url: String,
@@ -111,20 +111,21 @@ pub struct Endpoint {
     /// count there too.
     engine: Option<Arc<Endpoint>>,
     ext: http::Extensions,
-    /// The URIs of the two completion APIs, built once: a leg's request then clones
+    /// The URIs of the APIs legs are sent to, built once: a leg's request then clones
     /// shared bytes instead of parsing and allocating a URI per request.
     chat_uri: Uri,
     completions_uri: Uri,
+    generate_uri: Uri,
 }
 
 impl Endpoint {
-    /// An endpoint at `url` (`http://host:port`, a trailing `/` allowed) with `role`;
-    /// `url@RANK` names one data-parallel rank of the engine.
+    /// An endpoint at `url` (`http://host:port` or `https://host:port`, a trailing `/`
+    /// allowed) with `role`; `url@RANK` names one data-parallel rank of the engine.
     ///
     /// # Errors
     ///
-    /// [`EndpointError`] when `url` is not an absolute `http` URL without a path, or its
-    /// rank is not a number.
+    /// [`EndpointError`] when `url` is not an absolute `http` or `https` URL without a
+    /// path, or its rank is not a number.
     ///
     /// # Examples
     ///
@@ -166,7 +167,9 @@ impl Endpoint {
             url: url.to_owned(),
         };
         let scheme = parts.scheme.ok_or_else(unsupported)?;
-        if scheme != Scheme::HTTP {
+        // `https` is the transport's business (TLS to the engine); the core only keeps
+        // the scheme in the URIs it builds.
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
             return Err(unsupported());
         }
         let authority = parts
@@ -197,6 +200,7 @@ impl Endpoint {
             models: None,
             chat_uri: api_uri(Api::Chat)?,
             completions_uri: api_uri(Api::Completions)?,
+            generate_uri: api_uri(Api::Generate)?,
             scheme,
             authority,
             role,
@@ -250,6 +254,7 @@ impl Endpoint {
             ext: base.ext.clone(),
             chat_uri: base.chat_uri.clone(),
             completions_uri: base.completions_uri.clone(),
+            generate_uri: base.generate_uri.clone(),
         }
     }
 
@@ -329,6 +334,7 @@ impl Endpoint {
         Ok(match api {
             Api::Chat => self.chat_uri.clone(),
             Api::Completions => self.completions_uri.clone(),
+            Api::Generate => self.generate_uri.clone(),
         })
     }
 
@@ -567,7 +573,12 @@ mod tests {
             "http://127.0.0.1:8000/v1/completions"
         );
         assert!(Endpoint::new("http://h:1/v1", Role::Decode).is_err());
-        assert!(Endpoint::new("https://h:1", Role::Decode).is_err());
+        let tls = Endpoint::new("https://h:1", Role::Decode).unwrap();
+        assert_eq!(
+            tls.uri("/health").unwrap().to_string(),
+            "https://h:1/health"
+        );
+        assert!(Endpoint::new("ftp://h:1", Role::Decode).is_err());
         assert!(Endpoint::new("h:1", Role::Decode).is_err());
         assert!(Endpoint::new("not a url", Role::Decode).is_err());
     }

@@ -64,6 +64,7 @@ pub mod retry;
 pub mod rewrite;
 pub mod router;
 pub mod source;
+pub mod tokens;
 pub mod trace;
 pub mod transport;
 
@@ -85,4 +86,5 @@ pub use request::{Api, PdRequest};
 pub use rewrite::PrefillRewriter;
 pub use router::{Route, Router};
 pub use source::{EndpointSource, ManualSource, StaticSource};
+pub use tokens::{TokenIds, Tokenizer};
 pub use transport::Transport;

@@ -9,13 +9,19 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use crate::body::JsonBody;
 use crate::error::BodyError;
 
-/// The OpenAI API a request belongs to.
+/// The API a request belongs to: OpenAI's chat and completions, and SGLang's native
+/// `/generate`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Api {
     /// `POST /v1/chat/completions`.
     Chat,
     /// `POST /v1/completions`.
     Completions,
+    /// `POST /generate`, SGLang's native API (`text` or `input_ids`, single or batch;
+    /// `sampling_params`; `return_logprob`), served P/D by the SGLang connector
+    /// (`sglang/srt/entrypoints/http_server.py` `generate_request`).
+    Generate,
 }
 
 impl Api {
@@ -24,6 +30,7 @@ impl Api {
         match self {
             Api::Chat => "/v1/chat/completions",
             Api::Completions => "/v1/completions",
+            Api::Generate => "/generate",
         }
     }
 
@@ -32,6 +39,7 @@ impl Api {
         match path {
             "/v1/chat/completions" => Some(Api::Chat),
             "/v1/completions" => Some(Api::Completions),
+            "/generate" => Some(Api::Generate),
             _ => None,
         }
     }
@@ -84,6 +92,9 @@ pub struct PdRequest {
     /// connectors whose engines validate them; empty, and unallocated, for almost every
     /// request.
     removed: Vec<(&'static str, Bytes)>,
+    /// The prompt's token ids, once a [`Tokenizer`](crate::tokens::Tokenizer) gave them
+    /// (see [`tokens`](crate::tokens)).
+    tokens: Option<crate::tokens::TokenIds>,
 }
 
 impl PdRequest {
@@ -172,6 +183,7 @@ impl PdRequest {
             stream,
             arrival: crate::outcome::now(),
             removed,
+            tokens: None,
         })
     }
 
@@ -240,6 +252,25 @@ impl PdRequest {
     /// body was read).
     pub fn set_arrival(&mut self, at: Instant) {
         self.arrival = at;
+    }
+
+    /// The prompt's token ids, when the orchestrator's
+    /// [`Tokenizer`](crate::tokens::Tokenizer) gave them (or the application set them):
+    /// see [`tokens`](crate::tokens). `None` for a request nothing asked ids for, or
+    /// whose prompt could not be tokenized.
+    pub fn tokens(&self) -> Option<&[u32]> {
+        self.tokens.as_deref()
+    }
+
+    /// The prompt's token ids, shared.
+    pub fn token_ids(&self) -> Option<&crate::tokens::TokenIds> {
+        self.tokens.as_ref()
+    }
+
+    /// Set the prompt's token ids (an application that tokenized the request itself;
+    /// the orchestrator then does not tokenize it again).
+    pub fn set_tokens(&mut self, tokens: Option<crate::tokens::TokenIds>) {
+        self.tokens = tokens;
     }
 }
 

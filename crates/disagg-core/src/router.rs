@@ -24,6 +24,10 @@ use crate::error::RouteError;
 use crate::request::{Api, PdRequest};
 
 /// What a router may read of a request.
+///
+/// Built from a [`PdRequest`] (`RequestView::from(&req)`), or with
+/// [`new`](Self::new) (and [`with_tokens`](Self::with_tokens)) by routers' tests and
+/// applications that route without an orchestrator.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestView<'a> {
     /// The API.
@@ -34,6 +38,42 @@ pub struct RequestView<'a> {
     pub headers: &'a HeaderMap,
     /// The client's body, top level only; values stay raw until a router parses them.
     pub body: &'a JsonBody,
+    /// The prompt's token ids, when something asked for them (see
+    /// [`tokens`](crate::tokens)).
+    tokens: Option<&'a [u32]>,
+}
+
+impl<'a> RequestView<'a> {
+    /// A view of a request for `api` with `headers` and `body`, without token ids.
+    pub fn new(
+        api: Api,
+        model: Option<&'a str>,
+        headers: &'a HeaderMap,
+        body: &'a JsonBody,
+    ) -> Self {
+        RequestView {
+            api,
+            model,
+            headers,
+            body,
+            tokens: None,
+        }
+    }
+
+    /// The same view, with the prompt's token ids.
+    pub fn with_tokens(mut self, tokens: Option<&'a [u32]>) -> Self {
+        self.tokens = tokens;
+        self
+    }
+
+    /// The prompt's token ids, as the engine tokenizes it: present when the
+    /// orchestrator was given a [`Tokenizer`](crate::tokens::Tokenizer), the router or the
+    /// disaggregation hook asked for tokens ([`Router::wants_tokens`]), and the prompt
+    /// could be tokenized. Policies route a request without them as they route one
+    /// without cache information.
+    pub fn tokens(&self) -> Option<&'a [u32]> {
+        self.tokens
+    }
 }
 
 impl<'a> From<&'a PdRequest> for RequestView<'a> {
@@ -43,6 +83,7 @@ impl<'a> From<&'a PdRequest> for RequestView<'a> {
             model: req.model(),
             headers: req.headers(),
             body: req.body(),
+            tokens: req.tokens(),
         }
     }
 }
@@ -134,6 +175,14 @@ pub trait Router: Send + Sync + 'static {
 
     /// Optional feedback: how a routed request ended. The default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
+
+    /// Whether this router reads [`RequestView::tokens`]: the orchestrator tokenizes a
+    /// request (with its [`Tokenizer`](crate::tokens::Tokenizer), if it has one) only
+    /// when the router or the disaggregation hook says so. Asked once, when the
+    /// orchestrator is built. The default: `false`.
+    fn wants_tokens(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Router + ?Sized> Router for Arc<T> {
@@ -148,6 +197,10 @@ impl<T: Router + ?Sized> Router for Arc<T> {
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
     }
+
+    fn wants_tokens(&self) -> bool {
+        (**self).wants_tokens()
+    }
 }
 
 /// Picks one endpoint of a leg among candidates: the seam of per-leg policies.
@@ -161,17 +214,31 @@ impl<T: Router + ?Sized> Router for Arc<T> {
 pub trait Pick: Send + Sync + 'static {
     /// The index of the chosen candidate.
     fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize;
+
+    /// Whether this policy reads [`RequestView::tokens`] (see
+    /// [`Router::wants_tokens`]). The default: `false`.
+    fn wants_tokens(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Pick + ?Sized> Pick for Arc<T> {
     fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
         (**self).pick(req, candidates)
     }
+
+    fn wants_tokens(&self) -> bool {
+        (**self).wants_tokens()
+    }
 }
 
 impl<T: Pick + ?Sized> Pick for Box<T> {
     fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
         (**self).pick(req, candidates)
+    }
+
+    fn wants_tokens(&self) -> bool {
+        (**self).wants_tokens()
     }
 }
 
@@ -239,12 +306,7 @@ mod tests {
     }
 
     fn view<'a>(h: &'a HeaderMap, b: &'a JsonBody) -> RequestView<'a> {
-        RequestView {
-            api: Api::Chat,
-            model: None,
-            headers: h,
-            body: b,
-        }
+        RequestView::new(Api::Chat, None, h, b)
     }
 
     #[test]

@@ -33,11 +33,34 @@ pub type ResponseFuture =
 pub trait Transport: Send + Sync + 'static {
     /// Send `req`.
     fn send(&self, req: http::Request<Bytes>) -> ResponseFuture;
+
+    /// Send `req` with a body that streams as it arrives (a request an adapter
+    /// forwards to an engine without reading it), when this transport can; otherwise
+    /// give it back as `Err`, and the caller reads the body whole and uses
+    /// [`send`](Self::send). The same contract as `send` otherwise; a body that breaks
+    /// midway makes the exchange fail. The default cannot stream.
+    ///
+    /// # Errors
+    ///
+    /// The request, unsent, when this transport does not stream request bodies.
+    fn send_streaming(
+        &self,
+        req: http::Request<BoxBody>,
+    ) -> Result<ResponseFuture, Box<http::Request<BoxBody>>> {
+        Err(Box::new(req))
+    }
 }
 
 impl<T: Transport + ?Sized> Transport for Arc<T> {
     fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
         (**self).send(req)
+    }
+
+    fn send_streaming(
+        &self,
+        req: http::Request<BoxBody>,
+    ) -> Result<ResponseFuture, Box<http::Request<BoxBody>>> {
+        (**self).send_streaming(req)
     }
 }
 

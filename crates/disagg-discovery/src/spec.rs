@@ -443,7 +443,7 @@ mod tests {
 
     #[test]
     fn bad_urls_and_receivers_are_refused() {
-        let spec = EndpointSpec::new("https://10.0.0.7:8200", Role::Decode);
+        let spec = EndpointSpec::new("ftp://10.0.0.7:8200", Role::Decode);
         assert!(matches!(spec.to_endpoints(), Err(SpecError::Url(_))));
         assert!(LmcacheSpec::parse("10.0.0.7:7300,7301:7400").is_err());
         assert!(LmcacheSpec::parse(":7300:7400").is_err());

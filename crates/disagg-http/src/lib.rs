@@ -2,6 +2,10 @@
 //! [`PdService`] that serves OpenAI chat and completion requests disaggregated, the
 //! OpenAI error format, and a small [`serve`](server::serve) helper.
 //!
+//! At the edge: API keys checked by a tower layer with limits per key, and keys sent to
+//! engines ([`auth`]); with the `tls` feature, HTTPS served to clients and `https://`
+//! engines ([`tls`]).
+//!
 //! # Examples
 //!
 //! A proxy in front of one prefill and one decode engine:
@@ -23,14 +27,21 @@
 //! ```
 
 pub mod access_log;
+pub mod auth;
 pub mod body;
 pub mod error;
+pub mod forward;
 pub mod layer;
 pub mod metrics;
+pub mod models;
+pub mod routes;
 pub mod server;
 pub mod service;
+#[cfg(feature = "tls")]
+pub mod tls;
 pub mod transport;
 
 pub use layer::{PdLayer, PdMiddleware};
+pub use routes::{RouteAction, RouteTable};
 pub use service::{PdService, PdServiceConfig};
 pub use transport::{HttpTransport, HttpTransportConfig};

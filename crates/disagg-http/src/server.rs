@@ -3,6 +3,10 @@
 //! Every server here stops the same way once asked: the listening socket closes at once,
 //! idle connections close, answers in flight (streams included) run to their end within
 //! [`ServeConfig::drain_timeout`], and connections still open at that deadline are cut.
+//!
+//! With the `tls` feature, [`ServeConfig::tls`] serves HTTPS: each connection's TLS
+//! handshake runs in the connection's own task (within [`TLS_HANDSHAKE_TIMEOUT`]), so a
+//! slow handshake holds neither the accept loop nor other clients.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -40,6 +44,13 @@ pub const LISTEN_BACKLOG: u32 = 4096;
 /// after). Reads of 64 KiB keep a body's transfer fast, and a head of 64 KiB is 4 times
 /// nginx's default limit.
 pub const READ_BUFFER_MAX: usize = 64 * 1024;
+
+/// How long a client may take over its TLS handshake before its connection is closed:
+/// a handshake takes two round trips, so this only ends clients that stalled (or
+/// connections held open to tie up tasks), like the 30 s the server gives a request's
+/// head.
+#[cfg(feature = "tls")]
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Bind a listener on `addr` for [`serve`], with `SO_REUSEADDR` (a restarted proxy can
 /// bind at once) and a [`LISTEN_BACKLOG`]-deep accept queue.
@@ -93,12 +104,19 @@ pub struct ServeConfig {
     /// once. Default 30 s: long enough for most streams, short enough for an orchestrator's
     /// stop timeout (Kubernetes waits 30 s before SIGKILL by default).
     pub drain_timeout: Duration,
+    /// Serve HTTPS with this certificate (default `None`: plain HTTP). A certificate
+    /// reloaded by [`ServerTls::watch`](crate::tls::ServerTls::watch) is used by the
+    /// handshakes that follow; connections already open keep theirs.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
             drain_timeout: Duration::from_secs(30),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -268,6 +286,39 @@ where
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let _ = stream.set_nodelay(true);
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &config.tls {
+            let (acceptor, watcher) = (tls.acceptor().clone(), graceful.watcher());
+            let (http, service) = (http.clone(), service.clone());
+            let open = OpenConnection::new(tracker);
+            connections.spawn(async move {
+                let _open = open;
+                let stream = match tokio::time::timeout(
+                    TLS_HANDSHAKE_TIMEOUT,
+                    acceptor.accept(stream),
+                )
+                .await
+                {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake timed out");
+                        return;
+                    }
+                };
+                let conn =
+                    http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+                // Watched from its acceptance: a drain that started meanwhile closes it
+                // as soon as it is idle.
+                if let Err(e) = watcher.watch(conn).await {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+            });
+            continue;
+        }
         let conn = http.serve_connection(
             TokioIo::new(stream),
             TowerToHyperService::new(service.clone()),

@@ -1,12 +1,18 @@
-//! [`PdService`]: the tower service that serves OpenAI requests disaggregated.
+//! [`PdService`]: the tower service that serves a P/D fleet as one engine.
 //!
-//! | route | answer |
+//! What it does with a request is its [`RouteTable`]'s
+//! ([`PdServiceConfig::routes`]; the [`routes`](crate::routes) module has the default
+//! table):
+//!
+//! | action | answer |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `POST /v1/completions` | through the [`Orchestrator`] |
-//! | `GET /v1/models` | the union of the decode endpoints' models: those they declare ([`Endpoint::with_models`](disagg_core::Endpoint::with_models)), and what each that declares none answers |
-//! | `GET /health` | 200 when a request could be routed now, else 503 |
-//! | `GET /metrics` | the [`PdServiceConfig::metrics`] histograms, the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`]: OpenMetrics when the scraper accepts it, else the Prometheus text format (see [`metrics`](crate::metrics)) |
-//! | anything else | 404 (405 for a known path with another method) |
+//! | orchestrated (`POST /v1/chat/completions`, `/v1/completions`, `/generate`) | through the [`Orchestrator`] |
+//! | proxy: `GET /v1/models`, `GET /v1/models/{id}` | the engines' own model cards, cached (see [`crate::models`]'s rules) |
+//! | proxy: `GET /health` | 200 when a request could be routed now, else 503 |
+//! | proxy: `GET /metrics` | the [`PdServiceConfig::metrics`] histograms, the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`]: OpenMetrics when the scraper accepts it, else the Prometheus text format (see [`metrics`](crate::metrics)) |
+//! | forwarded, direct | to one engine, unchanged, both bodies streamed (see [`crate::forward`]) |
+//! | refused | 403 `admin_route_closed` |
+//! | fanned out | to every engine of the model, each engine's result in the answer |
 //!
 //! Every failure is an OpenAI-format error response, so the service never fails
 //! (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as it is.
@@ -16,6 +22,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -32,6 +39,8 @@ use http_body_util::{BodyExt, Limited};
 use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
 use crate::metrics::{ExtraMetrics, Metrics};
+use crate::models::Catalog;
+use crate::routes::{RouteAction, RouteTable};
 
 /// The request id header a client may send (`x-request-id`).
 const REQUEST_ID: &str = "x-request-id";
@@ -57,6 +66,13 @@ pub struct PdServiceConfig {
     pub body_budget: BodyBudget,
     /// Time to gather the models of every decode endpoint for `GET /v1/models`.
     pub models_timeout: Duration,
+    /// How long the model list gathered from the engines is reused (default 10 s: a
+    /// client listing models before each request does not ask every engine each time,
+    /// and an engine's new model shows within seconds).
+    pub models_ttl: Duration,
+    /// What is done with each route: orchestrated, answered, forwarded, refused or
+    /// fanned out. Default [`RouteTable::default`]: admin routes refused.
+    pub routes: RouteTable,
     /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
     /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
     /// `GET /metrics` has the orchestrator's counters and gauges only.
@@ -77,17 +93,23 @@ impl Default for PdServiceConfig {
             body_timeout: Duration::from_secs(30),
             body_budget: BodyBudget::default(),
             models_timeout: Duration::from_secs(5),
+            models_ttl: Duration::from_secs(10),
+            routes: RouteTable::default(),
             metrics: None,
             extra_metrics: Vec::new(),
         }
     }
 }
 
-struct Inner {
-    orchestrator: Orchestrator,
-    config: PdServiceConfig,
+pub(crate) struct Inner {
+    pub(crate) orchestrator: Orchestrator,
+    pub(crate) config: PdServiceConfig,
     /// What `GET /metrics` encodes, built once.
     registry: prometheus_client::registry::Registry,
+    /// The model list gathered from the engines.
+    pub(crate) models: Catalog,
+    /// Whose turn it is among equally loaded engines for a forwarded request.
+    pub(crate) turn: AtomicUsize,
 }
 
 /// Serves OpenAI chat and completion requests through an [`Orchestrator`].
@@ -128,6 +150,8 @@ impl PdService {
                 orchestrator,
                 config,
                 registry,
+                models: Catalog::default(),
+                turn: AtomicUsize::new(0),
             }),
         }
     }
@@ -211,20 +235,42 @@ impl Inner {
         B::Error: Into<BoxError>,
     {
         let path = req.uri().path();
-        if let Some(api) = Api::from_path(path) {
-            if req.method() != Method::POST {
-                return method_not_allowed();
-            }
-            return self.completion_response(api, req).await;
-        }
-        match path {
-            "/v1/models" if req.method() == Method::GET => self.models().await,
-            "/health" if req.method() == Method::GET => self.health(),
-            "/metrics" if req.method() == Method::GET => {
-                self.metrics(req.headers().get(http::header::ACCEPT))
-            }
-            "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
-            _ => pd_error_response(&PdError::not_found()),
+        let get = req.method() == Method::GET;
+        match self.config.routes.action(path) {
+            RouteAction::Orchestrated => match Api::from_path(path) {
+                Some(api) if req.method() == Method::POST => {
+                    self.completion_response(api, req).await
+                }
+                Some(_) => method_not_allowed(),
+                // A path the table orchestrates that no API serves.
+                None => pd_error_response(&PdError::not_found()),
+            },
+            RouteAction::Proxy => match path {
+                "/v1/models" if get => self.models(None).await,
+                "/health" if get => self.health(),
+                "/metrics" if get => self.metrics(req.headers().get(http::header::ACCEPT)),
+                "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
+                _ => match path.strip_prefix("/v1/models/") {
+                    Some(id) if get => {
+                        let id = id.to_owned();
+                        self.models(Some(&id)).await
+                    }
+                    Some(_) => method_not_allowed(),
+                    None => pd_error_response(&PdError::not_found()),
+                },
+            },
+            RouteAction::Forwarded => self.forward(req, false).await,
+            RouteAction::Direct => self.forward(req, true).await,
+            RouteAction::FannedOut => self.fan_out(req).await,
+            RouteAction::Refused => error_response(
+                StatusCode::FORBIDDEN,
+                &format!(
+                    "{path} changes the engines' state and is closed on this proxy; \
+                     its operator can open the admin routes (disagg-proxy serve --admin-routes)"
+                ),
+                "permission_error",
+                "admin_route_closed",
+            ),
         }
     }
 
@@ -330,85 +376,6 @@ impl Inner {
             )
         }
     }
-
-    async fn models(&self) -> Response<PdBody> {
-        let set = self.orchestrator.source().snapshot();
-        let transport = self.orchestrator.transport();
-        // Models the endpoints declare are listed as declared; only decode endpoints
-        // that declare none are asked.
-        let fetches = set
-            .decode()
-            .iter()
-            .filter(|ep| ep.models().is_none())
-            .map(|ep| {
-                let uri = ep.uri("/v1/models");
-                let fut = uri.map(|uri| {
-                    let mut r = Request::new(Bytes::new());
-                    *r.uri_mut() = uri;
-                    transport.send(r)
-                });
-                async move {
-                    let resp = fut.ok()?.await.ok()?;
-                    if !resp.status().is_success() {
-                        return None;
-                    }
-                    let body = collect_limited(resp.into_body(), 4 * 1024 * 1024)
-                        .await
-                        .ok()?;
-                    let list: ModelList = serde_json::from_slice(&body).ok()?;
-                    Some(list.data)
-                }
-            });
-        let all = tokio::time::timeout(
-            self.config.models_timeout,
-            futures::future::join_all(fetches),
-        )
-        .await
-        .unwrap_or_default();
-        let mut data: Vec<serde_json::Map<String, serde_json::Value>> = set
-            .served_models()
-            .iter()
-            .map(|m| declared_model(m))
-            .collect();
-        let mut answered = !data.is_empty();
-        for list in all.into_iter().flatten() {
-            answered = true;
-            for model in list {
-                let id = model.get("id").cloned();
-                if !data.iter().any(|m| m.get("id") == id.as_ref()) {
-                    data.push(model);
-                }
-            }
-        }
-        if !answered {
-            return error_response(
-                StatusCode::BAD_GATEWAY,
-                "no decode endpoint answered GET /v1/models",
-                "server_error",
-                "decode_failed",
-            );
-        }
-        let body = serde_json::json!({"object": "list", "data": data});
-        json_response(StatusCode::OK, Bytes::from(body.to_string()))
-    }
-}
-
-/// An OpenAI model card for a model an endpoint declares.
-fn declared_model(id: &str) -> serde_json::Map<String, serde_json::Value> {
-    [
-        ("id", id.into()),
-        ("object", "model".into()),
-        ("created", 0.into()),
-        ("owned_by", "disagg".into()),
-    ]
-    .into_iter()
-    .map(|(k, v): (&str, serde_json::Value)| (k.to_owned(), v))
-    .collect()
-}
-
-#[derive(serde::Deserialize)]
-struct ModelList {
-    data: Vec<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// A failed request's answer, logged.
@@ -422,7 +389,7 @@ fn failed(err: &PdError) -> Response<PdBody> {
 /// A named `'static` future rather than an `async fn`: awaiting `Limited`'s collect
 /// directly inside an async block trips the compiler's `Send` inference (a
 /// higher-ranked `From` bound on the boxed error).
-fn collect_limited<B>(
+pub(crate) fn collect_limited<B>(
     body: B,
     limit: usize,
 ) -> impl Future<Output = Result<Bytes, BoxError>> + Send + 'static
@@ -435,7 +402,7 @@ where
     Limited::new(body, limit).collect().map_ok(|c| c.to_bytes())
 }
 
-fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody> {
+pub(crate) fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody> {
     let mut resp = Response::new(PdBody::full(body));
     *resp.status_mut() = status;
     resp.headers_mut()

@@ -9,6 +9,12 @@
 //! client this skips the hashed pool keys, URI rewriting and connection racing the proxy
 //! does not need, which the profile showed at about 12,000 instructions per leg
 //! (`docs/performance.md`).
+//!
+//! `https://` engines (with the `tls` feature and [`HttpTransportConfig::tls`]) are
+//! reached over rustls on the same pool: a TLS connection is kept and reused like a
+//! plain one (keyed by scheme and authority), so its handshake is paid once per
+//! connection, not per request. [`HttpTransportConfig::engine_keys`] sets the engines'
+//! `authorization` on every request sent.
 
 use std::fmt;
 use std::pin::Pin;
@@ -19,8 +25,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_core::error::{BoxError, TransportError};
 use disagg_core::transport::{BoxBody, ResponseFuture, Transport};
-use http::header::{HOST, HeaderValue};
-use http::uri::{Authority, Uri};
+use http::header::{AUTHORIZATION, HOST, HeaderValue};
+use http::uri::{Authority, Scheme, Uri};
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
@@ -28,6 +34,8 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+
+use crate::auth::EngineKeys;
 
 /// Settings of the [`HttpTransport`].
 #[derive(Debug, Clone)]
@@ -43,6 +51,13 @@ pub struct HttpTransportConfig {
     /// than the load reconnects on every overflowing request, which costs more than the
     /// rest of the request path together.
     pub pool_max_idle_per_host: usize,
+    /// The keys sent to engines as `Authorization: Bearer` (default none): on every
+    /// request to an engine that has one, replacing the request's own.
+    pub engine_keys: EngineKeys,
+    /// TLS for `https://` engines (default `None`: an `https://` engine fails to
+    /// connect, saying why).
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 impl Default for HttpTransportConfig {
@@ -52,11 +67,58 @@ impl Default for HttpTransportConfig {
             // Under uvicorn's 5 s keep-alive timeout (vLLM's default), with a margin.
             pool_idle_timeout: Duration::from_secs(4),
             pool_max_idle_per_host: 1024,
+            engine_keys: EngineKeys::default(),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
 
-type Sender = SendRequest<Full<Bytes>>;
+type Sender = SendRequest<LegBody>;
+
+/// A request body as the pool sends it: a leg's, whole; or a forwarded request's,
+/// streaming as the client sends it ([`Transport::send_streaming`]).
+enum LegBody {
+    Full(Full<Bytes>),
+    Stream(BoxBody),
+}
+
+impl Body for LegBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            LegBody::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+            LegBody::Stream(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            LegBody::Full(b) => b.is_end_stream(),
+            LegBody::Stream(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            LegBody::Full(b) => b.size_hint(),
+            LegBody::Stream(b) => b.size_hint(),
+        }
+    }
+}
+
+/// Where pooled connections go: the engine's authority, over TLS or not (an engine
+/// served both ways must not get a plain connection for an `https` request).
+#[derive(Clone, PartialEq, Eq)]
+struct PoolKey {
+    tls: bool,
+    authority: Authority,
+}
 
 struct Idle {
     sender: Sender,
@@ -67,7 +129,7 @@ struct Inner {
     config: HttpTransportConfig,
     /// Idle connections by endpoint. A list, not a map: a proxy talks to a handful of
     /// endpoints, and comparing a few authorities is cheaper than hashing one.
-    idle: Mutex<Vec<(Authority, Vec<Idle>)>>,
+    idle: Mutex<Vec<(PoolKey, Vec<Idle>)>>,
 }
 
 /// HTTP/1.1 to the engines over pooled keep-alive connections with `TCP_NODELAY`.
@@ -105,19 +167,30 @@ impl HttpTransport {
         }
     }
 
-    /// Idle pooled connections to `authority` now.
+    /// Idle pooled connections to `authority` now, plain and TLS.
     pub fn idle_connections(&self, authority: &Authority) -> usize {
         lock(&self.inner.idle)
             .iter()
-            .find(|(a, _)| a == authority)
-            .map_or(0, |(_, v)| v.len())
+            .filter(|(k, _)| k.authority == *authority)
+            .map(|(_, v)| v.len())
+            .sum()
     }
 }
 
 impl Transport for HttpTransport {
     fn send(&self, req: Request<Bytes>) -> ResponseFuture {
         let inner = Arc::clone(&self.inner);
-        Box::pin(async move { inner.send(req).await })
+        Box::pin(async move { inner.send(req.map(|b| LegBody::Full(Full::new(b)))).await })
+    }
+
+    fn send_streaming(
+        &self,
+        req: Request<BoxBody>,
+    ) -> Result<ResponseFuture, Box<Request<BoxBody>>> {
+        let inner = Arc::clone(&self.inner);
+        Ok(Box::pin(async move {
+            inner.send(req.map(LegBody::Stream)).await
+        }))
     }
 }
 
@@ -129,48 +202,55 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Inner {
     async fn send(
         self: Arc<Self>,
-        req: Request<Bytes>,
+        req: Request<LegBody>,
     ) -> Result<Response<BoxBody>, TransportError> {
         let (mut parts, body) = req.into_parts();
         let Some(authority) = parts.uri.authority().cloned() else {
             return Err(TransportError::Connect("request URI has no host".into()));
         };
+        let key = PoolKey {
+            tls: parts.uri.scheme() == Some(&Scheme::HTTPS),
+            authority,
+        };
+        if let Some(v) = self.config.engine_keys.for_engine(key.tls, &key.authority) {
+            parts.headers.insert(AUTHORIZATION, v.clone());
+        }
         // Origin-form request target, and the Host header it then needs.
         parts.uri = parts
             .uri
             .path_and_query()
             .map_or_else(|| Uri::from_static("/"), |p| Uri::from(p.clone()));
         if !parts.headers.contains_key(HOST)
-            && let Ok(v) = HeaderValue::from_str(authority.as_str())
+            && let Ok(v) = HeaderValue::from_str(key.authority.as_str())
         {
             parts.headers.insert(HOST, v);
         }
-        let mut req = Request::from_parts(parts, Full::new(body));
+        let mut req = Request::from_parts(parts, body);
 
         // Pooled connections first. One the engine has closed since hands the request
         // back unsent, and the next is tried.
-        while let Some(mut sender) = self.take(&authority) {
+        while let Some(mut sender) = self.take(&key) {
             if sender.ready().await.is_err() {
                 continue;
             }
             match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.respond(authority, sender, resp)),
+                Ok(resp) => return Ok(self.respond(key, sender, resp)),
                 Err(mut e) => match e.take_message() {
                     Some(unsent) => req = unsent,
                     None => return Err(TransportError::Io(e.into_error().into())),
                 },
             }
         }
-        let mut sender = self.connect(&authority).await?;
+        let mut sender = self.connect(&key).await?;
         match sender.send_request(req).await {
-            Ok(resp) => Ok(self.respond(authority, sender, resp)),
+            Ok(resp) => Ok(self.respond(key, sender, resp)),
             Err(e) => Err(TransportError::Io(e.into())),
         }
     }
 
-    fn take(&self, authority: &Authority) -> Option<Sender> {
+    fn take(&self, key: &PoolKey) -> Option<Sender> {
         let mut idle = lock(&self.idle);
-        let list = &mut idle.iter_mut().find(|(a, _)| a == authority)?.1;
+        let list = &mut idle.iter_mut().find(|(k, _)| k == key)?.1;
         let max_age = self.config.pool_idle_timeout;
         // Most recently used first: it is the least likely to have been closed.
         while let Some(conn) = list.pop() {
@@ -181,7 +261,7 @@ impl Inner {
         None
     }
 
-    fn give_back(&self, authority: Authority, sender: Sender) {
+    fn give_back(&self, key: PoolKey, sender: Sender) {
         if sender.is_closed() {
             return;
         }
@@ -190,24 +270,26 @@ impl Inner {
             sender,
             since: Instant::now(),
         };
-        match idle.iter_mut().find(|(a, _)| *a == authority) {
+        match idle.iter_mut().find(|(k, _)| *k == key) {
             Some((_, list)) if list.len() < self.config.pool_max_idle_per_host => list.push(conn),
             Some(_) => {}
-            None => idle.push((authority, vec![conn])),
+            None => idle.push((key, vec![conn])),
         }
     }
 
-    async fn connect(&self, authority: &Authority) -> Result<Sender, TransportError> {
+    async fn connect(&self, key: &PoolKey) -> Result<Sender, TransportError> {
+        let authority = &key.authority;
         let host = authority
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
-        let port = authority.port_u16().unwrap_or(80);
-        let stream = match tokio::time::timeout(
-            self.config.connect_timeout,
-            TcpStream::connect((host, port)),
-        )
-        .await
+        let port = authority
+            .port_u16()
+            .unwrap_or(if key.tls { 443 } else { 80 });
+        // The connect timeout covers the TLS handshake too: both must be done before
+        // the request can go.
+        let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
+        let stream = match tokio::time::timeout_at(deadline, TcpStream::connect((host, port))).await
         {
             Err(_) => return Err(TransportError::Connect("connect timed out".into())),
             Ok(Err(e)) => return Err(TransportError::Connect(e.into())),
@@ -216,33 +298,95 @@ impl Inner {
         // Without it, Nagle's algorithm holds small writes (an SSE event) for up to
         // 40 ms on loopback while the peer delays its ACK.
         let _ = stream.set_nodelay(true);
-        let (sender, conn) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| TransportError::Connect(e.into()))?;
-        // The connection task ends when the connection closes: its sender dropped while
-        // idle, the peer gone, or a response body dropped before its end.
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, "engine connection ended with an error");
+        if key.tls {
+            return self.connect_tls(host, authority, stream, deadline).await;
+        }
+        handshake(TokioIo::new(stream)).await
+    }
+
+    #[cfg(feature = "tls")]
+    async fn connect_tls(
+        &self,
+        host: &str,
+        authority: &Authority,
+        stream: TcpStream,
+        deadline: tokio::time::Instant,
+    ) -> Result<Sender, TransportError> {
+        let Some(tls) = &self.config.tls else {
+            return Err(TransportError::Connect(
+                format!("{authority}: https engine, but the transport has no TLS configuration")
+                    .into(),
+            ));
+        };
+        let stream = match tokio::time::timeout_at(deadline, tls.connect(host, stream)).await {
+            Err(_) => return Err(TransportError::Connect("TLS handshake timed out".into())),
+            Ok(Err(source)) => {
+                return Err(TransportError::Connect(Box::new(TlsHandshake {
+                    authority: authority.clone(),
+                    source,
+                })));
             }
-        });
-        Ok(sender)
+            Ok(Ok(s)) => s,
+        };
+        handshake(TokioIo::new(stream)).await
+    }
+
+    #[cfg(not(feature = "tls"))]
+    async fn connect_tls(
+        &self,
+        _host: &str,
+        authority: &Authority,
+        _stream: TcpStream,
+        _deadline: tokio::time::Instant,
+    ) -> Result<Sender, TransportError> {
+        Err(TransportError::Connect(
+            format!("{authority}: https engines need disagg-http's `tls` feature").into(),
+        ))
     }
 
     fn respond(
         self: Arc<Self>,
-        authority: Authority,
+        key: PoolKey,
         sender: Sender,
         resp: Response<Incoming>,
     ) -> Response<BoxBody> {
         resp.map(|body| {
             Returning {
                 body,
-                back: Some((self, authority, sender)),
+                back: Some((self, key, sender)),
             }
             .boxed()
         })
     }
+}
+
+/// The HTTP/1.1 handshake over `io`, its connection driven by a task of its own.
+async fn handshake<I>(io: I) -> Result<Sender, TransportError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::handshake(io)
+        .await
+        .map_err(|e| TransportError::Connect(e.into()))?;
+    // The connection task ends when the connection closes: its sender dropped while
+    // idle, the peer gone, or a response body dropped before its end.
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "engine connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+/// A TLS handshake with an engine failed (its certificate refused, no common protocol,
+/// a client certificate it did not accept).
+#[cfg(feature = "tls")]
+#[derive(Debug, thiserror::Error)]
+#[error("TLS handshake with {authority} failed")]
+struct TlsHandshake {
+    authority: Authority,
+    #[source]
+    source: BoxError,
 }
 
 pin_project_lite::pin_project! {
@@ -250,14 +394,14 @@ pin_project_lite::pin_project! {
     struct Returning {
         #[pin]
         body: Incoming,
-        back: Option<(Arc<Inner>, Authority, Sender)>,
+        back: Option<(Arc<Inner>, PoolKey, Sender)>,
     }
 }
 
 impl Returning {
-    fn release(back: &mut Option<(Arc<Inner>, Authority, Sender)>) {
-        if let Some((pool, authority, sender)) = back.take() {
-            pool.give_back(authority, sender);
+    fn release(back: &mut Option<(Arc<Inner>, PoolKey, Sender)>) {
+        if let Some((pool, key, sender)) = back.take() {
+            pool.give_back(key, sender);
         }
     }
 }

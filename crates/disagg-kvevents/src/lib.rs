@@ -14,7 +14,10 @@
 //!   entries dropped for engines that leave;
 //! - [`score`]: [`KvScorer`], the routing decision: the candidate engine whose cached
 //!   prefix, traded against its load, makes the request cheapest, plus a short-lived
-//!   provisional entry for what was just routed.
+//!   provisional entry for what was just routed;
+//! - [`policy`]: the scorer behind the core's seams: [`KvEventsPick`] (a per-leg
+//!   `Pick`, the proxy's `kv_events` policy) and [`CachedPrefixThreshold`] (a
+//!   `Disaggregate` hook counting only the prompt the decode engine lacks).
 //!
 //! # Wiring into a router
 //!
@@ -62,10 +65,12 @@
 pub mod event;
 pub mod index;
 pub mod key;
+pub mod policy;
 pub mod score;
 pub mod subscriber;
 
 pub use event::{DecodeError, EventBatch, KvEvent};
 pub use index::{HolderMatch, IndexConfig, KvIndex, PrefixMatch};
+pub use policy::{CachedPrefixThreshold, FewestInFlight, KvEventsPick};
 pub use score::{Candidate, Decision, KvScorer, PrefillWork, ScorerConfig};
 pub use subscriber::{EndpointError, EngineEndpoint, RankStatus, Subscriber, SubscriberConfig};

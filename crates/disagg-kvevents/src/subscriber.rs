@@ -694,11 +694,13 @@ impl RankTask {
                 first: batches.first().map(|(s, _)| *s),
             });
         }
+        // Counted before they are applied, so that whoever sees one of these
+        // batches in `batches` also sees it in `replayed`.
         let count = batches.len() as u64;
+        self.status(|s| s.replayed += count);
         for (seq, payload) in batches {
             self.apply(seq, &payload);
         }
-        self.status(|s| s.replayed += count);
         Ok(())
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! 1. `POST /tokenize` on the prefill engine (chat: the messages, with the generation
 //!    prompt; completions: the prompt), once per attempt; a prompt already given as token
-//!    ids is not tokenized again.
+//!    ids is not tokenized again, nor one the orchestrator's tokenizer already turned
+//!    into ids ([`PdRequest::tokens`]: a router reading tokens asked for them).
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
@@ -367,6 +368,9 @@ struct First {
     finish: Option<String>,
     /// The prefill's usage (the prompt and one token).
     usage: Option<Value>,
+    /// Why the first token stopped the answer (a stop string or token id), as the
+    /// prefill said it; null otherwise.
+    stop_reason: Value,
 }
 
 /// The per-request form of pair validation, for endpoints whose receiver was inserted
@@ -462,6 +466,10 @@ impl KvConnector for Lmcache {
             connector: self.name(),
             what: what.to_owned(),
         };
+        if req.api() == Api::Generate {
+            // LMCache's legs are vLLM's OpenAI routes; SGLang's API has no place there.
+            return Err(unsupported("SGLang's native /generate API"));
+        }
         if int_field(body, "n").is_some_and(|n| n > 1)
             || int_field(body, "best_of").is_some_and(|n| n > 1)
         {
@@ -482,7 +490,13 @@ impl KvConnector for Lmcache {
             .and_then(Result::ok)
             .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
 
-        let tokenize = tokenize_request(body, chat)?;
+        // The ids the orchestrator already has (its tokenizer ran for a router that
+        // reads them) spare the prefill engine's `/tokenize` round trip.
+        let known = req.tokens();
+        let tokenize = match known {
+            Some(_) => None,
+            None => tokenize_request(body, chat)?,
+        };
 
         // The completions form both legs share.
         let mut base = body.clone();
@@ -507,11 +521,17 @@ impl KvConnector for Lmcache {
             }
         });
         prefill.set("kv_transfer_params", &spec);
+        if let Some(ids) = known {
+            prefill.set("prompt", ids);
+        }
 
         // The decode leg, streaming as the client asked. As it stands it computes the
         // whole answer from the prompt (what a prefill without a first token leaves);
         // `resolve` adds the token ids, `complete` the first token and the budgets left.
         let mut decode = base;
+        if let Some(ids) = known {
+            decode.set("prompt", ids);
+        }
         if let Some(m) = max_tokens {
             decode.set("max_tokens", &m);
         }
@@ -629,6 +649,7 @@ impl KvConnector for Lmcache {
             model: reply.model.unwrap_or_default(),
             text: choice.text.clone().unwrap_or_default(),
             usage: reply.usage,
+            stop_reason: choice.stop_reason.clone(),
             finish: finished.then(|| {
                 choice
                     .finish_reason
@@ -707,31 +728,61 @@ async fn whole_answer(body: BoxBody, shape: Arc<Shape>) -> Result<Frame<Bytes>, 
     shape.whole(&bytes).map(Frame::data)
 }
 
-/// The first chunk(s) of a streaming answer, from the prefill's first token: the token,
-/// and when it ended the answer, the finish, the usage asked for and `[DONE]`.
+/// The first chunk(s) of a streaming answer, from the prefill's first token, as vLLM
+/// 0.33 streams them (`vllm/entrypoints/openai/chat_completion/serving.py` and
+/// `.../completion/serving.py`): for chat, a role-only chunk (`delta` of
+/// `{"role": "assistant", "content": ""}`, with the request's `prompt_token_ids` and
+/// `prompt_text`, null), then the token's content; for completions the token with its
+/// `stop_reason`. Each token chunk has the fields vLLM sets on it, null where vLLM's are
+/// (`token_ids`, `kv_transfer_params`, and on the last one `weight_versions`). When
+/// the token ended the answer: its finish and `stop_reason`, the usage asked for and
+/// `[DONE]`.
 fn lead(plan: &Plan) -> Bytes {
     let Some(first) = &plan.first else {
         return Bytes::new();
     };
-    let mut out = Vec::with_capacity(256);
+    let mut out = Vec::with_capacity(512);
     let shape = Shape::of(plan);
+    if plan.chat {
+        let role = json!({
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": null,
+            "finish_reason": null,
+        });
+        let mut chunk = shape.envelope(vec![role]);
+        chunk.insert("prompt_token_ids".into(), Value::Null);
+        chunk.insert("prompt_text".into(), Value::Null);
+        event(&mut out, &chunk);
+    }
+    let last = first.finish.is_some();
     let mut choice = Map::new();
     choice.insert("index".into(), json!(0));
     if plan.chat {
-        choice.insert(
-            "delta".into(),
-            json!({"role": "assistant", "content": first.text}),
-        );
+        choice.insert("delta".into(), json!({"content": first.text}));
     } else {
         choice.insert("text".into(), json!(first.text));
     }
     choice.insert("logprobs".into(), Value::Null);
     choice.insert("finish_reason".into(), json!(first.finish));
+    // vLLM sets `stop_reason` on every completions chunk, on a chat chunk only with
+    // its finish.
+    if !plan.chat || last {
+        choice.insert("stop_reason".into(), first.stop_reason.clone());
+    }
+    if !plan.chat {
+        choice.insert("prompt_token_ids".into(), Value::Null);
+    }
+    choice.insert("token_ids".into(), Value::Null);
+    if !plan.chat || last {
+        choice.insert("weight_versions".into(), Value::Null);
+    }
     let mut chunk = shape.envelope(vec![Value::Object(choice)]);
+    chunk.insert("kv_transfer_params".into(), Value::Null);
     event(&mut out, &chunk);
-    if first.finish.is_some() {
+    if last {
         if plan.include_usage {
-            chunk.insert("choices".into(), json!([]));
+            let mut chunk = shape.envelope(Vec::new());
             let own = first.usage.clone();
             chunk.insert(
                 "usage".into(),
@@ -839,6 +890,15 @@ impl Shape {
                     if let Value::Object(c) = c {
                         let text = c.remove("text").unwrap_or(Value::Null);
                         c.remove("prompt_logprobs");
+                        // Fields of a completions choice that a chat choice lacks:
+                        // the prompt's ids, and before the finish `stop_reason` and
+                        // `weight_versions` (vLLM sets those on a chat chunk only
+                        // with its finish).
+                        c.remove("prompt_token_ids");
+                        if c.get("finish_reason").is_none_or(Value::is_null) {
+                            c.remove("stop_reason");
+                            c.remove("weight_versions");
+                        }
                         c.insert("delta".into(), json!({ "content": text }));
                         c.insert("logprobs".into(), Value::Null);
                     }
@@ -1051,6 +1111,8 @@ struct PrefillReply {
 struct ChoiceIn {
     text: Option<String>,
     finish_reason: Option<String>,
+    #[serde(default)]
+    stop_reason: Value,
 }
 
 #[derive(Deserialize)]
@@ -1269,6 +1331,7 @@ mod tests {
                 text: " one".into(),
                 finish: None,
                 usage: None,
+                stop_reason: Value::Null,
             }),
             prompt_tokens: 3,
         }

@@ -30,7 +30,7 @@
 //!
 //! An embedder with its own SDK pipeline passes any [`SpanProcessor`] to
 //! [`Tracer::with_processor`], or takes the spans themselves from [`request_span`] and
-//! [`leg_spans`].
+//! [`leg_spans`], placed on the wall clock by one [`SpanClock`].
 //!
 //! # Spans
 //!
@@ -66,7 +66,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
@@ -164,6 +164,21 @@ struct Inner {
     processor: Box<dyn SpanProcessor>,
     scope: InstrumentationScope,
     connector: &'static str,
+    /// The one reading of both clocks every span is placed with (see [`SpanClock`]).
+    clock: Mutex<SpanClock>,
+}
+
+impl Inner {
+    /// The clock to place spans with now: the same reading as before, unless the wall
+    /// clock was stepped since (then a new one).
+    fn clock(&self) -> SpanClock {
+        let now = SpanClock::now();
+        let mut anchor = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        if anchor.stepped(&now) {
+            *anchor = now;
+        }
+        *anchor
+    }
 }
 
 impl fmt::Debug for Tracer {
@@ -212,6 +227,7 @@ impl Tracer {
                 processor: Box::new(processor),
                 scope: scope(),
                 connector: "",
+                clock: Mutex::new(SpanClock::now()),
             }),
         }
     }
@@ -241,7 +257,7 @@ impl Listener for Tracer {
             return;
         };
         let i = &self.inner;
-        for span in leg_spans(report, trace, i.connector, &i.scope) {
+        for span in leg_spans(report, trace, i.connector, &i.scope, &i.clock()) {
             i.processor.on_end(span);
         }
     }
@@ -251,7 +267,8 @@ impl Listener for Tracer {
             return;
         };
         let i = &self.inner;
-        i.processor.on_end(request_span(summary, trace, &i.scope));
+        i.processor
+            .on_end(request_span(summary, trace, &i.scope, &i.clock()));
     }
 }
 
@@ -284,9 +301,10 @@ fn context(trace: &TraceIds, span: [u8; 8]) -> SpanContext {
 
 fn operation(api: Api) -> &'static str {
     match api {
-        // The GenAI semantic conventions' names for the two operations.
+        // The GenAI semantic conventions' names: chat, and a prompt completed as text
+        // (completions, SGLang's `/generate`, and what a later API adds).
         Api::Chat => "chat",
-        Api::Completions => "text_completion",
+        _ => "text_completion",
     }
 }
 
@@ -294,10 +312,16 @@ fn header(v: &http::HeaderValue) -> String {
     String::from_utf8_lossy(v.as_bytes()).into_owned()
 }
 
-/// The server span of the request `summary` tells of, with the ids of `trace`.
-pub fn request_span(summary: &Summary, trace: &TraceIds, scope: &InstrumentationScope) -> SpanData {
+/// The server span of the request `summary` tells of, with the ids of `trace`, placed on
+/// the wall clock by `clock` (the one its [`leg_spans`] are placed by).
+pub fn request_span(
+    summary: &Summary,
+    trace: &TraceIds,
+    scope: &InstrumentationScope,
+    clock: &SpanClock,
+) -> SpanData {
     let s = summary;
-    let start = s.arrival_wall;
+    let start = clock.wall(s.arrival);
     let path = s.api.path();
     let mut attributes = vec![
         KeyValue::new("http.request.method", "POST"),
@@ -343,12 +367,14 @@ pub fn request_span(summary: &Summary, trace: &TraceIds, scope: &Instrumentation
         parent_span_id: trace.parent.map_or(SpanId::INVALID, SpanId::from_bytes),
         parent_span_is_remote: trace.parent.is_some(),
         span_kind: SpanKind::Server,
-        name: Cow::Borrowed(match s.api {
-            Api::Chat => "POST /v1/chat/completions",
-            Api::Completions => "POST /v1/completions",
-        }),
+        name: match s.api {
+            Api::Chat => Cow::Borrowed("POST /v1/chat/completions"),
+            Api::Completions => Cow::Borrowed("POST /v1/completions"),
+            Api::Generate => Cow::Borrowed("POST /generate"),
+            other => Cow::Owned(format!("POST {}", other.path())),
+        },
         start_time: start,
-        end_time: start + s.duration(),
+        end_time: clock.wall(s.end.max(s.arrival)),
         attributes,
         dropped_attributes_count: 0,
         events,
@@ -362,21 +388,47 @@ pub fn request_span(summary: &Summary, trace: &TraceIds, scope: &Instrumentation
     }
 }
 
-/// Instants of one attempt on the wall clock, from one reading of both clocks.
-struct Clock {
+/// Places [`Instant`]s on the wall clock from one reading of both clocks.
+///
+/// The spans of a request must be placed by the same reading: two readings differ by
+/// the time between reading the monotonic and the wall clock (nanoseconds to
+/// microseconds under load), which puts a decode span that ends with its response
+/// past its parent's end. One reading kept for many requests stays right because NTP
+/// slews Linux's monotonic clock with the wall clock; only a step of the wall clock
+/// moves them apart, and [`Tracer`] takes a new reading when it sees one.
+#[derive(Debug, Clone, Copy)]
+pub struct SpanClock {
     mono: Instant,
     wall: SystemTime,
 }
 
-impl Clock {
-    fn now() -> Self {
-        Clock {
+impl SpanClock {
+    /// A step of the wall clock against the monotonic one larger than this makes a new
+    /// reading: far above the jitter between two readings (microseconds), far below
+    /// what a stepped clock moves (ntpd steps only past 128 ms).
+    const STEP: Duration = Duration::from_millis(1);
+
+    /// Both clocks read now.
+    pub fn now() -> Self {
+        SpanClock {
             mono: Instant::now(),
             wall: SystemTime::now(),
         }
     }
 
-    fn wall(&self, t: Instant) -> SystemTime {
+    /// Whether the wall clock moved against the monotonic one between this reading and
+    /// `later` by more than [`STEP`](Self::STEP).
+    fn stepped(&self, later: &SpanClock) -> bool {
+        let expected = self.wall(later.mono);
+        let skew = match later.wall.duration_since(expected) {
+            Ok(d) => d,
+            Err(e) => e.duration(),
+        };
+        skew > Self::STEP
+    }
+
+    /// `t` on the wall clock.
+    pub fn wall(&self, t: Instant) -> SystemTime {
         match self.mono.checked_duration_since(t) {
             Some(ago) => self.wall - ago,
             None => self.wall + t.saturating_duration_since(self.mono),
@@ -417,16 +469,17 @@ fn leg_status(v: Verdict) -> Status {
 
 /// The leg spans of the attempt `report` tells of (prefill, handoff, decode: those
 /// that happened), children of the request span of `trace`; handoff spans name
-/// `connector`.
+/// `connector`. Placed on the wall clock by `clock`, the one the request span is
+/// placed by.
 pub fn leg_spans(
     report: &Report,
     trace: &TraceIds,
     connector: &'static str,
     scope: &InstrumentationScope,
+    clock: &SpanClock,
 ) -> Vec<SpanData> {
     let tl = &report.timeline;
-    let clock = Clock::now();
-    let end = tl.end.unwrap_or(clock.mono);
+    let end = tl.end.unwrap_or_else(Instant::now);
     let parent = SpanId::from_bytes(trace.request);
     let span = |id: [u8; 8],
                 name: &'static str,
@@ -503,4 +556,27 @@ pub fn leg_spans(
         ));
     }
     spans
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_span_clock_keeps_its_reading_unless_the_wall_clock_was_stepped() {
+        let first = SpanClock::now();
+        let later = SpanClock::now();
+        assert!(!first.stepped(&later), "two readings in a row: no step");
+        for moved in [Duration::from_secs(1), Duration::from_millis(2)] {
+            let ahead = SpanClock {
+                mono: later.mono,
+                wall: later.wall + moved,
+            };
+            let behind = SpanClock {
+                mono: later.mono,
+                wall: later.wall - moved,
+            };
+            assert!(first.stepped(&ahead) && first.stepped(&behind), "{moved:?}");
+        }
+    }
 }

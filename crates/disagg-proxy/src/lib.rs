@@ -2,6 +2,8 @@
 //! that other binaries (the benchmark) run exactly the proxy users run.
 
 pub mod discover;
+pub mod edge;
+pub mod kv_events;
 pub mod observe;
 pub mod serve;
 

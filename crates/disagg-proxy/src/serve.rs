@@ -61,8 +61,19 @@ pub struct ServeArgs {
     /// Disaggregate only requests whose prompt is estimated at N tokens or more (one
     /// token per 4 bytes of prompt JSON; token-id prompts counted exactly); shorter ones
     /// go to a decode engine alone and their answer carries `x-disagg-handoff: direct`.
+    /// With `--decode-policy kv_events`, only the tokens the best decode engine does not
+    /// already cache count (a follow-up turn whose prefix sits on a decode engine is
+    /// served there alone).
     #[arg(long, value_name = "N")]
     min_prefill_tokens: Option<usize>,
+    /// Open the engines' admin routes (LoRA load and unload, cache resets, sleep and
+    /// wake, profiling, weight updates; the list in docs/routes.md), closed by default
+    /// (403 `admin_route_closed`). Opened, each goes to every prefill and decode engine
+    /// of the body's `model` (every engine when it names none), and the answer lists
+    /// each engine's result: a pair whose sides disagree about a LoRA adapter cannot
+    /// hand KV over.
+    #[arg(long)]
+    admin_routes: bool,
     /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
     /// answer carries the handoff), SGLang bootstrap or vLLM Mooncake (concurrent: both
     /// legs at once, meeting through the prefill's bootstrap server).
@@ -92,6 +103,9 @@ pub struct ServeArgs {
     /// Endpoints discovered in Kubernetes, DNS or a file, besides --prefill/--decode.
     #[command(flatten)]
     discovery: crate::discover::DiscoveryArgs,
+    /// The `kv_events` policy: the engines' KV-event publishers, and the tokenizer.
+    #[command(flatten)]
+    kv_events: crate::kv_events::KvEventsArgs,
     /// Metrics, traces and the access log.
     #[command(flatten)]
     observe: crate::observe::ObserveArgs,
@@ -150,9 +164,13 @@ pub struct ServeArgs {
     /// refused before any engine is contacted, for the same reason.
     #[arg(long, value_name = "N", default_value_t = 4)]
     max_stop_strings: usize,
-    /// Forward the client's `Authorization` header to the engines.
+    /// Forward the client's `Authorization` header to the engines (not with client keys:
+    /// the proxy's keys are never passed on; an --engine-api-key replaces it).
     #[arg(long)]
     forward_authorization: bool,
+    /// API keys, limits per key, TLS in and out (docs/security.md).
+    #[command(flatten)]
+    edge: crate::edge::EdgeArgs,
     /// Seconds that requests in flight at SIGTERM or Ctrl-C (streams included) may run
     /// on. The listening socket closes at once and idle connections are closed; past
     /// this deadline the connections still open are cut and the process exits (status 0).
@@ -392,11 +410,19 @@ enum Policy {
     /// The engine that most recently received the longest prefix of this prompt, unless
     /// the engines' loads are out of balance (then the least loaded).
     CacheAware,
+    /// The engine whose cache, by its own KV events, holds the longest prefix of this
+    /// prompt, traded against its load (needs --tokenizer or --tokenize, and
+    /// --kv-events-port, --kv-events-endpoint or discovered endpoints).
+    KvEvents,
 }
 
 impl Policy {
-    fn pick(self, weights: &[(String, f64)]) -> Box<dyn Pick> {
-        match self {
+    fn pick(
+        self,
+        weights: &[(String, f64)],
+        kv: Option<&crate::kv_events::KvEvents>,
+    ) -> Result<Box<dyn Pick>, BoxError> {
+        Ok(match self {
             Policy::WeightedRandom => Box::new(
                 weights
                     .iter()
@@ -410,7 +436,11 @@ impl Policy {
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
             Policy::ConsistentHash => Box::new(ConsistentHash::default()),
             Policy::CacheAware => Box::new(CacheAware::default()),
-        }
+            Policy::KvEvents => Box::new(disagg_kvevents::KvEventsPick::new(Arc::clone(
+                &kv.ok_or("kv_events: the policy's scorer was not built")?
+                    .scorer,
+            ))),
+        })
     }
 }
 
@@ -615,10 +645,15 @@ struct Shared {
     orchestrator: Orchestrator,
     transport: HttpTransportConfig,
     service: PdServiceConfig,
+    /// Keys, limits and TLS at the edge.
+    edge: crate::edge::Edge,
     /// Set when active health checks run.
     health: Option<Arc<Health>>,
     /// The discovery sources' thread, when discovery runs (it ends at shutdown).
     discovery: Option<std::thread::JoinHandle<()>>,
+    /// The KV-event subscriber's thread, with the `kv_events` policy (it ends at
+    /// shutdown).
+    kv_events: Option<std::thread::JoinHandle<()>>,
     /// The access log and traces to flush at shutdown.
     finish: crate::observe::Finish,
 }
@@ -718,28 +753,59 @@ impl Shared {
         limits.max_stop_strings = args.max_stop_strings;
         let connector = args.connector.connector(notifications, limits)?;
         let (health_config, active_checks) = args.reliability.health()?;
+        if args.forward_authorization && args.edge.client_keys() {
+            return Err("--forward-authorization cannot be used with client keys (--api-key, --api-key-file): the clients' keys are the proxy's and never go to engines; give the engines theirs with --engine-api-key".into());
+        }
+        let edge = args.edge.build(
+            args.engine_urls().collect::<Vec<_>>().into_iter(),
+            args.discovery.any(),
+        )?;
         let mut extra_metrics = Vec::new();
-        let (source, health, discovery): (Arc<dyn EndpointSource>, _, _) = if args.discovery.any() {
+        let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
+        let decode_policy = args.decode_policy.unwrap_or(args.policy);
+        let kv_events = [prefill_policy, decode_policy]
+            .iter()
+            .any(|p| matches!(p, Policy::KvEvents))
+            .then(|| crate::kv_events::KvEvents::new(&args.kv_events))
+            .transpose()?;
+        if kv_events.is_none()
+            && let Some(flag) = args.kv_events.needs_the_policy()
+        {
+            return Err(format!(
+                "{flag} is read only by the kv_events policy: add --prefill-policy kv_events or --decode-policy kv_events"
+            )
+            .into());
+        }
+        // The set the KV-event subscriber follows: every engine found, before health
+        // takes any out (an ejected engine keeps its cache, and its entries).
+        let (source, health, discovery, follow): (
+            Arc<dyn EndpointSource>,
+            _,
+            _,
+            Arc<dyn EndpointSource>,
+        ) = if args.discovery.any() {
             let d = crate::discover::start(
                 &args.discovery,
                 endpoints,
                 Arc::clone(&connector),
                 health_config,
-                shutdown,
+                shutdown.clone(),
             )?;
             let merged = Arc::clone(&d.merged);
             extra_metrics.push(ExtraMetrics::new(move |registry| {
                 merged.register_metrics(registry)
             }));
-            (Arc::new(d.source), d.health, Some(d.thread))
+            (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
             check_pairs(&source.snapshot(), &*connector)?;
             let health = Arc::clone(source.health());
-            (Arc::new(source), health, None)
+            let all = Arc::new(crate::kv_events::Fixed::new(source.snapshot()));
+            (Arc::new(source), health, None, all)
         };
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        edge.apply(&mut transport);
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
@@ -754,20 +820,36 @@ impl Shared {
             MissingKvArg::Fail => MissingKv::Fail,
         };
         let router: Arc<dyn Router> = Arc::new(PerLeg::new(
-            args.prefill_policy
-                .unwrap_or(args.policy)
-                .pick(&args.weights),
-            args.decode_policy
-                .unwrap_or(args.policy)
-                .pick(&args.weights),
+            prefill_policy.pick(&args.weights, kv_events.as_ref())?,
+            decode_policy.pick(&args.weights, kv_events.as_ref())?,
         ));
-        let disaggregate: Arc<dyn Disaggregate> = match args.min_prefill_tokens {
-            Some(n) => Arc::new(PromptThreshold::new(n)),
-            None => Arc::new(Always),
+        let disaggregate: Arc<dyn Disaggregate> = match (args.min_prefill_tokens, &kv_events) {
+            // The decode leg is picked by what the decode engines hold: only the
+            // prompt the best of them lacks is worth a prefill leg.
+            (Some(n), Some(kv)) if matches!(decode_policy, Policy::KvEvents) => {
+                Arc::new(disagg_kvevents::CachedPrefixThreshold::new(
+                    Arc::clone(&kv.scorer),
+                    Arc::clone(&source),
+                    n,
+                    Arc::new(PromptThreshold::new(n)),
+                ))
+            }
+            (Some(n), _) => Arc::new(PromptThreshold::new(n)),
+            (None, _) => Arc::new(Always),
+        };
+        let tokenizer = match &kv_events {
+            None => None,
+            Some(_) => Some(
+                args.kv_events
+                    .tokenizer(Arc::clone(&source), transport.clone())?
+                    .ok_or("the kv_events policy needs token ids: give --tokenizer PATH or --tokenize engine")?,
+            ),
         };
         let mut service = PdServiceConfig::default();
         service.max_body_bytes = args.max_body_bytes;
+        service.routes = disagg_http::RouteTable::default().admin_routes(args.admin_routes);
         service.extra_metrics.extend(lmcache_metrics);
+        service.extra_metrics.extend(edge.metrics());
         service.extra_metrics.extend(extra_metrics);
         let health_metrics = Arc::clone(&health);
         service
@@ -783,6 +865,9 @@ impl Shared {
             .connector(connector)
             .disaggregate(disaggregate)
             .config(config);
+        if let Some(t) = tokenizer {
+            builder = builder.tokenizer(t);
+        }
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
@@ -793,12 +878,21 @@ impl Shared {
             builder = builder.retry(Backoff::new(resilience.retry));
         }
         let orchestrator = observe.attach(builder).build();
+        let kv_thread = match &kv_events {
+            None => None,
+            Some(kv) => {
+                service.extra_metrics.push(kv.metrics());
+                Some(kv.start(follow, shutdown)?)
+            }
+        };
         Ok(Shared {
             orchestrator,
             transport,
             service,
+            edge,
             health: active_checks.then_some(health),
             discovery,
+            kv_events: kv_thread,
             finish: observe.into_finish(),
         })
     }
@@ -835,6 +929,7 @@ pub fn run(
     };
     let mut shared = Shared::from_args(args, notifications, shutdown.clone())?;
     let discovery = shared.discovery.take();
+    let kv_events = shared.kv_events.take();
     let finish = std::mem::take(&mut shared.finish);
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
@@ -857,20 +952,47 @@ pub fn run(
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
     let mut serve_config = disagg_http::server::ServeConfig::default();
     serve_config.drain_timeout = secs(args.drain_timeout, "drain-timeout")?;
-    disagg_http::server::serve_threads_with(
-        args.listen,
-        threads,
-        move || shared.service(),
-        shutdown,
-        on_bound,
-        &serve_config,
-    )
-    .map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    serve_config.tls = shared.edge.server_tls.clone();
+    // The key file and certificates, re-read on a small thread of their own.
+    let reloader = match shared.edge.reloads() {
+        None => None,
+        Some(reloads) => Some(crate::edge::spawn_until(
+            "disagg-reload",
+            reloads,
+            shutdown.clone(),
+        )?),
+    };
+    let served = match shared.edge.layer.clone() {
+        // Without keys the service is served bare: no layer, no cost.
+        None => disagg_http::server::serve_threads_with(
+            args.listen,
+            threads,
+            move || shared.service(),
+            shutdown,
+            on_bound,
+            &serve_config,
+        ),
+        Some(layer) => disagg_http::server::serve_threads_with(
+            args.listen,
+            threads,
+            move || tower::Layer::layer(&layer, shared.service()),
+            shutdown,
+            on_bound,
+            &serve_config,
+        ),
+    };
+    served.map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    if let Some(reloader) = reloader {
+        let _ = reloader.join();
+    }
     if let Some(checker) = checker {
         let _ = checker.join();
     }
     if let Some(discovery) = discovery {
         let _ = discovery.join();
+    }
+    if let Some(kv_events) = kv_events {
+        let _ = kv_events.join();
     }
     if let Some(listener) = listener {
         let _ = listener.join();
@@ -1022,6 +1144,64 @@ mod tests {
         );
         assert!(
             err.contains("NixlConnector") && err.contains("sglang"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kv_events_without_a_tokenizer_stops_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--prefill-policy",
+            "kv_events",
+            "--kv-events-port",
+            "5557",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("--tokenizer") && err.contains("--tokenize engine"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn kv_events_flags_without_the_policy_stop_the_proxy() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--kv-events-port",
+            "5557",
+        ])
+        .unwrap();
+        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("--kv-events-port") && err.contains("kv_events"),
             "{err}"
         );
     }

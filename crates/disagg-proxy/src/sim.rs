@@ -4,7 +4,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use disagg_sim::{Faults, KvMode, LmcacheReceiver, SimConfig, SimEngine, SimRole};
+use disagg_sim::{Faults, KvMode, LmcacheReceiver, SimConfig, SimEngine, SimRole, SimTls};
 use tokio::net::TcpListener;
 
 use crate::BoxError;
@@ -103,6 +103,10 @@ pub(crate) struct SimArgs {
     /// Fault: answer every completion request with this HTTP status and a vLLM-style error.
     #[arg(long, value_name = "STATUS")]
     fail_status: Option<u16>,
+    /// Fault: answer the admin routes (LoRA load/unload, prefix-cache reset) with this
+    /// HTTP status and a vLLM-style error, changing nothing.
+    #[arg(long, value_name = "STATUS")]
+    fail_admin_status: Option<u16>,
     /// Fault: accept completion requests and never answer them.
     #[arg(long)]
     hang: bool,
@@ -150,6 +154,39 @@ pub(crate) struct SimArgs {
     /// Seed of the generator that decides which notifications --notify-loss loses.
     #[arg(long, value_name = "N", default_value_t = 0)]
     notify_seed: u64,
+    /// vLLM's --api-key: requests to /v1/... without `Authorization: Bearer KEY` are
+    /// answered 401 `{"error": "Unauthorized"}` (other paths stay open, as in vLLM).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// Serve HTTPS with this certificate chain (PEM), as vLLM's --ssl-certfile.
+    #[arg(long, value_name = "PATH", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --tls-cert (PEM), as vLLM's --ssl-keyfile.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Require client certificates signed by the CAs of this PEM file (mutual TLS), as
+    /// vLLM's --ssl-ca-certs with --ssl-cert-reqs 2.
+    #[arg(long, value_name = "PATH", requires = "tls_cert")]
+    tls_client_ca: Option<std::path::PathBuf>,
+}
+
+/// The HTTPS settings the flags describe.
+fn tls(args: &SimArgs) -> Result<Option<SimTls>, BoxError> {
+    let read = |flag: &str, path: &std::path::Path| {
+        std::fs::read_to_string(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+    };
+    let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
+        return Ok(None);
+    };
+    Ok(Some(SimTls {
+        cert_pem: read("--tls-cert", cert)?,
+        key_pem: read("--tls-key", key)?,
+        client_ca_pem: args
+            .tls_client_ca
+            .as_deref()
+            .map(|p| read("--tls-client-ca", p))
+            .transpose()?,
+    }))
 }
 
 /// Milliseconds from a flag, as a duration.
@@ -201,6 +238,8 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             alloc_ports: args.lmcache_alloc_ports.clone(),
         },
         notify_seed: args.notify_seed,
+        api_key: args.api_key.clone(),
+        tls: tls(args)?,
         faults: Faults {
             status: args.fail_status,
             hang: args.hang,
@@ -210,6 +249,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             notify_delay: millis("--notify-delay-ms", args.notify_delay_ms)?,
             notify_loss: args.notify_loss,
             notify_duplicates: args.notify_duplicates,
+            admin_status: args.fail_admin_status,
         },
         ..SimConfig::default()
     })

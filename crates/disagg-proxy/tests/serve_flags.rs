@@ -1,6 +1,6 @@
 //! `disagg-proxy serve`'s policy and reliability flags, each shown to change what the real
 //! binary does: `--missing-kv`, `--deadline`, `--retries`, `--max-in-flight` (with
-//! `--max-queue`), `--kv-release`, `--eject-after` and the active health checks
+//! `--max-queue`), `--kv-release`, `--eject-after`, `--admin-routes` and the active health checks
 //! (`--health-check-interval`, `--health-check-timeout`, `--health-check-path`). The
 //! proxy runs as a child process in front of simulated engines in this process; where a
 //! flag's effect could also come from the defaults, the same scenario runs without the
@@ -549,4 +549,27 @@ impl SlowHealth {
     fn posts(&self) -> usize {
         self.posts.load(std::sync::atomic::Ordering::Relaxed)
     }
+}
+
+// === --admin-routes ===
+
+#[tokio::test]
+async fn admin_routes_are_closed_until_the_flag_opens_them_on_every_engine() {
+    let load = r#"{"lora_name": "sql", "lora_path": "/adapters/sql"}"#;
+    // The control: without the flag, no engine sees the request.
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    post(&proxy.url(), "/v1/load_lora_adapter", load)
+        .await
+        .assert_error(403, "admin_route_closed");
+    assert_eq!((p.stats().admin_requests, d.stats().admin_requests), (0, 0));
+
+    let proxy = Proxy::start(&p, &d, &["--admin-routes"]).await;
+    let a = post(&proxy.url(), "/v1/load_lora_adapter", load).await;
+    assert_eq!(a.status, 200, "{}\n{}", a.text(), proxy.log());
+    assert_eq!(p.lora_adapters(), ["sql"]);
+    assert_eq!(d.lora_adapters(), ["sql"]);
 }

@@ -101,6 +101,9 @@ pub(crate) struct CompletionRequest {
     pub(crate) beam_search: bool,
     /// Whether the request asks for structured output (a grammar to compile).
     pub(crate) grammar: bool,
+    /// SGLang's native `/generate`: how its answer is written (`None` for the
+    /// OpenAI routes, whose `endpoint` says).
+    pub(crate) native: Option<crate::native::Native>,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -157,7 +160,7 @@ fn in_vocab(ids: Vec<u64>) -> Result<Vec<u32>, ApiError> {
         .collect()
 }
 
-fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
+pub(crate) fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<Vec<u32>>, ApiError> {
     let invalid = || {
         ApiError::bad_request(
             "prompt: should be a string, a list of strings, a list of token ids or a list of lists of token ids",
@@ -216,7 +219,7 @@ pub(crate) fn chat_prompt(messages: Option<&Value>) -> Result<String, ApiError> 
 }
 
 /// Checks a request's optional `model` against the served one, like vLLM.
-fn check_model(obj: &Map<String, Value>, config: &SimConfig) -> Result<(), ApiError> {
+pub(crate) fn check_model(obj: &Map<String, Value>, config: &SimConfig) -> Result<(), ApiError> {
     match lax::field(obj, "model") {
         None => Ok(()),
         Some(Value::String(m)) if *m == config.model => Ok(()),
@@ -450,6 +453,7 @@ impl CompletionRequest {
             kv_transfer_params,
             beam_search,
             grammar,
+            native: None,
         })
     }
 

@@ -45,6 +45,9 @@ pub(crate) enum SimBody {
     },
     /// A server-sent-events stream.
     Sse(Box<SseBody>),
+    /// Events rendered up front, sent one per frame (SGLang's `/generate`, the
+    /// Responses API).
+    Events(Box<EventsBody>),
 }
 
 impl SimBody {
@@ -101,6 +104,7 @@ impl Body for SimBody {
                 None => Poll::Pending,
             },
             SimBody::Sse(sse) => sse.poll_event(cx),
+            SimBody::Events(events) => events.poll_event(cx),
         }
     }
 
@@ -109,6 +113,7 @@ impl Body for SimBody {
             SimBody::Full { data, .. } => data.is_none(),
             SimBody::Truncated { .. } | SimBody::Stalled { .. } => false,
             SimBody::Sse(sse) => sse.finished,
+            SimBody::Events(events) => events.events.is_empty(),
         }
     }
 
@@ -257,9 +262,11 @@ impl SseBody {
         match phase {
             Phase::Role(i) => {
                 s.push_str(&self.prefix);
+                // vLLM sets `prompt_token_ids` and `prompt_text` on the first chunk
+                // (null unless asked for) and dumps with `exclude_unset`.
                 let _ = write!(
                     s,
-                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
+                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":null,\"prompt_text\":null}}\n\n"
                 );
                 let next = if i + 1 < self.choices.len() {
                     Some(Phase::Role(i + 1))
@@ -283,7 +290,11 @@ impl SseBody {
                         "{{\"index\":{choice},\"text\":\"{token}\",\"logprobs\":null,"
                     ),
                 };
-                if step + 1 == generation.steps.len() {
+                // The fields vLLM 0.33 sets on each choice (`exclude_unset` keeps them,
+                // null included): `chat_completion/serving.py` and
+                // `completion/serving.py` of `vllm/entrypoints/openai`.
+                let last = step + 1 == generation.steps.len();
+                if last {
                     let _ = write!(
                         s,
                         "\"finish_reason\":\"{}\",\"stop_reason\":",
@@ -298,7 +309,16 @@ impl SseBody {
                 } else {
                     s.push_str("\"finish_reason\":null");
                 }
-                s.push_str("}]}\n\n");
+                match (self.endpoint, last) {
+                    (Endpoint::Chat, false) => s.push_str(",\"token_ids\":null"),
+                    (Endpoint::Chat, true) => {
+                        s.push_str(",\"token_ids\":null,\"weight_versions\":null");
+                    }
+                    _ => s.push_str(
+                        ",\"prompt_token_ids\":null,\"token_ids\":null,\"weight_versions\":null",
+                    ),
+                }
+                s.push_str("}],\"kv_transfer_params\":null}\n\n");
                 let next = self
                     .first_token_pos(step, choice + 1)
                     .or_else(|| self.after_tokens());
@@ -382,6 +402,72 @@ impl SseBody {
             }
             return Poll::Ready(Some(Ok(Frame::data(Bytes::from(event)))));
         }
+    }
+}
+
+/// A stream of events rendered up front, one event per frame, with the engine's
+/// inter-token delay before each event after the first. No task, no channel.
+#[derive(Debug)]
+pub(crate) struct EventsBody {
+    events: std::collections::VecDeque<Bytes>,
+    delay: Duration,
+    sleep: Option<Pin<Box<Sleep>>>,
+    emitted: usize,
+    /// After this many events, send nothing more ([`crate::Faults::stall_after_chunks`]).
+    stall_after: Option<usize>,
+    guard: Option<RequestGuard>,
+}
+
+impl EventsBody {
+    pub(crate) fn new(
+        events: std::collections::VecDeque<Bytes>,
+        delay: Duration,
+        stall_after: Option<usize>,
+        guard: RequestGuard,
+    ) -> Self {
+        EventsBody {
+            events,
+            delay,
+            sleep: None,
+            emitted: 0,
+            stall_after,
+            guard: Some(guard),
+        }
+    }
+
+    fn poll_event(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, FaultAbort>>> {
+        if self.events.is_empty() {
+            if let Some(mut g) = self.guard.take() {
+                g.complete();
+            }
+            return Poll::Ready(None);
+        }
+        if self.stall_after.is_some_and(|n| self.emitted >= n) {
+            // Never woken: hyper drops the body, and its guard, when the client leaves.
+            return Poll::Pending;
+        }
+        if self.emitted > 0 && !self.delay.is_zero() {
+            let sleep = self
+                .sleep
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(self.delay)));
+            if sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.sleep = None;
+        }
+        let Some(event) = self.events.pop_front() else {
+            return Poll::Ready(None);
+        };
+        self.emitted += 1;
+        if self.events.is_empty()
+            && let Some(mut g) = self.guard.take()
+        {
+            g.complete();
+        }
+        Poll::Ready(Some(Ok(Frame::data(event))))
     }
 }
 

@@ -1,5 +1,6 @@
 //! Engine configuration and fault injection knobs.
 
+use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -135,6 +136,41 @@ pub struct SimConfig {
     /// prefills, so a busy engine's time to first token includes the prefills queued
     /// ahead; with this, a prefill waits for the ones before it.
     pub serial_prefill: bool,
+    /// vLLM's `--api-key` (default `None`): a request whose path starts with `/v1`
+    /// must carry `Authorization: Bearer KEY` (scheme in any case, one space, the key
+    /// exactly), else it is answered 401 `{"error": "Unauthorized"}`; other paths
+    /// (`/health`, `/tokenize`, the bootstrap servers) stay open, as in vLLM
+    /// (`vllm-project/vllm vllm/entrypoints/openai/server_utils.py`,
+    /// `AuthenticationMiddleware`). Requests without the key are counted in
+    /// [`Stats::requests_without_key`](crate::Stats::requests_without_key) whatever
+    /// their path, so a test can tell whether a client sent it.
+    pub api_key: Option<String>,
+    /// Serve the OpenAI HTTP server over TLS, as vLLM's `--ssl-certfile`,
+    /// `--ssl-keyfile` and `--ssl-ca-certs` with `--ssl-cert-reqs 2` do (default
+    /// `None`: plain HTTP). Needs the crate's `tls` feature. The side channel and the
+    /// bootstrap servers stay plain, as they are in the engines.
+    pub tls: Option<SimTls>,
+}
+
+/// The certificate an engine serves HTTPS with ([`SimConfig::tls`]), as PEM.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SimTls {
+    /// The certificate chain, end-entity first.
+    pub cert_pem: String,
+    /// Its private key.
+    pub key_pem: String,
+    /// When set, a client must present a certificate signed by one of these CAs
+    /// (mutual TLS), else the handshake fails.
+    pub client_ca_pem: Option<String>,
+}
+
+impl fmt::Debug for SimTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the private key.
+        f.debug_struct("SimTls")
+            .field("client_ca", &self.client_ca_pem.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The receiver ports of an LMCache decode ([`KvMode::Lmcache`] with
@@ -202,6 +238,8 @@ impl Default for SimConfig {
             prefix_cache_blocks: 0,
             kv_events: None,
             serial_prefill: false,
+            api_key: None,
+            tls: None,
         }
     }
 }
@@ -341,4 +379,8 @@ pub struct Faults {
     /// LMCache prefill: extra copies of each notification, sent after all
     /// the originals of the request.
     pub notify_duplicates: u32,
+    /// Answer every admin request (`/v1/load_lora_adapter`,
+    /// `/v1/unload_lora_adapter`, `/reset_prefix_cache`) with this HTTP status and a
+    /// vLLM error body, changing nothing: an engine that fails its part of a fan-out.
+    pub admin_status: Option<u16>,
 }

@@ -14,6 +14,11 @@ const VOCAB: [&str; 64] = [
     " then", " do", " first", " any", " my", " now", " such", " like",
 ];
 
+/// The words of the vocabulary, without their leading space.
+pub(crate) fn vocab_words() -> impl Iterator<Item = &'static str> {
+    VOCAB.iter().map(|w| w.trim_start())
+}
+
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 

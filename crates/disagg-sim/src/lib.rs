@@ -4,9 +4,11 @@
 //! benchmarks.
 //!
 //! A [`SimEngine`] serves `POST /v1/chat/completions` and
-//! `POST /v1/completions` (streamed or not), `POST /tokenize`,
-//! `GET /health`, `GET /v1/models` and `GET /stats` over real HTTP/1.1 on a
-//! loopback port. Its "model" is a deterministic function of the prompt (see
+//! `POST /v1/completions` (streamed or not, chunk for chunk as vLLM 0.33
+//! streams them: a role-only first chat chunk, then content chunks, with
+//! every field vLLM sets), `POST /tokenize`, `GET /health`, `GET /v1/models`
+//! and `GET /stats` over real HTTP/1.1 on a loopback port, and the rest of
+//! the surface a proxy passes through (see [Other routes](#other-routes)). Its "model" is a deterministic function of the prompt (see
 //! [`generate`]), so a prompt gets the same answer whether it is served in
 //! one piece or disaggregated.
 //!
@@ -30,6 +32,44 @@
 //! newline (roles are not rendered and there is no assistant header, so
 //! `add_generation_prompt` adds nothing). Bad input is a vLLM-style 400, an
 //! unknown model a 404.
+//!
+//! # Other routes
+//!
+//! As vLLM 0.33 answers them, in every mode and whatever the [`Faults`]
+//! (except where said):
+//!
+//! * `GET /v1/models`: the model card with every field vLLM writes (`id`,
+//!   `object`, `created`, `owned_by`, `root`, `parent`, `max_model_len`,
+//!   `permission`), then one card per loaded LoRA adapter (`root` its path,
+//!   `parent` the base model). vLLM has no `GET /v1/models/{id}`: 404.
+//! * `POST /detokenize` `{"tokens": [ids]}`: `{"prompt": text}`, the words
+//!   joined by spaces. A token id is a hash of its word, so the engine gives
+//!   back the words it knows: its generation vocabulary and the words it
+//!   tokenized (`POST /tokenize`) since it started, at most 65,536 of them;
+//!   another id comes back as `<|ID|>`. An id outside the vocabulary is a 400.
+//! * `GET /version`: `{"version": "0.33.0"}`, the vLLM release followed.
+//! * `POST /v1/embeddings`: one deterministic unit vector of 8 dimensions per
+//!   input (a string, a list of strings, token ids or lists of them), as
+//!   floats or `"encoding_format": "base64"`, in vLLM's `EmbeddingResponse`.
+//! * `POST /v1/responses`: the Responses API over the same generation as a
+//!   completion of the `instructions` and `input` text; streamed, the event
+//!   sequence vLLM emits for a text answer (`response.created`,
+//!   `response.in_progress`, `response.output_item.added`,
+//!   `response.content_part.added`, one `response.output_text.delta` per token,
+//!   `response.output_text.done`, `response.content_part.done`,
+//!   `response.output_item.done`, `response.completed` or
+//!   `response.incomplete`), each as `event: TYPE` and `data: {...}` with its
+//!   `sequence_number`. [`Faults::stall_after_chunks`] stalls the stream.
+//! * Admin routes: `POST /v1/load_lora_adapter` (`lora_name`, `lora_path`,
+//!   `load_inplace`; vLLM's checks and answers) and
+//!   `POST /v1/unload_lora_adapter` keep the engine's adapters
+//!   ([`SimEngine::lora_adapters`]); `POST /reset_prefix_cache` empties the
+//!   prefix cache. [`Faults::admin_status`] makes them fail, changing nothing.
+//! * SGLang engines ([`KvMode::Sglang`], both roles): `POST /generate`,
+//!   SGLang's native API, with the same bootstrap fields, rooms, ranks and
+//!   checks as the completion routes (a `text` list or an `input_ids` list of
+//!   lists is a batch, one room per element); see the `native` module's
+//!   facts in the source. A vLLM engine answers 404.
 //!
 //! # Request validation
 //!
@@ -578,13 +618,17 @@ mod kv_events;
 mod lax;
 mod lmcache;
 mod mooncake;
+mod native;
 mod prefix_cache;
 mod rendezvous;
 mod server;
 mod sglang;
 mod stats;
+mod surface;
+#[cfg(feature = "tls")]
+mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole};
+pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole, SimTls};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

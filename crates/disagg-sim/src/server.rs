@@ -24,7 +24,7 @@ use tokio::time::{Instant, timeout_at};
 use crate::api::{
     Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, KvParamsOut, truthy,
 };
-use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
+use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
 use crate::generate::{
@@ -36,7 +36,7 @@ use crate::lmcache::{self, DisaggSpec, LossRng, Notifier, TakeError};
 use crate::prefix_cache::PrefixCache;
 use crate::rendezvous::WithdrawOnDrop;
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
-use crate::{mooncake, sglang};
+use crate::{mooncake, sglang, surface};
 
 /// The error type of bodies the engine reads or writes through [`SimService`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -79,7 +79,12 @@ struct Inner {
     /// One engine id per data-parallel rank, rank 0's being `engine_id`.
     engine_ids: Vec<String>,
     model_json: String,
-    models_body: Bytes,
+    /// When the engine started: the `created` of its model cards.
+    created: u64,
+    /// The words behind the token ids it tokenized (`/detokenize`).
+    vocab: surface::Vocab,
+    /// The LoRA adapters loaded (`/v1/load_lora_adapter`).
+    loras: surface::Loras,
     side_channel_port: u16,
     faults: Mutex<Faults>,
     counters: Arc<Counters>,
@@ -108,6 +113,17 @@ struct Inner {
     publishers: Option<Publishers>,
     /// With [`SimConfig::serial_prefill`]: one prefill at a time per rank.
     prefill_slots: Vec<tokio::sync::Mutex<()>>,
+}
+
+impl Inner {
+    /// Empties the prefix cache of every rank (its KV events say so).
+    fn reset_prefix_cache(&self) {
+        if let Some(cache) = &self.prefix {
+            for (rank, events) in cache.clear(&self.counters) {
+                publish(self, rank, events);
+            }
+        }
+    }
 }
 
 /// An LMCache prefill's ZMQ socket to the proxy and the generator deciding
@@ -237,19 +253,6 @@ impl SimEngine {
         .map_err(std::io::Error::other)?;
         let mut model_json = String::new();
         push_json_str(&mut model_json, &config.model);
-        let models = json!({
-            "object": "list",
-            "data": [{
-                "id": config.model,
-                "object": "model",
-                "created": unix_now(),
-                "owned_by": "vllm",
-                "root": config.model,
-                "parent": null,
-                "max_model_len": config.max_model_len,
-            }],
-        });
-        let models_body = Bytes::from(serde_json::to_vec(&models).map_err(std::io::Error::other)?);
         // LMCache decode: the receiver ports of every rank.
         let mut receivers = Vec::new();
         if config.kv_mode == KvMode::Lmcache(SimRole::Decode) {
@@ -327,7 +330,9 @@ impl SimEngine {
             engine_id,
             engine_ids,
             model_json,
-            models_body,
+            created: unix_now(),
+            vocab: surface::Vocab::new(),
+            loras: surface::Loras::default(),
             side_channel_port: side_channel_addr.port(),
             faults: Mutex::new(faults),
             counters,
@@ -347,9 +352,14 @@ impl SimEngine {
             publishers,
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
         });
+        let tls = match &inner.config.tls {
+            None => None,
+            Some(t) => Some(tls_acceptor(t)?),
+        };
         tasks.push(tokio::spawn(accept_http(
             inner.clone(),
             http,
+            tls,
             stop_rx.clone(),
         )));
         tasks.push(tokio::spawn(accept_side_channel(
@@ -439,9 +449,15 @@ impl SimEngine {
         self.addr
     }
 
-    /// The HTTP base URL, e.g. `http://127.0.0.1:41234`.
+    /// The HTTP base URL, e.g. `http://127.0.0.1:41234` (`https://` with
+    /// [`SimConfig::tls`]).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.inner.config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// The side channel address (its port is the advertised `remote_port`).
@@ -510,11 +526,13 @@ impl SimEngine {
     /// Empties every rank's prefix cache, publishing `AllBlocksCleared`, as vLLM's
     /// `reset_prefix_cache` does.
     pub fn reset_prefix_cache(&self) {
-        if let Some(cache) = &self.inner.prefix {
-            for (rank, events) in cache.clear(&self.inner.counters) {
-                publish(&self.inner, rank, events);
-            }
-        }
+        self.inner.reset_prefix_cache();
+    }
+
+    /// The LoRA adapters loaded now (`POST /v1/load_lora_adapter`), by name, in load
+    /// order.
+    pub fn lora_adapters(&self) -> Vec<String> {
+        self.inner.loras.names()
     }
 
     /// Makes rank `rank`'s next `batches` KV-event batches be numbered and kept for
@@ -639,14 +657,39 @@ where
     }
 }
 
-async fn accept_http(inner: Arc<Inner>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+/// The TLS acceptor of [`SimConfig::tls`].
+#[cfg(feature = "tls")]
+type TlsAcceptor = tokio_rustls::TlsAcceptor;
+/// Without the `tls` feature no acceptor can exist.
+#[cfg(not(feature = "tls"))]
+type TlsAcceptor = std::convert::Infallible;
+
+#[cfg(feature = "tls")]
+fn tls_acceptor(tls: &crate::config::SimTls) -> std::io::Result<TlsAcceptor> {
+    crate::tls::acceptor(tls)
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_acceptor(_tls: &crate::config::SimTls) -> std::io::Result<TlsAcceptor> {
+    Err(std::io::Error::new(
+        std::io::ErrorKind::Unsupported,
+        "SimConfig::tls needs disagg-sim's `tls` feature",
+    ))
+}
+
+async fn accept_http(
+    inner: Arc<Inner>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    connections.spawn(serve_http(inner.clone(), stream));
+                    connections.spawn(serve_http(inner.clone(), stream, tls.clone()));
                 }
                 Err(e) => accept_error(&e).await,
             },
@@ -740,18 +783,47 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
     }
 }
 
-async fn serve_http(inner: Arc<Inner>, stream: TcpStream) {
+/// How long a client may take over its TLS handshake.
+#[cfg(feature = "tls")]
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn serve_http(inner: Arc<Inner>, stream: TcpStream, tls: Option<TlsAcceptor>) {
     let _connection = ConnectionGuard::new(inner.counters.clone());
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(error = %e, "cannot set TCP_NODELAY");
     }
+    match tls {
+        None => serve_io(inner, TokioIo::new(stream)).await,
+        #[cfg(feature = "tls")]
+        Some(acceptor) => {
+            match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => serve_io(inner, TokioIo::new(tls)).await,
+                Ok(Err(e)) => {
+                    bump(&inner.counters.tls_handshake_failures);
+                    tracing::debug!(error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    bump(&inner.counters.tls_handshake_failures);
+                    tracing::debug!("TLS handshake timed out");
+                }
+            }
+        }
+        #[cfg(not(feature = "tls"))]
+        Some(never) => match never {},
+    }
+}
+
+async fn serve_io<I>(inner: Arc<Inner>, io: I)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
     let service = service_fn(move |req| {
         let inner = inner.clone();
         async move { Ok::<_, Infallible>(route(&inner, req).await) }
     });
     if let Err(e) = http1::Builder::new()
         .keep_alive(true)
-        .serve_connection(TokioIo::new(stream), service)
+        .serve_connection(io, service)
         .await
     {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
@@ -773,32 +845,224 @@ fn error_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBod
     json_response(error.status, SimBody::full(error.body()), request_id)
 }
 
+/// Whether `headers` carry `key` as vLLM's `AuthenticationMiddleware` reads it: the
+/// value split at its first space, the scheme `bearer` in any case, the rest exactly
+/// the key.
+fn has_key(headers: &HeaderMap, key: &str) -> bool {
+    let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+        return false;
+    };
+    let Some((scheme, token)) = value.as_bytes().split_at_checked(6) else {
+        return false;
+    };
+    scheme.eq_ignore_ascii_case(b"bearer")
+        && token.first() == Some(&b' ')
+        && &token[1..] == key.as_bytes()
+}
+
 async fn route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let endpoint = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/health") => return Response::new(SimBody::empty()),
-        (&Method::GET, "/v1/models") => {
+    if let Some(key) = &inner.config.api_key
+        && req.uri().path() != "/stats"
+        && !has_key(req.headers(), key)
+    {
+        bump(&inner.counters.requests_without_key);
+        // vLLM guards the OpenAI routes only (`/v1...`), answering its own error shape.
+        if req.uri().path().starts_with("/v1") {
+            bump(&inner.counters.unauthorized);
             return json_response(
-                StatusCode::OK,
-                SimBody::full(inner.models_body.clone()),
+                StatusCode::UNAUTHORIZED,
+                SimBody::full(Bytes::from_static(br#"{"error":"Unauthorized"}"#)),
                 None,
             );
+        }
+    }
+    let sglang = matches!(inner.config.kv_mode, KvMode::Sglang(_));
+    let route = match (req.method(), req.uri().path()) {
+        (&Method::GET, "/health") => return Response::new(SimBody::empty()),
+        (&Method::GET, "/v1/models") => {
+            let models = surface::models(&inner.config, &inner.loras, inner.created);
+            let body = serde_json::to_vec(&models).unwrap_or_default();
+            return json_response(StatusCode::OK, SimBody::full(body), None);
         }
         (&Method::GET, "/stats") => {
             let body = serde_json::to_vec(&inner.counters.snapshot()).unwrap_or_default();
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
+        (&Method::GET, "/version") => {
+            let body =
+                serde_json::to_vec(&json!({"version": surface::VERSION})).unwrap_or_default();
+            return json_response(StatusCode::OK, SimBody::full(body), None);
+        }
         (&Method::POST, "/tokenize") => return tokenize_route(inner, req).await,
-        (&Method::POST, "/v1/chat/completions") => Endpoint::Chat,
-        (&Method::POST, "/v1/completions") => Endpoint::Completions,
+        (&Method::POST, path @ ("/detokenize" | "/v1/embeddings" | "/v1/responses")) => {
+            let path = path.to_owned();
+            return surface_route(inner, &path, req).await;
+        }
+        (
+            &Method::POST,
+            path @ ("/v1/load_lora_adapter" | "/v1/unload_lora_adapter" | "/reset_prefix_cache"),
+        ) => {
+            let path = path.to_owned();
+            return admin_route(inner, &path, req).await;
+        }
+        (&Method::POST, "/v1/chat/completions") => Route::Openai(Endpoint::Chat),
+        (&Method::POST, "/v1/completions") => Route::Openai(Endpoint::Completions),
+        // SGLang's own API; vLLM has no such route.
+        (&Method::POST | &Method::PUT, "/generate") if sglang => Route::Native,
         _ => {
             return error_response(&ApiError::new(StatusCode::NOT_FOUND, "Not Found"), None);
         }
     };
-    completion(inner, endpoint, req).await
+    completion(inner, route, req).await
+}
+
+/// Which generation API a request came on.
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    /// `/v1/chat/completions` or `/v1/completions`.
+    Openai(Endpoint),
+    /// SGLang's `/generate`.
+    Native,
+}
+
+/// Read a request body as JSON, within the engine's limit.
+async fn read_json<B>(body: B) -> Result<Value, ApiError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    match Limited::new(body, MAX_BODY).collect().await {
+        Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
+            .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}"))),
+        Err(e) => Err(ApiError::bad_request(format!(
+            "cannot read the request body: {e}"
+        ))),
+    }
+}
+
+/// `POST /detokenize`, `/v1/embeddings` and `/v1/responses`, in every mode and
+/// whatever the [`Faults`] (except [`Faults::stall_after_chunks`] on a streamed
+/// Responses answer).
+async fn surface_route<B>(inner: &Inner, path: &str, req: Request<B>) -> Response<SimBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let counters = &inner.counters;
+    let json = match read_json(req.into_body()).await {
+        Ok(json) => json,
+        Err(e) => return error_response(&e, None),
+    };
+    let request_id = format!(
+        "{:016x}{:016x}",
+        inner.id_salt,
+        inner.next_id.fetch_add(1, Relaxed)
+    );
+    let config = &inner.config;
+    let answer = match path {
+        "/detokenize" => {
+            bump(&counters.detokenize_requests);
+            surface::detokenize(&json, config, &inner.vocab)
+        }
+        "/v1/embeddings" => {
+            bump(&counters.embeddings_requests);
+            surface::embeddings(&json, config, &request_id, unix_now())
+        }
+        _ => {
+            bump(&counters.responses_requests);
+            let request = match surface::responses_request(&json, config) {
+                Ok(r) => r,
+                Err(e) => return error_response(&e, None),
+            };
+            let answer = surface::Responses::new(&request, config, &request_id, unix_now());
+            if request.stream {
+                let events = match answer.events() {
+                    Ok(events) => events,
+                    Err(e) => {
+                        let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+                        return error_response(&e, None);
+                    }
+                };
+                let faults = *lock(&inner.faults);
+                let guard = RequestGuard::new(inner.counters.clone());
+                let body = EventsBody::new(
+                    events,
+                    config.inter_token_delay,
+                    faults.stall_after_chunks,
+                    guard,
+                );
+                let mut response = Response::new(SimBody::Events(Box::new(body)));
+                response.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/event-stream; charset=utf-8"),
+                );
+                return response;
+            }
+            match answer.whole() {
+                Ok(body) => return json_response(StatusCode::OK, SimBody::full(body), None),
+                Err(e) => Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    e.to_string(),
+                )),
+            }
+        }
+    };
+    match answer.and_then(|v| {
+        serde_json::to_vec(&v)
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    }) {
+        Ok(body) => json_response(StatusCode::OK, SimBody::full(body), None),
+        Err(e) => error_response(&e, None),
+    }
+}
+
+/// The admin routes: LoRA adapters and the prefix cache, as vLLM answers them
+/// (`Faults::admin_status` makes them fail, changing nothing).
+async fn admin_route<B>(inner: &Inner, path: &str, req: Request<B>) -> Response<SimBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    bump(&inner.counters.admin_requests);
+    let (parts, body) = req.into_parts();
+    let json = match read_json(body).await {
+        Ok(json) => json,
+        // vLLM's `/reset_prefix_cache` takes no body.
+        Err(_) if path == "/reset_prefix_cache" => Value::Null,
+        Err(e) => return error_response(&e, None),
+    };
+    record(
+        inner,
+        path,
+        &parts.headers,
+        &Bytes::from(serde_json::to_vec(&json).unwrap_or_default()),
+    );
+    if let Some(status) = lock(&inner.faults).admin_status {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let message = format!("Simulated fault: the engine answers {}", status.as_u16());
+        return error_response(&ApiError::new(status, message), None);
+    }
+    let answer = match path {
+        "/v1/load_lora_adapter" => surface::load_lora(&json, &inner.config, &inner.loras),
+        "/v1/unload_lora_adapter" => surface::unload_lora(&json, &inner.loras),
+        _ => {
+            inner.reset_prefix_cache();
+            Ok(String::new())
+        }
+    };
+    match answer {
+        // vLLM answers a bare `Response(content=...)`: no content type.
+        Ok(text) => {
+            let mut response = Response::new(SimBody::full(text));
+            *response.status_mut() = StatusCode::OK;
+            response
+        }
+        Err(e) => error_response(&e, None),
+    }
 }
 
 /// `POST /tokenize`, in every mode and whatever the [`Faults`].
@@ -811,7 +1075,15 @@ where
     let answer = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
             .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
-            .and_then(|json| crate::api::tokenize_request(&json, &inner.config))
+            .and_then(|json| {
+                // Remember the words, so that `/detokenize` can give them back.
+                if let Some(Value::String(p)) = json.get("prompt") {
+                    inner.vocab.learn(p);
+                } else if let Ok(text) = crate::api::chat_prompt(json.get("messages")) {
+                    inner.vocab.learn(&text);
+                }
+                crate::api::tokenize_request(&json, &inner.config)
+            })
             .and_then(|answer| {
                 serde_json::to_vec(&answer)
                     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
@@ -886,12 +1158,15 @@ fn valid_decode_params(params: &serde_json::Map<String, Value>) -> bool {
         .all(|k| params.contains_key(*k))
 }
 
-async fn completion<B>(inner: &Inner, endpoint: Endpoint, req: Request<B>) -> Response<SimBody>
+async fn completion<B>(inner: &Inner, route: Route, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let mut guard = RequestGuard::new(inner.counters.clone());
+    if matches!(route, Route::Native) {
+        bump(&inner.counters.generate_requests);
+    }
     let (parts, body) = req.into_parts();
     let header_id = parts
         .headers
@@ -913,10 +1188,13 @@ where
     let parsed = serde_json::from_slice::<Value>(&bytes)
         .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
         .and_then(|json| {
-            Ok((
-                CompletionRequest::parse(endpoint, &json, &inner.config)?,
-                json,
-            ))
+            let request = match route {
+                Route::Openai(endpoint) => {
+                    CompletionRequest::parse(endpoint, &json, &inner.config)?
+                }
+                Route::Native => crate::native::parse(&json, &inner.config)?,
+            };
+            Ok((request, json))
         });
     record(inner, parts.uri.path(), &parts.headers, &bytes);
 
@@ -1643,6 +1921,23 @@ async fn serve_completion(
         None
     };
 
+    if let Some(native) = request.native {
+        let native = NativeParts {
+            native,
+            choices: &choices,
+            computed_prompt: !remote_kv,
+            cached_tokens,
+        };
+        return native_answer(inner, request, native, request_id, faults, guard).map(
+            |mut response| {
+                if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
+                    response.headers_mut().insert(X_REQUEST_ID, value);
+                }
+                response
+            },
+        );
+    }
+
     let prefix = match request.endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completions => "cmpl-",
@@ -1755,4 +2050,65 @@ async fn serve_completion(
         )
     };
     Ok(response)
+}
+
+/// What SGLang's `/generate` answers with, besides the request.
+struct NativeParts<'a> {
+    native: crate::native::Native,
+    /// One generation per prompt.
+    choices: &'a [Generation],
+    /// Whether the prompt was computed here (not taken from a prefill).
+    computed_prompt: bool,
+    cached_tokens: Option<u64>,
+}
+
+/// The answer of SGLang's `/generate`, streamed or whole (see [`crate::native`]).
+fn native_answer(
+    inner: &Inner,
+    request: &CompletionRequest,
+    parts: NativeParts<'_>,
+    request_id: &str,
+    faults: Faults,
+    guard: RequestGuard,
+) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
+    let answer = crate::native::Answer {
+        native: parts.native,
+        request_id,
+        prompts: &request.prompts,
+        choices: parts.choices,
+        computed_prompt: parts.computed_prompt,
+        cached_tokens: parts.cached_tokens.unwrap_or(0),
+        started: std::time::Instant::now(),
+    };
+    let internal =
+        |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    if request.stream {
+        let events = match answer.events() {
+            Ok(events) => events,
+            Err(e) => return Err((internal(e), guard)),
+        };
+        let body = EventsBody::new(
+            events,
+            inner.config.inter_token_delay,
+            faults.stall_after_chunks,
+            guard,
+        );
+        let mut response = Response::new(SimBody::Events(Box::new(body)));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        return Ok(response);
+    }
+    match answer.whole() {
+        Ok(body) => Ok(json_response(
+            StatusCode::OK,
+            SimBody::Full {
+                data: Some(Bytes::from(body)),
+                guard: Some(guard),
+            },
+            None,
+        )),
+        Err(e) => Err((internal(e), guard)),
+    }
 }

@@ -113,6 +113,11 @@ pub(crate) fn check_follow_room(
 /// The batch size of a request as SGLang counts it: `None` for a single
 /// request, whose bootstrap fields are scalars.
 fn batch_size(body: &Map<String, Value>, request: &CompletionRequest) -> Option<usize> {
+    if let Some(native) = &request.native {
+        // `/generate`: a `text` list or an `input_ids` list of lists, one element
+        // per prompt.
+        return native.batch.then_some(request.prompts.len());
+    }
     match request.endpoint {
         Endpoint::Chat => (request.n > 1).then_some(request.n as usize),
         Endpoint::Completions => match body.get("prompt") {

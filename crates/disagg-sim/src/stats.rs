@@ -156,6 +156,36 @@ pub struct Stats {
     /// KV events: replay requests served.
     #[serde(default)]
     pub kv_event_replays: u64,
+    /// With [`SimConfig::api_key`](crate::SimConfig::api_key): requests on any path
+    /// that did not carry the key, those the engine served (paths outside `/v1`, as
+    /// vLLM) and those it refused alike; `GET /stats` is not counted.
+    #[serde(default)]
+    pub requests_without_key: u64,
+    /// With [`SimConfig::api_key`](crate::SimConfig::api_key): requests answered 401.
+    #[serde(default)]
+    pub unauthorized: u64,
+    /// With [`SimConfig::tls`](crate::SimConfig::tls): TLS handshakes that failed
+    /// (a client that does not trust the certificate, no client certificate where one
+    /// is required).
+    #[serde(default)]
+    pub tls_handshake_failures: u64,
+    /// SGLang engines: `POST /generate` requests received (also counted in
+    /// [`Stats::requests`]).
+    #[serde(default)]
+    pub generate_requests: u64,
+    /// `POST /detokenize` requests served.
+    #[serde(default)]
+    pub detokenize_requests: u64,
+    /// `POST /v1/embeddings` requests served.
+    #[serde(default)]
+    pub embeddings_requests: u64,
+    /// `POST /v1/responses` requests served.
+    #[serde(default)]
+    pub responses_requests: u64,
+    /// Admin requests received (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+    /// `/reset_prefix_cache`), answered or refused.
+    #[serde(default)]
+    pub admin_requests: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -199,6 +229,14 @@ pub(crate) struct Counters {
     pub(crate) prefix_cache_evictions: AtomicU64,
     pub(crate) kv_event_batches: AtomicU64,
     pub(crate) kv_event_replays: AtomicU64,
+    pub(crate) requests_without_key: AtomicU64,
+    pub(crate) unauthorized: AtomicU64,
+    pub(crate) tls_handshake_failures: AtomicU64,
+    pub(crate) generate_requests: AtomicU64,
+    pub(crate) detokenize_requests: AtomicU64,
+    pub(crate) embeddings_requests: AtomicU64,
+    pub(crate) responses_requests: AtomicU64,
+    pub(crate) admin_requests: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -280,6 +318,14 @@ impl Counters {
             prefix_cache_evictions: self.prefix_cache_evictions.load(Relaxed),
             kv_event_batches: self.kv_event_batches.load(Relaxed),
             kv_event_replays: self.kv_event_replays.load(Relaxed),
+            requests_without_key: self.requests_without_key.load(Relaxed),
+            unauthorized: self.unauthorized.load(Relaxed),
+            tls_handshake_failures: self.tls_handshake_failures.load(Relaxed),
+            generate_requests: self.generate_requests.load(Relaxed),
+            detokenize_requests: self.detokenize_requests.load(Relaxed),
+            embeddings_requests: self.embeddings_requests.load(Relaxed),
+            responses_requests: self.responses_requests.load(Relaxed),
+            admin_requests: self.admin_requests.load(Relaxed),
         }
     }
 }

@@ -225,7 +225,16 @@ async fn completions_stream_shape() {
     assert_eq!(streamed, text("p q", 4));
     assert_eq!(
         events[0]["choices"][0],
-        json!({"index": 0, "text": generate("p q", 1, 0)[0], "logprobs": null, "finish_reason": null, "stop_reason": null})
+        json!({"index": 0, "text": generate("p q", 1, 0)[0], "logprobs": null, "finish_reason": null, "stop_reason": null, "prompt_token_ids": null, "token_ids": null, "weight_versions": null})
+    );
+    // vLLM 0.33 sets `kv_transfer_params` on every chunk (null but on a finished
+    // prefill's).
+    assert_eq!(events[0]["kv_transfer_params"], json!(null));
+    assert!(
+        events[0]
+            .as_object()
+            .unwrap()
+            .contains_key("kv_transfer_params")
     );
     assert_eq!(events[3]["choices"][0]["finish_reason"], "length");
     assert_eq!(events[4], "[DONE]");

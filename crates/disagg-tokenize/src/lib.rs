@@ -104,3 +104,57 @@ impl<T: Tokenize + ?Sized> Tokenize for Arc<T> {
         (**self).tokenize(api, body).await
     }
 }
+
+/// The core's tokens seam ([`disagg_core::tokens`]) over a [`Tokenize`]: a prompt that
+/// is not one sequence ([`TokenizeError::NotSupported`]) has no ids (`Ok(None)`, not a
+/// failure); every other error is a failure the orchestrator logs and counts.
+async fn token_ids<T: Tokenize + ?Sized>(
+    tokenizer: &T,
+    api: Api,
+    body: &JsonBody,
+) -> Result<Option<Tokens>, disagg_core::BoxError> {
+    match tokenizer.tokenize(api, body).await {
+        Ok(ids) => Ok(Some(ids)),
+        Err(e) if e.is_not_supported() => Ok(None),
+        Err(e) => Err(Box::new(e)),
+    }
+}
+
+/// Any shared [`Tokenize`] (`Arc<dyn Tokenize>`) is the orchestrator's tokenizer
+/// (`OrchestratorBuilder::tokenizer`): a prompt that is not one sequence has no ids
+/// (`Ok(None)`), every other [`TokenizeError`] is a failure the orchestrator counts.
+#[async_trait]
+impl disagg_core::Tokenizer for dyn Tokenize {
+    async fn token_ids(
+        &self,
+        api: Api,
+        body: &JsonBody,
+    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+        token_ids(self, api, body).await
+    }
+}
+
+/// The engine's `/tokenize` as the orchestrator's tokenizer.
+#[async_trait]
+impl disagg_core::Tokenizer for EngineTokenizer {
+    async fn token_ids(
+        &self,
+        api: Api,
+        body: &JsonBody,
+    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+        token_ids(self, api, body).await
+    }
+}
+
+/// A Hugging Face tokenizer as the orchestrator's tokenizer.
+#[cfg(feature = "hf")]
+#[async_trait]
+impl disagg_core::Tokenizer for HfTokenizer {
+    async fn token_ids(
+        &self,
+        api: Api,
+        body: &JsonBody,
+    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+        token_ids(self, api, body).await
+    }
+}

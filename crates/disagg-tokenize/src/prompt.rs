@@ -122,7 +122,8 @@ impl Prompt {
     ///
     /// # Errors
     ///
-    /// [`TokenizeError::NotSupported`] for prompts that are not one sequence (batches,
+    /// [`TokenizeError::NotSupported`] for SGLang's `/generate`, and for prompts that
+    /// are not one sequence (batches,
     /// `prompt_embeds`, `suffix`, a request's own `chat_template`,
     /// `truncate_prompt_tokens: -1`); [`TokenizeError::Invalid`] for fields of the
     /// wrong type, as the engine would refuse them.
@@ -132,6 +133,9 @@ impl Prompt {
         let input = match api {
             Api::Completions => completion(body)?,
             Api::Chat => PromptInput::Chat(chat(body)?),
+            // SGLang's native /generate carries `text` or `input_ids` (often a batch)
+            // and SGLang's own sampling fields; no vLLM prompt reader applies.
+            _ => return Err(TokenizeError::not_supported("SGLang's native /generate")),
         };
         Ok(Prompt {
             input,

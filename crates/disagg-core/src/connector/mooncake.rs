@@ -287,6 +287,7 @@ impl KvConnector for VllmMooncake {
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        super::openai_only(self.name(), req.api())?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;

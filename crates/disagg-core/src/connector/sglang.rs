@@ -29,9 +29,13 @@
 //!   `SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s), which is why a failed prefill must
 //!   abort the decode leg at once rather than leave it waiting.
 //!
-//! SGLang's routers merge `meta_info.input_token_logprobs` from the prefill into the
-//! decode's answer on the native `/generate` API; the OpenAI routes served here carry no
-//! `meta_info`, so their answers pass through unchanged.
+//! SGLang's native `/generate` ([`Api::Generate`]) is carried the same way: a `text`
+//! list or an `input_ids` list of lists is a batch, one room per element. With
+//! `return_logprob` the plan is [`Dispatch::Joined`]: the decode's answer waits for the
+//! prefill's, whose `meta_info.input_token_logprobs` (the prompt's logprobs, which only
+//! the prefill computes) are prepended to the decode's in the whole answer or in every
+//! streamed event, as SGLang's routers do. The OpenAI routes carry no `meta_info`, so
+//! their answers pass through unchanged.
 
 use std::sync::Arc;
 
@@ -39,8 +43,11 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
+use crate::connector::generate::{self, LogprobMerge, MergeLogprobs};
 use crate::connector::room::Rooms;
-use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
+use crate::connector::{
+    BootstrapPort, Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer,
+};
 use crate::error::ConnectorError;
 use crate::request::{Api, PdRequest};
 use crate::router::Route;
@@ -104,7 +111,8 @@ pub(crate) const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
 
 /// How many sequences a request asks the engines for, as SGLang's router counts them:
 /// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of
-/// prompts), `None` for a single sequence.
+/// prompts; `/generate` whose `text` or `input_ids` is a list of prompts), `None` for a
+/// single sequence.
 pub(crate) fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
     match api {
         Api::Chat => match body.get_as::<Option<u64>>("n") {
@@ -123,6 +131,7 @@ pub(crate) fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize
             // lists is a batch.
             matches!(first, Some(b'"' | b'[')).then_some(items.len())
         }
+        Api::Generate => generate::batch_size(body),
     }
 }
 
@@ -171,11 +180,40 @@ impl KvConnector for SglangBootstrap {
         if let Some(d) = route.decode_rank {
             decode.set(ROUTED_DP_RANK, &d);
         }
-        Ok(Handoff::new(
-            Dispatch::Concurrent,
+        // `/generate` with logprobs: the client's answer holds the prefill's logprobs.
+        let merge = req.api() == Api::Generate && generate::wants_logprobs(req.body());
+        let dispatch = if merge {
+            Dispatch::Joined
+        } else {
+            Dispatch::Concurrent
+        };
+        let mut handoff = Handoff::new(
+            dispatch,
             Leg::new(prefill_ep, prefill),
             Leg::new(Arc::clone(&route.decode), decode),
-        ))
+        );
+        if merge {
+            handoff.ext.insert(MergeLogprobs {
+                stream: req.is_stream(),
+            });
+        }
+        Ok(handoff)
+    }
+
+    /// A [`Dispatch::Joined`] plan (`/generate` with logprobs): the prefill's prompt
+    /// logprobs become the reshape that merges them into the decode's answer. An answer
+    /// without any leaves the decode's as it is.
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<KvOutcome, ConnectorError> {
+        if let Some(MergeLogprobs { stream }) = handoff.ext.get::<MergeLogprobs>().copied()
+            && let Some(logprobs) = generate::prefill_logprobs(answer)
+        {
+            handoff.reshape = Some(Arc::new(LogprobMerge::new(logprobs, stream)));
+        }
+        Ok(KvOutcome::Handed)
     }
 }
 
@@ -292,6 +330,73 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn generate_batches_get_a_room_per_element_and_logprobs_join_the_legs() {
+        let c = SglangBootstrap::new();
+        let r = route(Some(BootstrapPort(Some(8998))));
+        for (body, n) in [
+            (
+                r#"{"text":["a","b","c"],"sampling_params":{"max_new_tokens":4}}"#,
+                3,
+            ),
+            (r#"{"input_ids":[[1,2],[3]]}"#, 2),
+        ] {
+            let h = c.prepare(&r, &req(Api::Generate, body)).unwrap();
+            assert_eq!(h.dispatch, Dispatch::Concurrent);
+            let v = json(&h.decode.body);
+            let rooms = v["bootstrap_room"].as_array().unwrap();
+            let distinct: std::collections::HashSet<_> = rooms.iter().collect();
+            assert_eq!((rooms.len(), distinct.len()), (n, n), "{body}");
+            assert_eq!(v["bootstrap_port"], serde_json::json!(vec![8998; n]));
+            assert_eq!(h.prefill.body.to_bytes(), h.decode.body.to_bytes());
+        }
+        let h = c
+            .prepare(
+                &r,
+                &req(Api::Generate, r#"{"text":"a","return_logprob":true}"#),
+            )
+            .unwrap();
+        assert_eq!(h.dispatch, Dispatch::Joined);
+        assert!(json(&h.decode.body)["bootstrap_room"].is_u64());
+    }
+
+    #[tokio::test]
+    async fn a_joined_plan_takes_the_prefill_logprobs_as_its_reshape() {
+        let c = SglangBootstrap::new();
+        let r = route(None);
+        let mut h = c
+            .prepare(
+                &r,
+                &req(Api::Generate, r#"{"text":"a","return_logprob":true}"#),
+            )
+            .unwrap();
+        let answer = PrefillAnswer {
+            status: http::StatusCode::OK,
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(
+                br#"{"text":"x","meta_info":{"input_token_logprobs":[[null,5,null]]}}"#,
+            ),
+        };
+        assert_eq!(
+            c.complete(&mut h, &answer).await.unwrap(),
+            KvOutcome::Handed
+        );
+        assert!(h.reshape.is_some());
+        // Without logprobs in the prefill's answer, the decode's passes unchanged.
+        let mut h = c
+            .prepare(
+                &r,
+                &req(Api::Generate, r#"{"text":"a","return_logprob":true}"#),
+            )
+            .unwrap();
+        let bare = PrefillAnswer {
+            body: Bytes::from_static(br#"{"text":"x","meta_info":{}}"#),
+            ..answer
+        };
+        c.complete(&mut h, &bare).await.unwrap();
+        assert!(h.reshape.is_none());
     }
 
     #[test]

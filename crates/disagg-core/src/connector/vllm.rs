@@ -96,6 +96,7 @@ impl KvConnector for VllmNixl {
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        super::openai_only(self.name(), req.api())?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
@@ -266,5 +267,18 @@ mod tests {
             VllmNixl::new().prepare(&r, &req(Api::Completions, "{}")),
             Err(ConnectorError::NeedsPrefill { .. })
         ));
+    }
+
+    #[test]
+    fn sglang_generate_is_not_carried() {
+        let err = VllmNixl::new()
+            .prepare(&route(), &req(Api::Generate, r#"{"text":"hi"}"#))
+            .unwrap_err();
+        assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err}");
+        let pd = crate::error::PdError::connector(crate::error::Side::Prefill, err);
+        assert_eq!(
+            (pd.status().as_u16(), pd.code()),
+            (400, "unsupported_by_connector")
+        );
     }
 }

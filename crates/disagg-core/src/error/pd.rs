@@ -153,8 +153,9 @@ impl PdError {
         Self::new(Kind::NotFound, Side::Client, None)
     }
 
-    /// Routing failed.
-    pub(crate) fn route(err: RouteError) -> Self {
+    /// Routing failed (also for a request an adapter forwards to one engine: 503 when
+    /// no endpoint is available, 404 `model_not_found` for an unknown model).
+    pub fn route(err: RouteError) -> Self {
         Self::new(Kind::Route, Side::Router, Some(err.into()))
     }
 
@@ -180,8 +181,11 @@ impl PdError {
         Self::new(Kind::UpstreamBody { endpoint }, side, Some(source))
     }
 
-    /// The transport failed for `endpoint`.
-    pub(crate) fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
+    /// The transport failed for `endpoint` on `side`'s engine: 502 (`prefill_failed`,
+    /// `decode_failed`), or 504 (`prefill_timeout`, `decode_timeout`) for
+    /// [`TransportError::Timeout`]. Adapters that forward a request to one engine use it
+    /// so that their failures read as the legs' do.
+    pub fn transport(side: Side, endpoint: EndpointId, err: TransportError) -> Self {
         match err {
             TransportError::Timeout => Self::timeout(side, endpoint, Phase::Response),
             err => Self::new(Kind::Transport { endpoint }, side, Some(err.into())),

@@ -164,7 +164,7 @@ impl Inner {
         .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
         match handoff.dispatch {
             Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock, tl).await,
-            Dispatch::Concurrent => {
+            Dispatch::Concurrent | Dispatch::Joined => {
                 // Both legs go at once: the handoff step is the plan's resolution.
                 tl.handoff_start = Some(resolving);
                 self.concurrent(req, route, handoff, clock, tl).await

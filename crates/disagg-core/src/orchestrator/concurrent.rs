@@ -4,13 +4,18 @@
 //! rides in the response body, and its failure ends the stream. A prefill that fails
 //! before the decode's head ends the attempt and drops the decode leg; a decode that
 //! fails drops the prefill leg.
+//!
+//! [`Dispatch::Joined`] plans differ in one point: a decode head that came first waits
+//! for the prefill's whole answer, which [`KvConnector::complete`](crate::connector::KvConnector::complete)
+//! folds into the plan (the reshape of the decode's answer) before the head goes out.
 
 use std::sync::Arc;
 
 use futures::FutureExt;
 use futures::future::{Either, select};
 
-use crate::connector::Handoff;
+use crate::connector::{Dispatch, Handoff, PrefillAnswer};
+use crate::error::{PdError, Phase, Side};
 use crate::outcome::now;
 use crate::outcome::{Timeline, Verdict};
 use crate::request::PdRequest;
@@ -19,35 +24,38 @@ use crate::router::Route;
 use super::Inner;
 use super::attempt::Failure;
 use super::body::PendingPrefill;
-use super::clock::Clock;
+use super::clock::{Clock, within};
 use super::legs::PrefillResult;
 use super::respond::{Exchange, LateMarks};
 use super::sequential::{prefill_refused, reshaped};
 
 impl Inner {
-    /// Send both legs at once and race them to the decode's head.
+    /// Send both legs at once and race them to the decode's head; for
+    /// [`Dispatch::Joined`] the decode's head also waits for the prefill's whole answer,
+    /// which the connector folds into the plan before the head is relayed.
     pub(super) async fn concurrent(
         &self,
         req: &PdRequest,
         route: Route,
-        handoff: Handoff,
+        mut handoff: Handoff,
         clock: Clock,
         tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
         let start = now();
         tl.prefill_sent = Some(start);
         tl.decode_sent = Some(start);
+        let joined = handoff.dispatch == Dispatch::Joined;
         // Boxed: the race needs them pinned, and the prefill may move into the body.
         let prefill = Box::pin(self.prefill(req, &handoff.prefill, clock));
         let guard = handoff.decode.endpoint.track();
         let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
-        let (head, pending, prefilled) = match select(prefill, decode).await {
+        let (head, pending, prefilled, answer) = match select(prefill, decode).await {
             // The prefill ended first: a failure ends the attempt (dropping the decode
             // leg); a success leaves the decode to finish.
             Either::Left((p, decode)) => match p {
-                Ok(PrefillResult::Answer(_)) => {
+                Ok(PrefillResult::Answer(a)) => {
                     tl.prefill_done = Some(now());
-                    (decode.await, None, Verdict::Answered)
+                    (decode.await, None, Verdict::Answered, Some(a))
                 }
                 Ok(PrefillResult::ClientError {
                     status,
@@ -57,12 +65,34 @@ impl Inner {
                 }) => return Ok(prefill_refused(route, status, headers, body)),
                 Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
             },
+            // A joined plan's decode answered first: its head waits for the prefill's
+            // whole answer (only a decode that answered well needs it).
+            Either::Right((d, prefill)) if joined && d.as_ref().is_ok_and(success) => {
+                match prefill.await {
+                    Ok(PrefillResult::Answer(a)) => {
+                        tl.prefill_done = Some(now());
+                        (d, None, Verdict::Answered, Some(a))
+                    }
+                    Ok(PrefillResult::ClientError {
+                        status,
+                        headers,
+                        body,
+                        ..
+                    }) => return Ok(prefill_refused(route, status, headers, body)),
+                    Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
+                }
+            }
             // The decode's head came first: relay it now, the prefill rides along.
-            Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned),
+            Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned, None),
         };
         let head = head.map_err(|e| Failure::decode(&route, e, prefilled))?;
         tl.decode_head = Some(now());
         let success = head.status().is_success();
+        if let (true, true, Some(answer)) = (joined, success, &answer) {
+            self.fold(&mut handoff, answer, clock)
+                .await
+                .map_err(|e| Failure::prefill(&route, e, Verdict::Abandoned))?;
+        }
         let head = if success {
             reshaped(&handoff, head)
         } else {
@@ -88,4 +118,36 @@ impl Inner {
         ex.decode_sent = true;
         Ok(ex)
     }
+
+    /// A joined plan: fold the prefill's `answer` into it, within the handoff budget.
+    async fn fold(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+        clock: Clock,
+    ) -> Result<(), PdError> {
+        let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
+        let complete = async {
+            self.connector
+                .complete(handoff, answer)
+                .await
+                .map_err(|e| PdError::connector(Side::Prefill, e))
+        };
+        let budget = self.config.handoff_timeout;
+        within(
+            clock,
+            budget,
+            Side::Prefill,
+            &prefill_ep,
+            Phase::Handoff,
+            complete,
+        )
+        .await
+        .map(drop)
+    }
+}
+
+/// Whether a decode's head is a success.
+fn success(head: &http::Response<crate::transport::BoxBody>) -> bool {
+    head.status().is_success()
 }

@@ -154,6 +154,12 @@ pub struct OrchestratorConfig {
     /// [`trace`](crate::trace)). `None` (the default): no trace ids are drawn, and the
     /// client's `traceparent` is forwarded as it came (see `forward_headers`).
     pub trace_ratio: Option<f64>,
+    /// Longest wait for a request's token ids (see [`tokens`](crate::tokens); default
+    /// 2 s); past it the request is routed without them. A tokenizer in process takes
+    /// milliseconds (tens for a 32k-token prompt), an engine's `/tokenize` a round
+    /// trip: a longer wait means the tokenizer is stuck, and routing without cache
+    /// information beats waiting on it.
+    pub tokenize_timeout: Duration,
 }
 
 impl Default for OrchestratorConfig {
@@ -179,6 +185,7 @@ impl Default for OrchestratorConfig {
             ],
             kv_release: KvRelease::Off,
             trace_ratio: None,
+            tokenize_timeout: Duration::from_secs(2),
         }
     }
 }

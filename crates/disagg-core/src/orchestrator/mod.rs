@@ -53,6 +53,7 @@ use crate::request::{PdRequest, RequestIds};
 use crate::retry::Retry;
 use crate::router::{DefaultRouter, Router};
 use crate::source::EndpointSource;
+use crate::tokens::Tokenizer;
 use crate::transport::Transport;
 
 mod attempt;
@@ -84,6 +85,9 @@ struct Inner {
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
     disaggregate: Arc<dyn Disaggregate>,
+    /// The tokens seam, set only when a tokenizer was given *and* the router or the
+    /// hook reads tokens (decided once, at build): `None` costs nothing per request.
+    tokenizer: Option<Arc<dyn Tokenizer>>,
     transport: Arc<dyn Transport>,
     admission: Option<Arc<dyn Admission>>,
     retry: Option<Arc<dyn Retry>>,
@@ -152,6 +156,12 @@ pub struct OrchestratorStats {
     /// Requests refused before routing because an engine would refuse a field the
     /// proxy rewrites (400 `invalid_parameter`).
     pub invalid_params: u64,
+    /// Requests whose prompt the [`Tokenizer`] turned into token ids (see
+    /// [`tokens`](crate::tokens)).
+    pub tokenized: u64,
+    /// Requests the [`Tokenizer`] failed on (an error, or slower than
+    /// [`OrchestratorConfig::tokenize_timeout`]): routed without token ids.
+    pub tokenize_failures: u64,
 }
 
 /// Builds an [`Orchestrator`].
@@ -161,6 +171,7 @@ pub struct OrchestratorBuilder {
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
     disaggregate: Arc<dyn Disaggregate>,
+    tokenizer: Option<Arc<dyn Tokenizer>>,
     admission: Option<Arc<dyn Admission>>,
     retry: Option<Arc<dyn Retry>>,
     listeners: Vec<Arc<dyn Listener>>,
@@ -193,6 +204,15 @@ impl OrchestratorBuilder {
     /// see [`disaggregate`](crate::disaggregate).
     pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
         self.disaggregate = Arc::new(hook);
+        self
+    }
+
+    /// Turn prompts into token ids with `tokenizer`, once per request, for a router or
+    /// disaggregation hook that reads them (default: none); see [`tokens`](crate::tokens).
+    /// When neither reads tokens ([`Router::wants_tokens`],
+    /// [`Disaggregate::wants_tokens`]) the tokenizer is never called.
+    pub fn tokenizer(mut self, tokenizer: impl Tokenizer) -> Self {
+        self.tokenizer = Some(Arc::new(tokenizer));
         self
     }
 
@@ -236,6 +256,10 @@ impl OrchestratorBuilder {
             connector: Arc::clone(&self.connector),
             listeners,
         });
+        // Tokenize only for a reader of tokens: a proxy given a tokenizer whose
+        // policies read none does no work per request for it.
+        let wanted = self.router.wants_tokens() || self.disaggregate.wants_tokens();
+        let tokenizer = self.tokenizer.filter(|_| wanted);
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
@@ -244,6 +268,7 @@ impl OrchestratorBuilder {
                 router: self.router,
                 connector: self.connector,
                 disaggregate: self.disaggregate,
+                tokenizer,
                 transport: self.transport,
                 admission: self.admission,
                 retry: self.retry,
@@ -265,6 +290,7 @@ impl Orchestrator {
             router: Arc::new(DefaultRouter::default()),
             connector: Arc::new(VllmNixl::new()),
             disaggregate: Arc::new(Always),
+            tokenizer: None,
             admission: None,
             retry: None,
             listeners: Vec::new(),
@@ -325,6 +351,7 @@ impl Orchestrator {
                 router: Arc::clone(&i.router),
                 connector: Arc::clone(&i.connector),
                 disaggregate: Arc::clone(&i.disaggregate),
+                tokenizer: i.tokenizer.clone(),
                 transport: Arc::new(transport),
                 admission: i.admission.clone(),
                 retry: i.retry.clone(),
@@ -372,6 +399,8 @@ impl Orchestrator {
             kv_releases_in_flight: load(&c.kv_releases_in_flight),
             direct: c.direct_counts(),
             invalid_params: load(&c.invalid_params),
+            tokenized: load(&c.tokenized),
+            tokenize_failures: load(&c.tokenize_failures),
         }
     }
 

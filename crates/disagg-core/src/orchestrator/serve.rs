@@ -24,17 +24,23 @@ use crate::outcome::{Report, Timeline};
 impl Inner {
     pub(super) async fn serve(
         self: Arc<Self>,
-        req: PdRequest,
+        mut req: PdRequest,
     ) -> Result<Response<PdBody>, PdError> {
         bump(&self.counters.requests);
         let mut trace = self
             .config
             .trace_ratio
             .map(|ratio| self.spans.request(req.headers(), ratio));
-        let decision = match self.decide(&req) {
+        let checked = match self.check(&req) {
             Ok(d) => d,
             Err(e) => return Err(self.failed(&req, e, None, None)),
         };
+        if let Some(tokenizer) = &self.tokenizer
+            && req.tokens().is_none()
+        {
+            self.tokenize(&**tokenizer, &mut req).await;
+        }
+        let decision = self.decide(&req, checked);
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
@@ -141,23 +147,60 @@ impl Inner {
         e
     }
 
-    /// Whether to disaggregate `req`, decided once per request before anything else:
-    /// the connector refuses what the engines would refuse in the fields it rewrites
-    /// (400, no engine contacted) and sends direct what it cannot carry; otherwise the
-    /// [`Disaggregate`](crate::disaggregate::Disaggregate) hook decides.
-    fn decide(&self, req: &PdRequest) -> Result<Decision, PdError> {
-        let decision = match self.connector.check(req) {
-            Ok(Decision::Disaggregate) => self.disaggregate.decide(&RequestView::from(req)),
-            Ok(direct) => direct,
-            Err(e) => {
-                bump(&self.counters.invalid_params);
-                return Err(PdError::body(BodyError::Invalid(e)));
-            }
+    /// The connector's check, once per request before anything else: it refuses what
+    /// the engines would refuse in the fields it rewrites (400, no engine contacted)
+    /// and sends direct what it cannot carry.
+    fn check(&self, req: &PdRequest) -> Result<Decision, PdError> {
+        self.connector.check(req).map_err(|e| {
+            bump(&self.counters.invalid_params);
+            PdError::body(BodyError::Invalid(e))
+        })
+    }
+
+    /// Whether to disaggregate `req`, after the connector's `checked` decision: a
+    /// request the connector sends direct stays direct; otherwise the
+    /// [`Disaggregate`](crate::disaggregate::Disaggregate) hook decides (with the
+    /// request's token ids, when it has them).
+    fn decide(&self, req: &PdRequest, checked: Decision) -> Decision {
+        let decision = match checked {
+            Decision::Disaggregate => self.disaggregate.decide(&RequestView::from(req)),
+            direct => direct,
         };
         if let Decision::Direct { reason } = decision {
             self.counters.direct(reason);
         }
-        Ok(decision)
+        decision
+    }
+
+    /// The request's token ids from `tokenizer`, within the tokenize budget. A failure
+    /// leaves the request without ids: logged, counted, never an error of the request.
+    async fn tokenize(&self, tokenizer: &dyn crate::tokens::Tokenizer, req: &mut PdRequest) {
+        let budget = self.config.tokenize_timeout;
+        let result = tokio::time::timeout(budget, tokenizer.token_ids(req.api(), req.body())).await;
+        match result {
+            Ok(Ok(Some(ids))) => {
+                bump(&self.counters.tokenized);
+                req.set_tokens(Some(ids));
+            }
+            // Not one sequence (a batch, images): nothing failed.
+            Ok(Ok(None)) => {}
+            Ok(Err(e)) => {
+                bump(&self.counters.tokenize_failures);
+                tracing::debug!(
+                    request_id = ?req.request_id(),
+                    error = %crate::error::error_chain(&*e),
+                    "tokenizing failed: routing without token ids"
+                );
+            }
+            Err(_) => {
+                bump(&self.counters.tokenize_failures);
+                tracing::debug!(
+                    request_id = ?req.request_id(),
+                    budget_ms = budget.as_millis() as u64,
+                    "tokenizing took too long: routing without token ids"
+                );
+            }
+        }
     }
 
     /// The request's deadline: the configured one, shortened by the client's header when

@@ -92,6 +92,11 @@ impl Default for VllmLimits {
 /// # Ok::<(), disagg_core::error::BodyError>(())
 /// ```
 pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
+    if req.api() == crate::request::Api::Generate {
+        // SGLang's API, not vLLM's: a vLLM connector refuses it when it plans the legs
+        // (`unsupported_by_connector`), whatever its fields.
+        return Ok(Decision::Disaggregate);
+    }
     if let Some(raw) = req.client_handoff("kv_transfer_params")
         && raw.first() != Some(&b'{')
         && raw != b"null"
@@ -687,6 +692,7 @@ mod tests {
         let base = match api {
             Api::Chat => r#"{"model":"m","messages":[{"role":"user","content":"hi"}]"#,
             Api::Completions => r#"{"model":"m","prompt":"hi""#,
+            Api::Generate => r#"{"model":"m","text":"hi""#,
         };
         let sep = if extra.is_empty() { "" } else { "," };
         let body = JsonBody::parse(format!("{base}{sep}{extra}}}").as_bytes()).unwrap();

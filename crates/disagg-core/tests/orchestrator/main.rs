@@ -11,6 +11,7 @@
 
 mod fake;
 mod observe;
+mod tokens;
 
 use std::future::Future;
 use std::sync::Arc;

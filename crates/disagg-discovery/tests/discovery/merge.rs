@@ -180,7 +180,7 @@ async fn an_unusable_spec_is_left_out_and_counted_and_the_rest_published() {
         })
         .build();
     publisher.publish(vec![
-        decode("https://10.0.0.5:8200"),
+        decode("ftp://10.0.0.5:8200"),
         decode("http://10.0.0.6:8200"),
         decode("http://10.0.0.66:8200"),
     ]);

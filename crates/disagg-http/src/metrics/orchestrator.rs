@@ -29,6 +29,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 /// | `disagg_kv_releases_total` | counter | early KV releases sent |
 /// | `disagg_kv_releases_in_flight` | gauge | early KV releases running |
 /// | `disagg_invalid_params_total` | counter | requests refused 400 before routing: a field the proxy rewrites holds a value the engines refuse |
+/// | `disagg_tokenized_total` | counter | requests whose prompt was tokenized for routing |
+/// | `disagg_tokenize_failures_total` | counter | requests whose prompt could not be tokenized in time (routed without token ids) |
 /// | `disagg_direct_total{reason}` | counter | requests served by a decode engine alone, by reason |
 /// | `disagg_endpoint_in_flight{role,endpoint}` | gauge | requests in flight on each endpoint of the set |
 pub struct OrchestratorCollector {
@@ -70,7 +72,7 @@ impl Collector for OrchestratorCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> fmt::Result {
         let s = self.orchestrator.stats();
         // Counters are named without `_total`: the encoders append it.
-        let rows: [(&str, &str, bool, u64); 13] = [
+        let rows: [(&str, &str, bool, u64); 15] = [
             ("disagg_requests", "Requests served.", false, s.requests),
             (
                 "disagg_requests_in_flight",
@@ -138,6 +140,18 @@ impl Collector for OrchestratorCollector {
                 "Requests refused before routing: a field the proxy rewrites holds a value the engines refuse.",
                 false,
                 s.invalid_params,
+            ),
+            (
+                "disagg_tokenized",
+                "Requests whose prompt was tokenized for routing.",
+                false,
+                s.tokenized,
+            ),
+            (
+                "disagg_tokenize_failures",
+                "Requests whose prompt could not be tokenized (routed without token ids).",
+                false,
+                s.tokenize_failures,
             ),
         ];
         for (name, help, gauge, value) in rows {

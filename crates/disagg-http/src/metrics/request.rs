@@ -18,7 +18,11 @@ use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
 
 /// The values of `outcome` ([`Summary::outcome`]), in the index order of the handles.
 const OUTCOMES: [&str; 4] = ["success", "client_error", "error", "cancelled"];
-const APIS: [(Api, &str); 2] = [(Api::Chat, "chat"), (Api::Completions, "completions")];
+const APIS: [(Api, &str); 3] = [
+    (Api::Chat, "chat"),
+    (Api::Completions, "completions"),
+    (Api::Generate, "generate"),
+];
 const STREAMS: [&str; 2] = ["false", "true"];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a
@@ -54,9 +58,9 @@ pub struct Metrics {
 struct Inner {
     connector: &'static str,
     /// By [`APIS`], [`STREAMS`], [`OUTCOMES`].
-    duration: [[[Histogram; 4]; 2]; 2],
+    duration: [[[Histogram; 4]; 2]; 3],
     /// By [`APIS`], [`STREAMS`].
-    first_token: [[Histogram; 2]; 2],
+    first_token: [[Histogram; 2]; 3],
     queue_wait: Histogram,
     handoff: Histogram,
     duration_family: Histograms<[(&'static str, &'static str); 3]>,
@@ -228,9 +232,9 @@ impl Listener for Metrics {
 
     fn on_request(&self, summary: &Summary) {
         let i = &self.inner;
-        let api = match summary.api {
-            Api::Chat => 0,
-            Api::Completions => 1,
+        // An API this version does not know (`Api` is non-exhaustive) has no series.
+        let Some(api) = APIS.iter().position(|(a, _)| *a == summary.api) else {
+            return;
         };
         let stream = usize::from(summary.stream);
         let outcome = match summary.outcome() {
@@ -289,7 +293,7 @@ mod tests {
         let mut registry = Registry::default();
         metrics.register(&mut registry, &orchestrator);
         let (text, _) = super::super::encode(&registry, None);
-        for api in ["chat", "completions"] {
+        for (_, api) in APIS {
             for stream in STREAMS {
                 for outcome in OUTCOMES {
                     let series = format!(

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use disagg_sim::SimEngine;
 use tokio::net::TcpStream;
 
+pub mod certs;
+
 /// A `disagg-proxy serve` child process, killed if the test ends before it exits.
 pub struct Proxy {
     pub child: Child,
@@ -50,7 +52,8 @@ impl Proxy {
         Proxy::start_env(args, &[]).await
     }
 
-    /// As [`start_args`](Self::start_args), with the environment variables `env` set.
+    /// [`start_args`](Self::start_args) with environment variables `env` for the child
+    /// (after the default `RUST_LOG=info`, which they may override).
     pub async fn start_env(args: &[String], env: &[(&str, &str)]) -> Proxy {
         let addr = free_addr();
         let threads: &[&str] = if args.iter().any(|a| a == "--threads") {
@@ -259,11 +262,32 @@ async fn send(req: http::Request<http_body_util::Full<bytes::Bytes>>) -> Answer 
 
 /// POST the JSON `body` to `base + path`.
 pub async fn post(base: &str, path: &str, body: &str) -> Answer {
-    let req = http::Request::post(format!("{base}{path}"))
-        .header("content-type", "application/json")
+    post_with(base, path, body, &[]).await
+}
+
+/// POST the JSON `body` to `base + path` with extra `headers`.
+pub async fn post_with(base: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut req =
+        http::Request::post(format!("{base}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
         .body(http_body_util::Full::new(bytes::Bytes::from(
             body.to_owned(),
         )))
+        .expect("a request");
+    send(req).await
+}
+
+/// GET `base + path` with extra `headers`.
+pub async fn get_with(base: &str, path: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut req = http::Request::get(format!("{base}{path}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
         .expect("a request");
     send(req).await
 }

@@ -1,0 +1,284 @@
+//! [`ApiKeyLayer`]: the key check as a tower layer, and the body that holds a key's
+//! in-flight place until the answer ends.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::AUTHORIZATION;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+
+use super::ApiKeys;
+use super::limits::InFlightSlot;
+
+// === ApiKeyLayer ===
+
+/// Which keys a path needs.
+#[derive(Debug)]
+struct Policy {
+    /// Client keys for every path but the open ones; `None`: no client key needed.
+    clients: Option<ApiKeys>,
+    /// Keys for `/metrics`; `None`: `/metrics` is as open as `open` says.
+    metrics: Option<ApiKeys>,
+    /// Paths open to anyone.
+    open: Vec<String>,
+}
+
+impl Policy {
+    fn keys_for(&self, path: &str) -> Option<&ApiKeys> {
+        if path == "/metrics"
+            && let Some(m) = &self.metrics
+        {
+            return Some(m);
+        }
+        if self.open.iter().any(|p| p == path) {
+            return None;
+        }
+        self.clients.as_ref()
+    }
+}
+
+/// A tower layer that checks API keys (and their limits) before the inner service
+/// sees a request: see the [module documentation](super).
+#[derive(Debug, Clone)]
+pub struct ApiKeyLayer {
+    policy: Arc<Policy>,
+}
+
+impl ApiKeyLayer {
+    /// Every path needs one of `keys`, except `/health` and `/metrics`.
+    pub fn new(keys: ApiKeys) -> Self {
+        ApiKeyLayer {
+            policy: Arc::new(Policy {
+                clients: Some(keys),
+                metrics: None,
+                open: vec!["/health".to_owned(), "/metrics".to_owned()],
+            }),
+        }
+    }
+
+    /// Only `/metrics` needs a key, one of `keys`; every other path is open.
+    pub fn metrics_only(keys: ApiKeys) -> Self {
+        ApiKeyLayer {
+            policy: Arc::new(Policy {
+                clients: None,
+                metrics: Some(keys),
+                open: Vec::new(),
+            }),
+        }
+    }
+
+    /// `/metrics` needs one of `keys` (a scraper's; the client keys do not open it).
+    pub fn metrics_keys(self, keys: ApiKeys) -> Self {
+        self.map_policy(|p| p.metrics = Some(keys))
+    }
+
+    /// `path` is open to anyone, like `/health`.
+    pub fn open_path(self, path: impl Into<String>) -> Self {
+        let path = path.into();
+        self.map_policy(|p| p.open.push(path))
+    }
+
+    fn map_policy(self, f: impl FnOnce(&mut Policy)) -> Self {
+        let mut policy = Policy {
+            clients: self.policy.clients.clone(),
+            metrics: self.policy.metrics.clone(),
+            open: self.policy.open.clone(),
+        };
+        f(&mut policy);
+        ApiKeyLayer {
+            policy: Arc::new(policy),
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for ApiKeyLayer {
+    type Service = ApiKeyService<S>;
+
+    fn layer(&self, inner: S) -> ApiKeyService<S> {
+        ApiKeyService {
+            inner,
+            policy: Arc::clone(&self.policy),
+        }
+    }
+}
+
+/// The service of [`ApiKeyLayer`].
+#[derive(Debug, Clone)]
+pub struct ApiKeyService<S> {
+    inner: S,
+    policy: Arc<Policy>,
+}
+
+impl<S, B, RB> tower::Service<Request<B>> for ApiKeyService<S>
+where
+    S: tower::Service<Request<B>, Response = Response<RB>>,
+    RB: Body<Data = Bytes>,
+{
+    type Response = Response<KeyBody<RB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> ResponseFuture<S::Future> {
+        let Some(keys) = self.policy.keys_for(req.uri().path()) else {
+            return ResponseFuture::called(self.inner.call(req), None);
+        };
+        match keys.check(req.headers().get(AUTHORIZATION)) {
+            Ok(admitted) => {
+                req.extensions_mut().insert(admitted.id);
+                ResponseFuture::called(self.inner.call(req), admitted.slot)
+            }
+            Err(refusal) => ResponseFuture::refused(refusal.to_response()),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`ApiKeyService`]: the inner service's answer with the key's
+    /// in-flight place moved into its body, or the refusal.
+    pub struct ResponseFuture<F> {
+        #[pin]
+        state: State<F>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        Called {
+            #[pin]
+            future: F,
+            slot: Option<InFlightSlot>,
+        },
+        Refused {
+            response: Option<Response<Bytes>>,
+        },
+    }
+}
+
+impl<F> ResponseFuture<F> {
+    fn called(future: F, slot: Option<InFlightSlot>) -> Self {
+        ResponseFuture {
+            state: State::Called { future, slot },
+        }
+    }
+
+    fn refused(response: Response<Bytes>) -> Self {
+        ResponseFuture {
+            state: State::Refused {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F> fmt::Debug for ResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl<F, RB, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<RB>, E>>,
+{
+    type Output = Result<Response<KeyBody<RB>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Called { future, slot } => {
+                let resp = std::task::ready!(future.poll(cx))?;
+                let slot = slot.take();
+                Poll::Ready(Ok(resp.map(|body| KeyBody {
+                    inner: Inner::Served { body, slot },
+                })))
+            }
+            StateProj::Refused { response } => {
+                // Polled again after it completed: an empty answer rather than a panic.
+                let resp = response.take().unwrap_or_default();
+                Poll::Ready(Ok(resp.map(|bytes| KeyBody {
+                    inner: Inner::Refused { bytes: Some(bytes) },
+                })))
+            }
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The response body of [`ApiKeyService`]: the inner service's body, holding the
+    /// key's in-flight place until it ends or is dropped, or a refusal's error body.
+    pub struct KeyBody<B> {
+        #[pin]
+        inner: Inner<B>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = InnerProj]
+    enum Inner<B> {
+        Served {
+            #[pin]
+            body: B,
+            slot: Option<InFlightSlot>,
+        },
+        Refused {
+            bytes: Option<Bytes>,
+        },
+    }
+}
+
+impl<B> fmt::Debug for KeyBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyBody").finish_non_exhaustive()
+    }
+}
+
+impl<B> Body for KeyBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().inner.project() {
+            InnerProj::Served { body, slot } => {
+                let polled = std::task::ready!(body.poll_frame(cx));
+                if polled.is_none() {
+                    // The answer is over: the key's place frees now, not when the
+                    // connection gets round to dropping the body.
+                    slot.take();
+                }
+                Poll::Ready(polled)
+            }
+            InnerProj::Refused { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            Inner::Served { body, .. } => body.is_end_stream(),
+            Inner::Refused { bytes } => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Served { body, .. } => body.size_hint(),
+            Inner::Refused { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+            }
+        }
+    }
+}

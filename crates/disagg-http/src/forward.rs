@@ -1,0 +1,487 @@
+//! Pass-through: a request the [`RouteTable`](crate::routes::RouteTable) does not
+//! orchestrate goes to one engine unchanged, or to every engine of its model.
+//!
+//! A forwarded request takes the legs' road: the orchestrator's transport (its pooled
+//! connections), the decode head timeout for the engine's head and the decode idle
+//! timeout between chunks of its answer, the healthy endpoints of the source, and
+//! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow.
+//! Both bodies stream: the client's to the engine as it arrives (within
+//! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes)), the
+//! engine's to the client frame by frame. Only when the fleet serves several models is
+//! the client's body read whole first, to find its `model`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use disagg_core::endpoint::InFlightGuard;
+use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::transport::{BoxBody, Transport};
+use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
+use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
+use sync_wrapper::SyncWrapper;
+
+use crate::body;
+use crate::error::pd_error_response;
+use crate::service::{Inner, collect_limited, json_response};
+
+/// The answer's marker for a generation served by a decode engine alone.
+const DIRECT: HeaderValue = HeaderValue::from_static("direct");
+
+/// The most of one engine's answer to a fanned-out admin request that is kept: those
+/// answers are a status line or a small object.
+const FAN_OUT_ANSWER_LIMIT: usize = 64 * 1024;
+
+/// Headers that describe one connection, not the request (RFC 9110 §7.6.1), plus
+/// `host`, which the transport sets for the engine.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHORIZATION
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::HOST
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+fn strip(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    let hop: Vec<HeaderName> = headers.keys().filter(|n| hop_by_hop(n)).cloned().collect();
+    for name in hop {
+        headers.remove(name);
+    }
+}
+
+impl Inner {
+    /// Forward `req` to one engine serving its model: a decode engine when one does
+    /// (only a decode one when `direct`), the least loaded.
+    pub(crate) async fn forward<B>(&self, req: Request<B>, direct: bool) -> Response<PdBody>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let set = self.orchestrator.source().snapshot();
+        let (parts, body) = req.into_parts();
+        // The body is read for its `model` only when the model decides the engine.
+        let (body, model) = if set.served_models().len() > 1 && may_have_body(&parts.headers) {
+            let limits = self.limits();
+            match body::read(body, limits).await {
+                Ok((bytes, _share)) => {
+                    let model = model_of(&bytes);
+                    (ClientBody::whole(bytes), model)
+                }
+                Err(err) => return pd_error_response(&err),
+            }
+        } else {
+            (ClientBody::stream(body, self.config.max_body_bytes), None)
+        };
+        let endpoint = match self.pick(&set, model.as_deref(), direct) {
+            Ok(ep) => ep,
+            Err(err) => return pd_error_response(&PdError::route(err)),
+        };
+        let side = side(&endpoint);
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let uri = match endpoint.uri(path) {
+            Ok(uri) => uri,
+            Err(e) => {
+                let err = TransportError::Connect(e.into());
+                return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
+            }
+        };
+        let mut out = Request::new(body.boxed());
+        *out.method_mut() = parts.method;
+        *out.uri_mut() = uri;
+        *out.headers_mut() = parts.headers;
+        strip(out.headers_mut());
+        let guard = endpoint.track();
+        let transport = self.orchestrator.transport();
+        let sent = match transport.send_streaming(out) {
+            Ok(fut) => fut,
+            // A transport that cannot stream a body gets it whole.
+            Err(out) => {
+                let (parts, body) = out.into_parts();
+                match collect_limited(body, self.config.max_body_bytes).await {
+                    Ok(bytes) => transport.send(Request::from_parts(parts, bytes)),
+                    Err(e) => return pd_error_response(&PdError::client_body(e)),
+                }
+            }
+        };
+        let config = self.orchestrator.config();
+        let head = match tokio::time::timeout(config.decode_head_timeout, sent).await {
+            Ok(Ok(head)) => head,
+            Ok(Err(err)) => {
+                return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
+            }
+            Err(_) => {
+                let err = TransportError::Timeout;
+                return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
+            }
+        };
+        let (mut parts, body) = head.into_parts();
+        strip(&mut parts.headers);
+        if direct {
+            parts
+                .headers
+                .insert(disagg_core::orchestrator::HANDOFF_HEADER, DIRECT);
+        }
+        let sse = parts
+            .headers
+            .get(CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let body = EngineBody::new(body, guard, config.decode_idle_timeout);
+        Response::from_parts(parts, PdBody::forward(body.boxed(), sse))
+    }
+
+    /// The engine for a forwarded request naming `model`: among the engines serving it
+    /// (all of them for a request naming none), the decode ones when there are any
+    /// (always for `direct`), the one with the fewest requests in flight; ties take
+    /// turns.
+    fn pick(
+        &self,
+        set: &EndpointSet,
+        model: Option<&str>,
+        direct: bool,
+    ) -> Result<Arc<Endpoint>, RouteError> {
+        let set = match model {
+            Some(_) => set.for_model(model)?,
+            None => set,
+        };
+        let pool = match (set.decode(), direct) {
+            ([], true) => return Err(RouteError::NoDecode),
+            ([], false) => set.prefill(),
+            (decode, _) => decode,
+        };
+        let least = pool.iter().map(|e| e.in_flight()).min();
+        let Some(least) = least else {
+            return Err(RouteError::NoDecode);
+        };
+        let idle: Vec<&Arc<Endpoint>> = pool.iter().filter(|e| e.in_flight() == least).collect();
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::clone(idle[turn % idle.len()]))
+    }
+
+    /// Send an admin request to every engine of its model (every engine when it names
+    /// none; one request per server, however many DP ranks it was listed with) and
+    /// answer with each engine's result: 200 when all succeeded; the engines' status
+    /// when they all refused alike; else 502 `fan_out_failed`.
+    pub(crate) async fn fan_out<B>(&self, req: Request<B>) -> Response<PdBody>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = req.into_parts();
+        let bytes = match body::read(body, self.limits()).await {
+            Ok((bytes, _share)) => bytes,
+            Err(err) => return pd_error_response(&err),
+        };
+        let set = self.orchestrator.source().snapshot();
+        let model = model_of(&bytes);
+        let set = match model.as_deref() {
+            Some(m) => match set.for_model(Some(m)) {
+                Ok(s) => s.clone(),
+                Err(err) => return pd_error_response(&PdError::route(err)),
+            },
+            None => set.as_ref().clone(),
+        };
+        let mut targets: Vec<&Arc<Endpoint>> = Vec::new();
+        for ep in set.prefill().iter().chain(set.decode()) {
+            if !targets.iter().any(|t| t.authority() == ep.authority()) {
+                targets.push(ep);
+            }
+        }
+        if targets.is_empty() {
+            return pd_error_response(&PdError::route(RouteError::NoDecode));
+        }
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut headers = parts.headers.clone();
+        strip(&mut headers);
+        let timeout = self.orchestrator.config().decode_head_timeout;
+        let transport = self.orchestrator.transport();
+        let sends = targets.iter().map(|ep| {
+            let mut out = Request::new(bytes.clone());
+            *out.method_mut() = parts.method.clone();
+            *out.headers_mut() = headers.clone();
+            let uri = ep.uri(path);
+            async move {
+                let uri = uri.map_err(|e| e.to_string())?;
+                *out.uri_mut() = uri;
+                one_answer(transport, out, timeout).await
+            }
+        });
+        let answers = futures::future::join_all(sends).await;
+        // An adapter loaded or unloaded changes the model list.
+        self.models.invalidate().await;
+        fan_out_answer(parts.uri.path(), &targets, answers)
+    }
+
+    fn limits(&self) -> body::Limits<'_> {
+        body::Limits {
+            max_bytes: self.config.max_body_bytes,
+            timeout: self.config.body_timeout,
+            budget: &self.config.body_budget,
+        }
+    }
+}
+
+/// One engine's answer to a fanned-out request: its status and body, or why none came.
+async fn one_answer(
+    transport: &dyn Transport,
+    req: Request<Bytes>,
+    timeout: Duration,
+) -> Result<(StatusCode, Bytes), String> {
+    let exchange = async {
+        let resp = transport.send(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body = collect_limited(resp.into_body(), FAN_OUT_ANSWER_LIMIT)
+            .await
+            .map_err(|e| format!("reading the answer: {e}"))?;
+        Ok((status, body))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
+}
+
+fn fan_out_answer(
+    path: &str,
+    targets: &[&Arc<Endpoint>],
+    answers: Vec<Result<(StatusCode, Bytes), String>>,
+) -> Response<PdBody> {
+    let mut results = Vec::with_capacity(answers.len());
+    let mut statuses = Vec::with_capacity(answers.len());
+    let mut failed = Vec::new();
+    for (ep, answer) in targets.iter().zip(answers) {
+        let mut entry = serde_json::Map::new();
+        entry.insert("endpoint".into(), ep.id().as_str().into());
+        entry.insert("role".into(), role(ep).into());
+        match answer {
+            Ok((status, body)) => {
+                let body = serde_json::from_slice(&body).unwrap_or_else(|_| {
+                    serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
+                });
+                entry.insert("status".into(), status.as_u16().into());
+                entry.insert("body".into(), body);
+                if !status.is_success() {
+                    failed.push(format!("{} answered {}", ep.id(), status.as_u16()));
+                }
+                statuses.push(Some(status));
+            }
+            Err(e) => {
+                failed.push(format!("{}: {e}", ep.id()));
+                entry.insert("status".into(), serde_json::Value::Null);
+                entry.insert("error".into(), e.into());
+                statuses.push(None);
+            }
+        }
+        results.push(serde_json::Value::Object(entry));
+    }
+    if failed.is_empty() {
+        let body = serde_json::json!({"object": "fan_out", "path": path, "results": results});
+        return json_response(StatusCode::OK, Bytes::from(body.to_string()));
+    }
+    // Every engine refused alike (an adapter already loaded everywhere, a bad path):
+    // the client's request was wrong, and the engines' status says so.
+    let same = match statuses.first() {
+        Some(Some(first)) if statuses.iter().all(|s| *s == Some(*first)) => Some(*first),
+        _ => None,
+    };
+    let (status, error_type, code) = match same {
+        Some(s) if s.is_client_error() => (s, "invalid_request_error", "fan_out_refused"),
+        _ => (StatusCode::BAD_GATEWAY, "server_error", "fan_out_failed"),
+    };
+    let message = format!(
+        "{} of {} engines failed {path}: {}",
+        failed.len(),
+        targets.len(),
+        failed.join("; ")
+    );
+    let body = serde_json::json!({
+        "error": {"message": message, "type": error_type, "param": null, "code": code},
+        "object": "fan_out",
+        "path": path,
+        "results": results,
+    });
+    json_response(status, Bytes::from(body.to_string()))
+}
+
+fn role(ep: &Endpoint) -> &'static str {
+    match ep.role() {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    }
+}
+
+fn side(ep: &Endpoint) -> Side {
+    match ep.role() {
+        Role::Prefill => Side::Prefill,
+        Role::Decode => Side::Decode,
+    }
+}
+
+/// Whether a request with `headers` may carry a body (one saying `content-length: 0`
+/// does not; one without the header may be chunked).
+fn may_have_body(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .is_none_or(|v| v.as_bytes() != b"0")
+}
+
+/// The top-level `model` string of a JSON body, if it has one.
+fn model_of(bytes: &Bytes) -> Option<String> {
+    let raw = disagg_core::body::top_level_field(bytes, "model").ok()??;
+    serde_json::from_slice::<String>(&raw).ok()
+}
+
+/// A client's request body on its way to the engine: streamed frame by frame (and cut
+/// past the body limit), or whole when it was read to find its model.
+///
+/// `Sync` as the transport's body must be, though the client's body need not be: it
+/// sits in a [`SyncWrapper`], reached only through `&mut`.
+struct ClientBody {
+    inner: SyncWrapper<Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>>,
+    hint: SizeHint,
+    left: u64,
+    ended: bool,
+}
+
+impl ClientBody {
+    fn stream<B>(body: B, limit: usize) -> Self
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let hint = body.size_hint();
+        let ended = body.is_end_stream();
+        let body = body
+            .map_frame(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
+            .map_err(Into::into);
+        ClientBody {
+            inner: SyncWrapper::new(Box::pin(body)),
+            hint,
+            left: limit as u64,
+            ended,
+        }
+    }
+
+    fn whole(bytes: Bytes) -> Self {
+        let limit = bytes.len();
+        Self::stream(http_body_util::Full::new(bytes), limit)
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let polled = this.inner.get_mut().as_mut().poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            let len = data.len() as u64;
+            if len > this.left {
+                return Poll::Ready(Some(Err(
+                    "the request body is larger than the proxy's limit".into(),
+                )));
+            }
+            this.left -= len;
+        }
+        if let Poll::Ready(None) = polled {
+            this.ended = true;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.hint
+    }
+}
+
+/// An engine's answer on its way to the client: holds the engine's place in the
+/// in-flight count until it ends, and ends with an error after `idle` without a frame.
+struct EngineBody {
+    inner: BoxBody,
+    _guard: InFlightGuard,
+    idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl EngineBody {
+    fn new<B>(body: B, guard: InFlightGuard, idle: Option<Duration>) -> Self
+    where
+        B: Body<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        EngineBody {
+            inner: body.map_err(Into::into).boxed(),
+            _guard: guard,
+            idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+        }
+    }
+}
+
+impl Body for EngineBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => {}
+            ready => {
+                if let Some((d, sleep)) = &mut this.idle {
+                    let next = tokio::time::Instant::now() + *d;
+                    sleep.as_mut().reset(next);
+                }
+                return ready;
+            }
+        }
+        if let Some((d, sleep)) = &mut this.idle
+            && sleep.as_mut().poll(cx).is_ready()
+        {
+            let msg = format!("the engine sent nothing for {} ms", d.as_millis());
+            return Poll::Ready(Some(Err(msg.into())));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

@@ -1,0 +1,266 @@
+//! `GET /v1/models` and `GET /v1/models/{id}`, answered as the engines answer them.
+//!
+//! The cards are the decode engines' own (`GET /v1/models` on each server once, every
+//! field kept: vLLM's `root`, `parent`, `max_model_len`, `permission`, and a card per
+//! loaded LoRA adapter), merged by `id`, then a card for each model an endpoint
+//! declares ([`Endpoint::with_models`](disagg_core::Endpoint::with_models), the
+//! proxy's `--served-model`) that no engine listed: the declaring engine's base card
+//! under the declared name, so `root` and `max_model_len` stay the engine's. The list is
+//! cached for [`PdServiceConfig::models_ttl`](crate::PdServiceConfig::models_ttl) and
+//! dropped after a fanned-out admin request (an adapter may have come or gone); an
+//! engine that does not answer within
+//! [`models_timeout`](crate::PdServiceConfig::models_timeout) is left out of it.
+//!
+//! vLLM itself has no `GET /v1/models/{id}`; the proxy answers it from the list (the
+//! card whose `id` is the rest of the path, percent-decoded), and 404
+//! `model_not_found` in OpenAI's format for an unknown id, as OpenAI does.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_core::error::{PdError, RouteError};
+use disagg_core::{EndpointSet, PdBody};
+use http::{Request, StatusCode};
+
+use crate::error::error_response;
+use crate::service::{collect_limited, json_response};
+
+type Card = serde_json::Map<String, serde_json::Value>;
+
+/// The largest model list read from an engine.
+const LIST_LIMIT: usize = 4 * 1024 * 1024;
+
+/// The cached model list.
+#[derive(Debug, Default)]
+pub(crate) struct Catalog {
+    cached: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Card>>)>>,
+}
+
+impl Catalog {
+    /// Forget the list: the next request builds it anew.
+    pub(crate) async fn invalidate(&self) {
+        *self.cached.lock().await = None;
+    }
+
+    /// The cards, from the cache when younger than `ttl`; `None` when no engine
+    /// answered and no endpoint declares a model.
+    async fn cards(
+        &self,
+        set: &EndpointSet,
+        transport: &dyn disagg_core::Transport,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Option<Arc<Vec<Card>>> {
+        // Held across the fetch: requests that find the list stale wait for one fetch
+        // instead of each asking every engine.
+        let mut cached = self.cached.lock().await;
+        if let Some((at, cards)) = &*cached
+            && at.elapsed() < ttl
+        {
+            return Some(Arc::clone(cards));
+        }
+        let cards = Arc::new(fetch(set, transport, timeout).await?);
+        *cached = Some((Instant::now(), Arc::clone(&cards)));
+        Some(cards)
+    }
+}
+
+/// Each decode server's list, merged, then the declared models no engine listed.
+async fn fetch(
+    set: &EndpointSet,
+    transport: &dyn disagg_core::Transport,
+    timeout: Duration,
+) -> Option<Vec<Card>> {
+    let mut servers: Vec<&Arc<disagg_core::Endpoint>> = Vec::new();
+    for ep in set.decode() {
+        if !servers.iter().any(|s| s.authority() == ep.authority()) {
+            servers.push(ep);
+        }
+    }
+    let fetches = servers.iter().map(|ep| {
+        let sent = ep.uri("/v1/models").map(|uri| {
+            let mut r = Request::new(Bytes::new());
+            *r.uri_mut() = uri;
+            transport.send(r)
+        });
+        async move {
+            let resp = sent.ok()?.await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            let body = collect_limited(resp.into_body(), LIST_LIMIT).await.ok()?;
+            let list: ModelList = serde_json::from_slice(&body).ok()?;
+            Some(list.data)
+        }
+    });
+    let lists = tokio::time::timeout(timeout, futures::future::join_all(fetches))
+        .await
+        .unwrap_or_default();
+    let mut answered = false;
+    let mut cards: Vec<Card> = Vec::new();
+    // Each server's base model card, by its authority.
+    let mut base_of: Vec<(&http::uri::Authority, Card)> = Vec::new();
+    for (ep, list) in servers
+        .iter()
+        .zip(lists.into_iter().chain(std::iter::repeat(None)))
+    {
+        let Some(list) = list else {
+            continue;
+        };
+        answered = true;
+        // The engine's base model: the card without a parent (LoRA cards name one).
+        if let Some(base) = list
+            .iter()
+            .find(|c| c.get("parent").is_none_or(serde_json::Value::is_null))
+        {
+            base_of.push((ep.authority(), base.clone()));
+        }
+        for card in list {
+            if !cards.iter().any(|c| c.get("id") == card.get("id")) {
+                cards.push(card);
+            }
+        }
+    }
+    for name in set.served_models() {
+        if cards
+            .iter()
+            .any(|c| c.get("id").and_then(|v| v.as_str()) == Some(name))
+        {
+            continue;
+        }
+        // The base card of a server with a decode endpoint declaring the name.
+        let base = set
+            .decode()
+            .iter()
+            .filter(|ep| ep.models().is_some_and(|m| m.contains(name)))
+            .find_map(|ep| base_of.iter().find(|(a, _)| *a == ep.authority()))
+            .map(|(_, card)| card.clone());
+        cards.push(declared(name, base));
+    }
+    (answered || !cards.is_empty()).then_some(cards)
+}
+
+/// The card for a model an endpoint declares: its engine's base card under the
+/// declared name, or, when no engine answered, vLLM's card shape with what is known.
+fn declared(name: &str, base: Option<Card>) -> Card {
+    let mut card = base.unwrap_or_else(|| {
+        let fields = [
+            ("object", "model".into()),
+            ("created", 0.into()),
+            ("owned_by", "vllm".into()),
+            ("root", name.into()),
+            ("parent", serde_json::Value::Null),
+            ("max_model_len", serde_json::Value::Null),
+            ("permission", serde_json::Value::Array(Vec::new())),
+        ];
+        fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+    });
+    card.insert("id".into(), name.into());
+    card
+}
+
+#[derive(serde::Deserialize)]
+struct ModelList {
+    data: Vec<Card>,
+}
+
+impl crate::service::Inner {
+    /// `GET /v1/models` (`id` `None`) or `GET /v1/models/{id}`.
+    pub(crate) async fn models(&self, id: Option<&str>) -> http::Response<PdBody> {
+        let set = self.orchestrator.source().snapshot();
+        let cards = self
+            .models
+            .cards(
+                &set,
+                self.orchestrator.transport(),
+                self.config.models_ttl,
+                self.config.models_timeout,
+            )
+            .await;
+        let Some(cards) = cards else {
+            return error_response(
+                StatusCode::BAD_GATEWAY,
+                "no decode endpoint answered GET /v1/models",
+                "server_error",
+                "decode_failed",
+            );
+        };
+        let Some(id) = id else {
+            let body = serde_json::json!({"object": "list", "data": &*cards});
+            return json_response(StatusCode::OK, Bytes::from(body.to_string()));
+        };
+        let id = percent_decode(id);
+        match cards
+            .iter()
+            .find(|c| c.get("id").and_then(|v| v.as_str()) == Some(&id))
+        {
+            Some(card) => json_response(
+                StatusCode::OK,
+                Bytes::from(serde_json::Value::Object(card.clone()).to_string()),
+            ),
+            None => {
+                let served = cards
+                    .iter()
+                    .filter_map(|c| c.get("id").and_then(|v| v.as_str()))
+                    .map(Arc::from)
+                    .collect();
+                let err = RouteError::UnknownModel { model: id, served };
+                crate::error::pd_error_response(&PdError::route(err))
+            }
+        }
+    }
+}
+
+/// `s` with its `%XX` escapes decoded (model ids hold `/` and `:`, which clients may
+/// escape); an escape that is not one, or bytes that are not UTF-8, stay as they are.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%'
+            && let (Some(h), Some(l)) = (
+                b.get(i + 1).copied().and_then(hex),
+                b.get(i + 2).copied().and_then(hex),
+            )
+        {
+            // Two hex digits make at most 255.
+            out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes_decode_and_broken_ones_stay() {
+        assert_eq!(percent_decode("org%2Fmodel%3Av1"), "org/model:v1");
+        assert_eq!(percent_decode("a%2"), "a%2");
+        assert_eq!(percent_decode("a%zz"), "a%zz");
+        assert_eq!(percent_decode("plain/id"), "plain/id");
+    }
+
+    #[test]
+    fn a_declared_name_keeps_its_engines_fields() {
+        let base: Card = serde_json::from_str(
+            r#"{"id":"m","object":"model","root":"/models/m","parent":null,"max_model_len":4096}"#,
+        )
+        .unwrap();
+        let card = declared("alias", Some(base));
+        assert_eq!(card["id"], "alias");
+        assert_eq!(card["root"], "/models/m");
+        assert_eq!(card["max_model_len"], 4096);
+        let bare = declared("alias", None);
+        assert_eq!(bare["root"], "alias");
+        assert!(bare["parent"].is_null());
+    }
+}

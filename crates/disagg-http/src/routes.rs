@@ -1,0 +1,255 @@
+//! [`RouteTable`]: which of an engine's routes the [`PdService`](crate::PdService)
+//! orchestrates, answers itself, forwards, refuses or fans out.
+//!
+//! A P/D deployment should look to its clients like one engine, so every route the
+//! proxy does not orchestrate reaches an engine unchanged. Routes that change an
+//! engine's state (LoRA adapters, caches, sleep, profiling, weights) are the exception:
+//! they are closed by default, because the proxy is the public face of the fleet and
+//! the engines open them only to their operators (vLLM behind `VLLM_SERVER_DEV_MODE`,
+//! `VLLM_ALLOW_RUNTIME_LORA_UPDATING` or `VLLM_TORCH_PROFILER_DIR`, in
+//! `vllm/entrypoints/openai/api_server.py`). Opened ([`RouteTable::admin_routes`]), each
+//! goes to every engine of the model, prefill and decode: a pair whose two sides
+//! disagree about a LoRA adapter cannot hand KV over.
+//!
+//! The default table:
+//!
+//! | route | action |
+//! |---|---|
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
+//! | `/v1/responses` (and below), `/v1/messages`, `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
+//! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
+//! | anything else (`/tokenize`, `/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, `/score`, `/rerank`, ...) | [`Forwarded`](RouteAction::Forwarded) |
+
+use std::borrow::Cow;
+
+/// What the service does with a request on a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RouteAction {
+    /// Served disaggregated: the prefill leg, the KV handoff, the decode leg (`POST`
+    /// only; another method is 405).
+    Orchestrated,
+    /// Answered by the proxy itself: the model list and cards built from the engines'
+    /// own, the fleet's health, the proxy's metrics.
+    Proxy,
+    /// Forwarded unchanged to one engine serving the request's model (a decode engine
+    /// when one does, the least loaded), bodies streamed both ways.
+    Forwarded,
+    /// Generation that P/D does not orchestrate: forwarded to one decode engine alone,
+    /// which computes the prompt itself; the answer says `x-disagg-handoff: direct`.
+    Direct,
+    /// Closed: 403 `admin_route_closed` in OpenAI's format, nothing sent to an engine.
+    Refused,
+    /// Sent to every engine (prefill and decode) serving the request's `model`, or
+    /// every engine when it names none; the answer lists each engine's result.
+    FannedOut,
+}
+
+impl RouteAction {
+    /// The action's name as the docs and logs spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouteAction::Orchestrated => "orchestrated",
+            RouteAction::Proxy => "proxy",
+            RouteAction::Forwarded => "forwarded",
+            RouteAction::Direct => "direct",
+            RouteAction::Refused => "refused",
+            RouteAction::FannedOut => "fanned out",
+        }
+    }
+}
+
+/// The routes that change an engine's state, closed by default.
+///
+/// vLLM's (`vllm/entrypoints/openai/api_server.py` and `vllm/entrypoints/serve/`): LoRA
+/// load and unload, the prefix and multimodal cache resets, sleep and wake, the
+/// profiler, `collective_rpc`, `server_info`, elastic expert parallelism. SGLang's
+/// (`sglang/srt/entrypoints/http_server.py`): `flush_cache`, weight updates, memory
+/// release and resume, LoRA, profiling, logging, request abort, pausing.
+pub const ADMIN_ROUTES: &[&str] = &[
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/collective_rpc",
+    "/server_info",
+    "/start_profile",
+    "/stop_profile",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/flush_cache",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/init_weights_update_group",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/configure_logging",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/slow_down",
+    "/set_internal_state",
+];
+
+/// Generation routes that P/D does not orchestrate, served by one decode engine.
+const DIRECT_ROUTES: &[&str] = &[
+    // vLLM's Responses API, and its retrieve and cancel routes below it.
+    "/v1/responses",
+    "/v1/responses/*",
+    // vLLM's Anthropic Messages API.
+    "/v1/messages",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    // SageMaker's entry point, which vLLM routes to chat, completions or pooling by
+    // the body's shape.
+    "/invocations",
+];
+
+/// One rule of a [`RouteTable`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteRule {
+    /// The path; one ending in `/*` also matches every path below it.
+    pub path: Cow<'static, str>,
+    /// What is done with requests on it.
+    pub action: RouteAction,
+}
+
+impl RouteRule {
+    fn matches(&self, path: &str) -> bool {
+        match self.path.strip_suffix("/*") {
+            Some(prefix) => path
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.len() > 1 && rest.starts_with('/')),
+            None => self.path == path,
+        }
+    }
+}
+
+/// The route table of a [`PdService`](crate::PdService): an action per path, and
+/// [`Forwarded`](RouteAction::Forwarded) for every path it does not name. See the
+/// [module docs](self) for the default table.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_http::routes::{RouteAction, RouteTable};
+///
+/// let closed = RouteTable::default();
+/// assert_eq!(closed.action("/v1/load_lora_adapter"), RouteAction::Refused);
+/// assert_eq!(closed.action("/tokenize"), RouteAction::Forwarded);
+///
+/// let open = RouteTable::default().admin_routes(true).set("/tokenize", RouteAction::Refused);
+/// assert_eq!(open.action("/v1/load_lora_adapter"), RouteAction::FannedOut);
+/// assert_eq!(open.action("/tokenize"), RouteAction::Refused);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteTable {
+    rules: Vec<RouteRule>,
+}
+
+impl Default for RouteTable {
+    fn default() -> Self {
+        let rule = |path: &'static str, action| RouteRule {
+            path: Cow::Borrowed(path),
+            action,
+        };
+        let mut rules = vec![
+            rule("/v1/chat/completions", RouteAction::Orchestrated),
+            rule("/v1/completions", RouteAction::Orchestrated),
+            rule("/generate", RouteAction::Orchestrated),
+            rule("/v1/models", RouteAction::Proxy),
+            rule("/v1/models/*", RouteAction::Proxy),
+            rule("/health", RouteAction::Proxy),
+            rule("/metrics", RouteAction::Proxy),
+        ];
+        rules.extend(DIRECT_ROUTES.iter().map(|p| rule(p, RouteAction::Direct)));
+        rules.extend(ADMIN_ROUTES.iter().map(|p| rule(p, RouteAction::Refused)));
+        RouteTable { rules }
+    }
+}
+
+impl RouteTable {
+    /// Open (`true`: [`FannedOut`](RouteAction::FannedOut)) or close (`false`:
+    /// [`Refused`](RouteAction::Refused)) every route of [`ADMIN_ROUTES`].
+    #[must_use]
+    pub fn admin_routes(mut self, open: bool) -> Self {
+        let action = if open {
+            RouteAction::FannedOut
+        } else {
+            RouteAction::Refused
+        };
+        for rule in &mut self.rules {
+            if ADMIN_ROUTES.contains(&&*rule.path) {
+                rule.action = action;
+            }
+        }
+        self
+    }
+
+    /// Give `path` the `action` (a path ending in `/*` covers the paths below it),
+    /// replacing its rule if it had one. An exact path's rule wins over a `/*` one.
+    #[must_use]
+    pub fn set(mut self, path: impl Into<Cow<'static, str>>, action: RouteAction) -> Self {
+        let path = path.into();
+        match self.rules.iter_mut().find(|r| r.path == path) {
+            Some(rule) => rule.action = action,
+            None => self.rules.push(RouteRule { path, action }),
+        }
+        self
+    }
+
+    /// The action for a request on `path`.
+    pub fn action(&self, path: &str) -> RouteAction {
+        let exact = self.rules.iter().find(|r| r.path == path);
+        exact
+            .or_else(|| self.rules.iter().find(|r| r.matches(path)))
+            .map_or(RouteAction::Forwarded, |r| r.action)
+    }
+
+    /// The rules, in the order they were added.
+    pub fn rules(&self) -> &[RouteRule] {
+        &self.rules
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_cover_only_paths_below_them() {
+        let t = RouteTable::default();
+        assert_eq!(t.action("/v1/models"), RouteAction::Proxy);
+        assert_eq!(t.action("/v1/models/org/model"), RouteAction::Proxy);
+        assert_eq!(t.action("/v1/models/"), RouteAction::Forwarded);
+        assert_eq!(t.action("/v1/responses/resp_1/cancel"), RouteAction::Direct);
+        assert_eq!(t.action("/v1/responsesX"), RouteAction::Forwarded);
+    }
+
+    #[test]
+    fn admin_routes_open_and_close_together() {
+        let open = RouteTable::default().admin_routes(true);
+        for path in ADMIN_ROUTES {
+            assert_eq!(open.action(path), RouteAction::FannedOut, "{path}");
+        }
+        let closed = open.admin_routes(false);
+        for path in ADMIN_ROUTES {
+            assert_eq!(closed.action(path), RouteAction::Refused, "{path}");
+        }
+        assert_eq!(closed.action("/v1/completions"), RouteAction::Orchestrated);
+    }
+
+    #[test]
+    fn an_exact_rule_wins_over_a_prefix() {
+        let t = RouteTable::default().set("/v1/responses/keep", RouteAction::Refused);
+        assert_eq!(t.action("/v1/responses/keep"), RouteAction::Refused);
+        assert_eq!(t.action("/v1/responses/other"), RouteAction::Direct);
+    }
+}

@@ -1,0 +1,484 @@
+//! `serve`'s KV-event routing flags: the `kv_events` policy's subscriber, index and
+//! scorer, the tokenizer that gives it a request's token ids, and their metrics.
+//!
+//! The subscriber runs on a thread of its own (one small tokio runtime), so its
+//! sockets never share an event loop with requests. It follows the endpoint set: with
+//! discovery, every change of the discovered set (before health filtering: an engine
+//! ejected for a few seconds keeps its cache and its entries); without, the
+//! `--prefill` / `--decode` engines. Where an engine publishes comes, in this order,
+//! from its `--kv-events-endpoint`, a discovery source's KV-events endpoint (a pod
+//! annotation, the endpoints file's `kv_events`), or `--kv-events-port` on the
+//! engine's own host; an engine with none of them is not subscribed to (its entries
+//! stay empty, and the policy sees it as holding nothing).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use async_trait::async_trait;
+use clap::{Args, ValueEnum};
+use disagg_core::{
+    Api, BoxError as CoreBoxError, Endpoint, EndpointSet, EndpointSource, JsonBody, Role, TokenIds,
+    Tokenizer, Transport,
+};
+use disagg_http::metrics::ExtraMetrics;
+use disagg_http::{HttpTransport, HttpTransportConfig};
+use disagg_kvevents::{
+    EngineEndpoint, IndexConfig, KvIndex, KvScorer, ScorerConfig, Subscriber, SubscriberConfig,
+};
+use disagg_tokenize::{EngineTokenizer, HfTokenizer};
+
+use crate::BoxError;
+
+/// The default price of one request in flight on a candidate, in tokens of prefill
+/// work: 512, about the uncached part of a chat turn (a user message and the last
+/// answer). The policy cannot hold each request's own pending work until its prefill
+/// ends (a per-leg pick returns an index only), so load is counted in requests at this
+/// price; see `disagg_kvevents::KvEventsPick`.
+pub const DEFAULT_IN_FLIGHT_TOKENS: u64 = 512;
+
+/// Flags of the `kv_events` policy (docs/routing.md).
+#[derive(Debug, Clone, Default, Args)]
+pub struct KvEventsArgs {
+    /// Where an engine publishes its KV-cache events (its `--kv-events-config`
+    /// `endpoint`, `*` replaced by its address), as
+    /// URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]; data-parallel rank r
+    /// publishes on PORT + r. Repeatable.
+    #[arg(long = "kv-events-endpoint", value_name = "URL=tcp://HOST:PORT", value_parser = parse_endpoint)]
+    kv_events_endpoints: Vec<EngineEndpoint>,
+    /// Every engine publishes its KV-cache events on its own host at this port (rank
+    /// r at PORT + r), for engines without --kv-events-endpoint.
+    #[arg(long, value_name = "PORT")]
+    kv_events_port: Option<u16>,
+    /// The engines' replay port (`replay_endpoint`, rank r at PORT + r), with
+    /// --kv-events-port or a discovered endpoint: lost events are asked for again
+    /// instead of dropping the engine's entries, and a proxy started late learns what
+    /// the engines already hold.
+    #[arg(long, value_name = "PORT")]
+    kv_events_replay_port: Option<u16>,
+    /// The engines' KV block size in tokens, for engines whose events have not told it
+    /// yet (events carry it).
+    #[arg(long, value_name = "N", default_value_t = disagg_kvevents::index::DEFAULT_BLOCK_SIZE)]
+    block_size: usize,
+    /// `kv_events`: what one request in flight on an engine costs, in tokens of prefill
+    /// work, against the tokens its cache saves (about the mean uncached prompt).
+    #[arg(long, value_name = "TOKENS", default_value_t = DEFAULT_IN_FLIGHT_TOKENS)]
+    kv_in_flight_tokens: u64,
+    /// The model's tokenizer, to tokenize prompts as the engine does: a directory with
+    /// `tokenizer.json` (and `tokenizer_config.json` for the chat template), or a
+    /// `tokenizer.json` file (its directory's `tokenizer_config.json` is read too).
+    #[arg(long, value_name = "PATH", conflicts_with = "tokenize")]
+    tokenizer: Option<PathBuf>,
+    /// Tokenize prompts through an engine's own `POST /tokenize` (one round trip per
+    /// request; exact by construction).
+    #[arg(long, value_enum)]
+    tokenize: Option<TokenizeArg>,
+}
+
+/// Where token ids come from, besides `--tokenizer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TokenizeArg {
+    /// An engine's `POST /tokenize` (a prefill engine serving the model, in turn).
+    Engine,
+}
+
+fn parse_endpoint(s: &str) -> Result<EngineEndpoint, String> {
+    let mut e = EngineEndpoint::parse(s).map_err(|e| e.to_string())?;
+    e.engine = e.engine.trim_end_matches('/').to_owned();
+    Ok(e)
+}
+
+/// The `kv_events` policy's shared parts, built when a leg's policy is `kv_events`.
+pub(crate) struct KvEvents {
+    pub(crate) scorer: Arc<KvScorer>,
+    pub(crate) subscriber: Arc<Subscriber>,
+    args: KvEventsArgs,
+}
+
+impl KvEventsArgs {
+    /// The flag that only the `kv_events` policy reads, if one was given: given
+    /// without that policy it would be silently ignored, which hides a mistyped policy.
+    pub(crate) fn needs_the_policy(&self) -> Option<&'static str> {
+        if !self.kv_events_endpoints.is_empty() {
+            Some("--kv-events-endpoint")
+        } else if self.kv_events_port.is_some() {
+            Some("--kv-events-port")
+        } else if self.kv_events_replay_port.is_some() {
+            Some("--kv-events-replay-port")
+        } else {
+            None
+        }
+    }
+
+    /// The tokenizer the flags ask for (`None`: neither flag).
+    pub(crate) fn tokenizer(
+        &self,
+        source: Arc<dyn EndpointSource>,
+        transport: HttpTransportConfig,
+    ) -> Result<Option<Arc<dyn Tokenizer>>, BoxError> {
+        if let Some(path) = &self.tokenizer {
+            let hf = if path.is_dir() {
+                HfTokenizer::from_dir(path)
+            } else {
+                let config = path.with_file_name("tokenizer_config.json");
+                HfTokenizer::from_files(path, config.exists().then_some(config.as_path()))
+            }
+            .map_err(|e| format!("--tokenizer {}: {e}", path.display()))?;
+            return Ok(Some(Arc::new(hf)));
+        }
+        Ok(match self.tokenize {
+            Some(TokenizeArg::Engine) => Some(Arc::new(SetTokenizer {
+                source,
+                transport: Arc::new(HttpTransport::new(transport)),
+                next: AtomicUsize::new(0),
+            })),
+            None => None,
+        })
+    }
+}
+
+impl KvEvents {
+    /// The index, scorer and (not yet started) subscriber the flags describe.
+    pub(crate) fn new(args: &KvEventsArgs) -> Result<KvEvents, BoxError> {
+        if args.block_size == 0 {
+            return Err("--block-size must be at least 1".into());
+        }
+        let index = Arc::new(KvIndex::new(IndexConfig {
+            block_size: args.block_size,
+            ..IndexConfig::default()
+        }));
+        let scorer = Arc::new(KvScorer::new(
+            Arc::clone(&index),
+            ScorerConfig {
+                in_flight_cost_tokens: args.kv_in_flight_tokens,
+                ..ScorerConfig::default()
+            },
+        ));
+        let subscriber = Arc::new(Subscriber::new(index, SubscriberConfig::default()));
+        Ok(KvEvents {
+            scorer,
+            subscriber,
+            args: args.clone(),
+        })
+    }
+
+    /// Where each engine of `set` publishes, by the flags and the endpoints' own
+    /// discovered KV-events endpoints.
+    pub(crate) fn engine_endpoints(&self, set: &EndpointSet) -> Vec<EngineEndpoint> {
+        // Engines by base URL, with their ranks' count (rank r of an engine run as
+        // `URL@r` publishes on the port plus r).
+        let mut engines: BTreeMap<String, (u32, &Endpoint)> = BTreeMap::new();
+        for ep in set
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode))
+        {
+            let id = ep.id().as_str();
+            let base = match ep.rank() {
+                Some(_) => id.rsplit_once('@').map_or(id, |(b, _)| b),
+                None => id,
+            };
+            let ranks = ep.rank().map_or(1, |r| r + 1);
+            let entry = engines.entry(base.to_owned()).or_insert((ranks, ep));
+            entry.0 = entry.0.max(ranks);
+        }
+        let a = &self.args;
+        let mut out = Vec::with_capacity(engines.len());
+        for (base, (ranks, ep)) in engines {
+            let found = if let Some(e) = a.kv_events_endpoints.iter().find(|e| e.engine == base) {
+                Ok(Some(e.clone()))
+            } else if let Some(d) = ep.ext().get::<disagg_discovery::KvEventsEndpoint>() {
+                discovered(&base, &d.0, a.kv_events_replay_port, ranks).map(Some)
+            } else if let Some(port) = a.kv_events_port {
+                EngineEndpoint::on_engine_host(&base, port, a.kv_events_replay_port)
+                    .and_then(|e| e.with_dp_size(ranks))
+                    .map(Some)
+            } else {
+                Ok(None)
+            };
+            match found {
+                Ok(Some(e)) => out.push(e),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(engine = %base, error = %e, "no KV-events subscription"),
+            }
+        }
+        out
+    }
+
+    /// Subscribe on a thread of its own and follow `follow`'s set until `shutdown`.
+    pub(crate) fn start(
+        &self,
+        follow: Arc<dyn EndpointSource>,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<std::thread::JoinHandle<()>, BoxError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let this = KvEvents {
+            scorer: Arc::clone(&self.scorer),
+            subscriber: Arc::clone(&self.subscriber),
+            args: self.args.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("disagg-kv-events".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let mut sets = follow.watch();
+                    loop {
+                        let set = sets.borrow_and_update().clone();
+                        let engines = this.engine_endpoints(&set);
+                        tracing::info!(engines = engines.len(), "KV events: subscribing");
+                        this.subscriber.set_endpoints(engines).await;
+                        tokio::select! {
+                            changed = sets.changed() => if changed.is_err() { break },
+                            _ = shutdown.wait_for(|stop| *stop) => break,
+                        }
+                    }
+                    // Unsubscribe here, on the runtime the tasks run on.
+                    this.subscriber.set_endpoints(Vec::new()).await;
+                })
+            })?;
+        Ok(thread)
+    }
+
+    /// `GET /metrics`: the subscriptions' counters and the index's size, read at each
+    /// scrape (the tokenizing counts are the orchestrator's, in its own collector).
+    pub(crate) fn metrics(&self) -> ExtraMetrics {
+        let subscriber = Arc::clone(&self.subscriber);
+        ExtraMetrics::new(move |registry| {
+            registry.register_collector(Box::new(KvEventsCollector(Arc::clone(&subscriber))));
+        })
+    }
+}
+
+/// [`KvEvents::metrics`]' collector: the subscriber's counters summed over the engine
+/// ranks, and the index's size.
+///
+/// | metric | type | meaning |
+/// |---|---|---|
+/// | `disagg_kv_events_ranks_connected` | gauge | engine ranks whose subscription is connected |
+/// | `disagg_kv_events_batches_total` | counter | batches applied to the index (replayed ones included) |
+/// | `disagg_kv_events_gaps_total` | counter | sequence gaps seen |
+/// | `disagg_kv_events_replayed_total` | counter | batches recovered from the replay sockets |
+/// | `disagg_kv_events_replay_failures_total` | counter | replays that failed or could not cover a gap |
+/// | `disagg_kv_events_drops_total` | counter | times a rank's entries were dropped |
+/// | `disagg_kv_events_resubscribes_total` | counter | subscriptions renewed after silence or an error |
+/// | `disagg_kv_events_index_blocks` | gauge | blocks the index holds, over all engines |
+struct KvEventsCollector(Arc<Subscriber>);
+
+impl std::fmt::Debug for KvEventsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventsCollector").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for KvEventsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let ranks = self.0.status();
+        let sum = |f: fn(&disagg_kvevents::RankStatus) -> u64| ranks.iter().map(f).sum::<u64>();
+        // (name, help, gauge, value); counters are named without `_total`: the encoders
+        // append it.
+        let rows: [(&str, &str, bool, u64); 8] = [
+            (
+                "disagg_kv_events_ranks_connected",
+                "Engine ranks whose KV-event subscription is connected.",
+                true,
+                ranks.iter().filter(|r| r.connected).count() as u64,
+            ),
+            (
+                "disagg_kv_events_batches",
+                "KV-event batches applied to the index (replayed ones included).",
+                false,
+                sum(|r| r.batches),
+            ),
+            (
+                "disagg_kv_events_gaps",
+                "Sequence gaps seen in the engines' KV events.",
+                false,
+                sum(|r| r.gaps),
+            ),
+            (
+                "disagg_kv_events_replayed",
+                "KV-event batches recovered from the engines' replay sockets.",
+                false,
+                sum(|r| r.replayed),
+            ),
+            (
+                "disagg_kv_events_replay_failures",
+                "Replays that failed or could not cover a gap.",
+                false,
+                sum(|r| r.replay_failures),
+            ),
+            (
+                "disagg_kv_events_drops",
+                "Times an engine rank's index entries were dropped (a gap without replay, a restart, a bad batch).",
+                false,
+                sum(|r| r.drops),
+            ),
+            (
+                "disagg_kv_events_resubscribes",
+                "KV-event subscriptions renewed after silence or a receive error.",
+                false,
+                sum(|r| r.resubscribes),
+            ),
+            (
+                "disagg_kv_events_index_blocks",
+                "Blocks the KV-event index holds, over all engines.",
+                true,
+                self.0.index().stats().blocks as u64,
+            ),
+        ];
+        for (name, help, gauge, value) in rows {
+            if gauge {
+                let metric = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+                metric.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+            } else {
+                let metric = ConstCounter::new(value);
+                metric.encode(encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    MetricType::Counter,
+                )?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A set that never changes (the `--prefill` / `--decode` engines), as a source the
+/// subscriber can follow like a discovered one.
+pub(crate) struct Fixed(tokio::sync::watch::Sender<Arc<EndpointSet>>);
+
+impl Fixed {
+    pub(crate) fn new(set: Arc<EndpointSet>) -> Self {
+        Fixed(tokio::sync::watch::Sender::new(set))
+    }
+}
+
+impl EndpointSource for Fixed {
+    fn watch(&self) -> tokio::sync::watch::Receiver<Arc<EndpointSet>> {
+        self.0.subscribe()
+    }
+}
+
+/// A discovered publisher `tcp://HOST:PORT`, with the replay port on the same host.
+fn discovered(
+    base: &str,
+    publisher: &str,
+    replay_port: Option<u16>,
+    ranks: u32,
+) -> Result<EngineEndpoint, disagg_kvevents::EndpointError> {
+    let mut e = EngineEndpoint::new(base, publisher)?;
+    if let (Some(port), Some((host, _))) = (replay_port, publisher.rsplit_once(':')) {
+        e = e.with_replay(format!("{host}:{port}"))?;
+    }
+    e.with_dp_size(ranks)
+}
+
+/// `--tokenize engine`: the `/tokenize` of an engine serving the request's model,
+/// prefill engines in turn (they compute prompts anyway), else decode engines.
+struct SetTokenizer {
+    source: Arc<dyn EndpointSource>,
+    transport: Arc<dyn Transport>,
+    next: AtomicUsize,
+}
+
+#[async_trait]
+impl Tokenizer for SetTokenizer {
+    async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, CoreBoxError> {
+        let model = body.get_as::<String>("model").and_then(Result::ok);
+        let endpoint = {
+            let set = self.source.snapshot();
+            let set = set.for_model(model.as_deref())?;
+            let pool = match set.prefill() {
+                [] => set.decode(),
+                p => p,
+            };
+            match pool {
+                [] => return Err("no engine to tokenize with".into()),
+                p => Arc::clone(&p[self.next.fetch_add(1, Ordering::Relaxed) % p.len()]),
+            }
+        };
+        EngineTokenizer::new(Arc::clone(&self.transport), endpoint)
+            .token_ids(api, body)
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        kv: KvEventsArgs,
+    }
+
+    fn kv(flags: &[&str]) -> KvEvents {
+        let cli = Cli::try_parse_from(std::iter::once("x").chain(flags.iter().copied())).unwrap();
+        KvEvents::new(&cli.kv).unwrap()
+    }
+
+    fn set() -> EndpointSet {
+        let mut discovered = http::Extensions::new();
+        discovered.insert(disagg_discovery::KvEventsEndpoint(
+            "tcp://10.0.0.9:6000".into(),
+        ));
+        let eps = [
+            Endpoint::new("http://10.0.0.1:8000", Role::Prefill).unwrap(),
+            Endpoint::new("http://10.0.0.2:8000@0", Role::Decode).unwrap(),
+            Endpoint::new("http://10.0.0.2:8000@1", Role::Decode).unwrap(),
+            Endpoint::with_extensions("http://10.0.0.9:8000", Role::Decode, discovered).unwrap(),
+        ];
+        EndpointSet::new(eps.into_iter().map(Arc::new))
+    }
+
+    #[test]
+    fn publishers_come_from_flags_then_discovery_then_the_engines_host() {
+        let kv = kv(&[
+            "--kv-events-port",
+            "5557",
+            "--kv-events-replay-port",
+            "5600",
+            "--kv-events-endpoint",
+            "http://10.0.0.1:8000/=tcp://10.0.0.7:7000",
+        ]);
+        let got = kv.engine_endpoints(&set());
+        let find = |engine: &str| got.iter().find(|e| e.engine == engine).unwrap();
+        // The flag wins over --kv-events-port, and carries no replay of its own.
+        let p = find("http://10.0.0.1:8000");
+        assert_eq!(
+            (p.publisher.as_str(), p.replay.as_deref()),
+            ("tcp://10.0.0.7:7000", None)
+        );
+        // Two rank endpoints: one engine with two ranks on the engine's host.
+        let d = find("http://10.0.0.2:8000");
+        assert_eq!(d.dp_size, 2);
+        assert_eq!(d.publisher_of(1), "tcp://10.0.0.2:5558");
+        assert_eq!(d.replay_of(1).as_deref(), Some("tcp://10.0.0.2:5601"));
+        // A discovered publisher, the replay port on its host.
+        let x = find("http://10.0.0.9:8000");
+        assert_eq!(x.publisher, "tcp://10.0.0.9:6000");
+        assert_eq!(x.replay.as_deref(), Some("tcp://10.0.0.9:5600"));
+        assert_eq!(got.len(), 3);
+    }
+
+    #[test]
+    fn engines_without_a_known_publisher_are_not_subscribed() {
+        let got = kv(&[]).engine_endpoints(&set());
+        let engines: Vec<&str> = got.iter().map(|e| e.engine.as_str()).collect();
+        assert_eq!(engines, ["http://10.0.0.9:8000"]);
+    }
+}

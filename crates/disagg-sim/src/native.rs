@@ -1,0 +1,369 @@
+//! SGLang's native `POST /generate`, served by an engine in
+//! [`KvMode::Sglang`](crate::KvMode::Sglang) on both roles.
+//!
+//! As SGLang 0.5.23 (`python/sglang/srt/managers/io_struct.py` `GenerateReqInput`,
+//! `managers/tokenizer_manager.py`, `entrypoints/http_server.py` `generate_request`):
+//!
+//! - the prompt is `text` (a string, or a list of strings: a batch) or `input_ids`
+//!   (token ids, or a list of token-id lists: a batch), exactly one of them;
+//! - `sampling_params` holds `max_new_tokens` (default 128), `min_new_tokens`, `stop`,
+//!   `ignore_eos`, `temperature` (the simulator serves `n` = 1 only);
+//! - the answer is `{"text", "output_ids", "meta_info"}`, a list of them for a batch;
+//!   streamed (`"stream": true`), one `data: {...}` event per generated token whose
+//!   `text` and `output_ids` hold everything generated so far (SGLang's default,
+//!   non-incremental streaming), with `"index"` for a batch, then `data: [DONE]`;
+//! - `meta_info` holds `id`, `finish_reason` (`{"type": "length", "length": n}` or
+//!   `{"type": "stop", "matched": token id or stop string}`, null until the end),
+//!   `prompt_tokens`, `completion_tokens`, `cached_tokens`, and with `return_logprob`
+//!   `input_token_logprobs` and `output_token_logprobs` (`[logprob, token id, null]`
+//!   entries) and `output_token_logprobs_length`.
+//!
+//! The prompt's logprobs are computed where the prompt is: a prefill answers them for
+//! every prompt token (the first has a null logprob), a decode whose KV came from a
+//! prefill answers an empty list, which SGLang's routers complete with the prefill's.
+//! Logprobs are a deterministic function of the token and its position.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use bytes::Bytes;
+use serde_json::{Map, Value, json};
+
+use crate::SimConfig;
+use crate::api::{ApiError, CompletionRequest, completion_prompts};
+use crate::body::Endpoint;
+use crate::generate::{EOS_TOKEN_ID, Finish, Generation, mix};
+use crate::lax;
+
+/// SGLang's default `max_new_tokens` (`sampling_params.py`).
+const DEFAULT_MAX_NEW_TOKENS: u32 = 128;
+
+/// How a `/generate` answer is written.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Native {
+    /// `text` or `input_ids` was a list of prompts: the answer is a list.
+    pub(crate) batch: bool,
+    /// `return_logprob`.
+    pub(crate) return_logprob: bool,
+}
+
+/// Parses and validates a `/generate` body into the engine's request.
+pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionRequest, ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    };
+    let text = obj.get("text").filter(|v| !v.is_null());
+    let ids = obj.get("input_ids").filter(|v| !v.is_null());
+    let (prompts, batch) = match (text, ids) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "Only one of text, input_ids, or input_embeds should be provided.",
+            ));
+        }
+        (None, None) => {
+            return Err(ApiError::bad_request(
+                "Either text, input_ids or input_embeds should be provided.",
+            ));
+        }
+        (Some(t), None) => {
+            if !(t.is_string() || t.as_array().is_some_and(|a| a.iter().all(Value::is_string))) {
+                return Err(ApiError::bad_request(
+                    "text: should be a string or a list of strings",
+                ));
+            }
+            (completion_prompts(Some(t))?, t.is_array())
+        }
+        (None, Some(i)) => {
+            let nested = i
+                .as_array()
+                .and_then(|a| a.first())
+                .is_some_and(Value::is_array);
+            if !i.is_array() {
+                return Err(ApiError::bad_request(
+                    "input_ids: should be a list of token ids or a list of lists of them",
+                ));
+            }
+            (completion_prompts(Some(i))?, nested)
+        }
+    };
+    let empty = Map::new();
+    let sampling = match obj.get("sampling_params") {
+        None | Some(Value::Null) => &empty,
+        Some(Value::Object(o)) => o,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "sampling_params: the simulator takes one object for every element",
+            ));
+        }
+    };
+    let max_new = lax::opt_int(sampling, "max_new_tokens")?;
+    let max_tokens = match max_new {
+        None => DEFAULT_MAX_NEW_TOKENS,
+        Some(m) if m < 0 => {
+            return Err(ApiError::bad_request(format!(
+                "max_new_tokens must be at least 0, got {m}."
+            )));
+        }
+        Some(m) => u32::try_from(m).unwrap_or(u32::MAX),
+    };
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) as u64;
+    if longest + u64::from(max_tokens) > u64::from(config.max_model_len) {
+        return Err(ApiError::bad_request(format!(
+            "Requested token count exceeds the model's maximum context length of {} tokens.",
+            config.max_model_len
+        )));
+    }
+    let min_tokens = match lax::opt_int(sampling, "min_new_tokens")? {
+        None => 0,
+        Some(m) if m < 0 || m > i64::from(max_tokens) => {
+            return Err(ApiError::bad_request(format!(
+                "min_new_tokens must be in [0, max_new_tokens], got {m}."
+            )));
+        }
+        Some(m) => u32::try_from(m).unwrap_or(0),
+    };
+    if lax::opt_float(sampling, "temperature")?.is_some_and(|t| t < 0.0) {
+        return Err(ApiError::bad_request("temperature must be non-negative"));
+    }
+    if lax::opt_int(sampling, "n")?.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request(
+            "sampling_params.n: the simulator serves one sample per prompt",
+        ));
+    }
+    let return_logprob = match obj.get("return_logprob") {
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| lax::to_bool("return_logprob", v))
+            .collect::<Result<Vec<_>, _>>()?
+            .contains(&true),
+        _ => lax::opt_bool(obj, "return_logprob")?.unwrap_or(false),
+    };
+    Ok(CompletionRequest {
+        // Generation and the KV protocol read the request as completions do.
+        endpoint: Endpoint::Completions,
+        prompt_tokens: prompts.iter().map(|p| p.len() as u64).sum(),
+        prompts,
+        max_tokens,
+        min_tokens,
+        n: 1,
+        stream: lax::opt_bool(obj, "stream")?.unwrap_or(false),
+        include_usage: false,
+        stop: lax::opt_str_or_list(sampling, "stop")?.unwrap_or_default(),
+        ignore_eos: lax::opt_bool(sampling, "ignore_eos")?.unwrap_or(false),
+        include_stop_str_in_output: false,
+        kv_transfer_params: None,
+        beam_search: false,
+        grammar: false,
+        native: Some(Native {
+            batch,
+            return_logprob,
+        }),
+    })
+}
+
+/// A deterministic logprob for `token` at `pos` of a sequence, in `(-10, 0)`.
+fn logprob(token: u32, pos: usize) -> f64 {
+    let h = mix(u64::from(token) ^ mix(pos as u64));
+    -((h % 10_000) as f64 + 1.0) / 1000.0
+}
+
+/// The answer of one `/generate` request, one element per prompt.
+#[derive(Debug)]
+pub(crate) struct Answer<'a> {
+    pub(crate) native: Native,
+    pub(crate) request_id: &'a str,
+    pub(crate) prompts: &'a [Vec<u32>],
+    /// One generation per prompt.
+    pub(crate) choices: &'a [Generation],
+    /// Whether this engine computed the prompts (and so their logprobs): not a decode
+    /// whose KV came from a prefill.
+    pub(crate) computed_prompt: bool,
+    /// `cached_tokens` of the request, all elements together.
+    pub(crate) cached_tokens: u64,
+    pub(crate) started: Instant,
+}
+
+impl Answer<'_> {
+    /// The answer object of element `e` after its first `k` generated tokens.
+    fn element(&self, e: usize, k: usize) -> Value {
+        let prompt = self.prompts.get(e).map_or(&[][..], Vec::as_slice);
+        let Some(choice) = self.choices.get(e) else {
+            return Value::Null;
+        };
+        let k = k.min(choice.ids.len());
+        let done = k == choice.ids.len();
+        let finish = done.then(|| match (choice.finish, &choice.stop_reason) {
+            (Finish::Length, _) => json!({"type": "length", "length": choice.ids.len()}),
+            (Finish::Stop, Some(stop)) => json!({"type": "stop", "matched": stop}),
+            (Finish::Stop, None) => json!({"type": "stop", "matched": EOS_TOKEN_ID}),
+        });
+        let id = if self.native.batch {
+            format!("{}-{e}", self.request_id)
+        } else {
+            self.request_id.to_owned()
+        };
+        let mut meta = json!({
+            "id": id,
+            "finish_reason": finish,
+            "prompt_tokens": prompt.len(),
+            "weight_version": "default",
+            "reasoning_tokens": 0,
+            "completion_tokens": k,
+            // The whole request's, on its first element (the engine caches per request).
+            "cached_tokens": if e == 0 { self.cached_tokens } else { 0 },
+            "e2e_latency": self.started.elapsed().as_secs_f64(),
+        });
+        if self.native.return_logprob {
+            let input: Vec<Value> = if self.computed_prompt {
+                prompt
+                    .iter()
+                    .enumerate()
+                    .map(|(pos, &t)| {
+                        let lp = (pos > 0).then(|| logprob(t, pos));
+                        json!([lp, t, null])
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let output: Vec<Value> = choice.ids[..k]
+                .iter()
+                .enumerate()
+                .map(|(j, &t)| json!([logprob(t, prompt.len() + j), t, null]))
+                .collect();
+            meta["input_token_logprobs"] = Value::Array(input);
+            meta["output_token_logprobs_length"] = json!(output.len());
+            meta["output_token_logprobs"] = Value::Array(output);
+        }
+        json!({
+            "text": choice.steps[..k].concat(),
+            "output_ids": &choice.ids[..k],
+            "meta_info": meta,
+        })
+    }
+
+    /// The whole (non-streaming) answer.
+    pub(crate) fn whole(&self) -> Result<Vec<u8>, serde_json::Error> {
+        if self.native.batch {
+            let all: Vec<Value> = (0..self.choices.len())
+                .map(|e| self.element(e, usize::MAX))
+                .collect();
+            serde_json::to_vec(&all)
+        } else {
+            serde_json::to_vec(&self.element(0, usize::MAX))
+        }
+    }
+
+    /// The streamed answer: one event per generated token of each element (step by
+    /// step, elements in turn), then `data: [DONE]`.
+    pub(crate) fn events(&self) -> Result<VecDeque<Bytes>, serde_json::Error> {
+        let mut out = VecDeque::new();
+        let longest = self.choices.iter().map(|c| c.ids.len()).max().unwrap_or(0);
+        // A generation of no token still ends with one event.
+        for k in 1.max(usize::from(longest == 0))..=longest.max(1) {
+            for (e, c) in self.choices.iter().enumerate() {
+                if k > c.ids.len().max(1) {
+                    continue;
+                }
+                let mut v = self.element(e, k);
+                if self.native.batch {
+                    v["index"] = json!(e);
+                }
+                let mut event = b"data: ".to_vec();
+                serde_json::to_writer(&mut event, &v)?;
+                event.extend_from_slice(b"\n\n");
+                out.push_back(Bytes::from(event));
+            }
+        }
+        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_json(v: Value) -> Result<CompletionRequest, ApiError> {
+        parse(&v, &SimConfig::default())
+    }
+
+    #[test]
+    fn prompts_and_batches_are_read_as_sglang_reads_them() {
+        let r =
+            parse_json(json!({"text": "a b c", "sampling_params": {"max_new_tokens": 4}})).unwrap();
+        assert_eq!((r.prompts.len(), r.max_tokens), (1, 4));
+        assert!(!r.native.unwrap().batch);
+        let r = parse_json(json!({"text": ["a", "b c"]})).unwrap();
+        assert_eq!((r.prompts.len(), r.max_tokens), (2, DEFAULT_MAX_NEW_TOKENS));
+        assert!(r.native.unwrap().batch);
+        let r = parse_json(json!({"input_ids": [[20, 21], [22]], "return_logprob": [false, true]}))
+            .unwrap();
+        assert!(r.native.unwrap().batch && r.native.unwrap().return_logprob);
+        let r = parse_json(json!({"input_ids": [20, 21]})).unwrap();
+        assert!(!r.native.unwrap().batch);
+        for bad in [
+            json!({}),
+            json!({"text": "a", "input_ids": [20]}),
+            json!({"text": 5}),
+            json!({"text": "a", "sampling_params": {"max_new_tokens": -1}}),
+            json!({"text": "a", "sampling_params": {"n": 2}}),
+        ] {
+            assert_eq!(parse_json(bad.clone()).unwrap_err().status, 400, "{bad}");
+        }
+    }
+
+    #[test]
+    fn logprobs_cover_the_prompt_where_it_was_computed() {
+        let prompts = [vec![20, 21, 22]];
+        let choices = [Generation {
+            steps: vec![" the", " of"],
+            ids: vec![30, 31],
+            finish: Finish::Length,
+            stop_reason: None,
+        }];
+        let mut a = Answer {
+            native: Native {
+                batch: false,
+                return_logprob: true,
+            },
+            request_id: "r",
+            prompts: &prompts,
+            choices: &choices,
+            computed_prompt: true,
+            cached_tokens: 0,
+            started: Instant::now(),
+        };
+        let v: Value = serde_json::from_slice(&a.whole().unwrap()).unwrap();
+        assert_eq!(v["text"], " the of");
+        assert_eq!(
+            v["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 2})
+        );
+        let input = v["meta_info"]["input_token_logprobs"].as_array().unwrap();
+        assert_eq!(input.len(), 3);
+        assert_eq!(input[0], json!([null, 20, null]));
+        assert_eq!(input[1][1], 21);
+        assert_eq!(
+            v["meta_info"]["output_token_logprobs"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        a.computed_prompt = false;
+        let v: Value = serde_json::from_slice(&a.whole().unwrap()).unwrap();
+        assert_eq!(v["meta_info"]["input_token_logprobs"], json!([]));
+        // Streamed: cumulative text, the finish on the last event, then [DONE].
+        let events = a.events().unwrap();
+        assert_eq!(events.len(), 3);
+        let last: Value = serde_json::from_slice(&events[1][6..]).unwrap();
+        assert_eq!(last["text"], " the of");
+        let first: Value = serde_json::from_slice(&events[0][6..]).unwrap();
+        assert_eq!(first["text"], " the");
+        assert!(first["meta_info"]["finish_reason"].is_null());
+        assert_eq!(&events[2][..], b"data: [DONE]\n\n");
+    }
+}

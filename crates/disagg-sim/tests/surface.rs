@@ -1,0 +1,319 @@
+//! The engine's routes beyond chat and completions: model cards, tokenizer routes,
+//! version, embeddings, the Responses API, LoRA admin routes, and SGLang's native
+//! `/generate` on both roles with the bootstrap handoff.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole, tokenize};
+use serde_json::{Value, json};
+
+async fn engine(tweak: impl FnOnce(&mut SimConfig)) -> SimEngine {
+    let mut config = SimConfig::default();
+    tweak(&mut config);
+    SimEngine::start(config).await.unwrap()
+}
+
+#[tokio::test]
+async fn models_carry_every_vllm_field_and_loaded_adapters() {
+    let e = engine(|_| {}).await;
+    let models = get(e.addr(), "/v1/models").await.json();
+    let card = &models["data"][0];
+    for key in [
+        "id",
+        "object",
+        "created",
+        "owned_by",
+        "root",
+        "parent",
+        "max_model_len",
+        "permission",
+    ] {
+        assert!(card.get(key).is_some(), "{key} missing: {card}");
+    }
+    assert_eq!(card["root"], "sim-model");
+    assert_eq!(card["permission"][0]["object"], "model_permission");
+
+    let load = post(
+        e.addr(),
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "sql", "lora_path": "/adapters/sql"}),
+    )
+    .await;
+    assert_eq!(load.status, 200, "{}", load.text());
+    assert_eq!(
+        load.text(),
+        "Success: LoRA adapter 'sql' added successfully."
+    );
+    assert_eq!(e.lora_adapters(), ["sql"]);
+    let models = get(e.addr(), "/v1/models").await.json();
+    let lora = &models["data"][1];
+    assert_eq!(
+        (&lora["id"], &lora["root"], &lora["parent"]),
+        (&json!("sql"), &json!("/adapters/sql"), &json!("sim-model"))
+    );
+    // Loaded twice without `load_inplace`: vLLM's 400.
+    let again = post(
+        e.addr(),
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "sql", "lora_path": "/adapters/sql"}),
+    )
+    .await;
+    assert_eq!(again.status, 400);
+    let unload = post(
+        e.addr(),
+        "/v1/unload_lora_adapter",
+        &json!({"lora_name": "sql"}),
+    )
+    .await;
+    assert_eq!(unload.status, 200);
+    assert!(e.lora_adapters().is_empty());
+    assert_eq!(e.stats().admin_requests, 3);
+
+    // An engine told to fail its admin routes changes nothing.
+    e.set_faults(Faults {
+        admin_status: Some(500),
+        ..Faults::default()
+    });
+    let failed = post(
+        e.addr(),
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "x", "lora_path": "/x"}),
+    )
+    .await;
+    assert_eq!(failed.status, 500);
+    assert!(e.lora_adapters().is_empty());
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_round_trip_and_version_answers() {
+    let e = engine(|_| {}).await;
+    let t = post(
+        e.addr(),
+        "/tokenize",
+        &json!({"prompt": "hello disaggregated world"}),
+    )
+    .await;
+    let ids = t.json()["tokens"].clone();
+    assert_eq!(ids, json!(tokenize("hello disaggregated world")));
+    let d = post(e.addr(), "/detokenize", &json!({"tokens": ids})).await;
+    assert_eq!(d.json(), json!({"prompt": "hello disaggregated world"}));
+    let bad = post(e.addr(), "/detokenize", &json!({"tokens": [u32::MAX]})).await;
+    assert_eq!(bad.status, 400);
+    assert_eq!(
+        get(e.addr(), "/version").await.json(),
+        json!({"version": "0.33.0"})
+    );
+    assert_eq!(e.stats().detokenize_requests, 2);
+}
+
+#[tokio::test]
+async fn embeddings_are_deterministic_per_input() {
+    let e = engine(|_| {}).await;
+    let body = json!({"model": "sim-model", "input": ["one two", "three"]});
+    let a = post(e.addr(), "/v1/embeddings", &body).await.json();
+    let b = post(e.addr(), "/v1/embeddings", &body).await.json();
+    assert_eq!(a["object"], "list");
+    assert_eq!(a["data"][0]["object"], "embedding");
+    assert_eq!(a["data"], b["data"]);
+    assert_ne!(a["data"][0]["embedding"], a["data"][1]["embedding"]);
+    assert_eq!(a["usage"]["prompt_tokens"], 3);
+    let base64 = post(
+        e.addr(),
+        "/v1/embeddings",
+        &json!({"input": "one two", "encoding_format": "base64"}),
+    )
+    .await
+    .json();
+    // 8 little-endian f32s: 32 bytes, 44 base64 characters.
+    assert_eq!(base64["data"][0]["embedding"].as_str().unwrap().len(), 44);
+    let unknown = post(
+        e.addr(),
+        "/v1/embeddings",
+        &json!({"model": "other", "input": "x"}),
+    )
+    .await;
+    assert_eq!(unknown.status, 404);
+}
+
+#[tokio::test]
+async fn responses_stream_the_event_sequence_vllm_emits() {
+    let e = engine(|_| {}).await;
+    let body =
+        json!({"model": "sim-model", "input": "tell me", "max_output_tokens": 3, "stream": true});
+    let reply = post(e.addr(), "/v1/responses", &body).await;
+    assert_eq!(reply.status, 200);
+    let text = reply.text();
+    let events: Vec<(String, Value)> = text
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (kind, data) = e.split_once('\n').unwrap();
+            let kind = kind.strip_prefix("event: ").unwrap().to_owned();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], kind);
+            (kind, data)
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (i, (_, d)) in events.iter().enumerate() {
+        assert_eq!(d["sequence_number"], i);
+    }
+    let deltas: String = events[4..7]
+        .iter()
+        .map(|(_, d)| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(events[7].1["text"], deltas);
+    let whole = post(
+        e.addr(),
+        "/v1/responses",
+        &json!({"model": "sim-model", "input": "tell me", "max_output_tokens": 3}),
+    )
+    .await
+    .json();
+    assert_eq!(whole["output"][0]["content"][0]["text"], deltas);
+    assert_eq!(whole["usage"]["output_tokens"], 3);
+    assert_eq!(e.stats().responses_requests, 2);
+}
+
+// ---------------------------------------------------------------- SGLang /generate
+
+async fn sglang(role: SimRole) -> SimEngine {
+    engine(|c| {
+        c.kv_mode = KvMode::Sglang(role);
+        c.bootstrap_timeout = Duration::from_millis(300);
+    })
+    .await
+}
+
+fn with_rooms(mut body: Value, port: u16, rooms: Value) -> Value {
+    match &rooms {
+        Value::Array(r) => {
+            body["bootstrap_host"] = json!(vec!["127.0.0.1"; r.len()]);
+            body["bootstrap_port"] = json!(vec![port; r.len()]);
+        }
+        _ => {
+            body["bootstrap_host"] = json!("127.0.0.1");
+            body["bootstrap_port"] = json!(port);
+        }
+    }
+    body["bootstrap_room"] = rooms;
+    body
+}
+
+#[tokio::test]
+async fn generate_hands_kv_over_by_room_single_and_batch() {
+    let (p, d) = (
+        sglang(SimRole::Prefill).await,
+        sglang(SimRole::Decode).await,
+    );
+    let port = p.bootstrap_addr().unwrap().port();
+    let single = with_rooms(
+        json!({"text": "a b c d", "sampling_params": {"max_new_tokens": 4}, "return_logprob": true}),
+        port,
+        json!(7),
+    );
+    let (pr, dr) = tokio::join!(
+        post(p.addr(), "/generate", &single),
+        post(d.addr(), "/generate", &single)
+    );
+    let (pv, dv) = (pr.json(), dr.json());
+    // The prefill answers its one token and the prompt's logprobs; the decode the
+    // whole generation, and no prompt logprobs (it computed no prompt).
+    assert_eq!(pv["meta_info"]["completion_tokens"], 1);
+    assert_eq!(
+        pv["meta_info"]["input_token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4
+    );
+    assert_eq!(dv["meta_info"]["completion_tokens"], 4);
+    assert_eq!(dv["meta_info"]["input_token_logprobs"], json!([]));
+    assert_eq!(
+        dv["meta_info"]["finish_reason"],
+        json!({"type": "length", "length": 4})
+    );
+    assert!(
+        dv["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(pv["text"].as_str().unwrap())
+    );
+
+    let batch = with_rooms(
+        json!({"input_ids": [tokenize("one two"), tokenize("three four five")], "sampling_params": {"max_new_tokens": 2}, "stream": true}),
+        port,
+        json!([11, 12]),
+    );
+    let (pr, dr) = tokio::join!(
+        post(p.addr(), "/generate", &batch),
+        post(d.addr(), "/generate", &batch)
+    );
+    assert_eq!(pr.status, 200, "{}", pr.text());
+    let events = dr.events();
+    assert_eq!(events.last(), Some(&json!("[DONE]")));
+    let finals: Vec<&Value> = events
+        .iter()
+        .filter(|e| !e["meta_info"]["finish_reason"].is_null() && e.is_object())
+        .collect();
+    assert_eq!(finals.len(), 2);
+    let mut indices: Vec<u64> = finals
+        .iter()
+        .map(|e| e["index"].as_u64().unwrap())
+        .collect();
+    indices.sort_unstable();
+    assert_eq!(indices, [0, 1]);
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!((ps.generate_requests, ds.generate_requests), (2, 2));
+    assert_eq!(ds.remote_decodes, 2);
+    assert_eq!(ps.kv_transfers_pending, 0);
+}
+
+#[tokio::test]
+async fn generate_with_a_wrong_room_fails_on_both_sides() {
+    let (p, d) = (
+        sglang(SimRole::Prefill).await,
+        sglang(SimRole::Decode).await,
+    );
+    let port = p.bootstrap_addr().unwrap().port();
+    let body = |room: u64| with_rooms(json!({"text": "a b c"}), port, json!(room));
+    let (one, two) = (body(1), body(2));
+    let (pr, dr) = tokio::join!(
+        post(p.addr(), "/generate", &one),
+        post(d.addr(), "/generate", &two)
+    );
+    assert_eq!((pr.status, dr.status), (500, 500));
+    assert!(
+        error_message(&dr).contains("no prefill for room 2"),
+        "{}",
+        dr.text()
+    );
+    assert_eq!(d.stats().kv_pull_failures, 1);
+    // A vLLM engine has no `/generate`.
+    let vllm = engine(|_| {}).await;
+    assert_eq!(
+        post(vllm.addr(), "/generate", &json!({"text": "a"}))
+            .await
+            .status,
+        404
+    );
+}
