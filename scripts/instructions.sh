@@ -4,6 +4,9 @@
 #
 #   scripts/instructions.sh [PROXY_BINARY] [CONNECTOR]
 #   STREAM=1 scripts/instructions.sh ...     (streamed answers, 16 tokens each)
+#   PROXY_ARGS="--access-log json" scripts/instructions.sh ...   (more serve flags)
+#   TRACE=1 scripts/instructions.sh ...      (traces at --trace-ratio 1.0, exported to a
+#                                             local OTLP sink that answers 200)
 #
 # At the edge (docs/security.md; the certificates are made by openssl):
 #   AUTH=1       the proxy checks a client key (`--api-key`), the client sends it
@@ -61,6 +64,24 @@ if [ -n "${TLS_OUT:-}" ]; then
 if [ -n "${AUTH:-}" ]; then KEY=sk-instructions-0123456789abcdef; EDGE+=(--api-key "$KEY"); fi
 
 P=$(free_port); PS=$(free_port); PB=$(free_port); D=$(free_port); DS=$(free_port)
+# shellcheck disable=SC2206 # split on purpose: several flags in one variable
+EXTRA=(${PROXY_ARGS:-})
+if [ -n "${TRACE:-}" ]; then
+  # A sink for the exported spans, so that the export (the SDK's batch thread, the
+  # encoding, the POST) is counted as it runs in production.
+  OT=$(free_port)
+  python3 - "$OT" <<'SINK' &
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+SINK
+  EXTRA+=(--otlp-endpoint "http://127.0.0.1:$OT" --trace-ratio 1.0)
+fi
 if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
   BOOT=(--bootstrap 127.0.0.1:$PB); PORT_ARG=("$PB"); CONN=(--connector "$CONNECTOR"); fi
 "$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" "${SIM_TLS[@]}" \
@@ -76,6 +97,7 @@ count() { # requests → total instructions of one proxy run
   valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
     "$BIN" serve --threads 1 --listen 127.0.0.1:$port "${CONN[@]}" \
     --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "$SCHEME://127.0.0.1:$D" "${EDGE[@]}" \
+    "${EXTRA[@]}" \
     >/dev/null 2>"$OUT/log.$n" &
   local pid=$!
   python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" <<'EOF'

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The project's test command (README "Test"): makes sure a Python with the `openai`,
-# `tokenizers` and `jinja2` packages exists in .venv (created on first run, from PyPI),
-# then runs every test of the workspace: unit, integration (real loopback sockets) and
-# doc tests. `tokenizers` and `jinja2` serve disagg-tokenize's cross-check with Python.
+# `tokenizers`, `jinja2` and `opentelemetry-proto` packages exists in .venv (created on
+# first run, from PyPI), then runs every test of the workspace: unit, integration (real
+# loopback sockets) and doc tests. `tokenizers` and `jinja2` serve disagg-tokenize's
+# cross-check with Python; `opentelemetry-proto` the OTLP receiver of the trace tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ -z "${DISAGG_PYTHON:-}" ]; then
-  if ! .venv/bin/python -c "import openai, tokenizers, jinja2" >/dev/null 2>&1; then
-    echo "scripts/test.sh: creating .venv with the openai, tokenizers and jinja2 packages" >&2
+  if ! .venv/bin/python -c "import openai, tokenizers, jinja2, opentelemetry.proto" >/dev/null 2>&1; then
+    echo "scripts/test.sh: creating .venv with the openai, tokenizers, jinja2 and opentelemetry-proto packages" >&2
     python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-      "openai>=1.40,<3" "tokenizers>=0.21,<1" "jinja2>=3.1,<4"
+      "openai>=1.40,<3" "tokenizers>=0.21,<1" "jinja2>=3.1,<4" "opentelemetry-proto>=1.20,<2"
   fi
   export DISAGG_PYTHON="$PWD/.venv/bin/python"
 fi
@@ -32,6 +33,24 @@ if have_dnsmasq; then
   export DISAGG_REQUIRE_DNSMASQ=1
 else
   echo "scripts/test.sh: WARNING: dnsmasq could not be installed; the DNS discovery tests will be SKIPPED" >&2
+fi
+
+# The metrics tests (crates/disagg-proxy/tests/observe.rs) have a real Prometheus server
+# scrape the proxy: Debian's prometheus package, installed when missing. Its service is
+# not started by the tests (they run the binary on a loopback port with a config of
+# their own).
+have_prometheus() { command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ]; }
+if ! have_prometheus && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "scripts/test.sh: installing prometheus for the metrics tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends prometheus >/dev/null ||
+    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; } ||
+    true
+fi
+if have_prometheus; then
+  export DISAGG_REQUIRE_PROMETHEUS=1
+else
+  echo "scripts/test.sh: WARNING: prometheus could not be installed; the Prometheus scrape test will be SKIPPED" >&2
 fi
 
 cargo test --workspace "$@"

@@ -21,7 +21,7 @@
 //!   source's specs into one set, keeping the same `Arc<Endpoint>` for an engine whose
 //!   spec did not change, so that in-flight counts, health and cache affinity survive
 //!   every change, and counting per source the endpoints and changes for `/metrics`
-//!   ([`MergedSource::render_metrics`]).
+//!   ([`MergedSource::register_metrics`]).
 //!
 //! The [`guide`] (`docs/discovery.md`) has every flag, label and annotation, the
 //! Kubernetes manifests and what the tests prove.

@@ -22,7 +22,6 @@
 //! were added.
 
 use std::collections::{HashMap, HashSet};
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -195,7 +194,8 @@ impl MergedSource {
         self.stats.iter().map(|(n, s)| (&**n, &**s))
     }
 
-    /// Appends the sources' counters to `out` in Prometheus' text format:
+    /// Registers the sources' counters into a Prometheus `registry` (read at each scrape;
+    /// `disagg-http`'s `ExtraMetrics` takes this as it is):
     ///
     /// - `disagg_discovery_endpoints{source,role}` (gauge): endpoints each source
     ///   contributes to the set now;
@@ -215,103 +215,115 @@ impl MergedSource {
     /// ```
     /// use disagg_core::{Endpoint, Role};
     /// use disagg_discovery::MergedSource;
+    /// use prometheus_client::registry::Registry;
     ///
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let merged = MergedSource::builder()
     ///     .endpoints([Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?])
     ///     .build();
+    /// let mut registry = Registry::default();
+    /// merged.register_metrics(&mut registry);
     /// let mut out = String::new();
-    /// merged.render_metrics(&mut out);
+    /// prometheus_client::encoding::text::encode(&mut out, &registry)?;
     /// assert!(out.contains("disagg_discovery_endpoints{source=\"static\",role=\"prefill\"} 1\n"));
     /// # Ok(())
     /// # }
     /// ```
-    pub fn render_metrics(&self, out: &mut String) {
-        let gauge = |out: &mut String, name: &str, help: &str| {
-            let _ = writeln!(out, "# HELP disagg_discovery_{name} {help}");
-            let _ = writeln!(out, "# TYPE disagg_discovery_{name} gauge");
-        };
-        let counter = |out: &mut String, name: &str, help: &str| {
-            let _ = writeln!(out, "# HELP disagg_discovery_{name} {help}");
-            let _ = writeln!(out, "# TYPE disagg_discovery_{name} counter");
-        };
-        // Writing to a String cannot fail.
-        gauge(
-            out,
-            "endpoints",
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(DiscoveryCollector(self.stats.clone())));
+    }
+}
+
+/// [`MergedSource::register_metrics`]' collector: each source's counters, read at each
+/// scrape.
+#[derive(Debug)]
+struct DiscoveryCollector(Vec<(Arc<str>, Arc<SourceStats>)>);
+
+impl prometheus_client::collector::Collector for DiscoveryCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let gauge = |n: u64| ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX));
+        let mut endpoints = encoder.encode_descriptor(
+            "disagg_discovery_endpoints",
             "Endpoints each discovery source contributes to the endpoint set now, by role.",
-        );
-        for (name, s) in &self.stats {
-            let name = escape(name);
+            None,
+            MetricType::Gauge,
+        )?;
+        for (name, s) in &self.0 {
             for (role, n) in [("prefill", &s.prefill), ("decode", &s.decode)] {
-                let n = n.load(Ordering::Relaxed);
-                let _ = writeln!(
-                    out,
-                    "disagg_discovery_endpoints{{source=\"{name}\",role=\"{role}\"}} {n}"
-                );
+                let labels = [("source", &**name), ("role", role)];
+                gauge(n.load(Ordering::Relaxed)).encode(endpoints.encode_family(&labels)?)?;
             }
         }
-        counter(
-            out,
-            "endpoint_changes_total",
+        // Counters are named without `_total`: the encoders append it.
+        let mut changes = encoder.encode_descriptor(
+            "disagg_discovery_endpoint_changes",
             "Endpoints added to, removed from or replaced in the endpoint set, by source.",
-        );
-        for (name, s) in &self.stats {
-            let name = escape(name);
+            None,
+            MetricType::Counter,
+        )?;
+        for (name, s) in &self.0 {
             for (change, n) in [
                 ("added", &s.added),
                 ("removed", &s.removed),
                 ("replaced", &s.replaced),
             ] {
-                let n = n.load(Ordering::Relaxed);
-                let _ = writeln!(
-                    out,
-                    "disagg_discovery_endpoint_changes_total{{source=\"{name}\",change=\"{change}\"}} {n}"
-                );
+                let labels = [("source", &**name), ("change", change)];
+                ConstCounter::new(n.load(Ordering::Relaxed))
+                    .encode(changes.encode_family(&labels)?)?;
             }
         }
         let rows: [Row; 4] = [
             (
-                "updates_total",
+                "disagg_discovery_updates",
                 "Endpoint lists published by each discovery source.",
                 false,
                 SourceStats::updates,
             ),
             (
-                "errors_total",
+                "disagg_discovery_errors",
                 "Failed watches, lookups and reloads of each discovery source; the last good list stayed.",
                 false,
                 SourceStats::errors,
             ),
             (
-                "rejected_total",
+                "disagg_discovery_rejected",
                 "Engines a discovery source found but left out because their description makes no endpoint.",
                 false,
                 SourceStats::rejected,
             ),
             (
-                "duplicate_endpoints",
+                "disagg_discovery_duplicate_endpoints",
                 "Endpoints a discovery source finds that an earlier source already contributes.",
                 true,
                 SourceStats::duplicates,
             ),
         ];
         for (metric, help, is_gauge, read) in rows {
-            if is_gauge {
-                gauge(out, metric, help);
+            let kind = if is_gauge {
+                MetricType::Gauge
             } else {
-                counter(out, metric, help);
-            }
-            for (name, s) in &self.stats {
-                let _ = writeln!(
-                    out,
-                    "disagg_discovery_{metric}{{source=\"{}\"}} {}",
-                    escape(name),
-                    read(s)
-                );
+                MetricType::Counter
+            };
+            let mut family = encoder.encode_descriptor(metric, help, None, kind)?;
+            for (name, s) in &self.0 {
+                let labels = [("source", &**name)];
+                let sample = family.encode_family(&labels)?;
+                if is_gauge {
+                    gauge(read(s)).encode(sample)?;
+                } else {
+                    ConstCounter::new(read(s)).encode(sample)?;
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -327,13 +339,6 @@ impl EndpointSource for MergedSource {
 
 /// One per-source metric: name, help, whether a gauge, and how to read it.
 type Row = (&'static str, &'static str, bool, fn(&SourceStats) -> u64);
-
-/// A label value with `\` and `"` escaped, as Prometheus' text format asks.
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// Aborts the merge task when the source drops.
 #[derive(Debug)]

@@ -173,7 +173,7 @@ pub(crate) fn role_order(role: disagg_core::Role) -> u8 {
 }
 
 /// One source's counters, for `/metrics`
-/// ([`MergedSource::render_metrics`](crate::MergedSource::render_metrics)).
+/// ([`MergedSource::register_metrics`](crate::MergedSource::register_metrics)).
 ///
 /// The source counts its publications, failures and rejected engines; the
 /// [`MergedSource`](crate::MergedSource) counts the endpoints it takes from the source

@@ -26,6 +26,7 @@
 //! # }
 //! ```
 
+pub mod access_log;
 pub mod auth;
 pub mod body;
 pub mod error;

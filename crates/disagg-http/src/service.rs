@@ -9,7 +9,7 @@
 //! | orchestrated (`POST /v1/chat/completions`, `/v1/completions`, `/generate`) | through the [`Orchestrator`] |
 //! | proxy: `GET /v1/models`, `GET /v1/models/{id}` | the engines' own model cards, cached (see [`crate::models`]'s rules) |
 //! | proxy: `GET /health` | 200 when a request could be routed now, else 503 |
-//! | proxy: `GET /metrics` | the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`], in the Prometheus text format |
+//! | proxy: `GET /metrics` | the [`PdServiceConfig::metrics`] histograms, the orchestrator's counters and each endpoint's in-flight count, then [`PdServiceConfig::extra_metrics`]: OpenMetrics when the scraper accepts it, else the Prometheus text format (see [`metrics`](crate::metrics)) |
 //! | forwarded, direct | to one engine, unchanged, both bodies streamed (see [`crate::forward`]) |
 //! | refused | 403 `admin_route_closed` |
 //! | fanned out | to every engine of the model, each engine's result in the answer |
@@ -38,7 +38,7 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
-use crate::metrics::ExtraMetrics;
+use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
 use crate::routes::{RouteAction, RouteTable};
 
@@ -73,8 +73,14 @@ pub struct PdServiceConfig {
     /// What is done with each route: orchestrated, answered, forwarded, refused or
     /// fanned out. Default [`RouteTable::default`]: admin routes refused.
     pub routes: RouteTable,
-    /// Metric families appended to `GET /metrics` after the orchestrator's, in order
-    /// (an adapter's own counters; default none).
+    /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
+    /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
+    /// `GET /metrics` has the orchestrator's counters and gauges only.
+    ///
+    /// [`OrchestratorBuilder::listener`]: disagg_core::orchestrator::OrchestratorBuilder::listener
+    pub metrics: Option<Metrics>,
+    /// More metrics for `GET /metrics`, registered after the orchestrator's, in order
+    /// (an adapter's own; default none).
     pub extra_metrics: Vec<ExtraMetrics>,
 }
 
@@ -89,6 +95,7 @@ impl Default for PdServiceConfig {
             models_timeout: Duration::from_secs(5),
             models_ttl: Duration::from_secs(10),
             routes: RouteTable::default(),
+            metrics: None,
             extra_metrics: Vec::new(),
         }
     }
@@ -97,6 +104,8 @@ impl Default for PdServiceConfig {
 pub(crate) struct Inner {
     pub(crate) orchestrator: Orchestrator,
     pub(crate) config: PdServiceConfig,
+    /// What `GET /metrics` encodes, built once.
+    registry: prometheus_client::registry::Registry,
     /// The model list gathered from the engines.
     pub(crate) models: Catalog,
     /// Whose turn it is among equally loaded engines for a forwarded request.
@@ -128,10 +137,19 @@ impl PdService {
 
     /// A service over `orchestrator` with `config`.
     pub fn with_config(orchestrator: Orchestrator, config: PdServiceConfig) -> Self {
+        let mut registry = prometheus_client::registry::Registry::default();
+        match &config.metrics {
+            Some(metrics) => metrics.register(&mut registry, &orchestrator),
+            None => crate::metrics::register_orchestrator(&mut registry, &orchestrator),
+        }
+        for extra in &config.extra_metrics {
+            extra.register(&mut registry);
+        }
         PdService {
             inner: Arc::new(Inner {
                 orchestrator,
                 config,
+                registry,
                 models: Catalog::default(),
                 turn: AtomicUsize::new(0),
             }),
@@ -141,6 +159,12 @@ impl PdService {
     /// The orchestrator.
     pub fn orchestrator(&self) -> &Orchestrator {
         &self.inner.orchestrator
+    }
+
+    /// The metrics `GET /metrics` serves, for an embedder that serves them elsewhere
+    /// (encode with [`metrics::encode`](crate::metrics::encode)).
+    pub fn registry(&self) -> &prometheus_client::registry::Registry {
+        &self.inner.registry
     }
 
     /// Serve one chat or completion request of `api`, whatever path it came on: read
@@ -224,7 +248,7 @@ impl Inner {
             RouteAction::Proxy => match path {
                 "/v1/models" if get => self.models(None).await,
                 "/health" if get => self.health(),
-                "/metrics" if get => self.metrics(),
+                "/metrics" if get => self.metrics(req.headers().get(http::header::ACCEPT)),
                 "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
                 _ => match path.strip_prefix("/v1/models/") {
                     Some(id) if get => {
@@ -325,16 +349,11 @@ impl Inner {
             .map_err(PdError::body)
     }
 
-    fn metrics(&self) -> Response<PdBody> {
-        let mut text = crate::metrics::render(&self.orchestrator);
-        for extra in &self.config.extra_metrics {
-            extra.render(&mut text);
-        }
+    fn metrics(&self, accept: Option<&HeaderValue>) -> Response<PdBody> {
+        let (text, content_type) = crate::metrics::encode(&self.registry, accept);
         let mut resp = Response::new(PdBody::full(Bytes::from(text)));
-        resp.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        );
+        resp.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         resp
     }
 

@@ -733,8 +733,9 @@ impl Notifications {
         self.inner.counters.snapshot()
     }
 
-    /// Appends the registry's counters to `out` in the Prometheus text format (0.0.4),
-    /// for a proxy's `GET /metrics` (`disagg-http`'s `ExtraMetrics` takes this as it is):
+    /// Registers the registry's counters into a Prometheus `registry` (read at each
+    /// scrape), for a proxy's `GET /metrics` (`disagg-http`'s `ExtraMetrics` takes this
+    /// as it is):
     ///
     /// | metric | type | meaning |
     /// |---|---|---|
@@ -750,63 +751,77 @@ impl Notifications {
     ///
     /// ```
     /// use disagg_lmcache::{Notifications, NotifyConfig};
+    /// use prometheus_client::registry::Registry;
     ///
     /// let notifications = Notifications::detached(NotifyConfig::default());
+    /// let mut registry = Registry::default();
+    /// notifications.register_metrics(&mut registry);
     /// let _pending = notifications.register("req-1", 2)?;
     /// notifications.notify("req-1");
     /// notifications.notify("someone-else");
     /// let mut text = String::new();
-    /// notifications.render_metrics(&mut text);
+    /// prometheus_client::encoding::text::encode(&mut text, &registry)?;
     /// assert!(text.contains("disagg_lmcache_notifications_total{outcome=\"matched\"} 1\n"));
     /// assert!(text.contains("disagg_lmcache_notifications_total{outcome=\"unknown\"} 1\n"));
     /// assert!(text.contains("disagg_lmcache_registrations_pending 1\n"));
-    /// # Ok::<(), disagg_lmcache::NotifyError>(())
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write;
-        let s = self.stats();
-        // Writing to a String cannot fail.
-        let _ = writeln!(
-            out,
-            "# HELP disagg_lmcache_notifications_total LMCache KV-ready notifications received, by outcome."
-        );
-        let _ = writeln!(out, "# TYPE disagg_lmcache_notifications_total counter");
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(NotifyCollector(self.clone())));
+    }
+}
+
+/// [`Notifications::register_metrics`]' collector: the counters, read at each scrape.
+#[derive(Debug)]
+struct NotifyCollector(Notifications);
+
+impl prometheus_client::collector::Collector for NotifyCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let s = self.0.stats();
+        // Counters are named without `_total`: the encoders append it.
+        let mut notifications = encoder.encode_descriptor(
+            "disagg_lmcache_notifications",
+            "LMCache KV-ready notifications received, by outcome.",
+            None,
+            MetricType::Counter,
+        )?;
         for (outcome, n) in [
             ("matched", s.matched),
             ("unknown", s.unknown),
             ("extra", s.extra),
             ("malformed", s.malformed),
         ] {
-            let _ = writeln!(
-                out,
-                "disagg_lmcache_notifications_total{{outcome=\"{outcome}\"}} {n}"
-            );
+            ConstCounter::new(n).encode(notifications.encode_family(&[("outcome", outcome)])?)?;
         }
-        let rows: [(&str, &str, &str, u64); 3] = [
+        for (name, help, n) in [
             (
-                "registrations_completed_total",
-                "counter",
+                "disagg_lmcache_registrations_completed",
                 "Requests whose every expected LMCache notification arrived.",
                 s.completed,
             ),
             (
-                "registrations_evicted_total",
-                "counter",
+                "disagg_lmcache_registrations_evicted",
                 "LMCache registrations removed after outliving their time to live.",
                 s.evicted,
             ),
-            (
-                "registrations_pending",
-                "gauge",
-                "Requests waiting for LMCache KV-ready notifications.",
-                self.pending_len() as u64,
-            ),
-        ];
-        for (name, kind, help, value) in rows {
-            let _ = writeln!(out, "# HELP disagg_lmcache_{name} {help}");
-            let _ = writeln!(out, "# TYPE disagg_lmcache_{name} {kind}");
-            let _ = writeln!(out, "disagg_lmcache_{name} {value}");
+        ] {
+            let metric = ConstCounter::new(n);
+            metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
         }
+        let pending = ConstGauge::new(i64::try_from(self.0.pending_len()).unwrap_or(i64::MAX));
+        pending.encode(encoder.encode_descriptor(
+            "disagg_lmcache_registrations_pending",
+            "Requests waiting for LMCache KV-ready notifications.",
+            None,
+            pending.metric_type(),
+        )?)
     }
 }
 

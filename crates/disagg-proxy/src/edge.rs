@@ -10,7 +10,7 @@ use clap::Args;
 use disagg_http::HttpTransportConfig;
 use disagg_http::auth::{ApiKeyLayer, ApiKeys, EngineKeys, KeyFile, KeyLimits};
 use disagg_http::metrics::ExtraMetrics;
-use disagg_http::tls::{self, ClientTls, PemFiles, ServerTls};
+use disagg_http::tls::{self, ClientTls, PemFiles, ReloadStats, ServerTls};
 
 use crate::BoxError;
 
@@ -323,33 +323,15 @@ impl Edge {
         if keys.is_none() && server.is_none() && client.is_none() {
             return None;
         }
-        Some(ExtraMetrics::new(move |out: &mut String| {
-            use std::fmt::Write as _;
+        Some(ExtraMetrics::new(move |registry| {
             if let Some(k) = &keys {
-                k.render_metrics(out);
+                k.register_metrics(registry);
             }
-            if server.is_none() && client.is_none() {
-                return;
-            }
-            let rows = [
-                ("server", server.as_ref().map(ServerTls::stats)),
-                ("engine_client", client.as_ref().map(ClientTls::stats)),
-            ];
-            out.push_str("# HELP disagg_tls_reloads_total Certificates reloaded from their files.\n# TYPE disagg_tls_reloads_total counter\n");
-            for (side, s) in rows.iter().filter_map(|(n, s)| s.map(|s| (n, s))) {
-                let _ = writeln!(
-                    out,
-                    "disagg_tls_reloads_total{{cert=\"{side}\"}} {}",
-                    s.reloads
-                );
-            }
-            out.push_str("# HELP disagg_tls_reload_errors_total Certificate file states refused (unreadable, invalid, mismatched).\n# TYPE disagg_tls_reload_errors_total counter\n");
-            for (side, s) in rows.iter().filter_map(|(n, s)| s.map(|s| (n, s))) {
-                let _ = writeln!(
-                    out,
-                    "disagg_tls_reload_errors_total{{cert=\"{side}\"}} {}",
-                    s.errors
-                );
+            if server.is_some() || client.is_some() {
+                registry.register_collector(Box::new(TlsCollector {
+                    server: server.clone(),
+                    client: client.clone(),
+                }));
             }
         }))
     }
@@ -410,6 +392,62 @@ pub(crate) fn spawn_until(
                 }
             });
         })?)
+}
+
+/// One of a certificate's reload counts.
+type ReloadCount = fn(&ReloadStats) -> u64;
+
+/// The certificates' reload counters, read at each scrape: `disagg_tls_reloads_total`
+/// and `disagg_tls_reload_errors_total`, labelled `cert="server"` (the proxy's own) and
+/// `cert="engine_client"` (the one it shows the engines), each only when configured.
+struct TlsCollector {
+    server: Option<ServerTls>,
+    client: Option<ClientTls>,
+}
+
+impl fmt::Debug for TlsCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsCollector")
+            .field("server", &self.server.is_some())
+            .field("client", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl prometheus_client::collector::Collector for TlsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        let rows = [
+            ("server", self.server.as_ref().map(ServerTls::stats)),
+            ("engine_client", self.client.as_ref().map(ClientTls::stats)),
+        ];
+        let families: [(&str, &str, ReloadCount); 2] = [
+            (
+                "disagg_tls_reloads",
+                "Certificates reloaded from their files.",
+                |s| s.reloads,
+            ),
+            (
+                "disagg_tls_reload_errors",
+                "Certificate file states refused (unreadable, invalid, mismatched).",
+                |s| s.errors,
+            ),
+        ];
+        // Counters are named without `_total`: the encoders append it.
+        for (name, help, value) in families {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (cert, stats) in rows.iter().filter_map(|(c, s)| s.as_ref().map(|s| (c, s))) {
+                ConstCounter::new(value(stats))
+                    .encode(family.encode_family(&[("cert", *cert)])?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

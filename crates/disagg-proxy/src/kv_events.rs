@@ -12,7 +12,6 @@
 //! stay empty, and the policy sees it as holding nothing).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,8 +19,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use async_trait::async_trait;
 use clap::{Args, ValueEnum};
 use disagg_core::{
-    Api, BoxError as CoreBoxError, Endpoint, EndpointSet, EndpointSource, JsonBody, Orchestrator,
-    Role, TokenIds, Tokenizer, Transport,
+    Api, BoxError as CoreBoxError, Endpoint, EndpointSet, EndpointSource, JsonBody, Role, TokenIds,
+    Tokenizer, Transport,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig};
@@ -243,81 +242,115 @@ impl KvEvents {
         Ok(thread)
     }
 
-    /// `GET /metrics` lines: the subscriptions' counters, the index's size, and the
-    /// orchestrator's tokenizing counts.
-    pub(crate) fn metrics(&self, orchestrator: Orchestrator) -> ExtraMetrics {
+    /// `GET /metrics`: the subscriptions' counters and the index's size, read at each
+    /// scrape (the tokenizing counts are the orchestrator's, in its own collector).
+    pub(crate) fn metrics(&self) -> ExtraMetrics {
         let subscriber = Arc::clone(&self.subscriber);
-        ExtraMetrics::new(move |out: &mut String| {
-            let ranks = subscriber.status();
-            let sum = |f: fn(&disagg_kvevents::RankStatus) -> u64| ranks.iter().map(f).sum::<u64>();
-            let rows: [(&str, &str, &str, u64); 9] = [
-                (
-                    "kv_events_ranks_connected",
-                    "gauge",
-                    "Engine ranks whose KV-event subscription is connected.",
-                    ranks.iter().filter(|r| r.connected).count() as u64,
-                ),
-                (
-                    "kv_events_batches_total",
-                    "counter",
-                    "KV-event batches applied to the index (replayed ones included).",
-                    sum(|r| r.batches),
-                ),
-                (
-                    "kv_events_gaps_total",
-                    "counter",
-                    "Sequence gaps seen in the engines' KV events.",
-                    sum(|r| r.gaps),
-                ),
-                (
-                    "kv_events_replayed_total",
-                    "counter",
-                    "KV-event batches recovered from the engines' replay sockets.",
-                    sum(|r| r.replayed),
-                ),
-                (
-                    "kv_events_replay_failures_total",
-                    "counter",
-                    "Replays that failed or could not cover a gap.",
-                    sum(|r| r.replay_failures),
-                ),
-                (
-                    "kv_events_drops_total",
-                    "counter",
-                    "Times an engine rank's index entries were dropped (a gap without replay, a restart, a bad batch).",
-                    sum(|r| r.drops),
-                ),
-                (
-                    "kv_events_resubscribes_total",
-                    "counter",
-                    "KV-event subscriptions renewed after silence or a receive error.",
-                    sum(|r| r.resubscribes),
-                ),
-                (
-                    "kv_events_index_blocks",
-                    "gauge",
-                    "Blocks the KV-event index holds, over all engines.",
-                    subscriber.index().stats().blocks as u64,
-                ),
-                (
-                    "tokenize_failures_total",
-                    "counter",
-                    "Requests whose prompt could not be tokenized (routed without token ids).",
-                    orchestrator.stats().tokenize_failures,
-                ),
-            ];
-            for (name, kind, help, value) in rows {
-                let _ = writeln!(
-                    out,
-                    "# HELP disagg_{name} {help}\n# TYPE disagg_{name} {kind}\ndisagg_{name} {value}"
-                );
-            }
-            let tokenized = orchestrator.stats().tokenized;
-            let _ = writeln!(
-                out,
-                "# HELP disagg_tokenized_total Requests whose prompt was tokenized for routing.\n# TYPE disagg_tokenized_total counter\ndisagg_tokenized_total {tokenized}"
-            );
+        ExtraMetrics::new(move |registry| {
+            registry.register_collector(Box::new(KvEventsCollector(Arc::clone(&subscriber))));
         })
+    }
+}
+
+/// [`KvEvents::metrics`]' collector: the subscriber's counters summed over the engine
+/// ranks, and the index's size.
+///
+/// | metric | type | meaning |
+/// |---|---|---|
+/// | `disagg_kv_events_ranks_connected` | gauge | engine ranks whose subscription is connected |
+/// | `disagg_kv_events_batches_total` | counter | batches applied to the index (replayed ones included) |
+/// | `disagg_kv_events_gaps_total` | counter | sequence gaps seen |
+/// | `disagg_kv_events_replayed_total` | counter | batches recovered from the replay sockets |
+/// | `disagg_kv_events_replay_failures_total` | counter | replays that failed or could not cover a gap |
+/// | `disagg_kv_events_drops_total` | counter | times a rank's entries were dropped |
+/// | `disagg_kv_events_resubscribes_total` | counter | subscriptions renewed after silence or an error |
+/// | `disagg_kv_events_index_blocks` | gauge | blocks the index holds, over all engines |
+struct KvEventsCollector(Arc<Subscriber>);
+
+impl std::fmt::Debug for KvEventsCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvEventsCollector").finish_non_exhaustive()
+    }
+}
+
+impl prometheus_client::collector::Collector for KvEventsCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let ranks = self.0.status();
+        let sum = |f: fn(&disagg_kvevents::RankStatus) -> u64| ranks.iter().map(f).sum::<u64>();
+        // (name, help, gauge, value); counters are named without `_total`: the encoders
+        // append it.
+        let rows: [(&str, &str, bool, u64); 8] = [
+            (
+                "disagg_kv_events_ranks_connected",
+                "Engine ranks whose KV-event subscription is connected.",
+                true,
+                ranks.iter().filter(|r| r.connected).count() as u64,
+            ),
+            (
+                "disagg_kv_events_batches",
+                "KV-event batches applied to the index (replayed ones included).",
+                false,
+                sum(|r| r.batches),
+            ),
+            (
+                "disagg_kv_events_gaps",
+                "Sequence gaps seen in the engines' KV events.",
+                false,
+                sum(|r| r.gaps),
+            ),
+            (
+                "disagg_kv_events_replayed",
+                "KV-event batches recovered from the engines' replay sockets.",
+                false,
+                sum(|r| r.replayed),
+            ),
+            (
+                "disagg_kv_events_replay_failures",
+                "Replays that failed or could not cover a gap.",
+                false,
+                sum(|r| r.replay_failures),
+            ),
+            (
+                "disagg_kv_events_drops",
+                "Times an engine rank's index entries were dropped (a gap without replay, a restart, a bad batch).",
+                false,
+                sum(|r| r.drops),
+            ),
+            (
+                "disagg_kv_events_resubscribes",
+                "KV-event subscriptions renewed after silence or a receive error.",
+                false,
+                sum(|r| r.resubscribes),
+            ),
+            (
+                "disagg_kv_events_index_blocks",
+                "Blocks the KV-event index holds, over all engines.",
+                true,
+                self.0.index().stats().blocks as u64,
+            ),
+        ];
+        for (name, help, gauge, value) in rows {
+            if gauge {
+                let metric = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+                metric.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+            } else {
+                let metric = ConstCounter::new(value);
+                metric.encode(encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    MetricType::Counter,
+                )?)?;
+            }
+        }
+        Ok(())
     }
 }
 

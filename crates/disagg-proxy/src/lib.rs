@@ -4,6 +4,7 @@
 pub mod discover;
 pub mod edge;
 pub mod kv_events;
+pub mod observe;
 pub mod serve;
 
 /// The error the subcommands end with.

@@ -106,6 +106,9 @@ pub struct ServeArgs {
     /// The `kv_events` policy: the engines' KV-event publishers, and the tokenizer.
     #[command(flatten)]
     kv_events: crate::kv_events::KvEventsArgs,
+    /// Metrics, traces and the access log.
+    #[command(flatten)]
+    observe: crate::observe::ObserveArgs,
     /// The address the proxy listens on.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
     listen: SocketAddr,
@@ -651,6 +654,8 @@ struct Shared {
     /// The KV-event subscriber's thread, with the `kv_events` policy (it ends at
     /// shutdown).
     kv_events: Option<std::thread::JoinHandle<()>>,
+    /// The access log and traces to flush at shutdown.
+    finish: crate::observe::Finish,
 }
 
 impl Shared {
@@ -742,7 +747,7 @@ impl Shared {
         // LMCache's notification counters join GET /metrics.
         let lmcache_metrics = notifications
             .clone()
-            .map(|n| ExtraMetrics::new(move |out: &mut String| n.render_metrics(out)));
+            .map(|n| ExtraMetrics::new(move |registry| n.register_metrics(registry)));
         let mut limits = VllmLimits::default();
         limits.max_logprobs = args.max_logprobs;
         limits.max_stop_strings = args.max_stop_strings;
@@ -787,8 +792,8 @@ impl Shared {
                 shutdown.clone(),
             )?;
             let merged = Arc::clone(&d.merged);
-            extra_metrics.push(ExtraMetrics::new(move |out: &mut String| {
-                merged.render_metrics(out)
+            extra_metrics.push(ExtraMetrics::new(move |registry| {
+                merged.register_metrics(registry)
             }));
             (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
@@ -806,6 +811,7 @@ impl Shared {
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
         let resilience = args.reliability.apply(&mut config, args.retries)?;
+        let observe = args.observe.start(args.connector.name(), &mut config)?;
         if args.decode_only_fallback {
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
@@ -845,6 +851,13 @@ impl Shared {
         service.extra_metrics.extend(lmcache_metrics);
         service.extra_metrics.extend(edge.metrics());
         service.extra_metrics.extend(extra_metrics);
+        let health_metrics = Arc::clone(&health);
+        service
+            .extra_metrics
+            .push(ExtraMetrics::new(move |registry| {
+                health_metrics.register_metrics(registry)
+            }));
+        observe.serve_metrics(&mut service);
         args.client_body.apply(&mut service)?;
         // The source's health hears every attempt (it is the source's listener).
         let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
@@ -864,11 +877,11 @@ impl Shared {
         if resilience.retry.max_retries > 0 {
             builder = builder.retry(Backoff::new(resilience.retry));
         }
-        let orchestrator = builder.build();
+        let orchestrator = observe.attach(builder).build();
         let kv_thread = match &kv_events {
             None => None,
             Some(kv) => {
-                service.extra_metrics.push(kv.metrics(orchestrator.clone()));
+                service.extra_metrics.push(kv.metrics());
                 Some(kv.start(follow, shutdown)?)
             }
         };
@@ -880,6 +893,7 @@ impl Shared {
             health: active_checks.then_some(health),
             discovery,
             kv_events: kv_thread,
+            finish: observe.into_finish(),
         })
     }
 
@@ -916,6 +930,7 @@ pub fn run(
     let mut shared = Shared::from_args(args, notifications, shutdown.clone())?;
     let discovery = shared.discovery.take();
     let kv_events = shared.kv_events.take();
+    let finish = std::mem::take(&mut shared.finish);
     // Active health checks on a small thread of their own, until shutdown.
     let checker = match &shared.health {
         None => None,
@@ -982,6 +997,8 @@ pub fn run(
     if let Some(listener) = listener {
         let _ = listener.join();
     }
+    // The requests are over: their last log lines and spans go out.
+    finish.close();
     Ok(())
 }
 

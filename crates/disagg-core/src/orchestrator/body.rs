@@ -399,9 +399,21 @@ impl Body for PdBody {
         let polled = self.as_mut().poll_body(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled
             && let Some(data) = frame.data_ref()
-            && let Some(f) = self.project().finish.as_mut()
         {
-            f.sent(data.len());
+            // hyper asks `is_end_stream` after each frame and, when it says so (a body
+            // of known length now whole), drops the body without polling for its end:
+            // the response is complete now, not cancelled at the drop.
+            let end = self.is_end_stream();
+            let this = self.project();
+            if let Some(f) = this.finish.as_mut() {
+                f.sent(data.len());
+            }
+            if end {
+                *this.done = true;
+                if let Some(mut f) = this.finish.take() {
+                    f.done(Outcome::Success, None);
+                }
+            }
         }
         polled
     }

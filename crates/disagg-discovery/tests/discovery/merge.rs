@@ -147,8 +147,10 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
     assert!(Arc::ptr_eq(&set.prefill()[0], &fixed));
     assert!(set.prefill()[0].ext().get::<BootstrapPort>().is_none());
 
+    let mut registry = prometheus_client::registry::Registry::default();
+    merged.register_metrics(&mut registry);
     let mut text = String::new();
-    merged.render_metrics(&mut text);
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     for line in [
         "disagg_discovery_endpoints{source=\"static\",role=\"prefill\"} 1\n",
         "disagg_discovery_endpoints{source=\"test\",role=\"prefill\"} 1\n",
@@ -156,7 +158,7 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
         "disagg_discovery_duplicate_endpoints{source=\"test\"} 1\n",
         "disagg_discovery_endpoint_changes_total{source=\"test\",change=\"added\"} 1\n",
         "disagg_discovery_updates_total{source=\"test\"} 1\n",
-        "# TYPE disagg_discovery_endpoint_changes_total counter\n",
+        "# TYPE disagg_discovery_endpoint_changes counter\n",
         "# TYPE disagg_discovery_endpoints gauge\n",
     ] {
         assert!(text.contains(line), "missing {line:?} in:\n{text}");

@@ -1,7 +1,7 @@
 //! The client keys: [`ApiKeys`] (digests, the check, reloads, counters) and what a check
 //! gives back.
 
-use std::fmt::{self, Write as _};
+use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -277,8 +277,9 @@ impl ApiKeys {
         }
     }
 
-    /// Append the counters to `out` in the Prometheus text format, for
-    /// [`ExtraMetrics`](crate::metrics::ExtraMetrics). No key material: counts only.
+    /// Registers the counters into a Prometheus `registry`, read at each scrape (for
+    /// [`ExtraMetrics`](crate::metrics::ExtraMetrics)). No key material: counts only,
+    /// never a key, a digest or a [`KeyId`](super::KeyId) as a label.
     ///
     /// | metric | type | meaning |
     /// |---|---|---|
@@ -287,31 +288,8 @@ impl ApiKeys {
     /// | `disagg_key_throttled_total{reason}` | counter | requests refused 429 by their key's limit: `rate`, `in_flight` |
     /// | `disagg_api_key_reloads_total` | counter | key file reloads that changed the keys |
     /// | `disagg_api_key_file_errors_total` | counter | key file states refused (unreadable, invalid) |
-    pub fn render_metrics(&self, out: &mut String) {
-        let s = self.stats();
-        let _ = write!(
-            out,
-            "# HELP disagg_api_keys API keys in force.\n# TYPE disagg_api_keys gauge\ndisagg_api_keys {}\n\
-             # HELP disagg_auth_refused_total Requests refused 401 by the API key check.\n\
-             # TYPE disagg_auth_refused_total counter\n\
-             disagg_auth_refused_total{{reason=\"missing\"}} {}\n\
-             disagg_auth_refused_total{{reason=\"invalid\"}} {}\n\
-             # HELP disagg_key_throttled_total Requests refused 429 by their API key's limits.\n\
-             # TYPE disagg_key_throttled_total counter\n\
-             disagg_key_throttled_total{{reason=\"rate\"}} {}\n\
-             disagg_key_throttled_total{{reason=\"in_flight\"}} {}\n\
-             # HELP disagg_api_key_reloads_total Key file reloads that changed the keys.\n\
-             # TYPE disagg_api_key_reloads_total counter\ndisagg_api_key_reloads_total {}\n\
-             # HELP disagg_api_key_file_errors_total Key file states refused (unreadable or invalid).\n\
-             # TYPE disagg_api_key_file_errors_total counter\ndisagg_api_key_file_errors_total {}\n",
-            s.keys,
-            s.missing,
-            s.invalid,
-            s.throttled_rate,
-            s.throttled_in_flight,
-            s.reloads,
-            s.file_errors,
-        );
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(KeysCollector(self.clone())));
     }
 
     /// Poll `file` every [`KeyFile::poll_interval`] and [`reload`](Self::reload) its
@@ -430,4 +408,75 @@ pub(super) fn bearer(value: &HeaderValue) -> Option<&[u8]> {
     }
     let token = rest.trim_ascii();
     (!token.is_empty()).then_some(token)
+}
+
+/// A counter family by `reason`: its name, its help, each reason's count.
+type Labelled = (&'static str, &'static str, [(&'static str, u64); 2]);
+
+/// [`ApiKeys::register_metrics`]' collector: the keys' counters, read at each scrape
+/// (the check counts in atomics it already keeps; nothing more on the request path).
+#[derive(Debug)]
+struct KeysCollector(ApiKeys);
+
+impl prometheus_client::collector::Collector for KeysCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let s = self.0.stats();
+        let keys = ConstGauge::new(i64::try_from(s.keys).unwrap_or(i64::MAX));
+        keys.encode(encoder.encode_descriptor(
+            "disagg_api_keys",
+            "API keys in force.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        // Counters are named without `_total`: the encoders append it.
+        let labelled: [Labelled; 2] = [
+            (
+                "disagg_auth_refused",
+                "Requests refused 401 by the API key check.",
+                [("missing", s.missing), ("invalid", s.invalid)],
+            ),
+            (
+                "disagg_key_throttled",
+                "Requests refused 429 by their API key's limits.",
+                [
+                    ("rate", s.throttled_rate),
+                    ("in_flight", s.throttled_in_flight),
+                ],
+            ),
+        ];
+        for (name, help, values) in labelled {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (reason, n) in values {
+                ConstCounter::new(n).encode(family.encode_family(&[("reason", reason)])?)?;
+            }
+        }
+        let single = [
+            (
+                "disagg_api_key_reloads",
+                "Key file reloads that changed the keys.",
+                s.reloads,
+            ),
+            (
+                "disagg_api_key_file_errors",
+                "Key file states refused (unreadable or invalid).",
+                s.file_errors,
+            ),
+        ];
+        for (name, help, n) in single {
+            ConstCounter::new(n).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
+            )?)?;
+        }
+        Ok(())
+    }
 }

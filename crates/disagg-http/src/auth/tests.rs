@@ -158,8 +158,10 @@ fn refusals_are_openai_errors() {
 fn metrics_hold_no_key_material() {
     let keys = ApiKeys::new(["sk-secret-value"]).unwrap();
     let _ = keys.check(Some(&header("Bearer sk-wrong")));
-    let mut out = String::new();
-    keys.render_metrics(&mut out);
+    let mut registry = prometheus_client::registry::Registry::default();
+    keys.register_metrics(&mut registry);
+    let (out, _) = crate::metrics::encode(&registry, None);
+    assert!(out.contains("\ndisagg_api_keys 1\n"), "{out}");
     assert!(
         out.contains("disagg_auth_refused_total{reason=\"invalid\"} 1"),
         "{out}"

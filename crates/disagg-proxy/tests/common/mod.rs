@@ -18,6 +18,8 @@ pub struct Proxy {
     pub addr: SocketAddr,
     /// Its stderr (the log), gathered by a thread.
     log: Arc<Mutex<Vec<u8>>>,
+    /// Its stdout (the access log), gathered by a thread.
+    out: Arc<Mutex<Vec<u8>>>,
 }
 
 impl Drop for Proxy {
@@ -68,24 +70,32 @@ impl Proxy {
             .env("NO_COLOR", "1")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("start disagg-proxy");
-        let log = Arc::new(Mutex::new(Vec::new()));
-        if let Some(mut stderr) = child.stderr.take() {
-            let log = Arc::clone(&log);
+        let gather = |mut from: Box<dyn Read + Send>| {
+            let into = Arc::new(Mutex::new(Vec::new()));
+            let to = Arc::clone(&into);
             std::thread::spawn(move || {
                 let mut buf = [0u8; 4096];
-                while let Ok(n) = stderr.read(&mut buf) {
+                while let Ok(n) = from.read(&mut buf) {
                     if n == 0 {
                         break;
                     }
-                    log.lock().unwrap().extend_from_slice(&buf[..n]);
+                    to.lock().unwrap().extend_from_slice(&buf[..n]);
                 }
             });
-        }
-        let mut proxy = Proxy { child, addr, log };
+            into
+        };
+        let log = gather(Box::new(child.stderr.take().expect("piped stderr")));
+        let out = gather(Box::new(child.stdout.take().expect("piped stdout")));
+        let mut proxy = Proxy {
+            child,
+            addr,
+            log,
+            out,
+        };
         let start = Instant::now();
         loop {
             if TcpStream::connect(addr).await.is_ok() {
@@ -135,6 +145,11 @@ impl Proxy {
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .expect("a VmRSS line");
         kib * 1024
+    }
+
+    /// What it wrote to stdout so far.
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.out.lock().unwrap()).into_owned()
     }
 
     pub fn log(&self) -> String {

@@ -17,6 +17,8 @@ pub(super) struct EndpointState {
     pub(super) down: AtomicBool,
     /// Ejections in a row (the backoff's exponent); held for every transition.
     pub(super) breaker: Mutex<u32>,
+    /// Every ejection since the state was made, for metrics.
+    pub(super) ejections: AtomicU64,
 }
 
 /// Why a breaker opened.
@@ -35,6 +37,7 @@ impl EndpointState {
             until: AtomicU64::new(0),
             down: AtomicBool::new(false),
             breaker: Mutex::new(0),
+            ejections: AtomicU64::new(0),
         }
     }
 
@@ -91,6 +94,7 @@ impl EndpointState {
     /// Eject: open the breaker for the next backoff time. Called with `breaker` held.
     pub(super) fn open(&self, ejections: &mut u32, now: u64, health: &Health, cause: Cause) {
         *ejections = ejections.saturating_add(1);
+        self.ejections.fetch_add(1, Ordering::Relaxed);
         let time = health.config.ejection_time(*ejections);
         let until = now.saturating_add(nanos(time));
         self.until.store(until, Ordering::Relaxed);

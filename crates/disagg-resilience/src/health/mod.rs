@@ -104,6 +104,7 @@ use disagg_core::transport::{Transport, read_limited};
 
 mod breaker;
 mod checks;
+mod metrics;
 mod source;
 
 use breaker::*;
@@ -400,6 +401,24 @@ impl Health {
                     s.endpoint.id().clone(),
                     s.endpoint.role(),
                     s.view(now, self),
+                )
+            })
+            .collect()
+    }
+
+    /// Every endpoint's state and ejection count, in the inner source's order.
+    fn counts(&self) -> Vec<(EndpointId, Role, EndpointHealth, u64)> {
+        self.refresh_if_due();
+        let now = self.now_ns();
+        read(&self.registry)
+            .order
+            .iter()
+            .map(|s| {
+                (
+                    s.endpoint.id().clone(),
+                    s.endpoint.role(),
+                    s.view(now, self),
+                    s.ejections.load(Ordering::Relaxed),
                 )
             })
             .collect()

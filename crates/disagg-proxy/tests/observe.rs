@@ -1,0 +1,688 @@
+//! `disagg-proxy serve`'s observability, end to end: a real Prometheus server scrapes the
+//! proxy and computes a quantile of each P/D histogram; a real OTLP/HTTP receiver (the
+//! OpenTelemetry project's Python protobuf bindings) decodes the exported spans and
+//! the tree is checked against what the simulated engines received; the access log's
+//! lines are checked field by field; every metric the Grafana dashboard queries exists.
+//!
+//! The Prometheus test needs Debian's `prometheus` binary and the trace test a Python
+//! with `opentelemetry-proto` (`$DISAGG_PYTHON`, else the repository's `.venv`):
+//! `scripts/test.sh` installs both. Without `prometheus`, the scrape test says loudly
+//! that it is skipped, unless DISAGG_REQUIRE_PROMETHEUS=1 (set by scripts/test.sh)
+//! makes that a failure.
+
+#![allow(missing_docs)] // a test binary
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use disagg_sim::{SimConfig, SimEngine};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
+use common::{Proxy, completion, eventually, free_addr, get, post};
+
+const COMPLETIONS: &str = "/v1/completions";
+const CHAT: &str = "/v1/chat/completions";
+
+async fn engine(config: SimConfig) -> SimEngine {
+    SimEngine::start(config)
+        .await
+        .expect("start a simulated engine")
+}
+
+fn chat(content: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// A child process killed when the test ends.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+// === the Prometheus scrape ===
+
+fn prometheus_binary() -> Option<PathBuf> {
+    for p in ["/usr/bin/prometheus", "/usr/local/bin/prometheus"] {
+        if Path::new(p).exists() {
+            return Some(PathBuf::from(p));
+        }
+    }
+    if std::env::var_os("DISAGG_REQUIRE_PROMETHEUS").is_some_and(|v| v == "1") {
+        panic!("prometheus is required (DISAGG_REQUIRE_PROMETHEUS=1) but not installed");
+    }
+    eprintln!(
+        "\n\n!!!!!!!! SKIPPED: prometheus is not installed, so the scrape test did not run. \
+         Install it (apt-get install prometheus) or run scripts/test.sh, which does. !!!!!!!!\n"
+    );
+    None
+}
+
+/// `s` percent-encoded for a URL query.
+fn query_escape(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The single value of the instant PromQL `query` at the Prometheus server `base`, when
+/// it has one that is a number (not NaN).
+async fn promql(base: &str, query: &str) -> Option<f64> {
+    let a = get(
+        base,
+        &format!("/api/v1/query?query={}", query_escape(query)),
+    )
+    .await;
+    let v = a.json();
+    assert_eq!(v["status"], "success", "{query}: {v}");
+    let result = v["data"]["result"].as_array()?;
+    let [one] = &result[..] else { return None };
+    let n: f64 = one["value"][1].as_str()?.parse().ok()?;
+    (!n.is_nan()).then_some(n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_proxy_and_computes_a_quantile_of_every_pd_histogram() {
+    let Some(prometheus) = prometheus_binary() else {
+        return;
+    };
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    // Traffic of each kind: both APIs, streamed and not.
+    for i in 0..4 {
+        let a = post(
+            &proxy.url(),
+            COMPLETIONS,
+            &completion("hello", 4, i % 2 == 0),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let a = post(&proxy.url(), CHAT, &chat("hello", 4, i % 2 == 1)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+
+    let dir = std::env::temp_dir().join(format!("disagg-prometheus-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("prometheus.yml");
+    // A short scrape interval keeps the test quick.
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 200ms\n  scrape_timeout: 150ms\nscrape_configs:\n  - job_name: disagg\n    static_configs:\n      - targets: ['{}']\n",
+            proxy.addr
+        ),
+    )
+    .unwrap();
+    let web = free_addr();
+    let _server = Killed(
+        Command::new(prometheus)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={web}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus"),
+    );
+    let base = format!("http://{web}");
+    let quantile = |metric: &str, by: &str| {
+        format!("histogram_quantile(0.9, sum by (le{by}) ({metric}_bucket))")
+    };
+    let queries = [
+        quantile("disagg_request_duration_seconds", ""),
+        quantile("disagg_time_to_first_token_seconds", ""),
+        quantile("disagg_prefill_duration_seconds", ", endpoint"),
+        quantile("disagg_kv_handoff_duration_seconds", ", connector"),
+        quantile("disagg_decode_head_seconds", ", endpoint"),
+        quantile("disagg_decode_first_chunk_seconds", ", endpoint"),
+    ];
+    let start = Instant::now();
+    let mut values = Vec::new();
+    for q in &queries {
+        loop {
+            // Prometheus takes a moment to start and to scrape.
+            if tokio::net::TcpStream::connect(web).await.is_ok()
+                && let Some(v) = promql(&base, q).await
+            {
+                values.push(v);
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no value for {q} after 60 s; /metrics:\n{}",
+                get(&proxy.url(), "/metrics").await.text()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // Loopback legs take well under the largest finite bucket (500 s): every quantile
+    // is a finite positive number of seconds.
+    for (q, v) in queries.iter().zip(&values) {
+        assert!(v.is_finite() && *v > 0.0 && *v < 500.0, "{q} = {v}");
+    }
+    // Prometheus saw the series it was sent: 8 requests in the duration histogram.
+    let count = promql(&base, "sum(disagg_request_duration_seconds_count)").await;
+    assert_eq!(count, Some(8.0));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// === the dashboard ===
+
+/// Every metric name a PromQL expression refers to: identifiers starting with
+/// `disagg_`.
+fn metric_names(expr: &str, out: &mut Vec<String>) {
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("disagg_") {
+        let s = i + at;
+        let boundary = s == 0 || !(bytes[s - 1].is_ascii_alphanumeric() || bytes[s - 1] == b'_');
+        let mut e = s;
+        while e < bytes.len() && (bytes[e].is_ascii_alphanumeric() || bytes[e] == b'_') {
+            e += 1;
+        }
+        if boundary {
+            out.push(expr[s..e].to_owned());
+        }
+        i = e;
+    }
+}
+
+fn exprs(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v) {
+                    ("expr" | "query", Value::String(s)) => out.push(s.clone()),
+                    _ => exprs(v, out),
+                }
+            }
+        }
+        Value::Array(a) => a.iter().for_each(|v| exprs(v, out)),
+        _ => {}
+    }
+}
+
+#[tokio::test]
+async fn every_metric_of_the_grafana_dashboard_is_in_metrics() {
+    let path = repo_root().join("deploy/grafana/disagg.json");
+    let dashboard: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("the dashboard")).unwrap();
+    let mut all = Vec::new();
+    exprs(&dashboard, &mut all);
+    let mut names = Vec::new();
+    for e in &all {
+        metric_names(e, &mut names);
+    }
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 10, "the dashboard queries {names:?}");
+
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
+    // One request, so that the per-endpoint series exist.
+    let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
+    assert_eq!(a.status, 200);
+    let text = get(&proxy.url(), "/metrics").await.text();
+    let exposed: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    for name in &names {
+        assert!(
+            exposed.iter().any(|e| e == name),
+            "the dashboard queries {name}, which /metrics does not have:\n{text}"
+        );
+    }
+}
+
+// === the access log ===
+
+fn field<'a>(line: &'a Value, name: &str) -> &'a Value {
+    line.get(name)
+        .unwrap_or_else(|| panic!("no {name} in {line}"))
+}
+
+fn ms(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("{v} is not a number"))
+}
+
+#[tokio::test]
+async fn the_access_log_has_one_line_per_request_with_every_field() {
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
+    let req = http::Request::post(format!("{}{CHAT}", proxy.url()))
+        .header("content-type", "application/json")
+        .header("x-request-id", "client-id-1")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+            "hello there",
+            3,
+            true,
+        ))))
+        .unwrap();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    // A request the engines refuse: an unknown model (404 from the decode engine).
+    let refused = post(
+        &proxy.url(),
+        COMPLETIONS,
+        &serde_json::json!({"model": "no-such", "prompt": "x", "max_tokens": 2}).to_string(),
+    )
+    .await;
+    assert_eq!(refused.status, 404, "{}", refused.text());
+
+    assert!(
+        eventually(Duration::from_secs(5), || proxy.stdout().lines().count()
+            >= 2)
+        .await,
+        "two lines: {}",
+        proxy.stdout()
+    );
+    let out = proxy.stdout();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    let (ok, bad) = (&lines[0], &lines[1]);
+
+    let engine_request = d.requests().into_iter().next().expect("the decode leg");
+    let time = field(ok, "time").as_str().unwrap();
+    assert!(
+        time.len() == 24 && time.ends_with('Z') && time.as_bytes()[10] == b'T',
+        "{time}"
+    );
+    assert_eq!(field(ok, "request_id"), "client-id-1");
+    assert_eq!(
+        field(ok, "engine_request_id").as_str(),
+        engine_request.header("x-request-id"),
+        "the id the engines got"
+    );
+    assert_eq!(field(ok, "method"), "POST");
+    assert_eq!(field(ok, "path"), CHAT);
+    assert_eq!(field(ok, "model"), "sim-model");
+    assert_eq!(field(ok, "stream"), true);
+    assert_eq!(field(ok, "status"), 200);
+    assert_eq!(field(ok, "outcome"), "success");
+    assert_eq!(field(ok, "handoff"), "kv");
+    assert_eq!(field(ok, "fallback"), &Value::Null);
+    assert_eq!(field(ok, "prefill").as_str(), Some(p.url().as_str()));
+    assert_eq!(field(ok, "decode").as_str(), Some(d.url().as_str()));
+    assert_eq!(field(ok, "attempts"), 1);
+    assert_eq!(field(ok, "bytes").as_u64(), Some(body.len() as u64));
+    assert_eq!(field(ok, "error"), &Value::Null);
+    assert_eq!(field(ok, "queue_ms"), &Value::Null, "no admission queue");
+    assert_eq!(field(ok, "trace_id"), &Value::Null, "not traced");
+    let total = ms(field(ok, "duration_ms"));
+    let phases = [
+        "prefill_ms",
+        "handoff_ms",
+        "decode_head_ms",
+        "decode_first_chunk_ms",
+    ];
+    for f in phases {
+        let v = ms(field(ok, f));
+        assert!(v >= 0.0 && v <= total, "{f} = {v}, duration {total}");
+    }
+    assert!(ms(field(ok, "ttft_ms")) <= total);
+    assert!(ms(field(ok, "decode_head_ms")) <= ms(field(ok, "decode_first_chunk_ms")));
+
+    // The refused request: the engine's status and the decode only (its prefill failed
+    // with the same 404 first, or the decode answered it: either way the route is
+    // logged), outcome client_error.
+    assert_eq!(field(bad, "status"), 404);
+    assert_eq!(field(bad, "outcome"), "client_error");
+    assert_eq!(field(bad, "model"), "no-such");
+    assert_eq!(field(bad, "path"), COMPLETIONS);
+    assert_eq!(field(bad, "stream"), false);
+    let keys: Vec<&String> = ok.as_object().unwrap().keys().collect();
+    assert_eq!(
+        keys,
+        bad.as_object().unwrap().keys().collect::<Vec<_>>(),
+        "every line has every field"
+    );
+}
+
+#[tokio::test]
+async fn the_text_access_log_leads_with_time_method_path_and_status() {
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &["--access-log", "text"]).await;
+    let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
+    assert_eq!(a.status, 200);
+    assert!(
+        eventually(Duration::from_secs(5), || proxy.stdout().lines().count()
+            == 1)
+        .await,
+        "{}",
+        proxy.stdout()
+    );
+    let out = proxy.stdout();
+    let line = out.lines().next().unwrap();
+    let parts: Vec<&str> = line.split(' ').collect();
+    assert!(parts[0].ends_with('Z'), "{line}");
+    assert_eq!(&parts[1..4], ["POST", COMPLETIONS, "200"], "{line}");
+    let pairs: Vec<(&str, &str)> = parts[4..]
+        .iter()
+        .map(|p| p.split_once('=').unwrap_or_else(|| panic!("{p} in {line}")))
+        .collect();
+    let get = |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
+    assert_eq!(get("model"), Some("sim-model"));
+    assert_eq!(get("outcome"), Some("success"));
+    assert_eq!(get("handoff"), Some("kv"));
+    assert_eq!(get("decode"), Some(d.url().as_str()));
+    assert_eq!(get("error"), Some("-"));
+    assert_eq!(get("bytes"), Some(a.body.len().to_string().as_str()));
+    assert!(get("prefill_ms").unwrap().parse::<f64>().is_ok(), "{line}");
+}
+
+// === traces ===
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("DISAGG_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with `opentelemetry-proto`: run scripts/test.sh (it creates .venv), or set DISAGG_PYTHON"
+    );
+    venv
+}
+
+/// The Python OTLP receiver: its base URL and the spans it printed so far.
+struct Receiver {
+    _child: Killed,
+    url: String,
+    spans: Arc<Mutex<Vec<Value>>>,
+}
+
+impl Receiver {
+    fn start() -> Receiver {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/otlp_receiver.py");
+        let mut child = Command::new(python())
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the OTLP receiver");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut first = String::new();
+        out.read_line(&mut first).unwrap();
+        let port = first
+            .trim()
+            .strip_prefix("PORT ")
+            .unwrap_or_else(|| panic!("the receiver said {first:?}"));
+        let spans = Arc::new(Mutex::new(Vec::new()));
+        let into = Arc::clone(&spans);
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                into.lock()
+                    .unwrap()
+                    .push(serde_json::from_str(&line).unwrap());
+            }
+        });
+        Receiver {
+            _child: Killed(child),
+            url: format!("http://127.0.0.1:{port}"),
+            spans,
+        }
+    }
+
+    fn spans(&self) -> Vec<Value> {
+        self.spans.lock().unwrap().clone()
+    }
+
+    /// The spans of `trace_id` once there are at least `n`.
+    async fn trace(&self, trace_id: &str, n: usize) -> Vec<Value> {
+        let of = || {
+            self.spans()
+                .into_iter()
+                .filter(|s| s["trace_id"] == trace_id)
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            eventually(Duration::from_secs(20), || of().len() >= n).await,
+            "{n} spans of {trace_id}; got {:?}",
+            self.spans()
+        );
+        of()
+    }
+}
+
+fn named<'a>(spans: &'a [Value], name: &str) -> &'a Value {
+    let found: Vec<&Value> = spans.iter().filter(|s| s["name"] == name).collect();
+    let [one] = &found[..] else {
+        panic!("one {name} span, got {found:?}")
+    };
+    one
+}
+
+fn traceparent_of(engine: &SimEngine) -> String {
+    let r = engine.requests();
+    let last = r.last().expect("a request");
+    last.header("traceparent")
+        .expect("the leg carried a traceparent")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traces_continue_the_clients_trace_across_both_legs() {
+    let receiver = Receiver::start();
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &d.url(),
+        "--otlp-endpoint",
+        &receiver.url,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_env(
+        &args,
+        // Export at once rather than after the SDK's default 5 s; the service name from
+        // the environment, as OpenTelemetry says.
+        &[
+            ("OTEL_BSP_SCHEDULE_DELAY", "50"),
+            ("OTEL_SERVICE_NAME", "disagg-under-test"),
+        ],
+    )
+    .await;
+
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let req = http::Request::post(format!("{}{CHAT}", proxy.url()))
+        .header("content-type", "application/json")
+        .header("traceparent", format!("00-{trace}-{client_span}-01"))
+        .header("tracestate", "vendor=opaque")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat(
+            "hello", 3, true,
+        ))))
+        .unwrap();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let _ = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap();
+
+    let spans = receiver.trace(trace, 4).await;
+    assert_eq!(spans.len(), 4, "{spans:?}");
+    let request = named(&spans, "POST /v1/chat/completions");
+    let (prefill, handoff, decode) = (
+        named(&spans, "prefill"),
+        named(&spans, "kv_handoff"),
+        named(&spans, "decode"),
+    );
+    // The client's trace continues: the request span's parent is the client's span.
+    assert_eq!(request["parent_span_id"], client_span);
+    assert_eq!(request["service"], "disagg-under-test");
+    assert_eq!(request["kind"], 2, "SPAN_KIND_SERVER");
+    let a = &request["attributes"];
+    assert_eq!(a["http.request.method"], "POST");
+    assert_eq!(a["http.route"], CHAT);
+    assert_eq!(a["http.response.status_code"], 200);
+    assert_eq!(a["gen_ai.request.model"], "sim-model");
+    assert_eq!(a["gen_ai.operation.name"], "chat");
+    assert_eq!(a["disagg.handoff"], "kv");
+    assert_eq!(a["disagg.outcome"], "success");
+    assert!(a["disagg.request_id"].is_string(), "{a}");
+    assert!(
+        request["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == "first_byte")
+    );
+    // The legs are the request span's children.
+    for leg in [prefill, handoff, decode] {
+        assert_eq!(leg["parent_span_id"], request["span_id"], "{leg}");
+        assert!(leg["start"].as_u64() >= request["start"].as_u64(), "{leg}");
+        assert!(leg["end"].as_u64() <= request["end"].as_u64(), "{leg}");
+    }
+    assert_eq!(prefill["attributes"]["disagg.endpoint"], p.url());
+    assert_eq!(decode["attributes"]["disagg.endpoint"], d.url());
+    assert_eq!(handoff["attributes"]["disagg.connector"], "nixl");
+    assert_eq!(prefill["kind"], 3, "SPAN_KIND_CLIENT");
+    // Each engine got a traceparent in the same trace naming its leg's span, and the
+    // client's tracestate.
+    assert_eq!(
+        traceparent_of(&p),
+        format!("00-{trace}-{}-01", prefill["span_id"].as_str().unwrap())
+    );
+    assert_eq!(
+        traceparent_of(&d),
+        format!("00-{trace}-{}-01", decode["span_id"].as_str().unwrap())
+    );
+    let last = d.requests().pop().unwrap();
+    assert_eq!(last.header("tracestate"), Some("vendor=opaque"));
+    // The decode leg's head and first chunk are events of its span.
+    let events = decode["events"].as_array().unwrap();
+    assert!(events.iter().any(|e| e == "response_head"), "{decode}");
+    assert!(events.iter().any(|e| e == "first_chunk"), "{decode}");
+
+    // A request without a traceparent starts a trace of its own (ratio 1.0).
+    let a = post(&proxy.url(), COMPLETIONS, &completion("hi", 2, false)).await;
+    assert_eq!(a.status, 200);
+    let tp = traceparent_of(&d);
+    let own = tp.split('-').nth(1).unwrap().to_owned();
+    assert_ne!(own, trace);
+    let spans = receiver.trace(&own, 4).await;
+    let request = named(&spans, "POST /v1/completions");
+    assert_eq!(request["parent_span_id"], "", "a root span");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
+    let receiver = Receiver::start();
+    let slow = SimConfig {
+        // 200 tokens at 20 ms: a 4 s stream, left after its first chunk.
+        inter_token_delay: Duration::from_millis(20),
+        ..SimConfig::default()
+    };
+    let (p, d) = (engine(SimConfig::default()).await, engine(slow).await);
+    let args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &d.url(),
+        "--otlp-endpoint",
+        &receiver.url,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_env(&args, &[("OTEL_BSP_SCHEDULE_DELAY", "50")]).await;
+
+    let body = completion("hello", 200, true);
+    let mut tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(n > 0, "the stream ended early");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let left = std::time::SystemTime::now();
+    drop(tcp);
+
+    let trace = traceparent_of(&d).split('-').nth(1).unwrap().to_owned();
+    let spans = receiver.trace(&trace, 4).await;
+    let request = named(&spans, "POST /v1/completions");
+    let decode = named(&spans, "decode");
+    assert_eq!(request["attributes"]["disagg.outcome"], "cancelled");
+    assert_eq!(decode["attributes"]["disagg.leg.verdict"], "abandoned");
+    // Both ended about when the client left, long before the stream's 4 s.
+    let left_ns = left
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    for s in [request, decode] {
+        let end = s["end"].as_u64().unwrap();
+        assert!(
+            end < left_ns + 1_000_000_000,
+            "{} ended {} ms after the client left",
+            s["name"],
+            (end.saturating_sub(left_ns)) / 1_000_000
+        );
+    }
+}
