@@ -196,6 +196,10 @@ pub struct Summary {
     pub model: Option<Arc<str>>,
     /// The client's request id (its `x-request-id`, or one drawn for it).
     pub request_id: Option<HeaderValue>,
+    /// Who sent it, when the server identified the client
+    /// ([`PdRequest::client`](crate::request::PdRequest::client): an API key's short
+    /// hash, never the key).
+    pub client: Option<Arc<str>>,
     /// The engine-side request id of the attempt that answered.
     pub engine_request_id: Option<HeaderValue>,
     /// The status the client got.
@@ -242,6 +246,7 @@ impl Summary {
             stream: false,
             model: None,
             request_id: None,
+            client: None,
             engine_request_id: None,
             status,
             error: None,

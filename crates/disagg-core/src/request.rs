@@ -95,6 +95,9 @@ pub struct PdRequest {
     /// The prompt's token ids, once a [`Tokenizer`](crate::tokens::Tokenizer) gave them
     /// (see [`tokens`](crate::tokens)).
     tokens: Option<crate::tokens::TokenIds>,
+    /// Who sent the request, as the server identified it (an API key's short hash),
+    /// for logs and summaries; never a credential.
+    client: Option<Arc<str>>,
 }
 
 impl PdRequest {
@@ -184,6 +187,7 @@ impl PdRequest {
             arrival: crate::outcome::now(),
             removed,
             tokens: None,
+            client: None,
         })
     }
 
@@ -271,6 +275,22 @@ impl PdRequest {
     /// the orchestrator then does not tokenize it again).
     pub fn set_tokens(&mut self, tokens: Option<crate::tokens::TokenIds>) {
         self.tokens = tokens;
+    }
+
+    /// Who sent the request, when the server identified the client (an API key's
+    /// short hash; never the key): carried into the request's
+    /// [`Summary`](crate::outcome::Summary) for logs.
+    pub fn client(&self) -> Option<&str> {
+        self.client.as_deref()
+    }
+
+    /// Name the client the request came from (see [`client`](Self::client)).
+    pub fn set_client(&mut self, client: Option<Arc<str>>) {
+        self.client = client;
+    }
+
+    pub(crate) fn client_arc(&self) -> Option<Arc<str>> {
+        self.client.clone()
     }
 }
 

@@ -41,6 +41,7 @@
 //! | `bytes` | response body bytes sent to the client |
 //! | `error` | the OpenAI error code when the request failed or its stream broke |
 //! | `trace_id` | the request's trace id, when it is traced |
+//! | `key` | the API key that admitted the request, by its short hash (`KeyId`: the first 8 hex digits of its SHA-256; never the key), with `--api-key` |
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
@@ -271,7 +272,7 @@ impl<'a> Value<'a> {
 }
 
 /// Every field of a line, in order.
-struct Fields<'a>([(&'static str, Value<'a>); 24]);
+struct Fields<'a>([(&'static str, Value<'a>); 25]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
@@ -327,6 +328,7 @@ impl<'a> Fields<'a> {
                     .as_ref()
                     .map_or(Value::Null, |t| Value::Owned(hex(&t.trace_id))),
             ),
+            ("key", Value::opt_str(s.client.as_deref())),
         ])
     }
 

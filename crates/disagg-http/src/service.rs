@@ -303,6 +303,12 @@ impl Inner {
             }
         };
         let id = parts.headers.get(REQUEST_ID).cloned();
+        // An [`ApiKeyLayer`](crate::auth::ApiKeyLayer) in front names the key that
+        // admitted the request: logs name the client by it.
+        let client = parts
+            .extensions
+            .get::<crate::auth::KeyId>()
+            .map(|k| Arc::<str>::from(k.to_string()));
         let parsed = self.parse(api, parts.headers, bytes).await;
         // The body's bytes are in the request now (or gone): its share of the budget,
         // which covers receiving and parsing, is given back.
@@ -310,6 +316,7 @@ impl Inner {
         let served = match parsed {
             Ok(mut req) => {
                 req.set_arrival(arrival);
+                req.set_client(client);
                 self.orchestrator.serve(req).await
             }
             Err(err) => {

@@ -143,6 +143,8 @@ async fn the_metrics_key_opens_metrics_and_nothing_holds_a_key() {
         ENGINE_KEY,
         "--health-check-interval",
         "0.1",
+        "--access-log",
+        "json",
     ]
     .map(str::to_owned)
     .to_vec();
@@ -212,6 +214,32 @@ async fn the_metrics_key_opens_metrics_and_nothing_holds_a_key() {
         assert!(!text.contains(&id), "the id of {key} in /metrics:\n{text}");
     }
     assert!(!log.contains("sk-secret"), "{log}");
+    // The access log names the client by its key's short hash, never by the key: the
+    // two requests the client key made, and the one the file's key made.
+    assert!(
+        eventually(Duration::from_secs(5), || proxy.stdout().lines().count()
+            >= 3)
+        .await,
+        "{}",
+        proxy.stdout()
+    );
+    let access = proxy.stdout();
+    assert!(!access.contains("sk-secret"), "{access}");
+    let keys: Vec<String> = access
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            v["key"].as_str().unwrap_or("-").to_owned()
+        })
+        .collect();
+    let client = disagg_http::auth::KeyId::of("sk-secret-client-0002").to_string();
+    let from_file = disagg_http::auth::KeyId::of("sk-secret-file-0003").to_string();
+    assert_eq!(keys.iter().filter(|k| **k == client).count(), 2, "{access}");
+    assert_eq!(
+        keys.iter().filter(|k| **k == from_file).count(),
+        1,
+        "{access}"
+    );
     // The engines got their key on every request, health checks included.
     assert_eq!(p.stats().requests_without_key, 0);
     assert_eq!(d.stats().requests_without_key, 0);
