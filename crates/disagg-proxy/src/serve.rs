@@ -1113,16 +1113,25 @@ mod tests {
         assert!(parse_profile("no-equals").is_err());
     }
 
-    #[test]
-    fn a_pair_that_cannot_hand_over_stops_the_proxy() {
+    /// The error with which `serve` refuses to start with `args` (after the program
+    /// name), before it binds or spawns anything.
+    fn refused_start<const N: usize>(args: [&str; N]) -> String {
         use clap::Parser;
         #[derive(Parser)]
         struct Cli {
             #[command(flatten)]
             serve: ServeArgs,
         }
-        let cli = Cli::try_parse_from([
-            "x",
+        let cli = Cli::try_parse_from(std::iter::once("x").chain(args)).unwrap();
+        Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+            .err()
+            .expect("refused")
+            .to_string()
+    }
+
+    #[test]
+    fn a_pair_that_cannot_hand_over_stops_the_proxy() {
+        let err = refused_start([
             "--connector",
             "sglang",
             "--prefill",
@@ -1132,12 +1141,7 @@ mod tests {
             "http://127.0.0.1:2",
             "--kv-profile",
             "http://127.0.0.1:2=NixlConnector,,",
-        ])
-        .unwrap();
-        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
-            .err()
-            .expect("refused")
-            .to_string();
+        ]);
         assert!(
             err.contains("http://127.0.0.1:1") && err.contains("http://127.0.0.1:2"),
             "{err}"
@@ -1150,14 +1154,7 @@ mod tests {
 
     #[test]
     fn kv_events_without_a_tokenizer_stops_the_proxy() {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let cli = Cli::try_parse_from([
-            "x",
+        let err = refused_start([
             "--prefill",
             "http://127.0.0.1:1",
             "--decode",
@@ -1166,12 +1163,7 @@ mod tests {
             "kv_events",
             "--kv-events-port",
             "5557",
-        ])
-        .unwrap();
-        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
-            .err()
-            .expect("refused")
-            .to_string();
+        ]);
         assert!(
             err.contains("--tokenizer") && err.contains("--tokenize engine"),
             "{err}"
@@ -1180,26 +1172,14 @@ mod tests {
 
     #[test]
     fn kv_events_flags_without_the_policy_stop_the_proxy() {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Cli {
-            #[command(flatten)]
-            serve: ServeArgs,
-        }
-        let cli = Cli::try_parse_from([
-            "x",
+        let err = refused_start([
             "--prefill",
             "http://127.0.0.1:1",
             "--decode",
             "http://127.0.0.1:2",
             "--kv-events-port",
             "5557",
-        ])
-        .unwrap();
-        let err = Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
-            .err()
-            .expect("refused")
-            .to_string();
+        ]);
         assert!(
             err.contains("--kv-events-port") && err.contains("kv_events"),
             "{err}"
