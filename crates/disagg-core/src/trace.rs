@@ -11,7 +11,7 @@
 //! The core only draws and carries the ids; the spans themselves are built when the
 //! request ends, from the [`Summary`](crate::outcome::Summary) and each attempt's
 //! [`Report`](crate::outcome::Report), which hold the ids and every step's instant. An
-//! exporter (the OpenTelemetry SDK in `disagg-observe`) builds them with these ids and
+//! exporter (the OpenTelemetry SDK in `disagg-otel`) builds them with these ids and
 //! times, off the request path. Nothing here allocates per request beyond the two
 //! header values a leg carries, and without a ratio configured none of it runs.
 //!
