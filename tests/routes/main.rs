@@ -272,6 +272,57 @@ async fn an_opened_admin_route_reaches_every_engine_and_reports_each() {
     assert_openai_error(&a, own.status.as_u16(), "fan_out_refused");
 }
 
+/// Serves `svc` on a loopback port until the returned sender is dropped.
+async fn serve(svc: disagg_http::PdService) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(disagg_http::server::serve(listener, svc, async {
+        let _ = rx.await;
+    }));
+    (url, tx)
+}
+
+#[tokio::test]
+async fn services_built_from_one_config_share_the_model_list() {
+    // Two services from clones of one config, as `serve --threads 2` builds its event
+    // loops: a fan-out through one drops the list the other cached.
+    let stack = Stack::builder()
+        .prefill(engines(1))
+        .decode(engines(1))
+        .build()
+        .await;
+    let mut config = disagg_http::PdServiceConfig::default();
+    config.routes = RouteTable::default().admin_routes(true);
+    let (a, _stop_a) = serve(disagg_http::PdService::with_config(
+        stack.orchestrator.clone(),
+        config.clone(),
+    ))
+    .await;
+    let (b, _stop_b) = serve(disagg_http::PdService::with_config(
+        stack.orchestrator.clone(),
+        config,
+    ))
+    .await;
+    let ids = |v: Value| -> Vec<String> {
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(ids(get(&a, "/v1/models").await.json()), ["sim-model"]);
+    let load = json!({"lora_name": "sql", "lora_path": "/adapters/sql"}).to_string();
+    let loaded = post(&b, "/v1/load_lora_adapter", load, &[]).await;
+    assert_eq!(loaded.status, 200, "{}", loaded.text());
+    // Within the list's 10 s lifetime, the other service shows the adapter at once.
+    assert_eq!(
+        ids(get(&a, "/v1/models").await.json()),
+        ["sim-model", "sql"]
+    );
+}
+
 // ---------------------------------------------------------------- SGLang /generate
 
 async fn sglang_stack() -> Stack {

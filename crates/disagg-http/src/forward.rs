@@ -231,7 +231,7 @@ impl Inner {
         });
         let answers = futures::future::join_all(sends).await;
         // An adapter loaded or unloaded changes the model list.
-        self.models.invalidate().await;
+        self.config.models.invalidate().await;
         fan_out_answer(parts.uri.path(), &targets, answers)
     }
 

@@ -170,6 +170,7 @@ impl crate::service::Inner {
     pub(crate) async fn models(&self, id: Option<&str>) -> http::Response<PdBody> {
         let set = self.orchestrator.source().snapshot();
         let cards = self
+            .config
             .models
             .cards(
                 &set,

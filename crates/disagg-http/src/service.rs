@@ -47,8 +47,9 @@ const REQUEST_ID: &str = "x-request-id";
 
 /// Settings of the [`PdService`].
 ///
-/// Cloning shares the [`body_budget`](Self::body_budget): build every service of one
-/// server (one per event loop) from clones of one config.
+/// Cloning shares the [`body_budget`](Self::body_budget) and the model list gathered
+/// from the engines: build every service of one server (one per event loop) from clones
+/// of one config.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct PdServiceConfig {
@@ -82,6 +83,10 @@ pub struct PdServiceConfig {
     /// More metrics for `GET /metrics`, registered after the orchestrator's, in order
     /// (an adapter's own; default none).
     pub extra_metrics: Vec<ExtraMetrics>,
+    /// The model list gathered from the engines, shared by every clone: one fetch per
+    /// [`models_ttl`](Self::models_ttl) for the whole server, and a fanned-out admin
+    /// request drops it for every event loop.
+    pub(crate) models: Arc<Catalog>,
 }
 
 impl Default for PdServiceConfig {
@@ -97,6 +102,7 @@ impl Default for PdServiceConfig {
             routes: RouteTable::default(),
             metrics: None,
             extra_metrics: Vec::new(),
+            models: Arc::default(),
         }
     }
 }
@@ -106,8 +112,6 @@ pub(crate) struct Inner {
     pub(crate) config: PdServiceConfig,
     /// What `GET /metrics` encodes, built once.
     registry: prometheus_client::registry::Registry,
-    /// The model list gathered from the engines.
-    pub(crate) models: Catalog,
     /// Whose turn it is among equally loaded engines for a forwarded request.
     pub(crate) turn: AtomicUsize,
 }
@@ -150,7 +154,6 @@ impl PdService {
                 orchestrator,
                 config,
                 registry,
-                models: Catalog::default(),
                 turn: AtomicUsize::new(0),
             }),
         }
