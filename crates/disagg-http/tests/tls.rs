@@ -14,67 +14,17 @@ use disagg_http::tls::{self, ClientTls, PemFiles, ServerTls};
 use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_sim::{SimConfig, SimEngine, SimTls};
 use http_body_util::{BodyExt, Full};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use rustls::pki_types::{CertificateDer, ServerName};
 
-/// A test CA.
-struct Ca {
-    issuer: Issuer<'static, KeyPair>,
-    pem: String,
-}
+// The certificates and files the proxy's own TLS tests make: one copy for both crates.
+#[path = "../../disagg-proxy/tests/common/certs.rs"]
+#[allow(dead_code, unreachable_pub)] // shared: this file uses part of it, privately
+mod certs;
+use certs::{Ca, Pair, TempDir};
 
-/// A certificate and its key, as PEM, and the certificate's DER.
-struct Pair {
-    cert: String,
-    key: String,
-    der: Vec<u8>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let key = KeyPair::generate().unwrap();
-        let cert = params.self_signed(&key).unwrap();
-        Ca {
-            pem: cert.pem(),
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    fn issue(&self, cn: &str, usage: ExtendedKeyUsagePurpose) -> Pair {
-        let mut params =
-            CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
-        params.distinguished_name.push(DnType::CommonName, cn);
-        params.extended_key_usages = vec![usage];
-        let key = KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &self.issuer).unwrap();
-        Pair {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-            der: cert.der().to_vec(),
-        }
-    }
-
-    fn server(&self, cn: &str) -> Pair {
-        self.issue(cn, ExtendedKeyUsagePurpose::ServerAuth)
-    }
-
-    fn client(&self, cn: &str) -> Pair {
-        self.issue(cn, ExtendedKeyUsagePurpose::ClientAuth)
-    }
-
-    fn roots(&self) -> rustls::RootCertStore {
-        tls::roots_from_pem(self.pem.as_bytes(), "test CA").unwrap()
-    }
+/// The roots trusting `ca`.
+fn roots(ca: &Ca) -> rustls::RootCertStore {
+    tls::roots_from_pem(ca.pem.as_bytes(), "test CA").unwrap()
 }
 
 async fn https_engine(ca: &Ca, client_ca: Option<&Ca>, api_key: Option<&str>) -> SimEngine {
@@ -123,7 +73,7 @@ async fn https_engines_are_verified_and_their_connections_pooled() {
     let engine = https_engine(&ca, None, None).await;
     assert!(engine.url().starts_with("https://"));
     let t = transport(
-        ClientTls::new(ca.roots(), tls::default_provider()).unwrap(),
+        ClientTls::new(roots(&ca), tls::default_provider()).unwrap(),
         EngineKeys::default(),
     );
     for _ in 0..3 {
@@ -140,7 +90,7 @@ async fn https_engines_are_verified_and_their_connections_pooled() {
     // the handshake and why.
     let other = Ca::new("another CA");
     let t = transport(
-        ClientTls::new(other.roots(), tls::default_provider()).unwrap(),
+        ClientTls::new(roots(&other), tls::default_provider()).unwrap(),
         EngineKeys::default(),
     );
     let err = t.send(completion(&engine)).await.unwrap_err();
@@ -165,12 +115,12 @@ async fn https_engines_are_verified_and_their_connections_pooled() {
 async fn engines_requiring_client_certificates_get_one() {
     let (ca, clients) = (Ca::new("engines CA"), Ca::new("proxies CA"));
     let engine = https_engine(&ca, Some(&clients), None).await;
-    let dir = tempdir();
+    let dir = TempDir::new();
     let client = clients.client("proxy");
     let files = write_pair(&dir, "client", &client);
 
     let without = transport(
-        ClientTls::new(ca.roots(), tls::default_provider()).unwrap(),
+        ClientTls::new(roots(&ca), tls::default_provider()).unwrap(),
         EngineKeys::default(),
     );
     // The engine refuses the handshake; depending on timing the client sees it during
@@ -180,7 +130,7 @@ async fn engines_requiring_client_certificates_get_one() {
     assert!(engine.stats().tls_handshake_failures >= 1);
 
     let with = transport(
-        ClientTls::with_identity(ca.roots(), files, tls::default_provider()).unwrap(),
+        ClientTls::with_identity(roots(&ca), files, tls::default_provider()).unwrap(),
         EngineKeys::default(),
     );
     assert_eq!(status(&with, completion(&engine)).await, 200);
@@ -188,7 +138,7 @@ async fn engines_requiring_client_certificates_get_one() {
     let stranger = Ca::new("stranger").client("proxy");
     let files = write_pair(&dir, "stranger", &stranger);
     let wrong = transport(
-        ClientTls::with_identity(ca.roots(), files, tls::default_provider()).unwrap(),
+        ClientTls::with_identity(roots(&ca), files, tls::default_provider()).unwrap(),
         EngineKeys::default(),
     );
     assert!(wrong.send(completion(&engine)).await.is_err());
@@ -199,15 +149,15 @@ async fn engines_requiring_client_certificates_get_one() {
 async fn the_engine_key_replaces_any_authorization_on_every_request() {
     let ca = Ca::new("engines CA");
     let engine = https_engine(&ca, None, Some("sk-engine")).await;
-    let roots = || ClientTls::new(ca.roots(), tls::default_provider()).unwrap();
+    let trusting = || ClientTls::new(roots(&ca), tls::default_provider()).unwrap();
 
     // vLLM's --api-key: the OpenAI routes need it.
-    let keyless = transport(roots(), EngineKeys::default());
+    let keyless = transport(trusting(), EngineKeys::default());
     assert_eq!(status(&keyless, completion(&engine)).await, 401);
     assert_eq!(engine.stats().unauthorized, 1);
 
     let keyed = transport(
-        roots(),
+        trusting(),
         EngineKeys::default()
             .with_default("sk-wrong")
             .unwrap()
@@ -229,40 +179,11 @@ async fn the_engine_key_replaces_any_authorization_on_every_request() {
     assert_eq!(engine.stats().requests_without_key, before);
 }
 
-/// A unique temporary directory, removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tempdir() -> TempDir {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "disagg-http-tls-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    TempDir(dir)
-}
-
 /// Write `pair` as `NAME.crt` and `NAME.key` in `dir` (each by a rename, as a Secret
 /// volume swaps its files).
 fn write_pair(dir: &TempDir, name: &str, pair: &Pair) -> PemFiles {
-    let files = PemFiles::new(
-        dir.0.join(format!("{name}.crt")),
-        dir.0.join(format!("{name}.key")),
-    );
-    for (path, pem) in [(&files.cert, &pair.cert), (&files.key, &pair.key)] {
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, pem).unwrap();
-        std::fs::rename(&tmp, path).unwrap();
-    }
-    files
+    let (cert, key) = dir.pair(name, pair);
+    PemFiles::new(cert, key)
 }
 
 /// A client TLS connection to the server at `addr` trusting `ca`: the server's
@@ -278,7 +199,7 @@ async fn connect(
     let mut config = rustls::ClientConfig::builder_with_provider(tls::default_provider())
         .with_safe_default_protocol_versions()
         .unwrap()
-        .with_root_certificates(ca.roots())
+        .with_root_certificates(roots(ca))
         .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
@@ -315,7 +236,7 @@ async fn get(sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>) 
 #[tokio::test]
 async fn a_rotated_certificate_serves_new_handshakes_and_open_connections_stay() {
     let ca = Ca::new("edge CA");
-    let dir = tempdir();
+    let dir = TempDir::new();
     let (first, second) = (ca.server("first"), ca.server("second"));
     let files = write_pair(&dir, "tls", &first);
     let server_tls = ServerTls::from_files(files.clone(), tls::default_provider()).unwrap();
