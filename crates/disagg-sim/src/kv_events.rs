@@ -10,6 +10,16 @@
 //! answered with `[empty, topic, seq, payload]` for every buffered batch from `start`
 //! on, then the end marker `[empty, empty, -1 (8 bytes), empty]`; a request of another
 //! shape is ignored, as vLLM logs and drops it.
+//!
+//! With a [`KvEventsConfig::load_port`], each rank also publishes its load as SGLang
+//! 0.5.23's `SchedulerLoadPublisher`
+//! (`python/sglang/srt/managers/scheduler_components/load_publisher.py`) does: a `PUB`
+//! socket on that port plus the rank, messages `[b"load", seq, payload]` with `payload`
+//! an array-tagged msgpack `LoadStat` (`["LoadStat", num_running_reqs,
+//! num_waiting_reqs, num_tokens, max_total_num_tokens, attn_dp_rank,
+//! num_waiting_uncached_tokens, num_total_tokens, max_running_requests,
+//! total_prefill_uncached_tokens, total_prefill_busy_us]`), sent at once when the
+//! load changes and every second when it does not.
 
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
@@ -42,6 +52,10 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// Batches kept for replay per rank (default 10,000, vLLM's `buffer_steps`).
     pub buffer_steps: usize,
+    /// Rank 0's load-report `PUB` port (SGLang's `--load-publish-endpoint`), `None`
+    /// (the default, as SGLang's) for no load reports; rank `r` uses the port plus `r`.
+    /// `Some(0)` picks a free base port.
+    pub load_port: Option<u16>,
 }
 
 impl Default for KvEventsConfig {
@@ -52,6 +66,7 @@ impl Default for KvEventsConfig {
             replay_port: Some(0),
             topic: String::new(),
             buffer_steps: 10_000,
+            load_port: None,
         }
     }
 }
@@ -71,7 +86,31 @@ pub(crate) struct Publishers {
     pub(crate) addr: SocketAddr,
     /// Rank 0's replay address.
     pub(crate) replay_addr: Option<SocketAddr>,
+    /// Each rank's load, watched by its load publisher (empty without a load port).
+    loads: Vec<watch::Sender<Load>>,
+    /// Rank 0's load-report address.
+    pub(crate) load_addr: Option<SocketAddr>,
 }
+
+/// One rank's load, as its `LoadStat` reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Load {
+    /// Requests computing their prefill.
+    pub(crate) running: u64,
+    /// Requests waiting for the rank's prefill slot.
+    pub(crate) waiting: u64,
+    /// Their uncached prompt tokens, as the prefix cache held them on arrival.
+    pub(crate) waiting_uncached_tokens: u64,
+    /// Uncached prompt tokens computed since start.
+    pub(crate) prefill_uncached_tokens: u64,
+}
+
+/// How often an unchanged load is sent again: 1 s, SGLang's
+/// `LOAD_PUBLISH_HEARTBEAT_S`.
+const LOAD_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The topic of load reports (SGLang's `LOAD_TOPIC`).
+const LOAD_TOPIC: &[u8] = b"load";
 
 #[derive(Debug)]
 struct RankHandle {
@@ -116,11 +155,42 @@ impl Publishers {
             tasks.push(tokio::spawn(task.run(publisher, router, rx, stop.clone())));
             ranks.push(RankHandle { batches: tx, lose });
         }
+        let (mut loads, mut load_addr) = (Vec::new(), None);
+        if let Some(port) = config.load_port {
+            let (sockets, addr) = bind_ranks(config.host, port, dp_size, PubSocket::new).await?;
+            load_addr = Some(addr);
+            for (rank, socket) in sockets.into_iter().enumerate() {
+                let (tx, rx) = watch::channel(Load::default());
+                let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+                tasks.push(tokio::spawn(publish_load(
+                    socket,
+                    rank,
+                    capacity_tokens(config),
+                    rx,
+                    stop.clone(),
+                )));
+                loads.push(tx);
+            }
+        }
         Ok(Publishers {
             ranks,
             addr,
             replay_addr,
+            loads,
+            load_addr,
         })
+    }
+
+    /// Whether the ranks publish their load.
+    pub(crate) fn reports_load(&self) -> bool {
+        !self.loads.is_empty()
+    }
+
+    /// Updates `rank`'s load; its publisher sends it at once.
+    pub(crate) fn load(&self, rank: usize, update: impl FnOnce(&mut Load)) {
+        if let Some(tx) = self.loads.get(rank) {
+            tx.send_modify(update);
+        }
     }
 
     /// Publishes one batch of `rank`'s events (nothing for an empty batch).
@@ -329,6 +399,56 @@ impl RankTask {
                 tracing::debug!(error = %e, "replay answer not sent");
                 return;
             }
+        }
+    }
+}
+
+/// The KV capacity a load report states: unknown (0) here, as SGLang reports when it
+/// does not know; the prefix cache's size is the engine's business.
+fn capacity_tokens(_config: &KvEventsConfig) -> u64 {
+    0
+}
+
+/// One rank's load publisher: sends the load when it changes and every
+/// [`LOAD_HEARTBEAT`] when it does not, until `stop`.
+async fn publish_load(
+    mut socket: PubSocket,
+    rank: u32,
+    capacity: u64,
+    mut load: watch::Receiver<Load>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut seq: u64 = 0;
+    loop {
+        let current = *load.borrow_and_update();
+        let mut w = crate::prefix_cache::Msgpack(Vec::with_capacity(32));
+        w.array(11);
+        w.str("LoadStat");
+        w.uint(current.running);
+        w.uint(current.waiting);
+        w.uint(0); // num_tokens: KV tokens in use, not modelled.
+        w.uint(capacity);
+        w.uint(u64::from(rank));
+        w.uint(current.waiting_uncached_tokens);
+        w.uint(0); // num_total_tokens
+        w.uint(0); // max_running_requests
+        w.uint(current.prefill_uncached_tokens);
+        w.uint(0); // total_prefill_busy_us
+        let frames = vec![
+            Bytes::from_static(LOAD_TOPIC),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::from(w.0),
+        ];
+        seq += 1;
+        if let Ok(message) = ZmqMessage::try_from(frames)
+            && let Err(e) = socket.send(message).await
+        {
+            tracing::debug!(error = %e, "load report not sent");
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            changed = load.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(LOAD_HEARTBEAT) => {}
         }
     }
 }

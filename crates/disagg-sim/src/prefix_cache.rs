@@ -110,10 +110,10 @@ pub(crate) fn encode_batch(ts: f64, events: &[Event], dp_rank: u32) -> Vec<u8> {
 
 /// A minimal msgpack writer for the shapes above (the simulator's own, independent of
 /// the decoders it is tested against).
-struct Msgpack(Vec<u8>);
+pub(crate) struct Msgpack(pub(crate) Vec<u8>);
 
 impl Msgpack {
-    fn array(&mut self, n: usize) {
+    pub(crate) fn array(&mut self, n: usize) {
         match u16::try_from(n) {
             Ok(n) if n < 16 => self.0.push(0x90 | n as u8),
             Ok(n) => {
@@ -137,7 +137,7 @@ impl Msgpack {
         self.0.extend_from_slice(&n.to_be_bytes());
     }
 
-    fn str(&mut self, s: &str) {
+    pub(crate) fn str(&mut self, s: &str) {
         let len = s.len();
         if len < 32 {
             self.0.push(0xa0 | len as u8);
@@ -152,7 +152,7 @@ impl Msgpack {
         self.0.extend_from_slice(s.as_bytes());
     }
 
-    fn uint(&mut self, v: u64) {
+    pub(crate) fn uint(&mut self, v: u64) {
         if v < 128 {
             self.0.push(v as u8);
         } else if let Ok(v) = u8::try_from(v) {
@@ -176,7 +176,7 @@ impl Msgpack {
         }
     }
 
-    fn nil(&mut self) {
+    pub(crate) fn nil(&mut self) {
         self.0.push(0xc0);
     }
 }

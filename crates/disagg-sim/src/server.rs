@@ -175,6 +175,77 @@ fn publish(inner: &Inner, rank: usize, events: Vec<crate::prefix_cache::Event>) 
     }
 }
 
+/// A request's place in its rank's load reports: waiting for the prefill slot, then
+/// computing; it leaves the reports when dropped.
+struct LoadReport<'a> {
+    inner: &'a Inner,
+    rank: usize,
+    uncached: u64,
+    running: bool,
+}
+
+impl<'a> LoadReport<'a> {
+    /// Counts `request` as waiting on `rank`, with the uncached tokens the prefix
+    /// cache leaves it now; `None` when the engine reports no load.
+    fn waiting(
+        inner: &'a Inner,
+        rank: usize,
+        request: &crate::api::CompletionRequest,
+    ) -> Option<Self> {
+        let publishers = inner.publishers.as_ref().filter(|p| p.reports_load())?;
+        let cached: u64 = match &inner.prefix {
+            Some(cache) => request
+                .prompts
+                .iter()
+                .map(|p| cache.peek(rank, p) as u64)
+                .sum(),
+            None => 0,
+        };
+        let uncached = request.prompt_tokens.saturating_sub(cached);
+        publishers.load(rank, |l| {
+            l.waiting += 1;
+            l.waiting_uncached_tokens += uncached;
+        });
+        Some(LoadReport {
+            inner,
+            rank,
+            uncached,
+            running: false,
+        })
+    }
+
+    /// The request got its slot: from waiting to running.
+    fn running(mut self) -> Self {
+        if let Some(p) = &self.inner.publishers {
+            let uncached = self.uncached;
+            p.load(self.rank, |l| {
+                l.waiting = l.waiting.saturating_sub(1);
+                l.waiting_uncached_tokens = l.waiting_uncached_tokens.saturating_sub(uncached);
+                l.running += 1;
+                l.prefill_uncached_tokens += uncached;
+            });
+        }
+        self.running = true;
+        self
+    }
+}
+
+impl Drop for LoadReport<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = &self.inner.publishers {
+            let (uncached, running) = (self.uncached, self.running);
+            p.load(self.rank, |l| {
+                if running {
+                    l.running = l.running.saturating_sub(1);
+                } else {
+                    l.waiting = l.waiting.saturating_sub(1);
+                    l.waiting_uncached_tokens = l.waiting_uncached_tokens.saturating_sub(uncached);
+                }
+            });
+        }
+    }
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -510,6 +581,16 @@ impl SimEngine {
             .publishers
             .as_ref()
             .and_then(|p| p.replay_addr)
+            .map(tcp_endpoint)
+    }
+
+    /// Where rank 0 publishes its load reports (`tcp://HOST:PORT`), with a
+    /// [`KvEventsConfig::load_port`](crate::KvEventsConfig::load_port).
+    pub fn load_endpoint(&self) -> Option<String> {
+        self.inner
+            .publishers
+            .as_ref()
+            .and_then(|p| p.load_addr)
             .map(tcp_endpoint)
     }
 
@@ -1787,11 +1868,14 @@ async fn serve_completion(
     let mut cached_tokens = None;
     if !remote_kv {
         bump(&counters.local_prefills);
-        // One prefill at a time on a rank, when its compute is modelled as shared.
+        // One prefill at a time on a rank, when its compute is modelled as shared; its
+        // queue shows in the rank's load reports.
+        let load = LoadReport::waiting(inner, rank, request);
         let _slot = match inner.prefill_slots.get(rank) {
             Some(slot) if config.serial_prefill => Some(slot.lock().await),
             _ => None,
         };
+        let _load = load.map(LoadReport::running);
         let mut computed = request.prompt_tokens;
         if let Some(cache) = &inner.prefix {
             let hit: u64 = request
