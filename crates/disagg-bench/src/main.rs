@@ -82,6 +82,7 @@ mod load;
 mod procfs;
 mod proxy;
 mod report;
+mod routing;
 mod run;
 
 /// The error everything ends with.
@@ -104,13 +105,17 @@ struct Cli {
 enum Command {
     /// Internal: the proxy process the bench starts.
     #[command(hide = true)]
-    Proxy(proxy::ProxyArgs),
+    Proxy(Box<proxy::ProxyArgs>),
+    /// The prefix-cache routing benchmark: prefix hit rate and time to first token of
+    /// `round_robin`, `cache_aware` and `kv_events` on a multi-turn chat workload.
+    Routing(routing::RoutingArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Proxy(args)) => proxy::main(args).map(|()| true),
+        Some(Command::Proxy(args)) => proxy::main(*args).map(|()| true),
+        Some(Command::Routing(args)) => routing::main(args),
         None => run::main(cli.run),
     };
     match result {

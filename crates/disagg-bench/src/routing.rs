@@ -1,104 +1,98 @@
-//! Prefix-cache routing benchmark: a multi-turn chat workload on simulated prefill
-//! engines whose prefix caches are smaller than the working set, routed by four
-//! policies side by side.
+//! `disagg-bench routing`: the prefix-cache routing benchmark. A multi-turn chat
+//! workload on simulated prefill engines whose prefix caches are smaller than the
+//! working set, sent through several proxy replicas, routed by each policy in turn
+//! with the very `Pick`s the proxy runs:
 //!
 //! - `round_robin`: engines in turn;
-//! - `cache_aware`: a stand-in of disagg-affinity's `CacheAware` with its defaults
-//!   (what the proxy itself sent where, in a two-generation table of 65,536 block
-//!   entries; locality when the best match covers half the prompt's blocks; least in
-//!   flight when the in-flight counts differ by more than 8 and 1.5 times, or without
-//!   a match), keyed on token blocks instead of text blocks;
-//! - `kv_events`: [`KvScorer`] over a [`KvIndex`] fed by a [`Subscriber`] from the
-//!   engines' own KV events over ZMQ;
-//! - `oracle`: the same cost as `kv_events`, from the engines' true cache contents
-//!   read at decision time (no event lag, no provisional guess).
+//! - `cache_aware`: `disagg_affinity::CacheAware` with its defaults (what the proxy
+//!   itself sent where), one per replica;
+//! - `kv_events`: `disagg_kvevents::KvEventsPick` over a `KvScorer` and a `KvIndex`
+//!   fed by a `Subscriber` from the engines' own KV events over ZMQ, one per replica,
+//!   with the engines' load reports (as SGLang publishes them);
+//! - `kv_events, no load reports`: the same without the engines' load reports (as with
+//!   vLLM, which publishes none): each replica prices only the work it sent itself;
+//! - `oracle`: the same cost as `kv_events`, from the engines' true cache contents and
+//!   the global queued work, read at decision time (no event lag, no provisional
+//!   guess).
 //!
-//! Each engine computes one prefill at a time (`serial_prefill`), taking
-//! `--delay-us` per uncached token, so the time to first token (here: the prefill
-//! leg's answer) is queueing plus the uncached part of the prompt. Each policy runs on
-//! fresh engines with the same sessions.
+//! Each replica has its own endpoints, so their in-flight counts are its own, as in
+//! separate proxy processes. Each engine computes one prefill at a time
+//! (`serial_prefill`), taking `--delay-us` per uncached token, so the time to first
+//! token (here: the prefill leg's answer) is queueing plus the uncached part of the
+//! prompt. Each policy runs on fresh engines with the same sessions.
 //!
-//! Run: `cargo run --release -p disagg-kvevents --example routing_bench -- [--engines 8]
+//! Run: `cargo run --release -p disagg-bench -- routing [--replicas 2] [--engines 8]
 //! [--sessions 256] [--turns 4] [--clients 24] [--systems 8] [--cache-blocks 640]
-//! [--delay-us 20]`.
+//! [--delay-us 20] [--miss-weight 2]`.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use disagg_kvevents::key::BlockKeys;
+use clap::Args;
+use disagg_affinity::CacheAware;
+use disagg_core::router::{Pick, RequestView};
+use disagg_core::{Api, Endpoint, JsonBody, Role};
 use disagg_kvevents::{
-    Candidate, EngineEndpoint, IndexConfig, KvIndex, KvScorer, ScorerConfig, Subscriber,
+    EngineEndpoint, IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig, Subscriber,
     SubscriberConfig,
 };
 use disagg_sim::{KvEventsConfig, SimConfig, SimEngine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::BoxError;
+
 const BLOCK: usize = 16;
 
-#[derive(Debug, Clone, Copy)]
-struct Settings {
+/// `disagg-bench routing`'s flags.
+#[derive(Debug, Clone, Copy, Args)]
+pub(crate) struct RoutingArgs {
+    /// Prefill engines.
+    #[arg(long, default_value_t = 8)]
     engines: usize,
+    /// Chat sessions in all.
+    #[arg(long, default_value_t = 256)]
     sessions: usize,
+    /// Turns per session.
+    #[arg(long, default_value_t = 4)]
     turns: usize,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 24)]
     clients: usize,
+    /// System prompts the sessions share.
+    #[arg(long, default_value_t = 8)]
     systems: usize,
+    /// Tokens per system prompt.
+    #[arg(long, default_value_t = 1024)]
     system_tokens: usize,
+    /// Prefix-cache blocks (of 16 tokens) per engine.
+    #[arg(long, default_value_t = 640)]
     cache_blocks: usize,
+    /// Prefill time per uncached token, in microseconds.
+    #[arg(long, default_value_t = 20)]
     delay_us: u64,
     /// Sessions in conversation at once: a session's next turn waits behind one turn
     /// of every other active session (users reading and typing in between).
+    #[arg(long, default_value_t = 64)]
     window: usize,
     /// Proxy replicas sharing the engines; requests alternate between them.
-    replicas: usize,
-    /// [`ScorerConfig::miss_weight`] of `kv_events` and the oracle.
-    miss_weight: u64,
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    replicas: u16,
+    /// `ScorerConfig::miss_weight` of `kv_events` and the oracle. Default: the proxy's,
+    /// 2 with the engines' load reports (`kv_events`, the oracle) and 1 without.
+    #[arg(long)]
+    miss_weight: Option<u64>,
 }
 
-impl Settings {
-    fn from_args() -> Self {
-        let mut s = Settings {
-            engines: 8,
-            sessions: 256,
-            turns: 4,
-            clients: 24,
-            systems: 8,
-            system_tokens: 1024,
-            cache_blocks: 640,
-            delay_us: 20,
-            window: 64,
-            replicas: 2,
-            miss_weight: 1,
-        };
-        let args: Vec<String> = std::env::args().skip(1).collect();
-        for pair in args.chunks(2) {
-            let value = pair.get(1).and_then(|v| v.parse::<usize>().ok());
-            let Some(v) = value else {
-                eprintln!(
-                    "usage: routing_bench [--engines N] [--sessions N] [--turns N] [--clients N] [--systems N] [--system-tokens N] [--cache-blocks N] [--delay-us N] [--window N] [--replicas N] [--miss-weight N]"
-                );
-                std::process::exit(2);
-            };
-            match pair[0].as_str() {
-                "--engines" => s.engines = v,
-                "--sessions" => s.sessions = v,
-                "--turns" => s.turns = v,
-                "--clients" => s.clients = v,
-                "--systems" => s.systems = v,
-                "--system-tokens" => s.system_tokens = v,
-                "--cache-blocks" => s.cache_blocks = v,
-                "--delay-us" => s.delay_us = v as u64,
-                "--window" => s.window = v,
-                "--replicas" => s.replicas = v.max(1),
-                "--miss-weight" => s.miss_weight = v as u64,
-                other => {
-                    eprintln!("unknown flag {other}");
-                    std::process::exit(2);
-                }
-            }
-        }
-        s
+type Settings = RoutingArgs;
+
+impl RoutingArgs {
+    /// The miss weight `policy` runs with.
+    fn miss_weight(&self, policy: Policy) -> u64 {
+        self.miss_weight.unwrap_or(match policy {
+            Policy::KvEventsOwnCounts => disagg_kvevents::score::DEFAULT_MISS_WEIGHT,
+            _ => disagg_kvevents::score::LOAD_REPORTS_MISS_WEIGHT,
+        })
     }
 }
 
@@ -137,6 +131,7 @@ enum Policy {
     RoundRobin,
     CacheAware,
     KvEvents,
+    KvEventsOwnCounts,
     Oracle,
 }
 
@@ -146,101 +141,19 @@ impl Policy {
             Policy::RoundRobin => "round_robin",
             Policy::CacheAware => "cache_aware",
             Policy::KvEvents => "kv_events",
+            Policy::KvEventsOwnCounts => "kv_events, no load reports",
             Policy::Oracle => "oracle",
         }
     }
 }
 
-/// The stand-in of disagg-affinity's `CacheAware` (see the file docs).
-struct CacheAwareStandIn {
-    current: HashMap<u64, [Option<usize>; 2]>,
-    older: HashMap<u64, [Option<usize>; 2]>,
-    generation: usize,
-    tie: usize,
-}
-
-impl CacheAwareStandIn {
-    fn new() -> Self {
-        CacheAwareStandIn {
-            current: HashMap::new(),
-            older: HashMap::new(),
-            generation: (1 << 16) / 2,
-            tie: 0,
-        }
-    }
-
-    fn least_in_flight(&mut self, in_flight: &[usize]) -> usize {
-        let n = in_flight.len();
-        let start = self.tie;
-        self.tie += 1;
-        let mut best = start % n;
-        for k in 1..n {
-            let i = (start + k) % n;
-            if in_flight[i] < in_flight[best] {
-                best = i;
-            }
-        }
-        best
-    }
-
-    fn pick(&mut self, prompt: &[u32], in_flight: &[usize]) -> usize {
-        let keys = BlockKeys::new(prompt, BLOCK);
-        let blocks: Vec<u64> = keys.keys().iter().copied().take(256).collect();
-        let (min, max) = in_flight
-            .iter()
-            .fold((usize::MAX, 0), |(lo, hi), &l| (lo.min(l), hi.max(l)));
-        let imbalanced = max.saturating_sub(min) > 8 && max as f64 > 1.5 * min as f64;
-        let chosen = if imbalanced || blocks.is_empty() {
-            self.least_in_flight(in_flight)
-        } else {
-            let mut held: Vec<(usize, usize)> = Vec::new();
-            for (i, b) in blocks.iter().enumerate() {
-                let Some(owners) = self.current.get(b).or_else(|| self.older.get(b)) else {
-                    break;
-                };
-                for owner in owners.iter().flatten() {
-                    match held.iter_mut().find(|(o, _)| o == owner) {
-                        Some(slot) => slot.1 = i + 1,
-                        None => held.push((*owner, i + 1)),
-                    }
-                }
-            }
-            let needed = 0.5 * blocks.len() as f64;
-            let best = held
-                .iter()
-                .max_by_key(|(o, len)| (*len, std::cmp::Reverse(in_flight[*o])))
-                .copied();
-            match best {
-                Some((o, len)) if len as f64 >= needed => o,
-                _ => self.least_in_flight(in_flight),
-            }
-        };
-        self.record(&blocks, chosen);
-        chosen
-    }
-
-    fn record(&mut self, blocks: &[u64], owner: usize) {
-        let blocks = &blocks[..blocks.len().min(self.generation)];
-        if self.current.len() + blocks.len() > self.generation {
-            std::mem::swap(&mut self.current, &mut self.older);
-            self.current.clear();
-        }
-        for &b in blocks {
-            let moved = self.older.remove(&b).unwrap_or_default();
-            let owners = self.current.entry(b).or_insert(moved);
-            let at = owners.iter().position(|o| *o == Some(owner)).unwrap_or(1);
-            owners[..=at].rotate_right(1);
-            owners[0] = Some(owner);
-        }
-    }
-}
-
-/// One proxy replica's routing state: its own counts, table, index and scorer.
+/// One proxy replica's routing state: its own endpoints (and so in-flight counts),
+/// turn, `cache_aware` table, and `kv_events` index and scorer.
 struct Replica {
-    in_flight: Vec<AtomicUsize>,
+    endpoints: Vec<Arc<Endpoint>>,
     rr: AtomicUsize,
-    cache_aware: Mutex<CacheAwareStandIn>,
-    scorer: Option<KvScorer>,
+    cache_aware: CacheAware,
+    kv_events: Option<KvEventsPick>,
 }
 
 /// Per engine, the prompts being computed there, by request id.
@@ -263,11 +176,9 @@ struct Router {
     miss_weight: u64,
 }
 
-/// What keeps a routed request's accounting until its answer.
-#[allow(dead_code)] // held for their Drop
+/// What keeps the oracle's accounting of a routed request until its answer.
 enum Held {
     None,
-    Work(disagg_kvevents::score::PrefillWork),
     Oracle(usize, usize, u64),
 }
 
@@ -278,41 +189,22 @@ fn common_blocks(a: &[u32], b: &[u32]) -> usize {
 }
 
 impl Router {
-    fn route(&self, replica: usize, prompt: &[u32]) -> (usize, Held) {
+    /// The engine for `prompt` (whose completions body is `body`) by `replica`.
+    fn route(&self, replica: usize, prompt: &[u32], body: &JsonBody) -> (usize, Held) {
         let r = &self.replicas[replica];
-        let loads: Vec<usize> = r
-            .in_flight
-            .iter()
-            .map(|l| l.load(Ordering::Relaxed))
-            .collect();
+        let headers = http::HeaderMap::new();
+        let view = RequestView::new(Api::Completions, Some("sim-model"), &headers, body)
+            .with_tokens(Some(prompt));
         match self.policy {
             Policy::RoundRobin => (
                 r.rr.fetch_add(1, Ordering::Relaxed) % self.urls.len(),
                 Held::None,
             ),
-            Policy::CacheAware => (
-                r.cache_aware
-                    .lock()
-                    .map(|mut c| c.pick(prompt, &loads))
-                    .unwrap_or(0),
-                Held::None,
-            ),
-            Policy::KvEvents => {
-                let candidates: Vec<Candidate<'_>> = self
-                    .urls
-                    .iter()
-                    .zip(&loads)
-                    .map(|(engine, &in_flight)| Candidate::new(engine, in_flight))
-                    .collect();
-                match r
-                    .scorer
-                    .as_ref()
-                    .and_then(|s| s.choose(prompt, &candidates))
-                {
-                    Some(d) => (d.index, Held::Work(d.work)),
-                    None => (0, Held::None),
-                }
-            }
+            Policy::CacheAware => (r.cache_aware.pick(&view, &r.endpoints), Held::None),
+            Policy::KvEvents | Policy::KvEventsOwnCounts => match &r.kv_events {
+                Some(pick) => (pick.pick(&view, &r.endpoints), Held::None),
+                None => (0, Held::None),
+            },
             Policy::Oracle => {
                 let o = &self.oracle;
                 let mut computing = o.computing.lock().expect("oracle lock");
@@ -327,7 +219,7 @@ impl Router {
                     let hit = truth.max(soon).min(prompt.len());
                     let cost = (prompt.len() - hit) as u64 * self.miss_weight
                         + o.pending[i].load(Ordering::Relaxed) as u64;
-                    let key = (cost, std::cmp::Reverse(hit), loads[i], i);
+                    let key = (cost, std::cmp::Reverse(hit), r.endpoints[i].in_flight(), i);
                     if key < best {
                         best = key;
                     }
@@ -352,11 +244,14 @@ impl Router {
     }
 }
 
-/// One prefill leg: POST a completion of `prompt` with `max_tokens: 1`; the time to
-/// its answer and the answer's `cached_tokens`.
-async fn prefill(url_addr: std::net::SocketAddr, prompt: &[u32]) -> (Duration, u64) {
-    let body =
-        serde_json::json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1}).to_string();
+/// A prefill leg's body for `prompt`: a completion with `max_tokens: 1`.
+fn completion_body(prompt: &[u32]) -> String {
+    serde_json::json!({"model": "sim-model", "prompt": prompt, "max_tokens": 1}).to_string()
+}
+
+/// One prefill leg: POST `body`; the time to its answer and the answer's
+/// `cached_tokens`.
+async fn prefill(url_addr: std::net::SocketAddr, body: &str) -> (Duration, u64) {
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
@@ -393,10 +288,13 @@ struct Outcome {
     evictions: u64,
 }
 
-async fn run(policy: Policy, s: &Settings) -> Outcome {
+async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
     let config = SimConfig {
         prefix_cache_blocks: s.cache_blocks,
-        kv_events: Some(KvEventsConfig::default()),
+        kv_events: Some(KvEventsConfig {
+            load_port: Some(0),
+            ..KvEventsConfig::default()
+        }),
         serial_prefill: true,
         prefill_delay_per_token: Duration::from_micros(s.delay_us),
         record_requests: 0,
@@ -404,18 +302,14 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
     };
     let mut engines = Vec::with_capacity(s.engines);
     for _ in 0..s.engines {
-        engines.push(
-            SimEngine::start(config.clone())
-                .await
-                .expect("engine starts"),
-        );
+        engines.push(SimEngine::start(config.clone()).await?);
     }
     let engines = Arc::new(engines);
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
     let mut subscribers = Vec::new();
     let mut replicas = Vec::new();
     for _ in 0..s.replicas {
-        let scorer = if policy == Policy::KvEvents {
+        let kv_events = if matches!(policy, Policy::KvEvents | Policy::KvEventsOwnCounts) {
             // Each replica subscribes on its own, as separate proxies would.
             let index = Arc::new(KvIndex::new(IndexConfig::default()));
             let sub = Subscriber::new(index.clone(), SubscriberConfig::default());
@@ -425,29 +319,40 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
                     let ep =
                         EngineEndpoint::new(e.url(), e.kv_events_endpoint().expect("publishes"))
                             .expect("tcp endpoint");
-                    match e.kv_events_replay_endpoint() {
+                    let ep = match e.kv_events_replay_endpoint() {
                         Some(r) => ep.with_replay(r).expect("tcp endpoint"),
                         None => ep,
+                    };
+                    match e.load_endpoint() {
+                        Some(l) if policy == Policy::KvEvents => {
+                            ep.with_load(l).expect("tcp endpoint")
+                        }
+                        _ => ep,
                     }
                 })
                 .collect();
             sub.set_endpoints(endpoints).await;
             subscribers.push(sub);
-            Some(KvScorer::new(
+            let scorer = KvScorer::new(
                 index,
                 ScorerConfig {
-                    miss_weight: s.miss_weight,
+                    miss_weight: s.miss_weight(policy),
                     ..ScorerConfig::default()
                 },
-            ))
+            );
+            Some(KvEventsPick::new(Arc::new(scorer)))
         } else {
             None
         };
+        let endpoints = engines
+            .iter()
+            .map(|e| Endpoint::new(&e.url(), Role::Prefill).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
         replicas.push(Replica {
-            in_flight: (0..s.engines).map(|_| AtomicUsize::new(0)).collect(),
+            endpoints,
             rr: AtomicUsize::new(0),
-            cache_aware: Mutex::new(CacheAwareStandIn::new()),
-            scorer,
+            cache_aware: CacheAware::new(),
+            kv_events,
         });
     }
     // Let every SUB socket's subscription reach its engine before traffic (what is
@@ -471,7 +376,7 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
             computing: Mutex::new((0..s.engines).map(|_| Vec::new()).collect()),
             next_id: AtomicUsize::new(0),
         },
-        miss_weight: s.miss_weight,
+        miss_weight: s.miss_weight(policy),
     });
     let sent = Arc::new(AtomicUsize::new(0));
     // The active sessions, in turn: a client takes the next (session, turn), and the
@@ -507,12 +412,14 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
                     continue;
                 };
                 let prompt = session_prompts(&s, session).swap_remove(turn);
-                let replica = sent.fetch_add(1, Ordering::Relaxed) % s.replicas;
-                let (i, held) = router.route(replica, &prompt);
-                let in_flight = &router.replicas[replica].in_flight[i];
-                in_flight.fetch_add(1, Ordering::Relaxed);
-                let (ttft, cached) = prefill(router.engines[i].addr(), &prompt).await;
-                in_flight.fetch_sub(1, Ordering::Relaxed);
+                let body = completion_body(&prompt);
+                let replica = sent.fetch_add(1, Ordering::Relaxed) % usize::from(s.replicas);
+                let parsed = JsonBody::parse(body.as_bytes()).expect("a JSON object");
+                let (i, held) = router.route(replica, &prompt, &parsed);
+                // The replica's in-flight count, as the proxy holds it for a prefill leg.
+                let guard = router.replicas[replica].endpoints[i].track();
+                let (ttft, cached) = prefill(router.engines[i].addr(), &body).await;
+                drop(guard);
                 router.release(held);
                 if let Ok(mut r) = results.lock() {
                     r.push((ttft, prompt.len() as u64, cached));
@@ -558,7 +465,7 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
             e.shutdown().await;
         }
     }
-    Outcome {
+    Ok(Outcome {
         policy,
         hit_rate: cached as f64 / prompt as f64,
         engine_hit_rate: hit as f64 / query.max(1) as f64,
@@ -567,17 +474,21 @@ async fn run(policy: Policy, s: &Settings) -> Outcome {
         p99: pct(0.99),
         wall,
         evictions,
-    }
+    })
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let s = Settings::from_args();
-    let mut working_set = 0usize;
-    for sys in 0..s.systems {
-        let _ = sys;
-        working_set += s.system_tokens / BLOCK;
-    }
+/// Runs the benchmark and prints its table (Markdown).
+pub(crate) fn main(s: RoutingArgs) -> Result<bool, BoxError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?
+        .block_on(bench(s))?;
+    Ok(true)
+}
+
+async fn bench(s: RoutingArgs) -> Result<(), BoxError> {
+    let mut working_set = s.systems * (s.system_tokens / BLOCK);
     for session in 0..s.sessions {
         let prompts = session_prompts(&s, session);
         if let Some(last) = prompts.last() {
@@ -597,7 +508,10 @@ async fn main() {
         s.clients,
         s.replicas,
         s.delay_us,
-        s.miss_weight
+        s.miss_weight.map_or_else(
+            || "2 with load reports, 1 without".to_owned(),
+            |w| w.to_string()
+        )
     );
     println!();
     println!(
@@ -609,9 +523,10 @@ async fn main() {
         Policy::RoundRobin,
         Policy::CacheAware,
         Policy::KvEvents,
+        Policy::KvEventsOwnCounts,
         Policy::Oracle,
     ] {
-        let o = run(policy, &s).await;
+        let o = run(policy, &s).await?;
         println!(
             "| `{}` | {:.1} % | {:.1} % | {} | {} | {} | {} | {:.2} s |",
             o.policy.name(),
@@ -624,4 +539,5 @@ async fn main() {
             o.wall.as_secs_f64()
         );
     }
+    Ok(())
 }

@@ -71,6 +71,7 @@ use smallvec::SmallVec;
 
 use crate::event::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use crate::key::{BlockKeys, KeyIter, KeyMix, ROOT_KEY, block_key};
+use crate::load::LoadBoard;
 
 /// Shards of the key → holders map: enough that two cores (or a few dozen) rarely meet
 /// on one lock, few enough that their fixed cost (a lock and an empty map each) is
@@ -225,6 +226,7 @@ pub struct KvIndex {
     registry: RwLock<Arc<Registry>>,
     table: Mutex<HolderTable>,
     mix: KeyMix,
+    loads: LoadBoard,
 }
 
 impl fmt::Debug for KvIndex {
@@ -438,6 +440,7 @@ impl KvIndex {
             registry: RwLock::default(),
             table: Mutex::default(),
             mix,
+            loads: LoadBoard::default(),
         }
     }
 
@@ -483,8 +486,15 @@ impl KvIndex {
         }
     }
 
-    /// Forgets an engine, every rank: its blocks, its holders and their block sizes.
+    /// The engines' load reports, kept next to their blocks (see [`crate::load`]).
+    pub fn loads(&self) -> &LoadBoard {
+        &self.loads
+    }
+
+    /// Forgets an engine, every rank: its blocks, its holders and their block sizes,
+    /// and its load reports.
     pub fn remove_engine(&self, engine: &str) {
+        self.loads.remove_engine(engine);
         let removed: Vec<Arc<Mutex<HolderState>>> = {
             let mut table = lock(&self.table);
             let keys: Vec<(Arc<str>, u32)> = table

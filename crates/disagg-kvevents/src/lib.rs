@@ -12,6 +12,8 @@
 //! - [`subscriber`]: [`Subscriber`], one task per engine and rank feeding the index,
 //!   with replay on sequence gaps, resubscription of silent or restarted engines, and
 //!   entries dropped for engines that leave;
+//! - [`load`]: the engines' own load reports (SGLang's load publisher), kept per rank
+//!   next to the index, so that every router prices the same queues;
 //! - [`score`]: [`KvScorer`], the routing decision: the candidate engine whose cached
 //!   prefix, traded against its load, makes the request cheapest, plus a short-lived
 //!   provisional entry for what was just routed;
@@ -27,9 +29,9 @@
 //!
 //! - [`KvScorer::choose`] over the leg's candidates ([`Candidate::new`] with the
 //!   endpoint's id and in-flight count, [`Candidate::with_dp_rank`] for rank
-//!   endpoints) gives the chosen index; keep [`Decision::work`] alive until the
-//!   prefill ends (next to the in-flight guard), and pin [`Decision::dp_rank`] when the
-//!   candidates are whole engines;
+//!   endpoints) gives the chosen index (nothing to keep until the request ends: the
+//!   in-flight count prices the requests still queued), and pin [`Decision::dp_rank`]
+//!   when the candidates are whole engines;
 //! - [`KvScorer::cached_tokens`] on the chosen decode engine tells how much of the
 //!   prompt it already holds, for conditional disaggregation.
 //!
@@ -65,12 +67,14 @@
 pub mod event;
 pub mod index;
 pub mod key;
+pub mod load;
 pub mod policy;
 pub mod score;
 pub mod subscriber;
 
 pub use event::{DecodeError, EventBatch, KvEvent};
 pub use index::{HolderMatch, IndexConfig, KvIndex, PrefixMatch};
+pub use load::{LoadBoard, LoadStat};
 pub use policy::{CachedPrefixThreshold, FewestInFlight, KvEventsPick};
-pub use score::{Candidate, Decision, KvScorer, PrefillWork, ScorerConfig};
+pub use score::{Candidate, Decision, KvScorer, ScorerConfig};
 pub use subscriber::{EndpointError, EngineEndpoint, RankStatus, Subscriber, SubscriberConfig};

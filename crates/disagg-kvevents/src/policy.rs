@@ -57,13 +57,13 @@ impl Pick for FewestInFlight {
 /// The `kv_events` policy for one leg: the candidate whose cached prefix, traded
 /// against its load, makes the request cheapest ([`KvScorer::choose`]).
 ///
-/// Load is the endpoint's in-flight count priced at the scorer's
-/// [`in_flight_cost_tokens`](crate::ScorerConfig::in_flight_cost_tokens): a [`Pick`]
-/// returns an index only, so the decision's [`PrefillWork`](crate::PrefillWork) cannot
-/// ride with the request and is dropped at once; give the scorer a non-zero
-/// `in_flight_cost_tokens` (about the mean uncached prompt) so that load counts. The
-/// chosen engine gets a provisional entry for the prompt's blocks (until its own
-/// events arrive), so the next request with the same prefix follows it.
+/// Load is the work queued on each endpoint ([`KvScorer`]'s module docs): the uncached
+/// tokens of the requests this pick sent there and still in flight, by the endpoint's
+/// own in-flight count ([`Endpoint::in_flight`], held by the orchestrator for the leg),
+/// or the engine's own load report when it publishes one and it says more. Nothing is
+/// kept per request, so nothing outlives one. The chosen engine gets a provisional
+/// entry for the prompt's blocks (until its own events arrive), so the next request
+/// with the same prefix follows it.
 ///
 /// For a whole-engine endpoint the scorer also knows which data-parallel rank holds
 /// most; the route names no rank then, and the engine picks one.

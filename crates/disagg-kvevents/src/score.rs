@@ -9,11 +9,8 @@
 //!    blocks it holds, by the [`KvIndex`] (its best DP rank) or by a provisional entry
 //!    (below), whichever is longer.
 //! 2. Each candidate's **cost**, in tokens of prefill work before this request's first
-//!    token: `uncached × miss_weight + pending + in_flight × in_flight_cost_tokens`, where `uncached`
-//!    is the prompt minus its cached tokens, `pending` the uncached tokens of the
-//!    requests this scorer sent there whose [`PrefillWork`] is still alive, and the last
-//!    term the caller's in-flight count at a configured price (for load the scorer did
-//!    not route itself).
+//!    token: `uncached × miss_weight + queued`, where `uncached` is the prompt minus its
+//!    cached tokens and `queued` the work ahead of it there (below).
 //! 3. The cheapest candidate wins; ties go to the longer cached prefix, then fewer in
 //!    flight, then candidate order (so replicas that see the same state agree).
 //! 4. The request's blocks are recorded as a **provisional entry** for the winner, for
@@ -26,6 +23,24 @@
 //! a constant. A long cached prefix wins until the engine holding it is busier, by more
 //! than the prefix is worth, than another engine.
 //!
+//! # Queued work
+//!
+//! The work ahead of a request on a candidate is the larger of two measures:
+//!
+//! * **What this scorer sent there.** The scorer remembers the uncached tokens of the
+//!   last [`RECENT_PICKS`] requests it sent to each candidate; with the caller's count
+//!   of its requests still in flight there ([`Candidate::in_flight`], e.g.
+//!   `Endpoint::in_flight`, which a prefill endpoint holds for the prefill leg only),
+//!   the queued work is the sum of the newest `in_flight` of them. An engine serves its
+//!   queue about in arrival order, so the requests still in flight are the newest ones.
+//!   Nothing is held per request: a request that ends lowers the count, and the oldest
+//!   entry falls out of the sum. A caller that sees only its own traffic (one proxy
+//!   among several) sees only its share.
+//! * **What the engine reports.** An engine that publishes its load (SGLang's
+//!   `LoadStat`, see [`crate::load`]) says how many uncached prompt tokens wait
+//!   for prefill, whoever sent them: every replica then prices the same global queue.
+//!   Reports older than [`ScorerConfig::load_max_age`] are not used.
+//!
 //! # Cost
 //!
 //! The prompt's blocks hashed once per block size (usually one), one index walk, one
@@ -34,7 +49,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -42,6 +56,7 @@ use smallvec::SmallVec;
 
 use crate::index::{KvIndex, PrefixMatch};
 use crate::key::{BlockKeys, KeyMix};
+use crate::load::LoadStat;
 
 /// Maps keyed by engine ids (configured, not chosen by clients) or candidate tags:
 /// XXH3, several times cheaper than SipHash on short keys.
@@ -56,6 +71,29 @@ pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(5);
 /// oldest entries go first beyond it.
 pub const DEFAULT_PROVISIONAL_MAX_BLOCKS: usize = 1 << 16;
 
+/// The requests per candidate whose uncached tokens the scorer remembers, to price the
+/// ones still in flight (see the [module docs](self)): 64, more than an engine's
+/// prefill queue holds in practice; requests in flight beyond it count at the mean of
+/// the remembered ones.
+pub const RECENT_PICKS: usize = 64;
+
+/// How old an engine's load report may be and still count, by default: 3 s. SGLang
+/// publishes a changed load at once and an unchanged one every second.
+pub const DEFAULT_LOAD_MAX_AGE: Duration = Duration::from_secs(3);
+
+/// The default [`ScorerConfig::miss_weight`]: 1, each request's own time to first
+/// token. Right when a router sees only its own share of the engines' queues (no load
+/// reports, several routers): a higher weight then piles sessions onto the engines
+/// that hold them, whose queues it underestimates.
+pub const DEFAULT_MISS_WEIGHT: u64 = 1;
+
+/// The [`ScorerConfig::miss_weight`] to use when the engines report their load (see
+/// [`crate::load`]): 2. With the whole queue in view, a miss priced at twice its
+/// compute keeps sessions on the engines holding them until another engine is
+/// clearly less busy, which saves the cache space a copy takes (docs/routing.md has
+/// the runs that chose it).
+pub const LOAD_REPORTS_MISS_WEIGHT: u64 = 2;
+
 /// Settings of a [`KvScorer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScorerConfig {
@@ -63,15 +101,14 @@ pub struct ScorerConfig {
     pub provisional_ttl: Duration,
     /// The most provisional blocks kept, over all engines.
     pub provisional_max_blocks: usize,
-    /// What one request in flight on a candidate (as the caller counts it) costs, in
-    /// tokens of prefill work. 0 (the default) when the caller keeps each decision's
-    /// [`PrefillWork`] until its prefill ends, which measures the same load in tokens;
-    /// the mean uncached prompt length otherwise.
-    pub in_flight_cost_tokens: u64,
+    /// How old an engine's load report may be and still count
+    /// ([`DEFAULT_LOAD_MAX_AGE`]).
+    pub load_max_age: Duration,
     /// What one uncached token costs relative to one token of queued work (default
-    /// 1: the time to first token alone). Above 1, a miss also pays for what it
-    /// evicts elsewhere and for the copy of the prefix it makes: requests stay with the
-    /// engine holding their prefix longer before load moves them.
+    /// [`DEFAULT_MISS_WEIGHT`]). At 1 the cost is the time to first token alone; above
+    /// 1, a miss also pays for what it evicts elsewhere and for the copy of the prefix
+    /// it makes: requests stay with the engine holding their prefix longer before load
+    /// moves them.
     pub miss_weight: u64,
 }
 
@@ -80,8 +117,8 @@ impl Default for ScorerConfig {
         ScorerConfig {
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             provisional_max_blocks: DEFAULT_PROVISIONAL_MAX_BLOCKS,
-            in_flight_cost_tokens: 0,
-            miss_weight: 1,
+            load_max_age: DEFAULT_LOAD_MAX_AGE,
+            miss_weight: DEFAULT_MISS_WEIGHT,
         }
     }
 }
@@ -94,7 +131,8 @@ pub struct Candidate<'a> {
     /// `Some(r)`: only rank `r`'s cache counts (a router whose endpoints are ranks);
     /// `None`: the engine's best rank (reported in [`Decision::dp_rank`]).
     pub dp_rank: Option<u32>,
-    /// Its requests in flight on this leg, as the caller counts them.
+    /// Its requests in flight on this leg, as the caller counts them (see the
+    /// [module docs](self) on queued work).
     pub in_flight: usize,
 }
 
@@ -114,45 +152,14 @@ impl<'a> Candidate<'a> {
         self
     }
 
-    /// The candidate as the provisional entries and pending work know it.
+    /// The candidate as the provisional entries and the recent picks know it.
     fn tag(&self) -> u64 {
         candidate_tag(self.engine, self.dp_rank)
     }
 }
 
-/// The uncached tokens of a routed request, counted as pending work on its engine
-/// while this value lives. Keep it until the request's prefill ends (e.g. in the
-/// response body, next to the in-flight guard); drop it at once not to count it.
-pub struct PrefillWork {
-    counter: Option<Arc<AtomicU64>>,
-    tokens: u64,
-}
-
-impl fmt::Debug for PrefillWork {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PrefillWork")
-            .field("tokens", &self.tokens)
-            .finish()
-    }
-}
-
-impl PrefillWork {
-    /// The tokens counted.
-    pub fn tokens(&self) -> u64 {
-        self.tokens
-    }
-}
-
-impl Drop for PrefillWork {
-    fn drop(&mut self) {
-        if let Some(counter) = &self.counter {
-            counter.fetch_sub(self.tokens, Ordering::Relaxed);
-        }
-    }
-}
-
 /// A routing decision.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
     /// The chosen candidate, an index into the candidates given.
     pub index: usize,
@@ -165,8 +172,6 @@ pub struct Decision {
     pub uncached_tokens: usize,
     /// The winning cost (see the [module docs](self)).
     pub cost: u64,
-    /// The request's uncached tokens as pending work on the chosen engine.
-    pub work: PrefillWork,
 }
 
 /// Chooses an engine for a prompt from the engines' cached prefixes and loads; see the
@@ -178,8 +183,9 @@ pub struct KvScorer {
     index: Arc<KvIndex>,
     config: ScorerConfig,
     provisional: Mutex<Provisional>,
-    /// Pending prefill tokens by candidate tag.
-    pending: Mutex<FastMap<u64, Arc<AtomicU64>>>,
+    /// The uncached tokens of the last [`RECENT_PICKS`] requests sent to each
+    /// candidate (by tag), newest last.
+    recent: Mutex<FastMap<u64, VecDeque<u32>>>,
 }
 
 impl fmt::Debug for KvScorer {
@@ -196,8 +202,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A candidate as the provisional entries and pending work know it: a hash of its id
-/// and rank.
+/// A candidate as the provisional entries and the recent picks know it: a hash of its
+/// id and rank.
 fn candidate_tag(engine: &str, dp_rank: Option<u32>) -> u64 {
     let seed = dp_rank.map_or(0, |r| u64::from(r) + 1);
     xxhash_rust::xxh3::xxh3_64_with_seed(engine.as_bytes(), seed)
@@ -212,7 +218,7 @@ impl KvScorer {
             index,
             config,
             provisional: Mutex::default(),
-            pending: Mutex::default(),
+            recent: Mutex::default(),
         }
     }
 
@@ -227,7 +233,7 @@ impl KvScorer {
     }
 
     /// Chooses among `candidates` for a prompt of `tokens`, and records the choice
-    /// (provisional entry, pending work). `None` when there is no candidate.
+    /// (provisional entry, recent pick). `None` when there is no candidate.
     pub fn choose(&self, tokens: &[u32], candidates: &[Candidate<'_>]) -> Option<Decision> {
         self.choose_at(tokens, candidates, Instant::now())
     }
@@ -286,20 +292,27 @@ impl KvScorer {
             }
             keys_by_size.push(keys);
         }
-        let pending: Vec<u64> = {
-            let map = lock(&self.pending);
-            tags.iter()
-                .map(|t| map.get(t).map_or(0, |p| p.load(Ordering::Relaxed)))
+        let queued: SmallVec<[u64; 8]> = {
+            let recent = lock(&self.recent);
+            candidates
+                .iter()
+                .zip(&tags)
+                .zip(&cached)
+                .map(|((c, t), &(_, holder))| {
+                    let window = recent.get(t);
+                    let ours = queued_by_us(window, c.in_flight);
+                    let reported = self
+                        .reported(c, holder, now)
+                        .map_or(0, |stat| queued_by_all(&stat, window));
+                    ours.max(reported)
+                })
                 .collect()
         };
         let len = tokens.len();
         let mut best: Option<(u64, usize, usize, usize)> = None; // (cost, cached, in_flight, i)
         for (i, c) in candidates.iter().enumerate() {
             let hit = cached[i].0.min(len);
-            let in_flight = c.in_flight as u64;
-            let cost = ((len - hit) as u64).saturating_mul(self.config.miss_weight)
-                + pending[i]
-                + in_flight.saturating_mul(self.config.in_flight_cost_tokens);
+            let cost = ((len - hit) as u64).saturating_mul(self.config.miss_weight) + queued[i];
             let better = best.is_none_or(|(b_cost, b_hit, b_load, _)| {
                 (cost, std::cmp::Reverse(hit), c.in_flight)
                     < (b_cost, std::cmp::Reverse(b_hit), b_load)
@@ -326,14 +339,20 @@ impl KvScorer {
             );
         }
         let uncached = len - hit;
-        let work = self.pending_work(tags[index], uncached as u64);
+        {
+            let mut recent = lock(&self.recent);
+            let window = recent.entry(tags[index]).or_default();
+            if window.len() == RECENT_PICKS {
+                window.pop_front();
+            }
+            window.push_back(u32::try_from(uncached).unwrap_or(u32::MAX));
+        }
         Some(Decision {
             index,
             dp_rank,
             cached_tokens: hit,
             uncached_tokens: uncached,
             cost,
-            work,
         })
     }
 
@@ -369,30 +388,35 @@ impl KvScorer {
         from_index.max(provisional).min(tokens.len())
     }
 
-    /// The pending prefill tokens counted for a candidate (see [`PrefillWork`]).
-    pub fn pending_tokens(&self, candidate: &Candidate<'_>) -> u64 {
-        lock(&self.pending)
-            .get(&candidate.tag())
-            .map_or(0, |p| p.load(Ordering::Relaxed))
+    /// The prefill work, in tokens, the scorer counts queued on a candidate: the larger
+    /// of what it sent there and is still in flight, and what the engine reports (see
+    /// the [module docs](self)).
+    pub fn queued_tokens(&self, candidate: &Candidate<'_>) -> u64 {
+        let recent = lock(&self.recent);
+        let window = recent.get(&candidate.tag());
+        let ours = queued_by_us(window, candidate.in_flight);
+        let reported = self
+            .reported(candidate, None, Instant::now())
+            .map_or(0, |stat| queued_by_all(&stat, window));
+        ours.max(reported)
     }
 
-    /// Forgets a candidate's pending-work counter once no [`PrefillWork`] holds it
-    /// (call when it leaves the set; its index entries go with the subscriber, its
-    /// provisional entries expire).
+    /// Forgets what the scorer sent to a candidate (call when it leaves the set; its
+    /// index entries and load reports go with the subscriber, its provisional entries
+    /// expire).
     pub fn forget(&self, candidate: &Candidate<'_>) {
-        let tag = candidate.tag();
-        let mut map = lock(&self.pending);
-        if map.get(&tag).is_some_and(|p| Arc::strong_count(p) == 1) {
-            map.remove(&tag);
-        }
+        lock(&self.recent).remove(&candidate.tag());
     }
 
-    fn pending_work(&self, tag: u64, tokens: u64) -> PrefillWork {
-        let counter = lock(&self.pending).entry(tag).or_default().clone();
-        counter.fetch_add(tokens, Ordering::Relaxed);
-        PrefillWork {
-            counter: Some(counter),
-            tokens,
+    /// The uncached tokens waiting on a candidate by its engine's latest fresh load
+    /// report: its rank's, or for a whole-engine candidate the rank that holds the
+    /// prompt (`holder`) if it reports, else the least loaded rank (the engine's
+    /// balancer sends new work there). `None` without a fresh report.
+    fn reported(&self, c: &Candidate<'_>, holder: Option<u32>, now: Instant) -> Option<LoadStat> {
+        let max_age = self.config.load_max_age;
+        match c.dp_rank.or(holder) {
+            Some(rank) => self.index.loads().get(c.engine, rank, now, max_age),
+            None => self.index.loads().least_loaded(c.engine, now, max_age),
         }
     }
 
@@ -410,6 +434,39 @@ impl KvScorer {
         }
         sizes
     }
+}
+
+/// The work a caller's `in_flight` requests on a candidate amount to: the newest
+/// `in_flight` of the uncached tokens recently sent there, and the mean of those for
+/// any beyond the window.
+fn queued_by_us(window: Option<&VecDeque<u32>>, in_flight: usize) -> u64 {
+    let Some(window) = window.filter(|w| !w.is_empty()) else {
+        return 0;
+    };
+    let newest = in_flight.min(window.len());
+    let sum: u64 = window
+        .iter()
+        .rev()
+        .take(newest)
+        .map(|&t| u64::from(t))
+        .sum();
+    let beyond = (in_flight - newest) as u64;
+    if beyond == 0 {
+        return sum;
+    }
+    let mean = window.iter().map(|&t| u64::from(t)).sum::<u64>() / window.len() as u64;
+    sum + beyond * mean
+}
+
+/// The work an engine's load report says is ahead of a new request: the uncached
+/// tokens waiting, plus the running requests at the mean size of the requests this
+/// scorer sent there lately (the report gives their count only; a running prefill has
+/// part of its work left).
+fn queued_by_all(stat: &LoadStat, window: Option<&VecDeque<u32>>) -> u64 {
+    let mean = window.filter(|w| !w.is_empty()).map_or(0, |w| {
+        w.iter().map(|&t| u64::from(t)).sum::<u64>() / w.len() as u64
+    });
+    stat.waiting_uncached_tokens + stat.running * mean
 }
 
 /// Provisional entries: keys recently routed to an engine, until they expire.
@@ -555,46 +612,126 @@ mod tests {
             .unwrap();
         assert_eq!((d.index, d.cached_tokens, d.uncached_tokens), (1, 160, 96));
         assert_eq!(d.dp_rank, Some(0));
-        assert_eq!(d.work.tokens(), 96);
-        assert_eq!(scorer.pending_tokens(&Candidate::new("b", 0)), 96);
-        drop(d);
-        assert_eq!(scorer.pending_tokens(&Candidate::new("b", 0)), 0);
+        // The 96 uncached tokens count as queued on b while the caller counts the
+        // request in flight there, and no longer once it does not.
+        assert_eq!(scorer.queued_tokens(&Candidate::new("b", 1)), 96);
+        assert_eq!(scorer.queued_tokens(&Candidate::new("b", 0)), 0);
+    }
+
+    fn weight(miss_weight: u64) -> ScorerConfig {
+        ScorerConfig {
+            miss_weight,
+            ..ScorerConfig::default()
+        }
     }
 
     #[test]
     fn load_outweighs_a_prefix_worth_less_than_the_queue() {
         let prompt: Vec<u32> = (0..256).collect();
         let index = index_with("b", &prompt[..160]);
-        let scorer = KvScorer::new(
-            index,
-            ScorerConfig {
-                in_flight_cost_tokens: 100,
-                ..ScorerConfig::default()
-            },
-        );
-        // b: 96 uncached + 2 × 100 = 296 > a: 256 + 0.
-        let d = scorer
+        // A scorer that sent b three requests of 100 uncached tokens.
+        let busy_b = || {
+            let scorer = KvScorer::new(Arc::clone(&index), weight(1));
+            for k in 1..=3u32 {
+                let other: Vec<u32> = (k * 5000..k * 5000 + 100).collect();
+                let d = scorer.choose(&other, &cands(&[("b", 0)])).unwrap();
+                assert_eq!(d.uncached_tokens, 100);
+            }
+            scorer
+        };
+        // Two still in flight: b costs 96 uncached + 200 queued = 296 > a: 256 + 0.
+        let d = busy_b()
             .choose(&prompt, &cands(&[("a", 0), ("b", 2)]))
             .unwrap();
         assert_eq!(d.index, 0);
-        // b: 96 + 100 = 196 < 256.
-        let d = scorer
+        // One: 96 + 100 = 196 < 256.
+        let d = busy_b()
             .choose(&prompt, &cands(&[("a", 0), ("b", 1)]))
             .unwrap();
         assert_eq!(d.index, 1);
     }
 
     #[test]
-    fn pending_work_spreads_a_burst_and_provisional_entries_follow_it() {
+    fn in_flight_beyond_the_window_counts_at_the_mean() {
+        let window: VecDeque<u32> = (1..=RECENT_PICKS as u32).map(|_| 10).collect();
+        assert_eq!(queued_by_us(Some(&window), 3), 30);
+        assert_eq!(
+            queued_by_us(Some(&window), RECENT_PICKS + 5),
+            10 * (RECENT_PICKS as u64 + 5)
+        );
+        assert_eq!(queued_by_us(None, 7), 0);
+        // The newest count first.
+        let mixed: VecDeque<u32> = [1000, 1, 2].into_iter().collect();
+        assert_eq!(queued_by_us(Some(&mixed), 2), 3);
+    }
+
+    #[test]
+    fn an_engine_report_prices_work_other_routers_sent() {
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let now = Instant::now();
+        let report = |waiting| crate::load::LoadStat {
+            waiting_uncached_tokens: waiting,
+            ..Default::default()
+        };
+        // b reports 300 uncached tokens waiting that this scorer never sent: 96 + 300
+        // > 256, so a wins although nothing of ours is in flight on b.
+        index.loads().record("b", 0, report(300), now);
+        // (A fresh scorer per decision: each records a provisional entry.)
+        let scorer = || KvScorer::new(Arc::clone(&index), weight(1));
+        let c = cands(&[("a", 0), ("b", 0)]);
+        assert_eq!(scorer().choose_at(&prompt, &c, now).unwrap().index, 0);
+        assert_eq!(scorer().queued_tokens(&Candidate::new("b", 0)), 300);
+        // A stale report no longer counts: b's prefix wins again.
+        let later = now + DEFAULT_LOAD_MAX_AGE + Duration::from_millis(1);
+        assert_eq!(scorer().choose_at(&prompt, &c, later).unwrap().index, 1);
+        // Our own count wins when it is the larger: 200 queued by us against a
+        // report of 50 makes b cost 296 > 256.
+        index.loads().record("b", 0, report(50), later);
+        let ours = scorer();
+        for k in 1..=2u32 {
+            let other: Vec<u32> = (k * 5000..k * 5000 + 100).collect();
+            ours.choose_at(&other, &cands(&[("b", 0)]), later);
+        }
+        let c = cands(&[("a", 0), ("b", 2)]);
+        assert_eq!(ours.choose_at(&prompt, &c, later).unwrap().index, 0);
+    }
+
+    #[test]
+    fn a_miss_weight_keeps_a_request_with_its_prefix_longer() {
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let now = Instant::now();
+        index.loads().record(
+            "b",
+            0,
+            crate::load::LoadStat {
+                waiting_uncached_tokens: 200,
+                ..Default::default()
+            },
+            now,
+        );
+        let c = cands(&[("a", 0), ("b", 0)]);
+        // Weight 1: b 96 + 200 = 296 > a 256. Weight 2: b 192 + 200 = 392 < a 512.
+        let scorer = KvScorer::new(Arc::clone(&index), weight(1));
+        assert_eq!(scorer.choose_at(&prompt, &c, now).unwrap().index, 0);
+        let scorer = KvScorer::new(index, weight(2));
+        assert_eq!(scorer.choose_at(&prompt, &c, now).unwrap().index, 1);
+    }
+
+    #[test]
+    fn provisional_entries_follow_a_burst() {
         let index = Arc::new(KvIndex::new(IndexConfig::default()));
-        let scorer = KvScorer::new(index, ScorerConfig::default());
+        let scorer = KvScorer::new(index, weight(1));
         let now = Instant::now();
         let prompt: Vec<u32> = (0..64).collect();
         let c = cands(&[("a", 0), ("b", 0)]);
         let first = scorer.choose_at(&prompt, &c, now).unwrap();
         assert_eq!((first.index, first.cached_tokens), (0, 0));
-        // Same prompt again while the first is pending: a holds it provisionally
-        // (cost 0 + 64 pending) against b (64 + 0): the tie goes to the cached prefix.
+        // Same prompt again while the first is in flight on a: a holds it
+        // provisionally (cost 0 + 64 queued) against b (64 + 0): the tie goes to the
+        // cached prefix.
+        let c = cands(&[("a", 1), ("b", 0)]);
         let second = scorer.choose_at(&prompt, &c, now).unwrap();
         assert_eq!((second.index, second.cached_tokens), (0, 64));
         assert_eq!(
@@ -607,8 +744,9 @@ mod tests {
             scorer.cached_tokens_at(&Candidate::new("a", 0), &prompt, later),
             0
         );
-        drop((first, second));
-        assert_eq!(scorer.pending_tokens(&Candidate::new("a", 0)), 0);
+        // Forgotten: nothing queued on a by this scorer, whatever it is told.
+        scorer.forget(&Candidate::new("a", 0));
+        assert_eq!(scorer.queued_tokens(&Candidate::new("a", 2)), 0);
     }
 
     #[test]
@@ -624,7 +762,7 @@ mod tests {
         let now = Instant::now();
         for i in 0..20u32 {
             let prompt: Vec<u32> = (i * 1000..i * 1000 + 64).collect();
-            drop(scorer.choose_at(&prompt, &cands(&[("a", 0)]), now));
+            scorer.choose_at(&prompt, &cands(&[("a", 0)]), now);
             assert!(lock(&scorer.provisional).blocks <= 8);
         }
         let last: Vec<u32> = (19_000..19_064).collect();

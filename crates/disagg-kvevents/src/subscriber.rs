@@ -46,6 +46,17 @@
 //! a receive error (the engine closed the connection) does the same at once. A
 //! restarted engine is then recognized by its sequence numbers.
 //!
+//! # Load reports
+//!
+//! An engine that publishes its load (SGLang's `--load-publish-endpoint`, see
+//! [`crate::load`]) is given with [`EngineEndpoint::with_load`] (`load=` in the
+//! spec): one more `SUB` per rank, topic `load`, whose reports go to the index's
+//! [`LoadBoard`](crate::LoadBoard). A report is a gauge: sequence numbers are not
+//! followed, a lost one is superseded by the next (the engine re-sends an unchanged
+//! load every second), and one that cannot be decoded is counted and skipped. After
+//! [`SubscriberConfig::silence_timeout`] without a report the socket is renewed; the
+//! scorer stops using reports older than its `load_max_age` on its own.
+//!
 //! # Membership
 //!
 //! [`Subscriber::set_endpoints`] replaces the set: new engines get tasks, engines that
@@ -55,7 +66,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::task::JoinHandle;
@@ -63,6 +74,7 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 
 use crate::event::{decode_batch, split_frames};
 use crate::index::KvIndex;
+use crate::load::{LOAD_TOPIC, decode_load};
 
 /// The default silence after which a rank is resubscribed: 30 s. An idle engine stays
 /// silent that long without harm (resubscribing costs one TCP connection), and a dead
@@ -84,9 +96,9 @@ const END_SEQ: u64 = u64::MAX;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum EndpointError {
-    /// Not `ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]`.
+    /// Not `ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,load=tcp://HOST:PORT][,dp-size=N]`.
     #[error(
-        "kv-events endpoint {0:?} is not ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]"
+        "kv-events endpoint {0:?} is not ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,load=tcp://HOST:PORT][,dp-size=N]"
     )]
     Spec(String),
     /// Not `tcp://HOST:PORT` with a port number.
@@ -115,6 +127,9 @@ pub struct EngineEndpoint {
     pub publisher: String,
     /// Where rank 0 answers replays, if it does: `tcp://HOST:PORT`.
     pub replay: Option<String>,
+    /// Where rank 0 publishes its load reports, if it does (SGLang's
+    /// `--load-publish-endpoint`): `tcp://HOST:PORT`.
+    pub load: Option<String>,
     /// Data-parallel ranks (at least 1): rank `r` on the ports plus `r`.
     pub dp_size: u32,
 }
@@ -135,6 +150,7 @@ impl EngineEndpoint {
             engine: engine.into(),
             publisher,
             replay: None,
+            load: None,
             dp_size: 1,
         })
     }
@@ -151,6 +167,18 @@ impl EngineEndpoint {
         Ok(self)
     }
 
+    /// With a load-report endpoint (see [`crate::load`]).
+    ///
+    /// # Errors
+    ///
+    /// [`EndpointError::Tcp`] unless `load` is `tcp://HOST:PORT`.
+    pub fn with_load(mut self, load: impl Into<String>) -> Result<Self, EndpointError> {
+        let load = load.into();
+        tcp_port(&load)?;
+        self.load = Some(load);
+        Ok(self)
+    }
+
     /// With `dp_size` data-parallel ranks (at least 1).
     ///
     /// # Errors
@@ -158,7 +186,10 @@ impl EngineEndpoint {
     /// [`EndpointError::PortRange`] when the last rank's port would pass 65535.
     pub fn with_dp_size(mut self, dp_size: u32) -> Result<Self, EndpointError> {
         let dp_size = dp_size.max(1);
-        for endpoint in std::iter::once(&self.publisher).chain(&self.replay) {
+        for endpoint in std::iter::once(&self.publisher)
+            .chain(&self.replay)
+            .chain(&self.load)
+        {
             let port = tcp_port(endpoint)?;
             if u32::from(port) + dp_size - 1 > u32::from(u16::MAX) {
                 return Err(EndpointError::PortRange { port, dp_size });
@@ -168,8 +199,8 @@ impl EngineEndpoint {
         Ok(self)
     }
 
-    /// Reads `ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]` (the
-    /// proxy's `--kv-events-endpoint`, or a discovery annotation).
+    /// Reads `ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,load=tcp://HOST:PORT][,dp-size=N]`
+    /// (the proxy's `--kv-events-endpoint`, or a discovery annotation).
     ///
     /// # Errors
     ///
@@ -201,6 +232,7 @@ impl EngineEndpoint {
         for part in parts {
             match part.split_once('=') {
                 Some(("replay", replay)) => endpoint = endpoint.with_replay(replay)?,
+                Some(("load", load)) => endpoint = endpoint.with_load(load)?,
                 Some(("dp-size", n)) => dp_size = n.parse().map_err(|_| bad())?,
                 _ => return Err(bad()),
             }
@@ -247,6 +279,11 @@ impl EngineEndpoint {
     /// Where rank `rank` answers replays.
     pub fn replay_of(&self, rank: u32) -> Option<String> {
         self.replay.as_deref().map(|r| offset_port(r, rank))
+    }
+
+    /// Where rank `rank` publishes its load reports.
+    pub fn load_of(&self, rank: u32) -> Option<String> {
+        self.load.as_deref().map(|l| offset_port(l, rank))
     }
 }
 
@@ -334,6 +371,13 @@ pub struct RankStatus {
     pub decode_errors: u64,
     /// Times the rank's entries were dropped (gap without replay, restart, bad batch).
     pub drops: u64,
+    /// Whether the load-report `SUB` socket is connected now (`false` without a load
+    /// endpoint).
+    pub load_connected: bool,
+    /// Load reports recorded.
+    pub load_reports: u64,
+    /// Load reports that could not be decoded.
+    pub load_decode_errors: u64,
 }
 
 type Statuses = Arc<Mutex<HashMap<(String, u32), RankStatus>>>;
@@ -445,7 +489,7 @@ impl Subscriber {
             if engines.contains_key(&name) {
                 continue;
             }
-            let tasks = (0..endpoint.dp_size)
+            let mut tasks: Vec<JoinHandle<()>> = (0..endpoint.dp_size)
                 .map(|rank| {
                     let task = RankTask {
                         index: self.index.clone(),
@@ -468,6 +512,19 @@ impl Subscriber {
                     tokio::spawn(task.run())
                 })
                 .collect();
+            for rank in 0..endpoint.dp_size {
+                if let Some(load) = endpoint.load_of(rank) {
+                    let task = LoadTask {
+                        index: self.index.clone(),
+                        config: self.config.clone(),
+                        statuses: self.statuses.clone(),
+                        engine: name.clone(),
+                        rank,
+                        load,
+                    };
+                    tasks.push(tokio::spawn(task.run()));
+                }
+            }
             engines.insert(name, Running { endpoint, tasks });
         }
     }
@@ -500,6 +557,75 @@ impl Subscriber {
                 task.abort();
                 let _ = task.await;
             }
+        }
+    }
+}
+
+/// A `SUB` socket connected to `endpoint` within the connect timeout, subscribed to
+/// `topic`.
+async fn subscribe(
+    endpoint: &str,
+    topic: &str,
+    config: &SubscriberConfig,
+) -> Result<SubSocket, zeromq::ZmqError> {
+    let mut socket = SubSocket::new();
+    match tokio::time::timeout(config.connect_timeout, socket.connect(endpoint)).await {
+        Ok(connected) => connected?,
+        Err(_) => return Err(zeromq::ZmqError::ConnectTimeout(config.connect_timeout)),
+    }
+    socket.subscribe(topic).await?;
+    Ok(socket)
+}
+
+/// One rank's load-report subscription (see the [module docs](self)).
+struct LoadTask {
+    index: Arc<KvIndex>,
+    config: Arc<SubscriberConfig>,
+    statuses: Statuses,
+    engine: String,
+    rank: u32,
+    load: String,
+}
+
+impl LoadTask {
+    fn status(&self, f: impl FnOnce(&mut RankStatus)) {
+        if let Some(s) = lock(&self.statuses).get_mut(&(self.engine.clone(), self.rank)) {
+            f(s);
+        }
+    }
+
+    async fn run(self) {
+        let topic = String::from_utf8_lossy(LOAD_TOPIC);
+        loop {
+            let mut socket = match subscribe(&self.load, &topic, &self.config).await {
+                Ok(socket) => socket,
+                Err(e) => {
+                    tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "load reports: cannot subscribe");
+                    tokio::time::sleep(self.config.connect_timeout).await;
+                    continue;
+                }
+            };
+            self.status(|s| s.load_connected = true);
+            // Until silence or an error; the next subscription starts afresh.
+            while let Ok(Ok(message)) =
+                tokio::time::timeout(self.config.silence_timeout, socket.recv()).await
+            {
+                let frames: Vec<Bytes> = message.into_vec();
+                let views: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+                match split_frames(&views).and_then(|f| decode_load(f.payload)) {
+                    Ok(stat) => {
+                        self.index
+                            .loads()
+                            .record(&self.engine, self.rank, stat, Instant::now());
+                        self.status(|s| s.load_reports += 1);
+                    }
+                    Err(e) => {
+                        tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "load reports: undecodable report");
+                        self.status(|s| s.load_decode_errors += 1);
+                    }
+                }
+            }
+            self.status(|s| s.load_connected = false);
         }
     }
 }
@@ -558,18 +684,7 @@ impl RankTask {
     }
 
     async fn subscribe(&self) -> Result<SubSocket, zeromq::ZmqError> {
-        let mut socket = SubSocket::new();
-        match tokio::time::timeout(self.config.connect_timeout, socket.connect(&self.publisher))
-            .await
-        {
-            Ok(connected) => connected?,
-            Err(_) => {
-                return Err(zeromq::ZmqError::ConnectTimeout(
-                    self.config.connect_timeout,
-                ));
-            }
-        }
-        socket.subscribe(&self.config.topic).await?;
+        let socket = subscribe(&self.publisher, &self.config.topic, &self.config).await?;
         tracing::debug!(engine = %self.engine, rank = self.rank, publisher = %self.publisher, "kv events: subscribed");
         Ok(socket)
     }

@@ -472,3 +472,91 @@ async fn the_engine_reports_its_hits() {
     let answer = complete(&plain, &p, &[]).await;
     assert!(answer["usage"]["prompt_tokens_details"].is_null());
 }
+
+/// An engine publishing its load as SGLang does: the subscriber records the prefill
+/// work queued behind the running prefill, the scorer prices it although this router
+/// sent none of it, and the report falls back to idle once the queue drained; an
+/// engine that leaves the set takes its reports along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_load_reports_price_work_other_routers_sent() {
+    let config = SimConfig {
+        prefix_cache_blocks: 1024,
+        kv_events: Some(KvEventsConfig {
+            load_port: Some(0),
+            ..KvEventsConfig::default()
+        }),
+        serial_prefill: true,
+        prefill_delay_per_token: Duration::from_millis(5),
+        record_requests: 0,
+        ..SimConfig::default()
+    };
+    let busy = SimEngine::start(config.clone()).await.unwrap();
+    let idle = SimEngine::start(config).await.unwrap();
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let subscriber = Subscriber::new(index.clone(), sub_config());
+    let with_load = |e: &SimEngine| endpoint(e).with_load(e.load_endpoint().unwrap()).unwrap();
+    subscriber
+        .set_endpoints(vec![with_load(&busy), with_load(&idle)])
+        .await;
+    eventually("both engines' first load reports", || {
+        [&busy, &idle]
+            .iter()
+            .all(|e| status(&subscriber, e, 0).load_reports > 0)
+    })
+    .await;
+    // Three prompts of 4 blocks and a token (65 tokens, 325 ms each) sent to `busy` by
+    // someone else: one computes, two wait with 130 uncached tokens.
+    let clients: Vec<_> = (0..3)
+        .map(|seed| {
+            let url = busy.url();
+            let tokens = prompt(seed, 4);
+            tokio::spawn(async move {
+                let body = json!({"model": "sim-model", "prompt": tokens, "max_tokens": 1});
+                post_raw(&url, &body).await
+            })
+        })
+        .collect();
+    let now = || Instant::now();
+    let age = Duration::from_secs(3);
+    eventually("two requests waiting on the busy engine", || {
+        index
+            .loads()
+            .get(&busy.url(), 0, now(), age)
+            .is_some_and(|s| s.waiting == 2 && s.running == 1 && s.waiting_uncached_tokens == 130)
+    })
+    .await;
+    // A prompt nobody holds: equal misses, so the queue decides, although this
+    // scorer sent nothing anywhere.
+    let scorer = KvScorer::new(index.clone(), ScorerConfig::default());
+    assert_eq!(choose(&scorer, &prompt(9, 2), &[&busy, &idle]), 1);
+    assert!(scorer.queued_tokens(&Candidate::new(&busy.url(), 0)) >= 130);
+    for c in clients {
+        assert!(c.await.unwrap().contains("200 OK"));
+    }
+    eventually("the busy engine reports an empty queue", || {
+        index
+            .loads()
+            .get(&busy.url(), 0, now(), age)
+            .is_some_and(|s| s.waiting == 0 && s.running == 0 && s.waiting_uncached_tokens == 0)
+    })
+    .await;
+    subscriber.set_endpoints(vec![with_load(&idle)]).await;
+    assert!(index.loads().get(&busy.url(), 0, now(), age).is_none());
+    subscriber.shutdown().await;
+}
+
+/// POSTs `body` to `url`'s `/v1/completions` on a connection of its own; the raw answer.
+async fn post_raw(url: &str, body: &Value) -> String {
+    let addr = url.trim_start_matches("http://").trim_end_matches('/');
+    let body = body.to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}

@@ -31,13 +31,6 @@ use disagg_tokenize::{EngineTokenizer, HfTokenizer};
 
 use crate::BoxError;
 
-/// The default price of one request in flight on a candidate, in tokens of prefill
-/// work: 512, about the uncached part of a chat turn (a user message and the last
-/// answer). The policy cannot hold each request's own pending work until its prefill
-/// ends (a per-leg pick returns an index only), so load is counted in requests at this
-/// price; see `disagg_kvevents::KvEventsPick`.
-pub const DEFAULT_IN_FLIGHT_TOKENS: u64 = 512;
-
 /// Flags of the `kv_events` policy (docs/routing.md).
 #[derive(Debug, Clone, Default, Args)]
 pub struct KvEventsArgs {
@@ -61,10 +54,18 @@ pub struct KvEventsArgs {
     /// yet (events carry it).
     #[arg(long, value_name = "N", default_value_t = disagg_kvevents::index::DEFAULT_BLOCK_SIZE)]
     block_size: usize,
-    /// `kv_events`: what one request in flight on an engine costs, in tokens of prefill
-    /// work, against the tokens its cache saves (about the mean uncached prompt).
-    #[arg(long, value_name = "TOKENS", default_value_t = DEFAULT_IN_FLIGHT_TOKENS)]
-    kv_in_flight_tokens: u64,
+    /// Every engine publishes its load on its own host at this port (SGLang's
+    /// `--load-publish-endpoint`; rank r at PORT + r), for engines without a `load=` in
+    /// their --kv-events-endpoint: the policy then prices the work every router sent
+    /// there, not only this proxy's.
+    #[arg(long, value_name = "PORT")]
+    kv_load_port: Option<u16>,
+    /// `kv_events`: what one uncached prompt token costs against one token of work
+    /// queued on an engine. Above 1 a request stays longer with the engine that holds
+    /// its prefix (a miss also costs the cache space its copy takes). Default: 2 when
+    /// the engines' load reports are configured (--kv-load-port, `load=`), else 1.
+    #[arg(long, value_name = "N")]
+    kv_miss_weight: Option<u64>,
     /// The model's tokenizer, to tokenize prompts as the engine does: a directory with
     /// `tokenizer.json` (and `tokenizer_config.json` for the chat template), or a
     /// `tokenizer.json` file (its directory's `tokenizer_config.json` is read too).
@@ -106,9 +107,23 @@ impl KvEventsArgs {
             Some("--kv-events-port")
         } else if self.kv_events_replay_port.is_some() {
             Some("--kv-events-replay-port")
+        } else if self.kv_load_port.is_some() {
+            Some("--kv-load-port")
         } else {
             None
         }
+    }
+
+    /// The scorer's miss weight: as given, or the default for whether the engines'
+    /// load reports are configured.
+    fn miss_weight(&self) -> u64 {
+        let reports = self.kv_load_port.is_some()
+            || self.kv_events_endpoints.iter().any(|e| e.load.is_some());
+        self.kv_miss_weight.unwrap_or(if reports {
+            disagg_kvevents::score::LOAD_REPORTS_MISS_WEIGHT
+        } else {
+            disagg_kvevents::score::DEFAULT_MISS_WEIGHT
+        })
     }
 
     /// The tokenizer the flags ask for (`None`: neither flag).
@@ -151,7 +166,7 @@ impl KvEvents {
         let scorer = Arc::new(KvScorer::new(
             Arc::clone(&index),
             ScorerConfig {
-                in_flight_cost_tokens: args.kv_in_flight_tokens,
+                miss_weight: args.miss_weight(),
                 ..ScorerConfig::default()
             },
         ));
@@ -197,6 +212,11 @@ impl KvEvents {
             } else {
                 Ok(None)
             };
+            // The load reports' port, for an endpoint that names none.
+            let found = found.and_then(|e| match (e, a.kv_load_port) {
+                (Some(e), Some(port)) if e.load.is_none() => load_on_engine_host(e, port),
+                (e, _) => Ok(e),
+            });
             match found {
                 Ok(Some(e)) => out.push(e),
                 Ok(None) => {}
@@ -252,6 +272,16 @@ impl KvEvents {
     }
 }
 
+/// `e` with its load reports on its engine's host at `port` (ranks at the ports after).
+fn load_on_engine_host(
+    e: EngineEndpoint,
+    port: u16,
+) -> Result<Option<EngineEndpoint>, disagg_kvevents::EndpointError> {
+    let host = EngineEndpoint::on_engine_host(&e.engine, port, None)?.publisher;
+    let dp_size = e.dp_size;
+    e.with_load(host)?.with_dp_size(dp_size).map(Some)
+}
+
 /// [`KvEvents::metrics`]' collector: the subscriber's counters summed over the engine
 /// ranks, and the index's size.
 ///
@@ -286,7 +316,7 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
         let sum = |f: fn(&disagg_kvevents::RankStatus) -> u64| ranks.iter().map(f).sum::<u64>();
         // (name, help, gauge, value); counters are named without `_total`: the encoders
         // append it.
-        let rows: [(&str, &str, bool, u64); 8] = [
+        let rows: [(&str, &str, bool, u64); 10] = [
             (
                 "disagg_kv_events_ranks_connected",
                 "Engine ranks whose KV-event subscription is connected.",
@@ -328,6 +358,18 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
                 "KV-event subscriptions renewed after silence or a receive error.",
                 false,
                 sum(|r| r.resubscribes),
+            ),
+            (
+                "disagg_kv_events_load_reports",
+                "Load reports received from the engines (SGLang's load publisher).",
+                false,
+                sum(|r| r.load_reports),
+            ),
+            (
+                "disagg_kv_events_load_decode_errors",
+                "Load reports from the engines that could not be decoded.",
+                false,
+                sum(|r| r.load_decode_errors),
             ),
             (
                 "disagg_kv_events_index_blocks",
@@ -473,6 +515,42 @@ mod tests {
         assert_eq!(x.publisher, "tcp://10.0.0.9:6000");
         assert_eq!(x.replay.as_deref(), Some("tcp://10.0.0.9:5600"));
         assert_eq!(got.len(), 3);
+    }
+
+    #[test]
+    fn load_reports_come_from_the_endpoint_flag_then_the_engines_host() {
+        let kv = kv(&[
+            "--kv-events-port",
+            "5557",
+            "--kv-load-port",
+            "5900",
+            "--kv-events-endpoint",
+            "http://10.0.0.1:8000=tcp://10.0.0.7:7000,load=tcp://10.0.0.7:7100",
+        ]);
+        let got = kv.engine_endpoints(&set());
+        let find = |engine: &str| got.iter().find(|e| e.engine == engine).unwrap();
+        assert_eq!(
+            find("http://10.0.0.1:8000").load.as_deref(),
+            Some("tcp://10.0.0.7:7100")
+        );
+        // Ranks report on the ports after the engine host's load port.
+        let d = find("http://10.0.0.2:8000");
+        assert_eq!(d.load_of(1).as_deref(), Some("tcp://10.0.0.2:5901"));
+        assert_eq!(
+            find("http://10.0.0.9:8000").load.as_deref(),
+            Some("tcp://10.0.0.9:5900")
+        );
+        // With load reports the miss weight defaults to 2; without, to 1; given, as given.
+        assert_eq!(kv.scorer.config().miss_weight, 2);
+        assert_eq!(kv_default_weight(&["--kv-events-port", "5557"]), 1);
+        assert_eq!(
+            kv_default_weight(&["--kv-load-port", "5900", "--kv-miss-weight", "3"]),
+            3
+        );
+    }
+
+    fn kv_default_weight(flags: &[&str]) -> u64 {
+        kv(flags).scorer.config().miss_weight
     }
 
     #[test]

@@ -285,3 +285,66 @@ async fn a_follow_up_turn_cached_on_the_decode_skips_the_prefill() {
     let a = post(&proxy.url(), COMPLETIONS, &completion(&fresh, 2, false)).await;
     assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
 }
+
+/// With the engines' load reports (`load=` in `--kv-events-endpoint`), the proxy sees
+/// the work other routers sent: a prompt no engine holds goes to the idle engine, not
+/// to the first in order, which is busy with requests the proxy never saw (without
+/// the reports both look idle, and the tie goes to the first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_load_reports_steer_around_work_other_routers_sent() {
+    let reporting = || {
+        SimEngine::start(SimConfig {
+            prefix_cache_blocks: 4096,
+            kv_events: Some(KvEventsConfig {
+                load_port: Some(0),
+                ..KvEventsConfig::default()
+            }),
+            serial_prefill: true,
+            prefill_delay_per_token: Duration::from_millis(4),
+            ..SimConfig::default()
+        })
+    };
+    let (busy, idle) = (reporting().await.unwrap(), reporting().await.unwrap());
+    let d = engine().await;
+    let mut args = Vec::new();
+    for e in [&busy, &idle] {
+        let [flag, spec] = events_flag(e);
+        args.extend(["--prefill".to_owned(), e.url()]);
+        args.extend([flag, format!("{spec},load={}", e.load_endpoint().unwrap())]);
+    }
+    args.extend(["--decode".to_owned(), d.url()]);
+    args.extend(["--prefill-policy", "kv_events", "--tokenize", "engine"].map(String::from));
+    let proxy = Proxy::start_args(&args).await;
+    synced(&[&proxy], &[&busy, &idle]).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.metric("disagg_kv_events_load_reports_total").await < 2 {
+        assert!(Instant::now() < deadline, "no load report: {}", proxy.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Three prompts of 200 words straight to `busy`: 800 ms of prefill each, one
+    // computing and two waiting.
+    let url = busy.url();
+    let others: Vec<_> = (0..3)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let prompt = words(&format!("other{i}x"), 0, 200);
+                post(&url, COMPLETIONS, &completion(&prompt, 1, false))
+                    .await
+                    .status
+            })
+        })
+        .collect();
+    // The reports go out as the queue changes; give them a moment to arrive.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prompt = words("fresh", 0, 40);
+    assert_eq!(
+        routed(&proxy, &[&busy, &idle], &prompt).await,
+        1,
+        "{}",
+        proxy.log()
+    );
+    for o in others {
+        assert_eq!(o.await.unwrap(), 200);
+    }
+}
