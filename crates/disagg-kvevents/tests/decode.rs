@@ -161,3 +161,19 @@ fn sglang_signed_hashes() {
     // Evicting the middle block breaks the chain after the first.
     assert_eq!(held_after_each(&batch.events), vec![32, 48, 16, 0]);
 }
+
+/// A load report as SGLang's own `LoadStat` encodes it.
+#[test]
+fn sglang_load_stat() {
+    let stat = disagg_kvevents::load::decode_load(&fixture("sglang-0.5.23-load.msgpack")).unwrap();
+    assert_eq!(
+        stat,
+        disagg_kvevents::LoadStat {
+            running: 3,
+            waiting: 5,
+            kv_tokens: 1000,
+            kv_capacity: 8000,
+            waiting_uncached_tokens: 4096,
+        }
+    );
+}
