@@ -176,13 +176,13 @@ impl JsonBody {
     /// The fields in order, as `(key, raw JSON value)`, the key as its UTF-8 bytes: one
     /// pass over the object for a reader of many fields, where each [`get`](Self::get)
     /// would be a search (and bytes, so that matching keys validates nothing again).
-    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    pub(crate) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|(k, v)| (&k[..], &v[..]))
     }
 
     /// Keep only the fields whose key (UTF-8 bytes) `keep` accepts, in order: one pass,
     /// where removing many keys one by one would search the object for each.
-    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
         self.fields.retain(|(k, _)| keep(k));
     }
 

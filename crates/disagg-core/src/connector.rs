@@ -205,7 +205,7 @@ impl Handoff {
 ///
 /// The body is kept as received; a connector reads what it needs with
 /// [`field`](Self::field) (one top-level field, found without parsing the rest) or
-/// [`json`](Self::json) (the whole top level).
+/// [`JsonBody::parse_bytes`] on [`body`](Self::body) (the whole top level).
 #[derive(Debug, Clone)]
 pub struct PrefillAnswer {
     /// The status (2xx).
@@ -224,15 +224,6 @@ impl PrefillAnswer {
     /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
     pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
         crate::body::top_level_field(&self.body, key)
-    }
-
-    /// The answer's whole top level.
-    ///
-    /// # Errors
-    ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
-    pub fn json(&self) -> Result<JsonBody, crate::error::BodyError> {
-        JsonBody::parse_bytes(&self.body)
     }
 }
 

@@ -28,9 +28,9 @@
 //! rank. The prefill leg is therefore always pinned: to the rank the route names (an
 //! endpoint written `URL@RANK`), or else to the least loaded of the ranks `/query` lists
 //! (ties in turn), as vLLM's own proxy spreads requests over `(prefill, dp_rank)` pairs.
-//! Each rank's load is counted on a rank endpoint (`URL@r`, see
-//! [`Endpoint::dp_rank`](crate::endpoint::Endpoint::dp_rank)) that the prefill exchange
-//! tracks, and that counts towards the engine's own load too.
+//! Each rank's load is counted on a rank endpoint (`URL@r`, with the engine's role,
+//! models and connector data) that the prefill exchange tracks, and that counts towards
+//! the engine's own load too.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -196,12 +196,6 @@ impl VllmMooncake {
     /// The same connector with a custom rewriter for the prefill leg.
     pub fn with_rewriter(mut self, rewriter: PrefillRewriter) -> Self {
         self.rewriter = rewriter;
-        self
-    }
-
-    /// How long `GET /query` on a bootstrap server may take.
-    pub fn with_query_timeout(mut self, timeout: Duration) -> Self {
-        self.query_timeout = timeout;
         self
     }
 

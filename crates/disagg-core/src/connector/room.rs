@@ -46,7 +46,7 @@ impl Default for Rooms {
 
 impl Rooms {
     /// A generator with a random key.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::from_seed(uuid::Uuid::new_v4().as_u64_pair().0)
     }
 

@@ -23,7 +23,7 @@ pub enum Side {
 
 impl Side {
     /// The side as a lowercase word.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Side::Client => "client",
             Side::Router => "router",

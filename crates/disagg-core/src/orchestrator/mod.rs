@@ -70,10 +70,7 @@ mod serve;
 mod stats;
 
 pub use body::PdBody;
-pub use config::{
-    DEADLINE_HEADER, FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, KvRelease, MissingKv,
-    OrchestratorConfig, PrefillFailure, SERVER_TIMING,
-};
+pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
 
 pub(crate) use report::verdict;
 use stats::Counters;
