@@ -196,9 +196,9 @@ pub struct Summary {
     pub model: Option<Arc<str>>,
     /// The client's request id (its `x-request-id`, or one drawn for it).
     pub request_id: Option<HeaderValue>,
-    /// Who sent it, when the server identified the client
-    /// ([`PdRequest::client`](crate::request::PdRequest::client): an API key's short
-    /// hash, never the key).
+    /// Who sent it, when the server identified the client (an API key's short hash,
+    /// never the key; see
+    /// [`PdRequest::set_received`](crate::request::PdRequest::set_received)).
     pub client: Option<Arc<str>>,
     /// The engine-side request id of the attempt that answered.
     pub engine_request_id: Option<HeaderValue>,
