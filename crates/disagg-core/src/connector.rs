@@ -120,12 +120,6 @@ impl Leg {
             api: None,
         }
     }
-
-    /// The same leg, posted to `api`.
-    pub fn with_api(mut self, api: Api) -> Self {
-        self.api = Some(api);
-        self
-    }
 }
 
 /// What a sequential handoff waits for between the prefill's answer and the decode leg:

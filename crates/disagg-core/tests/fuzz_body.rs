@@ -159,7 +159,7 @@ fn check_prefill(api: Api, client: &JsonBody) {
         assert_eq!(get(k), None, "`{k}` reached the prefill body");
     }
     for k in ONE_WHEN_PRESENT {
-        assert_eq!(get(k), client.contains(k).then_some("1"), "`{k}`");
+        assert_eq!(get(k), client.get(k).is_some().then_some("1"), "`{k}`");
     }
 
     // Everything else is the client's, byte for byte and in the client's order.

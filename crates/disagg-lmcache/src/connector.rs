@@ -543,8 +543,14 @@ impl KvConnector for Lmcache {
 
         let mut handoff = Handoff::new(
             Dispatch::AfterPrefill,
-            Leg::new(Arc::clone(prefill_ep), prefill).with_api(Api::Completions),
-            Leg::new(Arc::clone(&route.decode), decode).with_api(Api::Completions),
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(prefill_ep), prefill)
+            },
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(&route.decode), decode)
+            },
         );
         handoff.ext.insert(Plan {
             req_id,

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use disagg_core::error::TransportError;
 use disagg_core::{Api, Endpoint, JsonBody, Role, Transport};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
@@ -125,7 +126,10 @@ async fn an_engine_that_is_gone_is_a_transport_error() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, TokenizeError::Engine(EngineError::Transport(ref t)) if t.is_connect()),
+        matches!(
+            err,
+            TokenizeError::Engine(EngineError::Transport(TransportError::Connect(_)))
+        ),
         "{err:?}"
     );
 }

@@ -148,7 +148,7 @@ impl Ranks {
 /// assert_eq!(h.dispatch, Dispatch::Concurrent);
 /// assert_eq!(h.prefill.body.get("max_tokens"), Some(&b"1"[..]));
 /// // The decode's handoff needs the engine id: `resolve` asks the prefill for it.
-/// assert!(!h.decode.body.contains("kv_transfer_params"));
+/// assert!(h.decode.body.get("kv_transfer_params").is_none());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]

@@ -418,7 +418,7 @@ mod tests {
         let h = c.prepare(&route(None), &r).unwrap();
         for leg in [&h.prefill, &h.decode] {
             for field in [ROUTED_DP_RANK, PREFILL_DP_RANK, "data_parallel_rank"] {
-                assert!(!leg.body.contains(field), "{field}");
+                assert!(leg.body.get(field).is_none(), "{field}");
             }
         }
         // Both ranks: the legs differ.

@@ -243,7 +243,7 @@ mod tests {
                 c.complete(&mut h, &answer(body)).await.unwrap(),
                 KvOutcome::Missing
             );
-            assert!(!h.decode.body.contains(KV_TRANSFER_PARAMS));
+            assert!(h.decode.body.get(KV_TRANSFER_PARAMS).is_none());
         }
         let mut h = c
             .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))

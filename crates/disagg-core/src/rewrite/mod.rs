@@ -141,7 +141,7 @@ impl PrefillRewriter {
         }
         out.set_raw("stream", bytes::Bytes::from_static(b"false"));
         for field in ["n", "best_of"] {
-            if out.contains(field) {
+            if out.get(field).is_some() {
                 out.set_raw(field, ONE.clone());
             }
         }
