@@ -11,11 +11,12 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use disagg_core::PdBody;
 use disagg_core::body::JsonBody;
 use disagg_core::connector::{KvConnector, VllmNixl};
 use disagg_core::endpoint::{Endpoint, Role};
+use disagg_core::error::BoxError;
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::{BoxError, PdBody};
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};

@@ -477,7 +477,8 @@ impl EndpointSet {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use disagg_core::{Endpoint, EndpointSet, Role, RouteError};
+    /// use disagg_core::error::RouteError;
+    /// use disagg_core::{Endpoint, EndpointSet, Role};
     ///
     /// let set = EndpointSet::new([
     ///     Endpoint::new("http://p1:8100", Role::Prefill)?.with_models(["llama"]),

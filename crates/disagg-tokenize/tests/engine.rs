@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use disagg_core::error::TransportError;
-use disagg_core::{Api, Endpoint, JsonBody, Role, Transport};
+use disagg_core::transport::Transport;
+use disagg_core::{Api, Endpoint, JsonBody, Role};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};

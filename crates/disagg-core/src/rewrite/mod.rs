@@ -36,7 +36,7 @@
 
 pub mod check;
 
-pub use check::VllmLimits;
+use check::VllmLimits;
 
 use crate::body::JsonBody;
 use crate::request::Api;
