@@ -13,9 +13,9 @@
 //!
 //! | connector | dispatch | handoff |
 //! |---|---|---|
-//! | [`VllmNixl`] | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
-//! | [`SglangBootstrap`] | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
-//! | [`VllmMooncake`] | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
+//! | [`VllmNixl`](vllm::VllmNixl) | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
+//! | [`SglangBootstrap`](sglang::SglangBootstrap) | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
+//! | [`VllmMooncake`](mooncake::VllmMooncake) | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
 //! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
 //!
 //! A plan may carry more for protocols whose prefill already produces part of the
@@ -48,10 +48,6 @@ pub mod mooncake;
 pub mod room;
 pub mod sglang;
 pub mod vllm;
-
-pub use mooncake::VllmMooncake;
-pub use sglang::SglangBootstrap;
-pub use vllm::VllmNixl;
 
 /// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
 /// SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's

@@ -25,7 +25,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use disagg_core::connector::{KvConnector, VllmNixl};
+//! use disagg_core::VllmNixl;
+//! use disagg_core::connector::KvConnector;
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::request::{Api, PdRequest};
 //! use disagg_core::router::Route;
@@ -78,7 +79,7 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
-    SglangBootstrap, VllmMooncake, VllmNixl,
+    mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};

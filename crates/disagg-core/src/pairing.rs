@@ -224,7 +224,7 @@ pub fn check_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::connector::{SglangBootstrap, VllmMooncake, VllmNixl};
+    use crate::{SglangBootstrap, VllmMooncake, VllmNixl};
 
     fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> KvProfile {
         KvProfile {

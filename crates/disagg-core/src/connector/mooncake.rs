@@ -134,7 +134,8 @@ impl Ranks {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::connector::{Dispatch, KvConnector, VllmMooncake};
+/// use disagg_core::VllmMooncake;
+/// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;

@@ -64,7 +64,8 @@ use crate::router::Route;
 /// ```
 /// use std::sync::Arc;
 /// use disagg_core::connector::room::Rooms;
-/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector, SglangBootstrap};
+/// use disagg_core::SglangBootstrap;
+/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;

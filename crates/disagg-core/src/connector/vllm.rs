@@ -44,7 +44,8 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 /// # Examples
 ///
 /// ```
-/// use disagg_core::connector::{Dispatch, KvConnector, VllmNixl};
+/// use disagg_core::VllmNixl;
+/// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;

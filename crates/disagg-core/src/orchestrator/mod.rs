@@ -45,7 +45,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response};
 
 use crate::admission::Admission;
-use crate::connector::{KvConnector, VllmNixl};
+use crate::connector::KvConnector;
+use crate::connector::vllm::VllmNixl;
 use crate::disaggregate::{Always, Disaggregate};
 use crate::error::PdError;
 use crate::outcome::Listener;
