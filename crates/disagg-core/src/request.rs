@@ -54,7 +54,7 @@ impl Api {
 /// pin a leg to a rank the other leg does not expect (SGLang reads `routed_dp_rank`, its
 /// deprecated alias `data_parallel_rank`, and `disagg_prefill_dp_rank`; a decode told
 /// another prefill rank than the one that holds the KV fails).
-pub const HANDOFF_FIELDS: &[&str] = &[
+pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
@@ -207,7 +207,7 @@ impl PdRequest {
     }
 
     /// The client's headers, as received.
-    pub fn headers(&self) -> &HeaderMap {
+    pub(crate) fn headers(&self) -> &HeaderMap {
         &self.headers
     }
 
@@ -220,7 +220,7 @@ impl PdRequest {
     /// drawn for it. It names the request in the answer and the logs; the engines get an
     /// id of the proxy's per attempt (the orchestrator's), which for a first attempt is
     /// this one when it was drawn here.
-    pub fn request_id(&self) -> &HeaderValue {
+    pub(crate) fn request_id(&self) -> &HeaderValue {
         &self.request_id
     }
 
