@@ -14,9 +14,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_core::orchestrator::PrefillFailure;
-use disagg_core::{
-    Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role, Transport,
-};
+use disagg_core::transport::Transport;
+use disagg_core::{Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role};
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
 use disagg_sim::{SimConfig, SimEngine};

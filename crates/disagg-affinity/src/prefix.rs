@@ -207,7 +207,7 @@ impl PrefixHasher {
             Api::Chat => ("messages", write_messages),
             // SGLang's `/generate`: the prompt is `text` (a string or a list of them), or
             // `input_ids` (token ids or lists of them), read as completions' `prompt`.
-            Api::Generate if req.body.contains("text") => ("text", write_prompt),
+            Api::Generate if req.body.get("text").is_some() => ("text", write_prompt),
             Api::Generate => ("input_ids", write_prompt),
             _ => ("prompt", write_prompt),
         };

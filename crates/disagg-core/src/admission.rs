@@ -48,18 +48,6 @@ pub struct AdmissionStats {
     pub queue_timeouts: u64,
 }
 
-impl AdmissionStats {
-    /// Stats with every count given.
-    pub fn new(waiting: u64, queued: u64, queue_full: u64, queue_timeouts: u64) -> Self {
-        AdmissionStats {
-            waiting,
-            queued,
-            queue_full,
-            queue_timeouts,
-        }
-    }
-}
-
 /// Decides when requests run.
 ///
 /// The orchestrator calls, per request: [`try_admit`](Self::try_admit), and when it

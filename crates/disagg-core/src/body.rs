@@ -123,11 +123,6 @@ impl JsonBody {
         self.slot(key).cloned()
     }
 
-    /// Whether `key` is present.
-    pub fn contains(&self, key: &str) -> bool {
-        self.get(key).is_some()
-    }
-
     /// Deserialize `key`'s value; `None` when absent.
     ///
     /// # Errors
@@ -176,13 +171,13 @@ impl JsonBody {
     /// The fields in order, as `(key, raw JSON value)`, the key as its UTF-8 bytes: one
     /// pass over the object for a reader of many fields, where each [`get`](Self::get)
     /// would be a search (and bytes, so that matching keys validates nothing again).
-    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    pub(crate) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|(k, v)| (&k[..], &v[..]))
     }
 
     /// Keep only the fields whose key (UTF-8 bytes) `keep` accepts, in order: one pass,
     /// where removing many keys one by one would search the object for each.
-    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
         self.fields.retain(|(k, _)| keep(k));
     }
 
@@ -192,16 +187,6 @@ impl JsonBody {
         self.fields
             .iter()
             .map(|(k, _)| std::str::from_utf8(k).unwrap_or_default())
-    }
-
-    /// The number of top-level fields.
-    pub fn len(&self) -> usize {
-        self.fields.len()
-    }
-
-    /// Whether the object has no field.
-    pub fn is_empty(&self) -> bool {
-        self.fields.is_empty()
     }
 
     /// The object as compact JSON text; values are written back byte for byte.
@@ -581,7 +566,7 @@ mod tests {
             .collect();
         let want = python_fold(&unescaped);
         assert_eq!(want.len(), 700);
-        assert_eq!(b.len(), 700);
+        assert_eq!(b.keys().count(), 700);
         let got: Vec<(String, String)> = b
             .keys()
             .map(|k| {
@@ -610,7 +595,7 @@ mod tests {
             pairs.push(("\"k0\"".into(), "\"last\"".into()));
             pairs.push((format!("\"k{}\"", n - 1), "null".into()));
             let b = JsonBody::parse(object(&pairs).as_bytes()).unwrap();
-            assert_eq!(b.len(), n, "{n}");
+            assert_eq!(b.keys().count(), n, "{n}");
             assert_eq!(b.keys().next(), Some("k0"));
             assert_eq!(b.get("k0"), Some(&b"\"last\""[..]), "{n}");
             assert_eq!(b.get(&format!("k{}", n - 1)), Some(&b"null"[..]), "{n}");
@@ -644,7 +629,7 @@ mod tests {
         let mut b = JsonBody::parse(object(&pairs).as_bytes()).unwrap();
         assert_eq!(b.keys().nth(3), Some("kv_transfer_params"));
         assert!(b.remove("kv_transfer_params").is_some());
-        assert!(!b.contains("kv_transfer_params"));
+        assert!(b.get("kv_transfer_params").is_none());
         assert!(!String::from_utf8_lossy(&b.to_bytes()).contains("evil"));
     }
 
@@ -652,7 +637,7 @@ mod tests {
     fn escaped_keys_round_trip() {
         let b = JsonBody::parse(br#"{"a\"b":1,"\u0041":2}"#).unwrap();
         assert_eq!(s(&b), r#"{"a\"b":1,"A":2}"#);
-        assert!(b.contains("A"));
+        assert!(b.get("A").is_some());
     }
 
     #[test]

@@ -13,9 +13,9 @@
 //!
 //! | connector | dispatch | handoff |
 //! |---|---|---|
-//! | [`VllmNixl`] | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
-//! | [`SglangBootstrap`] | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
-//! | [`VllmMooncake`] | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
+//! | [`VllmNixl`](vllm::VllmNixl) | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
+//! | [`SglangBootstrap`](sglang::SglangBootstrap) | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
+//! | [`VllmMooncake`](mooncake::VllmMooncake) | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
 //! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
 //!
 //! A plan may carry more for protocols whose prefill already produces part of the
@@ -48,10 +48,6 @@ pub mod mooncake;
 pub mod room;
 pub mod sglang;
 pub mod vllm;
-
-pub use mooncake::VllmMooncake;
-pub use sglang::SglangBootstrap;
-pub use vllm::VllmNixl;
 
 /// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
 /// SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
@@ -119,12 +115,6 @@ impl Leg {
             headers: HeaderMap::new(),
             api: None,
         }
-    }
-
-    /// The same leg, posted to `api`.
-    pub fn with_api(mut self, api: Api) -> Self {
-        self.api = Some(api);
-        self
     }
 }
 
@@ -205,7 +195,7 @@ impl Handoff {
 ///
 /// The body is kept as received; a connector reads what it needs with
 /// [`field`](Self::field) (one top-level field, found without parsing the rest) or
-/// [`json`](Self::json) (the whole top level).
+/// [`JsonBody::parse_bytes`] on [`body`](Self::body) (the whole top level).
 #[derive(Debug, Clone)]
 pub struct PrefillAnswer {
     /// The status (2xx).
@@ -224,15 +214,6 @@ impl PrefillAnswer {
     /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
     pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
         crate::body::top_level_field(&self.body, key)
-    }
-
-    /// The answer's whole top level.
-    ///
-    /// # Errors
-    ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
-    pub fn json(&self) -> Result<JsonBody, crate::error::BodyError> {
-        JsonBody::parse_bytes(&self.body)
     }
 }
 

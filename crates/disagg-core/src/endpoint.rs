@@ -215,22 +215,7 @@ impl Endpoint {
     /// this endpoint's role, models and connector data, and its own in-flight count,
     /// which also counts towards this endpoint's, so that routers keep seeing the whole
     /// engine's load.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use disagg_core::endpoint::{Endpoint, Role};
-    /// let engine = Arc::new(Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?);
-    /// let rank = Arc::new(engine.dp_rank(1));
-    /// assert_eq!(rank.id().as_str(), "http://10.0.0.5:8100@1");
-    /// let guard = rank.track();
-    /// assert_eq!((rank.in_flight(), engine.in_flight()), (1, 1));
-    /// drop(guard);
-    /// assert_eq!((rank.in_flight(), engine.in_flight()), (0, 0));
-    /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
-    /// ```
-    pub fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
+    pub(crate) fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
         let base = self.engine.as_ref().unwrap_or(self);
         // An endpoint configured as `URL@RANK` names a rank already: its engine's URL is
         // the part before the `@`.
@@ -492,7 +477,8 @@ impl EndpointSet {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use disagg_core::{Endpoint, EndpointSet, Role, RouteError};
+    /// use disagg_core::error::RouteError;
+    /// use disagg_core::{Endpoint, EndpointSet, Role};
     ///
     /// let set = EndpointSet::new([
     ///     Endpoint::new("http://p1:8100", Role::Prefill)?.with_models(["llama"]),
@@ -581,6 +567,17 @@ mod tests {
         assert!(Endpoint::new("ftp://h:1", Role::Decode).is_err());
         assert!(Endpoint::new("h:1", Role::Decode).is_err());
         assert!(Endpoint::new("not a url", Role::Decode).is_err());
+    }
+
+    #[test]
+    fn a_rank_endpoint_counts_towards_its_engine() {
+        let engine = Arc::new(Endpoint::new("http://10.0.0.5:8100", Role::Prefill).unwrap());
+        let rank = Arc::new(engine.dp_rank(1));
+        assert_eq!(rank.id().as_str(), "http://10.0.0.5:8100@1");
+        let guard = rank.track();
+        assert_eq!((rank.in_flight(), engine.in_flight()), (1, 1));
+        drop(guard);
+        assert_eq!((rank.in_flight(), engine.in_flight()), (0, 0));
     }
 
     #[test]

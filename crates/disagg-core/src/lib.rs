@@ -10,10 +10,10 @@
 //! 2. a [`Router`] picks a prefill and a decode endpoint (the policies are in
 //!    `disagg-affinity`; the orchestrator's default is a round robin over each role);
 //! 3. a [`KvConnector`] plans both legs: the prefill body (built by
-//!    the [`PrefillRewriter`]), the decode body, and how to
+//!    the [`PrefillRewriter`](rewrite::PrefillRewriter)), the decode body, and how to
 //!    dispatch them;
 //! 4. the [`Orchestrator`] sends them through a
-//!    [`Transport`] and streams the decode's answer back, frame by
+//!    [`Transport`](transport::Transport) and streams the decode's answer back, frame by
 //!    frame, in a [`PdBody`].
 //!
 //! The core knows nothing of hyper: `disagg-http` supplies the pooled transport and the
@@ -25,7 +25,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use disagg_core::connector::{KvConnector, VllmNixl};
+//! use disagg_core::VllmNixl;
+//! use disagg_core::connector::KvConnector;
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::request::{Api, PdRequest};
 //! use disagg_core::router::Route;
@@ -78,14 +79,10 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
-    SglangBootstrap, VllmMooncake, VllmNixl,
+    mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
 };
 pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
-pub use error::{BoxError, PdError, RouteError, Side};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
 pub use request::{Api, PdRequest};
-pub use rewrite::PrefillRewriter;
 pub use router::{Route, Router};
 pub use source::{EndpointSource, ManualSource, StaticSource};
-pub use tokens::{TokenIds, Tokenizer};
-pub use transport::Transport;

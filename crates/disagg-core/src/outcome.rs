@@ -96,8 +96,8 @@ pub(crate) fn now() -> Instant {
 
 /// When each step of one attempt happened; a step that did not happen is `None`.
 ///
-/// Instants, not durations, so that a trace can place each leg's span exactly; the
-/// methods give the durations the metrics want.
+/// Instants, not durations, so that a trace can place each leg's span exactly;
+/// [`phases`](Self::phases) gives the durations the metrics want.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Timeline {
@@ -138,37 +138,32 @@ impl Timeline {
         }
     }
 
+    /// How long each phase of the attempt took.
+    pub fn phases(&self) -> Phases {
+        let between =
+            |from: Option<Instant>, to: Option<Instant>| Some(to?.saturating_duration_since(from?));
+        Phases {
+            prefill: between(self.prefill_sent, self.prefill_done),
+            handoff: between(self.handoff_start, self.decode_sent),
+            decode_head: between(self.decode_sent, self.decode_head),
+            decode_first_chunk: between(self.decode_sent, self.decode_first_chunk),
+        }
+    }
+}
+
+/// How long each phase of one attempt took ([`Timeline::phases`]); a phase whose start
+/// or end did not happen is `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Phases {
     /// The prefill leg: sent until answered.
-    pub fn prefill(&self) -> Option<Duration> {
-        Some(
-            self.prefill_done?
-                .saturating_duration_since(self.prefill_sent?),
-        )
-    }
-
+    pub prefill: Option<Duration>,
     /// The handoff step: from its start until the decode leg was sent.
-    pub fn handoff(&self) -> Option<Duration> {
-        Some(
-            self.decode_sent?
-                .saturating_duration_since(self.handoff_start?),
-        )
-    }
-
+    pub handoff: Option<Duration>,
     /// The decode leg's head: sent until its response head arrived.
-    pub fn decode_head(&self) -> Option<Duration> {
-        Some(
-            self.decode_head?
-                .saturating_duration_since(self.decode_sent?),
-        )
-    }
-
+    pub decode_head: Option<Duration>,
     /// The decode leg's first chunk: sent until its first body chunk arrived.
-    pub fn decode_first_chunk(&self) -> Option<Duration> {
-        Some(
-            self.decode_first_chunk?
-                .saturating_duration_since(self.decode_sent?),
-        )
-    }
+    pub decode_first_chunk: Option<Duration>,
 }
 
 /// How the client's response ended.
@@ -196,9 +191,9 @@ pub struct Summary {
     pub model: Option<Arc<str>>,
     /// The client's request id (its `x-request-id`, or one drawn for it).
     pub request_id: Option<HeaderValue>,
-    /// Who sent it, when the server identified the client
-    /// ([`PdRequest::client`](crate::request::PdRequest::client): an API key's short
-    /// hash, never the key).
+    /// Who sent it, when the server identified the client (an API key's short hash,
+    /// never the key; see
+    /// [`PdRequest::set_received`](crate::request::PdRequest::set_received)).
     pub client: Option<Arc<str>>,
     /// The engine-side request id of the attempt that answered.
     pub engine_request_id: Option<HeaderValue>,

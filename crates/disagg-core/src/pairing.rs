@@ -46,7 +46,7 @@ pub enum KvRole {
 
 impl KvRole {
     /// The role as vLLM writes it.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             KvRole::Producer => "kv_producer",
             KvRole::Consumer => "kv_consumer",
@@ -84,7 +84,9 @@ impl FromStr for KvRole {
 pub struct KvProfile {
     /// The engine's KV connector: vLLM's `kv_connector` (`NixlConnector`,
     /// `MooncakeConnector`, ...), or a disagg connector name (`nixl`, `vllm-mooncake`,
-    /// `sglang`). Compared by [`connector_kind`].
+    /// `sglang`). Compared by the protocol the name stands for, so that vLLM's and
+    /// disagg's spellings match (`NixlConnector` and `vllm-nixl` are both NIXL,
+    /// `LMCacheConnectorV1` and `lmcache` both LMCache).
     pub connector: Option<String>,
     /// The engine's `kv_role`.
     pub role: Option<KvRole>,
@@ -96,7 +98,7 @@ pub struct KvProfile {
 /// compare equal: lowercase, without a `vllm-` prefix, without `connector` and without
 /// a trailing interface version (`NixlConnector` and `vllm-nixl` are both `nixl`;
 /// `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
-pub fn connector_kind(name: &str) -> String {
+pub(crate) fn connector_kind(name: &str) -> String {
     let lower = name.trim().to_ascii_lowercase();
     let lower = lower.strip_prefix("vllm-").unwrap_or(&lower);
     let kind = lower.replace("connector", "").replace(['-', '_'], "");
@@ -222,7 +224,7 @@ pub fn check_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::connector::{SglangBootstrap, VllmMooncake, VllmNixl};
+    use crate::{SglangBootstrap, VllmMooncake, VllmNixl};
 
     fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> KvProfile {
         KvProfile {

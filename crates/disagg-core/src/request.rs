@@ -54,7 +54,7 @@ impl Api {
 /// pin a leg to a rank the other leg does not expect (SGLang reads `routed_dp_rank`, its
 /// deprecated alias `data_parallel_rank`, and `disagg_prefill_dp_rank`; a decode told
 /// another prefill rank than the one that holds the KV fails).
-pub const HANDOFF_FIELDS: &[&str] = &[
+pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "kv_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
@@ -207,7 +207,7 @@ impl PdRequest {
     }
 
     /// The client's headers, as received.
-    pub fn headers(&self) -> &HeaderMap {
+    pub(crate) fn headers(&self) -> &HeaderMap {
         &self.headers
     }
 
@@ -220,7 +220,7 @@ impl PdRequest {
     /// drawn for it. It names the request in the answer and the logs; the engines get an
     /// id of the proxy's per attempt (the orchestrator's), which for a first attempt is
     /// this one when it was drawn here.
-    pub fn request_id(&self) -> &HeaderValue {
+    pub(crate) fn request_id(&self) -> &HeaderValue {
         &self.request_id
     }
 
@@ -245,17 +245,21 @@ impl PdRequest {
         self.stream
     }
 
-    /// When the request arrived: when it was parsed, unless the server set the moment
-    /// its head came in ([`set_arrival`](Self::set_arrival)). Request durations and the
+    /// When the request arrived: when it was parsed, unless the server said when its
+    /// head came in ([`set_received`](Self::set_received)). Request durations and the
     /// time to the first byte count from here.
-    pub fn arrival(&self) -> Instant {
+    pub(crate) fn arrival(&self) -> Instant {
         self.arrival
     }
 
-    /// Set when the request arrived (a server knows: when its head came in, before the
-    /// body was read).
-    pub fn set_arrival(&mut self, at: Instant) {
+    /// Record what the server knows of how the request came in: `at`, when its head
+    /// came in, before the body was read (request durations and the time to the first
+    /// byte then count from there rather than from the parse); and `client`, who sent
+    /// it when the server identified the client (an API key's short hash; never the
+    /// key), carried into the request's [`Summary`](crate::outcome::Summary) for logs.
+    pub fn set_received(&mut self, at: Instant, client: Option<Arc<str>>) {
         self.arrival = at;
+        self.client = client;
     }
 
     /// The prompt's token ids, when the orchestrator's
@@ -266,30 +270,15 @@ impl PdRequest {
         self.tokens.as_deref()
     }
 
-    /// The prompt's token ids, shared.
-    pub fn token_ids(&self) -> Option<&crate::tokens::TokenIds> {
-        self.tokens.as_ref()
-    }
-
     /// Set the prompt's token ids (an application that tokenized the request itself;
     /// the orchestrator then does not tokenize it again).
     pub fn set_tokens(&mut self, tokens: Option<crate::tokens::TokenIds>) {
         self.tokens = tokens;
     }
 
-    /// Who sent the request, when the server identified the client (an API key's
-    /// short hash; never the key): carried into the request's
-    /// [`Summary`](crate::outcome::Summary) for logs.
-    pub fn client(&self) -> Option<&str> {
-        self.client.as_deref()
-    }
-
-    /// Name the client the request came from (see [`client`](Self::client)).
-    pub fn set_client(&mut self, client: Option<Arc<str>>) {
-        self.client = client;
-    }
-
-    pub(crate) fn client_arc(&self) -> Option<Arc<str>> {
+    /// Who sent the request, as the server named it
+    /// ([`set_received`](Self::set_received)).
+    pub(crate) fn client(&self) -> Option<Arc<str>> {
         self.client.clone()
     }
 }

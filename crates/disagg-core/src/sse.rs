@@ -118,7 +118,7 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
 /// SSE specification, WHATWG HTML "event stream interpretation"), so `\n\n`,
 /// `\r\n\r\n`, `\r\r` and their mixes all end one. A `\r` at the very end of `buf`
 /// may be the first half of `\r\n`: it waits for the next frame.
-pub fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+pub(crate) fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
     let mut i = 0;
     while i < buf.len() {
         match line_end(buf, i)? {

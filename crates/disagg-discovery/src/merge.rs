@@ -25,7 +25,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use disagg_core::{BoxError, Endpoint, EndpointSet, EndpointSource, Role};
+use disagg_core::error::BoxError;
+use disagg_core::{Endpoint, EndpointSet, EndpointSource, Role};
 use futures::StreamExt;
 use tokio::sync::watch;
 

@@ -49,7 +49,7 @@ use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_cha
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use disagg_core::outcome::{Listener, Summary};
+use disagg_core::outcome::{Listener, Summary, Timeline};
 use http::HeaderValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -276,7 +276,7 @@ struct Fields<'a>([(&'static str, Value<'a>); 25]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
-        let tl = s.timeline.as_ref();
+        let phases = s.timeline.as_ref().map(Timeline::phases);
         let route = s.route.as_ref();
         let end_wall = s.arrival_wall + s.duration();
         Fields([
@@ -310,15 +310,15 @@ impl<'a> Fields<'a> {
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::millis(s.time_to_first_byte())),
             ("queue_ms", Value::millis(s.queued)),
-            ("prefill_ms", Value::millis(tl.and_then(|t| t.prefill()))),
-            ("handoff_ms", Value::millis(tl.and_then(|t| t.handoff()))),
+            ("prefill_ms", Value::millis(phases.and_then(|p| p.prefill))),
+            ("handoff_ms", Value::millis(phases.and_then(|p| p.handoff))),
             (
                 "decode_head_ms",
-                Value::millis(tl.and_then(|t| t.decode_head())),
+                Value::millis(phases.and_then(|p| p.decode_head)),
             ),
             (
                 "decode_first_chunk_ms",
-                Value::millis(tl.and_then(|t| t.decode_first_chunk())),
+                Value::millis(phases.and_then(|p| p.decode_first_chunk)),
             ),
             ("bytes", Value::Uint(s.bytes)),
             ("error", Value::opt_str(s.error)),

@@ -333,7 +333,7 @@ where
             let refused = this.start.take().and_then(Result::err);
             return Poll::Ready(Err(refused.unwrap_or_else(|| {
                 // Polled again after it finished: a caller's bug, not the client's.
-                PdError::client_body("the body was already read".into())
+                PdError::body("the body was already read")
             })));
         };
         loop {
@@ -352,7 +352,7 @@ where
             };
             let data = match frame {
                 None => break,
-                Some(Err(e)) => return Poll::Ready(Err(PdError::client_body(e.into()))),
+                Some(Err(e)) => return Poll::Ready(Err(PdError::body(e))),
                 Some(Ok(frame)) => match frame.into_data() {
                     Ok(mut data) => data.copy_to_bytes(data.remaining()),
                     // Trailers carry nothing a completion request needs.
@@ -377,9 +377,7 @@ where
         };
         match this.start.take() {
             Some(Ok((_, share))) => Poll::Ready(Ok((bytes, share))),
-            _ => Poll::Ready(Err(PdError::client_body(
-                "the body was already read".into(),
-            ))),
+            _ => Poll::Ready(Err(PdError::body("the body was already read"))),
         }
     }
 }

@@ -122,7 +122,7 @@ impl Inner {
                 let (parts, body) = out.into_parts();
                 match collect_limited(body, self.config.max_body_bytes).await {
                     Ok(bytes) => transport.send(Request::from_parts(parts, bytes)),
-                    Err(e) => return pd_error_response(&PdError::client_body(e)),
+                    Err(e) => return pd_error_response(&PdError::body(e)),
                 }
             }
         };

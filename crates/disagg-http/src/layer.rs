@@ -108,10 +108,11 @@ use disagg_core::endpoint::EndpointError;
 use disagg_core::error::{BoxError, RouteError, TransportError};
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::router::{Pick, RequestView, Route, Router};
+use disagg_core::transport::Transport;
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
 use disagg_core::{
     Api, Endpoint, EndpointSet, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig,
-    PdBody, Role, Transport, VllmNixl,
+    PdBody, Role, VllmNixl,
 };
 use http::header::HeaderName;
 use http::uri::Authority;

@@ -48,7 +48,7 @@ impl Catalog {
     async fn cards(
         &self,
         set: &EndpointSet,
-        transport: &dyn disagg_core::Transport,
+        transport: &dyn disagg_core::transport::Transport,
         ttl: Duration,
         timeout: Duration,
     ) -> Option<Arc<Vec<Card>>> {
@@ -69,7 +69,7 @@ impl Catalog {
 /// Each decode server's list, merged, then the declared models no engine listed.
 async fn fetch(
     set: &EndpointSet,
-    transport: &dyn disagg_core::Transport,
+    transport: &dyn disagg_core::transport::Transport,
     timeout: Duration,
 ) -> Option<Vec<Card>> {
     let mut servers: Vec<&Arc<disagg_core::Endpoint>> = Vec::new();

@@ -318,8 +318,7 @@ impl Inner {
         drop(share);
         let served = match parsed {
             Ok(mut req) => {
-                req.set_arrival(arrival);
-                req.set_client(client);
+                req.set_received(arrival, client);
                 self.orchestrator.serve(req).await
             }
             Err(err) => {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use disagg_core::error::TransportError;
 use disagg_core::transport::Transport;
 use disagg_http::auth::EngineKeys;
 use disagg_http::server::{self, ServeConfig};
@@ -94,7 +95,7 @@ async fn https_engines_are_verified_and_their_connections_pooled() {
         EngineKeys::default(),
     );
     let err = t.send(completion(&engine)).await.unwrap_err();
-    assert!(err.is_connect(), "{err:?}");
+    assert!(matches!(err, TransportError::Connect(_)), "{err:?}");
     let msg = disagg_core::error::error_chain(&err);
     assert!(
         msg.contains("TLS handshake with 127.0.0.1") && msg.contains("UnknownIssuer"),

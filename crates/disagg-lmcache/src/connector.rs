@@ -43,7 +43,7 @@ use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::rewrite::VllmLimits;
+use disagg_core::rewrite::check::VllmLimits;
 use disagg_core::router::Route;
 use disagg_core::sse::{EventMap, MapEvents};
 use disagg_core::transport::{BoxBody, Transport, read_limited};
@@ -543,8 +543,14 @@ impl KvConnector for Lmcache {
 
         let mut handoff = Handoff::new(
             Dispatch::AfterPrefill,
-            Leg::new(Arc::clone(prefill_ep), prefill).with_api(Api::Completions),
-            Leg::new(Arc::clone(&route.decode), decode).with_api(Api::Completions),
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(prefill_ep), prefill)
+            },
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(&route.decode), decode)
+            },
         );
         handoff.ext.insert(Plan {
             req_id,

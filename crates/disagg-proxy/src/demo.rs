@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use disagg_core::rewrite::VllmLimits;
+use disagg_core::rewrite::check::VllmLimits;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};

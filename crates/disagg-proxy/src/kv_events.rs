@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use clap::{Args, ValueEnum};
-use disagg_core::{
-    Api, BoxError as CoreBoxError, Endpoint, EndpointSet, EndpointSource, JsonBody, Role, TokenIds,
-    Tokenizer, Transport,
-};
+use disagg_core::error::BoxError as CoreBoxError;
+use disagg_core::tokens::{TokenIds, Tokenizer};
+use disagg_core::transport::Transport;
+use disagg_core::{Api, Endpoint, EndpointSet, EndpointSource, JsonBody, Role};
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_kvevents::{

@@ -12,7 +12,8 @@ use disagg_affinity::{
 use disagg_core::disaggregate::{Always, Disaggregate};
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::KvProfile;
-use disagg_core::rewrite::{PrefillRewriter, VllmLimits};
+use disagg_core::rewrite::PrefillRewriter;
+use disagg_core::rewrite::check::VllmLimits;
 use disagg_core::router::Pick;
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,

@@ -231,12 +231,12 @@ impl Admission for Limits {
 
     fn stats(&self) -> AdmissionStats {
         let s = &self.state;
-        AdmissionStats::new(
-            s.waiting.load(Ordering::Relaxed) as u64,
-            s.queued.load(Ordering::Relaxed),
-            s.queue_full.load(Ordering::Relaxed),
-            s.queue_timeouts.load(Ordering::Relaxed),
-        )
+        let mut stats = AdmissionStats::default();
+        stats.waiting = s.waiting.load(Ordering::Relaxed) as u64;
+        stats.queued = s.queued.load(Ordering::Relaxed);
+        stats.queue_full = s.queue_full.load(Ordering::Relaxed);
+        stats.queue_timeouts = s.queue_timeouts.load(Ordering::Relaxed);
+        stats
     }
 }
 

@@ -18,7 +18,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use disagg_core::connector::{KvConnector, VllmNixl};
+//! use disagg_core::VllmNixl;
+//! use disagg_core::connector::KvConnector;
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::source::StaticSource;
 //! use disagg_core::transport::Transport;
@@ -80,7 +81,7 @@ impl std::error::Error for PairingError {}
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::connector::VllmNixl;
+/// use disagg_core::VllmNixl;
 /// use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
 /// use disagg_core::pairing::{KvProfile, KvRole};
 /// use disagg_resilience::pairing::check_pairs;
@@ -275,9 +276,9 @@ impl EndpointSource for ValidatedSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use disagg_core::connector::{VllmMooncake, VllmNixl};
     use disagg_core::endpoint::{Endpoint, Role};
     use disagg_core::pairing::KvRole;
+    use disagg_core::{VllmMooncake, VllmNixl};
 
     fn ep(url: &str, role: Role, profile: KvProfile) -> Arc<Endpoint> {
         let mut ext = http::Extensions::new();

@@ -2,7 +2,7 @@
 //! whole may afford.
 //!
 //! An attempt that failed before any byte of an answer reached the client, in a way
-//! [`PdError::is_retryable`](disagg_core::PdError::is_retryable) allows, may run again on a
+//! [`PdError::is_retryable`](disagg_core::error::PdError::is_retryable) allows, may run again on a
 //! new route with a new plan (a new SGLang room, a new Mooncake transfer id), after a
 //! jittered exponential backoff, while the request's deadline allows and while the
 //! [`RetryBudget`] has a token for it.

@@ -52,7 +52,7 @@ pub const DEFAULT_MAX_ANSWER: usize = 64 * 1024 * 1024;
 /// use disagg_core::{Endpoint, Role};
 /// use disagg_tokenize::EngineTokenizer;
 ///
-/// # fn doc(transport: Arc<dyn disagg_core::Transport>) -> Result<(), Box<dyn std::error::Error>> {
+/// # fn doc(transport: Arc<dyn disagg_core::transport::Transport>) -> Result<(), Box<dyn std::error::Error>> {
 /// let engine = Arc::new(Endpoint::new("http://10.0.0.5:8000", Role::Prefill)?);
 /// let tokenizer = EngineTokenizer::new(transport, engine);
 /// # Ok(()) }

@@ -10,7 +10,7 @@
 //!   template, in process, reproducing vLLM 0.33's chat and completions preprocessing
 //!   (see [`prompt`] for the fields and defaults, [`hf`] for what is loaded);
 //! - [`EngineTokenizer`]: the engine's own `POST /tokenize` over the proxy's
-//!   [`Transport`](disagg_core::Transport): exact by construction, one round trip per
+//!   [`Transport`](disagg_core::transport::Transport): exact by construction, one round trip per
 //!   request.
 //!
 //! Token-id prompts (`"prompt": [1, 2, 3]`) are taken as they are by both. Prompts
@@ -112,7 +112,7 @@ async fn token_ids<T: Tokenize + ?Sized>(
     tokenizer: &T,
     api: Api,
     body: &JsonBody,
-) -> Result<Option<Tokens>, disagg_core::BoxError> {
+) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
     match tokenizer.tokenize(api, body).await {
         Ok(ids) => Ok(Some(ids)),
         Err(e) if e.is_not_supported() => Ok(None),
@@ -124,24 +124,24 @@ async fn token_ids<T: Tokenize + ?Sized>(
 /// (`OrchestratorBuilder::tokenizer`): a prompt that is not one sequence has no ids
 /// (`Ok(None)`), every other [`TokenizeError`] is a failure the orchestrator counts.
 #[async_trait]
-impl disagg_core::Tokenizer for dyn Tokenize {
+impl disagg_core::tokens::Tokenizer for dyn Tokenize {
     async fn token_ids(
         &self,
         api: Api,
         body: &JsonBody,
-    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+    ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
         token_ids(self, api, body).await
     }
 }
 
 /// The engine's `/tokenize` as the orchestrator's tokenizer.
 #[async_trait]
-impl disagg_core::Tokenizer for EngineTokenizer {
+impl disagg_core::tokens::Tokenizer for EngineTokenizer {
     async fn token_ids(
         &self,
         api: Api,
         body: &JsonBody,
-    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+    ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
         token_ids(self, api, body).await
     }
 }
@@ -149,12 +149,12 @@ impl disagg_core::Tokenizer for EngineTokenizer {
 /// A Hugging Face tokenizer as the orchestrator's tokenizer.
 #[cfg(feature = "hf")]
 #[async_trait]
-impl disagg_core::Tokenizer for HfTokenizer {
+impl disagg_core::tokens::Tokenizer for HfTokenizer {
     async fn token_ids(
         &self,
         api: Api,
         body: &JsonBody,
-    ) -> Result<Option<Tokens>, disagg_core::BoxError> {
+    ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
         token_ids(self, api, body).await
     }
 }

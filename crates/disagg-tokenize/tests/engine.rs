@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use disagg_core::{Api, Endpoint, JsonBody, Role, Transport};
+use disagg_core::error::TransportError;
+use disagg_core::transport::Transport;
+use disagg_core::{Api, Endpoint, JsonBody, Role};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};
@@ -125,7 +127,10 @@ async fn an_engine_that_is_gone_is_a_transport_error() {
         .await
         .unwrap_err();
     assert!(
-        matches!(err, TokenizeError::Engine(EngineError::Transport(ref t)) if t.is_connect()),
+        matches!(
+            err,
+            TokenizeError::Engine(EngineError::Transport(TransportError::Connect(_)))
+        ),
         "{err:?}"
     );
 }

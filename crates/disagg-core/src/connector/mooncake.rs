@@ -28,9 +28,9 @@
 //! rank. The prefill leg is therefore always pinned: to the rank the route names (an
 //! endpoint written `URL@RANK`), or else to the least loaded of the ranks `/query` lists
 //! (ties in turn), as vLLM's own proxy spreads requests over `(prefill, dp_rank)` pairs.
-//! Each rank's load is counted on a rank endpoint (`URL@r`, see
-//! [`Endpoint::dp_rank`](crate::endpoint::Endpoint::dp_rank)) that the prefill exchange
-//! tracks, and that counts towards the engine's own load too.
+//! Each rank's load is counted on a rank endpoint (`URL@r`, with the engine's role,
+//! models and connector data) that the prefill exchange tracks, and that counts towards
+//! the engine's own load too.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -134,7 +134,8 @@ impl Ranks {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::connector::{Dispatch, KvConnector, VllmMooncake};
+/// use disagg_core::VllmMooncake;
+/// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;
@@ -148,7 +149,7 @@ impl Ranks {
 /// assert_eq!(h.dispatch, Dispatch::Concurrent);
 /// assert_eq!(h.prefill.body.get("max_tokens"), Some(&b"1"[..]));
 /// // The decode's handoff needs the engine id: `resolve` asks the prefill for it.
-/// assert!(!h.decode.body.contains("kv_transfer_params"));
+/// assert!(h.decode.body.get("kv_transfer_params").is_none());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
@@ -196,12 +197,6 @@ impl VllmMooncake {
     /// The same connector with a custom rewriter for the prefill leg.
     pub fn with_rewriter(mut self, rewriter: PrefillRewriter) -> Self {
         self.rewriter = rewriter;
-        self
-    }
-
-    /// How long `GET /query` on a bootstrap server may take.
-    pub fn with_query_timeout(mut self, timeout: Duration) -> Self {
-        self.query_timeout = timeout;
         self
     }
 

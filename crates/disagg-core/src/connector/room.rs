@@ -26,7 +26,7 @@ pub(crate) const MAX_ROOM: u64 = (1 << 63) - 1;
 ///
 /// ```
 /// use disagg_core::connector::room::Rooms;
-/// use disagg_core::connector::{SglangBootstrap, VllmMooncake};
+/// use disagg_core::{SglangBootstrap, VllmMooncake};
 /// // The same seed draws the same rooms, run after run.
 /// let sglang = SglangBootstrap::with_rooms(Rooms::from_seed(1));
 /// let mooncake = VllmMooncake::new().with_ids(Rooms::from_seed(2));
@@ -46,7 +46,7 @@ impl Default for Rooms {
 
 impl Rooms {
     /// A generator with a random key.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::from_seed(uuid::Uuid::new_v4().as_u64_pair().0)
     }
 

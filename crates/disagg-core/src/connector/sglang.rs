@@ -64,7 +64,8 @@ use crate::router::Route;
 /// ```
 /// use std::sync::Arc;
 /// use disagg_core::connector::room::Rooms;
-/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector, SglangBootstrap};
+/// use disagg_core::SglangBootstrap;
+/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;
@@ -418,7 +419,7 @@ mod tests {
         let h = c.prepare(&route(None), &r).unwrap();
         for leg in [&h.prefill, &h.decode] {
             for field in [ROUTED_DP_RANK, PREFILL_DP_RANK, "data_parallel_rank"] {
-                assert!(!leg.body.contains(field), "{field}");
+                assert!(leg.body.get(field).is_none(), "{field}");
             }
         }
         // Both ranks: the legs differ.

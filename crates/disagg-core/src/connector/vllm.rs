@@ -44,7 +44,8 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 /// # Examples
 ///
 /// ```
-/// use disagg_core::connector::{Dispatch, KvConnector, VllmNixl};
+/// use disagg_core::VllmNixl;
+/// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;
@@ -243,7 +244,7 @@ mod tests {
                 c.complete(&mut h, &answer(body)).await.unwrap(),
                 KvOutcome::Missing
             );
-            assert!(!h.decode.body.contains(KV_TRANSFER_PARAMS));
+            assert!(h.decode.body.get(KV_TRANSFER_PARAMS).is_none());
         }
         let mut h = c
             .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))

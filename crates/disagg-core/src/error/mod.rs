@@ -232,7 +232,7 @@ pub enum TransportError {
 
 impl TransportError {
     /// Whether the request certainly never reached the endpoint.
-    pub fn is_connect(&self) -> bool {
+    pub(crate) fn is_connect(&self) -> bool {
         matches!(self, TransportError::Connect(_))
     }
 }
@@ -271,4 +271,16 @@ pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
         cur = e.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_failed_connection_certainly_never_reached_the_endpoint() {
+        assert!(TransportError::Connect("refused".into()).is_connect());
+        assert!(!TransportError::Timeout.is_connect());
+        assert!(!TransportError::Io("reset".into()).is_connect());
+    }
 }

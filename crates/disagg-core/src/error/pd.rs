@@ -23,7 +23,7 @@ pub enum Side {
 
 impl Side {
     /// The side as a lowercase word.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Side::Client => "client",
             Side::Router => "router",
@@ -133,19 +133,15 @@ impl PdError {
         PdError { kind, side, source }
     }
 
-    /// The client's body was not usable.
-    pub fn body(err: BodyError) -> Self {
+    /// The client's body was not usable ([`BodyError`]), or could not be read (the
+    /// client broke off while sending it): `err` says why.
+    pub fn body(err: impl Into<BoxError>) -> Self {
         Self::new(Kind::Body, Side::Client, Some(err.into()))
     }
 
     /// The client's body was larger than `limit` bytes.
     pub fn body_too_large(limit: usize) -> Self {
         Self::new(Kind::BodyTooLarge { limit }, Side::Client, None)
-    }
-
-    /// The client's body could not be read (the client broke off while sending it).
-    pub fn client_body(source: BoxError) -> Self {
-        Self::new(Kind::Body, Side::Client, Some(source))
     }
 
     /// The request names no route this service serves.

@@ -14,7 +14,8 @@ use crate::outcome::Timeline;
 /// answered), `handoff` (the step until the decode leg was sent) and `decode` (the decode
 /// leg, sent to its head); `None` when none happened.
 pub(super) fn server_timing(tl: &Timeline) -> Option<HeaderValue> {
-    server_timing_of([tl.prefill(), tl.handoff(), tl.decode_head()])
+    let p = tl.phases();
+    server_timing_of([p.prefill, p.handoff, p.decode_head])
 }
 
 fn server_timing_of(phases: [Option<Duration>; 3]) -> Option<HeaderValue> {

@@ -13,11 +13,11 @@ use http::header::HeaderName;
 pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
 
 /// The response header naming the leg whose answer is passed through on a failure.
-pub const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
+pub(crate) const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 
 /// The `server-timing` response header (W3C Server Timing): `prefill`, `handoff` and
 /// `decode` (time to the decode's response head), in milliseconds.
-pub const SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
+pub(crate) const SERVER_TIMING: HeaderName = HeaderName::from_static("server-timing");
 
 /// What to do when the prefill leg cannot be had: no prefill endpoint is available
 /// (none configured, none healthy, none serving the model), or the prefill leg failed
@@ -43,11 +43,11 @@ pub enum PrefillFailure {
 
 /// The response header naming why a request was served decode-only under
 /// [`PrefillFailure::DecodeOnly`]: the code of the prefill's failure.
-pub const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-disagg-fallback");
+pub(crate) const FALLBACK_HEADER: HeaderName = HeaderName::from_static("x-disagg-fallback");
 
 /// The request header a client may set to shorten its request's deadline, in
 /// milliseconds, when [`OrchestratorConfig::client_deadline`] allows it.
-pub const DEADLINE_HEADER: HeaderName = HeaderName::from_static("x-disagg-deadline-ms");
+pub(crate) const DEADLINE_HEADER: HeaderName = HeaderName::from_static("x-disagg-deadline-ms");
 
 /// Early release of a prefill's KV blocks when the decode leg that would have taken
 /// them is not going to (see [`OrchestratorConfig::kv_release`]).
@@ -120,8 +120,8 @@ pub struct OrchestratorConfig {
     /// no total deadline, only the per-step budgets). A stream still running at the
     /// deadline is ended with an error event.
     pub deadline: Option<Duration>,
-    /// Let a client shorten (never extend) its deadline with the
-    /// [`DEADLINE_HEADER`] (`x-disagg-deadline-ms`; default off). With no configured
+    /// Let a client shorten (never extend) its deadline with the request header
+    /// `x-disagg-deadline-ms` (default off). With no configured
     /// deadline, the client's value is the deadline.
     pub client_deadline: bool,
     /// Time for the whole prefill exchange: connect, head and full answer.

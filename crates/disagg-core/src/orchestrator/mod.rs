@@ -45,7 +45,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response};
 
 use crate::admission::Admission;
-use crate::connector::{KvConnector, VllmNixl};
+use crate::connector::KvConnector;
+use crate::connector::vllm::VllmNixl;
 use crate::disaggregate::{Always, Disaggregate};
 use crate::error::PdError;
 use crate::outcome::Listener;
@@ -70,10 +71,7 @@ mod serve;
 mod stats;
 
 pub use body::PdBody;
-pub use config::{
-    DEADLINE_HEADER, FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, KvRelease, MissingKv,
-    OrchestratorConfig, PrefillFailure, SERVER_TIMING,
-};
+pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
 
 pub(crate) use report::verdict;
 use stats::Counters;

@@ -119,7 +119,7 @@ impl Inner {
         s.stream = req.is_stream();
         s.model = req.model_arc();
         s.request_id = Some(req.request_id().clone());
-        s.client = req.client_arc();
+        s.client = req.client();
         if let Some(m) = meta {
             s.attempts = m.attempts;
             s.queued = m.queued;

@@ -82,7 +82,7 @@ impl Default for VllmLimits {
 /// use disagg_core::disaggregate::Decision;
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::rewrite::check::check_request;
-/// use disagg_core::rewrite::VllmLimits;
+/// use disagg_core::rewrite::check::VllmLimits;
 ///
 /// let limits = VllmLimits::default();
 /// let bad = PdRequest::new(Api::Chat, Default::default(), &r#"{"messages":[],"max_tokens":-1}"#.into())?;

@@ -36,7 +36,7 @@
 
 pub mod check;
 
-pub use check::VllmLimits;
+use check::VllmLimits;
 
 use crate::body::JsonBody;
 use crate::request::Api;
@@ -141,7 +141,7 @@ impl PrefillRewriter {
         }
         out.set_raw("stream", bytes::Bytes::from_static(b"false"));
         for field in ["n", "best_of"] {
-            if out.contains(field) {
+            if out.get(field).is_some() {
                 out.set_raw(field, ONE.clone());
             }
         }

@@ -21,13 +21,14 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use disagg_core::connector::room::Rooms;
 use disagg_core::error::ConnectorError;
+use disagg_core::error::{PdError, Side};
 use disagg_core::orchestrator::OrchestratorBuilder;
 use disagg_core::orchestrator::{KvRelease, OrchestratorConfig, PrefillFailure};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_core::{
-    Api, Endpoint, EndpointSource, Handoff, KvConnector, KvOutcome, Orchestrator, PdBody, PdError,
-    PdRequest, PrefillAnswer, Role, SglangBootstrap, Side, StaticSource, VllmNixl,
+    Api, Endpoint, EndpointSource, Handoff, KvConnector, KvOutcome, Orchestrator, PdBody,
+    PdRequest, PrefillAnswer, Role, SglangBootstrap, StaticSource, VllmNixl,
 };
 use disagg_resilience::{
     AdmissionConfig, Backoff, EndpointHealth, HealthConfig, HealthSource, Limits, RetryPolicy,

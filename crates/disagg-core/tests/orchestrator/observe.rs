@@ -95,10 +95,11 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
         (Verdict::Answered, Verdict::Answered, 0)
     );
     let tl = r.timeline;
-    assert_eq!(tl.prefill(), Some(std_ms(30)));
-    assert_eq!(tl.handoff(), Some(std_ms(0)));
-    assert_eq!(tl.decode_head(), Some(std_ms(5)));
-    assert_eq!(tl.decode_first_chunk(), Some(std_ms(12)));
+    let phases = tl.phases();
+    assert_eq!(phases.prefill, Some(std_ms(30)));
+    assert_eq!(phases.handoff, Some(std_ms(0)));
+    assert_eq!(phases.decode_head, Some(std_ms(5)));
+    assert_eq!(phases.decode_first_chunk, Some(std_ms(12)));
     assert_eq!(tl.end.unwrap() - tl.start, std_ms(55));
 
     let s = heard.summary();
@@ -286,9 +287,10 @@ async fn a_concurrent_prefill_answering_after_the_decode_head_is_timed_when_it_a
     let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     within(body.collect()).await.unwrap();
     let tl = heard.summary().timeline.unwrap();
-    assert_eq!(tl.prefill(), Some(std_ms(40)));
-    assert_eq!(tl.decode_head(), Some(std_ms(10)));
-    assert_eq!(tl.decode_first_chunk(), Some(std_ms(15)));
+    let phases = tl.phases();
+    assert_eq!(phases.prefill, Some(std_ms(40)));
+    assert_eq!(phases.decode_head, Some(std_ms(10)));
+    assert_eq!(phases.decode_first_chunk, Some(std_ms(15)));
     assert_eq!(tl.prefill_sent, tl.decode_sent, "both legs at once");
 }
 

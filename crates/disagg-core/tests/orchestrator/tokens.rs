@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use disagg_core::disaggregate::{Decision, Disaggregate};
 use disagg_core::error::{BoxError, RouteError};
 use disagg_core::router::{RequestView, Router};
-use disagg_core::{EndpointSet, JsonBody, TokenIds, Tokenizer};
+use disagg_core::tokens::{TokenIds, Tokenizer};
+use disagg_core::{EndpointSet, JsonBody};
 
 use super::*;
 

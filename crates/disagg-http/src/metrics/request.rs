@@ -208,23 +208,24 @@ impl Listener for Metrics {
         let i = &self.inner;
         let tl = &report.timeline;
         let at = tl.end.unwrap_or(tl.start);
+        let phases = tl.phases();
         if let Some(prefill) = &report.route.prefill {
             i.endpoints.with(prefill, at, |s| {
                 s.leg(report.prefill);
-                if let Some(d) = tl.prefill() {
+                if let Some(d) = phases.prefill {
                     s.first.observe(seconds(d));
                 }
             });
         }
-        if let Some(d) = tl.handoff() {
+        if let Some(d) = phases.handoff {
             i.handoff.observe(seconds(d));
         }
         i.endpoints.with(&report.route.decode, at, |s| {
             s.leg(report.decode);
-            if let Some(d) = tl.decode_head() {
+            if let Some(d) = phases.decode_head {
                 s.first.observe(seconds(d));
             }
-            if let (Some(h), Some(d)) = (&s.second, tl.decode_first_chunk()) {
+            if let (Some(h), Some(d)) = (&s.second, phases.decode_first_chunk) {
                 h.observe(seconds(d));
             }
         });
