@@ -386,15 +386,17 @@ fn hash(v: &Value) -> Option<BlockHash> {
     }
 }
 
+/// `v` as msgpack, for the crate's unit tests.
+#[cfg(test)]
+pub(crate) fn encode(v: &Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, v).unwrap();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn encode(v: &Value) -> Vec<u8> {
-        let mut out = Vec::new();
-        rmpv::encode::write_value(&mut out, v).unwrap();
-        out
-    }
 
     #[test]
     fn frames_need_three_and_an_eight_byte_seq() {

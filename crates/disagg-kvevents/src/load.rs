@@ -161,12 +161,7 @@ fn fresh(at: Instant, now: Instant, max_age: Duration) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn encode(v: &Value) -> Vec<u8> {
-        let mut out = Vec::new();
-        rmpv::encode::write_value(&mut out, v).unwrap();
-        out
-    }
+    use crate::event::encode;
 
     fn stat(fields: &[Value]) -> Vec<u8> {
         let mut items = vec![Value::from("LoadStat")];

@@ -561,20 +561,36 @@ impl Subscriber {
     }
 }
 
-/// A `SUB` socket connected to `endpoint` within the connect timeout, subscribed to
-/// `topic`.
+/// A `SUB` socket connected to `endpoint` and subscribed to `topic`, for `rank` of
+/// `engine`: each attempt has the connect timeout and waits as long after a failure;
+/// `attempt` runs before each.
 async fn subscribe(
     endpoint: &str,
     topic: &str,
     config: &SubscriberConfig,
-) -> Result<SubSocket, zeromq::ZmqError> {
-    let mut socket = SubSocket::new();
-    match tokio::time::timeout(config.connect_timeout, socket.connect(endpoint)).await {
-        Ok(connected) => connected?,
-        Err(_) => return Err(zeromq::ZmqError::ConnectTimeout(config.connect_timeout)),
+    (engine, rank): (&str, u32),
+    mut attempt: impl FnMut(),
+) -> SubSocket {
+    loop {
+        attempt();
+        let mut socket = SubSocket::new();
+        let subscribed =
+            match tokio::time::timeout(config.connect_timeout, socket.connect(endpoint)).await {
+                Ok(Ok(())) => socket.subscribe(topic).await,
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(zeromq::ZmqError::ConnectTimeout(config.connect_timeout)),
+            };
+        match subscribed {
+            Ok(()) => {
+                tracing::debug!(engine, rank, endpoint, topic, "subscribed");
+                return socket;
+            }
+            Err(e) => {
+                tracing::debug!(engine, rank, endpoint, error = %e, "cannot subscribe");
+                tokio::time::sleep(config.connect_timeout).await;
+            }
+        }
     }
-    socket.subscribe(topic).await?;
-    Ok(socket)
 }
 
 /// One rank's load-report subscription (see the [module docs](self)).
@@ -597,14 +613,14 @@ impl LoadTask {
     async fn run(self) {
         let topic = String::from_utf8_lossy(LOAD_TOPIC);
         loop {
-            let mut socket = match subscribe(&self.load, &topic, &self.config).await {
-                Ok(socket) => socket,
-                Err(e) => {
-                    tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "load reports: cannot subscribe");
-                    tokio::time::sleep(self.config.connect_timeout).await;
-                    continue;
-                }
-            };
+            let mut socket = subscribe(
+                &self.load,
+                &topic,
+                &self.config,
+                (&self.engine, self.rank),
+                || {},
+            )
+            .await;
             self.status(|s| s.load_connected = true);
             // Until silence or an error; the next subscription starts afresh.
             while let Ok(Ok(message)) =
@@ -665,28 +681,23 @@ impl RankTask {
     async fn run(mut self) {
         let mut first = true;
         loop {
-            if !first {
-                self.status(|s| s.resubscribes += 1);
-            }
+            let socket = subscribe(
+                &self.publisher,
+                &self.config.topic,
+                &self.config,
+                (&self.engine, self.rank),
+                || {
+                    if !first {
+                        self.status(|s| s.resubscribes += 1);
+                    }
+                },
+            )
+            .await;
             first = false;
-            let socket = match self.subscribe().await {
-                Ok(socket) => socket,
-                Err(e) => {
-                    tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "kv events: cannot subscribe");
-                    tokio::time::sleep(self.config.connect_timeout).await;
-                    continue;
-                }
-            };
             self.status(|s| s.connected = true);
             self.receive(socket).await;
             self.status(|s| s.connected = false);
         }
-    }
-
-    async fn subscribe(&self) -> Result<SubSocket, zeromq::ZmqError> {
-        let socket = subscribe(&self.publisher, &self.config.topic, &self.config).await?;
-        tracing::debug!(engine = %self.engine, rank = self.rank, publisher = %self.publisher, "kv events: subscribed");
-        Ok(socket)
     }
 
     /// Receives until silence or an error.
