@@ -301,10 +301,7 @@ impl KvScorer {
                 .map(|((c, t), &(_, holder))| {
                     let window = recent.get(t);
                     let ours = queued_by_us(window, c.in_flight);
-                    let reported = self
-                        .reported(c, holder, now)
-                        .map_or(0, |stat| queued_by_all(&stat, window));
-                    ours.max(reported)
+                    ours.max(others_queued(self.reported(c, holder, now), c.in_flight))
                 })
                 .collect()
         };
@@ -395,10 +392,8 @@ impl KvScorer {
         let recent = lock(&self.recent);
         let window = recent.get(&candidate.tag());
         let ours = queued_by_us(window, candidate.in_flight);
-        let reported = self
-            .reported(candidate, None, Instant::now())
-            .map_or(0, |stat| queued_by_all(&stat, window));
-        ours.max(reported)
+        let reported = self.reported(candidate, None, Instant::now());
+        ours.max(others_queued(reported, candidate.in_flight))
     }
 
     /// Forgets what the scorer sent to a candidate (call when it leaves the set; its
@@ -458,15 +453,15 @@ fn queued_by_us(window: Option<&VecDeque<u32>>, in_flight: usize) -> u64 {
     sum + beyond * mean
 }
 
-/// The work an engine's load report says is ahead of a new request: the uncached
-/// tokens waiting, plus the running requests at the mean size of the requests this
-/// scorer sent there lately (the report gives their count only; a running prefill has
-/// part of its work left).
-fn queued_by_all(stat: &LoadStat, window: Option<&VecDeque<u32>>) -> u64 {
-    let mean = window.filter(|w| !w.is_empty()).map_or(0, |w| {
-        w.iter().map(|&t| u64::from(t)).sum::<u64>() / w.len() as u64
-    });
-    stat.waiting_uncached_tokens + stat.running * mean
+/// The queued work an engine's report gives, when it holds requests of other routers:
+/// more requests waiting or running there than this router has in flight. Otherwise
+/// the report only restates this router's own requests, which it prices better itself:
+/// the engine counts a waiting request's uncached tokens as its cache was on arrival,
+/// before the request ahead computed the prefix they share.
+fn others_queued(report: Option<LoadStat>, in_flight: usize) -> u64 {
+    report
+        .filter(|r| r.waiting + r.running > in_flight as u64)
+        .map_or(0, |r| r.waiting_uncached_tokens)
 }
 
 /// Provisional entries: keys recently routed to an engine, until they expire.
@@ -670,8 +665,10 @@ mod tests {
         let prompt: Vec<u32> = (0..256).collect();
         let index = index_with("b", &prompt[..160]);
         let now = Instant::now();
-        let report = |waiting| crate::load::LoadStat {
-            waiting_uncached_tokens: waiting,
+        // Three requests of other routers waiting, with `tokens` uncached tokens.
+        let report = |tokens| crate::load::LoadStat {
+            waiting: 3,
+            waiting_uncached_tokens: tokens,
             ..Default::default()
         };
         // b reports 300 uncached tokens waiting that this scorer never sent: 96 + 300
@@ -698,6 +695,29 @@ mod tests {
     }
 
     #[test]
+    fn a_report_of_only_our_own_requests_is_not_counted() {
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let now = Instant::now();
+        // b reports 2 requests (1 waiting, 1 running) and 400 uncached tokens: with 2
+        // of ours in flight there, that is only our own work, which we price (nothing
+        // sent by this scorer yet: 0), so b's prefix wins: 96 < 256.
+        let ours = crate::load::LoadStat {
+            waiting: 1,
+            running: 1,
+            waiting_uncached_tokens: 400,
+            ..Default::default()
+        };
+        index.loads().record("b", 0, ours, now);
+        let scorer = || KvScorer::new(Arc::clone(&index), weight(1));
+        let c = cands(&[("a", 0), ("b", 2)]);
+        assert_eq!(scorer().choose_at(&prompt, &c, now).unwrap().index, 1);
+        // With one of ours in flight, the other request is someone else's: counted.
+        let c = cands(&[("a", 0), ("b", 1)]);
+        assert_eq!(scorer().choose_at(&prompt, &c, now).unwrap().index, 0);
+    }
+
+    #[test]
     fn a_miss_weight_keeps_a_request_with_its_prefix_longer() {
         let prompt: Vec<u32> = (0..256).collect();
         let index = index_with("b", &prompt[..160]);
@@ -706,6 +726,7 @@ mod tests {
             "b",
             0,
             crate::load::LoadStat {
+                waiting: 1,
                 waiting_uncached_tokens: 200,
                 ..Default::default()
             },

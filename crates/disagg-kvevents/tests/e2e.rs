@@ -505,7 +505,8 @@ async fn the_engines_load_reports_price_work_other_routers_sent() {
     })
     .await;
     // Three prompts of 4 blocks and a token (65 tokens, 325 ms each) sent to `busy` by
-    // someone else: one computes, two wait with 130 uncached tokens.
+    // someone else: one computes, two wait; 195 uncached tokens are queued (SGLang counts
+    // the rest of the prefill in progress with the waiting ones).
     let clients: Vec<_> = (0..3)
         .map(|seed| {
             let url = busy.url();
@@ -522,14 +523,14 @@ async fn the_engines_load_reports_price_work_other_routers_sent() {
         index
             .loads()
             .get(&busy.url(), 0, now(), age)
-            .is_some_and(|s| s.waiting == 2 && s.running == 1 && s.waiting_uncached_tokens == 130)
+            .is_some_and(|s| s.waiting == 2 && s.running == 1 && s.waiting_uncached_tokens == 195)
     })
     .await;
     // A prompt nobody holds: equal misses, so the queue decides, although this
     // scorer sent nothing anywhere.
     let scorer = KvScorer::new(index.clone(), ScorerConfig::default());
     assert_eq!(choose(&scorer, &prompt(9, 2), &[&busy, &idle]), 1);
-    assert!(scorer.queued_tokens(&Candidate::new(&busy.url(), 0)) >= 130);
+    assert_eq!(scorer.queued_tokens(&Candidate::new(&busy.url(), 0)), 195);
     for c in clients {
         assert!(c.await.unwrap().contains("200 OK"));
     }

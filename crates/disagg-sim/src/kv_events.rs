@@ -99,7 +99,9 @@ pub(crate) struct Load {
     pub(crate) running: u64,
     /// Requests waiting for the rank's prefill slot.
     pub(crate) waiting: u64,
-    /// Their uncached prompt tokens, as the prefix cache held them on arrival.
+    /// The uncached prompt tokens of the waiting requests and of the prefill in
+    /// progress (SGLang adds the rest of its chunked prefill), as the prefix cache held
+    /// them on each request's arrival.
     pub(crate) waiting_uncached_tokens: u64,
     /// Uncached prompt tokens computed since start.
     pub(crate) prefill_uncached_tokens: u64,

@@ -214,13 +214,14 @@ impl<'a> LoadReport<'a> {
         })
     }
 
-    /// The request got its slot: from waiting to running.
+    /// The request got its slot: from waiting to running. Its uncached tokens stay in
+    /// the report's `num_waiting_uncached_tokens` until its prefill ends, as SGLang
+    /// counts the uncomputed rest of the prefill in progress there.
     fn running(mut self) -> Self {
         if let Some(p) = &self.inner.publishers {
             let uncached = self.uncached;
             p.load(self.rank, |l| {
                 l.waiting = l.waiting.saturating_sub(1);
-                l.waiting_uncached_tokens = l.waiting_uncached_tokens.saturating_sub(uncached);
                 l.running += 1;
                 l.prefill_uncached_tokens += uncached;
             });
@@ -239,8 +240,8 @@ impl Drop for LoadReport<'_> {
                     l.running = l.running.saturating_sub(1);
                 } else {
                     l.waiting = l.waiting.saturating_sub(1);
-                    l.waiting_uncached_tokens = l.waiting_uncached_tokens.saturating_sub(uncached);
                 }
+                l.waiting_uncached_tokens = l.waiting_uncached_tokens.saturating_sub(uncached);
             });
         }
     }
