@@ -12,6 +12,10 @@
 //! | `lmcache` | `disagg-lmcache`: the LMCache connector | `lmcache` |
 //! | `nixl` | `disagg-nixl`: NIXL side-channel port planning | `nixl` |
 //! | `sim` | `disagg-sim`: simulated engines for demos and tests | `sim` |
+//! | `discovery` | `disagg-discovery`: endpoints from DNS, a watched file and (with `kubernetes`) Kubernetes pods | `discovery`, `kubernetes` |
+//! | `kv_events` | `disagg-kvevents`: routing on the engines' own KV events and load reports | `kv-events` |
+//! | `otel` | `disagg-otel`: OpenTelemetry traces over OTLP | `otel` |
+//! | `tokenize` | `disagg-tokenize`: a request's token ids, in process or from the engine | `tokenize` |
 //!
 //! `full` turns every one on. The README follows; its code sample is compiled as a doc
 //! test.
@@ -21,13 +25,21 @@
 #[cfg(feature = "affinity")]
 pub use disagg_affinity as affinity;
 pub use disagg_core as core;
+#[cfg(feature = "discovery")]
+pub use disagg_discovery as discovery;
 #[cfg(feature = "http")]
 pub use disagg_http as http;
+#[cfg(feature = "kv-events")]
+pub use disagg_kvevents as kv_events;
 #[cfg(feature = "lmcache")]
 pub use disagg_lmcache as lmcache;
 #[cfg(feature = "nixl")]
 pub use disagg_nixl as nixl;
+#[cfg(feature = "otel")]
+pub use disagg_otel as otel;
 #[cfg(feature = "resilience")]
 pub use disagg_resilience as resilience;
 #[cfg(feature = "sim")]
 pub use disagg_sim as sim;
+#[cfg(feature = "tokenize")]
+pub use disagg_tokenize as tokenize;
