@@ -38,8 +38,11 @@
 //!   among several) sees only its share.
 //! * **What the engine reports.** An engine that publishes its load (SGLang's
 //!   `LoadStat`, see [`crate::load`]) says how many uncached prompt tokens wait
-//!   for prefill, whoever sent them: every replica then prices the same global queue.
-//!   Reports older than [`ScorerConfig::load_max_age`] are not used.
+//!   for prefill (the rest of the prefill in progress included), whoever sent them:
+//!   every replica then prices the same global queue. Reports older than
+//!   [`ScorerConfig::load_max_age`] are not used, nor those that show no more requests
+//!   than this scorer's caller has in flight there (they restate its own requests,
+//!   which it prices better itself).
 //!
 //! # Cost
 //!
