@@ -976,9 +976,11 @@ impl Shape {
         }
         Ok(Bytes::from(serde_json::to_vec(&obj)?))
     }
+}
 
+impl EventMap for Shape {
     /// One SSE event (without its blank-line terminator), in the client's form.
-    fn map_event(&self, ev: &[u8], out: &mut BytesMut) {
+    fn event(&self, ev: &[u8], out: &mut BytesMut) {
         let data = ev
             .strip_prefix(b"data: ")
             .or_else(|| ev.strip_prefix(b"data:"));
@@ -997,12 +999,6 @@ impl Shape {
                 out.extend_from_slice(b"\n\n");
             }
         }
-    }
-}
-
-impl EventMap for Shape {
-    fn event(&self, event: &[u8], out: &mut BytesMut) {
-        self.map_event(event, out);
     }
 }
 
