@@ -28,6 +28,14 @@ async fn engine(config: SimConfig) -> SimEngine {
         .expect("start a simulated engine")
 }
 
+/// A prefill and a decode engine with the simulator's defaults.
+async fn plain_pair() -> (SimEngine, SimEngine) {
+    (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    )
+}
+
 fn bearer(key: &str) -> String {
     format!("Bearer {key}")
 }
@@ -40,10 +48,7 @@ fn path_arg(p: &std::path::Path) -> String {
 
 #[tokio::test]
 async fn client_keys_guard_every_route_but_health_before_reading_a_body() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let dir = TempDir::new();
     let file = dir.write("keys", "# team B\n\n  sk-file-b  \n");
     let proxy = Proxy::start(
@@ -247,10 +252,7 @@ async fn the_metrics_key_opens_metrics_and_nothing_holds_a_key() {
 
 #[tokio::test]
 async fn a_key_file_edit_is_in_force_and_a_bad_one_keeps_the_keys() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let dir = TempDir::new();
     let file = dir.write("keys", "sk-one\n");
     let proxy = Proxy::start(
@@ -329,10 +331,7 @@ async fn a_key_file_edit_is_in_force_and_a_bad_one_keeps_the_keys() {
 
 #[tokio::test]
 async fn a_key_over_its_rate_gets_429_while_another_keeps_its_own() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let proxy = Proxy::start(
         &p,
         &d,
@@ -472,10 +471,7 @@ async fn max_in_flight_per_key_counts_open_streams() {
 
 #[tokio::test]
 async fn a_clients_authorization_never_reaches_an_engine() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let client_auth = [("authorization", "Bearer sk-client-secret")];
     let body = completion("whose key", 3, false);
     {
@@ -797,10 +793,7 @@ async fn tls_get(
 
 #[tokio::test]
 async fn a_rotated_certificate_is_served_without_a_restart() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let ca = Ca::new("edge CA");
     let (first, second): (Pair, Pair) = (ca.server("first"), ca.server("second"));
     let dir = TempDir::new();
@@ -857,24 +850,9 @@ async fn a_rotated_certificate_is_served_without_a_restart() {
     );
 }
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("DISAGG_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with the `openai` package: run `scripts/test.sh` (it creates .venv), or set DISAGG_PYTHON"
-    );
-    venv
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_client_over_https_with_and_without_a_key() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = plain_pair().await;
     let ca = Ca::new("edge CA");
     let dir = TempDir::new();
     let (cert, key) = dir.pair("tls", &ca.server("proxy"));
@@ -907,7 +885,7 @@ async fn the_openai_python_client_over_https_with_and_without_a_key() {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/python/openai_https.py");
     let url = format!("https://127.0.0.1:{}", proxy.addr.port());
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(python())
+        std::process::Command::new(common::python("the `openai` package"))
             .arg(script)
             .arg(url)
             .arg(ca_file)

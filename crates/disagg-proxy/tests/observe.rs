@@ -424,18 +424,6 @@ async fn the_text_access_log_leads_with_time_method_path_and_status() {
 
 // === traces ===
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("DISAGG_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo_root().join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with `opentelemetry-proto`: run scripts/test.sh (it creates .venv), or set DISAGG_PYTHON"
-    );
-    venv
-}
-
 /// The Python OTLP receiver: its base URL and the spans it printed so far.
 struct Receiver {
     _child: Killed,
@@ -446,7 +434,7 @@ struct Receiver {
 impl Receiver {
     fn start() -> Receiver {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/otlp_receiver.py");
-        let mut child = Command::new(python())
+        let mut child = Command::new(common::python("`opentelemetry-proto`"))
             .arg(script)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -340,3 +340,18 @@ pub fn free_addr() -> SocketAddr {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     l.local_addr().expect("its address")
 }
+
+/// The Python the tests drive (`$DISAGG_PYTHON`, else the repository's `.venv`, which
+/// `scripts/test.sh` creates with every package they need); `needs` names what the
+/// calling test imports, for the message when there is none.
+pub fn python(needs: &str) -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("DISAGG_PYTHON") {
+        return p.into();
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with {needs}: run scripts/test.sh (it creates .venv), or set DISAGG_PYTHON"
+    );
+    venv
+}
