@@ -593,6 +593,13 @@ async fn subscribe(
     }
 }
 
+/// Applies `f` to the status of `engine`'s rank `rank`, if it is still listed.
+fn update_status(statuses: &Statuses, engine: &str, rank: u32, f: impl FnOnce(&mut RankStatus)) {
+    if let Some(s) = lock(statuses).get_mut(&(engine.to_owned(), rank)) {
+        f(s);
+    }
+}
+
 /// One rank's load-report subscription (see the [module docs](self)).
 struct LoadTask {
     index: Arc<KvIndex>,
@@ -605,9 +612,7 @@ struct LoadTask {
 
 impl LoadTask {
     fn status(&self, f: impl FnOnce(&mut RankStatus)) {
-        if let Some(s) = lock(&self.statuses).get_mut(&(self.engine.clone(), self.rank)) {
-            f(s);
-        }
+        update_status(&self.statuses, &self.engine, self.rank, f);
     }
 
     async fn run(self) {
@@ -673,9 +678,7 @@ struct RankTask {
 
 impl RankTask {
     fn status(&self, f: impl FnOnce(&mut RankStatus)) {
-        if let Some(s) = lock(&self.statuses).get_mut(&(self.engine.clone(), self.rank)) {
-            f(s);
-        }
+        update_status(&self.statuses, &self.engine, self.rank, f);
     }
 
     async fn run(mut self) {
