@@ -130,22 +130,45 @@ impl LoadBoard {
         now: Instant,
         max_age: Duration,
     ) -> Option<LoadStat> {
-        lock(&self.by_engine)
-            .get(engine)?
-            .iter()
-            .find(|(r, _, at)| *r == dp_rank && fresh(*at, now, max_age))
-            .map(|(_, stat, _)| *stat)
+        self.get_received(engine, dp_rank, now, max_age)
+            .map(|(stat, _)| stat)
     }
 
     /// The latest fresh report of `engine`'s rank with the least queued prefill work
     /// (an engine's balancer sends new work to its least loaded rank).
     pub fn least_loaded(&self, engine: &str, now: Instant, max_age: Duration) -> Option<LoadStat> {
+        self.least_loaded_received(engine, now, max_age)
+            .map(|(stat, _)| stat)
+    }
+
+    /// [`get`](Self::get), with when the report came.
+    pub(crate) fn get_received(
+        &self,
+        engine: &str,
+        dp_rank: u32,
+        now: Instant,
+        max_age: Duration,
+    ) -> Option<(LoadStat, Instant)> {
+        lock(&self.by_engine)
+            .get(engine)?
+            .iter()
+            .find(|(r, _, at)| *r == dp_rank && fresh(*at, now, max_age))
+            .map(|&(_, stat, at)| (stat, at))
+    }
+
+    /// [`least_loaded`](Self::least_loaded), with when the report came.
+    pub(crate) fn least_loaded_received(
+        &self,
+        engine: &str,
+        now: Instant,
+        max_age: Duration,
+    ) -> Option<(LoadStat, Instant)> {
         lock(&self.by_engine)
             .get(engine)?
             .iter()
             .filter(|(_, _, at)| fresh(*at, now, max_age))
-            .map(|(_, stat, _)| *stat)
-            .min_by_key(|stat| stat.waiting_uncached_tokens)
+            .map(|&(_, stat, at)| (stat, at))
+            .min_by_key(|(stat, _)| stat.waiting_uncached_tokens)
     }
 
     /// Forgets an engine's reports.

@@ -41,8 +41,14 @@
 //!   for prefill (the rest of the prefill in progress included), whoever sent them:
 //!   every replica then prices the same global queue. Reports older than
 //!   [`ScorerConfig::load_max_age`] are not used, nor those that show no more requests
-//!   than this scorer's caller has in flight there (they restate its own requests,
-//!   which it prices better itself).
+//!   than this scorer's caller had in flight there when they were made: they restate
+//!   its own requests, which it prices better itself. "When they were made" matters:
+//!   an engine reports a request's end about when it answers, so for a moment after
+//!   the caller's count dropped the latest report still counts the request, and
+//!   compared with the count of that moment it would look like another router's work. The scorer therefore keeps the changes of each candidate's count
+//!   for the last few seconds (at most 256 changes, 6 KiB, per candidate) and compares a
+//!   report with the most the caller counted within
+//!   [`ScorerConfig::load_report_lag`] of its arrival.
 //!
 //! # Cost
 //!
@@ -84,6 +90,15 @@ pub const RECENT_PICKS: usize = 64;
 /// publishes a changed load at once and an unchanged one every second.
 pub const DEFAULT_LOAD_MAX_AGE: Duration = Duration::from_secs(3);
 
+/// How far apart a load report and the caller's in-flight counts are taken to be, by
+/// default: 5 ms, a report's way from an engine on the same network with room to spare
+/// (see [`ScorerConfig::load_report_lag`]).
+pub const DEFAULT_LOAD_REPORT_LAG: Duration = Duration::from_millis(5);
+
+/// The most changes of a candidate's in-flight count a scorer remembers, to tell which
+/// requests an engine's report counts were the caller's (see the [module docs](self)).
+const COUNT_HISTORY: usize = 256;
+
 /// The default [`ScorerConfig::miss_weight`]: 1, each request's own time to first
 /// token. Right when a router sees only its own share of the engines' queues (no load
 /// reports, several routers): a higher weight then piles sessions onto the engines
@@ -107,6 +122,12 @@ pub struct ScorerConfig {
     /// How old an engine's load report may be and still count
     /// ([`DEFAULT_LOAD_MAX_AGE`]).
     pub load_max_age: Duration,
+    /// How far apart in time a load report and the caller's counts are taken to be
+    /// ([`DEFAULT_LOAD_REPORT_LAG`]): a report shows work of other routers only when
+    /// it counts more requests than the caller had in flight there at any time within
+    /// this of the report's arrival. It covers the report's way from the engine and
+    /// the moment between a pick and the caller counting the request.
+    pub load_report_lag: Duration,
     /// What one uncached token costs relative to one token of queued work (default
     /// [`DEFAULT_MISS_WEIGHT`]). At 1 the cost is the time to first token alone; above
     /// 1, a miss also pays for what it evicts elsewhere and for the copy of the prefix
@@ -121,6 +142,7 @@ impl Default for ScorerConfig {
             provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             provisional_max_blocks: DEFAULT_PROVISIONAL_MAX_BLOCKS,
             load_max_age: DEFAULT_LOAD_MAX_AGE,
+            load_report_lag: DEFAULT_LOAD_REPORT_LAG,
             miss_weight: DEFAULT_MISS_WEIGHT,
         }
     }
@@ -186,9 +208,9 @@ pub struct KvScorer {
     index: Arc<KvIndex>,
     config: ScorerConfig,
     provisional: Mutex<Provisional>,
-    /// The uncached tokens of the last [`RECENT_PICKS`] requests sent to each
-    /// candidate (by tag), newest last.
-    recent: Mutex<FastMap<u64, VecDeque<u32>>>,
+    /// What the scorer sent to each candidate (by tag) and the caller's in-flight
+    /// counts there.
+    sent: Mutex<FastMap<u64, Sent>>,
 }
 
 impl fmt::Debug for KvScorer {
@@ -221,7 +243,7 @@ impl KvScorer {
             index,
             config,
             provisional: Mutex::default(),
-            recent: Mutex::default(),
+            sent: Mutex::default(),
         }
     }
 
@@ -295,16 +317,18 @@ impl KvScorer {
             }
             keys_by_size.push(keys);
         }
+        let keep = self.config.load_max_age + self.config.load_report_lag;
         let queued: SmallVec<[u64; 8]> = {
-            let recent = lock(&self.recent);
+            let mut sent = lock(&self.sent);
             candidates
                 .iter()
                 .zip(&tags)
                 .zip(&cached)
                 .map(|((c, t), &(_, holder))| {
-                    let window = recent.get(t);
-                    let ours = queued_by_us(window, c.in_flight);
-                    ours.max(others_queued(self.reported(c, holder, now), c.in_flight))
+                    let s = sent.entry(*t).or_default();
+                    s.observe(now, c.in_flight, keep);
+                    let ours = queued_by_us(&s.picks, c.in_flight);
+                    ours.max(self.others_queued(s, c, holder, now))
                 })
                 .collect()
         };
@@ -340,12 +364,15 @@ impl KvScorer {
         }
         let uncached = len - hit;
         {
-            let mut recent = lock(&self.recent);
-            let window = recent.entry(tags[index]).or_default();
-            if window.len() == RECENT_PICKS {
-                window.pop_front();
+            let mut sent = lock(&self.sent);
+            let s = sent.entry(tags[index]).or_default();
+            if s.picks.len() == RECENT_PICKS {
+                s.picks.pop_front();
             }
-            window.push_back(u32::try_from(uncached).unwrap_or(u32::MAX));
+            s.picks
+                .push_back(u32::try_from(uncached).unwrap_or(u32::MAX));
+            // The caller counts the request in flight there from now on.
+            s.observe(now, chosen.in_flight + 1, keep);
         }
         Some(Decision {
             index,
@@ -392,29 +419,69 @@ impl KvScorer {
     /// of what it sent there and is still in flight, and what the engine reports (see
     /// the [module docs](self)).
     pub fn queued_tokens(&self, candidate: &Candidate<'_>) -> u64 {
-        let recent = lock(&self.recent);
-        let window = recent.get(&candidate.tag());
-        let ours = queued_by_us(window, candidate.in_flight);
-        let reported = self.reported(candidate, None, Instant::now());
-        ours.max(others_queued(reported, candidate.in_flight))
+        let sent = lock(&self.sent);
+        let empty = Sent::default();
+        let s = sent.get(&candidate.tag()).unwrap_or(&empty);
+        let ours = queued_by_us(&s.picks, candidate.in_flight);
+        ours.max(self.others_queued(s, candidate, None, Instant::now()))
     }
 
     /// Forgets what the scorer sent to a candidate (call when it leaves the set; its
     /// index entries and load reports go with the subscriber, its provisional entries
     /// expire).
     pub fn forget(&self, candidate: &Candidate<'_>) {
-        lock(&self.recent).remove(&candidate.tag());
+        lock(&self.sent).remove(&candidate.tag());
     }
 
     /// The uncached tokens waiting on a candidate by its engine's latest fresh load
     /// report: its rank's, or for a whole-engine candidate the rank that holds the
     /// prompt (`holder`) if it reports, else the least loaded rank (the engine's
     /// balancer sends new work there). `None` without a fresh report.
-    fn reported(&self, c: &Candidate<'_>, holder: Option<u32>, now: Instant) -> Option<LoadStat> {
+    fn reported(
+        &self,
+        c: &Candidate<'_>,
+        holder: Option<u32>,
+        now: Instant,
+    ) -> Option<(LoadStat, Instant)> {
         let max_age = self.config.load_max_age;
         match c.dp_rank.or(holder) {
-            Some(rank) => self.index.loads().get(c.engine, rank, now, max_age),
-            None => self.index.loads().least_loaded(c.engine, now, max_age),
+            Some(rank) => self
+                .index
+                .loads()
+                .get_received(c.engine, rank, now, max_age),
+            None => self
+                .index
+                .loads()
+                .least_loaded_received(c.engine, now, max_age),
+        }
+    }
+
+    /// The queued work a candidate's engine reports, when the report holds requests of
+    /// other routers: more requests waiting or running there than the caller can have
+    /// had in flight when it was made (the most it counted within
+    /// [`ScorerConfig::load_report_lag`] of the report's arrival). Otherwise 0: the
+    /// report only restates the caller's own requests, which the scorer prices better
+    /// itself. The engine counts a waiting request's uncached tokens as its cache was
+    /// on arrival, before the request ahead computed the prefix they share; and a
+    /// report made just before one of the caller's requests ended still counts it
+    /// until the next report comes, while the caller's count has already dropped.
+    fn others_queued(
+        &self,
+        sent: &Sent,
+        c: &Candidate<'_>,
+        holder: Option<u32>,
+        now: Instant,
+    ) -> u64 {
+        let Some((report, received)) = self.reported(c, holder, now) else {
+            return 0;
+        };
+        let lag = self.config.load_report_lag;
+        let made = received.checked_sub(lag).unwrap_or(received);
+        let ours = sent.in_flight_between(made, received + lag, c.in_flight);
+        if report.waiting + report.running > ours as u64 {
+            report.waiting_uncached_tokens
+        } else {
+            0
         }
     }
 
@@ -437,10 +504,10 @@ impl KvScorer {
 /// The work a caller's `in_flight` requests on a candidate amount to: the newest
 /// `in_flight` of the uncached tokens recently sent there, and the mean of those for
 /// any beyond the window.
-fn queued_by_us(window: Option<&VecDeque<u32>>, in_flight: usize) -> u64 {
-    let Some(window) = window.filter(|w| !w.is_empty()) else {
+fn queued_by_us(window: &VecDeque<u32>, in_flight: usize) -> u64 {
+    if window.is_empty() {
         return 0;
-    };
+    }
     let newest = in_flight.min(window.len());
     let sum: u64 = window
         .iter()
@@ -456,15 +523,53 @@ fn queued_by_us(window: Option<&VecDeque<u32>>, in_flight: usize) -> u64 {
     sum + beyond * mean
 }
 
-/// The queued work an engine's report gives, when it holds requests of other routers:
-/// more requests waiting or running there than this router has in flight. Otherwise
-/// the report only restates this router's own requests, which it prices better itself:
-/// the engine counts a waiting request's uncached tokens as its cache was on arrival,
-/// before the request ahead computed the prefix they share.
-fn others_queued(report: Option<LoadStat>, in_flight: usize) -> u64 {
-    report
-        .filter(|r| r.waiting + r.running > in_flight as u64)
-        .map_or(0, |r| r.waiting_uncached_tokens)
+/// What a scorer knows of its own traffic to one candidate.
+#[derive(Debug, Default)]
+struct Sent {
+    /// The uncached tokens of the last [`RECENT_PICKS`] requests sent there, newest
+    /// last.
+    picks: VecDeque<u32>,
+    /// The caller's in-flight count there each time the scorer saw it change (at each
+    /// choice, and after each pick of the candidate), with when; newest last. At most
+    /// [`COUNT_HISTORY`], and only what a report still used can need.
+    counts: VecDeque<(Instant, usize)>,
+}
+
+impl Sent {
+    /// Records the caller's in-flight count at `now`, keeping what reports up to
+    /// `keep` old need: the count when each was made.
+    fn observe(&mut self, now: Instant, in_flight: usize, keep: Duration) {
+        if self.counts.back().is_some_and(|&(_, n)| n == in_flight) {
+            return;
+        }
+        let cutoff = now.checked_sub(keep);
+        // The newest change at or before the cutoff says the count then: the ones
+        // before it are not needed.
+        while self.counts.len() >= COUNT_HISTORY
+            || cutoff.is_some_and(|c| self.counts.get(1).is_some_and(|&(at, _)| at <= c))
+        {
+            self.counts.pop_front();
+        }
+        self.counts.push_back((now, in_flight));
+    }
+
+    /// The most requests the caller counted in flight there from `from` to `to`: the
+    /// count seen last at or before `from`, and every one seen after it until `to`
+    /// (counts rise only by the scorer's own picks, each seen). `current` when nothing
+    /// was seen by `to`.
+    fn in_flight_between(&self, from: Instant, to: Instant, current: usize) -> usize {
+        let mut most = None;
+        for &(at, n) in self.counts.iter().rev() {
+            if at > to {
+                continue;
+            }
+            most = Some(most.map_or(n, |m: usize| m.max(n)));
+            if at <= from {
+                break;
+            }
+        }
+        most.unwrap_or(current)
+    }
 }
 
 /// Provisional entries: keys recently routed to an engine, until they expire.
@@ -652,15 +757,15 @@ mod tests {
     #[test]
     fn in_flight_beyond_the_window_counts_at_the_mean() {
         let window: VecDeque<u32> = (1..=RECENT_PICKS as u32).map(|_| 10).collect();
-        assert_eq!(queued_by_us(Some(&window), 3), 30);
+        assert_eq!(queued_by_us(&window, 3), 30);
         assert_eq!(
-            queued_by_us(Some(&window), RECENT_PICKS + 5),
+            queued_by_us(&window, RECENT_PICKS + 5),
             10 * (RECENT_PICKS as u64 + 5)
         );
-        assert_eq!(queued_by_us(None, 7), 0);
+        assert_eq!(queued_by_us(&VecDeque::new(), 7), 0);
         // The newest count first.
         let mixed: VecDeque<u32> = [1000, 1, 2].into_iter().collect();
-        assert_eq!(queued_by_us(Some(&mixed), 2), 3);
+        assert_eq!(queued_by_us(&mixed, 2), 3);
     }
 
     #[test]
@@ -718,6 +823,75 @@ mod tests {
         // With one of ours in flight, the other request is someone else's: counted.
         let c = cands(&[("a", 0), ("b", 1)]);
         assert_eq!(scorer().choose_at(&prompt, &c, now).unwrap().index, 0);
+    }
+
+    #[test]
+    fn a_report_made_before_one_of_our_requests_ended_is_still_ours() {
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let scorer = KvScorer::new(Arc::clone(&index), weight(1));
+        // Two requests of 100 uncached tokens sent to b: the caller counts 2 there.
+        for (k, in_flight) in [(1u32, 0usize), (2, 1)] {
+            let other: Vec<u32> = (k * 5000..k * 5000 + 100).collect();
+            let d = scorer.choose_at(&other, &cands(&[("b", in_flight)]), t0);
+            assert_eq!(d.unwrap().uncached_tokens, 100);
+        }
+        // b reports them (300 uncached tokens by its own count) a moment later.
+        let report = |waiting, tokens| crate::load::LoadStat {
+            waiting,
+            running: 1,
+            waiting_uncached_tokens: tokens,
+            ..Default::default()
+        };
+        index.loads().record("b", 0, report(1, 300), t0 + ms(1));
+        // 20 ms on, one of them has ended (the caller counts 1) and b's report of the
+        // end has not come: the report still holds our two requests only, so b costs
+        // 96 + 100 (the one left) = 196 < a's 256.
+        let t1 = t0 + ms(20);
+        let c = cands(&[("a", 0), ("b", 1)]);
+        assert_eq!(scorer.choose_at(&prompt, &c, t1).unwrap().index, 1);
+        // Compared with the count of the moment, as a scorer with no history of b
+        // must, the report shows a request more than the caller's: priced as another
+        // router's work, 96 + 300 = 396 > 256.
+        let fresh = KvScorer::new(Arc::clone(&index), weight(1));
+        assert_eq!(fresh.choose_at(&prompt, &c, t1).unwrap().index, 0);
+        // A report of more requests than the caller ever had there is still others'
+        // work: 3 against at most 2 of ours, 96 + 500 > 256.
+        let t2 = t1 + ms(20);
+        index.loads().record("b", 0, report(2, 500), t2);
+        let c = cands(&[("a", 0), ("b", 2)]);
+        assert_eq!(scorer.choose_at(&prompt, &c, t2).unwrap().index, 0);
+    }
+
+    #[test]
+    fn the_count_history_is_bounded_in_length_and_age() {
+        let t0 = Instant::now();
+        let keep = Duration::from_secs(3);
+        let mut sent = Sent::default();
+        for i in 0..10 * COUNT_HISTORY {
+            sent.observe(t0, i % 2, keep);
+        }
+        assert!(sent.counts.len() <= COUNT_HISTORY);
+        // Unchanged counts are not recorded again.
+        let len = sent.counts.len();
+        sent.observe(t0, sent.counts.back().unwrap().1, keep);
+        assert_eq!(sent.counts.len(), len);
+        // One change a second: the changes of the last 3 s and the one before them.
+        let mut sent = Sent::default();
+        for i in 0..100u64 {
+            sent.observe(t0 + Duration::from_secs(i), i as usize, keep);
+        }
+        let kept: Vec<usize> = sent.counts.iter().map(|&(_, n)| n).collect();
+        assert_eq!(kept, [96, 97, 98, 99]);
+        // What the caller counted around a moment: the count then and every change
+        // until the end of the span, not those after it.
+        let at = |s| t0 + Duration::from_secs(s);
+        assert_eq!(sent.in_flight_between(at(97), at(98), 0), 98);
+        assert_eq!(sent.in_flight_between(at(96), at(96), 0), 96);
+        // Nothing seen by then: the current count.
+        assert_eq!(sent.in_flight_between(at(1), at(2), 7), 7);
     }
 
     #[test]
