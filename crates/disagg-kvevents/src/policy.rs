@@ -16,6 +16,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
 
 use disagg_core::disaggregate::{Decision as Split, Disaggregate};
 use disagg_core::endpoint::Endpoint;
@@ -144,8 +145,11 @@ impl Pick for KvEventsPick {
         };
         let scored: SmallVec<[Candidate<'_>; 8]> =
             candidates.iter().map(|ep| candidate(ep)).collect();
-        match self.scorer.choose(tokens, &scored) {
-            // `decision.work` is dropped here: see the type's docs.
+        let in_flight = |i: usize| candidates[i].in_flight();
+        match self
+            .scorer
+            .choose_with(tokens, &scored, in_flight, Instant::now())
+        {
             Some(decision) => decision.index,
             None => self.fallback.pick(req, candidates),
         }

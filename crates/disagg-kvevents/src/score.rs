@@ -55,6 +55,24 @@
 //! The prompt's blocks hashed once per block size (usually one), one index walk, one
 //! walk of the provisional entries under a short lock, and a few map lookups per
 //! candidate: microseconds for thousands of tokens (see the crate's bench).
+//!
+//! # Decisions made at once
+//!
+//! Everything a decision reads of the scorer's own state (provisional entries, recent
+//! picks, the candidates' in-flight counts, read again once the lock is held) and
+//! everything it records there happens under one lock; only the index walk, the costly
+//! part, runs outside it. Two requests decided at the same moment are then decided one
+//! after the other: the second sees the first's provisional entry and pick. Without
+//! that, two new sessions on one system prompt could each find it nowhere and start it
+//! on two engines, or both take the same idle engine; through one proxy under load such
+//! near-simultaneous pairs moved enough sessions off their engines to cost a run a
+//! point of hit rate and 10 ms of p90 (docs/routing.md). The lock is held for the
+//! provisional walk of the prompt's blocks and a few lookups per candidate.
+//!
+//! A caller counts a request in flight a moment after the pick (the proxy's
+//! orchestrator once the connector prepared the leg): for
+//! [`ScorerConfig::load_report_lag`] after a pick, a candidate's count is taken as at
+//! least what it became with that pick.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -207,17 +225,29 @@ pub struct Decision {
 pub struct KvScorer {
     index: Arc<KvIndex>,
     config: ScorerConfig,
-    provisional: Mutex<Provisional>,
+    /// Provisional entries and what the scorer sent where: one lock, held for a
+    /// decision's reads and records (see [`KvScorer::choose_at`]).
+    state: Mutex<State>,
+}
+
+/// A candidate's cached tokens, and the data-parallel rank holding them when the index
+/// says.
+type Held = (usize, Option<u32>);
+
+/// What a [`KvScorer`] keeps of its own decisions.
+#[derive(Debug, Default)]
+struct State {
+    provisional: Provisional,
     /// What the scorer sent to each candidate (by tag) and the caller's in-flight
     /// counts there.
-    sent: Mutex<FastMap<u64, Sent>>,
+    sent: FastMap<u64, Sent>,
 }
 
 impl fmt::Debug for KvScorer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KvScorer")
             .field("config", &self.config)
-            .field("provisional_blocks", &lock(&self.provisional).blocks)
+            .field("provisional_blocks", &lock(&self.state).provisional.blocks)
             .finish_non_exhaustive()
     }
 }
@@ -242,8 +272,7 @@ impl KvScorer {
         KvScorer {
             index,
             config,
-            provisional: Mutex::default(),
-            sent: Mutex::default(),
+            state: Mutex::default(),
         }
     }
 
@@ -270,15 +299,28 @@ impl KvScorer {
         candidates: &[Candidate<'_>],
         now: Instant,
     ) -> Option<Decision> {
+        self.choose_with(tokens, candidates, |i| candidates[i].in_flight, now)
+    }
+
+    /// [`choose_at`](Self::choose_at), with each candidate's in-flight count read again
+    /// by `in_flight(i)` once the scorer's lock is held: a request another decision
+    /// just sent is then both among the picks and in the count, never in one only.
+    pub(crate) fn choose_with(
+        &self,
+        tokens: &[u32],
+        candidates: &[Candidate<'_>],
+        in_flight: impl Fn(usize) -> usize,
+        now: Instant,
+    ) -> Option<Decision> {
         if candidates.is_empty() {
             return None;
         }
         let sizes = self.block_sizes(candidates);
         let tags: Vec<u64> = candidates.iter().map(Candidate::tag).collect();
-        // Per candidate: cached tokens and the rank holding them; per block size, the
-        // keys, the index's matches and the provisional ones.
-        let mut cached: Vec<(usize, Option<u32>)> = vec![(0, None); candidates.len()];
-        let mut keys_by_size: Vec<BlockKeys> = Vec::with_capacity(sizes.len());
+        // Per block size: the prompt's keys, and each candidate's cached tokens and the
+        // rank holding them by the index. No lock of the scorer's is held for the walk.
+        let mut by_size: SmallVec<[(BlockKeys, Vec<Held>); 1]> =
+            SmallVec::with_capacity(sizes.len());
         for &block_size in &sizes {
             let keys = BlockKeys::new(tokens, block_size);
             let matched: PrefixMatch = self.index.match_keys(&keys);
@@ -299,39 +341,71 @@ impl KvScorer {
                     *best = (m.tokens(), m.dp_rank);
                 }
             }
-            let provisional = lock(&self.provisional).matches(&keys, now);
-            for (i, c) in candidates.iter().enumerate() {
-                let from_index = match c.dp_rank {
-                    Some(r) => by_rank.get(&(c.engine, r)).map(|&t| (t, r)),
-                    None => by_engine.get(c.engine).copied(),
-                };
-                let entry = &mut cached[i];
-                if let Some((t, rank)) = from_index
-                    && (t > entry.0 || (t == entry.0 && entry.1.is_none()))
-                {
-                    *entry = (t, Some(rank));
+            let from_index = candidates
+                .iter()
+                .map(|c| {
+                    let found = match c.dp_rank {
+                        Some(r) => by_rank.get(&(c.engine, r)).map(|&t| (t, r)),
+                        None => by_engine.get(c.engine).copied(),
+                    };
+                    found.map_or((0, None), |(t, rank)| (t, Some(rank)))
+                })
+                .collect();
+            by_size.push((keys, from_index));
+        }
+        // The provisional block size of each candidate: its engine's, read before the
+        // scorer's lock.
+        let fallback = self.index.config().block_size;
+        let engine_sizes: SmallVec<[usize; 8]> = candidates
+            .iter()
+            .map(|c| self.index.block_size(c.engine).unwrap_or(fallback))
+            .collect();
+        // What the decision reads of the scorer's own state (provisional entries, picks,
+        // counts) and what it records there happen under one lock: two decisions made
+        // at once would otherwise each miss the other's request (both send a burst's
+        // first requests to the same idle engine, or both start a prefix elsewhere).
+        let mut state = lock(&self.state);
+        let settle = self.config.load_report_lag;
+        let candidates: SmallVec<[Candidate<'_>; 8]> = candidates
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let read = in_flight(i);
+                let counted = state
+                    .sent
+                    .get(&tags[i])
+                    .map_or(read, |s| s.counted(read, now, settle));
+                Candidate {
+                    in_flight: counted,
+                    ..*c
+                }
+            })
+            .collect();
+        let mut cached: Vec<Held> = vec![(0, None); candidates.len()];
+        for (keys, from_index) in &by_size {
+            let provisional = state.provisional.matches(keys, now);
+            for (i, entry) in cached.iter_mut().enumerate() {
+                let (t, rank) = from_index[i];
+                if rank.is_some() && (t > entry.0 || (t == entry.0 && entry.1.is_none())) {
+                    *entry = (t, rank);
                 }
                 if let Some(&blocks) = provisional.get(&tags[i]) {
-                    entry.0 = entry.0.max(blocks * block_size);
+                    entry.0 = entry.0.max(blocks * keys.block_size());
                 }
             }
-            keys_by_size.push(keys);
         }
         let keep = self.config.load_max_age + self.config.load_report_lag;
-        let queued: SmallVec<[u64; 8]> = {
-            let mut sent = lock(&self.sent);
-            candidates
-                .iter()
-                .zip(&tags)
-                .zip(&cached)
-                .map(|((c, t), &(_, holder))| {
-                    let s = sent.entry(*t).or_default();
-                    s.observe(now, c.in_flight, keep);
-                    let ours = queued_by_us(&s.picks, c.in_flight);
-                    ours.max(self.others_queued(s, c, holder, now))
-                })
-                .collect()
-        };
+        let queued: SmallVec<[u64; 8]> = candidates
+            .iter()
+            .zip(&tags)
+            .zip(&cached)
+            .map(|((c, t), &(_, holder))| {
+                let s = state.sent.entry(*t).or_default();
+                s.observe(now, c.in_flight, keep);
+                let ours = queued_by_us(&s.picks, c.in_flight);
+                ours.max(self.others_queued(s, c, holder, now))
+            })
+            .collect();
         let len = tokens.len();
         let mut best: Option<(u64, usize, usize, usize)> = None; // (cost, cached, in_flight, i)
         for (i, c) in candidates.iter().enumerate() {
@@ -346,15 +420,14 @@ impl KvScorer {
             }
         }
         let (cost, hit, _, index) = best?;
-        let chosen = &candidates[index];
+        let chosen = candidates[index];
         let dp_rank = chosen.dp_rank.or(cached[index].1);
         // Provisional entry, at the chosen engine's block size.
-        let block_size = self
-            .index
-            .block_size(chosen.engine)
-            .unwrap_or(self.index.config().block_size);
-        if let Some(keys) = keys_by_size.iter().find(|k| k.block_size() == block_size) {
-            lock(&self.provisional).record(
+        if let Some((keys, _)) = by_size
+            .iter()
+            .find(|(k, _)| k.block_size() == engine_sizes[index])
+        {
+            state.provisional.record(
                 tags[index],
                 keys.keys(),
                 now + self.config.provisional_ttl,
@@ -363,17 +436,17 @@ impl KvScorer {
             );
         }
         let uncached = len - hit;
-        {
-            let mut sent = lock(&self.sent);
-            let s = sent.entry(tags[index]).or_default();
-            if s.picks.len() == RECENT_PICKS {
-                s.picks.pop_front();
-            }
-            s.picks
-                .push_back(u32::try_from(uncached).unwrap_or(u32::MAX));
-            // The caller counts the request in flight there from now on.
-            s.observe(now, chosen.in_flight + 1, keep);
+        let s = state.sent.entry(tags[index]).or_default();
+        if s.picks.len() == RECENT_PICKS {
+            s.picks.pop_front();
         }
+        s.picks
+            .push_back(u32::try_from(uncached).unwrap_or(u32::MAX));
+        // The caller counts the request in flight there from now on (or from a moment
+        // later: until it does, the next decisions count it themselves).
+        s.observe(now, chosen.in_flight + 1, keep);
+        s.last_pick = Some((now, chosen.in_flight + 1));
+        drop(state);
         Some(Decision {
             index,
             dp_rank,
@@ -408,7 +481,8 @@ impl KvScorer {
             .block_size(candidate.engine)
             .unwrap_or(self.index.config().block_size);
         let keys = BlockKeys::new(tokens, block_size);
-        let provisional = lock(&self.provisional)
+        let provisional = lock(&self.state)
+            .provisional
             .matches(&keys, now)
             .get(&candidate.tag())
             .map_or(0, |&b| b * block_size);
@@ -419,9 +493,9 @@ impl KvScorer {
     /// of what it sent there and is still in flight, and what the engine reports (see
     /// the [module docs](self)).
     pub fn queued_tokens(&self, candidate: &Candidate<'_>) -> u64 {
-        let sent = lock(&self.sent);
+        let state = lock(&self.state);
         let empty = Sent::default();
-        let s = sent.get(&candidate.tag()).unwrap_or(&empty);
+        let s = state.sent.get(&candidate.tag()).unwrap_or(&empty);
         let ours = queued_by_us(&s.picks, candidate.in_flight);
         ours.max(self.others_queued(s, candidate, None, Instant::now()))
     }
@@ -430,7 +504,7 @@ impl KvScorer {
     /// index entries and load reports go with the subscriber, its provisional entries
     /// expire).
     pub fn forget(&self, candidate: &Candidate<'_>) {
-        lock(&self.sent).remove(&candidate.tag());
+        lock(&self.state).sent.remove(&candidate.tag());
     }
 
     /// The uncached tokens waiting on a candidate by its engine's latest fresh load
@@ -533,9 +607,21 @@ struct Sent {
     /// choice, and after each pick of the candidate), with when; newest last. At most
     /// [`COUNT_HISTORY`], and only what a report still used can need.
     counts: VecDeque<(Instant, usize)>,
+    /// The scorer's last pick of the candidate: when, and the caller's count with it.
+    last_pick: Option<(Instant, usize)>,
 }
 
 impl Sent {
+    /// The caller's in-flight count there, `read` now: at least the count with the
+    /// last pick while that is under `settle` old, as the caller may not have counted
+    /// that request yet.
+    fn counted(&self, read: usize, now: Instant, settle: Duration) -> usize {
+        match self.last_pick {
+            Some((at, n)) if now.saturating_duration_since(at) <= settle => read.max(n),
+            _ => read,
+        }
+    }
+
     /// Records the caller's in-flight count at `now`, keeping what reports up to
     /// `keep` old need: the count when each was made.
     fn observe(&mut self, now: Instant, in_flight: usize, keep: Duration) {
@@ -732,26 +818,47 @@ mod tests {
     fn load_outweighs_a_prefix_worth_less_than_the_queue() {
         let prompt: Vec<u32> = (0..256).collect();
         let index = index_with("b", &prompt[..160]);
-        // A scorer that sent b three requests of 100 uncached tokens.
+        // A scorer that sent b three requests of 100 uncached tokens, each counted by
+        // the caller; the decisions below come a second later.
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
         let busy_b = || {
             let scorer = KvScorer::new(Arc::clone(&index), weight(1));
             for k in 1..=3u32 {
                 let other: Vec<u32> = (k * 5000..k * 5000 + 100).collect();
-                let d = scorer.choose(&other, &cands(&[("b", 0)])).unwrap();
+                let c = cands(&[("b", k as usize - 1)]);
+                let d = scorer.choose_at(&other, &c, t0).unwrap();
                 assert_eq!(d.uncached_tokens, 100);
             }
             scorer
         };
         // Two still in flight: b costs 96 uncached + 200 queued = 296 > a: 256 + 0.
-        let d = busy_b()
-            .choose(&prompt, &cands(&[("a", 0), ("b", 2)]))
-            .unwrap();
-        assert_eq!(d.index, 0);
+        let c = cands(&[("a", 0), ("b", 2)]);
+        assert_eq!(busy_b().choose_at(&prompt, &c, later).unwrap().index, 0);
         // One: 96 + 100 = 196 < 256.
-        let d = busy_b()
-            .choose(&prompt, &cands(&[("a", 0), ("b", 1)]))
-            .unwrap();
-        assert_eq!(d.index, 1);
+        let c = cands(&[("a", 0), ("b", 1)]);
+        assert_eq!(busy_b().choose_at(&prompt, &c, later).unwrap().index, 1);
+    }
+
+    #[test]
+    fn a_pick_the_caller_has_not_counted_yet_is_in_flight() {
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let scorer = KvScorer::new(index, weight(1));
+        let t0 = Instant::now();
+        // A request of 200 uncached tokens just sent to b, which the caller does not
+        // count yet (its count still reads 0): b costs 96 + 200 = 296 > a's 256.
+        let other: Vec<u32> = (5000..5200).collect();
+        scorer.choose_at(&other, &cands(&[("b", 0)]), t0);
+        let c = cands(&[("a", 0), ("b", 0)]);
+        let soon = t0 + Duration::from_millis(1);
+        assert_eq!(scorer.choose_at(&prompt, &c, soon).unwrap().index, 0);
+        // Past `load_report_lag` the caller's count is believed: a 0 there means the
+        // request ended, and b's prefix wins (96 < 256).
+        let scorer = KvScorer::new(Arc::clone(scorer.index()), weight(1));
+        scorer.choose_at(&other, &cands(&[("b", 0)]), t0);
+        let later = t0 + DEFAULT_LOAD_REPORT_LAG + Duration::from_millis(1);
+        assert_eq!(scorer.choose_at(&prompt, &c, later).unwrap().index, 1);
     }
 
     #[test]
@@ -895,6 +1002,56 @@ mod tests {
     }
 
     #[test]
+    fn decisions_made_at_once_each_see_the_others_requests() {
+        // Rounds of four threads deciding for one new prompt at the same moment: the
+        // first decision has nothing cached, and every later one finds the prompt
+        // provisionally on the engine the earlier went to. Decisions that read the
+        // scorer's state and record into it under separate locks would let two of
+        // them both find nothing, and start the prefix twice.
+        let scorer = KvScorer::new(Arc::new(KvIndex::new(IndexConfig::default())), weight(1));
+        let c = cands(&[("a", 0), ("b", 0)]);
+        for round in 0..200u32 {
+            let prompt: Vec<u32> = (round * 1000..round * 1000 + 64).collect();
+            let barrier = std::sync::Barrier::new(4);
+            let cold = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..4)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            barrier.wait();
+                            scorer.choose(&prompt, &c).unwrap().cached_tokens == 0
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap())
+                    .filter(|&cold| cold)
+                    .count()
+            });
+            assert_eq!(cold, 1, "round {round}: decisions that missed each other");
+        }
+    }
+
+    #[test]
+    fn in_flight_counts_are_read_under_the_decision_lock() {
+        // The caller's counts as read again once the lock is held win over the
+        // snapshot in the candidates: b has 2 requests of 100 tokens in flight by the
+        // re-read (96 + 200 > 256: a), none by the snapshot (96 < 256: b).
+        let prompt: Vec<u32> = (0..256).collect();
+        let index = index_with("b", &prompt[..160]);
+        let scorer = KvScorer::new(index, weight(1));
+        let now = Instant::now();
+        for k in 1..=2u32 {
+            let other: Vec<u32> = (k * 5000..k * 5000 + 100).collect();
+            scorer.choose_at(&other, &cands(&[("b", 0)]), now);
+        }
+        let snapshot = cands(&[("a", 0), ("b", 0)]);
+        let counts = [0, 2];
+        let d = scorer.choose_with(&prompt, &snapshot, |i| counts[i], now);
+        assert_eq!(d.unwrap().index, 0);
+    }
+
+    #[test]
     fn a_miss_weight_keeps_a_request_with_its_prefix_longer() {
         let prompt: Vec<u32> = (0..256).collect();
         let index = index_with("b", &prompt[..160]);
@@ -961,7 +1118,7 @@ mod tests {
         for i in 0..20u32 {
             let prompt: Vec<u32> = (i * 1000..i * 1000 + 64).collect();
             scorer.choose_at(&prompt, &cands(&[("a", 0)]), now);
-            assert!(lock(&scorer.provisional).blocks <= 8);
+            assert!(lock(&scorer.state).provisional.blocks <= 8);
         }
         let last: Vec<u32> = (19_000..19_064).collect();
         assert_eq!(
