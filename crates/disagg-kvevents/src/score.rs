@@ -45,10 +45,11 @@
 //!   its own requests, which it prices better itself. "When they were made" matters:
 //!   an engine reports a request's end about when it answers, so for a moment after
 //!   the caller's count dropped the latest report still counts the request, and
-//!   compared with the count of that moment it would look like another router's work. The scorer therefore keeps the changes of each candidate's count
-//!   for the last few seconds (at most 256 changes, 6 KiB, per candidate) and compares a
-//!   report with the most the caller counted within
-//!   [`ScorerConfig::load_report_lag`] of its arrival.
+//!   compared with the count of that moment it would look like another router's work.
+//!   The scorer therefore keeps the changes of each candidate's count for the last few
+//!   seconds (at most 256 changes, 6 KiB, per candidate) and compares a report with
+//!   the most the caller counted within [`ScorerConfig::load_report_lag`] of its
+//!   arrival.
 //!
 //! # Cost
 //!
@@ -315,7 +316,15 @@ impl KvScorer {
         if candidates.is_empty() {
             return None;
         }
-        let sizes = self.block_sizes(candidates);
+        // Each candidate's block size (its provisional entry is keyed at it), and the
+        // distinct ones to key the prompt at.
+        let engine_sizes = self.block_sizes(candidates);
+        let mut sizes: SmallVec<[usize; 2]> = SmallVec::new();
+        for &b in &engine_sizes {
+            if !sizes.contains(&b) {
+                sizes.push(b);
+            }
+        }
         let tags: Vec<u64> = candidates.iter().map(Candidate::tag).collect();
         // Per block size: the prompt's keys, and each candidate's cached tokens and the
         // rank holding them by the index. No lock of the scorer's is held for the walk.
@@ -353,13 +362,6 @@ impl KvScorer {
                 .collect();
             by_size.push((keys, from_index));
         }
-        // The provisional block size of each candidate: its engine's, read before the
-        // scorer's lock.
-        let fallback = self.index.config().block_size;
-        let engine_sizes: SmallVec<[usize; 8]> = candidates
-            .iter()
-            .map(|c| self.index.block_size(c.engine).unwrap_or(fallback))
-            .collect();
         // What the decision reads of the scorer's own state (provisional entries, picks,
         // counts) and what it records there happen under one lock: two decisions made
         // at once would otherwise each miss the other's request (both send a burst's
@@ -559,19 +561,16 @@ impl KvScorer {
         }
     }
 
-    /// The block sizes to key the prompt at: those of the candidates' events, and the
-    /// configured one for candidates without events.
-    fn block_sizes(&self, candidates: &[Candidate<'_>]) -> SmallVec<[usize; 2]> {
-        let mut sizes: SmallVec<[usize; 2]> = SmallVec::new();
+    /// Each candidate's block size, from one snapshot of the index: its events', or the
+    /// configured one for a candidate without events.
+    fn block_sizes(&self, candidates: &[Candidate<'_>]) -> SmallVec<[usize; 8]> {
         let fallback = self.index.config().block_size;
         let engines: Vec<&str> = candidates.iter().map(|c| c.engine).collect();
-        for b in self.index.block_sizes(&engines) {
-            let b = b.unwrap_or(fallback);
-            if !sizes.contains(&b) {
-                sizes.push(b);
-            }
-        }
-        sizes
+        self.index
+            .block_sizes(&engines)
+            .into_iter()
+            .map(|b| b.unwrap_or(fallback))
+            .collect()
     }
 }
 
