@@ -7,12 +7,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Under CI (`CI=true`, which .ci/run sets) a tool the tests need that cannot be
+# installed fails the run here, naming it, instead of letting its tests skip: a green
+# CI must mean every test ran. Outside CI a missing tool is a warning and the tests
+# that need it skip (saying so loudly), unless DISAGG_REQUIRE_<TOOL>=1.
+missing() {
+  if [ "${CI:-}" = true ]; then
+    echo "scripts/test.sh: ERROR: $1 is required under CI=true and could not be installed" >&2
+    exit 1
+  fi
+  echo "scripts/test.sh: WARNING: $1 could not be installed; $2 will be SKIPPED" >&2
+}
+
 if [ -z "${DISAGG_PYTHON:-}" ]; then
   if ! .venv/bin/python -c "import openai, tokenizers, jinja2, opentelemetry.proto" >/dev/null 2>&1; then
     echo "scripts/test.sh: creating .venv with the openai, tokenizers, jinja2 and opentelemetry-proto packages" >&2
     python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
       "openai>=1.40,<3" "tokenizers>=0.21,<1" "jinja2>=3.1,<4" "opentelemetry-proto>=1.20,<2"
+    .venv/bin/python -c "import openai, tokenizers, jinja2, opentelemetry.proto" ||
+      { echo "scripts/test.sh: ERROR: .venv lacks a package the tests import after pip install" >&2; exit 1; }
   fi
   export DISAGG_PYTHON="$PWD/.venv/bin/python"
 fi
@@ -32,7 +46,7 @@ if have_dnsmasq; then
   # Installed: the DNS tests must run (a missing dnsmasq fails them).
   export DISAGG_REQUIRE_DNSMASQ=1
 else
-  echo "scripts/test.sh: WARNING: dnsmasq could not be installed; the DNS discovery tests will be SKIPPED" >&2
+  missing dnsmasq "the DNS discovery tests"
 fi
 
 # The metrics tests (crates/disagg-proxy/tests/observe.rs) have a real Prometheus server
@@ -50,7 +64,7 @@ fi
 if have_prometheus; then
   export DISAGG_REQUIRE_PROMETHEUS=1
 else
-  echo "scripts/test.sh: WARNING: prometheus could not be installed; the Prometheus scrape test will be SKIPPED" >&2
+  missing prometheus "the Prometheus scrape test"
 fi
 
 cargo test --workspace "$@"
