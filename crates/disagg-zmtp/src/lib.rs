@@ -42,4 +42,4 @@ pub mod socket;
 pub mod wire;
 
 pub use conn::{Connection, Error, Limits, Message, Reject, SocketType};
-pub use socket::{Dealer, Pull, PullConfig, PullStats, Sub};
+pub use socket::{Dealer, Pull, PullConfig, PullStats, PullStatsHandle, Sub};

@@ -243,6 +243,24 @@ impl Pull {
     pub fn stats(&self) -> PullStats {
         self.counters.snapshot()
     }
+
+    /// A handle that reads the counters, for whoever keeps no hold on the socket (a
+    /// metrics collector while a task owns the socket).
+    pub fn stats_handle(&self) -> PullStatsHandle {
+        PullStatsHandle(Arc::clone(&self.counters))
+    }
+}
+
+/// Reads a [`Pull`] socket's counters ([`Pull::stats_handle`]); they stay readable
+/// after the socket is dropped.
+#[derive(Debug, Clone)]
+pub struct PullStatsHandle(Arc<Counters>);
+
+impl PullStatsHandle {
+    /// The counters now.
+    pub fn get(&self) -> PullStats {
+        self.0.snapshot()
+    }
 }
 
 async fn accept_loop(
