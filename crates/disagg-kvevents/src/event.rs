@@ -31,7 +31,7 @@
 //! sends them unsigned, SGLang as signed `i64`, both read as the same `u64`), or raw
 //! bytes with vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0` ([`BlockHash`]).
 
-use rmpv::Value;
+use crate::msgpack::{Int, Reader};
 
 /// Why a payload could not be decoded as an event batch.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +54,13 @@ pub enum DecodeError {
     /// An event is neither a map with a string `"type"` nor an array led by a string.
     #[error("event is neither a tagged map nor a tagged array")]
     Untagged,
+    /// A count or the decoded size over [`DecodeLimits`] (`what`: `events`, `items`,
+    /// `decoded bytes`).
+    #[error("event batch over the decoding limit on {what}")]
+    Limit {
+        /// Which limit.
+        what: &'static str,
+    },
     /// A ZMQ message without its three frames `[topic, seq, payload]`, or a `seq` that
     /// is not 8 bytes.
     #[error(
@@ -195,7 +202,80 @@ pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<Frames<'a>, DecodeError> 
     }
 }
 
-/// Decodes a batch payload, in either encoding.
+/// The largest block size accepted from an engine: 1,048,576 tokens. Engines use 1 to
+/// a few thousand (vLLM's hybrid models align attention blocks to their Mamba state,
+/// up to a few thousand tokens); a larger one is a broken or hostile publisher, and
+/// its products with block counts must not overflow.
+pub const MAX_BLOCK_SIZE: usize = 1 << 20;
+
+/// The default ceiling on one message's bytes that [`DecodeLimits::default`] is
+/// derived from: 8 MiB (see [`crate::subscriber::DEFAULT_MAX_MESSAGE`]).
+const DEFAULT_MESSAGE: usize = 8 << 20;
+
+/// Ceilings on what decoding one payload may produce, checked before each allocation.
+///
+/// Every item of a payload takes at least one byte, so its counts are bounded by its
+/// size already; these bound the decoded memory, which for some shapes is many times
+/// the wire size (a one-byte integer hash decodes into a 32-byte [`BlockHash`]).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_kvevents::event::DecodeLimits;
+///
+/// let limits = DecodeLimits::for_message(8 << 20);
+/// assert_eq!(limits, DecodeLimits::default());
+/// assert_eq!(limits.max_decoded_bytes, 32 << 20);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeLimits {
+    /// Events in one batch.
+    pub max_events: usize,
+    /// Block hashes, or token ids, in one event.
+    pub max_items: usize,
+    /// The decoded batch's memory, in bytes (its vectors and strings).
+    pub max_decoded_bytes: usize,
+}
+
+impl DecodeLimits {
+    /// The limits for messages of at most `max_message` bytes: 65,536 events, as many
+    /// items per event as the message has bytes, four times its bytes decoded (an
+    /// engine's real batches decode into one to three times their size: token ids of
+    /// 3 to 5 bytes into 4, 9-byte hashes into 32, plus the events themselves).
+    pub const fn for_message(max_message: usize) -> DecodeLimits {
+        DecodeLimits {
+            max_events: 1 << 16,
+            max_items: max_message,
+            max_decoded_bytes: max_message.saturating_mul(4),
+        }
+    }
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        DecodeLimits::for_message(DEFAULT_MESSAGE)
+    }
+}
+
+/// What is left of [`DecodeLimits::max_decoded_bytes`].
+struct Budget(usize);
+
+impl Budget {
+    fn take(&mut self, count: usize, size: usize) -> Result<(), DecodeError> {
+        let bytes = count.saturating_mul(size);
+        match self.0.checked_sub(bytes) {
+            Some(left) => {
+                self.0 = left;
+                Ok(())
+            }
+            None => Err(DecodeError::Limit {
+                what: "decoded bytes",
+            }),
+        }
+    }
+}
+
+/// Decodes a batch payload, in either encoding, within [`DecodeLimits::default`].
 ///
 /// # Errors
 ///
@@ -215,31 +295,46 @@ pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<Frames<'a>, DecodeError> 
 /// # Ok::<(), disagg_kvevents::event::DecodeError>(())
 /// ```
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut reader = payload;
-    let value =
-        rmpv::decode::read_value(&mut reader).map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let Value::Array(fields) = value else {
+    decode_batch_with(payload, &DecodeLimits::default())
+}
+
+/// [`decode_batch`] within `limits`: the payload is read once, straight into the typed
+/// events, every count checked before its allocation.
+///
+/// # Errors
+///
+/// As [`decode_batch`], and [`DecodeError::Limit`] beyond `limits`.
+pub fn decode_batch_with(payload: &[u8], limits: &DecodeLimits) -> Result<EventBatch, DecodeError> {
+    let mut r = Reader::new(payload);
+    let mut budget = Budget(limits.max_decoded_bytes);
+    let fields = r.array()?.ok_or(DecodeError::Batch)?;
+    if fields < 2 {
         return Err(DecodeError::Batch);
-    };
-    let mut fields = fields.into_iter();
-    let ts = match fields.next() {
-        Some(Value::F64(f)) => f,
-        Some(Value::F32(f)) => f64::from(f),
+    }
+    let ts = if let Some(f) = r.float()? {
+        f
+    } else if let Some(i) = r.int()? {
         // A timestamp sent as an integer (no engine does, but nothing forbids it).
-        Some(Value::Integer(i)) => i.as_f64().unwrap_or_default(),
-        _ => return Err(DecodeError::Batch),
-    };
-    let Some(Value::Array(raw_events)) = fields.next() else {
+        i.as_f64()
+    } else {
         return Err(DecodeError::Batch);
     };
-    let dp_rank = fields
-        .next()
-        .and_then(|v| v.as_u64())
-        .and_then(|r| u32::try_from(r).ok());
-    let events = raw_events
-        .into_iter()
-        .map(decode_event)
-        .collect::<Result<Vec<_>, _>>()?;
+    let count = r.array()?.ok_or(DecodeError::Batch)?;
+    if count > limits.max_events {
+        return Err(DecodeError::Limit { what: "events" });
+    }
+    let mut events = Vec::new();
+    for _ in 0..count {
+        budget.take(1, std::mem::size_of::<KvEvent>())?;
+        events.push(decode_event(&mut r, limits, &mut budget)?);
+    }
+    let dp_rank = if fields > 2 {
+        r.int()?
+            .and_then(Int::as_u64)
+            .and_then(|rank| u32::try_from(rank).ok())
+    } else {
+        None
+    };
     Ok(EventBatch {
         ts,
         events,
@@ -247,155 +342,542 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     })
 }
 
-/// The fields of one event, whichever encoding carried them.
-enum Fields {
-    Map(Vec<(Value, Value)>),
-    /// The positional values after the tag.
-    Array(Vec<Value>),
+/// Where an event's fields are: a map's entries or an array's positions after the tag.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// `entries` key-value pairs from `start`.
+    Map { start: usize, entries: usize },
+    /// `values` positional values (after the tag) from `start`.
+    Array { start: usize, values: usize },
 }
 
-impl Fields {
-    /// The value of a field: by name in a map, at `position` (after the tag) in an
-    /// array. `None` when absent; a nil counts as absent too.
-    fn get(&self, name: &str, position: Option<usize>) -> Option<&Value> {
-        let v = match self {
-            Fields::Map(entries) => entries
-                .iter()
-                .find(|(k, _)| k.as_str() == Some(name))
-                .map(|(_, v)| v),
-            Fields::Array(values) => position.and_then(|p| values.get(p)),
+fn decode_event(
+    r: &mut Reader<'_>,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<KvEvent, DecodeError> {
+    let (tag, shape) = if let Some(entries) = r.map()? {
+        let start = r.pos();
+        // The first "type" key with a string value names the class (msgspec writes it
+        // first, but a map has no order).
+        let mut tag = None;
+        for _ in 0..entries {
+            let key = r.str()?;
+            if key.is_none() {
+                r.skip()?;
+            }
+            let is_type = key == Some(b"type");
+            match r.str()? {
+                Some(value) if is_type && tag.is_none() => tag = Some(value),
+                Some(_) => {}
+                None => r.skip()?,
+            }
+        }
+        (
+            tag.ok_or(DecodeError::Untagged)?,
+            Shape::Map { start, entries },
+        )
+    } else if let Some(len) = r.array()? {
+        let tag = match len {
+            0 => None,
+            _ => r.str()?,
         };
-        v.filter(|v| !v.is_nil())
+        let tag = tag.ok_or(DecodeError::Untagged)?;
+        (
+            tag,
+            Shape::Array {
+                start: r.pos(),
+                values: len - 1,
+            },
+        )
+    } else {
+        return Err(DecodeError::Untagged);
+    };
+    let event = match tag {
+        b"BlockStored" => KvEvent::BlockStored(block_stored(r, shape, limits, budget)?),
+        b"BlockRemoved" => KvEvent::BlockRemoved(block_removed(r, shape, limits, budget)?),
+        b"AllBlocksCleared" => {
+            skip_fields(r, shape)?;
+            KvEvent::AllBlocksCleared
+        }
+        other => {
+            skip_fields(r, shape)?;
+            budget.take(other.len(), 1)?;
+            KvEvent::Unknown(std::str::from_utf8(other).unwrap_or_default().to_owned())
+        }
+    };
+    Ok(event)
+}
+
+/// Moves past an event's fields.
+fn skip_fields(r: &mut Reader<'_>, shape: Shape) -> Result<(), DecodeError> {
+    match shape {
+        // The map was walked whole to find its tag.
+        Shape::Map { .. } => Ok(()),
+        Shape::Array { values, .. } => (0..values).try_for_each(|_| r.skip()),
     }
 }
 
-fn decode_event(value: Value) -> Result<KvEvent, DecodeError> {
-    let (tag, fields) = match value {
-        Value::Map(mut entries) => {
-            let at = entries
-                .iter()
-                .position(|(k, v)| k.as_str() == Some("type") && v.is_str())
-                .ok_or(DecodeError::Untagged)?;
-            let (_, tag) = entries.swap_remove(at);
-            (tag, Fields::Map(entries))
+/// Calls `field(name, position, reader)` for each non-nil field of the event (map:
+/// its name and `None`, the first of duplicate names only; array: `""` and its
+/// position), which reads or skips its value; leaves the reader after the event.
+fn walk_fields<'a>(
+    r: &mut Reader<'a>,
+    shape: Shape,
+    mut field: impl FnMut(&[u8], Option<usize>, &mut Reader<'a>) -> Result<(), DecodeError>,
+) -> Result<(), DecodeError> {
+    match shape {
+        Shape::Map { start, entries } => {
+            r.seek(start);
+            // Names already read (a map may repeat a key: the first one counts).
+            let mut seen: smallvec::SmallVec<[&'a [u8]; 12]> = smallvec::SmallVec::new();
+            for _ in 0..entries {
+                let Some(name) = r.str()? else {
+                    r.skip()?;
+                    r.skip()?;
+                    continue;
+                };
+                if name == b"type" || seen.contains(&name) {
+                    r.skip()?;
+                    continue;
+                }
+                seen.push(name);
+                // A nil counts as absent (and so does any later value of the name).
+                if r.nil()? {
+                    continue;
+                }
+                field(name, None, r)?;
+            }
+            Ok(())
         }
-        Value::Array(mut values) if values.first().is_some_and(Value::is_str) => {
-            let tag = values.remove(0);
-            (tag, Fields::Array(values))
+        Shape::Array { start, values } => {
+            r.seek(start);
+            for position in 0..values {
+                if !r.nil()? {
+                    field(b"", Some(position), r)?;
+                }
+            }
+            Ok(())
         }
-        _ => return Err(DecodeError::Untagged),
-    };
-    let tag = tag.as_str().unwrap_or_default();
-    Ok(match tag {
-        "BlockStored" => KvEvent::BlockStored(block_stored(&fields)?),
-        "BlockRemoved" => KvEvent::BlockRemoved(block_removed(&fields)?),
-        "AllBlocksCleared" => KvEvent::AllBlocksCleared,
-        other => KvEvent::Unknown(other.to_owned()),
-    })
+    }
+}
+
+/// Which field `name`/`position` is: the map name, else the array position.
+fn is(name: &[u8], position: Option<usize>, wanted: &str, at: Option<usize>) -> bool {
+    match position {
+        Some(p) => at == Some(p),
+        None => name == wanted.as_bytes(),
+    }
 }
 
 const STORED: &str = "BlockStored";
 const REMOVED: &str = "BlockRemoved";
 
-fn block_stored(f: &Fields) -> Result<BlockStored, DecodeError> {
+fn block_stored(
+    r: &mut Reader<'_>,
+    shape: Shape,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<BlockStored, DecodeError> {
     let field = |field| DecodeError::Field {
         event: STORED,
         field,
     };
-    let block_hashes = hashes(f.get("block_hashes", Some(0))).ok_or(field("block_hashes"))?;
-    let parent_block_hash = match f.get("parent_block_hash", Some(1)) {
-        None => None,
-        Some(v) => Some(hash(v).ok_or(field("parent_block_hash"))?),
-    };
-    let token_ids = f
-        .get("token_ids", Some(2))
-        .and_then(Value::as_array)
-        .ok_or(field("token_ids"))?
-        .iter()
-        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect::<Option<Vec<u32>>>()
-        .ok_or(field("token_ids"))?;
-    let block_size = f
-        .get("block_size", Some(3))
-        .and_then(Value::as_u64)
-        .and_then(|b| usize::try_from(b).ok())
-        .filter(|&b| b > 0)
-        .ok_or(field("block_size"))?;
-    let medium = f
-        .get("medium", Some(5))
-        .and_then(Value::as_str)
-        .map(str::to_owned);
-    // Position 4 is `lora_id` in every release; position 6 is vLLM's `lora_name` and
-    // older SGLang's `cache_salt`: either namespaces the hash.
-    let namespaced = f.get("lora_id", Some(4)).is_some()
-        || f.get("lora_name", Some(6)).is_some()
-        || f.get("cache_salt", None).is_some();
-    let first_keyed_block = f
-        .get("extra_keys", None)
-        .and_then(Value::as_array)
-        .and_then(|keys| keys.iter().position(|k| !k.is_nil()));
-    let group_idx = f
-        .get("group_idx", None)
-        .and_then(Value::as_u64)
-        .and_then(|g| u32::try_from(g).ok());
-    Ok(BlockStored {
-        block_hashes,
-        parent_block_hash,
-        token_ids,
-        block_size,
-        medium,
-        group_idx,
-        namespaced,
-        first_keyed_block,
-    })
+    let mut block_hashes = None;
+    let mut parent_block_hash = None;
+    let mut token_ids = None;
+    let mut block_size = None;
+    let mut out = BlockStored::default();
+    walk_fields(r, shape, |name, position, r| {
+        if is(name, position, "block_hashes", Some(0)) {
+            block_hashes =
+                Some(hashes(r, limits, budget).map_err(|e| e.or(field("block_hashes")))?);
+        } else if is(name, position, "parent_block_hash", Some(1)) {
+            parent_block_hash = Some(hash(r, budget)?.ok_or(field("parent_block_hash"))?);
+        } else if is(name, position, "token_ids", Some(2)) {
+            token_ids = Some(tokens(r, limits, budget).map_err(|e| e.or(field("token_ids")))?);
+        } else if is(name, position, "block_size", Some(3)) {
+            block_size = Some(
+                r.int()?
+                    .and_then(Int::as_u64)
+                    .and_then(|b| usize::try_from(b).ok())
+                    .filter(|b| (1..=MAX_BLOCK_SIZE).contains(b))
+                    .ok_or(field("block_size"))?,
+            );
+        } else if is(name, position, "medium", Some(5)) {
+            out.medium = optional_string(r, budget)?;
+        } else if is(name, position, "lora_id", Some(4))
+            || is(name, position, "lora_name", Some(6))
+            || (position.is_none() && name == b"cache_salt")
+        {
+            // Present and not nil: the blocks' hash covers more than their tokens.
+            out.namespaced = true;
+            r.skip()?;
+        } else if position.is_none() && name == b"extra_keys" {
+            out.first_keyed_block = first_non_nil(r)?;
+        } else if position.is_none() && name == b"group_idx" {
+            out.group_idx = small_u32(r)?;
+        } else {
+            r.skip()?;
+        }
+        Ok(())
+    })?;
+    out.block_hashes = block_hashes.ok_or(field("block_hashes"))?;
+    out.parent_block_hash = parent_block_hash;
+    out.token_ids = token_ids.ok_or(field("token_ids"))?;
+    out.block_size = block_size.ok_or(field("block_size"))?;
+    Ok(out)
 }
 
-fn block_removed(f: &Fields) -> Result<BlockRemoved, DecodeError> {
-    let block_hashes = hashes(f.get("block_hashes", Some(0))).ok_or(DecodeError::Field {
+fn block_removed(
+    r: &mut Reader<'_>,
+    shape: Shape,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<BlockRemoved, DecodeError> {
+    let missing = DecodeError::Field {
         event: REMOVED,
         field: "block_hashes",
+    };
+    let mut block_hashes = None;
+    let mut out = BlockRemoved::default();
+    walk_fields(r, shape, |name, position, r| {
+        if is(name, position, "block_hashes", Some(0)) {
+            block_hashes = Some(hashes(r, limits, budget).map_err(|e| e.or(missing.clone()))?);
+        } else if is(name, position, "medium", Some(1)) {
+            out.medium = optional_string(r, budget)?;
+        } else if position.is_none() && name == b"group_idx" {
+            out.group_idx = small_u32(r)?;
+        } else {
+            r.skip()?;
+        }
+        Ok(())
     })?;
-    let medium = f
-        .get("medium", Some(1))
-        .and_then(Value::as_str)
-        .map(str::to_owned);
-    let group_idx = f
-        .get("group_idx", None)
-        .and_then(Value::as_u64)
-        .and_then(|g| u32::try_from(g).ok());
-    Ok(BlockRemoved {
-        block_hashes,
-        medium,
-        group_idx,
-    })
+    out.block_hashes = block_hashes.ok_or(missing)?;
+    Ok(out)
 }
 
-fn hashes(v: Option<&Value>) -> Option<Vec<BlockHash>> {
-    v?.as_array()?.iter().map(hash).collect()
+/// Why a list field could not be read: the payload itself is broken, a limit was
+/// passed, or the field has the wrong shape (then the caller names the field).
+enum ListError {
+    Decode(DecodeError),
+    Shape,
 }
 
-fn hash(v: &Value) -> Option<BlockHash> {
-    match v {
-        Value::Integer(i) => i
-            .as_u64()
-            // A negative i64 (SGLang) is the same 64 bits read unsigned.
-            .or_else(|| i.as_i64().map(|s| s as u64))
-            .map(BlockHash::Int),
-        Value::Binary(b) => Some(BlockHash::Bytes(b.clone())),
-        _ => None,
+impl From<DecodeError> for ListError {
+    fn from(e: DecodeError) -> Self {
+        ListError::Decode(e)
     }
+}
+
+impl ListError {
+    fn or(self, field: DecodeError) -> DecodeError {
+        match self {
+            ListError::Decode(e) => e,
+            ListError::Shape => field,
+        }
+    }
+}
+
+/// The length of a list field, within the limits, its elements' memory taken.
+fn list_len(
+    r: &mut Reader<'_>,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+    size: usize,
+) -> Result<usize, ListError> {
+    let Some(n) = r.array()? else {
+        return Err(ListError::Shape);
+    };
+    if n > limits.max_items {
+        return Err(DecodeError::Limit { what: "items" }.into());
+    }
+    budget.take(n, size)?;
+    Ok(n)
+}
+
+fn hashes(
+    r: &mut Reader<'_>,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<Vec<BlockHash>, ListError> {
+    let n = list_len(r, limits, budget, std::mem::size_of::<BlockHash>())?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(hash(r, budget)?.ok_or(ListError::Shape)?);
+    }
+    Ok(out)
+}
+
+fn tokens(
+    r: &mut Reader<'_>,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<Vec<u32>, ListError> {
+    let n = list_len(r, limits, budget, std::mem::size_of::<u32>())?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let token = r
+            .int()?
+            .and_then(Int::as_u64)
+            .and_then(|t| u32::try_from(t).ok())
+            .ok_or(ListError::Shape)?;
+        out.push(token);
+    }
+    Ok(out)
+}
+
+/// An integer or binary hash; `None` (the value left unread) for anything else.
+fn hash(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<BlockHash>, DecodeError> {
+    if let Some(i) = r.int()? {
+        // A negative i64 (SGLang) is the same 64 bits read unsigned.
+        return Ok(Some(BlockHash::Int(i.bits())));
+    }
+    match r.bin()? {
+        Some(b) => {
+            budget.take(b.len(), 1)?;
+            Ok(Some(BlockHash::Bytes(b.to_vec())))
+        }
+        None => Ok(None),
+    }
+}
+
+/// A string field: its value if it is a UTF-8 string, else `None` (skipped).
+fn optional_string(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<String>, DecodeError> {
+    match r.str()? {
+        Some(s) => {
+            budget.take(s.len(), 1)?;
+            Ok(std::str::from_utf8(s).ok().map(str::to_owned))
+        }
+        None => {
+            r.skip()?;
+            Ok(None)
+        }
+    }
+}
+
+/// A non-negative integer that fits a `u32`, else `None` (skipped).
+fn small_u32(r: &mut Reader<'_>) -> Result<Option<u32>, DecodeError> {
+    match r.int()? {
+        Some(i) => Ok(i.as_u64().and_then(|v| u32::try_from(v).ok())),
+        None => {
+            r.skip()?;
+            Ok(None)
+        }
+    }
+}
+
+/// The position of the first non-nil item of an array, else `None` (skipped).
+fn first_non_nil(r: &mut Reader<'_>) -> Result<Option<usize>, DecodeError> {
+    let Some(n) = r.array()? else {
+        r.skip()?;
+        return Ok(None);
+    };
+    let mut first = None;
+    for i in 0..n {
+        if !r.nil()? {
+            first.get_or_insert(i);
+            r.skip()?;
+        }
+    }
+    Ok(first)
 }
 
 /// `v` as msgpack, for the crate's unit tests.
 #[cfg(test)]
-pub(crate) fn encode(v: &Value) -> Vec<u8> {
+pub(crate) fn encode(v: &rmpv::Value) -> Vec<u8> {
     let mut out = Vec::new();
     rmpv::encode::write_value(&mut out, v).unwrap();
     out
 }
 
+/// The decoder this crate had before [`decode_batch_with`]: rmpv values first, then
+/// the typed events. Kept for the tests, which check that both read every payload
+/// alike.
+#[cfg(test)]
+pub(crate) mod reference {
+    use rmpv::Value;
+
+    use super::{BlockHash, BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent};
+
+    pub(crate) fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+        let mut reader = payload;
+        let value = rmpv::decode::read_value(&mut reader)
+            .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
+        let Value::Array(fields) = value else {
+            return Err(DecodeError::Batch);
+        };
+        let mut fields = fields.into_iter();
+        let ts = match fields.next() {
+            Some(Value::F64(f)) => f,
+            Some(Value::F32(f)) => f64::from(f),
+            // A timestamp sent as an integer (no engine does, but nothing forbids it).
+            Some(Value::Integer(i)) => i.as_f64().unwrap_or_default(),
+            _ => return Err(DecodeError::Batch),
+        };
+        let Some(Value::Array(raw_events)) = fields.next() else {
+            return Err(DecodeError::Batch);
+        };
+        let dp_rank = fields
+            .next()
+            .and_then(|v| v.as_u64())
+            .and_then(|r| u32::try_from(r).ok());
+        let events = raw_events
+            .into_iter()
+            .map(decode_event)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(EventBatch {
+            ts,
+            events,
+            dp_rank,
+        })
+    }
+
+    /// The fields of one event, whichever encoding carried them.
+    enum Fields {
+        Map(Vec<(Value, Value)>),
+        /// The positional values after the tag.
+        Array(Vec<Value>),
+    }
+
+    impl Fields {
+        /// The value of a field: by name in a map, at `position` (after the tag) in an
+        /// array. `None` when absent; a nil counts as absent too.
+        fn get(&self, name: &str, position: Option<usize>) -> Option<&Value> {
+            let v = match self {
+                Fields::Map(entries) => entries
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some(name))
+                    .map(|(_, v)| v),
+                Fields::Array(values) => position.and_then(|p| values.get(p)),
+            };
+            v.filter(|v| !v.is_nil())
+        }
+    }
+
+    fn decode_event(value: Value) -> Result<KvEvent, DecodeError> {
+        let (tag, fields) = match value {
+            Value::Map(mut entries) => {
+                let at = entries
+                    .iter()
+                    .position(|(k, v)| k.as_str() == Some("type") && v.is_str())
+                    .ok_or(DecodeError::Untagged)?;
+                let (_, tag) = entries.swap_remove(at);
+                (tag, Fields::Map(entries))
+            }
+            Value::Array(mut values) if values.first().is_some_and(Value::is_str) => {
+                let tag = values.remove(0);
+                (tag, Fields::Array(values))
+            }
+            _ => return Err(DecodeError::Untagged),
+        };
+        let tag = tag.as_str().unwrap_or_default();
+        Ok(match tag {
+            "BlockStored" => KvEvent::BlockStored(block_stored(&fields)?),
+            "BlockRemoved" => KvEvent::BlockRemoved(block_removed(&fields)?),
+            "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+            other => KvEvent::Unknown(other.to_owned()),
+        })
+    }
+
+    const STORED: &str = "BlockStored";
+    const REMOVED: &str = "BlockRemoved";
+
+    fn block_stored(f: &Fields) -> Result<BlockStored, DecodeError> {
+        let field = |field| DecodeError::Field {
+            event: STORED,
+            field,
+        };
+        let block_hashes = hashes(f.get("block_hashes", Some(0))).ok_or(field("block_hashes"))?;
+        let parent_block_hash = match f.get("parent_block_hash", Some(1)) {
+            None => None,
+            Some(v) => Some(hash(v).ok_or(field("parent_block_hash"))?),
+        };
+        let token_ids = f
+            .get("token_ids", Some(2))
+            .and_then(Value::as_array)
+            .ok_or(field("token_ids"))?
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or(field("token_ids"))?;
+        let block_size = f
+            .get("block_size", Some(3))
+            .and_then(Value::as_u64)
+            .and_then(|b| usize::try_from(b).ok())
+            .filter(|&b| b > 0)
+            .ok_or(field("block_size"))?;
+        let medium = f
+            .get("medium", Some(5))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        // Position 4 is `lora_id` in every release; position 6 is vLLM's `lora_name` and
+        // older SGLang's `cache_salt`: either namespaces the hash.
+        let namespaced = f.get("lora_id", Some(4)).is_some()
+            || f.get("lora_name", Some(6)).is_some()
+            || f.get("cache_salt", None).is_some();
+        let first_keyed_block = f
+            .get("extra_keys", None)
+            .and_then(Value::as_array)
+            .and_then(|keys| keys.iter().position(|k| !k.is_nil()));
+        let group_idx = f
+            .get("group_idx", None)
+            .and_then(Value::as_u64)
+            .and_then(|g| u32::try_from(g).ok());
+        Ok(BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium,
+            group_idx,
+            namespaced,
+            first_keyed_block,
+        })
+    }
+
+    fn block_removed(f: &Fields) -> Result<BlockRemoved, DecodeError> {
+        let block_hashes = hashes(f.get("block_hashes", Some(0))).ok_or(DecodeError::Field {
+            event: REMOVED,
+            field: "block_hashes",
+        })?;
+        let medium = f
+            .get("medium", Some(1))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let group_idx = f
+            .get("group_idx", None)
+            .and_then(Value::as_u64)
+            .and_then(|g| u32::try_from(g).ok());
+        Ok(BlockRemoved {
+            block_hashes,
+            medium,
+            group_idx,
+        })
+    }
+
+    fn hashes(v: Option<&Value>) -> Option<Vec<BlockHash>> {
+        v?.as_array()?.iter().map(hash).collect()
+    }
+
+    fn hash(v: &Value) -> Option<BlockHash> {
+        match v {
+            Value::Integer(i) => i
+                .as_u64()
+                // A negative i64 (SGLang) is the same 64 bits read unsigned.
+                .or_else(|| i.as_i64().map(|s| s as u64))
+                .map(BlockHash::Int),
+            Value::Binary(b) => Some(BlockHash::Bytes(b.clone())),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+    use rmpv::Value;
+
     use super::*;
 
     #[test]
@@ -441,5 +923,207 @@ mod tests {
         );
         let untagged = Value::Array(vec![Value::F64(1.0), Value::Array(vec![Value::from(5)])]);
         assert_eq!(decode_batch(&encode(&untagged)), Err(DecodeError::Untagged));
+    }
+
+    #[test]
+    fn numbers_out_of_range_fail_the_event_not_the_process() {
+        // A block size of 2^63 (and 0) is refused at decoding: the index multiplies it.
+        for block_size in [
+            Value::from(1u64 << 63),
+            Value::from(0),
+            Value::from((MAX_BLOCK_SIZE + 1) as u64),
+        ] {
+            let stored = Value::Array(vec![
+                Value::F64(1.0),
+                Value::Array(vec![Value::Map(vec![
+                    ("type".into(), "BlockStored".into()),
+                    (
+                        "block_hashes".into(),
+                        Value::Array(vec![1.into(), 2.into()]),
+                    ),
+                    ("token_ids".into(), Value::Array(vec![1.into(); 4])),
+                    ("block_size".into(), block_size),
+                ])]),
+            ]);
+            assert_eq!(
+                decode_batch(&encode(&stored)),
+                Err(DecodeError::Field {
+                    event: "BlockStored",
+                    field: "block_size"
+                })
+            );
+        }
+    }
+
+    /// `[ts, [0] * n]` as an engine-like publisher would send it, built without an
+    /// intermediate value.
+    fn zeros_batch(n: u32) -> Vec<u8> {
+        let mut out = vec![0x92, 0xcb];
+        out.extend_from_slice(&1.0f64.to_be_bytes());
+        out.push(0xdd);
+        out.extend_from_slice(&n.to_be_bytes());
+        out.resize(out.len() + n as usize, 0);
+        out
+    }
+
+    #[test]
+    fn counts_and_decoded_memory_have_ceilings() {
+        // 24 MB of one-byte "events": more than the default 65,536 events, refused
+        // before any is read; fewer, refused at the first (not an event).
+        assert_eq!(
+            decode_batch(&zeros_batch(24_000_000)),
+            Err(DecodeError::Limit { what: "events" })
+        );
+        assert_eq!(decode_batch(&zeros_batch(1000)), Err(DecodeError::Untagged));
+        // More events than the limit: refused before any is read.
+        let limits = DecodeLimits {
+            max_events: 10,
+            ..DecodeLimits::default()
+        };
+        assert_eq!(
+            decode_batch_with(&zeros_batch(11), &limits),
+            Err(DecodeError::Limit { what: "events" })
+        );
+        // One event of 4 M one-byte hashes: 4 MB on the wire, 128 MB as `BlockHash`es,
+        // over the decoded bytes' ceiling of four times the message size.
+        let n = 4_000_000u32;
+        let mut payload = vec![0x92, 0x01, 0x91, 0x92, 0xac];
+        payload.extend_from_slice(b"BlockRemoved");
+        payload.push(0xdd);
+        payload.extend_from_slice(&n.to_be_bytes());
+        payload.resize(payload.len() + n as usize, 7);
+        let limits = DecodeLimits::for_message(payload.len());
+        assert_eq!(
+            decode_batch_with(&payload, &limits),
+            Err(DecodeError::Limit {
+                what: "decoded bytes"
+            })
+        );
+        // Within a large enough budget it decodes.
+        let roomy = DecodeLimits {
+            max_decoded_bytes: 200 << 20,
+            ..limits
+        };
+        let batch = decode_batch_with(&payload, &roomy).unwrap();
+        assert!(
+            matches!(&batch.events[0], KvEvent::BlockRemoved(r) if r.block_hashes.len() == n as usize)
+        );
+        // Items per event.
+        let few = DecodeLimits {
+            max_items: 100,
+            ..roomy
+        };
+        assert_eq!(
+            decode_batch_with(&payload, &few),
+            Err(DecodeError::Limit { what: "items" })
+        );
+    }
+
+    /// Values shaped like event fields: mostly the right type, sometimes not.
+    fn field_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Nil),
+            any::<u64>().prop_map(Value::from),
+            (-5i64..5).prop_map(Value::from),
+            (0u64..40).prop_map(Value::from),
+            proptest::collection::vec(
+                prop_oneof![
+                    any::<u64>().prop_map(Value::from),
+                    (0u64..300).prop_map(Value::from),
+                    (-3i64..0).prop_map(Value::from),
+                    proptest::collection::vec(any::<u8>(), 0..4).prop_map(Value::from),
+                    Just(Value::Nil),
+                    Just(Value::from("x"))
+                ],
+                0..6
+            )
+            .prop_map(Value::Array),
+            prop_oneof![Just("GPU"), Just("CPU"), Just("")].prop_map(Value::from),
+            proptest::collection::vec(any::<u8>(), 0..6).prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            Just(Value::Map(vec![(
+                "k".into(),
+                Value::Array(vec![Value::Nil])
+            )])),
+        ]
+    }
+
+    fn event_value() -> impl Strategy<Value = Value> {
+        let names = prop_oneof![
+            Just("block_hashes"),
+            Just("parent_block_hash"),
+            Just("token_ids"),
+            Just("block_size"),
+            Just("lora_id"),
+            Just("medium"),
+            Just("lora_name"),
+            Just("cache_salt"),
+            Just("extra_keys"),
+            Just("group_idx"),
+            Just("type"),
+            Just("other"),
+        ];
+        let tag = prop_oneof![
+            Just("BlockStored"),
+            Just("BlockRemoved"),
+            Just("AllBlocksCleared"),
+            Just("Newer"),
+        ];
+        prop_oneof![
+            (
+                tag.clone(),
+                proptest::collection::vec((names, field_value()), 0..10),
+                any::<bool>()
+            )
+                .prop_map(|(tag, fields, tag_last)| {
+                    let mut entries: Vec<(Value, Value)> = fields
+                        .into_iter()
+                        .map(|(k, v)| (Value::from(k), v))
+                        .collect();
+                    let t = (Value::from("type"), Value::from(tag));
+                    if tag_last {
+                        entries.push(t)
+                    } else {
+                        entries.insert(0, t)
+                    }
+                    Value::Map(entries)
+                }),
+            (tag, proptest::collection::vec(field_value(), 0..9)).prop_map(|(tag, mut values)| {
+                values.insert(0, Value::from(tag));
+                Value::Array(values)
+            }),
+            field_value(),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn decodes_as_the_rmpv_decoder_did(
+            ts in prop_oneof![any::<f64>().prop_map(Value::from), any::<i64>().prop_map(Value::from), Just(Value::from("t"))],
+            events in proptest::collection::vec(event_value(), 0..4),
+            rank in prop_oneof![Just(None), any::<u64>().prop_map(|r| Some(Value::from(r))), Just(Some(Value::Nil))],
+        ) {
+            let mut batch = vec![ts, Value::Array(events)];
+            batch.extend(rank);
+            let payload = encode(&Value::Array(batch));
+            let new = decode_batch(&payload);
+            let old = reference::decode_batch(&payload);
+            match (&new, &old) {
+                (Ok(a), Ok(b)) => {
+                    // NaN timestamps compare unequal: compare their bits.
+                    prop_assert_eq!(a.ts.to_bits(), b.ts.to_bits());
+                    prop_assert_eq!(&a.events, &b.events);
+                    prop_assert_eq!(a.dp_rank, b.dp_rank);
+                }
+                (Err(_), Err(_)) => {}
+                _ => prop_assert!(false, "bounded {:?} vs rmpv {:?}", new, old),
+            }
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+            let _ = decode_batch(&bytes);
+            let _ = crate::load::decode_load(&bytes);
+        }
     }
 }

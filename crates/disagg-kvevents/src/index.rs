@@ -137,7 +137,7 @@ pub struct HolderMatch {
 impl HolderMatch {
     /// Leading tokens of the prompt it holds.
     pub fn tokens(&self) -> usize {
-        self.blocks * self.block_size
+        self.blocks.saturating_mul(self.block_size)
     }
 }
 
@@ -728,7 +728,14 @@ impl KvIndex {
         let block_size = e.block_size;
         // Blocks whose engine hash covers more than their tokens, or of another cache
         // group: a request keyed by its tokens alone would not hit them.
-        if e.namespaced || e.group_idx.unwrap_or(0) != 0 || e.token_ids.len() < n * block_size {
+        // A size no engine uses (0, or beyond the decoder's ceiling) from a caller
+        // that built the event itself: its products could overflow.
+        let tokens_needed = n.checked_mul(block_size);
+        if e.namespaced
+            || e.group_idx.unwrap_or(0) != 0
+            || !(1..=crate::event::MAX_BLOCK_SIZE).contains(&block_size)
+            || tokens_needed.is_none_or(|need| e.token_ids.len() < need)
+        {
             applied.skipped += n;
             return;
         }
@@ -1071,6 +1078,24 @@ mod tests {
         }
         assert_eq!(index.apply("a", 0, &batch(vec![big])).skipped, 1);
         assert_eq!(index.block_size("a"), Some(4));
+    }
+
+    #[test]
+    fn a_block_size_out_of_range_is_skipped_not_a_panic() {
+        // A holder's first BlockStored naming 2^63 tokens per block (a caller that
+        // built it; the decoder refuses it): n * block_size overflowed, then sliced.
+        let index = KvIndex::new(IndexConfig::default());
+        let p = prompt();
+        for size in [1usize << 63, 0] {
+            let mut huge = stored(&[1, 2], None, &p[..8]);
+            if let KvEvent::BlockStored(s) = &mut huge {
+                s.block_size = size;
+            }
+            assert_eq!(index.apply("a", 0, &batch(vec![huge])).skipped, 2);
+        }
+        assert_eq!(index.block_size("a"), None);
+        index.apply("a", 0, &batch(vec![stored(&[1], None, &p[..4])]));
+        assert_eq!(index.cached_tokens("a", &p), 4);
     }
 
     #[test]

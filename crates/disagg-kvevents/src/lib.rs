@@ -68,6 +68,7 @@ pub mod event;
 pub mod index;
 pub mod key;
 pub mod load;
+mod msgpack;
 pub mod policy;
 pub mod score;
 pub mod subscriber;

@@ -28,9 +28,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use rmpv::Value;
-
 use crate::event::DecodeError;
+use crate::msgpack::Reader;
 
 /// The topic of SGLang's load messages.
 pub const LOAD_TOPIC: &[u8] = b"load";
@@ -59,32 +58,45 @@ pub struct LoadStat {
 /// for anything but an array led by `"LoadStat"`, [`DecodeError::Field`] when one of
 /// the first four positions (or a later one present) is not a non-negative integer.
 pub fn decode_load(payload: &[u8]) -> Result<LoadStat, DecodeError> {
-    let value = rmpv::decode::read_value(&mut &payload[..])
-        .map_err(|e| DecodeError::Msgpack(e.to_string()))?;
-    let Value::Array(items) = value else {
-        return Err(DecodeError::Untagged);
-    };
-    if items.first().and_then(Value::as_str) != Some("LoadStat") {
+    let mut r = Reader::new(payload);
+    let items = r.array()?.ok_or(DecodeError::Untagged)?;
+    if items == 0 || r.str()? != Some(b"LoadStat") {
         return Err(DecodeError::Untagged);
     }
-    let field = |position: usize, name: &'static str, required: bool| match items.get(position) {
-        Some(v) => v.as_u64().ok_or(DecodeError::Field {
+    // Positions 1 to 6 (after the tag), read in order; later ones are not read.
+    let mut values = [None; 7];
+    for (position, slot) in values.iter_mut().enumerate().take(items).skip(1) {
+        // Position 5 is `attn_dp_rank` (informational, may be nil): the socket's rank
+        // is what counts.
+        if position == 5 {
+            r.skip()?;
+            continue;
+        }
+        *slot = Some(match r.int()? {
+            Some(i) => i.as_u64(),
+            None => {
+                r.skip()?;
+                None
+            }
+        });
+    }
+    let field = |position: usize, name: &'static str, required: bool| {
+        let bad = DecodeError::Field {
             event: "LoadStat",
             field: name,
-        }),
-        None if required => Err(DecodeError::Field {
-            event: "LoadStat",
-            field: name,
-        }),
-        None => Ok(0),
+        };
+        match values[position] {
+            Some(Some(v)) => Ok(v),
+            Some(None) => Err(bad),
+            None if required => Err(bad),
+            None => Ok(0),
+        }
     };
     Ok(LoadStat {
         running: field(1, "num_running_reqs", true)?,
         waiting: field(2, "num_waiting_reqs", true)?,
         kv_tokens: field(3, "num_tokens", true)?,
         kv_capacity: field(4, "max_total_num_tokens", true)?,
-        // Position 5 is `attn_dp_rank` (informational, may be nil): the socket's rank
-        // is what counts.
         waiting_uncached_tokens: field(6, "num_waiting_uncached_tokens", false)?,
     })
 }
@@ -183,6 +195,8 @@ fn fresh(at: Instant, now: Instant, max_age: Duration) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use rmpv::Value;
+
     use super::*;
     use crate::event::encode;
 

@@ -57,22 +57,47 @@
 //! [`SubscriberConfig::silence_timeout`] without a report the socket is renewed; the
 //! scorer stops using reports older than its `load_max_age` on its own.
 //!
+//! # Ceilings and isolation
+//!
+//! The sockets are `disagg-zmtp`'s: a message over [`SubscriberConfig::max_message`]
+//! (8 MiB; load reports [`SubscriberConfig::max_load_message`], 64 KiB), more than 16
+//! frames, or bytes that are not ZMTP disconnect the publisher at the frame header,
+//! before anything is stored; a payload is decoded within
+//! [`DecodeLimits::for_message`] of the same size. Every refusal is counted per socket
+//! and reason in [`RankStatus::malformed`]. A publisher at fault is subscribed to
+//! again after a pause that starts at the connect timeout and doubles per failure in a
+//! row up to [`SubscriberConfig::max_backoff`] (30 s); one that is not there is tried
+//! again after 100 ms, doubling up to the connect timeout.
+//!
+//! A replay reads the answer one message at a time, applying each batch as it comes,
+//! stops at the last batch it wants, and fails past
+//! [`SubscriberConfig::replay_max_bytes`]. A failed replay (silent, refused, short,
+//! malformed) backs the rank's next replays off the same way: gaps met meanwhile drop
+//! the rank's entries at once ([`RankStatus::replays_skipped`]) instead of waiting the
+//! replay timeout each, and a failing endpoint is not reconnected to per gap.
+//!
+//! Each rank's tasks run under a supervisor: a panic is caught, counted
+//! ([`RankStatus::panics`]), the rank shown disconnected and its entries dropped, and
+//! the task started again after the back-off; other ranks are not touched.
+//!
 //! # Membership
 //!
 //! [`Subscriber::set_endpoints`] replaces the set: new engines get tasks, engines that
 //! left have their tasks stopped *and their entries dropped from the index*, engines
 //! whose endpoints changed are both.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use disagg_zmtp::{Dealer, Limits, Sub};
+use futures::FutureExt;
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
-use crate::event::{decode_batch, split_frames};
+use crate::event::{DecodeError, DecodeLimits, decode_batch_with, split_frames};
 use crate::index::KvIndex;
 use crate::load::{LOAD_TOPIC, decode_load};
 
@@ -88,6 +113,28 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// replays between its publishing steps, so a buffer of thousands of batches comes
 /// back within milliseconds on a healthy engine.
 pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The default ceiling on one KV-event message (its frames' bytes together), on the
+/// events socket and on replay answers: 8 MiB. An engine step's batch holds the
+/// blocks stored and removed in that step: a 128k-token prompt at 16 tokens per block
+/// is about 0.7 MB (5-byte token ids, 9-byte hashes), at SGLang's page size 1 about
+/// 1.8 MB.
+pub const DEFAULT_MAX_MESSAGE: usize = 8 << 20;
+
+/// The default ceiling on one load report: 64 KiB (a `LoadStat` is about 100 bytes).
+pub const DEFAULT_MAX_LOAD_MESSAGE: usize = 64 << 10;
+
+/// The default longest pause between attempts to subscribe, or to replay, after
+/// failures in a row: 30 s. The first pause is the connect timeout, doubled at each
+/// failure up to this.
+pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// The default bytes one replay may bring back: 64 MiB (a vLLM replay buffer holds
+/// 10,000 batches by default, most of them a few KB).
+pub const DEFAULT_REPLAY_MAX_BYTES: usize = 64 << 20;
+
+/// The first pause before connecting again to a publisher that was not there.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
 
 /// The replay end marker's sequence number: -1 as a signed 64-bit big-endian integer.
 const END_SEQ: u64 = u64::MAX;
@@ -327,10 +374,24 @@ pub struct SubscriberConfig {
     pub topic: String,
     /// Silence after which a rank is resubscribed.
     pub silence_timeout: Duration,
-    /// Time to connect, and between attempts.
+    /// Time to connect, and the first pause after a failed attempt (doubled at each
+    /// failure in a row, up to [`max_backoff`](Self::max_backoff)).
     pub connect_timeout: Duration,
+    /// The longest pause between attempts to subscribe or replay after failures in a
+    /// row ([`DEFAULT_MAX_BACKOFF`]).
+    pub max_backoff: Duration,
     /// Time a replay may take.
     pub replay_timeout: Duration,
+    /// Bytes one replay may bring back ([`DEFAULT_REPLAY_MAX_BYTES`]); past them the
+    /// replay fails like an incomplete one.
+    pub replay_max_bytes: usize,
+    /// The largest KV-event message, its frames together ([`DEFAULT_MAX_MESSAGE`]), on
+    /// the events socket and in replay answers. A publisher that sends a larger one
+    /// is disconnected and counted; decoding is bounded by the same size
+    /// ([`DecodeLimits::for_message`]).
+    pub max_message: usize,
+    /// The largest load report ([`DEFAULT_MAX_LOAD_MESSAGE`]).
+    pub max_load_message: usize,
 }
 
 impl Default for SubscriberConfig {
@@ -339,7 +400,95 @@ impl Default for SubscriberConfig {
             topic: String::new(),
             silence_timeout: DEFAULT_SILENCE_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            max_backoff: DEFAULT_MAX_BACKOFF,
             replay_timeout: DEFAULT_REPLAY_TIMEOUT,
+            replay_max_bytes: DEFAULT_REPLAY_MAX_BYTES,
+            max_message: DEFAULT_MAX_MESSAGE,
+            max_load_message: DEFAULT_MAX_LOAD_MESSAGE,
+        }
+    }
+}
+
+impl SubscriberConfig {
+    /// The pause after `failures` failures in a row (at least 1): the connect timeout
+    /// doubled per failure after the first, at most [`max_backoff`](Self::max_backoff).
+    pub fn backoff(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(20);
+        self.connect_timeout
+            .saturating_mul(1 << doublings)
+            .min(self.max_backoff.max(self.connect_timeout))
+    }
+
+    fn limits(&self, max_message: usize) -> Limits {
+        Limits {
+            handshake_timeout: self.connect_timeout,
+            ..Limits::new(max_message)
+        }
+    }
+}
+
+/// Which of a rank's sockets a message came on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum SocketKind {
+    /// The KV-events `SUB`.
+    Events,
+    /// The replay `DEALER`.
+    Replay,
+    /// The load-report `SUB`.
+    Load,
+}
+
+impl SocketKind {
+    /// `events`, `replay` or `load`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SocketKind::Events => "events",
+            SocketKind::Replay => "replay",
+            SocketKind::Load => "load",
+        }
+    }
+}
+
+/// Why a message, or the connection it came on, was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Malformed {
+    /// A frame, message or frame count over the ceilings: the publisher was
+    /// disconnected.
+    Oversized,
+    /// Not ZMTP 3 as a publisher (or replay `ROUTER`) speaks it: disconnected.
+    Protocol,
+    /// Not `[topic, seq (8 bytes), payload]` (replay: with its empty delimiter first).
+    Shape,
+    /// A payload that does not decode (within [`DecodeLimits`]).
+    Undecodable,
+}
+
+impl Malformed {
+    /// `oversized`, `protocol`, `shape` or `undecodable`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Malformed::Oversized => "oversized",
+            Malformed::Protocol => "protocol",
+            Malformed::Shape => "shape",
+            Malformed::Undecodable => "undecodable",
+        }
+    }
+
+    fn of_decode(e: &DecodeError) -> Malformed {
+        match e {
+            DecodeError::Frames { .. } => Malformed::Shape,
+            _ => Malformed::Undecodable,
+        }
+    }
+
+    /// The connection-level reason of a ZMTP error, if it is the peer's fault.
+    fn of_zmtp(e: &disagg_zmtp::Error) -> Option<Malformed> {
+        match e.reject() {
+            disagg_zmtp::Reject::Oversized => Some(Malformed::Oversized),
+            disagg_zmtp::Reject::Protocol => Some(Malformed::Protocol),
+            _ => None,
         }
     }
 }
@@ -351,7 +500,7 @@ pub struct RankStatus {
     pub engine: String,
     /// The rank.
     pub dp_rank: u32,
-    /// Whether the `SUB` socket is connected now.
+    /// Whether the `SUB` socket is connected now (and its task alive).
     pub connected: bool,
     /// The last sequence number applied.
     pub last_seq: Option<u64>,
@@ -363,6 +512,8 @@ pub struct RankStatus {
     pub replayed: u64,
     /// Replays that failed or could not cover a gap.
     pub replay_failures: u64,
+    /// Gaps not asked for again because replays were backing off after failures.
+    pub replays_skipped: u64,
     /// Restarts detected (the sequence went back).
     pub restarts: u64,
     /// Subscriptions renewed after silence or a receive error.
@@ -378,6 +529,10 @@ pub struct RankStatus {
     pub load_reports: u64,
     /// Load reports that could not be decoded.
     pub load_decode_errors: u64,
+    /// Messages and connections refused, by socket and reason.
+    pub malformed: BTreeMap<(SocketKind, Malformed), u64>,
+    /// Times a task of this rank panicked (it is restarted after a pause).
+    pub panics: u64,
 }
 
 type Statuses = Arc<Mutex<HashMap<(String, u32), RankStatus>>>;
@@ -489,40 +644,53 @@ impl Subscriber {
             if engines.contains_key(&name) {
                 continue;
             }
-            let mut tasks: Vec<JoinHandle<()>> = (0..endpoint.dp_size)
-                .map(|rank| {
-                    let task = RankTask {
-                        index: self.index.clone(),
-                        config: self.config.clone(),
-                        statuses: self.statuses.clone(),
-                        engine: name.clone(),
-                        rank,
-                        publisher: endpoint.publisher_of(rank),
-                        replay: endpoint.replay_of(rank),
-                        last_seq: None,
-                    };
-                    lock(&self.statuses).insert(
-                        (name.clone(), rank),
-                        RankStatus {
-                            engine: name.clone(),
-                            dp_rank: rank,
-                            ..RankStatus::default()
-                        },
-                    );
-                    tokio::spawn(task.run())
-                })
-                .collect();
+            let mut tasks: Vec<JoinHandle<()>> = Vec::new();
             for rank in 0..endpoint.dp_size {
-                if let Some(load) = endpoint.load_of(rank) {
-                    let task = LoadTask {
-                        index: self.index.clone(),
-                        config: self.config.clone(),
-                        statuses: self.statuses.clone(),
+                lock(&self.statuses).insert(
+                    (name.clone(), rank),
+                    RankStatus {
                         engine: name.clone(),
-                        rank,
-                        load,
-                    };
-                    tasks.push(tokio::spawn(task.run()));
+                        dp_rank: rank,
+                        ..RankStatus::default()
+                    },
+                );
+                let shared = Shared {
+                    index: self.index.clone(),
+                    config: self.config.clone(),
+                    statuses: self.statuses.clone(),
+                    engine: name.clone(),
+                    rank,
+                };
+                let (publisher, replay) = (endpoint.publisher_of(rank), endpoint.replay_of(rank));
+                let events = shared.clone();
+                tasks.push(tokio::spawn(supervise(
+                    shared.clone(),
+                    SocketKind::Events,
+                    move || {
+                        let task = RankTask {
+                            shared: events.clone(),
+                            publisher: publisher.clone(),
+                            replay: replay.clone(),
+                            last_seq: None,
+                            replay_failures: 0,
+                            replay_after: None,
+                        };
+                        move || task.run()
+                    },
+                )));
+                if let Some(load) = endpoint.load_of(rank) {
+                    let reports = shared.clone();
+                    tasks.push(tokio::spawn(supervise(
+                        shared,
+                        SocketKind::Load,
+                        move || {
+                            let task = LoadTask {
+                                shared: reports.clone(),
+                                load: load.clone(),
+                            };
+                            move || task.run()
+                        },
+                    )));
                 }
             }
             engines.insert(name, Running { endpoint, tasks });
@@ -561,92 +729,183 @@ impl Subscriber {
     }
 }
 
-/// A `SUB` socket connected to `endpoint` and subscribed to `topic`, for `rank` of
-/// `engine`: each attempt has the connect timeout and waits as long after a failure;
-/// `attempt` runs before each.
-async fn subscribe(
-    endpoint: &str,
-    topic: &str,
-    config: &SubscriberConfig,
-    (engine, rank): (&str, u32),
-    mut attempt: impl FnMut(),
-) -> SubSocket {
+/// Runs the task `make` builds until it ends, and builds it again after a panic: the
+/// panic is counted, the rank shown disconnected (its entries dropped, for the events
+/// task: what it applied last is unknown), and the new task starts after the back-off
+/// of the panics in a row. A panic in one rank's task touches no other rank.
+async fn supervise<F, Fut>(shared: Shared, kind: SocketKind, mut make: impl FnMut() -> F)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = ()> + Send,
+{
+    let mut panics_in_row = 0;
     loop {
-        attempt();
-        let mut socket = SubSocket::new();
-        let subscribed =
-            match tokio::time::timeout(config.connect_timeout, socket.connect(endpoint)).await {
-                Ok(Ok(())) => socket.subscribe(topic).await,
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(zeromq::ZmqError::ConnectTimeout(config.connect_timeout)),
-            };
-        match subscribed {
-            Ok(()) => {
-                tracing::debug!(engine, rank, endpoint, topic, "subscribed");
-                return socket;
-            }
-            Err(e) => {
-                tracing::debug!(engine, rank, endpoint, error = %e, "cannot subscribe");
-                tokio::time::sleep(config.connect_timeout).await;
-            }
+        let task = make()();
+        if std::panic::AssertUnwindSafe(task)
+            .catch_unwind()
+            .await
+            .is_ok()
+        {
+            return;
         }
+        panics_in_row += 1;
+        tracing::error!(engine = %shared.engine, rank = shared.rank, socket = kind.as_str(), "kv events: the subscription's task panicked; restarting it");
+        if kind == SocketKind::Events {
+            shared.index.clear(&shared.engine, shared.rank);
+        }
+        shared.status(|s| {
+            s.panics += 1;
+            match kind {
+                SocketKind::Load => s.load_connected = false,
+                _ => s.connected = false,
+            }
+        });
+        tokio::time::sleep(shared.config.backoff(panics_in_row)).await;
     }
 }
 
-/// Applies `f` to the status of `engine`'s rank `rank`, if it is still listed.
-fn update_status(statuses: &Statuses, engine: &str, rank: u32, f: impl FnOnce(&mut RankStatus)) {
-    if let Some(s) = lock(statuses).get_mut(&(engine.to_owned(), rank)) {
-        f(s);
-    }
-}
-
-/// One rank's load-report subscription (see the [module docs](self)).
-struct LoadTask {
+/// What every task of one rank holds.
+#[derive(Clone)]
+struct Shared {
     index: Arc<KvIndex>,
     config: Arc<SubscriberConfig>,
     statuses: Statuses,
     engine: String,
     rank: u32,
+}
+
+impl Shared {
+    /// Applies `f` to the rank's status, if it is still listed.
+    fn status(&self, f: impl FnOnce(&mut RankStatus)) {
+        if let Some(s) = lock(&self.statuses).get_mut(&(self.engine.clone(), self.rank)) {
+            f(s);
+        }
+    }
+
+    /// Counts one refused message or connection.
+    fn malformed(&self, kind: SocketKind, why: Malformed) {
+        self.status(|s| *s.malformed.entry((kind, why)).or_default() += 1);
+    }
+
+    /// A `SUB` socket connected to `endpoint` and subscribed to `topic`, with the
+    /// ceiling `max_message`. After an attempt the peer failed (over a ceiling, not
+    /// ZMTP), counted in `failures`, the next waits the back-off of the failures in a
+    /// row; after one that found nobody, 100 ms, doubled while nobody answers up to
+    /// the connect timeout. `failures` carries the
+    /// count across subscriptions: the caller resets it once a subscription delivered
+    /// a well-formed message.
+    async fn subscribe(
+        &self,
+        endpoint: &str,
+        topic: &[u8],
+        kind: SocketKind,
+        max_message: usize,
+        failures: &mut u32,
+    ) -> Sub {
+        let limits = self.config.limits(max_message);
+        let mut refused: u32 = 0;
+        loop {
+            if *failures > 0 {
+                tokio::time::sleep(self.config.backoff(*failures)).await;
+            }
+            match Sub::connect(endpoint, topic, limits, self.config.connect_timeout).await {
+                Ok(sub) => {
+                    tracing::debug!(engine = %self.engine, rank = self.rank, endpoint, "subscribed");
+                    return sub;
+                }
+                Err(e) => {
+                    tracing::debug!(engine = %self.engine, rank = self.rank, endpoint, error = %e, "cannot subscribe");
+                    match Malformed::of_zmtp(&e) {
+                        // The peer's fault: counted, and the pauses grow.
+                        Some(why) => {
+                            self.malformed(kind, why);
+                            *failures = failures.saturating_add(1);
+                        }
+                        // Nobody there (yet): try again soon, so that a restarted
+                        // engine is found again promptly (100 ms, doubling up to the
+                        // connect timeout while nobody answers).
+                        None => {
+                            let pause = FIRST_RETRY
+                                .saturating_mul(1 << refused.min(16))
+                                .min(self.config.connect_timeout);
+                            refused += 1;
+                            tokio::time::sleep(pause).await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A receive error on `kind`'s socket: counted when the peer is at fault (then the
+    /// next subscription backs off).
+    fn receive_failed(&self, kind: SocketKind, e: &disagg_zmtp::Error, failures: &mut u32) {
+        if let Some(why) = Malformed::of_zmtp(e) {
+            self.malformed(kind, why);
+            *failures = failures.saturating_add(1);
+            tracing::warn!(engine = %self.engine, rank = self.rank, socket = kind.as_str(), error = %e, "kv events: peer disconnected");
+        } else {
+            tracing::debug!(engine = %self.engine, rank = self.rank, socket = kind.as_str(), error = %e, "kv events: receive failed, resubscribing");
+        }
+    }
+}
+
+/// One rank's load-report subscription (see the [module docs](self)).
+struct LoadTask {
+    shared: Shared,
     load: String,
 }
 
 impl LoadTask {
-    fn status(&self, f: impl FnOnce(&mut RankStatus)) {
-        update_status(&self.statuses, &self.engine, self.rank, f);
-    }
-
     async fn run(self) {
-        let topic = String::from_utf8_lossy(LOAD_TOPIC);
+        let shared = &self.shared;
+        let mut failures = 0;
         loop {
-            let mut socket = subscribe(
-                &self.load,
-                &topic,
-                &self.config,
-                (&self.engine, self.rank),
-                || {},
-            )
-            .await;
-            self.status(|s| s.load_connected = true);
+            let mut socket = shared
+                .subscribe(
+                    &self.load,
+                    LOAD_TOPIC,
+                    SocketKind::Load,
+                    shared.config.max_load_message,
+                    &mut failures,
+                )
+                .await;
+            shared.status(|s| s.load_connected = true);
             // Until silence or an error; the next subscription starts afresh.
-            while let Ok(Ok(message)) =
-                tokio::time::timeout(self.config.silence_timeout, socket.recv()).await
-            {
-                let frames: Vec<Bytes> = message.into_vec();
-                let views: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+            loop {
+                let message = match tokio::time::timeout(
+                    shared.config.silence_timeout,
+                    socket.recv(),
+                )
+                .await
+                {
+                    Ok(Ok(message)) => message,
+                    Ok(Err(e)) => {
+                        shared.receive_failed(SocketKind::Load, &e, &mut failures);
+                        break;
+                    }
+                    Err(_) => break,
+                };
+                let views: Vec<&[u8]> = message.iter().map(|f| &f[..]).collect();
                 match split_frames(&views).and_then(|f| decode_load(f.payload)) {
                     Ok(stat) => {
-                        self.index
-                            .loads()
-                            .record(&self.engine, self.rank, stat, Instant::now());
-                        self.status(|s| s.load_reports += 1);
+                        failures = 0;
+                        shared.index.loads().record(
+                            &shared.engine,
+                            shared.rank,
+                            stat,
+                            Instant::now(),
+                        );
+                        shared.status(|s| s.load_reports += 1);
                     }
                     Err(e) => {
-                        tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "load reports: undecodable report");
-                        self.status(|s| s.load_decode_errors += 1);
+                        tracing::debug!(engine = %shared.engine, rank = shared.rank, error = %e, "load reports: undecodable report");
+                        shared.malformed(SocketKind::Load, Malformed::of_decode(&e));
+                        shared.status(|s| s.load_decode_errors += 1);
                     }
                 }
             }
-            self.status(|s| s.load_connected = false);
+            shared.status(|s| s.load_connected = false);
         }
     }
 }
@@ -655,84 +914,94 @@ impl LoadTask {
 #[derive(Debug, thiserror::Error)]
 enum ReplayError {
     #[error("zmq: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
+    Zmq(#[from] disagg_zmtp::Error),
     #[error("timed out")]
     Timeout,
     #[error("the engine's buffer starts at {first:?}, after {wanted}")]
     Incomplete { wanted: u64, first: Option<u64> },
     #[error("malformed replay message")]
     Malformed,
+    #[error("the replay brought more than {0} bytes")]
+    Budget(usize),
 }
 
 /// One rank's subscription.
 struct RankTask {
-    index: Arc<KvIndex>,
-    config: Arc<SubscriberConfig>,
-    statuses: Statuses,
-    engine: String,
-    rank: u32,
+    shared: Shared,
     publisher: String,
     replay: Option<String>,
     last_seq: Option<u64>,
+    /// Replays failed in a row, and when the next may be tried.
+    replay_failures: u32,
+    replay_after: Option<tokio::time::Instant>,
 }
 
 impl RankTask {
     fn status(&self, f: impl FnOnce(&mut RankStatus)) {
-        update_status(&self.statuses, &self.engine, self.rank, f);
+        self.shared.status(f);
     }
 
     async fn run(mut self) {
         let mut first = true;
+        let mut failures = 0;
         loop {
-            let socket = subscribe(
-                &self.publisher,
-                &self.config.topic,
-                &self.config,
-                (&self.engine, self.rank),
-                || {
-                    if !first {
-                        self.status(|s| s.resubscribes += 1);
-                    }
-                },
-            )
-            .await;
+            if !first {
+                self.status(|s| s.resubscribes += 1);
+            }
             first = false;
+            let topic = self.shared.config.topic.clone();
+            let socket = self
+                .shared
+                .subscribe(
+                    &self.publisher,
+                    topic.as_bytes(),
+                    SocketKind::Events,
+                    self.shared.config.max_message,
+                    &mut failures,
+                )
+                .await;
             self.status(|s| s.connected = true);
-            self.receive(socket).await;
+            self.receive(socket, &mut failures).await;
             self.status(|s| s.connected = false);
         }
     }
 
     /// Receives until silence or an error.
-    async fn receive(&mut self, mut socket: SubSocket) {
+    async fn receive(&mut self, mut socket: Sub, failures: &mut u32) {
         // The first batch of this subscription catches up on the engine's history.
         let mut catch_up = true;
+        let silence = self.shared.config.silence_timeout;
         loop {
-            let message = match tokio::time::timeout(self.config.silence_timeout, socket.recv())
-                .await
-            {
+            let message = match tokio::time::timeout(silence, socket.recv()).await {
                 Ok(Ok(message)) => message,
                 Ok(Err(e)) => {
-                    tracing::debug!(engine = %self.engine, rank = self.rank, error = %e, "kv events: receive failed, resubscribing");
+                    self.shared.receive_failed(SocketKind::Events, &e, failures);
                     return;
                 }
                 Err(_) => {
-                    tracing::debug!(engine = %self.engine, rank = self.rank, "kv events: silent, resubscribing");
+                    tracing::debug!(engine = %self.shared.engine, rank = self.shared.rank, "kv events: silent, resubscribing");
                     return;
                 }
             };
-            let frames: Vec<Bytes> = message.into_vec();
-            let views: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
-            let Ok(parsed) = split_frames(&views) else {
-                self.status(|s| s.decode_errors += 1);
-                continue;
+            let views: Vec<&[u8]> = message.iter().map(|f| &f[..]).collect();
+            let parsed = match split_frames(&views) {
+                Ok(parsed) => parsed,
+                Err(e) => {
+                    self.shared
+                        .malformed(SocketKind::Events, Malformed::of_decode(&e));
+                    self.status(|s| s.decode_errors += 1);
+                    continue;
+                }
             };
+            *failures = 0;
             let seq = parsed.seq;
             match self.last_seq {
                 Some(last) if seq <= last => {
                     // The sequence went back: a new engine process.
-                    tracing::info!(engine = %self.engine, rank = self.rank, seq, last, "kv events: engine restarted, dropping its entries");
-                    self.index.clear(&self.engine, self.rank);
+                    tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, seq, last, "kv events: engine restarted, dropping its entries");
+                    self.shared
+                        .index
+                        .clear(&self.shared.engine, self.shared.rank);
                     self.status(|s| {
                         s.restarts += 1;
                         s.drops += 1;
@@ -744,29 +1013,33 @@ impl RankTask {
                 }
                 // Best effort: a history the buffer no longer starts at 0 for still
                 // teaches what it holds.
-                None if catch_up && seq > 0 && self.replay.is_some() => {
-                    let _ = self.replay_range(0, seq, false).await;
+                None if catch_up && seq > 0 && self.replay.is_some() && self.replay_allowed() => {
+                    let replayed = self.replay_range(0, seq, false).await;
+                    self.replay_done(replayed.is_ok());
                 }
                 _ => {}
             }
             catch_up = false;
-            self.apply(seq, parsed.payload);
+            self.apply(seq, parsed.payload, SocketKind::Events);
         }
     }
 
     /// Applies one batch (or drops the rank's entries if it cannot be decoded).
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
-        match decode_batch(payload) {
+    fn apply(&mut self, seq: u64, payload: &[u8], kind: SocketKind) {
+        let limits = DecodeLimits::for_message(self.shared.config.max_message);
+        let (engine, rank) = (&self.shared.engine, self.shared.rank);
+        match decode_batch_with(payload, &limits) {
             Ok(batch) => {
-                if batch.dp_rank.is_some_and(|r| r != self.rank) {
-                    tracing::debug!(engine = %self.engine, rank = self.rank, batch_rank = ?batch.dp_rank, "kv events: batch names another rank than its port");
+                if batch.dp_rank.is_some_and(|r| r != rank) {
+                    tracing::debug!(engine = %engine, rank, batch_rank = ?batch.dp_rank, "kv events: batch names another rank than its port");
                 }
-                self.index.apply(&self.engine, self.rank, &batch);
+                self.shared.index.apply(engine, rank, &batch);
                 self.status(|s| s.batches += 1);
             }
             Err(e) => {
-                tracing::warn!(engine = %self.engine, rank = self.rank, seq, error = %e, "kv events: undecodable batch, dropping the rank's entries");
-                self.index.clear(&self.engine, self.rank);
+                tracing::warn!(engine = %engine, rank, seq, error = %e, "kv events: undecodable batch, dropping the rank's entries");
+                self.shared.index.clear(engine, rank);
+                self.shared.malformed(kind, Malformed::of_decode(&e));
                 self.status(|s| {
                     s.decode_errors += 1;
                     s.drops += 1;
@@ -777,24 +1050,54 @@ impl RankTask {
         self.status(|s| s.last_seq = Some(seq));
     }
 
+    /// Whether a replay may be tried now (not backing off after failures).
+    fn replay_allowed(&self) -> bool {
+        self.replay_after
+            .is_none_or(|after| tokio::time::Instant::now() >= after)
+    }
+
+    /// Records a replay's outcome: a failure backs the next one off.
+    fn replay_done(&mut self, ok: bool) {
+        if ok {
+            self.replay_failures = 0;
+            self.replay_after = None;
+        } else {
+            self.replay_failures = self.replay_failures.saturating_add(1);
+            let pause = self.shared.config.backoff(self.replay_failures);
+            self.replay_after = Some(tokio::time::Instant::now() + pause);
+        }
+    }
+
     /// Fills the gap `[from, until)` by replay, or drops the rank's entries.
     async fn recover(&mut self, from: u64, until: u64) {
         if self.replay.is_some() {
-            match self.replay_range(from, until, true).await {
-                Ok(()) => return,
-                Err(e) => {
-                    tracing::info!(engine = %self.engine, rank = self.rank, from, until, error = %e, "kv events: replay failed");
-                    self.status(|s| s.replay_failures += 1);
+            if self.replay_allowed() {
+                let replayed = self.replay_range(from, until, true).await;
+                self.replay_done(replayed.is_ok());
+                match replayed {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, from, until, error = %e, "kv events: replay failed");
+                        self.status(|s| s.replay_failures += 1);
+                    }
                 }
+            } else {
+                self.status(|s| s.replays_skipped += 1);
             }
         }
-        tracing::info!(engine = %self.engine, rank = self.rank, from, until, "kv events: batches lost, dropping the rank's entries");
-        self.index.clear(&self.engine, self.rank);
+        tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, from, until, "kv events: batches lost, dropping the rank's entries");
+        self.shared
+            .index
+            .clear(&self.shared.engine, self.shared.rank);
         self.status(|s| s.drops += 1);
     }
 
     /// Asks the replay socket for `[from, until)` and applies what it returns, in
-    /// order. With `exact`, fails (applying nothing) unless every batch came back.
+    /// order, as it comes: one message at a time in memory, the connection closed as
+    /// soon as `until - 1` arrived, at most [`SubscriberConfig::replay_max_bytes`]
+    /// read. With `exact`, fails unless every batch came back in order (what it
+    /// applied before failing is dropped by the caller with the rest of the rank's
+    /// entries).
     async fn replay_range(
         &mut self,
         from: u64,
@@ -804,60 +1107,81 @@ impl RankTask {
         let Some(endpoint) = self.replay.clone() else {
             return Ok(());
         };
-        let fetched =
-            tokio::time::timeout(self.config.replay_timeout, fetch_replay(&endpoint, from))
+        let timeout = self.shared.config.replay_timeout;
+        let result =
+            tokio::time::timeout(timeout, self.stream_replay(&endpoint, from, until, exact))
                 .await
-                .map_err(|_| ReplayError::Timeout)??;
-        let batches: Vec<(u64, Bytes)> = fetched
-            .into_iter()
-            .filter(|(seq, _)| (from..until).contains(seq))
-            .collect();
-        let complete = batches.len() as u64 == until - from
-            && batches
-                .iter()
-                .zip(from..)
-                .all(|((seq, _), want)| *seq == want);
-        if exact && !complete {
+                .unwrap_or(Err(ReplayError::Timeout));
+        if let Err(e) = &result {
+            let why = match e {
+                ReplayError::Zmq(z) => Malformed::of_zmtp(z),
+                ReplayError::Malformed => Some(Malformed::Shape),
+                _ => None,
+            };
+            if let Some(why) = why {
+                self.shared.malformed(SocketKind::Replay, why);
+            }
+        }
+        result
+    }
+
+    async fn stream_replay(
+        &mut self,
+        endpoint: &str,
+        from: u64,
+        until: u64,
+        exact: bool,
+    ) -> Result<(), ReplayError> {
+        let config = Arc::clone(&self.shared.config);
+        let mut dealer = Dealer::connect(
+            endpoint,
+            config.limits(config.max_message),
+            config.connect_timeout,
+        )
+        .await?;
+        // A DEALER talking to a ROUTER: an empty delimiter, then the request.
+        dealer.send(&[b"", &from.to_be_bytes()]).await?;
+        let mut expected = from;
+        let mut bytes = 0usize;
+        while expected < until {
+            let frames = dealer.recv().await?;
+            // [empty, topic, seq, payload]
+            let [_, topic, seq, payload] = frames.as_slice() else {
+                return Err(ReplayError::Malformed);
+            };
+            let views = [&topic[..], &seq[..], &payload[..]];
+            let seq = split_frames(&views)
+                .map_err(|_| ReplayError::Malformed)?
+                .seq;
+            if seq == END_SEQ {
+                break;
+            }
+            bytes = bytes.saturating_add(frames.iter().map(Bytes::len).sum());
+            if bytes > config.replay_max_bytes {
+                return Err(ReplayError::Budget(config.replay_max_bytes));
+            }
+            if !(from..until).contains(&seq) || seq < expected {
+                continue;
+            }
+            if exact && seq != expected {
+                return Err(ReplayError::Incomplete {
+                    wanted: expected,
+                    first: Some(seq),
+                });
+            }
+            // Counted before it is applied, so that whoever sees this batch in
+            // `batches` also sees it in `replayed`.
+            self.status(|s| s.replayed += 1);
+            self.apply(seq, payload, SocketKind::Replay);
+            expected = seq + 1;
+        }
+        if exact && expected < until {
             return Err(ReplayError::Incomplete {
-                wanted: from,
-                first: batches.first().map(|(s, _)| *s),
+                wanted: expected,
+                first: None,
             });
         }
-        // Counted before they are applied, so that whoever sees one of these
-        // batches in `batches` also sees it in `replayed`.
-        let count = batches.len() as u64;
-        self.status(|s| s.replayed += count);
-        for (seq, payload) in batches {
-            self.apply(seq, &payload);
-        }
         Ok(())
-    }
-}
-
-/// Every buffered batch from `from` on, as `(seq, payload)`, until the end marker.
-async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, ReplayError> {
-    let mut dealer = DealerSocket::new();
-    dealer.connect(endpoint).await?;
-    // A DEALER talking to a ROUTER: an empty delimiter, then the request.
-    let request = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&from.to_be_bytes()),
-    ])
-    .map_err(|_| ReplayError::Malformed)?;
-    dealer.send(request).await?;
-    let mut batches = Vec::new();
-    loop {
-        let frames = dealer.recv().await?.into_vec();
-        // [empty, topic, seq, payload]
-        let [_, topic, seq, payload] = frames.as_slice() else {
-            return Err(ReplayError::Malformed);
-        };
-        let views = [&topic[..], &seq[..], &payload[..]];
-        let parsed = split_frames(&views).map_err(|_| ReplayError::Malformed)?;
-        if parsed.seq == END_SEQ {
-            return Ok(batches);
-        }
-        batches.push((parsed.seq, payload.clone()));
     }
 }
 
@@ -897,5 +1221,66 @@ mod tests {
         assert!(EngineEndpoint::on_engine_host("http://:8000", 1, None).is_err());
         let e = EngineEndpoint::on_engine_host("engine-0.svc", 5557, Some(5558)).unwrap();
         assert_eq!(e.replay.as_deref(), Some("tcp://engine-0.svc:5558"));
+    }
+
+    #[test]
+    fn backoff_doubles_from_the_connect_timeout_up_to_its_cap() {
+        let config = SubscriberConfig {
+            connect_timeout: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(1000),
+            ..SubscriberConfig::default()
+        };
+        let pauses: Vec<u64> = (1..=6)
+            .map(|n| config.backoff(n).as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(config.backoff(u32::MAX), Duration::from_millis(1000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_task_is_restarted_with_backoff_and_counted() {
+        let index = Arc::new(KvIndex::new(crate::IndexConfig::default()));
+        let statuses: Statuses = Arc::default();
+        lock(&statuses).insert(
+            ("e".to_owned(), 0),
+            RankStatus {
+                engine: "e".into(),
+                connected: true,
+                ..RankStatus::default()
+            },
+        );
+        let shared = Shared {
+            index,
+            config: Arc::new(SubscriberConfig {
+                connect_timeout: Duration::from_secs(1),
+                max_backoff: Duration::from_secs(4),
+                ..SubscriberConfig::default()
+            }),
+            statuses: statuses.clone(),
+            engine: "e".into(),
+            rank: 0,
+        };
+        let runs = Arc::new(Mutex::new(Vec::new()));
+        let seen = runs.clone();
+        let started = tokio::time::Instant::now();
+        supervise(shared, SocketKind::Events, move || {
+            let seen = seen.clone();
+            move || async move {
+                let n = {
+                    let mut runs = lock(&seen);
+                    runs.push(started.elapsed().as_secs());
+                    runs.len()
+                };
+                if n <= 3 {
+                    panic!("run {n} panics");
+                }
+            }
+        })
+        .await;
+        // Restarted after 1, 2 and 4 s.
+        assert_eq!(*lock(&runs), [0, 1, 3, 7]);
+        let status = lock(&statuses)[&("e".to_owned(), 0)].clone();
+        assert_eq!(status.panics, 3);
+        assert!(!status.connected);
     }
 }

@@ -28,6 +28,14 @@
 //! against an owner that never drops its `Pending`, not a timeout for the handoff (the
 //! caller bounds its own wait, e.g. with `tokio::time::timeout`).
 //!
+//! # The socket
+//!
+//! The PULL socket is `disagg-zmtp`'s: each prefill rank's connection on a task of
+//! its own, every message under [`NotifyConfig::max_message`] (64 KiB) and 16 frames,
+//! checked at the frame header before anything is stored; a peer over them, or not
+//! speaking ZMTP 3 as a `PUSH`, is disconnected and counted
+//! ([`Notifications::socket_stats`]), and the others go on.
+//!
 //! The registry is one `std::sync::Mutex` over a `HashMap`, held only for map updates and
 //! never across an await; waiters are woken through a `tokio::sync::watch` per
 //! registration, so nothing polls.
@@ -39,10 +47,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+use disagg_zmtp::{Limits, Pull, PullConfig, PullStats, PullStatsHandle};
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use zeromq::{Socket, SocketRecv};
 
 /// The message tags accepted as a KV-ready notification: LMCache's `ProxyNotif` and the
 /// older `nixl_connector_v3`'s `NixlProxyNotif`.
@@ -55,11 +63,6 @@ const MIN_SWEEP_INTERVAL: Duration = Duration::from_millis(1);
 /// The longest sweep period: tokio adds the period to the current instant and panics on
 /// overflow, so an "effectively never" setting such as `Duration::MAX` is capped here.
 const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// The longest pause after repeated socket receive errors. A single error (one peer's
-/// broken framing) is followed at once by the next receive; only an error streak backs
-/// off, so a persistently failing socket cannot spin a core.
-const MAX_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 
 // === NotifyConfig ===
 
@@ -86,7 +89,18 @@ pub struct NotifyConfig {
     /// Registrations alive at once; [`Notifications::register`] fails with
     /// [`NotifyError::Full`] beyond it (default 65,536).
     pub max_pending: usize,
+    /// The largest notification a peer may send, its frames together (default 64 KiB;
+    /// a `ProxyNotif` is its request id and about 20 bytes more). A peer that sends a
+    /// larger one, or more than 16 frames, is disconnected at the frame header and
+    /// counted; the others go on.
+    pub max_message: usize,
+    /// Prefill ranks connected at once (default 1,024); one more is closed at once
+    /// and counted.
+    pub max_peers: usize,
 }
+
+/// [`NotifyConfig::max_message`]'s default: 64 KiB.
+pub const DEFAULT_MAX_NOTIFICATION: usize = 64 << 10;
 
 impl Default for NotifyConfig {
     fn default() -> Self {
@@ -94,6 +108,8 @@ impl Default for NotifyConfig {
             ttl: Duration::from_secs(120),
             sweep_interval: Duration::from_secs(1),
             max_pending: 65_536,
+            max_message: DEFAULT_MAX_NOTIFICATION,
+            max_peers: 1024,
         }
     }
 }
@@ -303,6 +319,8 @@ enum Outcome {
 struct Inner {
     config: NotifyConfig,
     local_addr: Option<SocketAddr>,
+    /// The socket's peer counters (`None` when detached).
+    socket: Option<PullStatsHandle>,
     registry: Mutex<Registry>,
     counters: Counters,
     /// Never sent on: dropped with the last handle, which ends the socket task and the
@@ -314,11 +332,13 @@ impl Inner {
     fn new(
         config: NotifyConfig,
         local_addr: Option<SocketAddr>,
+        socket: Option<PullStatsHandle>,
     ) -> (Arc<Inner>, watch::Receiver<()>) {
         let (shutdown, on_shutdown) = watch::channel(());
         let inner = Arc::new(Inner {
             config,
             local_addr,
+            socket,
             registry: Mutex::new(Registry::default()),
             counters: Counters::default(),
             _shutdown: shutdown,
@@ -466,43 +486,20 @@ fn decode(frame: &[u8]) -> Result<&str, Malformed> {
 
 // === background tasks ===
 
-async fn receive_loop(
-    mut socket: zeromq::PullSocket,
-    registry: Weak<Inner>,
-    mut shutdown: watch::Receiver<()>,
-) {
-    let mut failures: u32 = 0;
+async fn receive_loop(mut socket: Pull, registry: Weak<Inner>, mut shutdown: watch::Receiver<()>) {
     loop {
-        let received = tokio::select! {
+        let message = tokio::select! {
             biased;
             _ = shutdown.changed() => break,
-            received = socket.recv() => received,
+            message = socket.recv() => message,
         };
-        match received {
-            Ok(message) => {
-                failures = 0;
-                let Some(inner) = registry.upgrade() else {
-                    break;
-                };
-                inner.on_frame(message.get(0).map(|frame| &frame[..]));
-            }
-            Err(error) => {
-                failures = failures.saturating_add(1);
-                tracing::warn!(%error, failures, "LMCache notification socket: receive failed");
-                if failures > 1 {
-                    let pause =
-                        Duration::from_millis(1u64 << failures.min(7)).min(MAX_ERROR_BACKOFF);
-                    tokio::select! {
-                        biased;
-                        _ = shutdown.changed() => break,
-                        () = tokio::time::sleep(pause) => {}
-                    }
-                }
-            }
-        }
-    }
-    for error in socket.close().await {
-        tracing::debug!(%error, "LMCache notification socket: close");
+        let Some(message) = message else {
+            break;
+        };
+        let Some(inner) = registry.upgrade() else {
+            break;
+        };
+        inner.on_frame(message.first().map(|frame| &frame[..]));
     }
 }
 
@@ -603,24 +600,28 @@ impl Notifications {
             source,
         };
         let target = listen_address(addr)?;
-        // Bound here rather than by zeromq so the resolved address (port 0, host names) is
+        // Bound here rather than by the socket so the resolved address (port 0, host names) is
         // known exactly.
         let listener = tokio::net::TcpListener::bind(target.as_str())
             .await
             .map_err(bind_error)?;
         let local_addr = listener.local_addr().map_err(bind_error)?;
-        let listener = listener.into_std().map_err(bind_error)?;
-        let mut socket = zeromq::PullSocket::new();
-        socket
-            .bind_listener(listener)
-            .await
-            .map_err(|error| NotifyError::Listen {
-                addr: addr.to_owned(),
-                source: Box::new(error),
-            })?;
+        let limits = Limits::new(config.max_message);
+        let socket = Pull::from_listener(
+            listener,
+            PullConfig {
+                max_peers: config.max_peers,
+                ..PullConfig::new(limits)
+            },
+        )
+        .map_err(|error| NotifyError::Listen {
+            addr: addr.to_owned(),
+            source: Box::new(error),
+        })?;
+        let stats = socket.stats_handle();
 
         let sweep_interval = config.sweep_interval;
-        let (inner, shutdown) = Inner::new(config, Some(local_addr));
+        let (inner, shutdown) = Inner::new(config, Some(local_addr), Some(stats));
         tokio::spawn(receive_loop(
             socket,
             Arc::downgrade(&inner),
@@ -639,7 +640,7 @@ impl Notifications {
     /// [`register`](Self::register).
     pub fn detached(config: NotifyConfig) -> Notifications {
         let sweep_interval = config.sweep_interval;
-        let (inner, shutdown) = Inner::new(config, None);
+        let (inner, shutdown) = Inner::new(config, None, None);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(sweep_loop(Arc::downgrade(&inner), sweep_interval, shutdown));
         }
@@ -724,6 +725,14 @@ impl Notifications {
         self.inner.lock().slots.len()
     }
 
+    /// The notification socket's peer counters (connections, and peers disconnected
+    /// for a message over [`NotifyConfig::max_message`], for not speaking ZMTP as a
+    /// `PUSH`, for a slow handshake, or refused beyond [`NotifyConfig::max_peers`]);
+    /// `None` when [`detached`](Self::detached).
+    pub fn socket_stats(&self) -> Option<PullStats> {
+        self.inner.socket.as_ref().map(PullStatsHandle::get)
+    }
+
     /// The counters since the registry was created.
     ///
     /// A registration's `matched`, `completed` and `evicted` counts are updated before its
@@ -743,6 +752,7 @@ impl Notifications {
     /// | `disagg_lmcache_registrations_completed_total` | counter | requests whose every expected notification arrived |
     /// | `disagg_lmcache_registrations_evicted_total` | counter | registrations removed after outliving [`NotifyConfig::ttl`] |
     /// | `disagg_lmcache_registrations_pending` | gauge | requests waiting for notifications now |
+    /// | `disagg_lmcache_notify_peers_rejected_total{reason}` | counter | peers of the socket disconnected or refused: `oversized` (a message over [`NotifyConfig::max_message`] or more than 16 frames), `protocol` (not ZMTP 3 as a `PUSH`), `timeout` (no handshake within 5 s), `too_many_peers` (beyond [`NotifyConfig::max_peers`]); only with a socket |
     ///
     /// The outcomes partition what was received: their sum is [`NotifyStats::received`]
     /// (so no separate total is exported).
@@ -814,6 +824,22 @@ impl prometheus_client::collector::Collector for NotifyCollector {
         ] {
             let metric = ConstCounter::new(n);
             metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)?;
+        }
+        if let Some(peers) = self.0.socket_stats() {
+            let mut rejected = encoder.encode_descriptor(
+                "disagg_lmcache_notify_peers_rejected",
+                "Peers of the LMCache notification socket disconnected or refused, by reason.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (reason, n) in [
+                ("oversized", peers.oversized),
+                ("protocol", peers.protocol),
+                ("timeout", peers.timeout),
+                ("too_many_peers", peers.refused),
+            ] {
+                ConstCounter::new(n).encode(rejected.encode_family(&[("reason", reason)])?)?;
+            }
         }
         let pending = ConstGauge::new(i64::try_from(self.0.pending_len()).unwrap_or(i64::MAX));
         pending.encode(encoder.encode_descriptor(
@@ -928,6 +954,7 @@ mod tests {
             ttl,
             sweep_interval: Duration::from_secs(1),
             max_pending,
+            ..NotifyConfig::default()
         }
     }
 
@@ -1128,6 +1155,7 @@ mod tests {
                 ttl: Duration::from_secs(10),
                 sweep_interval,
                 max_pending: 16,
+                ..NotifyConfig::default()
             });
             let pending = notifications.register("r", 1).expect("register");
             let outcome = tokio::time::timeout(evicted_within, pending.ready()).await;
@@ -1137,6 +1165,7 @@ mod tests {
             ttl: Duration::MAX,
             sweep_interval: Duration::from_secs(60 * 60),
             max_pending: 16,
+            ..NotifyConfig::default()
         });
         let pending = notifications.register("r", 1).expect("register");
         tokio::time::sleep(Duration::from_secs(30 * 24 * 60 * 60)).await;

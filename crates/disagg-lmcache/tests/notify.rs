@@ -419,3 +419,69 @@ async fn ten_thousand_registrations_with_random_loss() {
     drop(pendings);
     assert_eq!(notifications.pending_len(), 0);
 }
+
+/// A raw TCP peer that greets as a ZMTP 3 `PUSH` (NULL mechanism, READY).
+async fn raw_push(endpoint: &str) -> tokio::net::TcpStream {
+    let addr = endpoint.trim_start_matches("tcp://");
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut hello = vec![0u8; 64];
+    hello[0] = 0xff;
+    hello[9] = 0x7f;
+    hello[10] = 3;
+    hello[12..16].copy_from_slice(b"NULL");
+    hello.extend_from_slice(b"\x04\x1a\x05READY\x0bSocket-Type\x00\x00\x00\x04PUSH");
+    s.write_all(&hello).await.expect("greet");
+    s
+}
+
+/// Reads until the listener closes the connection: whether it did.
+async fn closed(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut sink = [0u8; 256];
+    loop {
+        match timeout(PATIENCE, s.read(&mut sink)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_bomb_or_an_oversized_notification_disconnects_its_peer_only() {
+    let (notifications, endpoint) = listen(NotifyConfig::default()).await;
+    let pending = notifications.register("r", 1).expect("register");
+    let mut honest = peer(&endpoint).await;
+
+    // A frame header announcing 1 TiB: refused at the header.
+    let mut bomber = raw_push(&endpoint).await;
+    let mut bomb = vec![0x02];
+    bomb.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    bomber.write_all(&bomb).await.expect("bomb");
+    assert!(closed(&mut bomber).await, "the bomber stays connected");
+    // A whole notification over the 64 KiB ceiling.
+    let mut big = raw_push(&endpoint).await;
+    let body = notif("ProxyNotif", &"x".repeat(100 * 1024));
+    let mut frame = vec![0x02];
+    frame.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    frame.extend_from_slice(&body);
+    let _ = big.write_all(&frame).await;
+    assert!(
+        closed(&mut big).await,
+        "the sender of 100 KiB stays connected"
+    );
+
+    let deadline = Instant::now() + PATIENCE;
+    while notifications.socket_stats().expect("a socket").oversized < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            notifications.socket_stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Nothing of them reached the registry; the honest peer still completes.
+    assert_eq!(notifications.stats().received, 0);
+    send(&mut honest, notif("ProxyNotif", "r")).await;
+    settles(pending.ready()).await.expect("ready");
+}

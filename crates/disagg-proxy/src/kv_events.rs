@@ -60,6 +60,12 @@ pub struct KvEventsArgs {
     /// there, not only this proxy's.
     #[arg(long, value_name = "PORT")]
     kv_load_port: Option<u16>,
+    /// The largest KV-event message an engine may send (its frames together, on the
+    /// events and replay sockets), in bytes: a publisher sending a larger one is
+    /// disconnected and counted (`disagg_kv_events_malformed_total{reason="oversized"}`).
+    /// Raise it only for engines whose single steps store more than ~1M tokens.
+    #[arg(long, value_name = "BYTES", default_value_t = disagg_kvevents::subscriber::DEFAULT_MAX_MESSAGE)]
+    kv_events_max_message: usize,
     /// `kv_events`: what one uncached prompt token costs against one token of work
     /// queued on an engine. Above 1 a request stays longer with the engine that holds
     /// its prefix (a miss also costs the cache space its copy takes). Default: 2 when
@@ -170,7 +176,16 @@ impl KvEvents {
                 ..ScorerConfig::default()
             },
         ));
-        let subscriber = Arc::new(Subscriber::new(index, SubscriberConfig::default()));
+        if args.kv_events_max_message < 1024 {
+            return Err("--kv-events-max-message must be at least 1024".into());
+        }
+        let subscriber = Arc::new(Subscriber::new(
+            index,
+            SubscriberConfig {
+                max_message: args.kv_events_max_message,
+                ..SubscriberConfig::default()
+            },
+        ));
         Ok(KvEvents {
             scorer,
             subscriber,
@@ -295,6 +310,9 @@ fn load_on_engine_host(
 /// | `disagg_kv_events_drops_total` | counter | times a rank's entries were dropped |
 /// | `disagg_kv_events_resubscribes_total` | counter | subscriptions renewed after silence or an error |
 /// | `disagg_kv_events_index_blocks` | gauge | blocks the index holds, over all engines |
+/// | `disagg_kv_events_replays_skipped_total` | counter | gaps not replayed because the rank's replays were backing off after failures |
+/// | `disagg_kv_events_panics_total` | counter | subscription tasks that panicked (each restarted after a pause) |
+/// | `disagg_kv_events_malformed_total{engine,rank,socket,reason}` | counter | messages and connections refused: `socket` `events`, `replay` or `load`; `reason` `oversized` (over a ceiling: disconnected), `protocol` (not ZMTP: disconnected), `shape` (not `[topic, seq, payload]`), `undecodable` |
 struct KvEventsCollector(Arc<Subscriber>);
 
 impl std::fmt::Debug for KvEventsCollector {
@@ -378,7 +396,21 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
                 self.0.index().stats().blocks as u64,
             ),
         ];
-        for (name, help, gauge, value) in rows {
+        let extra: [(&str, &str, bool, u64); 2] = [
+            (
+                "disagg_kv_events_replays_skipped",
+                "Sequence gaps not replayed because the rank's replays were backing off after failures.",
+                false,
+                sum(|r| r.replays_skipped),
+            ),
+            (
+                "disagg_kv_events_panics",
+                "KV-event subscription tasks that panicked (each restarted after a pause).",
+                false,
+                sum(|r| r.panics),
+            ),
+        ];
+        for (name, help, gauge, value) in rows.into_iter().chain(extra) {
             if gauge {
                 let metric = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
                 metric.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
@@ -390,6 +422,24 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
                     None,
                     MetricType::Counter,
                 )?)?;
+            }
+        }
+        let mut malformed = encoder.encode_descriptor(
+            "disagg_kv_events_malformed",
+            "KV-event, replay and load messages or connections refused, by engine, rank, socket and reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for r in &ranks {
+            let rank = r.dp_rank.to_string();
+            for ((socket, reason), n) in &r.malformed {
+                let labels = [
+                    ("engine", r.engine.as_str()),
+                    ("rank", rank.as_str()),
+                    ("socket", socket.as_str()),
+                    ("reason", reason.as_str()),
+                ];
+                ConstCounter::new(*n).encode(malformed.encode_family(&labels)?)?;
             }
         }
         Ok(())

@@ -218,9 +218,11 @@ impl ClientBodyArgs {
 #[derive(Debug, Clone, Args)]
 pub struct LmcacheArgs {
     /// LMCache: the address the ZMQ PULL socket for the prefill engines' KV-ready
-    /// notifications binds (their `pd_proxy_host`/`pd_proxy_port`).
-    #[arg(long, value_name = "HOST:PORT", default_value = "0.0.0.0:7500")]
-    lmcache_notify: String,
+    /// notifications binds (their `pd_proxy_host`/`pd_proxy_port`). Default: port 7500
+    /// on --listen's host (the socket has no credential: give an address the prefill
+    /// engines reach and others do not; `tcp://*:7500` for every interface).
+    #[arg(long, value_name = "HOST:PORT")]
+    lmcache_notify: Option<String>,
     /// LMCache: where a decode engine receives KV, as
     /// URL=HOST:INIT_PORT[,INIT_PORT...]:ALLOC_PORT[,ALLOC_PORT...] (its `pd_peer_host`,
     /// `pd_peer_init_port`, `pd_peer_alloc_port`; one port of each per TP rank, and the
@@ -923,7 +925,7 @@ pub fn run(
     // LMCache's notification socket, on a small thread of its own until shutdown.
     let (notifications, listener) = match args.connector {
         ConnectorArg::Lmcache => {
-            let (n, thread) = lmcache_listener(&args.lmcache, shutdown.clone())?;
+            let (n, thread) = lmcache_listener(&args.lmcache, args.listen, shutdown.clone())?;
             (Some(n), Some(thread))
         }
         _ => (None, None),
@@ -1003,12 +1005,22 @@ pub fn run(
     Ok(())
 }
 
+/// `--lmcache-notify`, or port 7500 on `--listen`'s host: the socket has no credential,
+/// so it is not opened on every interface unless asked for.
+fn notify_address(args: &LmcacheArgs, listen: SocketAddr) -> String {
+    args.lmcache_notify
+        .clone()
+        .unwrap_or_else(|| SocketAddr::new(listen.ip(), 7500).to_string())
+}
+
 /// Binds LMCache's notification socket on a thread of its own, which runs the socket
 /// until `shutdown` turns `true`.
 fn lmcache_listener(
     args: &LmcacheArgs,
+    listen: SocketAddr,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Notifications, std::thread::JoinHandle<()>), BoxError> {
+    let notify = notify_address(args, listen);
     let config = NotifyConfig {
         ttl: secs(args.lmcache_notify_ttl, "lmcache-notify-ttl")?,
         ..NotifyConfig::default()
@@ -1017,8 +1029,8 @@ fn lmcache_listener(
         .enable_all()
         .build()?;
     let notifications = runtime
-        .block_on(Notifications::bind(&args.lmcache_notify, config))
-        .map_err(|e| format!("--lmcache-notify {}: {e}", args.lmcache_notify))?;
+        .block_on(Notifications::bind(&notify, config))
+        .map_err(|e| format!("--lmcache-notify {notify}: {e}"))?;
     if let Some(addr) = notifications.local_addr() {
         tracing::info!(%addr, "LMCache notifications listening");
     }
@@ -1039,6 +1051,23 @@ fn lmcache_listener(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lmcache_socket_defaults_to_the_listen_host() {
+        let args = |notify: Option<&str>| LmcacheArgs {
+            lmcache_notify: notify.map(str::to_owned),
+            lmcache_receivers: Vec::new(),
+            lmcache_notify_ttl: 120.0,
+        };
+        let local: SocketAddr = "127.0.0.1:8000".parse().unwrap();
+        assert_eq!(notify_address(&args(None), local), "127.0.0.1:7500");
+        let v6: SocketAddr = "[::1]:8000".parse().unwrap();
+        assert_eq!(notify_address(&args(None), v6), "[::1]:7500");
+        assert_eq!(
+            notify_address(&args(Some("tcp://*:7600")), local),
+            "tcp://*:7600"
+        );
+    }
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| (*s).to_owned()).collect()

@@ -1,0 +1,327 @@
+//! The three receiving sockets disagg needs, over [`Connection`]:
+//!
+//! * [`Sub`]: connects to one `PUB` and subscribes to a topic (the engines' KV events
+//!   and load reports);
+//! * [`Dealer`]: connects to one `ROUTER` and exchanges messages (the engines' replay
+//!   sockets);
+//! * [`Pull`]: binds and takes messages from many `PUSH` peers (LMCache's KV-ready
+//!   notifications), each peer under the limits on a task of its own: a peer over a
+//!   limit is disconnected and counted, the others go on.
+//!
+//! None of them reconnects by itself: a failed connection is the caller's to renew
+//! (with its own back-off), so every renewal is seen and counted where it is decided.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::conn::{self, Connection, Error, Limits, Message, Reject, SocketType};
+
+/// A `SUB` socket connected to one publisher.
+#[derive(Debug)]
+pub struct Sub {
+    conn: Connection,
+}
+
+impl Sub {
+    /// Connects to `endpoint` (`tcp://HOST:PORT`) and subscribes to `topic` (a prefix
+    /// of the messages' first frame; empty for all), with `timeout` for the TCP
+    /// connection.
+    ///
+    /// The subscription is sent as ZMTP 3.0's data frame `\x01topic`, which libzmq
+    /// and the `zeromq` crate both accept.
+    ///
+    /// # Errors
+    ///
+    /// As [`conn::connect`].
+    pub async fn connect(
+        endpoint: &str,
+        topic: &[u8],
+        limits: Limits,
+        timeout: Duration,
+    ) -> Result<Sub, Error> {
+        let mut conn = conn::connect(endpoint, SocketType::Sub, limits, timeout).await?;
+        let mut subscribe = Vec::with_capacity(1 + topic.len());
+        subscribe.push(1);
+        subscribe.extend_from_slice(topic);
+        conn.send(&[&subscribe]).await?;
+        Ok(Sub { conn })
+    }
+
+    /// The next published message (see [`Connection::recv`]: not cancel-safe).
+    ///
+    /// # Errors
+    ///
+    /// As [`Connection::recv`].
+    pub async fn recv(&mut self) -> Result<Message, Error> {
+        self.conn.recv().await
+    }
+}
+
+/// A `DEALER` socket connected to one peer.
+#[derive(Debug)]
+pub struct Dealer {
+    conn: Connection,
+}
+
+impl Dealer {
+    /// Connects to `endpoint` (`tcp://HOST:PORT`), with `timeout` for the TCP
+    /// connection.
+    ///
+    /// # Errors
+    ///
+    /// As [`conn::connect`].
+    pub async fn connect(
+        endpoint: &str,
+        limits: Limits,
+        timeout: Duration,
+    ) -> Result<Dealer, Error> {
+        let conn = conn::connect(endpoint, SocketType::Dealer, limits, timeout).await?;
+        Ok(Dealer { conn })
+    }
+
+    /// Sends one message. To a `ROUTER` that answers a `REQ`-like exchange, lead with
+    /// an empty delimiter frame.
+    ///
+    /// # Errors
+    ///
+    /// The socket's.
+    pub async fn send(&mut self, frames: &[&[u8]]) -> Result<(), Error> {
+        self.conn.send(frames).await
+    }
+
+    /// The next message (see [`Connection::recv`]: not cancel-safe).
+    ///
+    /// # Errors
+    ///
+    /// As [`Connection::recv`].
+    pub async fn recv(&mut self) -> Result<Message, Error> {
+        self.conn.recv().await
+    }
+}
+
+/// Settings of a [`Pull`] socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullConfig {
+    /// Each peer's limits.
+    pub limits: Limits,
+    /// Peers connected at once; one more is closed at once and counted (default 1,024).
+    pub max_peers: usize,
+    /// Messages received but not yet taken by [`Pull::recv`]; when full, peers wait
+    /// (TCP back-pressure) instead of being buffered (default 64).
+    pub queue: usize,
+}
+
+impl PullConfig {
+    /// With `limits` and the default peers and queue.
+    pub fn new(limits: Limits) -> PullConfig {
+        PullConfig {
+            limits,
+            max_peers: 1024,
+            queue: 64,
+        }
+    }
+}
+
+/// Counters of a [`Pull`] socket since it was bound.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PullStats {
+    /// Peers connected now (handshake done or under way).
+    pub peers: u64,
+    /// Connections accepted.
+    pub accepted: u64,
+    /// Connections closed at once: [`PullConfig::max_peers`] were connected.
+    pub refused: u64,
+    /// Peers disconnected for a frame, message or frame count over the limits.
+    pub oversized: u64,
+    /// Peers disconnected for not speaking ZMTP 3 as a `PUSH` (greeting, mechanism,
+    /// socket type, framing, commands).
+    pub protocol: u64,
+    /// Peers disconnected for not finishing the handshake in time.
+    pub timeout: u64,
+    /// Messages received.
+    pub messages: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    peers: AtomicU64,
+    accepted: AtomicU64,
+    refused: AtomicU64,
+    oversized: AtomicU64,
+    protocol: AtomicU64,
+    timeout: AtomicU64,
+    messages: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> PullStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PullStats {
+            peers: get(&self.peers),
+            accepted: get(&self.accepted),
+            refused: get(&self.refused),
+            oversized: get(&self.oversized),
+            protocol: get(&self.protocol),
+            timeout: get(&self.timeout),
+            messages: get(&self.messages),
+        }
+    }
+
+    fn rejected(&self, reject: Reject) {
+        let counter = match reject {
+            Reject::Oversized => &self.oversized,
+            Reject::Protocol => &self.protocol,
+            Reject::Timeout => &self.timeout,
+            _ => return,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A `PULL` socket bound on a TCP listener, taking messages from many `PUSH` peers.
+///
+/// Dropping it closes the listener and every peer connection.
+#[derive(Debug)]
+pub struct Pull {
+    messages: mpsc::Receiver<Message>,
+    counters: Arc<Counters>,
+    local_addr: SocketAddr,
+    accept: JoinHandle<()>,
+}
+
+impl Drop for Pull {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+impl Pull {
+    /// Listens on `listener` (already bound): spawns the accept task on the current
+    /// tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// When the listener has no local address.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime.
+    pub fn from_listener(listener: TcpListener, config: PullConfig) -> std::io::Result<Pull> {
+        let local_addr = listener.local_addr()?;
+        let (tx, messages) = mpsc::channel(config.queue.max(1));
+        let counters = Arc::new(Counters::default());
+        let accept = tokio::spawn(accept_loop(listener, config, tx, Arc::clone(&counters)));
+        Ok(Pull {
+            messages,
+            counters,
+            local_addr,
+            accept,
+        })
+    }
+
+    /// The next message from any peer, in the order they completed; `None` once the
+    /// accept task ended (it does not, short of a panic).
+    ///
+    /// Cancel-safe.
+    pub async fn recv(&mut self) -> Option<Message> {
+        self.messages.recv().await
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The counters since the socket was bound.
+    pub fn stats(&self) -> PullStats {
+        self.counters.snapshot()
+    }
+
+    /// A handle that reads the counters, for whoever keeps no hold on the socket (a
+    /// metrics collector while a task owns the socket).
+    pub fn stats_handle(&self) -> PullStatsHandle {
+        PullStatsHandle(Arc::clone(&self.counters))
+    }
+}
+
+/// Reads a [`Pull`] socket's counters ([`Pull::stats_handle`]); they stay readable
+/// after the socket is dropped.
+#[derive(Debug, Clone)]
+pub struct PullStatsHandle(Arc<Counters>);
+
+impl PullStatsHandle {
+    /// The counters now.
+    pub fn get(&self) -> PullStats {
+        self.0.snapshot()
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    config: PullConfig,
+    tx: mpsc::Sender<Message>,
+    counters: Arc<Counters>,
+) {
+    let mut peers = JoinSet::new();
+    loop {
+        tokio::select! {
+            Some(_) = peers.join_next() => {
+                counters.peers.store(peers.len() as u64, Ordering::Relaxed);
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, addr)) => {
+                    if peers.len() >= config.max_peers {
+                        counters.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%addr, max_peers = config.max_peers, "ZMQ PULL: too many peers, connection closed");
+                        drop(stream);
+                        continue;
+                    }
+                    counters.accepted.fetch_add(1, Ordering::Relaxed);
+                    peers.spawn(peer(stream, addr, config.limits, tx.clone(), Arc::clone(&counters)));
+                    counters.peers.store(peers.len() as u64, Ordering::Relaxed);
+                }
+                Err(error) => {
+                    // Out of file descriptors and the like: wait rather than spin.
+                    tracing::warn!(%error, "ZMQ PULL: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn peer(
+    stream: tokio::net::TcpStream,
+    addr: SocketAddr,
+    limits: Limits,
+    tx: mpsc::Sender<Message>,
+    counters: Arc<Counters>,
+) {
+    let result = async {
+        let mut conn = Connection::handshake(stream, SocketType::Pull, true, limits).await?;
+        loop {
+            let message = conn.recv().await?;
+            counters.messages.fetch_add(1, Ordering::Relaxed);
+            if tx.send(message).await.is_err() {
+                return Ok::<(), Error>(());
+            }
+        }
+    }
+    .await;
+    if let Err(error) = result {
+        let reject = error.reject();
+        counters.rejected(reject);
+        if reject == Reject::Disconnected {
+            tracing::debug!(%addr, %error, "ZMQ PULL: peer left");
+        } else {
+            tracing::warn!(%addr, %error, "ZMQ PULL: peer disconnected");
+        }
+    }
+}
