@@ -1007,9 +1007,17 @@ mod tests {
         // provisionally on the engine the earlier went to. Decisions that read the
         // scorer's state and record into it under separate locks would let two of
         // them both find nothing, and start the prefix twice.
+        //
+        // Each round's four decisions are made at one instant, and rounds a second
+        // apart: on the wall clock, rounds less than `load_report_lag` apart (a fast
+        // machine) pile each round's picks onto the next round's counts (this caller
+        // never counts its requests in flight, nor ends them), until balancing the load
+        // rightly outweighs a 64-token hit and a second engine starts the prefix.
         let scorer = KvScorer::new(Arc::new(KvIndex::new(IndexConfig::default())), weight(1));
         let c = cands(&[("a", 0), ("b", 0)]);
+        let t0 = Instant::now();
         for round in 0..200u32 {
+            let at = t0 + Duration::from_secs(u64::from(round));
             let prompt: Vec<u32> = (round * 1000..round * 1000 + 64).collect();
             let barrier = std::sync::Barrier::new(4);
             let cold = std::thread::scope(|scope| {
@@ -1017,7 +1025,7 @@ mod tests {
                     .map(|_| {
                         scope.spawn(|| {
                             barrier.wait();
-                            scorer.choose(&prompt, &c).unwrap().cached_tokens == 0
+                            scorer.choose_at(&prompt, &c, at).unwrap().cached_tokens == 0
                         })
                     })
                     .collect();
