@@ -9,9 +9,10 @@
 //! /metrics`.
 //!
 //! The engines' own library: vLLM, SGLang and LMCache talk ZMQ through libzmq
-//! (pyzmq), so pyzmq sockets play them too: `PUSH` sockets send the KV-ready
-//! notifications that let LMCache requests complete, while one more sending 1 MiB is
-//! cut off.
+//! (pyzmq), so pyzmq sockets play them too: a `PUB` of vLLM-shaped KV events and
+//! SGLang load reports steers the proxy's routing, and `PUSH` sockets send the
+//! KV-ready notifications that let LMCache requests complete, while one more sending
+//! 1 MiB is cut off.
 
 #![allow(missing_docs)] // a test binary
 
@@ -654,4 +655,147 @@ async fn libzmq_push_notifications_complete_lmcache_requests_and_1_mib_is_cut_of
     // The 1 MiB notification was never read as one.
     assert_eq!(series(&proxy, &outcome("malformed")).await, 0);
     alive(&mut proxy);
+}
+
+/// Plays an SGLang-like engine's publishers with libzmq `XPUB` sockets (a `PUB` that
+/// also hears subscriptions, so nothing is published before the proxy subscribed):
+/// once the proxy subscribed to both, one vLLM-shaped batch (`[ts, [BlockStored],
+/// dp_rank]`, map-tagged) stores the token ids of argv[1] (comma-separated, 16 per
+/// block), and a `LoadStat` report goes out every 20 ms: idle until `busy` on stdin,
+/// then 1 running and 8 waiting with 100,000 uncached tokens; it says `busy N` once
+/// the first busy report, its `N`th, was published.
+const SGLANG_PUBLISHERS: &str = r#"
+import sys, time, zmq
+tokens = [int(t) for t in sys.argv[1].split(",")]
+ctx = zmq.Context()
+events = ctx.socket(zmq.XPUB); ep = events.bind_to_random_port("tcp://127.0.0.1")
+load = ctx.socket(zmq.XPUB); lp = load.bind_to_random_port("tcp://127.0.0.1")
+print(ep, lp, flush=True)
+for s, topic in ((events, b""), (load, b"load")):
+    if not s.poll(15000): sys.exit("no subscription")
+    got = s.recv()
+    if got != b"\x01" + topic: sys.exit("subscribed to %r" % got)
+stored = {"type": "BlockStored", "block_hashes": [0x5EED0000 + i for i in range(len(tokens) // 16)],
+          "parent_block_hash": None, "token_ids": tokens, "block_size": 16, "lora_id": None,
+          "medium": "GPU", "lora_name": None}
+events.send_multipart([b"", struct.pack(">Q", 0), pack([time.time(), [stored], 0])])
+def stat(busy):
+    return pack(["LoadStat", 1 if busy else 0, 8 if busy else 0, 0, 100000, 0, 100000 if busy else 0])
+poller = zmq.Poller(); poller.register(sys.stdin, zmq.POLLIN)
+busy, announce, sent = False, False, 0
+while True:
+    load.send_multipart([b"load", struct.pack(">Q", sent), stat(busy)]); sent += 1
+    if announce:
+        print("busy", sent, flush=True); announce = False
+    if poller.poll(20):
+        line = sys.stdin.readline()
+        if not line: break
+        busy = announce = line.strip() == "busy"
+"#;
+
+/// Sends `prompt` through `proxy`; which of `prefills` got its prefill leg.
+async fn routed(proxy: &Proxy, prefills: &[&SimEngine], prompt: &str) -> usize {
+    let before: Vec<u64> = prefills
+        .iter()
+        .map(|e| e.stats().prefill_requests)
+        .collect();
+    let a = post(
+        &proxy.url(),
+        "/v1/completions",
+        &completion(prompt, 2, false),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}\n{}", a.text(), proxy.log());
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    let got: Vec<usize> = prefills
+        .iter()
+        .zip(before)
+        .enumerate()
+        .filter(|(_, (e, b))| e.stats().prefill_requests > *b)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(got.len(), 1, "one prefill leg, got {got:?}");
+    got[0]
+}
+
+async fn metric_at_least(proxy: &Proxy, name: &str, n: u64) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while proxy.metric(name).await < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{name} < {n}: {}",
+            proxy.log()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A libzmq publisher through the real binary: pyzmq plays the KV-event and load
+/// publishers of the second of two prefill engines. Its events say it holds the
+/// prompt's 96 tokens: the prompt goes there (without them, to the first: a tie);
+/// once its load reports say 100,000 uncached tokens wait there, the same prompt goes
+/// to the first engine instead (without them, the held prefix keeps it on the second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_events_and_load_reports_from_libzmq_publishers_steer_the_proxy() {
+    let first = SimEngine::start(SimConfig::default()).await.expect("first");
+    let second = SimEngine::start(SimConfig::default())
+        .await
+        .expect("second");
+    let decode = SimEngine::start(SimConfig::default())
+        .await
+        .expect("decode");
+    // 6 blocks of 16 tokens and one more: every block can hit.
+    let prompt = (0..97)
+        .map(|i| format!("libzmq{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let tokens: Vec<String> = disagg_sim::tokenize(&prompt)[..96]
+        .iter()
+        .map(u32::to_string)
+        .collect();
+    let mut publisher = PyPeer::start(SGLANG_PUBLISHERS, &[&tokens.join(",")]);
+    let ports = publisher.line().await;
+    let (events_port, load_port) = ports.split_once(' ').expect("two ports");
+    let spec = format!(
+        "{}=tcp://127.0.0.1:{events_port},load=tcp://127.0.0.1:{load_port}",
+        second.url()
+    );
+    let proxy = Proxy::start_args(
+        &[
+            "--prefill",
+            &first.url(),
+            "--prefill",
+            &second.url(),
+            "--decode",
+            &decode.url(),
+            "--prefill-policy",
+            "kv_events",
+            "--tokenize",
+            "engine",
+            "--kv-events-endpoint",
+            &spec,
+        ]
+        .map(str::to_owned),
+    )
+    .await;
+    metric_at_least(&proxy, "disagg_kv_events_batches_total", 1).await;
+    metric_at_least(&proxy, "disagg_kv_events_load_reports_total", 1).await;
+    assert_eq!(routed(&proxy, &[&first, &second], &prompt).await, 1);
+
+    publisher.say("busy");
+    let busy = publisher.line().await;
+    let n: u64 = busy
+        .strip_prefix("busy ")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{busy}"));
+    // The reports are in order and none was published before the subscription.
+    metric_at_least(&proxy, "disagg_kv_events_load_reports_total", n).await;
+    assert_eq!(routed(&proxy, &[&first, &second], &prompt).await, 0);
+    assert_eq!(
+        proxy
+            .metric("disagg_kv_events_load_decode_errors_total")
+            .await,
+        0
+    );
+    assert_eq!(proxy.metric("disagg_kv_events_drops_total").await, 0);
 }
