@@ -16,11 +16,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use disagg_core::{Endpoint, EndpointSource, KvConnector, Role};
-use disagg_discovery::MergedSource;
+use disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
+use disagg_core::{AddressPolicy, Endpoint, EndpointSource, KvConnector, Role};
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use disagg_discovery::file::{self, FileConfig};
 use disagg_discovery::kubernetes::{self, KubernetesConfig};
+use disagg_discovery::{Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, MergedSource};
 use disagg_resilience::{Health, HealthConfig, HealthSource, ValidatedSource};
 
 use crate::BoxError;
@@ -69,9 +70,39 @@ pub struct DiscoveryArgs {
     /// serving anyway.
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     discovery_sync_timeout: f64,
+    /// Data-parallel ranks one engine may have (`URL@FIRST-LAST`, an endpoints file's
+    /// `ranks`, the `disagg.io/dp-ranks` annotation). More stops the proxy at start;
+    /// found by discovery later, the edit is refused (the file) or the engine left out
+    /// (Kubernetes), the last good endpoints kept.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_DP_RANKS)]
+    max_dp_ranks: u32,
+    /// Endpoints one discovery source may contribute, ranks counted. A list (a file
+    /// edit, a watch, a lookup) with more is refused whole, logged and counted
+    /// (`disagg_discovery_over_limit_total`), and that source's last good endpoints stay.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ENDPOINTS_PER_SOURCE)]
+    max_endpoints_per_source: usize,
+    /// Allow engines at link-local and cloud metadata addresses (169.254.0.0/16,
+    /// fe80::/10, fd00:ec2::254, and IPv4 ones written as IPv6), refused by default
+    /// from every source: --prefill/--decode, the endpoints file, DNS answers,
+    /// Kubernetes pod IPs, and the addresses a hostname resolves to when the proxy
+    /// connects.
+    #[arg(long)]
+    allow_link_local_engines: bool,
 }
 
 impl DiscoveryArgs {
+    /// The ceilings and the address rule every source is held to (the command line's
+    /// `--prefill` / `--decode` too).
+    pub(crate) fn bounds(&self) -> Bounds {
+        let mut b = Bounds::default();
+        b.max_ranks = self.max_dp_ranks;
+        b.max_endpoints = self.max_endpoints_per_source;
+        if self.allow_link_local_engines {
+            b.addresses = AddressPolicy::allow_link_local();
+        }
+        b
+    }
+
     /// Whether any discovery source is asked for.
     pub fn any(&self) -> bool {
         self.k8s_prefill_selector.is_some()
@@ -147,7 +178,12 @@ pub(crate) fn start(
 ) -> Result<Discovered, BoxError> {
     let kubernetes = args.kubernetes();
     let dns = args.dns()?;
-    let file = args.endpoints_file.clone().map(FileConfig::new);
+    let bounds = args.bounds();
+    let file = args.endpoints_file.clone().map(|path| {
+        let mut c = FileConfig::new(path);
+        c.bounds = bounds;
+        c
+    });
     let sync = crate::serve::secs(args.discovery_sync_timeout, "discovery-sync-timeout")?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -157,7 +193,8 @@ pub(crate) fn start(
         .name("disagg-discovery".into())
         .spawn(move || {
             runtime.block_on(async move {
-                let built = build(kubernetes, dns, file, cli, connector, health, sync).await;
+                let built =
+                    build(kubernetes, dns, file, cli, connector, health, sync, bounds).await;
                 let failed = built.is_err();
                 if tx.send(built).is_err() || failed {
                     return;
@@ -183,6 +220,7 @@ pub(crate) fn start(
 
 type Built = (HealthSource, Arc<Health>, Arc<MergedSource>);
 
+#[allow(clippy::too_many_arguments)]
 async fn build(
     kubernetes: Option<KubernetesConfig>,
     dns: Option<DnsConfig>,
@@ -191,8 +229,9 @@ async fn build(
     connector: Arc<dyn KvConnector>,
     health: HealthConfig,
     sync: Duration,
+    bounds: Bounds,
 ) -> Result<Built, BoxError> {
-    let mut merged = MergedSource::builder().endpoints(cli);
+    let mut merged = MergedSource::builder().endpoints(cli).bounds(bounds);
     if let Some(c) = kubernetes {
         merged = merged.source(kubernetes::spawn(c).await?);
     }
