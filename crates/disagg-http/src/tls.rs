@@ -151,11 +151,24 @@ impl PemFiles {
     }
 }
 
+/// The largest PEM file read (a CA bundle included): far above any real one.
+const MAX_PEM_BYTES: u64 = 16 * 1024 * 1024;
+
+/// A PEM file's bytes: a regular file only (a FIFO at the path is refused, not waited
+/// on, so a reload never blocks on it), at most [`MAX_PEM_BYTES`].
 fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
+    let err = |source| TlsError::Read {
         path: path.to_owned(),
         source,
-    })
+    };
+    let bytes = disagg_core::config_file::read_regular(path, MAX_PEM_BYTES).map_err(err)?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("larger than {MAX_PEM_BYTES} bytes"),
+        )));
+    }
+    Ok(bytes)
 }
 
 fn certs_from_pem(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {

@@ -201,7 +201,9 @@ pub(crate) fn start(
                 }
                 // The sources' tasks run on this runtime until the proxy stops.
                 let _ = shutdown.wait_for(|stop| *stop).await;
-            })
+            });
+            // Work stuck on the blocking pool never holds the process at exit.
+            runtime.shutdown_timeout(crate::edge::RUNTIME_SHUTDOWN);
         })?;
     match rx.recv() {
         Ok(Ok((source, health, merged))) => Ok(Discovered {
