@@ -825,6 +825,7 @@ impl Shared {
         };
         let mut transport = HttpTransportConfig::default();
         transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        transport.addresses = bounds.addresses;
         edge.apply(&mut transport);
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
