@@ -5,8 +5,8 @@
 //! and refreshes never share an event loop with requests. The chain they feed is built
 //! there too, since its pieces follow their inner source from that runtime:
 //! `MergedSource` (CLI endpoints first, then each source) → `ValidatedSource` (an engine
-//! that cannot pair is left out, never crashing the proxy) → `HealthSource` (passive and
-//! active health). Health is outermost because it follows its inner set lazily, when
+//! that cannot pair, by its declared profile or by its `GET /version`, is left out,
+//! never crashing the proxy) → `HealthSource` (passive and active health). Health is outermost because it follows its inner set lazily, when
 //! the orchestrator reads it; the pair check follows the merged set eagerly, on its own
 //! task. The proxy waits, bounded by `--discovery-sync-timeout`, for
 //! every source's first complete list before it serves, so it does not start by
@@ -22,6 +22,8 @@ use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use disagg_discovery::file::{self, FileConfig};
 use disagg_discovery::kubernetes::{self, KubernetesConfig};
 use disagg_discovery::{Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, MergedSource};
+use disagg_http::{HttpTransport, HttpTransportConfig};
+use disagg_resilience::pairing::{PairingStats, VersionProbe, Versions};
 use disagg_resilience::{Health, HealthConfig, HealthSource, ValidatedSource};
 
 use crate::BoxError;
@@ -158,12 +160,42 @@ impl DiscoveryArgs {
     }
 }
 
-/// The discovered, health-filtered, pair-checked endpoint set, its health, and the
-/// thread its sources run on (it ends at `shutdown`).
+/// How long an engine has to answer `GET /version` when it is paired.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The versions of `set`'s engines now, when `connector` compares them (none
+/// otherwise): read through a transport of `config` on a small runtime of their own,
+/// each within [`VERSION_TIMEOUT`], all at once.
+///
+/// # Errors
+///
+/// When the runtime cannot start.
+pub(crate) fn versions_now(
+    set: &disagg_core::EndpointSet,
+    connector: &dyn KvConnector,
+    config: &HttpTransportConfig,
+) -> Result<Versions, BoxError> {
+    let mut versions = Versions::new();
+    if !disagg_core::pairing::needs_equal_versions(connector) {
+        return Ok(versions);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let probe = VersionProbe::new(HttpTransport::new(config.clone()), VERSION_TIMEOUT);
+        probe.probe(set, &mut versions).await;
+    });
+    Ok(versions)
+}
+
+/// The discovered, health-filtered, pair-checked endpoint set, its health, what the
+/// pair check left out, and the thread its sources run on (it ends at `shutdown`).
 pub(crate) struct Discovered {
     pub(crate) source: HealthSource,
     pub(crate) health: Arc<Health>,
     pub(crate) merged: Arc<MergedSource>,
+    pub(crate) pairing: Arc<PairingStats>,
     pub(crate) thread: std::thread::JoinHandle<()>,
 }
 
@@ -174,6 +206,7 @@ pub(crate) fn start(
     cli: Vec<Endpoint>,
     connector: Arc<dyn KvConnector>,
     health: HealthConfig,
+    transport: HttpTransportConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Discovered, BoxError> {
     let kubernetes = args.kubernetes();
@@ -193,8 +226,14 @@ pub(crate) fn start(
         .name("disagg-discovery".into())
         .spawn(move || {
             runtime.block_on(async move {
-                let built =
-                    build(kubernetes, dns, file, cli, connector, health, sync, bounds).await;
+                let chain = Chain {
+                    connector,
+                    health,
+                    sync,
+                    bounds,
+                    transport,
+                };
+                let built = build(kubernetes, dns, file, cli, chain).await;
                 let failed = built.is_err();
                 if tx.send(built).is_err() || failed {
                     return;
@@ -206,10 +245,11 @@ pub(crate) fn start(
             runtime.shutdown_timeout(crate::edge::RUNTIME_SHUTDOWN);
         })?;
     match rx.recv() {
-        Ok(Ok((source, health, merged))) => Ok(Discovered {
+        Ok(Ok((source, health, merged, pairing))) => Ok(Discovered {
             source,
             health,
             merged,
+            pairing,
             thread,
         }),
         Ok(Err(e)) => {
@@ -220,19 +260,37 @@ pub(crate) fn start(
     }
 }
 
-type Built = (HealthSource, Arc<Health>, Arc<MergedSource>);
+type Built = (
+    HealthSource,
+    Arc<Health>,
+    Arc<MergedSource>,
+    Arc<PairingStats>,
+);
 
-#[allow(clippy::too_many_arguments)]
+/// What the chain over the sources is built with.
+struct Chain {
+    connector: Arc<dyn KvConnector>,
+    health: HealthConfig,
+    sync: Duration,
+    bounds: Bounds,
+    /// For the engines' `GET /version`.
+    transport: HttpTransportConfig,
+}
+
 async fn build(
     kubernetes: Option<KubernetesConfig>,
     dns: Option<DnsConfig>,
     file: Option<FileConfig>,
     cli: Vec<Endpoint>,
-    connector: Arc<dyn KvConnector>,
-    health: HealthConfig,
-    sync: Duration,
-    bounds: Bounds,
+    chain: Chain,
 ) -> Result<Built, BoxError> {
+    let Chain {
+        connector,
+        health,
+        sync,
+        bounds,
+        transport,
+    } = chain;
     let mut merged = MergedSource::builder().endpoints(cli).bounds(bounds);
     if let Some(c) = kubernetes {
         merged = merged.source(kubernetes::spawn(c).await?);
@@ -256,8 +314,11 @@ async fn build(
         decode = set.decode().len(),
         "endpoints discovered"
     );
-    let validated = ValidatedSource::new(Arc::clone(&merged), connector)?;
+    // The probe's transport runs on this runtime, as the sources do.
+    let probe = VersionProbe::new(HttpTransport::new(transport), VERSION_TIMEOUT);
+    let validated = ValidatedSource::with_versions(Arc::clone(&merged), connector, probe).await?;
+    let pairing = validated.stats();
     let source = HealthSource::new(validated, health);
     let h = Arc::clone(source.health());
-    Ok((source, h, merged))
+    Ok((source, h, merged, pairing))
 }

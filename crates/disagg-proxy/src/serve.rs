@@ -22,7 +22,7 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
-use disagg_resilience::pairing::check_pairs;
+use disagg_resilience::pairing::check_pairs_with;
 use disagg_resilience::{
     AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,
 };
@@ -780,6 +780,10 @@ impl Shared {
             args.engine_urls().collect::<Vec<_>>().into_iter(),
             args.discovery.any(),
         )?;
+        let mut transport = HttpTransportConfig::default();
+        transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        transport.addresses = bounds.addresses;
+        edge.apply(&mut transport);
         let mut extra_metrics = Vec::new();
         let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
         let decode_policy = args.decode_policy.unwrap_or(args.policy);
@@ -809,24 +813,27 @@ impl Shared {
                 endpoints,
                 Arc::clone(&connector),
                 health_config,
+                transport.clone(),
                 shutdown.clone(),
             )?;
             let merged = Arc::clone(&d.merged);
+            let pairing = Arc::clone(&d.pairing);
             extra_metrics.push(ExtraMetrics::new(move |registry| {
-                merged.register_metrics(registry)
+                merged.register_metrics(registry);
+                pairing.register_metrics(registry);
             }));
             (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
-            check_pairs(&source.snapshot(), &*connector)?;
+            // The engines' versions too, for the connectors whose handshake compares
+            // them (a pair of different builds fails every request).
+            let versions =
+                crate::discover::versions_now(&source.snapshot(), &*connector, &transport)?;
+            check_pairs_with(&source.snapshot(), &*connector, &versions)?;
             let health = Arc::clone(source.health());
             let all = Arc::new(crate::kv_events::Fixed::new(source.snapshot()));
             (Arc::new(source), health, None, all)
         };
-        let mut transport = HttpTransportConfig::default();
-        transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
-        transport.addresses = bounds.addresses;
-        edge.apply(&mut transport);
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
