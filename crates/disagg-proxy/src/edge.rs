@@ -181,7 +181,9 @@ impl EdgeArgs {
             if let Some(path) = &self.api_key_file {
                 let mut file = KeyFile::new(path);
                 file.poll_interval = interval;
-                let loaded = file.read().map_err(|e| format!("--api-key-file: {e}"))?;
+                let loaded = file
+                    .read()
+                    .map_err(|e| format!("--api-key-file: {}", chain(&e)))?;
                 keys.reload(&loaded)
                     .map_err(|e| format!("--api-key-file: {e}"))?;
                 edge.key_file = Some(file);
