@@ -465,4 +465,23 @@ mod tests {
             "http://[fd00::1]:80"
         );
     }
+
+    #[test]
+    fn a_metadata_or_link_local_answer_makes_no_endpoint() {
+        let t = DnsTarget::new("x:1".parse().unwrap(), Role::Decode);
+        for ip in [
+            "169.254.169.254",
+            "fd00:ec2::254",
+            "fe80::1",
+            "::ffff:169.254.169.254",
+        ] {
+            let s = spec(&t, ip.parse().unwrap(), 80);
+            assert!(s.to_endpoints().is_err(), "{ip}");
+        }
+        assert!(
+            spec(&t, "10.0.0.1".parse().unwrap(), 80)
+                .to_endpoints()
+                .is_ok()
+        );
+    }
 }
