@@ -10,6 +10,7 @@ use disagg_affinity::{
     RoundRobin, WeightedRandom,
 };
 use disagg_core::disaggregate::{Always, Disaggregate};
+use disagg_core::endpoint::EndpointError;
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::KvProfile;
 use disagg_core::rewrite::PrefillRewriter;
@@ -705,8 +706,16 @@ impl Shared {
                 })?;
             }
             let models = args.served_models.iter().find(|(u, _)| u == base);
-            let mut ep = Endpoint::with_address_policy(url, role, ext, bounds.addresses)
-                .map_err(|e| format!("{e}; allow it with --allow-link-local-engines"))?;
+            let mut ep = Endpoint::with_address_policy(url, role, ext, bounds.addresses).map_err(
+                |e| -> BoxError {
+                    match e {
+                        EndpointError::RefusedAddress { .. } => {
+                            format!("{e}; allow it with --allow-link-local-engines").into()
+                        }
+                        e => e.into(),
+                    }
+                },
+            )?;
             if let Some(w) = weight {
                 ep = ep.with_weight(w)?;
             }
