@@ -107,7 +107,8 @@ impl ConsistentHash {
         self
     }
 
-    /// Per-endpoint weights.
+    /// Per-endpoint weights, overriding the endpoints' own ([`Weights::weight_of`]:
+    /// by id, then by engine URL for a rank endpoint, then [`Endpoint::weight`]).
     pub fn with_weights(mut self, weights: Weights) -> Self {
         self.weights = weights;
         self
@@ -173,7 +174,7 @@ impl ConsistentHash {
         let mut any: Option<(f64, &str, usize)> = None;
         for (i, e) in candidates.iter().enumerate() {
             let id = e.id().as_str();
-            let s = self.weights.score(key, id);
+            let s = crate::hrw::score(crate::hrw::hash(key, id), self.weights.weight_of(e));
             if any.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
                 any = Some((s, id, i));
             }
@@ -284,6 +285,23 @@ mod tests {
         assert!(loads.iter().all(|&l| l <= 13), "{loads:?}");
         guards.clear();
         assert_eq!(p.pick_key(b"hot", &c), home, "back home once idle");
+    }
+
+    #[test]
+    fn an_endpoints_own_weight_draws_its_share_of_sessions() {
+        let c: Vec<_> = (0..2)
+            .map(|i| {
+                let e = Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
+                    .expect("valid url");
+                Arc::new(e.with_weight([1.0, 4.0][i]).expect("valid weight"))
+            })
+            .collect();
+        let p = ConsistentHash::default();
+        let heavy = (0..10_000u32)
+            .filter(|k| p.pick_key(&k.to_le_bytes(), &c) == 1)
+            .count();
+        // A share of 4/5 of the sessions.
+        assert!((7_600..8_400).contains(&heavy), "{heavy}");
     }
 
     #[test]

@@ -85,7 +85,10 @@ pub enum WeightError {
     },
 }
 
-/// Per-endpoint weights for rendezvous hashing; endpoints not listed weigh `1.0`.
+/// Per-endpoint weights for rendezvous hashing; endpoints not listed weigh `1.0` by id
+/// ([`weight`](Self::weight)), or their own weight when the policy has the endpoint
+/// ([`weight_of`](Self::weight_of), what [`ConsistentHash`](crate::ConsistentHash)
+/// reads).
 ///
 /// # Examples
 ///
@@ -133,6 +136,16 @@ impl Weights {
             return 1.0;
         }
         self.by_id.get(id).copied().unwrap_or(1.0)
+    }
+
+    /// The weight these weights give `endpoint`: set for its id, else for its engine's
+    /// URL (a `URL@RANK` endpoint), else the endpoint's own
+    /// [`Endpoint::weight`](disagg_core::Endpoint::weight).
+    pub fn weight_of(&self, endpoint: &disagg_core::Endpoint) -> f64 {
+        if self.by_id.is_empty() {
+            return endpoint.weight();
+        }
+        crate::policy::policy_weight(&self.by_id, endpoint).unwrap_or_else(|| endpoint.weight())
     }
 
     /// Whether every endpoint weighs the same.

@@ -1,12 +1,24 @@
-//! The model: endpoints, their role, live load, and the immutable set routers read.
+//! The model: endpoints, their role, weight and live load, and the immutable set
+//! routers read.
 //!
-//! An [`Endpoint`] is one engine's HTTP base URL with a [`Role`]. Endpoints live in an
-//! [`EndpointSet`], published as an immutable snapshot by an
+//! An [`Endpoint`] is one engine's HTTP base URL with a [`Role`] and a routing weight.
+//! Endpoints live in an [`EndpointSet`], published as an immutable snapshot by an
 //! [`EndpointSource`](crate::source::EndpointSource). Each endpoint carries its own
 //! in-flight counter, so a router reads load from the snapshot it already has, and the
 //! orchestrator's [`InFlightGuard`]s keep the count exact whatever way a request ends.
+//!
+//! Two rules hold for every endpoint, whatever made it (a flag, a file, a DNS answer, a
+//! Kubernetes pod):
+//!
+//! - an IP address that is link-local or a cloud metadata service's is no engine's
+//!   ([`AddressPolicy`]): such a URL is refused unless the policy allows it explicitly;
+//! - an engine's data-parallel ranks ([`Ranks`]) are parsed as a range and counted
+//!   before one endpoint per rank is made, so that a range such as `0-4294967295` is
+//!   refused ([`Ranks::within`], [`DEFAULT_MAX_DP_RANKS`]) instead of allocated.
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -85,6 +97,265 @@ pub enum EndpointError {
         /// What was given.
         url: String,
     },
+    /// The host is an IP address no engine has: link-local or a cloud metadata
+    /// service's ([`AddressPolicy`]).
+    #[error(
+        "endpoint `{url}`: {ip} is a link-local or cloud metadata address, not an engine's \
+         (refused unless link-local engines are allowed explicitly)"
+    )]
+    RefusedAddress {
+        /// What was given.
+        url: String,
+        /// The refused address.
+        ip: IpAddr,
+    },
+    /// The weight is not a finite positive number.
+    #[error("endpoint `{url}`: weight {weight} is not a finite positive number")]
+    InvalidWeight {
+        /// The endpoint.
+        url: String,
+        /// The refused weight.
+        weight: f64,
+    },
+}
+
+// === addresses ===
+
+/// Which IP addresses an engine may have.
+///
+/// By default ([`AddressPolicy::default`]) an endpoint whose host is a link-local or
+/// cloud metadata address ([`is_link_local_or_metadata`]) is refused: a proxy would
+/// otherwise send prompts, and the engines' keys, to the metadata service every cloud
+/// VM and most pods can reach (`169.254.169.254`, AWS's `fd00:ec2::254`), because one
+/// line of an endpoints file, one DNS answer or one pod IP said so. An operator who
+/// really runs engines on link-local addresses allows them with
+/// [`allow_link_local`](Self::allow_link_local).
+///
+/// The check reads IP literals only: a hostname is resolved when a connection is made,
+/// so the rule holds for names where they are resolved (the DNS discovery source checks
+/// its answers; `disagg-http`'s transport checks the addresses it connects to).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::endpoint::{AddressPolicy, Endpoint, EndpointError, Role};
+///
+/// assert!(matches!(
+///     Endpoint::new("http://169.254.169.254", Role::Decode),
+///     Err(EndpointError::RefusedAddress { .. })
+/// ));
+/// assert!(matches!(
+///     Endpoint::new("http://[::ffff:169.254.169.254]:80", Role::Decode),
+///     Err(EndpointError::RefusedAddress { .. })
+/// ));
+/// let allowed = Endpoint::with_address_policy(
+///     "http://169.254.10.1:8000",
+///     Role::Decode,
+///     http::Extensions::new(),
+///     AddressPolicy::allow_link_local(),
+/// )?;
+/// assert_eq!(allowed.host(), "169.254.10.1");
+/// # Ok::<(), EndpointError>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AddressPolicy {
+    allow_link_local: bool,
+}
+
+impl AddressPolicy {
+    /// Link-local and metadata addresses refused (the default).
+    pub const fn refuse_link_local() -> Self {
+        AddressPolicy {
+            allow_link_local: false,
+        }
+    }
+
+    /// Link-local and metadata addresses allowed: for engines that really sit on
+    /// link-local addresses, by an operator's explicit choice.
+    pub const fn allow_link_local() -> Self {
+        AddressPolicy {
+            allow_link_local: true,
+        }
+    }
+
+    /// Whether link-local and metadata addresses are allowed.
+    pub const fn allows_link_local(&self) -> bool {
+        self.allow_link_local
+    }
+
+    /// Whether an engine may be reached at `ip`.
+    pub fn allows(&self, ip: IpAddr) -> bool {
+        self.allow_link_local || !is_link_local_or_metadata(ip)
+    }
+
+    /// The IP address of `host` (a URL's host, IPv6 with or without brackets) when it is
+    /// one this policy refuses; `None` for an allowed address and for a hostname.
+    pub fn refused_host(&self, host: &str) -> Option<IpAddr> {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let ip = bare.parse::<IpAddr>().ok()?;
+        (!self.allows(ip)).then_some(ip)
+    }
+}
+
+/// Whether `ip` is link-local or a cloud metadata service's: `169.254.0.0/16` (IPv4
+/// link-local, where AWS, GCP, Azure and others serve instance metadata), `fe80::/10`
+/// (IPv6 link-local), `fd00:ec2::254` (AWS's IPv6 metadata service), and the IPv4 ones
+/// written as IPv6: IPv4-mapped (`::ffff:169.254.169.254`), IPv4-compatible
+/// (`::169.254.169.254`) and behind the NAT64 well-known prefix
+/// (`64:ff9b::169.254.169.254`, RFC 6052).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::endpoint::is_link_local_or_metadata;
+/// for bad in ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254"] {
+///     assert!(is_link_local_or_metadata(bad.parse().unwrap()), "{bad}");
+/// }
+/// for good in ["10.0.0.5", "127.0.0.1", "::1", "fd00:ec2::253", "2001:db8::1"] {
+///     assert!(!is_link_local_or_metadata(good.parse().unwrap()), "{good}");
+/// }
+/// ```
+pub fn is_link_local_or_metadata(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => {
+            const AWS_METADATA: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254);
+            let s = v6.segments();
+            let embedded = |hi: u16, lo: u16| Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo));
+            (s[0] & 0xffc0) == 0xfe80
+                || v6 == AWS_METADATA
+                // ::ffff:a.b.c.d (mapped) and ::a.b.c.d (compatible; `::` and `::1` are
+                // no IPv4 address in disguise and stay allowed).
+                || (s[..5] == [0; 5] && (s[5] == 0xffff || s[5] == 0) && embedded(s[6], s[7]).is_link_local())
+                // 64:ff9b::a.b.c.d, the NAT64 well-known prefix.
+                || (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] && embedded(s[6], s[7]).is_link_local())
+        }
+    }
+}
+
+// === data-parallel ranks ===
+
+/// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
+/// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
+/// deployment's DP size, low enough that a typo cannot make millions of endpoints (each
+/// with its own health state and `/metrics` lines).
+pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
+
+/// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
+///
+/// Parsing checks the syntax and the order only; [`within`](Self::within) checks the
+/// count against a ceiling, which every place that makes one endpoint per rank applies
+/// first.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::endpoint::{DEFAULT_MAX_DP_RANKS, Ranks};
+/// let ranks: Ranks = "0-3".parse()?;
+/// assert_eq!(ranks.count(), 4);
+/// assert_eq!(ranks.iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
+/// let huge: Ranks = "0-4294967295".parse()?;
+/// assert_eq!(huge.count(), 1 << 32);
+/// assert!(huge.within(DEFAULT_MAX_DP_RANKS).is_err());
+/// # Ok::<(), disagg_core::endpoint::RanksError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ranks {
+    first: u32,
+    last: u32,
+}
+
+impl Ranks {
+    /// Ranks `first` to `last`, both included.
+    ///
+    /// # Errors
+    ///
+    /// [`RanksError::Syntax`] when `first > last`.
+    pub fn new(first: u32, last: u32) -> Result<Self, RanksError> {
+        if first > last {
+            return Err(RanksError::Syntax(format!("{first}-{last}")));
+        }
+        Ok(Ranks { first, last })
+    }
+
+    /// The first rank.
+    pub fn first(&self) -> u32 {
+        self.first
+    }
+
+    /// The last rank (included).
+    pub fn last(&self) -> u32 {
+        self.last
+    }
+
+    /// How many ranks (at least 1; up to 2^32, hence a `u64`).
+    pub fn count(&self) -> u64 {
+        u64::from(self.last - self.first) + 1
+    }
+
+    /// These ranks, if there are at most `max` of them.
+    ///
+    /// # Errors
+    ///
+    /// [`RanksError::TooMany`] otherwise.
+    pub fn within(self, max: u32) -> Result<Self, RanksError> {
+        if self.count() > u64::from(max) {
+            return Err(RanksError::TooMany {
+                ranks: self,
+                count: self.count(),
+                max,
+            });
+        }
+        Ok(self)
+    }
+
+    /// Every rank, in order.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + use<> {
+        self.first..=self.last
+    }
+}
+
+impl FromStr for Ranks {
+    type Err = RanksError;
+
+    /// `FIRST-LAST` (`0-3`) or a single rank (`2`), as after the `@` of `--prefill`.
+    fn from_str(s: &str) -> Result<Self, RanksError> {
+        let bad = || RanksError::Syntax(s.to_owned());
+        let (first, last) = match s.trim().split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (s.trim(), s.trim()),
+        };
+        let first = first.parse().map_err(|_| bad())?;
+        let last = last.parse().map_err(|_| bad())?;
+        Ranks::new(first, last).map_err(|_| bad())
+    }
+}
+
+impl fmt::Display for Ranks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+/// Data-parallel ranks that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RanksError {
+    /// Not `FIRST-LAST` or `N`, or `FIRST` after `LAST`.
+    #[error("`{0}` is not data-parallel ranks: write FIRST-LAST (0-3) or one rank (2)")]
+    Syntax(String),
+    /// More ranks than the ceiling allows.
+    #[error(
+        "data-parallel ranks {ranks} are {count} ranks, more than the {max} allowed per engine"
+    )]
+    TooMany {
+        /// The ranks.
+        ranks: Ranks,
+        /// How many they are.
+        count: u64,
+        /// The ceiling.
+        max: u32,
+    },
 }
 
 /// One engine (or one data-parallel rank of an engine): where it is, what it does, what
@@ -98,7 +369,9 @@ pub enum EndpointError {
 /// connector, which passes it on as its protocol says.
 ///
 /// Protocol data (a bootstrap port, NIXL ranks) does not live here as fields: connectors
-/// keep their typed values in [`ext`](Self::ext).
+/// keep their typed values in [`ext`](Self::ext). The routing [`weight`](Self::weight)
+/// is a field, as in pingora's `Backend { addr, weight, ext }`: every weighing policy
+/// reads it, whatever source made the endpoint.
 pub struct Endpoint {
     id: EndpointId,
     scheme: Scheme,
@@ -106,6 +379,8 @@ pub struct Endpoint {
     role: Role,
     rank: Option<u32>,
     models: Option<Arc<[Arc<str>]>>,
+    /// The routing weight (1.0 unless set).
+    weight: f64,
     in_flight: AtomicUsize,
     /// The whole engine, for a rank endpoint made by [`Endpoint::dp_rank`]: its requests
     /// count there too.
@@ -125,7 +400,8 @@ impl Endpoint {
     /// # Errors
     ///
     /// [`EndpointError`] when `url` is not an absolute `http` or `https` URL without a
-    /// path, or its rank is not a number.
+    /// path, its rank is not a number, or its host is an address the default
+    /// [`AddressPolicy`] refuses.
     ///
     /// # Examples
     ///
@@ -153,6 +429,21 @@ impl Endpoint {
         url: &str,
         role: Role,
         ext: http::Extensions,
+    ) -> Result<Self, EndpointError> {
+        Self::with_address_policy(url, role, ext, AddressPolicy::default())
+    }
+
+    /// Like [`with_extensions`](Self::with_extensions), with the addresses `policy`
+    /// allows instead of the default.
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), the host checked against `policy`.
+    pub fn with_address_policy(
+        url: &str,
+        role: Role,
+        ext: http::Extensions,
+        policy: AddressPolicy,
     ) -> Result<Self, EndpointError> {
         let (base, rank) = split_rank(url)?;
         let trimmed = base.trim_end_matches('/');
@@ -182,6 +473,12 @@ impl Endpoint {
         {
             return Err(unsupported());
         }
+        if let Some(ip) = policy.refused_host(authority.host()) {
+            return Err(EndpointError::RefusedAddress {
+                url: url.to_owned(),
+                ip,
+            });
+        }
         let api_uri = |api: Api| {
             Uri::builder()
                 .scheme(scheme.clone())
@@ -198,6 +495,7 @@ impl Endpoint {
             id,
             rank,
             models: None,
+            weight: 1.0,
             chat_uri: api_uri(Api::Chat)?,
             completions_uri: api_uri(Api::Completions)?,
             generate_uri: api_uri(Api::Generate)?,
@@ -234,6 +532,7 @@ impl Endpoint {
             role: base.role,
             rank: Some(rank),
             models: base.models.clone(),
+            weight: base.weight,
             in_flight: AtomicUsize::new(0),
             engine: Some(Arc::clone(base)),
             ext: base.ext.clone(),
@@ -254,6 +553,41 @@ impl Endpoint {
     {
         self.models = Some(models.into_iter().map(Into::into).collect());
         self
+    }
+
+    /// The same endpoint with routing weight `weight` (1.0 unless set): a weighing
+    /// policy sends it a share of the requests in proportion to its weight (see
+    /// `disagg_affinity::WeightedRandom`). Each endpoint weighs on its own: an engine
+    /// given as N rank endpoints of weight `w` draws `N × w`.
+    ///
+    /// # Errors
+    ///
+    /// [`EndpointError::InvalidWeight`] when `weight` is not finite and positive (drain
+    /// an engine by removing it, not with weight 0).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::endpoint::{Endpoint, Role};
+    /// let big = Endpoint::new("http://10.0.0.7:8200", Role::Decode)?.with_weight(2.0)?;
+    /// assert_eq!(big.weight(), 2.0);
+    /// assert_eq!(Endpoint::new("http://10.0.0.8:8200", Role::Decode)?.weight(), 1.0);
+    /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
+    /// ```
+    pub fn with_weight(mut self, weight: f64) -> Result<Self, EndpointError> {
+        if !(weight.is_finite() && weight > 0.0) {
+            return Err(EndpointError::InvalidWeight {
+                url: self.id.to_string(),
+                weight,
+            });
+        }
+        self.weight = weight;
+        Ok(self)
+    }
+
+    /// The routing weight: 1.0 unless set with [`with_weight`](Self::with_weight).
+    pub fn weight(&self) -> f64 {
+        self.weight
     }
 
     /// The endpoint's id: its base URL, with `@RANK` for a data-parallel rank.
@@ -350,6 +684,7 @@ impl fmt::Debug for Endpoint {
         f.debug_struct("Endpoint")
             .field("id", &self.id)
             .field("role", &self.role)
+            .field("weight", &self.weight)
             .field("in_flight", &self.in_flight())
             .finish_non_exhaustive()
     }
@@ -578,6 +913,99 @@ mod tests {
         assert_eq!((rank.in_flight(), engine.in_flight()), (1, 1));
         drop(guard);
         assert_eq!((rank.in_flight(), engine.in_flight()), (0, 0));
+    }
+
+    #[test]
+    fn weights_are_set_checked_and_carried_to_ranks() {
+        let ep = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        assert_eq!(ep.weight(), 1.0);
+        let ep = Arc::new(ep.with_weight(3.5).unwrap());
+        assert_eq!(ep.dp_rank(2).weight(), 3.5);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let e = Endpoint::new("http://h:1", Role::Decode).unwrap();
+            assert!(
+                matches!(e.with_weight(bad), Err(EndpointError::InvalidWeight { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn link_local_and_metadata_hosts_are_refused_unless_allowed() {
+        let refused = [
+            "http://169.254.169.254",
+            "http://169.254.0.1:8000",
+            "https://169.254.255.255:443@3",
+            "http://[fe80::1]:8000",
+            "http://[febf:ffff::1]:8000",
+            "http://[fd00:ec2::254]",
+            "http://[::ffff:169.254.169.254]:80",
+            "http://[::ffff:a9fe:a9fe]",
+            "http://[::169.254.169.254]",
+            "http://[64:ff9b::169.254.169.254]",
+        ];
+        for url in refused {
+            assert!(
+                matches!(
+                    Endpoint::new(url, Role::Decode),
+                    Err(EndpointError::RefusedAddress { .. })
+                ),
+                "{url}"
+            );
+            let allowed = Endpoint::with_address_policy(
+                url,
+                Role::Decode,
+                http::Extensions::new(),
+                AddressPolicy::allow_link_local(),
+            );
+            assert!(allowed.is_ok(), "{url}: {allowed:?}");
+        }
+        let kept = [
+            "http://127.0.0.1:1",
+            "http://10.0.0.5:8100",
+            "http://169.253.255.255",
+            "http://169.255.0.1",
+            "http://[::1]:8000",
+            "http://[::]:8000",
+            "http://[fec0::1]:8000",
+            "http://[fd00:ec2::253]",
+            "http://[::ffff:10.0.0.1]",
+            "http://metadata.google.internal",
+        ];
+        for url in kept {
+            assert!(Endpoint::new(url, Role::Decode).is_ok(), "{url}");
+        }
+        let err = Endpoint::new("http://169.254.169.254", Role::Decode)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("169.254.169.254") && err.contains("metadata"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn ranks_parse_count_and_are_capped() {
+        assert_eq!("0-3".parse::<Ranks>().unwrap(), Ranks::new(0, 3).unwrap());
+        assert_eq!("2".parse::<Ranks>().unwrap().count(), 1);
+        assert!("3-1".parse::<Ranks>().is_err());
+        assert!("a-b".parse::<Ranks>().is_err());
+        let all: Ranks = "0-4294967295".parse().unwrap();
+        assert_eq!(all.count(), 1 << 32);
+        match all.within(DEFAULT_MAX_DP_RANKS) {
+            Err(RanksError::TooMany { count, max, .. }) => {
+                assert_eq!((count, max), (1 << 32, 1024));
+            }
+            other => panic!("{other:?}"),
+        }
+        let most = Ranks::new(0, DEFAULT_MAX_DP_RANKS - 1).unwrap();
+        assert_eq!(most.within(DEFAULT_MAX_DP_RANKS), Ok(most));
+        assert!(
+            Ranks::new(0, DEFAULT_MAX_DP_RANKS)
+                .unwrap()
+                .within(DEFAULT_MAX_DP_RANKS)
+                .is_err()
+        );
     }
 
     #[test]

@@ -52,6 +52,7 @@
 
 pub mod admission;
 pub mod body;
+pub mod config_file;
 pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
@@ -81,7 +82,7 @@ pub use connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
     mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
 };
-pub use endpoint::{Endpoint, EndpointId, EndpointSet, Role};
+pub use endpoint::{AddressPolicy, Endpoint, EndpointId, EndpointSet, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
 pub use request::{Api, PdRequest};
 pub use router::{Route, Router};

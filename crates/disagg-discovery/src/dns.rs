@@ -7,7 +7,14 @@
 //!   case;
 //! - `_service._proto.name` (an SRV name): every SRV record of the lowest priority value
 //!   (higher values are fallbacks, RFC 2782) names a target host and port; each address
-//!   of each target is an engine at that port.
+//!   of each target is an engine at that port, weighing the record's weight
+//!   ([`srv_weight`]: a weight of 0 weighs 0.01, RFC 2782's "very small chance" next to
+//!   records of positive weight).
+//!
+//! Every answer becomes an endpoint only within the merged source's bounds: an address
+//! that is link-local or a cloud metadata service's makes no endpoint
+//! ([`Bounds`](crate::Bounds)), and a name answering more engines than the ceiling per
+//! source is refused whole, its last good engines kept.
 //!
 //! Each name is resolved again when its records' time to live runs out (the smallest
 //! TTL among the answers, the SRV records' and their targets'), bounded by
@@ -389,7 +396,11 @@ async fn resolve(resolver: &TokioResolver, target: &DnsTarget) -> Result<Resolve
                     Err(e) => return Err(e),
                 };
                 valid_until = valid_until.min(until);
-                specs.extend(ips.into_iter().map(|ip| spec(target, ip, srv.port)));
+                specs.extend(ips.into_iter().map(|ip| {
+                    let mut s = spec(target, ip, srv.port);
+                    s.weight = Some(srv_weight(srv.weight));
+                    s
+                }));
             }
             Ok(Resolved {
                 specs,
@@ -409,6 +420,13 @@ async fn lookup_ip(
         return Err(Failure::NoRecords { negative_ttl: None });
     }
     Ok((ips, Instant::from_std(lookup.valid_until())))
+}
+
+/// The routing weight of an SRV record's engines: its weight, and 0.01 for a weight of
+/// 0 (RFC 2782: such records "should have a very small chance of being selected" next
+/// to records of positive weight; when all are 0, all weigh alike).
+pub fn srv_weight(weight: u16) -> f64 {
+    if weight == 0 { 0.01 } else { f64::from(weight) }
 }
 
 fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
@@ -463,6 +481,33 @@ mod tests {
         assert_eq!(
             spec(&t, "fd00::1".parse().unwrap(), 80).url,
             "http://[fd00::1]:80"
+        );
+    }
+
+    #[test]
+    fn srv_weights_become_routing_weights() {
+        assert_eq!(srv_weight(10), 10.0);
+        assert_eq!(srv_weight(1), 1.0);
+        // Zero: a very small chance next to positive weights, and any positive weight.
+        assert!(srv_weight(0) > 0.0 && srv_weight(0) < srv_weight(1));
+    }
+
+    #[test]
+    fn a_metadata_or_link_local_answer_makes_no_endpoint() {
+        let t = DnsTarget::new("x:1".parse().unwrap(), Role::Decode);
+        for ip in [
+            "169.254.169.254",
+            "fd00:ec2::254",
+            "fe80::1",
+            "::ffff:169.254.169.254",
+        ] {
+            let s = spec(&t, ip.parse().unwrap(), 80);
+            assert!(s.to_endpoints().is_err(), "{ip}");
+        }
+        assert!(
+            spec(&t, "10.0.0.1".parse().unwrap(), 80)
+                .to_endpoints()
+                .is_ok()
         );
     }
 }

@@ -31,23 +31,39 @@
 //! # Failures keep the last good list
 //!
 //! - An edit that does not parse, or names an engine that makes no endpoint (a bad URL,
-//!   a decode with a bootstrap port, an LMCache receiver whose port lists differ), is
-//!   refused whole: the last good list stays, the error is logged and counted
-//!   ([`SourceStats::errors`](crate::SourceStats::errors)) once per distinct content.
+//!   a link-local or cloud metadata address, a decode with a bootstrap port, an LMCache
+//!   receiver whose port lists differ), is refused whole: the last good list stays, the
+//!   error is logged and counted ([`SourceStats::errors`](crate::SourceStats::errors))
+//!   once per distinct content.
+//! - So is an edit past a ceiling ([`FileConfig::bounds`]): an engine with more
+//!   data-parallel ranks than `max_ranks` (1,024 by default), or more endpoints in all,
+//!   ranks counted, than `max_endpoints` (4,096 by default). Ranks are counted from the
+//!   range, never expanded first, and such an edit is also counted in
+//!   [`SourceStats::over_limit`](crate::SourceStats::over_limit).
 //! - A deleted (or unreadable) file also keeps the last good list, logged and counted
 //!   once: deletion is more often an accident or a step of a replacement than an intent
 //!   to drain every engine. To remove every engine, write a file with no entries.
-//! - At start, a missing or invalid file is an error of [`spawn`]: the proxy should not
-//!   start on a configuration it cannot read.
+//! - The path must name a regular file (symlinks to one are followed): a FIFO, a socket
+//!   or a device is refused without being opened for a blocking read, and a read that
+//!   does not finish within [`FileConfig::read_timeout`] (5 s; a hung network volume) is
+//!   an error; both are unreadable states, logged and counted as above, and the next
+//!   poll tries again. No read can stop the polling, or hold the proxy at shutdown
+//!   ([`disagg_core::config_file`]).
+//! - At start, a missing, unreadable or invalid file is an error of [`spawn`]: the proxy
+//!   should not start on a configuration it cannot read.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use disagg_core::Role;
+use disagg_core::config_file::TimedReader;
 use serde::Deserialize;
 
 use crate::source::{SpecPublisher, SpecSource};
-use crate::spec::{EndpointSpec, LmcacheSpec, Ranks, parse_kv_profile, parse_kv_role, parse_tp};
+use crate::spec::{
+    Bounds, EndpointSpec, LmcacheSpec, Ranks, endpoint_count, parse_kv_profile, parse_kv_role,
+    parse_tp,
+};
 
 /// The default source name of the endpoints file (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "file";
@@ -67,15 +83,23 @@ pub struct FileConfig {
     pub poll_interval: Duration,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
+    /// The ceilings and the address rule the file's engines are held to (ranks per
+    /// engine, endpoints in the file, link-local and metadata addresses refused).
+    pub bounds: Bounds,
+    /// How long one read of the file may take (5 s by default); past it the read is an
+    /// error and the last good list stays.
+    pub read_timeout: Duration,
 }
 
 impl FileConfig {
-    /// The file at `path`, polled every second.
+    /// The file at `path`, polled every second, within the default [`Bounds`].
     pub fn new(path: impl Into<PathBuf>) -> Self {
         FileConfig {
             path: path.into(),
             poll_interval: Duration::from_secs(1),
             name: SOURCE_NAME.to_owned(),
+            bounds: Bounds::default(),
+            read_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -102,9 +126,14 @@ pub enum FileError {
     /// The content is not a valid endpoints file.
     #[error("invalid endpoints file: {0}")]
     Invalid(String),
+    /// The file makes more endpoints, or gives an engine more ranks, than its
+    /// [`Bounds`] allow.
+    #[error("endpoints file over its ceiling: {0}")]
+    OverLimit(String),
 }
 
-/// Parses the text of an endpoints file into specs (prefill first, in file order).
+/// Parses the text of an endpoints file into specs (prefill first, in file order),
+/// within the default [`Bounds`].
 ///
 /// Every entry is checked as an endpoint would be built from it, so that an invalid
 /// entry refuses the whole file.
@@ -112,8 +141,10 @@ pub enum FileError {
 /// # Errors
 ///
 /// [`FileError::Invalid`] naming the first problem: TOML syntax, an unknown key, a bad
-/// URL, ranks, weight, KV profile or LMCache receiver, a bootstrap port on a decode or
-/// an LMCache receiver on a prefill, or one URL listed twice for one role.
+/// URL (a link-local or cloud metadata address included), ranks, weight, KV profile or
+/// LMCache receiver, a bootstrap port on a decode or an LMCache receiver on a prefill,
+/// or one URL listed twice for one role; [`FileError::OverLimit`] for an engine with
+/// more ranks, or a file with more endpoints, than the bounds allow.
 ///
 /// # Examples
 ///
@@ -134,6 +165,15 @@ pub enum FileError {
 /// # Ok::<(), disagg_discovery::file::FileError>(())
 /// ```
 pub fn parse(text: &str) -> Result<Vec<EndpointSpec>, FileError> {
+    parse_within(text, &Bounds::default())
+}
+
+/// Like [`parse`], within `bounds`.
+///
+/// # Errors
+///
+/// As [`parse`].
+pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, FileError> {
     let file: FileModel = toml::from_str(text).map_err(|e| FileError::Invalid(e.to_string()))?;
     let mut specs = Vec::new();
     let mut seen = std::collections::HashSet::new();
@@ -143,15 +183,38 @@ pub fn parse(text: &str) -> Result<Vec<EndpointSpec>, FileError> {
                 Role::Prefill => "prefill",
                 Role::Decode => "decode",
             };
-            let invalid =
-                |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", i + 1));
+            let place = format!("[[{table}]] #{}", i + 1);
+            let invalid = |what: String| FileError::Invalid(format!("{place}: {what}"));
             let spec = entry.into_spec(role).map_err(invalid)?;
-            spec.to_endpoints().map_err(|e| invalid(e.to_string()))?;
+            // The ranks are counted before an endpoint is made for each of them.
+            if let Some(ranks) = spec.ranks {
+                ranks
+                    .within(bounds.max_ranks)
+                    .map_err(|e| FileError::OverLimit(format!("{place}: {e}")))?;
+            }
             if !seen.insert((table, spec.url.trim_end_matches('/').to_owned())) {
                 return Err(invalid(format!("{} is listed twice", spec.url)));
             }
             specs.push(spec);
         }
+    }
+    let n = endpoint_count(&specs);
+    if n > bounds.max_endpoints as u64 {
+        return Err(FileError::OverLimit(format!(
+            "{n} endpoints (ranks counted), more than the {} allowed per source",
+            bounds.max_endpoints
+        )));
+    }
+    // Each entry checked as it will be built: every endpoint made is within bounds now.
+    let mut places = [0usize; 2];
+    for spec in &specs {
+        let (table, k) = match spec.role {
+            Role::Prefill => ("prefill", 0),
+            Role::Decode => ("decode", 1),
+        };
+        places[k] += 1;
+        spec.to_endpoints_within(bounds)
+            .map_err(|e| FileError::Invalid(format!("[[{table}]] #{}: {e}", places[k])))?;
     }
     Ok(specs)
 }
@@ -263,35 +326,32 @@ impl EntryModel {
 }
 
 /// Reads and parses the file.
-async fn load(path: &std::path::Path) -> Result<(Vec<u8>, Vec<EndpointSpec>), FileError> {
-    let bytes = read(path).await?;
-    let text = std::str::from_utf8(&bytes)
-        .map_err(|_| FileError::Invalid("the file is not UTF-8 text".into()))?;
-    let specs = parse(text)?;
+async fn load(
+    config: &FileConfig,
+    reader: &TimedReader,
+) -> Result<(Vec<u8>, Vec<EndpointSpec>), FileError> {
+    let bytes = read(config, reader).await?;
+    let specs = parse_bytes(&bytes, &config.bounds)?;
     Ok((bytes, specs))
 }
 
-/// The file's bytes, read off the runtime's threads (the file may sit on a slow or
-/// network file system).
-async fn read(path: &std::path::Path) -> Result<Vec<u8>, FileError> {
-    let owned = path.to_owned();
-    let read = tokio::task::spawn_blocking(move || {
-        use std::io::Read;
-        let file = std::fs::File::open(&owned)?;
-        let mut bytes = Vec::new();
-        // One byte past the limit tells a file at the limit from a larger one.
-        file.take(MAX_FILE_BYTES + 1).read_to_end(&mut bytes)?;
-        Ok::<_, std::io::Error>(bytes)
-    })
-    .await
-    .map_err(|e| FileError::Read {
-        path: path.to_owned(),
-        source: std::io::Error::other(e),
-    })?;
-    let bytes = read.map_err(|source| FileError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
+fn parse_bytes(bytes: &[u8], bounds: &Bounds) -> Result<Vec<EndpointSpec>, FileError> {
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| FileError::Invalid("the file is not UTF-8 text".into()))?;
+    parse_within(text, bounds)
+}
+
+/// The file's bytes: a regular file only, read on a thread of its own within the read
+/// timeout (the file may sit on a slow or network file system, or be a FIFO).
+async fn read(config: &FileConfig, reader: &TimedReader) -> Result<Vec<u8>, FileError> {
+    let path = &config.path;
+    let bytes = reader
+        .read(path, MAX_FILE_BYTES, config.read_timeout)
+        .await
+        .map_err(|source| FileError::Read {
+            path: path.clone(),
+            source,
+        })?;
     if bytes.len() as u64 > MAX_FILE_BYTES {
         return Err(FileError::TooLarge {
             path: path.to_owned(),
@@ -311,10 +371,11 @@ async fn read(path: &std::path::Path) -> Result<Vec<u8>, FileError> {
 ///
 /// When called outside a tokio runtime.
 pub async fn spawn(config: FileConfig) -> Result<SpecSource, FileError> {
-    let (bytes, specs) = load(&config.path).await?;
+    let reader = TimedReader::new();
+    let (bytes, specs) = load(&config, &reader).await?;
     let (publisher, source) = SpecSource::channel(config.name.as_str());
     publisher.publish(specs);
-    let task = tokio::spawn(poll(config, publisher, bytes));
+    let task = tokio::spawn(poll(config, publisher, bytes, reader));
     Ok(source.with_task(task))
 }
 
@@ -327,7 +388,7 @@ enum Seen {
     Unreadable,
 }
 
-async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>) {
+async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, reader: TimedReader) {
     let mut seen = Seen::Content(bytes);
     let mut interval = tokio::time::interval(config.poll_interval);
     // A slow read delays the next poll rather than bunching polls up.
@@ -335,13 +396,13 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>) {
     interval.tick().await;
     while !publisher.is_closed() {
         interval.tick().await;
-        let bytes = match read(&config.path).await {
+        let bytes = match read(&config, &reader).await {
             Ok(bytes) => bytes,
             Err(e) => {
                 if seen != Seen::Unreadable {
                     tracing::warn!(
                         path = %config.path.display(),
-                        error = %e,
+                        error = %disagg_core::error::error_chain(&e),
                         "endpoints file unreadable; keeping the last good endpoints"
                     );
                     publisher.record_error();
@@ -353,10 +414,7 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>) {
         if matches!(&seen, Seen::Content(b) if *b == bytes) {
             continue;
         }
-        let parsed = std::str::from_utf8(&bytes)
-            .map_err(|_| FileError::Invalid("the file is not UTF-8 text".into()))
-            .and_then(parse);
-        match parsed {
+        match parse_bytes(&bytes, &config.bounds) {
             Ok(specs) => {
                 let n = specs.len();
                 if publisher.publish(specs) {
@@ -369,7 +427,11 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>) {
                     error = %e,
                     "endpoints file edit refused; keeping the last good endpoints"
                 );
-                publisher.record_error();
+                if matches!(e, FileError::OverLimit(_)) {
+                    publisher.record_over_limit();
+                } else {
+                    publisher.record_error();
+                }
             }
         }
         seen = Seen::Content(bytes);
@@ -453,6 +515,48 @@ mod tests {
             let err = parse(text).unwrap_err().to_string();
             let matched = err.contains(needle) || (needle == "TOML" && err.starts_with("invalid"));
             assert!(matched, "{text:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn ranks_and_endpoints_past_their_ceilings_refuse_the_file() {
+        let huge = "[[decode]]\nurl = \"http://d:1\"\nranks = \"0-4294967295\"\n";
+        let err = parse(huge).unwrap_err();
+        assert!(matches!(err, FileError::OverLimit(_)), "{err}");
+        assert!(err.to_string().contains("1024"), "{err}");
+        let ok = "[[decode]]\nurl = \"http://d:1\"\nranks = \"0-1023\"\n";
+        assert_eq!(parse(ok).unwrap()[0].endpoint_count(), 1024);
+        // Five engines of 1,000 ranks each: 5,000 endpoints in all.
+        let many: String = (0..5)
+            .map(|i| format!("[[decode]]\nurl = \"http://d{i}:1\"\nranks = \"0-999\"\n"))
+            .collect();
+        let err = parse(&many).unwrap_err();
+        assert!(err.to_string().contains("5000 endpoints"), "{err}");
+        let mut small = Bounds::default();
+        small.max_endpoints = 2;
+        let three = "[[decode]]\nurl = \"http://a:1\"\n[[decode]]\nurl = \"http://b:1\"\n[[prefill]]\nurl = \"http://c:1\"\n";
+        assert!(matches!(
+            parse_within(three, &small),
+            Err(FileError::OverLimit(_))
+        ));
+        assert_eq!(parse(three).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_metadata_address_refuses_the_file_unless_allowed() {
+        for url in [
+            "http://169.254.169.254",
+            "http://[::ffff:169.254.169.254]:80",
+        ] {
+            let text = format!("[[decode]]\nurl = \"{url}\"\n");
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.contains("metadata") && err.contains("[[decode]] #1"),
+                "{err}"
+            );
+            let mut open = Bounds::default();
+            open.addresses = disagg_core::AddressPolicy::allow_link_local();
+            assert_eq!(parse_within(&text, &open).unwrap().len(), 1);
         }
     }
 

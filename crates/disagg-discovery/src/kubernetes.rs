@@ -566,6 +566,34 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_at_a_metadata_ip_or_with_too_many_ranks_makes_no_endpoint_and_its_weight_is_read() {
+        let bounds = crate::Bounds::default();
+        let mut metadata = pod(true, &[]);
+        if let Some(status) = metadata.status.as_mut() {
+            status.pod_ip = Some("169.254.169.254".into());
+        }
+        let spec = pod_spec(&metadata, Role::Prefill, &config())
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            spec.to_endpoints_within(&bounds),
+            Err(crate::SpecError::Url(_))
+        ));
+        let huge = pod(true, &[(DP_RANKS, "0-4294967295")]);
+        let spec = pod_spec(&huge, Role::Prefill, &config()).unwrap().unwrap();
+        assert!(matches!(
+            spec.to_endpoints_within(&bounds),
+            Err(crate::SpecError::Ranks(_))
+        ));
+        let weighed = pod(true, &[(DP_RANKS, "0-1"), (WEIGHT, "3")]);
+        let spec = pod_spec(&weighed, Role::Prefill, &config())
+            .unwrap()
+            .unwrap();
+        let eps = spec.to_endpoints_within(&bounds).unwrap();
+        assert!(eps.len() == 2 && eps.iter().all(|e| e.weight() == 3.0));
+    }
+
+    #[test]
     fn the_sglang_annotation_wins_and_models_annotation_beats_the_label() {
         let pod = pod(
             true,

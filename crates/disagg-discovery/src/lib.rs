@@ -79,6 +79,6 @@ pub mod guide {}
 pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};
 pub use source::{SourceStats, SpecPublisher, SpecSource, Specs};
 pub use spec::{
-    EndpointSpec, KvEventsEndpoint, LmcacheSpec, ProfileError, Ranks, RanksError, SpecError,
-    Weight, parse_kv_profile,
+    Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint, LmcacheSpec,
+    ProfileError, Ranks, RanksError, SpecError, endpoint_count, parse_kv_profile,
 };

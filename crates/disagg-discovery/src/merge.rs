@@ -13,9 +13,14 @@
 //! - an endpoint whose spec changed (a new bootstrap port, models or KV profile) is
 //!   replaced by a new one with the same id; requests in flight on the old one finish
 //!   there;
-//! - a spec that makes no endpoint (a bad URL, an LMCache receiver contradicting the
-//!   declared TP size) is left out, logged once and counted as rejected; the rest of the
-//!   set is published.
+//! - a spec that makes no endpoint (a bad URL, a link-local or metadata address, more
+//!   data-parallel ranks than [`Bounds::max_ranks`], an LMCache receiver contradicting
+//!   the declared TP size) is left out, logged once and counted as rejected; the rest of
+//!   the set is published;
+//! - a source's list that would make more endpoints than [`Bounds::max_endpoints`]
+//!   (ranks counted, before any is made) is refused whole: that source's last good list
+//!   stays in the set, logged once per list and counted
+//!   ([`SourceStats::over_limit`], an error too).
 //!
 //! When two sources name the same endpoint (role and id), the earlier one in the merge
 //! order wins: the command line's endpoints first, then the sources in the order they
@@ -31,7 +36,7 @@ use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::source::{SourceStats, SpecSource, Specs};
-use crate::spec::EndpointSpec;
+use crate::spec::{Bounds, EndpointSpec, endpoint_count};
 
 /// Adds connector data of the embedder's own to the extensions a spec's endpoints get
 /// (after the spec's own [`EndpointSpec::extensions`]). An `Err` leaves the spec out,
@@ -98,6 +103,7 @@ pub struct MergedSourceBuilder {
     endpoints: Vec<Endpoint>,
     sources: Vec<SpecSource>,
     extend: Option<Arc<ExtendFn>>,
+    bounds: Bounds,
 }
 
 impl std::fmt::Debug for MergedSourceBuilder {
@@ -106,6 +112,7 @@ impl std::fmt::Debug for MergedSourceBuilder {
             .field("endpoints", &self.endpoints)
             .field("sources", &self.sources)
             .field("extend", &self.extend.is_some())
+            .field("bounds", &self.bounds)
             .finish()
     }
 }
@@ -121,6 +128,14 @@ impl MergedSourceBuilder {
     /// A discovery source, after those added before it in the merge order.
     pub fn source(mut self, source: SpecSource) -> Self {
         self.sources.push(source);
+        self
+    }
+
+    /// The ceilings and the address rule discovered engines are held to (default:
+    /// [`Bounds::default`]). The fixed [`endpoints`](Self::endpoints) are taken as
+    /// given.
+    pub fn bounds(mut self, bounds: Bounds) -> Self {
+        self.bounds = bounds;
         self
     }
 
@@ -155,6 +170,9 @@ impl MergedSourceBuilder {
             source_stats: self.sources.iter().map(|s| Arc::clone(s.stats())).collect(),
             names: self.sources.iter().map(|s| Arc::from(s.name())).collect(),
             extend: self.extend,
+            bounds: self.bounds,
+            accepted: vec![None; self.sources.len()],
+            refused: vec![None; self.sources.len()],
             current: HashMap::new(),
             order: Vec::new(),
             rejected: HashSet::new(),
@@ -208,6 +226,9 @@ impl MergedSource {
     ///   reloads (the last good list stayed);
     /// - `disagg_discovery_rejected_total{source}` (counter): engines left out because
     ///   their description makes no endpoint;
+    /// - `disagg_discovery_over_limit_total{source}` (counter): lists and file edits
+    ///   refused for going past a ceiling (too many endpoints or ranks); the last good
+    ///   list stayed;
     /// - `disagg_discovery_duplicate_endpoints{source}` (gauge): endpoints a source finds
     ///   that an earlier source already contributes.
     ///
@@ -281,7 +302,7 @@ impl prometheus_client::collector::Collector for DiscoveryCollector {
                     .encode(changes.encode_family(&labels)?)?;
             }
         }
-        let rows: [Row; 4] = [
+        let rows: [Row; 5] = [
             (
                 "disagg_discovery_updates",
                 "Endpoint lists published by each discovery source.",
@@ -299,6 +320,12 @@ impl prometheus_client::collector::Collector for DiscoveryCollector {
                 "Engines a discovery source found but left out because their description makes no endpoint.",
                 false,
                 SourceStats::rejected,
+            ),
+            (
+                "disagg_discovery_over_limit",
+                "Lists and file edits a discovery source refused for going past a ceiling (endpoints, ranks); the last good list stayed.",
+                false,
+                SourceStats::over_limit,
             ),
             (
                 "disagg_discovery_duplicate_endpoints",
@@ -401,6 +428,11 @@ struct Merger {
     source_stats: Vec<Arc<SourceStats>>,
     names: Vec<Arc<str>>,
     extend: Option<Arc<ExtendFn>>,
+    bounds: Bounds,
+    /// Each source's last list within the ceilings (what the set holds of it).
+    accepted: Vec<Specs>,
+    /// Each source's last list refused for the endpoint ceiling, logged and counted.
+    refused: Vec<Option<Arc<[EndpointSpec]>>>,
     current: HashMap<Key, Entry>,
     /// The current set's endpoints in order (fixed ones first), to tell a change.
     order: Vec<Arc<Endpoint>>,
@@ -433,6 +465,7 @@ impl Merger {
         let mut next: HashMap<Key, Entry> = HashMap::new();
         let mut rejected = HashSet::new();
         for (i, list) in lists.iter().enumerate() {
+            let list = self.within_bounds(i, list);
             let stats = &self.source_stats[i];
             let (mut counts, mut duplicates) = ([0u64; 2], 0u64);
             for spec in list.iter().flat_map(|l| l.iter()) {
@@ -494,6 +527,40 @@ impl Merger {
         Some(EndpointSet::new(order))
     }
 
+    /// Source `i`'s list to merge: `list` when it is within the endpoint ceiling (then
+    /// kept as the source's last good one), else the last good one (the refusal logged
+    /// and counted once per list).
+    fn within_bounds(&mut self, i: usize, list: &Specs) -> Specs {
+        let Some(specs) = list else {
+            return None;
+        };
+        let n = endpoint_count(specs);
+        let max = self.bounds.max_endpoints;
+        if n <= max as u64 {
+            self.accepted[i] = list.clone();
+            return list.clone();
+        }
+        // A list is published once, then merged again on every other source's change:
+        // the refusal is counted for the list, not for each merge.
+        if self.refused_list(i).is_none_or(|r| !Arc::ptr_eq(r, specs)) {
+            tracing::warn!(
+                source = %self.names[i],
+                endpoints = n,
+                max,
+                "discovered endpoints refused: more than the ceiling per source (--max-endpoints-per-source); keeping the last good endpoints"
+            );
+            let stats = &self.source_stats[i];
+            stats.over_limit.fetch_add(1, Ordering::Relaxed);
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            self.refused[i] = Some(Arc::clone(specs));
+        }
+        self.accepted[i].clone()
+    }
+
+    fn refused_list(&self, i: usize) -> Option<&Arc<[EndpointSpec]>> {
+        self.refused.get(i).and_then(Option::as_ref)
+    }
+
     /// The endpoints of `spec` from source `i`: the current ones when the spec is
     /// unchanged, new ones otherwise; `None` (logged once, counted) when it makes none.
     fn endpoints_for(
@@ -502,6 +569,11 @@ impl Merger {
         spec: &EndpointSpec,
         rejected: &mut HashSet<(usize, Role, String)>,
     ) -> Option<Vec<Arc<Endpoint>>> {
+        // Counted before anything is made per rank.
+        if let Some(Err(e)) = spec.ranks.map(|r| r.within(self.bounds.max_ranks)) {
+            self.reject(i, spec, &e, rejected);
+            return None;
+        }
         let urls = spec.endpoint_urls();
         let reused: Option<Vec<Arc<Endpoint>>> = urls
             .iter()
@@ -516,23 +588,34 @@ impl Merger {
         match self.build(spec) {
             Ok(endpoints) => Some(endpoints.into_iter().map(Arc::new).collect()),
             Err(e) => {
-                let id = (i, spec.role, spec.url.clone());
-                if !self.rejected.contains(&id) {
-                    tracing::warn!(
-                        source = %self.names[i],
-                        url = %spec.url,
-                        role = ?spec.role,
-                        error = %e,
-                        "discovered engine left out: its description makes no endpoint"
-                    );
-                    self.source_stats[i]
-                        .rejected
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                rejected.insert(id);
+                self.reject(i, spec, &*e, rejected);
                 None
             }
         }
+    }
+
+    /// Leaves `spec` of source `i` out: logged and counted the first time in a row.
+    fn reject(
+        &self,
+        i: usize,
+        spec: &EndpointSpec,
+        e: &dyn std::fmt::Display,
+        rejected: &mut HashSet<(usize, Role, String)>,
+    ) {
+        let id = (i, spec.role, spec.url.clone());
+        if !self.rejected.contains(&id) {
+            tracing::warn!(
+                source = %self.names[i],
+                url = %spec.url,
+                role = ?spec.role,
+                error = %e,
+                "discovered engine left out: its description makes no endpoint"
+            );
+            self.source_stats[i]
+                .rejected
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        rejected.insert(id);
     }
 
     fn build(&self, spec: &EndpointSpec) -> Result<Vec<Endpoint>, BoxError> {
@@ -540,7 +623,7 @@ impl Merger {
         if let Some(extend) = &self.extend {
             extend(spec, &mut ext)?;
         }
-        Ok(spec.to_endpoints_with(ext)?)
+        Ok(spec.to_endpoints_bounded(ext, &self.bounds)?)
     }
 }
 
@@ -563,6 +646,9 @@ mod tests {
             source_stats: (0..sources).map(|_| Arc::default()).collect(),
             names: (0..sources).map(|i| Arc::from(format!("s{i}"))).collect(),
             extend: None,
+            bounds: Bounds::default(),
+            accepted: vec![None; sources],
+            refused: vec![None; sources],
             current: HashMap::new(),
             order: Vec::new(),
             rejected: HashSet::new(),
@@ -593,6 +679,80 @@ mod tests {
         m.merge(&[list(vec![decode("http://d2:1")])]);
         m.merge(&[list(bad)]);
         assert_eq!(m.source_stats[0].rejected(), 2);
+    }
+
+    #[test]
+    fn a_list_past_the_endpoint_ceiling_keeps_the_last_good_one() {
+        let mut m = merger(2);
+        m.bounds.max_endpoints = 4;
+        let good = list(vec![decode("http://d1:1"), decode("http://d2:1")]);
+        let other = list(vec![decode("http://o1:1")]);
+        assert_eq!(
+            m.merge(&[good.clone(), other.clone()])
+                .unwrap()
+                .decode()
+                .len(),
+            3
+        );
+        // Five endpoints, three of them ranks: refused whole, never expanded.
+        let mut ranked = decode("http://d3:1");
+        ranked.ranks = Some(crate::Ranks::new(0, 2).unwrap());
+        let big = list(vec![decode("http://d1:1"), decode("http://d2:1"), ranked]);
+        assert!(
+            m.merge(&[big.clone(), other.clone()]).is_none(),
+            "the set stays"
+        );
+        assert_eq!(m.source_stats[0].over_limit(), 1);
+        assert_eq!(m.source_stats[0].errors(), 1);
+        // Merged again (another source changed): the same refusal, not counted again;
+        // the other source's change goes through.
+        let more = list(vec![decode("http://o1:1"), decode("http://o2:1")]);
+        let set = m.merge(&[big, more]).unwrap();
+        assert_eq!(set.decode().len(), 4);
+        assert_eq!(m.source_stats[0].over_limit(), 1);
+        assert_eq!(m.source_stats[0].decode_endpoints(), 2);
+        // A list within the ceiling is taken again.
+        let set = m
+            .merge(&[list(vec![decode("http://d9:1")]), other])
+            .unwrap();
+        assert_eq!(set.decode().len(), 2);
+    }
+
+    #[test]
+    fn an_engine_with_too_many_ranks_is_left_out_without_being_expanded() {
+        let mut m = merger(1);
+        let mut huge = decode("http://d1:1");
+        huge.ranks = Some("0-4294967295".parse().unwrap());
+        let set = m.merge(&[list(vec![huge, decode("http://d2:1")])]);
+        // The endpoint ceiling refuses the list first (2^32 + 1 endpoints).
+        assert!(set.unwrap().decode().is_empty());
+        assert_eq!(m.source_stats[0].over_limit(), 1);
+        // Within the endpoint ceiling, the rank ceiling leaves the engine out alone.
+        let mut m = merger(1);
+        m.bounds.max_ranks = 2;
+        let mut three = decode("http://d1:1");
+        three.ranks = Some(crate::Ranks::new(0, 2).unwrap());
+        let set = m
+            .merge(&[list(vec![three, decode("http://d2:1")])])
+            .unwrap();
+        assert_eq!(set.decode().len(), 1);
+        assert_eq!(m.source_stats[0].rejected(), 1);
+    }
+
+    #[test]
+    fn a_metadata_address_is_left_out_unless_allowed() {
+        let mut m = merger(1);
+        let specs = list(vec![
+            decode("http://169.254.169.254:80"),
+            decode("http://d2:1"),
+        ]);
+        let set = m.merge(&[specs.clone()]).unwrap();
+        assert_eq!(set.decode().len(), 1);
+        assert_eq!(set.decode()[0].id().as_str(), "http://d2:1");
+        assert_eq!(m.source_stats[0].rejected(), 1);
+        let mut m = merger(1);
+        m.bounds.addresses = disagg_core::AddressPolicy::allow_link_local();
+        assert_eq!(m.merge(&[specs]).unwrap().decode().len(), 2);
     }
 
     #[test]

@@ -153,6 +153,14 @@ impl SpecPublisher {
         self.stats.rejected.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Counts one list refused for going past a ceiling ([`Bounds`](crate::Bounds)): too
+    /// many endpoints, or an engine with too many ranks; counted as an error too, the
+    /// last good list staying.
+    pub fn record_over_limit(&self) {
+        self.stats.over_limit.fetch_add(1, Ordering::Relaxed);
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The source's counters.
     pub fn stats(&self) -> &Arc<SourceStats> {
         &self.stats
@@ -183,6 +191,7 @@ pub struct SourceStats {
     pub(crate) updates: AtomicU64,
     pub(crate) errors: AtomicU64,
     pub(crate) rejected: AtomicU64,
+    pub(crate) over_limit: AtomicU64,
     pub(crate) prefill: AtomicU64,
     pub(crate) decode: AtomicU64,
     pub(crate) added: AtomicU64,
@@ -206,6 +215,12 @@ impl SourceStats {
     /// merge (a URL or LMCache receiver that makes no endpoint).
     pub fn rejected(&self) -> u64 {
         self.rejected.load(Ordering::Relaxed)
+    }
+
+    /// Lists (or file edits) refused for going past a ceiling
+    /// ([`Bounds`](crate::Bounds)); each is an error too.
+    pub fn over_limit(&self) -> u64 {
+        self.over_limit.load(Ordering::Relaxed)
     }
 
     /// Prefill endpoints this source contributes to the merged set now.

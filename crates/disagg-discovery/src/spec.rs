@@ -6,16 +6,78 @@
 //! the same [`Endpoint`] (the same `Arc`, with its in-flight counts and the health and
 //! affinity state keyed to it) for an engine whose spec did not change.
 //! [`EndpointSpec::to_endpoints`] turns a spec into the core's endpoints, one per
-//! data-parallel rank, with the connector data in their extensions, exactly as the
-//! `serve` command line does for `--prefill`, `--decode`, `--kv-profile`,
-//! `--served-model` and `--lmcache-receiver`.
+//! data-parallel rank, with its weight and the connector data in their extensions,
+//! exactly as the `serve` command line does for `--prefill`, `--decode`, `--weight`,
+//! `--kv-profile`, `--served-model` and `--lmcache-receiver`.
+//!
+//! What a source describes comes from outside the proxy (a file anyone with write
+//! access edits, a pod's annotations, DNS answers), so it is held to [`Bounds`] before
+//! anything is allocated for it: ranks per engine, endpoints per source, and the
+//! addresses an engine may have.
 
-use std::fmt;
-use std::str::FromStr;
-
-use disagg_core::endpoint::EndpointError;
+use disagg_core::endpoint::{AddressPolicy, DEFAULT_MAX_DP_RANKS, EndpointError};
+pub use disagg_core::endpoint::{Ranks, RanksError};
 use disagg_core::pairing::{KvProfile, KvRole};
 use disagg_core::{BootstrapPort, Endpoint, Role};
+
+/// The most endpoints one discovery source may contribute by default, every rank
+/// counted (`--max-endpoints-per-source`): far above any fleet one proxy routes, low
+/// enough that one edit or one answer cannot make the proxy hold, check and export
+/// millions of endpoints.
+pub const DEFAULT_MAX_ENDPOINTS_PER_SOURCE: usize = 4096;
+
+/// The ceilings and the address rule that discovered engines are held to.
+///
+/// - `max_ranks`: data-parallel ranks one engine may have ([`DEFAULT_MAX_DP_RANKS`],
+///   1,024); an engine with more makes no endpoint;
+/// - `max_endpoints`: endpoints one source may contribute, ranks counted
+///   ([`DEFAULT_MAX_ENDPOINTS_PER_SOURCE`], 4,096); a list with more is refused whole
+///   and the source's last good list stays;
+/// - `addresses`: which addresses engines may have (link-local and cloud metadata
+///   addresses refused by default, [`AddressPolicy`]).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::Role;
+/// use disagg_discovery::{Bounds, EndpointSpec};
+///
+/// let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+/// spec.ranks = Some("0-4294967295".parse()?);
+/// // Counted, never expanded: refused before one endpoint is made.
+/// assert_eq!(spec.endpoint_count(), 1 << 32);
+/// assert!(spec.to_endpoints().is_err());
+/// let metadata = EndpointSpec::new("http://169.254.169.254", Role::Decode);
+/// assert!(metadata.to_endpoints_within(&Bounds::default()).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Bounds {
+    /// Data-parallel ranks one engine may have.
+    pub max_ranks: u32,
+    /// Endpoints one source may contribute, ranks counted.
+    pub max_endpoints: usize,
+    /// Which addresses engines may have.
+    pub addresses: AddressPolicy,
+}
+
+impl Default for Bounds {
+    fn default() -> Self {
+        Bounds {
+            max_ranks: DEFAULT_MAX_DP_RANKS,
+            max_endpoints: DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
+            addresses: AddressPolicy::default(),
+        }
+    }
+}
+
+/// How many endpoints `specs` make, ranks counted (without making them).
+pub fn endpoint_count(specs: &[EndpointSpec]) -> u64 {
+    specs
+        .iter()
+        .fold(0u64, |n, s| n.saturating_add(s.endpoint_count()))
+}
 
 /// One engine as a discovery source describes it.
 ///
@@ -54,8 +116,8 @@ pub struct EndpointSpec {
     /// per rank (`URL@RANK`), as `--prefill URL@FIRST-LAST` does; `None`: one endpoint
     /// for the whole engine.
     pub ranks: Option<Ranks>,
-    /// The engine's weight for weighted policies (positive); `None`: the policy's
-    /// default. Kept in the endpoints' extensions as [`Weight`].
+    /// The engine's weight for weighted policies (positive); `None`: 1.0. Each of its
+    /// endpoints gets it as its [`Endpoint::weight`].
     pub weight: Option<f64>,
     /// What the engine declares about its KV transfer, checked for every pair by the
     /// core's pairing validation.
@@ -83,7 +145,14 @@ impl EndpointSpec {
         }
     }
 
+    /// How many endpoints this spec stands for: 1, or one per rank (up to 2^32).
+    pub fn endpoint_count(&self) -> u64 {
+        self.ranks.map_or(1, |r| r.count())
+    }
+
     /// The ids of the endpoints this spec stands for: the URL, or `URL@RANK` per rank.
+    /// One string per rank: check [`endpoint_count`](Self::endpoint_count) (or the
+    /// ranks against [`Bounds::max_ranks`]) before calling it on a spec from outside.
     pub fn endpoint_urls(&self) -> Vec<String> {
         let base = self.url.trim_end_matches('/');
         match self.ranks {
@@ -96,14 +165,14 @@ impl EndpointSpec {
     /// [`BootstrapPort`] (always, `None` when not declared, as `--prefill URL` does), the
     /// [`KvProfile`], the LMCache receiver (as a `disagg_lmcache::LmcacheReceiver` with
     /// the `lmcache` feature, declaring the decode's TP size the way
-    /// `LmcacheReceiver::insert_into` does; as an [`LmcacheSpec`] without it), the
-    /// [`Weight`] and the [`KvEventsEndpoint`].
+    /// `LmcacheReceiver::insert_into` does; as an [`LmcacheSpec`] without it) and the
+    /// [`KvEventsEndpoint`].
     ///
     /// # Errors
     ///
-    /// [`SpecError`] when a part is unusable: a weight that is not a positive number, an
-    /// LMCache receiver whose port lists are empty or differ in length, or (with the
-    /// `lmcache` feature) one whose port count contradicts the declared TP size.
+    /// [`SpecError`] when a part is unusable: an LMCache receiver whose port lists are
+    /// empty or differ in length, or (with the `lmcache` feature) one whose port count
+    /// contradicts the declared TP size.
     pub fn extensions(&self) -> Result<http::Extensions, SpecError> {
         let mut ext = http::Extensions::new();
         if self.role == Role::Prefill {
@@ -111,12 +180,6 @@ impl EndpointSpec {
         }
         if let Some(profile) = &self.kv_profile {
             ext.insert(profile.clone());
-        }
-        if let Some(w) = self.weight {
-            if !(w.is_finite() && w > 0.0) {
-                return Err(SpecError::Weight(w));
-            }
-            ext.insert(Weight(w));
         }
         if let Some(events) = &self.kv_events {
             ext.insert(KvEventsEndpoint(events.clone()));
@@ -128,15 +191,25 @@ impl EndpointSpec {
         Ok(ext)
     }
 
-    /// The core's endpoints for this spec: one per rank (or one), with the models and
-    /// [`extensions`](Self::extensions).
+    /// The core's endpoints for this spec: one per rank (or one), with the models, the
+    /// weight and [`extensions`](Self::extensions), within the default [`Bounds`].
     ///
     /// # Errors
     ///
-    /// [`SpecError`] when the URL is not an `http://host:port` URL, or a part is
-    /// unusable (see [`extensions`](Self::extensions)).
+    /// [`SpecError`] when the URL is not an `http://host:port` URL or its address is
+    /// refused, the ranks are too many, or a part is unusable (see
+    /// [`extensions`](Self::extensions)).
     pub fn to_endpoints(&self) -> Result<Vec<Endpoint>, SpecError> {
-        self.to_endpoints_with(self.extensions()?)
+        self.to_endpoints_within(&Bounds::default())
+    }
+
+    /// Like [`to_endpoints`](Self::to_endpoints), within `bounds`.
+    ///
+    /// # Errors
+    ///
+    /// As [`to_endpoints`](Self::to_endpoints).
+    pub fn to_endpoints_within(&self, bounds: &Bounds) -> Result<Vec<Endpoint>, SpecError> {
+        self.to_endpoints_bounded(self.extensions()?, bounds)
     }
 
     /// Like [`to_endpoints`](Self::to_endpoints), with `ext` as the extensions of every
@@ -145,12 +218,42 @@ impl EndpointSpec {
     ///
     /// # Errors
     ///
-    /// [`SpecError::Url`] when the URL is not an `http://host:port` URL.
+    /// As [`to_endpoints_bounded`](Self::to_endpoints_bounded), within the default
+    /// [`Bounds`].
     pub fn to_endpoints_with(&self, ext: http::Extensions) -> Result<Vec<Endpoint>, SpecError> {
+        self.to_endpoints_bounded(ext, &Bounds::default())
+    }
+
+    /// The endpoints with `ext` as every endpoint's extensions, within `bounds`: the
+    /// ranks are counted before any endpoint is made.
+    ///
+    /// # Errors
+    ///
+    /// [`SpecError::Ranks`] when the engine has more ranks than `bounds.max_ranks`,
+    /// [`SpecError::Weight`] when its weight is not a positive number, and
+    /// [`SpecError::Url`] when the URL is not an `http://host:port` URL or its address
+    /// is one `bounds.addresses` refuses.
+    pub fn to_endpoints_bounded(
+        &self,
+        ext: http::Extensions,
+        bounds: &Bounds,
+    ) -> Result<Vec<Endpoint>, SpecError> {
+        if let Some(ranks) = self.ranks {
+            ranks.within(bounds.max_ranks)?;
+        }
+        if let Some(w) = self.weight
+            && !(w.is_finite() && w > 0.0)
+        {
+            return Err(SpecError::Weight(w));
+        }
         self.endpoint_urls()
             .iter()
             .map(|url| {
-                let ep = Endpoint::with_extensions(url, self.role, ext.clone())?;
+                let mut ep =
+                    Endpoint::with_address_policy(url, self.role, ext.clone(), bounds.addresses)?;
+                if let Some(w) = self.weight {
+                    ep = ep.with_weight(w)?;
+                }
                 Ok(if self.models.is_empty() {
                     ep
                 } else {
@@ -190,14 +293,13 @@ pub enum SpecError {
     /// The weight is not a positive number.
     #[error("weight {0} is not a positive number")]
     Weight(f64),
+    /// The engine has more data-parallel ranks than allowed.
+    #[error(transparent)]
+    Ranks(#[from] RanksError),
     /// The LMCache receiver is unusable.
     #[error("lmcache receiver: {0}")]
     Lmcache(String),
 }
-
-/// An engine's weight for weighted policies, kept in its endpoints' extensions.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Weight(pub f64);
 
 /// Where an engine publishes its KV-cache events (`tcp://host:port`, vLLM's and SGLang's
 /// `--kv-events-config` `endpoint`, its `*` replaced by the engine's address), kept in
@@ -265,69 +367,6 @@ impl LmcacheSpec {
 pub(crate) fn parse_ports(list: &str) -> Result<Vec<u16>, std::num::ParseIntError> {
     list.split(',').map(|p| p.trim().parse::<u16>()).collect()
 }
-
-/// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ranks {
-    first: u32,
-    last: u32,
-}
-
-impl Ranks {
-    /// Ranks `first` to `last`, both included.
-    ///
-    /// # Errors
-    ///
-    /// [`RanksError`] when `first > last`.
-    pub fn new(first: u32, last: u32) -> Result<Self, RanksError> {
-        if first > last {
-            return Err(RanksError(format!("{first}-{last}")));
-        }
-        Ok(Ranks { first, last })
-    }
-
-    /// The first rank.
-    pub fn first(&self) -> u32 {
-        self.first
-    }
-
-    /// The last rank (included).
-    pub fn last(&self) -> u32 {
-        self.last
-    }
-
-    /// Every rank, in order.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + use<> {
-        self.first..=self.last
-    }
-}
-
-impl FromStr for Ranks {
-    type Err = RanksError;
-
-    /// `FIRST-LAST` (`0-3`) or a single rank (`2`), as after the `@` of `--prefill`.
-    fn from_str(s: &str) -> Result<Self, RanksError> {
-        let bad = || RanksError(s.to_owned());
-        let (first, last) = match s.trim().split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
-            None => (s.trim(), s.trim()),
-        };
-        let first = first.parse().map_err(|_| bad())?;
-        let last = last.parse().map_err(|_| bad())?;
-        Ranks::new(first, last).map_err(|_| bad())
-    }
-}
-
-impl fmt::Display for Ranks {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.first, self.last)
-    }
-}
-
-/// Data-parallel ranks that are not `FIRST-LAST` or `N`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{0}` is not data-parallel ranks: write FIRST-LAST (0-3) or one rank (2)")]
-pub struct RanksError(String);
 
 /// Parses a KV profile as `serve --kv-profile` writes it after the `=`:
 /// `CONNECTOR,ROLE,TP`, each part optional (`NixlConnector,kv_producer,8`, `,,4`).
@@ -400,6 +439,66 @@ mod tests {
     }
 
     #[test]
+    fn ranks_past_the_ceiling_make_no_endpoint_and_are_never_expanded() {
+        let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+        spec.ranks = Some("0-4294967295".parse().unwrap());
+        // This would allocate 2^32 endpoints (hundreds of GiB) if it expanded first.
+        assert!(matches!(
+            spec.to_endpoints(),
+            Err(SpecError::Ranks(RanksError::TooMany { .. }))
+        ));
+        spec.ranks = Some(Ranks::new(0, 1023).unwrap());
+        assert_eq!(spec.to_endpoints().unwrap().len(), 1024);
+        spec.ranks = Some(Ranks::new(0, 1024).unwrap());
+        assert!(spec.to_endpoints().is_err());
+        let mut small = Bounds::default();
+        small.max_ranks = 2;
+        spec.ranks = Some(Ranks::new(4, 6).unwrap());
+        let err = spec.to_endpoints_within(&small).unwrap_err().to_string();
+        assert!(err.contains("4-6") && err.contains('2'), "{err}");
+    }
+
+    #[test]
+    fn metadata_and_link_local_addresses_make_no_endpoint_unless_allowed() {
+        for url in [
+            "http://169.254.169.254",
+            "http://[::ffff:169.254.169.254]",
+            "http://[fe80::1]:8000",
+            "http://[fd00:ec2::254]",
+        ] {
+            let spec = EndpointSpec::new(url, Role::Decode);
+            assert!(
+                matches!(
+                    spec.to_endpoints(),
+                    Err(SpecError::Url(EndpointError::RefusedAddress { .. }))
+                ),
+                "{url}"
+            );
+            let mut open = Bounds::default();
+            open.addresses = AddressPolicy::allow_link_local();
+            assert_eq!(spec.to_endpoints_within(&open).unwrap().len(), 1, "{url}");
+        }
+    }
+
+    #[test]
+    fn a_weight_becomes_every_endpoints_weight() {
+        let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+        spec.ranks = Some(Ranks::new(0, 1).unwrap());
+        spec.weight = Some(2.5);
+        let eps = spec.to_endpoints().unwrap();
+        assert!(eps.iter().all(|e| e.weight() == 2.5));
+        spec.weight = None;
+        assert!(
+            spec.to_endpoints()
+                .unwrap()
+                .iter()
+                .all(|e| e.weight() == 1.0)
+        );
+        spec.weight = Some(0.0);
+        assert!(matches!(spec.to_endpoints(), Err(SpecError::Weight(_))));
+    }
+
+    #[test]
     fn a_spec_with_ranks_makes_one_endpoint_per_rank() {
         let mut spec = EndpointSpec::new("http://10.0.0.5:8100/", Role::Decode);
         spec.ranks = Some(Ranks::new(2, 3).unwrap());
@@ -425,20 +524,16 @@ mod tests {
     fn connector_data_goes_into_the_extensions() {
         let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
         spec.kv_profile = Some(parse_kv_profile("NixlConnector,kv_consumer,4").unwrap());
-        spec.weight = Some(2.5);
         spec.kv_events = Some("tcp://10.0.0.7:5557".into());
         let ext = spec.extensions().unwrap();
         let profile = ext.get::<KvProfile>().unwrap();
         assert_eq!(profile.connector.as_deref(), Some("NixlConnector"));
         assert_eq!(profile.role, Some(KvRole::Consumer));
         assert_eq!(profile.tp_size, Some(4));
-        assert_eq!(ext.get::<Weight>(), Some(&Weight(2.5)));
         assert_eq!(
             ext.get::<KvEventsEndpoint>().map(|e| e.0.as_str()),
             Some("tcp://10.0.0.7:5557")
         );
-        spec.weight = Some(0.0);
-        assert!(matches!(spec.extensions(), Err(SpecError::Weight(_))));
     }
 
     #[test]

@@ -29,6 +29,7 @@
 pub mod access_log;
 pub mod auth;
 pub mod body;
+mod connect;
 pub mod error;
 pub mod forward;
 pub mod layer;

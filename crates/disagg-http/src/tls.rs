@@ -151,11 +151,27 @@ impl PemFiles {
     }
 }
 
+/// The largest PEM file read (a CA bundle included): far above any real one.
+const MAX_PEM_BYTES: u64 = 16 * 1024 * 1024;
+
+/// How long a reload of certificate files may take before it counts as an error.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A PEM file's bytes: a regular file only (a FIFO at the path is refused, not waited
+/// on, so a reload never blocks on it), at most [`MAX_PEM_BYTES`].
 fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read {
+    let err = |source| TlsError::Read {
         path: path.to_owned(),
         source,
-    })
+    };
+    let bytes = disagg_core::config_file::read_regular(path, MAX_PEM_BYTES).map_err(err)?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("larger than {MAX_PEM_BYTES} bytes"),
+        )));
+    }
+    Ok(bytes)
 }
 
 fn certs_from_pem(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -340,6 +356,9 @@ impl CertStore {
     }
 
     /// Poll the files every `interval` until dropped (reads on the blocking pool).
+    /// A reload that has not returned within [`READ_TIMEOUT`] (its files on a hung
+    /// volume) is counted as an error once, and no other starts until it returns: the
+    /// watch goes on ticking instead of stopping silently.
     async fn watch(self: Arc<Self>, interval: Duration) {
         if self.files.is_none() {
             return;
@@ -347,11 +366,29 @@ impl CertStore {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        let mut stuck: Option<tokio::task::JoinHandle<Result<bool, TlsError>>> = None;
         loop {
             tick.tick().await;
-            let store = Arc::clone(&self);
+            let mut running = match stuck.take() {
+                Some(t) if !t.is_finished() => {
+                    stuck = Some(t);
+                    continue;
+                }
+                _ => {
+                    let store = Arc::clone(&self);
+                    tokio::task::spawn_blocking(move || store.reload())
+                }
+            };
             // Its outcome is logged and counted by `reload`.
-            let _ = tokio::task::spawn_blocking(move || store.reload()).await;
+            if tokio::time::timeout(READ_TIMEOUT, &mut running)
+                .await
+                .is_err()
+            {
+                self.errors.fetch_add(1, Ordering::Relaxed);
+                let files = self.files.as_ref().map(|f| f.cert.display().to_string());
+                tracing::warn!(cert = ?files, "TLS certificate files not read within {READ_TIMEOUT:?}; keeping the certificate in force");
+                stuck = Some(running);
+            }
         }
     }
 }

@@ -58,6 +58,10 @@ pub struct HttpTransportConfig {
     /// connect, saying why).
     #[cfg(feature = "tls")]
     pub tls: Option<crate::tls::ClientTls>,
+    /// The addresses engines may be reached at (default: link-local and cloud metadata
+    /// addresses refused): an engine's hostname is resolved here and the refused
+    /// addresses are never connected to.
+    pub addresses: disagg_core::AddressPolicy,
 }
 
 impl Default for HttpTransportConfig {
@@ -70,6 +74,7 @@ impl Default for HttpTransportConfig {
             engine_keys: EngineKeys::default(),
             #[cfg(feature = "tls")]
             tls: None,
+            addresses: disagg_core::AddressPolicy::default(),
         }
     }
 }
@@ -289,8 +294,8 @@ impl Inner {
         // The connect timeout covers the TLS handshake too: both must be done before
         // the request can go.
         let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
-        let stream = match tokio::time::timeout_at(deadline, TcpStream::connect((host, port))).await
-        {
+        let connect = crate::connect::connect(host, port, self.config.addresses);
+        let stream = match tokio::time::timeout_at(deadline, connect).await {
             Err(_) => return Err(TransportError::Connect("connect timed out".into())),
             Ok(Err(e)) => return Err(TransportError::Connect(e.into())),
             Ok(Ok(s)) => s,

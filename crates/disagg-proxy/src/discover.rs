@@ -5,8 +5,8 @@
 //! and refreshes never share an event loop with requests. The chain they feed is built
 //! there too, since its pieces follow their inner source from that runtime:
 //! `MergedSource` (CLI endpoints first, then each source) → `ValidatedSource` (an engine
-//! that cannot pair is left out, never crashing the proxy) → `HealthSource` (passive and
-//! active health). Health is outermost because it follows its inner set lazily, when
+//! that cannot pair, by its declared profile or by its `GET /version`, is left out,
+//! never crashing the proxy) → `HealthSource` (passive and active health). Health is outermost because it follows its inner set lazily, when
 //! the orchestrator reads it; the pair check follows the merged set eagerly, on its own
 //! task. The proxy waits, bounded by `--discovery-sync-timeout`, for
 //! every source's first complete list before it serves, so it does not start by
@@ -16,11 +16,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use disagg_core::{Endpoint, EndpointSource, KvConnector, Role};
-use disagg_discovery::MergedSource;
+use disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
+use disagg_core::{AddressPolicy, Endpoint, EndpointSource, KvConnector, Role};
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use disagg_discovery::file::{self, FileConfig};
 use disagg_discovery::kubernetes::{self, KubernetesConfig};
+use disagg_discovery::{Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, MergedSource};
+use disagg_http::{HttpTransport, HttpTransportConfig};
+use disagg_resilience::pairing::{PairingStats, VersionProbe, Versions};
 use disagg_resilience::{Health, HealthConfig, HealthSource, ValidatedSource};
 
 use crate::BoxError;
@@ -69,9 +72,39 @@ pub struct DiscoveryArgs {
     /// serving anyway.
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     discovery_sync_timeout: f64,
+    /// Data-parallel ranks one engine may have (`URL@FIRST-LAST`, an endpoints file's
+    /// `ranks`, the `disagg.io/dp-ranks` annotation). More stops the proxy at start;
+    /// found by discovery later, the edit is refused (the file) or the engine left out
+    /// (Kubernetes), the last good endpoints kept.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_DP_RANKS)]
+    max_dp_ranks: u32,
+    /// Endpoints one discovery source may contribute, ranks counted. A list (a file
+    /// edit, a watch, a lookup) with more is refused whole, logged and counted
+    /// (`disagg_discovery_over_limit_total`), and that source's last good endpoints stay.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ENDPOINTS_PER_SOURCE)]
+    max_endpoints_per_source: usize,
+    /// Allow engines at link-local and cloud metadata addresses (169.254.0.0/16,
+    /// fe80::/10, fd00:ec2::254, and IPv4 ones written as IPv6), refused by default
+    /// from every source: --prefill/--decode, the endpoints file, DNS answers,
+    /// Kubernetes pod IPs, and the addresses a hostname resolves to when the proxy
+    /// connects.
+    #[arg(long)]
+    allow_link_local_engines: bool,
 }
 
 impl DiscoveryArgs {
+    /// The ceilings and the address rule every source is held to (the command line's
+    /// `--prefill` / `--decode` too).
+    pub(crate) fn bounds(&self) -> Bounds {
+        let mut b = Bounds::default();
+        b.max_ranks = self.max_dp_ranks;
+        b.max_endpoints = self.max_endpoints_per_source;
+        if self.allow_link_local_engines {
+            b.addresses = AddressPolicy::allow_link_local();
+        }
+        b
+    }
+
     /// Whether any discovery source is asked for.
     pub fn any(&self) -> bool {
         self.k8s_prefill_selector.is_some()
@@ -127,12 +160,42 @@ impl DiscoveryArgs {
     }
 }
 
-/// The discovered, health-filtered, pair-checked endpoint set, its health, and the
-/// thread its sources run on (it ends at `shutdown`).
+/// How long an engine has to answer `GET /version` when it is paired.
+const VERSION_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The versions of `set`'s engines now, when `connector` compares them (none
+/// otherwise): read through a transport of `config` on a small runtime of their own,
+/// each within [`VERSION_TIMEOUT`], all at once.
+///
+/// # Errors
+///
+/// When the runtime cannot start.
+pub(crate) fn versions_now(
+    set: &disagg_core::EndpointSet,
+    connector: &dyn KvConnector,
+    config: &HttpTransportConfig,
+) -> Result<Versions, BoxError> {
+    let mut versions = Versions::new();
+    if !disagg_core::pairing::needs_equal_versions(connector) {
+        return Ok(versions);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let probe = VersionProbe::new(HttpTransport::new(config.clone()), VERSION_TIMEOUT);
+        probe.probe(set, &mut versions).await;
+    });
+    Ok(versions)
+}
+
+/// The discovered, health-filtered, pair-checked endpoint set, its health, what the
+/// pair check left out, and the thread its sources run on (it ends at `shutdown`).
 pub(crate) struct Discovered {
     pub(crate) source: HealthSource,
     pub(crate) health: Arc<Health>,
     pub(crate) merged: Arc<MergedSource>,
+    pub(crate) pairing: Arc<PairingStats>,
     pub(crate) thread: std::thread::JoinHandle<()>,
 }
 
@@ -143,11 +206,17 @@ pub(crate) fn start(
     cli: Vec<Endpoint>,
     connector: Arc<dyn KvConnector>,
     health: HealthConfig,
+    transport: HttpTransportConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Discovered, BoxError> {
     let kubernetes = args.kubernetes();
     let dns = args.dns()?;
-    let file = args.endpoints_file.clone().map(FileConfig::new);
+    let bounds = args.bounds();
+    let file = args.endpoints_file.clone().map(|path| {
+        let mut c = FileConfig::new(path);
+        c.bounds = bounds;
+        c
+    });
     let sync = crate::serve::secs(args.discovery_sync_timeout, "discovery-sync-timeout")?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -157,20 +226,30 @@ pub(crate) fn start(
         .name("disagg-discovery".into())
         .spawn(move || {
             runtime.block_on(async move {
-                let built = build(kubernetes, dns, file, cli, connector, health, sync).await;
+                let chain = Chain {
+                    connector,
+                    health,
+                    sync,
+                    bounds,
+                    transport,
+                };
+                let built = build(kubernetes, dns, file, cli, chain).await;
                 let failed = built.is_err();
                 if tx.send(built).is_err() || failed {
                     return;
                 }
                 // The sources' tasks run on this runtime until the proxy stops.
                 let _ = shutdown.wait_for(|stop| *stop).await;
-            })
+            });
+            // Work stuck on the blocking pool never holds the process at exit.
+            runtime.shutdown_timeout(crate::edge::RUNTIME_SHUTDOWN);
         })?;
     match rx.recv() {
-        Ok(Ok((source, health, merged))) => Ok(Discovered {
+        Ok(Ok((source, health, merged, pairing))) => Ok(Discovered {
             source,
             health,
             merged,
+            pairing,
             thread,
         }),
         Ok(Err(e)) => {
@@ -181,18 +260,38 @@ pub(crate) fn start(
     }
 }
 
-type Built = (HealthSource, Arc<Health>, Arc<MergedSource>);
+type Built = (
+    HealthSource,
+    Arc<Health>,
+    Arc<MergedSource>,
+    Arc<PairingStats>,
+);
+
+/// What the chain over the sources is built with.
+struct Chain {
+    connector: Arc<dyn KvConnector>,
+    health: HealthConfig,
+    sync: Duration,
+    bounds: Bounds,
+    /// For the engines' `GET /version`.
+    transport: HttpTransportConfig,
+}
 
 async fn build(
     kubernetes: Option<KubernetesConfig>,
     dns: Option<DnsConfig>,
     file: Option<FileConfig>,
     cli: Vec<Endpoint>,
-    connector: Arc<dyn KvConnector>,
-    health: HealthConfig,
-    sync: Duration,
+    chain: Chain,
 ) -> Result<Built, BoxError> {
-    let mut merged = MergedSource::builder().endpoints(cli);
+    let Chain {
+        connector,
+        health,
+        sync,
+        bounds,
+        transport,
+    } = chain;
+    let mut merged = MergedSource::builder().endpoints(cli).bounds(bounds);
     if let Some(c) = kubernetes {
         merged = merged.source(kubernetes::spawn(c).await?);
     }
@@ -215,8 +314,11 @@ async fn build(
         decode = set.decode().len(),
         "endpoints discovered"
     );
-    let validated = ValidatedSource::new(Arc::clone(&merged), connector)?;
+    // The probe's transport runs on this runtime, as the sources do.
+    let probe = VersionProbe::new(HttpTransport::new(transport), VERSION_TIMEOUT);
+    let validated = ValidatedSource::with_versions(Arc::clone(&merged), connector, probe).await?;
+    let pairing = validated.stats();
     let source = HealthSource::new(validated, health);
     let h = Arc::clone(source.health());
-    Ok((source, h, merged))
+    Ok((source, h, merged, pairing))
 }

@@ -181,7 +181,9 @@ impl EdgeArgs {
             if let Some(path) = &self.api_key_file {
                 let mut file = KeyFile::new(path);
                 file.poll_interval = interval;
-                let loaded = file.read().map_err(|e| format!("--api-key-file: {e}"))?;
+                let loaded = file
+                    .read()
+                    .map_err(|e| format!("--api-key-file: {}", chain(&e)))?;
                 keys.reload(&loaded)
                     .map_err(|e| format!("--api-key-file: {e}"))?;
                 edge.key_file = Some(file);
@@ -369,7 +371,13 @@ impl Edge {
     }
 }
 
-/// Run `work` on a thread of its own (a small event loop) until `shutdown` turns `true`.
+/// How long a reload thread's runtime waits, at shutdown, for work on its blocking
+/// pool (a certificate being read): a read that hangs on its file must not keep the
+/// process from exiting.
+pub(crate) const RUNTIME_SHUTDOWN: Duration = Duration::from_secs(1);
+
+/// Run `work` on a thread of its own (a small event loop) until `shutdown` turns `true`;
+/// the runtime then waits at most [`RUNTIME_SHUTDOWN`] for its blocking work.
 ///
 /// # Errors
 ///
@@ -391,6 +399,7 @@ pub(crate) fn spawn_until(
                     _ = shutdown.wait_for(|stop| *stop) => {}
                 }
             });
+            runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
         })?)
 }
 

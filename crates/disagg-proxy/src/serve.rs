@@ -10,6 +10,7 @@ use disagg_affinity::{
     RoundRobin, WeightedRandom,
 };
 use disagg_core::disaggregate::{Always, Disaggregate};
+use disagg_core::endpoint::EndpointError;
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::KvProfile;
 use disagg_core::rewrite::PrefillRewriter;
@@ -22,7 +23,7 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
-use disagg_resilience::pairing::check_pairs;
+use disagg_resilience::pairing::check_pairs_with;
 use disagg_resilience::{
     AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,
 };
@@ -126,7 +127,10 @@ pub struct ServeArgs {
     /// How the decode endpoint is picked (default: --policy).
     #[arg(long, value_enum)]
     decode_policy: Option<Policy>,
-    /// An engine's weight for `weighted_random`, as URL=WEIGHT (default 1). Repeatable.
+    /// An engine's weight for `weighted_random` and `consistent_hash`, as URL=WEIGHT
+    /// (default 1): URL without @RANK weighs every rank endpoint of the engine (each
+    /// draws W), URL@RANK one rank. It overrides a weight discovery found for the same
+    /// engine. Repeatable.
     #[arg(long = "weight", value_name = "URL=WEIGHT", value_parser = parse_weight)]
     weights: Vec<(String, f64)>,
     /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
@@ -408,7 +412,8 @@ enum Policy {
     PowerOfTwo,
     /// A random engine, in proportion to its --weight.
     WeightedRandom,
-    /// Sticky per session (x-session-id, then `user`), bounded by load.
+    /// Sticky per session (x-session-id, then `user`), bounded by load; sessions spread
+    /// in proportion to the engines' weights.
     ConsistentHash,
     /// The engine that most recently received the longest prefix of this prompt, unless
     /// the engines' loads are out of balance (then the least loaded).
@@ -437,7 +442,13 @@ impl Policy {
             Policy::Random => Box::new(Random::new()),
             Policy::LeastInFlight => Box::new(LeastInFlight::new()),
             Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
-            Policy::ConsistentHash => Box::new(ConsistentHash::default()),
+            Policy::ConsistentHash => {
+                let mut w = disagg_affinity::Weights::new();
+                for (url, weight) in weights {
+                    w = w.with_weight(url.trim_end_matches('/'), *weight)?;
+                }
+                Box::new(ConsistentHash::default().with_weights(w))
+            }
             Policy::CacheAware => Box::new(CacheAware::default()),
             Policy::KvEvents => Box::new(disagg_kvevents::KvEventsPick::new(Arc::clone(
                 &kv.ok_or("kv_events: the policy's scorer was not built")?
@@ -515,7 +526,7 @@ fn parse_weight(s: &str) -> Result<(String, f64), String> {
     if !(w.is_finite() && w > 0.0) {
         return Err(format!("weight `{w}` must be a positive number"));
     }
-    Ok((url.to_owned(), w))
+    Ok((url.trim_end_matches('/').to_owned(), w))
 }
 
 fn parse_models(s: &str) -> Result<(String, Vec<String>), String> {
@@ -543,23 +554,22 @@ fn base_url(url: &str) -> &str {
     base.trim_end_matches('/')
 }
 
-/// `url`, or one URL per rank when it ends in `@FIRST-LAST`.
-fn expand_ranks(url: &str) -> Result<Vec<String>, BoxError> {
+/// `url`, or one URL per rank when it ends in `@FIRST-LAST` (at most `max` ranks,
+/// counted before any URL is made).
+fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError> {
     let Some((base, range)) = url.rsplit_once('@') else {
         return Ok(vec![url.to_owned()]);
     };
-    let Some((first, last)) = range.split_once('-') else {
+    if !range.contains('-') {
         return Ok(vec![url.to_owned()]);
-    };
-    let bad = || format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)");
-    let (first, last): (u32, u32) = (
-        first.parse().map_err(|_| bad())?,
-        last.parse().map_err(|_| bad())?,
-    );
-    if first > last {
-        return Err(bad().into());
     }
-    Ok((first..=last).map(|r| format!("{base}@{r}")).collect())
+    let ranks: disagg_core::endpoint::Ranks = range.parse().map_err(|_| {
+        format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)")
+    })?;
+    let ranks = ranks
+        .within(max)
+        .map_err(|e| format!("{url}: {e} (--max-dp-ranks)"))?;
+    Ok(ranks.iter().map(|r| format!("{base}@{r}")).collect())
 }
 
 fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
@@ -677,9 +687,15 @@ impl Shared {
         if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
+        let bounds = args.discovery.bounds();
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         let endpoint = |url: &str, role: Role, mut ext: http::Extensions| {
             let base = base_url(url);
+            // One rank's own weight first, then its engine's.
+            let id = url.trim_end_matches('/');
+            let weight = (args.weights.iter().find(|(u, _)| u == id))
+                .or_else(|| args.weights.iter().find(|(u, _)| u == base))
+                .map(|(_, w)| *w);
             let profile = args.kv_profiles.iter().find(|(u, _)| u == base);
             if let Some((_, p)) = profile {
                 ext.insert(p.clone());
@@ -692,7 +708,19 @@ impl Shared {
                 })?;
             }
             let models = args.served_models.iter().find(|(u, _)| u == base);
-            let ep = Endpoint::with_extensions(url, role, ext)?;
+            let mut ep = Endpoint::with_address_policy(url, role, ext, bounds.addresses).map_err(
+                |e| -> BoxError {
+                    match e {
+                        EndpointError::RefusedAddress { .. } => {
+                            format!("{e}; allow it with --allow-link-local-engines").into()
+                        }
+                        e => e.into(),
+                    }
+                },
+            )?;
+            if let Some(w) = weight {
+                ep = ep.with_weight(w)?;
+            }
             Ok::<_, BoxError>(match models {
                 Some((_, names)) => ep.with_models(names.iter().map(String::as_str)),
                 None => ep,
@@ -700,7 +728,7 @@ impl Shared {
         };
         let mut endpoints = Vec::new();
         for (url, port) in parse_prefills(&args.prefill)? {
-            for url in expand_ranks(url)? {
+            for url in expand_ranks(url, bounds.max_ranks)? {
                 let mut ext = http::Extensions::new();
                 ext.insert(BootstrapPort(port));
                 endpoints.push(endpoint(&url, Role::Prefill, ext)?);
@@ -723,7 +751,7 @@ impl Shared {
                 }
                 None => {}
             }
-            for url in expand_ranks(url)? {
+            for url in expand_ranks(url, bounds.max_ranks)? {
                 endpoints.push(endpoint(&url, Role::Decode, ext.clone())?);
             }
         }
@@ -763,6 +791,10 @@ impl Shared {
             args.engine_urls().collect::<Vec<_>>().into_iter(),
             args.discovery.any(),
         )?;
+        let mut transport = HttpTransportConfig::default();
+        transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
+        transport.addresses = bounds.addresses;
+        edge.apply(&mut transport);
         let mut extra_metrics = Vec::new();
         let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
         let decode_policy = args.decode_policy.unwrap_or(args.policy);
@@ -792,23 +824,27 @@ impl Shared {
                 endpoints,
                 Arc::clone(&connector),
                 health_config,
+                transport.clone(),
                 shutdown.clone(),
             )?;
             let merged = Arc::clone(&d.merged);
+            let pairing = Arc::clone(&d.pairing);
             extra_metrics.push(ExtraMetrics::new(move |registry| {
-                merged.register_metrics(registry)
+                merged.register_metrics(registry);
+                pairing.register_metrics(registry);
             }));
             (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
-            check_pairs(&source.snapshot(), &*connector)?;
+            // The engines' versions too, for the connectors whose handshake compares
+            // them (a pair of different builds fails every request).
+            let versions =
+                crate::discover::versions_now(&source.snapshot(), &*connector, &transport)?;
+            check_pairs_with(&source.snapshot(), &*connector, &versions)?;
             let health = Arc::clone(source.health());
             let all = Arc::new(crate::kv_events::Fixed::new(source.snapshot()));
             (Arc::new(source), health, None, all)
         };
-        let mut transport = HttpTransportConfig::default();
-        transport.connect_timeout = secs(args.connect_timeout, "connect-timeout")?;
-        edge.apply(&mut transport);
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
@@ -1097,14 +1133,20 @@ mod tests {
 
     #[test]
     fn rank_ranges_expand_and_base_urls_drop_ranks() {
-        assert_eq!(expand_ranks("http://d:1").unwrap(), ["http://d:1"]);
-        assert_eq!(expand_ranks("http://d:1@2").unwrap(), ["http://d:1@2"]);
+        let max = disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
+        assert_eq!(expand_ranks("http://d:1", max).unwrap(), ["http://d:1"]);
+        assert_eq!(expand_ranks("http://d:1@2", max).unwrap(), ["http://d:1@2"]);
         assert_eq!(
-            expand_ranks("http://d:1@1-3").unwrap(),
+            expand_ranks("http://d:1@1-3", max).unwrap(),
             ["http://d:1@1", "http://d:1@2", "http://d:1@3"]
         );
-        assert!(expand_ranks("http://d:1@3-1").is_err());
-        assert!(expand_ranks("http://d:1@a-b").is_err());
+        assert!(expand_ranks("http://d:1@3-1", max).is_err());
+        assert!(expand_ranks("http://d:1@a-b", max).is_err());
+        // Counted, not expanded: 2^32 URLs would never be made.
+        let err = expand_ranks("http://d:1@0-4294967295", max).unwrap_err();
+        assert!(err.to_string().contains("--max-dp-ranks"), "{err}");
+        assert_eq!(expand_ranks("http://d:1@0-1023", max).unwrap().len(), 1024);
+        assert!(expand_ranks("http://d:1@0-3", 2).is_err());
         assert_eq!(base_url("http://d:1/@0-3"), "http://d:1");
         assert_eq!(base_url("http://d:1@2"), "http://d:1");
         assert_eq!(base_url("http://d:1/"), "http://d:1");
@@ -1180,6 +1222,20 @@ mod tests {
             err.contains("NixlConnector") && err.contains("sglang"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_metadata_address_on_the_command_line_stops_the_proxy() {
+        for url in [
+            "http://169.254.169.254",
+            "http://[::ffff:169.254.169.254]:80",
+        ] {
+            let err = refused_start(["--prefill", "http://127.0.0.1:1", "--decode", url]);
+            assert!(
+                err.contains("metadata") && err.contains("--allow-link-local-engines"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -154,6 +154,10 @@ pub(crate) struct SimArgs {
     /// Seed of the generator that decides which notifications --notify-loss loses.
     #[arg(long, value_name = "N", default_value_t = 0)]
     notify_seed: u64,
+    /// What GET /version answers (default: 0.33.0, the vLLM release followed): a
+    /// prefill and a decode of different versions model engines of different builds.
+    #[arg(long, value_name = "VERSION")]
+    engine_version: Option<String>,
     /// vLLM's --api-key: requests to /v1/... without `Authorization: Bearer KEY` are
     /// answered 401 `{"error": "Unauthorized"}` (other paths stay open, as in vLLM).
     #[arg(long, value_name = "KEY")]
@@ -239,6 +243,10 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
         },
         notify_seed: args.notify_seed,
         api_key: args.api_key.clone(),
+        version: args
+            .engine_version
+            .clone()
+            .unwrap_or_else(|| SimConfig::default().version),
         tls: tls(args)?,
         faults: Faults {
             status: args.fail_status,

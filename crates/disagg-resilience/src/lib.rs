@@ -43,7 +43,7 @@ pub mod retry;
 
 pub use admission::{AdmissionConfig, Limits};
 pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
-pub use pairing::{PairingError, ValidatedSource};
+pub use pairing::{PairingError, PairingStats, ValidatedSource, VersionProbe, Versions};
 pub use retry::{Backoff, RetryBudget, RetryPolicy};
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical

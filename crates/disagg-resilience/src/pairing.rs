@@ -4,13 +4,23 @@
 //! The facts are `disagg-core`'s ([`disagg_core::pairing`]): what an endpoint declares
 //! in its [`KvProfile`] (its engine's KV connector, `kv_role` and tensor-parallel size)
 //! and [`check_pair`], which names the [`Mismatch`](disagg_core::pairing::Mismatch) of
-//! one pair. This module applies them to whole sets: [`check_pairs`] checks every
-//! prefill/decode pair of a set against the orchestrator's connector and refuses,
-//! naming both endpoints and the mismatch of each refused pair; [`ValidatedSource`]
-//! applies the check at start-up (a set with a bad pair is an error, so a proxy refuses
-//! to start) and to every endpoint set its inner source publishes later: an endpoint
-//! joining that cannot pair with those in force is left out (logged, kept in
-//! [`ValidatedSource::last_error`]), and the rest of the change goes through.
+//! one pair; and the engine's version, read from its `GET /version` and compared for
+//! the connectors whose handshake compares it (vLLM NIXL and Mooncake:
+//! [`needs_equal_versions`]). This module applies them to whole sets: [`check_pairs`]
+//! (and [`check_pairs_with`], with [`Versions`]) checks every prefill/decode pair of a
+//! set against the orchestrator's connector and refuses, naming both endpoints and the
+//! mismatch of each refused pair; [`ValidatedSource`] applies the check at start-up (a
+//! set with a bad pair is an error, so a proxy refuses to start) and to every endpoint
+//! set its inner source publishes later: an endpoint joining that cannot pair with
+//! those in force is left out (logged, kept in [`ValidatedSource::last_error`], counted
+//! in [`PairingStats`]), and the rest of the change goes through.
+//!
+//! Versions are read by a [`VersionProbe`] ([`ValidatedSource::with_versions`]): at
+//! start-up for every engine of the set, later for each engine that joins (once per
+//! engine, its ranks sharing it), each within the probe's timeout. An engine that does
+//! not tell its version (unreachable, another status, no usable body) is paired as one
+//! that declares no TP size is: unchecked, with a warning logged once; it is asked
+//! again when it leaves and comes back, or until it answers, on each later change.
 //!
 //! # Examples
 //!
@@ -40,14 +50,21 @@
 //! # let _ = orchestrator; Ok(()) }
 //! ```
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use disagg_core::connector::KvConnector;
-use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
+use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 use disagg_core::outcome::Listener;
-use disagg_core::pairing::{KvProfile, PairError, check_pair};
+use disagg_core::pairing::{
+    KvProfile, Mismatch, PairError, check_pair, check_versions, needs_equal_versions, read_version,
+};
 use disagg_core::source::EndpointSource;
+use disagg_core::transport::Transport;
+use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::lock;
@@ -99,13 +116,24 @@ impl std::error::Error for PairingError {}
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn check_pairs(set: &EndpointSet, connector: &dyn KvConnector) -> Result<(), PairingError> {
-    let none = KvProfile::default();
+    check_pairs_with(set, connector, &Versions::default())
+}
+
+/// Like [`check_pairs`], the engines' `versions` compared too (for a connector that
+/// [`needs_equal_versions`]; an engine without a known version is not compared).
+///
+/// # Errors
+///
+/// [`PairingError`] listing every refused pair.
+pub fn check_pairs_with(
+    set: &EndpointSet,
+    connector: &dyn KvConnector,
+    versions: &Versions,
+) -> Result<(), PairingError> {
     let mut pairs = Vec::new();
     for p in set.prefill() {
-        let pp = p.ext().get::<KvProfile>().unwrap_or(&none);
         for d in set.decode() {
-            let dp = d.ext().get::<KvProfile>().unwrap_or(&none);
-            if let Err(mismatch) = check_pair(pp, dp, connector) {
+            if let Err(mismatch) = pair(p, d, connector, versions) {
                 pairs.push(PairError {
                     prefill: p.id().clone(),
                     decode: d.id().clone(),
@@ -121,9 +149,247 @@ pub fn check_pairs(set: &EndpointSet, connector: &dyn KvConnector) -> Result<(),
     }
 }
 
+/// Whether prefill `p` and decode `d` can hand over: their declared profiles, then
+/// their versions.
+fn pair(
+    p: &Endpoint,
+    d: &Endpoint,
+    connector: &dyn KvConnector,
+    versions: &Versions,
+) -> Result<(), Mismatch> {
+    let none = KvProfile::default();
+    let pp = p.ext().get::<KvProfile>().unwrap_or(&none);
+    let dp = d.ext().get::<KvProfile>().unwrap_or(&none);
+    check_pair(pp, dp, connector)?;
+    check_versions(versions.get(p), versions.get(d), connector)
+}
+
+// === versions ===
+
+/// The key of an endpoint's engine: its `/version` URI (scheme and authority; a rank
+/// endpoint shares its engine's).
+fn engine_of(e: &Endpoint) -> Option<String> {
+    e.uri(disagg_core::pairing::VERSION_PATH)
+        .ok()
+        .map(|u| u.to_string())
+}
+
+/// Engine versions read from `GET /version`, by engine (the ranks of one engine share
+/// its version).
+#[derive(Debug, Clone, Default)]
+pub struct Versions {
+    by_engine: HashMap<String, Arc<str>>,
+    /// Engines that did not tell their version, warned about once.
+    silent: HashSet<String>,
+}
+
+impl Versions {
+    /// No version known.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The version of `endpoint`'s engine, if known.
+    pub fn get(&self, endpoint: &Endpoint) -> Option<&str> {
+        self.by_engine.get(&engine_of(endpoint)?).map(|v| &**v)
+    }
+
+    /// `endpoint`'s engine runs `version`.
+    pub fn insert(&mut self, endpoint: &Endpoint, version: impl Into<Arc<str>>) {
+        if let Some(k) = engine_of(endpoint) {
+            self.silent.remove(&k);
+            self.by_engine.insert(k, version.into());
+        }
+    }
+
+    /// Engines with a known version.
+    pub fn len(&self) -> usize {
+        self.by_engine.len()
+    }
+
+    /// Whether no version is known.
+    pub fn is_empty(&self) -> bool {
+        self.by_engine.is_empty()
+    }
+
+    /// Forgets the engines that are not in `set` (one that returns is asked again: it
+    /// may have been upgraded).
+    fn retain_engines_of(&mut self, set: &EndpointSet) {
+        let engines: HashSet<String> = all(set).filter_map(|e| engine_of(e)).collect();
+        self.by_engine.retain(|k, _| engines.contains(k));
+        self.silent.retain(|k| engines.contains(k));
+    }
+}
+
+/// Every endpoint of `set`, prefill first.
+fn all(set: &EndpointSet) -> impl Iterator<Item = &Arc<Endpoint>> {
+    set.prefill().iter().chain(set.decode())
+}
+
+/// Engines probed at once.
+const PROBES_AT_ONCE: usize = 32;
+
+/// Reads engines' versions with `GET /version` ([`read_version`]) through a transport.
+#[derive(Clone)]
+pub struct VersionProbe {
+    transport: Arc<dyn Transport>,
+    timeout: Duration,
+}
+
+impl fmt::Debug for VersionProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VersionProbe")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VersionProbe {
+    /// Probes through `transport`, each engine within `timeout`.
+    pub fn new(transport: impl Transport, timeout: Duration) -> Self {
+        VersionProbe {
+            transport: Arc::new(transport),
+            timeout,
+        }
+    }
+
+    /// Reads the version of every engine of `set` that `known` lacks (once per engine,
+    /// up to 32 at once, each within the timeout) into `known`. An engine that does not
+    /// answer stays unknown, with a warning the first time.
+    pub async fn probe(&self, set: &EndpointSet, known: &mut Versions) {
+        let mut wanted: HashMap<String, Arc<Endpoint>> = HashMap::new();
+        for e in all(set) {
+            if let Some(k) = engine_of(e)
+                && !known.by_engine.contains_key(&k)
+            {
+                wanted.entry(k).or_insert_with(|| Arc::clone(e));
+            }
+        }
+        let answers: Vec<_> = futures::stream::iter(wanted)
+            .map(|(k, e)| {
+                let transport = Arc::clone(&self.transport);
+                let timeout = self.timeout;
+                async move {
+                    let v = read_version(&*transport, &e, timeout).await;
+                    (k, e, v)
+                }
+            })
+            .buffer_unordered(PROBES_AT_ONCE)
+            .collect()
+            .await;
+        for (k, e, answer) in answers {
+            match answer {
+                Ok(v) => {
+                    tracing::debug!(endpoint = %e.id(), version = %v, "engine version read");
+                    known.silent.remove(&k);
+                    known.by_engine.insert(k, Arc::from(v));
+                }
+                Err(err) => {
+                    if known.silent.insert(k) {
+                        tracing::warn!(
+                            endpoint = %e.id(),
+                            error = %disagg_core::error::error_chain(&err),
+                            "engine version unknown: its pairs are not checked for version"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+// === stats ===
+
+/// The kinds of mismatch, as [`Mismatch::kind`] names them, in the metric's order.
+const KINDS: [&str; 4] = ["connector", "role", "tp_size", "version"];
+
+/// What a [`ValidatedSource`] left out, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct PairingStats {
+    /// Endpoints of the latest set left out now: prefill, decode.
+    left_out: [AtomicU64; 2],
+    /// Endpoints left out, by the kind of their first mismatch, each counted when it
+    /// is left out (again).
+    refused: [AtomicU64; 4],
+}
+
+impl PairingStats {
+    /// Endpoints of `role` in the inner source's latest set that are left out now.
+    pub fn left_out(&self, role: Role) -> u64 {
+        self.left_out[role_index(role)].load(Ordering::Relaxed)
+    }
+
+    /// Endpoints left out so far for a mismatch of `kind` ([`Mismatch::kind`]).
+    pub fn refused(&self, kind: &str) -> u64 {
+        KINDS
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.refused[i].load(Ordering::Relaxed))
+    }
+
+    /// Registers the counts into a Prometheus `registry`, read at each scrape:
+    ///
+    /// | metric | type | meaning |
+    /// |---|---|---|
+    /// | `disagg_pairing_left_out{role}` | gauge | endpoints of the latest discovered set left out now because they cannot pair with those in force |
+    /// | `disagg_pairing_refused_total{mismatch}` | counter | endpoints left out, by the kind of mismatch (`connector`, `role`, `tp_size`, `version`), each counted when it is left out |
+    pub fn register_metrics(
+        self: &Arc<Self>,
+        registry: &mut prometheus_client::registry::Registry,
+    ) {
+        registry.register_collector(Box::new(PairingCollector(Arc::clone(self))));
+    }
+}
+
+fn role_index(role: Role) -> usize {
+    match role {
+        Role::Prefill => 0,
+        Role::Decode => 1,
+    }
+}
+
+/// [`PairingStats::register_metrics`]' collector.
+#[derive(Debug)]
+struct PairingCollector(Arc<PairingStats>);
+
+impl prometheus_client::collector::Collector for PairingCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let mut gauge = encoder.encode_descriptor(
+            "disagg_pairing_left_out",
+            "Endpoints of the latest discovered set left out now because they cannot hand KV over with those in force.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (role, r) in [("prefill", Role::Prefill), ("decode", Role::Decode)] {
+            let n = i64::try_from(self.0.left_out(r)).unwrap_or(i64::MAX);
+            ConstGauge::new(n).encode(gauge.encode_family(&[("role", role)])?)?;
+        }
+        // Counters are named without `_total`: the encoders append it.
+        let mut counter = encoder.encode_descriptor(
+            "disagg_pairing_refused",
+            "Endpoints left out of a discovered set, by the kind of mismatch.",
+            None,
+            MetricType::Counter,
+        )?;
+        for kind in KINDS {
+            ConstCounter::new(self.0.refused(kind))
+                .encode(counter.encode_family(&[("mismatch", kind)])?)?;
+        }
+        Ok(())
+    }
+}
+
 struct Shared {
     tx: watch::Sender<Arc<EndpointSet>>,
     last_error: Mutex<Option<PairingError>>,
+    stats: Arc<PairingStats>,
 }
 
 /// An [`EndpointSource`] that publishes only endpoint sets whose every prefill/decode
@@ -155,7 +421,8 @@ impl fmt::Debug for ValidatedSource {
 }
 
 impl ValidatedSource {
-    /// Check `inner`'s current set and follow its changes.
+    /// Check `inner`'s current set and follow its changes, on the endpoints' declared
+    /// profiles (no versions read).
     ///
     /// # Errors
     ///
@@ -164,32 +431,70 @@ impl ValidatedSource {
         inner: impl EndpointSource,
         connector: Arc<dyn KvConnector>,
     ) -> Result<Self, PairingError> {
+        Self::start(inner, connector, None, Versions::default())
+    }
+
+    /// Like [`new`](Self::new), the engines' versions read by `probe` and compared when
+    /// the connector [`needs_equal_versions`]: those of the current set now, those of
+    /// each engine joining later before it is admitted.
+    ///
+    /// # Errors
+    ///
+    /// [`PairingError`] when the current set has a pair that cannot hand over (two
+    /// engines of different versions included), naming both endpoints and versions.
+    pub async fn with_versions(
+        inner: impl EndpointSource,
+        connector: Arc<dyn KvConnector>,
+        probe: VersionProbe,
+    ) -> Result<Self, PairingError> {
+        let mut versions = Versions::default();
+        if needs_equal_versions(&*connector) {
+            let first = inner.watch().borrow().clone();
+            probe.probe(&first, &mut versions).await;
+        }
+        Self::start(inner, connector, Some(probe), versions)
+    }
+
+    fn start(
+        inner: impl EndpointSource,
+        connector: Arc<dyn KvConnector>,
+        probe: Option<VersionProbe>,
+        mut versions: Versions,
+    ) -> Result<Self, PairingError> {
         let mut rx = inner.watch();
         let listener = inner.listener();
         let first = rx.borrow_and_update().clone();
-        check_pairs(&first, &*connector)?;
+        check_pairs_with(&first, &*connector, &versions)?;
         let (tx, _) = watch::channel(first);
         let shared = Arc::new(Shared {
             tx,
             last_error: Mutex::new(None),
+            stats: Arc::new(PairingStats::default()),
         });
+        let probe = probe.filter(|_| needs_equal_versions(&*connector));
         let task = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let shared = Arc::clone(&shared);
             rt.spawn(async move {
                 // The inner source is kept alive while its sets are followed.
                 let _inner = inner;
+                let mut left_out: HashSet<(Role, EndpointId)> = HashSet::new();
                 while rx.changed().await.is_ok() {
                     let set = rx.borrow_and_update().clone();
+                    if let Some(probe) = &probe {
+                        versions.retain_engines_of(&set);
+                        probe.probe(&set, &mut versions).await;
+                    }
                     let current = shared.tx.borrow().clone();
-                    let (admitted, refused) = admit(&current, &set, &*connector);
-                    match refused {
+                    let admitted = admit(&current, &set, &*connector, &versions);
+                    left_out = count(&shared.stats, &admitted, left_out);
+                    match admitted.refused {
                         None => *lock(&shared.last_error) = None,
                         Some(e) => {
                             tracing::error!(error = %e, "endpoints left out of the set: they cannot hand KV over");
                             *lock(&shared.last_error) = Some(e);
                         }
                     }
-                    shared.tx.send_replace(admitted);
+                    shared.tx.send_replace(admitted.set);
                 }
             })
         });
@@ -200,6 +505,12 @@ impl ValidatedSource {
         })
     }
 
+    /// What this source left out, for `/metrics`
+    /// ([`PairingStats::register_metrics`]).
+    pub fn stats(&self) -> Arc<PairingStats> {
+        Arc::clone(&self.shared.stats)
+    }
+
     /// The pairs that kept endpoints of the latest set the inner source published out of
     /// the published set, if any.
     pub fn last_error(&self) -> Option<PairingError> {
@@ -207,33 +518,71 @@ impl ValidatedSource {
     }
 }
 
+/// What [`admit`] decided.
+struct Admitted {
+    /// The set to publish.
+    set: Arc<EndpointSet>,
+    /// The pairs that left endpoints out, if any.
+    refused: Option<PairingError>,
+    /// The endpoints left out, with the kind of their first mismatch.
+    left_out: Vec<(Role, EndpointId, &'static str)>,
+}
+
+/// Updates `stats` for what `admitted` left out; `before` is what the previous change
+/// left out (an endpoint still left out is not counted again). Returns what is left
+/// out now.
+fn count(
+    stats: &PairingStats,
+    admitted: &Admitted,
+    before: HashSet<(Role, EndpointId)>,
+) -> HashSet<(Role, EndpointId)> {
+    let mut now = HashSet::new();
+    let mut per_role = [0u64; 2];
+    for (role, id, kind) in &admitted.left_out {
+        per_role[role_index(*role)] += 1;
+        let key = (*role, id.clone());
+        if !before.contains(&key)
+            && let Some(i) = KINDS.iter().position(|k| k == kind)
+        {
+            stats.refused[i].fetch_add(1, Ordering::Relaxed);
+        }
+        now.insert(key);
+    }
+    for (i, n) in per_role.into_iter().enumerate() {
+        stats.left_out[i].store(n, Ordering::Relaxed);
+    }
+    now
+}
+
 /// The set to publish for `next`, the inner source's new set, when `current` is in force:
 /// the endpoints of `next` already in force (by id) first, then each other endpoint of
 /// `next`, in its order, if it pairs with every endpoint of the other role admitted so
-/// far. Returns the set and the pairs that left endpoints out.
+/// far. Returns the set, the pairs that left endpoints out and those endpoints.
 fn admit(
     current: &EndpointSet,
     next: &Arc<EndpointSet>,
     connector: &dyn KvConnector,
-) -> (Arc<EndpointSet>, Option<PairingError>) {
-    if check_pairs(next, connector).is_ok() {
-        return (Arc::clone(next), None);
+    versions: &Versions,
+) -> Admitted {
+    if check_pairs_with(next, connector, versions).is_ok() {
+        return Admitted {
+            set: Arc::clone(next),
+            refused: None,
+            left_out: Vec::new(),
+        };
     }
     let in_force = |e: &Arc<Endpoint>| current.by_role(e.role()).iter().any(|c| c.id() == e.id());
-    let all = || next.prefill().iter().chain(next.decode());
-    let mut admitted: Vec<Arc<Endpoint>> = all().filter(|e| in_force(e)).cloned().collect();
-    let none = KvProfile::default();
+    let mut admitted: Vec<Arc<Endpoint>> = all(next).filter(|e| in_force(e)).cloned().collect();
     let mut pairs = Vec::new();
-    for e in all().filter(|e| !in_force(e)) {
-        let profile = e.ext().get::<KvProfile>().unwrap_or(&none);
+    let mut left_out = Vec::new();
+    for e in all(next).filter(|e| !in_force(e)) {
         let mut bad = Vec::new();
         for other in admitted.iter().filter(|o| o.role() != e.role()) {
-            let theirs = other.ext().get::<KvProfile>().unwrap_or(&none);
-            let (p, d, pp, dp) = match e.role() {
-                Role::Prefill => (e, other, profile, theirs),
-                Role::Decode => (other, e, theirs, profile),
+            let (p, d) = match e.role() {
+                Role::Prefill => (e, other),
+                Role::Decode => (other, e),
             };
-            if let Err(mismatch) = check_pair(pp, dp, connector) {
+            if let Err(mismatch) = pair(p, d, connector, versions) {
                 bad.push(PairError {
                     prefill: p.id().clone(),
                     decode: d.id().clone(),
@@ -241,14 +590,19 @@ fn admit(
                 });
             }
         }
-        if bad.is_empty() {
-            admitted.push(Arc::clone(e));
-        } else {
-            pairs.extend(bad);
+        match bad.first() {
+            None => admitted.push(Arc::clone(e)),
+            Some(first) => {
+                left_out.push((e.role(), e.id().clone(), first.mismatch.kind()));
+                pairs.extend(bad);
+            }
         }
     }
-    let refused = (!pairs.is_empty()).then_some(PairingError { pairs });
-    (Arc::new(EndpointSet::new(admitted)), refused)
+    Admitted {
+        set: Arc::new(EndpointSet::new(admitted)),
+        refused: (!pairs.is_empty()).then_some(PairingError { pairs }),
+        left_out,
+    }
 }
 
 impl Drop for ValidatedSource {
@@ -406,5 +760,178 @@ mod tests {
         // At start, an invalid set is an error.
         let (tx, _) = watch::channel(bad);
         assert!(ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).is_err());
+    }
+
+    /// Engines' `/version` answers by authority; an authority not listed refuses the
+    /// connection. Counts the probes.
+    #[derive(Default, Clone)]
+    struct VersionServer {
+        versions: Arc<Mutex<std::collections::HashMap<String, String>>>,
+        probes: Arc<AtomicU64>,
+    }
+
+    impl VersionServer {
+        fn with(pairs: &[(&str, &str)]) -> Self {
+            let s = VersionServer::default();
+            for (a, v) in pairs {
+                lock(&s.versions).insert((*a).to_owned(), (*v).to_owned());
+            }
+            s
+        }
+    }
+
+    impl Transport for VersionServer {
+        fn send(&self, req: http::Request<bytes::Bytes>) -> disagg_core::transport::ResponseFuture {
+            use http_body_util::BodyExt;
+            assert_eq!(req.uri().path(), "/version");
+            self.probes.fetch_add(1, Ordering::Relaxed);
+            let authority = req.uri().authority().unwrap().to_string();
+            let version = lock(&self.versions).get(&authority).cloned();
+            Box::pin(async move {
+                let Some(v) = version else {
+                    return Err(disagg_core::error::TransportError::Connect(
+                        "refused".into(),
+                    ));
+                };
+                let body = http_body_util::Full::new(bytes::Bytes::from(format!(
+                    r#"{{"version":"{v}"}}"#
+                )))
+                .map_err(|never| match never {})
+                .boxed();
+                Ok(http::Response::new(body))
+            })
+        }
+    }
+
+    fn plain(url: &str, role: Role) -> Arc<Endpoint> {
+        ep(url, role, KvProfile::default())
+    }
+
+    fn probe(server: &VersionServer) -> VersionProbe {
+        VersionProbe::new(server.clone(), std::time::Duration::from_secs(1))
+    }
+
+    #[tokio::test]
+    async fn a_pair_of_different_versions_is_refused_at_start_naming_both() {
+        let server = VersionServer::with(&[("p:1", "0.33.0"), ("d:1", "0.32.1")]);
+        let set = Arc::new(EndpointSet::new([
+            plain("http://p:1", Role::Prefill),
+            plain("http://d:1", Role::Decode),
+        ]));
+        let (tx, _) = watch::channel(Arc::clone(&set));
+        let err =
+            ValidatedSource::with_versions(Dynamic(tx), Arc::new(VllmNixl::new()), probe(&server))
+                .await
+                .unwrap_err();
+        let text = err.to_string();
+        for needle in ["http://p:1", "http://d:1", "0.33.0", "0.32.1"] {
+            assert!(text.contains(needle), "{text}");
+        }
+        // SGLang's connector does not compare versions: the same engines start.
+        let (tx, _) = watch::channel(Arc::clone(&set));
+        let sglang: Arc<dyn KvConnector> = Arc::new(disagg_core::SglangBootstrap::new());
+        assert!(
+            ValidatedSource::with_versions(Dynamic(tx), sglang, probe(&server))
+                .await
+                .is_ok()
+        );
+        // Nor does the check without a probe (declared facts only).
+        let (tx, _) = watch::channel(set);
+        assert!(ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_engine_without_a_version_is_paired_unchecked() {
+        // d:1 refuses the probe: its version is unknown, the pair is not refused.
+        let server = VersionServer::with(&[("p:1", "0.33.0")]);
+        let set = Arc::new(EndpointSet::new([
+            plain("http://p:1", Role::Prefill),
+            plain("http://d:1", Role::Decode),
+        ]));
+        let (tx, _) = watch::channel(set);
+        let src = ValidatedSource::with_versions(
+            Dynamic(tx),
+            Arc::new(VllmMooncake::new()),
+            probe(&server),
+        )
+        .await
+        .unwrap();
+        assert_eq!(src.snapshot().decode().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_engine_of_another_version_joining_is_left_out_and_counted() {
+        let server = VersionServer::with(&[
+            ("p:1", "0.33.0"),
+            ("d:1", "0.33.0"),
+            ("d:2", "0.32.1"),
+            ("d:3", "0.33.0"),
+        ]);
+        let first = Arc::new(EndpointSet::new([
+            plain("http://p:1@0", Role::Prefill),
+            plain("http://p:1@1", Role::Prefill),
+            plain("http://d:1", Role::Decode),
+        ]));
+        let (tx, _) = watch::channel(first);
+        let tx2 = tx.clone();
+        let src =
+            ValidatedSource::with_versions(Dynamic(tx), Arc::new(VllmNixl::new()), probe(&server))
+                .await
+                .unwrap();
+        // One probe per engine: the two ranks of p:1 share theirs.
+        assert_eq!(server.probes.load(Ordering::Relaxed), 2);
+        let stats = src.stats();
+        let mut rx = src.watch();
+        rx.borrow_and_update();
+        let joined = Arc::new(EndpointSet::new([
+            plain("http://p:1@0", Role::Prefill),
+            plain("http://p:1@1", Role::Prefill),
+            plain("http://d:1", Role::Decode),
+            plain("http://d:2", Role::Decode),
+            plain("http://d:3", Role::Decode),
+        ]));
+        tx2.send_replace(Arc::clone(&joined));
+        tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let ids: Vec<_> = src
+            .snapshot()
+            .decode()
+            .iter()
+            .map(|e| e.id().as_str().to_owned())
+            .collect();
+        assert_eq!(ids, ["http://d:1", "http://d:3"]);
+        let err = src.last_error().unwrap();
+        assert!(err.pairs.iter().all(|p| p.decode.as_str() == "http://d:2"));
+        assert!(err.to_string().contains("0.32.1"), "{err}");
+        assert_eq!(
+            (stats.left_out(Role::Decode), stats.refused("version")),
+            (1, 1)
+        );
+        // Published again with it still there: still left out, not counted again.
+        tx2.send_replace(Arc::new(EndpointSet::new(
+            joined.prefill().iter().chain(joined.decode()).cloned(),
+        )));
+        tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (stats.left_out(Role::Decode), stats.refused("version")),
+            (1, 1)
+        );
+        let mut registry = prometheus_client::registry::Registry::default();
+        stats.register_metrics(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains("disagg_pairing_refused_total{mismatch=\"version\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("disagg_pairing_left_out{role=\"decode\"} 1"),
+            "{text}"
+        );
     }
 }

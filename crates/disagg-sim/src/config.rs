@@ -145,6 +145,10 @@ pub struct SimConfig {
     /// [`Stats::requests_without_key`](crate::Stats::requests_without_key) whatever
     /// their path, so a test can tell whether a client sent it.
     pub api_key: Option<String>,
+    /// What `GET /version` answers as `{"version": ...}` (default `"0.33.0"`, the vLLM
+    /// release the simulator follows): set it to model a prefill and a decode of
+    /// different engine builds, which vLLM's NIXL handshake refuses to pair.
+    pub version: String,
     /// Serve the OpenAI HTTP server over TLS, as vLLM's `--ssl-certfile`,
     /// `--ssl-keyfile` and `--ssl-ca-certs` with `--ssl-cert-reqs 2` do (default
     /// `None`: plain HTTP). Needs the crate's `tls` feature. The side channel and the
@@ -239,6 +243,7 @@ impl Default for SimConfig {
             kv_events: None,
             serial_prefill: false,
             api_key: None,
+            version: crate::surface::VERSION.to_owned(),
             tls: None,
         }
     }

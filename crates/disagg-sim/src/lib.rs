@@ -47,7 +47,8 @@
 //!   back the words it knows: its generation vocabulary and the words it
 //!   tokenized (`POST /tokenize`) since it started, at most 65,536 of them;
 //!   another id comes back as `<|ID|>`. An id outside the vocabulary is a 400.
-//! * `GET /version`: `{"version": "0.33.0"}`, the vLLM release followed.
+//! * `GET /version`: `{"version": "0.33.0"}`, the vLLM release followed
+//!   ([`SimConfig::version`] to model another build).
 //! * `POST /v1/embeddings`: one deterministic unit vector of 8 dimensions per
 //!   input (a string, a list of strings, token ids or lists of them), as
 //!   floats or `"encoding_format": "base64"`, in vLLM's `EmbeddingResponse`.

@@ -976,7 +976,7 @@ where
         }
         (&Method::GET, "/version") => {
             let body =
-                serde_json::to_vec(&json!({"version": surface::VERSION})).unwrap_or_default();
+                serde_json::to_vec(&json!({"version": inner.config.version})).unwrap_or_default();
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
         (&Method::POST, "/tokenize") => return tokenize_route(inner, req).await,

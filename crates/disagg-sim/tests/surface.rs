@@ -107,6 +107,11 @@ async fn tokenize_and_detokenize_round_trip_and_version_answers() {
         json!({"version": "0.33.0"})
     );
     assert_eq!(e.stats().detokenize_requests, 2);
+    let older = engine(|c| c.version = "0.32.1".into()).await;
+    assert_eq!(
+        get(older.addr(), "/version").await.json(),
+        json!({"version": "0.32.1"})
+    );
 }
 
 #[tokio::test]

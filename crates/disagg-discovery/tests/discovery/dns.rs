@@ -328,6 +328,14 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
         ids(&merged.snapshot(), Role::Decode),
         ["http://127.0.0.31:8201", "http://127.0.0.32:8202"]
     );
+    // The records' weight (10) is the endpoints' routing weight.
+    let weights: Vec<f64> = merged
+        .snapshot()
+        .decode()
+        .iter()
+        .map(|e| e.weight())
+        .collect();
+    assert_eq!(weights, [10.0, 10.0]);
     // d2 goes, d1 moves to another port.
     server
         .set_srv(&[

@@ -1,9 +1,11 @@
-//! Key files: their format, bounded reads, and reads on the blocking pool for the watch.
+//! Key files: their format, and reads bounded in size, in file type and in time.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{KeyError, MAX_KEY_FILE_BYTES, valid_key};
+use disagg_core::config_file::{TimedReader, read_regular};
+
+use super::{KeyError, MAX_KEY_FILE_BYTES, MAX_KEYS, valid_key};
 
 // === KeyFile ===
 
@@ -24,6 +26,9 @@ pub struct KeyFile {
     /// How often [`ApiKeys::watch`](super::ApiKeys::watch) reads it: 1 s by default, so a change is in force
     /// within about 2 s.
     pub poll_interval: Duration,
+    /// How long one read of the file may take in the watch (5 s by default); past it
+    /// the read is an error, counted, and the keys in force stay.
+    pub read_timeout: Duration,
 }
 
 impl KeyFile {
@@ -32,15 +37,17 @@ impl KeyFile {
         KeyFile {
             path: path.into(),
             poll_interval: Duration::from_secs(1),
+            read_timeout: Duration::from_secs(5),
         }
     }
 
-    /// Read and parse the file now (blocking).
+    /// Read and parse the file now (blocking; a regular file only, so a FIFO at the
+    /// path is refused rather than waited on).
     ///
     /// # Errors
     ///
-    /// [`KeyError::Read`], [`KeyError::TooLarge`], or [`KeyError::Invalid`] naming the
-    /// line (never the key).
+    /// [`KeyError::Read`] (not a regular file included), [`KeyError::TooLarge`],
+    /// [`KeyError::TooMany`], or [`KeyError::Invalid`] naming the line (never the key).
     pub fn read(&self) -> Result<Vec<String>, KeyError> {
         parse_key_file(&read_file(&self.path)?)
     }
@@ -71,6 +78,9 @@ pub fn parse_key_file(bytes: &[u8]) -> Result<Vec<String>, KeyError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
+        if keys.len() == MAX_KEYS {
+            return Err(KeyError::TooMany { max: MAX_KEYS });
+        }
         valid_key(line, || format!("key file line {}", i + 1))?;
         keys.push(line.to_owned());
     }
@@ -78,18 +88,15 @@ pub fn parse_key_file(bytes: &[u8]) -> Result<Vec<String>, KeyError> {
 }
 
 fn read_file(path: &std::path::Path) -> Result<Vec<u8>, KeyError> {
-    use std::io::Read;
-    let read = || {
-        let file = std::fs::File::open(path)?;
-        let mut bytes = Vec::new();
-        // One byte past the limit tells a file at the limit from a larger one.
-        file.take(MAX_KEY_FILE_BYTES + 1).read_to_end(&mut bytes)?;
-        Ok::<_, std::io::Error>(bytes)
-    };
-    let bytes = read().map_err(|source| KeyError::Read {
+    let bytes = read_regular(path, MAX_KEY_FILE_BYTES).map_err(|source| KeyError::Read {
         path: path.to_owned(),
         source,
     })?;
+    too_large(path, bytes)
+}
+
+/// `bytes`, unless they are more than a key file may hold.
+fn too_large(path: &std::path::Path, bytes: Vec<u8>) -> Result<Vec<u8>, KeyError> {
     if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
         return Err(KeyError::TooLarge {
             path: path.to_owned(),
@@ -98,14 +105,15 @@ fn read_file(path: &std::path::Path) -> Result<Vec<u8>, KeyError> {
     Ok(bytes)
 }
 
-/// The file's bytes, read on the blocking pool (the file may sit on a slow volume).
-pub(super) async fn blocking_read(file: &KeyFile) -> Result<Vec<u8>, KeyError> {
-    let path = file.path.clone();
-    match tokio::task::spawn_blocking(move || read_file(&path)).await {
-        Ok(r) => r,
-        Err(e) => Err(KeyError::Read {
+/// The file's bytes, read on a thread of its own within the file's read timeout (the
+/// file may sit on a slow volume, or not be a regular file at all).
+pub(super) async fn timed_read(file: &KeyFile, reader: &TimedReader) -> Result<Vec<u8>, KeyError> {
+    let bytes = reader
+        .read(&file.path, MAX_KEY_FILE_BYTES, file.read_timeout)
+        .await
+        .map_err(|source| KeyError::Read {
             path: file.path.clone(),
-            source: std::io::Error::other(e),
-        }),
-    }
+            source,
+        })?;
+    too_large(&file.path, bytes)
 }

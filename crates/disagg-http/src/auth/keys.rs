@@ -1,29 +1,94 @@
-//! The client keys: [`ApiKeys`] (digests, the check, reloads, counters) and what a check
-//! gives back.
+//! The client keys: [`ApiKeys`] (keyed digests, the check, reloads, counters) and what
+//! a check gives back.
+//!
+//! # The key set
+//!
+//! Each key is kept as its HMAC-SHA256 under a salt drawn at random when the
+//! [`ApiKeys`] is made (never stored, never shown), and as its [`KeyId`]. The set is a
+//! hash map from the first 8 bytes of a digest to the key(s) whose digest starts so
+//! (two keys share a prefix with odds of about one in 2^64 per pair: they are chained,
+//! never lost). A check computes the presented key's digest, looks its prefix up and
+//! compares the whole digest of what it finds in constant time (`subtle`): one hash, one
+//! map lookup, one comparison, whatever the number of keys. What the timing of the
+//! lookup could tell is where an attacker's own guess hashes to under a secret salt,
+//! nothing about any configured key.
+//!
+//! A reload builds the new set in O(n) (a map lookup per key to carry a kept key's
+//! state over) outside any lock the checks take, then swaps it in under a write lock
+//! held for the pointer swap only: checks are never held up by a reload's work.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
+use disagg_core::config_file::TimedReader;
 use http::header::HeaderValue;
-use subtle::{ConditionallySelectable, ConstantTimeEq};
+use subtle::ConstantTimeEq;
 
-use super::file::{KeyFile, blocking_read, parse_key_file};
+use super::file::{KeyFile, parse_key_file, timed_read};
 use super::limits::{InFlightSlot, KeyLimits, KeyState, take_token};
-use super::{Digest, KeyError, KeyId, MAX_HEADER_BYTES, Refusal, read, sha256, valid_key, write};
+use super::{Digest, KeyError, KeyId, MAX_HEADER_BYTES, MAX_KEYS, Refusal, read, valid_key, write};
 
-/// One configured key: its digest and its state.
+/// No next entry in a chain.
+const NONE: u32 = u32::MAX;
+
+/// One configured key: its keyed digest, its id and its state.
 #[derive(Debug)]
 struct Entry {
     digest: Digest,
+    id: KeyId,
     state: Arc<KeyState>,
+    /// The next entry whose digest has the same 8-byte prefix, or [`NONE`].
+    next: u32,
 }
 
 /// The keys in force, replaced whole on a reload.
 #[derive(Debug, Default)]
 struct KeySet {
     entries: Vec<Entry>,
+    /// The first entry of each digest prefix.
+    index: HashMap<u64, u32>,
+}
+
+impl KeySet {
+    /// The entry whose digest is `digest`: the prefix looked up, each candidate of the
+    /// chain (nearly always one) compared in full in constant time.
+    fn find(&self, digest: &Digest) -> Option<&Entry> {
+        let mut i = *self.index.get(&prefix(digest))?;
+        let mut found = None;
+        while let Some(e) = self.entries.get(i as usize) {
+            if bool::from(e.digest.ct_eq(digest)) {
+                found = Some(e);
+            }
+            i = e.next;
+        }
+        found
+    }
+
+    /// Adds a key unless its digest is in already.
+    fn insert(&mut self, digest: Digest, id: KeyId, state: impl FnOnce() -> Arc<KeyState>) {
+        if self.find(&digest).is_some() {
+            return;
+        }
+        let at = u32::try_from(self.entries.len()).unwrap_or(NONE);
+        let head = self.index.entry(prefix(&digest)).or_insert(NONE);
+        let next = std::mem::replace(head, at);
+        self.entries.push(Entry {
+            digest,
+            id,
+            state: state(),
+            next,
+        });
+    }
+}
+
+/// A digest's first 8 bytes, its place in the map.
+fn prefix(d: &Digest) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(b)
 }
 
 /// Counters of an [`ApiKeys`], for `/metrics`.
@@ -37,13 +102,42 @@ struct Counters {
     file_errors: AtomicU64,
 }
 
-#[derive(Debug)]
 struct Shared {
-    /// Digests of the keys given to [`ApiKeys::new`], kept across reloads.
-    fixed: Vec<Digest>,
+    /// The HMAC key (a random salt) every digest is made with.
+    salt: ring::hmac::Key,
+    /// The keys given to [`ApiKeys::new`], kept across reloads.
+    fixed: Vec<(Digest, KeyId)>,
+    /// The set in force; the lock is held to read the set or to swap the pointer.
     set: RwLock<Arc<KeySet>>,
+    /// Taken by a reload for its whole work, so that two reloads cannot lose each
+    /// other's carried-over state; never taken by a check.
+    reloading: Mutex<()>,
     limits: KeyLimits,
     counters: Counters,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the salt.
+        f.debug_struct("Shared")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    /// The keyed digest of `key`.
+    fn digest(&self, key: &[u8]) -> Digest {
+        let tag = ring::hmac::sign(&self.salt, key);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        out
+    }
+
+    /// The set in force.
+    fn current(&self) -> Arc<KeySet> {
+        Arc::clone(&read(&self.set))
+    }
 }
 
 /// A snapshot of an [`ApiKeys`]' counters.
@@ -72,7 +166,9 @@ pub struct KeyStats {
 ///
 /// Cheap to clone; clones share the keys, their limits and their counters, so give every
 /// serving thread a clone of one `ApiKeys` and the limits hold across threads. Only
-/// SHA-256 digests of the keys are kept.
+/// keyed digests of the keys (HMAC-SHA256 under a random salt of this set's own) and
+/// their [`KeyId`]s are kept; a check costs one digest and one map lookup whatever the
+/// number of keys (see the [module docs](self)).
 ///
 /// An empty set refuses every request (a key file emptied by mistake closes the
 /// service rather than opening it).
@@ -112,7 +208,8 @@ impl ApiKeys {
     /// # Errors
     ///
     /// [`KeyError::Invalid`] when a key is empty, longer than 4096 bytes, or holds a
-    /// space, a control or a non-ASCII character.
+    /// space, a control or a non-ASCII character; [`KeyError::TooMany`] past 250,000
+    /// keys.
     pub fn new<I>(keys: I) -> Result<Self, KeyError>
     where
         I: IntoIterator,
@@ -131,21 +228,32 @@ impl ApiKeys {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        let fixed = digests(keys, |i| format!("key #{}", i + 1))?;
-        let set = build_set(&fixed, &[], None, &limits);
+        let mut salt = [0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut salt)
+            .map_err(|_| KeyError::Salt)?;
+        let mut shared = Shared {
+            salt: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &salt),
+            fixed: Vec::new(),
+            set: RwLock::new(Arc::new(KeySet::default())),
+            reloading: Mutex::new(()),
+            limits,
+            counters: Counters::default(),
+        };
+        shared.fixed = digests(&shared, keys, |i| format!("key #{}", i + 1))?;
+        let set = build_set(&shared.fixed, &[], None, &shared.limits);
+        shared.set = RwLock::new(Arc::new(set));
         Ok(ApiKeys {
-            shared: Arc::new(Shared {
-                fixed,
-                set: RwLock::new(Arc::new(set)),
-                limits,
-                counters: Counters::default(),
-            }),
+            shared: Arc::new(shared),
         })
     }
 
     /// Replace the reloadable keys (those of a key file) with `keys`; the keys given to
     /// [`new`](Self::new) stay. A key kept keeps its in-flight count and bucket; a key
     /// removed loses them (its requests in flight run to their end).
+    ///
+    /// The new set is built in O(n) while the old one keeps answering checks, and
+    /// swapped in whole: a check sees the old keys or the new ones, never a mix, and
+    /// never waits for the build.
     ///
     /// # Errors
     ///
@@ -155,15 +263,17 @@ impl ApiKeys {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        let loaded = digests(keys, |i| format!("key #{}", i + 1))?;
-        let mut current = write(&self.shared.set);
-        let set = build_set(
-            &self.shared.fixed,
-            &loaded,
-            Some(&current),
-            &self.shared.limits,
-        );
-        *current = Arc::new(set);
+        let shared = &*self.shared;
+        let loaded = digests(shared, keys, |i| format!("key #{}", i + 1))?;
+        let _one_at_a_time = shared
+            .reloading
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let old = shared.current();
+        let set = build_set(&shared.fixed, &loaded, Some(&old), &shared.limits);
+        // The write lock for the pointer swap only; the old set drops after it.
+        let old = std::mem::replace(&mut *write(&shared.set), Arc::new(set));
+        drop(old);
         Ok(())
     }
 
@@ -182,7 +292,7 @@ impl ApiKeys {
         read(&self.shared.set)
             .entries
             .iter()
-            .map(|e| KeyId::from_digest(&e.digest))
+            .map(|e| e.id)
             .collect()
     }
 
@@ -195,9 +305,9 @@ impl ApiKeys {
     /// limits: the key's [`Admitted`] (hold it until the request's answer has ended: it
     /// is the key's in-flight place), or why the request is refused.
     ///
-    /// Cheap and synchronous: one SHA-256 of the presented key, one constant-time
-    /// comparison per configured key, and with limits an atomic counter and a
-    /// short-held lock on the key's bucket.
+    /// Cheap and synchronous: one HMAC-SHA256 of the presented key, one map lookup and
+    /// one constant-time comparison whatever the number of keys, and with limits an
+    /// atomic counter and a short-held lock on the key's bucket.
     ///
     /// # Errors
     ///
@@ -208,27 +318,15 @@ impl ApiKeys {
             c.missing.fetch_add(1, Ordering::Relaxed);
             return Err(Refusal::Missing);
         };
-        let presented = sha256(token);
-        // Held to the end of the check: a reload waits for it (microseconds).
+        let presented = self.shared.digest(token);
+        // Held for the lookup: a reload's swap waits for it (a map lookup), its build
+        // does not hold it at all.
         let set = read(&self.shared.set);
-        // Every digest is compared, whatever matched: the time taken tells nothing of
-        // which key matched or how far a guess was right.
-        let mut found = subtle::Choice::from(0u8);
-        let mut index = 0u32;
-        for (i, e) in set.entries.iter().enumerate() {
-            let eq = presented.ct_eq(&e.digest);
-            index.conditional_assign(&u32::try_from(i).unwrap_or(u32::MAX), eq);
-            found |= eq;
-        }
-        let entry = match bool::from(found) {
-            true => set.entries.get(index as usize),
-            false => None,
-        };
-        let Some(entry) = entry else {
+        let Some(entry) = set.find(&presented) else {
             c.invalid.fetch_add(1, Ordering::Relaxed);
             return Err(Refusal::Invalid);
         };
-        let id = KeyId::from_digest(&entry.digest);
+        let id = entry.id;
         let limits = &self.shared.limits;
         if limits.is_none() {
             return Ok(Admitted { id, slot: None });
@@ -299,11 +397,15 @@ impl ApiKeys {
     /// [`KeyFile::read`]). A change is logged at `info` with the number of keys; a file
     /// that cannot be read, or that holds an invalid key, keeps the keys in force and
     /// is logged at `warn` and counted ([`KeyStats::file_errors`]) once per distinct
-    /// state. The file is read on tokio's blocking pool.
+    /// state. The file must be a regular file (a FIFO or a device is refused without a
+    /// blocking read), read on a thread of its own within [`KeyFile::read_timeout`]: a
+    /// read that does not finish is such an error, never a watch that stops
+    /// ([`disagg_core::config_file`]).
     pub fn watch(&self, file: KeyFile) -> impl Future<Output = ()> + Send + 'static {
         let keys = self.clone();
         async move {
-            let mut seen = match blocking_read(&file).await {
+            let reader = TimedReader::new();
+            let mut seen = match timed_read(&file, &reader).await {
                 Ok(bytes) => Seen::Content(bytes),
                 Err(_) => Seen::Unreadable,
             };
@@ -312,18 +414,18 @@ impl ApiKeys {
             tick.tick().await;
             loop {
                 tick.tick().await;
-                keys.poll_once(&file, &mut seen).await;
+                keys.poll_once(&file, &reader, &mut seen).await;
             }
         }
     }
 
-    async fn poll_once(&self, file: &KeyFile, seen: &mut Seen) {
+    async fn poll_once(&self, file: &KeyFile, reader: &TimedReader, seen: &mut Seen) {
         let c = &self.shared.counters;
-        let bytes = match blocking_read(file).await {
+        let bytes = match timed_read(file, reader).await {
             Ok(bytes) => bytes,
             Err(e) => {
                 if *seen != Seen::Unreadable {
-                    tracing::warn!(path = %file.path.display(), error = %e, "API key file unreadable; keeping the keys in force");
+                    tracing::warn!(path = %file.path.display(), error = %disagg_core::error::error_chain(&e), "API key file unreadable; keeping the keys in force");
                     c.file_errors.fetch_add(1, Ordering::Relaxed);
                     *seen = Seen::Unreadable;
                 }
@@ -360,39 +462,48 @@ enum Seen {
     Unreadable,
 }
 
-fn digests<I>(keys: I, what: impl Fn(usize) -> String) -> Result<Vec<Digest>, KeyError>
+/// Each key's keyed digest and id, the keys checked first (`what` names a bad one).
+fn digests<I>(
+    shared: &Shared,
+    keys: I,
+    what: impl Fn(usize) -> String,
+) -> Result<Vec<(Digest, KeyId)>, KeyError>
 where
     I: IntoIterator,
     I::Item: AsRef<str>,
 {
     let mut out = Vec::new();
     for (i, k) in keys.into_iter().enumerate() {
+        if i >= MAX_KEYS {
+            return Err(KeyError::TooMany { max: MAX_KEYS });
+        }
         let k = k.as_ref();
         valid_key(k, || what(i))?;
-        out.push(sha256(k.as_bytes()));
+        out.push((shared.digest(k.as_bytes()), KeyId::of(k)));
     }
     Ok(out)
 }
 
 /// The set of `fixed` and `loaded` keys (each once), reusing the state of the keys
-/// `old` already holds.
+/// `old` already holds: O(n), one map lookup per key.
 fn build_set(
-    fixed: &[Digest],
-    loaded: &[Digest],
+    fixed: &[(Digest, KeyId)],
+    loaded: &[(Digest, KeyId)],
     old: Option<&KeySet>,
     limits: &KeyLimits,
 ) -> KeySet {
-    let mut entries: Vec<Entry> = Vec::with_capacity(fixed.len() + loaded.len());
-    for d in fixed.iter().chain(loaded) {
-        if entries.iter().any(|e| e.digest == *d) {
-            continue;
-        }
-        let state = old
-            .and_then(|o| o.entries.iter().find(|e| e.digest == *d))
-            .map_or_else(|| Arc::new(KeyState::new(limits)), |e| Arc::clone(&e.state));
-        entries.push(Entry { digest: *d, state });
+    let n = fixed.len() + loaded.len();
+    let mut set = KeySet {
+        entries: Vec::with_capacity(n),
+        index: HashMap::with_capacity(n),
+    };
+    for (d, id) in fixed.iter().chain(loaded) {
+        set.insert(*d, *id, || {
+            old.and_then(|o| o.find(d))
+                .map_or_else(|| Arc::new(KeyState::new(limits)), |e| Arc::clone(&e.state))
+        });
     }
-    KeySet { entries }
+    set
 }
 
 /// The token of a `Bearer` authorization value, if it is one (scheme matched
@@ -478,5 +589,30 @@ impl prometheus_client::collector::Collector for KeysCollector {
             )?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_sharing_a_prefix_are_chained_and_each_found() {
+        let limits = KeyLimits::default();
+        let state = || Arc::new(KeyState::new(&limits));
+        let mut a = [7u8; 32];
+        let mut b = [7u8; 32];
+        a[31] = 1;
+        b[31] = 2;
+        let mut set = KeySet::default();
+        set.insert(a, KeyId([0, 0, 0, 1]), state);
+        set.insert(b, KeyId([0, 0, 0, 2]), state);
+        set.insert(a, KeyId([0, 0, 0, 3]), state);
+        assert_eq!((set.entries.len(), set.index.len()), (2, 1));
+        assert_eq!(set.find(&a).map(|e| e.id), Some(KeyId([0, 0, 0, 1])));
+        assert_eq!(set.find(&b).map(|e| e.id), Some(KeyId([0, 0, 0, 2])));
+        let mut c = a;
+        c[31] = 3;
+        assert!(set.find(&c).is_none());
     }
 }

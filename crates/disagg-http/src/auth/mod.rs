@@ -21,15 +21,20 @@
 //! vllm/entrypoints/openai/server_utils.py`, `AuthenticationMiddleware`); the proxy speaks
 //! to OpenAI clients, whose SDKs read `error.message` and `error.code`.
 //!
-//! ## Comparison in constant time
+//! ## Comparison in constant time, in constant time per key set
 //!
-//! Keys are kept only as SHA-256 digests. A presented key is hashed and compared with
-//! every configured digest with `subtle`'s constant-time equality, all of them, without
-//! stopping at a match. Hashing first makes every comparison 32 bytes long whatever the
-//! key's length (a byte-wise comparison of the keys themselves would stop at the first
-//! difference, or at a length mismatch, and time tells how much of a guess was right);
-//! comparing all digests hides which key matched and how many there are. vLLM does the
-//! same (`hashlib.sha256` then `secrets.compare_digest` over every token).
+//! Keys are kept only as keyed digests: HMAC-SHA256 under a salt drawn at random for
+//! each [`ApiKeys`] (never stored or shown). A presented key is digested the same way,
+//! the digest's first 8 bytes are looked up in a hash map, and the whole digest found is
+//! compared with `subtle`'s constant-time equality. Digesting first makes every
+//! comparison 32 bytes long whatever the key's length (a byte-wise comparison of the
+//! keys themselves would stop at the first difference, and time would tell how much of
+//! a guess was right); the salt makes the digest of a guess unpredictable, so the
+//! map lookup's timing tells nothing about any configured key. A check costs one HMAC
+//! and one lookup whether the set holds one key or 100,000 (vLLM hashes with
+//! `hashlib.sha256` and compares with `secrets.compare_digest` against every token,
+//! which is linear in their number). A reload builds the new set in O(n) outside the
+//! lock the checks read, and swaps it in.
 //!
 //! ## Keys are never logged
 //!
@@ -129,8 +134,12 @@ pub mod guide {
 /// enough that a key file mistaken for another file is refused.
 const MAX_KEY_BYTES: usize = 4096;
 
-/// The largest key file read.
-const MAX_KEY_FILE_BYTES: u64 = 1024 * 1024;
+/// The largest key file read: 250,000 keys of 64 characters fit in it.
+const MAX_KEY_FILE_BYTES: u64 = 16 * 1024 * 1024;
+
+/// The most keys one set holds (about 40 MB of state at most): beyond any one proxy's
+/// clients, low enough that a file of one-letter lines cannot make millions.
+const MAX_KEYS: usize = 250_000;
 
 /// The request header is read only up to this size: the longest key and its scheme. A
 /// longer value cannot hold a configured key and is not hashed.
@@ -217,6 +226,15 @@ pub enum KeyError {
         /// The file.
         path: PathBuf,
     },
+    /// More keys than one set may hold.
+    #[error("more than {max} keys")]
+    TooMany {
+        /// The ceiling.
+        max: usize,
+    },
+    /// The random salt of the keys' digests could not be drawn from the OS.
+    #[error("no randomness from the operating system for the key digests' salt")]
+    Salt,
     /// An engine URL given with a key is not `http(s)://host[:port]`.
     #[error("engine url `{url}` must be http://host[:port] or https://host[:port]")]
     EngineUrl {

@@ -183,3 +183,87 @@ fn engine_keys_go_by_scheme_host_and_port() {
     assert!(EngineKeys::default().for_engine(true, &a).is_none());
     assert!(EngineKeys::default().with_engine("d:1", "k").is_err());
 }
+
+#[test]
+fn a_100k_key_set_builds_checks_and_reloads_correctly() {
+    let all: Vec<String> = (0..100_000).map(|i| format!("sk-load-{i:06}-x")).collect();
+    let limits = KeyLimits {
+        max_in_flight: Some(1),
+        ..KeyLimits::default()
+    };
+    let keys = ApiKeys::with_limits(["sk-fixed"], limits).unwrap();
+    keys.reload(&all).unwrap();
+    assert_eq!(keys.len(), 100_001);
+    // Every key is found, named by its own id; near misses are not.
+    for k in all.iter().step_by(997).chain([&all[0], &all[99_999]]) {
+        let ok = keys.check(Some(&header(&format!("Bearer {k}")))).unwrap();
+        assert_eq!(ok.id(), KeyId::of(k));
+    }
+    for miss in [
+        "sk-load-100000-x",
+        "sk-load-000001-",
+        "sk-load-000001-xx",
+        "sk-fixed2",
+    ] {
+        assert_eq!(
+            keys.check(Some(&header(&format!("Bearer {miss}"))))
+                .unwrap_err(),
+            Refusal::Invalid,
+            "{miss}"
+        );
+    }
+    // One key in flight; then one key appended: the new one is in, the kept ones keep
+    // their state (the one in flight is still at its limit), the fixed one stays.
+    let held = keys
+        .check(Some(&header(&format!("Bearer {}", all[42]))))
+        .unwrap();
+    let mut more = all.clone();
+    more.push("sk-appended".into());
+    keys.reload(&more).unwrap();
+    assert_eq!(keys.len(), 100_002);
+    assert!(keys.check(Some(&header("Bearer sk-appended"))).is_ok());
+    assert!(matches!(
+        keys.check(Some(&header(&format!("Bearer {}", all[42])))),
+        Err(Refusal::InFlight { max: 1 })
+    ));
+    drop(held);
+    assert!(keys.check(Some(&header("Bearer sk-fixed"))).is_ok());
+    // One id per key (ids are 32 bits: two keys of 100,000 may share one).
+    assert_eq!(keys.ids().len(), 100_002);
+    // A key given twice counts once.
+    keys.reload(["sk-a", "sk-a"]).unwrap();
+    assert_eq!(keys.len(), 2);
+}
+
+#[test]
+fn key_files_past_their_ceilings_are_refused() {
+    let many: String = (0..=MAX_KEYS).map(|i| format!("k{i}\n")).collect();
+    let err = parse_key_file(many.as_bytes()).unwrap_err();
+    assert!(matches!(err, KeyError::TooMany { .. }), "{err}");
+    let at_most: String = (0..MAX_KEYS).map(|i| format!("k{i}\n")).collect();
+    assert_eq!(parse_key_file(at_most.as_bytes()).unwrap().len(), MAX_KEYS);
+    assert!(matches!(
+        ApiKeys::new((0..=MAX_KEYS).map(|i| format!("k{i}"))),
+        Err(KeyError::TooMany { .. })
+    ));
+}
+
+#[cfg(unix)]
+#[test]
+fn a_fifo_key_file_is_refused_not_waited_on() {
+    let dir = std::env::temp_dir().join(format!("disagg-keys-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("keys");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&path)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    // Without the file type check this read blocks until a writer opens the FIFO.
+    let err = KeyFile::new(&path).read().unwrap_err();
+    assert!(matches!(err, KeyError::Read { .. }), "{err}");
+    let chain = disagg_core::error::error_chain(&err);
+    assert!(chain.contains("FIFO"), "{chain}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
