@@ -140,6 +140,18 @@ pub enum ConnectorError {
         /// The field that was missing.
         field: &'static str,
     },
+    /// The prefill's answer carried a handoff the decode cannot use
+    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete)), and the
+    /// configuration fails such requests.
+    #[error("prefill endpoint {endpoint} returned an incomplete `{field}`: {problem}")]
+    IncompleteHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The handoff field.
+        field: &'static str,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
     /// The prefill's answer carried the handoff field in an unusable shape.
     #[error("prefill endpoint {endpoint} returned a malformed `{field}`")]
     InvalidHandoff {
