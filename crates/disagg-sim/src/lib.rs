@@ -221,9 +221,16 @@
 //!   listening, wrong engine id, unknown request id, wrong block ids, KV of
 //!   another prompt, expired lease) is answered with HTTP 500
 //!   `"KV transfer failed: ..."` before any response head, like vLLM with
-//!   `kv_load_failure_policy="fail"`. Parameters vLLM deems invalid (missing
-//!   keys, empty `remote_block_ids`) are ignored and the prompt is prefilled
-//!   locally.
+//!   `kv_load_failure_policy="fail"`. Partial parameters with
+//!   `do_remote_prefill` do what they do to vLLM 0.33
+//!   (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`
+//!   `update_state_after_alloc`): without `remote_block_ids` (or with an empty
+//!   list) an assertion kills the engine core, so this request and every
+//!   later one answer 500 `"The server had an error while processing your
+//!   request."` and `GET /health` 503 ([`Stats::engine_core_deaths`]); with
+//!   block ids but without `remote_engine_id`, `remote_request_id`,
+//!   `remote_host` or `remote_port` the request waits for KV nobody sends,
+//!   until its client leaves ([`Stats::stuck_kv_waits`]).
 //!
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!
@@ -306,8 +313,11 @@
 //!   failed: ..."` after the wait), and two requests in flight with the same
 //!   id pair the wrong ways (the decode finds KV of another prompt and fails
 //!   with 500, as vLLM would compute on the wrong KV). Another engine id is
-//!   refused at once; parameters without the four keys are ignored (local
-//!   prefill, [`Stats::invalid_kv_params`]). The KV is freed when taken, when
+//!   refused at once; parameters without one of the four keys kill the engine
+//!   core (vLLM 0.33's push scheduler indexes them: a `KeyError`, see
+//!   [`Stats::engine_core_deaths`]), and parameters with a key of the wrong
+//!   type are ignored (local prefill, [`Stats::invalid_kv_params`]). The KV is
+//!   freed when taken, when
 //!   the lease runs out, or when a decode whose parameters name the blocks
 //!   (`remote_request_id`, `remote_block_ids`, as a sequential proxy passes
 //!   the prefill's answer on) is aborted before its KV arrived
@@ -473,7 +483,8 @@
 //! the client leaves (before the response head, or mid-answer with
 //! [`Faults::stall_after_chunks`]), abort the connection mid-answer, or make
 //! a vLLM NIXL prefill answer unusable `kv_transfer_params`
-//! ([`Faults::malformed_kv_params`]); they can be changed at run time with
+//! ([`Faults::malformed_kv_params`]) or a partial handoff
+//! ([`Faults::partial_kv_params`]); they can be changed at run time with
 //! [`SimEngine::set_faults`]. The status and hang faults apply in every
 //! [`KvMode`], before any KV work: an SGLang prefill with an error status
 //! answers it at once, without registering its rooms. The [`Faults`]
@@ -628,7 +639,7 @@ mod surface;
 #[cfg(feature = "tls")]
 mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole, SimTls};
+pub use config::{Faults, KvMode, LmcacheReceiver, PartialKv, SimConfig, SimRole, SimTls};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,
