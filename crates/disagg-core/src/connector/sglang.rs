@@ -196,6 +196,7 @@ impl KvConnector for SglangBootstrap {
         if merge {
             handoff.ext.insert(MergeLogprobs {
                 stream: req.is_stream(),
+                sequences: generate::sequences(req.body()),
             });
         }
         Ok(handoff)
@@ -203,15 +204,26 @@ impl KvConnector for SglangBootstrap {
 
     /// A [`Dispatch::Joined`] plan (`/generate` with logprobs): the prefill's prompt
     /// logprobs become the reshape that merges them into the decode's answer. An answer
-    /// without any leaves the decode's as it is.
+    /// without any leaves the decode's as it is; one naming a sequence the request does
+    /// not have (an `index` past its prompts times `n`) fails the request.
     async fn complete(
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
-        if let Some(MergeLogprobs { stream }) = handoff.ext.get::<MergeLogprobs>().copied()
-            && let Some(logprobs) = generate::prefill_logprobs(answer)
-        {
+        let Some(MergeLogprobs { stream, sequences }) = handoff.ext.get::<MergeLogprobs>().copied()
+        else {
+            return Ok(KvOutcome::Handed);
+        };
+        let logprobs = generate::prefill_logprobs(answer, sequences).map_err(|e| {
+            ConnectorError::OutOfRange {
+                endpoint: handoff.prefill.endpoint.id().clone(),
+                what: e.what,
+                found: e.found,
+                sequences: e.sequences,
+            }
+        })?;
+        if let Some(logprobs) = logprobs {
             handoff.reshape = Some(Arc::new(LogprobMerge::new(logprobs, stream)));
         }
         Ok(KvOutcome::Handed)
