@@ -6,10 +6,9 @@
 //! `sgl-model-gateway/src/routers/http/pd_router.rs`):
 //!
 //! - a request is a **batch** when `text` is a list of strings, or `input_ids` a list of
-//!   token-id lists: each element is a request of its own on the engines, so each needs
-//!   a room of its own (the Python router's rule; the Rust gateway counts `input_ids`
-//!   batches only, and a `text` batch then shares one room, which the engine spreads as
-//!   `room + i`, colliding with other requests' rooms);
+//!   token-id lists, and each prompt is sampled `sampling_params.n` times: each of the
+//!   B·n is a request of its own on the engines, so each needs a room of its own (see
+//!   [`super::sglang`] for how SGLang expands the rooms it is given);
 //! - both legs get the same body (the prefill engine, in `--disaggregation-mode
 //!   prefill`, stops after the prompt whatever the sampling parameters say);
 //! - with `return_logprob`, the prompt's logprobs (`meta_info.input_token_logprobs`)
