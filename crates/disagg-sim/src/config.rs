@@ -392,6 +392,8 @@ pub enum SimRole {
 /// | slow prefill, beyond a budget | [`SimConfig::prefill_delay_per_token`], [`SimConfig::request_delay`] |
 /// | malformed `kv_transfer_params` (vLLM NIXL) | `malformed_kv_params` |
 /// | a partial handoff (vLLM NIXL: no block ids, no engine id, host, port...) | `partial_kv_params` |
+/// | an answer naming a sequence the request lacks (SGLang `/generate`) | `generate_index` |
+/// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -429,6 +431,15 @@ pub struct Faults {
     /// what a proxy must never let happen. No effect on other requests and in
     /// the other [`KvMode`]s.
     pub partial_kv_params: Option<PartialKv>,
+    /// SGLang `/generate` streams write this `index` in every event, whatever
+    /// sequence it answers: an engine naming a sequence the request does not
+    /// have (a router that sizes a list by it allocates `index + 1` entries).
+    pub generate_index: Option<u64>,
+    /// SGLang `/generate` streams: after the first event, one event of this
+    /// many bytes that never ends (no blank line after it), and then the
+    /// stream ends, as an engine cut off mid-event would end it. A router
+    /// that holds an event until its end holds all of it.
+    pub unterminated_event: Option<usize>,
     /// LMCache prefill: how long after the KV push the `ProxyNotif`
     /// notifications are sent. Zero (the default): they are sent before the
     /// HTTP answer is written. Otherwise they are sent by a task of their

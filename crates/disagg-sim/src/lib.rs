@@ -68,7 +68,8 @@
 //! * SGLang engines ([`KvMode::Sglang`], both roles): `POST /generate`,
 //!   SGLang's native API, with the same bootstrap fields, rooms, ranks and
 //!   checks as the completion routes (a `text` list or an `input_ids` list of
-//!   lists is a batch, one room per element); see the `native` module's
+//!   lists is a batch, sampled `sampling_params.n` times, one room per
+//!   prompt and sample); see the `native` module's
 //!   facts in the source. A vLLM engine answers 404.
 //!
 //! # Request validation
@@ -235,13 +236,26 @@
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!
 //! The router sends the same body to a prefill and a decode at once, with
-//! `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (a `u63`). A
-//! request is a batch when it is a chat request with `n > 1` (`n`
-//! elements, sharing the conversation) or a completion request whose
-//! `prompt` is a list of strings or of token-id lists (one element per
-//! prompt); the three fields are then lists of that length, otherwise
-//! scalars (anything else is a 400). Each element's KV is that of its
-//! prompt.
+//! `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (a `u63`). The
+//! engine expands a request as SGLang 0.5.23 does
+//! (`srt/managers/io_struct.py`, `normalize_batch_and_arguments` and
+//! `_normalize_bootstrap_params`): B prompts (a completion request's `prompt`
+//! or a `/generate` request's `text` or `input_ids` given as a list of
+//! prompts; one otherwise) times `n` samples (chat and completions `n`,
+//! `/generate` `sampling_params.n`). One prompt with one sample is a single
+//! request, whose three fields are scalars (a list is a 400); anything else
+//! is B·n elements, element `i` being prompt `i mod B`, and each field
+//! becomes one value per element: null for each, a scalar for each (a room
+//! `R` giving `R`, `R + 1`, ...), or a list repeated once per sample of
+//! which the first B·n entries are used (too short a list is a 400). Two
+//! elements with one room would collide: the request is refused (400,
+//! "appears twice"). Each element's KV is that of its prompt.
+//!
+//! SGLang 0.5.23's own tokenizer manager then sends each prompt's samples
+//! (and a `max_new_tokens: 0` warm-up) with the room of the prompt's first
+//! element (`managers/tokenizer_manager.py` `_handle_batch_request`); the
+//! simulator models the expansion of the fields, not that fan-out, so it
+//! takes `n > 1` over P/D where SGLang 0.5.23 itself may not.
 //!
 //! * **Prefill** (`--disaggregation-mode prefill`, with a bootstrap server at
 //!   [`SimEngine::bootstrap_addr`]). `bootstrap_room` is required. After the

@@ -2238,6 +2238,22 @@ struct NativeParts<'a> {
 }
 
 /// The answer of SGLang's `/generate`, streamed or whole (see [`crate::native`]).
+/// [`Faults::unterminated_event`]: the first event, then `size` bytes of one event
+/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
+fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
+    const FRAME: usize = 64 * 1024;
+    events.truncate(1);
+    let head: &[u8] = b"data: {\"text\":\"";
+    events.push_back(Bytes::from_static(head));
+    let filler = Bytes::from(vec![b'x'; FRAME]);
+    let mut left = size.saturating_sub(head.len());
+    while left > 0 {
+        let n = left.min(FRAME);
+        events.push_back(filler.slice(..n));
+        left -= n;
+    }
+}
+
 fn native_answer(
     inner: &Inner,
     request: &CompletionRequest,
@@ -2251,6 +2267,8 @@ fn native_answer(
         request_id,
         prompts: &request.prompts,
         choices: parts.choices,
+        samples: request.n as usize,
+        index_override: faults.generate_index,
         computed_prompt: parts.computed_prompt,
         cached_tokens: parts.cached_tokens.unwrap_or(0),
         started: std::time::Instant::now(),
@@ -2258,10 +2276,13 @@ fn native_answer(
     let internal =
         |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     if request.stream {
-        let events = match answer.events() {
+        let mut events = match answer.events() {
             Ok(events) => events,
             Err(e) => return Err((internal(e), guard)),
         };
+        if let Some(size) = faults.unterminated_event {
+            unterminated(&mut events, size);
+        }
         let body = EventsBody::new(
             events,
             inner.config.inter_token_delay,
