@@ -394,6 +394,7 @@ pub enum SimRole {
 /// | a partial handoff (vLLM NIXL: no block ids, no engine id, host, port...) | `partial_kv_params` |
 /// | an answer naming a sequence the request lacks (SGLang `/generate`) | `generate_index` |
 /// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
+/// | `/tokenize` hangs | `hang_tokenize` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -440,6 +441,10 @@ pub struct Faults {
     /// stream ends, as an engine cut off mid-event would end it. A router
     /// that holds an event until its end holds all of it.
     pub unterminated_event: Option<usize>,
+    /// `POST /tokenize` accepts requests and never answers them, until the
+    /// client leaves (the completion-route faults leave `/tokenize` alone; a
+    /// hung engine sets this and [`Faults::hang`]).
+    pub hang_tokenize: bool,
     /// LMCache prefill: how long after the KV push the `ProxyNotif`
     /// notifications are sent. Zero (the default): they are sent before the
     /// HTTP answer is written. Otherwise they are sent by a task of their

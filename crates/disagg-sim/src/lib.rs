@@ -24,7 +24,8 @@
 //! either). Generated words have ids too: their tokenization. Ids outside the
 //! vocabulary are rejected with 400, like vLLM.
 //!
-//! `POST /tokenize` answers, in every mode and whatever the [`Faults`],
+//! `POST /tokenize` answers, in every mode and whatever the [`Faults`] (but
+//! [`Faults::hang_tokenize`]),
 //! `{"count": n, "max_model_len": M, "tokens": [ids..], "token_strs": null}`
 //! for a body `{"model"?, "prompt": "text"}` or `{"model"?, "messages":
 //! [..], "add_generation_prompt"?: bool}`. The chat template, shared with

@@ -1154,13 +1154,18 @@ where
     }
 }
 
-/// `POST /tokenize`, in every mode and whatever the [`Faults`].
+/// `POST /tokenize`, in every mode and whatever the [`Faults`] but
+/// [`Faults::hang_tokenize`].
 async fn tokenize_route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     bump(&inner.counters.tokenize_requests);
+    if lock(&inner.faults).hang_tokenize {
+        // Held until the client leaves, as a hung engine holds it.
+        std::future::pending::<()>().await;
+    }
     let answer = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
             .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
