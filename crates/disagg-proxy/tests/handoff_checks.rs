@@ -298,3 +298,75 @@ async fn an_endless_event_is_held_up_to_the_ceiling() {
         assert_eq!(get(&proxy.url(), "/health").await.status, 200);
     }
 }
+
+// === a hung /tokenize ===
+
+/// `--tokenize engine` over two prefill engines, one of them hung (`/tokenize` and its
+/// completions never answer): each request that asks it for token ids waits the
+/// tokenize budget and counts against it as a failed leg would; after `--eject-after`
+/// of them it is ejected, and requests stop asking it. The requests themselves are
+/// routed without ids and served by the other engine.
+#[tokio::test]
+async fn an_engine_whose_tokenize_hangs_is_ejected() {
+    let hung = engine(SimConfig {
+        faults: Faults {
+            hang: true,
+            hang_tokenize: true,
+            ..Faults::default()
+        },
+        ..SimConfig::default()
+    })
+    .await;
+    let (b, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        hung.url(),
+        "--prefill".to_owned(),
+        b.url(),
+        "--decode".to_owned(),
+        d.url(),
+        "--prefill-policy".to_owned(),
+        "kv_events".to_owned(),
+        "--tokenize".to_owned(),
+        "engine".to_owned(),
+        "--tokenize-timeout".to_owned(),
+        "0.2".to_owned(),
+        "--eject-after".to_owned(),
+        "2".to_owned(),
+        "--ejection-time".to_owned(),
+        "60".to_owned(),
+    ])
+    .await;
+    let url = proxy.url();
+    // A request whose prefill leg the hung engine takes never ends: each runs on its
+    // own, and the test waits only for the ones served.
+    let mut served = 0;
+    let mut pending = Vec::new();
+    for i in 0..8 {
+        let (url, body) = (
+            url.clone(),
+            completion(&format!("{} {i}", prompt()), 2, false),
+        );
+        let mut task = tokio::spawn(async move { post(&url, COMPLETIONS, &body).await });
+        match tokio::time::timeout(Duration::from_secs(1), &mut task).await {
+            Ok(answer) => {
+                let a = answer.expect("the request task");
+                assert_eq!(a.status, 200, "{}", a.text());
+                served += 1;
+            }
+            Err(_) => pending.push(task),
+        }
+    }
+    // Asked twice (the first and third requests, in turn with the other engine), then
+    // ejected: never asked again, nor routed to.
+    assert_eq!(hung.stats().tokenize_requests, 2, "{}", proxy.log());
+    assert!(!proxy.routes_to("prefill", &hung.url()).await);
+    assert!(served >= 7, "{served} served");
+    assert_eq!(proxy.metric("disagg_tokenize_failures_total").await, 2);
+    for task in pending {
+        task.abort();
+    }
+}
