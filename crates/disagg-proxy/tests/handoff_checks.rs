@@ -30,9 +30,21 @@ fn prompt() -> String {
     (0..64).map(|i| format!("w{i} ")).collect()
 }
 
-/// Every partial shape, streamed and not, through a proxy with `missing_kv` (`None`:
-/// the default): the decode never gets a partial dict, and the outcome is `expect`'s.
-async fn partial_handoffs(missing_kv: Option<&str>, expect: impl Fn(&common::Answer, bool)) {
+/// A chat request for `prompt()`.
+fn chat(stream: bool) -> String {
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": prompt()}],
+        "max_tokens": 4,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// Every partial shape, on completions streamed and not and on chat, through a proxy
+/// with `missing_kv` (`None`: the default): the decode never gets a partial dict, and
+/// the outcome is `expect`'s (given the path and whether it streamed).
+async fn partial_handoffs(missing_kv: Option<&str>, expect: impl Fn(&common::Answer, &str, bool)) {
     let (p, d) = (
         engine(SimConfig::default()).await,
         engine(SimConfig::default()).await,
@@ -50,9 +62,14 @@ async fn partial_handoffs(missing_kv: Option<&str>, expect: impl Fn(&common::Ans
             partial_kv_params: Some(shape),
             ..Faults::default()
         });
-        for stream in [false, true] {
-            let a = post(&proxy.url(), COMPLETIONS, &completion(&prompt(), 4, stream)).await;
-            expect(&a, stream);
+        let requests = [
+            (COMPLETIONS, completion(&prompt(), 4, false), false),
+            (COMPLETIONS, completion(&prompt(), 4, true), true),
+            ("/v1/chat/completions", chat(true), true),
+        ];
+        for (path, body, stream) in requests {
+            let a = post(&proxy.url(), path, &body).await;
+            expect(&a, path, stream);
             sent += 1;
             assert_eq!(
                 proxy.metric("disagg_invalid_handoffs_total").await,
@@ -86,17 +103,21 @@ async fn partial_handoffs(missing_kv: Option<&str>, expect: impl Fn(&common::Ans
 #[tokio::test]
 async fn a_partial_handoff_never_reaches_the_decode_which_computes_the_prompt() {
     let expected = disagg_sim::generate(&prompt(), 4, 0).concat();
-    partial_handoffs(None, |a, stream| {
+    partial_handoffs(None, |a, path, stream| {
         assert_eq!(a.status, 200, "{}", a.text());
         assert_eq!(a.header("x-disagg-handoff"), Some("none"));
-        assert_eq!(a.content(), expected, "stream: {stream}");
+        if path == COMPLETIONS {
+            assert_eq!(a.content(), expected, "stream: {stream}");
+        } else {
+            assert_eq!(a.events().last().map(String::as_str), Some("[DONE]"));
+        }
     })
     .await;
 }
 
 #[tokio::test]
 async fn a_partial_handoff_fails_the_request_under_missing_kv_fail() {
-    partial_handoffs(Some("fail"), |a, _| {
+    partial_handoffs(Some("fail"), |a, _, _| {
         a.assert_error(502, "prefill_failed");
         let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
         assert!(message.contains("incomplete"), "{message}");
