@@ -134,7 +134,7 @@ impl Inner {
             tracing::warn!(
                 request_id = ?req.request_id(),
                 %prefill,
-                "prefill returned no usable KV handoff; decode computes the prompt itself"
+                "prefill returned no KV handoff; decode computes the prompt itself"
             );
             return Ok("none");
         }
