@@ -231,6 +231,18 @@ pub enum KvOutcome {
     /// the generation): no decode leg is sent, and the client's answer is
     /// the plan's [`Reshape`] of an empty body (after [`Handoff::lead`] for a stream).
     Finished,
+    /// The answer carried a handoff the decode engine cannot use (vLLM NIXL: a dict with
+    /// `do_remote_prefill` but without block ids, or without the prefill's engine id,
+    /// host, port or request id). The decode leg is unchanged, as for
+    /// [`Missing`](Self::Missing): a partial dict kills a vLLM 0.33 decode's engine core
+    /// or leaves its request waiting for KV that never comes, so it is never sent on.
+    /// The orchestrator treats it as a missing handoff, logs `problem` with the prefill
+    /// endpoint and counts it
+    /// ([`OrchestratorStats::invalid_handoffs`](crate::OrchestratorStats::invalid_handoffs)).
+    Incomplete {
+        /// What is wrong, in words (`"remote_block_ids is missing or empty"`).
+        problem: &'static str,
+    },
 }
 
 /// One KV-transfer protocol.

@@ -304,6 +304,14 @@ pub trait Listener: Send + Sync + 'static {
     fn on_request(&self, summary: &Summary) {
         let _ = summary;
     }
+
+    /// `call` is how a call the orchestrator made of an engine outside the legs ended
+    /// (its `/tokenize`, for the [`tokens`](crate::tokens) seam): the engine answered,
+    /// or failed through its own fault (unreachable, 5xx, an unusable answer, no answer
+    /// within the budget).
+    fn on_engine_call(&self, call: &EngineCall) {
+        let _ = call;
+    }
 }
 
 impl<T: Listener + ?Sized> Listener for Arc<T> {
@@ -314,4 +322,21 @@ impl<T: Listener + ?Sized> Listener for Arc<T> {
     fn on_request(&self, summary: &Summary) {
         (**self).on_request(summary)
     }
+
+    fn on_engine_call(&self, call: &EngineCall) {
+        (**self).on_engine_call(call)
+    }
+}
+
+/// How one call of an engine outside a request's legs ended
+/// ([`Listener::on_engine_call`]).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EngineCall {
+    /// The engine, as the set the call picked it from has it (its role included).
+    pub endpoint: Arc<crate::endpoint::Endpoint>,
+    /// The call (`/tokenize`).
+    pub call: &'static str,
+    /// [`Verdict::Answered`] or [`Verdict::Failed`].
+    pub verdict: Verdict,
 }

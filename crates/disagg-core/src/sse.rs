@@ -7,6 +7,15 @@
 //! frames split them, hands each complete event to an [`EventMap`], and sends what the
 //! map wrote as soon as a frame's events are done: it holds at most one incomplete
 //! event, never the stream.
+//!
+//! The work is linear in the stream: each byte is scanned for an event's end once, as
+//! it arrives. An unfinished event is not scanned again from its start when the next
+//! frame comes; the scan resumes where it stopped (at most the line ending a frame cut
+//! in two is looked at again). An event is held only up to a ceiling
+//! ([`DEFAULT_MAX_EVENT`], 8 MiB, unless [`MapEvents::with_max_event`] says otherwise):
+//! one still unfinished past it ends the body with [`EventTooLarge`], which the
+//! orchestrator turns into an SSE error event for the client (code
+//! `decode_stream_failed`) and a failure of the decode leg.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -14,9 +23,26 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame};
+use http_body_util::BodyExt as _;
 
 use crate::error::BoxError;
 use crate::transport::BoxBody;
+
+/// The largest event [`MapEvents`] holds by default: 8 MiB, the size of the largest
+/// prefill answer the orchestrator reads by default
+/// ([`OrchestratorConfig::max_prefill_answer`](crate::OrchestratorConfig::max_prefill_answer)).
+/// A streamed token's event is a few hundred bytes; SGLang's first `/generate` event
+/// with every prompt token's logprob about 40 bytes a prompt token, so 8 MiB holds
+/// a 200k-token prompt's.
+pub const DEFAULT_MAX_EVENT: usize = 8 * 1024 * 1024;
+
+/// An engine's server-sent event grew past [`MapEvents`]' ceiling before it ended.
+#[derive(Debug, thiserror::Error)]
+#[error("a server-sent event of the engine's exceeds {limit} bytes")]
+pub struct EventTooLarge {
+    /// The ceiling, in bytes.
+    pub limit: usize,
+}
 
 /// What to send for each event of a stream.
 pub trait EventMap: Send + Sync + 'static {
@@ -34,12 +60,21 @@ impl<M: EventMap + ?Sized> EventMap for Arc<M> {
 /// A body that rewrites each server-sent event of `inner` with an [`EventMap`].
 ///
 /// Frames other than data (trailers) pass as they are; an error of `inner` ends the
-/// body with it; an unterminated last event is mapped when `inner` ends.
+/// body with it; an unterminated last event is mapped when `inner` ends. An event
+/// that grows past the ceiling ([`DEFAULT_MAX_EVENT`] unless
+/// [`with_max_event`](Self::with_max_event) says otherwise) ends the body with
+/// [`EventTooLarge`], after what the frame's complete events were mapped to.
 #[derive(Debug)]
 pub struct MapEvents<M> {
     inner: BoxBody,
     buf: BytesMut,
+    /// Where the next scan of `buf` for an event's end starts: the bytes before it
+    /// were scanned and end no event.
+    scanned: usize,
+    max_event: usize,
     map: M,
+    /// The error that ends the body once the frame before it went out.
+    failed: Option<EventTooLarge>,
     ended: bool,
 }
 
@@ -49,9 +84,19 @@ impl<M: EventMap> MapEvents<M> {
         MapEvents {
             inner,
             buf: BytesMut::new(),
+            scanned: 0,
+            max_event: DEFAULT_MAX_EVENT,
             map,
+            failed: None,
             ended: false,
         }
+    }
+
+    /// Hold an event of at most `bytes` (its lines and their endings); a longer one
+    /// ends the body with [`EventTooLarge`].
+    pub fn with_max_event(mut self, bytes: usize) -> Self {
+        self.max_event = bytes;
+        self
     }
 }
 
@@ -65,6 +110,9 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         loop {
+            if let Some(e) = this.failed.take() {
+                return Poll::Ready(Some(Err(Box::new(e))));
+            }
             if this.ended {
                 return Poll::Ready(None);
             }
@@ -78,9 +126,30 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
                     };
                     this.buf.extend_from_slice(&data);
                     let mut out = BytesMut::new();
-                    while let Some((end, next)) = event_end(&this.buf) {
-                        let ev = this.buf.split_to(next);
-                        this.map.event(&ev[..end], &mut out);
+                    loop {
+                        match scan(&this.buf, this.scanned) {
+                            Ok((end, next)) => {
+                                let ev = this.buf.split_to(next);
+                                this.scanned = 0;
+                                this.map.event(&ev[..end], &mut out);
+                            }
+                            Err(resume) => {
+                                this.scanned = resume;
+                                break;
+                            }
+                        }
+                    }
+                    if this.buf.len() > this.max_event {
+                        // The engine's event is not going to end in reason: drop it
+                        // and the engine's body, and end after what was mapped.
+                        this.ended = true;
+                        this.buf = BytesMut::new();
+                        this.inner = http_body_util::Empty::new()
+                            .map_err(|never| match never {})
+                            .boxed();
+                        this.failed = Some(EventTooLarge {
+                            limit: this.max_event,
+                        });
                     }
                     if !out.is_empty() {
                         return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
@@ -108,7 +177,7 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended
+        self.ended && self.failed.is_none()
     }
 }
 
@@ -119,17 +188,35 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
 /// `\r\n\r\n`, `\r\r` and their mixes all end one. A `\r` at the very end of `buf`
 /// may be the first half of `\r\n`: it waits for the next frame.
 pub(crate) fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
+    scan(buf, 0).ok()
+}
+
+/// [`event_end`], scanning from `from`: 0, or the resume point an earlier scan of a
+/// shorter `buf` (the same bytes, fewer of them) returned. `Err(resume)`: no event
+/// ends in `buf`; a scan of `buf` with more bytes after it may start at `resume` (the
+/// start of a line ending the next bytes may still make a blank line of, or `buf`'s
+/// length), and finds what a scan from 0 finds.
+fn scan(buf: &[u8], from: usize) -> Result<(usize, usize), usize> {
+    let mut i = from;
     while i < buf.len() {
-        match line_end(buf, i)? {
-            0 => i += 1,
-            first => match line_end(buf, i + first)? {
-                0 => i += first,
-                second => return Some((i, i + first + second)),
-            },
+        let Some(first) = line_end(buf, i) else {
+            return Err(i);
+        };
+        if first == 0 {
+            i += 1;
+            continue;
+        }
+        if i + first == buf.len() {
+            // A line ending at the very end: the next byte may make it a blank line.
+            return Err(i);
+        }
+        match line_end(buf, i + first) {
+            None => return Err(i),
+            Some(0) => i += first,
+            Some(second) => return Ok((i, i + first + second)),
         }
     }
-    None
+    Err(i)
 }
 
 /// The length of the line terminator at `buf[i]` (0 when there is none), or `None`
@@ -179,6 +266,110 @@ mod tests {
         assert_eq!(event_end(b"data: a\n\r\n"), Some((7, 10)));
         assert_eq!(event_end(b"data: a\r\n\r"), None);
         assert_eq!(event_end(b"data: a\ndata: b\n"), None);
+    }
+
+    /// A scan resumed where an earlier one of fewer bytes stopped finds what a scan
+    /// from the start finds, wherever the bytes were cut, every line ending included.
+    #[test]
+    fn a_resumed_scan_finds_what_a_whole_scan_finds() {
+        let streams: [&[u8]; 6] = [
+            b"data: a\n\ndata: b\n\n",
+            b"data: a\r\n\r\ndata: b\r\rx",
+            b"data: a\ndata: b\r\n\n",
+            b"x\r\ry\n\r\nz",
+            b"data: a\r\n\r",
+            b"\r\n\r\n",
+        ];
+        for stream in streams {
+            let whole = event_end(stream);
+            for cut in 0..=stream.len() {
+                let resumed = match scan(&stream[..cut], 0) {
+                    Ok(found) => Some(found),
+                    Err(resume) => {
+                        assert!(resume <= cut);
+                        scan(stream, resume).ok()
+                    }
+                };
+                assert_eq!(resumed, whole, "{stream:?} cut at {cut}");
+            }
+        }
+    }
+
+    /// An unfinished event is scanned once: after each frame the next scan starts at
+    /// the end of what came (or at a line ending the frame may have cut in two), not at
+    /// the event's start, however many frames it takes.
+    #[test]
+    fn an_unfinished_event_is_not_scanned_again() {
+        let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Frame<Bytes>, BoxError>>();
+        let mut body = MapEvents::new(BoxBody::new(http_body_util::StreamBody::new(rx)), Upper);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut poll = |body: &mut MapEvents<Upper>, part: &'static [u8]| {
+            tx.unbounded_send(Ok(Frame::data(Bytes::from_static(part))))
+                .unwrap();
+            Pin::new(body).poll_frame(&mut cx)
+        };
+        assert!(poll(&mut body, b"data: ").is_pending());
+        for _ in 0..50 {
+            assert!(poll(&mut body, &[b'z'; 1000]).is_pending());
+            // Everything held was scanned: the next frame's scan starts after it.
+            assert_eq!(body.scanned, body.buf.len());
+        }
+        // A line ending at the end may become a blank line: its start is kept.
+        assert!(poll(&mut body, b"\r").is_pending());
+        assert_eq!(body.scanned, body.buf.len() - 1);
+        assert!(poll(&mut body, b"\n").is_pending());
+        assert_eq!(body.scanned, body.buf.len() - 2);
+        let Poll::Ready(Some(Ok(frame))) = poll(&mut body, b"\r\n") else {
+            panic!("the event ended");
+        };
+        let out = frame.into_data().unwrap();
+        assert_eq!(out.len(), 6 + 50_000 + 3);
+        assert_eq!((body.buf.len(), body.scanned), (0, 0));
+    }
+
+    /// A stream fed one byte at a time comes out as fed whole.
+    #[tokio::test]
+    async fn byte_by_byte_frames_map_as_one_frame() {
+        let stream = "data: a\r\n\r\ndata: b\n\ndata: c\r\rdata: d\n\r\n: comment\n\n";
+        let whole = MapEvents::new(frames(&[stream]), Upper)
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        let bytes: Vec<&'static str> = (0..stream.len()).map(|i| &stream[i..=i]).collect();
+        let split = MapEvents::new(frames(&bytes), Upper)
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        assert_eq!(split, whole);
+        assert_eq!(
+            &whole[..],
+            b"DATA: A|\n\nDATA: B|\n\nDATA: C|\n\nDATA: D|\n\n: COMMENT|\n\n"
+        );
+    }
+
+    /// An event that grows past the ceiling ends the body with `EventTooLarge`, after
+    /// the events that came before it; nothing more is read from the engine.
+    #[tokio::test]
+    async fn an_event_past_the_ceiling_ends_the_body() {
+        let big: &'static str = Box::leak("y".repeat(64).into_boxed_str());
+        let mut body = MapEvents::new(
+            frames(&["data: a\n\ndata: ", big, big, "\n\n", "data: never\n\n"]),
+            Upper,
+        )
+        .with_max_event(100);
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&first[..], b"DATA: A|\n\n");
+        let err = body.frame().await.unwrap().unwrap_err();
+        let too_large = err.downcast_ref::<EventTooLarge>().expect("EventTooLarge");
+        assert_eq!(too_large.limit, 100);
+        assert!(body.frame().await.is_none());
+        assert!(body.is_end_stream());
+        // At the ceiling exactly, the event passes.
+        let fits = MapEvents::new(frames(&["data: ", big, "\n\n"]), Upper).with_max_event(72);
+        let out = fits.collect().await.unwrap().to_bytes();
+        assert_eq!(out.len(), 6 + 64 + 3);
     }
 
     #[tokio::test]

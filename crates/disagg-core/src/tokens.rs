@@ -26,12 +26,23 @@
 //! The implementations are in `disagg-tokenize` (a Hugging Face tokenizer in process,
 //! or the engine's own `/tokenize`); this seam is the core's so that the core does not
 //! depend on them.
+//!
+//! A tokenizer that asks an engine (its `/tokenize`) says which one on an [`Asked`]
+//! ([`Tokenizer::token_ids_asking`]), and whether the engine answered. A call that
+//! failed through the engine's fault (unreachable, 5xx, an unusable answer) or was
+//! still unanswered when the tokenize budget ran out then counts against that engine
+//! as a failed leg does: the orchestrator tells its listeners
+//! ([`Listener::on_engine_call`](crate::outcome::Listener::on_engine_call)), and passive
+//! health (`disagg-resilience`) ejects an engine whose calls keep failing, so requests
+//! stop waiting on it. The wait stays bounded by the tokenize budget either way.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 
 use crate::body::JsonBody;
+use crate::endpoint::Endpoint;
 use crate::error::BoxError;
 use crate::request::Api;
 
@@ -59,11 +70,75 @@ pub trait Tokenizer: Send + Sync + 'static {
     ///
     /// Whatever kept the tokenizer from giving ids, as the trait's contract says.
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, BoxError>;
+
+    /// [`token_ids`](Self::token_ids), telling `asked` which engine it asks (before it
+    /// sends) and whether that engine answered; the orchestrator calls this one. A
+    /// tokenizer that asks no engine leaves `asked` alone: the default does exactly
+    /// that.
+    ///
+    /// # Errors
+    ///
+    /// As [`token_ids`](Self::token_ids).
+    async fn token_ids_asking(
+        &self,
+        api: Api,
+        body: &JsonBody,
+        asked: &Asked,
+    ) -> Result<Option<TokenIds>, BoxError> {
+        let _ = asked;
+        self.token_ids(api, body).await
+    }
 }
 
 #[async_trait]
 impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, BoxError> {
         (**self).token_ids(api, body).await
+    }
+
+    async fn token_ids_asking(
+        &self,
+        api: Api,
+        body: &JsonBody,
+        asked: &Asked,
+    ) -> Result<Option<TokenIds>, BoxError> {
+        (**self).token_ids_asking(api, body, asked).await
+    }
+}
+
+/// The engine a tokenizer asked for one request's token ids, and whether it answered
+/// ([`Tokenizer::token_ids_asking`]). Made by the orchestrator per request; read
+/// after the call ended or its budget ran out.
+#[derive(Debug, Default)]
+pub struct Asked {
+    engine: OnceLock<Arc<Endpoint>>,
+    answered: AtomicBool,
+}
+
+impl Asked {
+    /// Nobody asked yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The tokenizer is about to ask `engine` (the first one named counts).
+    pub fn asking(&self, engine: Arc<Endpoint>) {
+        let _ = self.engine.set(engine);
+    }
+
+    /// The engine answered: with token ids, or with an error the request caused (a
+    /// 4xx). It is not to blame, whatever the tokenizer makes of the answer.
+    pub fn answered(&self) {
+        self.answered.store(true, Ordering::Relaxed);
+    }
+
+    /// The engine asked, if any.
+    pub fn engine(&self) -> Option<&Arc<Endpoint>> {
+        self.engine.get()
+    }
+
+    /// Whether the engine answered.
+    pub fn has_answered(&self) -> bool {
+        self.answered.load(Ordering::Relaxed)
     }
 }

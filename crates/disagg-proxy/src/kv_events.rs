@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use async_trait::async_trait;
 use clap::{Args, ValueEnum};
 use disagg_core::error::BoxError as CoreBoxError;
-use disagg_core::tokens::{TokenIds, Tokenizer};
+use disagg_core::tokens::{Asked, TokenIds, Tokenizer};
 use disagg_core::transport::Transport;
 use disagg_core::{Api, Endpoint, EndpointSet, EndpointSource, JsonBody, Role};
 use disagg_http::metrics::ExtraMetrics;
@@ -81,6 +81,11 @@ pub struct KvEventsArgs {
     /// request; exact by construction).
     #[arg(long, value_enum)]
     tokenize: Option<TokenizeArg>,
+    /// Seconds to wait for a request's token ids; past it the request is routed without
+    /// them, and with --tokenize engine the engine asked counts as failed (passive
+    /// health ejects an engine whose /tokenize keeps failing, as one whose legs do).
+    #[arg(long, value_name = "SECS", default_value_t = 2.0)]
+    tokenize_timeout: f64,
 }
 
 /// Where token ids come from, besides `--tokenizer`.
@@ -130,6 +135,11 @@ impl KvEventsArgs {
         } else {
             disagg_kvevents::score::DEFAULT_MISS_WEIGHT
         })
+    }
+
+    /// `--tokenize-timeout`.
+    pub(crate) fn tokenize_timeout(&self) -> Result<std::time::Duration, BoxError> {
+        crate::serve::secs(self.tokenize_timeout, "tokenize-timeout")
     }
 
     /// The tokenizer the flags ask for (`None`: neither flag).
@@ -487,6 +497,18 @@ struct SetTokenizer {
 #[async_trait]
 impl Tokenizer for SetTokenizer {
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, CoreBoxError> {
+        self.token_ids_asking(api, body, &Asked::new()).await
+    }
+
+    /// The engine picked is named to the orchestrator, which counts a failed or
+    /// unanswered `/tokenize` against it: passive health ejects a hung engine, and the
+    /// set picked from (the health source's) leaves it out.
+    async fn token_ids_asking(
+        &self,
+        api: Api,
+        body: &JsonBody,
+        asked: &Asked,
+    ) -> Result<Option<TokenIds>, CoreBoxError> {
         let model = body.get_as::<String>("model").and_then(Result::ok);
         let endpoint = {
             let set = self.source.snapshot();
@@ -501,7 +523,7 @@ impl Tokenizer for SetTokenizer {
             }
         };
         EngineTokenizer::new(Arc::clone(&self.transport), endpoint)
-            .token_ids(api, body)
+            .token_ids_asking(api, body, asked)
             .await
     }
 }

@@ -849,6 +849,7 @@ impl Shared {
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
         config.forward_authorization = args.forward_authorization;
+        config.tokenize_timeout = args.kv_events.tokenize_timeout()?;
         let resilience = args.reliability.apply(&mut config, args.retries)?;
         let observe = args.observe.start(args.connector.name(), &mut config)?;
         if args.decode_only_fallback {

@@ -258,6 +258,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             notify_loss: args.notify_loss,
             notify_duplicates: args.notify_duplicates,
             admin_status: args.fail_admin_status,
+            ..Faults::default()
         },
         ..SimConfig::default()
     })

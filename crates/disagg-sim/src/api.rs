@@ -734,6 +734,8 @@ pub(crate) enum KvParamsField<'a> {
     Params(&'a KvParamsOut<'a>),
     /// An unusable value of fault injection.
     Malformed(&'static str),
+    /// A partial dict of fault injection ([`Faults::partial_kv_params`](crate::Faults::partial_kv_params)).
+    Partial(&'a Value),
     /// An LMCache prefill's first token.
     FirstTok(FirstTok),
 }

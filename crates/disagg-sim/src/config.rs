@@ -249,6 +249,59 @@ impl Default for SimConfig {
     }
 }
 
+/// What a prefill's handoff lacks under [`Faults::partial_kv_params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PartialKv {
+    /// No `remote_block_ids` key.
+    NoBlockIds,
+    /// `"remote_block_ids": []`.
+    EmptyBlockIds,
+    /// No `remote_engine_id` key.
+    NoEngineId,
+    /// No `remote_request_id` key.
+    NoRequestId,
+    /// No `remote_host` key.
+    NoHost,
+    /// No `remote_port` key.
+    NoPort,
+}
+
+impl PartialKv {
+    /// Every shape, for tests that try them all.
+    pub const ALL: [PartialKv; 6] = [
+        PartialKv::NoBlockIds,
+        PartialKv::EmptyBlockIds,
+        PartialKv::NoEngineId,
+        PartialKv::NoRequestId,
+        PartialKv::NoHost,
+        PartialKv::NoPort,
+    ];
+
+    /// The key this shape removes or empties.
+    pub fn key(self) -> &'static str {
+        match self {
+            PartialKv::NoBlockIds | PartialKv::EmptyBlockIds => "remote_block_ids",
+            PartialKv::NoEngineId => "remote_engine_id",
+            PartialKv::NoRequestId => "remote_request_id",
+            PartialKv::NoHost => "remote_host",
+            PartialKv::NoPort => "remote_port",
+        }
+    }
+
+    /// `params` (a prefill's handoff dict) as this shape has it.
+    pub(crate) fn apply(self, params: &mut serde_json::Map<String, serde_json::Value>) {
+        match self {
+            PartialKv::EmptyBlockIds => {
+                params.insert(self.key().to_owned(), serde_json::Value::Array(Vec::new()));
+            }
+            _ => {
+                params.remove(self.key());
+            }
+        }
+    }
+}
+
 /// Which prefill/decode KV protocol an engine speaks.
 ///
 /// See the [crate documentation](crate) for each protocol on the wire.
@@ -343,6 +396,10 @@ pub enum SimRole {
 /// | connection dropped mid-stream (or mid-body) | `drop_after_chunks` |
 /// | slow prefill, beyond a budget | [`SimConfig::prefill_delay_per_token`], [`SimConfig::request_delay`] |
 /// | malformed `kv_transfer_params` (vLLM NIXL) | `malformed_kv_params` |
+/// | a partial handoff (vLLM NIXL: no block ids, no engine id, host, port...) | `partial_kv_params` |
+/// | an answer naming a sequence the request lacks (SGLang `/generate`) | `generate_index` |
+/// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
+/// | `/tokenize` hangs | `hang_tokenize` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -372,6 +429,27 @@ pub struct Faults {
     /// other requests and in the other [`KvMode`]s, whose prefills answer no
     /// parameters.
     pub malformed_kv_params: bool,
+    /// vLLM NIXL prefills answer a partial handoff: the dict they would answer
+    /// less the part [`PartialKv`] names (the blocks are held as usual). A
+    /// vLLM 0.33 decode given it dies or hangs (see
+    /// [`Stats::engine_core_deaths`](crate::Stats::engine_core_deaths) and
+    /// [`Stats::stuck_kv_waits`](crate::Stats::stuck_kv_waits)), which is
+    /// what a proxy must never let happen. No effect on other requests and in
+    /// the other [`KvMode`]s.
+    pub partial_kv_params: Option<PartialKv>,
+    /// SGLang `/generate` streams write this `index` in every event, whatever
+    /// sequence it answers: an engine naming a sequence the request does not
+    /// have (a router that sizes a list by it allocates `index + 1` entries).
+    pub generate_index: Option<u64>,
+    /// SGLang `/generate` streams: after the first event, one event of this
+    /// many bytes that never ends (no blank line after it), and then the
+    /// stream ends, as an engine cut off mid-event would end it. A router
+    /// that holds an event until its end holds all of it.
+    pub unterminated_event: Option<usize>,
+    /// `POST /tokenize` accepts requests and never answers them, until the
+    /// client leaves (the completion-route faults leave `/tokenize` alone; a
+    /// hung engine sets this and [`Faults::hang`]).
+    pub hang_tokenize: bool,
     /// LMCache prefill: how long after the KV push the `ProxyNotif`
     /// notifications are sent. Zero (the default): they are sent before the
     /// HTTP answer is written. Otherwise they are sent by a task of their

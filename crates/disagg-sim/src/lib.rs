@@ -24,7 +24,8 @@
 //! either). Generated words have ids too: their tokenization. Ids outside the
 //! vocabulary are rejected with 400, like vLLM.
 //!
-//! `POST /tokenize` answers, in every mode and whatever the [`Faults`],
+//! `POST /tokenize` answers, in every mode and whatever the [`Faults`] (but
+//! [`Faults::hang_tokenize`]),
 //! `{"count": n, "max_model_len": M, "tokens": [ids..], "token_strs": null}`
 //! for a body `{"model"?, "prompt": "text"}` or `{"model"?, "messages":
 //! [..], "add_generation_prompt"?: bool}`. The chat template, shared with
@@ -69,7 +70,8 @@
 //! * SGLang engines ([`KvMode::Sglang`], both roles): `POST /generate`,
 //!   SGLang's native API, with the same bootstrap fields, rooms, ranks and
 //!   checks as the completion routes (a `text` list or an `input_ids` list of
-//!   lists is a batch, one room per element); see the `native` module's
+//!   lists is a batch, sampled `sampling_params.n` times, one room per
+//!   prompt and sample); see the `native` module's
 //!   facts in the source. A vLLM engine answers 404.
 //!
 //! # Request validation
@@ -222,20 +224,40 @@
 //!   listening, wrong engine id, unknown request id, wrong block ids, KV of
 //!   another prompt, expired lease) is answered with HTTP 500
 //!   `"KV transfer failed: ..."` before any response head, like vLLM with
-//!   `kv_load_failure_policy="fail"`. Parameters vLLM deems invalid (missing
-//!   keys, empty `remote_block_ids`) are ignored and the prompt is prefilled
-//!   locally.
+//!   `kv_load_failure_policy="fail"`. Partial parameters with
+//!   `do_remote_prefill` do what they do to vLLM 0.33
+//!   (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`
+//!   `update_state_after_alloc`): without `remote_block_ids` (or with an empty
+//!   list) an assertion kills the engine core, so this request and every
+//!   later one answer 500 `"The server had an error while processing your
+//!   request."` and `GET /health` 503 ([`Stats::engine_core_deaths`]); with
+//!   block ids but without `remote_engine_id`, `remote_request_id`,
+//!   `remote_host` or `remote_port` the request waits for KV nobody sends,
+//!   until its client leaves ([`Stats::stuck_kv_waits`]).
 //!
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!
 //! The router sends the same body to a prefill and a decode at once, with
-//! `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (a `u63`). A
-//! request is a batch when it is a chat request with `n > 1` (`n`
-//! elements, sharing the conversation) or a completion request whose
-//! `prompt` is a list of strings or of token-id lists (one element per
-//! prompt); the three fields are then lists of that length, otherwise
-//! scalars (anything else is a 400). Each element's KV is that of its
-//! prompt.
+//! `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (a `u63`). The
+//! engine expands a request as SGLang 0.5.23 does
+//! (`srt/managers/io_struct.py`, `normalize_batch_and_arguments` and
+//! `_normalize_bootstrap_params`): B prompts (a completion request's `prompt`
+//! or a `/generate` request's `text` or `input_ids` given as a list of
+//! prompts; one otherwise) times `n` samples (chat and completions `n`,
+//! `/generate` `sampling_params.n`). One prompt with one sample is a single
+//! request, whose three fields are scalars (a list is a 400); anything else
+//! is B·n elements, element `i` being prompt `i mod B`, and each field
+//! becomes one value per element: null for each, a scalar for each (a room
+//! `R` giving `R`, `R + 1`, ...), or a list repeated once per sample of
+//! which the first B·n entries are used (too short a list is a 400). Two
+//! elements with one room would collide: the request is refused (400,
+//! "appears twice"). Each element's KV is that of its prompt.
+//!
+//! SGLang 0.5.23's own tokenizer manager then sends each prompt's samples
+//! (and a `max_new_tokens: 0` warm-up) with the room of the prompt's first
+//! element (`managers/tokenizer_manager.py` `_handle_batch_request`); the
+//! simulator models the expansion of the fields, not that fan-out, so it
+//! takes `n > 1` over P/D where SGLang 0.5.23 itself may not.
 //!
 //! * **Prefill** (`--disaggregation-mode prefill`, with a bootstrap server at
 //!   [`SimEngine::bootstrap_addr`]). `bootstrap_room` is required. After the
@@ -307,8 +329,11 @@
 //!   failed: ..."` after the wait), and two requests in flight with the same
 //!   id pair the wrong ways (the decode finds KV of another prompt and fails
 //!   with 500, as vLLM would compute on the wrong KV). Another engine id is
-//!   refused at once; parameters without the four keys are ignored (local
-//!   prefill, [`Stats::invalid_kv_params`]). The KV is freed when taken, when
+//!   refused at once; parameters without one of the four keys kill the engine
+//!   core (vLLM 0.33's push scheduler indexes them: a `KeyError`, see
+//!   [`Stats::engine_core_deaths`]), and parameters with a key of the wrong
+//!   type are ignored (local prefill, [`Stats::invalid_kv_params`]). The KV is
+//!   freed when taken, when
 //!   the lease runs out, or when a decode whose parameters name the blocks
 //!   (`remote_request_id`, `remote_block_ids`, as a sequential proxy passes
 //!   the prefill's answer on) is aborted before its KV arrived
@@ -474,7 +499,8 @@
 //! the client leaves (before the response head, or mid-answer with
 //! [`Faults::stall_after_chunks`]), abort the connection mid-answer, or make
 //! a vLLM NIXL prefill answer unusable `kv_transfer_params`
-//! ([`Faults::malformed_kv_params`]); they can be changed at run time with
+//! ([`Faults::malformed_kv_params`]) or a partial handoff
+//! ([`Faults::partial_kv_params`]); they can be changed at run time with
 //! [`SimEngine::set_faults`]. The status and hang faults apply in every
 //! [`KvMode`], before any KV work: an SGLang prefill with an error status
 //! answers it at once, without registering its rooms. The [`Faults`]
@@ -629,7 +655,7 @@ mod surface;
 #[cfg(feature = "tls")]
 mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, SimConfig, SimRole, SimTls};
+pub use config::{Faults, KvMode, LmcacheReceiver, PartialKv, SimConfig, SimRole, SimTls};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

@@ -7,7 +7,10 @@
 //! - the prompt is `text` (a string, or a list of strings: a batch) or `input_ids`
 //!   (token ids, or a list of token-id lists: a batch), exactly one of them;
 //! - `sampling_params` holds `max_new_tokens` (default 128), `min_new_tokens`, `stop`,
-//!   `ignore_eos`, `temperature` (the simulator serves `n` = 1 only);
+//!   `ignore_eos`, `temperature` and `n` (samples per prompt, at most 128 here): a
+//!   request of B prompts and `n` samples is B·n requests on the engine, answered as a
+//!   list in prompt order (each prompt's samples in turn), as is one prompt with
+//!   `n` > 1;
 //! - the answer is `{"text", "output_ids", "meta_info"}`, a list of them for a batch;
 //!   streamed (`"stream": true`), one `data: {...}` event per generated token whose
 //!   `text` and `output_ids` hold everything generated so far (SGLang's default,
@@ -41,8 +44,12 @@ const DEFAULT_MAX_NEW_TOKENS: u32 = 128;
 /// How a `/generate` answer is written.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Native {
-    /// `text` or `input_ids` was a list of prompts: the answer is a list.
+    /// The answer is a list: `text` or `input_ids` was a list of prompts, or each
+    /// prompt is sampled several times (`sampling_params.n` > 1).
     pub(crate) batch: bool,
+    /// `text` or `input_ids` was a list of prompts (SGLang's batch size is then the
+    /// list's length, else one prompt).
+    pub(crate) prompt_list: bool,
     /// `return_logprob`.
     pub(crate) return_logprob: bool,
 }
@@ -127,11 +134,20 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
     if lax::opt_float(sampling, "temperature")?.is_some_and(|t| t < 0.0) {
         return Err(ApiError::bad_request("temperature must be non-negative"));
     }
-    if lax::opt_int(sampling, "n")?.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request(
-            "sampling_params.n: the simulator serves one sample per prompt",
-        ));
-    }
+    let n = match lax::opt_int(sampling, "n")? {
+        None => 1,
+        Some(n) if n < 1 => {
+            return Err(ApiError::bad_request(format!(
+                "sampling_params.n must be at least 1, got {n}"
+            )));
+        }
+        Some(n) if n > 128 => {
+            return Err(ApiError::bad_request(format!(
+                "sampling_params.n: the simulator samples at most 128 times, got {n}"
+            )));
+        }
+        Some(n) => u32::try_from(n).unwrap_or(1),
+    };
     let return_logprob = match obj.get("return_logprob") {
         Some(Value::Array(items)) => items
             .iter()
@@ -147,7 +163,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         prompts,
         max_tokens,
         min_tokens,
-        n: 1,
+        n,
         stream: lax::opt_bool(obj, "stream")?.unwrap_or(false),
         include_usage: false,
         stop: lax::opt_str_or_list(sampling, "stop")?.unwrap_or_default(),
@@ -157,7 +173,8 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         beam_search: false,
         grammar: false,
         native: Some(Native {
-            batch,
+            batch: batch || n > 1,
+            prompt_list: batch,
             return_logprob,
         }),
     })
@@ -169,14 +186,20 @@ fn logprob(token: u32, pos: usize) -> f64 {
     -((h % 10_000) as f64 + 1.0) / 1000.0
 }
 
-/// The answer of one `/generate` request, one element per prompt.
+/// The answer of one `/generate` request, one element per sample of each prompt.
 #[derive(Debug)]
 pub(crate) struct Answer<'a> {
     pub(crate) native: Native,
     pub(crate) request_id: &'a str,
     pub(crate) prompts: &'a [Vec<u32>],
-    /// One generation per prompt.
+    /// One generation per sample of each prompt, prompt by prompt (SGLang's order:
+    /// `managers/tokenizer_manager.py` sends each prompt's samples in turn, and a
+    /// stream's `index` is the position in that order).
     pub(crate) choices: &'a [Generation],
+    /// Samples per prompt (`sampling_params.n`).
+    pub(crate) samples: usize,
+    /// The `index` every event says ([`Faults::generate_index`](crate::Faults::generate_index)).
+    pub(crate) index_override: Option<u64>,
     /// Whether this engine computed the prompts (and so their logprobs): not a decode
     /// whose KV came from a prefill.
     pub(crate) computed_prompt: bool,
@@ -188,7 +211,10 @@ pub(crate) struct Answer<'a> {
 impl Answer<'_> {
     /// The answer object of element `e` after its first `k` generated tokens.
     fn element(&self, e: usize, k: usize) -> Value {
-        let prompt = self.prompts.get(e).map_or(&[][..], Vec::as_slice);
+        let prompt = self
+            .prompts
+            .get(e / self.samples.max(1))
+            .map_or(&[][..], Vec::as_slice);
         let Some(choice) = self.choices.get(e) else {
             return Value::Null;
         };
@@ -268,7 +294,9 @@ impl Answer<'_> {
                     continue;
                 }
                 let mut v = self.element(e, k);
-                if self.native.batch {
+                if let Some(index) = self.index_override {
+                    v["index"] = json!(index);
+                } else if self.native.batch {
                     v["index"] = json!(e);
                 }
                 let mut event = b"data: ".to_vec();
@@ -304,12 +332,18 @@ mod tests {
         assert!(r.native.unwrap().batch && r.native.unwrap().return_logprob);
         let r = parse_json(json!({"input_ids": [20, 21]})).unwrap();
         assert!(!r.native.unwrap().batch);
+        // Samples make a list answer of one prompt too.
+        let r = parse_json(json!({"text": "a", "sampling_params": {"n": 3}})).unwrap();
+        let native = r.native.unwrap();
+        assert!(native.batch && !native.prompt_list);
+        assert_eq!((r.prompts.len(), r.n), (1, 3));
         for bad in [
             json!({}),
             json!({"text": "a", "input_ids": [20]}),
             json!({"text": 5}),
             json!({"text": "a", "sampling_params": {"max_new_tokens": -1}}),
-            json!({"text": "a", "sampling_params": {"n": 2}}),
+            json!({"text": "a", "sampling_params": {"n": 0}}),
+            json!({"text": "a", "sampling_params": {"n": 129}}),
         ] {
             assert_eq!(parse_json(bad.clone()).unwrap_err().status, 400, "{bad}");
         }
@@ -327,11 +361,14 @@ mod tests {
         let mut a = Answer {
             native: Native {
                 batch: false,
+                prompt_list: false,
                 return_logprob: true,
             },
             request_id: "r",
             prompts: &prompts,
             choices: &choices,
+            samples: 1,
+            index_override: None,
             computed_prompt: true,
             cached_tokens: 0,
             started: Instant::now(),

@@ -964,7 +964,14 @@ where
     }
     let sglang = matches!(inner.config.kv_mode, KvMode::Sglang(_));
     let route = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/health") => return Response::new(SimBody::empty()),
+        (&Method::GET, "/health") => {
+            let mut response = Response::new(SimBody::empty());
+            // vLLM answers 503 once its engine core died (`EngineDeadError`).
+            if is_dead(inner) {
+                *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            }
+            return response;
+        }
         (&Method::GET, "/v1/models") => {
             let models = surface::models(&inner.config, &inner.loras, inner.created);
             let body = serde_json::to_vec(&models).unwrap_or_default();
@@ -1147,13 +1154,18 @@ where
     }
 }
 
-/// `POST /tokenize`, in every mode and whatever the [`Faults`].
+/// `POST /tokenize`, in every mode and whatever the [`Faults`] but
+/// [`Faults::hang_tokenize`].
 async fn tokenize_route<B>(inner: &Inner, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     bump(&inner.counters.tokenize_requests);
+    if lock(&inner.faults).hang_tokenize {
+        // Held until the client leaves, as a hung engine holds it.
+        std::future::pending::<()>().await;
+    }
     let answer = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
             .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
@@ -1227,17 +1239,65 @@ fn record(inner: &Inner, path: &str, headers: &HeaderMap, body: &Bytes) {
     ring.push_back(recorded);
 }
 
-/// Whether decode-side `kv_transfer_params` pass vLLM's validation.
-fn valid_decode_params(params: &serde_json::Map<String, Value>) -> bool {
-    truthy(params.get("remote_block_ids"))
-        && [
-            "remote_engine_id",
-            "remote_request_id",
-            "remote_host",
-            "remote_port",
-        ]
+/// What a vLLM 0.33 NIXL pull decode does with `kv_transfer_params` whose
+/// `do_remote_prefill` is truthy (`…/nixl/pull_scheduler.py`
+/// `update_state_after_alloc`).
+enum PullParams {
+    /// Block ids and the four keys: the KV is pulled.
+    Valid,
+    /// No block ids (missing or empty): `assert num_external_tokens == 0` fails
+    /// inside the scheduler and the engine core dies.
+    Fatal,
+    /// Block ids, but a key missing: "Got invalid KVTransferParams", and the
+    /// request stays parked waiting for remote KV nobody sends.
+    Stuck,
+}
+
+fn pull_params(params: &serde_json::Map<String, Value>) -> PullParams {
+    if !truthy(params.get("remote_block_ids")) {
+        return PullParams::Fatal;
+    }
+    let keys = [
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+    ];
+    if keys.iter().all(|k| params.contains_key(*k)) {
+        PullParams::Valid
+    } else {
+        PullParams::Stuck
+    }
+}
+
+/// Whether a vLLM 0.33 NIXL push decode indexes a key `params` lacks
+/// (`…/nixl/push_scheduler.py` `update_state_after_alloc`: a `KeyError` in the
+/// scheduler, fatal to the engine core).
+fn push_params_missing(params: &serde_json::Map<String, Value>) -> bool {
+    ["remote_engine_id", "remote_host", "remote_port", "tp_size"]
         .iter()
-        .all(|k| params.contains_key(*k))
+        .any(|k| !params.contains_key(*k))
+}
+
+/// Whether the engine core died ([`Stats::engine_core_deaths`](crate::Stats::engine_core_deaths)).
+fn is_dead(inner: &Inner) -> bool {
+    inner.counters.engine_core_deaths.load(Relaxed) > 0
+}
+
+/// The engine core dies: this request and every later one answer 500.
+fn die(inner: &Inner, request_id: &str, why: &str) -> ApiError {
+    bump(&inner.counters.engine_core_deaths);
+    tracing::warn!(request_id, why, "simulated engine core died");
+    engine_dead()
+}
+
+/// vLLM's answer once its engine core is dead (`EngineDeadError.CLIENT_MESSAGE`,
+/// 500 `InternalServerError`, `vllm/entrypoints/serve/exception_handling/`).
+fn engine_dead() -> ApiError {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "The server had an error while processing your request.",
+    )
 }
 
 async fn completion<B>(inner: &Inner, route: Route, req: Request<B>) -> Response<SimBody>
@@ -1280,6 +1340,10 @@ where
         });
     record(inner, parts.uri.path(), &parts.headers, &bytes);
 
+    if is_dead(inner) {
+        guard.complete();
+        return error_response(&engine_dead(), header_id);
+    }
     let faults = *lock(&inner.faults);
     if let Some(status) = faults.status {
         guard.complete();
@@ -1432,6 +1496,13 @@ fn plan(
         KvMode::Nixl => Plan::Nixl,
         KvMode::NixlPush => match params {
             Some(p) if truthy(p.get("do_remote_decode")) => Plan::PushPrefill,
+            Some(p) if truthy(p.get("do_remote_prefill")) && push_params_missing(p) => {
+                return Err(die(
+                    inner,
+                    request_id,
+                    "KeyError in the push decode's scheduler",
+                ));
+            }
             Some(p) if truthy(p.get("do_remote_prefill")) => {
                 let own_id =
                     kv::internal_request_id(request_id, inner.next_id.fetch_add(1, Relaxed));
@@ -1766,12 +1837,24 @@ async fn serve_completion(
     // does, not to strand them until the lease runs out).
     let nixl_pull = match &plan {
         Plan::Nixl => match params.filter(|p| truthy(p.get("do_remote_prefill"))) {
-            Some(p) if valid_decode_params(p) => Some(kv::PullTarget::parse(p)),
-            Some(_) => {
-                bump(&counters.invalid_kv_params);
-                tracing::debug!(request_id, "invalid kv_transfer_params, prefilling locally");
-                None
-            }
+            Some(p) => match pull_params(p) {
+                PullParams::Valid => Some(kv::PullTarget::parse(p)),
+                PullParams::Fatal => {
+                    let e = die(inner, request_id, "assert num_external_tokens == 0");
+                    return Err((e, guard));
+                }
+                PullParams::Stuck => {
+                    bump(&counters.stuck_kv_waits);
+                    tracing::debug!(
+                        request_id,
+                        "invalid kv_transfer_params: waiting for KV nobody sends"
+                    );
+                    // Held until the client leaves; the guard then counts the
+                    // request as cancelled.
+                    std::future::pending::<()>().await;
+                    None
+                }
+            },
             None => None,
         },
         _ => None,
@@ -2066,6 +2149,17 @@ async fn serve_completion(
     if kv_out.is_some() {
         bump(&counters.kv_params_returned);
     }
+    // A partial handoff, under the fault: the dict less what the fault names.
+    let partial = match (&kv_out, faults.partial_kv_params) {
+        (Some(params), Some(shape)) => match serde_json::to_value(params) {
+            Ok(Value::Object(mut dict)) => {
+                shape.apply(&mut dict);
+                Some(Value::Object(dict))
+            }
+            _ => None,
+        },
+        _ => None,
+    };
     let answer = Answer {
         endpoint: request.endpoint,
         id: &id,
@@ -2075,6 +2169,7 @@ async fn serve_completion(
         prompt_tokens: request.prompt_tokens,
         cached_tokens,
         kv_transfer_params: match &kv_out {
+            Some(_) if partial.is_some() => partial.as_ref().map(KvParamsField::Partial),
             Some(params) => Some(KvParamsField::Params(params)),
             None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
             None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
@@ -2148,6 +2243,22 @@ struct NativeParts<'a> {
 }
 
 /// The answer of SGLang's `/generate`, streamed or whole (see [`crate::native`]).
+/// [`Faults::unterminated_event`]: the first event, then `size` bytes of one event
+/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
+fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
+    const FRAME: usize = 64 * 1024;
+    events.truncate(1);
+    let head: &[u8] = b"data: {\"text\":\"";
+    events.push_back(Bytes::from_static(head));
+    let filler = Bytes::from(vec![b'x'; FRAME]);
+    let mut left = size.saturating_sub(head.len());
+    while left > 0 {
+        let n = left.min(FRAME);
+        events.push_back(filler.slice(..n));
+        left -= n;
+    }
+}
+
 fn native_answer(
     inner: &Inner,
     request: &CompletionRequest,
@@ -2161,6 +2272,8 @@ fn native_answer(
         request_id,
         prompts: &request.prompts,
         choices: parts.choices,
+        samples: request.n as usize,
+        index_override: faults.generate_index,
         computed_prompt: parts.computed_prompt,
         cached_tokens: parts.cached_tokens.unwrap_or(0),
         started: std::time::Instant::now(),
@@ -2168,10 +2281,13 @@ fn native_answer(
     let internal =
         |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     if request.stream {
-        let events = match answer.events() {
+        let mut events = match answer.events() {
             Ok(events) => events,
             Err(e) => return Err((internal(e), guard)),
         };
+        if let Some(size) = faults.unterminated_event {
+            unterminated(&mut events, size);
+        }
         let body = EventsBody::new(
             events,
             inner.config.inter_token_delay,

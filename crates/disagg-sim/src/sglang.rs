@@ -110,58 +110,113 @@ pub(crate) fn check_follow_room(
     Ok(())
 }
 
-/// The batch size of a request as SGLang counts it: `None` for a single
-/// request, whose bootstrap fields are scalars.
-fn batch_size(body: &Map<String, Value>, request: &CompletionRequest) -> Option<usize> {
-    if let Some(native) = &request.native {
-        // `/generate`: a `text` list or an `input_ids` list of lists, one element
-        // per prompt.
-        return native.batch.then_some(request.prompts.len());
-    }
-    match request.endpoint {
-        Endpoint::Chat => (request.n > 1).then_some(request.n as usize),
-        Endpoint::Completions => match body.get("prompt") {
-            Some(Value::Array(items))
-                if items.iter().all(Value::is_string) || items.iter().all(Value::is_array) =>
-            {
-                Some(items.len())
+/// How SGLang expands a request (`GenerateReqInput.normalize_batch_and_arguments`
+/// in `srt/managers/io_struct.py`): B prompts, `None` for a single prompt, and `n`
+/// samples of each. A single prompt with one sample is a single request, whose
+/// bootstrap fields are scalars; anything else is B·n requests (one prompt with
+/// `n` > 1 a batch of one), each taking its own element of the fields.
+struct Expansion {
+    prompts: Option<usize>,
+    samples: usize,
+}
+
+impl Expansion {
+    fn of(body: &Map<String, Value>, request: &CompletionRequest) -> Self {
+        let samples = request.n.max(1) as usize;
+        let prompts = if let Some(native) = &request.native {
+            // `/generate`: a `text` list or an `input_ids` list of lists.
+            native.prompt_list.then_some(request.prompts.len())
+        } else {
+            match request.endpoint {
+                Endpoint::Chat => None,
+                Endpoint::Completions => match body.get("prompt") {
+                    Some(Value::Array(items))
+                        if items.iter().all(Value::is_string)
+                            || items.iter().all(Value::is_array) =>
+                    {
+                        Some(items.len())
+                    }
+                    _ => None,
+                },
             }
-            _ => None,
-        },
+        };
+        Expansion { prompts, samples }
+    }
+
+    /// How many requests: `None` for a single one.
+    fn requests(&self) -> Option<usize> {
+        if self.prompts.is_none() && self.samples == 1 {
+            return None;
+        }
+        Some(self.prompts.unwrap_or(1) * self.samples)
+    }
+
+    /// The prompt of expanded request `i`: SGLang repeats the prompt list once per
+    /// sample (`_expand_inputs`), so request `i` is prompt `i mod B`.
+    fn prompt(&self, i: usize) -> usize {
+        i % self.prompts.unwrap_or(1).max(1)
     }
 }
 
-/// The per-element values of a bootstrap field (`None` where null).
-fn field<'a>(
-    body: &'a Map<String, Value>,
+/// The per-request values of a bootstrap field, as SGLang normalizes them
+/// (`_normalize_bootstrap_params`): for a single request the value itself; for
+/// `n_requests` of them, null or absent for each, a single value for each (a room `R`
+/// becomes `R`, `R + 1`, ...), or a list repeated once per sample of which the first
+/// `n_requests` entries are used. `None` where null.
+fn field(
+    body: &Map<String, Value>,
     key: &str,
-    batch: Option<usize>,
-) -> Result<Vec<Option<&'a Value>>, ApiError> {
+    expansion: &Expansion,
+) -> Result<Vec<Option<Value>>, ApiError> {
     let value = body.get(key).filter(|v| !v.is_null());
-    match (batch, value) {
-        (None, None) => Ok(vec![None]),
-        (None, Some(Value::Array(_))) => Err(ApiError::bad_request(format!(
-            "{key}: a single request takes a single value, not a list"
-        ))),
-        (None, Some(v)) => Ok(vec![Some(v)]),
-        (Some(n), None) => Ok(vec![None; n]),
-        (Some(n), Some(Value::Array(items))) if items.len() == n => Ok(items
-            .iter()
-            .map(|v| Some(v).filter(|v| !v.is_null()))
-            .collect()),
-        (Some(n), Some(Value::Array(items))) => Err(ApiError::bad_request(format!(
-            "{key}: a batch of {n} takes a list of {n} values, got {}",
-            items.len()
-        ))),
-        (Some(n), Some(_)) => Err(ApiError::bad_request(format!(
-            "{key}: a batch of {n} takes a list of {n} values, not a single value"
-        ))),
+    let Some(n) = expansion.requests() else {
+        return match value {
+            Some(Value::Array(_)) => Err(ApiError::bad_request(format!(
+                "{key}: a single request takes a single value, not a list"
+            ))),
+            v => Ok(vec![v.cloned()]),
+        };
+    };
+    match value {
+        None => Ok(vec![None; n]),
+        Some(Value::Array(items)) => {
+            // The list, `samples` times over: its first `n` entries.
+            let repeated = items.len().saturating_mul(expansion.samples);
+            if repeated < n {
+                return Err(ApiError::bad_request(format!(
+                    "{key}: a batch of {n} requests takes a list of at least {} values, got {}",
+                    n.div_ceil(expansion.samples),
+                    items.len()
+                )));
+            }
+            Ok((0..n)
+                .map(|i| {
+                    Some(&items[i % items.len()])
+                        .filter(|v| !v.is_null())
+                        .cloned()
+                })
+                .collect())
+        }
+        Some(v) if key == "bootstrap_room" => {
+            // `[bootstrap_room + i for i in range(num)]`.
+            let room = v
+                .as_u64()
+                .filter(|r| i64::try_from(*r).is_ok())
+                .ok_or_else(|| {
+                    ApiError::bad_request("bootstrap_room: should be an integer in [0, 2^63)")
+                })?;
+            Ok((0..n as u64)
+                .map(|i| Some(Value::from(room.saturating_add(i))))
+                .collect())
+        }
+        Some(v) => Ok(vec![Some(v.clone()); n]),
     }
 }
 
-/// Reads and validates the bootstrap fields of a request, one element per
-/// batch item, with the KV of each element's prompt. A prefill needs every
-/// room, a decode every host and room.
+/// Reads and validates the bootstrap fields of a request, one element per request
+/// SGLang makes of it ([`Expansion`]), with the KV of each element's prompt. A
+/// prefill needs every room, a decode every host and room. A room that two elements
+/// share collides on the engines: the request is refused.
 pub(crate) fn elements(
     body: &Value,
     request: &CompletionRequest,
@@ -172,16 +227,16 @@ pub(crate) fn elements(
 ) -> Result<Vec<Element>, ApiError> {
     let empty = Map::new();
     let body = body.as_object().unwrap_or(&empty);
-    let batch = batch_size(body, request);
-    let hosts = field(body, "bootstrap_host", batch)?;
-    let ports = field(body, "bootstrap_port", batch)?;
-    let rooms = field(body, "bootstrap_room", batch)?;
+    let expansion = Expansion::of(body, request);
+    let hosts = field(body, "bootstrap_host", &expansion)?;
+    let ports = field(body, "bootstrap_port", &expansion)?;
+    let rooms = field(body, "bootstrap_room", &expansion)?;
     let mut seen = HashSet::new();
     let mut out = Vec::with_capacity(rooms.len());
     for (i, ((host, port), room)) in hosts.into_iter().zip(ports).zip(rooms).enumerate() {
         let host = match host {
             None => None,
-            Some(Value::String(h)) => Some(h.clone()),
+            Some(Value::String(h)) => Some(h),
             Some(_) => return Err(ApiError::bad_request("bootstrap_host: should be a string")),
         };
         let port = match port {
@@ -214,13 +269,14 @@ pub(crate) fn elements(
         }
         if !seen.insert(room) {
             return Err(ApiError::bad_request(format!(
-                "bootstrap_room: room {room} appears twice in the batch"
+                "bootstrap_room: room {room} appears twice in the batch (as SGLang expands it, \
+                 a list repeated once per sample); its requests would collide on the engines"
             )));
         }
-        // Chat elements share the conversation; completion element i is prompt i.
+        // Chat elements share the conversation; completion element i is its prompt's.
         let prompt = match request.endpoint {
             Endpoint::Chat => request.prompts.first(),
-            Endpoint::Completions => request.prompts.get(i),
+            Endpoint::Completions => request.prompts.get(expansion.prompt(i)),
         }
         .map_or(&[][..], Vec::as_slice);
         out.push(Element {

@@ -28,6 +28,20 @@ pub struct Stats {
     /// Decode requests with `kv_transfer_params` that vLLM rejects as
     /// invalid (they are prefilled locally).
     pub invalid_kv_params: u64,
+    /// vLLM 0.33 decode: times a partial handoff killed the engine core (a
+    /// NIXL pull dict with `do_remote_prefill` and no `remote_block_ids`, an
+    /// assertion in the scheduler; a push dict without `remote_engine_id`,
+    /// `remote_host`, `remote_port` or `tp_size`, a `KeyError`). From the
+    /// first on the engine is dead, as vLLM's is: every completion request
+    /// answers 500 and `GET /health` 503.
+    #[serde(default)]
+    pub engine_core_deaths: u64,
+    /// vLLM 0.33 decode: requests parked waiting for KV no transfer was
+    /// queued for (a NIXL pull dict with block ids but without
+    /// `remote_engine_id`, `remote_request_id`, `remote_host` or
+    /// `remote_port`): they hang until the client leaves.
+    #[serde(default)]
+    pub stuck_kv_waits: u64,
     /// Requests that computed their prompt locally, without remote KV
     /// (plain requests and prefills included).
     pub local_prefills: u64,
@@ -197,6 +211,8 @@ pub(crate) struct Counters {
     pub(crate) remote_decodes: AtomicU64,
     pub(crate) kv_pull_failures: AtomicU64,
     pub(crate) invalid_kv_params: AtomicU64,
+    pub(crate) engine_core_deaths: AtomicU64,
+    pub(crate) stuck_kv_waits: AtomicU64,
     pub(crate) local_prefills: AtomicU64,
     pub(crate) side_channel_served: AtomicU64,
     pub(crate) blocks_held: AtomicU64,
@@ -283,6 +299,8 @@ impl Counters {
             remote_decodes: self.remote_decodes.load(Relaxed),
             kv_pull_failures: self.kv_pull_failures.load(Relaxed),
             invalid_kv_params: self.invalid_kv_params.load(Relaxed),
+            engine_core_deaths: self.engine_core_deaths.load(Relaxed),
+            stuck_kv_waits: self.stuck_kv_waits.load(Relaxed),
             local_prefills: self.local_prefills.load(Relaxed),
             side_channel_served: self.side_channel_served.load(Relaxed),
             blocks_held: self.blocks_held.load(Relaxed),

@@ -256,12 +256,10 @@ async fn sglang_bootstrap_fields_are_validated() {
 
     let mut batch = chat(PROMPT, 4);
     batch["n"] = json!(2);
+    // SGLang repeats a list once per sample and takes what it needs: one room for two
+    // samples is the same room twice, which collides.
     let cases = [
-        (
-            sglang_body(batch.clone(), &p, json!(1)),
-            "not a single value",
-        ),
-        (sglang_body(batch.clone(), &p, json!([1, 2, 3])), "got 3"),
+        (sglang_body(batch.clone(), &p, json!([1])), "twice"),
         (sglang_body(batch.clone(), &p, json!([5, 5])), "twice"),
     ];
     for (body, why) in cases {
@@ -269,9 +267,28 @@ async fn sglang_bootstrap_fields_are_validated() {
             assert_bad_request(&post(e.addr(), CHAT, &body).await, why);
         }
     }
+    // Two prompts sampled twice are four requests: a room per prompt repeats.
+    let mut prompts = completion(json!(["one two", PROMPT]), 3);
+    prompts["n"] = json!(2);
+    let cases = [
+        (sglang_body(prompts.clone(), &p, json!([7, 8])), "twice"),
+        (
+            sglang_body(completion(json!(["a", "b", "c"]), 3), &p, json!([7, 8])),
+            "got 2",
+        ),
+    ];
+    for (body, why) in cases {
+        for e in [&p, &d] {
+            assert_bad_request(&post(e.addr(), COMPLETIONS, &body).await, why);
+        }
+    }
+    // A single host for a list of rooms is every request's host, as SGLang expands
+    // it: the decode asks it for both rooms (which no prefill registered here).
     let mut mixed = sglang_body(batch, &p, json!([1, 2]));
     mixed["bootstrap_host"] = json!("127.0.0.1");
-    assert_bad_request(&post(d.addr(), CHAT, &mixed).await, "bootstrap_host");
+    let r = post(d.addr(), CHAT, &mixed).await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("no prefill for room"), "{}", r.text());
     assert_eq!(p.stats().kv_transfers_pending, 0);
     assert_eq!(p.stats().prefill_requests, 0);
 }

@@ -231,11 +231,13 @@ async fn kv_of_another_model_or_block_size_fails() {
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), params), "block size").await;
 }
 
+/// vLLM 0.33 (`…/nixl/pull_scheduler.py` `update_state_after_alloc`): block ids
+/// without one of the four keys park the request waiting for KV nobody sends, until
+/// its client leaves; the engine lives on.
 #[tokio::test]
-async fn invalid_params_fall_back_to_local_prefill() {
+async fn params_without_a_key_leave_the_decode_waiting_until_the_client_leaves() {
     let (p, d) = pair().await;
     let params = prefill(&p, PROMPT).await;
-    let mut cases = Vec::new();
     for key in [
         "remote_engine_id",
         "remote_request_id",
@@ -244,23 +246,15 @@ async fn invalid_params_fall_back_to_local_prefill() {
     ] {
         let mut bad = params.clone();
         bad.as_object_mut().unwrap().remove(key);
-        cases.push(bad);
+        let before = d.stats();
+        let stream = raw_post(d.addr(), CHAT, &[], &with_params(chat(PROMPT, 3), bad)).await;
+        let s = wait_for(&d, |s| s.stuck_kv_waits == before.stuck_kv_waits + 1).await;
+        assert_eq!(s.active_requests, 1, "{key}: still waiting");
+        drop(stream);
+        let s = wait_for(&d, |s| s.active_requests == 0).await;
+        assert_eq!(s.cancelled, before.cancelled + 1, "{key}");
     }
-    let mut empty = params.clone();
-    empty["remote_block_ids"] = json!([]);
-    cases.push(empty);
-    let mut missing = params.clone();
-    missing.as_object_mut().unwrap().remove("remote_block_ids");
-    cases.push(missing);
-    for bad in cases {
-        let reply = post(d.addr(), CHAT, &with_params(chat(PROMPT, 3), bad.clone())).await;
-        assert_eq!(reply.status, 200, "{bad}");
-        assert_eq!(
-            reply.json()["choices"][0]["message"]["content"],
-            generate(PROMPT, 3, 0).concat()
-        );
-    }
-    // Not a decode request at all: plain local prefill, not invalid.
+    // Not a decode request at all: plain local prefill; the engine still serves.
     let reply = post(
         d.addr(),
         CHAT,
@@ -268,18 +262,79 @@ async fn invalid_params_fall_back_to_local_prefill() {
     )
     .await;
     assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.json()["choices"][0]["message"]["content"],
+        generate(PROMPT, 3, 0).concat()
+    );
     let s = d.stats();
     assert_eq!(
         (
-            s.invalid_kv_params,
+            s.stuck_kv_waits,
+            s.engine_core_deaths,
             s.local_prefills,
             s.remote_decodes,
             s.kv_pull_failures
         ),
-        (6, 7, 0, 0)
+        (4, 0, 1, 0, 0)
     );
+    assert_eq!(get(d.addr(), "/health").await.status, 200);
     // The prefill still holds its blocks: nobody pulled them.
     assert_eq!(p.stats().blocks_held, 3);
+}
+
+/// vLLM 0.33: `do_remote_prefill` without block ids (missing or empty) fails an
+/// assertion inside the decode's scheduler, which kills the engine core: that request
+/// and every later one answer 500, and `/health` 503.
+#[tokio::test]
+async fn params_without_block_ids_kill_the_decode_engine() {
+    for edit in ["remove", "empty"] {
+        let (p, d) = pair().await;
+        let mut bad = prefill(&p, PROMPT).await;
+        match edit {
+            "remove" => drop(bad.as_object_mut().unwrap().remove("remote_block_ids")),
+            _ => bad["remote_block_ids"] = json!([]),
+        }
+        let reply = post(d.addr(), CHAT, &with_params(chat(PROMPT, 3), bad)).await;
+        assert_eq!(reply.status, 500, "{edit}: {}", reply.text());
+        assert_eq!(
+            error_message(&reply),
+            "The server had an error while processing your request."
+        );
+        // Dead for everyone after it.
+        let plain = post(d.addr(), CHAT, &chat(PROMPT, 3)).await;
+        assert_eq!(plain.status, 500, "{edit}");
+        assert_eq!(get(d.addr(), "/health").await.status, 503, "{edit}");
+        let s = d.stats();
+        assert_eq!((s.engine_core_deaths, s.local_prefills), (1, 0), "{edit}");
+    }
+}
+
+/// `Faults::partial_kv_params`: the prefill answers its dict less the part the fault
+/// names, and holds its blocks as usual.
+#[tokio::test]
+async fn partial_params_fault_answers_each_shape() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    for shape in disagg_sim::PartialKv::ALL {
+        p.set_faults(disagg_sim::Faults {
+            partial_kv_params: Some(shape),
+            ..Default::default()
+        });
+        let params = prefill(&p, PROMPT).await;
+        let dict = params.as_object().unwrap();
+        match shape {
+            disagg_sim::PartialKv::EmptyBlockIds => {
+                assert_eq!(dict["remote_block_ids"], json!([]))
+            }
+            _ => assert!(!dict.contains_key(shape.key()), "{shape:?}: {params}"),
+        }
+        assert_eq!(dict["do_remote_prefill"], true);
+        // Every other key is there.
+        assert_eq!(
+            dict.len(),
+            8 - usize::from(shape != disagg_sim::PartialKv::EmptyBlockIds)
+        );
+    }
+    assert_eq!(p.stats().blocks_held, 3 * 6);
 }
 
 #[tokio::test]

@@ -186,9 +186,9 @@ async fn wrong_engine_or_params_and_lease() {
     let dr = send(&d, Some("x"), &decode_body(PROMPT, params)).await;
     assert_transfer_failed(&dr, "engine id mismatch");
     assert!(started.elapsed() < WAIT);
-    // Parameters vLLM cannot read (no tp_size): prefilled locally.
+    // A key of the wrong type: vLLM cannot use it, and the prompt is prefilled locally.
     let mut params = push_params(&p);
-    params.as_object_mut().unwrap().remove("tp_size");
+    params["tp_size"] = json!("one");
     let dr = send(&d, Some("x"), &decode_body(PROMPT, params)).await;
     assert_eq!(text(&dr), generate(PROMPT, 5, 0).concat());
     let ds = d.stats();
@@ -197,6 +197,24 @@ async fn wrong_engine_or_params_and_lease() {
     wait_for(&p, |s| s.blocks_held == 0).await;
     let dr = send(&d, Some("x"), &decode_body(PROMPT, push_params(&p))).await;
     assert_transfer_failed(&dr, "within");
+}
+
+/// vLLM 0.33's push scheduler indexes `remote_engine_id`, `remote_host`,
+/// `remote_port` and `tp_size`: a dict without one is a `KeyError` that kills the
+/// decode's engine core.
+#[tokio::test]
+async fn push_params_without_a_key_kill_the_decode_engine() {
+    let p = push_engine("prefill-0", |_| {}).await;
+    for key in ["remote_engine_id", "remote_host", "remote_port", "tp_size"] {
+        let d = push_engine("decode-0", |_| {}).await;
+        let mut params = push_params(&p);
+        params.as_object_mut().unwrap().remove(key);
+        let dr = send(&d, Some("x"), &decode_body(PROMPT, params)).await;
+        assert_eq!(dr.status, 500, "{key}: {}", dr.text());
+        let after = send(&d, Some("y"), &decode_body(PROMPT, json!(null))).await;
+        assert_eq!(after.status, 500, "{key}: the engine is dead");
+        assert_eq!(d.stats().engine_core_deaths, 1, "{key}");
+    }
 }
 
 #[tokio::test]

@@ -14,6 +14,11 @@
 //!
 //! Both answer `{"tokens": [...], "count": n, "max_model_len": m}`.
 //!
+//! A call that fails through the engine's fault (unreachable, 5xx, an oversized or
+//! unusable answer) or outlasts the orchestrator's tokenize budget counts against the
+//! engine ([`disagg_core::tokens::Asked`]): with passive health an engine whose
+//! `/tokenize` hangs is ejected like one whose legs fail.
+//!
 //! What the engine's route does not see: vLLM's `/tokenize` ignores `documents` and
 //! `reasoning_effort`, which its chat route passes to the template; a request setting
 //! them may tokenize differently there.
@@ -26,6 +31,7 @@ use bytes::Bytes;
 use disagg_core::body::JsonBody;
 use disagg_core::endpoint::Endpoint;
 use disagg_core::request::Api;
+use disagg_core::tokens::Asked;
 use disagg_core::transport::{Transport, read_limited};
 use http::{HeaderValue, header};
 use serde::Deserialize;
@@ -103,6 +109,36 @@ impl EngineTokenizer {
     ///
     /// As [`Tokenize::tokenize`].
     pub async fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
+        self.tokenize_prompt_asking(prompt, &Asked::new()).await
+    }
+
+    /// [`Tokenize::tokenize`], telling `asked` that this tokenizer's engine is asked
+    /// (when the prompt needs the engine at all) and whether it answered: with ids, or
+    /// with a 4xx the request caused. A transport error, a 5xx, an oversized or
+    /// unusable answer leave it unanswered: the engine's fault (see
+    /// [`disagg_core::tokens`]).
+    ///
+    /// # Errors
+    ///
+    /// As [`Tokenize::tokenize`].
+    pub async fn tokenize_asking(
+        &self,
+        api: Api,
+        body: &JsonBody,
+        asked: &Asked,
+    ) -> Result<Tokens, TokenizeError> {
+        let prompt = Prompt::read(api, body)?;
+        if let PromptInput::Chat(chat) = &prompt.input {
+            check_messages(&chat.messages)?;
+        }
+        self.tokenize_prompt_asking(&prompt, asked).await
+    }
+
+    async fn tokenize_prompt_asking(
+        &self,
+        prompt: &Prompt,
+        asked: &Asked,
+    ) -> Result<Tokens, TokenizeError> {
         let mut ids = match &prompt.input {
             PromptInput::Ids(ids) => ids.clone(),
             _ => {
@@ -128,9 +164,16 @@ impl EngineTokenizer {
                     .endpoint
                     .uri(self.path)
                     .map_err(|e| TokenizeError::Engine(EngineError::Uri(e)))?;
-                request_tokens(&*self.transport, uri, body, self.max_answer)
-                    .await
-                    .map_err(TokenizeError::Engine)?
+                asked.asking(Arc::clone(&self.endpoint));
+                let answer = request_tokens(&*self.transport, uri, body, self.max_answer).await;
+                match &answer {
+                    Ok(_) => asked.answered(),
+                    Err(EngineError::Status { status, .. }) if status.is_client_error() => {
+                        asked.answered()
+                    }
+                    Err(_) => {}
+                }
+                answer.map_err(TokenizeError::Engine)?
             }
         };
         if let Some(t) = &prompt.truncation {
@@ -143,11 +186,7 @@ impl EngineTokenizer {
 #[async_trait]
 impl Tokenize for EngineTokenizer {
     async fn tokenize(&self, api: Api, body: &JsonBody) -> Result<Tokens, TokenizeError> {
-        let prompt = Prompt::read(api, body)?;
-        if let PromptInput::Chat(chat) = &prompt.input {
-            check_messages(&chat.messages)?;
-        }
-        self.tokenize_prompt(&prompt).await
+        self.tokenize_asking(api, body, &Asked::new()).await
     }
 }
 

@@ -134,7 +134,8 @@ impl disagg_core::tokens::Tokenizer for dyn Tokenize {
     }
 }
 
-/// The engine's `/tokenize` as the orchestrator's tokenizer.
+/// The engine's `/tokenize` as the orchestrator's tokenizer: the engine it asks is
+/// named to the orchestrator, which counts a failed or unanswered call against it.
 #[async_trait]
 impl disagg_core::tokens::Tokenizer for EngineTokenizer {
     async fn token_ids(
@@ -143,6 +144,19 @@ impl disagg_core::tokens::Tokenizer for EngineTokenizer {
         body: &JsonBody,
     ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
         token_ids(self, api, body).await
+    }
+
+    async fn token_ids_asking(
+        &self,
+        api: Api,
+        body: &JsonBody,
+        asked: &disagg_core::tokens::Asked,
+    ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
+        match self.tokenize_asking(api, body, asked).await {
+            Ok(ids) => Ok(Some(ids)),
+            Err(e) if e.is_not_supported() => Ok(None),
+            Err(e) => Err(Box::new(e)),
+        }
     }
 }
 

@@ -157,3 +157,54 @@ async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
         "{err:?}"
     );
 }
+
+/// The engine asked is named on the `Asked`, and marked answered only when it answered
+/// with ids or with the request's own 4xx: an unreachable engine, an unusable answer
+/// or one over the limit leave it unanswered (the engine's fault).
+#[tokio::test]
+async fn the_engine_asked_is_named_and_blamed_only_for_its_own_faults() {
+    use disagg_core::tokens::{Asked, Tokenizer};
+    async fn ask(t: &EngineTokenizer, body: &str) -> Asked {
+        let asked = Asked::new();
+        let _ = t
+            .token_ids_asking(
+                Api::Completions,
+                &JsonBody::parse(body.as_bytes()).unwrap(),
+                &asked,
+            )
+            .await;
+        asked
+    }
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    for (t, body, answered) in [
+        (t.clone(), r#"{"prompt":"hi"}"#, true),
+        (t.clone(), r#"{"model":"other","prompt":"hi"}"#, true),
+        (
+            t.clone().with_path("/v1/completions"),
+            r#"{"prompt":"hi"}"#,
+            false,
+        ),
+        (
+            t.clone().with_max_answer(8),
+            r#"{"prompt":"a b c d e f g"}"#,
+            false,
+        ),
+    ] {
+        let asked = ask(&t, body).await;
+        assert_eq!(
+            asked.engine().map(|e| e.id().as_str().to_owned()),
+            Some(e.url()),
+            "{body}"
+        );
+        assert_eq!(asked.has_answered(), answered, "{body}");
+    }
+    // Token ids ask nobody.
+    let asked = ask(&t, r#"{"prompt":[1,2]}"#).await;
+    assert!(asked.engine().is_none());
+    // An engine that is gone.
+    let url = e.url();
+    e.shutdown().await;
+    let asked = ask(&tokenizer(&url), r#"{"prompt":"hi"}"#).await;
+    assert!(asked.engine().is_some() && !asked.has_answered());
+}

@@ -6,10 +6,9 @@
 //! `sgl-model-gateway/src/routers/http/pd_router.rs`):
 //!
 //! - a request is a **batch** when `text` is a list of strings, or `input_ids` a list of
-//!   token-id lists: each element is a request of its own on the engines, so each needs
-//!   a room of its own (the Python router's rule; the Rust gateway counts `input_ids`
-//!   batches only, and a `text` batch then shares one room, which the engine spreads as
-//!   `room + i`, colliding with other requests' rooms);
+//!   token-id lists, and each prompt is sampled `sampling_params.n` times: each of the
+//!   B·n is a request of its own on the engines, so each needs a room of its own (see
+//!   [`super::sglang`] for how SGLang expands the rooms it is given);
 //! - both legs get the same body (the prefill engine, in `--disaggregation-mode
 //!   prefill`, stops after the prompt whatever the sampling parameters say);
 //! - with `return_logprob`, the prompt's logprobs (`meta_info.input_token_logprobs`)
@@ -75,17 +74,75 @@ pub(crate) fn wants_logprobs(body: &JsonBody) -> bool {
     crate::lax::bool_value(raw) == Ok(Some(true))
 }
 
+/// How many sequences a `/generate` request makes on the engines: its prompts (1, or
+/// the batch's size) times its samples (`sampling_params.n`, read from the first
+/// element of a per-prompt list as SGLang reads it; 1 when absent or not a positive
+/// integer). Every `index` of an answer is below it.
+pub(crate) fn sequences(body: &JsonBody) -> usize {
+    batch_size(body).unwrap_or(1).saturating_mul(samples(body))
+}
+
+/// `sampling_params.n` of a `/generate` request (1 when absent, or not a positive
+/// integer the engine would take).
+pub(crate) fn samples(body: &JsonBody) -> usize {
+    #[derive(serde::Deserialize)]
+    struct Sampling {
+        #[serde(default)]
+        n: Option<u64>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Params {
+        One(Sampling),
+        PerPrompt(Vec<Sampling>),
+    }
+    let Some(raw) = body.get("sampling_params") else {
+        return 1;
+    };
+    let n = match serde_json::from_slice::<Params>(raw) {
+        Ok(Params::One(s)) => s.n,
+        Ok(Params::PerPrompt(list)) => list.first().and_then(|s| s.n),
+        Err(_) => None,
+    };
+    n.and_then(|n| usize::try_from(n).ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1)
+}
+
 /// What the plan of a `/generate` request with logprobs remembers until the prefill
-/// answered: whether the client streams (kept in [`Handoff::ext`](super::Handoff::ext)).
+/// answered (kept in [`Handoff::ext`](super::Handoff::ext)): whether the client
+/// streams, and how many sequences the request makes ([`sequences`]), the bound of
+/// every index an answer may name.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MergeLogprobs {
     pub(crate) stream: bool,
+    pub(crate) sequences: usize,
+}
+
+/// An engine's answer named a sequence the request does not have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OutOfRange {
+    /// What was out of range (`"index"`, `"list length"`).
+    pub(crate) what: &'static str,
+    /// The value the engine wrote.
+    pub(crate) found: String,
+    /// The request's sequences.
+    pub(crate) sequences: usize,
 }
 
 /// The prefill's prompt logprobs, by element, from its whole answer: a JSON object (one
 /// element), a JSON list (a batch, by position), or an event stream (the first event of
 /// each `index`). `None` when the answer carries none.
-pub(crate) fn prefill_logprobs(answer: &PrefillAnswer) -> Option<Vec<Option<Value>>> {
+///
+/// # Errors
+///
+/// [`OutOfRange`] when the answer names an element the request does not have (an
+/// `index` not below `sequences`, or not a non-negative integer; a list of more than
+/// `sequences` answers): nothing is allocated for it.
+pub(crate) fn prefill_logprobs(
+    answer: &PrefillAnswer,
+    sequences: usize,
+) -> Result<Option<Vec<Option<Value>>>, OutOfRange> {
     let mut out: Vec<Option<Value>> = Vec::new();
     let mut put = |index: usize, v: Option<Value>| {
         if out.len() <= index {
@@ -98,25 +155,51 @@ pub(crate) fn prefill_logprobs(answer: &PrefillAnswer) -> Option<Vec<Option<Valu
     match serde_json::from_slice::<Value>(&answer.body) {
         Ok(Value::Object(o)) => put(0, input_logprobs(&o)),
         Ok(Value::Array(items)) => {
+            if items.len() > sequences {
+                return Err(OutOfRange {
+                    what: "list length",
+                    found: items.len().to_string(),
+                    sequences,
+                });
+            }
             for (i, item) in items.iter().enumerate() {
                 if let Value::Object(o) = item {
                     put(i, input_logprobs(o));
                 }
             }
         }
-        Ok(_) => return None,
+        Ok(_) => return Ok(None),
         // Not one JSON value: a stream of events.
         Err(_) => {
             let mut rest = &answer.body[..];
             while let Some((end, next)) = event_end(rest) {
                 if let Some(Value::Object(o)) = data_json(&rest[..end]) {
-                    put(index_of(&o), input_logprobs(&o));
+                    put(checked_index(&o, sequences)?, input_logprobs(&o));
                 }
                 rest = &rest[next..];
             }
         }
     }
-    out.iter().any(Option::is_some).then_some(out)
+    Ok(out.iter().any(Option::is_some).then_some(out))
+}
+
+/// The element an event of an engine answers: its `index` (0 without one), which must
+/// be a non-negative integer below `sequences`.
+fn checked_index(
+    o: &serde_json::Map<String, Value>,
+    sequences: usize,
+) -> Result<usize, OutOfRange> {
+    let Some(raw) = o.get("index") else {
+        return Ok(0);
+    };
+    raw.as_u64()
+        .and_then(|i| usize::try_from(i).ok())
+        .filter(|i| *i < sequences)
+        .ok_or_else(|| OutOfRange {
+            what: "index",
+            found: raw.to_string(),
+            sequences,
+        })
 }
 
 /// `meta_info.input_token_logprobs` of one answer object, when it is a list.
@@ -127,7 +210,9 @@ fn input_logprobs(o: &serde_json::Map<String, Value>) -> Option<Value> {
         .cloned()
 }
 
-/// The element an event answers: its `index`, 0 without one.
+/// The element a decode's event answers: its `index`, 0 without one. Unchecked: it
+/// only looks up the prefill's logprobs, and an index the request does not have finds
+/// none (the event passes unmerged).
 fn index_of(o: &serde_json::Map<String, Value>) -> usize {
     o.get("index")
         .and_then(Value::as_u64)
@@ -301,14 +386,14 @@ mod tests {
             r#"{"text":"x","meta_info":{"input_token_logprobs":[[null,1,null],[-0.5,2,null]]}}"#,
         );
         assert_eq!(
-            prefill_logprobs(&one).unwrap(),
+            prefill_logprobs(&one, 1).unwrap().unwrap(),
             [Some(json!([[null, 1, null], [-0.5, 2, null]]))]
         );
         let batch = answer(
             r#"[{"meta_info":{"input_token_logprobs":[[null,1,null]]}},{"meta_info":{"input_token_logprobs":[[null,7,null]]}}]"#,
         );
         assert_eq!(
-            prefill_logprobs(&batch).unwrap(),
+            prefill_logprobs(&batch, 2).unwrap().unwrap(),
             [
                 Some(json!([[null, 1, null]])),
                 Some(json!([[null, 7, null]]))
@@ -322,13 +407,66 @@ mod tests {
             "data: [DONE]\n\n"
         ));
         assert_eq!(
-            prefill_logprobs(&stream).unwrap(),
+            prefill_logprobs(&stream, 2).unwrap().unwrap(),
             [
                 Some(json!([[null, 8, null]])),
                 Some(json!([[null, 9, null]]))
             ]
         );
-        assert!(prefill_logprobs(&answer(r#"{"text":"x","meta_info":{}}"#)).is_none());
+        assert!(
+            prefill_logprobs(&answer(r#"{"text":"x","meta_info":{}}"#), 1)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn sequences_are_prompts_times_samples() {
+        let cases = [
+            (r#"{"text":"a"}"#, 1),
+            (r#"{"text":"a","sampling_params":{"n":3}}"#, 3),
+            (r#"{"text":["a","b"],"sampling_params":{"n":2}}"#, 4),
+            (
+                r#"{"input_ids":[[1],[2],[3]],"sampling_params":[{"n":2},{"n":2},{"n":2}]}"#,
+                6,
+            ),
+            (r#"{"text":["a","b"],"sampling_params":{"n":0}}"#, 2),
+            (r#"{"text":["a","b"],"sampling_params":{"n":"x"}}"#, 2),
+            (r#"{"text":"a","sampling_params":{"max_new_tokens":3}}"#, 1),
+        ];
+        for (b, want) in cases {
+            assert_eq!(sequences(&body(b)), want, "{b}");
+        }
+    }
+
+    /// An index or a list longer than the request's sequences fails, and nothing is
+    /// allocated for it: SGLang's router resized its list to `index + 1`.
+    #[test]
+    fn indexes_past_the_requests_sequences_are_refused() {
+        let event = |index: &str| {
+            answer(&format!(
+                "data: {{\"index\":{index},\"meta_info\":{{\"input_token_logprobs\":[[null,1,null]]}}}}\n\ndata: [DONE]\n\n"
+            ))
+        };
+        for (index, sequences) in [
+            ("4000000000000", 4),
+            ("20000000", 4),
+            ("4", 4),
+            ("-1", 4),
+            ("1.5", 4),
+            ("\"1\"", 4),
+        ] {
+            let err = prefill_logprobs(&event(index), sequences).unwrap_err();
+            assert_eq!((err.what, err.found.as_str()), ("index", index), "{index}");
+        }
+        // Past u64: read as a float, refused all the same.
+        let err = prefill_logprobs(&event("18446744073709551616"), 4).unwrap_err();
+        assert_eq!(err.what, "index");
+        assert_eq!(prefill_logprobs(&event("3"), 4).unwrap().unwrap().len(), 4);
+        let list = answer(r#"[{"meta_info":{}},{"meta_info":{}},{"meta_info":{}}]"#);
+        let err = prefill_logprobs(&list, 2).unwrap_err();
+        assert_eq!((err.what, err.found.as_str()), ("list length", "3"));
+        assert!(prefill_logprobs(&list, 3).unwrap().is_none());
     }
 
     async fn reshape(merge: &LogprobMerge, frames: &[&str]) -> String {

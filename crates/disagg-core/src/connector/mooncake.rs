@@ -250,19 +250,39 @@ impl VllmMooncake {
     }
 }
 
-/// The engine ids of a `GET /query` answer, by rank.
+/// The most data-parallel ranks a `/query` answer may list: each becomes an endpoint
+/// the proxy keeps (vLLM's data-parallel sizes are a handful to a few hundred).
+const MAX_RANKS: usize = 1024;
+
+/// The longest engine id taken from a `/query` answer (vLLM's are UUIDs or the
+/// configured `engine_id`, tens of bytes).
+const MAX_ENGINE_ID: usize = 256;
+
+/// The engine ids of a `GET /query` answer, by rank. The engine id goes into every
+/// decode leg over that rank (`remote_engine_id`, which the decode's connector looks
+/// up on the bootstrap server), so it is checked as the handoff it feeds: a non-empty
+/// string of at most [`MAX_ENGINE_ID`] bytes, for at most [`MAX_RANKS`] ranks.
 fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
     #[derive(serde::Deserialize)]
     struct Rank {
         engine_id: String,
     }
     let ranks: HashMap<String, Rank> = serde_json::from_slice(bytes)?;
+    if ranks.len() > MAX_RANKS {
+        return Err(format!("it lists {} ranks, more than {MAX_RANKS}", ranks.len()).into());
+    }
     ranks
         .into_iter()
         .map(|(rank, r)| {
             let rank: u32 = rank
                 .parse()
                 .map_err(|_| BoxError::from(format!("rank `{rank}` is not a number")))?;
+            if r.engine_id.is_empty() || r.engine_id.len() > MAX_ENGINE_ID {
+                return Err(format!(
+                    "rank {rank}'s engine_id is empty or longer than {MAX_ENGINE_ID} bytes"
+                )
+                .into());
+            }
             Ok((rank, Arc::from(r.engine_id)))
         })
         .collect()
@@ -597,7 +617,28 @@ mod tests {
 
     #[tokio::test]
     async fn unusable_query_answers_are_errors() {
-        for answer in ["[]", "{\"x\":{\"engine_id\":\"e\"}}", "not json"] {
+        let too_long: &'static str =
+            Box::leak(format!(r#"{{"0":{{"engine_id":"{}"}}}}"#, "e".repeat(257)).into_boxed_str());
+        let too_many: &'static str = Box::leak(
+            format!(
+                "{{{}}}",
+                (0..1025)
+                    .map(|r| format!(r#""{r}":{{"engine_id":"e{r}"}}"#))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+            .into_boxed_str(),
+        );
+        for answer in [
+            "[]",
+            "{\"x\":{\"engine_id\":\"e\"}}",
+            "not json",
+            r#"{"0":{"engine_id":""}}"#,
+            r#"{"0":{"engine_id":null}}"#,
+            r#"{"0":{}}"#,
+            too_long,
+            too_many,
+        ] {
             let c = VllmMooncake::new();
             let t = bootstrap(answer);
             let mut h = c.prepare(&route(None), &req(r#"{"messages":[]}"#)).unwrap();

@@ -7,9 +7,15 @@
 //!   prefill engine, started with `--disaggregation-mode prefill`, only prefills), plus
 //!   `bootstrap_host` (the prefill endpoint's host), `bootstrap_port` (its
 //!   `--disaggregation-bootstrap-port`, or `null`) and `bootstrap_room` (a 63-bit id);
-//! - a batched request gets arrays of the three, one element per sequence, with a
-//!   distinct room each: chat with `n > 1` has `n` elements, completions whose `prompt`
-//!   is a list of prompts one per prompt (the router's own rule);
+//! - a request SGLang expands into several (SGLang 0.5.23 `srt/managers/io_struct.py`
+//!   `GenerateReqInput.normalize_batch_and_arguments`: B prompts times `n` samples;
+//!   chat has one prompt, completions a batch when `prompt` is a list of prompts,
+//!   `/generate` when `text` or `input_ids` is one) gets arrays of the three, with
+//!   B·n elements and a distinct room each. SGLang repeats a *list* `n` times and uses
+//!   its first B·n entries (`_normalize_bootstrap_params`), so a list of one room per
+//!   prompt, as SGLang's own router sends, gives every sample of a prompt the same
+//!   room when B > 1; B·n distinct rooms never repeat. Past [`MAX_SEQUENCES`] the
+//!   request is refused;
 //! - when the route names data-parallel ranks, the two legs differ, as SGLang reads them
 //!   (`io_struct.py` `GenerateReqInput`, `disaggregation/common/conn.py`,
 //!   `disaggregation/decode.py`): the prefill gets `routed_dp_rank = p` and
@@ -48,7 +54,8 @@ use crate::connector::room::Rooms;
 use crate::connector::{
     BootstrapPort, Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer,
 };
-use crate::error::ConnectorError;
+use crate::disaggregate::Decision;
+use crate::error::{ConnectorError, InvalidParam};
 use crate::request::{Api, PdRequest};
 use crate::router::Route;
 
@@ -110,36 +117,74 @@ pub(crate) const ROUTED_DP_RANK: &str = "routed_dp_rank";
 /// `GenerateReqInput.disagg_prefill_dp_rank`).
 pub(crate) const PREFILL_DP_RANK: &str = "disagg_prefill_dp_rank";
 
-/// How many sequences a request asks the engines for, as SGLang's router counts them:
-/// `Some(n)` for a batch of `n` (chat `n > 1`; completions whose `prompt` is a list of
-/// prompts; `/generate` whose `text` or `input_ids` is a list of prompts), `None` for a
-/// single sequence.
-pub(crate) fn batch_size(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
-    match api {
-        Api::Chat => match body.get_as::<Option<u64>>("n") {
-            Some(Ok(Some(n))) if n > 1 => usize::try_from(n).ok(),
-            _ => None,
-        },
-        Api::Completions => {
-            let raw = body.get("prompt")?;
-            if raw.first() != Some(&b'[') {
-                return None;
-            }
-            // Only the list's own level is parsed; the prompts stay raw.
-            let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
-            let first = items.first()?.get().as_bytes().first().copied();
-            // A flat list of token ids is one prompt; a list of strings or of token-id
-            // lists is a batch.
-            matches!(first, Some(b'"' | b'[')).then_some(items.len())
-        }
-        Api::Generate => generate::batch_size(body),
+/// The most sequences (prompts times samples) a request may expand to: each gets a
+/// room, a host and a port in both legs' bodies, and a client's `n` must not make the
+/// proxy write millions of them.
+pub const MAX_SEQUENCES: usize = 65_536;
+
+/// How many requests SGLang makes of one (SGLang 0.5.23 `srt/managers/io_struct.py`
+/// `GenerateReqInput.normalize_batch_and_arguments`): `None` for a single request
+/// (one prompt, one sample: the bootstrap fields are scalars), else `Some(N)`, N = B
+/// prompts (1 for a single prompt) times `n` samples, each of which takes its own
+/// element of the bootstrap fields. The OpenAI routes build the same input
+/// (`srt/entrypoints/openai/serving_chat.py`, `serving_completions.py`): chat has one
+/// prompt and the request's `n`; completions a batch when `prompt` is a list of
+/// strings or of token-id lists, and `n`; `/generate` a batch when `text` or
+/// `input_ids` is a list of prompts, and `sampling_params.n`.
+pub(crate) fn expansion(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
+    let (prompts, samples) = match api {
+        Api::Chat => (None, openai_n(body)),
+        Api::Completions => (completion_batch(body), openai_n(body)),
+        Api::Generate => (generate::batch_size(body), generate::samples(body)),
+    };
+    if prompts.is_none() && samples == 1 {
+        return None;
     }
+    Some(prompts.unwrap_or(1).saturating_mul(samples))
+}
+
+/// The OpenAI routes' `n`, read as pydantic's lax `int` (`"2"` too); 1 when absent or
+/// not a positive integer (the engine refuses those itself).
+fn openai_n(body: &crate::body::JsonBody) -> usize {
+    body.get("n")
+        .and_then(|raw| crate::lax::int_value(raw).ok().flatten())
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1)
+}
+
+/// How many prompts a completions request's `prompt` lists, when it is a batch.
+fn completion_batch(body: &crate::body::JsonBody) -> Option<usize> {
+    let raw = body.get("prompt")?;
+    if raw.first() != Some(&b'[') {
+        return None;
+    }
+    // Only the list's own level is parsed; the prompts stay raw.
+    let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
+    let first = items.first()?.get().as_bytes().first().copied();
+    // A flat list of token ids is one prompt; a list of strings or of token-id lists
+    // is a batch.
+    matches!(first, Some(b'"' | b'[')).then_some(items.len())
 }
 
 #[async_trait]
 impl KvConnector for SglangBootstrap {
     fn name(&self) -> &'static str {
         "sglang"
+    }
+
+    /// A request that would expand to more than [`MAX_SEQUENCES`] engine requests is
+    /// refused (400 on `n`).
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        match expansion(req.api(), req.body()) {
+            Some(n) if n > MAX_SEQUENCES => Err(InvalidParam::new(
+                "n",
+                format!(
+                    "the request expands to {n} sequences (prompts times n); at most {MAX_SEQUENCES} are carried"
+                ),
+            )),
+            _ => Ok(Decision::Disaggregate),
+        }
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
@@ -156,7 +201,7 @@ impl KvConnector for SglangBootstrap {
             _ => b"null".to_vec(),
         };
         let mut body = req.body().clone();
-        match batch_size(req.api(), req.body()) {
+        match expansion(req.api(), req.body()) {
             None => {
                 body.set_raw("bootstrap_host", Bytes::from(host));
                 body.set_raw("bootstrap_port", Bytes::from(port));
@@ -196,6 +241,7 @@ impl KvConnector for SglangBootstrap {
         if merge {
             handoff.ext.insert(MergeLogprobs {
                 stream: req.is_stream(),
+                sequences: generate::sequences(req.body()),
             });
         }
         Ok(handoff)
@@ -203,15 +249,26 @@ impl KvConnector for SglangBootstrap {
 
     /// A [`Dispatch::Joined`] plan (`/generate` with logprobs): the prefill's prompt
     /// logprobs become the reshape that merges them into the decode's answer. An answer
-    /// without any leaves the decode's as it is.
+    /// without any leaves the decode's as it is; one naming a sequence the request does
+    /// not have (an `index` past its prompts times `n`) fails the request.
     async fn complete(
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<KvOutcome, ConnectorError> {
-        if let Some(MergeLogprobs { stream }) = handoff.ext.get::<MergeLogprobs>().copied()
-            && let Some(logprobs) = generate::prefill_logprobs(answer)
-        {
+        let Some(MergeLogprobs { stream, sequences }) = handoff.ext.get::<MergeLogprobs>().copied()
+        else {
+            return Ok(KvOutcome::Handed);
+        };
+        let logprobs = generate::prefill_logprobs(answer, sequences).map_err(|e| {
+            ConnectorError::OutOfRange {
+                endpoint: handoff.prefill.endpoint.id().clone(),
+                what: e.what,
+                found: e.found,
+                sequences: e.sequences,
+            }
+        })?;
+        if let Some(logprobs) = logprobs {
             handoff.reshape = Some(Arc::new(LogprobMerge::new(logprobs, stream)));
         }
         Ok(KvOutcome::Handed)
@@ -303,7 +360,31 @@ mod tests {
             (Api::Completions, r#"{"prompt":["a","b"]}"#, Some(2)),
             (Api::Completions, r#"{"prompt":[[1,2],[3],[4]]}"#, Some(3)),
             (Api::Completions, r#"{"prompt":[1,2,3]}"#, None),
-            (Api::Completions, r#"{"prompt":"a","n":4}"#, None),
+            // Samples expand too: one prompt times n, B prompts times n.
+            (Api::Completions, r#"{"prompt":"a","n":4}"#, Some(4)),
+            (Api::Completions, r#"{"prompt":["a","b"],"n":3}"#, Some(6)),
+            (Api::Completions, r#"{"prompt":[[1],[2]],"n":"2"}"#, Some(4)),
+            (Api::Chat, r#"{"messages":[],"n":"3"}"#, Some(3)),
+            (
+                Api::Generate,
+                r#"{"text":["a","b"],"sampling_params":{"n":2}}"#,
+                Some(4),
+            ),
+            (
+                Api::Generate,
+                r#"{"text":"a","sampling_params":{"n":2}}"#,
+                Some(2),
+            ),
+            (
+                Api::Generate,
+                r#"{"input_ids":[[1],[2],[3]],"sampling_params":[{"n":2},{"n":2},{"n":2}]}"#,
+                Some(6),
+            ),
+            (
+                Api::Generate,
+                r#"{"text":"a","sampling_params":{"n":1}}"#,
+                None,
+            ),
         ];
         for (api, body, want) in cases {
             let h = c
@@ -331,6 +412,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// SGLang's expansion of the rooms sent (`_normalize_bootstrap_params`): a list
+    /// repeated n times, its first B·n entries used. The rooms sent here expand without
+    /// a repeat; one per prompt, as SGLang's router sends them, would not.
+    #[test]
+    fn the_rooms_sent_expand_without_a_repeat() {
+        fn expanded(rooms: &[u64], prompts: usize, n: usize) -> Vec<u64> {
+            let repeated: Vec<u64> = std::iter::repeat_n(rooms, n).flatten().copied().collect();
+            repeated[..prompts * n].to_vec()
+        }
+        let c = SglangBootstrap::new();
+        let r = route(Some(BootstrapPort(Some(8998))));
+        let body = r#"{"text":["a","b"],"sampling_params":{"n":2}}"#;
+        let h = c.prepare(&r, &req(Api::Generate, body)).unwrap();
+        let rooms: Vec<u64> =
+            serde_json::from_value(json(&h.prefill.body)["bootstrap_room"].clone()).unwrap();
+        let effective = expanded(&rooms, 2, 2);
+        let distinct: std::collections::HashSet<_> = effective.iter().collect();
+        assert_eq!(distinct.len(), 4, "{effective:?}");
+        assert_eq!(h.prefill.body.to_bytes(), h.decode.body.to_bytes());
+        // One room per prompt would give each prompt's samples one room.
+        assert_eq!(
+            expanded(&rooms[..2], 2, 2),
+            [rooms[0], rooms[1], rooms[0], rooms[1]]
+        );
+    }
+
+    #[test]
+    fn requests_expanding_past_the_ceiling_are_refused() {
+        let c = SglangBootstrap::new();
+        for (api, body) in [
+            (Api::Chat, r#"{"messages":[],"n":100000}"#),
+            (Api::Completions, r#"{"prompt":["a","b"],"n":40000}"#),
+            (
+                Api::Generate,
+                r#"{"text":"a","sampling_params":{"n":1000000000}}"#,
+            ),
+        ] {
+            let err = c.check(&req(api, body)).unwrap_err();
+            assert_eq!(err.param(), "n", "{body}");
+        }
+        let ok = req(Api::Chat, r#"{"messages":[],"n":65536}"#);
+        assert_eq!(c.check(&ok).unwrap(), Decision::Disaggregate);
     }
 
     #[test]

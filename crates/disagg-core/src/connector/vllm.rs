@@ -20,9 +20,28 @@
 //! When the answer's `kv_transfer_params` is missing, `null` or `{}` (the prefill ended
 //! "stopped" on older vLLM, or the engine runs no KV connector), `complete` reports
 //! [`KvOutcome::Missing`].
+//!
+//! A dict is checked before the decode sees it, as vLLM 0.33's decode reads it
+//! (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`
+//! `update_state_after_alloc`, `…/nixl/push_scheduler.py`): with `do_remote_prefill`
+//! true, a dict without `remote_block_ids` (or with none in them) trips an assertion in
+//! the decode's scheduler that kills its engine core, and one without
+//! `remote_engine_id`, `remote_request_id`, `remote_host` or `remote_port` parks the
+//! request waiting for KV that never comes (push mode: a `KeyError`, also fatal,
+//! without `remote_engine_id`, `remote_host`, `remote_port` or `tp_size`). So the dict
+//! is handed on only when `do_remote_prefill` is `true`, `remote_block_ids` holds at
+//! least one block id (a flat list, or one list per KV-cache group as 0.33 writes
+//! them), `remote_engine_id` and `remote_request_id` are non-empty strings,
+//! `remote_host` a non-empty string and `remote_port` a port number (and, when
+//! `transfer_mode` is `"push"`, `tp_size` a positive integer). Anything less is
+//! [`KvOutcome::Incomplete`]: the orchestrator treats it as a missing handoff. Other
+//! keys are not read (0.33 added `dcp_size`, `pp_size`, `transfer_mode`,
+//! `remote_registration_generation`, `remote_blocks_expiry_time`; later versions add
+//! more), and a dict that passes is still forwarded byte for byte.
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use serde_json::value::RawValue;
 
 use crate::connector::mooncake::set_rank;
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
@@ -138,6 +157,9 @@ impl KvConnector for VllmNixl {
         if is_empty_object(&params) {
             return Ok(KvOutcome::Missing);
         }
+        if let Err(problem) = check_handoff(&params) {
+            return Ok(KvOutcome::Incomplete { problem });
+        }
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(KvOutcome::Handed)
     }
@@ -148,6 +170,138 @@ impl KvConnector for VllmNixl {
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
         let (lo, hi) = (prefill_tp.min(decode_tp), prefill_tp.max(decode_tp));
         lo > 0 && hi % lo == 0
+    }
+}
+
+/// The keys of a prefill's handoff dict a vLLM 0.33 decode reads; the others stay raw
+/// and unread.
+#[derive(serde::Deserialize)]
+struct HandoffKeys<'a> {
+    #[serde(default, borrow)]
+    do_remote_prefill: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    remote_block_ids: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    remote_engine_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    remote_request_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    remote_host: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    remote_port: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    tp_size: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    transfer_mode: Option<&'a RawValue>,
+}
+
+/// Whether a prefill's handoff dict is one a vLLM 0.33 decode can take (see the
+/// [module docs](self)); the error says what is wrong.
+pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
+    let keys: HandoffKeys<'_> =
+        serde_json::from_slice(raw).map_err(|_| "kv_transfer_params does not parse")?;
+    if keys.do_remote_prefill.map(RawValue::get) != Some("true") {
+        return Err("do_remote_prefill is not true");
+    }
+    let blocks = keys
+        .remote_block_ids
+        .and_then(|b| serde_json::from_str::<BlockIds>(b.get()).ok());
+    if blocks.is_none_or(|BlockIds(n)| n == 0) {
+        return Err("remote_block_ids is missing or holds no block id");
+    }
+    if !non_empty_str(keys.remote_engine_id) {
+        return Err("remote_engine_id is missing or not a non-empty string");
+    }
+    if !non_empty_str(keys.remote_request_id) {
+        return Err("remote_request_id is missing or not a non-empty string");
+    }
+    if !non_empty_str(keys.remote_host) {
+        return Err("remote_host is missing or not a non-empty string");
+    }
+    let port = keys
+        .remote_port
+        .and_then(|p| serde_json::from_str::<u16>(p.get()).ok());
+    if port.is_none() {
+        return Err("remote_port is missing or not a port number");
+    }
+    let push = keys.transfer_mode.map(RawValue::get) == Some(r#""push""#);
+    let tp = keys
+        .tp_size
+        .and_then(|t| serde_json::from_str::<u32>(t.get()).ok());
+    if push && tp.is_none_or(|t| t == 0) {
+        return Err("tp_size is missing or not a positive integer (push mode)");
+    }
+    Ok(())
+}
+
+/// Whether `raw` is a JSON string with at least one character (a raw value is valid
+/// JSON, so a string longer than its two quotes holds something).
+fn non_empty_str(raw: Option<&RawValue>) -> bool {
+    raw.is_some_and(|v| v.get().starts_with('"') && v.get().len() > 2)
+}
+
+/// How many block ids `remote_block_ids` holds, counted as it is read, never kept: a
+/// flat list of ids (older vLLM) or a list of per-group lists (0.33). Anything else
+/// (a mix, a negative id, another type) does not deserialize.
+struct BlockIds(usize);
+
+impl<'de> serde::Deserialize<'de> for BlockIds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Outer;
+        impl<'de> serde::de::Visitor<'de> for Outer {
+            type Value = BlockIds;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of block ids, or of lists of block ids")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<BlockIds, A::Error> {
+                let mut total = 0usize;
+                let mut grouped = None;
+                while let Some(item) = seq.next_element::<Item>()? {
+                    let (is_group, n) = match item {
+                        Item::Id => (false, 1),
+                        Item::Group(n) => (true, n),
+                    };
+                    if *grouped.get_or_insert(is_group) != is_group {
+                        return Err(serde::de::Error::custom("block ids and groups mixed"));
+                    }
+                    total = total.saturating_add(n);
+                }
+                Ok(BlockIds(total))
+            }
+        }
+        d.deserialize_seq(Outer)
+    }
+}
+
+/// One element of `remote_block_ids`: an id, or a group of ids (counted).
+enum Item {
+    Id,
+    Group(usize),
+}
+
+impl<'de> serde::Deserialize<'de> for Item {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Item;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a block id or a list of block ids")
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Item, E> {
+                Ok(Item::Id)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+                let mut n = 0usize;
+                while seq.next_element::<u64>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Item::Group(n))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -258,6 +412,151 @@ mod tests {
             c.complete(&mut h, &answer(r#"{"choices":[}"#)).await,
             Err(ConnectorError::InvalidAnswer { .. })
         ));
+    }
+
+    /// vLLM 0.33's pull answer (`…/nixl/pull_scheduler.py` `request_finished`).
+    const V033: &str = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[12,13,14],[]],"remote_engine_id":"9b1c","remote_request_id":"chatcmpl-1-abcd0123","remote_host":"10.0.0.5","remote_port":5600,"tp_size":8,"dcp_size":1,"pp_size":1,"remote_num_tokens":40,"remote_blocks_expiry_time":null,"remote_registration_generation":3,"transfer_mode":"pull"}"#;
+
+    /// The handoff `dict` with `edit` applied to its keys.
+    fn edited(
+        dict: &str,
+        edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+    ) -> String {
+        let mut v: serde_json::Value = serde_json::from_str(dict).unwrap();
+        edit(v.as_object_mut().unwrap());
+        v.to_string()
+    }
+
+    async fn outcome_of(params: &str) -> (KvOutcome, JsonBody) {
+        let c = VllmNixl::new();
+        let mut h = c
+            .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))
+            .unwrap();
+        let a = answer(&format!(r#"{{"id":"x","kv_transfer_params":{params}}}"#));
+        let outcome = c.complete(&mut h, &a).await.unwrap();
+        (outcome, h.decode.body)
+    }
+
+    #[tokio::test]
+    async fn complete_dicts_of_every_generation_pass_verbatim() {
+        let push = edited(V033, |m| {
+            m.insert("transfer_mode".into(), "push".into());
+            m.remove("remote_blocks_expiry_time");
+            m.remove("remote_registration_generation");
+        });
+        let flat = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3],"remote_engine_id":"e","remote_request_id":"r","remote_host":"h","remote_port":5557}"#;
+        let unknown = edited(V033, |m| {
+            m.insert("a_key_of_vllm_0_40".into(), serde_json::json!({"x": [1.5]}));
+        });
+        // Odd spacing and key order stay as the engine wrote them.
+        let spaced = r#"{ "remote_port" : 1, "remote_host":"h" ,"do_remote_prefill": true,"remote_block_ids":[ [ 0 ] ],"remote_engine_id":"e\u00e9","remote_request_id":"r"}"#;
+        for params in [V033, &push, flat, &unknown, spaced] {
+            let (outcome, decode) = outcome_of(params).await;
+            assert_eq!(outcome, KvOutcome::Handed, "{params}");
+            assert_eq!(decode.get(KV_TRANSFER_PARAMS), Some(params.as_bytes()));
+        }
+    }
+
+    #[tokio::test]
+    async fn partial_dicts_are_incomplete_and_never_reach_the_decode() {
+        use serde_json::json;
+        type Edit = fn(&mut serde_json::Map<String, serde_json::Value>);
+        let cases: [(&str, Edit, &str); 17] = [
+            (
+                "no block ids",
+                |m| drop(m.remove("remote_block_ids")),
+                "remote_block_ids",
+            ),
+            (
+                "null block ids",
+                |m| drop(m.insert("remote_block_ids".into(), json!(null))),
+                "remote_block_ids",
+            ),
+            (
+                "empty block ids",
+                |m| drop(m.insert("remote_block_ids".into(), json!([]))),
+                "remote_block_ids",
+            ),
+            (
+                "empty groups",
+                |m| drop(m.insert("remote_block_ids".into(), json!([[], []]))),
+                "remote_block_ids",
+            ),
+            (
+                "mixed ids and groups",
+                |m| drop(m.insert("remote_block_ids".into(), json!([1, [2]]))),
+                "remote_block_ids",
+            ),
+            (
+                "negative id",
+                |m| drop(m.insert("remote_block_ids".into(), json!([[-1]]))),
+                "remote_block_ids",
+            ),
+            (
+                "string ids",
+                |m| drop(m.insert("remote_block_ids".into(), json!("1,2"))),
+                "remote_block_ids",
+            ),
+            (
+                "no engine id",
+                |m| drop(m.remove("remote_engine_id")),
+                "remote_engine_id",
+            ),
+            (
+                "empty engine id",
+                |m| drop(m.insert("remote_engine_id".into(), json!(""))),
+                "remote_engine_id",
+            ),
+            (
+                "no request id",
+                |m| drop(m.remove("remote_request_id")),
+                "remote_request_id",
+            ),
+            ("no host", |m| drop(m.remove("remote_host")), "remote_host"),
+            (
+                "null host",
+                |m| drop(m.insert("remote_host".into(), json!(null))),
+                "remote_host",
+            ),
+            ("no port", |m| drop(m.remove("remote_port")), "remote_port"),
+            (
+                "port out of range",
+                |m| drop(m.insert("remote_port".into(), json!(70000))),
+                "remote_port",
+            ),
+            (
+                "port as a string",
+                |m| drop(m.insert("remote_port".into(), json!("5600"))),
+                "remote_port",
+            ),
+            (
+                "not a remote prefill",
+                |m| drop(m.insert("do_remote_prefill".into(), json!(false))),
+                "do_remote_prefill",
+            ),
+            (
+                "push without tp_size",
+                |m| {
+                    m.insert("transfer_mode".into(), json!("push"));
+                    m.remove("tp_size");
+                },
+                "tp_size",
+            ),
+        ];
+        for (what, edit, field) in cases {
+            let params = edited(V033, edit);
+            let (outcome, decode) = outcome_of(&params).await;
+            match outcome {
+                KvOutcome::Incomplete { problem } => {
+                    assert!(problem.starts_with(field), "{what}: {problem}")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            assert!(decode.get(KV_TRANSFER_PARAMS).is_none(), "{what}");
+        }
+        // The same check for an answer whose dict is not an object of the right keys.
+        assert!(check_handoff(br#"{"do_remote_prefill":1}"#).is_err());
+        assert!(check_handoff(br#"{"do_remote_prefill":true,"do_remote_prefill":true}"#).is_err());
     }
 
     #[test]

@@ -140,6 +140,33 @@ pub enum ConnectorError {
         /// The field that was missing.
         field: &'static str,
     },
+    /// The prefill's answer carried a handoff the decode cannot use
+    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete)), and the
+    /// configuration fails such requests.
+    #[error("prefill endpoint {endpoint} returned an incomplete `{field}`: {problem}")]
+    IncompleteHandoff {
+        /// The prefill endpoint.
+        endpoint: EndpointId,
+        /// The handoff field.
+        field: &'static str,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
+    /// An engine's answer named a sequence the request does not have (an `index` past
+    /// its prompts times `n`): nothing is allocated for it, and the request fails.
+    #[error(
+        "prefill endpoint {endpoint} answered {what} {found}, beyond the request's {sequences} sequences"
+    )]
+    OutOfRange {
+        /// The endpoint.
+        endpoint: EndpointId,
+        /// What was out of range (`index`, `list length`).
+        what: &'static str,
+        /// The value the engine wrote.
+        found: String,
+        /// How many sequences the request has.
+        sequences: usize,
+    },
     /// The prefill's answer carried the handoff field in an unusable shape.
     #[error("prefill endpoint {endpoint} returned a malformed `{field}`")]
     InvalidHandoff {

@@ -93,7 +93,10 @@ impl KvRelease {
     }
 }
 
-/// What to do when the prefill answered 2xx but carried no KV handoff.
+/// What to do when the prefill answered 2xx but carried no KV handoff, or one the decode
+/// cannot use ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete): never
+/// sent on, counted in
+/// [`OrchestratorStats::invalid_handoffs`](super::OrchestratorStats::invalid_handoffs)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKv {
@@ -102,7 +105,8 @@ pub enum MissingKv {
     /// `x-disagg-handoff: none` and a warning is logged. The default.
     #[default]
     LocalPrefill,
-    /// Fail the request with 502.
+    /// Fail the request with 502 (`prefill_failed`, the message naming the prefill
+    /// endpoint and, for an incomplete handoff, what it lacked).
     Fail,
 }
 

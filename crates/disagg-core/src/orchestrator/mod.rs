@@ -160,6 +160,11 @@ pub struct OrchestratorStats {
     /// Requests the [`Tokenizer`] failed on (an error, or slower than
     /// [`OrchestratorConfig::tokenize_timeout`]): routed without token ids.
     pub tokenize_failures: u64,
+    /// Prefill answers whose KV handoff the decode engine could not use
+    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete): a vLLM NIXL
+    /// dict without block ids, engine id, host, port or request id). Never sent on;
+    /// each was then served as [`MissingKv`] says.
+    pub invalid_handoffs: u64,
 }
 
 /// Builds an [`Orchestrator`].
@@ -399,6 +404,7 @@ impl Orchestrator {
             invalid_params: load(&c.invalid_params),
             tokenized: load(&c.tokenized),
             tokenize_failures: load(&c.tokenize_failures),
+            invalid_handoffs: load(&c.invalid_handoffs),
         }
     }
 

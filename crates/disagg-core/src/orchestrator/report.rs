@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{Listener, Report, Summary, Verdict};
+use crate::outcome::{EngineCall, Listener, Report, Summary, Verdict};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -43,6 +43,13 @@ impl Reporter {
     pub(crate) fn summarize(&self, summary: &Summary) {
         for l in &self.listeners {
             l.on_request(summary);
+        }
+    }
+
+    /// Tell every listener how a call of an engine outside the legs ended.
+    pub(crate) fn engine_call(&self, call: &EngineCall) {
+        for l in &self.listeners {
+            l.on_engine_call(call);
         }
     }
 }

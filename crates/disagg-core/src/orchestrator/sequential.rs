@@ -23,6 +23,7 @@ use super::config::{KvRelease, MissingKv};
 use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
 use super::release::{KvHold, Release};
 use super::respond::{Exchange, LateMarks};
+use super::stats::bump;
 
 impl Inner {
     /// Prefill, fold its answer into the decode leg, then decode.
@@ -64,24 +65,10 @@ impl Inner {
         let mark = match handed {
             Ok(KvOutcome::Handed) => "kv",
             Ok(KvOutcome::Finished) => return Ok(finished(req, route, handoff)),
-            Ok(_) if self.config.missing_kv == MissingKv::LocalPrefill => {
-                tracing::warn!(
-                    request_id = ?req.request_id(),
-                    prefill = %handoff.prefill.endpoint.id(),
-                    "prefill returned no KV handoff; decode computes the prompt itself"
-                );
-                "none"
-            }
-            Ok(_) => {
-                let e = PdError::connector(
-                    Side::Prefill,
-                    ConnectorError::MissingHandoff {
-                        endpoint: handoff.prefill.endpoint.id().clone(),
-                        field: "kv handoff",
-                    },
-                );
-                return Err(Failure::prefill(&route, e, Verdict::NotSent));
-            }
+            Ok(outcome) => match self.missing_handoff(req, &handoff, outcome) {
+                Ok(mark) => mark,
+                Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+            },
             Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
         };
         if req.is_stream() && handoff.lead.is_some() {
@@ -116,6 +103,54 @@ impl Inner {
         ex.prefill = Verdict::Answered;
         ex.decode_sent = true;
         Ok(ex)
+    }
+
+    /// A prefill answer without a usable handoff ([`KvOutcome::Missing`], or
+    /// [`KvOutcome::Incomplete`], which is also counted and named in the log): the
+    /// decode leg goes without one (`"none"`) or the request fails, as
+    /// [`MissingKv`] says. The decode leg is left as `prepare` made it either way:
+    /// nothing of an incomplete handoff reaches the decode.
+    fn missing_handoff(
+        &self,
+        req: &PdRequest,
+        handoff: &Handoff,
+        outcome: KvOutcome,
+    ) -> Result<&'static str, PdError> {
+        let prefill = handoff.prefill.endpoint.id();
+        let incomplete = match outcome {
+            KvOutcome::Incomplete { problem } => {
+                bump(&self.counters.invalid_handoffs);
+                tracing::warn!(
+                    request_id = ?req.request_id(),
+                    %prefill,
+                    problem,
+                    "prefill returned an incomplete KV handoff; it is not sent to the decode"
+                );
+                Some(problem)
+            }
+            _ => None,
+        };
+        if self.config.missing_kv == MissingKv::LocalPrefill {
+            tracing::warn!(
+                request_id = ?req.request_id(),
+                %prefill,
+                "prefill returned no KV handoff; decode computes the prompt itself"
+            );
+            return Ok("none");
+        }
+        let endpoint = prefill.clone();
+        let e = match incomplete {
+            Some(problem) => ConnectorError::IncompleteHandoff {
+                endpoint,
+                field: "kv_transfer_params",
+                problem,
+            },
+            None => ConnectorError::MissingHandoff {
+                endpoint,
+                field: "kv handoff",
+            },
+        };
+        Err(PdError::connector(Side::Prefill, e))
     }
 
     /// What an early release of this request's KV needs, when it is on.

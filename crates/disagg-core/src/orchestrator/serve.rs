@@ -19,7 +19,7 @@ use super::body::PdBody;
 use super::clock::Clock;
 use super::config::{DEADLINE_HEADER, PrefillFailure};
 use super::respond::RequestMeta;
-use crate::outcome::{Report, Timeline};
+use crate::outcome::{EngineCall, Report, Timeline, Verdict};
 
 impl Inner {
     pub(super) async fn serve(
@@ -174,9 +174,37 @@ impl Inner {
 
     /// The request's token ids from `tokenizer`, within the tokenize budget. A failure
     /// leaves the request without ids: logged, counted, never an error of the request.
+    /// An engine the tokenizer asked that failed, or had not answered when the budget
+    /// ran out, is told to the listeners as a failed call of that engine.
     async fn tokenize(&self, tokenizer: &dyn crate::tokens::Tokenizer, req: &mut PdRequest) {
         let budget = self.config.tokenize_timeout;
-        let result = tokio::time::timeout(budget, tokenizer.token_ids(req.api(), req.body())).await;
+        let asked = crate::tokens::Asked::new();
+        let call = tokenizer.token_ids_asking(req.api(), req.body(), &asked);
+        let result = tokio::time::timeout(budget, call).await;
+        if let Some(engine) = asked.engine() {
+            let failed = match &result {
+                Ok(Ok(_)) => false,
+                Ok(Err(_)) | Err(_) => !asked.has_answered(),
+            };
+            let verdict = if failed {
+                Verdict::Failed
+            } else {
+                Verdict::Answered
+            };
+            if failed {
+                tracing::warn!(
+                    request_id = ?req.request_id(),
+                    engine = %engine.id(),
+                    timed_out = result.is_err(),
+                    "the engine asked for token ids failed; counted against it"
+                );
+            }
+            self.reporter.engine_call(&EngineCall {
+                endpoint: Arc::clone(engine),
+                call: "/tokenize",
+                verdict,
+            });
+        }
         match result {
             Ok(Ok(Some(ids))) => {
                 bump(&self.counters.tokenized);

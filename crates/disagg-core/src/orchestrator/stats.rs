@@ -17,6 +17,7 @@ pub(crate) struct Counters {
     pub(crate) invalid_params: AtomicU64,
     pub(crate) tokenized: AtomicU64,
     pub(crate) tokenize_failures: AtomicU64,
+    pub(crate) invalid_handoffs: AtomicU64,
     /// By reason. A short list (a handful of static reasons) behind a lock taken only
     /// for requests served direct, and never across an await.
     direct: std::sync::Mutex<Vec<(&'static str, u64)>>,

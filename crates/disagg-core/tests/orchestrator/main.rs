@@ -51,7 +51,7 @@ const CLIENT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]
 /// The handoff a vLLM prefill answers with, spaced and typed as no serializer would
 /// write it (`[[1, 2, 3]]`, `1.0`), so a decode leg that got it re-encoded rather than
 /// verbatim fails the comparison.
-const KV: &str = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1, 2, 3]],"remote_engine_id":"engine-7","remote_host":"10.0.0.5","remote_port":5600,"tp_size":1.0}"#;
+const KV: &str = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[1, 2, 3]],"remote_engine_id":"engine-7","remote_request_id":"chatcmpl-p-0a1b2c3d","remote_host":"10.0.0.5","remote_port":5600,"tp_size":1.0}"#;
 
 const DONE: &str = "data: [DONE]\n\n";
 

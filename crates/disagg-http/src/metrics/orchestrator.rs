@@ -31,6 +31,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 /// | `disagg_invalid_params_total` | counter | requests refused 400 before routing: a field the proxy rewrites holds a value the engines refuse |
 /// | `disagg_tokenized_total` | counter | requests whose prompt was tokenized for routing |
 /// | `disagg_tokenize_failures_total` | counter | requests whose prompt could not be tokenized in time (routed without token ids) |
+/// | `disagg_invalid_handoffs_total` | counter | prefill answers whose KV handoff the decode could not use (never sent on; served as `--missing-kv` says) |
 /// | `disagg_direct_total{reason}` | counter | requests served by a decode engine alone, by reason |
 /// | `disagg_endpoint_in_flight{role,endpoint}` | gauge | requests in flight on each endpoint of the set |
 pub struct OrchestratorCollector {
@@ -72,7 +73,7 @@ impl Collector for OrchestratorCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> fmt::Result {
         let s = self.orchestrator.stats();
         // Counters are named without `_total`: the encoders append it.
-        let rows: [(&str, &str, bool, u64); 15] = [
+        let rows: [(&str, &str, bool, u64); 16] = [
             ("disagg_requests", "Requests served.", false, s.requests),
             (
                 "disagg_requests_in_flight",
@@ -152,6 +153,12 @@ impl Collector for OrchestratorCollector {
                 "Requests whose prompt could not be tokenized (routed without token ids).",
                 false,
                 s.tokenize_failures,
+            ),
+            (
+                "disagg_invalid_handoffs",
+                "Prefill answers whose KV handoff the decode could not use (never sent on).",
+                false,
+                s.invalid_handoffs,
             ),
         ];
         for (name, help, gauge, value) in rows {

@@ -52,7 +52,19 @@ impl EndpointSource for HealthSource {
 /// Passive health: each leg's verdict counts for its endpoint in its role. An engine
 /// that answered (its 4xx included) works; one to blame failed; a leg that was not sent
 /// or was abandoned through no fault of its engine counts for nothing.
+///
+/// A call of an engine outside the legs (its `/tokenize`) that failed counts as a
+/// failure of that endpoint in its role, like a failed leg: an engine whose `/tokenize`
+/// hangs is ejected after `failure_threshold` of them, and the set the tokenizer picks
+/// from leaves it out. One that answered counts for nothing: an engine answering
+/// `/tokenize` may still fail its legs, and a success would reset their count.
 impl Listener for Health {
+    fn on_engine_call(&self, call: &EngineCall) {
+        if call.verdict == Verdict::Failed {
+            self.record(&call.endpoint, false);
+        }
+    }
+
     fn on_report(&self, report: &Report) {
         let legs = [
             (report.route.prefill.as_ref(), report.prefill),
