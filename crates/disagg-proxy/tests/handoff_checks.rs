@@ -1,7 +1,8 @@
 //! Engine answers and handoffs checked before they are used, with the real
 //! `disagg-proxy serve` binary in front of simulated engines over loopback: a prefill's
 //! partial vLLM NIXL handoff never reaches the decode (which it would kill or hang, as
-//! vLLM 0.33's does), SGLang rooms for every batch × `n` expansion, engine indexes
+//! vLLM 0.33's does), a room per prompt of an SGLang batch
+//! (and `n > 1`, which SGLang's engines cannot carry, refused before them), engine indexes
 //! checked against the request, reshaped SSE events under a size cap, and an engine
 //! whose `/tokenize` hangs ejected like any failing leg.
 
@@ -173,35 +174,21 @@ async fn sglang_proxy(p: &SimEngine, d: &SimEngine) -> Proxy {
 
 /// SGLang's expansion of a list of rooms for B prompts times n samples
 /// (`_normalize_bootstrap_params`): repeated n times, its first B·n entries.
-fn effective_rooms(rooms: &serde_json::Value, prompts: usize, n: usize) -> Vec<u64> {
-    let rooms: Vec<u64> = serde_json::from_value(rooms.clone()).expect("a list of rooms");
-    std::iter::repeat_n(&rooms, n)
-        .flatten()
-        .copied()
-        .take(prompts * n)
-        .collect()
-}
-
-/// B prompts times n samples, on `/generate` and on completions: the legs carry B·n
-/// distinct rooms (so SGLang's expansion repeats none), the same on both legs, and the
-/// request succeeds. A room per prompt (what the proxy sent before, and SGLang's own
-/// router sends) gives each prompt's samples one room, which collides.
+/// Batches on `/generate` and on completions: the legs carry a distinct room per
+/// prompt, the same on both legs, and the request succeeds. Sampling a prompt more than
+/// once (`n > 1`) is refused with 400 before any engine is asked: SGLang 0.5.23 gives a
+/// prompt's samples one room whatever the request carries, and the simulator, which
+/// does the same, fails such a request even with a distinct room per sample.
 #[tokio::test]
-async fn a_batch_sampled_several_times_gets_a_room_per_request_on_both_legs() {
+async fn a_batch_gets_a_room_per_prompt_and_samples_are_refused_before_the_engines() {
     let (p, d) = (
         sglang(SimRole::Prefill, Faults::default()).await,
         sglang(SimRole::Decode, Faults::default()).await,
     );
     let proxy = sglang_proxy(&p, &d).await;
-    let generate = json!({"text": ["one two", "three four five"], "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0.7}});
-    let completions = json!({"model": "sim-model", "prompt": ["one two", "three four five"], "max_tokens": 3, "n": 2, "temperature": 0.7});
-    let chat = json!({"model": "sim-model", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 3, "n": 3, "temperature": 0.7});
-    let cases = [
-        ("/generate", generate, 2, 2),
-        (COMPLETIONS, completions, 2, 2),
-        ("/v1/chat/completions", chat, 1, 3),
-    ];
-    for (path, body, prompts, n) in cases {
+    let generate = json!({"text": ["one two", "three four five"], "sampling_params": {"max_new_tokens": 3, "temperature": 0.7}});
+    let completions = json!({"model": "sim-model", "prompt": ["one two", "three four five"], "max_tokens": 3, "temperature": 0.7});
+    for (path, body) in [("/generate", generate), (COMPLETIONS, completions)] {
         for stream in [false, true] {
             p.clear_requests();
             d.clear_requests();
@@ -211,28 +198,56 @@ async fn a_batch_sampled_several_times_gets_a_room_per_request_on_both_legs() {
             assert_eq!(a.status, 200, "{path}: {}", a.text());
             let (pr, dr) = (&p.requests()[0], &d.requests()[0]);
             assert_eq!(pr.body, dr.body, "{path}: the same body on both legs");
-            let effective = effective_rooms(&pr.body["bootstrap_room"], prompts, n);
-            let distinct: std::collections::HashSet<_> = effective.iter().collect();
-            assert_eq!(distinct.len(), prompts * n, "{path}: {effective:?}");
-            assert_eq!(
-                pr.body["bootstrap_host"].as_array().map(Vec::len),
-                Some(prompts * n)
-            );
+            let rooms: Vec<u64> =
+                serde_json::from_value(pr.body["bootstrap_room"].clone()).expect("a list of rooms");
+            let distinct: std::collections::HashSet<_> = rooms.iter().collect();
+            assert_eq!((rooms.len(), distinct.len()), (2, 2), "{path}: {rooms:?}");
             if path == "/generate" && !stream {
-                assert_eq!(a.json().as_array().map(Vec::len), Some(prompts * n));
+                assert_eq!(a.json().as_array().map(Vec::len), Some(2));
             }
         }
     }
+    p.clear_requests();
+    d.clear_requests();
+    let sampled = [
+        (
+            "/generate",
+            json!({"text": ["one two", "three"], "sampling_params": {"max_new_tokens": 3, "n": 2}}),
+            "sampling_params.n",
+        ),
+        (
+            COMPLETIONS,
+            json!({"model": "sim-model", "prompt": ["one two", "three"], "max_tokens": 3, "n": 2}),
+            "n",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "sim-model", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 3, "n": 3}),
+            "n",
+        ),
+    ];
+    for (path, body, param) in sampled {
+        let a = post(&proxy.url(), path, &body.to_string()).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.text());
+        assert_eq!(a.json()["error"]["param"], param, "{path}");
+    }
+    assert!(p.requests().is_empty() && d.requests().is_empty());
     assert_eq!(p.stats().kv_transfers_pending, 0);
-    // The simulator expands as SGLang does: one room per prompt collides.
+    // The engine itself cannot carry them: even a distinct room per sample collides,
+    // since its tokenizer manager sends a prompt's samples with the prompt's room.
     let port = p.bootstrap_addr().unwrap().port();
-    let mut per_prompt =
+    let mut per_sample =
         json!({"text": ["one two", "three four five"], "sampling_params": {"n": 2}});
-    per_prompt["bootstrap_host"] = json!(["127.0.0.1", "127.0.0.1"]);
-    per_prompt["bootstrap_port"] = json!([port, port]);
-    per_prompt["bootstrap_room"] = json!([5, 6]);
-    let r = post(&p.url(), "/generate", &per_prompt.to_string()).await;
-    assert_eq!(r.status, 400, "{}", r.text());
+    per_sample["bootstrap_host"] = json!(vec!["127.0.0.1"; 4]);
+    per_sample["bootstrap_port"] = json!(vec![port; 4]);
+    per_sample["bootstrap_room"] = json!([5, 6, 7, 8]);
+    let r = post(&p.url(), "/generate", &per_sample.to_string()).await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(
+        r.text().contains("Duplicate or cancelled bootstrap room"),
+        "{}",
+        r.text()
+    );
 }
 
 /// A prefill whose `/generate` answer names a sequence the request does not have fails

@@ -255,9 +255,10 @@
 //!
 //! SGLang 0.5.23's own tokenizer manager then sends each prompt's samples
 //! (and a `max_new_tokens: 0` warm-up) with the room of the prompt's first
-//! element (`managers/tokenizer_manager.py` `_handle_batch_request`); the
-//! simulator models the expansion of the fields, not that fan-out, so it
-//! takes `n > 1` over P/D where SGLang 0.5.23 itself may not.
+//! element (`managers/tokenizer_manager.py` `_handle_batch_request`), so
+//! with `n > 1` a prompt's room is taken several times and its KV transfer
+//! fails whatever rooms the request carried: the simulator answers such a
+//! request 500 ("Duplicate or cancelled bootstrap room"), on both sides.
 //!
 //! * **Prefill** (`--disaggregation-mode prefill`, with a bootstrap server at
 //!   [`SimEngine::bootstrap_addr`]). `bootstrap_room` is required. After the

@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::io;
 use std::time::Duration;
 
+use http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use tokio::io::BufReader;
@@ -287,6 +288,23 @@ pub(crate) fn elements(
             prefill_rank: placement.ranks.prefill_rank,
             digest: kv_digest(model, block_size, prompt.iter().copied()),
         });
+    }
+    // SGLang 0.5.23's tokenizer manager then sends a prompt's `n` samples, and a
+    // `max_new_tokens: 0` warm-up before them, to its scheduler each with the room of
+    // the prompt's first element (`managers/tokenizer_manager.py`
+    // `_handle_batch_request`): with `n > 1` every prompt's room is taken several
+    // times, which the engines' KV managers refuse, whatever rooms the request carried.
+    if expansion.samples > 1
+        && let Some(first) = out.first()
+    {
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!(
+                "KV transfer failed: Duplicate or cancelled bootstrap room {}: the {} samples \
+                 of a prompt (and its warm-up) share the room of its first element",
+                first.room, expansion.samples
+            ),
+        ));
     }
     Ok(out)
 }

@@ -7,15 +7,15 @@
 //!   prefill engine, started with `--disaggregation-mode prefill`, only prefills), plus
 //!   `bootstrap_host` (the prefill endpoint's host), `bootstrap_port` (its
 //!   `--disaggregation-bootstrap-port`, or `null`) and `bootstrap_room` (a 63-bit id);
-//! - a request SGLang expands into several (SGLang 0.5.23 `srt/managers/io_struct.py`
-//!   `GenerateReqInput.normalize_batch_and_arguments`: B prompts times `n` samples;
-//!   chat has one prompt, completions a batch when `prompt` is a list of prompts,
-//!   `/generate` when `text` or `input_ids` is one) gets arrays of the three, with
-//!   B·n elements and a distinct room each. SGLang repeats a *list* `n` times and uses
-//!   its first B·n entries (`_normalize_bootstrap_params`), so a list of one room per
-//!   prompt, as SGLang's own router sends, gives every sample of a prompt the same
-//!   room when B > 1; B·n distinct rooms never repeat. Past [`MAX_SEQUENCES`] the
-//!   request is refused;
+//! - a batch of B prompts (completions when `prompt` is a list of prompts, `/generate`
+//!   when `text` or `input_ids` is one) gets arrays of the three, with B elements and a
+//!   distinct room each (SGLang 0.5.23 `srt/managers/io_struct.py`
+//!   `_normalize_bootstrap_params` gives element `i` the list's entry `i`); past
+//!   [`MAX_SEQUENCES`] prompts the request is refused. A request sampling a prompt
+//!   more than once (`n > 1`) is refused: SGLang's tokenizer manager sends a prompt's
+//!   samples, and a warm-up, each with the prompt's room
+//!   (`managers/tokenizer_manager.py` `_handle_batch_request`), where their KV
+//!   transfers collide whatever rooms the request carries;
 //! - when the route names data-parallel ranks, the two legs differ, as SGLang reads them
 //!   (`io_struct.py` `GenerateReqInput`, `disaggregation/common/conn.py`,
 //!   `disaggregation/decode.py`): the prefill gets `routed_dp_rank = p` and
@@ -173,14 +173,41 @@ impl KvConnector for SglangBootstrap {
         "sglang"
     }
 
-    /// A request that would expand to more than [`MAX_SEQUENCES`] engine requests is
-    /// refused (400 on `n`).
+    /// A batch of more than [`MAX_SEQUENCES`] prompts is refused (400 on its prompt
+    /// field), and so is a request sampling a prompt more than once (`n > 1`):
+    /// SGLang 0.5.23's tokenizer manager sends a prompt's samples, and a warm-up before
+    /// them, each with the room of the prompt's first element
+    /// (`managers/tokenizer_manager.py` `_handle_batch_request`), so under P/D they
+    /// collide on one room whatever rooms the proxy sends ("Duplicate or cancelled
+    /// bootstrap room"); the client gets a clear 400 before any engine is asked.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        let samples = match req.api() {
+            Api::Generate => generate::samples(req.body()),
+            Api::Chat | Api::Completions => openai_n(req.body()),
+        };
+        if samples > 1 {
+            let param = match req.api() {
+                Api::Generate => "sampling_params.n",
+                Api::Chat | Api::Completions => "n",
+            };
+            return Err(InvalidParam::new(
+                param,
+                format!(
+                    "{samples} samples of a prompt cannot be disaggregated on SGLang: its \
+                     engines give a prompt's samples one bootstrap room, where their KV \
+                     transfers collide; send {samples} requests of one sample instead"
+                ),
+            ));
+        }
         match expansion(req.api(), req.body()) {
             Some(n) if n > MAX_SEQUENCES => Err(InvalidParam::new(
-                "n",
+                match req.api() {
+                    Api::Generate => "text",
+                    Api::Chat | Api::Completions => "prompt",
+                },
                 format!(
-                    "the request expands to {n} sequences (prompts times n); at most {MAX_SEQUENCES} are carried"
+                    "a batch of {n} prompts, each with a bootstrap room of its own on both \
+                     legs; at most {MAX_SEQUENCES} are carried"
                 ),
             )),
             _ => Ok(Decision::Disaggregate),
@@ -418,43 +445,47 @@ mod tests {
     /// repeated n times, its first B·n entries used. The rooms sent here expand without
     /// a repeat; one per prompt, as SGLang's router sends them, would not.
     #[test]
-    fn the_rooms_sent_expand_without_a_repeat() {
-        fn expanded(rooms: &[u64], prompts: usize, n: usize) -> Vec<u64> {
-            let repeated: Vec<u64> = std::iter::repeat_n(rooms, n).flatten().copied().collect();
-            repeated[..prompts * n].to_vec()
-        }
+    fn a_batch_gets_distinct_rooms_equal_on_both_legs() {
         let c = SglangBootstrap::new();
         let r = route(Some(BootstrapPort(Some(8998))));
-        let body = r#"{"text":["a","b"],"sampling_params":{"n":2}}"#;
+        let body = r#"{"text":["a","b","c"]}"#;
         let h = c.prepare(&r, &req(Api::Generate, body)).unwrap();
         let rooms: Vec<u64> =
             serde_json::from_value(json(&h.prefill.body)["bootstrap_room"].clone()).unwrap();
-        let effective = expanded(&rooms, 2, 2);
-        let distinct: std::collections::HashSet<_> = effective.iter().collect();
-        assert_eq!(distinct.len(), 4, "{effective:?}");
+        let distinct: std::collections::HashSet<_> = rooms.iter().collect();
+        assert_eq!(distinct.len(), 3, "{rooms:?}");
         assert_eq!(h.prefill.body.to_bytes(), h.decode.body.to_bytes());
-        // One room per prompt would give each prompt's samples one room.
-        assert_eq!(
-            expanded(&rooms[..2], 2, 2),
-            [rooms[0], rooms[1], rooms[0], rooms[1]]
-        );
     }
 
     #[test]
-    fn requests_expanding_past_the_ceiling_are_refused() {
+    fn samples_of_a_prompt_and_batches_past_the_ceiling_are_refused() {
         let c = SglangBootstrap::new();
-        for (api, body) in [
-            (Api::Chat, r#"{"messages":[],"n":100000}"#),
-            (Api::Completions, r#"{"prompt":["a","b"],"n":40000}"#),
+        // SGLang gives a prompt's samples one room: n > 1 cannot be disaggregated.
+        for (api, body, param) in [
+            (Api::Chat, r#"{"messages":[],"n":2}"#, "n"),
+            (Api::Completions, r#"{"prompt":["a","b"],"n":"2"}"#, "n"),
             (
                 Api::Generate,
-                r#"{"text":"a","sampling_params":{"n":1000000000}}"#,
+                r#"{"text":"a","sampling_params":{"n":2}}"#,
+                "sampling_params.n",
             ),
         ] {
             let err = c.check(&req(api, body)).unwrap_err();
-            assert_eq!(err.param(), "n", "{body}");
+            assert_eq!(err.param(), param, "{body}");
         }
-        let ok = req(Api::Chat, r#"{"messages":[],"n":65536}"#);
+        for ok in [r#"{"messages":[],"n":1}"#, r#"{"messages":[]}"#] {
+            assert_eq!(
+                c.check(&req(Api::Chat, ok)).unwrap(),
+                Decision::Disaggregate
+            );
+        }
+        // A batch gets a room per prompt, up to the ceiling.
+        let batch = |n: usize| format!(r#"{{"prompt":[{}]}}"#, vec![r#""a""#; n].join(","));
+        let err = c
+            .check(&req(Api::Completions, &batch(MAX_SEQUENCES + 1)))
+            .unwrap_err();
+        assert_eq!(err.param(), "prompt");
+        let ok = req(Api::Completions, &batch(MAX_SEQUENCES));
         assert_eq!(c.check(&ok).unwrap(), Decision::Disaggregate);
     }
 
