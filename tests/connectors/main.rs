@@ -154,8 +154,10 @@ async fn mooncake_outputs_equal_a_direct_run() {
 // === batches ===
 
 #[tokio::test]
-async fn sglang_batches_get_one_distinct_room_per_sequence() {
+async fn sglang_batches_get_one_distinct_room_per_prompt_and_samples_are_refused() {
     let s = stack(Protocol::Sglang, engine(), engine()).await;
+    // SGLang 0.5.23 gives a prompt's samples one bootstrap room inside the engine,
+    // whatever rooms the request carries: n > 1 is refused before any engine is asked.
     let chat_n3 = json!({
         "model": "sim-model",
         "messages": [{"role": "user", "content": "count the stars"}],
@@ -163,6 +165,10 @@ async fn sglang_batches_get_one_distinct_room_per_sequence() {
         "n": 3,
     })
     .to_string();
+    let refused = post(&s.url, "/v1/chat/completions", chat_n3, &[]).await;
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(refused.json()["error"]["param"], "n");
+    assert!(s.p().requests().is_empty() && s.d().requests().is_empty());
     let prompts2 = json!({
         "model": "sim-model",
         "prompt": ["alpha beta", "gamma delta epsilon"],
@@ -170,10 +176,7 @@ async fn sglang_batches_get_one_distinct_room_per_sequence() {
         "stream": true,
     })
     .to_string();
-    for (path, body, n) in [
-        ("/v1/chat/completions", &chat_n3, 3),
-        ("/v1/completions", &prompts2, 2),
-    ] {
+    for (path, body, n) in [("/v1/completions", &prompts2, 2)] {
         s.p().clear_requests();
         s.d().clear_requests();
         let a = post(&s.url, path, body.clone(), &[]).await;
