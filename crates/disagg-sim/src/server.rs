@@ -771,6 +771,9 @@ async fn accept_http(
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    // Without the `tls` feature the acceptor is an `Option<Infallible>`,
+                    // which is `Copy`; with it, an `Arc` to clone.
+                    #[allow(clippy::clone_on_copy)]
                     connections.spawn(serve_http(inner.clone(), stream, tls.clone()));
                 }
                 Err(e) => accept_error(&e).await,
