@@ -190,6 +190,12 @@
 //! path, every header (e.g. `x-request-id`, `x-data-parallel-rank`,
 //! `traceparent`, in order, see [`RecordedRequest::header`]) and the JSON
 //! body, so a test can assert what each leg carried.
+//! [`SimEngine::received`] keeps the head (method, path as it came, query,
+//! headers) of every request on every route but `GET /stats`: health checks,
+//! model lists, `/tokenize`, the Responses API, unknown paths.
+//!
+//! Routes are matched on the percent-decoded path, as uvicorn hands it to
+//! Starlette: `/%72eset_prefix_cache` is `/reset_prefix_cache`.
 //!
 //! # Prefill/decode disaggregation
 //!
@@ -620,6 +626,7 @@ mod lmcache;
 mod mooncake;
 mod native;
 mod prefix_cache;
+mod received;
 mod rendezvous;
 mod server;
 mod sglang;
@@ -635,6 +642,7 @@ pub use kv::{
     SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
 pub use kv_events::KvEventsConfig;
+pub use received::ReceivedRequest;
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

@@ -95,6 +95,8 @@ struct Inner {
     /// Mooncake prefill: KV held by (engine id, transfer id).
     transfers: Arc<kv::Transfers>,
     recorded: Mutex<VecDeque<Recorded>>,
+    /// The head of every request, on every route.
+    received: crate::received::Ring,
     next_id: AtomicU64,
     id_salt: u64,
     /// Turns true when the engine stops (ends the tasks sending release notices).
@@ -413,6 +415,7 @@ impl SimEngine {
             rooms: sglang::Rooms::default(),
             transfers: Arc::default(),
             recorded: Mutex::default(),
+            received: crate::received::Ring::default(),
             next_id: AtomicU64::new(0),
             id_salt: salt,
             stop: stop_rx.clone(),
@@ -658,6 +661,18 @@ impl SimEngine {
     /// Forgets the recorded requests.
     pub fn clear_requests(&self) {
         lock(&self.inner.recorded).clear();
+    }
+
+    /// The heads of the last requests received on any route but `GET /stats`, oldest
+    /// first (at most [`SimConfig::record_requests`]; see
+    /// [`ReceivedRequest`](crate::ReceivedRequest)).
+    pub fn received(&self) -> Vec<crate::ReceivedRequest> {
+        self.inner.received.list()
+    }
+
+    /// Forgets the received heads.
+    pub fn clear_received(&self) {
+        self.inner.received.clear();
     }
 
     /// The faults currently injected.
@@ -947,13 +962,16 @@ where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    inner.received.record(&req, inner.config.record_requests);
+    // Routed by its decoded path, as uvicorn hands it to Starlette.
+    let routed = crate::received::routed_path(req.uri().path()).into_owned();
     if let Some(key) = &inner.config.api_key
-        && req.uri().path() != "/stats"
+        && routed != "/stats"
         && !has_key(req.headers(), key)
     {
         bump(&inner.counters.requests_without_key);
         // vLLM guards the OpenAI routes only (`/v1...`), answering its own error shape.
-        if req.uri().path().starts_with("/v1") {
+        if routed.starts_with("/v1") {
             bump(&inner.counters.unauthorized);
             return json_response(
                 StatusCode::UNAUTHORIZED,
@@ -963,7 +981,7 @@ where
         }
     }
     let sglang = matches!(inner.config.kv_mode, KvMode::Sglang(_));
-    let route = match (req.method(), req.uri().path()) {
+    let route = match (req.method(), routed.as_str()) {
         (&Method::GET, "/health") => return Response::new(SimBody::empty()),
         (&Method::GET, "/v1/models") => {
             let models = surface::models(&inner.config, &inner.loras, inner.created);
