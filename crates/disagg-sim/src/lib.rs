@@ -229,7 +229,11 @@
 //!   `"KV transfer failed: ..."` before any response head, like vLLM with
 //!   `kv_load_failure_policy="fail"`. Parameters vLLM deems invalid (missing
 //!   keys, empty `remote_block_ids`) are ignored and the prompt is prefilled
-//!   locally.
+//!   locally. With [`SimConfig::decode_handoff`] a decode answers with a
+//!   `kv_transfer_params` of its own (`do_remote_decode: true`, its engine id,
+//!   host, side-channel port and block ids), as vLLM 0.33's bidirectional
+//!   NIXL does: in a whole answer, on each choice's terminal stream chunk and
+//!   in a Responses answer's final `response`.
 //!
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!
@@ -619,6 +623,7 @@ mod body;
 mod config;
 mod dp;
 mod generate;
+mod handoff;
 mod kv;
 mod kv_events;
 mod lax;

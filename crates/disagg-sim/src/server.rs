@@ -1079,6 +1079,18 @@ where
                 Err(e) => return error_response(&e, None),
             };
             let answer = surface::Responses::new(&request, config, &request_id, unix_now());
+            let handoff = (config.decode_handoff && config.kv_mode == KvMode::Nixl).then(|| {
+                let own = crate::handoff::own(
+                    &inner.engine_id,
+                    &config.advertised_host,
+                    inner.side_channel_port,
+                    &request_id,
+                    answer.tokens(),
+                    config.block_size,
+                );
+                serde_json::to_value(own).unwrap_or(Value::Null)
+            });
+            let answer = answer.with_handoff(handoff);
             if request.stream {
                 let events = match answer.events() {
                     Ok(events) => events,
@@ -1778,6 +1790,12 @@ async fn serve_completion(
     let params = request.kv_transfer_params.as_ref();
     let is_prefill = matches!(plan, Plan::PushPrefill)
         || matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+    // A bidirectional NIXL decode answers with a handoff of its own (below).
+    let own_handoff = config.decode_handoff
+        && config.kv_mode == KvMode::Nixl
+        && matches!(plan, Plan::Nixl | Plan::Plain)
+        && !request.beam_search
+        && !is_prefill;
 
     // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
     // cancellation tells the prefill to free the blocks (vLLM's decode worker
@@ -2024,6 +2042,18 @@ async fn serve_completion(
         None
     };
 
+    let own_handoff = own_handoff.then(|| {
+        let generated: u64 = choices.iter().map(|c| c.steps.len() as u64).sum();
+        crate::handoff::own(
+            &inner.engine_id,
+            &config.advertised_host,
+            inner.side_channel_port,
+            request_id,
+            request.prompt_tokens + generated,
+            config.block_size,
+        )
+    });
+
     if let Some(native) = request.native {
         let native = NativeParts {
             native,
@@ -2063,6 +2093,9 @@ async fn serve_completion(
             delay: config.inter_token_delay,
             drop_after: faults.drop_after_chunks,
             stall_after: faults.stall_after_chunks,
+            handoff: own_handoff
+                .as_ref()
+                .and_then(|h| serde_json::to_string(h).ok()),
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();
@@ -2101,7 +2134,7 @@ async fn serve_completion(
                     .and_then(|c| c.ids.first().copied())
                     .unwrap_or(EOS_TOKEN_ID),
             })),
-            None => None,
+            None => own_handoff.as_ref().map(KvParamsField::Params),
         },
     };
     let body = match answer.render() {
