@@ -34,6 +34,7 @@ pub mod forward;
 pub mod layer;
 pub mod metrics;
 pub mod models;
+pub mod path;
 pub mod routes;
 pub mod server;
 pub mod service;
