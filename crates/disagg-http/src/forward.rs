@@ -9,6 +9,12 @@
 //! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes)), the
 //! engine's to the client frame by frame. Only when the fleet serves several models is
 //! the client's body read whole first, to find its `model`.
+//!
+//! What goes to the engine is the proxy's to decide, as on the legs: the client's
+//! headers lose those that describe one connection, the client's credentials and the
+//! engines' routing headers ([`forwardable_header`]: `authorization` only with
+//! [`forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
+//! and `accept-encoding` (the proxy reads the answers it relays).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -20,6 +26,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::orchestrator::forwardable_header;
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
@@ -54,7 +61,26 @@ fn hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
+/// An answer's headers without those that describe one connection.
 fn strip(headers: &mut HeaderMap) {
+    strip_where(headers, hop_by_hop);
+}
+
+/// A client's headers as an engine may see them: without those that describe one
+/// connection, without what [`forwardable_header`] keeps from every engine (the client's
+/// credentials unless `forward_authorization` says otherwise for `authorization`, the
+/// engines' routing and identity headers), and without `accept-encoding`: the proxy
+/// reads the answers it relays, so it asks for them unencoded.
+fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
+    strip_where(headers, |n| {
+        hop_by_hop(n)
+            || *n == header::ACCEPT_ENCODING
+            || !forwardable_header(n, forward_authorization)
+    });
+}
+
+/// Remove the headers `connection` names, then those `drop` picks.
+fn strip_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -65,8 +91,8 @@ fn strip(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    let hop: Vec<HeaderName> = headers.keys().filter(|n| hop_by_hop(n)).cloned().collect();
-    for name in hop {
+    let gone: Vec<HeaderName> = headers.keys().filter(|n| drop(n)).cloned().collect();
+    for name in gone {
         headers.remove(name);
     }
 }
@@ -112,7 +138,8 @@ impl Inner {
         *out.method_mut() = parts.method;
         *out.uri_mut() = uri;
         *out.headers_mut() = parts.headers;
-        strip(out.headers_mut());
+        let config = self.orchestrator.config();
+        strip_request(out.headers_mut(), config.forward_authorization);
         let guard = endpoint.track();
         let transport = self.orchestrator.transport();
         let sent = match transport.send_streaming(out) {
@@ -126,7 +153,6 @@ impl Inner {
                 }
             }
         };
-        let config = self.orchestrator.config();
         let head = match tokio::time::timeout(config.decode_head_timeout, sent).await {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
@@ -215,8 +241,9 @@ impl Inner {
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut headers = parts.headers.clone();
-        strip(&mut headers);
-        let timeout = self.orchestrator.config().decode_head_timeout;
+        let config = self.orchestrator.config();
+        strip_request(&mut headers, config.forward_authorization);
+        let timeout = config.decode_head_timeout;
         let transport = self.orchestrator.transport();
         let sends = targets.iter().map(|ep| {
             let mut out = Request::new(bytes.clone());

@@ -72,6 +72,7 @@ mod stats;
 
 pub use body::PdBody;
 pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
+pub use legs::{forwardable_header, is_engine_directive};
 
 pub(crate) use report::verdict;
 use stats::Counters;
