@@ -14,7 +14,10 @@
 //! headers lose those that describe one connection, the client's credentials and the
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
 //! [`forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
-//! and `accept-encoding` (the proxy reads the answers it relays).
+//! and `accept-encoding` (the proxy reads the answers it relays). What comes back too:
+//! the engine's KV handoff is overwritten in its answer ([`scrub_answer`]), and a
+//! redirect to the engine's own address or an encoding the client did not accept is
+//! answered 502 naming the engine ([`unrelayable`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -26,6 +29,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::orchestrator::answer::{scrub_answer, unrelayable};
 use disagg_core::orchestrator::forwardable_header;
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
@@ -36,7 +40,7 @@ use http_body_util::BodyExt;
 use sync_wrapper::SyncWrapper;
 
 use crate::body;
-use crate::error::pd_error_response;
+use crate::error::{error_response, pd_error_response};
 use crate::service::{Inner, collect_limited, json_response};
 
 /// The answer's marker for a generation served by a decode engine alone.
@@ -121,6 +125,7 @@ impl Inner {
         } else {
             (ClientBody::stream(body, self.config.max_body_bytes), None)
         };
+        let accept_encoding = parts.headers.get(header::ACCEPT_ENCODING).cloned();
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
             Ok(ep) => ep,
             Err(err) => return pd_error_response(&PdError::route(err)),
@@ -164,6 +169,10 @@ impl Inner {
             }
         };
         let (mut parts, body) = head.into_parts();
+        if let Some(why) = unrelayable(parts.status, &parts.headers, accept_encoding.as_ref()) {
+            // The body goes with the head: the engine's connection closes.
+            return not_relayed(side, &endpoint, &why);
+        }
         strip(&mut parts.headers);
         if direct {
             parts
@@ -175,7 +184,8 @@ impl Inner {
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let body = EngineBody::new(body, guard, config.decode_idle_timeout);
-        Response::from_parts(parts, PdBody::forward(body.boxed(), sse))
+        let body = scrub_answer(&parts.headers, body.boxed());
+        Response::from_parts(parts, PdBody::forward(body, sse))
     }
 
     /// The engine for a forwarded request naming `model`: among the engines serving it
@@ -269,6 +279,20 @@ impl Inner {
             budget: &self.config.body_budget,
         }
     }
+}
+
+/// The 502 for an engine answer that is not relayed ([`unrelayable`]), naming the engine.
+fn not_relayed(side: Side, endpoint: &Endpoint, why: &str) -> Response<PdBody> {
+    let message = format!(
+        "{side} endpoint {} sent an unusable answer: {why}",
+        endpoint.id()
+    );
+    tracing::warn!(%message, "engine answer not relayed");
+    let code = match side {
+        Side::Prefill => "prefill_failed",
+        _ => "decode_failed",
+    };
+    error_response(StatusCode::BAD_GATEWAY, &message, "server_error", code)
 }
 
 /// One engine's answer to a fanned-out request: its status and body, or why none came.
