@@ -6,9 +6,11 @@
 //! timeout between chunks of its answer, the healthy endpoints of the source, and
 //! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow.
 //! Both bodies stream: the client's to the engine as it arrives (within
-//! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes)), the
-//! engine's to the client frame by frame. Only when the fleet serves several models is
-//! the client's body read whole first, to find its `model`.
+//! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
+//! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout): past them,
+//! 413 or 408 and the connection closed, as for an orchestrated body), the engine's to
+//! the client frame by frame. Only when the fleet serves several models is the client's
+//! body read whole first, to find its `model`; a fanned-out body is always read whole.
 //!
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
@@ -21,8 +23,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -112,6 +114,8 @@ impl Inner {
     {
         let set = self.orchestrator.source().snapshot();
         let (parts, body) = req.into_parts();
+        // What went wrong with a streamed client body, when it was the client's fault.
+        let failed = Arc::new(OnceLock::new());
         // The body is read for its `model` only when the model decides the engine.
         let (body, model) = if set.served_models().len() > 1 && may_have_body(&parts.headers) {
             let limits = self.limits();
@@ -120,10 +124,15 @@ impl Inner {
                     let model = model_of(&bytes);
                     (ClientBody::whole(bytes), model)
                 }
-                Err(err) => return pd_error_response(&err),
+                Err(err) => return body_refused(&err),
             }
         } else {
-            (ClientBody::stream(body, self.config.max_body_bytes), None)
+            let limits = StreamLimits {
+                max_bytes: self.config.max_body_bytes,
+                timeout: self.config.body_timeout,
+                failed: Arc::clone(&failed),
+            };
+            (ClientBody::stream(body, limits), None)
         };
         let accept_encoding = parts.headers.get(header::ACCEPT_ENCODING).cloned();
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
@@ -161,6 +170,10 @@ impl Inner {
         let head = match tokio::time::timeout(config.decode_head_timeout, sent).await {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
+                // The client's body failed the exchange (too slow, too large): its error.
+                if let Some(client) = failed.get() {
+                    return body_refused(client);
+                }
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
             Err(_) => {
@@ -229,7 +242,7 @@ impl Inner {
         let (parts, body) = req.into_parts();
         let bytes = match body::read(body, self.limits()).await {
             Ok((bytes, _share)) => bytes,
-            Err(err) => return pd_error_response(&err),
+            Err(err) => return body_refused(&err),
         };
         let set = self.orchestrator.source().snapshot();
         let model = model_of(&bytes);
@@ -279,6 +292,15 @@ impl Inner {
             budget: &self.config.body_budget,
         }
     }
+}
+
+/// The answer to a client body that could not be read (too large, too slow, over the
+/// budget): its error, and the connection closed, as the rest of the body is unread.
+fn body_refused(err: &PdError) -> Response<PdBody> {
+    let mut resp = pd_error_response(err);
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
 /// The 502 for an engine answer that is not relayed ([`unrelayable`]), naming the engine.
@@ -404,8 +426,21 @@ fn model_of(bytes: &Bytes) -> Option<String> {
     serde_json::from_slice::<String>(&raw).ok()
 }
 
-/// A client's request body on its way to the engine: streamed frame by frame (and cut
-/// past the body limit), or whole when it was read to find its model.
+/// The limits of a client body streamed to an engine, and where a breach is told.
+struct StreamLimits {
+    /// The largest body (413 past it).
+    max_bytes: usize,
+    /// Time for the whole body, from when it is first waited for (408 past it).
+    timeout: Duration,
+    /// Set to the client's error when the body breaks a limit: the exchange then fails,
+    /// and the forwarding answers with this instead of the engine's failure.
+    failed: Arc<OnceLock<PdError>>,
+}
+
+/// A client's request body on its way to the engine: streamed frame by frame (cut past
+/// the body limit, and past the body timeout, which runs as
+/// [`body::read`](crate::body)'s does: from the first wait, for the whole body), or
+/// whole when it was read to find its model.
 ///
 /// `Sync` as the transport's body must be, though the client's body need not be: it
 /// sits in a [`SyncWrapper`], reached only through `&mut`.
@@ -414,10 +449,23 @@ struct ClientBody {
     hint: SizeHint,
     left: u64,
     ended: bool,
+    limits: Option<StreamLimits>,
+    /// Armed at the first wait for the client.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl ClientBody {
-    fn stream<B>(body: B, limit: usize) -> Self
+    fn stream<B>(body: B, limits: StreamLimits) -> Self
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let left = limits.max_bytes as u64;
+        Self::new(body, left, Some(limits))
+    }
+
+    fn new<B>(body: B, left: u64, limits: Option<StreamLimits>) -> Self
     where
         B: Body + Send + 'static,
         B::Data: Send,
@@ -431,14 +479,26 @@ impl ClientBody {
         ClientBody {
             inner: SyncWrapper::new(Box::pin(body)),
             hint,
-            left: limit as u64,
+            left,
             ended,
+            limits,
+            timer: None,
         }
     }
 
     fn whole(bytes: Bytes) -> Self {
-        let limit = bytes.len();
-        Self::stream(http_body_util::Full::new(bytes), limit)
+        let len = bytes.len() as u64;
+        Self::new(http_body_util::Full::new(bytes), len, None)
+    }
+
+    /// The body broke a limit: `err` for the forwarding, an error for the transport.
+    fn fail(&mut self, err: PdError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let message = err.to_string();
+        if let Some(limits) = &self.limits {
+            let _ = limits.failed.set(err);
+        }
+        self.ended = true;
+        Poll::Ready(Some(Err(message.into())))
     }
 }
 
@@ -452,19 +512,30 @@ impl Body for ClientBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         let polled = this.inner.get_mut().as_mut().poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(data) = frame.data_ref()
-        {
-            let len = data.len() as u64;
-            if len > this.left {
-                return Poll::Ready(Some(Err(
-                    "the request body is larger than the proxy's limit".into(),
-                )));
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let len = data.len() as u64;
+                    if len > this.left {
+                        let max = this.limits.as_ref().map_or(0, |l| l.max_bytes);
+                        return this.fail(PdError::body_too_large(max));
+                    }
+                    this.left -= len;
+                }
             }
-            this.left -= len;
-        }
-        if let Poll::Ready(None) = polled {
-            this.ended = true;
+            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(Some(Err(_))) => {}
+            Poll::Pending => {
+                if let Some(limits) = &this.limits {
+                    let timeout = limits.timeout;
+                    let timer = this
+                        .timer
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return this.fail(PdError::body_timeout(timeout));
+                    }
+                }
+            }
         }
         polled
     }
