@@ -17,7 +17,7 @@
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
 //! [`forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
 //! and `accept-encoding` (the proxy reads the answers it relays). What comes back too:
-//! the engine's KV handoff is overwritten in its answer ([`scrub_answer`]), and a
+//! the engine's KV handoff is overwritten in its answer ([`PdBody::scrubbed`]), and a
 //! redirect to the engine's own address or an encoding the client did not accept is
 //! answered 502 naming the engine ([`unrelayable`]).
 
@@ -31,7 +31,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
-use disagg_core::orchestrator::answer::{scrub_answer, unrelayable};
+use disagg_core::orchestrator::answer::unrelayable;
 use disagg_core::orchestrator::forwardable_header;
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
@@ -134,7 +134,11 @@ impl Inner {
             };
             (ClientBody::stream(body, limits), None)
         };
-        let accept_encoding = parts.headers.get(header::ACCEPT_ENCODING).cloned();
+        // The client's `accept-encoding`, which the engine's request goes without.
+        let mut client_accepts = HeaderMap::new();
+        if let Some(v) = parts.headers.get(header::ACCEPT_ENCODING) {
+            client_accepts.insert(header::ACCEPT_ENCODING, v.clone());
+        }
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
             Ok(ep) => ep,
             Err(err) => return pd_error_response(&PdError::route(err)),
@@ -182,7 +186,7 @@ impl Inner {
             }
         };
         let (mut parts, body) = head.into_parts();
-        if let Some(why) = unrelayable(parts.status, &parts.headers, accept_encoding.as_ref()) {
+        if let Some(why) = unrelayable(parts.status, &parts.headers, &client_accepts) {
             // The body goes with the head: the engine's connection closes.
             return not_relayed(side, &endpoint, &why);
         }
@@ -197,8 +201,8 @@ impl Inner {
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let body = EngineBody::new(body, guard, config.decode_idle_timeout);
-        let body = scrub_answer(&parts.headers, body.boxed());
-        Response::from_parts(parts, PdBody::forward(body, sse))
+        let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
+        Response::from_parts(parts, body)
     }
 
     /// The engine for a forwarded request naming `model`: among the engines serving it

@@ -17,16 +17,17 @@ use crate::router::{Outcome, Route};
 use crate::transport::BoxBody;
 
 use super::Inner;
-use super::answer::{scrub_answer, unrelayable};
+use super::answer::unrelayable;
 use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
 use super::clock::{Clock, server_timing};
 use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
 use super::legs::end_to_end;
 
-/// The answer `head` as it may reach the client (see [`answer`](super::answer)): the
-/// engine's KV handoff removed from its body, or, for a head that must not be relayed
-/// (an internal redirect, an encoding the client did not accept), a 502 naming the
-/// engine (the decode's when `decoded`, else the prefill's 4xx passed through).
+/// The answer `head` as it may reach the client (see [`answer`](super::answer)): as it
+/// is (its body is [`scrubbed`](PdBody::scrubbed) by the caller), or, for a head that
+/// must not be relayed (an internal redirect, an encoding the client did not accept), a
+/// 502 naming the engine (the decode's when `decoded`, else the prefill's 4xx passed
+/// through).
 fn relayable(
     req: &PdRequest,
     route: &Route,
@@ -34,9 +35,7 @@ fn relayable(
     head: Response<BoxBody>,
 ) -> (http::response::Parts, BoxBody) {
     let (parts, body) = head.into_parts();
-    let accept = req.headers().get(header::ACCEPT_ENCODING);
-    let Some(why) = unrelayable(parts.status, &parts.headers, accept) else {
-        let body = scrub_answer(&parts.headers, body);
+    let Some(why) = unrelayable(parts.status, &parts.headers, req.headers()) else {
         return (parts, body);
     };
     let (side, ep) = match (decoded, &route.prefill) {
@@ -219,7 +218,8 @@ impl Inner {
             first_byte: None,
             bytes: 0,
         };
-        let mut resp = Response::new(PdBody::stream(body, sse, finish, ex.pending, timer));
+        let body = PdBody::stream(body, sse, finish, ex.pending, timer).scrubbed(&parts.headers);
+        let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = end_to_end(parts.headers);
         let h = resp.headers_mut();
