@@ -89,25 +89,40 @@ fn is_normal(p: &[u8]) -> bool {
     if p.first() != Some(&b'/') {
         return false;
     }
-    let mut i = 0;
-    while i < p.len() {
-        match p[i] {
-            b'%' | b'\\' | 0 => return false,
-            b'/' => match p.get(i + 1) {
-                Some(b'/') => return false,
-                Some(b'.') => match p.get(i + 2) {
-                    None | Some(b'/') => return false,
-                    Some(b'.') if matches!(p.get(i + 3), None | Some(b'/')) => return false,
-                    _ => {}
-                },
-                _ => {}
-            },
-            _ => {}
+    for (i, &b) in p.iter().enumerate() {
+        // One test for the usual byte (a letter, a digit, `-`, `_`).
+        if !ODD[usize::from(b)] {
+            continue;
         }
-        i += 1;
+        if b != b'/' {
+            return false;
+        }
+        let dot_segment = match p.get(i + 1) {
+            Some(b'/') => true,
+            Some(b'.') => match p.get(i + 2) {
+                None | Some(b'/') => true,
+                Some(b'.') => matches!(p.get(i + 3), None | Some(b'/')),
+                _ => false,
+            },
+            _ => false,
+        };
+        if dot_segment {
+            return false;
+        }
     }
     true
 }
+
+/// The bytes [`is_normal`] looks at: `/` (what follows it), and `%`, `\` and NUL, which a
+/// normal path never holds.
+const ODD: [bool; 256] = {
+    let mut t = [false; 256];
+    t[b'/' as usize] = true;
+    t[b'%' as usize] = true;
+    t[b'\\' as usize] = true;
+    t[0] = true;
+    t
+};
 
 /// RFC 3986 §2.3: `ALPHA / DIGIT / "-" / "." / "_" / "~"`.
 fn is_unreserved(b: u8) -> bool {

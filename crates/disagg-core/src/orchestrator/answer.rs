@@ -109,10 +109,13 @@ pub enum AnswerError {
 /// Whether an engine's answer with `headers` is read for a handoff: an event stream or
 /// JSON (other answers pass untouched).
 pub(crate) fn scrubbed_kind(headers: &HeaderMap) -> bool {
-    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
-        return false;
-    };
-    let ct = ct.as_bytes();
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| scrubbed_type(ct.as_bytes()))
+}
+
+/// Whether an answer of content type `ct` is read for a handoff.
+pub(crate) fn scrubbed_type(ct: &[u8]) -> bool {
     let starts = |p: &[u8]| ct.len() >= p.len() && ct[..p.len()].eq_ignore_ascii_case(p);
     starts(b"text/event-stream") || starts(b"application/json") || starts(b"application/x-ndjson")
 }

@@ -372,8 +372,14 @@ impl PdBody {
     /// [`MAX_HELD_HANDOFF`](super::answer::MAX_HELD_HANDOFF), or no JSON) ends the body
     /// as a broken stream does.
     #[must_use]
-    pub fn scrubbed(mut self, headers: &HeaderMap) -> Self {
-        if scrubbed_kind(headers) {
+    pub fn scrubbed(self, headers: &HeaderMap) -> Self {
+        let on = scrubbed_kind(headers);
+        self.scrubbing(on)
+    }
+
+    /// The same body, scrubbed when `on` (the caller read the content type).
+    pub(crate) fn scrubbing(mut self, on: bool) -> Self {
+        if on {
             self.scrub = Some(Scrubber::default());
         }
         self

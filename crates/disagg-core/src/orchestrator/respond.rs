@@ -17,7 +17,7 @@ use crate::router::{Outcome, Route};
 use crate::transport::BoxBody;
 
 use super::Inner;
-use super::answer::unrelayable;
+use super::answer::{scrubbed_type, unrelayable};
 use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
 use super::clock::{Clock, server_timing};
 use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
@@ -178,10 +178,9 @@ impl Inner {
     ) -> Response<PdBody> {
         let (parts, body) = relayable(req, &ex.route, ex.mark.is_some(), ex.head);
         let status = parts.status;
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let content_type = parts.headers.get(header::CONTENT_TYPE);
+        let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
         // The decode's own 5xx is its failure, whatever its body; a prefill's 4xx passed
         // through ends the attempt as the prefill's.
         let (outcome, decode) = match (ex.mark, ex.decode_sent) {
@@ -218,7 +217,7 @@ impl Inner {
             first_byte: None,
             bytes: 0,
         };
-        let body = PdBody::stream(body, sse, finish, ex.pending, timer).scrubbed(&parts.headers);
+        let body = PdBody::stream(body, sse, finish, ex.pending, timer).scrubbing(scrub);
         let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = end_to_end(parts.headers);
