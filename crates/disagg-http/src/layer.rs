@@ -252,9 +252,17 @@ impl<M> PdLayer<M> {
     /// # let _ = layer;
     /// ```
     pub fn paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = (P, Api)>) -> Self {
+        // Requests are matched in their normal form: so are the paths given.
         self.paths = paths
             .into_iter()
-            .map(|(p, api)| (p.into().into_boxed_str(), api))
+            .map(|(p, api)| {
+                let p = p.into();
+                let p = match crate::path::normalize(&p) {
+                    Ok(std::borrow::Cow::Owned(normal)) => normal,
+                    _ => p,
+                };
+                (p.into_boxed_str(), api)
+            })
             .collect();
         self
     }

@@ -14,8 +14,11 @@
 //! | refused | 403 `admin_route_closed` |
 //! | fanned out | to every engine of the model, each engine's result in the answer |
 //!
-//! Every failure is an OpenAI-format error response, so the service never fails
-//! (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as it is.
+//! Every decision is made on the path's normal form ([`crate::path::normalize`]), which
+//! is also the path an engine receives; a path with none is answered 400
+//! `invalid_path`. Every failure is an OpenAI-format error response, so the service
+//! never fails (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as
+//! it is.
 
 use std::convert::Infallible;
 use std::fmt;
