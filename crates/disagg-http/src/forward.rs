@@ -6,20 +6,33 @@
 //! timeout between chunks of its answer, the healthy endpoints of the source, and
 //! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow.
 //! Both bodies stream: the client's to the engine as it arrives (within
-//! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes)), the
-//! engine's to the client frame by frame. Only when the fleet serves several models is
-//! the client's body read whole first, to find its `model`.
+//! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
+//! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout): past them,
+//! 413 or 408 and the connection closed, as for an orchestrated body), the engine's to
+//! the client frame by frame. Only when the fleet serves several models is the client's
+//! body read whole first, to find its `model`; a fanned-out body is always read whole.
+//!
+//! What goes to the engine is the proxy's to decide, as on the legs: the client's
+//! headers lose those that describe one connection, the client's credentials and the
+//! engines' routing headers ([`forwardable_header`]: `authorization` only with
+//! [`forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
+//! and `accept-encoding` (the proxy reads the answers it relays). What comes back too:
+//! the engine's KV handoff is overwritten in its answer ([`PdBody::scrubbed`]), and a
+//! redirect to the engine's own address or an encoding the client did not accept is
+//! answered 502 naming the engine ([`unrelayable`]).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::orchestrator::answer::unrelayable;
+use disagg_core::orchestrator::forwardable_header;
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
@@ -29,7 +42,7 @@ use http_body_util::BodyExt;
 use sync_wrapper::SyncWrapper;
 
 use crate::body;
-use crate::error::pd_error_response;
+use crate::error::{error_response, pd_error_response};
 use crate::service::{Inner, collect_limited, json_response};
 
 /// The answer's marker for a generation served by a decode engine alone.
@@ -54,7 +67,26 @@ fn hop_by_hop(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
+/// An answer's headers without those that describe one connection.
 fn strip(headers: &mut HeaderMap) {
+    strip_where(headers, hop_by_hop);
+}
+
+/// A client's headers as an engine may see them: without those that describe one
+/// connection, without what [`forwardable_header`] keeps from every engine (the client's
+/// credentials unless `forward_authorization` says otherwise for `authorization`, the
+/// engines' routing and identity headers), and without `accept-encoding`: the proxy
+/// reads the answers it relays, so it asks for them unencoded.
+fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
+    strip_where(headers, |n| {
+        hop_by_hop(n)
+            || *n == header::ACCEPT_ENCODING
+            || !forwardable_header(n, forward_authorization)
+    });
+}
+
+/// Remove the headers `connection` names, then those `drop` picks.
+fn strip_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -65,8 +97,8 @@ fn strip(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    let hop: Vec<HeaderName> = headers.keys().filter(|n| hop_by_hop(n)).cloned().collect();
-    for name in hop {
+    let gone: Vec<HeaderName> = headers.keys().filter(|n| drop(n)).cloned().collect();
+    for name in gone {
         headers.remove(name);
     }
 }
@@ -82,6 +114,8 @@ impl Inner {
     {
         let set = self.orchestrator.source().snapshot();
         let (parts, body) = req.into_parts();
+        // What went wrong with a streamed client body, when it was the client's fault.
+        let failed = Arc::new(OnceLock::new());
         // The body is read for its `model` only when the model decides the engine.
         let (body, model) = if set.served_models().len() > 1 && may_have_body(&parts.headers) {
             let limits = self.limits();
@@ -90,11 +124,21 @@ impl Inner {
                     let model = model_of(&bytes);
                     (ClientBody::whole(bytes), model)
                 }
-                Err(err) => return pd_error_response(&err),
+                Err(err) => return body_refused(&err),
             }
         } else {
-            (ClientBody::stream(body, self.config.max_body_bytes), None)
+            let limits = StreamLimits {
+                max_bytes: self.config.max_body_bytes,
+                timeout: self.config.body_timeout,
+                failed: Arc::clone(&failed),
+            };
+            (ClientBody::stream(body, limits), None)
         };
+        // The client's `accept-encoding`, which the engine's request goes without.
+        let mut client_accepts = HeaderMap::new();
+        if let Some(v) = parts.headers.get(header::ACCEPT_ENCODING) {
+            client_accepts.insert(header::ACCEPT_ENCODING, v.clone());
+        }
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
             Ok(ep) => ep,
             Err(err) => return pd_error_response(&PdError::route(err)),
@@ -112,7 +156,8 @@ impl Inner {
         *out.method_mut() = parts.method;
         *out.uri_mut() = uri;
         *out.headers_mut() = parts.headers;
-        strip(out.headers_mut());
+        let config = self.orchestrator.config();
+        strip_request(out.headers_mut(), config.forward_authorization);
         let guard = endpoint.track();
         let transport = self.orchestrator.transport();
         let sent = match transport.send_streaming(out) {
@@ -126,10 +171,13 @@ impl Inner {
                 }
             }
         };
-        let config = self.orchestrator.config();
         let head = match tokio::time::timeout(config.decode_head_timeout, sent).await {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
+                // The client's body failed the exchange (too slow, too large): its error.
+                if let Some(client) = failed.get() {
+                    return body_refused(client);
+                }
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
             Err(_) => {
@@ -138,6 +186,10 @@ impl Inner {
             }
         };
         let (mut parts, body) = head.into_parts();
+        if let Some(why) = unrelayable(parts.status, &parts.headers, &client_accepts) {
+            // The body goes with the head: the engine's connection closes.
+            return not_relayed(side, &endpoint, &why);
+        }
         strip(&mut parts.headers);
         if direct {
             parts
@@ -149,7 +201,8 @@ impl Inner {
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let body = EngineBody::new(body, guard, config.decode_idle_timeout);
-        Response::from_parts(parts, PdBody::forward(body.boxed(), sse))
+        let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
+        Response::from_parts(parts, body)
     }
 
     /// The engine for a forwarded request naming `model`: among the engines serving it
@@ -193,7 +246,7 @@ impl Inner {
         let (parts, body) = req.into_parts();
         let bytes = match body::read(body, self.limits()).await {
             Ok((bytes, _share)) => bytes,
-            Err(err) => return pd_error_response(&err),
+            Err(err) => return body_refused(&err),
         };
         let set = self.orchestrator.source().snapshot();
         let model = model_of(&bytes);
@@ -215,8 +268,9 @@ impl Inner {
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut headers = parts.headers.clone();
-        strip(&mut headers);
-        let timeout = self.orchestrator.config().decode_head_timeout;
+        let config = self.orchestrator.config();
+        strip_request(&mut headers, config.forward_authorization);
+        let timeout = config.decode_head_timeout;
         let transport = self.orchestrator.transport();
         let sends = targets.iter().map(|ep| {
             let mut out = Request::new(bytes.clone());
@@ -242,6 +296,29 @@ impl Inner {
             budget: &self.config.body_budget,
         }
     }
+}
+
+/// The answer to a client body that could not be read (too large, too slow, over the
+/// budget): its error, and the connection closed, as the rest of the body is unread.
+fn body_refused(err: &PdError) -> Response<PdBody> {
+    let mut resp = pd_error_response(err);
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+/// The 502 for an engine answer that is not relayed ([`unrelayable`]), naming the engine.
+fn not_relayed(side: Side, endpoint: &Endpoint, why: &str) -> Response<PdBody> {
+    let message = format!(
+        "{side} endpoint {} sent an unusable answer: {why}",
+        endpoint.id()
+    );
+    tracing::warn!(%message, "engine answer not relayed");
+    let code = match side {
+        Side::Prefill => "prefill_failed",
+        _ => "decode_failed",
+    };
+    error_response(StatusCode::BAD_GATEWAY, &message, "server_error", code)
 }
 
 /// One engine's answer to a fanned-out request: its status and body, or why none came.
@@ -353,8 +430,21 @@ fn model_of(bytes: &Bytes) -> Option<String> {
     serde_json::from_slice::<String>(&raw).ok()
 }
 
-/// A client's request body on its way to the engine: streamed frame by frame (and cut
-/// past the body limit), or whole when it was read to find its model.
+/// The limits of a client body streamed to an engine, and where a breach is told.
+struct StreamLimits {
+    /// The largest body (413 past it).
+    max_bytes: usize,
+    /// Time for the whole body, from when it is first waited for (408 past it).
+    timeout: Duration,
+    /// Set to the client's error when the body breaks a limit: the exchange then fails,
+    /// and the forwarding answers with this instead of the engine's failure.
+    failed: Arc<OnceLock<PdError>>,
+}
+
+/// A client's request body on its way to the engine: streamed frame by frame (cut past
+/// the body limit, and past the body timeout, which runs as
+/// [`body::read`](crate::body)'s does: from the first wait, for the whole body), or
+/// whole when it was read to find its model.
 ///
 /// `Sync` as the transport's body must be, though the client's body need not be: it
 /// sits in a [`SyncWrapper`], reached only through `&mut`.
@@ -363,10 +453,23 @@ struct ClientBody {
     hint: SizeHint,
     left: u64,
     ended: bool,
+    limits: Option<StreamLimits>,
+    /// Armed at the first wait for the client.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl ClientBody {
-    fn stream<B>(body: B, limit: usize) -> Self
+    fn stream<B>(body: B, limits: StreamLimits) -> Self
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let left = limits.max_bytes as u64;
+        Self::new(body, left, Some(limits))
+    }
+
+    fn new<B>(body: B, left: u64, limits: Option<StreamLimits>) -> Self
     where
         B: Body + Send + 'static,
         B::Data: Send,
@@ -380,14 +483,26 @@ impl ClientBody {
         ClientBody {
             inner: SyncWrapper::new(Box::pin(body)),
             hint,
-            left: limit as u64,
+            left,
             ended,
+            limits,
+            timer: None,
         }
     }
 
     fn whole(bytes: Bytes) -> Self {
-        let limit = bytes.len();
-        Self::stream(http_body_util::Full::new(bytes), limit)
+        let len = bytes.len() as u64;
+        Self::new(http_body_util::Full::new(bytes), len, None)
+    }
+
+    /// The body broke a limit: `err` for the forwarding, an error for the transport.
+    fn fail(&mut self, err: PdError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let message = err.to_string();
+        if let Some(limits) = &self.limits {
+            let _ = limits.failed.set(err);
+        }
+        self.ended = true;
+        Poll::Ready(Some(Err(message.into())))
     }
 }
 
@@ -401,19 +516,30 @@ impl Body for ClientBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         let polled = this.inner.get_mut().as_mut().poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled
-            && let Some(data) = frame.data_ref()
-        {
-            let len = data.len() as u64;
-            if len > this.left {
-                return Poll::Ready(Some(Err(
-                    "the request body is larger than the proxy's limit".into(),
-                )));
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let len = data.len() as u64;
+                    if len > this.left {
+                        let max = this.limits.as_ref().map_or(0, |l| l.max_bytes);
+                        return this.fail(PdError::body_too_large(max));
+                    }
+                    this.left -= len;
+                }
             }
-            this.left -= len;
-        }
-        if let Poll::Ready(None) = polled {
-            this.ended = true;
+            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(Some(Err(_))) => {}
+            Poll::Pending => {
+                if let Some(limits) = &this.limits {
+                    let timeout = limits.timeout;
+                    let timer = this
+                        .timer
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+                    if timer.as_mut().poll(cx).is_ready() {
+                        return this.fail(PdError::body_timeout(timeout));
+                    }
+                }
+            }
         }
         polled
     }

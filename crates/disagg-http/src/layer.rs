@@ -5,6 +5,12 @@
 //! request reaches the inner service as it came (body, headers and extensions), so an
 //! engine or an app keeps its own `/health`, `/metrics` and `/v1/models`.
 //!
+//! The path is normalised first ([`crate::path::normalize`]): the layer matches the
+//! normal path, and the inner service receives it (the query as it came), so
+//! `/v1/chat//completions` is orchestrated like `/v1/chat/completions` and never served
+//! by the inner service behind P/D's back. A path with no one meaning (an encoded `/`,
+//! `%00`, a `..` above the root) is answered 400 `invalid_path` and reaches neither.
+//!
 //! | mode | prefill leg | decode leg | built with |
 //! |---|---|---|---|
 //! | gateway | a remote endpoint chosen by the router | a remote endpoint chosen by the router | [`PdLayer::gateway`] |
@@ -246,9 +252,17 @@ impl<M> PdLayer<M> {
     /// # let _ = layer;
     /// ```
     pub fn paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = (P, Api)>) -> Self {
+        // Requests are matched in their normal form: so are the paths given.
         self.paths = paths
             .into_iter()
-            .map(|(p, api)| (p.into().into_boxed_str(), api))
+            .map(|(p, api)| {
+                let p = p.into();
+                let p = match crate::path::normalize(&p) {
+                    Ok(std::borrow::Cow::Owned(normal)) => normal,
+                    _ => p,
+                };
+                (p.into_boxed_str(), api)
+            })
             .collect();
         self
     }
@@ -525,6 +539,12 @@ where
         // it reserved in `poll_ready`); a clone takes its place for the next request.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
+        // One path for the decision and for the inner service (`crate::path`): an oddly
+        // spelled chat route is orchestrated, never served by the inner service alone.
+        if let Err(err) = crate::path::normalize_request(&mut req) {
+            drop(inner);
+            return ResponseFuture::pd(std::future::ready(crate::service::invalid_path(err)));
+        }
         let Some(api) = self.api(req.method(), req.uri().path()) else {
             if let Some(check) = &self.prefiller {
                 req.headers_mut().remove(&check.header);

@@ -35,6 +35,7 @@ pub mod forward;
 pub mod layer;
 pub mod metrics;
 pub mod models;
+pub mod path;
 pub mod routes;
 pub mod server;
 pub mod service;

@@ -215,7 +215,7 @@ impl crate::service::Inner {
 
 /// `s` with its `%XX` escapes decoded (model ids hold `/` and `:`, which clients may
 /// escape); an escape that is not one, or bytes that are not UTF-8, stay as they are.
-fn percent_decode(s: &str) -> String {
+pub(crate) fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -247,7 +247,9 @@ impl RouteTable {
         self
     }
 
-    /// The action for a request on `path`.
+    /// The action for a request on `path`, compared as given: give it the path's normal
+    /// form ([`crate::path::normalize`]), as [`PdService`](crate::PdService) does, or
+    /// `/%72eset_prefix_cache` is not `/reset_prefix_cache`.
     pub fn action(&self, path: &str) -> RouteAction {
         let exact = self.rules.iter().find(|r| r.path == path);
         exact

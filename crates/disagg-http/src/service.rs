@@ -14,8 +14,11 @@
 //! | refused | 403 `admin_route_closed` |
 //! | fanned out | to every engine of the model, each engine's result in the answer |
 //!
-//! Every failure is an OpenAI-format error response, so the service never fails
-//! (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as it is.
+//! Every decision is made on the path's normal form ([`crate::path::normalize`]), which
+//! is also the path an engine receives; a path with none is answered 400
+//! `invalid_path`. Every failure is an OpenAI-format error response, so the service
+//! never fails (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as
+//! it is.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -231,12 +234,19 @@ where
 }
 
 impl Inner {
-    async fn handle<B>(&self, req: Request<B>) -> Response<PdBody>
+    async fn handle<B>(&self, mut req: Request<B>) -> Response<PdBody>
     where
         B: Body + Send + 'static,
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
+        // One path for every decision below and for the engine: see `crate::path`.
+        if let Err(err) = crate::path::normalize_request(&mut req) {
+            return match self.model_card_id(&req, err) {
+                Some(id) => self.models(Some(&id)).await,
+                None => invalid_path(err),
+            };
+        }
         let path = req.uri().path();
         let get = req.method() == Method::GET;
         match self.config.routes.action(path) {
@@ -275,6 +285,27 @@ impl Inner {
                 "admin_route_closed",
             ),
         }
+    }
+
+    /// The id (still escaped) of a model card asked for with an encoded `/` in it
+    /// (`GET /v1/models/org%2Fmodel`, as SDKs escape an id in a path), when `err` is
+    /// only that escape and the table answers model cards itself: the card is the
+    /// proxy's own answer, never forwarded, and the id one opaque segment.
+    fn model_card_id<B>(&self, req: &Request<B>, err: crate::path::PathError) -> Option<String> {
+        if err != crate::path::PathError::Separator || req.method() != Method::GET {
+            return None;
+        }
+        let id = req.uri().path().strip_prefix("/v1/models/")?;
+        let decoded = crate::models::percent_decode(id);
+        let plain = !id.contains(['/', '\\'])
+            && !decoded.contains('\\')
+            && !decoded.contains('\0')
+            && !decoded
+                .split('/')
+                .any(|s| s.is_empty() || s == "." || s == "..");
+        let proxied = self.config.routes.action("/v1/models/x") == RouteAction::Proxy;
+        // Raw: `models` decodes it.
+        (plain && proxied).then(|| id.to_owned())
     }
 
     /// A chat or completion request, whatever its path, answered: the decode's
@@ -417,6 +448,16 @@ pub(crate) fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody>
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
+}
+
+/// The answer to a path with no one meaning (400 `invalid_path`).
+pub(crate) fn invalid_path(err: crate::path::PathError) -> Response<PdBody> {
+    error_response(
+        StatusCode::BAD_REQUEST,
+        &format!("invalid request path: {err}"),
+        "invalid_request_error",
+        "invalid_path",
+    )
 }
 
 fn method_not_allowed() -> Response<PdBody> {

@@ -164,6 +164,8 @@ pub(crate) struct SseBody {
     emitted: usize,
     drop_after: Option<usize>,
     stall_after: Option<usize>,
+    /// The decode's own `kv_transfer_params` for the terminal chunks (JSON).
+    handoff: Option<String>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -185,6 +187,9 @@ pub(crate) struct SseSpec {
     pub(crate) drop_after: Option<usize>,
     /// After this many events, send nothing more (wins over `drop_after`).
     pub(crate) stall_after: Option<usize>,
+    /// The decode's own `kv_transfer_params` (JSON) for each choice's terminal chunk
+    /// ([`SimConfig::decode_handoff`](crate::SimConfig::decode_handoff)); `None`: `null`.
+    pub(crate) handoff: Option<String>,
 }
 
 impl SseBody {
@@ -215,6 +220,7 @@ impl SseBody {
             emitted: 0,
             drop_after: spec.drop_after,
             stall_after: spec.stall_after,
+            handoff: spec.handoff,
             abort_flushed: false,
             finished: false,
         };
@@ -318,7 +324,12 @@ impl SseBody {
                         ",\"prompt_token_ids\":null,\"token_ids\":null,\"weight_versions\":null",
                     ),
                 }
-                s.push_str("}],\"kv_transfer_params\":null}\n\n");
+                s.push_str("}],\"kv_transfer_params\":");
+                match (&self.handoff, last) {
+                    (Some(handoff), true) => s.push_str(handoff),
+                    _ => s.push_str("null"),
+                }
+                s.push_str("}\n\n");
                 let next = self
                     .first_token_pos(step, choice + 1)
                     .or_else(|| self.after_tokens());

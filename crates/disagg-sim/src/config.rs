@@ -89,6 +89,14 @@ pub struct SimConfig {
     ///
     /// [`KvRelease`]: https://docs.rs/disagg-core/latest/disagg_core/orchestrator/enum.KvRelease.html
     pub release_on_abort: bool,
+    /// vLLM NIXL: answer every request that is not a prefill leg with a
+    /// `kv_transfer_params` of the engine's own (`do_remote_decode: true`, its engine id,
+    /// advertised host, side-channel port, block ids and request id), as a decode running
+    /// vLLM 0.33's bidirectional NIXL (`bidirectional_kv_xfer`) does: in a non-streamed
+    /// answer, on each choice's terminal stream chunk (the one with `finish_reason`),
+    /// and in the `response` of a Responses answer (whole, and the stream's terminal
+    /// event). Default `false`: `null`, as a plain decode answers.
+    pub decode_handoff: bool,
     /// LMCache prefill: where the proxy's ZMQ `PULL` socket listens for
     /// `ProxyNotif` messages, as `HOST:PORT` (LMCache's `pd_proxy_host` and
     /// `pd_proxy_port`). Default `None`: a prefill request with a
@@ -234,6 +242,7 @@ impl Default for SimConfig {
             request_delay: Duration::ZERO,
             dp_size: 1,
             release_on_abort: true,
+            decode_handoff: false,
             lmcache_proxy: None,
             lmcache_receiver: LmcacheReceiver::default(),
             notify_seed: 0,

@@ -193,6 +193,12 @@
 //! path, every header (e.g. `x-request-id`, `x-data-parallel-rank`,
 //! `traceparent`, in order, see [`RecordedRequest::header`]) and the JSON
 //! body, so a test can assert what each leg carried.
+//! [`SimEngine::received`] keeps the head (method, path as it came, query,
+//! headers) of every request on every route but `GET /stats`: health checks,
+//! model lists, `/tokenize`, the Responses API, unknown paths.
+//!
+//! Routes are matched on the percent-decoded path, as uvicorn hands it to
+//! Starlette: `/%72eset_prefix_cache` is `/reset_prefix_cache`.
 //!
 //! # Prefill/decode disaggregation
 //!
@@ -234,6 +240,11 @@
 //!   block ids but without `remote_engine_id`, `remote_request_id`,
 //!   `remote_host` or `remote_port` the request waits for KV nobody sends,
 //!   until its client leaves ([`Stats::stuck_kv_waits`]).
+//!   With [`SimConfig::decode_handoff`] a decode answers with a
+//!   `kv_transfer_params` of its own (`do_remote_decode: true`, its engine id,
+//!   host, side-channel port and block ids), as vLLM 0.33's bidirectional
+//!   NIXL does: in a whole answer, on each choice's terminal stream chunk and
+//!   in a Responses answer's final `response`.
 //!
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!
@@ -641,6 +652,7 @@ mod body;
 mod config;
 mod dp;
 mod generate;
+mod handoff;
 mod kv;
 mod kv_events;
 mod lax;
@@ -648,6 +660,7 @@ mod lmcache;
 mod mooncake;
 mod native;
 mod prefix_cache;
+mod received;
 mod rendezvous;
 mod server;
 mod sglang;
@@ -663,6 +676,7 @@ pub use kv::{
     SideChannelRelease, SideChannelRequest, SideChannelResponse,
 };
 pub use kv_events::KvEventsConfig;
+pub use received::ReceivedRequest;
 pub use server::{BoxError, RecordedRequest, SimEngine, SimService, SimServiceBody};
 pub use sglang::BootstrapRequest;
 pub use stats::Stats;

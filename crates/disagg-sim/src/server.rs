@@ -95,6 +95,8 @@ struct Inner {
     /// Mooncake prefill: KV held by (engine id, transfer id).
     transfers: Arc<kv::Transfers>,
     recorded: Mutex<VecDeque<Recorded>>,
+    /// The head of every request, on every route.
+    received: crate::received::Ring,
     next_id: AtomicU64,
     id_salt: u64,
     /// Turns true when the engine stops (ends the tasks sending release notices).
@@ -413,6 +415,7 @@ impl SimEngine {
             rooms: sglang::Rooms::default(),
             transfers: Arc::default(),
             recorded: Mutex::default(),
+            received: crate::received::Ring::default(),
             next_id: AtomicU64::new(0),
             id_salt: salt,
             stop: stop_rx.clone(),
@@ -658,6 +661,18 @@ impl SimEngine {
     /// Forgets the recorded requests.
     pub fn clear_requests(&self) {
         lock(&self.inner.recorded).clear();
+    }
+
+    /// The heads of the last requests received on any route but `GET /stats`, oldest
+    /// first (at most [`SimConfig::record_requests`]; see
+    /// [`ReceivedRequest`](crate::ReceivedRequest)).
+    pub fn received(&self) -> Vec<crate::ReceivedRequest> {
+        self.inner.received.list()
+    }
+
+    /// Forgets the received heads.
+    pub fn clear_received(&self) {
+        self.inner.received.clear();
     }
 
     /// The faults currently injected.
@@ -950,13 +965,16 @@ where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    inner.received.record(&req, inner.config.record_requests);
+    // Routed by its decoded path, as uvicorn hands it to Starlette.
+    let routed = crate::received::routed_path(req.uri().path()).into_owned();
     if let Some(key) = &inner.config.api_key
-        && req.uri().path() != "/stats"
+        && routed != "/stats"
         && !has_key(req.headers(), key)
     {
         bump(&inner.counters.requests_without_key);
         // vLLM guards the OpenAI routes only (`/v1...`), answering its own error shape.
-        if req.uri().path().starts_with("/v1") {
+        if routed.starts_with("/v1") {
             bump(&inner.counters.unauthorized);
             return json_response(
                 StatusCode::UNAUTHORIZED,
@@ -966,7 +984,7 @@ where
         }
     }
     let sglang = matches!(inner.config.kv_mode, KvMode::Sglang(_));
-    let route = match (req.method(), req.uri().path()) {
+    let route = match (req.method(), routed.as_str()) {
         (&Method::GET, "/health") => {
             let mut response = Response::new(SimBody::empty());
             // vLLM answers 503 once its engine core died (`EngineDeadError`).
@@ -1071,6 +1089,18 @@ where
                 Err(e) => return error_response(&e, None),
             };
             let answer = surface::Responses::new(&request, config, &request_id, unix_now());
+            let handoff = (config.decode_handoff && config.kv_mode == KvMode::Nixl).then(|| {
+                let own = crate::handoff::own(
+                    &inner.engine_id,
+                    &config.advertised_host,
+                    inner.side_channel_port,
+                    &request_id,
+                    answer.tokens(),
+                    config.block_size,
+                );
+                serde_json::to_value(own).unwrap_or(Value::Null)
+            });
+            let answer = answer.with_handoff(handoff);
             if request.stream {
                 let events = match answer.events() {
                     Ok(events) => events,
@@ -1834,6 +1864,12 @@ async fn serve_completion(
     let params = request.kv_transfer_params.as_ref();
     let is_prefill = matches!(plan, Plan::PushPrefill)
         || matches!(plan, Plan::Nixl) && params.is_some_and(|p| truthy(p.get("do_remote_decode")));
+    // A bidirectional NIXL decode answers with a handoff of its own (below).
+    let own_handoff = config.decode_handoff
+        && config.kv_mode == KvMode::Nixl
+        && matches!(plan, Plan::Nixl | Plan::Plain)
+        && !request.beam_search
+        && !is_prefill;
 
     // vLLM NIXL decode: where to pull the KV from. Until the pull is over, a
     // cancellation tells the prefill to free the blocks (vLLM's decode worker
@@ -2092,6 +2128,18 @@ async fn serve_completion(
         None
     };
 
+    let own_handoff = own_handoff.then(|| {
+        let generated: u64 = choices.iter().map(|c| c.steps.len() as u64).sum();
+        crate::handoff::own(
+            &inner.engine_id,
+            &config.advertised_host,
+            inner.side_channel_port,
+            request_id,
+            request.prompt_tokens + generated,
+            config.block_size,
+        )
+    });
+
     if let Some(native) = request.native {
         let native = NativeParts {
             native,
@@ -2131,6 +2179,9 @@ async fn serve_completion(
             delay: config.inter_token_delay,
             drop_after: faults.drop_after_chunks,
             stall_after: faults.stall_after_chunks,
+            handoff: own_handoff
+                .as_ref()
+                .and_then(|h| serde_json::to_string(h).ok()),
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();
@@ -2181,7 +2232,7 @@ async fn serve_completion(
                     .and_then(|c| c.ids.first().copied())
                     .unwrap_or(EOS_TOKEN_ID),
             })),
-            None => None,
+            None => own_handoff.as_ref().map(KvParamsField::Params),
         },
     };
     let body = match answer.render() {

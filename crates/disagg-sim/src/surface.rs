@@ -325,9 +325,23 @@ pub(crate) struct Responses<'a> {
     created: u64,
     generation: Generation,
     max_tokens: u32,
+    /// The decode's own `kv_transfer_params`, in the final response
+    /// ([`SimConfig::decode_handoff`]).
+    handoff: Option<Value>,
 }
 
 impl<'a> Responses<'a> {
+    /// The same answer, its final response carrying `handoff` as `kv_transfer_params`.
+    pub(crate) fn with_handoff(mut self, handoff: Option<Value>) -> Self {
+        self.handoff = handoff;
+        self
+    }
+
+    /// The generation's token count, prompt and answer.
+    pub(crate) fn tokens(&self) -> u64 {
+        (self.request.prompt.len() + self.generation.ids.len()) as u64
+    }
+
     /// The generation for `request`, as a completion of its prompt would give it.
     pub(crate) fn new(
         request: &'a ResponsesRequest,
@@ -356,6 +370,7 @@ impl<'a> Responses<'a> {
             created,
             generation: generate_choice(ids_hash(&request.prompt), 0, &params),
             max_tokens,
+            handoff: None,
         }
     }
 
@@ -397,7 +412,7 @@ impl<'a> Responses<'a> {
         } else {
             ("in_progress", Vec::new(), Value::Null)
         };
-        json!({
+        let mut response = json!({
             "id": self.id,
             "object": "response",
             "created_at": self.created,
@@ -423,7 +438,11 @@ impl<'a> Responses<'a> {
             "truncation": "disabled",
             "usage": usage,
             "user": null,
-        })
+        });
+        if let (true, Some(handoff)) = (done, &self.handoff) {
+            response["kv_transfer_params"] = handoff.clone();
+        }
+        response
     }
 
     /// The whole (non-streaming) answer.

@@ -8,6 +8,10 @@
 //! After a frame, `PdBody` lets the upstream connection run again (a few yields, no
 //! timer) and takes whatever it delivers; when the yields bring nothing new it hands over
 //! what it has. It never waits for the network.
+//!
+//! A body made [`scrubbed`](PdBody::scrubbed) keeps the engine's own KV handoff from the
+//! client ([`answer`](super::answer)): each frame it hands over is searched, once joined,
+//! and only a handoff's value is overwritten (or held back until it ends).
 
 use std::fmt;
 use std::pin::Pin;
@@ -35,6 +39,7 @@ use crate::outcome::{Ended, Report, Summary, Verdict};
 use crate::router::Outcome;
 use crate::transport::BoxBody;
 
+use super::answer::{Scrubber, scrubbed_kind};
 use super::report::Reporter;
 use super::respond::LateMarks;
 
@@ -312,6 +317,8 @@ pin_project_lite::pin_project! {
         finish: Option<Finish>,
         prefill: Option<SyncWrapper<PendingPrefill>>,
         timer: Option<SyncWrapper<StreamTimer>>,
+        // The engine's handoff kept from the client, when scrubbed.
+        scrub: Option<Scrubber>,
     }
 }
 
@@ -353,7 +360,29 @@ impl PdBody {
             finish: None,
             prefill: None,
             timer: None,
+            scrub: None,
         }
+    }
+
+    /// The same body, keeping the engine's own KV handoff from the client when
+    /// `headers` (the engine answer's) say it is an event stream or JSON: the value of
+    /// each key of [`HANDOFF_KEYS`](super::answer::HANDOFF_KEYS) is overwritten in place
+    /// (`null` and spaces: the answer keeps its length), unbuffered; see
+    /// [`answer`](super::answer). A handoff that cannot be overwritten (longer than
+    /// [`MAX_HELD_HANDOFF`](super::answer::MAX_HELD_HANDOFF), or no JSON) ends the body
+    /// as a broken stream does.
+    #[must_use]
+    pub fn scrubbed(self, headers: &HeaderMap) -> Self {
+        let on = scrubbed_kind(headers);
+        self.scrubbing(on)
+    }
+
+    /// The same body, scrubbed when `on` (the caller read the content type).
+    pub(crate) fn scrubbing(mut self, on: bool) -> Self {
+        if on {
+            self.scrub = Some(Scrubber::default());
+        }
+        self
     }
 
     pub(crate) fn stream(
@@ -396,7 +425,15 @@ impl Body for PdBody {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
-        let polled = self.as_mut().poll_body(cx);
+        let mut polled = self.as_mut().poll_body(cx);
+        if polled.is_ready() && self.scrub.is_some() {
+            polled = self.as_mut().scrub(polled).unwrap_or_else(|| {
+                // Every byte of the frame held back: come back for the next (a yield,
+                // as joining does, so that the body is polled at one place).
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            });
+        }
         if let Poll::Ready(Some(Ok(frame))) = &polled
             && let Some(data) = frame.data_ref()
         {
@@ -419,16 +456,13 @@ impl Body for PdBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done
-            || (self.joined.is_empty()
-                && self.prefill.is_none()
-                && matches!(self.end, None | Some(End::Eos))
-                && self.inner.is_end_stream())
+        self.drained() && self.scrub.as_ref().is_none_or(|s| s.held() == 0)
     }
 
     fn size_hint(&self) -> SizeHint {
         let inner = self.inner.size_hint();
-        let joined = self.joined.len() as u64;
+        let held = self.scrub.as_ref().map_or(0, Scrubber::held);
+        let joined = (self.joined.len() + held) as u64;
         let mut h = SizeHint::new();
         h.set_lower(inner.lower() + joined);
         // An in-band error event may be added to an event stream: no upper bound there.
@@ -440,6 +474,76 @@ impl Body for PdBody {
 }
 
 impl PdBody {
+    /// Whether nothing more comes from the inner body or the joined bytes (what the
+    /// scrubber holds aside).
+    fn drained(&self) -> bool {
+        self.done
+            || (self.joined.is_empty()
+                && self.prefill.is_none()
+                && matches!(self.end, None | Some(End::Eos))
+                && self.inner.is_end_stream())
+    }
+
+    /// `polled` (from [`poll_body`](Self::poll_body)) with the engine's handoff
+    /// overwritten; `None` when every byte of its frame is held back for the next one.
+    fn scrub(mut self: Pin<&mut Self>, polled: PollFrame) -> Option<PollFrame> {
+        let out = match polled {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => {
+                    // A frame the body ends with (hyper then polls no more) takes what
+                    // is held.
+                    let ending = self.drained();
+                    let Some(scrub) = self.as_mut().project().scrub.as_mut() else {
+                        return Some(Poll::Ready(Some(Ok(Frame::data(data)))));
+                    };
+                    scrub.push(data).and_then(|out| {
+                        if !ending {
+                            return Ok(out);
+                        }
+                        let rest = scrub.finish()?;
+                        Ok(match (out.is_empty(), rest.is_empty()) {
+                            (_, true) => out,
+                            (true, false) => rest,
+                            (false, false) => {
+                                let mut joined = BytesMut::with_capacity(out.len() + rest.len());
+                                joined.extend_from_slice(&out);
+                                joined.extend_from_slice(&rest);
+                                joined.freeze()
+                            }
+                        })
+                    })
+                }
+                Err(frame) => return Some(Poll::Ready(Some(Ok(frame)))),
+            },
+            // The end: what is held goes first.
+            Poll::Ready(None) => match self.as_mut().project().scrub.as_mut().map(Scrubber::finish)
+            {
+                Some(Ok(rest)) if !rest.is_empty() => Ok(rest),
+                Some(Err(e)) => Err(e),
+                _ => return Some(Poll::Ready(None)),
+            },
+            other => return Some(other),
+        };
+        match out {
+            Ok(out) if out.is_empty() => None,
+            Ok(out) => Some(Poll::Ready(Some(Ok(Frame::data(out))))),
+            Err(e) => {
+                // Nothing more of this answer may go out: drop the decode, end as a
+                // broken stream.
+                let mut this = self.project();
+                *this.scrub = None;
+                this.inner.set(empty_body());
+                this.joined.clear();
+                Some(end_with(
+                    End::Error(Box::new(e)),
+                    *this.sse,
+                    this.done,
+                    this.finish,
+                ))
+            }
+        }
+    }
+
     /// The next frame for the client (the body's whole logic; `poll_frame` only counts
     /// what goes out).
     fn poll_body(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame {
@@ -812,6 +916,95 @@ mod tests {
         assert_eq!(frames(b).await, vec![Ok("hello".into())]);
         let e = PdBody::empty();
         assert!(e.is_end_stream());
+    }
+
+    fn scrubbed(steps: Vec<Step>, content_type: &'static str) -> PdBody {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(content_type),
+        );
+        body(steps, content_type == "text/event-stream").scrubbed(&headers)
+    }
+
+    #[tokio::test]
+    async fn a_scrubbed_body_overwrites_the_handoff_and_keeps_every_other_byte() {
+        use Step::*;
+        // The handoff's key cut between two frames that do not arrive together, its
+        // value between two that do.
+        let steps = vec![
+            Data("data: {\"a\":1,\"kv_trans"),
+            Pending,
+            Pending,
+            Pending,
+            Pending,
+            Data("fer_params\":{\"remote_host\":"),
+            Data("\"10.0.0.7\"}}\n\n"),
+            Pending,
+            Pending,
+            Pending,
+            Pending,
+            Data("data: {\"kv_transfer_params\":null}\n\n"),
+        ];
+        let got = frames(scrubbed(steps, "text/event-stream")).await;
+        let got: Vec<String> = got.into_iter().map(Result::unwrap).collect();
+        assert_eq!(
+            got,
+            [
+                "data: {\"a\":1,",
+                &format!("\"kv_transfer_params\":null{}}}\n\n", " ".repeat(22)),
+                "data: {\"kv_transfer_params\":null}\n\n",
+            ]
+        );
+        // A whole JSON answer keeps its exact length; another kind is not read.
+        let json = "{\"kv_transfer_params\":{\"remote_port\":5600}}";
+        let b = PdBody::full(Bytes::from(json)).scrubbed(&{
+            let mut h = HeaderMap::new();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            h
+        });
+        assert_eq!(b.size_hint().exact(), Some(json.len() as u64));
+        let out = frames(b).await;
+        assert_eq!(
+            out,
+            vec![Ok(format!(
+                "{{\"kv_transfer_params\":null{}}}",
+                " ".repeat(16)
+            ))]
+        );
+        let plain = frames(scrubbed(vec![Data(json)], "text/plain")).await;
+        assert_eq!(plain, vec![Ok(json.to_owned())]);
+    }
+
+    #[tokio::test]
+    async fn a_handoff_that_cannot_be_overwritten_ends_the_stream() {
+        use Step::*;
+        let got = frames(scrubbed(
+            vec![
+                Data("data: {\"x\":1}\n\n"),
+                Pending,
+                Pending,
+                Pending,
+                Pending,
+                Data("data: {\"kv_transfer_params\":oops}\n\n"),
+            ],
+            "text/event-stream",
+        ))
+        .await;
+        assert_eq!(got[0], Ok("data: {\"x\":1}\n\n".into()));
+        let err = error_event(got[1].as_ref().unwrap());
+        assert_eq!(err["code"], "decode_stream_failed");
+        assert_eq!(got.len(), 2);
+    }
+
+    /// The `error` object of an in-band SSE error event.
+    fn error_event(frame: &str) -> serde_json::Value {
+        let json = frame.trim().strip_prefix("data: ").unwrap();
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        v["error"].clone()
     }
 
     #[test]

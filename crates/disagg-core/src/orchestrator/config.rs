@@ -145,10 +145,16 @@ pub struct OrchestratorConfig {
     pub prefill_failure: PrefillFailure,
     /// Prefill answered without a handoff.
     pub missing_kv: MissingKv,
-    /// Forward the client's `authorization` header to both legs.
+    /// Forward the client's `authorization` header to the engines (default off): to both
+    /// legs, and on the requests an adapter forwards to one engine or fans out to all
+    /// (`disagg-http`). Only `authorization`, never `x-api-key`; a transport's engine
+    /// key replaces it. Off, no client credential reaches an engine
+    /// ([`forwardable_header`](super::forwardable_header)).
     pub forward_authorization: bool,
-    /// Client headers forwarded to both legs (besides the request id and the session
-    /// header, which always are).
+    /// Client headers forwarded to both legs (besides the session header, which always
+    /// is; the engine-side request id is the leg's own). Never the client's
+    /// credentials, its `x-request-id` or the engines' routing headers
+    /// ([`forwardable_header`](super::forwardable_header)), even when listed.
     pub forward_headers: Vec<HeaderName>,
     /// Early release of a prefill's KV blocks (default off).
     pub kv_release: KvRelease,

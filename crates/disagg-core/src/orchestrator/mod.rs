@@ -16,6 +16,7 @@
 //! | `release.rs` | the KV a sequential prefill holds, released unless its decode took it |
 //! | `legs.rs` | each leg's HTTP request (every header in one place), the prefill exchange, the decode's head |
 //! | `respond.rs` | the one place the client's response is built |
+//! | `answer.rs` | what of an engine's answer reaches the client: its KV handoff overwritten in place, internal redirects and unasked encodings refused (public: `disagg-http` relays forwarded answers through it too) |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
 //! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
@@ -57,6 +58,7 @@ use crate::source::EndpointSource;
 use crate::tokens::Tokenizer;
 use crate::transport::Transport;
 
+pub mod answer;
 mod attempt;
 mod body;
 mod clock;
@@ -72,6 +74,7 @@ mod stats;
 
 pub use body::PdBody;
 pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
+pub use legs::{forwardable_header, is_engine_directive};
 
 pub(crate) use report::verdict;
 use stats::Counters;

@@ -1,5 +1,5 @@
 //! The one place the client's response is built: from the [`Exchange`] an attempt
-//! produced.
+//! produced, its engine answer made relayable ([`answer`](super::answer)).
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -7,17 +7,53 @@ use std::time::{Duration, Instant};
 use http::Response;
 use http::header::{self, HeaderValue};
 
+use http_body_util::{BodyExt, Full};
+
 use crate::endpoint::InFlightGuard;
+use crate::error::{PdError, Side, error_chain, openai_error_body};
 use crate::outcome::{Report, Summary, Timeline, Verdict};
 use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::{Outcome, Route};
 use crate::transport::BoxBody;
 
 use super::Inner;
+use super::answer::{scrubbed_type, unrelayable};
 use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
 use super::clock::{Clock, server_timing};
 use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
 use super::legs::end_to_end;
+
+/// The answer `head` as it may reach the client (see [`answer`](super::answer)): as it
+/// is (its body is [`scrubbed`](PdBody::scrubbed) by the caller), or, for a head that
+/// must not be relayed (an internal redirect, an encoding the client did not accept), a
+/// 502 naming the engine (the decode's when `decoded`, else the prefill's 4xx passed
+/// through).
+fn relayable(
+    req: &PdRequest,
+    route: &Route,
+    decoded: bool,
+    head: Response<BoxBody>,
+) -> (http::response::Parts, BoxBody) {
+    let (parts, body) = head.into_parts();
+    let Some(why) = unrelayable(parts.status, &parts.headers, req.headers()) else {
+        return (parts, body);
+    };
+    let (side, ep) = match (decoded, &route.prefill) {
+        (false, Some(p)) => (Side::Prefill, p),
+        _ => (Side::Decode, &route.decode),
+    };
+    let err = PdError::upstream_body(side, ep.id().clone(), why.into());
+    tracing::warn!(error = %error_chain(&err), "engine answer not relayed");
+    let json = openai_error_body(&error_chain(&err), err.error_type(), None, err.code());
+    // The engine's body is dropped with its head: its connection closes.
+    let mut resp = Response::new(Full::new(json).map_err(|never| match never {}).boxed());
+    *resp.status_mut() = err.status();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.into_parts()
+}
 
 /// What an attempt produced for the client: an answer's head and body, and what the
 /// response must carry and report.
@@ -140,12 +176,11 @@ impl Inner {
         clock: Clock,
         meta: RequestMeta,
     ) -> Response<PdBody> {
-        let (parts, body) = ex.head.into_parts();
+        let (parts, body) = relayable(req, &ex.route, ex.mark.is_some(), ex.head);
         let status = parts.status;
-        let sse = parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let content_type = parts.headers.get(header::CONTENT_TYPE);
+        let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
         // The decode's own 5xx is its failure, whatever its body; a prefill's 4xx passed
         // through ends the attempt as the prefill's.
         let (outcome, decode) = match (ex.mark, ex.decode_sent) {
@@ -182,7 +217,8 @@ impl Inner {
             first_byte: None,
             bytes: 0,
         };
-        let mut resp = Response::new(PdBody::stream(body, sse, finish, ex.pending, timer));
+        let body = PdBody::stream(body, sse, finish, ex.pending, timer).scrubbing(scrub);
+        let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = end_to_end(parts.headers);
         let h = resp.headers_mut();

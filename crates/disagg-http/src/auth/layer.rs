@@ -29,7 +29,15 @@ struct Policy {
 }
 
 impl Policy {
+    /// The keys a request on `path` needs, decided on its normal form
+    /// ([`crate::path::normalize`], as the service routes it: `//metrics` is `/metrics`).
+    /// A path with no normal form needs what the most guarded path needs; the service
+    /// refuses it anyway.
     fn keys_for(&self, path: &str) -> Option<&ApiKeys> {
+        let Ok(path) = crate::path::normalize(path) else {
+            return self.clients.as_ref().or(self.metrics.as_ref());
+        };
+        let path = &*path;
         if path == "/metrics"
             && let Some(m) = &self.metrics
         {
@@ -77,9 +85,14 @@ impl ApiKeyLayer {
         self.map_policy(|p| p.metrics = Some(keys))
     }
 
-    /// `path` is open to anyone, like `/health`.
+    /// `path` is open to anyone, like `/health` (in its normal form,
+    /// [`crate::path::normalize`], as requests are compared).
     pub fn open_path(self, path: impl Into<String>) -> Self {
         let path = path.into();
+        let path = match crate::path::normalize(&path) {
+            Ok(std::borrow::Cow::Owned(normal)) => normal,
+            _ => path,
+        };
         self.map_policy(|p| p.open.push(path))
     }
 
@@ -280,5 +293,33 @@ where
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_guarded_in_their_normal_form() {
+        let clients = ApiKeys::new(["sk-client"]).unwrap();
+        let metrics = ApiKeys::new(["sk-metrics"]).unwrap();
+        let layer = ApiKeyLayer::new(clients).metrics_keys(metrics);
+        let p = &layer.policy;
+        let needs = |path: &str| p.keys_for(path).map(std::ptr::from_ref);
+        let (client, scraper) = (needs("/v1/models"), needs("/metrics"));
+        assert!(client.is_some() && scraper.is_some() && client != scraper);
+        for spelling in ["//metrics", "/%6detrics", "/./metrics", "/v1/../metrics"] {
+            assert_eq!(needs(spelling), scraper, "{spelling}");
+        }
+        for spelling in ["/health", "//health", "/%68ealth", "/v1/../health"] {
+            assert_eq!(needs(spelling), None, "{spelling}");
+        }
+        // No normal form: a client key, whatever it resembles.
+        for spelling in ["/health%00", "/../health", "/metrics%2F", "/%zz"] {
+            assert_eq!(needs(spelling), client, "{spelling}");
+        }
+        let opened = ApiKeyLayer::new(ApiKeys::new(["sk-a"]).unwrap()).open_path("//ping/.");
+        assert!(opened.policy.keys_for("/ping/").is_none());
     }
 }

@@ -13,6 +13,10 @@
 //!   keys a scraper must present (then only those open it; a client's key does not).
 //! - Every other path needs a client key, the OpenAI routes and the paths the service
 //!   forwards to engines alike: a path nobody thought of is closed, not open.
+//! - Paths are compared in the normal form the service routes
+//!   ([`crate::path::normalize`]): `//metrics` and `/%6detrics` need the metrics key as
+//!   `/metrics` does. A path with no normal form needs a client key (the service then
+//!   refuses it with 400).
 //! - The scheme is matched case-insensitively (RFC 9110 §11.1), as vLLM does.
 //!
 //! The 401 is OpenAI's: `{"error": {"message", "type": "invalid_request_error", "param":

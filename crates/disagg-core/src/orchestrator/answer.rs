@@ -1,0 +1,577 @@
+//! What of an engine's answer reaches the client: never the engine's own KV handoff, an
+//! internal redirect or an encoding the client did not accept.
+//!
+//! vLLM 0.33 writes a finished request's `kv_transfer_params` (and `ec_transfer_params`)
+//! as a top-level key of every non-streamed answer and of the terminal chunk of a
+//! chat or completion stream (the chunk with `finish_reason`), and in the `response` of
+//! a Responses stream's terminal event (`vllm/entrypoints/openai/chat_completion/serving.py`,
+//! `…/completion/serving.py`, `…/responses/serving.py`). A decode running bidirectional
+//! NIXL puts its own there: its engine id, internal host and port, block ids. None of it
+//! is the client's business, so a [`PdBody`](crate::PdBody) made
+//! [`scrubbed`](crate::PdBody::scrubbed) relays an event stream or a JSON answer with the
+//! value of every key of [`HANDOFF_KEYS`] overwritten in place: `null`, then spaces to
+//! the value's length (JSON whitespace), as a decode with no handoff answers.
+//!
+//! - The answer streams as it came: each frame handed to the client (a burst of the
+//!   engine's frames joined into one, see [`PdBody`](crate::PdBody)) is searched for the
+//!   keys (`memchr`'s `memmem`) and passed on untouched when none holds a value (the
+//!   usual case: no copy; the `"kv_transfer_params":null` vLLM writes on every chunk is
+//!   no handoff). Only what a key's value needs is held back: the end of a frame that
+//!   may begin a key, and a handoff from its key to the end of its value (at most
+//!   [`MAX_HELD_HANDOFF`] bytes; a longer one, or one that is no JSON value, ends the
+//!   answer as a broken stream does).
+//! - The answer keeps its length, so its `content-length` stays true and the stream's
+//!   other bytes, its event boundaries included, are the engine's own.
+//! - Other answers (no JSON, no event stream) pass untouched.
+//!
+//! [`unrelayable`] says which answer heads are not relayed at all: a redirect whose
+//! `Location` names the engine's internal address, and a `content-encoding` the client
+//! did not accept (or one on an answer the proxy must read for the keys above).
+
+use std::sync::LazyLock;
+
+use bytes::{Bytes, BytesMut};
+use http::StatusCode;
+use http::header::{self, HeaderMap, HeaderValue};
+use memchr::memmem;
+
+/// The keys an engine writes about its own KV handoff, whose values never reach a
+/// client: vLLM's `kv_transfer_params` and `ec_transfer_params`, SGLang's
+/// `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
+pub const HANDOFF_KEYS: &[&str] = &[
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// The handoff vLLM writes on every chunk of a stream: no handoff.
+const NULL_HANDOFF: &[u8] = b"\"kv_transfer_params\":null";
+
+/// The keys as they are written, quoted, each with where [`NEEDLE`] sits in it.
+const QUOTED: [(&[u8], usize); 5] = [
+    (b"\"kv_transfer_params\"", 4),
+    (b"\"ec_transfer_params\"", 4),
+    (b"\"bootstrap_host\"", 6),
+    (b"\"bootstrap_port\"", 6),
+    (b"\"bootstrap_room\"", 6),
+];
+
+/// What a search looks for: every key holds it (`"kv_transfer_params"`,
+/// `"bootstrap_host"`), so one pass over a frame finds them all.
+const NEEDLE: &[u8] = b"tra";
+
+/// The search for [`NEEDLE`], built once: building it (memchr ranks the needle's bytes
+/// and picks a SIMD routine) costs more than searching a chunk with it, and a stream
+/// searches each frame it hands over. Read-only once built.
+static FINDER: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::FinderBuilder::new().build_forward_with_ranker(JsonRank, NEEDLE));
+
+/// How often a byte occurs in an engine's JSON, roughly. memchr's search first looks
+/// for the needle's two rarest bytes, and its default ranks are general text's, where
+/// `"` and `_` are rare: in JSON they are everywhere, and a search keyed on them stops
+/// at every key. Ranked frequent here, the search is keyed on the keys' letters.
+struct JsonRank;
+
+impl memchr::arch::all::packedpair::HeuristicFrequencyRank for JsonRank {
+    fn rank(&self, byte: u8) -> u8 {
+        match byte {
+            b'"' | b'_' | b':' | b',' | b'{' | b'}' | b'[' | b']' | b' ' | b'\n' => 255,
+            b'0'..=b'9' => 250,
+            b'e' | b't' | b'a' | b'o' | b'i' | b'n' | b's' | b'r' | b'l' | b'd' | b'c' => 240,
+            b'a'..=b'z' => 200,
+            _ => 100,
+        }
+    }
+}
+
+/// The most bytes of one handoff (its key and value) held back until its value ends
+/// (1 MiB; a vLLM handoff is a few hundred bytes, its block ids a few kilobytes for a
+/// long prompt).
+pub const MAX_HELD_HANDOFF: usize = 1024 * 1024;
+
+/// An answer holds a handoff the proxy cannot keep from the client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AnswerError {
+    /// A handoff value longer than [`MAX_HELD_HANDOFF`].
+    #[error("the engine's answer holds a KV handoff of more than {limit} bytes")]
+    TooLarge {
+        /// The limit passed.
+        limit: usize,
+    },
+    /// A handoff key followed by something that is no JSON value.
+    #[error("the engine's answer holds a KV handoff key whose value is no JSON")]
+    Unreadable,
+}
+
+/// Whether an engine's answer with `headers` is read for a handoff: an event stream or
+/// JSON (other answers pass untouched).
+pub(crate) fn scrubbed_kind(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| scrubbed_type(ct.as_bytes()))
+}
+
+/// Whether an answer of content type `ct` is read for a handoff.
+pub(crate) fn scrubbed_type(ct: &[u8]) -> bool {
+    let starts = |p: &[u8]| ct.len() >= p.len() && ct[..p.len()].eq_ignore_ascii_case(p);
+    starts(b"text/event-stream") || starts(b"application/json") || starts(b"application/x-ndjson")
+}
+
+/// Why an engine's answer with `status` and `headers` cannot be relayed to a client whose
+/// request had `client_headers` (their `accept-encoding` is read), if it cannot:
+///
+/// - a redirect (3xx) with a `Location`: it names the engine's own address, which is
+///   not the client's to follow (nor to know);
+/// - a `content-encoding` (other than `identity`) the client's `accept-encoding` does
+///   not allow, or any on an event stream or a JSON answer, which the proxy must read
+///   to keep the engine's handoff from the client.
+///
+/// The reason never quotes the `Location`.
+pub fn unrelayable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    client_headers: &HeaderMap,
+) -> Option<String> {
+    if status.is_redirection() && headers.contains_key(header::LOCATION) {
+        return Some(format!(
+            "a redirect ({}) to an address of its own",
+            status.as_u16()
+        ));
+    }
+    let coding = headers.get(header::CONTENT_ENCODING)?;
+    let coding = coding.to_str().unwrap_or("?").trim();
+    let codings: Vec<&str> = coding
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+        .collect();
+    if codings.is_empty() {
+        return None;
+    }
+    if scrubbed_kind(headers) {
+        return Some(format!(
+            "a `{coding}`-encoded answer, which the proxy must read to relay"
+        ));
+    }
+    let accept_encoding = client_headers.get(header::ACCEPT_ENCODING);
+    let accepted = codings.iter().all(|c| accepts(accept_encoding, c));
+    (!accepted).then(|| format!("a `{coding}`-encoded answer the client did not accept"))
+}
+
+/// Whether an `accept-encoding` of `value` allows `coding` (RFC 9110 §12.5.3): named, or
+/// `*`, with a non-zero weight; no header allows none (the proxy relays an engine's
+/// encoding only when the client asked for it).
+fn accepts(value: Option<&HeaderValue>, coding: &str) -> bool {
+    let Some(value) = value.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let norm = |s: &str| {
+        let s = s.trim().to_ascii_lowercase();
+        s.strip_prefix("x-").map(str::to_owned).unwrap_or(s)
+    };
+    let coding = norm(coding);
+    let mut star = false;
+    for item in value.split(',') {
+        let mut parts = item.split(';');
+        let name = norm(parts.next().unwrap_or_default());
+        let weight = parts
+            .filter_map(|p| {
+                let p = p.trim();
+                p.strip_prefix("q=").or_else(|| p.strip_prefix("Q="))
+            })
+            .find_map(|q| q.trim().parse::<f32>().ok())
+            .unwrap_or(1.0);
+        if name == coding {
+            return weight > 0.0;
+        }
+        if name == "*" {
+            star = weight > 0.0;
+        }
+    }
+    star
+}
+
+// === the scrubber ===
+
+/// What a search of a buffer found next.
+#[derive(Debug, PartialEq, Eq)]
+enum Hit {
+    /// Nothing to overwrite up to here (a `null` value, a look-alike): search on from it.
+    Skip(usize),
+    /// A handoff value at `start..end`.
+    Value(usize, usize),
+    /// A key from here on whose value is not whole yet: hold it back.
+    Incomplete(usize),
+}
+
+/// The state of one answer's scrubbing: the bytes held back.
+#[derive(Debug, Default)]
+pub(crate) struct Scrubber {
+    held: BytesMut,
+}
+
+impl Scrubber {
+    /// How many bytes are held back.
+    pub(crate) fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// A frame of the answer: the bytes to pass on now (maybe none).
+    pub(crate) fn push(&mut self, data: Bytes) -> Result<Bytes, AnswerError> {
+        let buf = if self.held.is_empty() {
+            data
+        } else {
+            self.held.extend_from_slice(&data);
+            self.held.split().freeze()
+        };
+        self.scan(buf, false)
+    }
+
+    /// The answer ended: what was held, scrubbed.
+    pub(crate) fn finish(&mut self) -> Result<Bytes, AnswerError> {
+        if self.held.is_empty() {
+            return Ok(Bytes::new());
+        }
+        let buf = self.held.split().freeze();
+        self.scan(buf, true)
+    }
+
+    /// `buf`, its handoff values overwritten; what may start a key, or a handoff not
+    /// whole yet, is held back unless `end`.
+    fn scan(&mut self, buf: Bytes, end: bool) -> Result<Bytes, AnswerError> {
+        let mut edited: Option<BytesMut> = None;
+        let mut pos = 0;
+        let mut cut = buf.len();
+        let finder = &*FINDER;
+        while let Some(at) = finder.find(&buf[pos..]).map(|i| i + pos) {
+            // What vLLM writes on every chunk of a stream, seen at once.
+            if buf[at.saturating_sub(4)..].starts_with(NULL_HANDOFF) {
+                pos = at - 4 + NULL_HANDOFF.len();
+                continue;
+            }
+            match next_hit(&buf, at, end)? {
+                Hit::Skip(next) => pos = next,
+                Hit::Value(start, stop) => {
+                    let copy = edited.get_or_insert_with(|| BytesMut::from(&buf[..]));
+                    overwrite(&mut copy[start..stop]);
+                    pos = stop;
+                }
+                Hit::Incomplete(from) => {
+                    cut = from;
+                    break;
+                }
+            }
+        }
+        if end {
+            if cut < buf.len() {
+                // The answer ended inside a handoff: none of it goes out.
+                let copy = edited.get_or_insert_with(|| BytesMut::from(&buf[..]));
+                copy[cut..].fill(b' ');
+            }
+            cut = buf.len();
+        } else if cut == buf.len() {
+            cut -= key_start_at_end(&buf);
+        }
+        if buf.len() - cut > MAX_HELD_HANDOFF {
+            return Err(AnswerError::TooLarge {
+                limit: MAX_HELD_HANDOFF,
+            });
+        }
+        self.held.extend_from_slice(&buf[cut..]);
+        Ok(match edited {
+            Some(copy) => copy.freeze().slice(..cut),
+            None => buf.slice(..cut),
+        })
+    }
+}
+
+/// The value bytes `v` overwritten: `null` and spaces, or for a value shorter than
+/// `null` another empty one of its length.
+fn overwrite(v: &mut [u8]) {
+    let fill: &[u8] = match v.len() {
+        0 => b"",
+        1 => b"0",
+        2 | 3 => b"{}",
+        _ => b"null",
+    };
+    v[..fill.len()].copy_from_slice(fill);
+    v[fill.len()..].fill(b' ');
+}
+
+/// How many bytes at the end of `b` may be the start of a quoted key (a proper prefix
+/// of one), to be held back for the next frame.
+fn key_start_at_end(b: &[u8]) -> usize {
+    // Most frames end with `\n` or `}`: nothing to look for.
+    match b.last() {
+        Some(c) if c.is_ascii_alphabetic() || *c == b'_' || *c == b'"' => {}
+        _ => return 0,
+    }
+    let mut longest = 0;
+    for (key, _) in QUOTED {
+        for len in (longest + 1..key.len()).rev() {
+            if b.ends_with(&key[..len]) {
+                longest = len;
+                break;
+            }
+        }
+    }
+    longest
+}
+
+/// What the [`NEEDLE`] at `at` in `buf` is (or why it is none); `end`: no more bytes
+/// will follow `buf`.
+fn next_hit(buf: &[u8], at: usize, end: bool) -> Result<Hit, AnswerError> {
+    // The key the needle is part of: its start and end, if it is one.
+    let mut key = None;
+    for (quoted, offset) in QUOTED {
+        let Some(start) = at.checked_sub(offset) else {
+            continue;
+        };
+        let tail = &buf[start..];
+        if tail.starts_with(quoted) {
+            key = Some((start, start + quoted.len()));
+            break;
+        }
+        if !end && quoted.starts_with(tail) {
+            return Ok(Hit::Incomplete(start));
+        }
+    }
+    let Some((key_start, key_end)) = key else {
+        return Ok(Hit::Skip(at + 1));
+    };
+    let more = |at: usize| {
+        if end {
+            Hit::Skip(at)
+        } else {
+            Hit::Incomplete(key_start)
+        }
+    };
+    let colon = skip_ws(buf, key_end);
+    match buf.get(colon) {
+        None => return Ok(more(buf.len())),
+        Some(b':') => {}
+        // A string that only looks like a key (`["kv_transfer_params"]`).
+        Some(_) => return Ok(Hit::Skip(key_end)),
+    }
+    let v = skip_ws(buf, colon + 1);
+    let value = &buf[v..];
+    if value.starts_with(b"null") {
+        return Ok(Hit::Skip(v + 4));
+    }
+    if value.len() < 4 && b"null".starts_with(value) {
+        return Ok(more(buf.len()));
+    }
+    let mut values =
+        serde_json::Deserializer::from_slice(value).into_iter::<serde::de::IgnoredAny>();
+    match values.next() {
+        // A value that ends with the buffer may go on (a number) unless nothing follows.
+        Some(Ok(_)) if v + values.byte_offset() == buf.len() && !end => {
+            Ok(Hit::Incomplete(key_start))
+        }
+        Some(Ok(_)) => Ok(Hit::Value(v, v + values.byte_offset())),
+        Some(Err(e)) if e.is_eof() => Ok(if end {
+            Hit::Value(v, buf.len())
+        } else {
+            Hit::Incomplete(key_start)
+        }),
+        None => Ok(more(buf.len())),
+        Some(Err(_)) => Err(AnswerError::Unreadable),
+    }
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+        i += 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Run `frames` through a scrubber: the bytes passed on after each, then at the end.
+    fn run(frames: &[&[u8]]) -> Result<Vec<Vec<u8>>, AnswerError> {
+        let mut s = Scrubber::default();
+        let mut out = Vec::new();
+        for f in frames {
+            out.push(s.push(Bytes::copy_from_slice(f))?.to_vec());
+        }
+        out.push(s.finish()?.to_vec());
+        Ok(out)
+    }
+
+    fn joined(frames: &[&[u8]]) -> String {
+        String::from_utf8(run(frames).unwrap().concat()).unwrap()
+    }
+
+    /// `text` with the value after each of `keys` overwritten as the scrubber does.
+    fn blanked(text: &str, values: &[&str]) -> String {
+        let mut out = text.to_owned();
+        for v in values {
+            let mut b = v.as_bytes().to_vec();
+            overwrite(&mut b);
+            out = out.replacen(v, std::str::from_utf8(&b).unwrap(), 1);
+        }
+        out
+    }
+
+    const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}],\"kv_transfer_params\":null}\n\n";
+    const HANDOFF: &str = r#"{"do_remote_decode":true,"remote_host":"10.0.0.7","remote_port":5600,"remote_block_ids":[1,2]}"#;
+
+    fn last_chunk() -> String {
+        format!(
+            "data: {{\"id\":\"c\",\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"length\"}}],\"kv_transfer_params\":{HANDOFF}}}\n\n"
+        )
+    }
+
+    #[test]
+    fn every_key_holds_the_needle_where_it_is_said_to() {
+        for (key, offset) in QUOTED {
+            assert_eq!(memmem::find(key, NEEDLE), Some(offset));
+            let name = std::str::from_utf8(&key[1..key.len() - 1]).unwrap();
+            assert!(HANDOFF_KEYS.contains(&name), "{name}");
+        }
+        assert_eq!(QUOTED.len(), HANDOFF_KEYS.len());
+    }
+
+    #[test]
+    fn frames_without_a_handoff_pass_as_they_came() {
+        let mut s = Scrubber::default();
+        let chunk = Bytes::from_static(CHUNK.as_bytes());
+        let out = s.push(chunk.clone()).unwrap();
+        // The same buffer: no copy, nothing held.
+        assert_eq!(out.as_ptr(), chunk.as_ptr());
+        assert_eq!(out.len(), chunk.len());
+        assert!(s.held.is_empty());
+    }
+
+    #[test]
+    fn a_handoff_value_is_overwritten_in_place_wherever_the_frames_cut() {
+        let stream = format!("{CHUNK}{}data: [DONE]\n\n", last_chunk());
+        let want = blanked(&stream, &[HANDOFF]);
+        assert_eq!(want.len(), stream.len());
+        assert!(!want.contains("10.0.0.7"));
+        assert!(want.contains("\"kv_transfer_params\":null    "));
+        let b = stream.as_bytes();
+        for cut in 0..b.len() {
+            assert_eq!(joined(&[&b[..cut], &b[cut..]]), want, "cut at {cut}");
+        }
+        // Three pieces, the key itself cut.
+        let k = stream.rfind("_tra").unwrap();
+        assert_eq!(joined(&[&b[..k], &b[k..k + 3], &b[k + 3..]]), want);
+    }
+
+    #[test]
+    fn every_handoff_key_and_value_kind_is_caught() {
+        let body = r#"{"id":"x","response":{"ec_transfer_params":{"e":1},"status":"completed"},"bootstrap_host": "10.0.0.5","bootstrap_port":8998,"bootstrap_room":12345678901,"kv_transfer_params":[1]}"#;
+        let want = blanked(
+            body,
+            &[r#"{"e":1}"#, r#""10.0.0.5""#, "8998", "12345678901", "[1]"],
+        );
+        for cut in 0..body.len() {
+            let b = body.as_bytes();
+            assert_eq!(joined(&[&b[..cut], &b[cut..]]), want, "cut at {cut}");
+        }
+        // Values shorter than `null` become an empty value of their length.
+        assert_eq!(
+            joined(&[br#"{"bootstrap_port":80}"#]),
+            r#"{"bootstrap_port":{}}"#
+        );
+        assert_eq!(
+            joined(&[br#"{"bootstrap_room":7}"#]),
+            r#"{"bootstrap_room":0}"#
+        );
+    }
+
+    #[test]
+    fn null_handoffs_and_look_alikes_pass_untouched() {
+        for b in [
+            r#"{"kv_transfer_params":null,"ec_transfer_params" : null}"#,
+            r#"["kv_transfer_params","bootstrap_host"]"#,
+            r#"{"prompt":"\"kv_transfer_params\": {\"x\":1}"}"#,
+            r#"{"my_transfer_params":{"a":1},"bootstrap_pair_key":"k","bootstrap_hostname":"h"}"#,
+            "no JSON at all _transfer_params\" x",
+        ] {
+            assert_eq!(joined(&[b.as_bytes()]), b);
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_scrubbed_fails_the_answer() {
+        // A value still open past the limit (a whole one that long is overwritten).
+        let big = format!(
+            r#"{{"kv_transfer_params":"{}"#,
+            "x".repeat(MAX_HELD_HANDOFF)
+        );
+        let b = big.as_bytes();
+        let half = MAX_HELD_HANDOFF / 2;
+        assert!(matches!(
+            run(&[&b[..half], &b[half..]]),
+            Err(AnswerError::TooLarge { .. })
+        ));
+        let whole = format!("{big}\"}}");
+        let out = joined(&[&whole.as_bytes()[..half], &whole.as_bytes()[half..]]);
+        assert!(out.starts_with(r#"{"kv_transfer_params":null  "#) && !out.contains('x'));
+        assert!(matches!(
+            run(&[br#"{"kv_transfer_params":nope}"#]),
+            Err(AnswerError::Unreadable)
+        ));
+        // An answer that ends inside a handoff: none of it goes out.
+        let cut = br#"{"a":1,"kv_transfer_params":{"remote_host":"10.0.0.7""#;
+        let out = joined(&[cut]);
+        assert_eq!(out.len(), cut.len());
+        assert!(!out.contains("10.0.0.7"), "{out}");
+    }
+
+    /// Client headers saying `accept-encoding: value`, if any.
+    fn client(value: Option<&HeaderValue>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(v) = value {
+            h.insert(header::ACCEPT_ENCODING, v.clone());
+        }
+        h
+    }
+
+    #[test]
+    fn heads_that_are_not_relayed() {
+        let unrelayable = |s, h: &HeaderMap, a: Option<&HeaderValue>| unrelayable(s, h, &client(a));
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::LOCATION,
+            HeaderValue::from_static("http://10.0.0.7/x"),
+        );
+        let why = unrelayable(StatusCode::TEMPORARY_REDIRECT, &h, None).unwrap();
+        assert!(!why.contains("10.0.0.7"), "{why}");
+        assert!(unrelayable(StatusCode::CREATED, &h, None).is_none());
+
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("audio/wav"));
+        let gzip = HeaderValue::from_static("br, GZIP;q=0.5");
+        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_none());
+        for refused in ["br", "gzip;q=0", "*;q=0", "identity"] {
+            let v = HeaderValue::from_static(refused);
+            assert!(
+                unrelayable(StatusCode::OK, &h, Some(&v)).is_some(),
+                "{refused}"
+            );
+        }
+        let star = HeaderValue::from_static("*");
+        assert!(unrelayable(StatusCode::OK, &h, Some(&star)).is_none());
+        assert!(unrelayable(StatusCode::OK, &h, None).is_some());
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_some());
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        assert!(unrelayable(StatusCode::OK, &h, None).is_none());
+    }
+}

@@ -1,0 +1,991 @@
+//! `disagg-proxy serve` at the HTTP edge, on every route kind, as the real binary in
+//! front of simulated engines that record every request (and, where an engine must
+//! misbehave, raw engines written here): one normal path routed, authorised and
+//! forwarded; the client's credentials and the engines' routing headers never passed
+//! on; an engine's own KV handoff never relayed; every client body under the body
+//! timeout; engine redirects and unasked encodings answered 502.
+
+#![allow(missing_docs)] // a test binary
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_sim::{ReceivedRequest, SimConfig, SimEngine};
+use http_body_util::Full;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+mod common;
+use common::{Proxy, completion, get, get_with, post, post_with};
+
+async fn engine(config: SimConfig) -> SimEngine {
+    SimEngine::start(config)
+        .await
+        .expect("start a simulated engine")
+}
+
+async fn plain_pair() -> (SimEngine, SimEngine) {
+    (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    )
+}
+
+fn chat(content: &str, max_tokens: u32, stream: bool) -> String {
+    serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// Everything both engines received, on any route.
+fn received(engines: &[&SimEngine]) -> Vec<ReceivedRequest> {
+    engines.iter().flat_map(|e| e.received()).collect()
+}
+
+// === raw HTTP/1.1 to the proxy ===
+
+/// An answer read off a connection to its end.
+struct Raw {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+impl Raw {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "not JSON ({e}): {} {}",
+                self.head,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+
+    /// An OpenAI-format error with `status` and `code`.
+    fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(
+            self.status,
+            status,
+            "{}{}",
+            self.head,
+            String::from_utf8_lossy(&self.body)
+        );
+        let v = self.json();
+        assert_eq!(v["error"]["code"], code, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+        assert!(v["error"]["type"].is_string(), "{v}");
+        assert!(v["error"].get("param").is_some(), "{v}");
+    }
+}
+
+/// Split what a connection carried into head and body (chunks joined).
+fn parse_answer(bytes: &[u8]) -> Raw {
+    let text_end = bytes
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {:?}", String::from_utf8_lossy(bytes)));
+    let head = String::from_utf8_lossy(&bytes[..text_end]).into_owned();
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status line");
+    let mut rest = &bytes[text_end + 4..];
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        let mut body = Vec::new();
+        while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = std::str::from_utf8(&rest[..eol])
+                .ok()
+                .and_then(|s| usize::from_str_radix(s.trim(), 16).ok())
+                .unwrap_or(0);
+            if size == 0 || rest.len() < eol + 2 + size {
+                break;
+            }
+            body.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+            rest = &rest[(eol + 4 + size).min(rest.len())..];
+        }
+        body
+    } else {
+        rest.to_vec()
+    };
+    Raw { status, head, body }
+}
+
+/// Send `request` (whole) on a new connection and read until the proxy closes it.
+async fn raw(addr: SocketAddr, request: &str) -> Raw {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(request.as_bytes()).await.expect("send");
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+        .await
+        .expect("answered and closed within 10 s")
+        .expect("read");
+    parse_answer(&buf)
+}
+
+/// `METHOD target` with a JSON `body`, on its own connection.
+async fn raw_request(addr: SocketAddr, method: &str, target: &str, body: &str) -> Raw {
+    let req = format!(
+        "{method} {target} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    raw(addr, &req).await
+}
+
+// === 1. one normal path ===
+
+#[tokio::test]
+async fn oddly_spelled_admin_routes_are_refused_and_reach_no_engine() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    for target in [
+        "/reset_prefix_cache",
+        "/%72eset_prefix_cache",
+        "/reset%5Fprefix%5Fcache",
+        "/reset%5fprefix%5fcache",
+        "//reset_prefix_cache",
+        "/./reset_prefix_cache",
+        "/v1/../reset_prefix_cache",
+        "/v1/%2E%2E/reset_prefix_cache",
+        "/%73leep",
+        "/v1/../v1/load_lora_adapter",
+        "/fault_tolerance//apply",
+        "/dumper/./start",
+    ] {
+        let a = raw_request(proxy.addr, "POST", target, "{}").await;
+        a.assert_error(403, "admin_route_closed");
+    }
+    assert_eq!(received(&[&p, &d]), Vec::new());
+    // The engines do route the decoded spelling to the closed handler (uvicorn
+    // decodes before Starlette matches): it was the proxy that stopped it.
+    let direct = raw_request(d.addr(), "POST", "/%72eset_prefix_cache", "").await;
+    assert_eq!(direct.status, 200);
+    assert_eq!(d.stats().admin_requests, 1);
+}
+
+#[tokio::test]
+async fn ambiguous_paths_are_400_and_reach_no_engine() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--admin-routes"]).await;
+    for target in [
+        "/reset%2Fprefix_cache",
+        "/reset_prefix_cache%2F",
+        "/v1%2Fchat/completions",
+        "/v1/chat%2fcompletions",
+        "/tokenize%5C",
+        "/a%5cb",
+        "/tokenize%00",
+        "/%00/../tokenize",
+        "/tokenize%zz",
+        "/tokenize%2",
+        "/../x",
+        "/../reset_prefix_cache",
+        "/v1/../../tokenize",
+        "/v1/%2e%2e/%2e%2e/sleep",
+    ] {
+        for method in ["POST", "GET"] {
+            let a = raw_request(proxy.addr, method, target, "{}").await;
+            a.assert_error(400, "invalid_path");
+        }
+    }
+    assert_eq!(received(&[&p, &d]), Vec::new());
+    assert_eq!((p.stats().requests, d.stats().requests), (0, 0));
+}
+
+#[tokio::test]
+async fn an_oddly_spelled_chat_route_is_orchestrated() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    let body = chat("spelled oddly", 3, false);
+    let spellings = [
+        "/v1/chat//completions",
+        "/v1/./chat/completions",
+        "//v1/chat/completions",
+        "/v1/%63hat/completions",
+        "/v1/x/../chat/completions",
+    ];
+    for target in spellings {
+        let a = raw_request(proxy.addr, "POST", target, &body).await;
+        assert_eq!(
+            a.status,
+            200,
+            "{target}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+        // Disaggregated, not served by one engine behind P/D's back.
+        assert_eq!(a.header("x-disagg-handoff"), Some("kv"), "{target}");
+    }
+    for e in [&p, &d] {
+        let paths: Vec<String> = e.requests().into_iter().map(|r| r.path).collect();
+        assert_eq!(paths, vec!["/v1/chat/completions"; spellings.len()]);
+    }
+    assert_eq!(d.stats().remote_decodes, spellings.len() as u64);
+}
+
+#[tokio::test]
+async fn forwarded_paths_reach_the_engine_normalised_with_their_query() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    let body = r#"{"model":"sim-model","prompt":"one two"}"#;
+    let a = raw_request(proxy.addr, "POST", "//%74okenize/./?x=%2F&y=%zz", body).await;
+    // `/tokenize/` is not vLLM's route: the engine's own 404, passed through.
+    assert_eq!(a.status, 404, "{}", String::from_utf8_lossy(&a.body));
+    let a = raw_request(proxy.addr, "POST", "/v1/../%74okenize?x=%2F&y", body).await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.json()["count"], 2);
+    let heads = d.received();
+    let got: Vec<(&str, Option<&str>)> = heads
+        .iter()
+        .map(|r| (r.path.as_str(), r.query.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("/tokenize/", Some("x=%2F&y=%zz")),
+            ("/tokenize", Some("x=%2F&y"))
+        ]
+    );
+    // A model card's id may hold an escaped `/`: the card is the proxy's own answer.
+    let card = get(&proxy.url(), "/v1/models/sim%2Dmodel").await;
+    assert_eq!(card.status, 200, "{}", card.text());
+    assert_eq!(card.json()["id"], "sim-model");
+    let unknown = get(&proxy.url(), "/v1/models/org%2Fmodel").await;
+    unknown.assert_error(404, "model_not_found");
+    assert!(unknown.text().contains("org/model"), "{}", unknown.text());
+    // Only the model list was asked for, never a model card path.
+    assert!(
+        d.received()[2..].iter().all(|r| r.path == "/v1/models"),
+        "{:?}",
+        d.received()
+    );
+    assert_eq!(p.received(), Vec::new());
+}
+
+// === 2. credentials and routing headers ===
+
+const CLIENT_KEY: &str = "sk-client-secret-0001";
+
+/// The headers an engine reads as routing or identity, and a client's credentials.
+fn hostile_headers() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("x-override-rid", "client-rid"),
+        ("x-override-bootstrap-host", "10.6.6.6"),
+        ("x-override-bootstrap-port", "6666"),
+        ("x-override-bootstrap-room", "42"),
+        ("x-override-routed-dp-rank", "1"),
+        ("x-override-disagg-prefill-dp-rank", "1"),
+        ("x-override-priority", "-100"),
+        ("x-override-conversation-id", "someone-elses"),
+        ("x-override-foo", "bar"),
+        ("x_override_bootstrap_host", "10.6.6.7"),
+        ("X-data-parallel-rank", "1"),
+        ("x-api-key", "sk-client-secret-0002"),
+    ]
+}
+
+/// One request of every route kind, each with the client's `authorization` and
+/// `extra` headers: orchestrated (streamed and not), forwarded (`/tokenize`,
+/// `/v1/embeddings`), direct (`/v1/responses`), fanned out (`/reset_prefix_cache`, when
+/// the proxy opened the admin routes) and the model list the proxy gathers.
+async fn every_route(url: &str, auth: &str, extra: &[(&str, &str)], admin: bool) {
+    let mut h: Vec<(&str, &str)> = vec![("authorization", auth)];
+    h.extend_from_slice(extra);
+    for (path, body) in [
+        ("/v1/completions", completion("every route", 3, false)),
+        ("/v1/chat/completions", chat("every route", 3, true)),
+        (
+            "/tokenize",
+            r#"{"model":"sim-model","prompt":"a b"}"#.to_owned(),
+        ),
+        (
+            "/v1/embeddings",
+            r#"{"model":"sim-model","input":"a b"}"#.to_owned(),
+        ),
+        (
+            "/v1/responses",
+            r#"{"model":"sim-model","input":"a b"}"#.to_owned(),
+        ),
+        (
+            "/v1/responses",
+            r#"{"model":"sim-model","input":"a b","stream":true}"#.to_owned(),
+        ),
+    ] {
+        let a = post_with(url, path, &body, &h).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+    }
+    if admin {
+        let a = post_with(url, "/reset_prefix_cache", "", &h).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let models = get_with(url, "/v1/models", &h).await;
+    assert_eq!(models.status, 200, "{}", models.text());
+}
+
+/// Every route kind reached an engine: the heads `engines` received, by path.
+fn assert_every_route_reached(p: &SimEngine, d: &SimEngine, admin: bool) {
+    let paths =
+        |e: &SimEngine| -> Vec<String> { e.received().into_iter().map(|r| r.path).collect() };
+    let (pp, dp) = (paths(p), paths(d));
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        assert!(pp.iter().any(|x| x == path), "prefill: {pp:?}");
+        assert!(dp.iter().any(|x| x == path), "decode: {dp:?}");
+    }
+    for path in ["/tokenize", "/v1/embeddings", "/v1/responses", "/v1/models"] {
+        assert!(dp.iter().any(|x| x == path), "{path}: {dp:?}");
+    }
+    if admin {
+        assert!(pp.iter().any(|x| x == "/reset_prefix_cache"), "{pp:?}");
+        assert!(dp.iter().any(|x| x == "/reset_prefix_cache"), "{dp:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_clients_credentials_reach_no_engine_on_any_route() {
+    let keyed = || SimConfig {
+        api_key: Some("sk-engine".to_owned()),
+        ..SimConfig::default()
+    };
+    // With client keys and an engine key: the engines get the engine's key, only.
+    {
+        let (p, d) = (engine(keyed()).await, engine(keyed()).await);
+        let proxy = Proxy::start(
+            &p,
+            &d,
+            &[
+                "--api-key",
+                CLIENT_KEY,
+                "--engine-api-key",
+                "sk-engine",
+                "--admin-routes",
+            ],
+        )
+        .await;
+        let auth = format!("Bearer {CLIENT_KEY}");
+        every_route(&proxy.url(), &auth, &hostile_headers(), true).await;
+        assert_every_route_reached(&p, &d, true);
+        for r in received(&[&p, &d]) {
+            assert_eq!(r.header("authorization"), Some("Bearer sk-engine"), "{r:?}");
+            assert_eq!(r.header("x-api-key"), None, "{r:?}");
+            assert!(
+                r.headers.iter().all(|(_, v)| !v.contains("sk-client")),
+                "{r:?}"
+            );
+        }
+        assert_eq!(
+            (
+                p.stats().requests_without_key,
+                d.stats().requests_without_key
+            ),
+            (0, 0)
+        );
+    }
+    // Without an engine key: no `authorization` at all.
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--admin-routes"]).await;
+    every_route(
+        &proxy.url(),
+        &format!("Bearer {CLIENT_KEY}"),
+        &hostile_headers(),
+        true,
+    )
+    .await;
+    assert_every_route_reached(&p, &d, true);
+    for r in received(&[&p, &d]) {
+        assert_eq!(r.header("authorization"), None, "{r:?}");
+        assert_eq!(r.header("x-api-key"), None, "{r:?}");
+    }
+}
+
+#[tokio::test]
+async fn forward_authorization_passes_authorization_alone_on_every_route() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--forward-authorization", "--admin-routes"]).await;
+    let auth = format!("Bearer {CLIENT_KEY}");
+    every_route(&proxy.url(), &auth, &hostile_headers(), true).await;
+    assert_every_route_reached(&p, &d, true);
+    for r in received(&[&p, &d]) {
+        // The proxy's own model list request carries nothing of a client's.
+        let want = (r.path != "/v1/models").then_some(auth.as_str());
+        assert_eq!(r.header("authorization"), want, "{r:?}");
+        assert_eq!(r.header("x-api-key"), None, "{r:?}");
+    }
+}
+
+#[tokio::test]
+async fn engine_directives_reach_no_engine_on_any_route() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--admin-routes"]).await;
+    let mut headers = hostile_headers();
+    headers.push(("x-request-id", "client-chosen-id"));
+    headers.push((
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    ));
+    every_route(&proxy.url(), "Bearer x", &headers, true).await;
+    assert_every_route_reached(&p, &d, true);
+    let all = received(&[&p, &d]);
+    for r in &all {
+        for (name, _) in &r.headers {
+            let n = name.replace('_', "-");
+            assert!(
+                !n.starts_with("x-override-") && n != "x-data-parallel-rank",
+                "{name} reached {} {}: {r:?}",
+                r.method,
+                r.path
+            );
+        }
+    }
+    // The legs carry the proxy's own request id, never the client's; the routes it
+    // mints none for pass the client's; the rest of the client's headers pass.
+    for r in &all {
+        let leg = r.path.starts_with("/v1/c");
+        let id = r.header("x-request-id");
+        if leg {
+            assert!(id.is_some_and(|v| v != "client-chosen-id"), "{r:?}");
+        }
+        if r.path != "/v1/models" {
+            assert!(r.header("traceparent").is_some(), "{r:?}");
+        }
+    }
+}
+
+// === 3. the engine's own handoff ===
+
+fn handoff_decode() -> SimConfig {
+    SimConfig {
+        decode_handoff: true,
+        ..SimConfig::default()
+    }
+}
+
+/// Whether `text` holds a handoff that is not `null`.
+fn holds_handoff(text: &str) -> bool {
+    [
+        "kv_transfer_params\":{",
+        "ec_transfer_params\":{",
+        "remote_engine_id",
+    ]
+    .iter()
+    .any(|k| text.contains(k))
+}
+
+#[tokio::test]
+async fn a_decodes_own_handoff_never_reaches_the_client() {
+    let p = engine(SimConfig::default()).await;
+    let d = engine(handoff_decode()).await;
+    // The control: asked directly, the decode answers with a handoff of its own.
+    let direct = post(&d.url(), "/v1/completions", &completion("mine", 3, false)).await;
+    assert!(holds_handoff(&direct.text()), "{}", direct.text());
+    let direct = post(&d.url(), "/v1/chat/completions", &chat("mine", 3, true)).await;
+    assert!(holds_handoff(&direct.text()), "{}", direct.text());
+    let responses = r#"{"model":"sim-model","input":"mine","stream":true}"#;
+    let direct = post(&d.url(), "/v1/responses", responses).await;
+    assert!(holds_handoff(&direct.text()), "{}", direct.text());
+
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    let url = proxy.url();
+    for stream in [false, true] {
+        for (path, body) in [
+            ("/v1/chat/completions", chat("not yours", 4, stream)),
+            ("/v1/completions", completion("not yours", 4, stream)),
+        ] {
+            let a = post(&url, path, &body).await;
+            assert_eq!(a.status, 200, "{}", a.text());
+            assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+            assert!(!holds_handoff(&a.text()), "{path}: {}", a.text());
+            if stream {
+                let events = a.events();
+                // Every chunk is there, each one JSON; only the terminal one changed.
+                assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+                let mut terminal = 0;
+                for e in &events[..events.len() - 1] {
+                    let v: serde_json::Value = serde_json::from_str(e).expect("a JSON chunk");
+                    terminal += usize::from(v["choices"][0]["finish_reason"].is_string());
+                    let handoff = v.get("kv_transfer_params");
+                    assert!(handoff.is_none_or(serde_json::Value::is_null), "{e}");
+                }
+                assert_eq!(terminal, 1, "{}", a.text());
+            } else {
+                let v = a.json();
+                assert!(v["kv_transfer_params"].is_null(), "{v}");
+                assert!(v["usage"].is_object(), "{v}");
+            }
+        }
+        // Direct: the Responses API, whole and streamed.
+        let body = format!(r#"{{"model":"sim-model","input":"not yours","stream":{stream}}}"#);
+        let a = post(&url, "/v1/responses", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("direct"));
+        assert!(!holds_handoff(&a.text()), "{}", a.text());
+        assert!(
+            a.text().contains("\"status\":\"completed\"")
+                || a.text().contains("\"status\":\"incomplete\"")
+        );
+    }
+    assert_eq!(d.stats().remote_decodes, 4);
+}
+
+/// A raw engine: answers every request (read to its end) with `answer`, written as
+/// separate socket writes, each frame a moment after the other (an empty frame: hang),
+/// then closes the connection. It keeps the requests it saw (head and body, as text).
+struct RawEngine {
+    addr: SocketAddr,
+    heads: Arc<Mutex<Vec<String>>>,
+}
+
+impl RawEngine {
+    async fn start(answer: Vec<Vec<u8>>) -> RawEngine {
+        RawEngine::start_with(move |_head| answer.clone()).await
+    }
+
+    /// `answer` picks the frames for each request from the request (as text).
+    async fn start_with(
+        answer: impl Fn(&str) -> Vec<Vec<u8>> + Send + Sync + 'static,
+    ) -> RawEngine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&heads);
+        let answer = Arc::new(answer);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let (seen, answer) = (Arc::clone(&seen), Arc::clone(&answer));
+                tokio::spawn(async move {
+                    let Some(head) = read_request(&mut s).await else {
+                        return;
+                    };
+                    let frames = answer(&head);
+                    seen.lock().unwrap().push(head);
+                    for (i, f) in frames.iter().enumerate() {
+                        if i > 0 {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        if f.is_empty() {
+                            // An empty frame: hang, the connection open.
+                            std::future::pending::<()>().await;
+                        }
+                        if s.write_all(f).await.is_err() {
+                            return;
+                        }
+                        let _ = s.flush().await;
+                    }
+                });
+            }
+        });
+        RawEngine { addr, heads }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap().clone()
+    }
+}
+
+/// Read one request off `s`: its head and its body (a `content-length`'s worth, or
+/// chunks to the last one), as text.
+async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let lower = head.to_ascii_lowercase();
+    let length: usize = lower
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let chunked = lower.contains("transfer-encoding: chunked");
+    loop {
+        let body = &buf[end..];
+        let done = if chunked {
+            body.ends_with(b"0\r\n\r\n")
+        } else {
+            body.len() >= length
+        };
+        if done {
+            return Some(String::from_utf8_lossy(&buf).into_owned());
+        }
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return Some(String::from_utf8_lossy(&buf).into_owned()),
+        }
+    }
+}
+
+const SSE_HEAD: &[u8] =
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n";
+
+/// A chat stream as vLLM 0.33 writes it with a handoff on the terminal chunk, cut into
+/// frames in awkward places (inside a key, inside an event's end); and what the client
+/// must get: the same bytes, the handoff's value overwritten in place.
+fn handoff_stream() -> (Vec<Vec<u8>>, Vec<u8>) {
+    let first = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}],\"prompt_token_ids\":null}\n\n";
+    let token = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"sim-model\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" yes\"},\"logprobs\":null,\"finish_reason\":null,\"token_ids\":null}],\"kv_transfer_params\":null}\n\n";
+    let last = format!(
+        "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"sim-model\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" no\"}},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null}}],\"kv_transfer_params\":{HANDOFF}}}\n\n"
+    );
+    let done = "data: [DONE]\n\n";
+    let stream = format!("{first}{token}{token}{last}{done}");
+    let cut1 = stream.find("kv_trans").unwrap() + 3;
+    let cut2 = stream.rfind("kv_trans").unwrap() + 5;
+    let cut3 = stream.rfind("}\n\n").unwrap() + 2;
+    let b = stream.as_bytes();
+    let frames = vec![
+        SSE_HEAD.to_vec(),
+        b[..cut1].to_vec(),
+        b[cut1..cut2].to_vec(),
+        b[cut2..cut3].to_vec(),
+        b[cut3..].to_vec(),
+    ];
+    let want = blank(&stream, HANDOFF).into_bytes();
+    (frames, want)
+}
+
+/// The handoff a raw decode answers with.
+const HANDOFF: &str = r#"{"do_remote_prefill":false,"do_remote_decode":true,"remote_block_ids":[1,2],"remote_engine_id":"decode-7","remote_request_id":"r","remote_host":"10.0.0.7","remote_port":5601,"tp_size":1}"#;
+
+/// `text` with each `value` overwritten as the proxy does: `null`, then spaces to the
+/// value's length.
+fn blank(text: &str, value: &str) -> String {
+    let with = format!("null{}", " ".repeat(value.len() - 4));
+    text.replace(value, &with)
+}
+
+fn json_answer(body: &str) -> Vec<Vec<u8>> {
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    // The head, then the body in two frames cut inside the handoff key.
+    let cut = body.find("kv_trans").map_or(body.len() / 2, |i| i + 4);
+    vec![
+        head.into_bytes(),
+        body.as_bytes()[..cut].to_vec(),
+        body.as_bytes()[cut..].to_vec(),
+    ]
+}
+
+#[tokio::test]
+async fn a_handoff_is_blanked_in_place_and_every_other_byte_is_the_engines() {
+    let (stream, want) = handoff_stream();
+    let whole = format!(
+        r#"{{"id":"cmpl-1","object":"text_completion","choices":[{{"index":0,"text":" kv_transfer_params","finish_reason":"length"}}],"usage":{{"prompt_tokens":3}},"kv_transfer_params":{HANDOFF},"ec_transfer_params":{{"peer_host":"10.0.0.8","peer_port":7}}}}"#
+    );
+    let clean = blank(
+        &blank(&whole, HANDOFF),
+        r#"{"peer_host":"10.0.0.8","peer_port":7}"#,
+    );
+    assert_eq!(clean.len(), whole.len());
+    // A stream for a request asking for one (a leg's body) or saying `x-want: sse`.
+    let raw_decode = RawEngine::start_with(move |request| {
+        if request.contains("\"stream\":true")
+            || request.to_ascii_lowercase().contains("x-want: sse")
+        {
+            stream.clone()
+        } else {
+            json_answer(&whole)
+        }
+    })
+    .await;
+    let p = engine(SimConfig::default()).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        "--decode".to_owned(),
+        raw_decode.url(),
+    ])
+    .await;
+    let url = proxy.url();
+    let sse = [("x-want", "sse")];
+    // Orchestrated: the decode leg's answer.
+    let a = post_with(&url, "/v1/chat/completions", &chat("raw", 3, true), &sse).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    assert_eq!(a.text(), String::from_utf8(want.clone()).unwrap());
+    let a = post(&url, "/v1/completions", &completion("raw", 3, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.text(), clean);
+    // The same length: the engine's `content-length` still holds.
+    let length = clean.len().to_string();
+    assert_eq!(a.header("content-length"), Some(length.as_str()));
+    // Forwarded (a route the proxy does not know, as vLLM's `/inference/v1/generate`)
+    // and direct: the same.
+    for path in ["/inference/v1/generate", "/v1/messages"] {
+        let a = post_with(&url, path, "{}", &sse).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+        assert_eq!(a.text(), String::from_utf8(want.clone()).unwrap(), "{path}");
+        let a = post(&url, path, "{}").await;
+        assert_eq!(a.text(), clean, "{path}");
+        assert_eq!(a.header("content-length"), Some(length.as_str()), "{path}");
+    }
+    assert_eq!(raw_decode.heads().len(), 6);
+}
+
+// === 4. every body under the clock ===
+
+/// Send a head announcing 1000 bytes to `target`, then trickle them a byte every 100
+/// ms: the answer, and whether the proxy then closed the connection, within 5 s.
+async fn trickle(addr: SocketAddr, target: &str) -> (Raw, Duration) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {target} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{{"
+    );
+    let start = Instant::now();
+    s.write_all(head.as_bytes()).await.unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if wr.write_all(b" ").await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), rd.read_to_end(&mut buf)).await;
+    writer.abort();
+    assert!(
+        read.is_ok(),
+        "{target}: the connection stayed open: {}",
+        String::from_utf8_lossy(&buf)
+    );
+    (parse_answer(&buf), start.elapsed())
+}
+
+#[tokio::test]
+async fn a_trickled_body_is_cut_by_the_body_timeout_on_every_route() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--body-timeout", "0.5", "--admin-routes"]).await;
+    // Forwarded, direct, fanned out, orchestrated.
+    for target in [
+        "/tokenize",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/load_lora_adapter",
+        "/v1/completions",
+    ] {
+        let (a, took) = trickle(proxy.addr, target).await;
+        a.assert_error(408, "request_timeout");
+        assert_eq!(
+            a.header("connection"),
+            Some("close"),
+            "{target}: {}",
+            a.head
+        );
+        assert!(took < Duration::from_secs(3), "{target}: {took:?}");
+    }
+    // The bodies read whole before anything is sent reached no engine.
+    assert_eq!(d.stats().admin_requests + p.stats().admin_requests, 0);
+    assert_eq!(p.stats().requests, 0);
+}
+
+#[tokio::test]
+async fn a_forwarded_body_past_the_size_limit_is_413() {
+    let (p, d) = plain_pair().await;
+    let proxy = Proxy::start(&p, &d, &["--max-body-bytes", "1000"]).await;
+    let big = format!(
+        r#"{{"model":"sim-model","prompt":"{}"}}"#,
+        "a ".repeat(2000)
+    );
+    for target in ["/tokenize", "/v1/responses"] {
+        let a = raw_request(proxy.addr, "POST", target, &big).await;
+        a.assert_error(413, "request_too_large");
+        assert_eq!(a.header("connection"), Some("close"), "{}", a.head);
+    }
+    let small = raw_request(proxy.addr, "POST", "/tokenize", r#"{"prompt":"a b"}"#).await;
+    assert_eq!(small.status, 200);
+}
+
+#[tokio::test]
+async fn a_silent_or_stalled_engine_is_cut_on_a_forwarded_route() {
+    // Silent: never a head.
+    let silent = RawEngine::start(vec![Vec::new()]).await;
+    let p = engine(SimConfig::default()).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        "--decode".to_owned(),
+        silent.url(),
+        "--decode-timeout".to_owned(),
+        "0.5".to_owned(),
+    ])
+    .await;
+    let start = Instant::now();
+    let a = post(&proxy.url(), "/tokenize", r#"{"prompt":"x"}"#).await;
+    a.assert_error(504, "decode_timeout");
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(a.text().contains(&silent.url()), "{}", a.text());
+    drop(proxy);
+
+    // Stalled: a head and one event, then nothing.
+    let first = b"data: {\"type\":\"response.created\"}\n\n".to_vec();
+    let stalled = RawEngine::start(vec![SSE_HEAD.to_vec(), first, Vec::new()]).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        "--decode".to_owned(),
+        stalled.url(),
+        "--decode-idle-timeout".to_owned(),
+        "0.5".to_owned(),
+    ])
+    .await;
+    let start = Instant::now();
+    let a = post(&proxy.url(), "/v1/responses", r#"{"stream":true}"#).await;
+    assert_eq!(a.status, 200);
+    let events = a.events();
+    assert_eq!(events[0], "{\"type\":\"response.created\"}");
+    let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    assert_eq!(last["error"]["code"], "decode_stream_failed", "{last}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+// === 5. answers stay the proxy's ===
+
+#[tokio::test]
+async fn encoded_answers_and_redirects_become_502_naming_the_engine() {
+    let gzip_json = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\ncontent-length: 4\r\nconnection: close\r\n\r\n\x1f\x8b\x08\x00".to_vec();
+    let gzip_audio = b"HTTP/1.1 200 OK\r\ncontent-type: audio/wav\r\ncontent-encoding: gzip\r\ncontent-length: 4\r\nconnection: close\r\n\r\n\x1f\x8b\x08\x00".to_vec();
+    let redirect = b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://10.9.8.7:8200/internal/v1/x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".to_vec();
+    let raw_engine = RawEngine::start_with(move |head| {
+        let h = head.to_ascii_lowercase();
+        vec![if h.contains("/audio") {
+            gzip_audio.clone()
+        } else if h.contains("/redirect") || h.contains("/v1/chat") {
+            redirect.clone()
+        } else {
+            gzip_json.clone()
+        }]
+    })
+    .await;
+    let p = engine(SimConfig::default()).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        "--decode".to_owned(),
+        raw_engine.url(),
+    ])
+    .await;
+    let url = proxy.url();
+    // An encoding the client never asked for (and the proxy cannot read).
+    for accept in [None, Some("gzip")] {
+        let h: Vec<(&str, &str)> = accept.map(|a| ("accept-encoding", a)).into_iter().collect();
+        let a = post_with(&url, "/tokenize", "{}", &h).await;
+        a.assert_error(502, "decode_failed");
+        assert!(a.text().contains(&raw_engine.url()), "{}", a.text());
+    }
+    // An encoded answer of another kind: relayed only when the client accepts it.
+    let a = post(&url, "/v1/audio/speech", "{}").await;
+    a.assert_error(502, "decode_failed");
+    let a = post_with(
+        &url,
+        "/v1/audio/speech",
+        "{}",
+        &[("accept-encoding", "br, gzip")],
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.header("content-encoding"), Some("gzip"));
+    // The engines were never asked to encode.
+    assert!(
+        raw_engine
+            .heads()
+            .iter()
+            .all(|h| !h.to_ascii_lowercase().contains("accept-encoding")),
+        "{:?}",
+        raw_engine.heads()
+    );
+    // A redirect, forwarded or on the decode leg: its internal address never shows.
+    for (path, body) in [
+        ("/redirect", "{}".to_owned()),
+        ("/v1/chat/completions", chat("redirected", 3, false)),
+    ] {
+        let a = post(&url, path, &body).await;
+        a.assert_error(502, "decode_failed");
+        assert!(a.text().contains(&raw_engine.url()), "{}", a.text());
+        assert!(a.header("location").is_none());
+        assert!(!a.text().contains("10.9.8.7"), "{}", a.text());
+    }
+}
+
+// === PdLayer over real sockets ===
+
+#[tokio::test]
+async fn the_layer_routes_and_passes_on_the_normal_path() {
+    use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+    use disagg_http::{HttpTransport, PdLayer};
+
+    let (p, d) = plain_pair().await;
+    let source = StaticSource::new([
+        Endpoint::new(&p.url(), Role::Prefill).unwrap(),
+        Endpoint::new(&d.url(), Role::Decode).unwrap(),
+    ]);
+    let layer = PdLayer::gateway(Orchestrator::builder(source, HttpTransport::default()).build());
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let inner_seen = Arc::clone(&seen);
+    let inner = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let seen = Arc::clone(&inner_seen);
+        async move {
+            seen.lock().unwrap().push(req.uri().to_string());
+            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"inner"))))
+        }
+    });
+    let service = tower::Layer::layer(&layer, inner);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(disagg_http::server::serve(
+        listener,
+        service,
+        std::future::pending(),
+    ));
+
+    let a = raw_request(
+        addr,
+        "POST",
+        "/v1/chat//completions",
+        &chat("layer", 3, false),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+    let a = raw_request(addr, "GET", "/x/../%68ealth/.?a=%2F", "").await;
+    assert_eq!(a.body, b"inner");
+    raw_request(addr, "GET", "/health%2F", "")
+        .await
+        .assert_error(400, "invalid_path");
+    assert_eq!(*seen.lock().unwrap(), ["/health/?a=%2F"]);
+    assert_eq!(d.stats().remote_decodes, 1);
+}
