@@ -532,8 +532,10 @@ mod tests {
             .collect();
         let err = parse(&many).unwrap_err();
         assert!(err.to_string().contains("5000 endpoints"), "{err}");
-        let mut small = Bounds::default();
-        small.max_endpoints = 2;
+        let small = Bounds {
+            max_endpoints: 2,
+            ..Bounds::default()
+        };
         let three = "[[decode]]\nurl = \"http://a:1\"\n[[decode]]\nurl = \"http://b:1\"\n[[prefill]]\nurl = \"http://c:1\"\n";
         assert!(matches!(
             parse_within(three, &small),
@@ -554,8 +556,10 @@ mod tests {
                 err.contains("metadata") && err.contains("[[decode]] #1"),
                 "{err}"
             );
-            let mut open = Bounds::default();
-            open.addresses = disagg_core::AddressPolicy::allow_link_local();
+            let open = Bounds {
+                addresses: disagg_core::AddressPolicy::allow_link_local(),
+                ..Bounds::default()
+            };
             assert_eq!(parse_within(&text, &open).unwrap().len(), 1);
         }
     }

@@ -687,13 +687,7 @@ mod tests {
         m.bounds.max_endpoints = 4;
         let good = list(vec![decode("http://d1:1"), decode("http://d2:1")]);
         let other = list(vec![decode("http://o1:1")]);
-        assert_eq!(
-            m.merge(&[good.clone(), other.clone()])
-                .unwrap()
-                .decode()
-                .len(),
-            3
-        );
+        assert_eq!(m.merge(&[good, other.clone()]).unwrap().decode().len(), 3);
         // Five endpoints, three of them ranks: refused whole, never expanded.
         let mut ranked = decode("http://d3:1");
         ranked.ranks = Some(crate::Ranks::new(0, 2).unwrap());
@@ -746,7 +740,7 @@ mod tests {
             decode("http://169.254.169.254:80"),
             decode("http://d2:1"),
         ]);
-        let set = m.merge(&[specs.clone()]).unwrap();
+        let set = m.merge(std::slice::from_ref(&specs)).unwrap();
         assert_eq!(set.decode().len(), 1);
         assert_eq!(set.decode()[0].id().as_str(), "http://d2:1");
         assert_eq!(m.source_stats[0].rejected(), 1);

@@ -451,8 +451,10 @@ mod tests {
         assert_eq!(spec.to_endpoints().unwrap().len(), 1024);
         spec.ranks = Some(Ranks::new(0, 1024).unwrap());
         assert!(spec.to_endpoints().is_err());
-        let mut small = Bounds::default();
-        small.max_ranks = 2;
+        let small = Bounds {
+            max_ranks: 2,
+            ..Bounds::default()
+        };
         spec.ranks = Some(Ranks::new(4, 6).unwrap());
         let err = spec.to_endpoints_within(&small).unwrap_err().to_string();
         assert!(err.contains("4-6") && err.contains('2'), "{err}");
@@ -474,8 +476,10 @@ mod tests {
                 ),
                 "{url}"
             );
-            let mut open = Bounds::default();
-            open.addresses = AddressPolicy::allow_link_local();
+            let open = Bounds {
+                addresses: AddressPolicy::allow_link_local(),
+                ..Bounds::default()
+            };
             assert_eq!(spec.to_endpoints_within(&open).unwrap().len(), 1, "{url}");
         }
     }

@@ -3,7 +3,7 @@
 //!
 //! The facts are `disagg-core`'s ([`disagg_core::pairing`]): what an endpoint declares
 //! in its [`KvProfile`] (its engine's KV connector, `kv_role` and tensor-parallel size)
-//! and [`check_pair`], which names the [`Mismatch`](disagg_core::pairing::Mismatch) of
+//! and [`check_pair`], which names the [`Mismatch`] of
 //! one pair; and the engine's version, read from its `GET /version` and compared for
 //! the connectors whose handshake compares it (vLLM NIXL and Mooncake:
 //! [`needs_equal_versions`]). This module applies them to whole sets: [`check_pairs`]

@@ -168,7 +168,7 @@ pub struct KeyStats {
 /// serving thread a clone of one `ApiKeys` and the limits hold across threads. Only
 /// keyed digests of the keys (HMAC-SHA256 under a random salt of this set's own) and
 /// their [`KeyId`]s are kept; a check costs one digest and one map lookup whatever the
-/// number of keys (see the [module docs](self)).
+/// number of keys (see the [`auth`](crate::auth) module docs).
 ///
 /// An empty set refuses every request (a key file emptied by mistake closes the
 /// service rather than opening it).
