@@ -387,7 +387,7 @@ impl disagg_core::Router for BoxedRouter {
         self.0.select_direct(req, set)
     }
 
-    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::router::Outcome) {
+    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::outcome::Outcome) {
         self.0.observe(route, outcome)
     }
 }

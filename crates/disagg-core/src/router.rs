@@ -21,6 +21,7 @@ use http::HeaderMap;
 use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::RouteError;
+use crate::outcome::Outcome;
 use crate::request::{Api, PdRequest};
 
 /// What a router may read of a request.
@@ -130,20 +131,6 @@ impl Route {
     }
 }
 
-/// How a request ended, as fed back to [`Router::observe`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Outcome {
-    /// The decode answer was delivered in full.
-    Success,
-    /// The request failed on the prefill leg.
-    PrefillFailed,
-    /// The request failed on the decode leg.
-    DecodeFailed,
-    /// The client went away first.
-    Cancelled,
-}
-
 /// Picks the prefill and decode endpoints for one request.
 ///
 /// `select` is called once per request on the request path: it must be synchronous and
@@ -173,7 +160,8 @@ pub trait Router: Send + Sync + 'static {
         Ok(Route::new(None, route.decode).with_ranks(None, route.decode_rank))
     }
 
-    /// Optional feedback: how a routed request ended. The default does nothing.
+    /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). The
+    /// default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// Whether this router reads [`RequestView::tokens`]: the orchestrator tokenizes a

@@ -7,10 +7,11 @@ use tokio::time::Instant as TokioInstant;
 use crate::connector::{Dispatch, Leg};
 use crate::disaggregate::Decision;
 use crate::error::{PdError, Phase, RouteError, Side};
+use crate::outcome::Outcome;
 use crate::outcome::now;
-use crate::outcome::{Report, Timeline, Verdict};
+use crate::outcome::{LegOutcome, Report, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
-use crate::router::{Outcome, RequestView, Route};
+use crate::router::{RequestView, Route};
 use crate::trace::TraceIds;
 
 use super::Inner;
@@ -36,7 +37,7 @@ impl Failure {
     }
 
     /// The prefill side failed with `error` over `route`; the decode leg was `decode`.
-    pub(super) fn prefill(route: &Route, error: PdError, decode: Verdict) -> Self {
+    pub(super) fn prefill(route: &Route, error: PdError, decode: LegOutcome) -> Self {
         let report = Report::new(
             route.clone(),
             Outcome::PrefillFailed,
@@ -52,7 +53,7 @@ impl Failure {
 
     /// The decode leg failed with `error` over `route`, the prefill leg having gone as
     /// `prefill`.
-    pub(super) fn decode(route: &Route, error: PdError, prefill: Verdict) -> Self {
+    pub(super) fn decode(route: &Route, error: PdError, prefill: LegOutcome) -> Self {
         let report = Report::new(
             route.clone(),
             Outcome::DecodeFailed,
@@ -133,7 +134,7 @@ impl Inner {
             Failure::prefill(
                 &route,
                 PdError::connector(Side::Prefill, e),
-                Verdict::NotSent,
+                LegOutcome::NotSent,
             )
         })?;
         // One engine-side id per attempt, the same on both legs (see `decode_alone`).
@@ -161,7 +162,7 @@ impl Inner {
             resolve,
         )
         .await
-        .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
+        .map_err(|e| Failure::prefill(&route, e, LegOutcome::NotSent))?;
         match handoff.dispatch {
             Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock, tl).await,
             Dispatch::Concurrent | Dispatch::Joined => {
@@ -224,7 +225,7 @@ impl Inner {
                 ex.decode_sent = true;
                 Ok(ex)
             }
-            Err(e) => Err(Failure::decode(&route, e, Verdict::NotSent)),
+            Err(e) => Err(Failure::decode(&route, e, LegOutcome::NotSent)),
         }
     }
 }

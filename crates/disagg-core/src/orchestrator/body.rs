@@ -35,8 +35,7 @@ use crate::admission::Permit;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::outcome::now;
-use crate::outcome::{Ended, Report, Summary, Verdict};
-use crate::router::Outcome;
+use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};
@@ -144,34 +143,34 @@ impl Finish {
         }
         match outcome {
             Outcome::Success => {
-                if report.decode == Verdict::Failed {
+                if report.decode == LegOutcome::Failed {
                     report.outcome = Outcome::DecodeFailed;
                 } else {
                     report.outcome = Outcome::Success;
-                    if report.decode != Verdict::NotSent {
-                        report.decode = Verdict::Answered;
+                    if report.decode != LegOutcome::NotSent {
+                        report.decode = LegOutcome::Answered;
                     }
                 }
-                if report.prefill == Verdict::Abandoned {
+                if report.prefill == LegOutcome::Abandoned {
                     // A concurrent prefill still running at the head: the stream ends
                     // only once it answered well.
-                    report.prefill = Verdict::Answered;
+                    report.prefill = LegOutcome::Answered;
                 }
             }
             Outcome::PrefillFailed => {
                 report.outcome = Outcome::PrefillFailed;
-                report.prefill = failed.map_or(Verdict::Failed, super::verdict);
-                report.decode = Verdict::Abandoned;
+                report.prefill = failed.map_or(LegOutcome::Failed, super::verdict);
+                report.decode = LegOutcome::Abandoned;
             }
             Outcome::DecodeFailed => {
                 report.outcome = Outcome::DecodeFailed;
-                report.decode = failed.map_or(Verdict::Failed, super::verdict);
+                report.decode = failed.map_or(LegOutcome::Failed, super::verdict);
             }
             _ => {
                 report.outcome = Outcome::Cancelled;
                 // A concurrent prefill still running stays abandoned with it.
-                if report.decode != Verdict::NotSent {
-                    report.decode = Verdict::Abandoned;
+                if report.decode != LegOutcome::NotSent {
+                    report.decode = LegOutcome::Abandoned;
                 }
             }
         }
@@ -181,12 +180,12 @@ impl Finish {
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
             summary.timeline = Some(report.timeline);
-            summary.ended = match outcome {
-                Outcome::Success => Ended::Complete,
-                Outcome::Cancelled => Ended::Cancelled,
-                _ => Ended::Broken,
+            summary.delivery = match outcome {
+                Outcome::Success => Delivery::Complete,
+                Outcome::Cancelled => Delivery::Cancelled,
+                _ => Delivery::Broken,
             };
-            if summary.ended == Ended::Broken {
+            if summary.delivery == Delivery::Broken {
                 summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
             }
             reporter.summarize(&summary);

@@ -17,7 +17,7 @@ use futures::future::{Either, select};
 use crate::connector::{Dispatch, Handoff, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
 use crate::outcome::now;
-use crate::outcome::{Timeline, Verdict};
+use crate::outcome::{LegOutcome, Timeline};
 use crate::request::PdRequest;
 use crate::router::Route;
 
@@ -55,7 +55,7 @@ impl Inner {
             Either::Left((p, decode)) => match p {
                 Ok(PrefillResult::Answer(a)) => {
                     tl.prefill_done = Some(now());
-                    (decode.await, None, Verdict::Answered, Some(a))
+                    (decode.await, None, LegOutcome::Answered, Some(a))
                 }
                 Ok(PrefillResult::ClientError {
                     status,
@@ -63,7 +63,7 @@ impl Inner {
                     body,
                     ..
                 }) => return Ok(prefill_refused(route, status, headers, body)),
-                Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
+                Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::Abandoned)),
             },
             // A joined plan's decode answered first: its head waits for the prefill's
             // whole answer (only a decode that answered well needs it).
@@ -71,7 +71,7 @@ impl Inner {
                 match prefill.await {
                     Ok(PrefillResult::Answer(a)) => {
                         tl.prefill_done = Some(now());
-                        (d, None, Verdict::Answered, Some(a))
+                        (d, None, LegOutcome::Answered, Some(a))
                     }
                     Ok(PrefillResult::ClientError {
                         status,
@@ -79,11 +79,11 @@ impl Inner {
                         body,
                         ..
                     }) => return Ok(prefill_refused(route, status, headers, body)),
-                    Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
+                    Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::Abandoned)),
                 }
             }
             // The decode's head came first: relay it now, the prefill rides along.
-            Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned, None),
+            Either::Right((d, prefill)) => (d, Some(prefill), LegOutcome::Abandoned, None),
         };
         let head = head.map_err(|e| Failure::decode(&route, e, prefilled))?;
         tl.decode_head = Some(now());
@@ -91,7 +91,7 @@ impl Inner {
         if let (true, true, Some(answer)) = (joined, success, &answer) {
             self.fold(&mut handoff, answer, clock)
                 .await
-                .map_err(|e| Failure::prefill(&route, e, Verdict::Abandoned))?;
+                .map_err(|e| Failure::prefill(&route, e, LegOutcome::Abandoned))?;
         }
         let head = if success {
             reshaped(&handoff, head)

@@ -164,7 +164,7 @@ pub struct OrchestratorStats {
     /// [`OrchestratorConfig::tokenize_timeout`]): routed without token ids.
     pub tokenize_failures: u64,
     /// Prefill answers whose KV handoff the decode engine could not use
-    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete): a vLLM NIXL
+    /// ([`HandoffFound::Incomplete`](crate::connector::HandoffFound::Incomplete): a vLLM NIXL
     /// dict without block ids, engine id, host, port or request id). Never sent on;
     /// each was then served as [`MissingKv`] says.
     pub invalid_handoffs: u64,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, Listener, Report, Summary, Verdict};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -59,12 +59,12 @@ impl Reporter {
 /// server error that is not the request's own deadline (it could not be reached,
 /// failed, timed out on its own budget, or answered something unusable); the deadline,
 /// or a client's error, blames no engine.
-pub(crate) fn verdict(e: &PdError) -> Verdict {
+pub(crate) fn verdict(e: &PdError) -> LegOutcome {
     if e.engine_status().is_some_and(|s| s.is_client_error()) {
-        Verdict::Answered
+        LegOutcome::Answered
     } else if e.status().is_server_error() && !e.is_deadline() {
-        Verdict::Failed
+        LegOutcome::Failed
     } else {
-        Verdict::Abandoned
+        LegOutcome::Abandoned
     }
 }

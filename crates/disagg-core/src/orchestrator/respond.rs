@@ -11,9 +11,9 @@ use http_body_util::{BodyExt, Full};
 
 use crate::endpoint::InFlightGuard;
 use crate::error::{PdError, Side, error_chain, openai_error_body};
-use crate::outcome::{Report, Summary, Timeline, Verdict};
+use crate::outcome::{LegOutcome, Outcome, Report, Summary, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
-use crate::router::{Outcome, Route};
+use crate::router::Route;
 use crate::transport::BoxBody;
 
 use super::Inner;
@@ -77,7 +77,7 @@ pub(super) struct Exchange {
     /// body.
     pub(super) pending: Option<PendingPrefill>,
     /// The prefill leg, as far as it went (`Abandoned` while `pending` runs).
-    pub(super) prefill: Verdict,
+    pub(super) prefill: LegOutcome,
     /// Whether a decode leg was sent.
     pub(super) decode_sent: bool,
     /// Why the request was served decode-only (`x-disagg-fallback`).
@@ -95,7 +95,7 @@ impl Exchange {
             late: None,
             guard: None,
             pending: None,
-            prefill: Verdict::NotSent,
+            prefill: LegOutcome::NotSent,
             decode_sent: false,
             fallback: None,
         }
@@ -184,10 +184,12 @@ impl Inner {
         // The decode's own 5xx is its failure, whatever its body; a prefill's 4xx passed
         // through ends the attempt as the prefill's.
         let (outcome, decode) = match (ex.mark, ex.decode_sent) {
-            (None, _) => (Outcome::PrefillFailed, Verdict::NotSent),
-            (Some(_), false) => (Outcome::Success, Verdict::NotSent),
-            (Some(_), true) if status.is_server_error() => (Outcome::DecodeFailed, Verdict::Failed),
-            (Some(_), true) => (Outcome::Success, Verdict::Answered),
+            (None, _) => (Outcome::PrefillFailed, LegOutcome::NotSent),
+            (Some(_), false) => (Outcome::Success, LegOutcome::NotSent),
+            (Some(_), true) if status.is_server_error() => {
+                (Outcome::DecodeFailed, LegOutcome::Failed)
+            }
+            (Some(_), true) => (Outcome::Success, LegOutcome::Answered),
         };
         let timer = ex.guard.as_ref().and_then(|g| {
             StreamTimer::new(

@@ -19,7 +19,7 @@ use super::body::PdBody;
 use super::clock::Clock;
 use super::config::{DEADLINE_HEADER, PrefillFailure};
 use super::respond::RequestMeta;
-use crate::outcome::{EngineCall, Report, Timeline, Verdict};
+use crate::outcome::{EngineCall, LegOutcome, Report, Timeline};
 
 impl Inner {
     pub(super) async fn serve(
@@ -187,9 +187,9 @@ impl Inner {
                 Ok(Err(_)) | Err(_) => !asked.has_answered(),
             };
             let verdict = if failed {
-                Verdict::Failed
+                LegOutcome::Failed
             } else {
-                Verdict::Answered
+                LegOutcome::Answered
             };
             if failed {
                 tracing::warn!(
@@ -202,7 +202,7 @@ impl Inner {
             self.reporter.engine_call(&EngineCall {
                 endpoint: Arc::clone(engine),
                 call: "/tokenize",
-                verdict,
+                outcome: verdict,
             });
         }
         match result {
