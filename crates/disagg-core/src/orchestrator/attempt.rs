@@ -17,7 +17,7 @@ use crate::trace::TraceIds;
 use super::Inner;
 use super::clock::{Clock, within};
 use super::report::verdict;
-use super::respond::Exchange;
+use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
 pub(super) struct Failure {
@@ -125,7 +125,7 @@ impl Inner {
             if let Some(t) = trace {
                 t.inject(&t.decode, &mut leg.headers);
             }
-            return self.alone(req, route, leg, "direct", clock, tl).await;
+            return self.alone(req, route, leg, None, clock, tl).await;
         }
         if route.prefill.is_none() {
             return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
@@ -204,13 +204,14 @@ impl Inner {
         }
     }
 
-    /// A decode leg alone (direct, decode-only): its head is the answer.
+    /// A decode leg alone (direct, or decode-only because of the prefill failure coded
+    /// `fallback`): its head is the answer.
     pub(super) async fn alone(
         &self,
         req: &PdRequest,
         route: Route,
         leg: Leg,
-        mark: &'static str,
+        fallback: Option<&'static str>,
         clock: Clock,
         tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
@@ -219,11 +220,11 @@ impl Inner {
         match self.decode_head(req, &leg, clock).await {
             Ok(head) => {
                 tl.decode_head = Some(now());
-                let mut ex = Exchange::new(route, head);
-                ex.mark = Some(mark);
-                ex.guard = Some(guard);
-                ex.decode_sent = true;
-                Ok(ex)
+                Ok(Exchange::new(
+                    route,
+                    head,
+                    Stand::DecodeAlone { guard, fallback },
+                ))
             }
             Err(e) => Err(Failure::decode(&route, e, LegOutcome::NotSent)),
         }

@@ -26,7 +26,7 @@ use super::attempt::Failure;
 use super::body::PendingPrefill;
 use super::clock::{Clock, within};
 use super::legs::PrefillResult;
-use super::respond::{Exchange, LateMarks};
+use super::respond::{Exchange, LateMarks, Stand};
 use super::sequential::{prefill_refused, reshaped};
 
 impl Inner {
@@ -107,16 +107,14 @@ impl Inner {
                 r.and_then(PrefillResult::into_late)
             })) as PendingPrefill
         });
-        let mut ex = Exchange::new(route, head);
-        if pending.is_some() {
-            ex.late = Some(marks);
-        }
-        ex.mark = Some("kv");
-        ex.guard = Some(guard);
-        ex.prefill = prefilled;
-        ex.pending = pending;
-        ex.decode_sent = true;
-        Ok(ex)
+        let stand = Stand::Decoded {
+            mark: "kv",
+            guard,
+            prefill: prefilled,
+            late: pending.is_some().then_some(marks),
+            pending,
+        };
+        Ok(Exchange::new(route, head, stand))
     }
 
     /// A joined plan: fold the prefill's `answer` into it, within the handoff budget.

@@ -8,6 +8,7 @@ use http::header::{self, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
 use crate::connector::{Handoff, HandoffFound};
+use crate::endpoint::InFlightGuard;
 use crate::error::{ConnectorError, PdError, Phase, Side};
 use crate::outcome::now;
 use crate::outcome::{LegOutcome, Timeline};
@@ -22,7 +23,7 @@ use super::clock::{Clock, out_of_time};
 use super::config::{KvRelease, MissingKv};
 use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
 use super::release::{KvHold, Release};
-use super::respond::{Exchange, LateMarks};
+use super::respond::{Exchange, LateMarks, Stand};
 use super::stats::bump;
 
 impl Inner {
@@ -97,12 +98,7 @@ impl Inner {
             // it when asked to.
             head
         };
-        let mut ex = Exchange::new(route, head);
-        ex.mark = Some(mark);
-        ex.guard = Some(guard);
-        ex.prefill = LegOutcome::Answered;
-        ex.decode_sent = true;
-        Ok(ex)
+        Ok(decoded(route, head, mark, guard, None))
     }
 
     /// A prefill answer without a usable handoff ([`HandoffFound::Missing`], or
@@ -218,13 +214,7 @@ impl Inner {
             Ok(reshaped(&handoff, head).into_body())
         });
         let body = BoxBody::new(LeadBody::deferred(lead, pending));
-        let mut ex = Exchange::new(route, sse_head(body));
-        ex.mark = Some(mark);
-        ex.late = Some(marks);
-        ex.guard = Some(guard);
-        ex.prefill = LegOutcome::Answered;
-        ex.decode_sent = true;
-        Ok(ex)
+        Ok(decoded(route, sse_head(body), mark, guard, Some(marks)))
     }
 }
 
@@ -240,9 +230,25 @@ pub(super) fn prefill_refused(
     ));
     *head.status_mut() = status;
     *head.headers_mut() = headers;
-    let mut ex = Exchange::new(route, head);
-    ex.prefill = LegOutcome::Answered;
-    ex
+    Exchange::new(route, head, Stand::PrefillRefused)
+}
+
+/// The decode's answer after the prefill's, the KV having reached it as `mark`.
+fn decoded(
+    route: Route,
+    head: Response<BoxBody>,
+    mark: &'static str,
+    guard: InFlightGuard,
+    late: Option<Arc<LateMarks>>,
+) -> Exchange {
+    let stand = Stand::Decoded {
+        mark,
+        guard,
+        prefill: LegOutcome::Answered,
+        late,
+        pending: None,
+    };
+    Exchange::new(route, head, stand)
 }
 
 /// The answer when the prefill's is the whole answer ([`HandoffFound::Finished`]): no
@@ -267,11 +273,7 @@ fn finished(req: &PdRequest, route: Route, mut handoff: Handoff) -> Exchange {
         Some(lead) => sse_head(BoxBody::new(LeadBody::then(lead, shaped.into_body()))),
         None => shaped,
     };
-    let mut ex = Exchange::new(route, head);
-    ex.mark = Some("prefill");
-    ex.guard = Some(guard);
-    ex.prefill = LegOutcome::Answered;
-    ex
+    Exchange::new(route, head, Stand::PrefillAnswered { guard })
 }
 
 /// A 2xx decode answer in the form the plan asks for: its body reshaped, its content

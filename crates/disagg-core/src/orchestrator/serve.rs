@@ -337,11 +337,10 @@ impl Inner {
         meta.engine_id = id;
         let mut tl = Timeline::starting();
         match self
-            .alone(req, route, leg, "decode-only", clock, &mut tl)
+            .alone(req, route, leg, Some(e.code()), clock, &mut tl)
             .await
         {
             Ok(mut ex) => {
-                ex.fallback = Some(e.code());
                 ex.timeline = tl;
                 Ok(self.respond(req, ex, clock, meta))
             }
