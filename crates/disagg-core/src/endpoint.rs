@@ -178,11 +178,6 @@ impl AddressPolicy {
         }
     }
 
-    /// Whether link-local and metadata addresses are allowed.
-    pub const fn allows_link_local(&self) -> bool {
-        self.allow_link_local
-    }
-
     /// Whether an engine may be reached at `ip`.
     pub fn allows(&self, ip: IpAddr) -> bool {
         self.allow_link_local || !is_link_local_or_metadata(ip)
@@ -190,7 +185,7 @@ impl AddressPolicy {
 
     /// The IP address of `host` (a URL's host, IPv6 with or without brackets) when it is
     /// one this policy refuses; `None` for an allowed address and for a hostname.
-    pub fn refused_host(&self, host: &str) -> Option<IpAddr> {
+    pub(crate) fn refused_host(&self, host: &str) -> Option<IpAddr> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let ip = bare.parse::<IpAddr>().ok()?;
         (!self.allows(ip)).then_some(ip)

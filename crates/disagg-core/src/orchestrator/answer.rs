@@ -37,8 +37,10 @@ use memchr::memmem;
 
 /// The keys an engine writes about its own KV handoff, whose values never reach a
 /// client: vLLM's `kv_transfer_params` and `ec_transfer_params`, SGLang's
-/// `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
-pub const HANDOFF_KEYS: &[&str] = &[
+/// `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (the scrubber's `QUOTED`
+/// forms are checked against it).
+#[cfg(test)]
+pub(crate) const HANDOFF_KEYS: &[&str] = &[
     "kv_transfer_params",
     "ec_transfer_params",
     "bootstrap_host",
@@ -89,12 +91,12 @@ impl memchr::arch::all::packedpair::HeuristicFrequencyRank for JsonRank {
 /// The most bytes of one handoff (its key and value) held back until its value ends
 /// (1 MiB; a vLLM handoff is a few hundred bytes, its block ids a few kilobytes for a
 /// long prompt).
-pub const MAX_HELD_HANDOFF: usize = 1024 * 1024;
+pub(crate) const MAX_HELD_HANDOFF: usize = 1024 * 1024;
 
 /// An answer holds a handoff the proxy cannot keep from the client.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum AnswerError {
+pub(crate) enum AnswerError {
     /// A handoff value longer than [`MAX_HELD_HANDOFF`].
     #[error("the engine's answer holds a KV handoff of more than {limit} bytes")]
     TooLarge {

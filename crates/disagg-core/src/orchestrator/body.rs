@@ -365,11 +365,10 @@ impl PdBody {
 
     /// The same body, keeping the engine's own KV handoff from the client when
     /// `headers` (the engine answer's) say it is an event stream or JSON: the value of
-    /// each key of [`HANDOFF_KEYS`](super::answer::HANDOFF_KEYS) is overwritten in place
-    /// (`null` and spaces: the answer keeps its length), unbuffered; see
-    /// [`answer`](super::answer). A handoff that cannot be overwritten (longer than
-    /// [`MAX_HELD_HANDOFF`](super::answer::MAX_HELD_HANDOFF), or no JSON) ends the body
-    /// as a broken stream does.
+    /// each handoff key (`kv_transfer_params`, `ec_transfer_params`, `bootstrap_host`,
+    /// `bootstrap_port`, `bootstrap_room`) is overwritten in place (`null` and spaces:
+    /// the answer keeps its length), unbuffered. A handoff that cannot be overwritten
+    /// (longer than 1 MiB, or no JSON) ends the body as a broken stream does.
     #[must_use]
     pub fn scrubbed(self, headers: &HeaderMap) -> Self {
         let on = scrubbed_kind(headers);

@@ -264,7 +264,7 @@ fn client_headers<'a>(
 /// - the client's credentials: `authorization` only when `forward_authorization` (the
 ///   documented [`OrchestratorConfig::forward_authorization`](super::OrchestratorConfig::forward_authorization)),
 ///   `x-api-key` never (the engines' key is the transport's to set);
-/// - the headers an engine reads as routing or identity, [`is_engine_directive`].
+/// - the headers an engine reads as routing or identity, `x-data-parallel-rank` and SGLang's `x-override-*`.
 ///
 /// # Examples
 ///
@@ -298,7 +298,7 @@ pub fn forwardable_header(name: &HeaderName, forward_authorization: bool) -> boo
 ///   `-disagg-prefill-dp-rank`, `-priority`, `-conversation-id`, and any later one),
 ///   read after the body with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`: a client's
 ///   bootstrap host would aim a leg's KV transfer at a host of its choosing.
-pub fn is_engine_directive(name: &HeaderName) -> bool {
+pub(crate) fn is_engine_directive(name: &HeaderName) -> bool {
     const OVERRIDE: &[u8] = b"x-override-";
     const RANK: &[u8] = b"x-data-parallel-rank";
     let n = name.as_str().as_bytes();

@@ -58,7 +58,7 @@ use crate::source::EndpointSource;
 use crate::tokens::Tokenizer;
 use crate::transport::Transport;
 
-pub mod answer;
+mod answer;
 mod attempt;
 mod body;
 mod clock;
@@ -72,9 +72,10 @@ mod sequential;
 mod serve;
 mod stats;
 
+pub use answer::unrelayable;
 pub use body::PdBody;
 pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
-pub use legs::{forwardable_header, is_engine_directive};
+pub use legs::forwardable_header;
 
 pub(crate) use report::verdict;
 use stats::Counters;
