@@ -2,7 +2,6 @@
 //! [`Failure`] that no byte of an answer preceded.
 
 use http::header::HeaderValue;
-use tokio::time::Instant as TokioInstant;
 
 use crate::connector::{Dispatch, Leg};
 use crate::disaggregate::Decision;
@@ -11,7 +10,7 @@ use crate::outcome::Outcome;
 use crate::outcome::now;
 use crate::outcome::{LegOutcome, Report, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
-use crate::router::{RequestView, Route};
+use crate::router::{Ask, RequestView, Route};
 use crate::trace::TraceIds;
 
 use super::Inner;
@@ -110,7 +109,7 @@ impl Inner {
     ) -> Result<Exchange, Failure> {
         let view = RequestView::from(req);
         let route = self
-            .route(req, &view, decision, clock)
+            .route(&view, decision, clock)
             .await
             .map_err(Failure::unrouted)?;
         tl.start = now();
@@ -173,35 +172,17 @@ impl Inner {
         }
     }
 
-    /// The route for `req`, waiting in the admission queue while an endpoint it chose is
-    /// at its in-flight limit.
+    /// The route for `req`: the router's, which may wait for room (a per-endpoint
+    /// limit) within the request's deadline.
     pub(super) async fn route(
         &self,
-        req: &PdRequest,
         view: &RequestView<'_>,
         decision: Decision,
         clock: Clock,
     ) -> Result<Route, PdError> {
-        let mut since = None;
-        loop {
-            let set = self.source.snapshot();
-            let route = set
-                .for_model(req.model())
-                .and_then(|candidates| match decision {
-                    Decision::Disaggregate => self.router.select(view, candidates),
-                    Decision::Direct { .. } => self.router.select_direct(view, candidates),
-                })
-                .map_err(PdError::route)?;
-            drop(set);
-            let Some(admission) = &self.admission else {
-                return Ok(route);
-            };
-            if admission.has_room(&route) {
-                return Ok(route);
-            }
-            let since = *since.get_or_insert_with(TokioInstant::now);
-            admission.wait_for_room(since, clock.deadline).await?;
-        }
+        let direct = matches!(decision, Decision::Direct { .. });
+        let ask = Ask::new(view, &*self.source, direct, clock.deadline);
+        self.router.route(ask).await
     }
 
     /// A decode leg alone (direct, or decode-only because of the prefill failure coded

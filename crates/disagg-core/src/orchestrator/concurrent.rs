@@ -36,7 +36,7 @@ impl Inner {
     pub(super) async fn concurrent(
         &self,
         req: &PdRequest,
-        route: Route,
+        mut route: Route,
         mut handoff: Handoff,
         clock: Clock,
         tl: &mut Timeline,
@@ -46,7 +46,8 @@ impl Inner {
         tl.decode_sent = Some(start);
         let joined = handoff.dispatch == Dispatch::Joined;
         // Boxed: the race needs them pinned, and the prefill may move into the body.
-        let prefill = Box::pin(self.prefill(req, &handoff.prefill, clock));
+        let prefill =
+            Box::pin(self.prefill(req, &handoff.prefill, route.take_prefill_hold(), clock));
         let guard = handoff.decode.endpoint.track();
         let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
         let (head, pending, prefilled, answer) = match select(prefill, decode).await {

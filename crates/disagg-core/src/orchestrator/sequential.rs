@@ -31,7 +31,7 @@ impl Inner {
     pub(super) async fn sequential(
         &self,
         req: &PdRequest,
-        route: Route,
+        mut route: Route,
         mut handoff: Handoff,
         clock: Clock,
         tl: &mut Timeline,
@@ -39,7 +39,7 @@ impl Inner {
         tl.prefill_sent = Some(now());
         // Timed here rather than inside: a prefill out of time stays with the hold,
         // whose release may still catch its answer.
-        let exchange = self.exchange(req, &handoff.prefill);
+        let exchange = self.exchange(req, &handoff.prefill, route.take_prefill_hold());
         let mut hold = KvHold::new(Box::pin(exchange), self.release(req, &handoff));
         let (budget, by_deadline) = clock.budget(self.config.prefill_timeout);
         let result = hold.prefill(budget).await.unwrap_or_else(|| {

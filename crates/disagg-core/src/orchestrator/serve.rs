@@ -323,7 +323,7 @@ impl Inner {
         let decision = Decision::Direct {
             reason: "decode_only",
         };
-        let route = match self.route(req, &view, decision, clock).await {
+        let route = match self.route(&view, decision, clock).await {
             Ok(r) => r,
             Err(e) => return Err(self.failed(req, e, None, Some(meta))),
         };
