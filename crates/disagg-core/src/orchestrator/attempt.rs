@@ -15,7 +15,7 @@ use crate::trace::TraceIds;
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::verdict;
+use super::report::leg_outcome;
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -40,7 +40,7 @@ impl Failure {
         let report = Report::new(
             route.clone(),
             Outcome::PrefillFailed,
-            verdict(&error),
+            leg_outcome(&error),
             decode,
             Timeline::starting(),
         );
@@ -57,7 +57,7 @@ impl Failure {
             route.clone(),
             Outcome::DecodeFailed,
             prefill,
-            verdict(&error),
+            leg_outcome(&error),
             Timeline::starting(),
         );
         Failure {

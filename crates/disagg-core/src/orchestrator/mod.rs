@@ -77,7 +77,7 @@ pub use body::PdBody;
 pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
 pub use legs::forwardable_header;
 
-pub(crate) use report::verdict;
+pub(crate) use report::leg_outcome;
 use stats::Counters;
 
 struct Inner {

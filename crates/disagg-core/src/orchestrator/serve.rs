@@ -186,7 +186,7 @@ impl Inner {
                 Ok(Ok(_)) => false,
                 Ok(Err(_)) | Err(_) => !asked.has_answered(),
             };
-            let verdict = if failed {
+            let outcome = if failed {
                 LegOutcome::Failed
             } else {
                 LegOutcome::Answered
@@ -202,7 +202,7 @@ impl Inner {
             self.reporter.engine_call(&EngineCall {
                 endpoint: Arc::clone(engine),
                 call: "/tokenize",
-                outcome: verdict,
+                outcome,
             });
         }
         match result {
