@@ -9,8 +9,10 @@
 //! NIXL puts its own there: its engine id, internal host and port, block ids. None of it
 //! is the client's business, so a [`PdBody`](crate::PdBody) made
 //! [`scrubbed`](crate::PdBody::scrubbed) relays an event stream or a JSON answer with the
-//! value of every key of [`HANDOFF_KEYS`] overwritten in place: `null`, then spaces to
-//! the value's length (JSON whitespace), as a decode with no handoff answers.
+//! value of every handoff key (`kv_transfer_params`, `ec_transfer_params`,
+//! `bootstrap_host`, `bootstrap_port`, `bootstrap_room`) overwritten in place: `null`,
+//! then spaces to the value's length (JSON whitespace), as a decode with no handoff
+//! answers.
 //!
 //! - The answer streams as it came: each frame handed to the client (a burst of the
 //!   engine's frames joined into one, see [`PdBody`](crate::PdBody)) is searched for the
