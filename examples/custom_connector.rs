@@ -18,7 +18,7 @@
 use std::future::Future;
 
 use async_trait::async_trait;
-use disagg::core::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
+use disagg::core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use disagg::core::error::ConnectorError;
 use disagg::core::rewrite::PrefillRewriter;
 use disagg::core::{Endpoint, Orchestrator, PdRequest, Role, Route, StaticSource};
@@ -61,7 +61,7 @@ impl KvConnector for PinnedHostNixl {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         let prefill = &handoff.prefill.endpoint;
         let invalid = |field| ConnectorError::InvalidHandoff {
             endpoint: prefill.id().clone(),
@@ -76,11 +76,11 @@ impl KvConnector for PinnedHostNixl {
         };
         let Some(mut params) = params.filter(|p| !p.is_empty()) else {
             // The prefill kept no KV; the orchestrator's missing-KV policy decides.
-            return Ok(KvOutcome::Missing);
+            return Ok(HandoffFound::Missing);
         };
         params.insert("remote_host".into(), Value::from(prefill.host()));
         handoff.decode.body.set("kv_transfer_params", &params);
-        Ok(KvOutcome::Handed)
+        Ok(HandoffFound::Handed)
     }
 }
 

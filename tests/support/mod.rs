@@ -341,13 +341,24 @@ impl StackBuilder {
         if let Some(policy) = self.retry {
             builder = builder.retry(disagg_resilience::Backoff::new(policy));
         }
-        if let Some(config) = self.admission {
-            builder = builder.admission(disagg_resilience::Limits::new(config));
+        let limits = self.admission.map(disagg_resilience::Limits::new);
+        if let Some(l) = &limits {
+            builder = builder.admission(l.clone());
         }
-        let orchestrator = match self.router {
-            Some(router) => builder.router(BoxedRouter(router)).build(),
+        let orchestrator = match (self.router, &limits) {
+            // A per-endpoint limit decorates the router.
+            (router, Some(l)) if l.config().max_in_flight_per_endpoint.is_some() => {
+                // The orchestrator's default, spelled out: round robin per role.
+                let router = router.unwrap_or_else(|| {
+                    Box::new(disagg_affinity::PerLeg::both(
+                        disagg_affinity::RoundRobin::new,
+                    ))
+                });
+                builder.router(l.per_endpoint(BoxedRouter(router))).build()
+            }
+            (Some(router), _) => builder.router(BoxedRouter(router)).build(),
             // The orchestrator's own default: round robin over each role.
-            None => builder.build(),
+            (None, _) => builder.build(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -387,7 +398,7 @@ impl disagg_core::Router for BoxedRouter {
         self.0.select_direct(req, set)
     }
 
-    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::router::Outcome) {
+    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::outcome::Outcome) {
         self.0.observe(route, outcome)
     }
 }

@@ -2,9 +2,9 @@
 //! once.
 //!
 //! An orchestrator admits every request when it has no [`Admission`] (the default). An
-//! implementation (`disagg-resilience` has one with a global limit, a per-endpoint
-//! limit and a bounded FIFO queue) decides whether a request runs now, waits, or is
-//! refused; the [`Permit`] it grants is held by the response body until the answer's
+//! implementation (`disagg-resilience` has one with a global limit and a bounded FIFO
+//! queue, whose per-endpoint limit is a router decorator sharing that queue) decides
+//! whether a request runs now, waits, or is refused; the [`Permit`] it grants is held by the response body until the answer's
 //! last byte, so a long stream counts as long as it lasts.
 
 use std::any::Any;
@@ -14,7 +14,6 @@ use futures::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::error::PdError;
-use crate::router::Route;
 
 /// A request's place among the running ones: dropping it ends the request for
 /// admission. Opaque: it carries whatever the [`Admission`] that granted it needs to
@@ -52,11 +51,10 @@ pub struct AdmissionStats {
 ///
 /// The orchestrator calls, per request: [`try_admit`](Self::try_admit), and when it
 /// gives nothing, [`admit`](Self::admit), which may wait (within the request's
-/// `deadline`); then, per attempt, [`has_room`](Self::has_room) on the route chosen,
-/// and while that is false [`wait_for_room`](Self::wait_for_room) before routing again.
-/// [`exchange_ended`](Self::exchange_ended) tells it that a prefill exchange ended (a
-/// per-endpoint limit may have room again). The synchronous methods must be cheap: they
-/// run on every request.
+/// `deadline`). The synchronous methods must be cheap: they run on every request. A
+/// limit per endpoint is no admission but a [`Router`](crate::Router) decorator
+/// (`disagg_resilience::PerEndpointLimit`): it needs the route, and holds a place per
+/// leg in it ([`Route::with_holds`](crate::Route::with_holds)).
 pub trait Admission: Send + Sync + 'static {
     /// A permit at once, when one is free without waiting.
     fn try_admit(&self) -> Option<Permit>;
@@ -67,34 +65,6 @@ pub trait Admission: Send + Sync + 'static {
     ///
     /// [`PdError`] (429 `queue_full`, 503 `queue_timeout`) when the request is refused.
     fn admit(&self, deadline: Option<Instant>) -> BoxFuture<'static, Result<Permit, PdError>>;
-
-    /// Whether the endpoints of `route` may take one more request. The default: always.
-    fn has_room(&self, _route: &Route) -> bool {
-        true
-    }
-
-    /// Wait until some request ends, as a request that first found no room at `since`.
-    /// The default never waits.
-    ///
-    /// # Errors
-    ///
-    /// [`PdError`] when the wait is refused or too long.
-    fn wait_for_room(
-        &self,
-        _since: Instant,
-        _deadline: Option<Instant>,
-    ) -> BoxFuture<'static, Result<(), PdError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    /// Whether [`exchange_ended`](Self::exchange_ended) matters (a per-endpoint limit is
-    /// set); the orchestrator skips the call otherwise.
-    fn tracks_exchanges(&self) -> bool {
-        false
-    }
-
-    /// A prefill exchange ended (its endpoint may have room again).
-    fn exchange_ended(&self) {}
 
     /// What it counted.
     fn stats(&self) -> AdmissionStats {

@@ -22,7 +22,7 @@
 //! answer (LMCache's first token), all of it data: a leg's own [`Leg::api`], the first
 //! bytes of the client's stream ([`Handoff::lead`]), what the decode leg waits for
 //! ([`Handoff::gate`]), and the change of form from the decode's answer to the client's
-//! ([`Handoff::reshape`], a [`Reshape`] the adapter provides); [`KvOutcome::Finished`]
+//! ([`Handoff::reshape`], a [`Reshape`] the adapter provides); [`HandoffFound::Finished`]
 //! says the prefill's answer is the whole answer and no decode leg is sent. No part of
 //! the trait sees an HTTP response.
 
@@ -35,8 +35,9 @@ use crate::body::JsonBody;
 use crate::disaggregate::Decision;
 use crate::endpoint::Endpoint;
 use crate::error::{ConnectorError, InvalidParam};
+use crate::outcome::Outcome;
 use crate::request::{Api, PdRequest};
-use crate::router::{Outcome, Route};
+use crate::router::Route;
 use crate::transport::{BoxBody, Transport};
 
 pub mod guide {
@@ -168,7 +169,7 @@ pub struct Handoff {
 ///
 /// The orchestrator applies it to a 2xx answer's body only (an error answer passes
 /// through as the engine wrote it) and drops the answer's `content-length`, which no
-/// longer holds. After [`KvOutcome::Finished`] it gets an empty body (no decode leg was
+/// longer holds. After [`HandoffFound::Finished`] it gets an empty body (no decode leg was
 /// sent) and makes the whole answer from the plan.
 pub trait Reshape: Send + Sync + std::fmt::Debug + 'static {
     /// The client's body, made from the decode's. It must stream what it can as the
@@ -217,10 +218,11 @@ impl PrefillAnswer {
     }
 }
 
-/// What [`KvConnector::complete`] found in the prefill's answer.
+/// What [`KvConnector::complete`] found in the prefill's answer (a step's result, not
+/// how anything ended: that is an [`Outcome`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum KvOutcome {
+pub enum HandoffFound {
     /// The handoff was folded into the decode leg.
     Handed,
     /// The answer carried no handoff (for vLLM: the prefill ended for another reason than
@@ -313,8 +315,8 @@ pub trait KvConnector: Send + Sync + 'static {
         &self,
         _handoff: &mut Handoff,
         _answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
-        Ok(KvOutcome::Handed)
+    ) -> Result<HandoffFound, ConnectorError> {
+        Ok(HandoffFound::Handed)
     }
 
     /// Optional feedback: how a request over `route` ended (a connector that caches what
@@ -357,7 +359,7 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         (**self).complete(handoff, answer).await
     }
 

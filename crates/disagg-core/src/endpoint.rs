@@ -124,7 +124,7 @@ pub enum EndpointError {
 /// Which IP addresses an engine may have.
 ///
 /// By default ([`AddressPolicy::default`]) an endpoint whose host is a link-local or
-/// cloud metadata address ([`is_link_local_or_metadata`]) is refused: a proxy would
+/// cloud metadata address ([`allows`](Self::allows)) is refused: a proxy would
 /// otherwise send prompts, and the engines' keys, to the metadata service every cloud
 /// VM and most pods can reach (`169.254.169.254`, AWS's `fd00:ec2::254`), because one
 /// line of an endpoints file, one DNS answer or one pod IP said so. An operator who
@@ -163,13 +163,6 @@ pub struct AddressPolicy {
 }
 
 impl AddressPolicy {
-    /// Link-local and metadata addresses refused (the default).
-    pub const fn refuse_link_local() -> Self {
-        AddressPolicy {
-            allow_link_local: false,
-        }
-    }
-
     /// Link-local and metadata addresses allowed: for engines that really sit on
     /// link-local addresses, by an operator's explicit choice.
     pub const fn allow_link_local() -> Self {
@@ -178,19 +171,28 @@ impl AddressPolicy {
         }
     }
 
-    /// Whether link-local and metadata addresses are allowed.
-    pub const fn allows_link_local(&self) -> bool {
-        self.allow_link_local
-    }
-
-    /// Whether an engine may be reached at `ip`.
+    /// Whether an engine may be reached at `ip`: under the default policy, any address
+    /// but a link-local or cloud metadata one (see [`AddressPolicy`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::endpoint::AddressPolicy;
+    /// let policy = AddressPolicy::default();
+    /// for bad in ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254"] {
+    ///     assert!(!policy.allows(bad.parse().unwrap()), "{bad}");
+    /// }
+    /// for good in ["10.0.0.5", "127.0.0.1", "::1", "fd00:ec2::253", "2001:db8::1"] {
+    ///     assert!(policy.allows(good.parse().unwrap()), "{good}");
+    /// }
+    /// ```
     pub fn allows(&self, ip: IpAddr) -> bool {
         self.allow_link_local || !is_link_local_or_metadata(ip)
     }
 
     /// The IP address of `host` (a URL's host, IPv6 with or without brackets) when it is
     /// one this policy refuses; `None` for an allowed address and for a hostname.
-    pub fn refused_host(&self, host: &str) -> Option<IpAddr> {
+    pub(crate) fn refused_host(&self, host: &str) -> Option<IpAddr> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let ip = bare.parse::<IpAddr>().ok()?;
         (!self.allows(ip)).then_some(ip)
@@ -202,20 +204,8 @@ impl AddressPolicy {
 /// (IPv6 link-local), `fd00:ec2::254` (AWS's IPv6 metadata service), and the IPv4 ones
 /// written as IPv6: IPv4-mapped (`::ffff:169.254.169.254`), IPv4-compatible
 /// (`::169.254.169.254`) and behind the NAT64 well-known prefix
-/// (`64:ff9b::169.254.169.254`, RFC 6052).
-///
-/// # Examples
-///
-/// ```
-/// use disagg_core::endpoint::is_link_local_or_metadata;
-/// for bad in ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254"] {
-///     assert!(is_link_local_or_metadata(bad.parse().unwrap()), "{bad}");
-/// }
-/// for good in ["10.0.0.5", "127.0.0.1", "::1", "fd00:ec2::253", "2001:db8::1"] {
-///     assert!(!is_link_local_or_metadata(good.parse().unwrap()), "{good}");
-/// }
-/// ```
-pub fn is_link_local_or_metadata(ip: IpAddr) -> bool {
+/// (`64:ff9b::169.254.169.254`, RFC 6052). Public as [`AddressPolicy::allows`].
+pub(crate) fn is_link_local_or_metadata(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_link_local(),
         IpAddr::V6(v6) => {

@@ -79,8 +79,8 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use connector::{
-    BootstrapPort, Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
-    mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
+    BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
+    Reshape, mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
 };
 pub use endpoint::{AddressPolicy, Endpoint, EndpointId, EndpointSet, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};

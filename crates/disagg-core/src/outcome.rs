@@ -1,5 +1,17 @@
-//! How an attempt ended: one [`Report`], told once to every [`Listener`]; how a request
-//! ended: one [`Summary`].
+//! How things ended, in one word: [`Outcome`].
+//!
+//! | type | how what ended | read by |
+//! |---|---|---|
+//! | [`Outcome`] | one attempt, in one word | routers' and connectors' `observe`, [`Report::outcome`] |
+//! | [`LegOutcome`] | one leg of an attempt (or one call of an engine outside the legs) | passive health, per-endpoint metrics, leg spans |
+//! | [`Delivery`] | the client's response: whole, cancelled, broken | [`Summary::outcome`], request metrics, access log |
+//!
+//! Three types because they are three things: an attempt has two legs, and a request
+//! has one response over one or more attempts. The carriers are [`Report`] (one per
+//! attempt: its route, its [`Outcome`], each leg's [`LegOutcome`], its timeline) and
+//! [`Summary`] (one per request: what the client got, its [`Delivery`]). What a
+//! connector's `complete` found in the prefill's answer is not an ending but a step's
+//! result: [`HandoffFound`](crate::connector::HandoffFound).
 //!
 //! Every attempt the orchestrator makes (a request makes one, or more when it is
 //! retried) ends exactly once: when it fails before any answer reached the client, or
@@ -25,13 +37,30 @@ use std::time::{Duration, Instant, SystemTime};
 use http::{HeaderValue, StatusCode};
 
 use crate::request::Api;
-use crate::router::{Outcome, Route};
+use crate::router::Route;
 use crate::trace::TraceIds;
 
-/// What one leg of an attempt did, as far as its engine's health is concerned.
+/// How one attempt ended: the one word routers ([`Router::observe`](crate::Router::observe)),
+/// connectors ([`KvConnector::observe`](crate::KvConnector::observe)) and every
+/// [`Report`] use. The per-leg detail is the report's [`LegOutcome`]s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Verdict {
+pub enum Outcome {
+    /// The decode answer was delivered in full.
+    Success,
+    /// The attempt failed on the prefill leg.
+    PrefillFailed,
+    /// The attempt failed on the decode leg.
+    DecodeFailed,
+    /// The client went away first.
+    Cancelled,
+}
+
+/// How one leg of an attempt ended (two per attempt; the attempt's end is an
+/// [`Outcome`]): what the leg did, as far as its engine's health is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LegOutcome {
     /// The leg was not sent (no prefill endpoint, a direct request, an attempt that
     /// failed before it).
     NotSent,
@@ -55,9 +84,9 @@ pub struct Report {
     /// How it ended, for routers and connectors.
     pub outcome: Outcome,
     /// The prefill leg.
-    pub prefill: Verdict,
+    pub prefill: LegOutcome,
     /// The decode leg.
-    pub decode: Verdict,
+    pub decode: LegOutcome,
     /// Which attempt of its request this was: 0 for the first, 1 for the first retry...
     pub attempt: u32,
     /// When each of its steps happened.
@@ -72,8 +101,8 @@ impl Report {
     pub(crate) fn new(
         route: Route,
         outcome: Outcome,
-        prefill: Verdict,
-        decode: Verdict,
+        prefill: LegOutcome,
+        decode: LegOutcome,
         timeline: Timeline,
     ) -> Self {
         Report {
@@ -166,10 +195,10 @@ pub struct Phases {
     pub decode_first_chunk: Option<Duration>,
 }
 
-/// How the client's response ended.
+/// How the client's response ended (one per request; its attempts' ends are [`Outcome`]s).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Ended {
+pub enum Delivery {
     /// The whole answer went out (an error answer included: see [`Summary::status`]).
     Complete,
     /// The client went away before the end.
@@ -224,7 +253,7 @@ pub struct Summary {
     /// Response body bytes handed to the client.
     pub bytes: u64,
     /// How the response ended.
-    pub ended: Ended,
+    pub delivery: Delivery,
     /// The trace identities of the request's spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
 }
@@ -258,7 +287,7 @@ impl Summary {
             first_byte: None,
             end,
             bytes: 0,
-            ended: Ended::Complete,
+            delivery: Delivery::Complete,
             trace: None,
         }
     }
@@ -277,12 +306,12 @@ impl Summary {
     /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
     /// `cancelled` (the client left first).
     pub fn outcome(&self) -> &'static str {
-        match self.ended {
-            Ended::Cancelled => "cancelled",
-            Ended::Broken => "error",
-            Ended::Complete if self.status.is_success() => "success",
-            Ended::Complete if self.status.is_client_error() => "client_error",
-            Ended::Complete => "error",
+        match self.delivery {
+            Delivery::Cancelled => "cancelled",
+            Delivery::Broken => "error",
+            Delivery::Complete if self.status.is_success() => "success",
+            Delivery::Complete if self.status.is_client_error() => "client_error",
+            Delivery::Complete => "error",
         }
     }
 }
@@ -337,6 +366,6 @@ pub struct EngineCall {
     pub endpoint: Arc<crate::endpoint::Endpoint>,
     /// The call (`/tokenize`).
     pub call: &'static str,
-    /// [`Verdict::Answered`] or [`Verdict::Failed`].
-    pub verdict: Verdict,
+    /// [`LegOutcome::Answered`] or [`LegOutcome::Failed`].
+    pub outcome: LegOutcome,
 }

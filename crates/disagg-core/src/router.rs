@@ -16,12 +16,17 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use futures::future::{BoxFuture, Either, Ready, ready};
 use http::HeaderMap;
+use tokio::time::Instant;
 
+use crate::admission::Permit;
 use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
-use crate::error::RouteError;
+use crate::error::{PdError, RouteError};
+use crate::outcome::Outcome;
 use crate::request::{Api, PdRequest};
+use crate::source::EndpointSource;
 
 /// What a router may read of a request.
 ///
@@ -104,6 +109,33 @@ pub struct Route {
     /// The decode engine's data-parallel rank, when the router picked one (SGLang
     /// `data_parallel_rank_decode`).
     pub decode_rank: Option<u32>,
+    /// What the router holds for each leg while it runs ([`with_holds`](Self::with_holds)).
+    holds: Holds,
+}
+
+/// A router's places for the legs of one route: the prefill's is given back when the
+/// prefill exchange ends, the decode's when the attempt ends (its response body ended
+/// or was dropped, or it failed). A clone of a route holds nothing: the places belong
+/// to the attempt that routed, not to copies made for reports.
+#[derive(Default)]
+struct Holds {
+    prefill: Option<Permit>,
+    decode: Option<Permit>,
+}
+
+impl Clone for Holds {
+    fn clone(&self) -> Self {
+        Holds::default()
+    }
+}
+
+impl std::fmt::Debug for Holds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Holds")
+            .field("prefill", &self.prefill.is_some())
+            .field("decode", &self.decode.is_some())
+            .finish()
+    }
 }
 
 impl Route {
@@ -115,7 +147,24 @@ impl Route {
             decode_rank: decode.rank(),
             prefill,
             decode,
+            holds: Holds::default(),
         }
+    }
+
+    /// The same route holding `prefill` for its prefill leg and `decode` for its decode
+    /// leg: a router that counts places per endpoint (`disagg_resilience::PerEndpointLimit`)
+    /// gets each back when its leg ends. The prefill's is dropped when the prefill
+    /// exchange ends (its answer read, or the exchange dropped), the decode's when the
+    /// attempt ends (its response body ended or was dropped, or it failed). Clones of
+    /// the route hold nothing.
+    pub fn with_holds(mut self, prefill: Option<Permit>, decode: Option<Permit>) -> Self {
+        self.holds = Holds { prefill, decode };
+        self
+    }
+
+    /// The prefill leg's place, for the prefill exchange to hold.
+    pub(crate) fn take_prefill_hold(&mut self) -> Option<Permit> {
+        self.holds.prefill.take()
     }
 
     /// The same route with data-parallel ranks named for each leg.
@@ -128,20 +177,6 @@ impl Route {
         self.decode_rank = decode_rank;
         self
     }
-}
-
-/// How a request ended, as fed back to [`Router::observe`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Outcome {
-    /// The decode answer was delivered in full.
-    Success,
-    /// The request failed on the prefill leg.
-    PrefillFailed,
-    /// The request failed on the decode leg.
-    DecodeFailed,
-    /// The client went away first.
-    Cancelled,
 }
 
 /// Picks the prefill and decode endpoints for one request.
@@ -173,7 +208,22 @@ pub trait Router: Send + Sync + 'static {
         Ok(Route::new(None, route.decode).with_ranks(None, route.decode_rank))
     }
 
-    /// Optional feedback: how a routed request ended. The default does nothing.
+    /// The route for one attempt, waiting when the router must. The orchestrator calls
+    /// this, once per attempt; the default selects at once ([`Ask::select`]: `select`,
+    /// or `select_direct` for a request served without a prefill leg, over a fresh
+    /// snapshot narrowed to the request's model). A decorator that may find no room
+    /// (`disagg_resilience::PerEndpointLimit`) waits here, within [`Ask::deadline`], and
+    /// routes again; it answers without allocating when it need not wait.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`]: no route (503), or the wait was refused or too long.
+    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+        Either::Left(ready(ask.select(self)))
+    }
+
+    /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). The
+    /// default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// Whether this router reads [`RequestView::tokens`]: the orchestrator tokenizes a
@@ -194,12 +244,81 @@ impl<T: Router + ?Sized> Router for Arc<T> {
         (**self).select_direct(req, set)
     }
 
+    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+        (**self).route(ask)
+    }
+
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
     }
 
     fn wants_tokens(&self) -> bool {
         (**self).wants_tokens()
+    }
+}
+
+/// What [`Router::route`] returns: a route at once, or a wait for one.
+pub type Routing<'a> = Either<Ready<Result<Route, PdError>>, BoxFuture<'a, Result<Route, PdError>>>;
+
+/// One attempt's request for a route ([`Router::route`]): what the router may read of
+/// the request, where the endpoints come from, and how long it may wait.
+#[derive(Clone, Copy)]
+pub struct Ask<'a> {
+    view: &'a RequestView<'a>,
+    source: &'a dyn EndpointSource,
+    direct: bool,
+    deadline: Option<Instant>,
+}
+
+impl std::fmt::Debug for Ask<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ask")
+            .field("view", self.view)
+            .field("direct", &self.direct)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Ask<'a> {
+    /// An ask for `view` over `source`'s endpoints; `direct` when the request is served
+    /// by a decode endpoint alone; a wait must end by `deadline`. The orchestrator makes
+    /// one per attempt; routers' tests and applications that route without an
+    /// orchestrator make their own.
+    pub fn new(
+        view: &'a RequestView<'a>,
+        source: &'a dyn EndpointSource,
+        direct: bool,
+        deadline: Option<Instant>,
+    ) -> Self {
+        Ask {
+            view,
+            source,
+            direct,
+            deadline,
+        }
+    }
+
+    /// `router`'s choice over a fresh snapshot of the endpoints, narrowed to the
+    /// request's model: [`Router::select`], or [`Router::select_direct`] for a request
+    /// served without a prefill leg.
+    ///
+    /// # Errors
+    ///
+    /// [`PdError`] for a [`RouteError`] (503).
+    pub fn select<R: Router + ?Sized>(&self, router: &R) -> Result<Route, PdError> {
+        let set = self.source.snapshot();
+        set.for_model(self.view.model)
+            .and_then(|candidates| match self.direct {
+                false => router.select(self.view, candidates),
+                true => router.select_direct(self.view, candidates),
+            })
+            .map_err(PdError::route)
+    }
+
+    /// When a wait for room must end: the request's deadline, if it has one.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
     }
 }
 

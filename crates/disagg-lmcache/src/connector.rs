@@ -36,7 +36,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use disagg_core::body::JsonBody;
 use disagg_core::connector::{
-    Dispatch, Handoff, KvConnector, KvGate, KvOutcome, Leg, PrefillAnswer, Reshape,
+    Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer, Reshape,
 };
 use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::Endpoint;
@@ -624,7 +624,7 @@ impl KvConnector for Lmcache {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         let endpoint = handoff.prefill.endpoint.id().clone();
         let reply: PrefillReply =
             serde_json::from_slice(&answer.body).map_err(|_| ConnectorError::InvalidHandoff {
@@ -632,7 +632,7 @@ impl KvConnector for Lmcache {
                 field: "choices",
             })?;
         let Some(plan) = handoff.ext.get_mut::<Plan>() else {
-            return Ok(KvOutcome::Missing);
+            return Ok(HandoffFound::Missing);
         };
         let first_tok = reply.kv_transfer_params.as_ref().and_then(|p| p.first_tok);
         let (Some(first_tok), Some(choice), Some(tokens)) =
@@ -641,7 +641,7 @@ impl KvConnector for Lmcache {
             // No first token: the decode computes the whole answer from the prompt.
             handoff.gate = None;
             handoff.reshape = reshaper(plan);
-            return Ok(KvOutcome::Missing);
+            return Ok(HandoffFound::Missing);
         };
         let finished = choice
             .finish_reason
@@ -669,7 +669,7 @@ impl KvConnector for Lmcache {
         }
         if finished {
             handoff.gate = None;
-            return Ok(KvOutcome::Finished);
+            return Ok(HandoffFound::Finished);
         }
         let decode = &mut handoff.decode.body;
         let mut prompt = Vec::with_capacity(tokens.len() + 1);
@@ -682,7 +682,7 @@ impl KvConnector for Lmcache {
         if let Some(m) = plan.min_tokens {
             decode.set("min_tokens", &m.saturating_sub(1));
         }
-        Ok(KvOutcome::Handed)
+        Ok(HandoffFound::Handed)
     }
 }
 

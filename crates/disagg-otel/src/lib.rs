@@ -70,7 +70,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
-use disagg_core::outcome::{Ended, Listener, Report, Summary, Verdict};
+use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 use disagg_core::request::Api;
 use disagg_core::trace::TraceIds;
 use opentelemetry::trace::{
@@ -361,7 +361,7 @@ pub fn request_span(
             .events
             .push(Event::new("first_byte", start + first, Vec::new(), 0));
     }
-    let failed = s.ended == Ended::Broken || s.status.is_server_error();
+    let failed = s.delivery == Delivery::Broken || s.status.is_server_error();
     SpanData {
         span_context: context(trace, trace.request),
         parent_span_id: trace.parent.map_or(SpanId::INVALID, SpanId::from_bytes),
@@ -436,17 +436,17 @@ impl SpanClock {
     }
 }
 
-fn verdict(v: Verdict) -> &'static str {
+fn verdict(v: LegOutcome) -> &'static str {
     match v {
-        Verdict::NotSent => "not_sent",
-        Verdict::Answered => "answered",
-        Verdict::Failed => "failed",
-        Verdict::Abandoned => "abandoned",
+        LegOutcome::NotSent => "not_sent",
+        LegOutcome::Answered => "answered",
+        LegOutcome::Failed => "failed",
+        LegOutcome::Abandoned => "abandoned",
         _ => "other",
     }
 }
 
-fn leg_attributes(endpoint: &Endpoint, attempt: u32, v: Verdict) -> Vec<KeyValue> {
+fn leg_attributes(endpoint: &Endpoint, attempt: u32, v: LegOutcome) -> Vec<KeyValue> {
     let authority = endpoint.authority();
     let mut a = vec![
         KeyValue::new("disagg.endpoint", endpoint.id().as_str().to_owned()),
@@ -460,9 +460,9 @@ fn leg_attributes(endpoint: &Endpoint, attempt: u32, v: Verdict) -> Vec<KeyValue
     a
 }
 
-fn leg_status(v: Verdict) -> Status {
+fn leg_status(v: LegOutcome) -> Status {
     match v {
-        Verdict::Failed => Status::error("the engine failed"),
+        LegOutcome::Failed => Status::error("the engine failed"),
         _ => Status::Unset,
     }
 }

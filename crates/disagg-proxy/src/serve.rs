@@ -859,7 +859,7 @@ impl Shared {
             MissingKvArg::LocalPrefill => MissingKv::LocalPrefill,
             MissingKvArg::Fail => MissingKv::Fail,
         };
-        let router: Arc<dyn Router> = Arc::new(PerLeg::new(
+        let mut router: Arc<dyn Router> = Arc::new(PerLeg::new(
             prefill_policy.pick(&args.weights, kv_events.as_ref())?,
             decode_policy.pick(&args.weights, kv_events.as_ref())?,
         ));
@@ -899,6 +899,18 @@ impl Shared {
             }));
         observe.serve_metrics(&mut service);
         args.client_body.apply(&mut service)?;
+        // Each piece only when asked for: a proxy with no limit and no retry pays
+        // nothing for them.
+        let a = &resilience.admission;
+        let limits = (a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some())
+            .then(|| Limits::new(resilience.admission));
+        // The per-endpoint limit decorates the router and waits in the admission's
+        // queue (one queue, one set of counters for both limits).
+        if let Some(l) = &limits
+            && l.config().max_in_flight_per_endpoint.is_some()
+        {
+            router = Arc::new(l.per_endpoint(router));
+        }
         // The source's health hears every attempt (it is the source's listener).
         let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
             .router(router)
@@ -908,11 +920,8 @@ impl Shared {
         if let Some(t) = tokenizer {
             builder = builder.tokenizer(t);
         }
-        // Each piece only when asked for: a proxy with no limit and no retry pays
-        // nothing for them.
-        let a = &resilience.admission;
-        if a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some() {
-            builder = builder.admission(Limits::new(resilience.admission));
+        if let Some(limits) = limits {
+            builder = builder.admission(limits);
         }
         if resilience.retry.max_retries > 0 {
             builder = builder.retry(Backoff::new(resilience.retry));

@@ -5,12 +5,15 @@
 //! - a **global** in-flight limit: a request past it waits in a FIFO queue (a fair
 //!   semaphore: permits go to waiters in arrival order) until one of the running
 //!   requests ends — its response body finished or dropped;
-//! - a **per-endpoint** in-flight limit: when the route chosen for a request has an
-//!   endpoint at its limit, the request waits in the same queue until some request
-//!   ends, then routes again (so it may go elsewhere). These waiters are woken
+//! - a **per-endpoint** in-flight limit, a [`Router`] decorator
+//!   ([`PerEndpointLimit`], made by [`Limits::per_endpoint`]): when the route its
+//!   router chose has an endpoint at its limit, the request waits in the same queue
+//!   until a leg that held a place ends (a prefill exchange, or an attempt), then
+//!   routes again (so it may go elsewhere). The route it gives holds a place per leg
+//!   ([`Route::with_holds`]), given back when that leg ends. These waiters are woken
 //!   together and race for the freed room, so their order is close to, but not
-//!   strictly, FIFO; the limit is checked when a request is admitted, so requests
-//!   admitted at the same instant on different threads may pass it by one each.
+//!   strictly, FIFO; the limit is checked when a request is routed, so requests routed
+//!   at the same instant on different threads may pass it by one each.
 //!
 //! The queue is bounded: a request that finds it full is refused at once with 429
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
@@ -23,9 +26,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use disagg_core::admission::{Admission, AdmissionStats, Permit};
-use disagg_core::error::PdError;
-use disagg_core::router::Route;
-use futures::future::BoxFuture;
+use disagg_core::endpoint::EndpointSet;
+use disagg_core::error::{PdError, RouteError};
+use disagg_core::outcome::Outcome;
+use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
+use futures::future::{BoxFuture, Either, ready};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -37,7 +42,8 @@ pub struct AdmissionConfig {
     /// `None`: no limit).
     pub max_in_flight: Option<usize>,
     /// Requests in flight on one endpoint (default `None`: no limit). A prefill
-    /// endpoint counts its prefill exchanges, a decode endpoint its streams.
+    /// endpoint counts its prefill exchanges, a decode endpoint its streams. Applied by
+    /// the router [`Limits::per_endpoint`] makes, not by the admission itself.
     pub max_in_flight_per_endpoint: Option<usize>,
     /// Requests that may wait for admission; one more is refused with 429 (default
     /// 1024).
@@ -75,8 +81,8 @@ struct State {
     global: Option<Arc<Semaphore>>,
     /// Requests waiting, for either limit.
     waiting: AtomicUsize,
-    /// Rung when a request (or a prefill exchange) ends, for waiters on a per-endpoint
-    /// limit.
+    /// Rung when a leg holding a per-endpoint place ends, for waiters on a
+    /// per-endpoint limit.
     ended: Notify,
     queue_full: AtomicU64,
     queue_timeouts: AtomicU64,
@@ -85,15 +91,16 @@ struct State {
 
 /// A request's place among the running ones, inside its [`Permit`].
 struct Place {
-    state: Arc<State>,
     _global: Option<OwnedSemaphorePermit>,
 }
 
-impl Drop for Place {
+/// A leg's place under the per-endpoint limit, inside the [`Permit`] its route holds:
+/// when the leg ends, requests waiting for room route again.
+struct LegPlace(Arc<State>);
+
+impl Drop for LegPlace {
     fn drop(&mut self) {
-        if self.state.config.max_in_flight_per_endpoint.is_some() {
-            self.state.ended.notify_waiters();
-        }
+        self.0.ended.notify_waiters();
     }
 }
 
@@ -126,6 +133,17 @@ impl Limits {
     pub fn config(&self) -> &AdmissionConfig {
         &self.state.config
     }
+
+    /// `router`, under [`AdmissionConfig::max_in_flight_per_endpoint`]: its routes go
+    /// only to endpoints below the limit, waiting in this admission's queue (and
+    /// counted in its stats) while the chosen route has none. Without a per-endpoint
+    /// limit it routes as `router` does.
+    pub fn per_endpoint<R: Router>(&self, router: R) -> PerEndpointLimit<R> {
+        PerEndpointLimit {
+            inner: router,
+            state: Arc::clone(&self.state),
+        }
+    }
 }
 
 impl State {
@@ -153,11 +171,23 @@ impl State {
         PdError::queue_timeout(since.elapsed())
     }
 
-    fn permit(self: &Arc<Self>, global: Option<OwnedSemaphorePermit>) -> Permit {
-        Permit::new(Place {
-            state: Arc::clone(self),
-            _global: global,
-        })
+    fn permit(global: Option<OwnedSemaphorePermit>) -> Permit {
+        Permit::new(Place { _global: global })
+    }
+
+    /// Wait, as a queued request that first found no room at `since`, until a leg that
+    /// held a place ends.
+    async fn wait_for_room(
+        &self,
+        since: Instant,
+        deadline: Option<Instant>,
+    ) -> Result<(), PdError> {
+        let _waiting = self.enqueue()?;
+        let until = self.wait_until(since, deadline);
+        match tokio::time::timeout_at(until, self.ended.notified()).await {
+            Ok(()) => Ok(()),
+            Err(_) => Err(self.timed_out(since)),
+        }
     }
 }
 
@@ -167,7 +197,7 @@ impl Admission for Limits {
             None => None,
             Some(sem) => Some(Arc::clone(sem).try_acquire_owned().ok()?),
         };
-        Some(self.state.permit(global))
+        Some(State::permit(global))
     }
 
     /// Wait in the queue for the global limit.
@@ -191,42 +221,8 @@ impl Admission for Limits {
                     }
                 },
             };
-            Ok(state.permit(global))
+            Ok(State::permit(global))
         })
-    }
-
-    /// Whether both endpoints of `route` are below the per-endpoint limit.
-    fn has_room(&self, route: &Route) -> bool {
-        let Some(limit) = self.state.config.max_in_flight_per_endpoint else {
-            return true;
-        };
-        route.decode.in_flight() < limit
-            && route.prefill.as_ref().is_none_or(|p| p.in_flight() < limit)
-    }
-
-    /// Wait, as a queued request, until some request ends.
-    fn wait_for_room(
-        &self,
-        since: Instant,
-        deadline: Option<Instant>,
-    ) -> BoxFuture<'static, Result<(), PdError>> {
-        let state = Arc::clone(&self.state);
-        Box::pin(async move {
-            let _waiting = state.enqueue()?;
-            let until = state.wait_until(since, deadline);
-            match tokio::time::timeout_at(until, state.ended.notified()).await {
-                Ok(()) => Ok(()),
-                Err(_) => Err(state.timed_out(since)),
-            }
-        })
-    }
-
-    fn tracks_exchanges(&self) -> bool {
-        self.state.config.max_in_flight_per_endpoint.is_some()
-    }
-
-    fn exchange_ended(&self) {
-        self.state.ended.notify_waiters();
     }
 
     fn stats(&self) -> AdmissionStats {
@@ -237,6 +233,77 @@ impl Admission for Limits {
         stats.queue_full = s.queue_full.load(Ordering::Relaxed);
         stats.queue_timeouts = s.queue_timeouts.load(Ordering::Relaxed);
         stats
+    }
+}
+
+/// A [`Router`] whose routes go only to endpoints below
+/// [`AdmissionConfig::max_in_flight_per_endpoint`], made by [`Limits::per_endpoint`].
+///
+/// When the route its router chose has an endpoint at the limit (counted by the
+/// endpoints' own in-flight counts: a prefill endpoint's prefill exchanges, a decode
+/// endpoint's streams), [`route`](Router::route) waits in the [`Limits`]' queue (429
+/// when full, 503 past the queue timeout or the request's deadline) until a leg that
+/// held a place ends, and routes again. Each route it gives holds a place per leg
+/// ([`Route::with_holds`]): the prefill's ends with the prefill exchange, the decode's
+/// with the attempt. A route with room is given without waiting or allocating more than
+/// its two places.
+#[derive(Debug)]
+pub struct PerEndpointLimit<R> {
+    inner: R,
+    state: Arc<State>,
+}
+
+impl<R: Router> PerEndpointLimit<R> {
+    /// `route` holding a place per leg, when both its endpoints are below `limit`.
+    fn with_room(&self, route: Route, limit: usize) -> Option<Route> {
+        let room = route.decode.in_flight() < limit
+            && route.prefill.as_ref().is_none_or(|p| p.in_flight() < limit);
+        if !room {
+            return None;
+        }
+        let place = || Permit::new(LegPlace(Arc::clone(&self.state)));
+        let prefill = route.prefill.is_some().then(place);
+        Some(route.with_holds(prefill, Some(place())))
+    }
+}
+
+impl<R: Router> Router for PerEndpointLimit<R> {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.inner.select(req, set)
+    }
+
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.inner.select_direct(req, set)
+    }
+
+    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+        let Some(limit) = self.state.config.max_in_flight_per_endpoint else {
+            return self.inner.route(ask);
+        };
+        let first = match ask.select(&self.inner) {
+            Ok(route) => route,
+            Err(e) => return Either::Left(ready(Err(e))),
+        };
+        if let Some(route) = self.with_room(first, limit) {
+            return Either::Left(ready(Ok(route)));
+        }
+        Either::Right(Box::pin(async move {
+            let since = Instant::now();
+            loop {
+                self.state.wait_for_room(since, ask.deadline()).await?;
+                if let Some(route) = self.with_room(ask.select(&self.inner)?, limit) {
+                    return Ok(route);
+                }
+            }
+        }))
+    }
+
+    fn observe(&self, route: &Route, outcome: Outcome) {
+        self.inner.observe(route, outcome)
+    }
+
+    fn wants_tokens(&self) -> bool {
+        self.inner.wants_tokens()
     }
 }
 
@@ -330,5 +397,86 @@ mod tests {
         let r = tokio::time::timeout(Duration::from_millis(10), wait).await;
         assert!(r.is_err());
         assert_eq!((waiting(&a), running(&a)), (0, 1));
+    }
+
+    /// The first prefill and the first decode endpoint of the set.
+    struct First;
+
+    impl Router for First {
+        fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+            let decode = set.decode().first().ok_or(RouteError::NoDecode)?;
+            Ok(Route::new(
+                set.prefill().first().cloned(),
+                Arc::clone(decode),
+            ))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_route_waits_until_a_leg_that_held_a_place_ends() {
+        use disagg_core::body::JsonBody;
+        use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            max_in_flight_per_endpoint: Some(1),
+            ..AdmissionConfig::default()
+        });
+        let router = limits.per_endpoint(First);
+        let source = StaticSource::new([
+            Endpoint::new("http://127.0.0.1:1", Role::Prefill).unwrap(),
+            Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // A route with room is given at once, holding a place per leg.
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        // Its decode leg runs: the decode endpoint is at its limit.
+        let stream = first.decode.track();
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none(), "no room: it waits");
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // The leg ends: its count goes, and its place is given back.
+        drop(stream);
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("woken when the leg ended")
+            .unwrap();
+        assert_eq!(second.decode.id(), source.snapshot().decode()[0].id());
+        assert_eq!(waiting(&limits), 0);
+    }
+
+    #[tokio::test]
+    async fn without_a_per_endpoint_limit_the_router_routes_as_it_would() {
+        use disagg_core::body::JsonBody;
+        use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(First);
+        let source =
+            StaticSource::new([Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap()]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let route = router
+            .route(Ask::new(&view, &source, true, None))
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        let _busy = [route.decode.track(), route.decode.track()];
+        assert!(
+            router
+                .route(Ask::new(&view, &source, true, None))
+                .now_or_never()
+                .is_some(),
+            "never waits"
+        );
     }
 }

@@ -48,9 +48,10 @@ use crate::disaggregate::Decision;
 use crate::endpoint::{Endpoint, EndpointId};
 use crate::error::{BoxError, ConnectorError, InvalidParam};
 use crate::lock;
+use crate::outcome::Outcome;
 use crate::request::PdRequest;
 use crate::rewrite::PrefillRewriter;
-use crate::router::{Outcome, Route};
+use crate::router::Route;
 use crate::transport::{Transport, read_limited};
 
 /// The bootstrap port of a prefill endpoint that configures none

@@ -52,7 +52,7 @@ use serde_json::value::RawValue;
 use crate::connector::generate::{self, LogprobMerge, MergeLogprobs};
 use crate::connector::room::Rooms;
 use crate::connector::{
-    BootstrapPort, Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer,
+    BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer,
 };
 use crate::disaggregate::Decision;
 use crate::error::{ConnectorError, InvalidParam};
@@ -282,10 +282,10 @@ impl KvConnector for SglangBootstrap {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         let Some(MergeLogprobs { stream, sequences }) = handoff.ext.get::<MergeLogprobs>().copied()
         else {
-            return Ok(KvOutcome::Handed);
+            return Ok(HandoffFound::Handed);
         };
         let logprobs = generate::prefill_logprobs(answer, sequences).map_err(|e| {
             ConnectorError::OutOfRange {
@@ -298,7 +298,7 @@ impl KvConnector for SglangBootstrap {
         if let Some(logprobs) = logprobs {
             handoff.reshape = Some(Arc::new(LogprobMerge::new(logprobs, stream)));
         }
-        Ok(KvOutcome::Handed)
+        Ok(HandoffFound::Handed)
     }
 }
 
@@ -538,7 +538,7 @@ mod tests {
         };
         assert_eq!(
             c.complete(&mut h, &answer).await.unwrap(),
-            KvOutcome::Handed
+            HandoffFound::Handed
         );
         assert!(h.reshape.is_some());
         // Without logprobs in the prefill's answer, the decode's passes unchanged.

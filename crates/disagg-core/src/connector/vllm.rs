@@ -19,7 +19,7 @@
 //!
 //! When the answer's `kv_transfer_params` is missing, `null` or `{}` (the prefill ended
 //! "stopped" on older vLLM, or the engine runs no KV connector), `complete` reports
-//! [`KvOutcome::Missing`].
+//! [`HandoffFound::Missing`].
 //!
 //! A dict is checked before the decode sees it, as vLLM 0.33's decode reads it
 //! (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`
@@ -34,7 +34,7 @@
 //! them), `remote_engine_id` and `remote_request_id` are non-empty strings,
 //! `remote_host` a non-empty string and `remote_port` a port number (and, when
 //! `transfer_mode` is `"push"`, `tp_size` a positive integer). Anything less is
-//! [`KvOutcome::Incomplete`]: the orchestrator treats it as a missing handoff. Other
+//! [`HandoffFound::Incomplete`]: the orchestrator treats it as a missing handoff. Other
 //! keys are not read (0.33 added `dcp_size`, `pp_size`, `transfer_mode`,
 //! `remote_registration_generation`, `remote_blocks_expiry_time`; later versions add
 //! more), and a dict that passes is still forwarded byte for byte.
@@ -43,7 +43,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::connector::mooncake::set_rank;
-use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
+use crate::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use crate::disaggregate::Decision;
 use crate::error::{ConnectorError, InvalidParam};
 use crate::request::PdRequest;
@@ -132,7 +132,7 @@ impl KvConnector for VllmNixl {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         let params =
             answer
                 .field(KV_TRANSFER_PARAMS)
@@ -141,11 +141,11 @@ impl KvConnector for VllmNixl {
                     source,
                 })?;
         let Some(params) = params else {
-            return Ok(KvOutcome::Missing);
+            return Ok(HandoffFound::Missing);
         };
         match params.first() {
             Some(b'{') => {}
-            _ if &params[..] == b"null" => return Ok(KvOutcome::Missing),
+            _ if &params[..] == b"null" => return Ok(HandoffFound::Missing),
             _ => {
                 return Err(ConnectorError::InvalidHandoff {
                     endpoint: handoff.prefill.endpoint.id().clone(),
@@ -154,13 +154,13 @@ impl KvConnector for VllmNixl {
             }
         }
         if is_empty_object(&params) {
-            return Ok(KvOutcome::Missing);
+            return Ok(HandoffFound::Missing);
         }
         if let Err(problem) = check_handoff(&params) {
-            return Ok(KvOutcome::Incomplete { problem });
+            return Ok(HandoffFound::Incomplete { problem });
         }
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
-        Ok(KvOutcome::Handed)
+        Ok(HandoffFound::Handed)
     }
 
     /// NIXL maps ranks by the ratio of the sizes (a decode rank reads from prefill rank
@@ -489,7 +489,7 @@ mod tests {
         let a = answer(&format!(
             r#"{{"id":"x","choices":[],"kv_transfer_params":{params}}}"#
         ));
-        assert_eq!(c.complete(&mut h, &a).await.unwrap(), KvOutcome::Handed);
+        assert_eq!(c.complete(&mut h, &a).await.unwrap(), HandoffFound::Handed);
         assert_eq!(
             text(&h.decode.body),
             format!(r#"{{"prompt":"p","n":2,"kv_transfer_params":{params}}}"#)
@@ -509,7 +509,7 @@ mod tests {
                 .unwrap();
             assert_eq!(
                 c.complete(&mut h, &answer(body)).await.unwrap(),
-                KvOutcome::Missing
+                HandoffFound::Missing
             );
             assert!(h.decode.body.get(KV_TRANSFER_PARAMS).is_none());
         }
@@ -540,7 +540,7 @@ mod tests {
         v.to_string()
     }
 
-    async fn outcome_of(params: &str) -> (KvOutcome, JsonBody) {
+    async fn outcome_of(params: &str) -> (HandoffFound, JsonBody) {
         let c = VllmNixl::new();
         let mut h = c
             .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))
@@ -565,7 +565,7 @@ mod tests {
         let spaced = r#"{ "remote_port" : 1, "remote_host":"h" ,"do_remote_prefill": true,"remote_block_ids":[ [ 0 ] ],"remote_engine_id":"e\u00e9","remote_request_id":"r"}"#;
         for params in [V033, &push, flat, &unknown, spaced] {
             let (outcome, decode) = outcome_of(params).await;
-            assert_eq!(outcome, KvOutcome::Handed, "{params}");
+            assert_eq!(outcome, HandoffFound::Handed, "{params}");
             assert_eq!(decode.get(KV_TRANSFER_PARAMS), Some(params.as_bytes()));
         }
     }
@@ -742,7 +742,7 @@ mod tests {
             let params = edited(V033, edit);
             let (outcome, decode) = outcome_of(&params).await;
             match outcome {
-                KvOutcome::Incomplete { problem } => {
+                HandoffFound::Incomplete { problem } => {
                     assert!(problem.starts_with(field), "{what}: {problem}")
                 }
                 other => panic!("{what}: {other:?}"),

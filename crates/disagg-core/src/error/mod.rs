@@ -141,7 +141,7 @@ pub enum ConnectorError {
         field: &'static str,
     },
     /// The prefill's answer carried a handoff the decode cannot use
-    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete)), and the
+    /// ([`HandoffFound::Incomplete`](crate::connector::HandoffFound::Incomplete)), and the
     /// configuration fails such requests.
     #[error("prefill endpoint {endpoint} returned an incomplete `{field}`: {problem}")]
     IncompleteHandoff {

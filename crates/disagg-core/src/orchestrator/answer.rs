@@ -9,8 +9,10 @@
 //! NIXL puts its own there: its engine id, internal host and port, block ids. None of it
 //! is the client's business, so a [`PdBody`](crate::PdBody) made
 //! [`scrubbed`](crate::PdBody::scrubbed) relays an event stream or a JSON answer with the
-//! value of every key of [`HANDOFF_KEYS`] overwritten in place: `null`, then spaces to
-//! the value's length (JSON whitespace), as a decode with no handoff answers.
+//! value of every handoff key (`kv_transfer_params`, `ec_transfer_params`,
+//! `bootstrap_host`, `bootstrap_port`, `bootstrap_room`) overwritten in place: `null`,
+//! then spaces to the value's length (JSON whitespace), as a decode with no handoff
+//! answers.
 //!
 //! - The answer streams as it came: each frame handed to the client (a burst of the
 //!   engine's frames joined into one, see [`PdBody`](crate::PdBody)) is searched for the
@@ -37,8 +39,10 @@ use memchr::memmem;
 
 /// The keys an engine writes about its own KV handoff, whose values never reach a
 /// client: vLLM's `kv_transfer_params` and `ec_transfer_params`, SGLang's
-/// `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
-pub const HANDOFF_KEYS: &[&str] = &[
+/// `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (the scrubber's `QUOTED`
+/// forms are checked against it).
+#[cfg(test)]
+pub(crate) const HANDOFF_KEYS: &[&str] = &[
     "kv_transfer_params",
     "ec_transfer_params",
     "bootstrap_host",
@@ -89,12 +93,12 @@ impl memchr::arch::all::packedpair::HeuristicFrequencyRank for JsonRank {
 /// The most bytes of one handoff (its key and value) held back until its value ends
 /// (1 MiB; a vLLM handoff is a few hundred bytes, its block ids a few kilobytes for a
 /// long prompt).
-pub const MAX_HELD_HANDOFF: usize = 1024 * 1024;
+pub(crate) const MAX_HELD_HANDOFF: usize = 1024 * 1024;
 
 /// An answer holds a handoff the proxy cannot keep from the client.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum AnswerError {
+pub(crate) enum AnswerError {
     /// A handoff value longer than [`MAX_HELD_HANDOFF`].
     #[error("the engine's answer holds a KV handoff of more than {limit} bytes")]
     TooLarge {

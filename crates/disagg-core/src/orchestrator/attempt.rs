@@ -2,21 +2,21 @@
 //! [`Failure`] that no byte of an answer preceded.
 
 use http::header::HeaderValue;
-use tokio::time::Instant as TokioInstant;
 
 use crate::connector::{Dispatch, Leg};
 use crate::disaggregate::Decision;
 use crate::error::{PdError, Phase, RouteError, Side};
+use crate::outcome::Outcome;
 use crate::outcome::now;
-use crate::outcome::{Report, Timeline, Verdict};
+use crate::outcome::{LegOutcome, Report, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
-use crate::router::{Outcome, RequestView, Route};
+use crate::router::{Ask, RequestView, Route};
 use crate::trace::TraceIds;
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::verdict;
-use super::respond::Exchange;
+use super::report::leg_outcome;
+use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
 pub(super) struct Failure {
@@ -36,11 +36,11 @@ impl Failure {
     }
 
     /// The prefill side failed with `error` over `route`; the decode leg was `decode`.
-    pub(super) fn prefill(route: &Route, error: PdError, decode: Verdict) -> Self {
+    pub(super) fn prefill(route: &Route, error: PdError, decode: LegOutcome) -> Self {
         let report = Report::new(
             route.clone(),
             Outcome::PrefillFailed,
-            verdict(&error),
+            leg_outcome(&error),
             decode,
             Timeline::starting(),
         );
@@ -52,12 +52,12 @@ impl Failure {
 
     /// The decode leg failed with `error` over `route`, the prefill leg having gone as
     /// `prefill`.
-    pub(super) fn decode(route: &Route, error: PdError, prefill: Verdict) -> Self {
+    pub(super) fn decode(route: &Route, error: PdError, prefill: LegOutcome) -> Self {
         let report = Report::new(
             route.clone(),
             Outcome::DecodeFailed,
             prefill,
-            verdict(&error),
+            leg_outcome(&error),
             Timeline::starting(),
         );
         Failure {
@@ -109,7 +109,7 @@ impl Inner {
     ) -> Result<Exchange, Failure> {
         let view = RequestView::from(req);
         let route = self
-            .route(req, &view, decision, clock)
+            .route(&view, decision, clock)
             .await
             .map_err(Failure::unrouted)?;
         tl.start = now();
@@ -124,7 +124,7 @@ impl Inner {
             if let Some(t) = trace {
                 t.inject(&t.decode, &mut leg.headers);
             }
-            return self.alone(req, route, leg, "direct", clock, tl).await;
+            return self.alone(req, route, leg, None, clock, tl).await;
         }
         if route.prefill.is_none() {
             return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
@@ -133,7 +133,7 @@ impl Inner {
             Failure::prefill(
                 &route,
                 PdError::connector(Side::Prefill, e),
-                Verdict::NotSent,
+                LegOutcome::NotSent,
             )
         })?;
         // One engine-side id per attempt, the same on both legs (see `decode_alone`).
@@ -161,7 +161,7 @@ impl Inner {
             resolve,
         )
         .await
-        .map_err(|e| Failure::prefill(&route, e, Verdict::NotSent))?;
+        .map_err(|e| Failure::prefill(&route, e, LegOutcome::NotSent))?;
         match handoff.dispatch {
             Dispatch::AfterPrefill => self.sequential(req, route, handoff, clock, tl).await,
             Dispatch::Concurrent | Dispatch::Joined => {
@@ -172,44 +172,27 @@ impl Inner {
         }
     }
 
-    /// The route for `req`, waiting in the admission queue while an endpoint it chose is
-    /// at its in-flight limit.
+    /// The route for `req`: the router's, which may wait for room (a per-endpoint
+    /// limit) within the request's deadline.
     pub(super) async fn route(
         &self,
-        req: &PdRequest,
         view: &RequestView<'_>,
         decision: Decision,
         clock: Clock,
     ) -> Result<Route, PdError> {
-        let mut since = None;
-        loop {
-            let set = self.source.snapshot();
-            let route = set
-                .for_model(req.model())
-                .and_then(|candidates| match decision {
-                    Decision::Disaggregate => self.router.select(view, candidates),
-                    Decision::Direct { .. } => self.router.select_direct(view, candidates),
-                })
-                .map_err(PdError::route)?;
-            drop(set);
-            let Some(admission) = &self.admission else {
-                return Ok(route);
-            };
-            if admission.has_room(&route) {
-                return Ok(route);
-            }
-            let since = *since.get_or_insert_with(TokioInstant::now);
-            admission.wait_for_room(since, clock.deadline).await?;
-        }
+        let direct = matches!(decision, Decision::Direct { .. });
+        let ask = Ask::new(view, &*self.source, direct, clock.deadline);
+        self.router.route(ask).await
     }
 
-    /// A decode leg alone (direct, decode-only): its head is the answer.
+    /// A decode leg alone (direct, or decode-only because of the prefill failure coded
+    /// `fallback`): its head is the answer.
     pub(super) async fn alone(
         &self,
         req: &PdRequest,
         route: Route,
         leg: Leg,
-        mark: &'static str,
+        fallback: Option<&'static str>,
         clock: Clock,
         tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
@@ -218,13 +201,13 @@ impl Inner {
         match self.decode_head(req, &leg, clock).await {
             Ok(head) => {
                 tl.decode_head = Some(now());
-                let mut ex = Exchange::new(route, head);
-                ex.mark = Some(mark);
-                ex.guard = Some(guard);
-                ex.decode_sent = true;
-                Ok(ex)
+                Ok(Exchange::new(
+                    route,
+                    head,
+                    Stand::DecodeAlone { guard, fallback },
+                ))
             }
-            Err(e) => Err(Failure::decode(&route, e, Verdict::NotSent)),
+            Err(e) => Err(Failure::decode(&route, e, LegOutcome::NotSent)),
         }
     }
 }

@@ -35,8 +35,7 @@ use crate::admission::Permit;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::outcome::now;
-use crate::outcome::{Ended, Report, Summary, Verdict};
-use crate::router::Outcome;
+use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};
@@ -67,8 +66,8 @@ pub(crate) struct Finish {
     pub(crate) guard: Option<InFlightGuard>,
     pub(crate) permit: Option<Permit>,
     pub(crate) in_flight: Option<InFlight>,
-    /// The attempt's report, its decode verdict and outcome still to be decided by how
-    /// the stream ends (`None` for a body with no attempt behind it).
+    /// The attempt's report, its decode leg's [`LegOutcome`] and its [`Outcome`] still to
+    /// be decided by how the stream ends (`None` for a body with no attempt behind it).
     pub(crate) report: Option<(Arc<Reporter>, Report)>,
     /// Steps of the attempt that happen inside the body.
     pub(crate) late: Option<Arc<LateMarks>>,
@@ -125,7 +124,7 @@ impl Finish {
         }
     }
 
-    /// The attempt ended as `outcome`; the legs' verdicts follow from it unless the
+    /// The attempt ended as `outcome`; the legs' outcomes follow from it unless the
     /// report already holds one (a decode that answered 5xx failed when its head came).
     fn done(&mut self, outcome: Outcome, failed: Option<&PdError>) {
         self.guard = None;
@@ -144,34 +143,34 @@ impl Finish {
         }
         match outcome {
             Outcome::Success => {
-                if report.decode == Verdict::Failed {
+                if report.decode == LegOutcome::Failed {
                     report.outcome = Outcome::DecodeFailed;
                 } else {
                     report.outcome = Outcome::Success;
-                    if report.decode != Verdict::NotSent {
-                        report.decode = Verdict::Answered;
+                    if report.decode != LegOutcome::NotSent {
+                        report.decode = LegOutcome::Answered;
                     }
                 }
-                if report.prefill == Verdict::Abandoned {
+                if report.prefill == LegOutcome::Abandoned {
                     // A concurrent prefill still running at the head: the stream ends
                     // only once it answered well.
-                    report.prefill = Verdict::Answered;
+                    report.prefill = LegOutcome::Answered;
                 }
             }
             Outcome::PrefillFailed => {
                 report.outcome = Outcome::PrefillFailed;
-                report.prefill = failed.map_or(Verdict::Failed, super::verdict);
-                report.decode = Verdict::Abandoned;
+                report.prefill = failed.map_or(LegOutcome::Failed, super::leg_outcome);
+                report.decode = LegOutcome::Abandoned;
             }
             Outcome::DecodeFailed => {
                 report.outcome = Outcome::DecodeFailed;
-                report.decode = failed.map_or(Verdict::Failed, super::verdict);
+                report.decode = failed.map_or(LegOutcome::Failed, super::leg_outcome);
             }
             _ => {
                 report.outcome = Outcome::Cancelled;
                 // A concurrent prefill still running stays abandoned with it.
-                if report.decode != Verdict::NotSent {
-                    report.decode = Verdict::Abandoned;
+                if report.decode != LegOutcome::NotSent {
+                    report.decode = LegOutcome::Abandoned;
                 }
             }
         }
@@ -181,12 +180,12 @@ impl Finish {
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
             summary.timeline = Some(report.timeline);
-            summary.ended = match outcome {
-                Outcome::Success => Ended::Complete,
-                Outcome::Cancelled => Ended::Cancelled,
-                _ => Ended::Broken,
+            summary.delivery = match outcome {
+                Outcome::Success => Delivery::Complete,
+                Outcome::Cancelled => Delivery::Cancelled,
+                _ => Delivery::Broken,
             };
-            if summary.ended == Ended::Broken {
+            if summary.delivery == Delivery::Broken {
                 summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
             }
             reporter.summarize(&summary);
@@ -201,8 +200,10 @@ impl Drop for Finish {
     }
 }
 
-/// What comes after the joined bytes have been handed over.
-enum End {
+/// What comes after the joined bytes have been handed over: the stream's last frame, a
+/// private detail of the body (how the attempt ended is the [`Outcome`] that
+/// [`Finish`] reports).
+enum Tail {
     Eos,
     Trailers(HeaderMap),
     Error(BoxError),
@@ -313,7 +314,7 @@ pin_project_lite::pin_project! {
         joined: BytesMut,
         // Yields in a row that brought no new frame.
         idle_yields: u8,
-        end: Option<End>,
+        end: Option<Tail>,
         finish: Option<Finish>,
         prefill: Option<SyncWrapper<PendingPrefill>>,
         timer: Option<SyncWrapper<StreamTimer>>,
@@ -366,11 +367,10 @@ impl PdBody {
 
     /// The same body, keeping the engine's own KV handoff from the client when
     /// `headers` (the engine answer's) say it is an event stream or JSON: the value of
-    /// each key of [`HANDOFF_KEYS`](super::answer::HANDOFF_KEYS) is overwritten in place
-    /// (`null` and spaces: the answer keeps its length), unbuffered; see
-    /// [`answer`](super::answer). A handoff that cannot be overwritten (longer than
-    /// [`MAX_HELD_HANDOFF`](super::answer::MAX_HELD_HANDOFF), or no JSON) ends the body
-    /// as a broken stream does.
+    /// each handoff key (`kv_transfer_params`, `ec_transfer_params`, `bootstrap_host`,
+    /// `bootstrap_port`, `bootstrap_room`) is overwritten in place (`null` and spaces:
+    /// the answer keeps its length), unbuffered. A handoff that cannot be overwritten
+    /// (longer than 1 MiB, or no JSON) ends the body as a broken stream does.
     #[must_use]
     pub fn scrubbed(self, headers: &HeaderMap) -> Self {
         let on = scrubbed_kind(headers);
@@ -480,7 +480,7 @@ impl PdBody {
         self.done
             || (self.joined.is_empty()
                 && self.prefill.is_none()
-                && matches!(self.end, None | Some(End::Eos))
+                && matches!(self.end, None | Some(Tail::Eos))
                 && self.inner.is_end_stream())
     }
 
@@ -535,7 +535,7 @@ impl PdBody {
                 this.inner.set(empty_body());
                 this.joined.clear();
                 Some(end_with(
-                    End::Error(Box::new(e)),
+                    Tail::Error(Box::new(e)),
                     *this.sse,
                     this.done,
                     this.finish,
@@ -558,7 +558,7 @@ impl PdBody {
             if let Err(e) = result {
                 // Drop the decode leg now: without the KV it has nothing to say.
                 this.inner.set(empty_body());
-                *this.end = Some(End::Abort(e));
+                *this.end = Some(Tail::Abort(e));
                 if !this.joined.is_empty() {
                     return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
                 }
@@ -566,7 +566,7 @@ impl PdBody {
         }
         loop {
             if let Some(end) = this.end.take() {
-                if matches!(end, End::Eos) && this.prefill.is_some() {
+                if matches!(end, Tail::Eos) && this.prefill.is_some() {
                     // The decode is done; the stream ends when the prefill leg has too
                     // (it was polled above, so its progress wakes this body).
                     *this.end = Some(end);
@@ -589,22 +589,22 @@ impl PdBody {
                         }
                         if this.joined.is_empty() && this.inner.is_end_stream() {
                             // The last frame and nothing before it: no copy.
-                            *this.end = Some(End::Eos);
+                            *this.end = Some(Tail::Eos);
                             return Poll::Ready(Some(Ok(Frame::data(data))));
                         }
                         this.joined.extend_from_slice(&data);
                         continue;
                     }
                     Err(trailers) => match trailers.into_trailers() {
-                        Ok(t) => End::Trailers(t),
+                        Ok(t) => Tail::Trailers(t),
                         Err(_) => continue,
                     },
                 },
-                Poll::Ready(None) => End::Eos,
+                Poll::Ready(None) => Tail::Eos,
                 // The orchestrator's own errors (a lead stream's handoff) keep their code.
                 Poll::Ready(Some(Err(e))) => match e.downcast::<PdError>() {
-                    Ok(e) => End::Abort(*e),
-                    Err(e) => End::Error(e),
+                    Ok(e) => Tail::Abort(*e),
+                    Err(e) => Tail::Error(e),
                 },
                 Poll::Pending => {
                     if this.joined.is_empty() {
@@ -618,7 +618,7 @@ impl PdBody {
                         // Out of time: drop the decode leg and end with the error.
                         *this.timer = None;
                         this.inner.set(empty_body());
-                        End::Abort(e)
+                        Tail::Abort(e)
                     } else {
                         if *this.idle_yields < JOIN_YIELDS {
                             // Let the upstream connection task deliver what it has
@@ -643,17 +643,17 @@ impl PdBody {
     }
 }
 
-fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -> PollFrame {
+fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -> PollFrame {
     match end {
-        End::Trailers(t) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
-        End::Eos => {
+        Tail::Trailers(t) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
+        Tail::Eos => {
             *done = true;
             if let Some(mut f) = finish.take() {
                 f.done(Outcome::Success, None);
             }
             Poll::Ready(None)
         }
-        End::Error(err) => {
+        Tail::Error(err) => {
             *done = true;
             let message = format!("decode stream broke: {}", error_chain(&*err));
             tracing::warn!(%message, "decode stream failed mid-response");
@@ -670,7 +670,7 @@ fn end_with(end: End, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -
                 Poll::Ready(Some(Err(err)))
             }
         }
-        End::Abort(err) => {
+        Tail::Abort(err) => {
             *done = true;
             let message = error_chain(&err);
             let outcome = if err.side() == Side::Prefill {

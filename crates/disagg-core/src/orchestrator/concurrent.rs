@@ -17,7 +17,7 @@ use futures::future::{Either, select};
 use crate::connector::{Dispatch, Handoff, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
 use crate::outcome::now;
-use crate::outcome::{Timeline, Verdict};
+use crate::outcome::{LegOutcome, Timeline};
 use crate::request::PdRequest;
 use crate::router::Route;
 
@@ -26,7 +26,7 @@ use super::attempt::Failure;
 use super::body::PendingPrefill;
 use super::clock::{Clock, within};
 use super::legs::PrefillResult;
-use super::respond::{Exchange, LateMarks};
+use super::respond::{Exchange, LateMarks, Stand};
 use super::sequential::{prefill_refused, reshaped};
 
 impl Inner {
@@ -36,7 +36,7 @@ impl Inner {
     pub(super) async fn concurrent(
         &self,
         req: &PdRequest,
-        route: Route,
+        mut route: Route,
         mut handoff: Handoff,
         clock: Clock,
         tl: &mut Timeline,
@@ -46,7 +46,8 @@ impl Inner {
         tl.decode_sent = Some(start);
         let joined = handoff.dispatch == Dispatch::Joined;
         // Boxed: the race needs them pinned, and the prefill may move into the body.
-        let prefill = Box::pin(self.prefill(req, &handoff.prefill, clock));
+        let prefill =
+            Box::pin(self.prefill(req, &handoff.prefill, route.take_prefill_hold(), clock));
         let guard = handoff.decode.endpoint.track();
         let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
         let (head, pending, prefilled, answer) = match select(prefill, decode).await {
@@ -55,7 +56,7 @@ impl Inner {
             Either::Left((p, decode)) => match p {
                 Ok(PrefillResult::Answer(a)) => {
                     tl.prefill_done = Some(now());
-                    (decode.await, None, Verdict::Answered, Some(a))
+                    (decode.await, None, LegOutcome::Answered, Some(a))
                 }
                 Ok(PrefillResult::ClientError {
                     status,
@@ -63,7 +64,7 @@ impl Inner {
                     body,
                     ..
                 }) => return Ok(prefill_refused(route, status, headers, body)),
-                Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
+                Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::Abandoned)),
             },
             // A joined plan's decode answered first: its head waits for the prefill's
             // whole answer (only a decode that answered well needs it).
@@ -71,7 +72,7 @@ impl Inner {
                 match prefill.await {
                     Ok(PrefillResult::Answer(a)) => {
                         tl.prefill_done = Some(now());
-                        (d, None, Verdict::Answered, Some(a))
+                        (d, None, LegOutcome::Answered, Some(a))
                     }
                     Ok(PrefillResult::ClientError {
                         status,
@@ -79,11 +80,11 @@ impl Inner {
                         body,
                         ..
                     }) => return Ok(prefill_refused(route, status, headers, body)),
-                    Err(e) => return Err(Failure::prefill(&route, e, Verdict::Abandoned)),
+                    Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::Abandoned)),
                 }
             }
             // The decode's head came first: relay it now, the prefill rides along.
-            Either::Right((d, prefill)) => (d, Some(prefill), Verdict::Abandoned, None),
+            Either::Right((d, prefill)) => (d, Some(prefill), LegOutcome::Abandoned, None),
         };
         let head = head.map_err(|e| Failure::decode(&route, e, prefilled))?;
         tl.decode_head = Some(now());
@@ -91,7 +92,7 @@ impl Inner {
         if let (true, true, Some(answer)) = (joined, success, &answer) {
             self.fold(&mut handoff, answer, clock)
                 .await
-                .map_err(|e| Failure::prefill(&route, e, Verdict::Abandoned))?;
+                .map_err(|e| Failure::prefill(&route, e, LegOutcome::Abandoned))?;
         }
         let head = if success {
             reshaped(&handoff, head)
@@ -107,16 +108,14 @@ impl Inner {
                 r.and_then(PrefillResult::into_late)
             })) as PendingPrefill
         });
-        let mut ex = Exchange::new(route, head);
-        if pending.is_some() {
-            ex.late = Some(marks);
-        }
-        ex.mark = Some("kv");
-        ex.guard = Some(guard);
-        ex.prefill = prefilled;
-        ex.pending = pending;
-        ex.decode_sent = true;
-        Ok(ex)
+        let stand = Stand::Decoded {
+            mark: "kv",
+            guard,
+            prefill: prefilled,
+            late: pending.is_some().then_some(marks),
+            pending,
+        };
+        Ok(Exchange::new(route, head, stand))
     }
 
     /// A joined plan: fold the prefill's `answer` into it, within the handoff budget.

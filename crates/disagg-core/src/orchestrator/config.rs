@@ -9,7 +9,7 @@ use http::header::HeaderName;
 /// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
 /// the configuration allows serving without), `direct` (the
 /// [`Disaggregate`](crate::disaggregate::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
-/// prefill's answer was the whole answer, [`KvOutcome::Finished`](crate::connector::KvOutcome::Finished): no decode leg).
+/// prefill's answer was the whole answer, [`HandoffFound::Finished`](crate::connector::HandoffFound::Finished): no decode leg).
 pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
 
 /// The response header naming the leg whose answer is passed through on a failure.
@@ -94,7 +94,7 @@ impl KvRelease {
 }
 
 /// What to do when the prefill answered 2xx but carried no KV handoff, or one the decode
-/// cannot use ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete): never
+/// cannot use ([`HandoffFound::Incomplete`](crate::connector::HandoffFound::Incomplete): never
 /// sent on, counted in
 /// [`OrchestratorStats::invalid_handoffs`](super::OrchestratorStats::invalid_handoffs)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -9,7 +9,7 @@ use futures::FutureExt;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::admission::Admission;
+use crate::admission::Permit;
 use crate::connector::{Handoff, Leg, PrefillAnswer};
 use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side};
@@ -18,16 +18,6 @@ use crate::transport::{BoxBody, Transport, read_limited};
 
 use super::Inner;
 use super::clock::{Clock, within};
-
-/// Tells the admission that a prefill exchange ended when dropped (a request waiting
-/// for room on its endpoint may go now).
-struct RoomFreed(Arc<dyn Admission>);
-
-impl Drop for RoomFreed {
-    fn drop(&mut self) {
-        self.0.exchange_ended();
-    }
-}
 
 /// What the prefill leg ended with, when it did not fail.
 pub(super) enum PrefillResult {
@@ -119,37 +109,34 @@ impl Inner {
         &self,
         req: &PdRequest,
         leg: &Leg,
+        hold: Option<Permit>,
         clock: Clock,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
         let budget = self.config.prefill_timeout;
-        let exchange = self.exchange(req, leg);
+        let exchange = self.exchange(req, leg, hold);
         async move { within(clock, budget, Side::Prefill, &ep, Phase::Prefill, exchange).await }
     }
 
     /// The prefill exchange, untimed: send the leg and read its answer in full. The
     /// future owns what it needs (`'static`), so a concurrent handoff can keep it
     /// running inside the response body and an early release in a background task; it
-    /// holds the prefill endpoint's in-flight count until it ends or is dropped.
+    /// holds the prefill endpoint's in-flight count, and the router's `hold` on the leg
+    /// ([`Route::with_holds`](crate::Route::with_holds)), until it ends or is dropped.
     pub(super) fn exchange(
         &self,
         req: &PdRequest,
         leg: &Leg,
+        hold: Option<Permit>,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
         let guard = ep.track();
         let http_req = self.leg_request(req, leg);
         let transport = Arc::clone(&self.transport);
         let limit = self.config.max_prefill_answer;
-        // Requests waiting for room on this endpoint hear when the exchange ends.
-        let room = self
-            .admission
-            .as_ref()
-            .filter(|a| a.tracks_exchanges())
-            .map(|a| RoomFreed(Arc::clone(a)));
         async move {
             let _guard = guard;
-            let _room = room;
+            let _hold = hold;
             let http_req = http_req?;
             let exchange = async {
                 let resp = transport
@@ -264,7 +251,7 @@ fn client_headers<'a>(
 /// - the client's credentials: `authorization` only when `forward_authorization` (the
 ///   documented [`OrchestratorConfig::forward_authorization`](super::OrchestratorConfig::forward_authorization)),
 ///   `x-api-key` never (the engines' key is the transport's to set);
-/// - the headers an engine reads as routing or identity, [`is_engine_directive`].
+/// - the headers an engine reads as routing or identity, `x-data-parallel-rank` and SGLang's `x-override-*`.
 ///
 /// # Examples
 ///
@@ -298,7 +285,7 @@ pub fn forwardable_header(name: &HeaderName, forward_authorization: bool) -> boo
 ///   `-disagg-prefill-dp-rank`, `-priority`, `-conversation-id`, and any later one),
 ///   read after the body with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`: a client's
 ///   bootstrap host would aim a leg's KV transfer at a host of its choosing.
-pub fn is_engine_directive(name: &HeaderName) -> bool {
+pub(crate) fn is_engine_directive(name: &HeaderName) -> bool {
     const OVERRIDE: &[u8] = b"x-override-";
     const RANK: &[u8] = b"x-data-parallel-rank";
     let n = name.as_str().as_bytes();

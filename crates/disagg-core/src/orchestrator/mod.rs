@@ -58,7 +58,7 @@ use crate::source::EndpointSource;
 use crate::tokens::Tokenizer;
 use crate::transport::Transport;
 
-pub mod answer;
+mod answer;
 mod attempt;
 mod body;
 mod clock;
@@ -72,11 +72,12 @@ mod sequential;
 mod serve;
 mod stats;
 
+pub use answer::unrelayable;
 pub use body::PdBody;
 pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
-pub use legs::{forwardable_header, is_engine_directive};
+pub use legs::forwardable_header;
 
-pub(crate) use report::verdict;
+pub(crate) use report::leg_outcome;
 use stats::Counters;
 
 struct Inner {
@@ -164,7 +165,7 @@ pub struct OrchestratorStats {
     /// [`OrchestratorConfig::tokenize_timeout`]): routed without token ids.
     pub tokenize_failures: u64,
     /// Prefill answers whose KV handoff the decode engine could not use
-    /// ([`KvOutcome::Incomplete`](crate::connector::KvOutcome::Incomplete): a vLLM NIXL
+    /// ([`HandoffFound::Incomplete`](crate::connector::HandoffFound::Incomplete): a vLLM NIXL
     /// dict without block ids, engine id, host, port or request id). Never sent on;
     /// each was then served as [`MissingKv`] says.
     pub invalid_handoffs: u64,

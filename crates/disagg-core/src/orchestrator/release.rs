@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::stats::{Counters, GaugeGuard, bump};
-use crate::connector::{Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
+use crate::connector::{Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
 use crate::request::Api;
 use crate::rewrite::PrefillRewriter;
@@ -95,7 +95,7 @@ impl KvHold {
         answer: &PrefillAnswer,
         clock: Clock,
         budget: Duration,
-    ) -> Result<KvOutcome, PdError> {
+    ) -> Result<HandoffFound, PdError> {
         let prefill_ep = Arc::clone(&handoff.prefill.endpoint);
         let complete = async {
             connector
@@ -114,7 +114,7 @@ impl KvHold {
         .await;
         // A handoff that failed, or that handed nothing over, leaves nothing to release.
         self.stage = match (&handed, &self.release) {
-            (Ok(KvOutcome::Handed), Some(_)) => Stage::Handed(handoff.decode.clone()),
+            (Ok(HandoffFound::Handed), Some(_)) => Stage::Handed(handoff.decode.clone()),
             _ => Stage::Nothing,
         };
         handed
@@ -161,7 +161,7 @@ impl Release {
             },
         };
         let complete = self.connector.complete(&mut self.handoff, &answer);
-        if let Ok(Ok(KvOutcome::Handed)) = tokio::time::timeout(self.wait, complete).await {
+        if let Ok(Ok(HandoffFound::Handed)) = tokio::time::timeout(self.wait, complete).await {
             let leg = self.handoff.decode.clone();
             self.send(leg).await;
         }

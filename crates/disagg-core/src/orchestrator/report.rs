@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, Listener, Report, Summary, Verdict};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -54,17 +54,17 @@ impl Reporter {
     }
 }
 
-/// The verdict on the leg that failed with `e`: an engine that answered 4xx worked (the
+/// How the leg that failed with `e` ended: an engine that answered 4xx worked (the
 /// request was the client's fault); otherwise its engine is to blame when the error is a
 /// server error that is not the request's own deadline (it could not be reached,
 /// failed, timed out on its own budget, or answered something unusable); the deadline,
 /// or a client's error, blames no engine.
-pub(crate) fn verdict(e: &PdError) -> Verdict {
+pub(crate) fn leg_outcome(e: &PdError) -> LegOutcome {
     if e.engine_status().is_some_and(|s| s.is_client_error()) {
-        Verdict::Answered
+        LegOutcome::Answered
     } else if e.status().is_server_error() && !e.is_deadline() {
-        Verdict::Failed
+        LegOutcome::Failed
     } else {
-        Verdict::Abandoned
+        LegOutcome::Abandoned
     }
 }

@@ -11,9 +11,9 @@ use http_body_util::{BodyExt, Full};
 
 use crate::endpoint::InFlightGuard;
 use crate::error::{PdError, Side, error_chain, openai_error_body};
-use crate::outcome::{Report, Summary, Timeline, Verdict};
+use crate::outcome::{LegOutcome, Outcome, Report, Summary, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
-use crate::router::{Outcome, Route};
+use crate::router::Route;
 use crate::transport::BoxBody;
 
 use super::Inner;
@@ -55,49 +55,69 @@ fn relayable(
     resp.into_parts()
 }
 
-/// What an attempt produced for the client: an answer's head and body, and what the
-/// response must carry and report.
+/// How an exchange stands: who answers the client, and how far each leg went. The
+/// response's outcome, headers and report follow from it in [`Inner::respond`], which
+/// matches on it and guesses nothing.
+pub(super) enum Stand {
+    /// The prefill engine refused its leg with a 4xx (the client's fault), passed
+    /// through as the engine wrote it: no decode leg was sent.
+    PrefillRefused,
+    /// The prefill's answer is the whole answer
+    /// ([`HandoffFound::Finished`](crate::connector::HandoffFound::Finished)): no decode
+    /// leg was sent; `guard` holds the decode endpoint's in-flight count until the body
+    /// ends.
+    PrefillAnswered {
+        /// The decode endpoint's in-flight count.
+        guard: InFlightGuard,
+    },
+    /// A decode leg sent alone: `direct` (not disaggregated), or `decode-only` with the
+    /// code of the prefill failure that made it so (`x-disagg-fallback`).
+    DecodeAlone {
+        /// The decode endpoint's in-flight count, held until the body ends.
+        guard: InFlightGuard,
+        /// Why the request was served decode-only; `None` when it was direct.
+        fallback: Option<&'static str>,
+    },
+    /// The decode answers after a prefill leg: how the KV reached it is `mark`
+    /// (`x-disagg-handoff`: `kv`, `none`).
+    Decoded {
+        /// How the KV reached the decode.
+        mark: &'static str,
+        /// The decode endpoint's in-flight count, held until the body ends.
+        guard: InFlightGuard,
+        /// The prefill leg, as far as it went (`Abandoned` while `pending` runs).
+        prefill: LegOutcome,
+        /// Steps still to happen inside the body (a lead stream's decode leg, a
+        /// concurrent prefill still running).
+        late: Option<Arc<LateMarks>>,
+        /// A concurrent prefill still running when the decode's head came: it rides in
+        /// the body.
+        pending: Option<PendingPrefill>,
+    },
+}
+
+/// What an attempt produced for the client: an answer's head and body, and how the
+/// exchange stands.
 pub(super) struct Exchange {
     /// Where the attempt went.
     pub(super) route: Route,
     /// The head and body to answer with: the decode's (reshaped when the plan says so),
     /// a stream the orchestrator leads, or an engine's error passed through.
-    pub(super) head: Response<BoxBody>,
-    /// How the KV reached the decode (`x-disagg-handoff`); `None` for the prefill's own
-    /// 4xx passed through.
-    pub(super) mark: Option<&'static str>,
-    /// When each step happened (set by the attempt).
+    head: Response<BoxBody>,
+    /// How the exchange stands.
+    stand: Stand,
+    /// When each step happened (stamped by the attempt when it returns).
     pub(super) timeline: Timeline,
-    /// Steps still to happen inside the body (a lead stream's decode leg, a concurrent
-    /// prefill still running).
-    pub(super) late: Option<Arc<LateMarks>>,
-    /// The decode endpoint's in-flight count, held until the body ends.
-    pub(super) guard: Option<InFlightGuard>,
-    /// A concurrent prefill still running when the decode's head came: it rides in the
-    /// body.
-    pub(super) pending: Option<PendingPrefill>,
-    /// The prefill leg, as far as it went (`Abandoned` while `pending` runs).
-    pub(super) prefill: Verdict,
-    /// Whether a decode leg was sent.
-    pub(super) decode_sent: bool,
-    /// Why the request was served decode-only (`x-disagg-fallback`).
-    pub(super) fallback: Option<&'static str>,
 }
 
 impl Exchange {
-    /// An exchange whose answer is `head`, over `route`, with nothing else yet.
-    pub(super) fn new(route: Route, head: Response<BoxBody>) -> Self {
+    /// An exchange over `route` answered by `head`, standing as `stand`.
+    pub(super) fn new(route: Route, head: Response<BoxBody>, stand: Stand) -> Self {
         Exchange {
             route,
             head,
-            mark: None,
+            stand,
             timeline: Timeline::starting(),
-            late: None,
-            guard: None,
-            pending: None,
-            prefill: Verdict::NotSent,
-            decode_sent: false,
-            fallback: None,
         }
     }
 }
@@ -176,57 +196,119 @@ impl Inner {
         clock: Clock,
         meta: RequestMeta,
     ) -> Response<PdBody> {
-        let (parts, body) = relayable(req, &ex.route, ex.mark.is_some(), ex.head);
+        let Exchange {
+            route,
+            head,
+            stand,
+            timeline,
+        } = ex;
+        // One match: the leg that answered, the outcome, the marks and what the body
+        // holds. The decode's own 5xx is its failure, whatever its body; a prefill's 4xx
+        // passed through ends the attempt as the prefill's.
+        let decoded = !matches!(stand, Stand::PrefillRefused);
+        let (parts, body) = relayable(req, &route, decoded, head);
         let status = parts.status;
+        let (outcome, prefill, decode, mark, fallback, guard, late, pending) = match stand {
+            Stand::PrefillRefused => (
+                Outcome::PrefillFailed,
+                LegOutcome::Answered,
+                LegOutcome::NotSent,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+            Stand::PrefillAnswered { guard } => (
+                Outcome::Success,
+                LegOutcome::Answered,
+                LegOutcome::NotSent,
+                Some("prefill"),
+                None,
+                Some(guard),
+                None,
+                None,
+            ),
+            Stand::DecodeAlone { guard, fallback } => {
+                let (outcome, decode) = decode_end(status);
+                let mark = if fallback.is_some() {
+                    "decode-only"
+                } else {
+                    "direct"
+                };
+                let prefill = LegOutcome::NotSent;
+                (
+                    outcome,
+                    prefill,
+                    decode,
+                    Some(mark),
+                    fallback,
+                    Some(guard),
+                    None,
+                    None,
+                )
+            }
+            Stand::Decoded {
+                mark,
+                guard,
+                prefill,
+                late,
+                pending,
+            } => {
+                let (outcome, decode) = decode_end(status);
+                (
+                    outcome,
+                    prefill,
+                    decode,
+                    Some(mark),
+                    None,
+                    Some(guard),
+                    late,
+                    pending,
+                )
+            }
+        };
         let content_type = parts.headers.get(header::CONTENT_TYPE);
         let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
-        // The decode's own 5xx is its failure, whatever its body; a prefill's 4xx passed
-        // through ends the attempt as the prefill's.
-        let (outcome, decode) = match (ex.mark, ex.decode_sent) {
-            (None, _) => (Outcome::PrefillFailed, Verdict::NotSent),
-            (Some(_), false) => (Outcome::Success, Verdict::NotSent),
-            (Some(_), true) if status.is_server_error() => (Outcome::DecodeFailed, Verdict::Failed),
-            (Some(_), true) => (Outcome::Success, Verdict::Answered),
-        };
-        let timer = ex.guard.as_ref().and_then(|g| {
+        let timer = guard.as_ref().and_then(|g| {
             StreamTimer::new(
                 self.config.decode_idle_timeout,
                 clock.deadline,
                 g.endpoint().id(),
             )
         });
-        let mut report = Report::new(ex.route, outcome, ex.prefill, decode, ex.timeline);
+        let mut report = Report::new(route, outcome, prefill, decode, timeline);
         report.attempt = meta.attempts.saturating_sub(1);
         report.trace = meta.trace.clone();
         let summary = self.reporter.listening().then(|| {
             let mut s = self.summary(req, status, Some(meta));
-            s.handoff = ex.mark;
-            s.fallback = ex.fallback;
+            s.handoff = mark;
+            s.fallback = fallback;
             s.route = Some(report.route.clone());
             Box::new(s)
         });
         let finish = Finish {
-            guard: ex.guard,
+            guard,
             permit: None,
             in_flight: None,
             report: Some((Arc::clone(&self.reporter), report)),
-            late: ex.late,
+            late,
             summary,
             first_chunk: None,
             first_byte: None,
             bytes: 0,
         };
-        let body = PdBody::stream(body, sse, finish, ex.pending, timer).scrubbing(scrub);
+        let body = PdBody::stream(body, sse, finish, pending, timer).scrubbing(scrub);
         let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = end_to_end(parts.headers);
         let h = resp.headers_mut();
         h.insert(REQUEST_ID, req.request_id().clone());
-        match ex.mark {
+        match mark {
             Some(mark) => {
                 h.insert(HANDOFF_HEADER, HeaderValue::from_static(mark));
-                if let Some(v) = server_timing(&ex.timeline) {
+                if let Some(v) = server_timing(&timeline) {
                     h.append(SERVER_TIMING, v);
                 }
                 if !status.is_success() {
@@ -237,9 +319,19 @@ impl Inner {
                 h.insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
             }
         }
-        if let Some(reason) = ex.fallback {
+        if let Some(reason) = fallback {
             h.insert(FALLBACK_HEADER, HeaderValue::from_static(reason));
         }
         resp
+    }
+}
+
+/// How an attempt whose decode leg answered `status` ended, and its decode leg: the
+/// decode's own 5xx is its failure, whatever its body.
+fn decode_end(status: http::StatusCode) -> (Outcome, LegOutcome) {
+    if status.is_server_error() {
+        (Outcome::DecodeFailed, LegOutcome::Failed)
+    } else {
+        (Outcome::Success, LegOutcome::Answered)
     }
 }

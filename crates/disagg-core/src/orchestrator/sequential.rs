@@ -7,10 +7,11 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::connector::{Handoff, KvOutcome};
+use crate::connector::{Handoff, HandoffFound};
+use crate::endpoint::InFlightGuard;
 use crate::error::{ConnectorError, PdError, Phase, Side};
 use crate::outcome::now;
-use crate::outcome::{Timeline, Verdict};
+use crate::outcome::{LegOutcome, Timeline};
 use crate::request::PdRequest;
 use crate::router::Route;
 use crate::transport::{BoxBody, read_limited};
@@ -22,7 +23,7 @@ use super::clock::{Clock, out_of_time};
 use super::config::{KvRelease, MissingKv};
 use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
 use super::release::{KvHold, Release};
-use super::respond::{Exchange, LateMarks};
+use super::respond::{Exchange, LateMarks, Stand};
 use super::stats::bump;
 
 impl Inner {
@@ -30,7 +31,7 @@ impl Inner {
     pub(super) async fn sequential(
         &self,
         req: &PdRequest,
-        route: Route,
+        mut route: Route,
         mut handoff: Handoff,
         clock: Clock,
         tl: &mut Timeline,
@@ -38,7 +39,7 @@ impl Inner {
         tl.prefill_sent = Some(now());
         // Timed here rather than inside: a prefill out of time stays with the hold,
         // whose release may still catch its answer.
-        let exchange = self.exchange(req, &handoff.prefill);
+        let exchange = self.exchange(req, &handoff.prefill, route.take_prefill_hold());
         let mut hold = KvHold::new(Box::pin(exchange), self.release(req, &handoff));
         let (budget, by_deadline) = clock.budget(self.config.prefill_timeout);
         let result = hold.prefill(budget).await.unwrap_or_else(|| {
@@ -53,7 +54,7 @@ impl Inner {
                 body,
                 ..
             }) => return Ok(prefill_refused(route, status, headers, body)),
-            Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+            Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::NotSent)),
         };
         let prefilled = now();
         tl.prefill_done = Some(prefilled);
@@ -63,13 +64,13 @@ impl Inner {
             .complete(&*self.connector, &mut handoff, &answer, clock, budget)
             .await;
         let mark = match handed {
-            Ok(KvOutcome::Handed) => "kv",
-            Ok(KvOutcome::Finished) => return Ok(finished(req, route, handoff)),
+            Ok(HandoffFound::Handed) => "kv",
+            Ok(HandoffFound::Finished) => return Ok(finished(req, route, handoff)),
             Ok(outcome) => match self.missing_handoff(req, &handoff, outcome) {
                 Ok(mark) => mark,
-                Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+                Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::NotSent)),
             },
-            Err(e) => return Err(Failure::prefill(&route, e, Verdict::NotSent)),
+            Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::NotSent)),
         };
         if req.is_stream() && handoff.lead.is_some() {
             // The client's stream starts now; the gate and the decode's head are waited
@@ -80,13 +81,13 @@ impl Inner {
             && let Err(e) = kv_ready(&handoff, clock, budget).await
         {
             // The hold drops with this attempt and releases the KV when asked to.
-            return Err(Failure::prefill(&route, e, Verdict::NotSent));
+            return Err(Failure::prefill(&route, e, LegOutcome::NotSent));
         }
         let guard = handoff.decode.endpoint.track();
         tl.decode_sent = Some(now());
         let head = match self.decode_head(req, &handoff.decode, clock).await {
             Ok(h) => h,
-            Err(e) => return Err(Failure::decode(&route, e, Verdict::Answered)),
+            Err(e) => return Err(Failure::decode(&route, e, LegOutcome::Answered)),
         };
         tl.decode_head = Some(now());
         let head = if head.status().is_success() {
@@ -97,16 +98,11 @@ impl Inner {
             // it when asked to.
             head
         };
-        let mut ex = Exchange::new(route, head);
-        ex.mark = Some(mark);
-        ex.guard = Some(guard);
-        ex.prefill = Verdict::Answered;
-        ex.decode_sent = true;
-        Ok(ex)
+        Ok(decoded(route, head, mark, guard, None))
     }
 
-    /// A prefill answer without a usable handoff ([`KvOutcome::Missing`], or
-    /// [`KvOutcome::Incomplete`], which is also counted and named in the log): the
+    /// A prefill answer without a usable handoff ([`HandoffFound::Missing`], or
+    /// [`HandoffFound::Incomplete`], which is also counted and named in the log): the
     /// decode leg goes without one (`"none"`) or the request fails, as
     /// [`MissingKv`] says. The decode leg is left as `prepare` made it either way:
     /// nothing of an incomplete handoff reaches the decode.
@@ -114,11 +110,11 @@ impl Inner {
         &self,
         req: &PdRequest,
         handoff: &Handoff,
-        outcome: KvOutcome,
+        outcome: HandoffFound,
     ) -> Result<&'static str, PdError> {
         let prefill = handoff.prefill.endpoint.id();
         let incomplete = match outcome {
-            KvOutcome::Incomplete { problem } => {
+            HandoffFound::Incomplete { problem } => {
                 bump(&self.counters.invalid_handoffs);
                 tracing::warn!(
                     request_id = ?req.request_id(),
@@ -187,7 +183,7 @@ impl Inner {
         let lead = handoff.lead.take().unwrap_or_default();
         let http_req = self
             .leg_request(req, &handoff.decode)
-            .map_err(|e| Failure::decode(&route, e, Verdict::Answered))?;
+            .map_err(|e| Failure::decode(&route, e, LegOutcome::Answered))?;
         let guard = handoff.decode.endpoint.track();
         let transport = Arc::clone(&self.transport);
         let (gate_budget, head_budget) =
@@ -218,13 +214,7 @@ impl Inner {
             Ok(reshaped(&handoff, head).into_body())
         });
         let body = BoxBody::new(LeadBody::deferred(lead, pending));
-        let mut ex = Exchange::new(route, sse_head(body));
-        ex.mark = Some(mark);
-        ex.late = Some(marks);
-        ex.guard = Some(guard);
-        ex.prefill = Verdict::Answered;
-        ex.decode_sent = true;
-        Ok(ex)
+        Ok(decoded(route, sse_head(body), mark, guard, Some(marks)))
     }
 }
 
@@ -240,12 +230,28 @@ pub(super) fn prefill_refused(
     ));
     *head.status_mut() = status;
     *head.headers_mut() = headers;
-    let mut ex = Exchange::new(route, head);
-    ex.prefill = Verdict::Answered;
-    ex
+    Exchange::new(route, head, Stand::PrefillRefused)
 }
 
-/// The answer when the prefill's is the whole answer ([`KvOutcome::Finished`]): no
+/// The decode's answer after the prefill's, the KV having reached it as `mark`.
+fn decoded(
+    route: Route,
+    head: Response<BoxBody>,
+    mark: &'static str,
+    guard: InFlightGuard,
+    late: Option<Arc<LateMarks>>,
+) -> Exchange {
+    let stand = Stand::Decoded {
+        mark,
+        guard,
+        prefill: LegOutcome::Answered,
+        late,
+        pending: None,
+    };
+    Exchange::new(route, head, stand)
+}
+
+/// The answer when the prefill's is the whole answer ([`HandoffFound::Finished`]): no
 /// decode leg; the plan's reshape makes the client's answer from an empty body.
 fn finished(req: &PdRequest, route: Route, mut handoff: Handoff) -> Exchange {
     let guard = handoff.decode.endpoint.track();
@@ -267,11 +273,7 @@ fn finished(req: &PdRequest, route: Route, mut handoff: Handoff) -> Exchange {
         Some(lead) => sse_head(BoxBody::new(LeadBody::then(lead, shaped.into_body()))),
         None => shaped,
     };
-    let mut ex = Exchange::new(route, head);
-    ex.mark = Some("prefill");
-    ex.guard = Some(guard);
-    ex.prefill = Verdict::Answered;
-    ex
+    Exchange::new(route, head, Stand::PrefillAnswered { guard })
 }
 
 /// A 2xx decode answer in the form the plan asks for: its body reshaped, its content

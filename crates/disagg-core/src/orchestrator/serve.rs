@@ -19,7 +19,7 @@ use super::body::PdBody;
 use super::clock::Clock;
 use super::config::{DEADLINE_HEADER, PrefillFailure};
 use super::respond::RequestMeta;
-use crate::outcome::{EngineCall, Report, Timeline, Verdict};
+use crate::outcome::{EngineCall, LegOutcome, Report, Timeline};
 
 impl Inner {
     pub(super) async fn serve(
@@ -186,10 +186,10 @@ impl Inner {
                 Ok(Ok(_)) => false,
                 Ok(Err(_)) | Err(_) => !asked.has_answered(),
             };
-            let verdict = if failed {
-                Verdict::Failed
+            let outcome = if failed {
+                LegOutcome::Failed
             } else {
-                Verdict::Answered
+                LegOutcome::Answered
             };
             if failed {
                 tracing::warn!(
@@ -202,7 +202,7 @@ impl Inner {
             self.reporter.engine_call(&EngineCall {
                 endpoint: Arc::clone(engine),
                 call: "/tokenize",
-                verdict,
+                outcome,
             });
         }
         match result {
@@ -323,7 +323,7 @@ impl Inner {
         let decision = Decision::Direct {
             reason: "decode_only",
         };
-        let route = match self.route(req, &view, decision, clock).await {
+        let route = match self.route(&view, decision, clock).await {
             Ok(r) => r,
             Err(e) => return Err(self.failed(req, e, None, Some(meta))),
         };
@@ -337,11 +337,10 @@ impl Inner {
         meta.engine_id = id;
         let mut tl = Timeline::starting();
         match self
-            .alone(req, route, leg, "decode-only", clock, &mut tl)
+            .alone(req, route, leg, Some(e.code()), clock, &mut tl)
             .await
         {
             Ok(mut ex) => {
-                ex.fallback = Some(e.code());
                 ex.timeline = tl;
                 Ok(self.respond(req, ex, clock, meta))
             }

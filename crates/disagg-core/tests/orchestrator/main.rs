@@ -27,7 +27,7 @@ use disagg_core::orchestrator::{KvRelease, OrchestratorConfig, PrefillFailure};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_core::{
-    Api, Endpoint, EndpointSource, Handoff, KvConnector, KvOutcome, Orchestrator, PdBody,
+    Api, Endpoint, EndpointSource, Handoff, HandoffFound, KvConnector, Orchestrator, PdBody,
     PdRequest, PrefillAnswer, Role, SglangBootstrap, StaticSource, VllmNixl,
 };
 use disagg_resilience::{
@@ -810,7 +810,7 @@ impl KvConnector for Stuck {
         &self,
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
-    ) -> Result<KvOutcome, ConnectorError> {
+    ) -> Result<HandoffFound, ConnectorError> {
         if self.0 == Step::Complete {
             std::future::pending::<()>().await;
         }

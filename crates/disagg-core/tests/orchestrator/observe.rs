@@ -3,8 +3,8 @@
 
 use std::sync::Mutex;
 
-use disagg_core::outcome::{Ended, Listener, Report, Summary, Verdict};
-use disagg_core::router::Outcome;
+use disagg_core::outcome::Outcome;
+use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 
 use super::*;
 
@@ -92,7 +92,7 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
     assert_eq!(r.outcome, Outcome::Success);
     assert_eq!(
         (r.prefill, r.decode, r.attempt),
-        (Verdict::Answered, Verdict::Answered, 0)
+        (LegOutcome::Answered, LegOutcome::Answered, 0)
     );
     let tl = r.timeline;
     let phases = tl.phases();
@@ -104,8 +104,8 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
 
     let s = heard.summary();
     assert_eq!(
-        (s.status, s.ended, s.outcome()),
-        (StatusCode::OK, Ended::Complete, "success")
+        (s.status, s.delivery, s.outcome()),
+        (StatusCode::OK, Delivery::Complete, "success")
     );
     assert_eq!(s.request_id.as_ref().unwrap(), "client-7");
     let calls = fake.calls();
@@ -219,7 +219,7 @@ async fn a_request_that_fails_for_good_is_summarized_with_its_route_and_code() {
     let [r] = &heard.reports()[..] else { panic!() };
     assert_eq!(
         (r.outcome, r.prefill),
-        (Outcome::PrefillFailed, Verdict::Failed)
+        (Outcome::PrefillFailed, LegOutcome::Failed)
     );
     let s = heard.summary();
     assert_eq!(
@@ -255,7 +255,10 @@ async fn a_client_leaving_mid_stream_is_summarized_as_cancelled() {
     sleep(ms(100)).await;
     drop(body);
     let s = heard.summary();
-    assert_eq!((s.ended, s.outcome()), (Ended::Cancelled, "cancelled"));
+    assert_eq!(
+        (s.delivery, s.outcome()),
+        (Delivery::Cancelled, "cancelled")
+    );
     assert_eq!(s.bytes, first.len() as u64);
     assert_eq!(s.duration(), std_ms(100));
     assert_eq!(heard.reports()[0].outcome, Outcome::Cancelled);
@@ -272,7 +275,7 @@ async fn a_stream_that_breaks_is_summarized_with_the_breaks_code() {
     let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     within(body.collect()).await.unwrap();
     let s = heard.summary();
-    assert_eq!((s.ended, s.outcome()), (Ended::Broken, "error"));
+    assert_eq!((s.delivery, s.outcome()), (Delivery::Broken, "error"));
     assert_eq!(s.error, Some("decode_idle_timeout"));
     assert_eq!(s.status, StatusCode::OK, "the head had gone out");
 }

@@ -22,7 +22,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
-use disagg_core::outcome::Verdict;
+use disagg_core::outcome::LegOutcome;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -87,11 +87,11 @@ pub(super) struct Series {
 
 impl Series {
     /// Count one leg that ended as `verdict` (a leg not sent is not counted).
-    pub(super) fn leg(&self, verdict: Verdict) {
+    pub(super) fn leg(&self, verdict: LegOutcome) {
         let i = match verdict {
-            Verdict::Answered => 0,
-            Verdict::Failed => 1,
-            Verdict::Abandoned => 2,
+            LegOutcome::Answered => 0,
+            LegOutcome::Failed => 1,
+            LegOutcome::Abandoned => 2,
             _ => return,
         };
         self.legs[i].inc();
@@ -260,8 +260,8 @@ mod tests {
             ep("http://d:1", Role::Decode),
         );
         let t0 = endpoints.epoch;
-        endpoints.with(&p, t0, |s| s.leg(Verdict::Answered));
-        endpoints.with(&d, t0, |s| s.leg(Verdict::Failed));
+        endpoints.with(&p, t0, |s| s.leg(LegOutcome::Answered));
+        endpoints.with(&d, t0, |s| s.leg(LegOutcome::Failed));
         assert_eq!((endpoints.len(), families.legs.len()), (2, 6));
         let both = EndpointSet::new([Arc::clone(&p), Arc::clone(&d)]);
         let only_d = EndpointSet::new([Arc::clone(&d)]);
@@ -279,7 +279,7 @@ mod tests {
         assert_eq!(families.decode_head.len(), 1);
         // Used again: its series come back (from zero).
         endpoints.with(&p, t0 + Duration::from_secs(62), |s| {
-            s.leg(Verdict::Answered)
+            s.leg(LegOutcome::Answered)
         });
         assert_eq!(families.legs.len(), 6);
     }

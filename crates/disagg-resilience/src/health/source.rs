@@ -60,7 +60,7 @@ impl EndpointSource for HealthSource {
 /// `/tokenize` may still fail its legs, and a success would reset their count.
 impl Listener for Health {
     fn on_engine_call(&self, call: &EngineCall) {
-        if call.verdict == Verdict::Failed {
+        if call.outcome == LegOutcome::Failed {
             self.record(&call.endpoint, false);
         }
     }
@@ -73,8 +73,8 @@ impl Listener for Health {
         for (endpoint, verdict) in legs {
             let Some(endpoint) = endpoint else { continue };
             match verdict {
-                Verdict::Answered => self.record(endpoint, true),
-                Verdict::Failed => self.record(endpoint, false),
+                LegOutcome::Answered => self.record(endpoint, true),
+                LegOutcome::Failed => self.record(endpoint, false),
                 _ => {}
             }
         }
