@@ -188,6 +188,7 @@ pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
     let mut s = Scan { b: raw, i: 0 };
     // One slot per key read: the value's bytes, exactly as written.
     let mut read: [Option<&[u8]>; KEYS.len()] = [None; KEYS.len()];
+    let mut blocks = None;
     s.skip_ws();
     if !s.eat(b'{') {
         return Err(UNPARSED);
@@ -201,11 +202,22 @@ pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
                 return Err(UNPARSED);
             }
             s.skip_ws();
-            let value = s.value().ok_or(UNPARSED)?;
             // A key of its own (`"a"`) has its quotes: compare what is between them.
             let slot = KEYS
                 .iter()
                 .position(|k| k.as_bytes() == &key[1..key.len() - 1]);
+            let value = if slot == Some(BLOCKS) {
+                // Counted as it is stepped over, so the list is read once.
+                let start = s.i;
+                blocks = s.block_ids();
+                if blocks.is_none() {
+                    s.i = start;
+                    s.value().ok_or(UNPARSED)?;
+                }
+                &raw[start..s.i]
+            } else {
+                s.value().ok_or(UNPARSED)?
+            };
             if slot.is_some_and(|k| read[k].replace(value).is_some()) {
                 return Err("kv_transfer_params repeats a key");
             }
@@ -224,11 +236,11 @@ pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
     if s.i != raw.len() {
         return Err(UNPARSED);
     }
-    let [prefill, blocks, engine, request, host, port, tp, mode] = read;
+    let [prefill, _, engine, request, host, port, tp, mode] = read;
     if prefill != Some(b"true") {
         return Err("do_remote_prefill is not true");
     }
-    if blocks.and_then(block_ids).is_none_or(|n| n == 0) {
+    if blocks.is_none_or(|n| n == 0) {
         return Err("remote_block_ids is missing or holds no block id");
     }
     if !non_empty_str(engine) {
@@ -267,6 +279,9 @@ const KEYS: [&str; 8] = [
     "transfer_mode",
 ];
 
+/// Where `remote_block_ids` is in [`KEYS`].
+const BLOCKS: usize = 1;
+
 /// Whether `raw` is a JSON string with at least one character (a scanned string keeps
 /// its quotes, so one longer than them holds something).
 fn non_empty_str(raw: Option<&[u8]>) -> bool {
@@ -286,28 +301,13 @@ fn unsigned(raw: &[u8]) -> Option<u64> {
     })
 }
 
-/// How many block ids `remote_block_ids` holds: a flat list of ids (older vLLM) or a
-/// list of per-group lists (0.33). Anything else (a mix, a negative id, another type)
-/// is `None`.
+/// How many block ids the list `raw` holds (see [`Scan::block_ids`]); `None` for
+/// anything else or for bytes after it.
+#[cfg(test)]
 fn block_ids(raw: &[u8]) -> Option<usize> {
     let mut s = Scan { b: raw, i: 0 };
-    let mut total = 0usize;
-    let mut grouped = None;
-    s.list(|s| {
-        let is_group = s.peek() == Some(b'[');
-        if *grouped.get_or_insert(is_group) != is_group {
-            return None;
-        }
-        if is_group {
-            let n = s.list(|s| s.value().and_then(unsigned).map(drop))?;
-            total = total.saturating_add(n);
-        } else {
-            s.value().and_then(unsigned)?;
-            total = total.saturating_add(1);
-        }
-        Some(())
-    })?;
-    (s.i == raw.len()).then_some(total)
+    let n = s.block_ids()?;
+    (s.i == raw.len()).then_some(n)
 }
 
 /// A cursor over JSON bytes. Every step moves forward or fails (`None`), so a scan ends
@@ -341,7 +341,13 @@ impl<'a> Scan<'a> {
             return None;
         }
         loop {
-            let at = memchr::memchr2(b'"', b'\\', self.b.get(self.i..)?)?;
+            // Handoff strings are short (ids, hosts): a plain search beats memchr's
+            // set-up on them.
+            let at = self
+                .b
+                .get(self.i..)?
+                .iter()
+                .position(|&c| c == b'"' || c == b'\\')?;
             self.i += at + 1;
             if self.b[self.i - 1] == b'"' {
                 return Some(&self.b[start..self.i]);
@@ -377,18 +383,53 @@ impl<'a> Scan<'a> {
                 }
             }
             _ => {
-                while !matches!(
-                    self.peek(),
-                    None | Some(b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r')
-                ) {
-                    self.i += 1;
-                }
-                if self.i == start {
-                    return None;
-                }
+                self.scalar()?;
             }
         }
         Some(&self.b[start..self.i])
+    }
+
+    /// How many block ids the list here holds, stepping over it: a flat list of ids
+    /// (older vLLM) or a list of per-group lists (0.33). Anything else (a mix, a
+    /// negative id, another type) is `None`, with the cursor somewhere inside.
+    fn block_ids(&mut self) -> Option<usize> {
+        let mut total = 0usize;
+        let mut grouped = None;
+        self.list(|s| {
+            let is_group = s.peek() == Some(b'[');
+            if *grouped.get_or_insert(is_group) != is_group {
+                return None;
+            }
+            let n = if is_group {
+                s.list(|s| s.unsigned().map(drop))?
+            } else {
+                s.unsigned()?;
+                1
+            };
+            total = total.saturating_add(n);
+            Some(())
+        })?;
+        Some(total)
+    }
+
+    /// A non-negative integer that fits a `u64`, stepped over.
+    fn unsigned(&mut self) -> Option<u64> {
+        self.scalar().and_then(unsigned)
+    }
+
+    /// A number or a literal (`true`, `false`, `null`), up to the next delimiter.
+    fn scalar(&mut self) -> Option<&'a [u8]> {
+        let start = self.i;
+        let rest = self.b.get(start..)?;
+        let len = rest
+            .iter()
+            .position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
+            .unwrap_or(rest.len());
+        if len == 0 {
+            return None;
+        }
+        self.i += len;
+        Some(&rest[..len])
     }
 
     /// A list whose every element `item` reads (from its first byte); how many there
