@@ -95,9 +95,8 @@ pub async fn run(
         Endpoint::new(prefill, Role::Prefill)?,
         Endpoint::new(decode, Role::Decode)?,
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-        .connector(PinnedHostNixl::default())
-        .build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), PinnedHostNixl::default()).build();
     server::serve(listener, PdService::new(orchestrator), shutdown).await?;
     Ok(())
 }

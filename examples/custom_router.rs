@@ -17,7 +17,9 @@ use std::sync::Arc;
 
 use disagg::core::error::RouteError;
 use disagg::core::router::RequestView;
-use disagg::core::{Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource};
+use disagg::core::{
+    Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource, VllmNixl,
+};
 use disagg::http::{HttpTransport, PdService, server};
 use tokio::net::TcpListener;
 
@@ -76,10 +78,13 @@ pub async fn run(
         .iter()
         .map(|s| endpoint(s))
         .collect::<Result<Vec<_>, _>>()?;
-    let orchestrator =
-        Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::default())
-            .router(ByModel)
-            .build();
+    let orchestrator = Orchestrator::builder(
+        StaticSource::new(endpoints),
+        HttpTransport::default(),
+        VllmNixl::new(),
+    )
+    .router(ByModel)
+    .build();
     server::serve(listener, PdService::new(orchestrator), shutdown).await?;
     Ok(())
 }

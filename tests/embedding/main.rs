@@ -29,7 +29,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
+use disagg::core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
 use disagg::http::{HttpTransport, PdLayer};
 use disagg_sim::{SimConfig, SimEngine};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
@@ -113,7 +113,9 @@ fn gateway_layer(p: &SimEngine, d: &SimEngine) -> PdLayer {
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
     ]);
-    PdLayer::gateway(Orchestrator::builder(source, HttpTransport::default()).build())
+    PdLayer::gateway(
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build(),
+    )
 }
 
 fn sidecar_layer(prefill: &[&SimEngine]) -> PdLayer<disagg::http::layer::Sidecar> {

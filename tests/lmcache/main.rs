@@ -111,9 +111,9 @@ async fn start(opts: Opts) -> Lm {
     let orchestrator = Orchestrator::builder(
         Arc::new(ManualSource::new(endpoints)),
         HttpTransport::default(),
+        Lmcache::new(notifications.clone()),
     )
     .router(PerLeg::both(RoundRobin::new))
-    .connector(Lmcache::new(notifications.clone()))
     .config(config)
     .build();
     let (url, stop) = support::serve_proxy(orchestrator.clone()).await;

@@ -328,13 +328,13 @@ impl StackBuilder {
             endpoints.extend(endpoints_of(e, Role::Decode, self.ranks.1));
         }
         let source = std::sync::Arc::new(ManualSource::new(endpoints));
-        let mut builder =
-            Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
-                .connector(
-                    self.connector
-                        .unwrap_or_else(|| self.protocol.connector(self.notifications.as_ref())),
-                )
-                .config(self.config);
+        let mut builder = Orchestrator::builder(
+            std::sync::Arc::clone(&source),
+            HttpTransport::default(),
+            self.connector
+                .unwrap_or_else(|| self.protocol.connector(self.notifications.as_ref())),
+        )
+        .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
         }

@@ -116,6 +116,18 @@ impl Leg {
             api: None,
         }
     }
+
+    /// Name the engine's data-parallel `rank` for this leg in
+    /// [`DATA_PARALLEL_RANK`](crate::endpoint::DATA_PARALLEL_RANK), if the route picked
+    /// one (`None` leaves the choice to the engine).
+    pub fn set_rank(&mut self, rank: Option<u32>) {
+        if let Some(rank) = rank {
+            self.headers.insert(
+                crate::endpoint::DATA_PARALLEL_RANK,
+                http::HeaderValue::from(rank),
+            );
+        }
+    }
 }
 
 /// What a sequential handoff waits for between the prefill's answer and the decode leg:
@@ -322,6 +334,17 @@ pub trait KvConnector: Send + Sync + 'static {
     /// does nothing. Called once per attempt; must be cheap and must not block.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
+    /// The body of the leg that releases the KV a prefill handed over for `decode`, when
+    /// the request ended before its decode leg took it
+    /// ([`KvRelease::AbortDecode`](crate::orchestrator::KvRelease::AbortDecode),
+    /// [`Dispatch::AfterPrefill`] only): the orchestrator posts it to `decode`'s endpoint
+    /// as `api`, with the leg's headers, and drops it at its response head. A protocol
+    /// whose decode engine frees unclaimed KV by itself, or that has no such leg,
+    /// returns `None` (the default), and nothing is sent.
+    fn release_leg(&self, _api: Api, _decode: &Leg) -> Option<bytes::Bytes> {
+        None
+    }
+
     /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
     /// `prefill_tp` to a decode engine of size `decode_tp` (used by
     /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
@@ -363,6 +386,10 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
 
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
+    }
+
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        (**self).release_leg(api, decode)
     }
 
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {

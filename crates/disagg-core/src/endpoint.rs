@@ -241,6 +241,16 @@ pub fn is_link_local_or_metadata(ip: IpAddr) -> bool {
 /// with its own health state and `/metrics` lines).
 pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
 
+/// The request header by which an engine serving several data-parallel ranks lets a
+/// request pick its rank (`X-Data-Parallel-Rank`; see [`Leg::set_rank`]). It is a fact
+/// of the engine an endpoint stands for, the same for every protocol that pins a rank,
+/// and the orchestrator sets it on a decode served alone. Clients never set it
+/// ([`forwardable_header`](crate::orchestrator::forwardable_header)).
+///
+/// [`Leg::set_rank`]: crate::connector::Leg::set_rank
+pub const DATA_PARALLEL_RANK: http::HeaderName =
+    http::HeaderName::from_static("x-data-parallel-rank");
+
 /// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
 ///
 /// Parsing checks the syntax and the order only; [`within`](Self::within) checks the

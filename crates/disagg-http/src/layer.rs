@@ -55,7 +55,7 @@
 //!
 //! ```
 //! use std::convert::Infallible;
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
 //! use disagg_http::{HttpTransport, PdLayer};
 //! use http_body_util::Full;
 //! use tower::ServiceBuilder;
@@ -65,7 +65,7 @@
 //!     Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?,
 //!     Endpoint::new("http://10.0.0.7:8200", Role::Decode)?,
 //! ]);
-//! let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
 //! let app = tower::service_fn(|_req: http::Request<hyper::body::Incoming>| async {
 //!     Ok::<_, Infallible>(http::Response::new(Full::new(bytes::Bytes::from("ok"))))
 //! });
@@ -454,11 +454,11 @@ where
             // The router names no prefill for such requests on purpose.
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
-        let orchestrator = Orchestrator::builder(Arc::clone(&m.source), transport)
-            .router(router)
-            .connector(Arc::clone(&m.connector))
-            .config(config)
-            .build();
+        let orchestrator =
+            Orchestrator::builder(Arc::clone(&m.source), transport, Arc::clone(&m.connector))
+                .router(router)
+                .config(config)
+                .build();
         PdMiddleware {
             inner,
             pd: PdService::with_config(orchestrator, self.service.clone()),

@@ -573,6 +573,16 @@ impl KvConnector for Lmcache {
     /// LMCache/LMCache `lmcache/v1/storage_backend/pd_backend.py`), and the decode leg
     /// waits for one notification per port. Fewer prefill ranks never complete the
     /// wait; more index past the list and fail in the prefill engine.
+    /// The decode leg as a one-token, non-streaming prefill, as vLLM NIXL's: the decode
+    /// engine takes the KV LMCache pushed for it and frees it once that token is made.
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        Some(
+            disagg_core::rewrite::PrefillRewriter::new()
+                .rewrite(api, &decode.body)
+                .to_bytes(),
+        )
+    }
+
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
         prefill_tp == decode_tp
     }

@@ -136,9 +136,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ]),
         Arc::clone(&connector),
     )?;
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-        .connector(connector)
-        .build();
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), connector).build();
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);

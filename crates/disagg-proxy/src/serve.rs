@@ -900,11 +900,11 @@ impl Shared {
         observe.serve_metrics(&mut service);
         args.client_body.apply(&mut service)?;
         // The source's health hears every attempt (it is the source's listener).
-        let mut builder = Orchestrator::builder(source, HttpTransport::new(transport.clone()))
-            .router(router)
-            .connector(connector)
-            .disaggregate(disaggregate)
-            .config(config);
+        let mut builder =
+            Orchestrator::builder(source, HttpTransport::new(transport.clone()), connector)
+                .router(router)
+                .disaggregate(disaggregate)
+                .config(config);
         if let Some(t) = tokenizer {
             builder = builder.tokenizer(t);
         }

@@ -44,8 +44,7 @@
 //! ]);
 //! // Refuses at once a set with a pair that cannot hand over (`PairingError`).
 //! let source = ValidatedSource::new(source, Arc::clone(&connector))?;
-//! let orchestrator = Orchestrator::builder(source, transport)
-//!     .connector(connector)
+//! let orchestrator = Orchestrator::builder(source, transport, connector)
 //!     .build();
 //! # let _ = orchestrator; Ok(()) }
 //! ```

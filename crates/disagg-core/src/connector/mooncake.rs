@@ -39,7 +39,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
 
 use crate::body::write_json_str;
 use crate::connector::room::Rooms;
@@ -56,17 +55,6 @@ use crate::transport::{Transport, read_limited};
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
 pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
-
-/// The header by which a vLLM server lets a request pick its data-parallel rank.
-pub(crate) const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
-
-/// Name `rank` to a vLLM engine in [`DATA_PARALLEL_RANK`], if the route picked one.
-pub(crate) fn set_rank(leg: &mut Leg, rank: Option<u32>) {
-    if let Some(rank) = rank {
-        leg.headers
-            .insert(DATA_PARALLEL_RANK, HeaderValue::from(rank));
-    }
-}
 
 /// Largest `/query` answer read.
 const MAX_QUERY_ANSWER: usize = 1 << 20;
@@ -327,9 +315,9 @@ impl KvConnector for VllmMooncake {
             )),
         );
         let mut prefill = Leg::new(prefill_ep, body);
-        set_rank(&mut prefill, route.prefill_rank);
+        prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(Arc::clone(&route.decode), req.body().clone());
-        set_rank(&mut decode, route.decode_rank);
+        decode.set_rank(route.decode_rank);
         let mut handoff = Handoff::new(Dispatch::Concurrent, prefill, decode);
         handoff.ext.insert(plan);
         Ok(handoff)
@@ -379,7 +367,7 @@ impl KvConnector for VllmMooncake {
                 // Pin the leg to the rank whose engine id the decode is given; the
                 // exchange then counts on that rank.
                 handoff.prefill.endpoint = Arc::clone(&rank.endpoint);
-                set_rank(&mut handoff.prefill, Some(rank.rank));
+                handoff.prefill.set_rank(Some(rank.rank));
                 rank
             }
         };
@@ -420,6 +408,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
+    use crate::endpoint::DATA_PARALLEL_RANK;
     use crate::endpoint::{Endpoint, Role};
     use crate::error::TransportError;
     use crate::request::Api;

@@ -43,11 +43,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
-use crate::connector::mooncake::set_rank;
 use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
 use crate::disaggregate::Decision;
 use crate::error::{ConnectorError, InvalidParam};
-use crate::request::PdRequest;
+use crate::request::{Api, PdRequest};
 use crate::rewrite::PrefillRewriter;
 use crate::router::Route;
 
@@ -123,9 +122,9 @@ impl KvConnector for VllmNixl {
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
         prefill.set_raw(KV_TRANSFER_PARAMS, Bytes::from_static(PREFILL_PARAMS));
         let mut prefill = Leg::new(prefill_ep, prefill);
-        set_rank(&mut prefill, route.prefill_rank);
+        prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(route.decode.clone(), req.body().clone());
-        set_rank(&mut decode, route.decode_rank);
+        decode.set_rank(route.decode_rank);
         Ok(Handoff::new(Dispatch::AfterPrefill, prefill, decode))
     }
 
@@ -162,6 +161,13 @@ impl KvConnector for VllmNixl {
         }
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(KvOutcome::Handed)
+    }
+
+    /// The decode leg as a one-token, non-streaming prefill (the [default
+    /// rewriter](PrefillRewriter::new)'s body): the decode engine pulls the KV the
+    /// handoff names and frees it once that token is made.
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        Some(PrefillRewriter::new().rewrite(api, &decode.body).to_bytes())
     }
 
     /// NIXL maps ranks by the ratio of the sizes (a decode rank reads from prefill rank

@@ -47,7 +47,6 @@ use http::{HeaderMap, HeaderValue, Response};
 
 use crate::admission::Admission;
 use crate::connector::KvConnector;
-use crate::connector::vllm::VllmNixl;
 use crate::disaggregate::{Always, Disaggregate};
 use crate::error::PdError;
 use crate::outcome::Listener;
@@ -200,12 +199,6 @@ impl OrchestratorBuilder {
         self
     }
 
-    /// Hand KV over with `connector` (default: [`VllmNixl`]).
-    pub fn connector(mut self, connector: impl KvConnector) -> Self {
-        self.connector = Arc::new(connector);
-        self
-    }
-
     /// Decide per request whether to disaggregate with `hook` (default: [`Always`]);
     /// see [`disaggregate`](crate::disaggregate).
     pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
@@ -287,14 +280,20 @@ impl OrchestratorBuilder {
 }
 
 impl Orchestrator {
-    /// A builder over `source` and `transport`, with round-robin routing and the vLLM
-    /// NIXL connector until told otherwise, and no admission limit, retry or listener.
-    pub fn builder(source: impl EndpointSource, transport: impl Transport) -> OrchestratorBuilder {
+    /// A builder over `source` and `transport`, handing KV over with `connector` (the
+    /// engines' protocols are `disagg-connectors`'; the core has no default, since no
+    /// protocol is right for every deployment), with round-robin routing until told
+    /// otherwise, and no admission limit, retry or listener.
+    pub fn builder(
+        source: impl EndpointSource,
+        transport: impl Transport,
+        connector: impl KvConnector,
+    ) -> OrchestratorBuilder {
         OrchestratorBuilder {
             source: Arc::new(source),
             transport: Arc::new(transport),
             router: Arc::new(DefaultRouter::default()),
-            connector: Arc::new(VllmNixl::new()),
+            connector: Arc::new(connector),
             disaggregate: Arc::new(Always),
             tokenizer: None,
             admission: None,

@@ -141,7 +141,7 @@ fn orchestrator(
     let mut c = Setup::default();
     config(&mut c);
     let source = StaticSource::new(endpoints(prefill, &[D1]));
-    c.apply(Orchestrator::builder(source, fake.clone()).connector(connector))
+    c.apply(Orchestrator::builder(source, fake.clone(), connector))
         .build()
 }
 
@@ -1094,7 +1094,11 @@ fn with_health(
     config(&mut c);
     // The source's health hears every attempt: nothing else to wire.
     let orch = c
-        .apply(Orchestrator::builder(source.clone(), fake.clone()).connector(connector))
+        .apply(Orchestrator::builder(
+            source.clone(),
+            fake.clone(),
+            connector,
+        ))
         .build();
     (orch, source, eps)
 }

@@ -70,9 +70,12 @@ async fn engines_added_and_removed_under_load_fail_no_request() {
     // state between two lists would fail requests with 503.
     let (publisher, discovered) = SpecSource::channel("churn");
     let merged = Arc::new(MergedSource::builder().source(discovered).build());
-    let orchestrator = Orchestrator::builder(Arc::clone(&merged), HttpTransport::default())
-        .connector(VllmNixl::new())
-        .build();
+    let orchestrator = Orchestrator::builder(
+        Arc::clone(&merged),
+        HttpTransport::default(),
+        VllmNixl::new(),
+    )
+    .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!(
         "http://{}/v1/chat/completions",

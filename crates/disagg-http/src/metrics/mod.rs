@@ -34,8 +34,7 @@
 //!     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
 //! ]);
 //! let metrics = Metrics::new("vllm-nixl");
-//! let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-//!     .connector(VllmNixl::new())
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
 //!     .listener(metrics.clone())
 //!     .build();
 //! let mut registry = Registry::default();
@@ -174,7 +173,7 @@ fn accepts_openmetrics(accept: &str) -> bool {
 mod tests {
     use super::*;
     use crate::{HttpTransport, PdService, PdServiceConfig};
-    use disagg_core::{Endpoint, Role, StaticSource};
+    use disagg_core::{Endpoint, Role, StaticSource, VllmNixl};
     use http_body_util::BodyExt;
     use prometheus_client::metrics::counter::Counter;
     use tower::ServiceExt;
@@ -195,7 +194,8 @@ mod tests {
             Endpoint::new("http://127.0.0.1:1", Role::Prefill).unwrap(),
             Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
         ]);
-        let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+        let orchestrator =
+            Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
         let hits: Counter = Counter::default();
         let registered = hits.clone();
         let registrations = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -279,7 +279,7 @@ impl Collector for Prune {
 mod tests {
     use super::*;
     use crate::HttpTransport;
-    use disagg_core::{Endpoint, Role, StaticSource};
+    use disagg_core::{Endpoint, Role, StaticSource, VllmNixl};
 
     #[test]
     fn every_request_label_set_is_there_before_any_request() {
@@ -288,7 +288,7 @@ mod tests {
             Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
         ]);
         let metrics = Metrics::new("nixl");
-        let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+        let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
             .listener(metrics.clone())
             .build();
         let mut registry = Registry::default();
