@@ -18,9 +18,9 @@
 use std::future::Future;
 
 use async_trait::async_trait;
+use disagg::connectors::vllm::rewrite::PrefillRewriter;
 use disagg::core::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
 use disagg::core::error::ConnectorError;
-use disagg::core::rewrite::PrefillRewriter;
 use disagg::core::{Endpoint, Orchestrator, PdRequest, Role, Route, StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 use serde_json::{Map, Value, json};

@@ -15,11 +15,10 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use disagg::connectors::vllm::VllmNixl;
 use disagg::core::error::RouteError;
 use disagg::core::router::RequestView;
-use disagg::core::{
-    Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource, VllmNixl,
-};
+use disagg::core::{Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 use tokio::net::TcpListener;
 

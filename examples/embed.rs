@@ -3,7 +3,8 @@
 //! Run (with engines at those addresses, e.g. `disagg-proxy sim`):
 //! `cargo run --example embed -- http://127.0.0.1:8100 http://127.0.0.1:8200`
 
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+use disagg::connectors::vllm::VllmNixl;
+use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 
 #[tokio::main]

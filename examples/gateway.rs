@@ -19,7 +19,8 @@ use std::convert::Infallible;
 use std::future::Future;
 
 use bytes::Bytes;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+use disagg::connectors::vllm::VllmNixl;
+use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;

@@ -29,7 +29,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+use disagg::connectors::vllm::VllmNixl;
+use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use disagg_sim::{SimConfig, SimEngine};
 use http::{HeaderMap, Method, Request, Response, StatusCode};

@@ -13,11 +13,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_affinity::{PerLeg, RoundRobin};
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::transport::Transport;
-use disagg_core::{
-    Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role, VllmNixl,
-};
+use disagg_core::{Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role};
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
 use disagg_sim::{SimConfig, SimEngine};

@@ -8,15 +8,17 @@
 //! answered, for protocols whose handoff comes back in that answer (vLLM NIXL).
 //!
 //! How the legs are sent is the plan's [`Dispatch`], not the orchestrator's choice: the
-//! orchestrator runs every connector through one code path, so a new protocol is one file
-//! (`docs/connectors.md` walks through writing one).
+//! orchestrator runs every connector through one code path and knows no engine. The
+//! engines' protocols live in the `disagg-connectors` crate, one module and one cargo
+//! feature per engine family, so a new protocol is one module there (its guide,
+//! `docs/connectors.md`, walks through writing one):
 //!
 //! | connector | dispatch | handoff |
 //! |---|---|---|
-//! | [`VllmNixl`](vllm::VllmNixl) | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
-//! | [`SglangBootstrap`](sglang::SglangBootstrap) | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
-//! | [`VllmMooncake`](mooncake::VllmMooncake) | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
-//! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
+//! | `disagg_connectors::vllm::VllmNixl` | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
+//! | `disagg_connectors::sglang::SglangBootstrap` | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
+//! | `disagg_connectors::vllm::VllmMooncake` | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
+//! | `disagg_connectors::lmcache::Lmcache` | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
 //!
 //! A plan may carry more for protocols whose prefill already produces part of the
 //! answer (LMCache's first token), all of it data: a leg's own [`Leg::api`], the first
@@ -39,35 +41,13 @@ use crate::request::{Api, PdRequest};
 use crate::router::{Outcome, Route};
 use crate::transport::{BoxBody, Transport};
 
-pub mod guide {
-    //! The connector guide (`docs/connectors.md`), with its example compiled.
-    #![doc = include_str!("../../../docs/connectors.md")]
-}
-mod generate;
-pub mod mooncake;
-pub mod room;
-pub mod sglang;
-pub mod vllm;
-
 /// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
-/// SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
-/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`. `BootstrapPort(None)` is SGLang's `none` (the field is
-/// sent as `null`).
+/// the port of the engine's KV bootstrap server, for the protocols whose engines meet
+/// through one (SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`). `BootstrapPort(None)`: declared without a port (sent
+/// as `null` where the protocol allows it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BootstrapPort(pub Option<u16>);
-
-/// Refuse SGLang's native `/generate` in a connector whose engines do not serve it (the
-/// vLLM connectors): 400 `unsupported_by_connector`, as for anything else the protocol
-/// cannot carry.
-pub(crate) fn openai_only(connector: &'static str, api: Api) -> Result<(), ConnectorError> {
-    match api {
-        Api::Generate => Err(ConnectorError::Unsupported {
-            connector,
-            what: "SGLang's native /generate API (only the SGLang connector carries it)".to_owned(),
-        }),
-        _ => Ok(()),
-    }
-}
 
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -275,7 +255,7 @@ pub trait KvConnector: Send + Sync + 'static {
     /// Whether this connector can carry `req`, decided once per request before routing.
     ///
     /// Pure and cheap: no I/O. A connector that sends the prefill engine other values
-    /// than the client's for some fields (the [rewriter](crate::rewrite)) refuses here
+    /// than the client's for some fields (vLLM's prefill rewriter) refuses here
     /// what the engines would refuse in those fields, since the prefill engine never
     /// sees them and the decode would only refuse them after the prefill ran; and it
     /// answers [`Decision::Direct`] for requests whose handoff its engines drop (vLLM

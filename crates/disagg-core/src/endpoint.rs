@@ -523,7 +523,7 @@ impl Endpoint {
     /// this endpoint's role, models and connector data, and its own in-flight count,
     /// which also counts towards this endpoint's, so that routers keep seeing the whole
     /// engine's load.
-    pub(crate) fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
+    pub fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
         let base = self.engine.as_ref().unwrap_or(self);
         // An endpoint configured as `URL@RANK` names a rank already: its engine's URL is
         // the part before the `@`.

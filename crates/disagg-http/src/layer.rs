@@ -55,7 +55,8 @@
 //!
 //! ```
 //! use std::convert::Infallible;
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdLayer};
 //! use http_body_util::Full;
 //! use tower::ServiceBuilder;
@@ -110,6 +111,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::endpoint::EndpointError;
 use disagg_core::error::{BoxError, RouteError, TransportError};
 use disagg_core::orchestrator::PrefillFailure;
@@ -118,7 +120,7 @@ use disagg_core::transport::Transport;
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
 use disagg_core::{
     Api, Endpoint, EndpointSet, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig,
-    PdBody, Role, VllmNixl,
+    PdBody, Role,
 };
 use http::header::HeaderName;
 use http::uri::Authority;

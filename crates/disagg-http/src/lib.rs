@@ -11,7 +11,8 @@
 //! A proxy in front of one prefill and one decode engine:
 //!
 //! ```no_run
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdService, server};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use disagg_core::rewrite::check::VllmLimits;
+use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
-use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http_body_util::{BodyExt, Full};

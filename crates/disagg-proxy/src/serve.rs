@@ -9,20 +9,23 @@ use disagg_affinity::{
     CacheAware, ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random,
     RoundRobin, WeightedRandom,
 };
+use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_connectors::sglang::SglangBootstrap;
+use disagg_connectors::vllm::VllmMooncake;
+use disagg_connectors::vllm::VllmNixl;
+use disagg_connectors::vllm::rewrite::PrefillRewriter;
+use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::disaggregate::{Always, Disaggregate};
 use disagg_core::endpoint::EndpointError;
 use disagg_core::orchestrator::{KvRelease, MissingKv, PrefillFailure};
 use disagg_core::pairing::KvProfile;
-use disagg_core::rewrite::PrefillRewriter;
-use disagg_core::rewrite::check::VllmLimits;
 use disagg_core::router::Pick;
 use disagg_core::{
     BootstrapPort, Endpoint, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
-    Router, SglangBootstrap, StaticSource, VllmMooncake, VllmNixl,
+    Router, StaticSource,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
-use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_resilience::pairing::check_pairs_with;
 use disagg_resilience::{
     AdmissionConfig, Backoff, Health, HealthConfig, HealthSource, Limits, RetryPolicy,

@@ -15,7 +15,7 @@
 //! ```
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::source::StaticSource;
-//! use disagg_core::VllmNixl;
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_core::transport::Transport;
 //! use disagg_core::Orchestrator;
 //! use disagg_resilience::{AdmissionConfig, Backoff, HealthConfig, HealthSource, Limits, RetryPolicy};

@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use disagg_core::connector::room::Rooms;
+use disagg_connectors::common::Rooms;
+use disagg_connectors::sglang::SglangBootstrap;
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::error::ConnectorError;
 use disagg_core::error::{PdError, Side};
 use disagg_core::orchestrator::OrchestratorBuilder;
@@ -28,7 +30,7 @@ use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_core::{
     Api, Endpoint, EndpointSource, Handoff, KvConnector, KvOutcome, Orchestrator, PdBody,
-    PdRequest, PrefillAnswer, Role, SglangBootstrap, StaticSource, VllmNixl,
+    PdRequest, PrefillAnswer, Role, StaticSource,
 };
 use disagg_resilience::{
     AdmissionConfig, Backoff, EndpointHealth, HealthConfig, HealthSource, Limits, RetryPolicy,

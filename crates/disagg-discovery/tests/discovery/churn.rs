@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg_core::{EndpointSource, Orchestrator, Role, VllmNixl};
+use disagg_connectors::vllm::VllmNixl;
+use disagg_core::{EndpointSource, Orchestrator, Role};
 use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_sim::{SimConfig, SimEngine};

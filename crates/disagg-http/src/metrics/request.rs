@@ -279,7 +279,8 @@ impl Collector for Prune {
 mod tests {
     use super::*;
     use crate::HttpTransport;
-    use disagg_core::{Endpoint, Role, StaticSource, VllmNixl};
+    use disagg_connectors::vllm::VllmNixl;
+    use disagg_core::{Endpoint, Role, StaticSource};
 
     #[test]
     fn every_request_label_set_is_there_before_any_request() {

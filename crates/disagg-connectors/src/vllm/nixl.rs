@@ -4,7 +4,7 @@
 //! its successors under `…/v1/nixl/`; the reference proxy is
 //! `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`):
 //!
-//! 1. the prefill gets the [rewritten](crate::rewrite) body plus
+//! 1. the prefill gets the [rewritten](crate::vllm::rewrite) body plus
 //!    `kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false,
 //!    "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
 //!    "remote_port": null}`;
@@ -43,12 +43,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
-use crate::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
-use crate::disaggregate::Decision;
-use crate::error::{ConnectorError, InvalidParam};
-use crate::request::{Api, PdRequest};
-use crate::rewrite::PrefillRewriter;
-use crate::router::Route;
+use crate::vllm::rewrite::PrefillRewriter;
+use disagg_core::connector::{Dispatch, Handoff, KvConnector, KvOutcome, Leg, PrefillAnswer};
+use disagg_core::disaggregate::Decision;
+use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::router::Route;
 
 /// The field that carries the handoff, on requests and on the prefill's answer.
 pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
@@ -62,7 +62,7 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 /// # Examples
 ///
 /// ```
-/// use disagg_core::VllmNixl;
+/// use disagg_connectors::vllm::VllmNixl;
 /// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
@@ -107,15 +107,15 @@ impl KvConnector for VllmNixl {
         "vllm-nixl"
     }
 
-    /// [`check_request`](crate::rewrite::check::check_request) with the rewriter's
+    /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
     /// served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::rewrite::check::check_request(req, self.rewriter.limits())
+        crate::vllm::rewrite::check::check_request(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
-        super::openai_only(self.name(), req.api())?;
+        crate::common::openai_only(self.name(), req.api())?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
@@ -324,9 +324,9 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::*;
-    use crate::body::JsonBody;
-    use crate::endpoint::{Endpoint, Role};
-    use crate::request::Api;
+    use disagg_core::body::JsonBody;
+    use disagg_core::endpoint::{Endpoint, Role};
+    use disagg_core::request::Api;
 
     fn route() -> Route {
         Route::new(
@@ -581,7 +581,7 @@ mod tests {
             .prepare(&route(), &req(Api::Generate, r#"{"text":"hi"}"#))
             .unwrap_err();
         assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err}");
-        let pd = crate::error::PdError::connector(crate::error::Side::Prefill, err);
+        let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
         assert_eq!(
             (pd.status().as_u16(), pd.code()),
             (400, "unsupported_by_connector")

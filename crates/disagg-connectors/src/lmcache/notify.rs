@@ -72,7 +72,7 @@ const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
 ///
 /// ```
 /// use std::time::Duration;
-/// use disagg_lmcache::NotifyConfig;
+/// use disagg_connectors::lmcache::NotifyConfig;
 ///
 /// let config = NotifyConfig { ttl: Duration::from_secs(30), ..NotifyConfig::default() };
 /// assert_eq!(config.max_pending, 65_536);
@@ -551,7 +551,7 @@ fn listen_address(addr: &str) -> Result<String, NotifyError> {
 /// # Examples
 ///
 /// ```
-/// use disagg_lmcache::{Notifications, NotifyConfig};
+/// use disagg_connectors::lmcache::{Notifications, NotifyConfig};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -760,7 +760,7 @@ impl Notifications {
     /// # Examples
     ///
     /// ```
-    /// use disagg_lmcache::{Notifications, NotifyConfig};
+    /// use disagg_connectors::lmcache::{Notifications, NotifyConfig};
     /// use prometheus_client::registry::Registry;
     ///
     /// let notifications = Notifications::detached(NotifyConfig::default());

@@ -32,6 +32,8 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::common::sse::{EventMap, MapEvents};
+use crate::vllm::rewrite::check::VllmLimits;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use disagg_core::body::JsonBody;
@@ -43,15 +45,13 @@ use disagg_core::endpoint::Endpoint;
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::rewrite::check::VllmLimits;
 use disagg_core::router::Route;
-use disagg_core::sse::{EventMap, MapEvents};
 use disagg_core::transport::{BoxBody, Transport, read_limited};
 use http_body::Frame;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use crate::notify::{Notifications, Pending};
+use crate::lmcache::notify::{Notifications, Pending};
 
 /// The largest `/tokenize` answer and non-streaming decode answer read, in bytes.
 const MAX_BODY: usize = 64 * 1024 * 1024;
@@ -80,7 +80,7 @@ const CHAT_ONLY: &[&str] = &[
 
 /// Why a grammar-constrained request is served by a decode engine alone (see
 /// [`Lmcache`]'s `check`).
-pub const GRAMMAR: &str = "grammar";
+pub(crate) const GRAMMAR: &str = "grammar";
 
 /// Whether `body` asks for a grammar: a `response_format` other than `text`,
 /// `structured_outputs`, or one of the older `guided_*` fields.
@@ -241,7 +241,7 @@ impl LmcacheReceiver {
     ///
     /// ```
     /// use disagg_core::pairing::KvProfile;
-    /// use disagg_lmcache::{LmcacheReceiver, ReceiverError};
+    /// use disagg_connectors::lmcache::{LmcacheReceiver, ReceiverError};
     ///
     /// let mut ext = http::Extensions::new();
     /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
@@ -285,7 +285,7 @@ impl LmcacheReceiver {
 /// ```no_run
 /// use std::sync::Arc;
 /// use disagg_core::{Endpoint, Role};
-/// use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+/// use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
@@ -442,7 +442,7 @@ impl KvConnector for Lmcache {
     /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
     /// decode's grammar would start over after a token already emitted.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        let decision = disagg_core::rewrite::check::check_request(req, &self.limits)?;
+        let decision = crate::vllm::rewrite::check::check_request(req, &self.limits)?;
         if decision == Decision::Disaggregate && has_grammar(req.body()) {
             return Ok(Decision::Direct { reason: GRAMMAR });
         }
@@ -577,7 +577,7 @@ impl KvConnector for Lmcache {
     /// engine takes the KV LMCache pushed for it and frees it once that token is made.
     fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
         Some(
-            disagg_core::rewrite::PrefillRewriter::new()
+            crate::vllm::rewrite::PrefillRewriter::new()
                 .rewrite(api, &decode.body)
                 .to_bytes(),
         )
@@ -1142,7 +1142,9 @@ mod tests {
     }
 
     fn connector() -> Lmcache {
-        Lmcache::new(Notifications::detached(crate::NotifyConfig::default()))
+        Lmcache::new(Notifications::detached(
+            crate::lmcache::NotifyConfig::default(),
+        ))
     }
 
     fn receiver() -> LmcacheReceiver {
