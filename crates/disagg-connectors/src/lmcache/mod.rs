@@ -14,6 +14,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `connector.rs` | [`Lmcache`]: the plan (both legs to `/v1/completions`, the prefill's first token as the stream's lead, the decode gated on its notifications), [`LmcacheReceiver`] (an endpoint's notification address and TP size), the reshape from completions to chat |
+//! | `reshape.rs` | the reshape from the decode's completions answer to the client's API, the prefill's first token first |
 //! | `notify.rs` | [`Notifications`], the PULL socket and its bounded registry, with [`Pending`] |
 //!
 //! The listener:
@@ -60,6 +61,7 @@
 
 mod connector;
 mod notify;
+mod reshape;
 
 pub use connector::{Lmcache, LmcacheReceiver, ReceiverError};
 pub use notify::{
