@@ -325,6 +325,14 @@ pub trait KvConnector: Send + Sync + 'static {
         None
     }
 
+    /// Whether this protocol's engines must run one engine build to pair (used by
+    /// [`pairing::check_versions`](crate::pairing::check_versions) when both engines
+    /// tell their version): the protocol's handshake compares builds. The default
+    /// checks no version.
+    fn equal_versions(&self) -> bool {
+        false
+    }
+
     /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
     /// `prefill_tp` to a decode engine of size `decode_tp` (used by
     /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
@@ -370,6 +378,10 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
 
     fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
         (**self).release_leg(api, decode)
+    }
+
+    fn equal_versions(&self) -> bool {
+        (**self).equal_versions()
     }
 
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {

@@ -110,13 +110,17 @@ pub struct KvProfile {
     pub tp_size: Option<u32>,
 }
 
-/// The protocol a connector name stands for, so that vLLM's and disagg's spellings
-/// compare equal: lowercase, without a `vllm-` prefix, without `connector` and without
-/// a trailing interface version (`NixlConnector` and `vllm-nixl` are both `nixl`;
-/// `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
+/// The protocol a connector name stands for, so that the engines' and disagg's
+/// spellings compare equal: lowercase, without the engine family before a `-` (disagg
+/// names its connectors `FAMILY-PROTOCOL` or `PROTOCOL`), without `connector` and
+/// without a trailing interface version (`NixlConnector` and `vllm-nixl` are both
+/// `nixl`; `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
 pub(crate) fn connector_kind(name: &str) -> String {
     let lower = name.trim().to_ascii_lowercase();
-    let lower = lower.strip_prefix("vllm-").unwrap_or(&lower);
+    let lower = match lower.split_once('-') {
+        Some((_, protocol)) if !protocol.is_empty() => protocol,
+        _ => &lower,
+    };
     let kind = lower.replace("connector", "").replace(['-', '_'], "");
     // vLLM names some connectors after the version of its connector interface
     // (`LMCacheConnectorV1` implements `KVConnectorBase_V1`): the version says nothing
@@ -275,9 +279,10 @@ const MAX_VERSION_BODY: usize = 4096;
 /// The longest version string taken.
 const MAX_VERSION_CHARS: usize = 128;
 
-/// Whether `connector` needs its prefill and decode engines to run one engine build:
-/// vLLM's NIXL connector (its handshake's compatibility hash covers the vLLM version)
-/// and vLLM's Mooncake connector. SGLang's and LMCache's are not checked.
+/// Whether `connector` needs its prefill and decode engines to run one engine build, as
+/// the connector says ([`KvConnector::equal_versions`]): vLLM's NIXL connector (its
+/// handshake's compatibility hash covers the vLLM version) and vLLM's Mooncake
+/// connector. SGLang's and LMCache's are not checked.
 ///
 /// # Examples
 ///
@@ -291,10 +296,7 @@ const MAX_VERSION_CHARS: usize = 128;
 /// assert!(!needs_equal_versions(&SglangBootstrap::new()));
 /// ```
 pub fn needs_equal_versions(connector: &dyn KvConnector) -> bool {
-    matches!(
-        connector_kind(connector.name()).as_str(),
-        "nixl" | "mooncake"
-    )
+    connector.equal_versions()
 }
 
 /// Check one pair's engine versions (each `None` when the engine did not tell it)

@@ -278,6 +278,11 @@ fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
 
 #[async_trait]
 impl KvConnector for VllmMooncake {
+    /// Mooncake pairs are held to one vLLM build, as NIXL's are.
+    fn equal_versions(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "vllm-mooncake"
     }

@@ -170,6 +170,12 @@ impl KvConnector for VllmNixl {
         Some(PrefillRewriter::new().rewrite(api, &decode.body).to_bytes())
     }
 
+    /// NIXL's handshake refuses a peer whose compatibility hash differs, and the hash
+    /// covers the vLLM version (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py`).
+    fn equal_versions(&self) -> bool {
+        true
+    }
+
     /// NIXL maps ranks by the ratio of the sizes (a decode rank reads from prefill rank
     /// `tp_rank / (decode_tp / prefill_tp)`; vLLM's compatibility matrix lists
     /// heterogeneous TP as supported), so one size must divide the other.

@@ -228,4 +228,3 @@ fn url_host(url: &str) -> Option<&str> {
     };
     (!host.is_empty()).then_some(host)
 }
-
