@@ -288,7 +288,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
 /// The side-channel ports and engine ids of the demo's engines, from the NIXL planner as
 /// a launcher would compute them for one node: prefill then decode, default bases.
 fn nixl_plan() -> Result<disagg_nixl::NodePlan, BoxError> {
-    use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role as NixlRole};
+    use disagg_nixl::{Deployment, Host, NixlRole, Plan, PortScheme};
     let node = Host::new("127.0.0.1")
         .with_deployment(Deployment::new("prefill", NixlRole::Prefill))
         .with_deployment(Deployment::new("decode", NixlRole::Decode));
