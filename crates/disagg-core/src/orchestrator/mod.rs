@@ -17,6 +17,7 @@
 //! | `legs.rs` | each leg's HTTP request (every header in one place), the prefill exchange, the decode's head |
 //! | `respond.rs` | the one place the client's response is built |
 //! | `answer.rs` | what of an engine's answer reaches the client: its KV handoff overwritten in place, internal redirects and unasked encodings refused (public: `disagg-http` relays forwarded answers through it too) |
+//! | `lead.rs` | the body of an answer that starts with a plan's lead, before its decode leg is sent (a connector capability the orchestrator drives for any protocol) |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
 //! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
@@ -63,6 +64,7 @@ mod body;
 mod clock;
 mod concurrent;
 mod config;
+mod lead;
 mod legs;
 mod release;
 mod report;
