@@ -493,6 +493,47 @@ async fn a_client_leaving_during_the_prefill_releases_the_kv_it_answers_within_g
     assert_settled(&orch);
 }
 
+/// vLLM NIXL's plan, without a release leg of its own (`KvConnector::release_leg`'s
+/// default).
+#[derive(Debug)]
+struct NixlWithoutRelease;
+
+#[async_trait]
+impl KvConnector for NixlWithoutRelease {
+    fn name(&self) -> &'static str {
+        "nixl-without-release"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        VllmNixl::new().prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<KvOutcome, ConnectorError> {
+        VllmNixl::new().complete(handoff, answer).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connector_without_a_release_leg_releases_nothing() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(100)));
+    fake.on(D1, CHAT, Reply::hang());
+    let orch = orchestrator(&fake, &[P1], NixlWithoutRelease, release_on);
+    // The client leaves 10 ms in, while the prefill runs: the prefill's answer is
+    // caught, but the connector has no leg that takes the KV, so none is sent.
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    sleep(ms(3000)).await;
+    let calls = fake.calls();
+    let [p] = &calls[..] else { panic!("{calls:?}") };
+    assert_eq!(p.endpoint(), P1);
+    assert_eq!(orch.stats().kv_releases, 0);
+    assert_settled(&orch);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_client_leaving_while_the_decode_is_queued_releases_the_kv_at_once() {
     let fake = Fake::new();
