@@ -18,9 +18,9 @@
 use std::future::Future;
 
 use async_trait::async_trait;
+use disagg::connectors::vllm::rewrite::PrefillRewriter;
 use disagg::core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use disagg::core::error::ConnectorError;
-use disagg::core::rewrite::PrefillRewriter;
 use disagg::core::{Endpoint, Orchestrator, PdRequest, Role, Route, StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 use serde_json::{Map, Value, json};
@@ -95,9 +95,8 @@ pub async fn run(
         Endpoint::new(prefill, Role::Prefill)?,
         Endpoint::new(decode, Role::Decode)?,
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-        .connector(PinnedHostNixl::default())
-        .build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), PinnedHostNixl::default()).build();
     server::serve(listener, PdService::new(orchestrator), shutdown).await?;
     Ok(())
 }

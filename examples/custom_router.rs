@@ -15,6 +15,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use disagg::connectors::vllm::VllmNixl;
 use disagg::core::error::RouteError;
 use disagg::core::router::RequestView;
 use disagg::core::{Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource};
@@ -76,10 +77,13 @@ pub async fn run(
         .iter()
         .map(|s| endpoint(s))
         .collect::<Result<Vec<_>, _>>()?;
-    let orchestrator =
-        Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::default())
-            .router(ByModel)
-            .build();
+    let orchestrator = Orchestrator::builder(
+        StaticSource::new(endpoints),
+        HttpTransport::default(),
+        VllmNixl::new(),
+    )
+    .router(ByModel)
+    .build();
     server::serve(listener, PdService::new(orchestrator), shutdown).await?;
     Ok(())
 }

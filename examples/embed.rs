@@ -3,6 +3,7 @@
 //! Run (with engines at those addresses, e.g. `disagg-proxy sim`):
 //! `cargo run --example embed -- http://127.0.0.1:8100 http://127.0.0.1:8200`
 
+use disagg::connectors::vllm::VllmNixl;
 use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 
@@ -19,7 +20,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Endpoint::new(&prefill, Role::Prefill)?,
         Endpoint::new(&decode, Role::Decode)?,
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
     // PdService is a tower::Service: serve it with hyper as here, or mount it in axum.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
     println!("disagg proxy on http://{}", listener.local_addr()?);

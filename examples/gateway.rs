@@ -19,6 +19,7 @@ use std::convert::Infallible;
 use std::future::Future;
 
 use bytes::Bytes;
+use disagg::connectors::vllm::VllmNixl;
 use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use http::{Request, Response, StatusCode};
@@ -54,7 +55,8 @@ pub async fn run(
         Endpoint::new(prefill, Role::Prefill)?,
         Endpoint::new(decode, Role::Decode)?,
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
     let service = ServiceBuilder::new()
         .layer(PdLayer::gateway(orchestrator))
         .service_fn(app);

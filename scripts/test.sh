@@ -5,7 +5,7 @@
 # integration (real loopback sockets) and doc tests. `tokenizers` and `jinja2` serve
 # disagg-tokenize's cross-check with Python; `opentelemetry-proto` the OTLP receiver of
 # the trace tests; `pyzmq` (libzmq) the ZMQ peers of the disagg-zmtp, disagg-kvevents
-# and disagg-lmcache tests.
+# and disagg-connectors (LMCache) tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -9,7 +9,8 @@
 //! | `http` | `disagg-http`: the pooled transport, the tower service and layer, serving | `http` (default) |
 //! | `affinity` | `disagg-affinity`: routing policies (session affinity, consistent hashing, cache-aware) | `affinity` |
 //! | `resilience` | `disagg-resilience`: health, admission limits, retries | `resilience` |
-//! | `lmcache` | `disagg-lmcache`: the LMCache connector | `lmcache` |
+//! | `connectors` | `disagg-connectors`: the engines' protocols: `vllm` (NIXL, Mooncake, the prefill rewriter), `sglang` | `connectors` (default) |
+//! | `lmcache` | `disagg-connectors`' `lmcache` module: the LMCache connector and its notification listener (also at `connectors::lmcache`) | `lmcache` |
 //! | `nixl` | `disagg-nixl`: NIXL side-channel port planning | `nixl` |
 //! | `sim` | `disagg-sim`: simulated engines for demos and tests | `sim` |
 //! | `discovery` | `disagg-discovery`: endpoints from DNS, a watched file and (with `kubernetes`) Kubernetes pods | `discovery`, `kubernetes` |
@@ -24,6 +25,10 @@
 
 #[cfg(feature = "affinity")]
 pub use disagg_affinity as affinity;
+#[cfg(feature = "connectors")]
+pub use disagg_connectors as connectors;
+#[cfg(feature = "lmcache")]
+pub use disagg_connectors::lmcache;
 pub use disagg_core as core;
 #[cfg(feature = "discovery")]
 pub use disagg_discovery as discovery;
@@ -31,8 +36,6 @@ pub use disagg_discovery as discovery;
 pub use disagg_http as http;
 #[cfg(feature = "kv-events")]
 pub use disagg_kvevents as kv_events;
-#[cfg(feature = "lmcache")]
-pub use disagg_lmcache as lmcache;
 #[cfg(feature = "nixl")]
 pub use disagg_nixl as nixl;
 #[cfg(feature = "otel")]

@@ -529,7 +529,7 @@ fn free_ports() -> (std::net::TcpListener, std::net::TcpListener) {
 
 #[tokio::test]
 async fn side_channel_ports_come_from_the_nixl_planner() {
-    use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role as NixlRole};
+    use disagg_nixl::{Deployment, Host, NixlRole, Plan, PortScheme};
     let (hold_p, hold_d) = free_ports();
     let (base_p, base_d) = (
         hold_p.local_addr().unwrap().port(),

@@ -29,6 +29,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use disagg::connectors::vllm::VllmNixl;
 use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use disagg_sim::{SimConfig, SimEngine};
@@ -113,7 +114,9 @@ fn gateway_layer(p: &SimEngine, d: &SimEngine) -> PdLayer {
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
     ]);
-    PdLayer::gateway(Orchestrator::builder(source, HttpTransport::default()).build())
+    PdLayer::gateway(
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build(),
+    )
 }
 
 fn sidecar_layer(prefill: &[&SimEngine]) -> PdLayer<disagg::http::layer::Sidecar> {

@@ -478,13 +478,13 @@ fn eos_first_prompt() -> String {
 /// `ignore_eos` (the setting for engines that refuse the field). The decode engine has no
 /// EOS, so its answer is the whole `max_tokens`.
 async fn stopped_prefill(missing: MissingKv) -> Stack {
-    use disagg_core::rewrite::PrefillRewriter;
+    use disagg_connectors::vllm::rewrite::PrefillRewriter;
     Stack::builder()
         .prefill(vec![SimConfig {
             eos_period: EOS_PERIOD,
             ..Default::default()
         }])
-        .connector(disagg_core::VllmNixl::with_rewriter(
+        .connector(disagg_connectors::vllm::VllmNixl::with_rewriter(
             PrefillRewriter::new().with_ignore_eos(false),
         ))
         .config(|c| c.missing_kv = missing)

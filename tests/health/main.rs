@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_affinity::{PerLeg, RoundRobin};
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::transport::Transport;
 use disagg_core::{Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role};
@@ -261,10 +262,11 @@ impl EndpointSource for Unheard {
 
 /// A proxy on loopback routing from `source`, whose health only the test feeds.
 async fn proxy(source: HealthSource, config: OrchestratorConfig) -> (String, oneshot::Sender<()>) {
-    let orchestrator = Orchestrator::builder(Unheard(source), HttpTransport::default())
-        .router(PerLeg::both(RoundRobin::new))
-        .config(config)
-        .build();
+    let orchestrator =
+        Orchestrator::builder(Unheard(source), HttpTransport::default(), VllmNixl::new())
+            .router(PerLeg::both(RoundRobin::new))
+            .config(config)
+            .build();
     serve_proxy(orchestrator).await
 }
 
@@ -414,7 +416,7 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     config.failure_threshold = 2;
     let source = HealthSource::new(Arc::clone(&inner), config);
     let health = Arc::clone(source.health());
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
         .router(PerLeg::both(RoundRobin::new))
         .build();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use disagg_affinity::{PerLeg, RoundRobin};
+use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::{Endpoint, ManualSource, Orchestrator, Role};
 use disagg_http::HttpTransport;
-use disagg_lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::json;
 use support::{Answer, assert_openai_error, eventually, post};
@@ -111,9 +111,9 @@ async fn start(opts: Opts) -> Lm {
     let orchestrator = Orchestrator::builder(
         Arc::new(ManualSource::new(endpoints)),
         HttpTransport::default(),
+        Lmcache::new(notifications.clone()),
     )
     .router(PerLeg::both(RoundRobin::new))
-    .connector(Lmcache::new(notifications.clone()))
     .config(config)
     .build();
     let (url, stop) = support::serve_proxy(orchestrator.clone()).await;

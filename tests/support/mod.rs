@@ -30,7 +30,7 @@ pub struct Stack {
     /// The proxy's orchestrator, for its counters.
     pub orchestrator: Orchestrator,
     /// [`Protocol::Lmcache`]: the proxy's notification listener, for its registry.
-    pub notifications: Option<disagg_lmcache::Notifications>,
+    pub notifications: Option<disagg_connectors::lmcache::Notifications>,
     stop: Option<oneshot::Sender<()>>,
 }
 
@@ -83,13 +83,15 @@ impl Protocol {
     /// The protocol's connector; LMCache's listens on `notifications`.
     fn connector(
         self,
-        notifications: Option<&disagg_lmcache::Notifications>,
+        notifications: Option<&disagg_connectors::lmcache::Notifications>,
     ) -> Arc<dyn KvConnector> {
         match self {
-            Protocol::Nixl | Protocol::NixlPush => Arc::new(disagg_core::VllmNixl::new()),
-            Protocol::Sglang => Arc::new(disagg_core::SglangBootstrap::new()),
-            Protocol::Mooncake => Arc::new(disagg_core::VllmMooncake::new()),
-            Protocol::Lmcache => Arc::new(disagg_lmcache::Lmcache::new(
+            Protocol::Nixl | Protocol::NixlPush => {
+                Arc::new(disagg_connectors::vllm::VllmNixl::new())
+            }
+            Protocol::Sglang => Arc::new(disagg_connectors::sglang::SglangBootstrap::new()),
+            Protocol::Mooncake => Arc::new(disagg_connectors::vllm::VllmMooncake::new()),
+            Protocol::Lmcache => Arc::new(disagg_connectors::lmcache::Lmcache::new(
                 notifications
                     .expect("an LMCache stack binds its notification listener")
                     .clone(),
@@ -99,8 +101,8 @@ impl Protocol {
 }
 
 /// Where an LMCache decode engine receives KV, as the proxy's endpoint carries it.
-pub fn lmcache_receiver(decode: &SimEngine) -> disagg_lmcache::LmcacheReceiver {
-    disagg_lmcache::LmcacheReceiver::new(
+pub fn lmcache_receiver(decode: &SimEngine) -> disagg_connectors::lmcache::LmcacheReceiver {
+    disagg_connectors::lmcache::LmcacheReceiver::new(
         "127.0.0.1",
         decode.lmcache_init_ports(),
         decode.lmcache_alloc_ports(),
@@ -122,7 +124,7 @@ pub struct StackBuilder {
     declare_models: bool,
     ranks: (u32, u32),
     connector: Option<Arc<dyn KvConnector>>,
-    notifications: Option<disagg_lmcache::Notifications>,
+    notifications: Option<disagg_connectors::lmcache::Notifications>,
 }
 
 impl Stack {
@@ -250,9 +252,9 @@ impl StackBuilder {
     pub async fn build(mut self) -> Stack {
         let (p_mode, d_mode) = self.protocol.modes();
         if self.protocol == Protocol::Lmcache {
-            let n = disagg_lmcache::Notifications::bind(
+            let n = disagg_connectors::lmcache::Notifications::bind(
                 "127.0.0.1:0",
-                disagg_lmcache::NotifyConfig::default(),
+                disagg_connectors::lmcache::NotifyConfig::default(),
             )
             .await
             .expect("bind the LMCache notification socket");
@@ -328,13 +330,13 @@ impl StackBuilder {
             endpoints.extend(endpoints_of(e, Role::Decode, self.ranks.1));
         }
         let source = std::sync::Arc::new(ManualSource::new(endpoints));
-        let mut builder =
-            Orchestrator::builder(std::sync::Arc::clone(&source), HttpTransport::default())
-                .connector(
-                    self.connector
-                        .unwrap_or_else(|| self.protocol.connector(self.notifications.as_ref())),
-                )
-                .config(self.config);
+        let mut builder = Orchestrator::builder(
+            std::sync::Arc::clone(&source),
+            HttpTransport::default(),
+            self.connector
+                .unwrap_or_else(|| self.protocol.connector(self.notifications.as_ref())),
+        )
+        .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
         }

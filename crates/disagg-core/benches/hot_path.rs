@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::PdBody;
-use disagg_core::VllmNixl;
 use disagg_core::body::JsonBody;
 use disagg_core::connector::KvConnector;
 use disagg_core::endpoint::{Endpoint, Role};

@@ -171,13 +171,13 @@ impl JsonBody {
     /// The fields in order, as `(key, raw JSON value)`, the key as its UTF-8 bytes: one
     /// pass over the object for a reader of many fields, where each [`get`](Self::get)
     /// would be a search (and bytes, so that matching keys validates nothing again).
-    pub(crate) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|(k, v)| (&k[..], &v[..]))
     }
 
     /// Keep only the fields whose key (UTF-8 bytes) `keep` accepts, in order: one pass,
     /// where removing many keys one by one would search the object for each.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
         self.fields.retain(|(k, _)| keep(k));
     }
 
@@ -408,7 +408,7 @@ impl fmt::Debug for JsonBody {
 }
 
 /// `s` as a JSON string: copied between quotes when nothing needs escaping.
-pub(crate) fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
+pub fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     if s.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.push(b'"');
         out.extend_from_slice(s);

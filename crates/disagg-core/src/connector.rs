@@ -8,15 +8,17 @@
 //! answered, for protocols whose handoff comes back in that answer (vLLM NIXL).
 //!
 //! How the legs are sent is the plan's [`Dispatch`], not the orchestrator's choice: the
-//! orchestrator runs every connector through one code path, so a new protocol is one file
-//! (`docs/connectors.md` walks through writing one).
+//! orchestrator runs every connector through one code path and knows no engine. The
+//! engines' protocols live in the `disagg-connectors` crate, one module and one cargo
+//! feature per engine family, so a new protocol is one module there (its guide,
+//! `docs/connectors.md`, walks through writing one):
 //!
 //! | connector | dispatch | handoff |
 //! |---|---|---|
-//! | [`VllmNixl`](vllm::VllmNixl) | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
-//! | [`SglangBootstrap`](sglang::SglangBootstrap) | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
-//! | [`VllmMooncake`](mooncake::VllmMooncake) | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
-//! | LMCache (`disagg-lmcache`) | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
+//! | `disagg_connectors::vllm::VllmNixl` | [`Dispatch::AfterPrefill`] | `kv_transfer_params` from the prefill's answer |
+//! | `disagg_connectors::sglang::SglangBootstrap` | [`Dispatch::Concurrent`] | `bootstrap_host/port/room` on both legs |
+//! | `disagg_connectors::vllm::VllmMooncake` | [`Dispatch::Concurrent`] | `transfer_id` + the prefill's bootstrap address and engine id |
+//! | `disagg_connectors::lmcache::Lmcache` | [`Dispatch::AfterPrefill`] | the first token from the prefill's answer; KV pushed to the decode, ready on a [`KvGate`] |
 //!
 //! A plan may carry more for protocols whose prefill already produces part of the
 //! answer (LMCache's first token), all of it data: a leg's own [`Leg::api`], the first
@@ -40,35 +42,13 @@ use crate::request::{Api, PdRequest};
 use crate::router::Route;
 use crate::transport::{BoxBody, Transport};
 
-pub mod guide {
-    //! The connector guide (`docs/connectors.md`), with its example compiled.
-    #![doc = include_str!("../../../docs/connectors.md")]
-}
-mod generate;
-pub mod mooncake;
-pub mod room;
-pub mod sglang;
-pub mod vllm;
-
 /// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
-/// SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
-/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`. `BootstrapPort(None)` is SGLang's `none` (the field is
-/// sent as `null`).
+/// the port of the engine's KV bootstrap server, for the protocols whose engines meet
+/// through one (SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`). `BootstrapPort(None)`: declared without a port (sent
+/// as `null` where the protocol allows it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BootstrapPort(pub Option<u16>);
-
-/// Refuse SGLang's native `/generate` in a connector whose engines do not serve it (the
-/// vLLM connectors): 400 `unsupported_by_connector`, as for anything else the protocol
-/// cannot carry.
-pub(crate) fn openai_only(connector: &'static str, api: Api) -> Result<(), ConnectorError> {
-    match api {
-        Api::Generate => Err(ConnectorError::Unsupported {
-            connector,
-            what: "SGLang's native /generate API (only the SGLang connector carries it)".to_owned(),
-        }),
-        _ => Ok(()),
-    }
-}
 
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,6 +95,18 @@ impl Leg {
             body,
             headers: HeaderMap::new(),
             api: None,
+        }
+    }
+
+    /// Name the engine's data-parallel `rank` for this leg in
+    /// [`DATA_PARALLEL_RANK`](crate::endpoint::DATA_PARALLEL_RANK), if the route picked
+    /// one (`None` leaves the choice to the engine).
+    pub fn set_rank(&mut self, rank: Option<u32>) {
+        if let Some(rank) = rank {
+            self.headers.insert(
+                crate::endpoint::DATA_PARALLEL_RANK,
+                http::HeaderValue::from(rank),
+            );
         }
     }
 }
@@ -265,7 +257,7 @@ pub trait KvConnector: Send + Sync + 'static {
     /// Whether this connector can carry `req`, decided once per request before routing.
     ///
     /// Pure and cheap: no I/O. A connector that sends the prefill engine other values
-    /// than the client's for some fields (the [rewriter](crate::rewrite)) refuses here
+    /// than the client's for some fields (vLLM's prefill rewriter) refuses here
     /// what the engines would refuse in those fields, since the prefill engine never
     /// sees them and the decode would only refuse them after the prefill ran; and it
     /// answers [`Decision::Direct`] for requests whose handoff its engines drop (vLLM
@@ -324,6 +316,25 @@ pub trait KvConnector: Send + Sync + 'static {
     /// does nothing. Called once per attempt; must be cheap and must not block.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
+    /// The body of the leg that releases the KV a prefill handed over for `decode`, when
+    /// the request ended before its decode leg took it
+    /// ([`KvRelease::AbortDecode`](crate::orchestrator::KvRelease::AbortDecode),
+    /// [`Dispatch::AfterPrefill`] only): the orchestrator posts it to `decode`'s endpoint
+    /// as `api`, with the leg's headers, and drops it at its response head. A protocol
+    /// whose decode engine frees unclaimed KV by itself, or that has no such leg,
+    /// returns `None` (the default), and nothing is sent.
+    fn release_leg(&self, _api: Api, _decode: &Leg) -> Option<bytes::Bytes> {
+        None
+    }
+
+    /// Whether this protocol's engines must run one engine build to pair (used by
+    /// [`pairing::check_versions`](crate::pairing::check_versions) when both engines
+    /// tell their version): the protocol's handshake compares builds. The default
+    /// checks no version.
+    fn equal_versions(&self) -> bool {
+        false
+    }
+
     /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
     /// `prefill_tp` to a decode engine of size `decode_tp` (used by
     /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
@@ -365,6 +376,14 @@ impl<T: KvConnector + ?Sized> KvConnector for Arc<T> {
 
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
+    }
+
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        (**self).release_leg(api, decode)
+    }
+
+    fn equal_versions(&self) -> bool {
+        (**self).equal_versions()
     }
 
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {

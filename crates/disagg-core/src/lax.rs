@@ -7,6 +7,13 @@
 //! a rewrite. The rules below were checked against pydantic 2.14 (`TypeAdapter(bool)`,
 //! `TypeAdapter(int)`, `TypeAdapter(list[int])`, `TypeAdapter(str | list[str])` on JSON
 //! input), the version vLLM 0.33 installs.
+//!
+//! The core reads `stream` with it ([`PdRequest`](crate::request::PdRequest)); the
+//! connectors read the fields they rewrite or check.
+
+/// A value pydantic's lax mode refuses for the type asked (the engine answers 400).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused;
 
 /// A JSON value read as pydantic's lax `bool`: `true`/`false`; the numbers `0` and `1`
 /// (also `0.0`, `1.0`); the strings `0 off f false n no 1 on t true y yes` in any case
@@ -15,7 +22,7 @@
 /// # Errors
 ///
 /// When pydantic would refuse the value (`2`, `"2"`, `" yes "`, `""`, objects, arrays).
-pub(crate) fn bool_value(raw: &[u8]) -> Result<Option<bool>, ()> {
+pub fn bool_value(raw: &[u8]) -> Result<Option<bool>, Refused> {
     match raw {
         b"true" => return Ok(Some(true)),
         b"false" => return Ok(Some(false)),
@@ -24,24 +31,24 @@ pub(crate) fn bool_value(raw: &[u8]) -> Result<Option<bool>, ()> {
     }
     match raw.first() {
         Some(b'"') => {
-            let s: String = serde_json::from_slice(raw).map_err(|_| ())?;
+            let s: String = serde_json::from_slice(raw).map_err(|_| Refused)?;
             match s.to_ascii_lowercase().as_str() {
                 "1" | "on" | "t" | "true" | "y" | "yes" => Ok(Some(true)),
                 "0" | "off" | "f" | "false" | "n" | "no" => Ok(Some(false)),
-                _ => Err(()),
+                _ => Err(Refused),
             }
         }
         Some(b'-' | b'0'..=b'9') => {
-            let n: f64 = serde_json::from_slice(raw).map_err(|_| ())?;
+            let n: f64 = serde_json::from_slice(raw).map_err(|_| Refused)?;
             if n == 1.0 {
                 Ok(Some(true))
             } else if n == 0.0 {
                 Ok(Some(false))
             } else {
-                Err(())
+                Err(Refused)
             }
         }
-        _ => Err(()),
+        _ => Err(Refused),
     }
 }
 
@@ -55,7 +62,7 @@ pub(crate) fn bool_value(raw: &[u8]) -> Result<Option<bool>, ()> {
 /// # Errors
 ///
 /// When pydantic would refuse the value (`1.5`, `"abc"`, `"1e3"`, objects, arrays).
-pub(crate) fn int_value(raw: &[u8]) -> Result<Option<i64>, ()> {
+pub fn int_value(raw: &[u8]) -> Result<Option<i64>, Refused> {
     match raw {
         b"null" => return Ok(None),
         b"true" => return Ok(Some(1)),
@@ -64,24 +71,24 @@ pub(crate) fn int_value(raw: &[u8]) -> Result<Option<i64>, ()> {
     }
     match raw.first() {
         Some(b'"') => {
-            let s: String = serde_json::from_slice(raw).map_err(|_| ())?;
+            let s: String = serde_json::from_slice(raw).map_err(|_| Refused)?;
             int_str(s.trim()).map(Some)
         }
         Some(b'-' | b'0'..=b'9') => {
             if let Ok(i) = serde_json::from_slice::<i64>(raw) {
                 return Ok(Some(i));
             }
-            let f: f64 = serde_json::from_slice(raw).map_err(|_| ())?;
+            let f: f64 = serde_json::from_slice(raw).map_err(|_| Refused)?;
             whole(f).map(Some)
         }
-        _ => Err(()),
+        _ => Err(Refused),
     }
 }
 
 /// A float with no fractional part, as an `i64` (saturating).
-fn whole(f: f64) -> Result<i64, ()> {
+fn whole(f: f64) -> Result<i64, Refused> {
     if !f.is_finite() || f.fract() != 0.0 {
-        return Err(());
+        return Err(Refused);
     }
     // `as` saturates at the bounds, which is what an out-of-range value needs here.
     Ok(f as i64)
@@ -89,7 +96,7 @@ fn whole(f: f64) -> Result<i64, ()> {
 
 /// Python's `int(s)` on a trimmed string (sign, digits, single `_` between digits), or a
 /// decimal with only zeros after the point, as pydantic's lax mode reads strings.
-fn int_str(s: &str) -> Result<i64, ()> {
+fn int_str(s: &str) -> Result<i64, Refused> {
     let (neg, digits) = match s.as_bytes().first() {
         Some(b'-') => (true, &s[1..]),
         Some(b'+') => (false, &s[1..]),
@@ -102,7 +109,7 @@ fn int_str(s: &str) -> Result<i64, ()> {
     if let Some(f) = frac
         && (f.is_empty() || !f.bytes().all(|b| b == b'0'))
     {
-        return Err(());
+        return Err(Refused);
     }
     let bytes = int_part.as_bytes();
     if bytes.is_empty()
@@ -111,7 +118,7 @@ fn int_str(s: &str) -> Result<i64, ()> {
         || bytes.windows(2).any(|w| w == b"__")
         || !bytes.iter().all(|b| b.is_ascii_digit() || *b == b'_')
     {
-        return Err(());
+        return Err(Refused);
     }
     let mut value: i64 = 0;
     for b in bytes.iter().filter(|b| b.is_ascii_digit()) {
@@ -123,7 +130,7 @@ fn int_str(s: &str) -> Result<i64, ()> {
 /// Python's truthiness of a raw JSON value, as vLLM's `mode="before"` validators test
 /// `data.get(field)` on the body before any coercion: `null`, `false`, `0`, `0.0`, `""`,
 /// `[]` and `{}` are false, everything else (the string `"false"` included) is true.
-pub(crate) fn truthy(raw: Option<&[u8]>) -> bool {
+pub fn truthy(raw: Option<&[u8]>) -> bool {
     let Some(raw) = raw else { return false };
     match raw.first() {
         None => false,
@@ -154,13 +161,13 @@ mod tests {
             ("1", Ok(Some(true))),
             ("1.0", Ok(Some(true))),
             ("0.0", Ok(Some(false))),
-            ("2", Err(())),
-            ("1.5", Err(())),
-            (r#""2""#, Err(())),
-            (r#"" yes ""#, Err(())),
-            (r#""""#, Err(())),
-            (r#""1.0""#, Err(())),
-            ("[]", Err(())),
+            ("2", Err(Refused)),
+            ("1.5", Err(Refused)),
+            (r#""2""#, Err(Refused)),
+            (r#"" yes ""#, Err(Refused)),
+            (r#""""#, Err(Refused)),
+            (r#""1.0""#, Err(Refused)),
+            ("[]", Err(Refused)),
         ] {
             assert_eq!(bool_value(raw.as_bytes()), want, "{raw}");
         }
@@ -182,14 +189,14 @@ mod tests {
             (r#""-5""#, Ok(Some(-5))),
             (r#""5_0""#, Ok(Some(50))),
             ("9223372036854775808", Ok(Some(i64::MAX))),
-            ("5.5", Err(())),
-            (r#""abc""#, Err(())),
-            (r#""1e3""#, Err(())),
-            (r#""5.5""#, Err(())),
-            (r#""5__0""#, Err(())),
-            (r#""_5""#, Err(())),
-            (r#""""#, Err(())),
-            ("[1]", Err(())),
+            ("5.5", Err(Refused)),
+            (r#""abc""#, Err(Refused)),
+            (r#""1e3""#, Err(Refused)),
+            (r#""5.5""#, Err(Refused)),
+            (r#""5__0""#, Err(Refused)),
+            (r#""_5""#, Err(Refused)),
+            (r#""""#, Err(Refused)),
+            ("[1]", Err(Refused)),
         ] {
             assert_eq!(int_value(raw.as_bytes()), want, "{raw}");
         }

@@ -9,9 +9,9 @@
 //!    immutable snapshot;
 //! 2. a [`Router`] picks a prefill and a decode endpoint (the policies are in
 //!    `disagg-affinity`; the orchestrator's default is a round robin over each role);
-//! 3. a [`KvConnector`] plans both legs: the prefill body (built by
-//!    the [`PrefillRewriter`](rewrite::PrefillRewriter)), the decode body, and how to
-//!    dispatch them;
+//! 3. a [`KvConnector`] plans both legs: the prefill body, the decode body, and how to
+//!    dispatch them (the engines' protocols are in `disagg-connectors`; the core knows
+//!    none of them);
 //! 4. the [`Orchestrator`] sends them through a
 //!    [`Transport`](transport::Transport) and streams the decode's answer back, frame by
 //!    frame, in a [`PdBody`].
@@ -21,11 +21,12 @@
 //!
 //! # Examples
 //!
-//! Planning one request with the vLLM NIXL connector (no I/O):
+//! Planning one request with the vLLM NIXL connector (no I/O; the connector is
+//! `disagg-connectors`'):
 //!
 //! ```
 //! use std::sync::Arc;
-//! use disagg_core::VllmNixl;
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_core::connector::KvConnector;
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::request::{Api, PdRequest};
@@ -57,16 +58,14 @@ pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
-mod lax;
+pub mod lax;
 pub mod orchestrator;
 pub mod outcome;
 pub mod pairing;
 pub mod request;
 pub mod retry;
-pub mod rewrite;
 pub mod router;
 pub mod source;
-pub mod sse;
 pub mod tokens;
 pub mod trace;
 pub mod transport;
@@ -74,13 +73,13 @@ pub mod transport;
 pub use body::JsonBody;
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
-/// section in this crate leaves its data consistent).
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// section in this crate and in the connectors leaves its data consistent).
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use connector::{
     BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
-    Reshape, mooncake::VllmMooncake, sglang::SglangBootstrap, vllm::VllmNixl,
+    Reshape,
 };
 pub use endpoint::{AddressPolicy, Endpoint, EndpointId, EndpointSet, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};

@@ -25,7 +25,7 @@
 //!
 //! The profile is the one place a size is declared. Where a connector's own endpoint
 //! configuration already fixes the size, the connector's helper writes it into the
-//! profile when it installs that configuration (`disagg_lmcache::LmcacheReceiver::insert_into`:
+//! profile when it installs that configuration (`disagg_connectors::lmcache::LmcacheReceiver::insert_into`:
 //! a decode's receiver port count is its TP size), so the check needs no
 //! connector-specific hook. What an endpoint does not declare is not checked; likewise a
 //! version an engine does not tell (no answer to `GET /version`, another status, a body
@@ -110,13 +110,17 @@ pub struct KvProfile {
     pub tp_size: Option<u32>,
 }
 
-/// The protocol a connector name stands for, so that vLLM's and disagg's spellings
-/// compare equal: lowercase, without a `vllm-` prefix, without `connector` and without
-/// a trailing interface version (`NixlConnector` and `vllm-nixl` are both `nixl`;
-/// `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
+/// The protocol a connector name stands for, so that the engines' and disagg's
+/// spellings compare equal: lowercase, without the engine family before a `-` (disagg
+/// names its connectors `FAMILY-PROTOCOL` or `PROTOCOL`), without `connector` and
+/// without a trailing interface version (`NixlConnector` and `vllm-nixl` are both
+/// `nixl`; `LMCacheConnectorV1` and `lmcache` are both `lmcache`).
 pub(crate) fn connector_kind(name: &str) -> String {
     let lower = name.trim().to_ascii_lowercase();
-    let lower = lower.strip_prefix("vllm-").unwrap_or(&lower);
+    let lower = match lower.split_once('-') {
+        Some((_, protocol)) if !protocol.is_empty() => protocol,
+        _ => &lower,
+    };
     let kind = lower.replace("connector", "").replace(['-', '_'], "");
     // vLLM names some connectors after the version of its connector interface
     // (`LMCacheConnectorV1` implements `KVConnectorBase_V1`): the version says nothing
@@ -275,24 +279,24 @@ const MAX_VERSION_BODY: usize = 4096;
 /// The longest version string taken.
 const MAX_VERSION_CHARS: usize = 128;
 
-/// Whether `connector` needs its prefill and decode engines to run one engine build:
-/// vLLM's NIXL connector (its handshake's compatibility hash covers the vLLM version)
-/// and vLLM's Mooncake connector. SGLang's and LMCache's are not checked.
+/// Whether `connector` needs its prefill and decode engines to run one engine build, as
+/// the connector says ([`KvConnector::equal_versions`]): vLLM's NIXL connector (its
+/// handshake's compatibility hash covers the vLLM version) and vLLM's Mooncake
+/// connector. SGLang's and LMCache's are not checked.
 ///
 /// # Examples
 ///
 /// ```
 /// use disagg_core::pairing::needs_equal_versions;
-/// use disagg_core::{SglangBootstrap, VllmMooncake, VllmNixl};
+/// use disagg_connectors::sglang::SglangBootstrap;
+/// use disagg_connectors::vllm::VllmMooncake;
+/// use disagg_connectors::vllm::VllmNixl;
 /// assert!(needs_equal_versions(&VllmNixl::new()));
 /// assert!(needs_equal_versions(&VllmMooncake::new()));
 /// assert!(!needs_equal_versions(&SglangBootstrap::new()));
 /// ```
 pub fn needs_equal_versions(connector: &dyn KvConnector) -> bool {
-    matches!(
-        connector_kind(connector.name()).as_str(),
-        "nixl" | "mooncake"
-    )
+    connector.equal_versions()
 }
 
 /// Check one pair's engine versions (each `None` when the engine did not tell it)
@@ -390,21 +394,6 @@ fn parse_version(body: &[u8]) -> Result<String, VersionError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{SglangBootstrap, VllmMooncake, VllmNixl};
-
-    #[test]
-    fn versions_are_checked_for_nixl_and_mooncake_only_when_both_are_known() {
-        let nixl = VllmNixl::new();
-        let err = check_versions(Some("0.33.0"), Some("0.32.1"), &nixl).unwrap_err();
-        assert_eq!(err.kind(), "version");
-        let text = err.to_string();
-        assert!(text.contains("0.33.0") && text.contains("0.32.1"), "{text}");
-        assert!(check_versions(Some("0.33.0"), Some("0.33.0"), &nixl).is_ok());
-        assert!(check_versions(None, Some("0.32.1"), &nixl).is_ok());
-        assert!(check_versions(Some("0.33.0"), None, &nixl).is_ok());
-        assert!(check_versions(Some("a"), Some("b"), &VllmMooncake::new()).is_err());
-        assert!(check_versions(Some("a"), Some("b"), &SglangBootstrap::new()).is_ok());
-    }
 
     #[test]
     fn only_a_short_printable_version_is_taken() {
@@ -433,14 +422,6 @@ mod tests {
         assert!(parse_version(long.as_bytes()).is_err());
     }
 
-    fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> KvProfile {
-        KvProfile {
-            connector: connector.map(str::to_owned),
-            role,
-            tp_size: tp,
-        }
-    }
-
     #[test]
     fn kinds_compare_vllm_and_disagg_spellings() {
         assert_eq!(connector_kind("NixlConnector"), "nixl");
@@ -455,78 +436,5 @@ mod tests {
         assert_eq!(connector_kind("LMCacheMPConnector"), "lmcachemp");
         assert_eq!("kv_both".parse::<KvRole>().unwrap(), KvRole::Both);
         assert!("kv_nothing".parse::<KvRole>().is_err());
-    }
-
-    #[test]
-    fn undeclared_profiles_pass() {
-        let nixl = VllmNixl::new();
-        assert_eq!(
-            check_pair(&KvProfile::default(), &KvProfile::default(), &nixl),
-            Ok(())
-        );
-        let ok = profile(Some("NixlConnector"), Some(KvRole::Both), Some(4));
-        assert_eq!(check_pair(&ok, &ok, &nixl), Ok(()));
-    }
-
-    #[test]
-    fn each_mismatch_is_named() {
-        let nixl = VllmNixl::new();
-        let c = |p, d| check_pair(&p, &d, &nixl).unwrap_err();
-        assert!(matches!(
-            c(
-                profile(Some("NixlConnector"), None, None),
-                profile(Some("MooncakeConnector"), None, None)
-            ),
-            Mismatch::Connectors { .. }
-        ));
-        assert!(matches!(
-            c(
-                profile(Some("sglang"), None, None),
-                profile(Some("sglang"), None, None)
-            ),
-            Mismatch::NotTheProxys { leg: "prefill", .. }
-        ));
-        assert_eq!(
-            c(
-                profile(None, Some(KvRole::Consumer), None),
-                KvProfile::default()
-            ),
-            Mismatch::PrefillRole(KvRole::Consumer)
-        );
-        assert_eq!(
-            c(
-                KvProfile::default(),
-                profile(None, Some(KvRole::Producer), None)
-            ),
-            Mismatch::DecodeRole(KvRole::Producer)
-        );
-        assert!(matches!(
-            c(profile(None, None, Some(4)), profile(None, None, Some(6))),
-            Mismatch::TpSize {
-                prefill: 4,
-                decode: 6,
-                ..
-            }
-        ));
-    }
-
-    #[test]
-    fn tp_bridging_is_the_connectors_call() {
-        let tp = |p, d, c: &dyn KvConnector| {
-            check_pair(
-                &profile(None, None, Some(p)),
-                &profile(None, None, Some(d)),
-                c,
-            )
-            .is_ok()
-        };
-        // NIXL maps ranks by the size ratio: one size must divide the other.
-        assert!(tp(2, 8, &VllmNixl::new()));
-        assert!(tp(8, 2, &VllmNixl::new()));
-        assert!(!tp(4, 6, &VllmNixl::new()));
-        // The others are taken at equal sizes only.
-        assert!(tp(4, 4, &VllmMooncake::new()));
-        assert!(!tp(2, 4, &VllmMooncake::new()));
-        assert!(!tp(2, 4, &SglangBootstrap::new()));
     }
 }

@@ -159,7 +159,7 @@ impl PdRequest {
         let stream = match body.get("stream").map(crate::lax::bool_value) {
             None | Some(Ok(None)) => false,
             Some(Ok(Some(s))) => s,
-            Some(Err(())) => {
+            Some(Err(crate::lax::Refused)) => {
                 return Err(BodyError::FieldType {
                     field: "stream",
                     expected: "a boolean",
@@ -191,10 +191,11 @@ impl PdRequest {
         })
     }
 
-    /// The raw value of a [handoff field](HANDOFF_FIELDS) the client sent, which the
-    /// legs never carry (a vLLM connector refuses a `kv_transfer_params` that is not an
-    /// object, as vLLM would).
-    pub(crate) fn client_handoff(&self, field: &str) -> Option<&[u8]> {
+    /// The raw value of a handoff field the client sent (one `PdRequest::new` removes:
+    /// `kv_transfer_params`, the bootstrap fields, the rank fields), which the legs never
+    /// carry (the vLLM connectors refuse a `kv_transfer_params` that is not an object,
+    /// as vLLM would).
+    pub fn client_handoff(&self, field: &str) -> Option<&[u8]> {
         self.removed
             .iter()
             .find(|(f, _)| *f == field)

@@ -11,10 +11,10 @@
 use std::fmt;
 
 use bytes::Bytes;
+use disagg_connectors::vllm::rewrite::PrefillRewriter;
 use disagg_core::body::{JsonBody, top_level_field};
 use disagg_core::error::{BodyError, PdError, error_chain};
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::rewrite::PrefillRewriter;
 use http::HeaderMap;
 use proptest::prelude::*;
 use proptest::test_runner::Config;

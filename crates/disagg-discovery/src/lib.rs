@@ -34,7 +34,7 @@
 //! | `kubernetes` | [`kubernetes`]: pods by label selector (kube-rs, k8s-openapi) |
 //! | `dns` | [`dns`]: A/AAAA and SRV names (hickory-resolver) |
 //! | `file` | [`file`](mod@file): a TOML endpoints file |
-//! | `lmcache` | LMCache receivers become `disagg_lmcache::LmcacheReceiver`s |
+//! | `lmcache` | LMCache receivers become `disagg_connectors::lmcache::LmcacheReceiver`s |
 //! | `full` | all of the above |
 //!
 //! # Examples

@@ -163,7 +163,7 @@ impl EndpointSpec {
 
     /// The connector data this spec puts into its endpoints' extensions: a prefill's
     /// [`BootstrapPort`] (always, `None` when not declared, as `--prefill URL` does), the
-    /// [`KvProfile`], the LMCache receiver (as a `disagg_lmcache::LmcacheReceiver` with
+    /// [`KvProfile`], the LMCache receiver (as a `disagg_connectors::lmcache::LmcacheReceiver` with
     /// the `lmcache` feature, declaring the decode's TP size the way
     /// `LmcacheReceiver::insert_into` does; as an [`LmcacheSpec`] without it) and the
     /// [`KvEventsEndpoint`].
@@ -266,7 +266,7 @@ impl EndpointSpec {
 
 #[cfg(feature = "lmcache")]
 fn insert_lmcache(spec: &LmcacheSpec, ext: &mut http::Extensions) -> Result<(), SpecError> {
-    let receiver = disagg_lmcache::LmcacheReceiver::new(
+    let receiver = disagg_connectors::lmcache::LmcacheReceiver::new(
         spec.host.clone(),
         spec.init_ports.clone(),
         spec.alloc_ports.clone(),
@@ -573,7 +573,10 @@ mod tests {
         let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
         spec.lmcache = Some(LmcacheSpec::parse("10.0.0.7:7300,7301:7400,7401").unwrap());
         let ext = spec.extensions().unwrap();
-        assert!(ext.get::<disagg_lmcache::LmcacheReceiver>().is_some());
+        assert!(
+            ext.get::<disagg_connectors::lmcache::LmcacheReceiver>()
+                .is_some()
+        );
         assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
         // A profile declaring another size contradicts the receiver.
         spec.kv_profile = Some(parse_kv_profile(",,4").unwrap());

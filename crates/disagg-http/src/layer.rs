@@ -56,6 +56,7 @@
 //! ```
 //! use std::convert::Infallible;
 //! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdLayer};
 //! use http_body_util::Full;
 //! use tower::ServiceBuilder;
@@ -65,7 +66,7 @@
 //!     Endpoint::new("http://10.0.0.5:8100", Role::Prefill)?,
 //!     Endpoint::new("http://10.0.0.7:8200", Role::Decode)?,
 //! ]);
-//! let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
 //! let app = tower::service_fn(|_req: http::Request<hyper::body::Incoming>| async {
 //!     Ok::<_, Infallible>(http::Response::new(Full::new(bytes::Bytes::from("ok"))))
 //! });
@@ -110,6 +111,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::endpoint::EndpointError;
 use disagg_core::error::{BoxError, RouteError, TransportError};
 use disagg_core::orchestrator::PrefillFailure;
@@ -118,7 +120,7 @@ use disagg_core::transport::Transport;
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
 use disagg_core::{
     Api, Endpoint, EndpointSet, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig,
-    PdBody, Role, VllmNixl,
+    PdBody, Role,
 };
 use http::header::HeaderName;
 use http::uri::Authority;
@@ -454,11 +456,11 @@ where
             // The router names no prefill for such requests on purpose.
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
-        let orchestrator = Orchestrator::builder(Arc::clone(&m.source), transport)
-            .router(router)
-            .connector(Arc::clone(&m.connector))
-            .config(config)
-            .build();
+        let orchestrator =
+            Orchestrator::builder(Arc::clone(&m.source), transport, Arc::clone(&m.connector))
+                .router(router)
+                .config(config)
+                .build();
         PdMiddleware {
             inner,
             pd: PdService::with_config(orchestrator, self.service.clone()),

@@ -12,6 +12,7 @@
 //!
 //! ```no_run
 //! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdService, server};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -19,7 +20,7 @@
 //!     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
 //!     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
 //! ]);
-//! let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
 //! server::serve(listener, PdService::new(orchestrator), std::future::pending()).await?;
 //! # Ok(())

@@ -54,7 +54,7 @@ pub mod port;
 
 pub use error::{ParseError, PlanError, PortError};
 pub use plan::{Deployment, EnginePlan, Host, NodePlan, Plan, PortRange, kv_transfer_config};
-pub use port::{Offset, PortScheme, Role, side_channel_port};
+pub use port::{NixlRole, Offset, PortScheme, side_channel_port};
 
 /// The guide: the port arithmetic with a worked example, the listener layouts per vLLM
 /// generation, and the common failures the planner catches (`docs/nixl.md`).

@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ParseError, PlanError};
-use crate::port::{self, Offset, PortScheme, Role};
+use crate::port::{self, NixlRole, Offset, PortScheme};
 
 /// A deployment plan: the port layout of the engines deployed, the OS ephemeral range to
 /// avoid, and the hosts with their deployments.
@@ -86,7 +86,7 @@ pub struct Deployment {
     /// The deployment's name, unique on its host; the prefix of its engine ids.
     pub name: String,
     /// Prefill or decode.
-    pub role: Role,
+    pub role: NixlRole,
     /// How many engines (default 1).
     #[serde(default = "one")]
     pub replicas: u32,
@@ -135,7 +135,7 @@ pub struct EnginePlan {
     /// The replica's rank in its deployment.
     pub replica: u32,
     /// Prefill or decode.
-    pub role: Role,
+    pub role: NixlRole,
     /// The host's address.
     pub host: String,
     /// `VLLM_NIXL_SIDE_CHANNEL_HOST`: the interface bound and advertised as `remote_host`.
@@ -196,11 +196,11 @@ impl Plan {
     /// # Examples
     ///
     /// ```
-    /// use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role};
+    /// use disagg_nixl::{Deployment, Host, Plan, PortScheme, NixlRole};
     /// let plan = Plan::new(PortScheme::PerEngine).with_host(
     ///     Host::new("10.0.0.5")
-    ///         .with_deployment(Deployment::new("p", Role::Prefill))
-    ///         .with_deployment(Deployment::new("d", Role::Decode)),
+    ///         .with_deployment(Deployment::new("p", NixlRole::Prefill))
+    ///         .with_deployment(Deployment::new("d", NixlRole::Decode)),
     /// );
     /// let out = plan.plan()?;
     /// assert_eq!(out.engines[0].engine_id, "p-10.0.0.5-20000");
@@ -209,8 +209,8 @@ impl Plan {
     /// // The same base twice: "address already in use" caught before launch.
     /// let clash = Plan::new(PortScheme::PerEngine).with_host(
     ///     Host::new("10.0.0.5")
-    ///         .with_deployment(Deployment::new("a", Role::Prefill))
-    ///         .with_deployment(Deployment::new("b", Role::Prefill)),
+    ///         .with_deployment(Deployment::new("a", NixlRole::Prefill))
+    ///         .with_deployment(Deployment::new("b", NixlRole::Prefill)),
     /// );
     /// let err = clash.plan().unwrap_err().to_string();
     /// assert_eq!(err, "engines a/0 and b/0 both listen on 10.0.0.5:20000");
@@ -350,7 +350,7 @@ impl Plan {
 /// `vllm/envs.py` and `vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`, e.g.
 /// commit 002a105; `docs/features/nixl_connector_usage.md`).
 fn check_loopback(engines: &[EnginePlan]) -> Result<(), PlanError> {
-    let roles: BTreeSet<Role> = engines.iter().map(|e| e.role).collect();
+    let roles: BTreeSet<NixlRole> = engines.iter().map(|e| e.role).collect();
     let hosts: BTreeSet<&str> = engines.iter().map(|e| e.host.as_str()).collect();
     if roles.len() < 2 || hosts.len() < 2 {
         return Ok(());
@@ -419,7 +419,7 @@ impl Host {
 impl Deployment {
     /// One engine of the role, DP 1 × TP 1 × PP 1, default base, side channel on the
     /// host's address.
-    pub fn new(name: impl Into<String>, role: Role) -> Self {
+    pub fn new(name: impl Into<String>, role: NixlRole) -> Self {
         Self {
             name: name.into(),
             role,
@@ -512,8 +512,8 @@ mod tests {
             .with_ephemeral_ports(32768, 60999)
             .with_host(
                 Host::new("10.0.0.5")
-                    .with_deployment(Deployment::new("prefill", Role::Prefill).with_replicas(2))
-                    .with_deployment(Deployment::new("decode", Role::Decode).with_replicas(2)),
+                    .with_deployment(Deployment::new("prefill", NixlRole::Prefill).with_replicas(2))
+                    .with_deployment(Deployment::new("decode", NixlRole::Decode).with_replicas(2)),
             );
         let out = plan.plan().expect("valid plan");
         assert_eq!(
@@ -549,7 +549,7 @@ mod tests {
         for scheme in [PortScheme::PerEngine, PortScheme::PerTpWorker] {
             let plan = Plan::new(scheme).with_host(
                 Host::new("h").with_deployment(
-                    Deployment::new("p", Role::Prefill)
+                    Deployment::new("p", NixlRole::Prefill)
                         .with_replicas(3)
                         .with_parallelism(1, 2, 1),
                 ),
@@ -564,7 +564,7 @@ mod tests {
     #[test]
     fn dp4_tp2_both_layouts() {
         let host = Host::new("h")
-            .with_deployment(Deployment::new("p", Role::Prefill).with_parallelism(4, 2, 1));
+            .with_deployment(Deployment::new("p", NixlRole::Prefill).with_parallelism(4, 2, 1));
         let newer = Plan::new(PortScheme::PerEngine).with_host(host.clone());
         assert_eq!(
             ports(&newer.plan().expect("valid")),
@@ -583,7 +583,7 @@ mod tests {
     fn dp_replicas_overlap_is_refused() {
         let plan = Plan::new(PortScheme::PerEngine).with_host(
             Host::new("h").with_deployment(
-                Deployment::new("p", Role::Prefill)
+                Deployment::new("p", NixlRole::Prefill)
                     .with_replicas(2)
                     .with_parallelism(4, 2, 1),
             ),
@@ -603,7 +603,7 @@ mod tests {
     fn explicit_port_wins() {
         let plan = Plan::new(PortScheme::PerEngine).with_host(
             Host::new("h").with_deployment(
-                Deployment::new("p", Role::Prefill)
+                Deployment::new("p", NixlRole::Prefill)
                     .with_base(30000)
                     .with_port(5600),
             ),
@@ -619,12 +619,12 @@ mod tests {
         let plan = Plan::new(PortScheme::PerTpWorker).with_host(
             Host::new("h")
                 .with_deployment(
-                    Deployment::new("a", Role::Prefill)
+                    Deployment::new("a", NixlRole::Prefill)
                         .with_parallelism(1, 2, 1)
                         .with_base(20000),
                 )
                 .with_deployment(
-                    Deployment::new("b", Role::Decode)
+                    Deployment::new("b", NixlRole::Decode)
                         .with_parallelism(1, 2, 1)
                         .with_base(20001),
                 ),
@@ -639,8 +639,12 @@ mod tests {
     #[test]
     fn same_ports_on_different_hosts_are_fine() {
         let plan = Plan::new(PortScheme::PerEngine)
-            .with_host(Host::new("10.0.0.5").with_deployment(Deployment::new("p", Role::Prefill)))
-            .with_host(Host::new("10.0.0.6").with_deployment(Deployment::new("p", Role::Prefill)));
+            .with_host(
+                Host::new("10.0.0.5").with_deployment(Deployment::new("p", NixlRole::Prefill)),
+            )
+            .with_host(
+                Host::new("10.0.0.6").with_deployment(Deployment::new("p", NixlRole::Prefill)),
+            );
         let out = plan.plan().expect("valid");
         assert_eq!(out.engines[0].engine_id, "p-10.0.0.5-20000");
         assert_eq!(out.engines[1].engine_id, "p-10.0.0.6-20000");
@@ -652,7 +656,7 @@ mod tests {
             .with_ephemeral_ports(32768, 60999)
             .with_host(
                 Host::new("h").with_deployment(
-                    Deployment::new("p", Role::Prefill)
+                    Deployment::new("p", NixlRole::Prefill)
                         .with_base(32766)
                         .with_parallelism(4, 1, 1),
                 ),
@@ -673,7 +677,7 @@ mod tests {
     #[test]
     fn out_of_range_ports_are_refused() {
         let low = Plan::new(PortScheme::PerEngine).with_host(
-            Host::new("h").with_deployment(Deployment::new("p", Role::Prefill).with_port(80)),
+            Host::new("h").with_deployment(Deployment::new("p", NixlRole::Prefill).with_port(80)),
         );
         assert!(matches!(
             low.plan(),
@@ -681,7 +685,7 @@ mod tests {
         ));
         let high = Plan::new(PortScheme::PerTpWorker).with_host(
             Host::new("h").with_deployment(
-                Deployment::new("p", Role::Prefill)
+                Deployment::new("p", NixlRole::Prefill)
                     .with_base(65534)
                     .with_parallelism(1, 4, 1),
             ),
@@ -696,9 +700,11 @@ mod tests {
     fn loopback_across_hosts_is_refused() {
         let plan = Plan::new(PortScheme::PerEngine)
             .with_host(Host::new("10.0.0.5").with_deployment(
-                Deployment::new("p", Role::Prefill).with_side_channel_host("localhost"),
+                Deployment::new("p", NixlRole::Prefill).with_side_channel_host("localhost"),
             ))
-            .with_host(Host::new("10.0.0.6").with_deployment(Deployment::new("d", Role::Decode)));
+            .with_host(
+                Host::new("10.0.0.6").with_deployment(Deployment::new("d", NixlRole::Decode)),
+            );
         assert_eq!(
             plan.plan().expect_err("loopback").to_string(),
             "engine p/0 on 10.0.0.5: side-channel host localhost is loopback, but prefill and decode run on different hosts"
@@ -710,27 +716,26 @@ mod tests {
         // On one host, loopback is fine.
         let single = Plan::new(PortScheme::PerEngine).with_host(
             Host::new("127.0.0.1")
-                .with_deployment(Deployment::new("p", Role::Prefill))
-                .with_deployment(Deployment::new("d", Role::Decode)),
+                .with_deployment(Deployment::new("p", NixlRole::Prefill))
+                .with_deployment(Deployment::new("d", NixlRole::Decode)),
         );
         assert!(single.plan().is_ok());
     }
 
     #[test]
     fn zero_sizes_and_duplicates_are_refused() {
-        let zero =
-            Plan::new(PortScheme::PerEngine)
-                .with_host(Host::new("h").with_deployment(
-                    Deployment::new("p", Role::Prefill).with_parallelism(1, 0, 1),
-                ));
+        let zero = Plan::new(PortScheme::PerEngine)
+            .with_host(Host::new("h").with_deployment(
+                Deployment::new("p", NixlRole::Prefill).with_parallelism(1, 0, 1),
+            ));
         assert!(matches!(
             zero.plan(),
             Err(PlanError::ZeroSize { field: "tp", .. })
         ));
         let dup = Plan::new(PortScheme::PerEngine).with_host(
             Host::new("h")
-                .with_deployment(Deployment::new("p", Role::Prefill))
-                .with_deployment(Deployment::new("p", Role::Decode)),
+                .with_deployment(Deployment::new("p", NixlRole::Prefill))
+                .with_deployment(Deployment::new("p", NixlRole::Decode)),
         );
         assert!(matches!(
             dup.plan(),
@@ -771,12 +776,12 @@ mod tests {
             .with_host(
                 Host::new("10.0.0.5")
                     .with_deployment(
-                        Deployment::new("prefill", Role::Prefill)
+                        Deployment::new("prefill", NixlRole::Prefill)
                             .with_replicas(2)
                             .with_parallelism(1, 2, 1),
                     )
                     .with_deployment(
-                        Deployment::new("decode", Role::Decode)
+                        Deployment::new("decode", NixlRole::Decode)
                             .with_parallelism(2, 1, 1)
                             .with_base(24000)
                             .with_side_channel_host("10.0.1.5"),
@@ -799,7 +804,7 @@ mod tests {
 
     fn deployment() -> impl Strategy<Value = Deployment> {
         (
-            prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
+            prop_oneof![Just(NixlRole::Prefill), Just(NixlRole::Decode)],
             1u32..4,
             // Mostly DP 1: replicas of a DP engine overlap (stride tp × pp < span).
             prop_oneof![3 => Just(1u32), 1 => 2u32..5],
@@ -927,8 +932,8 @@ mod tests {
             tp in 1u32..5,
             base in 1024u16..60000,
             gap_seed in 0u64..1000,
-            role_a in prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
-            role_b in prop_oneof![Just(Role::Prefill), Just(Role::Decode)],
+            role_a in prop_oneof![Just(NixlRole::Prefill), Just(NixlRole::Decode)],
+            role_b in prop_oneof![Just(NixlRole::Prefill), Just(NixlRole::Decode)],
         ) {
             let span = scheme.span(dp, tp);
             let gap = u16::try_from(gap_seed % span).unwrap_or(0);

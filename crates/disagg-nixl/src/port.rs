@@ -31,16 +31,16 @@ pub const HOST_ENV: &str = "VLLM_NIXL_SIDE_CHANNEL_HOST";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 #[non_exhaustive]
-pub enum Role {
+pub enum NixlRole {
     /// Computes the prompt's KV cache and keeps it until the decode pulls it.
     Prefill,
     /// Pulls the KV cache over NIXL and generates the tokens.
     Decode,
 }
 
-// === impl Role ===
+// === impl NixlRole ===
 
-impl Role {
+impl NixlRole {
     /// The default side-channel port base for this role.
     ///
     /// Prefill `20000` (`experimental_configs["NIXL_SIDE_CHANNEL_PORT_BASE"]`'s default in
@@ -52,9 +52,9 @@ impl Role {
     /// # Examples
     ///
     /// ```
-    /// use disagg_nixl::Role;
-    /// assert_eq!(Role::Prefill.default_base(), 20000);
-    /// assert_eq!(Role::Decode.default_base(), 22000);
+    /// use disagg_nixl::NixlRole;
+    /// assert_eq!(NixlRole::Prefill.default_base(), 20000);
+    /// assert_eq!(NixlRole::Decode.default_base(), 22000);
     /// ```
     pub const fn default_base(self) -> u16 {
         match self {
@@ -72,7 +72,7 @@ impl Role {
     }
 }
 
-impl std::fmt::Display for Role {
+impl std::fmt::Display for NixlRole {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
@@ -124,7 +124,7 @@ impl Offset {
 ///
 /// - `explicit` (the variable already set by the operator) is used as is;
 /// - otherwise `base` (`NIXL_SIDE_CHANNEL_PORT_BASE`), or the role's
-///   [default base](Role::default_base), plus the [`Offset`].
+///   [default base](NixlRole::default_base), plus the [`Offset`].
 ///
 /// Source: `ray-project/ray python/ray/llm/_internal/serve/engines/vllm/kv_transfer/nixl.py`
 /// and `…/base.py` (`_compute_port_offset`), with the decode's default base from
@@ -137,16 +137,16 @@ impl Offset {
 /// # Examples
 ///
 /// ```
-/// use disagg_nixl::{Offset, Role, side_channel_port};
+/// use disagg_nixl::{Offset, NixlRole, side_channel_port};
 /// // The second replica of a TP 2 prefill, default base.
-/// let port = side_channel_port(Role::Prefill, None, None, Offset::Replica { rank: 1, tp: 2, pp: 1 })?;
+/// let port = side_channel_port(NixlRole::Prefill, None, None, Offset::Replica { rank: 1, tp: 2, pp: 1 })?;
 /// assert_eq!(port, 20002);
 /// // An explicit port wins over everything.
-/// assert_eq!(side_channel_port(Role::Decode, Some(5600), Some(30000), Offset::DataParallelRank(7))?, 5600);
+/// assert_eq!(side_channel_port(NixlRole::Decode, Some(5600), Some(30000), Offset::DataParallelRank(7))?, 5600);
 /// # Ok::<(), disagg_nixl::PortError>(())
 /// ```
 pub fn side_channel_port(
-    role: Role,
+    role: NixlRole,
     explicit: Option<u16>,
     base: Option<u16>,
     offset: Offset,
@@ -290,7 +290,7 @@ mod tests {
     use super::*;
 
     /// One row of the launcher table: role, explicit port, base, offset → port.
-    type LauncherRow = (Role, Option<u16>, Option<u16>, Offset, u16);
+    type LauncherRow = (NixlRole, Option<u16>, Option<u16>, Offset, u16);
 
     /// The launcher's arithmetic, pinned: (role, explicit, base, offset) → port.
     #[test]
@@ -298,35 +298,47 @@ mod tests {
         let replica = |rank, tp, pp| Offset::Replica { rank, tp, pp };
         let table: &[LauncherRow] = &[
             // Prefill and decode on one node, default bases, one replica each.
-            (Role::Prefill, None, None, replica(0, 1, 1), 20000),
-            (Role::Decode, None, None, replica(0, 1, 1), 22000),
+            (NixlRole::Prefill, None, None, replica(0, 1, 1), 20000),
+            (NixlRole::Decode, None, None, replica(0, 1, 1), 22000),
             // Replicas step by TP × PP.
-            (Role::Prefill, None, None, replica(1, 1, 1), 20001),
-            (Role::Prefill, None, None, replica(1, 2, 1), 20002),
-            (Role::Prefill, None, None, replica(3, 2, 2), 20012),
-            (Role::Decode, None, None, replica(2, 4, 1), 22008),
+            (NixlRole::Prefill, None, None, replica(1, 1, 1), 20001),
+            (NixlRole::Prefill, None, None, replica(1, 2, 1), 20002),
+            (NixlRole::Prefill, None, None, replica(3, 2, 2), 20012),
+            (NixlRole::Decode, None, None, replica(2, 4, 1), 22008),
             // A data-parallel rank is used as is, without a TP multiplier.
             (
-                Role::Prefill,
+                NixlRole::Prefill,
                 None,
                 None,
                 Offset::DataParallelRank(3),
                 20003,
             ),
-            (Role::Decode, None, None, Offset::DataParallelRank(1), 22001),
-            // NIXL_SIDE_CHANNEL_PORT_BASE replaces the role default.
-            (Role::Prefill, None, Some(30000), replica(2, 2, 1), 30004),
             (
-                Role::Decode,
+                NixlRole::Decode,
+                None,
+                None,
+                Offset::DataParallelRank(1),
+                22001,
+            ),
+            // NIXL_SIDE_CHANNEL_PORT_BASE replaces the role default.
+            (
+                NixlRole::Prefill,
+                None,
+                Some(30000),
+                replica(2, 2, 1),
+                30004,
+            ),
+            (
+                NixlRole::Decode,
                 None,
                 Some(31000),
                 Offset::DataParallelRank(2),
                 31002,
             ),
             // An explicit VLLM_NIXL_SIDE_CHANNEL_PORT wins over base and offset.
-            (Role::Prefill, Some(5600), None, replica(5, 8, 1), 5600),
+            (NixlRole::Prefill, Some(5600), None, replica(5, 8, 1), 5600),
             (
-                Role::Decode,
+                NixlRole::Decode,
                 Some(5557),
                 Some(40000),
                 Offset::DataParallelRank(9),
@@ -345,11 +357,21 @@ mod tests {
     #[test]
     fn launcher_port_out_of_range() {
         assert_eq!(
-            side_channel_port(Role::Decode, None, Some(65535), Offset::DataParallelRank(1)),
+            side_channel_port(
+                NixlRole::Decode,
+                None,
+                Some(65535),
+                Offset::DataParallelRank(1)
+            ),
             Err(PortError::OutOfRange { port: 65536 })
         );
         assert_eq!(
-            side_channel_port(Role::Decode, Some(80), None, Offset::DataParallelRank(0)),
+            side_channel_port(
+                NixlRole::Decode,
+                Some(80),
+                None,
+                Offset::DataParallelRank(0)
+            ),
             Err(PortError::OutOfRange { port: 80 })
         );
     }

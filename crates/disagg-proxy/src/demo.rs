@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use disagg_core::rewrite::check::VllmLimits;
+use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
+use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
 use disagg_http::{HttpTransport, PdService};
-use disagg_lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http_body_util::{BodyExt, Full};
@@ -136,9 +136,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ]),
         Arc::clone(&connector),
     )?;
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-        .connector(connector)
-        .build();
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), connector).build();
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);
@@ -290,7 +288,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
 /// The side-channel ports and engine ids of the demo's engines, from the NIXL planner as
 /// a launcher would compute them for one node: prefill then decode, default bases.
 fn nixl_plan() -> Result<disagg_nixl::NodePlan, BoxError> {
-    use disagg_nixl::{Deployment, Host, Plan, PortScheme, Role as NixlRole};
+    use disagg_nixl::{Deployment, Host, NixlRole, Plan, PortScheme};
     let node = Host::new("127.0.0.1")
         .with_deployment(Deployment::new("prefill", NixlRole::Prefill))
         .with_deployment(Deployment::new("decode", NixlRole::Decode));

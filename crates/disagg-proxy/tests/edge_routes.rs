@@ -961,6 +961,7 @@ async fn encoded_answers_and_redirects_become_502_naming_the_engine() {
 
 #[tokio::test]
 async fn the_layer_routes_and_passes_on_the_normal_path() {
+    use disagg_connectors::vllm::VllmNixl;
     use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
     use disagg_http::{HttpTransport, PdLayer};
 
@@ -969,7 +970,9 @@ async fn the_layer_routes_and_passes_on_the_normal_path() {
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
     ]);
-    let layer = PdLayer::gateway(Orchestrator::builder(source, HttpTransport::default()).build());
+    let layer = PdLayer::gateway(
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build(),
+    );
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let inner_seen = Arc::clone(&seen);
     let inner = tower::service_fn(move |req: http::Request<hyper::body::Incoming>| {

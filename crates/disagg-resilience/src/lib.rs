@@ -15,6 +15,7 @@
 //! ```
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::source::StaticSource;
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_core::transport::Transport;
 //! use disagg_core::Orchestrator;
 //! use disagg_resilience::{AdmissionConfig, Backoff, HealthConfig, HealthSource, Limits, RetryPolicy};
@@ -29,7 +30,7 @@
 //! );
 //! let mut admission = AdmissionConfig::default();
 //! admission.max_in_flight = Some(512);
-//! let orchestrator = Orchestrator::builder(source, transport) // the source's health hears every attempt
+//! let orchestrator = Orchestrator::builder(source, transport, VllmNixl::new()) // the source's health hears every attempt
 //!     .admission(Limits::new(admission))
 //!     .retry(Backoff::new(RetryPolicy::retries(2)))
 //!     .build();

@@ -28,7 +28,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use disagg_core::VllmNixl;
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_core::connector::KvConnector;
 //! use disagg_core::endpoint::{Endpoint, Role};
 //! use disagg_core::source::StaticSource;
@@ -44,8 +44,7 @@
 //! ]);
 //! // Refuses at once a set with a pair that cannot hand over (`PairingError`).
 //! let source = ValidatedSource::new(source, Arc::clone(&connector))?;
-//! let orchestrator = Orchestrator::builder(source, transport)
-//!     .connector(connector)
+//! let orchestrator = Orchestrator::builder(source, transport, connector)
 //!     .build();
 //! # let _ = orchestrator; Ok(()) }
 //! ```
@@ -98,7 +97,7 @@ impl std::error::Error for PairingError {}
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::VllmNixl;
+/// use disagg_connectors::vllm::VllmNixl;
 /// use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
 /// use disagg_core::pairing::{KvProfile, KvRole};
 /// use disagg_resilience::pairing::check_pairs;
@@ -630,9 +629,10 @@ impl EndpointSource for ValidatedSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use disagg_connectors::vllm::VllmMooncake;
+    use disagg_connectors::vllm::VllmNixl;
     use disagg_core::endpoint::{Endpoint, Role};
     use disagg_core::pairing::KvRole;
-    use disagg_core::{VllmMooncake, VllmNixl};
 
     fn ep(url: &str, role: Role, profile: KvProfile) -> Arc<Endpoint> {
         let mut ext = http::Extensions::new();
@@ -829,7 +829,8 @@ mod tests {
         }
         // SGLang's connector does not compare versions: the same engines start.
         let (tx, _) = watch::channel(Arc::clone(&set));
-        let sglang: Arc<dyn KvConnector> = Arc::new(disagg_core::SglangBootstrap::new());
+        let sglang: Arc<dyn KvConnector> =
+            Arc::new(disagg_connectors::sglang::SglangBootstrap::new());
         assert!(
             ValidatedSource::with_versions(Dynamic(tx), sglang, probe(&server))
                 .await

@@ -43,7 +43,7 @@ pub enum BodyError {
         expected: &'static str,
     },
     /// A field the engines would refuse (checked by the proxy for the fields it
-    /// rewrites, see [`check_request`](crate::rewrite::check::check_request)).
+    /// rewrites, see `disagg_connectors::vllm::rewrite::check::check_request`).
     #[error(transparent)]
     Invalid(#[from] InvalidParam),
 }

@@ -156,7 +156,7 @@ impl PdError {
     }
 
     /// The connector failed on `side`.
-    pub(crate) fn connector(side: Side, err: ConnectorError) -> Self {
+    pub fn connector(side: Side, err: ConnectorError) -> Self {
         Self::new(Kind::Connector, side, Some(err.into()))
     }
 

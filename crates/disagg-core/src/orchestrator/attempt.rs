@@ -223,11 +223,6 @@ impl Inner {
 pub(super) fn decode_alone(route: &Route, req: &PdRequest, id: HeaderValue) -> Leg {
     let mut leg = Leg::new(route.decode.clone(), req.body().clone());
     leg.headers.insert(REQUEST_ID, id);
-    if let Some(rank) = route.decode_rank {
-        leg.headers.insert(
-            crate::connector::mooncake::DATA_PARALLEL_RANK,
-            HeaderValue::from(rank),
-        );
-    }
+    leg.set_rank(route.decode_rank);
     leg
 }

@@ -17,6 +17,7 @@
 //! | `legs.rs` | each leg's HTTP request (every header in one place), the prefill exchange, the decode's head |
 //! | `respond.rs` | the one place the client's response is built |
 //! | `answer.rs` | what of an engine's answer reaches the client: its KV handoff overwritten in place, internal redirects and unasked encodings refused (public: `disagg-http` relays forwarded answers through it too) |
+//! | `lead.rs` | the body of an answer that starts with a plan's lead, before its decode leg is sent (a connector capability the orchestrator drives for any protocol) |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
 //! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
@@ -47,7 +48,6 @@ use http::{HeaderMap, HeaderValue, Response};
 
 use crate::admission::Admission;
 use crate::connector::KvConnector;
-use crate::connector::vllm::VllmNixl;
 use crate::disaggregate::{Always, Disaggregate};
 use crate::error::PdError;
 use crate::outcome::Listener;
@@ -64,6 +64,7 @@ mod body;
 mod clock;
 mod concurrent;
 mod config;
+mod lead;
 mod legs;
 mod release;
 mod report;
@@ -201,12 +202,6 @@ impl OrchestratorBuilder {
         self
     }
 
-    /// Hand KV over with `connector` (default: [`VllmNixl`]).
-    pub fn connector(mut self, connector: impl KvConnector) -> Self {
-        self.connector = Arc::new(connector);
-        self
-    }
-
     /// Decide per request whether to disaggregate with `hook` (default: [`Always`]);
     /// see [`disaggregate`](crate::disaggregate).
     pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
@@ -288,14 +283,20 @@ impl OrchestratorBuilder {
 }
 
 impl Orchestrator {
-    /// A builder over `source` and `transport`, with round-robin routing and the vLLM
-    /// NIXL connector until told otherwise, and no admission limit, retry or listener.
-    pub fn builder(source: impl EndpointSource, transport: impl Transport) -> OrchestratorBuilder {
+    /// A builder over `source` and `transport`, handing KV over with `connector` (the
+    /// engines' protocols are `disagg-connectors`'; the core has no default, since no
+    /// protocol is right for every deployment), with round-robin routing until told
+    /// otherwise, and no admission limit, retry or listener.
+    pub fn builder(
+        source: impl EndpointSource,
+        transport: impl Transport,
+        connector: impl KvConnector,
+    ) -> OrchestratorBuilder {
         OrchestratorBuilder {
             source: Arc::new(source),
             transport: Arc::new(transport),
             router: Arc::new(DefaultRouter::default()),
-            connector: Arc::new(VllmNixl::new()),
+            connector: Arc::new(connector),
             disaggregate: Arc::new(Always),
             tokenizer: None,
             admission: None,

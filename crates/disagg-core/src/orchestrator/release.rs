@@ -18,7 +18,6 @@ use super::stats::{Counters, GaugeGuard, bump};
 use crate::connector::{Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
 use crate::request::Api;
-use crate::rewrite::PrefillRewriter;
 use crate::transport::Transport;
 
 use super::clock::{Clock, within};
@@ -167,12 +166,14 @@ impl Release {
         }
     }
 
-    /// Send `leg` as a one-token, non-streaming request, and drop it at its response
-    /// head or after `wait`.
+    /// Send the connector's release leg for `leg` ([`KvConnector::release_leg`]), and
+    /// drop it at its response head or after `wait`.
     async fn send(self, leg: Leg) {
-        let body = PrefillRewriter::new()
-            .rewrite(self.api, &leg.body)
-            .to_bytes();
+        // The connector says what takes the KV (vLLM: the leg as a one-token prefill);
+        // one that has no such leg releases nothing.
+        let Some(body) = self.connector.release_leg(self.api, &leg) else {
+            return;
+        };
         let Ok(req) = http_request(self.api, &leg, body, std::iter::empty()) else {
             return;
         };

@@ -18,9 +18,10 @@ use crate::transport::{BoxBody, read_limited};
 
 use super::Inner;
 use super::attempt::Failure;
-use super::body::{LeadBody, PendingDecode, empty_body};
+use super::body::empty_body;
 use super::clock::{Clock, out_of_time};
 use super::config::{KvRelease, MissingKv};
+use super::lead::{LeadBody, PendingDecode};
 use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
 use super::release::{KvHold, Release};
 use super::respond::{Exchange, LateMarks, Stand};

@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use disagg_core::connector::room::Rooms;
+use disagg_connectors::common::Rooms;
+use disagg_connectors::sglang::SglangBootstrap;
+use disagg_connectors::vllm::VllmNixl;
 use disagg_core::error::ConnectorError;
 use disagg_core::error::{PdError, Side};
 use disagg_core::orchestrator::OrchestratorBuilder;
@@ -28,7 +30,7 @@ use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_core::{
     Api, Endpoint, EndpointSource, Handoff, HandoffFound, KvConnector, Orchestrator, PdBody,
-    PdRequest, PrefillAnswer, Role, SglangBootstrap, StaticSource, VllmNixl,
+    PdRequest, PrefillAnswer, Role, StaticSource,
 };
 use disagg_resilience::{
     AdmissionConfig, Backoff, EndpointHealth, HealthConfig, HealthSource, Limits, RetryPolicy,
@@ -141,7 +143,7 @@ fn orchestrator(
     let mut c = Setup::default();
     config(&mut c);
     let source = StaticSource::new(endpoints(prefill, &[D1]));
-    c.apply(Orchestrator::builder(source, fake.clone()).connector(connector))
+    c.apply(Orchestrator::builder(source, fake.clone(), connector))
         .build()
 }
 
@@ -488,6 +490,47 @@ async fn a_client_leaving_during_the_prefill_releases_the_kv_it_answers_within_g
         "dropped after `wait`"
     );
     assert_eq!(orch.stats().kv_releases, 1);
+    assert_settled(&orch);
+}
+
+/// vLLM NIXL's plan, without a release leg of its own (`KvConnector::release_leg`'s
+/// default).
+#[derive(Debug)]
+struct NixlWithoutRelease;
+
+#[async_trait]
+impl KvConnector for NixlWithoutRelease {
+    fn name(&self) -> &'static str {
+        "nixl-without-release"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        VllmNixl::new().prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        VllmNixl::new().complete(handoff, answer).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_connector_without_a_release_leg_releases_nothing() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(100)));
+    fake.on(D1, CHAT, Reply::hang());
+    let orch = orchestrator(&fake, &[P1], NixlWithoutRelease, release_on);
+    // The client leaves 10 ms in, while the prefill runs: the prefill's answer is
+    // caught, but the connector has no leg that takes the KV, so none is sent.
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    sleep(ms(3000)).await;
+    let calls = fake.calls();
+    let [p] = &calls[..] else { panic!("{calls:?}") };
+    assert_eq!(p.endpoint(), P1);
+    assert_eq!(orch.stats().kv_releases, 0);
     assert_settled(&orch);
 }
 
@@ -1094,7 +1137,11 @@ fn with_health(
     config(&mut c);
     // The source's health hears every attempt: nothing else to wire.
     let orch = c
-        .apply(Orchestrator::builder(source.clone(), fake.clone()).connector(connector))
+        .apply(Orchestrator::builder(
+            source.clone(),
+            fake.clone(),
+            connector,
+        ))
         .build();
     (orch, source, eps)
 }

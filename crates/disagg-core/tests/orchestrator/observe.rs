@@ -55,9 +55,8 @@ fn heard(
     let mut c = Setup::default();
     config(&mut c);
     let source = StaticSource::new(endpoints(prefill, &[D1]));
-    let builder = Orchestrator::builder(source, fake.clone())
-        .connector(connector)
-        .listener(Arc::clone(&heard));
+    let builder =
+        Orchestrator::builder(source, fake.clone(), connector).listener(Arc::clone(&heard));
     (c.apply(builder).build(), heard)
 }
 

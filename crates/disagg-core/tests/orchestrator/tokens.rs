@@ -102,7 +102,7 @@ fn build(fake: &Fake, mode: Mode, wants: bool, config: impl FnOnce(&mut Setup)) 
     let mut c = Setup::default();
     config(&mut c);
     let source = StaticSource::new(endpoints(&[P1, P2], &[D1]));
-    let builder = Orchestrator::builder(source, fake.clone())
+    let builder = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
         .router(Recording {
             wants,
             seen: Arc::clone(&routed),
@@ -170,7 +170,7 @@ async fn a_hook_reading_tokens_is_enough_and_sees_them_before_routing() {
     let calls = Arc::new(AtomicUsize::new(0));
     let (hooked, routed): (Seen, Seen) = (Arc::default(), Arc::default());
     let source = StaticSource::new(endpoints(&[P1], &[D1]));
-    let orch = Orchestrator::builder(source, fake.clone())
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
         .router(Recording {
             wants: false,
             seen: Arc::clone(&routed),

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg_core::{EndpointSource, Orchestrator, Role, VllmNixl};
+use disagg_connectors::vllm::VllmNixl;
+use disagg_core::{EndpointSource, Orchestrator, Role};
 use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_sim::{SimConfig, SimEngine};
@@ -70,9 +71,12 @@ async fn engines_added_and_removed_under_load_fail_no_request() {
     // state between two lists would fail requests with 503.
     let (publisher, discovered) = SpecSource::channel("churn");
     let merged = Arc::new(MergedSource::builder().source(discovered).build());
-    let orchestrator = Orchestrator::builder(Arc::clone(&merged), HttpTransport::default())
-        .connector(VllmNixl::new())
-        .build();
+    let orchestrator = Orchestrator::builder(
+        Arc::clone(&merged),
+        HttpTransport::default(),
+        VllmNixl::new(),
+    )
+    .build();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!(
         "http://{}/v1/chat/completions",

@@ -13,7 +13,7 @@
 //!   ([`register_orchestrator`]): requests, retries, fallbacks, admission, KV releases,
 //!   each endpoint's requests in flight;
 //! - **an adapter's own**, registered through [`ExtraMetrics`]: the health of each
-//!   endpoint (`disagg-resilience`), LMCache's notifications (`disagg-lmcache`),
+//!   endpoint (`disagg-resilience`), LMCache's notifications (`disagg-connectors`' `lmcache`),
 //!   discovery (`disagg-discovery`), the access log's dropped lines.
 //!
 //! `docs/observability.md` lists every metric with its labels and meaning.
@@ -23,7 +23,8 @@
 //! What [`PdService`](crate::PdService) does for `GET /metrics`, by hand:
 //!
 //! ```
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource, VllmNixl};
+//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::HttpTransport;
 //! use disagg_http::metrics::{self, Metrics};
 //! use prometheus_client::registry::Registry;
@@ -34,8 +35,7 @@
 //!     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
 //! ]);
 //! let metrics = Metrics::new("vllm-nixl");
-//! let orchestrator = Orchestrator::builder(source, HttpTransport::default())
-//!     .connector(VllmNixl::new())
+//! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
 //!     .listener(metrics.clone())
 //!     .build();
 //! let mut registry = Registry::default();
@@ -174,6 +174,7 @@ fn accepts_openmetrics(accept: &str) -> bool {
 mod tests {
     use super::*;
     use crate::{HttpTransport, PdService, PdServiceConfig};
+    use disagg_connectors::vllm::VllmNixl;
     use disagg_core::{Endpoint, Role, StaticSource};
     use http_body_util::BodyExt;
     use prometheus_client::metrics::counter::Counter;
@@ -195,7 +196,8 @@ mod tests {
             Endpoint::new("http://127.0.0.1:1", Role::Prefill).unwrap(),
             Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
         ]);
-        let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
+        let orchestrator =
+            Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
         let hits: Counter = Counter::default();
         let registered = hits.clone();
         let registrations = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -279,6 +279,7 @@ impl Collector for Prune {
 mod tests {
     use super::*;
     use crate::HttpTransport;
+    use disagg_connectors::vllm::VllmNixl;
     use disagg_core::{Endpoint, Role, StaticSource};
 
     #[test]
@@ -288,7 +289,7 @@ mod tests {
             Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
         ]);
         let metrics = Metrics::new("nixl");
-        let orchestrator = Orchestrator::builder(source, HttpTransport::default())
+        let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
             .listener(metrics.clone())
             .build();
         let mut registry = Registry::default();

@@ -4,7 +4,7 @@
 //! its successors under `…/v1/nixl/`; the reference proxy is
 //! `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`):
 //!
-//! 1. the prefill gets the [rewritten](crate::rewrite) body plus
+//! 1. the prefill gets the [rewritten](crate::vllm::rewrite) body plus
 //!    `kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false,
 //!    "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
 //!    "remote_port": null}`;
@@ -42,13 +42,12 @@
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::connector::mooncake::set_rank;
-use crate::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use crate::disaggregate::Decision;
-use crate::error::{ConnectorError, InvalidParam};
-use crate::request::PdRequest;
-use crate::rewrite::PrefillRewriter;
-use crate::router::Route;
+use crate::vllm::rewrite::PrefillRewriter;
+use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
+use disagg_core::disaggregate::Decision;
+use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::router::Route;
 
 /// The field that carries the handoff, on requests and on the prefill's answer.
 pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
@@ -62,7 +61,7 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 /// # Examples
 ///
 /// ```
-/// use disagg_core::VllmNixl;
+/// use disagg_connectors::vllm::VllmNixl;
 /// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
@@ -107,24 +106,24 @@ impl KvConnector for VllmNixl {
         "vllm-nixl"
     }
 
-    /// [`check_request`](crate::rewrite::check::check_request) with the rewriter's
+    /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
     /// served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::rewrite::check::check_request(req, self.rewriter.limits())
+        crate::vllm::rewrite::check::check_request(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
-        super::openai_only(self.name(), req.api())?;
+        crate::common::openai_only(self.name(), req.api())?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
         prefill.set_raw(KV_TRANSFER_PARAMS, Bytes::from_static(PREFILL_PARAMS));
         let mut prefill = Leg::new(prefill_ep, prefill);
-        set_rank(&mut prefill, route.prefill_rank);
+        prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(route.decode.clone(), req.body().clone());
-        set_rank(&mut decode, route.decode_rank);
+        decode.set_rank(route.decode_rank);
         Ok(Handoff::new(Dispatch::AfterPrefill, prefill, decode))
     }
 
@@ -161,6 +160,19 @@ impl KvConnector for VllmNixl {
         }
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(HandoffFound::Handed)
+    }
+
+    /// The decode leg as a one-token, non-streaming prefill (the [default
+    /// rewriter](PrefillRewriter::new)'s body): the decode engine pulls the KV the
+    /// handoff names and frees it once that token is made.
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        Some(PrefillRewriter::new().rewrite(api, &decode.body).to_bytes())
+    }
+
+    /// NIXL's handshake refuses a peer whose compatibility hash differs, and the hash
+    /// covers the vLLM version (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py`).
+    fn equal_versions(&self) -> bool {
+        true
     }
 
     /// NIXL maps ranks by the ratio of the sizes (a decode rank reads from prefill rank
@@ -472,9 +484,9 @@ mod tests {
     use http::{HeaderMap, StatusCode};
 
     use super::*;
-    use crate::body::JsonBody;
-    use crate::endpoint::{Endpoint, Role};
-    use crate::request::Api;
+    use disagg_core::body::JsonBody;
+    use disagg_core::endpoint::{Endpoint, Role};
+    use disagg_core::request::Api;
 
     fn route() -> Route {
         Route::new(
@@ -811,7 +823,7 @@ mod tests {
             .prepare(&route(), &req(Api::Generate, r#"{"text":"hi"}"#))
             .unwrap_err();
         assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err}");
-        let pd = crate::error::PdError::connector(crate::error::Side::Prefill, err);
+        let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
         assert_eq!(
             (pd.status().as_u16(), pd.code()),
             (400, "unsupported_by_connector")

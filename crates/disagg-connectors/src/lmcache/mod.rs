@@ -1,4 +1,4 @@
-//! LMCache prefill/decode support for disagg.
+//! LMCache's P/D mode: the connector, its reshape, and the KV-ready notification listener.
 //!
 //! With LMCache's P/D mode (vLLM `LMCacheConnectorV1`, KV moved over NIXL) the prefill's
 //! HTTP answer does not say when the KV cache has reached the decode. Instead every
@@ -11,7 +11,13 @@
 //! (`ProxyNotif`, a `msgspec.Struct` with `tag=True`); LMCache's reference proxy is
 //! `examples/disagg_prefill/xpyd/disagg_proxy_server_first_token_from_prefiller_xpyd.py`.
 //!
-//! This crate is that listener:
+//! | file | holds |
+//! |---|---|
+//! | `connector.rs` | [`Lmcache`]: the plan (both legs to `/v1/completions`, the prefill's first token as the stream's lead, the decode gated on its notifications), [`LmcacheReceiver`] (an endpoint's notification address and TP size), the reshape from completions to chat |
+//! | `reshape.rs` | the reshape from the decode's completions answer to the client's API, the prefill's first token first |
+//! | `notify.rs` | [`Notifications`], the PULL socket and its bounded registry, with [`Pending`] |
+//!
+//! The listener:
 //!
 //! - [`Notifications`] binds the PULL socket (pure-Rust ZMQ, no libzmq) and keeps a
 //!   bounded registry of the requests waiting for their KV;
@@ -23,7 +29,7 @@
 //! A prefill rank's notification, sent over a real PUSH socket:
 //!
 //! ```
-//! use disagg_lmcache::{Notifications, NotifyConfig};
+//! use disagg_connectors::lmcache::{Notifications, NotifyConfig};
 //! use zeromq::{Socket, SocketSend};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
@@ -52,10 +58,13 @@
 //! # Ok(())
 //! # }
 //! ```
-#![warn(missing_docs)]
 
-pub mod connector;
-pub mod notify;
+mod connector;
+mod notify;
+mod reshape;
 
 pub use connector::{Lmcache, LmcacheReceiver, ReceiverError};
-pub use notify::{Notifications, NotifyConfig, NotifyError, NotifyStats, Pending, WaitError};
+pub use notify::{
+    DEFAULT_MAX_NOTIFICATION, Notifications, NotifyConfig, NotifyError, NotifyStats, Pending,
+    WaitError,
+};

@@ -25,8 +25,9 @@ pub(crate) const MAX_ROOM: u64 = (1 << 63) - 1;
 /// # Examples
 ///
 /// ```
-/// use disagg_core::connector::room::Rooms;
-/// use disagg_core::{SglangBootstrap, VllmMooncake};
+/// use disagg_connectors::common::Rooms;
+/// use disagg_connectors::sglang::SglangBootstrap;
+/// use disagg_connectors::vllm::VllmMooncake;
 /// // The same seed draws the same rooms, run after run.
 /// let sglang = SglangBootstrap::with_rooms(Rooms::from_seed(1));
 /// let mooncake = VllmMooncake::new().with_ids(Rooms::from_seed(2));

@@ -38,8 +38,8 @@ pub mod check;
 
 use check::VllmLimits;
 
-use crate::body::JsonBody;
-use crate::request::Api;
+use disagg_core::body::JsonBody;
+use disagg_core::request::Api;
 
 /// Whether `key` is removed from the prefill leg: the table of the module docs, as one
 /// `match` so that a body's fields are filtered in a single pass.
@@ -80,7 +80,7 @@ fn removed(key: &[u8]) -> bool {
 /// ```
 /// use disagg_core::body::JsonBody;
 /// use disagg_core::request::Api;
-/// use disagg_core::rewrite::PrefillRewriter;
+/// use disagg_connectors::vllm::rewrite::PrefillRewriter;
 ///
 /// let client = JsonBody::parse(br#"{"model":"m","prompt":"hi","max_tokens":64,"stream":true}"#)?;
 /// let prefill = PrefillRewriter::new().rewrite(Api::Completions, &client);

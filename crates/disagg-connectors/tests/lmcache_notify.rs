@@ -4,7 +4,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use disagg_lmcache::{Notifications, NotifyConfig, NotifyError, NotifyStats, WaitError};
+use disagg_connectors::lmcache::{
+    Notifications, NotifyConfig, NotifyError, NotifyStats, WaitError,
+};
 use tokio::io::AsyncWriteExt;
 use tokio::time::{Instant, timeout};
 use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};

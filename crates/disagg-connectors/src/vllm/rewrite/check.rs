@@ -33,11 +33,11 @@
 //! `structured_outputs` is checked). Such a request is refused by the decode after its
 //! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
 
-use crate::body::JsonBody;
-use crate::disaggregate::Decision;
-use crate::error::InvalidParam;
-use crate::lax::{bool_value, int_value, truthy};
-use crate::request::{Api, PdRequest};
+use disagg_core::body::JsonBody;
+use disagg_core::disaggregate::Decision;
+use disagg_core::error::InvalidParam;
+use disagg_core::lax::{bool_value, int_value, truthy};
+use disagg_core::request::{Api, PdRequest};
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +67,7 @@ impl Default for VllmLimits {
 ///
 /// Pure and cheap (the top level is already parsed; only the handful of sampling fields
 /// are read). A connector calls it from its
-/// [`KvConnector::check`](crate::connector::KvConnector::check), with its
+/// [`KvConnector::check`](disagg_core::connector::KvConnector::check), with its
 /// [`PrefillRewriter::limits`](super::PrefillRewriter::limits) or, building its vLLM legs
 /// without the rewriter (LMCache), limits of its own: a request it refuses is answered
 /// 400 with no engine contacted.
@@ -81,8 +81,8 @@ impl Default for VllmLimits {
 /// ```
 /// use disagg_core::disaggregate::Decision;
 /// use disagg_core::request::{Api, PdRequest};
-/// use disagg_core::rewrite::check::check_request;
-/// use disagg_core::rewrite::check::VllmLimits;
+/// use disagg_connectors::vllm::rewrite::check::check_request;
+/// use disagg_connectors::vllm::rewrite::check::VllmLimits;
 ///
 /// let limits = VllmLimits::default();
 /// let bad = PdRequest::new(Api::Chat, Default::default(), &r#"{"messages":[],"max_tokens":-1}"#.into())?;
@@ -92,7 +92,7 @@ impl Default for VllmLimits {
 /// # Ok::<(), disagg_core::error::BodyError>(())
 /// ```
 pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
-    if req.api() == crate::request::Api::Generate {
+    if req.api() == disagg_core::request::Api::Generate {
         // SGLang's API, not vLLM's: a vLLM connector refuses it when it plans the legs
         // (`unsupported_by_connector`), whatever its fields.
         return Ok(Decision::Disaggregate);
@@ -590,7 +590,7 @@ fn type_error(field: &'static str, expected: &str) -> InvalidParam {
 
 fn opt_bool(field: &'static str, raw: Option<&[u8]>) -> Result<Option<bool>, InvalidParam> {
     raw.map_or(Ok(None), |raw| {
-        bool_value(raw).map_err(|()| type_error(field, "boolean"))
+        bool_value(raw).map_err(|_| type_error(field, "boolean"))
     })
 }
 
@@ -604,7 +604,7 @@ fn bool_not_null(field: &'static str, raw: Option<&[u8]>) -> Result<Option<bool>
 
 fn opt_int(field: &'static str, raw: Option<&[u8]>) -> Result<Option<i64>, InvalidParam> {
     raw.map_or(Ok(None), |raw| {
-        int_value(raw).map_err(|()| type_error(field, "integer"))
+        int_value(raw).map_err(|_| type_error(field, "integer"))
     })
 }
 
@@ -693,12 +693,14 @@ mod tests {
             Api::Chat => r#"{"model":"m","messages":[{"role":"user","content":"hi"}]"#,
             Api::Completions => r#"{"model":"m","prompt":"hi""#,
             Api::Generate => r#"{"model":"m","text":"hi""#,
+            _ => unreachable!("no other API in the table"),
         };
         let sep = if extra.is_empty() { "" } else { "," };
         let body = JsonBody::parse(format!("{base}{sep}{extra}}}").as_bytes()).unwrap();
         match check(api, &body, &VllmLimits::default()) {
             Ok(Decision::Disaggregate) => "ok".to_owned(),
             Ok(Decision::Direct { reason }) => format!("direct:{reason}"),
+            Ok(other) => format!("{other:?}"),
             Err(e) => e.param().to_owned(),
         }
     }

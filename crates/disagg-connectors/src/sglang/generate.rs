@@ -26,11 +26,11 @@ use http_body::Frame;
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use crate::body::JsonBody;
-use crate::connector::{PrefillAnswer, Reshape};
-use crate::error::BoxError;
-use crate::sse::{EventMap, MapEvents, event_end};
-use crate::transport::{BoxBody, read_limited};
+use crate::common::sse::{EventMap, MapEvents, event_end};
+use disagg_core::body::JsonBody;
+use disagg_core::connector::{PrefillAnswer, Reshape};
+use disagg_core::error::BoxError;
+use disagg_core::transport::{BoxBody, read_limited};
 
 /// Largest non-streaming decode answer merged with the prefill's logprobs: it is read
 /// whole to be rewritten. Logprob-laden batch answers are large; 64 MiB holds a batch of
@@ -69,9 +69,9 @@ pub(crate) fn wants_logprobs(body: &JsonBody) -> bool {
         let items: Vec<&RawValue> = serde_json::from_slice(raw).unwrap_or_default();
         return items
             .iter()
-            .any(|v| crate::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
+            .any(|v| disagg_core::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
     }
-    crate::lax::bool_value(raw) == Ok(Some(true))
+    disagg_core::lax::bool_value(raw) == Ok(Some(true))
 }
 
 /// How many sequences a `/generate` request makes on the engines: its prompts (1, or

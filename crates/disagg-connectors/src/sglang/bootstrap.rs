@@ -49,15 +49,15 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use serde_json::value::RawValue;
 
-use crate::connector::generate::{self, LogprobMerge, MergeLogprobs};
-use crate::connector::room::Rooms;
-use crate::connector::{
+use crate::common::Rooms;
+use crate::sglang::generate::{self, LogprobMerge, MergeLogprobs};
+use disagg_core::connector::{
     BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer,
 };
-use crate::disaggregate::Decision;
-use crate::error::{ConnectorError, InvalidParam};
-use crate::request::{Api, PdRequest};
-use crate::router::Route;
+use disagg_core::disaggregate::Decision;
+use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::router::Route;
 
 /// The SGLang bootstrap connector: concurrent dispatch, `bootstrap_host/port/room` on
 /// both legs.
@@ -70,8 +70,8 @@ use crate::router::Route;
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::connector::room::Rooms;
-/// use disagg_core::SglangBootstrap;
+/// use disagg_connectors::common::Rooms;
+/// use disagg_connectors::sglang::SglangBootstrap;
 /// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
@@ -131,11 +131,12 @@ pub const MAX_SEQUENCES: usize = 65_536;
 /// prompt and the request's `n`; completions a batch when `prompt` is a list of
 /// strings or of token-id lists, and `n`; `/generate` a batch when `text` or
 /// `input_ids` is a list of prompts, and `sampling_params.n`.
-pub(crate) fn expansion(api: Api, body: &crate::body::JsonBody) -> Option<usize> {
+pub(crate) fn expansion(api: Api, body: &disagg_core::body::JsonBody) -> Option<usize> {
     let (prompts, samples) = match api {
         Api::Chat => (None, openai_n(body)),
         Api::Completions => (completion_batch(body), openai_n(body)),
         Api::Generate => (generate::batch_size(body), generate::samples(body)),
+        _ => (None, openai_n(body)),
     };
     if prompts.is_none() && samples == 1 {
         return None;
@@ -145,16 +146,16 @@ pub(crate) fn expansion(api: Api, body: &crate::body::JsonBody) -> Option<usize>
 
 /// The OpenAI routes' `n`, read as pydantic's lax `int` (`"2"` too); 1 when absent or
 /// not a positive integer (the engine refuses those itself).
-fn openai_n(body: &crate::body::JsonBody) -> usize {
+fn openai_n(body: &disagg_core::body::JsonBody) -> usize {
     body.get("n")
-        .and_then(|raw| crate::lax::int_value(raw).ok().flatten())
+        .and_then(|raw| disagg_core::lax::int_value(raw).ok().flatten())
         .and_then(|n| usize::try_from(n).ok())
         .filter(|n| *n > 0)
         .unwrap_or(1)
 }
 
 /// How many prompts a completions request's `prompt` lists, when it is a batch.
-fn completion_batch(body: &crate::body::JsonBody) -> Option<usize> {
+fn completion_batch(body: &disagg_core::body::JsonBody) -> Option<usize> {
     let raw = body.get("prompt")?;
     if raw.first() != Some(&b'[') {
         return None;
@@ -183,12 +184,12 @@ impl KvConnector for SglangBootstrap {
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
         let samples = match req.api() {
             Api::Generate => generate::samples(req.body()),
-            Api::Chat | Api::Completions => openai_n(req.body()),
+            _ => openai_n(req.body()),
         };
         if samples > 1 {
             let param = match req.api() {
                 Api::Generate => "sampling_params.n",
-                Api::Chat | Api::Completions => "n",
+                _ => "n",
             };
             return Err(InvalidParam::new(
                 param,
@@ -203,7 +204,7 @@ impl KvConnector for SglangBootstrap {
             Some(n) if n > MAX_SEQUENCES => Err(InvalidParam::new(
                 match req.api() {
                     Api::Generate => "text",
-                    Api::Chat | Api::Completions => "prompt",
+                    _ => "prompt",
                 },
                 format!(
                     "a batch of {n} prompts, each with a bootstrap room of its own on both \
@@ -322,7 +323,7 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::endpoint::{Endpoint, Role};
+    use disagg_core::endpoint::{Endpoint, Role};
 
     fn route(port: Option<BootstrapPort>) -> Route {
         let mut ext = http::Extensions::new();
@@ -341,7 +342,7 @@ mod tests {
         PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
     }
 
-    fn json(b: &crate::body::JsonBody) -> Value {
+    fn json(b: &disagg_core::body::JsonBody) -> Value {
         serde_json::from_slice(&b.to_bytes()).unwrap()
     }
 
@@ -433,7 +434,7 @@ mod tests {
                     assert_eq!(rooms.len(), n, "{body}");
                     let distinct: std::collections::HashSet<_> = rooms.iter().collect();
                     assert_eq!(distinct.len(), n, "rooms must differ: {rooms:?}");
-                    assert!(rooms.iter().all(|r| *r <= super::super::room::MAX_ROOM));
+                    assert!(rooms.iter().all(|r| *r <= crate::common::MAX_ROOM));
                     assert_eq!(v["bootstrap_host"], serde_json::json!(vec!["10.1.2.3"; n]));
                     assert_eq!(v["bootstrap_port"], serde_json::json!(vec![1; n]));
                 }

@@ -8,7 +8,7 @@
 //! - every prefill engine runs a bootstrap HTTP server (`VLLM_MOONCAKE_BOOTSTRAP_PORT`,
 //!   default 8998) whose `GET /query` answers `{"<dp_rank>": {"engine_id": ..,
 //!   "worker_addr": ..}, ..}`;
-//! - the prefill gets the [rewritten](crate::rewrite) body plus `kv_transfer_params =
+//! - the prefill gets the [rewritten](crate::vllm::rewrite) body plus `kv_transfer_params =
 //!   {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": ..}`, and the
 //!   header `X-data-parallel-rank` when the route names a rank; it answers with no
 //!   handoff of its own;
@@ -39,35 +39,23 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
 
-use crate::body::write_json_str;
-use crate::connector::room::Rooms;
-use crate::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
-use crate::disaggregate::Decision;
-use crate::endpoint::{Endpoint, EndpointId};
-use crate::error::{BoxError, ConnectorError, InvalidParam};
-use crate::lock;
-use crate::outcome::Outcome;
-use crate::request::PdRequest;
-use crate::rewrite::PrefillRewriter;
-use crate::router::Route;
-use crate::transport::{Transport, read_limited};
+use crate::common::Rooms;
+use crate::vllm::rewrite::PrefillRewriter;
+use disagg_core::body::write_json_str;
+use disagg_core::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
+use disagg_core::disaggregate::Decision;
+use disagg_core::endpoint::{Endpoint, EndpointId};
+use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
+use disagg_core::lock;
+use disagg_core::outcome::Outcome;
+use disagg_core::request::PdRequest;
+use disagg_core::router::Route;
+use disagg_core::transport::{Transport, read_limited};
 
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
 pub(crate) const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
-
-/// The header by which a vLLM server lets a request pick its data-parallel rank.
-pub(crate) const DATA_PARALLEL_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
-
-/// Name `rank` to a vLLM engine in [`DATA_PARALLEL_RANK`], if the route picked one.
-pub(crate) fn set_rank(leg: &mut Leg, rank: Option<u32>) {
-    if let Some(rank) = rank {
-        leg.headers
-            .insert(DATA_PARALLEL_RANK, HeaderValue::from(rank));
-    }
-}
 
 /// Largest `/query` answer read.
 const MAX_QUERY_ANSWER: usize = 1 << 20;
@@ -135,7 +123,7 @@ impl Ranks {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use disagg_core::VllmMooncake;
+/// use disagg_connectors::vllm::VllmMooncake;
 /// use disagg_core::connector::{Dispatch, KvConnector};
 /// use disagg_core::endpoint::{Endpoint, Role};
 /// use disagg_core::request::{Api, PdRequest};
@@ -291,19 +279,24 @@ fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
 
 #[async_trait]
 impl KvConnector for VllmMooncake {
+    /// Mooncake pairs are held to one vLLM build, as NIXL's are.
+    fn equal_versions(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "vllm-mooncake"
     }
 
-    /// [`check_request`](crate::rewrite::check::check_request) with the rewriter's
+    /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
     /// served direct.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::rewrite::check::check_request(req, self.rewriter.limits())
+        crate::vllm::rewrite::check::check_request(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
-        super::openai_only(self.name(), req.api())?;
+        crate::common::openai_only(self.name(), req.api())?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
@@ -328,9 +321,9 @@ impl KvConnector for VllmMooncake {
             )),
         );
         let mut prefill = Leg::new(prefill_ep, body);
-        set_rank(&mut prefill, route.prefill_rank);
+        prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(Arc::clone(&route.decode), req.body().clone());
-        set_rank(&mut decode, route.decode_rank);
+        decode.set_rank(route.decode_rank);
         let mut handoff = Handoff::new(Dispatch::Concurrent, prefill, decode);
         handoff.ext.insert(plan);
         Ok(handoff)
@@ -380,7 +373,7 @@ impl KvConnector for VllmMooncake {
                 // Pin the leg to the rank whose engine id the decode is given; the
                 // exchange then counts on that rank.
                 handoff.prefill.endpoint = Arc::clone(&rank.endpoint);
-                set_rank(&mut handoff.prefill, Some(rank.rank));
+                handoff.prefill.set_rank(Some(rank.rank));
                 rank
             }
         };
@@ -421,10 +414,11 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
-    use crate::endpoint::{Endpoint, Role};
-    use crate::error::TransportError;
-    use crate::request::Api;
-    use crate::transport::ResponseFuture;
+    use disagg_core::endpoint::DATA_PARALLEL_RANK;
+    use disagg_core::endpoint::{Endpoint, Role};
+    use disagg_core::error::TransportError;
+    use disagg_core::request::Api;
+    use disagg_core::transport::ResponseFuture;
 
     /// Answers `GET /query` with a fixed body, counting the queries.
     struct Bootstrap {
@@ -469,7 +463,7 @@ mod tests {
         PdRequest::new(Api::Chat, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
     }
 
-    fn json_of(b: &crate::body::JsonBody) -> Value {
+    fn json_of(b: &disagg_core::body::JsonBody) -> Value {
         serde_json::from_slice(&b.to_bytes()).unwrap()
     }
 
@@ -610,9 +604,9 @@ mod tests {
         let err = c.resolve(&mut h, &t).await.unwrap_err();
         assert!(matches!(err, ConnectorError::Bootstrap { .. }));
         assert!(
-            crate::error::error_chain(&err).contains("no data-parallel rank 7"),
+            disagg_core::error::error_chain(&err).contains("no data-parallel rank 7"),
             "{}",
-            crate::error::error_chain(&err)
+            disagg_core::error::error_chain(&err)
         );
     }
 

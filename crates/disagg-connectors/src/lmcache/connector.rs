@@ -1,0 +1,805 @@
+//! The LMCache P/D connector ([`Lmcache`]).
+//!
+//! One request, as the engines see it:
+//!
+//! 1. `POST /tokenize` on the prefill engine (chat: the messages, with the generation
+//!    prompt; completions: the prompt), once per attempt; a prompt already given as token
+//!    ids is not tokenized again, nor one the orchestrator's tokenizer already turned
+//!    into ids ([`PdRequest::tokens`]: a router reading tokens asked for them).
+//! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
+//!    notification may beat the prefill's HTTP answer).
+//! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
+//!    and `kv_transfer_params: {ret_first_tok: true, disagg_spec: {req_id, receiver_host,
+//!    receiver_init_port, receiver_alloc_port}}`, the receiver being the chosen decode
+//!    endpoint's [`LmcacheReceiver`]. The engine pushes the KV there, each of its TP ranks
+//!    notifies, and it answers the first token (`kv_transfer_params.first_tok`).
+//! 4. A streaming client gets the first token as its first chunk at once
+//!    ([`Handoff::lead`]); the decode leg waits for one notification per decode TP rank
+//!    ([`Handoff::gate`], within the handoff budget).
+//! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`,
+//!    streaming as the client asked. When the first token already ended the answer
+//!    (`finish_reason: stop`, or `max_tokens: 1`), no decode leg is sent.
+//! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
+//!    token is put in front of a non-streaming answer, usage counts the prompt and every
+//!    generated token once, and a chat client gets the chat form (chunks and body).
+//!
+//! The decode stream is parsed event by event only as far as this needs (each `data:`
+//! event is one JSON object, re-encoded in the client's form); events are forwarded as
+//! they arrive, never collected.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::vllm::rewrite::check::VllmLimits;
+use async_trait::async_trait;
+use bytes::Bytes;
+use disagg_core::body::JsonBody;
+use disagg_core::connector::{
+    Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
+};
+use disagg_core::disaggregate::Decision;
+use disagg_core::endpoint::Endpoint;
+use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
+use disagg_core::pairing::{KvProfile, Mismatch, PairError};
+use disagg_core::request::{Api, PdRequest};
+use disagg_core::router::Route;
+use disagg_core::transport::Transport;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::notify::{Notifications, Pending};
+use super::reshape::{lead, reshaper};
+
+/// The largest `/tokenize` answer and non-streaming decode answer read, in bytes.
+pub(super) const MAX_BODY: usize = 64 * 1024 * 1024;
+
+/// Chat-only request fields a completions leg does not carry.
+const CHAT_ONLY: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+];
+
+/// Why a grammar-constrained request is served by a decode engine alone (see
+/// [`Lmcache`]'s `check`).
+pub(crate) const GRAMMAR: &str = "grammar";
+
+/// Whether `body` asks for a grammar: a `response_format` other than `text`,
+/// `structured_outputs`, or one of the older `guided_*` fields.
+fn has_grammar(body: &JsonBody) -> bool {
+    let present = |k: &str| !body.is_null_or_absent(k);
+    let format = body
+        .get_as::<Value>("response_format")
+        .and_then(Result::ok)
+        .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
+    format
+        || present("structured_outputs")
+        || [
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ]
+        .iter()
+        .any(|k| present(k))
+}
+
+/// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
+/// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode [`Endpoint::ext`].
+/// One init and one alloc port per TP rank; the decode leg waits for one notification
+/// per rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LmcacheReceiver {
+    host: String,
+    init_ports: Vec<u16>,
+    alloc_ports: Vec<u16>,
+}
+
+/// An [`LmcacheReceiver`] could not be built.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiverError {
+    /// No port was given.
+    #[error("an LMCache receiver needs at least one init and one alloc port")]
+    NoPorts,
+    /// The two lists differ in length.
+    #[error("{init} init ports but {alloc} alloc ports: give one of each per TP rank")]
+    Mismatch {
+        /// Init ports given.
+        init: usize,
+        /// Alloc ports given.
+        alloc: usize,
+    },
+    /// The text form did not parse.
+    #[error("`{0}` is not HOST:INIT[,INIT...]:ALLOC[,ALLOC...]")]
+    Syntax(String),
+    /// The endpoint already declares ([`KvProfile::tp_size`]) a tensor-parallel size
+    /// other than the receiver's rank count ([`LmcacheReceiver::insert_into`]).
+    #[error(
+        "the decode declares tensor-parallel size {declared} but its LMCache receiver has {ranks} port(s) of each kind, one per TP rank"
+    )]
+    TpSize {
+        /// The size the endpoint's profile declares.
+        declared: u32,
+        /// The receiver's ranks (ports of each kind).
+        ranks: usize,
+    },
+}
+
+impl LmcacheReceiver {
+    /// A receiver on `host` with one init and one alloc port per TP rank.
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError`] when the lists are empty or differ in length.
+    pub fn new(
+        host: impl Into<String>,
+        init_ports: Vec<u16>,
+        alloc_ports: Vec<u16>,
+    ) -> Result<Self, ReceiverError> {
+        if init_ports.is_empty() || alloc_ports.is_empty() {
+            return Err(ReceiverError::NoPorts);
+        }
+        if init_ports.len() != alloc_ports.len() {
+            return Err(ReceiverError::Mismatch {
+                init: init_ports.len(),
+                alloc: alloc_ports.len(),
+            });
+        }
+        Ok(LmcacheReceiver {
+            host: host.into(),
+            init_ports,
+            alloc_ports,
+        })
+    }
+
+    /// Parses `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` (`10.0.0.7:7300,7301:7400,7401`).
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError`] when the text is not of that form.
+    pub fn parse(s: &str) -> Result<Self, ReceiverError> {
+        let syntax = || ReceiverError::Syntax(s.to_owned());
+        let mut parts = s.rsplitn(3, ':');
+        let (Some(alloc), Some(init), Some(host)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(syntax());
+        };
+        let ports = |list: &str| {
+            list.split(',')
+                .map(|p| p.trim().parse::<u16>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| syntax())
+        };
+        if host.is_empty() {
+            return Err(syntax());
+        }
+        Self::new(host, ports(init)?, ports(alloc)?)
+    }
+
+    /// The host the prefill pushes to.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The init port of each TP rank.
+    pub fn init_ports(&self) -> &[u16] {
+        &self.init_ports
+    }
+
+    /// The alloc port of each TP rank.
+    pub fn alloc_ports(&self) -> &[u16] {
+        &self.alloc_ports
+    }
+
+    /// The decode's TP size: how many notifications make its KV ready.
+    pub fn ranks(&self) -> usize {
+        self.init_ports.len()
+    }
+
+    /// [`ranks`](Self::ranks) as a [`KvProfile::tp_size`]; a list too long for a `u32`
+    /// saturates (no engine has that many ranks, so it still matches none).
+    fn tp_size(&self) -> u32 {
+        u32::try_from(self.ranks()).unwrap_or(u32::MAX)
+    }
+
+    /// Put this receiver into a decode endpoint's extensions, declaring with it the
+    /// endpoint's tensor-parallel size: the port count ([`ranks`](Self::ranks)) is set as
+    /// the [`KvProfile::tp_size`] (a profile already there keeps its other parts), so
+    /// that pair validation (`disagg_resilience::pairing`'s `check_pairs` and
+    /// `ValidatedSource`, over [`check_pair`](disagg_core::pairing::check_pair)) refuses
+    /// a prefill of another declared size (LMCache needs equal sizes, see [`Lmcache`]).
+    ///
+    /// Insert the profile the engine declares first, if any; a plain
+    /// `ext.insert(receiver)` declares nothing, and the pair is then checked only per
+    /// request, by [`Lmcache`]'s `prepare`.
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError::TpSize`] when `ext` already declares another size; `ext` is then
+    /// left as it was.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::pairing::KvProfile;
+    /// use disagg_connectors::lmcache::{LmcacheReceiver, ReceiverError};
+    ///
+    /// let mut ext = http::Extensions::new();
+    /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
+    /// assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
+    ///
+    /// let mut ext = http::Extensions::new();
+    /// ext.insert(KvProfile { tp_size: Some(4), ..KvProfile::default() });
+    /// let err = LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext);
+    /// assert_eq!(err, Err(ReceiverError::TpSize { declared: 4, ranks: 2 }));
+    /// # Ok::<(), ReceiverError>(())
+    /// ```
+    pub fn insert_into(self, ext: &mut http::Extensions) -> Result<(), ReceiverError> {
+        let tp = self.tp_size();
+        let mut profile = ext.get::<KvProfile>().cloned().unwrap_or_default();
+        match profile.tp_size {
+            Some(declared) if declared != tp => {
+                return Err(ReceiverError::TpSize {
+                    declared,
+                    ranks: self.ranks(),
+                });
+            }
+            _ => profile.tp_size = Some(tp),
+        }
+        ext.insert(profile);
+        ext.insert(self);
+        Ok(())
+    }
+}
+
+/// The LMCache P/D connector (vLLM `LMCacheConnectorV1`, NIXL transfer channel).
+///
+/// Decode endpoints carry an [`LmcacheReceiver`] in their extensions; the prefill
+/// engines' `pd_proxy_host`/`pd_proxy_port` point at the [`Notifications`] socket.
+///
+/// A prefill and a decode pair only at equal tensor-parallel sizes
+/// ([`bridges_tp`](KvConnector::bridges_tp)), the decode's size being its receiver's
+/// rank count: [`LmcacheReceiver::insert_into`] declares it, so that pair validation
+/// refuses a prefill that declares another size, and `prepare` refuses such a pair per
+/// request when the receiver was inserted without declaring it.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use disagg_core::{Endpoint, Role};
+/// use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
+/// let connector = Lmcache::new(notifications);
+/// let mut ext = http::Extensions::new();
+/// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
+/// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?;
+/// # let _ = (connector, decode);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Lmcache {
+    notifications: Notifications,
+    prefix: u64,
+    next: AtomicU64,
+    limits: VllmLimits,
+}
+
+impl Lmcache {
+    /// A connector whose requests wait on `notifications`.
+    pub fn new(notifications: Notifications) -> Self {
+        // A fresh prefix per connector: a notification left over from an earlier
+        // process can never complete one of this one's requests.
+        let prefix = RandomState::new().build_hasher().finish();
+        Lmcache {
+            notifications,
+            prefix,
+            next: AtomicU64::new(0),
+            limits: VllmLimits::default(),
+        }
+    }
+
+    /// Check requests against `limits` (the engines' `--max-logprobs` and
+    /// `VLLM_MAX_STOP_STRINGS`) instead of vLLM's defaults.
+    pub fn with_limits(mut self, limits: VllmLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The notification registry the connector waits on.
+    pub fn notifications(&self) -> &Notifications {
+        &self.notifications
+    }
+
+    fn next_req_id(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("disagg-{:016x}-{n}", self.prefix)
+    }
+}
+
+/// What one attempt carries from `prepare` to its reshape.
+#[derive(Debug, Clone)]
+pub(super) struct Plan {
+    pub(super) req_id: String,
+    pub(super) chat: bool,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    /// The client's `max_tokens` (or `max_completion_tokens`).
+    pub(super) max_tokens: Option<u64>,
+    pub(super) min_tokens: Option<u64>,
+    /// How many decode ranks notify.
+    pub(super) ranks: usize,
+    /// The `/tokenize` request, unless the prompt is token ids already.
+    pub(super) tokenize: Option<Bytes>,
+    /// The prompt's token ids, once tokenized.
+    pub(super) tokens: Option<Arc<[u64]>>,
+    /// The prefill's first token, once it answered with one.
+    pub(super) first: Option<First>,
+}
+
+/// The prefill's answer, as far as the client's answer needs it.
+#[derive(Debug, Clone)]
+pub(super) struct First {
+    pub(super) id: String,
+    pub(super) created: u64,
+    pub(super) model: String,
+    pub(super) text: String,
+    /// `Some` when the first token ended the answer.
+    pub(super) finish: Option<String>,
+    /// The prefill's usage (the prompt and one token).
+    pub(super) usage: Option<Value>,
+    /// Why the first token stopped the answer (a stop string or token id), as the
+    /// prefill said it; null otherwise.
+    pub(super) stop_reason: Value,
+}
+
+/// The per-request form of pair validation, for endpoints whose receiver was inserted
+/// without declaring its size ([`LmcacheReceiver::insert_into`] declares it, and then
+/// `disagg_resilience::pairing::check_pairs` refuses the pair before any
+/// request): a declared size that disagrees with the receiver's rank count would make
+/// the decode leg wait out the handoff budget, or fail the prefill engine, so the
+/// attempt is refused at once. Undeclared sizes are not checked.
+fn check_tp(
+    prefill: &Endpoint,
+    decode: &Endpoint,
+    receiver: &LmcacheReceiver,
+) -> Result<(), ConnectorError> {
+    let declared = |ep: &Endpoint| ep.ext().get::<KvProfile>().and_then(|p| p.tp_size);
+    let ranks = receiver.tp_size();
+    if let Some(d) = declared(decode).filter(|d| *d != ranks) {
+        let err = ReceiverError::TpSize {
+            declared: d,
+            ranks: receiver.ranks(),
+        };
+        return Err(ConnectorError::NotReady {
+            reason: format!("decode endpoint {}: {err}", decode.id()),
+        });
+    }
+    if let Some(p) = declared(prefill).filter(|p| *p != ranks) {
+        let err = PairError {
+            prefill: prefill.id().clone(),
+            decode: decode.id().clone(),
+            mismatch: Mismatch::TpSize {
+                connector: "lmcache",
+                prefill: p,
+                decode: ranks,
+            },
+        };
+        return Err(ConnectorError::NotReady {
+            reason: err.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The KV-ready wait of one attempt: its registration, dropped with the plan.
+#[derive(Debug)]
+struct Gate(Pending);
+
+#[async_trait]
+impl KvGate for Gate {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        self.0.ready().await.map_err(|e| ConnectorError::NotReady {
+            reason: format!("request {}: {e}", self.0.req_id()),
+        })
+    }
+}
+
+#[async_trait]
+impl KvConnector for Lmcache {
+    fn name(&self) -> &'static str {
+        "lmcache"
+    }
+
+    /// The legs are vLLM's: the prefill gets other `max_tokens`, `min_tokens`, `stream`
+    /// and `stream_options` than the client's, so what vLLM refuses in them is refused
+    /// here, before a prefill runs; beam search (whose parameters carry no
+    /// `kv_transfer_params`, so no KV would be pushed) is served by a decode alone.
+    ///
+    /// Grammar-constrained requests (`response_format` other than `text`,
+    /// `structured_outputs`, the older `guided_*`) are served direct too: the first token
+    /// comes from the prefill and the decode continues from the prompt plus that token,
+    /// but vLLM feeds only generated tokens to a request's grammar
+    /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
+    /// decode's grammar would start over after a token already emitted.
+    fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        let decision = crate::vllm::rewrite::check::check_request(req, &self.limits)?;
+        if decision == Decision::Disaggregate && has_grammar(req.body()) {
+            return Ok(Decision::Direct { reason: GRAMMAR });
+        }
+        Ok(decision)
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        let prefill_ep = route.prefill.as_ref().ok_or(ConnectorError::NeedsPrefill {
+            connector: self.name(),
+        })?;
+        let receiver = route.decode.ext().get::<LmcacheReceiver>().ok_or_else(|| {
+            ConnectorError::NotConfigured {
+                endpoint: route.decode.id().clone(),
+                what: "LMCache receiver (host, init and alloc ports)",
+            }
+        })?;
+        check_tp(prefill_ep, &route.decode, receiver)?;
+        let body = req.body();
+        let unsupported = |what: &str| ConnectorError::Unsupported {
+            connector: self.name(),
+            what: what.to_owned(),
+        };
+        if req.api() == Api::Generate {
+            // LMCache's legs are vLLM's OpenAI routes; SGLang's API has no place there.
+            return Err(unsupported("SGLang's native /generate API"));
+        }
+        if int_field(body, "n").is_some_and(|n| n > 1)
+            || int_field(body, "best_of").is_some_and(|n| n > 1)
+        {
+            return Err(unsupported("more than one choice (n, best_of)"));
+        }
+        let chat = req.api() == Api::Chat;
+        if !chat && matches!(body.get("prompt"), Some(p) if is_batch(p)) {
+            return Err(unsupported("a batch of prompts"));
+        }
+        let max_tokens = if chat {
+            int_field(body, "max_completion_tokens").or_else(|| int_field(body, "max_tokens"))
+        } else {
+            int_field(body, "max_tokens")
+        };
+        let stream_options = body.get_bytes("stream_options");
+        let include_usage = body
+            .get_as::<Value>("stream_options")
+            .and_then(Result::ok)
+            .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
+
+        // The ids the orchestrator already has (its tokenizer ran for a router that
+        // reads them) spare the prefill engine's `/tokenize` round trip.
+        let known = req.tokens();
+        let tokenize = match known {
+            Some(_) => None,
+            None => tokenize_request(body, chat)?,
+        };
+
+        // The completions form both legs share.
+        let mut base = body.clone();
+        for field in CHAT_ONLY {
+            base.remove(field);
+        }
+        base.remove("kv_transfer_params");
+        base.remove("stream_options");
+
+        let req_id = self.next_req_id();
+        let mut prefill = base.clone();
+        prefill.set("max_tokens", &1);
+        prefill.set("stream", &false);
+        prefill.remove("min_tokens");
+        let spec = json!({
+            "ret_first_tok": true,
+            "disagg_spec": {
+                "req_id": req_id,
+                "receiver_host": receiver.host(),
+                "receiver_init_port": receiver.init_ports(),
+                "receiver_alloc_port": receiver.alloc_ports(),
+            }
+        });
+        prefill.set("kv_transfer_params", &spec);
+        if let Some(ids) = known {
+            prefill.set("prompt", ids);
+        }
+
+        // The decode leg, streaming as the client asked. As it stands it computes the
+        // whole answer from the prompt (what a prefill without a first token leaves);
+        // `resolve` adds the token ids, `complete` the first token and the budgets left.
+        let mut decode = base;
+        if let Some(ids) = known {
+            decode.set("prompt", ids);
+        }
+        if let Some(m) = max_tokens {
+            decode.set("max_tokens", &m);
+        }
+        decode.set("stream", &req.is_stream());
+        if req.is_stream()
+            && let Some(o) = &stream_options
+        {
+            decode.set_raw("stream_options", o.clone());
+        }
+
+        let mut handoff = Handoff::new(
+            Dispatch::AfterPrefill,
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(prefill_ep), prefill)
+            },
+            Leg {
+                api: Some(Api::Completions),
+                ..Leg::new(Arc::clone(&route.decode), decode)
+            },
+        );
+        handoff.ext.insert(Plan {
+            req_id,
+            chat,
+            stream: req.is_stream(),
+            include_usage,
+            max_tokens,
+            min_tokens: int_field(body, "min_tokens"),
+            ranks: receiver.ranks(),
+            tokenize,
+            tokens: None,
+            first: None,
+        });
+        Ok(handoff)
+    }
+
+    /// Equal sizes only, whatever the trait's default: each prefill TP rank pushes to
+    /// and notifies for the receiver port of its own rank
+    /// (`receiver_init_port[tp_rank]` in `PDBackend.batched_submit_put_task`,
+    /// LMCache/LMCache `lmcache/v1/storage_backend/pd_backend.py`), and the decode leg
+    /// waits for one notification per port. Fewer prefill ranks never complete the
+    /// wait; more index past the list and fail in the prefill engine.
+    /// The decode leg as a one-token, non-streaming prefill, as vLLM NIXL's: the decode
+    /// engine takes the KV LMCache pushed for it and frees it once that token is made.
+    fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
+        Some(
+            crate::vllm::rewrite::PrefillRewriter::new()
+                .rewrite(api, &decode.body)
+                .to_bytes(),
+        )
+    }
+
+    fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
+        prefill_tp == decode_tp
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        let ep = Arc::clone(&handoff.prefill.endpoint);
+        let Some(plan) = handoff.ext.get::<Plan>().cloned() else {
+            return Err(ConnectorError::NotReady {
+                reason: "the plan was not prepared by this connector".into(),
+            });
+        };
+        let tokens: Arc<[u64]> = match (&plan.tokenize, handoff.prefill.body.get("prompt")) {
+            (Some(t), _) => tokenize(transport, &ep, t.clone())
+                .await
+                .map_err(|e| engine_error(&ep, "/tokenize", e))?,
+            (None, Some(raw)) => serde_json::from_slice::<Vec<u64>>(raw)
+                .map_err(|e| engine_error(&ep, "reading the prompt's token ids", e.into()))?
+                .into(),
+            (None, None) => return Err(engine_error(&ep, "/tokenize", "no prompt".into())),
+        };
+        if tokens.is_empty() {
+            return Err(engine_error(
+                &ep,
+                "/tokenize",
+                "the prompt tokenized to nothing".into(),
+            ));
+        }
+        handoff.prefill.body.set("prompt", &*tokens);
+        handoff.decode.body.set("prompt", &*tokens);
+        // Registered before the prefill leg exists: its notifications may come first.
+        let pending = self
+            .notifications
+            .register(&plan.req_id, plan.ranks)
+            .map_err(|e| ConnectorError::NotReady {
+                reason: e.to_string(),
+            })?;
+        handoff.gate = Some(Arc::new(Gate(pending)));
+        if let Some(p) = handoff.ext.get_mut::<Plan>() {
+            p.tokens = Some(tokens);
+        }
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        let endpoint = handoff.prefill.endpoint.id().clone();
+        let reply: PrefillReply =
+            serde_json::from_slice(&answer.body).map_err(|_| ConnectorError::InvalidHandoff {
+                endpoint: endpoint.clone(),
+                field: "choices",
+            })?;
+        let Some(plan) = handoff.ext.get_mut::<Plan>() else {
+            return Ok(HandoffFound::Missing);
+        };
+        let first_tok = reply.kv_transfer_params.as_ref().and_then(|p| p.first_tok);
+        let (Some(first_tok), Some(choice), Some(tokens)) =
+            (first_tok, reply.choices.first(), plan.tokens.clone())
+        else {
+            // No first token: the decode computes the whole answer from the prompt.
+            handoff.gate = None;
+            handoff.reshape = reshaper(plan);
+            return Ok(HandoffFound::Missing);
+        };
+        let finished = choice
+            .finish_reason
+            .as_deref()
+            .is_some_and(|f| f != "length")
+            || plan.max_tokens.is_some_and(|m| m <= 1);
+        let first = First {
+            id: reply.id.unwrap_or_else(|| format!("cmpl-{}", plan.req_id)),
+            created: reply.created.unwrap_or(0),
+            model: reply.model.unwrap_or_default(),
+            text: choice.text.clone().unwrap_or_default(),
+            usage: reply.usage,
+            stop_reason: choice.stop_reason.clone(),
+            finish: finished.then(|| {
+                choice
+                    .finish_reason
+                    .clone()
+                    .unwrap_or_else(|| "length".to_owned())
+            }),
+        };
+        plan.first = Some(first);
+        handoff.reshape = reshaper(plan);
+        if plan.stream {
+            handoff.lead = Some(lead(plan));
+        }
+        if finished {
+            handoff.gate = None;
+            return Ok(HandoffFound::Finished);
+        }
+        let decode = &mut handoff.decode.body;
+        let mut prompt = Vec::with_capacity(tokens.len() + 1);
+        prompt.extend_from_slice(&tokens);
+        prompt.push(first_tok);
+        decode.set("prompt", &prompt);
+        if let Some(m) = plan.max_tokens {
+            decode.set("max_tokens", &(m - 1));
+        }
+        if let Some(m) = plan.min_tokens {
+            decode.set("min_tokens", &m.saturating_sub(1));
+        }
+        Ok(HandoffFound::Handed)
+    }
+}
+
+#[derive(Deserialize)]
+struct PrefillReply {
+    id: Option<String>,
+    created: Option<u64>,
+    model: Option<String>,
+    #[serde(default)]
+    choices: Vec<ChoiceIn>,
+    kv_transfer_params: Option<KvParamsIn>,
+    usage: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceIn {
+    text: Option<String>,
+    finish_reason: Option<String>,
+    #[serde(default)]
+    stop_reason: Value,
+}
+
+#[derive(Deserialize)]
+struct KvParamsIn {
+    first_tok: Option<u64>,
+}
+
+fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
+    body.get_as::<Option<u64>>(key)
+        .and_then(Result::ok)
+        .flatten()
+}
+
+fn is_batch(raw: &[u8]) -> bool {
+    serde_json::from_slice::<Vec<Value>>(raw)
+        .is_ok_and(|v| v.iter().any(|x| x.is_string() || x.is_array()))
+}
+
+fn is_token_ids(raw: &[u8]) -> bool {
+    raw.first() == Some(&b'[') && serde_json::from_slice::<Vec<u64>>(raw).is_ok()
+}
+
+/// The `/tokenize` body for a client's request (`None`: its prompt is token ids).
+fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, ConnectorError> {
+    let mut out = Map::new();
+    let raw = |key: &str| {
+        body.get_as::<Value>(key)
+            .and_then(Result::ok)
+            .filter(|v| !v.is_null())
+    };
+    if let Some(m) = raw("model") {
+        out.insert("model".into(), m);
+    }
+    if chat {
+        let messages = raw("messages").unwrap_or(Value::Array(Vec::new()));
+        out.insert("messages".into(), messages);
+        let generation_prompt = raw("add_generation_prompt").unwrap_or(Value::Bool(true));
+        out.insert("add_generation_prompt".into(), generation_prompt);
+        for key in [
+            "continue_final_message",
+            "chat_template",
+            "chat_template_kwargs",
+        ] {
+            if let Some(v) = raw(key) {
+                out.insert(key.into(), v);
+            }
+        }
+    } else {
+        match body.get("prompt") {
+            Some(p) if is_token_ids(p) => return Ok(None),
+            _ => {
+                out.insert("prompt".into(), raw("prompt").unwrap_or(Value::Null));
+            }
+        }
+    }
+    serde_json::to_vec(&out)
+        .map(|v| Some(Bytes::from(v)))
+        .map_err(|source| ConnectorError::Encode {
+            field: "tokenize",
+            source,
+        })
+}
+
+fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> ConnectorError {
+    ConnectorError::Engine {
+        endpoint: ep.id().clone(),
+        what,
+        source,
+    }
+}
+
+/// The prompt's token ids, from the prefill engine's `/tokenize` (the exchange
+/// `disagg-tokenize`'s `EngineTokenizer` makes too).
+async fn tokenize(
+    transport: &dyn Transport,
+    ep: &Arc<Endpoint>,
+    body: Bytes,
+) -> Result<Arc<[u64]>, BoxError> {
+    let uri = ep.uri("/tokenize").map_err(boxed)?;
+    let ids = disagg_tokenize::engine::request_tokens(transport, uri, body, MAX_BODY)
+        .await
+        .map_err(boxed)?;
+    Ok(ids.into_iter().map(u64::from).collect())
+}
+
+fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
+    Box::new(e)
+}
+
+#[cfg(test)]
+mod tests;

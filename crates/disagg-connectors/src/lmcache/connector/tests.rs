@@ -1,0 +1,463 @@
+//! Unit tests of `connector`.
+
+use super::*;
+use crate::common::sse::{EventMap, MapEvents};
+use crate::lmcache::reshape::*;
+use bytes::BytesMut;
+use disagg_core::Role;
+use disagg_core::endpoint::Endpoint;
+use disagg_core::pairing::KvRole;
+use disagg_core::transport::BoxBody;
+use http::HeaderMap;
+use http_body::Frame;
+use http_body_util::BodyExt;
+
+fn route(receiver: Option<LmcacheReceiver>) -> Route {
+    let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
+    let mut ext = http::Extensions::new();
+    if let Some(r) = receiver {
+        ext.insert(r);
+    }
+    let d = Arc::new(Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap());
+    Route::new(Some(p), d)
+}
+
+fn request(api: Api, body: &str) -> PdRequest {
+    PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
+}
+
+fn connector() -> Lmcache {
+    Lmcache::new(Notifications::detached(
+        crate::lmcache::NotifyConfig::default(),
+    ))
+}
+
+fn receiver() -> LmcacheReceiver {
+    LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401").unwrap()
+}
+
+#[test]
+fn receivers_parse_and_refuse_what_cannot_be_one() {
+    let r = receiver();
+    assert_eq!(r.host(), "10.0.0.7");
+    assert_eq!(r.init_ports(), [7300, 7301]);
+    assert_eq!(r.alloc_ports(), [7400, 7401]);
+    assert_eq!(r.ranks(), 2);
+    assert_eq!(
+        LmcacheReceiver::parse("h:1,2:3"),
+        Err(ReceiverError::Mismatch { init: 2, alloc: 1 })
+    );
+    for bad in ["h:1", ":1:2", "h:x:2", "h:1:", "1:2"] {
+        assert!(LmcacheReceiver::parse(bad).is_err(), "{bad}");
+    }
+    assert_eq!(
+        LmcacheReceiver::new("h", vec![], vec![]),
+        Err(ReceiverError::NoPorts)
+    );
+}
+
+#[test]
+fn the_prefill_leg_is_a_one_token_completion_carrying_the_receiver() {
+    let req = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":9,"stream":true,"stream_options":{"include_usage":true},"logprobs":true,"temperature":0.5}"#,
+    );
+    let h = connector().prepare(&route(Some(receiver())), &req).unwrap();
+    assert_eq!(h.dispatch, Dispatch::AfterPrefill);
+    assert_eq!(h.prefill.api, Some(Api::Completions));
+    assert_eq!(h.decode.api, Some(Api::Completions));
+    let p: Value = serde_json::from_slice(&h.prefill.body.to_bytes()).unwrap();
+    assert_eq!(p["max_tokens"], 1);
+    assert_eq!(p["stream"], false);
+    assert_eq!(p["temperature"], 0.5);
+    for gone in [
+        "messages",
+        "max_completion_tokens",
+        "stream_options",
+        "logprobs",
+    ] {
+        assert!(p.get(gone).is_none(), "{gone} in {p}");
+    }
+    let spec = &p["kv_transfer_params"];
+    assert_eq!(spec["ret_first_tok"], true);
+    assert_eq!(spec["disagg_spec"]["receiver_host"], "10.0.0.7");
+    assert_eq!(
+        spec["disagg_spec"]["receiver_init_port"],
+        json!([7300, 7301])
+    );
+    assert_eq!(
+        spec["disagg_spec"]["receiver_alloc_port"],
+        json!([7400, 7401])
+    );
+    assert!(spec["disagg_spec"]["req_id"].is_string());
+    let d: Value = serde_json::from_slice(&h.decode.body.to_bytes()).unwrap();
+    assert_eq!(d["max_tokens"], 9);
+    assert_eq!(d["stream"], true);
+    assert_eq!(d["stream_options"]["include_usage"], true);
+    assert!(d.get("kv_transfer_params").is_none());
+    // Each attempt gets its own id.
+    let again = connector().prepare(&route(Some(receiver())), &req).unwrap();
+    let id = |h: &Handoff| {
+        let v: Value = serde_json::from_slice(&h.prefill.body.to_bytes()).unwrap();
+        v["kv_transfer_params"]["disagg_spec"]["req_id"].clone()
+    };
+    assert_ne!(id(&h), id(&again));
+}
+
+#[test]
+fn what_the_protocol_cannot_carry_is_refused() {
+    let c = connector();
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"n":2}"#;
+    assert!(matches!(
+        c.prepare(&route(Some(receiver())), &request(Api::Chat, chat)),
+        Err(ConnectorError::Unsupported { .. })
+    ));
+    let batch = r#"{"model":"m","prompt":["a","b"]}"#;
+    assert!(matches!(
+        c.prepare(&route(Some(receiver())), &request(Api::Completions, batch)),
+        Err(ConnectorError::Unsupported { .. })
+    ));
+    let ok = r#"{"model":"m","prompt":"a"}"#;
+    assert!(matches!(
+        c.prepare(&route(None), &request(Api::Completions, ok)),
+        Err(ConnectorError::NotConfigured { .. })
+    ));
+}
+
+fn shape(chat: bool) -> Shape {
+    Shape {
+        chat,
+        first: Some(First {
+            id: "cmpl-7".into(),
+            created: 5,
+            model: "m".into(),
+            text: " one".into(),
+            finish: None,
+            usage: None,
+            stop_reason: Value::Null,
+        }),
+        prompt_tokens: 3,
+    }
+}
+
+fn events(out: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(out)
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn a_completion_stream_becomes_a_chat_stream_event_by_event() {
+    let decode = concat!(
+        "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" two\",\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+        "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"\",\"logprobs\":null,\"finish_reason\":\"length\"}],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":2,\"total_tokens\":6}}\n\n",
+        "data: [DONE]\n\n",
+    );
+    // Frames cut in the middle of events.
+    let frames: Vec<Result<Frame<Bytes>, BoxError>> = decode
+        .as_bytes()
+        .chunks(37)
+        .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+        .collect();
+    let body = BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
+        frames,
+    )));
+    let mapped = MapEvents::new(body, Arc::new(shape(true)));
+    let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
+    let evs = events(&out);
+    assert_eq!(evs.len(), 3, "{evs:?}");
+    let first: Value = serde_json::from_str(evs[0].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(first["id"], "chatcmpl-7");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["content"], " two");
+    assert!(first["choices"][0].get("text").is_none());
+    let last: Value = serde_json::from_str(evs[1].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    // The prompt once (3, not the decode's 4), and the prefill's token counted.
+    assert_eq!(
+        last["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+    );
+    assert_eq!(evs[2], "data: [DONE]");
+}
+
+/// The SSE specification ends an event at a blank line whatever the line ends:
+/// `\r\n\r\n` and `\r\r` too, even cut between its `\r` and `\n`.
+#[tokio::test]
+async fn events_framed_with_cr_and_crlf_are_found_wherever_the_frames_are_cut() {
+    let one = "data: {\"id\":\"cmpl-d\",\"object\":\"text_completion\",\"created\":9,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\" two\",\"logprobs\":null,\"finish_reason\":null}]}";
+    for sep in ["\r\n\r\n", "\r\r", "\n\r\n", "\n\n"] {
+        let decode = format!("{one}{sep}{one}{sep}data: [DONE]{sep}");
+        for cut in 1..=decode.len() {
+            let frames: Vec<Result<Frame<Bytes>, BoxError>> = decode
+                .as_bytes()
+                .chunks(cut)
+                .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+                .collect();
+            let mapped = MapEvents::new(
+                BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter(
+                    frames,
+                ))),
+                Arc::new(shape(true)),
+            );
+            let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
+            let evs = events(&out);
+            assert_eq!(evs.len(), 3, "{sep:?} cut {cut}: {evs:?}");
+            for ev in &evs[..2] {
+                let v: Value = serde_json::from_str(ev.strip_prefix("data: ").unwrap()).unwrap();
+                assert_eq!(v["object"], "chat.completion.chunk", "{sep:?} cut {cut}");
+            }
+            assert_eq!(evs[2], "data: [DONE]", "{sep:?} cut {cut}");
+        }
+    }
+}
+
+#[test]
+fn error_events_and_done_pass_unchanged() {
+    let s = shape(true);
+    let mut out = BytesMut::new();
+    s.event(br#"data: {"error":{"message":"x","code":"c"}}"#, &mut out);
+    s.event(b"data: [DONE]", &mut out);
+    assert_eq!(
+        events(&out),
+        [
+            r#"data: {"error":{"message":"x","code":"c"}}"#,
+            "data: [DONE]"
+        ]
+    );
+}
+
+#[test]
+fn a_whole_answer_gets_the_first_token_in_front() {
+    let decode = br#"{"id":"cmpl-d","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":" two three","logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}"#;
+    let chat: Value = serde_json::from_slice(&shape(true).whole(decode).unwrap()).unwrap();
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["id"], "chatcmpl-7");
+    assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(chat["choices"][0]["message"]["content"], " one two three");
+    assert_eq!(chat["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chat["usage"]["prompt_tokens"], 3);
+    assert_eq!(chat["usage"]["completion_tokens"], 3);
+    let text: Value = serde_json::from_slice(&shape(false).whole(decode).unwrap()).unwrap();
+    assert_eq!(text["object"], "text_completion");
+    assert_eq!(text["choices"][0]["text"], " one two three");
+    assert!(shape(true).whole(b"[1]").is_err());
+}
+
+/// An endpoint declaring `profile`, with `receiver` installed as a proxy does it
+/// (`insert_into`, declaring its size).
+fn declared(
+    url: &str,
+    role: Role,
+    profile: Option<KvProfile>,
+    receiver: Option<LmcacheReceiver>,
+) -> Endpoint {
+    let mut ext = http::Extensions::new();
+    if let Some(p) = profile {
+        ext.insert(p);
+    }
+    if let Some(r) = receiver {
+        r.insert_into(&mut ext).unwrap();
+    }
+    Endpoint::with_extensions(url, role, ext).unwrap()
+}
+
+fn tp(size: u32) -> Option<KvProfile> {
+    Some(KvProfile {
+        tp_size: Some(size),
+        ..KvProfile::default()
+    })
+}
+
+#[test]
+fn pairs_of_unequal_tp_are_refused_the_decodes_size_being_its_receivers() {
+    use disagg_core::endpoint::EndpointSet;
+    use disagg_resilience::pairing::check_pairs;
+    // The decode declares no profile: its receiver's two ports are its size.
+    let set = EndpointSet::new(
+        [
+            declared("http://p1:7100", Role::Prefill, tp(1), None),
+            declared("http://p2:7100", Role::Prefill, tp(2), None),
+            declared("http://p4:7100", Role::Prefill, tp(4), None),
+            declared("http://p0:7100", Role::Prefill, None, None),
+            declared("http://d:7200", Role::Decode, None, Some(receiver())),
+        ]
+        .map(Arc::new),
+    );
+    let err = check_pairs(&set, &connector()).unwrap_err();
+    let refused: Vec<_> = err
+        .pairs
+        .iter()
+        .map(|p| (p.prefill.as_str(), p.decode.as_str(), p.mismatch.clone()))
+        .collect();
+    let mismatch = |prefill, decode| Mismatch::TpSize {
+        connector: "lmcache",
+        prefill,
+        decode,
+    };
+    // Fewer prefill ranks would never complete the wait, more would fail the
+    // prefill; equal and undeclared sizes pass.
+    assert_eq!(
+        refused,
+        [
+            ("http://p1:7100", "http://d:7200", mismatch(1, 2)),
+            ("http://p4:7100", "http://d:7200", mismatch(4, 2)),
+        ]
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("prefill endpoint http://p1:7100 and decode endpoint http://d:7200")
+            && text.contains("from tensor-parallel size 1 to 2"),
+        "{text}"
+    );
+    // A decode profile that declares other parts keeps them and gains the size.
+    let role = KvProfile {
+        role: Some(KvRole::Consumer),
+        ..KvProfile::default()
+    };
+    let d = declared("http://d:7200", Role::Decode, Some(role), Some(receiver()));
+    let p = d.ext().get::<KvProfile>().unwrap();
+    assert_eq!((p.role, p.tp_size), (Some(KvRole::Consumer), Some(2)));
+    assert!(connector().bridges_tp(2, 2));
+    assert!(!connector().bridges_tp(1, 2) && !connector().bridges_tp(4, 2));
+}
+
+#[test]
+fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
+    let mut ext = http::Extensions::new();
+    ext.insert(tp(4).unwrap());
+    assert_eq!(
+        receiver().insert_into(&mut ext),
+        Err(ReceiverError::TpSize {
+            declared: 4,
+            ranks: 2
+        })
+    );
+    // Left as it was: no receiver, the declared size untouched.
+    assert!(ext.get::<LmcacheReceiver>().is_none());
+    assert_eq!(ext.get::<KvProfile>(), tp(4).as_ref());
+    let mut ext = http::Extensions::new();
+    ext.insert(tp(2).unwrap());
+    receiver().insert_into(&mut ext).unwrap();
+    assert_eq!(ext.get::<LmcacheReceiver>(), Some(&receiver()));
+}
+
+#[tokio::test]
+async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
+    use disagg_core::{EndpointSource, ManualSource};
+    use disagg_resilience::pairing::ValidatedSource;
+    let decode = || declared("http://d:7200", Role::Decode, None, Some(receiver()));
+    let inner = Arc::new(ManualSource::new([
+        declared("http://p2:7100", Role::Prefill, tp(2), None),
+        decode(),
+    ]));
+    let source = ValidatedSource::new(Arc::clone(&inner), Arc::new(connector())).unwrap();
+    // Discovery publishes a prefill of TP 1 next to the decode of two ports.
+    inner.insert(declared("http://p1:7100", Role::Prefill, tp(1), None));
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            if let Some(e) = source.last_error() {
+                return e;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the set is refused");
+    assert_eq!(refused.pairs.len(), 1);
+    assert_eq!(refused.pairs[0].prefill.as_str(), "http://p1:7100");
+    assert_eq!(
+        refused.pairs[0].mismatch,
+        Mismatch::TpSize {
+            connector: "lmcache",
+            prefill: 1,
+            decode: 2
+        }
+    );
+    // The last valid set stays in force.
+    let set = source.snapshot();
+    assert_eq!(set.prefill().len(), 1);
+    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+    // And a new decode whose receiver has one port is refused against TP 2.
+    inner.replace([
+        Arc::new(declared("http://p2:7100", Role::Prefill, tp(2), None)),
+        Arc::new(declared(
+            "http://d1:7200",
+            Role::Decode,
+            None,
+            Some(LmcacheReceiver::parse("10.0.0.8:7300:7400").unwrap()),
+        )),
+    ]);
+    let refused = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            if let Some(e) = source.last_error()
+                && e.pairs[0].decode.as_str() == "http://d1:7200"
+            {
+                return e;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the set is refused");
+    assert!(matches!(
+        refused.pairs[0].mismatch,
+        Mismatch::TpSize {
+            prefill: 2,
+            decode: 1,
+            ..
+        }
+    ));
+    // The refused decode is left out; the old one left the inner set, so no decode
+    // is published (requests get 503 until a decode that pairs appears) while the
+    // prefill in force stays.
+    let set = source.snapshot();
+    assert!(set.decode().is_empty());
+    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+}
+
+#[test]
+fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
+    let req = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":"hi","max_tokens":4}"#,
+    );
+    // The receiver inserted plainly: pair validation cannot see the decode's size.
+    let route = |prefill: Option<KvProfile>, decode: Option<KvProfile>| {
+        let mut ext = http::Extensions::new();
+        if let Some(p) = prefill {
+            ext.insert(p);
+        }
+        let p = Endpoint::with_extensions("http://p:7100", Role::Prefill, ext).unwrap();
+        let mut ext = http::Extensions::new();
+        if let Some(d) = decode {
+            ext.insert(d);
+        }
+        ext.insert(receiver());
+        let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap();
+        Route::new(Some(Arc::new(p)), Arc::new(d))
+    };
+    let refusal = |prefill, decode| {
+        connector()
+            .prepare(&route(prefill, decode), &req)
+            .unwrap_err()
+            .to_string()
+    };
+    let text = refusal(tp(1), None);
+    assert!(
+        text.contains("prefill endpoint http://p:7100 and decode endpoint http://d:7200")
+            && text.contains("from tensor-parallel size 1 to 2"),
+        "{text}"
+    );
+    let text = refusal(None, tp(4));
+    assert!(
+        text.contains("decode endpoint http://d:7200")
+            && text.contains("tensor-parallel size 4")
+            && text.contains("2 port(s)"),
+        "{text}"
+    );
+    assert!(connector().prepare(&route(tp(2), tp(2)), &req).is_ok());
+    assert!(connector().prepare(&route(None, None), &req).is_ok());
+}

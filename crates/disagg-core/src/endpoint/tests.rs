@@ -1,0 +1,244 @@
+//! Unit tests of `endpoint`.
+
+use super::*;
+
+#[test]
+fn parses_base_urls() {
+    let ep = Endpoint::new("http://127.0.0.1:8000/", Role::Decode).unwrap();
+    assert_eq!(ep.id().as_str(), "http://127.0.0.1:8000");
+    assert_eq!(ep.authority().as_str(), "127.0.0.1:8000");
+    assert_eq!(
+        ep.uri("/v1/completions").unwrap().to_string(),
+        "http://127.0.0.1:8000/v1/completions"
+    );
+    assert!(Endpoint::new("http://h:1/v1", Role::Decode).is_err());
+    let tls = Endpoint::new("https://h:1", Role::Decode).unwrap();
+    assert_eq!(
+        tls.uri("/health").unwrap().to_string(),
+        "https://h:1/health"
+    );
+    assert!(Endpoint::new("ftp://h:1", Role::Decode).is_err());
+    assert!(Endpoint::new("h:1", Role::Decode).is_err());
+    assert!(Endpoint::new("not a url", Role::Decode).is_err());
+}
+
+#[test]
+fn a_rank_endpoint_counts_towards_its_engine() {
+    let engine = Arc::new(Endpoint::new("http://10.0.0.5:8100", Role::Prefill).unwrap());
+    let rank = Arc::new(engine.dp_rank(1));
+    assert_eq!(rank.id().as_str(), "http://10.0.0.5:8100@1");
+    let guard = rank.track();
+    assert_eq!((rank.in_flight(), engine.in_flight()), (1, 1));
+    drop(guard);
+    assert_eq!((rank.in_flight(), engine.in_flight()), (0, 0));
+}
+
+#[test]
+fn weights_are_set_checked_and_carried_to_ranks() {
+    let ep = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+    assert_eq!(ep.weight(), 1.0);
+    let ep = Arc::new(ep.with_weight(3.5).unwrap());
+    assert_eq!(ep.dp_rank(2).weight(), 3.5);
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = Endpoint::new("http://h:1", Role::Decode).unwrap();
+        assert!(
+            matches!(e.with_weight(bad), Err(EndpointError::InvalidWeight { .. })),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn link_local_and_metadata_hosts_are_refused_unless_allowed() {
+    let refused = [
+        "http://169.254.169.254",
+        "http://169.254.0.1:8000",
+        "https://169.254.255.255:443@3",
+        "http://[fe80::1]:8000",
+        "http://[febf:ffff::1]:8000",
+        "http://[fd00:ec2::254]",
+        "http://[::ffff:169.254.169.254]:80",
+        "http://[::ffff:a9fe:a9fe]",
+        "http://[::169.254.169.254]",
+        "http://[64:ff9b::169.254.169.254]",
+    ];
+    for url in refused {
+        assert!(
+            matches!(
+                Endpoint::new(url, Role::Decode),
+                Err(EndpointError::RefusedAddress { .. })
+            ),
+            "{url}"
+        );
+        let allowed = Endpoint::with_address_policy(
+            url,
+            Role::Decode,
+            http::Extensions::new(),
+            AddressPolicy::allow_link_local(),
+        );
+        assert!(allowed.is_ok(), "{url}: {allowed:?}");
+    }
+    let kept = [
+        "http://127.0.0.1:1",
+        "http://10.0.0.5:8100",
+        "http://169.253.255.255",
+        "http://169.255.0.1",
+        "http://[::1]:8000",
+        "http://[::]:8000",
+        "http://[fec0::1]:8000",
+        "http://[fd00:ec2::253]",
+        "http://[::ffff:10.0.0.1]",
+        "http://metadata.google.internal",
+    ];
+    for url in kept {
+        assert!(Endpoint::new(url, Role::Decode).is_ok(), "{url}");
+    }
+    let err = Endpoint::new("http://169.254.169.254", Role::Decode)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("169.254.169.254") && err.contains("metadata"),
+        "{err}"
+    );
+}
+
+#[test]
+fn ranks_parse_count_and_are_capped() {
+    assert_eq!("0-3".parse::<Ranks>().unwrap(), Ranks::new(0, 3).unwrap());
+    assert_eq!("2".parse::<Ranks>().unwrap().count(), 1);
+    assert!("3-1".parse::<Ranks>().is_err());
+    assert!("a-b".parse::<Ranks>().is_err());
+    let all: Ranks = "0-4294967295".parse().unwrap();
+    assert_eq!(all.count(), 1 << 32);
+    match all.within(DEFAULT_MAX_DP_RANKS) {
+        Err(RanksError::TooMany { count, max, .. }) => {
+            assert_eq!((count, max), (1 << 32, 1024));
+        }
+        other => panic!("{other:?}"),
+    }
+    let most = Ranks::new(0, DEFAULT_MAX_DP_RANKS - 1).unwrap();
+    assert_eq!(most.within(DEFAULT_MAX_DP_RANKS), Ok(most));
+    assert!(
+        Ranks::new(0, DEFAULT_MAX_DP_RANKS)
+            .unwrap()
+            .within(DEFAULT_MAX_DP_RANKS)
+            .is_err()
+    );
+}
+
+#[test]
+fn guards_count_in_flight() {
+    let ep = Arc::new(Endpoint::new("http://h:1", Role::Prefill).unwrap());
+    let a = ep.track();
+    let b = ep.track();
+    assert_eq!(ep.in_flight(), 2);
+    drop(a);
+    assert_eq!(ep.in_flight(), 1);
+    drop(b);
+    assert_eq!(ep.in_flight(), 0);
+}
+
+#[test]
+fn a_rank_suffix_names_a_data_parallel_rank() {
+    let ep = Endpoint::new("http://10.0.0.1:8100/@7", Role::Prefill).unwrap();
+    assert_eq!(ep.rank(), Some(7));
+    assert_eq!(ep.id().as_str(), "http://10.0.0.1:8100@7");
+    assert_eq!(ep.authority().as_str(), "10.0.0.1:8100");
+    assert_eq!(
+        ep.api_uri(Api::Chat).unwrap().to_string(),
+        "http://10.0.0.1:8100/v1/chat/completions"
+    );
+    assert!(matches!(
+        Endpoint::new("http://h:1@99999999999", Role::Decode),
+        Err(EndpointError::InvalidRank { .. })
+    ));
+    // User information is no rank, and no engine URL either.
+    assert!(Endpoint::new("http://user@h:1", Role::Decode).is_err());
+    let route = crate::router::Route::new(
+        Some(Arc::new(ep)),
+        Arc::new(Endpoint::new("http://d:1@2", Role::Decode).unwrap()),
+    );
+    assert_eq!((route.prefill_rank, route.decode_rank), (Some(7), Some(2)));
+}
+
+fn ep(url: &str, role: Role, models: &[&str]) -> Arc<Endpoint> {
+    let ep = Endpoint::new(url, role).unwrap();
+    Arc::new(if models.is_empty() {
+        ep
+    } else {
+        ep.with_models(models.iter().copied())
+    })
+}
+
+fn ids(eps: &[Arc<Endpoint>]) -> Vec<&str> {
+    eps.iter().map(|e| e.id().as_str()).collect()
+}
+
+#[test]
+fn a_set_without_declared_models_serves_any() {
+    let set = EndpointSet::new([
+        ep("http://p:1", Role::Prefill, &[]),
+        ep("http://d:1", Role::Decode, &[]),
+    ]);
+    // No endpoint declares models: the set does not route by model.
+    assert!(set.models.is_none());
+    assert!(set.served_models().is_empty());
+    assert!(std::ptr::eq(set.for_model(Some("anything")).unwrap(), &set));
+    assert!(std::ptr::eq(set.for_model(None).unwrap(), &set));
+}
+
+#[test]
+fn models_limit_the_candidates() {
+    let set = EndpointSet::new([
+        ep("http://p1:1", Role::Prefill, &["llama"]),
+        ep("http://p2:1", Role::Prefill, &["qwen", "llama"]),
+        ep("http://d1:1", Role::Decode, &["llama"]),
+        ep("http://d2:1", Role::Decode, &["qwen"]),
+        ep("http://p3:1", Role::Prefill, &["mistral"]),
+    ]);
+    // Some endpoint declares models: the set routes by model.
+    assert!(set.models.is_some());
+    assert_eq!(
+        set.served_models().iter().map(|m| &**m).collect::<Vec<_>>(),
+        ["llama", "qwen"],
+        "a model only a prefill serves cannot be served"
+    );
+    let llama = set.for_model(Some("llama")).unwrap();
+    assert_eq!(ids(llama.prefill()), ["http://p1:1", "http://p2:1"]);
+    assert_eq!(ids(llama.decode()), ["http://d1:1"]);
+    let qwen = set.for_model(Some("qwen")).unwrap();
+    assert_eq!(ids(qwen.prefill()), ["http://p2:1"]);
+    assert_eq!(ids(qwen.decode()), ["http://d2:1"]);
+    match set.for_model(Some("mistral")) {
+        Err(RouteError::UnknownModel { model, served }) => {
+            assert_eq!(model, "mistral");
+            assert_eq!(served.len(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        set.for_model(Some("gpt")),
+        Err(RouteError::UnknownModel { .. })
+    ));
+    assert!(matches!(
+        set.for_model(None),
+        Err(RouteError::ModelRequired { .. })
+    ));
+}
+
+#[test]
+fn undeclared_endpoints_serve_every_model_and_the_rest() {
+    let set = EndpointSet::new([
+        ep("http://p1:1", Role::Prefill, &[]),
+        ep("http://d1:1", Role::Decode, &["llama"]),
+        ep("http://d2:1", Role::Decode, &[]),
+    ]);
+    let llama = set.for_model(Some("llama")).unwrap();
+    assert_eq!(ids(llama.prefill()), ["http://p1:1"]);
+    assert_eq!(ids(llama.decode()), ["http://d1:1", "http://d2:1"]);
+    let other = set.for_model(Some("other")).unwrap();
+    assert_eq!(ids(other.decode()), ["http://d2:1"]);
+    // One declared model: a request naming none goes to it.
+    let one = EndpointSet::new([ep("http://d1:1", Role::Decode, &["llama"])]);
+    assert_eq!(ids(one.for_model(None).unwrap().decode()), ["http://d1:1"]);
+}

@@ -1,0 +1,253 @@
+//! Unit tests of `event`.
+
+use proptest::prelude::*;
+use rmpv::Value;
+
+use super::*;
+
+#[test]
+fn frames_need_three_and_an_eight_byte_seq() {
+    let seq = 7u64.to_be_bytes();
+    let f = split_frames(&[b"t", &seq, b"p"]).unwrap();
+    assert_eq!((f.topic, f.seq, f.payload), (&b"t"[..], 7, &b"p"[..]));
+    assert!(matches!(
+        split_frames(&[b"t", b"1234", b"p"]),
+        Err(DecodeError::Frames {
+            frames: 3,
+            seq_len: 4
+        })
+    ));
+    assert!(split_frames(&[b"t", &seq]).is_err());
+}
+
+#[test]
+fn malformed_known_event_fails_the_batch() {
+    let bad = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![Value::Map(vec![
+            ("type".into(), "BlockStored".into()),
+            ("block_hashes".into(), Value::Array(vec![1.into()])),
+            ("token_ids".into(), Value::Array(vec![(-1).into()])),
+            ("block_size".into(), 16.into()),
+        ])]),
+    ]);
+    assert_eq!(
+        decode_batch(&encode(&bad)),
+        Err(DecodeError::Field {
+            event: "BlockStored",
+            field: "token_ids"
+        })
+    );
+    assert!(matches!(
+        decode_batch(&[0x93, 0xcb, 0x3f]),
+        Err(DecodeError::Msgpack(_))
+    ));
+    assert_eq!(
+        decode_batch(&encode(&Value::from(3))),
+        Err(DecodeError::Batch)
+    );
+    let untagged = Value::Array(vec![Value::F64(1.0), Value::Array(vec![Value::from(5)])]);
+    assert_eq!(decode_batch(&encode(&untagged)), Err(DecodeError::Untagged));
+}
+
+#[test]
+fn numbers_out_of_range_fail_the_event_not_the_process() {
+    // A block size of 2^63 (and 0) is refused at decoding: the index multiplies it.
+    for block_size in [
+        Value::from(1u64 << 63),
+        Value::from(0),
+        Value::from((MAX_BLOCK_SIZE + 1) as u64),
+    ] {
+        let stored = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![Value::Map(vec![
+                ("type".into(), "BlockStored".into()),
+                (
+                    "block_hashes".into(),
+                    Value::Array(vec![1.into(), 2.into()]),
+                ),
+                ("token_ids".into(), Value::Array(vec![1.into(); 4])),
+                ("block_size".into(), block_size),
+            ])]),
+        ]);
+        assert_eq!(
+            decode_batch(&encode(&stored)),
+            Err(DecodeError::Field {
+                event: "BlockStored",
+                field: "block_size"
+            })
+        );
+    }
+}
+
+/// `[ts, [0] * n]` as an engine-like publisher would send it, built without an
+/// intermediate value.
+fn zeros_batch(n: u32) -> Vec<u8> {
+    let mut out = vec![0x92, 0xcb];
+    out.extend_from_slice(&1.0f64.to_be_bytes());
+    out.push(0xdd);
+    out.extend_from_slice(&n.to_be_bytes());
+    out.resize(out.len() + n as usize, 0);
+    out
+}
+
+#[test]
+fn counts_and_decoded_memory_have_ceilings() {
+    // 24 MB of one-byte "events": more than the default 65,536 events, refused
+    // before any is read; fewer, refused at the first (not an event).
+    assert_eq!(
+        decode_batch(&zeros_batch(24_000_000)),
+        Err(DecodeError::Limit { what: "events" })
+    );
+    assert_eq!(decode_batch(&zeros_batch(1000)), Err(DecodeError::Untagged));
+    // More events than the limit: refused before any is read.
+    let limits = DecodeLimits {
+        max_events: 10,
+        ..DecodeLimits::default()
+    };
+    assert_eq!(
+        decode_batch_with(&zeros_batch(11), &limits),
+        Err(DecodeError::Limit { what: "events" })
+    );
+    // One event of 4 M one-byte hashes: 4 MB on the wire, 128 MB as `BlockHash`es,
+    // over the decoded bytes' ceiling of four times the message size.
+    let n = 4_000_000u32;
+    let mut payload = vec![0x92, 0x01, 0x91, 0x92, 0xac];
+    payload.extend_from_slice(b"BlockRemoved");
+    payload.push(0xdd);
+    payload.extend_from_slice(&n.to_be_bytes());
+    payload.resize(payload.len() + n as usize, 7);
+    let limits = DecodeLimits::for_message(payload.len());
+    assert_eq!(
+        decode_batch_with(&payload, &limits),
+        Err(DecodeError::Limit {
+            what: "decoded bytes"
+        })
+    );
+    // Within a large enough budget it decodes.
+    let roomy = DecodeLimits {
+        max_decoded_bytes: 200 << 20,
+        ..limits
+    };
+    let batch = decode_batch_with(&payload, &roomy).unwrap();
+    assert!(
+        matches!(&batch.events[0], KvEvent::BlockRemoved(r) if r.block_hashes.len() == n as usize)
+    );
+    // Items per event.
+    let few = DecodeLimits {
+        max_items: 100,
+        ..roomy
+    };
+    assert_eq!(
+        decode_batch_with(&payload, &few),
+        Err(DecodeError::Limit { what: "items" })
+    );
+}
+
+/// Values shaped like event fields: mostly the right type, sometimes not.
+fn field_value() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        Just(Value::Nil),
+        any::<u64>().prop_map(Value::from),
+        (-5i64..5).prop_map(Value::from),
+        (0u64..40).prop_map(Value::from),
+        proptest::collection::vec(
+            prop_oneof![
+                any::<u64>().prop_map(Value::from),
+                (0u64..300).prop_map(Value::from),
+                (-3i64..0).prop_map(Value::from),
+                proptest::collection::vec(any::<u8>(), 0..4).prop_map(Value::from),
+                Just(Value::Nil),
+                Just(Value::from("x"))
+            ],
+            0..6
+        )
+        .prop_map(Value::Array),
+        prop_oneof![Just("GPU"), Just("CPU"), Just("")].prop_map(Value::from),
+        proptest::collection::vec(any::<u8>(), 0..6).prop_map(Value::from),
+        any::<f64>().prop_map(Value::from),
+        Just(Value::Map(vec![(
+            "k".into(),
+            Value::Array(vec![Value::Nil])
+        )])),
+    ]
+}
+
+fn event_value() -> impl Strategy<Value = Value> {
+    let names = prop_oneof![
+        Just("block_hashes"),
+        Just("parent_block_hash"),
+        Just("token_ids"),
+        Just("block_size"),
+        Just("lora_id"),
+        Just("medium"),
+        Just("lora_name"),
+        Just("cache_salt"),
+        Just("extra_keys"),
+        Just("group_idx"),
+        Just("type"),
+        Just("other"),
+    ];
+    let tag = prop_oneof![
+        Just("BlockStored"),
+        Just("BlockRemoved"),
+        Just("AllBlocksCleared"),
+        Just("Newer"),
+    ];
+    prop_oneof![
+        (
+            tag.clone(),
+            proptest::collection::vec((names, field_value()), 0..10),
+            any::<bool>()
+        )
+            .prop_map(|(tag, fields, tag_last)| {
+                let mut entries: Vec<(Value, Value)> = fields
+                    .into_iter()
+                    .map(|(k, v)| (Value::from(k), v))
+                    .collect();
+                let t = (Value::from("type"), Value::from(tag));
+                if tag_last {
+                    entries.push(t)
+                } else {
+                    entries.insert(0, t)
+                }
+                Value::Map(entries)
+            }),
+        (tag, proptest::collection::vec(field_value(), 0..9)).prop_map(|(tag, mut values)| {
+            values.insert(0, Value::from(tag));
+            Value::Array(values)
+        }),
+        field_value(),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn decodes_as_the_rmpv_decoder_did(
+        ts in prop_oneof![any::<f64>().prop_map(Value::from), any::<i64>().prop_map(Value::from), Just(Value::from("t"))],
+        events in proptest::collection::vec(event_value(), 0..4),
+        rank in prop_oneof![Just(None), any::<u64>().prop_map(|r| Some(Value::from(r))), Just(Some(Value::Nil))],
+    ) {
+        let mut batch = vec![ts, Value::Array(events)];
+        batch.extend(rank);
+        let payload = encode(&Value::Array(batch));
+        let new = decode_batch(&payload);
+        let old = reference::decode_batch(&payload);
+        match (&new, &old) {
+            (Ok(a), Ok(b)) => {
+                // NaN timestamps compare unequal: compare their bits.
+                prop_assert_eq!(a.ts.to_bits(), b.ts.to_bits());
+                prop_assert_eq!(&a.events, &b.events);
+                prop_assert_eq!(a.dp_rank, b.dp_rank);
+            }
+            (Err(_), Err(_)) => {}
+            _ => prop_assert!(false, "bounded {:?} vs rmpv {:?}", new, old),
+        }
+    }
+
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..128)) {
+        let _ = decode_batch(&bytes);
+        let _ = crate::load::decode_load(&bytes);
+    }
+}

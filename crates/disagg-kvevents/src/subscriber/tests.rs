@@ -1,0 +1,98 @@
+//! Unit tests of `subscriber`.
+
+use super::*;
+
+#[test]
+fn endpoint_specs() {
+    let e = EngineEndpoint::parse("http://h:8000=tcp://h:5557").unwrap();
+    assert_eq!(
+        (e.publisher.as_str(), e.replay.as_deref(), e.dp_size),
+        ("tcp://h:5557", None, 1)
+    );
+    assert!(EngineEndpoint::parse("http://h:8000").is_err());
+    assert!(EngineEndpoint::parse("=tcp://h:1").is_err());
+    assert!(EngineEndpoint::parse("e=tcp://h:x").is_err());
+    assert!(EngineEndpoint::parse("e=tcp://h:1,replay=udp://h:2").is_err());
+    assert!(EngineEndpoint::parse("e=tcp://h:1,bogus=1").is_err());
+    assert_eq!(
+        EngineEndpoint::parse("e=tcp://h:65535,dp-size=2"),
+        Err(EndpointError::PortRange {
+            port: 65535,
+            dp_size: 2
+        })
+    );
+    let e = EngineEndpoint::parse("e=tcp://h:7000,dp-size=3").unwrap();
+    assert_eq!(e.publisher_of(2), "tcp://h:7002");
+    assert_eq!(e.replay_of(2), None);
+}
+
+#[test]
+fn engine_host_form() {
+    let e = EngineEndpoint::on_engine_host("http://user@10.1.2.3:8000/v1", 5557, None).unwrap();
+    assert_eq!(e.publisher, "tcp://10.1.2.3:5557");
+    assert_eq!(e.engine, "http://user@10.1.2.3:8000/v1");
+    assert!(EngineEndpoint::on_engine_host("http://:8000", 1, None).is_err());
+    let e = EngineEndpoint::on_engine_host("engine-0.svc", 5557, Some(5558)).unwrap();
+    assert_eq!(e.replay.as_deref(), Some("tcp://engine-0.svc:5558"));
+}
+
+#[test]
+fn backoff_doubles_from_the_connect_timeout_up_to_its_cap() {
+    let config = SubscriberConfig {
+        connect_timeout: Duration::from_millis(100),
+        max_backoff: Duration::from_millis(1000),
+        ..SubscriberConfig::default()
+    };
+    let pauses: Vec<u64> = (1..=6)
+        .map(|n| config.backoff(n).as_millis() as u64)
+        .collect();
+    assert_eq!(pauses, [100, 200, 400, 800, 1000, 1000]);
+    assert_eq!(config.backoff(u32::MAX), Duration::from_millis(1000));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_task_is_restarted_with_backoff_and_counted() {
+    let index = Arc::new(KvIndex::new(crate::IndexConfig::default()));
+    let statuses: Statuses = Arc::default();
+    lock(&statuses).insert(
+        ("e".to_owned(), 0),
+        RankStatus {
+            engine: "e".into(),
+            connected: true,
+            ..RankStatus::default()
+        },
+    );
+    let shared = Shared {
+        index,
+        config: Arc::new(SubscriberConfig {
+            connect_timeout: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(4),
+            ..SubscriberConfig::default()
+        }),
+        statuses: statuses.clone(),
+        engine: "e".into(),
+        rank: 0,
+    };
+    let runs = Arc::new(Mutex::new(Vec::new()));
+    let seen = runs.clone();
+    let started = tokio::time::Instant::now();
+    supervise(shared, SocketKind::Events, move || {
+        let seen = seen.clone();
+        move || async move {
+            let n = {
+                let mut runs = lock(&seen);
+                runs.push(started.elapsed().as_secs());
+                runs.len()
+            };
+            if n <= 3 {
+                panic!("run {n} panics");
+            }
+        }
+    })
+    .await;
+    // Restarted after 1, 2 and 4 s.
+    assert_eq!(*lock(&runs), [0, 1, 3, 7]);
+    let status = lock(&statuses)[&("e".to_owned(), 0)].clone();
+    assert_eq!(status.panics, 3);
+    assert!(!status.connected);
+}

@@ -1,0 +1,96 @@
+//! The engine protocols the proxy speaks, wired from their flags: the connector
+//! `--connector` names, and LMCache's notification listener with its thread.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use disagg_connectors::lmcache::{Lmcache, Notifications, NotifyConfig};
+use disagg_connectors::sglang::SglangBootstrap;
+use disagg_connectors::vllm::VllmMooncake;
+use disagg_connectors::vllm::VllmNixl;
+use disagg_connectors::vllm::rewrite::PrefillRewriter;
+use disagg_connectors::vllm::rewrite::check::VllmLimits;
+use disagg_core::KvConnector;
+
+use crate::BoxError;
+
+use super::flags::{ConnectorArg, LmcacheArgs, secs};
+
+impl ConnectorArg {
+    /// The protocol's name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConnectorArg::Nixl => "nixl",
+            ConnectorArg::Sglang => "sglang",
+            ConnectorArg::Mooncake => "mooncake",
+            ConnectorArg::Lmcache => "lmcache",
+        }
+    }
+
+    /// The connector; LMCache's waits on `notifications`, which it needs.
+    ///
+    /// # Errors
+    ///
+    /// LMCache without a notification listener.
+    pub fn connector(
+        self,
+        notifications: Option<Notifications>,
+        limits: VllmLimits,
+    ) -> Result<Arc<dyn KvConnector>, BoxError> {
+        let rewriter = PrefillRewriter::new().with_limits(limits);
+        Ok(match self {
+            ConnectorArg::Nixl => Arc::new(VllmNixl::with_rewriter(rewriter)),
+            ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
+            ConnectorArg::Mooncake => Arc::new(VllmMooncake::new().with_rewriter(rewriter)),
+            ConnectorArg::Lmcache => Arc::new(
+                Lmcache::new(
+                    notifications.ok_or("the lmcache connector needs its notification listener")?,
+                )
+                .with_limits(limits),
+            ),
+        })
+    }
+}
+
+/// `--lmcache-notify`, or port 7500 on `--listen`'s host: the socket has no credential,
+/// so it is not opened on every interface unless asked for.
+pub(super) fn notify_address(args: &LmcacheArgs, listen: SocketAddr) -> String {
+    args.lmcache_notify
+        .clone()
+        .unwrap_or_else(|| SocketAddr::new(listen.ip(), 7500).to_string())
+}
+
+/// Binds LMCache's notification socket on a thread of its own, which runs the socket
+/// until `shutdown` turns `true`.
+pub(super) fn lmcache_listener(
+    args: &LmcacheArgs,
+    listen: SocketAddr,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> Result<(Notifications, std::thread::JoinHandle<()>), BoxError> {
+    let notify = notify_address(args, listen);
+    let config = NotifyConfig {
+        ttl: secs(args.lmcache_notify_ttl, "lmcache-notify-ttl")?,
+        ..NotifyConfig::default()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let notifications = runtime
+        .block_on(Notifications::bind(&notify, config))
+        .map_err(|e| format!("--lmcache-notify {notify}: {e}"))?;
+    if let Some(addr) = notifications.local_addr() {
+        tracing::info!(%addr, "LMCache notifications listening");
+    }
+    let thread = std::thread::Builder::new()
+        .name("disagg-lmcache".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                while !*shutdown.borrow_and_update() {
+                    if shutdown.changed().await.is_err() {
+                        break;
+                    }
+                }
+            })
+        })?;
+    Ok((notifications, thread))
+}

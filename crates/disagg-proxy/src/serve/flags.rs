@@ -1,0 +1,609 @@
+//! The flags of `serve`, as clap reads them, and their checks: engines, routing,
+//! connector, reliability, client bodies; each flag's help is its documentation.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use disagg_affinity::{
+    CacheAware, ConsistentHash, LeastInFlight, PowerOfTwo, Random, RoundRobin, WeightedRandom,
+};
+use disagg_connectors::lmcache::LmcacheReceiver;
+use disagg_core::OrchestratorConfig;
+use disagg_core::orchestrator::{KvRelease, PrefillFailure};
+use disagg_core::pairing::KvProfile;
+use disagg_core::router::Pick;
+use disagg_http::PdServiceConfig;
+use disagg_resilience::{AdmissionConfig, HealthConfig, RetryPolicy};
+
+use crate::BoxError;
+
+/// Flags of `serve`. `--prefill` and `--decode` follow the SGLang and vLLM routers.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// A prefill engine: its base URL (http://host:port), then optionally its bootstrap
+    /// port, as SGLang's router writes it (`--prefill http://p1:30000 8998`, or `none`):
+    /// SGLang's --disaggregation-bootstrap-port (sent as `bootstrap_port`, `null` when
+    /// absent), vLLM Mooncake's VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998). Repeat for
+    /// several engines.
+    #[arg(
+        long = "prefill",
+        value_names = ["URL", "BOOTSTRAP_PORT"],
+        num_args = 1..=2,
+        action = clap::ArgAction::Append
+    )]
+    pub(crate) prefill: Vec<String>,
+    /// A decode engine's base URL (http://host:port). Repeat for several engines.
+    ///
+    /// An engine running several data-parallel ranks can be given once per rank as
+    /// URL@RANK, or as URL@FIRST-LAST for a range (`http://d:8200@0-3`; also for
+    /// --prefill): each rank is then routed to, and load-counted, on its own, and the
+    /// connector names the rank to the engine.
+    #[arg(long = "decode", value_name = "URL")]
+    pub(crate) decode: Vec<String>,
+    /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
+    /// rank). Once any engine declares models, requests are routed by their `model` to
+    /// the engines serving it, an unknown model is answered 404 naming the served ones,
+    /// and GET /v1/models lists the declared models. Engines declaring none serve any
+    /// other name. Repeatable.
+    #[arg(long = "served-model", value_name = "URL=NAME[,NAME]", value_parser = parse_models)]
+    pub(crate) served_models: Vec<(String, Vec<String>)>,
+    /// Disaggregate only requests whose prompt is estimated at N tokens or more (one
+    /// token per 4 bytes of prompt JSON; token-id prompts counted exactly); shorter ones
+    /// go to a decode engine alone and their answer carries `x-disagg-handoff: direct`.
+    /// With `--decode-policy kv_events`, only the tokens the best decode engine does not
+    /// already cache count (a follow-up turn whose prefix sits on a decode engine is
+    /// served there alone).
+    #[arg(long, value_name = "N")]
+    pub(crate) min_prefill_tokens: Option<usize>,
+    /// Open the engines' admin routes (LoRA load and unload, cache resets, sleep and
+    /// wake, profiling, weight updates; the list in docs/routes.md), closed by default
+    /// (403 `admin_route_closed`). Opened, each goes to every prefill and decode engine
+    /// of the body's `model` (every engine when it names none), and the answer lists
+    /// each engine's result: a pair whose sides disagree about a LoRA adapter cannot
+    /// hand KV over.
+    #[arg(long)]
+    pub(crate) admin_routes: bool,
+    /// The KV-transfer protocol the engines speak: vLLM NIXL (sequential: the prefill's
+    /// answer carries the handoff), SGLang bootstrap or vLLM Mooncake (concurrent: both
+    /// legs at once, meeting through the prefill's bootstrap server).
+    #[arg(long, value_enum, default_value_t = ConnectorArg::Nixl)]
+    pub(crate) connector: ConnectorArg,
+    /// LMCache (`--connector lmcache`): where its notifications come in and where each
+    /// decode receives KV.
+    #[command(flatten)]
+    pub(crate) lmcache: LmcacheArgs,
+    /// What an engine declares about its KV transfer, checked for every prefill/decode
+    /// pair at start-up: URL=CONNECTOR,ROLE,TP, each part optional (e.g.
+    /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose
+    /// connectors differ, whose roles cannot hand over, or whose TP sizes the connector
+    /// cannot bridge stops the proxy with an error naming both engines (LMCache: equal
+    /// sizes only, a decode's size being its --lmcache-receiver port count). Repeatable.
+    #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
+    pub(crate) kv_profiles: Vec<(String, KvProfile)>,
+    /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
+    /// prefill leg that could not connect or answered 502/503/504, or a decode leg that
+    /// could not connect, before any answer reached the client; with jittered
+    /// exponential backoff, within the deadline and the retry budget.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) retries: u32,
+    /// Deadlines, retries, admission and KV release.
+    #[command(flatten)]
+    pub(crate) reliability: ReliabilityArgs,
+    /// Endpoints discovered in Kubernetes, DNS or a file, besides --prefill/--decode.
+    #[command(flatten)]
+    pub(crate) discovery: crate::discover::DiscoveryArgs,
+    /// The `kv_events` policy: the engines' KV-event publishers, and the tokenizer.
+    #[command(flatten)]
+    pub(crate) kv_events: crate::kv_events::KvEventsArgs,
+    /// Metrics, traces and the access log.
+    #[command(flatten)]
+    pub(crate) observe: crate::observe::ObserveArgs,
+    /// The address the proxy listens on.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:8000")]
+    pub(crate) listen: SocketAddr,
+    /// Threads serving requests, each with its own event loop, listening socket and
+    /// connection pool (default: the number of CPUs).
+    #[arg(long, value_name = "N")]
+    pub(crate) threads: Option<usize>,
+    /// How endpoints are picked, for both legs (see --prefill-policy, --decode-policy).
+    #[arg(long, value_enum, default_value_t = Policy::RoundRobin)]
+    pub(crate) policy: Policy,
+    /// How the prefill endpoint is picked (default: --policy).
+    #[arg(long, value_enum)]
+    pub(crate) prefill_policy: Option<Policy>,
+    /// How the decode endpoint is picked (default: --policy).
+    #[arg(long, value_enum)]
+    pub(crate) decode_policy: Option<Policy>,
+    /// An engine's weight for `weighted_random` and `consistent_hash`, as URL=WEIGHT
+    /// (default 1): URL without @RANK weighs every rank endpoint of the engine (each
+    /// draws W), URL@RANK one rank. It overrides a weight discovery found for the same
+    /// engine. Repeatable.
+    #[arg(long = "weight", value_name = "URL=WEIGHT", value_parser = parse_weight)]
+    pub(crate) weights: Vec<(String, f64)>,
+    /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    pub(crate) prefill_timeout: f64,
+    /// Seconds from sending the decode leg to its response head; past it, 504.
+    #[arg(long, value_name = "SECS", default_value_t = 300.0)]
+    pub(crate) decode_timeout: f64,
+    /// Seconds to establish a TCP connection to an engine.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    pub(crate) connect_timeout: f64,
+    /// Largest client request body, in bytes; larger ones are answered 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 * 1024 * 1024)]
+    pub(crate) max_body_bytes: usize,
+    /// Time and memory limits on client request bodies.
+    #[command(flatten)]
+    pub(crate) client_body: ClientBodyArgs,
+    /// Same as `--prefill-failure decode-only`.
+    #[arg(long, hide = true)]
+    pub(crate) decode_only_fallback: bool,
+    /// What to do when the prefill answers without `kv_transfer_params`: let the decode
+    /// engine compute the prompt itself (`x-disagg-handoff: none`), or fail with 502.
+    #[arg(long, value_enum, default_value_t = MissingKvArg::LocalPrefill)]
+    pub(crate) missing_kv: MissingKvArg,
+    /// The vLLM engines' `--max-logprobs` (vLLM's default 20; -1: unbounded). The proxy
+    /// refuses, before any engine is contacted, logprob counts above it: the prefill
+    /// leg carries none, so only the decode would refuse them, after a prefill ran.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 20,
+        allow_negative_numbers = true
+    )]
+    pub(crate) max_logprobs: i64,
+    /// The vLLM engines' `VLLM_MAX_STOP_STRINGS` (default 4): longer `stop` lists are
+    /// refused before any engine is contacted, for the same reason.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub(crate) max_stop_strings: usize,
+    /// Forward the client's `Authorization` header to the engines (not with client keys:
+    /// the proxy's keys are never passed on; an --engine-api-key replaces it).
+    #[arg(long)]
+    pub(crate) forward_authorization: bool,
+    /// API keys, limits per key, TLS in and out (docs/security.md).
+    #[command(flatten)]
+    pub(crate) edge: crate::edge::EdgeArgs,
+    /// Seconds that requests in flight at SIGTERM or Ctrl-C (streams included) may run
+    /// on. The listening socket closes at once and idle connections are closed; past
+    /// this deadline the connections still open are cut and the process exits (status 0).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub(crate) drain_timeout: f64,
+}
+
+/// Flags that hold client request bodies in time and in memory (docs/reliability.md).
+#[derive(Debug, Clone, Args)]
+pub struct ClientBodyArgs {
+    /// Seconds for a client's whole request body to arrive once its head is read; past
+    /// it, 408 `request_timeout` and the connection is closed.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub(crate) body_timeout: f64,
+    /// Bytes that the request bodies being received may hold at once, all connections
+    /// together (default 1 GiB; at least --max-body-bytes). A body that would go past it
+    /// is answered 503 `server_busy` with `retry-after` at once, unread, and its
+    /// connection closed.
+    #[arg(long, value_name = "BYTES", default_value_t = disagg_http::body::DEFAULT_BODY_BUDGET)]
+    pub(crate) max_buffered_bytes: usize,
+}
+
+impl ClientBodyArgs {
+    /// Apply the flags to `config`, whose `max_body_bytes` is already set.
+    pub(crate) fn apply(&self, config: &mut PdServiceConfig) -> Result<(), BoxError> {
+        config.body_timeout = secs(self.body_timeout, "body-timeout")?;
+        if config.body_timeout.is_zero() {
+            return Err("--body-timeout must be more than 0 seconds".into());
+        }
+        // A budget smaller than one body would refuse the largest bodies for ever.
+        if self.max_buffered_bytes < config.max_body_bytes {
+            return Err(format!(
+                "--max-buffered-bytes ({}) must be at least --max-body-bytes ({})",
+                self.max_buffered_bytes, config.max_body_bytes
+            )
+            .into());
+        }
+        config.body_budget = disagg_http::body::BodyBudget::new(self.max_buffered_bytes);
+        Ok(())
+    }
+}
+
+/// Flags of the LMCache connector.
+#[derive(Debug, Clone, Args)]
+pub struct LmcacheArgs {
+    /// LMCache: the address the ZMQ PULL socket for the prefill engines' KV-ready
+    /// notifications binds (their `pd_proxy_host`/`pd_proxy_port`). Default: port 7500
+    /// on --listen's host (the socket has no credential: give an address the prefill
+    /// engines reach and others do not; `tcp://*:7500` for every interface).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub(crate) lmcache_notify: Option<String>,
+    /// LMCache: where a decode engine receives KV, as
+    /// URL=HOST:INIT_PORT[,INIT_PORT...]:ALLOC_PORT[,ALLOC_PORT...] (its `pd_peer_host`,
+    /// `pd_peer_init_port`, `pd_peer_alloc_port`; one port of each per TP rank, and the
+    /// decode leg waits for one notification per rank). Required for every --decode
+    /// engine with `--connector lmcache`. The port count is the decode's TP size: a
+    /// prefill whose --kv-profile declares another TP size is refused at start-up (each
+    /// prefill rank pushes to the port of its own rank). Repeatable.
+    #[arg(long = "lmcache-receiver", value_name = "URL=HOST:INIT:ALLOC", value_parser = parse_receiver)]
+    pub(crate) lmcache_receivers: Vec<(String, LmcacheReceiver)>,
+    /// LMCache: seconds after which a request still waiting for notifications is
+    /// forgotten (the handoff budget, --handoff-timeout, normally ends the wait first).
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    pub(crate) lmcache_notify_ttl: f64,
+}
+
+pub(crate) fn parse_receiver(s: &str) -> Result<(String, LmcacheReceiver), String> {
+    let (url, spec) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=HOST:INIT_PORTS:ALLOC_PORTS"))?;
+    let receiver = LmcacheReceiver::parse(spec).map_err(|e| e.to_string())?;
+    Ok((base_url(url).to_owned(), receiver))
+}
+
+/// Flags for deadlines, retries, admission and KV release (docs/reliability.md).
+#[derive(Debug, Clone, Args)]
+pub struct ReliabilityArgs {
+    /// Seconds a whole request may take, from arrival to its answer's last byte
+    /// (default: no total deadline, only the per-step budgets); past it, 504
+    /// `deadline_exceeded`, or an error event for a stream already under way.
+    #[arg(long, value_name = "SECS")]
+    pub(crate) deadline: Option<f64>,
+    /// Let clients shorten their deadline with `x-disagg-deadline-ms`.
+    #[arg(long)]
+    pub(crate) client_deadline: bool,
+    /// Seconds for each step of the connector's handoff work (bootstrap lookups,
+    /// folding the prefill's answer into the decode leg); past it, 504
+    /// `handoff_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub(crate) handoff_timeout: f64,
+    /// Seconds of silence allowed between two chunks of the decode's answer (0: no
+    /// limit); past it, the stream ends with `decode_idle_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    pub(crate) decode_idle_timeout: f64,
+    /// Milliseconds of backoff before the first retry, doubled for each further one,
+    /// drawn with full jitter.
+    #[arg(long, value_name = "MS", default_value_t = 20)]
+    pub(crate) retry_backoff_ms: u64,
+    /// Retries allowed per request on average (the retry budget), beyond a reserve of
+    /// 10; stops retry storms when a pool fails.
+    #[arg(long, value_name = "RATIO", default_value_t = 0.2)]
+    pub(crate) retry_budget: f64,
+    /// When the prefill cannot be had (no prefill engine available, or its leg failed
+    /// on the engine's side after retries): `fail` (503 or the prefill's error), or
+    /// `decode-only` (serve on a decode engine alone, marked `x-disagg-handoff:
+    /// decode-only` and `x-disagg-fallback: REASON`, counted in /metrics).
+    #[arg(long, value_enum, default_value_t = PrefillFailureArg::Fail)]
+    pub(crate) prefill_failure: PrefillFailureArg,
+    /// Requests served at once, all engines together (default: no limit); more wait in
+    /// a FIFO queue.
+    #[arg(long, value_name = "N")]
+    pub(crate) max_in_flight: Option<usize>,
+    /// Requests in flight on one engine endpoint (default: no limit); more wait in the
+    /// queue.
+    #[arg(long, value_name = "N")]
+    pub(crate) max_in_flight_per_endpoint: Option<usize>,
+    /// Requests that may wait for admission; one more is answered 429 with
+    /// `retry-after`.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub(crate) max_queue: usize,
+    /// Seconds a request may wait for admission; past it, 503 `queue_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub(crate) queue_timeout: f64,
+    /// Early release of a prefill's KV blocks when a NIXL request ends before its
+    /// decode took them: `off` (the engine's lease frees them), or `abort-decode`
+    /// (send the decode leg as a one-token request and drop it, so the decode engine
+    /// frees them now).
+    #[arg(long, value_enum, default_value_t = KvReleaseArg::Off)]
+    pub(crate) kv_release: KvReleaseArg,
+    /// Consecutive failures of an engine on one leg (unreachable, 5xx, out of its
+    /// budget) that take that endpoint out of routing (0: never); it returns after
+    /// --ejection-time, half-open, and the next result decides.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub(crate) eject_after: u32,
+    /// Seconds an endpoint stays out after its first ejection; doubled on each
+    /// repeated one, up to --max-ejection-time.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    pub(crate) ejection_time: f64,
+    /// Longest ejection, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub(crate) max_ejection_time: f64,
+    /// Seconds between active health checks (`GET --health-check-path` on every engine;
+    /// 0: no active checks). Two failed checks in a row take the engine out, one pass
+    /// brings it back.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    pub(crate) health_check_interval: f64,
+    /// Seconds a health check may take.
+    #[arg(long, value_name = "SECS", default_value_t = 1.0)]
+    pub(crate) health_check_timeout: f64,
+    /// The path of the engines' health check.
+    #[arg(long, value_name = "PATH", default_value = "/health")]
+    pub(crate) health_check_path: String,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum PrefillFailureArg {
+    Fail,
+    DecodeOnly,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum KvReleaseArg {
+    Off,
+    AbortDecode,
+}
+
+impl ReliabilityArgs {
+    /// The health settings, and whether active checks run.
+    pub(crate) fn health(&self) -> Result<(HealthConfig, bool), BoxError> {
+        let mut config = HealthConfig::default();
+        config.failure_threshold = self.eject_after;
+        config.base_ejection = secs(self.ejection_time, "ejection-time")?;
+        config.max_ejection = secs(self.max_ejection_time, "max-ejection-time")?;
+        let active = self.health_check_interval > 0.0;
+        if active {
+            config.checks.interval = secs(self.health_check_interval, "health-check-interval")?;
+        }
+        config.checks.timeout = secs(self.health_check_timeout, "health-check-timeout")?;
+        config.checks.path = self
+            .health_check_path
+            .parse()
+            .map_err(|e| format!("--health-check-path: {e}"))?;
+        Ok((config, active))
+    }
+
+    /// Apply the flags to `config`; the retry policy and admission limits they ask for.
+    pub(crate) fn apply(
+        &self,
+        config: &mut OrchestratorConfig,
+        retries: u32,
+    ) -> Result<Resilience, BoxError> {
+        config.deadline = self.deadline.map(|d| secs(d, "deadline")).transpose()?;
+        config.client_deadline = self.client_deadline;
+        config.handoff_timeout = secs(self.handoff_timeout, "handoff-timeout")?;
+        config.decode_idle_timeout = match self.decode_idle_timeout {
+            0.0 => None,
+            s => Some(secs(s, "decode-idle-timeout")?),
+        };
+        let mut retry = RetryPolicy::retries(retries);
+        retry.backoff_base = Duration::from_millis(self.retry_backoff_ms);
+        if !(self.retry_budget >= 0.0 && self.retry_budget.is_finite()) {
+            return Err("--retry-budget must be a ratio of 0 or more".into());
+        }
+        retry.budget_ratio = self.retry_budget;
+        config.prefill_failure = match self.prefill_failure {
+            PrefillFailureArg::Fail => PrefillFailure::Fail,
+            PrefillFailureArg::DecodeOnly => PrefillFailure::DecodeOnly,
+        };
+        let mut admission = AdmissionConfig::default();
+        admission.max_in_flight = self.max_in_flight;
+        admission.max_in_flight_per_endpoint = self.max_in_flight_per_endpoint;
+        admission.max_queue = self.max_queue;
+        admission.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
+        config.kv_release = match self.kv_release {
+            KvReleaseArg::Off => KvRelease::Off,
+            KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
+        };
+        Ok(Resilience { retry, admission })
+    }
+}
+
+/// The resilience pieces the flags ask for.
+pub(crate) struct Resilience {
+    pub(crate) retry: RetryPolicy,
+    pub(crate) admission: AdmissionConfig,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub(crate) enum Policy {
+    /// The next engine in turn.
+    RoundRobin,
+    /// A uniformly random engine.
+    Random,
+    /// The engine with the fewest requests in flight (streams count until they end).
+    LeastInFlight,
+    /// The less loaded of two distinct random engines (in flight until the body ends).
+    PowerOfTwo,
+    /// A random engine, in proportion to its --weight.
+    WeightedRandom,
+    /// Sticky per session (x-session-id, then `user`), bounded by load; sessions spread
+    /// in proportion to the engines' weights.
+    ConsistentHash,
+    /// The engine that most recently received the longest prefix of this prompt, unless
+    /// the engines' loads are out of balance (then the least loaded).
+    CacheAware,
+    /// The engine whose cache, by its own KV events, holds the longest prefix of this
+    /// prompt, traded against its load (needs --tokenizer or --tokenize, and
+    /// --kv-events-port, --kv-events-endpoint or discovered endpoints).
+    KvEvents,
+}
+
+impl Policy {
+    pub(crate) fn pick(
+        self,
+        weights: &[(String, f64)],
+        kv: Option<&crate::kv_events::KvEvents>,
+    ) -> Result<Box<dyn Pick>, BoxError> {
+        Ok(match self {
+            Policy::WeightedRandom => Box::new(
+                weights
+                    .iter()
+                    .fold(WeightedRandom::new(), |w, (url, weight)| {
+                        w.with_weight(url.trim_end_matches('/'), *weight)
+                    }),
+            ),
+            Policy::RoundRobin => Box::new(RoundRobin::new()),
+            Policy::Random => Box::new(Random::new()),
+            Policy::LeastInFlight => Box::new(LeastInFlight::new()),
+            Policy::PowerOfTwo => Box::new(PowerOfTwo::new()),
+            Policy::ConsistentHash => {
+                let mut w = disagg_affinity::Weights::new();
+                for (url, weight) in weights {
+                    w = w.with_weight(url.trim_end_matches('/'), *weight)?;
+                }
+                Box::new(ConsistentHash::default().with_weights(w))
+            }
+            Policy::CacheAware => Box::new(CacheAware::default()),
+            Policy::KvEvents => Box::new(disagg_kvevents::KvEventsPick::new(Arc::clone(
+                &kv.ok_or("kv_events: the policy's scorer was not built")?
+                    .scorer,
+            ))),
+        })
+    }
+}
+
+/// The KV-transfer protocol, as `--connector` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "kebab-case")]
+pub enum ConnectorArg {
+    /// vLLM NixlConnector (pull): sequential, `kv_transfer_params` from the prefill's answer.
+    Nixl,
+    /// SGLang: concurrent, `bootstrap_host/port/room` on both legs.
+    Sglang,
+    /// vLLM MooncakeConnector (concurrent generation): linked by a `transfer_id`.
+    Mooncake,
+    /// vLLM LMCacheConnectorV1 (P/D over NIXL): the prefill pushes KV to the decode's
+    /// receiver ports and notifies over ZMQ; the first token comes from the prefill.
+    Lmcache,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+#[value(rename_all = "kebab-case")]
+pub(crate) enum MissingKvArg {
+    /// Send the decode leg without a handoff.
+    LocalPrefill,
+    /// Answer 502.
+    Fail,
+}
+
+pub(crate) fn parse_weight(s: &str) -> Result<(String, f64), String> {
+    let (url, w) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=WEIGHT"))?;
+    let w: f64 = w.parse().map_err(|_| format!("`{w}` is not a number"))?;
+    if !(w.is_finite() && w > 0.0) {
+        return Err(format!("weight `{w}` must be a positive number"));
+    }
+    Ok((url.trim_end_matches('/').to_owned(), w))
+}
+
+pub(crate) fn parse_models(s: &str) -> Result<(String, Vec<String>), String> {
+    let (url, names) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=NAME[,NAME]"))?;
+    let names: Vec<String> = names
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if names.is_empty() {
+        return Err(format!("`{s}` names no model"));
+    }
+    Ok((url.trim_end_matches('/').to_owned(), names))
+}
+
+/// `url` without a data-parallel `@RANK` or `@FIRST-LAST` suffix, and its trailing `/`.
+pub(crate) fn base_url(url: &str) -> &str {
+    let base = match url.rsplit_once('@') {
+        Some((base, ranks)) if ranks.bytes().all(|b| b.is_ascii_digit() || b == b'-') => base,
+        _ => url,
+    };
+    base.trim_end_matches('/')
+}
+
+/// `url`, or one URL per rank when it ends in `@FIRST-LAST` (at most `max` ranks,
+/// counted before any URL is made).
+pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError> {
+    let Some((base, range)) = url.rsplit_once('@') else {
+        return Ok(vec![url.to_owned()]);
+    };
+    if !range.contains('-') {
+        return Ok(vec![url.to_owned()]);
+    }
+    let ranks: disagg_core::endpoint::Ranks = range.parse().map_err(|_| {
+        format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)")
+    })?;
+    let ranks = ranks
+        .within(max)
+        .map_err(|e| format!("{url}: {e} (--max-dp-ranks)"))?;
+    Ok(ranks.iter().map(|r| format!("{base}@{r}")).collect())
+}
+
+pub(crate) fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
+    let (url, spec) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=CONNECTOR,ROLE,TP"))?;
+    let mut parts = spec.split(',').map(str::trim);
+    let mut profile = KvProfile::default();
+    if let Some(c) = parts.next().filter(|c| !c.is_empty()) {
+        profile.connector = Some(c.to_owned());
+    }
+    if let Some(r) = parts.next().filter(|r| !r.is_empty()) {
+        profile.role = Some(
+            r.parse()
+                .map_err(|e: disagg_core::pairing::KvRoleError| e.to_string())?,
+        );
+    }
+    if let Some(tp) = parts.next().filter(|t| !t.is_empty()) {
+        let tp: u32 = tp
+            .parse()
+            .ok()
+            .filter(|t| *t > 0)
+            .ok_or_else(|| format!("TP size `{tp}` is not a positive number"))?;
+        profile.tp_size = Some(tp);
+    }
+    if parts.next().is_some() {
+        return Err(format!("`{spec}` has more than CONNECTOR,ROLE,TP"));
+    }
+    Ok((url.trim_end_matches('/').to_owned(), profile))
+}
+
+/// The `--prefill` values regrouped per engine: a URL, then its bootstrap port if the
+/// next value is a port or `none` (clap hands the values of every occurrence over as
+/// one list; a port is never a URL, so the grouping is unambiguous).
+pub(crate) fn parse_prefills(values: &[String]) -> Result<Vec<(&str, Option<u16>)>, BoxError> {
+    let mut out: Vec<(&str, Option<u16>)> = Vec::new();
+    let mut port_allowed = false;
+    for v in values {
+        if v.contains("://") {
+            out.push((v, None));
+            port_allowed = true;
+            continue;
+        }
+        let Some(last) = out.last_mut().filter(|_| port_allowed) else {
+            return Err(format!("--prefill {v}: expected an engine URL (http://host:port)").into());
+        };
+        port_allowed = false;
+        if !v.eq_ignore_ascii_case("none") {
+            let port: u16 = v.parse().map_err(|_| {
+                format!(
+                    "--prefill {} {v}: the bootstrap port must be a port number or `none`",
+                    last.0
+                )
+            })?;
+            last.1 = Some(port);
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
+}
+
+impl ServeArgs {
+    /// The address to listen on.
+    pub fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+
+    /// Every engine URL given, prefill then decode.
+    pub fn engine_urls(&self) -> impl Iterator<Item = &str> {
+        self.prefill
+            .iter()
+            .filter(|v| v.contains("://"))
+            .chain(&self.decode)
+            .map(String::as_str)
+    }
+}
