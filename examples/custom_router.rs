@@ -80,7 +80,9 @@ pub async fn run(
         Orchestrator::builder(StaticSource::new(endpoints), HttpTransport::default())
             .router(ByModel)
             .build();
-    server::serve(listener, PdService::new(orchestrator), shutdown).await?;
+    server::Builder::new()
+        .serve(listener, PdService::new(orchestrator), shutdown)
+        .await?;
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! The HTTP adapter of **disagg**: a pooled keep-alive [`HttpTransport`] on hyper, the tower
 //! [`PdService`] that serves OpenAI chat and completion requests disaggregated, the
-//! OpenAI error format, and a small [`serve`](server::serve) helper.
+//! OpenAI error format, and a small server ([`server::Builder`]).
 //!
 //! At the edge: API keys checked by a tower layer with limits per key, and keys sent to
 //! engines ([`auth`]); with the `tls` feature, HTTPS served to clients and `https://`
@@ -21,7 +21,9 @@
 //! ]);
 //! let orchestrator = Orchestrator::builder(source, HttpTransport::default()).build();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
-//! server::serve(listener, PdService::new(orchestrator), std::future::pending()).await?;
+//! server::Builder::new()
+//!     .serve(listener, PdService::new(orchestrator), std::future::pending())
+//!     .await?;
 //! # Ok(())
 //! # }
 //! ```

@@ -140,7 +140,7 @@ struct Inner {
 /// HTTP/1.1 to the engines over pooled keep-alive connections with `TCP_NODELAY`.
 ///
 /// Cheap to clone; clones share the pool. Connections run on the Tokio runtime that
-/// opened them: give each runtime its own transport (as `server::serve_threads` users
+/// opened them: give each runtime its own transport (as `server::Builder::serve_threads` users
 /// do) so a request and its connections stay on one thread.
 #[derive(Clone)]
 pub struct HttpTransport {
