@@ -41,6 +41,7 @@ pub mod path;
 pub mod routes;
 pub mod server;
 pub mod service;
+mod tap;
 #[cfg(feature = "tls")]
 pub mod tls;
 pub mod transport;

@@ -36,6 +36,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::auth::EngineKeys;
+use crate::tap::{Hooks, Tap};
 
 /// Settings of the [`HttpTransport`].
 #[derive(Debug, Clone)]
@@ -356,11 +357,9 @@ impl Inner {
         resp: Response<Incoming>,
     ) -> Response<BoxBody> {
         resp.map(|body| {
-            Returning {
-                body,
-                back: Some((self, key, sender)),
-            }
-            .boxed()
+            Tap::new(body, Returning(Some((self, key, sender))))
+                .map_err(Into::into)
+                .boxed()
         })
     }
 }
@@ -394,60 +393,35 @@ struct TlsHandshake {
     source: BoxError,
 }
 
-pin_project_lite::pin_project! {
-    /// A response body that puts its connection back in the pool once read to the end.
-    struct Returning {
-        #[pin]
-        body: Incoming,
-        back: Option<(Arc<Inner>, PoolKey, Sender)>,
-    }
-}
+/// The hooks of an engine's response body ([`Tap`]) that put its connection back in the
+/// pool once the body is read to the end.
+struct Returning(Option<(Arc<Inner>, PoolKey, Sender)>);
 
 impl Returning {
-    fn release(back: &mut Option<(Arc<Inner>, PoolKey, Sender)>) {
-        if let Some((pool, key, sender)) = back.take() {
+    fn release(&mut self) {
+        if let Some((pool, key, sender)) = self.0.take() {
             pool.give_back(key, sender);
         }
     }
 }
 
-impl Body for Returning {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
-        match this.body.as_mut().poll_frame(cx) {
-            Poll::Ready(None) => {
-                Self::release(this.back);
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                // A broken body leaves the connection unusable: drop it.
-                this.back.take();
-                Poll::Ready(Some(Err(e.into())))
-            }
-            Poll::Ready(Some(Ok(frame))) => {
-                // Callers may stop at the last frame without polling for the end (the
-                // body said it was over): release the connection here, not only at
-                // `None`, or it would be dropped instead of reused.
-                if this.body.is_end_stream() {
-                    Self::release(this.back);
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Pending => Poll::Pending,
+impl Hooks<Incoming> for Returning {
+    fn frame(&mut self, _frame: &Frame<Bytes>, body: &Incoming) -> Result<(), hyper::Error> {
+        // Callers may stop at the last frame without polling for the end (the body said
+        // it was over): release the connection here, not only at the end, or it would
+        // be dropped instead of reused.
+        if body.is_end_stream() {
+            self.release();
         }
+        Ok(())
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+    fn end(&mut self) {
+        self.release();
     }
 
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+    fn error(&mut self) {
+        // A broken body leaves the connection unusable: drop it.
+        self.0.take();
     }
 }

@@ -28,9 +28,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use disagg_affinity::RoundRobin;
@@ -47,7 +45,7 @@ use disagg_core::{
 use http::header::HeaderName;
 use http::uri::Authority;
 use http::{HeaderMap, Request, Response, Uri};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::{BodyExt, Full};
 use tower::{Layer, Service, ServiceExt};
 
@@ -432,75 +430,12 @@ where
         let svc = self.inner.clone();
         Box::pin(async move {
             match svc.oneshot(req).await {
-                Ok(resp) => Ok(resp.map(|b| BoxBody::new(SyncBody::new(b).map_err(Into::into)))),
+                Ok(resp) => {
+                    Ok(resp.map(|b| BoxBody::new(crate::tap::unshared(b).map_err(Into::into))))
+                }
                 Err(e) => Err(TransportError::Io(e.into())),
             }
         })
-    }
-}
-
-// === impl SyncBody ===
-
-pin_project_lite::pin_project! {
-    /// Makes a `Send` body `Sync` (the core's boxed body must be: axum's is not) by
-    /// only ever touching it through `&mut`; the size hint and end of stream are
-    /// tracked on the side, so `&self` never reaches the body.
-    struct SyncBody<B> {
-        #[pin]
-        body: sync_wrapper::SyncWrapper<B>,
-        hint: SizeHint,
-        ended: bool,
-    }
-}
-
-impl<B: Body> SyncBody<B> {
-    fn new(body: B) -> Self {
-        SyncBody {
-            hint: body.size_hint(),
-            ended: body.is_end_stream(),
-            body: sync_wrapper::SyncWrapper::new(body),
-        }
-    }
-}
-
-impl<B: Body<Data = Bytes>> Body for SyncBody<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        let body = this.body.get_pin_mut();
-        let polled = body.poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    let n = data.len() as u64;
-                    let mut h = SizeHint::new();
-                    h.set_lower(this.hint.lower().saturating_sub(n));
-                    if let Some(u) = this.hint.upper() {
-                        h.set_upper(u.saturating_sub(n));
-                    }
-                    *this.hint = h;
-                }
-            }
-            Poll::Ready(None) => {
-                *this.ended = true;
-                *this.hint = SizeHint::with_exact(0);
-            }
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.ended
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.hint
     }
 }
 
@@ -585,17 +520,5 @@ mod tests {
     fn the_local_decode_url_parses() {
         let ep = Endpoint::new(LOCAL_DECODE_URL, Role::Decode).unwrap();
         assert_eq!(ep.authority().as_str(), "local-decode.invalid");
-    }
-
-    #[tokio::test]
-    async fn sync_body_tracks_size_and_end() {
-        let mut b = SyncBody::new(Full::new(Bytes::from_static(b"hello")));
-        assert_eq!(b.size_hint().exact(), Some(5));
-        assert!(!b.is_end_stream());
-        let frame = b.frame().await.unwrap().unwrap();
-        assert_eq!(frame.into_data().unwrap(), "hello");
-        assert_eq!(b.size_hint().exact(), Some(0));
-        assert!(b.frame().await.is_none());
-        assert!(b.is_end_stream());
     }
 }
