@@ -6,6 +6,11 @@
 //! engines ([`auth`]); with the `tls` feature, HTTPS served to clients and `https://`
 //! engines ([`tls`]).
 //!
+//! Features (additive): `auth`, `metrics` and `access-log`, on by default, bring the
+//! [`auth`], [`metrics`] and [`access_log`] modules (and, with `metrics`, the answer to
+//! `GET /metrics`); `tls`, off by default, HTTPS. The embedding guide
+//! ([`layer::guide`]) lists what each one adds.
+//!
 //! # Examples
 //!
 //! A proxy in front of one prefill and one decode engine:
@@ -28,13 +33,16 @@
 //! # }
 //! ```
 
+#[cfg(feature = "access-log")]
 pub mod access_log;
+#[cfg(feature = "auth")]
 pub mod auth;
 pub mod body;
 mod connect;
 pub mod error;
 pub mod forward;
 pub mod layer;
+#[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod models;
 pub mod path;

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_core::error::{BoxError, TransportError};
 use disagg_core::transport::{BoxBody, ResponseFuture, Transport};
-use http::header::{AUTHORIZATION, HOST, HeaderValue};
+use http::header::{HOST, HeaderValue};
 use http::uri::{Authority, Scheme, Uri};
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
@@ -35,6 +35,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+#[cfg(feature = "auth")]
 use crate::auth::EngineKeys;
 use crate::tap::{Hooks, Tap};
 
@@ -53,7 +54,8 @@ pub struct HttpTransportConfig {
     /// rest of the request path together.
     pub pool_max_idle_per_host: usize,
     /// The keys sent to engines as `Authorization: Bearer` (default none): on every
-    /// request to an engine that has one, replacing the request's own.
+    /// request to an engine that has one, replacing the request's own (`auth` feature).
+    #[cfg(feature = "auth")]
     pub engine_keys: EngineKeys,
     /// TLS for `https://` engines (default `None`: an `https://` engine fails to
     /// connect, saying why).
@@ -72,6 +74,7 @@ impl Default for HttpTransportConfig {
             // Under uvicorn's 5 s keep-alive timeout (vLLM's default), with a margin.
             pool_idle_timeout: Duration::from_secs(4),
             pool_max_idle_per_host: 1024,
+            #[cfg(feature = "auth")]
             engine_keys: EngineKeys::default(),
             #[cfg(feature = "tls")]
             tls: None,
@@ -218,8 +221,9 @@ impl Inner {
             tls: parts.uri.scheme() == Some(&Scheme::HTTPS),
             authority,
         };
+        #[cfg(feature = "auth")]
         if let Some(v) = self.config.engine_keys.for_engine(key.tls, &key.authority) {
-            parts.headers.insert(AUTHORIZATION, v.clone());
+            parts.headers.insert(http::header::AUTHORIZATION, v.clone());
         }
         // Origin-form request target, and the Host header it then needs.
         parts.uri = parts
