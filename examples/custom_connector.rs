@@ -97,7 +97,9 @@ pub async fn run(
     ]);
     let orchestrator =
         Orchestrator::builder(source, HttpTransport::default(), PinnedHostNixl::default()).build();
-    server::serve(listener, PdService::new(orchestrator), shutdown).await?;
+    server::Builder::new()
+        .serve(listener, PdService::new(orchestrator), shutdown)
+        .await?;
     Ok(())
 }
 

@@ -84,7 +84,9 @@ pub async fn run(
     )
     .router(ByModel)
     .build();
-    server::serve(listener, PdService::new(orchestrator), shutdown).await?;
+    server::Builder::new()
+        .serve(listener, PdService::new(orchestrator), shutdown)
+        .await?;
     Ok(())
 }
 

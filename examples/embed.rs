@@ -25,9 +25,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // PdService is a tower::Service: serve it with hyper as here, or mount it in axum.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
     println!("disagg proxy on http://{}", listener.local_addr()?);
-    server::serve(listener, PdService::new(orchestrator), async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await?;
+    server::Builder::new()
+        .serve(listener, PdService::new(orchestrator), async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
     Ok(())
 }

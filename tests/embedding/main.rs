@@ -198,9 +198,11 @@ where
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(disagg::http::server::serve(listener, svc, async {
-        let _ = rx.await;
-    }));
+    tokio::spawn(
+        disagg::http::server::Builder::new().serve(listener, svc, async {
+            let _ = rx.await;
+        }),
+    );
     (url, tx)
 }
 

@@ -422,7 +422,7 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (_stop, rx) = oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(
+    tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         PdService::new(orchestrator),
         async {

@@ -277,9 +277,11 @@ async fn serve(svc: disagg_http::PdService) -> (String, tokio::sync::oneshot::Se
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(listener, svc, async {
-        let _ = rx.await;
-    }));
+    tokio::spawn(
+        disagg_http::server::Builder::new().serve(listener, svc, async {
+            let _ = rx.await;
+        }),
+    );
     (url, tx)
 }
 

@@ -366,9 +366,11 @@ impl StackBuilder {
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = oneshot::channel::<()>();
         let svc = PdService::with_config(orchestrator.clone(), self.service);
-        tokio::spawn(disagg_http::server::serve(listener, svc, async {
-            let _ = rx.await;
-        }));
+        tokio::spawn(
+            disagg_http::server::Builder::new().serve(listener, svc, async {
+                let _ = rx.await;
+            }),
+        );
         Stack {
             prefill,
             decode,
@@ -411,7 +413,7 @@ pub async fn serve_proxy(orchestrator: Orchestrator) -> (String, oneshot::Sender
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(
+    tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         PdService::new(orchestrator),
         async {

@@ -25,7 +25,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
@@ -39,11 +39,11 @@ use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use sync_wrapper::SyncWrapper;
 
 use crate::body;
 use crate::error::{error_response, pd_error_response};
 use crate::service::{Inner, collect_limited, json_response};
+use crate::tap::{Hooks, Tap, Unshared};
 
 /// The answer's marker for a generation served by a decode engine alone.
 const DIRECT: HeaderValue = HeaderValue::from_static("direct");
@@ -200,7 +200,7 @@ impl Inner {
             .headers
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let body = EngineBody::new(body, guard, config.decode_idle_timeout);
+        let body = EngineBody::watch(body, guard, config.decode_idle_timeout);
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         Response::from_parts(parts, body)
     }
@@ -447,9 +447,14 @@ struct StreamLimits {
 /// whole when it was read to find its model.
 ///
 /// `Sync` as the transport's body must be, though the client's body need not be: it
-/// sits in a [`SyncWrapper`], reached only through `&mut`.
-struct ClientBody {
-    inner: SyncWrapper<Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>>,
+/// is [`Unshared`], reached only through `&mut`.
+type ClientBody = Tap<Unshared<DynBody>, ClientLimits>;
+
+type DynBody = Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>;
+
+/// [`ClientBody`]'s own: the bytes it may still send, its limits, its size hint and end
+/// (kept on the side: the body is [`Unshared`]).
+struct ClientLimits {
     hint: SizeHint,
     left: u64,
     ended: bool,
@@ -466,10 +471,10 @@ impl ClientBody {
         B::Error: Into<BoxError>,
     {
         let left = limits.max_bytes as u64;
-        Self::new(body, left, Some(limits))
+        Self::client(body, left, Some(limits))
     }
 
-    fn new<B>(body: B, left: u64, limits: Option<StreamLimits>) -> Self
+    fn client<B>(body: B, left: u64, limits: Option<StreamLimits>) -> Self
     where
         B: Body + Send + 'static,
         B::Data: Send,
@@ -480,134 +485,128 @@ impl ClientBody {
         let body = body
             .map_frame(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
             .map_err(Into::into);
-        ClientBody {
-            inner: SyncWrapper::new(Box::pin(body)),
+        let limits = ClientLimits {
             hint,
             left,
             ended,
             limits,
             timer: None,
-        }
+        };
+        Tap::new(Unshared::new(Box::pin(body) as DynBody), limits)
     }
 
     fn whole(bytes: Bytes) -> Self {
         let len = bytes.len() as u64;
-        Self::new(http_body_util::Full::new(bytes), len, None)
+        Self::client(http_body_util::Full::new(bytes), len, None)
     }
+}
 
+impl ClientLimits {
     /// The body broke a limit: `err` for the forwarding, an error for the transport.
-    fn fail(&mut self, err: PdError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn fail(&mut self, err: PdError) -> BoxError {
         let message = err.to_string();
         if let Some(limits) = &self.limits {
             let _ = limits.failed.set(err);
         }
         self.ended = true;
-        Poll::Ready(Some(Err(message.into())))
+        message.into()
     }
 }
 
-impl Body for ClientBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.get_mut();
-        let polled = this.inner.get_mut().as_mut().poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    let len = data.len() as u64;
-                    if len > this.left {
-                        let max = this.limits.as_ref().map_or(0, |l| l.max_bytes);
-                        return this.fail(PdError::body_too_large(max));
-                    }
-                    this.left -= len;
-                }
+impl Hooks<Unshared<DynBody>> for ClientLimits {
+    fn frame(&mut self, frame: &Frame<Bytes>, _body: &Unshared<DynBody>) -> Result<(), BoxError> {
+        if let Some(data) = frame.data_ref() {
+            let len = data.len() as u64;
+            if len > self.left {
+                let max = self.limits.as_ref().map_or(0, |l| l.max_bytes);
+                return Err(self.fail(PdError::body_too_large(max)));
             }
-            Poll::Ready(None) => this.ended = true,
-            Poll::Ready(Some(Err(_))) => {}
-            Poll::Pending => {
-                if let Some(limits) = &this.limits {
-                    let timeout = limits.timeout;
-                    let timer = this
-                        .timer
-                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-                    if timer.as_mut().poll(cx).is_ready() {
-                        return this.fail(PdError::body_timeout(timeout));
-                    }
-                }
-            }
+            self.left -= len;
         }
-        polled
+        Ok(())
     }
 
-    fn is_end_stream(&self) -> bool {
+    fn end(&mut self) {
+        self.ended = true;
+    }
+
+    fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
+        let Some(timeout) = self.limits.as_ref().map(|l| l.timeout) else {
+            return Ok(());
+        };
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if timer.as_mut().poll(cx).is_ready() {
+            return Err(self.fail(PdError::body_timeout(timeout)));
+        }
+        Ok(())
+    }
+
+    fn is_end_stream(&self, _body: &Unshared<DynBody>) -> bool {
         self.ended
     }
 
-    fn size_hint(&self) -> SizeHint {
+    fn size_hint(&self, _body: &Unshared<DynBody>) -> SizeHint {
         self.hint
     }
 }
 
 /// An engine's answer on its way to the client: holds the engine's place in the
 /// in-flight count until it ends, and ends with an error after `idle` without a frame.
-struct EngineBody {
-    inner: BoxBody,
+type EngineBody = Tap<BoxBody, EngineWatch>;
+
+/// [`EngineBody`]'s own: the engine's place, and the idle timer.
+struct EngineWatch {
     _guard: InFlightGuard,
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 impl EngineBody {
-    fn new<B>(body: B, guard: InFlightGuard, idle: Option<Duration>) -> Self
+    fn watch<B>(body: B, guard: InFlightGuard, idle: Option<Duration>) -> Self
     where
         B: Body<Data = Bytes> + Send + Sync + 'static,
         B::Error: Into<BoxError>,
     {
-        EngineBody {
-            inner: body.map_err(Into::into).boxed(),
+        let watch = EngineWatch {
             _guard: guard,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+        };
+        Tap::new(body.map_err(Into::into).boxed(), watch)
+    }
+}
+
+impl EngineWatch {
+    /// The engine answered something: the idle time starts again.
+    fn answered(&mut self) {
+        if let Some((d, sleep)) = &mut self.idle {
+            let next = tokio::time::Instant::now() + *d;
+            sleep.as_mut().reset(next);
         }
     }
 }
 
-impl Body for EngineBody {
-    type Data = Bytes;
-    type Error = BoxError;
+impl Hooks<BoxBody> for EngineWatch {
+    fn frame(&mut self, _frame: &Frame<Bytes>, _body: &BoxBody) -> Result<(), BoxError> {
+        self.answered();
+        Ok(())
+    }
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => {}
-            ready => {
-                if let Some((d, sleep)) = &mut this.idle {
-                    let next = tokio::time::Instant::now() + *d;
-                    sleep.as_mut().reset(next);
-                }
-                return ready;
-            }
-        }
-        if let Some((d, sleep)) = &mut this.idle
+    fn end(&mut self) {
+        self.answered();
+    }
+
+    fn error(&mut self) {
+        self.answered();
+    }
+
+    fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
+        if let Some((d, sleep)) = &mut self.idle
             && sleep.as_mut().poll(cx).is_ready()
         {
             let msg = format!("the engine sent nothing for {} ms", d.as_millis());
-            return Poll::Ready(Some(Err(msg.into())));
+            return Err(msg.into());
         }
-        Poll::Pending
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        Ok(())
     }
 }

@@ -1,10 +1,15 @@
 //! The HTTP adapter of **disagg**: a pooled keep-alive [`HttpTransport`] on hyper, the tower
 //! [`PdService`] that serves OpenAI chat and completion requests disaggregated, the
-//! OpenAI error format, and a small [`serve`](server::serve) helper.
+//! OpenAI error format, and a small server ([`server::Builder`]).
 //!
 //! At the edge: API keys checked by a tower layer with limits per key, and keys sent to
 //! engines ([`auth`]); with the `tls` feature, HTTPS served to clients and `https://`
 //! engines ([`tls`]).
+//!
+//! Features (additive): `auth`, `metrics` and `access-log`, on by default, bring the
+//! [`auth`], [`metrics`] and [`access_log`] modules (and, with `metrics`, the answer to
+//! `GET /metrics`); `tls`, off by default, HTTPS. The embedding guide
+//! ([`layer::guide`]) lists what each one adds.
 //!
 //! # Examples
 //!
@@ -22,24 +27,30 @@
 //! ]);
 //! let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
-//! server::serve(listener, PdService::new(orchestrator), std::future::pending()).await?;
+//! server::Builder::new()
+//!     .serve(listener, PdService::new(orchestrator), std::future::pending())
+//!     .await?;
 //! # Ok(())
 //! # }
 //! ```
 
+#[cfg(feature = "access-log")]
 pub mod access_log;
+#[cfg(feature = "auth")]
 pub mod auth;
 pub mod body;
 mod connect;
 pub mod error;
 pub mod forward;
 pub mod layer;
+#[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod models;
 pub mod path;
 pub mod routes;
 pub mod server;
 pub mod service;
+mod tap;
 #[cfg(feature = "tls")]
 pub mod tls;
 pub mod transport;

@@ -2,9 +2,9 @@
 //!
 //! Every server here stops the same way once asked: the listening socket closes at once,
 //! idle connections close, answers in flight (streams included) run to their end within
-//! [`ServeConfig::drain_timeout`], and connections still open at that deadline are cut.
+//! [`Builder::drain_timeout`], and connections still open at that deadline are cut.
 //!
-//! With the `tls` feature, [`ServeConfig::tls`] serves HTTPS: each connection's TLS
+//! With the `tls` feature, [`Builder::tls`] serves HTTPS: each connection's TLS
 //! handshake runs in the connection's own task (within [`TLS_HANDSHAKE_TIMEOUT`]), so a
 //! slow handshake holds neither the accept loop nor other clients.
 
@@ -52,7 +52,7 @@ pub const READ_BUFFER_MAX: usize = 64 * 1024;
 #[cfg(feature = "tls")]
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Bind a listener on `addr` for [`serve`], with `SO_REUSEADDR` (a restarted proxy can
+/// Bind a listener on `addr` for [`Builder::serve`], with `SO_REUSEADDR` (a restarted proxy can
 /// bind at once) and a [`LISTEN_BACKLOG`]-deep accept queue.
 ///
 /// # Errors
@@ -81,108 +81,183 @@ fn listen(addr: std::net::SocketAddr, shared: bool) -> std::io::Result<TcpListen
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// How a server started by [`serve_with`] or [`serve_threads_with`] runs and stops.
+/// The server: its options set by methods, then [`serve`](Builder::serve) on a
+/// listener in the caller's runtime, or [`serve_threads`](Builder::serve_threads) on
+/// threads of its own. Both serve HTTP/1.1 with keep-alive and `TCP_NODELAY` until told
+/// to stop, then drain (see [the module docs](self)).
 ///
 /// # Examples
 ///
-/// ```
+/// ```no_run
 /// use std::time::Duration;
-/// use disagg_http::server::ServeConfig;
+/// use disagg_http::server;
 ///
-/// let mut config = ServeConfig::default();
-/// config.drain_timeout = Duration::from_secs(5);
-/// assert_eq!(ServeConfig::default().drain_timeout, Duration::from_secs(30));
+/// # async fn run(service: disagg_http::PdService) -> std::io::Result<()> {
+/// let listener = server::bind("127.0.0.1:8000".parse().unwrap())?;
+/// server::Builder::new()
+///     .drain_timeout(Duration::from_secs(5))
+///     .serve(listener, service, std::future::pending())
+///     .await
+/// # }
 /// ```
 #[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct ServeConfig {
-    /// How long requests in flight when shutdown is asked (streams included) may run on.
-    ///
-    /// Shutdown closes the listening socket at once and idle keep-alive connections as
-    /// soon as they are idle; a connection still busy when this deadline passes is cut
-    /// (its client sees the connection close mid-answer). Zero cuts every connection at
-    /// once. Default 30 s: long enough for most streams, short enough for an orchestrator's
-    /// stop timeout (Kubernetes waits 30 s before SIGKILL by default).
-    pub drain_timeout: Duration,
-    /// Serve HTTPS with this certificate (default `None`: plain HTTP). A certificate
-    /// reloaded by [`ServerTls::watch`](crate::tls::ServerTls::watch) is used by the
-    /// handshakes that follow; connections already open keep theirs.
+pub struct Builder {
+    drain_timeout: Duration,
+    threads: usize,
     #[cfg(feature = "tls")]
-    pub tls: Option<crate::tls::ServerTls>,
+    tls: Option<crate::tls::ServerTls>,
 }
 
-impl Default for ServeConfig {
+impl Default for Builder {
     fn default() -> Self {
-        ServeConfig {
+        Builder {
             drain_timeout: Duration::from_secs(30),
+            threads: 1,
             #[cfg(feature = "tls")]
             tls: None,
         }
     }
 }
 
-/// Serve `service` on every connection `listener` accepts, HTTP/1.1 with keep-alive and
-/// `TCP_NODELAY`, until `shutdown` resolves; then drain as [`serve_with`] does, with the
-/// default [`ServeConfig`] (in-flight requests get at most 30 s).
-///
-/// # Errors
-///
-/// Only when accepting fails in a way that is not about one connection.
-pub async fn serve<S, B>(
-    listener: TcpListener,
-    service: S,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()>
-where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    serve_with(listener, service, shutdown, &ServeConfig::default()).await
+impl Builder {
+    /// A server with the defaults: plain HTTP, a 30 s drain, one thread for
+    /// [`serve_threads`](Builder::serve_threads).
+    pub fn new() -> Self {
+        Builder::default()
+    }
+
+    /// How long requests in flight when shutdown is asked (streams included) may run on.
+    ///
+    /// Shutdown closes the listening socket at once and idle keep-alive connections as
+    /// soon as they are idle; a connection still busy when this deadline passes is cut
+    /// (its client sees the connection close mid-answer). Zero cuts every connection at
+    /// once. Default 30 s: long enough for most streams, short enough for an
+    /// orchestrator's stop timeout (Kubernetes waits 30 s before SIGKILL by default).
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// How many threads [`serve_threads`](Builder::serve_threads) runs, each with its
+    /// own event loop, listening socket and service (default 1; 0 counts as 1). On
+    /// targets without `SO_REUSEPORT` one thread is used.
+    pub fn threads(mut self, threads: usize) -> Self {
+        self.threads = threads;
+        self
+    }
+
+    /// Serve HTTPS with this certificate (`None`, the default: plain HTTP). A
+    /// certificate reloaded by [`ServerTls::watch`](crate::tls::ServerTls::watch) is used
+    /// by the handshakes that follow; connections already open keep theirs.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: impl Into<Option<crate::tls::ServerTls>>) -> Self {
+        self.tls = tls.into();
+        self
+    }
+
+    /// Serve `service` on every connection `listener` accepts, until `shutdown`
+    /// resolves; then drain and return.
+    ///
+    /// The drain, once `shutdown` resolves:
+    ///
+    /// 1. the listener is closed at once: new connections are refused;
+    /// 2. every connection is told to finish: an idle keep-alive connection (or one that
+    ///    has sent nothing yet) is closed, a busy one closes after its current answer,
+    ///    however long that answer streams;
+    /// 3. when every connection has closed, or the
+    ///    [`drain_timeout`](Builder::drain_timeout) has passed (then the connections
+    ///    still open are cut), the function returns.
+    ///
+    /// The start of the drain (with the number of open connections) and its end
+    /// (drained, or how many connections were cut) are logged at `info`. Dropping the
+    /// returned future cuts every connection it serves. [`threads`](Builder::threads)
+    /// does not apply: this serves in the caller's runtime.
+    ///
+    /// # Errors
+    ///
+    /// Only when accepting fails in a way that is not about one connection.
+    pub async fn serve<S, B>(
+        self,
+        listener: TcpListener,
+        service: S,
+        shutdown: impl Future<Output = ()>,
+    ) -> std::io::Result<()>
+    where
+        S: HttpService<B>,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let tracker = Arc::new(DrainTracker::default());
+        let drained = serve_until(listener, service, shutdown, &self, &tracker).await;
+        drained.log();
+        Ok(())
+    }
+
+    /// Serve on [`threads`](Builder::threads) OS threads, each a single-threaded Tokio
+    /// runtime with its own listening socket on `addr` (`SO_REUSEPORT`: the kernel
+    /// spreads new connections over them) and its own service, built on that thread by
+    /// `make_service`.
+    ///
+    /// A request, its upstream legs and their pooled connections then stay on one
+    /// thread: the request path takes no cross-thread wake-up, which on a loaded 2-core
+    /// machine costs more than the proxying itself (measured with `disagg-bench`). Share
+    /// what must be shared (endpoint source, router, connector) through `make_service`;
+    /// give each thread its own transport so its connection pool is thread-local.
+    ///
+    /// Blocks until `shutdown` turns `true` and every thread has drained: each closes
+    /// its listening socket at once and drains its connections as
+    /// [`serve`](Builder::serve) describes, within the
+    /// [`drain_timeout`](Builder::drain_timeout); the drain's start and end are logged
+    /// once for all threads. Whatever a thread's runtime still runs at the end (cut
+    /// connections, upstream connections) is dropped with it. `on_bound` is called once
+    /// with the bound address (useful with port 0). If a later thread fails to start,
+    /// the threads already started keep serving until `shutdown`.
+    ///
+    /// # Errors
+    ///
+    /// When a runtime cannot start or the address cannot be bound.
+    pub fn serve_threads<M, S, B>(
+        self,
+        addr: std::net::SocketAddr,
+        make_service: M,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+        on_bound: impl FnOnce(std::net::SocketAddr),
+    ) -> std::io::Result<()>
+    where
+        M: Fn() -> S + Send + Sync + 'static,
+        S: HttpService<B>,
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        serve_threads(self, addr, make_service, shutdown, on_bound)
+    }
 }
 
-/// Serve `service` on every connection `listener` accepts, HTTP/1.1 with keep-alive and
-/// `TCP_NODELAY`, until `shutdown` resolves; then drain and return.
-///
-/// The drain, once `shutdown` resolves:
-///
-/// 1. the listener is closed at once: new connections are refused;
-/// 2. every connection is told to finish: an idle keep-alive connection (or one that has
-///    sent nothing yet) is closed, a busy one closes after its current answer, however
-///    long that answer streams;
-/// 3. when every connection has closed, or [`ServeConfig::drain_timeout`] has passed
-///    (then the connections still open are cut), the function returns.
-///
-/// The start of the drain (with the number of open connections) and its end (drained,
-/// or how many connections were cut) are logged at `info`. Dropping the returned future
-/// cuts every connection it serves.
-///
-/// # Errors
-///
-/// Only when accepting fails in a way that is not about one connection.
-pub async fn serve_with<S, B>(
-    listener: TcpListener,
-    service: S,
-    shutdown: impl Future<Output = ()>,
-    config: &ServeConfig,
-) -> std::io::Result<()>
-where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
+/// A tower service a [`Builder`] can serve: HTTP/1.1 requests in, responses with a
+/// body of type `B` out, infallible (failures are responses), cloned for each
+/// connection, its futures run on any thread. Implemented for every such service.
+pub trait HttpService<B>:
+    tower::Service<
+        Request<Incoming>,
+        Response = Response<B>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Clone
+    + Send
+    + 'static
 {
-    let tracker = Arc::new(DrainTracker::default());
-    let drained = serve_until(listener, service, shutdown, config, &tracker).await;
-    drained.log();
-    Ok(())
+}
+
+impl<S, B> HttpService<B> for S where
+    S: tower::Service<
+            Request<Incoming>,
+            Response = Response<B>,
+            Error = Infallible,
+            Future: Send + 'static,
+        > + Clone
+        + Send
+        + 'static
+{
 }
 
 /// Open connections across the listeners of one server, counted for the drain's log.
@@ -246,15 +321,11 @@ async fn serve_until<S, B>(
     listener: TcpListener,
     service: S,
     shutdown: impl Future<Output = ()>,
-    config: &ServeConfig,
+    config: &Builder,
     tracker: &Arc<DrainTracker>,
 ) -> Drained
 where
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: HttpService<B>,
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
@@ -372,82 +443,21 @@ fn is_per_connection(e: &std::io::Error) -> bool {
     )
 }
 
-/// Serve on `threads` OS threads, each a single-threaded Tokio runtime with its own
-/// listening socket on `addr` (`SO_REUSEPORT`: the kernel spreads new connections over
-/// them) and its own service, built on that thread by `make_service`; drain as
-/// [`serve_threads_with`] does, with the default [`ServeConfig`].
-///
-/// # Errors
-///
-/// When a runtime cannot start or the address cannot be bound.
-pub fn serve_threads<M, S, B>(
+/// [`Builder::serve_threads`].
+fn serve_threads<M, S, B>(
+    config: Builder,
     addr: std::net::SocketAddr,
-    threads: usize,
     make_service: M,
     shutdown: tokio::sync::watch::Receiver<bool>,
     on_bound: impl FnOnce(std::net::SocketAddr),
 ) -> std::io::Result<()>
 where
     M: Fn() -> S + Send + Sync + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
+    S: HttpService<B>,
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    serve_threads_with(
-        addr,
-        threads,
-        make_service,
-        shutdown,
-        on_bound,
-        &ServeConfig::default(),
-    )
-}
-
-/// Serve on `threads` OS threads, each a single-threaded Tokio runtime with its own
-/// listening socket on `addr` (`SO_REUSEPORT`: the kernel spreads new connections over
-/// them) and its own service, built on that thread by `make_service`.
-///
-/// A request, its upstream legs and their pooled connections then stay on one thread:
-/// the request path takes no cross-thread wake-up, which on a loaded 2-core machine
-/// costs more than the proxying itself (measured with `disagg-bench`). Share what must be
-/// shared (endpoint source, router, connector) through `make_service`; give each thread
-/// its own transport so its connection pool is thread-local.
-///
-/// Blocks until `shutdown` turns `true` and every thread has drained: each closes its
-/// listening socket at once and drains its connections as [`serve_with`] describes, within
-/// `config`'s [`drain_timeout`](ServeConfig::drain_timeout); the drain's start and end are
-/// logged once for all threads. Whatever a thread's runtime still runs at the end (cut
-/// connections, upstream connections) is dropped with it. `on_bound` is called once
-/// with the bound address (useful with port 0). On targets without `SO_REUSEPORT` one
-/// thread is used. If a later thread fails to start, the threads already started keep
-/// serving until `shutdown`.
-///
-/// # Errors
-///
-/// When a runtime cannot start or the address cannot be bound.
-pub fn serve_threads_with<M, S, B>(
-    addr: std::net::SocketAddr,
-    threads: usize,
-    make_service: M,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-    on_bound: impl FnOnce(std::net::SocketAddr),
-    config: &ServeConfig,
-) -> std::io::Result<()>
-where
-    M: Fn() -> S + Send + Sync + 'static,
-    S: tower::Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    let threads = if cfg!(unix) { threads.max(1) } else { 1 };
+    let threads = if cfg!(unix) { config.threads.max(1) } else { 1 };
     let make_service = Arc::new(make_service);
     let tracker = Arc::new(DrainTracker::default());
     let mut handles = Vec::with_capacity(threads);

@@ -41,6 +41,7 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
+#[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
 use crate::routes::{RouteAction, RouteTable};
@@ -82,9 +83,11 @@ pub struct PdServiceConfig {
     /// `GET /metrics` has the orchestrator's counters and gauges only.
     ///
     /// [`OrchestratorBuilder::listener`]: disagg_core::orchestrator::OrchestratorBuilder::listener
+    #[cfg(feature = "metrics")]
     pub metrics: Option<Metrics>,
     /// More metrics for `GET /metrics`, registered after the orchestrator's, in order
     /// (an adapter's own; default none).
+    #[cfg(feature = "metrics")]
     pub extra_metrics: Vec<ExtraMetrics>,
     /// The model list gathered from the engines, shared by every clone: one fetch per
     /// [`models_ttl`](Self::models_ttl) for the whole server, and a fanned-out admin
@@ -103,7 +106,9 @@ impl Default for PdServiceConfig {
             models_timeout: Duration::from_secs(5),
             models_ttl: Duration::from_secs(10),
             routes: RouteTable::default(),
+            #[cfg(feature = "metrics")]
             metrics: None,
+            #[cfg(feature = "metrics")]
             extra_metrics: Vec::new(),
             models: Arc::default(),
         }
@@ -114,6 +119,7 @@ pub(crate) struct Inner {
     pub(crate) orchestrator: Orchestrator,
     pub(crate) config: PdServiceConfig,
     /// What `GET /metrics` encodes, built once.
+    #[cfg(feature = "metrics")]
     registry: prometheus_client::registry::Registry,
     /// Whose turn it is among equally loaded engines for a forwarded request.
     pub(crate) turn: AtomicUsize,
@@ -144,18 +150,23 @@ impl PdService {
 
     /// A service over `orchestrator` with `config`.
     pub fn with_config(orchestrator: Orchestrator, config: PdServiceConfig) -> Self {
-        let mut registry = prometheus_client::registry::Registry::default();
-        match &config.metrics {
-            Some(metrics) => metrics.register(&mut registry, &orchestrator),
-            None => crate::metrics::register_orchestrator(&mut registry, &orchestrator),
-        }
-        for extra in &config.extra_metrics {
-            extra.register(&mut registry);
-        }
+        #[cfg(feature = "metrics")]
+        let registry = {
+            let mut registry = prometheus_client::registry::Registry::default();
+            match &config.metrics {
+                Some(metrics) => metrics.register(&mut registry, &orchestrator),
+                None => crate::metrics::register_orchestrator(&mut registry, &orchestrator),
+            }
+            for extra in &config.extra_metrics {
+                extra.register(&mut registry);
+            }
+            registry
+        };
         PdService {
             inner: Arc::new(Inner {
                 orchestrator,
                 config,
+                #[cfg(feature = "metrics")]
                 registry,
                 turn: AtomicUsize::new(0),
             }),
@@ -169,6 +180,7 @@ impl PdService {
 
     /// The metrics `GET /metrics` serves, for an embedder that serves them elsewhere
     /// (encode with [`metrics::encode`](crate::metrics::encode)).
+    #[cfg(feature = "metrics")]
     pub fn registry(&self) -> &prometheus_client::registry::Registry {
         &self.inner.registry
     }
@@ -261,8 +273,11 @@ impl Inner {
             RouteAction::Proxy => match path {
                 "/v1/models" if get => self.models(None).await,
                 "/health" if get => self.health(),
+                #[cfg(feature = "metrics")]
                 "/metrics" if get => self.metrics(req.headers().get(http::header::ACCEPT)),
-                "/v1/models" | "/health" | "/metrics" => method_not_allowed(),
+                #[cfg(feature = "metrics")]
+                "/metrics" => method_not_allowed(),
+                "/v1/models" | "/health" => method_not_allowed(),
                 _ => match path.strip_prefix("/v1/models/") {
                     Some(id) if get => {
                         let id = id.to_owned();
@@ -339,10 +354,13 @@ impl Inner {
         let id = parts.headers.get(REQUEST_ID).cloned();
         // An [`ApiKeyLayer`](crate::auth::ApiKeyLayer) in front names the key that
         // admitted the request: logs name the client by it.
+        #[cfg(feature = "auth")]
         let client = parts
             .extensions
             .get::<crate::auth::KeyId>()
             .map(|k| Arc::<str>::from(k.to_string()));
+        #[cfg(not(feature = "auth"))]
+        let client: Option<Arc<str>> = None;
         let parsed = self.parse(api, parts.headers, bytes).await;
         // The body's bytes are in the request now (or gone): its share of the budget,
         // which covers receiving and parsing, is given back.
@@ -389,6 +407,7 @@ impl Inner {
             .map_err(PdError::body)
     }
 
+    #[cfg(feature = "metrics")]
     fn metrics(&self, accept: Option<&HeaderValue>) -> Response<PdBody> {
         let (text, content_type) = crate::metrics::encode(&self.registry, accept);
         let mut resp = Response::new(PdBody::full(Bytes::from(text)));

@@ -1,5 +1,5 @@
 //! TLS on both sides of the proxy, with rustls: clients served over HTTPS
-//! ([`ServerTls`], for [`ServeConfig::tls`](crate::server::ServeConfig::tls)) and
+//! ([`ServerTls`], for [`Builder::tls`](crate::server::Builder::tls)) and
 //! `https://` engines reached and verified ([`ClientTls`], for
 //! [`HttpTransportConfig::tls`](crate::HttpTransportConfig::tls)).
 //!
@@ -421,15 +421,15 @@ impl ResolvesClientCert for CertStore {
 /// # Examples
 ///
 /// ```no_run
-/// use disagg_http::server::ServeConfig;
+/// use disagg_http::server;
 /// use disagg_http::tls::{PemFiles, ServerTls, default_provider};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let tls = ServerTls::from_files(PemFiles::new("tls.crt", "tls.key"), default_provider())?;
 /// // Pick up rotated certificates.
 /// tokio::spawn(tls.watch(std::time::Duration::from_secs(5)));
-/// let mut config = ServeConfig::default();
-/// config.tls = Some(tls);
+/// let server = server::Builder::new().tls(tls);
+/// # let _ = server;
 /// # Ok(())
 /// # }
 /// ```

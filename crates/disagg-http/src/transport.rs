@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_core::error::{BoxError, TransportError};
 use disagg_core::transport::{BoxBody, ResponseFuture, Transport};
-use http::header::{AUTHORIZATION, HOST, HeaderValue};
+use http::header::{HOST, HeaderValue};
 use http::uri::{Authority, Scheme, Uri};
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
@@ -35,7 +35,9 @@ use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+#[cfg(feature = "auth")]
 use crate::auth::EngineKeys;
+use crate::tap::{Hooks, Tap};
 
 /// Settings of the [`HttpTransport`].
 #[derive(Debug, Clone)]
@@ -52,7 +54,8 @@ pub struct HttpTransportConfig {
     /// rest of the request path together.
     pub pool_max_idle_per_host: usize,
     /// The keys sent to engines as `Authorization: Bearer` (default none): on every
-    /// request to an engine that has one, replacing the request's own.
+    /// request to an engine that has one, replacing the request's own (`auth` feature).
+    #[cfg(feature = "auth")]
     pub engine_keys: EngineKeys,
     /// TLS for `https://` engines (default `None`: an `https://` engine fails to
     /// connect, saying why).
@@ -71,6 +74,7 @@ impl Default for HttpTransportConfig {
             // Under uvicorn's 5 s keep-alive timeout (vLLM's default), with a margin.
             pool_idle_timeout: Duration::from_secs(4),
             pool_max_idle_per_host: 1024,
+            #[cfg(feature = "auth")]
             engine_keys: EngineKeys::default(),
             #[cfg(feature = "tls")]
             tls: None,
@@ -140,7 +144,7 @@ struct Inner {
 /// HTTP/1.1 to the engines over pooled keep-alive connections with `TCP_NODELAY`.
 ///
 /// Cheap to clone; clones share the pool. Connections run on the Tokio runtime that
-/// opened them: give each runtime its own transport (as `server::serve_threads` users
+/// opened them: give each runtime its own transport (as `server::Builder::serve_threads` users
 /// do) so a request and its connections stay on one thread.
 #[derive(Clone)]
 pub struct HttpTransport {
@@ -217,8 +221,9 @@ impl Inner {
             tls: parts.uri.scheme() == Some(&Scheme::HTTPS),
             authority,
         };
+        #[cfg(feature = "auth")]
         if let Some(v) = self.config.engine_keys.for_engine(key.tls, &key.authority) {
-            parts.headers.insert(AUTHORIZATION, v.clone());
+            parts.headers.insert(http::header::AUTHORIZATION, v.clone());
         }
         // Origin-form request target, and the Host header it then needs.
         parts.uri = parts
@@ -356,11 +361,9 @@ impl Inner {
         resp: Response<Incoming>,
     ) -> Response<BoxBody> {
         resp.map(|body| {
-            Returning {
-                body,
-                back: Some((self, key, sender)),
-            }
-            .boxed()
+            Tap::new(body, Returning(Some((self, key, sender))))
+                .map_err(Into::into)
+                .boxed()
         })
     }
 }
@@ -394,60 +397,35 @@ struct TlsHandshake {
     source: BoxError,
 }
 
-pin_project_lite::pin_project! {
-    /// A response body that puts its connection back in the pool once read to the end.
-    struct Returning {
-        #[pin]
-        body: Incoming,
-        back: Option<(Arc<Inner>, PoolKey, Sender)>,
-    }
-}
+/// The hooks of an engine's response body ([`Tap`]) that put its connection back in the
+/// pool once the body is read to the end.
+struct Returning(Option<(Arc<Inner>, PoolKey, Sender)>);
 
 impl Returning {
-    fn release(back: &mut Option<(Arc<Inner>, PoolKey, Sender)>) {
-        if let Some((pool, key, sender)) = back.take() {
+    fn release(&mut self) {
+        if let Some((pool, key, sender)) = self.0.take() {
             pool.give_back(key, sender);
         }
     }
 }
 
-impl Body for Returning {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let mut this = self.project();
-        match this.body.as_mut().poll_frame(cx) {
-            Poll::Ready(None) => {
-                Self::release(this.back);
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => {
-                // A broken body leaves the connection unusable: drop it.
-                this.back.take();
-                Poll::Ready(Some(Err(e.into())))
-            }
-            Poll::Ready(Some(Ok(frame))) => {
-                // Callers may stop at the last frame without polling for the end (the
-                // body said it was over): release the connection here, not only at
-                // `None`, or it would be dropped instead of reused.
-                if this.body.is_end_stream() {
-                    Self::release(this.back);
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Pending => Poll::Pending,
+impl Hooks<Incoming> for Returning {
+    fn frame(&mut self, _frame: &Frame<Bytes>, body: &Incoming) -> Result<(), hyper::Error> {
+        // Callers may stop at the last frame without polling for the end (the body said
+        // it was over): release the connection here, not only at the end, or it would
+        // be dropped instead of reused.
+        if body.is_end_stream() {
+            self.release();
         }
+        Ok(())
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+    fn end(&mut self) {
+        self.release();
     }
 
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+    fn error(&mut self) {
+        // A broken body leaves the connection unusable: drop it.
+        self.0.take();
     }
 }

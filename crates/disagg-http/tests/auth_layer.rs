@@ -1,4 +1,4 @@
-//! `ApiKeyLayer` as a library user stacks it, served by `server::serve` over loopback:
+//! `ApiKeyLayer` as a library user stacks it, served by `server::Builder` over loopback:
 //! a refused request never reaches the inner service (nor has its body read), an
 //! admitted one carries its key's `KeyId` inward, open paths stay open, and a key's
 //! in-flight place is held by the answer's body until that body ends.
@@ -54,7 +54,7 @@ async fn start(layer: ApiKeyLayer) -> (SocketAddr, Seen, mpsc::UnboundedSender<(
     let service = tower::Layer::layer(&layer, inner);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(disagg_http::server::serve(
+    tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         service,
         std::future::pending(),

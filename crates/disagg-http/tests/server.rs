@@ -1,4 +1,4 @@
-//! `server::serve_with`'s drain over loopback: on shutdown the listener closes, an answer
+//! `server::Builder::serve`'s drain over loopback: on shutdown the listener closes, an answer
 //! in flight streams to its end within the drain timeout, and what is left at the
 //! deadline is cut before the function returns.
 
@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use disagg_http::server::{ServeConfig, serve_with};
+use disagg_http::server::Builder;
 use http::{Request, Response};
 use http_body_util::StreamBody;
 use hyper::body::{Frame, Incoming};
@@ -43,19 +43,13 @@ async fn start(
         Ok::<_, Infallible>(Response::new(StreamBody::new(chunks)))
     });
     let (stop, stopped) = oneshot::channel::<()>();
-    let mut config = ServeConfig::default();
-    config.drain_timeout = drain_timeout;
-    let server = tokio::spawn(async move {
-        serve_with(
-            listener,
-            service,
-            async {
-                let _ = stopped.await;
-            },
-            &config,
-        )
-        .await
-    });
+    let server = tokio::spawn(Builder::new().drain_timeout(drain_timeout).serve(
+        listener,
+        service,
+        async {
+            let _ = stopped.await;
+        },
+    ));
     (addr, stop, server)
 }
 
@@ -112,7 +106,7 @@ async fn an_answer_in_flight_streams_to_its_end() {
     let ended = Instant::now();
     tokio::time::timeout(Duration::from_secs(2), server)
         .await
-        .expect("serve_with returns once the answer is out")
+        .expect("serve returns once the answer is out")
         .unwrap()
         .unwrap();
     assert!(ended.elapsed() < Duration::from_secs(2));
@@ -130,7 +124,7 @@ async fn the_deadline_cuts_what_is_left() {
     stop.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(2), server)
         .await
-        .expect("serve_with returns at its deadline")
+        .expect("serve returns at its deadline")
         .unwrap()
         .unwrap();
     let took = stopped.elapsed();

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use disagg_core::error::TransportError;
 use disagg_core::transport::Transport;
 use disagg_http::auth::EngineKeys;
-use disagg_http::server::{self, ServeConfig};
+use disagg_http::server;
 use disagg_http::tls::{self, ClientTls, PemFiles, ServerTls};
 use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_sim::{SimConfig, SimEngine, SimTls};
@@ -241,8 +241,7 @@ async fn a_rotated_certificate_serves_new_handshakes_and_open_connections_stay()
     let (first, second) = (ca.server("first"), ca.server("second"));
     let files = write_pair(&dir, "tls", &first);
     let server_tls = ServerTls::from_files(files.clone(), tls::default_provider()).unwrap();
-    let mut config = ServeConfig::default();
-    config.tls = Some(server_tls.clone());
+    let config = server::Builder::new().tls(server_tls.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = tower::service_fn(|_req: http::Request<hyper::body::Incoming>| async {
@@ -250,15 +249,11 @@ async fn a_rotated_certificate_serves_new_handshakes_and_open_connections_stay()
     });
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
-        server::serve_with(
-            listener,
-            app,
-            async {
+        config
+            .serve(listener, app, async {
                 let _ = stopped.await;
-            },
-            &config,
-        )
-        .await
+            })
+            .await
     });
     tokio::spawn(server_tls.watch(Duration::from_millis(20)));
 

@@ -141,7 +141,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(disagg_http::server::serve(
+    let server = tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         PdService::new(orchestrator),
         async {

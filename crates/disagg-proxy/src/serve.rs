@@ -383,9 +383,10 @@ pub fn run(
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
-    let mut serve_config = disagg_http::server::ServeConfig::default();
-    serve_config.drain_timeout = secs(args.drain_timeout, "drain-timeout")?;
-    serve_config.tls = shared.edge.server_tls.clone();
+    let server = disagg_http::server::Builder::new()
+        .threads(threads)
+        .drain_timeout(secs(args.drain_timeout, "drain-timeout")?)
+        .tls(shared.edge.server_tls.clone());
     // The key file and certificates, re-read on a small thread of their own.
     let reloader = match shared.edge.reloads() {
         None => None,
@@ -397,21 +398,12 @@ pub fn run(
     };
     let served = match shared.edge.layer.clone() {
         // Without keys the service is served bare: no layer, no cost.
-        None => disagg_http::server::serve_threads_with(
+        None => server.serve_threads(args.listen, move || shared.service(), shutdown, on_bound),
+        Some(layer) => server.serve_threads(
             args.listen,
-            threads,
-            move || shared.service(),
-            shutdown,
-            on_bound,
-            &serve_config,
-        ),
-        Some(layer) => disagg_http::server::serve_threads_with(
-            args.listen,
-            threads,
             move || tower::Layer::layer(&layer, shared.service()),
             shutdown,
             on_bound,
-            &serve_config,
         ),
     };
     served.map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;

@@ -985,7 +985,7 @@ async fn the_layer_routes_and_passes_on_the_normal_path() {
     let service = tower::Layer::layer(&layer, inner);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(disagg_http::server::serve(
+    tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         service,
         std::future::pending(),

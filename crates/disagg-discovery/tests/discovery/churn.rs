@@ -83,7 +83,7 @@ async fn engines_added_and_removed_under_load_fail_no_request() {
         listener.local_addr().unwrap()
     );
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(disagg_http::server::serve(
+    tokio::spawn(disagg_http::server::Builder::new().serve(
         listener,
         PdService::new(orchestrator),
         async {

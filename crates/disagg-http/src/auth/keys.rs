@@ -386,6 +386,7 @@ impl ApiKeys {
     /// | `disagg_key_throttled_total{reason}` | counter | requests refused 429 by their key's limit: `rate`, `in_flight` |
     /// | `disagg_api_key_reloads_total` | counter | key file reloads that changed the keys |
     /// | `disagg_api_key_file_errors_total` | counter | key file states refused (unreadable, invalid) |
+    #[cfg(feature = "metrics")]
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register_collector(Box::new(KeysCollector(self.clone())));
     }
@@ -522,13 +523,16 @@ pub(super) fn bearer(value: &HeaderValue) -> Option<&[u8]> {
 }
 
 /// A counter family by `reason`: its name, its help, each reason's count.
+#[cfg(feature = "metrics")]
 type Labelled = (&'static str, &'static str, [(&'static str, u64); 2]);
 
 /// [`ApiKeys::register_metrics`]' collector: the keys' counters, read at each scrape
 /// (the check counts in atomics it already keeps; nothing more on the request path).
+#[cfg(feature = "metrics")]
 #[derive(Debug)]
 struct KeysCollector(ApiKeys);
 
+#[cfg(feature = "metrics")]
 impl prometheus_client::collector::Collector for KeysCollector {
     fn encode(
         &self,

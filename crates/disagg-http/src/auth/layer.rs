@@ -14,6 +14,7 @@ use http_body::{Body, Frame, SizeHint};
 
 use super::ApiKeys;
 use super::limits::InFlightSlot;
+use crate::tap::{Hooks, Tap};
 
 // === ApiKeyLayer ===
 
@@ -211,7 +212,9 @@ where
                 let resp = std::task::ready!(future.poll(cx))?;
                 let slot = slot.take();
                 Poll::Ready(Ok(resp.map(|body| KeyBody {
-                    inner: Inner::Served { body, slot },
+                    inner: Inner::Served {
+                        body: Tap::new(body, FreesSlot(slot)),
+                    },
                 })))
             }
             StateProj::Refused { response } => {
@@ -239,12 +242,21 @@ pin_project_lite::pin_project! {
     enum Inner<B> {
         Served {
             #[pin]
-            body: B,
-            slot: Option<InFlightSlot>,
+            body: Tap<B, FreesSlot>,
         },
         Refused {
             bytes: Option<Bytes>,
         },
+    }
+}
+
+/// A served answer's hooks: the key's in-flight place, freed when the answer is over
+/// (not when the connection gets round to dropping the body).
+pub(super) struct FreesSlot(Option<InFlightSlot>);
+
+impl<B: Body> Hooks<B> for FreesSlot {
+    fn end(&mut self) {
+        self.0.take();
     }
 }
 
@@ -266,29 +278,21 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().inner.project() {
-            InnerProj::Served { body, slot } => {
-                let polled = std::task::ready!(body.poll_frame(cx));
-                if polled.is_none() {
-                    // The answer is over: the key's place frees now, not when the
-                    // connection gets round to dropping the body.
-                    slot.take();
-                }
-                Poll::Ready(polled)
-            }
+            InnerProj::Served { body } => body.poll_frame(cx),
             InnerProj::Refused { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.inner {
-            Inner::Served { body, .. } => body.is_end_stream(),
+            Inner::Served { body } => body.is_end_stream(),
             Inner::Refused { bytes } => bytes.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            Inner::Served { body, .. } => body.size_hint(),
+            Inner::Served { body } => body.size_hint(),
             Inner::Refused { bytes } => {
                 SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
             }

@@ -154,6 +154,7 @@ fn refusals_are_openai_errors() {
     assert!(body["error"]["param"].is_null());
 }
 
+#[cfg(feature = "metrics")]
 #[test]
 fn metrics_hold_no_key_material() {
     let keys = ApiKeys::new(["sk-secret-value"]).unwrap();
