@@ -229,7 +229,58 @@ impl Builder {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        serve_threads(self, addr, make_service, shutdown, on_bound)
+        let threads = if cfg!(unix) { self.threads.max(1) } else { 1 };
+        let make_service = Arc::new(make_service);
+        let tracker = Arc::new(DrainTracker::default());
+        let mut handles = Vec::with_capacity(threads);
+        let mut bound = addr;
+        for i in 0..threads {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let make_service = Arc::clone(&make_service);
+            let tracker = Arc::clone(&tracker);
+            let config = self.clone();
+            let mut shutdown = shutdown.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("disagg-{i}"))
+                .spawn(move || -> std::io::Result<Drained> {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()?;
+                    rt.block_on(async move {
+                        let listener = match listen(bound, true) {
+                            Ok(l) => l,
+                            Err(e) => {
+                                let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
+                                return Err(e);
+                            }
+                        };
+                        let _ = tx.send(listener.local_addr());
+                        let stop = async move {
+                            let _ = shutdown.wait_for(|stop| *stop).await;
+                        };
+                        Ok(serve_until(listener, make_service(), stop, &config, &tracker).await)
+                    })
+                })?;
+            handles.push(handle);
+            // The first thread picks the port (when 0 was asked); the others share it.
+            match rx.recv() {
+                Ok(Ok(a)) => bound = a,
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(std::io::Error::other("server thread ended at start")),
+            }
+        }
+        on_bound(bound);
+        let mut result = Ok(());
+        let mut drained = Drained::default();
+        for h in handles {
+            match h.join() {
+                Ok(Ok(d)) => drained = drained.merge(d),
+                Ok(Err(e)) => result = Err(e),
+                Err(_) => result = Err(std::io::Error::other("server thread panicked")),
+            }
+        }
+        drained.log();
+        result
     }
 }
 
@@ -441,72 +492,4 @@ fn is_per_connection(e: &std::io::Error) -> bool {
         e.kind(),
         ConnectionAborted | ConnectionReset | ConnectionRefused
     )
-}
-
-/// [`Builder::serve_threads`].
-fn serve_threads<M, S, B>(
-    config: Builder,
-    addr: std::net::SocketAddr,
-    make_service: M,
-    shutdown: tokio::sync::watch::Receiver<bool>,
-    on_bound: impl FnOnce(std::net::SocketAddr),
-) -> std::io::Result<()>
-where
-    M: Fn() -> S + Send + Sync + 'static,
-    S: HttpService<B>,
-    B: Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    let threads = if cfg!(unix) { config.threads.max(1) } else { 1 };
-    let make_service = Arc::new(make_service);
-    let tracker = Arc::new(DrainTracker::default());
-    let mut handles = Vec::with_capacity(threads);
-    let mut bound = addr;
-    for i in 0..threads {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let make_service = Arc::clone(&make_service);
-        let tracker = Arc::clone(&tracker);
-        let config = config.clone();
-        let mut shutdown = shutdown.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("disagg-{i}"))
-            .spawn(move || -> std::io::Result<Drained> {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
-                rt.block_on(async move {
-                    let listener = match listen(bound, true) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            let _ = tx.send(Err(std::io::Error::new(e.kind(), e.to_string())));
-                            return Err(e);
-                        }
-                    };
-                    let _ = tx.send(listener.local_addr());
-                    let stop = async move {
-                        let _ = shutdown.wait_for(|stop| *stop).await;
-                    };
-                    Ok(serve_until(listener, make_service(), stop, &config, &tracker).await)
-                })
-            })?;
-        handles.push(handle);
-        // The first thread picks the port (when 0 was asked); the others share it.
-        match rx.recv() {
-            Ok(Ok(a)) => bound = a,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(std::io::Error::other("server thread ended at start")),
-        }
-    }
-    on_bound(bound);
-    let mut result = Ok(());
-    let mut drained = Drained::default();
-    for h in handles {
-        match h.join() {
-            Ok(Ok(d)) => drained = drained.merge(d),
-            Ok(Err(e)) => result = Err(e),
-            Err(_) => result = Err(std::io::Error::other("server thread panicked")),
-        }
-    }
-    drained.log();
-    result
 }

@@ -187,6 +187,7 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
 /// SSE specification, WHATWG HTML "event stream interpretation"), so `\n\n`,
 /// `\r\n\r\n`, `\r\r` and their mixes all end one. A `\r` at the very end of `buf`
 /// may be the first half of `\r\n`: it waits for the next frame.
+#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // read by `sglang::generate` only
 pub(crate) fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
     scan(buf, 0).ok()
 }
