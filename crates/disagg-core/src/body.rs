@@ -274,15 +274,47 @@ fn fold_indexed(bytes: &Bytes, spans: &[(Key, usize, usize)]) -> Vec<(Bytes, Byt
 /// # Ok::<(), disagg_core::error::BodyError>(())
 /// ```
 pub fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
-    match scan_field(bytes, key.as_bytes()) {
-        Some(found) => {
-            if let Some((start, end)) = found {
-                serde_json::from_slice::<de::IgnoredAny>(&bytes[start..end])
-                    .map_err(BodyError::InvalidJson)?;
-                return Ok(Some(bytes.slice(start..end)));
-            }
-            Ok(None)
-        }
+    let found = top_level_span(bytes, key)?;
+    if let Some(value) = &found {
+        serde_json::from_slice::<de::IgnoredAny>(value).map_err(BodyError::InvalidJson)?;
+    }
+    Ok(found)
+}
+
+/// Like [`top_level_field`], with the value read by `read` instead of by serde: `read`
+/// gets the answer from the value's first byte on and says how many bytes the value
+/// takes (and what it found), or `None` when they are not JSON, which makes the answer
+/// malformed. The rest of the object's shape is checked as for `top_level_field`. For a
+/// caller whose reading validates the value anyway, so that its bytes are read once.
+pub(crate) fn top_level_read<T>(
+    bytes: &Bytes,
+    key: &str,
+    mut read: impl FnMut(&[u8]) -> Option<(usize, T)>,
+) -> Result<Option<(Bytes, T)>, BodyError> {
+    let mut last = None;
+    let found = scan_field(bytes, key.as_bytes(), |i| {
+        let rest = bytes.get(i..)?;
+        let (len, found) = read(rest).filter(|(len, _)| (1..=rest.len()).contains(len))?;
+        last = Some(found);
+        Some(i + len)
+    });
+    match found {
+        Some(found) => Ok(found
+            .zip(last)
+            .map(|((start, end), read)| (bytes.slice(start..end), read))),
+        // Malformed: let the full parser say precisely what is wrong.
+        None => match JsonBody::parse_bytes(bytes) {
+            Err(e) => Err(e),
+            Ok(_) => Err(BodyError::NotAnObject),
+        },
+    }
+}
+
+/// The span of the last top-level value of `key`, the object's shape checked (see
+/// [`scan_field`]), the value's bytes not read as JSON.
+fn top_level_span(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
+    match scan_field(bytes, key.as_bytes(), |i| skip_value(bytes, i)) {
+        Some(found) => Ok(found.map(|(start, end)| bytes.slice(start..end))),
         // Malformed: let the full parser say precisely what is wrong.
         None => match JsonBody::parse_bytes(bytes) {
             Err(e) => Err(e),
@@ -292,8 +324,14 @@ pub fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyEr
 }
 
 /// `Some(Some(span))` for the last top-level value of `key`, `Some(None)` when the object
-/// has no such key, `None` when `b` is not a well-formed object at its top level.
-fn scan_field(b: &[u8], key: &[u8]) -> Option<Option<(usize, usize)>> {
+/// has no such key, `None` when `b` is not a well-formed object at its top level. Each
+/// value of `key` is stepped over by `value` (from its first byte to the index past
+/// it), the others by [`skip_value`].
+fn scan_field(
+    b: &[u8],
+    key: &[u8],
+    mut value: impl FnMut(usize) -> Option<usize>,
+) -> Option<Option<(usize, usize)>> {
     let ws = |i: &mut usize| {
         while *i < b.len() && b[*i].is_ascii_whitespace() {
             *i += 1;
@@ -319,13 +357,13 @@ fn scan_field(b: &[u8], key: &[u8]) -> Option<Option<(usize, usize)>> {
         }
         let key_end = skip_string(b, i)?;
         let raw_key = &b[i + 1..key_end - 1];
-        let matches = if raw_key.contains(&b'\\') {
-            serde_json::from_slice::<String>(&b[i..key_end])
-                .ok()
-                .is_some_and(|k| k.as_bytes() == key)
-        } else {
-            raw_key == key
-        };
+        // Equal bytes are the key (it has no backslash); a key spelled with escapes is
+        // longer than what it reads as, so only a longer one with a backslash is read.
+        let matches = raw_key == key
+            || (raw_key.len() > key.len()
+                && raw_key.contains(&b'\\')
+                && serde_json::from_slice::<String>(&b[i..key_end])
+                    .is_ok_and(|k| k.as_bytes() == key));
         i = key_end;
         ws(&mut i);
         if b.get(i) != Some(&b':') {
@@ -334,9 +372,11 @@ fn scan_field(b: &[u8], key: &[u8]) -> Option<Option<(usize, usize)>> {
         i += 1;
         ws(&mut i);
         let start = i;
-        i = skip_value(b, i)?;
         if matches {
+            i = value(i)?;
             found = Some((start, i));
+        } else {
+            i = skip_value(b, i)?;
         }
         ws(&mut i);
         match b.get(i) {
@@ -351,17 +391,18 @@ fn scan_field(b: &[u8], key: &[u8]) -> Option<Option<(usize, usize)>> {
     }
 }
 
-/// The index just past the string starting at `b[i] == b'"'`.
-fn skip_string(b: &[u8], mut i: usize) -> Option<usize> {
-    i += 1;
-    while i < b.len() {
-        match b[i] {
-            b'"' => return Some(i + 1),
-            b'\\' => i += 2,
-            _ => i += 1,
+/// The index just past the string starting at `b[i] == b'"'`: the next quote or
+/// backslash found by one `memchr2` search (most strings hold neither), a backslash
+/// stepping over the byte it escapes.
+fn skip_string(b: &[u8], i: usize) -> Option<usize> {
+    let mut j = i + 1;
+    loop {
+        j += memchr::memchr2(b'"', b'\\', b.get(j..)?)?;
+        if b[j] == b'"' {
+            return Some(j + 1);
         }
+        j += 2;
     }
-    None
 }
 
 /// The index just past the value starting at `b[i]` (its shape only; the one value
@@ -707,6 +748,33 @@ mod tests {
         ] {
             assert!(f(bad, "k").is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn top_level_read_reads_the_last_value_of_the_key_and_skips_the_rest() {
+        // A reader of one JSON number, at the start of what it is given.
+        let number = |b: &[u8]| {
+            let len = b.iter().take_while(|c| c.is_ascii_digit()).count();
+            (len > 0).then(|| (len, b[..len].to_vec()))
+        };
+        let read = |body: &'static str| {
+            top_level_read(&Bytes::from_static(body.as_bytes()), "k", number)
+                .map(|v| v.map(|(span, n)| (String::from_utf8(span.to_vec()).unwrap(), n)))
+        };
+        let (span, n) = read(r#"{"a":{"k":"}"},"k":12 ,"k":345,"z":[1]}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!((span.as_str(), &n[..]), ("345", &b"345"[..]));
+        assert_eq!(read(r#"{"a":1}"#).unwrap(), None);
+        // The reader refusing the value makes the answer malformed; a reader that says
+        // it took more than there is, too.
+        assert!(read(r#"{"k":"x"}"#).is_err());
+        let greedy = top_level_read(&Bytes::from_static(br#"{"k":1}"#), "k", |b| {
+            Some((b.len() + 1, ()))
+        });
+        assert!(greedy.is_err());
+        // The rest of the object is still checked.
+        assert!(read(r#"{"k":1,"x"}"#).is_err());
     }
 
     #[test]

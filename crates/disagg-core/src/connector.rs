@@ -208,6 +208,25 @@ impl PrefillAnswer {
     pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
         crate::body::top_level_field(&self.body, key)
     }
+
+    /// Like [`field`](Self::field), with the value read by `read` rather than by serde,
+    /// so that a connector whose reading validates the value anyway (vLLM NIXL's handoff
+    /// check) reads its bytes once. `read` gets the answer from the value's first byte
+    /// on and returns how many bytes the value takes and what it found, or `None` when
+    /// they are not JSON (the answer is then malformed). It must refuse whatever serde
+    /// would: the value it steps over is what a connector may pass on.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or
+    /// `read` refuses the value.
+    pub fn read_field<T>(
+        &self,
+        key: &str,
+        read: impl FnMut(&[u8]) -> Option<(usize, T)>,
+    ) -> Result<Option<(bytes::Bytes, T)>, crate::error::BodyError> {
+        crate::body::top_level_read(&self.body, key, read)
+    }
 }
 
 /// What [`KvConnector::complete`] found in the prefill's answer (a step's result, not

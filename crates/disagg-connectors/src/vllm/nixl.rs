@@ -132,31 +132,28 @@ impl KvConnector for VllmNixl {
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<HandoffFound, ConnectorError> {
-        let params =
-            answer
-                .field(KV_TRANSFER_PARAMS)
-                .map_err(|source| ConnectorError::InvalidAnswer {
-                    endpoint: handoff.prefill.endpoint.id().clone(),
-                    source,
-                })?;
-        let Some(params) = params else {
+        let invalid = |source| ConnectorError::InvalidAnswer {
+            endpoint: handoff.prefill.endpoint.id().clone(),
+            source,
+        };
+        // The dict's bytes are read once, by the handoff's own validating reading.
+        let Some((params, read)) = answer
+            .read_field(KV_TRANSFER_PARAMS, read_handoff)
+            .map_err(invalid)?
+        else {
             return Ok(HandoffFound::Missing);
         };
-        match params.first() {
-            Some(b'{') => {}
-            _ if &params[..] == b"null" => return Ok(HandoffFound::Missing),
-            _ => {
+        match read {
+            Read::Other if &params[..] == b"null" => return Ok(HandoffFound::Missing),
+            Read::Other => {
                 return Err(ConnectorError::InvalidHandoff {
                     endpoint: handoff.prefill.endpoint.id().clone(),
                     field: KV_TRANSFER_PARAMS,
                 });
             }
-        }
-        if is_empty_object(&params) {
-            return Ok(HandoffFound::Missing);
-        }
-        if let Err(problem) = check_handoff(&params) {
-            return Ok(HandoffFound::Incomplete { problem });
+            Read::Dict(_) if is_empty_object(&params) => return Ok(HandoffFound::Missing),
+            Read::Dict(Err(problem)) => return Ok(HandoffFound::Incomplete { problem }),
+            Read::Dict(Ok(())) => {}
         }
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(HandoffFound::Handed)
@@ -184,34 +181,83 @@ impl KvConnector for VllmNixl {
     }
 }
 
-/// Whether a prefill's handoff dict is one a vLLM 0.33 decode can take (see the
-/// [module docs](self)); the error says what is wrong.
+/// What [`read_handoff`] found in a value that is JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Read {
+    /// A dict: whether a vLLM 0.33 decode can take it, or what is wrong, in words.
+    Dict(Result<(), &'static str>),
+    /// Another type of value.
+    Other,
+}
+
+/// Whether `raw` (the whole of it, whitespace around it allowed) is a handoff dict a
+/// vLLM 0.33 decode can take: `Err(None)` when it is not JSON, `Err(Some(problem))`
+/// when it is JSON but not such a dict.
+#[cfg(test)]
+fn check_handoff(raw: &[u8]) -> Result<(), Option<&'static str>> {
+    let start = raw.iter().take_while(|c| c.is_ascii_whitespace()).count();
+    let (len, read) = read_handoff(&raw[start..]).ok_or(None)?;
+    if !raw[start + len..].iter().all(u8::is_ascii_whitespace) {
+        return Err(None);
+    }
+    match read {
+        Read::Dict(rule) => rule.map_err(Some),
+        Read::Other => Err(Some("not a dict")),
+    }
+}
+
+/// Reads the handoff value at the start of `b` (the prefill's answer from the value's
+/// first byte on): how many bytes it takes and whether it is a dict a vLLM 0.33 decode
+/// can take (see the [module docs](self)), or `None` when the bytes are not JSON.
 ///
-/// Read by one scan of the dict's bytes rather than by serde: the dict is a span the
-/// answer's parse has already checked as JSON (`PrefillAnswer::field`), and a second
-/// serde pass over it (a derived struct of raw values, then one parse per read value)
-/// cost ~8,000 instructions per request, 6.5% of the whole NIXL request path, where
-/// the scan costs a few hundred (docs/performance.md). On JSON it decides as a reading
-/// of the parsed dict would (a property test holds it to that); on bytes that are not
-/// JSON it never panics or reads past them. A key spelled with escapes (`"remote\u005fport"`,
+/// One validating scan of the value's bytes, inside the reading of the answer, rather
+/// than serde: a serde pass to check the answer's value as JSON, then a derived struct
+/// of raw values and one parse per read value, cost ~11,500 instructions per request,
+/// 9% of the whole NIXL request path (docs/performance.md). It refuses what serde_json
+/// refuses (a control byte or an unknown escape in a string, a number outside JSON's
+/// grammar, a bad literal; bytes that are not UTF-8 pass both, and the decode's own
+/// parser refuses them), and on JSON it decides as a reading of the parsed dict would
+/// (property tests hold it to both). It never panics or reads past its input; it
+/// recurses, so a dict nesting deeper than 127 levels is refused as a handoff (no
+/// handoff nests beyond three). A key spelled with escapes (`"remote\u005fport"`,
 /// which no engine writes) reads as absent, so such a dict is refused, never passed on.
-pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
-    const UNPARSED: &str = "kv_transfer_params does not parse";
-    let mut s = Scan { b: raw, i: 0 };
+pub(crate) fn read_handoff(b: &[u8]) -> Option<(usize, Read)> {
+    let mut s = Scan {
+        b,
+        i: 0,
+        too_deep: false,
+    };
+    if s.peek()? != b'{' {
+        s.value(0)?;
+        return Some((s.i, Read::Other));
+    }
+    let rule = handoff_dict(&mut s)?;
+    let rule = if s.too_deep {
+        Err("kv_transfer_params nests deeper than 127 levels")
+    } else {
+        rule
+    };
+    Some((s.i, Read::Dict(rule)))
+}
+
+/// The dict at the cursor, read to its end: `None` when it is not JSON, else whether a
+/// vLLM 0.33 decode can take it.
+fn handoff_dict<'a>(s: &mut Scan<'a>) -> Option<Result<(), &'static str>> {
+    let raw = s.b;
     // One slot per key read: the value's bytes, exactly as written.
-    let mut read: [Option<&[u8]>; KEYS.len()] = [None; KEYS.len()];
+    let mut read: [Option<&'a [u8]>; KEYS.len()] = [None; KEYS.len()];
     let mut blocks = None;
-    s.skip_ws();
+    let mut repeated = false;
     if !s.eat(b'{') {
-        return Err(UNPARSED);
+        return None;
     }
     s.skip_ws();
     if !s.eat(b'}') {
         loop {
-            let key = s.string().ok_or(UNPARSED)?;
+            let key = s.string()?;
             s.skip_ws();
             if !s.eat(b':') {
-                return Err(UNPARSED);
+                return None;
             }
             s.skip_ws();
             // A key of its own (`"a"`) has its quotes: compare what is between them.
@@ -224,15 +270,14 @@ pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
                 blocks = s.block_ids();
                 if blocks.is_none() {
                     s.i = start;
-                    s.value().ok_or(UNPARSED)?;
+                    s.value(1)?;
                 }
                 &raw[start..s.i]
             } else {
-                s.value().ok_or(UNPARSED)?
+                s.value(1)?
             };
-            if slot.is_some_and(|k| read[k].replace(value).is_some()) {
-                return Err("kv_transfer_params repeats a key");
-            }
+            // A repeated key is refused once the whole dict is known to be JSON.
+            repeated |= slot.is_some_and(|k| read[k].replace(value).is_some());
             s.skip_ws();
             if s.eat(b',') {
                 s.skip_ws();
@@ -241,12 +286,21 @@ pub(crate) fn check_handoff(raw: &[u8]) -> Result<(), &'static str> {
             if s.eat(b'}') {
                 break;
             }
-            return Err(UNPARSED);
+            return None;
         }
     }
-    s.skip_ws();
-    if s.i != raw.len() {
-        return Err(UNPARSED);
+    Some(handoff_rules(read, blocks, repeated))
+}
+
+/// Whether the keys read from a dict (see [`KEYS`]) make a handoff a vLLM 0.33 decode
+/// can take.
+fn handoff_rules(
+    read: [Option<&[u8]>; KEYS.len()],
+    blocks: Option<usize>,
+    repeated: bool,
+) -> Result<(), &'static str> {
+    if repeated {
+        return Err("kv_transfer_params repeats a key");
     }
     let [prefill, _, engine, request, host, port, tp, mode] = read;
     if prefill != Some(b"true") {
@@ -313,20 +367,77 @@ fn unsigned(raw: &[u8]) -> Option<u64> {
     })
 }
 
+/// Whether `t` is a JSON number: an optional minus, an integer part without leading
+/// zeros, an optional fraction and exponent, each with at least one digit.
+fn is_number(t: &[u8]) -> bool {
+    let digits = |i: &mut usize| {
+        let from = *i;
+        while t.get(*i).is_some_and(u8::is_ascii_digit) {
+            *i += 1;
+        }
+        *i > from
+    };
+    let mut i = usize::from(t.first() == Some(&b'-'));
+    match t.get(i) {
+        Some(b'0') => i += 1,
+        Some(b'1'..=b'9') => {
+            digits(&mut i);
+        }
+        _ => return false,
+    }
+    if t.get(i) == Some(&b'.') {
+        i += 1;
+        if !digits(&mut i) {
+            return false;
+        }
+    }
+    if matches!(t.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(t.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        if !digits(&mut i) {
+            return false;
+        }
+    }
+    i == t.len()
+}
+
 /// How many block ids the list `raw` holds (see [`Scan::block_ids`]); `None` for
 /// anything else or for bytes after it.
 #[cfg(test)]
 fn block_ids(raw: &[u8]) -> Option<usize> {
-    let mut s = Scan { b: raw, i: 0 };
+    let mut s = Scan {
+        b: raw,
+        i: 0,
+        too_deep: false,
+    };
     let n = s.block_ids()?;
     (s.i == raw.len()).then_some(n)
 }
+
+/// The bytes a string's reading stops at: its end (`"`), an escape (`\\`) and the
+/// control bytes JSON refuses inside a string. One table lookup per byte: strings are
+/// most of a handoff's bytes.
+static STOPS_STRING: [bool; 256] = {
+    let mut stops = [false; 256];
+    let mut c = 0;
+    while c < 0x20 {
+        stops[c] = true;
+        c += 1;
+    }
+    stops[b'"' as usize] = true;
+    stops[b'\\' as usize] = true;
+    stops
+};
 
 /// A cursor over JSON bytes. Every step moves forward or fails (`None`), so a scan ends
 /// within the input's length whatever the bytes are.
 struct Scan<'a> {
     b: &'a [u8],
     i: usize,
+    /// A container nested deeper than [`Scan::value`] reads was stepped over unread.
+    too_deep: bool,
 }
 
 impl<'a> Scan<'a> {
@@ -346,56 +457,118 @@ impl<'a> Scan<'a> {
         }
     }
 
-    /// A string, quotes included; escapes are stepped over, not decoded.
+    /// A string, quotes included, as JSON allows it: no control byte, every escape one
+    /// JSON knows (`\uXXXX` with four hex digits). Escapes are checked, not decoded.
     fn string(&mut self) -> Option<&'a [u8]> {
         let start = self.i;
         if !self.eat(b'"') {
             return None;
         }
         loop {
-            // The next quote ends the string unless an odd run of backslashes escapes
-            // it: one search for one byte (escapes are rare in a handoff).
-            let at = memchr::memchr(b'"', self.b.get(self.i..)?)?;
-            self.i += at + 1;
-            let inside = &self.b[start + 1..self.i - 1];
-            let slashes = inside.iter().rev().take_while(|&&c| c == b'\\').count();
-            if slashes % 2 == 0 {
-                return Some(&self.b[start..self.i]);
+            let at = self
+                .b
+                .get(self.i..)?
+                .iter()
+                .position(|&c| STOPS_STRING[usize::from(c)])?;
+            self.i += at;
+            match self.b[self.i] {
+                b'"' => {
+                    self.i += 1;
+                    return Some(&self.b[start..self.i]);
+                }
+                b'\\' => match *self.b.get(self.i + 1)? {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.i += 2,
+                    b'u' => {
+                        let hex = self.b.get(self.i + 2..self.i + 6)?;
+                        if !hex.iter().all(u8::is_ascii_hexdigit) {
+                            return None;
+                        }
+                        self.i += 6;
+                    }
+                    _ => return None,
+                },
+                _ => return None,
             }
         }
     }
 
-    /// One value of any type, as written: strings and containers to their end (strings
-    /// inside skipped whole), scalars to the next delimiter.
-    fn value(&mut self) -> Option<&'a [u8]> {
+    /// One value of any type, as written, checked as JSON: `depth` containers enclose
+    /// it (the dict is the first). The reading recurses, so a container nested deeper
+    /// than 127 levels is refused (no handoff nests beyond three).
+    fn value(&mut self, depth: usize) -> Option<&'a [u8]> {
+        const MAX_DEPTH: usize = 127;
         let start = self.i;
         match self.peek()? {
             b'"' => {
                 self.string()?;
             }
-            b'{' | b'[' => {
-                let mut depth = 0usize;
-                loop {
-                    match self.peek()? {
-                        b'"' => {
-                            self.string()?;
-                            continue;
-                        }
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => depth -= 1,
-                        _ => {}
-                    }
-                    self.i += 1;
-                    if depth == 0 {
-                        break;
-                    }
-                }
+            b'[' if depth < MAX_DEPTH => {
+                self.list(|s| s.value(depth + 1).map(drop))?;
+            }
+            b'{' if depth < MAX_DEPTH => {
+                self.object(depth + 1)?;
+            }
+            // Too deep to read by recursion: stepped over by its shape, and the dict
+            // refused (see `too_deep`), so these bytes are never passed on.
+            b'[' | b'{' => {
+                self.too_deep = true;
+                self.skip_deep()?;
             }
             _ => {
                 self.scalar()?;
             }
         }
         Some(&self.b[start..self.i])
+    }
+
+    /// A container stepped over by its shape alone, without recursion: strings to
+    /// their end, brackets counted.
+    fn skip_deep(&mut self) -> Option<()> {
+        let mut depth = 0usize;
+        loop {
+            match self.peek()? {
+                b'"' => {
+                    self.string()?;
+                    continue;
+                }
+                b'{' | b'[' => depth += 1,
+                b'}' | b']' => depth = depth.checked_sub(1)?,
+                _ => {}
+            }
+            self.i += 1;
+            if depth == 0 {
+                return Some(());
+            }
+        }
+    }
+
+    /// An object whose values are at `depth` (keys are strings, values any JSON),
+    /// stepped over.
+    fn object(&mut self, depth: usize) -> Option<()> {
+        if !self.eat(b'{') {
+            return None;
+        }
+        self.skip_ws();
+        if self.eat(b'}') {
+            return Some(());
+        }
+        loop {
+            self.string()?;
+            self.skip_ws();
+            if !self.eat(b':') {
+                return None;
+            }
+            self.skip_ws();
+            self.value(depth)?;
+            self.skip_ws();
+            if self.eat(b'}') {
+                return Some(());
+            }
+            if !self.eat(b',') {
+                return None;
+            }
+            self.skip_ws();
+        }
     }
 
     /// How many block ids the list here holds, stepping over it: a flat list of ids
@@ -426,7 +599,8 @@ impl<'a> Scan<'a> {
         self.scalar().and_then(unsigned)
     }
 
-    /// A number or a literal (`true`, `false`, `null`), up to the next delimiter.
+    /// A number or a literal (`true`, `false`, `null`), up to the next delimiter,
+    /// refused unless JSON's grammar allows it.
     fn scalar(&mut self) -> Option<&'a [u8]> {
         let start = self.i;
         let rest = self.b.get(start..)?;
@@ -434,11 +608,12 @@ impl<'a> Scan<'a> {
             .iter()
             .position(|&c| matches!(c, b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r'))
             .unwrap_or(rest.len());
-        if len == 0 {
+        let token = &rest[..len];
+        if !(matches!(token, b"true" | b"false" | b"null") || is_number(token)) {
             return None;
         }
         self.i += len;
-        Some(&rest[..len])
+        Some(token)
     }
 
     /// A list whose every element `item` reads (from its first byte); how many there
@@ -577,6 +752,59 @@ mod tests {
         ));
     }
 
+    /// The bytes JSON's grammar turns on, and some it refuses.
+    const GRAMMAR: &[u8] = b"{}[]:,\"\\/ \t\n\r0123456789-+.eEtrufalsnxbu\x00\x1f\x7f";
+
+    #[tokio::test]
+    async fn a_dict_that_is_not_json_is_an_invalid_answer() {
+        let c = VllmNixl::new();
+        let good = V033.to_owned();
+        for bad in [
+            good.replace("5600", "05600"),
+            good.replace("5600", "56.e0"),
+            good.replace("true", "True"),
+            good.replace("10.0.0.5", "10.0\\q.5"),
+            good.replace("10.0.0.5", "10.0.0\\u00g5"),
+            good.replace("10.0.0.5", "10.0.0\n.5"),
+            good.replace("\"pull\"", "[1,{\"a\":}]"),
+            good.replace("null", "nul"),
+            good.replace("\"dcp_size\":1", "\"dcp_size\":-"),
+        ] {
+            assert_eq!(check_handoff(bad.as_bytes()), Err(None), "{bad}");
+            let mut h = c
+                .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))
+                .unwrap();
+            let body = format!(r#"{{"choices":[],"kv_transfer_params":{bad}}}"#);
+            assert!(
+                matches!(
+                    c.complete(&mut h, &answer(&body)).await,
+                    Err(ConnectorError::InvalidAnswer { .. })
+                ),
+                "{bad}"
+            );
+            assert!(h.decode.body.get(KV_TRANSFER_PARAMS).is_none());
+        }
+        // Nesting is bounded (the scan recurses): a dict nested deeper than 127 levels,
+        // which serde's skipping reader takes, is refused as a handoff, never a crash.
+        let nested = |n: usize| format!(r#"{{"x":{}1{}}}"#, "[".repeat(n), "]".repeat(n));
+        assert_eq!(
+            check_handoff(nested(125).as_bytes()),
+            Err(Some("do_remote_prefill is not true"))
+        );
+        let deep = V033.replace("\"pull\"", &nested(200_000));
+        assert!(serde_json::from_str::<serde::de::IgnoredAny>(&deep).is_ok());
+        const TOO_DEEP: &str = "kv_transfer_params nests deeper than 127 levels";
+        assert_eq!(check_handoff(deep.as_bytes()), Err(Some(TOO_DEEP)));
+        let mut h = c
+            .prepare(&route(), &req(Api::Completions, r#"{"prompt":"p"}"#))
+            .unwrap();
+        let body = format!(r#"{{"choices":[],"kv_transfer_params":{deep}}}"#);
+        assert_eq!(
+            c.complete(&mut h, &answer(&body)).await.unwrap(),
+            HandoffFound::Incomplete { problem: TOO_DEEP }
+        );
+    }
+
     /// vLLM 0.33's pull answer (`…/nixl/pull_scheduler.py` `request_finished`).
     const V033: &str = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[[12,13,14],[]],"remote_engine_id":"9b1c","remote_request_id":"chatcmpl-1-abcd0123","remote_host":"10.0.0.5","remote_port":5600,"tp_size":8,"dcp_size":1,"pp_size":1,"remote_num_tokens":40,"remote_blocks_expiry_time":null,"remote_registration_generation":3,"transfer_mode":"pull"}"#;
 
@@ -670,6 +898,22 @@ mod tests {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
                 proptest::prop_assert_eq!(check_handoff(&bytes).is_ok(), takes(&v), "{}", String::from_utf8_lossy(&bytes));
             }
+        }
+
+        /// The scan refuses as not JSON exactly what serde_json refuses (the check that
+        /// used to run before it): a one- or two-byte change of a good dict, the bytes
+        /// drawn from what JSON's grammar turns on.
+        #[test]
+        fn the_handoff_scan_refuses_what_serde_refuses(
+            edits in proptest::collection::vec((0usize..400, proptest::sample::select(GRAMMAR.to_vec())), 1..3),
+        ) {
+            let mut bytes = V033.replace("10.0.0.5", "10.0.0.5 \\u00e9\\n").into_bytes();
+            for (at, byte) in edits {
+                let at = at % bytes.len();
+                bytes[at] = byte;
+            }
+            let json = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok();
+            proptest::prop_assert_eq!(check_handoff(&bytes) != Err(None), json, "{}", String::from_utf8_lossy(&bytes));
         }
     }
 
