@@ -286,14 +286,12 @@ impl Shared {
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
-        let limits = (a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some())
+        let limits = (a.max_in_flight.is_some() || resilience.per_endpoint.is_some())
             .then(|| Limits::new(resilience.admission));
         // The per-endpoint limit decorates the router and waits in the admission's
         // queue (one queue, one set of counters for both limits).
-        if let Some(l) = &limits
-            && l.config().max_in_flight_per_endpoint.is_some()
-        {
-            router = Arc::new(l.per_endpoint(router));
+        if let (Some(l), Some(limit)) = (&limits, resilience.per_endpoint) {
+            router = Arc::new(l.per_endpoint(router, limit));
         }
         // The source's health hears every attempt (it is the source's listener).
         let mut builder =

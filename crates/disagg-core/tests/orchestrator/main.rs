@@ -126,7 +126,7 @@ impl Setup {
             builder = builder.retry(Backoff::new(self.retry));
         }
         let a = &self.admission;
-        if a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some() {
+        if a.max_in_flight.is_some() {
             builder = builder.admission(Limits::new(self.admission));
         }
         builder.config(self.config)
