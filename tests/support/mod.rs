@@ -8,7 +8,9 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
 use disagg_core::disaggregate::Disaggregate;
-use disagg_core::{BootstrapPort, Endpoint, KvConnector, ManualSource, Orchestrator, Role};
+use disagg_core::{
+    Endpoint, KvConnector, Orchestrator, Role, connector::BootstrapPort, source::ManualSource,
+};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
@@ -405,20 +407,20 @@ impl disagg_core::Router for BoxedRouter {
     fn select(
         &self,
         req: &disagg_core::router::RequestView<'_>,
-        set: &disagg_core::EndpointSet,
-    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        set: &disagg_core::endpoint::EndpointSet,
+    ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         self.0.select(req, set)
     }
 
     fn select_direct(
         &self,
         req: &disagg_core::router::RequestView<'_>,
-        set: &disagg_core::EndpointSet,
-    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        set: &disagg_core::endpoint::EndpointSet,
+    ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         self.0.select_direct(req, set)
     }
 
-    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::outcome::Outcome) {
+    fn observe(&self, route: &disagg_core::router::Route, outcome: disagg_core::outcome::Outcome) {
         self.0.observe(route, outcome)
     }
 }

@@ -206,7 +206,7 @@ impl PrefillAnswer {
     ///
     /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
     pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
-        crate::body::top_level_field(&self.body, key)
+        crate::proto::top_level_field(&self.body, key)
     }
 }
 
@@ -232,7 +232,7 @@ pub enum HandoffFound {
     /// or leaves its request waiting for KV that never comes, so it is never sent on.
     /// The orchestrator treats it as a missing handoff, logs `problem` with the prefill
     /// endpoint and counts it
-    /// ([`OrchestratorStats::invalid_handoffs`](crate::OrchestratorStats::invalid_handoffs)).
+    /// ([`OrchestratorStats::invalid_handoffs`](crate::orchestrator::OrchestratorStats::invalid_handoffs)).
     Incomplete {
         /// What is wrong, in words (`"remote_block_ids is missing or empty"`).
         problem: &'static str,

@@ -168,7 +168,11 @@ impl Route {
     }
 
     /// The same route with data-parallel ranks named for each leg.
-    pub fn with_ranks(mut self, prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Self {
+    pub(crate) fn with_ranks(
+        mut self,
+        prefill_rank: Option<u32>,
+        decode_rank: Option<u32>,
+    ) -> Self {
         self.prefill_rank = prefill_rank;
         self.decode_rank = decode_rank;
         self

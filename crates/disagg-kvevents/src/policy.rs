@@ -78,7 +78,7 @@ impl Pick for FewestInFlight {
 /// use std::sync::Arc;
 ///
 /// use disagg_core::router::{Pick, RequestView};
-/// use disagg_core::{Api, Endpoint, JsonBody, Role};
+/// use disagg_core::{request::Api, Endpoint, body::JsonBody, Role};
 /// use disagg_kvevents::event::{BlockHash, BlockStored, EventBatch, KvEvent};
 /// use disagg_kvevents::{IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig};
 ///
@@ -256,7 +256,7 @@ impl Disaggregate for CachedPrefixThreshold {
 #[cfg(test)]
 mod tests {
     use disagg_core::disaggregate::Always;
-    use disagg_core::{Api, JsonBody, Role, StaticSource};
+    use disagg_core::{Role, body::JsonBody, request::Api, source::StaticSource};
     use http::HeaderMap;
 
     use super::*;

@@ -17,8 +17,8 @@ use disagg_core::endpoint::EndpointError;
 use disagg_core::orchestrator::{MissingKv, PrefillFailure};
 
 use disagg_core::{
-    BootstrapPort, Endpoint, EndpointSource, Orchestrator, OrchestratorConfig, Role, Router,
-    StaticSource,
+    Endpoint, EndpointSource, Orchestrator, Role, Router, connector::BootstrapPort,
+    orchestrator::OrchestratorConfig, source::StaticSource,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};

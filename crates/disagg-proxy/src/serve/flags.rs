@@ -10,7 +10,7 @@ use disagg_affinity::{
     CacheAware, ConsistentHash, LeastInFlight, PowerOfTwo, Random, RoundRobin, WeightedRandom,
 };
 use disagg_connectors::lmcache::LmcacheReceiver;
-use disagg_core::OrchestratorConfig;
+use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::orchestrator::{KvRelease, PrefillFailure};
 use disagg_core::pairing::KvProfile;
 use disagg_core::router::Pick;
