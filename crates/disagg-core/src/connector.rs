@@ -328,7 +328,7 @@ pub trait KvConnector: Send + Sync + 'static {
     }
 
     /// Whether this protocol's engines must run one engine build to pair (used by
-    /// [`pairing::check_versions`](crate::pairing::check_versions) when both engines
+    /// `disagg_resilience::pairing::check_versions` when both engines
     /// tell their version): the protocol's handshake compares builds. The default
     /// checks no version.
     fn equal_versions(&self) -> bool {

@@ -176,7 +176,7 @@ pub(crate) fn versions_now(
     config: &HttpTransportConfig,
 ) -> Result<Versions, BoxError> {
     let mut versions = Versions::new();
-    if !disagg_core::pairing::needs_equal_versions(connector) {
+    if !connector.equal_versions() {
         return Ok(versions);
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
