@@ -193,8 +193,10 @@ impl Router {
     fn route(&self, replica: usize, prompt: &[u32], body: &JsonBody) -> (usize, Held) {
         let r = &self.replicas[replica];
         let headers = http::HeaderMap::new();
-        let view = RequestView::new(Api::Completions, Some("sim-model"), &headers, body)
-            .with_tokens(Some(prompt));
+        let view = RequestView {
+            tokens: Some(prompt),
+            ..RequestView::new(Api::Completions, Some("sim-model"), &headers, body)
+        };
         match self.policy {
             Policy::RoundRobin => (
                 r.rr.fetch_add(1, Ordering::Relaxed) % self.urls.len(),
