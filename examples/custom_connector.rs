@@ -21,7 +21,7 @@ use async_trait::async_trait;
 use disagg::connectors::vllm::rewrite::PrefillRewriter;
 use disagg::core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use disagg::core::error::ConnectorError;
-use disagg::core::{Endpoint, Orchestrator, PdRequest, Role, Route, StaticSource};
+use disagg::core::{Endpoint, Orchestrator, PdRequest, Role, router::Route, source::StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;

@@ -18,7 +18,10 @@ use std::sync::Arc;
 use disagg::connectors::vllm::VllmNixl;
 use disagg::core::error::RouteError;
 use disagg::core::router::RequestView;
-use disagg::core::{Endpoint, EndpointSet, Orchestrator, Role, Route, Router, StaticSource};
+use disagg::core::{
+    Endpoint, Orchestrator, Role, Router, endpoint::EndpointSet, router::Route,
+    source::StaticSource,
+};
 use disagg::http::{HttpTransport, PdService, server};
 use tokio::net::TcpListener;
 

@@ -4,7 +4,7 @@
 //! `cargo run --example embed -- http://127.0.0.1:8100 http://127.0.0.1:8200`
 
 use disagg::connectors::vllm::VllmNixl;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
+use disagg::core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg::http::{HttpTransport, PdService, server};
 
 #[tokio::main]

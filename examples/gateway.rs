@@ -20,7 +20,7 @@ use std::future::Future;
 
 use bytes::Bytes;
 use disagg::connectors::vllm::VllmNixl;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
+use disagg::core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;

@@ -24,7 +24,7 @@ use std::future::Future;
 
 use axum::Router;
 use axum::routing::get;
-use disagg::core::{Endpoint, Role, StaticSource};
+use disagg::core::{Endpoint, Role, source::StaticSource};
 use disagg::http::PdLayer;
 use disagg_sim::{SimConfig, SimEngine};
 use tokio::net::TcpListener;

@@ -528,11 +528,11 @@ impl disagg_core::Router for DeadFirst {
     fn select(
         &self,
         _req: &disagg_core::router::RequestView<'_>,
-        set: &disagg_core::EndpointSet,
-    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        set: &disagg_core::endpoint::EndpointSet,
+    ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         let k = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ps = set.prefill();
-        Ok(disagg_core::Route::new(
+        Ok(disagg_core::router::Route::new(
             Some(ps[(ps.len() - 1 + k) % ps.len()].clone()),
             set.decode()[0].clone(),
         ))

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use disagg::connectors::vllm::VllmNixl;
-use disagg::core::{Endpoint, Orchestrator, Role, StaticSource};
+use disagg::core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg::http::{HttpTransport, PdLayer};
 use disagg_sim::{SimConfig, SimEngine};
 use http::{HeaderMap, Method, Request, Response, StatusCode};

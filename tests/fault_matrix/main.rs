@@ -23,7 +23,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use disagg_core::{BootstrapPort, Endpoint, EndpointSource, Role};
+use disagg_core::{Endpoint, EndpointSource, Role, connector::BootstrapPort};
 use disagg_sim::{Faults, SimConfig};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -16,7 +16,10 @@ use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_connectors::vllm::VllmNixl;
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::transport::Transport;
-use disagg_core::{Endpoint, EndpointSource, ManualSource, Orchestrator, OrchestratorConfig, Role};
+use disagg_core::{
+    Endpoint, EndpointSource, Orchestrator, Role, orchestrator::OrchestratorConfig,
+    source::ManualSource,
+};
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
 use disagg_sim::{SimConfig, SimEngine};
@@ -251,11 +254,11 @@ async fn stopping_the_checks_ends_them() {
 struct Unheard(HealthSource);
 
 impl EndpointSource for Unheard {
-    fn watch(&self) -> watch::Receiver<Arc<disagg_core::EndpointSet>> {
+    fn watch(&self) -> watch::Receiver<Arc<disagg_core::endpoint::EndpointSet>> {
         self.0.watch()
     }
 
-    fn snapshot(&self) -> Arc<disagg_core::EndpointSet> {
+    fn snapshot(&self) -> Arc<disagg_core::endpoint::EndpointSet> {
         self.0.snapshot()
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_core::orchestrator::OrchestratorConfig;
-use disagg_core::{Endpoint, ManualSource, Orchestrator, Role};
+use disagg_core::{Endpoint, Orchestrator, Role, source::ManualSource};
 use disagg_http::HttpTransport;
 use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::json;

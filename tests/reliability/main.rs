@@ -378,11 +378,7 @@ async fn a_queued_request_is_admitted_when_a_stream_ends() {
             inter_token_delay: Duration::from_millis(20),
             ..Default::default()
         }])
-        .admission({
-            let mut a = AdmissionConfig::default();
-            a.max_in_flight_per_endpoint = Some(1);
-            a
-        })
+        .per_endpoint(1)
         .build()
         .await;
     let mut tasks = Vec::new();

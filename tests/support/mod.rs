@@ -8,7 +8,9 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
 use disagg_core::disaggregate::Disaggregate;
-use disagg_core::{BootstrapPort, Endpoint, KvConnector, ManualSource, Orchestrator, Role};
+use disagg_core::{
+    Endpoint, KvConnector, Orchestrator, Role, connector::BootstrapPort, source::ManualSource,
+};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
@@ -119,6 +121,7 @@ pub struct StackBuilder {
     config: OrchestratorConfig,
     retry: Option<disagg_resilience::RetryPolicy>,
     admission: Option<disagg_resilience::AdmissionConfig>,
+    per_endpoint: Option<usize>,
     service: PdServiceConfig,
     disaggregate: Option<Arc<dyn Disaggregate>>,
     declare_models: bool,
@@ -143,6 +146,7 @@ impl Stack {
             config: OrchestratorConfig::default(),
             retry: None,
             admission: None,
+            per_endpoint: None,
             service: PdServiceConfig::default(),
             disaggregate: None,
             declare_models: false,
@@ -222,6 +226,14 @@ impl StackBuilder {
     /// Limit admission as `config` says (`disagg_resilience::Limits`).
     pub fn admission(mut self, config: disagg_resilience::AdmissionConfig) -> Self {
         self.admission = Some(config);
+        self
+    }
+
+    /// At most `limit` requests in flight on one endpoint
+    /// (`disagg_resilience::Limits::per_endpoint`, decorating the router), waiting in
+    /// the admission's queue.
+    pub fn per_endpoint(mut self, limit: usize) -> Self {
+        self.per_endpoint = Some(limit);
         self
     }
 
@@ -343,24 +355,30 @@ impl StackBuilder {
         if let Some(policy) = self.retry {
             builder = builder.retry(disagg_resilience::Backoff::new(policy));
         }
-        let limits = self.admission.map(disagg_resilience::Limits::new);
+        let admission = match (self.admission, self.per_endpoint) {
+            (None, Some(_)) => Some(disagg_resilience::AdmissionConfig::default()),
+            (a, _) => a,
+        };
+        let limits = admission.map(disagg_resilience::Limits::new);
         if let Some(l) = &limits {
             builder = builder.admission(l.clone());
         }
-        let orchestrator = match (self.router, &limits) {
+        let orchestrator = match (self.router, &limits, self.per_endpoint) {
             // A per-endpoint limit decorates the router.
-            (router, Some(l)) if l.config().max_in_flight_per_endpoint.is_some() => {
+            (router, Some(l), Some(limit)) => {
                 // The orchestrator's default, spelled out: round robin per role.
                 let router = router.unwrap_or_else(|| {
                     Box::new(disagg_affinity::PerLeg::both(
                         disagg_affinity::RoundRobin::new,
                     ))
                 });
-                builder.router(l.per_endpoint(BoxedRouter(router))).build()
+                builder
+                    .router(l.per_endpoint(BoxedRouter(router), limit))
+                    .build()
             }
-            (Some(router), _) => builder.router(BoxedRouter(router)).build(),
+            (Some(router), _, _) => builder.router(BoxedRouter(router)).build(),
             // The orchestrator's own default: round robin over each role.
-            (None, _) => builder.build(),
+            (None, _, _) => builder.build(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -389,20 +407,20 @@ impl disagg_core::Router for BoxedRouter {
     fn select(
         &self,
         req: &disagg_core::router::RequestView<'_>,
-        set: &disagg_core::EndpointSet,
-    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        set: &disagg_core::endpoint::EndpointSet,
+    ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         self.0.select(req, set)
     }
 
     fn select_direct(
         &self,
         req: &disagg_core::router::RequestView<'_>,
-        set: &disagg_core::EndpointSet,
-    ) -> Result<disagg_core::Route, disagg_core::error::RouteError> {
+        set: &disagg_core::endpoint::EndpointSet,
+    ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         self.0.select_direct(req, set)
     }
 
-    fn observe(&self, route: &disagg_core::Route, outcome: disagg_core::outcome::Outcome) {
+    fn observe(&self, route: &disagg_core::router::Route, outcome: disagg_core::outcome::Outcome) {
         self.0.observe(route, outcome)
     }
 }

@@ -19,7 +19,7 @@ use disagg_affinity::{
     RoundRobin, WeightedRandom,
 };
 use disagg_core::router::{Pick, RequestView, Router};
-use disagg_core::{Api, Endpoint, EndpointSet, JsonBody, Role};
+use disagg_core::{Endpoint, Role, body::JsonBody, endpoint::EndpointSet, request::Api};
 use http::HeaderMap;
 
 const SIZES: [usize; 3] = [8, 64, 512];

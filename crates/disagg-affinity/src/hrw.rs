@@ -20,7 +20,7 @@
 
 use std::collections::HashMap;
 
-use disagg_core::EndpointId;
+use disagg_core::endpoint::EndpointId;
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;

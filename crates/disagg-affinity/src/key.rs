@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 
-use disagg_core::JsonBody;
+use disagg_core::body::JsonBody;
 use disagg_core::router::RequestView;
 use http::HeaderMap;
 
@@ -64,7 +64,7 @@ impl KeySource {
 /// ```
 /// use disagg_affinity::{KeySource, SessionKey};
 /// use disagg_core::router::RequestView;
-/// use disagg_core::{Api, JsonBody};
+/// use disagg_core::{request::Api, body::JsonBody};
 /// use http::HeaderMap;
 ///
 /// let key = SessionKey::new([KeySource::header("x-conversation"), KeySource::body_field("user")]);
@@ -150,7 +150,7 @@ fn body_value<'a>(body: &'a JsonBody, name: &str) -> Option<Cow<'a, [u8]>> {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::Api;
+    use disagg_core::request::Api;
     use http::HeaderValue;
     use http::header::HeaderName;
 
@@ -276,7 +276,7 @@ mod tests {
 
 #[cfg(test)]
 mod props {
-    use disagg_core::Api;
+    use disagg_core::request::Api;
     use http::HeaderValue;
     use http::header::HeaderName;
     use proptest::prelude::*;

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use disagg_affinity::CacheAware;
 use disagg_core::router::{Pick, RequestView};
-use disagg_core::{Api, Endpoint, JsonBody, Role};
+use disagg_core::{Endpoint, Role, body::JsonBody, request::Api};
 use disagg_kvevents::{
     EngineEndpoint, IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig, Subscriber,
     SubscriberConfig,
@@ -193,8 +193,10 @@ impl Router {
     fn route(&self, replica: usize, prompt: &[u32], body: &JsonBody) -> (usize, Held) {
         let r = &self.replicas[replica];
         let headers = http::HeaderMap::new();
-        let view = RequestView::new(Api::Completions, Some("sim-model"), &headers, body)
-            .with_tokens(Some(prompt));
+        let view = RequestView {
+            tokens: Some(prompt),
+            ..RequestView::new(Api::Completions, Some("sim-model"), &headers, body)
+        };
         match self.policy {
             Policy::RoundRobin => (
                 r.rr.fetch_add(1, Ordering::Relaxed) % self.urls.len(),

@@ -23,7 +23,7 @@
 //! | `lmcache` | `lmcache` (brings `vllm`) | `Lmcache` (the first token from the prefill, the decode gated on KV-ready notifications), the reshape from completions to chat, the ZMQ PULL listener (`Notifications`) |
 //!
 //! Pydantic's lax reading of JSON values, which every engine applies, is the core's
-//! ([`disagg_core::lax`]): `PdRequest` reads `stream` with it.
+//! ([`disagg_core::proto::lax`]): `PdRequest` reads `stream` with it.
 //!
 //! A new protocol is one module here plus one feature (the [`guide`] walks through it).
 //!

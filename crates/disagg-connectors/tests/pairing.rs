@@ -5,7 +5,8 @@
 use disagg_connectors::sglang::SglangBootstrap;
 use disagg_connectors::vllm::{VllmMooncake, VllmNixl};
 use disagg_core::connector::KvConnector;
-use disagg_core::pairing::{KvProfile, KvRole, Mismatch, check_pair, check_versions};
+use disagg_core::pairing::{KvProfile, KvRole, Mismatch, check_pair};
+use disagg_resilience::pairing::check_versions;
 
 #[test]
 fn versions_are_checked_for_nixl_and_mooncake_only_when_both_are_known() {

@@ -12,11 +12,11 @@ use std::sync::Arc;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use disagg_connectors::vllm::VllmNixl;
-use disagg_core::PdBody;
 use disagg_core::body::JsonBody;
 use disagg_core::connector::KvConnector;
 use disagg_core::endpoint::{Endpoint, Role};
 use disagg_core::error::BoxError;
+use disagg_core::orchestrator::PdBody;
 use disagg_core::request::{Api, PdRequest};
 use http::HeaderMap;
 use http_body::Frame;
@@ -44,8 +44,8 @@ fn chat_body(size: usize) -> Bytes {
     )
 }
 
-fn route() -> disagg_core::Route {
-    disagg_core::Route::new(
+fn route() -> disagg_core::router::Route {
+    disagg_core::router::Route::new(
         Some(Arc::new(
             Endpoint::new("http://10.0.0.1:8100", Role::Prefill).unwrap(),
         )),

@@ -54,7 +54,7 @@ pub struct AdmissionStats {
 /// `deadline`). The synchronous methods must be cheap: they run on every request. A
 /// limit per endpoint is no admission but a [`Router`](crate::Router) decorator
 /// (`disagg_resilience::PerEndpointLimit`): it needs the route, and holds a place per
-/// leg in it ([`Route::with_holds`](crate::Route::with_holds)).
+/// leg in it ([`Route::with_holds`](crate::router::Route::with_holds)).
 pub trait Admission: Send + Sync + 'static {
     /// A permit at once, when one is free without waiting.
     fn try_admit(&self) -> Option<Permit>;

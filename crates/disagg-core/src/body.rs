@@ -128,7 +128,10 @@ impl JsonBody {
     /// # Errors
     ///
     /// When the value does not deserialize as `T`.
-    pub fn get_as<'a, T: Deserialize<'a>>(&'a self, key: &str) -> Option<serde_json::Result<T>> {
+    pub(crate) fn get_as<'a, T: Deserialize<'a>>(
+        &'a self,
+        key: &str,
+    ) -> Option<serde_json::Result<T>> {
         self.get(key).map(serde_json::from_slice)
     }
 
@@ -171,13 +174,13 @@ impl JsonBody {
     /// The fields in order, as `(key, raw JSON value)`, the key as its UTF-8 bytes: one
     /// pass over the object for a reader of many fields, where each [`get`](Self::get)
     /// would be a search (and bytes, so that matching keys validates nothing again).
-    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    pub(crate) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|(k, v)| (&k[..], &v[..]))
     }
 
     /// Keep only the fields whose key (UTF-8 bytes) `keep` accepts, in order: one pass,
     /// where removing many keys one by one would search the object for each.
-    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
         self.fields.retain(|(k, _)| keep(k));
     }
 
@@ -260,31 +263,9 @@ fn fold_indexed(bytes: &Bytes, spans: &[(Key, usize, usize)]) -> Vec<(Bytes, Byt
     fields
 }
 
-/// The raw value of the top-level field `key` of the JSON object `bytes`, found without
-/// building the rest.
-///
-/// The object is walked at its top level only: strings are skipped escape-aware, nested
-/// values by bracket depth, and only the value found is validated as JSON. Cheaper than
-/// [`JsonBody::parse_bytes`] when one field of a large answer is wanted (the prefill's
-/// `kv_transfer_params`); a malformed object is an error, as with a full parse. Keys are
-/// compared after unescaping; the last of duplicate keys wins.
-///
-/// # Errors
-///
-/// [`BodyError`] when `bytes` is not a JSON object or the value found is not valid JSON.
-///
-/// # Examples
-///
-/// ```
-/// use bytes::Bytes;
-/// use disagg_core::body::top_level_field;
-///
-/// let answer = Bytes::from_static(br#"{"choices":[{"text":"}"}],"kv_transfer_params":{"a":1}}"#);
-/// let v = top_level_field(&answer, "kv_transfer_params")?.unwrap();
-/// assert_eq!(&v[..], br#"{"a":1}"#);
-/// # Ok::<(), disagg_core::error::BodyError>(())
-/// ```
-pub fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
+/// The raw value of the top-level field `key` of the JSON object `bytes` (see
+/// [`proto::top_level_field`](crate::proto::top_level_field)).
+pub(crate) fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
     let found = top_level_span(bytes, key)?;
     if let Some(value) = &found {
         serde_json::from_slice::<de::IgnoredAny>(value).map_err(BodyError::InvalidJson)?;
@@ -473,8 +454,9 @@ static PLAIN: [bool; 256] = {
     plain
 };
 
-/// `s` as a JSON string: copied between quotes when nothing needs escaping.
-pub fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
+/// `s` as a JSON string: copied between quotes when nothing needs escaping (see
+/// [`proto::write_json_str`](crate::proto::write_json_str)).
+pub(crate) fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     if s.iter().all(|&b| PLAIN[usize::from(b)]) {
         out.push(b'"');
         out.extend_from_slice(s);
@@ -750,7 +732,7 @@ mod tests {
     #[test]
     fn top_level_field_finds_only_top_level_keys() {
         let f = |body: &str, key: &str| {
-            top_level_field(&Bytes::from(body.to_owned()), key)
+            crate::proto::top_level_field(&Bytes::from(body.to_owned()), key)
                 .map(|v| v.map(|v| String::from_utf8(v.to_vec()).unwrap()))
         };
         let body = r#" {"a": {"k": 1, "s": "}\"k\""}, "list": [[1], {"k": [2]}], "k" : {"x": [1, 2]} , "n": -1.5e3 } "#;
@@ -809,7 +791,7 @@ mod tests {
         let full = JsonBody::parse_bytes(&bytes).unwrap();
         for key in ["id", "choices", "usage", "kv_transfer_params", "nope"] {
             assert_eq!(
-                top_level_field(&bytes, key).unwrap(),
+                crate::proto::top_level_field(&bytes, key).unwrap(),
                 full.get_bytes(key),
                 "{key}"
             );

@@ -206,7 +206,7 @@ impl PrefillAnswer {
     ///
     /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
     pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
-        crate::body::top_level_field(&self.body, key)
+        crate::proto::top_level_field(&self.body, key)
     }
 
     /// Like [`field`](Self::field), with the value read by `read` rather than by serde,
@@ -251,7 +251,7 @@ pub enum HandoffFound {
     /// or leaves its request waiting for KV that never comes, so it is never sent on.
     /// The orchestrator treats it as a missing handoff, logs `problem` with the prefill
     /// endpoint and counts it
-    /// ([`OrchestratorStats::invalid_handoffs`](crate::OrchestratorStats::invalid_handoffs)).
+    /// ([`OrchestratorStats::invalid_handoffs`](crate::orchestrator::OrchestratorStats::invalid_handoffs)).
     Incomplete {
         /// What is wrong, in words (`"remote_block_ids is missing or empty"`).
         problem: &'static str,
@@ -347,7 +347,7 @@ pub trait KvConnector: Send + Sync + 'static {
     }
 
     /// Whether this protocol's engines must run one engine build to pair (used by
-    /// [`pairing::check_versions`](crate::pairing::check_versions) when both engines
+    /// `disagg_resilience::pairing::check_versions` when both engines
     /// tell their version): the protocol's handshake compares builds. The default
     /// checks no version.
     fn equal_versions(&self) -> bool {

@@ -235,7 +235,7 @@ pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
 /// request pick its rank (`X-Data-Parallel-Rank`; see [`Leg::set_rank`]). It is a fact
 /// of the engine an endpoint stands for, the same for every protocol that pins a rank,
 /// and the orchestrator sets it on a decode served alone. Clients never set it
-/// ([`forwardable_header`](crate::orchestrator::forwardable_header)).
+/// ([`forwardable_header`](crate::proto::forwardable_header)).
 ///
 /// [`Leg::set_rank`]: crate::connector::Leg::set_rank
 pub const DATA_PARALLEL_RANK: http::HeaderName =
@@ -382,7 +382,7 @@ pub struct Endpoint {
     /// The routing weight (1.0 unless set).
     weight: f64,
     in_flight: AtomicUsize,
-    /// The whole engine, for a rank endpoint made by [`Endpoint::dp_rank`]: its requests
+    /// The whole engine, for a rank endpoint made by [`proto::dp_rank`](crate::proto::dp_rank): its requests
     /// count there too.
     engine: Option<Arc<Endpoint>>,
     ext: http::Extensions,
@@ -513,7 +513,7 @@ impl Endpoint {
     /// this endpoint's role, models and connector data, and its own in-flight count,
     /// which also counts towards this endpoint's, so that routers keep seeing the whole
     /// engine's load.
-    pub fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
+    pub(crate) fn dp_rank(self: &Arc<Self>, rank: u32) -> Endpoint {
         let base = self.engine.as_ref().unwrap_or(self);
         // An endpoint configured as `URL@RANK` names a rank already: its engine's URL is
         // the part before the `@`.
@@ -813,7 +813,7 @@ impl EndpointSet {
     /// ```
     /// use std::sync::Arc;
     /// use disagg_core::error::RouteError;
-    /// use disagg_core::{Endpoint, EndpointSet, Role};
+    /// use disagg_core::{Endpoint, endpoint::EndpointSet, Role};
     ///
     /// let set = EndpointSet::new([
     ///     Endpoint::new("http://p1:8100", Role::Prefill)?.with_models(["llama"]),

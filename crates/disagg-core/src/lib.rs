@@ -13,8 +13,8 @@
 //!    dispatch them (the engines' protocols are in `disagg-connectors`; the core knows
 //!    none of them);
 //! 4. the [`Orchestrator`] sends them through a
-//!    [`Transport`](transport::Transport) and streams the decode's answer back, frame by
-//!    frame, in a [`PdBody`].
+//!    [`Transport`] and streams the decode's answer back, frame by
+//!    frame, in a [`PdBody`](orchestrator::PdBody).
 //!
 //! The core knows nothing of hyper: `disagg-http` supplies the pooled transport and the
 //! tower service.
@@ -58,10 +58,10 @@ pub mod connector;
 pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
-pub mod lax;
 pub mod orchestrator;
 pub mod outcome;
 pub mod pairing;
+pub mod proto;
 pub mod request;
 pub mod retry;
 pub mod router;
@@ -70,19 +70,14 @@ pub mod tokens;
 pub mod trace;
 pub mod transport;
 
-pub use body::JsonBody;
-
-/// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
-/// section in this crate and in the connectors leaves its data consistent).
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-pub use connector::{
-    BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
-    Reshape,
-};
-pub use endpoint::{AddressPolicy, Endpoint, EndpointId, EndpointSet, Role};
-pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};
-pub use request::{Api, PdRequest};
-pub use router::{Route, Router};
-pub use source::{EndpointSource, ManualSource, StaticSource};
+// The handful of names a user writes daily, at the root; everything else at its
+// module's path (one path per item), and the connector and adapter author's helpers in
+// [`proto`].
+pub use connector::KvConnector;
+pub use endpoint::{Endpoint, Role};
+pub use error::PdError;
+pub use orchestrator::Orchestrator;
+pub use request::PdRequest;
+pub use router::Router;
+pub use source::EndpointSource;
+pub use transport::Transport;

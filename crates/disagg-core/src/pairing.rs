@@ -15,13 +15,14 @@
 //! - tensor-parallel sizes the connector cannot bridge
 //!   ([`KvConnector::bridges_tp`]);
 //! - engine versions that differ, for the connectors whose handshake compares them
-//!   ([`needs_equal_versions`], [`check_versions`]): vLLM's NIXL connector refuses a
+//!   ([`KvConnector::equal_versions`]; read and compared by
+//!   `disagg_resilience::pairing::{read_version, check_versions}`): vLLM's NIXL connector refuses a
 //!   peer whose compatibility hash differs, and the hash covers the vLLM version
 //!   (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py`); with the default
 //!   `kv_load_failure_policy` of `fail` (`vllm/config/kv_transfer.py`) every request of
 //!   such a pair errors. Mooncake pairs are held to one build likewise. The version is
 //!   not declared but read from the engine: vLLM answers `GET /version` with
-//!   `{"version": "0.33.0"}` ([`read_version`]).
+//!   `{"version": "0.33.0"}`.
 //!
 //! The profile is the one place a size is declared. Where a connector's own endpoint
 //! configuration already fixes the size, the connector's helper writes it into the
@@ -39,14 +40,9 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::time::Duration;
-
-use bytes::Bytes;
 
 use crate::connector::KvConnector;
-use crate::endpoint::{Endpoint, EndpointId};
-use crate::error::TransportError;
-use crate::transport::{Transport, read_limited};
+use crate::endpoint::EndpointId;
 
 /// An engine's `kv_role` (vLLM `kv_transfer_config.kv_role`; SGLang's
 /// `--disaggregation-mode prefill|decode` maps to producer and consumer).
@@ -176,7 +172,7 @@ pub enum Mismatch {
         decode: u32,
     },
     /// The engines run different versions and the connector needs one build on both
-    /// sides ([`needs_equal_versions`]).
+    /// sides ([`KvConnector::equal_versions`]).
     #[error(
         "the prefill runs version {prefill} and the decode version {decode}, and connector `{connector}` needs one engine build on both sides (its handshake compares them)"
     )]
@@ -267,160 +263,9 @@ pub fn check_pair(
     Ok(())
 }
 
-// === versions ===
-
-/// The path engines answer their version on: vLLM's `GET /version`,
-/// `{"version": "0.33.0"}` (`vllm/entrypoints/serve/instrumentator/basic.py`).
-pub const VERSION_PATH: &str = "/version";
-
-/// The largest `/version` answer read: the JSON of one short string.
-const MAX_VERSION_BODY: usize = 4096;
-
-/// The longest version string taken.
-const MAX_VERSION_CHARS: usize = 128;
-
-/// Whether `connector` needs its prefill and decode engines to run one engine build, as
-/// the connector says ([`KvConnector::equal_versions`]): vLLM's NIXL connector (its
-/// handshake's compatibility hash covers the vLLM version) and vLLM's Mooncake
-/// connector. SGLang's and LMCache's are not checked.
-///
-/// # Examples
-///
-/// ```
-/// use disagg_core::pairing::needs_equal_versions;
-/// use disagg_connectors::sglang::SglangBootstrap;
-/// use disagg_connectors::vllm::VllmMooncake;
-/// use disagg_connectors::vllm::VllmNixl;
-/// assert!(needs_equal_versions(&VllmNixl::new()));
-/// assert!(needs_equal_versions(&VllmMooncake::new()));
-/// assert!(!needs_equal_versions(&SglangBootstrap::new()));
-/// ```
-pub fn needs_equal_versions(connector: &dyn KvConnector) -> bool {
-    connector.equal_versions()
-}
-
-/// Check one pair's engine versions (each `None` when the engine did not tell it)
-/// against `connector`: for a connector that [`needs_equal_versions`], two known
-/// versions must be equal; an unknown one is not checked.
-///
-/// # Errors
-///
-/// [`Mismatch::Versions`].
-pub fn check_versions(
-    prefill: Option<&str>,
-    decode: Option<&str>,
-    connector: &dyn KvConnector,
-) -> Result<(), Mismatch> {
-    match (prefill, decode) {
-        (Some(p), Some(d)) if p != d && needs_equal_versions(connector) => {
-            Err(Mismatch::Versions {
-                connector: connector.name(),
-                prefill: p.to_owned(),
-                decode: d.to_owned(),
-            })
-        }
-        _ => Ok(()),
-    }
-}
-
-/// Why an engine's version is not known.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum VersionError {
-    /// No answer: the engine could not be reached, or broke off.
-    #[error("GET {VERSION_PATH} failed")]
-    Transport(#[source] TransportError),
-    /// No answer within the timeout.
-    #[error("GET {VERSION_PATH} did not answer within {0:?}")]
-    Timeout(Duration),
-    /// An answer other than 200.
-    #[error("GET {VERSION_PATH} answered {0}")]
-    Status(http::StatusCode),
-    /// A body that is not `{"version": "..."}` with a short printable string.
-    #[error("GET {VERSION_PATH} answered no usable version: {0}")]
-    Body(String),
-}
-
-/// Reads `endpoint`'s engine version with `GET /version` through `transport`, within
-/// `timeout`. The body is read up to 4 KiB and the version taken only as a printable
-/// string of at most 128 characters: an engine's answer is not trusted further.
-///
-/// # Errors
-///
-/// [`VersionError`]: the engine's version is then unknown (and not checked).
-pub async fn read_version(
-    transport: &dyn Transport,
-    endpoint: &Endpoint,
-    timeout: Duration,
-) -> Result<String, VersionError> {
-    let uri = endpoint
-        .uri(VERSION_PATH)
-        .map_err(|e| VersionError::Body(e.to_string()))?;
-    let mut req = http::Request::new(Bytes::new());
-    *req.uri_mut() = uri;
-    let sent = transport.send(req);
-    let exchange = async move {
-        let resp = sent.await.map_err(VersionError::Transport)?;
-        let status = resp.status();
-        let body = read_limited(resp.into_body(), MAX_VERSION_BODY).await;
-        if status != http::StatusCode::OK {
-            return Err(VersionError::Status(status));
-        }
-        let body = body.map_err(|e| VersionError::Body(e.to_string()))?;
-        parse_version(&body)
-    };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .unwrap_or(Err(VersionError::Timeout(timeout)))
-}
-
-/// The version of a `/version` body.
-fn parse_version(body: &[u8]) -> Result<String, VersionError> {
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        version: String,
-    }
-    let a: Answer = serde_json::from_slice(body).map_err(|e| VersionError::Body(e.to_string()))?;
-    let v = a.version.trim();
-    let printable = v.chars().all(|c| c.is_ascii_graphic());
-    if v.is_empty() || v.len() > MAX_VERSION_CHARS || !printable {
-        return Err(VersionError::Body(format!(
-            "the version is not 1 to {MAX_VERSION_CHARS} printable ASCII characters"
-        )));
-    }
-    Ok(v.to_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_a_short_printable_version_is_taken() {
-        assert_eq!(
-            parse_version(br#"{"version": "0.33.0"}"#).unwrap(),
-            "0.33.0"
-        );
-        assert_eq!(
-            parse_version(br#"{"version": " 0.5.23 ", "extra": 1}"#).unwrap(),
-            "0.5.23"
-        );
-        for bad in [
-            &br#"{"version": ""}"#[..],
-            br#"{"version": 33}"#,
-            br#"{"v": "1"}"#,
-            br#"{"version": "a b"}"#,
-            b"not json",
-        ] {
-            assert!(
-                parse_version(bad).is_err(),
-                "{}",
-                String::from_utf8_lossy(bad)
-            );
-        }
-        let long = format!(r#"{{"version": "{}"}}"#, "9".repeat(129));
-        assert!(parse_version(long.as_bytes()).is_err());
-    }
 
     #[test]
     fn kinds_compare_vllm_and_disagg_spellings() {

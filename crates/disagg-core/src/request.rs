@@ -156,10 +156,10 @@ impl PdRequest {
         // Read as the engines' pydantic models read it (`"yes"`, `1` and `"true"` are
         // true): the decode leg carries the client's value, and the proxy must frame the
         // answer as the engine will.
-        let stream = match body.get("stream").map(crate::lax::bool_value) {
+        let stream = match body.get("stream").map(crate::proto::lax::bool_value) {
             None | Some(Ok(None)) => false,
             Some(Ok(Some(s))) => s,
-            Some(Err(crate::lax::Refused)) => {
+            Some(Err(crate::proto::lax::Refused)) => {
                 return Err(BodyError::FieldType {
                     field: "stream",
                     expected: "a boolean",
@@ -195,7 +195,7 @@ impl PdRequest {
     /// `kv_transfer_params`, the bootstrap fields, the rank fields), which the legs never
     /// carry (the vLLM connectors refuse a `kv_transfer_params` that is not an object,
     /// as vLLM would).
-    pub fn client_handoff(&self, field: &str) -> Option<&[u8]> {
+    pub(crate) fn client_handoff(&self, field: &str) -> Option<&[u8]> {
         self.removed
             .iter()
             .find(|(f, _)| *f == field)

@@ -31,8 +31,8 @@ use crate::source::EndpointSource;
 /// What a router may read of a request.
 ///
 /// Built from a [`PdRequest`] (`RequestView::from(&req)`), or with
-/// [`new`](Self::new) (and [`with_tokens`](Self::with_tokens)) by routers' tests and
-/// applications that route without an orchestrator.
+/// [`new`](Self::new) (then [`tokens`](Self::tokens) set, when there are some) by
+/// routers' tests and applications that route without an orchestrator.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestView<'a> {
     /// The API.
@@ -43,9 +43,12 @@ pub struct RequestView<'a> {
     pub headers: &'a HeaderMap,
     /// The client's body, top level only; values stay raw until a router parses them.
     pub body: &'a JsonBody,
-    /// The prompt's token ids, when something asked for them (see
-    /// [`tokens`](crate::tokens)).
-    tokens: Option<&'a [u32]>,
+    /// The prompt's token ids, as the engine tokenizes it: present when the
+    /// orchestrator was given a [`Tokenizer`](crate::tokens::Tokenizer), the router or the
+    /// disaggregation hook asked for tokens ([`Router::wants_tokens`]), and the prompt
+    /// could be tokenized. Policies route a request without them as they route one
+    /// without cache information.
+    pub tokens: Option<&'a [u32]>,
 }
 
 impl<'a> RequestView<'a> {
@@ -63,21 +66,6 @@ impl<'a> RequestView<'a> {
             body,
             tokens: None,
         }
-    }
-
-    /// The same view, with the prompt's token ids.
-    pub fn with_tokens(mut self, tokens: Option<&'a [u32]>) -> Self {
-        self.tokens = tokens;
-        self
-    }
-
-    /// The prompt's token ids, as the engine tokenizes it: present when the
-    /// orchestrator was given a [`Tokenizer`](crate::tokens::Tokenizer), the router or the
-    /// disaggregation hook asked for tokens ([`Router::wants_tokens`]), and the prompt
-    /// could be tokenized. Policies route a request without them as they route one
-    /// without cache information.
-    pub fn tokens(&self) -> Option<&'a [u32]> {
-        self.tokens
     }
 }
 
@@ -168,7 +156,11 @@ impl Route {
     }
 
     /// The same route with data-parallel ranks named for each leg.
-    pub fn with_ranks(mut self, prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Self {
+    pub(crate) fn with_ranks(
+        mut self,
+        prefill_rank: Option<u32>,
+        decode_rank: Option<u32>,
+    ) -> Self {
         self.prefill_rank = prefill_rank;
         self.decode_rank = decode_rank;
         self

@@ -18,9 +18,9 @@
 //!
 //! Tokenizing never fails a request: an error, a prompt that is not one sequence, or a
 //! tokenizer slower than
-//! [`OrchestratorConfig::tokenize_timeout`](crate::OrchestratorConfig::tokenize_timeout)
+//! [`OrchestratorConfig::tokenize_timeout`](crate::orchestrator::OrchestratorConfig::tokenize_timeout)
 //! leaves the request without ids (logged at `debug`, counted in
-//! [`OrchestratorStats::tokenize_failures`](crate::OrchestratorStats::tokenize_failures)),
+//! [`OrchestratorStats::tokenize_failures`](crate::orchestrator::OrchestratorStats::tokenize_failures)),
 //! and policies route it as they route a request without cache information.
 //!
 //! The implementations are in `disagg-tokenize` (a Hugging Face tokenizer in process,
@@ -61,7 +61,7 @@ pub type TokenIds = Arc<[u32]>;
 ///   logged and counted;
 /// - cost: may do I/O (an engine's `/tokenize`) or CPU work in proportion to the
 ///   prompt; large CPU work belongs off the event loop. The orchestrator bounds the
-///   wait with [`OrchestratorConfig::tokenize_timeout`](crate::OrchestratorConfig::tokenize_timeout).
+///   wait with [`OrchestratorConfig::tokenize_timeout`](crate::orchestrator::OrchestratorConfig::tokenize_timeout).
 #[async_trait]
 pub trait Tokenizer: Send + Sync + 'static {
     /// The token ids of the prompt of `body`, a request for `api`.
@@ -107,8 +107,9 @@ impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
 }
 
 /// The engine a tokenizer asked for one request's token ids, and whether it answered
-/// ([`Tokenizer::token_ids_asking`]). Made by the orchestrator per request; read
-/// after the call ended or its budget ran out.
+/// ([`Tokenizer::token_ids_asking`]). Made by the orchestrator per request
+/// (`Asked::default()`: nobody asked yet); read after the call ended or its budget ran
+/// out.
 #[derive(Debug, Default)]
 pub struct Asked {
     engine: OnceLock<Arc<Endpoint>>,
@@ -116,11 +117,6 @@ pub struct Asked {
 }
 
 impl Asked {
-    /// Nobody asked yet.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
     /// The tokenizer is about to ask `engine` (the first one named counts).
     pub fn asking(&self, engine: Arc<Endpoint>) {
         let _ = self.engine.set(engine);

@@ -21,7 +21,7 @@
 //! bits fall under the ratio, the rule of OpenTelemetry's `TraceIdRatioBased` sampler,
 //! so that every component deciding on the same id decides alike.
 //!
-//! [`OrchestratorConfig::trace_ratio`]: crate::OrchestratorConfig::trace_ratio
+//! [`OrchestratorConfig::trace_ratio`]: crate::orchestrator::OrchestratorConfig::trace_ratio
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

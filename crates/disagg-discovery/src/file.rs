@@ -557,7 +557,7 @@ mod tests {
                 "{err}"
             );
             let open = Bounds {
-                addresses: disagg_core::AddressPolicy::allow_link_local(),
+                addresses: disagg_core::endpoint::AddressPolicy::allow_link_local(),
                 ..Bounds::default()
             };
             assert_eq!(parse_within(&text, &open).unwrap().len(), 1);

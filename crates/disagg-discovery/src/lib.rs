@@ -5,7 +5,7 @@
 //! # How it fits
 //!
 //! The core reads endpoints through its `EndpointSource` seam
-//! ([`disagg_core::EndpointSource`]): immutable [`EndpointSet`](disagg_core::EndpointSet)
+//! ([`disagg_core::EndpointSource`]): immutable [`EndpointSet`](disagg_core::endpoint::EndpointSet)
 //! snapshots published through a `tokio::sync::watch`. This crate provides:
 //!
 //! - the [`EndpointSpec`]: one engine as a source finds it, plain data (URL, role,

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use disagg_core::error::BoxError;
-use disagg_core::{Endpoint, EndpointSet, EndpointSource, Role};
+use disagg_core::{Endpoint, EndpointSource, Role, endpoint::EndpointSet};
 use futures::StreamExt;
 use tokio::sync::watch;
 
@@ -745,7 +745,7 @@ mod tests {
         assert_eq!(set.decode()[0].id().as_str(), "http://d2:1");
         assert_eq!(m.source_stats[0].rejected(), 1);
         let mut m = merger(1);
-        m.bounds.addresses = disagg_core::AddressPolicy::allow_link_local();
+        m.bounds.addresses = disagg_core::endpoint::AddressPolicy::allow_link_local();
         assert_eq!(m.merge(&[specs]).unwrap().decode().len(), 2);
     }
 

@@ -18,7 +18,7 @@
 use disagg_core::endpoint::{AddressPolicy, DEFAULT_MAX_DP_RANKS, EndpointError};
 pub use disagg_core::endpoint::{Ranks, RanksError};
 use disagg_core::pairing::{KvProfile, KvRole};
-use disagg_core::{BootstrapPort, Endpoint, Role};
+use disagg_core::{Endpoint, Role, connector::BootstrapPort};
 
 /// The most endpoints one discovery source may contribute by default, every rank
 /// counted (`--max-endpoints-per-source`): far above any fleet one proxy routes, low
@@ -87,7 +87,7 @@ pub fn endpoint_count(specs: &[EndpointSpec]) -> u64 {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::{BootstrapPort, Role};
+/// use disagg_core::{connector::BootstrapPort, Role};
 /// use disagg_discovery::{EndpointSpec, Ranks};
 ///
 /// let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);

@@ -29,7 +29,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use disagg_core::error::{BoxError, PdError};
+use disagg_core::error::{BodyError, BoxError, PdError};
 use http_body::Body;
 
 /// Default of [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget):
@@ -201,7 +201,9 @@ where
     let hint = body.size_hint();
     let mut share = Share::new(limits.budget);
     let start = if hint.lower() > limits.max_bytes as u64 {
-        Err(PdError::body_too_large(limits.max_bytes))
+        Err(PdError::body(BodyError::TooLarge {
+            limit: limits.max_bytes,
+        }))
     } else {
         // A declared length is taken from the budget now, before any of it is read.
         let declared = hint.exact().and_then(|n| usize::try_from(n).ok());
@@ -347,7 +349,9 @@ where
                     if let Some(timer) = this.timer.as_mut().as_pin_mut() {
                         ready!(timer.poll(cx));
                     }
-                    return Poll::Ready(Err(PdError::body_timeout(this.limits.timeout)));
+                    return Poll::Ready(Err(PdError::body(BodyError::TimedOut {
+                        after: this.limits.timeout,
+                    })));
                 }
             };
             let data = match frame {
@@ -364,7 +368,9 @@ where
             }
             *this.received += data.len();
             if *this.received > this.limits.max_bytes {
-                return Poll::Ready(Err(PdError::body_too_large(this.limits.max_bytes)));
+                return Poll::Ready(Err(PdError::body(BodyError::TooLarge {
+                    limit: this.limits.max_bytes,
+                })));
             }
             if let Err(e) = append(this.state, data, *declared, share, this.limits.max_bytes) {
                 return Poll::Ready(Err(e));

@@ -1,5 +1,5 @@
 //! Connecting to an engine by name with the address rule of
-//! [`AddressPolicy`](disagg_core::AddressPolicy) applied to what the name resolves to.
+//! [`AddressPolicy`](disagg_core::endpoint::AddressPolicy) applied to what the name resolves to.
 //!
 //! An endpoint's URL is checked when the endpoint is made, but a hostname's addresses
 //! are known only when a connection is made, and may change between two connections (a
@@ -12,7 +12,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 
-use disagg_core::AddressPolicy;
+use disagg_core::endpoint::AddressPolicy;
 
 /// Connects to the first address of `addrs` that `policy` allows and `connect` reaches,
 /// in order; refused addresses are skipped without a connection attempt.

@@ -2,8 +2,8 @@
 //! body is built by `disagg_core::error::openai_error_body`).
 
 use bytes::Bytes;
-use disagg_core::PdBody;
 use disagg_core::error::{PdError, error_chain};
+use disagg_core::orchestrator::PdBody;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 

@@ -15,7 +15,7 @@
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
-//! [`forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
+//! [`forward_authorization`](disagg_core::orchestrator::OrchestratorConfig::forward_authorization)),
 //! and `accept-encoding` (the proxy reads the answers it relays). What comes back too:
 //! the engine's KV handoff is overwritten in its answer ([`PdBody::scrubbed`]), and a
 //! redirect to the engine's own address or an encoding the client did not accept is
@@ -30,11 +30,10 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
-use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
-use disagg_core::orchestrator::forwardable_header;
-use disagg_core::orchestrator::unrelayable;
+use disagg_core::error::{BodyError, BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
-use disagg_core::{Endpoint, EndpointSet, PdBody, Role};
+use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -194,7 +193,7 @@ impl Inner {
         if direct {
             parts
                 .headers
-                .insert(disagg_core::orchestrator::HANDOFF_HEADER, DIRECT);
+                .insert(disagg_core::proto::HANDOFF_HEADER, DIRECT);
         }
         let sse = parts
             .headers
@@ -426,7 +425,7 @@ fn may_have_body(headers: &HeaderMap) -> bool {
 
 /// The top-level `model` string of a JSON body, if it has one.
 fn model_of(bytes: &Bytes) -> Option<String> {
-    let raw = disagg_core::body::top_level_field(bytes, "model").ok()??;
+    let raw = disagg_core::proto::top_level_field(bytes, "model").ok()??;
     serde_json::from_slice::<String>(&raw).ok()
 }
 
@@ -519,7 +518,7 @@ impl Hooks<Unshared<DynBody>> for ClientLimits {
             let len = data.len() as u64;
             if len > self.left {
                 let max = self.limits.as_ref().map_or(0, |l| l.max_bytes);
-                return Err(self.fail(PdError::body_too_large(max)));
+                return Err(self.fail(PdError::body(BodyError::TooLarge { limit: max })));
             }
             self.left -= len;
         }
@@ -538,7 +537,7 @@ impl Hooks<Unshared<DynBody>> for ClientLimits {
             .timer
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
         if timer.as_mut().poll(cx).is_ready() {
-            return Err(self.fail(PdError::body_timeout(timeout)));
+            return Err(self.fail(PdError::body(BodyError::TimedOut { after: timeout })));
         }
         Ok(())
     }

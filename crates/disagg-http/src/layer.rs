@@ -34,7 +34,7 @@
 //!
 //! ```
 //! use std::convert::Infallible;
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 //! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdLayer};
 //! use http_body_util::Full;
@@ -61,7 +61,7 @@
 //! scheduler (or picked round robin when it names none):
 //!
 //! ```
-//! use disagg_core::{Endpoint, Role, StaticSource};
+//! use disagg_core::{Endpoint, Role, source::StaticSource};
 //! use disagg_http::PdLayer;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -89,7 +89,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use disagg_core::error::BoxError;
-use disagg_core::{Api, Orchestrator, PdBody};
+use disagg_core::{Orchestrator, orchestrator::PdBody, request::Api};
 use http::{Method, Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use tower::{Layer, Service};
@@ -141,7 +141,7 @@ impl<M> PdLayer<M> {
     /// # Examples
     ///
     /// ```
-    /// # use disagg_core::{Api, Endpoint, Role, StaticSource};
+    /// # use disagg_core::{request::Api, Endpoint, Role, source::StaticSource};
     /// # use disagg_http::PdLayer;
     /// # let source = StaticSource::new([Endpoint::new("http://10.0.0.5:8100", Role::Prefill).unwrap()]);
     /// let layer = PdLayer::sidecar(source).paths([

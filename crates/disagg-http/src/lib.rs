@@ -16,7 +16,7 @@
 //! A proxy in front of one prefill and one decode engine:
 //!
 //! ```no_run
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 //! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::{HttpTransport, PdService, server};
 //!

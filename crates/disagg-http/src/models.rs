@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_core::error::{PdError, RouteError};
-use disagg_core::{EndpointSet, PdBody};
+use disagg_core::{endpoint::EndpointSet, orchestrator::PdBody};
 use http::{Request, StatusCode};
 
 use crate::error::error_response;

@@ -33,7 +33,7 @@ use bytes::Bytes;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::request::{Api, PdRequest};
-use disagg_core::{Orchestrator, PdBody};
+use disagg_core::{Orchestrator, orchestrator::PdBody};
 use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body::Body;

@@ -64,7 +64,7 @@ pub struct HttpTransportConfig {
     /// The addresses engines may be reached at (default: link-local and cloud metadata
     /// addresses refused): an engine's hostname is resolved here and the refused
     /// addresses are never connected to.
-    pub addresses: disagg_core::AddressPolicy,
+    pub addresses: disagg_core::endpoint::AddressPolicy,
 }
 
 impl Default for HttpTransportConfig {
@@ -78,7 +78,7 @@ impl Default for HttpTransportConfig {
             engine_keys: EngineKeys::default(),
             #[cfg(feature = "tls")]
             tls: None,
-            addresses: disagg_core::AddressPolicy::default(),
+            addresses: disagg_core::endpoint::AddressPolicy::default(),
         }
     }
 }

@@ -78,7 +78,7 @@ impl Pick for FewestInFlight {
 /// use std::sync::Arc;
 ///
 /// use disagg_core::router::{Pick, RequestView};
-/// use disagg_core::{Api, Endpoint, JsonBody, Role};
+/// use disagg_core::{request::Api, Endpoint, body::JsonBody, Role};
 /// use disagg_kvevents::event::{BlockHash, BlockStored, EventBatch, KvEvent};
 /// use disagg_kvevents::{IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig};
 ///
@@ -99,7 +99,10 @@ impl Pick for FewestInFlight {
 ///     Arc::new(Endpoint::new("http://b:8000", Role::Prefill)?),
 /// ];
 /// let (headers, body) = (Default::default(), JsonBody::default());
-/// let view = RequestView::new(Api::Completions, None, &headers, &body).with_tokens(Some(&prompt));
+/// let view = RequestView {
+///     tokens: Some(&prompt),
+///     ..RequestView::new(Api::Completions, None, &headers, &body)
+/// };
 /// assert_eq!(pick.pick(&view, &candidates), 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -140,7 +143,7 @@ impl KvEventsPick {
 
 impl Pick for KvEventsPick {
     fn pick(&self, req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
-        let Some(tokens) = req.tokens() else {
+        let Some(tokens) = req.tokens else {
             return self.fallback.pick(req, candidates);
         };
         let scored: SmallVec<[Candidate<'_>; 8]> =
@@ -230,7 +233,7 @@ impl CachedPrefixThreshold {
 
 impl Disaggregate for CachedPrefixThreshold {
     fn decide(&self, req: &RequestView<'_>) -> Split {
-        let Some(tokens) = req.tokens() else {
+        let Some(tokens) = req.tokens else {
             return self.fallback.decide(req);
         };
         if tokens.len() < self.min_tokens {
@@ -256,7 +259,7 @@ impl Disaggregate for CachedPrefixThreshold {
 #[cfg(test)]
 mod tests {
     use disagg_core::disaggregate::Always;
-    use disagg_core::{Api, JsonBody, Role, StaticSource};
+    use disagg_core::{Role, body::JsonBody, request::Api, source::StaticSource};
     use http::HeaderMap;
 
     use super::*;
@@ -300,7 +303,10 @@ mod tests {
         let pick = KvEventsPick::new(scorer(index));
         let candidates = eps(&["http://e:1@0", "http://e:1@1"], Role::Prefill);
         let (h, b) = (HeaderMap::new(), JsonBody::default());
-        let view = RequestView::new(Api::Completions, None, &h, &b).with_tokens(Some(&prompt));
+        let view = RequestView {
+            tokens: Some(&prompt),
+            ..RequestView::new(Api::Completions, None, &h, &b)
+        };
         assert_eq!(pick.pick(&view, &candidates), 1);
         assert_eq!(candidate(&candidates[1]).engine, "http://e:1");
         assert_eq!(candidate(&candidates[1]).dp_rank, Some(1));
@@ -336,8 +342,9 @@ mod tests {
         let hook =
             CachedPrefixThreshold::new(scorer(index), Arc::new(source), 64, Arc::new(Always));
         let (h, b) = (HeaderMap::new(), JsonBody::default());
-        let view = |t: Option<&'static [u32]>| {
-            RequestView::new(Api::Completions, None, &h, &b).with_tokens(t)
+        let view = |t: Option<&'static [u32]>| RequestView {
+            tokens: t,
+            ..RequestView::new(Api::Completions, None, &h, &b)
         };
         let prompt: &'static [u32] = Vec::leak(prompt);
         assert_eq!(

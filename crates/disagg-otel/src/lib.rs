@@ -50,7 +50,7 @@
 //!
 //! ```no_run
 //! use disagg_core::orchestrator::OrchestratorBuilder;
-//! use disagg_core::OrchestratorConfig;
+//! use disagg_core::orchestrator::OrchestratorConfig;
 //! use disagg_otel::{OtlpConfig, Tracer};
 //!
 //! fn traced(builder: OrchestratorBuilder) -> Result<(OrchestratorBuilder, Tracer), disagg_otel::OtelError> {

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use clap::Args;
 use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
-use disagg_core::{BootstrapPort, Endpoint, Orchestrator, Role, StaticSource};
+use disagg_core::{Endpoint, Orchestrator, Role, connector::BootstrapPort, source::StaticSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use clap::Args;
 use disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
-use disagg_core::{AddressPolicy, Endpoint, EndpointSource, KvConnector, Role};
+use disagg_core::{Endpoint, EndpointSource, KvConnector, Role, endpoint::AddressPolicy};
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use disagg_discovery::file::{self, FileConfig};
 use disagg_discovery::kubernetes::{self, KubernetesConfig};
@@ -171,12 +171,12 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// When the runtime cannot start.
 pub(crate) fn versions_now(
-    set: &disagg_core::EndpointSet,
+    set: &disagg_core::endpoint::EndpointSet,
     connector: &dyn KvConnector,
     config: &HttpTransportConfig,
 ) -> Result<Versions, BoxError> {
     let mut versions = Versions::new();
-    if !disagg_core::pairing::needs_equal_versions(connector) {
+    if !connector.equal_versions() {
         return Ok(versions);
     }
     let runtime = tokio::runtime::Builder::new_current_thread()

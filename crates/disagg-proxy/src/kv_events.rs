@@ -21,7 +21,9 @@ use clap::{Args, ValueEnum};
 use disagg_core::error::BoxError as CoreBoxError;
 use disagg_core::tokens::{Asked, TokenIds, Tokenizer};
 use disagg_core::transport::Transport;
-use disagg_core::{Api, Endpoint, EndpointSet, EndpointSource, JsonBody, Role};
+use disagg_core::{
+    Endpoint, EndpointSource, Role, body::JsonBody, endpoint::EndpointSet, request::Api,
+};
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_kvevents::{
@@ -497,7 +499,7 @@ struct SetTokenizer {
 #[async_trait]
 impl Tokenizer for SetTokenizer {
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, CoreBoxError> {
-        self.token_ids_asking(api, body, &Asked::new()).await
+        self.token_ids_asking(api, body, &Asked::default()).await
     }
 
     /// The engine picked is named to the orchestrator, which counts a failed or
@@ -509,7 +511,9 @@ impl Tokenizer for SetTokenizer {
         body: &JsonBody,
         asked: &Asked,
     ) -> Result<Option<TokenIds>, CoreBoxError> {
-        let model = body.get_as::<String>("model").and_then(Result::ok);
+        let model = body
+            .get("model")
+            .and_then(|v| serde_json::from_slice::<String>(v).ok());
         let endpoint = {
             let set = self.source.snapshot();
             let set = set.for_model(model.as_deref())?;

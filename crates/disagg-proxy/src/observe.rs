@@ -7,8 +7,8 @@
 //! no span is made. The access log is off unless asked for.
 
 use clap::{Args, ValueEnum};
-use disagg_core::OrchestratorConfig;
 use disagg_core::orchestrator::OrchestratorBuilder;
+use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_http::PdServiceConfig;
 use disagg_http::access_log::{AccessLog, AccessLogFormat, AccessLogWriter};
 use disagg_http::metrics::{ExtraMetrics, Metrics};

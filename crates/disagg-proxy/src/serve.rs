@@ -17,8 +17,8 @@ use disagg_core::endpoint::EndpointError;
 use disagg_core::orchestrator::{MissingKv, PrefillFailure};
 
 use disagg_core::{
-    BootstrapPort, Endpoint, EndpointSource, Orchestrator, OrchestratorConfig, Role, Router,
-    StaticSource,
+    Endpoint, EndpointSource, Orchestrator, Role, Router, connector::BootstrapPort,
+    orchestrator::OrchestratorConfig, source::StaticSource,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
@@ -286,14 +286,12 @@ impl Shared {
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
-        let limits = (a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some())
+        let limits = (a.max_in_flight.is_some() || resilience.per_endpoint.is_some())
             .then(|| Limits::new(resilience.admission));
         // The per-endpoint limit decorates the router and waits in the admission's
         // queue (one queue, one set of counters for both limits).
-        if let Some(l) = &limits
-            && l.config().max_in_flight_per_endpoint.is_some()
-        {
-            router = Arc::new(l.per_endpoint(router));
+        if let (Some(l), Some(limit)) = (&limits, resilience.per_endpoint) {
+            router = Arc::new(l.per_endpoint(router, limit));
         }
         // The source's health hears every attempt (it is the source's listener).
         let mut builder =

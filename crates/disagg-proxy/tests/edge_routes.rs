@@ -962,7 +962,7 @@ async fn encoded_answers_and_redirects_become_502_naming_the_engine() {
 #[tokio::test]
 async fn the_layer_routes_and_passes_on_the_normal_path() {
     use disagg_connectors::vllm::VllmNixl;
-    use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+    use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
     use disagg_http::{HttpTransport, PdLayer};
 
     let (p, d) = plain_pair().await;

@@ -41,10 +41,6 @@ pub struct AdmissionConfig {
     /// Requests served at once by the orchestrator, all endpoints together (default
     /// `None`: no limit).
     pub max_in_flight: Option<usize>,
-    /// Requests in flight on one endpoint (default `None`: no limit). A prefill
-    /// endpoint counts its prefill exchanges, a decode endpoint its streams. Applied by
-    /// the router [`Limits::per_endpoint`] makes, not by the admission itself.
-    pub max_in_flight_per_endpoint: Option<usize>,
     /// Requests that may wait for admission; one more is refused with 429 (default
     /// 1024).
     pub max_queue: usize,
@@ -59,7 +55,6 @@ impl Default for AdmissionConfig {
     fn default() -> Self {
         AdmissionConfig {
             max_in_flight: None,
-            max_in_flight_per_endpoint: None,
             max_queue: 1024,
             queue_timeout: Duration::from_secs(10),
             retry_after: Duration::from_secs(1),
@@ -134,14 +129,25 @@ impl Limits {
         &self.state.config
     }
 
-    /// `router`, under [`AdmissionConfig::max_in_flight_per_endpoint`]: its routes go
-    /// only to endpoints below the limit, waiting in this admission's queue (and
-    /// counted in its stats) while the chosen route has none. Without a per-endpoint
-    /// limit it routes as `router` does.
-    pub fn per_endpoint<R: Router>(&self, router: R) -> PerEndpointLimit<R> {
+    /// `router`, with at most `limit` requests in flight on one endpoint (a prefill
+    /// endpoint counts its prefill exchanges, a decode endpoint its streams): its routes
+    /// go only to endpoints below the limit, waiting in this admission's queue (and
+    /// counted in its stats) while the chosen route has none.
+    ///
+    /// This decorator is the only way to limit an endpoint: the limit is its argument,
+    /// not a setting of [`AdmissionConfig`] that a router left undecorated would
+    /// silently ignore.
+    ///
+    /// ```compile_fail
+    /// # use disagg_resilience::AdmissionConfig;
+    /// let mut config = AdmissionConfig::default();
+    /// config.max_in_flight_per_endpoint = Some(1); // no such knob: wrap the router
+    /// ```
+    pub fn per_endpoint<R: Router>(&self, router: R, limit: usize) -> PerEndpointLimit<R> {
         PerEndpointLimit {
             inner: router,
             state: Arc::clone(&self.state),
+            limit,
         }
     }
 }
@@ -236,8 +242,8 @@ impl Admission for Limits {
     }
 }
 
-/// A [`Router`] whose routes go only to endpoints below
-/// [`AdmissionConfig::max_in_flight_per_endpoint`], made by [`Limits::per_endpoint`].
+/// A [`Router`] whose routes go only to endpoints below its limit of requests in
+/// flight, made by [`Limits::per_endpoint`].
 ///
 /// When the route its router chose has an endpoint at the limit (counted by the
 /// endpoints' own in-flight counts: a prefill endpoint's prefill exchanges, a decode
@@ -251,6 +257,8 @@ impl Admission for Limits {
 pub struct PerEndpointLimit<R> {
     inner: R,
     state: Arc<State>,
+    /// Requests in flight on one endpoint.
+    limit: usize,
 }
 
 impl<R: Router> PerEndpointLimit<R> {
@@ -277,9 +285,7 @@ impl<R: Router> Router for PerEndpointLimit<R> {
     }
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        let Some(limit) = self.state.config.max_in_flight_per_endpoint else {
-            return self.inner.route(ask);
-        };
+        let limit = self.limit;
         let first = match ask.select(&self.inner) {
             Ok(route) => route,
             Err(e) => return Either::Left(ready(Err(e))),
@@ -420,11 +426,8 @@ mod tests {
         use disagg_core::source::{EndpointSource, StaticSource};
         use futures::FutureExt;
 
-        let limits = Limits::new(AdmissionConfig {
-            max_in_flight_per_endpoint: Some(1),
-            ..AdmissionConfig::default()
-        });
-        let router = limits.per_endpoint(First);
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(First, 1);
         let source = StaticSource::new([
             Endpoint::new("http://127.0.0.1:1", Role::Prefill).unwrap(),
             Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap(),
@@ -452,7 +455,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn without_a_per_endpoint_limit_the_router_routes_as_it_would() {
+    async fn below_its_limit_the_router_routes_as_it_would() {
         use disagg_core::body::JsonBody;
         use disagg_core::endpoint::{Endpoint, Role};
         use disagg_core::request::Api;
@@ -460,7 +463,7 @@ mod tests {
         use futures::FutureExt;
 
         let limits = Limits::new(AdmissionConfig::default());
-        let router = limits.per_endpoint(First);
+        let router = limits.per_endpoint(First, 3);
         let source =
             StaticSource::new([Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap()]);
         let (headers, body) = (http::HeaderMap::new(), JsonBody::default());

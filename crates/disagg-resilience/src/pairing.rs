@@ -6,7 +6,7 @@
 //! and [`check_pair`], which names the [`Mismatch`] of
 //! one pair; and the engine's version, read from its `GET /version` and compared for
 //! the connectors whose handshake compares it (vLLM NIXL and Mooncake:
-//! [`needs_equal_versions`]). This module applies them to whole sets: [`check_pairs`]
+//! [`KvConnector::equal_versions`]). This module applies them to whole sets: [`check_pairs`]
 //! (and [`check_pairs_with`], with [`Versions`]) checks every prefill/decode pair of a
 //! set against the orchestrator's connector and refuses, naming both endpoints and the
 //! mismatch of each refused pair; [`ValidatedSource`] applies the check at start-up (a
@@ -58,15 +58,16 @@ use std::time::Duration;
 use disagg_core::connector::KvConnector;
 use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 use disagg_core::outcome::Listener;
-use disagg_core::pairing::{
-    KvProfile, Mismatch, PairError, check_pair, check_versions, needs_equal_versions, read_version,
-};
+use disagg_core::pairing::{KvProfile, Mismatch, PairError, check_pair};
 use disagg_core::source::EndpointSource;
 use disagg_core::transport::Transport;
 use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::lock;
+
+mod versions;
+pub use versions::{VERSION_PATH, VersionError, check_versions, read_version};
 
 /// Every pair of an endpoint set that cannot hand KV over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +120,7 @@ pub fn check_pairs(set: &EndpointSet, connector: &dyn KvConnector) -> Result<(),
 }
 
 /// Like [`check_pairs`], the engines' `versions` compared too (for a connector that
-/// [`needs_equal_versions`]; an engine without a known version is not compared).
+/// [`KvConnector::equal_versions`]; an engine without a known version is not compared).
 ///
 /// # Errors
 ///
@@ -168,9 +169,7 @@ fn pair(
 /// The key of an endpoint's engine: its `/version` URI (scheme and authority; a rank
 /// endpoint shares its engine's).
 fn engine_of(e: &Endpoint) -> Option<String> {
-    e.uri(disagg_core::pairing::VERSION_PATH)
-        .ok()
-        .map(|u| u.to_string())
+    e.uri(VERSION_PATH).ok().map(|u| u.to_string())
 }
 
 /// Engine versions read from `GET /version`, by engine (the ranks of one engine share
@@ -434,7 +433,7 @@ impl ValidatedSource {
     }
 
     /// Like [`new`](Self::new), the engines' versions read by `probe` and compared when
-    /// the connector [`needs_equal_versions`]: those of the current set now, those of
+    /// the connector [`KvConnector::equal_versions`]: those of the current set now, those of
     /// each engine joining later before it is admitted.
     ///
     /// # Errors
@@ -447,7 +446,7 @@ impl ValidatedSource {
         probe: VersionProbe,
     ) -> Result<Self, PairingError> {
         let mut versions = Versions::default();
-        if needs_equal_versions(&*connector) {
+        if connector.equal_versions() {
             let first = inner.watch().borrow().clone();
             probe.probe(&first, &mut versions).await;
         }
@@ -470,7 +469,7 @@ impl ValidatedSource {
             last_error: Mutex::new(None),
             stats: Arc::new(PairingStats::default()),
         });
-        let probe = probe.filter(|_| needs_equal_versions(&*connector));
+        let probe = probe.filter(|_| connector.equal_versions());
         let task = tokio::runtime::Handle::try_current().ok().map(|rt| {
             let shared = Arc::clone(&shared);
             rt.spawn(async move {

@@ -109,7 +109,7 @@ impl EngineTokenizer {
     ///
     /// As [`Tokenize::tokenize`].
     pub async fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
-        self.tokenize_prompt_asking(prompt, &Asked::new()).await
+        self.tokenize_prompt_asking(prompt, &Asked::default()).await
     }
 
     /// [`Tokenize::tokenize`], telling `asked` that this tokenizer's engine is asked
@@ -186,7 +186,7 @@ impl EngineTokenizer {
 #[async_trait]
 impl Tokenize for EngineTokenizer {
     async fn tokenize(&self, api: Api, body: &JsonBody) -> Result<Tokens, TokenizeError> {
-        self.tokenize_asking(api, body, &Asked::new()).await
+        self.tokenize_asking(api, body, &Asked::default()).await
     }
 }
 

@@ -40,7 +40,7 @@
 //! # Examples
 //!
 //! ```
-//! use disagg_core::{Api, JsonBody};
+//! use disagg_core::{request::Api, body::JsonBody};
 //! use disagg_tokenize::{Prompt, PromptInput, TokenizeError};
 //!
 //! // What a tokenizer will do with a request, without tokenizing it.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use disagg_core::error::TransportError;
 use disagg_core::transport::Transport;
-use disagg_core::{Api, Endpoint, JsonBody, Role};
+use disagg_core::{Endpoint, Role, body::JsonBody, request::Api};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};
@@ -165,7 +165,7 @@ async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
 async fn the_engine_asked_is_named_and_blamed_only_for_its_own_faults() {
     use disagg_core::tokens::{Asked, Tokenizer};
     async fn ask(t: &EngineTokenizer, body: &str) -> Asked {
-        let asked = Asked::new();
+        let asked = Asked::default();
         let _ = t
             .token_ids_asking(
                 Api::Completions,

@@ -30,7 +30,7 @@ use disagg_core::transport::BoxBody;
 
 /// The largest event [`MapEvents`] holds by default: 8 MiB, the size of the largest
 /// prefill answer the orchestrator reads by default
-/// ([`OrchestratorConfig::max_prefill_answer`](disagg_core::OrchestratorConfig::max_prefill_answer)).
+/// ([`OrchestratorConfig::max_prefill_answer`](disagg_core::orchestrator::OrchestratorConfig::max_prefill_answer)).
 /// A streamed token's event is a few hundred bytes; SGLang's first `/generate` event
 /// with every prompt token's logprob about 40 bytes a prompt token, so 8 MiB holds
 /// a 200k-token prompt's.

@@ -86,7 +86,8 @@ pub(crate) const GRAMMAR: &str = "grammar";
 fn has_grammar(body: &JsonBody) -> bool {
     let present = |k: &str| !body.is_null_or_absent(k);
     let format = body
-        .get_as::<Value>("response_format")
+        .get("response_format")
+        .map(serde_json::from_slice::<Value>)
         .and_then(Result::ok)
         .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
     format
@@ -484,7 +485,8 @@ impl KvConnector for Lmcache {
         };
         let stream_options = body.get_bytes("stream_options");
         let include_usage = body
-            .get_as::<Value>("stream_options")
+            .get("stream_options")
+            .map(serde_json::from_slice::<Value>)
             .and_then(Result::ok)
             .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
 
@@ -720,7 +722,8 @@ struct KvParamsIn {
 }
 
 fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
-    body.get_as::<Option<u64>>(key)
+    body.get(key)
+        .map(serde_json::from_slice::<Option<u64>>)
         .and_then(Result::ok)
         .flatten()
 }
@@ -738,7 +741,8 @@ fn is_token_ids(raw: &[u8]) -> bool {
 fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, ConnectorError> {
     let mut out = Map::new();
     let raw = |key: &str| {
-        body.get_as::<Value>(key)
+        body.get(key)
+            .map(serde_json::from_slice::<Value>)
             .and_then(Result::ok)
             .filter(|v| !v.is_null())
     };

@@ -148,7 +148,7 @@ pub(crate) fn expansion(api: Api, body: &disagg_core::body::JsonBody) -> Option<
 /// not a positive integer (the engine refuses those itself).
 fn openai_n(body: &disagg_core::body::JsonBody) -> usize {
     body.get("n")
-        .and_then(|raw| disagg_core::lax::int_value(raw).ok().flatten())
+        .and_then(|raw| disagg_core::proto::lax::int_value(raw).ok().flatten())
         .and_then(|n| usize::try_from(n).ok())
         .filter(|n| *n > 0)
         .unwrap_or(1)
@@ -581,7 +581,10 @@ mod tests {
         }
         // Both ranks: the legs differ.
         let h = c
-            .prepare(&route(None).with_ranks(Some(2), Some(5)), &r)
+            .prepare(
+                &disagg_core::proto::with_ranks(route(None), Some(2), Some(5)),
+                &r,
+            )
             .unwrap();
         let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
         assert_eq!(p[ROUTED_DP_RANK], 2);
@@ -595,14 +598,20 @@ mod tests {
         assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
         // Only the prefill's rank: the decode is told where the KV is, and picks its own.
         let h = c
-            .prepare(&route(None).with_ranks(Some(1), None), &r)
+            .prepare(
+                &disagg_core::proto::with_ranks(route(None), Some(1), None),
+                &r,
+            )
             .unwrap();
         let d = json(&h.decode.body);
         assert_eq!(d[PREFILL_DP_RANK], 1);
         assert!(d.get(ROUTED_DP_RANK).is_none());
         // Only the decode's rank: the prefill follows its room, as the decode assumes.
         let h = c
-            .prepare(&route(None).with_ranks(None, Some(3)), &r)
+            .prepare(
+                &disagg_core::proto::with_ranks(route(None), None, Some(3)),
+                &r,
+            )
             .unwrap();
         let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
         assert!(p.get(ROUTED_DP_RANK).is_none());

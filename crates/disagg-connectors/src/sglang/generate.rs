@@ -69,9 +69,9 @@ pub(crate) fn wants_logprobs(body: &JsonBody) -> bool {
         let items: Vec<&RawValue> = serde_json::from_slice(raw).unwrap_or_default();
         return items
             .iter()
-            .any(|v| disagg_core::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
+            .any(|v| disagg_core::proto::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
     }
-    disagg_core::lax::bool_value(raw) == Ok(Some(true))
+    disagg_core::proto::lax::bool_value(raw) == Ok(Some(true))
 }
 
 /// How many sequences a `/generate` request makes on the engines: its prompts (1, or

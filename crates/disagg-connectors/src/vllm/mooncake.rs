@@ -42,13 +42,13 @@ use bytes::Bytes;
 
 use crate::common::Rooms;
 use crate::vllm::rewrite::PrefillRewriter;
-use disagg_core::body::write_json_str;
 use disagg_core::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
 use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::{Endpoint, EndpointId};
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
-use disagg_core::lock;
 use disagg_core::outcome::Outcome;
+use disagg_core::proto::lock;
+use disagg_core::proto::write_json_str;
 use disagg_core::request::PdRequest;
 use disagg_core::router::Route;
 use disagg_core::transport::{Transport, read_limited};
@@ -89,7 +89,7 @@ impl Ranks {
             .map(|(rank, engine_id)| Rank {
                 rank,
                 engine_id,
-                endpoint: Arc::new(engine.dp_rank(rank)),
+                endpoint: Arc::new(disagg_core::proto::dp_rank(engine, rank)),
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
@@ -585,7 +585,7 @@ mod tests {
         let t = bootstrap(QUERY);
         let mut h = c
             .prepare(
-                &route(None).with_ranks(Some(1), None),
+                &disagg_core::proto::with_ranks(route(None), Some(1), None),
                 &req(r#"{"messages":[]}"#),
             )
             .unwrap();
@@ -597,7 +597,7 @@ mod tests {
         );
         let mut h = c
             .prepare(
-                &route(None).with_ranks(Some(7), None),
+                &disagg_core::proto::with_ranks(route(None), Some(7), None),
                 &req(r#"{"messages":[]}"#),
             )
             .unwrap();

@@ -42,6 +42,20 @@ pub enum BodyError {
         /// What was expected, in words.
         expected: &'static str,
     },
+    /// The body is larger than the server takes, `limit` bytes (413
+    /// `request_too_large`).
+    #[error("request body is larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The body did not arrive within `after` (408 `request_timeout`): it stopped half
+    /// way, or trickled in too slowly.
+    #[error("the request body did not arrive within {} ms", after.as_millis())]
+    TimedOut {
+        /// The time the body had.
+        after: std::time::Duration,
+    },
     /// A field the engines would refuse (checked by the proxy for the fields it
     /// rewrites, see `disagg_connectors::vllm::rewrite::check::check_request`).
     #[error(transparent)]
@@ -266,7 +280,7 @@ impl TransportError {
 
 /// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one place
 /// it is built, for error answers (`disagg-http`) and for the error event that ends a
-/// broken stream ([`PdBody`](crate::PdBody)).
+/// broken stream ([`PdBody`](crate::orchestrator::PdBody)).
 pub fn openai_error_body(
     message: &str,
     error_type: &str,

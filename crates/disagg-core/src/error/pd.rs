@@ -42,9 +42,6 @@ impl fmt::Display for Side {
 #[derive(Debug)]
 enum Kind {
     Body,
-    BodyTooLarge {
-        limit: usize,
-    },
     NotFound,
     Route,
     Connector,
@@ -70,9 +67,6 @@ enum Kind {
     },
     QueueTimeout {
         waited: std::time::Duration,
-    },
-    BodyTimeout {
-        after: std::time::Duration,
     },
     ServerBusy {
         retry_after: std::time::Duration,
@@ -134,14 +128,11 @@ impl PdError {
     }
 
     /// The client's body was not usable ([`BodyError`]), or could not be read (the
-    /// client broke off while sending it): `err` says why.
+    /// client broke off while sending it): `err` says why. 400, or 413
+    /// `request_too_large` for [`BodyError::TooLarge`] and 408 `request_timeout` for
+    /// [`BodyError::TimedOut`], whose own words are the message.
     pub fn body(err: impl Into<BoxError>) -> Self {
         Self::new(Kind::Body, Side::Client, Some(err.into()))
-    }
-
-    /// The client's body was larger than `limit` bytes.
-    pub fn body_too_large(limit: usize) -> Self {
-        Self::new(Kind::BodyTooLarge { limit }, Side::Client, None)
     }
 
     /// The request names no route this service serves.
@@ -210,12 +201,6 @@ impl PdError {
         Self::new(Kind::QueueTimeout { waited }, Side::Router, None)
     }
 
-    /// The client's body did not arrive within `after` (408 `request_timeout`): it
-    /// stopped half way, or trickled in too slowly.
-    pub fn body_timeout(after: std::time::Duration) -> Self {
-        Self::new(Kind::BodyTimeout { after }, Side::Client, None)
-    }
-
     /// The proxy holds as many bytes of request bodies being received as it allows, and
     /// this body would take it past them (503 `server_busy`); a client may try again
     /// after `retry_after`.
@@ -240,8 +225,11 @@ impl PdError {
     /// The HTTP status a client should see.
     pub fn status(&self) -> StatusCode {
         match &self.kind {
-            Kind::Body => StatusCode::BAD_REQUEST,
-            Kind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::Body => match self.body_error() {
+                Some(BodyError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
+                Some(BodyError::TimedOut { .. }) => StatusCode::REQUEST_TIMEOUT,
+                _ => StatusCode::BAD_REQUEST,
+            },
             Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::Route => match self.route_error() {
                 Some(RouteError::UnknownModel { .. }) => StatusCode::NOT_FOUND,
@@ -256,14 +244,13 @@ impl PdError {
             Kind::Timeout { .. } | Kind::Deadline { .. } => StatusCode::GATEWAY_TIMEOUT,
             Kind::QueueFull { .. } => StatusCode::TOO_MANY_REQUESTS,
             Kind::QueueTimeout { .. } | Kind::ServerBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Kind::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
     /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
     pub fn param(&self) -> Option<&'static str> {
-        match self.source.as_deref()?.downcast_ref::<BodyError>()? {
+        match self.body_error()? {
             BodyError::Invalid(p) => Some(p.param()),
             _ => None,
         }
@@ -272,9 +259,12 @@ impl PdError {
     /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`.
     pub fn code(&self) -> &'static str {
         match (&self.kind, self.side) {
-            (Kind::Body, _) if self.param().is_some() => "invalid_parameter",
-            (Kind::Body, _) => "invalid_request_body",
-            (Kind::BodyTooLarge { .. }, _) => "request_too_large",
+            (Kind::Body, _) => match self.body_error() {
+                Some(BodyError::Invalid(_)) => "invalid_parameter",
+                Some(BodyError::TooLarge { .. }) => "request_too_large",
+                Some(BodyError::TimedOut { .. }) => "request_timeout",
+                _ => "invalid_request_body",
+            },
             (Kind::NotFound, _) => "not_found",
             (Kind::Route, _) => match self.route_error() {
                 Some(RouteError::NoPrefill) => "no_prefill_endpoint",
@@ -286,7 +276,6 @@ impl PdError {
             (Kind::Deadline { .. }, _) => "deadline_exceeded",
             (Kind::QueueFull { .. }, _) => "queue_full",
             (Kind::QueueTimeout { .. }, _) => "queue_timeout",
-            (Kind::BodyTimeout { .. }, _) => "request_timeout",
             (Kind::ServerBusy { .. }, _) => "server_busy",
             (Kind::Timeout { phase, .. }, side) => match phase {
                 Phase::Handoff => "handoff_timeout",
@@ -370,6 +359,24 @@ impl PdError {
         matches!(self.route_error(), Some(RouteError::NoPrefill))
     }
 
+    fn body_error(&self) -> Option<&BodyError> {
+        self.source.as_deref()?.downcast_ref::<BodyError>()
+    }
+
+    /// Whether the cause's own words are the message (and so not told again as the
+    /// source): a client's model the endpoints do not serve, a body too large or too
+    /// slow.
+    fn told_by_cause(&self) -> bool {
+        match self.kind {
+            Kind::Route => self.status().is_client_error(),
+            Kind::Body => matches!(
+                self.body_error(),
+                Some(BodyError::TooLarge { .. } | BodyError::TimedOut { .. })
+            ),
+            _ => false,
+        }
+    }
+
     fn route_error(&self) -> Option<&RouteError> {
         self.source.as_deref()?.downcast_ref::<RouteError>()
     }
@@ -388,10 +395,12 @@ impl fmt::Debug for PdError {
 impl fmt::Display for PdError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
-            Kind::Body => f.write_str("invalid request body"),
-            Kind::BodyTooLarge { limit } => {
-                write!(f, "request body is larger than the limit of {limit} bytes")
-            }
+            Kind::Body => match self.body_error() {
+                Some(e @ (BodyError::TooLarge { .. } | BodyError::TimedOut { .. })) => {
+                    fmt::Display::fmt(e, f)
+                }
+                _ => f.write_str("invalid request body"),
+            },
             Kind::NotFound => f.write_str("no such route"),
             // A client's mistake is told in the cause's own words.
             Kind::Route if self.status().is_client_error() => match self.route_error() {
@@ -437,11 +446,6 @@ impl fmt::Display for PdError {
                 "the request waited {} ms in the admission queue and was not admitted",
                 waited.as_millis()
             ),
-            Kind::BodyTimeout { after } => write!(
-                f,
-                "the request body did not arrive within {} ms",
-                after.as_millis()
-            ),
             Kind::ServerBusy { retry_after } => write!(
                 f,
                 "the proxy holds as many request bodies as it allows; retry after {} s",
@@ -453,8 +457,8 @@ impl fmt::Display for PdError {
 
 impl std::error::Error for PdError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        if matches!(self.kind, Kind::Route) && self.status().is_client_error() {
-            // Display already told the cause (a model the endpoints do not serve).
+        if self.told_by_cause() {
+            // Display already told the cause.
             return None;
         }
         self.source
@@ -564,8 +568,29 @@ mod tests {
     }
 
     #[test]
+    fn a_body_too_large_is_413_in_its_own_words() {
+        let e = PdError::body(BodyError::TooLarge { limit: 1024 });
+        assert_eq!(
+            (e.status(), e.code(), e.error_type(), e.side()),
+            (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                "invalid_request_error",
+                Side::Client
+            )
+        );
+        assert_eq!(
+            error_chain(&e),
+            "request body is larger than the limit of 1024 bytes"
+        );
+        assert!(!e.is_retryable());
+    }
+
+    #[test]
     fn client_body_limits_have_their_codes() {
-        let e = PdError::body_timeout(std::time::Duration::from_secs(30));
+        let e = PdError::body(BodyError::TimedOut {
+            after: std::time::Duration::from_secs(30),
+        });
         assert_eq!(
             (e.status(), e.code(), e.error_type(), e.side()),
             (

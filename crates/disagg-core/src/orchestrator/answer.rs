@@ -7,15 +7,15 @@
 //! a Responses stream's terminal event (`vllm/entrypoints/openai/chat_completion/serving.py`,
 //! `…/completion/serving.py`, `…/responses/serving.py`). A decode running bidirectional
 //! NIXL puts its own there: its engine id, internal host and port, block ids. None of it
-//! is the client's business, so a [`PdBody`](crate::PdBody) made
-//! [`scrubbed`](crate::PdBody::scrubbed) relays an event stream or a JSON answer with the
+//! is the client's business, so a [`PdBody`](crate::orchestrator::PdBody) made
+//! [`scrubbed`](crate::orchestrator::PdBody::scrubbed) relays an event stream or a JSON answer with the
 //! value of every handoff key (`kv_transfer_params`, `ec_transfer_params`,
 //! `bootstrap_host`, `bootstrap_port`, `bootstrap_room`) overwritten in place: `null`,
 //! then spaces to the value's length (JSON whitespace), as a decode with no handoff
 //! answers.
 //!
 //! - The answer streams as it came: each frame handed to the client (a burst of the
-//!   engine's frames joined into one, see [`PdBody`](crate::PdBody)) is searched for the
+//!   engine's frames joined into one, see [`PdBody`](crate::orchestrator::PdBody)) is searched for the
 //!   keys (`memchr`'s `memmem`) and passed on untouched when none holds a value (the
 //!   usual case: no copy; the `"kv_transfer_params":null` vLLM writes on every chunk is
 //!   no handoff). Only what a key's value needs is held back: the end of a frame that

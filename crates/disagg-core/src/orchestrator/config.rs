@@ -149,12 +149,12 @@ pub struct OrchestratorConfig {
     /// legs, and on the requests an adapter forwards to one engine or fans out to all
     /// (`disagg-http`). Only `authorization`, never `x-api-key`; a transport's engine
     /// key replaces it. Off, no client credential reaches an engine
-    /// ([`forwardable_header`](super::forwardable_header)).
+    /// ([`forwardable_header`](crate::proto::forwardable_header)).
     pub forward_authorization: bool,
     /// Client headers forwarded to both legs (besides the session header, which always
     /// is; the engine-side request id is the leg's own). Never the client's
     /// credentials, its `x-request-id` or the engines' routing headers
-    /// ([`forwardable_header`](super::forwardable_header)), even when listed.
+    /// ([`forwardable_header`](crate::proto::forwardable_header)), even when listed.
     pub forward_headers: Vec<HeaderName>,
     /// Early release of a prefill's KV blocks (default off).
     pub kv_release: KvRelease,

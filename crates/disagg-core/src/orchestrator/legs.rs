@@ -122,7 +122,7 @@ impl Inner {
     /// future owns what it needs (`'static`), so a concurrent handoff can keep it
     /// running inside the response body and an early release in a background task; it
     /// holds the prefill endpoint's in-flight count, and the router's `hold` on the leg
-    /// ([`Route::with_holds`](crate::Route::with_holds)), until it ends or is dropped.
+    /// ([`Route::with_holds`](crate::router::Route::with_holds)), until it ends or is dropped.
     pub(super) fn exchange(
         &self,
         req: &PdRequest,
@@ -256,7 +256,7 @@ fn client_headers<'a>(
 /// # Examples
 ///
 /// ```
-/// use disagg_core::orchestrator::forwardable_header;
+/// use disagg_core::proto::forwardable_header;
 /// use http::header::HeaderName;
 ///
 /// let h = |n: &'static str| HeaderName::from_static(n);

@@ -58,14 +58,14 @@ use crate::source::EndpointSource;
 use crate::tokens::Tokenizer;
 use crate::transport::Transport;
 
-mod answer;
+pub(crate) mod answer;
 mod attempt;
 mod body;
 mod clock;
 mod concurrent;
-mod config;
+pub(crate) mod config;
 mod lead;
-mod legs;
+pub(crate) mod legs;
 mod release;
 mod report;
 mod respond;
@@ -73,10 +73,8 @@ mod sequential;
 mod serve;
 mod stats;
 
-pub use answer::unrelayable;
 pub use body::PdBody;
-pub use config::{HANDOFF_HEADER, KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
-pub use legs::forwardable_header;
+pub use config::{KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
 
 pub(crate) use report::leg_outcome;
 use stats::Counters;

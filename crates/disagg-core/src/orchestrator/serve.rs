@@ -178,7 +178,7 @@ impl Inner {
     /// ran out, is told to the listeners as a failed call of that engine.
     async fn tokenize(&self, tokenizer: &dyn crate::tokens::Tokenizer, req: &mut PdRequest) {
         let budget = self.config.tokenize_timeout;
-        let asked = crate::tokens::Asked::new();
+        let asked = crate::tokens::Asked::default();
         let call = tokenizer.token_ids_asking(req.api(), req.body(), &asked);
         let result = tokio::time::timeout(budget, call).await;
         if let Some(engine) = asked.engine() {

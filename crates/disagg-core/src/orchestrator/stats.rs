@@ -68,7 +68,7 @@ impl Counters {
 
     /// Count one request served direct for `reason`.
     pub(crate) fn direct(&self, reason: &'static str) {
-        let mut by_reason = crate::lock(&self.direct);
+        let mut by_reason = crate::proto::lock(&self.direct);
         match by_reason.iter_mut().find(|(r, _)| *r == reason) {
             Some((_, n)) => *n += 1,
             None => by_reason.push((reason, 1)),
@@ -77,6 +77,6 @@ impl Counters {
 
     /// The direct counts by reason.
     pub(crate) fn direct_counts(&self) -> Vec<(&'static str, u64)> {
-        crate::lock(&self.direct).clone()
+        crate::proto::lock(&self.direct).clone()
     }
 }

@@ -29,8 +29,9 @@ use disagg_core::orchestrator::{KvRelease, OrchestratorConfig, PrefillFailure};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
 use disagg_core::{
-    Api, Endpoint, EndpointSource, Handoff, HandoffFound, KvConnector, Orchestrator, PdBody,
-    PdRequest, PrefillAnswer, Role, StaticSource,
+    Endpoint, EndpointSource, KvConnector, Orchestrator, PdRequest, Role, connector::Handoff,
+    connector::HandoffFound, connector::PrefillAnswer, orchestrator::PdBody, request::Api,
+    source::StaticSource,
 };
 use disagg_resilience::{
     AdmissionConfig, Backoff, EndpointHealth, HealthConfig, HealthSource, Limits, RetryPolicy,
@@ -126,7 +127,7 @@ impl Setup {
             builder = builder.retry(Backoff::new(self.retry));
         }
         let a = &self.admission;
-        if a.max_in_flight.is_some() || a.max_in_flight_per_endpoint.is_some() {
+        if a.max_in_flight.is_some() {
             builder = builder.admission(Limits::new(self.admission));
         }
         builder.config(self.config)

@@ -9,7 +9,7 @@ use disagg_core::disaggregate::{Decision, Disaggregate};
 use disagg_core::error::{BoxError, RouteError};
 use disagg_core::router::{RequestView, Router};
 use disagg_core::tokens::{TokenIds, Tokenizer};
-use disagg_core::{EndpointSet, JsonBody};
+use disagg_core::{body::JsonBody, endpoint::EndpointSet};
 
 use super::*;
 
@@ -58,7 +58,7 @@ impl Router for Recording {
         self.seen
             .lock()
             .unwrap()
-            .push(req.tokens().map(<[u32]>::to_vec));
+            .push(req.tokens.map(<[u32]>::to_vec));
         let decode = set.decode().first().ok_or(RouteError::NoDecode)?;
         Ok(Route::new(
             set.prefill().first().cloned(),
@@ -76,10 +76,7 @@ struct Hook(Arc<Mutex<Vec<Option<Vec<u32>>>>>);
 
 impl Disaggregate for Hook {
     fn decide(&self, req: &RequestView<'_>) -> Decision {
-        self.0
-            .lock()
-            .unwrap()
-            .push(req.tokens().map(<[u32]>::to_vec));
+        self.0.lock().unwrap().push(req.tokens.map(<[u32]>::to_vec));
         Decision::Disaggregate
     }
 

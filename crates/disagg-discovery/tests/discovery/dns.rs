@@ -12,7 +12,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{BootstrapPort, EndpointSource, Role};
+use disagg_core::{EndpointSource, Role, connector::BootstrapPort};
 use disagg_discovery::MergedSource;
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use tokio::io::{AsyncBufReadExt, BufReader};

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{BootstrapPort, EndpointSource, Role};
+use disagg_core::{EndpointSource, Role, connector::BootstrapPort};
 use disagg_discovery::MergedSource;
 use disagg_discovery::file::{self, FileConfig, FileError};
 

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disagg_core::pairing::KvProfile;
-use disagg_core::{BootstrapPort, EndpointSet, EndpointSource, Role};
+use disagg_core::{EndpointSource, Role, connector::BootstrapPort, endpoint::EndpointSet};
 use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{BootstrapPort, Endpoint, EndpointSource, Role};
+use disagg_core::{Endpoint, EndpointSource, Role, connector::BootstrapPort};
 use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
 
 use crate::support::{ids, wait_for};

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{EndpointSet, EndpointSource, Role};
+use disagg_core::{EndpointSource, Role, endpoint::EndpointSet};
 
 /// A directory of its own under the system's temporary directory, removed on drop.
 pub(crate) struct TempDir(PathBuf);

@@ -73,7 +73,7 @@
 //! Mooncake's `/query`, LMCache's `/tokenize`, health checks), replacing whatever
 //! `authorization` the request had. A client's own `authorization` never reaches an
 //! engine unless the orchestrator is told to forward it
-//! ([`OrchestratorConfig::forward_authorization`](disagg_core::OrchestratorConfig::forward_authorization)),
+//! ([`OrchestratorConfig::forward_authorization`](disagg_core::orchestrator::OrchestratorConfig::forward_authorization)),
 //! and an engine key replaces it even then.
 //!
 //! # Examples

@@ -40,7 +40,8 @@ use disagg_core::router::{Pick, RequestView, Route, Router};
 use disagg_core::transport::Transport;
 use disagg_core::transport::{BoxBody, ResponseFuture as TransportFuture};
 use disagg_core::{
-    Endpoint, EndpointSet, EndpointSource, KvConnector, Orchestrator, OrchestratorConfig, Role,
+    Endpoint, EndpointSource, KvConnector, Orchestrator, Role, endpoint::EndpointSet,
+    orchestrator::OrchestratorConfig,
 };
 use http::header::HeaderName;
 use http::uri::Authority;

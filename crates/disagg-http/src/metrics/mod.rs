@@ -23,7 +23,7 @@
 //! What [`PdService`](crate::PdService) does for `GET /metrics`, by hand:
 //!
 //! ```
-//! use disagg_core::{Endpoint, Orchestrator, Role, StaticSource};
+//! use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 //! use disagg_connectors::vllm::VllmNixl;
 //! use disagg_http::HttpTransport;
 //! use disagg_http::metrics::{self, Metrics};
@@ -175,7 +175,7 @@ mod tests {
     use super::*;
     use crate::{HttpTransport, PdService, PdServiceConfig};
     use disagg_connectors::vllm::VllmNixl;
-    use disagg_core::{Endpoint, Role, StaticSource};
+    use disagg_core::{Endpoint, Role, source::StaticSource};
     use http_body_util::BodyExt;
     use prometheus_client::metrics::counter::Counter;
     use tower::ServiceExt;

@@ -280,7 +280,7 @@ mod tests {
     use super::*;
     use crate::HttpTransport;
     use disagg_connectors::vllm::VllmNixl;
-    use disagg_core::{Endpoint, Role, StaticSource};
+    use disagg_core::{Endpoint, Role, source::StaticSource};
 
     #[test]
     fn every_request_label_set_is_there_before_any_request() {

@@ -10,7 +10,7 @@ use disagg_affinity::{
     CacheAware, ConsistentHash, LeastInFlight, PowerOfTwo, Random, RoundRobin, WeightedRandom,
 };
 use disagg_connectors::lmcache::LmcacheReceiver;
-use disagg_core::OrchestratorConfig;
+use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::orchestrator::{KvRelease, PrefillFailure};
 use disagg_core::pairing::KvProfile;
 use disagg_core::router::Pick;
@@ -375,14 +375,17 @@ impl ReliabilityArgs {
         };
         let mut admission = AdmissionConfig::default();
         admission.max_in_flight = self.max_in_flight;
-        admission.max_in_flight_per_endpoint = self.max_in_flight_per_endpoint;
         admission.max_queue = self.max_queue;
         admission.queue_timeout = secs(self.queue_timeout, "queue-timeout")?;
         config.kv_release = match self.kv_release {
             KvReleaseArg::Off => KvRelease::Off,
             KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
         };
-        Ok(Resilience { retry, admission })
+        Ok(Resilience {
+            retry,
+            admission,
+            per_endpoint: self.max_in_flight_per_endpoint,
+        })
     }
 }
 
@@ -390,6 +393,9 @@ impl ReliabilityArgs {
 pub(crate) struct Resilience {
     pub(crate) retry: RetryPolicy,
     pub(crate) admission: AdmissionConfig,
+    /// `--max-in-flight-per-endpoint`: the router's decorator
+    /// (`disagg_resilience::Limits::per_endpoint`), the only place the limit lives.
+    pub(crate) per_endpoint: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

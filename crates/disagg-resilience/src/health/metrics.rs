@@ -34,7 +34,7 @@ impl Health {
     /// # Examples
     ///
     /// ```
-    /// use disagg_core::{Endpoint, Role, StaticSource};
+    /// use disagg_core::{Endpoint, Role, source::StaticSource};
     /// use disagg_resilience::{HealthConfig, HealthSource};
     /// use prometheus_client::registry::Registry;
     ///
@@ -111,7 +111,7 @@ impl Collector for HealthCollector {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::{Endpoint, Role, StaticSource};
+    use disagg_core::{Endpoint, Role, source::StaticSource};
     use prometheus_client::registry::Registry;
 
     use crate::{HealthConfig, HealthSource};

@@ -155,7 +155,7 @@ pub enum LoadError {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::{Api, JsonBody};
+/// use disagg_core::{request::Api, body::JsonBody};
 /// use disagg_tokenize::{HfTokenizer, Tokenize};
 ///
 /// // A word-level tokenizer with a BOS token the post-processor adds.

@@ -17,7 +17,7 @@
 //!   `check_structured_outputs_count`, `validate_response_format` in
 //!   `vllm/entrypoints/openai/chat_completion/protocol.py` and
 //!   `.../completion/protocol.py`), then pydantic's lax field types (see
-//!   `disagg_core::lax`, a private module);
+//!   `disagg_core::proto::lax`);
 //! - *max tokens*: the handler's `get_max_tokens`
 //!   (`vllm/entrypoints/serve/utils/api_utils.py`: chat reads
 //!   `max_completion_tokens`, else `max_tokens`);
@@ -36,7 +36,7 @@
 use disagg_core::body::JsonBody;
 use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
-use disagg_core::lax::{bool_value, int_value, truthy};
+use disagg_core::proto::lax::{bool_value, int_value, truthy};
 use disagg_core::request::{Api, PdRequest};
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
@@ -97,7 +97,7 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
         // (`unsupported_by_connector`), whatever its fields.
         return Ok(Decision::Disaggregate);
     }
-    if let Some(raw) = req.client_handoff("kv_transfer_params")
+    if let Some(raw) = disagg_core::proto::client_handoff(req, "kv_transfer_params")
         && raw.first() != Some(&b'{')
         && raw != b"null"
     {
@@ -152,7 +152,7 @@ struct Fields<'a> {
 impl<'a> Fields<'a> {
     fn of(body: &'a JsonBody) -> Self {
         let mut f = Fields::default();
-        for (key, value) in body.fields() {
+        for (key, value) in disagg_core::proto::fields(body) {
             let slot = match key {
                 b"use_beam_search" => &mut f.use_beam_search,
                 b"stream" => &mut f.stream,

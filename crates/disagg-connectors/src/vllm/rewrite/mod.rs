@@ -134,7 +134,7 @@ impl PrefillRewriter {
     /// The prefill leg's body for a client `body` of `api`.
     pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
         let mut out = body.clone();
-        out.retain(|key| !removed(key));
+        disagg_core::proto::retain(&mut out, |key| !removed(key));
         out.set_raw("max_tokens", ONE.clone());
         if api == Api::Chat {
             out.set_raw("max_completion_tokens", ONE.clone());
