@@ -9,8 +9,9 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use crate::body::JsonBody;
 use crate::error::BodyError;
 
-/// The API a request belongs to: OpenAI's chat and completions, and SGLang's native
-/// `/generate`.
+/// The API a request belongs to: OpenAI's chat and completions, SGLang's native
+/// `/generate`, and the other generation routes vLLM 0.33 takes a KV handoff on
+/// (`kv_transfer_params`, `vllm/entrypoints/`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Api {
@@ -22,6 +23,9 @@ pub enum Api {
     /// `sampling_params`; `return_logprob`), served P/D by the SGLang connector
     /// (`sglang/srt/entrypoints/http_server.py` `generate_request`).
     Generate,
+    /// `POST /inference/v1/generate`, vLLM's token-in, token-out API (`token_ids`,
+    /// `sampling_params`; `vllm/entrypoints/scale_out/token_in_token_out/`).
+    TokenGenerate,
 }
 
 impl Api {
@@ -31,6 +35,7 @@ impl Api {
             Api::Chat => "/v1/chat/completions",
             Api::Completions => "/v1/completions",
             Api::Generate => "/generate",
+            Api::TokenGenerate => "/inference/v1/generate",
         }
     }
 
@@ -40,6 +45,7 @@ impl Api {
             "/v1/chat/completions" => Some(Api::Chat),
             "/v1/completions" => Some(Api::Completions),
             "/generate" => Some(Api::Generate),
+            "/inference/v1/generate" => Some(Api::TokenGenerate),
             _ => None,
         }
     }

@@ -15,7 +15,7 @@
 //!
 //! | route | action |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate` | [`Orchestrated`](RouteAction::Orchestrated) |
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
 //! | `/v1/responses` (and below), `/v1/messages`, `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
@@ -206,6 +206,8 @@ impl Default for RouteTable {
             rule("/v1/chat/completions", RouteAction::Orchestrated),
             rule("/v1/completions", RouteAction::Orchestrated),
             rule("/generate", RouteAction::Orchestrated),
+            // vLLM's token-in, token-out route (`vllm/entrypoints/scale_out/`).
+            rule("/inference/v1/generate", RouteAction::Orchestrated),
             rule("/v1/models", RouteAction::Proxy),
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),

@@ -104,6 +104,9 @@ pub(crate) struct CompletionRequest {
     /// SGLang's native `/generate`: how its answer is written (`None` for the
     /// OpenAI routes, whose `endpoint` says).
     pub(crate) native: Option<crate::native::Native>,
+    /// A generation route other than chat and completions
+    /// ([`crate::gen_apis`]): how its answer is written.
+    pub(crate) gen_api: Option<crate::gen_apis::GenApi>,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -454,6 +457,7 @@ impl CompletionRequest {
             beam_search,
             grammar,
             native: None,
+            gen_api: None,
         })
     }
 

@@ -651,6 +651,7 @@ mod api;
 mod body;
 mod config;
 mod dp;
+mod gen_apis;
 mod generate;
 mod handoff;
 mod kv;

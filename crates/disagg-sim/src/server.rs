@@ -27,6 +27,7 @@ use crate::api::{
 use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
+use crate::gen_apis::GenApi;
 use crate::generate::{
     EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
 };
@@ -930,7 +931,11 @@ where
     }
 }
 
-fn json_response(status: StatusCode, body: SimBody, request_id: Option<&str>) -> Response<SimBody> {
+pub(crate) fn json_response(
+    status: StatusCode,
+    body: SimBody,
+    request_id: Option<&str>,
+) -> Response<SimBody> {
     let mut response = Response::new(body);
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -1021,6 +1026,9 @@ where
         }
         (&Method::POST, "/v1/chat/completions") => Route::Openai(Endpoint::Chat),
         (&Method::POST, "/v1/completions") => Route::Openai(Endpoint::Completions),
+        (&Method::POST, path) if let Some(api) = GenApi::of_path(path).filter(|_| !sglang) => {
+            Route::Gen(api)
+        }
         // SGLang's own API; vLLM has no such route.
         (&Method::POST | &Method::PUT, "/generate") if sglang => Route::Native,
         _ => {
@@ -1037,6 +1045,8 @@ enum Route {
     Openai(Endpoint),
     /// SGLang's `/generate`.
     Native,
+    /// vLLM's other generation routes ([`crate::gen_apis`]).
+    Gen(GenApi),
 }
 
 /// Read a request body as JSON, within the engine's limit.
@@ -1368,6 +1378,7 @@ where
                     CompletionRequest::parse(endpoint, &json, &inner.config)?
                 }
                 Route::Native => crate::native::parse(&json, &inner.config)?,
+                Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config)?,
             };
             Ok((request, json))
         });
@@ -2141,22 +2152,30 @@ async fn serve_completion(
     });
 
     if let Some(native) = request.native {
-        let native = NativeParts {
+        let native = crate::native::NativeParts {
             native,
             choices: &choices,
             computed_prompt: !remote_kv,
             cached_tokens,
         };
-        return native_answer(inner, request, native, request_id, faults, guard).map(
-            |mut response| {
+        return crate::native::answer(&inner.config, request, native, request_id, faults, guard)
+            .map(|mut response| {
                 if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
                     response.headers_mut().insert(X_REQUEST_ID, value);
                 }
                 response
-            },
-        );
+            });
     }
 
+    if let (Some(api), true) = (request.gen_api, request.stream) {
+        let answer = crate::gen_apis::Answer {
+            api,
+            request_id,
+            choices: &choices,
+            kv_transfer_params: None,
+        };
+        return answer.stream(config.inter_token_delay, faults, guard);
+    }
     let prefix = match request.endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completions => "cmpl-",
@@ -2214,6 +2233,18 @@ async fn serve_completion(
         },
         _ => None,
     };
+    let kv_field = match &kv_out {
+        Some(_) if partial.is_some() => partial.as_ref().map(KvParamsField::Partial),
+        Some(params) => Some(KvParamsField::Params(params)),
+        None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
+        None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
+            first_tok: choices
+                .first()
+                .and_then(|c| c.ids.first().copied())
+                .unwrap_or(EOS_TOKEN_ID),
+        })),
+        None => own_handoff.as_ref().map(KvParamsField::Params),
+    };
     let answer = Answer {
         endpoint: request.endpoint,
         id: &id,
@@ -2222,20 +2253,19 @@ async fn serve_completion(
         choices: &choices,
         prompt_tokens: request.prompt_tokens,
         cached_tokens,
-        kv_transfer_params: match &kv_out {
-            Some(_) if partial.is_some() => partial.as_ref().map(KvParamsField::Partial),
-            Some(params) => Some(KvParamsField::Params(params)),
-            None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
-            None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
-                first_tok: choices
-                    .first()
-                    .and_then(|c| c.ids.first().copied())
-                    .unwrap_or(EOS_TOKEN_ID),
-            })),
-            None => own_handoff.as_ref().map(KvParamsField::Params),
-        },
+        kv_transfer_params: kv_field,
     };
-    let body = match answer.render() {
+    let rendered = match request.gen_api {
+        Some(api) => crate::gen_apis::Answer {
+            api,
+            request_id,
+            choices: &choices,
+            kv_transfer_params: kv_field.and_then(|f| serde_json::to_value(f).ok()),
+        }
+        .whole(),
+        None => answer.render(),
+    };
+    let body = match rendered {
         Ok(body) => Bytes::from(body),
         Err(e) => {
             return Err((
@@ -2284,86 +2314,4 @@ async fn serve_completion(
         )
     };
     Ok(response)
-}
-
-/// What SGLang's `/generate` answers with, besides the request.
-struct NativeParts<'a> {
-    native: crate::native::Native,
-    /// One generation per prompt.
-    choices: &'a [Generation],
-    /// Whether the prompt was computed here (not taken from a prefill).
-    computed_prompt: bool,
-    cached_tokens: Option<u64>,
-}
-
-/// The answer of SGLang's `/generate`, streamed or whole (see [`crate::native`]).
-/// [`Faults::unterminated_event`]: the first event, then `size` bytes of one event
-/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
-fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
-    const FRAME: usize = 64 * 1024;
-    events.truncate(1);
-    let head: &[u8] = b"data: {\"text\":\"";
-    events.push_back(Bytes::from_static(head));
-    let filler = Bytes::from(vec![b'x'; FRAME]);
-    let mut left = size.saturating_sub(head.len());
-    while left > 0 {
-        let n = left.min(FRAME);
-        events.push_back(filler.slice(..n));
-        left -= n;
-    }
-}
-
-fn native_answer(
-    inner: &Inner,
-    request: &CompletionRequest,
-    parts: NativeParts<'_>,
-    request_id: &str,
-    faults: Faults,
-    guard: RequestGuard,
-) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
-    let answer = crate::native::Answer {
-        native: parts.native,
-        request_id,
-        prompts: &request.prompts,
-        choices: parts.choices,
-        samples: request.n as usize,
-        index_override: faults.generate_index,
-        computed_prompt: parts.computed_prompt,
-        cached_tokens: parts.cached_tokens.unwrap_or(0),
-        started: std::time::Instant::now(),
-    };
-    let internal =
-        |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-    if request.stream {
-        let mut events = match answer.events() {
-            Ok(events) => events,
-            Err(e) => return Err((internal(e), guard)),
-        };
-        if let Some(size) = faults.unterminated_event {
-            unterminated(&mut events, size);
-        }
-        let body = EventsBody::new(
-            events,
-            inner.config.inter_token_delay,
-            faults.stall_after_chunks,
-            guard,
-        );
-        let mut response = Response::new(SimBody::Events(Box::new(body)));
-        response.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        );
-        return Ok(response);
-    }
-    match answer.whole() {
-        Ok(body) => Ok(json_response(
-            StatusCode::OK,
-            SimBody::Full {
-                data: Some(Bytes::from(body)),
-                guard: Some(guard),
-            },
-            None,
-        )),
-        Err(e) => Err((internal(e), guard)),
-    }
 }

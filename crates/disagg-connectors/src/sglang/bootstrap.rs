@@ -216,6 +216,12 @@ impl KvConnector for SglangBootstrap {
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        // SGLang 0.5.23 takes bootstrap fields on chat, completions and `/generate` only.
+        crate::common::carries(
+            self.name(),
+            req.api(),
+            &[Api::Chat, Api::Completions, Api::Generate],
+        )?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;

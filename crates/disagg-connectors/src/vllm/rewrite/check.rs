@@ -106,6 +106,9 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
             "kv_transfer_params: Input should be a valid dictionary",
         ));
     }
+    if req.api() == Api::TokenGenerate {
+        return super::token_in::check(req.body(), limits);
+    }
     check(req.api(), req.body(), limits)
 }
 

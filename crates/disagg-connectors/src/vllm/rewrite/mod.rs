@@ -33,8 +33,13 @@
 //! (`kv_transfer_params`, ...) are the connector's to add. Sources: vLLM's NIXL toy proxy
 //! and `kv_transfer_params` handling, Ray Serve LLM's `prepare_prefill_request`, llm-d's
 //! NIXL v2 connector (see `docs/protocols.md`).
+//!
+//! The other generation routes vLLM 0.33 takes a handoff on have their own limit
+//! fields, in their own module each: `token_in.rs` for `/inference/v1/generate`
+//! (`sampling_params.max_tokens`).
 
 pub mod check;
+mod token_in;
 
 use check::VllmLimits;
 
@@ -133,6 +138,9 @@ impl PrefillRewriter {
 
     /// The prefill leg's body for a client `body` of `api`.
     pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
+        if api == Api::TokenGenerate {
+            return token_in::rewrite(body, self.ignore_eos);
+        }
         let mut out = body.clone();
         out.retain(|key| !removed(key));
         out.set_raw("max_tokens", ONE.clone());
