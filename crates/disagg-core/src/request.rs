@@ -26,6 +26,9 @@ pub enum Api {
     /// `POST /inference/v1/generate`, vLLM's token-in, token-out API (`token_ids`,
     /// `sampling_params`; `vllm/entrypoints/scale_out/token_in_token_out/`).
     TokenGenerate,
+    /// `POST /v1/messages`, vLLM's Anthropic Messages API (`max_tokens` required;
+    /// `vllm/entrypoints/anthropic/`), served through vLLM's chat handler.
+    Messages,
 }
 
 impl Api {
@@ -36,6 +39,7 @@ impl Api {
             Api::Completions => "/v1/completions",
             Api::Generate => "/generate",
             Api::TokenGenerate => "/inference/v1/generate",
+            Api::Messages => "/v1/messages",
         }
     }
 
@@ -46,6 +50,7 @@ impl Api {
             "/v1/completions" => Some(Api::Completions),
             "/generate" => Some(Api::Generate),
             "/inference/v1/generate" => Some(Api::TokenGenerate),
+            "/v1/messages" => Some(Api::Messages),
             _ => None,
         }
     }

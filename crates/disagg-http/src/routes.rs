@@ -15,9 +15,9 @@
 //!
 //! | route | action |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages` | [`Orchestrated`](RouteAction::Orchestrated) |
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
-//! | `/v1/responses` (and below), `/v1/messages`, `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
+//! | `/v1/responses` (and below), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
 //! | anything else (`/tokenize`, `/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, `/score`, `/rerank`, ...) | [`Forwarded`](RouteAction::Forwarded) |
 
@@ -145,8 +145,6 @@ const DIRECT_ROUTES: &[&str] = &[
     // vLLM's Responses API, and its retrieve and cancel routes below it.
     "/v1/responses",
     "/v1/responses/*",
-    // vLLM's Anthropic Messages API.
-    "/v1/messages",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
     // SageMaker's entry point, which vLLM routes to chat, completions or pooling by
@@ -208,6 +206,8 @@ impl Default for RouteTable {
             rule("/generate", RouteAction::Orchestrated),
             // vLLM's token-in, token-out route (`vllm/entrypoints/scale_out/`).
             rule("/inference/v1/generate", RouteAction::Orchestrated),
+            // vLLM's Anthropic Messages API (`vllm/entrypoints/anthropic/`).
+            rule("/v1/messages", RouteAction::Orchestrated),
             rule("/v1/models", RouteAction::Proxy),
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),

@@ -343,7 +343,7 @@ impl Inner {
             Err(err) => {
                 let id = parts.headers.get(REQUEST_ID).cloned();
                 self.orchestrator.refused(api, id, arrival, &err);
-                let mut resp = failed(&err);
+                let mut resp = failed(api, &err);
                 // The rest of the body is unread: the connection cannot carry another
                 // request, and a client that stalled or flooded should not keep it.
                 resp.headers_mut()
@@ -375,7 +375,7 @@ impl Inner {
                 Err(err)
             }
         };
-        served.unwrap_or_else(|err| failed(&err))
+        served.unwrap_or_else(|err| failed(api, &err))
     }
 
     /// Parse a client's body into a request, off the event loop when it is large.
@@ -437,10 +437,10 @@ impl Inner {
     }
 }
 
-/// A failed request's answer, logged.
-fn failed(err: &PdError) -> Response<PdBody> {
+/// A failed request's answer, in `api`'s own error shape, logged.
+fn failed(api: Api, err: &PdError) -> Response<PdBody> {
     tracing::warn!(error = %disagg_core::error::error_chain(err), "request failed");
-    pd_error_response(err)
+    crate::error::api_error_response(api, err)
 }
 
 /// Collect at most `limit` bytes of an engine's answer `body`.

@@ -752,9 +752,9 @@ async fn a_handoff_is_blanked_in_place_and_every_other_byte_is_the_engines() {
     // The same length: the engine's `content-length` still holds.
     let length = clean.len().to_string();
     assert_eq!(a.header("content-length"), Some(length.as_str()));
-    // Forwarded (a route the proxy does not know, as vLLM's `/inference/v1/generate`)
-    // and direct: the same.
-    for path in ["/inference/v1/generate", "/v1/messages"] {
+    // Forwarded (a route the proxy does not orchestrate, as vLLM's `/score`) and direct
+    // (`/v1/audio/translations`): the same.
+    for path in ["/score", "/v1/audio/translations"] {
         let a = post_with(&url, path, "{}", &sse).await;
         assert_eq!(a.status, 200, "{path}: {}", a.text());
         assert_eq!(a.text(), String::from_utf8(want.clone()).unwrap(), "{path}");

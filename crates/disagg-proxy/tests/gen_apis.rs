@@ -200,3 +200,260 @@ async fn an_invalid_token_in_body_is_refused_before_any_prefill() {
     assert_eq!(p.stats().requests, 0);
     assert_eq!(d.stats().requests, 0);
 }
+
+// === /v1/messages (vLLM's Anthropic API) ===
+
+const MESSAGES: &str = "/v1/messages";
+
+fn prompt() -> String {
+    (0..40).map(|i| format!("m{i} ")).collect()
+}
+
+fn messages(max_tokens: u32, stream: bool) -> String {
+    json!({
+        "model": "sim-model",
+        "system": "be brief",
+        "messages": [{"role": "user", "content": prompt()}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The text of a Messages answer, streamed (`content_block_delta` events) or whole.
+fn messages_text(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        let text = a.text();
+        let mut out = String::new();
+        for event in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
+            let mut lines = event.lines();
+            let name = lines.next().and_then(|l| l.strip_prefix("event: "));
+            let data = lines.next().and_then(|l| l.strip_prefix("data: "));
+            let (Some(name), Some(data)) = (name, data) else {
+                panic!("not an event:/data: pair: {event:?}");
+            };
+            let v: Value = serde_json::from_str(data).expect("a JSON event");
+            assert_eq!(v["type"], name, "{event}");
+            if name == "content_block_delta" {
+                out.push_str(v["delta"]["text"].as_str().unwrap_or_default());
+            }
+        }
+        out
+    } else {
+        a.json()["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+/// `/v1/messages` over P/D, whole and streamed: an engine alone's answer, the stream
+/// Anthropic's `event:`/`data:` sequence, the decode's KV pulled from the prefill.
+async fn messages_over(pair: (SimEngine, SimEngine, Proxy)) {
+    let (p, d, proxy) = pair;
+    let alone = engine(KvMode::Nixl).await;
+    let expect = post(&alone.url(), MESSAGES, &messages(6, false)).await;
+    assert_eq!(expect.status, 200, "{}", expect.text());
+    let want = messages_text(&expect);
+    assert!(!want.is_empty());
+    for stream in [false, true] {
+        let a = post(&proxy.url(), MESSAGES, &messages(6, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(messages_text(&a), want, "stream {stream}");
+        if stream {
+            let names: Vec<String> = a
+                .text()
+                .lines()
+                .filter_map(|l| l.strip_prefix("event: ").map(str::to_owned))
+                .collect();
+            assert_eq!(names.first().map(String::as_str), Some("message_start"));
+            assert_eq!(names.last().map(String::as_str), Some("message_stop"));
+        } else {
+            let v = a.json();
+            assert_eq!(
+                (v["type"].as_str(), v["stop_reason"].as_str()),
+                (Some("message"), Some("max_tokens"))
+            );
+            // Anthropic drops null keys: no handoff reaches the client, not even `null`.
+            assert!(
+                v.get("kv_transfer_params").is_none_or(Value::is_null),
+                "{v}"
+            );
+        }
+    }
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!(ps.prefill_requests, 2, "{ps:?}");
+    assert_eq!((ds.remote_decodes, ds.local_prefills), (2, 0), "{ds:?}");
+    assert!(p.requests().iter().all(|r| r.path == MESSAGES));
+    assert!(d.requests().iter().all(|r| r.path == MESSAGES));
+}
+
+#[tokio::test]
+async fn messages_are_disaggregated_over_nixl() {
+    messages_over(nixl().await).await;
+}
+
+#[tokio::test]
+async fn messages_are_disaggregated_over_mooncake() {
+    messages_over(mooncake().await).await;
+}
+
+/// The prefill leg of `/v1/messages`, field by field, with a `thinking` budget the
+/// decode accepts (below `max_tokens`) but the one-token prefill would refuse without
+/// the handoff's `do_remote_decode`.
+async fn messages_prefill_leg(pair: (SimEngine, SimEngine, Proxy)) {
+    let (p, d, proxy) = pair;
+    let body = json!({
+        "model": "sim-model",
+        "system": "be brief",
+        "messages": [{"role": "user", "content": prompt()}],
+        "max_tokens": 40,
+        "stop_sequences": ["never"],
+        "stream": true,
+        "temperature": 0.3,
+        "thinking": {"type": "enabled", "budget_tokens": 20},
+        "kv_transfer_params": {"remote_host": "evil.example"},
+    });
+    let a = post(&proxy.url(), MESSAGES, &body.to_string()).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let leg = &p.requests()[0].body;
+    assert_eq!(leg["max_tokens"], 1);
+    assert_eq!(leg["stream"], false);
+    assert!(leg.get("stop_sequences").is_none());
+    for key in ["model", "system", "messages", "temperature", "thinking"] {
+        assert_eq!(leg[key], body[key], "{key}");
+    }
+    // Nothing of chat's that the Anthropic model would drop.
+    for key in ["ignore_eos", "max_completion_tokens", "n"] {
+        assert!(leg.get(key).is_none(), "{key}");
+    }
+    assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+    let decode = &d.requests()[0].body;
+    for key in [
+        "max_tokens",
+        "stop_sequences",
+        "stream",
+        "messages",
+        "thinking",
+    ] {
+        assert_eq!(decode[key], body[key], "{key}");
+    }
+    assert_ne!(decode["kv_transfer_params"]["remote_host"], "evil.example");
+    assert_eq!(d.stats().remote_decodes, 1);
+}
+
+#[tokio::test]
+async fn messages_prefill_leg_is_rewritten_field_by_field_over_nixl() {
+    messages_prefill_leg(nixl().await).await;
+}
+
+#[tokio::test]
+async fn messages_prefill_leg_is_rewritten_field_by_field_over_mooncake() {
+    messages_prefill_leg(mooncake().await).await;
+}
+
+/// A body vLLM's request model refuses is answered 400 in OpenAI's shape (as vLLM's
+/// validation handler answers it), before any leg; the proxy's own failures on the
+/// route are in Anthropic's shape, typed by status.
+#[tokio::test]
+async fn messages_errors_come_in_vllms_shapes_and_invalid_bodies_reach_no_engine() {
+    let (p, d, proxy) = nixl().await;
+    for (body, param) in [
+        (json!({"model": "sim-model", "messages": []}), "max_tokens"),
+        (json!({"messages": [], "max_tokens": 0}), "max_tokens"),
+        (json!({"max_tokens": 5}), "messages"),
+        (
+            json!({"messages": [], "max_tokens": 8, "thinking": {"type": "enabled", "budget_tokens": 8}}),
+            "thinking",
+        ),
+    ] {
+        let a = post(&proxy.url(), MESSAGES, &body.to_string()).await;
+        assert_eq!(a.status, 400, "{body}: {}", a.text());
+        let v = a.json();
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    assert_eq!((p.stats().requests, d.stats().requests), (0, 0));
+    // The decode engine fails: its own error, in Anthropic's shape, reaches the client.
+    d.set_faults(disagg_sim::Faults {
+        status: Some(500),
+        ..disagg_sim::Faults::default()
+    });
+    let a = post(&proxy.url(), MESSAGES, &messages(4, false)).await;
+    assert_eq!(a.status, 500, "{}", a.text());
+    let v = a.json();
+    assert_eq!(
+        (&v["type"], &v["error"]["type"]),
+        (&json!("error"), &json!("api_error")),
+        "{v}"
+    );
+    // The decode cannot be reached: the proxy's own error, in Anthropic's shape, typed
+    // by its status.
+    let (dead, _held) = common::held_dead_url();
+    let lonely =
+        Proxy::start_args(&["--prefill".to_owned(), p.url(), "--decode".to_owned(), dead]).await;
+    let a = post(&lonely.url(), MESSAGES, &messages(4, false)).await;
+    let v = a.json();
+    let want = match a.status.as_u16() {
+        503 => "overloaded_error",
+        s if s >= 500 => "api_error",
+        s => panic!("status {s}: {v}"),
+    };
+    assert_eq!(
+        (&v["type"], &v["error"]["type"]),
+        (&json!("error"), &json!(want)),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    // The same on chat: OpenAI's shape.
+    let chat = json!({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let a = post(&lonely.url(), "/v1/chat/completions", &chat.to_string()).await;
+    assert!(a.json()["error"]["code"].is_string(), "{}", a.text());
+}
+
+/// The `anthropic` Python client drives `/v1/messages` through the proxy, whole and
+/// streamed, and gets its 400 error for a body the proxy refuses.
+#[tokio::test]
+async fn the_anthropic_python_client_over_pd() {
+    let (p, d, proxy) = nixl().await;
+    let alone = engine(KvMode::Nixl).await;
+    let body = json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "tell me about disaggregated serving ".repeat(8)}],
+        "max_tokens": 6,
+    });
+    let expect = post(&alone.url(), MESSAGES, &body.to_string()).await;
+    let expect = messages_text(&expect);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/python/anthropic_messages.py");
+    let url = proxy.url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::python("the `anthropic` package"))
+            .arg(script)
+            .arg(url)
+            .arg(expect)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{stderr}\n{}",
+        proxy.log()
+    );
+    assert!(
+        stdout.contains("anthropic messages: 3 checks passed"),
+        "{stdout}"
+    );
+    assert_eq!(p.stats().prefill_requests, 2);
+    assert_eq!(d.stats().remote_decodes, 2);
+}

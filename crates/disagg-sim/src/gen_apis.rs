@@ -10,6 +10,7 @@
 //!
 //! | route | request model | answer |
 //! |---|---|---|
+//! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /inference/v1/generate` (vLLM `vllm/entrypoints/scale_out/token_in_token_out/`) | `token_ids` (required), `sampling_params` (required; `max_tokens` defaults to 16), `stream`, `stream_options`, `kv_transfer_params` | `{"request_id", "choices": [{"index", "logprobs", "finish_reason", "token_ids", "routed_experts"}], "prompt_logprobs", "kv_transfer_params"}`; streamed, one `data:` chunk per token with that token's id (`finish_reason` on the last), then `data: [DONE]`, no handoff |
 
 use std::collections::VecDeque;
@@ -35,13 +36,21 @@ const SAMPLING_DEFAULT_MAX_TOKENS: u64 = 16;
 pub(crate) enum GenApi {
     /// `POST /inference/v1/generate`.
     TokenIn,
+    /// `POST /v1/messages`.
+    Messages,
 }
+
+/// Marks an error response whose body the route's request model refused: OpenAI's
+/// shape on every route ([`reshape`] leaves it).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RequestModel;
 
 impl GenApi {
     /// The route's API served at `path`, if any.
     pub(crate) fn of_path(path: &str) -> Option<GenApi> {
         match path {
             "/inference/v1/generate" => Some(GenApi::TokenIn),
+            "/v1/messages" => Some(GenApi::Messages),
             _ => None,
         }
     }
@@ -61,6 +70,7 @@ pub(crate) fn parse(
     };
     let (endpoint, inner) = match api {
         GenApi::TokenIn => (Endpoint::Completions, token_in_body(obj)?),
+        GenApi::Messages => (Endpoint::Chat, messages_body(obj)?),
     };
     let mut request = CompletionRequest::parse(endpoint, &Value::Object(inner), config)?;
     request.gen_api = Some(api);
@@ -107,12 +117,115 @@ fn token_in_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
     Ok(out)
 }
 
+/// A Messages body as the chat request vLLM's Anthropic handler makes of it
+/// (`anthropic/serving.py`): `system` first, `max_tokens` for both chat limits,
+/// `stop_sequences` as `stop`.
+fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    let max_tokens = match obj.get("max_tokens") {
+        None => return Err(ApiError::bad_request("max_tokens: Field required")),
+        Some(m) => match m.as_i64() {
+            Some(m) if m > 0 => m,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "max_tokens: Input should be greater than 0",
+                ));
+            }
+            None => {
+                return Err(ApiError::bad_request(
+                    "max_tokens: Input should be a valid integer",
+                ));
+            }
+        },
+    };
+    let Some(Value::Array(turns)) = obj.get("messages") else {
+        return Err(ApiError::bad_request(
+            "messages: Field required (a list of messages)",
+        ));
+    };
+    let remote_decode = obj
+        .get("kv_transfer_params")
+        .and_then(|p| p.get("do_remote_decode"))
+        .is_some_and(|d| crate::api::truthy(Some(d)));
+    if let Some(thinking) = obj.get("thinking").filter(|t| !t.is_null())
+        && thinking.get("type").and_then(Value::as_str) == Some("enabled")
+        && let Some(budget) = thinking.get("budget_tokens").and_then(Value::as_i64)
+        && budget >= max_tokens
+        && !remote_decode
+    {
+        return Err(ApiError::bad_request(
+            "thinking.budget_tokens must be less than max_tokens",
+        ));
+    }
+    let mut messages = Vec::with_capacity(turns.len() + 1);
+    if let Some(system) = obj.get("system").filter(|s| !s.is_null()) {
+        messages.push(json!({"role": "system", "content": system}));
+    }
+    messages.extend(turns.iter().cloned());
+    let mut out = Map::new();
+    for key in ["model", "stream", "temperature", "kv_transfer_params"] {
+        if let Some(v) = obj.get(key) {
+            out.insert(key.to_owned(), v.clone());
+        }
+    }
+    out.insert("messages".to_owned(), Value::Array(messages));
+    out.insert("max_tokens".to_owned(), json!(max_tokens));
+    if let Some(stop) = obj.get("stop_sequences").filter(|s| !s.is_null()) {
+        out.insert("stop".to_owned(), stop.clone());
+    }
+    Ok(out)
+}
+
+/// Anthropic's error `type` for `status` (`vllm/entrypoints/anthropic/protocol.py`).
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        500..=599 => "api_error",
+        _ => "invalid_request_error",
+    }
+}
+
+/// An error answer of `api`'s route in that route's own shape: the OpenAI-shaped
+/// `response` rewritten, unless its request model refused the body ([`RequestModel`]).
+pub(crate) async fn reshape(api: GenApi, response: Response<SimBody>) -> Response<SimBody> {
+    use http_body_util::BodyExt;
+    if api != GenApi::Messages
+        || response.status().is_success()
+        || response.extensions().get::<RequestModel>().is_some()
+    {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let message = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    let body = json!({
+        "type": "error",
+        "error": {"type": anthropic_type(parts.status), "message": message},
+    });
+    parts.headers.remove(http::header::CONTENT_LENGTH);
+    Response::from_parts(parts, SimBody::full(body.to_string()))
+}
+
 /// What an answer is written from.
 pub(crate) struct Answer<'a> {
     pub(crate) api: GenApi,
     /// The engine's request id (the `X-Request-Id`, or one it drew).
     pub(crate) request_id: &'a str,
     pub(crate) choices: &'a [Generation],
+    /// The served model's name.
+    pub(crate) model: &'a str,
+    pub(crate) prompt_tokens: u64,
     /// The top-level `kv_transfer_params` of a whole answer (`None`: no key).
     pub(crate) kv_transfer_params: Option<Value>,
 }
@@ -122,6 +235,7 @@ impl Answer<'_> {
     fn id(&self) -> String {
         match self.api {
             GenApi::TokenIn => format!("generate-tokens-{}", self.request_id),
+            GenApi::Messages => format!("msg_{}", self.request_id),
         }
     }
 
@@ -149,6 +263,25 @@ impl Answer<'_> {
                     "prompt_logprobs": null,
                     "kv_transfer_params": self.kv_transfer_params,
                 }))
+            }
+            GenApi::Messages => {
+                let c = self.first();
+                let (stop_reason, stop_sequence) = anthropic_stop(c);
+                let mut answer = json!({
+                    "id": self.id(),
+                    "type": "message",
+                    "role": "assistant",
+                    "model": self.model,
+                    "content": [{"type": "text", "text": c.map(Generation::text).unwrap_or_default()}],
+                    "stop_reason": stop_reason,
+                    "stop_sequence": stop_sequence,
+                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens()},
+                });
+                // Null keys are dropped: no handoff is no key.
+                if let Some(params) = self.kv_transfer_params.as_ref().filter(|p| !p.is_null()) {
+                    answer["kv_transfer_params"] = params.clone();
+                }
+                serde_json::to_vec(&answer)
             }
         }
     }
@@ -180,6 +313,34 @@ impl Answer<'_> {
                 }
                 events.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
             }
+            GenApi::Messages => {
+                let c = self.first();
+                let (stop_reason, stop_sequence) = anthropic_stop(c);
+                let start = json!({"type": "message_start", "message": {
+                    "id": id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+                }});
+                events.push_back(event("message_start", &start)?);
+                let block = json!({"type": "content_block_start", "index": 0,
+                                   "content_block": {"type": "text", "text": ""}});
+                events.push_back(event("content_block_start", &block)?);
+                for step in c.map(|c| c.steps.as_slice()).unwrap_or_default() {
+                    if step.is_empty() {
+                        continue;
+                    }
+                    let delta = json!({"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": step}});
+                    events.push_back(event("content_block_delta", &delta)?);
+                }
+                let stop = json!({"type": "content_block_stop", "index": 0});
+                events.push_back(event("content_block_stop", &stop)?);
+                let delta = json!({"type": "message_delta",
+                                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                   "usage": {"output_tokens": self.output_tokens()}});
+                events.push_back(event("message_delta", &delta)?);
+                events.push_back(event("message_stop", &json!({"type": "message_stop"}))?);
+            }
         }
         Ok(events)
     }
@@ -208,6 +369,37 @@ impl Answer<'_> {
         );
         Ok(response)
     }
+}
+
+impl Answer<'_> {
+    /// The one choice of a route that has no `n`.
+    fn first(&self) -> Option<&Generation> {
+        self.choices.first()
+    }
+
+    fn output_tokens(&self) -> usize {
+        self.first().map_or(0, |c| c.steps.len())
+    }
+}
+
+/// Anthropic's `stop_reason` and `stop_sequence` for a generation.
+fn anthropic_stop(c: Option<&Generation>) -> (&'static str, Option<String>) {
+    match c {
+        Some(c) if c.finish == crate::generate::Finish::Length => ("max_tokens", None),
+        Some(Generation {
+            stop_reason: Some(s),
+            ..
+        }) => ("stop_sequence", Some(s.clone())),
+        _ => ("end_turn", None),
+    }
+}
+
+/// One `event:`/`data:` pair (Anthropic's stream format).
+fn event(name: &str, value: &Value) -> Result<Bytes, serde_json::Error> {
+    let mut out = format!("event: {name}\ndata: ").into_bytes();
+    serde_json::to_writer(&mut out, value)?;
+    out.extend_from_slice(b"\n\n");
+    Ok(Bytes::from(out))
 }
 
 /// One `data:` event.

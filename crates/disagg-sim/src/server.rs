@@ -1035,7 +1035,11 @@ where
             return error_response(&ApiError::new(StatusCode::NOT_FOUND, "Not Found"), None);
         }
     };
-    completion(inner, route, req).await
+    let response = completion(inner, route, req).await;
+    match route {
+        Route::Gen(api) => crate::gen_apis::reshape(api, response).await,
+        _ => response,
+    }
 }
 
 /// Which generation API a request came on.
@@ -1405,7 +1409,11 @@ where
         Ok(parsed) => parsed,
         Err(e) => {
             guard.complete();
-            return error_response(&e, header_id);
+            let mut response = error_response(&e, header_id);
+            response
+                .extensions_mut()
+                .insert(crate::gen_apis::RequestModel);
+            return response;
         }
     };
     let request_id = match header_id {
@@ -2172,6 +2180,8 @@ async fn serve_completion(
             api,
             request_id,
             choices: &choices,
+            model: &config.model,
+            prompt_tokens: request.prompt_tokens,
             kv_transfer_params: None,
         };
         return answer.stream(config.inter_token_delay, faults, guard);
@@ -2260,6 +2270,8 @@ async fn serve_completion(
             api,
             request_id,
             choices: &choices,
+            model: &config.model,
+            prompt_tokens: request.prompt_tokens,
             kv_transfer_params: kv_field.and_then(|f| serde_json::to_value(f).ok()),
         }
         .whole(),

@@ -23,9 +23,10 @@ const APIS: [(Api, &str); N_APIS] = [
     (Api::Completions, "completions"),
     (Api::Generate, "generate"),
     (Api::TokenGenerate, "token_generate"),
+    (Api::Messages, "messages"),
 ];
 /// How many APIs have series.
-const N_APIS: usize = 4;
+const N_APIS: usize = 5;
 const STREAMS: [&str; 2] = ["false", "true"];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a

@@ -106,8 +106,10 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
             "kv_transfer_params: Input should be a valid dictionary",
         ));
     }
-    if req.api() == Api::TokenGenerate {
-        return super::token_in::check(req.body(), limits);
+    match req.api() {
+        Api::TokenGenerate => return super::token_in::check(req.body(), limits),
+        Api::Messages => return super::messages::check(req.body()),
+        _ => {}
     }
     check(req.api(), req.body(), limits)
 }

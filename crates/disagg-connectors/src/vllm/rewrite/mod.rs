@@ -36,9 +36,11 @@
 //!
 //! The other generation routes vLLM 0.33 takes a handoff on have their own limit
 //! fields, in their own module each: `token_in.rs` for `/inference/v1/generate`
-//! (`sampling_params.max_tokens`).
+//! (`sampling_params.max_tokens`), `messages.rs` for Anthropic's `/v1/messages`
+//! (`max_tokens`, `stop_sequences`).
 
 pub mod check;
+mod messages;
 mod token_in;
 
 use check::VllmLimits;
@@ -140,6 +142,9 @@ impl PrefillRewriter {
     pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
         if api == Api::TokenGenerate {
             return token_in::rewrite(body, self.ignore_eos);
+        }
+        if api == Api::Messages {
+            return messages::rewrite(body);
         }
         let mut out = body.clone();
         out.retain(|key| !removed(key));
