@@ -29,6 +29,9 @@ pub enum Api {
     /// `POST /v1/messages`, vLLM's Anthropic Messages API (`max_tokens` required;
     /// `vllm/entrypoints/anthropic/`), served through vLLM's chat handler.
     Messages,
+    /// `POST /v1/responses`, vLLM's Responses API (`max_output_tokens`;
+    /// `vllm/entrypoints/openai/responses/`).
+    Responses,
 }
 
 impl Api {
@@ -40,6 +43,7 @@ impl Api {
             Api::Generate => "/generate",
             Api::TokenGenerate => "/inference/v1/generate",
             Api::Messages => "/v1/messages",
+            Api::Responses => "/v1/responses",
         }
     }
 
@@ -51,6 +55,7 @@ impl Api {
             "/generate" => Some(Api::Generate),
             "/inference/v1/generate" => Some(Api::TokenGenerate),
             "/v1/messages" => Some(Api::Messages),
+            "/v1/responses" => Some(Api::Responses),
             _ => None,
         }
     }

@@ -15,9 +15,9 @@
 //!
 //! | route | action |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages`, `/v1/responses` | [`Orchestrated`](RouteAction::Orchestrated) |
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
-//! | `/v1/responses` (and below), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
+//! | the paths below `/v1/responses` (retrieve, cancel), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
 //! | anything else (`/tokenize`, `/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, `/score`, `/rerank`, ...) | [`Forwarded`](RouteAction::Forwarded) |
 
@@ -142,8 +142,8 @@ pub const ADMIN_ROUTES: &[&str] = &[
 
 /// Generation routes that P/D does not orchestrate, served by one decode engine.
 const DIRECT_ROUTES: &[&str] = &[
-    // vLLM's Responses API, and its retrieve and cancel routes below it.
-    "/v1/responses",
+    // vLLM's Responses API's retrieve and cancel routes: the response lives on the
+    // engine that made it.
     "/v1/responses/*",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
@@ -208,6 +208,9 @@ impl Default for RouteTable {
             rule("/inference/v1/generate", RouteAction::Orchestrated),
             // vLLM's Anthropic Messages API (`vllm/entrypoints/anthropic/`).
             rule("/v1/messages", RouteAction::Orchestrated),
+            // vLLM's Responses API (`vllm/entrypoints/openai/responses/`); a request
+            // that keeps or continues state goes to one engine (the connector says).
+            rule("/v1/responses", RouteAction::Orchestrated),
             rule("/v1/models", RouteAction::Proxy),
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),

@@ -457,3 +457,187 @@ async fn the_anthropic_python_client_over_pd() {
     assert_eq!(p.stats().prefill_requests, 2);
     assert_eq!(d.stats().remote_decodes, 2);
 }
+
+// === /v1/responses (vLLM's Responses API) ===
+
+const RESPONSES: &str = "/v1/responses";
+
+fn responses(max_output_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": "sim-model",
+        "instructions": "be brief",
+        "input": [{"role": "user", "content": prompt()}],
+        "max_output_tokens": max_output_tokens,
+        "stream": stream,
+    })
+}
+
+/// The `data:` payloads of an `event:`/`data:` stream, as JSON.
+fn sse_data(a: &common::Answer) -> Vec<Value> {
+    a.text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).expect("a JSON event"))
+        .collect()
+}
+
+/// The text of a Responses answer, streamed (`response.output_text.delta` events) or
+/// whole.
+fn responses_text(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        sse_data(a)
+            .iter()
+            .filter(|v| v["type"] == "response.output_text.delta")
+            .map(|v| v["delta"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    } else {
+        a.json()["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+/// `/v1/responses` over P/D, whole and streamed: an engine alone's answer, the decode's
+/// KV pulled from the prefill; a request that keeps state (`store: true`,
+/// `previous_response_id`) served by the decode alone.
+async fn responses_over(pair: (SimEngine, SimEngine, Proxy)) {
+    let (p, d, proxy) = pair;
+    let alone = engine(KvMode::Nixl).await;
+    let expect = post(&alone.url(), RESPONSES, &responses(6, false).to_string()).await;
+    assert_eq!(expect.status, 200, "{}", expect.text());
+    let want = responses_text(&expect);
+    assert!(!want.is_empty());
+    for stream in [false, true] {
+        let a = post(&proxy.url(), RESPONSES, &responses(6, stream).to_string()).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+        assert_eq!(responses_text(&a), want, "stream {stream}");
+        if stream {
+            let events = sse_data(&a);
+            let last = events.last().expect("events");
+            assert_eq!(last["type"], "response.incomplete", "{last}");
+        } else {
+            assert!(a.json()["kv_transfer_params"].is_null(), "{}", a.text());
+        }
+    }
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!(ps.prefill_requests, 2, "{ps:?}");
+    assert_eq!((ds.remote_decodes, ds.local_prefills), (2, 0), "{ds:?}");
+    // State lives on one engine: such requests reach the decode alone.
+    for (key, value) in [
+        ("store", json!(true)),
+        ("previous_response_id", json!("resp_1")),
+    ] {
+        let mut body = responses(4, false);
+        body[key] = value;
+        let a = post(&proxy.url(), RESPONSES, &body.to_string()).await;
+        assert_eq!(
+            a.header("x-disagg-handoff"),
+            Some("direct"),
+            "{key}: {}",
+            a.text()
+        );
+    }
+    // The prefill saw none of them.
+    assert_eq!(p.stats().requests, 2);
+}
+
+#[tokio::test]
+async fn responses_are_disaggregated_over_nixl() {
+    responses_over(nixl().await).await;
+}
+
+#[tokio::test]
+async fn responses_are_disaggregated_over_mooncake() {
+    responses_over(mooncake().await).await;
+}
+
+/// The prefill leg of `/v1/responses`, field by field; an invalid body refused before
+/// any leg in OpenAI's shape.
+#[tokio::test]
+async fn responses_prefill_leg_is_rewritten_and_invalid_bodies_reach_no_engine() {
+    let (p, d, proxy) = nixl().await;
+    for (body, param) in [
+        (json!({"model": "sim-model"}), "input"),
+        (
+            json!({"input": "x", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+    ] {
+        let a = post(&proxy.url(), RESPONSES, &body.to_string()).await;
+        assert_eq!(a.status, 400, "{body}: {}", a.text());
+        assert_eq!(a.json()["error"]["param"], param, "{}", a.text());
+    }
+    assert_eq!((p.stats().requests, d.stats().requests), (0, 0));
+    let mut body = responses(30, true);
+    body["top_logprobs"] = json!(2);
+    body["text"] = json!({"format": {"type": "text"}});
+    body["temperature"] = json!(0.4);
+    let a = post(&proxy.url(), RESPONSES, &body.to_string()).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let leg = &p.requests()[0].body;
+    assert_eq!(
+        (&leg["max_output_tokens"], &leg["stream"], &leg["store"]),
+        (&json!(1), &json!(false), &json!(false))
+    );
+    for key in ["top_logprobs", "text"] {
+        assert!(leg.get(key).is_none(), "{key}");
+    }
+    for key in ["model", "instructions", "input", "temperature"] {
+        assert_eq!(leg[key], body[key], "{key}");
+    }
+    assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+    let decode = &d.requests()[0].body;
+    for key in [
+        "max_output_tokens",
+        "stream",
+        "top_logprobs",
+        "text",
+        "input",
+    ] {
+        assert_eq!(decode[key], body[key], "{key}");
+    }
+    assert_eq!(d.stats().remote_decodes, 1);
+}
+
+/// The `openai` Python client's Responses API through the proxy, whole and streamed.
+#[tokio::test]
+async fn the_openai_responses_client_over_pd() {
+    let (p, d, proxy) = nixl().await;
+    let alone = engine(KvMode::Nixl).await;
+    let body = json!({
+        "model": "sim-model",
+        "input": "tell me about disaggregated serving ".repeat(8),
+        "max_output_tokens": 6,
+    });
+    let expect = responses_text(&post(&alone.url(), RESPONSES, &body.to_string()).await);
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/python/openai_responses.py");
+    let url = proxy.url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::python("the `openai` package"))
+            .arg(script)
+            .arg(url)
+            .arg(expect)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{stderr}\n{}",
+        proxy.log()
+    );
+    assert!(
+        stdout.contains("openai responses: 2 checks passed"),
+        "{stdout}"
+    );
+    assert_eq!(p.stats().prefill_requests, 2);
+    assert_eq!(d.stats().remote_decodes, 2);
+}

@@ -107,6 +107,8 @@ pub(crate) struct CompletionRequest {
     /// A generation route other than chat and completions
     /// ([`crate::gen_apis`]): how its answer is written.
     pub(crate) gen_api: Option<crate::gen_apis::GenApi>,
+    /// `/v1/responses`: the request as that route read it, for its answer.
+    pub(crate) responses: Option<Box<crate::surface::ResponsesRequest>>,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -458,6 +460,7 @@ impl CompletionRequest {
             grammar,
             native: None,
             gen_api: None,
+            responses: None,
         })
     }
 

@@ -11,6 +11,7 @@
 //! | route | request model | answer |
 //! |---|---|---|
 //! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
+//! | `POST /v1/responses` (vLLM `vllm/entrypoints/openai/responses/`) | `input` (required), `instructions`, `max_output_tokens`, `stream`, `kv_transfer_params` (see `surface.rs`); served as the completion of the instructions and input | the Responses object (`surface.rs`), the handoff top-level in a whole answer and in the terminal event's `response` of a stream (new in 0.33) |
 //! | `POST /inference/v1/generate` (vLLM `vllm/entrypoints/scale_out/token_in_token_out/`) | `token_ids` (required), `sampling_params` (required; `max_tokens` defaults to 16), `stream`, `stream_options`, `kv_transfer_params` | `{"request_id", "choices": [{"index", "logprobs", "finish_reason", "token_ids", "routed_experts"}], "prompt_logprobs", "kv_transfer_params"}`; streamed, one `data:` chunk per token with that token's id (`finish_reason` on the last), then `data: [DONE]`, no handoff |
 
 use std::collections::VecDeque;
@@ -38,6 +39,8 @@ pub(crate) enum GenApi {
     TokenIn,
     /// `POST /v1/messages`.
     Messages,
+    /// `POST /v1/responses`.
+    Responses,
 }
 
 /// Marks an error response whose body the route's request model refused: OpenAI's
@@ -51,6 +54,7 @@ impl GenApi {
         match path {
             "/inference/v1/generate" => Some(GenApi::TokenIn),
             "/v1/messages" => Some(GenApi::Messages),
+            "/v1/responses" => Some(GenApi::Responses),
             _ => None,
         }
     }
@@ -68,12 +72,30 @@ pub(crate) fn parse(
             "Input should be a valid dictionary or object to extract fields from",
         ));
     };
+    let mut responses = None;
     let (endpoint, inner) = match api {
         GenApi::TokenIn => (Endpoint::Completions, token_in_body(obj)?),
         GenApi::Messages => (Endpoint::Chat, messages_body(obj)?),
+        GenApi::Responses => {
+            let read = crate::surface::responses_request(body, config)?;
+            let mut out = Map::new();
+            for key in ["model", "kv_transfer_params"] {
+                if let Some(v) = obj.get(key) {
+                    out.insert(key.to_owned(), v.clone());
+                }
+            }
+            out.insert("prompt".to_owned(), json!(read.prompt));
+            out.insert("stream".to_owned(), json!(read.stream));
+            if let Some(m) = read.max_output_tokens {
+                out.insert("max_tokens".to_owned(), json!(m));
+            }
+            responses = Some(Box::new(read));
+            (Endpoint::Completions, out)
+        }
     };
     let mut request = CompletionRequest::parse(endpoint, &Value::Object(inner), config)?;
     request.gen_api = Some(api);
+    request.responses = responses;
     Ok(request)
 }
 
@@ -226,6 +248,8 @@ pub(crate) struct Answer<'a> {
     /// The served model's name.
     pub(crate) model: &'a str,
     pub(crate) prompt_tokens: u64,
+    /// `/v1/responses`: the request as read, and its token limit.
+    pub(crate) responses: Option<(&'a crate::surface::ResponsesRequest, u32)>,
     /// The top-level `kv_transfer_params` of a whole answer (`None`: no key).
     pub(crate) kv_transfer_params: Option<Value>,
 }
@@ -236,12 +260,35 @@ impl Answer<'_> {
         match self.api {
             GenApi::TokenIn => format!("generate-tokens-{}", self.request_id),
             GenApi::Messages => format!("msg_{}", self.request_id),
+            GenApi::Responses => format!("resp_{}", self.request_id),
         }
+    }
+
+    /// The Responses API's answer object, with the handoff.
+    fn responses_answer(&self) -> Option<crate::surface::Responses<'_>> {
+        let (request, max_tokens) = self.responses?;
+        let generation = self.first()?.clone();
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let answer = crate::surface::Responses::of(
+            request,
+            self.model,
+            self.request_id,
+            created,
+            generation,
+            max_tokens,
+        );
+        Some(answer.with_handoff(self.kv_transfer_params.clone().filter(|p| !p.is_null())))
     }
 
     /// The whole (non-streaming) answer.
     pub(crate) fn whole(&self) -> Result<Vec<u8>, serde_json::Error> {
         match self.api {
+            GenApi::Responses => match self.responses_answer() {
+                Some(answer) => answer.whole(),
+                None => Ok(b"{}".to_vec()),
+            },
             GenApi::TokenIn => {
                 let choices: Vec<Value> = self
                     .choices
@@ -292,6 +339,11 @@ impl Answer<'_> {
         let mut events = VecDeque::new();
         let id = self.id();
         match self.api {
+            GenApi::Responses => {
+                if let Some(answer) = self.responses_answer() {
+                    events = answer.events()?;
+                }
+            }
             GenApi::TokenIn => {
                 for (i, c) in self.choices.iter().enumerate() {
                     let last = c.ids.len().saturating_sub(1);

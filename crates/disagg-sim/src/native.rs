@@ -186,6 +186,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
             return_logprob,
         }),
         gen_api: None,
+        responses: None,
     })
 }
 

@@ -24,7 +24,7 @@ use tokio::time::{Instant, timeout_at};
 use crate::api::{
     Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, KvParamsOut, truthy,
 };
-use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec, push_json_str};
+use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
 use crate::gen_apis::GenApi;
@@ -1013,7 +1013,7 @@ where
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
         (&Method::POST, "/tokenize") => return tokenize_route(inner, req).await,
-        (&Method::POST, path @ ("/detokenize" | "/v1/embeddings" | "/v1/responses")) => {
+        (&Method::POST, path @ ("/detokenize" | "/v1/embeddings")) => {
             let path = path.to_owned();
             return surface_route(inner, &path, req).await;
         }
@@ -1068,9 +1068,8 @@ where
     }
 }
 
-/// `POST /detokenize`, `/v1/embeddings` and `/v1/responses`, in every mode and
-/// whatever the [`Faults`] (except [`Faults::stall_after_chunks`] on a streamed
-/// Responses answer).
+/// `POST /detokenize` and `/v1/embeddings`, in every mode and whatever the
+/// [`Faults`].
 async fn surface_route<B>(inner: &Inner, path: &str, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
@@ -1096,56 +1095,7 @@ where
             bump(&counters.embeddings_requests);
             surface::embeddings(&json, config, &request_id, unix_now())
         }
-        _ => {
-            bump(&counters.responses_requests);
-            let request = match surface::responses_request(&json, config) {
-                Ok(r) => r,
-                Err(e) => return error_response(&e, None),
-            };
-            let answer = surface::Responses::new(&request, config, &request_id, unix_now());
-            let handoff = (config.decode_handoff && config.kv_mode == KvMode::Nixl).then(|| {
-                let own = crate::handoff::own(
-                    &inner.engine_id,
-                    &config.advertised_host,
-                    inner.side_channel_port,
-                    &request_id,
-                    answer.tokens(),
-                    config.block_size,
-                );
-                serde_json::to_value(own).unwrap_or(Value::Null)
-            });
-            let answer = answer.with_handoff(handoff);
-            if request.stream {
-                let events = match answer.events() {
-                    Ok(events) => events,
-                    Err(e) => {
-                        let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-                        return error_response(&e, None);
-                    }
-                };
-                let faults = *lock(&inner.faults);
-                let guard = RequestGuard::new(inner.counters.clone());
-                let body = EventsBody::new(
-                    events,
-                    config.inter_token_delay,
-                    faults.stall_after_chunks,
-                    guard,
-                );
-                let mut response = Response::new(SimBody::Events(Box::new(body)));
-                response.headers_mut().insert(
-                    CONTENT_TYPE,
-                    HeaderValue::from_static("text/event-stream; charset=utf-8"),
-                );
-                return response;
-            }
-            match answer.whole() {
-                Ok(body) => return json_response(StatusCode::OK, SimBody::full(body), None),
-                Err(e) => Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    e.to_string(),
-                )),
-            }
-        }
+        _ => Err(ApiError::new(StatusCode::NOT_FOUND, "Not Found")),
     };
     match answer.and_then(|v| {
         serde_json::to_vec(&v)
@@ -1353,8 +1303,10 @@ where
     B::Error: Into<BoxError>,
 {
     let mut guard = RequestGuard::new(inner.counters.clone());
-    if matches!(route, Route::Native) {
-        bump(&inner.counters.generate_requests);
+    match route {
+        Route::Native => bump(&inner.counters.generate_requests),
+        Route::Gen(GenApi::Responses) => bump(&inner.counters.responses_requests),
+        _ => {}
     }
     let (parts, body) = req.into_parts();
     let header_id = parts
@@ -2182,7 +2134,11 @@ async fn serve_completion(
             choices: &choices,
             model: &config.model,
             prompt_tokens: request.prompt_tokens,
-            kv_transfer_params: None,
+            responses: request.responses.as_deref().map(|r| (r, max_tokens)),
+            // A stream carries a handoff only on `/v1/responses` (its terminal event).
+            kv_transfer_params: own_handoff
+                .as_ref()
+                .and_then(|h| serde_json::to_value(h).ok()),
         };
         return answer.stream(config.inter_token_delay, faults, guard);
     }
@@ -2272,6 +2228,7 @@ async fn serve_completion(
             choices: &choices,
             model: &config.model,
             prompt_tokens: request.prompt_tokens,
+            responses: request.responses.as_deref().map(|r| (r, max_tokens)),
             kv_transfer_params: kv_field.and_then(|f| serde_json::to_value(f).ok()),
         }
         .whole(),

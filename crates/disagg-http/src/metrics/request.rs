@@ -24,9 +24,10 @@ const APIS: [(Api, &str); N_APIS] = [
     (Api::Generate, "generate"),
     (Api::TokenGenerate, "token_generate"),
     (Api::Messages, "messages"),
+    (Api::Responses, "responses"),
 ];
 /// How many APIs have series.
-const N_APIS: usize = 5;
+const N_APIS: usize = 6;
 const STREAMS: [&str; 2] = ["false", "true"];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a

@@ -37,10 +37,12 @@
 //! The other generation routes vLLM 0.33 takes a handoff on have their own limit
 //! fields, in their own module each: `token_in.rs` for `/inference/v1/generate`
 //! (`sampling_params.max_tokens`), `messages.rs` for Anthropic's `/v1/messages`
-//! (`max_tokens`, `stop_sequences`).
+//! (`max_tokens`, `stop_sequences`), `responses.rs` for `/v1/responses`
+//! (`max_output_tokens`, `store`).
 
 pub mod check;
 mod messages;
+mod responses;
 mod token_in;
 
 use check::VllmLimits;
@@ -145,6 +147,9 @@ impl PrefillRewriter {
         }
         if api == Api::Messages {
             return messages::rewrite(body);
+        }
+        if api == Api::Responses {
+            return responses::rewrite(body);
         }
         let mut out = body.clone();
         out.retain(|key| !removed(key));
