@@ -32,6 +32,9 @@ pub enum Api {
     /// `POST /v1/responses`, vLLM's Responses API (`max_output_tokens`;
     /// `vllm/entrypoints/openai/responses/`).
     Responses,
+    /// `POST /cohere/v2/chat`, vLLM's Cohere chat API (`vllm/entrypoints/cohere/`),
+    /// served through vLLM's chat handler.
+    CohereChat,
 }
 
 impl Api {
@@ -44,6 +47,7 @@ impl Api {
             Api::TokenGenerate => "/inference/v1/generate",
             Api::Messages => "/v1/messages",
             Api::Responses => "/v1/responses",
+            Api::CohereChat => "/cohere/v2/chat",
         }
     }
 
@@ -56,6 +60,7 @@ impl Api {
             "/inference/v1/generate" => Some(Api::TokenGenerate),
             "/v1/messages" => Some(Api::Messages),
             "/v1/responses" => Some(Api::Responses),
+            "/cohere/v2/chat" => Some(Api::CohereChat),
             _ => None,
         }
     }

@@ -15,7 +15,7 @@
 //!
 //! | route | action |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages`, `/v1/responses` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages`, `/v1/responses`, `/cohere/v2/chat` | [`Orchestrated`](RouteAction::Orchestrated) |
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
 //! | the paths below `/v1/responses` (retrieve, cancel), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
@@ -211,6 +211,8 @@ impl Default for RouteTable {
             // vLLM's Responses API (`vllm/entrypoints/openai/responses/`); a request
             // that keeps or continues state goes to one engine (the connector says).
             rule("/v1/responses", RouteAction::Orchestrated),
+            // vLLM's Cohere chat API (`vllm/entrypoints/cohere/`).
+            rule("/cohere/v2/chat", RouteAction::Orchestrated),
             rule("/v1/models", RouteAction::Proxy),
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),

@@ -641,3 +641,152 @@ async fn the_openai_responses_client_over_pd() {
     assert_eq!(p.stats().prefill_requests, 2);
     assert_eq!(d.stats().remote_decodes, 2);
 }
+
+// === /cohere/v2/chat (vLLM's Cohere API) ===
+
+const COHERE: &str = "/cohere/v2/chat";
+
+fn cohere(max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt()}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+/// The text of a Cohere answer, streamed (`content-delta` events) or whole.
+fn cohere_text(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        let events = a.events();
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).expect("a JSON event"))
+            .filter(|v| v["type"] == "content-delta")
+            .map(|v| {
+                v["delta"]["message"]["content"]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
+    } else {
+        a.json()["message"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+/// `/cohere/v2/chat` over P/D, whole and streamed: an engine alone's answer, the
+/// decode's KV pulled from the prefill.
+async fn cohere_over(pair: (SimEngine, SimEngine, Proxy)) {
+    let (p, d, proxy) = pair;
+    let alone = engine(KvMode::Nixl).await;
+    let expect = post(&alone.url(), COHERE, &cohere(6, false).to_string()).await;
+    assert_eq!(expect.status, 200, "{}", expect.text());
+    let want = cohere_text(&expect);
+    assert!(!want.is_empty());
+    for stream in [false, true] {
+        let a = post(&proxy.url(), COHERE, &cohere(6, stream).to_string()).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
+        assert_eq!(cohere_text(&a), want, "stream {stream}");
+        if !stream {
+            let v = a.json();
+            assert_eq!(v["finish_reason"], "MAX_TOKENS", "{v}");
+            assert!(
+                v.get("kv_transfer_params").is_none_or(Value::is_null),
+                "{v}"
+            );
+        }
+    }
+    let (ps, ds) = (p.stats(), d.stats());
+    assert_eq!(ps.prefill_requests, 2, "{ps:?}");
+    assert_eq!((ds.remote_decodes, ds.local_prefills), (2, 0), "{ds:?}");
+}
+
+#[tokio::test]
+async fn cohere_chat_is_disaggregated_over_nixl() {
+    cohere_over(nixl().await).await;
+}
+
+#[tokio::test]
+async fn cohere_chat_is_disaggregated_over_mooncake() {
+    cohere_over(mooncake().await).await;
+}
+
+/// The prefill leg of `/cohere/v2/chat`, field by field; an invalid body refused before
+/// any leg; the route's errors in Cohere's `{"message", "id"}` shape.
+#[tokio::test]
+async fn cohere_prefill_leg_is_rewritten_and_errors_come_in_cohere_shape() {
+    let (p, d, proxy) = nixl().await;
+    for (body, param) in [
+        (json!({"model": "sim-model", "max_tokens": 3}), "messages"),
+        (json!({"messages": [], "max_tokens": 0}), "max_tokens"),
+    ] {
+        let a = post(&proxy.url(), COHERE, &body.to_string()).await;
+        assert_eq!(a.status, 400, "{body}: {}", a.text());
+        assert_eq!(a.json()["error"]["param"], param, "{}", a.text());
+    }
+    assert_eq!((p.stats().requests, d.stats().requests), (0, 0));
+    let mut body = cohere(30, true);
+    body["stop_sequences"] = json!(["never"]);
+    body["response_format"] = json!({"type": "json_object"});
+    body["temperature"] = json!(0.4);
+    let a = post(&proxy.url(), COHERE, &body.to_string()).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let leg = &p.requests()[0].body;
+    assert_eq!(
+        (&leg["max_tokens"], &leg["stream"]),
+        (&json!(1), &json!(false))
+    );
+    for key in ["stop_sequences", "response_format"] {
+        assert!(leg.get(key).is_none(), "{key}");
+    }
+    for key in ["model", "messages", "temperature"] {
+        assert_eq!(leg[key], body[key], "{key}");
+    }
+    assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+    let decode = &d.requests()[0].body;
+    for key in [
+        "max_tokens",
+        "stream",
+        "stop_sequences",
+        "response_format",
+        "messages",
+    ] {
+        assert_eq!(decode[key], body[key], "{key}");
+    }
+    // The proxy's own failure: Cohere's shape, naming the client's request id.
+    let (dead, _held) = common::held_dead_url();
+    let lonely =
+        Proxy::start_args(&["--prefill".to_owned(), p.url(), "--decode".to_owned(), dead]).await;
+    let a = common::post_with(
+        &lonely.url(),
+        COHERE,
+        &cohere(4, false).to_string(),
+        &[("x-request-id", "cohere-req-1")],
+    )
+    .await;
+    assert!(a.status.is_server_error(), "{}", a.text());
+    let v = a.json();
+    assert_eq!(v["id"], "cohere-req-1", "{v}");
+    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(v.get("error").is_none(), "{v}");
+    // The engine's own error on the route: Cohere's shape too.
+    d.set_faults(disagg_sim::Faults {
+        status: Some(500),
+        ..disagg_sim::Faults::default()
+    });
+    let a = post(&d.url(), COHERE, &cohere(4, false).to_string()).await;
+    assert_eq!(a.status, 500);
+    assert!(
+        a.json()["message"].is_string() && a.json().get("error").is_none(),
+        "{}",
+        a.text()
+    );
+}

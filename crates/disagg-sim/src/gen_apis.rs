@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /v1/responses` (vLLM `vllm/entrypoints/openai/responses/`) | `input` (required), `instructions`, `max_output_tokens`, `stream`, `kv_transfer_params` (see `surface.rs`); served as the completion of the instructions and input | the Responses object (`surface.rs`), the handoff top-level in a whole answer and in the terminal event's `response` of a stream (new in 0.33) |
+//! | `POST /cohere/v2/chat` (vLLM `vllm/entrypoints/cohere/`) | `messages` (required), `max_tokens` (nullable), `stop_sequences`, `stream`, `temperature`, `kv_transfer_params`; served as chat | `{"id", "finish_reason" (`MAX_TOKENS`, `COMPLETE`, `STOP_SEQUENCE`), "message": {"role", "content": [{"type": "text", "text"}]}, "usage", "kv_transfer_params"?}`; streamed, bare `data:` events `message-start`, `content-start`, a `content-delta` per token, `content-end`, `message-end`, then `data: [DONE]`, no handoff; errors `{"message", "id"}`, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /inference/v1/generate` (vLLM `vllm/entrypoints/scale_out/token_in_token_out/`) | `token_ids` (required), `sampling_params` (required; `max_tokens` defaults to 16), `stream`, `stream_options`, `kv_transfer_params` | `{"request_id", "choices": [{"index", "logprobs", "finish_reason", "token_ids", "routed_experts"}], "prompt_logprobs", "kv_transfer_params"}`; streamed, one `data:` chunk per token with that token's id (`finish_reason` on the last), then `data: [DONE]`, no handoff |
 
 use std::collections::VecDeque;
@@ -41,6 +42,8 @@ pub(crate) enum GenApi {
     Messages,
     /// `POST /v1/responses`.
     Responses,
+    /// `POST /cohere/v2/chat`.
+    Cohere,
 }
 
 /// Marks an error response whose body the route's request model refused: OpenAI's
@@ -55,6 +58,7 @@ impl GenApi {
             "/inference/v1/generate" => Some(GenApi::TokenIn),
             "/v1/messages" => Some(GenApi::Messages),
             "/v1/responses" => Some(GenApi::Responses),
+            "/cohere/v2/chat" => Some(GenApi::Cohere),
             _ => None,
         }
     }
@@ -76,6 +80,7 @@ pub(crate) fn parse(
     let (endpoint, inner) = match api {
         GenApi::TokenIn => (Endpoint::Completions, token_in_body(obj)?),
         GenApi::Messages => (Endpoint::Chat, messages_body(obj)?),
+        GenApi::Cohere => (Endpoint::Chat, cohere_body(obj)?),
         GenApi::Responses => {
             let read = crate::surface::responses_request(body, config)?;
             let mut out = Map::new();
@@ -197,6 +202,35 @@ fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
     Ok(out)
 }
 
+/// A Cohere chat body as the chat request vLLM's handler makes of it: `max_tokens`
+/// (when not `null`) for both chat limits, `stop_sequences` as `stop`.
+fn cohere_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    if !matches!(obj.get("messages"), Some(Value::Array(_))) {
+        return Err(ApiError::bad_request(
+            "messages: Field required (a list of messages)",
+        ));
+    }
+    let mut out = Map::new();
+    for key in [
+        "model",
+        "messages",
+        "stream",
+        "temperature",
+        "kv_transfer_params",
+    ] {
+        if let Some(v) = obj.get(key) {
+            out.insert(key.to_owned(), v.clone());
+        }
+    }
+    if let Some(m) = obj.get("max_tokens").filter(|m| !m.is_null()) {
+        out.insert("max_tokens".to_owned(), m.clone());
+    }
+    if let Some(stop) = obj.get("stop_sequences").filter(|s| !s.is_null()) {
+        out.insert("stop".to_owned(), stop.clone());
+    }
+    Ok(out)
+}
+
 /// Anthropic's error `type` for `status` (`vllm/entrypoints/anthropic/protocol.py`).
 fn anthropic_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
@@ -215,7 +249,7 @@ fn anthropic_type(status: StatusCode) -> &'static str {
 /// `response` rewritten, unless its request model refused the body ([`RequestModel`]).
 pub(crate) async fn reshape(api: GenApi, response: Response<SimBody>) -> Response<SimBody> {
     use http_body_util::BodyExt;
-    if api != GenApi::Messages
+    if !matches!(api, GenApi::Messages | GenApi::Cohere)
         || response.status().is_success()
         || response.extensions().get::<RequestModel>().is_some()
     {
@@ -231,10 +265,19 @@ pub(crate) async fn reshape(api: GenApi, response: Response<SimBody>) -> Respons
         .ok()
         .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
         .unwrap_or_default();
-    let body = json!({
-        "type": "error",
-        "error": {"type": anthropic_type(parts.status), "message": message},
-    });
+    let body = match api {
+        GenApi::Cohere => {
+            let id = parts
+                .headers
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok());
+            json!({"message": message, "id": id})
+        }
+        _ => json!({
+            "type": "error",
+            "error": {"type": anthropic_type(parts.status), "message": message},
+        }),
+    };
     parts.headers.remove(http::header::CONTENT_LENGTH);
     Response::from_parts(parts, SimBody::full(body.to_string()))
 }
@@ -261,6 +304,7 @@ impl Answer<'_> {
             GenApi::TokenIn => format!("generate-tokens-{}", self.request_id),
             GenApi::Messages => format!("msg_{}", self.request_id),
             GenApi::Responses => format!("resp_{}", self.request_id),
+            GenApi::Cohere => format!("chatcmpl-{}", self.request_id),
         }
     }
 
@@ -289,6 +333,20 @@ impl Answer<'_> {
                 Some(answer) => answer.whole(),
                 None => Ok(b"{}".to_vec()),
             },
+            GenApi::Cohere => {
+                let c = self.first();
+                let mut answer = json!({
+                    "id": self.id(),
+                    "finish_reason": cohere_finish(c),
+                    "message": {"role": "assistant", "content": [{"type": "text", "text": c.map(Generation::text).unwrap_or_default()}]},
+                    "usage": self.cohere_usage(),
+                });
+                // Null keys are dropped: no handoff is no key.
+                if let Some(params) = self.kv_transfer_params.as_ref().filter(|p| !p.is_null()) {
+                    answer["kv_transfer_params"] = params.clone();
+                }
+                serde_json::to_vec(&answer)
+            }
             GenApi::TokenIn => {
                 let choices: Vec<Value> = self
                     .choices
@@ -343,6 +401,28 @@ impl Answer<'_> {
                 if let Some(answer) = self.responses_answer() {
                     events = answer.events()?;
                 }
+            }
+            GenApi::Cohere => {
+                let c = self.first();
+                let start = json!({"type": "message-start", "id": id,
+                                   "delta": {"message": {"role": "assistant", "content": []}}});
+                events.push_back(data(&start)?);
+                let block = json!({"type": "content-start", "index": 0,
+                                   "delta": {"message": {"content": {"type": "text", "text": ""}}}});
+                events.push_back(data(&block)?);
+                for step in c.map(|c| c.steps.as_slice()).unwrap_or_default() {
+                    if step.is_empty() {
+                        continue;
+                    }
+                    let delta = json!({"type": "content-delta", "index": 0,
+                                       "delta": {"message": {"content": {"text": step}}}});
+                    events.push_back(data(&delta)?);
+                }
+                events.push_back(data(&json!({"type": "content-end", "index": 0}))?);
+                let end = json!({"type": "message-end", "id": id,
+                                 "delta": {"finish_reason": cohere_finish(c), "usage": self.cohere_usage()}});
+                events.push_back(data(&end)?);
+                events.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
             }
             GenApi::TokenIn => {
                 for (i, c) in self.choices.iter().enumerate() {
@@ -431,6 +511,24 @@ impl Answer<'_> {
 
     fn output_tokens(&self) -> usize {
         self.first().map_or(0, |c| c.steps.len())
+    }
+
+    fn cohere_usage(&self) -> Value {
+        let tokens =
+            json!({"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens()});
+        json!({"billed_units": tokens, "tokens": tokens})
+    }
+}
+
+/// Cohere's `finish_reason` for a generation.
+fn cohere_finish(c: Option<&Generation>) -> &'static str {
+    match c {
+        Some(c) if c.finish == crate::generate::Finish::Length => "MAX_TOKENS",
+        Some(Generation {
+            stop_reason: Some(_),
+            ..
+        }) => "STOP_SEQUENCE",
+        _ => "COMPLETE",
     }
 }
 

@@ -65,7 +65,8 @@
 //!   It takes part in the engine's KV protocol as chat does (a prefill answers
 //!   the top-level `kv_transfer_params`, a decode pulls the KV it names), and so
 //!   do vLLM's `POST /inference/v1/generate` (token-in, token-out) and
-//!   `POST /v1/messages` (Anthropic's API, its answers, stream and error shape):
+//!   `POST /v1/messages` (Anthropic's API) and `POST /cohere/v2/chat` (Cohere's),
+//!   each with its answers, stream and error shape:
 //!   the `gen_apis` module's facts in the source.
 //! * Admin routes: `POST /v1/load_lora_adapter` (`lora_name`, `lora_path`,
 //!   `load_inplace`; vLLM's checks and answers) and

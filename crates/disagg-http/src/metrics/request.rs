@@ -25,9 +25,10 @@ const APIS: [(Api, &str); N_APIS] = [
     (Api::TokenGenerate, "token_generate"),
     (Api::Messages, "messages"),
     (Api::Responses, "responses"),
+    (Api::CohereChat, "cohere_chat"),
 ];
 /// How many APIs have series.
-const N_APIS: usize = 6;
+const N_APIS: usize = 7;
 const STREAMS: [&str; 2] = ["false", "true"];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a

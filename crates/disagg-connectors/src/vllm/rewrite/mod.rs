@@ -38,9 +38,11 @@
 //! fields, in their own module each: `token_in.rs` for `/inference/v1/generate`
 //! (`sampling_params.max_tokens`), `messages.rs` for Anthropic's `/v1/messages`
 //! (`max_tokens`, `stop_sequences`), `responses.rs` for `/v1/responses`
-//! (`max_output_tokens`, `store`).
+//! (`max_output_tokens`, `store`), `cohere.rs` for `/cohere/v2/chat` (`max_tokens`,
+//! `stop_sequences`).
 
 pub mod check;
+mod cohere;
 mod messages;
 mod responses;
 mod token_in;
@@ -150,6 +152,9 @@ impl PrefillRewriter {
         }
         if api == Api::Responses {
             return responses::rewrite(body);
+        }
+        if api == Api::CohereChat {
+            return cohere::rewrite(body);
         }
         let mut out = body.clone();
         out.retain(|key| !removed(key));
