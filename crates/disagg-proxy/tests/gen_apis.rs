@@ -790,3 +790,62 @@ async fn cohere_prefill_leg_is_rewritten_and_errors_come_in_cohere_shape() {
         a.text()
     );
 }
+
+// === SGLang 0.5.23: /v1/messages and /v1/responses take its bootstrap fields ===
+
+/// `/v1/messages` and `/v1/responses` over SGLang P/D (both legs at once, the same
+/// bootstrap room): an engine alone's answer, the decode's KV taken from the prefill's
+/// room; a stored Responses request on the decode alone; the vLLM-only routes refused.
+#[tokio::test]
+async fn sglang_serves_messages_and_responses_over_pd() {
+    let sglang = |role| {
+        SimEngine::start(SimConfig {
+            kv_mode: KvMode::Sglang(role),
+            bootstrap_timeout: std::time::Duration::from_secs(5),
+            ..SimConfig::default()
+        })
+    };
+    let p = sglang(SimRole::Prefill).await.expect("start");
+    let d = sglang(SimRole::Decode).await.expect("start");
+    // The same model without P/D (an SGLang decode takes no request without a room).
+    let alone = engine(KvMode::Nixl).await;
+    let port = p.bootstrap_addr().expect("a bootstrap server").port();
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        port.to_string(),
+        "--decode".to_owned(),
+        d.url(),
+        "--connector".to_owned(),
+        "sglang".to_owned(),
+    ])
+    .await;
+    let expect = post(&alone.url(), MESSAGES, &messages(6, false)).await;
+    let want = messages_text(&expect);
+    let expect = post(&alone.url(), RESPONSES, &responses(6, false).to_string()).await;
+    let want_responses = responses_text(&expect);
+    for stream in [false, true] {
+        let a = post(&proxy.url(), MESSAGES, &messages(6, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(messages_text(&a), want, "stream {stream}");
+        let a = post(&proxy.url(), RESPONSES, &responses(6, stream).to_string()).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(responses_text(&a), want_responses, "stream {stream}");
+    }
+    let leg = &p.requests()[0].body;
+    assert!(leg["bootstrap_room"].is_u64(), "{leg}");
+    assert_eq!(
+        d.requests()[0].body["bootstrap_room"],
+        leg["bootstrap_room"]
+    );
+    assert_eq!(d.stats().remote_decodes, 4, "{:?}", d.stats());
+    let mut stored = responses(4, false);
+    stored["previous_response_id"] = json!("resp_1");
+    let a = post(&proxy.url(), RESPONSES, &stored.to_string()).await;
+    assert_eq!(a.header("x-disagg-handoff"), Some("direct"), "{}", a.text());
+    for path in [TOKEN_IN, COHERE] {
+        let a = post(&proxy.url(), path, &token_in(3, false)).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.text());
+    }
+    assert_eq!(p.stats().requests, 4);
+}

@@ -52,6 +52,12 @@ pub(crate) enum GenApi {
 pub(crate) struct RequestModel;
 
 impl GenApi {
+    /// Whether SGLang 0.5.23 serves the route too (with its bootstrap fields:
+    /// `srt/entrypoints/openai/protocol.py` `PDRoutingFields`).
+    pub(crate) fn on_sglang(self) -> bool {
+        matches!(self, GenApi::Messages | GenApi::Responses)
+    }
+
     /// The route's API served at `path`, if any.
     pub(crate) fn of_path(path: &str) -> Option<GenApi> {
         match path {

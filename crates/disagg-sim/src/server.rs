@@ -1026,7 +1026,9 @@ where
         }
         (&Method::POST, "/v1/chat/completions") => Route::Openai(Endpoint::Chat),
         (&Method::POST, "/v1/completions") => Route::Openai(Endpoint::Completions),
-        (&Method::POST, path) if let Some(api) = GenApi::of_path(path).filter(|_| !sglang) => {
+        (&Method::POST, path)
+            if let Some(api) = GenApi::of_path(path).filter(|a| !sglang || a.on_sglang()) =>
+        {
             Route::Gen(api)
         }
         // SGLang's own API; vLLM has no such route.
