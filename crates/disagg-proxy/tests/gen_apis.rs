@@ -456,6 +456,11 @@ async fn the_anthropic_python_client_over_pd() {
     );
     assert_eq!(p.stats().prefill_requests, 2);
     assert_eq!(d.stats().remote_decodes, 2);
+    // The client's key (`x-api-key`, as the SDK sends it) reaches neither leg.
+    for leg in p.requests().iter().chain(d.requests().iter()) {
+        assert!(leg.header("x-api-key").is_none(), "{:?}", leg.headers);
+        assert!(leg.header("authorization").is_none(), "{:?}", leg.headers);
+    }
 }
 
 // === /v1/responses (vLLM's Responses API) ===
