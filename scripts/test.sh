@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Test"): makes sure a Python with the `openai`,
+# The project's test command (README "Test"): makes sure a Python with the `openai`, `anthropic`,
 # `tokenizers`, `jinja2`, `opentelemetry-proto` and `pyzmq` packages exists in .venv
 # (created on first run, from PyPI), then runs every test of the workspace: unit,
 # integration (real loopback sockets) and doc tests. `tokenizers` and `jinja2` serve
@@ -22,13 +22,13 @@ missing() {
 }
 
 if [ -z "${DISAGG_PYTHON:-}" ]; then
-  if ! .venv/bin/python -c "import openai, tokenizers, jinja2, opentelemetry.proto, zmq" >/dev/null 2>&1; then
-    echo "scripts/test.sh: creating .venv with the openai, tokenizers, jinja2, opentelemetry-proto and pyzmq packages" >&2
+  if ! .venv/bin/python -c "import openai, anthropic, tokenizers, jinja2, opentelemetry.proto, zmq" >/dev/null 2>&1; then
+    echo "scripts/test.sh: creating .venv with the openai, anthropic, tokenizers, jinja2, opentelemetry-proto and pyzmq packages" >&2
     python3 -m venv .venv
     .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-      "openai>=1.40,<3" "tokenizers>=0.21,<1" "jinja2>=3.1,<4" "opentelemetry-proto>=1.20,<2" \
+      "openai>=1.40,<3" "anthropic>=0.40,<3" "tokenizers>=0.21,<1" "jinja2>=3.1,<4" "opentelemetry-proto>=1.20,<2" \
       "pyzmq>=25,<28"
-    .venv/bin/python -c "import openai, tokenizers, jinja2, opentelemetry.proto, zmq" ||
+    .venv/bin/python -c "import openai, anthropic, tokenizers, jinja2, opentelemetry.proto, zmq" ||
       { echo "scripts/test.sh: ERROR: .venv lacks a package the tests import after pip install" >&2; exit 1; }
   fi
   export DISAGG_PYTHON="$PWD/.venv/bin/python"

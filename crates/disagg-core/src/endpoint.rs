@@ -644,16 +644,18 @@ impl Endpoint {
             .build()
     }
 
-    /// The absolute URI of `api` on this endpoint (built once, cloned cheaply).
+    /// The absolute URI of `api` on this endpoint: built once for chat, completions and
+    /// `/generate`, cloned cheaply; built per request for the other APIs.
     ///
     /// # Errors
     ///
-    /// None today; the `Result` keeps room for endpoints whose API paths are configured.
+    /// None in practice: every API's path is a valid request target.
     pub(crate) fn api_uri(&self, api: Api) -> Result<Uri, http::Error> {
         Ok(match api {
             Api::Chat => self.chat_uri.clone(),
             Api::Completions => self.completions_uri.clone(),
             Api::Generate => self.generate_uri.clone(),
+            other => return self.uri(other.path()),
         })
     }
 

@@ -9,8 +9,9 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use crate::body::JsonBody;
 use crate::error::BodyError;
 
-/// The API a request belongs to: OpenAI's chat and completions, and SGLang's native
-/// `/generate`.
+/// The API a request belongs to: OpenAI's chat and completions, SGLang's native
+/// `/generate`, and the other generation routes vLLM 0.33 takes a KV handoff on
+/// (`kv_transfer_params`, `vllm/entrypoints/`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Api {
@@ -22,6 +23,18 @@ pub enum Api {
     /// `sampling_params`; `return_logprob`), served P/D by the SGLang connector
     /// (`sglang/srt/entrypoints/http_server.py` `generate_request`).
     Generate,
+    /// `POST /inference/v1/generate`, vLLM's token-in, token-out API (`token_ids`,
+    /// `sampling_params`; `vllm/entrypoints/scale_out/token_in_token_out/`).
+    TokenGenerate,
+    /// `POST /v1/messages`, vLLM's Anthropic Messages API (`max_tokens` required;
+    /// `vllm/entrypoints/anthropic/`), served through vLLM's chat handler.
+    Messages,
+    /// `POST /v1/responses`, vLLM's Responses API (`max_output_tokens`;
+    /// `vllm/entrypoints/openai/responses/`).
+    Responses,
+    /// `POST /cohere/v2/chat`, vLLM's Cohere chat API (`vllm/entrypoints/cohere/`),
+    /// served through vLLM's chat handler.
+    CohereChat,
 }
 
 impl Api {
@@ -31,6 +44,10 @@ impl Api {
             Api::Chat => "/v1/chat/completions",
             Api::Completions => "/v1/completions",
             Api::Generate => "/generate",
+            Api::TokenGenerate => "/inference/v1/generate",
+            Api::Messages => "/v1/messages",
+            Api::Responses => "/v1/responses",
+            Api::CohereChat => "/cohere/v2/chat",
         }
     }
 
@@ -40,6 +57,10 @@ impl Api {
             "/v1/chat/completions" => Some(Api::Chat),
             "/v1/completions" => Some(Api::Completions),
             "/generate" => Some(Api::Generate),
+            "/inference/v1/generate" => Some(Api::TokenGenerate),
+            "/v1/messages" => Some(Api::Messages),
+            "/v1/responses" => Some(Api::Responses),
+            "/cohere/v2/chat" => Some(Api::CohereChat),
             _ => None,
         }
     }

@@ -1,9 +1,12 @@
-//! OpenAI-format error responses: the one place errors become HTTP answers (their JSON
-//! body is built by `disagg_core::error::openai_error_body`).
+//! Error responses: the one place errors become HTTP answers. OpenAI's format (the JSON
+//! body built by `disagg_core::error::openai_error_body`) on every route but those whose
+//! engines answer another shape ([`api_error_response`]): vLLM's Anthropic route
+//! `/v1/messages` and its Cohere route `/cohere/v2/chat`.
 
 use bytes::Bytes;
 use disagg_core::error::{PdError, error_chain};
 use disagg_core::orchestrator::PdBody;
+use disagg_core::request::Api;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
@@ -48,9 +51,98 @@ pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
     resp
 }
 
+/// The response for a [`PdError`] on `api`'s route, in the error shape that route's
+/// engine answers with:
+///
+/// - `/v1/messages`: Anthropic's `{"type": "error", "error": {"type", "message"}}`,
+///   `type` by status as vLLM 0.33 writes it (`vllm/entrypoints/anthropic/protocol.py`:
+///   400 `invalid_request_error`, 401 `authentication_error`, 403 `permission_error`,
+///   404 `not_found_error`, 413 `request_too_large`, 429 `rate_limit_error`, 503
+///   `overloaded_error`, any other 5xx `api_error`); but a body its request model
+///   refuses (`invalid_parameter`, `invalid_request_body`) gets OpenAI's shape, as vLLM's
+///   server-wide validation handler answers it;
+/// - `/cohere/v2/chat`: Cohere's `{"message", "id"}` (`id` the client's `x-request-id`
+///   when it sent one, else `null`), the request model's refusals in OpenAI's shape as
+///   on `/v1/messages` (vLLM's validation handler is the server's, *inferred* for this
+///   route);
+/// - every other route: OpenAI's ([`pd_error_response`]).
+pub fn api_error_response(api: Api, request_id: Option<&str>, err: &PdError) -> Response<PdBody> {
+    let request_model = matches!(err.code(), "invalid_parameter" | "invalid_request_body");
+    let body = match api {
+        _ if request_model => return pd_error_response(err),
+        Api::Messages => serde_json::json!({
+            "type": "error",
+            "error": {"type": anthropic_type(err.status()), "message": error_chain(err)},
+        }),
+        Api::CohereChat => serde_json::json!({"message": error_chain(err), "id": request_id}),
+        _ => return pd_error_response(err),
+    };
+    let mut resp = pd_error_response(err);
+    *resp.body_mut() = PdBody::full(Bytes::from(body.to_string()));
+    resp
+}
+
+/// Anthropic's error `type` for `status`, as vLLM 0.33 maps it.
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        500..=599 => "api_error",
+        _ => "invalid_request_error",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_errors_are_anthropics_but_for_the_request_model() {
+        let busy = PdError::server_busy(std::time::Duration::from_secs(2));
+        let resp = api_error_response(Api::Messages, None, &busy);
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(resp.headers()[RETRY_AFTER], "2");
+        let body = futures::executor::block_on(http_body_util::BodyExt::collect(resp.into_body()))
+            .unwrap()
+            .to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "overloaded_error");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+        // The same error on chat: OpenAI's.
+        let cohere = api_error_response(Api::CohereChat, Some("r-1"), &busy);
+        let body =
+            futures::executor::block_on(http_body_util::BodyExt::collect(cohere.into_body()))
+                .unwrap()
+                .to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["id"], "r-1");
+        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()));
+        let chat = api_error_response(Api::Chat, None, &busy);
+        let body = futures::executor::block_on(http_body_util::BodyExt::collect(chat.into_body()))
+            .unwrap()
+            .to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["code"], "server_busy");
+        for (status, ty) in [
+            (400, "invalid_request_error"),
+            (404, "not_found_error"),
+            (413, "request_too_large"),
+            (429, "rate_limit_error"),
+            (502, "api_error"),
+            (504, "api_error"),
+        ] {
+            assert_eq!(anthropic_type(StatusCode::from_u16(status).unwrap()), ty);
+        }
+    }
 
     #[test]
     fn body_shape() {

@@ -15,9 +15,9 @@
 //!
 //! | route | action |
 //! |---|---|
-//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate` | [`Orchestrated`](RouteAction::Orchestrated) |
+//! | `POST /v1/chat/completions`, `/v1/completions`, `/generate`, `/inference/v1/generate`, `/v1/messages`, `/v1/responses`, `/cohere/v2/chat` | [`Orchestrated`](RouteAction::Orchestrated) |
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
-//! | `/v1/responses` (and below), `/v1/messages`, `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
+//! | the paths below `/v1/responses` (retrieve, cancel), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
 //! | anything else (`/tokenize`, `/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, `/score`, `/rerank`, ...) | [`Forwarded`](RouteAction::Forwarded) |
 
@@ -142,11 +142,9 @@ pub const ADMIN_ROUTES: &[&str] = &[
 
 /// Generation routes that P/D does not orchestrate, served by one decode engine.
 const DIRECT_ROUTES: &[&str] = &[
-    // vLLM's Responses API, and its retrieve and cancel routes below it.
-    "/v1/responses",
+    // vLLM's Responses API's retrieve and cancel routes: the response lives on the
+    // engine that made it.
     "/v1/responses/*",
-    // vLLM's Anthropic Messages API.
-    "/v1/messages",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
     // SageMaker's entry point, which vLLM routes to chat, completions or pooling by
@@ -206,6 +204,15 @@ impl Default for RouteTable {
             rule("/v1/chat/completions", RouteAction::Orchestrated),
             rule("/v1/completions", RouteAction::Orchestrated),
             rule("/generate", RouteAction::Orchestrated),
+            // vLLM's token-in, token-out route (`vllm/entrypoints/scale_out/`).
+            rule("/inference/v1/generate", RouteAction::Orchestrated),
+            // vLLM's Anthropic Messages API (`vllm/entrypoints/anthropic/`).
+            rule("/v1/messages", RouteAction::Orchestrated),
+            // vLLM's Responses API (`vllm/entrypoints/openai/responses/`); a request
+            // that keeps or continues state goes to one engine (the connector says).
+            rule("/v1/responses", RouteAction::Orchestrated),
+            // vLLM's Cohere chat API (`vllm/entrypoints/cohere/`).
+            rule("/cohere/v2/chat", RouteAction::Orchestrated),
             rule("/v1/models", RouteAction::Proxy),
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),

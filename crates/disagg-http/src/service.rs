@@ -342,8 +342,8 @@ impl Inner {
             Ok(read) => read,
             Err(err) => {
                 let id = parts.headers.get(REQUEST_ID).cloned();
+                let mut resp = failed(api, id.as_ref(), &err);
                 self.orchestrator.refused(api, id, arrival, &err);
-                let mut resp = failed(&err);
                 // The rest of the body is unread: the connection cannot carry another
                 // request, and a client that stalled or flooded should not keep it.
                 resp.headers_mut()
@@ -352,6 +352,8 @@ impl Inner {
             }
         };
         let id = parts.headers.get(REQUEST_ID).cloned();
+        // Cohere's error body names the request (the client's id, when it sent one).
+        let error_id = (api == Api::CohereChat).then(|| id.clone()).flatten();
         // An [`ApiKeyLayer`](crate::auth::ApiKeyLayer) in front names the key that
         // admitted the request: logs name the client by it.
         #[cfg(feature = "auth")]
@@ -375,7 +377,7 @@ impl Inner {
                 Err(err)
             }
         };
-        served.unwrap_or_else(|err| failed(&err))
+        served.unwrap_or_else(|err| failed(api, error_id.as_ref(), &err))
     }
 
     /// Parse a client's body into a request, off the event loop when it is large.
@@ -437,10 +439,11 @@ impl Inner {
     }
 }
 
-/// A failed request's answer, logged.
-fn failed(err: &PdError) -> Response<PdBody> {
+/// A failed request's answer, in `api`'s own error shape, logged.
+fn failed(api: Api, id: Option<&HeaderValue>, err: &PdError) -> Response<PdBody> {
     tracing::warn!(error = %disagg_core::error::error_chain(err), "request failed");
-    pd_error_response(err)
+    let id = id.and_then(|v| v.to_str().ok());
+    crate::error::api_error_response(api, id, err)
 }
 
 /// Collect at most `limit` bytes of an engine's answer `body`.

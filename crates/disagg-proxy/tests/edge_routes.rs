@@ -317,7 +317,8 @@ fn hostile_headers() -> Vec<(&'static str, &'static str)> {
 
 /// One request of every route kind, each with the client's `authorization` and
 /// `extra` headers: orchestrated (streamed and not), forwarded (`/tokenize`,
-/// `/v1/embeddings`), direct (`/v1/responses`), fanned out (`/reset_prefix_cache`, when
+/// `/v1/embeddings`), orchestrated `/v1/responses`, direct (a stored `/v1/responses`,
+/// which stays on one engine), fanned out (`/reset_prefix_cache`, when
 /// the proxy opened the admin routes) and the model list the proxy gathers.
 async fn every_route(url: &str, auth: &str, extra: &[(&str, &str)], admin: bool) {
     let mut h: Vec<(&str, &str)> = vec![("authorization", auth)];
@@ -340,6 +341,10 @@ async fn every_route(url: &str, auth: &str, extra: &[(&str, &str)], admin: bool)
         (
             "/v1/responses",
             r#"{"model":"sim-model","input":"a b","stream":true}"#.to_owned(),
+        ),
+        (
+            "/v1/responses",
+            r#"{"model":"sim-model","input":"a b","store":true}"#.to_owned(),
         ),
     ] {
         let a = post_with(url, path, &body, &h).await;
@@ -543,18 +548,18 @@ async fn a_decodes_own_handoff_never_reaches_the_client() {
                 assert!(v["usage"].is_object(), "{v}");
             }
         }
-        // Direct: the Responses API, whole and streamed.
+        // The Responses API (orchestrated since issue #32), whole and streamed.
         let body = format!(r#"{{"model":"sim-model","input":"not yours","stream":{stream}}}"#);
         let a = post(&url, "/v1/responses", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
-        assert_eq!(a.header("x-disagg-handoff"), Some("direct"));
+        assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
         assert!(!holds_handoff(&a.text()), "{}", a.text());
         assert!(
             a.text().contains("\"status\":\"completed\"")
                 || a.text().contains("\"status\":\"incomplete\"")
         );
     }
-    assert_eq!(d.stats().remote_decodes, 4);
+    assert_eq!(d.stats().remote_decodes, 6);
 }
 
 /// A raw engine: answers every request (read to its end) with `answer`, written as
@@ -752,9 +757,9 @@ async fn a_handoff_is_blanked_in_place_and_every_other_byte_is_the_engines() {
     // The same length: the engine's `content-length` still holds.
     let length = clean.len().to_string();
     assert_eq!(a.header("content-length"), Some(length.as_str()));
-    // Forwarded (a route the proxy does not know, as vLLM's `/inference/v1/generate`)
-    // and direct: the same.
-    for path in ["/inference/v1/generate", "/v1/messages"] {
+    // Forwarded (a route the proxy does not orchestrate, as vLLM's `/score`) and direct
+    // (`/v1/audio/translations`): the same.
+    for path in ["/score", "/v1/audio/translations"] {
         let a = post_with(&url, path, "{}", &sse).await;
         assert_eq!(a.status, 200, "{path}: {}", a.text());
         assert_eq!(a.text(), String::from_utf8(want.clone()).unwrap(), "{path}");
@@ -880,7 +885,7 @@ async fn a_silent_or_stalled_engine_is_cut_on_a_forwarded_route() {
     ])
     .await;
     let start = Instant::now();
-    let a = post(&proxy.url(), "/v1/responses", r#"{"stream":true}"#).await;
+    let a = post(&proxy.url(), "/v1/audio/translations", r#"{"stream":true}"#).await;
     assert_eq!(a.status, 200);
     let events = a.events();
     assert_eq!(events[0], "{\"type\":\"response.created\"}");

@@ -104,6 +104,11 @@ pub(crate) struct CompletionRequest {
     /// SGLang's native `/generate`: how its answer is written (`None` for the
     /// OpenAI routes, whose `endpoint` says).
     pub(crate) native: Option<crate::native::Native>,
+    /// A generation route other than chat and completions
+    /// ([`crate::gen_apis`]): how its answer is written.
+    pub(crate) gen_api: Option<crate::gen_apis::GenApi>,
+    /// `/v1/responses`: the request as that route read it, for its answer.
+    pub(crate) responses: Option<Box<crate::surface::ResponsesRequest>>,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -454,6 +459,8 @@ impl CompletionRequest {
             beam_search,
             grammar,
             native: None,
+            gen_api: None,
+            responses: None,
         })
     }
 

@@ -158,7 +158,7 @@ pub(crate) struct GenParams<'a> {
 }
 
 /// The output of one choice.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Generation {
     /// The text of every generated token, in order: the final token is `""`
     /// when it is an EOS token or an excluded stop string.

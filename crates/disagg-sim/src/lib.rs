@@ -62,6 +62,12 @@
 //!   `response.output_item.done`, `response.completed` or
 //!   `response.incomplete`), each as `event: TYPE` and `data: {...}` with its
 //!   `sequence_number`. [`Faults::stall_after_chunks`] stalls the stream.
+//!   It takes part in the engine's KV protocol as chat does (a prefill answers
+//!   the top-level `kv_transfer_params`, a decode pulls the KV it names), and so
+//!   do vLLM's `POST /inference/v1/generate` (token-in, token-out) and
+//!   `POST /v1/messages` (Anthropic's API) and `POST /cohere/v2/chat` (Cohere's),
+//!   each with its answers, stream and error shape:
+//!   the `gen_apis` module's facts in the source.
 //! * Admin routes: `POST /v1/load_lora_adapter` (`lora_name`, `lora_path`,
 //!   `load_inplace`; vLLM's checks and answers) and
 //!   `POST /v1/unload_lora_adapter` keep the engine's adapters
@@ -651,6 +657,7 @@ mod api;
 mod body;
 mod config;
 mod dp;
+mod gen_apis;
 mod generate;
 mod handoff;
 mod kv;

@@ -38,6 +38,14 @@ use crate::body::Endpoint;
 use crate::generate::{EOS_TOKEN_ID, Finish, Generation, mix};
 use crate::lax;
 
+use http::header::{CONTENT_TYPE, HeaderValue};
+use http::{Response, StatusCode};
+
+use crate::body::{EventsBody, SimBody};
+use crate::config::Faults;
+use crate::server::json_response;
+use crate::stats::RequestGuard;
+
 /// SGLang's default `max_new_tokens` (`sampling_params.py`).
 const DEFAULT_MAX_NEW_TOKENS: u32 = 128;
 
@@ -177,6 +185,8 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
             prompt_list: batch,
             return_logprob,
         }),
+        gen_api: None,
+        responses: None,
     })
 }
 
@@ -307,6 +317,88 @@ impl Answer<'_> {
         }
         out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         Ok(out)
+    }
+}
+
+/// What SGLang's `/generate` answers with, besides the request.
+pub(crate) struct NativeParts<'a> {
+    pub(crate) native: Native,
+    /// One generation per prompt.
+    pub(crate) choices: &'a [Generation],
+    /// Whether the prompt was computed here (not taken from a prefill).
+    pub(crate) computed_prompt: bool,
+    pub(crate) cached_tokens: Option<u64>,
+}
+
+/// [`Faults::unterminated_event`](crate::Faults::unterminated_event): the first event, then `size` bytes of one event
+/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
+fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
+    const FRAME: usize = 64 * 1024;
+    events.truncate(1);
+    let head: &[u8] = b"data: {\"text\":\"";
+    events.push_back(Bytes::from_static(head));
+    let filler = Bytes::from(vec![b'x'; FRAME]);
+    let mut left = size.saturating_sub(head.len());
+    while left > 0 {
+        let n = left.min(FRAME);
+        events.push_back(filler.slice(..n));
+        left -= n;
+    }
+}
+
+/// The answer of SGLang's `/generate`, streamed or whole (see the [module docs](self)).
+pub(crate) fn answer(
+    config: &SimConfig,
+    request: &CompletionRequest,
+    parts: NativeParts<'_>,
+    request_id: &str,
+    faults: Faults,
+    guard: RequestGuard,
+) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
+    let answer = Answer {
+        native: parts.native,
+        request_id,
+        prompts: &request.prompts,
+        choices: parts.choices,
+        samples: request.n as usize,
+        index_override: faults.generate_index,
+        computed_prompt: parts.computed_prompt,
+        cached_tokens: parts.cached_tokens.unwrap_or(0),
+        started: std::time::Instant::now(),
+    };
+    let internal =
+        |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    if request.stream {
+        let mut events = match answer.events() {
+            Ok(events) => events,
+            Err(e) => return Err((internal(e), guard)),
+        };
+        if let Some(size) = faults.unterminated_event {
+            unterminated(&mut events, size);
+        }
+        let body = EventsBody::new(
+            events,
+            config.inter_token_delay,
+            faults.stall_after_chunks,
+            guard,
+        );
+        let mut response = Response::new(SimBody::Events(Box::new(body)));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        return Ok(response);
+    }
+    match answer.whole() {
+        Ok(body) => Ok(json_response(
+            StatusCode::OK,
+            SimBody::Full {
+                data: Some(Bytes::from(body)),
+                guard: Some(guard),
+            },
+            None,
+        )),
+        Err(e) => Err((internal(e), guard)),
     }
 }
 

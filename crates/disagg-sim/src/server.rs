@@ -24,9 +24,10 @@ use tokio::time::{Instant, timeout_at};
 use crate::api::{
     Answer, ApiError, CompletionRequest, FirstTok, KvParamsField, KvParamsOut, truthy,
 };
-use crate::body::{Endpoint, EventsBody, SimBody, SseBody, SseSpec, push_json_str};
+use crate::body::{Endpoint, SimBody, SseBody, SseSpec, push_json_str};
 use crate::config::{Faults, KvMode, SimConfig, SimRole};
 use crate::dp::{self, Balancer, RoundRobin, SglangRanks};
+use crate::gen_apis::GenApi;
 use crate::generate::{
     EOS_TOKEN_ID, Finish, GenParams, Generation, KvDigest, generate_choice, ids_hash, kv_digest,
 };
@@ -930,7 +931,11 @@ where
     }
 }
 
-fn json_response(status: StatusCode, body: SimBody, request_id: Option<&str>) -> Response<SimBody> {
+pub(crate) fn json_response(
+    status: StatusCode,
+    body: SimBody,
+    request_id: Option<&str>,
+) -> Response<SimBody> {
     let mut response = Response::new(body);
     *response.status_mut() = status;
     let headers = response.headers_mut();
@@ -1008,7 +1013,7 @@ where
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
         (&Method::POST, "/tokenize") => return tokenize_route(inner, req).await,
-        (&Method::POST, path @ ("/detokenize" | "/v1/embeddings" | "/v1/responses")) => {
+        (&Method::POST, path @ ("/detokenize" | "/v1/embeddings")) => {
             let path = path.to_owned();
             return surface_route(inner, &path, req).await;
         }
@@ -1021,13 +1026,22 @@ where
         }
         (&Method::POST, "/v1/chat/completions") => Route::Openai(Endpoint::Chat),
         (&Method::POST, "/v1/completions") => Route::Openai(Endpoint::Completions),
+        (&Method::POST, path)
+            if let Some(api) = GenApi::of_path(path).filter(|a| !sglang || a.on_sglang()) =>
+        {
+            Route::Gen(api)
+        }
         // SGLang's own API; vLLM has no such route.
         (&Method::POST | &Method::PUT, "/generate") if sglang => Route::Native,
         _ => {
             return error_response(&ApiError::new(StatusCode::NOT_FOUND, "Not Found"), None);
         }
     };
-    completion(inner, route, req).await
+    let response = completion(inner, route, req).await;
+    match route {
+        Route::Gen(api) => crate::gen_apis::reshape(api, response).await,
+        _ => response,
+    }
 }
 
 /// Which generation API a request came on.
@@ -1037,6 +1051,8 @@ enum Route {
     Openai(Endpoint),
     /// SGLang's `/generate`.
     Native,
+    /// vLLM's other generation routes ([`crate::gen_apis`]).
+    Gen(GenApi),
 }
 
 /// Read a request body as JSON, within the engine's limit.
@@ -1054,9 +1070,8 @@ where
     }
 }
 
-/// `POST /detokenize`, `/v1/embeddings` and `/v1/responses`, in every mode and
-/// whatever the [`Faults`] (except [`Faults::stall_after_chunks`] on a streamed
-/// Responses answer).
+/// `POST /detokenize` and `/v1/embeddings`, in every mode and whatever the
+/// [`Faults`].
 async fn surface_route<B>(inner: &Inner, path: &str, req: Request<B>) -> Response<SimBody>
 where
     B: http_body::Body<Data = Bytes>,
@@ -1082,56 +1097,7 @@ where
             bump(&counters.embeddings_requests);
             surface::embeddings(&json, config, &request_id, unix_now())
         }
-        _ => {
-            bump(&counters.responses_requests);
-            let request = match surface::responses_request(&json, config) {
-                Ok(r) => r,
-                Err(e) => return error_response(&e, None),
-            };
-            let answer = surface::Responses::new(&request, config, &request_id, unix_now());
-            let handoff = (config.decode_handoff && config.kv_mode == KvMode::Nixl).then(|| {
-                let own = crate::handoff::own(
-                    &inner.engine_id,
-                    &config.advertised_host,
-                    inner.side_channel_port,
-                    &request_id,
-                    answer.tokens(),
-                    config.block_size,
-                );
-                serde_json::to_value(own).unwrap_or(Value::Null)
-            });
-            let answer = answer.with_handoff(handoff);
-            if request.stream {
-                let events = match answer.events() {
-                    Ok(events) => events,
-                    Err(e) => {
-                        let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-                        return error_response(&e, None);
-                    }
-                };
-                let faults = *lock(&inner.faults);
-                let guard = RequestGuard::new(inner.counters.clone());
-                let body = EventsBody::new(
-                    events,
-                    config.inter_token_delay,
-                    faults.stall_after_chunks,
-                    guard,
-                );
-                let mut response = Response::new(SimBody::Events(Box::new(body)));
-                response.headers_mut().insert(
-                    CONTENT_TYPE,
-                    HeaderValue::from_static("text/event-stream; charset=utf-8"),
-                );
-                return response;
-            }
-            match answer.whole() {
-                Ok(body) => return json_response(StatusCode::OK, SimBody::full(body), None),
-                Err(e) => Err(ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    e.to_string(),
-                )),
-            }
-        }
+        _ => Err(ApiError::new(StatusCode::NOT_FOUND, "Not Found")),
     };
     match answer.and_then(|v| {
         serde_json::to_vec(&v)
@@ -1339,8 +1305,10 @@ where
     B::Error: Into<BoxError>,
 {
     let mut guard = RequestGuard::new(inner.counters.clone());
-    if matches!(route, Route::Native) {
-        bump(&inner.counters.generate_requests);
+    match route {
+        Route::Native => bump(&inner.counters.generate_requests),
+        Route::Gen(GenApi::Responses) => bump(&inner.counters.responses_requests),
+        _ => {}
     }
     let (parts, body) = req.into_parts();
     let header_id = parts
@@ -1368,6 +1336,7 @@ where
                     CompletionRequest::parse(endpoint, &json, &inner.config)?
                 }
                 Route::Native => crate::native::parse(&json, &inner.config)?,
+                Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config)?,
             };
             Ok((request, json))
         });
@@ -1394,7 +1363,11 @@ where
         Ok(parsed) => parsed,
         Err(e) => {
             guard.complete();
-            return error_response(&e, header_id);
+            let mut response = error_response(&e, header_id);
+            response
+                .extensions_mut()
+                .insert(crate::gen_apis::RequestModel);
+            return response;
         }
     };
     let request_id = match header_id {
@@ -2141,22 +2114,36 @@ async fn serve_completion(
     });
 
     if let Some(native) = request.native {
-        let native = NativeParts {
+        let native = crate::native::NativeParts {
             native,
             choices: &choices,
             computed_prompt: !remote_kv,
             cached_tokens,
         };
-        return native_answer(inner, request, native, request_id, faults, guard).map(
-            |mut response| {
+        return crate::native::answer(&inner.config, request, native, request_id, faults, guard)
+            .map(|mut response| {
                 if let Some(value) = header_id.and_then(|r| HeaderValue::from_str(r).ok()) {
                     response.headers_mut().insert(X_REQUEST_ID, value);
                 }
                 response
-            },
-        );
+            });
     }
 
+    if let (Some(api), true) = (request.gen_api, request.stream) {
+        let answer = crate::gen_apis::Answer {
+            api,
+            request_id,
+            choices: &choices,
+            model: &config.model,
+            prompt_tokens: request.prompt_tokens,
+            responses: request.responses.as_deref().map(|r| (r, max_tokens)),
+            // A stream carries a handoff only on `/v1/responses` (its terminal event).
+            kv_transfer_params: own_handoff
+                .as_ref()
+                .and_then(|h| serde_json::to_value(h).ok()),
+        };
+        return answer.stream(config.inter_token_delay, faults, guard);
+    }
     let prefix = match request.endpoint {
         Endpoint::Chat => "chatcmpl-",
         Endpoint::Completions => "cmpl-",
@@ -2214,6 +2201,18 @@ async fn serve_completion(
         },
         _ => None,
     };
+    let kv_field = match &kv_out {
+        Some(_) if partial.is_some() => partial.as_ref().map(KvParamsField::Partial),
+        Some(params) => Some(KvParamsField::Params(params)),
+        None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
+        None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
+            first_tok: choices
+                .first()
+                .and_then(|c| c.ids.first().copied())
+                .unwrap_or(EOS_TOKEN_ID),
+        })),
+        None => own_handoff.as_ref().map(KvParamsField::Params),
+    };
     let answer = Answer {
         endpoint: request.endpoint,
         id: &id,
@@ -2222,20 +2221,22 @@ async fn serve_completion(
         choices: &choices,
         prompt_tokens: request.prompt_tokens,
         cached_tokens,
-        kv_transfer_params: match &kv_out {
-            Some(_) if partial.is_some() => partial.as_ref().map(KvParamsField::Partial),
-            Some(params) => Some(KvParamsField::Params(params)),
-            None if malformed => Some(KvParamsField::Malformed(MALFORMED_KV_PARAMS)),
-            None if first_tok => Some(KvParamsField::FirstTok(FirstTok {
-                first_tok: choices
-                    .first()
-                    .and_then(|c| c.ids.first().copied())
-                    .unwrap_or(EOS_TOKEN_ID),
-            })),
-            None => own_handoff.as_ref().map(KvParamsField::Params),
-        },
+        kv_transfer_params: kv_field,
     };
-    let body = match answer.render() {
+    let rendered = match request.gen_api {
+        Some(api) => crate::gen_apis::Answer {
+            api,
+            request_id,
+            choices: &choices,
+            model: &config.model,
+            prompt_tokens: request.prompt_tokens,
+            responses: request.responses.as_deref().map(|r| (r, max_tokens)),
+            kv_transfer_params: kv_field.and_then(|f| serde_json::to_value(f).ok()),
+        }
+        .whole(),
+        None => answer.render(),
+    };
+    let body = match rendered {
         Ok(body) => Bytes::from(body),
         Err(e) => {
             return Err((
@@ -2284,86 +2285,4 @@ async fn serve_completion(
         )
     };
     Ok(response)
-}
-
-/// What SGLang's `/generate` answers with, besides the request.
-struct NativeParts<'a> {
-    native: crate::native::Native,
-    /// One generation per prompt.
-    choices: &'a [Generation],
-    /// Whether the prompt was computed here (not taken from a prefill).
-    computed_prompt: bool,
-    cached_tokens: Option<u64>,
-}
-
-/// The answer of SGLang's `/generate`, streamed or whole (see [`crate::native`]).
-/// [`Faults::unterminated_event`]: the first event, then `size` bytes of one event
-/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
-fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
-    const FRAME: usize = 64 * 1024;
-    events.truncate(1);
-    let head: &[u8] = b"data: {\"text\":\"";
-    events.push_back(Bytes::from_static(head));
-    let filler = Bytes::from(vec![b'x'; FRAME]);
-    let mut left = size.saturating_sub(head.len());
-    while left > 0 {
-        let n = left.min(FRAME);
-        events.push_back(filler.slice(..n));
-        left -= n;
-    }
-}
-
-fn native_answer(
-    inner: &Inner,
-    request: &CompletionRequest,
-    parts: NativeParts<'_>,
-    request_id: &str,
-    faults: Faults,
-    guard: RequestGuard,
-) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
-    let answer = crate::native::Answer {
-        native: parts.native,
-        request_id,
-        prompts: &request.prompts,
-        choices: parts.choices,
-        samples: request.n as usize,
-        index_override: faults.generate_index,
-        computed_prompt: parts.computed_prompt,
-        cached_tokens: parts.cached_tokens.unwrap_or(0),
-        started: std::time::Instant::now(),
-    };
-    let internal =
-        |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
-    if request.stream {
-        let mut events = match answer.events() {
-            Ok(events) => events,
-            Err(e) => return Err((internal(e), guard)),
-        };
-        if let Some(size) = faults.unterminated_event {
-            unterminated(&mut events, size);
-        }
-        let body = EventsBody::new(
-            events,
-            inner.config.inter_token_delay,
-            faults.stall_after_chunks,
-            guard,
-        );
-        let mut response = Response::new(SimBody::Events(Box::new(body)));
-        response.headers_mut().insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static("text/event-stream; charset=utf-8"),
-        );
-        return Ok(response);
-    }
-    match answer.whole() {
-        Ok(body) => Ok(json_response(
-            StatusCode::OK,
-            SimBody::Full {
-                data: Some(Bytes::from(body)),
-                guard: Some(guard),
-            },
-            None,
-        )),
-        Err(e) => Err((internal(e), guard)),
-    }
 }

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use crate::SimConfig;
 use crate::api::{ApiError, chat_prompt, check_model};
-use crate::generate::{Fnv, GenParams, Generation, generate_choice, ids_hash, mix, word_id};
+use crate::generate::{Fnv, Generation, ids_hash, mix, word_id};
 use crate::{lax, tokenize};
 
 /// What `GET /version` answers: the vLLM release the simulator follows.
@@ -255,7 +255,7 @@ pub(crate) struct ResponsesRequest {
     pub(crate) prompt: Vec<u32>,
     pub(crate) stream: bool,
     instructions: Value,
-    max_output_tokens: Option<u32>,
+    pub(crate) max_output_tokens: Option<u32>,
 }
 
 /// Reads a `POST /v1/responses` body: `input` (a string, or messages whose `content`
@@ -337,38 +337,24 @@ impl<'a> Responses<'a> {
         self
     }
 
-    /// The generation's token count, prompt and answer.
-    pub(crate) fn tokens(&self) -> u64 {
-        (self.request.prompt.len() + self.generation.ids.len()) as u64
-    }
-
-    /// The generation for `request`, as a completion of its prompt would give it.
-    pub(crate) fn new(
+    /// The answer to `request` made of `generation` (a P/D leg's, by the engine's KV
+    /// protocols) with `max_tokens` as its limit.
+    pub(crate) fn of(
         request: &'a ResponsesRequest,
-        config: &'a SimConfig,
+        model: &'a str,
         request_id: &str,
         created: u64,
+        generation: Generation,
+        max_tokens: u32,
     ) -> Self {
-        let max_tokens = request
-            .max_output_tokens
-            .unwrap_or(config.default_max_tokens);
-        let params = GenParams {
-            start: 0,
-            max_tokens: max_tokens as usize,
-            min_tokens: 0,
-            eos_period: config.eos_period,
-            ignore_eos: false,
-            stop: &[],
-            include_stop_str_in_output: false,
-        };
         let item = Fnv::new().bytes(request_id.as_bytes()).finish();
         Responses {
             request,
             id: format!("resp_{request_id}"),
             item_id: format!("msg_{item:016x}"),
-            model: &config.model,
+            model,
             created,
-            generation: generate_choice(ids_hash(&request.prompt), 0, &params),
+            generation,
             max_tokens,
             handoff: None,
         }

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
-//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it |
+//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list |
 
 use disagg_core::error::ConnectorError;
 use disagg_core::request::Api;
@@ -28,4 +28,28 @@ pub(crate) fn openai_only(connector: &'static str, api: Api) -> Result<(), Conne
         }),
         _ => Ok(()),
     }
+}
+
+/// Refuse an API outside `apis`, the ones the connector's legs can carry: 400
+/// `unsupported_by_connector`, before any leg is sent (the SGLang and LMCache
+/// connectors carry neither vLLM's token-in route nor its Anthropic, Responses or
+/// Cohere routes).
+#[cfg_attr(not(any(feature = "sglang", feature = "lmcache")), allow(dead_code))]
+pub(crate) fn carries(
+    connector: &'static str,
+    api: Api,
+    apis: &[Api],
+) -> Result<(), ConnectorError> {
+    if apis.contains(&api) {
+        return Ok(());
+    }
+    let list: Vec<&str> = apis.iter().map(|a| a.path()).collect();
+    Err(ConnectorError::Unsupported {
+        connector,
+        what: format!(
+            "the route {} (this connector carries {} only)",
+            api.path(),
+            list.join(", ")
+        ),
+    })
 }

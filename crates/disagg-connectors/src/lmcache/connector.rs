@@ -469,6 +469,8 @@ impl KvConnector for Lmcache {
             // LMCache's legs are vLLM's OpenAI routes; SGLang's API has no place there.
             return Err(unsupported("SGLang's native /generate API"));
         }
+        // Its legs are built for chat and completions bodies only.
+        crate::common::carries(self.name(), req.api(), &[Api::Chat, Api::Completions])?;
         if int_field(body, "n").is_some_and(|n| n > 1)
             || int_field(body, "best_of").is_some_and(|n| n > 1)
         {

@@ -182,6 +182,17 @@ impl KvConnector for SglangBootstrap {
     /// collide on one room whatever rooms the proxy sends ("Duplicate or cancelled
     /// bootstrap room"); the client gets a clear 400 before any engine is asked.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
+        // A Responses request that continues or keeps a response needs it on one
+        // server: the prefill would not find a `previous_response_id` the decode stored.
+        if req.api() == Api::Responses
+            && ["previous_response_id", "store", "background"]
+                .iter()
+                .any(|f| !matches!(req.body().get(f), None | Some(b"null" | b"false")))
+        {
+            return Ok(Decision::Direct {
+                reason: "responses_state",
+            });
+        }
         let samples = match req.api() {
             Api::Generate => generate::samples(req.body()),
             _ => openai_n(req.body()),
@@ -216,6 +227,20 @@ impl KvConnector for SglangBootstrap {
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        // SGLang 0.5.23 takes bootstrap fields on chat, completions, `/generate`, and
+        // `/v1/messages` and `/v1/responses` (`srt/entrypoints/openai/protocol.py`
+        // `PDRoutingFields`, which `ResponsesRequest` and the Anthropic request extend).
+        crate::common::carries(
+            self.name(),
+            req.api(),
+            &[
+                Api::Chat,
+                Api::Completions,
+                Api::Generate,
+                Api::Messages,
+                Api::Responses,
+            ],
+        )?;
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;

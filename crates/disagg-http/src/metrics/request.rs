@@ -18,11 +18,17 @@ use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
 
 /// The values of `outcome` ([`Summary::outcome`]), in the index order of the handles.
 const OUTCOMES: [&str; 4] = ["success", "client_error", "error", "cancelled"];
-const APIS: [(Api, &str); 3] = [
+const APIS: [(Api, &str); N_APIS] = [
     (Api::Chat, "chat"),
     (Api::Completions, "completions"),
     (Api::Generate, "generate"),
+    (Api::TokenGenerate, "token_generate"),
+    (Api::Messages, "messages"),
+    (Api::Responses, "responses"),
+    (Api::CohereChat, "cohere_chat"),
 ];
+/// How many APIs have series.
+const N_APIS: usize = 7;
 const STREAMS: [&str; 2] = ["false", "true"];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a
@@ -58,9 +64,9 @@ pub struct Metrics {
 struct Inner {
     connector: &'static str,
     /// By [`APIS`], [`STREAMS`], [`OUTCOMES`].
-    duration: [[[Histogram; 4]; 2]; 3],
+    duration: [[[Histogram; 4]; 2]; N_APIS],
     /// By [`APIS`], [`STREAMS`].
-    first_token: [[Histogram; 2]; 3],
+    first_token: [[Histogram; 2]; N_APIS],
     queue_wait: Histogram,
     handoff: Histogram,
     duration_family: Histograms<[(&'static str, &'static str); 3]>,

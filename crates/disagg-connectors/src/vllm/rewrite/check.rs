@@ -106,6 +106,13 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
             "kv_transfer_params: Input should be a valid dictionary",
         ));
     }
+    match req.api() {
+        Api::TokenGenerate => return super::token_in::check(req.body(), limits),
+        Api::Messages => return super::messages::check(req.body()),
+        Api::Responses => return super::responses::check(req.body()),
+        Api::CohereChat => return super::cohere::check(req.body()),
+        _ => {}
+    }
     check(req.api(), req.body(), limits)
 }
 

@@ -33,8 +33,19 @@
 //! (`kv_transfer_params`, ...) are the connector's to add. Sources: vLLM's NIXL toy proxy
 //! and `kv_transfer_params` handling, Ray Serve LLM's `prepare_prefill_request`, llm-d's
 //! NIXL v2 connector (see `docs/protocols.md`).
+//!
+//! The other generation routes vLLM 0.33 takes a handoff on have their own limit
+//! fields, in their own module each: `token_in.rs` for `/inference/v1/generate`
+//! (`sampling_params.max_tokens`), `messages.rs` for Anthropic's `/v1/messages`
+//! (`max_tokens`, `stop_sequences`), `responses.rs` for `/v1/responses`
+//! (`max_output_tokens`, `store`), `cohere.rs` for `/cohere/v2/chat` (`max_tokens`,
+//! `stop_sequences`).
 
 pub mod check;
+mod cohere;
+mod messages;
+mod responses;
+mod token_in;
 
 use check::VllmLimits;
 
@@ -133,6 +144,18 @@ impl PrefillRewriter {
 
     /// The prefill leg's body for a client `body` of `api`.
     pub fn rewrite(&self, api: Api, body: &JsonBody) -> JsonBody {
+        if api == Api::TokenGenerate {
+            return token_in::rewrite(body, self.ignore_eos);
+        }
+        if api == Api::Messages {
+            return messages::rewrite(body);
+        }
+        if api == Api::Responses {
+            return responses::rewrite(body);
+        }
+        if api == Api::CohereChat {
+            return cohere::rewrite(body);
+        }
         let mut out = body.clone();
         disagg_core::proto::retain(&mut out, |key| !removed(key));
         out.set_raw("max_tokens", ONE.clone());
