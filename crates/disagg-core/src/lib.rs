@@ -78,8 +78,7 @@ pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 pub use connector::{
-    BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
-    Reshape,
+    Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer, Reshape,
 };
 pub use endpoint::{AddressPolicy, Endpoint, EndpointId, EndpointSet, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorStats, PdBody};

@@ -14,8 +14,19 @@
 
 use std::fmt;
 
-/// An endpoint's protocol facts (see the [module](self) docs): keys in order, one value
-/// each, every entry within the ceilings.
+/// An endpoint's protocol facts: ordered string keys to string values, filled by
+/// whoever makes the endpoint (the command line, a discovery source, an embedder) and
+/// read by the connector whose protocol needs them.
+///
+/// The core reads no fact: it only keeps them, bounded. Each connector parses the keys
+/// it needs and refuses a malformed value with an error naming the endpoint and the
+/// key. The well-known keys are constants here ([`BOOTSTRAP_PORT`](Self::BOOTSTRAP_PORT),
+/// [`LMCACHE_RECEIVER`](Self::LMCACHE_RECEIVER)), so that the sources and the
+/// connectors spell them alike without depending on each other. Facts often come from
+/// peers (a discovery file, a pod's annotations, DNS answers), so every insertion is
+/// held to ceilings before anything is kept: [`MAX_ENTRIES`](Self::MAX_ENTRIES)
+/// entries, keys of [`MAX_KEY_LEN`](Self::MAX_KEY_LEN) bytes from `[a-z0-9_.-]`, values
+/// of [`MAX_VALUE_LEN`](Self::MAX_VALUE_LEN) bytes without control characters.
 ///
 /// # Examples
 ///
