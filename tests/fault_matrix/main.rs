@@ -23,7 +23,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use disagg_core::{Endpoint, EndpointSource, Role, connector::BootstrapPort};
+use disagg_core::endpoint::Facts;
+use disagg_core::{Endpoint, EndpointSource, Role};
 use disagg_sim::{Faults, SimConfig};
 use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -498,9 +499,12 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
             // push must succeed for the decode leg to be sent at all).
             let (url, held) = held_dead_url();
             let s = builder.build().await;
-            let mut ext = http::Extensions::new();
-            ext.insert(lmcache_receiver(s.d()));
-            let decode = Endpoint::with_extensions(&url, Role::Decode, ext).expect("endpoint");
+            let facts = Facts::new()
+                .with(Facts::LMCACHE_RECEIVER, lmcache_receiver(s.d()).to_string())
+                .expect("receiver fact");
+            let decode = Endpoint::new(&url, Role::Decode)
+                .expect("endpoint")
+                .with_facts(facts);
             let prefill = s.source.snapshot().prefill().to_vec();
             s.source
                 .replace(prefill.into_iter().chain([std::sync::Arc::new(decode)]));
@@ -522,10 +526,12 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
 /// server whose `GET /query` answers 200 with a rank that carries no engine id.
 async fn malform_bootstrap(s: &Stack) {
     let port = serve_forever(r#"{"0":{"worker_addr":{}}}"#).await;
-    let mut ext = http::Extensions::new();
-    ext.insert(BootstrapPort(Some(port)));
-    let prefill =
-        Endpoint::with_extensions(&s.p().url(), Role::Prefill, ext).expect("prefill endpoint");
+    let facts = Facts::new()
+        .with(Facts::BOOTSTRAP_PORT, port.to_string())
+        .expect("bootstrap port fact");
+    let prefill = Endpoint::new(&s.p().url(), Role::Prefill)
+        .expect("prefill endpoint")
+        .with_facts(facts);
     let decode = s.source.snapshot().decode().to_vec();
     s.source
         .replace(std::iter::once(std::sync::Arc::new(prefill)).chain(decode));

@@ -102,9 +102,17 @@ async fn start(opts: Opts) -> Lm {
                     .unwrap()
             }
         };
-        let mut ext = http::Extensions::new();
-        ext.insert(receiver);
-        endpoints.push(Endpoint::with_extensions(&d.url(), Role::Decode, ext).unwrap());
+        let facts = disagg_core::endpoint::Facts::new()
+            .with(
+                disagg_core::endpoint::Facts::LMCACHE_RECEIVER,
+                receiver.to_string(),
+            )
+            .unwrap();
+        endpoints.push(
+            Endpoint::new(&d.url(), Role::Decode)
+                .unwrap()
+                .with_facts(facts),
+        );
     }
     let mut config = OrchestratorConfig::default();
     config.handoff_timeout = opts.handoff_timeout;

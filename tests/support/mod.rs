@@ -8,9 +8,8 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
 use disagg_core::disaggregate::Disaggregate;
-use disagg_core::{
-    Endpoint, KvConnector, Orchestrator, Role, connector::BootstrapPort, source::ManualSource,
-};
+use disagg_core::endpoint::Facts;
+use disagg_core::{Endpoint, KvConnector, Orchestrator, Role, source::ManualSource};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
@@ -310,14 +309,18 @@ impl StackBuilder {
                 .then(|| lmcache_receiver(e));
             urls.iter()
                 .map(|url| {
-                    let mut ext = http::Extensions::new();
+                    let mut facts = Facts::new();
                     if let Some(b) = bootstrap {
-                        ext.insert(BootstrapPort(Some(b.port())));
+                        facts
+                            .insert(Facts::BOOTSTRAP_PORT, b.port().to_string())
+                            .unwrap();
                     }
                     if let Some(r) = &receiver {
-                        ext.insert(r.clone());
+                        facts
+                            .insert(Facts::LMCACHE_RECEIVER, r.to_string())
+                            .unwrap();
                     }
-                    let ep = Endpoint::with_extensions(url, role, ext).unwrap();
+                    let ep = Endpoint::new(url, role).unwrap().with_facts(facts);
                     if declare {
                         ep.with_models([e.config().model.as_str()])
                     } else {
@@ -333,10 +336,14 @@ impl StackBuilder {
         for u in &self.extra_prefill_urls {
             // A dead prefill's bootstrap port is dead too: its own port, where nothing
             // listens.
-            let port = u.rsplit(':').next().and_then(|p| p.parse().ok());
-            let mut ext = http::Extensions::new();
-            ext.insert(BootstrapPort(port));
-            endpoints.push(Endpoint::with_extensions(u, Role::Prefill, ext).unwrap());
+            let port = u.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+            let mut facts = Facts::new();
+            if let Some(port) = port {
+                facts
+                    .insert(Facts::BOOTSTRAP_PORT, port.to_string())
+                    .unwrap();
+            }
+            endpoints.push(Endpoint::new(u, Role::Prefill).unwrap().with_facts(facts));
         }
         for e in &decode {
             endpoints.extend(endpoints_of(e, Role::Decode, self.ranks.1));

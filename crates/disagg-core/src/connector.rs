@@ -42,14 +42,6 @@ use crate::request::{Api, PdRequest};
 use crate::router::Route;
 use crate::transport::{BoxBody, Transport};
 
-/// An endpoint's bootstrap port, kept in its [`Endpoint::ext`](crate::endpoint::Endpoint::ext):
-/// the port of the engine's KV bootstrap server, for the protocols whose engines meet
-/// through one (SGLang's `--disaggregation-bootstrap-port`, vLLM Mooncake's
-/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`). `BootstrapPort(None)`: declared without a port (sent
-/// as `null` where the protocol allows it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BootstrapPort(pub Option<u16>);
-
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

@@ -28,6 +28,9 @@ use crate::error::RouteError;
 use crate::request::Api;
 use http::uri::{Authority, Scheme};
 
+mod facts;
+pub use facts::{FactError, Facts};
+
 /// An endpoint's identity: its base URL as configured.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EndpointId(Arc<str>);
@@ -368,8 +371,10 @@ pub enum RanksError {
 /// ranks share the engine's connection pool, and the route carries the rank to the
 /// connector, which passes it on as its protocol says.
 ///
-/// Protocol data (a bootstrap port, NIXL ranks) does not live here as fields: connectors
-/// keep their typed values in [`ext`](Self::ext). The routing [`weight`](Self::weight)
+/// Protocol data (a bootstrap port, an LMCache receiver) does not live here as fields:
+/// it is in the endpoint's [`facts`](Self::facts), plain strings under well-known keys
+/// that the sources fill and each connector parses, or, for an embedder's own typed
+/// values, in [`ext`](Self::ext). The routing [`weight`](Self::weight)
 /// is a field, as in pingora's `Backend { addr, weight, ext }`: every weighing policy
 /// reads it, whatever source made the endpoint.
 pub struct Endpoint {
@@ -385,6 +390,8 @@ pub struct Endpoint {
     /// The whole engine, for a rank endpoint made by [`proto::dp_rank`](crate::proto::dp_rank): its requests
     /// count there too.
     engine: Option<Arc<Endpoint>>,
+    /// Protocol facts, read by connectors.
+    facts: Facts,
     ext: http::Extensions,
     /// The URIs of the APIs legs are sent to, built once: a leg's request then clones
     /// shared bytes instead of parsing and allocating a URI per request.
@@ -504,6 +511,7 @@ impl Endpoint {
             role,
             in_flight: AtomicUsize::new(0),
             engine: None,
+            facts: Facts::new(),
             ext,
         })
     }
@@ -535,6 +543,7 @@ impl Endpoint {
             weight: base.weight,
             in_flight: AtomicUsize::new(0),
             engine: Some(Arc::clone(base)),
+            facts: base.facts.clone(),
             ext: base.ext.clone(),
             chat_uri: base.chat_uri.clone(),
             completions_uri: base.completions_uri.clone(),
@@ -583,6 +592,18 @@ impl Endpoint {
         }
         self.weight = weight;
         Ok(self)
+    }
+
+    /// The same endpoint with `facts` (replacing any it had): the protocol facts its
+    /// connector reads (see [`Facts`]).
+    pub fn with_facts(mut self, facts: Facts) -> Self {
+        self.facts = facts;
+        self
+    }
+
+    /// The endpoint's protocol facts (see [`Facts`]); a rank endpoint has its engine's.
+    pub fn facts(&self) -> &Facts {
+        &self.facts
     }
 
     /// The routing weight: 1.0 unless set with [`with_weight`](Self::with_weight).

@@ -436,8 +436,14 @@ fn spec(target: &DnsTarget, ip: IpAddr, port: u16) -> EndpointSpec {
     };
     let mut spec = EndpointSpec::new(url, target.role);
     spec.models.clone_from(&target.models);
-    if target.role == Role::Prefill {
-        spec.bootstrap_port = target.bootstrap_port;
+    if target.role == Role::Prefill
+        && let Some(port) = target.bootstrap_port
+    {
+        // A u16's digits: always within the facts' ceilings.
+        let _ = spec.facts.insert(
+            disagg_core::endpoint::Facts::BOOTSTRAP_PORT,
+            port.to_string(),
+        );
     }
     spec
 }

@@ -11,6 +11,7 @@
 //! kv_profile = "NixlConnector,kv_producer,8"   # as --kv-profile, or a table:
 //! # kv_profile = { connector = "NixlConnector", role = "kv_producer", tp = 8 }
 //! kv_events = "tcp://10.0.0.5:5557"     # the engine's KV-events publisher
+//! facts = { my_engine_id = "p-0" }      # protocol facts for a connector (Endpoint::facts)
 //!
 //! [[decode]]
 //! url = "http://10.0.0.7:8200"
@@ -57,12 +58,12 @@ use std::time::Duration;
 
 use disagg_core::Role;
 use disagg_core::config_file::TimedReader;
+use disagg_core::endpoint::Facts;
 use serde::Deserialize;
 
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{
-    Bounds, EndpointSpec, LmcacheSpec, Ranks, endpoint_count, parse_kv_profile, parse_kv_role,
-    parse_tp,
+    Bounds, EndpointSpec, Ranks, endpoint_count, parse_kv_profile, parse_kv_role, parse_tp,
 };
 
 /// The default source name of the endpoints file (the `source` label of its metrics).
@@ -159,7 +160,7 @@ pub enum FileError {
 ///     url = "http://10.0.0.7:8200"
 ///     model = ["llama", "llama-instruct"]
 /// "#)?;
-/// assert_eq!(specs[0].bootstrap_port, Some(8998));
+/// assert_eq!(specs[0].facts.get("bootstrap_port"), Some("8998"));
 /// assert_eq!(specs[1].models, ["llama", "llama-instruct"]);
 /// assert!(parse("[[decode]]\nurl = \"http://d:1\"\nbootstrap_port = 1\n").is_err());
 /// # Ok::<(), disagg_discovery::file::FileError>(())
@@ -241,6 +242,7 @@ struct EntryModel {
     kv_profile: Option<ProfileModel>,
     lmcache_receiver: Option<String>,
     kv_events: Option<String>,
+    facts: Option<std::collections::BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -269,10 +271,18 @@ struct ProfileTable {
 impl EntryModel {
     fn into_spec(self, role: Role) -> Result<EndpointSpec, String> {
         let mut spec = EndpointSpec::new(self.url, role);
-        if self.bootstrap_port.is_some() && role == Role::Decode {
-            return Err("bootstrap_port applies to prefill engines only".into());
+        // Generic facts first: the named keys below win over the same key given here.
+        for (key, value) in self.facts.into_iter().flatten() {
+            spec.facts.insert(&key, value).map_err(|e| e.to_string())?;
         }
-        spec.bootstrap_port = self.bootstrap_port;
+        if let Some(port) = self.bootstrap_port {
+            if role == Role::Decode {
+                return Err("bootstrap_port applies to prefill engines only".into());
+            }
+            spec.facts
+                .insert(Facts::BOOTSTRAP_PORT, port.to_string())
+                .map_err(|e| e.to_string())?;
+        }
         spec.models = match self.model {
             None => Vec::new(),
             Some(OneOrMany::One(m)) => vec![m],
@@ -313,7 +323,9 @@ impl EntryModel {
             if role == Role::Prefill {
                 return Err("lmcache_receiver applies to decode engines only".into());
             }
-            spec.lmcache = Some(LmcacheSpec::parse(&r).map_err(|e| e.to_string())?);
+            spec.facts
+                .insert(Facts::LMCACHE_RECEIVER, r)
+                .map_err(|e| e.to_string())?;
         }
         if let Some(events) = &self.kv_events
             && !events.starts_with("tcp://")
@@ -321,6 +333,7 @@ impl EntryModel {
             return Err(format!("kv_events `{events}` is not tcp://HOST:PORT"));
         }
         spec.kv_events = self.kv_events;
+        crate::spec::check_facts(&spec.facts).map_err(|e| e.to_string())?;
         Ok(spec)
     }
 }
@@ -464,7 +477,7 @@ mod tests {
         .unwrap();
         let p = &specs[0];
         assert_eq!(p.role, Role::Prefill);
-        assert_eq!(p.bootstrap_port, Some(8998));
+        assert_eq!(p.facts.get(Facts::BOOTSTRAP_PORT), Some("8998"));
         assert_eq!(p.models, ["llama"]);
         assert_eq!(p.ranks, Some(Ranks::new(0, 1).unwrap()));
         assert_eq!(p.weight, Some(2.0));
@@ -473,8 +486,54 @@ mod tests {
         assert_eq!(p.kv_events.as_deref(), Some("tcp://10.0.0.5:5557"));
         let d = &specs[1];
         assert_eq!(d.role, Role::Decode);
-        assert_eq!(d.lmcache.as_ref().unwrap().init_ports, [7300]);
+        assert_eq!(
+            d.facts.get(Facts::LMCACHE_RECEIVER),
+            Some("10.0.0.7:7300:7400")
+        );
         assert_eq!(d.kv_profile.as_ref().unwrap().tp_size, Some(1));
+    }
+
+    #[test]
+    fn malformed_or_oversized_facts_refuse_the_file() {
+        let long = "x".repeat(Facts::MAX_VALUE_LEN + 1);
+        let cases = [
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nbootstrap_port = \"abc\"\n".to_owned(),
+                "bootstrap_port",
+            ),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nbootstrap_port = 70000\n".to_owned(),
+                "bootstrap_port",
+            ),
+            (
+                "[[prefill]]\nurl = \"http://p:1\"\nfacts = { bootstrap_port = \"89x\" }\n"
+                    .to_owned(),
+                "fact `bootstrap_port` is not a port number",
+            ),
+            (
+                format!("[[decode]]\nurl = \"http://d:1\"\nfacts = {{ note = \"{long}\" }}\n"),
+                "longer than the 4096 allowed",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nfacts = { \"Bad Key\" = \"1\" }\n".to_owned(),
+                "fact key",
+            ),
+            (
+                "[[decode]]\nurl = \"http://d:1\"\nlmcache_receiver = \"h:1,2:3\"\n".to_owned(),
+                "one of each per TP rank",
+            ),
+        ];
+        for (text, needle) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(
+                err.contains(needle),
+                "{}: {err}",
+                &text[..text.len().min(80)]
+            );
+        }
+        let ok =
+            parse("[[prefill]]\nurl = \"http://p:1\"\nfacts = { engine_id = \"p-0\" }\n").unwrap();
+        assert_eq!(ok[0].facts.get("engine_id"), Some("p-0"));
     }
 
     #[test]

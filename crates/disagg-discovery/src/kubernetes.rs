@@ -51,6 +51,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use disagg_core::Role;
+use disagg_core::endpoint::Facts;
 use disagg_core::pairing::KvProfile;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -59,7 +60,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::source::{SpecPublisher, SpecSource};
-use crate::spec::{EndpointSpec, LmcacheSpec, Ranks, parse_kv_role, parse_ports, parse_tp};
+use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, parse_kv_role, parse_tp};
 
 /// The default source name of Kubernetes discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "kubernetes";
@@ -407,7 +408,10 @@ pub fn pod_spec(
     if role == Role::Prefill {
         for key in [SGLANG_BOOTSTRAP_PORT, VLLM_BOOTSTRAP_PORT] {
             if let Some(v) = get(key) {
-                spec.bootstrap_port = Some(v.parse().map_err(|_| bad(key, &"not a port number"))?);
+                let port: u16 = v.parse().map_err(|_| bad(key, &"not a port number"))?;
+                spec.facts
+                    .insert(Facts::BOOTSTRAP_PORT, port.to_string())
+                    .map_err(|e| bad(key, &e))?;
                 break;
             }
         }
@@ -439,15 +443,12 @@ pub fn pod_spec(
     match (get(LMCACHE_INIT_PORTS), get(LMCACHE_ALLOC_PORTS)) {
         (None, None) => {}
         (Some(init), Some(alloc)) if role == Role::Decode => {
-            let ports = |key: &str, list: &str| {
-                parse_ports(list).map_err(|_| bad(key, &"not a list of ports"))
-            };
-            let lmcache = LmcacheSpec {
-                host: ip.to_string(),
-                init_ports: ports(LMCACHE_INIT_PORTS, init)?,
-                alloc_ports: ports(LMCACHE_ALLOC_PORTS, alloc)?,
-            };
-            spec.lmcache = Some(lmcache);
+            let keys = format!("{LMCACHE_INIT_PORTS} and {LMCACHE_ALLOC_PORTS}");
+            let receiver =
+                lmcache_receiver(&ip.to_string(), init, alloc).map_err(|e| bad(&keys, &e))?;
+            spec.facts
+                .insert(Facts::LMCACHE_RECEIVER, receiver)
+                .map_err(|e| bad(&keys, &e))?;
         }
         (Some(_), Some(_)) => {
             return Err(format!(
@@ -558,7 +559,7 @@ mod tests {
         let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
         assert_eq!(spec.url, "http://10.1.2.3:8100");
         assert_eq!(spec.models, ["llama"]);
-        assert_eq!(spec.bootstrap_port, Some(8998));
+        assert_eq!(spec.facts.get(Facts::BOOTSTRAP_PORT), Some("8998"));
         assert_eq!(spec.ranks, Some(Ranks::new(0, 1).unwrap()));
         assert_eq!(spec.kv_profile.as_ref().unwrap().tp_size, Some(2));
         assert_eq!(spec.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
@@ -604,7 +605,7 @@ mod tests {
             ],
         );
         let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
-        assert_eq!(spec.bootstrap_port, Some(9000));
+        assert_eq!(spec.facts.get(Facts::BOOTSTRAP_PORT), Some("9000"));
         assert_eq!(spec.models, ["meta-llama/Llama-3.1-8B", "llama"]);
     }
 
@@ -642,6 +643,19 @@ mod tests {
     }
 
     #[test]
+    fn an_oversized_lmcache_annotation_is_refused_before_it_is_kept() {
+        // 1,000 ranks' ports: a value past the facts' ceiling (4,096 bytes).
+        let ports = vec!["7300"; 1000].join(",");
+        let p = pod(
+            true,
+            &[(LMCACHE_INIT_PORTS, &ports), (LMCACHE_ALLOC_PORTS, &ports)],
+        );
+        let err = pod_spec(&p, Role::Decode, &config()).unwrap_err();
+        assert!(err.contains(LMCACHE_INIT_PORTS), "{err}");
+        assert!(err.contains("longer than the 4096 allowed"), "{err}");
+    }
+
+    #[test]
     fn bad_annotations_leave_the_pod_out() {
         for (role, annotations) in [
             (Role::Prefill, vec![(SGLANG_BOOTSTRAP_PORT, "x")]),
@@ -671,7 +685,10 @@ mod tests {
             &[(LMCACHE_INIT_PORTS, "7300"), (LMCACHE_ALLOC_PORTS, "7400")],
         );
         let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
-        assert_eq!(spec.lmcache.unwrap().host, "10.1.2.3");
+        assert_eq!(
+            spec.facts.get(Facts::LMCACHE_RECEIVER),
+            Some("10.1.2.3:7300:7400")
+        );
         assert!(pod_spec(&p, Role::Prefill, &config()).is_err());
     }
 }

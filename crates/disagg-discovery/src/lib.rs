@@ -9,9 +9,11 @@
 //! snapshots published through a `tokio::sync::watch`. This crate provides:
 //!
 //! - the [`EndpointSpec`]: one engine as a source finds it, plain data (URL, role,
-//!   models, bootstrap port, data-parallel ranks, weight, KV profile, LMCache receiver,
-//!   KV-events endpoint), turned into the core's endpoints with their connector data
-//!   exactly as the command line's flags are;
+//!   models, data-parallel ranks, weight, KV profile, KV-events endpoint, and protocol
+//!   facts such as a bootstrap port or an LMCache receiver, kept as the endpoints'
+//!   [`Facts`](disagg_core::endpoint::Facts) for the connectors to read: no protocol
+//!   crate is a dependency), turned into the core's endpoints exactly as the command
+//!   line's flags are;
 //! - the sources, one cargo feature each, each a background task publishing its whole
 //!   list of specs whenever it changes, and nothing when discovery fails (the last good
 //!   list stays): `kubernetes` (pods by label selector, through kube-rs's watcher),
@@ -34,7 +36,6 @@
 //! | `kubernetes` | [`kubernetes`]: pods by label selector (kube-rs, k8s-openapi) |
 //! | `dns` | [`dns`]: A/AAAA and SRV names (hickory-resolver) |
 //! | `file` | [`file`](mod@file): a TOML endpoints file |
-//! | `lmcache` | LMCache receivers become `disagg_connectors::lmcache::LmcacheReceiver`s |
 //! | `full` | all of the above |
 //!
 //! # Examples
@@ -79,6 +80,6 @@ pub mod guide {}
 pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};
 pub use source::{SourceStats, SpecPublisher, SpecSource, Specs};
 pub use spec::{
-    Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint, LmcacheSpec,
-    ProfileError, Ranks, RanksError, SpecError, endpoint_count, parse_kv_profile,
+    Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint, ProfileError, Ranks,
+    RanksError, SpecError, check_facts, endpoint_count, parse_kv_profile,
 };

@@ -15,10 +15,10 @@
 //! anything is allocated for it: ranks per engine, endpoints per source, and the
 //! addresses an engine may have.
 
-use disagg_core::endpoint::{AddressPolicy, DEFAULT_MAX_DP_RANKS, EndpointError};
+use disagg_core::endpoint::{AddressPolicy, DEFAULT_MAX_DP_RANKS, EndpointError, FactError, Facts};
 pub use disagg_core::endpoint::{Ranks, RanksError};
 use disagg_core::pairing::{KvProfile, KvRole};
-use disagg_core::{Endpoint, Role, connector::BootstrapPort};
+use disagg_core::{Endpoint, Role};
 
 /// The most endpoints one discovery source may contribute by default, every rank
 /// counted (`--max-endpoints-per-source`): far above any fleet one proxy routes, low
@@ -87,15 +87,16 @@ pub fn endpoint_count(specs: &[EndpointSpec]) -> u64 {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::{connector::BootstrapPort, Role};
+/// use disagg_core::Role;
+/// use disagg_core::endpoint::Facts;
 /// use disagg_discovery::{EndpointSpec, Ranks};
 ///
 /// let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
-/// spec.bootstrap_port = Some(8998);
+/// spec.facts.insert(Facts::BOOTSTRAP_PORT, "8998")?;
 /// spec.ranks = Some(Ranks::new(0, 1)?);
 /// let endpoints = spec.to_endpoints()?;
 /// assert_eq!(endpoints[1].id().as_str(), "http://10.0.0.5:8100@1");
-/// assert_eq!(endpoints[1].ext().get::<BootstrapPort>(), Some(&BootstrapPort(Some(8998))));
+/// assert_eq!(endpoints[1].facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
@@ -109,9 +110,11 @@ pub struct EndpointSpec {
     /// The model names the engine serves; empty: any (see
     /// [`Endpoint::with_models`]).
     pub models: Vec<String>,
-    /// A prefill's bootstrap port (SGLang's `--disaggregation-bootstrap-port`, vLLM
-    /// Mooncake's `VLLM_MOONCAKE_BOOTSTRAP_PORT`); ignored on a decode.
-    pub bootstrap_port: Option<u16>,
+    /// The engine's protocol facts (a prefill's [`Facts::BOOTSTRAP_PORT`], a decode's
+    /// [`Facts::LMCACHE_RECEIVER`]), given to each of its endpoints as
+    /// [`Endpoint::facts`] for the connector to read; bounded as [`Facts`] holds every
+    /// entry, since they come from outside.
+    pub facts: Facts,
     /// The data-parallel ranks the engine runs behind its one HTTP server: one endpoint
     /// per rank (`URL@RANK`), as `--prefill URL@FIRST-LAST` does; `None`: one endpoint
     /// for the whole engine.
@@ -122,8 +125,6 @@ pub struct EndpointSpec {
     /// What the engine declares about its KV transfer, checked for every pair by the
     /// core's pairing validation.
     pub kv_profile: Option<KvProfile>,
-    /// Where a decode engine receives LMCache's KV pushes.
-    pub lmcache: Option<LmcacheSpec>,
     /// The engine's KV-cache events publisher (`tcp://host:port`, its
     /// `--kv-events-config` endpoint); kept in the extensions as [`KvEventsEndpoint`].
     pub kv_events: Option<String>,
@@ -136,11 +137,10 @@ impl EndpointSpec {
             url: url.into(),
             role,
             models: Vec::new(),
-            bootstrap_port: None,
+            facts: Facts::new(),
             ranks: None,
             weight: None,
             kv_profile: None,
-            lmcache: None,
             kv_events: None,
         }
     }
@@ -161,32 +161,39 @@ impl EndpointSpec {
         }
     }
 
-    /// The connector data this spec puts into its endpoints' extensions: a prefill's
-    /// [`BootstrapPort`] (always, `None` when not declared, as `--prefill URL` does), the
-    /// [`KvProfile`], the LMCache receiver (as a `disagg_connectors::lmcache::LmcacheReceiver` with
-    /// the `lmcache` feature, declaring the decode's TP size the way
-    /// `LmcacheReceiver::insert_into` does; as an [`LmcacheSpec`] without it) and the
-    /// [`KvEventsEndpoint`].
+    /// The connector data this spec puts into its endpoints' extensions (its protocol
+    /// facts go to [`Endpoint::facts`]): the [`KvProfile`] and the
+    /// [`KvEventsEndpoint`]. A decode's [`Facts::LMCACHE_RECEIVER`] declares its
+    /// tensor-parallel size in the profile (one init and one alloc port per rank), as
+    /// `serve --lmcache-receiver` does, so that pair validation refuses a prefill of
+    /// another declared size.
     ///
     /// # Errors
     ///
-    /// [`SpecError`] when a part is unusable: an LMCache receiver whose port lists are
-    /// empty or differ in length, or (with the `lmcache` feature) one whose port count
-    /// contradicts the declared TP size.
+    /// [`SpecError`] when a well-known fact is malformed ([`check_facts`]) or an LMCache
+    /// receiver's port count contradicts the declared TP size.
     pub fn extensions(&self) -> Result<http::Extensions, SpecError> {
+        check_facts(&self.facts)?;
         let mut ext = http::Extensions::new();
-        if self.role == Role::Prefill {
-            ext.insert(BootstrapPort(self.bootstrap_port));
+        let mut profile = self.kv_profile.clone();
+        if let Some(receiver) = self.facts.get(Facts::LMCACHE_RECEIVER) {
+            let ranks = receiver_ranks(receiver)?;
+            let tp = u32::try_from(ranks).unwrap_or(u32::MAX);
+            let p = profile.get_or_insert_with(KvProfile::default);
+            match p.tp_size {
+                Some(declared) if declared != tp => {
+                    return Err(SpecError::Lmcache(format!(
+                        "the decode declares tensor-parallel size {declared} but its LMCache receiver has {ranks} port(s) of each kind, one per TP rank"
+                    )));
+                }
+                _ => p.tp_size = Some(tp),
+            }
         }
-        if let Some(profile) = &self.kv_profile {
-            ext.insert(profile.clone());
+        if let Some(profile) = profile {
+            ext.insert(profile);
         }
         if let Some(events) = &self.kv_events {
             ext.insert(KvEventsEndpoint(events.clone()));
-        }
-        if let Some(lmcache) = &self.lmcache {
-            lmcache.check()?;
-            insert_lmcache(lmcache, &mut ext)?;
         }
         Ok(ext)
     }
@@ -250,7 +257,8 @@ impl EndpointSpec {
             .iter()
             .map(|url| {
                 let mut ep =
-                    Endpoint::with_address_policy(url, self.role, ext.clone(), bounds.addresses)?;
+                    Endpoint::with_address_policy(url, self.role, ext.clone(), bounds.addresses)?
+                        .with_facts(self.facts.clone());
                 if let Some(w) = self.weight {
                     ep = ep.with_weight(w)?;
                 }
@@ -262,25 +270,6 @@ impl EndpointSpec {
             })
             .collect()
     }
-}
-
-#[cfg(feature = "lmcache")]
-fn insert_lmcache(spec: &LmcacheSpec, ext: &mut http::Extensions) -> Result<(), SpecError> {
-    let receiver = disagg_connectors::lmcache::LmcacheReceiver::new(
-        spec.host.clone(),
-        spec.init_ports.clone(),
-        spec.alloc_ports.clone(),
-    )
-    .map_err(|e| SpecError::Lmcache(e.to_string()))?;
-    receiver
-        .insert_into(ext)
-        .map_err(|e| SpecError::Lmcache(e.to_string()))
-}
-
-#[cfg(not(feature = "lmcache"))]
-fn insert_lmcache(spec: &LmcacheSpec, ext: &mut http::Extensions) -> Result<(), SpecError> {
-    ext.insert(spec.clone());
-    Ok(())
 }
 
 /// A spec could not become an endpoint.
@@ -299,6 +288,17 @@ pub enum SpecError {
     /// The LMCache receiver is unusable.
     #[error("lmcache receiver: {0}")]
     Lmcache(String),
+    /// A well-known fact's value is not of its form ([`check_facts`]).
+    #[error("fact `{key}` is not {expected}")]
+    Malformed {
+        /// The key.
+        key: &'static str,
+        /// Its form.
+        expected: &'static str,
+    },
+    /// A protocol fact is refused (too long, too many, a bad key).
+    #[error(transparent)]
+    Fact(#[from] FactError),
 }
 
 /// Where an engine publishes its KV-cache events (`tcp://host:port`, vLLM's and SGLang's
@@ -307,60 +307,72 @@ pub enum SpecError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvEventsEndpoint(pub String);
 
-/// Where a decode engine receives LMCache's KV pushes: its `pd_peer_host`, and one
-/// `pd_peer_init_port` and one `pd_peer_alloc_port` per tensor-parallel rank (the
-/// fields of `serve --lmcache-receiver`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LmcacheSpec {
-    /// The host the prefill pushes to.
-    pub host: String,
-    /// One init port per TP rank.
-    pub init_ports: Vec<u16>,
-    /// One alloc port per TP rank.
-    pub alloc_ports: Vec<u16>,
+/// Checks the well-known facts whose form discovery knows (the core documents them
+/// with [`Facts`]'s keys): a [`Facts::BOOTSTRAP_PORT`] is a port number, a
+/// [`Facts::LMCACHE_RECEIVER`] is `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` with one port
+/// of each kind per rank. A spec with a malformed one makes no endpoint, so the
+/// connector never meets it; other keys are kept as they are, for the connector that
+/// reads them.
+///
+/// # Errors
+///
+/// [`SpecError::Fact`] or [`SpecError::Lmcache`] naming the key and the value.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::endpoint::Facts;
+/// use disagg_discovery::check_facts;
+///
+/// assert!(check_facts(&Facts::new().with(Facts::BOOTSTRAP_PORT, "8998")?).is_ok());
+/// let bad = Facts::new().with(Facts::BOOTSTRAP_PORT, "89x")?;
+/// assert!(check_facts(&bad).unwrap_err().to_string().contains("bootstrap_port"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn check_facts(facts: &Facts) -> Result<(), SpecError> {
+    if let Some(Err(_)) = facts.parse::<u16>(Facts::BOOTSTRAP_PORT) {
+        return Err(SpecError::Malformed {
+            key: Facts::BOOTSTRAP_PORT,
+            expected: "a port number (0-65535)",
+        });
+    }
+    if let Some(r) = facts.get(Facts::LMCACHE_RECEIVER) {
+        receiver_ranks(r)?;
+    }
+    Ok(())
 }
 
-impl LmcacheSpec {
-    /// Parses `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]`, the form of `--lmcache-receiver`.
-    ///
-    /// # Errors
-    ///
-    /// [`SpecError::Lmcache`] when the text is not of that form.
-    pub fn parse(s: &str) -> Result<Self, SpecError> {
-        let syntax = || SpecError::Lmcache(format!("`{s}` is not HOST:INIT[,INIT]:ALLOC[,ALLOC]"));
-        let mut parts = s.rsplitn(3, ':');
-        let (Some(alloc), Some(init), Some(host)) = (parts.next(), parts.next(), parts.next())
-        else {
-            return Err(syntax());
-        };
-        if host.is_empty() {
-            return Err(syntax());
-        }
-        let spec = LmcacheSpec {
-            host: host.to_owned(),
-            init_ports: parse_ports(init).map_err(|_| syntax())?,
-            alloc_ports: parse_ports(alloc).map_err(|_| syntax())?,
-        };
-        spec.check()?;
-        Ok(spec)
+/// An LMCache receiver's text, `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` (the form of
+/// `--lmcache-receiver`), checked: its rank count.
+fn receiver_ranks(s: &str) -> Result<usize, SpecError> {
+    let syntax = || SpecError::Lmcache(format!("`{s}` is not HOST:INIT[,INIT]:ALLOC[,ALLOC]"));
+    let mut parts = s.rsplitn(3, ':');
+    let (Some(alloc), Some(init), Some(host)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(syntax());
+    };
+    if host.is_empty() {
+        return Err(syntax());
     }
+    let init = parse_ports(init).map_err(|_| syntax())?;
+    let alloc = parse_ports(alloc).map_err(|_| syntax())?;
+    if init.len() != alloc.len() {
+        return Err(SpecError::Lmcache(format!(
+            "{} init ports but {} alloc ports: give one of each per TP rank",
+            init.len(),
+            alloc.len()
+        )));
+    }
+    Ok(init.len())
+}
 
-    /// Checks the port lists: both non-empty and of one length (one of each per rank).
-    fn check(&self) -> Result<(), SpecError> {
-        if self.init_ports.is_empty() || self.alloc_ports.is_empty() {
-            return Err(SpecError::Lmcache(
-                "needs at least one init and one alloc port".into(),
-            ));
-        }
-        if self.init_ports.len() != self.alloc_ports.len() {
-            return Err(SpecError::Lmcache(format!(
-                "{} init ports but {} alloc ports: give one of each per TP rank",
-                self.init_ports.len(),
-                self.alloc_ports.len()
-            )));
-        }
-        Ok(())
-    }
+/// An LMCache receiver's fact value from its parts (a pod's IP and its annotations'
+/// port lists), checked as [`check_facts`] does.
+#[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
+pub(crate) fn lmcache_receiver(host: &str, init: &str, alloc: &str) -> Result<String, SpecError> {
+    let list = |l: &str| l.split(',').map(str::trim).collect::<Vec<_>>().join(",");
+    let text = format!("{host}:{}:{}", list(init), list(alloc));
+    receiver_ranks(&text)?;
+    Ok(text)
 }
 
 /// A comma-separated list of ports (`7300,7301`).
@@ -514,13 +526,16 @@ mod tests {
             e.models()
                 .is_some_and(|ms| ms.len() == 1 && &*ms[0] == "llama")
         }));
-        // A decode carries no bootstrap port; a prefill always does (None when absent).
-        assert!(eps[0].ext().get::<BootstrapPort>().is_none());
-        let p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
+        // The spec's facts go to every rank's endpoint; none declared, none kept.
+        assert!(eps[0].facts().is_empty());
+        let mut p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
+        p.facts.insert(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+        p.ranks = Some(Ranks::new(0, 1).unwrap());
         let p = p.to_endpoints().unwrap();
-        assert_eq!(
-            p[0].ext().get::<BootstrapPort>(),
-            Some(&BootstrapPort(None))
+        assert_eq!(p.len(), 2);
+        assert!(
+            p.iter()
+                .all(|e| e.facts().get(Facts::BOOTSTRAP_PORT) == Some("8998"))
         );
     }
 
@@ -544,18 +559,35 @@ mod tests {
     fn bad_urls_and_receivers_are_refused() {
         let spec = EndpointSpec::new("ftp://10.0.0.7:8200", Role::Decode);
         assert!(matches!(spec.to_endpoints(), Err(SpecError::Url(_))));
-        assert!(LmcacheSpec::parse("10.0.0.7:7300,7301:7400").is_err());
-        assert!(LmcacheSpec::parse(":7300:7400").is_err());
-        let ok = LmcacheSpec::parse("10.0.0.7:7300,7301:7400,7401").unwrap();
-        assert_eq!(ok.init_ports, [7300, 7301]);
-        assert_eq!(ok.alloc_ports, [7400, 7401]);
-        let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
-        spec.lmcache = Some(LmcacheSpec {
-            host: "10.0.0.7".into(),
-            init_ports: vec![1, 2],
-            alloc_ports: vec![3],
-        });
-        assert!(matches!(spec.to_endpoints(), Err(SpecError::Lmcache(_))));
+        for bad in [
+            "10.0.0.7:7300,7301:7400",
+            ":7300:7400",
+            "7300:7400",
+            "h:x:1",
+        ] {
+            let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+            spec.facts.insert(Facts::LMCACHE_RECEIVER, bad).unwrap();
+            assert!(
+                matches!(spec.to_endpoints(), Err(SpecError::Lmcache(_))),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            lmcache_receiver("10.0.0.7", "7300, 7301", "7400,7401").unwrap(),
+            "10.0.0.7:7300,7301:7400,7401"
+        );
+        assert!(lmcache_receiver("10.0.0.7", "1,2", "3").is_err());
+    }
+
+    #[test]
+    fn a_malformed_bootstrap_port_fact_makes_no_endpoint() {
+        for bad in ["x", "70000", "-1", ""] {
+            let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
+            spec.facts.insert(Facts::BOOTSTRAP_PORT, bad).unwrap();
+            let err = spec.to_endpoints().unwrap_err();
+            assert!(matches!(err, SpecError::Malformed { .. }), "{bad}: {err}");
+            assert!(err.to_string().contains("`bootstrap_port`"), "{err}");
+        }
     }
 
     #[test]
@@ -567,16 +599,16 @@ mod tests {
         assert!(parse_kv_profile("a,kv_both,1,extra").is_err());
     }
 
-    #[cfg(feature = "lmcache")]
     #[test]
     fn an_lmcache_receiver_declares_the_decode_tp_size() {
         let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
-        spec.lmcache = Some(LmcacheSpec::parse("10.0.0.7:7300,7301:7400,7401").unwrap());
+        let receiver = "10.0.0.7:7300,7301:7400,7401";
+        spec.facts
+            .insert(Facts::LMCACHE_RECEIVER, receiver)
+            .unwrap();
+        let eps = spec.to_endpoints().unwrap();
+        assert_eq!(eps[0].facts().get(Facts::LMCACHE_RECEIVER), Some(receiver));
         let ext = spec.extensions().unwrap();
-        assert!(
-            ext.get::<disagg_connectors::lmcache::LmcacheReceiver>()
-                .is_some()
-        );
         assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
         // A profile declaring another size contradicts the receiver.
         spec.kv_profile = Some(parse_kv_profile(",,4").unwrap());

@@ -10,7 +10,8 @@ use bytes::Bytes;
 use clap::Args;
 use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
-use disagg_core::{Endpoint, Orchestrator, Role, connector::BootstrapPort, source::StaticSource};
+use disagg_core::endpoint::Facts;
+use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
@@ -109,7 +110,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             prefill.side_channel_addr()
         ),
     }
-    let mut decode_ext = http::Extensions::new();
+    let mut decode_facts = Facts::new();
     if let Some(n) = &notifications {
         let (init, alloc) = (decode.lmcache_init_ports(), decode.lmcache_alloc_ports());
         println!(
@@ -118,21 +119,24 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             n.local_addr()
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
         );
-        decode_ext.insert(LmcacheReceiver::new("127.0.0.1", init, alloc)?);
+        let receiver = LmcacheReceiver::new("127.0.0.1", init, alloc)?;
+        decode_facts.insert(Facts::LMCACHE_RECEIVER, receiver.to_string())?;
     } else {
         println!("decode engine   {}", decode.url());
     }
 
-    let mut ext = http::Extensions::new();
-    ext.insert(BootstrapPort(prefill.bootstrap_addr().map(|a| a.port())));
+    let mut prefill_facts = Facts::new();
+    if let Some(b) = prefill.bootstrap_addr() {
+        prefill_facts.insert(Facts::BOOTSTRAP_PORT, b.port().to_string())?;
+    }
     let connector = args
         .connector
         .connector(notifications.clone(), VllmLimits::default())?;
     // Every prefill/decode pair is checked before the first request.
     let source = ValidatedSource::new(
         StaticSource::new([
-            Endpoint::with_extensions(&prefill.url(), Role::Prefill, ext)?,
-            Endpoint::with_extensions(&decode.url(), Role::Decode, decode_ext)?,
+            Endpoint::new(&prefill.url(), Role::Prefill)?.with_facts(prefill_facts),
+            Endpoint::new(&decode.url(), Role::Decode)?.with_facts(decode_facts),
         ]),
         Arc::clone(&connector),
     )?;

@@ -10,15 +10,15 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use disagg_affinity::{PerLeg, PromptThreshold};
-use disagg_connectors::lmcache::{LmcacheReceiver, Notifications};
+use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, ReceiverError};
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::disaggregate::{Always, Disaggregate};
-use disagg_core::endpoint::EndpointError;
+use disagg_core::endpoint::{EndpointError, Facts};
 use disagg_core::orchestrator::{MissingKv, PrefillFailure};
 
 use disagg_core::{
-    Endpoint, EndpointSource, Orchestrator, Role, Router, connector::BootstrapPort,
-    orchestrator::OrchestratorConfig, source::StaticSource,
+    Endpoint, EndpointSource, Orchestrator, Role, Router, orchestrator::OrchestratorConfig,
+    source::StaticSource,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
@@ -73,59 +73,68 @@ impl Shared {
         }
         let bounds = args.discovery.bounds();
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
-        let endpoint = |url: &str, role: Role, mut ext: http::Extensions| {
-            let base = base_url(url);
-            // One rank's own weight first, then its engine's.
-            let id = url.trim_end_matches('/');
-            let weight = (args.weights.iter().find(|(u, _)| u == id))
-                .or_else(|| args.weights.iter().find(|(u, _)| u == base))
-                .map(|(_, w)| *w);
-            let profile = args.kv_profiles.iter().find(|(u, _)| u == base);
-            if let Some((_, p)) = profile {
-                ext.insert(p.clone());
-            }
-            // LMCache: a decode's receiver port count is its TP size, declared with it
-            // for the pair check below.
-            if let Some(r) = ext.remove::<LmcacheReceiver>() {
-                r.insert_into(&mut ext).map_err(|e| {
-                    format!("--kv-profile and --lmcache-receiver disagree on {base}: {e}")
-                })?;
-            }
-            let models = args.served_models.iter().find(|(u, _)| u == base);
-            let mut ep = Endpoint::with_address_policy(url, role, ext, bounds.addresses).map_err(
-                |e| -> BoxError {
-                    match e {
-                        EndpointError::RefusedAddress { .. } => {
-                            format!("{e}; allow it with --allow-link-local-engines").into()
+        // Protocol data goes into the endpoint's facts, for the connector to read.
+        let endpoint =
+            |url: &str, role: Role, mut facts: Facts, receiver: Option<&LmcacheReceiver>| {
+                let mut ext = http::Extensions::new();
+                let base = base_url(url);
+                // One rank's own weight first, then its engine's.
+                let id = url.trim_end_matches('/');
+                let weight = (args.weights.iter().find(|(u, _)| u == id))
+                    .or_else(|| args.weights.iter().find(|(u, _)| u == base))
+                    .map(|(_, w)| *w);
+                let profile = args.kv_profiles.iter().find(|(u, _)| u == base);
+                if let Some((_, p)) = profile {
+                    ext.insert(p.clone());
+                }
+                // LMCache: a decode's receiver port count is its TP size, declared with it
+                // for the pair check below.
+                if let Some(r) = receiver {
+                    r.insert_into(&mut facts, &mut ext).map_err(|e| match e {
+                        ReceiverError::TpSize { .. } => {
+                            format!("--kv-profile and --lmcache-receiver disagree on {base}: {e}")
                         }
-                        e => e.into(),
-                    }
-                },
-            )?;
-            if let Some(w) = weight {
-                ep = ep.with_weight(w)?;
-            }
-            Ok::<_, BoxError>(match models {
-                Some((_, names)) => ep.with_models(names.iter().map(String::as_str)),
-                None => ep,
-            })
-        };
+                        e => format!("--lmcache-receiver {base}: {e}"),
+                    })?;
+                }
+                let models = args.served_models.iter().find(|(u, _)| u == base);
+                let mut ep = Endpoint::with_address_policy(url, role, ext, bounds.addresses)
+                    .map_err(|e| -> BoxError {
+                        match e {
+                            EndpointError::RefusedAddress { .. } => {
+                                format!("{e}; allow it with --allow-link-local-engines").into()
+                            }
+                            e => e.into(),
+                        }
+                    })?;
+                if let Some(w) = weight {
+                    ep = ep.with_weight(w)?;
+                }
+                let ep = ep.with_facts(facts);
+                Ok::<_, BoxError>(match models {
+                    Some((_, names)) => ep.with_models(names.iter().map(String::as_str)),
+                    None => ep,
+                })
+            };
         let mut endpoints = Vec::new();
         for (url, port) in parse_prefills(&args.prefill)? {
+            let mut facts = Facts::new();
+            if let Some(port) = port {
+                facts.insert(Facts::BOOTSTRAP_PORT, port.to_string())?;
+            }
             for url in expand_ranks(url, bounds.max_ranks)? {
-                let mut ext = http::Extensions::new();
-                ext.insert(BootstrapPort(port));
-                endpoints.push(endpoint(&url, Role::Prefill, ext)?);
+                endpoints.push(endpoint(&url, Role::Prefill, facts.clone(), None)?);
             }
         }
         let lmcache = args.connector == ConnectorArg::Lmcache;
         for url in &args.decode {
-            let mut ext = http::Extensions::new();
-            let receiver = args.lmcache.lmcache_receivers.iter();
-            match receiver.clone().find(|(u, _)| u == base_url(url)) {
-                Some((_, r)) => {
-                    ext.insert(r.clone());
-                }
+            let receivers = args.lmcache.lmcache_receivers.iter();
+            let receiver = receivers
+                .clone()
+                .find(|(u, _)| u == base_url(url))
+                .map(|(_, r)| r);
+            match receiver {
+                Some(_) => {}
                 None if lmcache => {
                     return Err(format!(
                         "--connector lmcache: decode engine {url} needs --lmcache-receiver {}=HOST:INIT_PORTS:ALLOC_PORTS",
@@ -136,7 +145,7 @@ impl Shared {
                 None => {}
             }
             for url in expand_ranks(url, bounds.max_ranks)? {
-                endpoints.push(endpoint(&url, Role::Decode, ext.clone())?);
+                endpoints.push(endpoint(&url, Role::Decode, Facts::new(), receiver)?);
             }
         }
         let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));

@@ -4,8 +4,9 @@
 //! |---|---|
 //! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
-//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list |
+//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts |
 
+use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
 use disagg_core::request::Api;
 
@@ -52,4 +53,29 @@ pub(crate) fn carries(
             list.join(", ")
         ),
     })
+}
+
+/// What an endpoint with a malformed [`Facts::BOOTSTRAP_PORT`] lacks, in
+/// [`ConnectorError::NotConfigured`].
+const BAD_BOOTSTRAP_PORT: &str = "usable `bootstrap_port` fact (a port number, 0-65535)";
+
+/// A prefill endpoint's bootstrap port, from its [`Facts::BOOTSTRAP_PORT`] fact (the
+/// protocols whose engines meet through a bootstrap server: SGLang, vLLM Mooncake):
+/// `None` when it declares none. A map lookup and a `u16` parse per request, no
+/// allocation.
+///
+/// # Errors
+///
+/// [`ConnectorError::NotConfigured`] naming the endpoint and the key when the value is
+/// not a port number (the command line and discovery refuse one before it gets here;
+/// an embedder's own facts may not).
+#[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
+pub(crate) fn bootstrap_port(ep: &Endpoint) -> Result<Option<u16>, ConnectorError> {
+    ep.facts()
+        .parse::<u16>(Facts::BOOTSTRAP_PORT)
+        .transpose()
+        .map_err(|_| ConnectorError::NotConfigured {
+            endpoint: ep.id().clone(),
+            what: BAD_BOOTSTRAP_PORT,
+        })
 }

@@ -40,7 +40,7 @@ use disagg_core::connector::{
     Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
 };
 use disagg_core::disaggregate::Decision;
-use disagg_core::endpoint::Endpoint;
+use disagg_core::endpoint::{Endpoint, FactError, Facts};
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::request::{Api, PdRequest};
@@ -103,7 +103,9 @@ fn has_grammar(body: &JsonBody) -> bool {
 }
 
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
-/// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode [`Endpoint::ext`].
+/// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode endpoint's
+/// [`Facts::LMCACHE_RECEIVER`] fact as text ([`insert_into`](Self::insert_into) writes
+/// it, [`from_facts`](Self::from_facts) reads it back).
 /// One init and one alloc port per TP rank; the decode leg waits for one notification
 /// per rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,6 +133,10 @@ pub enum ReceiverError {
     /// The text form did not parse.
     #[error("`{0}` is not HOST:INIT[,INIT...]:ALLOC[,ALLOC...]")]
     Syntax(String),
+    /// The text form is refused as an endpoint fact (too long: too many ports, or a
+    /// host with a control character).
+    #[error(transparent)]
+    Fact(#[from] FactError),
     /// The endpoint already declares ([`KvProfile::tp_size`]) a tensor-parallel size
     /// other than the receiver's rank count ([`LmcacheReceiver::insert_into`]).
     #[error(
@@ -221,39 +227,61 @@ impl LmcacheReceiver {
         u32::try_from(self.ranks()).unwrap_or(u32::MAX)
     }
 
-    /// Put this receiver into a decode endpoint's extensions, declaring with it the
-    /// endpoint's tensor-parallel size: the port count ([`ranks`](Self::ranks)) is set as
-    /// the [`KvProfile::tp_size`] (a profile already there keeps its other parts), so
-    /// that pair validation (`disagg_resilience::pairing`'s `check_pairs` and
-    /// `ValidatedSource`, over [`check_pair`](disagg_core::pairing::check_pair)) refuses
-    /// a prefill of another declared size (LMCache needs equal sizes, see [`Lmcache`]).
-    ///
-    /// Insert the profile the engine declares first, if any; a plain
-    /// `ext.insert(receiver)` declares nothing, and the pair is then checked only per
-    /// request, by [`Lmcache`]'s `prepare`.
+    /// The receiver an endpoint declares in its [`Facts::LMCACHE_RECEIVER`] fact:
+    /// `None` when it declares none.
     ///
     /// # Errors
     ///
-    /// [`ReceiverError::TpSize`] when `ext` already declares another size; `ext` is then
-    /// left as it was.
+    /// [`ReceiverError`] when the fact is not of the form [`parse`](Self::parse) reads.
+    pub fn from_facts(facts: &Facts) -> Result<Option<Self>, ReceiverError> {
+        facts
+            .get(Facts::LMCACHE_RECEIVER)
+            .map(Self::parse)
+            .transpose()
+    }
+
+    /// Put this receiver into a decode endpoint's facts (as its text form, under
+    /// [`Facts::LMCACHE_RECEIVER`]), declaring with it the endpoint's tensor-parallel
+    /// size in `ext`: the port count ([`ranks`](Self::ranks)) is set as the
+    /// [`KvProfile::tp_size`] (a profile already there keeps its other parts), so that
+    /// pair validation (`disagg_resilience::pairing`'s `check_pairs` and
+    /// `ValidatedSource`, over [`check_pair`](disagg_core::pairing::check_pair)) refuses
+    /// a prefill of another declared size (LMCache needs equal sizes, see [`Lmcache`]).
+    ///
+    /// Insert the profile the engine declares first, if any; a plain fact declares
+    /// nothing, and the pair is then checked only per request, by [`Lmcache`]'s
+    /// `prepare`.
+    ///
+    /// # Errors
+    ///
+    /// [`ReceiverError::TpSize`] when `ext` already declares another size,
+    /// [`ReceiverError::Fact`] when the text passes the facts' ceilings; `facts` and
+    /// `ext` are then left as they were.
     ///
     /// # Examples
     ///
     /// ```
+    /// use disagg_core::endpoint::Facts;
     /// use disagg_core::pairing::KvProfile;
     /// use disagg_connectors::lmcache::{LmcacheReceiver, ReceiverError};
     ///
-    /// let mut ext = http::Extensions::new();
-    /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
+    /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
+    /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut facts, &mut ext)?;
     /// assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
+    /// assert_eq!(facts.get(Facts::LMCACHE_RECEIVER), Some("10.0.0.7:7300,7301:7400,7401"));
     ///
-    /// let mut ext = http::Extensions::new();
+    /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
     /// ext.insert(KvProfile { tp_size: Some(4), ..KvProfile::default() });
-    /// let err = LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext);
+    /// let err = LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?
+    ///     .insert_into(&mut facts, &mut ext);
     /// assert_eq!(err, Err(ReceiverError::TpSize { declared: 4, ranks: 2 }));
     /// # Ok::<(), ReceiverError>(())
     /// ```
-    pub fn insert_into(self, ext: &mut http::Extensions) -> Result<(), ReceiverError> {
+    pub fn insert_into(
+        &self,
+        facts: &mut Facts,
+        ext: &mut http::Extensions,
+    ) -> Result<(), ReceiverError> {
         let tp = self.tp_size();
         let mut profile = ext.get::<KvProfile>().cloned().unwrap_or_default();
         match profile.tp_size {
@@ -265,15 +293,36 @@ impl LmcacheReceiver {
             }
             _ => profile.tp_size = Some(tp),
         }
+        facts.insert(Facts::LMCACHE_RECEIVER, self.to_string())?;
         ext.insert(profile);
-        ext.insert(self);
         Ok(())
+    }
+}
+
+/// The text form [`LmcacheReceiver::parse`] reads: `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]`.
+impl std::fmt::Display for LmcacheReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |f: &mut std::fmt::Formatter<'_>, ports: &[u16]| {
+            for (i, p) in ports.iter().enumerate() {
+                if i > 0 {
+                    f.write_str(",")?;
+                }
+                write!(f, "{p}")?;
+            }
+            Ok(())
+        };
+        write!(f, "{}:", self.host)?;
+        list(f, &self.init_ports)?;
+        f.write_str(":")?;
+        list(f, &self.alloc_ports)
     }
 }
 
 /// The LMCache P/D connector (vLLM `LMCacheConnectorV1`, NIXL transfer channel).
 ///
-/// Decode endpoints carry an [`LmcacheReceiver`] in their extensions; the prefill
+/// Decode endpoints carry an [`LmcacheReceiver`] in their [`Facts::LMCACHE_RECEIVER`]
+/// fact (parsed per request; a malformed one fails the request naming the endpoint and
+/// the key); the prefill
 /// engines' `pd_proxy_host`/`pd_proxy_port` point at the [`Notifications`] socket.
 ///
 /// A prefill and a decode pair only at equal tensor-parallel sizes
@@ -285,14 +334,16 @@ impl LmcacheReceiver {
 /// ```no_run
 /// use std::sync::Arc;
 /// use disagg_core::{Endpoint, Role};
+/// use disagg_core::endpoint::Facts;
 /// use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
 /// let connector = Lmcache::new(notifications);
-/// let mut ext = http::Extensions::new();
-/// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut ext)?;
-/// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?;
+/// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
+/// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut facts, &mut ext)?;
+/// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?
+///     .with_facts(facts);
 /// # let _ = (connector, decode);
 /// # Ok(()) }
 /// ```
@@ -371,6 +422,10 @@ pub(super) struct First {
     /// prefill said it; null otherwise.
     pub(super) stop_reason: Value,
 }
+
+/// What a decode with a malformed [`Facts::LMCACHE_RECEIVER`] lacks, in
+/// [`ConnectorError::NotConfigured`].
+const BAD_RECEIVER: &str = "usable `lmcache_receiver` fact (HOST:INIT[,INIT...]:ALLOC[,ALLOC...], one of each per TP rank)";
 
 /// The per-request form of pair validation, for endpoints whose receiver was inserted
 /// without declaring its size ([`LmcacheReceiver::insert_into`] declares it, and then
@@ -453,12 +508,14 @@ impl KvConnector for Lmcache {
         let prefill_ep = route.prefill.as_ref().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
-        let receiver = route.decode.ext().get::<LmcacheReceiver>().ok_or_else(|| {
-            ConnectorError::NotConfigured {
-                endpoint: route.decode.id().clone(),
-                what: "LMCache receiver (host, init and alloc ports)",
-            }
-        })?;
+        let not_configured = |what| ConnectorError::NotConfigured {
+            endpoint: route.decode.id().clone(),
+            what,
+        };
+        let receiver = LmcacheReceiver::from_facts(route.decode.facts())
+            .map_err(|_| not_configured(BAD_RECEIVER))?
+            .ok_or_else(|| not_configured("LMCache receiver (host, init and alloc ports)"))?;
+        let receiver = &receiver;
         check_tp(prefill_ep, &route.decode, receiver)?;
         let body = req.body();
         let unsupported = |what: &str| ConnectorError::Unsupported {

@@ -51,9 +51,7 @@ use serde_json::value::RawValue;
 
 use crate::common::Rooms;
 use crate::sglang::generate::{self, LogprobMerge, MergeLogprobs};
-use disagg_core::connector::{
-    BootstrapPort, Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer,
-};
+use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use disagg_core::disaggregate::Decision;
 use disagg_core::error::{ConnectorError, InvalidParam};
 use disagg_core::request::{Api, PdRequest};
@@ -63,8 +61,10 @@ use disagg_core::router::Route;
 /// both legs.
 ///
 /// The bootstrap port of each prefill endpoint comes from its
-/// [`BootstrapPort`] extension; an endpoint without one gets `bootstrap_port: null`
-/// (SGLang's `none`).
+/// [`Facts::BOOTSTRAP_PORT`](disagg_core::endpoint::Facts::BOOTSTRAP_PORT) fact; an
+/// endpoint without one gets `bootstrap_port: null` (SGLang's `none`), one whose value is
+/// not a port number fails the request (`ConnectorError::NotConfigured`, naming the
+/// endpoint and the key).
 ///
 /// # Examples
 ///
@@ -72,14 +72,13 @@ use disagg_core::router::Route;
 /// use std::sync::Arc;
 /// use disagg_connectors::common::Rooms;
 /// use disagg_connectors::sglang::SglangBootstrap;
-/// use disagg_core::connector::{BootstrapPort, Dispatch, KvConnector};
-/// use disagg_core::endpoint::{Endpoint, Role};
+/// use disagg_core::connector::{Dispatch, KvConnector};
+/// use disagg_core::endpoint::{Endpoint, Facts, Role};
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;
 ///
-/// let mut ext = http::Extensions::new();
-/// ext.insert(BootstrapPort(Some(8998)));
-/// let p = Endpoint::with_extensions("http://10.0.0.5:30000", Role::Prefill, ext)?;
+/// let facts = Facts::new().with(Facts::BOOTSTRAP_PORT, "8998")?;
+/// let p = Endpoint::new("http://10.0.0.5:30000", Role::Prefill)?.with_facts(facts);
 /// let route = Route::new(
 ///     Some(Arc::new(p)),
 ///     Arc::new(Endpoint::new("http://10.0.0.7:30001", Role::Decode)?),
@@ -249,9 +248,9 @@ impl KvConnector for SglangBootstrap {
                 field: "bootstrap_host",
                 source,
             })?;
-        let port = match prefill_ep.ext().get::<BootstrapPort>() {
-            Some(BootstrapPort(Some(p))) => p.to_string().into_bytes(),
-            _ => b"null".to_vec(),
+        let port = match crate::common::bootstrap_port(&prefill_ep)? {
+            Some(p) => p.to_string().into_bytes(),
+            None => b"null".to_vec(),
         };
         let mut body = req.body().clone();
         match expansion(req.api(), req.body()) {
@@ -348,16 +347,18 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
-    use disagg_core::endpoint::{Endpoint, Role};
+    use disagg_core::endpoint::{Endpoint, Facts, Role};
 
-    fn route(port: Option<BootstrapPort>) -> Route {
-        let mut ext = http::Extensions::new();
+    fn route(port: Option<&str>) -> Route {
+        let mut facts = Facts::new();
         if let Some(p) = port {
-            ext.insert(p);
+            facts.insert(Facts::BOOTSTRAP_PORT, p).unwrap();
         }
         Route::new(
             Some(Arc::new(
-                Endpoint::with_extensions("http://10.1.2.3:30000", Role::Prefill, ext).unwrap(),
+                Endpoint::new("http://10.1.2.3:30000", Role::Prefill)
+                    .unwrap()
+                    .with_facts(facts),
             )),
             Arc::new(Endpoint::new("http://10.1.2.4:30001", Role::Decode).unwrap()),
         )
@@ -378,9 +379,7 @@ mod tests {
             Api::Chat,
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9,"bootstrap_room":5,"future":{"x":[1]}}"#,
         );
-        let h = c
-            .prepare(&route(Some(BootstrapPort(Some(8998)))), &r)
-            .unwrap();
+        let h = c.prepare(&route(Some("8998")), &r).unwrap();
         let expected_room = Rooms::from_seed(0).next_room();
         assert_eq!(
             String::from_utf8(h.decode.body.to_bytes().to_vec()).unwrap(),
@@ -398,9 +397,23 @@ mod tests {
     fn port_is_null_without_configuration_or_when_none() {
         let c = SglangBootstrap::new();
         let r = req(Api::Completions, r#"{"prompt":"a"}"#);
-        for port in [None, Some(BootstrapPort(None))] {
-            let h = c.prepare(&route(port), &r).unwrap();
-            assert_eq!(h.decode.body.get("bootstrap_port"), Some(&b"null"[..]));
+        let h = c.prepare(&route(None), &r).unwrap();
+        assert_eq!(h.decode.body.get("bootstrap_port"), Some(&b"null"[..]));
+    }
+
+    #[test]
+    fn a_malformed_bootstrap_port_fact_fails_the_request_naming_endpoint_and_key() {
+        let c = SglangBootstrap::new();
+        let r = req(Api::Completions, r#"{"prompt":"a"}"#);
+        for bad in ["x", "70000", "-1", ""] {
+            let err = c.prepare(&route(Some(bad)), &r).unwrap_err();
+            assert!(
+                matches!(err, ConnectorError::NotConfigured { .. }),
+                "{bad}: {err:?}"
+            );
+            let msg = err.to_string();
+            assert!(msg.contains("http://10.1.2.3:30000"), "{msg}");
+            assert!(msg.contains("`bootstrap_port`"), "{msg}");
         }
     }
 
@@ -440,9 +453,7 @@ mod tests {
             ),
         ];
         for (api, body, want) in cases {
-            let h = c
-                .prepare(&route(Some(BootstrapPort(Some(1)))), &req(api, body))
-                .unwrap();
+            let h = c.prepare(&route(Some("1")), &req(api, body)).unwrap();
             let v = json(&h.prefill.body);
             match want {
                 None => {
@@ -473,7 +484,7 @@ mod tests {
     #[test]
     fn a_batch_gets_distinct_rooms_equal_on_both_legs() {
         let c = SglangBootstrap::new();
-        let r = route(Some(BootstrapPort(Some(8998))));
+        let r = route(Some("8998"));
         let body = r#"{"text":["a","b","c"]}"#;
         let h = c.prepare(&r, &req(Api::Generate, body)).unwrap();
         let rooms: Vec<u64> =
@@ -518,7 +529,7 @@ mod tests {
     #[test]
     fn generate_batches_get_a_room_per_element_and_logprobs_join_the_legs() {
         let c = SglangBootstrap::new();
-        let r = route(Some(BootstrapPort(Some(8998))));
+        let r = route(Some("8998"));
         for (body, n) in [
             (
                 r#"{"text":["a","b","c"],"sampling_params":{"max_new_tokens":4}}"#,

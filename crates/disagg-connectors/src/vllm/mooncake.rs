@@ -42,7 +42,7 @@ use bytes::Bytes;
 
 use crate::common::Rooms;
 use crate::vllm::rewrite::PrefillRewriter;
-use disagg_core::connector::{BootstrapPort, Dispatch, Handoff, KvConnector, Leg};
+use disagg_core::connector::{Dispatch, Handoff, KvConnector, Leg};
 use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::{Endpoint, EndpointId};
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
@@ -116,8 +116,10 @@ impl Ranks {
 
 /// The vLLM Mooncake connector: concurrent dispatch, linked by a `transfer_id`.
 ///
-/// Each prefill endpoint's bootstrap port comes from its [`BootstrapPort`] extension
-/// (8998, `VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default, when it has none).
+/// Each prefill endpoint's bootstrap port comes from its
+/// [`Facts::BOOTSTRAP_PORT`](disagg_core::endpoint::Facts::BOOTSTRAP_PORT) fact (8998,
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default, when it has none; a value that is not a port
+/// number fails the request, naming the endpoint and the key).
 ///
 /// # Examples
 ///
@@ -300,10 +302,7 @@ impl KvConnector for VllmMooncake {
         let prefill_ep = route.prefill.clone().ok_or(ConnectorError::NeedsPrefill {
             connector: self.name(),
         })?;
-        let port = match prefill_ep.ext().get::<BootstrapPort>() {
-            Some(BootstrapPort(Some(p))) => *p,
-            _ => DEFAULT_BOOTSTRAP_PORT,
-        };
+        let port = crate::common::bootstrap_port(&prefill_ep)?.unwrap_or(DEFAULT_BOOTSTRAP_PORT);
         let host = prefill_ep.authority().host();
         let plan = Plan {
             transfer_id: format!("xfer-{:016x}", self.ids.next_room()),
@@ -415,7 +414,7 @@ mod tests {
 
     use super::*;
     use disagg_core::endpoint::DATA_PARALLEL_RANK;
-    use disagg_core::endpoint::{Endpoint, Role};
+    use disagg_core::endpoint::{Endpoint, Facts, Role};
     use disagg_core::error::TransportError;
     use disagg_core::request::Api;
     use disagg_core::transport::ResponseFuture;
@@ -447,13 +446,19 @@ mod tests {
     }
 
     fn route(port: Option<u16>) -> Route {
-        let mut ext = http::Extensions::new();
+        route_with(port.map(|p| p.to_string()).as_deref())
+    }
+
+    fn route_with(port: Option<&str>) -> Route {
+        let mut facts = Facts::new();
         if let Some(p) = port {
-            ext.insert(BootstrapPort(Some(p)));
+            facts.insert(Facts::BOOTSTRAP_PORT, p).unwrap();
         }
         Route::new(
             Some(Arc::new(
-                Endpoint::with_extensions("http://10.1.2.3:8100", Role::Prefill, ext).unwrap(),
+                Endpoint::new("http://10.1.2.3:8100", Role::Prefill)
+                    .unwrap()
+                    .with_facts(facts),
             )),
             Arc::new(Endpoint::new("http://10.1.2.4:8200", Role::Decode).unwrap()),
         )
@@ -653,5 +658,20 @@ mod tests {
             json_of(&a.prefill.body)["kv_transfer_params"]["transfer_id"],
             json_of(&b.prefill.body)["kv_transfer_params"]["transfer_id"]
         );
+    }
+
+    #[test]
+    fn a_malformed_bootstrap_port_fact_fails_the_request_naming_endpoint_and_key() {
+        let c = VllmMooncake::new();
+        let err = c
+            .prepare(&route_with(Some("8998x")), &req(r#"{"messages":[]}"#))
+            .unwrap_err();
+        assert!(
+            matches!(err, ConnectorError::NotConfigured { .. }),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("http://10.1.2.3:8100"), "{msg}");
+        assert!(msg.contains("`bootstrap_port`"), "{msg}");
     }
 }

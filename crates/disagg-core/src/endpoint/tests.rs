@@ -242,3 +242,20 @@ fn undeclared_endpoints_serve_every_model_and_the_rest() {
     let one = EndpointSet::new([ep("http://d1:1", Role::Decode, &["llama"])]);
     assert_eq!(ids(one.for_model(None).unwrap().decode()), ["http://d1:1"]);
 }
+
+#[test]
+fn a_rank_endpoint_has_its_engines_facts() {
+    let facts = Facts::new().with(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+    let engine = Arc::new(
+        Endpoint::new("http://10.0.0.5:8100", Role::Prefill)
+            .unwrap()
+            .with_facts(facts.clone()),
+    );
+    assert_eq!(engine.dp_rank(2).facts(), &facts);
+    assert!(
+        Endpoint::new("http://10.0.0.5:8100", Role::Prefill)
+            .unwrap()
+            .facts()
+            .is_empty()
+    );
+}

@@ -12,7 +12,8 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{EndpointSource, Role, connector::BootstrapPort};
+use disagg_core::endpoint::Facts;
+use disagg_core::{EndpointSource, Role};
 use disagg_discovery::MergedSource;
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -243,7 +244,7 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
         first
             .prefill()
             .iter()
-            .all(|e| { e.ext().get::<BootstrapPort>() == Some(&BootstrapPort(Some(8998))) })
+            .all(|e| { e.facts().get(Facts::BOOTSTRAP_PORT) == Some("8998") })
     );
     let kept = first
         .prefill()

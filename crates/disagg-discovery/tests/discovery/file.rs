@@ -4,7 +4,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{EndpointSource, Role, connector::BootstrapPort};
+use disagg_core::endpoint::Facts;
+use disagg_core::{EndpointSource, Role};
 use disagg_discovery::MergedSource;
 use disagg_discovery::file::{self, FileConfig, FileError};
 
@@ -67,8 +68,8 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
     );
     let after = wait_for(&merged, RELOAD, "the edit", |s| s.decode().len() == 2).await;
     assert_eq!(
-        after.prefill()[0].ext().get::<BootstrapPort>(),
-        Some(&BootstrapPort(Some(9000)))
+        after.prefill()[0].facts().get(Facts::BOOTSTRAP_PORT),
+        Some("9000")
     );
     assert!(!Arc::ptr_eq(&before.prefill()[0], &after.prefill()[0]));
     let kept = after

@@ -4,8 +4,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use disagg_core::endpoint::Facts;
 use disagg_core::pairing::KvProfile;
-use disagg_core::{EndpointSource, Role, connector::BootstrapPort, endpoint::EndpointSet};
+use disagg_core::{EndpointSource, Role, endpoint::EndpointSet};
 use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
 
@@ -134,10 +135,7 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     assert_eq!(ids(&first, Role::Prefill), ["http://127.0.1.1:8000"]);
     assert_eq!(ids(&first, Role::Decode), ["http://127.0.2.1:8000"]);
     let p1 = find(&first, Role::Prefill, "http://127.0.1.1:8000");
-    assert_eq!(
-        p1.ext().get::<BootstrapPort>(),
-        Some(&BootstrapPort(Some(8998)))
-    );
+    assert_eq!(p1.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
     let profile = p1.ext().get::<KvProfile>().unwrap();
     assert_eq!(
         (profile.connector.as_deref(), profile.tp_size),

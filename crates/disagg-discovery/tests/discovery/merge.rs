@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use disagg_core::{Endpoint, EndpointSource, Role, connector::BootstrapPort};
+use disagg_core::endpoint::Facts;
+use disagg_core::{Endpoint, EndpointSource, Role};
 use disagg_discovery::{EndpointSpec, MergedSource, SpecSource};
 
 use crate::support::{ids, wait_for};
@@ -12,7 +13,11 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn prefill(url: &str, bootstrap: Option<u16>) -> EndpointSpec {
     let mut spec = EndpointSpec::new(url, Role::Prefill);
-    spec.bootstrap_port = bootstrap;
+    if let Some(port) = bootstrap {
+        spec.facts
+            .insert(Facts::BOOTSTRAP_PORT, port.to_string())
+            .unwrap();
+    }
     spec
 }
 
@@ -99,14 +104,11 @@ async fn a_changed_spec_makes_a_new_endpoint_with_the_new_data() {
 
     publisher.publish(vec![prefill("http://10.0.0.1:8100", Some(9000))]);
     let after = wait_for(&merged, WAIT, "the new bootstrap port", |s| {
-        s.prefill()[0].ext().get::<BootstrapPort>() == Some(&BootstrapPort(Some(9000)))
+        s.prefill()[0].facts().get(Facts::BOOTSTRAP_PORT) == Some("9000")
     })
     .await;
     assert!(!Arc::ptr_eq(&before, &after.prefill()[0]));
-    assert_eq!(
-        before.ext().get::<BootstrapPort>(),
-        Some(&BootstrapPort(Some(8998)))
-    );
+    assert_eq!(before.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
     let stats = merged.sources().next().unwrap().1;
     assert_eq!(
         (stats.added(), stats.removed(), stats.replaced()),
@@ -145,7 +147,12 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
         ["http://10.0.0.1:8100", "http://10.0.0.9:8100"]
     );
     assert!(Arc::ptr_eq(&set.prefill()[0], &fixed));
-    assert!(set.prefill()[0].ext().get::<BootstrapPort>().is_none());
+    assert!(
+        set.prefill()[0]
+            .facts()
+            .get(Facts::BOOTSTRAP_PORT)
+            .is_none()
+    );
 
     let mut registry = prometheus_client::registry::Registry::default();
     merged.register_metrics(&mut registry);

@@ -5,7 +5,7 @@ use crate::common::sse::{EventMap, MapEvents};
 use crate::lmcache::reshape::*;
 use bytes::BytesMut;
 use disagg_core::Role;
-use disagg_core::endpoint::Endpoint;
+use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::pairing::KvRole;
 use disagg_core::transport::BoxBody;
 use http::HeaderMap;
@@ -13,13 +13,47 @@ use http_body::Frame;
 use http_body_util::BodyExt;
 
 fn route(receiver: Option<LmcacheReceiver>) -> Route {
+    route_with(receiver.map(|r| r.to_string()).as_deref())
+}
+
+/// A route whose decode's receiver fact is `receiver`, as written.
+fn route_with(receiver: Option<&str>) -> Route {
     let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
-    let mut ext = http::Extensions::new();
+    let mut facts = Facts::new();
     if let Some(r) = receiver {
-        ext.insert(r);
+        facts.insert(Facts::LMCACHE_RECEIVER, r).unwrap();
     }
-    let d = Arc::new(Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap());
+    let d = Arc::new(
+        Endpoint::new("http://d:7200", Role::Decode)
+            .unwrap()
+            .with_facts(facts),
+    );
     Route::new(Some(p), d)
+}
+
+#[test]
+fn a_malformed_receiver_fact_fails_the_request_naming_endpoint_and_key() {
+    let req = request(Api::Completions, r#"{"model":"m","prompt":"hi"}"#);
+    for bad in ["h:1,2:3", "10.0.0.7:7300", "h:x:1"] {
+        let err = connector()
+            .prepare(&route_with(Some(bad)), &req)
+            .unwrap_err();
+        assert!(
+            matches!(err, ConnectorError::NotConfigured { .. }),
+            "{bad}: {err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("http://d:7200") && msg.contains("`lmcache_receiver`"),
+            "{msg}"
+        );
+    }
+    // The text form reads back as the receiver it was written from.
+    let facts = Facts::new()
+        .with(Facts::LMCACHE_RECEIVER, receiver().to_string())
+        .unwrap();
+    assert_eq!(LmcacheReceiver::from_facts(&facts), Ok(Some(receiver())));
+    assert_eq!(LmcacheReceiver::from_facts(&Facts::new()), Ok(None));
 }
 
 fn request(api: Api, body: &str) -> PdRequest {
@@ -258,10 +292,13 @@ fn declared(
     if let Some(p) = profile {
         ext.insert(p);
     }
+    let mut facts = Facts::new();
     if let Some(r) = receiver {
-        r.insert_into(&mut ext).unwrap();
+        r.insert_into(&mut facts, &mut ext).unwrap();
     }
-    Endpoint::with_extensions(url, role, ext).unwrap()
+    Endpoint::with_extensions(url, role, ext)
+        .unwrap()
+        .with_facts(facts)
 }
 
 fn tp(size: u32) -> Option<KvProfile> {
@@ -327,21 +364,22 @@ fn pairs_of_unequal_tp_are_refused_the_decodes_size_being_its_receivers() {
 #[test]
 fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
     let mut ext = http::Extensions::new();
+    let mut facts = Facts::new();
     ext.insert(tp(4).unwrap());
     assert_eq!(
-        receiver().insert_into(&mut ext),
+        receiver().insert_into(&mut facts, &mut ext),
         Err(ReceiverError::TpSize {
             declared: 4,
             ranks: 2
         })
     );
     // Left as it was: no receiver, the declared size untouched.
-    assert!(ext.get::<LmcacheReceiver>().is_none());
+    assert!(facts.get(Facts::LMCACHE_RECEIVER).is_none());
     assert_eq!(ext.get::<KvProfile>(), tp(4).as_ref());
     let mut ext = http::Extensions::new();
     ext.insert(tp(2).unwrap());
-    receiver().insert_into(&mut ext).unwrap();
-    assert_eq!(ext.get::<LmcacheReceiver>(), Some(&receiver()));
+    receiver().insert_into(&mut facts, &mut ext).unwrap();
+    assert_eq!(LmcacheReceiver::from_facts(&facts), Ok(Some(receiver())));
 }
 
 #[tokio::test]
@@ -435,8 +473,12 @@ fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
         if let Some(d) = decode {
             ext.insert(d);
         }
-        ext.insert(receiver());
-        let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext).unwrap();
+        let facts = Facts::new()
+            .with(Facts::LMCACHE_RECEIVER, receiver().to_string())
+            .unwrap();
+        let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext)
+            .unwrap()
+            .with_facts(facts);
         Route::new(Some(Arc::new(p)), Arc::new(d))
     };
     let refusal = |prefill, decode| {

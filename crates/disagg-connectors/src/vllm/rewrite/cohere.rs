@@ -25,7 +25,9 @@ use disagg_core::proto::lax::{bool_value, int_value};
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| !matches!(key, b"stop_sequences" | b"response_format"));
+    disagg_core::proto::retain(&mut out, |key| {
+        !matches!(key, b"stop_sequences" | b"response_format")
+    });
     out.set_raw("max_tokens", super::ONE.clone());
     out.set_raw("stream", Bytes::from_static(b"false"));
     out

@@ -39,7 +39,9 @@ pub(crate) const RESPONSES_STATE: &str = "responses_state";
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| !matches!(key, b"stream_options" | b"top_logprobs" | b"text"));
+    disagg_core::proto::retain(&mut out, |key| {
+        !matches!(key, b"stream_options" | b"top_logprobs" | b"text")
+    });
     out.set_raw("max_output_tokens", super::ONE.clone());
     out.set_raw("stream", Bytes::from_static(b"false"));
     out.set_raw("store", Bytes::from_static(b"false"));
