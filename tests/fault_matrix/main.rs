@@ -500,7 +500,7 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
             let (url, held) = held_dead_url();
             let s = builder.build().await;
             let facts = Facts::new()
-                .with(Facts::LMCACHE_RECEIVER, lmcache_receiver(s.d()).to_string())
+                .with(Facts::KV_RECEIVER, lmcache_receiver(s.d()).to_string())
                 .expect("receiver fact");
             let decode = Endpoint::new(&url, Role::Decode)
                 .expect("endpoint")

@@ -104,7 +104,7 @@ async fn start(opts: Opts) -> Lm {
         };
         let facts = disagg_core::endpoint::Facts::new()
             .with(
-                disagg_core::endpoint::Facts::LMCACHE_RECEIVER,
+                disagg_core::endpoint::Facts::KV_RECEIVER,
                 receiver.to_string(),
             )
             .unwrap();

@@ -316,9 +316,7 @@ impl StackBuilder {
                             .unwrap();
                     }
                     if let Some(r) = &receiver {
-                        facts
-                            .insert(Facts::LMCACHE_RECEIVER, r.to_string())
-                            .unwrap();
+                        facts.insert(Facts::KV_RECEIVER, r.to_string()).unwrap();
                     }
                     let ep = Endpoint::new(url, role).unwrap().with_facts(facts);
                     if declare {

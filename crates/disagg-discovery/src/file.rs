@@ -324,7 +324,7 @@ impl EntryModel {
                 return Err("lmcache_receiver applies to decode engines only".into());
             }
             spec.facts
-                .insert(Facts::LMCACHE_RECEIVER, r)
+                .insert(Facts::KV_RECEIVER, r)
                 .map_err(|e| e.to_string())?;
         }
         if let Some(events) = &self.kv_events
@@ -486,10 +486,7 @@ mod tests {
         assert_eq!(p.kv_events.as_deref(), Some("tcp://10.0.0.5:5557"));
         let d = &specs[1];
         assert_eq!(d.role, Role::Decode);
-        assert_eq!(
-            d.facts.get(Facts::LMCACHE_RECEIVER),
-            Some("10.0.0.7:7300:7400")
-        );
+        assert_eq!(d.facts.get(Facts::KV_RECEIVER), Some("10.0.0.7:7300:7400"));
         assert_eq!(d.kv_profile.as_ref().unwrap().tp_size, Some(1));
     }
 

@@ -447,7 +447,7 @@ pub fn pod_spec(
             let receiver =
                 lmcache_receiver(&ip.to_string(), init, alloc).map_err(|e| bad(&keys, &e))?;
             spec.facts
-                .insert(Facts::LMCACHE_RECEIVER, receiver)
+                .insert(Facts::KV_RECEIVER, receiver)
                 .map_err(|e| bad(&keys, &e))?;
         }
         (Some(_), Some(_)) => {
@@ -686,7 +686,7 @@ mod tests {
         );
         let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
         assert_eq!(
-            spec.facts.get(Facts::LMCACHE_RECEIVER),
+            spec.facts.get(Facts::KV_RECEIVER),
             Some("10.1.2.3:7300:7400")
         );
         assert!(pod_spec(&p, Role::Prefill, &config()).is_err());

@@ -111,7 +111,7 @@ pub struct EndpointSpec {
     /// [`Endpoint::with_models`]).
     pub models: Vec<String>,
     /// The engine's protocol facts (a prefill's [`Facts::BOOTSTRAP_PORT`], a decode's
-    /// [`Facts::LMCACHE_RECEIVER`]), given to each of its endpoints as
+    /// [`Facts::KV_RECEIVER`]), given to each of its endpoints as
     /// [`Endpoint::facts`] for the connector to read; bounded as [`Facts`] holds every
     /// entry, since they come from outside.
     pub facts: Facts,
@@ -163,7 +163,7 @@ impl EndpointSpec {
 
     /// The connector data this spec puts into its endpoints' extensions (its protocol
     /// facts go to [`Endpoint::facts`]): the [`KvProfile`] and the
-    /// [`KvEventsEndpoint`]. A decode's [`Facts::LMCACHE_RECEIVER`] declares its
+    /// [`KvEventsEndpoint`]. A decode's [`Facts::KV_RECEIVER`] declares its
     /// tensor-parallel size in the profile (one init and one alloc port per rank), as
     /// `serve --lmcache-receiver` does, so that pair validation refuses a prefill of
     /// another declared size.
@@ -176,7 +176,7 @@ impl EndpointSpec {
         check_facts(&self.facts)?;
         let mut ext = http::Extensions::new();
         let mut profile = self.kv_profile.clone();
-        if let Some(receiver) = self.facts.get(Facts::LMCACHE_RECEIVER) {
+        if let Some(receiver) = self.facts.get(Facts::KV_RECEIVER) {
             let ranks = receiver_ranks(receiver)?;
             let tp = u32::try_from(ranks).unwrap_or(u32::MAX);
             let p = profile.get_or_insert_with(KvProfile::default);
@@ -309,7 +309,7 @@ pub struct KvEventsEndpoint(pub String);
 
 /// Checks the well-known facts whose form discovery knows (the core documents them
 /// with [`Facts`]'s keys): a [`Facts::BOOTSTRAP_PORT`] is a port number, a
-/// [`Facts::LMCACHE_RECEIVER`] is `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` with one port
+/// [`Facts::KV_RECEIVER`] is `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` with one port
 /// of each kind per rank. A spec with a malformed one makes no endpoint, so the
 /// connector never meets it; other keys are kept as they are, for the connector that
 /// reads them.
@@ -336,7 +336,7 @@ pub fn check_facts(facts: &Facts) -> Result<(), SpecError> {
             expected: "a port number (0-65535)",
         });
     }
-    if let Some(r) = facts.get(Facts::LMCACHE_RECEIVER) {
+    if let Some(r) = facts.get(Facts::KV_RECEIVER) {
         receiver_ranks(r)?;
     }
     Ok(())
@@ -566,7 +566,7 @@ mod tests {
             "h:x:1",
         ] {
             let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
-            spec.facts.insert(Facts::LMCACHE_RECEIVER, bad).unwrap();
+            spec.facts.insert(Facts::KV_RECEIVER, bad).unwrap();
             assert!(
                 matches!(spec.to_endpoints(), Err(SpecError::Lmcache(_))),
                 "{bad}"
@@ -603,11 +603,9 @@ mod tests {
     fn an_lmcache_receiver_declares_the_decode_tp_size() {
         let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
         let receiver = "10.0.0.7:7300,7301:7400,7401";
-        spec.facts
-            .insert(Facts::LMCACHE_RECEIVER, receiver)
-            .unwrap();
+        spec.facts.insert(Facts::KV_RECEIVER, receiver).unwrap();
         let eps = spec.to_endpoints().unwrap();
-        assert_eq!(eps[0].facts().get(Facts::LMCACHE_RECEIVER), Some(receiver));
+        assert_eq!(eps[0].facts().get(Facts::KV_RECEIVER), Some(receiver));
         let ext = spec.extensions().unwrap();
         assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
         // A profile declaring another size contradicts the receiver.

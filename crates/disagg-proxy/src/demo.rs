@@ -120,7 +120,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
         );
         let receiver = LmcacheReceiver::new("127.0.0.1", init, alloc)?;
-        decode_facts.insert(Facts::LMCACHE_RECEIVER, receiver.to_string())?;
+        decode_facts.insert(Facts::KV_RECEIVER, receiver.to_string())?;
     } else {
         println!("decode engine   {}", decode.url());
     }

@@ -104,7 +104,7 @@ fn has_grammar(body: &JsonBody) -> bool {
 
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
 /// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode endpoint's
-/// [`Facts::LMCACHE_RECEIVER`] fact as text ([`insert_into`](Self::insert_into) writes
+/// [`Facts::KV_RECEIVER`] fact as text ([`insert_into`](Self::insert_into) writes
 /// it, [`from_facts`](Self::from_facts) reads it back).
 /// One init and one alloc port per TP rank; the decode leg waits for one notification
 /// per rank.
@@ -227,21 +227,18 @@ impl LmcacheReceiver {
         u32::try_from(self.ranks()).unwrap_or(u32::MAX)
     }
 
-    /// The receiver an endpoint declares in its [`Facts::LMCACHE_RECEIVER`] fact:
+    /// The receiver an endpoint declares in its [`Facts::KV_RECEIVER`] fact:
     /// `None` when it declares none.
     ///
     /// # Errors
     ///
     /// [`ReceiverError`] when the fact is not of the form [`parse`](Self::parse) reads.
     pub fn from_facts(facts: &Facts) -> Result<Option<Self>, ReceiverError> {
-        facts
-            .get(Facts::LMCACHE_RECEIVER)
-            .map(Self::parse)
-            .transpose()
+        facts.get(Facts::KV_RECEIVER).map(Self::parse).transpose()
     }
 
     /// Put this receiver into a decode endpoint's facts (as its text form, under
-    /// [`Facts::LMCACHE_RECEIVER`]), declaring with it the endpoint's tensor-parallel
+    /// [`Facts::KV_RECEIVER`]), declaring with it the endpoint's tensor-parallel
     /// size in `ext`: the port count ([`ranks`](Self::ranks)) is set as the
     /// [`KvProfile::tp_size`] (a profile already there keeps its other parts), so that
     /// pair validation (`disagg_resilience::pairing`'s `check_pairs` and
@@ -268,7 +265,7 @@ impl LmcacheReceiver {
     /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
     /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut facts, &mut ext)?;
     /// assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
-    /// assert_eq!(facts.get(Facts::LMCACHE_RECEIVER), Some("10.0.0.7:7300,7301:7400,7401"));
+    /// assert_eq!(facts.get(Facts::KV_RECEIVER), Some("10.0.0.7:7300,7301:7400,7401"));
     ///
     /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
     /// ext.insert(KvProfile { tp_size: Some(4), ..KvProfile::default() });
@@ -293,7 +290,7 @@ impl LmcacheReceiver {
             }
             _ => profile.tp_size = Some(tp),
         }
-        facts.insert(Facts::LMCACHE_RECEIVER, self.to_string())?;
+        facts.insert(Facts::KV_RECEIVER, self.to_string())?;
         ext.insert(profile);
         Ok(())
     }
@@ -320,7 +317,7 @@ impl std::fmt::Display for LmcacheReceiver {
 
 /// The LMCache P/D connector (vLLM `LMCacheConnectorV1`, NIXL transfer channel).
 ///
-/// Decode endpoints carry an [`LmcacheReceiver`] in their [`Facts::LMCACHE_RECEIVER`]
+/// Decode endpoints carry an [`LmcacheReceiver`] in their [`Facts::KV_RECEIVER`]
 /// fact (parsed per request; a malformed one fails the request naming the endpoint and
 /// the key); the prefill
 /// engines' `pd_proxy_host`/`pd_proxy_port` point at the [`Notifications`] socket.
@@ -423,9 +420,10 @@ pub(super) struct First {
     pub(super) stop_reason: Value,
 }
 
-/// What a decode with a malformed [`Facts::LMCACHE_RECEIVER`] lacks, in
+/// What a decode with a malformed [`Facts::KV_RECEIVER`] lacks, in
 /// [`ConnectorError::NotConfigured`].
-const BAD_RECEIVER: &str = "usable `lmcache_receiver` fact (HOST:INIT[,INIT...]:ALLOC[,ALLOC...], one of each per TP rank)";
+const BAD_RECEIVER: &str =
+    "usable `kv_receiver` fact (HOST:INIT[,INIT...]:ALLOC[,ALLOC...], one of each per TP rank)";
 
 /// The per-request form of pair validation, for endpoints whose receiver was inserted
 /// without declaring its size ([`LmcacheReceiver::insert_into`] declares it, and then

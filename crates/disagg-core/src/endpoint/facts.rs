@@ -21,7 +21,7 @@ use std::fmt;
 /// The core reads no fact: it only keeps them, bounded. Each connector parses the keys
 /// it needs and refuses a malformed value with an error naming the endpoint and the
 /// key. The well-known keys are constants here ([`BOOTSTRAP_PORT`](Self::BOOTSTRAP_PORT),
-/// [`LMCACHE_RECEIVER`](Self::LMCACHE_RECEIVER)), so that the sources and the
+/// [`KV_RECEIVER`](Self::KV_RECEIVER)), so that the sources and the
 /// connectors spell them alike without depending on each other. Facts often come from
 /// peers (a discovery file, a pod's annotations, DNS answers), so every insertion is
 /// held to ceilings before anything is kept: [`MAX_ENTRIES`](Self::MAX_ENTRIES)
@@ -54,10 +54,10 @@ impl Facts {
     /// `--disaggregation-bootstrap-port`, vLLM Mooncake's `VLLM_MOONCAKE_BOOTSTRAP_PORT`);
     /// absent: none declared.
     pub const BOOTSTRAP_PORT: &'static str = "bootstrap_port";
-    /// Where a decode engine receives LMCache's KV pushes,
-    /// `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` (one init and one alloc port per
-    /// tensor-parallel rank), as `serve --lmcache-receiver` writes it.
-    pub const LMCACHE_RECEIVER: &'static str = "lmcache_receiver";
+    /// Where a decode engine receives KV a prefill pushes to it, in its connector's
+    /// text form (LMCache's `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]`, one init and one
+    /// alloc port per tensor-parallel rank, as `serve --lmcache-receiver` writes it).
+    pub const KV_RECEIVER: &'static str = "kv_receiver";
 
     /// The most entries one endpoint keeps.
     pub const MAX_ENTRIES: usize = 32;

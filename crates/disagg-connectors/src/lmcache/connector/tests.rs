@@ -21,7 +21,7 @@ fn route_with(receiver: Option<&str>) -> Route {
     let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
     let mut facts = Facts::new();
     if let Some(r) = receiver {
-        facts.insert(Facts::LMCACHE_RECEIVER, r).unwrap();
+        facts.insert(Facts::KV_RECEIVER, r).unwrap();
     }
     let d = Arc::new(
         Endpoint::new("http://d:7200", Role::Decode)
@@ -44,13 +44,13 @@ fn a_malformed_receiver_fact_fails_the_request_naming_endpoint_and_key() {
         );
         let msg = err.to_string();
         assert!(
-            msg.contains("http://d:7200") && msg.contains("`lmcache_receiver`"),
+            msg.contains("http://d:7200") && msg.contains("`kv_receiver`"),
             "{msg}"
         );
     }
     // The text form reads back as the receiver it was written from.
     let facts = Facts::new()
-        .with(Facts::LMCACHE_RECEIVER, receiver().to_string())
+        .with(Facts::KV_RECEIVER, receiver().to_string())
         .unwrap();
     assert_eq!(LmcacheReceiver::from_facts(&facts), Ok(Some(receiver())));
     assert_eq!(LmcacheReceiver::from_facts(&Facts::new()), Ok(None));
@@ -374,7 +374,7 @@ fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
         })
     );
     // Left as it was: no receiver, the declared size untouched.
-    assert!(facts.get(Facts::LMCACHE_RECEIVER).is_none());
+    assert!(facts.get(Facts::KV_RECEIVER).is_none());
     assert_eq!(ext.get::<KvProfile>(), tp(4).as_ref());
     let mut ext = http::Extensions::new();
     ext.insert(tp(2).unwrap());
@@ -474,7 +474,7 @@ fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
             ext.insert(d);
         }
         let facts = Facts::new()
-            .with(Facts::LMCACHE_RECEIVER, receiver().to_string())
+            .with(Facts::KV_RECEIVER, receiver().to_string())
             .unwrap();
         let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext)
             .unwrap()
