@@ -30,6 +30,11 @@
 //! * **A lower one** (or the same one again after a reconnection): the engine
 //!   restarted, so its cache is empty: the rank's entries are dropped and the new
 //!   sequence is followed.
+//! * **A higher one than the next, first after a resubscription**: a gap, or an engine
+//!   that restarted and published past the old last before the subscription came
+//!   back; the two cannot be told apart, so the rank's entries are dropped and, with a
+//!   replay endpoint, the engine's history is replayed as for a first subscription
+//!   (stale entries would route requests to a cache that no longer holds them).
 //! * **The first batch after subscribing**, with a replay endpoint: the engine's
 //!   buffered history before it is replayed, so a subscriber started late (or a proxy
 //!   restarted) learns what the engines already hold.
@@ -783,6 +788,25 @@ impl RankTask {
                         s.restarts += 1;
                         s.drops += 1;
                     });
+                }
+                // The first batch after a resubscription, past the next one: a gap cannot
+                // be told from a restarted engine that published beyond the old last
+                // before the subscription came back (a replay of the gap would then bring
+                // the new process's batches on top of the old one's entries). Its entries
+                // are dropped and its history replayed, as for a first subscription.
+                Some(last) if catch_up && seq > last.saturating_add(1) => {
+                    tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, seq, last, "kv events: resubscribed past a gap, the engine may have restarted; dropping its entries");
+                    self.shared
+                        .index
+                        .clear(&self.shared.engine, self.shared.rank);
+                    self.status(|s| {
+                        s.gaps += 1;
+                        s.drops += 1;
+                    });
+                    if self.replay.is_some() && self.replay_allowed() {
+                        let replayed = self.replay_range(0, seq, false).await;
+                        self.replay_done(replayed.is_ok());
+                    }
                 }
                 Some(last) if seq > last.saturating_add(1) => {
                     self.status(|s| s.gaps += 1);

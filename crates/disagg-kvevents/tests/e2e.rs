@@ -338,6 +338,80 @@ async fn a_restarted_engine_is_followed_and_its_old_entries_dropped() {
     eventually("fresh", || index.cached_tokens(&name, &fresh) == 32).await;
 }
 
+/// An engine that restarts and publishes past the old process's last sequence number
+/// before the subscription comes back: the first batch seen is past the next one, as
+/// after a gap, and a replay of that "gap" from the new process succeeds. Taken for a
+/// gap, the old process's entries stayed in the index; after a resubscription such a
+/// jump drops them and replays the engine's history instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_engine_seen_past_the_old_last_has_its_old_entries_dropped() {
+    let first = engine(64, true).await;
+    let port_of = |url: String| -> u16 { url.rsplit(':').next().unwrap().parse().unwrap() };
+    let port = port_of(first.kv_events_endpoint().unwrap());
+    let replay_port = port_of(first.kv_events_replay_endpoint().unwrap());
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    // A long pause after a failed connection: the new process publishes during it.
+    let subscriber = Subscriber::new(
+        index.clone(),
+        SubscriberConfig {
+            connect_timeout: Duration::from_secs(3),
+            ..sub_config()
+        },
+    );
+    subscriber.set_endpoints(vec![endpoint(&first)]).await;
+    let name = first.url();
+    warm_up(&subscriber, &first, 900).await;
+    let old = prompt(1, 2);
+    complete(&first, &old, &[]).await;
+    eventually("old", || index.cached_tokens(&name, &old) == 32).await;
+    let before = status(&subscriber, &first, 0);
+    first.shutdown().await;
+
+    let second = SimEngine::start(SimConfig {
+        kv_events: Some(KvEventsConfig {
+            port,
+            replay_port: Some(replay_port),
+            ..KvEventsConfig::default()
+        }),
+        ..config(64, true)
+    })
+    .await
+    .unwrap();
+    // Published before the subscription is back (dropped by its PUB socket, kept in its
+    // replay buffer): the new process's numbers pass the old last.
+    let last = before.last_seq.unwrap();
+    for i in 0..last + 8 {
+        complete(&second, &prompt(100 + i as u32 % 500, 1), &[]).await;
+    }
+    // New prompts until one reaches the index: the subscription is back.
+    let deadline = Instant::now() + WAIT;
+    for j in 0.. {
+        assert!(
+            Instant::now() < deadline,
+            "the new process's batches never came"
+        );
+        let fresh = prompt(600 + j, 2);
+        complete(&second, &fresh, &[]).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if index.cached_tokens(&name, &fresh) == 32 {
+            break;
+        }
+    }
+    assert_eq!(
+        index.cached_tokens(&name, &old),
+        0,
+        "the old process's entries stayed"
+    );
+    let after = subscriber
+        .status()
+        .into_iter()
+        .find(|r| r.engine == name)
+        .unwrap();
+    // However the subscription saw the new process (a sequence that went back, or the
+    // jump this test arranges), its entries went at least once.
+    assert!(after.drops > before.drops, "{after:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_engine_is_resubscribed() {
     let e = engine(64, true).await;
