@@ -130,15 +130,19 @@ async fn an_embeddings_request_is_answered_as_the_engine_answers_it() {
     assert_eq!(stack.d().stats().embeddings_requests, 2);
 }
 
+/// `/v1/responses` is disaggregated since vLLM 0.33 takes a handoff there: a streamed
+/// response is relayed as the decode streams it, after a prefill leg; one that keeps
+/// state (`store`) is served by a decode engine alone, since vLLM keeps responses in one
+/// server's memory.
 #[tokio::test]
-async fn a_streamed_response_is_served_by_a_decode_engine_alone() {
+async fn a_streamed_response_is_disaggregated_and_a_stored_one_served_by_a_decode_alone() {
     let stack = Stack::start().await;
     let body =
         json!({"model": "sim-model", "input": "tell me", "max_output_tokens": 3, "stream": true});
     let direct = post(&stack.d().url(), "/v1/responses", body.to_string(), &[]).await;
     let proxied = post(&stack.url, "/v1/responses", body.to_string(), &[]).await;
     assert_eq!(proxied.status, 200, "{}", proxied.text());
-    assert_eq!(proxied.header("x-disagg-handoff"), Some("direct"));
+    assert_eq!(proxied.header("x-disagg-handoff"), Some("kv"));
     assert!(
         proxied
             .header("content-type")
@@ -156,9 +160,16 @@ async fn a_streamed_response_is_served_by_a_decode_engine_alone() {
         Some("response.incomplete")
     );
     assert_eq!(stack.d().stats().responses_requests, 2);
-    // The prefill engine saw nothing: no handoff for this route.
-    assert_eq!(stack.p().stats().requests, 0);
-    assert_eq!(stack.p().stats().responses_requests, 0);
+    // The prefill leg: one request to the prefill engine.
+    assert_eq!(stack.p().stats().responses_requests, 1);
+
+    let mut stored = body.clone();
+    stored["store"] = json!(true);
+    let proxied = post(&stack.url, "/v1/responses", stored.to_string(), &[]).await;
+    assert_eq!(proxied.status, 200, "{}", proxied.text());
+    assert_eq!(proxied.header("x-disagg-handoff"), Some("direct"));
+    assert_eq!(stack.d().stats().responses_requests, 3);
+    assert_eq!(stack.p().stats().responses_requests, 1);
 }
 
 #[tokio::test]
