@@ -595,10 +595,23 @@ fn type_error(field: &'static str, expected: &str) -> InvalidParam {
     )
 }
 
-fn opt_bool(field: &'static str, raw: Option<&[u8]>) -> Result<Option<bool>, InvalidParam> {
+pub(super) fn opt_bool(
+    field: &'static str,
+    raw: Option<&[u8]>,
+) -> Result<Option<bool>, InvalidParam> {
     raw.map_or(Ok(None), |raw| {
         bool_value(raw).map_err(|_| type_error(field, "boolean"))
     })
+}
+
+/// An optional list of strings (`null` allowed), as pydantic reads `list[str] | None`.
+pub(super) fn opt_string_list(field: &'static str, raw: Option<&[u8]>) -> Result<(), InvalidParam> {
+    match raw {
+        Some(raw) if raw != b"null" && serde_json::from_slice::<Vec<String>>(raw).is_err() => {
+            Err(type_error(field, "list of strings"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A `bool` field without `None` in its type: `null` is refused too.

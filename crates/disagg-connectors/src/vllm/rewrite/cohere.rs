@@ -19,7 +19,7 @@ use bytes::Bytes;
 use disagg_core::body::JsonBody;
 use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
-use disagg_core::proto::lax::{bool_value, int_value};
+use disagg_core::proto::lax::int_value;
 
 /// The prefill leg's body for a client `body` of `/cohere/v2/chat` (see the
 /// [module docs](self)).
@@ -66,23 +66,8 @@ pub(crate) fn check(body: &JsonBody) -> Result<Decision, InvalidParam> {
             }
         }
     }
-    if let Some(raw) = body.get("stop_sequences")
-        && raw != b"null"
-        && serde_json::from_slice::<Vec<String>>(raw).is_err()
-    {
-        return Err(InvalidParam::new(
-            "stop_sequences",
-            "stop_sequences: Input should be a valid list of strings",
-        ));
-    }
-    if let Some(raw) = body.get("stream")
-        && bool_value(raw).is_err()
-    {
-        return Err(InvalidParam::new(
-            "stream",
-            "stream: Input should be a valid boolean",
-        ));
-    }
+    super::check::opt_string_list("stop_sequences", body.get("stop_sequences"))?;
+    super::check::opt_bool("stream", body.get("stream"))?;
     Ok(Decision::Disaggregate)
 }
 

@@ -95,10 +95,7 @@ pub(crate) fn check(body: &JsonBody, limits: &VllmLimits) -> Result<Decision, In
             ));
         }
     };
-    if let Some(raw) = body.get("stream") {
-        disagg_core::proto::lax::bool_value(raw)
-            .map_err(|_| InvalidParam::new("stream", "stream: Input should be a valid boolean"))?;
-    }
+    super::check::opt_bool("stream", body.get("stream"))?;
     // `SamplingParams` has no beam search: a `use_beam_search` key there means nothing.
     super::check::check(Api::Completions, &params, limits).map(|_| Decision::Disaggregate)
 }
