@@ -54,8 +54,13 @@ impl Proxy {
 
     /// [`start_args`](Self::start_args) with environment variables `env` for the child
     /// (after the default `RUST_LOG=info`, which they may override).
+    ///
+    /// The proxy binds port 0 itself and the address is read from its "serving" log
+    /// line: a port picked here and released before the child binds it could be taken
+    /// meanwhile by an engine of a test running beside this one, which would then answer
+    /// in the proxy's place.
     pub async fn start_env(args: &[String], env: &[(&str, &str)]) -> Proxy {
-        let addr = free_addr();
+        let placeholder: SocketAddr = ([127, 0, 0, 1], 0).into();
         let threads: &[&str] = if args.iter().any(|a| a == "--threads") {
             &[]
         } else {
@@ -64,7 +69,7 @@ impl Proxy {
         let mut child = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
             .arg("serve")
             .args(args)
-            .args(["--listen", &addr.to_string()])
+            .args(["--listen", "127.0.0.1:0"])
             .args(threads)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
@@ -92,21 +97,24 @@ impl Proxy {
         let out = gather(Box::new(child.stdout.take().expect("piped stdout")));
         let mut proxy = Proxy {
             child,
-            addr,
+            addr: placeholder,
             log,
             out,
         };
         let start = Instant::now();
         loop {
-            if TcpStream::connect(addr).await.is_ok() {
-                return proxy;
+            if let Some(addr) = serving_addr(&proxy.log()) {
+                proxy.addr = addr;
+                if TcpStream::connect(addr).await.is_ok() {
+                    return proxy;
+                }
             }
             if let Ok(Some(status)) = proxy.child.try_wait() {
                 panic!("the proxy exited at start ({status}): {}", proxy.log());
             }
             assert!(
                 start.elapsed() < Duration::from_secs(20),
-                "the proxy did not listen on {addr} in time: {}",
+                "the proxy did not listen in time: {}",
                 proxy.log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -333,6 +341,14 @@ pub fn held_dead_url() -> (String, tokio::net::TcpSocket) {
         .expect("bind");
     let url = format!("http://{}", socket.local_addr().expect("bound address"));
     (url, socket)
+}
+
+/// The address in the proxy's "disagg-proxy serving listen=ADDR" log line, once it is
+/// there (the line is logged at `info` once every serving thread listens).
+fn serving_addr(log: &str) -> Option<SocketAddr> {
+    let line = log.lines().find(|l| l.contains("disagg-proxy serving"))?;
+    let rest = &line[line.find("listen=")? + "listen=".len()..];
+    rest.split_whitespace().next()?.parse().ok()
 }
 
 /// A loopback address nothing listens on right now.
