@@ -34,14 +34,17 @@ for name, want in (("vllm", "0.33.0"), ("sglang", "0.5.23")):
 PY
 
 build=1
+script=check.py
+args=()
 for arg in "$@"; do
   case "$arg" in
     --proxy|--proxy=*|--verdicts-only) build=0 ;;
   esac
+  # --routes: the other generation routes (routes.py) instead of chat and completions.
+  if [ "$arg" = --routes ]; then script=routes.py; else args+=("$arg"); fi
 done
-args=("$@")
 if [ "$build" = 1 ]; then
   cargo build --release -p disagg-proxy
   args+=(--proxy "${CARGO_TARGET_DIR:-target}/release/disagg-proxy")
 fi
-exec "$py" scripts/conformance/check.py "${args[@]}"
+exec "$py" "scripts/conformance/$script" "${args[@]}"

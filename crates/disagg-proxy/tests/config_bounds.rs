@@ -19,7 +19,7 @@ use disagg_sim::{SimConfig, SimEngine};
 
 mod common;
 use common::certs::{TempDir, write_atomic};
-use common::{Proxy, completion, free_addr, get, post, post_with};
+use common::{Proxy, completion, get, post, post_with};
 
 const COMPLETIONS: &str = "/v1/completions";
 
@@ -48,7 +48,7 @@ async fn refused_start(args: &[String]) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
         .arg("serve")
         .args(args)
-        .args(["--listen", &free_addr().to_string()])
+        .args(["--listen", "127.0.0.1:0"])
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
