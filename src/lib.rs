@@ -21,28 +21,43 @@
 //! `full` turns every one on. The README follows; its code sample is compiled as a doc
 //! test.
 //!
+
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![doc = include_str!("../README.md")]
 
 #[cfg(feature = "affinity")]
+#[cfg_attr(docsrs, doc(cfg(feature = "affinity")))]
 pub use disagg_affinity as affinity;
 #[cfg(feature = "connectors")]
+#[cfg_attr(docsrs, doc(cfg(feature = "connectors")))]
 pub use disagg_connectors as connectors;
 #[cfg(feature = "lmcache")]
+#[cfg_attr(docsrs, doc(cfg(feature = "lmcache")))]
 pub use disagg_connectors::lmcache;
 pub use disagg_core as core;
 #[cfg(feature = "discovery")]
+#[cfg_attr(docsrs, doc(cfg(feature = "discovery")))]
 pub use disagg_discovery as discovery;
 #[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use disagg_http as http;
 #[cfg(feature = "kv-events")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kv-events")))]
 pub use disagg_kvevents as kv_events;
 #[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub use disagg_nixl as nixl;
 #[cfg(feature = "otel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub use disagg_otel as otel;
 #[cfg(feature = "resilience")]
+#[cfg_attr(docsrs, doc(cfg(feature = "resilience")))]
 pub use disagg_resilience as resilience;
 #[cfg(feature = "sim")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sim")))]
 pub use disagg_sim as sim;
 #[cfg(feature = "tokenize")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokenize")))]
 pub use disagg_tokenize as tokenize;

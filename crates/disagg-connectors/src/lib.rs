@@ -60,18 +60,26 @@
 //! ```
 //!
 //! [`KvConnector`]: disagg_core::connector::KvConnector
+
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 pub mod common;
 #[cfg(feature = "lmcache")]
+#[cfg_attr(docsrs, doc(cfg(feature = "lmcache")))]
 pub mod lmcache;
 #[cfg(feature = "sglang")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sglang")))]
 pub mod sglang;
 #[cfg(feature = "vllm")]
+#[cfg_attr(docsrs, doc(cfg(feature = "vllm")))]
 pub mod vllm;
 
 #[cfg(all(feature = "vllm", feature = "sglang"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "vllm", feature = "sglang"))))]
 pub mod guide {
     //! The connector guide (`docs/connectors.md`), with its example compiled.
-    #![doc = include_str!("../../../docs/connectors.md")]
+    #![doc = include_str!("../docs/connectors.md")]
 }

@@ -60,13 +60,20 @@
 //! # Ok(())
 //! # }
 //! ```
+
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 #[cfg(feature = "dns")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dns")))]
 pub mod dns;
 #[cfg(feature = "file")]
+#[cfg_attr(docsrs, doc(cfg(feature = "file")))]
 pub mod file;
 #[cfg(feature = "kubernetes")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kubernetes")))]
 pub mod kubernetes;
 pub mod merge;
 pub mod source;
@@ -74,7 +81,7 @@ pub mod spec;
 
 /// The guide: sources, flags, labels and annotations, merge rules, metrics, the
 /// Kubernetes walkthrough and what the tests prove (`docs/discovery.md`).
-#[doc = include_str!("../../../docs/discovery.md")]
+#[doc = include_str!("../docs/discovery.md")]
 pub mod guide {}
 
 pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};

@@ -102,7 +102,7 @@ pub mod sidecar;
 pub use sidecar::{LOCAL_DECODE_URL, PREFILLER_HEADER, Sidecar};
 pub mod guide {
     //! The embedding guide (`docs/embedding.md`).
-    #![doc = include_str!("../../../docs/embedding.md")]
+    #![doc = include_str!("../docs/embedding.md")]
 }
 
 /// The gateway mode of [`PdLayer`]: both legs go to remote endpoints through the

@@ -34,9 +34,15 @@
 //! # }
 //! ```
 
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(feature = "access-log")]
+#[cfg_attr(docsrs, doc(cfg(feature = "access-log")))]
 pub mod access_log;
 #[cfg(feature = "auth")]
+#[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub mod auth;
 pub mod body;
 mod connect;
@@ -44,6 +50,7 @@ pub mod error;
 pub mod forward;
 pub mod layer;
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
 pub mod models;
 pub mod path;
@@ -52,6 +59,7 @@ pub mod server;
 pub mod service;
 mod tap;
 #[cfg(feature = "tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub mod tls;
 pub mod transport;
 

@@ -50,6 +50,7 @@ pub const READ_BUFFER_MAX: usize = 64 * 1024;
 /// connections held open to tie up tasks), like the 30 s the server gives a request's
 /// head.
 #[cfg(feature = "tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Bind a listener on `addr` for [`Builder::serve`], with `SO_REUSEADDR` (a restarted proxy can
@@ -150,6 +151,7 @@ impl Builder {
     /// certificate reloaded by [`ServerTls::watch`](crate::tls::ServerTls::watch) is used
     /// by the handshakes that follow; connections already open keep theirs.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn tls(mut self, tls: impl Into<Option<crate::tls::ServerTls>>) -> Self {
         self.tls = tls.into();
         self

@@ -181,6 +181,7 @@ impl PdService {
     /// The metrics `GET /metrics` serves, for an embedder that serves them elsewhere
     /// (encode with [`metrics::encode`](crate::metrics::encode)).
     #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn registry(&self) -> &prometheus_client::registry::Registry {
         &self.inner.registry
     }

@@ -58,5 +58,5 @@ pub use port::{NixlRole, Offset, PortScheme, side_channel_port};
 
 /// The guide: the port arithmetic with a worked example, the listener layouts per vLLM
 /// generation, and the common failures the planner catches (`docs/nixl.md`).
-#[doc = include_str!("../../../docs/nixl.md")]
+#[doc = include_str!("../docs/nixl.md")]
 pub mod guide {}

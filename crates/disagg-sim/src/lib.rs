@@ -653,6 +653,10 @@
 //! # }
 //! ```
 
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod api;
 mod body;
 mod config;

@@ -54,9 +54,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+// docs.rs builds with `--cfg docsrs` (package.metadata.docs.rs) on a nightly toolchain,
+// where each feature-gated item is marked with the features it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub mod engine;
 pub mod error;
 #[cfg(feature = "hf")]
+#[cfg_attr(docsrs, doc(cfg(feature = "hf")))]
 pub mod hf;
 pub mod prompt;
 
@@ -69,6 +74,7 @@ use disagg_core::request::Api;
 pub use engine::EngineTokenizer;
 pub use error::{EngineError, TokenizeError};
 #[cfg(feature = "hf")]
+#[cfg_attr(docsrs, doc(cfg(feature = "hf")))]
 pub use hf::{ContentFormat, HfTokenizer, LoadError};
 pub use prompt::{ChatPrompt, Prompt, PromptInput, Side, Truncation};
 

@@ -387,6 +387,7 @@ impl ApiKeys {
     /// | `disagg_api_key_reloads_total` | counter | key file reloads that changed the keys |
     /// | `disagg_api_key_file_errors_total` | counter | key file states refused (unreadable, invalid) |
     #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register_collector(Box::new(KeysCollector(self.clone())));
     }

@@ -131,7 +131,7 @@ pub use refusal::Refusal;
 
 pub mod guide {
     //! The security guide (`docs/security.md`).
-    #![doc = include_str!("../../../../docs/security.md")]
+    #![doc = include_str!("../../docs/security.md")]
 }
 
 /// The longest key accepted: far above any real one (OpenAI's are under 200 bytes), low
