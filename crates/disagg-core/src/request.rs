@@ -233,6 +233,12 @@ impl PdRequest {
         &self.headers
     }
 
+    /// The client's header `name`, as received (a connector keying a conversation by a
+    /// session header reads it here).
+    pub fn header(&self, name: &str) -> Option<&HeaderValue> {
+        self.headers.get(name)
+    }
+
     /// The client's body, without handoff fields.
     pub fn body(&self) -> &JsonBody {
         &self.body
