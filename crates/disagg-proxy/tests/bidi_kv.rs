@@ -143,6 +143,24 @@ async fn turns_two_and_three_of_a_conversation_pull_the_decodes_kv() {
     assert_eq!(proxy.metric("disagg_bidi_kv_reused_turns_total").await, 2);
     assert!(proxy.metric("disagg_bidi_kv_reused_tokens_total").await >= 170);
 
+    // Turns 4 and 5 over the Responses API, streamed then whole: turn 4 pulls turn 3's
+    // handoff, turn 5 the one kept from turn 4's stream (its terminal event).
+    for stream in [true, false] {
+        let body = json!({
+            "model": "sim-model",
+            "input": words(120, "r"),
+            "max_output_tokens": 4,
+            "stream": stream,
+            "conversation_id": "conv-1",
+        });
+        let a = post(&url, "/v1/responses", &body.to_string()).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert!(!holds_handoff(&a.text()), "{}", a.text());
+    }
+    let s = p.stats();
+    assert_eq!((s.bidi_pulls, s.bidi_pull_failures), (4, 0), "{s:?}");
+    assert_eq!(proxy.metric("disagg_bidi_kv_captured_total").await, 5);
+
     // Another conversation gets nothing of this one's; a request naming none keeps
     // nothing.
     let other = vec![json!({"role": "user", "content": words(80, "x")})];
@@ -161,11 +179,12 @@ async fn turns_two_and_three_of_a_conversation_pull_the_decodes_kv() {
     .await;
     assert_eq!(a.status, 200, "{}", a.text());
     let legs = prefill_params(&p);
-    assert_eq!(legs[3]["remote_engine_id"], Value::Null, "{legs:?}");
-    assert_eq!(legs[4]["remote_engine_id"], Value::Null, "{legs:?}");
-    assert_eq!(p.stats().bidi_pulls, 2);
-    // conv-1's turn 3 and conv-2's turn 1 are kept; the keyless request added none.
-    assert_eq!(proxy.metric("disagg_bidi_kv_captured_total").await, 4);
+    assert_eq!(legs.len(), 7, "{legs:?}");
+    assert_eq!(legs[5]["remote_engine_id"], Value::Null, "{legs:?}");
+    assert_eq!(legs[6]["remote_engine_id"], Value::Null, "{legs:?}");
+    assert_eq!(p.stats().bidi_pulls, 4);
+    // conv-1's turn 5 and conv-2's turn 1 are kept; the keyless request added none.
+    assert_eq!(proxy.metric("disagg_bidi_kv_captured_total").await, 6);
     assert_eq!(proxy.metric("disagg_bidi_kv_entries").await, 2);
 }
 
