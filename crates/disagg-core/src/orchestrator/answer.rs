@@ -546,6 +546,50 @@ mod tests {
         assert!(!out.contains("10.0.0.7"), "{out}");
     }
 
+    /// What a [`ReturnedHandoff`] was given.
+    #[derive(Debug, Default)]
+    struct Kept(std::sync::Mutex<Vec<Vec<u8>>>);
+
+    impl ReturnedHandoff for Kept {
+        fn returned(&self, value: &[u8]) {
+            self.0.lock().unwrap().push(value.to_vec());
+        }
+    }
+
+    #[test]
+    fn the_decodes_own_handoff_is_given_once_wherever_the_frames_cut() {
+        let stream = format!(
+            "{CHUNK}data: {{\"ec_transfer_params\":{{\"e\":1}}}}\n\n{}data: [DONE]\n\n",
+            last_chunk()
+        );
+        let b = stream.as_bytes();
+        for cut in 0..b.len() {
+            let kept = Arc::new(Kept::default());
+            let mut s = Scrubber::default();
+            s.capture(kept.clone());
+            let mut out = s.push(Bytes::copy_from_slice(&b[..cut])).unwrap().to_vec();
+            out.extend_from_slice(&s.push(Bytes::copy_from_slice(&b[cut..])).unwrap());
+            out.extend_from_slice(&s.finish().unwrap());
+            // The client's answer is as without a receiver; the receiver got the
+            // `kv_transfer_params` value (not `null`, not `ec_transfer_params`), once.
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                joined(&[b]),
+                "cut at {cut}"
+            );
+            let got = kept.0.lock().unwrap();
+            assert_eq!(*got, vec![HANDOFF.as_bytes().to_vec()], "cut at {cut}");
+        }
+        // An answer with two handoffs: only the first is given.
+        let kept = Arc::new(Kept::default());
+        let mut s = Scrubber::default();
+        s.capture(kept.clone());
+        let two = format!("{}{}", last_chunk(), last_chunk().replace("[1,2]", "[3]"));
+        s.push(Bytes::from(two)).unwrap();
+        s.finish().unwrap();
+        assert_eq!(*kept.0.lock().unwrap(), vec![HANDOFF.as_bytes().to_vec()]);
+    }
+
     /// Client headers saying `accept-encoding: value`, if any.
     fn client(value: Option<&HeaderValue>) -> HeaderMap {
         let mut h = HeaderMap::new();
