@@ -302,7 +302,7 @@ async fn flag_off_keeps_nothing() {
 }
 
 #[tokio::test]
-async fn an_oversized_or_malformed_decode_handoff_is_dropped_and_the_answer_still_arrives() {
+async fn an_oversized_decode_handoff_is_dropped_and_the_answer_still_arrives() {
     let p = prefill().await;
     let d = decode(Duration::from_secs(480)).await;
     // Every real handoff is larger than 64 bytes.
@@ -332,4 +332,97 @@ async fn an_oversized_or_malformed_decode_handoff_is_dropped_and_the_answer_stil
         "{metrics}"
     );
     assert_eq!(p.stats().bidi_pulls, 0);
+}
+
+/// A decode that answers every request with a whole chat answer whose
+/// `kv_transfer_params` is the next of `handoffs` (round and round), then closes.
+async fn raw_decode(handoffs: Vec<&'static str>) -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let (next, handoffs) = (next.clone(), handoffs.clone());
+            tokio::spawn(async move {
+                // The head, then as many body bytes as it says.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if buf.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let handoff = handoffs[next.fetch_add(1, Ordering::Relaxed) % handoffs.len()];
+                let body = format!(
+                    r#"{{"id":"chatcmpl-1","object":"chat.completion","model":"sim-model","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"length"}}],"kv_transfer_params":{handoff}}}"#
+                );
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn a_malformed_decode_handoff_is_dropped_and_counted_and_the_answer_arrives() {
+    let p = prefill().await;
+    let d = raw_decode(vec![
+        // Not a decode's dict: no engine id, blocks or port.
+        r#"{"do_remote_decode":true,"remote_host":"10.0.0.7"}"#,
+        // A prefill's dict, turned the wrong way.
+        r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e","remote_request_id":"r","remote_block_ids":[1],"remote_host":"10.0.0.7","remote_port":5600,"remote_num_tokens":99}"#,
+        // Not a dict.
+        r#""10.0.0.7:5600""#,
+    ])
+    .await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        p.url(),
+        "--decode".to_owned(),
+        d,
+        "--bidirectional-kv".to_owned(),
+    ])
+    .await;
+    let url = proxy.url();
+    let conv = json!({"conversation_id": "bad"});
+    let messages = vec![json!({"role": "user", "content": words(80, "b")})];
+    for _ in 0..3 {
+        let a = post(
+            &url,
+            "/v1/chat/completions",
+            &chat(&messages, false, conv.clone()),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.json()["choices"][0]["message"]["content"], "ok");
+        assert!(!a.text().contains("10.0.0.7"), "{}", a.text());
+    }
+    assert_eq!(proxy.metric("disagg_bidi_kv_captured_total").await, 0);
+    let metrics = common::get(&url, "/metrics").await.text();
+    assert!(
+        metrics.contains("disagg_bidi_kv_dropped_total{reason=\"invalid\"} 3"),
+        "{metrics}"
+    );
+    // Nothing kept, nothing sent: every prefill leg got the plain request.
+    for leg in prefill_params(&p) {
+        assert_eq!(leg["remote_engine_id"], Value::Null, "{leg}");
+    }
 }
