@@ -305,8 +305,9 @@ impl PdRequest {
     }
 
     /// Who sent the request, as the server named it
-    /// ([`set_received`](Self::set_received)).
-    pub(crate) fn client(&self) -> Option<Arc<str>> {
+    /// ([`set_received`](Self::set_received)): with client keys, the key's short hash; a
+    /// connector keeping state per client scopes it by this.
+    pub fn client(&self) -> Option<Arc<str>> {
         self.client.clone()
     }
 }

@@ -426,3 +426,38 @@ async fn a_malformed_decode_handoff_is_dropped_and_counted_and_the_answer_arrive
         assert_eq!(leg["remote_engine_id"], Value::Null, "{leg}");
     }
 }
+
+#[tokio::test]
+async fn with_client_keys_one_client_cannot_take_anothers_conversation() {
+    let p = prefill().await;
+    let d = decode(Duration::from_secs(480)).await;
+    let flags = with_proxy_flags(&["--api-key", "sk-a", "--api-key", "sk-b"]);
+    let proxy = Proxy::start(&p, &d, &flags).await;
+    let url = proxy.url();
+    let conv = json!({"conversation_id": "shared"});
+    let messages = vec![json!({"role": "user", "content": words(80, "k")})];
+    let turn = |key: &'static str| {
+        let (url, body) = (url.clone(), chat(&messages, false, conv.clone()));
+        async move {
+            let auth = format!("Bearer {key}");
+            let a = post_with(
+                &url,
+                "/v1/chat/completions",
+                &body,
+                &[("authorization", &auth)],
+            )
+            .await;
+            assert_eq!(a.status, 200, "{}", a.text());
+        }
+    };
+    // A's turn is kept; B names the same conversation and gets nothing of A's.
+    turn("sk-a").await;
+    turn("sk-b").await;
+    assert_eq!(p.stats().bidi_pulls, 0, "{:?}", p.stats());
+    // A's next turn still finds its own.
+    turn("sk-a").await;
+    assert_eq!(p.stats().bidi_pulls, 1, "{:?}", p.stats());
+    let legs = prefill_params(&p);
+    assert_eq!(legs[1]["remote_engine_id"], Value::Null, "{legs:?}");
+    assert!(legs[2]["remote_engine_id"].is_string(), "{legs:?}");
+}

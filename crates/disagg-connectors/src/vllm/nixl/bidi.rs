@@ -24,6 +24,11 @@
 //!   `remote_port` and a `remote_num_tokens`; anything else is dropped and counted.
 //!   Its `remote_host` is replaced by the decode endpoint's host, as vLLM's example
 //!   proxy does (an engine's side-channel host defaults to `localhost`).
+//! - **Scope.** The key is client input: with client keys (`--api-key`) it is scoped by
+//!   the client's key, so a client cannot name another's conversation; without them it
+//!   is taken as given, and a client naming another's conversation would have its
+//!   prefill pull that conversation's KV (vLLM does not check that the pulled prefix is
+//!   the prompt's): use unguessable conversation ids, or client keys.
 //! - **Store.** One entry per conversation (a newer turn's replaces the older one),
 //!   bounded in count and bytes (the oldest entries go first, counted), each dropped
 //!   [`BidiConfig::ttl`] after it was stored (counted as expired unused). The TTL is the
@@ -104,7 +109,8 @@ impl fmt::Display for ConversationKey {
 
 impl ConversationKey {
     /// The conversation `req` names, if any: a non-empty header value or JSON string of
-    /// at most [`MAX_KEY_LEN`] bytes.
+    /// at most [`MAX_KEY_LEN`] bytes, scoped by the client that sent it when the server
+    /// knows it (a client key): one client cannot name another's conversation.
     fn of(&self, req: &PdRequest) -> Option<Box<str>> {
         let key: Box<str> = match self {
             ConversationKey::Header(h) => req.header(h.as_str())?.to_str().ok()?.into(),
@@ -118,7 +124,13 @@ impl ConversationKey {
                 serde_json::from_slice::<String>(raw).ok()?.into()
             }
         };
-        (!key.is_empty() && key.len() <= MAX_KEY_LEN).then_some(key)
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return None;
+        }
+        Some(match req.client() {
+            Some(client) => format!("{client}\u{0}{key}").into(),
+            None => key,
+        })
     }
 }
 
