@@ -145,6 +145,27 @@ pub struct Handoff {
     /// The change of form from the decode's answer to the client's, when the legs speak
     /// another API than the client (set by [`KvConnector::complete`]).
     pub reshape: Option<Arc<dyn Reshape>>,
+    /// Where the decode's own handoff goes, when the connector keeps it for a later
+    /// request (set by [`KvConnector::prepare`]; vLLM NIXL's bidirectional KV). `None`,
+    /// the default, keeps nothing and costs nothing.
+    pub returned: Option<Arc<dyn ReturnedHandoff>>,
+}
+
+/// The receiver of the KV handoff a decode engine writes into its own successful answer
+/// (the value of its `kv_transfer_params`: a decode running vLLM 0.33's bidirectional
+/// NIXL names its own blocks there, for the next turn's prefill to pull).
+///
+/// The orchestrator still keeps the value from the client (it is blanked in place, as
+/// every handoff is); when a plan carries a receiver ([`Handoff::returned`]), the
+/// value's bytes are given to it as the answer's scrubbing finds them, once per answer,
+/// and never held longer than the scrubbing holds them anyway. Only a 2xx answer of the
+/// [`Dispatch::AfterPrefill`] path is read for it; the receiver drops with the request.
+pub trait ReturnedHandoff: Send + Sync + std::fmt::Debug + 'static {
+    /// The decode's handoff value: raw JSON as the engine wrote it, at most the
+    /// scrubber's ceiling (1 MiB), maybe cut short when the answer ended inside it. Peer
+    /// bytes: validate before keeping. Called on the response body's poll: must be
+    /// cheap and must not block.
+    fn returned(&self, value: &[u8]);
 }
 
 /// The change of form from the decode's answer body to the client's, for a plan whose
@@ -172,6 +193,7 @@ impl Handoff {
             lead: None,
             gate: None,
             reshape: None,
+            returned: None,
         }
     }
 }

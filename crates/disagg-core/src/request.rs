@@ -233,6 +233,12 @@ impl PdRequest {
         &self.headers
     }
 
+    /// The client's header `name`, as received (a connector keying a conversation by a
+    /// session header reads it here).
+    pub fn header(&self, name: &str) -> Option<&HeaderValue> {
+        self.headers.get(name)
+    }
+
     /// The client's body, without handoff fields.
     pub fn body(&self) -> &JsonBody {
         &self.body
@@ -299,8 +305,9 @@ impl PdRequest {
     }
 
     /// Who sent the request, as the server named it
-    /// ([`set_received`](Self::set_received)).
-    pub(crate) fn client(&self) -> Option<Arc<str>> {
+    /// ([`set_received`](Self::set_received)): with client keys, the key's short hash; a
+    /// connector keeping state per client scopes it by this.
+    pub fn client(&self) -> Option<Arc<str>> {
         self.client.clone()
     }
 }

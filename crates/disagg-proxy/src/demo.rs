@@ -131,7 +131,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     }
     let connector = args
         .connector
-        .connector(notifications.clone(), VllmLimits::default())?;
+        .connector(notifications.clone(), VllmLimits::default(), None)?;
     // Every prefill/decode pair is checked before the first request.
     let source = ValidatedSource::new(
         StaticSource::new([

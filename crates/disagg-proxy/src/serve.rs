@@ -27,9 +27,11 @@ use disagg_resilience::{Backoff, Health, HealthSource, Limits};
 
 use crate::BoxError;
 
+mod bidi;
 mod connectors;
 mod flags;
 
+pub use bidi::BidiArgs;
 use connectors::*;
 pub(crate) use flags::secs;
 use flags::*;
@@ -175,7 +177,10 @@ impl Shared {
         let mut limits = VllmLimits::default();
         limits.max_logprobs = args.max_logprobs;
         limits.max_stop_strings = args.max_stop_strings;
-        let connector = args.connector.connector(notifications, limits)?;
+        let bidi = args.bidi.store(args.connector)?;
+        let connector = args
+            .connector
+            .connector(notifications, limits, bidi.clone())?;
         let (health_config, active_checks) = args.reliability.health()?;
         if args.forward_authorization && args.edge.client_keys() {
             return Err("--forward-authorization cannot be used with client keys (--api-key, --api-key-file): the clients' keys are the proxy's and never go to engines; give the engines theirs with --engine-api-key".into());
@@ -282,6 +287,9 @@ impl Shared {
         service.max_body_bytes = args.max_body_bytes;
         service.routes = disagg_http::RouteTable::default().admin_routes(args.admin_routes);
         service.extra_metrics.extend(lmcache_metrics);
+        service.extra_metrics.extend(bidi.map(|store| {
+            ExtraMetrics::new(move |registry| bidi::register_metrics(Arc::clone(&store), registry))
+        }));
         service.extra_metrics.extend(edge.metrics());
         service.extra_metrics.extend(extra_metrics);
         let health_metrics = Arc::clone(&health);

@@ -141,6 +141,19 @@ pub(crate) struct SimArgs {
     /// that nobody took, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     kv_lease: f64,
+    /// vLLM NIXL decode with `bidirectional_kv_xfer`: answer with a KV handoff of its own
+    /// (body, terminal stream chunk, Responses' final `response`) and hold those blocks
+    /// for --decoder-kv-blocks-ttl, for the next turn's prefill to pull.
+    #[arg(long)]
+    decode_handoff: bool,
+    /// How long a --decode-handoff decode holds its blocks, in seconds (vLLM's
+    /// `decoder_kv_blocks_ttl`).
+    #[arg(long, value_name = "SECS", default_value_t = 480.0)]
+    decoder_kv_blocks_ttl: f64,
+    /// vLLM NIXL prefill given a decode's own handoff: pull it only when it names at
+    /// least this many tokens (vLLM's `kv_recompute_threshold`).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    kv_recompute_threshold: u64,
     /// Fault (LMCache prefill): send the KV-ready notifications this long after the push,
     /// in milliseconds, while the answer goes out at once.
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
@@ -235,6 +248,10 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
         lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
         kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))
             .map_err(|e| format!("--kv-lease: {e}"))?,
+        decode_handoff: args.decode_handoff,
+        decoder_kv_blocks_ttl: Duration::try_from_secs_f64(args.decoder_kv_blocks_ttl.max(0.0))
+            .map_err(|e| format!("--decoder-kv-blocks-ttl: {e}"))?,
+        kv_recompute_threshold: args.kv_recompute_threshold,
         lmcache_proxy: args.lmcache_proxy.clone(),
         lmcache_receiver: LmcacheReceiver {
             host: args.lmcache_receiver_host,

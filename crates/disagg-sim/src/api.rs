@@ -731,6 +731,9 @@ pub(crate) struct KvParamsOut<'a> {
     /// NIXL push: the prompt tokens computed (vLLM's push prefill adds it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) remote_num_tokens: Option<u64>,
+    /// A bidirectional decode's: when its blocks are freed, on its own clock.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) remote_blocks_expiry_time: Option<f64>,
 }
 
 /// The `kv_transfer_params` field of an answer, when not `null`.

@@ -97,6 +97,16 @@ pub struct SimConfig {
     /// and in the `response` of a Responses answer (whole, and the stream's terminal
     /// event). Default `false`: `null`, as a plain decode answers.
     pub decode_handoff: bool,
+    /// vLLM NIXL with [`decode_handoff`](Self::decode_handoff): how long a decode holds
+    /// the blocks its own handoff names for a later prefill to pull (vLLM's
+    /// `kv_connector_extra_config.decoder_kv_blocks_ttl`, default 480 s); a pull after
+    /// it fails and the prefill computes the prompt itself.
+    pub decoder_kv_blocks_ttl: Duration,
+    /// vLLM NIXL prefill given a decode's own handoff (`do_remote_decode: true` with
+    /// the decode's engine id, host, port and blocks): it pulls that prefix only when
+    /// the handoff's `remote_num_tokens` is at least this many tokens (vLLM's
+    /// `kv_recompute_threshold`, default 64), else computes it.
+    pub kv_recompute_threshold: u64,
     /// LMCache prefill: where the proxy's ZMQ `PULL` socket listens for
     /// `ProxyNotif` messages, as `HOST:PORT` (LMCache's `pd_proxy_host` and
     /// `pd_proxy_port`). Default `None`: a prefill request with a
@@ -243,6 +253,8 @@ impl Default for SimConfig {
             dp_size: 1,
             release_on_abort: true,
             decode_handoff: false,
+            decoder_kv_blocks_ttl: Duration::from_secs(480),
+            kv_recompute_threshold: 64,
             lmcache_proxy: None,
             lmcache_receiver: LmcacheReceiver::default(),
             notify_seed: 0,

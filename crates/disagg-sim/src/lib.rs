@@ -250,7 +250,11 @@
 //!   `kv_transfer_params` of its own (`do_remote_decode: true`, its engine id,
 //!   host, side-channel port and block ids), as vLLM 0.33's bidirectional
 //!   NIXL does: in a whole answer, on each choice's terminal stream chunk and
-//!   in a Responses answer's final `response`.
+//!   in a Responses answer's final `response`; it holds those blocks for
+//!   [`SimConfig::decoder_kv_blocks_ttl`], and a prefill given that dict pulls
+//!   them over the decode's side channel when `remote_num_tokens` reaches
+//!   [`SimConfig::kv_recompute_threshold`], computing the prompt itself when
+//!   the pull fails ([`Stats::bidi_pulls`], [`Stats::bidi_pull_failures`]).
 //!
 //! ## SGLang ([`KvMode::Sglang`]): concurrent, by bootstrap room
 //!

@@ -116,6 +116,9 @@ struct Inner {
     publishers: Option<Publishers>,
     /// With [`SimConfig::serial_prefill`]: one prefill at a time per rank.
     prefill_slots: Vec<tokio::sync::Mutex<()>>,
+    /// When the engine started: the epoch of its monotonic clock (a bidirectional
+    /// decode's `remote_blocks_expiry_time`).
+    started: std::time::Instant,
 }
 
 impl Inner {
@@ -427,6 +430,7 @@ impl SimEngine {
             prefix,
             publishers,
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
+            started: std::time::Instant::now(),
         });
         let tls = match &inner.config.tls {
             None => None,
@@ -1952,6 +1956,21 @@ async fn serve_completion(
         | Plan::MooncakePrefill { .. }
         | Plan::LmcachePrefill(_) => None,
     };
+    // A prefill given a decode's own handoff (bidirectional NIXL) pulls that prefix.
+    let bidi_pulled = match params.filter(|p| is_prefill && crate::handoff::is_decode_handoff(p)) {
+        Some(p) => Some(
+            crate::handoff::pull_prefix(
+                &inner.side_pool,
+                counters,
+                config.kv_recompute_threshold,
+                p,
+                request.prompt_tokens,
+                request_id,
+            )
+            .await,
+        ),
+        None => None,
+    };
     let remote_kv = match fetched {
         Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
         Some(Ok(())) => {
@@ -1972,7 +1991,9 @@ async fn serve_completion(
             _ => None,
         };
         let _load = load.map(LoadReport::running);
-        let mut computed = request.prompt_tokens;
+        let mut computed = request
+            .prompt_tokens
+            .saturating_sub(bidi_pulled.unwrap_or(0));
         if let Some(cache) = &inner.prefix {
             let hit: u64 = request
                 .prompts
@@ -1980,7 +2001,10 @@ async fn serve_completion(
                 .map(|p| cache.lookup(rank, p, counters) as u64)
                 .sum();
             cached_tokens = Some(hit);
-            computed -= hit;
+            computed = computed.saturating_sub(hit);
+        }
+        if bidi_pulled.is_some() {
+            counters.bidi_tokens_computed.fetch_add(computed, Relaxed);
         }
         let tokens = u32::try_from(computed).unwrap_or(u32::MAX);
         let delay = config.prefill_delay_per_token.saturating_mul(tokens);
@@ -2096,21 +2120,26 @@ async fn serve_completion(
             remote_port: inner.side_channel_port,
             tp_size: 1,
             remote_num_tokens: push_prefill.then_some(request.prompt_tokens),
+            remote_blocks_expiry_time: None,
         })
     } else {
         None
     };
 
+    // The decode holds its request's blocks for the next turn's prefill to pull.
     let own_handoff = own_handoff.then(|| {
         let generated: u64 = choices.iter().map(|c| c.steps.len() as u64).sum();
-        crate::handoff::own(
-            &inner.engine_id,
-            &config.advertised_host,
-            inner.side_channel_port,
-            request_id,
-            request.prompt_tokens + generated,
-            config.block_size,
-        )
+        let digest = kv_digest(&config.model, config.block_size, request.tokens());
+        let ttl = config.decoder_kv_blocks_ttl;
+        crate::handoff::own(crate::handoff::Own {
+            engine_id: &inner.engine_id,
+            host: &config.advertised_host,
+            port: inner.side_channel_port,
+            held: inner.kv.hold(counters, request_id, digest, ttl),
+            tokens: request.prompt_tokens + generated,
+            uptime: inner.started.elapsed(),
+            ttl,
+        })
     });
 
     if let Some(native) = request.native {

@@ -196,6 +196,25 @@ pub struct Stats {
     /// `POST /v1/responses` requests served.
     #[serde(default)]
     pub responses_requests: u64,
+    /// vLLM NIXL prefills given a decode's own handoff (bidirectional KV) that pulled
+    /// its blocks over the decode's side channel.
+    #[serde(default)]
+    pub bidi_pulls: u64,
+    /// Prompt tokens those prefills pulled rather than computed.
+    #[serde(default)]
+    pub bidi_tokens_pulled: u64,
+    /// Prompt tokens prefills given a decode's handoff computed themselves (what the
+    /// pull did not cover, or all of it when it was not made or failed).
+    #[serde(default)]
+    pub bidi_tokens_computed: u64,
+    /// Pulls of a decode's handoff that failed (wrong host, port, engine id, request
+    /// id or blocks; expired blocks): the prefill recomputed, as vLLM does.
+    #[serde(default)]
+    pub bidi_pull_failures: u64,
+    /// Decode handoffs not pulled: `remote_num_tokens` absent or under
+    /// [`SimConfig::kv_recompute_threshold`](crate::SimConfig::kv_recompute_threshold).
+    #[serde(default)]
+    pub bidi_below_threshold: u64,
     /// Admin requests received (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
     /// `/reset_prefix_cache`), answered or refused.
     #[serde(default)]
@@ -252,6 +271,11 @@ pub(crate) struct Counters {
     pub(crate) detokenize_requests: AtomicU64,
     pub(crate) embeddings_requests: AtomicU64,
     pub(crate) responses_requests: AtomicU64,
+    pub(crate) bidi_pulls: AtomicU64,
+    pub(crate) bidi_tokens_pulled: AtomicU64,
+    pub(crate) bidi_tokens_computed: AtomicU64,
+    pub(crate) bidi_pull_failures: AtomicU64,
+    pub(crate) bidi_below_threshold: AtomicU64,
     pub(crate) admin_requests: AtomicU64,
 }
 
@@ -343,6 +367,11 @@ impl Counters {
             detokenize_requests: self.detokenize_requests.load(Relaxed),
             embeddings_requests: self.embeddings_requests.load(Relaxed),
             responses_requests: self.responses_requests.load(Relaxed),
+            bidi_pulls: self.bidi_pulls.load(Relaxed),
+            bidi_tokens_pulled: self.bidi_tokens_pulled.load(Relaxed),
+            bidi_tokens_computed: self.bidi_tokens_computed.load(Relaxed),
+            bidi_pull_failures: self.bidi_pull_failures.load(Relaxed),
+            bidi_below_threshold: self.bidi_below_threshold.load(Relaxed),
             admin_requests: self.admin_requests.load(Relaxed),
         }
     }

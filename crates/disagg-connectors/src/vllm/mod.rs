@@ -26,3 +26,4 @@ pub mod rewrite;
 
 pub use mooncake::VllmMooncake;
 pub use nixl::VllmNixl;
+pub use nixl::bidi;

@@ -39,8 +39,12 @@
 //! `remote_registration_generation`, `remote_blocks_expiry_time`; later versions add
 //! more), and a dict that passes is still forwarded byte for byte.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use bytes::Bytes;
+
+use self::bidi::BidiStore;
 
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
@@ -86,6 +90,8 @@ const PREFILL_PARAMS: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":f
 #[derive(Debug, Clone, Default)]
 pub struct VllmNixl {
     rewriter: PrefillRewriter,
+    /// Bidirectional multi-turn KV, when on: the decodes' own handoffs, by conversation.
+    bidi: Option<Arc<BidiStore>>,
 }
 
 impl VllmNixl {
@@ -96,7 +102,19 @@ impl VllmNixl {
 
     /// The connector with a custom rewriter.
     pub fn with_rewriter(rewriter: PrefillRewriter) -> Self {
-        VllmNixl { rewriter }
+        VllmNixl {
+            rewriter,
+            bidi: None,
+        }
+    }
+
+    /// The connector with bidirectional multi-turn KV ([`bidi`]): a decode's own
+    /// handoff is kept in `store` by conversation and sent on the prefill leg of the
+    /// conversation's next turn. Off (the default), nothing is kept.
+    #[must_use]
+    pub fn with_bidirectional(mut self, store: Arc<BidiStore>) -> Self {
+        self.bidi = Some(store);
+        self
     }
 }
 
@@ -119,12 +137,26 @@ impl KvConnector for VllmNixl {
             connector: self.name(),
         })?;
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
-        prefill.set_raw(KV_TRANSFER_PARAMS, Bytes::from_static(PREFILL_PARAMS));
+        // The conversation's last decode handoff, if kept: the prefill pulls that prefix.
+        let conversation = self.bidi.as_ref().and_then(|s| Some((s, s.key(req)?)));
+        let params = conversation
+            .as_ref()
+            .and_then(|(store, key)| store.take(key))
+            .unwrap_or(Bytes::from_static(PREFILL_PARAMS));
+        prefill.set_raw(KV_TRANSFER_PARAMS, params);
         let mut prefill = Leg::new(prefill_ep, prefill);
         prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(route.decode.clone(), req.body().clone());
         decode.set_rank(route.decode_rank);
-        Ok(Handoff::new(Dispatch::AfterPrefill, prefill, decode))
+        let mut handoff = Handoff::new(Dispatch::AfterPrefill, prefill, decode);
+        if let Some((store, key)) = conversation {
+            handoff.returned = Some(Arc::new(bidi::Capture {
+                store: Arc::clone(store),
+                key,
+                host: route.decode.host().into(),
+            }));
+        }
+        Ok(handoff)
     }
 
     async fn complete(
@@ -649,5 +681,6 @@ fn is_empty_object(raw: &[u8]) -> bool {
         .eq(b"{}".iter())
 }
 
+pub mod bidi;
 #[cfg(test)]
 mod tests;

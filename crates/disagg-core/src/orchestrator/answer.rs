@@ -30,12 +30,14 @@
 //! `Location` names the engine's internal address, and a `content-encoding` the client
 //! did not accept (or one on an answer the proxy must read for the keys above).
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use bytes::{Bytes, BytesMut};
 use http::StatusCode;
 use http::header::{self, HeaderMap, HeaderValue};
 use memchr::memmem;
+
+use crate::connector::ReturnedHandoff;
 
 /// The keys an engine writes about its own KV handoff, whose values never reach a
 /// client: vLLM's `kv_transfer_params` and `ec_transfer_params`, SGLang's
@@ -53,7 +55,8 @@ pub(crate) const HANDOFF_KEYS: &[&str] = &[
 /// The handoff vLLM writes on every chunk of a stream: no handoff.
 const NULL_HANDOFF: &[u8] = b"\"kv_transfer_params\":null";
 
-/// The keys as they are written, quoted, each with where [`NEEDLE`] sits in it.
+/// The keys as they are written, quoted, each with where [`NEEDLE`] sits in it;
+/// `kv_transfer_params` first (the one a [`ReturnedHandoff`] gets).
 const QUOTED: [(&[u8], usize); 5] = [
     (b"\"kv_transfer_params\"", 4),
     (b"\"ec_transfer_params\"", 4),
@@ -205,19 +208,28 @@ fn accepts(value: Option<&HeaderValue>, coding: &str) -> bool {
 enum Hit {
     /// Nothing to overwrite up to here (a `null` value, a look-alike): search on from it.
     Skip(usize),
-    /// A handoff value at `start..end`.
-    Value(usize, usize),
+    /// A handoff value at `start..end`; `true` when its key is `kv_transfer_params`.
+    Value(usize, usize, bool),
     /// A key from here on whose value is not whole yet: hold it back.
     Incomplete(usize),
 }
 
-/// The state of one answer's scrubbing: the bytes held back.
+/// The state of one answer's scrubbing: the bytes held back, and where the answer's
+/// own `kv_transfer_params` goes before it is blanked, when someone keeps it.
 #[derive(Debug, Default)]
 pub(crate) struct Scrubber {
     held: BytesMut,
+    capture: Option<Arc<dyn ReturnedHandoff>>,
 }
 
 impl Scrubber {
+    /// Give the answer's first `kv_transfer_params` value (not `null`) to `to` before
+    /// it is blanked. Nothing more is held for it: the value is read where the
+    /// scrubbing finds it whole (or where the answer ends inside it).
+    pub(crate) fn capture(&mut self, to: Arc<dyn ReturnedHandoff>) {
+        self.capture = Some(to);
+    }
+
     /// How many bytes are held back.
     pub(crate) fn held(&self) -> usize {
         self.held.len()
@@ -258,7 +270,10 @@ impl Scrubber {
             }
             match next_hit(&buf, at, end)? {
                 Hit::Skip(next) => pos = next,
-                Hit::Value(start, stop) => {
+                Hit::Value(start, stop, kv) => {
+                    if kv && let Some(to) = self.capture.take() {
+                        to.returned(&buf[start..stop]);
+                    }
                     let copy = edited.get_or_insert_with(|| BytesMut::from(&buf[..]));
                     overwrite(&mut copy[start..stop]);
                     pos = stop;
@@ -330,20 +345,20 @@ fn key_start_at_end(b: &[u8]) -> usize {
 fn next_hit(buf: &[u8], at: usize, end: bool) -> Result<Hit, AnswerError> {
     // The key the needle is part of: its start and end, if it is one.
     let mut key = None;
-    for (quoted, offset) in QUOTED {
+    for (i, (quoted, offset)) in QUOTED.into_iter().enumerate() {
         let Some(start) = at.checked_sub(offset) else {
             continue;
         };
         let tail = &buf[start..];
         if tail.starts_with(quoted) {
-            key = Some((start, start + quoted.len()));
+            key = Some((start, start + quoted.len(), i == 0));
             break;
         }
         if !end && quoted.starts_with(tail) {
             return Ok(Hit::Incomplete(start));
         }
     }
-    let Some((key_start, key_end)) = key else {
+    let Some((key_start, key_end, kv)) = key else {
         return Ok(Hit::Skip(at + 1));
     };
     let more = |at: usize| {
@@ -375,9 +390,9 @@ fn next_hit(buf: &[u8], at: usize, end: bool) -> Result<Hit, AnswerError> {
         Some(Ok(_)) if v + values.byte_offset() == buf.len() && !end => {
             Ok(Hit::Incomplete(key_start))
         }
-        Some(Ok(_)) => Ok(Hit::Value(v, v + values.byte_offset())),
+        Some(Ok(_)) => Ok(Hit::Value(v, v + values.byte_offset(), kv)),
         Some(Err(e)) if e.is_eof() => Ok(if end {
-            Hit::Value(v, buf.len())
+            Hit::Value(v, buf.len(), kv)
         } else {
             Hit::Incomplete(key_start)
         }),
@@ -529,6 +544,50 @@ mod tests {
         let out = joined(&[cut]);
         assert_eq!(out.len(), cut.len());
         assert!(!out.contains("10.0.0.7"), "{out}");
+    }
+
+    /// What a [`ReturnedHandoff`] was given.
+    #[derive(Debug, Default)]
+    struct Kept(std::sync::Mutex<Vec<Vec<u8>>>);
+
+    impl ReturnedHandoff for Kept {
+        fn returned(&self, value: &[u8]) {
+            self.0.lock().unwrap().push(value.to_vec());
+        }
+    }
+
+    #[test]
+    fn the_decodes_own_handoff_is_given_once_wherever_the_frames_cut() {
+        let stream = format!(
+            "{CHUNK}data: {{\"ec_transfer_params\":{{\"e\":1}}}}\n\n{}data: [DONE]\n\n",
+            last_chunk()
+        );
+        let b = stream.as_bytes();
+        for cut in 0..b.len() {
+            let kept = Arc::new(Kept::default());
+            let mut s = Scrubber::default();
+            s.capture(kept.clone());
+            let mut out = s.push(Bytes::copy_from_slice(&b[..cut])).unwrap().to_vec();
+            out.extend_from_slice(&s.push(Bytes::copy_from_slice(&b[cut..])).unwrap());
+            out.extend_from_slice(&s.finish().unwrap());
+            // The client's answer is as without a receiver; the receiver got the
+            // `kv_transfer_params` value (not `null`, not `ec_transfer_params`), once.
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                joined(&[b]),
+                "cut at {cut}"
+            );
+            let got = kept.0.lock().unwrap();
+            assert_eq!(*got, vec![HANDOFF.as_bytes().to_vec()], "cut at {cut}");
+        }
+        // An answer with two handoffs: only the first is given.
+        let kept = Arc::new(Kept::default());
+        let mut s = Scrubber::default();
+        s.capture(kept.clone());
+        let two = format!("{}{}", last_chunk(), last_chunk().replace("[1,2]", "[3]"));
+        s.push(Bytes::from(two)).unwrap();
+        s.finish().unwrap();
+        assert_eq!(*kept.0.lock().unwrap(), vec![HANDOFF.as_bytes().to_vec()]);
     }
 
     /// Client headers saying `accept-encoding: value`, if any.

@@ -32,6 +32,7 @@ use tokio::time::Instant;
 
 use super::stats::InFlight;
 use crate::admission::Permit;
+use crate::connector::ReturnedHandoff;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::outcome::now;
@@ -375,6 +376,15 @@ impl PdBody {
     pub fn scrubbed(self, headers: &HeaderMap) -> Self {
         let on = scrubbed_kind(headers);
         self.scrubbing(on)
+    }
+
+    /// The same body, giving the answer's own `kv_transfer_params` to `to` as it is
+    /// blanked, when the body is scrubbed (see [`Scrubber::capture`]).
+    pub(crate) fn capturing(mut self, to: Option<Arc<dyn ReturnedHandoff>>) -> Self {
+        if let (Some(scrub), Some(to)) = (self.scrub.as_mut(), to) {
+            scrub.capture(to);
+        }
+        self
     }
 
     /// The same body, scrubbed when `on` (the caller read the content type).

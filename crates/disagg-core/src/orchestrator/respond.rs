@@ -108,6 +108,10 @@ pub(super) struct Exchange {
     stand: Stand,
     /// When each step happened (stamped by the attempt when it returns).
     pub(super) timeline: Timeline,
+    /// Where the decode's own handoff goes, if the plan keeps it
+    /// ([`Handoff::returned`](crate::connector::Handoff::returned)): a 2xx answer's is
+    /// given to it as the body is scrubbed.
+    pub(super) returned: Option<Arc<dyn crate::connector::ReturnedHandoff>>,
 }
 
 impl Exchange {
@@ -118,6 +122,7 @@ impl Exchange {
             head,
             stand,
             timeline: Timeline::starting(),
+            returned: None,
         }
     }
 }
@@ -201,6 +206,7 @@ impl Inner {
             head,
             stand,
             timeline,
+            returned,
         } = ex;
         // One match: the leg that answered, the outcome, the marks and what the body
         // holds. The decode's own 5xx is its failure, whatever its body; a prefill's 4xx
@@ -299,7 +305,10 @@ impl Inner {
             first_byte: None,
             bytes: 0,
         };
-        let body = PdBody::stream(body, sse, finish, pending, timer).scrubbing(scrub);
+        let returned = returned.filter(|_| status.is_success());
+        let body = PdBody::stream(body, sse, finish, pending, timer)
+            .scrubbing(scrub)
+            .capturing(returned);
         let mut resp = Response::new(body);
         *resp.status_mut() = status;
         *resp.headers_mut() = end_to_end(parts.headers);

@@ -99,7 +99,9 @@ impl Inner {
             // it when asked to.
             head
         };
-        Ok(decoded(route, head, mark, guard, None))
+        let mut ex = decoded(route, head, mark, guard, None);
+        ex.returned = handoff.returned.take();
+        Ok(ex)
     }
 
     /// A prefill answer without a usable handoff ([`HandoffFound::Missing`], or

@@ -8,6 +8,7 @@ use disagg_connectors::lmcache::{Lmcache, Notifications, NotifyConfig};
 use disagg_connectors::sglang::SglangBootstrap;
 use disagg_connectors::vllm::VllmMooncake;
 use disagg_connectors::vllm::VllmNixl;
+use disagg_connectors::vllm::bidi::BidiStore;
 use disagg_connectors::vllm::rewrite::PrefillRewriter;
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::KvConnector;
@@ -27,7 +28,8 @@ impl ConnectorArg {
         }
     }
 
-    /// The connector; LMCache's waits on `notifications`, which it needs.
+    /// The connector; LMCache's waits on `notifications`, which it needs; vLLM NIXL's
+    /// keeps the decodes' own handoffs in `bidi` when given one.
     ///
     /// # Errors
     ///
@@ -36,10 +38,17 @@ impl ConnectorArg {
         self,
         notifications: Option<Notifications>,
         limits: VllmLimits,
+        bidi: Option<Arc<BidiStore>>,
     ) -> Result<Arc<dyn KvConnector>, BoxError> {
         let rewriter = PrefillRewriter::new().with_limits(limits);
         Ok(match self {
-            ConnectorArg::Nixl => Arc::new(VllmNixl::with_rewriter(rewriter)),
+            ConnectorArg::Nixl => {
+                let nixl = VllmNixl::with_rewriter(rewriter);
+                Arc::new(match bidi {
+                    Some(store) => nixl.with_bidirectional(store),
+                    None => nixl,
+                })
+            }
             ConnectorArg::Sglang => Arc::new(SglangBootstrap::new()),
             ConnectorArg::Mooncake => Arc::new(VllmMooncake::new().with_rewriter(rewriter)),
             ConnectorArg::Lmcache => Arc::new(

@@ -74,6 +74,9 @@ pub struct ServeArgs {
     /// decode receives KV.
     #[command(flatten)]
     pub(crate) lmcache: LmcacheArgs,
+    /// Bidirectional multi-turn KV (vLLM NIXL).
+    #[command(flatten)]
+    pub(crate) bidi: super::bidi::BidiArgs,
     /// What an engine declares about its KV transfer, checked for every prefill/decode
     /// pair at start-up: URL=CONNECTOR,ROLE,TP, each part optional (e.g.
     /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose

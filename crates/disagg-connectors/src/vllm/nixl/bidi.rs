@@ -1,0 +1,553 @@
+//! Bidirectional multi-turn KV for vLLM NIXL: a decode's own handoff, kept for the next
+//! turn of its conversation.
+//!
+//! A vLLM 0.33 decode running NIXL with `kv_connector_extra_config.bidirectional_kv_xfer`
+//! ends each answer (the body, a stream's terminal chunk, a Responses stream's terminal
+//! `response`) with a `kv_transfer_params` of its own: `do_remote_prefill: false,
+//! do_remote_decode: true`, its engine id, block ids, request id, side-channel host and
+//! port, `remote_num_tokens` (the tokens it computed) and `remote_blocks_expiry_time`
+//! (`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py`). Sent as the
+//! **prefill** leg's `kv_transfer_params` of the conversation's next turn, the prefill
+//! pulls that prefix from the decode instead of computing it, when `remote_num_tokens` is
+//! at least its `kv_recompute_threshold` (64 tokens by default); the decode holds the
+//! blocks until they are read or its `decoder_kv_blocks_ttl` (480 s) ends.
+//!
+//! A [`BidiStore`] does the proxy's part:
+//!
+//! - **Capture.** [`VllmNixl::with_bidirectional`](super::VllmNixl::with_bidirectional)
+//!   puts a receiver on the plan of every chat, completions and Responses request that
+//!   names a conversation ([`ConversationKey`]); the orchestrator gives it the decode's
+//!   `kv_transfer_params` as it blanks it for the client (nothing more is buffered). The
+//!   value is peer bytes: it is kept only when it is at most
+//!   [`BidiConfig::max_handoff_bytes`], a JSON object with `do_remote_decode: true`, a
+//!   non-empty `remote_engine_id`, `remote_request_id` and `remote_block_ids`, a
+//!   `remote_port` and a `remote_num_tokens`; anything else is dropped and counted.
+//!   Its `remote_host` is replaced by the decode endpoint's host, as vLLM's example
+//!   proxy does (an engine's side-channel host defaults to `localhost`).
+//! - **Scope.** The key is client input: with client keys (`--api-key`) it is scoped by
+//!   the client's key, so a client cannot name another's conversation; without them it
+//!   is taken as given, and a client naming another's conversation would have its
+//!   prefill pull that conversation's KV (vLLM does not check that the pulled prefix is
+//!   the prompt's): use unguessable conversation ids, or client keys.
+//! - **Store.** One entry per conversation (a newer turn's replaces the older one),
+//!   bounded in count and bytes (the oldest entries go first, counted), each dropped
+//!   [`BidiConfig::ttl`] after it was stored (counted as expired unused). The TTL is the
+//!   proxy's own: `remote_blocks_expiry_time` is the decode's monotonic clock and is
+//!   never compared with the proxy's.
+//! - **Reuse.** The next turn of the conversation takes the entry (it is used once) and
+//!   sends it as its prefill leg's `kv_transfer_params`. Any prefill can pull it (NIXL
+//!   reads from the decode wherever it is), so routing is unchanged.
+//!
+//! `/v1/messages`, `/cohere/v2/chat` and `/inference/v1/generate` answers have no field
+//! for the decode's handoff: nothing is captured there, and a decode running the flag
+//! keeps its blocks until its TTL ends.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use disagg_core::connector::ReturnedHandoff;
+use disagg_core::request::{Api, PdRequest};
+use http::HeaderName;
+use serde_json::{Map, Value};
+
+/// The longest conversation key kept, in bytes: a longer one is client input the proxy
+/// does not store (the request captures nothing and reuses nothing).
+pub const MAX_KEY_LEN: usize = 256;
+
+/// Where a request names its conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConversationKey {
+    /// A request header (`header:x-session-id`).
+    Header(HeaderName),
+    /// A top-level string field of the body (`field:conversation_id`, `field:user`).
+    Field(String),
+}
+
+impl Default for ConversationKey {
+    /// `field:conversation_id`, the top-level field vLLM's own example proxy keys turns by.
+    fn default() -> Self {
+        ConversationKey::Field("conversation_id".to_owned())
+    }
+}
+
+/// A [`ConversationKey`] that cannot be read from its text.
+#[derive(Debug, thiserror::Error)]
+#[error("a conversation key is header:NAME or field:NAME, not {0:?}")]
+pub struct ConversationKeyError(String);
+
+impl FromStr for ConversationKey {
+    type Err = ConversationKeyError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ConversationKeyError(s.to_owned());
+        match s.split_once(':') {
+            Some(("header", name)) => HeaderName::from_str(name)
+                .map(ConversationKey::Header)
+                .map_err(|_| bad()),
+            Some(("field", name)) if !name.is_empty() => {
+                Ok(ConversationKey::Field(name.to_owned()))
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for ConversationKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConversationKey::Header(h) => write!(f, "header:{h}"),
+            ConversationKey::Field(n) => write!(f, "field:{n}"),
+        }
+    }
+}
+
+impl ConversationKey {
+    /// The conversation `req` names, if any: a non-empty header value or JSON string of
+    /// at most [`MAX_KEY_LEN`] bytes, scoped by the client that sent it when the server
+    /// knows it (a client key): one client cannot name another's conversation.
+    fn of(&self, req: &PdRequest) -> Option<Box<str>> {
+        let key: Box<str> = match self {
+            ConversationKey::Header(h) => req.header(h.as_str())?.to_str().ok()?.into(),
+            ConversationKey::Field(name) => {
+                let raw = req.body().get(name)?;
+                // The escapes of a JSON string make it at most 6 bytes per character
+                // longer: refuse what cannot fit before reading it.
+                if raw.len() > MAX_KEY_LEN * 6 + 2 {
+                    return None;
+                }
+                serde_json::from_slice::<String>(raw).ok()?.into()
+            }
+        };
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return None;
+        }
+        Some(match req.client() {
+            Some(client) => format!("{client}\u{0}{key}").into(),
+            None => key,
+        })
+    }
+}
+
+/// The bounds of a [`BidiStore`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct BidiConfig {
+    /// Where a request names its conversation.
+    pub key: ConversationKey,
+    /// Conversations kept at most (default 10,000).
+    pub max_entries: usize,
+    /// Bytes of kept handoffs at most, keys included (default 64 MiB).
+    pub max_bytes: usize,
+    /// The largest decode handoff kept (default 64 KiB; a vLLM handoff is a few hundred
+    /// bytes plus its block ids).
+    pub max_handoff_bytes: usize,
+    /// How long an entry is kept: the decode engines' `decoder_kv_blocks_ttl` (default
+    /// 480 s, vLLM's), after which the decode has freed the blocks.
+    pub ttl: Duration,
+}
+
+impl Default for BidiConfig {
+    fn default() -> Self {
+        BidiConfig {
+            key: ConversationKey::default(),
+            max_entries: 10_000,
+            max_bytes: 64 * 1024 * 1024,
+            max_handoff_bytes: 64 * 1024,
+            ttl: Duration::from_secs(480),
+        }
+    }
+}
+
+/// What a [`BidiStore`] did, since it was made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BidiStats {
+    /// Decode handoffs kept.
+    pub captured: u64,
+    /// Turns whose prefill leg was sent the decode's handoff.
+    pub reused: u64,
+    /// Tokens those handoffs named (`remote_num_tokens`): the prefix the prefills could
+    /// pull rather than compute.
+    pub reused_tokens: u64,
+    /// Handoffs dropped unused when their TTL ended.
+    pub expired: u64,
+    /// Handoffs dropped as invalid (too large, not JSON, not a decode's dict).
+    pub invalid: u64,
+    /// Handoffs dropped unused to keep the store within its bounds.
+    pub evicted: u64,
+    /// Conversations kept now.
+    pub entries: u64,
+    /// Bytes kept now.
+    pub bytes: u64,
+}
+
+/// The decode handoffs kept for the next turn of their conversations (see the
+/// [module docs](self)). Shared by the connector and whoever reads its
+/// [`stats`](Self::stats); no lock is held across an await.
+#[derive(Debug)]
+pub struct BidiStore {
+    config: BidiConfig,
+    entries: Mutex<Entries>,
+    captured: AtomicU64,
+    reused: AtomicU64,
+    reused_tokens: AtomicU64,
+    expired: AtomicU64,
+    invalid: AtomicU64,
+    evicted: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Entries {
+    map: HashMap<Box<str>, Entry>,
+    /// Keys in the order stored, with the entry's number (a replaced entry's old place
+    /// is skipped when reached).
+    order: VecDeque<(Box<str>, u64)>,
+    bytes: usize,
+    next: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    dict: Bytes,
+    tokens: u64,
+    stored: Instant,
+    seq: u64,
+}
+
+impl Entries {
+    fn size(key: &str, e: &Entry) -> usize {
+        key.len() + e.dict.len()
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Entry> {
+        let e = self.map.remove(key)?;
+        self.bytes -= Self::size(key, &e);
+        Some(e)
+    }
+
+    /// Drop the oldest entries while `over` says so; `expired` counts those past
+    /// `ttl` at `now`, `evicted` the others.
+    fn drop_front(
+        &mut self,
+        mut over: impl FnMut(&Self, &Entry) -> bool,
+        expired: &mut u64,
+        evicted: &mut u64,
+        is_expired: impl Fn(&Entry) -> bool,
+    ) {
+        while let Some((key, seq)) = self.order.front() {
+            let Some(e) = self.map.get(key) else {
+                self.order.pop_front();
+                continue;
+            };
+            if e.seq != *seq {
+                self.order.pop_front();
+                continue;
+            }
+            if !over(self, e) {
+                break;
+            }
+            if is_expired(e) {
+                *expired += 1;
+            } else {
+                *evicted += 1;
+            }
+            let (key, _) = self.order.pop_front().unwrap_or_default();
+            self.remove(&key);
+        }
+    }
+}
+
+impl BidiStore {
+    /// An empty store.
+    pub fn new(config: BidiConfig) -> Arc<Self> {
+        Arc::new(BidiStore {
+            config,
+            entries: Mutex::new(Entries::default()),
+            captured: AtomicU64::new(0),
+            reused: AtomicU64::new(0),
+            reused_tokens: AtomicU64::new(0),
+            expired: AtomicU64::new(0),
+            invalid: AtomicU64::new(0),
+            evicted: AtomicU64::new(0),
+        })
+    }
+
+    /// The store's bounds.
+    pub fn config(&self) -> &BidiConfig {
+        &self.config
+    }
+
+    /// The counters, after dropping the entries whose TTL ended.
+    pub fn stats(&self) -> BidiStats {
+        let (entries, bytes) = {
+            let mut e = self.lock();
+            self.sweep(&mut e, Instant::now());
+            (e.map.len() as u64, e.bytes as u64)
+        };
+        BidiStats {
+            captured: self.captured.load(Relaxed),
+            reused: self.reused.load(Relaxed),
+            reused_tokens: self.reused_tokens.load(Relaxed),
+            expired: self.expired.load(Relaxed),
+            invalid: self.invalid.load(Relaxed),
+            evicted: self.evicted.load(Relaxed),
+            entries,
+            bytes,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Entries> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Drop (and count) the entries whose TTL ended by `now`: they are stored in
+    /// order, so they are at the front.
+    fn sweep(&self, e: &mut Entries, now: Instant) {
+        let ttl = self.config.ttl;
+        let is_expired = |x: &Entry| now.saturating_duration_since(x.stored) >= ttl;
+        let (mut expired, mut evicted) = (0, 0);
+        e.drop_front(|_, x| is_expired(x), &mut expired, &mut evicted, is_expired);
+        self.expired.fetch_add(expired, Relaxed);
+    }
+
+    /// The conversation `req` names, when it is one whose answers carry a decode's
+    /// handoff (chat, completions, Responses).
+    pub(crate) fn key(&self, req: &PdRequest) -> Option<Box<str>> {
+        matches!(req.api(), Api::Chat | Api::Completions | Api::Responses)
+            .then(|| self.config.key.of(req))
+            .flatten()
+    }
+
+    /// Take the handoff kept for `key` (used once), if its TTL has not ended; counted
+    /// as a reuse.
+    pub(crate) fn take(&self, key: &str) -> Option<Bytes> {
+        let entry = {
+            let mut e = self.lock();
+            self.sweep(&mut e, Instant::now());
+            e.remove(key)?
+        };
+        self.reused.fetch_add(1, Relaxed);
+        self.reused_tokens.fetch_add(entry.tokens, Relaxed);
+        Some(entry.dict)
+    }
+
+    /// Keep the decode's handoff `raw` for `key`, its `remote_host` made `host`, if it
+    /// is one (else count it invalid).
+    pub(crate) fn put(&self, key: &str, host: &str, raw: &[u8]) {
+        let Some((dict, tokens)) = self.checked(host, raw) else {
+            self.invalid.fetch_add(1, Relaxed);
+            tracing::debug!(
+                bytes = raw.len(),
+                "a decode's KV handoff was not kept: not a valid decode handoff"
+            );
+            return;
+        };
+        let now = Instant::now();
+        let (mut expired, mut evicted) = (0, 0);
+        {
+            let mut e = self.lock();
+            let seq = e.next;
+            e.next += 1;
+            e.remove(key);
+            let entry = Entry {
+                dict,
+                tokens,
+                stored: now,
+                seq,
+            };
+            let size = Entries::size(key, &entry);
+            if size > self.config.max_bytes || self.config.max_entries == 0 {
+                evicted += 1;
+            } else {
+                let (max_entries, max_bytes, ttl) = (
+                    self.config.max_entries,
+                    self.config.max_bytes,
+                    self.config.ttl,
+                );
+                // Room for one more entry of `size` bytes, expired ones first.
+                let is_expired = |x: &Entry| now.saturating_duration_since(x.stored) >= ttl;
+                e.drop_front(
+                    |s, x| {
+                        is_expired(x) || s.map.len() >= max_entries || s.bytes + size > max_bytes
+                    },
+                    &mut expired,
+                    &mut evicted,
+                    is_expired,
+                );
+                let key: Box<str> = key.into();
+                e.bytes += size;
+                e.order.push_back((key.clone(), seq));
+                e.map.insert(key, entry);
+                self.captured.fetch_add(1, Relaxed);
+            }
+            // Places of replaced entries pile up at most as long as the entries do.
+            if e.order.len() > 2 * e.map.len() + 16 {
+                let Entries { map, order, .. } = &mut *e;
+                order.retain(|(k, s)| map.get(k).is_some_and(|x| x.seq == *s));
+            }
+        }
+        self.expired.fetch_add(expired, Relaxed);
+        self.evicted.fetch_add(evicted, Relaxed);
+    }
+
+    /// `raw` as the dict to keep (its `remote_host` made `host`) and its
+    /// `remote_num_tokens`, if it is a decode's handoff within the size ceiling.
+    fn checked(&self, host: &str, raw: &[u8]) -> Option<(Bytes, u64)> {
+        if raw.len() > self.config.max_handoff_bytes {
+            return None;
+        }
+        let mut dict: Map<String, Value> = serde_json::from_slice(raw).ok()?;
+        let non_empty_str = |k: &str| {
+            dict.get(k)
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.is_empty())
+        };
+        let ok = dict.get("do_remote_decode") == Some(&Value::Bool(true))
+            && dict.get("do_remote_prefill") != Some(&Value::Bool(true))
+            && non_empty_str("remote_engine_id")
+            && non_empty_str("remote_request_id")
+            && dict
+                .get("remote_block_ids")
+                .and_then(Value::as_array)
+                .is_some_and(|b| !b.is_empty())
+            && dict
+                .get("remote_port")
+                .and_then(Value::as_u64)
+                .is_some_and(|p| p <= u64::from(u16::MAX));
+        let tokens = dict.get("remote_num_tokens").and_then(Value::as_u64)?;
+        if !ok || host.is_empty() {
+            return None;
+        }
+        dict.insert("remote_host".to_owned(), Value::String(host.to_owned()));
+        let bytes = serde_json::to_vec(&dict).ok()?;
+        Some((Bytes::from(bytes), tokens))
+    }
+}
+
+/// One request's receiver of its decode's handoff: the store, the conversation and the
+/// decode endpoint's host. Dropped with the request.
+#[derive(Debug)]
+pub(crate) struct Capture {
+    pub(crate) store: Arc<BidiStore>,
+    pub(crate) key: Box<str>,
+    pub(crate) host: Box<str>,
+}
+
+impl ReturnedHandoff for Capture {
+    fn returned(&self, value: &[u8]) {
+        self.store.put(&self.key, &self.host, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dict(tokens: u64) -> String {
+        format!(
+            r#"{{"do_remote_prefill":false,"do_remote_decode":true,"remote_engine_id":"d","remote_request_id":"r","remote_block_ids":[0,1],"remote_host":"localhost","remote_port":5600,"remote_num_tokens":{tokens},"remote_blocks_expiry_time":123.5}}"#
+        )
+    }
+
+    fn store(config: BidiConfig) -> Arc<BidiStore> {
+        BidiStore::new(config)
+    }
+
+    #[test]
+    fn a_kept_handoff_is_taken_once_with_the_decodes_host() {
+        let s = store(BidiConfig::default());
+        s.put("c1", "10.0.0.9", dict(100).as_bytes());
+        assert!(s.take("c2").is_none());
+        let got: Map<String, Value> = serde_json::from_slice(&s.take("c1").unwrap()).unwrap();
+        assert_eq!(got["remote_host"], "10.0.0.9");
+        assert_eq!(got["remote_num_tokens"], 100);
+        assert!(s.take("c1").is_none());
+        let st = s.stats();
+        assert_eq!((st.captured, st.reused, st.reused_tokens), (1, 1, 100));
+        assert_eq!((st.entries, st.bytes), (0, 0));
+    }
+
+    #[test]
+    fn what_is_no_decode_handoff_is_dropped_and_counted() {
+        let s = store(BidiConfig {
+            max_handoff_bytes: 512,
+            ..BidiConfig::default()
+        });
+        let big = dict(1).replace("[0,1]", &format!("[{}0]", "0,".repeat(300)));
+        for bad in [
+            "null".to_owned(),
+            "[1]".to_owned(),
+            "{\"do_remote_decode\":true".to_owned(),
+            dict(1).replace("\"do_remote_decode\":true", "\"do_remote_decode\":false"),
+            dict(1).replace("\"remote_engine_id\":\"d\",", ""),
+            dict(1).replace("[0,1]", "[]"),
+            dict(1).replace(",\"remote_num_tokens\":1", ""),
+            dict(1).replace("5600", "70000"),
+            big,
+        ] {
+            s.put("c", "h", bad.as_bytes());
+            assert!(s.take("c").is_none(), "{bad}");
+        }
+        assert_eq!(s.stats().invalid, 9);
+    }
+
+    #[test]
+    fn the_store_keeps_its_bounds_and_its_ttl() {
+        let s = store(BidiConfig {
+            max_entries: 2,
+            ..BidiConfig::default()
+        });
+        for k in ["a", "b", "c"] {
+            s.put(k, "h", dict(64).as_bytes());
+        }
+        assert!(s.take("a").is_none());
+        assert_eq!(s.stats().evicted, 1);
+        // A newer turn replaces the older one in place.
+        s.put("b", "h", dict(70).as_bytes());
+        assert_eq!(s.stats().entries, 2);
+        let one = dict(64).len() + 1;
+        let s = store(BidiConfig {
+            max_bytes: 2 * one,
+            ..BidiConfig::default()
+        });
+        for k in ["a", "b", "c"] {
+            s.put(k, "h", dict(64).as_bytes());
+        }
+        let st = s.stats();
+        assert!(st.bytes <= 2 * one as u64, "{st:?}");
+        assert_eq!(st.evicted, 1);
+
+        let s = store(BidiConfig {
+            ttl: Duration::ZERO,
+            ..BidiConfig::default()
+        });
+        s.put("a", "h", dict(64).as_bytes());
+        assert!(s.take("a").is_none());
+        let st = s.stats();
+        assert_eq!((st.expired, st.reused, st.entries), (1, 0, 0));
+    }
+
+    #[test]
+    fn conversation_keys_read_from_text() {
+        assert_eq!(
+            "field:user".parse::<ConversationKey>().unwrap(),
+            ConversationKey::Field("user".into())
+        );
+        assert_eq!(
+            "header:x-session-id"
+                .parse::<ConversationKey>()
+                .unwrap()
+                .to_string(),
+            "header:x-session-id"
+        );
+        for bad in ["user", "field:", "header:bad name", "cookie:x"] {
+            assert!(bad.parse::<ConversationKey>().is_err(), "{bad}");
+        }
+    }
+}
