@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use disagg_core::admission::{Admission, AdmissionStats, Permit};
 use disagg_core::endpoint::EndpointSet;
 use disagg_core::error::{PdError, RouteError};
 use disagg_core::outcome::Outcome;
+use disagg_core::policy::{Admission, AdmissionStats, Permit};
 use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
 use futures::future::{BoxFuture, Either, ready};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
