@@ -131,7 +131,8 @@ impl Facts {
     }
 
     /// Removes `key`, returning its value.
-    pub fn remove(&mut self, key: &str) -> Option<String> {
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, key: &str) -> Option<String> {
         let i = self
             .entries
             .binary_search_by(|(k, _)| (**k).cmp(key))
@@ -140,12 +141,13 @@ impl Facts {
     }
 
     /// The entries, in key order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
         self.entries.iter().map(|(k, v)| (&**k, &**v))
     }
 
     /// How many entries there are.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
