@@ -350,9 +350,7 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Inner { fut } => fut
-                .poll(cx)
-                .map_ok(|resp| resp.map(Either::Left)),
+            KindProj::Inner { fut } => fut.poll(cx).map_ok(|resp| resp.map(Either::Left)),
             KindProj::Pd { fut } => fut
                 .as_mut()
                 .poll(cx)
