@@ -7,8 +7,8 @@ use bytes::Bytes;
 use disagg_core::orchestrator::OrchestratorConfig;
 use std::sync::Arc;
 
-use disagg_core::disaggregate::Disaggregate;
 use disagg_core::endpoint::Facts;
+use disagg_core::policy::Disaggregate;
 use disagg_core::{Endpoint, KvConnector, Orchestrator, Role, source::ManualSource};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};

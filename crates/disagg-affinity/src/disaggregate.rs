@@ -6,7 +6,7 @@
 //! computes a few hundred tokens of prompt faster than the prefill leg and the KV pull
 //! take.
 
-use disagg_core::disaggregate::{Decision, Disaggregate};
+use disagg_core::policy::{Decision, Disaggregate};
 use disagg_core::router::RequestView;
 
 /// Disaggregate only requests whose prompt is estimated at `min_tokens` or more.
@@ -28,7 +28,7 @@ use disagg_core::router::RequestView;
 ///
 /// ```
 /// use disagg_affinity::PromptThreshold;
-/// use disagg_core::disaggregate::{Decision, Disaggregate};
+/// use disagg_core::policy::{Decision, Disaggregate};
 /// use disagg_core::router::RequestView;
 /// use disagg_core::{request::Api, body::JsonBody};
 /// use http::HeaderMap;

@@ -6,7 +6,7 @@
 //! `disagg-core` holds the seams these plug into: the
 //! [`Router`](disagg_core::router::Router) trait an orchestrator routes with, and the
 //! [`Pick`](disagg_core::router::Pick) trait, a policy for one leg, and the
-//! [`Disaggregate`](disagg_core::disaggregate::Disaggregate) hook. This crate holds the
+//! [`Disaggregate`](disagg_core::policy::Disaggregate) hook. This crate holds the
 //! policies.
 //!
 //! # Naming
@@ -42,7 +42,7 @@
 //!   sends a request to the engine holding the longest part of its prompt unless the
 //!   engines' loads are too far apart.
 //! - [`disaggregate`]: [`PromptThreshold`], a
-//!   [`Disaggregate`](disagg_core::disaggregate::Disaggregate) hook that serves prompts
+//!   [`Disaggregate`](disagg_core::policy::Disaggregate) hook that serves prompts
 //!   estimated shorter than a threshold on a decode engine alone, before any routing.
 //!
 //! | affinity policy | needs | state | use it when |

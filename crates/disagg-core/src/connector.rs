@@ -34,10 +34,10 @@ use async_trait::async_trait;
 use http::{HeaderMap, StatusCode};
 
 use crate::body::JsonBody;
-use crate::disaggregate::Decision;
 use crate::endpoint::Endpoint;
 use crate::error::{ConnectorError, InvalidParam};
 use crate::outcome::Outcome;
+use crate::policy::Decision;
 use crate::request::{Api, PdRequest};
 use crate::router::Route;
 use crate::transport::{BoxBody, Transport};

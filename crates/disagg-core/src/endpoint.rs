@@ -281,16 +281,6 @@ impl Ranks {
         Ok(Ranks { first, last })
     }
 
-    /// The first rank.
-    pub fn first(&self) -> u32 {
-        self.first
-    }
-
-    /// The last rank (included).
-    pub fn last(&self) -> u32 {
-        self.last
-    }
-
     /// How many ranks (at least 1; up to 2^32, hence a `u64`).
     pub fn count(&self) -> u64 {
         u64::from(self.last - self.first) + 1

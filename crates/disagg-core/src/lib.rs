@@ -51,23 +51,20 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod admission;
 pub mod body;
-pub mod config_file;
 pub mod connector;
-pub mod disaggregate;
 pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
 pub mod outcome;
 pub mod pairing;
+pub mod policy;
 pub mod proto;
 pub mod request;
-pub mod retry;
 pub mod router;
 pub mod source;
 pub mod tokens;
-pub mod trace;
+mod trace;
 pub mod transport;
 
 // The handful of names a user writes daily, at the root; everything else at its

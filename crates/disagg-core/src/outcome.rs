@@ -38,7 +38,6 @@ use http::{HeaderValue, StatusCode};
 
 use crate::request::Api;
 use crate::router::Route;
-use crate::trace::TraceIds;
 
 /// How one attempt ended: the one word routers ([`Router::observe`](crate::Router::observe)),
 /// connectors ([`KvConnector::observe`](crate::KvConnector::observe)) and every
@@ -368,4 +367,31 @@ pub struct EngineCall {
     pub call: &'static str,
     /// [`LegOutcome::Answered`] or [`LegOutcome::Failed`].
     pub outcome: LegOutcome,
+}
+
+/// The W3C trace identities of one request's spans (or of one attempt's, in its report),
+/// drawn when the orchestrator traces
+/// ([`OrchestratorConfig::trace_ratio`](crate::orchestrator::OrchestratorConfig::trace_ratio)):
+/// a span id for the proxy's server span and, per attempt, for the prefill leg, the
+/// handoff step and the decode leg; each leg's `traceparent` names its own span. An
+/// exporter (`disagg-otel`) builds the spans from these ids and the report's instants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TraceIds {
+    /// The trace: the client's, or drawn for the request.
+    pub trace_id: [u8; 16],
+    /// The client's span that the request continues, when it sent a `traceparent`.
+    pub parent: Option<[u8; 8]>,
+    /// The proxy's server span for the request.
+    pub request: [u8; 8],
+    /// The attempt's prefill leg span (the `traceparent` the prefill engine got).
+    pub prefill: [u8; 8],
+    /// The attempt's handoff step span.
+    pub handoff: [u8; 8],
+    /// The attempt's decode leg span (the `traceparent` the decode engine got).
+    pub decode: [u8; 8],
+    /// Whether the trace is sampled (recorded and exported).
+    pub sampled: bool,
+    /// The client's `tracestate`, passed on to the legs unchanged.
+    pub tracestate: Option<HeaderValue>,
 }

@@ -20,11 +20,11 @@ use futures::future::{BoxFuture, Either, Ready, ready};
 use http::HeaderMap;
 use tokio::time::Instant;
 
-use crate::admission::Permit;
 use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::{PdError, RouteError};
 use crate::outcome::Outcome;
+use crate::policy::Permit;
 use crate::request::{Api, PdRequest};
 use crate::source::EndpointSource;
 
@@ -183,7 +183,7 @@ pub trait Router: Send + Sync + 'static {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError>;
 
     /// Choose a decode endpoint for `req`, which will be served without a prefill leg
-    /// (a [`Disaggregate`](crate::disaggregate::Disaggregate) hook chose not to
+    /// (a [`Disaggregate`](crate::policy::Disaggregate) hook chose not to
     /// disaggregate it). The default calls [`select`](Self::select) and drops the
     /// prefill; override it when picking a prefill endpoint has effects (round-robin
     /// turns, cache-locality records) that an unsent leg should not have.

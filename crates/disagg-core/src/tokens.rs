@@ -6,9 +6,9 @@
 //! ids). A [`Tokenizer`] given to the orchestrator
 //! ([`OrchestratorBuilder::tokenizer`](crate::orchestrator::OrchestratorBuilder::tokenizer))
 //! runs once per request, after the connector's check and before the
-//! [`Disaggregate`](crate::disaggregate::Disaggregate) hook, and only when the router
+//! [`Disaggregate`](crate::policy::Disaggregate) hook, and only when the router
 //! or the hook says it reads tokens ([`Router::wants_tokens`](crate::Router::wants_tokens),
-//! [`Disaggregate::wants_tokens`](crate::disaggregate::Disaggregate::wants_tokens)). A
+//! [`Disaggregate::wants_tokens`](crate::policy::Disaggregate::wants_tokens)). A
 //! proxy whose policies read no tokens pays nothing per request, whatever tokenizer it
 //! was given.
 //!

@@ -27,34 +27,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::outcome::TraceIds;
 use crate::request::splitmix64;
 
 /// The W3C `traceparent` header.
 pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 /// The W3C `tracestate` header.
 pub(crate) const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
-
-/// The trace identities of one request's spans (or of one attempt's, in its report).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct TraceIds {
-    /// The trace: the client's, or drawn for the request.
-    pub trace_id: [u8; 16],
-    /// The client's span that the request continues, when it sent a `traceparent`.
-    pub parent: Option<[u8; 8]>,
-    /// The proxy's server span for the request.
-    pub request: [u8; 8],
-    /// The attempt's prefill leg span (the `traceparent` the prefill engine got).
-    pub prefill: [u8; 8],
-    /// The attempt's handoff step span.
-    pub handoff: [u8; 8],
-    /// The attempt's decode leg span (the `traceparent` the decode engine got).
-    pub decode: [u8; 8],
-    /// Whether the trace is sampled (recorded and exported).
-    pub sampled: bool,
-    /// The client's `tracestate`, passed on to the legs unchanged.
-    pub tracestate: Option<HeaderValue>,
-}
 
 impl TraceIds {
     /// The `traceparent` value naming `span` in this trace.

@@ -49,7 +49,7 @@
 //!   does not finish within [`FileConfig::read_timeout`] (5 s; a hung network volume) is
 //!   an error; both are unreadable states, logged and counted as above, and the next
 //!   poll tries again. No read can stop the polling, or hold the proxy at shutdown
-//!   ([`disagg_core::config_file`]).
+//!   ([`disagg_files`]).
 //! - At start, a missing, unreadable or invalid file is an error of [`spawn`]: the proxy
 //!   should not start on a configuration it cannot read.
 
@@ -57,8 +57,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use disagg_core::Role;
-use disagg_core::config_file::TimedReader;
 use disagg_core::endpoint::Facts;
+use disagg_files::TimedReader;
 use serde::Deserialize;
 
 use crate::source::{SpecPublisher, SpecSource};
@@ -492,7 +492,8 @@ mod tests {
 
     #[test]
     fn malformed_or_oversized_facts_refuse_the_file() {
-        let long = "x".repeat(Facts::MAX_VALUE_LEN + 1);
+        // One byte past the 4096 a fact's value may have (`Facts`' documented limit).
+        let long = "x".repeat(4097);
         let cases = [
             (
                 "[[prefill]]\nurl = \"http://p:1\"\nbootstrap_port = \"abc\"\n".to_owned(),

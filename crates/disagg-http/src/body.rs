@@ -29,7 +29,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use disagg_core::error::{BodyError, BoxError, PdError};
+use disagg_core::error::{BodyError, BoxError, Overload, PdError};
 use http_body::Body;
 
 /// Default of [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget):
@@ -208,7 +208,9 @@ where
         // A declared length is taken from the budget now, before any of it is read.
         let declared = hint.exact().and_then(|n| usize::try_from(n).ok());
         match declared {
-            Some(n) if !share.grow_to(n) => Err(PdError::server_busy(BUSY_RETRY_AFTER)),
+            Some(n) if !share.grow_to(n) => Err(PdError::overloaded(Overload::ServerBusy {
+                retry_after: BUSY_RETRY_AFTER,
+            })),
             _ => Ok(declared),
         }
     };
@@ -397,7 +399,11 @@ fn append(
     share: &mut Share<'_>,
     max_bytes: usize,
 ) -> Result<(), PdError> {
-    let busy = || PdError::server_busy(BUSY_RETRY_AFTER);
+    let busy = || {
+        PdError::overloaded(Overload::ServerBusy {
+            retry_after: BUSY_RETRY_AFTER,
+        })
+    };
     match state {
         State::Empty => {
             // A chunked body's first chunk is already in memory; it counts from now.

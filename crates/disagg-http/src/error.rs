@@ -102,7 +102,9 @@ mod tests {
 
     #[test]
     fn messages_errors_are_anthropics_but_for_the_request_model() {
-        let busy = PdError::server_busy(std::time::Duration::from_secs(2));
+        let busy = PdError::overloaded(disagg_core::error::Overload::ServerBusy {
+            retry_after: std::time::Duration::from_secs(2),
+        });
         let resp = api_error_response(Api::Messages, None, &busy);
         assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(resp.headers()[RETRY_AFTER], "2");

@@ -91,7 +91,8 @@ use bytes::Bytes;
 use disagg_core::error::BoxError;
 use disagg_core::{Orchestrator, orchestrator::PdBody, request::Api};
 use http::{Method, Request, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
+use http_body_util::Either;
 use tower::{Layer, Service};
 
 use crate::error::error_response;
@@ -349,83 +350,18 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Inner { fut } => fut
-                .poll(cx)
-                .map_ok(|resp| resp.map(|body| ResponseBody::new(BodyKind::Inner { body }))),
+            KindProj::Inner { fut } => fut.poll(cx).map_ok(|resp| resp.map(Either::Left)),
             KindProj::Pd { fut } => fut
                 .as_mut()
                 .poll(cx)
-                .map(|resp| Ok(resp.map(|body| ResponseBody::new(BodyKind::Pd { body })))),
+                .map(|resp| Ok(resp.map(Either::Right))),
         }
     }
 }
 
-// === impl ResponseBody ===
+// === ResponseBody ===
 
-pin_project_lite::pin_project! {
-    /// The response body of [`PdMiddleware`]: the inner service's body, frame for
-    /// frame, or the P/D answer's [`PdBody`].
-    pub struct ResponseBody<B> {
-        #[pin]
-        kind: BodyKind<B>,
-    }
-}
-
-pin_project_lite::pin_project! {
-    #[project = BodyKindProj]
-    enum BodyKind<B> {
-        Inner { #[pin] body: B },
-        Pd { #[pin] body: PdBody },
-    }
-}
-
-impl<B> ResponseBody<B> {
-    fn new(kind: BodyKind<B>) -> Self {
-        ResponseBody { kind }
-    }
-}
-
-impl<B> fmt::Debug for ResponseBody<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self.kind {
-            BodyKind::Inner { .. } => "inner",
-            BodyKind::Pd { .. } => "pd",
-        };
-        f.debug_struct("ResponseBody")
-            .field("kind", &kind)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<B> Body for ResponseBody<B>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
-{
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project().kind.project() {
-            BodyKindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
-            BodyKindProj::Pd { body } => body.poll_frame(cx),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            BodyKind::Inner { body } => body.is_end_stream(),
-            BodyKind::Pd { body } => body.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            BodyKind::Inner { body } => body.size_hint(),
-            BodyKind::Pd { body } => body.size_hint(),
-        }
-    }
-}
+/// The response body of [`PdMiddleware`]: the inner service's body, frame for frame
+/// (`Left`), or the P/D answer's [`PdBody`] (`Right`). Its error is boxed, as
+/// [`PdBody`]'s is.
+pub type ResponseBody<B> = Either<B, PdBody>;

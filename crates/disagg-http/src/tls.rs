@@ -164,7 +164,7 @@ fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
         path: path.to_owned(),
         source,
     };
-    let bytes = disagg_core::config_file::read_regular(path, MAX_PEM_BYTES).map_err(err)?;
+    let bytes = disagg_files::read_regular(path, MAX_PEM_BYTES).map_err(err)?;
     if bytes.len() as u64 > MAX_PEM_BYTES {
         return Err(err(std::io::Error::new(
             std::io::ErrorKind::FileTooLarge,

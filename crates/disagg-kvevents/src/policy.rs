@@ -18,8 +18,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use disagg_core::disaggregate::{Decision as Split, Disaggregate};
 use disagg_core::endpoint::Endpoint;
+use disagg_core::policy::{Decision as Split, Disaggregate};
 use disagg_core::router::{Pick, RequestView};
 use disagg_core::source::EndpointSource;
 use smallvec::SmallVec;
@@ -258,7 +258,7 @@ impl Disaggregate for CachedPrefixThreshold {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::disaggregate::Always;
+    use disagg_core::policy::Always;
     use disagg_core::{Role, body::JsonBody, request::Api, source::StaticSource};
     use http::HeaderMap;
 

@@ -70,9 +70,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
+use disagg_core::outcome::TraceIds;
 use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 use disagg_core::request::Api;
-use disagg_core::trace::TraceIds;
 use opentelemetry::trace::{
     Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use disagg_affinity::{PerLeg, PromptThreshold};
 use disagg_connectors::lmcache::{LmcacheReceiver, Notifications, ReceiverError};
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
-use disagg_core::disaggregate::{Always, Disaggregate};
 use disagg_core::endpoint::{EndpointError, Facts};
 use disagg_core::orchestrator::{MissingKv, PrefillFailure};
+use disagg_core::policy::{Always, Disaggregate};
 
 use disagg_core::{
     Endpoint, EndpointSource, Orchestrator, Role, Router, orchestrator::OrchestratorConfig,

@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use disagg_core::admission::{Admission, AdmissionStats, Permit};
 use disagg_core::endpoint::EndpointSet;
-use disagg_core::error::{PdError, RouteError};
+use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
+use disagg_core::policy::{Admission, AdmissionStats, Permit};
 use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
 use futures::future::{BoxFuture, Either, ready};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -159,7 +159,9 @@ impl State {
         let guard = Waiting(&self.waiting);
         if before >= self.config.max_queue {
             self.queue_full.fetch_add(1, Ordering::Relaxed);
-            return Err(PdError::queue_full(self.config.retry_after));
+            return Err(PdError::overloaded(Overload::QueueFull {
+                retry_after: self.config.retry_after,
+            }));
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
         Ok(guard)
@@ -174,7 +176,9 @@ impl State {
 
     fn timed_out(&self, since: Instant) -> PdError {
         self.queue_timeouts.fetch_add(1, Ordering::Relaxed);
-        PdError::queue_timeout(since.elapsed())
+        PdError::overloaded(Overload::QueueTimeout {
+            waited: since.elapsed(),
+        })
     }
 
     fn permit(global: Option<OwnedSemaphorePermit>) -> Permit {

@@ -4,8 +4,8 @@
 //! | piece | seam | what it does |
 //! |---|---|---|
 //! | [`health`]: [`HealthSource`] | [`EndpointSource`](disagg_core::EndpointSource) decorator + [`Listener`](disagg_core::outcome::Listener) | a circuit breaker per endpoint and leg fed by every attempt's [`Report`](disagg_core::outcome::Report), active checks, unhealthy endpoints left out of the published set |
-//! | [`admission`]: [`Limits`], [`PerEndpointLimit`] | [`Admission`](disagg_core::admission::Admission), [`Router`](disagg_core::Router) | a global in-flight limit and a bounded FIFO queue (429 / 503); the per-endpoint limit, a router decorator waiting in that queue |
-//! | [`retry`]: [`Backoff`] | [`Retry`](disagg_core::retry::Retry) | full-jitter exponential backoff within a proxy-wide retry budget |
+//! | [`admission`]: [`Limits`], [`PerEndpointLimit`] | [`Admission`](disagg_core::policy::Admission), [`Router`](disagg_core::Router) | a global in-flight limit and a bounded FIFO queue (429 / 503); the per-endpoint limit, a router decorator waiting in that queue |
+//! | [`retry`]: [`Backoff`] | [`Retry`](disagg_core::policy::Retry) | full-jitter exponential backoff within a proxy-wide retry budget |
 //! | [`pairing`]: [`ValidatedSource`] | [`EndpointSource`](disagg_core::EndpointSource) decorator | endpoint sets with a prefill/decode pair that cannot hand KV over refused, at start-up and on every change |
 //!
 //! An orchestrator built without them admits everything, retries nothing, routes over

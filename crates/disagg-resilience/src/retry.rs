@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use disagg_core::error::PdError;
-use disagg_core::retry::Retry;
+use disagg_core::policy::Retry;
 
 /// How a failed attempt is retried.
 #[derive(Debug, Clone)]

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
-//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts |
+//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts; `lock`: a mutex locked through poisoning |
 
 use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
@@ -16,6 +16,13 @@ pub mod sse;
 #[cfg(all(test, feature = "sglang"))]
 pub(crate) use room::MAX_ROOM;
 pub use room::Rooms;
+
+/// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
+/// section of the connectors leaves its data consistent).
+#[allow(dead_code)] // used by the features that keep state (vLLM Mooncake)
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Refuse SGLang's native `/generate` in a connector whose engines do not serve it (the
 /// vLLM connectors): 400 `unsupported_by_connector`, as for anything else the protocol

@@ -39,10 +39,10 @@ use disagg_core::body::JsonBody;
 use disagg_core::connector::{
     Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
 };
-use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::{Endpoint, FactError, Facts};
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
+use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;

@@ -52,8 +52,8 @@ use serde_json::value::RawValue;
 use crate::common::Rooms;
 use crate::sglang::generate::{self, LogprobMerge, MergeLogprobs};
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 

@@ -41,13 +41,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use crate::common::Rooms;
+use crate::common::lock;
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, KvConnector, Leg};
-use disagg_core::disaggregate::Decision;
 use disagg_core::endpoint::{Endpoint, EndpointId};
 use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
 use disagg_core::outcome::Outcome;
-use disagg_core::proto::lock;
+use disagg_core::policy::Decision;
 use disagg_core::proto::write_json_str;
 use disagg_core::request::PdRequest;
 use disagg_core::router::Route;

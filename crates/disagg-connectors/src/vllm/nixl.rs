@@ -48,8 +48,8 @@ use self::bidi::BidiStore;
 
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 

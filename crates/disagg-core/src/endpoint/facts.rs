@@ -8,9 +8,8 @@
 //! that the sources and the connectors spell them alike without depending on each other.
 //!
 //! Facts often come from peers (a discovery file, a pod's annotations, DNS answers), so
-//! every insertion is held to ceilings before anything is kept: [`Facts::MAX_ENTRIES`]
-//! entries, keys of [`Facts::MAX_KEY_LEN`] bytes from `[a-z0-9_.-]`, values of
-//! [`Facts::MAX_VALUE_LEN`] bytes without control characters.
+//! every insertion is held to ceilings before anything is kept: 32 entries, keys of 64
+//! bytes from `[a-z0-9_.-]`, values of 4096 bytes without control characters.
 
 use std::fmt;
 
@@ -24,9 +23,10 @@ use std::fmt;
 /// [`KV_RECEIVER`](Self::KV_RECEIVER)), so that the sources and the
 /// connectors spell them alike without depending on each other. Facts often come from
 /// peers (a discovery file, a pod's annotations, DNS answers), so every insertion is
-/// held to ceilings before anything is kept: [`MAX_ENTRIES`](Self::MAX_ENTRIES)
-/// entries, keys of [`MAX_KEY_LEN`](Self::MAX_KEY_LEN) bytes from `[a-z0-9_.-]`, values
-/// of [`MAX_VALUE_LEN`](Self::MAX_VALUE_LEN) bytes without control characters.
+/// held to ceilings before anything is kept: at most **32 entries**, keys of at most
+/// **64 bytes** from `[a-z0-9_.-]`, values of at most **4096 bytes** (an LMCache
+/// receiver of 64 ranks fits with room) without control characters. A [`FactError`]
+/// names the ceiling a refused insertion passed.
 ///
 /// # Examples
 ///
@@ -39,7 +39,7 @@ use std::fmt;
 /// assert_eq!(p.facts().parse::<u16>(Facts::BOOTSTRAP_PORT), Some(Ok(8998)));
 ///
 /// // A peer's oversized value is refused before it is kept.
-/// let long = "x".repeat(Facts::MAX_VALUE_LEN + 1);
+/// let long = "x".repeat(4097);
 /// assert!(Facts::new().with("note", long).is_err());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -59,12 +59,12 @@ impl Facts {
     /// alloc port per tensor-parallel rank, as `serve --lmcache-receiver` writes it).
     pub const KV_RECEIVER: &'static str = "kv_receiver";
 
-    /// The most entries one endpoint keeps.
-    pub const MAX_ENTRIES: usize = 32;
+    /// The most entries one endpoint keeps (documented on [`Facts`]).
+    pub(crate) const MAX_ENTRIES: usize = 32;
     /// The longest key, in bytes.
-    pub const MAX_KEY_LEN: usize = 64;
+    pub(crate) const MAX_KEY_LEN: usize = 64;
     /// The longest value, in bytes (an LMCache receiver of 64 ranks fits with room).
-    pub const MAX_VALUE_LEN: usize = 4096;
+    pub(crate) const MAX_VALUE_LEN: usize = 4096;
 
     /// No facts.
     pub fn new() -> Self {
@@ -77,7 +77,7 @@ impl Facts {
     ///
     /// [`FactError`] when the key is empty, too long or has a character outside
     /// `[a-z0-9_.-]`, the value is too long or has a control character, or a new key
-    /// would pass [`MAX_ENTRIES`](Self::MAX_ENTRIES); the facts are then unchanged.
+    /// would pass the 32 entries one endpoint keeps; the facts are then unchanged.
     pub fn insert(&mut self, key: &str, value: impl Into<String>) -> Result<(), FactError> {
         check_key(key)?;
         let value = value.into();
@@ -131,7 +131,8 @@ impl Facts {
     }
 
     /// Removes `key`, returning its value.
-    pub fn remove(&mut self, key: &str) -> Option<String> {
+    #[cfg(test)]
+    pub(crate) fn remove(&mut self, key: &str) -> Option<String> {
         let i = self
             .entries
             .binary_search_by(|(k, _)| (**k).cmp(key))
@@ -140,12 +141,13 @@ impl Facts {
     }
 
     /// The entries, in key order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
         self.entries.iter().map(|(k, v)| (&**k, &**v))
     }
 
     /// How many entries there are.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
@@ -184,11 +186,11 @@ pub enum FactError {
     /// The key is empty or has a character outside `[a-z0-9_.-]`.
     #[error("fact key `{key}` is not made of a-z, 0-9, `_`, `.` and `-`")]
     Key {
-        /// The key (at most [`Facts::MAX_KEY_LEN`] bytes: a longer one is
+        /// The key (at most 64 bytes: a longer one is
         /// [`KeyTooLong`](Self::KeyTooLong)).
         key: String,
     },
-    /// The key is longer than [`Facts::MAX_KEY_LEN`].
+    /// The key is longer than 64 bytes.
     #[error("a fact key of {len} bytes is longer than the {max} allowed")]
     KeyTooLong {
         /// Its length.
@@ -196,7 +198,7 @@ pub enum FactError {
         /// The ceiling.
         max: usize,
     },
-    /// The value is longer than [`Facts::MAX_VALUE_LEN`].
+    /// The value is longer than 4096 bytes.
     #[error("fact `{key}`: a value of {len} bytes is longer than the {max} allowed")]
     ValueTooLong {
         /// The key.
@@ -212,7 +214,7 @@ pub enum FactError {
         /// The key.
         key: String,
     },
-    /// A new key would pass [`Facts::MAX_ENTRIES`].
+    /// A new key would pass the 32 entries an endpoint keeps.
     #[error("more than {max} facts for one endpoint")]
     TooMany {
         /// The ceiling.

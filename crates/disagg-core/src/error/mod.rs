@@ -19,7 +19,7 @@ use crate::endpoint::EndpointId;
 mod pd;
 
 pub(crate) use pd::Phase;
-pub use pd::{PdError, Side};
+pub use pd::{Overload, PdError, Side};
 
 /// A boxed error, the currency of transports and bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

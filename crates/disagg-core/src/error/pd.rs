@@ -39,6 +39,29 @@ impl fmt::Display for Side {
     }
 }
 
+/// Why a request was refused for lack of room ([`PdError::overloaded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Overload {
+    /// The admission queue is full (429 `queue_full`).
+    QueueFull {
+        /// When a client may try again (the `retry-after` header).
+        retry_after: std::time::Duration,
+    },
+    /// The request waited this long in the admission queue without being admitted (503
+    /// `queue_timeout`).
+    QueueTimeout {
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
+    /// The proxy holds as many bytes of request bodies being received as it allows, and
+    /// this body would take it past them (503 `server_busy`).
+    ServerBusy {
+        /// When a client may try again (the `retry-after` header).
+        retry_after: std::time::Duration,
+    },
+}
+
 #[derive(Debug)]
 enum Kind {
     Body,
@@ -189,23 +212,16 @@ impl PdError {
         Self::new(Kind::Deadline { phase }, side, None)
     }
 
-    /// The admission queue is full (429 `queue_full`); a client may try again after
-    /// `retry_after`.
-    pub fn queue_full(retry_after: std::time::Duration) -> Self {
-        Self::new(Kind::QueueFull { retry_after }, Side::Router, None)
-    }
-
-    /// The request waited `waited` in the admission queue without being admitted (503
-    /// `queue_timeout`).
-    pub fn queue_timeout(waited: std::time::Duration) -> Self {
-        Self::new(Kind::QueueTimeout { waited }, Side::Router, None)
-    }
-
-    /// The proxy holds as many bytes of request bodies being received as it allows, and
-    /// this body would take it past them (503 `server_busy`); a client may try again
-    /// after `retry_after`.
-    pub fn server_busy(retry_after: std::time::Duration) -> Self {
-        Self::new(Kind::ServerBusy { retry_after }, Side::Router, None)
+    /// The proxy refused the request for lack of room, as `why` says: a full admission
+    /// queue (429 `queue_full`), a wait in it that ran out (503 `queue_timeout`), or too
+    /// many bytes of request bodies being received (503 `server_busy`).
+    pub fn overloaded(why: Overload) -> Self {
+        let kind = match why {
+            Overload::QueueFull { retry_after } => Kind::QueueFull { retry_after },
+            Overload::QueueTimeout { waited } => Kind::QueueTimeout { waited },
+            Overload::ServerBusy { retry_after } => Kind::ServerBusy { retry_after },
+        };
+        Self::new(kind, Side::Router, None)
     }
 
     /// How long a client should wait before trying again, for the `retry-after` header:
@@ -552,14 +568,18 @@ mod tests {
             assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT, "{code}");
             assert!(!e.is_retryable(), "{code}");
         }
-        let e = PdError::queue_full(std::time::Duration::from_secs(2));
+        let e = PdError::overloaded(Overload::QueueFull {
+            retry_after: std::time::Duration::from_secs(2),
+        });
         assert_eq!(
             (e.status(), e.code()),
             (StatusCode::TOO_MANY_REQUESTS, "queue_full")
         );
         assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(2)));
         assert_eq!(e.error_type(), "rate_limit_error");
-        let e = PdError::queue_timeout(std::time::Duration::from_millis(1500));
+        let e = PdError::overloaded(Overload::QueueTimeout {
+            waited: std::time::Duration::from_millis(1500),
+        });
         assert_eq!(
             (e.status(), e.code()),
             (StatusCode::SERVICE_UNAVAILABLE, "queue_timeout")
@@ -605,7 +625,9 @@ mod tests {
             error_chain(&e),
             "the request body did not arrive within 30000 ms"
         );
-        let e = PdError::server_busy(std::time::Duration::from_secs(1));
+        let e = PdError::overloaded(Overload::ServerBusy {
+            retry_after: std::time::Duration::from_secs(1),
+        });
         assert_eq!(
             (e.status(), e.code(), e.error_type()),
             (

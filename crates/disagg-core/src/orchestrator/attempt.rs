@@ -4,14 +4,14 @@
 use http::header::HeaderValue;
 
 use crate::connector::{Dispatch, Leg};
-use crate::disaggregate::Decision;
 use crate::error::{PdError, Phase, RouteError, Side};
 use crate::outcome::Outcome;
+use crate::outcome::TraceIds;
 use crate::outcome::now;
 use crate::outcome::{LegOutcome, Report, Timeline};
+use crate::policy::Decision;
 use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::{Ask, RequestView, Route};
-use crate::trace::TraceIds;
 
 use super::Inner;
 use super::clock::{Clock, within};

@@ -31,12 +31,12 @@ use std::time::{Duration, Instant as StdInstant};
 use tokio::time::Instant;
 
 use super::stats::InFlight;
-use crate::admission::Permit;
 use crate::connector::ReturnedHandoff;
 use crate::endpoint::{EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Phase, Side, error_chain};
 use crate::outcome::now;
 use crate::outcome::{Delivery, LegOutcome, Outcome, Report, Summary};
+use crate::policy::Permit;
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};

@@ -8,7 +8,7 @@ use http::header::HeaderName;
 /// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
 /// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
 /// the configuration allows serving without), `direct` (the
-/// [`Disaggregate`](crate::disaggregate::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
+/// [`Disaggregate`](crate::policy::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
 /// prefill's answer was the whole answer, [`HandoffFound::Finished`](crate::connector::HandoffFound::Finished): no decode leg).
 pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
 
@@ -161,7 +161,7 @@ pub struct OrchestratorConfig {
     /// Trace requests: the share of new traces sampled, from 0 to 1 (a client's
     /// `traceparent` decides for its own trace). Each leg then carries a `traceparent`
     /// naming its own span, and reports and summaries carry the spans' ids (see
-    /// [`trace`](crate::trace)). `None` (the default): no trace ids are drawn, and the
+    /// [`TraceIds`](crate::outcome::TraceIds)). `None` (the default): no trace ids are drawn, and the
     /// client's `traceparent` is forwarded as it came (see `forward_headers`).
     pub trace_ratio: Option<f64>,
     /// Longest wait for a request's token ids (see [`tokens`](crate::tokens); default

@@ -9,10 +9,10 @@ use futures::FutureExt;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Response, StatusCode};
 
-use crate::admission::Permit;
 use crate::connector::{Handoff, Leg, PrefillAnswer};
 use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side};
+use crate::policy::Permit;
 use crate::request::PdRequest;
 use crate::transport::{BoxBody, Transport, read_limited};
 

@@ -46,13 +46,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response};
 
-use crate::admission::Admission;
 use crate::connector::KvConnector;
-use crate::disaggregate::{Always, Disaggregate};
 use crate::error::PdError;
 use crate::outcome::Listener;
+use crate::policy::Admission;
+use crate::policy::Retry;
+use crate::policy::{Always, Disaggregate};
 use crate::request::{PdRequest, RequestIds};
-use crate::retry::Retry;
 use crate::router::{DefaultRouter, Router};
 use crate::source::EndpointSource;
 use crate::tokens::Tokenizer;
@@ -201,7 +201,7 @@ impl OrchestratorBuilder {
     }
 
     /// Decide per request whether to disaggregate with `hook` (default: [`Always`]);
-    /// see [`disaggregate`](crate::disaggregate).
+    /// see [`policy`](crate::policy).
     pub fn disaggregate(mut self, hook: impl Disaggregate) -> Self {
         self.disaggregate = Arc::new(hook);
         self

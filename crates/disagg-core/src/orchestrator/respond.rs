@@ -164,7 +164,7 @@ pub(super) struct RequestMeta {
     /// The answering attempt's engine-side id.
     pub(super) engine_id: HeaderValue,
     /// The trace identities, when tracing.
-    pub(super) trace: Option<crate::trace::TraceIds>,
+    pub(super) trace: Option<crate::outcome::TraceIds>,
 }
 
 impl Inner {

@@ -7,9 +7,9 @@ use http::Response;
 use tokio::time::Instant as TokioInstant;
 
 use super::stats::{InFlight, bump};
-use crate::disaggregate::Decision;
 use crate::error::{BodyError, PdError};
 use crate::outcome::now;
+use crate::policy::Decision;
 use crate::request::PdRequest;
 use crate::router::RequestView;
 
@@ -159,7 +159,7 @@ impl Inner {
 
     /// Whether to disaggregate `req`, after the connector's `checked` decision: a
     /// request the connector sends direct stays direct; otherwise the
-    /// [`Disaggregate`](crate::disaggregate::Disaggregate) hook decides (with the
+    /// [`Disaggregate`](crate::policy::Disaggregate) hook decides (with the
     /// request's token ids, when it has them).
     fn decide(&self, req: &PdRequest, checked: Decision) -> Decision {
         let decision = match checked {

@@ -8,8 +8,7 @@
 //! ([`client_handoff`]), and may pick a data-parallel rank after routing ([`dp_rank`],
 //! [`with_ranks`]). An adapter that forwards a request to one engine keeps the proxy's
 //! rules for headers and answers ([`forwardable_header`], [`unrelayable`],
-//! [`HANDOFF_HEADER`]). Every connector and adapter recovers a poisoned lock the same
-//! way ([`lock`]).
+//! [`HANDOFF_HEADER`]).
 //!
 //! | item | for |
 //! |---|---|
@@ -19,7 +18,6 @@
 //! | [`client_handoff`] | the handoff fields a client sent, which the legs never carry |
 //! | [`dp_rank`], [`with_ranks`] | data-parallel ranks chosen after routing |
 //! | [`forwardable_header`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
-//! | [`lock`] | a mutex lock that recovers from poisoning |
 
 use std::sync::Arc;
 
@@ -38,8 +36,9 @@ pub use crate::orchestrator::config::HANDOFF_HEADER;
 pub use crate::orchestrator::legs::forwardable_header;
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
-/// section in this crate and in the connectors leaves its data consistent).
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// section in this crate leaves its data consistent). Each crate of the workspace keeps
+/// its own: a mutex helper is no part of the connector author's API.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

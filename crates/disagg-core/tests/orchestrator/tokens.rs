@@ -5,8 +5,8 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use disagg_core::disaggregate::{Decision, Disaggregate};
 use disagg_core::error::{BoxError, RouteError};
+use disagg_core::policy::{Decision, Disaggregate};
 use disagg_core::router::{RequestView, Router};
 use disagg_core::tokens::{TokenIds, Tokenizer};
 use disagg_core::{body::JsonBody, endpoint::EndpointSet};

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use disagg_core::config_file::{TimedReader, read_regular};
+use disagg_files::{TimedReader, read_regular};
 
 use super::{KeyError, MAX_KEY_FILE_BYTES, MAX_KEYS, valid_key};
 

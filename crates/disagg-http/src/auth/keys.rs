@@ -23,7 +23,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use disagg_core::config_file::TimedReader;
+use disagg_files::TimedReader;
 use http::header::HeaderValue;
 use subtle::ConstantTimeEq;
 
@@ -402,7 +402,7 @@ impl ApiKeys {
     /// state. The file must be a regular file (a FIFO or a device is refused without a
     /// blocking read), read on a thread of its own within [`KeyFile::read_timeout`]: a
     /// read that does not finish is such an error, never a watch that stops
-    /// ([`disagg_core::config_file`]).
+    /// ([`disagg_files`]).
     pub fn watch(&self, file: KeyFile) -> impl Future<Output = ()> + Send + 'static {
         let keys = self.clone();
         async move {

@@ -34,8 +34,8 @@
 //! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
 
 use disagg_core::body::JsonBody;
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
+use disagg_core::policy::Decision;
 use disagg_core::proto::lax::{bool_value, int_value, truthy};
 use disagg_core::request::{Api, PdRequest};
 
@@ -79,7 +79,7 @@ impl Default for VllmLimits {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::disaggregate::Decision;
+/// use disagg_core::policy::Decision;
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_connectors::vllm::rewrite::check::check_request;
 /// use disagg_connectors::vllm::rewrite::check::VllmLimits;

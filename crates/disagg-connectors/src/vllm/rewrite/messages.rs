@@ -20,8 +20,8 @@
 
 use bytes::Bytes;
 use disagg_core::body::JsonBody;
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
+use disagg_core::policy::Decision;
 use disagg_core::proto::lax::int_value;
 
 /// The prefill leg's body for a client `body` of `/v1/messages` (see the

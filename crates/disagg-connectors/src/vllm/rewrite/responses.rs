@@ -28,8 +28,8 @@
 
 use bytes::Bytes;
 use disagg_core::body::JsonBody;
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
+use disagg_core::policy::Decision;
 use disagg_core::proto::lax::{bool_value, int_value};
 
 /// Why a Responses request is served by one engine: it keeps or continues state.

@@ -25,8 +25,8 @@
 
 use bytes::Bytes;
 use disagg_core::body::JsonBody;
-use disagg_core::disaggregate::Decision;
 use disagg_core::error::InvalidParam;
+use disagg_core::policy::Decision;
 use disagg_core::request::Api;
 
 use super::check::VllmLimits;

@@ -32,7 +32,7 @@ use std::time::Duration;
 /// # Examples
 ///
 /// ```
-/// use disagg_core::config_file::read_regular;
+/// use disagg_files::read_regular;
 /// let dir = std::env::temp_dir().join(format!("disagg-doc-{}", std::process::id()));
 /// std::fs::create_dir_all(&dir)?;
 /// let path = dir.join("keys");
