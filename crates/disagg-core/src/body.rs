@@ -302,6 +302,45 @@ pub(crate) fn top_level_read<T>(
     }
 }
 
+/// [`top_level_read`] for two keys in one pass over the object: `read_a` reads the
+/// values of `key_a`, `read_b` those of `key_b`, each as `top_level_read`'s `read`.
+pub(crate) fn top_level_read_pair<T, U>(
+    bytes: &Bytes,
+    (key_a, mut read_a): (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
+    (key_b, mut read_b): (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
+) -> Result<ReadPair<T, U>, BodyError> {
+    let (mut last_a, mut last_b) = (None, None);
+    let found = scan_fields(bytes, [key_a.as_bytes(), key_b.as_bytes()], |k, i| {
+        let rest = bytes.get(i..)?;
+        let len = if k == 0 {
+            let (len, found) = read_a(rest)?;
+            last_a = Some(found);
+            len
+        } else {
+            let (len, found) = read_b(rest)?;
+            last_b = Some(found);
+            len
+        };
+        (1..=rest.len()).contains(&len).then_some(i + len)
+    });
+    match found {
+        Some([a, b]) => Ok((
+            a.zip(last_a)
+                .map(|((start, end), read)| (bytes.slice(start..end), read)),
+            b.zip(last_b)
+                .map(|((start, end), read)| (bytes.slice(start..end), read)),
+        )),
+        // Malformed: let the full parser say precisely what is wrong.
+        None => match JsonBody::parse_bytes(bytes) {
+            Err(e) => Err(e),
+            Ok(_) => Err(BodyError::NotAnObject),
+        },
+    }
+}
+
+/// What [`top_level_read_pair`] found: each key's last value and its reading.
+pub(crate) type ReadPair<T, U> = (Option<(Bytes, T)>, Option<(Bytes, U)>);
+
 /// The span of the last top-level value of `key`, the object's shape checked (see
 /// [`scan_field`]), the value's bytes not read as JSON.
 fn top_level_span(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
@@ -324,6 +363,17 @@ fn scan_field(
     key: &[u8],
     mut value: impl FnMut(usize) -> Option<usize>,
 ) -> Option<Option<(usize, usize)>> {
+    scan_fields(b, [key], |_, i| value(i)).map(|[found]| found)
+}
+
+/// [`scan_field`] for `N` keys in one pass: the span of the last top-level value of
+/// each key (`None` for a key the object lacks), each value of `keys[k]` stepped over
+/// by `value(k, start)`.
+fn scan_fields<const N: usize>(
+    b: &[u8],
+    keys: [&[u8]; N],
+    mut value: impl FnMut(usize, usize) -> Option<usize>,
+) -> Option<[Option<(usize, usize)>; N]> {
     let ws = |i: &mut usize| {
         while *i < b.len() && b[*i].is_ascii_whitespace() {
             *i += 1;
@@ -335,12 +385,12 @@ fn scan_field(
         return None;
     }
     i += 1;
-    let mut found = None;
+    let mut found = [None; N];
     ws(&mut i);
     if b.get(i) == Some(&b'}') {
         i += 1;
         ws(&mut i);
-        return (i == b.len()).then_some(None);
+        return (i == b.len()).then_some(found);
     }
     loop {
         ws(&mut i);
@@ -351,11 +401,13 @@ fn scan_field(
         let raw_key = &b[i + 1..key_end - 1];
         // Equal bytes are the key (it has no backslash); a key spelled with escapes is
         // longer than what it reads as, so only a longer one with a backslash is read.
-        let matches = raw_key == key
-            || (raw_key.len() > key.len()
-                && raw_key.contains(&b'\\')
-                && serde_json::from_slice::<String>(&b[i..key_end])
-                    .is_ok_and(|k| k.as_bytes() == key));
+        let matches = keys.iter().position(|key| {
+            raw_key == *key
+                || (raw_key.len() > key.len()
+                    && raw_key.contains(&b'\\')
+                    && serde_json::from_slice::<String>(&b[i..key_end])
+                        .is_ok_and(|k| k.as_bytes() == *key))
+        });
         i = key_end;
         ws(&mut i);
         if b.get(i) != Some(&b':') {
@@ -364,9 +416,9 @@ fn scan_field(
         i += 1;
         ws(&mut i);
         let start = i;
-        if matches {
-            i = value(i)?;
-            found = Some((start, i));
+        if let Some(k) = matches {
+            i = value(k, i)?;
+            found[k] = Some((start, i));
         } else {
             i = skip_value(b, i)?;
         }
