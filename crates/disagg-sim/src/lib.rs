@@ -669,6 +669,7 @@ mod native;
 mod prefix_cache;
 mod received;
 mod rendezvous;
+mod reuse;
 mod server;
 mod sglang;
 mod stats;
