@@ -162,18 +162,26 @@ async fn reused_ids_reach_the_decode_which_tokenizes_nothing_streamed_or_not() {
 
 #[tokio::test]
 async fn a_client_asking_for_token_ids_gets_them_from_the_decode() {
-    let (p, d) = (engine("0.33.0").await, engine("0.33.0").await);
-    let proxy = Proxy::start(&p, &d, &[]).await;
-    let a = post(
-        &proxy.url(),
-        "/v1/chat/completions",
-        &chat(false, json!({"return_token_ids": true})),
-    )
-    .await;
-    assert_eq!(a.status, 200, "{}", a.text());
-    assert_eq!(leg(&d)["return_token_ids"], json!(true));
-    assert_eq!(a.json()["prompt_token_ids"], prompt_ids(&p).await);
-    assert_eq!(d.stats().chat_prompts_tokenized, 0);
+    for stream in [false, true] {
+        let (p, d) = (engine("0.33.0").await, engine("0.33.0").await);
+        let proxy = Proxy::start(&p, &d, &[]).await;
+        let a = post(
+            &proxy.url(),
+            "/v1/chat/completions",
+            &chat(stream, json!({"return_token_ids": true})),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(leg(&d)["return_token_ids"], json!(true));
+        let got = if stream {
+            let first: Value = serde_json::from_str(&a.events()[0]).expect("a JSON event");
+            first["prompt_token_ids"].clone()
+        } else {
+            a.json()["prompt_token_ids"].clone()
+        };
+        assert_eq!(got, prompt_ids(&p).await, "stream {stream}");
+        assert_eq!(d.stats().chat_prompts_tokenized, 0);
+    }
 }
 
 #[tokio::test]

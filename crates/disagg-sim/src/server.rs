@@ -2175,6 +2175,12 @@ async fn serve_completion(
             handoff: own_handoff
                 .as_ref()
                 .and_then(|h| serde_json::to_string(h).ok()),
+            prompt_token_ids: (request.return_token_ids && request.endpoint == Endpoint::Chat)
+                .then(|| match faults.prompt_token_ids {
+                    Some(raw) => raw.to_owned(),
+                    None => Value::from(request.prompts.first().cloned().unwrap_or_default())
+                        .to_string(),
+                }),
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();
