@@ -162,6 +162,19 @@ impl JsonBody {
         }
     }
 
+    /// Like [`set_raw`](Self::set_raw) for a key known at compile time: a key that is
+    /// appended is not copied (no allocation for it on a per-request path).
+    pub fn set_raw_static(&mut self, key: &'static str, raw: Bytes) {
+        match self
+            .fields
+            .iter_mut()
+            .find(|(k, _)| k.as_ref() == key.as_bytes())
+        {
+            Some(slot) => slot.1 = raw,
+            None => self.fields.push((Bytes::from_static(key.as_bytes()), raw)),
+        }
+    }
+
     /// Remove `key`, returning its raw value.
     pub fn remove(&mut self, key: &str) -> Option<Bytes> {
         let i = self
@@ -834,6 +847,44 @@ mod tests {
         assert!(greedy.is_err());
         // The rest of the object is still checked.
         assert!(read(r#"{"k":1,"x"}"#).is_err());
+    }
+
+    #[test]
+    fn top_level_read_pair_reads_both_keys_in_one_pass() {
+        let number = |b: &[u8]| {
+            let len = b.iter().take_while(|c| c.is_ascii_digit()).count();
+            (len > 0).then_some((len, len))
+        };
+        let read = |body: &'static str| {
+            top_level_read_pair(
+                &Bytes::from_static(body.as_bytes()),
+                ("a", number),
+                ("b", number),
+            )
+            .map(|(a, b)| {
+                (
+                    a.map(|(v, n)| (v.to_vec(), n)),
+                    b.map(|(v, n)| (v.to_vec(), n)),
+                )
+            })
+        };
+        let (a, b) = read(r#"{"b":12,"x":{"a":1},"a":345,"b":6}"#).unwrap();
+        assert_eq!(a, Some((b"345".to_vec(), 3)));
+        assert_eq!(b, Some((b"6".to_vec(), 1)));
+        assert_eq!(read(r#"{"x":1}"#).unwrap(), (None, None));
+        // Either reader refusing its value makes the answer malformed; so does a bad
+        // object after both.
+        assert!(read(r#"{"a":1,"b":"x"}"#).is_err());
+        assert!(read(r#"{"a":"x","b":1}"#).is_err());
+        assert!(read(r#"{"a":1,"b":2,}"#).is_err());
+    }
+
+    #[test]
+    fn set_raw_static_replaces_or_appends() {
+        let mut b = JsonBody::parse(br#"{"a":1,"k":2}"#).unwrap();
+        b.set_raw_static("k", Bytes::from_static(b"3"));
+        b.set_raw_static("z", Bytes::from_static(b"true"));
+        assert_eq!(&b.to_bytes()[..], br#"{"a":1,"k":3,"z":true}"#);
     }
 
     #[test]
