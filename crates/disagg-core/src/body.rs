@@ -162,6 +162,19 @@ impl JsonBody {
         }
     }
 
+    /// Like [`set_raw`](Self::set_raw) for a key known at compile time: a key that is
+    /// appended is not copied (no allocation for it on a per-request path).
+    pub fn set_raw_static(&mut self, key: &'static str, raw: Bytes) {
+        match self
+            .fields
+            .iter_mut()
+            .find(|(k, _)| k.as_ref() == key.as_bytes())
+        {
+            Some(slot) => slot.1 = raw,
+            None => self.fields.push((Bytes::from_static(key.as_bytes()), raw)),
+        }
+    }
+
     /// Remove `key`, returning its raw value.
     pub fn remove(&mut self, key: &str) -> Option<Bytes> {
         let i = self
@@ -302,6 +315,45 @@ pub(crate) fn top_level_read<T>(
     }
 }
 
+/// [`top_level_read`] for two keys in one pass over the object: `read_a` reads the
+/// values of `key_a`, `read_b` those of `key_b`, each as `top_level_read`'s `read`.
+pub(crate) fn top_level_read_pair<T, U>(
+    bytes: &Bytes,
+    (key_a, mut read_a): (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
+    (key_b, mut read_b): (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
+) -> Result<ReadPair<T, U>, BodyError> {
+    let (mut last_a, mut last_b) = (None, None);
+    let found = scan_fields(bytes, [key_a.as_bytes(), key_b.as_bytes()], |k, i| {
+        let rest = bytes.get(i..)?;
+        let len = if k == 0 {
+            let (len, found) = read_a(rest)?;
+            last_a = Some(found);
+            len
+        } else {
+            let (len, found) = read_b(rest)?;
+            last_b = Some(found);
+            len
+        };
+        (1..=rest.len()).contains(&len).then_some(i + len)
+    });
+    match found {
+        Some([a, b]) => Ok((
+            a.zip(last_a)
+                .map(|((start, end), read)| (bytes.slice(start..end), read)),
+            b.zip(last_b)
+                .map(|((start, end), read)| (bytes.slice(start..end), read)),
+        )),
+        // Malformed: let the full parser say precisely what is wrong.
+        None => match JsonBody::parse_bytes(bytes) {
+            Err(e) => Err(e),
+            Ok(_) => Err(BodyError::NotAnObject),
+        },
+    }
+}
+
+/// What [`top_level_read_pair`] found: each key's last value and its reading.
+pub(crate) type ReadPair<T, U> = (Option<(Bytes, T)>, Option<(Bytes, U)>);
+
 /// The span of the last top-level value of `key`, the object's shape checked (see
 /// [`scan_field`]), the value's bytes not read as JSON.
 fn top_level_span(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
@@ -324,6 +376,17 @@ fn scan_field(
     key: &[u8],
     mut value: impl FnMut(usize) -> Option<usize>,
 ) -> Option<Option<(usize, usize)>> {
+    scan_fields(b, [key], |_, i| value(i)).map(|[found]| found)
+}
+
+/// [`scan_field`] for `N` keys in one pass: the span of the last top-level value of
+/// each key (`None` for a key the object lacks), each value of `keys[k]` stepped over
+/// by `value(k, start)`.
+fn scan_fields<const N: usize>(
+    b: &[u8],
+    keys: [&[u8]; N],
+    mut value: impl FnMut(usize, usize) -> Option<usize>,
+) -> Option<[Option<(usize, usize)>; N]> {
     let ws = |i: &mut usize| {
         while *i < b.len() && b[*i].is_ascii_whitespace() {
             *i += 1;
@@ -335,12 +398,12 @@ fn scan_field(
         return None;
     }
     i += 1;
-    let mut found = None;
+    let mut found = [None; N];
     ws(&mut i);
     if b.get(i) == Some(&b'}') {
         i += 1;
         ws(&mut i);
-        return (i == b.len()).then_some(None);
+        return (i == b.len()).then_some(found);
     }
     loop {
         ws(&mut i);
@@ -351,11 +414,13 @@ fn scan_field(
         let raw_key = &b[i + 1..key_end - 1];
         // Equal bytes are the key (it has no backslash); a key spelled with escapes is
         // longer than what it reads as, so only a longer one with a backslash is read.
-        let matches = raw_key == key
-            || (raw_key.len() > key.len()
-                && raw_key.contains(&b'\\')
-                && serde_json::from_slice::<String>(&b[i..key_end])
-                    .is_ok_and(|k| k.as_bytes() == key));
+        let matches = keys.iter().position(|key| {
+            raw_key == *key
+                || (raw_key.len() > key.len()
+                    && raw_key.contains(&b'\\')
+                    && serde_json::from_slice::<String>(&b[i..key_end])
+                        .is_ok_and(|k| k.as_bytes() == *key))
+        });
         i = key_end;
         ws(&mut i);
         if b.get(i) != Some(&b':') {
@@ -364,9 +429,9 @@ fn scan_field(
         i += 1;
         ws(&mut i);
         let start = i;
-        if matches {
-            i = value(i)?;
-            found = Some((start, i));
+        if let Some(k) = matches {
+            i = value(k, i)?;
+            found[k] = Some((start, i));
         } else {
             i = skip_value(b, i)?;
         }
@@ -782,6 +847,44 @@ mod tests {
         assert!(greedy.is_err());
         // The rest of the object is still checked.
         assert!(read(r#"{"k":1,"x"}"#).is_err());
+    }
+
+    #[test]
+    fn top_level_read_pair_reads_both_keys_in_one_pass() {
+        let number = |b: &[u8]| {
+            let len = b.iter().take_while(|c| c.is_ascii_digit()).count();
+            (len > 0).then_some((len, len))
+        };
+        let read = |body: &'static str| {
+            top_level_read_pair(
+                &Bytes::from_static(body.as_bytes()),
+                ("a", number),
+                ("b", number),
+            )
+            .map(|(a, b)| {
+                (
+                    a.map(|(v, n)| (v.to_vec(), n)),
+                    b.map(|(v, n)| (v.to_vec(), n)),
+                )
+            })
+        };
+        let (a, b) = read(r#"{"b":12,"x":{"a":1},"a":345,"b":6}"#).unwrap();
+        assert_eq!(a, Some((b"345".to_vec(), 3)));
+        assert_eq!(b, Some((b"6".to_vec(), 1)));
+        assert_eq!(read(r#"{"x":1}"#).unwrap(), (None, None));
+        // Either reader refusing its value makes the answer malformed; so does a bad
+        // object after both.
+        assert!(read(r#"{"a":1,"b":"x"}"#).is_err());
+        assert!(read(r#"{"a":"x","b":1}"#).is_err());
+        assert!(read(r#"{"a":1,"b":2,}"#).is_err());
+    }
+
+    #[test]
+    fn set_raw_static_replaces_or_appends() {
+        let mut b = JsonBody::parse(br#"{"a":1,"k":2}"#).unwrap();
+        b.set_raw_static("k", Bytes::from_static(b"3"));
+        b.set_raw_static("z", Bytes::from_static(b"true"));
+        assert_eq!(&b.to_bytes()[..], br#"{"a":1,"k":3,"z":true}"#);
     }
 
     #[test]

@@ -241,6 +241,26 @@ impl PrefillAnswer {
     ) -> Result<Option<(bytes::Bytes, T)>, crate::error::BodyError> {
         crate::body::top_level_read(&self.body, key, read)
     }
+
+    /// Like [`read_field`](Self::read_field) for two top-level fields, both read in one
+    /// pass over the answer (vLLM NIXL reads `kv_transfer_params` and, for prompt-token
+    /// reuse, `prompt_token_ids`): `first` is `(key, read)` for one field, `second` for
+    /// the other. Each field's last value is returned with what its reader found.
+    ///
+    /// # Errors
+    ///
+    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or a
+    /// reader refuses its value (a reader that must not fail the answer steps over any
+    /// JSON value and says what it found instead).
+    #[allow(clippy::type_complexity)]
+    pub fn read_fields<T, U>(
+        &self,
+        first: (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
+        second: (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
+    ) -> Result<(Option<(bytes::Bytes, T)>, Option<(bytes::Bytes, U)>), crate::error::BodyError>
+    {
+        crate::body::top_level_read_pair(&self.body, first, second)
+    }
 }
 
 /// What [`KvConnector::complete`] found in the prefill's answer (a step's result, not

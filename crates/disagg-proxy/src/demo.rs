@@ -129,9 +129,13 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     if let Some(b) = prefill.bootstrap_addr() {
         prefill_facts.insert(Facts::BOOTSTRAP_PORT, b.port().to_string())?;
     }
-    let connector = args
-        .connector
-        .connector(notifications.clone(), VllmLimits::default(), None)?;
+    let connector = args.connector.connector(
+        notifications.clone(),
+        VllmLimits::default(),
+        // The demo's decode declares no version: `auto` leaves reuse off.
+        (crate::serve::ReuseArg::Auto, Arc::default()),
+        None,
+    )?;
     // Every prefill/decode pair is checked before the first request.
     let source = ValidatedSource::new(
         StaticSource::new([

@@ -322,3 +322,82 @@ async fn build(
     let h = Arc::clone(source.health());
     Ok((source, h, merged, pairing))
 }
+
+/// `endpoints` with [`Facts::ENGINE_VERSION`](disagg_core::endpoint::Facts::ENGINE_VERSION)
+/// set on each decode endpoint whose engine answered `GET /version` (read once per
+/// engine, all at once, each within [`VERSION_TIMEOUT`], through a transport of
+/// `config` on a small runtime of their own): what `--prompt-token-reuse auto` reads. An
+/// engine that does not answer, or answers a version no fact can hold, keeps its facts
+/// (reuse stays off for it), with a warning.
+///
+/// # Errors
+///
+/// When the runtime cannot start.
+pub(crate) fn with_decode_versions(
+    endpoints: Vec<Endpoint>,
+    config: &HttpTransportConfig,
+) -> Result<Vec<Endpoint>, BoxError> {
+    use disagg_core::endpoint::Facts;
+    use disagg_resilience::pairing::{VERSION_PATH, read_version};
+    use std::collections::HashMap;
+
+    let engine = |e: &Endpoint| e.uri(VERSION_PATH).ok().map(|u| u.to_string());
+    let mut wanted: HashMap<String, usize> = HashMap::new();
+    for (i, e) in endpoints.iter().enumerate() {
+        if e.role() == Role::Decode
+            && let Some(k) = engine(e)
+        {
+            wanted.entry(k).or_insert(i);
+        }
+    }
+    if wanted.is_empty() {
+        return Ok(endpoints);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let transport = HttpTransport::new(config.clone());
+    let versions: HashMap<String, String> = runtime.block_on(async {
+        let reads = wanted.iter().map(|(k, &i)| {
+            let transport = &transport;
+            let e = &endpoints[i];
+            async move {
+                match read_version(transport, e, VERSION_TIMEOUT).await {
+                    Ok(v) => Some((k.clone(), v)),
+                    Err(err) => {
+                        tracing::warn!(
+                            endpoint = %e.id(),
+                            error = %disagg_core::error::error_chain(&err),
+                            "decode engine version unknown: no prompt-token reuse for it"
+                        );
+                        None
+                    }
+                }
+            }
+        });
+        futures::future::join_all(reads)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    });
+    Ok(endpoints
+        .into_iter()
+        .map(|e| {
+            let Some(v) = engine(&e).and_then(|k| versions.get(&k)) else {
+                return e;
+            };
+            let mut facts = e.facts().clone();
+            match facts.insert(Facts::ENGINE_VERSION, v.clone()) {
+                Ok(()) => {
+                    tracing::info!(endpoint = %e.id(), version = %v, "decode engine version read");
+                    e.with_facts(facts)
+                }
+                Err(err) => {
+                    tracing::warn!(endpoint = %e.id(), error = %err, "decode engine version not kept");
+                    e
+                }
+            }
+        })
+        .collect())
+}

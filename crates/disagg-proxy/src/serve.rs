@@ -35,7 +35,7 @@ pub use bidi::BidiArgs;
 use connectors::*;
 pub(crate) use flags::secs;
 use flags::*;
-pub use flags::{ClientBodyArgs, ConnectorArg, LmcacheArgs, ReliabilityArgs, ServeArgs};
+pub use flags::{ClientBodyArgs, ConnectorArg, LmcacheArgs, ReliabilityArgs, ReuseArg, ServeArgs};
 
 /// The proxy's parts that every serving thread shares: one orchestrator (endpoints,
 /// router, connector, admission, retry budget, counters), of which each thread takes a
@@ -178,9 +178,14 @@ impl Shared {
         limits.max_logprobs = args.max_logprobs;
         limits.max_stop_strings = args.max_stop_strings;
         let bidi = args.bidi.store(args.connector)?;
-        let connector = args
-            .connector
-            .connector(notifications, limits, bidi.clone())?;
+        let reuse_stats = Arc::new(disagg_connectors::vllm::ReuseStats::default());
+        let nixl = args.connector == ConnectorArg::Nixl;
+        let connector = args.connector.connector(
+            notifications,
+            limits,
+            (args.prompt_token_reuse, Arc::clone(&reuse_stats)),
+            bidi.clone(),
+        )?;
         let (health_config, active_checks) = args.reliability.health()?;
         if args.forward_authorization && args.edge.client_keys() {
             return Err("--forward-authorization cannot be used with client keys (--api-key, --api-key-file): the clients' keys are the proxy's and never go to engines; give the engines theirs with --engine-api-key".into());
@@ -194,6 +199,15 @@ impl Shared {
         transport.addresses = bounds.addresses;
         edge.apply(&mut transport);
         let mut extra_metrics = Vec::new();
+        if nixl && args.prompt_token_reuse != ReuseArg::Off {
+            extra_metrics.push(reuse_metrics(reuse_stats));
+        }
+        // `--prompt-token-reuse auto` reads the decode engines' versions, once, here.
+        let endpoints = if nixl && args.prompt_token_reuse == ReuseArg::Auto {
+            crate::discover::with_decode_versions(endpoints, &transport)?
+        } else {
+            endpoints
+        };
         let prefill_policy = args.prefill_policy.unwrap_or(args.policy);
         let decode_policy = args.decode_policy.unwrap_or(args.policy);
         let kv_events = [prefill_policy, decode_policy]

@@ -18,6 +18,8 @@ use crate::lax;
 pub(crate) struct ApiError {
     pub(crate) status: StatusCode,
     pub(crate) message: String,
+    /// The error's `param`, when vLLM names the field.
+    pub(crate) param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -25,6 +27,7 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            param: None,
         }
     }
 
@@ -39,7 +42,7 @@ impl ApiError {
             message: &'a str,
             #[serde(rename = "type")]
             kind: String,
-            param: Option<()>,
+            param: Option<&'a str>,
             code: u16,
         }
         #[derive(Serialize)]
@@ -50,7 +53,7 @@ impl ApiError {
             error: Inner {
                 message: &self.message,
                 kind: error_type(self.status),
-                param: None,
+                param: self.param,
                 code: self.status.as_u16(),
             },
         };
@@ -109,6 +112,14 @@ pub(crate) struct CompletionRequest {
     pub(crate) gen_api: Option<crate::gen_apis::GenApi>,
     /// `/v1/responses`: the request as that route read it, for its answer.
     pub(crate) responses: Option<Box<crate::surface::ResponsesRequest>>,
+    /// Chat: the prompt was templated and tokenized here (not taken from
+    /// `kv_transfer_params.prompt_token_ids`).
+    pub(crate) tokenized: bool,
+    /// Chat: the prompt is the ids `kv_transfer_params.prompt_token_ids` carried
+    /// (vLLM 0.33's prompt-token reuse, [`crate::reuse`]).
+    pub(crate) reused_ids: bool,
+    /// `return_token_ids`: the answer carries the prompt's ids.
+    pub(crate) return_token_ids: bool,
 }
 
 /// Appends the whitespace-separated text of a chat message's `content`.
@@ -326,10 +337,32 @@ impl CompletionRequest {
             }
         };
 
-        let prompts = match endpoint {
-            Endpoint::Chat => vec![tokenize(&chat_prompt(obj.get("messages"))?)],
-            Endpoint::Completions => completion_prompts(obj.get("prompt"))?,
+        // vLLM 0.33 pops `prompt_token_ids` from a chat request's
+        // `kv_transfer_params` before the engine sees the dict, and takes them as
+        // the prompt instead of templating and tokenizing it.
+        let mut kv_transfer_params = match lax::field(obj, "kv_transfer_params") {
+            None => None,
+            Some(Value::Object(o)) => Some(o.clone()),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "kv_transfer_params: Input should be a valid dictionary",
+                ));
+            }
         };
+        let reused = match (endpoint, kv_transfer_params.as_mut()) {
+            (Endpoint::Chat, Some(params)) if vllm => crate::reuse::reused_prompt(params, obj)?,
+            _ => None,
+        };
+        let (tokenized, reused_ids) = (
+            endpoint == Endpoint::Chat && reused.is_none(),
+            reused.is_some(),
+        );
+        let prompts = match (endpoint, reused) {
+            (Endpoint::Chat, Some(ids)) => vec![ids],
+            (Endpoint::Chat, None) => vec![tokenize(&chat_prompt(obj.get("messages"))?)],
+            (Endpoint::Completions, _) => completion_prompts(obj.get("prompt"))?,
+        };
+        let return_token_ids = lax::opt_bool(obj, "return_token_ids")?.unwrap_or(false);
         let prompt_tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
 
         // Typed fields, coerced like pydantic's lax mode in both dialects.
@@ -409,15 +442,6 @@ impl CompletionRequest {
             Some(n) => u32::try_from(n).unwrap_or(1).max(1),
         };
         let stop = lax::opt_str_or_list(obj, "stop")?.unwrap_or_default();
-        let kv_transfer_params = match lax::field(obj, "kv_transfer_params") {
-            None => None,
-            Some(Value::Object(o)) => Some(o.clone()),
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "kv_transfer_params: Input should be a valid dictionary",
-                ));
-            }
-        };
         let ignore_eos = lax::opt_bool(obj, "ignore_eos")?.unwrap_or(false);
         let include_stop_str_in_output =
             lax::opt_bool(obj, "include_stop_str_in_output")?.unwrap_or(false);
@@ -461,6 +485,9 @@ impl CompletionRequest {
             native: None,
             gen_api: None,
             responses: None,
+            tokenized,
+            reused_ids,
+            return_token_ids,
         })
     }
 
@@ -805,6 +832,8 @@ struct ChatResponse<'a> {
     choices: Vec<ChatChoice<'a>>,
     usage: Usage,
     prompt_logprobs: Option<()>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a Value>,
     kv_transfer_params: Option<KvParamsField<'a>>,
 }
 
@@ -831,6 +860,8 @@ pub(crate) struct Answer<'a> {
     /// Prompt tokens served from the prefix cache (`None` without one).
     pub(crate) cached_tokens: Option<u64>,
     pub(crate) kv_transfer_params: Option<KvParamsField<'a>>,
+    /// Chat with `return_token_ids`: the prompt's ids, top-level.
+    pub(crate) prompt_token_ids: Option<&'a Value>,
 }
 
 impl Answer<'_> {
@@ -871,6 +902,7 @@ impl Answer<'_> {
                     .collect(),
                 usage,
                 prompt_logprobs: None,
+                prompt_token_ids: self.prompt_token_ids,
                 kv_transfer_params: self.kv_transfer_params,
             }),
             Endpoint::Completions => serde_json::to_vec(&TextResponse {

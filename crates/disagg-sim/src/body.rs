@@ -166,6 +166,8 @@ pub(crate) struct SseBody {
     stall_after: Option<usize>,
     /// The decode's own `kv_transfer_params` for the terminal chunks (JSON).
     handoff: Option<String>,
+    /// Chat with `return_token_ids`: the prompt's ids (JSON) for the first chunk.
+    prompt_token_ids: Option<String>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -190,6 +192,9 @@ pub(crate) struct SseSpec {
     /// The decode's own `kv_transfer_params` (JSON) for each choice's terminal chunk
     /// ([`SimConfig::decode_handoff`](crate::SimConfig::decode_handoff)); `None`: `null`.
     pub(crate) handoff: Option<String>,
+    /// Chat with `return_token_ids`: the prompt's ids (JSON), on the first chunk as
+    /// vLLM writes them; `None`: `null`.
+    pub(crate) prompt_token_ids: Option<String>,
 }
 
 impl SseBody {
@@ -221,6 +226,7 @@ impl SseBody {
             drop_after: spec.drop_after,
             stall_after: spec.stall_after,
             handoff: spec.handoff,
+            prompt_token_ids: spec.prompt_token_ids,
             abort_flushed: false,
             finished: false,
         };
@@ -270,9 +276,13 @@ impl SseBody {
                 s.push_str(&self.prefix);
                 // vLLM sets `prompt_token_ids` and `prompt_text` on the first chunk
                 // (null unless asked for) and dumps with `exclude_unset`.
+                let ids = match &self.prompt_token_ids {
+                    Some(ids) if i == 0 => ids.as_str(),
+                    _ => "null",
+                };
                 let _ = write!(
                     s,
-                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":null,\"prompt_text\":null}}\n\n"
+                    "{{\"index\":{i},\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{ids},\"prompt_text\":null}}\n\n"
                 );
                 let next = if i + 1 < self.choices.len() {
                     Some(Phase::Role(i + 1))

@@ -487,4 +487,8 @@ pub struct Faults {
     /// `/v1/unload_lora_adapter`, `/reset_prefix_cache`) with this HTTP status and a
     /// vLLM error body, changing nothing: an engine that fails its part of a fan-out.
     pub admin_status: Option<u16>,
+    /// vLLM chat prefills asked for `return_token_ids` answer this JSON as their
+    /// top-level `prompt_token_ids` instead of the prompt's ids (a malformed or
+    /// oversized list, which a proxy must drop, never pass on).
+    pub prompt_token_ids: Option<&'static str>,
 }

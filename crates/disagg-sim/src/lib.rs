@@ -677,6 +677,7 @@ mod native;
 mod prefix_cache;
 mod received;
 mod rendezvous;
+mod reuse;
 mod server;
 mod sglang;
 mod stats;

@@ -187,6 +187,9 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         }),
         gen_api: None,
         responses: None,
+        tokenized: false,
+        reused_ids: false,
+        return_token_ids: false,
     })
 }
 

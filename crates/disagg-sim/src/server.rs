@@ -1424,6 +1424,12 @@ where
     if vllm && request.grammar {
         bump(&counters.grammars_compiled);
     }
+    if vllm && request.tokenized {
+        bump(&counters.chat_prompts_tokenized);
+    }
+    if request.reused_ids {
+        bump(&counters.prompt_ids_reused);
+    }
 
     // The rank whose prefix cache serves the request (an SGLang batch's first element's).
     let cache_rank = match &plan {
@@ -2198,6 +2204,12 @@ async fn serve_completion(
             handoff: own_handoff
                 .as_ref()
                 .and_then(|h| serde_json::to_string(h).ok()),
+            prompt_token_ids: (request.return_token_ids && request.endpoint == Endpoint::Chat)
+                .then(|| match faults.prompt_token_ids {
+                    Some(raw) => raw.to_owned(),
+                    None => Value::from(request.prompts.first().cloned().unwrap_or_default())
+                        .to_string(),
+                }),
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();
@@ -2242,6 +2254,14 @@ async fn serve_completion(
         })),
         None => own_handoff.as_ref().map(KvParamsField::Params),
     };
+    // `return_token_ids` on chat: the prompt's ids, or what the fault answers.
+    let prompt_token_ids =
+        (request.return_token_ids && request.endpoint == Endpoint::Chat).then(|| {
+            match faults.prompt_token_ids {
+                Some(raw) => serde_json::from_str(raw).unwrap_or(Value::Null),
+                None => Value::from(request.prompts.first().cloned().unwrap_or_default()),
+            }
+        });
     let answer = Answer {
         endpoint: request.endpoint,
         id: &id,
@@ -2251,6 +2271,7 @@ async fn serve_completion(
         prompt_tokens: request.prompt_tokens,
         cached_tokens,
         kv_transfer_params: kv_field,
+        prompt_token_ids: prompt_token_ids.as_ref(),
     };
     let rendered = match request.gen_api {
         Some(api) => crate::gen_apis::Answer {

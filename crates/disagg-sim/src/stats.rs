@@ -219,6 +219,14 @@ pub struct Stats {
     /// `/reset_prefix_cache`), answered or refused.
     #[serde(default)]
     pub admin_requests: u64,
+    /// vLLM engines: chat prompts templated and tokenized from their messages (a chat
+    /// request whose `kv_transfer_params` carried usable `prompt_token_ids` is not).
+    #[serde(default)]
+    pub chat_prompts_tokenized: u64,
+    /// vLLM engines: chat requests whose prompt was the `prompt_token_ids` of their
+    /// `kv_transfer_params` (vLLM 0.33's prompt-token reuse).
+    #[serde(default)]
+    pub prompt_ids_reused: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -277,6 +285,8 @@ pub(crate) struct Counters {
     pub(crate) bidi_pull_failures: AtomicU64,
     pub(crate) bidi_below_threshold: AtomicU64,
     pub(crate) admin_requests: AtomicU64,
+    pub(crate) chat_prompts_tokenized: AtomicU64,
+    pub(crate) prompt_ids_reused: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -373,6 +383,8 @@ impl Counters {
             bidi_pull_failures: self.bidi_pull_failures.load(Relaxed),
             bidi_below_threshold: self.bidi_below_threshold.load(Relaxed),
             admin_requests: self.admin_requests.load(Relaxed),
+            chat_prompts_tokenized: self.chat_prompts_tokenized.load(Relaxed),
+            prompt_ids_reused: self.prompt_ids_reused.load(Relaxed),
         }
     }
 }

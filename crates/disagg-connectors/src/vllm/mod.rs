@@ -12,6 +12,7 @@
 //! | file | holds |
 //! |---|---|
 //! | `nixl.rs` | [`VllmNixl`]: NIXL in pull mode, the handoff dict checked as vLLM 0.33's decode reads it |
+//! | `reuse.rs` | [`PromptTokenReuse`]: vLLM 0.33's prompt-token reuse on NIXL's decode leg (chat) |
 //! | `mooncake.rs` | [`VllmMooncake`]: Mooncake, the bootstrap server's engine ids, data-parallel ranks pinned |
 //! | `rewrite/mod.rs` | [`PrefillRewriter`](rewrite::PrefillRewriter): the prefill leg's body |
 //! | `rewrite/check.rs` | [`check_request`](rewrite::check::check_request) and [`VllmLimits`](rewrite::check::VllmLimits): what vLLM refuses in the rewritten fields |
@@ -22,8 +23,10 @@
 
 mod mooncake;
 mod nixl;
+pub mod reuse;
 pub mod rewrite;
 
 pub use mooncake::VllmMooncake;
 pub use nixl::VllmNixl;
 pub use nixl::bidi;
+pub use reuse::{PromptTokenReuse, ReuseStats};

@@ -37,7 +37,14 @@
 //! [`HandoffFound::Incomplete`]: the orchestrator treats it as a missing handoff. Other
 //! keys are not read (0.33 added `dcp_size`, `pp_size`, `transfer_mode`,
 //! `remote_registration_generation`, `remote_blocks_expiry_time`; later versions add
-//! more), and a dict that passes is still forwarded byte for byte.
+//! more), and a dict that passes is still forwarded byte for byte. A dict that carries
+//! `prompt_token_ids` is refused as well: a decode takes that key as the prompt itself
+//! (vLLM 0.33's prompt-token reuse), which only the proxy may set (see
+//! [`reuse`](crate::vllm::reuse)).
+//!
+//! With prompt-token reuse on for the decode (chat only), the prefill leg also asks for
+//! `return_token_ids`, and the decode's dict gets the prefill's `prompt_token_ids`
+//! spliced in as its last key, both read in the one pass over the prefill's answer.
 
 use std::sync::Arc;
 
@@ -46,6 +53,7 @@ use bytes::Bytes;
 
 use self::bidi::BidiStore;
 
+use crate::vllm::reuse::{self, PromptTokenReuse, Reuse, ReuseStats};
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use disagg_core::error::{ConnectorError, InvalidParam};
@@ -92,6 +100,7 @@ pub struct VllmNixl {
     rewriter: PrefillRewriter,
     /// Bidirectional multi-turn KV, when on: the decodes' own handoffs, by conversation.
     bidi: Option<Arc<BidiStore>>,
+    reuse: Reuse,
 }
 
 impl VllmNixl {
@@ -105,6 +114,7 @@ impl VllmNixl {
         VllmNixl {
             rewriter,
             bidi: None,
+            reuse: Reuse::default(),
         }
     }
 
@@ -114,6 +124,26 @@ impl VllmNixl {
     #[must_use]
     pub fn with_bidirectional(mut self, store: Arc<BidiStore>) -> Self {
         self.bidi = Some(store);
+        self
+    }
+
+    /// The connector with prompt-token reuse set to `mode` (the default is
+    /// [`PromptTokenReuse::Auto`]), counted in `stats` (see [`reuse`]).
+    pub fn with_prompt_token_reuse(
+        mut self,
+        mode: PromptTokenReuse,
+        stats: Arc<ReuseStats>,
+    ) -> Self {
+        self.reuse.mode = mode;
+        self.reuse.stats = stats;
+        self
+    }
+
+    /// The connector passing on at most `max` reused prompt token ids (a prefill's
+    /// longer list is dropped and counted; the default is
+    /// [`DEFAULT_MAX_IDS`](crate::vllm::reuse::DEFAULT_MAX_IDS)).
+    pub fn with_max_reused_ids(mut self, max: usize) -> Self {
+        self.reuse.max_ids = max;
         self
     }
 }
@@ -144,6 +174,9 @@ impl KvConnector for VllmNixl {
             .and_then(|(store, key)| store.take(key))
             .unwrap_or(Bytes::from_static(PREFILL_PARAMS));
         prefill.set_raw(KV_TRANSFER_PARAMS, params);
+        if req.api() == Api::Chat && self.reuse.applies(&route.decode) {
+            prefill.set_raw_static(reuse::RETURN_TOKEN_IDS, Bytes::from_static(b"true"));
+        }
         let mut prefill = Leg::new(prefill_ep, prefill);
         prefill.set_rank(route.prefill_rank);
         let mut decode = Leg::new(route.decode.clone(), req.body().clone());
@@ -168,11 +201,25 @@ impl KvConnector for VllmNixl {
             endpoint: handoff.prefill.endpoint.id().clone(),
             source,
         };
-        // The dict's bytes are read once, by the handoff's own validating reading.
-        let Some((params, read)) = answer
-            .read_field(KV_TRANSFER_PARAMS, read_handoff)
-            .map_err(invalid)?
-        else {
+        // The dict's bytes are read once, by the handoff's own validating reading; with
+        // reuse on (the prefill leg asked for them), the prompt's ids in the same pass.
+        let reusing = self.reuse.applies(&handoff.decode.endpoint)
+            && handoff.prefill.body.get(reuse::RETURN_TOKEN_IDS) == Some(b"true");
+        let (found, ids) = if reusing {
+            let max = self.reuse.max_ids;
+            answer
+                .read_fields(
+                    (KV_TRANSFER_PARAMS, read_handoff),
+                    (reuse::PROMPT_TOKEN_IDS, |b: &[u8]| reuse::read_ids(b, max)),
+                )
+                .map_err(invalid)?
+        } else {
+            let found = answer
+                .read_field(KV_TRANSFER_PARAMS, read_handoff)
+                .map_err(invalid)?;
+            (found, None)
+        };
+        let Some((params, read)) = found else {
             return Ok(HandoffFound::Missing);
         };
         match read {
@@ -187,6 +234,10 @@ impl KvConnector for VllmNixl {
             Read::Dict(Err(problem)) => return Ok(HandoffFound::Incomplete { problem }),
             Read::Dict(Ok(())) => {}
         }
+        let params = match self.reuse.fold(&params, ids) {
+            Some(with_ids) => with_ids,
+            None => params,
+        };
         handoff.decode.body.set_raw(KV_TRANSFER_PARAMS, params);
         Ok(HandoffFound::Handed)
     }
@@ -334,7 +385,10 @@ fn handoff_rules(
     if repeated {
         return Err("kv_transfer_params repeats a key");
     }
-    let [prefill, _, engine, request, host, port, tp, mode] = read;
+    let [prefill, _, engine, request, host, port, tp, mode, ids] = read;
+    if ids.is_some() {
+        return Err("kv_transfer_params carries prompt_token_ids, which only the proxy sets");
+    }
     if prefill != Some(b"true") {
         return Err("do_remote_prefill is not true");
     }
@@ -366,7 +420,7 @@ fn handoff_rules(
 
 /// The keys of a prefill's handoff dict a vLLM 0.33 decode reads, in the order
 /// [`check_handoff`] unpacks them; the others are skipped unread.
-const KEYS: [&str; 8] = [
+const KEYS: [&str; 9] = [
     "do_remote_prefill",
     "remote_block_ids",
     "remote_engine_id",
@@ -375,6 +429,7 @@ const KEYS: [&str; 8] = [
     "remote_port",
     "tp_size",
     "transfer_mode",
+    "prompt_token_ids",
 ];
 
 /// Where `remote_block_ids` is in [`KEYS`].
@@ -433,6 +488,18 @@ fn is_number(t: &[u8]) -> bool {
         }
     }
     i == t.len()
+}
+
+/// How many bytes the JSON value at the start of `b` takes, `None` when it is not JSON
+/// (the handoff scan's own reading, for values read for another field of the answer).
+pub(crate) fn skip_json(b: &[u8]) -> Option<usize> {
+    let mut s = Scan {
+        b,
+        i: 0,
+        too_deep: false,
+    };
+    s.value(1)?;
+    Some(s.i)
 }
 
 /// How many block ids the list `raw` holds (see [`Scan::block_ids`]); `None` for

@@ -58,6 +58,11 @@ impl Facts {
     /// text form (LMCache's `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]`, one init and one
     /// alloc port per tensor-parallel rank, as `serve --lmcache-receiver` writes it).
     pub const KV_RECEIVER: &'static str = "kv_receiver";
+    /// The engine's release as its `GET /version` answers it (vLLM: `"0.33.0"`), filled
+    /// by whoever probed it (`serve` for its `--decode` engines when
+    /// `--prompt-token-reuse auto`) or declared by a discovery source; connectors read it
+    /// for features that depend on the engine's release (vLLM's prompt-token reuse).
+    pub const ENGINE_VERSION: &'static str = "engine_version";
 
     /// The most entries one endpoint keeps (documented on [`Facts`]).
     pub(crate) const MAX_ENTRIES: usize = 32;

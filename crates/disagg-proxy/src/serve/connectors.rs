@@ -11,11 +11,12 @@ use disagg_connectors::vllm::VllmNixl;
 use disagg_connectors::vllm::bidi::BidiStore;
 use disagg_connectors::vllm::rewrite::PrefillRewriter;
 use disagg_connectors::vllm::rewrite::check::VllmLimits;
+use disagg_connectors::vllm::{PromptTokenReuse, ReuseStats};
 use disagg_core::KvConnector;
 
 use crate::BoxError;
 
-use super::flags::{ConnectorArg, LmcacheArgs, secs};
+use super::flags::{ConnectorArg, LmcacheArgs, ReuseArg, secs};
 
 impl ConnectorArg {
     /// The protocol's name, as on the command line.
@@ -28,8 +29,9 @@ impl ConnectorArg {
         }
     }
 
-    /// The connector; LMCache's waits on `notifications`, which it needs; vLLM NIXL's
-    /// keeps the decodes' own handoffs in `bidi` when given one.
+    /// The connector; LMCache's waits on `notifications`, which it needs. NIXL's
+    /// prompt-token reuse is `reuse`, counted in `stats`; NIXL keeps the decodes' own
+    /// handoffs in `bidi` when given one.
     ///
     /// # Errors
     ///
@@ -38,12 +40,18 @@ impl ConnectorArg {
         self,
         notifications: Option<Notifications>,
         limits: VllmLimits,
+        (reuse, stats): (ReuseArg, Arc<ReuseStats>),
         bidi: Option<Arc<BidiStore>>,
     ) -> Result<Arc<dyn KvConnector>, BoxError> {
         let rewriter = PrefillRewriter::new().with_limits(limits);
+        let reuse = match reuse {
+            ReuseArg::Auto => PromptTokenReuse::Auto,
+            ReuseArg::On => PromptTokenReuse::On,
+            ReuseArg::Off => PromptTokenReuse::Off,
+        };
         Ok(match self {
             ConnectorArg::Nixl => {
-                let nixl = VllmNixl::with_rewriter(rewriter);
+                let nixl = VllmNixl::with_rewriter(rewriter).with_prompt_token_reuse(reuse, stats);
                 Arc::new(match bidi {
                     Some(store) => nixl.with_bidirectional(store),
                     None => nixl,
@@ -102,4 +110,48 @@ pub(super) fn lmcache_listener(
             })
         })?;
     Ok((notifications, thread))
+}
+
+/// NIXL's prompt-token reuse counters on `/metrics`.
+pub(super) fn reuse_metrics(stats: Arc<ReuseStats>) -> disagg_http::metrics::ExtraMetrics {
+    disagg_http::metrics::ExtraMetrics::new(move |registry| {
+        registry.register_collector(Box::new(ReuseCollector(Arc::clone(&stats))));
+    })
+}
+
+/// [`reuse_metrics`]' collector: the counters, read at each scrape.
+#[derive(Debug)]
+struct ReuseCollector(Arc<ReuseStats>);
+
+impl prometheus_client::collector::Collector for ReuseCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::MetricType;
+        use prometheus_client::metrics::counter::ConstCounter;
+        // Counters are named without `_total`: the encoders append it.
+        let families = [
+            (
+                "disagg_prompt_token_reuse_sent",
+                "Decode legs sent with the prefill's prompt token ids (vLLM prompt-token reuse).",
+                self.0.sent(),
+            ),
+            (
+                "disagg_prompt_token_reuse_refused",
+                "Prefill answers whose prompt_token_ids were malformed or over the ceiling, dropped (the decode tokenized).",
+                self.0.refused(),
+            ),
+        ];
+        for (name, help, value) in families {
+            ConstCounter::new(value).encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
+            )?)?;
+        }
+        Ok(())
+    }
 }

@@ -161,6 +161,13 @@ pub struct ServeArgs {
     /// refused before any engine is contacted, for the same reason.
     #[arg(long, value_name = "N", default_value_t = 4)]
     pub(crate) max_stop_strings: usize,
+    /// `--connector nixl`, chat: the decode leg carries the prompt's token ids the
+    /// prefill made (vLLM 0.33's `kv_transfer_params.prompt_token_ids`), so the decode
+    /// neither templates nor tokenizes. `auto`: for the decode engines whose
+    /// `GET /version` (read at start) says vLLM 0.33 or later, or whose endpoints file
+    /// entry declares `engine_version`.
+    #[arg(long, value_enum, value_name = "WHEN", default_value_t = ReuseArg::Auto)]
+    pub(crate) prompt_token_reuse: ReuseArg,
     /// Forward the client's `Authorization` header to the engines (not with client keys:
     /// the proxy's keys are never passed on; an --engine-api-key replaces it).
     #[arg(long)]
@@ -473,6 +480,17 @@ pub enum ConnectorArg {
     /// vLLM LMCacheConnectorV1 (P/D over NIXL): the prefill pushes KV to the decode's
     /// receiver ports and notifies over ZMQ; the first token comes from the prefill.
     Lmcache,
+}
+
+/// `--prompt-token-reuse`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReuseArg {
+    /// For decode engines that report vLLM 0.33 or later.
+    Auto,
+    /// Always.
+    On,
+    /// Never.
+    Off,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use http::{HeaderMap, StatusCode};
 
 use super::*;
+use crate::vllm::reuse::{PromptTokenReuse, ReuseStats};
 use disagg_core::body::JsonBody;
 use disagg_core::endpoint::{Endpoint, Role};
 use disagg_core::request::Api;
@@ -283,6 +284,7 @@ fn takes(v: &serde_json::Value) -> bool {
     });
     let push = v["transfer_mode"] == "push";
     v.is_object()
+        && v.get("prompt_token_ids").is_none()
         && v["do_remote_prefill"] == true
         && blocks.is_some_and(|n| n > 0)
         && text("remote_engine_id")
@@ -418,4 +420,139 @@ fn sglang_generate_is_not_carried() {
         (pd.status().as_u16(), pd.code()),
         (400, "unsupported_by_connector")
     );
+}
+
+/// A NIXL connector with prompt-token reuse `mode`, at most `max` ids, and its counters.
+fn reusing(mode: PromptTokenReuse, max: usize) -> (VllmNixl, Arc<ReuseStats>) {
+    let stats = Arc::new(ReuseStats::default());
+    let c = VllmNixl::new()
+        .with_prompt_token_reuse(mode, Arc::clone(&stats))
+        .with_max_reused_ids(max);
+    (c, stats)
+}
+
+/// A route whose decode reports `version` (as `serve` records a probed `/version`).
+fn route_with_version(version: &str) -> Route {
+    use disagg_core::endpoint::Facts;
+    let facts = Facts::new().with(Facts::ENGINE_VERSION, version).unwrap();
+    Route::new(
+        Some(Arc::new(
+            Endpoint::new("http://p:1", Role::Prefill).unwrap(),
+        )),
+        Arc::new(
+            Endpoint::new("http://d:1", Role::Decode)
+                .unwrap()
+                .with_facts(facts),
+        ),
+    )
+}
+
+const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":8}"#;
+
+#[tokio::test]
+async fn reuse_asks_the_prefill_for_ids_and_splices_them_into_the_decode_dict() {
+    let (c, stats) = reusing(PromptTokenReuse::On, 8);
+    let mut h = c.prepare(&route(), &req(Api::Chat, CHAT)).unwrap();
+    assert_eq!(h.prefill.body.get("return_token_ids"), Some(&b"true"[..]));
+    // The client's body, unchanged, on the decode leg.
+    assert_eq!(h.decode.body.get("return_token_ids"), None);
+    let a = answer(&format!(
+        r#"{{"id":"x","prompt_token_ids":[17, 4,99],"choices":[],"kv_transfer_params":{V033}}}"#
+    ));
+    assert_eq!(c.complete(&mut h, &a).await.unwrap(), HandoffFound::Handed);
+    let want = format!(
+        "{},\"prompt_token_ids\":[17, 4,99]}}",
+        &V033[..V033.len() - 1]
+    );
+    assert_eq!(
+        h.decode.body.get("kv_transfer_params"),
+        Some(want.as_bytes())
+    );
+    assert_eq!((stats.sent(), stats.refused()), (1, 0));
+}
+
+#[tokio::test]
+async fn malformed_or_oversized_ids_are_dropped_and_counted_never_fatal() {
+    for ids in [
+        "[1,2,3,4]",
+        "[-1]",
+        "[]",
+        "[1.5]",
+        "\"1 2\"",
+        "[4294967296]",
+        "{}",
+    ] {
+        let (c, stats) = reusing(PromptTokenReuse::On, 3);
+        let mut h = c.prepare(&route(), &req(Api::Chat, CHAT)).unwrap();
+        let a = answer(&format!(
+            r#"{{"prompt_token_ids":{ids},"kv_transfer_params":{V033}}}"#
+        ));
+        assert_eq!(
+            c.complete(&mut h, &a).await.unwrap(),
+            HandoffFound::Handed,
+            "{ids}"
+        );
+        assert_eq!(
+            h.decode.body.get("kv_transfer_params"),
+            Some(V033.as_bytes())
+        );
+        assert_eq!((stats.sent(), stats.refused()), (0, 1), "{ids}");
+    }
+}
+
+#[tokio::test]
+async fn reuse_is_off_for_other_apis_old_decodes_and_when_turned_off() {
+    let cases = [
+        (
+            PromptTokenReuse::On,
+            route(),
+            Api::Completions,
+            r#"{"prompt":"p"}"#,
+        ),
+        (PromptTokenReuse::Off, route(), Api::Chat, CHAT),
+        (PromptTokenReuse::Auto, route(), Api::Chat, CHAT),
+        (
+            PromptTokenReuse::Auto,
+            route_with_version("0.32.1"),
+            Api::Chat,
+            CHAT,
+        ),
+    ];
+    for (mode, route, api, body) in cases {
+        let (c, stats) = reusing(mode, 8);
+        let mut h = c.prepare(&route, &req(api, body)).unwrap();
+        assert_eq!(
+            h.prefill.body.get("return_token_ids"),
+            None,
+            "{mode:?} {api:?}"
+        );
+        let a = answer(&format!(
+            r#"{{"prompt_token_ids":[1],"kv_transfer_params":{V033}}}"#
+        ));
+        c.complete(&mut h, &a).await.unwrap();
+        assert_eq!(
+            h.decode.body.get("kv_transfer_params"),
+            Some(V033.as_bytes())
+        );
+        assert_eq!(stats.sent(), 0);
+    }
+    let (c, _) = reusing(PromptTokenReuse::Auto, 8);
+    let h = c
+        .prepare(&route_with_version("0.33.0"), &req(Api::Chat, CHAT))
+        .unwrap();
+    assert_eq!(h.prefill.body.get("return_token_ids"), Some(&b"true"[..]));
+}
+
+#[tokio::test]
+async fn a_prefill_dict_carrying_prompt_token_ids_never_reaches_the_decode() {
+    let (c, stats) = reusing(PromptTokenReuse::Off, 8);
+    let mut h = c.prepare(&route(), &req(Api::Chat, CHAT)).unwrap();
+    let forged = format!("{},\"prompt_token_ids\":[6]}}", &V033[..V033.len() - 1]);
+    let a = answer(&format!(r#"{{"kv_transfer_params":{forged}}}"#));
+    assert!(matches!(
+        c.complete(&mut h, &a).await.unwrap(),
+        HandoffFound::Incomplete { .. }
+    ));
+    assert_eq!(h.decode.body.get("kv_transfer_params"), None);
+    assert_eq!(stats.sent(), 0);
 }
