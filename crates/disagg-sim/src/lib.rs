@@ -664,6 +664,7 @@ mod kv;
 mod kv_events;
 mod lax;
 mod lmcache;
+mod metrics;
 mod mooncake;
 mod native;
 mod prefix_cache;
@@ -676,7 +677,9 @@ mod surface;
 #[cfg(feature = "tls")]
 mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, PartialKv, SimConfig, SimRole, SimTls};
+pub use config::{
+    Faults, KvMode, LmcacheReceiver, MetricsFault, PartialKv, SimConfig, SimRole, SimTls,
+};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

@@ -379,6 +379,27 @@ impl Health {
         }
     }
 
+    /// Eject `endpoint` on its leg as its breaker would after failures, for `reason`
+    /// (logged): it leaves the published set for the next backoff time, then returns
+    /// half-open and the next result decides, like any ejection. For verdicts the
+    /// breaker cannot reach from leg results, such as a decode whose engine reports that
+    /// the KV it was handed never arrived (`telemetry`). Whether it was ejected now (not
+    /// when already ejected, or not published).
+    pub fn eject(&self, endpoint: &Endpoint, reason: &'static str) -> bool {
+        let changed = {
+            let registry = read(&self.registry);
+            match registry.get(endpoint) {
+                Some(state) => state.eject(self, reason),
+                None => false,
+            }
+        };
+        if changed {
+            self.refresh();
+            self.wake.notify_waiters();
+        }
+        changed
+    }
+
     /// The health of `endpoint` on its leg; `None` when the source does not publish it.
     pub fn state(&self, endpoint: &Endpoint) -> Option<EndpointHealth> {
         self.refresh_if_due();
