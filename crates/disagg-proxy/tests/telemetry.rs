@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use disagg_sim::{Faults, MetricsFault, SimConfig, SimEngine};
+use disagg_sim::{Faults, KvMode, MetricsFault, SimConfig, SimEngine, SimRole};
 
 mod common;
 use common::{Proxy, completion, get, post};
@@ -289,4 +289,60 @@ async fn scrapes_carry_the_engine_key_like_the_legs() {
     assert!(read, "the engines' /metrics were not read");
     assert_eq!(p.stats().requests_without_key, 0);
     assert_eq!(d.stats().requests_without_key, 0);
+}
+
+/// SGLang 0.5.23 counts no KV-transfer source: its engines are read (their prompt
+/// tokens mirrored), but a decode has no receipt ratio and is never judged.
+#[tokio::test]
+async fn sglang_engines_are_read_but_have_no_receipts() {
+    let sglang = |role| {
+        engine(SimConfig {
+            kv_mode: KvMode::Sglang(role),
+            bootstrap_timeout: Duration::from_secs(5),
+            ..SimConfig::default()
+        })
+    };
+    let (p, d) = (
+        sglang(SimRole::Prefill).await,
+        sglang(SimRole::Decode).await,
+    );
+    let port = p.bootstrap_addr().expect("a bootstrap server").port();
+    let args: Vec<String> = [
+        "--connector",
+        "sglang",
+        "--prefill",
+        &p.url(),
+        &port.to_string(),
+        "--decode",
+        &d.url(),
+        FAST[0],
+        FAST[1],
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_args(&args).await;
+    let computed = format!("{},source=\"local_compute\"", at(&p.url()));
+    let read = serve_until(&proxy, Duration::from_secs(10), || async {
+        series(&proxy, "disagg_engine_prompt_tokens_total", &computed)
+            .await
+            .is_some_and(|n| n > 0.0)
+            && d.stats().metrics_requests >= 3
+    })
+    .await;
+    assert!(read, "{}", get(&proxy.url(), "/metrics").await.text());
+    assert!(d.stats().remote_decodes > 0, "the KV did move");
+    let external = format!("{},source=\"external_kv_transfer\"", at(&d.url()));
+    assert_eq!(
+        series(&proxy, "disagg_engine_prompt_tokens_total", &external).await,
+        None
+    );
+    assert_eq!(
+        series(&proxy, "disagg_handoff_receipt_ratio", &at(&d.url())).await,
+        None
+    );
+    assert_eq!(
+        series(&proxy, "disagg_endpoint_kv_suspect", &at(&d.url())).await,
+        Some(0.0)
+    );
 }

@@ -275,8 +275,9 @@ impl Telemetry {
             .is_some_and(|e| e.suspect)
     }
 
-    /// Scrape the engines of `source` every interval until `stop` turns true (or its
-    /// sender is dropped), or the future is dropped: a future for the embedder to spawn.
+    /// Scrape the engines of `source` every interval (the first one interval after the
+    /// call) until `stop` turns true (or its sender is dropped), or the future is
+    /// dropped: a future for the embedder to spawn.
     pub async fn run(
         self: Arc<Self>,
         source: Arc<dyn EndpointSource>,
@@ -284,7 +285,11 @@ impl Telemetry {
         mut stop: watch::Receiver<bool>,
     ) {
         let transport: Arc<dyn Transport> = Arc::new(transport);
-        let mut tick = tokio::time::interval(self.config.interval.max(MIN_INTERVAL));
+        // The first read one interval after the start, not at once: the engines were
+        // just asked for their versions, and a proxy that lives less than an interval
+        // (a test, a failed start) reads nothing.
+        let period = self.config.interval.max(MIN_INTERVAL);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
@@ -527,11 +532,12 @@ impl Listener for Telemetry {
             }
         };
         h.count.fetch_add(1, Ordering::Relaxed);
-        if let Some(p) = &route.prefill {
-            let mut last = lock(&h.last_prefill);
-            if last.as_deref() != Some(p.id().as_str()) {
-                *last = Some(Arc::from(p.id().as_str()));
-            }
+        // For the warning only: never waits on the request path (a busy lock skips it).
+        if let Some(p) = &route.prefill
+            && let Ok(mut last) = h.last_prefill.try_lock()
+            && last.as_deref() != Some(p.id().as_str())
+        {
+            *last = Some(Arc::from(p.id().as_str()));
         }
     }
 }
