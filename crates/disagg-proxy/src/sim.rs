@@ -362,6 +362,9 @@ mod tests {
         assert_eq!(c.faults.notify_loss, 0.5);
         assert_eq!(c.faults.notify_duplicates, 2);
         assert_eq!(c.notify_seed, 9);
+        assert!(!c.faults.lose_handoff && !c.faults.fail_transfers);
+        let c = parse(&["--lose-handoff", "--fail-transfers"]).unwrap();
+        assert!(c.faults.lose_handoff && c.faults.fail_transfers);
 
         let c = parse(&[
             "--kv-mode",

@@ -770,6 +770,27 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn eject_takes_an_endpoint_out_like_failures_and_it_returns_half_open() {
+        let (_inner, source) = source(HealthConfig::default());
+        let h = source.health();
+        let d = find(&source, "http://a:1", Role::Decode);
+        assert!(h.eject(&d, "test verdict"));
+        assert!(matches!(h.state(&d), Some(EndpointHealth::Ejected { .. })));
+        assert!(source.snapshot().decode().is_empty());
+        assert!(!h.eject(&d, "again"), "already out: not extended");
+        assert_eq!(
+            source.snapshot().prefill().len(),
+            2,
+            "the same engine's prefill leg stays"
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(h.state(&d), Some(EndpointHealth::HalfOpen));
+        h.record(&d, true);
+        assert_eq!(h.state(&d), Some(EndpointHealth::Healthy));
+        assert!(!h.eject(&ep("http://z:1", Role::Decode), "unknown"));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_zero_threshold_turns_passive_ejection_off() {
         let config = HealthConfig {
             failure_threshold: 0,
