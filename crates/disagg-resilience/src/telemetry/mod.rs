@@ -511,30 +511,39 @@ impl Listener for Telemetry {
         }
         let Some(route) = &summary.route else { return };
         let authority = route.decode.authority();
-        let found = self
-            .handoffs
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(authority)
-            .cloned();
-        let h = match found {
-            Some(h) => h,
-            None => {
-                // Only engines of the scraped set are counted (`retarget` keeps those).
-                if !lock(&self.engines).contains_key(authority) {
-                    return;
-                }
-                let mut map = self
-                    .handoffs
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                Arc::clone(map.entry(authority.clone()).or_default())
+        // The common case: one lookup under a read lock, one atomic add.
+        {
+            let map = self
+                .handoffs
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(h) = map.get(authority) {
+                h.count(route);
+                return;
             }
-        };
-        h.count.fetch_add(1, Ordering::Relaxed);
+        }
+        // Only engines of the scraped set are counted (`retarget` keeps those).
+        if !lock(&self.engines).contains_key(authority) {
+            return;
+        }
+        let h = Arc::clone(
+            self.handoffs
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .entry(authority.clone())
+                .or_default(),
+        );
+        h.count(route);
+    }
+}
+
+impl Handoffs {
+    /// Count one handoff over `route`.
+    fn count(&self, route: &disagg_core::router::Route) {
+        self.count.fetch_add(1, Ordering::Relaxed);
         // For the warning only: never waits on the request path (a busy lock skips it).
         if let Some(p) = &route.prefill
-            && let Ok(mut last) = h.last_prefill.try_lock()
+            && let Ok(mut last) = self.last_prefill.try_lock()
             && last.as_deref() != Some(p.id().as_str())
         {
             *last = Some(Arc::from(p.id().as_str()));
