@@ -23,7 +23,7 @@ use disagg_core::{
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig, PdService, PdServiceConfig};
 use disagg_resilience::pairing::check_pairs_with;
-use disagg_resilience::{Backoff, Health, HealthSource, Limits};
+use disagg_resilience::{Backoff, Health, HealthSource, Limits, Telemetry};
 
 use crate::BoxError;
 
@@ -55,6 +55,9 @@ struct Shared {
     kv_events: Option<std::thread::JoinHandle<()>>,
     /// The access log and traces to flush at shutdown.
     finish: crate::observe::Finish,
+    /// Engine telemetry (`--engine-metrics-interval`), with the set it scrapes: every
+    /// engine found, before health takes any out.
+    telemetry: Option<(Arc<Telemetry>, Arc<dyn EndpointSource>)>,
 }
 
 impl Shared {
@@ -257,6 +260,20 @@ impl Shared {
             let all = Arc::new(crate::kv_events::Fixed::new(source.snapshot()));
             (Arc::new(source), health, None, all)
         };
+        // Engines' `/metrics`: read on a thread of its own (`run`); its receipts hear
+        // every request's handoff, and a suspect decode is ejected through `health`.
+        let telemetry = args.reliability.telemetry()?.map(|c| {
+            (
+                Telemetry::new(c, Some(Arc::clone(&health))),
+                Arc::clone(&follow),
+            )
+        });
+        if let Some((t, _)) = &telemetry {
+            let t = Arc::clone(t);
+            extra_metrics.push(ExtraMetrics::new(move |registry| {
+                t.register_metrics(registry)
+            }));
+        }
         let mut config = OrchestratorConfig::default();
         config.prefill_timeout = secs(args.prefill_timeout, "prefill-timeout")?;
         config.decode_head_timeout = secs(args.decode_timeout, "decode-timeout")?;
@@ -333,6 +350,9 @@ impl Shared {
         if let Some(t) = tokenizer {
             builder = builder.tokenizer(t);
         }
+        if let Some((t, _)) = &telemetry {
+            builder = builder.listener(Arc::clone(t));
+        }
         if let Some(limits) = limits {
             builder = builder.admission(limits);
         }
@@ -356,6 +376,7 @@ impl Shared {
             discovery,
             kv_events: kv_thread,
             finish: observe.into_finish(),
+            telemetry,
         })
     }
 
@@ -409,6 +430,22 @@ pub fn run(
             )
         }
     };
+    // Engine telemetry on a small thread of its own, until shutdown.
+    let telemetry = match shared.telemetry.take() {
+        None => None,
+        Some((telemetry, source)) => {
+            let stop = shutdown.clone();
+            let transport = HttpTransport::new(shared.transport.clone());
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            Some(
+                std::thread::Builder::new()
+                    .name("disagg-telemetry".into())
+                    .spawn(move || runtime.block_on(telemetry.run(source, transport, stop)))?,
+            )
+        }
+    };
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
@@ -441,6 +478,9 @@ pub fn run(
     }
     if let Some(checker) = checker {
         let _ = checker.join();
+    }
+    if let Some(telemetry) = telemetry {
+        let _ = telemetry.join();
     }
     if let Some(discovery) = discovery {
         let _ = discovery.join();

@@ -164,6 +164,15 @@ pub(crate) struct SimArgs {
     /// Fault (LMCache prefill): extra copies of each notification.
     #[arg(long, value_name = "N", default_value_t = 0)]
     notify_duplicates: u32,
+    /// Fault (vLLM NIXL decode): lose every handoff silently: answer 200 but never pull
+    /// the KV, computing the prompt here (counted `local_compute` in GET /metrics); the
+    /// prefill's KV expires unclaimed after its --kv-lease.
+    #[arg(long)]
+    lose_handoff: bool,
+    /// Fault (vLLM NIXL decode): every KV transfer fails (counted in
+    /// `vllm:nixl_num_failed_transfers`); the prompt is computed here, answered 200.
+    #[arg(long)]
+    fail_transfers: bool,
     /// Seed of the generator that decides which notifications --notify-loss loses.
     #[arg(long, value_name = "N", default_value_t = 0)]
     notify_seed: u64,
@@ -275,6 +284,8 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             notify_loss: args.notify_loss,
             notify_duplicates: args.notify_duplicates,
             admin_status: args.fail_admin_status,
+            lose_handoff: args.lose_handoff,
+            fail_transfers: args.fail_transfers,
             ..Faults::default()
         },
         ..SimConfig::default()
@@ -368,6 +379,9 @@ mod tests {
         assert_eq!(c.faults.notify_loss, 0.5);
         assert_eq!(c.faults.notify_duplicates, 2);
         assert_eq!(c.notify_seed, 9);
+        assert!(!c.faults.lose_handoff && !c.faults.fail_transfers);
+        let c = parse(&["--lose-handoff", "--fail-transfers"]).unwrap();
+        assert!(c.faults.lose_handoff && c.faults.fail_transfers);
 
         let c = parse(&[
             "--kv-mode",

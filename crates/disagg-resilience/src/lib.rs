@@ -41,11 +41,13 @@ pub mod admission;
 pub mod health;
 pub mod pairing;
 pub mod retry;
+pub mod telemetry;
 
 pub use admission::{AdmissionConfig, Limits, PerEndpointLimit};
 pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
 pub use pairing::{PairingError, PairingStats, ValidatedSource, VersionProbe, Versions};
 pub use retry::{Backoff, RetryBudget, RetryPolicy};
+pub use telemetry::{SuspectAction, Telemetry, TelemetryConfig};
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
 /// section in this crate leaves its data consistent).

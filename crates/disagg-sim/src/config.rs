@@ -491,4 +491,29 @@ pub struct Faults {
     /// top-level `prompt_token_ids` instead of the prompt's ids (a malformed or
     /// oversized list, which a proxy must drop, never pass on).
     pub prompt_token_ids: Option<&'static str>,
+    /// vLLM NIXL decode: lose every handoff silently. A request with remote-prefill
+    /// `kv_transfer_params` is answered 200 as usual, but the KV is never pulled: the
+    /// prompt is computed here (counted `local_compute` in `GET /metrics`) and the
+    /// prefill's blocks stay held until its lease expires. The silent failure receipts
+    /// are meant to catch.
+    pub lose_handoff: bool,
+    /// vLLM NIXL decode: every KV transfer fails (counted in
+    /// `vllm:nixl_num_failed_transfers` and [`Stats::failed_transfers`](crate::Stats::failed_transfers));
+    /// the prompt is then computed here and the request answered 200. The prefill's
+    /// blocks stay held until its lease expires.
+    pub fail_transfers: bool,
+    /// How `GET /metrics` misbehaves, if at all.
+    pub metrics: Option<MetricsFault>,
+}
+
+/// How `GET /metrics` misbehaves ([`Faults::metrics`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricsFault {
+    /// Answer this many bytes of valid-looking comment lines before the metrics.
+    Huge(usize),
+    /// Answer 200 with a body that is no Prometheus text.
+    Garbage,
+    /// Never answer, until the client leaves.
+    Hang,
 }

@@ -391,6 +391,7 @@ impl KvStore {
             let n = held.block_ids.len() as u64;
             map.remove(&req.request_id);
             counters.blocks_held.fetch_sub(n, Relaxed);
+            counters.kv_expired_reqs.fetch_add(1, Relaxed);
             return Err(format!("KV of request {:?} expired", req.request_id));
         }
         if held.block_ids != req.block_ids {
@@ -438,14 +439,17 @@ impl KvStore {
         let now = Instant::now();
         let mut map = lock(&self.held);
         let mut freed = 0u64;
+        let mut expired = 0u64;
         map.retain(|_, held| {
             let keep = held.expires > now;
             if !keep {
                 freed += held.block_ids.len() as u64;
+                expired += 1;
             }
             keep
         });
         counters.blocks_held.fetch_sub(freed, Relaxed);
+        counters.kv_expired_reqs.fetch_add(expired, Relaxed);
     }
 }
 

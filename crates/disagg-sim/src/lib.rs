@@ -50,6 +50,19 @@
 //!   another id comes back as `<|ID|>`. An id outside the vocabulary is a 400.
 //! * `GET /version`: `{"version": "0.33.0"}`, the vLLM release followed
 //!   ([`SimConfig::version`] to model another build).
+//! * `GET /metrics`: the engine's counters in the Prometheus text format, named
+//!   as vLLM 0.33 names them (`vllm:prompt_tokens_by_source_total` by `source`,
+//!   `vllm:nixl_num_failed_transfers_total`, `vllm:nixl_num_kv_expired_reqs_total`,
+//!   `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//!   `vllm:kv_cache_usage_perc`) or, in the SGLang modes, as SGLang 0.5.23 does
+//!   (`sglang:realtime_tokens_total` by `mode`, `sglang:num_transfer_failed_reqs_total`,
+//!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`). The
+//!   prompt-token split is true: a decode that pulled its KV counts the prompt as
+//!   `external_kv_transfer`, one that computed it as `local_compute`.
+//!   [`Faults::lose_handoff`], [`Faults::fail_transfers`] and a short
+//!   [`SimConfig::kv_lease`] make a decode recompute, transfers fail and a
+//!   prefill's KV expire unclaimed; [`Faults::metrics`] makes the answer huge, slow
+//!   or garbage. Counted in [`Stats::metrics_requests`].
 //! * `POST /v1/embeddings`: one deterministic unit vector of 8 dimensions per
 //!   input (a string, a list of strings, token ids or lists of them), as
 //!   floats or `"encoding_format": "base64"`, in vLLM's `EmbeddingResponse`.
@@ -200,7 +213,7 @@
 //! `traceparent`, in order, see [`RecordedRequest::header`]) and the JSON
 //! body, so a test can assert what each leg carried.
 //! [`SimEngine::received`] keeps the head (method, path as it came, query,
-//! headers) of every request on every route but `GET /stats`: health checks,
+//! headers) of every request on every route but `GET /stats` and `GET /metrics`: health checks,
 //! model lists, `/tokenize`, the Responses API, unknown paths.
 //!
 //! Routes are matched on the percent-decoded path, as uvicorn hands it to
@@ -672,6 +685,7 @@ mod kv;
 mod kv_events;
 mod lax;
 mod lmcache;
+mod metrics;
 mod mooncake;
 mod native;
 mod prefix_cache;
@@ -685,7 +699,9 @@ mod surface;
 #[cfg(feature = "tls")]
 mod tls;
 
-pub use config::{Faults, KvMode, LmcacheReceiver, PartialKv, SimConfig, SimRole, SimTls};
+pub use config::{
+    Faults, KvMode, LmcacheReceiver, MetricsFault, PartialKv, SimConfig, SimRole, SimTls,
+};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

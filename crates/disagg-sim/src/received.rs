@@ -49,7 +49,8 @@ pub(crate) struct Ring {
 impl Ring {
     /// Keep `req`'s head, forgetting the oldest past `capacity` (0 keeps nothing).
     pub(crate) fn record<B>(&self, req: &Request<B>, capacity: usize) {
-        if capacity == 0 || req.uri().path() == "/stats" {
+        // Observation, not traffic: `/stats` and `/metrics` are not recorded.
+        if capacity == 0 || matches!(req.uri().path(), "/stats" | "/metrics") {
             return;
         }
         let head = (

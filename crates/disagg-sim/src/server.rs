@@ -1011,6 +1011,32 @@ where
             let body = serde_json::to_vec(&inner.counters.snapshot()).unwrap_or_default();
             return json_response(StatusCode::OK, SimBody::full(body), None);
         }
+        (&Method::GET, "/metrics") => {
+            bump(&inner.counters.metrics_requests);
+            let fault = lock(&inner.faults).metrics;
+            let padding = match fault {
+                Some(crate::MetricsFault::Hang) => {
+                    std::future::pending::<()>().await;
+                    0
+                }
+                Some(crate::MetricsFault::Garbage) => {
+                    let mut response = Response::new(SimBody::full(Bytes::from_static(
+                        b"{\"not\": \"prometheus\"} <html>\x01\x02 = = =\n",
+                    )));
+                    *response.status_mut() = StatusCode::OK;
+                    return response;
+                }
+                Some(crate::MetricsFault::Huge(n)) => n,
+                None => 0,
+            };
+            let text = crate::metrics::render(&inner.config, &inner.counters.snapshot(), padding);
+            let mut response = Response::new(SimBody::full(text));
+            response.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            return response;
+        }
         (&Method::GET, "/version") => {
             let body =
                 serde_json::to_vec(&json!({"version": inner.config.version})).unwrap_or_default();
@@ -1902,8 +1928,19 @@ async fn serve_completion(
     // KV: fetched from a remote prefill (checked against this prompt's own), or computed
     // here. `None`: this request takes no remote KV.
     let own = || kv_digest(&config.model, config.block_size, request.tokens());
+    let handoff_faults = (faults.lose_handoff, faults.fail_transfers);
     let fetched = match &plan {
         Plan::Nixl => match nixl_pull {
+            // A lost handoff: the KV is never pulled and the prompt is computed here; the
+            // prefill keeps its blocks until their lease expires.
+            Some(_) if handoff_faults != (false, false) => {
+                guard.disarm();
+                if handoff_faults.1 {
+                    bump(&counters.failed_transfers);
+                }
+                tracing::debug!(request_id, "handoff lost by fault injection: recomputing");
+                None
+            }
             Some(target) => {
                 let pulled = match target {
                     Ok(target) => kv::pull(&inner.side_pool, &target).await,
@@ -1981,6 +2018,9 @@ async fn serve_completion(
         Some(Err(e)) => return Err((kv_failure(counters, &e, request_id), guard)),
         Some(Ok(())) => {
             bump(&counters.remote_decodes);
+            counters
+                .prompt_tokens_external
+                .fetch_add(request.prompt_tokens, std::sync::atomic::Ordering::Relaxed);
             true
         }
         None => false,
@@ -2012,6 +2052,13 @@ async fn serve_completion(
         if bidi_pulled.is_some() {
             counters.bidi_tokens_computed.fetch_add(computed, Relaxed);
         }
+        counters
+            .prompt_tokens_local
+            .fetch_add(computed, std::sync::atomic::Ordering::Relaxed);
+        counters.prompt_tokens_cached.fetch_add(
+            request.prompt_tokens - computed,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let tokens = u32::try_from(computed).unwrap_or(u32::MAX);
         let delay = config.prefill_delay_per_token.saturating_mul(tokens);
         if !delay.is_zero() {

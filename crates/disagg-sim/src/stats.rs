@@ -227,6 +227,31 @@ pub struct Stats {
     /// `kv_transfer_params` (vLLM 0.33's prompt-token reuse).
     #[serde(default)]
     pub prompt_ids_reused: u64,
+    /// `GET /metrics` requests received (whatever [`Faults::metrics`](crate::Faults::metrics)
+    /// made of their answer).
+    #[serde(default)]
+    pub metrics_requests: u64,
+    /// Prompt tokens computed here (vLLM's
+    /// `prompt_tokens_by_source{source="local_compute"}`): plain requests, prefills,
+    /// and decodes that computed the prompt themselves (no handoff, a lost or failed one).
+    #[serde(default)]
+    pub prompt_tokens_local: u64,
+    /// Prompt tokens found in this engine's prefix cache (`local_cache_hit`).
+    #[serde(default)]
+    pub prompt_tokens_cached: u64,
+    /// Prompt tokens whose KV arrived from a prefill (`external_kv_transfer`).
+    #[serde(default)]
+    pub prompt_tokens_external: u64,
+    /// vLLM NIXL decode: KV transfers that failed (`nixl_num_failed_transfers`), by
+    /// [`Faults::fail_transfers`](crate::Faults::fail_transfers); the prompt is then
+    /// computed here.
+    #[serde(default)]
+    pub failed_transfers: u64,
+    /// vLLM NIXL prefill: requests whose held KV expired unclaimed
+    /// (`nixl_num_kv_expired_reqs`): no decode pulled or released it within
+    /// [`SimConfig::kv_lease`](crate::SimConfig::kv_lease).
+    #[serde(default)]
+    pub kv_expired_reqs: u64,
 }
 
 /// The live counters behind [`Stats`].
@@ -287,6 +312,12 @@ pub(crate) struct Counters {
     pub(crate) admin_requests: AtomicU64,
     pub(crate) chat_prompts_tokenized: AtomicU64,
     pub(crate) prompt_ids_reused: AtomicU64,
+    pub(crate) metrics_requests: AtomicU64,
+    pub(crate) prompt_tokens_local: AtomicU64,
+    pub(crate) prompt_tokens_cached: AtomicU64,
+    pub(crate) prompt_tokens_external: AtomicU64,
+    pub(crate) failed_transfers: AtomicU64,
+    pub(crate) kv_expired_reqs: AtomicU64,
 }
 
 pub(crate) fn bump(counter: &AtomicU64) {
@@ -385,6 +416,12 @@ impl Counters {
             admin_requests: self.admin_requests.load(Relaxed),
             chat_prompts_tokenized: self.chat_prompts_tokenized.load(Relaxed),
             prompt_ids_reused: self.prompt_ids_reused.load(Relaxed),
+            metrics_requests: self.metrics_requests.load(Relaxed),
+            prompt_tokens_local: self.prompt_tokens_local.load(Relaxed),
+            prompt_tokens_cached: self.prompt_tokens_cached.load(Relaxed),
+            prompt_tokens_external: self.prompt_tokens_external.load(Relaxed),
+            failed_transfers: self.failed_transfers.load(Relaxed),
+            kv_expired_reqs: self.kv_expired_reqs.load(Relaxed),
         }
     }
 }

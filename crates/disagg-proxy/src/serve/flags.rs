@@ -327,6 +327,36 @@ pub struct ReliabilityArgs {
     /// The path of the engines' health check.
     #[arg(long, value_name = "PATH", default_value = "/health")]
     pub(crate) health_check_path: String,
+    /// Seconds between reads of every engine's `GET /metrics` (engine telemetry and KV
+    /// receipts; 0: never read), with the legs' engine key and TLS.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    pub(crate) engine_metrics_interval: f64,
+    /// Seconds one read of an engine's `/metrics` may take.
+    #[arg(long, value_name = "SECS", default_value_t = 2.0)]
+    pub(crate) engine_metrics_timeout: f64,
+    /// The largest `/metrics` body read from an engine, in bytes; a larger one fails
+    /// that read.
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 20)]
+    pub(crate) engine_metrics_max_bytes: usize,
+    /// A decode's KV receipt ratio (prompt tokens that arrived by KV transfer over those
+    /// it took, in a window in which it was handed KV) below this counts against it.
+    #[arg(long, value_name = "RATIO", default_value_t = 0.5)]
+    pub(crate) receipt_threshold: f64,
+    /// Windows in a row below --receipt-threshold that flag a decode as suspect.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub(crate) receipt_windows: u32,
+    /// What a suspect decode gets: `warn` (a flag and a warning) or `eject` (also taken
+    /// out of the decode pool like an unhealthy endpoint, for --ejection-time, doubled
+    /// on each repeat).
+    #[arg(long, value_enum, default_value_t = SuspectActionArg::Warn)]
+    pub(crate) suspect_action: SuspectActionArg,
+}
+
+/// `--suspect-action`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum SuspectActionArg {
+    Warn,
+    Eject,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -358,6 +388,27 @@ impl ReliabilityArgs {
             .parse()
             .map_err(|e| format!("--health-check-path: {e}"))?;
         Ok((config, active))
+    }
+
+    /// The engine telemetry settings, when `/metrics` is read at all.
+    pub(crate) fn telemetry(&self) -> Result<Option<disagg_resilience::TelemetryConfig>, BoxError> {
+        if self.engine_metrics_interval == 0.0 {
+            return Ok(None);
+        }
+        if !(0.0..=1.0).contains(&self.receipt_threshold) {
+            return Err("--receipt-threshold must be between 0 and 1".into());
+        }
+        let mut config = disagg_resilience::TelemetryConfig::default();
+        config.interval = secs(self.engine_metrics_interval, "engine-metrics-interval")?;
+        config.timeout = secs(self.engine_metrics_timeout, "engine-metrics-timeout")?;
+        config.max_body = self.engine_metrics_max_bytes;
+        config.receipt_threshold = self.receipt_threshold;
+        config.suspect_windows = self.receipt_windows;
+        config.suspect_action = match self.suspect_action {
+            SuspectActionArg::Warn => disagg_resilience::SuspectAction::Warn,
+            SuspectActionArg::Eject => disagg_resilience::SuspectAction::Eject,
+        };
+        Ok(Some(config))
     }
 
     /// Apply the flags to `config`; the retry policy and admission limits they ask for.

@@ -26,6 +26,8 @@ pub(super) struct EndpointState {
 pub(super) enum Cause {
     Failures(u32),
     HalfOpenFailure,
+    /// Someone else's verdict ([`Health::eject`]).
+    External(&'static str),
 }
 
 impl EndpointState {
@@ -119,7 +121,26 @@ impl EndpointState {
                 ejected_for = ?time,
                 "endpoint ejected again"
             ),
+            Cause::External(reason) => tracing::warn!(
+                endpoint = %id,
+                role = ?role,
+                reason,
+                ejections = *ejections,
+                ejected_for = ?time,
+                "endpoint ejected"
+            ),
         }
+    }
+
+    /// Open the breaker now for `reason`, unless it is open already; whether it opened.
+    pub(super) fn eject(&self, health: &Health, reason: &'static str) -> bool {
+        let mut ejections = lock(&self.breaker);
+        let now = health.now_ns();
+        if self.phase.load(Ordering::Acquire) == OPEN && self.until.load(Ordering::Relaxed) > now {
+            return false;
+        }
+        self.open(&mut ejections, now, health, Cause::External(reason));
+        true
     }
 
     /// Whether the endpoint is routed at `now`; an ejection whose time is over turns

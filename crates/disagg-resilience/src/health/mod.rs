@@ -379,6 +379,27 @@ impl Health {
         }
     }
 
+    /// Eject `endpoint` on its leg as its breaker would after failures, for `reason`
+    /// (logged): it leaves the published set for the next backoff time, then returns
+    /// half-open and the next result decides, like any ejection. For verdicts the
+    /// breaker cannot reach from leg results, such as a decode whose engine reports that
+    /// the KV it was handed never arrived (`telemetry`). Whether it was ejected now (not
+    /// when already ejected, or not published).
+    pub fn eject(&self, endpoint: &Endpoint, reason: &'static str) -> bool {
+        let changed = {
+            let registry = read(&self.registry);
+            match registry.get(endpoint) {
+                Some(state) => state.eject(self, reason),
+                None => false,
+            }
+        };
+        if changed {
+            self.refresh();
+            self.wake.notify_waiters();
+        }
+        changed
+    }
+
     /// The health of `endpoint` on its leg; `None` when the source does not publish it.
     pub fn state(&self, endpoint: &Endpoint) -> Option<EndpointHealth> {
         self.refresh_if_due();
@@ -746,6 +767,27 @@ mod tests {
         let set = source.snapshot();
         assert!(set.prefill().is_empty());
         assert_eq!(set.decode().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn eject_takes_an_endpoint_out_like_failures_and_it_returns_half_open() {
+        let (_inner, source) = source(HealthConfig::default());
+        let h = source.health();
+        let d = find(&source, "http://a:1", Role::Decode);
+        assert!(h.eject(&d, "test verdict"));
+        assert!(matches!(h.state(&d), Some(EndpointHealth::Ejected { .. })));
+        assert!(source.snapshot().decode().is_empty());
+        assert!(!h.eject(&d, "again"), "already out: not extended");
+        assert_eq!(
+            source.snapshot().prefill().len(),
+            2,
+            "the same engine's prefill leg stays"
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(h.state(&d), Some(EndpointHealth::HalfOpen));
+        h.record(&d, true);
+        assert_eq!(h.state(&d), Some(EndpointHealth::Healthy));
+        assert!(!h.eject(&ep("http://z:1", Role::Decode), "unknown"));
     }
 
     #[tokio::test(start_paused = true)]
