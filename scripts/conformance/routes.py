@@ -101,6 +101,17 @@ ROUTE_CASES: list[tuple[str, str, dict]] = [
 ]
 
 
+# The simulated engines' vocabulary (`VOCAB_SIZE` in crates/disagg-sim/src/generate.rs).
+SIM_VOCAB_SIZE = 1 << 20
+
+# Prompt-token reuse (`--prompt-token-reuse on`): the chat prefill leg asks for
+# `return_token_ids`, the decode leg's `kv_transfer_params` carries the prompt's ids.
+REUSE_CASES: list[tuple[str, str, dict]] = [
+    ("/v1/chat/completions", "reuse", {"model": "sim-model", "max_tokens": 12, "messages": MESSAGES}),
+    ("/v1/chat/completions", "reuse streamed", {"model": "sim-model", "max_tokens": 12, "messages": MESSAGES, "stream": True}),
+]
+
+
 def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -192,7 +203,7 @@ def wait_http(port: int, what: str, proc: subprocess.Popen, timeout: float = 20)
 class Setup:
     """Two simulated engines of one connector, their recorders and the proxy."""
 
-    def __init__(self, binary: str, connector: str):
+    def __init__(self, binary: str, connector: str, proxy_args=(), decode_args=()):
         self.procs: list[subprocess.Popen] = []
         p, d, ps, ds = (free_port() for _ in range(4))
         if connector == "nixl":
@@ -201,7 +212,7 @@ class Setup:
             pmode, dmode = "mooncake-prefill", "mooncake-decode"
             self.bootstrap = free_port()
             boot = ["--bootstrap", f"127.0.0.1:{self.bootstrap}"]
-        for port, side, mode, extra in ((p, ps, pmode, boot), (d, ds, dmode, [])):
+        for port, side, mode, extra in ((p, ps, pmode, boot), (d, ds, dmode, list(decode_args))):
             cmd = [binary, "sim", "--listen", f"127.0.0.1:{port}", "--side-channel",
                    f"127.0.0.1:{side}", "--kv-mode", mode, *extra]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -215,7 +226,8 @@ class Setup:
             prefill.append(str(self.bootstrap))
             conn = ["--connector", connector]
         cmd = [binary, "serve", "--listen", f"127.0.0.1:{self.port}", *conn,
-               "--prefill", *prefill, "--decode", f"http://127.0.0.1:{self.decode.port}"]
+               "--prefill", *prefill, "--decode", f"http://127.0.0.1:{self.decode.port}",
+               *proxy_args]
         proxy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.procs.append(proxy)
         wait_http(self.port, "disagg-proxy serve", proxy)
@@ -256,6 +268,24 @@ class Judge:
         }
         self.anthropic = AnthropicServingMessages
         self.cohere = CohereServingChatV2
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.renderers.online_renderer import _reused_prompt_token_ids
+
+        self.models["/v1/chat/completions"] = ChatCompletionRequest
+        self.reused_ids = _reused_prompt_token_ids
+        class Vocabulary:
+            """The renderer's vocabulary check without a tokenizer (the model's size).
+
+            The reused ids are the prefill engine's own, so the bound is the simulated
+            engines' vocabulary (`disagg_sim::VOCAB_SIZE`, 2^20), not the stand-in
+            model's of the chat checks.
+            """
+
+            def validate_token_ids(self, ids, *, parameter=None):
+                if ids and not 0 <= min(ids) <= max(ids) < SIM_VOCAB_SIZE:
+                    raise ValueError(f"{parameter}: token id out of vocabulary")
+
+        self.vocabulary = Vocabulary()
 
     def _validate(self, params: Any) -> None:
         v = self.vllm
@@ -272,7 +302,16 @@ class Judge:
             return f"parse: {e}", {}
         facts: dict = {"kv_transfer_params": getattr(req, "kv_transfer_params", None)}
         try:
-            if route in ("/v1/messages", "/cohere/v2/chat"):
+            if route == "/v1/chat/completions":
+                # What the decode renders from: vLLM pops and checks the reused ids first.
+                facts["reused_ids"] = self.reused_ids(req, self.vocabulary, req.messages)
+                facts["return_token_ids"] = bool(req.return_token_ids)
+                verdict = v.verdict("chat", body)
+                if not verdict.ok:
+                    return f"chat: {verdict.short()}", {}
+                facts["max_tokens"] = verdict.facts["max_tokens"]
+                facts["stream"] = verdict.facts["stream"]
+            elif route in ("/v1/messages", "/cohere/v2/chat"):
                 if route == "/v1/messages":
                     chat = self.anthropic.to_chat_completion_request(req)
                 else:
@@ -335,9 +374,93 @@ def client_limit(route: str, body: dict) -> int | None:
     return body.get("max_tokens")
 
 
+def exchange(setup: Setup, route: str, body: dict) -> tuple[list[str], dict]:
+    """Send ``body``; the problems seen at the client, and the legs each engine got."""
+    setup.prefill.take(), setup.decode.take()
+    conn = http.client.HTTPConnection("127.0.0.1", setup.port, timeout=60)
+    conn.request("POST", route, body=json.dumps(body), headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    answer = resp.read()
+    conn.close()
+    problems = []
+    if resp.status // 100 != 2:
+        problems.append(f"proxy answered {resp.status}: {answer[:200]!r}")
+    if re.search(rb'"kv_transfer_params"\s*:\s*\{', answer):
+        problems.append("the client's answer carries a handoff")
+    if re.search(rb'"prompt_token_ids"\s*:\s*\[', answer) and not body.get("return_token_ids"):
+        problems.append("the client's answer carries prompt_token_ids it did not ask for")
+    return problems, {"prefill": setup.prefill.take(), "decode": setup.decode.take()}
+
+
+def report(label: str, problems: list[str]) -> int:
+    if problems:
+        print(f"FAIL     {label}")
+        for p in problems:
+            print(f"           {p}")
+        return 1
+    print(f"ok       {label}")
+    return 0
+
+
+def run_handoffs(binary: str, judge: Judge) -> int:
+    """NIXL's two vLLM 0.33 handoffs: prompt-token reuse and bidirectional KV."""
+    failures = 0
+    setup = Setup(binary, "nixl", proxy_args=["--prompt-token-reuse", "on"])
+    try:
+        for route, name, body in REUSE_CASES:
+            problems, legs = exchange(setup, route, body)
+            for role, sent in legs.items():
+                if len(sent) != 1:
+                    problems.append(f"{len(sent)} {role} legs")
+                    continue
+                refusal, facts = judge.verdict(route, json.loads(sent[0][3]))
+                if refusal is not None:
+                    problems.append(f"vLLM refuses the {role} leg: {refusal}")
+                    continue
+                problems += leg_problems("nixl", role, facts, client_limit(route, body))
+                if role == "prefill" and not facts["return_token_ids"]:
+                    problems.append("the prefill leg does not ask for return_token_ids")
+                if role == "decode" and not facts["reused_ids"]:
+                    problems.append("vLLM's decode reuses no prompt ids from the leg")
+            failures += report(f"nixl     {route:24} {name}", problems)
+    finally:
+        setup.close()
+    # Bidirectional KV: the decode returns its own handoff; the conversation's next turn
+    # sends it on its prefill leg, which vLLM must accept as a request.
+    setup = Setup(binary, "nixl", proxy_args=["--bidirectional-kv"], decode_args=["--decode-handoff"])
+    try:
+        route = "/v1/chat/completions"
+        body = {"model": "sim-model", "max_tokens": 8, "messages": MESSAGES, "conversation_id": "conformance-1"}
+        for turn in (1, 2):
+            problems, legs = exchange(setup, route, body)
+            for role, sent in legs.items():
+                if len(sent) != 1:
+                    problems.append(f"{len(sent)} {role} legs")
+                    continue
+                leg = json.loads(sent[0][3])
+                refusal, facts = judge.verdict(route, leg)
+                if refusal is not None:
+                    problems.append(f"vLLM refuses the {role} leg: {refusal}")
+                    continue
+                kv = facts.get("kv_transfer_params") or {}
+                if role == "prefill" and facts.get("max_tokens") != 1:
+                    problems.append(f"prefill token limit {facts.get('max_tokens')}")
+                if role == "prefill" and turn == 2:
+                    for key in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens"):
+                        if not kv.get(key):
+                            problems.append(f"turn 2's prefill handoff lacks {key}: {kv}")
+                    if not kv.get("do_remote_decode"):
+                        problems.append("turn 2's prefill handoff lacks do_remote_decode")
+            failures += report(f"nixl     {route:24} bidirectional turn {turn}", problems)
+            body = {**body, "messages": MESSAGES + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "and again"}]}
+    finally:
+        setup.close()
+    return failures
+
+
 def run(binary: str, connectors: list[str]) -> int:
     judge = Judge()
-    failures = 0
+    failures = run_handoffs(binary, judge)
     for connector in connectors:
         setup = Setup(binary, connector)
         try:
