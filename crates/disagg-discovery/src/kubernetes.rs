@@ -90,6 +90,10 @@ pub const LMCACHE_INIT_PORTS: &str = "disagg.io/lmcache-init-ports";
 pub const LMCACHE_ALLOC_PORTS: &str = "disagg.io/lmcache-alloc-ports";
 /// The engine's KV-events publisher: a port on the pod, or `tcp://HOST:PORT`.
 pub const KV_EVENTS: &str = "disagg.io/kv-events";
+/// The engine's version as its `GET /version` says it (`0.33.0`): the
+/// `engine_version` fact (`Facts::ENGINE_VERSION`), which `--prompt-token-reuse auto`
+/// reads for a decode (discovered engines are not asked their version at start).
+pub const ENGINE_VERSION: &str = "disagg.io/engine-version";
 
 /// The engines' HTTP port on their pods: a number, or a container port's name.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -416,6 +420,20 @@ pub fn pod_spec(
             }
         }
     }
+    if let Some(version) = get(ENGINE_VERSION) {
+        if !version
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+' | b'_'))
+        {
+            return Err(bad(
+                ENGINE_VERSION,
+                &"not a version (digits, letters, . - + _)",
+            ));
+        }
+        spec.facts
+            .insert(Facts::ENGINE_VERSION, version)
+            .map_err(|e| bad(ENGINE_VERSION, &e))?;
+    }
     if let Some(v) = get(DP_RANKS) {
         spec.ranks = Some(v.parse::<Ranks>().map_err(|e| bad(DP_RANKS, &e))?);
     }
@@ -554,9 +572,11 @@ mod tests {
                 (TP_SIZE, "2"),
                 (KV_EVENTS, "5557"),
                 (WEIGHT, "3"),
+                (ENGINE_VERSION, "0.33.0"),
             ],
         );
         let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
+        assert_eq!(spec.facts.get(Facts::ENGINE_VERSION), Some("0.33.0"));
         assert_eq!(spec.url, "http://10.1.2.3:8100");
         assert_eq!(spec.models, ["llama"]);
         assert_eq!(spec.facts.get(Facts::BOOTSTRAP_PORT), Some("8998"));
@@ -673,6 +693,8 @@ mod tests {
                 ],
             ),
             (Role::Decode, vec![(KV_EVENTS, "nowhere")]),
+            (Role::Decode, vec![(ENGINE_VERSION, "0.33.0;x")]),
+            (Role::Decode, vec![(ENGINE_VERSION, "0.33 beta")]),
         ] {
             let p = pod(true, &annotations);
             assert!(pod_spec(&p, role, &config()).is_err(), "{annotations:?}");
