@@ -19,9 +19,10 @@
 //! the client's own value, and the prefill's answer never reaches the client), and the
 //! ids the prefill answered go into the decode leg's `kv_transfer_params` next to the
 //! handoff. The ids are a peer's bytes: they are read in the same pass over the prefill's
-//! answer as the handoff ([`PrefillAnswer::read_fields`]), checked by a byte scan
-//! (a JSON list of at most [`Reuse::max_ids`] non-negative integers below 2³²), never
-//! parsed into numbers and written again, and copied once, into the decode's dict. A
+//! answer as the handoff ([`PrefillAnswer::read_fields`]), checked by a byte scan (a
+//! JSON list of at most [`DEFAULT_MAX_IDS`] non-negative integers below 2³², or the
+//! ceiling of [`VllmNixl::with_max_reused_ids`](crate::vllm::VllmNixl::with_max_reused_ids)),
+//! never parsed into numbers and written again, and copied once, into the decode's dict. A
 //! list that fails the check is dropped (the decode tokenizes, as without reuse) and
 //! counted in [`ReuseStats::refused`]; it never fails the request.
 //!
