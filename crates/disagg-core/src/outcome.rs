@@ -344,7 +344,7 @@ pub enum RouteKind {
 }
 
 impl RouteKind {
-    /// Every kind, in the order of [`index`](Self::index).
+    /// Every kind.
     pub const ALL: [RouteKind; 4] = [
         RouteKind::Forward,
         RouteKind::Direct,

@@ -347,10 +347,11 @@ impl Orchestrator {
 
     /// Count and tell every listener how a request that this orchestrator did not serve
     /// ended (forwarded, fanned out, refused by the key check: a [`RouteSummary`]'s
-    /// [`kind`](RouteSummary::kind)). The server that served it calls this once, when
+    /// [`kind`][kind]). The server that served it calls this once, when
     /// its response ended. The orchestrator's own requests never come here.
     ///
     /// [`RouteSummary`]: crate::outcome::RouteSummary
+    /// [kind]: crate::outcome::RouteSummary::kind
     pub fn route_ended(&self, summary: &crate::outcome::RouteSummary) {
         let reporter = &self.inner.reporter;
         stats::bump(&self.inner.counters.routed[summary.kind.index()]);
