@@ -508,7 +508,7 @@ async fn metrics_are_served_in_the_prometheus_text_format() {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
             .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
     };
-    assert_eq!(value("disagg_requests_total"), 1);
+    assert_eq!(value("disagg_requests_total{route=\"orchestrated\"}"), 1);
     assert_eq!(value("disagg_requests_in_flight"), 0);
     assert_eq!(value("disagg_retries_total"), 0);
     assert!(text.contains("# TYPE disagg_prefill_fallbacks_total counter"));

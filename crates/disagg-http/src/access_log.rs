@@ -20,7 +20,7 @@
 //! | `time` | when the response ended (RFC 3339, UTC, milliseconds) |
 //! | `request_id` | the client's request id (its `x-request-id`, or the one drawn for it) |
 //! | `engine_request_id` | the engine-side request id of the attempt that answered |
-//! | `method` | always `POST` (the APIs the orchestrator serves) |
+//! | `method` | `POST` for the APIs the orchestrator serves; the request's own otherwise |
 //! | `path` | the API's path (`/v1/chat/completions`, `/v1/completions`) |
 //! | `model` | the body's `model` |
 //! | `stream` | whether the client asked for a stream |
@@ -42,6 +42,7 @@
 //! | `error` | the OpenAI error code when the request failed or its stream broke |
 //! | `trace_id` | the request's trace id, when it is traced |
 //! | `key` | the API key that admitted the request, by its short hash (`KeyId`: the first 8 hex digits of its SHA-256; never the key), with `--api-key` |
+//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`Listener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
@@ -49,7 +50,8 @@ use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_cha
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use disagg_core::outcome::{Listener, Summary, Timeline};
+use disagg_core::endpoint::Role;
+use disagg_core::outcome::{Listener, RouteSummary, Summary, Timeline};
 use http::HeaderValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -188,9 +190,22 @@ impl AccessLog {
     }
 }
 
-impl Listener for AccessLog {
-    fn on_request(&self, summary: &Summary) {
-        let line = Self::line(self.format, summary);
+impl AccessLog {
+    /// The line of a request the orchestrator did not serve, in `format`, without its
+    /// newline.
+    pub fn route_line(format: AccessLogFormat, summary: &RouteSummary) -> String {
+        let mut out = String::with_capacity(256);
+        let fields = Fields::of_route(summary);
+        // Writing to a String cannot fail.
+        let _ = match format {
+            AccessLogFormat::Json => fields.json(&mut out),
+            AccessLogFormat::Text => fields.text(&mut out),
+        };
+        out
+    }
+
+    /// Hand `line` to the writer, or count it dropped.
+    fn send(&self, line: String) {
         match self.tx.try_send(Some(line)) {
             Ok(()) => {}
             // Full: the writer is behind; closed: shutting down. Either way the request
@@ -199,6 +214,16 @@ impl Listener for AccessLog {
                 self.dropped.inc();
             }
         }
+    }
+}
+
+impl Listener for AccessLog {
+    fn on_request(&self, summary: &Summary) {
+        self.send(Self::line(self.format, summary));
+    }
+
+    fn on_route(&self, summary: &RouteSummary) {
+        self.send(Self::route_line(self.format, summary));
     }
 }
 
@@ -272,7 +297,7 @@ impl<'a> Value<'a> {
 }
 
 /// Every field of a line, in order.
-struct Fields<'a>([(&'static str, Value<'a>); 25]);
+struct Fields<'a>([(&'static str, Value<'a>); 26]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
@@ -329,6 +354,49 @@ impl<'a> Fields<'a> {
                     .map_or(Value::Null, |t| Value::Owned(hex(&t.trace_id))),
             ),
             ("key", Value::opt_str(s.client.as_deref())),
+            ("route", Value::Str("orchestrated")),
+        ])
+    }
+
+    /// The line of a request the orchestrator did not serve: what it has, the rest
+    /// absent.
+    fn of_route(s: &'a RouteSummary) -> Self {
+        let end_wall = s.arrival_wall + s.duration();
+        let engine = |role: Role| {
+            Value::opt_str(
+                s.endpoint
+                    .as_ref()
+                    .filter(|e| e.role() == role)
+                    .map(|e| e.id().as_str()),
+            )
+        };
+        Fields([
+            ("time", Value::Owned(rfc3339(end_wall))),
+            ("request_id", Value::header(s.request_id.as_ref())),
+            ("engine_request_id", Value::Null),
+            ("method", Value::Str(s.method.as_str())),
+            ("path", Value::Str(&s.path)),
+            ("model", Value::Null),
+            ("stream", Value::Null),
+            ("status", Value::Uint(u64::from(s.status.as_u16()))),
+            ("outcome", Value::Str(s.outcome())),
+            ("handoff", Value::Null),
+            ("fallback", Value::Null),
+            ("prefill", engine(Role::Prefill)),
+            ("decode", engine(Role::Decode)),
+            ("attempts", Value::Null),
+            ("duration_ms", Value::Millis(s.duration())),
+            ("ttft_ms", Value::Null),
+            ("queue_ms", Value::Null),
+            ("prefill_ms", Value::Null),
+            ("handoff_ms", Value::Null),
+            ("decode_head_ms", Value::Null),
+            ("decode_first_chunk_ms", Value::Null),
+            ("bytes", Value::Uint(s.bytes)),
+            ("error", Value::Null),
+            ("trace_id", Value::Null),
+            ("key", Value::opt_str(s.client.as_deref())),
+            ("route", Value::Str(s.kind.as_str())),
         ])
     }
 

@@ -31,6 +31,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BodyError, BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::outcome::{Delivery, RouteSummary};
 use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
@@ -105,7 +106,15 @@ fn strip_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
 impl Inner {
     /// Forward `req` to one engine serving its model: a decode engine when one does
     /// (only a decode one when `direct`), the least loaded.
-    pub(crate) async fn forward<B>(&self, req: Request<B>, direct: bool) -> Response<PdBody>
+    ///
+    /// `route`, when given, is taken into the engine's answer (which tells it when the
+    /// answer ends); left in place when the answer is the proxy's own.
+    pub(crate) async fn forward<B>(
+        &self,
+        req: Request<B>,
+        direct: bool,
+        route: &mut Option<RouteEnd>,
+    ) -> Response<PdBody>
     where
         B: Body + Send + 'static,
         B::Data: Send,
@@ -142,6 +151,9 @@ impl Inner {
             Ok(ep) => ep,
             Err(err) => return pd_error_response(&PdError::route(err)),
         };
+        if let Some(r) = route.as_mut() {
+            r.summary.endpoint = Some(Arc::clone(&endpoint));
+        }
         let side = side(&endpoint);
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri = match endpoint.uri(path) {
@@ -199,7 +211,11 @@ impl Inner {
             .headers
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let body = EngineBody::watch(body, guard, config.decode_idle_timeout);
+        let mut route = route.take();
+        if let Some(r) = route.as_mut() {
+            r.summary.status = parts.status;
+        }
+        let body = EngineBody::watch(body, guard, config.decode_idle_timeout, route);
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         Response::from_parts(parts, body)
     }
@@ -555,23 +571,81 @@ impl Hooks<Unshared<DynBody>> for ClientLimits {
 /// in-flight count until it ends, and ends with an error after `idle` without a frame.
 type EngineBody = Tap<BoxBody, EngineWatch>;
 
-/// [`EngineBody`]'s own: the engine's place, and the idle timer.
+/// [`EngineBody`]'s own: the engine's place, the idle timer, and the request's summary
+/// until the answer ends.
 struct EngineWatch {
     _guard: InFlightGuard,
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+    route: Option<RouteEnd>,
 }
 
 impl EngineBody {
-    fn watch<B>(body: B, guard: InFlightGuard, idle: Option<Duration>) -> Self
+    fn watch<B>(
+        body: B,
+        guard: InFlightGuard,
+        idle: Option<Duration>,
+        mut route: Option<RouteEnd>,
+    ) -> Self
     where
         B: Body<Data = Bytes> + Send + Sync + 'static,
         B::Error: Into<BoxError>,
     {
+        // An empty answer may never be polled: it has ended already.
+        if body.is_end_stream()
+            && let Some(r) = route.as_mut()
+        {
+            r.tell(Delivery::Complete);
+        }
         let watch = EngineWatch {
             _guard: guard,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+            route,
         };
         Tap::new(body.map_err(Into::into).boxed(), watch)
+    }
+}
+
+/// A request the orchestrator does not serve, on its way: its summary is told
+/// ([`Orchestrator::route_ended`](disagg_core::Orchestrator::route_ended)) once, when
+/// its answer ends, breaks, or is dropped unfinished (the client left).
+pub(crate) struct RouteEnd {
+    orchestrator: disagg_core::Orchestrator,
+    pub(crate) summary: RouteSummary,
+    told: bool,
+}
+
+impl RouteEnd {
+    pub(crate) fn new(orchestrator: disagg_core::Orchestrator, summary: RouteSummary) -> Self {
+        RouteEnd {
+            orchestrator,
+            summary,
+            told: false,
+        }
+    }
+
+    /// The answer ended now, as `delivery` says, with the summary's status.
+    pub(crate) fn tell(&mut self, delivery: Delivery) {
+        if std::mem::replace(&mut self.told, true) {
+            return;
+        }
+        let status = self.summary.status;
+        self.summary.ended(status, delivery);
+        self.orchestrator.route_ended(&self.summary);
+    }
+
+    /// The proxy's own answer `resp` (whole in memory: it ends as it is sent) ends the
+    /// request.
+    pub(crate) fn answered(mut self, resp: &Response<PdBody>) {
+        self.summary.status = resp.status();
+        self.summary.bytes = resp.body().size_hint().exact().unwrap_or(0);
+        self.tell(Delivery::Complete);
+    }
+}
+
+impl Drop for RouteEnd {
+    fn drop(&mut self) {
+        // Not told by now: the answer was dropped before its end.
+        self.tell(Delivery::Cancelled);
     }
 }
 
@@ -586,23 +660,39 @@ impl EngineWatch {
 }
 
 impl Hooks<BoxBody> for EngineWatch {
-    fn frame(&mut self, _frame: &Frame<Bytes>, _body: &BoxBody) -> Result<(), BoxError> {
+    fn frame(&mut self, frame: &Frame<Bytes>, body: &BoxBody) -> Result<(), BoxError> {
         self.answered();
+        if let Some(r) = self.route.as_mut() {
+            r.summary.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
+            // The server stops polling a body that says it has ended.
+            if body.is_end_stream() {
+                r.tell(Delivery::Complete);
+            }
+        }
         Ok(())
     }
 
     fn end(&mut self) {
         self.answered();
+        if let Some(r) = self.route.as_mut() {
+            r.tell(Delivery::Complete);
+        }
     }
 
     fn error(&mut self) {
         self.answered();
+        if let Some(r) = self.route.as_mut() {
+            r.tell(Delivery::Broken);
+        }
     }
 
     fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
         if let Some((d, sleep)) = &mut self.idle
             && sleep.as_mut().poll(cx).is_ready()
         {
+            if let Some(r) = self.route.as_mut() {
+                r.tell(Delivery::Broken);
+            }
             let msg = format!("the engine sent nothing for {} ms", d.as_millis());
             return Err(msg.into());
         }

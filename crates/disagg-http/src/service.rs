@@ -32,6 +32,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
+use disagg_core::outcome::{RouteKind, RouteSummary};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::{Orchestrator, orchestrator::PdBody};
 use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
@@ -41,6 +42,7 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
 use crate::error::{error_response, pd_error_response};
+use crate::forward::RouteEnd;
 #[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
@@ -288,9 +290,14 @@ impl Inner {
                     None => pd_error_response(&PdError::not_found()),
                 },
             },
-            RouteAction::Forwarded => self.forward(req, false).await,
-            RouteAction::Direct => self.forward(req, true).await,
-            RouteAction::FannedOut => self.fan_out(req).await,
+            RouteAction::Forwarded => self.forwarded(req, false).await,
+            RouteAction::Direct => self.forwarded(req, true).await,
+            RouteAction::FannedOut => {
+                let route = self.route_end(RouteKind::FanOut, &req);
+                let resp = self.fan_out(req).await;
+                route.answered(&resp);
+                resp
+            }
             RouteAction::Refused => error_response(
                 StatusCode::FORBIDDEN,
                 &format!(
@@ -301,6 +308,43 @@ impl Inner {
                 "admin_route_closed",
             ),
         }
+    }
+
+    /// A forwarded request (to a decode only when `direct`), told when its answer ends.
+    async fn forwarded<B>(&self, req: Request<B>, direct: bool) -> Response<PdBody>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BoxError>,
+    {
+        let kind = if direct {
+            RouteKind::Direct
+        } else {
+            RouteKind::Forward
+        };
+        let mut route = Some(self.route_end(kind, &req));
+        let resp = self.forward(req, direct, &mut route).await;
+        // Still here: the answer is the proxy's own (a refusal, no engine), not the
+        // engine's stream.
+        if let Some(route) = route {
+            route.answered(&resp);
+        }
+        resp
+    }
+
+    /// The summary-to-be of `req`, served as `kind`, arriving now.
+    fn route_end<B>(&self, kind: RouteKind, req: &Request<B>) -> RouteEnd {
+        let arrival = tokio::time::Instant::now().into_std();
+        let mut summary = RouteSummary::new(kind, req.method().clone(), req.uri().path(), arrival);
+        summary.request_id = req.headers().get(REQUEST_ID).cloned();
+        #[cfg(feature = "auth")]
+        {
+            summary.client = req
+                .extensions()
+                .get::<crate::auth::KeyId>()
+                .map(|k| Arc::<str>::from(k.to_string()));
+        }
+        RouteEnd::new(self.orchestrator.clone(), summary)
     }
 
     /// The id (still escaped) of a model card asked for with an encoded `/` in it

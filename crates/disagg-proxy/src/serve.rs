@@ -462,7 +462,13 @@ pub fn run(
             shutdown.clone(),
         )?),
     };
-    let served = match shared.edge.layer.clone() {
+    // A refused request is counted and logged like every other.
+    let layer = shared
+        .edge
+        .layer
+        .clone()
+        .map(|l| l.tell_refusals(shared.orchestrator.clone()));
+    let served = match layer {
         // Without keys the service is served bare: no layer, no cost.
         None => server.serve_threads(args.listen, move || shared.service(), shutdown, on_bound),
         Some(layer) => server.serve_threads(

@@ -342,7 +342,7 @@ async fn lmcache_notification_counters_are_in_metrics() {
     }
     // The orchestrator's own metrics are still there, before the LMCache ones.
     let core = after
-        .find("\ndisagg_requests_total ")
+        .find("\ndisagg_requests_total{route=\"orchestrated\"} ")
         .expect("core metrics");
     assert!(core < after.find(MATCHED).unwrap(), "{after}");
 }

@@ -23,7 +23,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
-use common::{Proxy, completion, eventually, free_addr, get, post};
+use common::{Proxy, completion, eventually, free_addr, get, post, post_with};
 
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
@@ -241,6 +241,28 @@ fn exprs(v: &Value, out: &mut Vec<String>) {
     }
 }
 
+/// Whether the exposition `text` has a series of the metric `name`.
+fn exposes(text: &str, name: &str) -> bool {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .any(|l| l.split(['{', ' ']).next() == Some(name))
+}
+
+/// Send requests through `proxy` until its `/metrics` has a series of every name in
+/// `names` (or 10 s went by), and return that `/metrics` text.
+async fn serve_until_exposed(proxy: &Proxy, names: &[String]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
+        assert_eq!(a.status, 200);
+        let text = get(&proxy.url(), "/metrics").await.text();
+        if names.iter().all(|n| exposes(&text, n)) || Instant::now() > deadline {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn every_metric_of_the_grafana_dashboard_is_in_metrics() {
     let path = repo_root().join("deploy/grafana/disagg.json");
@@ -260,11 +282,16 @@ async fn every_metric_of_the_grafana_dashboard_is_in_metrics() {
         engine(SimConfig::default()).await,
         engine(SimConfig::default()).await,
     );
-    let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
-    // One request, so that the per-endpoint series exist.
-    let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
-    assert_eq!(a.status, 200);
-    let text = get(&proxy.url(), "/metrics").await.text();
+    let proxy = Proxy::start(
+        &p,
+        &d,
+        &["--access-log", "json", "--engine-metrics-interval", "0.1"],
+    )
+    .await;
+    // Requests until every series exists: the per-endpoint ones after one leg, the
+    // engines' mirrored counters after a read of their /metrics, the decode's receipt
+    // ratio after a window in which it was handed KV.
+    let text = serve_until_exposed(&proxy, &names).await;
     let exposed: Vec<&str> = text
         .lines()
         .filter(|l| !l.starts_with('#'))
@@ -274,6 +301,80 @@ async fn every_metric_of_the_grafana_dashboard_is_in_metrics() {
         assert!(
             exposed.iter().any(|e| e == name),
             "the dashboard queries {name}, which /metrics does not have:\n{text}"
+        );
+    }
+}
+
+// === the alerting rules ===
+
+/// Debian's `promtool` (it comes with the `prometheus` package), or `None` after saying
+/// loudly that the rule tests are skipped; a failure instead when Prometheus is required.
+fn promtool_binary() -> Option<PathBuf> {
+    let found = ["/usr/bin/promtool", "/usr/local/bin/promtool"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists());
+    if found.is_none() {
+        // Same rule as for `prometheus`: required under CI or scripts/test.sh.
+        let required = std::env::var_os("DISAGG_REQUIRE_PROMETHEUS").is_some_and(|v| v == "1")
+            || std::env::var_os("CI").is_some_and(|v| v == "true");
+        assert!(
+            !required,
+            "promtool is required (CI=true or DISAGG_REQUIRE_PROMETHEUS=1) but not \
+             installed: apt-get install prometheus, or run scripts/test.sh"
+        );
+        eprintln!(
+            "\n\n!!!!!!!! SKIPPED: promtool is not installed, so the alerting rules were not \
+             tested. Install it (apt-get install prometheus) or run scripts/test.sh. !!!!!!!!\n"
+        );
+    }
+    found
+}
+
+/// `promtool <args>` in `deploy/prometheus`, failing the test with its output when it
+/// fails.
+fn promtool(bin: &Path, args: &[&str]) {
+    let out = Command::new(bin)
+        .args(args)
+        .current_dir(repo_root().join("deploy/prometheus"))
+        .output()
+        .expect("run promtool");
+    assert!(
+        out.status.success(),
+        "promtool {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn the_alerting_rules_are_valid_and_pass_their_promtool_tests() {
+    let Some(bin) = promtool_binary() else { return };
+    promtool(&bin, &["check", "rules", "disagg-rules.yml"]);
+    promtool(&bin, &["test", "rules", "disagg-rules.test.yml"]);
+}
+
+#[tokio::test]
+async fn every_metric_of_the_alerting_rules_is_in_metrics() {
+    let rules = std::fs::read_to_string(repo_root().join("deploy/prometheus/disagg-rules.yml"))
+        .expect("the rules");
+    let mut names = Vec::new();
+    for line in rules.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        metric_names(line, &mut names);
+    }
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 6, "the rules read {names:?}");
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &["--engine-metrics-interval", "0.1"]).await;
+    let text = serve_until_exposed(&proxy, &names).await;
+    for name in &names {
+        assert!(
+            exposes(&text, name),
+            "the rules read {name}, which /metrics does not have:\n{text}"
         );
     }
 }
@@ -362,6 +463,7 @@ async fn the_access_log_has_one_line_per_request_with_every_field() {
     assert_eq!(field(ok, "attempts"), 1);
     assert_eq!(field(ok, "bytes").as_u64(), Some(body.len() as u64));
     assert_eq!(field(ok, "error"), &Value::Null);
+    assert_eq!(field(ok, "route"), "orchestrated");
     assert_eq!(field(ok, "queue_ms"), &Value::Null, "no admission queue");
     assert_eq!(field(ok, "trace_id"), &Value::Null, "not traced");
     let total = ms(field(ok, "duration_ms"));
@@ -392,6 +494,119 @@ async fn the_access_log_has_one_line_per_request_with_every_field() {
         bad.as_object().unwrap().keys().collect::<Vec<_>>(),
         "every line has every field"
     );
+}
+
+/// The value of the series `disagg_requests_total{route="<route>"}`.
+fn requests_of(text: &str, route: &str) -> Option<u64> {
+    let prefix = format!("disagg_requests_total{{route=\"{route}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+}
+
+#[tokio::test]
+async fn forwarded_fanned_out_and_key_refused_requests_are_counted_and_logged() {
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let key = "sk-client-secret-0001";
+    let proxy = Proxy::start(
+        &p,
+        &d,
+        &["--access-log", "json", "--admin-routes", "--api-key", key],
+    )
+    .await;
+    let auth = format!("Bearer {key}");
+    let with_key = [("authorization", auth.as_str()), ("x-request-id", "fwd-1")];
+    let tokenized = post_with(
+        &proxy.url(),
+        "/tokenize",
+        r#"{"model":"sim-model","prompt":"a b"}"#,
+        &with_key,
+    )
+    .await;
+    assert_eq!(tokenized.status, 200, "{}", tokenized.text());
+    let reset = post_with(
+        &proxy.url(),
+        "/reset_prefix_cache",
+        "",
+        &[("authorization", auth.as_str())],
+    )
+    .await;
+    assert_eq!(reset.status, 200, "{}", reset.text());
+    let body = completion("no key", 2, false);
+    let missing = post(&proxy.url(), COMPLETIONS, &body).await;
+    assert_eq!(missing.status, 401);
+    let wrong = post_with(
+        &proxy.url(),
+        "/tokenize",
+        r#"{"prompt":"a"}"#,
+        &[("authorization", "Bearer sk-not-a-key-of-ours")],
+    )
+    .await;
+    assert_eq!(wrong.status, 401);
+
+    // The metrics: each request once, under its route; the orchestrator served none.
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert_eq!(requests_of(&text, "forward"), Some(1), "{text}");
+    assert_eq!(requests_of(&text, "fanout"), Some(1), "{text}");
+    assert_eq!(requests_of(&text, "key_refused"), Some(2), "{text}");
+    assert_eq!(requests_of(&text, "orchestrated"), Some(0), "{text}");
+    assert_eq!(requests_of(&text, "direct"), Some(0), "{text}");
+
+    // The access log: one line each, with its route.
+    assert!(
+        eventually(Duration::from_secs(5), || proxy.stdout().lines().count()
+            >= 4)
+        .await,
+        "four lines: {}",
+        proxy.stdout()
+    );
+    let out = proxy.stdout();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    let of = |route: &str| -> Vec<&Value> {
+        lines
+            .iter()
+            .filter(|l| field(l, "route") == route)
+            .collect()
+    };
+    let [forward] = of("forward")[..] else {
+        panic!("one forward line: {out}")
+    };
+    assert_eq!(field(forward, "method"), "POST");
+    assert_eq!(field(forward, "path"), "/tokenize");
+    assert_eq!(field(forward, "status"), 200);
+    assert_eq!(field(forward, "outcome"), "success");
+    assert_eq!(field(forward, "request_id"), "fwd-1");
+    assert_eq!(field(forward, "decode").as_str(), Some(d.url().as_str()));
+    assert_eq!(
+        field(forward, "bytes").as_u64(),
+        Some(tokenized.body.len() as u64)
+    );
+    assert!(field(forward, "key").is_string(), "{forward}");
+    assert!(ms(field(forward, "duration_ms")) >= 0.0);
+    let [fanout] = of("fanout")[..] else {
+        panic!("one fanout line: {out}")
+    };
+    assert_eq!(field(fanout, "path"), "/reset_prefix_cache");
+    assert_eq!(field(fanout, "status"), 200);
+    assert_eq!(field(fanout, "outcome"), "success");
+    assert_eq!(
+        field(fanout, "bytes").as_u64(),
+        Some(reset.body.len() as u64)
+    );
+    let refused = of("key_refused");
+    assert_eq!(refused.len(), 2, "{out}");
+    for line in refused {
+        assert_eq!(field(line, "status"), 401);
+        assert_eq!(field(line, "outcome"), "client_error");
+        assert_eq!(field(line, "key"), &Value::Null);
+    }
+    assert!(of("orchestrated").is_empty(), "{out}");
 }
 
 #[tokio::test]

@@ -385,7 +385,12 @@ async fn health_checks_take_a_dead_prefill_out_without_traffic() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(gone, "the dead prefill is still routed:\n{}", proxy.log());
-    assert_eq!(proxy.metric("disagg_requests_total").await, 0);
+    assert_eq!(
+        proxy
+            .metric("disagg_requests_total{route=\"orchestrated\"}")
+            .await,
+        0
+    );
     assert!(proxy.routes_to("prefill", &p.url()).await);
     // So no request meets it.
     for i in 0..4 {

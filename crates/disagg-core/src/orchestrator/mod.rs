@@ -157,6 +157,10 @@ pub struct OrchestratorStats {
     /// Requests refused before routing because an engine would refuse a field the
     /// proxy rewrites (400 `invalid_parameter`).
     pub invalid_params: u64,
+    /// Requests the orchestrator did not serve, told through
+    /// [`Orchestrator::route_ended`], by kind (every [`RouteKind`](crate::outcome::RouteKind),
+    /// in the order of `RouteKind::ALL`).
+    pub routed: Vec<(&'static str, u64)>,
     /// Requests whose prompt the [`Tokenizer`] turned into token ids (see
     /// [`tokens`](crate::tokens)).
     pub tokenized: u64,
@@ -341,6 +345,21 @@ impl Orchestrator {
         reporter.summarize(&summary);
     }
 
+    /// Count and tell every listener how a request that this orchestrator did not serve
+    /// ended (forwarded, fanned out, refused by the key check: a [`RouteSummary`]'s
+    /// [`kind`][kind]). The server that served it calls this once, when
+    /// its response ended. The orchestrator's own requests never come here.
+    ///
+    /// [`RouteSummary`]: crate::outcome::RouteSummary
+    /// [kind]: crate::outcome::RouteSummary::kind
+    pub fn route_ended(&self, summary: &crate::outcome::RouteSummary) {
+        let reporter = &self.inner.reporter;
+        stats::bump(&self.inner.counters.routed[summary.kind.index()]);
+        if reporter.listening() {
+            reporter.route(summary);
+        }
+    }
+
     /// An orchestrator that sends its legs through `transport` and shares everything
     /// else with this one: endpoints, router, connector, settings, listeners, and the
     /// state that must be global to be right (admission, retries, counters).
@@ -405,6 +424,10 @@ impl Orchestrator {
             kv_releases_in_flight: load(&c.kv_releases_in_flight),
             direct: c.direct_counts(),
             invalid_params: load(&c.invalid_params),
+            routed: crate::outcome::RouteKind::ALL
+                .iter()
+                .map(|k| (k.as_str(), load(&c.routed[k.index()])))
+                .collect(),
             tokenized: load(&c.tokenized),
             tokenize_failures: load(&c.tokenize_failures),
             invalid_handoffs: load(&c.invalid_handoffs),

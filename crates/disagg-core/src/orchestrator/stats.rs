@@ -18,6 +18,8 @@ pub(crate) struct Counters {
     pub(crate) tokenized: AtomicU64,
     pub(crate) tokenize_failures: AtomicU64,
     pub(crate) invalid_handoffs: AtomicU64,
+    /// Requests the orchestrator did not serve, by `RouteKind::index`.
+    pub(crate) routed: [AtomicU64; 4],
     /// By reason. A short list (a handful of static reasons) behind a lock taken only
     /// for requests served direct, and never across an await.
     direct: std::sync::Mutex<Vec<(&'static str, u64)>>,

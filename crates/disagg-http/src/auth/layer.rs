@@ -12,6 +12,9 @@ use http::header::AUTHORIZATION;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 
+use disagg_core::Orchestrator;
+use disagg_core::outcome::{Delivery, RouteKind, RouteSummary};
+
 use super::ApiKeys;
 use super::limits::InFlightSlot;
 use crate::tap::{Hooks, Tap};
@@ -56,6 +59,8 @@ impl Policy {
 #[derive(Debug, Clone)]
 pub struct ApiKeyLayer {
     policy: Arc<Policy>,
+    /// Who hears of each refusal ([`ApiKeyLayer::tell_refusals`]).
+    refusals: Option<Orchestrator>,
 }
 
 impl ApiKeyLayer {
@@ -67,6 +72,7 @@ impl ApiKeyLayer {
                 metrics: None,
                 open: vec!["/health".to_owned(), "/metrics".to_owned()],
             }),
+            refusals: None,
         }
     }
 
@@ -78,6 +84,7 @@ impl ApiKeyLayer {
                 metrics: Some(keys),
                 open: Vec::new(),
             }),
+            refusals: None,
         }
     }
 
@@ -97,6 +104,16 @@ impl ApiKeyLayer {
         self.map_policy(|p| p.open.push(path))
     }
 
+    /// Every request refused here (401, 429) is told to `orchestrator`'s listeners and
+    /// counted in its stats as a [`RouteKind::KeyRefused`] request
+    /// ([`Orchestrator::route_ended`]): in `disagg_requests_total{route="key_refused"}`
+    /// and the access log. Without it, refusals are counted only by the keys' own
+    /// metrics.
+    pub fn tell_refusals(mut self, orchestrator: Orchestrator) -> Self {
+        self.refusals = Some(orchestrator);
+        self
+    }
+
     fn map_policy(self, f: impl FnOnce(&mut Policy)) -> Self {
         let mut policy = Policy {
             clients: self.policy.clients.clone(),
@@ -106,6 +123,7 @@ impl ApiKeyLayer {
         f(&mut policy);
         ApiKeyLayer {
             policy: Arc::new(policy),
+            refusals: self.refusals,
         }
     }
 }
@@ -117,6 +135,7 @@ impl<S> tower::Layer<S> for ApiKeyLayer {
         ApiKeyService {
             inner,
             policy: Arc::clone(&self.policy),
+            refusals: self.refusals.clone(),
         }
     }
 }
@@ -126,6 +145,7 @@ impl<S> tower::Layer<S> for ApiKeyLayer {
 pub struct ApiKeyService<S> {
     inner: S,
     policy: Arc<Policy>,
+    refusals: Option<Orchestrator>,
 }
 
 impl<S, B, RB> tower::Service<Request<B>> for ApiKeyService<S>
@@ -150,7 +170,23 @@ where
                 req.extensions_mut().insert(admitted.id);
                 ResponseFuture::called(self.inner.call(req), admitted.slot)
             }
-            Err(refusal) => ResponseFuture::refused(refusal.to_response()),
+            Err(refusal) => {
+                let response = refusal.to_response();
+                if let Some(orchestrator) = &self.refusals {
+                    let arrival = tokio::time::Instant::now().into_std();
+                    let mut summary = RouteSummary::new(
+                        RouteKind::KeyRefused,
+                        req.method().clone(),
+                        req.uri().path(),
+                        arrival,
+                    );
+                    summary.request_id = req.headers().get("x-request-id").cloned();
+                    summary.bytes = response.body().len() as u64;
+                    summary.ended(response.status(), Delivery::Complete);
+                    orchestrator.route_ended(&summary);
+                }
+                ResponseFuture::refused(response)
+            }
         }
     }
 }

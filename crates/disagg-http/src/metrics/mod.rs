@@ -42,7 +42,7 @@
 //! metrics.register(&mut registry, &orchestrator);
 //! let (text, content_type) = metrics::encode(&registry, None);
 //! assert!(text.contains("# TYPE disagg_request_duration_seconds histogram"));
-//! assert!(text.contains("disagg_requests_total 0"));
+//! assert!(text.contains("disagg_requests_total{route=\"orchestrated\"} 0"));
 //! assert!(content_type.starts_with("text/plain"));
 //! # Ok(())
 //! # }
@@ -224,7 +224,10 @@ mod tests {
             let content_type = resp.headers()[http::header::CONTENT_TYPE].clone();
             let body = resp.into_body().collect().await.unwrap().to_bytes();
             let text = String::from_utf8(body.to_vec()).unwrap();
-            assert!(text.contains("\ndisagg_requests_total 0\n"), "{text}");
+            assert!(
+                text.contains("\ndisagg_requests_total{route=\"orchestrated\"} 0\n"),
+                "{text}"
+            );
             assert!(text.contains(&format!("\ntest_hits_total {n}\n")), "{text}");
             match accept {
                 None => assert_eq!(content_type, TEXT_CONTENT_TYPE),

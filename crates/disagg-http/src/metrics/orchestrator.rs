@@ -16,7 +16,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 ///
 /// | metric | type | meaning |
 /// |---|---|---|
-/// | `disagg_requests_total` | counter | requests served |
+/// | `disagg_requests_total{route}` | counter | requests served, by how: `orchestrated` (the orchestrator's), `forward`, `direct`, `fanout`, `key_refused` ([`RouteKind`](disagg_core::outcome::RouteKind), told by [`Orchestrator::route_ended`]) |
 /// | `disagg_requests_in_flight` | gauge | requests admitted and not yet ended |
 /// | `disagg_queue_waiting` | gauge | requests waiting for admission |
 /// | `disagg_queued_total` | counter | requests that had to wait for admission |
@@ -73,8 +73,18 @@ impl Collector for OrchestratorCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> fmt::Result {
         let s = self.orchestrator.stats();
         // Counters are named without `_total`: the encoders append it.
-        let rows: [(&str, &str, bool, u64); 16] = [
-            ("disagg_requests", "Requests served.", false, s.requests),
+        let mut requests = encoder.encode_descriptor(
+            "disagg_requests",
+            "Requests served, by route: the orchestrator's, forwarded, fanned out, refused by the key check.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(s.requests)
+            .encode(requests.encode_family(&[("route", "orchestrated")])?)?;
+        for (route, n) in &s.routed {
+            ConstCounter::new(*n).encode(requests.encode_family(&[("route", *route)])?)?;
+        }
+        let rows: [(&str, &str, bool, u64); 15] = [
             (
                 "disagg_requests_in_flight",
                 "Requests admitted and not yet ended.",
