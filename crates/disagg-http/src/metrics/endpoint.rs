@@ -9,7 +9,7 @@
 //! touches nothing else shared but the series themselves.
 //!
 //! Cardinality stays bounded by the endpoint set: whenever the orchestrator's set
-//! changes ([`Metrics::follow`](super::Metrics::follow)), every minute, and at each
+//! changes ([`Metrics::follow`](super::Metrics::follow)), every five seconds, and at each
 //! scrape, the series of an endpoint that is no longer in the set are removed from their
 //! families once nothing holds the endpoint any more (no request, no source: it left
 //! for good), or once it has not been used for [`DEFAULT_RETENTION`]. An endpoint that
@@ -19,8 +19,8 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::time::{Duration, Instant};
 

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
 
 /// How often [`Metrics::follow`] looks again without a change of the set.
-const PRUNE_EVERY: Duration = Duration::from_secs(60);
+const PRUNE_EVERY: Duration = Duration::from_secs(5);
 
 /// The values of `outcome` ([`Summary::outcome`]), in the index order of the handles.
 const OUTCOMES: [&str; 4] = ["success", "client_error", "error", "cancelled"];
@@ -208,8 +208,9 @@ impl Metrics {
     }
 
     /// Follow `orchestrator`'s endpoint set until `stop` turns `true` (or its sender
-    /// goes): whenever the set changes, and every minute for endpoints whose last
-    /// requests were still running then, drop the series of the endpoints that left
+    /// goes): whenever the set changes, and every five seconds for endpoints still
+    /// held then (their last requests running, a component that lets go at its next
+    /// round), drop the series of the endpoints that left
     /// (see [`register`](Self::register) for the rule), so that their cardinality
     /// follows the set whether or not anything scrapes. Spawn it once, beside the
     /// service; nothing on the request path waits for it.

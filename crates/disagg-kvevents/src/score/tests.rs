@@ -429,7 +429,9 @@ fn retain_keeps_the_history_of_the_given_candidates_only() {
     let prompt: Vec<u32> = (0..64).collect();
     for i in 0..100 {
         let name = format!("http://10.0.0.{i}:8000");
-        scorer.choose_at(&prompt, &cands(&[(&name, 0)]), now).unwrap();
+        scorer
+            .choose_at(&prompt, &cands(&[(&name, 0)]), now)
+            .unwrap();
     }
     assert_eq!(scorer.known(), 100);
     let kept = ["http://10.0.0.3:8000", "http://10.0.0.7:8000"];
