@@ -286,6 +286,9 @@ impl KvEvents {
                         let engines = this.engine_endpoints(&set);
                         tracing::info!(engines = engines.len(), "KV events: subscribing");
                         this.subscriber.set_endpoints(engines).await;
+                        // Not held while waiting: the endpoints that leave at the next
+                        // change are let go of with it.
+                        drop(set);
                         tokio::select! {
                             changed = sets.changed() => if changed.is_err() { break },
                             _ = shutdown.wait_for(|stop| *stop) => break,
