@@ -136,9 +136,32 @@ struct Idle {
 
 struct Inner {
     config: HttpTransportConfig,
-    /// Idle connections by endpoint. A list, not a map: a proxy talks to a handful of
-    /// endpoints, and comparing a few authorities is cheaper than hashing one.
-    idle: Mutex<Vec<(PoolKey, Vec<Idle>)>>,
+    idle: Mutex<Pool>,
+}
+
+/// Idle connections by endpoint. A list, not a map: a proxy talks to a handful of
+/// endpoints, and comparing a few authorities is cheaper than hashing one.
+struct Pool {
+    by_key: Vec<(PoolKey, Vec<Idle>)>,
+    /// When connections past the idle timeout and endpoints without any were last
+    /// dropped: at most once per idle timeout, by a request giving a connection back,
+    /// so that the connections and entries of endpoints that left the set (discovery
+    /// renames pods all day) go instead of piling up.
+    swept: Instant,
+}
+
+impl Pool {
+    /// Drop the connections idle for `max_age` or closed, and the endpoints left
+    /// without any.
+    fn sweep(&mut self, now: Instant, max_age: Duration) {
+        self.swept = now;
+        self.by_key.retain_mut(|(_, list)| {
+            list.retain(|c| {
+                now.saturating_duration_since(c.since) < max_age && !c.sender.is_closed()
+            });
+            !list.is_empty()
+        });
+    }
 }
 
 /// HTTP/1.1 to the engines over pooled keep-alive connections with `TCP_NODELAY`.
@@ -171,7 +194,10 @@ impl HttpTransport {
         HttpTransport {
             inner: Arc::new(Inner {
                 config,
-                idle: Mutex::new(Vec::new()),
+                idle: Mutex::new(Pool {
+                    by_key: Vec::new(),
+                    swept: Instant::now(),
+                }),
             }),
         }
     }
@@ -179,6 +205,7 @@ impl HttpTransport {
     /// Idle pooled connections to `authority` now, plain and TLS.
     pub fn idle_connections(&self, authority: &Authority) -> usize {
         lock(&self.inner.idle)
+            .by_key
             .iter()
             .filter(|(k, _)| k.authority == *authority)
             .map(|(_, v)| v.len())
@@ -260,7 +287,7 @@ impl Inner {
 
     fn take(&self, key: &PoolKey) -> Option<Sender> {
         let mut idle = lock(&self.idle);
-        let list = &mut idle.iter_mut().find(|(k, _)| k == key)?.1;
+        let list = &mut idle.by_key.iter_mut().find(|(k, _)| k == key)?.1;
         let max_age = self.config.pool_idle_timeout;
         // Most recently used first: it is the least likely to have been closed.
         while let Some(conn) = list.pop() {
@@ -276,14 +303,16 @@ impl Inner {
             return;
         }
         let mut idle = lock(&self.idle);
-        let conn = Idle {
-            sender,
-            since: Instant::now(),
-        };
-        match idle.iter_mut().find(|(k, _)| *k == key) {
+        let now = Instant::now();
+        let max_age = self.config.pool_idle_timeout;
+        if now.saturating_duration_since(idle.swept) >= max_age {
+            idle.sweep(now, max_age);
+        }
+        let conn = Idle { sender, since: now };
+        match idle.by_key.iter_mut().find(|(k, _)| *k == key) {
             Some((_, list)) if list.len() < self.config.pool_max_idle_per_host => list.push(conn),
             Some(_) => {}
-            None => idle.push((key, vec![conn])),
+            None => idle.by_key.push((key, vec![conn])),
         }
     }
 

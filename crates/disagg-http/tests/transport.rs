@@ -124,3 +124,32 @@ async fn refused_connections_are_connect_errors() {
     let err = HttpTransport::default().send(req).await.unwrap_err();
     assert!(matches!(err, TransportError::Connect(_)), "{err:?}");
 }
+
+/// An engine that left (discovery renames pods all day) is never asked again: its idle
+/// connection must still go, closed at the engine too, once past the idle timeout, when
+/// another engine's request gives its connection back.
+#[tokio::test]
+async fn idle_connections_to_an_engine_no_longer_used_are_closed_after_the_idle_timeout() {
+    let (gone, stays) = (
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+        SimEngine::start(SimConfig::default()).await.unwrap(),
+    );
+    let mut config = HttpTransportConfig::default();
+    config.pool_idle_timeout = Duration::from_millis(100);
+    let t = HttpTransport::new(config);
+    for engine in [&gone, &stays] {
+        let resp = t.send(request(engine, false, 2)).await.unwrap();
+        resp.into_body().collect().await.unwrap();
+        assert_eq!(t.idle_connections(&authority(engine)), 1);
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let resp = t.send(request(&stays, false, 2)).await.unwrap();
+    resp.into_body().collect().await.unwrap();
+    assert_eq!(t.idle_connections(&authority(&gone)), 0);
+    assert!(
+        until(|| gone.stats().open_connections == 0).await,
+        "{:?}",
+        gone.stats()
+    );
+    assert_eq!(t.idle_connections(&authority(&stays)), 1);
+}

@@ -509,6 +509,20 @@ impl KvScorer {
         lock(&self.state).sent.remove(&candidate.tag());
     }
 
+    /// Forgets what the scorer sent to every candidate but `keep`: call with the
+    /// endpoint set's candidates whenever it changes, so that what the scorer keeps
+    /// follows the set (engines that come and go under new addresses leave nothing
+    /// behind). One pass under the lock; nothing on the request path.
+    pub fn retain<'a>(&self, keep: impl IntoIterator<Item = Candidate<'a>>) {
+        let keep: std::collections::HashSet<u64> = keep.into_iter().map(|c| c.tag()).collect();
+        lock(&self.state).sent.retain(|tag, _| keep.contains(tag));
+    }
+
+    /// How many candidates the scorer keeps a history of (what it sent there).
+    pub fn known(&self) -> usize {
+        lock(&self.state).sent.len()
+    }
+
     /// The uncached tokens waiting on a candidate by its engine's latest fresh load
     /// report: its rank's, or for a whole-engine candidate the rank that holds the
     /// prompt (`holder`) if it reports, else the least loaded rank (the engine's

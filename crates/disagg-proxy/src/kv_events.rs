@@ -274,9 +274,21 @@ impl KvEvents {
                     let mut sets = follow.watch();
                     loop {
                         let set = sets.borrow_and_update().clone();
+                        // The scorer's history follows the set: an engine gone from
+                        // it (not one ejected for a while: this is the set before
+                        // health) leaves nothing behind.
+                        this.scorer.retain(
+                            set.prefill()
+                                .iter()
+                                .chain(set.decode())
+                                .map(|e| disagg_kvevents::policy::candidate(e)),
+                        );
                         let engines = this.engine_endpoints(&set);
                         tracing::info!(engines = engines.len(), "KV events: subscribing");
                         this.subscriber.set_endpoints(engines).await;
+                        // Not held while waiting: the endpoints that leave at the next
+                        // change are let go of with it.
+                        drop(set);
                         tokio::select! {
                             changed = sets.changed() => if changed.is_err() { break },
                             _ = shutdown.wait_for(|stop| *stop) => break,
@@ -293,8 +305,12 @@ impl KvEvents {
     /// scrape (the tokenizing counts are the orchestrator's, in its own collector).
     pub(crate) fn metrics(&self) -> ExtraMetrics {
         let subscriber = Arc::clone(&self.subscriber);
+        let scorer = Arc::clone(&self.scorer);
         ExtraMetrics::new(move |registry| {
-            registry.register_collector(Box::new(KvEventsCollector(Arc::clone(&subscriber))));
+            registry.register_collector(Box::new(KvEventsCollector(
+                Arc::clone(&subscriber),
+                Arc::clone(&scorer),
+            )));
         })
     }
 }
@@ -325,7 +341,8 @@ fn load_on_engine_host(
 /// | `disagg_kv_events_replays_skipped_total` | counter | gaps not replayed because the rank's replays were backing off after failures |
 /// | `disagg_kv_events_panics_total` | counter | subscription tasks that panicked (each restarted after a pause) |
 /// | `disagg_kv_events_malformed_total{engine,rank,socket,reason}` | counter | messages and connections refused: `socket` `events`, `replay` or `load`; `reason` `oversized` (over a ceiling: disconnected), `protocol` (not ZMTP: disconnected), `shape` (not `[topic, seq, payload]`), `undecodable` |
-struct KvEventsCollector(Arc<Subscriber>);
+/// | `disagg_kv_scorer_candidates` | gauge | engines (or ranks) the scorer keeps a history of its picks for: at most the followed set's |
+struct KvEventsCollector(Arc<Subscriber>, Arc<KvScorer>);
 
 impl std::fmt::Debug for KvEventsCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -408,7 +425,7 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
                 self.0.index().stats().blocks as u64,
             ),
         ];
-        let extra: [(&str, &str, bool, u64); 2] = [
+        let extra: [(&str, &str, bool, u64); 3] = [
             (
                 "disagg_kv_events_replays_skipped",
                 "Sequence gaps not replayed because the rank's replays were backing off after failures.",
@@ -420,6 +437,12 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
                 "KV-event subscription tasks that panicked (each restarted after a pause).",
                 false,
                 sum(|r| r.panics),
+            ),
+            (
+                "disagg_kv_scorer_candidates",
+                "Engines (or ranks) the kv_events scorer keeps a history of its picks for.",
+                true,
+                self.1.known() as u64,
             ),
         ];
         for (name, help, gauge, value) in rows.into_iter().chain(extra) {

@@ -446,6 +446,22 @@ pub fn run(
             )
         }
     };
+    // The endpoints' metric series follow the set on a small thread of their own, until
+    // shutdown: an endpoint that left loses them whether or not anything scrapes.
+    let series = match shared.service.metrics.clone() {
+        None => None,
+        Some(metrics) => {
+            let follow = metrics.follow(shared.orchestrator.clone(), shutdown.clone());
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            Some(
+                std::thread::Builder::new()
+                    .name("disagg-series".into())
+                    .spawn(move || runtime.block_on(follow))?,
+            )
+        }
+    };
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, usize::from));
@@ -487,6 +503,9 @@ pub fn run(
     }
     if let Some(telemetry) = telemetry {
         let _ = telemetry.join();
+    }
+    if let Some(series) = series {
+        let _ = series.join();
     }
     if let Some(discovery) = discovery {
         let _ = discovery.join();

@@ -126,3 +126,171 @@ async fn without_a_decode_engine_or_a_source_that_can_find_one_the_proxy_refuses
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no decode engine"), "{err}");
 }
+
+/// A simulated engine whose HTTP port listens on every local address, so that each of
+/// 127.0.0.0/8's addresses is another endpoint (another URL, another id) of the same
+/// engine; its port.
+async fn engine_on_all_addresses() -> (SimEngine, u16) {
+    let http = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+    let port = http.local_addr().unwrap().port();
+    let side = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = SimEngine::start_on(SimConfig::default(), http, side)
+        .await
+        .expect("start a simulated engine");
+    (engine, port)
+}
+
+/// The `n`th alias of the engine at `port`: `http://127.0.A.B:PORT`.
+fn alias(n: usize, port: u16) -> String {
+    format!("http://127.0.{}.{}:{port}", n / 250, n % 250 + 1)
+}
+
+fn aliases_file(prefill: &[String], decode: &[String]) -> String {
+    let mut s = String::new();
+    for p in prefill {
+        s.push_str(&format!("[[prefill]]\nurl = \"{p}\"\n\n"));
+    }
+    for d in decode {
+        s.push_str(&format!("[[decode]]\nurl = \"{d}\"\n\n"));
+    }
+    s
+}
+
+/// Every `endpoint="..."` label value of a scrape.
+fn endpoint_labels(metrics: &str) -> std::collections::BTreeSet<String> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once("endpoint=\"").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split_once('"').map(|(v, _)| v.to_owned()))
+        .collect()
+}
+
+/// Issue #33 item 6: a thousand endpoints appear and leave through the endpoints file
+/// (the same two engines under ever new addresses, as pods rescheduled under new IPs)
+/// while requests flow under the `kv_events` policy and nothing scrapes `/metrics`.
+/// Afterwards the state the proxy keeps per endpoint is the current set's only: the
+/// scorer's history, every metric series labelled by endpoint; and its memory did not
+/// grow with the endpoints it saw. (`disagg-discovery`'s churn test shows the same
+/// kind of churn fails no request.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_endpoints_that_came_and_went_leave_no_state_behind() {
+    const PER_ROUND: usize = 25;
+    const ROUNDS: usize = 20;
+    let ((p, p_port), (d, d_port)) = (
+        engine_on_all_addresses().await,
+        engine_on_all_addresses().await,
+    );
+    let round = |r: usize| -> (Vec<String>, Vec<String>) {
+        let ids = r * PER_ROUND..(r + 1) * PER_ROUND;
+        (
+            ids.clone().map(|n| alias(n, p_port)).collect(),
+            ids.map(|n| alias(n, d_port)).collect(),
+        )
+    };
+    let dir = std::env::temp_dir().join(format!("disagg-churn-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("endpoints.toml");
+    let (first_p, first_d) = round(0);
+    replace(&path, &aliases_file(&first_p, &first_d));
+    let proxy = Proxy::start_args(
+        &[
+            "--endpoints-file",
+            &path.display().to_string(),
+            "--prefill-policy",
+            "kv_events",
+            "--decode-policy",
+            "kv_events",
+            "--tokenize",
+            "engine",
+        ]
+        .map(String::from),
+    )
+    .await;
+
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..4 {
+        let (url, done) = (proxy.url(), std::sync::Arc::clone(&done));
+        clients.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let prompt = format!("client {c} asks its question number {n}");
+                let a = post(&url, COMPLETIONS, &completion(&prompt, 2, true)).await;
+                assert_eq!(a.status, 200, "{}", a.text());
+                n += 1;
+            }
+            n
+        }));
+    }
+    // Memory is measured from round 8 on: by then the first rounds' idle connections
+    // have passed their idle timeout (4 s) and gone, and the proxy is warm.
+    let mut rss_warm = 0;
+    for r in 1..ROUNDS {
+        if r == 8 {
+            rss_warm = proxy.rss();
+        }
+        let (ps, ds) = round(r);
+        replace(&path, &aliases_file(&ps, &ds));
+        // The file is polled every second.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut served = 0;
+    for c in clients {
+        served += c.await.expect("every request answered");
+    }
+    assert!(served >= ROUNDS as u64, "{served} requests");
+    // A last, small set, with no request in flight on the endpoints that left; then a
+    // few requests on it.
+    let last = (alias(5000, p_port), alias(5000, d_port));
+    replace(
+        &path,
+        &aliases_file(std::slice::from_ref(&last.0), std::slice::from_ref(&last.1)),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for n in 0..4 {
+        let a = post(
+            &proxy.url(),
+            COMPLETIONS,
+            &completion(&format!("last {n}"), 2, true),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", proxy.log());
+    }
+    // Engine telemetry lets go of the endpoints that left at its next round (5 s), and
+    // the series follow at the next pass (5 s) after.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let rss_after = proxy.rss();
+
+    // The first scrape of the run.
+    let metrics = get(&proxy.url(), "/metrics").await.text();
+    let labels = endpoint_labels(&metrics);
+    let expected: std::collections::BTreeSet<String> = [last.0.clone(), last.1.clone()].into();
+    assert!(
+        labels.contains(&last.1),
+        "the endpoint series are there: {metrics}"
+    );
+    assert!(
+        labels.is_subset(&expected),
+        "series of endpoints that left: {:?}",
+        labels.difference(&expected).take(10).collect::<Vec<_>>()
+    );
+    let scorer: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("disagg_kv_scorer_candidates "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("disagg_kv_scorer_candidates");
+    assert!(scorer <= 2, "the scorer keeps {scorer} engines' history");
+    // Both engines served each round's endpoints.
+    assert!(p.stats().requests >= served && d.stats().requests >= served);
+    // Memory: over the last 600 endpoints, well under 20 KiB each (idle connections
+    // kept to the endpoints that left cost about 50 KiB each, and grew without end).
+    let grown = rss_after.saturating_sub(rss_warm);
+    assert!(
+        grown < 12 << 20,
+        "RSS grew by {} KiB ({rss_warm} -> {rss_after})",
+        grown >> 10
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

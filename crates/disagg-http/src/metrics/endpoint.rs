@@ -8,17 +8,20 @@
 //! endpoint is seen; the request path does one lookup of the id under a read lock and
 //! touches nothing else shared but the series themselves.
 //!
-//! Cardinality stays bounded by the endpoint set: at each scrape the series of an
-//! endpoint that is no longer in the orchestrator's set and has not been used for
-//! [`DEFAULT_RETENTION`] are removed from their families. The delay keeps the series of
-//! an endpoint that health checks or the breaker took out for a while (it is not in the
-//! published set then, and comes back with its counts), and of one whose last streams
-//! are still ending.
+//! Cardinality stays bounded by the endpoint set: whenever the orchestrator's set
+//! changes ([`Metrics::follow`](super::Metrics::follow)), every five seconds, and at each
+//! scrape, the series of an endpoint that is no longer in the set are removed from their
+//! families once nothing holds the endpoint any more (no request, no source: it left
+//! for good), or once it has not been used for [`DEFAULT_RETENTION`]. An endpoint that
+//! health checks or the breaker took out for a while is still held by the health
+//! source (it is not in the published set then, and comes back with its counts); one
+//! whose last streams are still ending is held by them.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::time::{Duration, Instant};
 
 use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
@@ -83,6 +86,9 @@ pub(super) struct Series {
     pub(super) second: Option<Histogram>,
     /// Whole seconds since [`Endpoints::epoch`] of its last use.
     last_used: AtomicU64,
+    /// The endpoint the series were made for: once no request or source holds it, it
+    /// has left for good.
+    endpoint: Weak<Endpoint>,
 }
 
 impl Series {
@@ -138,7 +144,7 @@ impl Endpoints {
     /// no clock is read here); creates them the first time.
     pub(super) fn with<R>(
         &self,
-        endpoint: &Endpoint,
+        endpoint: &Arc<Endpoint>,
         at: Instant,
         f: impl FnOnce(&Series) -> R,
     ) -> R {
@@ -159,7 +165,7 @@ impl Endpoints {
         f(series)
     }
 
-    fn create(&self, endpoint: &Endpoint) -> Series {
+    fn create(&self, endpoint: &Arc<Endpoint>) -> Series {
         let role = endpoint.role();
         let id: Cow<'static, str> = Cow::Owned(endpoint.id().as_str().to_owned());
         let f = &self.families;
@@ -181,18 +187,22 @@ impl Endpoints {
             first,
             second,
             last_used: AtomicU64::new(0),
+            endpoint: Arc::downgrade(endpoint),
         }
     }
 
-    /// Remove the series of the endpoints that are not in `set` and were last used more
-    /// than the retention before `now`.
+    /// Remove the series of the endpoints that are not in `set` and that nothing holds
+    /// any more or were last used more than the retention before `now`.
     pub(super) fn prune(&self, set: &EndpointSet, now: Instant) {
         let now = self.seconds(now);
         for role in [Role::Prefill, Role::Decode] {
-            let members = set.by_role(role);
+            let members: HashSet<&str> =
+                set.by_role(role).iter().map(|e| e.id().as_str()).collect();
             let stale = |id: &str, s: &Series| {
-                now.saturating_sub(s.last_used.load(Ordering::Relaxed)) > self.retention.as_secs()
-                    && !members.iter().any(|e| e.id().as_str() == id)
+                !members.contains(id)
+                    && (s.endpoint.strong_count() == 0
+                        || now.saturating_sub(s.last_used.load(Ordering::Relaxed))
+                            > self.retention.as_secs())
             };
             let map = &self.by_role[role_index(role)];
             // The common case, nothing stale, under the read lock only.
@@ -282,5 +292,32 @@ mod tests {
             s.leg(LegOutcome::Answered)
         });
         assert_eq!(families.legs.len(), 6);
+    }
+
+    #[test]
+    fn an_endpoint_gone_from_the_set_that_nothing_holds_loses_its_series_at_once() {
+        let families = Families::new();
+        let endpoints = Endpoints::new(families.clone(), Duration::from_secs(600));
+        let (p, d) = (
+            ep("http://p:1", Role::Prefill),
+            ep("http://d:1", Role::Decode),
+        );
+        let t0 = endpoints.epoch;
+        endpoints.with(&p, t0, |s| s.leg(LegOutcome::Answered));
+        endpoints.with(&d, t0, |s| s.leg(LegOutcome::Answered));
+        let only_d = EndpointSet::new([Arc::clone(&d)]);
+        // Still held (a request, the health source): kept within the retention.
+        endpoints.prune(&only_d, t0 + Duration::from_secs(1));
+        assert_eq!(endpoints.len(), 2);
+        // Its last holder gone: removed at the next pass, retention or not.
+        drop(p);
+        endpoints.prune(&only_d, t0 + Duration::from_secs(1));
+        assert_eq!(endpoints.len(), 1);
+        assert_eq!(families.legs.len(), 3);
+        assert!(families.prefill.is_empty());
+        // In the set, held only by it: kept.
+        drop(d);
+        endpoints.prune(&only_d, t0 + Duration::from_secs(1));
+        assert_eq!(endpoints.len(), 1);
     }
 }

@@ -13,8 +13,12 @@ use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
+use tokio::sync::watch;
 
 use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
+
+/// How often [`Metrics::follow`] looks again without a change of the set.
+const PRUNE_EVERY: Duration = Duration::from_secs(5);
 
 /// The values of `outcome` ([`Summary::outcome`]), in the index order of the handles.
 const OUTCOMES: [&str; 4] = ["success", "client_error", "error", "cancelled"];
@@ -201,6 +205,27 @@ impl Metrics {
             endpoints: Arc::clone(&i.endpoints),
             orchestrator: orchestrator.clone(),
         }));
+    }
+
+    /// Follow `orchestrator`'s endpoint set until `stop` turns `true` (or its sender
+    /// goes): whenever the set changes, and every five seconds for endpoints still
+    /// held then (their last requests running, a component that lets go at its next
+    /// round), drop the series of the endpoints that left
+    /// (see [`register`](Self::register) for the rule), so that their cardinality
+    /// follows the set whether or not anything scrapes. Spawn it once, beside the
+    /// service; nothing on the request path waits for it.
+    pub async fn follow(self, orchestrator: Orchestrator, mut stop: watch::Receiver<bool>) {
+        let mut sets = orchestrator.source().watch();
+        loop {
+            let set = sets.borrow_and_update().clone();
+            self.inner.endpoints.prune(&set, Instant::now());
+            drop(set);
+            tokio::select! {
+                changed = sets.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(PRUNE_EVERY) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
     }
 
     #[cfg(test)]

@@ -421,3 +421,26 @@ fn no_candidate_no_decision() {
     );
     assert!(scorer.choose(&[1, 2, 3], &[]).is_none());
 }
+
+#[test]
+fn retain_keeps_the_history_of_the_given_candidates_only() {
+    let scorer = KvScorer::new(Arc::new(KvIndex::new(IndexConfig::default())), weight(1));
+    let now = Instant::now();
+    let prompt: Vec<u32> = (0..64).collect();
+    for i in 0..100 {
+        let name = format!("http://10.0.0.{i}:8000");
+        scorer
+            .choose_at(&prompt, &cands(&[(&name, 0)]), now)
+            .unwrap();
+    }
+    assert_eq!(scorer.known(), 100);
+    let kept = ["http://10.0.0.3:8000", "http://10.0.0.7:8000"];
+    scorer.retain(kept.iter().map(|e| Candidate::new(e, 0)));
+    assert_eq!(scorer.known(), 2);
+    // What was sent to a kept one is still counted queued there.
+    assert!(scorer.queued_tokens(&Candidate::new(kept[0], 1)) > 0);
+    assert_eq!(
+        scorer.queued_tokens(&Candidate::new("http://10.0.0.4:8000", 1)),
+        0
+    );
+}
