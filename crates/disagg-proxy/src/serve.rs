@@ -26,6 +26,7 @@ use disagg_resilience::pairing::check_pairs_with;
 use disagg_resilience::{Backoff, Health, HealthSource, Limits, Telemetry};
 
 use crate::BoxError;
+use crate::edge::spawn_until;
 
 mod bidi;
 mod connectors;
@@ -420,14 +421,8 @@ pub fn run(
         Some(health) => {
             let (health, stop) = (Arc::clone(health), shutdown.clone());
             let transport = HttpTransport::new(shared.transport.clone());
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            Some(
-                std::thread::Builder::new()
-                    .name("disagg-health".into())
-                    .spawn(move || runtime.block_on(health.run_checks(transport, stop)))?,
-            )
+            let work = async move { health.run_checks(transport, stop).await };
+            Some(spawn_until("disagg-health", work, shutdown.clone())?)
         }
     };
     // Engine telemetry on a small thread of its own, until shutdown.
@@ -436,14 +431,8 @@ pub fn run(
         Some((telemetry, source)) => {
             let stop = shutdown.clone();
             let transport = HttpTransport::new(shared.transport.clone());
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            Some(
-                std::thread::Builder::new()
-                    .name("disagg-telemetry".into())
-                    .spawn(move || runtime.block_on(telemetry.run(source, transport, stop)))?,
-            )
+            let work = async move { telemetry.run(source, transport, stop).await };
+            Some(spawn_until("disagg-telemetry", work, shutdown.clone())?)
         }
     };
     // The endpoints' metric series follow the set on a small thread of their own, until
@@ -452,14 +441,7 @@ pub fn run(
         None => None,
         Some(metrics) => {
             let follow = metrics.follow(shared.orchestrator.clone(), shutdown.clone());
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            Some(
-                std::thread::Builder::new()
-                    .name("disagg-series".into())
-                    .spawn(move || runtime.block_on(follow))?,
-            )
+            Some(spawn_until("disagg-series", follow, shutdown.clone())?)
         }
     };
     let threads = args
@@ -472,11 +454,7 @@ pub fn run(
     // The key file and certificates, re-read on a small thread of their own.
     let reloader = match shared.edge.reloads() {
         None => None,
-        Some(reloads) => Some(crate::edge::spawn_until(
-            "disagg-reload",
-            reloads,
-            shutdown.clone(),
-        )?),
+        Some(reloads) => Some(spawn_until("disagg-reload", reloads, shutdown.clone())?),
     };
     // A refused request is counted and logged like every other.
     let layer = shared
