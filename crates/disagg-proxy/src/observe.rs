@@ -149,3 +149,20 @@ impl Observe {
         self.finish
     }
 }
+
+/// Encode each `(name, help, value)` as an unlabelled counter (named without `_total`:
+/// the encoders append it), for the proxy's collectors that read their counters at
+/// each scrape.
+pub(crate) fn encode_counters(
+    encoder: &mut prometheus_client::encoding::DescriptorEncoder<'_>,
+    counters: &[(&str, &str, u64)],
+) -> std::fmt::Result {
+    use prometheus_client::encoding::EncodeMetric;
+    use prometheus_client::metrics::MetricType;
+    use prometheus_client::metrics::counter::ConstCounter;
+    for &(name, help, value) in counters {
+        let family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        ConstCounter::new(value).encode(family)?;
+    }
+    Ok(())
+}

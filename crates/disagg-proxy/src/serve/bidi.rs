@@ -100,32 +100,31 @@ struct BidiCollector(Arc<BidiStore>);
 impl Collector for BidiCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> std::fmt::Result {
         let s = self.0.stats();
-        let counters = [
-            (
-                "disagg_bidi_kv_captured",
-                "Decode KV handoffs kept for the next turn.",
-                s.captured,
-            ),
-            (
-                "disagg_bidi_kv_reused_turns",
-                "Turns whose prefill leg was sent the decode's KV handoff.",
-                s.reused,
-            ),
-            (
-                "disagg_bidi_kv_reused_tokens",
-                "Tokens named by the decode handoffs sent on (remote_num_tokens).",
-                s.reused_tokens,
-            ),
-            (
-                "disagg_bidi_kv_expired",
-                "Decode KV handoffs dropped unused at their TTL.",
-                s.expired,
-            ),
-        ];
-        for (name, help, v) in counters {
-            let e = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            ConstCounter::new(v).encode(e)?;
-        }
+        crate::observe::encode_counters(
+            &mut encoder,
+            &[
+                (
+                    "disagg_bidi_kv_captured",
+                    "Decode KV handoffs kept for the next turn.",
+                    s.captured,
+                ),
+                (
+                    "disagg_bidi_kv_reused_turns",
+                    "Turns whose prefill leg was sent the decode's KV handoff.",
+                    s.reused,
+                ),
+                (
+                    "disagg_bidi_kv_reused_tokens",
+                    "Tokens named by the decode handoffs sent on (remote_num_tokens).",
+                    s.reused_tokens,
+                ),
+                (
+                    "disagg_bidi_kv_expired",
+                    "Decode KV handoffs dropped unused at their TTL.",
+                    s.expired,
+                ),
+            ],
+        )?;
         let mut dropped = encoder.encode_descriptor(
             "disagg_bidi_kv_dropped",
             "Decode KV handoffs dropped: invalid, or to keep the store's bounds.",

@@ -128,30 +128,20 @@ impl prometheus_client::collector::Collector for ReuseCollector {
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
     ) -> std::fmt::Result {
-        use prometheus_client::encoding::EncodeMetric;
-        use prometheus_client::metrics::MetricType;
-        use prometheus_client::metrics::counter::ConstCounter;
-        // Counters are named without `_total`: the encoders append it.
-        let families = [
-            (
-                "disagg_prompt_token_reuse_sent",
-                "Decode legs sent with the prefill's prompt token ids (vLLM prompt-token reuse).",
-                self.0.sent(),
-            ),
-            (
-                "disagg_prompt_token_reuse_refused",
-                "Prefill answers whose prompt_token_ids were malformed or over the ceiling, dropped (the decode tokenized).",
-                self.0.refused(),
-            ),
-        ];
-        for (name, help, value) in families {
-            ConstCounter::new(value).encode(encoder.encode_descriptor(
-                name,
-                help,
-                None,
-                MetricType::Counter,
-            )?)?;
-        }
-        Ok(())
+        crate::observe::encode_counters(
+            &mut encoder,
+            &[
+                (
+                    "disagg_prompt_token_reuse_sent",
+                    "Decode legs sent with the prefill's prompt token ids (vLLM prompt-token reuse).",
+                    self.0.sent(),
+                ),
+                (
+                    "disagg_prompt_token_reuse_refused",
+                    "Prefill answers whose prompt_token_ids were malformed or over the ceiling, dropped (the decode tokenized).",
+                    self.0.refused(),
+                ),
+            ],
+        )
     }
 }
