@@ -218,14 +218,19 @@ fn scan_compact(b: &[u8], max_ids: usize) -> Option<(usize, Ids)> {
         n += 1;
         start = comma + 1;
     }
-    let found = if n > max_ids {
+    Some((end + 1, verdict(n, too_large, max_ids)))
+}
+
+/// What the two scans of a list of `n` unsigned integers conclude: refused past the
+/// ceiling or with an id of 2³² or more, else valid.
+fn verdict(n: usize, too_large: bool, max_ids: usize) -> Ids {
+    if n > max_ids {
         Ids::Refused("more ids than the ceiling")
     } else if too_large {
         Ids::Refused("an id of 2^32 or more")
     } else {
         Ids::Valid
-    };
-    Some((end + 1, found))
+    }
 }
 
 /// The fast path of [`read_ids`]: a list of unsigned integers (JSON's grammar: no
@@ -269,16 +274,7 @@ fn scan_ids(b: &[u8], max_ids: usize) -> Option<(usize, Ids)> {
                 i += 1;
                 ws(&mut i);
             }
-            Some(b']') => {
-                let found = if n > max_ids {
-                    Ids::Refused("more ids than the ceiling")
-                } else if too_large {
-                    Ids::Refused("an id of 2^32 or more")
-                } else {
-                    Ids::Valid
-                };
-                return Some((i + 1, found));
-            }
+            Some(b']') => return Some((i + 1, verdict(n, too_large, max_ids))),
             _ => return None,
         }
     }
