@@ -204,6 +204,23 @@ struct EngineState {
     suspect: bool,
 }
 
+impl EngineState {
+    /// An engine not read yet: no snapshot, no window judged.
+    fn new(label: Arc<str>, decodes: Vec<Arc<Endpoint>>) -> Self {
+        EngineState {
+            label,
+            decodes,
+            scrapes: 0,
+            scrape_errors: 0,
+            snapshot: None,
+            handoffs_seen: 0,
+            ratio: None,
+            low: 0,
+            suspect: false,
+        }
+    }
+}
+
 /// One engine to scrape, as [`Telemetry::retarget`] finds it.
 struct Target {
     uri: Uri,
@@ -404,17 +421,7 @@ impl Telemetry {
         {
             let state = engines
                 .entry(authority.clone())
-                .or_insert_with(|| EngineState {
-                    label,
-                    decodes: Vec::new(),
-                    scrapes: 0,
-                    scrape_errors: 0,
-                    snapshot: None,
-                    handoffs_seen: 0,
-                    ratio: None,
-                    low: 0,
-                    suspect: false,
-                });
+                .or_insert_with(|| EngineState::new(label, Vec::new()));
             state.decodes = decodes;
             targets.push((authority, uri));
         }

@@ -70,17 +70,10 @@ vllm:num_requests_waiting{model_name=\"a\\\"b}c\",engine=\"0\"} 5\n";
 }
 
 fn decode_state() -> EngineState {
-    EngineState {
-        label: "http://d:1".into(),
-        decodes: vec![Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap())],
-        scrapes: 0,
-        scrape_errors: 0,
-        snapshot: None,
-        handoffs_seen: 0,
-        ratio: None,
-        low: 0,
-        suspect: false,
-    }
+    EngineState::new(
+        "http://d:1".into(),
+        vec![Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap())],
+    )
 }
 
 fn tokens(local: f64, external: f64) -> EngineSnapshot {
