@@ -392,6 +392,26 @@ def exchange(setup: Setup, route: str, body: dict) -> tuple[list[str], dict]:
     return problems, {"prefill": setup.prefill.take(), "decode": setup.decode.take()}
 
 
+def judge_legs(judge: Judge, connector: str, route: str, body: dict, legs: dict) -> tuple[list[str], dict]:
+    """vLLM's verdict on each leg and the connector's promises; the facts of the legs
+    vLLM accepted, by role."""
+    problems, accepted = [], {}
+    for role, sent in legs.items():
+        if len(sent) != 1:
+            problems.append(f"{len(sent)} {role} legs")
+            continue
+        _, path, _, raw = sent[0]
+        if path.split("?")[0] != route:
+            problems.append(f"{role} leg went to {path}")
+        refusal, facts = judge.verdict(route, json.loads(raw))
+        if refusal is not None:
+            problems.append(f"vLLM refuses the {role} leg: {refusal}")
+            continue
+        problems += leg_problems(connector, role, facts, client_limit(route, body))
+        accepted[role] = facts
+    return problems, accepted
+
+
 def report(label: str, problems: list[str]) -> int:
     if problems:
         print(f"FAIL     {label}")
@@ -409,19 +429,12 @@ def run_handoffs(binary: str, judge: Judge) -> int:
     try:
         for route, name, body in REUSE_CASES:
             problems, legs = exchange(setup, route, body)
-            for role, sent in legs.items():
-                if len(sent) != 1:
-                    problems.append(f"{len(sent)} {role} legs")
-                    continue
-                refusal, facts = judge.verdict(route, json.loads(sent[0][3]))
-                if refusal is not None:
-                    problems.append(f"vLLM refuses the {role} leg: {refusal}")
-                    continue
-                problems += leg_problems("nixl", role, facts, client_limit(route, body))
-                if role == "prefill" and not facts["return_token_ids"]:
-                    problems.append("the prefill leg does not ask for return_token_ids")
-                if role == "decode" and not facts["reused_ids"]:
-                    problems.append("vLLM's decode reuses no prompt ids from the leg")
+            found, facts = judge_legs(judge, "nixl", route, body, legs)
+            problems += found
+            if "prefill" in facts and not facts["prefill"]["return_token_ids"]:
+                problems.append("the prefill leg does not ask for return_token_ids")
+            if "decode" in facts and not facts["decode"]["reused_ids"]:
+                problems.append("vLLM's decode reuses no prompt ids from the leg")
             failures += report(f"nixl     {route:24} {name}", problems)
     finally:
         setup.close()
@@ -471,38 +484,8 @@ def run(binary: str, connectors: list[str]) -> int:
                     print(f"SETUP    {label}: vLLM refuses the client's body ({verdict})")
                     failures += 1
                     continue
-                setup.prefill.take(), setup.decode.take()
-                conn = http.client.HTTPConnection("127.0.0.1", setup.port, timeout=60)
-                conn.request("POST", route, body=json.dumps(body),
-                             headers={"content-type": "application/json"})
-                resp = conn.getresponse()
-                answer = resp.read()
-                conn.close()
-                problems = []
-                if resp.status // 100 != 2:
-                    problems.append(f"proxy answered {resp.status}: {answer[:200]!r}")
-                if re.search(rb'"kv_transfer_params"\s*:\s*\{', answer):
-                    problems.append("the client's answer carries a handoff")
-                legs = {"prefill": setup.prefill.take(), "decode": setup.decode.take()}
-                for role, sent in legs.items():
-                    if len(sent) != 1:
-                        problems.append(f"{len(sent)} {role} legs")
-                        continue
-                    _, path, _, raw = sent[0]
-                    if path.split("?")[0] != route:
-                        problems.append(f"{role} leg went to {path}")
-                    refusal, facts = judge.verdict(route, json.loads(raw))
-                    if refusal is not None:
-                        problems.append(f"vLLM refuses the {role} leg: {refusal}")
-                        continue
-                    problems += leg_problems(connector, role, facts, client_limit(route, body))
-                if problems:
-                    failures += 1
-                    print(f"FAIL     {label}")
-                    for p in problems:
-                        print(f"           {p}")
-                else:
-                    print(f"ok       {label}")
+                problems, legs = exchange(setup, route, body)
+                failures += report(label, problems + judge_legs(judge, connector, route, body, legs)[0])
         finally:
             setup.close()
     print(f"\n{failures} violation(s)" if failures else "\nevery leg accepted by vLLM 0.33")
