@@ -78,6 +78,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod floor;
 mod load;
 mod procfs;
 mod proxy;
@@ -106,6 +107,9 @@ enum Command {
     /// Internal: the proxy process the bench starts.
     #[command(hide = true)]
     Proxy(Box<proxy::ProxyArgs>),
+    /// Internal: the floor proxy the bench compares with (`--floor`).
+    #[command(hide = true)]
+    Floor(floor::FloorArgs),
     /// The prefix-cache routing benchmark: prefix hit rate and time to first token of
     /// `round_robin`, `cache_aware` and `kv_events` on a multi-turn chat workload.
     Routing(routing::RoutingArgs),
@@ -115,6 +119,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::Proxy(args)) => proxy::main(*args).map(|()| true),
+        Some(Command::Floor(args)) => floor::main(args).map(|()| true),
         Some(Command::Routing(args)) => routing::main(args),
         None => run::main(cli.run),
     };

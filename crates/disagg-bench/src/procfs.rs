@@ -152,11 +152,32 @@ impl ProxyProcess {
         decode: &str,
         threads: usize,
     ) -> Result<ProxyProcess, BoxError> {
+        Self::spawn_kind("proxy", prefill, decode, threads).await
+    }
+
+    /// Start the floor proxy (`<this executable> floor ...`) the same way.
+    pub(crate) async fn spawn_floor(
+        prefill: &str,
+        decode: &str,
+        threads: usize,
+    ) -> Result<ProxyProcess, BoxError> {
+        Self::spawn_kind("floor", prefill, decode, threads).await
+    }
+
+    async fn spawn_kind(
+        subcommand: &str,
+        prefill: &str,
+        decode: &str,
+        threads: usize,
+    ) -> Result<ProxyProcess, BoxError> {
         let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
-            .arg("proxy")
+        let mut command = Command::new(exe);
+        command.arg(subcommand);
+        if subcommand == "proxy" {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        let mut child = command
             .args(["--prefill", prefill, "--decode", decode])
-            .args(["--listen", "127.0.0.1:0"])
             .args(["--threads", &threads.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

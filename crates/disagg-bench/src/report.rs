@@ -15,6 +15,8 @@ pub(crate) enum Via {
     Direct,
     /// Through the proxy, disaggregated over the prefill and the decode engine.
     Proxy,
+    /// Through the floor proxy (`--floor`), disaggregated the same way.
+    Floor,
 }
 
 impl Via {
@@ -22,6 +24,7 @@ impl Via {
         match self {
             Via::Direct => "direct",
             Via::Proxy => "proxy",
+            Via::Floor => "floor",
         }
     }
 }
@@ -213,6 +216,8 @@ pub(crate) struct MemoryStats {
     pub(crate) idle_rss_kib: u64,
     /// VmHWM of the measured proxy after every phase.
     pub(crate) peak_rss_kib: u64,
+    /// VmRSS of the floor proxy after start-up and warm-up (`--floor`).
+    pub(crate) floor_idle_rss_kib: Option<u64>,
     pub(crate) hold: HoldStats,
 }
 
@@ -227,6 +232,9 @@ pub(crate) struct MemoryStats {
 pub(crate) struct HandoffCheck {
     /// Answers of the measured proxy (warm-ups included) marked `kv`.
     pub(crate) marked_kv: u64,
+    /// Answers of the floor proxy (warm-ups included) marked `kv`; it shares the
+    /// measured proxy's engines.
+    pub(crate) floor_marked_kv: u64,
     /// Answers of the held-streams proxy marked `kv`.
     pub(crate) hold_marked_kv: u64,
     /// Requests sent straight to the decode engine (the baseline phases).
@@ -243,7 +251,7 @@ impl HandoffCheck {
     /// Every way the engines' counts differ from the proxies' claims; empty when they
     /// agree.
     pub(crate) fn mismatches(&self) -> Vec<String> {
-        let marked = self.marked_kv + self.hold_marked_kv;
+        let marked = self.marked_kv + self.floor_marked_kv + self.hold_marked_kv;
         let (p, d, slow) = (&self.prefill, &self.decode, &self.slow_decode);
         let mut out = Vec::new();
         let mut check = |what: &str, seen: u64, claimed: u64| {
@@ -264,9 +272,10 @@ impl HandoffCheck {
             marked,
         );
         check(
+            // The floor shares the measured proxy's decode engine.
             "decode KV pulls (measured proxy)",
             d.remote_decodes,
-            self.marked_kv,
+            self.marked_kv + self.floor_marked_kv,
         );
         check(
             "decode KV pulls (held streams)",
@@ -347,11 +356,20 @@ impl Report {
         Some(p - d)
     }
 
+    /// disagg / floor at concurrency 64: proxy CPU per request, and throughput.
+    fn floor_ratios(&self, stream: bool) -> Option<(f64, f64)> {
+        let c = THROUGHPUT_CONCURRENCY;
+        let p = self.phase(Via::Proxy, stream, c)?;
+        let f = self.phase(Via::Floor, stream, c)?;
+        let cpu = p.proxy_cpu?.us_per_req / f.proxy_cpu?.us_per_req;
+        Some((cpu, p.throughput / f.throughput))
+    }
+
     fn targets(&self) -> Vec<Target> {
         let c = THROUGHPUT_CONCURRENCY;
         let cpu = |stream| Some(self.phase(Via::Proxy, stream, c)?.proxy_cpu?.us_per_req);
         let rps = |stream| Some(self.phase(Via::Proxy, stream, c)?.throughput);
-        vec![
+        let mut targets = vec![
             Target {
                 name: "proxy CPU per request, non-streaming (c=64)",
                 at_most: true,
@@ -401,7 +419,41 @@ impl Report {
                 unit: "MiB",
                 value: Some(mib(self.memory.idle_rss_kib)),
             },
-        ]
+            Target {
+                name: "proxy memory per held stream",
+                at_most: true,
+                limit: 16.0,
+                unit: "KiB",
+                value: self.memory.hold.per_stream_kib(),
+            },
+        ];
+        if self.phases.iter().any(|p| p.via == Via::Floor) {
+            let ratio = |stream| self.floor_ratios(stream);
+            targets.extend([
+                Target {
+                    name: "proxy CPU / floor CPU, non-streaming (c=64)",
+                    at_most: true,
+                    limit: 1.25,
+                    unit: "×",
+                    value: ratio(false).map(|r| r.0),
+                },
+                Target {
+                    name: "proxy CPU / floor CPU, streaming (c=64)",
+                    at_most: true,
+                    limit: 1.25,
+                    unit: "×",
+                    value: ratio(true).map(|r| r.0),
+                },
+                Target {
+                    name: "throughput / floor's, non-streaming (c=64)",
+                    at_most: false,
+                    limit: 0.95,
+                    unit: "×",
+                    value: ratio(false).map(|r| r.1),
+                },
+            ]);
+        }
+        targets
     }
 
     /// The printed report.
@@ -487,6 +539,17 @@ impl Report {
                 ms(self.added_ttft_p50_ms(stream)),
             );
         }
+        for stream in [false, true] {
+            if let Some((cpu, rps)) = self.floor_ratios(stream) {
+                let _ = writeln!(
+                    s,
+                    "disagg / floor at c={}, {:<10}: CPU per request {cpu:.2}×, throughput \
+                     {rps:.2}×",
+                    THROUGHPUT_CONCURRENCY,
+                    mode(stream),
+                );
+            }
+        }
         let m = &self.memory;
         let h = &m.hold;
         let _ = writeln!(
@@ -495,6 +558,9 @@ impl Report {
             mib(m.idle_rss_kib),
             mib(m.peak_rss_kib),
         );
+        if let Some(f) = m.floor_idle_rss_kib {
+            let _ = writeln!(s, "floor memory: idle RSS {:.1} MiB", mib(f));
+        }
         let _ = writeln!(
             s,
             "held streams: {} started ({} open at most; {:.0} ms × {} tokens each, p50 {} ms) \
@@ -525,7 +591,7 @@ impl Report {
         for t in self.targets() {
             let value = match t.value.filter(|v| v.is_finite()) {
                 Some(v) if t.unit == "req/s" => format!("{} {}", thousands(v), t.unit),
-                Some(v) if t.unit == "ms" => format!("{v:.3} {}", t.unit),
+                Some(v) if t.unit == "ms" || t.unit == "×" => format!("{v:.3} {}", t.unit),
                 Some(v) => format!("{v:.1} {}", t.unit),
                 None => "n/a".to_owned(),
             };
@@ -553,11 +619,13 @@ impl Report {
         let hc = &self.handoffs;
         let _ = writeln!(
             s,
-            "\nKV handoffs: the proxies marked {} answers `kv` ({} + {} held streams); the \
-             prefill returned kv_transfer_params {} times and served {} pulls; the decodes \
-             pulled {} + {} and computed {} prompts themselves ({} direct requests)",
-            hc.marked_kv + hc.hold_marked_kv,
+            "\nKV handoffs: the proxies marked {} answers `kv` ({} + {} floor + {} held \
+             streams); the prefill returned kv_transfer_params {} times and served {} pulls; \
+             the decodes pulled {} + {} and computed {} prompts themselves ({} direct \
+             requests)",
+            hc.marked_kv + hc.floor_marked_kv + hc.hold_marked_kv,
             hc.marked_kv,
+            hc.floor_marked_kv,
             hc.hold_marked_kv,
             hc.prefill.kv_params_returned,
             hc.prefill.side_channel_served,
@@ -601,6 +669,17 @@ impl Report {
         let unix_time = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
+        let over_floor: Vec<Value> = [false, true]
+            .into_iter()
+            .filter_map(|stream| {
+                let (cpu, rps) = self.floor_ratios(stream)?;
+                Some(json!({
+                    "mode": mode(stream),
+                    "cpu_per_request": cpu,
+                    "throughput": rps,
+                }))
+            })
+            .collect();
         let targets: Vec<Value> = self
             .targets()
             .iter()
@@ -640,6 +719,7 @@ impl Report {
                 "clk_tck_source": if c.ticks_read { "getconf" } else { "assumed" },
             },
             "phases": self.phases.iter().map(PhaseStats::json).collect::<Vec<_>>(),
+            "disagg_over_floor": over_floor,
             "added_p50_ms": {
                 "non_stream": self.added_p50_ms(false),
                 "stream": self.added_p50_ms(true),
@@ -651,6 +731,7 @@ impl Report {
             "memory": {
                 "idle_rss_kib": m.idle_rss_kib,
                 "peak_rss_kib": m.peak_rss_kib,
+                "floor_idle_rss_kib": m.floor_idle_rss_kib,
                 "held_streams": {
                     "started": h.streams,
                     "max_open": h.max_open,
@@ -669,6 +750,7 @@ impl Report {
             "targets": targets,
             "handoffs": {
                 "marked_kv": self.handoffs.marked_kv,
+                "floor_marked_kv": self.handoffs.floor_marked_kv,
                 "hold_marked_kv": self.handoffs.hold_marked_kv,
                 "direct_sent": self.handoffs.direct_sent,
                 "prefill_kv_params_returned": self.handoffs.prefill.kv_params_returned,
@@ -731,6 +813,7 @@ mod tests {
         let stats = disagg_sim::Stats::default;
         HandoffCheck {
             marked_kv: 30,
+            floor_marked_kv: 0,
             hold_marked_kv: 4,
             direct_sent: 10,
             prefill: disagg_sim::Stats {
@@ -772,6 +855,18 @@ mod tests {
         let mut c = consistent();
         c.prefill.blocks_held = 2;
         assert_eq!(c.mismatches().len(), 1);
+    }
+
+    #[test]
+    fn the_floor_s_handoffs_count_with_the_measured_proxy_s() {
+        // The floor handed 5 more over through the same prefill and decode.
+        let mut c = consistent();
+        c.floor_marked_kv = 5;
+        assert_eq!(c.mismatches().len(), 3, "unseen floor claims are flagged");
+        c.prefill.kv_params_returned += 5;
+        c.prefill.side_channel_served += 5;
+        c.decode.remote_decodes += 5;
+        assert_eq!(c.mismatches(), Vec::<String>::new());
     }
 
     #[test]

@@ -55,6 +55,12 @@ pub(crate) struct RunArgs {
     /// Time between two tokens of the decode engine behind the held streams, in ms.
     #[arg(long, value_name = "MS", default_value_t = 50.0)]
     stream_delay_ms: f64,
+    /// Also measure the floor: the smallest correct NIXL proxy (the hidden `floor`
+    /// subcommand, hyper and a top-level scan; see `floor.rs`), in a process of its own
+    /// with `--proxy-threads` threads, phase by phase beside the disagg proxy; the report
+    /// then gives disagg / floor.
+    #[arg(long)]
+    floor: bool,
     /// Also write every figure as JSON to this file.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -185,10 +191,31 @@ async fn bench(
     let claims = PhaseClaims::default();
     let mut proxy =
         ProxyProcess::spawn(&prefill, &engines.decode.url(), config.proxy_threads).await?;
-    let measured = phases(&config, engines, &client, &mut proxy, &bodies, &claims).await;
+    let mut floor = if args.floor {
+        Some(
+            ProxyProcess::spawn_floor(&prefill, &engines.decode.url(), config.proxy_threads)
+                .await?,
+        )
+    } else {
+        None
+    };
+    let measured = phases(
+        &config,
+        engines,
+        &client,
+        (&mut proxy, floor.as_mut()),
+        &bodies,
+        &claims,
+    )
+    .await;
     let stopped = proxy.stop().await;
-    let (phases, idle, peak) = measured?;
+    let floor_stopped = match floor {
+        Some(f) => f.stop().await,
+        None => Ok(()),
+    };
+    let (phases, idle, peak, floor_idle) = measured?;
     stopped?;
+    floor_stopped?;
 
     let hold_claims = Arc::new(Claims::default());
     let hold_proxy =
@@ -201,6 +228,7 @@ async fn bench(
     // Every request has been answered: the engines' counters are final.
     let handoffs = HandoffCheck {
         marked_kv: claims.proxy.kv(),
+        floor_marked_kv: claims.floor.kv(),
         hold_marked_kv: hold_claims.kv(),
         direct_sent: claims.direct.sent(),
         prefill: engines.prefill.stats(),
@@ -213,63 +241,88 @@ async fn bench(
         memory: MemoryStats {
             idle_rss_kib: idle.rss_kib,
             peak_rss_kib: peak.hwm_kib,
+            floor_idle_rss_kib: floor_idle.map(|m| m.rss_kib),
             hold,
         },
         handoffs,
     })
 }
 
-/// The claims of the main proxy's phases: through the proxy, and straight to the
-/// decode engine.
+/// The claims of the main proxy's phases: through the proxy, through the floor, and
+/// straight to the decode engine.
 #[derive(Debug, Default)]
 struct PhaseClaims {
     proxy: Arc<Claims>,
+    floor: Arc<Claims>,
     direct: Arc<Claims>,
 }
 
-/// Warm up the proxy, read its idle memory, then run every phase; the proxy's peak
-/// memory at the end.
+/// What [`phases`] measured: the phases, the proxy's idle and peak memory, the floor's
+/// idle memory.
+type Measured = (
+    Vec<PhaseStats>,
+    procfs::Memory,
+    procfs::Memory,
+    Option<procfs::Memory>,
+);
+
+/// Warm up the proxy (and the floor), read their idle memory, then run every phase; the
+/// proxy's peak memory at the end.
 async fn phases(
     config: &RunConfig,
     engines: &Engines,
     client: &HttpClient,
-    proxy: &mut ProxyProcess,
+    (proxy, mut floor): (&mut ProxyProcess, Option<&mut ProxyProcess>),
     bodies: &[Bytes; 2],
     claims: &PhaseClaims,
-) -> Result<(Vec<PhaseStats>, procfs::Memory, procfs::Memory), BoxError> {
+) -> Result<Measured, BoxError> {
     let direct = chat_uri(&engines.decode.url())?;
     let through = chat_uri(&format!("http://{}", proxy.addr()))?;
+    let floor_uri = match &floor {
+        Some(f) => Some(chat_uri(&format!("http://{}", f.addr()))?),
+        None => None,
+    };
     let target = |via: Via, stream: bool| Target {
         uri: match via {
             Via::Direct => direct.clone(),
             Via::Proxy => through.clone(),
+            Via::Floor => floor_uri.clone().unwrap_or_else(|| through.clone()),
         },
         body: bodies[usize::from(stream)].clone(),
         stream,
-        expect_kv: via == Via::Proxy,
+        expect_kv: via != Via::Direct,
         claims: match via {
             Via::Direct => Arc::clone(&claims.direct),
             Via::Proxy => Arc::clone(&claims.proxy),
+            Via::Floor => Arc::clone(&claims.floor),
         },
     };
     let pid = proxy.pid();
+    let floor_pid = floor.as_ref().map(|f| f.pid());
     let me = std::process::id();
+    let measured_vias: &[Via] = if floor.is_some() {
+        &[Via::Direct, Via::Proxy, Via::Floor]
+    } else {
+        &[Via::Direct, Via::Proxy]
+    };
 
-    // Start-up warm-up at concurrency 1, then the idle figure.
+    // Start-up warm-up at concurrency 1, then the idle figures.
     let mut startup_errors = 0;
-    for stream in [false, true] {
-        let out = load::run(
-            client,
-            &target(Via::Proxy, stream),
-            1,
-            config.warmup,
-            config.max_requests,
-            None,
-        )
-        .await?;
-        startup_errors += out.errors;
-        if let Some(e) = out.first_error {
-            eprintln!("warm-up error: {e}");
+    for via in &measured_vias[1..] {
+        for stream in [false, true] {
+            let out = load::run(
+                client,
+                &target(*via, stream),
+                1,
+                config.warmup,
+                config.max_requests,
+                None,
+            )
+            .await?;
+            startup_errors += out.errors;
+            if let Some(e) = out.first_error {
+                eprintln!("warm-up error: {e}");
+            }
         }
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -279,6 +332,17 @@ async fn phases(
         proxy.addr(),
         idle.rss_kib as f64 / 1024.0
     );
+    let floor_idle = match floor_pid {
+        Some(fpid) => {
+            let m = procfs::memory(fpid)?;
+            eprintln!(
+                "floor pid {fpid}: idle RSS {:.1} MiB after warm-up",
+                m.rss_kib as f64 / 1024.0
+            );
+            Some(m)
+        }
+        None => None,
+    };
 
     let mut phases = Vec::new();
     for stream in [false, true] {
@@ -287,8 +351,12 @@ async fn phases(
             .copied()
             .chain([THROUGHPUT_CONCURRENCY]);
         for concurrency in concurrencies {
-            for via in [Via::Direct, Via::Proxy] {
+            for &via in measured_vias {
                 let t = target(via, stream);
+                let measured_pid = match via {
+                    Via::Floor => floor_pid.unwrap_or(pid),
+                    _ => pid,
+                };
                 let warm = load::run(
                     client,
                     &t,
@@ -298,7 +366,7 @@ async fn phases(
                     None,
                 )
                 .await?;
-                let proxy0 = procfs::cpu_ticks(pid)?;
+                let proxy0 = procfs::cpu_ticks(measured_pid)?;
                 let me0 = procfs::cpu_ticks(me)?;
                 let out = load::run(
                     client,
@@ -309,9 +377,12 @@ async fn phases(
                     None,
                 )
                 .await?;
-                let proxy_ticks = procfs::cpu_ticks(pid)?.since(proxy0);
+                let proxy_ticks = procfs::cpu_ticks(measured_pid)?.since(proxy0);
                 let me_ticks = procfs::cpu_ticks(me)?.since(me0);
                 proxy.check_alive()?;
+                if let Some(f) = floor.as_deref_mut() {
+                    f.check_alive()?;
+                }
                 let mut warmup_errors = warm.errors;
                 if phases.is_empty() {
                     warmup_errors += startup_errors;
@@ -323,7 +394,7 @@ async fn phases(
                     &out,
                     warm.first_error,
                     warmup_errors,
-                    (via == Via::Proxy).then(|| ProxyCpu {
+                    (via != Via::Direct).then(|| ProxyCpu {
                         us_per_req: per_request_us(proxy_ticks.total(), config, &out),
                         system_share: share(proxy_ticks.system, proxy_ticks.total()),
                     }),
@@ -335,7 +406,7 @@ async fn phases(
         }
     }
     let peak = procfs::memory(pid)?;
-    Ok((phases, idle, peak))
+    Ok((phases, idle, peak, floor_idle))
 }
 
 /// CPU µs per successful request from a tick count.
