@@ -146,13 +146,14 @@ pub(crate) struct ProxyProcess {
 
 impl ProxyProcess {
     /// Start the proxy in front of `prefill` and `decode` with `threads` worker threads
-    /// and wait until it listens.
+    /// and the `extra` flags, and wait until it listens.
     pub(crate) async fn spawn(
         prefill: &str,
         decode: &str,
         threads: usize,
+        extra: &[&str],
     ) -> Result<ProxyProcess, BoxError> {
-        Self::spawn_kind("proxy", prefill, decode, threads).await
+        Self::spawn_kind("proxy", prefill, decode, threads, extra).await
     }
 
     /// Start the floor proxy (`<this executable> floor ...`) the same way.
@@ -161,7 +162,7 @@ impl ProxyProcess {
         decode: &str,
         threads: usize,
     ) -> Result<ProxyProcess, BoxError> {
-        Self::spawn_kind("floor", prefill, decode, threads).await
+        Self::spawn_kind("floor", prefill, decode, threads, &[]).await
     }
 
     async fn spawn_kind(
@@ -169,6 +170,7 @@ impl ProxyProcess {
         prefill: &str,
         decode: &str,
         threads: usize,
+        extra: &[&str],
     ) -> Result<ProxyProcess, BoxError> {
         let exe = std::env::current_exe()?;
         let mut command = Command::new(exe);
@@ -179,6 +181,7 @@ impl ProxyProcess {
         let mut child = command
             .args(["--prefill", prefill, "--decode", decode])
             .args(["--threads", &threads.to_string()])
+            .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

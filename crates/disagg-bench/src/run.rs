@@ -61,6 +61,15 @@ pub(crate) struct RunArgs {
     /// then gives disagg / floor.
     #[arg(long)]
     floor: bool,
+    /// More flags for the disagg proxy processes, as one whitespace-separated string
+    /// (for example `--proxy-args "--prompt-token-reuse off"`).
+    #[arg(
+        long,
+        value_name = "FLAGS",
+        default_value = "",
+        allow_hyphen_values = true
+    )]
+    proxy_args: String,
     /// Also write every figure as JSON to this file.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -119,7 +128,7 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
         .thread_name("load")
         .enable_all()
         .build()?;
-    let engines = engine_rt.block_on(start_engines(config.tokens, delay))?;
+    let engines = engine_rt.block_on(start_engines(config.tokens, delay, args.body_bytes))?;
     let result = load_rt.block_on(bench(config, &args, &engines));
     engine_rt.block_on(async {
         engines.prefill.shutdown().await;
@@ -139,12 +148,23 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
     Ok(report.valid())
 }
 
-async fn start_engines(tokens: u32, delay: Duration) -> Result<Engines, BoxError> {
+async fn start_engines(
+    tokens: u32,
+    delay: Duration,
+    body_bytes: usize,
+) -> Result<Engines, BoxError> {
+    // A prompt has fewer tokens than bytes: a context as long as the body in bytes
+    // (and never shorter than the engines' default) admits any `--body-bytes`.
+    let max_model_len = u32::try_from(body_bytes)
+        .unwrap_or(u32::MAX)
+        .max(SimConfig::default().max_model_len)
+        .saturating_add(tokens);
     let sim = |id: &str, inter_token_delay: Duration| SimConfig {
         engine_id: Some(id.to_owned()),
         default_max_tokens: tokens,
         inter_token_delay,
         record_requests: 0,
+        max_model_len,
         ..SimConfig::default()
     };
     Ok(Engines {
@@ -189,8 +209,14 @@ async fn bench(
     let client = load::client();
     let prefill = engines.prefill.url();
     let claims = PhaseClaims::default();
-    let mut proxy =
-        ProxyProcess::spawn(&prefill, &engines.decode.url(), config.proxy_threads).await?;
+    let extra: Vec<&str> = args.proxy_args.split_whitespace().collect();
+    let mut proxy = ProxyProcess::spawn(
+        &prefill,
+        &engines.decode.url(),
+        config.proxy_threads,
+        &extra,
+    )
+    .await?;
     let mut floor = if args.floor {
         Some(
             ProxyProcess::spawn_floor(&prefill, &engines.decode.url(), config.proxy_threads)
@@ -218,8 +244,13 @@ async fn bench(
     floor_stopped?;
 
     let hold_claims = Arc::new(Claims::default());
-    let hold_proxy =
-        ProxyProcess::spawn(&prefill, &engines.slow_decode.url(), config.proxy_threads).await?;
+    let hold_proxy = ProxyProcess::spawn(
+        &prefill,
+        &engines.slow_decode.url(),
+        config.proxy_threads,
+        &extra,
+    )
+    .await?;
     let held = hold(&config, &client, &hold_proxy, &bodies[1], &hold_claims).await;
     let stopped = hold_proxy.stop().await;
     let hold = held?;
