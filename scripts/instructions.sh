@@ -7,6 +7,9 @@
 #   PROXY_ARGS="--access-log json" scripts/instructions.sh ...   (more serve flags)
 #   TRACE=1 scripts/instructions.sh ...      (traces at --trace-ratio 1.0, exported to a
 #                                             local OTLP sink that answers 200)
+#   FLOOR=1 scripts/instructions.sh target/release/disagg-bench
+#                                            (the bench's floor proxy instead of disagg:
+#                                             the yardstick of docs/performance.md; nixl only)
 #
 # At the edge (docs/security.md; the certificates are made by openssl):
 #   AUTH=1       the proxy checks a client key (`--api-key`), the client sends it
@@ -94,11 +97,18 @@ PREFILL="$SCHEME://127.0.0.1:$P"
 count() { # requests → total instructions of one proxy run
   local n=$1 port
   port=$(free_port)
+  if [ -n "${FLOOR:-}" ]; then
+    valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
+      "$BIN" floor --threads 1 --listen 127.0.0.1:$port \
+      --prefill "$PREFILL" --decode "$SCHEME://127.0.0.1:$D" \
+      >/dev/null 2>"$OUT/log.$n" &
+  else
   valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
     "$BIN" serve --threads 1 --listen 127.0.0.1:$port "${CONN[@]}" \
     --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "$SCHEME://127.0.0.1:$D" "${EDGE[@]}" \
     "${EXTRA[@]}" \
     >/dev/null 2>"$OUT/log.$n" &
+  fi
   local pid=$!
   python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" <<'EOF'
 import http.client, json, ssl, sys, time
@@ -140,4 +150,5 @@ if [ -n "${AUTH:-}" ]; then VARIANT+=" auth"; fi
 if [ -n "${TLS_IN:-}" ]; then VARIANT+=" tls-in"; fi
 if [ -n "${TLS_OUT:-}" ]; then VARIANT+=" tls-out"; fi
 if [ "${NEW_CONN:-0}" = 1 ]; then VARIANT+=" new-conn"; fi
+if [ -n "${FLOOR:-}" ]; then VARIANT+=" floor"; fi
 echo "$CONNECTOR$VARIANT: $(( (B - A) / N )) instructions per request ($BIN)"

@@ -66,6 +66,10 @@ pub(crate) struct FloorArgs {
     /// Tokio worker threads; 1 runs one event loop (a current-thread runtime).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Listen here (on 127.0.0.1) and serve until SIGTERM, instead of on a port of its
+    /// own until stdin closes (how the bench runs it); for `scripts/instructions.sh`.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
 }
 
 /// The pooled client both legs go through.
@@ -111,13 +115,24 @@ async fn serve(args: FloorArgs) -> Result<(), BoxError> {
         client,
         next_id: AtomicU64::new(0),
     });
-    let listener = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let listen = args
+        .listen
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    if !listen.ip().is_loopback() {
+        return Err(format!("--listen must be on 127.0.0.1, not {listen}").into());
+    }
+    let listener = TcpListener::bind(listen).await?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{}", listener.local_addr()?)?;
         out.flush()?;
     }
-    let stdin_closed = async {
+    let by_stdin = args.listen.is_none();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let stdin_closed = async move {
+        if !by_stdin {
+            return std::future::pending().await;
+        }
         let mut stdin = tokio::io::stdin();
         let mut buf = [0u8; 64];
         while let Ok(n) = stdin.read(&mut buf).await {
@@ -131,6 +146,7 @@ async fn serve(args: FloorArgs) -> Result<(), BoxError> {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => accepted?,
             () = &mut stdin_closed => return Ok(()),
+            _ = terminate.recv() => return Ok(()),
         };
         stream.set_nodelay(true)?;
         let floor = Arc::clone(&floor);
