@@ -515,6 +515,34 @@ fn block_ids(raw: &[u8]) -> Option<usize> {
     (s.i == raw.len()).then_some(n)
 }
 
+/// A flat list of non-negative integers written compactly (digits and commas, no
+/// whitespace, no leading zero) at the start of `b`: how many bytes it takes and how many
+/// integers it holds, each of which `id_ok` accepted. `None` for anything else
+/// (another spelling, an empty list, an id `id_ok` refuses), which the callers then read
+/// the slow way. The closing bracket is found by `memchr`, the bytes checked by one pass
+/// without branches (which the compiler vectorizes), the ids split in a second.
+pub(crate) fn digit_list(b: &[u8], mut id_ok: impl FnMut(&[u8]) -> bool) -> Option<(usize, usize)> {
+    if b.first() != Some(&b'[') {
+        return None;
+    }
+    let end = memchr::memchr(b']', b)?;
+    let body = b.get(1..end).filter(|body| !body.is_empty())?;
+    let plain = body
+        .iter()
+        .fold(true, |ok, &c| ok & (c.is_ascii_digit() | (c == b',')));
+    if !plain {
+        return None;
+    }
+    let mut n = 0usize;
+    for id in body.split(|&c| c == b',') {
+        if id.is_empty() || (id.len() > 1 && id[0] == b'0') || !id_ok(id) {
+            return None;
+        }
+        n += 1;
+    }
+    Some((end + 1, n))
+}
+
 /// The bytes a string's reading stops at: its end (`"`), an escape (`\\`) and the
 /// control bytes JSON refuses inside a string. One table lookup per byte: strings are
 /// most of a handoff's bytes.
@@ -674,6 +702,16 @@ impl<'a> Scan<'a> {
     /// (older vLLM) or a list of per-group lists (0.33). Anything else (a mix, a
     /// negative id, another type) is `None`, with the cursor somewhere inside.
     fn block_ids(&mut self) -> Option<usize> {
+        // The list as engines write it (`[3,4,5]`): one pass, which long prompts need
+        // (a block id per 16 tokens). Anything else is read below.
+        if let Some((len, n)) = self
+            .b
+            .get(self.i..)
+            .and_then(|rest| digit_list(rest, |id| id.len() < 20))
+        {
+            self.i += len;
+            return Some(n);
+        }
         let mut total = 0usize;
         let mut grouped = None;
         self.list(|s| {

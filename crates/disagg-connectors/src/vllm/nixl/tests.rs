@@ -228,6 +228,15 @@ fn the_handoff_scan_steps_over_escapes_and_refuses_cut_dicts() {
     assert_eq!(block_ids(b"[1.5]"), None);
     assert_eq!(block_ids(b"[18446744073709551616]"), None);
     assert_eq!(block_ids(b"[[1],2]"), None);
+    // The compact spelling engines write takes the one-pass reading, with the same
+    // verdicts as the step-by-step one.
+    assert_eq!(block_ids(b"[7,0,18446744073709551616]"), None);
+    assert_eq!(block_ids(b"[7,0,12345678901234567890]"), Some(3));
+    assert_eq!(block_ids(b"[7,0,1234567890123456789]"), Some(3));
+    assert_eq!(block_ids(b"[01]"), None);
+    assert_eq!(block_ids(b"[1,,2]"), None);
+    assert_eq!(block_ids(b"[1,2,]"), None);
+    assert_eq!(block_ids(b"[]"), Some(0));
 }
 
 proptest::proptest! {
