@@ -62,6 +62,15 @@ impl Inner {
             }),
         };
         let in_flight = InFlight::new(&self.counters);
+        // E/P/D: a request with media items has them encoded first (a byte search of
+        // its messages decides; nothing at all without an encoder stage).
+        if let Some(stage) = &self.encode
+            && stage.wants(&req)
+            && let Err(e) = self.encode(stage, &mut req, clock).await
+        {
+            drop(in_flight);
+            return Err(self.failed(&req, e, None, None));
+        }
         let mut retries = 0;
         let result = loop {
             // The first attempt's engine-side id is the request's own when the proxy
