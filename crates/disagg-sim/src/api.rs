@@ -141,10 +141,10 @@ fn push_content(out: &mut String, content: &Value) -> Result<(), ApiError> {
                     .and_then(Value::as_str);
                 // A media item is one placeholder word (its encoder output, under
                 // E/P/D, is the `ec` module's).
-                let media = part
-                    .get("type")
-                    .and_then(Value::as_str)
-                    .and_then(|t| t.strip_suffix("_url").or((t == "input_audio").then_some("audio")));
+                let media = part.get("type").and_then(Value::as_str).and_then(|t| {
+                    t.strip_suffix("_url")
+                        .or((t == "input_audio").then_some("audio"))
+                });
                 match (text, media) {
                     (Some(t), _) => {
                         out.push_str(t);

@@ -192,7 +192,8 @@ mod tests {
     fn a_consumer_reads_what_the_encoder_wrote_and_nothing_else() {
         let store = temp();
         let img = |u: &str| json!({"type": "image_url", "image_url": {"url": u}, "uuid": u});
-        let body = json!({"messages": [{"role": "user", "content": [img("a"), img("b"), img("a")]}]});
+        let body =
+            json!({"messages": [{"role": "user", "content": [img("a"), img("b"), img("a")]}]});
         let (params, n) = encode(&store, &body).unwrap();
         assert_eq!(n, 3);
         assert_eq!(params["a"]["item_indices"], json!([0, 2]));

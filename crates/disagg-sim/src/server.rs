@@ -1514,7 +1514,9 @@ fn encoder_answer(
 ) -> Response<SimBody> {
     if json.get("stream").and_then(Value::as_bool) == Some(true) {
         return error_response(
-            &ApiError::bad_request("an encoder-only engine answers ec_transfer_params only unstreamed"),
+            &ApiError::bad_request(
+                "an encoder-only engine answers ec_transfer_params only unstreamed",
+            ),
             header_id,
         );
     }

@@ -135,7 +135,9 @@ impl EncoderConnector for VllmEncoder {
                 };
                 items += 1;
                 if items > MAX_ITEMS {
-                    return Err(invalid("holds more media items than the encoder stage takes"));
+                    return Err(invalid(
+                        "holds more media items than the encoder stage takes",
+                    ));
                 }
                 let keep = matches!(obj.get("uuid"), Some(Value::String(s)) if !s.is_empty());
                 if !keep {
@@ -258,7 +260,11 @@ mod tests {
             ]}],
             "mm_processor_kwargs": {"fps": 2},
         }));
-        let plan = VllmEncoder::new().with_image_batch(2).plan(&req).unwrap().unwrap();
+        let plan = VllmEncoder::new()
+            .with_image_batch(2)
+            .plan(&req)
+            .unwrap()
+            .unwrap();
         let sizes: Vec<usize> = plan.legs.iter().map(|l| l.items).collect();
         assert_eq!(sizes, [2, 1, 1]);
         let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
@@ -315,7 +321,11 @@ mod tests {
         assert!(merged["h1"].is_object() && merged["h2"].is_object());
         let bad = Bytes::from_static(br#"{"ec_transfer_params":[1]}"#);
         assert!(VllmEncoder::new().fold(&[bad]).is_err());
-        assert!(VllmEncoder::new().fold(&[Bytes::from_static(b"[]")]).is_err());
+        assert!(
+            VllmEncoder::new()
+                .fold(&[Bytes::from_static(b"[]")])
+                .is_err()
+        );
         let none = Bytes::from_static(br#"{"ec_transfer_params":null}"#);
         assert!(VllmEncoder::new().fold(&[none]).unwrap().is_empty());
     }

@@ -105,7 +105,9 @@ impl Inner {
             let mut http_leg = Leg::new(Arc::clone(ep), JsonBody::default());
             http_leg.api = Some(Api::Chat);
             if let Some(id) = &id {
-                http_leg.headers.insert(crate::request::REQUEST_ID, id.clone());
+                http_leg
+                    .headers
+                    .insert(crate::request::REQUEST_ID, id.clone());
             }
             let http_req = self.leg_request_with(req, &http_leg, leg.body.clone(), Side::Encode)?;
             let err = match self.transport.send(http_req).await {
@@ -127,11 +129,9 @@ impl Inner {
                             }
                             e
                         }
-                        Err(e) => PdError::transport(
-                            Side::Encode,
-                            ep.id().clone(),
-                            TransportError::Io(e),
-                        ),
+                        Err(e) => {
+                            PdError::transport(Side::Encode, ep.id().clone(), TransportError::Io(e))
+                        }
                     }
                 }
             };

@@ -1,0 +1,266 @@
+//! Encoder disaggregation (E/P/D, issue #34), with the real `disagg-proxy serve` binary
+//! in front of simulated vLLM engines over loopback: encoder-only engines write each
+//! media item's embeddings into a directory they share with the prefill (as vLLM's
+//! shared-storage EC connector does), and the simulated prefill fails any request whose
+//! items were never encoded, so a skipped or misnamed encoder leg really fails.
+
+#![allow(missing_docs)] // a test binary
+
+use disagg_sim::{EcConfig, EcRole, Faults, SimConfig, SimEngine};
+use serde_json::{Value, json};
+
+mod common;
+use common::certs::TempDir;
+use common::{Proxy, post};
+
+async fn engine(ec: Option<(EcRole, &TempDir)>) -> SimEngine {
+    SimEngine::start(SimConfig {
+        ec: ec.map(|(role, dir)| EcConfig {
+            role,
+            store: dir.0.clone(),
+        }),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a simulated engine")
+}
+
+fn image(n: usize) -> Value {
+    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,AAAA{n}")}})
+}
+
+fn chat(images: usize, stream: bool) -> String {
+    let mut content = vec![json!({"type": "text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(image));
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The generated text of a chat answer, streamed or not.
+fn text_of(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        let mut out = String::new();
+        for e in a.events().iter().filter(|e| *e != "[DONE]") {
+            let v: Value = serde_json::from_str(e).expect("a JSON event");
+            out.push_str(
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default(),
+            );
+        }
+        out
+    } else {
+        a.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+struct Epd {
+    _store: TempDir,
+    encoders: Vec<SimEngine>,
+    prefill: Option<SimEngine>,
+    decode: SimEngine,
+    proxy: Proxy,
+}
+
+impl Epd {
+    /// Two encoders, a consuming prefill and a plain decode; or, with `pd`, no prefill
+    /// and a consuming decode (E → PD).
+    async fn start(pd: bool) -> Epd {
+        let store = TempDir::new();
+        let encoders = vec![
+            engine(Some((EcRole::Producer, &store))).await,
+            engine(Some((EcRole::Producer, &store))).await,
+        ];
+        let (prefill, decode) = if pd {
+            (None, engine(Some((EcRole::Consumer, &store))).await)
+        } else {
+            (
+                Some(engine(Some((EcRole::Consumer, &store))).await),
+                engine(None).await,
+            )
+        };
+        let mut args = Vec::new();
+        if let Some(p) = &prefill {
+            args.extend(["--prefill".to_owned(), p.url()]);
+        }
+        args.extend(["--decode".to_owned(), decode.url()]);
+        for e in &encoders {
+            args.extend(["--encode".to_owned(), e.url()]);
+        }
+        let proxy = Proxy::start_args(&args).await;
+        Epd {
+            _store: store,
+            encoders,
+            prefill,
+            decode,
+            proxy,
+        }
+    }
+
+    fn encoded(&self) -> u64 {
+        self.encoders
+            .iter()
+            .map(|e| e.stats().ec_items_encoded)
+            .sum()
+    }
+
+    fn encoder_requests(&self) -> u64 {
+        self.encoders.iter().map(|e| e.stats().requests).sum()
+    }
+
+    /// The engine that consumes the encoders' output.
+    fn consumer(&self) -> &SimEngine {
+        self.prefill.as_ref().unwrap_or(&self.decode)
+    }
+}
+
+/// The reference answer: the same request served by a plain engine (media items are
+/// placeholder words to the simulator's template).
+async fn reference(body: &str) -> String {
+    let plain = engine(None).await;
+    let a = post(&plain.url(), "/v1/chat/completions", body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    text_of(&a)
+}
+
+async fn serves_images(pd: bool) {
+    let epd = Epd::start(pd).await;
+    let mut loaded = 0;
+    for (images, stream) in [(1, false), (2, false), (1, true), (2, true)] {
+        let body = chat(images, stream);
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&chat(images, stream)).await);
+        loaded += images as u64;
+        // The consumer read every item from the encoders' store.
+        assert_eq!(epd.consumer().stats().ec_items_loaded, loaded);
+        assert_eq!(epd.encoded(), loaded);
+        // The client never sees the encoders' handoff.
+        assert!(!a.text().contains("ec_transfer_params"), "{}", a.text());
+    }
+    // The consumer's legs carried the merged ec_transfer_params, keyed by the uuids the
+    // encoder legs gave the items.
+    let last = epd.consumer().requests().pop().expect("a recorded request");
+    let params = last.body["ec_transfer_params"]
+        .as_object()
+        .expect("an object")
+        .clone();
+    let content = last.body["messages"][0]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let uuids: Vec<&str> = content.iter().filter_map(|p| p["uuid"].as_str()).collect();
+    assert_eq!(uuids.len(), 2);
+    for u in uuids {
+        assert_eq!(params[u]["modality"], "image", "{params:?}");
+    }
+    // Every encoder leg is unstreamed and one token long.
+    for e in &epd.encoders {
+        for r in e.requests() {
+            assert_eq!(r.body["stream"], false);
+            assert_eq!(r.body["max_tokens"], 1);
+            assert!(
+                r.header("x-request-id")
+                    .is_some_and(|id| id.contains("-enc"))
+            );
+        }
+    }
+    if !pd {
+        assert_eq!(epd.decode.stats().ec_items_loaded, 0);
+    }
+    let m = epd.proxy.metric("disagg_encode_items_total").await;
+    assert_eq!(m, loaded);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_serves_one_and_two_images_streamed_and_not() {
+    serves_images(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_serves_one_and_two_images_streamed_and_not() {
+    serves_images(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_only_request_never_touches_an_encoder() {
+    let epd = Epd::start(false).await;
+    for stream in [false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(0, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    // Even a text that names a media type is text.
+    let tricky = json!({"model": "sim-model", "max_tokens": 3,
+        "messages": [{"role": "user", "content": "what is an \"image_url\"?"}]});
+    let a = post(
+        &epd.proxy.url(),
+        "/v1/chat/completions",
+        &tricky.to_string(),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(epd.encoder_requests(), 0);
+    assert_eq!(epd.consumer().stats().requests, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_fails_an_item_no_encoder_wrote() {
+    // The simulated consumer really needs the encoders: the same request sent to it
+    // directly, skipping the encoder stage, fails.
+    let epd = Epd::start(false).await;
+    let p = epd.prefill.as_ref().unwrap();
+    let a = post(&p.url(), "/v1/chat/completions", &chat(1, false)).await;
+    assert_eq!(a.status, 500, "{}", a.text());
+    assert_eq!(p.stats().ec_items_loaded, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_encoder_is_replaced_by_the_other() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(epd.encoders[0].stats().ec_items_encoded, 0);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 4);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    // The broken encoder was tried, and each of its legs went to the other.
+    assert!(epd.encoders[0].stats().requests > 0);
+    let retries = epd.proxy.metric("disagg_encode_retries_total").await;
+    assert_eq!(retries, epd.encoders[0].stats().requests);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_encoder_failing_is_a_502_naming_the_encode_stage() {
+    let epd = Epd::start(false).await;
+    for e in &epd.encoders {
+        e.set_faults(Faults {
+            status: Some(500),
+            ..Faults::default()
+        });
+    }
+    for stream in [false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(2, stream)).await;
+        a.assert_error(502, "encode_failed");
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.starts_with("encode endpoint"), "{message}");
+    }
+    // Nothing reached the prefill or the decode.
+    assert_eq!(epd.consumer().stats().requests, 0);
+    assert_eq!(epd.decode.stats().requests, 0);
+    assert_eq!(epd.proxy.metric("disagg_encode_failures_total").await, 2);
+}
