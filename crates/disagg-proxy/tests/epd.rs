@@ -264,3 +264,43 @@ async fn every_encoder_failing_is_a_502_naming_the_encode_stage() {
     assert_eq!(epd.decode.stats().requests, 0);
     assert_eq!(epd.proxy.metric("disagg_encode_failures_total").await, 2);
 }
+
+/// The `openai` Python client sending an image through the proxy's encoder stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_sends_an_image_through_e_p_d() {
+    let epd = Epd::start(false).await;
+    let png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+    let body = json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in this picture?"},
+            {"type": "image_url", "image_url": {"url": png}},
+        ]}],
+    });
+    let expect = reference(&body.to_string()).await;
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/python/openai_image.py");
+    let url = epd.proxy.url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::python("the `openai` package"))
+            .arg(script)
+            .arg(url)
+            .arg(expect)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{stderr}\n{}",
+        epd.proxy.log()
+    );
+    assert!(stdout.contains("openai image: 2 checks passed"), "{stdout}");
+    // Both requests went E → P → D: one item each, encoded and loaded.
+    assert_eq!(epd.encoded(), 2);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
+}
