@@ -76,6 +76,11 @@ impl Epd {
     /// Two encoders, a consuming prefill and a plain decode; or, with `pd`, no prefill
     /// and a consuming decode (E → PD).
     async fn start(pd: bool) -> Epd {
+        Self::start_with(pd, &[]).await
+    }
+
+    /// [`start`](Self::start) with `extra` proxy flags.
+    async fn start_with(pd: bool, extra: &[&str]) -> Epd {
         let store = TempDir::new();
         let encoders = vec![
             engine(Some((EcRole::Producer, &store))).await,
@@ -97,6 +102,7 @@ impl Epd {
         for e in &encoders {
             args.extend(["--encode".to_owned(), e.url()]);
         }
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
         let proxy = Proxy::start_args(&args).await;
         Epd {
             _store: store,
@@ -303,4 +309,48 @@ async fn the_openai_client_sends_an_image_through_e_p_d() {
     // Both requests went E → P → D: one item each, encoded and loaded.
     assert_eq!(epd.encoded(), 2);
     assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
+}
+
+fn hang(e: &SimEngine) {
+    e.set_faults(Faults {
+        hang: true,
+        ..Faults::default()
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_encoder_stage_has_a_deadline() {
+    let epd = Epd::start_with(false, &["--encode-timeout", "0.3"]).await;
+    epd.encoders.iter().for_each(hang);
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+    a.assert_error(504, "encode_timeout");
+    assert_eq!(epd.consumer().stats().requests, 0);
+    // The legs the deadline ended were dropped: the encoders saw their clients leave.
+    let encoders = &epd.encoders;
+    let gone = common::eventually(std::time::Duration::from_secs(5), || {
+        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 1
+    })
+    .await;
+    assert!(gone, "the hung encoder leg was not dropped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_cancels_its_encoder_legs() {
+    let epd = Epd::start(false).await;
+    epd.encoders.iter().for_each(hang);
+    // Two images over two legs would share one: 9 images make two legs (8 + 1).
+    let body = chat(9, true);
+    let url = format!("{}/v1/chat/completions", epd.proxy.url());
+    let client = tokio::spawn(async move {
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(300), post(&url, "", &body))
+            .await;
+    });
+    client.await.unwrap();
+    let encoders = &epd.encoders;
+    let gone = common::eventually(std::time::Duration::from_secs(5), || {
+        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 2
+    })
+    .await;
+    assert!(gone, "encoder legs outlived their client");
+    assert_eq!(epd.consumer().stats().requests, 0);
 }
