@@ -354,3 +354,51 @@ async fn a_client_that_leaves_cancels_its_encoder_legs() {
     assert!(gone, "encoder legs outlived their client");
     assert_eq!(epd.consumer().stats().requests, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_and_histograms_tell_the_encoder_stage() {
+    let epd = Epd::start_with(false, &["--access-log", "json"]).await;
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(3, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(0, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let proxy = &epd.proxy;
+    assert!(
+        common::eventually(std::time::Duration::from_secs(5), || {
+            proxy.stdout().lines().count() >= 2
+        })
+        .await,
+        "{}",
+        proxy.stdout()
+    );
+    let lines: Vec<Value> = proxy
+        .stdout()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let media = &lines[0];
+    assert_eq!(media["encode_items"], 3, "{media}");
+    assert!(
+        media["encode_ms"].as_f64().is_some_and(|ms| ms >= 0.0),
+        "{media}"
+    );
+    let text = &lines[1];
+    assert!(
+        text["encode_items"].is_null() && text["encode_ms"].is_null(),
+        "{text}"
+    );
+    // One request in each histogram, the items one in the bucket for 3 (le 4).
+    let metrics = common::get(&proxy.url(), "/metrics").await.text();
+    assert!(
+        metrics.contains("disagg_encode_duration_seconds_count 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("disagg_encode_items_per_request_bucket{le=\"2\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("disagg_encode_items_per_request_bucket{le=\"4\"} 1"),
+        "{metrics}"
+    );
+}

@@ -12,6 +12,7 @@ use crate::body::JsonBody;
 use crate::connector::Leg;
 use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
 use crate::error::{BodyError, PdError, Phase, Side, TransportError};
+use crate::outcome::EncodeSummary;
 use crate::request::{Api, PdRequest};
 use crate::transport::read_limited;
 
@@ -28,15 +29,16 @@ impl Inner {
         stage: &EncodeStage,
         req: &mut PdRequest,
         clock: Clock,
-    ) -> Result<(), PdError> {
+    ) -> Result<Option<EncodeSummary>, PdError> {
         let plan = match stage.connector.plan(req) {
             Ok(Some(plan)) if !plan.legs.is_empty() => plan,
-            Ok(_) => return Ok(()),
+            Ok(_) => return Ok(None),
             Err(e) => return Err(PdError::body(BodyError::Invalid(e))),
         };
         let c = &stage.counters;
         c.requests.fetch_add(1, Relaxed);
-        c.items.fetch_add(plan.items() as u64, Relaxed);
+        let plan_items = plan.items();
+        c.items.fetch_add(plan_items as u64, Relaxed);
         let started = crate::outcome::now();
         let legs = plan
             .legs
@@ -57,8 +59,8 @@ impl Inner {
                 None => PdError::deadline(Side::Encode, Phase::Encode),
             }),
         };
-        c.micros
-            .fetch_add(started.elapsed().as_micros() as u64, Relaxed);
+        let elapsed = started.elapsed();
+        c.micros.fetch_add(elapsed.as_micros() as u64, Relaxed);
         let fields = match result {
             Ok(fields) => fields,
             Err(e) => {
@@ -75,7 +77,10 @@ impl Inner {
         for (key, raw) in plan.fields.into_iter().chain(fields) {
             body.set_raw_static(key, raw);
         }
-        Ok(())
+        Ok(Some(EncodeSummary {
+            items: u32::try_from(plan_items).unwrap_or(u32::MAX),
+            duration: elapsed,
+        }))
     }
 
     /// One encoder leg: tried on the least loaded encoder, then, when it failed for a
