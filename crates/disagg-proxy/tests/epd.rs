@@ -402,3 +402,34 @@ async fn the_access_log_and_histograms_tell_the_encoder_stage() {
         "{metrics}"
     );
 }
+
+/// `disagg-proxy demo --encode`: an image through a simulated encoder, then P → D.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_e_p_d() {
+    let out = tokio::task::spawn_blocking(|| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+            .args([
+                "demo",
+                "--encode",
+                "--max-tokens",
+                "4",
+                "--inter-token-ms",
+                "1",
+            ])
+            .args(["--prefill-ms-per-token", "0"])
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("the demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("the encoder engine encoded 1 image(s); the prefill engine read 1"),
+        "{stdout}"
+    );
+}
