@@ -433,3 +433,28 @@ async fn the_demo_runs_e_p_d() {
         "{stdout}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_an_encoder_refuses_is_the_clients_400_and_not_retried() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(400),
+        ..Faults::default()
+    });
+    let mut refused = 0;
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        if a.status == 400 {
+            a.assert_error(400, "invalid_parameter");
+            assert_eq!(a.json()["error"]["param"], "messages", "{}", a.text());
+            refused += 1;
+        } else {
+            assert_eq!(a.status, 200, "{}", a.text());
+        }
+    }
+    // Each request the refusing encoder got was answered 400, none sent on elsewhere.
+    assert!(refused > 0);
+    assert_eq!(refused, epd.encoders[0].stats().requests);
+    assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 0);
+    assert_eq!(epd.consumer().stats().requests, 4 - refused);
+}

@@ -11,7 +11,7 @@ use http::HeaderValue;
 use crate::body::JsonBody;
 use crate::connector::Leg;
 use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
-use crate::error::{BodyError, PdError, Phase, Side, TransportError};
+use crate::error::{BodyError, InvalidParam, PdError, Phase, Side, TransportError};
 use crate::outcome::EncodeSummary;
 use crate::request::{Api, PdRequest};
 use crate::transport::read_limited;
@@ -122,6 +122,17 @@ impl Inner {
                     let limit = stage.config.max_answer_bytes;
                     match read_limited(resp.into_body(), limit).await {
                         Ok(body) if status.is_success() => return Ok(body),
+                        // The encoder refused an item (an image it cannot decode): the
+                        // client's fault, answered 400 in the engine's words, never
+                        // retried elsewhere.
+                        Ok(body) if status.is_client_error() => {
+                            let message = upstream_message(&body).unwrap_or_else(|| {
+                                format!("an encoder refused the media items ({status})")
+                            });
+                            return Err(PdError::body(BodyError::Invalid(InvalidParam::new(
+                                "messages", message,
+                            ))));
+                        }
                         Ok(body) => {
                             let e = PdError::upstream_status(
                                 Side::Encode,
