@@ -90,6 +90,10 @@ pub struct EncodeConfig {
     pub attempts: usize,
     /// Largest encoder answer read (default 4 MiB): a longer one fails its leg.
     pub max_answer_bytes: usize,
+    /// How long an encoder whose leg failed (unreachable, 5xx, an unreadable answer) is
+    /// passed over while another is healthy (default 5 s; passive health). Its next
+    /// success clears it at once.
+    pub eject_for: Duration,
 }
 
 impl Default for EncodeConfig {
@@ -98,6 +102,7 @@ impl Default for EncodeConfig {
             timeout: Duration::from_secs(60),
             attempts: 2,
             max_answer_bytes: 4 << 20,
+            eject_for: Duration::from_secs(5),
         }
     }
 }
@@ -139,6 +144,10 @@ pub struct EncodeStage {
     pub(crate) encoders: Vec<Arc<Endpoint>>,
     pub(crate) config: EncodeConfig,
     next: AtomicUsize,
+    /// Per encoder: until when (microseconds since `epoch`) it is passed over; 0 when
+    /// healthy.
+    down_until: Vec<AtomicU64>,
+    epoch: std::time::Instant,
     pub(crate) counters: EncodeCounters,
     finders: [memchr::memmem::Finder<'static>; 2],
 }
@@ -161,9 +170,12 @@ impl EncodeStage {
         encoders: impl IntoIterator<Item = Endpoint>,
         config: EncodeConfig,
     ) -> Self {
+        let encoders: Vec<Arc<Endpoint>> = encoders.into_iter().map(Arc::new).collect();
         EncodeStage {
             connector: Arc::new(connector),
-            encoders: encoders.into_iter().map(Arc::new).collect(),
+            down_until: encoders.iter().map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
+            encoders,
             config,
             next: AtomicUsize::new(0),
             counters: EncodeCounters::default(),
@@ -207,14 +219,54 @@ impl EncodeStage {
         self.finders.iter().any(|f| f.find(messages).is_some())
     }
 
-    /// The encoder a leg tries first: the least loaded, ties broken round robin.
+    /// The encoder a leg tries first: a healthy one before one passed over, then the
+    /// least loaded, ties broken round robin.
     pub(crate) fn first(&self) -> usize {
         let n = self.encoders.len();
         let start = self.next.fetch_add(1, Relaxed) % n.max(1);
+        let now = self.now_micros();
         (0..n)
             .map(|k| (start + k) % n)
-            .min_by_key(|&i| self.encoders[i].in_flight())
+            .min_by_key(|&i| (self.is_down(i, now), self.encoders[i].in_flight()))
             .unwrap_or(0)
+    }
+
+    /// Whether encoder `i` is passed over at `now`.
+    fn is_down(&self, i: usize, now: u64) -> bool {
+        self.down_until
+            .get(i)
+            .is_some_and(|d| d.load(Relaxed) > now)
+    }
+
+    fn now_micros(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Tell how a leg on encoder `i` ended: a failure passes it over for
+    /// [`EncodeConfig::eject_for`], a success clears that.
+    pub(crate) fn observe(&self, i: usize, ok: bool) {
+        let Some(slot) = self.down_until.get(i) else {
+            return;
+        };
+        if ok {
+            if slot.load(Relaxed) != 0 {
+                slot.store(0, Relaxed);
+            }
+        } else {
+            let until = self.now_micros().saturating_add(
+                u64::try_from(self.config.eject_for.as_micros()).unwrap_or(u64::MAX),
+            );
+            slot.store(until, Relaxed);
+        }
+    }
+
+    /// The encoders passed over now (their leg failed within
+    /// [`EncodeConfig::eject_for`]).
+    pub fn ejected(&self) -> usize {
+        let now = self.now_micros();
+        (0..self.encoders.len())
+            .filter(|&i| self.is_down(i, now))
+            .count()
     }
 }
 

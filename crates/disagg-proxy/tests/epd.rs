@@ -458,3 +458,20 @@ async fn an_item_an_encoder_refuses_is_the_clients_400_and_not_retried() {
     assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 0);
     assert_eq!(epd.consumer().stats().requests, 4 - refused);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_encoder_is_passed_over_until_it_answers_again() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    for _ in 0..6 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    // Tried once at most (its failure passed it over), every item encoded by the other.
+    assert!(epd.encoders[0].stats().requests <= 1);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 6);
+    assert!(epd.proxy.metric("disagg_encode_ejected").await <= 1);
+}

@@ -99,7 +99,8 @@ impl Inner {
         let id = leg_id(req.request_id(), index);
         let mut last = None;
         for t in 0..tries {
-            let Some(ep) = stage.encoders.get((first + t) % n.max(1)) else {
+            let i = (first + t) % n.max(1);
+            let Some(ep) = stage.encoders.get(i) else {
                 break;
             };
             if t > 0 {
@@ -121,7 +122,10 @@ impl Inner {
                     let status = resp.status();
                     let limit = stage.config.max_answer_bytes;
                     match read_limited(resp.into_body(), limit).await {
-                        Ok(body) if status.is_success() => return Ok(body),
+                        Ok(body) if status.is_success() => {
+                            stage.observe(i, true);
+                            return Ok(body);
+                        }
                         // The encoder refused an item (an image it cannot decode): the
                         // client's fault, answered 400 in the engine's words, never
                         // retried elsewhere.
@@ -151,6 +155,7 @@ impl Inner {
                     }
                 }
             };
+            stage.observe(i, false);
             tracing::debug!(
                 encoder = %ep.id(),
                 error = %crate::error::error_chain(&err),

@@ -165,6 +165,19 @@ impl prometheus_client::collector::Collector for EncodeCollector {
         mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
     ) -> std::fmt::Result {
         let s = self.0.stats();
+        {
+            use prometheus_client::encoding::EncodeMetric;
+            let gauge = prometheus_client::metrics::gauge::ConstGauge::new(
+                i64::try_from(self.0.ejected()).unwrap_or(i64::MAX),
+            );
+            let metric = encoder.encode_descriptor(
+                "disagg_encode_ejected",
+                "Encoders passed over now because their last leg failed (passive health).",
+                None,
+                gauge.metric_type(),
+            )?;
+            gauge.encode(metric)?;
+        }
         crate::observe::encode_counters(
             &mut encoder,
             &[
