@@ -53,6 +53,7 @@
 
 pub mod body;
 pub mod connector;
+pub mod encode;
 pub mod endpoint;
 pub mod error;
 pub mod orchestrator;

@@ -213,6 +213,17 @@ pub enum Delivery {
     Broken,
 }
 
+/// What a request's encoder stage did ([`encode`](crate::encode)), for its
+/// [`Summary`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EncodeSummary {
+    /// Media items sent to encoders.
+    pub items: u32,
+    /// From the first encoder leg sent to the last answer folded in.
+    pub duration: Duration,
+}
+
 /// How one request ended, told once to every listener after its last attempt.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -249,6 +260,8 @@ pub struct Summary {
     pub arrival_wall: SystemTime,
     /// Time spent waiting for admission.
     pub queued: Option<Duration>,
+    /// The encoder stage, when the request went through one (E/P/D).
+    pub encode: Option<EncodeSummary>,
     /// The steps of the attempt that answered.
     pub timeline: Option<Timeline>,
     /// When the first byte of the response body went to the client.
@@ -288,6 +301,7 @@ impl Summary {
                 .checked_sub(end.saturating_duration_since(arrival))
                 .unwrap_or(wall),
             queued: None,
+            encode: None,
             timeline: None,
             first_byte: None,
             end,

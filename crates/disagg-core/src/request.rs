@@ -77,6 +77,7 @@ impl Api {
 /// another prefill rank than the one that holds the KV fails).
 pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "kv_transfer_params",
+    "ec_transfer_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -242,6 +243,12 @@ impl PdRequest {
     /// The client's body, without handoff fields.
     pub fn body(&self) -> &JsonBody {
         &self.body
+    }
+
+    /// The parsed body, to change before the legs are planned (the encoder stage's
+    /// fields).
+    pub(crate) fn body_mut(&mut self) -> &mut JsonBody {
+        &mut self.body
     }
 
     /// The request's id: the client's `x-request-id` when it sent a usable one, else one

@@ -34,6 +34,8 @@
 //! | `duration_ms` | arrival to the response's end |
 //! | `ttft_ms` | arrival to the first body byte sent |
 //! | `queue_ms` | time waiting for admission |
+//! | `encode_ms` | the encoder stage (E/P/D), first encoder leg sent to the last answer |
+//! | `encode_items` | media items the encoder stage sent to encoders |
 //! | `prefill_ms` | the prefill leg, sent to answered |
 //! | `handoff_ms` | the KV handoff step, until the decode leg was sent |
 //! | `decode_head_ms` | the decode leg, sent to its response head |
@@ -297,7 +299,7 @@ impl<'a> Value<'a> {
 }
 
 /// Every field of a line, in order.
-struct Fields<'a>([(&'static str, Value<'a>); 26]);
+struct Fields<'a>([(&'static str, Value<'a>); 28]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
@@ -335,6 +337,12 @@ impl<'a> Fields<'a> {
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::millis(s.time_to_first_byte())),
             ("queue_ms", Value::millis(s.queued)),
+            ("encode_ms", Value::millis(s.encode.map(|e| e.duration))),
+            (
+                "encode_items",
+                s.encode
+                    .map_or(Value::Null, |e| Value::Uint(u64::from(e.items))),
+            ),
             ("prefill_ms", Value::millis(phases.and_then(|p| p.prefill))),
             ("handoff_ms", Value::millis(phases.and_then(|p| p.handoff))),
             (
@@ -388,6 +396,8 @@ impl<'a> Fields<'a> {
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::Null),
             ("queue_ms", Value::Null),
+            ("encode_ms", Value::Null),
+            ("encode_items", Value::Null),
             ("prefill_ms", Value::Null),
             ("handoff_ms", Value::Null),
             ("decode_head_ms", Value::Null),

@@ -44,6 +44,11 @@ pub(crate) struct DemoArgs {
     /// The KV-transfer protocol the simulated engines and the proxy speak.
     #[arg(long, value_enum, default_value_t = ConnectorArg::Nixl)]
     connector: ConnectorArg,
+    /// E/P/D: send an image with the message, encoded first by a simulated encoder-only
+    /// engine whose output the prefill reads from a shared directory (vLLM's encoder
+    /// protocol; `--connector nixl` or `mooncake`).
+    #[arg(long)]
+    encode: bool,
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
@@ -80,10 +85,34 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         .and_then(Notifications::local_addr)
         .map(|a| a.to_string());
     let plan = nixl_plan()?;
+    // E/P/D: an encoder-only engine and the directory it shares with the prefill.
+    let ec_store = args
+        .encode
+        .then(|| std::env::temp_dir().join(format!("disagg-demo-ec-{}", std::process::id())));
+    let encoder = match &ec_store {
+        None => None,
+        Some(store) => Some(
+            SimEngine::start(SimConfig {
+                ec: Some(disagg_sim::EcConfig {
+                    role: disagg_sim::EcRole::Producer,
+                    store: store.clone(),
+                }),
+                ..sim.clone()
+            })
+            .await?,
+        ),
+    };
+    if let Some(e) = &encoder {
+        println!("encoder engine  {}  (encoder-only)", e.url());
+    }
     let prefill = start_planned(
         SimConfig {
             kv_mode: p_mode,
             lmcache_proxy,
+            ec: ec_store.clone().map(|store| disagg_sim::EcConfig {
+                role: disagg_sim::EcRole::Consumer,
+                store,
+            }),
             ..sim.clone()
         },
         &plan.engines[0],
@@ -144,7 +173,15 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ]),
         Arc::clone(&connector),
     )?;
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), connector).build();
+    let mut builder = Orchestrator::builder(source, HttpTransport::default(), connector);
+    if let Some(e) = &encoder {
+        builder = builder.encoder(Arc::new(disagg_core::encode::EncodeStage::new(
+            disagg_connectors::vllm::VllmEncoder::new(),
+            [Endpoint::new(&e.url(), Role::Prefill)?],
+            disagg_core::encode::EncodeConfig::default(),
+        )));
+    }
+    let orchestrator = builder.build();
     println!("connector       {}", args.connector.name());
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let proxy = format!("http://{}", listener.local_addr()?);
@@ -262,6 +299,16 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     {
         return Err("the KV was not handed over from the prefill engine".into());
     }
+    if let Some(e) = &encoder {
+        let encoded = e.stats().ec_items_encoded;
+        println!(
+            "encoder stage: the encoder engine encoded {encoded} image(s); the prefill engine read {} from the shared store",
+            p.ec_items_loaded
+        );
+        if encoded != 1 || p.ec_items_loaded != 1 {
+            return Err("the image did not go through the encoder stage".into());
+        }
+    }
 
     // The same request to a plain engine (no disaggregation; the decode engine of a
     // concurrent protocol refuses requests without handoff fields) gives the same text.
@@ -287,6 +334,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     }
     println!("output identical to a direct (non-disaggregated) run: yes");
     plain.shutdown().await;
+    if let Some(store) = ec_store {
+        let _ = std::fs::remove_dir_all(store);
+    }
 
     let _ = stop_tx.send(());
     server.await??;
@@ -323,9 +373,17 @@ async fn start_planned(
 }
 
 fn body_json(args: &DemoArgs, stream: bool) -> serde_json::Value {
+    let content = if args.encode {
+        serde_json::json!([
+            {"type": "text", "text": args.prompt},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ])
+    } else {
+        serde_json::json!(args.prompt)
+    };
     serde_json::json!({
         "model": "sim-model",
-        "messages": [{"role": "user", "content": args.prompt}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": args.max_tokens,
         "stream": stream,
     })

@@ -74,7 +74,9 @@ impl Shared {
                     .into(),
             );
         }
-        if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback {
+        // E → PD: encoders in front of prefill-decode engines, no prefill pool.
+        let e_pd = args.prefill.is_empty() && !args.discovery.any() && !args.encode.is_empty();
+        if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback && !e_pd {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
         let bounds = args.discovery.bounds();
@@ -282,7 +284,7 @@ impl Shared {
         config.tokenize_timeout = args.kv_events.tokenize_timeout()?;
         let resilience = args.reliability.apply(&mut config, args.retries)?;
         let observe = args.observe.start(args.connector.name(), &mut config)?;
-        if args.decode_only_fallback {
+        if args.decode_only_fallback || e_pd {
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
         config.missing_kv = match args.missing_kv {
@@ -350,6 +352,12 @@ impl Shared {
                 .config(config);
         if let Some(t) = tokenizer {
             builder = builder.tokenizer(t);
+        }
+        if let Some(stage) = encode_stage(args, bounds.addresses)? {
+            service
+                .extra_metrics
+                .push(connectors::encode_metrics(Arc::clone(&stage)));
+            builder = builder.encoder(stage);
         }
         if let Some((t, _)) = &telemetry {
             builder = builder.listener(Arc::clone(t));
@@ -501,3 +509,28 @@ pub fn run(
 
 #[cfg(test)]
 mod tests;
+
+/// The encoder stage of `--encode`, if any engine was given.
+fn encode_stage(
+    args: &ServeArgs,
+    addresses: disagg_core::endpoint::AddressPolicy,
+) -> Result<Option<Arc<disagg_core::encode::EncodeStage>>, BoxError> {
+    if args.encode.is_empty() {
+        return Ok(None);
+    }
+    let mut encoders = Vec::new();
+    for url in &args.encode {
+        // The pool is the stage's own: the role is not read.
+        let ep =
+            Endpoint::with_address_policy(url, Role::Prefill, http::Extensions::new(), addresses)
+                .map_err(|e| format!("--encode {url}: {e}"))?;
+        encoders.push(ep);
+    }
+    let mut config = disagg_core::encode::EncodeConfig::default();
+    config.timeout = secs(args.encode_timeout, "encode-timeout")?;
+    let connector =
+        disagg_connectors::vllm::VllmEncoder::new().with_image_batch(args.encode_image_batch);
+    Ok(Some(Arc::new(disagg_core::encode::EncodeStage::new(
+        connector, encoders, config,
+    ))))
+}

@@ -184,6 +184,16 @@ pub(crate) struct SimArgs {
     /// answered 401 `{"error": "Unauthorized"}` (other paths stay open, as in vLLM).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
+    /// Encoder disaggregation (E/P/D), as vLLM's `ec_role` with its shared-storage EC
+    /// connector: `producer` (an encoder-only engine: every chat request is an encoder
+    /// leg, its media items written to --ec-store, answered with `ec_transfer_params`)
+    /// or `consumer` (every media item of a chat request is read from --ec-store; one
+    /// never encoded fails the request with 500).
+    #[arg(long, value_enum, requires = "ec_store")]
+    ec_role: Option<EcRoleArg>,
+    /// The directory encoders and consumers share (vLLM's `shared_storage_path`).
+    #[arg(long, value_name = "DIR", requires = "ec_role")]
+    ec_store: Option<std::path::PathBuf>,
     /// Serve HTTPS with this certificate chain (PEM), as vLLM's --ssl-certfile.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -194,6 +204,16 @@ pub(crate) struct SimArgs {
     /// vLLM's --ssl-ca-certs with --ssl-cert-reqs 2.
     #[arg(long, value_name = "PATH", requires = "tls_cert")]
     tls_client_ca: Option<std::path::PathBuf>,
+}
+
+/// `--ec-role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum EcRoleArg {
+    /// vLLM `ec_producer`: an encoder-only engine.
+    Producer,
+    /// vLLM `ec_consumer`: a prefill or prefill-decode engine reading the encoders'
+    /// output.
+    Consumer,
 }
 
 /// The HTTPS settings the flags describe.
@@ -274,6 +294,16 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             .clone()
             .unwrap_or_else(|| SimConfig::default().version),
         tls: tls(args)?,
+        ec: match (args.ec_role, &args.ec_store) {
+            (Some(role), Some(store)) => Some(disagg_sim::EcConfig {
+                role: match role {
+                    EcRoleArg::Producer => disagg_sim::EcRole::Producer,
+                    EcRoleArg::Consumer => disagg_sim::EcRole::Consumer,
+                },
+                store: store.clone(),
+            }),
+            _ => None,
+        },
         faults: Faults {
             status: args.fail_status,
             hang: args.hang,
@@ -354,6 +384,20 @@ mod tests {
     fn parse(args: &[&str]) -> Result<SimConfig, BoxError> {
         let cli = Cli::try_parse_from(std::iter::once("sim").chain(args.iter().copied()))?;
         config(&cli.sim)
+    }
+
+    #[test]
+    fn ec_flags() {
+        let c = parse(&["--ec-role", "producer", "--ec-store", "/tmp/ec"]).unwrap();
+        let ec = c.ec.expect("an EC config");
+        assert_eq!(ec.role, disagg_sim::EcRole::Producer);
+        assert_eq!(ec.store, std::path::Path::new("/tmp/ec"));
+        let c = parse(&["--ec-role", "consumer", "--ec-store", "/tmp/ec"]).unwrap();
+        assert_eq!(c.ec.map(|e| e.role), Some(disagg_sim::EcRole::Consumer));
+        assert!(parse(&[]).unwrap().ec.is_none());
+        // Each needs the other.
+        assert!(parse(&["--ec-role", "producer"]).is_err());
+        assert!(parse(&["--ec-store", "/tmp/ec"]).is_err());
     }
 
     #[test]

@@ -139,14 +139,25 @@ fn push_content(out: &mut String, content: &Value) -> Result<(), ApiError> {
                     .filter(|t| *t == "text")
                     .and_then(|_| part.get("text"))
                     .and_then(Value::as_str);
-                match text {
-                    Some(t) => {
+                // A media item is one placeholder word (its encoder output, under
+                // E/P/D, is the `ec` module's).
+                let media = part.get("type").and_then(Value::as_str).and_then(|t| {
+                    t.strip_suffix("_url")
+                        .or((t == "input_audio").then_some("audio"))
+                });
+                match (text, media) {
+                    (Some(t), _) => {
                         out.push_str(t);
                         out.push('\n');
                     }
-                    None => {
+                    (None, Some(m)) => {
+                        out.push('<');
+                        out.push_str(m);
+                        out.push_str(">\n");
+                    }
+                    (None, None) => {
                         return Err(ApiError::bad_request(
-                            "messages: only content parts of type `text` are supported",
+                            "messages: only content parts of type `text`, `image_url`, `input_audio`, `audio_url` and `video_url` are supported",
                         ));
                     }
                 }

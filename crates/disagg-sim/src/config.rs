@@ -163,6 +163,11 @@ pub struct SimConfig {
     /// [`Stats::requests_without_key`](crate::Stats::requests_without_key) whatever
     /// their path, so a test can tell whether a client sent it.
     pub api_key: Option<String>,
+    /// Encoder disaggregation (vLLM's `--ec-transfer-config` with its shared-storage
+    /// connector): an encoder-only engine or a consumer of the encoders' output, and
+    /// the directory they share (see the crate's `ec` module). Default `None`: media
+    /// parts are served as placeholder text, nothing is read or written.
+    pub ec: Option<crate::ec::EcConfig>,
     /// What `GET /version` answers as `{"version": ...}` (default `"0.33.0"`, the vLLM
     /// release the simulator follows): set it to model a prefill and a decode of
     /// different engine builds, which vLLM's NIXL handshake refuses to pair.
@@ -264,6 +269,7 @@ impl Default for SimConfig {
             kv_events: None,
             serial_prefill: false,
             api_key: None,
+            ec: None,
             version: crate::surface::VERSION.to_owned(),
             tls: None,
         }

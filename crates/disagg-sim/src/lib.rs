@@ -678,6 +678,7 @@ mod api;
 mod body;
 mod config;
 mod dp;
+mod ec;
 mod gen_apis;
 mod generate;
 mod handoff;
@@ -702,6 +703,7 @@ mod tls;
 pub use config::{
     Faults, KvMode, LmcacheReceiver, MetricsFault, PartialKv, SimConfig, SimRole, SimTls,
 };
+pub use ec::{EcConfig, EcRole};
 pub use generate::{EOS_TOKEN_ID, VOCAB_SIZE, generate, generate_from_ids, tokenize};
 pub use kv::{
     BootstrapResponse, MooncakePullRequest, PushRegistration, SideChannelRegister,

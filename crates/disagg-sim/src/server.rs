@@ -1408,6 +1408,25 @@ where
             inner.next_id.fetch_add(1, Relaxed)
         ),
     };
+    // E/P/D: an encoder-only engine answers every chat request as an encoder leg; a
+    // consumer reads each media item's encoder output before any work.
+    if let (Some(ec), Route::Openai(Endpoint::Chat)) = (&inner.config.ec, route) {
+        match ec.role {
+            crate::ec::EcRole::Producer => {
+                guard.complete();
+                return encoder_answer(inner, &ec.store, &json, &request_id, header_id);
+            }
+            crate::ec::EcRole::Consumer => match crate::ec::load(&ec.store, &json) {
+                Ok(n) => {
+                    inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+                }
+                Err(e) => {
+                    guard.complete();
+                    return error_response(&e, header_id);
+                }
+            },
+        }
+    }
     let vllm = inner.config.kv_mode.is_vllm();
     // vLLM: the data-parallel rank, pinned by the header or chosen by the
     // engine's balancer; it stays loaded while the request lives.
@@ -1478,6 +1497,46 @@ where
         Err((e, mut guard)) => {
             guard.complete();
             error_response(&e, header_id)
+        }
+    }
+}
+
+/// An encoder-only engine's answer to a chat request: its media items encoded into the
+/// shared store, the answer non-streamed with `ec_transfer_params` (vLLM writes them
+/// into a whole answer only; a streamed encoder leg is refused here, as its handoff
+/// would be lost).
+fn encoder_answer(
+    inner: &Inner,
+    store: &std::path::Path,
+    json: &Value,
+    request_id: &str,
+    header_id: Option<&str>,
+) -> Response<SimBody> {
+    if json.get("stream").and_then(Value::as_bool) == Some(true) {
+        return error_response(
+            &ApiError::bad_request(
+                "an encoder-only engine answers ec_transfer_params only unstreamed",
+            ),
+            header_id,
+        );
+    }
+    match crate::ec::encode(store, json) {
+        Err(e) => error_response(&e, header_id),
+        Ok((params, n)) => {
+            inner.counters.ec_items_encoded.fetch_add(n as u64, Relaxed);
+            let body = json!({
+                "id": format!("chatcmpl-{request_id}"),
+                "object": "chat.completion",
+                "created": inner.created,
+                "model": inner.config.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                             "finish_reason": "length"}],
+                "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n},
+                "kv_transfer_params": null,
+                "ec_transfer_params": if n == 0 { Value::Null } else { params },
+            });
+            let body = serde_json::to_vec(&body).unwrap_or_default();
+            json_response(StatusCode::OK, SimBody::full(body), header_id)
         }
     }
 }

@@ -227,6 +227,14 @@ pub struct Stats {
     /// `kv_transfer_params` (vLLM 0.33's prompt-token reuse).
     #[serde(default)]
     pub prompt_ids_reused: u64,
+    /// Encoder-only engines (E/P/D): media items encoded and written to the shared
+    /// store.
+    #[serde(default)]
+    pub ec_items_encoded: u64,
+    /// E/P/D consumers: media items whose encoder output was read from the shared
+    /// store.
+    #[serde(default)]
+    pub ec_items_loaded: u64,
     /// `GET /metrics` requests received (whatever [`Faults::metrics`](crate::Faults::metrics)
     /// made of their answer).
     #[serde(default)]
@@ -312,6 +320,8 @@ pub(crate) struct Counters {
     pub(crate) admin_requests: AtomicU64,
     pub(crate) chat_prompts_tokenized: AtomicU64,
     pub(crate) prompt_ids_reused: AtomicU64,
+    pub(crate) ec_items_encoded: AtomicU64,
+    pub(crate) ec_items_loaded: AtomicU64,
     pub(crate) metrics_requests: AtomicU64,
     pub(crate) prompt_tokens_local: AtomicU64,
     pub(crate) prompt_tokens_cached: AtomicU64,
@@ -416,6 +426,8 @@ impl Counters {
             admin_requests: self.admin_requests.load(Relaxed),
             chat_prompts_tokenized: self.chat_prompts_tokenized.load(Relaxed),
             prompt_ids_reused: self.prompt_ids_reused.load(Relaxed),
+            ec_items_encoded: self.ec_items_encoded.load(Relaxed),
+            ec_items_loaded: self.ec_items_loaded.load(Relaxed),
             metrics_requests: self.metrics_requests.load(Relaxed),
             prompt_tokens_local: self.prompt_tokens_local.load(Relaxed),
             prompt_tokens_cached: self.prompt_tokens_cached.load(Relaxed),

@@ -13,6 +13,7 @@
 //! |---|---|
 //! | `nixl.rs` | [`VllmNixl`]: NIXL in pull mode, the handoff dict checked as vLLM 0.33's decode reads it |
 //! | `reuse.rs` | [`PromptTokenReuse`]: vLLM 0.33's prompt-token reuse on NIXL's decode leg (chat) |
+//! | `encoder.rs` | [`VllmEncoder`]: the encoder legs of E/P/D and the `ec_transfer_params` they give the prefill |
 //! | `mooncake.rs` | [`VllmMooncake`]: Mooncake, the bootstrap server's engine ids, data-parallel ranks pinned |
 //! | `rewrite/mod.rs` | [`PrefillRewriter`](rewrite::PrefillRewriter): the prefill leg's body |
 //! | `rewrite/check.rs` | [`check_request`](rewrite::check::check_request) and [`VllmLimits`](rewrite::check::VllmLimits): what vLLM refuses in the rewritten fields |
@@ -21,11 +22,13 @@
 //! [`Leg::set_rank`](disagg_core::connector::Leg::set_rank) (`X-Data-Parallel-Rank`, the
 //! header vLLM's API server reads).
 
+mod encoder;
 mod mooncake;
 mod nixl;
 pub mod reuse;
 pub mod rewrite;
 
+pub use encoder::VllmEncoder;
 pub use mooncake::VllmMooncake;
 pub use nixl::VllmNixl;
 pub use nixl::bidi;

@@ -245,6 +245,15 @@ pub enum ConnectorError {
         /// Why.
         reason: String,
     },
+    /// An encoder's 2xx answer could not be used (E/P/D, [`encode`](crate::encode)).
+    #[error("an encoder answered unusably: {problem}")]
+    InvalidEncoderAnswer {
+        /// What is wrong, in words.
+        problem: &'static str,
+        /// Why it did not parse, when it did not.
+        #[source]
+        source: Option<BodyError>,
+    },
     /// A value the connector had to serialize could not be.
     #[error("could not encode `{field}`")]
     Encode {

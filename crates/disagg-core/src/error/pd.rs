@@ -19,6 +19,8 @@ pub enum Side {
     Prefill,
     /// The decode leg failed.
     Decode,
+    /// An encoder leg failed (the encoder stage of E/P/D, [`encode`](crate::encode)).
+    Encode,
 }
 
 impl Side {
@@ -29,6 +31,7 @@ impl Side {
             Side::Router => "router",
             Side::Prefill => "prefill",
             Side::Decode => "decode",
+            Side::Encode => "encode",
         }
     }
 }
@@ -113,6 +116,8 @@ pub(crate) enum Phase {
     DecodeIdle,
     /// Any other exchange a transport timed out on.
     Response,
+    /// The encoder stage: every encoder leg of the request (`encode_timeout`).
+    Encode,
 }
 
 impl Phase {
@@ -124,6 +129,7 @@ impl Phase {
             Phase::DecodeHead => "response head",
             Phase::DecodeIdle => "next chunk",
             Phase::Response => "response",
+            Phase::Encode => "encoder answers",
         }
     }
 }
@@ -289,10 +295,11 @@ impl PdError {
                 _ => "no_decode_endpoint",
             },
             (Kind::Connector, _) if self.is_unsupported() => "unsupported_by_connector",
-            (Kind::Deadline { .. }, _) => "deadline_exceeded",
+            (Kind::Deadline { phase }, _) if *phase != Phase::Encode => "deadline_exceeded",
             (Kind::QueueFull { .. }, _) => "queue_full",
             (Kind::QueueTimeout { .. }, _) => "queue_timeout",
             (Kind::ServerBusy { .. }, _) => "server_busy",
+            (Kind::Timeout { .. } | Kind::Deadline { .. }, Side::Encode) => "encode_timeout",
             (Kind::Timeout { phase, .. }, side) => match phase {
                 Phase::Handoff => "handoff_timeout",
                 Phase::DecodeIdle => "decode_idle_timeout",
@@ -300,6 +307,7 @@ impl PdError {
                 _ => "decode_timeout",
             },
             (_, Side::Prefill) => "prefill_failed",
+            (_, Side::Encode) => "encode_failed",
             (_, _) => "decode_failed",
         }
     }
@@ -367,7 +375,7 @@ impl PdError {
 
     /// Whether the request's total deadline passed (`deadline_exceeded`).
     pub(crate) fn is_deadline(&self) -> bool {
-        matches!(self.kind, Kind::Deadline { .. })
+        matches!(self.kind, Kind::Deadline { phase } if phase != Phase::Encode)
     }
 
     /// Whether no prefill endpoint was available (`no_prefill_endpoint`).

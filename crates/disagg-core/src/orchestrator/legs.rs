@@ -90,12 +90,24 @@ impl Inner {
         req: &PdRequest,
         leg: &Leg,
     ) -> Result<http::Request<Bytes>, PdError> {
+        let side = match leg.endpoint.role() {
+            crate::endpoint::Role::Prefill => Side::Prefill,
+            crate::endpoint::Role::Decode => Side::Decode,
+        };
+        self.leg_request_with(req, leg, leg.body.to_bytes(), side)
+    }
+
+    /// Build the HTTP request for one leg carrying `body` (rather than the leg's own), a
+    /// leg of `side`.
+    pub(super) fn leg_request_with(
+        &self,
+        req: &PdRequest,
+        leg: &Leg,
+        body: Bytes,
+        side: Side,
+    ) -> Result<http::Request<Bytes>, PdError> {
         let forwarded = client_headers(&self.config, req.headers());
-        http_request(req.api(), leg, leg.body.to_bytes(), forwarded).map_err(|e| {
-            let side = match leg.endpoint.role() {
-                crate::endpoint::Role::Prefill => Side::Prefill,
-                crate::endpoint::Role::Decode => Side::Decode,
-            };
+        http_request(req.api(), leg, body, forwarded).map_err(|e| {
             PdError::transport(
                 side,
                 leg.endpoint.id().clone(),

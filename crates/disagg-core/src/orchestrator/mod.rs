@@ -64,6 +64,7 @@ mod body;
 mod clock;
 mod concurrent;
 pub(crate) mod config;
+mod encode;
 mod lead;
 pub(crate) mod legs;
 mod release;
@@ -92,6 +93,8 @@ struct Inner {
     transport: Arc<dyn Transport>,
     admission: Option<Arc<dyn Admission>>,
     retry: Option<Arc<dyn Retry>>,
+    /// The encoder stage (E/P/D), when configured: `None` costs nothing per request.
+    encode: Option<Arc<crate::encode::EncodeStage>>,
     reporter: Arc<report::Reporter>,
     counters: Arc<Counters>,
     config: OrchestratorConfig,
@@ -184,6 +187,7 @@ pub struct OrchestratorBuilder {
     tokenizer: Option<Arc<dyn Tokenizer>>,
     admission: Option<Arc<dyn Admission>>,
     retry: Option<Arc<dyn Retry>>,
+    encode: Option<Arc<crate::encode::EncodeStage>>,
     listeners: Vec<Arc<dyn Listener>>,
     config: OrchestratorConfig,
 }
@@ -233,6 +237,14 @@ impl OrchestratorBuilder {
         self
     }
 
+    /// Encode the media items of multimodal requests with `stage` before their P → D
+    /// handoff (E/P/D; default: none, every request goes P → D). See
+    /// [`encode`](crate::encode).
+    pub fn encoder(mut self, stage: Arc<crate::encode::EncodeStage>) -> Self {
+        self.encode = Some(stage);
+        self
+    }
+
     /// Tell `listener` how each attempt ended. The source's own listener
     /// ([`EndpointSource::listener`]: passive health) is added by the builder.
     pub fn listener(mut self, listener: impl Listener) -> Self {
@@ -276,6 +288,7 @@ impl OrchestratorBuilder {
                 transport: self.transport,
                 admission: self.admission,
                 retry: self.retry,
+                encode: self.encode,
                 reporter,
                 counters: Arc::default(),
                 config: self.config,
@@ -303,6 +316,7 @@ impl Orchestrator {
             tokenizer: None,
             admission: None,
             retry: None,
+            encode: None,
             listeners: Vec::new(),
             config: OrchestratorConfig::default(),
         }
@@ -380,6 +394,7 @@ impl Orchestrator {
                 transport: Arc::new(transport),
                 admission: i.admission.clone(),
                 retry: i.retry.clone(),
+                encode: i.encode.clone(),
                 reporter: Arc::clone(&i.reporter),
                 counters: Arc::clone(&i.counters),
                 config: i.config.clone(),
@@ -395,6 +410,11 @@ impl Orchestrator {
     /// The transport.
     pub fn transport(&self) -> &dyn Transport {
         &*self.inner.transport
+    }
+
+    /// The encoder stage, when one is configured.
+    pub fn encode_stage(&self) -> Option<&crate::encode::EncodeStage> {
+        self.inner.encode.as_deref()
     }
 
     /// The settings.

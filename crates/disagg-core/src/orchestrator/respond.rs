@@ -165,6 +165,8 @@ pub(super) struct RequestMeta {
     pub(super) engine_id: HeaderValue,
     /// The trace identities, when tracing.
     pub(super) trace: Option<crate::outcome::TraceIds>,
+    /// The encoder stage, when the request went through one.
+    pub(super) encode: Option<crate::outcome::EncodeSummary>,
 }
 
 impl Inner {
@@ -186,6 +188,7 @@ impl Inner {
             s.queued = m.queued;
             s.engine_request_id = Some(m.engine_id);
             s.trace = m.trace;
+            s.encode = m.encode;
         }
         s
     }

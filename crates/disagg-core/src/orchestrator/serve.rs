@@ -62,6 +62,20 @@ impl Inner {
             }),
         };
         let in_flight = InFlight::new(&self.counters);
+        // E/P/D: a request with media items has them encoded first (a byte search of
+        // its messages decides; nothing at all without an encoder stage).
+        let mut encoded = None;
+        if let Some(stage) = &self.encode
+            && stage.wants(&req)
+        {
+            match self.encode(stage, &mut req, clock).await {
+                Ok(e) => encoded = e,
+                Err(e) => {
+                    drop(in_flight);
+                    return Err(self.failed(&req, e, None, None));
+                }
+            }
+        }
         let mut retries = 0;
         let result = loop {
             // The first attempt's engine-side id is the request's own when the proxy
@@ -87,6 +101,7 @@ impl Inner {
                         queued,
                         engine_id: id,
                         trace,
+                        encode: encoded,
                     };
                     break Ok(self.respond(&req, ex, clock, meta));
                 }
@@ -107,6 +122,7 @@ impl Inner {
                         queued,
                         engine_id: id,
                         trace,
+                        encode: encoded,
                     };
                     break self.after_failure(&req, failure, clock, meta).await;
                 }

@@ -34,6 +34,8 @@ const APIS: [(Api, &str); N_APIS] = [
 /// How many APIs have series.
 const N_APIS: usize = 7;
 const STREAMS: [&str; 2] = ["false", "true"];
+/// Buckets of `disagg_encode_items_per_request`.
+const ITEM_BUCKETS: [f64; 8] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0];
 
 /// Records the proxy's latency histograms and each endpoint's legs: a
 /// [`Listener`] to attach to the orchestrator
@@ -47,6 +49,8 @@ const STREAMS: [&str; 2] = ["false", "true"];
 /// | `disagg_request_duration_seconds{api,stream,outcome}` | histogram | arrival to the response's end (its last byte, its break, or the client leaving) |
 /// | `disagg_time_to_first_token_seconds{api,stream}` | histogram | arrival to the first byte of the response body sent to the client |
 /// | `disagg_queue_wait_seconds` | histogram | time waited for admission, for requests that waited |
+/// | `disagg_encode_duration_seconds` | histogram | the encoder stage (E/P/D), for requests that went through one |
+/// | `disagg_encode_items_per_request` | histogram | media items encoded, per request that went through the encoder stage |
 /// | `disagg_prefill_duration_seconds{endpoint}` | histogram | prefill leg sent until answered |
 /// | `disagg_kv_handoff_duration_seconds{connector}` | histogram | the handoff step: from the prefill's answer (sequential) or the plan (concurrent), through any bootstrap or notification wait, until the decode leg is sent |
 /// | `disagg_decode_head_seconds{endpoint}` | histogram | decode leg sent until its response head |
@@ -72,6 +76,8 @@ struct Inner {
     /// By [`APIS`], [`STREAMS`].
     first_token: [[Histogram; 2]; N_APIS],
     queue_wait: Histogram,
+    encode: Histogram,
+    encode_items: Histogram,
     handoff: Histogram,
     duration_family: Histograms<[(&'static str, &'static str); 3]>,
     first_token_family: Histograms<[(&'static str, &'static str); 2]>,
@@ -136,6 +142,8 @@ impl Metrics {
                 duration,
                 first_token,
                 queue_wait: histogram(),
+                encode: histogram(),
+                encode_items: Histogram::new(ITEM_BUCKETS),
                 handoff,
                 duration_family,
                 first_token_family,
@@ -164,6 +172,17 @@ impl Metrics {
             "Requests from arrival to the first byte of the response body sent to the client.",
             Unit::Seconds,
             i.first_token_family.clone(),
+        );
+        registry.register_with_unit(
+            "disagg_encode_duration",
+            "The encoder stage of requests that went through one (E/P/D).",
+            Unit::Seconds,
+            i.encode.clone(),
+        );
+        registry.register(
+            "disagg_encode_items_per_request",
+            "Media items encoded per request that went through the encoder stage.",
+            i.encode_items.clone(),
         );
         registry.register_with_unit(
             "disagg_queue_wait",
@@ -281,6 +300,10 @@ impl Listener for Metrics {
         }
         if let Some(d) = summary.queued {
             i.queue_wait.observe(seconds(d));
+        }
+        if let Some(e) = summary.encode {
+            i.encode.observe(seconds(e.duration));
+            i.encode_items.observe(f64::from(e.items));
         }
     }
 }

@@ -145,3 +145,73 @@ impl prometheus_client::collector::Collector for ReuseCollector {
         )
     }
 }
+
+/// The encoder stage's counters on `GET /metrics` (E/P/D, `--encode`).
+pub(super) fn encode_metrics(
+    stage: Arc<disagg_core::encode::EncodeStage>,
+) -> disagg_http::metrics::ExtraMetrics {
+    disagg_http::metrics::ExtraMetrics::new(move |registry| {
+        registry.register_collector(Box::new(EncodeCollector(Arc::clone(&stage))));
+    })
+}
+
+/// [`encode_metrics`]' collector: the stage's counters, read at each scrape.
+#[derive(Debug)]
+struct EncodeCollector(Arc<disagg_core::encode::EncodeStage>);
+
+impl prometheus_client::collector::Collector for EncodeCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        let s = self.0.stats();
+        {
+            use prometheus_client::encoding::EncodeMetric;
+            let gauge = prometheus_client::metrics::gauge::ConstGauge::new(
+                i64::try_from(self.0.ejected()).unwrap_or(i64::MAX),
+            );
+            let metric = encoder.encode_descriptor(
+                "disagg_encode_ejected",
+                "Encoders passed over now because their last leg failed (passive health).",
+                None,
+                gauge.metric_type(),
+            )?;
+            gauge.encode(metric)?;
+        }
+        crate::observe::encode_counters(
+            &mut encoder,
+            &[
+                (
+                    "disagg_encode_requests",
+                    "Requests whose media items went through the encoder stage (E/P/D).",
+                    s.requests,
+                ),
+                (
+                    "disagg_encode_items",
+                    "Media items sent to encoders.",
+                    s.items,
+                ),
+                (
+                    "disagg_encode_legs",
+                    "Encoder legs sent, retries included.",
+                    s.legs,
+                ),
+                (
+                    "disagg_encode_retries",
+                    "Encoder legs sent again on another encoder after one failed.",
+                    s.retries,
+                ),
+                (
+                    "disagg_encode_failures",
+                    "Requests whose encoder stage failed.",
+                    s.failures,
+                ),
+                (
+                    "disagg_encode_microseconds",
+                    "Time spent in the encoder stage, summed over requests.",
+                    s.micros,
+                ),
+            ],
+        )
+    }
+}

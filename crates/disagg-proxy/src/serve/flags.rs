@@ -42,6 +42,21 @@ pub struct ServeArgs {
     /// connector names the rank to the engine.
     #[arg(long = "decode", value_name = "URL")]
     pub(crate) decode: Vec<String>,
+    /// An encoder-only engine (E/P/D; vLLM `--ec-transfer-config` with `ec_role:
+    /// ec_producer`): its base URL. Repeat for several. A chat request with media parts
+    /// (`image_url`, `input_audio`, `audio_url`, `video_url`) has its items encoded there
+    /// first, concurrently, and its prefill and decode legs carry the encoders'
+    /// `ec_transfer_params`; other requests never touch an encoder. SGLang's encoders
+    /// are the prefill's own flags (`--encoder-urls`), not these.
+    #[arg(long = "encode", value_name = "URL")]
+    pub(crate) encode: Vec<String>,
+    /// Seconds for the whole encoder stage of a request (every encoder leg, retries
+    /// included); past it, 504 `encode_timeout`.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub(crate) encode_timeout: f64,
+    /// At most N images per encoder leg (audio and video items go one per leg).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub(crate) encode_image_batch: usize,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,
@@ -682,6 +697,7 @@ impl ServeArgs {
             .iter()
             .filter(|v| v.contains("://"))
             .chain(&self.decode)
+            .chain(&self.encode)
             .map(String::as_str)
     }
 }

@@ -1,0 +1,332 @@
+//! vLLM 0.33's encoder disaggregation (E/P/D), on the proxy's side: the encoder legs
+//! of a multimodal chat request, and the `ec_transfer_params` their answers give the
+//! prefill.
+//!
+//! The facts, from vLLM's own code (paths relative to the `vllm` package): a request may
+//! carry a top-level `ec_transfer_params` object (`entrypoints/openai/chat_completion/protocol.py`);
+//! an encoder (`ec_role: ec_producer`) answers a non-streamed request with a top-level
+//! `ec_transfer_params` keyed by each item's identifier, `{modality, item_indices,
+//! metadata}` (`distributed/ec_transfer/ec_connector/utils.py`,
+//! `collect_ec_item_metadata`); the identifier is the item's content hash unless the
+//! request names the item's `uuid`. docs/connectors.md has the whole protocol.
+
+use bytes::Bytes;
+use disagg_core::encode::{EncodeLeg, EncodePlan, EncoderConnector};
+use disagg_core::error::{BodyError, ConnectorError, InvalidParam};
+use disagg_core::request::PdRequest;
+use serde_json::{Map, Value};
+
+/// The media part types vLLM's chat API takes, and whether items of the type may share
+/// a leg (images may; audio and video go one per leg).
+const MEDIA: &[(&str, bool)] = &[
+    ("image_url", true),
+    ("input_audio", false),
+    ("audio_url", false),
+    ("video_url", false),
+];
+
+/// Request fields the encoder legs carry as the client sent them: they change what the
+/// encoder computes (and vLLM folds them into the item's identifier).
+const COPIED: &[&str] = &["mm_processor_kwargs", "media_io_kwargs"];
+
+/// Most media items one request may carry through the encoder stage: each is a leg's
+/// work and an entry of the merged answer.
+const MAX_ITEMS: usize = 256;
+
+/// Most entries the merged `ec_transfer_params` may hold (a peer's answer is bounded by
+/// the stage's byte ceiling too).
+const MAX_ENTRIES: usize = 4096;
+
+/// vLLM's encoder protocol, for [`EncodeStage`](disagg_core::encode::EncodeStage).
+///
+/// Each media item of the client's `messages` gets an explicit `uuid` derived from its
+/// content and the request's `mm_processor_kwargs` / `media_io_kwargs` (a `uuid` the
+/// client gave is kept), so the encoder and the prefill name the item alike whatever
+/// their caches; the encoder legs carry the items only (`max_tokens: 1`, not streamed,
+/// since vLLM writes `ec_transfer_params` only into a whole answer); images share a leg
+/// up to [`with_image_batch`](Self::with_image_batch), audio and video go one per leg.
+#[derive(Debug, Clone)]
+pub struct VllmEncoder {
+    image_batch: usize,
+}
+
+impl Default for VllmEncoder {
+    fn default() -> Self {
+        VllmEncoder { image_batch: 8 }
+    }
+}
+
+impl VllmEncoder {
+    /// The protocol with its defaults (up to 8 images per leg).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// At most `n` images per encoder leg (at least 1).
+    pub fn with_image_batch(mut self, n: usize) -> Self {
+        self.image_batch = n.max(1);
+        self
+    }
+}
+
+fn invalid(message: &str) -> InvalidParam {
+    InvalidParam::new("messages", message.to_owned())
+}
+
+/// The content-derived id of one item: a 128-bit hash of its part (without any `uuid`)
+/// and the copied kwargs, as 32 hex digits.
+fn item_uuid(part: &Map<String, Value>, kwargs: &[u8]) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for (k, v) in part {
+        if k == "uuid" {
+            continue;
+        }
+        h.update(k.as_bytes());
+        h.update(&[0]);
+        // Serializing a parsed value cannot fail.
+        h.update(&serde_json::to_vec(v).unwrap_or_default());
+        h.update(&[0]);
+    }
+    h.update(kwargs);
+    format!("{:032x}", h.digest128())
+}
+
+impl EncoderConnector for VllmEncoder {
+    fn name(&self) -> &'static str {
+        "vllm-encoder"
+    }
+
+    fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
+        let body = req.body();
+        let Some(raw) = body.get("messages") else {
+            return Ok(None);
+        };
+        let mut messages: Value =
+            serde_json::from_slice(raw).map_err(|_| invalid("is not valid JSON"))?;
+        let mut kwargs = Vec::new();
+        let mut copied = Map::new();
+        for key in COPIED {
+            if let Some(v) = body.get(key).filter(|v| *v != b"null") {
+                kwargs.extend_from_slice(v);
+                let v: Value = serde_json::from_slice(v)
+                    .map_err(|_| InvalidParam::new(key, "is not valid JSON"))?;
+                copied.insert((*key).to_owned(), v);
+            }
+        }
+        // The items, in order, each with its uuid set, grouped into legs.
+        let mut legs: Vec<(Vec<Value>, bool)> = Vec::new();
+        let mut items = 0;
+        let Some(list) = messages.as_array_mut() else {
+            return Ok(None);
+        };
+        for message in list {
+            let Some(Value::Array(parts)) = message.get_mut("content") else {
+                continue;
+            };
+            for part in parts {
+                let Some(obj) = part.as_object_mut() else {
+                    continue;
+                };
+                let Some(ty) = obj.get("type").and_then(Value::as_str) else {
+                    continue;
+                };
+                let Some(&(_, batched)) = MEDIA.iter().find(|(t, _)| *t == ty) else {
+                    continue;
+                };
+                items += 1;
+                if items > MAX_ITEMS {
+                    return Err(invalid(
+                        "holds more media items than the encoder stage takes",
+                    ));
+                }
+                let keep = matches!(obj.get("uuid"), Some(Value::String(s)) if !s.is_empty());
+                if !keep {
+                    let uuid = item_uuid(obj, &kwargs);
+                    obj.insert("uuid".to_owned(), Value::String(uuid));
+                }
+                match legs.last_mut() {
+                    Some((leg, true)) if batched && leg.len() < self.image_batch => {
+                        leg.push(part.clone())
+                    }
+                    _ => legs.push((vec![part.clone()], batched)),
+                }
+            }
+        }
+        if legs.is_empty() {
+            return Ok(None);
+        }
+        let model = body.get("model").unwrap_or(b"null");
+        let model: Value = serde_json::from_slice(model).unwrap_or(Value::Null);
+        let legs = legs
+            .into_iter()
+            .map(|(content, _)| {
+                let mut leg = Map::new();
+                if !model.is_null() {
+                    leg.insert("model".to_owned(), model.clone());
+                }
+                let n = content.len();
+                leg.insert(
+                    "messages".to_owned(),
+                    serde_json::json!([{"role": "user", "content": content}]),
+                );
+                leg.insert("stream".to_owned(), Value::Bool(false));
+                leg.insert("max_tokens".to_owned(), Value::from(1));
+                for (k, v) in &copied {
+                    leg.insert(k.clone(), v.clone());
+                }
+                EncodeLeg {
+                    body: Bytes::from(serde_json::to_vec(&leg).unwrap_or_default()),
+                    items: n,
+                }
+            })
+            .collect();
+        let messages = Bytes::from(serde_json::to_vec(&messages).unwrap_or_default());
+        Ok(Some(EncodePlan {
+            legs,
+            fields: vec![("messages", messages)],
+        }))
+    }
+
+    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+        let mut merged = Map::new();
+        for answer in answers {
+            let params = disagg_core::proto::top_level_field(answer, "ec_transfer_params")
+                .map_err(|source| ConnectorError::InvalidEncoderAnswer {
+                    problem: "not a JSON object",
+                    source: Some(source),
+                })?;
+            let Some(params) = params else {
+                // An encoder that wrote nothing for its items (no EC connector, or
+                // items its model cannot hand over): the prefill encodes them itself.
+                continue;
+            };
+            if &params[..] == b"null" {
+                continue;
+            }
+            let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
+                return Err(ConnectorError::InvalidEncoderAnswer {
+                    problem: "`ec_transfer_params` is not an object",
+                    source: None::<BodyError>,
+                });
+            };
+            for (hash, entry) in entries {
+                if merged.len() >= MAX_ENTRIES {
+                    return Err(ConnectorError::InvalidEncoderAnswer {
+                        problem: "`ec_transfer_params` has too many entries",
+                        source: None,
+                    });
+                }
+                merged.insert(hash, entry);
+            }
+        }
+        if merged.is_empty() {
+            return Ok(Vec::new());
+        }
+        let raw = serde_json::to_vec(&merged).map_err(|source| ConnectorError::Encode {
+            field: "ec_transfer_params",
+            source,
+        })?;
+        Ok(vec![("ec_transfer_params", Bytes::from(raw))])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use disagg_core::request::Api;
+    use serde_json::json;
+
+    fn request(body: Value) -> PdRequest {
+        PdRequest::new(
+            Api::Chat,
+            Default::default(),
+            &Bytes::from(body.to_string()),
+        )
+        .unwrap()
+    }
+
+    fn image(url: &str) -> Value {
+        json!({"type": "image_url", "image_url": {"url": url}})
+    }
+
+    #[test]
+    fn images_share_legs_up_to_the_batch_and_audio_goes_alone() {
+        let req = request(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look"},
+                image("data:a"), image("data:b"), image("data:c"),
+                {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+            ]}],
+            "mm_processor_kwargs": {"fps": 2},
+        }));
+        let plan = VllmEncoder::new()
+            .with_image_batch(2)
+            .plan(&req)
+            .unwrap()
+            .unwrap();
+        let sizes: Vec<usize> = plan.legs.iter().map(|l| l.items).collect();
+        assert_eq!(sizes, [2, 1, 1]);
+        let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
+        assert_eq!(leg["stream"], false);
+        assert_eq!(leg["max_tokens"], 1);
+        assert_eq!(leg["mm_processor_kwargs"], json!({"fps": 2}));
+        assert_eq!(leg["messages"][0]["content"].as_array().unwrap().len(), 2);
+        // The uuid on the leg is the one the prefill's messages carry.
+        let messages: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        let uuid = &messages[0]["content"][1]["uuid"];
+        assert!(uuid.is_string());
+        assert_eq!(&leg["messages"][0]["content"][0]["uuid"], uuid);
+        // Text parts stay, without a uuid.
+        assert!(messages[0]["content"][0].get("uuid").is_none());
+    }
+
+    #[test]
+    fn the_uuid_follows_the_content_and_the_kwargs() {
+        let uuid = |body: Value| {
+            let plan = VllmEncoder::new().plan(&request(body)).unwrap().unwrap();
+            let m: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+            m[0]["content"][0]["uuid"].clone()
+        };
+        let msgs = |url: &str| json!([{"role": "user", "content": [image(url)]}]);
+        let a = uuid(json!({"messages": msgs("data:a")}));
+        assert_eq!(a, uuid(json!({"messages": msgs("data:a")})));
+        assert_ne!(a, uuid(json!({"messages": msgs("data:b")})));
+        assert_ne!(
+            a,
+            uuid(json!({"messages": msgs("data:a"), "media_io_kwargs": {"x": 1}}))
+        );
+        let mut given = msgs("data:a");
+        given[0]["content"][0]["uuid"] = json!("mine");
+        assert_eq!(uuid(json!({"messages": given})), json!("mine"));
+    }
+
+    #[test]
+    fn text_only_messages_plan_nothing() {
+        let req = request(json!({"messages": [{"role": "user", "content": "see image_url\""}]}));
+        assert!(VllmEncoder::new().plan(&req).unwrap().is_none());
+    }
+
+    #[test]
+    fn answers_are_merged_and_bad_ones_refused() {
+        let a = Bytes::from_static(
+            br#"{"id":"x","ec_transfer_params":{"h1":{"modality":"image","item_indices":[0],"metadata":{}}}}"#,
+        );
+        let b = Bytes::from_static(
+            br#"{"ec_transfer_params":{"h2":{"modality":"image","item_indices":[0],"metadata":{}}}}"#,
+        );
+        let fields = VllmEncoder::new().fold(&[a, b]).unwrap();
+        let merged: Value = serde_json::from_slice(&fields[0].1).unwrap();
+        assert_eq!(fields[0].0, "ec_transfer_params");
+        assert!(merged["h1"].is_object() && merged["h2"].is_object());
+        let bad = Bytes::from_static(br#"{"ec_transfer_params":[1]}"#);
+        assert!(VllmEncoder::new().fold(&[bad]).is_err());
+        assert!(
+            VllmEncoder::new()
+                .fold(&[Bytes::from_static(b"[]")])
+                .is_err()
+        );
+        let none = Bytes::from_static(br#"{"ec_transfer_params":null}"#);
+        assert!(VllmEncoder::new().fold(&[none]).unwrap().is_empty());
+    }
+}

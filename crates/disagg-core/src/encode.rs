@@ -1,0 +1,277 @@
+//! The encoder stage of E/P/D serving: multimodal requests whose media items are encoded
+//! on encoder-only engines before the prefill.
+//!
+//! A request whose messages hold media parts (`image_url`, `input_audio`, `audio_url`,
+//! `video_url`) goes E → P → D (or E → PD when there is no prefill pool): the encoder
+//! legs run first, concurrently over the encoder pool, and their answers are folded into
+//! the body the prefill and decode legs carry; then today's P → D handoff runs
+//! unchanged. A request without media takes the path it always took: the only added
+//! work is a byte search of its `messages` for those part types, and none at all when
+//! no encoder stage is configured.
+//!
+//! As for KV, the engines' protocol is not the core's: an [`EncoderConnector`] (vLLM's is
+//! `disagg_connectors::vllm::VllmEncoder`) plans the encoder legs from the client's body
+//! and folds their answers; the [`EncodeStage`] (the pool, its settings and counters)
+//! sends them, with a retry on another encoder for a leg that failed and one deadline
+//! for the whole stage. A client that leaves drops the request's future, and with it
+//! every encoder leg still running.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::endpoint::Endpoint;
+use crate::error::{ConnectorError, InvalidParam};
+use crate::request::{Api, PdRequest};
+
+/// One encoder leg's body and how many media items it carries.
+#[derive(Debug, Clone)]
+pub struct EncodeLeg {
+    /// The body posted to the encoder's chat route.
+    pub body: Bytes,
+    /// Media items in it.
+    pub items: usize,
+}
+
+/// The encoder legs of one request, and what the prefill and decode legs carry instead
+/// of the client's fields.
+#[derive(Debug, Clone, Default)]
+pub struct EncodePlan {
+    /// The encoder legs, each to be sent to one encoder.
+    pub legs: Vec<EncodeLeg>,
+    /// Top-level fields of the client's body replaced on the legs that follow (vLLM: the
+    /// `messages`, each media item given the `uuid` its encoder leg carried).
+    pub fields: Vec<(&'static str, Bytes)>,
+}
+
+impl EncodePlan {
+    /// How many media items the plan encodes.
+    pub fn items(&self) -> usize {
+        self.legs.iter().map(|l| l.items).sum()
+    }
+}
+
+/// One encoder protocol: which items to encode, how, and what the encoders' answers
+/// give the prefill.
+pub trait EncoderConnector: Send + Sync + 'static {
+    /// The protocol's name, for logs.
+    fn name(&self) -> &'static str;
+
+    /// The encoder legs for `req`, or `None` when it holds no media item after all (the
+    /// byte search that selected it found the part type's name elsewhere). Pure: no I/O.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidParam`] when the media parts are malformed (answered 400, no engine
+    /// contacted).
+    fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam>;
+
+    /// The top-level fields the encoders' `answers` (their 2xx bodies, one per leg in
+    /// the plan's order) add to the legs that follow (vLLM: the merged
+    /// `ec_transfer_params`).
+    ///
+    /// # Errors
+    ///
+    /// [`ConnectorError`] when an answer is unusable (the request fails with 502).
+    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError>;
+}
+
+/// Settings of an [`EncodeStage`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EncodeConfig {
+    /// The whole stage's budget: every encoder leg, retries included (default 60 s). The
+    /// request's own deadline, when sooner, bounds it too.
+    pub timeout: Duration,
+    /// How many encoders a leg may be tried on, the first included (default 2; at most
+    /// the pool's size).
+    pub attempts: usize,
+    /// Largest encoder answer read (default 4 MiB): a longer one fails its leg.
+    pub max_answer_bytes: usize,
+    /// How long an encoder whose leg failed (unreachable, 5xx, an unreadable answer) is
+    /// passed over while another is healthy (default 5 s; passive health). Its next
+    /// success clears it at once.
+    pub eject_for: Duration,
+}
+
+impl Default for EncodeConfig {
+    fn default() -> Self {
+        EncodeConfig {
+            timeout: Duration::from_secs(60),
+            attempts: 2,
+            max_answer_bytes: 4 << 20,
+            eject_for: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What an [`EncodeStage`] counted so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct EncodeStats {
+    /// Requests that went through the encoder stage (their media encoded, or failed).
+    pub requests: u64,
+    /// Media items sent to encoders.
+    pub items: u64,
+    /// Encoder legs sent (retries included).
+    pub legs: u64,
+    /// Encoder legs sent again on another encoder after one failed.
+    pub retries: u64,
+    /// Requests whose encoder stage failed (the request failed with it).
+    pub failures: u64,
+    /// Total time spent in the stage, in microseconds (for a mean; the per-request
+    /// distribution is the listeners').
+    pub micros: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct EncodeCounters {
+    pub(crate) requests: AtomicU64,
+    pub(crate) items: AtomicU64,
+    pub(crate) legs: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) failures: AtomicU64,
+    pub(crate) micros: AtomicU64,
+}
+
+/// The encoder stage: the encoder pool, its protocol, settings and counters. Given to
+/// the orchestrator with
+/// [`OrchestratorBuilder::encoder`](crate::orchestrator::OrchestratorBuilder::encoder).
+pub struct EncodeStage {
+    pub(crate) connector: Arc<dyn EncoderConnector>,
+    pub(crate) encoders: Vec<Arc<Endpoint>>,
+    pub(crate) config: EncodeConfig,
+    next: AtomicUsize,
+    /// Per encoder: until when (microseconds since `epoch`) it is passed over; 0 when
+    /// healthy.
+    down_until: Vec<AtomicU64>,
+    epoch: std::time::Instant,
+    pub(crate) counters: EncodeCounters,
+    finders: [memchr::memmem::Finder<'static>; 2],
+}
+
+impl std::fmt::Debug for EncodeStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncodeStage")
+            .field("connector", &self.connector.name())
+            .field("encoders", &self.encoders.len())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EncodeStage {
+    /// A stage sending media items to `encoders` (their role is not read: the pool is
+    /// the stage's own) with `connector`'s protocol.
+    pub fn new(
+        connector: impl EncoderConnector,
+        encoders: impl IntoIterator<Item = Endpoint>,
+        config: EncodeConfig,
+    ) -> Self {
+        let encoders: Vec<Arc<Endpoint>> = encoders.into_iter().map(Arc::new).collect();
+        EncodeStage {
+            connector: Arc::new(connector),
+            down_until: encoders.iter().map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
+            encoders,
+            config,
+            next: AtomicUsize::new(0),
+            counters: EncodeCounters::default(),
+            // `image_url`, `audio_url` and `video_url` all end so; `input_audio` is the
+            // other part type.
+            finders: [
+                memchr::memmem::Finder::new(b"_url\""),
+                memchr::memmem::Finder::new(b"\"input_audio\""),
+            ],
+        }
+    }
+
+    /// The encoder pool.
+    pub fn encoders(&self) -> &[Arc<Endpoint>] {
+        &self.encoders
+    }
+
+    /// What the stage counted so far.
+    pub fn stats(&self) -> EncodeStats {
+        let c = &self.counters;
+        EncodeStats {
+            requests: c.requests.load(Relaxed),
+            items: c.items.load(Relaxed),
+            legs: c.legs.load(Relaxed),
+            retries: c.retries.load(Relaxed),
+            failures: c.failures.load(Relaxed),
+            micros: c.micros.load(Relaxed),
+        }
+    }
+
+    /// Whether `req` may hold media parts: a chat request whose `messages` contain a
+    /// media part type's name. A byte search, no parse: a text-only request pays only
+    /// it.
+    pub fn wants(&self, req: &PdRequest) -> bool {
+        if self.encoders.is_empty() || req.api() != Api::Chat {
+            return false;
+        }
+        let Some(messages) = req.body().get("messages") else {
+            return false;
+        };
+        self.finders.iter().any(|f| f.find(messages).is_some())
+    }
+
+    /// The encoder a leg tries first: a healthy one before one passed over, then the
+    /// least loaded, ties broken round robin.
+    pub(crate) fn first(&self) -> usize {
+        let n = self.encoders.len();
+        let start = self.next.fetch_add(1, Relaxed) % n.max(1);
+        let now = self.now_micros();
+        (0..n)
+            .map(|k| (start + k) % n)
+            .min_by_key(|&i| (self.is_down(i, now), self.encoders[i].in_flight()))
+            .unwrap_or(0)
+    }
+
+    /// Whether encoder `i` is passed over at `now`.
+    fn is_down(&self, i: usize, now: u64) -> bool {
+        self.down_until
+            .get(i)
+            .is_some_and(|d| d.load(Relaxed) > now)
+    }
+
+    fn now_micros(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Tell how a leg on encoder `i` ended: a failure passes it over for
+    /// [`EncodeConfig::eject_for`], a success clears that.
+    pub(crate) fn observe(&self, i: usize, ok: bool) {
+        let Some(slot) = self.down_until.get(i) else {
+            return;
+        };
+        if ok {
+            if slot.load(Relaxed) != 0 {
+                slot.store(0, Relaxed);
+            }
+        } else {
+            let until = self.now_micros().saturating_add(
+                u64::try_from(self.config.eject_for.as_micros()).unwrap_or(u64::MAX),
+            );
+            slot.store(until, Relaxed);
+        }
+    }
+
+    /// The encoders passed over now (their leg failed within
+    /// [`EncodeConfig::eject_for`]).
+    pub fn ejected(&self) -> usize {
+        let now = self.now_micros();
+        (0..self.encoders.len())
+            .filter(|&i| self.is_down(i, now))
+            .count()
+    }
+}
+
+/// Whether an answer's status says another encoder may do better: a server's failure,
+/// not the client's (a 4xx is the item's fault and would fail anywhere).
+pub(crate) fn retryable_status(status: http::StatusCode) -> bool {
+    status.is_server_error()
+}

@@ -1,0 +1,178 @@
+//! The encoder stage's legs: sent concurrently over the encoder pool, each retried on
+//! another encoder when it failed, the whole stage within its budget; the answers folded
+//! into the request the P → D handoff then carries.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use bytes::Bytes;
+use http::HeaderValue;
+
+use crate::body::JsonBody;
+use crate::connector::Leg;
+use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
+use crate::error::{BodyError, InvalidParam, PdError, Phase, Side, TransportError};
+use crate::outcome::EncodeSummary;
+use crate::request::{Api, PdRequest};
+use crate::transport::read_limited;
+
+use super::Inner;
+use super::clock::Clock;
+use super::legs::upstream_message;
+
+impl Inner {
+    /// Run `stage` for `req` (which [`EncodeStage::wants`]): its media items encoded,
+    /// and the encoders' answers folded into its body. Every leg is dropped when this
+    /// future is.
+    pub(super) async fn encode(
+        &self,
+        stage: &EncodeStage,
+        req: &mut PdRequest,
+        clock: Clock,
+    ) -> Result<Option<EncodeSummary>, PdError> {
+        let plan = match stage.connector.plan(req) {
+            Ok(Some(plan)) if !plan.legs.is_empty() => plan,
+            Ok(_) => return Ok(None),
+            Err(e) => return Err(PdError::body(BodyError::Invalid(e))),
+        };
+        let c = &stage.counters;
+        c.requests.fetch_add(1, Relaxed);
+        let plan_items = plan.items();
+        c.items.fetch_add(plan_items as u64, Relaxed);
+        let started = crate::outcome::now();
+        let legs = plan
+            .legs
+            .iter()
+            .enumerate()
+            .map(|(i, leg)| self.encode_leg(stage, req, i, leg));
+        let (budget, by_deadline) = clock.budget(stage.config.timeout);
+        let all = futures::future::try_join_all(legs);
+        let result = match tokio::time::timeout(budget, all).await {
+            Ok(Ok(answers)) => stage
+                .connector
+                .fold(&answers)
+                .map_err(|e| PdError::connector(Side::Encode, e)),
+            Ok(Err(e)) => Err(e),
+            Err(_) if by_deadline => Err(PdError::deadline(Side::Encode, Phase::Encode)),
+            Err(_) => Err(match stage.encoders.first() {
+                Some(ep) => PdError::timeout(Side::Encode, ep.id().clone(), Phase::Encode),
+                None => PdError::deadline(Side::Encode, Phase::Encode),
+            }),
+        };
+        let elapsed = started.elapsed();
+        c.micros.fetch_add(elapsed.as_micros() as u64, Relaxed);
+        let fields = match result {
+            Ok(fields) => fields,
+            Err(e) => {
+                c.failures.fetch_add(1, Relaxed);
+                tracing::warn!(
+                    request_id = ?req.request_id(),
+                    error = %crate::error::error_chain(&e),
+                    "encoder stage failed"
+                );
+                return Err(e);
+            }
+        };
+        let body = req.body_mut();
+        for (key, raw) in plan.fields.into_iter().chain(fields) {
+            body.set_raw_static(key, raw);
+        }
+        Ok(Some(EncodeSummary {
+            items: u32::try_from(plan_items).unwrap_or(u32::MAX),
+            duration: elapsed,
+        }))
+    }
+
+    /// One encoder leg: tried on the least loaded encoder, then, when it failed for a
+    /// reason another encoder may not have, on the next ones, within the stage's
+    /// attempts. Its answer's body, 2xx.
+    async fn encode_leg(
+        &self,
+        stage: &EncodeStage,
+        req: &PdRequest,
+        index: usize,
+        leg: &EncodeLeg,
+    ) -> Result<Bytes, PdError> {
+        let n = stage.encoders.len();
+        let tries = stage.config.attempts.clamp(1, n.max(1));
+        let first = stage.first();
+        let id = leg_id(req.request_id(), index);
+        let mut last = None;
+        for t in 0..tries {
+            let i = (first + t) % n.max(1);
+            let Some(ep) = stage.encoders.get(i) else {
+                break;
+            };
+            if t > 0 {
+                stage.counters.retries.fetch_add(1, Relaxed);
+            }
+            stage.counters.legs.fetch_add(1, Relaxed);
+            let _guard = ep.track();
+            let mut http_leg = Leg::new(Arc::clone(ep), JsonBody::default());
+            http_leg.api = Some(Api::Chat);
+            if let Some(id) = &id {
+                http_leg
+                    .headers
+                    .insert(crate::request::REQUEST_ID, id.clone());
+            }
+            let http_req = self.leg_request_with(req, &http_leg, leg.body.clone(), Side::Encode)?;
+            let err = match self.transport.send(http_req).await {
+                Err(e) => PdError::transport(Side::Encode, ep.id().clone(), e),
+                Ok(resp) => {
+                    let status = resp.status();
+                    let limit = stage.config.max_answer_bytes;
+                    match read_limited(resp.into_body(), limit).await {
+                        Ok(body) if status.is_success() => {
+                            stage.observe(i, true);
+                            return Ok(body);
+                        }
+                        // The encoder refused an item (an image it cannot decode): the
+                        // client's fault, answered 400 in the engine's words, never
+                        // retried elsewhere.
+                        Ok(body) if status.is_client_error() => {
+                            let message = upstream_message(&body).unwrap_or_else(|| {
+                                format!("an encoder refused the media items ({status})")
+                            });
+                            return Err(PdError::body(BodyError::Invalid(InvalidParam::new(
+                                "messages", message,
+                            ))));
+                        }
+                        Ok(body) => {
+                            let e = PdError::upstream_status(
+                                Side::Encode,
+                                ep.id().clone(),
+                                status,
+                                upstream_message(&body),
+                            );
+                            if !retryable_status(status) {
+                                return Err(e);
+                            }
+                            e
+                        }
+                        Err(e) => {
+                            PdError::transport(Side::Encode, ep.id().clone(), TransportError::Io(e))
+                        }
+                    }
+                }
+            };
+            stage.observe(i, false);
+            tracing::debug!(
+                encoder = %ep.id(),
+                error = %crate::error::error_chain(&err),
+                "encoder leg failed"
+            );
+            last = Some(err);
+        }
+        Err(last.unwrap_or_else(|| PdError::route(crate::error::RouteError::NoDecode)))
+    }
+}
+
+/// The engine-side id of a request's encoder leg `index`: the request's id with
+/// `-enc<index>` after it (so one request's legs stay apart in the encoders' logs).
+fn leg_id(id: &HeaderValue, index: usize) -> Option<HeaderValue> {
+    let mut out = Vec::with_capacity(id.len() + 8);
+    out.extend_from_slice(id.as_bytes());
+    out.extend_from_slice(b"-enc");
+    out.extend_from_slice(index.to_string().as_bytes());
+    HeaderValue::from_bytes(&out).ok()
+}

@@ -1,0 +1,477 @@
+//! Encoder disaggregation (E/P/D, issue #34), with the real `disagg-proxy serve` binary
+//! in front of simulated vLLM engines over loopback: encoder-only engines write each
+//! media item's embeddings into a directory they share with the prefill (as vLLM's
+//! shared-storage EC connector does), and the simulated prefill fails any request whose
+//! items were never encoded, so a skipped or misnamed encoder leg really fails.
+
+#![allow(missing_docs)] // a test binary
+
+use disagg_sim::{EcConfig, EcRole, Faults, SimConfig, SimEngine};
+use serde_json::{Value, json};
+
+mod common;
+use common::certs::TempDir;
+use common::{Proxy, post};
+
+async fn engine(ec: Option<(EcRole, &TempDir)>) -> SimEngine {
+    SimEngine::start(SimConfig {
+        ec: ec.map(|(role, dir)| EcConfig {
+            role,
+            store: dir.0.clone(),
+        }),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a simulated engine")
+}
+
+fn image(n: usize) -> Value {
+    json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,AAAA{n}")}})
+}
+
+fn chat(images: usize, stream: bool) -> String {
+    let mut content = vec![json!({"type": "text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(image));
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The generated text of a chat answer, streamed or not.
+fn text_of(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        let mut out = String::new();
+        for e in a.events().iter().filter(|e| *e != "[DONE]") {
+            let v: Value = serde_json::from_str(e).expect("a JSON event");
+            out.push_str(
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default(),
+            );
+        }
+        out
+    } else {
+        a.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+struct Epd {
+    _store: TempDir,
+    encoders: Vec<SimEngine>,
+    prefill: Option<SimEngine>,
+    decode: SimEngine,
+    proxy: Proxy,
+}
+
+impl Epd {
+    /// Two encoders, a consuming prefill and a plain decode; or, with `pd`, no prefill
+    /// and a consuming decode (E → PD).
+    async fn start(pd: bool) -> Epd {
+        Self::start_with(pd, &[]).await
+    }
+
+    /// [`start`](Self::start) with `extra` proxy flags.
+    async fn start_with(pd: bool, extra: &[&str]) -> Epd {
+        let store = TempDir::new();
+        let encoders = vec![
+            engine(Some((EcRole::Producer, &store))).await,
+            engine(Some((EcRole::Producer, &store))).await,
+        ];
+        let (prefill, decode) = if pd {
+            (None, engine(Some((EcRole::Consumer, &store))).await)
+        } else {
+            (
+                Some(engine(Some((EcRole::Consumer, &store))).await),
+                engine(None).await,
+            )
+        };
+        let mut args = Vec::new();
+        if let Some(p) = &prefill {
+            args.extend(["--prefill".to_owned(), p.url()]);
+        }
+        args.extend(["--decode".to_owned(), decode.url()]);
+        for e in &encoders {
+            args.extend(["--encode".to_owned(), e.url()]);
+        }
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        let proxy = Proxy::start_args(&args).await;
+        Epd {
+            _store: store,
+            encoders,
+            prefill,
+            decode,
+            proxy,
+        }
+    }
+
+    fn encoded(&self) -> u64 {
+        self.encoders
+            .iter()
+            .map(|e| e.stats().ec_items_encoded)
+            .sum()
+    }
+
+    fn encoder_requests(&self) -> u64 {
+        self.encoders.iter().map(|e| e.stats().requests).sum()
+    }
+
+    /// The engine that consumes the encoders' output.
+    fn consumer(&self) -> &SimEngine {
+        self.prefill.as_ref().unwrap_or(&self.decode)
+    }
+}
+
+/// The reference answer: the same request served by a plain engine (media items are
+/// placeholder words to the simulator's template).
+async fn reference(body: &str) -> String {
+    let plain = engine(None).await;
+    let a = post(&plain.url(), "/v1/chat/completions", body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    text_of(&a)
+}
+
+async fn serves_images(pd: bool) {
+    let epd = Epd::start(pd).await;
+    let mut loaded = 0;
+    for (images, stream) in [(1, false), (2, false), (1, true), (2, true)] {
+        let body = chat(images, stream);
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&chat(images, stream)).await);
+        loaded += images as u64;
+        // The consumer read every item from the encoders' store.
+        assert_eq!(epd.consumer().stats().ec_items_loaded, loaded);
+        assert_eq!(epd.encoded(), loaded);
+        // The client never sees the encoders' handoff.
+        assert!(!a.text().contains("ec_transfer_params"), "{}", a.text());
+    }
+    // The consumer's legs carried the merged ec_transfer_params, keyed by the uuids the
+    // encoder legs gave the items.
+    let last = epd.consumer().requests().pop().expect("a recorded request");
+    let params = last.body["ec_transfer_params"]
+        .as_object()
+        .expect("an object")
+        .clone();
+    let content = last.body["messages"][0]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let uuids: Vec<&str> = content.iter().filter_map(|p| p["uuid"].as_str()).collect();
+    assert_eq!(uuids.len(), 2);
+    for u in uuids {
+        assert_eq!(params[u]["modality"], "image", "{params:?}");
+    }
+    // Every encoder leg is unstreamed and one token long.
+    for e in &epd.encoders {
+        for r in e.requests() {
+            assert_eq!(r.body["stream"], false);
+            assert_eq!(r.body["max_tokens"], 1);
+            assert!(
+                r.header("x-request-id")
+                    .is_some_and(|id| id.contains("-enc"))
+            );
+        }
+    }
+    if !pd {
+        assert_eq!(epd.decode.stats().ec_items_loaded, 0);
+    }
+    let m = epd.proxy.metric("disagg_encode_items_total").await;
+    assert_eq!(m, loaded);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_serves_one_and_two_images_streamed_and_not() {
+    serves_images(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_serves_one_and_two_images_streamed_and_not() {
+    serves_images(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_only_request_never_touches_an_encoder() {
+    let epd = Epd::start(false).await;
+    for stream in [false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(0, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    // Even a text that names a media type is text.
+    let tricky = json!({"model": "sim-model", "max_tokens": 3,
+        "messages": [{"role": "user", "content": "what is an \"image_url\"?"}]});
+    let a = post(
+        &epd.proxy.url(),
+        "/v1/chat/completions",
+        &tricky.to_string(),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(epd.encoder_requests(), 0);
+    assert_eq!(epd.consumer().stats().requests, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_fails_an_item_no_encoder_wrote() {
+    // The simulated consumer really needs the encoders: the same request sent to it
+    // directly, skipping the encoder stage, fails.
+    let epd = Epd::start(false).await;
+    let p = epd.prefill.as_ref().unwrap();
+    let a = post(&p.url(), "/v1/chat/completions", &chat(1, false)).await;
+    assert_eq!(a.status, 500, "{}", a.text());
+    assert_eq!(p.stats().ec_items_loaded, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_encoder_is_replaced_by_the_other() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(epd.encoders[0].stats().ec_items_encoded, 0);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 4);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    // The broken encoder was tried, and each of its legs went to the other.
+    assert!(epd.encoders[0].stats().requests > 0);
+    let retries = epd.proxy.metric("disagg_encode_retries_total").await;
+    assert_eq!(retries, epd.encoders[0].stats().requests);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_encoder_failing_is_a_502_naming_the_encode_stage() {
+    let epd = Epd::start(false).await;
+    for e in &epd.encoders {
+        e.set_faults(Faults {
+            status: Some(500),
+            ..Faults::default()
+        });
+    }
+    for stream in [false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(2, stream)).await;
+        a.assert_error(502, "encode_failed");
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.starts_with("encode endpoint"), "{message}");
+    }
+    // Nothing reached the prefill or the decode.
+    assert_eq!(epd.consumer().stats().requests, 0);
+    assert_eq!(epd.decode.stats().requests, 0);
+    assert_eq!(epd.proxy.metric("disagg_encode_failures_total").await, 2);
+}
+
+/// The `openai` Python client sending an image through the proxy's encoder stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_client_sends_an_image_through_e_p_d() {
+    let epd = Epd::start(false).await;
+    let png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+    let body = json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in this picture?"},
+            {"type": "image_url", "image_url": {"url": png}},
+        ]}],
+    });
+    let expect = reference(&body.to_string()).await;
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/python/openai_image.py");
+    let url = epd.proxy.url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(common::python("the `openai` package"))
+            .arg(script)
+            .arg(url)
+            .arg(expect)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python failed:\n{stdout}\n{stderr}\n{}",
+        epd.proxy.log()
+    );
+    assert!(stdout.contains("openai image: 2 checks passed"), "{stdout}");
+    // Both requests went E → P → D: one item each, encoded and loaded.
+    assert_eq!(epd.encoded(), 2);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
+}
+
+fn hang(e: &SimEngine) {
+    e.set_faults(Faults {
+        hang: true,
+        ..Faults::default()
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_encoder_stage_has_a_deadline() {
+    let epd = Epd::start_with(false, &["--encode-timeout", "0.3"]).await;
+    epd.encoders.iter().for_each(hang);
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+    a.assert_error(504, "encode_timeout");
+    assert_eq!(epd.consumer().stats().requests, 0);
+    // The legs the deadline ended were dropped: the encoders saw their clients leave.
+    let encoders = &epd.encoders;
+    let gone = common::eventually(std::time::Duration::from_secs(5), || {
+        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 1
+    })
+    .await;
+    assert!(gone, "the hung encoder leg was not dropped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_cancels_its_encoder_legs() {
+    let epd = Epd::start(false).await;
+    epd.encoders.iter().for_each(hang);
+    // Two images over two legs would share one: 9 images make two legs (8 + 1).
+    let body = chat(9, true);
+    let url = format!("{}/v1/chat/completions", epd.proxy.url());
+    let client = tokio::spawn(async move {
+        let _ = tokio::time::timeout(std::time::Duration::from_millis(300), post(&url, "", &body))
+            .await;
+    });
+    client.await.unwrap();
+    let encoders = &epd.encoders;
+    let gone = common::eventually(std::time::Duration::from_secs(5), || {
+        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 2
+    })
+    .await;
+    assert!(gone, "encoder legs outlived their client");
+    assert_eq!(epd.consumer().stats().requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_and_histograms_tell_the_encoder_stage() {
+    let epd = Epd::start_with(false, &["--access-log", "json"]).await;
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(3, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(0, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let proxy = &epd.proxy;
+    assert!(
+        common::eventually(std::time::Duration::from_secs(5), || {
+            proxy.stdout().lines().count() >= 2
+        })
+        .await,
+        "{}",
+        proxy.stdout()
+    );
+    let lines: Vec<Value> = proxy
+        .stdout()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let media = &lines[0];
+    assert_eq!(media["encode_items"], 3, "{media}");
+    assert!(
+        media["encode_ms"].as_f64().is_some_and(|ms| ms >= 0.0),
+        "{media}"
+    );
+    let text = &lines[1];
+    assert!(
+        text["encode_items"].is_null() && text["encode_ms"].is_null(),
+        "{text}"
+    );
+    // One request in each histogram, the items one in the bucket for 3 (le 4).
+    let metrics = common::get(&proxy.url(), "/metrics").await.text();
+    assert!(
+        metrics.contains("disagg_encode_duration_seconds_count 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("disagg_encode_items_per_request_bucket{le=\"2\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("disagg_encode_items_per_request_bucket{le=\"4\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// `disagg-proxy demo --encode`: an image through a simulated encoder, then P → D.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_e_p_d() {
+    let out = tokio::task::spawn_blocking(|| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+            .args([
+                "demo",
+                "--encode",
+                "--max-tokens",
+                "4",
+                "--inter-token-ms",
+                "1",
+            ])
+            .args(["--prefill-ms-per-token", "0"])
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("the demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("the encoder engine encoded 1 image(s); the prefill engine read 1"),
+        "{stdout}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_an_encoder_refuses_is_the_clients_400_and_not_retried() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(400),
+        ..Faults::default()
+    });
+    let mut refused = 0;
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        if a.status == 400 {
+            a.assert_error(400, "invalid_parameter");
+            assert_eq!(a.json()["error"]["param"], "messages", "{}", a.text());
+            refused += 1;
+        } else {
+            assert_eq!(a.status, 200, "{}", a.text());
+        }
+    }
+    // Each request the refusing encoder got was answered 400, none sent on elsewhere.
+    assert!(refused > 0);
+    assert_eq!(refused, epd.encoders[0].stats().requests);
+    assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 0);
+    assert_eq!(epd.consumer().stats().requests, 4 - refused);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_encoder_is_passed_over_until_it_answers_again() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    for _ in 0..6 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    // Tried once at most (its failure passed it over), every item encoded by the other.
+    assert!(epd.encoders[0].stats().requests <= 1);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 6);
+    assert!(epd.proxy.metric("disagg_encode_ejected").await <= 1);
+}
