@@ -350,8 +350,8 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(waiting(&a), 1);
         let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_full");
-        assert_eq!(e.retry_after(), Some(Duration::from_secs(1)));
+        assert_eq!(e.http().code, "queue_full");
+        assert_eq!(e.http().retry_after, Some(Duration::from_secs(1)));
         drop(first);
         queued.await.unwrap().unwrap();
         assert_eq!((waiting(&a), running(&a)), (0, 0));
@@ -363,14 +363,14 @@ mod tests {
         let _first = a.admit(None).await.unwrap();
         let start = Instant::now();
         let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
+        assert_eq!(e.http().code, "queue_timeout");
         assert_eq!(start.elapsed(), Duration::from_millis(500));
         // A nearer deadline ends the wait sooner.
         let e = a
             .admit(Some(Instant::now() + Duration::from_millis(100)))
             .await
             .unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
+        assert_eq!(e.http().code, "queue_timeout");
         assert_eq!(waiting(&a), 0);
         assert_eq!(a.stats().queue_timeouts, 2);
     }

@@ -3,8 +3,8 @@
 //! Each layer of the request path has its own error: [`BodyError`] for the client's
 //! JSON, [`RouteError`] for routing, [`ConnectorError`] for the KV handoff and
 //! [`TransportError`] for the wire. [`PdError`] wraps them at the edge and tells a
-//! server what it needs to answer: the HTTP [`status`](PdError::status), the
-//! [`side`](PdError::side) that failed, a stable [`code`](PdError::code), and whether a
+//! server what it needs to answer: the HTTP status and a stable code
+//! ([`http`](PdError::http)), the [`side`](PdError::side) that failed, and whether a
 //! retry on another pair could help.
 //!
 //! | file | holds |
@@ -19,7 +19,7 @@ use crate::endpoint::EndpointId;
 mod pd;
 
 pub(crate) use pd::Phase;
-pub use pd::{Overload, PdError, Side};
+pub use pd::{HttpFacts, Overload, PdError, Side};
 
 /// A boxed error, the currency of transports and bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

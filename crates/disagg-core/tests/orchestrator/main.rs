@@ -247,7 +247,11 @@ fn assert_settled(orch: &Orchestrator) {
 }
 
 fn assert_error(e: &PdError, status: u16, code: &str) {
-    assert_eq!((e.status().as_u16(), e.code()), (status, code), "{e:?}");
+    assert_eq!(
+        (e.http().status.as_u16(), e.http().code),
+        (status, code),
+        "{e:?}"
+    );
 }
 
 // === 1. the sequential (NIXL) path ===
@@ -990,7 +994,7 @@ async fn the_nearer_of_deadline_and_step_budget_names_the_error() {
         assert_eq!(t0.elapsed(), ms(at), "{code}");
         assert_eq!(
             orch.stats().deadlines_exceeded,
-            u64::from(e.code() == "deadline_exceeded")
+            u64::from(e.http().code == "deadline_exceeded")
         );
         assert!(
             fake.calls()
@@ -1030,7 +1034,7 @@ async fn admission_queues_until_the_running_body_ends_and_refuses_past_the_queue
     assert_eq!(orch.stats().queued_now, 1);
     let third = serve(&orch, chat(&orch)).await.unwrap_err();
     assert_error(&third, 429, "queue_full");
-    assert_eq!(third.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(third.http().retry_after, Some(Duration::from_secs(1)));
     // The second gives up after the queue timeout, having reached no engine.
     let second = within(second).await.unwrap().unwrap_err();
     assert_error(&second, 503, "queue_timeout");

@@ -417,7 +417,7 @@ fn sglang_generate_is_not_carried() {
     assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err}");
     let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
     assert_eq!(
-        (pd.status().as_u16(), pd.code()),
+        (pd.http().status.as_u16(), pd.http().code),
         (400, "unsupported_by_connector")
     );
 }
