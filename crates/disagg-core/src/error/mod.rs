@@ -64,12 +64,11 @@ pub enum BodyError {
 
 /// A request parameter an engine would refuse, in the engine's own words (its
 /// `Display`).
-///
-/// Its [`param`](Self::param) is OpenAI's `error.param`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct InvalidParam {
-    param: &'static str,
+    /// The refused top-level field: OpenAI's `error.param`.
+    pub param: &'static str,
     message: String,
 }
 
@@ -80,11 +79,6 @@ impl InvalidParam {
             param,
             message: message.into(),
         }
-    }
-
-    /// The refused top-level field.
-    pub fn param(&self) -> &'static str {
-        self.param
     }
 }
 

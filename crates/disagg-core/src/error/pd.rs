@@ -300,7 +300,7 @@ impl PdError {
     /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
     pub(crate) fn param(&self) -> Option<&'static str> {
         match self.body_error()? {
-            BodyError::Invalid(p) => Some(p.param()),
+            BodyError::Invalid(p) => Some(p.param),
             _ => None,
         }
     }

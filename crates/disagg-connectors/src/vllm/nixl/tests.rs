@@ -434,7 +434,9 @@ fn reusing(mode: PromptTokenReuse, max: usize) -> (VllmNixl, Arc<ReuseStats>) {
 /// A route whose decode reports `version` (as `serve` records a probed `/version`).
 fn route_with_version(version: &str) -> Route {
     use disagg_core::endpoint::Facts;
-    let facts = Facts::new().with(Facts::ENGINE_VERSION, version).unwrap();
+    let facts = Facts::default()
+        .with(Facts::ENGINE_VERSION, version)
+        .unwrap();
     Route::new(
         Some(Arc::new(
             Endpoint::new("http://p:1", Role::Prefill).unwrap(),
