@@ -505,7 +505,7 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
             let decode = Endpoint::new(&url, Role::Decode)
                 .expect("endpoint")
                 .with_facts(facts);
-            let prefill = s.source.snapshot().prefill().to_vec();
+            let prefill = s.source.snapshot().by_role(Role::Prefill).to_vec();
             s.source
                 .replace(prefill.into_iter().chain([std::sync::Arc::new(decode)]));
             (s, Some(held))
@@ -532,7 +532,7 @@ async fn malform_bootstrap(s: &Stack) {
     let prefill = Endpoint::new(&s.p().url(), Role::Prefill)
         .expect("prefill endpoint")
         .with_facts(facts);
-    let decode = s.source.snapshot().decode().to_vec();
+    let decode = s.source.snapshot().by_role(Role::Decode).to_vec();
     s.source
         .replace(std::iter::once(std::sync::Arc::new(prefill)).chain(decode));
 }

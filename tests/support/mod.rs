@@ -167,9 +167,9 @@ impl Stack {
     pub fn in_flight(&self) -> usize {
         use disagg_core::EndpointSource;
         let set = self.source.snapshot();
-        set.prefill()
+        set.by_role(Role::Prefill)
             .iter()
-            .chain(set.decode())
+            .chain(set.by_role(Role::Decode))
             .map(|e| e.in_flight())
             .sum()
     }

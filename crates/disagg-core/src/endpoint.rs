@@ -791,13 +791,14 @@ impl EndpointSet {
         set
     }
 
-    /// The prefill endpoints.
-    pub fn prefill(&self) -> &[Arc<Endpoint>] {
+    /// The prefill endpoints (the core's own shorthand for
+    /// [`by_role`](Self::by_role)).
+    pub(crate) fn prefill(&self) -> &[Arc<Endpoint>] {
         &self.prefill
     }
 
-    /// The decode endpoints.
-    pub fn decode(&self) -> &[Arc<Endpoint>] {
+    /// The decode endpoints (the core's own shorthand for [`by_role`](Self::by_role)).
+    pub(crate) fn decode(&self) -> &[Arc<Endpoint>] {
         &self.decode
     }
 
@@ -839,7 +840,7 @@ impl EndpointSet {
     ///     Endpoint::new("http://d2:8200", Role::Decode)?.with_models(["qwen"]),
     /// ].map(Arc::new));
     /// let llama = set.for_model(Some("llama"))?;
-    /// assert_eq!(llama.decode()[0].id().as_str(), "http://d1:8200");
+    /// assert_eq!(llama.by_role(Role::Decode)[0].id().as_str(), "http://d1:8200");
     /// assert!(matches!(set.for_model(Some("gpt")), Err(RouteError::UnknownModel { .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```

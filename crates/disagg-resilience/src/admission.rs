@@ -320,6 +320,7 @@ impl<R: Router> Router for PerEndpointLimit<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use disagg_core::Role;
 
     fn limited(n: usize, queue: usize, timeout_ms: u64) -> Arc<Limits> {
         Arc::new(Limits::new(AdmissionConfig {
@@ -414,9 +415,12 @@ mod tests {
 
     impl Router for First {
         fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-            let decode = set.decode().first().ok_or(RouteError::NoDecode)?;
+            let decode = set
+                .by_role(Role::Decode)
+                .first()
+                .ok_or(RouteError::NoDecode)?;
             Ok(Route::new(
-                set.prefill().first().cloned(),
+                set.by_role(Role::Prefill).first().cloned(),
                 Arc::clone(decode),
             ))
         }
@@ -454,7 +458,10 @@ mod tests {
             .await
             .expect("woken when the leg ended")
             .unwrap();
-        assert_eq!(second.decode.id(), source.snapshot().decode()[0].id());
+        assert_eq!(
+            second.decode.id(),
+            source.snapshot().by_role(Role::Decode)[0].id()
+        );
         assert_eq!(waiting(&limits), 0);
     }
 

@@ -225,7 +225,10 @@ fn error_event(frame: &str) -> Value {
 /// The in-flight count of the endpoint at `url`.
 fn in_flight(orch: &Orchestrator, url: &str) -> usize {
     let set = orch.source().snapshot();
-    let all = set.prefill().iter().chain(set.decode());
+    let all = set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode));
     all.filter(|e| e.id().as_str() == url)
         .map(|e| e.in_flight())
         .sum()
@@ -235,7 +238,11 @@ fn in_flight(orch: &Orchestrator, url: &str) -> usize {
 /// request, no release running.
 fn assert_settled(orch: &Orchestrator) {
     let set = orch.source().snapshot();
-    for e in set.prefill().iter().chain(set.decode()) {
+    for e in set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
+    {
         assert_eq!(e.in_flight(), 0, "{} still counts a request", e.id());
     }
     let st = orch.stats();
@@ -1137,7 +1144,12 @@ fn with_health(
     hc.base_ejection = Duration::from_secs(5);
     let source = HealthSource::new(StaticSource::new(endpoints(prefill, &[D1])), hc);
     let set = source.snapshot();
-    let eps = set.prefill().iter().chain(set.decode()).cloned().collect();
+    let eps = set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
+        .cloned()
+        .collect();
     let mut c = Setup::default();
     config(&mut c);
     // The source's health hears every attempt: nothing else to wire.
@@ -1184,7 +1196,7 @@ async fn an_endpoint_failing_n_times_in_a_row_is_ejected_then_tried_again() {
             until: t0 + Duration::from_secs(5)
         })
     );
-    assert_eq!(source.snapshot().prefill().len(), 1);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
 
     // After the ejection it is tried again (half open); failing, it is out for twice as
     // long.

@@ -416,8 +416,11 @@ async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
     );
     // The last valid set stays in force.
     let set = source.snapshot();
-    assert_eq!(set.prefill().len(), 1);
-    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+    assert_eq!(set.by_role(Role::Prefill).len(), 1);
+    assert_eq!(
+        set.by_role(Role::Prefill)[0].id().as_str(),
+        "http://p2:7100"
+    );
     // And a new decode whose receiver has one port is refused against TP 2.
     inner.replace([
         Arc::new(declared("http://p2:7100", Role::Prefill, tp(2), None)),
@@ -452,8 +455,11 @@ async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
     // is published (requests get 503 until a decode that pairs appears) while the
     // prefill in force stays.
     let set = source.snapshot();
-    assert!(set.decode().is_empty());
-    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+    assert!(set.by_role(Role::Decode).is_empty());
+    assert_eq!(
+        set.by_role(Role::Prefill)[0].id().as_str(),
+        "http://p2:7100"
+    );
 }
 
 #[test]
