@@ -48,9 +48,9 @@ impl Router for ByModel {
                 .min_by_key(|ep| ep.in_flight())
                 .cloned()
         };
-        let decode = least_busy(set.decode()).ok_or(RouteError::NoDecode)?;
+        let decode = least_busy(set.by_role(Role::Decode)).ok_or(RouteError::NoDecode)?;
         // No prefill engine for the model: the orchestrator's `no_prefill` policy decides.
-        Ok(Route::new(least_busy(set.prefill()), decode))
+        Ok(Route::new(least_busy(set.by_role(Role::Prefill)), decode))
     }
 }
 

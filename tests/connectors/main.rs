@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use disagg_core::Role;
 use disagg_resilience::RetryPolicy;
 use disagg_sim::{Faults, SimConfig, SimEngine};
 use http_body_util::{BodyExt, Full};
@@ -531,10 +532,10 @@ impl disagg_core::Router for DeadFirst {
         set: &disagg_core::endpoint::EndpointSet,
     ) -> Result<disagg_core::router::Route, disagg_core::error::RouteError> {
         let k = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let ps = set.prefill();
+        let ps = set.by_role(Role::Prefill);
         Ok(disagg_core::router::Route::new(
             Some(ps[(ps.len() - 1 + k) % ps.len()].clone()),
-            set.decode()[0].clone(),
+            set.by_role(Role::Decode)[0].clone(),
         ))
     }
 }

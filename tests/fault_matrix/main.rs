@@ -499,13 +499,13 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
             // push must succeed for the decode leg to be sent at all).
             let (url, held) = held_dead_url();
             let s = builder.build().await;
-            let facts = Facts::new()
+            let facts = Facts::default()
                 .with(Facts::KV_RECEIVER, lmcache_receiver(s.d()).to_string())
                 .expect("receiver fact");
             let decode = Endpoint::new(&url, Role::Decode)
                 .expect("endpoint")
                 .with_facts(facts);
-            let prefill = s.source.snapshot().prefill().to_vec();
+            let prefill = s.source.snapshot().by_role(Role::Prefill).to_vec();
             s.source
                 .replace(prefill.into_iter().chain([std::sync::Arc::new(decode)]));
             (s, Some(held))
@@ -526,13 +526,13 @@ async fn stack(p: Protocol, case: &Case) -> (Stack, Option<tokio::net::TcpSocket
 /// server whose `GET /query` answers 200 with a rank that carries no engine id.
 async fn malform_bootstrap(s: &Stack) {
     let port = serve_forever(r#"{"0":{"worker_addr":{}}}"#).await;
-    let facts = Facts::new()
+    let facts = Facts::default()
         .with(Facts::BOOTSTRAP_PORT, port.to_string())
         .expect("bootstrap port fact");
     let prefill = Endpoint::new(&s.p().url(), Role::Prefill)
         .expect("prefill endpoint")
         .with_facts(facts);
-    let decode = s.source.snapshot().decode().to_vec();
+    let decode = s.source.snapshot().by_role(Role::Decode).to_vec();
     s.source
         .replace(std::iter::once(std::sync::Arc::new(prefill)).chain(decode));
 }

@@ -117,14 +117,17 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
     let took = eventually(
         checks.interval * checks.unhealthy_threshold + SLACK,
         "dead port taken out",
-        || source.snapshot().prefill().len() == 1,
+        || source.snapshot().by_role(Role::Prefill).len() == 1,
     )
     .await;
     assert!(
         took >= checks.interval,
         "two failed checks, not one: {took:?}"
     );
-    assert_eq!(ids(source.snapshot().prefill()), [engine.url()]);
+    assert_eq!(
+        ids(source.snapshot().by_role(Role::Prefill)),
+        [engine.url()]
+    );
     let states = source.health().states();
     assert_eq!(states[1].0.as_str(), dead);
     assert_eq!(states[1].2, EndpointHealth::Down);
@@ -132,8 +135,8 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
     // Several more rounds: the working engine stays in.
     tokio::time::sleep(checks.interval * 5).await;
     let set = source.snapshot();
-    assert_eq!(ids(set.prefill()), [engine.url()]);
-    assert_eq!(ids(set.decode()), [engine.url()]);
+    assert_eq!(ids(set.by_role(Role::Prefill)), [engine.url()]);
+    assert_eq!(ids(set.by_role(Role::Decode)), [engine.url()]);
     assert!(engine.stats().requests == 0, "checks are no completions");
 
     // An engine starts on the dead port: back after one passed check.
@@ -146,7 +149,7 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
     eventually(
         checks.interval * checks.healthy_threshold + SLACK,
         "revived engine back",
-        || source.snapshot().prefill().len() == 2,
+        || source.snapshot().by_role(Role::Prefill).len() == 2,
     )
     .await;
     assert!(
@@ -178,18 +181,18 @@ async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_pe
     tokio::time::sleep(checks.interval * 10).await;
     let hits = flip.hits.load(Ordering::SeqCst);
     assert!((5..=12).contains(&hits), "{hits} checks in 10 intervals");
-    assert_eq!(source.snapshot().prefill().len(), 3);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 3);
 
     flip.status.store(503, Ordering::SeqCst);
     eventually(
         checks.interval * checks.unhealthy_threshold + SLACK,
         "503 engine taken out",
-        || source.snapshot().prefill().is_empty(),
+        || source.snapshot().by_role(Role::Prefill).is_empty(),
     )
     .await;
     let set = source.snapshot();
     assert_eq!(
-        ids(set.decode()),
+        ids(set.by_role(Role::Decode)),
         [other.url()],
         "its decode role is the same engine"
     );
@@ -205,10 +208,10 @@ async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_pe
     eventually(
         checks.interval * checks.healthy_threshold + SLACK,
         "engine back",
-        || source.snapshot().prefill().len() == 3,
+        || source.snapshot().by_role(Role::Prefill).len() == 3,
     )
     .await;
-    assert_eq!(source.snapshot().decode().len(), 2);
+    assert_eq!(source.snapshot().by_role(Role::Decode).len(), 2);
 }
 
 #[tokio::test]
@@ -223,7 +226,7 @@ async fn a_health_check_without_an_answer_in_time_is_a_failure() {
     eventually(
         (checks.interval + checks.timeout) * checks.unhealthy_threshold + SLACK,
         "hanging engine taken out",
-        || source.snapshot().decode().is_empty(),
+        || source.snapshot().by_role(Role::Decode).is_empty(),
     )
     .await;
 }
@@ -309,7 +312,7 @@ async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succe
     assert_eq!(failed, 2, "the dead prefill is routed before any ejection");
 
     // What the orchestrator will report: the dead prefill's legs fail to connect.
-    let dead_ep = Arc::clone(&inner.snapshot().prefill()[1]);
+    let dead_ep = Arc::clone(&inner.snapshot().by_role(Role::Prefill)[1]);
     let transport = HttpTransport::default();
     for _ in 0..5 {
         let mut req = http::Request::new(Bytes::new());
@@ -335,11 +338,11 @@ async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succe
     assert_eq!(p.stats().requests, 2 + 6);
 
     // Both prefills ejected: the set has no prefill, and the proxy says so.
-    let live = Arc::clone(&inner.snapshot().prefill()[0]);
+    let live = Arc::clone(&inner.snapshot().by_role(Role::Prefill)[0]);
     for _ in 0..5 {
         health.record(&live, false);
     }
-    assert!(source.snapshot().prefill().is_empty());
+    assert!(source.snapshot().by_role(Role::Prefill).is_empty());
     let a = post(&url, "/v1/completions", completion("none", 2, false), &[]).await;
     assert_openai_error(&a, 503, "no_prefill_endpoint");
 }
@@ -358,8 +361,8 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
     let mut config = OrchestratorConfig::default();
     config.prefill_failure = PrefillFailure::DecodeOnly;
     let (url, _stop) = proxy(source.clone(), config).await;
-    let prefill = Arc::clone(&source.snapshot().prefill()[0]);
-    let decode = Arc::clone(&source.snapshot().decode()[0]);
+    let prefill = Arc::clone(&source.snapshot().by_role(Role::Prefill)[0]);
+    let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
 
     let a = post(&url, "/v1/completions", completion("a", 2, false), &[]).await;
     assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
@@ -377,7 +380,7 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
 
     // Nobody records anything: the prefill leg returns, half-open, after the time.
     eventually(ejection + SLACK, "prefill back", || {
-        source.snapshot().prefill().len() == 1
+        source.snapshot().by_role(Role::Prefill).len() == 1
     })
     .await;
     assert!(ejected_at.elapsed() >= ejection);
@@ -397,7 +400,7 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
         other => panic!("{other:?}"),
     }
     eventually(ejection * 2 + SLACK, "prefill back again", || {
-        source.snapshot().prefill().len() == 1
+        source.snapshot().by_role(Role::Prefill).len() == 1
     })
     .await;
     assert!(reopened.elapsed() >= ejection * 2);
@@ -441,14 +444,14 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
         failed += usize::from(a.status != 200);
     }
     assert_eq!(failed, 2, "ejected after exactly two failures");
-    let dead_ep = Arc::clone(&inner.snapshot().prefill()[1]);
+    let dead_ep = Arc::clone(&inner.snapshot().by_role(Role::Prefill)[1]);
     assert!(matches!(
         health.state(&dead_ep),
         Some(EndpointHealth::Ejected { .. })
     ));
     // Successes were recorded too: the live engines are healthy in both roles.
-    let live = Arc::clone(&inner.snapshot().prefill()[0]);
-    let decode = Arc::clone(&inner.snapshot().decode()[0]);
+    let live = Arc::clone(&inner.snapshot().by_role(Role::Prefill)[0]);
+    let decode = Arc::clone(&inner.snapshot().by_role(Role::Decode)[0]);
     assert_eq!(health.state(&live), Some(EndpointHealth::Healthy));
     assert_eq!(health.state(&decode), Some(EndpointHealth::Healthy));
     assert_eq!(p.stats().requests, 8);

@@ -102,7 +102,7 @@ async fn start(opts: Opts) -> Lm {
                     .unwrap()
             }
         };
-        let facts = disagg_core::endpoint::Facts::new()
+        let facts = disagg_core::endpoint::Facts::default()
             .with(
                 disagg_core::endpoint::Facts::KV_RECEIVER,
                 receiver.to_string(),

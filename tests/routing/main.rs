@@ -11,6 +11,7 @@ use disagg_affinity::{
     ConsistentHash, LeastInFlight, PerLeg, PowerOfTwo, PromptThreshold, Random, RoundRobin,
     WeightedRandom,
 };
+use disagg_core::Role;
 use disagg_core::router::Pick;
 use disagg_sim::{SimConfig, SimEngine};
 use support::*;
@@ -367,7 +368,7 @@ async fn data_parallel_ranks_are_routed_and_named_to_the_engine() {
         }
     }
     let set = disagg_core::EndpointSource::snapshot(&*stack.source);
-    assert_eq!(set.prefill().len(), 2, "one endpoint per rank");
+    assert_eq!(set.by_role(Role::Prefill).len(), 2, "one endpoint per rank");
 }
 
 /// `n` completions that must succeed, whatever handoff mark they carry.

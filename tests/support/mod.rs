@@ -167,9 +167,9 @@ impl Stack {
     pub fn in_flight(&self) -> usize {
         use disagg_core::EndpointSource;
         let set = self.source.snapshot();
-        set.prefill()
+        set.by_role(Role::Prefill)
             .iter()
-            .chain(set.decode())
+            .chain(set.by_role(Role::Decode))
             .map(|e| e.in_flight())
             .sum()
     }
@@ -309,7 +309,7 @@ impl StackBuilder {
                 .then(|| lmcache_receiver(e));
             urls.iter()
                 .map(|url| {
-                    let mut facts = Facts::new();
+                    let mut facts = Facts::default();
                     if let Some(b) = bootstrap {
                         facts
                             .insert(Facts::BOOTSTRAP_PORT, b.port().to_string())
@@ -335,7 +335,7 @@ impl StackBuilder {
             // A dead prefill's bootstrap port is dead too: its own port, where nothing
             // listens.
             let port = u.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
-            let mut facts = Facts::new();
+            let mut facts = Facts::default();
             if let Some(port) = port {
                 facts
                     .insert(Facts::BOOTSTRAP_PORT, port.to_string())

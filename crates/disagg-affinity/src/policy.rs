@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use disagg_core::Role;
 use disagg_core::endpoint::{Endpoint, EndpointSet};
 use disagg_core::error::RouteError;
 use disagg_core::router::{Pick, RequestView, Route, Router};
@@ -68,7 +69,7 @@ impl PerLeg {
         req: &RequestView<'_>,
         set: &EndpointSet,
     ) -> Result<Arc<Endpoint>, RouteError> {
-        match set.decode() {
+        match set.by_role(Role::Decode) {
             [] => Err(RouteError::NoDecode),
             eps => Ok(Arc::clone(
                 &eps[self.decode.pick(req, eps).min(eps.len() - 1)],
@@ -80,7 +81,7 @@ impl PerLeg {
 impl Router for PerLeg {
     fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
         let decode = self.decode(req, set)?;
-        let prefill = match set.prefill() {
+        let prefill = match set.by_role(Role::Prefill) {
             [] => None,
             eps => Some(Arc::clone(
                 &eps[self.prefill.pick(req, eps).min(eps.len() - 1)],
@@ -544,7 +545,7 @@ mod tests {
                     Arc::new(Endpoint::new(&format!("{}0", e.id()), Role::Decode).unwrap())
                 }),
             ));
-        let _busy = set.decode()[0].track();
+        let _busy = set.by_role(Role::Decode)[0].track();
         let r = PerLeg::new(RoundRobin::new(), LeastInFlight::new());
         with_view(|v| {
             let picks: Vec<_> = (0..4)
@@ -556,9 +557,13 @@ mod tests {
                     )
                 })
                 .collect();
-            assert_eq!(picks[0].0, *set.prefill()[0].id());
-            assert_eq!(picks[1].0, *set.prefill()[1].id());
-            assert!(picks.iter().all(|(_, d)| d != set.decode()[0].id()));
+            assert_eq!(picks[0].0, *set.by_role(Role::Prefill)[0].id());
+            assert_eq!(picks[1].0, *set.by_role(Role::Prefill)[1].id());
+            assert!(
+                picks
+                    .iter()
+                    .all(|(_, d)| d != set.by_role(Role::Decode)[0].id())
+            );
         });
         let empty = EndpointSet::new(eps(1, Role::Prefill));
         with_view(|v| assert!(matches!(r.select(v, &empty), Err(RouteError::NoDecode))));
@@ -617,15 +622,15 @@ mod tests {
     #[test]
     fn least_in_flight_prefers_idle_endpoints() {
         let s = set(2, 2);
-        let _busy_p = s.prefill()[0].track();
-        let _busy_d1 = s.decode()[1].track();
-        let _busy_d1b = s.decode()[1].track();
+        let _busy_p = s.by_role(Role::Prefill)[0].track();
+        let _busy_d1 = s.by_role(Role::Decode)[1].track();
+        let _busy_d1b = s.by_role(Role::Decode)[1].track();
         let lif = PerLeg::both(LeastInFlight::new);
         with_view(|v| {
             for _ in 0..4 {
                 let r = lif.select(v, &s).unwrap();
-                assert_eq!(r.prefill.unwrap().id(), s.prefill()[1].id());
-                assert_eq!(r.decode.id(), s.decode()[0].id());
+                assert_eq!(r.prefill.unwrap().id(), s.by_role(Role::Prefill)[1].id());
+                assert_eq!(r.decode.id(), s.by_role(Role::Decode)[0].id());
             }
         });
     }

@@ -52,7 +52,8 @@
 //! )
 //! .unwrap();
 //! let set = source.snapshot();
-//! let route = Route::new(Some(Arc::clone(&set.prefill()[0])), Arc::clone(&set.decode()[0]));
+//! let prefill = Arc::clone(&set.by_role(Role::Prefill)[0]);
+//! let route = Route::new(Some(prefill), Arc::clone(&set.by_role(Role::Decode)[0]));
 //! let handoff = VllmNixl::new().prepare(&route, &req).unwrap();
 //! assert_eq!(handoff.prefill.body.get("stream"), Some(&b"false"[..]));
 //! assert_eq!(handoff.decode.body.get("stream"), Some(&b"true"[..]));

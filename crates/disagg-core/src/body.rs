@@ -145,33 +145,29 @@ impl JsonBody {
         // Serializing plain data (numbers, bools, strings, maps of them) cannot fail;
         // a value whose `Serialize` impl fails is a bug in the caller.
         let raw = serde_json::to_vec(value).unwrap_or_else(|_| b"null".to_vec());
-        self.set_raw(key, Bytes::from(raw));
+        self.put(
+            key,
+            || Bytes::copy_from_slice(key.as_bytes()),
+            Bytes::from(raw),
+        );
     }
 
-    /// Set `key` to raw JSON text, which the caller vouches is one valid JSON value.
-    pub fn set_raw(&mut self, key: &str, raw: Bytes) {
+    /// Set `key`, a field name known at compile time, to raw JSON text, which the caller
+    /// vouches is one valid JSON value; a key that is appended is not copied (no
+    /// allocation for it on a per-request path).
+    pub fn set_raw(&mut self, key: &'static str, raw: Bytes) {
+        self.put(key, || Bytes::from_static(key.as_bytes()), raw);
+    }
+
+    /// Set `key` to `raw` in place, or append it with the key `owned` makes.
+    fn put(&mut self, key: &str, owned: impl FnOnce() -> Bytes, raw: Bytes) {
         match self
             .fields
             .iter_mut()
             .find(|(k, _)| k.as_ref() == key.as_bytes())
         {
             Some(slot) => slot.1 = raw,
-            None => self
-                .fields
-                .push((Bytes::copy_from_slice(key.as_bytes()), raw)),
-        }
-    }
-
-    /// Like [`set_raw`](Self::set_raw) for a key known at compile time: a key that is
-    /// appended is not copied (no allocation for it on a per-request path).
-    pub fn set_raw_static(&mut self, key: &'static str, raw: Bytes) {
-        match self
-            .fields
-            .iter_mut()
-            .find(|(k, _)| k.as_ref() == key.as_bytes())
-        {
-            Some(slot) => slot.1 = raw,
-            None => self.fields.push((Bytes::from_static(key.as_bytes()), raw)),
+            None => self.fields.push((owned(), raw)),
         }
     }
 
@@ -880,10 +876,10 @@ mod tests {
     }
 
     #[test]
-    fn set_raw_static_replaces_or_appends() {
+    fn set_raw_replaces_or_appends() {
         let mut b = JsonBody::parse(br#"{"a":1,"k":2}"#).unwrap();
-        b.set_raw_static("k", Bytes::from_static(b"3"));
-        b.set_raw_static("z", Bytes::from_static(b"true"));
+        b.set_raw("k", Bytes::from_static(b"3"));
+        b.set_raw("z", Bytes::from_static(b"true"));
         assert_eq!(&b.to_bytes()[..], br#"{"a":1,"k":3,"z":true}"#);
     }
 

@@ -90,9 +90,10 @@ impl Leg {
         }
     }
 
-    /// Name the engine's data-parallel `rank` for this leg in
-    /// [`DATA_PARALLEL_RANK`](crate::endpoint::DATA_PARALLEL_RANK), if the route picked
-    /// one (`None` leaves the choice to the engine).
+    /// Name the engine's data-parallel `rank` for this leg in the `X-Data-Parallel-Rank`
+    /// header, if the route picked one (`None` leaves the choice to the engine). The
+    /// header is a fact of the engine an endpoint stands for, the same for every
+    /// protocol that pins a rank; clients never set it.
     pub fn set_rank(&mut self, rank: Option<u32>) {
         if let Some(rank) = rank {
             self.headers.insert(

@@ -241,7 +241,7 @@ pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
 /// ([`forwardable_header`](crate::proto::forwardable_header)).
 ///
 /// [`Leg::set_rank`]: crate::connector::Leg::set_rank
-pub const DATA_PARALLEL_RANK: http::HeaderName =
+pub(crate) const DATA_PARALLEL_RANK: http::HeaderName =
     http::HeaderName::from_static("x-data-parallel-rank");
 
 /// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
@@ -256,7 +256,7 @@ pub const DATA_PARALLEL_RANK: http::HeaderName =
 /// use disagg_core::endpoint::{DEFAULT_MAX_DP_RANKS, Ranks};
 /// let ranks: Ranks = "0-3".parse()?;
 /// assert_eq!(ranks.count(), 4);
-/// assert_eq!(ranks.iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
+/// assert_eq!(ranks.into_iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
 /// let huge: Ranks = "0-4294967295".parse()?;
 /// assert_eq!(huge.count(), 1 << 32);
 /// assert!(huge.within(DEFAULT_MAX_DP_RANKS).is_err());
@@ -301,9 +301,14 @@ impl Ranks {
         }
         Ok(self)
     }
+}
 
-    /// Every rank, in order.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + use<> {
+/// Every rank, in order.
+impl IntoIterator for Ranks {
+    type Item = u32;
+    type IntoIter = std::ops::RangeInclusive<u32>;
+
+    fn into_iter(self) -> Self::IntoIter {
         self.first..=self.last
     }
 }
@@ -501,7 +506,7 @@ impl Endpoint {
             role,
             in_flight: AtomicUsize::new(0),
             engine: None,
-            facts: Facts::new(),
+            facts: Facts::default(),
             ext,
         })
     }
@@ -786,13 +791,14 @@ impl EndpointSet {
         set
     }
 
-    /// The prefill endpoints.
-    pub fn prefill(&self) -> &[Arc<Endpoint>] {
+    /// The prefill endpoints (the core's own shorthand for
+    /// [`by_role`](Self::by_role)).
+    pub(crate) fn prefill(&self) -> &[Arc<Endpoint>] {
         &self.prefill
     }
 
-    /// The decode endpoints.
-    pub fn decode(&self) -> &[Arc<Endpoint>] {
+    /// The decode endpoints (the core's own shorthand for [`by_role`](Self::by_role)).
+    pub(crate) fn decode(&self) -> &[Arc<Endpoint>] {
         &self.decode
     }
 
@@ -834,7 +840,7 @@ impl EndpointSet {
     ///     Endpoint::new("http://d2:8200", Role::Decode)?.with_models(["qwen"]),
     /// ].map(Arc::new));
     /// let llama = set.for_model(Some("llama"))?;
-    /// assert_eq!(llama.decode()[0].id().as_str(), "http://d1:8200");
+    /// assert_eq!(llama.by_role(Role::Decode)[0].id().as_str(), "http://d1:8200");
     /// assert!(matches!(set.for_model(Some("gpt")), Err(RouteError::UnknownModel { .. })));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```

@@ -44,7 +44,8 @@
 //! )?;
 //! // What a router returns: here the set's first prefill and decode endpoint.
 //! let set = source.snapshot();
-//! let route = Route::new(Some(Arc::clone(&set.prefill()[0])), Arc::clone(&set.decode()[0]));
+//! let prefill = Arc::clone(&set.by_role(Role::Prefill)[0]);
+//! let route = Route::new(Some(prefill), Arc::clone(&set.by_role(Role::Decode)[0]));
 //! let handoff = VllmNixl::new().prepare(&route, &req)?;
 //! assert_eq!(handoff.prefill.body.get("stream"), Some(&b"false"[..]));
 //! assert_eq!(handoff.decode.body.get("stream"), Some(&b"true"[..]));

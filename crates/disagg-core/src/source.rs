@@ -61,7 +61,7 @@ impl<T: EndpointSource + ?Sized> EndpointSource for Arc<T> {
 ///     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
 ///     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
 /// ]);
-/// assert_eq!(source.snapshot().prefill().len(), 1);
+/// assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
 /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
 /// ```
 #[derive(Debug)]
@@ -107,9 +107,9 @@ impl EndpointSource for StaticSource {
 ///     Endpoint::new("http://10.0.0.2:8200", Role::Decode)?,
 /// ]);
 /// assert!(source.remove("http://10.0.0.1:8200"));
-/// assert_eq!(source.snapshot().decode().len(), 1);
+/// assert_eq!(source.snapshot().by_role(Role::Decode).len(), 1);
 /// source.insert(Endpoint::new("http://10.0.0.3:8200", Role::Decode)?);
-/// assert_eq!(source.snapshot().decode().len(), 2);
+/// assert_eq!(source.snapshot().by_role(Role::Decode).len(), 2);
 /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
 /// ```
 #[derive(Debug)]

@@ -131,8 +131,8 @@ impl<'de> Deserialize<'de> for Pairs {
 fn check_error(e: BodyError) {
     assert!(!e.to_string().is_empty());
     let e = PdError::body(e);
-    assert!(e.status().is_client_error(), "{}", e.status());
-    assert_eq!(e.code(), "invalid_request_body");
+    assert!(e.http().status.is_client_error(), "{}", e.http().status);
+    assert_eq!(e.http().code, "invalid_request_body");
     assert!(
         error_chain(&e).len() > "invalid request body: ".len(),
         "{e}"

@@ -56,7 +56,8 @@
 //!     .build();
 //! source.synced().await;
 //! let set = source.snapshot();
-//! assert_eq!((set.prefill().len(), set.decode().len()), (1, 1));
+//! let counts = (set.by_role(Role::Prefill).len(), set.by_role(Role::Decode).len());
+//! assert_eq!(counts, (1, 1));
 //! # Ok(())
 //! # }
 //! ```

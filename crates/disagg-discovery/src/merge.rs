@@ -72,7 +72,8 @@ pub const STATIC_SOURCE: &str = "static";
 /// publisher.publish(vec![EndpointSpec::new("http://10.0.0.7:8200", Role::Decode)]);
 /// merged.synced().await;
 /// let first = merged.snapshot();
-/// assert_eq!((first.prefill().len(), first.decode().len()), (1, 1));
+/// let counts = (first.by_role(Role::Prefill).len(), first.by_role(Role::Decode).len());
+/// assert_eq!(counts, (1, 1));
 ///
 /// // Another decode joins: the one that stays is the same endpoint.
 /// let mut rx = merged.watch();
@@ -82,8 +83,9 @@ pub const STATIC_SOURCE: &str = "static";
 /// ]);
 /// rx.changed().await?;
 /// let second = merged.snapshot();
-/// assert!(Arc::ptr_eq(&first.decode()[0], &second.decode()[0]));
-/// assert_eq!(second.decode().len(), 2);
+/// let (before, after) = (first.by_role(Role::Decode), second.by_role(Role::Decode));
+/// assert!(Arc::ptr_eq(&before[0], &after[0]));
+/// assert_eq!(second.by_role(Role::Decode).len(), 2);
 /// # Ok(())
 /// # }
 /// ```
@@ -672,7 +674,7 @@ mod tests {
         let mut m = merger(1);
         let bad = vec![decode("ftp://d1:1"), decode("http://d2:1")];
         let set = m.merge(&[list(bad.clone())]).unwrap();
-        assert_eq!(set.decode().len(), 1);
+        assert_eq!(set.by_role(Role::Decode).len(), 1);
         m.merge(&[list(bad.clone())]);
         assert_eq!(m.source_stats[0].rejected(), 1);
         // Gone, then back: counted again.
@@ -687,7 +689,13 @@ mod tests {
         m.bounds.max_endpoints = 4;
         let good = list(vec![decode("http://d1:1"), decode("http://d2:1")]);
         let other = list(vec![decode("http://o1:1")]);
-        assert_eq!(m.merge(&[good, other.clone()]).unwrap().decode().len(), 3);
+        assert_eq!(
+            m.merge(&[good, other.clone()])
+                .unwrap()
+                .by_role(Role::Decode)
+                .len(),
+            3
+        );
         // Five endpoints, three of them ranks: refused whole, never expanded.
         let mut ranked = decode("http://d3:1");
         ranked.ranks = Some(crate::Ranks::new(0, 2).unwrap());
@@ -702,14 +710,14 @@ mod tests {
         // the other source's change goes through.
         let more = list(vec![decode("http://o1:1"), decode("http://o2:1")]);
         let set = m.merge(&[big, more]).unwrap();
-        assert_eq!(set.decode().len(), 4);
+        assert_eq!(set.by_role(Role::Decode).len(), 4);
         assert_eq!(m.source_stats[0].over_limit(), 1);
         assert_eq!(m.source_stats[0].decode_endpoints(), 2);
         // A list within the ceiling is taken again.
         let set = m
             .merge(&[list(vec![decode("http://d9:1")]), other])
             .unwrap();
-        assert_eq!(set.decode().len(), 2);
+        assert_eq!(set.by_role(Role::Decode).len(), 2);
     }
 
     #[test]
@@ -719,7 +727,7 @@ mod tests {
         huge.ranks = Some("0-4294967295".parse().unwrap());
         let set = m.merge(&[list(vec![huge, decode("http://d2:1")])]);
         // The endpoint ceiling refuses the list first (2^32 + 1 endpoints).
-        assert!(set.unwrap().decode().is_empty());
+        assert!(set.unwrap().by_role(Role::Decode).is_empty());
         assert_eq!(m.source_stats[0].over_limit(), 1);
         // Within the endpoint ceiling, the rank ceiling leaves the engine out alone.
         let mut m = merger(1);
@@ -729,7 +737,7 @@ mod tests {
         let set = m
             .merge(&[list(vec![three, decode("http://d2:1")])])
             .unwrap();
-        assert_eq!(set.decode().len(), 1);
+        assert_eq!(set.by_role(Role::Decode).len(), 1);
         assert_eq!(m.source_stats[0].rejected(), 1);
     }
 
@@ -741,12 +749,12 @@ mod tests {
             decode("http://d2:1"),
         ]);
         let set = m.merge(std::slice::from_ref(&specs)).unwrap();
-        assert_eq!(set.decode().len(), 1);
-        assert_eq!(set.decode()[0].id().as_str(), "http://d2:1");
+        assert_eq!(set.by_role(Role::Decode).len(), 1);
+        assert_eq!(set.by_role(Role::Decode)[0].id().as_str(), "http://d2:1");
         assert_eq!(m.source_stats[0].rejected(), 1);
         let mut m = merger(1);
         m.bounds.addresses = disagg_core::endpoint::AddressPolicy::allow_link_local();
-        assert_eq!(m.merge(&[specs]).unwrap().decode().len(), 2);
+        assert_eq!(m.merge(&[specs]).unwrap().by_role(Role::Decode).len(), 2);
     }
 
     #[test]
@@ -757,8 +765,8 @@ mod tests {
         let set = m
             .merge(&[list(vec![with_models]), list(vec![decode("http://d1:1")])])
             .unwrap();
-        assert_eq!(set.decode().len(), 1);
-        assert!(set.decode()[0].models().is_some());
+        assert_eq!(set.by_role(Role::Decode).len(), 1);
+        assert!(set.by_role(Role::Decode)[0].models().is_some());
         assert_eq!(m.source_stats[1].duplicates(), 1);
         assert_eq!(m.source_stats[1].decode_endpoints(), 0);
         assert_eq!(m.source_stats[0].decode_endpoints(), 1);

@@ -137,7 +137,7 @@ impl EndpointSpec {
             url: url.into(),
             role,
             models: Vec::new(),
-            facts: Facts::new(),
+            facts: Facts::default(),
             ranks: None,
             weight: None,
             kv_profile: None,
@@ -157,7 +157,7 @@ impl EndpointSpec {
         let base = self.url.trim_end_matches('/');
         match self.ranks {
             None => vec![base.to_owned()],
-            Some(ranks) => ranks.iter().map(|r| format!("{base}@{r}")).collect(),
+            Some(ranks) => ranks.into_iter().map(|r| format!("{base}@{r}")).collect(),
         }
     }
 
@@ -324,8 +324,8 @@ pub struct KvEventsEndpoint(pub String);
 /// use disagg_core::endpoint::Facts;
 /// use disagg_discovery::check_facts;
 ///
-/// assert!(check_facts(&Facts::new().with(Facts::BOOTSTRAP_PORT, "8998")?).is_ok());
-/// let bad = Facts::new().with(Facts::BOOTSTRAP_PORT, "89x")?;
+/// assert!(check_facts(&Facts::default().with(Facts::BOOTSTRAP_PORT, "8998")?).is_ok());
+/// let bad = Facts::default().with(Facts::BOOTSTRAP_PORT, "89x")?;
 /// assert!(check_facts(&bad).unwrap_err().to_string().contains("bootstrap_port"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -445,7 +445,7 @@ mod tests {
         assert!("a-b".parse::<Ranks>().is_err());
         assert!("".parse::<Ranks>().is_err());
         assert_eq!(
-            Ranks::new(1, 3).unwrap().iter().collect::<Vec<_>>(),
+            Ranks::new(1, 3).unwrap().into_iter().collect::<Vec<_>>(),
             [1, 2, 3]
         );
     }

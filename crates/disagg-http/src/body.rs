@@ -567,8 +567,11 @@ mod tests {
         let err = read(Full::new(Bytes::from(vec![b' '; 50])), limits(&budget))
             .await
             .unwrap_err();
-        assert_eq!((err.status().as_u16(), err.code()), (503, "server_busy"));
-        assert_eq!(err.retry_after(), Some(BUSY_RETRY_AFTER));
+        assert_eq!(
+            (err.http().status.as_u16(), err.http().code),
+            (503, "server_busy")
+        );
+        assert_eq!(err.http().retry_after, Some(BUSY_RETRY_AFTER));
         assert_eq!(budget.in_use(), 60, "nothing more taken");
         other.give_back(60);
         let (_, share) = read(Full::new(Bytes::from(vec![b' '; 50])), limits(&budget))
@@ -591,7 +594,7 @@ mod tests {
         let err = read(chunked(vec![b"abcd", b"efgh", b"ij"]), limits(&budget))
             .await
             .unwrap_err();
-        assert_eq!(err.code(), "server_busy");
+        assert_eq!(err.http().code, "server_busy");
         assert_eq!(budget.in_use(), 0, "the share is given back");
     }
 
@@ -601,12 +604,12 @@ mod tests {
         let err = read(Full::new(Bytes::from(vec![b' '; 2000])), limits(&budget))
             .await
             .unwrap_err();
-        assert_eq!(err.code(), "request_too_large");
+        assert_eq!(err.http().code, "request_too_large");
         static BIG: [u8; 600] = [b' '; 600];
         let err = read(chunked(vec![&BIG, &BIG]), limits(&budget))
             .await
             .unwrap_err();
-        assert_eq!(err.code(), "request_too_large");
+        assert_eq!(err.http().code, "request_too_large");
         assert_eq!(budget.in_use(), 0);
     }
 
@@ -621,7 +624,7 @@ mod tests {
         let started = tokio::time::Instant::now();
         let err = read(body, limits(&budget)).await.unwrap_err();
         assert_eq!(
-            (err.status().as_u16(), err.code()),
+            (err.http().status.as_u16(), err.http().code),
             (408, "request_timeout")
         );
         assert_eq!(started.elapsed(), Duration::from_secs(5));
@@ -637,6 +640,6 @@ mod tests {
             Err::<http_body::Frame<Bytes>, BoxError>("reset".into()),
         ]));
         let err = read(body, limits(&budget)).await.unwrap_err();
-        assert_eq!(err.status().as_u16(), 400);
+        assert_eq!(err.http().status.as_u16(), 400);
     }
 }

@@ -33,17 +33,18 @@ pub fn error_response(
 /// The response for a [`PdError`]: its status, its whole cause chain as the message,
 /// and `retry-after` (whole seconds, at least 1) when the error names one.
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
+    let http = err.http();
     let body = disagg_core::error::openai_error_body(
         &error_chain(err),
-        err.error_type(),
-        err.param(),
-        err.code(),
+        http.error_type,
+        http.param,
+        http.code,
     );
     let mut resp = Response::new(PdBody::full(body));
-    *resp.status_mut() = err.status();
+    *resp.status_mut() = http.status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if let Some(after) = err.retry_after() {
+    if let Some(after) = http.retry_after {
         let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
         resp.headers_mut()
             .insert(RETRY_AFTER, HeaderValue::from(secs.max(1)));
@@ -67,12 +68,15 @@ pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
 ///   route);
 /// - every other route: OpenAI's ([`pd_error_response`]).
 pub fn api_error_response(api: Api, request_id: Option<&str>, err: &PdError) -> Response<PdBody> {
-    let request_model = matches!(err.code(), "invalid_parameter" | "invalid_request_body");
+    let request_model = matches!(
+        err.http().code,
+        "invalid_parameter" | "invalid_request_body"
+    );
     let body = match api {
         _ if request_model => return pd_error_response(err),
         Api::Messages => serde_json::json!({
             "type": "error",
-            "error": {"type": anthropic_type(err.status()), "message": error_chain(err)},
+            "error": {"type": anthropic_type(err.http().status), "message": error_chain(err)},
         }),
         Api::CohereChat => serde_json::json!({"message": error_chain(err), "id": request_id}),
         _ => return pd_error_response(err),

@@ -234,9 +234,9 @@ impl Inner {
             Some(_) => set.for_model(model)?,
             None => set,
         };
-        let pool = match (set.decode(), direct) {
+        let pool = match (set.by_role(Role::Decode), direct) {
             ([], true) => return Err(RouteError::NoDecode),
-            ([], false) => set.prefill(),
+            ([], false) => set.by_role(Role::Prefill),
             (decode, _) => decode,
         };
         let least = pool.iter().map(|e| e.in_flight()).min();
@@ -273,7 +273,11 @@ impl Inner {
             None => set.as_ref().clone(),
         };
         let mut targets: Vec<&Arc<Endpoint>> = Vec::new();
-        for ep in set.prefill().iter().chain(set.decode()) {
+        for ep in set
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode))
+        {
             if !targets.iter().any(|t| t.authority() == ep.authority()) {
                 targets.push(ep);
             }

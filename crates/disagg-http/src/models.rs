@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use disagg_core::Role;
 use disagg_core::error::{PdError, RouteError};
 use disagg_core::{endpoint::EndpointSet, orchestrator::PdBody};
 use http::{Request, StatusCode};
@@ -73,7 +74,7 @@ async fn fetch(
     timeout: Duration,
 ) -> Option<Vec<Card>> {
     let mut servers: Vec<&Arc<disagg_core::Endpoint>> = Vec::new();
-    for ep in set.decode() {
+    for ep in set.by_role(Role::Decode) {
         if !servers.iter().any(|s| s.authority() == ep.authority()) {
             servers.push(ep);
         }
@@ -131,7 +132,7 @@ async fn fetch(
         }
         // The base card of a server with a decode endpoint declaring the name.
         let base = set
-            .decode()
+            .by_role(Role::Decode)
             .iter()
             .filter(|ep| ep.models().is_some_and(|m| m.contains(name)))
             .find_map(|ep| base_of.iter().find(|(a, _)| *a == ep.authority()))

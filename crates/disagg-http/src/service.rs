@@ -30,6 +30,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use disagg_core::Role;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::outcome::{RouteKind, RouteSummary};
@@ -469,17 +470,17 @@ impl Inner {
 
     fn health(&self) -> Response<PdBody> {
         let set = self.orchestrator.source().snapshot();
-        let prefill_ok = !set.prefill().is_empty()
+        let prefill_ok = !set.by_role(Role::Prefill).is_empty()
             || self.orchestrator.config().prefill_failure == PrefillFailure::DecodeOnly;
-        if prefill_ok && !set.decode().is_empty() {
+        if prefill_ok && !set.by_role(Role::Decode).is_empty() {
             json_response(StatusCode::OK, Bytes::from_static(br#"{"status":"ok"}"#))
         } else {
             error_response(
                 StatusCode::SERVICE_UNAVAILABLE,
                 &format!(
                     "not ready: {} prefill and {} decode endpoints",
-                    set.prefill().len(),
-                    set.decode().len()
+                    set.by_role(Role::Prefill).len(),
+                    set.by_role(Role::Decode).len()
                 ),
                 "server_error",
                 "not_ready",

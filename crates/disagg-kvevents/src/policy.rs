@@ -18,6 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
+use disagg_core::Role;
 use disagg_core::endpoint::Endpoint;
 use disagg_core::policy::{Decision as Split, Disaggregate};
 use disagg_core::router::{Pick, RequestView};
@@ -223,7 +224,7 @@ impl CachedPrefixThreshold {
         let Ok(set) = set.for_model(model) else {
             return 0;
         };
-        set.decode()
+        set.by_role(Role::Decode)
             .iter()
             .map(|ep| self.scorer.cached_tokens(&candidate(ep), tokens))
             .max()

@@ -139,7 +139,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             prefill.side_channel_addr()
         ),
     }
-    let mut decode_facts = Facts::new();
+    let mut decode_facts = Facts::default();
     if let Some(n) = &notifications {
         let (init, alloc) = (decode.lmcache_init_ports(), decode.lmcache_alloc_ports());
         println!(
@@ -154,7 +154,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         println!("decode engine   {}", decode.url());
     }
 
-    let mut prefill_facts = Facts::new();
+    let mut prefill_facts = Facts::default();
     if let Some(b) = prefill.bootstrap_addr() {
         prefill_facts.insert(Facts::BOOTSTRAP_PORT, b.port().to_string())?;
     }

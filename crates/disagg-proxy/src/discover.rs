@@ -310,8 +310,8 @@ async fn build(
     }
     let set = merged.snapshot();
     tracing::info!(
-        prefill = set.prefill().len(),
-        decode = set.decode().len(),
+        prefill = set.by_role(Role::Prefill).len(),
+        decode = set.by_role(Role::Decode).len(),
         "endpoints discovered"
     );
     // The probe's transport runs on this runtime, as the sources do.

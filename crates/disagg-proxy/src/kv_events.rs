@@ -278,9 +278,9 @@ impl KvEvents {
                         // it (not one ejected for a while: this is the set before
                         // health) leaves nothing behind.
                         this.scorer.retain(
-                            set.prefill()
+                            set.by_role(Role::Prefill)
                                 .iter()
-                                .chain(set.decode())
+                                .chain(set.by_role(Role::Decode))
                                 .map(|e| disagg_kvevents::policy::candidate(e)),
                         );
                         let engines = this.engine_endpoints(&set);
@@ -540,8 +540,8 @@ impl Tokenizer for SetTokenizer {
         let endpoint = {
             let set = self.source.snapshot();
             let set = set.for_model(model.as_deref())?;
-            let pool = match set.prefill() {
-                [] => set.decode(),
+            let pool = match set.by_role(Role::Prefill) {
+                [] => set.by_role(Role::Decode),
                 p => p,
             };
             match pool {

@@ -126,7 +126,7 @@ impl Shared {
             };
         let mut endpoints = Vec::new();
         for (url, port) in parse_prefills(&args.prefill)? {
-            let mut facts = Facts::new();
+            let mut facts = Facts::default();
             if let Some(port) = port {
                 facts.insert(Facts::BOOTSTRAP_PORT, port.to_string())?;
             }
@@ -153,7 +153,7 @@ impl Shared {
                 None => {}
             }
             for url in expand_ranks(url, bounds.max_ranks)? {
-                endpoints.push(endpoint(&url, Role::Decode, Facts::new(), receiver)?);
+                endpoints.push(endpoint(&url, Role::Decode, Facts::default(), receiver)?);
             }
         }
         let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));

@@ -27,7 +27,7 @@ fn health(c: &mut Criterion) {
         let source = HealthSource::new(Arc::clone(&inner), HealthConfig::default());
         let health = Arc::clone(source.health());
         let set = source.snapshot();
-        let target = Arc::clone(set.decode().last().unwrap());
+        let target = Arc::clone(set.by_role(Role::Decode).last().unwrap());
         g.bench_with_input(BenchmarkId::new("record_ok", n), &n, |b, _| {
             b.iter(|| health.record(black_box(&target), black_box(true)))
         });
@@ -38,7 +38,7 @@ fn health(c: &mut Criterion) {
             b.iter(|| black_box(source.snapshot()))
         });
         // One endpoint ejected: the fast path also reads the clock.
-        let first = Arc::clone(&set.prefill()[0]);
+        let first = Arc::clone(&set.by_role(Role::Prefill)[0]);
         for _ in 0..5 {
             health.record(&first, false);
         }

@@ -320,6 +320,7 @@ impl<R: Router> Router for PerEndpointLimit<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use disagg_core::Role;
 
     fn limited(n: usize, queue: usize, timeout_ms: u64) -> Arc<Limits> {
         Arc::new(Limits::new(AdmissionConfig {
@@ -350,8 +351,8 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(waiting(&a), 1);
         let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_full");
-        assert_eq!(e.retry_after(), Some(Duration::from_secs(1)));
+        assert_eq!(e.http().code, "queue_full");
+        assert_eq!(e.http().retry_after, Some(Duration::from_secs(1)));
         drop(first);
         queued.await.unwrap().unwrap();
         assert_eq!((waiting(&a), running(&a)), (0, 0));
@@ -363,14 +364,14 @@ mod tests {
         let _first = a.admit(None).await.unwrap();
         let start = Instant::now();
         let e = a.admit(None).await.unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
+        assert_eq!(e.http().code, "queue_timeout");
         assert_eq!(start.elapsed(), Duration::from_millis(500));
         // A nearer deadline ends the wait sooner.
         let e = a
             .admit(Some(Instant::now() + Duration::from_millis(100)))
             .await
             .unwrap_err();
-        assert_eq!(e.code(), "queue_timeout");
+        assert_eq!(e.http().code, "queue_timeout");
         assert_eq!(waiting(&a), 0);
         assert_eq!(a.stats().queue_timeouts, 2);
     }
@@ -414,9 +415,12 @@ mod tests {
 
     impl Router for First {
         fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-            let decode = set.decode().first().ok_or(RouteError::NoDecode)?;
+            let decode = set
+                .by_role(Role::Decode)
+                .first()
+                .ok_or(RouteError::NoDecode)?;
             Ok(Route::new(
-                set.prefill().first().cloned(),
+                set.by_role(Role::Prefill).first().cloned(),
                 Arc::clone(decode),
             ))
         }
@@ -454,7 +458,10 @@ mod tests {
             .await
             .expect("woken when the leg ended")
             .unwrap();
-        assert_eq!(second.decode.id(), source.snapshot().decode()[0].id());
+        assert_eq!(
+            second.decode.id(),
+            source.snapshot().by_role(Role::Decode)[0].id()
+        );
         assert_eq!(waiting(&limits), 0);
     }
 

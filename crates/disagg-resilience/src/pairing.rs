@@ -131,8 +131,8 @@ pub fn check_pairs_with(
     versions: &Versions,
 ) -> Result<(), PairingError> {
     let mut pairs = Vec::new();
-    for p in set.prefill() {
-        for d in set.decode() {
+    for p in set.by_role(Role::Prefill) {
+        for d in set.by_role(Role::Decode) {
             if let Err(mismatch) = pair(p, d, connector, versions) {
                 pairs.push(PairError {
                     prefill: p.id().clone(),
@@ -221,7 +221,9 @@ impl Versions {
 
 /// Every endpoint of `set`, prefill first.
 fn all(set: &EndpointSet) -> impl Iterator<Item = &Arc<Endpoint>> {
-    set.prefill().iter().chain(set.decode())
+    set.by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
 }
 
 /// Engines probed at once.
@@ -692,7 +694,7 @@ mod tests {
         let (tx, _) = watch::channel(Arc::clone(&good));
         let tx2 = tx.clone();
         let src = ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).unwrap();
-        assert_eq!(src.snapshot().decode().len(), 1);
+        assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
 
         // A bad decode joins: refused, the good set stays.
         let bad = Arc::new(EndpointSet::new([
@@ -712,7 +714,7 @@ mod tests {
         }
         let err = src.last_error().expect("the bad decode is left out");
         assert_eq!(err.pairs[0].decode.as_str(), "http://d:2");
-        assert_eq!(src.snapshot().decode().len(), 1);
+        assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
 
         // With the bad decode still there, a good one joining is admitted: one bad
         // engine does not hold the fleet's other changes back.
@@ -735,7 +737,7 @@ mod tests {
             .unwrap();
         let ids: Vec<_> = src
             .snapshot()
-            .decode()
+            .by_role(Role::Decode)
             .iter()
             .map(|e| e.id().as_str().to_owned())
             .collect();
@@ -753,7 +755,10 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(src.snapshot().decode()[0].id().as_str(), "http://d:3");
+        assert_eq!(
+            src.snapshot().by_role(Role::Decode)[0].id().as_str(),
+            "http://d:3"
+        );
         assert!(src.last_error().is_none());
 
         // At start, an invalid set is an error.
@@ -856,7 +861,7 @@ mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(src.snapshot().decode().len(), 1);
+        assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
     }
 
     #[tokio::test]
@@ -897,7 +902,7 @@ mod tests {
             .unwrap();
         let ids: Vec<_> = src
             .snapshot()
-            .decode()
+            .by_role(Role::Decode)
             .iter()
             .map(|e| e.id().as_str().to_owned())
             .collect();
@@ -911,7 +916,11 @@ mod tests {
         );
         // Published again with it still there: still left out, not counted again.
         tx2.send_replace(Arc::new(EndpointSet::new(
-            joined.prefill().iter().chain(joined.decode()).cloned(),
+            joined
+                .by_role(Role::Prefill)
+                .iter()
+                .chain(joined.by_role(Role::Decode))
+                .cloned(),
         )));
         tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
             .await

@@ -262,12 +262,12 @@ impl LmcacheReceiver {
     /// use disagg_core::pairing::KvProfile;
     /// use disagg_connectors::lmcache::{LmcacheReceiver, ReceiverError};
     ///
-    /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
+    /// let (mut facts, mut ext) = (Facts::default(), http::Extensions::new());
     /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut facts, &mut ext)?;
     /// assert_eq!(ext.get::<KvProfile>().and_then(|p| p.tp_size), Some(2));
     /// assert_eq!(facts.get(Facts::KV_RECEIVER), Some("10.0.0.7:7300,7301:7400,7401"));
     ///
-    /// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
+    /// let (mut facts, mut ext) = (Facts::default(), http::Extensions::new());
     /// ext.insert(KvProfile { tp_size: Some(4), ..KvProfile::default() });
     /// let err = LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?
     ///     .insert_into(&mut facts, &mut ext);
@@ -337,7 +337,7 @@ impl std::fmt::Display for LmcacheReceiver {
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let notifications = Notifications::bind("0.0.0.0:7500", NotifyConfig::default()).await?;
 /// let connector = Lmcache::new(notifications);
-/// let (mut facts, mut ext) = (Facts::new(), http::Extensions::new());
+/// let (mut facts, mut ext) = (Facts::default(), http::Extensions::new());
 /// LmcacheReceiver::parse("10.0.0.7:7300,7301:7400,7401")?.insert_into(&mut facts, &mut ext)?;
 /// let decode = Endpoint::with_extensions("http://10.0.0.7:7200", Role::Decode, ext)?
 ///     .with_facts(facts);

@@ -77,7 +77,7 @@ use disagg_core::router::Route;
 /// use disagg_core::request::{Api, PdRequest};
 /// use disagg_core::router::Route;
 ///
-/// let facts = Facts::new().with(Facts::BOOTSTRAP_PORT, "8998")?;
+/// let facts = Facts::default().with(Facts::BOOTSTRAP_PORT, "8998")?;
 /// let p = Endpoint::new("http://10.0.0.5:30000", Role::Prefill)?.with_facts(facts);
 /// let route = Route::new(
 ///     Some(Arc::new(p)),
@@ -350,7 +350,7 @@ mod tests {
     use disagg_core::endpoint::{Endpoint, Facts, Role};
 
     fn route(port: Option<&str>) -> Route {
-        let mut facts = Facts::new();
+        let mut facts = Facts::default();
         if let Some(p) = port {
             facts.insert(Facts::BOOTSTRAP_PORT, p).unwrap();
         }
@@ -362,6 +362,14 @@ mod tests {
             )),
             Arc::new(Endpoint::new("http://10.1.2.4:30001", Role::Decode).unwrap()),
         )
+    }
+
+    /// `route(None)` with data-parallel ranks named for each leg.
+    fn ranked(prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Route {
+        let mut route = route(None);
+        route.prefill_rank = prefill_rank;
+        route.decode_rank = decode_rank;
+        route
     }
 
     fn req(api: Api, body: &str) -> PdRequest {
@@ -508,7 +516,7 @@ mod tests {
             ),
         ] {
             let err = c.check(&req(api, body)).unwrap_err();
-            assert_eq!(err.param(), param, "{body}");
+            assert_eq!(err.param, param, "{body}");
         }
         for ok in [r#"{"messages":[],"n":1}"#, r#"{"messages":[]}"#] {
             assert_eq!(
@@ -521,7 +529,7 @@ mod tests {
         let err = c
             .check(&req(Api::Completions, &batch(MAX_SEQUENCES + 1)))
             .unwrap_err();
-        assert_eq!(err.param(), "prompt");
+        assert_eq!(err.param, "prompt");
         let ok = req(Api::Completions, &batch(MAX_SEQUENCES));
         assert_eq!(c.check(&ok).unwrap(), Decision::Disaggregate);
     }
@@ -616,12 +624,7 @@ mod tests {
             }
         }
         // Both ranks: the legs differ.
-        let h = c
-            .prepare(
-                &disagg_core::proto::with_ranks(route(None), Some(2), Some(5)),
-                &r,
-            )
-            .unwrap();
+        let h = c.prepare(&ranked(Some(2), Some(5)), &r).unwrap();
         let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
         assert_eq!(p[ROUTED_DP_RANK], 2);
         assert_eq!(p[PREFILL_DP_RANK], 2);
@@ -633,22 +636,12 @@ mod tests {
         }
         assert_eq!(p["bootstrap_room"], d["bootstrap_room"]);
         // Only the prefill's rank: the decode is told where the KV is, and picks its own.
-        let h = c
-            .prepare(
-                &disagg_core::proto::with_ranks(route(None), Some(1), None),
-                &r,
-            )
-            .unwrap();
+        let h = c.prepare(&ranked(Some(1), None), &r).unwrap();
         let d = json(&h.decode.body);
         assert_eq!(d[PREFILL_DP_RANK], 1);
         assert!(d.get(ROUTED_DP_RANK).is_none());
         // Only the decode's rank: the prefill follows its room, as the decode assumes.
-        let h = c
-            .prepare(
-                &disagg_core::proto::with_ranks(route(None), None, Some(3)),
-                &r,
-            )
-            .unwrap();
+        let h = c.prepare(&ranked(None, Some(3)), &r).unwrap();
         let (p, d) = (json(&h.prefill.body), json(&h.decode.body));
         assert!(p.get(ROUTED_DP_RANK).is_none());
         assert_eq!(d[ROUTED_DP_RANK], 3);

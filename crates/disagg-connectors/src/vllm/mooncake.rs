@@ -413,7 +413,8 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
-    use disagg_core::endpoint::DATA_PARALLEL_RANK;
+    /// The header by which the engine lets a request pick its data-parallel rank.
+    const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
     use disagg_core::endpoint::{Endpoint, Facts, Role};
     use disagg_core::error::TransportError;
     use disagg_core::request::Api;
@@ -449,8 +450,16 @@ mod tests {
         route_with(port.map(|p| p.to_string()).as_deref())
     }
 
+    /// `route(None)` with data-parallel ranks named for each leg.
+    fn ranked(prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Route {
+        let mut route = route(None);
+        route.prefill_rank = prefill_rank;
+        route.decode_rank = decode_rank;
+        route
+    }
+
     fn route_with(port: Option<&str>) -> Route {
-        let mut facts = Facts::new();
+        let mut facts = Facts::default();
         if let Some(p) = port {
             facts.insert(Facts::BOOTSTRAP_PORT, p).unwrap();
         }
@@ -589,10 +598,7 @@ mod tests {
         let c = VllmMooncake::new();
         let t = bootstrap(QUERY);
         let mut h = c
-            .prepare(
-                &disagg_core::proto::with_ranks(route(None), Some(1), None),
-                &req(r#"{"messages":[]}"#),
-            )
+            .prepare(&ranked(Some(1), None), &req(r#"{"messages":[]}"#))
             .unwrap();
         c.resolve(&mut h, &t).await.unwrap();
         assert_eq!(h.prefill.headers.get(DATA_PARALLEL_RANK).unwrap(), "1");
@@ -601,10 +607,7 @@ mod tests {
             "e1"
         );
         let mut h = c
-            .prepare(
-                &disagg_core::proto::with_ranks(route(None), Some(7), None),
-                &req(r#"{"messages":[]}"#),
-            )
+            .prepare(&ranked(Some(7), None), &req(r#"{"messages":[]}"#))
             .unwrap();
         let err = c.resolve(&mut h, &t).await.unwrap_err();
         assert!(matches!(err, ConnectorError::Bootstrap { .. }));

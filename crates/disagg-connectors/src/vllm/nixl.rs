@@ -175,7 +175,7 @@ impl KvConnector for VllmNixl {
             .unwrap_or(Bytes::from_static(PREFILL_PARAMS));
         prefill.set_raw(KV_TRANSFER_PARAMS, params);
         if req.api() == Api::Chat && self.reuse.applies(&route.decode) {
-            prefill.set_raw_static(reuse::RETURN_TOKEN_IDS, Bytes::from_static(b"true"));
+            prefill.set_raw(reuse::RETURN_TOKEN_IDS, Bytes::from_static(b"true"));
         }
         let mut prefill = Leg::new(prefill_ep, prefill);
         prefill.set_rank(route.prefill_rank);

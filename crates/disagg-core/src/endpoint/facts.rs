@@ -33,14 +33,14 @@ use std::fmt;
 /// ```
 /// use disagg_core::endpoint::{Endpoint, Facts, Role};
 ///
-/// let facts = Facts::new().with(Facts::BOOTSTRAP_PORT, "8998")?;
+/// let facts = Facts::default().with(Facts::BOOTSTRAP_PORT, "8998")?;
 /// let p = Endpoint::new("http://10.0.0.5:30000", Role::Prefill)?.with_facts(facts);
 /// assert_eq!(p.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
 /// assert_eq!(p.facts().parse::<u16>(Facts::BOOTSTRAP_PORT), Some(Ok(8998)));
 ///
 /// // A peer's oversized value is refused before it is kept.
 /// let long = "x".repeat(4097);
-/// assert!(Facts::new().with("note", long).is_err());
+/// assert!(Facts::default().with("note", long).is_err());
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
@@ -70,11 +70,6 @@ impl Facts {
     pub(crate) const MAX_KEY_LEN: usize = 64;
     /// The longest value, in bytes (an LMCache receiver of 64 ranks fits with room).
     pub(crate) const MAX_VALUE_LEN: usize = 4096;
-
-    /// No facts.
-    pub fn new() -> Self {
-        Facts::default()
-    }
 
     /// Sets `key` to `value`, replacing a value already there, within the ceilings.
     ///
@@ -233,7 +228,11 @@ mod tests {
 
     #[test]
     fn keeps_keys_in_order_and_replaces() {
-        let mut f = Facts::new().with("b", "2").unwrap().with("a", "1").unwrap();
+        let mut f = Facts::default()
+            .with("b", "2")
+            .unwrap()
+            .with("a", "1")
+            .unwrap();
         f.insert("b", "3").unwrap();
         assert_eq!(f.iter().collect::<Vec<_>>(), [("a", "1"), ("b", "3")]);
         assert_eq!(f.parse::<u16>("b"), Some(Ok(3)));
@@ -245,7 +244,7 @@ mod tests {
 
     #[test]
     fn refuses_what_passes_a_ceiling_and_keeps_the_rest() {
-        let mut f = Facts::new();
+        let mut f = Facts::default();
         let long_key = "k".repeat(Facts::MAX_KEY_LEN + 1);
         assert!(matches!(
             f.insert(&long_key, "v"),

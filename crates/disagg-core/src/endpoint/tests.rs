@@ -245,7 +245,9 @@ fn undeclared_endpoints_serve_every_model_and_the_rest() {
 
 #[test]
 fn a_rank_endpoint_has_its_engines_facts() {
-    let facts = Facts::new().with(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+    let facts = Facts::default()
+        .with(Facts::BOOTSTRAP_PORT, "8998")
+        .unwrap();
     let engine = Arc::new(
         Endpoint::new("http://10.0.0.5:8100", Role::Prefill)
             .unwrap()

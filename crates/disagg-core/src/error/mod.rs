@@ -3,8 +3,8 @@
 //! Each layer of the request path has its own error: [`BodyError`] for the client's
 //! JSON, [`RouteError`] for routing, [`ConnectorError`] for the KV handoff and
 //! [`TransportError`] for the wire. [`PdError`] wraps them at the edge and tells a
-//! server what it needs to answer: the HTTP [`status`](PdError::status), the
-//! [`side`](PdError::side) that failed, a stable [`code`](PdError::code), and whether a
+//! server what it needs to answer: the HTTP status and a stable code
+//! ([`http`](PdError::http)), the [`side`](PdError::side) that failed, and whether a
 //! retry on another pair could help.
 //!
 //! | file | holds |
@@ -19,7 +19,7 @@ use crate::endpoint::EndpointId;
 mod pd;
 
 pub(crate) use pd::Phase;
-pub use pd::{Overload, PdError, Side};
+pub use pd::{HttpFacts, Overload, PdError, Side};
 
 /// A boxed error, the currency of transports and bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -64,12 +64,11 @@ pub enum BodyError {
 
 /// A request parameter an engine would refuse, in the engine's own words (its
 /// `Display`).
-///
-/// Its [`param`](Self::param) is OpenAI's `error.param`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct InvalidParam {
-    param: &'static str,
+    /// The refused top-level field: OpenAI's `error.param`.
+    pub param: &'static str,
     message: String,
 }
 
@@ -80,11 +79,6 @@ impl InvalidParam {
             param,
             message: message.into(),
         }
-    }
-
-    /// The refused top-level field.
-    pub fn param(&self) -> &'static str {
-        self.param
     }
 }
 

@@ -99,8 +99,8 @@ enum Kind {
     },
 }
 
-/// The step of a request a time budget covers; each has its own error
-/// [`code`](PdError::code).
+/// The step of a request a time budget covers; each has its own error code
+/// ([`HttpFacts::code`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Phase {
     /// The prefill exchange: connect, response head and the whole answer
@@ -140,10 +140,31 @@ impl fmt::Display for Phase {
     }
 }
 
+/// What an HTTP layer renders for a [`PdError`] ([`PdError::http`]): the answer's status,
+/// the fields of an OpenAI-style error body, and the `retry-after` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HttpFacts {
+    /// The HTTP status a client should see.
+    pub status: StatusCode,
+    /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`:
+    /// `no_decode_endpoint`, `prefill_failed`, `decode_timeout`, `queue_full`, ….
+    pub code: &'static str,
+    /// OpenAI's `error.type`: `rate_limit_error` for 429, `invalid_request_error` for
+    /// other 4xx, `server_error` otherwise.
+    pub error_type: &'static str,
+    /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
+    /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
+    pub param: Option<&'static str>,
+    /// How long a client should wait before trying again (the `retry-after` header):
+    /// set for a full admission queue and for a busy server.
+    pub retry_after: Option<std::time::Duration>,
+}
+
 /// The error a P/D request ends with, as the HTTP edge sees it.
 ///
-/// Opaque on purpose: match on [`side`](Self::side), [`status`](Self::status),
-/// [`code`](Self::code) and [`is_retryable`](Self::is_retryable), and reach the cause
+/// Opaque on purpose: match on [`side`](Self::side), the [`http`](Self::http) facts
+/// (status, code) and [`is_retryable`](Self::is_retryable), and reach the cause
 /// through [`std::error::Error::source`].
 pub struct PdError {
     kind: Kind,
@@ -230,9 +251,21 @@ impl PdError {
         Self::new(kind, Side::Router, None)
     }
 
+    /// What an HTTP layer renders for this error: status, OpenAI's `error.code`,
+    /// `error.type` and `error.param`, and the `retry-after` header.
+    pub fn http(&self) -> HttpFacts {
+        HttpFacts {
+            status: self.status(),
+            code: self.code(),
+            error_type: self.error_type(),
+            param: self.param(),
+            retry_after: self.retry_after(),
+        }
+    }
+
     /// How long a client should wait before trying again, for the `retry-after` header:
     /// set for a full admission queue and for a busy server.
-    pub fn retry_after(&self) -> Option<std::time::Duration> {
+    pub(crate) fn retry_after(&self) -> Option<std::time::Duration> {
         match self.kind {
             Kind::QueueFull { retry_after } | Kind::ServerBusy { retry_after } => Some(retry_after),
             _ => None,
@@ -245,7 +278,7 @@ impl PdError {
     }
 
     /// The HTTP status a client should see.
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match &self.kind {
             Kind::Body => match self.body_error() {
                 Some(BodyError::TooLarge { .. }) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -271,15 +304,15 @@ impl PdError {
 
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
     /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
-    pub fn param(&self) -> Option<&'static str> {
+    pub(crate) fn param(&self) -> Option<&'static str> {
         match self.body_error()? {
-            BodyError::Invalid(p) => Some(p.param()),
+            BodyError::Invalid(p) => Some(p.param),
             _ => None,
         }
     }
 
     /// A stable, machine-readable code (`snake_case`), used as OpenAI's `error.code`.
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         match (&self.kind, self.side) {
             (Kind::Body, _) => match self.body_error() {
                 Some(BodyError::Invalid(_)) => "invalid_parameter",
@@ -313,7 +346,7 @@ impl PdError {
     }
 
     /// OpenAI's `error.type` for this error.
-    pub fn error_type(&self) -> &'static str {
+    pub(crate) fn error_type(&self) -> &'static str {
         match self.status().as_u16() {
             429 => "rate_limit_error",
             400..=499 => "invalid_request_error",
@@ -585,6 +618,17 @@ mod tests {
         );
         assert_eq!(e.retry_after(), Some(std::time::Duration::from_secs(2)));
         assert_eq!(e.error_type(), "rate_limit_error");
+        // The HTTP facts carry the same answers together.
+        assert_eq!(
+            e.http(),
+            HttpFacts {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                code: "queue_full",
+                error_type: "rate_limit_error",
+                param: None,
+                retry_after: Some(std::time::Duration::from_secs(2)),
+            }
+        );
         let e = PdError::overloaded(Overload::QueueTimeout {
             waited: std::time::Duration::from_millis(1500),
         });

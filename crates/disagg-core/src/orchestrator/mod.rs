@@ -463,7 +463,7 @@ impl Orchestrator {
     /// # Errors
     ///
     /// [`PdError`] when no route exists, a leg cannot be reached, times out, or answers
-    /// something the handoff cannot go on with. See `PdError::status` for the mapping.
+    /// something the handoff cannot go on with. See `PdError::http` for the mapping.
     pub fn serve(
         &self,
         req: PdRequest,

@@ -5,10 +5,10 @@
 //! A connector reads and rewrites request bodies field by field ([`fields`], [`retain`],
 //! [`write_json_str`], [`top_level_field`]), reads request fields as the engines'
 //! pydantic models do ([`lax`]), sees the handoff fields a client sent
-//! ([`client_handoff`]), and may pick a data-parallel rank after routing ([`dp_rank`],
-//! [`with_ranks`]). An adapter that forwards a request to one engine keeps the proxy's
-//! rules for headers and answers ([`forwardable_header`], [`unrelayable`],
-//! [`HANDOFF_HEADER`]).
+//! ([`client_handoff`]), and may pick a data-parallel rank after routing ([`dp_rank`];
+//! a [`Route`](crate::router::Route)'s ranks are its public fields). An adapter that
+//! forwards a request to one engine keeps the proxy's rules for headers and answers
+//! ([`forwardable_header`], [`unrelayable`], [`HANDOFF_HEADER`]).
 //!
 //! | item | for |
 //! |---|---|
@@ -16,7 +16,7 @@
 //! | [`fields`], [`retain`] | one pass over a [`JsonBody`]'s fields |
 //! | [`write_json_str`], [`top_level_field`] | writing a JSON string; one field of an engine's answer, unparsed |
 //! | [`client_handoff`] | the handoff fields a client sent, which the legs never carry |
-//! | [`dp_rank`], [`with_ranks`] | data-parallel ranks chosen after routing |
+//! | [`dp_rank`] | data-parallel ranks chosen after routing |
 //! | [`forwardable_header`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
 
 use std::sync::Arc;
@@ -27,7 +27,6 @@ use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
 use crate::error::BodyError;
 use crate::request::PdRequest;
-use crate::router::Route;
 
 pub mod lax;
 
@@ -70,12 +69,6 @@ pub fn client_handoff<'a>(req: &'a PdRequest, field: &str) -> Option<&'a [u8]> {
 /// counts towards the engine's, so that routers keep seeing the whole engine's load.
 pub fn dp_rank(engine: &Arc<Endpoint>, rank: u32) -> Endpoint {
     engine.dp_rank(rank)
-}
-
-/// `route` with data-parallel ranks named for each leg (SGLang's
-/// `data_parallel_rank`, vLLM Mooncake's `X-data-parallel-rank`).
-pub fn with_ranks(route: Route, prefill_rank: Option<u32>, decode_rank: Option<u32>) -> Route {
-    route.with_ranks(prefill_rank, decode_rank)
 }
 
 /// `s` as a JSON string: copied between quotes when nothing needs escaping.

@@ -225,7 +225,10 @@ fn error_event(frame: &str) -> Value {
 /// The in-flight count of the endpoint at `url`.
 fn in_flight(orch: &Orchestrator, url: &str) -> usize {
     let set = orch.source().snapshot();
-    let all = set.prefill().iter().chain(set.decode());
+    let all = set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode));
     all.filter(|e| e.id().as_str() == url)
         .map(|e| e.in_flight())
         .sum()
@@ -235,7 +238,11 @@ fn in_flight(orch: &Orchestrator, url: &str) -> usize {
 /// request, no release running.
 fn assert_settled(orch: &Orchestrator) {
     let set = orch.source().snapshot();
-    for e in set.prefill().iter().chain(set.decode()) {
+    for e in set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
+    {
         assert_eq!(e.in_flight(), 0, "{} still counts a request", e.id());
     }
     let st = orch.stats();
@@ -247,7 +254,11 @@ fn assert_settled(orch: &Orchestrator) {
 }
 
 fn assert_error(e: &PdError, status: u16, code: &str) {
-    assert_eq!((e.status().as_u16(), e.code()), (status, code), "{e:?}");
+    assert_eq!(
+        (e.http().status.as_u16(), e.http().code),
+        (status, code),
+        "{e:?}"
+    );
 }
 
 // === 1. the sequential (NIXL) path ===
@@ -990,7 +1001,7 @@ async fn the_nearer_of_deadline_and_step_budget_names_the_error() {
         assert_eq!(t0.elapsed(), ms(at), "{code}");
         assert_eq!(
             orch.stats().deadlines_exceeded,
-            u64::from(e.code() == "deadline_exceeded")
+            u64::from(e.http().code == "deadline_exceeded")
         );
         assert!(
             fake.calls()
@@ -1030,7 +1041,7 @@ async fn admission_queues_until_the_running_body_ends_and_refuses_past_the_queue
     assert_eq!(orch.stats().queued_now, 1);
     let third = serve(&orch, chat(&orch)).await.unwrap_err();
     assert_error(&third, 429, "queue_full");
-    assert_eq!(third.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(third.http().retry_after, Some(Duration::from_secs(1)));
     // The second gives up after the queue timeout, having reached no engine.
     let second = within(second).await.unwrap().unwrap_err();
     assert_error(&second, 503, "queue_timeout");
@@ -1133,7 +1144,12 @@ fn with_health(
     hc.base_ejection = Duration::from_secs(5);
     let source = HealthSource::new(StaticSource::new(endpoints(prefill, &[D1])), hc);
     let set = source.snapshot();
-    let eps = set.prefill().iter().chain(set.decode()).cloned().collect();
+    let eps = set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
+        .cloned()
+        .collect();
     let mut c = Setup::default();
     config(&mut c);
     // The source's health hears every attempt: nothing else to wire.
@@ -1180,7 +1196,7 @@ async fn an_endpoint_failing_n_times_in_a_row_is_ejected_then_tried_again() {
             until: t0 + Duration::from_secs(5)
         })
     );
-    assert_eq!(source.snapshot().prefill().len(), 1);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
 
     // After the ejection it is tried again (half open); failing, it is out for twice as
     // long.

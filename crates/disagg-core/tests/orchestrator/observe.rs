@@ -173,12 +173,12 @@ async fn a_request_refused_before_any_attempt_has_a_summary_and_no_report() {
         )
         .unwrap();
     let e = serve(&orch, req).await.unwrap_err();
-    assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(e.http().status, StatusCode::BAD_REQUEST);
     assert!(heard.reports().is_empty());
     let s = heard.summary();
     assert_eq!(
         (s.status, s.error, s.attempts),
-        (StatusCode::BAD_REQUEST, Some(e.code()), 0)
+        (StatusCode::BAD_REQUEST, Some(e.http().code), 0)
     );
     assert_eq!(s.outcome(), "client_error");
     assert!(s.route.is_none() && s.timeline.is_none());
@@ -203,7 +203,7 @@ async fn a_request_refused_before_any_attempt_has_a_summary_and_no_report() {
     );
     let all = heard.summaries();
     let s = all.last().unwrap();
-    assert_eq!((s.status.as_u16(), s.error), (400, Some(err.code())));
+    assert_eq!((s.status.as_u16(), s.error), (400, Some(err.http().code)));
     assert_eq!(s.request_id.as_ref().unwrap(), "c-1");
     assert_eq!(s.duration(), std_ms(3));
 }

@@ -59,9 +59,12 @@ impl Router for Recording {
             .lock()
             .unwrap()
             .push(req.tokens.map(<[u32]>::to_vec));
-        let decode = set.decode().first().ok_or(RouteError::NoDecode)?;
+        let decode = set
+            .by_role(Role::Decode)
+            .first()
+            .ok_or(RouteError::NoDecode)?;
         Ok(Route::new(
-            set.prefill().first().cloned(),
+            set.by_role(Role::Prefill).first().cloned(),
             Arc::clone(decode),
         ))
     }

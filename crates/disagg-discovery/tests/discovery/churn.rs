@@ -171,7 +171,11 @@ async fn engines_added_and_removed_under_load_fail_no_request() {
     // Nothing counted in flight: every guard went with its stream, on the endpoints
     // still in the set as on those that left.
     let set = merged.snapshot();
-    for e in set.prefill().iter().chain(set.decode()) {
+    for e in set
+        .by_role(Role::Prefill)
+        .iter()
+        .chain(set.by_role(Role::Decode))
+    {
         assert_eq!(e.in_flight(), 0, "{}", e.id());
     }
     // Every answer was a real handoff: each decode pulled the KV its prefill made.

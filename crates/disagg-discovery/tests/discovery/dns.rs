@@ -242,12 +242,12 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
     assert_eq!(ids(&first, Role::Decode), ["http://127.0.0.21:8200"]);
     assert!(
         first
-            .prefill()
+            .by_role(Role::Prefill)
             .iter()
             .all(|e| { e.facts().get(Facts::BOOTSTRAP_PORT) == Some("8998") })
     );
     let kept = first
-        .prefill()
+        .by_role(Role::Prefill)
         .iter()
         .find(|e| e.id().as_str() == "http://127.0.0.12:8100")
         .cloned()
@@ -261,7 +261,7 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
     })
     .await;
     let still = second
-        .prefill()
+        .by_role(Role::Prefill)
         .iter()
         .find(|e| e.id().as_str() == "http://127.0.0.12:8100")
         .unwrap();
@@ -274,7 +274,10 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
     server
         .set_hosts("127.0.0.12 prefill.disagg.test\n127.0.0.13 prefill.disagg.test\n")
         .await;
-    wait_for(&merged, SEEN, "the removed name", |s| s.decode().is_empty()).await;
+    wait_for(&merged, SEEN, "the removed name", |s| {
+        s.by_role(Role::Decode).is_empty()
+    })
+    .await;
     assert_eq!(errors(&merged), 0, "no lookup failed");
 }
 
@@ -332,7 +335,7 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
     // The records' weight (10) is the endpoints' routing weight.
     let weights: Vec<f64> = merged
         .snapshot()
-        .decode()
+        .by_role(Role::Decode)
         .iter()
         .map(|e| e.weight())
         .collect();

@@ -66,20 +66,28 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
         model = "llama"
         "#,
     );
-    let after = wait_for(&merged, RELOAD, "the edit", |s| s.decode().len() == 2).await;
+    let after = wait_for(&merged, RELOAD, "the edit", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
     assert_eq!(
-        after.prefill()[0].facts().get(Facts::BOOTSTRAP_PORT),
+        after.by_role(Role::Prefill)[0]
+            .facts()
+            .get(Facts::BOOTSTRAP_PORT),
         Some("9000")
     );
-    assert!(!Arc::ptr_eq(&before.prefill()[0], &after.prefill()[0]));
+    assert!(!Arc::ptr_eq(
+        &before.by_role(Role::Prefill)[0],
+        &after.by_role(Role::Prefill)[0]
+    ));
     let kept = after
-        .decode()
+        .by_role(Role::Decode)
         .iter()
         .find(|e| e.id().as_str() == "http://10.0.0.7:8200")
         .unwrap();
-    assert!(Arc::ptr_eq(kept, &before.decode()[0]));
+    assert!(Arc::ptr_eq(kept, &before.by_role(Role::Decode)[0]));
     let added = after
-        .decode()
+        .by_role(Role::Decode)
         .iter()
         .find(|e| e.id().as_str() == "http://10.0.0.8:8200")
         .unwrap();
@@ -88,7 +96,7 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
     // An edit in place (no rename) is seen too.
     std::fs::write(&path, FIRST).unwrap();
     wait_for(&merged, RELOAD, "the edit in place", |s| {
-        s.decode().len() == 1
+        s.by_role(Role::Decode).len() == 1
     })
     .await;
     assert_eq!(errors(&merged), 0);
@@ -126,7 +134,7 @@ async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
         ids(s, Role::Decode) == ["http://10.0.0.9:8200"]
     })
     .await;
-    assert!(set.prefill().is_empty());
+    assert!(set.by_role(Role::Prefill).is_empty());
 }
 
 #[tokio::test]
@@ -152,7 +160,7 @@ async fn a_deleted_file_keeps_the_last_good_engines_until_it_is_back() {
     .await;
     replace(&path, "");
     wait_for(&merged, RELOAD, "the empty file", |s| {
-        s.decode().is_empty() && s.prefill().is_empty()
+        s.by_role(Role::Decode).is_empty() && s.by_role(Role::Prefill).is_empty()
     })
     .await;
 }

@@ -95,9 +95,10 @@ fn record(merged: &MergedSource) -> Arc<Mutex<Vec<(usize, usize)>>> {
     tokio::spawn(async move {
         while rx.changed().await.is_ok() {
             let set = rx.borrow_and_update().clone();
-            out.lock()
-                .unwrap()
-                .push((set.prefill().len(), set.decode().len()));
+            out.lock().unwrap().push((
+                set.by_role(Role::Prefill).len(),
+                set.by_role(Role::Decode).len(),
+            ));
         }
     });
     seen
@@ -157,7 +158,10 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     );
     h.server
         .apply(pod("d2", "decode", "127.0.2.2", true).json());
-    let set = wait_for(&h.merged, WAIT, "d2 ready", |s| s.decode().len() == 2).await;
+    let set = wait_for(&h.merged, WAIT, "d2 ready", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
     let still = find(&set, Role::Decode, "http://127.0.2.1:8000");
     assert!(Arc::ptr_eq(&still, &d1), "d1 stays the same endpoint");
     assert_eq!(still.in_flight(), 1);
@@ -169,7 +173,11 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
         ids(s, Role::Decode) == ["http://127.0.2.2:8000"]
     })
     .await;
-    assert!(set.decode().iter().all(|e| !Arc::ptr_eq(e, &d1)));
+    assert!(
+        set.by_role(Role::Decode)
+            .iter()
+            .all(|e| !Arc::ptr_eq(e, &d1))
+    );
     assert_eq!(d1.in_flight(), 1);
     drop(in_flight);
     assert_eq!(d1.in_flight(), 0);
@@ -177,7 +185,10 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
     // A second prefill joins; the first is deleted.
     h.server
         .apply(pod("p2", "prefill", "127.0.1.2", true).json());
-    wait_for(&h.merged, WAIT, "p2 joins", |s| s.prefill().len() == 2).await;
+    wait_for(&h.merged, WAIT, "p2 joins", |s| {
+        s.by_role(Role::Prefill).len() == 2
+    })
+    .await;
     h.server.delete(NS, "p1");
     let set = wait_for(&h.merged, WAIT, "p1 deleted", |s| {
         ids(s, Role::Prefill) == ["http://127.0.1.2:8000"]
@@ -193,7 +204,10 @@ async fn pods_join_when_ready_and_leave_when_not_ready_deleted_or_unlabelled() {
         }
         .json(),
     );
-    wait_for(&h.merged, WAIT, "d2 unlabelled", |s| s.decode().is_empty()).await;
+    wait_for(&h.merged, WAIT, "d2 unlabelled", |s| {
+        s.by_role(Role::Decode).is_empty()
+    })
+    .await;
     assert_eq!(d2.in_flight(), 0);
 
     // What the client asked: one list per selector, watches with bookmarks from the
@@ -297,7 +311,7 @@ async fn an_expired_version_relists_and_the_set_stays_until_the_relist_is_comple
     // Each selector relists after its 410 (the second after its own backoff).
     eventually(WAIT, "both selectors relisted", || h.server.lists() == 4).await;
     // The relist kept the unchanged prefill as it was, and no set in between lost it.
-    assert!(Arc::ptr_eq(&set.prefill()[0], &p1));
+    assert!(Arc::ptr_eq(&set.by_role(Role::Prefill)[0], &p1));
     assert!(
         seen.lock().unwrap().iter().all(|(p, d)| *p == 1 && *d >= 1),
         "{seen:?}"
@@ -342,7 +356,7 @@ async fn a_bookmark_lets_the_watch_resume_past_history_it_did_not_need() {
     h.server
         .apply(pod("d2", "decode", "127.0.2.2", true).json());
     wait_for(&h.merged, WAIT, "d2 through the resumed watch", |s| {
-        s.decode().len() == 2
+        s.by_role(Role::Decode).len() == 2
     })
     .await;
     assert_eq!(
@@ -381,8 +395,14 @@ async fn failed_requests_back_off_and_keep_the_last_good_pods() {
     h.server
         .apply(pod("d2", "decode", "127.0.2.2", true).json());
     h.server.fail_requests(false);
-    let set = wait_for(&h.merged, WAIT, "recovery", |s| s.decode().len() == 2).await;
-    assert!(Arc::ptr_eq(&set.prefill()[0], &before.prefill()[0]));
+    let set = wait_for(&h.merged, WAIT, "recovery", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+    assert!(Arc::ptr_eq(
+        &set.by_role(Role::Prefill)[0],
+        &before.by_role(Role::Prefill)[0]
+    ));
 }
 
 #[tokio::test]
@@ -401,18 +421,18 @@ async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
     })
     .await;
     let set = h.merged.snapshot();
-    assert!(set.prefill().is_empty());
+    assert!(set.by_role(Role::Prefill).is_empty());
     assert_eq!(
         ids(&set, Role::Decode),
         ["http://127.0.2.1:8000@0", "http://127.0.2.1:8000@1"]
     );
     assert!(
-        set.decode()
+        set.by_role(Role::Decode)
             .iter()
             .all(|e| serves(e, "meta-llama/Llama-3.1-8B"))
     );
     assert_eq!(
-        set.decode()[0]
+        set.by_role(Role::Decode)[0]
             .ext()
             .get::<disagg_discovery::KvEventsEndpoint>()
             .map(|e| e.0.as_str()),
@@ -424,6 +444,9 @@ async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
     let mut fixed = pod("p1", "prefill", "127.0.1.1", true);
     fixed.annotations = &[("sglang.ai/bootstrap-port", "8998")];
     h.server.apply(fixed.json());
-    wait_for(&h.merged, WAIT, "the fixed pod", |s| s.prefill().len() == 1).await;
+    wait_for(&h.merged, WAIT, "the fixed pod", |s| {
+        s.by_role(Role::Prefill).len() == 1
+    })
+    .await;
     assert_eq!(stats(&h).rejected(), 1);
 }

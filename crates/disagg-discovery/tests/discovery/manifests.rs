@@ -108,14 +108,14 @@ async fn the_example_vllm_pods_are_found_with_the_proxys_flags() {
         .source(kubernetes::spawn(config).await.unwrap())
         .build();
     let set = wait_for(&merged, Duration::from_secs(20), "both engines", |s| {
-        s.prefill().len() == 1 && s.decode().len() == 1
+        s.by_role(Role::Prefill).len() == 1 && s.by_role(Role::Decode).len() == 1
     })
     .await;
     assert_eq!(ids(&set, Role::Prefill), ["http://127.0.3.1:8100"]);
     assert_eq!(ids(&set, Role::Decode), ["http://127.0.4.1:8200"]);
     for (endpoint, ip) in [
-        (&set.prefill()[0], "127.0.3.1"),
-        (&set.decode()[0], "127.0.4.1"),
+        (&set.by_role(Role::Prefill)[0], "127.0.3.1"),
+        (&set.by_role(Role::Decode)[0], "127.0.4.1"),
     ] {
         assert!(crate::support::serves(endpoint, "llama-3.1-8b-instruct"));
         let profile = endpoint.ext().get::<KvProfile>().unwrap();
@@ -127,6 +127,6 @@ async fn the_example_vllm_pods_are_found_with_the_proxys_flags() {
             Some(&KvEventsEndpoint(format!("tcp://{ip}:5557")))
         );
     }
-    assert_eq!(merged.snapshot().prefill().len(), 1);
+    assert_eq!(merged.snapshot().by_role(Role::Prefill).len(), 1);
     assert_eq!(merged.sources().next().unwrap().1.rejected(), 0);
 }

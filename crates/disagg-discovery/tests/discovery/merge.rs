@@ -42,8 +42,8 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
     );
 
     // Requests in flight on both decodes, taken from the first set.
-    let staying = Arc::clone(&first.decode()[0]);
-    let leaving = Arc::clone(&first.decode()[1]);
+    let staying = Arc::clone(&first.by_role(Role::Decode)[0]);
+    let leaving = Arc::clone(&first.by_role(Role::Decode)[1]);
     let on_staying = staying.track();
     let on_leaving = leaving.track();
 
@@ -62,9 +62,12 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
         ["http://10.0.0.2:8200", "http://10.0.0.4:8200"]
     );
     // The same endpoints, not equal copies: their counters are the ones requests hold.
-    assert!(Arc::ptr_eq(&first.prefill()[0], &second.prefill()[0]));
+    assert!(Arc::ptr_eq(
+        &first.by_role(Role::Prefill)[0],
+        &second.by_role(Role::Prefill)[0]
+    ));
     let kept = second
-        .decode()
+        .by_role(Role::Decode)
         .iter()
         .find(|e| e.id().as_str() == "http://10.0.0.2:8200")
         .unwrap();
@@ -75,7 +78,12 @@ async fn an_endpoint_that_stays_keeps_its_arc_and_its_in_flight_count() {
         "the new set sees the request in flight"
     );
     // The one that left is out of the set, but the request on it still holds it.
-    assert!(second.decode().iter().all(|e| !Arc::ptr_eq(e, &leaving)));
+    assert!(
+        second
+            .by_role(Role::Decode)
+            .iter()
+            .all(|e| !Arc::ptr_eq(e, &leaving))
+    );
     assert_eq!(leaving.in_flight(), 1);
     drop(on_leaving);
     assert_eq!(leaving.in_flight(), 0);
@@ -100,14 +108,17 @@ async fn a_changed_spec_makes_a_new_endpoint_with_the_new_data() {
     publisher.publish(vec![prefill("http://10.0.0.1:8100", Some(8998))]);
     let merged = MergedSource::builder().source(discovered).build();
     merged.synced().await;
-    let before = Arc::clone(&merged.snapshot().prefill()[0]);
+    let before = Arc::clone(&merged.snapshot().by_role(Role::Prefill)[0]);
 
     publisher.publish(vec![prefill("http://10.0.0.1:8100", Some(9000))]);
     let after = wait_for(&merged, WAIT, "the new bootstrap port", |s| {
-        s.prefill()[0].facts().get(Facts::BOOTSTRAP_PORT) == Some("9000")
+        s.by_role(Role::Prefill)[0]
+            .facts()
+            .get(Facts::BOOTSTRAP_PORT)
+            == Some("9000")
     })
     .await;
-    assert!(!Arc::ptr_eq(&before, &after.prefill()[0]));
+    assert!(!Arc::ptr_eq(&before, &after.by_role(Role::Prefill)[0]));
     assert_eq!(before.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
     let stats = merged.sources().next().unwrap().1;
     assert_eq!(
@@ -133,7 +144,7 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
         ids(&merged.snapshot(), Role::Prefill),
         ["http://10.0.0.1:8100"]
     );
-    let fixed = Arc::clone(&merged.snapshot().prefill()[0]);
+    let fixed = Arc::clone(&merged.snapshot().by_role(Role::Prefill)[0]);
 
     // The discovered copy of the fixed engine (another bootstrap port) loses.
     publisher.publish(vec![
@@ -146,9 +157,9 @@ async fn fixed_endpoints_come_first_and_win_over_discovered_ones() {
         ids(&set, Role::Prefill),
         ["http://10.0.0.1:8100", "http://10.0.0.9:8100"]
     );
-    assert!(Arc::ptr_eq(&set.prefill()[0], &fixed));
+    assert!(Arc::ptr_eq(&set.by_role(Role::Prefill)[0], &fixed));
     assert!(
-        set.prefill()[0]
+        set.by_role(Role::Prefill)[0]
             .facts()
             .get(Facts::BOOTSTRAP_PORT)
             .is_none()
@@ -194,7 +205,10 @@ async fn an_unusable_spec_is_left_out_and_counted_and_the_rest_published() {
     merged.synced().await;
     let set = merged.snapshot();
     assert_eq!(ids(&set, Role::Decode), ["http://10.0.0.6:8200"]);
-    assert_eq!(set.decode()[0].ext().get::<&str>(), Some(&"extended"));
+    assert_eq!(
+        set.by_role(Role::Decode)[0].ext().get::<&str>(),
+        Some(&"extended")
+    );
     let stats = merged.sources().next().unwrap().1;
     assert_eq!(stats.rejected(), 2);
 }
@@ -207,7 +221,7 @@ async fn two_sources_merge_in_order_and_dropping_the_merge_ends_them() {
     first_pub.publish(vec![decode("http://10.0.0.1:8200")]);
     // One source published: not synced yet, but its endpoints are in the set.
     wait_for(&merged, WAIT, "the first source's decode", |s| {
-        s.decode().len() == 1
+        s.by_role(Role::Decode).len() == 1
     })
     .await;
     assert!(
@@ -233,7 +247,7 @@ async fn two_sources_merge_in_order_and_dropping_the_merge_ends_them() {
 
     // The first source loses its engine; the second's copy now counts, and it is the
     // same endpoint (same spec), so nothing changed for the requests.
-    let one = Arc::clone(&set.decode()[0]);
+    let one = Arc::clone(&set.by_role(Role::Decode)[0]);
     first_pub.publish(vec![]);
     let second_stats = merged.sources().nth(1).unwrap().1;
     eventually_eq(|| second_stats.decode_endpoints(), 2).await;
@@ -242,7 +256,7 @@ async fn two_sources_merge_in_order_and_dropping_the_merge_ends_them() {
         ids(&set, Role::Decode),
         ["http://10.0.0.1:8200", "http://10.0.0.2:8200"]
     );
-    assert!(Arc::ptr_eq(&set.decode()[0], &one));
+    assert!(Arc::ptr_eq(&set.by_role(Role::Decode)[0], &one));
     assert_eq!(second_stats.duplicates(), 0);
 
     assert!(!first_pub.is_closed());

@@ -349,7 +349,7 @@ impl PrefillerCheck {
             .ok_or_else(malformed)?;
         let port = authority.port_u16();
         let host = authority.host();
-        if let Some(ep) = set.prefill().iter().find(|ep| {
+        if let Some(ep) = set.by_role(Role::Prefill).iter().find(|ep| {
             let a = ep.authority();
             a.host().eq_ignore_ascii_case(host) && a.port_u16().unwrap_or(80) == port.unwrap_or(80)
         }) {
@@ -382,7 +382,7 @@ impl Router for SidecarRouter {
         let local = Arc::clone(&self.local);
         match self.check.resolve(req.headers, set) {
             Ok(Some(prefill)) => Ok(Route::new(Some(prefill), local)),
-            Ok(None) => match (&self.unnamed, set.prefill()) {
+            Ok(None) => match (&self.unnamed, set.by_role(Role::Prefill)) {
                 (Unnamed::DecodeOnly, _) | (Unnamed::Pick(_), []) => Ok(Route::new(None, local)),
                 (Unnamed::Pick(pick), eps) => {
                     let i = pick.pick(req, eps).min(eps.len() - 1);
@@ -473,12 +473,12 @@ mod tests {
             .resolve(&headers(&["10.0.0.5:8100"]), &s)
             .unwrap()
             .unwrap();
-        assert!(Arc::ptr_eq(&ep, &s.prefill()[0]));
+        assert!(Arc::ptr_eq(&ep, &s.by_role(Role::Prefill)[0]));
         let ep = check(false)
             .resolve(&headers(&["p.example:8100"]), &s)
             .unwrap()
             .unwrap();
-        assert!(Arc::ptr_eq(&ep, &s.prefill()[1]));
+        assert!(Arc::ptr_eq(&ep, &s.by_role(Role::Prefill)[1]));
         assert!(
             check(false)
                 .resolve(&HeaderMap::new(), &s)

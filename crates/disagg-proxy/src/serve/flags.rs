@@ -619,7 +619,7 @@ pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError>
     let ranks = ranks
         .within(max)
         .map_err(|e| format!("{url}: {e} (--max-dp-ranks)"))?;
-    Ok(ranks.iter().map(|r| format!("{base}@{r}")).collect())
+    Ok(ranks.into_iter().map(|r| format!("{base}@{r}")).collect())
 }
 
 pub(crate) fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {

@@ -73,12 +73,12 @@
 //!     HealthConfig::default(),
 //! );
 //! let health = Arc::clone(source.health());
-//! let prefill = Arc::clone(&source.snapshot().prefill()[0]);
+//! let prefill = Arc::clone(&source.snapshot().by_role(Role::Prefill)[0]);
 //! for _ in 0..5 {
 //!     health.record(&prefill, false); // e.g. the prefill leg answered 500
 //! }
 //! assert!(matches!(health.state(&prefill), Some(EndpointHealth::Ejected { .. })));
-//! assert!(source.snapshot().prefill().is_empty());
+//! assert!(source.snapshot().by_role(Role::Prefill).is_empty());
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -306,7 +306,11 @@ impl Registry {
     fn build(inner: Arc<EndpointSet>, old: Option<&Registry>) -> Registry {
         let mut by_role: [HashMap<Box<str>, Arc<EndpointState>>; 2] = Default::default();
         let mut order = Vec::new();
-        for ep in inner.prefill().iter().chain(inner.decode()) {
+        for ep in inner
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(inner.by_role(Role::Decode))
+        {
             let map = &mut by_role[role_index(ep.role())];
             if map.contains_key(ep.id().as_str()) {
                 continue;
@@ -492,7 +496,11 @@ impl Health {
         let mut all = true;
         {
             let registry = read(&self.registry);
-            for ep in inner.prefill().iter().chain(inner.decode()) {
+            for ep in inner
+                .by_role(Role::Prefill)
+                .iter()
+                .chain(inner.by_role(Role::Decode))
+            {
                 let keep = registry
                     .get(ep)
                     .is_none_or(|state| state.routed(now, &mut next));
@@ -587,7 +595,8 @@ fn same_members(a: &EndpointSet, b: &EndpointSet) -> bool {
     let same = |x: &[Arc<Endpoint>], y: &[Arc<Endpoint>]| {
         x.len() == y.len() && x.iter().zip(y).all(|(x, y)| Arc::ptr_eq(x, y))
     };
-    same(a.prefill(), b.prefill()) && same(a.decode(), b.decode())
+    same(a.by_role(Role::Prefill), b.by_role(Role::Prefill))
+        && same(a.by_role(Role::Decode), b.by_role(Role::Decode))
 }
 
 #[cfg(test)]

@@ -45,7 +45,7 @@ async fn failures_below_the_threshold_do_not_eject_and_a_success_resets_the_coun
     h.record(&a, true);
     fail(h, &a, 4);
     assert_eq!(h.state(&a), Some(EndpointHealth::Healthy));
-    assert_eq!(source.snapshot().prefill().len(), 2);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 2);
     h.record(&a, false);
     assert!(matches!(h.state(&a), Some(EndpointHealth::Ejected { .. })));
 }
@@ -69,9 +69,9 @@ async fn ejection_takes_out_exactly_that_endpoint_on_that_leg() {
         "the ejection is published at once"
     );
     let set = rx.borrow_and_update().clone();
-    assert_eq!(ids(set.prefill()), ["http://b:1"]);
+    assert_eq!(ids(set.by_role(Role::Prefill)), ["http://b:1"]);
     assert_eq!(
-        ids(set.decode()),
+        ids(set.by_role(Role::Decode)),
         ["http://a:1"],
         "the same URL's decode leg stays"
     );
@@ -92,10 +92,14 @@ async fn an_ejected_endpoint_returns_half_open_without_any_record() {
     let a = find(&source, "http://a:1", Role::Prefill);
     fail(h, &a, 5);
     tokio::time::sleep(Duration::from_millis(4_999)).await;
-    assert_eq!(source.snapshot().prefill().len(), 1, "still out before 5 s");
+    assert_eq!(
+        source.snapshot().by_role(Role::Prefill).len(),
+        1,
+        "still out before 5 s"
+    );
     tokio::time::sleep(Duration::from_millis(1)).await;
     assert_eq!(
-        ids(source.snapshot().prefill()),
+        ids(source.snapshot().by_role(Role::Prefill)),
         ["http://a:1", "http://b:1"]
     );
     assert_eq!(h.state(&a), Some(EndpointHealth::HalfOpen));
@@ -112,7 +116,7 @@ async fn half_open_success_closes_and_resets_the_backoff() {
     tokio::time::sleep(Duration::from_secs(10)).await;
     h.record(&a, true);
     assert_eq!(h.state(&a), Some(EndpointHealth::Healthy));
-    assert_eq!(source.snapshot().prefill().len(), 2);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 2);
     // Closed again: one failure is not enough, and the next ejection is the base time.
     h.record(&a, false);
     assert_eq!(h.state(&a), Some(EndpointHealth::Healthy));
@@ -136,7 +140,7 @@ async fn half_open_failure_doubles_the_time_up_to_the_maximum() {
     for next in [10, 20, 40, 60, 60] {
         tokio::time::sleep(Duration::from_secs(expected)).await;
         assert_eq!(h.state(&a), Some(EndpointHealth::HalfOpen));
-        assert_eq!(source.snapshot().prefill().len(), 2);
+        assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 2);
         let now = Instant::now();
         h.record(&a, false);
         assert_eq!(
@@ -146,7 +150,7 @@ async fn half_open_failure_doubles_the_time_up_to_the_maximum() {
             }),
             "after a {expected} s ejection"
         );
-        assert_eq!(source.snapshot().prefill().len(), 1);
+        assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
         expected = next;
     }
 }
@@ -171,8 +175,8 @@ async fn every_endpoint_of_a_role_ejected_leaves_none_of_that_role() {
         fail(h, &find(&source, url, Role::Prefill), 5);
     }
     let set = source.snapshot();
-    assert!(set.prefill().is_empty());
-    assert_eq!(set.decode().len(), 1);
+    assert!(set.by_role(Role::Prefill).is_empty());
+    assert_eq!(set.by_role(Role::Decode).len(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -182,10 +186,10 @@ async fn eject_takes_an_endpoint_out_like_failures_and_it_returns_half_open() {
     let d = find(&source, "http://a:1", Role::Decode);
     assert!(h.eject(&d, "test verdict"));
     assert!(matches!(h.state(&d), Some(EndpointHealth::Ejected { .. })));
-    assert!(source.snapshot().decode().is_empty());
+    assert!(source.snapshot().by_role(Role::Decode).is_empty());
     assert!(!h.eject(&d, "again"), "already out: not extended");
     assert_eq!(
-        source.snapshot().prefill().len(),
+        source.snapshot().by_role(Role::Prefill).len(),
         2,
         "the same engine's prefill leg stays"
     );
@@ -216,11 +220,15 @@ async fn inner_changes_are_followed_and_states_survive_them() {
     fail(h, &a, 5);
     inner.insert(ep("http://c:1", Role::Decode));
     let set = source.snapshot();
-    assert_eq!(ids(set.prefill()), ["http://b:1"], "still ejected");
-    assert_eq!(ids(set.decode()), ["http://a:1", "http://c:1"]);
+    assert_eq!(
+        ids(set.by_role(Role::Prefill)),
+        ["http://b:1"],
+        "still ejected"
+    );
+    assert_eq!(ids(set.by_role(Role::Decode)), ["http://a:1", "http://c:1"]);
     assert!(matches!(h.state(&a), Some(EndpointHealth::Ejected { .. })));
     assert!(inner.remove("http://b:1"));
-    assert!(source.snapshot().prefill().is_empty());
+    assert!(source.snapshot().by_role(Role::Prefill).is_empty());
     let b = ep("http://b:1", Role::Prefill);
     assert_eq!(h.state(&b), None, "removed endpoints have no state");
     h.record(&b, false); // ignored
@@ -239,8 +247,8 @@ async fn the_filtered_set_keeps_routing_by_model() {
     fail(source.health(), &p1, 5);
     let set = source.snapshot();
     let llama = set.for_model(Some("llama")).unwrap();
-    assert_eq!(ids(llama.prefill()), ["http://p2:1"]);
-    assert_eq!(ids(llama.decode()), ["http://d1:1"]);
+    assert_eq!(ids(llama.by_role(Role::Prefill)), ["http://p2:1"]);
+    assert_eq!(ids(llama.by_role(Role::Decode)), ["http://d1:1"]);
     assert_eq!(set.served_models().len(), 2);
 }
 
@@ -263,7 +271,11 @@ fn concurrent_records_and_snapshots_stay_consistent() {
     let (inner, source) = source(config);
     let endpoints: Vec<_> = {
         let set = source.snapshot();
-        set.prefill().iter().chain(set.decode()).cloned().collect()
+        set.by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode))
+            .cloned()
+            .collect()
     };
     std::thread::scope(|scope| {
         for t in 0..4 {
@@ -273,7 +285,10 @@ fn concurrent_records_and_snapshots_stay_consistent() {
                     let e = &endpoints[(i + t) % endpoints.len()];
                     source.health().record(e, (i / 3 + t) % 4 == 0);
                     let set = source.snapshot();
-                    assert!(set.prefill().len() <= 2 && set.decode().len() <= 6);
+                    assert!(
+                        set.by_role(Role::Prefill).len() <= 2
+                            && set.by_role(Role::Decode).len() <= 6
+                    );
                     if t == 0 && i % 1_000 == 0 {
                         inner.insert(ep(&format!("http://n{i}:1"), Role::Decode));
                     }
@@ -292,7 +307,13 @@ fn concurrent_records_and_snapshots_stay_consistent() {
         "{states:?}"
     );
     let set = source.snapshot();
-    assert_eq!((set.prefill().len(), set.decode().len()), (2, 6));
+    assert_eq!(
+        (
+            set.by_role(Role::Prefill).len(),
+            set.by_role(Role::Decode).len()
+        ),
+        (2, 6)
+    );
 }
 
 /// A transport answering each authority's checks with the status set for it (none:
@@ -366,22 +387,29 @@ async fn checks_take_an_engine_out_after_the_threshold_and_back_after_a_pass() {
     // Checks at 5 s (1st failure) and 10 s (2nd: out).
     tokio::time::sleep(Duration::from_millis(9_998)).await;
     assert_eq!(
-        source.snapshot().prefill().len(),
+        source.snapshot().by_role(Role::Prefill).len(),
         2,
         "one failure is not enough"
     );
     tokio::time::sleep(Duration::from_millis(2)).await;
     tokio::task::yield_now().await;
     let set = source.snapshot();
-    assert!(set.prefill().is_empty(), "every rank of the engine is out");
-    assert_eq!(ids(set.decode()), ["http://b:1"], "and its decode role");
+    assert!(
+        set.by_role(Role::Prefill).is_empty(),
+        "every rank of the engine is out"
+    );
+    assert_eq!(
+        ids(set.by_role(Role::Decode)),
+        ["http://b:1"],
+        "and its decode role"
+    );
     let a0 = find(&source, "http://a:1@0", Role::Prefill);
     assert_eq!(source.health().state(&a0), Some(EndpointHealth::Down));
     checks.set("a:1", Some(204));
     tokio::time::sleep(Duration::from_secs(5)).await;
     tokio::task::yield_now().await;
     assert_eq!(
-        source.snapshot().prefill().len(),
+        source.snapshot().by_role(Role::Prefill).len(),
         2,
         "one pass brings it back"
     );
@@ -406,10 +434,10 @@ async fn a_refused_engine_goes_down_and_stopping_the_checks_lifts_the_verdict() 
     let (_stop_tx, stop) = watch::channel(false);
     let task = tokio::spawn(Arc::clone(source.health()).run_checks(Arc::clone(&checks), stop));
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert!(source.snapshot().prefill().is_empty());
+    assert!(source.snapshot().by_role(Role::Prefill).is_empty());
     task.abort();
     let _ = task.await;
-    assert_eq!(source.snapshot().prefill().len(), 1);
+    assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -427,17 +455,17 @@ async fn the_checker_publishes_returns_and_inner_changes_to_watchers() {
     let mut rx = source.watch();
     let a = find(&source, "http://a:1", Role::Prefill);
     fail(source.health(), &a, 5);
-    assert!(rx.borrow_and_update().prefill().is_empty());
+    assert!(rx.borrow_and_update().by_role(Role::Prefill).is_empty());
     // Nobody calls snapshot(): the checker wakes at the end of the ejection.
     tokio::time::timeout(Duration::from_millis(5_001), rx.changed())
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(rx.borrow_and_update().prefill().len(), 1);
+    assert_eq!(rx.borrow_and_update().by_role(Role::Prefill).len(), 1);
     inner.insert(ep("http://c:1", Role::Decode));
     tokio::time::timeout(Duration::from_millis(10), rx.changed())
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(rx.borrow_and_update().decode().len(), 2);
+    assert_eq!(rx.borrow_and_update().by_role(Role::Decode).len(), 2);
 }

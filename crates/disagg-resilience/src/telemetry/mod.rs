@@ -386,7 +386,11 @@ impl Telemetry {
     /// Follow `set`: one state per engine, the gone ones dropped; the engines to scrape.
     fn retarget(&self, set: &EndpointSet) -> Vec<(Authority, Uri)> {
         let mut seen: HashMap<Authority, Target> = HashMap::new();
-        for e in set.prefill().iter().chain(set.decode()) {
+        for e in set
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode))
+        {
             let entry = match seen.get_mut(e.authority()) {
                 Some(entry) => entry,
                 None => {

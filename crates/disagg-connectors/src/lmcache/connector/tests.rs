@@ -19,7 +19,7 @@ fn route(receiver: Option<LmcacheReceiver>) -> Route {
 /// A route whose decode's receiver fact is `receiver`, as written.
 fn route_with(receiver: Option<&str>) -> Route {
     let p = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
-    let mut facts = Facts::new();
+    let mut facts = Facts::default();
     if let Some(r) = receiver {
         facts.insert(Facts::KV_RECEIVER, r).unwrap();
     }
@@ -49,11 +49,11 @@ fn a_malformed_receiver_fact_fails_the_request_naming_endpoint_and_key() {
         );
     }
     // The text form reads back as the receiver it was written from.
-    let facts = Facts::new()
+    let facts = Facts::default()
         .with(Facts::KV_RECEIVER, receiver().to_string())
         .unwrap();
     assert_eq!(LmcacheReceiver::from_facts(&facts), Ok(Some(receiver())));
-    assert_eq!(LmcacheReceiver::from_facts(&Facts::new()), Ok(None));
+    assert_eq!(LmcacheReceiver::from_facts(&Facts::default()), Ok(None));
 }
 
 fn request(api: Api, body: &str) -> PdRequest {
@@ -292,7 +292,7 @@ fn declared(
     if let Some(p) = profile {
         ext.insert(p);
     }
-    let mut facts = Facts::new();
+    let mut facts = Facts::default();
     if let Some(r) = receiver {
         r.insert_into(&mut facts, &mut ext).unwrap();
     }
@@ -364,7 +364,7 @@ fn pairs_of_unequal_tp_are_refused_the_decodes_size_being_its_receivers() {
 #[test]
 fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
     let mut ext = http::Extensions::new();
-    let mut facts = Facts::new();
+    let mut facts = Facts::default();
     ext.insert(tp(4).unwrap());
     assert_eq!(
         receiver().insert_into(&mut facts, &mut ext),
@@ -416,8 +416,11 @@ async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
     );
     // The last valid set stays in force.
     let set = source.snapshot();
-    assert_eq!(set.prefill().len(), 1);
-    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+    assert_eq!(set.by_role(Role::Prefill).len(), 1);
+    assert_eq!(
+        set.by_role(Role::Prefill)[0].id().as_str(),
+        "http://p2:7100"
+    );
     // And a new decode whose receiver has one port is refused against TP 2.
     inner.replace([
         Arc::new(declared("http://p2:7100", Role::Prefill, tp(2), None)),
@@ -452,8 +455,11 @@ async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
     // is published (requests get 503 until a decode that pairs appears) while the
     // prefill in force stays.
     let set = source.snapshot();
-    assert!(set.decode().is_empty());
-    assert_eq!(set.prefill()[0].id().as_str(), "http://p2:7100");
+    assert!(set.by_role(Role::Decode).is_empty());
+    assert_eq!(
+        set.by_role(Role::Prefill)[0].id().as_str(),
+        "http://p2:7100"
+    );
 }
 
 #[test]
@@ -473,7 +479,7 @@ fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
         if let Some(d) = decode {
             ext.insert(d);
         }
-        let facts = Facts::new()
+        let facts = Facts::default()
             .with(Facts::KV_RECEIVER, receiver().to_string())
             .unwrap();
         let d = Endpoint::with_extensions("http://d:7200", Role::Decode, ext)

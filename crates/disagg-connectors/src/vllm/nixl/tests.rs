@@ -426,7 +426,7 @@ fn sglang_generate_is_not_carried() {
     assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err}");
     let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
     assert_eq!(
-        (pd.status().as_u16(), pd.code()),
+        (pd.http().status.as_u16(), pd.http().code),
         (400, "unsupported_by_connector")
     );
 }
@@ -443,7 +443,9 @@ fn reusing(mode: PromptTokenReuse, max: usize) -> (VllmNixl, Arc<ReuseStats>) {
 /// A route whose decode reports `version` (as `serve` records a probed `/version`).
 fn route_with_version(version: &str) -> Route {
     use disagg_core::endpoint::Facts;
-    let facts = Facts::new().with(Facts::ENGINE_VERSION, version).unwrap();
+    let facts = Facts::default()
+        .with(Facts::ENGINE_VERSION, version)
+        .unwrap();
     Route::new(
         Some(Arc::new(
             Endpoint::new("http://p:1", Role::Prefill).unwrap(),

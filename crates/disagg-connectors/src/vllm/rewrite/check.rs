@@ -86,7 +86,7 @@ impl Default for VllmLimits {
 ///
 /// let limits = VllmLimits::default();
 /// let bad = PdRequest::new(Api::Chat, Default::default(), &r#"{"messages":[],"max_tokens":-1}"#.into())?;
-/// assert_eq!(check_request(&bad, &limits).unwrap_err().param(), "max_tokens");
+/// assert_eq!(check_request(&bad, &limits).unwrap_err().param, "max_tokens");
 /// let beam = PdRequest::new(Api::Completions, Default::default(), &r#"{"prompt":"p","use_beam_search":true}"#.into())?;
 /// assert!(matches!(check_request(&beam, &limits), Ok(Decision::Direct { .. })));
 /// # Ok::<(), disagg_core::error::BodyError>(())
@@ -721,7 +721,7 @@ mod tests {
             Ok(Decision::Disaggregate) => "ok".to_owned(),
             Ok(Decision::Direct { reason }) => format!("direct:{reason}"),
             Ok(other) => format!("{other:?}"),
-            Err(e) => e.param().to_owned(),
+            Err(e) => e.param.to_owned(),
         }
     }
 

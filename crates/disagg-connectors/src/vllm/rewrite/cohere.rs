@@ -111,7 +111,7 @@ mod tests {
             (r#"{"messages":[],"stop_sequences":"x"}"#, "stop_sequences"),
             (r#"{"messages":[],"stream":"maybe"}"#, "stream"),
         ] {
-            assert_eq!(chk(body).unwrap_err().param(), param, "{body}");
+            assert_eq!(chk(body).unwrap_err().param, param, "{body}");
         }
         assert!(matches!(
             chk(r#"{"messages":[],"max_tokens":null,"stream":true}"#),

@@ -149,7 +149,7 @@ mod tests {
                 "thinking",
             ),
         ] {
-            assert_eq!(chk(body).unwrap_err().param(), param, "{body}");
+            assert_eq!(chk(body).unwrap_err().param, param, "{body}");
         }
         assert!(matches!(
             chk(

@@ -139,7 +139,7 @@ mod tests {
             (r#"{"input":"x","stream":"maybe"}"#, "stream"),
             (r#"{"input":"x","store":"maybe"}"#, "store"),
         ] {
-            assert_eq!(chk(body).unwrap_err().param(), param, "{body}");
+            assert_eq!(chk(body).unwrap_err().param, param, "{body}");
         }
         for body in [
             r#"{"input":"x","store":true}"#,

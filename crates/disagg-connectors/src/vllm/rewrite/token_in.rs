@@ -152,23 +152,23 @@ mod tests {
     #[test]
     fn the_request_model_is_checked() {
         assert_eq!(
-            chk(r#"{"sampling_params":{}}"#).unwrap_err().param(),
+            chk(r#"{"sampling_params":{}}"#).unwrap_err().param,
             "token_ids"
         );
         assert_eq!(
             chk(r#"{"token_ids":"1 2","sampling_params":{}}"#)
                 .unwrap_err()
-                .param(),
+                .param,
             "token_ids"
         );
         assert_eq!(
-            chk(r#"{"token_ids":[1]}"#).unwrap_err().param(),
+            chk(r#"{"token_ids":[1]}"#).unwrap_err().param,
             "sampling_params"
         );
         assert_eq!(
             chk(r#"{"token_ids":[1],"sampling_params":[1]}"#)
                 .unwrap_err()
-                .param(),
+                .param,
             "sampling_params"
         );
         assert!(matches!(
@@ -187,7 +187,7 @@ mod tests {
             (r#"{"logprobs":-3}"#, "logprobs"),
         ] {
             let full = format!(r#"{{"token_ids":[1],"sampling_params":{body}}}"#);
-            assert_eq!(chk(&full).unwrap_err().param(), param, "{body}");
+            assert_eq!(chk(&full).unwrap_err().param, param, "{body}");
         }
     }
 }
