@@ -75,7 +75,7 @@ impl Inner {
         };
         let body = req.body_mut();
         for (key, raw) in plan.fields.into_iter().chain(fields) {
-            body.set_raw_static(key, raw);
+            body.set_raw(key, raw);
         }
         Ok(Some(EncodeSummary {
             items: u32::try_from(plan_items).unwrap_or(u32::MAX),
