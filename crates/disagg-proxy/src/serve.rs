@@ -77,6 +77,8 @@ impl Shared {
         if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
+        // The telemetry flags are checked before any engine is asked anything.
+        let telemetry_config = args.reliability.telemetry()?;
         let bounds = args.discovery.bounds();
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         // Protocol data goes into the endpoint's facts, for the connector to read.
@@ -263,7 +265,7 @@ impl Shared {
         };
         // Engines' `/metrics`: read on a thread of its own (`run`); its receipts hear
         // every request's handoff, and a suspect decode is ejected through `health`.
-        let telemetry = args.reliability.telemetry()?.map(|c| {
+        let telemetry = telemetry_config.map(|c| {
             (
                 Telemetry::new(c, Some(Arc::clone(&health))),
                 Arc::clone(&follow),

@@ -351,3 +351,119 @@ async fn sglang_engines_are_read_but_have_no_receipts() {
         Some(0.0)
     );
 }
+
+/// Decodes `busy` and `idle` behind one prefill; `busy` serves `held` requests sent to
+/// it directly (not through the proxy) for seconds. Returns how many of `n` requests
+/// sent through a proxy started with `extra` went to `busy`, once that proxy's
+/// `/metrics` shows `busy`'s running requests when it reads the engines at all.
+async fn sent_to_busy(extra: &[&str], held: usize, n: u64) -> u64 {
+    let p = engine(SimConfig::default()).await;
+    let busy = engine(SimConfig {
+        inter_token_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await;
+    let idle = engine(SimConfig::default()).await;
+    let mut args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &busy.url(),
+        "--decode",
+        &idle.url(),
+        "--policy",
+        "least_in_flight",
+        "--engine-metrics-interval",
+        "0.1",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    let proxy = Proxy::start_args(&args).await;
+    // Another router's load: requests of 100 tokens (5 s) sent to `busy` itself.
+    let load: Vec<_> = (0..held)
+        .map(|_| {
+            let url = busy.url();
+            tokio::spawn(
+                async move { post(&url, COMPLETIONS, &completion("held", 100, false)).await },
+            )
+        })
+        .collect();
+    let start = Instant::now();
+    while busy.stats().active_requests < held as u64 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the load never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The proxy read them (it reads the engines under both load sources).
+    let running = "disagg_engine_requests_running";
+    while series(&proxy, running, &at(&busy.url())).await < Some(held as f64) {
+        assert!(start.elapsed() < Duration::from_secs(5), "not read");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        series(&proxy, "disagg_engine_requests_waiting", &at(&busy.url())).await,
+        Some(0.0)
+    );
+    assert!(
+        series(&proxy, "disagg_engine_kv_cache_usage", &at(&idle.url()))
+            .await
+            .is_some()
+    );
+    let before = busy.stats().requests;
+    for _ in 0..n {
+        let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let sent = busy.stats().requests - before;
+    for l in load {
+        l.abort();
+    }
+    sent
+}
+
+#[tokio::test]
+async fn with_engine_metrics_the_engines_own_queue_steers_routing() {
+    // This proxy sent none of `busy`'s requests: only the engine's count shows them.
+    let sent = sent_to_busy(&["--load-source", "engine-metrics"], 4, 8).await;
+    assert_eq!(
+        sent, 0,
+        "requests went to the engine busy with another router's load"
+    );
+}
+
+#[tokio::test]
+async fn with_proxy_load_another_routers_queue_is_unseen() {
+    // The same load, weighed by this proxy's own counts: both decodes look idle, and
+    // least_in_flight takes them in turn.
+    let sent = sent_to_busy(&[], 4, 8).await;
+    assert!(sent >= 3, "only {sent} of 8 went to the busy decode");
+}
+
+#[tokio::test]
+async fn engine_metrics_load_needs_the_engines_metrics() {
+    let args: Vec<String> = [
+        "serve",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--load-source",
+        "engine-metrics",
+        "--engine-metrics-interval",
+        "0",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+        .args(&args)
+        .output()
+        .expect("run the proxy");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--engine-metrics-interval"), "{err}");
+}

@@ -350,6 +350,19 @@ pub struct ReliabilityArgs {
     /// on each repeat).
     #[arg(long, value_enum, default_value_t = SuspectActionArg::Warn)]
     pub(crate) suspect_action: SuspectActionArg,
+    /// What the load-aware policies (least_in_flight, power_of_two, kv_events) weigh an
+    /// engine by: `proxy` (this proxy's requests in flight there) or `engine-metrics`
+    /// (the engine's own waiting plus running requests, every router's, from its
+    /// `/metrics` at each --engine-metrics-interval, plus this proxy's change since).
+    #[arg(long, value_enum, default_value_t = LoadSourceArg::Proxy)]
+    pub(crate) load_source: LoadSourceArg,
+}
+
+/// `--load-source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LoadSourceArg {
+    Proxy,
+    EngineMetrics,
 }
 
 /// `--suspect-action`.
@@ -392,7 +405,13 @@ impl ReliabilityArgs {
 
     /// The engine telemetry settings, when `/metrics` is read at all.
     pub(crate) fn telemetry(&self) -> Result<Option<disagg_resilience::TelemetryConfig>, BoxError> {
+        let engine_load = self.load_source == LoadSourceArg::EngineMetrics;
         if self.engine_metrics_interval == 0.0 {
+            if engine_load {
+                return Err(
+                    "--load-source engine-metrics reads the engines' /metrics: it needs an --engine-metrics-interval above 0".into(),
+                );
+            }
             return Ok(None);
         }
         if !(0.0..=1.0).contains(&self.receipt_threshold) {
@@ -408,6 +427,7 @@ impl ReliabilityArgs {
             SuspectActionArg::Warn => disagg_resilience::SuspectAction::Warn,
             SuspectActionArg::Eject => disagg_resilience::SuspectAction::Eject,
         };
+        config.engine_load = engine_load;
         Ok(Some(config))
     }
 
