@@ -337,12 +337,19 @@ impl Shared {
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
-        let limits = (a.max_in_flight.is_some() || resilience.per_endpoint.is_some())
-            .then(|| Limits::new(resilience.admission));
+        let limits = (a.max_in_flight.is_some()
+            || resilience.per_endpoint.is_some()
+            || resilience.decode_hold.is_some())
+        .then(|| Limits::new(resilience.admission));
         // The per-endpoint limit decorates the router and waits in the admission's
         // queue (one queue, one set of counters for both limits).
         if let (Some(l), Some(limit)) = (&limits, resilience.per_endpoint) {
             router = Arc::new(l.per_endpoint(router, limit));
+        }
+        // The decode hold, outermost: a held request routes (and waits for a
+        // per-endpoint place) only once a decode has room.
+        if let (Some(l), Some((max_running, wait))) = (&limits, resilience.decode_hold) {
+            router = Arc::new(l.decode_hold(router, max_running, wait));
         }
         // The source's health hears every attempt (it is the source's listener).
         let mut builder =

@@ -467,3 +467,106 @@ async fn engine_metrics_load_needs_the_engines_metrics() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--engine-metrics-interval"), "{err}");
 }
+
+/// `n` requests of `tokens` tokens sent straight to `engine` (another router's), running
+/// in the background.
+fn load_on(engine: &SimEngine, n: usize, tokens: u32) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let url = engine.url();
+            tokio::spawn(async move {
+                post(&url, COMPLETIONS, &completion("held", tokens, false)).await;
+            })
+        })
+        .collect()
+}
+
+/// A proxy over one prefill and one slow decode, holding requests while the decode
+/// runs 2 or more by its `/metrics`, for at most `wait` seconds; the decode is busy
+/// with 2 requests of `tokens` tokens (50 ms each) from another router once it returns.
+async fn held_behind_a_busy_decode(
+    wait: &str,
+    tokens: u32,
+) -> (
+    SimEngine,
+    SimEngine,
+    Proxy,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let p = engine(SimConfig::default()).await;
+    let d = engine(SimConfig {
+        inter_token_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await;
+    let proxy = Proxy::start(
+        &p,
+        &d,
+        &[
+            "--engine-metrics-interval",
+            "0.05",
+            "--load-source",
+            "engine-metrics",
+            "--decode-admission-wait",
+            wait,
+            "--decode-max-running",
+            "2",
+        ],
+    )
+    .await;
+    let load = load_on(&d, 2, tokens);
+    let start = Instant::now();
+    while series(&proxy, "disagg_engine_requests_running", &at(&d.url())).await < Some(2.0) {
+        assert!(start.elapsed() < Duration::from_secs(5), "never read busy");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (p, d, proxy, load)
+}
+
+#[tokio::test]
+async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
+    // The decode is busy for about a second (20 tokens of 50 ms).
+    let (p, d, proxy, _load) = held_behind_a_busy_decode("10", 20).await;
+    let prefills = p.stats().requests;
+    let url = proxy.url();
+    let sent = Instant::now();
+    let held =
+        tokio::spawn(async move { post(&url, COMPLETIONS, &completion("after", 2, false)).await });
+    // Held: the prefill is not sent while the decode cannot take the request.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(p.stats().requests, prefills, "the prefill ran while held");
+    assert!(!held.is_finished());
+    let a = held.await.expect("the request task");
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(
+        sent.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert_eq!(p.stats().requests, prefills + 1);
+    assert_eq!(d.stats().active_requests, 0);
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert!(text.contains("disagg_queued_total 1\n"), "{text}");
+}
+
+#[tokio::test]
+async fn a_request_held_too_long_is_refused_without_running_its_prefill() {
+    // The decode is busy for 5 s; the hold lasts 0.3 s.
+    let (p, _d, proxy, load) = held_behind_a_busy_decode("0.3", 100).await;
+    let prefills = p.stats().requests;
+    let sent = Instant::now();
+    let a = post(&proxy.url(), COMPLETIONS, &completion("after", 2, false)).await;
+    a.assert_error(503, "queue_timeout");
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert!(text.contains("disagg_queue_timeouts_total 1\n"), "{text}");
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    // No KV was made for a decode that could not take it.
+    assert_eq!(p.stats().requests, prefills);
+    for l in load {
+        l.abort();
+    }
+}

@@ -291,6 +291,17 @@ pub struct ReliabilityArgs {
     /// queue.
     #[arg(long, value_name = "N")]
     pub(crate) max_in_flight_per_endpoint: Option<usize>,
+    /// Hold a request, before its prefill is sent, while every decode engine of its
+    /// model runs --decode-max-running requests or more (the engines' own counts with
+    /// --load-source engine-metrics, this proxy's otherwise), for at most SECS; then 503
+    /// `queue_timeout`. 0 (the default): never held.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    pub(crate) decode_admission_wait: f64,
+    /// The requests one decode engine runs at once (vLLM's --max-num-seqs, SGLang's
+    /// --max-running-requests; neither exposes it in its /metrics), for
+    /// --decode-admission-wait.
+    #[arg(long, value_name = "N")]
+    pub(crate) decode_max_running: Option<usize>,
     /// Requests that may wait for admission; one more is answered 429 with
     /// `retry-after`.
     #[arg(long, value_name = "N", default_value_t = 1024)]
@@ -462,10 +473,22 @@ impl ReliabilityArgs {
             KvReleaseArg::Off => KvRelease::Off,
             KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
         };
+        let hold = self.decode_admission_wait != 0.0;
+        let decode_hold = match (self.decode_admission_wait, self.decode_max_running) {
+            _ if !hold => None,
+            (_, None) => {
+                return Err(
+                    "--decode-admission-wait needs --decode-max-running (the engines do not expose their limit)".into(),
+                );
+            }
+            (_, Some(0)) => return Err("--decode-max-running must be at least 1".into()),
+            (wait, Some(n)) => Some((n, secs(wait, "decode-admission-wait")?)),
+        };
         Ok(Resilience {
             retry,
             admission,
             per_endpoint: self.max_in_flight_per_endpoint,
+            decode_hold,
         })
     }
 }
@@ -477,6 +500,9 @@ pub(crate) struct Resilience {
     /// `--max-in-flight-per-endpoint`: the router's decorator
     /// (`disagg_resilience::Limits::per_endpoint`), the only place the limit lives.
     pub(crate) per_endpoint: Option<usize>,
+    /// `--decode-admission-wait` with `--decode-max-running`: the router's decorator
+    /// (`disagg_resilience::Limits::decode_hold`).
+    pub(crate) decode_hold: Option<(usize, Duration)>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
