@@ -126,6 +126,10 @@ impl Pick for RoundRobin {
 /// The endpoint with the fewest requests in flight; ties are broken in turn, so an idle
 /// set is still spread.
 ///
+/// Requests in flight are [`Endpoint::load`]: this router's own count, or the engine's
+/// own count when the engines' `/metrics` are read for it (`--load-source
+/// engine-metrics`).
+///
 /// Measured cost: ~25 ns / ~150 ns / ~1.1 µs per pick at 8 / 64 / 512 endpoints (a scan
 /// of every candidate; criterion, `cargo bench -p disagg-affinity`, 2-core VM).
 #[derive(Debug, Default)]
@@ -147,7 +151,7 @@ impl Pick for LeastInFlight {
         let mut best = start % n;
         for k in 1..n {
             let i = (start + k) % n;
-            if candidates[i].in_flight() < candidates[best].in_flight() {
+            if candidates[i].load() < candidates[best].load() {
                 best = i;
             }
         }
@@ -335,7 +339,8 @@ impl Pick for WeightedRandom {
 
 /// Power of two choices: two *distinct* random endpoints, the one with fewer requests in
 /// flight wins (the first on a tie). With one candidate it is that one; it never silently
-/// degrades to a single random choice when two exist.
+/// degrades to a single random choice when two exist. Requests in flight are
+/// [`Endpoint::load`], as for [`LeastInFlight`].
 ///
 /// Measured cost: ~15 ns per pick at 8 / 64 / 512 endpoints (criterion, `cargo bench -p
 /// disagg-affinity`, 2-core VM).
@@ -381,7 +386,7 @@ impl Pick for PowerOfTwo {
             return 0;
         }
         let (a, b) = self.pair(candidates.len());
-        if candidates[b].in_flight() < candidates[a].in_flight() {
+        if candidates[b].load() < candidates[a].load() {
             b
         } else {
             a

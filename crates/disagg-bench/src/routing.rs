@@ -11,6 +11,9 @@
 //!   with the engines' load reports (as SGLang publishes them);
 //! - `kv_events, no load reports`: the same without the engines' load reports (as with
 //!   vLLM, which publishes none): each replica prices only the work it sent itself;
+//! - `kv_events, engine metrics`: the same, each replica's endpoints given the
+//!   engines' own request counts (waiting plus running) from their `/metrics` every
+//!   `--engine-metrics-interval`, as the proxy's `--load-source engine-metrics` does;
 //! - `oracle`: the same cost as `kv_events`, from the engines' true cache contents and
 //!   the global queued work, read at decision time (no event lag, no provisional
 //!   guess).
@@ -82,6 +85,11 @@ pub(crate) struct RoutingArgs {
     /// 2 with the engines' load reports (`kv_events`, the oracle) and 1 without.
     #[arg(long)]
     miss_weight: Option<u64>,
+    /// Seconds between reads of the engines' `/metrics` for `kv_events, engine
+    /// metrics` (the proxy's --engine-metrics-interval; its default of 5 s is longer
+    /// than a whole run here).
+    #[arg(long, default_value_t = 0.1)]
+    engine_metrics_interval: f64,
 }
 
 type Settings = RoutingArgs;
@@ -90,7 +98,9 @@ impl RoutingArgs {
     /// The miss weight `policy` runs with.
     fn miss_weight(&self, policy: Policy) -> u64 {
         self.miss_weight.unwrap_or(match policy {
-            Policy::KvEventsOwnCounts => disagg_kvevents::score::DEFAULT_MISS_WEIGHT,
+            Policy::KvEventsOwnCounts | Policy::KvEventsEngineMetrics => {
+                disagg_kvevents::score::DEFAULT_MISS_WEIGHT
+            }
             _ => disagg_kvevents::score::LOAD_REPORTS_MISS_WEIGHT,
         })
     }
@@ -132,6 +142,7 @@ enum Policy {
     CacheAware,
     KvEvents,
     KvEventsOwnCounts,
+    KvEventsEngineMetrics,
     Oracle,
 }
 
@@ -142,6 +153,7 @@ impl Policy {
             Policy::CacheAware => "cache_aware",
             Policy::KvEvents => "kv_events",
             Policy::KvEventsOwnCounts => "kv_events, no load reports",
+            Policy::KvEventsEngineMetrics => "kv_events, engine metrics",
             Policy::Oracle => "oracle",
         }
     }
@@ -203,10 +215,12 @@ impl Router {
                 Held::None,
             ),
             Policy::CacheAware => (r.cache_aware.pick(&view, &r.endpoints), Held::None),
-            Policy::KvEvents | Policy::KvEventsOwnCounts => match &r.kv_events {
-                Some(pick) => (pick.pick(&view, &r.endpoints), Held::None),
-                None => (0, Held::None),
-            },
+            Policy::KvEvents | Policy::KvEventsOwnCounts | Policy::KvEventsEngineMetrics => {
+                match &r.kv_events {
+                    Some(pick) => (pick.pick(&view, &r.endpoints), Held::None),
+                    None => (0, Held::None),
+                }
+            }
             Policy::Oracle => {
                 let o = &self.oracle;
                 let mut computing = o.computing.lock().expect("oracle lock");
@@ -244,6 +258,44 @@ impl Router {
             }
         }
     }
+}
+
+/// Every `period` until `stop`: each engine's `/metrics`, its waiting plus running
+/// requests set on every replica's endpoint for it (`Endpoint::set_engine_load`).
+async fn read_engine_loads(
+    router: Arc<Router>,
+    period: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        for (i, e) in router.engines.iter().enumerate() {
+            let Some(n) = engine_requests(e.addr()).await else {
+                continue;
+            };
+            for r in &router.replicas {
+                r.endpoints[i].set_engine_load(n);
+            }
+        }
+    }
+}
+
+/// An engine's waiting plus running requests by its `/metrics`.
+async fn engine_requests(addr: std::net::SocketAddr) -> Option<u64> {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: sim\r\nconnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.ok()?;
+    let text = String::from_utf8_lossy(&answer);
+    let body = text.split_once("\r\n\r\n")?.1;
+    disagg_resilience::telemetry::parse(body).ok()?.requests()
 }
 
 /// A prefill leg's body for `prompt`: a completion with `max_tokens: 1`.
@@ -311,7 +363,10 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
     let mut subscribers = Vec::new();
     let mut replicas = Vec::new();
     for _ in 0..s.replicas {
-        let kv_events = if matches!(policy, Policy::KvEvents | Policy::KvEventsOwnCounts) {
+        let kv_events = if matches!(
+            policy,
+            Policy::KvEvents | Policy::KvEventsOwnCounts | Policy::KvEventsEngineMetrics
+        ) {
             // Each replica subscribes on its own, as separate proxies would.
             let index = Arc::new(KvIndex::new(IndexConfig::default()));
             let sub = Subscriber::new(index.clone(), SubscriberConfig::default());
@@ -380,6 +435,14 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
         },
         miss_weight: s.miss_weight(policy),
     });
+    // The engines' own counts, read as the proxy's telemetry reads them, into every
+    // replica's endpoints.
+    let (stop_reads, reads) = tokio::sync::watch::channel(false);
+    let reader = (policy == Policy::KvEventsEngineMetrics).then(|| {
+        let router = router.clone();
+        let period = Duration::from_secs_f64(s.engine_metrics_interval.max(0.001));
+        tokio::spawn(read_engine_loads(router, period, reads))
+    });
     let sent = Arc::new(AtomicUsize::new(0));
     // The active sessions, in turn: a client takes the next (session, turn), and the
     // session goes back to the end of the line after its turn, until its last; a new
@@ -443,6 +506,10 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
         c.await.expect("client task");
     }
     let wall = started.elapsed();
+    let _ = stop_reads.send(true);
+    if let Some(reader) = reader {
+        reader.await.expect("metrics reader");
+    }
     let mut results = results.lock().map(|r| r.clone()).unwrap_or_default();
     results.sort_by_key(|r| r.0);
     let pct = |p: f64| {
@@ -526,6 +593,7 @@ async fn bench(s: RoutingArgs) -> Result<(), BoxError> {
         Policy::CacheAware,
         Policy::KvEvents,
         Policy::KvEventsOwnCounts,
+        Policy::KvEventsEngineMetrics,
         Policy::Oracle,
     ] {
         let o = run(policy, &s).await?;

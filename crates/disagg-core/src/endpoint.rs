@@ -20,7 +20,7 @@ use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use http::Uri;
 
@@ -382,6 +382,10 @@ pub struct Endpoint {
     /// The routing weight (1.0 unless set).
     weight: f64,
     in_flight: AtomicUsize,
+    /// The engine's own count of its requests (waiting and running) at its latest read,
+    /// in the high 32 bits, and this endpoint's in-flight count at that moment in the
+    /// low 32; [`NO_ENGINE_LOAD`] until one is set (see [`load`](Self::load)).
+    engine_load: AtomicU64,
     /// The whole engine, for a rank endpoint made by [`proto::dp_rank`](crate::proto::dp_rank): its requests
     /// count there too.
     engine: Option<Arc<Endpoint>>,
@@ -505,6 +509,7 @@ impl Endpoint {
             authority,
             role,
             in_flight: AtomicUsize::new(0),
+            engine_load: AtomicU64::new(NO_ENGINE_LOAD),
             engine: None,
             facts: Facts::default(),
             ext,
@@ -537,6 +542,7 @@ impl Endpoint {
             models: base.models.clone(),
             weight: base.weight,
             in_flight: AtomicUsize::new(0),
+            engine_load: AtomicU64::new(base.engine_load.load(Ordering::Relaxed)),
             engine: Some(Arc::clone(base)),
             facts: base.facts.clone(),
             ext: base.ext.clone(),
@@ -685,6 +691,42 @@ impl Endpoint {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// The load a load-aware policy weighs this endpoint by: its
+    /// [`in_flight`](Self::in_flight) count, unless the engine's own count was set
+    /// ([`set_engine_load`](Self::set_engine_load), from its `/metrics` when the proxy
+    /// runs with `--load-source engine-metrics`); then that count (every router's
+    /// requests, waiting and running) plus the change of this endpoint's in-flight count
+    /// since it was read, so that a burst this router sends between two reads still
+    /// spreads, and requests that ended since count no more.
+    ///
+    /// Cost: two relaxed atomic loads; no lock, no allocation.
+    pub fn load(&self) -> usize {
+        let in_flight = self.in_flight();
+        let engine = self.engine_load.load(Ordering::Relaxed);
+        if engine == NO_ENGINE_LOAD {
+            return in_flight;
+        }
+        let (count, then) = ((engine >> 32) as usize, (engine & 0xffff_ffff) as usize);
+        count.saturating_add(in_flight).saturating_sub(then)
+    }
+
+    /// Sets the engine's own count of its requests (waiting and running), read now:
+    /// from now on [`load`](Self::load) reads it (plus this endpoint's in-flight change
+    /// since now) instead of the in-flight count alone. Counts beyond `u32::MAX - 1`
+    /// are taken as that.
+    pub fn set_engine_load(&self, requests: u64) {
+        let count = requests.min(u64::from(u32::MAX - 1));
+        let then = (self.in_flight() as u64).min(u64::from(u32::MAX));
+        self.engine_load
+            .store((count << 32) | then, Ordering::Relaxed);
+    }
+
+    /// Forgets the engine's own count: [`load`](Self::load) is the in-flight count
+    /// again (an engine whose `/metrics` can no longer be read).
+    pub fn clear_engine_load(&self) {
+        self.engine_load.store(NO_ENGINE_LOAD, Ordering::Relaxed);
+    }
+
     /// Count one more request in flight until the returned guard drops.
     pub fn track(self: &Arc<Self>) -> InFlightGuard {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -707,6 +749,10 @@ impl fmt::Debug for Endpoint {
             .finish_non_exhaustive()
     }
 }
+
+/// [`Endpoint::engine_load`]'s value while no engine count is set: a count of
+/// `u32::MAX` is never stored.
+const NO_ENGINE_LOAD: u64 = u64::MAX;
 
 /// `url` without a trailing `@RANK`, and the rank. A URL with user information
 /// (`http://user@host`) is not an engine URL; an `@` whose tail is not a number is left

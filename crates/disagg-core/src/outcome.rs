@@ -419,6 +419,10 @@ pub struct RouteSummary {
     pub bytes: u64,
     /// How the response ended.
     pub delivery: Delivery,
+    /// The ids of its span when requests are traced
+    /// ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)); only
+    /// [`TraceIds::request`] names a span of it.
+    pub trace: Option<TraceIds>,
 }
 
 impl RouteSummary {
@@ -443,6 +447,7 @@ impl RouteSummary {
             end: arrival,
             bytes: 0,
             delivery: Delivery::Complete,
+            trace: None,
         };
         s.ended(StatusCode::OK, Delivery::Complete);
         s

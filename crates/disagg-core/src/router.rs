@@ -308,6 +308,18 @@ impl<'a> Ask<'a> {
     pub fn deadline(&self) -> Option<Instant> {
         self.deadline
     }
+
+    /// What the router may read of the request.
+    pub fn view(&self) -> &RequestView<'a> {
+        self.view
+    }
+
+    /// A fresh snapshot of the endpoints (every model's: narrow it with
+    /// [`EndpointSet::for_model`] and the view's model), for a router that waits on
+    /// the state of the endpoints rather than on its own choice.
+    pub fn endpoints(&self) -> Arc<EndpointSet> {
+        self.source.snapshot()
+    }
 }
 
 /// Picks one endpoint of a leg among candidates: the seam of per-leg policies.

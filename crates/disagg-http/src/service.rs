@@ -338,6 +338,7 @@ impl Inner {
         let arrival = tokio::time::Instant::now().into_std();
         let mut summary = RouteSummary::new(kind, req.method().clone(), req.uri().path(), arrival);
         summary.request_id = req.headers().get(REQUEST_ID).cloned();
+        summary.trace = self.orchestrator.route_trace(req.headers());
         #[cfg(feature = "auth")]
         {
             summary.client = req

@@ -63,8 +63,9 @@
 //! blocks per holder (4 million tokens at 16 per block) a holder costs at most about
 //! 20 to 40 MiB, reached only when an engine's cache is that large.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use smallvec::SmallVec;
@@ -227,7 +228,27 @@ pub struct KvIndex {
     table: Mutex<HolderTable>,
     mix: KeyMix,
     loads: LoadBoard,
+    /// The blocks the engines' events removed lately, for the scorers' provisional
+    /// entries ([`KvIndex::removals_since`]).
+    removals: Mutex<VecDeque<Removal>>,
+    /// The sequence number the next removal gets: read without the lock, so a scorer
+    /// with nothing new to read takes no lock.
+    removals_next: AtomicU64,
 }
+
+/// One block an engine's events removed.
+#[derive(Debug)]
+struct Removal {
+    seq: u64,
+    engine: Arc<str>,
+    dp_rank: u32,
+    key: u64,
+}
+
+/// The most recent removals kept for the scorers: a scorer that falls further behind
+/// (none decided while thousands of blocks went) misses the oldest, whose provisional
+/// entries then last their time.
+const REMOVALS_KEPT: usize = 4096;
 
 impl fmt::Debug for KvIndex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -441,6 +462,41 @@ impl KvIndex {
             table: Mutex::default(),
             mix,
             loads: LoadBoard::default(),
+            removals: Mutex::default(),
+            removals_next: AtomicU64::new(0),
+        }
+    }
+
+    /// Calls `f(engine, dp_rank, key)` for each block removed by the engines' events
+    /// since `cursor` (0 for a new reader), and moves `cursor` past them. Takes no lock
+    /// when nothing was removed since.
+    pub(crate) fn removals_since(&self, cursor: &mut u64, mut f: impl FnMut(&str, u32, u64)) {
+        if self.removals_next.load(Ordering::Acquire) == *cursor {
+            return;
+        }
+        let log = lock(&self.removals);
+        let first = log.partition_point(|r| r.seq < *cursor);
+        for r in log.range(first..) {
+            f(&r.engine, r.dp_rank, r.key);
+        }
+        *cursor = log.back().map_or(*cursor, |r| r.seq + 1);
+    }
+
+    fn journal_removals(&self, engine: &str, dp_rank: u32, keys: &[u64]) {
+        let engine: Arc<str> = Arc::from(engine);
+        let mut log = lock(&self.removals);
+        for &key in keys {
+            if log.len() == REMOVALS_KEPT {
+                log.pop_front();
+            }
+            let seq = self.removals_next.load(Ordering::Relaxed);
+            log.push_back(Removal {
+                seq,
+                engine: Arc::clone(&engine),
+                dp_rank,
+                key,
+            });
+            self.removals_next.store(seq + 1, Ordering::Release);
         }
     }
 
@@ -459,16 +515,21 @@ impl KvIndex {
             // Dropped while this batch was on its way: the engine is gone.
             return applied;
         }
+        let mut gone = Vec::new();
         for event in &batch.events {
             match event {
                 KvEvent::BlockStored(e) => self.store(&mut state, e, &mut applied),
-                KvEvent::BlockRemoved(e) => self.remove(&mut state, e, &mut applied),
+                KvEvent::BlockRemoved(e) => self.remove(&mut state, e, &mut applied, &mut gone),
                 KvEvent::AllBlocksCleared => {
                     self.clear_state(&mut state);
                     applied.cleared += 1;
                 }
                 KvEvent::Unknown(_) => applied.unknown += 1,
             }
+        }
+        drop(state);
+        if !gone.is_empty() {
+            self.journal_removals(engine, dp_rank, &gone);
         }
         applied
     }
@@ -825,7 +886,14 @@ impl KvIndex {
         std::mem::swap(&mut state.current, &mut state.older);
     }
 
-    fn remove(&self, state: &mut HolderState, e: &BlockRemoved, applied: &mut Applied) {
+    /// Applies a removal; the keys of the blocks gone go to `gone`.
+    fn remove(
+        &self,
+        state: &mut HolderState,
+        e: &BlockRemoved,
+        applied: &mut Applied,
+        gone: &mut Vec<u64>,
+    ) {
         if e.group_idx.unwrap_or(0) != 0 {
             return;
         }
@@ -846,6 +914,7 @@ impl KvIndex {
                 map.remove(&hash);
                 self.shard_remove(key, state.slot);
                 applied.removed += 1;
+                gone.push(key);
             }
         }
     }

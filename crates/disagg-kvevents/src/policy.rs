@@ -28,15 +28,16 @@ use smallvec::SmallVec;
 use crate::score::{Candidate, KvScorer};
 
 /// The scorer's candidate for `ep`: its engine (the base URL) and, for a rank endpoint,
-/// that rank only; `in_flight` as the endpoint counts it.
+/// that rank only; `in_flight` as the endpoint's [`Endpoint::load`] says (its own count,
+/// or its engine's when the engines' `/metrics` are read for it).
 pub fn candidate(ep: &Endpoint) -> Candidate<'_> {
     let id = ep.id().as_str();
     match ep.rank() {
         Some(rank) => {
             let engine = id.rsplit_once('@').map_or(id, |(base, _)| base);
-            Candidate::new(engine, ep.in_flight()).with_dp_rank(rank)
+            Candidate::new(engine, ep.load()).with_dp_rank(rank)
         }
-        None => Candidate::new(id, ep.in_flight()),
+        None => Candidate::new(id, ep.load()),
     }
 }
 
@@ -51,7 +52,7 @@ impl Pick for FewestInFlight {
         candidates
             .iter()
             .enumerate()
-            .min_by_key(|(i, ep)| (ep.in_flight(), *i))
+            .min_by_key(|(i, ep)| (ep.load(), *i))
             .map_or(0, |(i, _)| i)
     }
 }
@@ -149,7 +150,7 @@ impl Pick for KvEventsPick {
         };
         let scored: SmallVec<[Candidate<'_>; 8]> =
             candidates.iter().map(|ep| candidate(ep)).collect();
-        let in_flight = |i: usize| candidates[i].in_flight();
+        let in_flight = |i: usize| candidates[i].load();
         match self
             .scorer
             .choose_with(tokens, &scored, in_flight, Instant::now())

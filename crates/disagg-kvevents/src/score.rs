@@ -17,6 +17,8 @@
 //!    [`ScorerConfig::provisional_ttl`]: its KV events arrive only once its prefill ran,
 //!    and until then the next request with the same prefix (the next turn, a burst
 //!    sharing a system prompt) must find it there rather than start it elsewhere.
+//!    When the engine's own events remove blocks it holds provisionally, the engine's
+//!    word wins: they leave its provisional entries at its next decision.
 //!
 //! Prefill time is close to proportional to the tokens computed, so the cost is the
 //! engine's queue of work plus this request's own share: the time to first token, up to
@@ -242,6 +244,8 @@ struct State {
     /// What the scorer sent to each candidate (by tag) and the caller's in-flight
     /// counts there.
     sent: FastMap<u64, Sent>,
+    /// The index's removals read so far ([`KvIndex::removals_since`]).
+    removals_seen: u64,
 }
 
 impl fmt::Debug for KvScorer {
@@ -367,6 +371,7 @@ impl KvScorer {
         // at once would otherwise each miss the other's request (both send a burst's
         // first requests to the same idle engine, or both start a prefix elsewhere).
         let mut state = lock(&self.state);
+        self.drop_removed(&mut state);
         let settle = self.config.load_report_lag;
         let candidates: SmallVec<[Candidate<'_>; 8]> = candidates
             .iter()
@@ -483,7 +488,9 @@ impl KvScorer {
             .block_size(candidate.engine)
             .unwrap_or(self.index.config().block_size);
         let keys = BlockKeys::new(tokens, block_size);
-        let provisional = lock(&self.state)
+        let mut state = lock(&self.state);
+        self.drop_removed(&mut state);
+        let provisional = state
             .provisional
             .matches(&keys, now)
             .get(&candidate.tag())
@@ -573,6 +580,22 @@ impl KvScorer {
         } else {
             0
         }
+    }
+
+    /// Drops the provisional entries of blocks their engine's events removed since the
+    /// last call: the engine's word wins over the scorer's guess. A removal on rank `r`
+    /// drops the block for the engine's whole-engine candidate and for its rank `r`.
+    fn drop_removed(&self, state: &mut State) {
+        let State {
+            provisional,
+            removals_seen,
+            ..
+        } = state;
+        self.index
+            .removals_since(removals_seen, |engine, rank, key| {
+                provisional.drop_key(candidate_tag(engine, None), key);
+                provisional.drop_key(candidate_tag(engine, Some(rank)), key);
+            });
     }
 
     /// Each candidate's block size, from one snapshot of the index: its events', or the
@@ -751,6 +774,17 @@ impl Provisional {
             engine,
             keys,
         });
+    }
+
+    /// Drops `key` for `engine` (its entry keeps counting the key towards the bound
+    /// until it expires).
+    fn drop_key(&mut self, engine: u64, key: u64) {
+        if let Some(holders) = self.by_key.get_mut(&key) {
+            holders.retain(|(e, _)| *e != engine);
+            if holders.is_empty() {
+                self.by_key.remove(&key);
+            }
+        }
     }
 
     /// Removes an entry's keys, unless a later entry of the same engine refreshed them.

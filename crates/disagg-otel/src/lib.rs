@@ -71,7 +71,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
 use disagg_core::outcome::TraceIds;
-use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
+use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, RouteSummary, Summary};
 use disagg_core::request::Api;
 use opentelemetry::trace::{
     Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
@@ -269,6 +269,65 @@ impl Listener for Tracer {
         let i = &self.inner;
         i.processor
             .on_end(request_span(summary, trace, &i.scope, &i.clock()));
+    }
+
+    fn on_route(&self, summary: &RouteSummary) {
+        let Some(trace) = summary.trace.as_ref().filter(|t| t.sampled) else {
+            return;
+        };
+        let i = &self.inner;
+        i.processor
+            .on_end(route_span(summary, trace, &i.scope, &i.clock()));
+    }
+}
+
+/// The server span of a request the orchestrator did not serve (forwarded, fanned out,
+/// refused by the key check), with the ids of `trace`: named `METHOD path`, its route
+/// kind in `disagg.route`, the engine it went to in `disagg.endpoint`. No leg spans:
+/// the request went through unchanged.
+pub fn route_span(
+    summary: &RouteSummary,
+    trace: &TraceIds,
+    scope: &InstrumentationScope,
+    clock: &SpanClock,
+) -> SpanData {
+    let s = summary;
+    let mut attributes = vec![
+        KeyValue::new("http.request.method", s.method.as_str().to_owned()),
+        KeyValue::new("url.path", s.path.to_string()),
+        KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
+        KeyValue::new("disagg.route", s.kind.as_str()),
+        KeyValue::new("disagg.outcome", s.outcome()),
+        KeyValue::new(
+            "disagg.response_bytes",
+            i64::try_from(s.bytes).unwrap_or(i64::MAX),
+        ),
+    ];
+    if let Some(e) = &s.endpoint {
+        attributes.push(KeyValue::new("disagg.endpoint", e.id().as_str().to_owned()));
+    }
+    if let Some(id) = &s.request_id {
+        attributes.push(KeyValue::new("disagg.request_id", header(id)));
+    }
+    let failed = s.delivery == Delivery::Broken || s.status.is_server_error();
+    SpanData {
+        span_context: context(trace, trace.request),
+        parent_span_id: trace.parent.map_or(SpanId::INVALID, SpanId::from_bytes),
+        parent_span_is_remote: trace.parent.is_some(),
+        span_kind: SpanKind::Server,
+        name: Cow::Owned(format!("{} {}", s.method, s.path)),
+        start_time: clock.wall(s.arrival),
+        end_time: clock.wall(s.end.max(s.arrival)),
+        attributes,
+        dropped_attributes_count: 0,
+        events: SpanEvents::default(),
+        links: SpanLinks::default(),
+        status: if failed {
+            Status::error(s.outcome())
+        } else {
+            Status::Unset
+        },
+        instrumentation_scope: scope.clone(),
     }
 }
 

@@ -79,6 +79,8 @@ impl Shared {
         if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback && !e_pd {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
+        // The telemetry flags are checked before any engine is asked anything.
+        let telemetry_config = args.reliability.telemetry()?;
         let bounds = args.discovery.bounds();
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         // Protocol data goes into the endpoint's facts, for the connector to read.
@@ -265,7 +267,7 @@ impl Shared {
         };
         // Engines' `/metrics`: read on a thread of its own (`run`); its receipts hear
         // every request's handoff, and a suspect decode is ejected through `health`.
-        let telemetry = args.reliability.telemetry()?.map(|c| {
+        let telemetry = telemetry_config.map(|c| {
             (
                 Telemetry::new(c, Some(Arc::clone(&health))),
                 Arc::clone(&follow),
@@ -337,12 +339,19 @@ impl Shared {
         // Each piece only when asked for: a proxy with no limit and no retry pays
         // nothing for them.
         let a = &resilience.admission;
-        let limits = (a.max_in_flight.is_some() || resilience.per_endpoint.is_some())
-            .then(|| Limits::new(resilience.admission));
+        let limits = (a.max_in_flight.is_some()
+            || resilience.per_endpoint.is_some()
+            || resilience.decode_hold.is_some())
+        .then(|| Limits::new(resilience.admission));
         // The per-endpoint limit decorates the router and waits in the admission's
         // queue (one queue, one set of counters for both limits).
         if let (Some(l), Some(limit)) = (&limits, resilience.per_endpoint) {
             router = Arc::new(l.per_endpoint(router, limit));
+        }
+        // The decode hold, outermost: a held request routes (and waits for a
+        // per-endpoint place) only once a decode has room.
+        if let (Some(l), Some((max_running, wait))) = (&limits, resilience.decode_hold) {
+            router = Arc::new(l.decode_hold(router, max_running, wait));
         }
         // The source's health hears every attempt (it is the source's listener).
         let mut builder =

@@ -23,7 +23,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod common;
-use common::{Proxy, completion, eventually, free_addr, get, post, post_with};
+use common::{Proxy, completion, eventually, free_addr, get, get_with, post, post_with};
 
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
@@ -610,6 +610,53 @@ async fn forwarded_fanned_out_and_key_refused_requests_are_counted_and_logged() 
 }
 
 #[tokio::test]
+async fn a_direct_request_is_counted_and_logged() {
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
+    // A stored response's retrieval goes to a decode engine as it is.
+    let before = d.stats().http_connections;
+    let a = get_with(
+        &proxy.url(),
+        "/v1/responses/resp_1",
+        &[("x-request-id", "direct-1")],
+    )
+    .await;
+    assert_eq!(a.header("x-disagg-handoff"), Some("direct"), "{}", a.text());
+    assert!(
+        d.stats().http_connections > before,
+        "the decode was not asked"
+    );
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert_eq!(requests_of(&text, "direct"), Some(1), "{text}");
+    assert_eq!(requests_of(&text, "forward"), Some(0), "{text}");
+    assert_eq!(requests_of(&text, "orchestrated"), Some(0), "{text}");
+    assert!(
+        eventually(Duration::from_secs(5), || proxy.stdout().lines().count()
+            >= 1)
+        .await,
+        "no access log line"
+    );
+    let out = proxy.stdout();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let [line] = &lines[..] else {
+        panic!("one line: {out}")
+    };
+    assert_eq!(field(line, "route"), "direct");
+    assert_eq!(field(line, "method"), "GET");
+    assert_eq!(field(line, "path"), "/v1/responses/resp_1");
+    assert_eq!(field(line, "status"), a.status.as_u16());
+    assert_eq!(field(line, "request_id"), "direct-1");
+    assert_eq!(field(line, "decode").as_str(), Some(d.url().as_str()));
+    assert_eq!(field(line, "bytes").as_u64(), Some(a.body.len() as u64));
+}
+
+#[tokio::test]
 async fn the_text_access_log_leads_with_time_method_path_and_status() {
     let (p, d) = (
         engine(SimConfig::default()).await,
@@ -895,4 +942,97 @@ async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
             (end.saturating_sub(left_ns)) / 1_000_000
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_direct_and_key_refused_requests_have_spans() {
+    let receiver = Receiver::start();
+    let (p, d) = (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    );
+    let key = "sk-client-secret-0002";
+    let args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &d.url(),
+        "--api-key",
+        key,
+        "--otlp-endpoint",
+        &receiver.url,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_env(&args, &[("OTEL_BSP_SCHEDULE_DELAY", "50")]).await;
+    let auth = format!("Bearer {key}");
+    let client_span = "00f067aa0ba902b7";
+    let parent = |trace: &str| format!("00-{trace}-{client_span}-01");
+    // Forwarded: /tokenize, in the client's trace.
+    let forward_trace = "4bf92f3577b34da6a3ce929d0e0e4701";
+    let tp = parent(forward_trace);
+    let a = post_with(
+        &proxy.url(),
+        "/tokenize",
+        r#"{"model":"sim-model","prompt":"a b"}"#,
+        &[
+            ("authorization", auth.as_str()),
+            ("traceparent", tp.as_str()),
+        ],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let spans = receiver.trace(forward_trace, 1).await;
+    let [span] = &spans[..] else {
+        panic!("one span: {spans:?}")
+    };
+    assert_eq!(span["name"], "POST /tokenize");
+    assert_eq!(span["parent_span_id"], client_span);
+    assert_eq!(span["kind"], 2, "SPAN_KIND_SERVER");
+    let at = &span["attributes"];
+    assert_eq!(at["disagg.route"], "forward");
+    assert_eq!(at["http.request.method"], "POST");
+    assert_eq!(at["url.path"], "/tokenize");
+    assert_eq!(at["http.response.status_code"], 200);
+    assert_eq!(at["disagg.endpoint"], d.url());
+    assert_eq!(at["disagg.outcome"], "success");
+    // Direct: a stored response's retrieval, to a decode.
+    let direct_trace = "4bf92f3577b34da6a3ce929d0e0e4702";
+    let tp = parent(direct_trace);
+    let a = get_with(
+        &proxy.url(),
+        "/v1/responses/resp_1",
+        &[
+            ("authorization", auth.as_str()),
+            ("traceparent", tp.as_str()),
+        ],
+    )
+    .await;
+    let spans = receiver.trace(direct_trace, 1).await;
+    let span = named(&spans, "GET /v1/responses/resp_1");
+    assert_eq!(span["attributes"]["disagg.route"], "direct");
+    assert_eq!(
+        span["attributes"]["http.response.status_code"],
+        a.status.as_u16()
+    );
+    assert_eq!(span["attributes"]["disagg.endpoint"], d.url());
+    // Refused by the key check: a span too, with no engine.
+    let refused_trace = "4bf92f3577b34da6a3ce929d0e0e4703";
+    let tp = parent(refused_trace);
+    let a = post_with(
+        &proxy.url(),
+        COMPLETIONS,
+        &completion("no key", 2, false),
+        &[("traceparent", tp.as_str())],
+    )
+    .await;
+    assert_eq!(a.status, 401);
+    let spans = receiver.trace(refused_trace, 1).await;
+    let span = named(&spans, "POST /v1/completions");
+    let at = &span["attributes"];
+    assert_eq!(at["disagg.route"], "key_refused");
+    assert_eq!(at["http.response.status_code"], 401);
+    assert_eq!(at["disagg.outcome"], "client_error");
+    assert!(at.get("disagg.endpoint").is_none_or(Value::is_null), "{at}");
 }

@@ -351,3 +351,222 @@ async fn sglang_engines_are_read_but_have_no_receipts() {
         Some(0.0)
     );
 }
+
+/// Decodes `busy` and `idle` behind one prefill; `busy` serves `held` requests sent to
+/// it directly (not through the proxy) for seconds. Returns how many of `n` requests
+/// sent through a proxy started with `extra` went to `busy`, once that proxy's
+/// `/metrics` shows `busy`'s running requests when it reads the engines at all.
+async fn sent_to_busy(extra: &[&str], held: usize, n: u64) -> u64 {
+    let p = engine(SimConfig::default()).await;
+    let busy = engine(SimConfig {
+        inter_token_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await;
+    let idle = engine(SimConfig::default()).await;
+    let mut args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &busy.url(),
+        "--decode",
+        &idle.url(),
+        "--policy",
+        "least_in_flight",
+        "--engine-metrics-interval",
+        "0.1",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    args.extend(extra.iter().map(|s| (*s).to_owned()));
+    let proxy = Proxy::start_args(&args).await;
+    // Another router's load: requests of 100 tokens (5 s) sent to `busy` itself.
+    let load: Vec<_> = (0..held)
+        .map(|_| {
+            let url = busy.url();
+            tokio::spawn(
+                async move { post(&url, COMPLETIONS, &completion("held", 100, false)).await },
+            )
+        })
+        .collect();
+    let start = Instant::now();
+    while busy.stats().active_requests < held as u64 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the load never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The proxy read them (it reads the engines under both load sources).
+    let running = "disagg_engine_requests_running";
+    while series(&proxy, running, &at(&busy.url())).await < Some(held as f64) {
+        assert!(start.elapsed() < Duration::from_secs(5), "not read");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        series(&proxy, "disagg_engine_requests_waiting", &at(&busy.url())).await,
+        Some(0.0)
+    );
+    assert!(
+        series(&proxy, "disagg_engine_kv_cache_usage", &at(&idle.url()))
+            .await
+            .is_some()
+    );
+    let before = busy.stats().requests;
+    for _ in 0..n {
+        let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let sent = busy.stats().requests - before;
+    for l in load {
+        l.abort();
+    }
+    sent
+}
+
+#[tokio::test]
+async fn with_engine_metrics_the_engines_own_queue_steers_routing() {
+    // This proxy sent none of `busy`'s requests: only the engine's count shows them.
+    let sent = sent_to_busy(&["--load-source", "engine-metrics"], 4, 8).await;
+    assert_eq!(
+        sent, 0,
+        "requests went to the engine busy with another router's load"
+    );
+}
+
+#[tokio::test]
+async fn with_proxy_load_another_routers_queue_is_unseen() {
+    // The same load, weighed by this proxy's own counts: both decodes look idle, and
+    // least_in_flight takes them in turn.
+    let sent = sent_to_busy(&[], 4, 8).await;
+    assert!(sent >= 3, "only {sent} of 8 went to the busy decode");
+}
+
+#[tokio::test]
+async fn engine_metrics_load_needs_the_engines_metrics() {
+    let args: Vec<String> = [
+        "serve",
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--load-source",
+        "engine-metrics",
+        "--engine-metrics-interval",
+        "0",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+        .args(&args)
+        .output()
+        .expect("run the proxy");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--engine-metrics-interval"), "{err}");
+}
+
+/// `n` requests of `tokens` tokens sent straight to `engine` (another router's), running
+/// in the background.
+fn load_on(engine: &SimEngine, n: usize, tokens: u32) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let url = engine.url();
+            tokio::spawn(async move {
+                post(&url, COMPLETIONS, &completion("held", tokens, false)).await;
+            })
+        })
+        .collect()
+}
+
+/// A proxy over one prefill and one slow decode, holding requests while the decode
+/// runs 2 or more by its `/metrics`, for at most `wait` seconds; the decode is busy
+/// with 2 requests of `tokens` tokens (50 ms each) from another router once it returns.
+async fn held_behind_a_busy_decode(
+    wait: &str,
+    tokens: u32,
+) -> (
+    SimEngine,
+    SimEngine,
+    Proxy,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let p = engine(SimConfig::default()).await;
+    let d = engine(SimConfig {
+        inter_token_delay: Duration::from_millis(50),
+        ..SimConfig::default()
+    })
+    .await;
+    let proxy = Proxy::start(
+        &p,
+        &d,
+        &[
+            "--engine-metrics-interval",
+            "0.05",
+            "--load-source",
+            "engine-metrics",
+            "--decode-admission-wait",
+            wait,
+            "--decode-max-running",
+            "2",
+        ],
+    )
+    .await;
+    let load = load_on(&d, 2, tokens);
+    let start = Instant::now();
+    while series(&proxy, "disagg_engine_requests_running", &at(&d.url())).await < Some(2.0) {
+        assert!(start.elapsed() < Duration::from_secs(5), "never read busy");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (p, d, proxy, load)
+}
+
+#[tokio::test]
+async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
+    // The decode is busy for about a second (20 tokens of 50 ms).
+    let (p, d, proxy, _load) = held_behind_a_busy_decode("10", 20).await;
+    let prefills = p.stats().requests;
+    let url = proxy.url();
+    let sent = Instant::now();
+    let held =
+        tokio::spawn(async move { post(&url, COMPLETIONS, &completion("after", 2, false)).await });
+    // Held: the prefill is not sent while the decode cannot take the request.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(p.stats().requests, prefills, "the prefill ran while held");
+    assert!(!held.is_finished());
+    let a = held.await.expect("the request task");
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(
+        sent.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert_eq!(p.stats().requests, prefills + 1);
+    assert_eq!(d.stats().active_requests, 0);
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert!(text.contains("disagg_queued_total 1\n"), "{text}");
+}
+
+#[tokio::test]
+async fn a_request_held_too_long_is_refused_without_running_its_prefill() {
+    // The decode is busy for 5 s; the hold lasts 0.3 s.
+    let (p, _d, proxy, load) = held_behind_a_busy_decode("0.3", 100).await;
+    let prefills = p.stats().requests;
+    let sent = Instant::now();
+    let a = post(&proxy.url(), COMPLETIONS, &completion("after", 2, false)).await;
+    a.assert_error(503, "queue_timeout");
+    let text = get(&proxy.url(), "/metrics").await.text();
+    assert!(text.contains("disagg_queue_timeouts_total 1\n"), "{text}");
+    let waited = sent.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    // No KV was made for a decode that could not take it.
+    assert_eq!(p.stats().requests, prefills);
+    for l in load {
+        l.abort();
+    }
+}

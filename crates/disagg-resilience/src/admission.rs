@@ -15,6 +15,14 @@
 //!   strictly, FIFO; the limit is checked when a request is routed, so requests routed
 //!   at the same instant on different threads may pass it by one each.
 //!
+//! - a **decode hold** ([`DecodeHold`], made by [`Limits::decode_hold`]): while every
+//!   decode endpoint of a request's model is saturated (its
+//!   [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) at or above a limit
+//!   of running requests, the engines' own count when the proxy reads their
+//!   `/metrics` for it), the request waits in the same queue, for at most its own
+//!   wait, before any leg is sent: its prefill is not run for a decode that cannot
+//!   take its KV, which would otherwise sit on the prefill until it expires.
+//!
 //! The queue is bounded: a request that finds it full is refused at once with 429
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
 //! timeout (or past its deadline) gets 503 `queue_timeout`. Both are OpenAI-format
@@ -149,6 +157,97 @@ impl Limits {
             state: Arc::clone(&self.state),
             limit,
         }
+    }
+
+    /// `router`, holding each request while every decode endpoint of its model has a
+    /// [load](disagg_core::endpoint::Endpoint::load) of `max_running` or more: it waits
+    /// in this admission's queue (429 when full), looking again every
+    /// [`HOLD_POLL`], until a decode has room (then `router` routes it), or for `wait`
+    /// at most (or past its deadline): then 503 `queue_timeout`.
+    pub fn decode_hold<R: Router>(
+        &self,
+        router: R,
+        max_running: usize,
+        wait: Duration,
+    ) -> DecodeHold<R> {
+        DecodeHold {
+            inner: router,
+            state: Arc::clone(&self.state),
+            max_running,
+            wait,
+        }
+    }
+}
+
+/// How often a request held by [`DecodeHold`] looks at the decodes again: the engines'
+/// counts change at each read of their `/metrics`, this proxy's at each request's end.
+pub const HOLD_POLL: Duration = Duration::from_millis(10);
+
+/// A [`Router`] that holds a request while every decode endpoint of its model is
+/// saturated, made by [`Limits::decode_hold`] (see the [module](self) docs).
+///
+/// Cost when a decode has room: a snapshot of the endpoint set and one
+/// [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) per decode endpoint of the
+/// model, until one has room.
+#[derive(Debug)]
+pub struct DecodeHold<R> {
+    inner: R,
+    state: Arc<State>,
+    max_running: usize,
+    wait: Duration,
+}
+
+impl<R: Router> DecodeHold<R> {
+    /// Whether every decode endpoint of the request's model is saturated (false when
+    /// it has none: routing says why).
+    fn saturated(&self, ask: &Ask<'_>) -> bool {
+        let set = ask.endpoints();
+        let Ok(set) = set.for_model(ask.view().model) else {
+            return false;
+        };
+        let decodes = set.decode();
+        !decodes.is_empty() && decodes.iter().all(|d| d.load() >= self.max_running)
+    }
+}
+
+impl<R: Router> Router for DecodeHold<R> {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.inner.select(req, set)
+    }
+
+    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.inner.select_direct(req, set)
+    }
+
+    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+        if !self.saturated(&ask) {
+            return self.inner.route(ask);
+        }
+        Either::Right(Box::pin(async move {
+            let since = Instant::now();
+            {
+                let _waiting = self.state.enqueue()?;
+                let until = {
+                    let by_hold = since + self.wait;
+                    ask.deadline().map_or(by_hold, |d| d.min(by_hold))
+                };
+                while self.saturated(&ask) {
+                    if Instant::now() >= until {
+                        return Err(self.state.timed_out(since));
+                    }
+                    tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
+                }
+            }
+            self.inner.route(ask).await
+        }))
+    }
+
+    fn observe(&self, route: &Route, outcome: Outcome) {
+        self.inner.observe(route, outcome)
+    }
+
+    fn wants_tokens(&self) -> bool {
+        self.inner.wants_tokens()
     }
 }
 

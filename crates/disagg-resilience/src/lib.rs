@@ -43,7 +43,7 @@ pub mod pairing;
 pub mod retry;
 pub mod telemetry;
 
-pub use admission::{AdmissionConfig, Limits, PerEndpointLimit};
+pub use admission::{AdmissionConfig, DecodeHold, Limits, PerEndpointLimit};
 pub use health::{CheckConfig, EndpointHealth, Health, HealthConfig, HealthSource};
 pub use pairing::{PairingError, PairingStats, ValidatedSource, VersionProbe, Versions};
 pub use retry::{Backoff, RetryBudget, RetryPolicy};

@@ -58,7 +58,10 @@
 //!   (`sglang:realtime_tokens_total` by `mode`, `sglang:num_transfer_failed_reqs_total`,
 //!   `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`). The
 //!   prompt-token split is true: a decode that pulled its KV counts the prompt as
-//!   `external_kv_transfer`, one that computed it as `local_compute`.
+//!   `external_kv_transfer`, one that computed it as `local_compute`; so are the
+//!   request counts: waiting are the requests queued for their rank's prefill slot
+//!   ([`SimConfig::serial_prefill`], [`Stats::waiting_requests`]), running every
+//!   other request in progress.
 //!   [`Faults::lose_handoff`], [`Faults::fail_transfers`] and a short
 //!   [`SimConfig::kv_lease`] make a decode recompute, transfers fail and a
 //!   prefill's KV expire unclaimed; [`Faults::metrics`] makes the answer huge, slow

@@ -24,6 +24,9 @@ pub(crate) fn render(config: &SimConfig, stats: &Stats, padding: usize) -> Strin
         out.push_str(line);
     }
     let model = escape(&config.model);
+    // Requests waiting for their prefill slot are waiting; every other one in progress
+    // runs.
+    let running = stats.active_requests.saturating_sub(stats.waiting_requests);
     let usage = if config.prefix_cache_blocks == 0 {
         0.0
     } else {
@@ -32,13 +35,13 @@ pub(crate) fn render(config: &SimConfig, stats: &Stats, padding: usize) -> Strin
     if matches!(config.kv_mode, KvMode::Sglang(_)) {
         let l =
             format!("model_name=\"{model}\",engine_type=\"unified\",tp_rank=\"0\",pp_rank=\"0\"");
+        gauge(&mut out, "sglang:num_running_reqs", &l, running as f64);
         gauge(
             &mut out,
-            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
             &l,
-            stats.active_requests as f64,
+            stats.waiting_requests as f64,
         );
-        gauge(&mut out, "sglang:num_queue_reqs", &l, 0.0);
         gauge(&mut out, "sglang:token_usage", &l, usage);
         let _ = writeln!(
             out,
@@ -63,13 +66,13 @@ pub(crate) fn render(config: &SimConfig, stats: &Stats, padding: usize) -> Strin
         return out;
     }
     let l = format!("model_name=\"{model}\",engine=\"0\"");
+    gauge(&mut out, "vllm:num_requests_running", &l, running as f64);
     gauge(
         &mut out,
-        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
         &l,
-        stats.active_requests as f64,
+        stats.waiting_requests as f64,
     );
-    gauge(&mut out, "vllm:num_requests_waiting", &l, 0.0);
     gauge(&mut out, "vllm:kv_cache_usage_perc", &l, usage);
     let _ = writeln!(
         out,

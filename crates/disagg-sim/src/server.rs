@@ -2092,7 +2092,10 @@ async fn serve_completion(
         // queue shows in the rank's load reports.
         let load = LoadReport::waiting(inner, rank, request);
         let _slot = match inner.prefill_slots.get(rank) {
-            Some(slot) if config.serial_prefill => Some(slot.lock().await),
+            Some(slot) if config.serial_prefill => {
+                let _waiting = crate::stats::Waiting::new(counters);
+                Some(slot.lock().await)
+            }
             _ => None,
         };
         let _load = load.map(LoadReport::running);

@@ -55,6 +55,10 @@ pub struct Stats {
     pub blocks_held: u64,
     /// Completion requests currently being processed.
     pub active_requests: u64,
+    /// Of those, the ones waiting for their rank's prefill slot
+    /// ([`SimConfig::serial_prefill`](crate::SimConfig::serial_prefill)): its
+    /// `/metrics`' waiting requests (the others are running).
+    pub waiting_requests: u64,
     /// HTTP connections currently open.
     pub open_connections: u64,
     /// HTTP connections accepted since the engine started (requests served in process
@@ -277,6 +281,7 @@ pub(crate) struct Counters {
     pub(crate) side_channel_served: AtomicU64,
     pub(crate) blocks_held: AtomicU64,
     pub(crate) active_requests: AtomicU64,
+    pub(crate) waiting_requests: AtomicU64,
     pub(crate) open_connections: AtomicU64,
     pub(crate) http_connections: AtomicU64,
     pub(crate) cancelled: AtomicU64,
@@ -380,6 +385,7 @@ impl Counters {
             side_channel_served: self.side_channel_served.load(Relaxed),
             blocks_held: self.blocks_held.load(Relaxed),
             active_requests: self.active_requests.load(Relaxed),
+            waiting_requests: self.waiting_requests.load(Relaxed),
             open_connections: self.open_connections.load(Relaxed),
             http_connections: self.http_connections.load(Relaxed),
             cancelled: self.cancelled.load(Relaxed),
@@ -495,6 +501,22 @@ impl RequestGuard {
     /// Marks the answer as fully handed over (or deliberately aborted).
     pub(crate) fn complete(&mut self) {
         self.complete = true;
+    }
+}
+
+/// Counts a request as waiting (for its prefill slot) until dropped.
+pub(crate) struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn new(counters: &'a Counters) -> Self {
+        bump(&counters.waiting_requests);
+        Waiting(&counters.waiting_requests)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
     }
 }
 

@@ -887,3 +887,38 @@ async fn in_process_service_answers_like_the_wire_and_opens_no_connection() {
         "the in-process call opened no connection"
     );
 }
+
+#[tokio::test]
+async fn metrics_count_the_requests_waiting_for_the_prefill_slot_and_running() {
+    let e = SimEngine::start(SimConfig {
+        serial_prefill: true,
+        prefill_delay_per_token: Duration::from_millis(100),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let addr = e.addr();
+    let body = json!({"model": "sim-model", "prompt": "one two three", "max_tokens": 1});
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let body = body.clone();
+            tokio::spawn(async move { post(addr, "/v1/completions", &body).await })
+        })
+        .collect();
+    // One computes its prefill, two queue behind it.
+    wait_for(&e, |s| s.active_requests == 3 && s.waiting_requests == 2).await;
+    let text = get(addr, "/metrics").await.text();
+    assert!(
+        text.contains("vllm:num_requests_waiting{model_name=\"sim-model\",engine=\"0\"} 2.0\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("vllm:num_requests_running{model_name=\"sim-model\",engine=\"0\"} 1.0\n"),
+        "{text}"
+    );
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let s = e.stats();
+    assert_eq!((s.active_requests, s.waiting_requests), (0, 0));
+}

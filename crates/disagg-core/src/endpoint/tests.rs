@@ -139,6 +139,31 @@ fn guards_count_in_flight() {
 }
 
 #[test]
+fn load_is_in_flight_until_the_engine_count_is_set() {
+    let ep = Arc::new(Endpoint::new("http://h:1", Role::Decode).unwrap());
+    let a = ep.track();
+    assert_eq!(ep.load(), 1);
+    // The engine counts 7 (this router's request among them): the load is 7, and what
+    // this router sends or ends after the read moves it from there.
+    ep.set_engine_load(7);
+    assert_eq!(ep.load(), 7);
+    let b = ep.track();
+    let c = ep.track();
+    assert_eq!(ep.load(), 9);
+    drop((a, b));
+    assert_eq!(ep.load(), 7);
+    ep.set_engine_load(0);
+    assert_eq!(ep.load(), 0);
+    drop(c);
+    assert_eq!(ep.load(), 0, "never below zero");
+    ep.clear_engine_load();
+    let _d = ep.track();
+    assert_eq!(ep.load(), 1);
+    ep.set_engine_load(u64::MAX);
+    assert_eq!(ep.load(), (u32::MAX - 1) as usize);
+}
+
+#[test]
 fn a_rank_suffix_names_a_data_parallel_rank() {
     let ep = Endpoint::new("http://10.0.0.1:8100/@7", Role::Prefill).unwrap();
     assert_eq!(ep.rank(), Some(7));

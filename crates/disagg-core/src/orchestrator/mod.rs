@@ -359,6 +359,20 @@ impl Orchestrator {
         reporter.summarize(&summary);
     }
 
+    /// The trace ids of a request this orchestrator does not serve (a [`RouteSummary`]'s
+    /// [`trace`][trace]), when requests are traced (`trace_ratio`): continuing the
+    /// trace of `headers`' `traceparent`, sampled by the ratio otherwise, as the
+    /// orchestrator's own requests are. `None` when they are not traced.
+    ///
+    /// [`RouteSummary`]: crate::outcome::RouteSummary
+    /// [trace]: crate::outcome::RouteSummary::trace
+    pub fn route_trace(&self, headers: &http::HeaderMap) -> Option<crate::outcome::TraceIds> {
+        let i = &self.inner;
+        i.config
+            .trace_ratio
+            .map(|ratio| i.spans.request(headers, ratio))
+    }
+
     /// Count and tell every listener how a request that this orchestrator did not serve
     /// ended (forwarded, fanned out, refused by the key check: a [`RouteSummary`]'s
     /// [`kind`][kind]). The server that served it calls this once, when

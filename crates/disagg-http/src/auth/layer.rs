@@ -181,6 +181,7 @@ where
                         arrival,
                     );
                     summary.request_id = req.headers().get("x-request-id").cloned();
+                    summary.trace = orchestrator.route_trace(req.headers());
                     summary.bytes = response.body().len() as u64;
                     summary.ended(response.status(), Delivery::Complete);
                     orchestrator.route_ended(&summary);

@@ -444,3 +444,51 @@ fn retain_keeps_the_history_of_the_given_candidates_only() {
         0
     );
 }
+
+fn remove(index: &KvIndex, engine: &str, blocks: std::ops::Range<u64>, dp_rank: u32) {
+    let removed = crate::event::BlockRemoved {
+        block_hashes: blocks
+            .map(|b| BlockHash::Int(candidate_tag(engine, None) ^ b))
+            .collect(),
+        ..crate::event::BlockRemoved::default()
+    };
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockRemoved(removed)],
+        dp_rank: None,
+    };
+    index.apply(engine, dp_rank, &batch);
+}
+
+#[test]
+fn an_engines_removal_drops_what_the_scorer_holds_provisionally_for_it() {
+    let prompt: Vec<u32> = (0..64).collect();
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    let scorer = KvScorer::new(Arc::clone(&index), ScorerConfig::default());
+    // The scorer sends the prompt to a, then (a busy) to b: both hold it provisionally.
+    let d = scorer
+        .choose(&prompt, &cands(&[("a", 0), ("b", 0)]))
+        .unwrap();
+    assert_eq!(d.index, 0);
+    let d = scorer
+        .choose(&prompt, &cands(&[("a", 9), ("b", 0)]))
+        .unwrap();
+    assert_eq!(d.index, 1);
+    let (a, b) = (Candidate::new("a", 0), Candidate::new("b", 0));
+    assert_eq!(scorer.cached_tokens(&a, &prompt), 64);
+    // a computes the prompt and says so, then evicts its last two blocks.
+    store(&index, "a", &prompt);
+    remove(&index, "a", 2..4, 0);
+    // The index holds a's first two; its provisional entry no longer claims the rest,
+    // and b's, which a's events say nothing about, is whole.
+    assert_eq!(scorer.cached_tokens(&a, &prompt), 32);
+    assert_eq!(scorer.cached_tokens(&b, &prompt), 64);
+    // A pick reads the removals too: a evicted the rest, so it holds nothing, and
+    // the idle c is as good (had a kept its provisional 64, a would win on them).
+    remove(&index, "a", 0..2, 0);
+    let d = scorer
+        .choose(&prompt, &cands(&[("a", 0), ("c", 0)]))
+        .unwrap();
+    assert_eq!(d.cached_tokens, 0, "{d:?}");
+    assert_eq!(scorer.cached_tokens(&a, &prompt), 0);
+}

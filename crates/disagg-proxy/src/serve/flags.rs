@@ -306,6 +306,17 @@ pub struct ReliabilityArgs {
     /// queue.
     #[arg(long, value_name = "N")]
     pub(crate) max_in_flight_per_endpoint: Option<usize>,
+    /// Hold a request, before its prefill is sent, while every decode engine of its
+    /// model runs --decode-max-running requests or more (the engines' own counts with
+    /// --load-source engine-metrics, this proxy's otherwise), for at most SECS; then 503
+    /// `queue_timeout`. 0 (the default): never held.
+    #[arg(long, value_name = "SECS", default_value_t = 0.0)]
+    pub(crate) decode_admission_wait: f64,
+    /// The requests one decode engine runs at once (vLLM's --max-num-seqs, SGLang's
+    /// --max-running-requests; neither exposes it in its /metrics), for
+    /// --decode-admission-wait.
+    #[arg(long, value_name = "N")]
+    pub(crate) decode_max_running: Option<usize>,
     /// Requests that may wait for admission; one more is answered 429 with
     /// `retry-after`.
     #[arg(long, value_name = "N", default_value_t = 1024)]
@@ -365,6 +376,19 @@ pub struct ReliabilityArgs {
     /// on each repeat).
     #[arg(long, value_enum, default_value_t = SuspectActionArg::Warn)]
     pub(crate) suspect_action: SuspectActionArg,
+    /// What the load-aware policies (least_in_flight, power_of_two, kv_events) weigh an
+    /// engine by: `proxy` (this proxy's requests in flight there) or `engine-metrics`
+    /// (the engine's own waiting plus running requests, every router's, from its
+    /// `/metrics` at each --engine-metrics-interval, plus this proxy's change since).
+    #[arg(long, value_enum, default_value_t = LoadSourceArg::Proxy)]
+    pub(crate) load_source: LoadSourceArg,
+}
+
+/// `--load-source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum LoadSourceArg {
+    Proxy,
+    EngineMetrics,
 }
 
 /// `--suspect-action`.
@@ -407,7 +431,13 @@ impl ReliabilityArgs {
 
     /// The engine telemetry settings, when `/metrics` is read at all.
     pub(crate) fn telemetry(&self) -> Result<Option<disagg_resilience::TelemetryConfig>, BoxError> {
+        let engine_load = self.load_source == LoadSourceArg::EngineMetrics;
         if self.engine_metrics_interval == 0.0 {
+            if engine_load {
+                return Err(
+                    "--load-source engine-metrics reads the engines' /metrics: it needs an --engine-metrics-interval above 0".into(),
+                );
+            }
             return Ok(None);
         }
         if !(0.0..=1.0).contains(&self.receipt_threshold) {
@@ -423,6 +453,7 @@ impl ReliabilityArgs {
             SuspectActionArg::Warn => disagg_resilience::SuspectAction::Warn,
             SuspectActionArg::Eject => disagg_resilience::SuspectAction::Eject,
         };
+        config.engine_load = engine_load;
         Ok(Some(config))
     }
 
@@ -457,10 +488,22 @@ impl ReliabilityArgs {
             KvReleaseArg::Off => KvRelease::Off,
             KvReleaseArg::AbortDecode => KvRelease::abort_decode(),
         };
+        let hold = self.decode_admission_wait != 0.0;
+        let decode_hold = match (self.decode_admission_wait, self.decode_max_running) {
+            _ if !hold => None,
+            (_, None) => {
+                return Err(
+                    "--decode-admission-wait needs --decode-max-running (the engines do not expose their limit)".into(),
+                );
+            }
+            (_, Some(0)) => return Err("--decode-max-running must be at least 1".into()),
+            (wait, Some(n)) => Some((n, secs(wait, "decode-admission-wait")?)),
+        };
         Ok(Resilience {
             retry,
             admission,
             per_endpoint: self.max_in_flight_per_endpoint,
+            decode_hold,
         })
     }
 }
@@ -472,6 +515,9 @@ pub(crate) struct Resilience {
     /// `--max-in-flight-per-endpoint`: the router's decorator
     /// (`disagg_resilience::Limits::per_endpoint`), the only place the limit lives.
     pub(crate) per_endpoint: Option<usize>,
+    /// `--decode-admission-wait` with `--decode-max-running`: the router's decorator
+    /// (`disagg_resilience::Limits::decode_hold`).
+    pub(crate) decode_hold: Option<(usize, Duration)>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

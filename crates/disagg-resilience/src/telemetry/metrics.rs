@@ -23,6 +23,9 @@ impl Telemetry {
     /// | `disagg_engine_prompt_tokens_total{endpoint,source}` | counter | the engine's prompt tokens by source (`local_compute`, `local_cache_hit`, `external_kv_transfer`), as it counts them |
     /// | `disagg_engine_kv_expired_total{endpoint}` | counter | the engine's requests whose KV expired unclaimed (a prefill) |
     /// | `disagg_engine_kv_transfer_failures_total{endpoint}` | counter | the engine's failed KV transfers |
+    /// | `disagg_engine_requests_waiting{endpoint}` | gauge | the engine's requests waiting to be scheduled, at its latest read |
+    /// | `disagg_engine_requests_running{endpoint}` | gauge | the engine's requests running, at its latest read |
+    /// | `disagg_engine_kv_cache_usage{endpoint}` | gauge | the engine's KV cache usage, 0 to 1, at its latest read |
     /// | `disagg_handoff_receipt_ratio{endpoint}` | gauge | a decode's share of prompt tokens that arrived by KV transfer over the last window, while the proxy handed it KV; absent when that window had nothing to judge |
     /// | `disagg_endpoint_kv_suspect{endpoint}` | gauge | 1 while a decode is flagged for low receipts, else 0 |
     ///
@@ -126,6 +129,30 @@ impl Collector for TelemetryCollector {
                 if let Some(v) = r.snapshot.as_ref().and_then(get) {
                     ConstCounter::new(v)
                         .encode(family.encode_family(&[("endpoint", &*r.label)])?)?;
+                }
+            }
+        }
+        for (name, help, get) in [
+            (
+                "disagg_engine_requests_waiting",
+                "Each engine's requests waiting to be scheduled, at its latest read.",
+                (|s: &EngineSnapshot| s.requests_waiting) as fn(&EngineSnapshot) -> Option<f64>,
+            ),
+            (
+                "disagg_engine_requests_running",
+                "Each engine's requests running, at its latest read.",
+                |s: &EngineSnapshot| s.requests_running,
+            ),
+            (
+                "disagg_engine_kv_cache_usage",
+                "Each engine's KV cache usage (0 to 1), at its latest read.",
+                |s: &EngineSnapshot| s.kv_cache_usage,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for r in &rows {
+                if let Some(v) = r.snapshot.as_ref().and_then(get) {
+                    ConstGauge::new(v).encode(family.encode_family(&[("endpoint", &*r.label)])?)?;
                 }
             }
         }

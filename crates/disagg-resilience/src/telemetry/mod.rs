@@ -96,6 +96,12 @@ pub struct TelemetryConfig {
     pub suspect_windows: u32,
     /// What a flag does. Default [`SuspectAction::Warn`].
     pub suspect_action: SuspectAction,
+    /// Whether each read sets the endpoints' engine load
+    /// ([`Endpoint::set_engine_load`]: the engine's waiting plus running requests), which
+    /// the load-aware policies then weigh instead of this proxy's own in-flight counts
+    /// (`--load-source engine-metrics`). Default false: the policies see this proxy's
+    /// counts only.
+    pub engine_load: bool,
 }
 
 impl Default for TelemetryConfig {
@@ -107,6 +113,7 @@ impl Default for TelemetryConfig {
             receipt_threshold: 0.5,
             suspect_windows: 3,
             suspect_action: SuspectAction::Warn,
+            engine_load: false,
         }
     }
 }
@@ -154,6 +161,19 @@ pub struct EngineSnapshot {
     pub requests_running: Option<f64>,
     /// KV cache usage, 0 to 1.
     pub kv_cache_usage: Option<f64>,
+}
+
+impl EngineSnapshot {
+    /// The engine's requests, waiting and running, when it counts either (a count that
+    /// is negative or no number is taken as 0).
+    pub fn requests(&self) -> Option<u64> {
+        if self.requests_waiting.is_none() && self.requests_running.is_none() {
+            return None;
+        }
+        let n = |v: Option<f64>| v.filter(|v| v.is_finite() && *v > 0.0).unwrap_or(0.0);
+        // `as` saturates: a huge count is u64::MAX, which the endpoint bounds.
+        Some((n(self.requests_waiting) + n(self.requests_running)).round() as u64)
+    }
 }
 
 /// Why a scrape failed.
@@ -344,6 +364,9 @@ impl Telemetry {
             .collect()
             .await;
         let mut eject = Vec::new();
+        // Each engine's requests (waiting and running) by this round's read; `None` for
+        // one whose read failed or that does not count them.
+        let mut loads: HashMap<Authority, Option<u64>> = HashMap::new();
         {
             let mut engines = lock(&self.engines);
             for (authority, result) in results {
@@ -351,6 +374,10 @@ impl Telemetry {
                     continue;
                 };
                 state.scrapes += 1;
+                if self.config.engine_load {
+                    let load = result.as_ref().ok().and_then(EngineSnapshot::requests);
+                    loads.insert(authority.clone(), load);
+                }
                 match result {
                     Ok(snapshot) => {
                         let handoffs = self.handoffs_to(&authority);
@@ -374,6 +401,15 @@ impl Telemetry {
                         }
                     }
                 }
+            }
+        }
+        // The engines' counts go to the endpoints the policies read, every role and rank
+        // of the engine; an engine not read falls back to this proxy's own counts.
+        for e in set.prefill().iter().chain(set.decode()) {
+            match loads.get(e.authority()) {
+                Some(Some(n)) => e.set_engine_load(*n),
+                Some(None) => e.clear_engine_load(),
+                None => {}
             }
         }
         if let Some(health) = &self.health {

@@ -119,3 +119,22 @@ fn receipts_are_judged_only_in_windows_with_handoffs_and_flag_after_n_low_window
     assert!(!t.judge(&mut s, tokens(150.0, 200.0), Some(Arc::clone(&h))));
     assert!(!s.suspect);
 }
+
+#[test]
+fn an_engines_requests_are_its_waiting_and_running_when_it_counts_either() {
+    // Running only (3 over two engine indexes), no waiting series.
+    assert_eq!(parse(VLLM).unwrap().requests(), Some(3));
+    let mut s = EngineSnapshot {
+        requests_waiting: Some(4.0),
+        requests_running: Some(2.4),
+        ..EngineSnapshot::default()
+    };
+    assert_eq!(s.requests(), Some(6));
+    // Nonsense counts weigh nothing; a huge one is bounded, not wrapped.
+    s.requests_waiting = Some(f64::NAN);
+    s.requests_running = Some(-5.0);
+    assert_eq!(s.requests(), Some(0));
+    s.requests_waiting = Some(1e30);
+    assert_eq!(s.requests(), Some(u64::MAX));
+    assert_eq!(EngineSnapshot::default().requests(), None);
+}
