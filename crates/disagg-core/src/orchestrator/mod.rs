@@ -66,6 +66,7 @@ mod concurrent;
 pub(crate) mod config;
 mod lead;
 pub(crate) mod legs;
+mod migrate;
 mod release;
 mod report;
 mod respond;
@@ -75,6 +76,7 @@ mod stats;
 
 pub use body::PdBody;
 pub use config::{KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
+pub use migrate::MigrationConfig;
 
 pub(crate) use report::leg_outcome;
 use stats::Counters;
@@ -172,6 +174,11 @@ pub struct OrchestratorStats {
     /// dict without block ids, engine id, host, port or request id). Never sent on;
     /// each was then served as [`MissingKv`] says.
     pub invalid_handoffs: u64,
+    /// Mid-stream migrations started ([`MigrationConfig`]), by why the decode stream
+    /// broke: `reset`, `eof` (ended before `[DONE]`), `error_frame`.
+    pub migrations: Vec<(&'static str, u64)>,
+    /// Generated tokens carried over to continuations.
+    pub migrated_tokens: u64,
 }
 
 /// Builds an [`Orchestrator`].
@@ -431,6 +438,11 @@ impl Orchestrator {
             tokenized: load(&c.tokenized),
             tokenize_failures: load(&c.tokenize_failures),
             invalid_handoffs: load(&c.invalid_handoffs),
+            migrations: migrate::Reason::ALL
+                .iter()
+                .map(|r| (r.as_str(), load(&c.migrations[r.index()])))
+                .collect(),
+            migrated_tokens: load(&c.migrated_tokens),
         }
     }
 
