@@ -31,6 +31,7 @@
 //! | `prefill` | the prefill endpoint of the attempt that answered |
 //! | `decode` | its decode endpoint |
 //! | `attempts` | attempts made |
+//! | `migrations` | times the decode stream was continued on another decode (mid-stream migration) |
 //! | `duration_ms` | arrival to the response's end |
 //! | `ttft_ms` | arrival to the first body byte sent |
 //! | `queue_ms` | time waiting for admission |
@@ -297,7 +298,7 @@ impl<'a> Value<'a> {
 }
 
 /// Every field of a line, in order.
-struct Fields<'a>([(&'static str, Value<'a>); 26]);
+struct Fields<'a>([(&'static str, Value<'a>); 27]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
@@ -332,6 +333,7 @@ impl<'a> Fields<'a> {
                 Value::opt_str(route.map(|r| r.decode.id().as_str())),
             ),
             ("attempts", Value::Uint(u64::from(s.attempts))),
+            ("migrations", Value::Uint(u64::from(s.migrations))),
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::millis(s.time_to_first_byte())),
             ("queue_ms", Value::millis(s.queued)),
@@ -385,6 +387,7 @@ impl<'a> Fields<'a> {
             ("prefill", engine(Role::Prefill)),
             ("decode", engine(Role::Decode)),
             ("attempts", Value::Null),
+            ("migrations", Value::Null),
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::Null),
             ("queue_ms", Value::Null),
