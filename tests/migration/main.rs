@@ -286,3 +286,28 @@ async fn a_client_that_asked_for_token_ids_keeps_them() {
         events(&want)[0]["prompt_token_ids"]
     );
 }
+
+#[tokio::test]
+async fn a_client_that_left_is_never_migrated() {
+    use tokio::io::AsyncReadExt;
+    // Tokens every 60 ms; the decode dies after its 5th event (about 240 ms in). The
+    // client reads the head and the first event, then hangs up.
+    let slow_dying = SimConfig {
+        inter_token_delay: std::time::Duration::from_millis(60),
+        ..dying(5)
+    };
+    let s = stack(vec![slow_dying.clone(), slow_dying], 2).await;
+    let body = chat_body("a story nobody reads", 12, json!({}));
+    let mut sock = raw_request(&s.url, "/v1/chat/completions", &body).await;
+    let mut buf = vec![0u8; 4096];
+    let n = sock.read(&mut buf).await.unwrap();
+    assert!(n > 0);
+    drop(sock);
+    // Long past the break of the first leg.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    let served: u64 = s.decode.iter().map(|d| d.stats().requests).sum();
+    assert_eq!(served, 1, "a continuation was sent for a client that left");
+    let stats = s.orchestrator.stats();
+    assert_eq!(stats.migrations.iter().map(|(_, n)| n).sum::<u64>(), 0);
+    assert!(eventually(std::time::Duration::from_secs(2), || s.in_flight() == 0).await);
+}
