@@ -311,3 +311,29 @@ async fn a_client_that_left_is_never_migrated() {
     assert_eq!(stats.migrations.iter().map(|(_, n)| n).sum::<u64>(), 0);
     assert!(eventually(std::time::Duration::from_secs(2), || s.in_flight() == 0).await);
 }
+
+#[tokio::test]
+async fn a_stream_cut_after_its_last_token_is_ended_by_the_proxy() {
+    // Role chunk and 4 tokens (the last with its finish reason) go out, then the
+    // decode dies before its usage chunk and `[DONE]`: nothing is left to generate.
+    let s = stack(vec![dying(5), dying(5)], 1).await;
+    let body = chat_body(
+        "short and sweet",
+        4,
+        json!({"stream_options": {"include_usage": true}}),
+    );
+    let a = post(&s.url, "/v1/chat/completions", body.clone(), &[]).await;
+    assert_one_answer(&a, true);
+    let want = unbroken("/v1/chat/completions", &body).await;
+    assert_eq!(a.content(), want.content());
+    let usage = |a: &Answer| {
+        events(a)
+            .into_iter()
+            .find_map(|e| e.get("usage").filter(|u| !u.is_null()).cloned())
+            .unwrap_or_else(|| panic!("no usage in {}", a.text()))
+    };
+    assert_eq!(usage(&a), usage(&want));
+    // No continuation was needed.
+    let served: u64 = s.decode.iter().map(|d| d.stats().requests).sum();
+    assert_eq!(served, 1);
+}

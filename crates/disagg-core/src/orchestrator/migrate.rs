@@ -161,8 +161,7 @@ const CARRIED: [&str; 21] = [
 /// Fields whose state a token prompt cannot carry (structured output, guided decoding,
 /// several sequences, beam search, prompt echo, log probabilities, per-chunk usage): a
 /// request with any of them set (not `null`, not `false`) is not migrated.
-const REFUSED: [&str; 15] = [
-    "response_format",
+const REFUSED: [&str; 14] = [
     "structured_outputs",
     "guided_json",
     "guided_regex",
@@ -206,11 +205,12 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     if REFUSED.iter().any(|k| set(b.get(k))) {
         return None;
     }
-    // `response_format: {"type": "text"}` asks for nothing.
-    if let Some(f) = b.get("response_format")
-        && !f.windows(6).any(|w| w == b"\"text\"")
-    {
-        return None;
+    // `response_format` other than `{"type": "text"}` asks for structured output.
+    if let Some(f) = b.get("response_format").filter(|f| set(Some(f))) {
+        let kind = serde_json::from_slice::<Value>(f).ok()?;
+        if kind.get("type").and_then(Value::as_str) != Some("text") {
+            return None;
+        }
     }
     if uint(b.get("n")).is_some_and(|n| n > 1) || uint(b.get("best_of")).is_some_and(|n| n > 1) {
         return None;
@@ -375,6 +375,11 @@ pub(crate) struct Migrating {
     finished: bool,
     done: bool,
     ended: bool,
+    /// The usage chunk went out.
+    usage_seen: bool,
+    /// The stream's end, written by the proxy for a leg that broke after its last
+    /// token: a usage chunk if one is owed, and `data: [DONE]`.
+    tail: Option<Bytes>,
     /// Continuations started.
     migrations: u32,
     /// Endpoints tried, the first leg's included.
@@ -416,6 +421,8 @@ impl Migrating {
             finished: false,
             done: false,
             ended: false,
+            usage_seen: false,
+            tail: None,
             migrations: 0,
             tried,
             carried: 0,
@@ -425,6 +432,36 @@ impl Migrating {
 
     fn continuing(&self) -> bool {
         self.migrations > 0
+    }
+
+    /// The end of a stream whose last token is out: the usage chunk the client asked
+    /// for, if it did not come yet (the prompt's tokens and every generated one), and
+    /// `data: [DONE]`.
+    fn end_of_stream(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        if let (true, false, Some(head), Some(prompt)) = (
+            self.ctx.plan.usage,
+            self.usage_seen,
+            &self.head,
+            &self.prompt,
+        ) {
+            let (p, c) = (prompt.len() as u64, self.generated.len() as u64);
+            let chunk = serde_json::json!({
+                "id": head.id,
+                "object": head.object,
+                "created": head.created,
+                "model": head.model,
+                "choices": [],
+                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c},
+            });
+            if let Ok(json) = serde_json::to_vec(&chunk) {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&json);
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        out.freeze()
     }
 
     /// Stop tracking: the request is no longer migratable.
@@ -508,6 +545,9 @@ impl Migrating {
         }
         if find(data, b"\"finish_reason\":\"").is_some() {
             self.finished = true;
+        }
+        if self.ctx.plan.usage && find(data, b"\"usage\":{").is_some() {
+            self.usage_seen = true;
         }
         let blank = !self.ctx.plan.client_ids;
         let mut from = 0;
@@ -600,6 +640,7 @@ impl Migrating {
             if !self.ctx.plan.usage {
                 return Ok(());
             }
+            self.usage_seen = true;
             let leg = usage
                 .get("completion_tokens")
                 .and_then(Value::as_u64)
@@ -623,13 +664,17 @@ impl Migrating {
         Ok(())
     }
 
-    /// The current leg failed for `reason` (`dead`: the engine to blame, reported
-    /// failed): start a continuation if the request may still migrate (`true`), else
-    /// not.
-    fn migrate(&mut self, reason: Reason, dead: Option<Arc<Endpoint>>) -> bool {
+    /// The current leg failed for `reason`: start a continuation if the request may
+    /// still migrate (`true`), else not. `dead` is the engine to blame, reported failed
+    /// (which passive health hears) when the stream moves on, or at once when
+    /// `always` (a continuation that could not start: no report of the attempt names
+    /// it).
+    fn migrate(&mut self, reason: Reason, dead: Option<Arc<Endpoint>>, always: bool) -> bool {
         let ctx = Arc::clone(&self.ctx);
-        if let Some(dead) = dead {
-            // The dead leg: reported failed, which passive health hears.
+        let report_dead = |dead: Option<Arc<Endpoint>>| {
+            let Some(dead) = dead else {
+                return;
+            };
             let mut route = ctx.route.clone();
             route.decode = dead;
             route.decode_rank = None;
@@ -641,18 +686,32 @@ impl Migrating {
                 Timeline::starting(),
             );
             ctx.reporter.report(&report);
+        };
+        let migratable = self.on && !self.raw && self.head.is_some() && self.prompt.is_some();
+        if migratable && self.finished && reason != Reason::ErrorFrame {
+            // Every token is out, only the end is missing: the proxy writes it.
+            self.tail = Some(self.end_of_stream());
+            self.inner = super::body::empty_body();
+            return true;
         }
-        let Some(prompt) = self.prompt.as_ref().filter(|_| self.on && !self.raw) else {
+        if !migratable || self.finished || self.migrations >= ctx.config.limit {
+            if always {
+                report_dead(dead);
+            }
+            return false;
+        }
+        let Some(prompt) = self.prompt.as_ref() else {
             return false;
         };
-        if self.finished || self.head.is_none() || self.migrations >= ctx.config.limit {
-            return false;
-        }
         let generated = self.generated.len() as u64;
         let left = ctx.plan.max_tokens.map(|m| m.saturating_sub(generated));
         if left == Some(0) {
+            if always {
+                report_dead(dead);
+            }
             return false;
         }
+        report_dead(dead);
         bump(&ctx.counters.migrations[reason.index()]);
         ctx.counters
             .migrated_tokens
@@ -795,6 +854,10 @@ impl Body for Migrating {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         loop {
+            if let Some(tail) = this.tail.take() {
+                this.ended = true;
+                return Poll::Ready(Some(Ok(Frame::data(tail))));
+            }
             if this.ended {
                 return Poll::Ready(None);
             }
@@ -810,6 +873,7 @@ impl Body for Migrating {
                         this.ctx.moved.moved(&current.endpoint, this.carried);
                         this.leg = current;
                         this.inner = body;
+                        this.broke = None;
                         continue;
                     }
                     Err((endpoint, e)) => {
@@ -817,8 +881,12 @@ impl Body for Migrating {
                         if let Some(ep) = &endpoint {
                             this.tried.push(ep.id().clone());
                         }
-                        this.broke = Some(Box::new(e));
-                        if this.migrate(Reason::Reset, endpoint) {
+                        // The client hears of the break, not of the continuation's
+                        // own failure (unless the leg only ended early).
+                        if this.broke.is_none() {
+                            this.broke = Some(Box::new(e));
+                        }
+                        if this.migrate(Reason::Reset, endpoint, true) {
                             continue;
                         }
                         this.ended = true;
@@ -844,7 +912,7 @@ impl Body for Migrating {
                         Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
                         Err((reason, event)) => {
                             let dead = Some(Arc::clone(&this.leg.endpoint));
-                            if this.migrate(reason, dead) {
+                            if this.migrate(reason, dead, false) {
                                 if out.is_empty() {
                                     continue;
                                 }
@@ -872,7 +940,7 @@ impl Body for Migrating {
                 }
                 Poll::Ready(None) => Reason::Eof,
             };
-            if this.migrate(reason, Some(Arc::clone(&this.leg.endpoint))) {
+            if this.migrate(reason, Some(Arc::clone(&this.leg.endpoint)), false) {
                 continue;
             }
             // Not migrated: end as today (what is held goes first, then the error or
@@ -1034,5 +1102,92 @@ mod tests {
         assert_eq!(parse_ids(b"[1,-2]"), None);
         assert_eq!(parse_ids(b"[4294967296]"), None);
         assert_eq!(parse_ids(b"[]"), Some(vec![]));
+    }
+
+    fn request(api: Api, body: serde_json::Value) -> PdRequest {
+        let bytes = Bytes::from(body.to_string());
+        PdRequest::new(api, http::HeaderMap::new(), &bytes).unwrap()
+    }
+
+    #[test]
+    fn eligibility_is_decided_from_the_body() {
+        let on = MigrationConfig {
+            limit: 1,
+            ..MigrationConfig::default()
+        };
+        let chat = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": [], "stream": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            request(Api::Chat, body)
+        };
+        let yes = |r: &PdRequest| plan(&on, r).is_some();
+        assert!(yes(&chat(serde_json::json!({}))));
+        assert!(plan(&MigrationConfig::default(), &chat(serde_json::json!({}))).is_none());
+        assert!(!yes(&chat(serde_json::json!({"stream": false}))));
+        for refused in [
+            serde_json::json!({"response_format": {"type": "json_object"}}),
+            serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {"name": "text"}}}),
+            serde_json::json!({"guided_json": {}}),
+            serde_json::json!({"tools": [{"type": "function"}]}),
+            serde_json::json!({"n": 2}),
+            serde_json::json!({"best_of": 3}),
+            serde_json::json!({"use_beam_search": true}),
+            serde_json::json!({"logprobs": true}),
+            serde_json::json!({"seed": 7}),
+            serde_json::json!({"stream_options": {"continuous_usage_stats": true}}),
+        ] {
+            assert!(!yes(&chat(refused.clone())), "{refused}");
+        }
+        for allowed in [
+            serde_json::json!({"response_format": {"type": "text"}}),
+            serde_json::json!({"tools": null, "n": 1, "logprobs": false, "seed": null}),
+        ] {
+            assert!(yes(&chat(allowed.clone())), "{allowed}");
+        }
+        let seeded = MigrationConfig {
+            allow_seed: true,
+            ..on.clone()
+        };
+        assert!(plan(&seeded, &chat(serde_json::json!({"seed": 7}))).is_some());
+        let completion = |prompt: serde_json::Value| {
+            request(
+                Api::Completions,
+                serde_json::json!({"prompt": prompt, "stream": true}),
+            )
+        };
+        assert!(yes(&completion(serde_json::json!("text"))));
+        assert!(yes(&completion(serde_json::json!([1, 2, 3]))));
+        assert!(!yes(&completion(serde_json::json!(["a", "b"]))));
+        assert!(!yes(&completion(serde_json::json!([[1], [2]]))));
+        let p = plan(
+            &on,
+            &chat(serde_json::json!({"max_completion_tokens": 9, "return_token_ids": true, "stream_options": {"include_usage": true}})),
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(9));
+        assert!(p.client_ids && p.usage);
+    }
+
+    #[test]
+    fn a_continuation_carries_sampling_and_reduced_limits() {
+        let req = request(
+            Api::Chat,
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true,
+                "max_tokens": 10, "min_tokens": 4, "temperature": 0.5, "stop": ["."], "tools": null}),
+        );
+        let on = MigrationConfig {
+            limit: 1,
+            ..MigrationConfig::default()
+        };
+        let p = plan(&on, &req).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&continuation_body(&p, &[5, 6, 7], 3, Some(7))).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"model": "m", "temperature": 0.5, "stop": ["."], "prompt": [5, 6, 7],
+                "max_tokens": 7, "min_tokens": 1, "stream": true, "return_token_ids": true})
+        );
     }
 }
