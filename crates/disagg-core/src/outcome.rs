@@ -274,6 +274,9 @@ pub struct Summary {
     pub delivery: Delivery,
     /// The trace identities of the request's spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
+    /// Times the answer's decode stream was continued on another decode engine
+    /// (mid-stream migration); 0 when it was not.
+    pub migrations: u32,
 }
 
 impl Summary {
@@ -308,6 +311,7 @@ impl Summary {
             bytes: 0,
             delivery: Delivery::Complete,
             trace: None,
+            migrations: 0,
         }
     }
 

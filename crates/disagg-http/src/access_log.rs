@@ -31,6 +31,7 @@
 //! | `prefill` | the prefill endpoint of the attempt that answered |
 //! | `decode` | its decode endpoint |
 //! | `attempts` | attempts made |
+//! | `migrations` | times the decode stream was continued on another decode (mid-stream migration) |
 //! | `duration_ms` | arrival to the response's end |
 //! | `ttft_ms` | arrival to the first body byte sent |
 //! | `queue_ms` | time waiting for admission |
@@ -299,7 +300,7 @@ impl<'a> Value<'a> {
 }
 
 /// Every field of a line, in order.
-struct Fields<'a>([(&'static str, Value<'a>); 28]);
+struct Fields<'a>([(&'static str, Value<'a>); 29]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
@@ -334,6 +335,7 @@ impl<'a> Fields<'a> {
                 Value::opt_str(route.map(|r| r.decode.id().as_str())),
             ),
             ("attempts", Value::Uint(u64::from(s.attempts))),
+            ("migrations", Value::Uint(u64::from(s.migrations))),
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::millis(s.time_to_first_byte())),
             ("queue_ms", Value::millis(s.queued)),
@@ -393,6 +395,7 @@ impl<'a> Fields<'a> {
             ("prefill", engine(Role::Prefill)),
             ("decode", engine(Role::Decode)),
             ("attempts", Value::Null),
+            ("migrations", Value::Null),
             ("duration_ms", Value::Millis(s.duration())),
             ("ttft_ms", Value::Null),
             ("queue_ms", Value::Null),

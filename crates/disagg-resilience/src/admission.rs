@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use disagg_core::endpoint::EndpointSet;
+use disagg_core::endpoint::Role;
 use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::{Admission, AdmissionStats, Permit};
@@ -205,7 +206,7 @@ impl<R: Router> DecodeHold<R> {
         let Ok(set) = set.for_model(ask.view().model) else {
             return false;
         };
-        let decodes = set.decode();
+        let decodes = set.by_role(Role::Decode);
         !decodes.is_empty() && decodes.iter().all(|d| d.load() >= self.max_running)
     }
 }

@@ -168,6 +168,11 @@ pub(crate) struct SseBody {
     handoff: Option<String>,
     /// Chat with `return_token_ids`: the prompt's ids (JSON) for the first chunk.
     prompt_token_ids: Option<String>,
+    /// `return_token_ids`: each token chunk carries its choice's new ids.
+    return_token_ids: bool,
+    /// Completions with `return_token_ids`: each choice's prompt ids (JSON), on that
+    /// choice's first chunk.
+    choice_prompt_ids: Vec<String>,
     /// Whether hyper had a chance to flush the events before the abort.
     abort_flushed: bool,
     finished: bool,
@@ -195,6 +200,11 @@ pub(crate) struct SseSpec {
     /// Chat with `return_token_ids`: the prompt's ids (JSON), on the first chunk as
     /// vLLM writes them; `None`: `null`.
     pub(crate) prompt_token_ids: Option<String>,
+    /// `return_token_ids`: each token chunk carries its choice's new ids (vLLM 0.33).
+    pub(crate) return_token_ids: bool,
+    /// Completions with `return_token_ids`: each choice's prompt ids (JSON), written on
+    /// that choice's first chunk as vLLM does; empty otherwise.
+    pub(crate) choice_prompt_ids: Vec<String>,
 }
 
 impl SseBody {
@@ -227,6 +237,8 @@ impl SseBody {
             stall_after: spec.stall_after,
             handoff: spec.handoff,
             prompt_token_ids: spec.prompt_token_ids,
+            return_token_ids: spec.return_token_ids,
+            choice_prompt_ids: spec.choice_prompt_ids,
             abort_flushed: false,
             finished: false,
         };
@@ -325,14 +337,33 @@ impl SseBody {
                 } else {
                     s.push_str("\"finish_reason\":null");
                 }
-                match (self.endpoint, last) {
-                    (Endpoint::Chat, false) => s.push_str(",\"token_ids\":null"),
-                    (Endpoint::Chat, true) => {
-                        s.push_str(",\"token_ids\":null,\"weight_versions\":null");
+                // `return_token_ids`: the step's id (the EOS id too: vLLM's
+                // `output.token_ids`), and on a completion choice's first chunk its
+                // prompt's ids.
+                let mut ids = String::new();
+                match generation.ids.get(step) {
+                    Some(id) if self.return_token_ids => {
+                        let _ = write!(ids, "[{id}]");
                     }
-                    _ => s.push_str(
-                        ",\"prompt_token_ids\":null,\"token_ids\":null,\"weight_versions\":null",
-                    ),
+                    _ => ids.push_str("null"),
+                }
+                let prompt_ids = match self.choice_prompt_ids.get(choice) {
+                    Some(p) if step == 0 => p.as_str(),
+                    _ => "null",
+                };
+                match (self.endpoint, last) {
+                    (Endpoint::Chat, false) => {
+                        let _ = write!(s, ",\"token_ids\":{ids}");
+                    }
+                    (Endpoint::Chat, true) => {
+                        let _ = write!(s, ",\"token_ids\":{ids},\"weight_versions\":null");
+                    }
+                    _ => {
+                        let _ = write!(
+                            s,
+                            ",\"prompt_token_ids\":{prompt_ids},\"token_ids\":{ids},\"weight_versions\":null"
+                        );
+                    }
                 }
                 s.push_str("}],\"kv_transfer_params\":");
                 match (&self.handoff, last) {

@@ -108,18 +108,23 @@ pub(crate) fn ids_hash(ids: &[u32]) -> u64 {
         .finish()
 }
 
-/// The token drawn at position `pos` of a choice: its vocabulary text and
-/// whether it is an end-of-sequence token.
-fn token_at(seed: u64, pos: usize, eos_period: u32) -> (&'static str, bool) {
-    let h = mix(seed ^ mix(pos as u64));
+/// The token drawn after the sequence whose running [`ids_hash`] is `state` (the prompt's
+/// ids and every id generated so far): its vocabulary text and whether it is an
+/// end-of-sequence token.
+///
+/// Drawing from the whole sequence, not from the prompt and a position, makes a
+/// continuation exact: a prompt that is an earlier prompt followed by the ids generated
+/// for it goes on with the tokens the unbroken run would have drawn next.
+fn token_after(state: u64, choice_salt: u64, eos_period: u32) -> (&'static str, bool) {
+    let h = mix(state ^ choice_salt);
     let word = VOCAB[(h % VOCAB.len() as u64) as usize];
     let eos =
         eos_period > 0 && mix(h ^ 0x5eed_e05e_0000_0001).is_multiple_of(u64::from(eos_period));
     (word, eos)
 }
 
-fn choice_seed(prompt_hash: u64, choice: u32) -> u64 {
-    mix(prompt_hash ^ mix(u64::from(choice).wrapping_add(0x0c40_1ce0)))
+fn choice_salt(choice: u32) -> u64 {
+    mix(u64::from(choice).wrapping_add(0x0c40_1ce0))
 }
 
 /// Why a choice stopped generating.
@@ -177,8 +182,17 @@ impl Generation {
 }
 
 /// Generates one choice for a prompt whose [`ids_hash`] is given.
+///
+/// Each token is drawn from the running hash of the prompt and the ids generated before
+/// it ([`token_after`]); the first `start` tokens are drawn and folded in but not
+/// returned (an LMCache decode, whose prompt hash leaves out the token at position 0).
 pub(crate) fn generate_choice(prompt_hash: u64, choice: u32, params: &GenParams<'_>) -> Generation {
-    let seed = choice_seed(prompt_hash, choice);
+    let salt = choice_salt(choice);
+    let mut state = Fnv(prompt_hash);
+    for _ in 0..params.start {
+        let (token, _) = token_after(state.finish(), salt, params.eos_period);
+        state = state.u64(u64::from(word_id(&token[1..])));
+    }
     let mut steps = Vec::with_capacity(params.max_tokens.min(4096));
     let mut ids = Vec::with_capacity(params.max_tokens.min(4096));
     let end = |steps, ids, finish, stop_reason| Generation {
@@ -187,8 +201,8 @@ pub(crate) fn generate_choice(prompt_hash: u64, choice: u32, params: &GenParams<
         finish,
         stop_reason,
     };
-    for (i, pos) in (params.start..params.start.saturating_add(params.max_tokens)).enumerate() {
-        let (token, eos) = token_at(seed, pos, params.eos_period);
+    for i in 0..params.max_tokens {
+        let (token, eos) = token_after(state.finish(), salt, params.eos_period);
         let may_stop = i + 1 > params.min_tokens;
         if eos && may_stop && !params.ignore_eos {
             steps.push("");
@@ -196,7 +210,9 @@ pub(crate) fn generate_choice(prompt_hash: u64, choice: u32, params: &GenParams<
             return end(steps, ids, Finish::Stop, None);
         }
         let word = &token[1..];
-        ids.push(word_id(word));
+        let id = word_id(word);
+        ids.push(id);
+        state = state.u64(u64::from(id));
         if may_stop && let Some(stop) = params.stop.iter().find(|s| *s == word || *s == token) {
             steps.push(if params.include_stop_str_in_output {
                 token
@@ -413,6 +429,21 @@ mod tests {
         );
         assert_eq!(rest.steps, g.steps[1..]);
         assert_eq!(rest.ids, g.ids[1..]);
+        // So is a prompt that is the first prompt followed by the ids generated so far
+        // (a migrated stream's continuation), from any point.
+        for k in 0..g.ids.len() {
+            let mut longer = ids.clone();
+            longer.extend_from_slice(&g.ids[..k]);
+            let more = generate_choice(
+                ids_hash(&longer),
+                0,
+                &GenParams {
+                    max_tokens: 6 - k,
+                    ..whole
+                },
+            );
+            assert_eq!(more.steps, g.steps[k..]);
+        }
         // EOS has its own id.
         let prompt = (0..)
             .map(|i| format!("e {i}"))

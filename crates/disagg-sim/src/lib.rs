@@ -24,6 +24,16 @@
 //! either). Generated words have ids too: their tokenization. Ids outside the
 //! vocabulary are rejected with 400, like vLLM.
 //!
+//! Each token is drawn from the whole sequence before it (the prompt's ids and the ids
+//! generated so far), not from the prompt and a position: a prompt that is an earlier
+//! prompt followed by the ids generated for it goes on with exactly the tokens the
+//! unbroken answer had next, which is what a proxy's mid-stream migration needs to be
+//! checked against. With `return_token_ids: true` a stream carries each chunk's new id
+//! in its choice's `token_ids` (the EOS id too), and the prompt's ids on the first chunk
+//! (chat: top-level `prompt_token_ids`; completions: the choice's), as vLLM 0.33 writes
+//! them (`vllm/entrypoints/openai/chat_completion/serving.py`,
+//! `vllm/entrypoints/openai/completion/serving.py`).
+//!
 //! `POST /tokenize` answers, in every mode and whatever the [`Faults`] (but
 //! [`Faults::hang_tokenize`]),
 //! `{"count": n, "max_model_len": M, "tokens": [ids..], "token_strs": null}`

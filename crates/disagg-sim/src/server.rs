@@ -2319,6 +2319,21 @@ async fn serve_completion(
                     None => Value::from(request.prompts.first().cloned().unwrap_or_default())
                         .to_string(),
                 }),
+            return_token_ids: request.return_token_ids,
+            choice_prompt_ids: if request.return_token_ids
+                && request.endpoint == Endpoint::Completions
+            {
+                request
+                    .prompts
+                    .iter()
+                    .flat_map(|p| {
+                        let json = Value::from(p.clone()).to_string();
+                        std::iter::repeat_n(json, request.n as usize)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
         };
         let mut response = Response::new(SimBody::Sse(Box::new(SseBody::new(spec, guard))));
         let headers = response.headers_mut();

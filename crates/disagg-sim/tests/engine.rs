@@ -248,6 +248,81 @@ async fn completions_stream_shape() {
     assert_eq!(non_stream["choices"][0]["text"], streamed);
 }
 
+/// `return_token_ids` streams each chunk's new id (and the prompt's ids on the first
+/// chunk, top-level for chat, on the choice for completions), and a completion whose
+/// token prompt is a prompt followed by the ids generated for it goes on exactly as the
+/// unbroken answer did: what a migrated stream's continuation relies on.
+#[tokio::test]
+async fn streamed_token_ids_continue_exactly() {
+    let e = engine().await;
+    let messages = json!([{"role": "user", "content": "tell me more"}]);
+    let chat = post(
+        e.addr(),
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 9, "stream": true, "return_token_ids": true}),
+    )
+    .await
+    .events();
+    let prompt: Vec<u64> = chat[0]["prompt_token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(!prompt.is_empty());
+    let tokens = &chat[1..10];
+    let ids: Vec<u64> = tokens
+        .iter()
+        .map(|ev| {
+            let ids = ev["choices"][0]["token_ids"].as_array().unwrap();
+            assert_eq!(ids.len(), 1);
+            ids[0].as_u64().unwrap()
+        })
+        .collect();
+    let content: Vec<String> = tokens
+        .iter()
+        .map(|ev| {
+            ev["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    for k in [1, 4, 8] {
+        let mut longer = prompt.clone();
+        longer.extend_from_slice(&ids[..k]);
+        let rest = post(
+            e.addr(),
+            "/v1/completions",
+            &json!({"prompt": longer, "max_tokens": 9 - k, "stream": true, "return_token_ids": true}),
+        )
+        .await
+        .events();
+        assert_eq!(rest[0]["choices"][0]["prompt_token_ids"], json!(longer));
+        let more: Vec<String> = rest[..9 - k]
+            .iter()
+            .map(|ev| ev["choices"][0]["text"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(more, content[k..], "continued after {k} tokens");
+        let more_ids: Vec<u64> = rest[..9 - k]
+            .iter()
+            .map(|ev| ev["choices"][0]["token_ids"][0].as_u64().unwrap())
+            .collect();
+        assert_eq!(more_ids, ids[k..]);
+        assert_eq!(rest[1]["choices"][0]["prompt_token_ids"], json!(null));
+    }
+    // Unasked, no ids.
+    let plain = post(
+        e.addr(),
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 2, "stream": true}),
+    )
+    .await
+    .events();
+    assert_eq!(plain[0]["prompt_token_ids"], json!(null));
+    assert_eq!(plain[1]["choices"][0]["token_ids"], json!(null));
+}
+
 #[tokio::test]
 async fn stream_frames_are_paced_and_separate() {
     let e = SimEngine::start(SimConfig {

@@ -81,6 +81,8 @@ pub(crate) struct Finish {
     pub(crate) first_byte: Option<StdInstant>,
     /// Body bytes handed to the client.
     pub(crate) bytes: u64,
+    /// Where a migrated stream moved to (`None`: migration off for this request).
+    pub(crate) moved: Option<Arc<super::migrate::Moved>>,
 }
 
 impl Finish {
@@ -96,6 +98,7 @@ impl Finish {
             first_chunk: None,
             first_byte: None,
             bytes: 0,
+            moved: None,
         }
     }
 
@@ -142,6 +145,12 @@ impl Finish {
         if report.timeline.decode_first_chunk.is_none() {
             report.timeline.decode_first_chunk = self.first_chunk;
         }
+        // A migrated answer ends on the decode that finished it (the dead one was
+        // reported failed when it broke).
+        let migrations = self
+            .moved
+            .as_ref()
+            .map_or(0, |m| m.apply(&mut report.route).0);
         match outcome {
             Outcome::Success => {
                 if report.decode == LegOutcome::Failed {
@@ -181,6 +190,7 @@ impl Finish {
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
             summary.timeline = Some(report.timeline);
+            summary.migrations = migrations;
             summary.delivery = match outcome {
                 Outcome::Success => Delivery::Complete,
                 Outcome::Cancelled => Delivery::Cancelled,

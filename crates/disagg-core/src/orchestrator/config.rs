@@ -170,6 +170,9 @@ pub struct OrchestratorConfig {
     /// trip: a longer wait means the tokenizer is stuck, and routing without cache
     /// information beats waiting on it.
     pub tokenize_timeout: Duration,
+    /// Mid-stream migration of a decode stream that breaks after the answer began
+    /// (default off).
+    pub migration: super::MigrationConfig,
 }
 
 impl Default for OrchestratorConfig {
@@ -196,6 +199,7 @@ impl Default for OrchestratorConfig {
             kv_release: KvRelease::Off,
             trace_ratio: None,
             tokenize_timeout: Duration::from_secs(2),
+            migration: super::MigrationConfig::default(),
         }
     }
 }

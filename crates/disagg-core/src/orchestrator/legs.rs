@@ -192,7 +192,9 @@ impl Inner {
         leg: &Leg,
         clock: Clock,
     ) -> Result<Response<BoxBody>, PdError> {
-        let http_req = self.leg_request(req, leg)?;
+        // Mid-stream migration tracks the ids the decode generates: asked for here.
+        let asked = super::migrate::ask_ids(&self.config.migration, req, leg);
+        let http_req = self.leg_request(req, asked.as_ref().unwrap_or(leg))?;
         let budget = self.config.decode_head_timeout;
         send_decode(&*self.transport, http_req, &leg.endpoint, clock, budget).await
     }
@@ -241,7 +243,7 @@ pub(super) fn http_request<'a>(
 /// with `forward_authorization`, `authorization`; never the client's `x-request-id` (the
 /// engine-side id is the leg's own, set after these) nor what [`forwardable_header`]
 /// keeps from engines, whatever `forward_headers` lists.
-fn client_headers<'a>(
+pub(super) fn client_headers<'a>(
     config: &'a super::OrchestratorConfig,
     headers: &'a HeaderMap,
 ) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> + 'a {

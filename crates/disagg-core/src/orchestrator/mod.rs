@@ -67,6 +67,7 @@ pub(crate) mod config;
 mod encode;
 mod lead;
 pub(crate) mod legs;
+mod migrate;
 mod release;
 mod report;
 mod respond;
@@ -76,6 +77,7 @@ mod stats;
 
 pub use body::PdBody;
 pub use config::{KvRelease, MissingKv, OrchestratorConfig, PrefillFailure};
+pub use migrate::MigrationConfig;
 
 pub(crate) use report::leg_outcome;
 use stats::Counters;
@@ -175,6 +177,11 @@ pub struct OrchestratorStats {
     /// dict without block ids, engine id, host, port or request id). Never sent on;
     /// each was then served as [`MissingKv`] says.
     pub invalid_handoffs: u64,
+    /// Mid-stream migrations started ([`MigrationConfig`]), by why the decode stream
+    /// broke: `reset`, `eof` (ended before `[DONE]`), `error_frame`.
+    pub migrations: Vec<(&'static str, u64)>,
+    /// Generated tokens carried over to continuations.
+    pub migrated_tokens: u64,
 }
 
 /// Builds an [`Orchestrator`].
@@ -465,6 +472,11 @@ impl Orchestrator {
             tokenized: load(&c.tokenized),
             tokenize_failures: load(&c.tokenize_failures),
             invalid_handoffs: load(&c.invalid_handoffs),
+            migrations: migrate::Reason::ALL
+                .iter()
+                .map(|r| (r.as_str(), load(&c.migrations[r.index()])))
+                .collect(),
+            migrated_tokens: load(&c.migrated_tokens),
         }
     }
 

@@ -280,6 +280,13 @@ impl Inner {
         let content_type = parts.headers.get(header::CONTENT_TYPE);
         let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
+        // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
+        // body is the decode's, as it always was).
+        let (body, moved) = if sse && status.is_success() && guard.is_some() {
+            self.migrating(req, &route, &meta.engine_id, body)
+        } else {
+            (body, None)
+        };
         let timer = guard.as_ref().and_then(|g| {
             StreamTimer::new(
                 self.config.decode_idle_timeout,
@@ -307,6 +314,7 @@ impl Inner {
             first_chunk: None,
             first_byte: None,
             bytes: 0,
+            moved,
         };
         let returned = returned.filter(|_| status.is_success());
         let body = PdBody::stream(body, sse, finish, pending, timer)

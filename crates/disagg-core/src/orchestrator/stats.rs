@@ -20,6 +20,10 @@ pub(crate) struct Counters {
     pub(crate) invalid_handoffs: AtomicU64,
     /// Requests the orchestrator did not serve, by `RouteKind::index`.
     pub(crate) routed: [AtomicU64; 4],
+    /// Mid-stream migrations started, by `migrate::Reason::index`.
+    pub(crate) migrations: [AtomicU64; 3],
+    /// Generated tokens carried over to continuations.
+    pub(crate) migrated_tokens: AtomicU64,
     /// By reason. A short list (a handful of static reasons) behind a lock taken only
     /// for requests served direct, and never across an await.
     direct: std::sync::Mutex<Vec<(&'static str, u64)>>,

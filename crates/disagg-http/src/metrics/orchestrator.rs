@@ -34,6 +34,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 /// | `disagg_tokenize_failures_total` | counter | requests whose prompt could not be tokenized in time (routed without token ids) |
 /// | `disagg_invalid_handoffs_total` | counter | prefill answers whose KV handoff the decode could not use (never sent on; served as `--missing-kv` says) |
 /// | `disagg_direct_total{reason}` | counter | requests served by a decode engine alone, by reason |
+/// | `disagg_migrations_total{reason}` | counter | mid-stream migrations started, by why the decode stream broke: `reset`, `eof` (ended before `[DONE]`), `error_frame` |
+/// | `disagg_migrated_tokens_total` | counter | generated tokens carried over to continuations |
 /// | `disagg_endpoint_in_flight{role,endpoint}` | gauge | requests in flight on each endpoint of the set |
 pub struct OrchestratorCollector {
     orchestrator: Orchestrator,
@@ -85,7 +87,7 @@ impl Collector for OrchestratorCollector {
         for (route, n) in &s.routed {
             ConstCounter::new(*n).encode(requests.encode_family(&[("route", *route)])?)?;
         }
-        let rows: [(&str, &str, bool, u64); 15] = [
+        let rows: [(&str, &str, bool, u64); 16] = [
             (
                 "disagg_requests_in_flight",
                 "Requests admitted and not yet ended.",
@@ -171,6 +173,12 @@ impl Collector for OrchestratorCollector {
                 false,
                 s.invalid_handoffs,
             ),
+            (
+                "disagg_migrated_tokens",
+                "Generated tokens carried over to mid-stream continuations.",
+                false,
+                s.migrated_tokens,
+            ),
         ];
         for (name, help, gauge, value) in rows {
             single(&mut encoder, name, help, gauge, value)?;
@@ -184,6 +192,16 @@ impl Collector for OrchestratorCollector {
         for (reason, n) in &s.direct {
             let labels = [("reason", *reason)];
             ConstCounter::new(*n).encode(direct.encode_family(&labels)?)?;
+        }
+        let mut migrations = encoder.encode_descriptor(
+            "disagg_migrations",
+            "Mid-stream migrations started, by why the decode stream broke.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (reason, n) in &s.migrations {
+            let labels = [("reason", *reason)];
+            ConstCounter::new(*n).encode(migrations.encode_family(&labels)?)?;
         }
         let set = self.orchestrator.source().snapshot();
         let mut in_flight = encoder.encode_descriptor(

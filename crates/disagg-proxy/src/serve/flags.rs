@@ -382,6 +382,20 @@ pub struct ReliabilityArgs {
     /// `/metrics` at each --engine-metrics-interval, plus this proxy's change since).
     #[arg(long, value_enum, default_value_t = LoadSourceArg::Proxy)]
     pub(crate) load_source: LoadSourceArg,
+    /// Mid-stream migration: a streamed vLLM answer whose decode breaks after it began
+    /// is continued on another decode engine from the tokens already generated, up to
+    /// N times per request (0, the default: off). vLLM >= 0.33 decodes
+    /// (`return_token_ids`); see docs/reliability.md for what is not migrated.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) migration_limit: u32,
+    /// Longest sequence (prompt and generated tokens) a request is tracked for
+    /// migration; past it the request is no longer migratable.
+    #[arg(long, value_name = "TOKENS", default_value_t = 32_768)]
+    pub(crate) migration_max_seq_len: usize,
+    /// Migrate requests that carry a `seed` too (their continuation's randomness
+    /// differs from an unbroken run's).
+    #[arg(long)]
+    pub(crate) migration_allow_seed: bool,
 }
 
 /// `--load-source`.
@@ -465,6 +479,9 @@ impl ReliabilityArgs {
     ) -> Result<Resilience, BoxError> {
         config.deadline = self.deadline.map(|d| secs(d, "deadline")).transpose()?;
         config.client_deadline = self.client_deadline;
+        config.migration.limit = self.migration_limit;
+        config.migration.max_seq_len = self.migration_max_seq_len;
+        config.migration.allow_seed = self.migration_allow_seed;
         config.handoff_timeout = secs(self.handoff_timeout, "handoff-timeout")?;
         config.decode_idle_timeout = match self.decode_idle_timeout {
             0.0 => None,

@@ -405,7 +405,11 @@ impl Telemetry {
         }
         // The engines' counts go to the endpoints the policies read, every role and rank
         // of the engine; an engine not read falls back to this proxy's own counts.
-        for e in set.prefill().iter().chain(set.decode()) {
+        for e in set
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode))
+        {
             match loads.get(e.authority()) {
                 Some(Some(n)) => e.set_engine_load(*n),
                 Some(None) => e.clear_engine_load(),

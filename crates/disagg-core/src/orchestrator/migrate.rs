@@ -1,0 +1,1193 @@
+//! Mid-stream migration: a decode stream that breaks after its answer began goes on, on
+//! another decode engine, from the tokens it had generated.
+//!
+//! Off by default ([`MigrationConfig::limit`] 0): then nothing here runs and the answer's
+//! body is the one it always was. On, an eligible request ([`plan`]: a streamed vLLM
+//! chat or completion whose state a token prompt carries) has its decode leg asked for
+//! `return_token_ids` (vLLM 0.33 writes the prompt's ids on the first chunk and each
+//! chunk's new ids on its choice: `vllm/entrypoints/openai/chat_completion/serving.py`,
+//! `vllm/entrypoints/openai/completion/serving.py`), and its body is a [`Migrating`]
+//! body around the decode's:
+//!
+//! * **Track.** Whole SSE events are relayed (a half event is held until its end, so a
+//!   break never leaves one half-written); in each, a byte scan finds the `token_ids`
+//!   arrays and keeps the ids, and blanks them (`null`) when the client did not ask for
+//!   them. Only the first chunk is parsed whole (its `id`, `object`, `created`, `model`
+//!   and the prompt's ids). Past [`MigrationConfig::max_seq_len`] tokens the ids are
+//!   dropped and the request is no longer migratable.
+//! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
+//!   error event.
+//! * **Continue.** A decode-only continuation on another decode endpoint (never one
+//!   already tried; the dead one is reported failed, which is what passive health
+//!   hears): `POST /v1/completions` with `prompt` = the prompt's ids and the generated
+//!   ids, `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
+//!   parameters and stops, `stream`, `return_token_ids`. Up to
+//!   [`MigrationConfig::limit`] times.
+//! * **Splice.** The continuation's chunks (parsed whole: this is the rare path) are
+//!   rewritten with the first leg's `id`, `object`, `created` and `model`, chat-shaped
+//!   (`delta.content`) for a chat request, with no second role chunk; a usage chunk
+//!   counts the original prompt and the completion tokens of every leg.
+//!
+//! A client that leaves drops the body, and with it any continuation: it is never
+//! migrated.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderName, HeaderValue};
+use http_body::{Body, Frame};
+use serde_json::Value;
+use sync_wrapper::SyncWrapper;
+
+use crate::body::JsonBody;
+use crate::connector::Leg;
+use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
+use crate::error::{BoxError, PdError, Side, TransportError};
+use crate::outcome::{LegOutcome, Outcome, Report, Timeline};
+use crate::request::{Api, PdRequest, REQUEST_ID};
+use crate::router::Route;
+use crate::source::EndpointSource;
+use crate::transport::{BoxBody, Transport, read_limited};
+
+use super::report::Reporter;
+use super::stats::{Counters, bump};
+
+/// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
+/// `--migration-allow-seed`). See [docs/reliability.md] for what is migrated.
+///
+/// [docs/reliability.md]: https://github.com/disagg-rs/disagg/blob/main/docs/reliability.md
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationConfig {
+    /// Continuations per request at most; 0 (the default) turns migration off, at no
+    /// cost per request.
+    pub limit: u32,
+    /// Longest sequence (prompt and generated tokens) a request is tracked for; past
+    /// it the ids are dropped and the request is no longer migratable (default 32768:
+    /// 128 KiB of ids per request at most).
+    pub max_seq_len: usize,
+    /// Migrate requests that carry a `seed` (default off: the continuation draws from
+    /// another generator state, so the answer differs from an unbroken run's).
+    pub allow_seed: bool,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        MigrationConfig {
+            limit: 0,
+            max_seq_len: 32_768,
+            allow_seed: false,
+        }
+    }
+}
+
+/// Why a decode stream was migrated (the `reason` label of `disagg_migrations_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// The decode's body broke (a reset, an I/O error).
+    Reset,
+    /// The decode's body ended before `data: [DONE]`.
+    Eof,
+    /// The decode sent an error event.
+    ErrorFrame,
+}
+
+impl Reason {
+    pub(crate) const ALL: [Reason; 3] = [Reason::Reset, Reason::Eof, Reason::ErrorFrame];
+
+    /// The label.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Reason::Reset => "reset",
+            Reason::Eof => "eof",
+            Reason::ErrorFrame => "error_frame",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// What admission decided about a request's migration: it is eligible, and how its
+/// stream is written.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    /// Chat (else completions).
+    chat: bool,
+    /// The client asked for `return_token_ids` itself: the ids stay in its stream.
+    client_ids: bool,
+    /// The client asked for a usage chunk (`stream_options.include_usage`).
+    usage: bool,
+    /// The client's `max_tokens` (or `max_completion_tokens`).
+    max_tokens: Option<u64>,
+    /// The client's `min_tokens`.
+    min_tokens: Option<u64>,
+    /// The client's body, whose sampling parameters a continuation carries.
+    body: JsonBody,
+}
+
+/// Sampling and stop parameters a continuation carries over from the client's body
+/// (the names vLLM's `CompletionRequest` shares with its `ChatCompletionRequest`).
+const CARRIED: [&str; 21] = [
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "seed",
+    "user",
+    "priority",
+];
+
+/// Fields whose state a token prompt cannot carry (structured output, guided decoding,
+/// several sequences, beam search, prompt echo, log probabilities, per-chunk usage): a
+/// request with any of them set (not `null`, not `false`) is not migrated.
+const REFUSED: [&str; 14] = [
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "tools",
+    "use_beam_search",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "suffix",
+    "prompt_embeds",
+];
+
+fn set(raw: Option<&[u8]>) -> bool {
+    raw.is_some_and(|v| {
+        let v = v.trim_ascii();
+        !(v == b"null" || v == b"false" || v == b"[]")
+    })
+}
+
+fn uint(raw: Option<&[u8]>) -> Option<u64> {
+    std::str::from_utf8(raw?.trim_ascii()).ok()?.parse().ok()
+}
+
+/// Whether `req` may be migrated under `config`, decided from its body alone: a
+/// streamed chat or completion with one sequence and nothing a token prompt cannot
+/// carry ([`REFUSED`]; a `seed` only with [`MigrationConfig::allow_seed`]).
+pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
+    if config.limit == 0 || !req.is_stream() {
+        return None;
+    }
+    let chat = match req.api() {
+        Api::Chat => true,
+        Api::Completions => false,
+        _ => return None,
+    };
+    let b = req.body();
+    if REFUSED.iter().any(|k| set(b.get(k))) {
+        return None;
+    }
+    // `response_format` other than `{"type": "text"}` asks for structured output.
+    if let Some(f) = b.get("response_format").filter(|f| set(Some(f))) {
+        let kind = serde_json::from_slice::<Value>(f).ok()?;
+        if kind.get("type").and_then(Value::as_str) != Some("text") {
+            return None;
+        }
+    }
+    if uint(b.get("n")).is_some_and(|n| n > 1) || uint(b.get("best_of")).is_some_and(|n| n > 1) {
+        return None;
+    }
+    if !config.allow_seed && set(b.get("seed")) {
+        return None;
+    }
+    if !chat {
+        // One prompt: a string or a list of ids, never a batch.
+        let prompt = b.get("prompt")?.trim_ascii();
+        if prompt.first() == Some(&b'[')
+            && matches!(
+                prompt[1..].trim_ascii_start().first(),
+                Some(b'[' | b'"' | b'{')
+            )
+        {
+            return None;
+        }
+    }
+    let usage = match b.get("stream_options") {
+        Some(raw) if set(Some(raw)) => {
+            let opts: Value = serde_json::from_slice(raw).ok()?;
+            if opts.get("continuous_usage_stats") == Some(&Value::Bool(true)) {
+                return None;
+            }
+            opts.get("include_usage") == Some(&Value::Bool(true))
+        }
+        _ => false,
+    };
+    Some(Plan {
+        chat,
+        client_ids: b
+            .get("return_token_ids")
+            .is_some_and(|v| v.trim_ascii() == b"true"),
+        usage,
+        max_tokens: uint(b.get("max_tokens")).or_else(|| uint(b.get("max_completion_tokens"))),
+        min_tokens: uint(b.get("min_tokens")),
+        body: b.clone(),
+    })
+}
+
+/// The decode leg of an eligible request, asking for `return_token_ids` when the client
+/// did not; `None` when the leg goes as it is (migration off, not eligible, the client
+/// asked, or a leg posted to another API than the client's).
+pub(crate) fn ask_ids(config: &MigrationConfig, req: &PdRequest, leg: &Leg) -> Option<Leg> {
+    if config.limit == 0 || leg.api.is_some_and(|a| a != req.api()) {
+        return None;
+    }
+    let plan = plan(config, req)?;
+    if plan.client_ids {
+        return None;
+    }
+    let mut body = leg.body.clone();
+    body.set_raw("return_token_ids", Bytes::from_static(b"true"));
+    let mut asked = Leg::new(Arc::clone(&leg.endpoint), body);
+    asked.headers = leg.headers.clone();
+    asked.api = leg.api;
+    Some(asked)
+}
+
+/// What a migration shares with the attempt's report: where the answer moved to, so
+/// that the attempt is reported against the decode that finished it (the dead one was
+/// reported failed when it broke), and how many times.
+#[derive(Debug, Default)]
+pub(crate) struct Moved {
+    inner: Mutex<MovedState>,
+}
+
+#[derive(Debug, Default)]
+struct MovedState {
+    to: Option<Arc<Endpoint>>,
+    migrations: u32,
+    carried: u64,
+}
+
+impl Moved {
+    /// Point `route` at the decode that finished the answer; the migrations and the
+    /// tokens carried over.
+    pub(crate) fn apply(&self, route: &mut Route) -> (u32, u64) {
+        let Ok(s) = self.inner.lock() else {
+            return (0, 0);
+        };
+        if let Some(to) = &s.to {
+            route.decode = Arc::clone(to);
+            route.decode_rank = None;
+        }
+        (s.migrations, s.carried)
+    }
+
+    fn moved(&self, to: &Arc<Endpoint>, carried: u64) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.to = Some(Arc::clone(to));
+            s.migrations += 1;
+            s.carried += carried;
+        }
+    }
+}
+
+/// What a [`Migrating`] body needs from the orchestrator to continue a stream.
+pub(crate) struct Ctx {
+    pub(crate) config: MigrationConfig,
+    pub(crate) plan: Plan,
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) source: Arc<dyn EndpointSource>,
+    pub(crate) reporter: Arc<Reporter>,
+    pub(crate) counters: Arc<Counters>,
+    /// The attempt's route (its decode is the first leg's).
+    pub(crate) route: Route,
+    /// The engine-side id of the attempt; continuations get `<id>-m<n>`.
+    pub(crate) engine_id: HeaderValue,
+    /// The client headers the legs carry.
+    pub(crate) forwarded: Vec<(HeaderName, HeaderValue)>,
+    /// Time from sending a continuation to its head.
+    pub(crate) head_timeout: Duration,
+    pub(crate) moved: Arc<Moved>,
+}
+
+/// The longest SSE event held whole; a longer one ends tracking (the stream is then
+/// relayed as it comes, no longer migratable).
+const MAX_EVENT: usize = 1 << 20;
+
+/// The first leg's chunk header, written on every spliced chunk.
+struct Head {
+    id: Value,
+    object: Value,
+    created: Value,
+    model: Value,
+}
+
+type Continuation =
+    Pin<Box<dyn Future<Output = Result<Started, (Option<Arc<Endpoint>>, PdError)>> + Send>>;
+
+/// The leg relayed now: its endpoint, held in flight.
+struct Current {
+    endpoint: Arc<Endpoint>,
+    _guard: Option<InFlightGuard>,
+}
+
+struct Started {
+    current: Current,
+    body: BoxBody,
+}
+
+/// The client's body of an eligible streamed request while migration is on: the decode
+/// stream's whole events, tracked, and continued on another decode when it breaks (see
+/// the [module docs](self)).
+pub(crate) struct Migrating {
+    inner: BoxBody,
+    ctx: Arc<Ctx>,
+    /// The current leg's endpoint (and in-flight count, for a continuation).
+    leg: Current,
+    pending: Option<SyncWrapper<Continuation>>,
+    /// A partial event of the current leg.
+    buf: BytesMut,
+    head: Option<Head>,
+    prompt: Option<Vec<u32>>,
+    generated: Vec<u32>,
+    /// Still migratable: the ids are kept.
+    on: bool,
+    /// Relaying bytes as they come (an event too long to hold).
+    raw: bool,
+    finished: bool,
+    done: bool,
+    ended: bool,
+    /// The usage chunk went out.
+    usage_seen: bool,
+    /// The stream's end, written by the proxy for a leg that broke after its last
+    /// token: a usage chunk if one is owed, and `data: [DONE]`.
+    tail: Option<Bytes>,
+    /// Continuations started.
+    migrations: u32,
+    /// Endpoints tried, the first leg's included.
+    tried: Vec<EndpointId>,
+    /// Completion tokens of the legs before the current one.
+    carried: u64,
+    /// The error that broke the last leg, returned when migration is not possible.
+    broke: Option<BoxError>,
+}
+
+impl fmt::Debug for Migrating {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Migrating")
+            .field("generated", &self.generated.len())
+            .field("migrations", &self.migrations)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Migrating {
+    /// The body relaying `inner`, the first leg's, under `ctx`.
+    pub(crate) fn new(inner: BoxBody, ctx: Ctx) -> Self {
+        let tried = vec![ctx.route.decode.id().clone()];
+        let leg = Current {
+            endpoint: Arc::clone(&ctx.route.decode),
+            _guard: None,
+        };
+        Migrating {
+            inner,
+            ctx: Arc::new(ctx),
+            leg,
+            pending: None,
+            buf: BytesMut::new(),
+            head: None,
+            prompt: None,
+            generated: Vec::new(),
+            on: true,
+            raw: false,
+            finished: false,
+            done: false,
+            ended: false,
+            usage_seen: false,
+            tail: None,
+            migrations: 0,
+            tried,
+            carried: 0,
+            broke: None,
+        }
+    }
+
+    fn continuing(&self) -> bool {
+        self.migrations > 0
+    }
+
+    /// The end of a stream whose last token is out: the usage chunk the client asked
+    /// for, if it did not come yet (the prompt's tokens and every generated one), and
+    /// `data: [DONE]`.
+    fn end_of_stream(&self) -> Bytes {
+        let mut out = BytesMut::new();
+        if let (true, false, Some(head), Some(prompt)) = (
+            self.ctx.plan.usage,
+            self.usage_seen,
+            &self.head,
+            &self.prompt,
+        ) {
+            let (p, c) = (prompt.len() as u64, self.generated.len() as u64);
+            let chunk = serde_json::json!({
+                "id": head.id,
+                "object": head.object,
+                "created": head.created,
+                "model": head.model,
+                "choices": [],
+                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c},
+            });
+            if let Ok(json) = serde_json::to_vec(&chunk) {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&json);
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        out.freeze()
+    }
+
+    /// Stop tracking: the request is no longer migratable.
+    fn untrack(&mut self) {
+        self.on = false;
+        self.generated = Vec::new();
+        self.prompt = None;
+    }
+
+    fn keep_ids(&mut self, ids: &[u32]) {
+        if !self.on {
+            return;
+        }
+        let len = self.prompt.as_ref().map_or(0, Vec::len) + self.generated.len() + ids.len();
+        if len > self.ctx.config.max_seq_len {
+            self.untrack();
+        } else {
+            self.generated.extend_from_slice(ids);
+        }
+    }
+
+    /// The complete events in `buf`, each handled, into `out`; `Err` when one says the
+    /// leg failed.
+    fn events(&mut self, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
+        while let Some(end) = find(&self.buf, b"\n\n") {
+            let event = self.buf.split_to(end + 2).freeze();
+            let handled = if self.continuing() {
+                self.spliced(&event, out)
+            } else {
+                self.first_leg(&event, out)
+            };
+            handled.map_err(|reason| (reason, event))?;
+        }
+        if self.buf.len() > MAX_EVENT {
+            // Nothing of this size is a chunk of tokens: relay as it comes, untracked.
+            self.untrack();
+            self.raw = true;
+            out.extend_from_slice(&self.buf.split());
+        }
+        Ok(())
+    }
+
+    /// An event of the first leg: tracked, its ids blanked unless the client asked.
+    fn first_leg(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
+        let Some(data) = payload(event) else {
+            out.extend_from_slice(event);
+            return Ok(());
+        };
+        if data == b"[DONE]" {
+            self.done = true;
+            out.extend_from_slice(event);
+            return Ok(());
+        }
+        if is_error(data) {
+            return Err(Reason::ErrorFrame);
+        }
+        if self.head.is_none() {
+            // The first chunk, parsed whole once: its header and the prompt's ids.
+            match serde_json::from_slice::<Value>(data) {
+                Ok(v) => {
+                    self.head = Some(Head {
+                        id: v.get("id").cloned().unwrap_or(Value::Null),
+                        object: v.get("object").cloned().unwrap_or(Value::Null),
+                        created: v.get("created").cloned().unwrap_or(Value::Null),
+                        model: v.get("model").cloned().unwrap_or(Value::Null),
+                    });
+                    let ids = v
+                        .get("prompt_token_ids")
+                        .filter(|p| !p.is_null())
+                        .or_else(|| v.pointer("/choices/0/prompt_token_ids"))
+                        .and_then(ids_of);
+                    match ids {
+                        Some(ids) if ids.len() <= self.ctx.config.max_seq_len => {
+                            self.prompt = Some(ids);
+                        }
+                        _ => self.untrack(),
+                    }
+                }
+                Err(_) => self.untrack(),
+            }
+        }
+        if find(data, b"\"finish_reason\":\"").is_some() {
+            self.finished = true;
+        }
+        if self.ctx.plan.usage && find(data, b"\"usage\":{").is_some() {
+            self.usage_seen = true;
+        }
+        let blank = !self.ctx.plan.client_ids;
+        let mut from = 0;
+        let mut at = 0;
+        let base = event.len() - data.len() - trailing(event);
+        while let Some((key, start, end)) = next_ids(data, at) {
+            if key == IdsKey::Generated && self.on {
+                match parse_ids(&data[start..end]) {
+                    Some(ids) => self.keep_ids(&ids),
+                    None => self.untrack(),
+                }
+            }
+            if blank {
+                out.extend_from_slice(&event[from..base + start]);
+                out.extend_from_slice(b"null");
+                from = base + end;
+            }
+            at = end;
+        }
+        out.extend_from_slice(&event[from..]);
+        Ok(())
+    }
+
+    /// An event of a continuation, rewritten into the client's stream.
+    fn spliced(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
+        let Some(data) = payload(event) else {
+            return Ok(());
+        };
+        if data == b"[DONE]" {
+            self.done = true;
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return Ok(());
+        }
+        if is_error(data) {
+            return Err(Reason::ErrorFrame);
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+            return Err(Reason::ErrorFrame);
+        };
+        let Some(head) = &self.head else {
+            return Err(Reason::ErrorFrame);
+        };
+        let mut chunk = serde_json::Map::new();
+        chunk.insert("id".into(), head.id.clone());
+        chunk.insert("object".into(), head.object.clone());
+        chunk.insert("created".into(), head.created.clone());
+        chunk.insert("model".into(), head.model.clone());
+        let mut choices = Vec::new();
+        let mut new_ids = Vec::new();
+        for c in v
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let text = c
+                .get("text")
+                .cloned()
+                .unwrap_or(Value::String(String::new()));
+            let finish = c.get("finish_reason").cloned().unwrap_or(Value::Null);
+            if !finish.is_null() {
+                self.finished = true;
+            }
+            let ids = c.get("token_ids").and_then(ids_of);
+            if let Some(ids) = &ids {
+                new_ids.extend_from_slice(ids);
+            }
+            let mut choice = serde_json::Map::new();
+            choice.insert("index".into(), Value::from(0));
+            if self.ctx.plan.chat {
+                let mut delta = serde_json::Map::new();
+                delta.insert("content".into(), text);
+                choice.insert("delta".into(), Value::Object(delta));
+            } else {
+                choice.insert("text".into(), text);
+            }
+            choice.insert("logprobs".into(), Value::Null);
+            choice.insert("finish_reason".into(), finish);
+            if let Some(stop) = c.get("stop_reason") {
+                choice.insert("stop_reason".into(), stop.clone());
+            }
+            if self.ctx.plan.client_ids {
+                choice.insert("token_ids".into(), ids.map_or(Value::Null, Value::from));
+            }
+            choices.push(Value::Object(choice));
+        }
+        self.keep_ids(&new_ids);
+        chunk.insert("choices".into(), Value::Array(choices));
+        if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+            if !self.ctx.plan.usage {
+                return Ok(());
+            }
+            self.usage_seen = true;
+            let leg = usage
+                .get("completion_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+            let completion = self.carried + leg;
+            let prompt = usage
+                .get("prompt_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+                .saturating_sub(self.carried);
+            let mut u = serde_json::Map::new();
+            u.insert("prompt_tokens".into(), Value::from(prompt));
+            u.insert("total_tokens".into(), Value::from(prompt + completion));
+            u.insert("completion_tokens".into(), Value::from(completion));
+            chunk.insert("usage".into(), Value::Object(u));
+        }
+        out.extend_from_slice(b"data: ");
+        let json = serde_json::to_vec(&Value::Object(chunk)).map_err(|_| Reason::ErrorFrame)?;
+        out.extend_from_slice(&json);
+        out.extend_from_slice(b"\n\n");
+        Ok(())
+    }
+
+    /// The current leg failed for `reason`: start a continuation if the request may
+    /// still migrate (`true`), else not. `dead` is the engine to blame, reported failed
+    /// (which passive health hears) when the stream moves on, or at once when
+    /// `always` (a continuation that could not start: no report of the attempt names
+    /// it).
+    fn migrate(&mut self, reason: Reason, dead: Option<Arc<Endpoint>>, always: bool) -> bool {
+        let ctx = Arc::clone(&self.ctx);
+        let report_dead = |dead: Option<Arc<Endpoint>>| {
+            let Some(dead) = dead else {
+                return;
+            };
+            let mut route = ctx.route.clone();
+            route.decode = dead;
+            route.decode_rank = None;
+            let report = Report::new(
+                route,
+                Outcome::DecodeFailed,
+                LegOutcome::NotSent,
+                LegOutcome::Failed,
+                Timeline::starting(),
+            );
+            ctx.reporter.report(&report);
+        };
+        let migratable = self.on && !self.raw && self.head.is_some() && self.prompt.is_some();
+        if migratable && self.finished && reason != Reason::ErrorFrame {
+            // Every token is out, only the end is missing: the proxy writes it.
+            self.tail = Some(self.end_of_stream());
+            self.inner = super::body::empty_body();
+            return true;
+        }
+        if !migratable || self.finished || self.migrations >= ctx.config.limit {
+            if always {
+                report_dead(dead);
+            }
+            return false;
+        }
+        let Some(prompt) = self.prompt.as_ref() else {
+            return false;
+        };
+        let generated = self.generated.len() as u64;
+        let left = ctx.plan.max_tokens.map(|m| m.saturating_sub(generated));
+        if left == Some(0) {
+            if always {
+                report_dead(dead);
+            }
+            return false;
+        }
+        report_dead(dead);
+        bump(&ctx.counters.migrations[reason.index()]);
+        ctx.counters
+            .migrated_tokens
+            .fetch_add(generated, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(
+            reason = reason.as_str(),
+            tokens = generated,
+            migration = self.migrations + 1,
+            "decode stream broke mid-answer: continuing on another decode"
+        );
+        let mut ids = Vec::with_capacity(prompt.len() + self.generated.len());
+        ids.extend_from_slice(prompt);
+        ids.extend_from_slice(&self.generated);
+        let body = continuation_body(&ctx.plan, &ids, generated, left);
+        self.carried = generated;
+        self.migrations += 1;
+        self.buf.clear();
+        self.inner = super::body::empty_body();
+        let n = self.migrations;
+        let tried = self.tried.clone();
+        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n))));
+        true
+    }
+}
+
+/// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
+/// request's model; its head within the decode head timeout.
+async fn start(
+    ctx: Arc<Ctx>,
+    body: Bytes,
+    tried: Vec<EndpointId>,
+    n: u32,
+) -> Result<Started, (Option<Arc<Endpoint>>, PdError)> {
+    let set = ctx.source.snapshot();
+    let model = ctx
+        .plan
+        .body
+        .get("model")
+        .and_then(|m| serde_json::from_slice::<String>(m).ok());
+    let set = set
+        .for_model(model.as_deref())
+        .map_err(|e| (None, PdError::route(e)))?;
+    let endpoint = set
+        .decode()
+        .iter()
+        .filter(|e| !tried.contains(e.id()))
+        .min_by_key(|e| e.in_flight())
+        .cloned()
+        .ok_or_else(|| (None, PdError::route(crate::error::RouteError::NoDecode)))?;
+    send(&ctx, body, &endpoint, n)
+        .await
+        .map(|(body, guard)| Started {
+            current: Current {
+                endpoint: Arc::clone(&endpoint),
+                _guard: Some(guard),
+            },
+            body,
+        })
+        .map_err(|e| (Some(endpoint), e))
+}
+
+/// Send a continuation's `body` to `endpoint`; its 2xx head's body.
+async fn send(
+    ctx: &Ctx,
+    body: Bytes,
+    endpoint: &Arc<Endpoint>,
+    n: u32,
+) -> Result<(BoxBody, InFlightGuard), PdError> {
+    let guard = endpoint.track();
+    let id = endpoint.id().clone();
+    let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
+    let uri = endpoint
+        .api_uri(Api::Completions)
+        .map_err(|e| transport_err(TransportError::Connect(e.into())))?;
+    let mut req = http::Request::new(body);
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri;
+    let h = req.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    for (name, value) in &ctx.forwarded {
+        h.append(name.clone(), value.clone());
+    }
+    let leg_id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
+    if let Ok(v) = HeaderValue::from_str(&leg_id) {
+        h.insert(REQUEST_ID, v);
+    }
+    let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
+        Ok(Ok(head)) => head,
+        Ok(Err(e)) => return Err(transport_err(e)),
+        Err(_) => return Err(transport_err(TransportError::Timeout)),
+    };
+    let status = head.status();
+    if !status.is_success() {
+        let detail = read_limited(head.into_body(), 64 * 1024)
+            .await
+            .ok()
+            .and_then(|b| super::legs::upstream_message(&b));
+        return Err(PdError::upstream_status(Side::Decode, id, status, detail));
+    }
+    Ok((head.into_body(), guard))
+}
+
+/// The continuation's body: the client's sampling parameters, the token prompt, the
+/// token limits less what was generated, streamed with the new ids.
+fn continuation_body(plan: &Plan, ids: &[u32], generated: u64, left: Option<u64>) -> Bytes {
+    let mut body = JsonBody::default();
+    for key in CARRIED {
+        if let Some(v) = plan.body.get_bytes(key) {
+            body.set_raw(key, v);
+        }
+    }
+    body.set("prompt", ids);
+    if let Some(left) = left {
+        body.set("max_tokens", &left);
+    }
+    if let Some(min) = plan.min_tokens {
+        body.set("min_tokens", &min.saturating_sub(generated));
+    }
+    body.set_raw("stream", Bytes::from_static(b"true"));
+    body.set_raw("return_token_ids", Bytes::from_static(b"true"));
+    if plan.usage {
+        body.set_raw(
+            "stream_options",
+            Bytes::from_static(b"{\"include_usage\":true}"),
+        );
+    }
+    body.to_bytes()
+}
+
+impl Body for Migrating {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            if let Some(tail) = this.tail.take() {
+                this.ended = true;
+                return Poll::Ready(Some(Ok(Frame::data(tail))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            if let Some(pending) = this.pending.as_mut() {
+                let result = match pending.get_mut().as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(r) => r,
+                };
+                this.pending = None;
+                match result {
+                    Ok(Started { current, body }) => {
+                        this.tried.push(current.endpoint.id().clone());
+                        this.ctx.moved.moved(&current.endpoint, this.carried);
+                        this.leg = current;
+                        this.inner = body;
+                        this.broke = None;
+                        continue;
+                    }
+                    Err((endpoint, e)) => {
+                        tracing::warn!(error = %crate::error::error_chain(&e), "continuation failed");
+                        if let Some(ep) = &endpoint {
+                            this.tried.push(ep.id().clone());
+                        }
+                        // The client hears of the break, not of the continuation's
+                        // own failure (unless the leg only ended early).
+                        if this.broke.is_none() {
+                            this.broke = Some(Box::new(e));
+                        }
+                        if this.migrate(Reason::Reset, endpoint, true) {
+                            continue;
+                        }
+                        this.ended = true;
+                        return Poll::Ready(this.broke.take().map(Err));
+                    }
+                }
+            }
+            let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            let reason = match polled {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => {
+                    let data = match frame.into_data() {
+                        Ok(data) => data,
+                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                    };
+                    if this.raw {
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                    this.buf.extend_from_slice(&data);
+                    let mut out = BytesMut::new();
+                    match this.events(&mut out) {
+                        Ok(()) if out.is_empty() => continue,
+                        Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
+                        Err((reason, event)) => {
+                            let dead = Some(Arc::clone(&this.leg.endpoint));
+                            if this.migrate(reason, dead, false) {
+                                if out.is_empty() {
+                                    continue;
+                                }
+                                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                            }
+                            // As today: the error event goes out as the engine wrote it.
+                            this.untrack();
+                            this.raw = true;
+                            out.extend_from_slice(&event);
+                            out.extend_from_slice(&this.buf.split());
+                            return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                        }
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.broke = Some(e);
+                    Reason::Reset
+                }
+                Poll::Ready(None) if this.done || this.raw => {
+                    this.ended = true;
+                    if this.buf.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))));
+                }
+                Poll::Ready(None) => Reason::Eof,
+            };
+            if this.migrate(reason, Some(Arc::clone(&this.leg.endpoint)), false) {
+                continue;
+            }
+            // Not migrated: end as today (what is held goes first, then the error or
+            // the end).
+            this.ended = true;
+            this.raw = true;
+            if !this.buf.is_empty() {
+                if let Some(e) = this.broke.take() {
+                    this.inner = failing(e);
+                    this.ended = false;
+                }
+                return Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))));
+            }
+            return Poll::Ready(this.broke.take().map(Err));
+        }
+    }
+}
+
+impl super::Inner {
+    /// The client's body for the decode's `body` on `route`: a [`Migrating`] body when
+    /// `req` may migrate (with what it shares with the attempt's report), else `body`
+    /// itself.
+    pub(super) fn migrating(
+        &self,
+        req: &PdRequest,
+        route: &Route,
+        engine_id: &HeaderValue,
+        body: BoxBody,
+    ) -> (BoxBody, Option<Arc<Moved>>) {
+        let Some(plan) = plan(&self.config.migration, req) else {
+            return (body, None);
+        };
+        let moved = Arc::new(Moved::default());
+        let ctx = Ctx {
+            config: self.config.migration.clone(),
+            plan,
+            transport: Arc::clone(&self.transport),
+            source: Arc::clone(&self.source),
+            reporter: Arc::clone(&self.reporter),
+            counters: Arc::clone(&self.counters),
+            route: route.clone(),
+            engine_id: engine_id.clone(),
+            forwarded: super::legs::client_headers(&self.config, req.headers())
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            head_timeout: self.config.decode_head_timeout,
+            moved: Arc::clone(&moved),
+        };
+        (
+            http_body_util::BodyExt::boxed(Migrating::new(body, ctx)),
+            Some(moved),
+        )
+    }
+}
+
+/// A body that fails at once with `e`.
+fn failing(e: BoxError) -> BoxBody {
+    use http_body_util::BodyExt;
+    let mut once = Some(e);
+    http_body_util::StreamBody::new(futures::stream::poll_fn(move |_| {
+        Poll::Ready(once.take().map(Err::<Frame<Bytes>, BoxError>))
+    }))
+    .boxed()
+}
+
+/// The payload of an event's `data:` line (the whole event is one line in vLLM's
+/// streams), trimmed.
+fn payload(event: &[u8]) -> Option<&[u8]> {
+    let rest = event.strip_prefix(b"data:")?;
+    Some(rest.trim_ascii())
+}
+
+/// The length of the event's trailing whitespace (its `\n\n`).
+fn trailing(event: &[u8]) -> usize {
+    event.len() - event.trim_ascii_end().len()
+}
+
+/// Whether a chunk is an error: vLLM's in-stream error is `{"error": {...}}`, its error
+/// response `{"object": "error", ...}`.
+fn is_error(data: &[u8]) -> bool {
+    data.starts_with(b"{\"error\"") || data.starts_with(b"{\"object\":\"error\"")
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    memchr::memmem::find(hay, needle)
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum IdsKey {
+    Prompt,
+    Generated,
+}
+
+/// The next `"token_ids":` or `"prompt_token_ids":` key at or after `at` whose value is
+/// an array: the key and the array's range (`[` to `]` inclusive). A key inside a
+/// string is escaped (`\"token_ids\"`) and not matched.
+fn next_ids(data: &[u8], mut at: usize) -> Option<(IdsKey, usize, usize)> {
+    const KEY: &[u8] = b"token_ids\":";
+    loop {
+        let hit = at + find(&data[at..], KEY)?;
+        at = hit + KEY.len();
+        let kind = if hit >= 1 && data[hit - 1] == b'"' && (hit < 2 || data[hit - 2] != b'\\') {
+            IdsKey::Generated
+        } else if hit >= 8 && &data[hit - 8..hit] == b"\"prompt_" {
+            IdsKey::Prompt
+        } else {
+            continue;
+        };
+        let mut start = at;
+        while data.get(start).is_some_and(u8::is_ascii_whitespace) {
+            start += 1;
+        }
+        if data.get(start) != Some(&b'[') {
+            continue;
+        }
+        let end = start + find(&data[start..], b"]")? + 1;
+        return Some((kind, start, end));
+    }
+}
+
+/// The ids of a JSON array of non-negative integers below 2^32 (`None` otherwise).
+fn parse_ids(raw: &[u8]) -> Option<Vec<u32>> {
+    let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    inner
+        .split(|&b| b == b',')
+        .map(|n| {
+            std::str::from_utf8(n.trim_ascii())
+                .ok()?
+                .parse::<u32>()
+                .ok()
+        })
+        .collect()
+}
+
+fn ids_of(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|i| i.as_u64().and_then(|i| u32::try_from(i).ok()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
+        let data = br#"{"id":"x","choices":[{"index":0,"text":"\"token_ids\":[9]","prompt_token_ids":[1, 2],"token_ids":[3]}],"prompt_token_ids":null}"#;
+        let (k, s, e) = next_ids(data, 0).unwrap();
+        assert_eq!(k, IdsKey::Prompt);
+        assert_eq!(parse_ids(&data[s..e]), Some(vec![1, 2]));
+        let (k, s2, e2) = next_ids(data, e).unwrap();
+        assert_eq!(k, IdsKey::Generated);
+        assert_eq!(parse_ids(&data[s2..e2]), Some(vec![3]));
+        assert!(next_ids(data, e2).is_none());
+        assert_eq!(parse_ids(b"[1,-2]"), None);
+        assert_eq!(parse_ids(b"[4294967296]"), None);
+        assert_eq!(parse_ids(b"[]"), Some(vec![]));
+    }
+
+    fn request(api: Api, body: serde_json::Value) -> PdRequest {
+        let bytes = Bytes::from(body.to_string());
+        PdRequest::new(api, http::HeaderMap::new(), &bytes).unwrap()
+    }
+
+    #[test]
+    fn eligibility_is_decided_from_the_body() {
+        let on = MigrationConfig {
+            limit: 1,
+            ..MigrationConfig::default()
+        };
+        let chat = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"messages": [], "stream": true});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            request(Api::Chat, body)
+        };
+        let yes = |r: &PdRequest| plan(&on, r).is_some();
+        assert!(yes(&chat(serde_json::json!({}))));
+        assert!(plan(&MigrationConfig::default(), &chat(serde_json::json!({}))).is_none());
+        assert!(!yes(&chat(serde_json::json!({"stream": false}))));
+        for refused in [
+            serde_json::json!({"response_format": {"type": "json_object"}}),
+            serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {"name": "text"}}}),
+            serde_json::json!({"guided_json": {}}),
+            serde_json::json!({"tools": [{"type": "function"}]}),
+            serde_json::json!({"n": 2}),
+            serde_json::json!({"best_of": 3}),
+            serde_json::json!({"use_beam_search": true}),
+            serde_json::json!({"logprobs": true}),
+            serde_json::json!({"seed": 7}),
+            serde_json::json!({"stream_options": {"continuous_usage_stats": true}}),
+        ] {
+            assert!(!yes(&chat(refused.clone())), "{refused}");
+        }
+        for allowed in [
+            serde_json::json!({"response_format": {"type": "text"}}),
+            serde_json::json!({"tools": null, "n": 1, "logprobs": false, "seed": null}),
+        ] {
+            assert!(yes(&chat(allowed.clone())), "{allowed}");
+        }
+        let seeded = MigrationConfig {
+            allow_seed: true,
+            ..on.clone()
+        };
+        assert!(plan(&seeded, &chat(serde_json::json!({"seed": 7}))).is_some());
+        let completion = |prompt: serde_json::Value| {
+            request(
+                Api::Completions,
+                serde_json::json!({"prompt": prompt, "stream": true}),
+            )
+        };
+        assert!(yes(&completion(serde_json::json!("text"))));
+        assert!(yes(&completion(serde_json::json!([1, 2, 3]))));
+        assert!(!yes(&completion(serde_json::json!(["a", "b"]))));
+        assert!(!yes(&completion(serde_json::json!([[1], [2]]))));
+        let p = plan(
+            &on,
+            &chat(serde_json::json!({"max_completion_tokens": 9, "return_token_ids": true, "stream_options": {"include_usage": true}})),
+        )
+        .unwrap();
+        assert_eq!(p.max_tokens, Some(9));
+        assert!(p.client_ids && p.usage);
+    }
+
+    #[test]
+    fn a_continuation_carries_sampling_and_reduced_limits() {
+        let req = request(
+            Api::Chat,
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true,
+                "max_tokens": 10, "min_tokens": 4, "temperature": 0.5, "stop": ["."], "tools": null}),
+        );
+        let on = MigrationConfig {
+            limit: 1,
+            ..MigrationConfig::default()
+        };
+        let p = plan(&on, &req).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_slice(&continuation_body(&p, &[5, 6, 7], 3, Some(7))).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"model": "m", "temperature": 0.5, "stop": ["."], "prompt": [5, 6, 7],
+                "max_tokens": 7, "min_tokens": 1, "stream": true, "return_token_ids": true})
+        );
+    }
+}
