@@ -63,12 +63,13 @@
 //! blocks per holder (4 million tokens at 16 per block) a holder costs at most about
 //! 20 to 40 MiB, reached only when an engine's cache is that large.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use smallvec::SmallVec;
+
+use journal::Journal;
 
 use crate::event::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use crate::key::{BlockKeys, KeyIter, KeyMix, ROOT_KEY, block_key};
@@ -230,25 +231,8 @@ pub struct KvIndex {
     loads: LoadBoard,
     /// The blocks the engines' events removed lately, for the scorers' provisional
     /// entries ([`KvIndex::removals_since`]).
-    removals: Mutex<VecDeque<Removal>>,
-    /// The sequence number the next removal gets: read without the lock, so a scorer
-    /// with nothing new to read takes no lock.
-    removals_next: AtomicU64,
+    removals: Journal,
 }
-
-/// One block an engine's events removed.
-#[derive(Debug)]
-struct Removal {
-    seq: u64,
-    engine: Arc<str>,
-    dp_rank: u32,
-    key: u64,
-}
-
-/// The most recent removals kept for the scorers: a scorer that falls further behind
-/// (none decided while thousands of blocks went) misses the oldest, whose provisional
-/// entries then last their time.
-const REMOVALS_KEPT: usize = 4096;
 
 impl fmt::Debug for KvIndex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -462,42 +446,15 @@ impl KvIndex {
             table: Mutex::default(),
             mix,
             loads: LoadBoard::default(),
-            removals: Mutex::default(),
-            removals_next: AtomicU64::new(0),
+            removals: Journal::default(),
         }
     }
 
     /// Calls `f(engine, dp_rank, key)` for each block removed by the engines' events
     /// since `cursor` (0 for a new reader), and moves `cursor` past them. Takes no lock
     /// when nothing was removed since.
-    pub(crate) fn removals_since(&self, cursor: &mut u64, mut f: impl FnMut(&str, u32, u64)) {
-        if self.removals_next.load(Ordering::Acquire) == *cursor {
-            return;
-        }
-        let log = lock(&self.removals);
-        let first = log.partition_point(|r| r.seq < *cursor);
-        for r in log.range(first..) {
-            f(&r.engine, r.dp_rank, r.key);
-        }
-        *cursor = log.back().map_or(*cursor, |r| r.seq + 1);
-    }
-
-    fn journal_removals(&self, engine: &str, dp_rank: u32, keys: &[u64]) {
-        let engine: Arc<str> = Arc::from(engine);
-        let mut log = lock(&self.removals);
-        for &key in keys {
-            if log.len() == REMOVALS_KEPT {
-                log.pop_front();
-            }
-            let seq = self.removals_next.load(Ordering::Relaxed);
-            log.push_back(Removal {
-                seq,
-                engine: Arc::clone(&engine),
-                dp_rank,
-                key,
-            });
-            self.removals_next.store(seq + 1, Ordering::Release);
-        }
+    pub(crate) fn removals_since(&self, cursor: &mut u64, f: impl FnMut(&str, u32, u64)) {
+        self.removals.since(cursor, f);
     }
 
     /// The settings.
@@ -529,7 +486,7 @@ impl KvIndex {
         }
         drop(state);
         if !gone.is_empty() {
-            self.journal_removals(engine, dp_rank, &gone);
+            self.removals.record(engine, dp_rank, &gone);
         }
         applied
     }
@@ -1033,6 +990,8 @@ impl HolderState {
         self.current.get(&hash).or_else(|| self.older.get(&hash))
     }
 }
+
+mod journal;
 
 #[cfg(test)]
 mod tests;
