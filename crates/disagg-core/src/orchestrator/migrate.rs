@@ -388,6 +388,29 @@ pub(crate) struct Migrating {
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
     broke: Option<BoxError>,
+    /// The searches of each event, built once.
+    scan: Scan,
+}
+
+/// The needles a tracked event is searched for, each `memmem` finder built once per
+/// stream rather than once per search.
+struct Scan {
+    /// `token_ids":` (the end of both ids keys).
+    ids: memchr::memmem::Finder<'static>,
+    /// `"finish_reason":"` (a set finish reason).
+    finish: memchr::memmem::Finder<'static>,
+    /// `"usage":{` (a usage chunk).
+    usage: memchr::memmem::Finder<'static>,
+}
+
+impl Scan {
+    fn new() -> Self {
+        Scan {
+            ids: memchr::memmem::Finder::new(IDS_KEY),
+            finish: memchr::memmem::Finder::new(b"\"finish_reason\":\""),
+            usage: memchr::memmem::Finder::new(b"\"usage\":{"),
+        }
+    }
 }
 
 impl fmt::Debug for Migrating {
@@ -427,6 +450,7 @@ impl Migrating {
             tried,
             carried: 0,
             broke: None,
+            scan: Scan::new(),
         }
     }
 
@@ -486,8 +510,8 @@ impl Migrating {
     /// The complete events in `buf`, each handled, into `out`; `Err` when one says the
     /// leg failed.
     fn events(&mut self, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
-        while let Some(end) = find(&self.buf, b"\n\n") {
-            let event = self.buf.split_to(end + 2).freeze();
+        while let Some(end) = event_end(&self.buf) {
+            let event = self.buf.split_to(end).freeze();
             let handled = if self.continuing() {
                 self.spliced(&event, out)
             } else {
@@ -543,17 +567,17 @@ impl Migrating {
                 Err(_) => self.untrack(),
             }
         }
-        if find(data, b"\"finish_reason\":\"").is_some() {
+        if self.scan.finish.find(data).is_some() {
             self.finished = true;
         }
-        if self.ctx.plan.usage && find(data, b"\"usage\":{").is_some() {
+        if self.ctx.plan.usage && self.scan.usage.find(data).is_some() {
             self.usage_seen = true;
         }
         let blank = !self.ctx.plan.client_ids;
         let mut from = 0;
         let mut at = 0;
         let base = event.len() - data.len() - trailing(event);
-        while let Some((key, start, end)) = next_ids(data, at) {
+        while let Some((key, start, end)) = next_ids(&self.scan.ids, data, at) {
             if key == IdsKey::Generated && self.on {
                 match parse_ids(&data[start..end]) {
                     Some(ids) => self.keep_ids(&ids),
@@ -1024,9 +1048,16 @@ fn is_error(data: &[u8]) -> bool {
     data.starts_with(b"{\"error\"") || data.starts_with(b"{\"object\":\"error\"")
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(hay, needle)
+/// The end of the first whole event in `buf` (past its `\n\n`), found by a `memchr`
+/// scan for the line ends.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\n', buf)
+        .find(|&i| buf.get(i + 1) == Some(&b'\n'))
+        .map(|i| i + 2)
 }
+
+/// The end of both ids keys, `token_ids":`.
+const IDS_KEY: &[u8] = b"token_ids\":";
 
 #[derive(Debug, PartialEq, Eq)]
 enum IdsKey {
@@ -1036,12 +1067,15 @@ enum IdsKey {
 
 /// The next `"token_ids":` or `"prompt_token_ids":` key at or after `at` whose value is
 /// an array: the key and the array's range (`[` to `]` inclusive). A key inside a
-/// string is escaped (`\"token_ids\"`) and not matched.
-fn next_ids(data: &[u8], mut at: usize) -> Option<(IdsKey, usize, usize)> {
-    const KEY: &[u8] = b"token_ids\":";
+/// string is escaped (`\"token_ids\"`) and not matched. `key` finds [`IDS_KEY`].
+fn next_ids(
+    key: &memchr::memmem::Finder<'_>,
+    data: &[u8],
+    mut at: usize,
+) -> Option<(IdsKey, usize, usize)> {
     loop {
-        let hit = at + find(&data[at..], KEY)?;
-        at = hit + KEY.len();
+        let hit = at + key.find(&data[at..])?;
+        at = hit + IDS_KEY.len();
         let kind = if hit >= 1 && data[hit - 1] == b'"' && (hit < 2 || data[hit - 2] != b'\\') {
             IdsKey::Generated
         } else if hit >= 8 && &data[hit - 8..hit] == b"\"prompt_" {
@@ -1056,7 +1090,7 @@ fn next_ids(data: &[u8], mut at: usize) -> Option<(IdsKey, usize, usize)> {
         if data.get(start) != Some(&b'[') {
             continue;
         }
-        let end = start + find(&data[start..], b"]")? + 1;
+        let end = start + memchr::memchr(b']', &data[start..])? + 1;
         return Some((kind, start, end));
     }
 }
@@ -1092,6 +1126,8 @@ mod tests {
     #[test]
     fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
         let data = br#"{"id":"x","choices":[{"index":0,"text":"\"token_ids\":[9]","prompt_token_ids":[1, 2],"token_ids":[3]}],"prompt_token_ids":null}"#;
+        let key = memchr::memmem::Finder::new(IDS_KEY);
+        let next_ids = |data, at| next_ids(&key, data, at);
         let (k, s, e) = next_ids(data, 0).unwrap();
         assert_eq!(k, IdsKey::Prompt);
         assert_eq!(parse_ids(&data[s..e]), Some(vec![1, 2]));
@@ -1102,6 +1138,16 @@ mod tests {
         assert_eq!(parse_ids(b"[1,-2]"), None);
         assert_eq!(parse_ids(b"[4294967296]"), None);
         assert_eq!(parse_ids(b"[]"), Some(vec![]));
+    }
+
+    #[test]
+    fn an_event_ends_at_its_blank_line_and_a_cut_one_waits() {
+        assert_eq!(event_end(b"data: {}\n\ndata: x"), Some(10));
+        assert_eq!(event_end(b"data: {}\ndata: x\n\n"), Some(18));
+        assert_eq!(event_end(b"data: {}\n"), None);
+        assert_eq!(event_end(b"data: {\"a\":\"\\n\\n\"}\n"), None);
+        assert_eq!(event_end(b""), None);
+        assert_eq!(event_end(b"\n\n"), Some(2));
     }
 
     fn request(api: Api, body: serde_json::Value) -> PdRequest {
