@@ -42,6 +42,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
 use crate::body::JsonBody;
@@ -332,12 +333,79 @@ pub(crate) struct Ctx {
 /// relayed as it comes, no longer migratable).
 const MAX_EVENT: usize = 1 << 20;
 
-/// The first leg's chunk header, written on every spliced chunk.
-struct Head {
-    id: Value,
-    object: Value,
-    created: Value,
-    model: Value,
+/// The first leg's chunk header, written on every spliced chunk: the JSON object of
+/// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
+/// allocation; parsed only when a chunk is written from it, the rare path).
+struct Head(Box<[u8]>);
+
+impl Head {
+    /// The header of the first chunk `first`.
+    fn of(first: &FirstChunk<'_>) -> Self {
+        fn raw(v: Option<&RawValue>) -> &str {
+            v.map_or("null", RawValue::get)
+        }
+        let mut out = Vec::with_capacity(64);
+        for (key, value) in [
+            (&b"{\"id\":"[..], first.id),
+            (b",\"object\":", first.object),
+            (b",\"created\":", first.created),
+            (b",\"model\":", first.model),
+        ] {
+            out.extend_from_slice(key);
+            out.extend_from_slice(raw(value).as_bytes());
+        }
+        out.push(b'}');
+        Head(out.into_boxed_slice())
+    }
+
+    /// The header's fields, the start of a chunk written by the proxy.
+    fn fields(&self) -> serde_json::Map<String, Value> {
+        serde_json::from_slice(&self.0).unwrap_or_default()
+    }
+}
+
+/// What the first chunk of a tracked leg is read for: its header and the prompt's ids
+/// (at the top, vLLM's chat; or on the first choice, its completions), every value kept
+/// as the engine's text; the rest of the chunk is skipped, not built.
+#[derive(serde::Deserialize)]
+struct FirstChunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Option<&'a RawValue>,
+}
+
+/// A choice of the first chunk, read for its prompt ids.
+#[derive(serde::Deserialize)]
+struct FirstChoice<'a> {
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+impl FirstChunk<'_> {
+    /// The prompt's ids: at the top when set, else on the first choice (`None` when
+    /// neither is a list of ids below 2^32).
+    fn prompt(&self) -> Option<Vec<u32>> {
+        let raw = match self.prompt_token_ids {
+            Some(ids) => ids,
+            None => {
+                let choices: Vec<FirstChoice<'_>> =
+                    serde_json::from_str(self.choices?.get()).ok()?;
+                choices.into_iter().next()?.prompt_token_ids?
+            }
+        };
+        let mut ids = Vec::new();
+        parse_ids_into(raw.get().as_bytes(), &mut ids)?;
+        Some(ids)
+    }
 }
 
 type Continuation =
@@ -470,14 +538,12 @@ impl Migrating {
             &self.prompt,
         ) {
             let (p, c) = (prompt.len() as u64, self.generated.len() as u64);
-            let chunk = serde_json::json!({
-                "id": head.id,
-                "object": head.object,
-                "created": head.created,
-                "model": head.model,
-                "choices": [],
-                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c},
-            });
+            let mut chunk = head.fields();
+            chunk.insert("choices".into(), Value::Array(Vec::new()));
+            chunk.insert(
+                "usage".into(),
+                serde_json::json!({"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}),
+            );
             if let Ok(json) = serde_json::to_vec(&chunk) {
                 out.extend_from_slice(b"data: ");
                 out.extend_from_slice(&json);
@@ -504,6 +570,22 @@ impl Migrating {
             self.untrack();
         } else {
             self.generated.extend_from_slice(ids);
+        }
+    }
+
+    /// The ids of the list `raw` (the bytes of a first-leg chunk), read into the
+    /// generated ones in place; a bad list, or one past the bound, ends tracking.
+    fn keep_raw_ids(&mut self, raw: &[u8]) {
+        if !self.on {
+            return;
+        }
+        if parse_ids_into(raw, &mut self.generated).is_none() {
+            self.untrack();
+            return;
+        }
+        let len = self.prompt.as_ref().map_or(0, Vec::len) + self.generated.len();
+        if len > self.ctx.config.max_seq_len {
+            self.untrack();
         }
     }
 
@@ -543,21 +625,12 @@ impl Migrating {
             return Err(Reason::ErrorFrame);
         }
         if self.head.is_none() {
-            // The first chunk, parsed whole once: its header and the prompt's ids.
-            match serde_json::from_slice::<Value>(data) {
-                Ok(v) => {
-                    self.head = Some(Head {
-                        id: v.get("id").cloned().unwrap_or(Value::Null),
-                        object: v.get("object").cloned().unwrap_or(Value::Null),
-                        created: v.get("created").cloned().unwrap_or(Value::Null),
-                        model: v.get("model").cloned().unwrap_or(Value::Null),
-                    });
-                    let ids = v
-                        .get("prompt_token_ids")
-                        .filter(|p| !p.is_null())
-                        .or_else(|| v.pointer("/choices/0/prompt_token_ids"))
-                        .and_then(ids_of);
-                    match ids {
+            // The first chunk, read once for its header and the prompt's ids (the rest
+            // skipped, not built).
+            match serde_json::from_slice::<FirstChunk<'_>>(data) {
+                Ok(first) => {
+                    self.head = Some(Head::of(&first));
+                    match first.prompt() {
                         Some(ids) if ids.len() <= self.ctx.config.max_seq_len => {
                             self.prompt = Some(ids);
                         }
@@ -579,10 +652,7 @@ impl Migrating {
         let base = event.len() - data.len() - trailing(event);
         while let Some((key, start, end)) = next_ids(&self.scan.ids, data, at) {
             if key == IdsKey::Generated && self.on {
-                match parse_ids(&data[start..end]) {
-                    Some(ids) => self.keep_ids(&ids),
-                    None => self.untrack(),
-                }
+                self.keep_raw_ids(&data[start..end]);
             }
             if blank {
                 out.extend_from_slice(&event[from..base + start]);
@@ -614,11 +684,7 @@ impl Migrating {
         let Some(head) = &self.head else {
             return Err(Reason::ErrorFrame);
         };
-        let mut chunk = serde_json::Map::new();
-        chunk.insert("id".into(), head.id.clone());
-        chunk.insert("object".into(), head.object.clone());
-        chunk.insert("created".into(), head.created.clone());
-        chunk.insert("model".into(), head.model.clone());
+        let mut chunk = head.fields();
         let mut choices = Vec::new();
         let mut new_ids = Vec::new();
         for c in v
@@ -1096,20 +1162,45 @@ fn next_ids(
 }
 
 /// The ids of a JSON array of non-negative integers below 2^32 (`None` otherwise).
+#[cfg(test)]
 fn parse_ids(raw: &[u8]) -> Option<Vec<u32>> {
-    let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
-    if inner.is_empty() {
-        return Some(Vec::new());
+    let mut ids = Vec::new();
+    parse_ids_into(raw, &mut ids)?;
+    Some(ids)
+}
+
+/// The ids of a JSON array of non-negative integers below 2^32, appended to `ids` in
+/// one pass over the bytes (digits and commas, whitespace between); `None`, with `ids`
+/// as it was, for anything else (a sign, a fraction, an exponent, an id past `u32`, an
+/// empty element).
+fn parse_ids_into(raw: &[u8], ids: &mut Vec<u32>) -> Option<()> {
+    let was = ids.len();
+    let read = |ids: &mut Vec<u32>| -> Option<()> {
+        let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
+        if inner.is_empty() {
+            return Some(());
+        }
+        for n in inner.split(|&b| b == b',') {
+            let n = n.trim_ascii();
+            if n.is_empty() {
+                return None;
+            }
+            let mut v: u32 = 0;
+            for &b in n {
+                if !b.is_ascii_digit() {
+                    return None;
+                }
+                v = v.checked_mul(10)?.checked_add(u32::from(b - b'0'))?;
+            }
+            ids.push(v);
+        }
+        Some(())
+    };
+    let read = read(ids);
+    if read.is_none() {
+        ids.truncate(was);
     }
-    inner
-        .split(|&b| b == b',')
-        .map(|n| {
-            std::str::from_utf8(n.trim_ascii())
-                .ok()?
-                .parse::<u32>()
-                .ok()
-        })
-        .collect()
+    read
 }
 
 fn ids_of(v: &Value) -> Option<Vec<u32>> {
@@ -1148,6 +1239,73 @@ mod tests {
         assert_eq!(event_end(b"data: {\"a\":\"\\n\\n\"}\n"), None);
         assert_eq!(event_end(b""), None);
         assert_eq!(event_end(b"\n\n"), Some(2));
+    }
+
+    #[test]
+    fn the_first_chunk_is_read_for_its_header_and_prompt_ids_only() {
+        let read = |data: &[u8]| {
+            let first: FirstChunk<'_> = serde_json::from_slice(data).ok()?;
+            let head = Head::of(&first);
+            Some((Value::Object(head.fields()), first.prompt()))
+        };
+        // Chat: the ids at the top; a key inside a string is text, not a key.
+        let (head, ids) = read(
+            br#"{"id":"c-1","object":"chat.completion.chunk","created":7,"model":"m\"prompt_token_ids\":[9]","choices":[{"index":0,"delta":{"role":"assistant","content":"\"prompt_token_ids\":[8]"}}],"prompt_token_ids":[1, 2,3]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            head,
+            serde_json::json!({"id": "c-1", "object": "chat.completion.chunk", "created": 7, "model": "m\"prompt_token_ids\":[9]"})
+        );
+        assert_eq!(ids, Some(vec![1, 2, 3]));
+        // Completions: on the first choice (the top one null); absent fields are null.
+        let (head, ids) =
+            read(br#"{"id":"x","prompt_token_ids":null,"choices":[{"text":"a","prompt_token_ids":[4294967295]},{"prompt_token_ids":[5]}]}"#)
+                .unwrap();
+        assert_eq!(
+            head,
+            serde_json::json!({"id": "x", "object": null, "created": null, "model": null})
+        );
+        assert_eq!(ids, Some(vec![u32::MAX]));
+        // Hostile: ids past u32, not integers, nested, a cut chunk, no ids at all.
+        assert_eq!(
+            read(br#"{"prompt_token_ids":[4294967296]}"#).unwrap().1,
+            None
+        );
+        assert_eq!(read(br#"{"prompt_token_ids":[1.0]}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"prompt_token_ids":[[1]]}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"prompt_token_ids":"[1]"}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"choices":[]}"#).unwrap().1, None);
+        assert_eq!(
+            read(br#"{"choices":{"prompt_token_ids":[1]}}"#).unwrap().1,
+            None
+        );
+        assert!(read(br#"{"id":"x","prompt_token_ids":[1,2"#).is_none());
+        assert!(read(br#"[1,2]"#).is_none_or(|(_, ids)| ids.is_none()));
+    }
+
+    #[test]
+    fn ids_are_read_in_one_pass_and_a_bad_list_leaves_nothing_behind() {
+        let mut ids = vec![7];
+        assert_eq!(parse_ids_into(b"[ 1 ,2,  3 ]", &mut ids), Some(()));
+        assert_eq!(ids, [7, 1, 2, 3]);
+        for bad in [
+            &b"[1,2,4294967296]"[..],
+            b"[1,,2]",
+            b"[1,]",
+            b"[+1]",
+            b"[1e3]",
+            b"[1 2]",
+            b"[1",
+            b"1]",
+            b"[\"1\"]",
+            b"[99999999999999999999999]",
+        ] {
+            assert_eq!(parse_ids_into(bad, &mut ids), None, "{bad:?}");
+            assert_eq!(ids, [7, 1, 2, 3], "{bad:?}");
+        }
+        assert_eq!(parse_ids_into(b"[4294967295, 0]", &mut ids), Some(()));
+        assert_eq!(ids, [7, 1, 2, 3, u32::MAX, 0]);
     }
 
     fn request(api: Api, body: serde_json::Value) -> PdRequest {
