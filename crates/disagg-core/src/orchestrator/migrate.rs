@@ -591,21 +591,37 @@ impl Migrating {
 
     /// The complete events in `buf`, each handled, into `out`; `Err` when one says the
     /// leg failed.
-    fn events(&mut self, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
-        while let Some(end) = event_end(&self.buf) {
-            let event = self.buf.split_to(end).freeze();
+    ///
+    /// The events are slices of the frame `data` (after what `buf` held of a cut event):
+    /// only a cut event's bytes are copied, into `buf`, where they wait for their end
+    /// (and what follows a failed event, which goes out as it came if the leg is not
+    /// migrated).
+    fn events(&mut self, data: Bytes, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
+        let mut src = if self.buf.is_empty() {
+            data
+        } else {
+            self.buf.extend_from_slice(&data);
+            self.buf.split().freeze()
+        };
+        while let Some(end) = event_end(&src) {
+            let event = src.split_to(end);
             let handled = if self.continuing() {
                 self.spliced(&event, out)
             } else {
                 self.first_leg(&event, out)
             };
-            handled.map_err(|reason| (reason, event))?;
+            if let Err(reason) = handled {
+                self.buf.extend_from_slice(&src);
+                return Err((reason, event));
+            }
         }
-        if self.buf.len() > MAX_EVENT {
+        if src.len() > MAX_EVENT {
             // Nothing of this size is a chunk of tokens: relay as it comes, untracked.
             self.untrack();
             self.raw = true;
-            out.extend_from_slice(&self.buf.split());
+            out.extend_from_slice(&src);
+        } else {
+            self.buf.extend_from_slice(&src);
         }
         Ok(())
     }
@@ -995,9 +1011,10 @@ impl Body for Migrating {
                     if this.raw {
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    this.buf.extend_from_slice(&data);
-                    let mut out = BytesMut::new();
-                    match this.events(&mut out) {
+                    // One allocation for what goes out (blanked ids are about as long as
+                    // the ids).
+                    let mut out = BytesMut::with_capacity(this.buf.len() + data.len() + 16);
+                    match this.events(data, &mut out) {
                         Ok(()) if out.is_empty() => continue,
                         Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
                         Err((reason, event)) => {
