@@ -12,8 +12,10 @@
 //! * **Track.** Whole SSE events are relayed (a half event is held until its end, so a
 //!   break never leaves one half-written); in each, a byte scan finds the `token_ids`
 //!   arrays and keeps the ids, and blanks them (`null`) when the client did not ask for
-//!   them. Only the first chunk is parsed whole (its `id`, `object`, `created`, `model`
-//!   and the prompt's ids). Past [`MigrationConfig::max_seq_len`] tokens the ids are
+//!   them. Only the first chunk is deserialized, and only for its `id`, `object`,
+//!   `created`, `model` and the prompt's ids (kept as the engine's text, the rest
+//!   skipped); the events are slices of the frames they came in, and only a cut
+//!   event's bytes are held. Past [`MigrationConfig::max_seq_len`] tokens the ids are
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
