@@ -12,8 +12,10 @@
 //! * **Track.** Whole SSE events are relayed (a half event is held until its end, so a
 //!   break never leaves one half-written); in each, a byte scan finds the `token_ids`
 //!   arrays and keeps the ids, and blanks them (`null`) when the client did not ask for
-//!   them. Only the first chunk is parsed whole (its `id`, `object`, `created`, `model`
-//!   and the prompt's ids). Past [`MigrationConfig::max_seq_len`] tokens the ids are
+//!   them. Only the first chunk is deserialized, and only for its `id`, `object`,
+//!   `created`, `model` and the prompt's ids (kept as the engine's text, the rest
+//!   skipped); the events are slices of the frames they came in, and only a cut
+//!   event's bytes are held. Past [`MigrationConfig::max_seq_len`] tokens the ids are
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
@@ -42,6 +44,7 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use serde_json::Value;
+use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
 use crate::body::JsonBody;
@@ -332,12 +335,79 @@ pub(crate) struct Ctx {
 /// relayed as it comes, no longer migratable).
 const MAX_EVENT: usize = 1 << 20;
 
-/// The first leg's chunk header, written on every spliced chunk.
-struct Head {
-    id: Value,
-    object: Value,
-    created: Value,
-    model: Value,
+/// The first leg's chunk header, written on every spliced chunk: the JSON object of
+/// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
+/// allocation; parsed only when a chunk is written from it, the rare path).
+struct Head(Box<[u8]>);
+
+impl Head {
+    /// The header of the first chunk `first`.
+    fn of(first: &FirstChunk<'_>) -> Self {
+        fn raw(v: Option<&RawValue>) -> &str {
+            v.map_or("null", RawValue::get)
+        }
+        let mut out = Vec::with_capacity(64);
+        for (key, value) in [
+            (&b"{\"id\":"[..], first.id),
+            (b",\"object\":", first.object),
+            (b",\"created\":", first.created),
+            (b",\"model\":", first.model),
+        ] {
+            out.extend_from_slice(key);
+            out.extend_from_slice(raw(value).as_bytes());
+        }
+        out.push(b'}');
+        Head(out.into_boxed_slice())
+    }
+
+    /// The header's fields, the start of a chunk written by the proxy.
+    fn fields(&self) -> serde_json::Map<String, Value> {
+        serde_json::from_slice(&self.0).unwrap_or_default()
+    }
+}
+
+/// What the first chunk of a tracked leg is read for: its header and the prompt's ids
+/// (at the top, vLLM's chat; or on the first choice, its completions), every value kept
+/// as the engine's text; the rest of the chunk is skipped, not built.
+#[derive(serde::Deserialize)]
+struct FirstChunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Option<&'a RawValue>,
+}
+
+/// A choice of the first chunk, read for its prompt ids.
+#[derive(serde::Deserialize)]
+struct FirstChoice<'a> {
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+impl FirstChunk<'_> {
+    /// The prompt's ids: at the top when set, else on the first choice (`None` when
+    /// neither is a list of ids below 2^32).
+    fn prompt(&self) -> Option<Vec<u32>> {
+        let raw = match self.prompt_token_ids {
+            Some(ids) => ids,
+            None => {
+                let choices: Vec<FirstChoice<'_>> =
+                    serde_json::from_str(self.choices?.get()).ok()?;
+                choices.into_iter().next()?.prompt_token_ids?
+            }
+        };
+        let mut ids = Vec::new();
+        parse_ids_into(raw.get().as_bytes(), &mut ids)?;
+        Some(ids)
+    }
 }
 
 type Continuation =
@@ -388,6 +458,29 @@ pub(crate) struct Migrating {
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
     broke: Option<BoxError>,
+    /// The searches of each event, built once.
+    scan: Scan,
+}
+
+/// The needles a tracked event is searched for, each `memmem` finder built once per
+/// stream rather than once per search.
+struct Scan {
+    /// `token_ids":` (the end of both ids keys).
+    ids: memchr::memmem::Finder<'static>,
+    /// `"finish_reason":"` (a set finish reason).
+    finish: memchr::memmem::Finder<'static>,
+    /// `"usage":{` (a usage chunk).
+    usage: memchr::memmem::Finder<'static>,
+}
+
+impl Scan {
+    fn new() -> Self {
+        Scan {
+            ids: memchr::memmem::Finder::new(IDS_KEY),
+            finish: memchr::memmem::Finder::new(b"\"finish_reason\":\""),
+            usage: memchr::memmem::Finder::new(b"\"usage\":{"),
+        }
+    }
 }
 
 impl fmt::Debug for Migrating {
@@ -427,6 +520,7 @@ impl Migrating {
             tried,
             carried: 0,
             broke: None,
+            scan: Scan::new(),
         }
     }
 
@@ -446,14 +540,12 @@ impl Migrating {
             &self.prompt,
         ) {
             let (p, c) = (prompt.len() as u64, self.generated.len() as u64);
-            let chunk = serde_json::json!({
-                "id": head.id,
-                "object": head.object,
-                "created": head.created,
-                "model": head.model,
-                "choices": [],
-                "usage": {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c},
-            });
+            let mut chunk = head.fields();
+            chunk.insert("choices".into(), Value::Array(Vec::new()));
+            chunk.insert(
+                "usage".into(),
+                serde_json::json!({"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}),
+            );
             if let Ok(json) = serde_json::to_vec(&chunk) {
                 out.extend_from_slice(b"data: ");
                 out.extend_from_slice(&json);
@@ -483,23 +575,55 @@ impl Migrating {
         }
     }
 
+    /// The ids of the list `raw` (the bytes of a first-leg chunk), read into the
+    /// generated ones in place; a bad list, or one past the bound, ends tracking.
+    fn keep_raw_ids(&mut self, raw: &[u8]) {
+        if !self.on {
+            return;
+        }
+        if parse_ids_into(raw, &mut self.generated).is_none() {
+            self.untrack();
+            return;
+        }
+        let len = self.prompt.as_ref().map_or(0, Vec::len) + self.generated.len();
+        if len > self.ctx.config.max_seq_len {
+            self.untrack();
+        }
+    }
+
     /// The complete events in `buf`, each handled, into `out`; `Err` when one says the
     /// leg failed.
-    fn events(&mut self, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
-        while let Some(end) = find(&self.buf, b"\n\n") {
-            let event = self.buf.split_to(end + 2).freeze();
+    ///
+    /// The events are slices of the frame `data` (after what `buf` held of a cut event):
+    /// only a cut event's bytes are copied, into `buf`, where they wait for their end
+    /// (and what follows a failed event, which goes out as it came if the leg is not
+    /// migrated).
+    fn events(&mut self, data: Bytes, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
+        let mut src = if self.buf.is_empty() {
+            data
+        } else {
+            self.buf.extend_from_slice(&data);
+            self.buf.split().freeze()
+        };
+        while let Some(end) = event_end(&src) {
+            let event = src.split_to(end);
             let handled = if self.continuing() {
                 self.spliced(&event, out)
             } else {
                 self.first_leg(&event, out)
             };
-            handled.map_err(|reason| (reason, event))?;
+            if let Err(reason) = handled {
+                self.buf.extend_from_slice(&src);
+                return Err((reason, event));
+            }
         }
-        if self.buf.len() > MAX_EVENT {
+        if src.len() > MAX_EVENT {
             // Nothing of this size is a chunk of tokens: relay as it comes, untracked.
             self.untrack();
             self.raw = true;
-            out.extend_from_slice(&self.buf.split());
+            out.extend_from_slice(&src);
+        } else {
+            self.buf.extend_from_slice(&src);
         }
         Ok(())
     }
@@ -519,21 +643,12 @@ impl Migrating {
             return Err(Reason::ErrorFrame);
         }
         if self.head.is_none() {
-            // The first chunk, parsed whole once: its header and the prompt's ids.
-            match serde_json::from_slice::<Value>(data) {
-                Ok(v) => {
-                    self.head = Some(Head {
-                        id: v.get("id").cloned().unwrap_or(Value::Null),
-                        object: v.get("object").cloned().unwrap_or(Value::Null),
-                        created: v.get("created").cloned().unwrap_or(Value::Null),
-                        model: v.get("model").cloned().unwrap_or(Value::Null),
-                    });
-                    let ids = v
-                        .get("prompt_token_ids")
-                        .filter(|p| !p.is_null())
-                        .or_else(|| v.pointer("/choices/0/prompt_token_ids"))
-                        .and_then(ids_of);
-                    match ids {
+            // The first chunk, read once for its header and the prompt's ids (the rest
+            // skipped, not built).
+            match serde_json::from_slice::<FirstChunk<'_>>(data) {
+                Ok(first) => {
+                    self.head = Some(Head::of(&first));
+                    match first.prompt() {
                         Some(ids) if ids.len() <= self.ctx.config.max_seq_len => {
                             self.prompt = Some(ids);
                         }
@@ -543,22 +658,19 @@ impl Migrating {
                 Err(_) => self.untrack(),
             }
         }
-        if find(data, b"\"finish_reason\":\"").is_some() {
+        if self.scan.finish.find(data).is_some() {
             self.finished = true;
         }
-        if self.ctx.plan.usage && find(data, b"\"usage\":{").is_some() {
+        if self.ctx.plan.usage && self.scan.usage.find(data).is_some() {
             self.usage_seen = true;
         }
         let blank = !self.ctx.plan.client_ids;
         let mut from = 0;
         let mut at = 0;
         let base = event.len() - data.len() - trailing(event);
-        while let Some((key, start, end)) = next_ids(data, at) {
+        while let Some((key, start, end)) = next_ids(&self.scan.ids, data, at) {
             if key == IdsKey::Generated && self.on {
-                match parse_ids(&data[start..end]) {
-                    Some(ids) => self.keep_ids(&ids),
-                    None => self.untrack(),
-                }
+                self.keep_raw_ids(&data[start..end]);
             }
             if blank {
                 out.extend_from_slice(&event[from..base + start]);
@@ -590,11 +702,7 @@ impl Migrating {
         let Some(head) = &self.head else {
             return Err(Reason::ErrorFrame);
         };
-        let mut chunk = serde_json::Map::new();
-        chunk.insert("id".into(), head.id.clone());
-        chunk.insert("object".into(), head.object.clone());
-        chunk.insert("created".into(), head.created.clone());
-        chunk.insert("model".into(), head.model.clone());
+        let mut chunk = head.fields();
         let mut choices = Vec::new();
         let mut new_ids = Vec::new();
         for c in v
@@ -905,9 +1013,10 @@ impl Body for Migrating {
                     if this.raw {
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    this.buf.extend_from_slice(&data);
-                    let mut out = BytesMut::new();
-                    match this.events(&mut out) {
+                    // One allocation for what goes out (blanked ids are about as long as
+                    // the ids).
+                    let mut out = BytesMut::with_capacity(this.buf.len() + data.len() + 16);
+                    match this.events(data, &mut out) {
                         Ok(()) if out.is_empty() => continue,
                         Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
                         Err((reason, event)) => {
@@ -1024,9 +1133,16 @@ fn is_error(data: &[u8]) -> bool {
     data.starts_with(b"{\"error\"") || data.starts_with(b"{\"object\":\"error\"")
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(hay, needle)
+/// The end of the first whole event in `buf` (past its `\n\n`), found by a `memchr`
+/// scan for the line ends.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\n', buf)
+        .find(|&i| buf.get(i + 1) == Some(&b'\n'))
+        .map(|i| i + 2)
 }
+
+/// The end of both ids keys, `token_ids":`.
+const IDS_KEY: &[u8] = b"token_ids\":";
 
 #[derive(Debug, PartialEq, Eq)]
 enum IdsKey {
@@ -1036,12 +1152,15 @@ enum IdsKey {
 
 /// The next `"token_ids":` or `"prompt_token_ids":` key at or after `at` whose value is
 /// an array: the key and the array's range (`[` to `]` inclusive). A key inside a
-/// string is escaped (`\"token_ids\"`) and not matched.
-fn next_ids(data: &[u8], mut at: usize) -> Option<(IdsKey, usize, usize)> {
-    const KEY: &[u8] = b"token_ids\":";
+/// string is escaped (`\"token_ids\"`) and not matched. `key` finds [`IDS_KEY`].
+fn next_ids(
+    key: &memchr::memmem::Finder<'_>,
+    data: &[u8],
+    mut at: usize,
+) -> Option<(IdsKey, usize, usize)> {
     loop {
-        let hit = at + find(&data[at..], KEY)?;
-        at = hit + KEY.len();
+        let hit = at + key.find(&data[at..])?;
+        at = hit + IDS_KEY.len();
         let kind = if hit >= 1 && data[hit - 1] == b'"' && (hit < 2 || data[hit - 2] != b'\\') {
             IdsKey::Generated
         } else if hit >= 8 && &data[hit - 8..hit] == b"\"prompt_" {
@@ -1056,26 +1175,51 @@ fn next_ids(data: &[u8], mut at: usize) -> Option<(IdsKey, usize, usize)> {
         if data.get(start) != Some(&b'[') {
             continue;
         }
-        let end = start + find(&data[start..], b"]")? + 1;
+        let end = start + memchr::memchr(b']', &data[start..])? + 1;
         return Some((kind, start, end));
     }
 }
 
 /// The ids of a JSON array of non-negative integers below 2^32 (`None` otherwise).
+#[cfg(test)]
 fn parse_ids(raw: &[u8]) -> Option<Vec<u32>> {
-    let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
-    if inner.is_empty() {
-        return Some(Vec::new());
+    let mut ids = Vec::new();
+    parse_ids_into(raw, &mut ids)?;
+    Some(ids)
+}
+
+/// The ids of a JSON array of non-negative integers below 2^32, appended to `ids` in
+/// one pass over the bytes (digits and commas, whitespace between); `None`, with `ids`
+/// as it was, for anything else (a sign, a fraction, an exponent, an id past `u32`, an
+/// empty element).
+fn parse_ids_into(raw: &[u8], ids: &mut Vec<u32>) -> Option<()> {
+    let was = ids.len();
+    let read = |ids: &mut Vec<u32>| -> Option<()> {
+        let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
+        if inner.is_empty() {
+            return Some(());
+        }
+        for n in inner.split(|&b| b == b',') {
+            let n = n.trim_ascii();
+            if n.is_empty() {
+                return None;
+            }
+            let mut v: u32 = 0;
+            for &b in n {
+                if !b.is_ascii_digit() {
+                    return None;
+                }
+                v = v.checked_mul(10)?.checked_add(u32::from(b - b'0'))?;
+            }
+            ids.push(v);
+        }
+        Some(())
+    };
+    let read = read(ids);
+    if read.is_none() {
+        ids.truncate(was);
     }
-    inner
-        .split(|&b| b == b',')
-        .map(|n| {
-            std::str::from_utf8(n.trim_ascii())
-                .ok()?
-                .parse::<u32>()
-                .ok()
-        })
-        .collect()
+    read
 }
 
 fn ids_of(v: &Value) -> Option<Vec<u32>> {
@@ -1092,6 +1236,8 @@ mod tests {
     #[test]
     fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
         let data = br#"{"id":"x","choices":[{"index":0,"text":"\"token_ids\":[9]","prompt_token_ids":[1, 2],"token_ids":[3]}],"prompt_token_ids":null}"#;
+        let key = memchr::memmem::Finder::new(IDS_KEY);
+        let next_ids = |data, at| next_ids(&key, data, at);
         let (k, s, e) = next_ids(data, 0).unwrap();
         assert_eq!(k, IdsKey::Prompt);
         assert_eq!(parse_ids(&data[s..e]), Some(vec![1, 2]));
@@ -1102,6 +1248,83 @@ mod tests {
         assert_eq!(parse_ids(b"[1,-2]"), None);
         assert_eq!(parse_ids(b"[4294967296]"), None);
         assert_eq!(parse_ids(b"[]"), Some(vec![]));
+    }
+
+    #[test]
+    fn an_event_ends_at_its_blank_line_and_a_cut_one_waits() {
+        assert_eq!(event_end(b"data: {}\n\ndata: x"), Some(10));
+        assert_eq!(event_end(b"data: {}\ndata: x\n\n"), Some(18));
+        assert_eq!(event_end(b"data: {}\n"), None);
+        assert_eq!(event_end(b"data: {\"a\":\"\\n\\n\"}\n"), None);
+        assert_eq!(event_end(b""), None);
+        assert_eq!(event_end(b"\n\n"), Some(2));
+    }
+
+    #[test]
+    fn the_first_chunk_is_read_for_its_header_and_prompt_ids_only() {
+        let read = |data: &[u8]| {
+            let first: FirstChunk<'_> = serde_json::from_slice(data).ok()?;
+            let head = Head::of(&first);
+            Some((Value::Object(head.fields()), first.prompt()))
+        };
+        // Chat: the ids at the top; a key inside a string is text, not a key.
+        let (head, ids) = read(
+            br#"{"id":"c-1","object":"chat.completion.chunk","created":7,"model":"m\"prompt_token_ids\":[9]","choices":[{"index":0,"delta":{"role":"assistant","content":"\"prompt_token_ids\":[8]"}}],"prompt_token_ids":[1, 2,3]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            head,
+            serde_json::json!({"id": "c-1", "object": "chat.completion.chunk", "created": 7, "model": "m\"prompt_token_ids\":[9]"})
+        );
+        assert_eq!(ids, Some(vec![1, 2, 3]));
+        // Completions: on the first choice (the top one null); absent fields are null.
+        let (head, ids) =
+            read(br#"{"id":"x","prompt_token_ids":null,"choices":[{"text":"a","prompt_token_ids":[4294967295]},{"prompt_token_ids":[5]}]}"#)
+                .unwrap();
+        assert_eq!(
+            head,
+            serde_json::json!({"id": "x", "object": null, "created": null, "model": null})
+        );
+        assert_eq!(ids, Some(vec![u32::MAX]));
+        // Hostile: ids past u32, not integers, nested, a cut chunk, no ids at all.
+        assert_eq!(
+            read(br#"{"prompt_token_ids":[4294967296]}"#).unwrap().1,
+            None
+        );
+        assert_eq!(read(br#"{"prompt_token_ids":[1.0]}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"prompt_token_ids":[[1]]}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"prompt_token_ids":"[1]"}"#).unwrap().1, None);
+        assert_eq!(read(br#"{"choices":[]}"#).unwrap().1, None);
+        assert_eq!(
+            read(br#"{"choices":{"prompt_token_ids":[1]}}"#).unwrap().1,
+            None
+        );
+        assert!(read(br#"{"id":"x","prompt_token_ids":[1,2"#).is_none());
+        assert!(read(br#"[1,2]"#).is_none_or(|(_, ids)| ids.is_none()));
+    }
+
+    #[test]
+    fn ids_are_read_in_one_pass_and_a_bad_list_leaves_nothing_behind() {
+        let mut ids = vec![7];
+        assert_eq!(parse_ids_into(b"[ 1 ,2,  3 ]", &mut ids), Some(()));
+        assert_eq!(ids, [7, 1, 2, 3]);
+        for bad in [
+            &b"[1,2,4294967296]"[..],
+            b"[1,,2]",
+            b"[1,]",
+            b"[+1]",
+            b"[1e3]",
+            b"[1 2]",
+            b"[1",
+            b"1]",
+            b"[\"1\"]",
+            b"[99999999999999999999999]",
+        ] {
+            assert_eq!(parse_ids_into(bad, &mut ids), None, "{bad:?}");
+            assert_eq!(ids, [7, 1, 2, 3], "{bad:?}");
+        }
+        assert_eq!(parse_ids_into(b"[4294967295, 0]", &mut ids), Some(()));
+        assert_eq!(ids, [7, 1, 2, 3, u32::MAX, 0]);
     }
 
     fn request(api: Api, body: serde_json::Value) -> PdRequest {
