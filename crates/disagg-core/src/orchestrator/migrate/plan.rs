@@ -1,0 +1,202 @@
+//! Which requests may migrate (decided at admission from the body alone), how their
+//! decode leg asks for token ids, and the body of a continuation.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::body::JsonBody;
+use crate::connector::Leg;
+use crate::request::{Api, PdRequest};
+
+use super::MigrationConfig;
+
+/// What admission decided about a request's migration: it is eligible, and how its
+/// stream is written.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    /// Chat (else completions).
+    pub(super) chat: bool,
+    /// The client asked for `return_token_ids` itself: the ids stay in its stream.
+    pub(super) client_ids: bool,
+    /// The client asked for a usage chunk (`stream_options.include_usage`).
+    pub(super) usage: bool,
+    /// The client's `max_tokens` (or `max_completion_tokens`).
+    pub(super) max_tokens: Option<u64>,
+    /// The client's `min_tokens`.
+    pub(super) min_tokens: Option<u64>,
+    /// The client's body, whose sampling parameters a continuation carries.
+    pub(super) body: JsonBody,
+}
+
+/// Sampling and stop parameters a continuation carries over from the client's body
+/// (the names vLLM's `CompletionRequest` shares with its `ChatCompletionRequest`).
+pub(super) const CARRIED: [&str; 21] = [
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "seed",
+    "user",
+    "priority",
+];
+
+/// Fields whose state a token prompt cannot carry (structured output, guided decoding,
+/// several sequences, beam search, prompt echo, log probabilities, per-chunk usage): a
+/// request with any of them set (not `null`, not `false`) is not migrated.
+pub(super) const REFUSED: [&str; 14] = [
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+    "tools",
+    "use_beam_search",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "suffix",
+    "prompt_embeds",
+];
+
+pub(super) fn set(raw: Option<&[u8]>) -> bool {
+    raw.is_some_and(|v| {
+        let v = v.trim_ascii();
+        !(v == b"null" || v == b"false" || v == b"[]")
+    })
+}
+
+pub(super) fn uint(raw: Option<&[u8]>) -> Option<u64> {
+    std::str::from_utf8(raw?.trim_ascii()).ok()?.parse().ok()
+}
+
+/// Whether `req` may be migrated under `config`, decided from its body alone: a
+/// streamed chat or completion with one sequence and nothing a token prompt cannot
+/// carry ([`REFUSED`]; a `seed` only with [`MigrationConfig::allow_seed`]).
+pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
+    if config.limit == 0 || !req.is_stream() {
+        return None;
+    }
+    let chat = match req.api() {
+        Api::Chat => true,
+        Api::Completions => false,
+        _ => return None,
+    };
+    let b = req.body();
+    if REFUSED.iter().any(|k| set(b.get(k))) {
+        return None;
+    }
+    // `response_format` other than `{"type": "text"}` asks for structured output.
+    if let Some(f) = b.get("response_format").filter(|f| set(Some(f))) {
+        let kind = serde_json::from_slice::<Value>(f).ok()?;
+        if kind.get("type").and_then(Value::as_str) != Some("text") {
+            return None;
+        }
+    }
+    if uint(b.get("n")).is_some_and(|n| n > 1) || uint(b.get("best_of")).is_some_and(|n| n > 1) {
+        return None;
+    }
+    if !config.allow_seed && set(b.get("seed")) {
+        return None;
+    }
+    if !chat {
+        // One prompt: a string or a list of ids, never a batch.
+        let prompt = b.get("prompt")?.trim_ascii();
+        if prompt.first() == Some(&b'[')
+            && matches!(
+                prompt[1..].trim_ascii_start().first(),
+                Some(b'[' | b'"' | b'{')
+            )
+        {
+            return None;
+        }
+    }
+    let usage = match b.get("stream_options") {
+        Some(raw) if set(Some(raw)) => {
+            let opts: Value = serde_json::from_slice(raw).ok()?;
+            if opts.get("continuous_usage_stats") == Some(&Value::Bool(true)) {
+                return None;
+            }
+            opts.get("include_usage") == Some(&Value::Bool(true))
+        }
+        _ => false,
+    };
+    Some(Plan {
+        chat,
+        client_ids: b
+            .get("return_token_ids")
+            .is_some_and(|v| v.trim_ascii() == b"true"),
+        usage,
+        max_tokens: uint(b.get("max_tokens")).or_else(|| uint(b.get("max_completion_tokens"))),
+        min_tokens: uint(b.get("min_tokens")),
+        body: b.clone(),
+    })
+}
+
+/// The decode leg of an eligible request, asking for `return_token_ids` when the client
+/// did not; `None` when the leg goes as it is (migration off, not eligible, the client
+/// asked, or a leg posted to another API than the client's).
+pub(crate) fn ask_ids(config: &MigrationConfig, req: &PdRequest, leg: &Leg) -> Option<Leg> {
+    if config.limit == 0 || leg.api.is_some_and(|a| a != req.api()) {
+        return None;
+    }
+    let plan = plan(config, req)?;
+    if plan.client_ids {
+        return None;
+    }
+    let mut body = leg.body.clone();
+    body.set_raw("return_token_ids", Bytes::from_static(b"true"));
+    let mut asked = Leg::new(Arc::clone(&leg.endpoint), body);
+    asked.headers = leg.headers.clone();
+    asked.api = leg.api;
+    Some(asked)
+}
+
+/// The continuation's body: the client's sampling parameters, the token prompt, the
+/// token limits less what was generated, streamed with the new ids.
+pub(super) fn continuation_body(
+    plan: &Plan,
+    ids: &[u32],
+    generated: u64,
+    left: Option<u64>,
+) -> Bytes {
+    let mut body = JsonBody::default();
+    for key in CARRIED {
+        if let Some(v) = plan.body.get_bytes(key) {
+            body.set_raw(key, v);
+        }
+    }
+    body.set("prompt", ids);
+    if let Some(left) = left {
+        body.set("max_tokens", &left);
+    }
+    if let Some(min) = plan.min_tokens {
+        body.set("min_tokens", &min.saturating_sub(generated));
+    }
+    body.set_raw("stream", Bytes::from_static(b"true"));
+    body.set_raw("return_token_ids", Bytes::from_static(b"true"));
+    if plan.usage {
+        body.set_raw(
+            "stream_options",
+            Bytes::from_static(b"{\"include_usage\":true}"),
+        );
+    }
+    body.to_bytes()
+}

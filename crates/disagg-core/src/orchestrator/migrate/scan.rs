@@ -1,0 +1,118 @@
+//! The byte scans of a tracked decode stream: its events, their payloads and the token
+//! id lists in them, read without deserializing the chunks.
+
+use serde_json::Value;
+
+/// The payload of an event's `data:` line (the whole event is one line in vLLM's
+/// streams), trimmed.
+pub(super) fn payload(event: &[u8]) -> Option<&[u8]> {
+    let rest = event.strip_prefix(b"data:")?;
+    Some(rest.trim_ascii())
+}
+
+/// The length of the event's trailing whitespace (its `\n\n`).
+pub(super) fn trailing(event: &[u8]) -> usize {
+    event.len() - event.trim_ascii_end().len()
+}
+
+/// Whether a chunk is an error: vLLM's in-stream error is `{"error": {...}}`, its error
+/// response `{"object": "error", ...}`.
+pub(super) fn is_error(data: &[u8]) -> bool {
+    data.starts_with(b"{\"error\"") || data.starts_with(b"{\"object\":\"error\"")
+}
+
+/// The end of the first whole event in `buf` (past its `\n\n`), found by a `memchr`
+/// scan for the line ends.
+pub(super) fn event_end(buf: &[u8]) -> Option<usize> {
+    memchr::memchr_iter(b'\n', buf)
+        .find(|&i| buf.get(i + 1) == Some(&b'\n'))
+        .map(|i| i + 2)
+}
+
+/// The end of both ids keys, `token_ids":`.
+pub(super) const IDS_KEY: &[u8] = b"token_ids\":";
+
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum IdsKey {
+    Prompt,
+    Generated,
+}
+
+/// The next `"token_ids":` or `"prompt_token_ids":` key at or after `at` whose value is
+/// an array: the key and the array's range (`[` to `]` inclusive). A key inside a
+/// string is escaped (`\"token_ids\"`) and not matched. `key` finds [`IDS_KEY`].
+pub(super) fn next_ids(
+    key: &memchr::memmem::Finder<'_>,
+    data: &[u8],
+    mut at: usize,
+) -> Option<(IdsKey, usize, usize)> {
+    loop {
+        let hit = at + key.find(&data[at..])?;
+        at = hit + IDS_KEY.len();
+        let kind = if hit >= 1 && data[hit - 1] == b'"' && (hit < 2 || data[hit - 2] != b'\\') {
+            IdsKey::Generated
+        } else if hit >= 8 && &data[hit - 8..hit] == b"\"prompt_" {
+            IdsKey::Prompt
+        } else {
+            continue;
+        };
+        let mut start = at;
+        while data.get(start).is_some_and(u8::is_ascii_whitespace) {
+            start += 1;
+        }
+        if data.get(start) != Some(&b'[') {
+            continue;
+        }
+        let end = start + memchr::memchr(b']', &data[start..])? + 1;
+        return Some((kind, start, end));
+    }
+}
+
+/// The ids of a JSON array of non-negative integers below 2^32 (`None` otherwise).
+#[cfg(test)]
+pub(super) fn parse_ids(raw: &[u8]) -> Option<Vec<u32>> {
+    let mut ids = Vec::new();
+    parse_ids_into(raw, &mut ids)?;
+    Some(ids)
+}
+
+/// The ids of a JSON array of non-negative integers below 2^32, appended to `ids` in
+/// one pass over the bytes (digits and commas, whitespace between); `None`, with `ids`
+/// as it was, for anything else (a sign, a fraction, an exponent, an id past `u32`, an
+/// empty element).
+pub(super) fn parse_ids_into(raw: &[u8], ids: &mut Vec<u32>) -> Option<()> {
+    let was = ids.len();
+    let read = |ids: &mut Vec<u32>| -> Option<()> {
+        let inner = raw.strip_prefix(b"[")?.strip_suffix(b"]")?.trim_ascii();
+        if inner.is_empty() {
+            return Some(());
+        }
+        for n in inner.split(|&b| b == b',') {
+            let n = n.trim_ascii();
+            if n.is_empty() {
+                return None;
+            }
+            let mut v: u32 = 0;
+            for &b in n {
+                if !b.is_ascii_digit() {
+                    return None;
+                }
+                v = v.checked_mul(10)?.checked_add(u32::from(b - b'0'))?;
+            }
+            ids.push(v);
+        }
+        Some(())
+    };
+    let read = read(ids);
+    if read.is_none() {
+        ids.truncate(was);
+    }
+    read
+}
+
+pub(super) fn ids_of(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|i| i.as_u64().and_then(|i| u32::try_from(i).ok()))
+        .collect()
+}
