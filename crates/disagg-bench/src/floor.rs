@@ -42,7 +42,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
-use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
 use crate::BoxError;
@@ -130,15 +129,10 @@ async fn serve(args: FloorArgs) -> Result<(), BoxError> {
     let by_stdin = args.listen.is_none();
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let stdin_closed = async move {
-        if !by_stdin {
-            return std::future::pending().await;
-        }
-        let mut stdin = tokio::io::stdin();
-        let mut buf = [0u8; 64];
-        while let Ok(n) = stdin.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
+        if by_stdin {
+            crate::proxy::stdin_closed().await;
+        } else {
+            std::future::pending::<()>().await;
         }
     };
     tokio::pin!(stdin_closed);

@@ -67,7 +67,7 @@ fn init_tracing() {
 }
 
 /// Resolves when stdin reaches its end (or fails): the bench closed it or died.
-async fn stdin_closed() {
+pub(crate) async fn stdin_closed() {
     let mut stdin = tokio::io::stdin();
     let mut buf = [0u8; 64];
     while let Ok(n) = stdin.read(&mut buf).await {

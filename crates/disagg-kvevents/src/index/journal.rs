@@ -3,7 +3,9 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use super::lock;
 
 /// The most recent removals kept for the scorers: a scorer that falls further behind
 /// (none decided while thousands of blocks went) misses the oldest, whose provisional
@@ -35,7 +37,7 @@ impl Journal {
         if self.next.load(Ordering::Acquire) == *cursor {
             return;
         }
-        let log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
+        let log = lock(&self.log);
         let first = log.partition_point(|r| r.seq < *cursor);
         for r in log.range(first..) {
             f(&r.engine, r.dp_rank, r.key);
@@ -46,7 +48,7 @@ impl Journal {
     /// Records that `engine`'s rank `dp_rank` no longer holds the blocks `keys`.
     pub(super) fn record(&self, engine: &str, dp_rank: u32, keys: &[u64]) {
         let engine: Arc<str> = Arc::from(engine);
-        let mut log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut log = lock(&self.log);
         for &key in keys {
             if log.len() == REMOVALS_KEPT {
                 log.pop_front();
