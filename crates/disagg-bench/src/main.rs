@@ -79,6 +79,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod floor;
+mod hold;
 mod load;
 mod procfs;
 mod proxy;
@@ -113,6 +114,9 @@ enum Command {
     /// The prefix-cache routing benchmark: prefix hit rate and time to first token of
     /// `round_robin`, `cache_aware` and `kv_events` on a multi-turn chat workload.
     Routing(routing::RoutingArgs),
+    /// Stranded KV under saturated decodes: the prefills' expired KV and the failed
+    /// pulls with the decode admission hold off and on.
+    Hold(hold::HoldArgs),
 }
 
 fn main() -> ExitCode {
@@ -121,6 +125,7 @@ fn main() -> ExitCode {
         Some(Command::Proxy(args)) => proxy::main(*args).map(|()| true),
         Some(Command::Floor(args)) => floor::main(args).map(|()| true),
         Some(Command::Routing(args)) => routing::main(args),
+        Some(Command::Hold(args)) => hold::main(args),
         None => run::main(cli.run),
     };
     match result {

@@ -92,6 +92,11 @@ pub(crate) struct SimArgs {
     /// prefill follows the bootstrap room and a decode takes turns.
     #[arg(long, value_name = "N", default_value_t = 1)]
     dp_size: u32,
+    /// vLLM's --max-num-seqs: at most N requests run at once, the others wait in the
+    /// queue (a decode pulls their KV only once they run; the prefill holds it until
+    /// then, or until --kv-lease).
+    #[arg(long, value_name = "N")]
+    max_num_seqs: Option<usize>,
     /// vLLM's --max-logprobs: requests asking for more logprobs per token are refused
     /// with 400 (vLLM modes).
     #[arg(long, value_name = "N", default_value_t = 20)]
@@ -273,6 +278,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             .map_err(|e| format!("--bootstrap-timeout: {e}"))?,
         request_delay: millis("--request-delay-ms", args.request_delay_ms)?,
         dp_size: args.dp_size.max(1),
+        max_num_seqs: args.max_num_seqs,
         max_logprobs: args.max_logprobs,
         lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
         kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))

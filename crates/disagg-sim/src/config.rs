@@ -154,6 +154,12 @@ pub struct SimConfig {
     /// prefills, so a busy engine's time to first token includes the prefills queued
     /// ahead; with this, a prefill waits for the ones before it.
     pub serial_prefill: bool,
+    /// vLLM's `--max-num-seqs` (SGLang's `--max-running-requests`; default `None`: no
+    /// limit): at most this many requests run at once; the others wait in the
+    /// scheduler's queue (counted waiting in `/metrics`) before any work, so a decode
+    /// pulls a request's KV only once the request runs, and the prefill keeps holding it
+    /// meanwhile (it expires past [`SimConfig::kv_lease`]).
+    pub max_num_seqs: Option<usize>,
     /// vLLM's `--api-key` (default `None`): a request whose path starts with `/v1`
     /// must carry `Authorization: Bearer KEY` (scheme in any case, one space, the key
     /// exactly), else it is answered 401 `{"error": "Unauthorized"}`; other paths
@@ -268,6 +274,7 @@ impl Default for SimConfig {
             prefix_cache_blocks: 0,
             kv_events: None,
             serial_prefill: false,
+            max_num_seqs: None,
             api_key: None,
             ec: None,
             version: crate::surface::VERSION.to_owned(),

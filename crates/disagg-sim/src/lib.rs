@@ -70,8 +70,9 @@
 //!   prompt-token split is true: a decode that pulled its KV counts the prompt as
 //!   `external_kv_transfer`, one that computed it as `local_compute`; so are the
 //!   request counts: waiting are the requests queued for their rank's prefill slot
-//!   ([`SimConfig::serial_prefill`], [`Stats::waiting_requests`]), running every
-//!   other request in progress.
+//!   ([`SimConfig::serial_prefill`]) or for a place among the engine's running
+//!   requests ([`SimConfig::max_num_seqs`]) ([`Stats::waiting_requests`]), running
+//!   every other request in progress.
 //!   [`Faults::lose_handoff`], [`Faults::fail_transfers`] and a short
 //!   [`SimConfig::kv_lease`] make a decode recompute, transfers fail and a
 //!   prefill's KV expire unclaimed; [`Faults::metrics`] makes the answer huge, slow

@@ -116,6 +116,8 @@ struct Inner {
     publishers: Option<Publishers>,
     /// With [`SimConfig::serial_prefill`]: one prefill at a time per rank.
     prefill_slots: Vec<tokio::sync::Mutex<()>>,
+    /// With [`SimConfig::max_num_seqs`]: the places of the requests that run at once.
+    running_slots: Option<Arc<tokio::sync::Semaphore>>,
     /// When the engine started: the epoch of its monotonic clock (a bidirectional
     /// decode's `remote_blocks_expiry_time`).
     started: std::time::Instant,
@@ -403,6 +405,9 @@ impl SimEngine {
             }
             (None, _) => None,
         };
+        let running_slots = config
+            .max_num_seqs
+            .map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
         let inner = Arc::new(Inner {
             config,
             engine_id,
@@ -430,6 +435,7 @@ impl SimEngine {
             prefix,
             publishers,
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
+            running_slots,
             started: std::time::Instant::now(),
         });
         let tls = match &inner.config.tls {
@@ -1978,6 +1984,17 @@ async fn serve_completion(
         && config.release_on_abort
     {
         arm_release(inner, &mut guard, target.clone());
+    }
+
+    // vLLM's scheduler: past --max-num-seqs a request waits in the queue, before it
+    // pulls any KV; its place is held until the answer ends (the guard keeps it).
+    if let Some(slots) = &inner.running_slots {
+        let waiting = crate::stats::Waiting::new(counters);
+        let place = slots.clone().acquire_owned().await;
+        drop(waiting);
+        if let Ok(place) = place {
+            guard.keep(place);
+        }
     }
 
     if !config.request_delay.is_zero() {

@@ -997,3 +997,41 @@ async fn metrics_count_the_requests_waiting_for_the_prefill_slot_and_running() {
     let s = e.stats();
     assert_eq!((s.active_requests, s.waiting_requests), (0, 0));
 }
+
+#[tokio::test]
+async fn past_max_num_seqs_requests_wait_in_the_queue_until_a_running_one_ends() {
+    let e = SimEngine::start(SimConfig {
+        max_num_seqs: Some(2),
+        inter_token_delay: Duration::from_millis(100),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let addr = e.addr();
+    let body = json!({"model": "sim-model", "prompt": "one two three", "max_tokens": 3});
+    let held: Vec<_> = (0..5)
+        .map(|_| {
+            let body = body.clone();
+            tokio::spawn(async move { post(addr, "/v1/completions", &body).await })
+        })
+        .collect();
+    // Two run, three wait for a place.
+    wait_for(&e, |s| s.active_requests == 5 && s.waiting_requests == 3).await;
+    let text = get(addr, "/metrics").await.text();
+    assert!(
+        text.contains("vllm:num_requests_waiting{model_name=\"sim-model\",engine=\"0\"} 3.0\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("vllm:num_requests_running{model_name=\"sim-model\",engine=\"0\"} 2.0\n"),
+        "{text}"
+    );
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let s = e.stats();
+    assert_eq!(
+        (s.active_requests, s.waiting_requests, s.requests),
+        (0, 0, 5)
+    );
+}
