@@ -139,14 +139,25 @@ impl Route {
         }
     }
 
-    /// The same route holding `prefill` for its prefill leg and `decode` for its decode
-    /// leg: a router that counts places per endpoint (`disagg_resilience::PerEndpointLimit`)
-    /// gets each back when its leg ends. The prefill's is dropped when the prefill
-    /// exchange ends (its answer read, or the exchange dropped), the decode's when the
-    /// attempt ends (its response body ended or was dropped, or it failed). Clones of
-    /// the route hold nothing.
+    /// The same route also holding `prefill` for its prefill leg and `decode` for its
+    /// decode leg: a router that counts places per endpoint
+    /// (`disagg_resilience::PerEndpointLimit`, `DecodeHold`) gets each back when its leg
+    /// ends. The prefill's is dropped when the prefill exchange ends (its answer read, or
+    /// the exchange dropped), the decode's when the attempt ends (its response body ended
+    /// or was dropped, or it failed). Places the route already holds are kept beside the
+    /// new ones, so decorators that each hold their own compose. Clones of the route
+    /// hold nothing.
     pub fn with_holds(mut self, prefill: Option<Permit>, decode: Option<Permit>) -> Self {
-        self.holds = Holds { prefill, decode };
+        fn both(held: Option<Permit>, more: Option<Permit>) -> Option<Permit> {
+            match (held, more) {
+                (Some(held), Some(more)) => Some(Permit::new((held, more))),
+                (held, more) => held.or(more),
+            }
+        }
+        self.holds = Holds {
+            prefill: both(self.holds.prefill.take(), prefill),
+            decode: both(self.holds.decode.take(), decode),
+        };
         self
     }
 
@@ -408,6 +419,28 @@ impl Router for DefaultRouter {
 mod tests {
     use super::*;
     use crate::endpoint::Role;
+
+    #[test]
+    fn holds_added_to_a_route_keep_the_ones_it_had_until_their_leg_ends() {
+        struct Place(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Place {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        let freed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let place = || Some(Permit::new(Place(Arc::clone(&freed))));
+        let decode = Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap());
+        // Two decorators, each holding its own places.
+        let mut route = Route::new(None, decode)
+            .with_holds(place(), place())
+            .with_holds(None, place());
+        assert_eq!(freed.load(std::sync::atomic::Ordering::Relaxed), 0);
+        drop(route.take_prefill_hold());
+        assert_eq!(freed.load(std::sync::atomic::Ordering::Relaxed), 1);
+        drop(route);
+        assert_eq!(freed.load(std::sync::atomic::Ordering::Relaxed), 3);
+    }
 
     fn set(p: usize, d: usize) -> EndpointSet {
         let mut eps = Vec::new();

@@ -570,3 +570,56 @@ async fn a_request_held_too_long_is_refused_without_running_its_prefill() {
         l.abort();
     }
 }
+
+#[tokio::test]
+async fn the_hold_counts_requests_from_their_routing_so_a_burst_never_overfills_the_decode() {
+    // A prefill of about 200 ms, a decode that runs 2 requests at once (more wait in
+    // its queue while their KV waits on the prefill). The proxy's own count is the
+    // load: a request whose prefill runs is not yet in flight on the decode.
+    let p = engine(SimConfig {
+        prefill_delay_per_token: Duration::from_millis(40),
+        ..SimConfig::default()
+    })
+    .await;
+    let d = engine(SimConfig {
+        max_num_seqs: Some(2),
+        inter_token_delay: Duration::from_millis(30),
+        ..SimConfig::default()
+    })
+    .await;
+    let proxy = Proxy::start(
+        &p,
+        &d,
+        &["--decode-admission-wait", "30", "--decode-max-running", "2"],
+    )
+    .await;
+    let sent: Vec<_> = (0..6)
+        .map(|i| {
+            let url = proxy.url();
+            tokio::spawn(async move {
+                post(
+                    &url,
+                    COMPLETIONS,
+                    &completion(&format!("burst {i}"), 4, false),
+                )
+                .await
+            })
+        })
+        .collect();
+    let (mut prefilling, mut queued) = (0, 0);
+    while sent.iter().any(|s| !s.is_finished()) {
+        prefilling = prefilling.max(p.stats().active_requests);
+        queued = queued.max(d.stats().waiting_requests);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for s in sent {
+        let a = s.await.expect("the request task");
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert!(
+        prefilling <= 2,
+        "{prefilling} prefills ran for 2 decode places"
+    );
+    assert_eq!(queued, 0, "a request waited in the decode's queue");
+    assert_eq!(p.stats().kv_expired_reqs, 0);
+}

@@ -19,9 +19,11 @@
 //!   decode endpoint of a request's model is saturated (its
 //!   [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) at or above a limit
 //!   of running requests, the engines' own count when the proxy reads their
-//!   `/metrics` for it), the request waits in the same queue, for at most its own
+//!   `/metrics` for it, and never less than the requests this hold routed there that
+//!   have not ended), the request waits in the same queue, for at most its own
 //!   wait, before any leg is sent: its prefill is not run for a decode that cannot
-//!   take its KV, which would otherwise sit on the prefill until it expires.
+//!   take its KV, which would otherwise sit on the prefill until it expires. Held
+//!   requests get room oldest first.
 //!
 //! The queue is bounded: a request that finds it full is refused at once with 429
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
@@ -29,12 +31,13 @@
 //! errors. No request is dropped silently, and a waiting request that its client
 //! abandons leaves the queue at once.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use disagg_core::endpoint::EndpointSet;
 use disagg_core::endpoint::Role;
+use disagg_core::endpoint::{EndpointId, EndpointSet};
 use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::{Admission, AdmissionStats, Permit};
@@ -176,6 +179,7 @@ impl Limits {
             state: Arc::clone(&self.state),
             max_running,
             wait,
+            routed: Arc::default(),
         }
     }
 }
@@ -187,27 +191,123 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// A [`Router`] that holds a request while every decode endpoint of its model is
 /// saturated, made by [`Limits::decode_hold`] (see the [module](self) docs).
 ///
-/// Cost when a decode has room: a snapshot of the endpoint set and one
-/// [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) per decode endpoint of the
-/// model, until one has room.
+/// A decode's count is the larger of its
+/// [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) and the requests this hold
+/// routed to it whose attempt has not ended (a request counts from its routing, before
+/// its prefill runs; the place is the route's decode hold). Held requests get room in
+/// their order of arrival, and a new request waits behind them.
+///
+/// Cost per request: a boxed routing future, two short locks (the check, then the
+/// count), a snapshot of the endpoint set and one `load` per decode endpoint of the
+/// model; one more lock when the attempt ends.
 #[derive(Debug)]
 pub struct DecodeHold<R> {
     inner: R,
     state: Arc<State>,
     max_running: usize,
     wait: Duration,
+    /// This proxy's requests routed to each decode endpoint whose attempt has not ended.
+    routed: Arc<Routed>,
+}
+
+/// The requests this hold let through, per decode endpoint, counted from the moment
+/// they are routed to the end of their attempt. An endpoint's in-flight count takes a
+/// request only once its decode leg is sent, after the prefill: without this, every
+/// request whose prefill is running would be invisible to the hold, and requests
+/// released at the same poll would all find the same free place.
+///
+/// It also keeps the held requests in their order of arrival: room goes to the oldest
+/// first, and a new request waits behind them.
+#[derive(Debug, Default)]
+struct Routed(std::sync::Mutex<Counts>);
+
+#[derive(Debug, Default)]
+struct Counts {
+    /// Places per decode endpoint.
+    places: HashMap<EndpointId, usize>,
+    /// The tickets of the requests held, oldest first.
+    held: BTreeSet<u64>,
+    /// The next ticket.
+    next: u64,
+}
+
+/// A held request's ticket, leaving the line when the request is routed or gives up.
+struct Ticket<'a> {
+    routed: &'a Routed,
+    ticket: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        crate::lock(&self.routed.0).held.remove(&self.ticket);
+    }
+}
+
+/// One request's place in [`Routed`], given back when the attempt ends (the route's
+/// decode hold is dropped). An endpoint's entry leaves with its last place.
+struct RoutedPlace {
+    routed: Arc<Routed>,
+    decode: EndpointId,
+}
+
+impl Drop for RoutedPlace {
+    fn drop(&mut self) {
+        let places = &mut crate::lock(&self.routed.0).places;
+        if let Some(n) = places.get_mut(&self.decode) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                places.remove(&self.decode);
+            }
+        }
+    }
 }
 
 impl<R: Router> DecodeHold<R> {
-    /// Whether every decode endpoint of the request's model is saturated (false when
-    /// it has none: routing says why).
-    fn saturated(&self, ask: &Ask<'_>) -> bool {
+    /// Whether the decodes of the request's model have room for it: more free places
+    /// than requests held ahead of it (every held request, for one not yet held; true
+    /// when the model has no decode: routing says why). A decode's count is the larger
+    /// of its [load](disagg_core::endpoint::Endpoint::load) and the requests this hold
+    /// routed to it that have not ended.
+    fn has_room(&self, ask: &Ask<'_>, counts: &Counts, ticket: Option<u64>) -> bool {
         let set = ask.endpoints();
         let Ok(set) = set.for_model(ask.view().model) else {
-            return false;
+            return true;
         };
         let decodes = set.by_role(Role::Decode);
-        !decodes.is_empty() && decodes.iter().all(|d| d.load() >= self.max_running)
+        if decodes.is_empty() {
+            return true;
+        }
+        let free: usize = decodes
+            .iter()
+            .map(|d| {
+                let ours = counts.places.get(d.id()).copied().unwrap_or(0);
+                self.max_running.saturating_sub(d.load().max(ours))
+            })
+            .sum();
+        let ahead = match ticket {
+            None => counts.held.len(),
+            Some(t) => counts.held.range(..t).count(),
+        };
+        free > ahead
+    }
+
+    /// `route` with a place counted on its decode, when the decodes of the model still
+    /// have room for the request: checked and counted under one lock, so that requests
+    /// let through at the same time cannot all take the same free place. `None` when
+    /// they filled up since the request was routed.
+    fn admit(&self, ask: &Ask<'_>, route: Route, ticket: Option<u64>) -> Option<Route> {
+        let mut counts = crate::lock(&self.routed.0);
+        if !self.has_room(ask, &counts, ticket) {
+            return None;
+        }
+        let decode = route.decode.id().clone();
+        *counts.places.entry(decode.clone()).or_insert(0) += 1;
+        drop(counts);
+        let place = RoutedPlace {
+            routed: Arc::clone(&self.routed),
+            decode,
+        };
+        Some(route.with_holds(None, Some(Permit::new(place))))
     }
 }
 
@@ -221,25 +321,44 @@ impl<R: Router> Router for DecodeHold<R> {
     }
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        if !self.saturated(&ask) {
-            return self.inner.route(ask);
-        }
         Either::Right(Box::pin(async move {
             let since = Instant::now();
-            {
-                let _waiting = self.state.enqueue()?;
-                let until = {
-                    let by_hold = since + self.wait;
-                    ask.deadline().map_or(by_hold, |d| d.min(by_hold))
-                };
-                while self.saturated(&ask) {
-                    if Instant::now() >= until {
-                        return Err(self.state.timed_out(since));
+            let until = {
+                let by_hold = since + self.wait;
+                ask.deadline().map_or(by_hold, |d| d.min(by_hold))
+            };
+            // Once held: its place in the admission queue and in the hold's line.
+            let mut held: Option<(Waiting<'_>, Ticket<'_>)> = None;
+            loop {
+                let ticket = held.as_ref().map(|(_, t)| t.ticket);
+                let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
+                if room {
+                    // The policy chooses the decode (a saturated one too, when it
+                    // prefers it: the hold only keeps requests back while every decode
+                    // is full); the place is counted if room is still left.
+                    let route = self.inner.route(ask).await?;
+                    if let Some(route) = self.admit(&ask, route, ticket) {
+                        return Ok(route);
                     }
-                    tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
                 }
+                if held.is_none() {
+                    let waiting = self.state.enqueue()?;
+                    let mut counts = crate::lock(&self.routed.0);
+                    let ticket = counts.next;
+                    counts.next += 1;
+                    counts.held.insert(ticket);
+                    drop(counts);
+                    let ticket = Ticket {
+                        routed: &self.routed,
+                        ticket,
+                    };
+                    held = Some((waiting, ticket));
+                }
+                if Instant::now() >= until {
+                    return Err(self.state.timed_out(since));
+                }
+                tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
             }
-            self.inner.route(ask).await
         }))
     }
 
