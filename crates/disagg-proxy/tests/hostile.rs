@@ -235,8 +235,10 @@ async fn a_body_of_many_keys_is_answered_promptly_while_its_loop_serves_others()
     stop_tx.send(true).expect("stop the ticker");
     let done = ticker.await.expect("the ticker");
 
+    // Bounds against the quadratic fold this test guards (13 s of one event loop), not
+    // a performance goal: loose enough for a debug build on a loaded 2-core machine.
     assert!(
-        took < Duration::from_secs(1),
+        took < Duration::from_secs(4),
         "the 120k-key body was answered after {took:?}"
     );
     // Gaps between the small answers from when the big body was sent to the end.
@@ -248,7 +250,7 @@ async fn a_body_of_many_keys_is_answered_promptly_while_its_loop_serves_others()
     assert!(gaps.len() >= 3, "few small answers meanwhile: {gaps:?}");
     let worst = gaps.iter().max().copied().unwrap_or_default();
     assert!(
-        worst <= Duration::from_millis(250),
+        worst <= Duration::from_secs(1),
         "the other connection waited {worst:?} for an answer"
     );
 
