@@ -33,14 +33,15 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use http::{HeaderMap, StatusCode};
 
-use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
-use crate::error::{ConnectorError, InvalidParam};
+use crate::error::ConnectorError;
 use crate::outcome::Outcome;
 use crate::policy::Decision;
 use crate::request::{Api, PdRequest};
 use crate::router::Route;
 use crate::transport::{BoxBody, Transport};
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
 
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,9 +220,9 @@ impl PrefillAnswer {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
-    pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
-        crate::proto::top_level_field(&self.body, key)
+    /// [`BodyError`](disagg_json::BodyError) when the answer is not a JSON object.
+    pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, disagg_json::BodyError> {
+        disagg_json::top_level_field(&self.body, key)
     }
 
     /// Like [`field`](Self::field), with the value read by `read` rather than by serde,
@@ -233,14 +234,14 @@ impl PrefillAnswer {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or
+    /// [`BodyError`](disagg_json::BodyError) when the answer is not a JSON object, or
     /// `read` refuses the value.
     pub fn read_field<T>(
         &self,
         key: &str,
         read: impl FnMut(&[u8]) -> Option<(usize, T)>,
-    ) -> Result<Option<(bytes::Bytes, T)>, crate::error::BodyError> {
-        crate::body::top_level_read(&self.body, key, read)
+    ) -> Result<Option<(bytes::Bytes, T)>, disagg_json::BodyError> {
+        disagg_json::top_level_read(&self.body, key, read)
     }
 
     /// Like [`read_field`](Self::read_field) for two top-level fields, both read in one
@@ -250,7 +251,7 @@ impl PrefillAnswer {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or a
+    /// [`BodyError`](disagg_json::BodyError) when the answer is not a JSON object, or a
     /// reader refuses its value (a reader that must not fail the answer steps over any
     /// JSON value and says what it found instead).
     #[allow(clippy::type_complexity)]
@@ -258,9 +259,9 @@ impl PrefillAnswer {
         &self,
         first: (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
         second: (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
-    ) -> Result<(Option<(bytes::Bytes, T)>, Option<(bytes::Bytes, U)>), crate::error::BodyError>
+    ) -> Result<(Option<(bytes::Bytes, T)>, Option<(bytes::Bytes, U)>), disagg_json::BodyError>
     {
-        crate::body::top_level_read_pair(&self.body, first, second)
+        disagg_json::top_level_read_pair(&self.body, first, second)
     }
 }
 

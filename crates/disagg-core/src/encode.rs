@@ -23,8 +23,9 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::endpoint::Endpoint;
-use crate::error::{ConnectorError, InvalidParam};
+use crate::error::ConnectorError;
 use crate::request::{Api, PdRequest};
+use disagg_json::InvalidParam;
 
 /// One encoder leg's body and how many media items it carries.
 #[derive(Debug, Clone)]

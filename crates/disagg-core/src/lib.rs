@@ -52,7 +52,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod body;
 pub mod connector;
 pub mod encode;
 pub mod endpoint;
@@ -68,6 +67,10 @@ pub mod source;
 pub mod tokens;
 mod trace;
 pub mod transport;
+
+// The JSON toolkit requests are built on (`disagg-json`): `json::JsonBody` is what
+// `PdRequest::body` returns, `json::BodyError` why a body was refused.
+pub use disagg_json as json;
 
 // The handful of names a user writes daily, at the root; everything else at its
 // module's path (one path per item), and the connector and adapter author's helpers in

@@ -20,13 +20,13 @@ use futures::future::{BoxFuture, Either, Ready, ready};
 use http::HeaderMap;
 use tokio::time::Instant;
 
-use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::{PdError, RouteError};
 use crate::outcome::Outcome;
 use crate::policy::Permit;
 use crate::request::{Api, PdRequest};
 use crate::source::EndpointSource;
+use disagg_json::JsonBody;
 
 /// What a router may read of a request.
 ///

@@ -528,8 +528,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_route_waits_until_a_leg_that_held_a_place_ends() {
-        use disagg_core::body::JsonBody;
         use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::json::JsonBody;
         use disagg_core::request::Api;
         use disagg_core::source::{EndpointSource, StaticSource};
         use futures::FutureExt;
@@ -567,8 +567,8 @@ mod tests {
 
     #[tokio::test]
     async fn below_its_limit_the_router_routes_as_it_would() {
-        use disagg_core::body::JsonBody;
         use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::json::JsonBody;
         use disagg_core::request::Api;
         use disagg_core::source::StaticSource;
         use futures::FutureExt;

@@ -35,17 +35,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::vllm::rewrite::check::VllmLimits;
 use async_trait::async_trait;
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
 use disagg_core::connector::{
     Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
 };
 use disagg_core::endpoint::{Endpoint, FactError, Facts};
-use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
+use disagg_core::error::{BoxError, ConnectorError};
 use disagg_core::pairing::{KvProfile, Mismatch, PairError};
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 

@@ -56,10 +56,11 @@ use self::bidi::BidiStore;
 use crate::vllm::reuse::{self, PromptTokenReuse, Reuse, ReuseStats};
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::error::ConnectorError;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
+use disagg_json::InvalidParam;
 
 /// The field that carries the handoff, on requests and on the prefill's answer.
 pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";

@@ -335,13 +335,13 @@ impl Orchestrator {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) as [`PdRequest::new`].
+    /// [`BodyError`](disagg_json::BodyError) as [`PdRequest::new`].
     pub fn request(
         &self,
         api: crate::request::Api,
         headers: HeaderMap,
         body: &Bytes,
-    ) -> Result<PdRequest, crate::error::BodyError> {
+    ) -> Result<PdRequest, disagg_json::BodyError> {
         PdRequest::with_ids(api, headers, body, &self.inner.ids)
     }
 
