@@ -9,7 +9,7 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `mod.rs` | the errors of each concern, and the edge helpers ([`openai_error_body`], [`error_chain`]) |
+//! | `mod.rs` | the errors of each concern, and [`error_chain`], the one rendering of an error with its causes |
 //! | `pd.rs` | [`PdError`] and its [`Side`]: the classification a server answers by |
 
 use std::fmt;
@@ -225,10 +225,11 @@ impl TransportError {
     }
 }
 
-/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one place
-/// it is built, for error answers (`disagg-http`) and for the error event that ends a
-/// broken stream ([`PdBody`](crate::orchestrator::PdBody)).
-pub fn openai_error_body(
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for the error
+/// event that ends a broken stream ([`PdBody`](crate::orchestrator::PdBody)) and an
+/// engine answer the proxy does not relay. Error *answers* are an HTTP layer's to render
+/// (`disagg_http::error`, from [`PdError::http`]).
+pub(crate) fn openai_error_body(
     message: &str,
     error_type: &str,
     param: Option<&str>,
