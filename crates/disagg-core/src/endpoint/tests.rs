@@ -103,30 +103,6 @@ fn link_local_and_metadata_hosts_are_refused_unless_allowed() {
 }
 
 #[test]
-fn ranks_parse_count_and_are_capped() {
-    assert_eq!("0-3".parse::<Ranks>().unwrap(), Ranks::new(0, 3).unwrap());
-    assert_eq!("2".parse::<Ranks>().unwrap().count(), 1);
-    assert!("3-1".parse::<Ranks>().is_err());
-    assert!("a-b".parse::<Ranks>().is_err());
-    let all: Ranks = "0-4294967295".parse().unwrap();
-    assert_eq!(all.count(), 1 << 32);
-    match all.within(DEFAULT_MAX_DP_RANKS) {
-        Err(RanksError::TooMany { count, max, .. }) => {
-            assert_eq!((count, max), (1 << 32, 1024));
-        }
-        other => panic!("{other:?}"),
-    }
-    let most = Ranks::new(0, DEFAULT_MAX_DP_RANKS - 1).unwrap();
-    assert_eq!(most.within(DEFAULT_MAX_DP_RANKS), Ok(most));
-    assert!(
-        Ranks::new(0, DEFAULT_MAX_DP_RANKS)
-            .unwrap()
-            .within(DEFAULT_MAX_DP_RANKS)
-            .is_err()
-    );
-}
-
-#[test]
 fn guards_count_in_flight() {
     let ep = Arc::new(Endpoint::new("http://h:1", Role::Prefill).unwrap());
     let a = ep.track();

@@ -676,7 +676,7 @@ pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError>
     if !range.contains('-') {
         return Ok(vec![url.to_owned()]);
     }
-    let ranks: disagg_core::endpoint::Ranks = range.parse().map_err(|_| {
+    let ranks: disagg_discovery::Ranks = range.parse().map_err(|_| {
         format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)")
     })?;
     let ranks = ranks

@@ -48,7 +48,7 @@ fn prefill_values_group_as_sglang_writes_them() {
 
 #[test]
 fn rank_ranges_expand_and_base_urls_drop_ranks() {
-    let max = disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
+    let max = disagg_discovery::DEFAULT_MAX_DP_RANKS;
     assert_eq!(expand_ranks("http://d:1", max).unwrap(), ["http://d:1"]);
     assert_eq!(expand_ranks("http://d:1@2", max).unwrap(), ["http://d:1@2"]);
     assert_eq!(
