@@ -392,7 +392,7 @@ pub trait KvConnector: Send + Sync + 'static {
 
     /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
     /// `prefill_tp` to a decode engine of size `decode_tp` (used by
-    /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
+    /// `disagg_pairing::check_pair` when both endpoints declare a size). The default
     /// accepts equal sizes only.
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
         prefill_tp == decode_tp

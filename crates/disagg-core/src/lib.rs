@@ -58,7 +58,6 @@ pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
 pub mod outcome;
-pub mod pairing;
 pub mod policy;
 pub mod proto;
 pub mod request;

@@ -19,8 +19,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use disagg_core::endpoint::{AddressPolicy, EndpointError, FactError, Facts};
-use disagg_core::pairing::{KvProfile, KvRole};
 use disagg_core::{Endpoint, Role};
+use disagg_pairing::{KvProfile, KvRole};
 
 /// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
 /// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
@@ -536,7 +536,7 @@ pub fn parse_kv_profile(spec: &str) -> Result<KvProfile, ProfileError> {
 pub(crate) fn parse_kv_role(s: &str) -> Result<KvRole, ProfileError> {
     s.trim()
         .parse()
-        .map_err(|e: disagg_core::pairing::KvRoleError| ProfileError(e.to_string()))
+        .map_err(|e: disagg_pairing::KvRoleError| ProfileError(e.to_string()))
 }
 
 /// A tensor-parallel size: a positive number.

@@ -268,7 +268,7 @@ impl OrchestratorBuilder {
     /// The orchestrator.
     ///
     /// The builder trusts the source's prefill/decode pairs; to refuse pairs that
-    /// cannot hand KV over (see [`pairing`](crate::pairing)), build over
+    /// cannot hand KV over (`disagg-pairing`'s `check_pair`), build over
     /// `disagg_resilience::pairing::ValidatedSource`, which checks the current set and
     /// every later one.
     pub fn build(self) -> Orchestrator {
