@@ -433,11 +433,6 @@ impl Orchestrator {
         &*self.inner.transport
     }
 
-    /// The encoder stage, when one is configured.
-    pub fn encode_stage(&self) -> Option<&crate::encode::EncodeStage> {
-        self.inner.encode.as_deref()
-    }
-
     /// The settings.
     pub fn config(&self) -> &OrchestratorConfig {
         &self.inner.config
