@@ -279,7 +279,7 @@ async fn read_engine_loads(
                 continue;
             };
             for r in &router.replicas {
-                r.endpoints[i].set_engine_load(n);
+                r.endpoints[i].set_engine_load(Some(n));
             }
         }
     }

@@ -595,18 +595,17 @@ impl Endpoint {
     /// Sets the engine's own count of its requests (waiting and running), read now:
     /// from now on [`load`](Self::load) reads it (plus this endpoint's in-flight change
     /// since now) instead of the in-flight count alone. Counts beyond `u32::MAX - 1`
-    /// are taken as that.
-    pub fn set_engine_load(&self, requests: u64) {
+    /// are taken as that. `None` forgets the count: `load` is the in-flight count again
+    /// (an engine whose `/metrics` can no longer be read).
+    pub fn set_engine_load(&self, requests: Option<u64>) {
+        let Some(requests) = requests else {
+            self.engine_load.store(NO_ENGINE_LOAD, Ordering::Relaxed);
+            return;
+        };
         let count = requests.min(u64::from(u32::MAX - 1));
         let then = (self.in_flight() as u64).min(u64::from(u32::MAX));
         self.engine_load
             .store((count << 32) | then, Ordering::Relaxed);
-    }
-
-    /// Forgets the engine's own count: [`load`](Self::load) is the in-flight count
-    /// again (an engine whose `/metrics` can no longer be read).
-    pub fn clear_engine_load(&self) {
-        self.engine_load.store(NO_ENGINE_LOAD, Ordering::Relaxed);
     }
 
     /// Count one more request in flight until the returned guard drops.

@@ -121,21 +121,21 @@ fn load_is_in_flight_until_the_engine_count_is_set() {
     assert_eq!(ep.load(), 1);
     // The engine counts 7 (this router's request among them): the load is 7, and what
     // this router sends or ends after the read moves it from there.
-    ep.set_engine_load(7);
+    ep.set_engine_load(Some(7));
     assert_eq!(ep.load(), 7);
     let b = ep.track();
     let c = ep.track();
     assert_eq!(ep.load(), 9);
     drop((a, b));
     assert_eq!(ep.load(), 7);
-    ep.set_engine_load(0);
+    ep.set_engine_load(Some(0));
     assert_eq!(ep.load(), 0);
     drop(c);
     assert_eq!(ep.load(), 0, "never below zero");
-    ep.clear_engine_load();
+    ep.set_engine_load(None);
     let _d = ep.track();
     assert_eq!(ep.load(), 1);
-    ep.set_engine_load(u64::MAX);
+    ep.set_engine_load(Some(u64::MAX));
     assert_eq!(ep.load(), (u32::MAX - 1) as usize);
 }
 
