@@ -384,10 +384,10 @@ fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
 
 #[tokio::test]
 async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
-    use disagg_core::{EndpointSource, source::ManualSource};
+    use disagg_core::{EndpointSource, source::StaticSource};
     use disagg_resilience::pairing::ValidatedSource;
     let decode = || declared("http://d:7200", Role::Decode, None, Some(receiver()));
-    let inner = Arc::new(ManualSource::new([
+    let inner = Arc::new(StaticSource::new([
         declared("http://p2:7100", Role::Prefill, tp(2), None),
         decode(),
     ]));
