@@ -202,8 +202,8 @@ impl<R: Router> DecodeHold<R> {
     /// Whether every decode endpoint of the request's model is saturated (false when
     /// it has none: routing says why).
     fn saturated(&self, ask: &Ask<'_>) -> bool {
-        let set = ask.endpoints();
-        let Ok(set) = set.for_model(ask.view().model) else {
+        let set = ask.source.snapshot();
+        let Ok(set) = set.for_model(ask.view.model) else {
             return false;
         };
         let decodes = set.by_role(Role::Decode);
@@ -230,7 +230,7 @@ impl<R: Router> Router for DecodeHold<R> {
                 let _waiting = self.state.enqueue()?;
                 let until = {
                     let by_hold = since + self.wait;
-                    ask.deadline().map_or(by_hold, |d| d.min(by_hold))
+                    ask.deadline.map_or(by_hold, |d| d.min(by_hold))
                 };
                 while self.saturated(&ask) {
                     if Instant::now() >= until {
@@ -400,7 +400,7 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         Either::Right(Box::pin(async move {
             let since = Instant::now();
             loop {
-                self.state.wait_for_room(since, ask.deadline()).await?;
+                self.state.wait_for_room(since, ask.deadline).await?;
                 if let Some(route) = self.with_room(ask.select(&self.inner)?, limit) {
                     return Ok(route);
                 }
