@@ -450,7 +450,7 @@ pub struct KvEventsEndpoint(pub String);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn check_facts(facts: &Facts) -> Result<(), SpecError> {
-    if let Some(Err(_)) = facts.parse::<u16>(Facts::BOOTSTRAP_PORT) {
+    if let Some(Err(_)) = facts.get(Facts::BOOTSTRAP_PORT).map(str::parse::<u16>) {
         return Err(SpecError::Malformed {
             key: Facts::BOOTSTRAP_PORT,
             expected: "a port number (0-65535)",
