@@ -163,8 +163,8 @@ pub struct OrchestratorStats {
     /// proxy rewrites (400 `invalid_parameter`).
     pub invalid_params: u64,
     /// Requests the orchestrator did not serve, told through
-    /// [`Orchestrator::route_ended`], by kind (every [`RouteKind`](crate::outcome::RouteKind),
-    /// in the order of `RouteKind::ALL`).
+    /// [`Orchestrator::route_ended`], by kind: every [`RouteKind`](crate::outcome::RouteKind),
+    /// in the order `forward`, `direct`, `fanout`, `key_refused`.
     pub routed: Vec<(&'static str, u64)>,
     /// Requests whose prompt the [`Tokenizer`] turned into token ids (see
     /// [`tokens`](crate::tokens)).
