@@ -67,8 +67,7 @@ impl KvConnector for PinnedHostNixl {
             endpoint: prefill.id().clone(),
             field,
         };
-        let raw = answer
-            .field("kv_transfer_params")
+        let raw = disagg::core::json::top_level_field(&answer.body, "kv_transfer_params")
             .map_err(|_| invalid("kv_transfer_params"))?;
         let params: Option<Map<String, Value>> = match raw {
             None => None,

@@ -52,6 +52,8 @@ pub use disagg_nixl as nixl;
 #[cfg(feature = "otel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub use disagg_otel as otel;
+// The pairing facts an embedder declares on its endpoints (they were `core::pairing`).
+pub use disagg_pairing as pairing;
 #[cfg(feature = "resilience")]
 #[cfg_attr(docsrs, doc(cfg(feature = "resilience")))]
 pub use disagg_resilience as resilience;

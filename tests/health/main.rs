@@ -18,7 +18,7 @@ use disagg_core::orchestrator::PrefillFailure;
 use disagg_core::transport::Transport;
 use disagg_core::{
     Endpoint, EndpointSource, Orchestrator, Role, orchestrator::OrchestratorConfig,
-    source::ManualSource,
+    source::StaticSource,
 };
 use disagg_http::{HttpTransport, PdService};
 use disagg_resilience::{EndpointHealth, HealthConfig, HealthSource};
@@ -104,7 +104,7 @@ async fn flip_server() -> Flip {
 async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts_there() {
     let engine = SimEngine::start(SimConfig::default()).await.unwrap();
     let dead = dead_url().await;
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         Endpoint::new(&engine.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),
         Endpoint::new(&engine.url(), Role::Decode).unwrap(),
@@ -165,7 +165,7 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
 async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_per_round() {
     let flip = flip_server().await;
     let other = SimEngine::start(SimConfig::default()).await.unwrap();
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         Endpoint::new(&format!("{}@0", flip.url), Role::Prefill).unwrap(),
         Endpoint::new(&format!("{}@1", flip.url), Role::Prefill).unwrap(),
         Endpoint::new(&format!("{}@2", flip.url), Role::Prefill).unwrap(),
@@ -218,7 +218,7 @@ async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_pe
 async fn a_health_check_without_an_answer_in_time_is_a_failure() {
     let flip = flip_server().await;
     flip.status.store(0, Ordering::SeqCst);
-    let inner = ManualSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
+    let inner = StaticSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
     let config = fast_checks();
     let source = HealthSource::new(inner, config.clone());
     let _stop = spawn_checks(&source);
@@ -234,7 +234,7 @@ async fn a_health_check_without_an_answer_in_time_is_a_failure() {
 #[tokio::test]
 async fn stopping_the_checks_ends_them() {
     let flip = flip_server().await;
-    let inner = ManualSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
+    let inner = StaticSource::new([Endpoint::new(&flip.url, Role::Decode).unwrap()]);
     let source = HealthSource::new(inner, fast_checks());
     let (stop_tx, stop) = watch::channel(false);
     let task = tokio::spawn(Arc::clone(source.health()).run_checks(HttpTransport::default(), stop));
@@ -288,7 +288,7 @@ async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succe
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
     let d = SimEngine::start(SimConfig::default()).await.unwrap();
     let dead = dead_url().await;
-    let inner = Arc::new(ManualSource::new([
+    let inner = Arc::new(StaticSource::new([
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
@@ -351,7 +351,7 @@ async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succe
 async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejection_time() {
     // One engine in both roles; the decode-only fallback shows its decode leg is kept.
     let engine = SimEngine::start(SimConfig::default()).await.unwrap();
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         Endpoint::new(&engine.url(), Role::Prefill).unwrap(),
         Endpoint::new(&engine.url(), Role::Decode).unwrap(),
     ]);
@@ -413,7 +413,7 @@ async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traff
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
     let d = SimEngine::start(SimConfig::default()).await.unwrap();
     let dead = dead_url().await;
-    let inner = Arc::new(ManualSource::new([
+    let inner = Arc::new(StaticSource::new([
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),

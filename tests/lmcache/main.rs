@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use disagg_affinity::{PerLeg, RoundRobin};
 use disagg_connectors::lmcache::{Lmcache, LmcacheReceiver, Notifications, NotifyConfig};
 use disagg_core::orchestrator::OrchestratorConfig;
-use disagg_core::{Endpoint, Orchestrator, Role, source::ManualSource};
+use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg_http::HttpTransport;
 use disagg_sim::{Faults, KvMode, SimConfig, SimEngine, SimRole};
 use serde_json::json;
@@ -117,7 +117,7 @@ async fn start(opts: Opts) -> Lm {
     let mut config = OrchestratorConfig::default();
     config.handoff_timeout = opts.handoff_timeout;
     let orchestrator = Orchestrator::builder(
-        Arc::new(ManualSource::new(endpoints)),
+        Arc::new(StaticSource::new(endpoints)),
         HttpTransport::default(),
         Lmcache::new(notifications.clone()),
     )

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use disagg_core::endpoint::Facts;
 use disagg_core::policy::Disaggregate;
-use disagg_core::{Endpoint, KvConnector, Orchestrator, Role, source::ManualSource};
+use disagg_core::{Endpoint, KvConnector, Orchestrator, Role, source::StaticSource};
 use disagg_http::{HttpTransport, PdService, PdServiceConfig};
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
 use http::{HeaderMap, StatusCode};
@@ -27,7 +27,7 @@ pub struct Stack {
     pub url: String,
     /// The proxy's endpoint source: its endpoints carry the live in-flight counts, and
     /// a test may change the set.
-    pub source: std::sync::Arc<ManualSource>,
+    pub source: std::sync::Arc<StaticSource>,
     /// The proxy's orchestrator, for its counters.
     pub orchestrator: Orchestrator,
     /// [`Protocol::Lmcache`]: the proxy's notification listener, for its registry.
@@ -346,7 +346,7 @@ impl StackBuilder {
         for e in &decode {
             endpoints.extend(endpoints_of(e, Role::Decode, self.ranks.1));
         }
-        let source = std::sync::Arc::new(ManualSource::new(endpoints));
+        let source = std::sync::Arc::new(StaticSource::new(endpoints));
         let mut builder = Orchestrator::builder(
             std::sync::Arc::clone(&source),
             HttpTransport::default(),

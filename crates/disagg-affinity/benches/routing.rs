@@ -19,7 +19,7 @@ use disagg_affinity::{
     RoundRobin, WeightedRandom,
 };
 use disagg_core::router::{Pick, RequestView, Router};
-use disagg_core::{Endpoint, Role, body::JsonBody, endpoint::EndpointSet, request::Api};
+use disagg_core::{Endpoint, Role, endpoint::EndpointSet, json::JsonBody, request::Api};
 use http::HeaderMap;
 
 const SIZES: [usize; 3] = [8, 64, 512];

@@ -443,7 +443,7 @@ impl Hasher for MixHasher {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::{Role, body::JsonBody, request::Api};
+    use disagg_core::{Role, json::JsonBody, request::Api};
     use http::HeaderMap;
     use proptest::prelude::*;
 

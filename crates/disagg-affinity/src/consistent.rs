@@ -197,7 +197,7 @@ impl Pick for ConsistentHash {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::{Role, body::JsonBody, request::Api};
+    use disagg_core::{Role, json::JsonBody, request::Api};
     use http::HeaderMap;
     use proptest::prelude::*;
 

@@ -30,7 +30,7 @@ use disagg_core::router::RequestView;
 /// use disagg_affinity::PromptThreshold;
 /// use disagg_core::policy::{Decision, Disaggregate};
 /// use disagg_core::router::RequestView;
-/// use disagg_core::{request::Api, body::JsonBody};
+/// use disagg_core::{request::Api, json::JsonBody};
 /// use http::HeaderMap;
 ///
 /// let hook = PromptThreshold::new(256);
@@ -104,7 +104,7 @@ mod tests {
     use http::HeaderMap;
 
     use super::*;
-    use disagg_core::{body::JsonBody, request::Api};
+    use disagg_core::{json::JsonBody, request::Api};
 
     fn estimate(api: Api, body: &str) -> Option<usize> {
         let (h, b) = (HeaderMap::new(), JsonBody::parse(body.as_bytes()).unwrap());

@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 
-use disagg_core::body::JsonBody;
+use disagg_core::json::JsonBody;
 use disagg_core::router::RequestView;
 use http::HeaderMap;
 
@@ -64,7 +64,7 @@ impl KeySource {
 /// ```
 /// use disagg_affinity::{KeySource, SessionKey};
 /// use disagg_core::router::RequestView;
-/// use disagg_core::{request::Api, body::JsonBody};
+/// use disagg_core::{request::Api, json::JsonBody};
 /// use http::HeaderMap;
 ///
 /// let key = SessionKey::new([KeySource::header("x-conversation"), KeySource::body_field("user")]);

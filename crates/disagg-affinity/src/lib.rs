@@ -57,7 +57,7 @@
 //!
 //! use disagg_affinity::{ConsistentHash, PerLeg};
 //! use disagg_core::router::{Pick, RequestView};
-//! use disagg_core::{request::Api, Endpoint, body::JsonBody, Role};
+//! use disagg_core::{request::Api, Endpoint, json::JsonBody, Role};
 //! use http::HeaderMap;
 //!
 //! let engines: Vec<Arc<Endpoint>> = (0..3)

@@ -400,7 +400,7 @@ mod tests {
 
     use super::*;
     use disagg_core::endpoint::Role;
-    use disagg_core::{body::JsonBody, request::Api};
+    use disagg_core::{json::JsonBody, request::Api};
 
     fn eps(n: usize, role: Role) -> Vec<Arc<Endpoint>> {
         (0..n)

@@ -105,7 +105,7 @@ pub enum PrefixError {
 /// ```
 /// use disagg_affinity::PrefixHasher;
 /// use disagg_core::router::RequestView;
-/// use disagg_core::{request::Api, body::JsonBody};
+/// use disagg_core::{request::Api, json::JsonBody};
 /// use http::HeaderMap;
 ///
 /// let hasher = PrefixHasher::new().with_block_size(16)?;
@@ -569,7 +569,7 @@ fn hex4(b: &[u8]) -> Option<u32> {
 
 #[cfg(test)]
 mod tests {
-    use disagg_core::body::JsonBody;
+    use disagg_core::json::JsonBody;
     use http::HeaderMap;
     use proptest::prelude::*;
 

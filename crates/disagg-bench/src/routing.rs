@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use disagg_affinity::CacheAware;
 use disagg_core::router::{Pick, RequestView};
-use disagg_core::{Endpoint, Role, body::JsonBody, request::Api};
+use disagg_core::{Endpoint, Role, json::JsonBody, request::Api};
 use disagg_kvevents::{
     EngineEndpoint, IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig, Subscriber,
     SubscriberConfig,
@@ -279,7 +279,7 @@ async fn read_engine_loads(
                 continue;
             };
             for r in &router.replicas {
-                r.endpoints[i].set_engine_load(n);
+                r.endpoints[i].set_engine_load(Some(n));
             }
         }
     }

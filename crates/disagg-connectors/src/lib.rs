@@ -22,8 +22,9 @@
 //! | `sglang` | `sglang` (default) | `SglangBootstrap` (bootstrap host, port and room), SGLang's native `/generate` API and its logprob merge |
 //! | `lmcache` | `lmcache` (brings `vllm`) | `Lmcache` (the first token from the prefill, the decode gated on KV-ready notifications), the reshape from completions to chat, the ZMQ PULL listener (`Notifications`) |
 //!
-//! Pydantic's lax reading of JSON values, which every engine applies, is the core's
-//! ([`disagg_core::proto::lax`]): `PdRequest` reads `stream` with it.
+//! The JSON toolkit every protocol rewrites bodies with is `disagg-json`
+//! ([`JsonBody`](disagg_json::JsonBody), pydantic's lax reading of JSON values in
+//! [`disagg_json::lax`], which the core's `PdRequest` also reads `stream` with).
 //!
 //! A new protocol is one module here plus one feature (the [`guide`] walks through it).
 //!

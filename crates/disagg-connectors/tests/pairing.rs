@@ -1,11 +1,11 @@
-//! Pairing facts (`disagg_core::pairing`) against the engines' connectors: which
+//! Pairing facts (`disagg_pairing`) against the engines' connectors: which
 //! versions, roles, connectors and tensor-parallel sizes each protocol can pair.
 #![cfg(all(feature = "vllm", feature = "sglang"))]
 
 use disagg_connectors::sglang::SglangBootstrap;
 use disagg_connectors::vllm::{VllmMooncake, VllmNixl};
 use disagg_core::connector::KvConnector;
-use disagg_core::pairing::{KvProfile, KvRole, Mismatch, check_pair};
+use disagg_pairing::{KvProfile, KvRole, Mismatch, check_pair};
 use disagg_resilience::pairing::check_versions;
 
 #[test]

@@ -33,14 +33,15 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use http::{HeaderMap, StatusCode};
 
-use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
-use crate::error::{ConnectorError, InvalidParam};
+use crate::error::ConnectorError;
 use crate::outcome::Outcome;
 use crate::policy::Decision;
 use crate::request::{Api, PdRequest};
 use crate::router::Route;
 use crate::transport::{BoxBody, Transport};
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
 
 /// How the two legs of a handoff are sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,9 +202,13 @@ impl Handoff {
 
 /// The prefill's successful answer.
 ///
-/// The body is kept as received; a connector reads what it needs with
-/// [`field`](Self::field) (one top-level field, found without parsing the rest) or
-/// [`JsonBody::parse_bytes`] on [`body`](Self::body) (the whole top level).
+/// The body is kept as received; a connector reads what it needs from
+/// [`body`](Self::body) with `disagg-json`: [`top_level_field`](disagg_json::top_level_field)
+/// (one top-level field, found without parsing the rest),
+/// [`top_level_read`](disagg_json::top_level_read) and
+/// [`top_level_read_pair`](disagg_json::top_level_read_pair) (one or two fields read by
+/// the connector's own validating reader, in one pass) or
+/// [`JsonBody::parse_bytes`] (the whole top level).
 #[derive(Debug, Clone)]
 pub struct PrefillAnswer {
     /// The status (2xx).
@@ -212,56 +217,6 @@ pub struct PrefillAnswer {
     pub headers: HeaderMap,
     /// The body, as received.
     pub body: bytes::Bytes,
-}
-
-impl PrefillAnswer {
-    /// The raw value of the top-level field `key` of the answer, if present.
-    ///
-    /// # Errors
-    ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object.
-    pub fn field(&self, key: &str) -> Result<Option<bytes::Bytes>, crate::error::BodyError> {
-        crate::proto::top_level_field(&self.body, key)
-    }
-
-    /// Like [`field`](Self::field), with the value read by `read` rather than by serde,
-    /// so that a connector whose reading validates the value anyway (vLLM NIXL's handoff
-    /// check) reads its bytes once. `read` gets the answer from the value's first byte
-    /// on and returns how many bytes the value takes and what it found, or `None` when
-    /// they are not JSON (the answer is then malformed). It must refuse whatever serde
-    /// would: the value it steps over is what a connector may pass on.
-    ///
-    /// # Errors
-    ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or
-    /// `read` refuses the value.
-    pub fn read_field<T>(
-        &self,
-        key: &str,
-        read: impl FnMut(&[u8]) -> Option<(usize, T)>,
-    ) -> Result<Option<(bytes::Bytes, T)>, crate::error::BodyError> {
-        crate::body::top_level_read(&self.body, key, read)
-    }
-
-    /// Like [`read_field`](Self::read_field) for two top-level fields, both read in one
-    /// pass over the answer (vLLM NIXL reads `kv_transfer_params` and, for prompt-token
-    /// reuse, `prompt_token_ids`): `first` is `(key, read)` for one field, `second` for
-    /// the other. Each field's last value is returned with what its reader found.
-    ///
-    /// # Errors
-    ///
-    /// [`BodyError`](crate::error::BodyError) when the answer is not a JSON object, or a
-    /// reader refuses its value (a reader that must not fail the answer steps over any
-    /// JSON value and says what it found instead).
-    #[allow(clippy::type_complexity)]
-    pub fn read_fields<T, U>(
-        &self,
-        first: (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
-        second: (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
-    ) -> Result<(Option<(bytes::Bytes, T)>, Option<(bytes::Bytes, U)>), crate::error::BodyError>
-    {
-        crate::body::top_level_read_pair(&self.body, first, second)
-    }
 }
 
 /// What [`KvConnector::complete`] found in the prefill's answer (a step's result, not
@@ -391,7 +346,7 @@ pub trait KvConnector: Send + Sync + 'static {
 
     /// Whether this protocol can hand KV from a prefill engine of tensor-parallel size
     /// `prefill_tp` to a decode engine of size `decode_tp` (used by
-    /// [`pairing`](crate::pairing) when both endpoints declare a size). The default
+    /// `disagg_pairing::check_pair` when both endpoints declare a size). The default
     /// accepts equal sizes only.
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
         prefill_tp == decode_tp

@@ -23,8 +23,9 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::endpoint::Endpoint;
-use crate::error::{ConnectorError, InvalidParam};
+use crate::error::ConnectorError;
 use crate::request::{Api, PdRequest};
+use disagg_json::InvalidParam;
 
 /// One encoder leg's body and how many media items it carries.
 #[derive(Debug, Clone)]
@@ -48,7 +49,7 @@ pub struct EncodePlan {
 
 impl EncodePlan {
     /// How many media items the plan encodes.
-    pub fn items(&self) -> usize {
+    pub(crate) fn items(&self) -> usize {
         self.legs.iter().map(|l| l.items).sum()
     }
 }
@@ -124,6 +125,9 @@ pub struct EncodeStats {
     /// Total time spent in the stage, in microseconds (for a mean; the per-request
     /// distribution is the listeners').
     pub micros: u64,
+    /// Encoders passed over at the time of the reading (their leg failed within
+    /// [`EncodeConfig::eject_for`]): a gauge, not a count.
+    pub ejected: u64,
 }
 
 #[derive(Debug, Default)]
@@ -188,11 +192,6 @@ impl EncodeStage {
         }
     }
 
-    /// The encoder pool.
-    pub fn encoders(&self) -> &[Arc<Endpoint>] {
-        &self.encoders
-    }
-
     /// What the stage counted so far.
     pub fn stats(&self) -> EncodeStats {
         let c = &self.counters;
@@ -203,13 +202,14 @@ impl EncodeStage {
             retries: c.retries.load(Relaxed),
             failures: c.failures.load(Relaxed),
             micros: c.micros.load(Relaxed),
+            ejected: self.ejected(),
         }
     }
 
     /// Whether `req` may hold media parts: a chat request whose `messages` contain a
     /// media part type's name. A byte search, no parse: a text-only request pays only
     /// it.
-    pub fn wants(&self, req: &PdRequest) -> bool {
+    pub(crate) fn wants(&self, req: &PdRequest) -> bool {
         if self.encoders.is_empty() || req.api() != Api::Chat {
             return false;
         }
@@ -262,11 +262,12 @@ impl EncodeStage {
 
     /// The encoders passed over now (their leg failed within
     /// [`EncodeConfig::eject_for`]).
-    pub fn ejected(&self) -> usize {
+    fn ejected(&self) -> u64 {
         let now = self.now_micros();
-        (0..self.encoders.len())
+        let down = (0..self.encoders.len())
             .filter(|&i| self.is_down(i, now))
-            .count()
+            .count();
+        u64::try_from(down).unwrap_or(u64::MAX)
     }
 }
 

@@ -12,13 +12,13 @@
 //!
 //! - an IP address that is link-local or a cloud metadata service's is no engine's
 //!   ([`AddressPolicy`]): such a URL is refused unless the policy allows it explicitly;
-//! - an engine's data-parallel ranks ([`Ranks`]) are parsed as a range and counted
-//!   before one endpoint per rank is made, so that a range such as `0-4294967295` is
-//!   refused ([`Ranks::within`], [`DEFAULT_MAX_DP_RANKS`]) instead of allocated.
+//! - an engine's data-parallel ranks are counted before one endpoint per rank is made,
+//!   so that a range such as `0-4294967295` is refused instead of allocated (the
+//!   ranges and their ceiling are `disagg_discovery::{Ranks, DEFAULT_MAX_DP_RANKS}`,
+//!   where every list of endpoints, the command line's included, is expanded).
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -228,12 +228,6 @@ pub(crate) fn is_link_local_or_metadata(ip: IpAddr) -> bool {
 
 // === data-parallel ranks ===
 
-/// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
-/// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
-/// deployment's DP size, low enough that a typo cannot make millions of endpoints (each
-/// with its own health state and `/metrics` lines).
-pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
-
 /// The request header by which an engine serving several data-parallel ranks lets a
 /// request pick its rank (`X-Data-Parallel-Rank`; see [`Leg::set_rank`]). It is a fact
 /// of the engine an endpoint stands for, the same for every protocol that pins a rank,
@@ -243,118 +237,6 @@ pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
 /// [`Leg::set_rank`]: crate::connector::Leg::set_rank
 pub(crate) const DATA_PARALLEL_RANK: http::HeaderName =
     http::HeaderName::from_static("x-data-parallel-rank");
-
-/// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
-///
-/// Parsing checks the syntax and the order only; [`within`](Self::within) checks the
-/// count against a ceiling, which every place that makes one endpoint per rank applies
-/// first.
-///
-/// # Examples
-///
-/// ```
-/// use disagg_core::endpoint::{DEFAULT_MAX_DP_RANKS, Ranks};
-/// let ranks: Ranks = "0-3".parse()?;
-/// assert_eq!(ranks.count(), 4);
-/// assert_eq!(ranks.into_iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
-/// let huge: Ranks = "0-4294967295".parse()?;
-/// assert_eq!(huge.count(), 1 << 32);
-/// assert!(huge.within(DEFAULT_MAX_DP_RANKS).is_err());
-/// # Ok::<(), disagg_core::endpoint::RanksError>(())
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ranks {
-    first: u32,
-    last: u32,
-}
-
-impl Ranks {
-    /// Ranks `first` to `last`, both included.
-    ///
-    /// # Errors
-    ///
-    /// [`RanksError::Syntax`] when `first > last`.
-    pub fn new(first: u32, last: u32) -> Result<Self, RanksError> {
-        if first > last {
-            return Err(RanksError::Syntax(format!("{first}-{last}")));
-        }
-        Ok(Ranks { first, last })
-    }
-
-    /// How many ranks (at least 1; up to 2^32, hence a `u64`).
-    pub fn count(&self) -> u64 {
-        u64::from(self.last - self.first) + 1
-    }
-
-    /// These ranks, if there are at most `max` of them.
-    ///
-    /// # Errors
-    ///
-    /// [`RanksError::TooMany`] otherwise.
-    pub fn within(self, max: u32) -> Result<Self, RanksError> {
-        if self.count() > u64::from(max) {
-            return Err(RanksError::TooMany {
-                ranks: self,
-                count: self.count(),
-                max,
-            });
-        }
-        Ok(self)
-    }
-}
-
-/// Every rank, in order.
-impl IntoIterator for Ranks {
-    type Item = u32;
-    type IntoIter = std::ops::RangeInclusive<u32>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.first..=self.last
-    }
-}
-
-impl FromStr for Ranks {
-    type Err = RanksError;
-
-    /// `FIRST-LAST` (`0-3`) or a single rank (`2`), as after the `@` of `--prefill`.
-    fn from_str(s: &str) -> Result<Self, RanksError> {
-        let bad = || RanksError::Syntax(s.to_owned());
-        let (first, last) = match s.trim().split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
-            None => (s.trim(), s.trim()),
-        };
-        let first = first.parse().map_err(|_| bad())?;
-        let last = last.parse().map_err(|_| bad())?;
-        Ranks::new(first, last).map_err(|_| bad())
-    }
-}
-
-impl fmt::Display for Ranks {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.first, self.last)
-    }
-}
-
-/// Data-parallel ranks that cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum RanksError {
-    /// Not `FIRST-LAST` or `N`, or `FIRST` after `LAST`.
-    #[error("`{0}` is not data-parallel ranks: write FIRST-LAST (0-3) or one rank (2)")]
-    Syntax(String),
-    /// More ranks than the ceiling allows.
-    #[error(
-        "data-parallel ranks {ranks} are {count} ranks, more than the {max} allowed per engine"
-    )]
-    TooMany {
-        /// The ranks.
-        ranks: Ranks,
-        /// How many they are.
-        count: u64,
-        /// The ceiling.
-        max: u32,
-    },
-}
 
 /// One engine (or one data-parallel rank of an engine): where it is, what it does, what
 /// it serves and how busy it is now.
@@ -713,18 +595,17 @@ impl Endpoint {
     /// Sets the engine's own count of its requests (waiting and running), read now:
     /// from now on [`load`](Self::load) reads it (plus this endpoint's in-flight change
     /// since now) instead of the in-flight count alone. Counts beyond `u32::MAX - 1`
-    /// are taken as that.
-    pub fn set_engine_load(&self, requests: u64) {
+    /// are taken as that. `None` forgets the count: `load` is the in-flight count again
+    /// (an engine whose `/metrics` can no longer be read).
+    pub fn set_engine_load(&self, requests: Option<u64>) {
+        let Some(requests) = requests else {
+            self.engine_load.store(NO_ENGINE_LOAD, Ordering::Relaxed);
+            return;
+        };
         let count = requests.min(u64::from(u32::MAX - 1));
         let then = (self.in_flight() as u64).min(u64::from(u32::MAX));
         self.engine_load
             .store((count << 32) | then, Ordering::Relaxed);
-    }
-
-    /// Forgets the engine's own count: [`load`](Self::load) is the in-flight count
-    /// again (an engine whose `/metrics` can no longer be read).
-    pub fn clear_engine_load(&self) {
-        self.engine_load.store(NO_ENGINE_LOAD, Ordering::Relaxed);
     }
 
     /// Count one more request in flight until the returned guard drops.

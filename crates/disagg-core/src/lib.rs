@@ -52,14 +52,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod body;
 pub mod connector;
 pub mod encode;
 pub mod endpoint;
 pub mod error;
 pub mod orchestrator;
 pub mod outcome;
-pub mod pairing;
 pub mod policy;
 pub mod proto;
 pub mod request;
@@ -68,6 +66,10 @@ pub mod source;
 pub mod tokens;
 mod trace;
 pub mod transport;
+
+// The JSON toolkit requests are built on (`disagg-json`): `json::JsonBody` is what
+// `PdRequest::body` returns, `json::BodyError` why a body was refused.
+pub use disagg_json as json;
 
 // The handful of names a user writes daily, at the root; everything else at its
 // module's path (one path per item), and the connector and adapter author's helpers in

@@ -362,8 +362,8 @@ pub enum RouteKind {
 }
 
 impl RouteKind {
-    /// Every kind.
-    pub const ALL: [RouteKind; 4] = [
+    /// Every kind, in the order of [`OrchestratorStats::routed`](crate::orchestrator::OrchestratorStats::routed).
+    pub(crate) const ALL: [RouteKind; 4] = [
         RouteKind::Forward,
         RouteKind::Direct,
         RouteKind::FanOut,

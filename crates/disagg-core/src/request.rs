@@ -6,8 +6,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::body::JsonBody;
-use crate::error::BodyError;
+use disagg_json::BodyError;
+use disagg_json::JsonBody;
 
 /// The API a request belongs to: OpenAI's chat and completions, SGLang's native
 /// `/generate`, and the other generation routes vLLM 0.33 takes a KV handoff on
@@ -178,10 +178,10 @@ impl PdRequest {
         // Read as the engines' pydantic models read it (`"yes"`, `1` and `"true"` are
         // true): the decode leg carries the client's value, and the proxy must frame the
         // answer as the engine will.
-        let stream = match body.get("stream").map(crate::proto::lax::bool_value) {
+        let stream = match body.get("stream").map(disagg_json::lax::bool_value) {
             None | Some(Ok(None)) => false,
             Some(Ok(Some(s))) => s,
-            Some(Err(crate::proto::lax::Refused)) => {
+            Some(Err(disagg_json::lax::Refused)) => {
                 return Err(BodyError::FieldType {
                     field: "stream",
                     expected: "a boolean",

@@ -20,13 +20,13 @@ use futures::future::{BoxFuture, Either, Ready, ready};
 use http::HeaderMap;
 use tokio::time::Instant;
 
-use crate::body::JsonBody;
 use crate::endpoint::{Endpoint, EndpointSet};
 use crate::error::{PdError, RouteError};
 use crate::outcome::Outcome;
 use crate::policy::Permit;
 use crate::request::{Api, PdRequest};
 use crate::source::EndpointSource;
+use disagg_json::JsonBody;
 
 /// What a router may read of a request.
 ///
@@ -211,7 +211,7 @@ pub trait Router: Send + Sync + 'static {
     /// this, once per attempt; the default selects at once ([`Ask::select`]: `select`,
     /// or `select_direct` for a request served without a prefill leg, over a fresh
     /// snapshot narrowed to the request's model). A decorator that may find no room
-    /// (`disagg_resilience::PerEndpointLimit`) waits here, within [`Ask::deadline`], and
+    /// (`disagg_resilience::PerEndpointLimit`) waits here, within [`Ask::deadline`](Ask#structfield.deadline), and
     /// routes again; it answers without allocating when it need not wait.
     ///
     /// # Errors
@@ -262,11 +262,18 @@ pub type Routing<'a> = Either<Ready<Result<Route, PdError>>, BoxFuture<'a, Resul
 /// One attempt's request for a route ([`Router::route`]): what the router may read of
 /// the request, where the endpoints come from, and how long it may wait.
 #[derive(Clone, Copy)]
+#[non_exhaustive]
 pub struct Ask<'a> {
-    view: &'a RequestView<'a>,
-    source: &'a dyn EndpointSource,
-    direct: bool,
-    deadline: Option<Instant>,
+    /// What the router may read of the request.
+    pub view: &'a RequestView<'a>,
+    /// Where the endpoints come from: a router that waits on the state of the
+    /// endpoints rather than on its own choice takes a fresh snapshot of it (every
+    /// model's: narrow it with [`EndpointSet::for_model`] and the view's model).
+    pub source: &'a dyn EndpointSource,
+    /// Whether the request is served by a decode endpoint alone.
+    pub direct: bool,
+    /// When a wait for room must end: the request's deadline, if it has one.
+    pub deadline: Option<Instant>,
 }
 
 impl std::fmt::Debug for Ask<'_> {
@@ -313,23 +320,6 @@ impl<'a> Ask<'a> {
                 true => router.select_direct(self.view, candidates),
             })
             .map_err(PdError::route)
-    }
-
-    /// When a wait for room must end: the request's deadline, if it has one.
-    pub fn deadline(&self) -> Option<Instant> {
-        self.deadline
-    }
-
-    /// What the router may read of the request.
-    pub fn view(&self) -> &RequestView<'a> {
-        self.view
-    }
-
-    /// A fresh snapshot of the endpoints (every model's: narrow it with
-    /// [`EndpointSet::for_model`] and the view's model), for a router that waits on
-    /// the state of the endpoints rather than on its own choice.
-    pub fn endpoints(&self) -> Arc<EndpointSet> {
-        self.source.snapshot()
     }
 }
 

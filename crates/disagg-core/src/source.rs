@@ -1,5 +1,5 @@
-//! Where endpoints come from: the [`EndpointSource`] trait, [`StaticSource`] (a fixed
-//! set) and [`ManualSource`] (a set the embedding program changes).
+//! Where endpoints come from: the [`EndpointSource`] trait and [`StaticSource`] (a set
+//! given by the embedding program, fixed unless the program changes it).
 //!
 //! A source publishes immutable [`EndpointSet`] snapshots through a
 //! [`tokio::sync::watch`] channel. Discovery and health checking run in the background
@@ -49,48 +49,10 @@ impl<T: EndpointSource + ?Sized> EndpointSource for Arc<T> {
     }
 }
 
-/// A fixed set of endpoints, as given on a command line.
-///
-/// # Examples
-///
-/// ```
-/// use disagg_core::endpoint::{Endpoint, Role};
-/// use disagg_core::source::{EndpointSource, StaticSource};
-///
-/// let source = StaticSource::new([
-///     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
-///     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
-/// ]);
-/// assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
-/// # Ok::<(), disagg_core::endpoint::EndpointError>(())
-/// ```
-#[derive(Debug)]
-pub struct StaticSource {
-    tx: watch::Sender<Arc<EndpointSet>>,
-}
-
-impl StaticSource {
-    /// A source that always publishes `endpoints`.
-    pub fn new(endpoints: impl IntoIterator<Item = Endpoint>) -> Self {
-        let set = EndpointSet::new(endpoints.into_iter().map(Arc::new));
-        let (tx, _rx) = watch::channel(Arc::new(set));
-        StaticSource { tx }
-    }
-}
-
-impl EndpointSource for StaticSource {
-    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
-        self.tx.subscribe()
-    }
-
-    fn snapshot(&self) -> Arc<EndpointSet> {
-        // No receiver needed: read the sender's current value directly.
-        self.tx.borrow().clone()
-    }
-}
-
-/// A set of endpoints the embedding program changes at run time: an admin API, its own
-/// service discovery, an operator draining an engine.
+/// A set of endpoints given by the embedding program: fixed, as given on a command
+/// line, unless the program changes it at run time ([`replace`](Self::replace),
+/// [`insert`](Self::insert), [`remove`](Self::remove): an admin API, its own service
+/// discovery, an operator draining an engine).
 ///
 /// Every change publishes a new snapshot. Endpoints that stay keep their `Arc`, so their
 /// in-flight counts carry over; requests already routed to a removed endpoint finish
@@ -100,12 +62,14 @@ impl EndpointSource for StaticSource {
 ///
 /// ```
 /// use disagg_core::endpoint::{Endpoint, Role};
-/// use disagg_core::source::{EndpointSource, ManualSource};
+/// use disagg_core::source::{EndpointSource, StaticSource};
 ///
-/// let source = ManualSource::new([
+/// let source = StaticSource::new([
+///     Endpoint::new("http://127.0.0.1:8100", Role::Prefill)?,
 ///     Endpoint::new("http://10.0.0.1:8200", Role::Decode)?,
 ///     Endpoint::new("http://10.0.0.2:8200", Role::Decode)?,
 /// ]);
+/// assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 1);
 /// assert!(source.remove("http://10.0.0.1:8200"));
 /// assert_eq!(source.snapshot().by_role(Role::Decode).len(), 1);
 /// source.insert(Endpoint::new("http://10.0.0.3:8200", Role::Decode)?);
@@ -113,16 +77,16 @@ impl EndpointSource for StaticSource {
 /// # Ok::<(), disagg_core::endpoint::EndpointError>(())
 /// ```
 #[derive(Debug)]
-pub struct ManualSource {
+pub struct StaticSource {
     tx: watch::Sender<Arc<EndpointSet>>,
 }
 
-impl ManualSource {
+impl StaticSource {
     /// A source publishing `endpoints` until told otherwise.
     pub fn new(endpoints: impl IntoIterator<Item = Endpoint>) -> Self {
         let set = EndpointSet::new(endpoints.into_iter().map(Arc::new));
         let (tx, _rx) = watch::channel(Arc::new(set));
-        ManualSource { tx }
+        StaticSource { tx }
     }
 
     /// Publish `endpoints` in place of the current set.
@@ -159,12 +123,13 @@ fn all(set: &EndpointSet) -> impl Iterator<Item = Arc<Endpoint>> + '_ {
     set.prefill().iter().chain(set.decode()).cloned()
 }
 
-impl EndpointSource for ManualSource {
+impl EndpointSource for StaticSource {
     fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
         self.tx.subscribe()
     }
 
     fn snapshot(&self) -> Arc<EndpointSet> {
+        // No receiver needed: read the sender's current value directly.
         self.tx.borrow().clone()
     }
 }

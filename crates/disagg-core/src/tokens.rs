@@ -41,10 +41,10 @@ use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
 
-use crate::body::JsonBody;
 use crate::endpoint::Endpoint;
 use crate::error::BoxError;
 use crate::request::Api;
+use disagg_json::JsonBody;
 
 /// A prompt's token ids, shared.
 pub type TokenIds = Arc<[u32]>;

@@ -12,9 +12,10 @@ use std::fmt;
 
 use bytes::Bytes;
 use disagg_connectors::vllm::rewrite::PrefillRewriter;
-use disagg_core::body::JsonBody;
-use disagg_core::error::{BodyError, PdError, error_chain};
-use disagg_core::proto::top_level_field;
+use disagg_core::error::{PdError, error_chain};
+use disagg_core::json::BodyError;
+use disagg_core::json::JsonBody;
+use disagg_core::json::top_level_field;
 use disagg_core::request::{Api, PdRequest};
 use http::HeaderMap;
 use proptest::prelude::*;

@@ -311,7 +311,7 @@ impl EntryModel {
                     t.tp.map(|tp| parse_tp(&tp.to_string()))
                         .transpose()
                         .map_err(|e| e.to_string())?;
-                let profile = disagg_core::pairing::KvProfile {
+                let profile = disagg_pairing::KvProfile {
                     connector: t.connector,
                     role,
                     tp_size,

@@ -52,7 +52,7 @@ use std::str::FromStr;
 
 use disagg_core::Role;
 use disagg_core::endpoint::Facts;
-use disagg_core::pairing::KvProfile;
+use disagg_pairing::KvProfile;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;

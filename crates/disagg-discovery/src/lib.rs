@@ -88,6 +88,6 @@ pub mod guide {}
 pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};
 pub use source::{SourceStats, SpecPublisher, SpecSource, Specs};
 pub use spec::{
-    Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint, ProfileError, Ranks,
-    RanksError, SpecError, check_facts, endpoint_count, parse_kv_profile,
+    Bounds, DEFAULT_MAX_DP_RANKS, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint,
+    ProfileError, Ranks, RanksError, SpecError, check_facts, endpoint_count, parse_kv_profile,
 };

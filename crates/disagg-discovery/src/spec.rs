@@ -15,10 +15,130 @@
 //! anything is allocated for it: ranks per engine, endpoints per source, and the
 //! addresses an engine may have.
 
-use disagg_core::endpoint::{AddressPolicy, DEFAULT_MAX_DP_RANKS, EndpointError, FactError, Facts};
-pub use disagg_core::endpoint::{Ranks, RanksError};
-use disagg_core::pairing::{KvProfile, KvRole};
+use std::fmt;
+use std::str::FromStr;
+
+use disagg_core::endpoint::{AddressPolicy, EndpointError, FactError, Facts};
 use disagg_core::{Endpoint, Role};
+use disagg_pairing::{KvProfile, KvRole};
+
+/// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
+/// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
+/// deployment's DP size, low enough that a typo cannot make millions of endpoints (each
+/// with its own health state and `/metrics` lines).
+pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
+
+/// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
+///
+/// Parsing checks the syntax and the order only; [`within`](Self::within) checks the
+/// count against a ceiling, which every place that makes one endpoint per rank applies
+/// first.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_discovery::{DEFAULT_MAX_DP_RANKS, Ranks};
+/// let ranks: Ranks = "0-3".parse()?;
+/// assert_eq!(ranks.count(), 4);
+/// assert_eq!(ranks.into_iter().collect::<Vec<_>>(), [0, 1, 2, 3]);
+/// let huge: Ranks = "0-4294967295".parse()?;
+/// assert_eq!(huge.count(), 1 << 32);
+/// assert!(huge.within(DEFAULT_MAX_DP_RANKS).is_err());
+/// # Ok::<(), disagg_discovery::RanksError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ranks {
+    first: u32,
+    last: u32,
+}
+
+impl Ranks {
+    /// Ranks `first` to `last`, both included.
+    ///
+    /// # Errors
+    ///
+    /// [`RanksError::Syntax`] when `first > last`.
+    pub fn new(first: u32, last: u32) -> Result<Self, RanksError> {
+        if first > last {
+            return Err(RanksError::Syntax(format!("{first}-{last}")));
+        }
+        Ok(Ranks { first, last })
+    }
+
+    /// How many ranks (at least 1; up to 2^32, hence a `u64`).
+    pub fn count(&self) -> u64 {
+        u64::from(self.last - self.first) + 1
+    }
+
+    /// These ranks, if there are at most `max` of them.
+    ///
+    /// # Errors
+    ///
+    /// [`RanksError::TooMany`] otherwise.
+    pub fn within(self, max: u32) -> Result<Self, RanksError> {
+        if self.count() > u64::from(max) {
+            return Err(RanksError::TooMany {
+                ranks: self,
+                count: self.count(),
+                max,
+            });
+        }
+        Ok(self)
+    }
+}
+
+/// Every rank, in order.
+impl IntoIterator for Ranks {
+    type Item = u32;
+    type IntoIter = std::ops::RangeInclusive<u32>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.first..=self.last
+    }
+}
+
+impl FromStr for Ranks {
+    type Err = RanksError;
+
+    /// `FIRST-LAST` (`0-3`) or a single rank (`2`), as after the `@` of `--prefill`.
+    fn from_str(s: &str) -> Result<Self, RanksError> {
+        let bad = || RanksError::Syntax(s.to_owned());
+        let (first, last) = match s.trim().split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (s.trim(), s.trim()),
+        };
+        let first = first.parse().map_err(|_| bad())?;
+        let last = last.parse().map_err(|_| bad())?;
+        Ranks::new(first, last).map_err(|_| bad())
+    }
+}
+
+impl fmt::Display for Ranks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.first, self.last)
+    }
+}
+
+/// Data-parallel ranks that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RanksError {
+    /// Not `FIRST-LAST` or `N`, or `FIRST` after `LAST`.
+    #[error("`{0}` is not data-parallel ranks: write FIRST-LAST (0-3) or one rank (2)")]
+    Syntax(String),
+    /// More ranks than the ceiling allows.
+    #[error(
+        "data-parallel ranks {ranks} are {count} ranks, more than the {max} allowed per engine"
+    )]
+    TooMany {
+        /// The ranks.
+        ranks: Ranks,
+        /// How many they are.
+        count: u64,
+        /// The ceiling.
+        max: u32,
+    },
+}
 
 /// The most endpoints one discovery source may contribute by default, every rank
 /// counted (`--max-endpoints-per-source`): far above any fleet one proxy routes, low
@@ -330,7 +450,7 @@ pub struct KvEventsEndpoint(pub String);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn check_facts(facts: &Facts) -> Result<(), SpecError> {
-    if let Some(Err(_)) = facts.parse::<u16>(Facts::BOOTSTRAP_PORT) {
+    if let Some(Err(_)) = facts.get(Facts::BOOTSTRAP_PORT).map(str::parse::<u16>) {
         return Err(SpecError::Malformed {
             key: Facts::BOOTSTRAP_PORT,
             expected: "a port number (0-65535)",
@@ -416,7 +536,7 @@ pub fn parse_kv_profile(spec: &str) -> Result<KvProfile, ProfileError> {
 pub(crate) fn parse_kv_role(s: &str) -> Result<KvRole, ProfileError> {
     s.trim()
         .parse()
-        .map_err(|e: disagg_core::pairing::KvRoleError| ProfileError(e.to_string()))
+        .map_err(|e: disagg_pairing::KvRoleError| ProfileError(e.to_string()))
 }
 
 /// A tensor-parallel size: a positive number.
@@ -436,6 +556,30 @@ pub struct ProfileError(String);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_parse_count_and_are_capped() {
+        assert_eq!("0-3".parse::<Ranks>().unwrap(), Ranks::new(0, 3).unwrap());
+        assert_eq!("2".parse::<Ranks>().unwrap().count(), 1);
+        assert!("3-1".parse::<Ranks>().is_err());
+        assert!("a-b".parse::<Ranks>().is_err());
+        let all: Ranks = "0-4294967295".parse().unwrap();
+        assert_eq!(all.count(), 1 << 32);
+        match all.within(DEFAULT_MAX_DP_RANKS) {
+            Err(RanksError::TooMany { count, max, .. }) => {
+                assert_eq!((count, max), (1 << 32, 1024));
+            }
+            other => panic!("{other:?}"),
+        }
+        let most = Ranks::new(0, DEFAULT_MAX_DP_RANKS - 1).unwrap();
+        assert_eq!(most.within(DEFAULT_MAX_DP_RANKS), Ok(most));
+        assert!(
+            Ranks::new(0, DEFAULT_MAX_DP_RANKS)
+                .unwrap()
+                .within(DEFAULT_MAX_DP_RANKS)
+                .is_err()
+        );
+    }
 
     #[test]
     fn ranks_parse_as_on_the_command_line() {

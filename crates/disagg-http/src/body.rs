@@ -29,7 +29,8 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use disagg_core::error::{BodyError, BoxError, Overload, PdError};
+use disagg_core::error::{BoxError, Overload, PdError};
+use disagg_core::json::BodyError;
 use http_body::Body;
 
 /// Default of [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget):

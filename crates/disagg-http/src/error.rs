@@ -1,5 +1,5 @@
 //! Error responses: the one place errors become HTTP answers. OpenAI's format (the JSON
-//! body built by `disagg_core::error::openai_error_body`) on every route but those whose
+//! body built by [`openai_error_body`]) on every route but those whose
 //! engines answer another shape ([`api_error_response`]): vLLM's Anthropic route
 //! `/v1/messages` and its Cohere route `/cohere/v2/chat`.
 
@@ -10,10 +10,30 @@ use disagg_core::request::Api;
 use http::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-/// An OpenAI-format error body with `param` null (built by
-/// [`disagg_core::error::openai_error_body`], the one place it is built).
+/// An OpenAI-format error body with `param` null.
 pub fn openai_error_body(message: &str, error_type: &str, code: &str) -> Bytes {
-    disagg_core::error::openai_error_body(message, error_type, None, code)
+    openai_body(message, error_type, None, code)
+}
+
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: built here
+/// for every error answer of this crate (the core builds the same shape for the error
+/// event that ends a broken stream, which is no HTTP answer).
+pub(crate) fn openai_body(
+    message: &str,
+    error_type: &str,
+    param: Option<&str>,
+    code: &str,
+) -> Bytes {
+    let v = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": param,
+            "code": code,
+        }
+    });
+    // Serializing a `Value` cannot fail.
+    Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
 }
 
 /// A response with `status` and an OpenAI-format error body.
@@ -34,12 +54,7 @@ pub fn error_response(
 /// and `retry-after` (whole seconds, at least 1) when the error names one.
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
     let http = err.http();
-    let body = disagg_core::error::openai_error_body(
-        &error_chain(err),
-        http.error_type,
-        http.param,
-        http.code,
-    );
+    let body = openai_body(&error_chain(err), http.error_type, http.param, http.code);
     let mut resp = Response::new(PdBody::full(body));
     *resp.status_mut() = http.status;
     resp.headers_mut()

@@ -30,7 +30,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
-use disagg_core::error::{BodyError, BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::json::BodyError;
 use disagg_core::outcome::{Delivery, RouteSummary};
 use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
@@ -445,7 +446,7 @@ fn may_have_body(headers: &HeaderMap) -> bool {
 
 /// The top-level `model` string of a JSON body, if it has one.
 fn model_of(bytes: &Bytes) -> Option<String> {
-    let raw = disagg_core::proto::top_level_field(bytes, "model").ok()??;
+    let raw = disagg_core::json::top_level_field(bytes, "model").ok()??;
     serde_json::from_slice::<String>(&raw).ok()
 }
 

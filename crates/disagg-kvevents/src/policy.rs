@@ -80,7 +80,7 @@ impl Pick for FewestInFlight {
 /// use std::sync::Arc;
 ///
 /// use disagg_core::router::{Pick, RequestView};
-/// use disagg_core::{request::Api, Endpoint, body::JsonBody, Role};
+/// use disagg_core::{request::Api, Endpoint, json::JsonBody, Role};
 /// use disagg_kvevents::event::{BlockHash, BlockStored, EventBatch, KvEvent};
 /// use disagg_kvevents::{IndexConfig, KvEventsPick, KvIndex, KvScorer, ScorerConfig};
 ///
@@ -261,7 +261,7 @@ impl Disaggregate for CachedPrefixThreshold {
 #[cfg(test)]
 mod tests {
     use disagg_core::policy::Always;
-    use disagg_core::{Role, body::JsonBody, request::Api, source::StaticSource};
+    use disagg_core::{Role, json::JsonBody, request::Api, source::StaticSource};
     use http::HeaderMap;
 
     use super::*;

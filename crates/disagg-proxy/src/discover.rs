@@ -16,12 +16,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
 use disagg_core::{Endpoint, EndpointSource, KvConnector, Role, endpoint::AddressPolicy};
 use disagg_discovery::dns::{self, DnsConfig, DnsTarget};
 use disagg_discovery::file::{self, FileConfig};
 use disagg_discovery::kubernetes::{self, KubernetesConfig};
-use disagg_discovery::{Bounds, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, MergedSource};
+use disagg_discovery::{
+    Bounds, DEFAULT_MAX_DP_RANKS, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, MergedSource,
+};
 use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_resilience::pairing::{PairingStats, VersionProbe, Versions};
 use disagg_resilience::{Health, HealthConfig, HealthSource, ValidatedSource};

@@ -22,7 +22,7 @@ use disagg_core::error::BoxError as CoreBoxError;
 use disagg_core::tokens::{Asked, TokenIds, Tokenizer};
 use disagg_core::transport::Transport;
 use disagg_core::{
-    Endpoint, EndpointSource, Role, body::JsonBody, endpoint::EndpointSet, request::Api,
+    Endpoint, EndpointSource, Role, endpoint::EndpointSet, json::JsonBody, request::Api,
 };
 use disagg_http::metrics::ExtraMetrics;
 use disagg_http::{HttpTransport, HttpTransportConfig};

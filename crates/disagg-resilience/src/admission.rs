@@ -269,8 +269,8 @@ impl<R: Router> DecodeHold<R> {
     /// of its [load](disagg_core::endpoint::Endpoint::load) and the requests this hold
     /// routed to it that have not ended.
     fn has_room(&self, ask: &Ask<'_>, counts: &Counts, ticket: Option<u64>) -> bool {
-        let set = ask.endpoints();
-        let Ok(set) = set.for_model(ask.view().model) else {
+        let set = ask.source.snapshot();
+        let Ok(set) = set.for_model(ask.view.model) else {
             return true;
         };
         let decodes = set.by_role(Role::Decode);
@@ -325,7 +325,7 @@ impl<R: Router> Router for DecodeHold<R> {
             let since = Instant::now();
             let until = {
                 let by_hold = since + self.wait;
-                ask.deadline().map_or(by_hold, |d| d.min(by_hold))
+                ask.deadline.map_or(by_hold, |d| d.min(by_hold))
             };
             // Once held: its place in the admission queue and in the hold's line.
             let mut held: Option<(Waiting<'_>, Ticket<'_>)> = None;
@@ -519,7 +519,7 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         Either::Right(Box::pin(async move {
             let since = Instant::now();
             loop {
-                self.state.wait_for_room(since, ask.deadline()).await?;
+                self.state.wait_for_room(since, ask.deadline).await?;
                 if let Some(route) = self.with_room(ask.select(&self.inner)?, limit) {
                     return Ok(route);
                 }
@@ -647,8 +647,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_full_route_waits_until_a_leg_that_held_a_place_ends() {
-        use disagg_core::body::JsonBody;
         use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::json::JsonBody;
         use disagg_core::request::Api;
         use disagg_core::source::{EndpointSource, StaticSource};
         use futures::FutureExt;
@@ -686,8 +686,8 @@ mod tests {
 
     #[tokio::test]
     async fn below_its_limit_the_router_routes_as_it_would() {
-        use disagg_core::body::JsonBody;
         use disagg_core::endpoint::{Endpoint, Role};
+        use disagg_core::json::JsonBody;
         use disagg_core::request::Api;
         use disagg_core::source::StaticSource;
         use futures::FutureExt;

@@ -1,7 +1,7 @@
 //! P/D pair enforcement: refuse endpoint sets with a prefill/decode pair that cannot
 //! hand KV over.
 //!
-//! The facts are `disagg-core`'s ([`disagg_core::pairing`]): what an endpoint declares
+//! The facts are `disagg-pairing`'s ([`disagg_pairing`]): what an endpoint declares
 //! in its [`KvProfile`] (its engine's KV connector, `kv_role` and tensor-parallel size)
 //! and [`check_pair`], which names the [`Mismatch`] of
 //! one pair; and the engine's version, read from its `GET /version` and compared for
@@ -58,9 +58,9 @@ use std::time::Duration;
 use disagg_core::connector::KvConnector;
 use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 use disagg_core::outcome::Listener;
-use disagg_core::pairing::{KvProfile, Mismatch, PairError, check_pair};
 use disagg_core::source::EndpointSource;
 use disagg_core::transport::Transport;
+use disagg_pairing::{KvProfile, Mismatch, PairError, check_pair};
 use futures::StreamExt;
 use tokio::sync::watch;
 
@@ -100,7 +100,7 @@ impl std::error::Error for PairingError {}
 /// use std::sync::Arc;
 /// use disagg_connectors::vllm::VllmNixl;
 /// use disagg_core::endpoint::{Endpoint, EndpointSet, Role};
-/// use disagg_core::pairing::{KvProfile, KvRole};
+/// use disagg_pairing::{KvProfile, KvRole};
 /// use disagg_resilience::pairing::check_pairs;
 ///
 /// let mut ext = http::Extensions::new();
@@ -633,7 +633,7 @@ mod tests {
     use disagg_connectors::vllm::VllmMooncake;
     use disagg_connectors::vllm::VllmNixl;
     use disagg_core::endpoint::{Endpoint, Role};
-    use disagg_core::pairing::KvRole;
+    use disagg_pairing::KvRole;
 
     fn ep(url: &str, role: Role, profile: KvProfile) -> Arc<Endpoint> {
         let mut ext = http::Extensions::new();

@@ -10,7 +10,7 @@
 mod fixture;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use disagg_core::{body::JsonBody, request::Api};
+use disagg_core::{json::JsonBody, request::Api};
 use disagg_tokenize::{HfTokenizer, Prompt};
 
 /// Text of about `tokens` tokens for `tokenizer`.

@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
 use disagg_core::endpoint::Endpoint;
+use disagg_core::json::JsonBody;
 use disagg_core::request::Api;
 use disagg_core::tokens::Asked;
 use disagg_core::transport::{Transport, read_limited};

@@ -40,7 +40,7 @@
 //! # Examples
 //!
 //! ```
-//! use disagg_core::{request::Api, body::JsonBody};
+//! use disagg_core::{request::Api, json::JsonBody};
 //! use disagg_tokenize::{Prompt, PromptInput, TokenizeError};
 //!
 //! // What a tokenizer will do with a request, without tokenizing it.
@@ -68,7 +68,7 @@ pub mod prompt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use disagg_core::body::JsonBody;
+use disagg_core::json::JsonBody;
 use disagg_core::request::Api;
 
 pub use engine::EngineTokenizer;

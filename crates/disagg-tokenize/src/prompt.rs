@@ -17,7 +17,7 @@
 //! Booleans are read as pydantic's lax mode reads them (`"yes"`, `1`), as the engines do.
 
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
+use disagg_core::json::JsonBody;
 use disagg_core::request::Api;
 use serde_json::Value;
 

@@ -11,7 +11,7 @@ mod fixture;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use disagg_core::{body::JsonBody, request::Api};
+use disagg_core::{json::JsonBody, request::Api};
 use disagg_tokenize::{HfTokenizer, Tokenize};
 use serde_json::{Value, json};
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use disagg_core::error::TransportError;
 use disagg_core::transport::Transport;
-use disagg_core::{Endpoint, Role, body::JsonBody, request::Api};
+use disagg_core::{Endpoint, Role, json::JsonBody, request::Api};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};

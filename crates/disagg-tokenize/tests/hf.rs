@@ -5,7 +5,7 @@ mod fixture;
 
 use std::sync::OnceLock;
 
-use disagg_core::{body::JsonBody, request::Api};
+use disagg_core::{json::JsonBody, request::Api};
 use disagg_tokenize::{HfTokenizer, LoadError, Tokenize, TokenizeError};
 use fixture::{BOS, END_HEADER, EOT, START_HEADER};
 

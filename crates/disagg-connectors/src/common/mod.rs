@@ -79,7 +79,8 @@ const BAD_BOOTSTRAP_PORT: &str = "usable `bootstrap_port` fact (a port number, 0
 #[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
 pub(crate) fn bootstrap_port(ep: &Endpoint) -> Result<Option<u16>, ConnectorError> {
     ep.facts()
-        .parse::<u16>(Facts::BOOTSTRAP_PORT)
+        .get(Facts::BOOTSTRAP_PORT)
+        .map(str::parse::<u16>)
         .transpose()
         .map_err(|_| ConnectorError::NotConfigured {
             endpoint: ep.id().clone(),

@@ -35,17 +35,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::vllm::rewrite::check::VllmLimits;
 use async_trait::async_trait;
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
 use disagg_core::connector::{
     Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
 };
 use disagg_core::endpoint::{Endpoint, FactError, Facts};
-use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
-use disagg_core::pairing::{KvProfile, Mismatch, PairError};
+use disagg_core::error::{BoxError, ConnectorError};
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
 use disagg_core::transport::Transport;
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
+use disagg_pairing::{KvProfile, Mismatch, PairError};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
@@ -242,7 +243,7 @@ impl LmcacheReceiver {
     /// size in `ext`: the port count ([`ranks`](Self::ranks)) is set as the
     /// [`KvProfile::tp_size`] (a profile already there keeps its other parts), so that
     /// pair validation (`disagg_resilience::pairing`'s `check_pairs` and
-    /// `ValidatedSource`, over [`check_pair`](disagg_core::pairing::check_pair)) refuses
+    /// `ValidatedSource`, over [`check_pair`](disagg_pairing::check_pair)) refuses
     /// a prefill of another declared size (LMCache needs equal sizes, see [`Lmcache`]).
     ///
     /// Insert the profile the engine declares first, if any; a plain fact declares
@@ -259,7 +260,7 @@ impl LmcacheReceiver {
     ///
     /// ```
     /// use disagg_core::endpoint::Facts;
-    /// use disagg_core::pairing::KvProfile;
+    /// use disagg_pairing::KvProfile;
     /// use disagg_connectors::lmcache::{LmcacheReceiver, ReceiverError};
     ///
     /// let (mut facts, mut ext) = (Facts::default(), http::Extensions::new());

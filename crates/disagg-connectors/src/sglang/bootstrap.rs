@@ -52,10 +52,11 @@ use serde_json::value::RawValue;
 use crate::common::Rooms;
 use crate::sglang::generate::{self, LogprobMerge, MergeLogprobs};
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::error::ConnectorError;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
+use disagg_json::InvalidParam;
 
 /// The SGLang bootstrap connector: concurrent dispatch, `bootstrap_host/port/room` on
 /// both legs.
@@ -130,7 +131,7 @@ pub const MAX_SEQUENCES: usize = 65_536;
 /// prompt and the request's `n`; completions a batch when `prompt` is a list of
 /// strings or of token-id lists, and `n`; `/generate` a batch when `text` or
 /// `input_ids` is a list of prompts, and `sampling_params.n`.
-pub(crate) fn expansion(api: Api, body: &disagg_core::body::JsonBody) -> Option<usize> {
+pub(crate) fn expansion(api: Api, body: &disagg_json::JsonBody) -> Option<usize> {
     let (prompts, samples) = match api {
         Api::Chat => (None, openai_n(body)),
         Api::Completions => (completion_batch(body), openai_n(body)),
@@ -145,16 +146,16 @@ pub(crate) fn expansion(api: Api, body: &disagg_core::body::JsonBody) -> Option<
 
 /// The OpenAI routes' `n`, read as pydantic's lax `int` (`"2"` too); 1 when absent or
 /// not a positive integer (the engine refuses those itself).
-fn openai_n(body: &disagg_core::body::JsonBody) -> usize {
+fn openai_n(body: &disagg_json::JsonBody) -> usize {
     body.get("n")
-        .and_then(|raw| disagg_core::proto::lax::int_value(raw).ok().flatten())
+        .and_then(|raw| disagg_json::lax::int_value(raw).ok().flatten())
         .and_then(|n| usize::try_from(n).ok())
         .filter(|n| *n > 0)
         .unwrap_or(1)
 }
 
 /// How many prompts a completions request's `prompt` lists, when it is a batch.
-fn completion_batch(body: &disagg_core::body::JsonBody) -> Option<usize> {
+fn completion_batch(body: &disagg_json::JsonBody) -> Option<usize> {
     let raw = body.get("prompt")?;
     if raw.first() != Some(&b'[') {
         return None;
@@ -376,7 +377,7 @@ mod tests {
         PdRequest::new(api, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
     }
 
-    fn json(b: &disagg_core::body::JsonBody) -> Value {
+    fn json(b: &disagg_json::JsonBody) -> Value {
         serde_json::from_slice(&b.to_bytes()).unwrap()
     }
 

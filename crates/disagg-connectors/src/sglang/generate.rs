@@ -27,10 +27,10 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use crate::common::sse::{EventMap, MapEvents, event_end};
-use disagg_core::body::JsonBody;
 use disagg_core::connector::{PrefillAnswer, Reshape};
 use disagg_core::error::BoxError;
 use disagg_core::transport::{BoxBody, read_limited};
+use disagg_json::JsonBody;
 
 /// Largest non-streaming decode answer merged with the prefill's logprobs: it is read
 /// whole to be rewritten. Logprob-laden batch answers are large; 64 MiB holds a batch of
@@ -69,9 +69,9 @@ pub(crate) fn wants_logprobs(body: &JsonBody) -> bool {
         let items: Vec<&RawValue> = serde_json::from_slice(raw).unwrap_or_default();
         return items
             .iter()
-            .any(|v| disagg_core::proto::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
+            .any(|v| disagg_json::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
     }
-    disagg_core::proto::lax::bool_value(raw) == Ok(Some(true))
+    disagg_json::lax::bool_value(raw) == Ok(Some(true))
 }
 
 /// How many sequences a `/generate` request makes on the engines: its prompts (1, or

@@ -12,8 +12,9 @@
 
 use bytes::Bytes;
 use disagg_core::encode::{EncodeLeg, EncodePlan, EncoderConnector};
-use disagg_core::error::{BodyError, ConnectorError, InvalidParam};
+use disagg_core::error::ConnectorError;
 use disagg_core::request::PdRequest;
+use disagg_json::{BodyError, InvalidParam};
 use serde_json::{Map, Value};
 
 /// The media part types vLLM's chat API takes, and whether items of the type may share
@@ -190,10 +191,12 @@ impl EncoderConnector for VllmEncoder {
     fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
         let mut merged = Map::new();
         for answer in answers {
-            let params = disagg_core::proto::top_level_field(answer, "ec_transfer_params")
-                .map_err(|source| ConnectorError::InvalidEncoderAnswer {
-                    problem: "not a JSON object",
-                    source: Some(source),
+            let params =
+                disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
+                    ConnectorError::InvalidEncoderAnswer {
+                        problem: "not a JSON object",
+                        source: Some(source),
+                    }
                 })?;
             let Some(params) = params else {
                 // An encoder that wrote nothing for its items (no EC connector, or

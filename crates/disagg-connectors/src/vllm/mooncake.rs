@@ -45,13 +45,14 @@ use crate::common::lock;
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, KvConnector, Leg};
 use disagg_core::endpoint::{Endpoint, EndpointId};
-use disagg_core::error::{BoxError, ConnectorError, InvalidParam};
+use disagg_core::error::{BoxError, ConnectorError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::Decision;
-use disagg_core::proto::write_json_str;
 use disagg_core::request::PdRequest;
 use disagg_core::router::Route;
 use disagg_core::transport::{Transport, read_limited};
+use disagg_json::InvalidParam;
+use disagg_json::write_json_str;
 
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
@@ -477,7 +478,7 @@ mod tests {
         PdRequest::new(Api::Chat, HeaderMap::new(), &Bytes::from(body.to_owned())).unwrap()
     }
 
-    fn json_of(b: &disagg_core::body::JsonBody) -> Value {
+    fn json_of(b: &disagg_json::JsonBody) -> Value {
         serde_json::from_slice(&b.to_bytes()).unwrap()
     }
 

@@ -56,10 +56,11 @@ use self::bidi::BidiStore;
 use crate::vllm::reuse::{self, PromptTokenReuse, Reuse, ReuseStats};
 use crate::vllm::rewrite::PrefillRewriter;
 use disagg_core::connector::{Dispatch, Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
-use disagg_core::error::{ConnectorError, InvalidParam};
+use disagg_core::error::ConnectorError;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
+use disagg_json::InvalidParam;
 
 /// The field that carries the handoff, on requests and on the prefill's answer.
 pub(crate) const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
@@ -207,15 +208,14 @@ impl KvConnector for VllmNixl {
             && handoff.prefill.body.get(reuse::RETURN_TOKEN_IDS) == Some(b"true");
         let (found, ids) = if reusing {
             let max = self.reuse.max_ids;
-            answer
-                .read_fields(
-                    (KV_TRANSFER_PARAMS, read_handoff),
-                    (reuse::PROMPT_TOKEN_IDS, |b: &[u8]| reuse::read_ids(b, max)),
-                )
-                .map_err(invalid)?
+            disagg_json::top_level_read_pair(
+                &answer.body,
+                (KV_TRANSFER_PARAMS, read_handoff),
+                (reuse::PROMPT_TOKEN_IDS, |b: &[u8]| reuse::read_ids(b, max)),
+            )
+            .map_err(invalid)?
         } else {
-            let found = answer
-                .read_field(KV_TRANSFER_PARAMS, read_handoff)
+            let found = disagg_json::top_level_read(&answer.body, KV_TRANSFER_PARAMS, read_handoff)
                 .map_err(invalid)?;
             (found, None)
         };

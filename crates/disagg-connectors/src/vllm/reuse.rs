@@ -19,7 +19,7 @@
 //! the client's own value, and the prefill's answer never reaches the client), and the
 //! ids the prefill answered go into the decode leg's `kv_transfer_params` next to the
 //! handoff. The ids are a peer's bytes: they are read in the same pass over the prefill's
-//! answer as the handoff ([`PrefillAnswer::read_fields`]), checked by a byte scan (a
+//! answer as the handoff ([`top_level_read_pair`]), checked by a byte scan (a
 //! JSON list of at most [`DEFAULT_MAX_IDS`] non-negative integers below 2³², or the
 //! ceiling of [`VllmNixl::with_max_reused_ids`](crate::vllm::VllmNixl::with_max_reused_ids)),
 //! never parsed into numbers and written again, and copied once, into the decode's dict. A
@@ -31,7 +31,7 @@
 //! later. Reading the fact is a search of the endpoint's few facts and a parse of a
 //! short string, with no allocation and no lock.
 //!
-//! [`PrefillAnswer::read_fields`]: disagg_core::connector::PrefillAnswer::read_fields
+//! [`top_level_read_pair`]: disagg_json::top_level_read_pair
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -36,7 +36,7 @@ use std::fmt;
 /// let facts = Facts::default().with(Facts::BOOTSTRAP_PORT, "8998")?;
 /// let p = Endpoint::new("http://10.0.0.5:30000", Role::Prefill)?.with_facts(facts);
 /// assert_eq!(p.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
-/// assert_eq!(p.facts().parse::<u16>(Facts::BOOTSTRAP_PORT), Some(Ok(8998)));
+/// assert_eq!(p.facts().get(Facts::BOOTSTRAP_PORT).map(str::parse::<u16>), Some(Ok(8998)));
 ///
 /// // A peer's oversized value is refused before it is kept.
 /// let long = "x".repeat(4097);
@@ -123,11 +123,6 @@ impl Facts {
             .binary_search_by(|(k, _)| (**k).cmp(key))
             .ok()
             .map(|i| &*self.entries[i].1)
-    }
-
-    /// The value of `key` parsed as a `T`: `None` when it is not set.
-    pub fn parse<T: std::str::FromStr>(&self, key: &str) -> Option<Result<T, T::Err>> {
-        self.get(key).map(str::parse)
     }
 
     /// Removes `key`, returning its value.
@@ -235,9 +230,9 @@ mod tests {
             .unwrap();
         f.insert("b", "3").unwrap();
         assert_eq!(f.iter().collect::<Vec<_>>(), [("a", "1"), ("b", "3")]);
-        assert_eq!(f.parse::<u16>("b"), Some(Ok(3)));
-        assert!(f.parse::<u16>("a").is_some());
-        assert_eq!(f.parse::<u16>("c"), None);
+        assert_eq!(f.get("b").map(str::parse::<u16>), Some(Ok(3)));
+        assert!(f.get("a").map(str::parse::<u16>).is_some());
+        assert_eq!(f.get("c").map(str::parse::<u16>), None);
         assert_eq!(f.remove("a").as_deref(), Some("1"));
         assert_eq!(f.len(), 1);
     }

@@ -9,10 +9,12 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `mod.rs` | the errors of each concern, and the edge helpers ([`openai_error_body`], [`error_chain`]) |
+//! | `mod.rs` | the errors of each concern, and [`error_chain`], the one rendering of an error with its causes |
 //! | `pd.rs` | [`PdError`] and its [`Side`]: the classification a server answers by |
 
 use std::fmt;
+
+use disagg_json::BodyError;
 
 use crate::endpoint::EndpointId;
 
@@ -23,64 +25,6 @@ pub use pd::{HttpFacts, Overload, PdError, Side};
 
 /// A boxed error, the currency of transports and bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// The client's request body could not be used.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum BodyError {
-    /// The body is not valid JSON.
-    #[error("request body is not valid JSON: {0}")]
-    InvalidJson(#[source] serde_json::Error),
-    /// The body is JSON, but its top level is not an object.
-    #[error("request body must be a JSON object")]
-    NotAnObject,
-    /// A field has a type the request path cannot work with.
-    #[error("field `{field}` has the wrong type: expected {expected}")]
-    FieldType {
-        /// The top-level field.
-        field: &'static str,
-        /// What was expected, in words.
-        expected: &'static str,
-    },
-    /// The body is larger than the server takes, `limit` bytes (413
-    /// `request_too_large`).
-    #[error("request body is larger than the limit of {limit} bytes")]
-    TooLarge {
-        /// The limit, in bytes.
-        limit: usize,
-    },
-    /// The body did not arrive within `after` (408 `request_timeout`): it stopped half
-    /// way, or trickled in too slowly.
-    #[error("the request body did not arrive within {} ms", after.as_millis())]
-    TimedOut {
-        /// The time the body had.
-        after: std::time::Duration,
-    },
-    /// A field the engines would refuse (checked by the proxy for the fields it
-    /// rewrites, see `disagg_connectors::vllm::rewrite::check::check_request`).
-    #[error(transparent)]
-    Invalid(#[from] InvalidParam),
-}
-
-/// A request parameter an engine would refuse, in the engine's own words (its
-/// `Display`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
-pub struct InvalidParam {
-    /// The refused top-level field: OpenAI's `error.param`.
-    pub param: &'static str,
-    message: String,
-}
-
-impl InvalidParam {
-    /// `param` is refused, with `message` saying why.
-    pub fn new(param: &'static str, message: impl Into<String>) -> Self {
-        InvalidParam {
-            param,
-            message: message.into(),
-        }
-    }
-}
 
 /// No route could be chosen for a request.
 #[derive(Debug, thiserror::Error)]
@@ -281,10 +225,11 @@ impl TransportError {
     }
 }
 
-/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one place
-/// it is built, for error answers (`disagg-http`) and for the error event that ends a
-/// broken stream ([`PdBody`](crate::orchestrator::PdBody)).
-pub fn openai_error_body(
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for the error
+/// event that ends a broken stream ([`PdBody`](crate::orchestrator::PdBody)) and an
+/// engine answer the proxy does not relay. Error *answers* are an HTTP layer's to render
+/// (`disagg_http::error`, from [`PdError::http`]).
+pub(crate) fn openai_error_body(
     message: &str,
     error_type: &str,
     param: Option<&str>,

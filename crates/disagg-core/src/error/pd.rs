@@ -4,8 +4,9 @@ use std::fmt;
 
 use http::StatusCode;
 
-use super::{BodyError, BoxError, ConnectorError, RouteError, TransportError};
+use super::{BoxError, ConnectorError, RouteError, TransportError};
 use crate::endpoint::EndpointId;
+use disagg_json::BodyError;
 
 /// Which party a failure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -154,7 +155,7 @@ pub struct HttpFacts {
     /// other 4xx, `server_error` otherwise.
     pub error_type: &'static str,
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
-    /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
+    /// refused a field the engines would refuse ([`InvalidParam`](disagg_json::InvalidParam)).
     pub param: Option<&'static str>,
     /// How long a client should wait before trying again (the `retry-after` header):
     /// set for a full admission queue and for a busy server.
@@ -303,7 +304,7 @@ impl PdError {
     }
 
     /// The request parameter at fault, OpenAI's `error.param`: set when the proxy
-    /// refused a field the engines would refuse ([`InvalidParam`](super::InvalidParam)).
+    /// refused a field the engines would refuse ([`InvalidParam`](disagg_json::InvalidParam)).
     pub(crate) fn param(&self) -> Option<&'static str> {
         match self.body_error()? {
             BodyError::Invalid(p) => Some(p.param),

@@ -8,13 +8,14 @@ use std::sync::atomic::Ordering::Relaxed;
 use bytes::Bytes;
 use http::HeaderValue;
 
-use crate::body::JsonBody;
 use crate::connector::Leg;
 use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
-use crate::error::{BodyError, InvalidParam, PdError, Phase, Side, TransportError};
+use crate::error::{PdError, Phase, Side, TransportError};
 use crate::outcome::EncodeSummary;
 use crate::request::{Api, PdRequest};
 use crate::transport::read_limited;
+use disagg_json::JsonBody;
+use disagg_json::{BodyError, InvalidParam};
 
 use super::Inner;
 use super::clock::Clock;

@@ -163,8 +163,8 @@ pub struct OrchestratorStats {
     /// proxy rewrites (400 `invalid_parameter`).
     pub invalid_params: u64,
     /// Requests the orchestrator did not serve, told through
-    /// [`Orchestrator::route_ended`], by kind (every [`RouteKind`](crate::outcome::RouteKind),
-    /// in the order of `RouteKind::ALL`).
+    /// [`Orchestrator::route_ended`], by kind: every [`RouteKind`](crate::outcome::RouteKind),
+    /// in the order `forward`, `direct`, `fanout`, `key_refused`.
     pub routed: Vec<(&'static str, u64)>,
     /// Requests whose prompt the [`Tokenizer`] turned into token ids (see
     /// [`tokens`](crate::tokens)).
@@ -268,7 +268,7 @@ impl OrchestratorBuilder {
     /// The orchestrator.
     ///
     /// The builder trusts the source's prefill/decode pairs; to refuse pairs that
-    /// cannot hand KV over (see [`pairing`](crate::pairing)), build over
+    /// cannot hand KV over (`disagg-pairing`'s `check_pair`), build over
     /// `disagg_resilience::pairing::ValidatedSource`, which checks the current set and
     /// every later one.
     pub fn build(self) -> Orchestrator {
@@ -335,13 +335,13 @@ impl Orchestrator {
     ///
     /// # Errors
     ///
-    /// [`BodyError`](crate::error::BodyError) as [`PdRequest::new`].
+    /// [`BodyError`](disagg_json::BodyError) as [`PdRequest::new`].
     pub fn request(
         &self,
         api: crate::request::Api,
         headers: HeaderMap,
         body: &Bytes,
-    ) -> Result<PdRequest, crate::error::BodyError> {
+    ) -> Result<PdRequest, disagg_json::BodyError> {
         PdRequest::with_ids(api, headers, body, &self.inner.ids)
     }
 
@@ -431,11 +431,6 @@ impl Orchestrator {
     /// The transport.
     pub fn transport(&self) -> &dyn Transport {
         &*self.inner.transport
-    }
-
-    /// The encoder stage, when one is configured.
-    pub fn encode_stage(&self) -> Option<&crate::encode::EncodeStage> {
-        self.inner.encode.as_deref()
     }
 
     /// The settings.

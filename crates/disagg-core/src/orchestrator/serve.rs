@@ -7,11 +7,12 @@ use http::Response;
 use tokio::time::Instant as TokioInstant;
 
 use super::stats::{InFlight, bump};
-use crate::error::{BodyError, PdError};
+use crate::error::PdError;
 use crate::outcome::now;
 use crate::policy::Decision;
 use crate::request::PdRequest;
 use crate::router::RequestView;
+use disagg_json::BodyError;
 
 use super::Inner;
 use super::attempt::{Failure, decode_alone};

@@ -9,7 +9,7 @@ use disagg_core::error::{BoxError, RouteError};
 use disagg_core::policy::{Decision, Disaggregate};
 use disagg_core::router::{RequestView, Router};
 use disagg_core::tokens::{TokenIds, Tokenizer};
-use disagg_core::{body::JsonBody, endpoint::EndpointSet};
+use disagg_core::{endpoint::EndpointSet, json::JsonBody};
 
 use super::*;
 

@@ -5,10 +5,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disagg_core::endpoint::Facts;
-use disagg_core::pairing::KvProfile;
 use disagg_core::{EndpointSource, Role, endpoint::EndpointSet};
 use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
+use disagg_pairing::KvProfile;
 
 use crate::apiserver::{FakeApiServer, PodDesc};
 use crate::support::{TempDir, eventually, ids, serves, wait_for};

@@ -6,10 +6,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use disagg_core::pairing::{KvProfile, KvRole};
 use disagg_core::{EndpointSource, Role};
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig};
 use disagg_discovery::{KvEventsEndpoint, MergedSource};
+use disagg_pairing::{KvProfile, KvRole};
 use serde_json::{Value, json};
 
 use crate::apiserver::FakeApiServer;

@@ -72,12 +72,8 @@ impl Refusal {
     /// The answer: status, OpenAI-format body, `www-authenticate: Bearer` on a 401 and
     /// `retry-after` (whole seconds, rounded up, at least 1) on a 429.
     pub fn to_response(&self) -> Response<Bytes> {
-        let body = disagg_core::error::openai_error_body(
-            &self.to_string(),
-            self.error_type(),
-            None,
-            self.code(),
-        );
+        let body =
+            crate::error::openai_body(&self.to_string(), self.error_type(), None, self.code());
         let mut resp = Response::new(body);
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();

@@ -168,7 +168,7 @@ impl prometheus_client::collector::Collector for EncodeCollector {
         {
             use prometheus_client::encoding::EncodeMetric;
             let gauge = prometheus_client::metrics::gauge::ConstGauge::new(
-                i64::try_from(self.0.ejected()).unwrap_or(i64::MAX),
+                i64::try_from(s.ejected).unwrap_or(i64::MAX),
             );
             let metric = encoder.encode_descriptor(
                 "disagg_encode_ejected",

@@ -12,9 +12,9 @@ use disagg_affinity::{
 use disagg_connectors::lmcache::LmcacheReceiver;
 use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::orchestrator::{KvRelease, PrefillFailure};
-use disagg_core::pairing::KvProfile;
 use disagg_core::router::Pick;
 use disagg_http::PdServiceConfig;
+use disagg_pairing::KvProfile;
 use disagg_resilience::{AdmissionConfig, HealthConfig, RetryPolicy};
 
 use crate::BoxError;
@@ -676,7 +676,7 @@ pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError>
     if !range.contains('-') {
         return Ok(vec![url.to_owned()]);
     }
-    let ranks: disagg_core::endpoint::Ranks = range.parse().map_err(|_| {
+    let ranks: disagg_discovery::Ranks = range.parse().map_err(|_| {
         format!("{url}: the ranks after `@` must be RANK or FIRST-LAST (e.g. @0-3)")
     })?;
     let ranks = ranks
@@ -697,7 +697,7 @@ pub(crate) fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
     if let Some(r) = parts.next().filter(|r| !r.is_empty()) {
         profile.role = Some(
             r.parse()
-                .map_err(|e: disagg_core::pairing::KvRoleError| e.to_string())?,
+                .map_err(|e: disagg_pairing::KvRoleError| e.to_string())?,
         );
     }
     if let Some(tp) = parts.next().filter(|t| !t.is_empty()) {

@@ -1,7 +1,7 @@
 //! Unit tests of `serve`.
 
 use super::*;
-use disagg_core::pairing::KvProfile;
+use disagg_pairing::KvProfile;
 
 #[test]
 fn the_lmcache_socket_defaults_to_the_listen_host() {
@@ -48,7 +48,7 @@ fn prefill_values_group_as_sglang_writes_them() {
 
 #[test]
 fn rank_ranges_expand_and_base_urls_drop_ranks() {
-    let max = disagg_core::endpoint::DEFAULT_MAX_DP_RANKS;
+    let max = disagg_discovery::DEFAULT_MAX_DP_RANKS;
     assert_eq!(expand_ranks("http://d:1", max).unwrap(), ["http://d:1"]);
     assert_eq!(expand_ranks("http://d:1@2", max).unwrap(), ["http://d:1@2"]);
     assert_eq!(
@@ -85,7 +85,7 @@ fn profiles_parse_with_optional_parts() {
     let (url, p) = parse_profile("http://p:8100/=NixlConnector,kv_producer,8").unwrap();
     assert_eq!(url, "http://p:8100");
     assert_eq!(p.connector.as_deref(), Some("NixlConnector"));
-    assert_eq!(p.role, Some(disagg_core::pairing::KvRole::Producer));
+    assert_eq!(p.role, Some(disagg_pairing::KvRole::Producer));
     assert_eq!(p.tp_size, Some(8));
     let (_, p) = parse_profile("http://d:1=,,4").unwrap();
     assert_eq!(

@@ -1,5 +1,5 @@
 use super::*;
-use disagg_core::source::ManualSource;
+use disagg_core::source::StaticSource;
 use std::sync::atomic::AtomicUsize;
 
 fn ep(url: &str, role: Role) -> Endpoint {
@@ -11,8 +11,8 @@ fn ids(eps: &[Arc<Endpoint>]) -> Vec<&str> {
 }
 
 /// Two prefill and one decode endpoint; `http://a:1` serves both roles.
-fn source(config: HealthConfig) -> (Arc<ManualSource>, HealthSource) {
-    let inner = Arc::new(ManualSource::new([
+fn source(config: HealthConfig) -> (Arc<StaticSource>, HealthSource) {
+    let inner = Arc::new(StaticSource::new([
         ep("http://a:1", Role::Prefill),
         ep("http://b:1", Role::Prefill),
         ep("http://a:1", Role::Decode),
@@ -236,7 +236,7 @@ async fn inner_changes_are_followed_and_states_survive_them() {
 
 #[tokio::test(start_paused = true)]
 async fn the_filtered_set_keeps_routing_by_model() {
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         ep("http://p1:1", Role::Prefill).with_models(["llama"]),
         ep("http://p2:1", Role::Prefill).with_models(["llama"]),
         ep("http://d1:1", Role::Decode).with_models(["llama"]),
@@ -365,7 +365,7 @@ impl Transport for Checks {
 
 #[tokio::test(start_paused = true)]
 async fn checks_take_an_engine_out_after_the_threshold_and_back_after_a_pass() {
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         ep("http://a:1@0", Role::Prefill),
         ep("http://a:1@1", Role::Prefill),
         ep("http://a:1", Role::Decode),
@@ -424,7 +424,7 @@ async fn checks_take_an_engine_out_after_the_threshold_and_back_after_a_pass() {
 
 #[tokio::test(start_paused = true)]
 async fn a_refused_engine_goes_down_and_stopping_the_checks_lifts_the_verdict() {
-    let inner = ManualSource::new([
+    let inner = StaticSource::new([
         ep("http://a:1", Role::Prefill),
         ep("http://b:1", Role::Decode),
     ]);
@@ -442,7 +442,7 @@ async fn a_refused_engine_goes_down_and_stopping_the_checks_lifts_the_verdict() 
 
 #[tokio::test(start_paused = true)]
 async fn the_checker_publishes_returns_and_inner_changes_to_watchers() {
-    let inner = Arc::new(ManualSource::new([
+    let inner = Arc::new(StaticSource::new([
         ep("http://a:1", Role::Prefill),
         ep("http://b:1", Role::Decode),
     ]));

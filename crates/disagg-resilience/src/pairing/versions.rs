@@ -10,8 +10,8 @@ use bytes::Bytes;
 use disagg_core::connector::KvConnector;
 use disagg_core::endpoint::Endpoint;
 use disagg_core::error::TransportError;
-use disagg_core::pairing::Mismatch;
 use disagg_core::transport::{Transport, read_limited};
+use disagg_pairing::Mismatch;
 
 /// The path engines answer their version on: vLLM's `GET /version`,
 /// `{"version": "0.33.0"}` (`vllm/entrypoints/serve/instrumentator/basic.py`).

@@ -410,10 +410,8 @@ impl Telemetry {
             .iter()
             .chain(set.by_role(Role::Decode))
         {
-            match loads.get(e.authority()) {
-                Some(Some(n)) => e.set_engine_load(*n),
-                Some(None) => e.clear_engine_load(),
-                None => {}
+            if let Some(reading) = loads.get(e.authority()) {
+                e.set_engine_load(*reading);
             }
         }
         if let Some(health) = &self.health {

@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use disagg_core::body::JsonBody;
+use disagg_core::json::JsonBody;
 use disagg_core::request::Api;
 use minijinja::value::Value;
 use serde_json::Value as Json;
@@ -155,7 +155,7 @@ pub enum LoadError {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::{request::Api, body::JsonBody};
+/// use disagg_core::{request::Api, json::JsonBody};
 /// use disagg_tokenize::{HfTokenizer, Tokenize};
 ///
 /// // A word-level tokenizer with a BOS token the post-processor adds.

@@ -6,8 +6,8 @@ use crate::lmcache::reshape::*;
 use bytes::BytesMut;
 use disagg_core::Role;
 use disagg_core::endpoint::{Endpoint, Facts};
-use disagg_core::pairing::KvRole;
 use disagg_core::transport::BoxBody;
+use disagg_pairing::KvRole;
 use http::HeaderMap;
 use http_body::Frame;
 use http_body_util::BodyExt;
@@ -384,10 +384,10 @@ fn a_decode_declaring_another_size_than_its_receiver_is_refused() {
 
 #[tokio::test]
 async fn a_later_set_with_an_unequal_pair_is_refused_by_validated_source() {
-    use disagg_core::{EndpointSource, source::ManualSource};
+    use disagg_core::{EndpointSource, source::StaticSource};
     use disagg_resilience::pairing::ValidatedSource;
     let decode = || declared("http://d:7200", Role::Decode, None, Some(receiver()));
-    let inner = Arc::new(ManualSource::new([
+    let inner = Arc::new(StaticSource::new([
         declared("http://p2:7100", Role::Prefill, tp(2), None),
         decode(),
     ]));

@@ -6,9 +6,9 @@ use http::{HeaderMap, StatusCode};
 
 use super::*;
 use crate::vllm::reuse::{PromptTokenReuse, ReuseStats};
-use disagg_core::body::JsonBody;
 use disagg_core::endpoint::{Endpoint, Role};
 use disagg_core::request::Api;
+use disagg_json::JsonBody;
 
 fn route() -> Route {
     Route::new(

@@ -17,7 +17,7 @@
 //!   `check_structured_outputs_count`, `validate_response_format` in
 //!   `vllm/entrypoints/openai/chat_completion/protocol.py` and
 //!   `.../completion/protocol.py`), then pydantic's lax field types (see
-//!   `disagg_core::proto::lax`);
+//!   `disagg_json::lax`);
 //! - *max tokens*: the handler's `get_max_tokens`
 //!   (`vllm/entrypoints/serve/utils/api_utils.py`: chat reads
 //!   `max_completion_tokens`, else `max_tokens`);
@@ -33,11 +33,11 @@
 //! `structured_outputs` is checked). Such a request is refused by the decode after its
 //! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
 
-use disagg_core::body::JsonBody;
-use disagg_core::error::InvalidParam;
 use disagg_core::policy::Decision;
-use disagg_core::proto::lax::{bool_value, int_value, truthy};
 use disagg_core::request::{Api, PdRequest};
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
+use disagg_json::lax::{bool_value, int_value, truthy};
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,7 +89,7 @@ impl Default for VllmLimits {
 /// assert_eq!(check_request(&bad, &limits).unwrap_err().param, "max_tokens");
 /// let beam = PdRequest::new(Api::Completions, Default::default(), &r#"{"prompt":"p","use_beam_search":true}"#.into())?;
 /// assert!(matches!(check_request(&beam, &limits), Ok(Decision::Direct { .. })));
-/// # Ok::<(), disagg_core::error::BodyError>(())
+/// # Ok::<(), disagg_json::BodyError>(())
 /// ```
 pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, InvalidParam> {
     if req.api() == disagg_core::request::Api::Generate {
@@ -159,7 +159,7 @@ struct Fields<'a> {
 impl<'a> Fields<'a> {
     fn of(body: &'a JsonBody) -> Self {
         let mut f = Fields::default();
-        for (key, value) in disagg_core::proto::fields(body) {
+        for (key, value) in body.fields() {
             let slot = match key {
                 b"use_beam_search" => &mut f.use_beam_search,
                 b"stream" => &mut f.stream,

@@ -16,18 +16,16 @@
 //! and in order.
 
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
-use disagg_core::error::InvalidParam;
 use disagg_core::policy::Decision;
-use disagg_core::proto::lax::int_value;
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
+use disagg_json::lax::int_value;
 
 /// The prefill leg's body for a client `body` of `/cohere/v2/chat` (see the
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| {
-        !matches!(key, b"stop_sequences" | b"response_format")
-    });
+    out.retain(|key| !matches!(key, b"stop_sequences" | b"response_format"));
     out.set_raw("max_tokens", super::ONE.clone());
     out.set_raw("stream", Bytes::from_static(b"false"));
     out

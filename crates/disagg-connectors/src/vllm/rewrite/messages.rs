@@ -19,16 +19,16 @@
 //! fields) passes unchanged and in order.
 
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
-use disagg_core::error::InvalidParam;
 use disagg_core::policy::Decision;
-use disagg_core::proto::lax::int_value;
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
+use disagg_json::lax::int_value;
 
 /// The prefill leg's body for a client `body` of `/v1/messages` (see the
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| key != b"stop_sequences");
+    out.retain(|key| key != b"stop_sequences");
     out.set_raw("max_tokens", super::ONE.clone());
     out.set_raw("stream", Bytes::from_static(b"false"));
     out

@@ -49,8 +49,8 @@ mod token_in;
 
 use check::VllmLimits;
 
-use disagg_core::body::JsonBody;
 use disagg_core::request::Api;
+use disagg_json::JsonBody;
 
 /// Whether `key` is removed from the prefill leg: the table of the module docs, as one
 /// `match` so that a body's fields are filtered in a single pass.
@@ -89,7 +89,7 @@ fn removed(key: &[u8]) -> bool {
 /// # Examples
 ///
 /// ```
-/// use disagg_core::body::JsonBody;
+/// use disagg_json::JsonBody;
 /// use disagg_core::request::Api;
 /// use disagg_connectors::vllm::rewrite::PrefillRewriter;
 ///
@@ -99,7 +99,7 @@ fn removed(key: &[u8]) -> bool {
 ///     &prefill.to_bytes()[..],
 ///     br#"{"model":"m","prompt":"hi","max_tokens":1,"stream":false,"ignore_eos":true}"#
 /// );
-/// # Ok::<(), disagg_core::error::BodyError>(())
+/// # Ok::<(), disagg_json::BodyError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct PrefillRewriter {
@@ -157,7 +157,7 @@ impl PrefillRewriter {
             return cohere::rewrite(body);
         }
         let mut out = body.clone();
-        disagg_core::proto::retain(&mut out, |key| !removed(key));
+        out.retain(|key| !removed(key));
         out.set_raw("max_tokens", ONE.clone());
         if api == Api::Chat {
             out.set_raw("max_completion_tokens", ONE.clone());

@@ -27,10 +27,10 @@
 //! made, and found, on one engine.
 
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
-use disagg_core::error::InvalidParam;
 use disagg_core::policy::Decision;
-use disagg_core::proto::lax::{bool_value, int_value};
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
+use disagg_json::lax::{bool_value, int_value};
 
 /// Why a Responses request is served by one engine: it keeps or continues state.
 pub(crate) const RESPONSES_STATE: &str = "responses_state";
@@ -39,9 +39,7 @@ pub(crate) const RESPONSES_STATE: &str = "responses_state";
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| {
-        !matches!(key, b"stream_options" | b"top_logprobs" | b"text")
-    });
+    out.retain(|key| !matches!(key, b"stream_options" | b"top_logprobs" | b"text"));
     out.set_raw("max_output_tokens", super::ONE.clone());
     out.set_raw("stream", Bytes::from_static(b"false"));
     out.set_raw("store", Bytes::from_static(b"false"));

@@ -24,10 +24,10 @@
 //! field) passes unchanged and in order.
 
 use bytes::Bytes;
-use disagg_core::body::JsonBody;
-use disagg_core::error::InvalidParam;
 use disagg_core::policy::Decision;
 use disagg_core::request::Api;
+use disagg_json::InvalidParam;
+use disagg_json::JsonBody;
 
 use super::check::VllmLimits;
 
@@ -35,14 +35,14 @@ use super::check::VllmLimits;
 /// [module docs](self)).
 pub(crate) fn rewrite(body: &JsonBody, ignore_eos: bool) -> JsonBody {
     let mut out = body.clone();
-    disagg_core::proto::retain(&mut out, |key| key != b"stream_options");
+    out.retain(|key| key != b"stream_options");
     out.set_raw("stream", Bytes::from_static(b"false"));
     // A body that reached the rewriter passed `check`: `sampling_params` is an object.
     let mut params = out
         .get("sampling_params")
         .and_then(|raw| JsonBody::parse(raw).ok())
         .unwrap_or_default();
-    disagg_core::proto::retain(&mut params, |key| !super::removed(key));
+    params.retain(|key| !super::removed(key));
     params.set_raw("max_tokens", super::ONE.clone());
     for field in ["n", "best_of"] {
         if params.get(field).is_some() {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde_json::Value;
 
-use crate::body::JsonBody;
 use crate::connector::Leg;
 use crate::request::{Api, PdRequest};
+use disagg_json::JsonBody;
 
 use super::MigrationConfig;
 

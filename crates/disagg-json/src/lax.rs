@@ -8,7 +8,7 @@
 //! `TypeAdapter(int)`, `TypeAdapter(list[int])`, `TypeAdapter(str | list[str])` on JSON
 //! input), the version vLLM 0.33 installs.
 //!
-//! The core reads `stream` with it ([`PdRequest`](crate::request::PdRequest)); the
+//! The core reads `stream` with it (`disagg_core::request::PdRequest`); the
 //! connectors read the fields they rewrite or check.
 
 /// A value pydantic's lax mode refuses for the type asked (the engine answers 400).

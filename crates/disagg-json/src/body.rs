@@ -31,13 +31,13 @@ use crate::error::BodyError;
 /// # Examples
 ///
 /// ```
-/// use disagg_core::body::JsonBody;
+/// use disagg_json::JsonBody;
 ///
 /// let mut body = JsonBody::parse(br#"{"model":"m","prompt":"hi","stream":true}"#)?;
 /// body.set("stream", &false);
 /// body.remove("model");
 /// assert_eq!(&body.to_bytes()[..], br#"{"prompt":"hi","stream":false}"#);
-/// # Ok::<(), disagg_core::error::BodyError>(())
+/// # Ok::<(), disagg_json::BodyError>(())
 /// ```
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct JsonBody {
@@ -56,6 +56,7 @@ impl JsonBody {
     ///
     /// [`BodyError::InvalidJson`] for malformed JSON, [`BodyError::NotAnObject`] when the
     /// top level is not an object.
+    #[inline]
     pub fn parse(bytes: &[u8]) -> Result<Self, BodyError> {
         Self::parse_bytes(&Bytes::copy_from_slice(bytes))
     }
@@ -106,6 +107,7 @@ impl JsonBody {
         }
     }
 
+    #[inline]
     fn slot(&self, key: &str) -> Option<&Bytes> {
         self.fields
             .iter()
@@ -114,11 +116,13 @@ impl JsonBody {
     }
 
     /// The raw JSON text of `key`'s value.
+    #[inline]
     pub fn get(&self, key: &str) -> Option<&[u8]> {
         self.slot(key).map(|v| &v[..])
     }
 
     /// The value of `key` as its own [`Bytes`] (no copy).
+    #[inline]
     pub fn get_bytes(&self, key: &str) -> Option<Bytes> {
         self.slot(key).cloned()
     }
@@ -128,14 +132,12 @@ impl JsonBody {
     /// # Errors
     ///
     /// When the value does not deserialize as `T`.
-    pub(crate) fn get_as<'a, T: Deserialize<'a>>(
-        &'a self,
-        key: &str,
-    ) -> Option<serde_json::Result<T>> {
+    pub fn get_as<'a, T: Deserialize<'a>>(&'a self, key: &str) -> Option<serde_json::Result<T>> {
         self.get(key).map(serde_json::from_slice)
     }
 
     /// Whether `key` is absent or `null`.
+    #[inline]
     pub fn is_null_or_absent(&self, key: &str) -> bool {
         self.get(key).is_none_or(|v| v == b"null")
     }
@@ -155,6 +157,7 @@ impl JsonBody {
     /// Set `key`, a field name known at compile time, to raw JSON text, which the caller
     /// vouches is one valid JSON value; a key that is appended is not copied (no
     /// allocation for it on a per-request path).
+    #[inline]
     pub fn set_raw(&mut self, key: &'static str, raw: Bytes) {
         self.put(key, || Bytes::from_static(key.as_bytes()), raw);
     }
@@ -172,6 +175,7 @@ impl JsonBody {
     }
 
     /// Remove `key`, returning its raw value.
+    #[inline]
     pub fn remove(&mut self, key: &str) -> Option<Bytes> {
         let i = self
             .fields
@@ -183,17 +187,19 @@ impl JsonBody {
     /// The fields in order, as `(key, raw JSON value)`, the key as its UTF-8 bytes: one
     /// pass over the object for a reader of many fields, where each [`get`](Self::get)
     /// would be a search (and bytes, so that matching keys validates nothing again).
-    pub(crate) fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+    #[inline]
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
         self.fields.iter().map(|(k, v)| (&k[..], &v[..]))
     }
 
     /// Keep only the fields whose key (UTF-8 bytes) `keep` accepts, in order: one pass,
     /// where removing many keys one by one would search the object for each.
-    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
+    pub fn retain(&mut self, mut keep: impl FnMut(&[u8]) -> bool) {
         self.fields.retain(|(k, _)| keep(k));
     }
 
     /// The keys in order.
+    #[inline]
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         // Keys come from `&str`s (parsed or given), so they are valid UTF-8.
         self.fields
@@ -202,6 +208,7 @@ impl JsonBody {
     }
 
     /// The object as compact JSON text; values are written back byte for byte.
+    #[inline]
     pub fn to_bytes(&self) -> Bytes {
         let len: usize = 2 + self
             .fields
@@ -272,9 +279,31 @@ fn fold_indexed(bytes: &Bytes, spans: &[(Key, usize, usize)]) -> Vec<(Bytes, Byt
     fields
 }
 
-/// The raw value of the top-level field `key` of the JSON object `bytes` (see
-/// [`proto::top_level_field`](crate::proto::top_level_field)).
-pub(crate) fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
+/// The raw value of the top-level field `key` of the JSON object `bytes`, found without
+/// building the rest.
+///
+/// The object is walked at its top level only: strings are skipped escape-aware, nested
+/// values by bracket depth, and only the value found is validated as JSON. Cheaper than
+/// [`JsonBody::parse_bytes`] when one field of a large answer is wanted (the prefill's
+/// `kv_transfer_params`); a malformed object is an error, as with a full parse. Keys are
+/// compared after unescaping; the last of duplicate keys wins.
+///
+/// # Errors
+///
+/// [`BodyError`] when `bytes` is not a JSON object or the value found is not valid JSON.
+///
+/// # Examples
+///
+/// ```
+/// use bytes::Bytes;
+/// use disagg_json::top_level_field;
+///
+/// let answer = Bytes::from_static(br#"{"choices":[{"text":"}"}],"kv_transfer_params":{"a":1}}"#);
+/// let v = top_level_field(&answer, "kv_transfer_params")?.unwrap();
+/// assert_eq!(&v[..], br#"{"a":1}"#);
+/// # Ok::<(), disagg_json::BodyError>(())
+/// ```
+pub fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>, BodyError> {
     let found = top_level_span(bytes, key)?;
     if let Some(value) = &found {
         serde_json::from_slice::<de::IgnoredAny>(value).map_err(BodyError::InvalidJson)?;
@@ -287,7 +316,7 @@ pub(crate) fn top_level_field(bytes: &Bytes, key: &str) -> Result<Option<Bytes>,
 /// takes (and what it found), or `None` when they are not JSON, which makes the answer
 /// malformed. The rest of the object's shape is checked as for `top_level_field`. For a
 /// caller whose reading validates the value anyway, so that its bytes are read once.
-pub(crate) fn top_level_read<T>(
+pub fn top_level_read<T>(
     bytes: &Bytes,
     key: &str,
     mut read: impl FnMut(&[u8]) -> Option<(usize, T)>,
@@ -313,7 +342,7 @@ pub(crate) fn top_level_read<T>(
 
 /// [`top_level_read`] for two keys in one pass over the object: `read_a` reads the
 /// values of `key_a`, `read_b` those of `key_b`, each as `top_level_read`'s `read`.
-pub(crate) fn top_level_read_pair<T, U>(
+pub fn top_level_read_pair<T, U>(
     bytes: &Bytes,
     (key_a, mut read_a): (&str, impl FnMut(&[u8]) -> Option<(usize, T)>),
     (key_b, mut read_b): (&str, impl FnMut(&[u8]) -> Option<(usize, U)>),
@@ -348,7 +377,7 @@ pub(crate) fn top_level_read_pair<T, U>(
 }
 
 /// What [`top_level_read_pair`] found: each key's last value and its reading.
-pub(crate) type ReadPair<T, U> = (Option<(Bytes, T)>, Option<(Bytes, U)>);
+pub type ReadPair<T, U> = (Option<(Bytes, T)>, Option<(Bytes, U)>);
 
 /// The span of the last top-level value of `key`, the object's shape checked (see
 /// [`scan_field`]), the value's bytes not read as JSON.
@@ -515,9 +544,8 @@ static PLAIN: [bool; 256] = {
     plain
 };
 
-/// `s` as a JSON string: copied between quotes when nothing needs escaping (see
-/// [`proto::write_json_str`](crate::proto::write_json_str)).
-pub(crate) fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
+/// `s` as a JSON string: copied between quotes when nothing needs escaping.
+pub fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     if s.iter().all(|&b| PLAIN[usize::from(b)]) {
         out.push(b'"');
         out.extend_from_slice(s);
@@ -793,7 +821,7 @@ mod tests {
     #[test]
     fn top_level_field_finds_only_top_level_keys() {
         let f = |body: &str, key: &str| {
-            crate::proto::top_level_field(&Bytes::from(body.to_owned()), key)
+            top_level_field(&Bytes::from(body.to_owned()), key)
                 .map(|v| v.map(|v| String::from_utf8(v.to_vec()).unwrap()))
         };
         let body = r#" {"a": {"k": 1, "s": "}\"k\""}, "list": [[1], {"k": [2]}], "k" : {"x": [1, 2]} , "n": -1.5e3 } "#;
@@ -890,7 +918,7 @@ mod tests {
         let full = JsonBody::parse_bytes(&bytes).unwrap();
         for key in ["id", "choices", "usage", "kv_transfer_params", "nope"] {
             assert_eq!(
-                crate::proto::top_level_field(&bytes, key).unwrap(),
+                top_level_field(&bytes, key).unwrap(),
                 full.get_bytes(key),
                 "{key}"
             );

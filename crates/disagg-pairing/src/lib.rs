@@ -1,8 +1,13 @@
 //! P/D pairing facts: what an endpoint declares about its KV transfer, and whether one
 //! prefill/decode pair can hand KV over.
 //!
+//! The orchestrator never reads these facts: they are declared by whoever makes the
+//! endpoints (`disagg-discovery`, the proxy's flags, a connector's helper), checked by
+//! [`check_pair`] against the connector's rules ([`KvConnector::bridges_tp`],
+//! [`KvConnector::equal_versions`]) and enforced, optionally, by `disagg-resilience`.
+//!
 //! An endpoint may declare, in a [`KvProfile`] kept in its
-//! [`Endpoint::ext`](crate::endpoint::Endpoint::ext), the KV connector its engine runs
+//! [`Endpoint::ext`](disagg_core::Endpoint::ext), the KV connector its engine runs
 //! (vLLM's `kv_connector`, or `sglang`), its `kv_role` and its tensor-parallel size.
 //! [`check_pair`] checks one pair of profiles against the orchestrator's connector and
 //! names the [`Mismatch`]:
@@ -41,8 +46,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::connector::KvConnector;
-use crate::endpoint::EndpointId;
+use disagg_core::KvConnector;
+use disagg_core::endpoint::EndpointId;
 
 /// An engine's `kv_role` (vLLM `kv_transfer_config.kv_role`; SGLang's
 /// `--disaggregation-mode prefill|decode` maps to producer and consumer).

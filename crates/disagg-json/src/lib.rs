@@ -1,0 +1,37 @@
+//! The JSON toolkit of **disagg**'s engine protocols: what a connector needs to read and
+//! rewrite a client's request body and to read one field of an engine's answer, without
+//! building either as a tree.
+//!
+//! | item | for |
+//! |---|---|
+//! | [`JsonBody`] | the top level of a request body, edited in place: values stay the bytes they arrived as |
+//! | [`lax`] | pydantic's lax reading of JSON values (`bool`, `int`), as vLLM and SGLang read request fields |
+//! | [`top_level_field`], [`top_level_read`], [`top_level_read_pair`] | one or two fields of an engine's answer, found without building the rest |
+//! | [`write_json_str`] | a JSON string, copied between quotes when nothing needs escaping |
+//! | [`BodyError`], [`InvalidParam`] | why a body could not be used |
+//!
+//! Nothing here knows the orchestrator or any engine: `disagg-core` builds its
+//! `PdRequest` on [`JsonBody`] (and re-exports this crate as `disagg_core::json`), and
+//! the connectors of `disagg-connectors` rewrite the legs' bodies with it. `serde_json`
+//! is the only JSON dependency; values are validated by it, never built.
+//!
+//! # Examples
+//!
+//! ```
+//! use disagg_json::JsonBody;
+//!
+//! let mut body = JsonBody::parse(br#"{"model":"m","prompt":"hi","stream":true}"#)?;
+//! body.set("stream", &false);
+//! body.retain(|key| key != b"model");
+//! assert_eq!(&body.to_bytes()[..], br#"{"prompt":"hi","stream":false}"#);
+//! # Ok::<(), disagg_json::BodyError>(())
+//! ```
+
+mod body;
+mod error;
+pub mod lax;
+
+pub use body::{
+    JsonBody, ReadPair, top_level_field, top_level_read, top_level_read_pair, write_json_str,
+};
+pub use error::{BodyError, InvalidParam};
