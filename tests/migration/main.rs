@@ -10,6 +10,8 @@ use disagg_sim::{Faults, SimConfig};
 use serde_json::{Value, json};
 use support::*;
 
+mod observe;
+
 /// A decode engine that aborts every stream after `chunks` SSE events.
 fn dying(chunks: usize) -> SimConfig {
     SimConfig {

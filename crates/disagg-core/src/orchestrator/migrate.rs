@@ -29,6 +29,10 @@
 //!   rewritten with the first leg's `id`, `object`, `created` and `model`, chat-shaped
 //!   (`delta.content`) for a chat request, with no second role chunk; a usage chunk
 //!   counts the original prompt and the completion tokens of every leg.
+//! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
+//!   (from, to, tokens carried, when the stream broke and when the continuation's first
+//!   byte went out: the time lost), with a span id drawn when the request is traced;
+//!   the continuation's leg carries a `traceparent` naming that span.
 //!
 //! A client that leaves drops the body, and with it any continuation: it is never
 //! migrated.
@@ -38,7 +42,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderName, HeaderValue};
@@ -49,7 +53,7 @@ use sync_wrapper::SyncWrapper;
 
 use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
 use crate::error::{BoxError, PdError, Side, TransportError};
-use crate::outcome::{LegOutcome, Outcome, Report, Timeline};
+use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline, now};
 use crate::request::{Api, PdRequest, REQUEST_ID};
 use crate::router::Route;
 use crate::source::EndpointSource;
@@ -138,6 +142,8 @@ struct MovedState {
     to: Option<Arc<Endpoint>>,
     migrations: u32,
     carried: u64,
+    /// Each continuation tried, for the request's summary.
+    log: Vec<Migration>,
 }
 
 impl Moved {
@@ -152,6 +158,40 @@ impl Moved {
             route.decode_rank = None;
         }
         (s.migrations, s.carried)
+    }
+
+    /// The migrations tried, for the request's summary (taken once).
+    pub(crate) fn take_log(&self) -> Vec<Migration> {
+        self.inner
+            .lock()
+            .map(|mut s| std::mem::take(&mut s.log))
+            .unwrap_or_default()
+    }
+
+    /// A continuation is being started for `m`.
+    fn begin(&self, m: Migration) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.log.push(m);
+        }
+    }
+
+    /// The last continuation went to `to` (`started`: its head came; else it failed).
+    fn sent_to(&self, to: Option<&Arc<Endpoint>>, prefill: Option<&Arc<Endpoint>>) {
+        if let Ok(mut s) = self.inner.lock()
+            && let Some(m) = s.log.last_mut()
+        {
+            m.to = to.cloned();
+            m.prefill = prefill.cloned();
+        }
+    }
+
+    /// The last continuation's first byte went to the client at `at`: the migration,
+    /// for the log line.
+    fn resumed(&self, at: Instant) -> Option<Migration> {
+        let mut s = self.inner.lock().ok()?;
+        let m = s.log.last_mut()?;
+        m.resumed = Some(at);
+        Some(m.clone())
     }
 
     fn moved(&self, to: &Arc<Endpoint>, carried: u64) {
@@ -180,6 +220,9 @@ pub(crate) struct Ctx {
     /// Time from sending a continuation to its head.
     pub(crate) head_timeout: Duration,
     pub(crate) moved: Arc<Moved>,
+    /// The request's trace, when traced: each continuation's legs carry a
+    /// `traceparent` naming its migration's span, drawn from `spans`.
+    pub(crate) trace: Option<(crate::outcome::TraceIds, Arc<crate::trace::SpanIds>)>,
 }
 
 /// The longest SSE event held whole; a longer one ends tracking (the stream is then
@@ -309,6 +352,9 @@ pub(crate) struct Migrating {
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
     broke: Option<BoxError>,
+    /// Since when the client's stream stands still: set at a break that starts a
+    /// continuation, cleared when a continuation's first byte goes out.
+    stalled: Option<Instant>,
     /// The searches of each event, built once.
     scan: Scan,
 }
@@ -371,12 +417,33 @@ impl Migrating {
             tried,
             carried: 0,
             broke: None,
+            stalled: None,
             scan: Scan::new(),
         }
     }
 
     fn continuing(&self) -> bool {
         self.migrations > 0
+    }
+
+    /// Bytes of the current leg go to the client: if they are a continuation's first,
+    /// the migration ends here (its time lost is known; it is logged).
+    fn resumed(&mut self) {
+        if self.stalled.take().is_none() {
+            return;
+        }
+        let Some(m) = self.ctx.moved.resumed(now()) else {
+            return;
+        };
+        tracing::info!(
+            reason = m.reason,
+            from = %m.from.id(),
+            to = m.to.as_ref().map(|e| e.id().as_str()),
+            prefill = m.prefill.as_ref().map(|e| e.id().as_str()),
+            tokens = m.tokens,
+            lost_ms = m.time_lost().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            "decode stream continued"
+        );
     }
 
     /// The end of a stream whose last token is out: the usage chunk the client asked
@@ -689,9 +756,21 @@ impl Migrating {
         self.migrations += 1;
         self.buf.clear();
         self.inner = super::body::empty_body();
+        let broke = *self.stalled.get_or_insert_with(now);
+        let span = ctx.trace.as_ref().map(|(_, ids)| ids.span());
+        ctx.moved.begin(Migration {
+            reason: reason.as_str(),
+            from: Arc::clone(&self.leg.endpoint),
+            to: None,
+            prefill: None,
+            tokens: generated,
+            broke,
+            resumed: None,
+            span,
+        });
         let n = self.migrations;
         let tried = self.tried.clone();
-        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n))));
+        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n, span))));
         true
     }
 }
@@ -703,6 +782,7 @@ async fn start(
     body: Bytes,
     tried: Vec<EndpointId>,
     n: u32,
+    span: Option<[u8; 8]>,
 ) -> Result<Started, (Option<Arc<Endpoint>>, PdError)> {
     let set = ctx.source.snapshot();
     let model = ctx
@@ -720,7 +800,7 @@ async fn start(
         .min_by_key(|e| e.in_flight())
         .cloned()
         .ok_or_else(|| (None, PdError::route(crate::error::RouteError::NoDecode)))?;
-    send(&ctx, body, &endpoint, n)
+    send(&ctx, body, &endpoint, n, span)
         .await
         .map(|(body, guard)| Started {
             current: Current {
@@ -738,6 +818,7 @@ async fn send(
     body: Bytes,
     endpoint: &Arc<Endpoint>,
     n: u32,
+    span: Option<[u8; 8]>,
 ) -> Result<(BoxBody, InFlightGuard), PdError> {
     let guard = endpoint.track();
     let id = endpoint.id().clone();
@@ -759,6 +840,10 @@ async fn send(
     let leg_id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
     if let Ok(v) = HeaderValue::from_str(&leg_id) {
         h.insert(REQUEST_ID, v);
+    }
+    // The engine's own spans sit under the migration's.
+    if let (Some((trace, _)), Some(span)) = (&ctx.trace, span) {
+        trace.inject(&span, h);
     }
     let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
         Ok(Ok(head)) => head,
@@ -802,6 +887,7 @@ impl Body for Migrating {
                 match result {
                     Ok(Started { current, body }) => {
                         this.tried.push(current.endpoint.id().clone());
+                        this.ctx.moved.sent_to(Some(&current.endpoint), None);
                         this.ctx.moved.moved(&current.endpoint, this.carried);
                         this.leg = current;
                         this.inner = body;
@@ -813,6 +899,7 @@ impl Body for Migrating {
                         if let Some(ep) = &endpoint {
                             this.tried.push(ep.id().clone());
                         }
+                        this.ctx.moved.sent_to(endpoint.as_ref(), None);
                         // The client hears of the break, not of the continuation's
                         // own failure (unless the leg only ended early).
                         if this.broke.is_none() {
@@ -842,7 +929,10 @@ impl Body for Migrating {
                     let mut out = BytesMut::with_capacity(this.buf.len() + data.len() + 16);
                     match this.events(data, &mut out) {
                         Ok(()) if out.is_empty() => continue,
-                        Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
+                        Ok(()) => {
+                            this.resumed();
+                            return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                        }
                         Err((reason, event)) => {
                             let dead = Some(Arc::clone(&this.leg.endpoint));
                             if this.migrate(reason, dead, false) {
@@ -901,6 +991,7 @@ impl super::Inner {
         req: &PdRequest,
         route: &Route,
         engine_id: &HeaderValue,
+        trace: Option<&crate::outcome::TraceIds>,
         body: BoxBody,
     ) -> (BoxBody, Option<Arc<Moved>>) {
         let Some(plan) = plan(&self.config.migration, req) else {
@@ -921,6 +1012,7 @@ impl super::Inner {
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             moved: Arc::clone(&moved),
+            trace: trace.map(|t| (t.clone(), Arc::clone(&self.spans))),
         };
         (
             http_body_util::BodyExt::boxed(Migrating::new(body, ctx)),

@@ -84,7 +84,7 @@ use stats::Counters;
 
 struct Inner {
     ids: RequestIds,
-    spans: crate::trace::SpanIds,
+    spans: Arc<crate::trace::SpanIds>,
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
@@ -286,7 +286,7 @@ impl OrchestratorBuilder {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
-                spans: crate::trace::SpanIds::new(),
+                spans: Arc::new(crate::trace::SpanIds::new()),
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
@@ -406,7 +406,7 @@ impl Orchestrator {
         Orchestrator {
             inner: Arc::new(Inner {
                 ids: RequestIds::new(),
-                spans: crate::trace::SpanIds::new(),
+                spans: Arc::new(crate::trace::SpanIds::new()),
                 source: Arc::clone(&i.source),
                 router: Arc::clone(&i.router),
                 connector: Arc::clone(&i.connector),

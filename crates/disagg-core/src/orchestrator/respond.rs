@@ -283,7 +283,7 @@ impl Inner {
         // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
         // body is the decode's, as it always was).
         let (body, moved) = if sse && status.is_success() && guard.is_some() {
-            self.migrating(req, &route, &meta.engine_id, body)
+            self.migrating(req, &route, &meta.engine_id, meta.trace.as_ref(), body)
         } else {
             (body, None)
         };
