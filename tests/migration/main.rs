@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use support::*;
 
 mod observe;
+mod prefill;
 
 /// A decode engine that aborts every stream after `chunks` SSE events.
 fn dying(chunks: usize) -> SimConfig {

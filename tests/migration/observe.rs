@@ -101,7 +101,12 @@ async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
     for ep in [&mig.from, to] {
         assert!(urls.contains(&ep.id().as_str().to_owned()), "{ep:?}");
     }
-    assert!(mig.prefill.is_none(), "a decode-only continuation");
+    // The request was disaggregated: so is its continuation, on the same prefill.
+    let prefill = mig
+        .prefill
+        .as_ref()
+        .expect("a continuation through a prefill");
+    assert_eq!(prefill.id().as_str(), s.p().url());
     assert_eq!(mig.tokens, 5);
     let lost = mig
         .time_lost()
@@ -155,6 +160,8 @@ async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
         span.span_context.span_id()
     );
     assert_eq!(leg.header("traceparent"), Some(want.as_str()));
+    let prefill_leg = s.p().requests().last().cloned().expect("the prefill leg");
+    assert_eq!(prefill_leg.header("traceparent"), Some(want.as_str()));
 
     // And the time lost is in the histogram, once.
     let text = get(&s.url, "/metrics").await.text();

@@ -19,12 +19,19 @@
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
-//! * **Continue.** A decode-only continuation on another decode endpoint (never one
-//!   already tried; the dead one is reported failed, which is what passive health
-//!   hears): `POST /v1/completions` with `prompt` = the prompt's ids and the generated
-//!   ids, `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
+//! * **Continue.** A continuation on another decode endpoint (never one already tried;
+//!   the dead one is reported failed, which is what passive health hears): `POST
+//!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
+//!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
 //!   parameters and stops, `stream`, `return_token_ids`. Up to
-//!   [`MigrationConfig::limit`] times.
+//!   [`MigrationConfig::limit`] times. A request whose KV came from a prefill (the
+//!   handoff mark `kv`) is continued through a fresh prefill leg as an attempt of its
+//!   own (the connector's plan, the prefill, the handoff, the decode:
+//!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
+//!   the set (its prefix cache holds the prompt), else the least busy one; decode-only
+//!   with [`MigrationConfig::decode_only`], for a request served by a decode alone
+//!   (direct, decode-only fallback), when no prefill is left, or when the prefill side
+//!   of the continuation fails.
 //! * **Splice.** The continuation's chunks (parsed whole: this is the rare path) are
 //!   rewritten with the first leg's `id`, `object`, `created` and `model`, chat-shaped
 //!   (`delta.content`) for a chat request, with no second role chunk; a usage chunk
@@ -73,7 +80,8 @@ use scan::{
 };
 
 /// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
-/// `--migration-allow-seed`). See [docs/reliability.md] for what is migrated.
+/// `--migration-allow-seed`, `--migration-decode-only`). See [docs/reliability.md] for
+/// what is migrated, and which continuations go through a fresh prefill.
 ///
 /// [docs/reliability.md]: https://github.com/disagg-rs/disagg/blob/main/docs/reliability.md
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,6 +97,11 @@ pub struct MigrationConfig {
     /// Migrate requests that carry a `seed` (default off: the continuation draws from
     /// another generator state, so the answer differs from an unbroken run's).
     pub allow_seed: bool,
+    /// Continue decode-only even when the request was disaggregated (default off: a
+    /// request whose KV came from a prefill is continued through a fresh prefill leg,
+    /// which the prefill's prefix cache makes cheap, and its handoff). See
+    /// docs/reliability.md for the rule.
+    pub decode_only: bool,
 }
 
 impl Default for MigrationConfig {
@@ -97,6 +110,7 @@ impl Default for MigrationConfig {
             limit: 0,
             max_seq_len: 32_768,
             allow_seed: false,
+            decode_only: false,
         }
     }
 }
@@ -220,9 +234,19 @@ pub(crate) struct Ctx {
     /// Time from sending a continuation to its head.
     pub(crate) head_timeout: Duration,
     pub(crate) moved: Arc<Moved>,
+    /// Continuations go through a fresh prefill (the request was disaggregated and the
+    /// policy allows it); `None`: decode-only.
+    pub(crate) through_prefill: Option<ThroughPrefill>,
     /// The request's trace, when traced: each continuation's legs carry a
     /// `traceparent` naming its migration's span, drawn from `spans`.
     pub(crate) trace: Option<(crate::outcome::TraceIds, Arc<crate::trace::SpanIds>)>,
+}
+
+/// What a continuation through a fresh prefill needs: the orchestrator's attempt
+/// machinery and the request's deadline.
+pub(crate) struct ThroughPrefill {
+    pub(crate) inner: std::sync::Weak<super::Inner>,
+    pub(crate) clock: super::clock::Clock,
 }
 
 /// The longest SSE event held whole; a longer one ends tracking (the stream is then
@@ -304,8 +328,30 @@ impl FirstChunk<'_> {
     }
 }
 
-type Continuation =
-    Pin<Box<dyn Future<Output = Result<Started, (Option<Arc<Endpoint>>, PdError)>> + Send>>;
+type Continuation = Pin<Box<dyn Future<Output = Result<Started, NotStarted>> + Send>>;
+
+/// Why a continuation did not start.
+struct NotStarted {
+    /// The decode it was sent to (never chosen again for this request).
+    tried: Option<Arc<Endpoint>>,
+    /// The engine to report failed, when no report named it yet (a continuation
+    /// through a prefill reports its own attempt).
+    blame: Option<Arc<Endpoint>>,
+    /// The prefill it went through.
+    prefill: Option<Arc<Endpoint>>,
+    error: PdError,
+}
+
+impl NotStarted {
+    fn unrouted(error: PdError) -> Self {
+        NotStarted {
+            tried: None,
+            blame: None,
+            prefill: None,
+            error,
+        }
+    }
+}
 
 /// The leg relayed now: its endpoint, held in flight.
 struct Current {
@@ -313,9 +359,19 @@ struct Current {
     _guard: Option<InFlightGuard>,
 }
 
+/// How a continuation went through a fresh prefill, when it did not start.
+enum PrefillFell {
+    /// The prefill side failed (reported): the continuation goes decode-only.
+    Prefill,
+    /// The decode side failed (reported).
+    Decode(PdError),
+}
+
 struct Started {
     current: Current,
     body: BoxBody,
+    /// The prefill of a continuation through a fresh prefill leg.
+    prefill: Option<Arc<Endpoint>>,
 }
 
 /// The client's body of an eligible streamed request while migration is on: the decode
@@ -783,7 +839,7 @@ async fn start(
     tried: Vec<EndpointId>,
     n: u32,
     span: Option<[u8; 8]>,
-) -> Result<Started, (Option<Arc<Endpoint>>, PdError)> {
+) -> Result<Started, NotStarted> {
     let set = ctx.source.snapshot();
     let model = ctx
         .plan
@@ -792,14 +848,41 @@ async fn start(
         .and_then(|m| serde_json::from_slice::<String>(m).ok());
     let set = set
         .for_model(model.as_deref())
-        .map_err(|e| (None, PdError::route(e)))?;
+        .map_err(|e| NotStarted::unrouted(PdError::route(e)))?;
     let endpoint = set
         .decode()
         .iter()
         .filter(|e| !tried.contains(e.id()))
         .min_by_key(|e| e.in_flight())
         .cloned()
-        .ok_or_else(|| (None, PdError::route(crate::error::RouteError::NoDecode)))?;
+        .ok_or_else(|| NotStarted::unrouted(PdError::route(crate::error::RouteError::NoDecode)))?;
+    // Through a fresh prefill when the request was disaggregated: the prefill that
+    // computed the prompt (its prefix cache holds it) if it is still there, else the
+    // least busy one. Decode-only when none is, or when the prefill side fails.
+    let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
+    if let Some(inner) = inner {
+        let prefill = ctx
+            .route
+            .prefill
+            .as_ref()
+            .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
+            .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
+            .cloned();
+        if let Some(prefill) = prefill {
+            match through_prefill(&ctx, &inner, &body, &prefill, &endpoint, n, span).await {
+                Ok(started) => return Ok(started),
+                Err(PrefillFell::Decode(error)) => {
+                    return Err(NotStarted {
+                        tried: Some(endpoint),
+                        blame: None,
+                        prefill: Some(prefill),
+                        error,
+                    });
+                }
+                Err(PrefillFell::Prefill) => {}
+            }
+        }
+    }
     send(&ctx, body, &endpoint, n, span)
         .await
         .map(|(body, guard)| Started {
@@ -808,8 +891,114 @@ async fn start(
                 _guard: Some(guard),
             },
             body,
+            prefill: None,
         })
-        .map_err(|e| (Some(endpoint), e))
+        .map_err(|error| NotStarted {
+            tried: Some(Arc::clone(&endpoint)),
+            blame: Some(endpoint),
+            prefill: None,
+            error,
+        })
+}
+
+/// The continuation `body` as a disaggregated attempt of its own, on `prefill` and
+/// `decode`: the connector's plan, the prefill leg, the handoff and the decode leg, as
+/// for any request (`/v1/completions` with the token prompt). The attempt is reported
+/// when it fails; its 2xx decode answer is the continuation.
+#[allow(clippy::too_many_arguments)] // private; the continuation's parts
+async fn through_prefill(
+    ctx: &Ctx,
+    inner: &super::Inner,
+    body: &Bytes,
+    prefill: &Arc<Endpoint>,
+    decode: &Arc<Endpoint>,
+    n: u32,
+    span: Option<[u8; 8]>,
+) -> Result<Started, PrefillFell> {
+    let Some(through) = &ctx.through_prefill else {
+        return Err(PrefillFell::Prefill);
+    };
+    let mut headers = http::HeaderMap::new();
+    for (name, value) in &ctx.forwarded {
+        headers.append(name.clone(), value.clone());
+    }
+    let Ok(req) = PdRequest::new(Api::Completions, headers, body) else {
+        return Err(PrefillFell::Prefill);
+    };
+    let id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
+    let id = HeaderValue::from_str(&id).unwrap_or_else(|_| ctx.engine_id.clone());
+    // Both legs' engine spans sit under the migration's.
+    let trace = match (&ctx.trace, span) {
+        (Some((t, _)), Some(span)) => {
+            let mut t = t.clone();
+            t.prefill = span;
+            t.handoff = span;
+            t.decode = span;
+            Some(t)
+        }
+        _ => None,
+    };
+    let route = Route::new(Some(Arc::clone(prefill)), Arc::clone(decode));
+    let mut tl = Timeline::starting();
+    let attempt = inner.attempt_on(
+        &req,
+        route.clone(),
+        id,
+        trace.as_ref(),
+        through.clock,
+        &mut tl,
+    );
+    let failure = match attempt.await {
+        Ok(ex) => match ex.into_decoded() {
+            Ok((head, guard, pending)) => {
+                let body = match pending {
+                    // A concurrent prefill still running rides along, as in any answer.
+                    Some(pending) => http_body_util::BodyExt::boxed(super::body::PdBody::stream(
+                        head.into_body(),
+                        true,
+                        super::body::Finish::holding(None, None),
+                        Some(pending),
+                        None,
+                    )),
+                    None => head.into_body(),
+                };
+                return Ok(Started {
+                    current: Current {
+                        endpoint: Arc::clone(decode),
+                        _guard: Some(guard),
+                    },
+                    body,
+                    prefill: Some(Arc::clone(prefill)),
+                });
+            }
+            // The prefill's own answer (a 4xx, or the whole answer): decode-only.
+            Err(Side::Prefill) => return Err(PrefillFell::Prefill),
+            // A decode's error status: not a continuation.
+            Err(_) => super::attempt::Failure::decode(
+                &route,
+                PdError::upstream_status(
+                    Side::Decode,
+                    decode.id().clone(),
+                    http::StatusCode::BAD_GATEWAY,
+                    None,
+                ),
+                LegOutcome::Answered,
+            ),
+        },
+        Err(f) => f,
+    };
+    if let Some(report) = &failure.report {
+        ctx.reporter.report(report);
+    }
+    tracing::warn!(
+        error = %crate::error::error_chain(&failure.error),
+        prefill = %prefill.id(),
+        "continuation through a fresh prefill failed"
+    );
+    match failure.error.side() {
+        Side::Decode => Err(PrefillFell::Decode(failure.error)),
+        _ => Err(PrefillFell::Prefill),
+    }
 }
 
 /// Send a continuation's `body` to `endpoint`; its 2xx head's body.
@@ -885,27 +1074,38 @@ impl Body for Migrating {
                 };
                 this.pending = None;
                 match result {
-                    Ok(Started { current, body }) => {
+                    Ok(Started {
+                        current,
+                        body,
+                        prefill,
+                    }) => {
                         this.tried.push(current.endpoint.id().clone());
-                        this.ctx.moved.sent_to(Some(&current.endpoint), None);
+                        this.ctx
+                            .moved
+                            .sent_to(Some(&current.endpoint), prefill.as_ref());
                         this.ctx.moved.moved(&current.endpoint, this.carried);
                         this.leg = current;
                         this.inner = body;
                         this.broke = None;
                         continue;
                     }
-                    Err((endpoint, e)) => {
+                    Err(NotStarted {
+                        tried,
+                        blame,
+                        prefill,
+                        error: e,
+                    }) => {
                         tracing::warn!(error = %crate::error::error_chain(&e), "continuation failed");
-                        if let Some(ep) = &endpoint {
+                        if let Some(ep) = &tried {
                             this.tried.push(ep.id().clone());
                         }
-                        this.ctx.moved.sent_to(endpoint.as_ref(), None);
+                        this.ctx.moved.sent_to(tried.as_ref(), prefill.as_ref());
                         // The client hears of the break, not of the continuation's
                         // own failure (unless the leg only ended early).
                         if this.broke.is_none() {
                             this.broke = Some(Box::new(e));
                         }
-                        if this.migrate(Reason::Reset, endpoint, true) {
+                        if this.migrate(Reason::Reset, blame, true) {
                             continue;
                         }
                         this.ended = true;
@@ -990,8 +1190,9 @@ impl super::Inner {
         &self,
         req: &PdRequest,
         route: &Route,
-        engine_id: &HeaderValue,
-        trace: Option<&crate::outcome::TraceIds>,
+        meta: &super::respond::RequestMeta,
+        disaggregated: bool,
+        clock: super::clock::Clock,
         body: BoxBody,
     ) -> (BoxBody, Option<Arc<Moved>>) {
         let Some(plan) = plan(&self.config.migration, req) else {
@@ -1006,13 +1207,22 @@ impl super::Inner {
             reporter: Arc::clone(&self.reporter),
             counters: Arc::clone(&self.counters),
             route: route.clone(),
-            engine_id: engine_id.clone(),
+            engine_id: meta.engine_id.clone(),
             forwarded: super::legs::client_headers(&self.config, req.headers())
                 .map(|(n, v)| (n.clone(), v.clone()))
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             moved: Arc::clone(&moved),
-            trace: trace.map(|t| (t.clone(), Arc::clone(&self.spans))),
+            trace: meta
+                .trace
+                .as_ref()
+                .map(|t| (t.clone(), Arc::clone(&self.spans))),
+            through_prefill: (disaggregated && !self.config.migration.decode_only).then(|| {
+                ThroughPrefill {
+                    inner: self.me.clone(),
+                    clock,
+                }
+            }),
         };
         (
             http_body_util::BodyExt::boxed(Migrating::new(body, ctx)),

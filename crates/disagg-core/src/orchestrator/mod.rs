@@ -83,6 +83,10 @@ pub(crate) use report::leg_outcome;
 use stats::Counters;
 
 struct Inner {
+    /// This orchestrator, for what runs inside a response body and needs its attempt
+    /// machinery (a mid-stream migration's continuation through a fresh prefill): weak,
+    /// so that a body never keeps an orchestrator alive.
+    me: std::sync::Weak<Inner>,
     ids: RequestIds,
     spans: Arc<crate::trace::SpanIds>,
     source: Arc<dyn EndpointSource>,
@@ -284,7 +288,8 @@ impl OrchestratorBuilder {
         let wanted = self.router.wants_tokens() || self.disaggregate.wants_tokens();
         let tokenizer = self.tokenizer.filter(|_| wanted);
         Orchestrator {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
                 ids: RequestIds::new(),
                 spans: Arc::new(crate::trace::SpanIds::new()),
                 source: self.source,
@@ -404,7 +409,8 @@ impl Orchestrator {
     pub fn with_transport(&self, transport: impl Transport) -> Orchestrator {
         let i = &self.inner;
         Orchestrator {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
                 ids: RequestIds::new(),
                 spans: Arc::new(crate::trace::SpanIds::new()),
                 source: Arc::clone(&i.source),
