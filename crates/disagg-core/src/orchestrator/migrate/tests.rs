@@ -1,4 +1,5 @@
 use super::*;
+use crate::request::Api;
 
 #[test]
 fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
