@@ -10,6 +10,7 @@ use disagg_sim::{Faults, SimConfig};
 use serde_json::{Value, json};
 use support::*;
 
+mod generate;
 mod observe;
 mod prefill;
 

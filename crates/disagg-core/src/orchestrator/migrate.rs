@@ -41,6 +41,11 @@
 //!   byte went out: the time lost), with a span id drawn when the request is traced;
 //!   the continuation's leg carries a `traceparent` naming that span.
 //!
+//! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
+//! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
+//! its continuation is a `/generate` with `input_ids`, spliced after what the client
+//! has.
+//!
 //! A client that leaves drops the body, and with it any continuation: it is never
 //! migrated.
 
@@ -54,7 +59,6 @@ use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
 use crate::endpoint::{Endpoint, EndpointId};
@@ -65,9 +69,12 @@ use crate::router::Route;
 use crate::source::EndpointSource;
 use crate::transport::{BoxBody, Transport};
 
+mod generate;
+mod head;
 mod plan;
 mod start;
 
+use head::{FirstChunk, Head};
 pub(crate) use start::ThroughPrefill;
 use start::{Continuation, Current, NotStarted, Started, start};
 mod scan;
@@ -249,81 +256,6 @@ pub(crate) struct Ctx {
 /// relayed as it comes, no longer migratable).
 const MAX_EVENT: usize = 1 << 20;
 
-/// The first leg's chunk header, written on every spliced chunk: the JSON object of
-/// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
-/// allocation; parsed only when a chunk is written from it, the rare path).
-struct Head(Box<[u8]>);
-
-impl Head {
-    /// The header of the first chunk `first`.
-    fn of(first: &FirstChunk<'_>) -> Self {
-        fn raw(v: Option<&RawValue>) -> &str {
-            v.map_or("null", RawValue::get)
-        }
-        let mut out = Vec::with_capacity(64);
-        for (key, value) in [
-            (&b"{\"id\":"[..], first.id),
-            (b",\"object\":", first.object),
-            (b",\"created\":", first.created),
-            (b",\"model\":", first.model),
-        ] {
-            out.extend_from_slice(key);
-            out.extend_from_slice(raw(value).as_bytes());
-        }
-        out.push(b'}');
-        Head(out.into_boxed_slice())
-    }
-
-    /// The header's fields, the start of a chunk written by the proxy.
-    fn fields(&self) -> serde_json::Map<String, Value> {
-        serde_json::from_slice(&self.0).unwrap_or_default()
-    }
-}
-
-/// What the first chunk of a tracked leg is read for: its header and the prompt's ids
-/// (at the top, vLLM's chat; or on the first choice, its completions), every value kept
-/// as the engine's text; the rest of the chunk is skipped, not built.
-#[derive(serde::Deserialize)]
-struct FirstChunk<'a> {
-    #[serde(borrow, default)]
-    id: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    object: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    created: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    choices: Option<&'a RawValue>,
-}
-
-/// A choice of the first chunk, read for its prompt ids.
-#[derive(serde::Deserialize)]
-struct FirstChoice<'a> {
-    #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
-}
-
-impl FirstChunk<'_> {
-    /// The prompt's ids: at the top when set, else on the first choice (`None` when
-    /// neither is a list of ids below 2^32).
-    fn prompt(&self) -> Option<Vec<u32>> {
-        let raw = match self.prompt_token_ids {
-            Some(ids) => ids,
-            None => {
-                let choices: Vec<FirstChoice<'_>> =
-                    serde_json::from_str(self.choices?.get()).ok()?;
-                choices.into_iter().next()?.prompt_token_ids?
-            }
-        };
-        let mut ids = Vec::new();
-        parse_ids_into(raw.get().as_bytes(), &mut ids)?;
-        Some(ids)
-    }
-}
-
 /// The client's body of an eligible streamed request while migration is on: the decode
 /// stream's whole events, tracked, and continued on another decode when it breaks (see
 /// the [module docs](self)).
@@ -358,6 +290,11 @@ pub(crate) struct Migrating {
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
     broke: Option<BoxError>,
+    /// `/generate`: the last answer event relayed to the client (its payload), whose
+    /// text and ids are what was generated so far.
+    last: Option<Bytes>,
+    /// `/generate`: what the client's stream held when it broke, continued from.
+    prefix: Option<generate::Prefix>,
     /// Since when the client's stream stands still: set at a break that starts a
     /// continuation, cleared when a continuation's first byte goes out.
     stalled: Option<Instant>,
@@ -374,6 +311,8 @@ struct Scan {
     finish: memchr::memmem::Finder<'static>,
     /// `"usage":{` (a usage chunk).
     usage: memchr::memmem::Finder<'static>,
+    /// `"finish_reason":{` (SGLang's finish reason, an object).
+    finish_object: memchr::memmem::Finder<'static>,
 }
 
 impl Scan {
@@ -382,6 +321,7 @@ impl Scan {
             ids: memchr::memmem::Finder::new(IDS_KEY),
             finish: memchr::memmem::Finder::new(b"\"finish_reason\":\""),
             usage: memchr::memmem::Finder::new(b"\"usage\":{"),
+            finish_object: memchr::memmem::Finder::new(b"\"finish_reason\":{"),
         }
     }
 }
@@ -403,6 +343,7 @@ impl Migrating {
             endpoint: Arc::clone(&ctx.route.decode),
             _guard: None,
         };
+        let prompt = ctx.plan.generate.clone();
         Migrating {
             inner,
             ctx: Arc::new(ctx),
@@ -410,7 +351,9 @@ impl Migrating {
             pending: None,
             buf: BytesMut::new(),
             head: None,
-            prompt: None,
+            prompt,
+            last: None,
+            prefix: None,
             generated: Vec::new(),
             on: true,
             raw: false,
@@ -531,10 +474,11 @@ impl Migrating {
         };
         while let Some(end) = event_end(&src) {
             let event = src.split_to(end);
-            let handled = if self.continuing() {
-                self.spliced(&event, out)
-            } else {
-                self.first_leg(&event, out)
+            let handled = match (self.continuing(), self.ctx.plan.generate.is_some()) {
+                (true, false) => self.spliced(&event, out),
+                (false, false) => self.first_leg(&event, out),
+                (true, true) => self.generate_spliced(&event, out),
+                (false, true) => self.generate_first_leg(&event, out),
             };
             if let Err(reason) = handled {
                 self.buf.extend_from_slice(&src);
@@ -719,7 +663,13 @@ impl Migrating {
             );
             ctx.reporter.report(&report);
         };
-        let migratable = self.on && !self.raw && self.head.is_some() && self.prompt.is_some();
+        if ctx.plan.generate.is_some() {
+            self.generate_prefix();
+        }
+        let migratable = self.on
+            && !self.raw
+            && self.prompt.is_some()
+            && (self.head.is_some() || self.prefix.is_some());
         if migratable && self.finished && reason != Reason::ErrorFrame {
             // Every token is out, only the end is missing: the proxy writes it.
             self.tail = Some(self.end_of_stream());
@@ -757,7 +707,11 @@ impl Migrating {
         let mut ids = Vec::with_capacity(prompt.len() + self.generated.len());
         ids.extend_from_slice(prompt);
         ids.extend_from_slice(&self.generated);
-        let body = continuation_body(&ctx.plan, &ids, generated, left);
+        let body = if ctx.plan.generate.is_some() {
+            generate::continuation_body(&ctx.plan, &ids, generated, left)
+        } else {
+            continuation_body(&ctx.plan, &ids, generated, left)
+        };
         self.carried = generated;
         self.migrations += 1;
         self.buf.clear();

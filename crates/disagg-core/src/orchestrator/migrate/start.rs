@@ -161,7 +161,7 @@ async fn through_prefill(
     for (name, value) in &ctx.forwarded {
         headers.append(name.clone(), value.clone());
     }
-    let Ok(req) = PdRequest::new(Api::Completions, headers, body) else {
+    let Ok(req) = PdRequest::new(api(ctx), headers, body) else {
         return Err(PrefillFell::Prefill);
     };
     let id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
@@ -254,7 +254,7 @@ async fn send(
     let id = endpoint.id().clone();
     let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
     let uri = endpoint
-        .api_uri(Api::Completions)
+        .api_uri(api(ctx))
         .map_err(|e| transport_err(TransportError::Connect(e.into())))?;
     let mut req = http::Request::new(body);
     *req.method_mut() = http::Method::POST;
@@ -289,4 +289,14 @@ async fn send(
         return Err(PdError::upstream_status(Side::Decode, id, status, detail));
     }
     Ok((head.into_body(), guard))
+}
+
+/// The API a continuation is posted to: SGLang's `/generate` for a `/generate`
+/// request, else vLLM's `/v1/completions` (a token prompt).
+fn api(ctx: &Ctx) -> Api {
+    if ctx.plan.generate.is_some() {
+        Api::Generate
+    } else {
+        Api::Completions
+    }
 }
