@@ -19,6 +19,7 @@
 //! | `answer.rs` | what of an engine's answer reaches the client: its KV handoff overwritten in place, internal redirects and unasked encodings refused (public: `disagg-http` relays forwarded answers through it too) |
 //! | `lead.rs` | the body of an answer that starts with a plan's lead, before its decode leg is sent (a connector capability the orchestrator drives for any protocol) |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
+//! | `migrate.rs`, `migrate/` | mid-stream migration ([`MigrationConfig`]): a decode stream that breaks mid-answer tracked, continued on another decode (through a fresh prefill when the request was disaggregated: `start.rs`; SGLang's `/generate`: `generate.rs`) and spliced into the client's stream |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
 //! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
 //! | `clock.rs`, `config.rs` | deadlines and budgets; settings and header names |
