@@ -10,6 +10,10 @@ use disagg_sim::{Faults, SimConfig};
 use serde_json::{Value, json};
 use support::*;
 
+mod generate;
+mod observe;
+mod prefill;
+
 /// A decode engine that aborts every stream after `chunks` SSE events.
 fn dying(chunks: usize) -> SimConfig {
     SimConfig {

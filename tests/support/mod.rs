@@ -127,6 +127,7 @@ pub struct StackBuilder {
     ranks: (u32, u32),
     connector: Option<Arc<dyn KvConnector>>,
     notifications: Option<disagg_connectors::lmcache::Notifications>,
+    listeners: Vec<Arc<dyn disagg_core::outcome::Listener>>,
 }
 
 impl Stack {
@@ -152,6 +153,7 @@ impl Stack {
             ranks: (1, 1),
             connector: None,
             notifications: None,
+            listeners: Vec::new(),
         }
     }
 
@@ -238,6 +240,12 @@ impl StackBuilder {
 
     pub fn service(mut self, f: impl FnOnce(&mut PdServiceConfig)) -> Self {
         f(&mut self.service);
+        self
+    }
+
+    /// Another listener of the orchestrator's reports and summaries.
+    pub fn listener(mut self, listener: impl disagg_core::outcome::Listener) -> Self {
+        self.listeners.push(Arc::new(listener));
         self
     }
 
@@ -356,6 +364,9 @@ impl StackBuilder {
         .config(self.config);
         if let Some(hook) = self.disaggregate {
             builder = builder.disaggregate(hook);
+        }
+        for l in self.listeners {
+            builder = builder.listener(l);
         }
         if let Some(policy) = self.retry {
             builder = builder.retry(disagg_resilience::Backoff::new(policy));

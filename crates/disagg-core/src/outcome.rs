@@ -42,6 +42,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use http::{HeaderValue, StatusCode};
 
+use crate::endpoint::Endpoint;
 use crate::request::Api;
 use crate::router::Route;
 
@@ -224,6 +225,43 @@ pub struct EncodeSummary {
     pub duration: Duration,
 }
 
+/// One mid-stream migration of a request's decode stream
+/// ([`MigrationConfig`](crate::orchestrator::MigrationConfig)), for its [`Summary`]: where
+/// the stream broke, where it went on, and how long the client's stream stood still.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Migration {
+    /// Why the stream broke: `reset`, `eof` (ended before `[DONE]`), `error_frame` (the
+    /// `reason` label of `disagg_migrations_total`).
+    pub reason: &'static str,
+    /// The decode whose stream broke.
+    pub from: Arc<Endpoint>,
+    /// The decode the continuation was sent to (`None`: none could be chosen).
+    pub to: Option<Arc<Endpoint>>,
+    /// The prefill of a continuation that went through a fresh prefill leg (`None`:
+    /// decode-only).
+    pub prefill: Option<Arc<Endpoint>>,
+    /// Generated tokens carried over to the continuation.
+    pub tokens: u64,
+    /// When the client's stream stood still: the break, or for a continuation that
+    /// follows one that could not start, the break before that one.
+    pub broke: Instant,
+    /// When the continuation's first byte went to the client (`None`: it never did; the
+    /// continuation failed, or the client left first).
+    pub resumed: Option<Instant>,
+    /// The migration's span id, when the request is traced: the continuation's legs
+    /// carry it as their `traceparent`'s parent.
+    pub span: Option<[u8; 8]>,
+}
+
+impl Migration {
+    /// The time the client's stream stood still: from [`broke`](Self::broke) to
+    /// [`resumed`](Self::resumed) (`None` when it never resumed).
+    pub fn time_lost(&self) -> Option<Duration> {
+        Some(self.resumed?.saturating_duration_since(self.broke))
+    }
+}
+
 /// How one request ended, told once to every listener after its last attempt.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -277,6 +315,10 @@ pub struct Summary {
     /// Times the answer's decode stream was continued on another decode engine
     /// (mid-stream migration); 0 when it was not.
     pub migrations: u32,
+    /// Each continuation of the decode stream that was tried, in order (empty when the
+    /// stream was not migrated): the migrations above, and those whose continuation
+    /// could not start.
+    pub migrated: Vec<Migration>,
 }
 
 impl Summary {
@@ -312,6 +354,7 @@ impl Summary {
             delivery: Delivery::Complete,
             trace: None,
             migrations: 0,
+            migrated: Vec::new(),
         }
     }
 

@@ -40,9 +40,12 @@
 //! | `prefill` | client | prefill leg sent, its answer (or the attempt's end) | `server.address`, `server.port`, `disagg.endpoint`, `disagg.attempt`, `disagg.leg.verdict` |
 //! | `kv_handoff` | internal | the handoff step's start, the decode leg sent | `disagg.connector`, `disagg.attempt` |
 //! | `decode` | client | decode leg sent, the stream's last byte or its cancellation | as `prefill`; events `response_head`, `first_chunk` |
+//! | `migration` | internal | the decode stream's break, the continuation's first byte to the client (or the response's end, when it never came) | `disagg.migration.reason`, `disagg.migration.from`, `disagg.migration.to`, `disagg.migration.prefill`, `disagg.migration.tokens`, `disagg.migration.index` |
 //!
 //! The leg spans are children of the request span; a retried request has one set of
-//! leg spans per attempt. A failed leg's status is `Error`; the request span's is
+//! leg spans per attempt. A mid-stream migration ([`migration_spans`]) is a child of the
+//! request span too, and the continuation's legs carry its id in their `traceparent`,
+//! so the engine's spans of the continuation sit under it. A failed leg's status is `Error`; the request span's is
 //! `Error` for a 5xx or a broken stream (a 4xx is the client's, per the HTTP
 //! semantic conventions for server spans).
 //!
@@ -267,8 +270,12 @@ impl Listener for Tracer {
             return;
         };
         let i = &self.inner;
+        let clock = i.clock();
         i.processor
-            .on_end(request_span(summary, trace, &i.scope, &i.clock()));
+            .on_end(request_span(summary, trace, &i.scope, &clock));
+        for span in migration_spans(summary, trace, &i.scope, &clock) {
+            i.processor.on_end(span);
+        }
     }
 
     fn on_route(&self, summary: &RouteSummary) {
@@ -613,6 +620,71 @@ pub fn leg_spans(
             events,
             leg_status(report.decode),
         ));
+    }
+    spans
+}
+
+/// The spans of the mid-stream migrations of the request `summary` tells of
+/// ([`Summary::migrated`]: those with a span id), children of its request span: each
+/// from the break to the continuation's first byte sent to the client, or to the
+/// response's end when none came (then its status is `Error`). Placed on the wall clock
+/// by `clock`, the one the request span is placed by.
+pub fn migration_spans(
+    summary: &Summary,
+    trace: &TraceIds,
+    scope: &InstrumentationScope,
+    clock: &SpanClock,
+) -> Vec<SpanData> {
+    let parent = SpanId::from_bytes(trace.request);
+    let mut spans = Vec::new();
+    for (n, m) in summary.migrated.iter().enumerate() {
+        let Some(id) = m.span else {
+            continue;
+        };
+        let mut attributes = vec![
+            KeyValue::new("disagg.migration.reason", m.reason),
+            KeyValue::new("disagg.migration.from", m.from.id().as_str().to_owned()),
+            KeyValue::new(
+                "disagg.migration.tokens",
+                i64::try_from(m.tokens).unwrap_or(i64::MAX),
+            ),
+            KeyValue::new(
+                "disagg.migration.index",
+                i64::try_from(n + 1).unwrap_or(i64::MAX),
+            ),
+        ];
+        if let Some(to) = &m.to {
+            attributes.push(KeyValue::new(
+                "disagg.migration.to",
+                to.id().as_str().to_owned(),
+            ));
+        }
+        if let Some(p) = &m.prefill {
+            attributes.push(KeyValue::new(
+                "disagg.migration.prefill",
+                p.id().as_str().to_owned(),
+            ));
+        }
+        let end = m.resumed.unwrap_or(summary.end).max(m.broke);
+        spans.push(SpanData {
+            span_context: context(trace, id),
+            parent_span_id: parent,
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: Cow::Borrowed("migration"),
+            start_time: clock.wall(m.broke),
+            end_time: clock.wall(end),
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: if m.resumed.is_some() {
+                Status::Unset
+            } else {
+                Status::error("the continuation did not reach the client")
+            },
+            instrumentation_scope: scope.clone(),
+        });
     }
     spans
 }

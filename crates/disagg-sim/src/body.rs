@@ -467,6 +467,10 @@ pub(crate) struct EventsBody {
     emitted: usize,
     /// After this many events, send nothing more ([`crate::Faults::stall_after_chunks`]).
     stall_after: Option<usize>,
+    /// After this many events, abort the connection ([`crate::Faults::drop_after_chunks`]).
+    drop_after: Option<usize>,
+    /// The events before the abort were handed to hyper to flush.
+    flushed: bool,
     guard: Option<RequestGuard>,
 }
 
@@ -483,8 +487,16 @@ impl EventsBody {
             sleep: None,
             emitted: 0,
             stall_after,
+            drop_after: None,
+            flushed: false,
             guard: Some(guard),
         }
+    }
+
+    /// The same body, aborting the connection after `n` events, when set.
+    pub(crate) fn dropping_after(mut self, n: Option<usize>) -> Self {
+        self.drop_after = n;
+        self
     }
 
     fn poll_event(
@@ -500,6 +512,13 @@ impl EventsBody {
         if self.stall_after.is_some_and(|n| self.emitted >= n) {
             // Never woken: hyper drops the body, and its guard, when the client leaves.
             return Poll::Pending;
+        }
+        if self.drop_after.is_some_and(|n| self.emitted >= n) {
+            if !self.flushed {
+                self.flushed = true;
+                return yield_once(cx);
+            }
+            return Poll::Ready(Some(Err(FaultAbort)));
         }
         if self.emitted > 0 && !self.delay.is_zero() {
             let sleep = self

@@ -445,8 +445,9 @@ pub struct Faults {
     /// (counted in [`Stats::cancelled`](crate::Stats::cancelled)).
     pub hang: bool,
     /// Streaming: after this many SSE events, abort the connection (no
-    /// `[DONE]`, no clean end of the chunked body). Non-streaming: abort the
-    /// connection before the body is complete.
+    /// `[DONE]`, no clean end of the chunked body), on the OpenAI routes and on
+    /// SGLang's `/generate`. Non-streaming: abort the connection before the body is
+    /// complete.
     pub drop_after_chunks: Option<usize>,
     /// Streaming: after this many SSE events (`Some(0)`: right after the
     /// response head), send nothing more but keep the connection open until

@@ -384,7 +384,8 @@ pub(crate) fn answer(
             config.inter_token_delay,
             faults.stall_after_chunks,
             guard,
-        );
+        )
+        .dropping_after(faults.drop_after_chunks);
         let mut response = Response::new(SimBody::Events(Box::new(body)));
         response.headers_mut().insert(
             CONTENT_TYPE,

@@ -126,6 +126,22 @@ impl Inner {
             }
             return self.alone(req, route, leg, None, clock, tl).await;
         }
+        self.attempt_on(req, route, id, trace, clock, tl).await
+    }
+
+    /// The disaggregated part of an attempt, over `route` (a prefill and a decode):
+    /// plan, resolve, then both legs as the plan dispatches them. A mid-stream
+    /// migration's continuation through a fresh prefill runs it too, over a route of
+    /// its own choosing.
+    pub(super) async fn attempt_on(
+        &self,
+        req: &PdRequest,
+        route: Route,
+        id: HeaderValue,
+        trace: Option<&TraceIds>,
+        clock: Clock,
+        tl: &mut Timeline,
+    ) -> Result<Exchange, Failure> {
         if route.prefill.is_none() {
             return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
         }

@@ -151,6 +151,10 @@ impl Finish {
             .moved
             .as_ref()
             .map_or(0, |m| m.apply(&mut report.route).0);
+        let migrated = match (&self.moved, &self.summary) {
+            (Some(m), Some(_)) => m.take_log(),
+            _ => Vec::new(),
+        };
         match outcome {
             Outcome::Success => {
                 if report.decode == LegOutcome::Failed {
@@ -191,6 +195,7 @@ impl Finish {
             summary.bytes = self.bytes;
             summary.timeline = Some(report.timeline);
             summary.migrations = migrations;
+            summary.migrated = migrated;
             summary.delivery = match outcome {
                 Outcome::Success => Delivery::Complete,
                 Outcome::Cancelled => Delivery::Cancelled,

@@ -19,43 +19,64 @@
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
-//! * **Continue.** A decode-only continuation on another decode endpoint (never one
-//!   already tried; the dead one is reported failed, which is what passive health
-//!   hears): `POST /v1/completions` with `prompt` = the prompt's ids and the generated
-//!   ids, `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
+//! * **Continue.** A continuation on another decode endpoint (never one already tried;
+//!   the dead one is reported failed, which is what passive health hears): `POST
+//!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
+//!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
 //!   parameters and stops, `stream`, `return_token_ids`. Up to
-//!   [`MigrationConfig::limit`] times.
+//!   [`MigrationConfig::limit`] times. A request whose KV came from a prefill (the
+//!   handoff mark `kv`) is continued through a fresh prefill leg as an attempt of its
+//!   own (the connector's plan, the prefill, the handoff, the decode:
+//!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
+//!   the set (its prefix cache holds the prompt), else the least busy one; decode-only
+//!   with [`MigrationConfig::decode_only`], for a request served by a decode alone
+//!   (direct, decode-only fallback), when no prefill is left, or when the prefill side
+//!   of the continuation fails.
 //! * **Splice.** The continuation's chunks (parsed whole: this is the rare path) are
 //!   rewritten with the first leg's `id`, `object`, `created` and `model`, chat-shaped
 //!   (`delta.content`) for a chat request, with no second role chunk; a usage chunk
 //!   counts the original prompt and the completion tokens of every leg.
+//! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
+//!   (from, to, tokens carried, when the stream broke and when the continuation's first
+//!   byte went out: the time lost), with a span id drawn when the request is traced;
+//!   the continuation's leg carries a `traceparent` naming that span.
+//!
+//! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
+//! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
+//! its continuation is a `/generate` with `input_ids`, spliced after what the client
+//! has.
 //!
 //! A client that leaves drops the body, and with it any continuation: it is never
 //! migrated.
 
 use std::fmt;
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
-use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
-use crate::error::{BoxError, PdError, Side, TransportError};
-use crate::outcome::{LegOutcome, Outcome, Report, Timeline};
-use crate::request::{Api, PdRequest, REQUEST_ID};
+use crate::endpoint::{Endpoint, EndpointId};
+use crate::error::BoxError;
+use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline, now};
+use crate::request::PdRequest;
 use crate::router::Route;
 use crate::source::EndpointSource;
-use crate::transport::{BoxBody, Transport, read_limited};
+use crate::transport::{BoxBody, Transport};
 
+mod generate;
+mod head;
 mod plan;
+mod start;
+
+use head::{FirstChunk, Head};
+pub(crate) use start::ThroughPrefill;
+use start::{Continuation, Current, NotStarted, Started, start};
 mod scan;
 
 use super::report::Reporter;
@@ -69,7 +90,8 @@ use scan::{
 };
 
 /// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
-/// `--migration-allow-seed`). See [docs/reliability.md] for what is migrated.
+/// `--migration-allow-seed`, `--migration-decode-only`). See [docs/reliability.md] for
+/// what is migrated, and which continuations go through a fresh prefill.
 ///
 /// [docs/reliability.md]: https://github.com/disagg-rs/disagg/blob/main/docs/reliability.md
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,6 +107,11 @@ pub struct MigrationConfig {
     /// Migrate requests that carry a `seed` (default off: the continuation draws from
     /// another generator state, so the answer differs from an unbroken run's).
     pub allow_seed: bool,
+    /// Continue decode-only even when the request was disaggregated (default off: a
+    /// request whose KV came from a prefill is continued through a fresh prefill leg,
+    /// which the prefill's prefix cache makes cheap, and its handoff). See
+    /// docs/reliability.md for the rule.
+    pub decode_only: bool,
 }
 
 impl Default for MigrationConfig {
@@ -93,6 +120,7 @@ impl Default for MigrationConfig {
             limit: 0,
             max_seq_len: 32_768,
             allow_seed: false,
+            decode_only: false,
         }
     }
 }
@@ -138,6 +166,8 @@ struct MovedState {
     to: Option<Arc<Endpoint>>,
     migrations: u32,
     carried: u64,
+    /// Each continuation tried, for the request's summary.
+    log: Vec<Migration>,
 }
 
 impl Moved {
@@ -152,6 +182,40 @@ impl Moved {
             route.decode_rank = None;
         }
         (s.migrations, s.carried)
+    }
+
+    /// The migrations tried, for the request's summary (taken once).
+    pub(crate) fn take_log(&self) -> Vec<Migration> {
+        self.inner
+            .lock()
+            .map(|mut s| std::mem::take(&mut s.log))
+            .unwrap_or_default()
+    }
+
+    /// A continuation is being started for `m`.
+    fn begin(&self, m: Migration) {
+        if let Ok(mut s) = self.inner.lock() {
+            s.log.push(m);
+        }
+    }
+
+    /// The last continuation went to `to` (`started`: its head came; else it failed).
+    fn sent_to(&self, to: Option<&Arc<Endpoint>>, prefill: Option<&Arc<Endpoint>>) {
+        if let Ok(mut s) = self.inner.lock()
+            && let Some(m) = s.log.last_mut()
+        {
+            m.to = to.cloned();
+            m.prefill = prefill.cloned();
+        }
+    }
+
+    /// The last continuation's first byte went to the client at `at`: the migration,
+    /// for the log line.
+    fn resumed(&self, at: Instant) -> Option<Migration> {
+        let mut s = self.inner.lock().ok()?;
+        let m = s.log.last_mut()?;
+        m.resumed = Some(at);
+        Some(m.clone())
     }
 
     fn moved(&self, to: &Arc<Endpoint>, carried: u64) {
@@ -180,100 +244,17 @@ pub(crate) struct Ctx {
     /// Time from sending a continuation to its head.
     pub(crate) head_timeout: Duration,
     pub(crate) moved: Arc<Moved>,
+    /// Continuations go through a fresh prefill (the request was disaggregated and the
+    /// policy allows it); `None`: decode-only.
+    pub(crate) through_prefill: Option<ThroughPrefill>,
+    /// The request's trace, when traced: each continuation's legs carry a
+    /// `traceparent` naming its migration's span, drawn from `spans`.
+    pub(crate) trace: Option<(crate::outcome::TraceIds, Arc<crate::trace::SpanIds>)>,
 }
 
 /// The longest SSE event held whole; a longer one ends tracking (the stream is then
 /// relayed as it comes, no longer migratable).
 const MAX_EVENT: usize = 1 << 20;
-
-/// The first leg's chunk header, written on every spliced chunk: the JSON object of
-/// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
-/// allocation; parsed only when a chunk is written from it, the rare path).
-struct Head(Box<[u8]>);
-
-impl Head {
-    /// The header of the first chunk `first`.
-    fn of(first: &FirstChunk<'_>) -> Self {
-        fn raw(v: Option<&RawValue>) -> &str {
-            v.map_or("null", RawValue::get)
-        }
-        let mut out = Vec::with_capacity(64);
-        for (key, value) in [
-            (&b"{\"id\":"[..], first.id),
-            (b",\"object\":", first.object),
-            (b",\"created\":", first.created),
-            (b",\"model\":", first.model),
-        ] {
-            out.extend_from_slice(key);
-            out.extend_from_slice(raw(value).as_bytes());
-        }
-        out.push(b'}');
-        Head(out.into_boxed_slice())
-    }
-
-    /// The header's fields, the start of a chunk written by the proxy.
-    fn fields(&self) -> serde_json::Map<String, Value> {
-        serde_json::from_slice(&self.0).unwrap_or_default()
-    }
-}
-
-/// What the first chunk of a tracked leg is read for: its header and the prompt's ids
-/// (at the top, vLLM's chat; or on the first choice, its completions), every value kept
-/// as the engine's text; the rest of the chunk is skipped, not built.
-#[derive(serde::Deserialize)]
-struct FirstChunk<'a> {
-    #[serde(borrow, default)]
-    id: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    object: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    created: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    choices: Option<&'a RawValue>,
-}
-
-/// A choice of the first chunk, read for its prompt ids.
-#[derive(serde::Deserialize)]
-struct FirstChoice<'a> {
-    #[serde(borrow, default)]
-    prompt_token_ids: Option<&'a RawValue>,
-}
-
-impl FirstChunk<'_> {
-    /// The prompt's ids: at the top when set, else on the first choice (`None` when
-    /// neither is a list of ids below 2^32).
-    fn prompt(&self) -> Option<Vec<u32>> {
-        let raw = match self.prompt_token_ids {
-            Some(ids) => ids,
-            None => {
-                let choices: Vec<FirstChoice<'_>> =
-                    serde_json::from_str(self.choices?.get()).ok()?;
-                choices.into_iter().next()?.prompt_token_ids?
-            }
-        };
-        let mut ids = Vec::new();
-        parse_ids_into(raw.get().as_bytes(), &mut ids)?;
-        Some(ids)
-    }
-}
-
-type Continuation =
-    Pin<Box<dyn Future<Output = Result<Started, (Option<Arc<Endpoint>>, PdError)>> + Send>>;
-
-/// The leg relayed now: its endpoint, held in flight.
-struct Current {
-    endpoint: Arc<Endpoint>,
-    _guard: Option<InFlightGuard>,
-}
-
-struct Started {
-    current: Current,
-    body: BoxBody,
-}
 
 /// The client's body of an eligible streamed request while migration is on: the decode
 /// stream's whole events, tracked, and continued on another decode when it breaks (see
@@ -309,6 +290,14 @@ pub(crate) struct Migrating {
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
     broke: Option<BoxError>,
+    /// `/generate`: the last answer event relayed to the client (its payload), whose
+    /// text and ids are what was generated so far.
+    last: Option<Bytes>,
+    /// `/generate`: what the client's stream held when it broke, continued from.
+    prefix: Option<generate::Prefix>,
+    /// Since when the client's stream stands still: set at a break that starts a
+    /// continuation, cleared when a continuation's first byte goes out.
+    stalled: Option<Instant>,
     /// The searches of each event, built once.
     scan: Scan,
 }
@@ -322,6 +311,8 @@ struct Scan {
     finish: memchr::memmem::Finder<'static>,
     /// `"usage":{` (a usage chunk).
     usage: memchr::memmem::Finder<'static>,
+    /// `"finish_reason":{` (SGLang's finish reason, an object).
+    finish_object: memchr::memmem::Finder<'static>,
 }
 
 impl Scan {
@@ -330,6 +321,7 @@ impl Scan {
             ids: memchr::memmem::Finder::new(IDS_KEY),
             finish: memchr::memmem::Finder::new(b"\"finish_reason\":\""),
             usage: memchr::memmem::Finder::new(b"\"usage\":{"),
+            finish_object: memchr::memmem::Finder::new(b"\"finish_reason\":{"),
         }
     }
 }
@@ -351,6 +343,7 @@ impl Migrating {
             endpoint: Arc::clone(&ctx.route.decode),
             _guard: None,
         };
+        let prompt = ctx.plan.generate.clone();
         Migrating {
             inner,
             ctx: Arc::new(ctx),
@@ -358,7 +351,9 @@ impl Migrating {
             pending: None,
             buf: BytesMut::new(),
             head: None,
-            prompt: None,
+            prompt,
+            last: None,
+            prefix: None,
             generated: Vec::new(),
             on: true,
             raw: false,
@@ -371,12 +366,33 @@ impl Migrating {
             tried,
             carried: 0,
             broke: None,
+            stalled: None,
             scan: Scan::new(),
         }
     }
 
     fn continuing(&self) -> bool {
         self.migrations > 0
+    }
+
+    /// Bytes of the current leg go to the client: if they are a continuation's first,
+    /// the migration ends here (its time lost is known; it is logged).
+    fn resumed(&mut self) {
+        if self.stalled.take().is_none() {
+            return;
+        }
+        let Some(m) = self.ctx.moved.resumed(now()) else {
+            return;
+        };
+        tracing::info!(
+            reason = m.reason,
+            from = %m.from.id(),
+            to = m.to.as_ref().map(|e| e.id().as_str()),
+            prefill = m.prefill.as_ref().map(|e| e.id().as_str()),
+            tokens = m.tokens,
+            lost_ms = m.time_lost().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            "decode stream continued"
+        );
     }
 
     /// The end of a stream whose last token is out: the usage chunk the client asked
@@ -458,10 +474,11 @@ impl Migrating {
         };
         while let Some(end) = event_end(&src) {
             let event = src.split_to(end);
-            let handled = if self.continuing() {
-                self.spliced(&event, out)
-            } else {
-                self.first_leg(&event, out)
+            let handled = match (self.continuing(), self.ctx.plan.generate.is_some()) {
+                (true, false) => self.spliced(&event, out),
+                (false, false) => self.first_leg(&event, out),
+                (true, true) => self.generate_spliced(&event, out),
+                (false, true) => self.generate_first_leg(&event, out),
             };
             if let Err(reason) = handled {
                 self.buf.extend_from_slice(&src);
@@ -646,7 +663,13 @@ impl Migrating {
             );
             ctx.reporter.report(&report);
         };
-        let migratable = self.on && !self.raw && self.head.is_some() && self.prompt.is_some();
+        if ctx.plan.generate.is_some() {
+            self.generate_prefix();
+        }
+        let migratable = self.on
+            && !self.raw
+            && self.prompt.is_some()
+            && (self.head.is_some() || self.prefix.is_some());
         if migratable && self.finished && reason != Reason::ErrorFrame {
             // Every token is out, only the end is missing: the proxy writes it.
             self.tail = Some(self.end_of_stream());
@@ -684,96 +707,32 @@ impl Migrating {
         let mut ids = Vec::with_capacity(prompt.len() + self.generated.len());
         ids.extend_from_slice(prompt);
         ids.extend_from_slice(&self.generated);
-        let body = continuation_body(&ctx.plan, &ids, generated, left);
+        let body = if ctx.plan.generate.is_some() {
+            generate::continuation_body(&ctx.plan, &ids, generated, left)
+        } else {
+            continuation_body(&ctx.plan, &ids, generated, left)
+        };
         self.carried = generated;
         self.migrations += 1;
         self.buf.clear();
         self.inner = super::body::empty_body();
+        let broke = *self.stalled.get_or_insert_with(now);
+        let span = ctx.trace.as_ref().map(|(_, ids)| ids.span());
+        ctx.moved.begin(Migration {
+            reason: reason.as_str(),
+            from: Arc::clone(&self.leg.endpoint),
+            to: None,
+            prefill: None,
+            tokens: generated,
+            broke,
+            resumed: None,
+            span,
+        });
         let n = self.migrations;
         let tried = self.tried.clone();
-        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n))));
+        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n, span))));
         true
     }
-}
-
-/// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
-/// request's model; its head within the decode head timeout.
-async fn start(
-    ctx: Arc<Ctx>,
-    body: Bytes,
-    tried: Vec<EndpointId>,
-    n: u32,
-) -> Result<Started, (Option<Arc<Endpoint>>, PdError)> {
-    let set = ctx.source.snapshot();
-    let model = ctx
-        .plan
-        .body
-        .get("model")
-        .and_then(|m| serde_json::from_slice::<String>(m).ok());
-    let set = set
-        .for_model(model.as_deref())
-        .map_err(|e| (None, PdError::route(e)))?;
-    let endpoint = set
-        .decode()
-        .iter()
-        .filter(|e| !tried.contains(e.id()))
-        .min_by_key(|e| e.in_flight())
-        .cloned()
-        .ok_or_else(|| (None, PdError::route(crate::error::RouteError::NoDecode)))?;
-    send(&ctx, body, &endpoint, n)
-        .await
-        .map(|(body, guard)| Started {
-            current: Current {
-                endpoint: Arc::clone(&endpoint),
-                _guard: Some(guard),
-            },
-            body,
-        })
-        .map_err(|e| (Some(endpoint), e))
-}
-
-/// Send a continuation's `body` to `endpoint`; its 2xx head's body.
-async fn send(
-    ctx: &Ctx,
-    body: Bytes,
-    endpoint: &Arc<Endpoint>,
-    n: u32,
-) -> Result<(BoxBody, InFlightGuard), PdError> {
-    let guard = endpoint.track();
-    let id = endpoint.id().clone();
-    let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
-    let uri = endpoint
-        .api_uri(Api::Completions)
-        .map_err(|e| transport_err(TransportError::Connect(e.into())))?;
-    let mut req = http::Request::new(body);
-    *req.method_mut() = http::Method::POST;
-    *req.uri_mut() = uri;
-    let h = req.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    for (name, value) in &ctx.forwarded {
-        h.append(name.clone(), value.clone());
-    }
-    let leg_id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
-    if let Ok(v) = HeaderValue::from_str(&leg_id) {
-        h.insert(REQUEST_ID, v);
-    }
-    let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
-        Ok(Ok(head)) => head,
-        Ok(Err(e)) => return Err(transport_err(e)),
-        Err(_) => return Err(transport_err(TransportError::Timeout)),
-    };
-    let status = head.status();
-    if !status.is_success() {
-        let detail = read_limited(head.into_body(), 64 * 1024)
-            .await
-            .ok()
-            .and_then(|b| super::legs::upstream_message(&b));
-        return Err(PdError::upstream_status(Side::Decode, id, status, detail));
-    }
-    Ok((head.into_body(), guard))
 }
 
 impl Body for Migrating {
@@ -800,25 +759,38 @@ impl Body for Migrating {
                 };
                 this.pending = None;
                 match result {
-                    Ok(Started { current, body }) => {
+                    Ok(Started {
+                        current,
+                        body,
+                        prefill,
+                    }) => {
                         this.tried.push(current.endpoint.id().clone());
+                        this.ctx
+                            .moved
+                            .sent_to(Some(&current.endpoint), prefill.as_ref());
                         this.ctx.moved.moved(&current.endpoint, this.carried);
                         this.leg = current;
                         this.inner = body;
                         this.broke = None;
                         continue;
                     }
-                    Err((endpoint, e)) => {
+                    Err(NotStarted {
+                        tried,
+                        blame,
+                        prefill,
+                        error: e,
+                    }) => {
                         tracing::warn!(error = %crate::error::error_chain(&e), "continuation failed");
-                        if let Some(ep) = &endpoint {
+                        if let Some(ep) = &tried {
                             this.tried.push(ep.id().clone());
                         }
+                        this.ctx.moved.sent_to(tried.as_ref(), prefill.as_ref());
                         // The client hears of the break, not of the continuation's
                         // own failure (unless the leg only ended early).
                         if this.broke.is_none() {
                             this.broke = Some(Box::new(e));
                         }
-                        if this.migrate(Reason::Reset, endpoint, true) {
+                        if this.migrate(Reason::Reset, blame, true) {
                             continue;
                         }
                         this.ended = true;
@@ -842,7 +814,10 @@ impl Body for Migrating {
                     let mut out = BytesMut::with_capacity(this.buf.len() + data.len() + 16);
                     match this.events(data, &mut out) {
                         Ok(()) if out.is_empty() => continue,
-                        Ok(()) => return Poll::Ready(Some(Ok(Frame::data(out.freeze())))),
+                        Ok(()) => {
+                            this.resumed();
+                            return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+                        }
                         Err((reason, event)) => {
                             let dead = Some(Arc::clone(&this.leg.endpoint));
                             if this.migrate(reason, dead, false) {
@@ -900,7 +875,9 @@ impl super::Inner {
         &self,
         req: &PdRequest,
         route: &Route,
-        engine_id: &HeaderValue,
+        meta: &super::respond::RequestMeta,
+        disaggregated: bool,
+        clock: super::clock::Clock,
         body: BoxBody,
     ) -> (BoxBody, Option<Arc<Moved>>) {
         let Some(plan) = plan(&self.config.migration, req) else {
@@ -915,12 +892,22 @@ impl super::Inner {
             reporter: Arc::clone(&self.reporter),
             counters: Arc::clone(&self.counters),
             route: route.clone(),
-            engine_id: engine_id.clone(),
+            engine_id: meta.engine_id.clone(),
             forwarded: super::legs::client_headers(&self.config, req.headers())
                 .map(|(n, v)| (n.clone(), v.clone()))
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             moved: Arc::clone(&moved),
+            trace: meta
+                .trace
+                .as_ref()
+                .map(|t| (t.clone(), Arc::clone(&self.spans))),
+            through_prefill: (disaggregated && !self.config.migration.decode_only).then(|| {
+                ThroughPrefill {
+                    inner: self.me.clone(),
+                    clock,
+                }
+            }),
         };
         (
             http_body_util::BodyExt::boxed(Migrating::new(body, ctx)),

@@ -19,6 +19,7 @@
 //! | `answer.rs` | what of an engine's answer reaches the client: its KV handoff overwritten in place, internal redirects and unasked encodings refused (public: `disagg-http` relays forwarded answers through it too) |
 //! | `lead.rs` | the body of an answer that starts with a plan's lead, before its decode leg is sent (a connector capability the orchestrator drives for any protocol) |
 //! | `body.rs` | [`PdBody`]: the answer streamed frame by frame; its end makes the attempt's [`Report`](crate::outcome::Report) |
+//! | `migrate.rs`, `migrate/` | mid-stream migration ([`MigrationConfig`]): a decode stream that breaks mid-answer tracked, continued on another decode (through a fresh prefill when the request was disaggregated: `start.rs`; SGLang's `/generate`: `generate.rs`) and spliced into the client's stream |
 //! | `report.rs` | the one place a report is told: router, connector, listeners |
 //! | `stats.rs` | the live counters behind [`OrchestratorStats`] |
 //! | `clock.rs`, `config.rs` | deadlines and budgets; settings and header names |
@@ -83,8 +84,12 @@ pub(crate) use report::leg_outcome;
 use stats::Counters;
 
 struct Inner {
+    /// This orchestrator, for what runs inside a response body and needs its attempt
+    /// machinery (a mid-stream migration's continuation through a fresh prefill): weak,
+    /// so that a body never keeps an orchestrator alive.
+    me: std::sync::Weak<Inner>,
     ids: RequestIds,
-    spans: crate::trace::SpanIds,
+    spans: Arc<crate::trace::SpanIds>,
     source: Arc<dyn EndpointSource>,
     router: Arc<dyn Router>,
     connector: Arc<dyn KvConnector>,
@@ -284,9 +289,10 @@ impl OrchestratorBuilder {
         let wanted = self.router.wants_tokens() || self.disaggregate.wants_tokens();
         let tokenizer = self.tokenizer.filter(|_| wanted);
         Orchestrator {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
                 ids: RequestIds::new(),
-                spans: crate::trace::SpanIds::new(),
+                spans: Arc::new(crate::trace::SpanIds::new()),
                 source: self.source,
                 router: self.router,
                 connector: self.connector,
@@ -404,9 +410,10 @@ impl Orchestrator {
     pub fn with_transport(&self, transport: impl Transport) -> Orchestrator {
         let i = &self.inner;
         Orchestrator {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|me| Inner {
+                me: me.clone(),
                 ids: RequestIds::new(),
-                spans: crate::trace::SpanIds::new(),
+                spans: Arc::new(crate::trace::SpanIds::new()),
                 source: Arc::clone(&i.source),
                 router: Arc::clone(&i.router),
                 connector: Arc::clone(&i.connector),

@@ -127,6 +127,31 @@ impl Exchange {
     }
 }
 
+impl Exchange {
+    /// The decode's 2xx answer after a prefill leg, with the decode's in-flight count
+    /// and a concurrent prefill still running; for any other answer (dropped), the side
+    /// that gave it: the prefill's (its 4xx, or its answer being the whole answer) or
+    /// the decode's (an error status, or a decode alone).
+    pub(super) fn into_decoded(
+        self,
+    ) -> Result<
+        (
+            Response<BoxBody>,
+            InFlightGuard,
+            Option<super::body::PendingPrefill>,
+        ),
+        Side,
+    > {
+        match self.stand {
+            Stand::Decoded { guard, pending, .. } if self.head.status().is_success() => {
+                Ok((self.head, guard, pending))
+            }
+            Stand::PrefillRefused | Stand::PrefillAnswered { .. } => Err(Side::Prefill),
+            _ => Err(Side::Decode),
+        }
+    }
+}
+
 /// Steps of an attempt that happen inside its response body, after the head went out:
 /// set by the body's own futures, read once when the attempt is reported.
 #[derive(Debug, Default)]
@@ -283,7 +308,9 @@ impl Inner {
         // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
         // body is the decode's, as it always was).
         let (body, moved) = if sse && status.is_success() && guard.is_some() {
-            self.migrating(req, &route, &meta.engine_id, body)
+            // Continued through a fresh prefill only when this answer's KV came from one.
+            let disaggregated = mark == Some("kv");
+            self.migrating(req, &route, &meta, disaggregated, clock, body)
         } else {
             (body, None)
         };

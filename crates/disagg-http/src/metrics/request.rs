@@ -51,6 +51,7 @@ const ITEM_BUCKETS: [f64; 8] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0];
 /// | `disagg_queue_wait_seconds` | histogram | time waited for admission, for requests that waited |
 /// | `disagg_encode_duration_seconds` | histogram | the encoder stage (E/P/D), for requests that went through one |
 /// | `disagg_encode_items_per_request` | histogram | media items encoded, per request that went through the encoder stage |
+/// | `disagg_migration_duration_seconds` | histogram | each mid-stream migration whose continuation reached the client: the time the client's stream stood still, from the break to the continuation's first byte |
 /// | `disagg_prefill_duration_seconds{endpoint}` | histogram | prefill leg sent until answered |
 /// | `disagg_kv_handoff_duration_seconds{connector}` | histogram | the handoff step: from the prefill's answer (sequential) or the plan (concurrent), through any bootstrap or notification wait, until the decode leg is sent |
 /// | `disagg_decode_head_seconds{endpoint}` | histogram | decode leg sent until its response head |
@@ -78,6 +79,8 @@ struct Inner {
     queue_wait: Histogram,
     encode: Histogram,
     encode_items: Histogram,
+    /// The time lost to each mid-stream migration.
+    migration: Histogram,
     handoff: Histogram,
     duration_family: Histograms<[(&'static str, &'static str); 3]>,
     first_token_family: Histograms<[(&'static str, &'static str); 2]>,
@@ -144,6 +147,7 @@ impl Metrics {
                 queue_wait: histogram(),
                 encode: histogram(),
                 encode_items: Histogram::new(ITEM_BUCKETS),
+                migration: histogram(),
                 handoff,
                 duration_family,
                 first_token_family,
@@ -183,6 +187,12 @@ impl Metrics {
             "disagg_encode_items_per_request",
             "Media items encoded per request that went through the encoder stage.",
             i.encode_items.clone(),
+        );
+        registry.register_with_unit(
+            "disagg_migration_duration",
+            "Mid-stream migrations whose continuation reached the client, from the break to the continuation's first byte.",
+            Unit::Seconds,
+            i.migration.clone(),
         );
         registry.register_with_unit(
             "disagg_queue_wait",
@@ -304,6 +314,11 @@ impl Listener for Metrics {
         if let Some(e) = summary.encode {
             i.encode.observe(seconds(e.duration));
             i.encode_items.observe(f64::from(e.items));
+        }
+        for m in &summary.migrated {
+            if let Some(d) = m.time_lost() {
+                i.migration.observe(seconds(d));
+            }
         }
     }
 }

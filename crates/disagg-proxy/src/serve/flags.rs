@@ -396,6 +396,11 @@ pub struct ReliabilityArgs {
     /// differs from an unbroken run's).
     #[arg(long)]
     pub(crate) migration_allow_seed: bool,
+    /// Continue migrated streams decode-only even when the request was disaggregated
+    /// (by default such a continuation goes through a fresh prefill leg, whose prefix
+    /// cache holds the prompt, and its KV handoff).
+    #[arg(long)]
+    pub(crate) migration_decode_only: bool,
 }
 
 /// `--load-source`.
@@ -482,6 +487,7 @@ impl ReliabilityArgs {
         config.migration.limit = self.migration_limit;
         config.migration.max_seq_len = self.migration_max_seq_len;
         config.migration.allow_seed = self.migration_allow_seed;
+        config.migration.decode_only = self.migration_decode_only;
         config.handoff_timeout = secs(self.handoff_timeout, "handoff-timeout")?;
         config.decode_idle_timeout = match self.decode_idle_timeout {
             0.0 => None,

@@ -16,8 +16,11 @@ use super::MigrationConfig;
 /// stream is written.
 #[derive(Debug, Clone)]
 pub(crate) struct Plan {
-    /// Chat (else completions).
+    /// Chat (else completions, or SGLang's `/generate`).
     pub(super) chat: bool,
+    /// SGLang's `/generate`: the prompt's ids, from the request's `input_ids` (its
+    /// stream carries none of them).
+    pub(super) generate: Option<Vec<u32>>,
     /// The client asked for `return_token_ids` itself: the ids stay in its stream.
     pub(super) client_ids: bool,
     /// The client asked for a usage chunk (`stream_options.include_usage`).
@@ -97,6 +100,7 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     let chat = match req.api() {
         Api::Chat => true,
         Api::Completions => false,
+        Api::Generate => return super::generate::plan(config, req),
         _ => return None,
     };
     let b = req.body();
@@ -140,6 +144,7 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     };
     Some(Plan {
         chat,
+        generate: None,
         client_ids: b
             .get("return_token_ids")
             .is_some_and(|v| v.trim_ascii() == b"true"),
@@ -154,7 +159,8 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
 /// did not; `None` when the leg goes as it is (migration off, not eligible, the client
 /// asked, or a leg posted to another API than the client's).
 pub(crate) fn ask_ids(config: &MigrationConfig, req: &PdRequest, leg: &Leg) -> Option<Leg> {
-    if config.limit == 0 || leg.api.is_some_and(|a| a != req.api()) {
+    // SGLang's `/generate` streams its ids unasked.
+    if config.limit == 0 || leg.api.is_some_and(|a| a != req.api()) || req.api() == Api::Generate {
         return None;
     }
     let plan = plan(config, req)?;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::request::Api;
 
 #[test]
 fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
@@ -179,4 +180,75 @@ fn a_continuation_carries_sampling_and_reduced_limits() {
         serde_json::json!({"model": "m", "temperature": 0.5, "stop": ["."], "prompt": [5, 6, 7],
             "max_tokens": 7, "min_tokens": 1, "stream": true, "return_token_ids": true})
     );
+}
+
+#[test]
+fn a_generate_request_is_eligible_with_input_ids_and_a_limit() {
+    let on = MigrationConfig {
+        limit: 1,
+        ..MigrationConfig::default()
+    };
+    let generate = |body: serde_json::Value| request(Api::Generate, body);
+    let base = serde_json::json!({
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 8, "min_new_tokens": 2},
+        "stream": true,
+    });
+    let p = plan(&on, &generate(base.clone())).expect("eligible");
+    assert_eq!(p.generate.as_deref(), Some(&[1, 2, 3][..]));
+    assert_eq!((p.max_tokens, p.min_tokens), (Some(8), Some(2)));
+    for (key, value) in [
+        ("input_ids", serde_json::json!([[1, 2], [3]])),
+        ("input_ids", serde_json::json!(null)),
+        ("text", serde_json::json!("words")),
+        ("return_logprob", serde_json::json!(true)),
+        ("stream", serde_json::json!(false)),
+        (
+            "sampling_params",
+            serde_json::json!({"max_new_tokens": 8, "n": 2}),
+        ),
+        (
+            "sampling_params",
+            serde_json::json!({"max_new_tokens": 8, "json_schema": "{}"}),
+        ),
+        ("sampling_params", serde_json::json!({"temperature": 0})),
+        (
+            "sampling_params",
+            serde_json::json!({"max_new_tokens": 8, "sampling_seed": 7}),
+        ),
+    ] {
+        let mut body = base.clone();
+        body[key] = value.clone();
+        assert!(plan(&on, &generate(body)).is_none(), "{key}: {value}");
+    }
+
+    // The continuation: the ids, the limits less what was generated, no `rid`.
+    let mut with_rid = base;
+    with_rid["rid"] = serde_json::json!("client-id");
+    let p = plan(&on, &generate(with_rid)).unwrap();
+    let body = generate::continuation_body(&p, &[1, 2, 3, 9, 9], 2, Some(6));
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["input_ids"], serde_json::json!([1, 2, 3, 9, 9]));
+    assert_eq!(v["sampling_params"]["max_new_tokens"], 6);
+    assert_eq!(v["sampling_params"]["min_new_tokens"], 0);
+    assert!(v.get("rid").is_none());
+    assert_eq!(v["stream"], true);
+}
+
+#[test]
+fn a_generate_event_is_spliced_after_what_the_client_has() {
+    let last = br#"{"text":" a b","output_ids":[5,6],"meta_info":{"id":"first","finish_reason":null,"prompt_tokens":3,"completion_tokens":2}}"#;
+    let prefix = generate::prefix(last).unwrap();
+    let cont = br#"{"text":" c","output_ids":[7],"meta_info":{"id":"second","finish_reason":{"type":"length","length":1},"prompt_tokens":5,"completion_tokens":1}}"#;
+    let (json, finished) = generate::splice(&prefix, 3, cont).unwrap();
+    assert!(finished);
+    let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    assert_eq!(v["text"], " a b c");
+    assert_eq!(v["output_ids"], serde_json::json!([5, 6, 7]));
+    let meta = &v["meta_info"];
+    assert_eq!(meta["id"], "first");
+    assert_eq!(meta["prompt_tokens"], 3);
+    assert_eq!(meta["completion_tokens"], 3);
+    assert_eq!(meta["finish_reason"]["length"], 3);
+    assert!(generate::prefix(b"{\"error\":{}}").is_none());
 }

@@ -1,0 +1,248 @@
+//! SGLang's native `/generate`, migrated: which requests may be, the continuation's
+//! body, and its events spliced into the client's stream.
+//!
+//! Facts (SGLang 0.5.23 `python/sglang/srt/managers/io_struct.py` `GenerateReqInput`,
+//! `srt/sampling/sampling_params.py` `SamplingParams`,
+//! `srt/managers/tokenizer_manager.py`): the prompt is `text` or `input_ids` (one of
+//! them; a flat list of ids is one prompt), the limits are
+//! `sampling_params.max_new_tokens` and `min_new_tokens`; a streamed answer is
+//! `data: {"text", "output_ids", "meta_info"}` events whose `text` and `output_ids` hold
+//! everything generated so far (the default, non-incremental streaming), the finish in
+//! `meta_info.finish_reason` (an object, `null` until the end), then `data: [DONE]`. The
+//! stream carries no prompt ids: only a request with `input_ids` is migrated, and the
+//! tracking keeps the last event relayed (a slice of its frame, no copy), read only
+//! when the stream breaks.
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value};
+
+use disagg_json::JsonBody;
+use crate::request::PdRequest;
+
+use super::plan::{Plan, REFUSED, set};
+use super::scan::{is_error, parse_ids_into, payload};
+use super::{Migrating, MigrationConfig, Reason};
+
+/// Top-level fields of a `/generate` request whose state a token prompt cannot carry:
+/// another prompt form, media, log probabilities, hidden states, a session, a custom
+/// logit processor.
+const REFUSED_GENERATE: [&str; 10] = [
+    "text",
+    "input_embeds",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "return_logprob",
+    "return_hidden_states",
+    "session_params",
+    "custom_logit_processor",
+    "token_ids_logprob",
+];
+
+/// `sampling_params` that make structured output (a grammar's state is not carried).
+const STRUCTURED: [&str; 4] = ["json_schema", "regex", "ebnf", "structural_tag"];
+
+/// Whether the `/generate` request `req` may be migrated: streamed, one prompt given
+/// as `input_ids`, one sample, `max_new_tokens` set (the engine's default differs by
+/// version, so what is left of it would be a guess), nothing [`REFUSED_GENERATE`] or
+/// structured, and a `sampling_seed` only with [`MigrationConfig::allow_seed`].
+pub(super) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
+    let b = req.body();
+    if REFUSED_GENERATE.iter().any(|k| set(b.get(k))) || REFUSED.iter().any(|k| set(b.get(k))) {
+        return None;
+    }
+    let mut prompt = Vec::new();
+    parse_ids_into(b.get("input_ids")?.trim_ascii(), &mut prompt)?;
+    if prompt.is_empty() || prompt.len() > config.max_seq_len {
+        return None;
+    }
+    let params: Map<String, Value> = serde_json::from_slice(b.get("sampling_params")?).ok()?;
+    let param = |k: &str| {
+        params
+            .get(k)
+            .filter(|v| !v.is_null() && **v != Value::Bool(false))
+    };
+    if STRUCTURED.iter().any(|k| param(k).is_some()) {
+        return None;
+    }
+    if param("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return None;
+    }
+    if !config.allow_seed && param("sampling_seed").is_some() {
+        return None;
+    }
+    let max_tokens = Some(param("max_new_tokens")?.as_u64()?);
+    let min_tokens = param("min_new_tokens").and_then(Value::as_u64);
+    Some(Plan {
+        chat: false,
+        generate: Some(prompt),
+        client_ids: false,
+        usage: false,
+        max_tokens,
+        min_tokens,
+        body: b.clone(),
+    })
+}
+
+/// The continuation's body: the client's, with `input_ids` = `ids` (the prompt and the
+/// generated ids), the token limits less what was generated, streamed, without the
+/// client's `rid` (the engines must not see one id twice).
+pub(super) fn continuation_body(
+    plan: &Plan,
+    ids: &[u32],
+    generated: u64,
+    left: Option<u64>,
+) -> Bytes {
+    let mut body: JsonBody = plan.body.clone();
+    body.remove("rid");
+    body.set("input_ids", ids);
+    let mut params: Map<String, Value> = body
+        .get("sampling_params")
+        .and_then(|p| serde_json::from_slice(p).ok())
+        .unwrap_or_default();
+    if let Some(left) = left {
+        params.insert("max_new_tokens".into(), Value::from(left));
+    }
+    if let Some(min) = plan.min_tokens {
+        params.insert(
+            "min_new_tokens".into(),
+            Value::from(min.saturating_sub(generated)),
+        );
+    }
+    body.set("sampling_params", &params);
+    body.set_raw("stream", Bytes::from_static(b"true"));
+    body.to_bytes()
+}
+
+/// What the client's stream held when it broke: the text and ids generated so far and
+/// the answer's id, from its last event; every spliced event starts from them.
+#[derive(Debug, Clone)]
+pub(super) struct Prefix {
+    text: String,
+    pub(super) ids: Vec<u32>,
+    id: Value,
+}
+
+/// The prefix the last event relayed to the client holds (`None` when it is not an
+/// answer event of one sequence).
+pub(super) fn prefix(last: &[u8]) -> Option<Prefix> {
+    let v: Map<String, Value> = serde_json::from_slice(last).ok()?;
+    let text = v.get("text")?.as_str()?.to_owned();
+    let mut ids = Vec::new();
+    let raw = serde_json::to_vec(v.get("output_ids")?).ok()?;
+    parse_ids_into(&raw, &mut ids)?;
+    let id = v.get("meta_info")?.get("id")?.clone();
+    Some(Prefix { text, ids, id })
+}
+
+/// A continuation's event `data` rewritten into the client's stream: its text and ids
+/// after the prefix's, the first leg's id, the original prompt's length and every
+/// leg's completion tokens; whether it finishes the answer. `None` for what is not an
+/// answer event.
+pub(super) fn splice(prefix: &Prefix, prompt_len: usize, data: &[u8]) -> Option<(Vec<u8>, bool)> {
+    let mut v: Map<String, Value> = serde_json::from_slice(data).ok()?;
+    let text = v.get("text")?.as_str()?;
+    let mut all = String::with_capacity(prefix.text.len() + text.len());
+    all.push_str(&prefix.text);
+    all.push_str(text);
+    let mut ids: Vec<Value> = prefix.ids.iter().map(|&i| Value::from(i)).collect();
+    ids.extend(v.get("output_ids")?.as_array()?.iter().cloned());
+    let carried = prefix.ids.len() as u64;
+    let meta = v.get_mut("meta_info")?.as_object_mut()?;
+    meta.insert("id".into(), prefix.id.clone());
+    meta.insert("prompt_tokens".into(), Value::from(prompt_len));
+    let leg = meta
+        .get("completion_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    meta.insert("completion_tokens".into(), Value::from(carried + leg));
+    // A length finish names the limit, the client's: the continuation's plus the
+    // tokens carried.
+    if let Some(Value::Object(finish)) = meta.get_mut("finish_reason")
+        && finish.get("type").and_then(Value::as_str) == Some("length")
+        && let Some(n) = finish.get("length").and_then(Value::as_u64)
+    {
+        finish.insert("length".into(), Value::from(carried + n));
+    }
+    let finished = meta.get("finish_reason").is_some_and(|f| !f.is_null());
+    v.insert("text".into(), Value::String(all));
+    v.insert("output_ids".into(), Value::Array(ids));
+    Some((serde_json::to_vec(&v).ok()?, finished))
+}
+
+impl Migrating {
+    /// The stream broke: what it held is the prefix a continuation goes on from, read
+    /// from the last event relayed; a stream with none, or past the bound, is no longer
+    /// migratable.
+    pub(super) fn generate_prefix(&mut self) {
+        if !self.on || self.raw {
+            return;
+        }
+        let len = self.prompt.as_ref().map_or(0, Vec::len);
+        match self.last.as_deref().and_then(prefix) {
+            Some(p) if len + p.ids.len() <= self.ctx.config.max_seq_len => {
+                self.generated = p.ids.clone();
+                self.prefix = Some(p);
+            }
+            _ => self.untrack(),
+        }
+    }
+
+    /// An event of a `/generate` first leg: relayed as it came, the last one kept (a
+    /// slice of its frame).
+    pub(super) fn generate_first_leg(
+        &mut self,
+        event: &Bytes,
+        out: &mut BytesMut,
+    ) -> Result<(), Reason> {
+        let Some(data) = payload(event) else {
+            out.extend_from_slice(event);
+            return Ok(());
+        };
+        if data == b"[DONE]" {
+            self.done = true;
+            out.extend_from_slice(event);
+            return Ok(());
+        }
+        if is_error(data) {
+            return Err(Reason::ErrorFrame);
+        }
+        if self.scan.finish_object.find(data).is_some() {
+            self.finished = true;
+        }
+        self.last = Some(event.slice_ref(data));
+        out.extend_from_slice(event);
+        Ok(())
+    }
+
+    /// An event of a `/generate` continuation, rewritten into the client's stream.
+    pub(super) fn generate_spliced(
+        &mut self,
+        event: &Bytes,
+        out: &mut BytesMut,
+    ) -> Result<(), Reason> {
+        let Some(data) = payload(event) else {
+            return Ok(());
+        };
+        if data == b"[DONE]" {
+            self.done = true;
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return Ok(());
+        }
+        if is_error(data) {
+            return Err(Reason::ErrorFrame);
+        }
+        let (Some(prefix), Some(prompt)) = (&self.prefix, &self.prompt) else {
+            return Err(Reason::ErrorFrame);
+        };
+        let Some((json, finished)) = splice(prefix, prompt.len(), data) else {
+            return Err(Reason::ErrorFrame);
+        };
+        self.finished |= finished;
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(&json);
+        out.extend_from_slice(b"\n\n");
+        self.last = Some(Bytes::from(json));
+        Ok(())
+    }
+}

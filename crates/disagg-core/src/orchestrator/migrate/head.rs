@@ -1,0 +1,82 @@
+//! The first chunk of a tracked vLLM leg, read once: the header every spliced chunk
+//! carries, and the prompt's ids.
+
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use super::scan::parse_ids_into;
+
+/// The first leg's chunk header, written on every spliced chunk: the JSON object of
+/// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
+/// allocation; parsed only when a chunk is written from it, the rare path).
+pub(super) struct Head(Box<[u8]>);
+
+impl Head {
+    /// The header of the first chunk `first`.
+    pub(super) fn of(first: &FirstChunk<'_>) -> Self {
+        fn raw(v: Option<&RawValue>) -> &str {
+            v.map_or("null", RawValue::get)
+        }
+        let mut out = Vec::with_capacity(64);
+        for (key, value) in [
+            (&b"{\"id\":"[..], first.id),
+            (b",\"object\":", first.object),
+            (b",\"created\":", first.created),
+            (b",\"model\":", first.model),
+        ] {
+            out.extend_from_slice(key);
+            out.extend_from_slice(raw(value).as_bytes());
+        }
+        out.push(b'}');
+        Head(out.into_boxed_slice())
+    }
+
+    /// The header's fields, the start of a chunk written by the proxy.
+    pub(super) fn fields(&self) -> serde_json::Map<String, Value> {
+        serde_json::from_slice(&self.0).unwrap_or_default()
+    }
+}
+
+/// What the first chunk of a tracked leg is read for: its header and the prompt's ids
+/// (at the top, vLLM's chat; or on the first choice, its completions), every value kept
+/// as the engine's text; the rest of the chunk is skipped, not built.
+#[derive(serde::Deserialize)]
+pub(super) struct FirstChunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    created: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    choices: Option<&'a RawValue>,
+}
+
+/// A choice of the first chunk, read for its prompt ids.
+#[derive(serde::Deserialize)]
+struct FirstChoice<'a> {
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+impl FirstChunk<'_> {
+    /// The prompt's ids: at the top when set, else on the first choice (`None` when
+    /// neither is a list of ids below 2^32).
+    pub(super) fn prompt(&self) -> Option<Vec<u32>> {
+        let raw = match self.prompt_token_ids {
+            Some(ids) => ids,
+            None => {
+                let choices: Vec<FirstChoice<'_>> =
+                    serde_json::from_str(self.choices?.get()).ok()?;
+                choices.into_iter().next()?.prompt_token_ids?
+            }
+        };
+        let mut ids = Vec::new();
+        parse_ids_into(raw.get().as_bytes(), &mut ids)?;
+        Some(ids)
+    }
+}

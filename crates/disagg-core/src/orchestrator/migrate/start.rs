@@ -1,0 +1,302 @@
+//! A continuation's legs: the decode it goes to, through a fresh prefill (an attempt
+//! of its own) or decode-only, and its head.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+
+use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
+use crate::error::{PdError, Side, TransportError};
+use crate::outcome::{LegOutcome, Timeline};
+use crate::request::{Api, PdRequest, REQUEST_ID};
+use crate::router::Route;
+use crate::transport::{BoxBody, read_limited};
+
+use super::Ctx;
+
+/// What a continuation through a fresh prefill needs: the orchestrator's attempt
+/// machinery and the request's deadline.
+pub(crate) struct ThroughPrefill {
+    pub(crate) inner: std::sync::Weak<super::super::Inner>,
+    pub(crate) clock: super::super::clock::Clock,
+}
+
+pub(super) type Continuation = Pin<Box<dyn Future<Output = Result<Started, NotStarted>> + Send>>;
+
+/// Why a continuation did not start.
+pub(super) struct NotStarted {
+    /// The decode it was sent to (never chosen again for this request).
+    pub(super) tried: Option<Arc<Endpoint>>,
+    /// The engine to report failed, when no report named it yet (a continuation
+    /// through a prefill reports its own attempt).
+    pub(super) blame: Option<Arc<Endpoint>>,
+    /// The prefill it went through.
+    pub(super) prefill: Option<Arc<Endpoint>>,
+    pub(super) error: PdError,
+}
+
+impl NotStarted {
+    fn unrouted(error: PdError) -> Self {
+        NotStarted {
+            tried: None,
+            blame: None,
+            prefill: None,
+            error,
+        }
+    }
+}
+
+/// The leg relayed now: its endpoint, held in flight.
+pub(super) struct Current {
+    pub(super) endpoint: Arc<Endpoint>,
+    pub(super) _guard: Option<InFlightGuard>,
+}
+
+/// How a continuation went through a fresh prefill, when it did not start.
+enum PrefillFell {
+    /// The prefill side failed (reported): the continuation goes decode-only.
+    Prefill,
+    /// The decode side failed (reported).
+    Decode(PdError),
+}
+
+pub(super) struct Started {
+    pub(super) current: Current,
+    pub(super) body: BoxBody,
+    /// The prefill of a continuation through a fresh prefill leg.
+    pub(super) prefill: Option<Arc<Endpoint>>,
+}
+
+/// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
+/// request's model; its head within the decode head timeout.
+pub(super) async fn start(
+    ctx: Arc<Ctx>,
+    body: Bytes,
+    tried: Vec<EndpointId>,
+    n: u32,
+    span: Option<[u8; 8]>,
+) -> Result<Started, NotStarted> {
+    let set = ctx.source.snapshot();
+    let model = ctx
+        .plan
+        .body
+        .get("model")
+        .and_then(|m| serde_json::from_slice::<String>(m).ok());
+    let set = set
+        .for_model(model.as_deref())
+        .map_err(|e| NotStarted::unrouted(PdError::route(e)))?;
+    let endpoint = set
+        .decode()
+        .iter()
+        .filter(|e| !tried.contains(e.id()))
+        .min_by_key(|e| e.in_flight())
+        .cloned()
+        .ok_or_else(|| NotStarted::unrouted(PdError::route(crate::error::RouteError::NoDecode)))?;
+    // Through a fresh prefill when the request was disaggregated: the prefill that
+    // computed the prompt (its prefix cache holds it) if it is still there, else the
+    // least busy one. Decode-only when none is, or when the prefill side fails.
+    let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
+    if let Some(inner) = inner {
+        let prefill = ctx
+            .route
+            .prefill
+            .as_ref()
+            .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
+            .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
+            .cloned();
+        if let Some(prefill) = prefill {
+            match through_prefill(&ctx, &inner, &body, &prefill, &endpoint, n, span).await {
+                Ok(started) => return Ok(started),
+                Err(PrefillFell::Decode(error)) => {
+                    return Err(NotStarted {
+                        tried: Some(endpoint),
+                        blame: None,
+                        prefill: Some(prefill),
+                        error,
+                    });
+                }
+                Err(PrefillFell::Prefill) => {}
+            }
+        }
+    }
+    send(&ctx, body, &endpoint, n, span)
+        .await
+        .map(|(body, guard)| Started {
+            current: Current {
+                endpoint: Arc::clone(&endpoint),
+                _guard: Some(guard),
+            },
+            body,
+            prefill: None,
+        })
+        .map_err(|error| NotStarted {
+            tried: Some(Arc::clone(&endpoint)),
+            blame: Some(endpoint),
+            prefill: None,
+            error,
+        })
+}
+
+/// The continuation `body` as a disaggregated attempt of its own, on `prefill` and
+/// `decode`: the connector's plan, the prefill leg, the handoff and the decode leg, as
+/// for any request (`/v1/completions` with the token prompt). The attempt is reported
+/// when it fails; its 2xx decode answer is the continuation.
+#[allow(clippy::too_many_arguments)] // private; the continuation's parts
+async fn through_prefill(
+    ctx: &Ctx,
+    inner: &super::super::Inner,
+    body: &Bytes,
+    prefill: &Arc<Endpoint>,
+    decode: &Arc<Endpoint>,
+    n: u32,
+    span: Option<[u8; 8]>,
+) -> Result<Started, PrefillFell> {
+    let Some(through) = &ctx.through_prefill else {
+        return Err(PrefillFell::Prefill);
+    };
+    let mut headers = http::HeaderMap::new();
+    for (name, value) in &ctx.forwarded {
+        headers.append(name.clone(), value.clone());
+    }
+    let Ok(req) = PdRequest::new(api(ctx), headers, body) else {
+        return Err(PrefillFell::Prefill);
+    };
+    let id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
+    let id = HeaderValue::from_str(&id).unwrap_or_else(|_| ctx.engine_id.clone());
+    // Both legs' engine spans sit under the migration's.
+    let trace = match (&ctx.trace, span) {
+        (Some((t, _)), Some(span)) => {
+            let mut t = t.clone();
+            t.prefill = span;
+            t.handoff = span;
+            t.decode = span;
+            Some(t)
+        }
+        _ => None,
+    };
+    let route = Route::new(Some(Arc::clone(prefill)), Arc::clone(decode));
+    let mut tl = Timeline::starting();
+    let attempt = inner.attempt_on(
+        &req,
+        route.clone(),
+        id,
+        trace.as_ref(),
+        through.clock,
+        &mut tl,
+    );
+    let failure = match attempt.await {
+        Ok(ex) => match ex.into_decoded() {
+            Ok((head, guard, pending)) => {
+                let body = match pending {
+                    // A concurrent prefill still running rides along, as in any answer.
+                    Some(pending) => {
+                        http_body_util::BodyExt::boxed(super::super::body::PdBody::stream(
+                            head.into_body(),
+                            true,
+                            super::super::body::Finish::holding(None, None),
+                            Some(pending),
+                            None,
+                        ))
+                    }
+                    None => head.into_body(),
+                };
+                return Ok(Started {
+                    current: Current {
+                        endpoint: Arc::clone(decode),
+                        _guard: Some(guard),
+                    },
+                    body,
+                    prefill: Some(Arc::clone(prefill)),
+                });
+            }
+            // The prefill's own answer (a 4xx, or the whole answer): decode-only.
+            Err(Side::Prefill) => return Err(PrefillFell::Prefill),
+            // A decode's error status: not a continuation.
+            Err(_) => super::super::attempt::Failure::decode(
+                &route,
+                PdError::upstream_status(
+                    Side::Decode,
+                    decode.id().clone(),
+                    http::StatusCode::BAD_GATEWAY,
+                    None,
+                ),
+                LegOutcome::Answered,
+            ),
+        },
+        Err(f) => f,
+    };
+    if let Some(report) = &failure.report {
+        ctx.reporter.report(report);
+    }
+    tracing::warn!(
+        error = %crate::error::error_chain(&failure.error),
+        prefill = %prefill.id(),
+        "continuation through a fresh prefill failed"
+    );
+    match failure.error.side() {
+        Side::Decode => Err(PrefillFell::Decode(failure.error)),
+        _ => Err(PrefillFell::Prefill),
+    }
+}
+
+/// Send a continuation's `body` to `endpoint`; its 2xx head's body.
+async fn send(
+    ctx: &Ctx,
+    body: Bytes,
+    endpoint: &Arc<Endpoint>,
+    n: u32,
+    span: Option<[u8; 8]>,
+) -> Result<(BoxBody, InFlightGuard), PdError> {
+    let guard = endpoint.track();
+    let id = endpoint.id().clone();
+    let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
+    let uri = endpoint
+        .api_uri(api(ctx))
+        .map_err(|e| transport_err(TransportError::Connect(e.into())))?;
+    let mut req = http::Request::new(body);
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri;
+    let h = req.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    for (name, value) in &ctx.forwarded {
+        h.append(name.clone(), value.clone());
+    }
+    let leg_id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
+    if let Ok(v) = HeaderValue::from_str(&leg_id) {
+        h.insert(REQUEST_ID, v);
+    }
+    // The engine's own spans sit under the migration's.
+    if let (Some((trace, _)), Some(span)) = (&ctx.trace, span) {
+        trace.inject(&span, h);
+    }
+    let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
+        Ok(Ok(head)) => head,
+        Ok(Err(e)) => return Err(transport_err(e)),
+        Err(_) => return Err(transport_err(TransportError::Timeout)),
+    };
+    let status = head.status();
+    if !status.is_success() {
+        let detail = read_limited(head.into_body(), 64 * 1024)
+            .await
+            .ok()
+            .and_then(|b| super::super::legs::upstream_message(&b));
+        return Err(PdError::upstream_status(Side::Decode, id, status, detail));
+    }
+    Ok((head.into_body(), guard))
+}
+
+/// The API a continuation is posted to: SGLang's `/generate` for a `/generate`
+/// request, else vLLM's `/v1/completions` (a token prompt).
+fn api(ctx: &Ctx) -> Api {
+    if ctx.plan.generate.is_some() {
+        Api::Generate
+    } else {
+        Api::Completions
+    }
+}
