@@ -17,6 +17,8 @@ use serde_json::value::RawValue;
 
 use crate::error::BodyError;
 
+mod scan;
+
 /// The top level of a JSON object: ordered keys, raw values.
 ///
 /// Duplicate keys are folded as Python's `json` (and so vLLM and SGLang) reads them: the
@@ -66,19 +68,12 @@ impl JsonBody {
     ///
     /// As [`parse`](Self::parse).
     pub fn parse_bytes(bytes: &Bytes) -> Result<Self, BodyError> {
-        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
-        if first != Some(&b'{') {
-            // Tell "not JSON" from "JSON, but not an object".
-            return match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
-                Ok(_) => Err(BodyError::NotAnObject),
-                Err(e) => Err(BodyError::InvalidJson(e)),
-            };
-        }
-        let mut de = serde_json::Deserializer::from_slice(bytes);
-        let spans = de
-            .deserialize_map(SpanVisitor { base: bytes })
-            .map_err(BodyError::InvalidJson)?;
-        de.end().map_err(BodyError::InvalidJson)?;
+        // The scan accepts what serde accepts, or gives up; serde then has the last word
+        // (and its errors are the ones reported).
+        let spans = match scan::object_fields(bytes) {
+            Some(spans) => spans,
+            None => serde_fields(bytes)?,
+        };
         if spans.len() > INDEX_FROM_KEYS {
             return Ok(JsonBody {
                 fields: fold_indexed(bytes, &spans),
@@ -232,6 +227,25 @@ impl JsonBody {
         out.push(b'}');
         Bytes::from(out)
     }
+}
+
+/// `(key, start, end)` of each top-level field of `bytes`, as `serde_json` reads them:
+/// the fallback of [`scan::object_fields`], and the reference its tests compare with.
+fn serde_fields(bytes: &[u8]) -> Result<Vec<(Key, usize, usize)>, BodyError> {
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        // Tell "not JSON" from "JSON, but not an object".
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+            Ok(_) => Err(BodyError::NotAnObject),
+            Err(e) => Err(BodyError::InvalidJson(e)),
+        };
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let spans = de
+        .deserialize_map(SpanVisitor { base: bytes })
+        .map_err(BodyError::InvalidJson)?;
+    de.end().map_err(BodyError::InvalidJson)?;
+    Ok(spans)
 }
 
 /// Past this many top-level fields, [`JsonBody::parse_bytes`] folds duplicate keys through
