@@ -5,6 +5,7 @@
 //! returned future is `'static` so a leg can be spawned. `disagg-http` provides the pooled
 //! hyper-util implementation; tests and other stacks can stand in their own.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -97,9 +98,10 @@ pub const SLICE_FROM: usize = 4 * 1024;
 /// each piece as a data frame, and declares its exact length.
 #[derive(Debug, Clone, Default)]
 pub struct SlicedBody {
-    /// The pieces, none empty; those before `next` were sent.
-    parts: Vec<Bytes>,
-    next: usize,
+    /// The next piece: a short body's only one, held without allocating a list.
+    first: Option<Bytes>,
+    /// The pieces after it, none empty.
+    rest: VecDeque<Bytes>,
     /// The bytes not sent yet.
     left: usize,
 }
@@ -114,9 +116,14 @@ impl SlicedBody {
 
     /// Append `part` (an empty one is skipped).
     pub fn push(&mut self, part: Bytes) {
-        if !part.is_empty() {
-            self.left += part.len();
-            self.parts.push(part);
+        if part.is_empty() {
+            return;
+        }
+        self.left += part.len();
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(part);
+        } else {
+            self.rest.push_back(part);
         }
     }
 
@@ -130,19 +137,22 @@ impl SlicedBody {
         self.left == 0
     }
 
-    /// The pieces not sent yet.
-    pub fn parts(&self) -> &[Bytes] {
-        &self.parts[self.next..]
+    /// The pieces not sent yet, in order.
+    pub fn parts(&self) -> impl Iterator<Item = &Bytes> {
+        self.first.iter().chain(&self.rest)
     }
 
     /// The bytes not sent yet as one buffer: the piece itself when there is one, else a
     /// copy.
-    pub fn into_bytes(mut self) -> Bytes {
-        match self.parts() {
-            [] => Bytes::new(),
-            [_] => std::mem::take(&mut self.parts[self.next]),
-            parts => Bytes::from(parts.concat()),
+    pub fn into_bytes(self) -> Bytes {
+        if self.rest.is_empty() {
+            return self.first.unwrap_or_default();
         }
+        let mut out = Vec::with_capacity(self.left);
+        for part in self.parts() {
+            out.extend_from_slice(part);
+        }
+        Bytes::from(out)
     }
 }
 
@@ -163,11 +173,9 @@ impl Body for SlicedBody {
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let this = self.get_mut();
-        let Some(part) = this.parts.get_mut(this.next) else {
+        let Some(part) = this.first.take().or_else(|| this.rest.pop_front()) else {
             return Poll::Ready(None);
         };
-        let part = std::mem::take(part);
-        this.next += 1;
         this.left -= part.len();
         Poll::Ready(Some(Ok(Frame::data(part))))
     }
@@ -209,8 +217,9 @@ mod tests {
         let json = JsonBody::parse_bytes(&client).unwrap();
         let body = SlicedBody::from_json(&json);
         // Before the prompt, the prompt (a slice of the client's buffer), after it.
-        assert_eq!(body.parts().len(), 3);
-        assert_eq!(body.parts()[1].as_ptr(), client[22..].as_ptr());
+        let parts: Vec<&Bytes> = body.parts().collect();
+        assert_eq!(parts.len(), 3);
+        assert_eq!(parts[1].as_ptr(), client[22..].as_ptr());
         assert_eq!(body.size_hint().exact(), Some(client.len() as u64));
         assert_eq!(body.clone().into_bytes(), client);
         let mut frames = Vec::new();
@@ -227,7 +236,7 @@ mod tests {
         // A short body is one piece: to_bytes's, not copied again.
         let short = JsonBody::parse(br#"{"model":"m"}"#).unwrap();
         let one = SlicedBody::from_json(&short);
-        assert_eq!(one.parts().len(), 1);
+        assert_eq!(one.parts().count(), 1);
         assert_eq!(one.into_bytes(), short.to_bytes());
         assert!(SlicedBody::from(Bytes::new()).is_empty());
     }
