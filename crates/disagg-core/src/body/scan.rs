@@ -125,7 +125,16 @@ impl Scan<'_> {
                 }
                 j += 32;
             }
-            let c = *b.get(j)?;
+            // Up to the stop byte of this block (or the input's last bytes), one at a
+            // time: fewer than 32, and the block is not classified again for each.
+            let c = loop {
+                let c = *b.get(j)?;
+                if c == b'"' || c == b'\\' || c < 0x20 {
+                    break c;
+                }
+                high |= c >= 0x80;
+                j += 1;
+            };
             match c {
                 b'"' => {
                     if high {
@@ -153,11 +162,7 @@ impl Scan<'_> {
                     run = j;
                     high = false;
                 }
-                0..=0x1f => return None,
-                _ => {
-                    high |= c >= 0x80;
-                    j += 1;
-                }
+                _ => return None,
             }
         }
     }
