@@ -17,7 +17,8 @@
 //! once, before a byte of it is read, so a flood of large bodies is refused while it
 //! costs nothing; it is then read into one buffer of that size, from [`MAP_FROM`] on a
 //! memory mapping of its own, which goes back to the system when the body is freed (the
-//! allocator's heap would keep it).
+//! allocator's heap would keep it), unless the budget keeps it for the next large body
+//! (at most [`SPARE_BYTES`] of them, each up to [`SPARE_MAX`]).
 //! A chunked body takes its share as its buffer grows. A body that arrives in one piece,
 //! as small ones do, is used as it came, without a copy.
 
@@ -84,6 +85,8 @@ pub struct BodyBudget {
 struct BudgetInner {
     limit: usize,
     in_use: AtomicUsize,
+    /// Mappings of bodies that were freed, kept for the next large bodies.
+    spare: Spare,
 }
 
 impl Default for BodyBudget {
@@ -99,6 +102,7 @@ impl BodyBudget {
             inner: Arc::new(BudgetInner {
                 limit,
                 in_use: AtomicUsize::new(0),
+                spare: Spare::default(),
             }),
         }
     }
@@ -130,6 +134,11 @@ impl BodyBudget {
         if bytes > 0 {
             self.inner.in_use.fetch_sub(bytes, Ordering::Relaxed);
         }
+    }
+
+    /// The bytes of freed bodies' mappings kept for reuse now (at most [`SPARE_BYTES`]).
+    pub fn spare_bytes(&self) -> usize {
+        self.inner.spare.bytes()
     }
 }
 
@@ -242,27 +251,140 @@ enum State {
 /// raises that threshold as mapped blocks are freed (up to 32 MiB): after a flood of
 /// 31 MB bodies, the next flood of 20 MB ones landed on its heap, which keeps freed
 /// memory, and the proxy's RSS stayed 170 MiB above idle. A mapping of our own is
-/// unmapped when its body is freed, whatever the allocator decided before, and its pages
-/// cost only as they are written. A body this large costs a mapping's two system calls
-/// and a page fault per 4 KiB written, a few microseconds beside its transfer and parse;
-/// smaller ones, the many usual requests, stay on the heap.
+/// unmapped when its body is freed, whatever the allocator decided before, or kept for
+/// the next body within a bound of its own ([`SPARE_BYTES`]), and its pages cost only as
+/// they are written. A fresh mapping costs two system calls and a page fault per 4 KiB
+/// written; a kept one, nothing. Smaller bodies, the many usual requests, stay on the
+/// heap.
 pub const MAP_FROM: usize = 64 * 1024;
 
-/// A body's buffer of a fixed capacity: on the heap when small, a memory mapping of its
-/// own from [`MAP_FROM`] on.
+/// Freed bodies' mappings up to this size are kept for the next bodies (the larger
+/// ones are unmapped): 1 MiB.
+pub const SPARE_MAX: usize = 1024 * 1024;
+
+/// The most bytes of freed bodies' mappings a [`BodyBudget`] keeps for reuse, all its
+/// clones together: 4 MiB.
+///
+/// A fresh mapping costs its two system calls, a page fault and a zeroed page per 4 KiB
+/// written, and the unmapping's TLB flush: at 128 KiB prompts that was about a tenth of
+/// the proxy's CPU (`docs/performance.md`). A body up to [`SPARE_MAX`] is read into a
+/// kept mapping of its size class (powers of two from [`MAP_FROM`]) when there is one,
+/// and its mapping is kept again when the body is freed, while the kept ones stay
+/// within this bound: the memory the proxy holds after a flood of large bodies grows by
+/// at most this much.
+pub const SPARE_BYTES: usize = 4 * 1024 * 1024;
+
+/// The kept mappings, by size class (`MAP_FROM << i`).
+#[derive(Debug, Default)]
+struct Spare {
+    maps: std::sync::Mutex<SpareMaps>,
+}
+
+#[derive(Debug, Default)]
+struct SpareMaps {
+    by_class: Vec<Vec<memmap2::MmapMut>>,
+    bytes: usize,
+}
+
+/// The size class of a mapping of at least `capacity` bytes, if one is kept at all.
+fn class_of(capacity: usize) -> Option<usize> {
+    if capacity > SPARE_MAX {
+        return None;
+    }
+    let size = capacity.max(MAP_FROM).next_power_of_two();
+    Some((size / MAP_FROM).trailing_zeros() as usize)
+}
+
+impl Spare {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SpareMaps> {
+        // The kept list is consistent between any two statements.
+        self.maps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// A mapping for a body of `capacity` bytes: a kept one of its class, or a new one
+    /// of the whole class (so that it can be kept when freed).
+    fn take(&self, capacity: usize) -> std::io::Result<memmap2::MmapMut> {
+        let Some(class) = class_of(capacity) else {
+            return memmap2::MmapMut::map_anon(capacity);
+        };
+        {
+            let mut kept = self.lock();
+            if let Some(map) = kept.by_class.get_mut(class).and_then(Vec::pop) {
+                kept.bytes -= map.len();
+                return Ok(map);
+            }
+        }
+        memmap2::MmapMut::map_anon(MAP_FROM << class)
+    }
+
+    /// Keep `map` for a later body if it is of a class and there is room; otherwise it
+    /// is unmapped.
+    fn put(&self, map: memmap2::MmapMut) {
+        let Some(class) = class_of(map.len()).filter(|&c| map.len() == MAP_FROM << c) else {
+            return;
+        };
+        let mut kept = self.lock();
+        if kept.bytes + map.len() > SPARE_BYTES {
+            return;
+        }
+        if kept.by_class.len() <= class {
+            kept.by_class.resize_with(class + 1, Vec::new);
+        }
+        kept.bytes += map.len();
+        kept.by_class[class].push(map);
+    }
+}
+
+/// A body's mapping, given back to the budget's [`Spare`] when the last slice of the
+/// body is dropped.
+struct Recycled {
+    map: Option<memmap2::MmapMut>,
+    budget: BodyBudget,
+}
+
+impl AsRef<[u8]> for Recycled {
+    fn as_ref(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or_default()
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        if let Some(map) = self.map.take() {
+            self.budget.inner.spare.put(map);
+        }
+    }
+}
+
+/// A body's buffer of a fixed capacity: on the heap when small, a memory mapping from
+/// [`MAP_FROM`] on (one the budget kept, if it has one).
 enum Buffer {
     Heap(Vec<u8>),
-    Mapped { map: memmap2::MmapMut, len: usize },
+    Mapped {
+        map: memmap2::MmapMut,
+        len: usize,
+        /// What the body may fill: the mapping may be larger (its size class).
+        capacity: usize,
+        budget: BodyBudget,
+    },
 }
 
 impl Buffer {
-    fn with_capacity(capacity: usize) -> std::io::Result<Buffer> {
+    fn with_capacity(capacity: usize, budget: &BodyBudget) -> std::io::Result<Buffer> {
         if capacity < MAP_FROM {
             return Ok(Buffer::Heap(Vec::with_capacity(capacity)));
         }
         Ok(Buffer::Mapped {
-            map: memmap2::MmapMut::map_anon(capacity)?,
+            map: budget.inner.spare.take(capacity)?,
             len: 0,
+            capacity,
+            budget: budget.clone(),
         })
     }
 
@@ -276,7 +398,7 @@ impl Buffer {
     fn capacity(&self) -> usize {
         match self {
             Buffer::Heap(v) => v.capacity(),
-            Buffer::Mapped { map, .. } => map.len(),
+            Buffer::Mapped { capacity, .. } => *capacity,
         }
     }
 
@@ -284,7 +406,7 @@ impl Buffer {
     fn push(&mut self, data: &[u8]) {
         match self {
             Buffer::Heap(v) => v.extend_from_slice(data),
-            Buffer::Mapped { map, len } => {
+            Buffer::Mapped { map, len, .. } => {
                 map[*len..*len + data.len()].copy_from_slice(data);
                 *len += data.len();
             }
@@ -294,7 +416,7 @@ impl Buffer {
     fn as_slice(&self) -> &[u8] {
         match self {
             Buffer::Heap(v) => v,
-            Buffer::Mapped { map, len } => &map[..*len],
+            Buffer::Mapped { map, len, .. } => &map[..*len],
         }
     }
 
@@ -302,8 +424,14 @@ impl Buffer {
         match self {
             Buffer::Heap(v) => Bytes::from(v),
             // The mapping lives until the last slice of the body (a JSON value of the
-            // request) is dropped, then is unmapped.
-            Buffer::Mapped { map, len } => Bytes::from_owner(map).slice(..len),
+            // request) is dropped, then is kept for another body or unmapped.
+            Buffer::Mapped {
+                map, len, budget, ..
+            } => Bytes::from_owner(Recycled {
+                map: Some(map),
+                budget,
+            })
+            .slice(..len),
         }
     }
 }
@@ -422,7 +550,7 @@ fn append(
                 .clamp(needed, max_bytes.max(needed));
             let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
             // No memory for the buffer is the same answer as no room in the budget.
-            let mut buf = Buffer::with_capacity(capacity).map_err(|_| busy())?;
+            let mut buf = Buffer::with_capacity(capacity, share.budget).map_err(|_| busy())?;
             buf.push(first);
             buf.push(&data);
             *state = State::Many(buf);
@@ -434,9 +562,13 @@ fn append(
                     .max(buf.capacity().saturating_mul(2))
                     .min(max_bytes.max(needed));
                 let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
-                let mut bigger = Buffer::with_capacity(capacity).map_err(|_| busy())?;
+                let mut bigger =
+                    Buffer::with_capacity(capacity, share.budget).map_err(|_| busy())?;
                 bigger.push(buf.as_slice());
-                *buf = bigger;
+                // The smaller buffer's mapping, if any, is kept for another body.
+                if let Buffer::Mapped { map, budget, .. } = std::mem::replace(buf, bigger) {
+                    budget.inner.spare.put(map);
+                }
             }
             buf.push(&data);
         }
@@ -557,6 +689,70 @@ mod tests {
         assert_eq!(bytes, data);
         assert!(budget.in_use() >= data.len());
         drop(share);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A declared body of `len` bytes arriving in two pieces (so that it is copied into
+    /// a buffer of its own).
+    fn declared(len: usize) -> impl Body<Data = Bytes, Error = BoxError> + Send + Unpin {
+        let data = Bytes::from(pattern(len));
+        let (a, b) = (data.slice(..len / 2), data.slice(len / 2..));
+        Declared(
+            StreamBody::new(futures::stream::iter([
+                Ok::<_, BoxError>(http_body::Frame::data(a)),
+                Ok(http_body::Frame::data(b)),
+            ])),
+            len as u64,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_freed_large_body_lends_its_mapping_to_the_next() {
+        let budget = BodyBudget::new(1 << 26);
+        let limits = Limits {
+            max_bytes: 1 << 25,
+            ..limits(&budget)
+        };
+        let len = 128 * 1024 + 3;
+        let (first, share) = read(declared(len), limits).await.unwrap();
+        assert_eq!(first, Bytes::from(pattern(len)));
+        drop(share);
+        assert_eq!(budget.spare_bytes(), 0, "kept only once freed");
+        let at = first.as_ptr();
+        // A slice of the body (a JSON value) keeps it alive.
+        let value = first.slice(10..20);
+        drop(first);
+        assert_eq!(budget.spare_bytes(), 0);
+        drop(value);
+        // Kept whole: its size class, the next power of two.
+        assert_eq!(budget.spare_bytes(), 256 * 1024);
+        // A body of the same class reads into the same mapping, and gives it back.
+        let (second, share) = read(declared(len + 1000), limits).await.unwrap();
+        assert_eq!(second.as_ptr(), at, "the kept mapping is reused");
+        assert_eq!(second, Bytes::from(pattern(len + 1000)));
+        assert_eq!(budget.spare_bytes(), 0);
+        drop((second, share));
+        assert_eq!(budget.spare_bytes(), 256 * 1024);
+        // Past SPARE_MAX nothing is kept.
+        let (big, share) = read(declared(SPARE_MAX + 1), limits).await.unwrap();
+        drop((big, share));
+        assert_eq!(budget.spare_bytes(), 256 * 1024);
+    }
+
+    #[tokio::test]
+    async fn kept_mappings_stay_within_their_bound() {
+        let budget = BodyBudget::new(1 << 28);
+        let limits = Limits {
+            max_bytes: 1 << 25,
+            ..limits(&budget)
+        };
+        // Many bodies alive at once, then all freed: only SPARE_BYTES of them are kept.
+        let mut alive = Vec::new();
+        for _ in 0..(2 * SPARE_BYTES / SPARE_MAX + 3) {
+            alive.push(read(declared(SPARE_MAX - 5), limits).await.unwrap());
+        }
+        drop(alive);
+        assert_eq!(budget.spare_bytes(), SPARE_BYTES);
         assert_eq!(budget.in_use(), 0);
     }
 

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_core::error::{BoxError, TransportError};
-use disagg_core::transport::{BoxBody, ResponseFuture, Transport};
+use disagg_core::transport::{BoxBody, ResponseFuture, SlicedBody, Transport};
 use http::header::{HOST, HeaderValue};
 use http::uri::{Authority, Scheme, Uri};
 use http::{Request, Response};
@@ -85,10 +85,12 @@ impl Default for HttpTransportConfig {
 
 type Sender = SendRequest<LegBody>;
 
-/// A request body as the pool sends it: a leg's, whole; or a forwarded request's,
-/// streaming as the client sends it ([`Transport::send_streaming`]).
+/// A request body as the pool sends it: a leg's, whole or in pieces (hyper writes them
+/// with one vectored write, copying none); or a forwarded request's, streaming as the
+/// client sends it ([`Transport::send_streaming`]).
 enum LegBody {
     Full(Full<Bytes>),
+    Sliced(SlicedBody),
     Stream(BoxBody),
 }
 
@@ -102,6 +104,7 @@ impl Body for LegBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.get_mut() {
             LegBody::Full(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
+            LegBody::Sliced(b) => Pin::new(b).poll_frame(cx).map_err(|never| match never {}),
             LegBody::Stream(b) => Pin::new(b).poll_frame(cx),
         }
     }
@@ -109,6 +112,7 @@ impl Body for LegBody {
     fn is_end_stream(&self) -> bool {
         match self {
             LegBody::Full(b) => b.is_end_stream(),
+            LegBody::Sliced(b) => b.is_end_stream(),
             LegBody::Stream(b) => b.is_end_stream(),
         }
     }
@@ -116,6 +120,7 @@ impl Body for LegBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             LegBody::Full(b) => b.size_hint(),
+            LegBody::Sliced(b) => b.size_hint(),
             LegBody::Stream(b) => b.size_hint(),
         }
     }
@@ -227,6 +232,11 @@ impl Transport for HttpTransport {
         Ok(Box::pin(async move {
             inner.send(req.map(LegBody::Stream)).await
         }))
+    }
+
+    fn send_sliced(&self, req: Request<SlicedBody>) -> ResponseFuture {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move { inner.send(req.map(LegBody::Sliced)).await })
     }
 }
 

@@ -1,5 +1,5 @@
 //! `HttpTransport` against a simulated engine over loopback: keep-alive reuse, early
-//! drops closing their connection, idle expiry, connection errors.
+//! drops closing their connection, idle expiry, connection errors, bodies sent in pieces.
 
 use std::time::Duration;
 
@@ -152,4 +152,42 @@ async fn idle_connections_to_an_engine_no_longer_used_are_closed_after_the_idle_
         gone.stats()
     );
     assert_eq!(t.idle_connections(&authority(&stays)), 1);
+}
+
+#[tokio::test]
+async fn a_sliced_body_arrives_whole_and_keeps_its_connection() {
+    // A leg's body in pieces, its prompt a slice of a larger buffer (as the client's
+    // body is): the engine reads one JSON body, byte for byte, and the connection is
+    // kept for the next request.
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let t = HttpTransport::default();
+    let prompt = "word ".repeat(5_000);
+    let client = Bytes::from(format!(
+        r#"{{"model":"sim-model","prompt":"{prompt}","max_tokens":2}}"#
+    ));
+    let parsed = disagg_core::body::JsonBody::parse_bytes(&client).unwrap();
+    let body = disagg_core::transport::SlicedBody::from_json(&parsed);
+    assert!(body.parts().count() > 1, "the prompt is a piece of its own");
+    assert!(
+        body.parts()
+            .any(|p| p.len() > prompt.len() && client.as_ptr() < p.as_ptr())
+    );
+    assert_eq!(body.len(), client.len());
+    for _ in 0..2 {
+        let mut req = http::Request::new(body.clone());
+        *req.method_mut() = http::Method::POST;
+        *req.uri_mut() = format!("{}/v1/completions", engine.url()).parse().unwrap();
+        req.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        let resp = t.send_sliced(req).await.unwrap();
+        let status = resp.status();
+        let answer = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    }
+    let seen = engine.requests();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].body["prompt"], prompt.as_str());
+    assert_eq!(seen[1].body["max_tokens"], 2);
+    assert_eq!(t.idle_connections(&authority(&engine)), 1);
+    assert_eq!(engine.stats().requests, 2);
 }

@@ -17,6 +17,8 @@ use serde_json::value::RawValue;
 
 use crate::error::BodyError;
 
+mod scan;
+
 /// The top level of a JSON object: ordered keys, raw values.
 ///
 /// Duplicate keys are folded as Python's `json` (and so vLLM and SGLang) reads them: the
@@ -67,19 +69,12 @@ impl JsonBody {
     ///
     /// As [`parse`](Self::parse).
     pub fn parse_bytes(bytes: &Bytes) -> Result<Self, BodyError> {
-        let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
-        if first != Some(&b'{') {
-            // Tell "not JSON" from "JSON, but not an object".
-            return match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
-                Ok(_) => Err(BodyError::NotAnObject),
-                Err(e) => Err(BodyError::InvalidJson(e)),
-            };
-        }
-        let mut de = serde_json::Deserializer::from_slice(bytes);
-        let spans = de
-            .deserialize_map(SpanVisitor { base: bytes })
-            .map_err(BodyError::InvalidJson)?;
-        de.end().map_err(BodyError::InvalidJson)?;
+        // The scan accepts what serde accepts, or gives up; serde then has the last word
+        // (and its errors are the ones reported).
+        let spans = match scan::object_fields(bytes) {
+            Some(spans) => spans,
+            None => serde_fields(bytes)?,
+        };
         if spans.len() > INDEX_FROM_KEYS {
             return Ok(JsonBody {
                 fields: fold_indexed(bytes, &spans),
@@ -238,6 +233,66 @@ impl JsonBody {
         }
         out.push(b'}');
         Bytes::from(out)
+    }
+
+    /// The object as [`to_bytes`](Self::to_bytes) writes it, in pieces given to `part`
+    /// in order: each value of at least `slice_from` bytes is its own piece, a slice of
+    /// the buffer it came in (no copy), and the text between them is written into
+    /// pieces of its own. A body without such a value is one piece, `to_bytes`'s.
+    ///
+    /// For a body sent as several buffers (vectored writes), so that a long prompt is
+    /// never copied to be sent. Empty pieces are not given.
+    pub fn write_parts(&self, slice_from: usize, mut part: impl FnMut(Bytes)) {
+        if self.fields.iter().all(|(_, v)| v.len() < slice_from) {
+            part(self.to_bytes());
+            return;
+        }
+        let mut out = Vec::new();
+        let mut separator = b'{';
+        for (k, v) in &self.fields {
+            write_key(&mut out, separator, k);
+            separator = b',';
+            if v.len() >= slice_from {
+                part(Bytes::from(std::mem::take(&mut out)));
+                part(v.clone());
+            } else {
+                out.extend_from_slice(v);
+            }
+        }
+        out.push(b'}');
+        part(Bytes::from(out));
+    }
+}
+
+/// `(key, start, end)` of each top-level field of `bytes`, as `serde_json` reads them:
+/// the fallback of [`scan::object_fields`], and the reference its tests compare with.
+fn serde_fields(bytes: &[u8]) -> Result<Vec<(Key, usize, usize)>, BodyError> {
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        // Tell "not JSON" from "JSON, but not an object".
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+            Ok(_) => Err(BodyError::NotAnObject),
+            Err(e) => Err(BodyError::InvalidJson(e)),
+        };
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let spans = de
+        .deserialize_map(SpanVisitor { base: bytes })
+        .map_err(BodyError::InvalidJson)?;
+    de.end().map_err(BodyError::InvalidJson)?;
+    Ok(spans)
+}
+
+/// Write the delimiters and key of field `k` (after its `separator`) to `out`.
+fn write_key(out: &mut Vec<u8>, separator: u8, k: &[u8]) {
+    out.push(separator);
+    if k.iter().all(|&b| PLAIN[usize::from(b)]) {
+        out.push(b'"');
+        out.extend_from_slice(k);
+        out.extend_from_slice(b"\":");
+    } else {
+        write_json_str(out, k);
+        out.push(b':');
     }
 }
 
@@ -923,6 +978,35 @@ mod tests {
                 "{key}"
             );
         }
+    }
+
+    #[test]
+    fn parts_are_the_bytes_with_long_values_as_slices() {
+        let input = Bytes::from_static(
+            br#"{"model":"m","messages":[{"role":"user","content":"a long, long prompt"}],"a\"b":"0123456789","n":1}"#,
+        );
+        let mut b = JsonBody::parse_bytes(&input).unwrap();
+        b.set("n", &2);
+        b.set("tail", &"0123456789");
+        let whole = b.to_bytes();
+        for slice_from in [0, 1, 10, 11, 60, 1000] {
+            let mut parts = Vec::new();
+            b.write_parts(slice_from, |p| parts.push(p));
+            assert!(parts.iter().all(|p| !p.is_empty()), "{slice_from}");
+            assert_eq!(parts.concat(), whole.to_vec(), "{slice_from}");
+            // Each value at least `slice_from` long is a piece of its own, pointing
+            // into the input (or into its own buffer, for one that was set).
+            let messages = b.get_bytes("messages").unwrap();
+            let sliced = parts.iter().any(|p| p.as_ptr() == messages.as_ptr());
+            assert_eq!(sliced, messages.len() >= slice_from, "{slice_from}");
+            if slice_from > messages.len() {
+                assert_eq!(parts.len(), 1, "{slice_from}");
+            }
+        }
+        let empty = JsonBody::parse(b"{}").unwrap();
+        let mut parts = Vec::new();
+        empty.write_parts(0, |p| parts.push(p));
+        assert_eq!(parts.concat(), b"{}".to_vec());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side};
 use crate::policy::Permit;
 use crate::request::PdRequest;
-use crate::transport::{BoxBody, Transport, read_limited};
+use crate::transport::{BoxBody, SlicedBody, Transport, read_limited};
 
 use super::Inner;
 use super::clock::{Clock, within};
@@ -72,40 +72,41 @@ pub(super) async fn kv_ready(
 /// Send a decode leg's request and wait for its response head within `budget`.
 pub(super) async fn send_decode(
     transport: &dyn Transport,
-    http_req: http::Request<Bytes>,
+    http_req: http::Request<SlicedBody>,
     ep: &Arc<Endpoint>,
     clock: Clock,
     budget: Duration,
 ) -> Result<Response<BoxBody>, PdError> {
     let send = transport
-        .send(http_req)
+        .send_sliced(http_req)
         .map(|r| r.map_err(|e| PdError::transport(Side::Decode, ep.id().clone(), e)));
     within(clock, budget, Side::Decode, ep, Phase::DecodeHead, send).await
 }
 
 impl Inner {
-    /// Build the HTTP request for one leg.
+    /// Build the HTTP request for one leg: its body in pieces, a long prompt as a slice
+    /// of the client's buffer ([`SlicedBody`]).
     pub(super) fn leg_request(
         &self,
         req: &PdRequest,
         leg: &Leg,
-    ) -> Result<http::Request<Bytes>, PdError> {
+    ) -> Result<http::Request<SlicedBody>, PdError> {
         let side = match leg.endpoint.role() {
             crate::endpoint::Role::Prefill => Side::Prefill,
             crate::endpoint::Role::Decode => Side::Decode,
         };
-        self.leg_request_with(req, leg, leg.body.to_bytes(), side)
+        self.leg_request_with(req, leg, SlicedBody::from_json(&leg.body), side)
     }
 
     /// Build the HTTP request for one leg carrying `body` (rather than the leg's own), a
     /// leg of `side`.
-    pub(super) fn leg_request_with(
+    pub(super) fn leg_request_with<B>(
         &self,
         req: &PdRequest,
         leg: &Leg,
-        body: Bytes,
+        body: B,
         side: Side,
-    ) -> Result<http::Request<Bytes>, PdError> {
+    ) -> Result<http::Request<B>, PdError> {
         let forwarded = client_headers(&self.config, req.headers());
         http_request(req.api(), leg, body, forwarded).map_err(|e| {
             PdError::transport(
@@ -152,7 +153,7 @@ impl Inner {
             let http_req = http_req?;
             let exchange = async {
                 let resp = transport
-                    .send(http_req)
+                    .send_sliced(http_req)
                     .await
                     .map_err(|e| PdError::transport(Side::Prefill, ep.id().clone(), e))?;
                 let (parts, body) = resp.into_parts();
@@ -215,12 +216,12 @@ pub(super) fn sse_head(body: BoxBody) -> Response<BoxBody> {
 /// The HTTP request of a leg: `body` posted to the endpoint's `api` URI with the JSON
 /// content type, the `forwarded` client headers, then the leg's own headers, the
 /// engine-side request id among them (which win over a forwarded one of the same name).
-pub(super) fn http_request<'a>(
+pub(super) fn http_request<'a, B>(
     api: crate::request::Api,
     leg: &Leg,
-    body: Bytes,
+    body: B,
     forwarded: impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)>,
-) -> Result<http::Request<Bytes>, http::Error> {
+) -> Result<http::Request<B>, http::Error> {
     let uri = leg.endpoint.api_uri(leg.api.unwrap_or(api))?;
     let mut out = http::Request::new(body);
     *out.method_mut() = http::Method::POST;
