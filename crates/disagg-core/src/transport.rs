@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
-use crate::body::JsonBody;
+use disagg_json::JsonBody;
 use crate::error::{BoxError, TransportError};
 
 /// A streaming response body, as the transport and the orchestrator pass it around.

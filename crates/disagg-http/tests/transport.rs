@@ -165,7 +165,7 @@ async fn a_sliced_body_arrives_whole_and_keeps_its_connection() {
     let client = Bytes::from(format!(
         r#"{{"model":"sim-model","prompt":"{prompt}","max_tokens":2}}"#
     ));
-    let parsed = disagg_core::body::JsonBody::parse_bytes(&client).unwrap();
+    let parsed = disagg_core::json::JsonBody::parse_bytes(&client).unwrap();
     let body = disagg_core::transport::SlicedBody::from_json(&parsed);
     assert!(body.parts().count() > 1, "the prompt is a piece of its own");
     assert!(

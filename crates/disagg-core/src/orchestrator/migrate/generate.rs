@@ -16,8 +16,8 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value};
 
-use disagg_json::JsonBody;
 use crate::request::PdRequest;
+use disagg_json::JsonBody;
 
 use super::plan::{Plan, REFUSED, set};
 use super::scan::{is_error, parse_ids_into, payload};
