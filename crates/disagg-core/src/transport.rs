@@ -15,8 +15,8 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
-use disagg_json::JsonBody;
 use crate::error::{BoxError, TransportError};
+use disagg_json::JsonBody;
 
 /// A streaming response body, as the transport and the orchestrator pass it around.
 pub type BoxBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -88,7 +88,7 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
 /// A piece costs an entry of the vectored write and a frame of the body (well under a
 /// copy of a kilobyte); below this size a copy is the cheaper, and the usual short
 /// request stays one buffer.
-pub const SLICE_FROM: usize = 4 * 1024;
+pub(crate) const SLICE_FROM: usize = 4 * 1024;
 
 /// A request body as the pieces it is made of, sent one after the other: the HTTP body
 /// of a leg ([`Transport::send_sliced`]).
@@ -107,7 +107,7 @@ pub struct SlicedBody {
 }
 
 impl SlicedBody {
-    /// `body`'s JSON text, its values of at least [`SLICE_FROM`] bytes as slices.
+    /// `body`'s JSON text, its values of at least 4 KiB as slices.
     pub fn from_json(body: &JsonBody) -> Self {
         let mut out = SlicedBody::default();
         body.write_parts(SLICE_FROM, |part| out.push(part));
@@ -115,7 +115,7 @@ impl SlicedBody {
     }
 
     /// Append `part` (an empty one is skipped).
-    pub fn push(&mut self, part: Bytes) {
+    pub(crate) fn push(&mut self, part: Bytes) {
         if part.is_empty() {
             return;
         }
@@ -127,18 +127,14 @@ impl SlicedBody {
         }
     }
 
-    /// The bytes not sent yet.
-    pub fn len(&self) -> usize {
-        self.left
-    }
-
     /// Whether no byte is left to send.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.left == 0
     }
 
     /// The pieces not sent yet, in order.
-    pub fn parts(&self) -> impl Iterator<Item = &Bytes> {
+    pub(crate) fn parts(&self) -> impl Iterator<Item = &Bytes> {
         self.first.iter().chain(&self.rest)
     }
 
