@@ -7,6 +7,10 @@
 #   PROXY_ARGS="--access-log json" scripts/instructions.sh ...   (more serve flags)
 #   TRACE=1 scripts/instructions.sh ...      (traces at --trace-ratio 1.0, exported to a
 #                                             local OTLP sink that answers 200)
+#   IMAGES=K scripts/instructions.sh ...   (E/P/D: an encoder-only engine and a consuming
+#                                             prefill, `--encode`; each request carries K
+#                                             images, K=0 a text-only request through the
+#                                             same proxy; nixl only)
 #   FLOOR=1 scripts/instructions.sh target/release/disagg-bench
 #                                            (the bench's floor proxy instead of disagg:
 #                                             the yardstick of docs/performance.md; nixl only)
@@ -69,6 +73,16 @@ if [ -n "${AUTH:-}" ]; then KEY=sk-instructions-0123456789abcdef; EDGE+=(--api-k
 P=$(free_port); PS=$(free_port); PB=$(free_port); D=$(free_port); DS=$(free_port)
 # shellcheck disable=SC2206 # split on purpose: several flags in one variable
 EXTRA=(${PROXY_ARGS:-})
+# E/P/D: an encoder writes each item's embeddings to a store the prefill reads from.
+EC_PREFILL=()
+if [ -n "${IMAGES:-}" ]; then
+  if [ "$CONNECTOR" != nixl ]; then echo "IMAGES needs the nixl connector" >&2; exit 2; fi
+  E=$(free_port); ES=$(free_port); mkdir -p "$OUT/ec"
+  "$SIM" sim --listen 127.0.0.1:$E --side-channel 127.0.0.1:$ES \
+    --ec-role producer --ec-store "$OUT/ec" >/dev/null 2>&1 &
+  EC_PREFILL=(--ec-role consumer --ec-store "$OUT/ec")
+  EXTRA+=(--encode "http://127.0.0.1:$E")
+fi
 if [ -n "${TRACE:-}" ]; then
   # A sink for the exported spans, so that the export (the SDK's batch thread, the
   # encoding, the POST) is counted as it runs in production.
@@ -88,7 +102,7 @@ fi
 if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
   BOOT=(--bootstrap 127.0.0.1:$PB); PORT_ARG=("$PB"); CONN=(--connector "$CONNECTOR"); fi
 "$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" "${SIM_TLS[@]}" \
-  --kv-mode $PMODE >/dev/null 2>&1 &
+  --kv-mode $PMODE "${EC_PREFILL[@]}" >/dev/null 2>&1 &
 "$SIM" sim --listen 127.0.0.1:$D --side-channel 127.0.0.1:$DS "${SIM_TLS[@]}" \
   --kv-mode $DMODE >/dev/null 2>&1 &
 sleep 0.5
@@ -110,12 +124,19 @@ count() { # requests → total instructions of one proxy run
     >/dev/null 2>"$OUT/log.$n" &
   fi
   local pid=$!
-  python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" <<'EOF'
+  python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" \
+    "${IMAGES:-}" <<'EOF'
 import http.client, json, ssl, sys, time
 port, n, stream = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 ca, key, new_conn = sys.argv[4], sys.argv[5], sys.argv[6] == "1"
+content = "x " * 100
+if sys.argv[7]:
+    # Small inline images (the proxy's cost per item, not a decoder's), each its own.
+    content = [{"type": "text", "text": content}] + [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,iVBORw0KGgo{i:04d}"}}
+        for i in range(int(sys.argv[7]))]
 body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": stream,
-                   "messages": [{"role": "user", "content": "x " * 100}]})
+                   "messages": [{"role": "user", "content": content}]})
 headers = {"content-type": "application/json"}
 if key:
     headers["authorization"] = f"Bearer {key}"
@@ -151,4 +172,5 @@ if [ -n "${TLS_IN:-}" ]; then VARIANT+=" tls-in"; fi
 if [ -n "${TLS_OUT:-}" ]; then VARIANT+=" tls-out"; fi
 if [ "${NEW_CONN:-0}" = 1 ]; then VARIANT+=" new-conn"; fi
 if [ -n "${FLOOR:-}" ]; then VARIANT+=" floor"; fi
+if [ -n "${IMAGES:-}" ]; then VARIANT+=" epd images=$IMAGES"; fi
 echo "$CONNECTOR$VARIANT: $(( (B - A) / N )) instructions per request ($BIN)"
