@@ -223,6 +223,11 @@ pub struct EncodeSummary {
     pub items: u32,
     /// From the first encoder leg sent to the last answer folded in.
     pub duration: Duration,
+    /// When the first encoder leg was sent.
+    pub started: Instant,
+    /// The stage's span, when the request is traced: each encoder leg's `traceparent`
+    /// names it, and `disagg-otel` records it as the request span's child `encode`.
+    pub span: Option<[u8; 8]>,
 }
 
 /// One mid-stream migration of a request's decode stream

@@ -40,6 +40,7 @@
 //! | `prefill` | client | prefill leg sent, its answer (or the attempt's end) | `server.address`, `server.port`, `disagg.endpoint`, `disagg.attempt`, `disagg.leg.verdict` |
 //! | `kv_handoff` | internal | the handoff step's start, the decode leg sent | `disagg.connector`, `disagg.attempt` |
 //! | `decode` | client | decode leg sent, the stream's last byte or its cancellation | as `prefill`; events `response_head`, `first_chunk` |
+//! | `encode` | internal | the first encoder leg sent, the last encoder answer folded in (E/P/D; only a stage that succeeded: a failed one fails the request, whose span tells it) | `disagg.encode.items`; the encoder legs' `traceparent` names it |
 //! | `migration` | internal | the decode stream's break, the continuation's first byte to the client (or the response's end, when it never came) | `disagg.migration.reason`, `disagg.migration.from`, `disagg.migration.to`, `disagg.migration.prefill`, `disagg.migration.tokens`, `disagg.migration.index` |
 //!
 //! The leg spans are children of the request span; a retried request has one set of
@@ -273,6 +274,9 @@ impl Listener for Tracer {
         let clock = i.clock();
         i.processor
             .on_end(request_span(summary, trace, &i.scope, &clock));
+        if let Some(span) = encode_span(summary, trace, &i.scope, &clock) {
+            i.processor.on_end(span);
+        }
         for span in migration_spans(summary, trace, &i.scope, &clock) {
             i.processor.on_end(span);
         }
@@ -622,6 +626,35 @@ pub fn leg_spans(
         ));
     }
     spans
+}
+
+/// The span of the encoder stage of the request `summary` tells of
+/// ([`Summary::encode`], when it has a span id), a child of its request span: from the
+/// first encoder leg sent to the last answer folded in, with the media items it sent.
+/// Placed on the wall clock by `clock`, the one the request span is placed by.
+pub fn encode_span(
+    summary: &Summary,
+    trace: &TraceIds,
+    scope: &InstrumentationScope,
+    clock: &SpanClock,
+) -> Option<SpanData> {
+    let e = summary.encode?;
+    let id = e.span?;
+    Some(SpanData {
+        span_context: context(trace, id),
+        parent_span_id: SpanId::from_bytes(trace.request),
+        parent_span_is_remote: false,
+        span_kind: SpanKind::Internal,
+        name: Cow::Borrowed("encode"),
+        start_time: clock.wall(e.started),
+        end_time: clock.wall(e.started + e.duration),
+        attributes: vec![KeyValue::new("disagg.encode.items", i64::from(e.items))],
+        dropped_attributes_count: 0,
+        events: SpanEvents::default(),
+        links: SpanLinks::default(),
+        status: Status::Unset,
+        instrumentation_scope: scope.clone(),
+    })
 }
 
 /// The spans of the mid-stream migrations of the request `summary` tells of

@@ -1036,3 +1036,72 @@ async fn forwarded_direct_and_key_refused_requests_have_spans() {
     assert_eq!(at["disagg.outcome"], "client_error");
     assert!(at.get("disagg.endpoint").is_none_or(Value::is_null), "{at}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_encoder_stage_has_a_span_its_legs_name() {
+    // E/P/D: an encoder-only engine writes the image's embeddings to a store the
+    // consuming prefill reads from.
+    let receiver = Receiver::start();
+    let store = common::certs::TempDir::new();
+    let ec = |role| disagg_sim::EcConfig {
+        role,
+        store: store.0.clone(),
+    };
+    let e = engine(SimConfig {
+        ec: Some(ec(disagg_sim::EcRole::Producer)),
+        ..SimConfig::default()
+    })
+    .await;
+    let p = engine(SimConfig {
+        ec: Some(ec(disagg_sim::EcRole::Consumer)),
+        ..SimConfig::default()
+    })
+    .await;
+    let d = engine(SimConfig::default()).await;
+    let args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &d.url(),
+        "--encode",
+        &e.url(),
+        "--otlp-endpoint",
+        &receiver.url,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_env(&args, &[("OTEL_BSP_SCHEDULE_DELAY", "50")]).await;
+    let trace = "5cf92f3577b34da6a3ce929d0e0e4737";
+    let body = serde_json::json!({
+        "model": "sim-model",
+        "max_tokens": 3,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is in the picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ]}],
+    })
+    .to_string();
+    let a = post_with(
+        &proxy.url(),
+        CHAT,
+        &body,
+        &[("traceparent", &format!("00-{trace}-00f067aa0ba902b7-01"))],
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(e.stats().ec_items_encoded, 1);
+
+    let spans = receiver.trace(trace, 5).await;
+    let request = named(&spans, "POST /v1/chat/completions");
+    let encode = named(&spans, "encode");
+    assert_eq!(encode["parent_span_id"], request["span_id"], "{encode}");
+    assert_eq!(encode["attributes"]["disagg.encode.items"], 1, "{encode}");
+    assert!(encode["start"].as_u64() >= request["start"].as_u64());
+    assert!(encode["end"].as_u64() <= named(&spans, "prefill")["start"].as_u64());
+    // The encoder's leg names the stage's span as its parent.
+    assert_eq!(
+        traceparent_of(&e),
+        format!("00-{trace}-{}-01", encode["span_id"].as_str().unwrap())
+    );
+}

@@ -11,7 +11,7 @@ use http::HeaderValue;
 use crate::connector::Leg;
 use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
 use crate::error::{PdError, Phase, Side, TransportError};
-use crate::outcome::EncodeSummary;
+use crate::outcome::{EncodeSummary, TraceIds};
 use crate::request::{Api, PdRequest};
 use crate::transport::read_limited;
 use disagg_json::JsonBody;
@@ -30,6 +30,7 @@ impl Inner {
         stage: &EncodeStage,
         req: &mut PdRequest,
         clock: Clock,
+        trace: Option<&TraceIds>,
     ) -> Result<Option<EncodeSummary>, PdError> {
         let plan = match stage.connector.plan(req) {
             Ok(Some(plan)) if !plan.legs.is_empty() => plan,
@@ -41,11 +42,14 @@ impl Inner {
         let plan_items = plan.items();
         c.items.fetch_add(plan_items as u64, Relaxed);
         let started = crate::outcome::now();
+        // One span for the stage; its legs carry it as their parent.
+        let span = trace.map(|_| self.spans.span());
+        let traced = trace.zip(span.as_ref());
         let legs = plan
             .legs
             .iter()
             .enumerate()
-            .map(|(i, leg)| self.encode_leg(stage, req, i, leg));
+            .map(|(i, leg)| self.encode_leg(stage, req, i, leg, traced));
         let (budget, by_deadline) = clock.budget(stage.config.timeout);
         let all = futures::future::try_join_all(legs);
         let result = match tokio::time::timeout(budget, all).await {
@@ -81,6 +85,8 @@ impl Inner {
         Ok(Some(EncodeSummary {
             items: u32::try_from(plan_items).unwrap_or(u32::MAX),
             duration: elapsed,
+            started,
+            span,
         }))
     }
 
@@ -93,6 +99,7 @@ impl Inner {
         req: &PdRequest,
         index: usize,
         leg: &EncodeLeg,
+        traced: Option<(&TraceIds, &[u8; 8])>,
     ) -> Result<Bytes, PdError> {
         let n = stage.encoders.len();
         let tries = stage.config.attempts.clamp(1, n.max(1));
@@ -115,6 +122,9 @@ impl Inner {
                 http_leg
                     .headers
                     .insert(crate::request::REQUEST_ID, id.clone());
+            }
+            if let Some((t, span)) = traced {
+                t.inject(span, &mut http_leg.headers);
             }
             let http_req = self.leg_request_with(req, &http_leg, leg.body.clone(), Side::Encode)?;
             let err = match self.transport.send(http_req).await {

@@ -69,7 +69,7 @@ impl Inner {
         if let Some(stage) = &self.encode
             && stage.wants(&req)
         {
-            match self.encode(stage, &mut req, clock).await {
+            match self.encode(stage, &mut req, clock, trace.as_ref()).await {
                 Ok(e) => encoded = e,
                 Err(e) => {
                     drop(in_flight);
