@@ -496,20 +496,56 @@ impl Migrating {
         Ok(())
     }
 
-    /// An event of the first leg: tracked, its ids blanked unless the client asked.
-    fn first_leg(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
+    /// A first leg's event, before its chunk is read: one that is not a chunk is relayed
+    /// as it came (`[DONE]` also ends the stream), an error frame breaks the stream.
+    /// The chunk's data otherwise.
+    pub(super) fn relayed<'a>(
+        &mut self,
+        event: &'a Bytes,
+        out: &mut BytesMut,
+    ) -> Result<Option<&'a [u8]>, Reason> {
         let Some(data) = payload(event) else {
             out.extend_from_slice(event);
-            return Ok(());
+            return Ok(None);
         };
         if data == b"[DONE]" {
             self.done = true;
             out.extend_from_slice(event);
-            return Ok(());
+            return Ok(None);
         }
         if is_error(data) {
             return Err(Reason::ErrorFrame);
         }
+        Ok(Some(data))
+    }
+
+    /// A continuation's event, before its chunk is read: a line that is not a chunk is
+    /// dropped, `[DONE]` ends the client's stream, an error frame breaks it. The chunk's
+    /// data otherwise.
+    pub(super) fn continued<'a>(
+        &mut self,
+        event: &'a Bytes,
+        out: &mut BytesMut,
+    ) -> Result<Option<&'a [u8]>, Reason> {
+        let Some(data) = payload(event) else {
+            return Ok(None);
+        };
+        if data == b"[DONE]" {
+            self.done = true;
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return Ok(None);
+        }
+        if is_error(data) {
+            return Err(Reason::ErrorFrame);
+        }
+        Ok(Some(data))
+    }
+
+    /// An event of the first leg: tracked, its ids blanked unless the client asked.
+    fn first_leg(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
+        let Some(data) = self.relayed(event, out)? else {
+            return Ok(());
+        };
         if self.head.is_none() {
             // The first chunk, read once for its header and the prompt's ids (the rest
             // skipped, not built).
@@ -553,17 +589,9 @@ impl Migrating {
 
     /// An event of a continuation, rewritten into the client's stream.
     fn spliced(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
-        let Some(data) = payload(event) else {
+        let Some(data) = self.continued(event, out)? else {
             return Ok(());
         };
-        if data == b"[DONE]" {
-            self.done = true;
-            out.extend_from_slice(b"data: [DONE]\n\n");
-            return Ok(());
-        }
-        if is_error(data) {
-            return Err(Reason::ErrorFrame);
-        }
         let Ok(v) = serde_json::from_slice::<Value>(data) else {
             return Err(Reason::ErrorFrame);
         };

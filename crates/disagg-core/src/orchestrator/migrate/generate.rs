@@ -20,7 +20,7 @@ use crate::request::PdRequest;
 use disagg_json::JsonBody;
 
 use super::plan::{Plan, REFUSED, set};
-use super::scan::{is_error, parse_ids_into, payload};
+use super::scan::parse_ids_into;
 use super::{Migrating, MigrationConfig, Reason};
 
 /// Top-level fields of a `/generate` request whose state a token prompt cannot carry:
@@ -195,18 +195,9 @@ impl Migrating {
         event: &Bytes,
         out: &mut BytesMut,
     ) -> Result<(), Reason> {
-        let Some(data) = payload(event) else {
-            out.extend_from_slice(event);
+        let Some(data) = self.relayed(event, out)? else {
             return Ok(());
         };
-        if data == b"[DONE]" {
-            self.done = true;
-            out.extend_from_slice(event);
-            return Ok(());
-        }
-        if is_error(data) {
-            return Err(Reason::ErrorFrame);
-        }
         if self.scan.finish_object.find(data).is_some() {
             self.finished = true;
         }
@@ -221,17 +212,9 @@ impl Migrating {
         event: &Bytes,
         out: &mut BytesMut,
     ) -> Result<(), Reason> {
-        let Some(data) = payload(event) else {
+        let Some(data) = self.continued(event, out)? else {
             return Ok(());
         };
-        if data == b"[DONE]" {
-            self.done = true;
-            out.extend_from_slice(b"data: [DONE]\n\n");
-            return Ok(());
-        }
-        if is_error(data) {
-            return Err(Reason::ErrorFrame);
-        }
         let (Some(prefix), Some(prompt)) = (&self.prefix, &self.prompt) else {
             return Err(Reason::ErrorFrame);
         };
