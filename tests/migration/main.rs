@@ -69,6 +69,14 @@ fn completion_body(prompt: &str, max_tokens: u32, extra: Value) -> String {
 }
 
 /// What an unbroken engine streams for `body` at `path`.
+/// The usage chunk of a streamed answer.
+fn usage(a: &Answer) -> Value {
+    events(a)
+        .into_iter()
+        .find_map(|e| e.get("usage").filter(|u| !u.is_null()).cloned())
+        .unwrap_or_else(|| panic!("no usage in {}", a.text()))
+}
+
 async fn unbroken(path: &str, body: &str) -> Answer {
     let s = Stack::builder().build().await;
     let a = post(&s.url, path, body.to_owned(), &[]).await;
@@ -173,12 +181,6 @@ async fn usage_counts_the_original_prompt_and_every_leg() {
     assert_one_answer(&a, true);
     let want = unbroken("/v1/chat/completions", &body).await;
     assert_eq!(a.content(), want.content());
-    let usage = |a: &Answer| {
-        events(a)
-            .into_iter()
-            .find_map(|e| e.get("usage").filter(|u| !u.is_null()).cloned())
-            .unwrap_or_else(|| panic!("no usage in {}", a.text()))
-    };
     let got = usage(&a);
     let expected = usage(&want);
     for key in ["prompt_tokens", "completion_tokens", "total_tokens"] {
@@ -330,12 +332,6 @@ async fn a_stream_cut_after_its_last_token_is_ended_by_the_proxy() {
     assert_one_answer(&a, true);
     let want = unbroken("/v1/chat/completions", &body).await;
     assert_eq!(a.content(), want.content());
-    let usage = |a: &Answer| {
-        events(a)
-            .into_iter()
-            .find_map(|e| e.get("usage").filter(|u| !u.is_null()).cloned())
-            .unwrap_or_else(|| panic!("no usage in {}", a.text()))
-    };
     assert_eq!(usage(&a), usage(&want));
     // No continuation was needed.
     let served: u64 = s.decode.iter().map(|d| d.stats().requests).sum();

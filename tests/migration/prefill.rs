@@ -24,6 +24,15 @@ async fn pd_stack(chunks: usize, decode_only: bool) -> Stack {
 }
 
 /// A prompt of several blocks of the simulator's 16 tokens.
+/// The continuation legs the decodes got (the first legs are chat requests).
+fn continuation_legs(s: &Stack) -> Vec<disagg_sim::RecordedRequest> {
+    s.decode
+        .iter()
+        .flat_map(|d| d.requests())
+        .filter(|r| r.path == "/v1/completions")
+        .collect()
+}
+
 fn long_prompt() -> String {
     "the quick brown fox jumps over the lazy dog and keeps running far away ".repeat(8)
 }
@@ -67,12 +76,7 @@ async fn a_disaggregated_stream_is_continued_through_a_fresh_prefill_that_hits_i
     assert_eq!(ids.len() as u64, prompt_tokens + 5);
 
     // The continuation's decode got the prefill's handoff.
-    let legs: Vec<_> = s
-        .decode
-        .iter()
-        .flat_map(|d| d.requests())
-        .filter(|r| r.path == "/v1/completions")
-        .collect();
+    let legs = continuation_legs(&s);
     assert_eq!(legs.len(), 1, "{legs:?}");
     assert!(
         legs[0].body["kv_transfer_params"].is_object(),
@@ -96,12 +100,7 @@ async fn the_decode_only_policy_continues_without_a_prefill() {
     let want = unbroken("/v1/chat/completions", &body).await;
     assert_eq!(a.content(), want.content());
     assert_eq!(s.p().stats().requests, 1);
-    let legs: Vec<_> = s
-        .decode
-        .iter()
-        .flat_map(|d| d.requests())
-        .filter(|r| r.path == "/v1/completions")
-        .collect();
+    let legs = continuation_legs(&s);
     assert_eq!(legs.len(), 1);
     assert!(
         legs[0]
@@ -179,12 +178,7 @@ async fn a_continuation_whose_prefill_fails_goes_decode_only() {
     // alone.
     let continued = s.p().requests().last().cloned().unwrap();
     assert_eq!(continued.path, "/v1/completions");
-    let legs: Vec<_> = s
-        .decode
-        .iter()
-        .flat_map(|d| d.requests())
-        .filter(|r| r.path == "/v1/completions")
-        .collect();
+    let legs = continuation_legs(&s);
     assert_eq!(legs.len(), 1, "{legs:?}");
     assert!(
         legs[0]
