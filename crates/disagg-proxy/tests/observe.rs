@@ -28,6 +28,14 @@ use common::{Proxy, completion, eventually, free_addr, get, get_with, post, post
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
 
+/// A plain prefill and decode.
+async fn pair() -> (SimEngine, SimEngine) {
+    (
+        engine(SimConfig::default()).await,
+        engine(SimConfig::default()).await,
+    )
+}
+
 async fn engine(config: SimConfig) -> SimEngine {
     SimEngine::start(config)
         .await
@@ -117,10 +125,7 @@ async fn prometheus_scrapes_the_proxy_and_computes_a_quantile_of_every_pd_histog
     let Some(prometheus) = prometheus_binary() else {
         return;
     };
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(&p, &d, &[]).await;
     // Traffic of each kind: both APIs, streamed and not.
     for i in 0..4 {
@@ -278,10 +283,7 @@ async fn every_metric_of_the_grafana_dashboard_is_in_metrics() {
     names.dedup();
     assert!(names.len() >= 10, "the dashboard queries {names:?}");
 
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(
         &p,
         &d,
@@ -365,10 +367,7 @@ async fn every_metric_of_the_alerting_rules_is_in_metrics() {
     names.sort();
     names.dedup();
     assert!(names.len() >= 6, "the rules read {names:?}");
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(&p, &d, &["--engine-metrics-interval", "0.1"]).await;
     let text = serve_until_exposed(&proxy, &names).await;
     for name in &names {
@@ -392,10 +391,7 @@ fn ms(v: &Value) -> f64 {
 
 #[tokio::test]
 async fn the_access_log_has_one_line_per_request_with_every_field() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
     let req = http::Request::post(format!("{}{CHAT}", proxy.url()))
         .header("content-type", "application/json")
@@ -505,10 +501,7 @@ fn requests_of(text: &str, route: &str) -> Option<u64> {
 
 #[tokio::test]
 async fn forwarded_fanned_out_and_key_refused_requests_are_counted_and_logged() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let key = "sk-client-secret-0001";
     let proxy = Proxy::start(
         &p,
@@ -611,10 +604,7 @@ async fn forwarded_fanned_out_and_key_refused_requests_are_counted_and_logged() 
 
 #[tokio::test]
 async fn a_direct_request_is_counted_and_logged() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(&p, &d, &["--access-log", "json"]).await;
     // A stored response's retrieval goes to a decode engine as it is.
     let before = d.stats().http_connections;
@@ -658,10 +648,7 @@ async fn a_direct_request_is_counted_and_logged() {
 
 #[tokio::test]
 async fn the_text_access_log_leads_with_time_method_path_and_status() {
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let proxy = Proxy::start(&p, &d, &["--access-log", "text"]).await;
     let a = post(&proxy.url(), COMPLETIONS, &completion("hello", 2, false)).await;
     assert_eq!(a.status, 200);
@@ -773,10 +760,7 @@ fn traceparent_of(engine: &SimEngine) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn traces_continue_the_clients_trace_across_both_legs() {
     let receiver = Receiver::start();
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let args: Vec<String> = [
         "--prefill",
         &p.url(),
@@ -947,10 +931,7 @@ async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarded_direct_and_key_refused_requests_have_spans() {
     let receiver = Receiver::start();
-    let (p, d) = (
-        engine(SimConfig::default()).await,
-        engine(SimConfig::default()).await,
-    );
+    let (p, d) = pair().await;
     let key = "sk-client-secret-0002";
     let args: Vec<String> = [
         "--prefill",
