@@ -15,26 +15,8 @@ pub fn openai_error_body(message: &str, error_type: &str, code: &str) -> Bytes {
     openai_body(message, error_type, None, code)
 }
 
-/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: built here
-/// for every error answer of this crate (the core builds the same shape for the error
-/// event that ends a broken stream, which is no HTTP answer).
-pub(crate) fn openai_body(
-    message: &str,
-    error_type: &str,
-    param: Option<&str>,
-    code: &str,
-) -> Bytes {
-    let v = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": error_type,
-            "param": param,
-            "code": code,
-        }
-    });
-    // Serializing a `Value` cannot fail.
-    Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
-}
+/// OpenAI's error body (`disagg_json::openai_error_body`, the shape's one builder).
+pub(crate) use disagg_core::json::openai_error_body as openai_body;
 
 /// A response with `status` and an OpenAI-format error body.
 pub fn error_response(

@@ -58,3 +58,24 @@ impl InvalidParam {
         }
     }
 }
+
+/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`: the one
+/// builder of the shape, for an HTTP layer's error answers (`disagg-http`) and for the
+/// error event that ends a broken stream (`disagg-core`).
+pub fn openai_error_body(
+    message: &str,
+    error_type: &str,
+    param: Option<&str>,
+    code: &str,
+) -> bytes::Bytes {
+    let v = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type,
+            "param": param,
+            "code": code,
+        }
+    });
+    // Serializing a `Value` cannot fail.
+    bytes::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+}

@@ -9,6 +9,7 @@
 //! | [`top_level_field`], [`top_level_read`], [`top_level_read_pair`] | one or two fields of an engine's answer, found without building the rest |
 //! | [`write_json_str`] | a JSON string, copied between quotes when nothing needs escaping |
 //! | [`BodyError`], [`InvalidParam`] | why a body could not be used |
+//! | [`openai_error_body`] | OpenAI's error body, the shape every error answer and error event takes |
 //!
 //! Nothing here knows the orchestrator or any engine: `disagg-core` builds its
 //! `PdRequest` on [`JsonBody`] (and re-exports this crate as `disagg_core::json`), and
@@ -34,4 +35,4 @@ pub mod lax;
 pub use body::{
     JsonBody, ReadPair, top_level_field, top_level_read, top_level_read_pair, write_json_str,
 };
-pub use error::{BodyError, InvalidParam};
+pub use error::{BodyError, InvalidParam, openai_error_body};

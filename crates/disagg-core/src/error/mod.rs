@@ -225,28 +225,6 @@ impl TransportError {
     }
 }
 
-/// OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, for the error
-/// event that ends a broken stream ([`PdBody`](crate::orchestrator::PdBody)) and an
-/// engine answer the proxy does not relay. Error *answers* are an HTTP layer's to render
-/// (`disagg_http::error`, from [`PdError::http`]).
-pub(crate) fn openai_error_body(
-    message: &str,
-    error_type: &str,
-    param: Option<&str>,
-    code: &str,
-) -> bytes::Bytes {
-    let v = serde_json::json!({
-        "error": {
-            "message": message,
-            "type": error_type,
-            "param": param,
-            "code": code,
-        }
-    });
-    // Serializing a `Value` cannot fail.
-    bytes::Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
-}
-
 /// The message of an error and of each of its causes, joined with `": "`.
 ///
 /// `Display` of disagg's errors describes one level only; this is what a client or a log

@@ -730,7 +730,7 @@ pub(crate) fn empty_body() -> BoxBody {
 /// One SSE event carrying an OpenAI-format error. It starts with a blank line, which
 /// ends an event the broken stream may have left half-written.
 fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
-    let json = crate::error::openai_error_body(message, error_type, None, code);
+    let json = disagg_json::openai_error_body(message, error_type, None, code);
     let mut out = Vec::with_capacity(json.len() + 10);
     out.extend_from_slice(b"\n\ndata: ");
     out.extend_from_slice(&json);

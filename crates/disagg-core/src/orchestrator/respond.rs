@@ -10,11 +10,12 @@ use http::header::{self, HeaderValue};
 use http_body_util::{BodyExt, Full};
 
 use crate::endpoint::InFlightGuard;
-use crate::error::{PdError, Side, error_chain, openai_error_body};
+use crate::error::{PdError, Side, error_chain};
 use crate::outcome::{LegOutcome, Outcome, Report, Summary, Timeline};
 use crate::request::{PdRequest, REQUEST_ID};
 use crate::router::Route;
 use crate::transport::BoxBody;
+use disagg_json::openai_error_body;
 
 use super::Inner;
 use super::answer::{scrubbed_type, unrelayable};
