@@ -39,6 +39,22 @@ impl SpanProcessor for Spans {
 #[derive(Debug, Clone, Default)]
 struct Summaries(Arc<Mutex<Vec<Summary>>>);
 
+impl Summaries {
+    /// The first request's summary, once it ended (within 2 s).
+    async fn first(&self) -> Summary {
+        assert!(
+            eventually(Duration::from_secs(2), || !self
+                .0
+                .lock()
+                .unwrap()
+                .is_empty())
+            .await,
+            "no request ended"
+        );
+        self.0.lock().unwrap()[0].clone()
+    }
+}
+
 impl Listener for Summaries {
     fn on_request(&self, summary: &Summary) {
         self.0.lock().unwrap().push(summary.clone());
@@ -80,18 +96,10 @@ async fn a_migration_has_a_span_a_summary_record_and_a_time_lost() {
     let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
     assert_eq!(a.status, 200);
     assert_one_answer(&a, true);
-    assert!(
-        eventually(Duration::from_secs(2), || !summaries
-            .0
-            .lock()
-            .unwrap()
-            .is_empty())
-        .await
-    );
 
     // The summary has the migration: from the decode that broke to the other one, the
     // 5 tokens carried, and the time the stream stood still.
-    let summary = summaries.0.lock().unwrap()[0].clone();
+    let summary = summaries.first().await;
     assert_eq!(summary.migrations, 1);
     assert_eq!(summary.migrated.len(), 1, "{:?}", summary.migrated);
     let mig = &summary.migrated[0];
@@ -186,15 +194,7 @@ async fn an_unbroken_stream_has_no_migration() {
     let body = chat_body("tell me a long story", 8, json!({}));
     let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
     assert_one_answer(&a, true);
-    assert!(
-        eventually(Duration::from_secs(2), || !summaries
-            .0
-            .lock()
-            .unwrap()
-            .is_empty())
-        .await
-    );
-    let summary = summaries.0.lock().unwrap()[0].clone();
+    let summary = summaries.first().await;
     assert!(summary.migrated.is_empty());
     let text = get(&s.url, "/metrics").await.text();
     assert!(
