@@ -11,18 +11,20 @@
 //!
 //! As for KV, the engines' protocol is not the core's: an [`EncoderConnector`] (vLLM's is
 //! `disagg_connectors::vllm::VllmEncoder`) plans the encoder legs from the client's body
-//! and folds their answers; the [`EncodeStage`] (the pool, its settings and counters)
-//! sends them, with a retry on another encoder for a leg that failed and one deadline
+//! and folds their answers; the [`EncodeStage`] (its settings, counters and the
+//! encoders' passive health) sends them to the source's encoders (endpoints of role
+//! [`Role::Encode`](crate::Role::Encode), taken from the request's snapshot), with a retry on another encoder for a leg that failed and one deadline
 //! for the whole stage. A client that leaves drops the request's future, and with it
 //! every encoder leg still running.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, EndpointId};
 use crate::error::ConnectorError;
 use crate::request::{Api, PdRequest};
 use disagg_json::InvalidParam;
@@ -140,17 +142,24 @@ pub(crate) struct EncodeCounters {
     pub(crate) micros: AtomicU64,
 }
 
-/// The encoder stage: the encoder pool, its protocol, settings and counters. Given to
-/// the orchestrator with
+/// The encoder stage: its protocol, settings, counters and the encoders' passive
+/// health. Given to the orchestrator with
 /// [`OrchestratorBuilder::encoder`](crate::orchestrator::OrchestratorBuilder::encoder).
+///
+/// The encoders themselves are endpoints of role [`Role::Encode`](crate::Role::Encode)
+/// in the orchestrator's [`EndpointSource`](crate::source::EndpointSource): each request
+/// takes its pool from the snapshot it is served with (those serving its model, when
+/// endpoints declare models), so discovery adds and removes encoders at run time and a
+/// source that checks health leaves an unhealthy encoder out. A snapshot without
+/// encoders serves every request without the stage.
 pub struct EncodeStage {
     pub(crate) connector: Arc<dyn EncoderConnector>,
-    pub(crate) encoders: Vec<Arc<Endpoint>>,
     pub(crate) config: EncodeConfig,
     next: AtomicUsize,
-    /// Per encoder: until when (microseconds since `epoch`) it is passed over; 0 when
-    /// healthy.
-    down_until: Vec<AtomicU64>,
+    /// Per encoder passed over: until when (microseconds since `epoch`). Touched only
+    /// once a leg failed: `down_count` says whether there is anything to look up.
+    down_until: Mutex<HashMap<EndpointId, u64>>,
+    down_count: AtomicUsize,
     epoch: std::time::Instant,
     pub(crate) counters: EncodeCounters,
     finders: [memchr::memmem::Finder<'static>; 2],
@@ -160,26 +169,21 @@ impl std::fmt::Debug for EncodeStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EncodeStage")
             .field("connector", &self.connector.name())
-            .field("encoders", &self.encoders.len())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
 }
 
 impl EncodeStage {
-    /// A stage sending media items to `encoders` (their role is not read: the pool is
-    /// the stage's own) with `connector`'s protocol.
-    pub fn new(
-        connector: impl EncoderConnector,
-        encoders: impl IntoIterator<Item = Endpoint>,
-        config: EncodeConfig,
-    ) -> Self {
-        let encoders: Vec<Arc<Endpoint>> = encoders.into_iter().map(Arc::new).collect();
+    /// A stage sending media items, with `connector`'s protocol, to the encoders of the
+    /// orchestrator's source (its endpoints of role
+    /// [`Role::Encode`](crate::Role::Encode)).
+    pub fn new(connector: impl EncoderConnector, config: EncodeConfig) -> Self {
         EncodeStage {
             connector: Arc::new(connector),
-            down_until: encoders.iter().map(|_| AtomicU64::new(0)).collect(),
+            down_until: Mutex::new(HashMap::new()),
+            down_count: AtomicUsize::new(0),
             epoch: std::time::Instant::now(),
-            encoders,
             config,
             next: AtomicUsize::new(0),
             counters: EncodeCounters::default(),
@@ -208,9 +212,9 @@ impl EncodeStage {
 
     /// Whether `req` may hold media parts: a chat request whose `messages` contain a
     /// media part type's name. A byte search, no parse: a text-only request pays only
-    /// it.
+    /// it (the pool is looked up only for a request this selects).
     pub(crate) fn wants(&self, req: &PdRequest) -> bool {
-        if self.encoders.is_empty() || req.api() != Api::Chat {
+        if req.api() != Api::Chat {
             return false;
         }
         let Some(messages) = req.body().get("messages") else {
@@ -219,54 +223,68 @@ impl EncodeStage {
         self.finders.iter().any(|f| f.find(messages).is_some())
     }
 
-    /// The encoder a leg tries first: a healthy one before one passed over, then the
-    /// least loaded, ties broken round robin.
-    pub(crate) fn first(&self) -> usize {
-        let n = self.encoders.len();
+    /// The encoder of `pool` a leg tries first: a healthy one before one passed over,
+    /// then the least loaded, ties broken round robin.
+    pub(crate) fn first(&self, pool: &[Arc<Endpoint>]) -> usize {
+        let n = pool.len();
         let start = self.next.fetch_add(1, Relaxed) % n.max(1);
         let now = self.now_micros();
+        let down = self.down_snapshot();
         (0..n)
             .map(|k| (start + k) % n)
-            .min_by_key(|&i| (self.is_down(i, now), self.encoders[i].in_flight()))
+            .min_by_key(|&i| {
+                let is_down = down
+                    .as_ref()
+                    .is_some_and(|d| d.get(pool[i].id()).is_some_and(|&u| u > now));
+                (is_down, pool[i].in_flight())
+            })
             .unwrap_or(0)
     }
 
-    /// Whether encoder `i` is passed over at `now`.
-    fn is_down(&self, i: usize, now: u64) -> bool {
-        self.down_until
-            .get(i)
-            .is_some_and(|d| d.load(Relaxed) > now)
+    /// The encoders passed over, copied out of the lock, or `None` when none is (the
+    /// usual case: no lock taken).
+    fn down_snapshot(&self) -> Option<HashMap<EndpointId, u64>> {
+        if self.down_count.load(Relaxed) == 0 {
+            return None;
+        }
+        self.down_until.lock().ok().map(|d| d.clone())
     }
 
     fn now_micros(&self) -> u64 {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Tell how a leg on encoder `i` ended: a failure passes it over for
+    /// Tell how a leg on `encoder` ended: a failure passes it over for
     /// [`EncodeConfig::eject_for`], a success clears that.
-    pub(crate) fn observe(&self, i: usize, ok: bool) {
-        let Some(slot) = self.down_until.get(i) else {
+    pub(crate) fn observe(&self, encoder: &Endpoint, ok: bool) {
+        if ok && self.down_count.load(Relaxed) == 0 {
+            return;
+        }
+        let Ok(mut down) = self.down_until.lock() else {
             return;
         };
+        let now = self.now_micros();
+        // Forget the encoders whose time is over (and those that left the set stay
+        // bounded by the encoders ever seen failing within `eject_for`).
+        down.retain(|_, until| *until > now);
         if ok {
-            if slot.load(Relaxed) != 0 {
-                slot.store(0, Relaxed);
-            }
+            down.remove(encoder.id());
         } else {
-            let until = self.now_micros().saturating_add(
+            let until = now.saturating_add(
                 u64::try_from(self.config.eject_for.as_micros()).unwrap_or(u64::MAX),
             );
-            slot.store(until, Relaxed);
+            down.insert(encoder.id().clone(), until);
         }
+        self.down_count.store(down.len(), Relaxed);
     }
 
     /// The encoders passed over now (their leg failed within
     /// [`EncodeConfig::eject_for`]).
     fn ejected(&self) -> u64 {
         let now = self.now_micros();
-        let down = (0..self.encoders.len())
-            .filter(|&i| self.is_down(i, now))
-            .count();
+        let down = self
+            .down_snapshot()
+            .map_or(0, |d| d.values().filter(|&&u| u > now).count());
         u64::try_from(down).unwrap_or(u64::MAX)
     }
 }

@@ -67,12 +67,37 @@ impl fmt::Debug for EndpointId {
 }
 
 /// The leg an endpoint serves.
+///
+/// Not exhaustive: a match outside this crate keeps an arm for roles to come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Role {
     /// Computes the prompt's KV cache.
     Prefill,
     /// Receives the KV cache and generates the tokens.
     Decode,
+    /// Encodes a multimodal request's media items before its prefill (E/P/D, an
+    /// encoder-only engine: [`encode`](crate::encode)). Never routed a prefill or decode
+    /// leg.
+    Encode,
+}
+
+impl Role {
+    /// The role's name, as metrics labels, logs and discovery write it: `prefill`,
+    /// `decode`, `encode`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Encode => "encode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// The URL given for an endpoint is not usable.
@@ -685,6 +710,8 @@ impl Drop for InFlightGuard {
 pub struct EndpointSet {
     prefill: Vec<Arc<Endpoint>>,
     decode: Vec<Arc<Endpoint>>,
+    /// Encoder-only engines (E/P/D): the encoder stage's pool, never a P/D leg's.
+    encode: Vec<Arc<Endpoint>>,
     models: Option<Arc<ModelIndex>>,
 }
 
@@ -700,7 +727,7 @@ struct ModelIndex {
 }
 
 impl EndpointSet {
-    /// A set from endpoints of either role.
+    /// A set from endpoints of any role.
     pub fn new(endpoints: impl IntoIterator<Item = Arc<Endpoint>>) -> Self {
         let mut set = Self::by_roles(endpoints);
         set.models = ModelIndex::build(&set).map(Arc::new);
@@ -713,9 +740,25 @@ impl EndpointSet {
             match ep.role() {
                 Role::Prefill => set.prefill.push(ep),
                 Role::Decode => set.decode.push(ep),
+                Role::Encode => set.encode.push(ep),
             }
         }
         set
+    }
+
+    /// Every endpoint of the set: prefill, then decode, then encode.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Endpoint>> + '_ {
+        self.prefill.iter().chain(&self.decode).chain(&self.encode)
+    }
+
+    /// How many endpoints the set holds, of every role.
+    pub fn len(&self) -> usize {
+        self.prefill.len() + self.decode.len() + self.encode.len()
+    }
+
+    /// Whether the set holds no endpoint at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// The prefill endpoints (the core's own shorthand for
@@ -734,6 +777,7 @@ impl EndpointSet {
         match role {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
+            Role::Encode => &self.encode,
         }
     }
 
@@ -744,7 +788,9 @@ impl EndpointSet {
     }
 
     /// The endpoints that serve `model`: the whole set when no endpoint declares models;
-    /// otherwise those declaring `model` and those declaring none. A request without a
+    /// otherwise those declaring `model` and those declaring none (encoders included,
+    /// by the same rule: an encoder declaring other models encodes none of this one's
+    /// items). A request without a
     /// model goes to the one model served, if there is just one.
     ///
     /// # Errors
@@ -798,7 +844,7 @@ impl EndpointSet {
 impl ModelIndex {
     /// The index of `set`, or `None` when no endpoint declares a model.
     fn build(set: &EndpointSet) -> Option<ModelIndex> {
-        let all = || set.prefill.iter().chain(&set.decode);
+        let all = || set.iter();
         all().find_map(|e| e.models())?;
         let declared: std::collections::BTreeSet<&Arc<str>> =
             all().filter_map(|e| e.models()).flatten().collect();

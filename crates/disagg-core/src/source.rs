@@ -107,7 +107,7 @@ impl StaticSource {
     /// there was one.
     pub fn remove(&self, id: &str) -> bool {
         self.tx.send_if_modified(|set| {
-            let before = set.prefill().len() + set.decode().len();
+            let before = set.len();
             let kept: Vec<_> = all(set).filter(|e| e.id().as_str() != id).collect();
             if kept.len() == before {
                 return false;
@@ -120,7 +120,7 @@ impl StaticSource {
 
 /// Every endpoint of `set`, prefill first.
 fn all(set: &EndpointSet) -> impl Iterator<Item = Arc<Endpoint>> + '_ {
-    set.prefill().iter().chain(set.decode()).cloned()
+    set.iter().cloned()
 }
 
 impl EndpointSource for StaticSource {

@@ -1,5 +1,5 @@
-//! The endpoints file (`--endpoints-file PATH`): prefill and decode engines listed in
-//! TOML, reloaded when the file changes.
+//! The endpoints file (`--endpoints-file PATH`): prefill, decode and encoder engines
+//! listed in TOML, reloaded when the file changes.
 //!
 //! ```toml
 //! [[prefill]]
@@ -16,6 +16,9 @@
 //! [[decode]]
 //! url = "http://10.0.0.7:8200"
 //! lmcache_receiver = "10.0.0.7:7300:7400"      # as --lmcache-receiver (decode only)
+//!
+//! [[encode]]                            # an encoder-only engine (E/P/D), as --encode
+//! url = "http://10.0.0.9:8300"
 //! ```
 //!
 //! # Reloading
@@ -178,12 +181,13 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
     let file: FileModel = toml::from_str(text).map_err(|e| FileError::Invalid(e.to_string()))?;
     let mut specs = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (role, entries) in [(Role::Prefill, file.prefill), (Role::Decode, file.decode)] {
+    for (role, entries) in [
+        (Role::Prefill, file.prefill),
+        (Role::Decode, file.decode),
+        (Role::Encode, file.encode),
+    ] {
         for (i, entry) in entries.into_iter().enumerate() {
-            let table = match role {
-                Role::Prefill => "prefill",
-                Role::Decode => "decode",
-            };
+            let table = role.as_str();
             let place = format!("[[{table}]] #{}", i + 1);
             let invalid = |what: String| FileError::Invalid(format!("{place}: {what}"));
             let spec = entry.into_spec(role).map_err(invalid)?;
@@ -207,12 +211,12 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
         )));
     }
     // Each entry checked as it will be built: every endpoint made is within bounds now.
-    let mut places = [0usize; 2];
+    let mut places = [0usize; 3];
     for spec in &specs {
-        let (table, k) = match spec.role {
-            Role::Prefill => ("prefill", 0),
-            Role::Decode => ("decode", 1),
-        };
+        let (table, k) = (
+            spec.role.as_str(),
+            usize::from(crate::source::role_order(spec.role)),
+        );
         places[k] += 1;
         spec.to_endpoints_within(bounds)
             .map_err(|e| FileError::Invalid(format!("[[{table}]] #{}: {e}", places[k])))?;
@@ -228,9 +232,12 @@ struct FileModel {
     prefill: Vec<EntryModel>,
     #[serde(default)]
     decode: Vec<EntryModel>,
+    /// Encoder-only engines (E/P/D).
+    #[serde(default)]
+    encode: Vec<EntryModel>,
 }
 
-/// One `[[prefill]]` or `[[decode]]` entry.
+/// One `[[prefill]]`, `[[decode]]` or `[[encode]]` entry.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct EntryModel {
@@ -276,7 +283,7 @@ impl EntryModel {
             spec.facts.insert(&key, value).map_err(|e| e.to_string())?;
         }
         if let Some(port) = self.bootstrap_port {
-            if role == Role::Decode {
+            if role != Role::Prefill {
                 return Err("bootstrap_port applies to prefill engines only".into());
             }
             spec.facts
@@ -320,7 +327,7 @@ impl EntryModel {
             }
         };
         if let Some(r) = self.lmcache_receiver {
-            if role == Role::Prefill {
+            if role != Role::Decode {
                 return Err("lmcache_receiver applies to decode engines only".into());
             }
             spec.facts

@@ -281,7 +281,11 @@ impl prometheus_client::collector::Collector for DiscoveryCollector {
             MetricType::Gauge,
         )?;
         for (name, s) in &self.0 {
-            for (role, n) in [("prefill", &s.prefill), ("decode", &s.decode)] {
+            for (role, n) in [
+                ("prefill", &s.prefill),
+                ("decode", &s.decode),
+                ("encode", &s.encode),
+            ] {
                 let labels = [("source", &**name), ("role", role)];
                 gauge(n.load(Ordering::Relaxed)).encode(endpoints.encode_family(&labels)?)?;
             }
@@ -451,25 +455,26 @@ impl Merger {
         let mut seen: HashSet<Key> = HashSet::new();
         let mut order: Vec<Arc<Endpoint>> = Vec::new();
         if let Some(stats) = &self.static_stats {
-            let mut counts = [0u64; 2];
+            let mut counts = [0u64; 3];
             for ep in &self.fixed {
                 if seen.insert(key_of(ep)) {
-                    counts[usize::from(ep.role() == Role::Decode)] += 1;
+                    counts[usize::from(crate::source::role_order(ep.role()))] += 1;
                     order.push(Arc::clone(ep));
                 }
             }
             if !self.initialized {
-                stats.added.store(counts[0] + counts[1], Ordering::Relaxed);
+                stats.added.store(counts.iter().sum(), Ordering::Relaxed);
             }
             stats.prefill.store(counts[0], Ordering::Relaxed);
             stats.decode.store(counts[1], Ordering::Relaxed);
+            stats.encode.store(counts[2], Ordering::Relaxed);
         }
         let mut next: HashMap<Key, Entry> = HashMap::new();
         let mut rejected = HashSet::new();
         for (i, list) in lists.iter().enumerate() {
             let list = self.within_bounds(i, list);
             let stats = &self.source_stats[i];
-            let (mut counts, mut duplicates) = ([0u64; 2], 0u64);
+            let (mut counts, mut duplicates) = ([0u64; 3], 0u64);
             for spec in list.iter().flat_map(|l| l.iter()) {
                 let Some(endpoints) = self.endpoints_for(i, spec, &mut rejected) else {
                     continue;
@@ -480,7 +485,7 @@ impl Merger {
                         duplicates += 1;
                         continue;
                     }
-                    counts[usize::from(spec.role == Role::Decode)] += 1;
+                    counts[usize::from(crate::source::role_order(spec.role))] += 1;
                     order.push(Arc::clone(&endpoint));
                     next.insert(
                         key,
@@ -494,6 +499,7 @@ impl Merger {
             }
             stats.prefill.store(counts[0], Ordering::Relaxed);
             stats.decode.store(counts[1], Ordering::Relaxed);
+            stats.encode.store(counts[2], Ordering::Relaxed);
             stats.duplicates.store(duplicates, Ordering::Relaxed);
         }
         self.rejected = rejected;

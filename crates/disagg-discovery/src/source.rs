@@ -177,6 +177,7 @@ pub(crate) fn role_order(role: disagg_core::Role) -> u8 {
     match role {
         disagg_core::Role::Prefill => 0,
         disagg_core::Role::Decode => 1,
+        _ => 2,
     }
 }
 
@@ -194,6 +195,7 @@ pub struct SourceStats {
     pub(crate) over_limit: AtomicU64,
     pub(crate) prefill: AtomicU64,
     pub(crate) decode: AtomicU64,
+    pub(crate) encode: AtomicU64,
     pub(crate) added: AtomicU64,
     pub(crate) removed: AtomicU64,
     pub(crate) replaced: AtomicU64,
@@ -231,6 +233,11 @@ impl SourceStats {
     /// Decode endpoints this source contributes to the merged set now.
     pub fn decode_endpoints(&self) -> u64 {
         self.decode.load(Ordering::Relaxed)
+    }
+
+    /// Encoder endpoints (E/P/D) this source contributes to the merged set now.
+    pub fn encode_endpoints(&self) -> u64 {
+        self.encode.load(Ordering::Relaxed)
     }
 
     /// Endpoints this source added to the merged set.

@@ -423,16 +423,14 @@ fn fan_out_answer(
 }
 
 fn role(ep: &Endpoint) -> &'static str {
-    match ep.role() {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    }
+    ep.role().as_str()
 }
 
 fn side(ep: &Endpoint) -> Side {
     match ep.role() {
         Role::Prefill => Side::Prefill,
         Role::Decode => Side::Decode,
+        _ => Side::Encode,
     }
 }
 

@@ -166,18 +166,18 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         None,
     )?;
     // Every prefill/decode pair is checked before the first request.
-    let source = ValidatedSource::new(
-        StaticSource::new([
-            Endpoint::new(&prefill.url(), Role::Prefill)?.with_facts(prefill_facts),
-            Endpoint::new(&decode.url(), Role::Decode)?.with_facts(decode_facts),
-        ]),
-        Arc::clone(&connector),
-    )?;
-    let mut builder = Orchestrator::builder(source, HttpTransport::default(), connector);
+    let mut endpoints = vec![
+        Endpoint::new(&prefill.url(), Role::Prefill)?.with_facts(prefill_facts),
+        Endpoint::new(&decode.url(), Role::Decode)?.with_facts(decode_facts),
+    ];
     if let Some(e) = &encoder {
+        endpoints.push(Endpoint::new(&e.url(), Role::Encode)?);
+    }
+    let source = ValidatedSource::new(StaticSource::new(endpoints), Arc::clone(&connector))?;
+    let mut builder = Orchestrator::builder(source, HttpTransport::default(), connector);
+    if encoder.is_some() {
         builder = builder.encoder(Arc::new(disagg_core::encode::EncodeStage::new(
             disagg_connectors::vllm::VllmEncoder::new(),
-            [Endpoint::new(&e.url(), Role::Prefill)?],
             disagg_core::encode::EncodeConfig::default(),
         )));
     }

@@ -158,6 +158,17 @@ impl Shared {
                 endpoints.push(endpoint(&url, Role::Decode, Facts::default(), receiver)?);
             }
         }
+        // Encoder-only engines (E/P/D): endpoints of the source like the others, so
+        // health checks, metrics and discovery treat them alike; the encoder stage
+        // takes its pool from the set each request is served with.
+        for url in &args.encode {
+            for url in expand_ranks(url, bounds.max_ranks)? {
+                endpoints.push(
+                    endpoint(&url, Role::Encode, Facts::default(), None)
+                        .map_err(|e| format!("--encode {url}: {e}"))?,
+                );
+            }
+        }
         let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));
         let named = named.chain(
             args.served_models
@@ -173,7 +184,7 @@ impl Shared {
         for (flag, url) in named {
             if !args.engine_urls().any(|u| base_url(u) == url) {
                 return Err(format!(
-                    "{flag} names {url}, which is no --prefill or --decode engine"
+                    "{flag} names {url}, which is no --prefill, --decode or --encode engine"
                 )
                 .into());
             }
@@ -362,7 +373,7 @@ impl Shared {
         if let Some(t) = tokenizer {
             builder = builder.tokenizer(t);
         }
-        if let Some(stage) = encode_stage(args, bounds.addresses)? {
+        if let Some(stage) = encode_stage(args)? {
             service
                 .extra_metrics
                 .push(connectors::encode_metrics(Arc::clone(&stage)));
@@ -519,27 +530,25 @@ pub fn run(
 #[cfg(test)]
 mod tests;
 
-/// The encoder stage of `--encode`, if any engine was given.
+/// The encoder stage (vLLM's encoder protocol), when encoders may be known (`--encode`,
+/// or a discovery source that can find some) and the connector's engines need the
+/// proxy to call them. SGLang's prefill calls its encoders itself
+/// (`--language-only --encoder-urls`): with `--connector sglang` there is no stage, and
+/// encoder endpoints are known for their health and metrics only, never sent a leg.
 fn encode_stage(
     args: &ServeArgs,
-    addresses: disagg_core::endpoint::AddressPolicy,
 ) -> Result<Option<Arc<disagg_core::encode::EncodeStage>>, BoxError> {
-    if args.encode.is_empty() {
+    if args.encode.is_empty() && !args.discovery.may_find_encode() {
         return Ok(None);
     }
-    let mut encoders = Vec::new();
-    for url in &args.encode {
-        // The pool is the stage's own: the role is not read.
-        let ep =
-            Endpoint::with_address_policy(url, Role::Prefill, http::Extensions::new(), addresses)
-                .map_err(|e| format!("--encode {url}: {e}"))?;
-        encoders.push(ep);
+    if args.connector == ConnectorArg::Sglang {
+        return Ok(None);
     }
     let mut config = disagg_core::encode::EncodeConfig::default();
     config.timeout = secs(args.encode_timeout, "encode-timeout")?;
     let connector =
         disagg_connectors::vllm::VllmEncoder::new().with_image_batch(args.encode_image_batch);
     Ok(Some(Arc::new(disagg_core::encode::EncodeStage::new(
-        connector, encoders, config,
+        connector, config,
     ))))
 }

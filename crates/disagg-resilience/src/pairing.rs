@@ -219,11 +219,9 @@ impl Versions {
     }
 }
 
-/// Every endpoint of `set`, prefill first.
+/// Every endpoint of `set`, prefill first, encoders last.
 fn all(set: &EndpointSet) -> impl Iterator<Item = &Arc<Endpoint>> {
-    set.by_role(Role::Prefill)
-        .iter()
-        .chain(set.by_role(Role::Decode))
+    set.iter()
 }
 
 /// Engines probed at once.
@@ -306,8 +304,8 @@ const KINDS: [&str; 4] = ["connector", "role", "tp_size", "version"];
 /// What a [`ValidatedSource`] left out, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct PairingStats {
-    /// Endpoints of the latest set left out now: prefill, decode.
-    left_out: [AtomicU64; 2],
+    /// Endpoints of the latest set left out now: prefill, decode, encode.
+    left_out: [AtomicU64; 3],
     /// Endpoints left out, by the kind of their first mismatch, each counted when it
     /// is left out (again).
     refused: [AtomicU64; 4],
@@ -345,6 +343,7 @@ fn role_index(role: Role) -> usize {
     match role {
         Role::Prefill => 0,
         Role::Decode => 1,
+        _ => 2,
     }
 }
 
@@ -367,7 +366,8 @@ impl prometheus_client::collector::Collector for PairingCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (role, r) in [("prefill", Role::Prefill), ("decode", Role::Decode)] {
+        for r in [Role::Prefill, Role::Decode, Role::Encode] {
+            let role = r.as_str();
             let n = i64::try_from(self.0.left_out(r)).unwrap_or(i64::MAX);
             ConstGauge::new(n).encode(gauge.encode_family(&[("role", role)])?)?;
         }
@@ -537,7 +537,7 @@ fn count(
     before: HashSet<(Role, EndpointId)>,
 ) -> HashSet<(Role, EndpointId)> {
     let mut now = HashSet::new();
-    let mut per_role = [0u64; 2];
+    let mut per_role = [0u64; 3];
     for (role, id, kind) in &admitted.left_out {
         per_role[role_index(*role)] += 1;
         let key = (*role, id.clone());
@@ -578,9 +578,11 @@ fn admit(
     for e in all(next).filter(|e| !in_force(e)) {
         let mut bad = Vec::new();
         for other in admitted.iter().filter(|o| o.role() != e.role()) {
-            let (p, d) = match e.role() {
-                Role::Prefill => (e, other),
-                Role::Decode => (other, e),
+            let (p, d) = match (e.role(), other.role()) {
+                (Role::Prefill, Role::Decode) => (e, other),
+                (Role::Decode, Role::Prefill) => (other, e),
+                // Encoders hand no KV over.
+                _ => continue,
             };
             if let Err(mismatch) = pair(p, d, connector, versions) {
                 bad.push(PairError {

@@ -10,8 +10,9 @@ use http::HeaderValue;
 
 use crate::connector::Leg;
 use crate::encode::{EncodeLeg, EncodeStage, retryable_status};
+use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side, TransportError};
-use crate::outcome::{EncodeSummary, TraceIds};
+use crate::outcome::{EncodeSummary, EngineCall, LegOutcome, TraceIds};
 use crate::request::{Api, PdRequest};
 use crate::transport::read_limited;
 use disagg_json::JsonBody;
@@ -22,12 +23,13 @@ use super::clock::Clock;
 use super::legs::upstream_message;
 
 impl Inner {
-    /// Run `stage` for `req` (which [`EncodeStage::wants`]): its media items encoded,
-    /// and the encoders' answers folded into its body. Every leg is dropped when this
-    /// future is.
+    /// Run `stage` for `req` (which [`EncodeStage::wants`]) over the encoders `pool`
+    /// (not empty): its media items encoded, and the encoders' answers folded into its
+    /// body. Every leg is dropped when this future is.
     pub(super) async fn encode(
         &self,
         stage: &EncodeStage,
+        pool: &[Arc<Endpoint>],
         req: &mut PdRequest,
         clock: Clock,
         trace: Option<&TraceIds>,
@@ -49,7 +51,7 @@ impl Inner {
             .legs
             .iter()
             .enumerate()
-            .map(|(i, leg)| self.encode_leg(stage, req, i, leg, traced));
+            .map(|(i, leg)| self.encode_leg(stage, pool, req, i, leg, traced));
         let (budget, by_deadline) = clock.budget(stage.config.timeout);
         let all = futures::future::try_join_all(legs);
         let result = match tokio::time::timeout(budget, all).await {
@@ -59,7 +61,7 @@ impl Inner {
                 .map_err(|e| PdError::connector(Side::Encode, e)),
             Ok(Err(e)) => Err(e),
             Err(_) if by_deadline => Err(PdError::deadline(Side::Encode, Phase::Encode)),
-            Err(_) => Err(match stage.encoders.first() {
+            Err(_) => Err(match pool.first() {
                 Some(ep) => PdError::timeout(Side::Encode, ep.id().clone(), Phase::Encode),
                 None => PdError::deadline(Side::Encode, Phase::Encode),
             }),
@@ -96,19 +98,20 @@ impl Inner {
     async fn encode_leg(
         &self,
         stage: &EncodeStage,
+        pool: &[Arc<Endpoint>],
         req: &PdRequest,
         index: usize,
         leg: &EncodeLeg,
         traced: Option<(&TraceIds, &[u8; 8])>,
     ) -> Result<Bytes, PdError> {
-        let n = stage.encoders.len();
+        let n = pool.len();
         let tries = stage.config.attempts.clamp(1, n.max(1));
-        let first = stage.first();
+        let first = stage.first(pool);
         let id = leg_id(req.request_id(), index);
         let mut last = None;
         for t in 0..tries {
             let i = (first + t) % n.max(1);
-            let Some(ep) = stage.encoders.get(i) else {
+            let Some(ep) = pool.get(i) else {
                 break;
             };
             if t > 0 {
@@ -134,13 +137,15 @@ impl Inner {
                     let limit = stage.config.max_answer_bytes;
                     match read_limited(resp.into_body(), limit).await {
                         Ok(body) if status.is_success() => {
-                            stage.observe(i, true);
+                            stage.observe(ep, true);
+                            self.encoder_call(ep, LegOutcome::Answered);
                             return Ok(body);
                         }
                         // The encoder refused an item (an image it cannot decode): the
                         // client's fault, answered 400 in the engine's words, never
                         // retried elsewhere.
                         Ok(body) if status.is_client_error() => {
+                            self.encoder_call(ep, LegOutcome::Answered);
                             let message = upstream_message(&body).unwrap_or_else(|| {
                                 format!("an encoder refused the media items ({status})")
                             });
@@ -166,7 +171,8 @@ impl Inner {
                     }
                 }
             };
-            stage.observe(i, false);
+            stage.observe(ep, false);
+            self.encoder_call(ep, LegOutcome::Failed);
             tracing::debug!(
                 encoder = %ep.id(),
                 error = %crate::error::error_chain(&err),
@@ -177,6 +183,22 @@ impl Inner {
         Err(last.unwrap_or_else(|| PdError::route(crate::error::RouteError::NoDecode)))
     }
 }
+
+impl Inner {
+    /// Tell the listeners how one encoder leg on `encoder` ended, as a call of that
+    /// engine: the source's health counts it (passive health of encoders, as of the
+    /// other endpoints), metrics count it per endpoint (`role="encode"`).
+    fn encoder_call(&self, encoder: &Arc<Endpoint>, outcome: LegOutcome) {
+        self.reporter.engine_call(&EngineCall {
+            endpoint: Arc::clone(encoder),
+            call: ENCODER_CALL,
+            outcome,
+        });
+    }
+}
+
+/// What an encoder leg calls, as [`EngineCall::call`] names it.
+const ENCODER_CALL: &str = "/v1/chat/completions";
 
 /// The engine-side id of a request's encoder leg `index`: the request's id with
 /// `-enc<index>` after it (so one request's legs stay apart in the encoders' logs).

@@ -94,6 +94,7 @@ impl Inner {
         let side = match leg.endpoint.role() {
             crate::endpoint::Role::Prefill => Side::Prefill,
             crate::endpoint::Role::Decode => Side::Decode,
+            crate::endpoint::Role::Encode => Side::Encode,
         };
         self.leg_request_with(req, leg, SlicedBody::from_json(&leg.body), side)
     }

@@ -64,12 +64,17 @@ impl Inner {
         };
         let in_flight = InFlight::new(&self.counters);
         // E/P/D: a request with media items has them encoded first (a byte search of
-        // its messages decides; nothing at all without an encoder stage).
+        // its messages decides; nothing at all without an encoder stage), by the
+        // encoders of the current snapshot that serve its model (none: no stage).
         let mut encoded = None;
         if let Some(stage) = &self.encode
             && stage.wants(&req)
+            && let Some(pool) = self.encoders(&req)
         {
-            match self.encode(stage, &mut req, clock, trace.as_ref()).await {
+            match self
+                .encode(stage, &pool, &mut req, clock, trace.as_ref())
+                .await
+            {
                 Ok(e) => encoded = e,
                 Err(e) => {
                     drop(in_flight);
@@ -162,6 +167,18 @@ impl Inner {
             self.reporter.summarize(&s);
         }
         e
+    }
+
+    /// The encoders of the current snapshot serving `req`'s model, or `None` when there
+    /// are none (the request then goes without the encoder stage; a model no decode
+    /// serves fails at routing as usual).
+    fn encoders(&self, req: &PdRequest) -> Option<Vec<Arc<crate::endpoint::Endpoint>>> {
+        let set = self.source.snapshot();
+        let pool = set
+            .for_model(req.model())
+            .ok()?
+            .by_role(crate::endpoint::Role::Encode);
+        (!pool.is_empty()).then(|| pool.to_vec())
     }
 
     /// The connector's check, once per request before anything else: it refuses what

@@ -80,8 +80,8 @@ pub(super) struct Series {
     /// Its legs by outcome ([`LEG_OUTCOMES`]).
     legs: [Counter; 3],
     /// Prefill endpoints: the prefill leg's duration. Decode endpoints: the decode leg's
-    /// head.
-    pub(super) first: Histogram,
+    /// head. Encoders: none (their legs are counted only).
+    pub(super) first: Option<Histogram>,
     /// Decode endpoints: the decode leg's first chunk.
     pub(super) second: Option<Histogram>,
     /// Whole seconds since [`Endpoints::epoch`] of its last use.
@@ -109,21 +109,18 @@ pub(super) struct Endpoints {
     epoch: Instant,
     retention: Duration,
     families: Families,
-    by_role: [RwLock<HashMap<Arc<str>, Series>>; 2],
+    by_role: [RwLock<HashMap<Arc<str>, Series>>; 3],
 }
 
+/// The roles with series, in [`Endpoints::by_role`]'s order.
+const ROLES: [Role; 3] = [Role::Prefill, Role::Decode, Role::Encode];
+
 fn role_index(role: Role) -> usize {
-    match role {
-        Role::Prefill => 0,
-        Role::Decode => 1,
-    }
+    ROLES.iter().position(|r| *r == role).unwrap_or(2)
 }
 
 fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    }
+    role.as_str()
 }
 
 impl Endpoints {
@@ -176,11 +173,12 @@ impl Endpoints {
         });
         let label = [("endpoint", id)];
         let (first, second) = match role {
-            Role::Prefill => (f.prefill.get_or_create(&label).clone(), None),
+            Role::Prefill => (Some(f.prefill.get_or_create(&label).clone()), None),
             Role::Decode => (
-                f.decode_head.get_or_create(&label).clone(),
+                Some(f.decode_head.get_or_create(&label).clone()),
                 Some(f.decode_first_chunk.get_or_create(&label).clone()),
             ),
+            _ => (None, None),
         };
         Series {
             legs,
@@ -195,7 +193,7 @@ impl Endpoints {
     /// any more or were last used more than the retention before `now`.
     pub(super) fn prune(&self, set: &EndpointSet, now: Instant) {
         let now = self.seconds(now);
-        for role in [Role::Prefill, Role::Decode] {
+        for role in ROLES {
             let members: HashSet<&str> =
                 set.by_role(role).iter().map(|e| e.id().as_str()).collect();
             let stale = |id: &str, s: &Series| {

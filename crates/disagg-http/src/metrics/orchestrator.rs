@@ -4,7 +4,6 @@
 use std::fmt;
 
 use disagg_core::Orchestrator;
-use disagg_core::Role;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -210,14 +209,9 @@ impl Collector for OrchestratorCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (role, eps) in [
-            ("prefill", set.by_role(Role::Prefill)),
-            ("decode", set.by_role(Role::Decode)),
-        ] {
-            for ep in eps {
-                let labels = [("role", role), ("endpoint", ep.id().as_str())];
-                ConstGauge::new(ep.in_flight() as i64).encode(in_flight.encode_family(&labels)?)?;
-            }
+        for ep in set.iter() {
+            let labels = [("role", ep.role().as_str()), ("endpoint", ep.id().as_str())];
+            ConstGauge::new(ep.in_flight() as i64).encode(in_flight.encode_family(&labels)?)?;
         }
         Ok(())
     }

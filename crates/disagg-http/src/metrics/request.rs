@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use disagg_core::Orchestrator;
-use disagg_core::outcome::{Listener, Report, Summary};
+use disagg_core::endpoint::Role;
+use disagg_core::outcome::{EngineCall, Listener, Report, Summary};
 use disagg_core::request::Api;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
@@ -272,8 +273,8 @@ impl Listener for Metrics {
         if let Some(prefill) = &report.route.prefill {
             i.endpoints.with(prefill, at, |s| {
                 s.leg(report.prefill);
-                if let Some(d) = phases.prefill {
-                    s.first.observe(seconds(d));
+                if let (Some(h), Some(d)) = (&s.first, phases.prefill) {
+                    h.observe(seconds(d));
                 }
             });
         }
@@ -282,13 +283,25 @@ impl Listener for Metrics {
         }
         i.endpoints.with(&report.route.decode, at, |s| {
             s.leg(report.decode);
-            if let Some(d) = phases.decode_head {
-                s.first.observe(seconds(d));
+            if let (Some(h), Some(d)) = (&s.first, phases.decode_head) {
+                h.observe(seconds(d));
             }
             if let (Some(h), Some(d)) = (&s.second, phases.decode_first_chunk) {
                 h.observe(seconds(d));
             }
         });
+    }
+
+    /// An encoder leg (E/P/D) counts in its encoder's
+    /// `disagg_endpoint_requests_total{role="encode"}`; other calls (`/tokenize`) are not
+    /// legs and are not counted here.
+    fn on_engine_call(&self, call: &EngineCall) {
+        if call.endpoint.role() == Role::Encode {
+            let at = Instant::now();
+            self.inner
+                .endpoints
+                .with(&call.endpoint, at, |s| s.leg(call.outcome));
+        }
     }
 
     fn on_request(&self, summary: &Summary) {

@@ -68,10 +68,7 @@ impl fmt::Debug for HealthCollector {
 }
 
 fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::Prefill => "prefill",
-        Role::Decode => "decode",
-    }
+    role.as_str()
 }
 
 impl Collector for HealthCollector {

@@ -287,9 +287,9 @@ impl fmt::Debug for Health {
 struct Registry {
     /// The inner set these states were made for.
     inner: Arc<EndpointSet>,
-    /// By role (prefill, decode), then id. `Box<str>` keys let `record` look up with
+    /// By role (prefill, decode, encode), then id. `Box<str>` keys let `record` look up with
     /// the endpoint's `&str` id: no allocation, no reference count touched.
-    by_role: [HashMap<Box<str>, Arc<EndpointState>>; 2],
+    by_role: [HashMap<Box<str>, Arc<EndpointState>>; 3],
     /// Every state once, in the inner set's order (prefill first).
     order: Vec<Arc<EndpointState>>,
 }
@@ -298,19 +298,17 @@ fn role_index(role: Role) -> usize {
     match role {
         Role::Prefill => 0,
         Role::Decode => 1,
+        // Encoders (E/P/D), and any role to come.
+        _ => 2,
     }
 }
 
 impl Registry {
     /// States for `inner`'s endpoints, reusing `old`'s for those still there.
     fn build(inner: Arc<EndpointSet>, old: Option<&Registry>) -> Registry {
-        let mut by_role: [HashMap<Box<str>, Arc<EndpointState>>; 2] = Default::default();
+        let mut by_role: [HashMap<Box<str>, Arc<EndpointState>>; 3] = Default::default();
         let mut order = Vec::new();
-        for ep in inner
-            .by_role(Role::Prefill)
-            .iter()
-            .chain(inner.by_role(Role::Decode))
-        {
+        for ep in inner.iter() {
             let map = &mut by_role[role_index(ep.role())];
             if map.contains_key(ep.id().as_str()) {
                 continue;
@@ -496,11 +494,7 @@ impl Health {
         let mut all = true;
         {
             let registry = read(&self.registry);
-            for ep in inner
-                .by_role(Role::Prefill)
-                .iter()
-                .chain(inner.by_role(Role::Decode))
-            {
+            for ep in inner.iter() {
                 let keep = registry
                     .get(ep)
                     .is_none_or(|state| state.routed(now, &mut next));
@@ -595,8 +589,9 @@ fn same_members(a: &EndpointSet, b: &EndpointSet) -> bool {
     let same = |x: &[Arc<Endpoint>], y: &[Arc<Endpoint>]| {
         x.len() == y.len() && x.iter().zip(y).all(|(x, y)| Arc::ptr_eq(x, y))
     };
-    same(a.by_role(Role::Prefill), b.by_role(Role::Prefill))
-        && same(a.by_role(Role::Decode), b.by_role(Role::Decode))
+    [Role::Prefill, Role::Decode, Role::Encode]
+        .into_iter()
+        .all(|r| same(a.by_role(r), b.by_role(r)))
 }
 
 #[cfg(test)]

@@ -57,11 +57,17 @@ impl EndpointSource for HealthSource {
 /// failure of that endpoint in its role, like a failed leg: an engine whose `/tokenize`
 /// hangs is ejected after `failure_threshold` of them, and the set the tokenizer picks
 /// from leaves it out. One that answered counts for nothing: an engine answering
-/// `/tokenize` may still fail its legs, and a success would reset their count.
+/// `/tokenize` may still fail its legs, and a success would reset their count. An
+/// encoder's calls (E/P/D) are its legs: one that answered counts as a success.
 impl Listener for Health {
     fn on_engine_call(&self, call: &EngineCall) {
-        if call.outcome == LegOutcome::Failed {
-            self.record(&call.endpoint, false);
+        match call.outcome {
+            LegOutcome::Failed => self.record(&call.endpoint, false),
+            // An encoder's calls are its legs (E/P/D): one that answered works.
+            LegOutcome::Answered if call.endpoint.role() == Role::Encode => {
+                self.record(&call.endpoint, true);
+            }
+            _ => {}
         }
     }
 
