@@ -268,6 +268,201 @@ pub fn check_pair(
     Ok(())
 }
 
+// === encoder (EC) profiles ===
+
+/// An engine's `ec_role` (vLLM `--ec-transfer-config`'s `ec_role`,
+/// `vllm/config/ec_transfer.py`): whether it produces encoder outputs (an encoder-only
+/// instance), consumes them (the prefill, or the prefill-decode engine, of E/P/D), or
+/// both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EcRole {
+    /// `ec_producer`: encodes media items for others.
+    Producer,
+    /// `ec_consumer`: loads the encoders' outputs.
+    Consumer,
+    /// `ec_both`: either.
+    Both,
+}
+
+impl EcRole {
+    /// The role as vLLM writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EcRole::Producer => "ec_producer",
+            EcRole::Consumer => "ec_consumer",
+            EcRole::Both => "ec_both",
+        }
+    }
+}
+
+impl fmt::Display for EcRole {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for EcRole {
+    type Err = EcProfileError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "ec_producer" | "producer" => Ok(EcRole::Producer),
+            "ec_consumer" | "consumer" => Ok(EcRole::Consumer),
+            "ec_both" | "both" => Ok(EcRole::Both),
+            _ => Err(EcProfileError(format!(
+                "`{}` is not an ec_role (ec_producer, ec_consumer, ec_both)",
+                s.trim()
+            ))),
+        }
+    }
+}
+
+/// What an endpoint declares about its encoder-output (EC) transfer, E/P/D; every part
+/// optional. Written `CONNECTOR,ROLE` (`ECExampleConnector,ec_producer`, `cpu,ec_consumer`,
+/// `,ec_both`) on the command line (`--ec-profile URL=…`), in the Kubernetes annotation
+/// `disagg.io/ec-profile` and in an endpoints file's `ec_profile`.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_pairing::{EcProfile, EcRole, check_ec_pair};
+/// let encoder: EcProfile = "ECExampleConnector,ec_producer".parse()?;
+/// let prefill: EcProfile = "example,ec_consumer".parse()?;
+/// assert_eq!(encoder.role, Some(EcRole::Producer));
+/// assert!(check_ec_pair(&encoder, &prefill).is_ok());
+/// let other: EcProfile = "ECMooncakeConnector,ec_consumer".parse()?;
+/// assert!(check_ec_pair(&encoder, &other).is_err());
+/// # Ok::<(), disagg_pairing::EcProfileError>(())
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EcProfile {
+    /// The engine's EC connector: vLLM's `ec_connector` (`ECExampleConnector`,
+    /// `ECCPUConnector`, `ECMooncakeConnector`) or its short form (`example`, `cpu`,
+    /// `mooncake`), compared by the connector it names.
+    pub connector: Option<String>,
+    /// The engine's `ec_role`.
+    pub role: Option<EcRole>,
+}
+
+/// An EC profile that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ec profile: {0}")]
+pub struct EcProfileError(String);
+
+impl FromStr for EcProfile {
+    type Err = EcProfileError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut parts = s.split(',').map(str::trim);
+        let connector = parts.next().filter(|c| !c.is_empty()).map(str::to_owned);
+        let role = parts
+            .next()
+            .filter(|r| !r.is_empty())
+            .map(str::parse::<EcRole>)
+            .transpose()?;
+        if parts.next().is_some() {
+            return Err(EcProfileError(format!(
+                "`{s}` has more than CONNECTOR,ROLE"
+            )));
+        }
+        if let Some(c) = &connector
+            && !c
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        {
+            return Err(EcProfileError(format!("`{c}` is not a connector name")));
+        }
+        Ok(EcProfile { connector, role })
+    }
+}
+
+/// The EC connector a name stands for, so that vLLM's class names and their short forms
+/// compare equal: lowercase, without a leading `ec` and without `connector`
+/// (`ECExampleConnector` and `example` are both `example`, `ECCPUConnector` and `cpu`
+/// both `cpu`, `ECMooncakeConnector` and `mooncake` both `mooncake`).
+pub fn ec_connector_kind(name: &str) -> String {
+    let lower = name.trim().to_ascii_lowercase().replace(['-', '_'], "");
+    let lower = lower.replace("connector", "");
+    match lower.strip_prefix("ec") {
+        Some(rest) if !rest.is_empty() => rest.to_owned(),
+        _ => lower,
+    }
+}
+
+/// Why an encoder cannot hand its outputs to a consumer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EcMismatch {
+    /// The two engines declare different EC connectors.
+    #[error("the encoder runs EC connector `{encoder}` and the consumer `{consumer}`")]
+    Connectors {
+        /// The encoder's connector.
+        encoder: String,
+        /// The consumer's connector.
+        consumer: String,
+    },
+    /// The encoder is declared a pure consumer.
+    #[error("the encoder is declared {0}, which cannot produce encoder outputs")]
+    EncoderRole(EcRole),
+    /// The consumer is declared a pure producer.
+    #[error("the consumer is declared {0}, which cannot consume encoder outputs")]
+    ConsumerRole(EcRole),
+}
+
+impl EcMismatch {
+    /// A short name of the kind of mismatch, for a metric's label: `connector` or
+    /// `role` (as [`Mismatch::kind`]).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EcMismatch::Connectors { .. } => "connector",
+            EcMismatch::EncoderRole(_) | EcMismatch::ConsumerRole(_) => "role",
+        }
+    }
+}
+
+/// One encoder and consumer (the prefill, or the prefill-decode engine of E → PD) that
+/// cannot hand encoder outputs over.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "encoder endpoint {encoder} and {consumer_role} endpoint {consumer} cannot be paired: {mismatch}"
+)]
+pub struct EcPairError {
+    /// The encoder endpoint.
+    pub encoder: EndpointId,
+    /// The consumer endpoint.
+    pub consumer: EndpointId,
+    /// The consumer's role: `prefill`, or `decode` for a prefill-decode engine.
+    pub consumer_role: &'static str,
+    /// Why.
+    pub mismatch: EcMismatch,
+}
+
+/// Check one encoder and consumer pair of declared EC profiles: the same connector when
+/// both declare one, an encoder that can produce (`ec_producer` or `ec_both`) and a
+/// consumer that can consume (`ec_consumer` or `ec_both`). What is not declared is not
+/// checked.
+///
+/// # Errors
+///
+/// The first [`EcMismatch`] found.
+pub fn check_ec_pair(encoder: &EcProfile, consumer: &EcProfile) -> Result<(), EcMismatch> {
+    if let (Some(e), Some(c)) = (&encoder.connector, &consumer.connector)
+        && ec_connector_kind(e) != ec_connector_kind(c)
+    {
+        return Err(EcMismatch::Connectors {
+            encoder: e.clone(),
+            consumer: c.clone(),
+        });
+    }
+    if let Some(r @ EcRole::Consumer) = encoder.role {
+        return Err(EcMismatch::EncoderRole(r));
+    }
+    if let Some(r @ EcRole::Producer) = consumer.role {
+        return Err(EcMismatch::ConsumerRole(r));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,5 +481,49 @@ mod tests {
         assert_eq!(connector_kind("LMCacheMPConnector"), "lmcachemp");
         assert_eq!("kv_both".parse::<KvRole>().unwrap(), KvRole::Both);
         assert!("kv_nothing".parse::<KvRole>().is_err());
+    }
+
+    #[test]
+    fn ec_kinds_compare_vllm_class_names_and_short_forms() {
+        for (long, short) in [
+            ("ECExampleConnector", "example"),
+            ("ECCPUConnector", "cpu"),
+            ("ECMooncakeConnector", "mooncake"),
+        ] {
+            assert_eq!(ec_connector_kind(long), short);
+            assert_eq!(ec_connector_kind(short), short);
+        }
+        assert_ne!(
+            ec_connector_kind("ECExampleConnector"),
+            ec_connector_kind("ECMooncakeConnector")
+        );
+    }
+
+    #[test]
+    fn ec_pairs_need_one_connector_a_producer_and_a_consumer() {
+        let p = |s: &str| s.parse::<EcProfile>().unwrap();
+        assert!(
+            check_ec_pair(
+                &p("ECExampleConnector,ec_producer"),
+                &p("example,ec_consumer")
+            )
+            .is_ok()
+        );
+        assert!(check_ec_pair(&p(",ec_both"), &p(",ec_both")).is_ok());
+        assert!(check_ec_pair(&EcProfile::default(), &p("cpu,ec_consumer")).is_ok());
+        assert!(matches!(
+            check_ec_pair(&p("cpu,ec_producer"), &p("mooncake,ec_consumer")),
+            Err(EcMismatch::Connectors { .. })
+        ));
+        assert_eq!(
+            check_ec_pair(&p("cpu,ec_consumer"), &p("cpu,ec_consumer")),
+            Err(EcMismatch::EncoderRole(EcRole::Consumer))
+        );
+        assert_eq!(
+            check_ec_pair(&p("cpu,ec_producer"), &p("cpu,ec_producer")),
+            Err(EcMismatch::ConsumerRole(EcRole::Producer))
+        );
+        assert!("cpu,ec_maybe".parse::<EcProfile>().is_err());
+        assert!("cpu,ec_producer,1".parse::<EcProfile>().is_err());
     }
 }

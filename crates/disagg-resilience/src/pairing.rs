@@ -1,12 +1,15 @@
 //! P/D pair enforcement: refuse endpoint sets with a prefill/decode pair that cannot
-//! hand KV over.
+//! hand KV over, or an encoder whose outputs its consumer cannot load (E/P/D).
 //!
 //! The facts are `disagg-pairing`'s ([`disagg_pairing`]): what an endpoint declares
 //! in its [`KvProfile`] (its engine's KV connector, `kv_role` and tensor-parallel size)
 //! and [`check_pair`], which names the [`Mismatch`] of
 //! one pair; and the engine's version, read from its `GET /version` and compared for
 //! the connectors whose handshake compares it (vLLM NIXL and Mooncake:
-//! [`KvConnector::equal_versions`]). This module applies them to whole sets: [`check_pairs`]
+//! [`KvConnector::equal_versions`]). Encoders (E/P/D) are checked likewise against the
+//! engines that consume their outputs (the prefill, or the decode when there is no
+//! prefill) by their declared [`EcProfile`]s ([`check_ec_pair`]): the same EC
+//! connector, an encoder that can produce and a consumer that can consume. This module applies them to whole sets: [`check_pairs`]
 //! (and [`check_pairs_with`], with [`Versions`]) checks every prefill/decode pair of a
 //! set against the orchestrator's connector and refuses, naming both endpoints and the
 //! mismatch of each refused pair; [`ValidatedSource`] applies the check at start-up (a
@@ -60,7 +63,9 @@ use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet, Role};
 use disagg_core::outcome::Listener;
 use disagg_core::source::EndpointSource;
 use disagg_core::transport::Transport;
-use disagg_pairing::{KvProfile, Mismatch, PairError, check_pair};
+use disagg_pairing::{
+    EcPairError, EcProfile, KvProfile, Mismatch, PairError, check_ec_pair, check_pair,
+};
 use futures::StreamExt;
 use tokio::sync::watch;
 
@@ -69,18 +74,31 @@ use crate::lock;
 mod versions;
 pub use versions::{VERSION_PATH, VersionError, check_versions, read_version};
 
-/// Every pair of an endpoint set that cannot hand KV over.
+/// Every pair of an endpoint set that cannot hand KV over, and every encoder and
+/// consumer that cannot hand encoder outputs over (E/P/D).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PairingError {
-    /// The refused pairs (at least one).
+    /// The refused prefill/decode pairs.
     pub pairs: Vec<PairError>,
+    /// The refused encoder/consumer pairs (E/P/D, by their declared [`EcProfile`]s).
+    pub encoders: Vec<EcPairError>,
 }
 
 impl fmt::Display for PairingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} prefill/decode pair(s) refused", self.pairs.len())?;
-        for p in &self.pairs {
-            write!(f, "; {p}")?;
+        let mut sep = "";
+        if !self.pairs.is_empty() || self.encoders.is_empty() {
+            write!(f, "{} prefill/decode pair(s) refused", self.pairs.len())?;
+            for p in &self.pairs {
+                write!(f, "; {p}")?;
+            }
+            sep = "; ";
+        }
+        if !self.encoders.is_empty() {
+            write!(f, "{sep}{} encoder pair(s) refused", self.encoders.len())?;
+            for p in &self.encoders {
+                write!(f, "; {p}")?;
+            }
         }
         Ok(())
     }
@@ -142,11 +160,44 @@ pub fn check_pairs_with(
             }
         }
     }
-    if pairs.is_empty() {
+    let consumer = consumer_role(set);
+    let mut encoders = Vec::new();
+    for e in set.by_role(Role::Encode) {
+        for c in set.by_role(consumer) {
+            if let Err(refused) = ec_pair(e, c) {
+                encoders.push(refused);
+            }
+        }
+    }
+    if pairs.is_empty() && encoders.is_empty() {
         Ok(())
     } else {
-        Err(PairingError { pairs })
+        Err(PairingError { pairs, encoders })
     }
+}
+
+/// The role that consumes the encoders' outputs in `set`: the prefill, or the decode
+/// (a prefill-decode engine, E → PD) when there is no prefill.
+fn consumer_role(set: &EndpointSet) -> Role {
+    if set.by_role(Role::Prefill).is_empty() {
+        Role::Decode
+    } else {
+        Role::Prefill
+    }
+}
+
+/// Whether encoder `e` can hand its outputs to consumer `c`, by their declared
+/// [`EcProfile`]s (what is not declared is not checked).
+fn ec_pair(e: &Endpoint, c: &Endpoint) -> Result<(), EcPairError> {
+    let none = EcProfile::default();
+    let ep = e.ext().get::<EcProfile>().unwrap_or(&none);
+    let cp = c.ext().get::<EcProfile>().unwrap_or(&none);
+    check_ec_pair(ep, cp).map_err(|mismatch| EcPairError {
+        encoder: e.id().clone(),
+        consumer: c.id().clone(),
+        consumer_role: c.role().as_str(),
+        mismatch,
+    })
 }
 
 /// Whether prefill `p` and decode `d` can hand over: their declared profiles, then
@@ -574,14 +625,25 @@ fn admit(
     let in_force = |e: &Arc<Endpoint>| current.by_role(e.role()).iter().any(|c| c.id() == e.id());
     let mut admitted: Vec<Arc<Endpoint>> = all(next).filter(|e| in_force(e)).cloned().collect();
     let mut pairs = Vec::new();
+    let mut encoders = Vec::new();
     let mut left_out = Vec::new();
+    let consumer = consumer_role(next);
     for e in all(next).filter(|e| !in_force(e)) {
         let mut bad = Vec::new();
+        let mut bad_ec = Vec::new();
         for other in admitted.iter().filter(|o| o.role() != e.role()) {
             let (p, d) = match (e.role(), other.role()) {
                 (Role::Prefill, Role::Decode) => (e, other),
                 (Role::Decode, Role::Prefill) => (other, e),
-                // Encoders hand no KV over.
+                // An encoder hands its outputs to the consumers.
+                (Role::Encode, r) if r == consumer => {
+                    bad_ec.extend(ec_pair(e, other).err());
+                    continue;
+                }
+                (r, Role::Encode) if r == consumer => {
+                    bad_ec.extend(ec_pair(other, e).err());
+                    continue;
+                }
                 _ => continue,
             };
             if let Err(mismatch) = pair(p, d, connector, versions) {
@@ -592,17 +654,21 @@ fn admit(
                 });
             }
         }
-        match bad.first() {
+        let first = (bad.first().map(|b| b.mismatch.kind()))
+            .or_else(|| bad_ec.first().map(|b| b.mismatch.kind()));
+        match first {
             None => admitted.push(Arc::clone(e)),
-            Some(first) => {
-                left_out.push((e.role(), e.id().clone(), first.mismatch.kind()));
+            Some(kind) => {
+                left_out.push((e.role(), e.id().clone(), kind));
                 pairs.extend(bad);
+                encoders.extend(bad_ec);
             }
         }
     }
+    let refused = !(pairs.is_empty() && encoders.is_empty());
     Admitted {
         set: Arc::new(EndpointSet::new(admitted)),
-        refused: (!pairs.is_empty()).then_some(PairingError { pairs }),
+        refused: refused.then_some(PairingError { pairs, encoders }),
         left_out,
     }
 }
@@ -943,6 +1009,96 @@ mod tests {
         assert!(
             text.contains("disagg_pairing_left_out{role=\"decode\"} 1"),
             "{text}"
+        );
+    }
+
+    fn ec(url: &str, role: Role, profile: &str) -> Arc<Endpoint> {
+        let mut ext = http::Extensions::new();
+        ext.insert(profile.parse::<EcProfile>().unwrap());
+        Arc::new(Endpoint::with_extensions(url, role, ext).unwrap())
+    }
+
+    #[test]
+    fn an_encoder_its_consumer_cannot_load_is_refused_naming_both() {
+        let set = EndpointSet::new([
+            ec(
+                "http://e1:1",
+                Role::Encode,
+                "ECExampleConnector,ec_producer",
+            ),
+            ec(
+                "http://e2:1",
+                Role::Encode,
+                "ECMooncakeConnector,ec_producer",
+            ),
+            ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+            plain("http://d:1", Role::Decode),
+        ]);
+        let err = check_pairs(&set, &VllmNixl::new()).unwrap_err();
+        assert!(err.pairs.is_empty());
+        assert_eq!(err.encoders.len(), 1, "{err}");
+        let text = err.to_string();
+        assert!(text.contains("encoder endpoint http://e2:1"), "{text}");
+        assert!(text.contains("prefill endpoint http://p:1"), "{text}");
+        assert!(text.contains("ECMooncakeConnector"), "{text}");
+        // E -> PD: the decode is the consumer; a producer-only one cannot load.
+        let epd = EndpointSet::new([
+            ec("http://e1:1", Role::Encode, "cpu,ec_producer"),
+            ec("http://d:1", Role::Decode, "ECCPUConnector,ec_producer"),
+        ]);
+        let err = check_pairs(&epd, &VllmNixl::new()).unwrap_err();
+        assert!(
+            matches!(
+                err.encoders[0].mismatch,
+                disagg_pairing::EcMismatch::ConsumerRole(_)
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("decode endpoint http://d:1"),
+            "{err}"
+        );
+        // Undeclared profiles are not checked.
+        let unchecked = EndpointSet::new([
+            plain("http://e1:1", Role::Encode),
+            ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+            plain("http://d:1", Role::Decode),
+        ]);
+        assert!(check_pairs(&unchecked, &VllmNixl::new()).is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_encoder_joining_with_the_wrong_ec_connector_is_left_out() {
+        let (tx, _) = watch::channel(Arc::new(EndpointSet::new([
+            ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+            plain("http://d:1", Role::Decode),
+        ])));
+        let src = ValidatedSource::new(Dynamic(tx.clone()), Arc::new(VllmNixl::new())).unwrap();
+        let stats = src.stats();
+        let mut rx = src.watch();
+        tx.send_replace(Arc::new(EndpointSet::new([
+            ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+            plain("http://d:1", Role::Decode),
+            ec("http://e1:1", Role::Encode, "example,ec_producer"),
+            ec("http://e2:1", Role::Encode, "cpu,ec_producer"),
+        ])));
+        tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+            .await
+            .unwrap()
+            .unwrap();
+        let set = src.snapshot();
+        let encoders: Vec<_> = set
+            .by_role(Role::Encode)
+            .iter()
+            .map(|e| e.id().as_str().to_owned())
+            .collect();
+        assert_eq!(encoders, ["http://e1:1"]);
+        assert_eq!(stats.left_out(Role::Encode), 1);
+        assert_eq!(stats.refused("connector"), 1);
+        let err = src.last_error().unwrap().to_string();
+        assert!(
+            err.contains("http://e2:1") && err.contains("http://p:1"),
+            "{err}"
         );
     }
 }
