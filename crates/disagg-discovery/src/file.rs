@@ -19,6 +19,7 @@
 //!
 //! [[encode]]                            # an encoder-only engine (E/P/D), as --encode
 //! url = "http://10.0.0.9:8300"
+//! ec_profile = "ECExampleConnector,ec_producer"   # as --ec-profile (any role's engine)
 //! ```
 //!
 //! # Reloading
@@ -247,6 +248,7 @@ struct EntryModel {
     ranks: Option<String>,
     weight: Option<f64>,
     kv_profile: Option<ProfileModel>,
+    ec_profile: Option<String>,
     lmcache_receiver: Option<String>,
     kv_events: Option<String>,
     facts: Option<std::collections::BTreeMap<String, String>>,
@@ -326,6 +328,11 @@ impl EntryModel {
                 Some(profile)
             }
         };
+        spec.ec_profile = self
+            .ec_profile
+            .map(|p| p.parse::<disagg_pairing::EcProfile>())
+            .transpose()
+            .map_err(|e| e.to_string())?;
         if let Some(r) = self.lmcache_receiver {
             if role != Role::Decode {
                 return Err("lmcache_receiver applies to decode engines only".into());

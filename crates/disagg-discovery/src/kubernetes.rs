@@ -1,6 +1,7 @@
-//! Prefill and decode pods found by label selectors, watched through the Kubernetes API
-//! with kube-rs's watcher and reflector (`--k8s-prefill-selector`,
-//! `--k8s-decode-selector`, `--k8s-namespace`, `--k8s-port`, `--k8s-model-label`).
+//! Prefill, decode and encoder pods found by label selectors, watched through the
+//! Kubernetes API with kube-rs's watcher and reflector (`--k8s-prefill-selector`,
+//! `--k8s-decode-selector`, `--k8s-encode-selector`, `--k8s-namespace`, `--k8s-port`,
+//! `--k8s-model-label`).
 //!
 //! # What makes an engine
 //!
@@ -26,6 +27,7 @@
 //! | `disagg.io/kv-connector` | annotation | the KV connector the engine runs (`NixlConnector`, ...) |
 //! | `disagg.io/kv-role` | annotation | its `kv_role` (`kv_producer`, `kv_consumer`, `kv_both`) |
 //! | `disagg.io/tp-size` | annotation | its tensor-parallel size |
+//! | `disagg.io/ec-profile` | annotation | its encoder-output transfer (E/P/D), `CONNECTOR,ROLE` as `--ec-profile` (`ECExampleConnector,ec_producer`) |
 //! | `disagg.io/lmcache-init-ports` | annotation | a decode's LMCache `pd_peer_init_port`s, comma-separated, one per TP rank (the host is the pod IP) |
 //! | `disagg.io/lmcache-alloc-ports` | annotation | its `pd_peer_alloc_port`s, likewise |
 //! | `disagg.io/kv-events` | annotation | its KV-events publisher: a port (`tcp://POD_IP:PORT`) or `tcp://HOST:PORT` |
@@ -82,6 +84,8 @@ pub const WEIGHT: &str = "disagg.io/weight";
 pub const KV_CONNECTOR: &str = "disagg.io/kv-connector";
 /// The engine's `kv_role`.
 pub const KV_ROLE: &str = "disagg.io/kv-role";
+/// The engine's encoder-output transfer (E/P/D): `CONNECTOR,ROLE`, as `--ec-profile`.
+pub const EC_PROFILE: &str = "disagg.io/ec-profile";
 /// The engine's tensor-parallel size.
 pub const TP_SIZE: &str = "disagg.io/tp-size";
 /// A decode's LMCache init ports, comma-separated, one per TP rank.
@@ -136,6 +140,9 @@ pub struct KubernetesConfig {
     pub prefill_selector: Option<String>,
     /// The label selector of decode pods; `None`: none.
     pub decode_selector: Option<String>,
+    /// The label selector of encoder-only pods (E/P/D: `app=vllm,role=encode`); `None`:
+    /// none. Set it after [`new`](Self::new).
+    pub encode_selector: Option<String>,
     /// The namespace to watch; `None`: in a cluster, the pod's own (its service
     /// account's `/var/run/secrets/kubernetes.io/serviceaccount/namespace`); with a
     /// kubeconfig, its context's namespace; else `default`.
@@ -160,6 +167,7 @@ impl KubernetesConfig {
         KubernetesConfig {
             prefill_selector,
             decode_selector,
+            encode_selector: None,
             namespace: None,
             port: None,
             model_label: DEFAULT_MODEL_LABEL.to_owned(),
@@ -174,8 +182,8 @@ impl KubernetesConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum KubernetesError {
-    /// Neither selector is set.
-    #[error("kubernetes discovery needs a prefill or a decode label selector")]
+    /// No selector is set.
+    #[error("kubernetes discovery needs a prefill, decode or encode label selector")]
     NoSelector,
     /// No kubeconfig and no in-cluster service account.
     #[error("no kubernetes configuration (KUBECONFIG, ~/.kube/config or in-cluster)")]
@@ -202,7 +210,10 @@ pub enum KubernetesError {
 ///
 /// When called outside a tokio runtime.
 pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesError> {
-    if config.prefill_selector.is_none() && config.decode_selector.is_none() {
+    if config.prefill_selector.is_none()
+        && config.decode_selector.is_none()
+        && config.encode_selector.is_none()
+    {
         return Err(KubernetesError::NoSelector);
     }
     let kube_config = match &config.client {
@@ -248,6 +259,7 @@ pub fn spawn_with_client(
     for (role, selector) in [
         (Role::Prefill, &config.prefill_selector),
         (Role::Decode, &config.decode_selector),
+        (Role::Encode, &config.encode_selector),
     ] {
         let Some(selector) = selector else { continue };
         let mut wc = watcher::Config::default().labels(selector);
@@ -457,6 +469,12 @@ pub fn pod_spec(
     };
     if profile != KvProfile::default() {
         spec.kv_profile = Some(profile);
+    }
+    if let Some(v) = get(EC_PROFILE) {
+        let ec = v
+            .parse::<disagg_pairing::EcProfile>()
+            .map_err(|e| bad(EC_PROFILE, &e))?;
+        spec.ec_profile = Some(ec);
     }
     match (get(LMCACHE_INIT_PORTS), get(LMCACHE_ALLOC_PORTS)) {
         (None, None) => {}

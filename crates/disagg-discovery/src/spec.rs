@@ -20,7 +20,7 @@ use std::str::FromStr;
 
 use disagg_core::endpoint::{AddressPolicy, EndpointError, FactError, Facts};
 use disagg_core::{Endpoint, Role};
-use disagg_pairing::{KvProfile, KvRole};
+use disagg_pairing::{EcProfile, KvProfile, KvRole};
 
 /// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
 /// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
@@ -245,6 +245,9 @@ pub struct EndpointSpec {
     /// What the engine declares about its KV transfer, checked for every pair by the
     /// core's pairing validation.
     pub kv_profile: Option<KvProfile>,
+    /// What the engine declares about its encoder-output transfer (E/P/D), checked for
+    /// every encoder and consumer by the core's pairing validation.
+    pub ec_profile: Option<EcProfile>,
     /// The engine's KV-cache events publisher (`tcp://host:port`, its
     /// `--kv-events-config` endpoint); kept in the extensions as [`KvEventsEndpoint`].
     pub kv_events: Option<String>,
@@ -261,6 +264,7 @@ impl EndpointSpec {
             ranks: None,
             weight: None,
             kv_profile: None,
+            ec_profile: None,
             kv_events: None,
         }
     }
@@ -282,7 +286,7 @@ impl EndpointSpec {
     }
 
     /// The connector data this spec puts into its endpoints' extensions (its protocol
-    /// facts go to [`Endpoint::facts`]): the [`KvProfile`] and the
+    /// facts go to [`Endpoint::facts`]): the [`KvProfile`], the [`EcProfile`] and the
     /// [`KvEventsEndpoint`]. A decode's [`Facts::KV_RECEIVER`] declares its
     /// tensor-parallel size in the profile (one init and one alloc port per rank), as
     /// `serve --lmcache-receiver` does, so that pair validation refuses a prefill of
@@ -311,6 +315,9 @@ impl EndpointSpec {
         }
         if let Some(profile) = profile {
             ext.insert(profile);
+        }
+        if let Some(ec) = &self.ec_profile {
+            ext.insert(ec.clone());
         }
         if let Some(events) = &self.kv_events {
             ext.insert(KvEventsEndpoint(events.clone()));

@@ -39,6 +39,10 @@ pub struct DiscoveryArgs {
     /// Kubernetes: the label selector of decode pods.
     #[arg(long, value_name = "LABELS")]
     k8s_decode_selector: Option<String>,
+    /// Kubernetes: the label selector of encoder-only pods (E/P/D:
+    /// `app=vllm,role=encode`).
+    #[arg(long, value_name = "LABELS")]
+    k8s_encode_selector: Option<String>,
     /// Kubernetes: the namespace to watch (default: the pod's own, else the kubeconfig
     /// context's, else `default`). The API server comes from KUBECONFIG or the
     /// in-cluster service account.
@@ -58,6 +62,9 @@ pub struct DiscoveryArgs {
     /// DNS: decode engines, as --prefill-dns. Repeatable.
     #[arg(long, value_name = "NAME:PORT|SRV")]
     decode_dns: Vec<String>,
+    /// DNS: encoder-only engines (E/P/D), as --prefill-dns. Repeatable.
+    #[arg(long, value_name = "NAME:PORT|SRV")]
+    encode_dns: Vec<String>,
     /// DNS: the longest time between two lookups of a name (records are looked up
     /// again when their TTL ends, at most this long after).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
@@ -65,7 +72,7 @@ pub struct DiscoveryArgs {
     /// DNS: the resolver to ask instead of the system's (/etc/resolv.conf).
     #[arg(long, value_name = "IP:PORT")]
     dns_server: Option<std::net::SocketAddr>,
-    /// A TOML file of `[[prefill]]` and `[[decode]]` entries, reloaded within 2 s of a
+    /// A TOML file of `[[prefill]]`, `[[decode]]` and `[[encode]]` entries, reloaded within 2 s of a
     /// change; an invalid edit keeps the previous set.
     #[arg(long, value_name = "PATH")]
     endpoints_file: Option<std::path::PathBuf>,
@@ -110,8 +117,25 @@ impl DiscoveryArgs {
     pub fn any(&self) -> bool {
         self.k8s_prefill_selector.is_some()
             || self.k8s_decode_selector.is_some()
+            || self.k8s_encode_selector.is_some()
             || !self.prefill_dns.is_empty()
             || !self.decode_dns.is_empty()
+            || !self.encode_dns.is_empty()
+            || self.endpoints_file.is_some()
+    }
+
+    /// Whether encoder engines may come from discovery (so the encoder stage is made
+    /// though `--encode` is absent).
+    pub fn may_find_encode(&self) -> bool {
+        self.k8s_encode_selector.is_some()
+            || !self.encode_dns.is_empty()
+            || self.endpoints_file.is_some()
+    }
+
+    /// Whether prefill engines may come from discovery.
+    pub fn may_find_prefill(&self) -> bool {
+        self.k8s_prefill_selector.is_some()
+            || !self.prefill_dns.is_empty()
             || self.endpoints_file.is_some()
     }
 
@@ -127,6 +151,7 @@ impl DiscoveryArgs {
         let roles = [
             (&self.prefill_dns, Role::Prefill, "--prefill-dns"),
             (&self.decode_dns, Role::Decode, "--decode-dns"),
+            (&self.encode_dns, Role::Encode, "--encode-dns"),
         ];
         for (names, role, flag) in roles {
             for n in names {
@@ -144,13 +169,17 @@ impl DiscoveryArgs {
     }
 
     fn kubernetes(&self) -> Option<KubernetesConfig> {
-        if self.k8s_prefill_selector.is_none() && self.k8s_decode_selector.is_none() {
+        if self.k8s_prefill_selector.is_none()
+            && self.k8s_decode_selector.is_none()
+            && self.k8s_encode_selector.is_none()
+        {
             return None;
         }
         let mut c = KubernetesConfig::new(
             self.k8s_prefill_selector.clone(),
             self.k8s_decode_selector.clone(),
         );
+        c.encode_selector = self.k8s_encode_selector.clone();
         c.namespace = self.k8s_namespace.clone();
         c.port = self.k8s_port.as_deref().map(|p| match p.parse() {
             Ok(p) => p,
@@ -313,6 +342,7 @@ async fn build(
     tracing::info!(
         prefill = set.by_role(Role::Prefill).len(),
         decode = set.by_role(Role::Decode).len(),
+        encode = set.by_role(Role::Encode).len(),
         "endpoints discovered"
     );
     // The probe's transport runs on this runtime, as the sources do.

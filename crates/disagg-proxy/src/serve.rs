@@ -97,6 +97,9 @@ impl Shared {
                 if let Some((_, p)) = profile {
                     ext.insert(p.clone());
                 }
+                if let Some((_, p)) = args.ec_profiles.iter().find(|(u, _)| u == base) {
+                    ext.insert(p.clone());
+                }
                 // LMCache: a decode's receiver port count is its TP size, declared with it
                 // for the pair check below.
                 if let Some(r) = receiver {
@@ -170,6 +173,7 @@ impl Shared {
             }
         }
         let named = args.kv_profiles.iter().map(|(u, _)| ("--kv-profile", u));
+        let named = named.chain(args.ec_profiles.iter().map(|(u, _)| ("--ec-profile", u)));
         let named = named.chain(
             args.served_models
                 .iter()

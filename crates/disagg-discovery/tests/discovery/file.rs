@@ -179,3 +179,47 @@ async fn a_missing_or_invalid_file_at_start_is_an_error() {
     assert!(matches!(invalid, FileError::Invalid(_)), "{invalid}");
     assert!(invalid.to_string().contains("[[prefill]] #1"), "{invalid}");
 }
+
+/// E/P/D: `[[encode]]` entries are encoder endpoints, their `ec_profile` in their
+/// extensions for the pair check; an edit adds and removes them like the others.
+#[tokio::test]
+async fn encode_entries_are_encoder_endpoints_and_follow_edits() {
+    let dir = TempDir::new("file-encode");
+    let (path, merged) = start(&dir).await;
+    assert!(merged.snapshot().by_role(Role::Encode).is_empty());
+    replace(
+        &path,
+        &format!(
+            "{FIRST}\n[[encode]]\nurl = \"http://10.0.0.9:8300\"\nec_profile = \"ECExampleConnector,ec_producer\"\n"
+        ),
+    );
+    let set = wait_for(&merged, RELOAD, "the encoder", |s| {
+        s.by_role(Role::Encode).len() == 1
+    })
+    .await;
+    let encoder = &set.by_role(Role::Encode)[0];
+    assert_eq!(encoder.id().as_str(), "http://10.0.0.9:8300");
+    assert_eq!(encoder.role(), Role::Encode);
+    let profile = encoder.ext().get::<disagg_pairing::EcProfile>().unwrap();
+    assert_eq!(profile.role, Some(disagg_pairing::EcRole::Producer));
+    // Neither a prefill nor a decode: routers never see it.
+    assert_eq!(set.by_role(Role::Prefill).len(), 1);
+    assert_eq!(set.by_role(Role::Decode).len(), 1);
+    assert_eq!(merged.sources().next().unwrap().1.encode_endpoints(), 1);
+    // Removed by the next edit.
+    replace(&path, FIRST);
+    wait_for(&merged, RELOAD, "the encoder gone", |s| {
+        s.by_role(Role::Encode).is_empty()
+    })
+    .await;
+    // A bootstrap port or a bad EC role on an encoder is refused with the entry named.
+    let bad = "[[encode]]\nurl = \"http://10.0.0.9:8300\"\nbootstrap_port = 1\n";
+    assert!(
+        file::parse(bad)
+            .unwrap_err()
+            .to_string()
+            .contains("[[encode]] #1")
+    );
+    let bad = "[[encode]]\nurl = \"http://10.0.0.9:8300\"\nec_profile = \"cpu,ec_maybe\"\n";
+    assert!(file::parse(bad).is_err());
+}

@@ -22,10 +22,10 @@ fn pod<'a>(name: &'a str, role: &'a str, ip: &'a str, ready: bool) -> PodDesc<'a
     PodDesc {
         namespace: NS,
         name,
-        labels: if role == "prefill" {
-            &[("app", "vllm"), ("role", "prefill"), ("model", "llama")]
-        } else {
-            &[("app", "vllm"), ("role", "decode"), ("model", "llama")]
+        labels: match role {
+            "prefill" => &[("app", "vllm"), ("role", "prefill"), ("model", "llama")],
+            "encode" => &[("app", "vllm"), ("role", "encode"), ("model", "llama")],
+            _ => &[("app", "vllm"), ("role", "decode"), ("model", "llama")],
         },
         annotations: &[],
         ip,
@@ -449,4 +449,50 @@ async fn unusable_pods_are_left_out_and_counted_and_ports_are_found_by_name() {
     })
     .await;
     assert_eq!(stats(&h).rejected(), 1);
+}
+
+/// E/P/D: pods matching the encode selector are encoder endpoints, with their
+/// `disagg.io/ec-profile`; they come and go with their readiness like the others.
+#[tokio::test]
+async fn encoder_pods_join_as_encoders_with_their_ec_profile() {
+    let mut e1 = pod("e1", "encode", "127.0.3.1", true);
+    e1.annotations = &[("disagg.io/ec-profile", "ECExampleConnector,ec_producer")];
+    let mut bad = pod("e2", "encode", "127.0.3.2", true);
+    bad.annotations = &[("disagg.io/ec-profile", "example,ec_sometimes")];
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+            e1,
+            bad,
+        ],
+        |c| c.encode_selector = Some("app=vllm,role=encode".into()),
+    )
+    .await;
+    let set = h.merged.snapshot();
+    assert_eq!(ids(&set, Role::Encode), ["http://127.0.3.1:8000"]);
+    assert_eq!(ids(&set, Role::Prefill), ["http://127.0.1.1:8000"]);
+    assert_eq!(ids(&set, Role::Decode), ["http://127.0.2.1:8000"]);
+    let e = find(&set, Role::Encode, "http://127.0.3.1:8000");
+    let profile = e.ext().get::<disagg_pairing::EcProfile>().unwrap();
+    assert_eq!(profile.connector.as_deref(), Some("ECExampleConnector"));
+    assert!(serves(&e, "llama"));
+    // The pod with an unreadable profile is left out and counted.
+    assert_eq!(stats(&h).rejected(), 1);
+    assert_eq!(stats(&h).encode_endpoints(), 1);
+    eventually(WAIT, "three watches open", || h.server.open_watches() == 3).await;
+    // A new encoder pod joins; a not-ready one leaves.
+    h.server
+        .apply(pod("e3", "encode", "127.0.3.3", true).json());
+    wait_for(&h.merged, WAIT, "e3 joins", |s| {
+        s.by_role(Role::Encode).len() == 2
+    })
+    .await;
+    h.server
+        .apply(pod("e1", "encode", "127.0.3.1", false).json());
+    let set = wait_for(&h.merged, WAIT, "e1 leaves", |s| {
+        s.by_role(Role::Encode).len() == 1
+    })
+    .await;
+    assert_eq!(ids(&set, Role::Encode), ["http://127.0.3.3:8000"]);
 }

@@ -14,7 +14,7 @@ use disagg_core::orchestrator::OrchestratorConfig;
 use disagg_core::orchestrator::{KvRelease, PrefillFailure};
 use disagg_core::router::Pick;
 use disagg_http::PdServiceConfig;
-use disagg_pairing::KvProfile;
+use disagg_pairing::{EcProfile, KvProfile};
 use disagg_resilience::{AdmissionConfig, HealthConfig, RetryPolicy};
 
 use crate::BoxError;
@@ -100,6 +100,14 @@ pub struct ServeArgs {
     /// sizes only, a decode's size being its --lmcache-receiver port count). Repeatable.
     #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
     pub(crate) kv_profiles: Vec<(String, KvProfile)>,
+    /// What an engine declares about its encoder-output transfer (E/P/D; vLLM
+    /// `--ec-transfer-config`): URL=CONNECTOR,ROLE, each part optional, ROLE one of
+    /// `ec_producer`, `ec_consumer`, `ec_both` (e.g. `http://e:8300=ECExampleConnector,ec_producer`,
+    /// `http://p:8100=example,ec_consumer`). An encoder whose consumer (the prefill, or
+    /// the decode when there is no prefill) runs another EC connector, or roles that
+    /// cannot hand over, stop the proxy with an error naming both engines. Repeatable.
+    #[arg(long = "ec-profile", value_name = "URL=CONNECTOR,ROLE", value_parser = parse_ec_profile)]
+    pub(crate) ec_profiles: Vec<(String, EcProfile)>,
     /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
     /// prefill leg that could not connect or answered 502/503/504, or a decode leg that
     /// could not connect, before any answer reached the client; with jittered
@@ -689,6 +697,15 @@ pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError>
         .within(max)
         .map_err(|e| format!("{url}: {e} (--max-dp-ranks)"))?;
     Ok(ranks.into_iter().map(|r| format!("{base}@{r}")).collect())
+}
+
+/// `--ec-profile URL=CONNECTOR,ROLE`.
+pub(crate) fn parse_ec_profile(s: &str) -> Result<(String, EcProfile), String> {
+    let (url, spec) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not URL=CONNECTOR,ROLE"))?;
+    let profile = spec.parse::<EcProfile>().map_err(|e| e.to_string())?;
+    Ok((url.trim_end_matches('/').to_owned(), profile))
 }
 
 pub(crate) fn parse_profile(s: &str) -> Result<(String, KvProfile), String> {
