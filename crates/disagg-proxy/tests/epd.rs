@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 mod common;
 use common::certs::TempDir;
-use common::{Proxy, post};
+use common::{Proxy, get, post};
 
 async fn engine(ec: Option<(EcRole, &TempDir)>) -> SimEngine {
     SimEngine::start(SimConfig {
@@ -474,4 +474,287 @@ async fn a_failed_encoder_is_passed_over_until_it_answers_again() {
     assert!(epd.encoders[0].stats().requests <= 1);
     assert_eq!(epd.encoders[1].stats().ec_items_encoded, 6);
     assert!(epd.proxy.metric("disagg_encode_ejected").await <= 1);
+}
+
+// === encoders as endpoints: discovery, health, metrics, pairing, SGLang ===
+
+/// Polls `f` every 50 ms for up to 5 s.
+async fn within_5s<F: std::future::Future<Output = bool>>(mut f: impl FnMut() -> F) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_secs(5) {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    f().await
+}
+
+/// Replaces `path` as editors and ConfigMap volumes do: a new file renamed over it.
+fn replace(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn endpoints(prefill: &SimEngine, decode: &SimEngine, encoders: &[&SimEngine]) -> String {
+    let mut text = format!(
+        "[[prefill]]\nurl = \"{}\"\n[[decode]]\nurl = \"{}\"\n",
+        prefill.url(),
+        decode.url()
+    );
+    for e in encoders {
+        text.push_str(&format!("[[encode]]\nurl = \"{}\"\n", e.url()));
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encoder_added_to_the_endpoints_file_at_run_time_receives_legs() {
+    let store = TempDir::new();
+    let e1 = engine(Some((EcRole::Producer, &store))).await;
+    let e2 = engine(Some((EcRole::Producer, &store))).await;
+    let p = engine(Some((EcRole::Consumer, &store))).await;
+    let d = engine(None).await;
+    let dir = TempDir::new();
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let path = dir.0.join("endpoints.toml");
+    replace(&path, &endpoints(&p, &d, &[&e1]));
+    let proxy =
+        Proxy::start_args(&["--endpoints-file".to_owned(), path.display().to_string()]).await;
+    for _ in 0..2 {
+        let a = post(&proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}\n{}", a.text(), proxy.log());
+    }
+    assert_eq!((e1.stats().requests, e2.stats().requests), (2, 0));
+    // A second encoder joins: it is given legs.
+    replace(&path, &endpoints(&p, &d, &[&e1, &e2]));
+    let e2_url = e2.url();
+    assert!(
+        within_5s(|| proxy.routes_to("encode", &e2_url)).await,
+        "{}",
+        proxy.log()
+    );
+    for _ in 0..4 {
+        let a = post(&proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert!(e2.stats().ec_items_encoded > 0, "{}", proxy.log());
+    // The first leaves: nothing more for it.
+    replace(&path, &endpoints(&p, &d, &[&e2]));
+    let e1_url = e1.url();
+    assert!(within_5s(|| async { !proxy.routes_to("encode", &e1_url).await }).await);
+    let before = e1.stats().requests;
+    for _ in 0..3 {
+        let a = post(&proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(e1.stats().requests, before);
+    // Every item was encoded before its prefill read it.
+    assert_eq!(p.stats().ec_items_loaded, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encoder_failing_health_checks_is_given_no_legs_and_comes_back() {
+    let epd = Epd::start_with(false, &["--health-check-interval", "0.1"]).await;
+    let (sick, well) = (&epd.encoders[0], &epd.encoders[1]);
+    let sick_url = sick.url();
+    assert!(epd.proxy.routes_to("encode", &sick_url).await);
+    // SGLang's encoder answers 503 on /health when its dummy encode fails.
+    sick.set_faults(Faults {
+        health_status: Some(503),
+        ..Faults::default()
+    });
+    assert!(
+        within_5s(|| async { !epd.proxy.routes_to("encode", &sick_url).await }).await,
+        "{}",
+        epd.proxy.log()
+    );
+    let before = sick.stats().requests;
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(
+        sick.stats().requests,
+        before,
+        "an unhealthy encoder got a leg"
+    );
+    assert!(well.stats().ec_items_encoded >= 4);
+    let health = get(&epd.proxy.url(), "/metrics").await.text();
+    let down = format!(
+        "disagg_endpoint_health{{role=\"encode\",endpoint=\"{}\",state=\"down\"}} 1",
+        sick.url()
+    );
+    assert!(health.contains(&down), "{health}");
+    // Healthy again: back in the set, and given legs.
+    sick.set_faults(Faults::default());
+    assert!(within_5s(|| epd.proxy.routes_to("encode", &sick_url)).await);
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert!(sick.stats().requests > before, "{}", epd.proxy.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoder_legs_are_counted_per_endpoint_with_role_encode() {
+    let epd = Epd::start(false).await;
+    epd.encoders[1].set_faults(Faults {
+        status: Some(500),
+        ..Faults::default()
+    });
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let text = get(&epd.proxy.url(), "/metrics").await.text();
+    let count = |url: &str, outcome: &str| {
+        let line = format!(
+            "disagg_endpoint_requests_total{{role=\"encode\",endpoint=\"{url}\",outcome=\"{outcome}\"}} "
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&line)?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let (good, bad) = (epd.encoders[0].url(), epd.encoders[1].url());
+    assert_eq!(count(&good, "answered"), 4, "{text}");
+    assert_eq!(
+        count(&bad, "failed"),
+        epd.encoders[1].stats().requests,
+        "{text}"
+    );
+    assert!(count(&bad, "failed") >= 1, "{text}");
+    for e in &epd.encoders {
+        let gauge = format!(
+            "disagg_endpoint_in_flight{{role=\"encode\",endpoint=\"{}\"}}",
+            e.url()
+        );
+        let health = format!(
+            "disagg_endpoint_health{{role=\"encode\",endpoint=\"{}\"",
+            e.url()
+        );
+        assert!(text.contains(&gauge) || e.url() == bad, "{text}");
+        assert!(text.contains(&health), "{text}");
+    }
+}
+
+#[test]
+fn an_encoder_pool_its_consumer_cannot_load_is_refused_at_start() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--encode",
+        "http://127.0.0.1:3",
+        "--ec-profile",
+        "http://127.0.0.1:3=ECMooncakeConnector,ec_producer",
+        "--ec-profile",
+        "http://127.0.0.1:1=ECExampleConnector,ec_consumer",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("encoder endpoint http://127.0.0.1:3")
+            && err.contains("prefill endpoint http://127.0.0.1:1")
+            && err.contains("ECMooncakeConnector"),
+        "{err}"
+    );
+    // E -> PD: the decode is the consumer; a producer-only one cannot load.
+    let out = run(&[
+        "--decode",
+        "http://127.0.0.1:2",
+        "--encode",
+        "http://127.0.0.1:3",
+        "--ec-profile",
+        "http://127.0.0.1:2=cpu,ec_producer",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("decode endpoint http://127.0.0.1:2") && err.contains("cannot consume"),
+        "{err}"
+    );
+    // A profile for no engine given is refused too.
+    let out = run(&[
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--ec-profile",
+        "http://127.0.0.1:9=cpu,ec_producer",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--ec-profile names http://127.0.0.1:9"),
+        "{err}"
+    );
+}
+
+/// SGLang E/P/D: the language-only prefill calls its encoders itself; the proxy knows
+/// the encoders (`--encode`) for their health and metrics only and sends them nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_sglang_an_encoder_is_health_checked_but_sent_nothing() {
+    use disagg_sim::{KvMode, SimRole};
+    let sglang = |role| {
+        SimEngine::start(SimConfig {
+            kv_mode: KvMode::Sglang(role),
+            ..SimConfig::default()
+        })
+    };
+    let p = sglang(SimRole::Prefill).await.unwrap();
+    let d = sglang(SimRole::Decode).await.unwrap();
+    let e = SimEngine::start(SimConfig::default()).await.unwrap();
+    let port = p.bootstrap_addr().expect("a bootstrap server").port();
+    let proxy = Proxy::start_args(&[
+        "--connector".to_owned(),
+        "sglang".to_owned(),
+        "--prefill".to_owned(),
+        p.url(),
+        port.to_string(),
+        "--decode".to_owned(),
+        d.url(),
+        "--encode".to_owned(),
+        e.url(),
+        "--health-check-interval".to_owned(),
+        "0.1".to_owned(),
+    ])
+    .await;
+    for stream in [false, true] {
+        let a = post(&proxy.url(), "/v1/chat/completions", &chat(2, stream)).await;
+        assert_eq!(a.status, 200, "{}\n{}", a.text(), proxy.log());
+    }
+    assert_eq!((p.stats().requests, d.stats().requests), (2, 2));
+    // Probed: its /health is asked, and it is listed with role="encode".
+    assert!(
+        common::eventually(std::time::Duration::from_secs(5), || {
+            e.received().iter().any(|r| r.path == "/health")
+        })
+        .await
+    );
+    assert!(proxy.routes_to("encode", &e.url()).await);
+    // Sent nothing else: no leg, no request on any other route.
+    assert_eq!(e.stats().requests, 0);
+    assert!(
+        e.received().iter().all(|r| r.path == "/health"),
+        "{:?}",
+        e.received()
+    );
+    // Its health counts: failing checks take it out.
+    e.set_faults(Faults {
+        health_status: Some(503),
+        ..Faults::default()
+    });
+    let e_url = e.url();
+    assert!(within_5s(|| async { !proxy.routes_to("encode", &e_url).await }).await);
 }

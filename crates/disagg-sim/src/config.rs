@@ -434,6 +434,7 @@ pub enum SimRole {
 /// | an answer naming a sequence the request lacks (SGLang `/generate`) | `generate_index` |
 /// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
 /// | `/tokenize` hangs | `hang_tokenize` |
+/// | `GET /health` fails | `health_status` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -518,6 +519,10 @@ pub struct Faults {
     pub fail_transfers: bool,
     /// How `GET /metrics` misbehaves, if at all.
     pub metrics: Option<MetricsFault>,
+    /// `GET /health` answers this status (an engine that reports itself unhealthy
+    /// while it still serves, e.g. an SGLang encoder whose dummy encode failed);
+    /// the other routes are unchanged.
+    pub health_status: Option<u16>,
 }
 
 /// How `GET /metrics` misbehaves ([`Faults::metrics`]).

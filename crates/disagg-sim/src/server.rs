@@ -1005,6 +1005,10 @@ where
             // vLLM answers 503 once its engine core died (`EngineDeadError`).
             if is_dead(inner) {
                 *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            } else if let Some(status) = lock(&inner.faults).health_status
+                && let Ok(status) = StatusCode::from_u16(status)
+            {
+                *response.status_mut() = status;
             }
             return response;
         }
