@@ -307,7 +307,8 @@ impl VersionProbe {
     /// answer stays unknown, with a warning the first time.
     pub async fn probe(&self, set: &EndpointSet, known: &mut Versions) {
         let mut wanted: HashMap<String, Arc<Endpoint>> = HashMap::new();
-        for e in all(set) {
+        // Encoders hand no KV over: their version is never compared.
+        for e in all(set).filter(|e| e.role() != Role::Encode) {
             if let Some(k) = engine_of(e)
                 && !known.by_engine.contains_key(&k)
             {

@@ -262,3 +262,52 @@ fn a_rank_endpoint_has_its_engines_facts() {
             .is_empty()
     );
 }
+
+#[test]
+fn encoders_are_kept_apart_and_filtered_by_model_like_the_others() {
+    let set = EndpointSet::new([
+        ep("http://e1:1", Role::Encode, &["llava"]),
+        ep("http://p1:1", Role::Prefill, &[]),
+        ep("http://d1:1", Role::Decode, &["llava"]),
+        ep("http://d2:1", Role::Decode, &["qwen"]),
+        ep("http://e2:1", Role::Encode, &[]),
+        ep("http://e3:1", Role::Encode, &["pixtral"]),
+    ]);
+    // Never a prefill or a decode: routers read those two only.
+    assert_eq!(ids(set.prefill()), ["http://p1:1"]);
+    assert_eq!(ids(set.decode()), ["http://d1:1", "http://d2:1"]);
+    assert_eq!(
+        ids(set.by_role(Role::Encode)),
+        ["http://e1:1", "http://e2:1", "http://e3:1"]
+    );
+    assert_eq!((set.len(), set.iter().count()), (6, 6));
+    // A model only an encoder declares is served by no one.
+    assert_eq!(
+        set.served_models().iter().map(|m| &**m).collect::<Vec<_>>(),
+        ["llava", "qwen"]
+    );
+    assert!(set.for_model(Some("pixtral")).is_err());
+    // Per model: the encoders declaring it and those declaring none.
+    let llava = set.for_model(Some("llava")).unwrap();
+    assert_eq!(
+        ids(llava.by_role(Role::Encode)),
+        ["http://e1:1", "http://e2:1"]
+    );
+    let qwen = set.for_model(Some("qwen")).unwrap();
+    assert_eq!(ids(qwen.by_role(Role::Encode)), ["http://e2:1"]);
+    assert_eq!(Role::Encode.to_string(), "encode");
+}
+
+#[test]
+fn a_static_source_adds_and_removes_encoders() {
+    use crate::source::{EndpointSource, StaticSource};
+    let source = StaticSource::new([
+        Endpoint::new("http://p:1", Role::Prefill).unwrap(),
+        Endpoint::new("http://d:1", Role::Decode).unwrap(),
+    ]);
+    source.insert(Endpoint::new("http://e:1", Role::Encode).unwrap());
+    assert_eq!(ids(source.snapshot().by_role(Role::Encode)), ["http://e:1"]);
+    assert!(source.remove("http://e:1"));
+    assert!(source.snapshot().by_role(Role::Encode).is_empty());
+    assert_eq!(source.snapshot().len(), 2);
+}
