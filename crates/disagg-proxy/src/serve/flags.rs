@@ -46,8 +46,10 @@ pub struct ServeArgs {
     /// ec_producer`): its base URL. Repeat for several. A chat request with media parts
     /// (`image_url`, `input_audio`, `audio_url`, `video_url`) has its items encoded there
     /// first, concurrently, and its prefill and decode legs carry the encoders'
-    /// `ec_transfer_params`; other requests never touch an encoder. SGLang's encoders
-    /// are the prefill's own flags (`--encoder-urls`), not these.
+    /// `ec_transfer_params`; other requests never touch an encoder. With `--connector
+    /// sglang` the prefill calls its encoders itself (`--language-only --encoder-urls`):
+    /// encoders given here are then health-checked and listed in metrics, never sent a
+    /// leg.
     #[arg(long = "encode", value_name = "URL")]
     pub(crate) encode: Vec<String>,
     /// Seconds for the whole encoder stage of a request (every encoder leg, retries
