@@ -752,13 +752,8 @@ impl EndpointSet {
     }
 
     /// How many endpoints the set holds, of every role.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.prefill.len() + self.decode.len() + self.encode.len()
-    }
-
-    /// Whether the set holds no endpoint at all.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The prefill endpoints (the core's own shorthand for

@@ -74,8 +74,11 @@ impl Shared {
                     .into(),
             );
         }
-        // E → PD: encoders in front of prefill-decode engines, no prefill pool.
-        let e_pd = args.prefill.is_empty() && !args.discovery.any() && !args.encode.is_empty();
+        // E → PD: encoders in front of prefill-decode engines, no prefill pool (none
+        // given, none any discovery source can find).
+        let e_pd = args.prefill.is_empty()
+            && !args.discovery.may_find_prefill()
+            && (!args.encode.is_empty() || args.discovery.may_find_encode());
         if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback && !e_pd {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
