@@ -28,10 +28,10 @@
 //! report.
 //!
 //! A request the orchestrator does not serve (forwarded to one engine, fanned out to
-//! all, refused by the key check in front) has a [`RouteSummary`] instead, made by the
-//! server that served it and told once through
-//! [`Orchestrator::route_ended`](crate::Orchestrator::route_ended) to each listener's
-//! [`Listener::on_route`]: its [`RouteKind`], status, duration and bytes.
+//! all, refused by the key check in front) is the server's business: `disagg-http`
+//! records it in its own `RouteSummary`, told to its own route listeners. The core
+//! only draws its trace ids ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)),
+//! and its one-word outcome follows the same rule ([`Delivery::outcome`]).
 //!
 //! Listeners run on the request path (at the end of a body, on the task that polls
 //! it): they must be cheap, must not block, and must not hold a lock across anything
@@ -214,6 +214,24 @@ pub enum Delivery {
     Broken,
 }
 
+impl Delivery {
+    /// A request's outcome in one word, for metric labels and logs, from how its
+    /// response ended and the `status` the client got: `success` (a 2xx delivered
+    /// whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
+    /// `cancelled` (the client left first). The one rule for every request a server
+    /// answers: the orchestrator's ([`Summary::outcome`]) and those it does not serve
+    /// (`disagg-http`'s `RouteSummary`).
+    pub fn outcome(self, status: StatusCode) -> &'static str {
+        match self {
+            Delivery::Cancelled => "cancelled",
+            Delivery::Broken => "error",
+            Delivery::Complete if status.is_success() => "success",
+            Delivery::Complete if status.is_client_error() => "client_error",
+            Delivery::Complete => "error",
+        }
+    }
+}
+
 /// What a request's encoder stage did ([`encode`](crate::encode)), for its
 /// [`Summary`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,154 +395,7 @@ impl Summary {
     /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
     /// `cancelled` (the client left first).
     pub fn outcome(&self) -> &'static str {
-        outcome_word(self.delivery, self.status)
-    }
-}
-
-/// [`Summary::outcome`] and [`RouteSummary::outcome`]: one rule for both.
-fn outcome_word(delivery: Delivery, status: StatusCode) -> &'static str {
-    match delivery {
-        Delivery::Cancelled => "cancelled",
-        Delivery::Broken => "error",
-        Delivery::Complete if status.is_success() => "success",
-        Delivery::Complete if status.is_client_error() => "client_error",
-        Delivery::Complete => "error",
-    }
-}
-
-/// How a request the orchestrator did not serve was served: the `route` label of
-/// `disagg_requests_total` and the access log's `route` field (the orchestrator's own
-/// requests are `orchestrated`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RouteKind {
-    /// Forwarded unchanged to one engine (`/tokenize`, `/v1/embeddings`, ...).
-    Forward,
-    /// Forwarded unchanged to one decode engine, marked `x-disagg-handoff: direct`.
-    Direct,
-    /// An admin request sent to every engine of its model (`/reset_prefix_cache`, ...).
-    FanOut,
-    /// Refused by the API-key check (401, or 429 for a key over its limits) before any
-    /// route was taken.
-    KeyRefused,
-}
-
-impl RouteKind {
-    /// Every kind, in the order of [`OrchestratorStats::routed`](crate::orchestrator::OrchestratorStats::routed).
-    pub(crate) const ALL: [RouteKind; 4] = [
-        RouteKind::Forward,
-        RouteKind::Direct,
-        RouteKind::FanOut,
-        RouteKind::KeyRefused,
-    ];
-
-    /// The kind in one word: `forward`, `direct`, `fanout`, `key_refused`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RouteKind::Forward => "forward",
-            RouteKind::Direct => "direct",
-            RouteKind::FanOut => "fanout",
-            RouteKind::KeyRefused => "key_refused",
-        }
-    }
-
-    /// The kind's place in [`ALL`](Self::ALL).
-    pub(crate) fn index(self) -> usize {
-        match self {
-            RouteKind::Forward => 0,
-            RouteKind::Direct => 1,
-            RouteKind::FanOut => 2,
-            RouteKind::KeyRefused => 3,
-        }
-    }
-}
-
-/// How a request that the orchestrator did not serve ended: forwarded to one engine,
-/// fanned out to all, or refused by the key check ([`RouteKind`]). Made by the server
-/// that served it and told to every listener through
-/// [`Orchestrator::route_ended`](crate::Orchestrator::route_ended)
-/// ([`Listener::on_route`]), once, when its response ended.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct RouteSummary {
-    /// How it was served.
-    pub kind: RouteKind,
-    /// The request's method.
-    pub method: http::Method,
-    /// The request's path (its normal form when the service took it).
-    pub path: Arc<str>,
-    /// The client's `x-request-id`, when it sent one.
-    pub request_id: Option<HeaderValue>,
-    /// Who sent it, when the server identified the client (an API key's short hash).
-    pub client: Option<Arc<str>>,
-    /// The engine it was forwarded to (none for a fan-out or a refusal).
-    pub endpoint: Option<Arc<crate::endpoint::Endpoint>>,
-    /// The status the client got.
-    pub status: StatusCode,
-    /// When the request arrived.
-    pub arrival: Instant,
-    /// The same moment on the wall clock.
-    pub arrival_wall: SystemTime,
-    /// When the response ended (its last byte, its break, or the client leaving).
-    pub end: Instant,
-    /// Response body bytes handed to the client.
-    pub bytes: u64,
-    /// How the response ended.
-    pub delivery: Delivery,
-    /// The ids of its span when requests are traced
-    /// ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)); only
-    /// [`TraceIds::request`] names a span of it.
-    pub trace: Option<TraceIds>,
-}
-
-impl RouteSummary {
-    /// A request of `kind`, `method` on `path`, that arrived at `arrival`; answered 200
-    /// whole now until told otherwise ([`ended`](Self::ended)).
-    pub fn new(
-        kind: RouteKind,
-        method: http::Method,
-        path: impl Into<Arc<str>>,
-        arrival: Instant,
-    ) -> Self {
-        let mut s = RouteSummary {
-            kind,
-            method,
-            path: path.into(),
-            request_id: None,
-            client: None,
-            endpoint: None,
-            status: StatusCode::OK,
-            arrival,
-            arrival_wall: SystemTime::now(),
-            end: arrival,
-            bytes: 0,
-            delivery: Delivery::Complete,
-            trace: None,
-        };
-        s.ended(StatusCode::OK, Delivery::Complete);
-        s
-    }
-
-    /// The response ended now, with `status`, as `delivery` says.
-    pub fn ended(&mut self, status: StatusCode, delivery: Delivery) {
-        let end = now();
-        let wall = SystemTime::now();
-        self.status = status;
-        self.delivery = delivery;
-        self.end = end;
-        self.arrival_wall = wall
-            .checked_sub(end.saturating_duration_since(self.arrival))
-            .unwrap_or(wall);
-    }
-
-    /// From arrival to the response's end.
-    pub fn duration(&self) -> Duration {
-        self.end.saturating_duration_since(self.arrival)
-    }
-
-    /// The request's outcome in one word, as [`Summary::outcome`] says it.
-    pub fn outcome(&self) -> &'static str {
-        outcome_word(self.delivery, self.status)
+        self.delivery.outcome(self.status)
     }
 }
 
@@ -553,12 +424,6 @@ pub trait Listener: Send + Sync + 'static {
     fn on_engine_call(&self, call: &EngineCall) {
         let _ = call;
     }
-
-    /// `summary` is how a request the orchestrator did not serve ended (forwarded,
-    /// fanned out, refused by the key check).
-    fn on_route(&self, summary: &RouteSummary) {
-        let _ = summary;
-    }
 }
 
 impl<T: Listener + ?Sized> Listener for Arc<T> {
@@ -572,10 +437,6 @@ impl<T: Listener + ?Sized> Listener for Arc<T> {
 
     fn on_engine_call(&self, call: &EngineCall) {
         (**self).on_engine_call(call)
-    }
-
-    fn on_route(&self, summary: &RouteSummary) {
-        (**self).on_route(summary)
     }
 }
 

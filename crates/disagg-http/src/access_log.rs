@@ -3,7 +3,10 @@
 //!
 //! [`AccessLog`] is a [`Listener`]: attach it to the orchestrator
 //! ([`OrchestratorBuilder::listener`](disagg_core::orchestrator::OrchestratorBuilder::listener))
-//! and every request it parses or refuses gets one line from its [`Summary`]. The line
+//! and every request it parses or refuses gets one line from its [`Summary`]; it is a
+//! [`RouteListener`] too: attach it to the service
+//! ([`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners)) and
+//! every request the orchestrator does not serve gets one from its [`RouteSummary`]. The line
 //! is formatted on the request's task and handed to a writer thread through a bounded
 //! channel: the request path never waits on the output. The writer gathers the lines
 //! of a burst for 20 ms and writes them at once, so a busy proxy does not wake it (nor
@@ -45,7 +48,7 @@
 //! | `error` | the OpenAI error code when the request failed or its stream broke |
 //! | `trace_id` | the request's trace id, when it is traced |
 //! | `key` | the API key that admitted the request, by its short hash (`KeyId`: the first 8 hex digits of its SHA-256; never the key), with `--api-key` |
-//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`Listener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
+//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`RouteListener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
@@ -54,10 +57,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use disagg_core::endpoint::Role;
-use disagg_core::outcome::{Listener, RouteSummary, Summary, Timeline};
+use disagg_core::outcome::{Listener, Summary, Timeline};
 use http::HeaderValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
+
+use crate::routed::{RouteListener, RouteSummary};
 
 /// Lines the writer may lag behind before lines are dropped: some seconds of a busy
 /// proxy's requests (a few MiB at most), enough to ride out a slow terminal or a log
@@ -84,7 +89,8 @@ pub enum AccessLogFormat {
 /// use disagg_http::access_log::{AccessLog, AccessLogFormat};
 ///
 /// let (log, writer) = AccessLog::to_writer(AccessLogFormat::Json, std::io::sink());
-/// // Attach `log` with `Orchestrator::builder(..).listener(log.clone())`; at shutdown,
+/// // Attach `log` with `Orchestrator::builder(..).listener(log.clone())` and
+/// // `PdServiceConfig::route_listeners.push(log.clone())`; at shutdown,
 /// // once the orchestrator is dropped:
 /// writer.close();
 /// # drop(log);
@@ -224,7 +230,11 @@ impl Listener for AccessLog {
     fn on_request(&self, summary: &Summary) {
         self.send(Self::line(self.format, summary));
     }
+}
 
+/// A line for each request the orchestrator did not serve: attach it to
+/// [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) too.
+impl RouteListener for AccessLog {
     fn on_route(&self, summary: &RouteSummary) {
         self.send(Self::route_line(self.format, summary));
     }

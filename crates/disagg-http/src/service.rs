@@ -33,7 +33,6 @@ use bytes::Bytes;
 use disagg_core::Role;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
-use disagg_core::outcome::{RouteKind, RouteSummary};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::{Orchestrator, orchestrator::PdBody};
 use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
@@ -47,6 +46,7 @@ use crate::forward::RouteEnd;
 #[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
+use crate::routed::{RouteKind, RouteListeners, RouteSummary};
 use crate::routes::{RouteAction, RouteTable};
 
 /// The request id header a client may send (`x-request-id`).
@@ -81,6 +81,11 @@ pub struct PdServiceConfig {
     /// What is done with each route: orchestrated, answered, forwarded, refused or
     /// fanned out. Default [`RouteTable::default`]: admin routes refused.
     pub routes: RouteTable,
+    /// Who hears how each request the orchestrator does not serve ended (forwarded,
+    /// direct, fanned out: a [`RouteSummary`]); default none. The orchestrator's own
+    /// requests go to its [`Listener`](disagg_core::outcome::Listener)s; the
+    /// [`metrics`](Self::metrics), an access log and a tracer listen to both.
+    pub route_listeners: RouteListeners,
     /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
     /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
     /// `GET /metrics` has the orchestrator's counters and gauges only.
@@ -109,6 +114,7 @@ impl Default for PdServiceConfig {
             models_timeout: Duration::from_secs(5),
             models_ttl: Duration::from_secs(10),
             routes: RouteTable::default(),
+            route_listeners: RouteListeners::default(),
             #[cfg(feature = "metrics")]
             metrics: None,
             #[cfg(feature = "metrics")]
@@ -346,7 +352,7 @@ impl Inner {
                 .get::<crate::auth::KeyId>()
                 .map(|k| Arc::<str>::from(k.to_string()));
         }
-        RouteEnd::new(self.orchestrator.clone(), summary)
+        RouteEnd::new(self.config.route_listeners.clone(), summary)
     }
 
     /// The id (still escaped) of a model card asked for with an encoded `/` in it

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disagg_connectors::vllm::VllmNixl;
-use disagg_core::outcome::{Delivery, Listener, RouteKind, RouteSummary};
+use disagg_core::outcome::Delivery;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
+use disagg_http::routed::{RouteKind, RouteListener, RouteSummary};
 use disagg_http::server::Builder;
 use disagg_http::{HttpTransport, PdService, PdServiceConfig, RouteAction, RouteTable};
 use disagg_sim::{SimConfig, SimEngine};
@@ -21,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 #[derive(Clone, Default)]
 struct Heard(Arc<Mutex<Vec<RouteSummary>>>);
 
-impl Listener for Heard {
+impl RouteListener for Heard {
     fn on_route(&self, summary: &RouteSummary) {
         self.0.lock().unwrap().push(summary.clone());
     }
@@ -49,10 +50,10 @@ async fn forwarding_proxy(p: &SimEngine, d: &SimEngine, heard: &Heard) -> std::n
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
-        .listener(heard.clone())
-        .build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
     let mut config = PdServiceConfig::default();
+    config.route_listeners.push(heard.clone());
     config.routes = RouteTable::default().set("/v1/completions", RouteAction::Forwarded);
     let service = PdService::with_config(orchestrator, config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, LegOutcome, Listener, Report, RouteSummary, Summary};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -43,13 +43,6 @@ impl Reporter {
     pub(crate) fn summarize(&self, summary: &Summary) {
         for l in &self.listeners {
             l.on_request(summary);
-        }
-    }
-
-    /// Tell every listener how a request the orchestrator did not serve ended.
-    pub(crate) fn route(&self, summary: &RouteSummary) {
-        for l in &self.listeners {
-            l.on_route(summary);
         }
     }
 

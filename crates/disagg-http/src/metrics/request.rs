@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use disagg_core::Orchestrator;
@@ -14,6 +15,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::watch;
+
+use crate::routed::{RouteListener, RouteSummary};
 
 use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
 
@@ -87,6 +90,8 @@ struct Inner {
     handoff_family: Histograms<[(&'static str, &'static str); 1]>,
     endpoints: Arc<Endpoints>,
     families: Families,
+    /// Requests the orchestrator did not serve, by [`RouteKind::index`](crate::routed::RouteKind).
+    routed: Arc<[AtomicU64; 4]>,
 }
 
 impl fmt::Debug for Metrics {
@@ -154,6 +159,7 @@ impl Metrics {
                 handoff_family,
                 endpoints: Arc::new(Endpoints::new(families.clone(), retention)),
                 families,
+                routed: Arc::default(),
             }),
         }
     }
@@ -229,7 +235,10 @@ impl Metrics {
             "Legs sent to an endpoint, by how they ended: answered, failed (the engine's fault), abandoned.",
             f.legs.clone(),
         );
-        super::register_orchestrator(registry, orchestrator);
+        registry.register_collector(Box::new(
+            super::OrchestratorCollector::new(orchestrator.clone())
+                .with_routed(Arc::clone(&i.routed)),
+        ));
         registry.register_collector(Box::new(Prune {
             endpoints: Arc::clone(&i.endpoints),
             orchestrator: orchestrator.clone(),
@@ -260,6 +269,16 @@ impl Metrics {
     #[cfg(test)]
     pub(super) fn endpoints(&self) -> &Endpoints {
         &self.inner.endpoints
+    }
+}
+
+/// Counts the requests the orchestrator did not serve, by kind
+/// (`disagg_requests_total{route}`): attach it to
+/// [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) (and
+/// the key layer's, `auth::ApiKeyLayer::tell_refusals`).
+impl RouteListener for Metrics {
+    fn on_route(&self, summary: &RouteSummary) {
+        self.inner.routed[summary.kind.index()].fetch_add(1, Relaxed);
     }
 }
 
