@@ -97,6 +97,9 @@ pub struct Report {
     pub attempt: u32,
     /// When each of its steps happened.
     pub timeline: Timeline,
+    /// How long each phase took, from [`timeline`](Self::timeline) (filled when the
+    /// report is told).
+    pub phases: Phases,
     /// The trace identities of its spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
 }
@@ -118,6 +121,7 @@ impl Report {
             decode,
             attempt: 0,
             timeline,
+            phases: Phases::default(),
             trace: None,
         }
     }
@@ -132,7 +136,7 @@ pub(crate) fn now() -> Instant {
 /// When each step of one attempt happened; a step that did not happen is `None`.
 ///
 /// Instants, not durations, so that a trace can place each leg's span exactly;
-/// [`phases`](Self::phases) gives the durations the metrics want.
+/// [`Report::phases`] and [`Summary::phases`] have the durations the metrics want.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Timeline {
@@ -173,8 +177,9 @@ impl Timeline {
         }
     }
 
-    /// How long each phase of the attempt took.
-    pub fn phases(&self) -> Phases {
+    /// How long each phase of the attempt took: the one rule of [`Report::phases`],
+    /// [`Summary::phases`] and the `server-timing` header.
+    pub(crate) fn phases(&self) -> Phases {
         let between =
             |from: Option<Instant>, to: Option<Instant>| Some(to?.saturating_duration_since(from?));
         Phases {
@@ -186,9 +191,9 @@ impl Timeline {
     }
 }
 
-/// How long each phase of one attempt took ([`Timeline::phases`]); a phase whose start
-/// or end did not happen is `None`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How long each phase of one attempt took ([`Report::phases`], [`Summary::phases`]); a
+/// phase whose start or end did not happen is `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Phases {
     /// The prefill leg: sent until answered.
@@ -272,16 +277,19 @@ pub struct Migration {
     /// When the continuation's first byte went to the client (`None`: it never did; the
     /// continuation failed, or the client left first).
     pub resumed: Option<Instant>,
+    /// The time the client's stream stood still: from [`broke`](Self::broke) to
+    /// [`resumed`](Self::resumed) (`None` when it never resumed); set with `resumed`.
+    pub time_lost: Option<Duration>,
     /// The migration's span id, when the request is traced: the continuation's legs
     /// carry it as their `traceparent`'s parent.
     pub span: Option<[u8; 8]>,
 }
 
 impl Migration {
-    /// The time the client's stream stood still: from [`broke`](Self::broke) to
-    /// [`resumed`](Self::resumed) (`None` when it never resumed).
-    pub fn time_lost(&self) -> Option<Duration> {
-        Some(self.resumed?.saturating_duration_since(self.broke))
+    /// The continuation's first byte went to the client at `at`.
+    pub(crate) fn resumed(&mut self, at: Instant) {
+        self.resumed = Some(at);
+        self.time_lost = Some(at.saturating_duration_since(self.broke));
     }
 }
 
@@ -329,10 +337,21 @@ pub struct Summary {
     pub first_byte: Option<Instant>,
     /// When the response ended (its last byte, its break, or the client leaving).
     pub end: Instant,
+    /// From arrival to the response's end.
+    pub duration: Duration,
+    /// From arrival to the first byte of the response body.
+    pub time_to_first_byte: Option<Duration>,
+    /// How long each phase of the attempt that answered took (from its
+    /// [`timeline`](Self::timeline)).
+    pub phases: Option<Phases>,
     /// Response body bytes handed to the client.
     pub bytes: u64,
     /// How the response ended.
     pub delivery: Delivery,
+    /// The request's outcome in one word, for metric labels and logs: `success` (a 2xx
+    /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
+    /// `cancelled` (the client left first) ([`Delivery::outcome`]).
+    pub outcome: &'static str,
     /// The trace identities of the request's spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
     /// Times the answer's decode stream was continued on another decode engine
@@ -373,29 +392,26 @@ impl Summary {
             timeline: None,
             first_byte: None,
             end,
+            duration: Duration::ZERO,
+            time_to_first_byte: None,
+            phases: None,
             bytes: 0,
             delivery: Delivery::Complete,
+            outcome: "success",
             trace: None,
             migrations: 0,
             migrated: Vec::new(),
         }
     }
 
-    /// From arrival to the response's end.
-    pub fn duration(&self) -> Duration {
-        self.end.saturating_duration_since(self.arrival)
-    }
-
-    /// From arrival to the first byte of the response body.
-    pub fn time_to_first_byte(&self) -> Option<Duration> {
-        Some(self.first_byte?.saturating_duration_since(self.arrival))
-    }
-
-    /// The request's outcome in one word, for metric labels and logs: `success` (a 2xx
-    /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
-    /// `cancelled` (the client left first).
-    pub fn outcome(&self) -> &'static str {
-        self.delivery.outcome(self.status)
+    /// The values that follow from the others, filled once, when the summary is told.
+    pub(crate) fn finish(&mut self) {
+        self.duration = self.end.saturating_duration_since(self.arrival);
+        self.time_to_first_byte = self
+            .first_byte
+            .map(|b| b.saturating_duration_since(self.arrival));
+        self.phases = self.timeline.as_ref().map(Timeline::phases);
+        self.outcome = self.delivery.outcome(self.status);
     }
 }
 

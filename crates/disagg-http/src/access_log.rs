@@ -57,7 +57,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use disagg_core::endpoint::Role;
-use disagg_core::outcome::{Listener, Summary, Timeline};
+use disagg_core::outcome::{Listener, Summary};
 use http::HeaderValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
@@ -314,9 +314,9 @@ struct Fields<'a>([(&'static str, Value<'a>); 29]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
-        let phases = s.timeline.as_ref().map(Timeline::phases);
+        let phases = s.phases;
         let route = s.route.as_ref();
-        let end_wall = s.arrival_wall + s.duration();
+        let end_wall = s.arrival_wall + s.duration;
         Fields([
             ("time", Value::Owned(rfc3339(end_wall))),
             ("request_id", Value::header(s.request_id.as_ref())),
@@ -329,7 +329,7 @@ impl<'a> Fields<'a> {
             ("model", Value::opt_str(s.model.as_deref())),
             ("stream", Value::Bool(s.stream)),
             ("status", Value::Uint(u64::from(s.status.as_u16()))),
-            ("outcome", Value::Str(s.outcome())),
+            ("outcome", Value::Str(s.outcome)),
             ("handoff", Value::opt_str(s.handoff)),
             ("fallback", Value::opt_str(s.fallback)),
             (
@@ -346,8 +346,8 @@ impl<'a> Fields<'a> {
             ),
             ("attempts", Value::Uint(u64::from(s.attempts))),
             ("migrations", Value::Uint(u64::from(s.migrations))),
-            ("duration_ms", Value::Millis(s.duration())),
-            ("ttft_ms", Value::millis(s.time_to_first_byte())),
+            ("duration_ms", Value::Millis(s.duration)),
+            ("ttft_ms", Value::millis(s.time_to_first_byte)),
             ("queue_ms", Value::millis(s.queued)),
             ("encode_ms", Value::millis(s.encode.map(|e| e.duration))),
             (
@@ -381,7 +381,7 @@ impl<'a> Fields<'a> {
     /// The line of a request the orchestrator did not serve: what it has, the rest
     /// absent.
     fn of_route(s: &'a RouteSummary) -> Self {
-        let end_wall = s.arrival_wall + s.duration();
+        let end_wall = s.arrival_wall + s.duration;
         let engine = |role: Role| {
             Value::opt_str(
                 s.endpoint
@@ -399,14 +399,14 @@ impl<'a> Fields<'a> {
             ("model", Value::Null),
             ("stream", Value::Null),
             ("status", Value::Uint(u64::from(s.status.as_u16()))),
-            ("outcome", Value::Str(s.outcome())),
+            ("outcome", Value::Str(s.outcome)),
             ("handoff", Value::Null),
             ("fallback", Value::Null),
             ("prefill", engine(Role::Prefill)),
             ("decode", engine(Role::Decode)),
             ("attempts", Value::Null),
             ("migrations", Value::Null),
-            ("duration_ms", Value::Millis(s.duration())),
+            ("duration_ms", Value::Millis(s.duration)),
             ("ttft_ms", Value::Null),
             ("queue_ms", Value::Null),
             ("encode_ms", Value::Null),

@@ -99,10 +99,15 @@ pub struct RouteSummary {
     pub arrival_wall: SystemTime,
     /// When the response ended (its last byte, its break, or the client leaving).
     pub end: Instant,
+    /// From arrival to the response's end.
+    pub duration: Duration,
     /// Response body bytes handed to the client.
     pub bytes: u64,
     /// How the response ended.
     pub delivery: Delivery,
+    /// The request's outcome in one word, by the rule of the orchestrator's requests
+    /// ([`Delivery::outcome`]).
+    pub outcome: &'static str,
     /// The ids of its span when requests are traced
     /// ([`Orchestrator::route_trace`](disagg_core::Orchestrator::route_trace)); only
     /// [`TraceIds::request`] names a span of it.
@@ -129,35 +134,29 @@ impl RouteSummary {
             arrival,
             arrival_wall: SystemTime::now(),
             end: arrival,
+            duration: Duration::ZERO,
             bytes: 0,
             delivery: Delivery::Complete,
+            outcome: "success",
             trace: None,
         };
         s.ended(StatusCode::OK, Delivery::Complete);
         s
     }
 
-    /// The response ended now, with `status`, as `delivery` says.
+    /// The response ended now, with `status`, as `delivery` says (its duration and
+    /// outcome follow).
     pub fn ended(&mut self, status: StatusCode, delivery: Delivery) {
         let end = tokio::time::Instant::now().into_std();
         let wall = SystemTime::now();
         self.status = status;
         self.delivery = delivery;
+        self.outcome = delivery.outcome(status);
         self.end = end;
+        self.duration = end.saturating_duration_since(self.arrival);
         self.arrival_wall = wall
             .checked_sub(end.saturating_duration_since(self.arrival))
             .unwrap_or(wall);
-    }
-
-    /// From arrival to the response's end.
-    pub fn duration(&self) -> Duration {
-        self.end.saturating_duration_since(self.arrival)
-    }
-
-    /// The request's outcome in one word, by the rule of the orchestrator's requests
-    /// ([`Delivery::outcome`]).
-    pub fn outcome(&self) -> &'static str {
-        self.delivery.outcome(self.status)
     }
 }
 

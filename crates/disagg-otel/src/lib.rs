@@ -319,7 +319,7 @@ pub fn route_span(
         KeyValue::new("url.path", s.path.to_string()),
         KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
         KeyValue::new("disagg.route", s.kind.as_str()),
-        KeyValue::new("disagg.outcome", s.outcome()),
+        KeyValue::new("disagg.outcome", s.outcome),
         KeyValue::new(
             "disagg.response_bytes",
             i64::try_from(s.bytes).unwrap_or(i64::MAX),
@@ -345,7 +345,7 @@ pub fn route_span(
         events: SpanEvents::default(),
         links: SpanLinks::default(),
         status: if failed {
-            Status::error(s.outcome())
+            Status::error(s.outcome)
         } else {
             Status::Unset
         },
@@ -411,7 +411,7 @@ pub fn request_span(
         KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
         KeyValue::new("gen_ai.operation.name", operation(s.api)),
         KeyValue::new("disagg.attempts", i64::from(s.attempts)),
-        KeyValue::new("disagg.outcome", s.outcome()),
+        KeyValue::new("disagg.outcome", s.outcome),
         KeyValue::new(
             "disagg.response_bytes",
             i64::try_from(s.bytes).unwrap_or(i64::MAX),
@@ -437,7 +437,7 @@ pub fn request_span(
         attributes.push(KeyValue::new("error.type", e));
     }
     let mut events = SpanEvents::default();
-    if let Some(first) = s.time_to_first_byte() {
+    if let Some(first) = s.time_to_first_byte {
         events
             .events
             .push(Event::new("first_byte", start + first, Vec::new(), 0));

@@ -188,7 +188,7 @@ impl Finish {
                 }
             }
         }
-        reporter.report(&report);
+        reporter.report(&mut report);
         if let Some(mut summary) = self.summary.take() {
             summary.end = end;
             summary.first_byte = self.first_byte;
@@ -204,7 +204,7 @@ impl Finish {
             if summary.delivery == Delivery::Broken {
                 summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
             }
-            reporter.summarize(&summary);
+            reporter.summarize(&mut summary);
         }
     }
 }

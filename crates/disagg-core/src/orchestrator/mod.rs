@@ -365,7 +365,7 @@ impl Orchestrator {
         let mut summary = crate::outcome::Summary::new(api, arrival, error.status());
         summary.request_id = request_id;
         summary.error = Some(error.code());
-        reporter.summarize(&summary);
+        reporter.summarize(&mut summary);
     }
 
     /// The trace ids of a request this orchestrator does not serve (one a server

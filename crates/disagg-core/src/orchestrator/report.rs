@@ -25,8 +25,11 @@ impl fmt::Debug for Reporter {
 }
 
 impl Reporter {
-    /// Tell everyone how an attempt ended.
-    pub(crate) fn report(&self, report: &Report) {
+    /// Tell everyone how an attempt ended (its phases filled for the listeners).
+    pub(crate) fn report(&self, report: &mut Report) {
+        if self.listening() {
+            report.phases = report.timeline.phases();
+        }
         self.router.observe(&report.route, report.outcome);
         self.connector.observe(&report.route, report.outcome);
         for l in &self.listeners {
@@ -40,7 +43,8 @@ impl Reporter {
     }
 
     /// Tell every listener how a request ended.
-    pub(crate) fn summarize(&self, summary: &Summary) {
+    pub(crate) fn summarize(&self, summary: &mut Summary) {
+        summary.finish();
         for l in &self.listeners {
             l.on_request(summary);
         }

@@ -159,7 +159,7 @@ impl Inner {
                 s.route = Some(r.route);
                 s.timeline = Some(r.timeline);
             }
-            self.reporter.summarize(&s);
+            self.reporter.summarize(&mut s);
         }
         e
     }

@@ -287,7 +287,7 @@ impl Listener for Metrics {
         let i = &self.inner;
         let tl = &report.timeline;
         let at = tl.end.unwrap_or(tl.start);
-        let phases = tl.phases();
+        let phases = report.phases;
         if let Some(prefill) = &report.route.prefill {
             i.endpoints.with(prefill, at, |s| {
                 s.leg(report.prefill);
@@ -317,14 +317,14 @@ impl Listener for Metrics {
             return;
         };
         let stream = usize::from(summary.stream);
-        let outcome = match summary.outcome() {
+        let outcome = match summary.outcome {
             "success" => 0,
             "client_error" => 1,
             "cancelled" => 3,
             _ => 2,
         };
-        i.duration[api][stream][outcome].observe(seconds(summary.duration()));
-        if let Some(d) = summary.time_to_first_byte() {
+        i.duration[api][stream][outcome].observe(seconds(summary.duration));
+        if let Some(d) = summary.time_to_first_byte {
             i.first_token[api][stream].observe(seconds(d));
         }
         if let Some(d) = summary.queued {
@@ -335,7 +335,7 @@ impl Listener for Metrics {
             i.encode_items.observe(f64::from(e.items));
         }
         for m in &summary.migrated {
-            if let Some(d) = m.time_lost() {
+            if let Some(d) = m.time_lost {
                 i.migration.observe(seconds(d));
             }
         }

@@ -187,7 +187,7 @@ async fn through_prefill(
         through.clock,
         &mut tl,
     );
-    let failure = match attempt.await {
+    let mut failure = match attempt.await {
         Ok(ex) => match ex.into_decoded() {
             Ok((head, guard, pending)) => {
                 let body = match pending {
@@ -228,7 +228,7 @@ async fn through_prefill(
         },
         Err(f) => f,
     };
-    if let Some(report) = &failure.report {
+    if let Some(report) = &mut failure.report {
         ctx.reporter.report(report);
     }
     tracing::warn!(
