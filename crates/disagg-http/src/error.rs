@@ -103,7 +103,7 @@ mod tests {
 
     #[test]
     fn messages_errors_are_anthropics_but_for_the_request_model() {
-        let busy = PdError::overloaded(disagg_core::error::Overload::ServerBusy {
+        let busy = PdError::from(disagg_core::error::Overload::ServerBusy {
             retry_after: std::time::Duration::from_secs(2),
         });
         let resp = api_error_response(Api::Messages, None, &busy);

@@ -151,7 +151,7 @@ impl Inner {
         }
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
             Ok(ep) => ep,
-            Err(err) => return pd_error_response(&PdError::route(err)),
+            Err(err) => return pd_error_response(&PdError::from(err)),
         };
         if let Some(r) = route.as_mut() {
             r.summary.endpoint = Some(Arc::clone(&endpoint));
@@ -270,7 +270,7 @@ impl Inner {
         let set = match model.as_deref() {
             Some(m) => match set.for_model(Some(m)) {
                 Ok(s) => s.clone(),
-                Err(err) => return pd_error_response(&PdError::route(err)),
+                Err(err) => return pd_error_response(&PdError::from(err)),
             },
             None => set.as_ref().clone(),
         };
@@ -285,7 +285,7 @@ impl Inner {
             }
         }
         if targets.is_empty() {
-            return pd_error_response(&PdError::route(RouteError::NoDecode));
+            return pd_error_response(&PdError::from(RouteError::NoDecode));
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut headers = parts.headers.clone();

@@ -454,11 +454,9 @@ impl Inner {
                 Ok(parsed) => parsed.map_err(PdError::body),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // The runtime is shutting down: no answer will reach the client anyway.
-                Err(_) => Err(PdError::overloaded(
-                    disagg_core::error::Overload::ServerBusy {
-                        retry_after: body::BUSY_RETRY_AFTER,
-                    },
-                )),
+                Err(_) => Err(PdError::from(disagg_core::error::Overload::ServerBusy {
+                    retry_after: body::BUSY_RETRY_AFTER,
+                })),
             };
         }
         self.orchestrator

@@ -87,14 +87,14 @@ pub(super) async fn start(
         .and_then(|m| serde_json::from_slice::<String>(m).ok());
     let set = set
         .for_model(model.as_deref())
-        .map_err(|e| NotStarted::unrouted(PdError::route(e)))?;
+        .map_err(|e| NotStarted::unrouted(PdError::from(e)))?;
     let endpoint = set
         .decode()
         .iter()
         .filter(|e| !tried.contains(e.id()))
         .min_by_key(|e| e.in_flight())
         .cloned()
-        .ok_or_else(|| NotStarted::unrouted(PdError::route(crate::error::RouteError::NoDecode)))?;
+        .ok_or_else(|| NotStarted::unrouted(PdError::from(crate::error::RouteError::NoDecode)))?;
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
     // least busy one. Decode-only when none is, or when the prefill side fails.
