@@ -95,7 +95,7 @@ impl Inner {
             crate::endpoint::Role::Prefill => Side::Prefill,
             crate::endpoint::Role::Decode => Side::Decode,
         };
-        self.leg_request_with(req, leg, SlicedBody::from_json(&leg.body), side)
+        self.leg_request_with(req, leg, SlicedBody::from(&leg.body), side)
     }
 
     /// Build the HTTP request for one leg carrying `body` (rather than the leg's own), a
