@@ -41,7 +41,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
-use crate::error::{error_response, pd_error_response};
+use crate::error::error_response;
 use crate::forward::RouteEnd;
 #[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
@@ -278,7 +278,7 @@ impl Inner {
                 }
                 Some(_) => method_not_allowed(),
                 // A path the table orchestrates that no API serves.
-                None => pd_error_response(&PdError::not_found()),
+                None => not_found(),
             },
             RouteAction::Proxy => match path {
                 "/v1/models" if get => self.models(None).await,
@@ -294,7 +294,7 @@ impl Inner {
                         self.models(Some(&id)).await
                     }
                     Some(_) => method_not_allowed(),
-                    None => pd_error_response(&PdError::not_found()),
+                    None => not_found(),
                 },
             },
             RouteAction::Forwarded => self.forwarded(req, false).await,
@@ -534,6 +534,17 @@ pub(crate) fn invalid_path(err: crate::path::PathError) -> Response<PdBody> {
         &format!("invalid request path: {err}"),
         "invalid_request_error",
         "invalid_path",
+    )
+}
+
+/// A path the service serves no route for (404 `not_found`): the HTTP layer's own
+/// answer, never the orchestrator's.
+fn not_found() -> Response<PdBody> {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "no such route",
+        "invalid_request_error",
+        "not_found",
     )
 }
 

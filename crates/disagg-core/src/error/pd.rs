@@ -69,7 +69,6 @@ pub enum Overload {
 #[derive(Debug)]
 enum Kind {
     Body,
-    NotFound,
     Route,
     Connector,
     UpstreamStatus {
@@ -186,11 +185,6 @@ impl PdError {
         Self::new(Kind::Body, Side::Client, Some(err.into()))
     }
 
-    /// The request names no route this service serves.
-    pub fn not_found() -> Self {
-        Self::new(Kind::NotFound, Side::Client, None)
-    }
-
     /// The connector failed on `side`.
     pub fn connector(side: Side, err: ConnectorError) -> Self {
         Self::new(Kind::Connector, side, Some(err.into()))
@@ -268,7 +262,6 @@ impl PdError {
                 Some(BodyError::TimedOut { .. }) => StatusCode::REQUEST_TIMEOUT,
                 _ => StatusCode::BAD_REQUEST,
             },
-            Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::Route => match self.route_error() {
                 Some(RouteError::UnknownModel { .. }) => StatusCode::NOT_FOUND,
                 Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
@@ -303,7 +296,6 @@ impl PdError {
                 Some(BodyError::TimedOut { .. }) => "request_timeout",
                 _ => "invalid_request_body",
             },
-            (Kind::NotFound, _) => "not_found",
             (Kind::Route, _) => match self.route_error() {
                 Some(RouteError::NoPrefill) => "no_prefill_endpoint",
                 Some(RouteError::UnknownModel { .. }) => "model_not_found",
@@ -463,7 +455,6 @@ impl fmt::Display for PdError {
                 }
                 _ => f.write_str("invalid request body"),
             },
-            Kind::NotFound => f.write_str("no such route"),
             // A client's mistake is told in the cause's own words.
             Kind::Route if self.status().is_client_error() => match self.route_error() {
                 Some(e) => fmt::Display::fmt(e, f),
