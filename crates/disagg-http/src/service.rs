@@ -467,7 +467,7 @@ impl Inner {
     #[cfg(feature = "metrics")]
     fn metrics(&self, accept: Option<&HeaderValue>) -> Response<PdBody> {
         let (text, content_type) = crate::metrics::encode(&self.registry, accept);
-        let mut resp = Response::new(PdBody::full(Bytes::from(text)));
+        let mut resp = Response::new(PdBody::from(Bytes::from(text)));
         resp.headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         resp
@@ -520,7 +520,7 @@ where
 }
 
 pub(crate) fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody> {
-    let mut resp = Response::new(PdBody::full(body));
+    let mut resp = Response::new(PdBody::from(body));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
