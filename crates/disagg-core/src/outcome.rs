@@ -28,10 +28,10 @@
 //! report.
 //!
 //! A request the orchestrator does not serve (forwarded to one engine, fanned out to
-//! all, refused by the key check in front) has a [`RouteSummary`] instead, made by the
-//! server that served it and told once through
-//! [`Orchestrator::route_ended`](crate::Orchestrator::route_ended) to each listener's
-//! [`Listener::on_route`]: its [`RouteKind`], status, duration and bytes.
+//! all, refused by the key check in front) is the server's business: `disagg-http`
+//! records it in its own `RouteSummary`, told to its own route listeners. The core
+//! only draws its trace ids ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)),
+//! and its one-word outcome follows the same rule ([`Delivery::outcome`]).
 //!
 //! Listeners run on the request path (at the end of a body, on the task that polls
 //! it): they must be cheap, must not block, and must not hold a lock across anything
@@ -97,6 +97,9 @@ pub struct Report {
     pub attempt: u32,
     /// When each of its steps happened.
     pub timeline: Timeline,
+    /// How long each phase took, from [`timeline`](Self::timeline) (filled when the
+    /// report is told).
+    pub phases: Phases,
     /// The trace identities of its spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
 }
@@ -118,6 +121,7 @@ impl Report {
             decode,
             attempt: 0,
             timeline,
+            phases: Phases::default(),
             trace: None,
         }
     }
@@ -132,7 +136,7 @@ pub(crate) fn now() -> Instant {
 /// When each step of one attempt happened; a step that did not happen is `None`.
 ///
 /// Instants, not durations, so that a trace can place each leg's span exactly;
-/// [`phases`](Self::phases) gives the durations the metrics want.
+/// [`Report::phases`] and [`Summary::phases`] have the durations the metrics want.
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct Timeline {
@@ -173,8 +177,9 @@ impl Timeline {
         }
     }
 
-    /// How long each phase of the attempt took.
-    pub fn phases(&self) -> Phases {
+    /// How long each phase of the attempt took: the one rule of [`Report::phases`],
+    /// [`Summary::phases`] and the `server-timing` header.
+    pub(crate) fn phases(&self) -> Phases {
         let between =
             |from: Option<Instant>, to: Option<Instant>| Some(to?.saturating_duration_since(from?));
         Phases {
@@ -186,9 +191,9 @@ impl Timeline {
     }
 }
 
-/// How long each phase of one attempt took ([`Timeline::phases`]); a phase whose start
-/// or end did not happen is `None`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How long each phase of one attempt took ([`Report::phases`], [`Summary::phases`]); a
+/// phase whose start or end did not happen is `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Phases {
     /// The prefill leg: sent until answered.
@@ -212,6 +217,24 @@ pub enum Delivery {
     /// The answer broke after its head went out (a decode stream that failed, a time
     /// limit of the stream, a concurrent prefill that failed).
     Broken,
+}
+
+impl Delivery {
+    /// A request's outcome in one word, for metric labels and logs, from how its
+    /// response ended and the `status` the client got: `success` (a 2xx delivered
+    /// whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
+    /// `cancelled` (the client left first). The one rule for every request a server
+    /// answers: the orchestrator's ([`Summary::outcome`]) and those it does not serve
+    /// (`disagg-http`'s `RouteSummary`).
+    pub fn outcome(self, status: StatusCode) -> &'static str {
+        match self {
+            Delivery::Cancelled => "cancelled",
+            Delivery::Broken => "error",
+            Delivery::Complete if status.is_success() => "success",
+            Delivery::Complete if status.is_client_error() => "client_error",
+            Delivery::Complete => "error",
+        }
+    }
 }
 
 /// What a request's encoder stage did ([`encode`](crate::encode)), for its
@@ -254,16 +277,19 @@ pub struct Migration {
     /// When the continuation's first byte went to the client (`None`: it never did; the
     /// continuation failed, or the client left first).
     pub resumed: Option<Instant>,
+    /// The time the client's stream stood still: from [`broke`](Self::broke) to
+    /// [`resumed`](Self::resumed) (`None` when it never resumed); set with `resumed`.
+    pub time_lost: Option<Duration>,
     /// The migration's span id, when the request is traced: the continuation's legs
     /// carry it as their `traceparent`'s parent.
     pub span: Option<[u8; 8]>,
 }
 
 impl Migration {
-    /// The time the client's stream stood still: from [`broke`](Self::broke) to
-    /// [`resumed`](Self::resumed) (`None` when it never resumed).
-    pub fn time_lost(&self) -> Option<Duration> {
-        Some(self.resumed?.saturating_duration_since(self.broke))
+    /// The continuation's first byte went to the client at `at`.
+    pub(crate) fn resumed(&mut self, at: Instant) {
+        self.resumed = Some(at);
+        self.time_lost = Some(at.saturating_duration_since(self.broke));
     }
 }
 
@@ -311,10 +337,21 @@ pub struct Summary {
     pub first_byte: Option<Instant>,
     /// When the response ended (its last byte, its break, or the client leaving).
     pub end: Instant,
+    /// From arrival to the response's end.
+    pub duration: Duration,
+    /// From arrival to the first byte of the response body.
+    pub time_to_first_byte: Option<Duration>,
+    /// How long each phase of the attempt that answered took (from its
+    /// [`timeline`](Self::timeline)).
+    pub phases: Option<Phases>,
     /// Response body bytes handed to the client.
     pub bytes: u64,
     /// How the response ended.
     pub delivery: Delivery,
+    /// The request's outcome in one word, for metric labels and logs: `success` (a 2xx
+    /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
+    /// `cancelled` (the client left first) ([`Delivery::outcome`]).
+    pub outcome: &'static str,
     /// The trace identities of the request's spans, when the orchestrator traces.
     pub trace: Option<TraceIds>,
     /// Times the answer's decode stream was continued on another decode engine
@@ -355,176 +392,26 @@ impl Summary {
             timeline: None,
             first_byte: None,
             end,
+            duration: Duration::ZERO,
+            time_to_first_byte: None,
+            phases: None,
             bytes: 0,
             delivery: Delivery::Complete,
+            outcome: "success",
             trace: None,
             migrations: 0,
             migrated: Vec::new(),
         }
     }
 
-    /// From arrival to the response's end.
-    pub fn duration(&self) -> Duration {
-        self.end.saturating_duration_since(self.arrival)
-    }
-
-    /// From arrival to the first byte of the response body.
-    pub fn time_to_first_byte(&self) -> Option<Duration> {
-        Some(self.first_byte?.saturating_duration_since(self.arrival))
-    }
-
-    /// The request's outcome in one word, for metric labels and logs: `success` (a 2xx
-    /// delivered whole), `client_error` (4xx), `error` (5xx, or a stream that broke) or
-    /// `cancelled` (the client left first).
-    pub fn outcome(&self) -> &'static str {
-        outcome_word(self.delivery, self.status)
-    }
-}
-
-/// [`Summary::outcome`] and [`RouteSummary::outcome`]: one rule for both.
-fn outcome_word(delivery: Delivery, status: StatusCode) -> &'static str {
-    match delivery {
-        Delivery::Cancelled => "cancelled",
-        Delivery::Broken => "error",
-        Delivery::Complete if status.is_success() => "success",
-        Delivery::Complete if status.is_client_error() => "client_error",
-        Delivery::Complete => "error",
-    }
-}
-
-/// How a request the orchestrator did not serve was served: the `route` label of
-/// `disagg_requests_total` and the access log's `route` field (the orchestrator's own
-/// requests are `orchestrated`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum RouteKind {
-    /// Forwarded unchanged to one engine (`/tokenize`, `/v1/embeddings`, ...).
-    Forward,
-    /// Forwarded unchanged to one decode engine, marked `x-disagg-handoff: direct`.
-    Direct,
-    /// An admin request sent to every engine of its model (`/reset_prefix_cache`, ...).
-    FanOut,
-    /// Refused by the API-key check (401, or 429 for a key over its limits) before any
-    /// route was taken.
-    KeyRefused,
-}
-
-impl RouteKind {
-    /// Every kind, in the order of [`OrchestratorStats::routed`](crate::orchestrator::OrchestratorStats::routed).
-    pub(crate) const ALL: [RouteKind; 4] = [
-        RouteKind::Forward,
-        RouteKind::Direct,
-        RouteKind::FanOut,
-        RouteKind::KeyRefused,
-    ];
-
-    /// The kind in one word: `forward`, `direct`, `fanout`, `key_refused`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RouteKind::Forward => "forward",
-            RouteKind::Direct => "direct",
-            RouteKind::FanOut => "fanout",
-            RouteKind::KeyRefused => "key_refused",
-        }
-    }
-
-    /// The kind's place in [`ALL`](Self::ALL).
-    pub(crate) fn index(self) -> usize {
-        match self {
-            RouteKind::Forward => 0,
-            RouteKind::Direct => 1,
-            RouteKind::FanOut => 2,
-            RouteKind::KeyRefused => 3,
-        }
-    }
-}
-
-/// How a request that the orchestrator did not serve ended: forwarded to one engine,
-/// fanned out to all, or refused by the key check ([`RouteKind`]). Made by the server
-/// that served it and told to every listener through
-/// [`Orchestrator::route_ended`](crate::Orchestrator::route_ended)
-/// ([`Listener::on_route`]), once, when its response ended.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct RouteSummary {
-    /// How it was served.
-    pub kind: RouteKind,
-    /// The request's method.
-    pub method: http::Method,
-    /// The request's path (its normal form when the service took it).
-    pub path: Arc<str>,
-    /// The client's `x-request-id`, when it sent one.
-    pub request_id: Option<HeaderValue>,
-    /// Who sent it, when the server identified the client (an API key's short hash).
-    pub client: Option<Arc<str>>,
-    /// The engine it was forwarded to (none for a fan-out or a refusal).
-    pub endpoint: Option<Arc<crate::endpoint::Endpoint>>,
-    /// The status the client got.
-    pub status: StatusCode,
-    /// When the request arrived.
-    pub arrival: Instant,
-    /// The same moment on the wall clock.
-    pub arrival_wall: SystemTime,
-    /// When the response ended (its last byte, its break, or the client leaving).
-    pub end: Instant,
-    /// Response body bytes handed to the client.
-    pub bytes: u64,
-    /// How the response ended.
-    pub delivery: Delivery,
-    /// The ids of its span when requests are traced
-    /// ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)); only
-    /// [`TraceIds::request`] names a span of it.
-    pub trace: Option<TraceIds>,
-}
-
-impl RouteSummary {
-    /// A request of `kind`, `method` on `path`, that arrived at `arrival`; answered 200
-    /// whole now until told otherwise ([`ended`](Self::ended)).
-    pub fn new(
-        kind: RouteKind,
-        method: http::Method,
-        path: impl Into<Arc<str>>,
-        arrival: Instant,
-    ) -> Self {
-        let mut s = RouteSummary {
-            kind,
-            method,
-            path: path.into(),
-            request_id: None,
-            client: None,
-            endpoint: None,
-            status: StatusCode::OK,
-            arrival,
-            arrival_wall: SystemTime::now(),
-            end: arrival,
-            bytes: 0,
-            delivery: Delivery::Complete,
-            trace: None,
-        };
-        s.ended(StatusCode::OK, Delivery::Complete);
-        s
-    }
-
-    /// The response ended now, with `status`, as `delivery` says.
-    pub fn ended(&mut self, status: StatusCode, delivery: Delivery) {
-        let end = now();
-        let wall = SystemTime::now();
-        self.status = status;
-        self.delivery = delivery;
-        self.end = end;
-        self.arrival_wall = wall
-            .checked_sub(end.saturating_duration_since(self.arrival))
-            .unwrap_or(wall);
-    }
-
-    /// From arrival to the response's end.
-    pub fn duration(&self) -> Duration {
-        self.end.saturating_duration_since(self.arrival)
-    }
-
-    /// The request's outcome in one word, as [`Summary::outcome`] says it.
-    pub fn outcome(&self) -> &'static str {
-        outcome_word(self.delivery, self.status)
+    /// The values that follow from the others, filled once, when the summary is told.
+    pub(crate) fn finish(&mut self) {
+        self.duration = self.end.saturating_duration_since(self.arrival);
+        self.time_to_first_byte = self
+            .first_byte
+            .map(|b| b.saturating_duration_since(self.arrival));
+        self.phases = self.timeline.as_ref().map(Timeline::phases);
+        self.outcome = self.delivery.outcome(self.status);
     }
 }
 
@@ -553,12 +440,6 @@ pub trait Listener: Send + Sync + 'static {
     fn on_engine_call(&self, call: &EngineCall) {
         let _ = call;
     }
-
-    /// `summary` is how a request the orchestrator did not serve ended (forwarded,
-    /// fanned out, refused by the key check).
-    fn on_route(&self, summary: &RouteSummary) {
-        let _ = summary;
-    }
 }
 
 impl<T: Listener + ?Sized> Listener for Arc<T> {
@@ -572,10 +453,6 @@ impl<T: Listener + ?Sized> Listener for Arc<T> {
 
     fn on_engine_call(&self, call: &EngineCall) {
         (**self).on_engine_call(call)
-    }
-
-    fn on_route(&self, summary: &RouteSummary) {
-        (**self).on_route(summary)
     }
 }
 

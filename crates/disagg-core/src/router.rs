@@ -319,7 +319,7 @@ impl<'a> Ask<'a> {
                 false => router.select(self.view, candidates),
                 true => router.select_direct(self.view, candidates),
             })
-            .map_err(PdError::route)
+            .map_err(PdError::from)
     }
 }
 

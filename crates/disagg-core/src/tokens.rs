@@ -36,8 +36,7 @@
 //! health (`disagg-resilience`) ejects an engine whose calls keep failing, so requests
 //! stop waiting on it. The wait stays bounded by the tokenize budget either way.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 
@@ -71,8 +70,8 @@ pub trait Tokenizer: Send + Sync + 'static {
     /// Whatever kept the tokenizer from giving ids, as the trait's contract says.
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, BoxError>;
 
-    /// [`token_ids`](Self::token_ids), telling `asked` which engine it asks (before it
-    /// sends) and whether that engine answered; the orchestrator calls this one. A
+    /// [`token_ids`](Self::token_ids), filling in `asked`: which engine it asks (before
+    /// it sends) and whether that engine answered; the orchestrator calls this one. A
     /// tokenizer that asks no engine leaves `asked` alone: the default does exactly
     /// that.
     ///
@@ -83,7 +82,7 @@ pub trait Tokenizer: Send + Sync + 'static {
         &self,
         api: Api,
         body: &JsonBody,
-        asked: &Asked,
+        asked: &mut Asked,
     ) -> Result<Option<TokenIds>, BoxError> {
         let _ = asked;
         self.token_ids(api, body).await
@@ -100,41 +99,23 @@ impl<T: Tokenizer + ?Sized> Tokenizer for Arc<T> {
         &self,
         api: Api,
         body: &JsonBody,
-        asked: &Asked,
+        asked: &mut Asked,
     ) -> Result<Option<TokenIds>, BoxError> {
         (**self).token_ids_asking(api, body, asked).await
     }
 }
 
 /// The engine a tokenizer asked for one request's token ids, and whether it answered
-/// ([`Tokenizer::token_ids_asking`]). Made by the orchestrator per request
-/// (`Asked::default()`: nobody asked yet); read after the call ended or its budget ran
-/// out.
-#[derive(Debug, Default)]
+/// ([`Tokenizer::token_ids_asking`]): plain data the tokenizer fills in as it goes.
+/// Made by the orchestrator per request (`Asked::default()`: nobody asked yet) and read
+/// after the call ended or its budget ran out (the call is dropped then, and what it
+/// had filled in stays).
+#[derive(Debug, Default, Clone)]
+#[non_exhaustive]
 pub struct Asked {
-    engine: OnceLock<Arc<Endpoint>>,
-    answered: AtomicBool,
-}
-
-impl Asked {
-    /// The tokenizer is about to ask `engine` (the first one named counts).
-    pub fn asking(&self, engine: Arc<Endpoint>) {
-        let _ = self.engine.set(engine);
-    }
-
-    /// The engine answered: with token ids, or with an error the request caused (a
-    /// 4xx). It is not to blame, whatever the tokenizer makes of the answer.
-    pub fn answered(&self) {
-        self.answered.store(true, Ordering::Relaxed);
-    }
-
-    /// The engine asked, if any.
-    pub fn engine(&self) -> Option<&Arc<Endpoint>> {
-        self.engine.get()
-    }
-
-    /// Whether the engine answered.
-    pub fn has_answered(&self) -> bool {
-        self.answered.load(Ordering::Relaxed)
-    }
+    /// The engine the tokenizer is asking, set before it sends (`None`: it asked none).
+    pub engine: Option<Arc<Endpoint>>,
+    /// Whether the engine answered: with token ids, or with an error the request caused
+    /// (a 4xx). It is not to blame then, whatever the tokenizer makes of the answer.
+    pub answered: bool,
 }

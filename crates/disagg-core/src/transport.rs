@@ -61,7 +61,7 @@ pub trait Transport: Send + Sync + 'static {
     /// buffer (a copy); a transport that writes vectored should send the pieces as
     /// they are, as `disagg-http`'s does.
     fn send_sliced(&self, req: http::Request<SlicedBody>) -> ResponseFuture {
-        self.send(req.map(SlicedBody::into_bytes))
+        self.send(req.map(Bytes::from))
     }
 }
 
@@ -93,7 +93,7 @@ pub(crate) const SLICE_FROM: usize = 4 * 1024;
 /// A request body as the pieces it is made of, sent one after the other: the HTTP body
 /// of a leg ([`Transport::send_sliced`]).
 ///
-/// Built from a [`JsonBody`] by [`from_json`](Self::from_json): a long prompt is a slice
+/// Built from a [`JsonBody`] (`SlicedBody::from(&body)`): a long prompt is a slice
 /// of the client's buffer, never copied to be sent. As an [`http_body::Body`] it yields
 /// each piece as a data frame, and declares its exact length.
 #[derive(Debug, Clone, Default)]
@@ -106,14 +106,16 @@ pub struct SlicedBody {
     left: usize,
 }
 
-impl SlicedBody {
-    /// `body`'s JSON text, its values of at least 4 KiB as slices.
-    pub fn from_json(body: &JsonBody) -> Self {
+/// `body`'s JSON text, its values of at least 4 KiB as slices.
+impl From<&JsonBody> for SlicedBody {
+    fn from(body: &JsonBody) -> Self {
         let mut out = SlicedBody::default();
         body.write_parts(SLICE_FROM, |part| out.push(part));
         out
     }
+}
 
+impl SlicedBody {
     /// Append `part` (an empty one is skipped).
     pub(crate) fn push(&mut self, part: Bytes) {
         if part.is_empty() {
@@ -137,15 +139,17 @@ impl SlicedBody {
     pub(crate) fn parts(&self) -> impl Iterator<Item = &Bytes> {
         self.first.iter().chain(&self.rest)
     }
+}
 
-    /// The bytes not sent yet as one buffer: the piece itself when there is one, else a
-    /// copy.
-    pub fn into_bytes(self) -> Bytes {
-        if self.rest.is_empty() {
-            return self.first.unwrap_or_default();
+/// The bytes not sent yet as one buffer: the piece itself when there is one, else a
+/// copy.
+impl From<SlicedBody> for Bytes {
+    fn from(body: SlicedBody) -> Bytes {
+        if body.rest.is_empty() {
+            return body.first.unwrap_or_default();
         }
-        let mut out = Vec::with_capacity(self.left);
-        for part in self.parts() {
+        let mut out = Vec::with_capacity(body.left);
+        for part in body.parts() {
             out.extend_from_slice(part);
         }
         Bytes::from(out)
@@ -211,13 +215,13 @@ mod tests {
         let prompt = "p".repeat(SLICE_FROM);
         let client = Bytes::from(format!(r#"{{"model":"m","prompt":"{prompt}","n":1}}"#));
         let json = JsonBody::parse_bytes(&client).unwrap();
-        let body = SlicedBody::from_json(&json);
+        let body = SlicedBody::from(&json);
         // Before the prompt, the prompt (a slice of the client's buffer), after it.
         let parts: Vec<&Bytes> = body.parts().collect();
         assert_eq!(parts.len(), 3);
         assert_eq!(parts[1].as_ptr(), client[22..].as_ptr());
         assert_eq!(body.size_hint().exact(), Some(client.len() as u64));
-        assert_eq!(body.clone().into_bytes(), client);
+        assert_eq!(Bytes::from(body.clone()), client);
         let mut frames = Vec::new();
         let mut body = body;
         while let Some(frame) = body.frame().await {
@@ -231,9 +235,9 @@ mod tests {
         assert_eq!(frames.concat(), client.to_vec());
         // A short body is one piece: to_bytes's, not copied again.
         let short = JsonBody::parse(br#"{"model":"m"}"#).unwrap();
-        let one = SlicedBody::from_json(&short);
+        let one = SlicedBody::from(&short);
         assert_eq!(one.parts().count(), 1);
-        assert_eq!(one.into_bytes(), short.to_bytes());
+        assert_eq!(Bytes::from(one), short.to_bytes());
         assert!(SlicedBody::from(Bytes::new()).is_empty());
     }
 }

@@ -678,7 +678,7 @@ mod tests {
                 .is_some_and(|ms| ms.len() == 1 && &*ms[0] == "llama")
         }));
         // The spec's facts go to every rank's endpoint; none declared, none kept.
-        assert!(eps[0].facts().is_empty());
+        assert_eq!(eps[0].facts(), &Facts::default());
         let mut p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
         p.facts.insert(Facts::BOOTSTRAP_PORT, "8998").unwrap();
         p.ranks = Some(Ranks::new(0, 1).unwrap());

@@ -3,7 +3,10 @@
 //!
 //! [`AccessLog`] is a [`Listener`]: attach it to the orchestrator
 //! ([`OrchestratorBuilder::listener`](disagg_core::orchestrator::OrchestratorBuilder::listener))
-//! and every request it parses or refuses gets one line from its [`Summary`]. The line
+//! and every request it parses or refuses gets one line from its [`Summary`]; it is a
+//! [`RouteListener`] too: attach it to the service
+//! ([`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners)) and
+//! every request the orchestrator does not serve gets one from its [`RouteSummary`]. The line
 //! is formatted on the request's task and handed to a writer thread through a bounded
 //! channel: the request path never waits on the output. The writer gathers the lines
 //! of a burst for 20 ms and writes them at once, so a busy proxy does not wake it (nor
@@ -45,7 +48,7 @@
 //! | `error` | the OpenAI error code when the request failed or its stream broke |
 //! | `trace_id` | the request's trace id, when it is traced |
 //! | `key` | the API key that admitted the request, by its short hash (`KeyId`: the first 8 hex digits of its SHA-256; never the key), with `--api-key` |
-//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`Listener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
+//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`RouteListener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};
@@ -54,10 +57,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use disagg_core::endpoint::Role;
-use disagg_core::outcome::{Listener, RouteSummary, Summary, Timeline};
+use disagg_core::outcome::{Listener, Summary};
 use http::HeaderValue;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
+
+use crate::routed::{RouteListener, RouteSummary};
 
 /// Lines the writer may lag behind before lines are dropped: some seconds of a busy
 /// proxy's requests (a few MiB at most), enough to ride out a slow terminal or a log
@@ -84,7 +89,8 @@ pub enum AccessLogFormat {
 /// use disagg_http::access_log::{AccessLog, AccessLogFormat};
 ///
 /// let (log, writer) = AccessLog::to_writer(AccessLogFormat::Json, std::io::sink());
-/// // Attach `log` with `Orchestrator::builder(..).listener(log.clone())`; at shutdown,
+/// // Attach `log` with `Orchestrator::builder(..).listener(log.clone())` and
+/// // `PdServiceConfig::route_listeners.push(log.clone())`; at shutdown,
 /// // once the orchestrator is dropped:
 /// writer.close();
 /// # drop(log);
@@ -224,7 +230,11 @@ impl Listener for AccessLog {
     fn on_request(&self, summary: &Summary) {
         self.send(Self::line(self.format, summary));
     }
+}
 
+/// A line for each request the orchestrator did not serve: attach it to
+/// [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) too.
+impl RouteListener for AccessLog {
     fn on_route(&self, summary: &RouteSummary) {
         self.send(Self::route_line(self.format, summary));
     }
@@ -304,9 +314,9 @@ struct Fields<'a>([(&'static str, Value<'a>); 29]);
 
 impl<'a> Fields<'a> {
     fn of(s: &'a Summary) -> Self {
-        let phases = s.timeline.as_ref().map(Timeline::phases);
+        let phases = s.phases;
         let route = s.route.as_ref();
-        let end_wall = s.arrival_wall + s.duration();
+        let end_wall = s.arrival_wall + s.duration;
         Fields([
             ("time", Value::Owned(rfc3339(end_wall))),
             ("request_id", Value::header(s.request_id.as_ref())),
@@ -319,7 +329,7 @@ impl<'a> Fields<'a> {
             ("model", Value::opt_str(s.model.as_deref())),
             ("stream", Value::Bool(s.stream)),
             ("status", Value::Uint(u64::from(s.status.as_u16()))),
-            ("outcome", Value::Str(s.outcome())),
+            ("outcome", Value::Str(s.outcome)),
             ("handoff", Value::opt_str(s.handoff)),
             ("fallback", Value::opt_str(s.fallback)),
             (
@@ -336,8 +346,8 @@ impl<'a> Fields<'a> {
             ),
             ("attempts", Value::Uint(u64::from(s.attempts))),
             ("migrations", Value::Uint(u64::from(s.migrations))),
-            ("duration_ms", Value::Millis(s.duration())),
-            ("ttft_ms", Value::millis(s.time_to_first_byte())),
+            ("duration_ms", Value::Millis(s.duration)),
+            ("ttft_ms", Value::millis(s.time_to_first_byte)),
             ("queue_ms", Value::millis(s.queued)),
             ("encode_ms", Value::millis(s.encode.map(|e| e.duration))),
             (
@@ -371,7 +381,7 @@ impl<'a> Fields<'a> {
     /// The line of a request the orchestrator did not serve: what it has, the rest
     /// absent.
     fn of_route(s: &'a RouteSummary) -> Self {
-        let end_wall = s.arrival_wall + s.duration();
+        let end_wall = s.arrival_wall + s.duration;
         let engine = |role: Role| {
             Value::opt_str(
                 s.endpoint
@@ -389,14 +399,14 @@ impl<'a> Fields<'a> {
             ("model", Value::Null),
             ("stream", Value::Null),
             ("status", Value::Uint(u64::from(s.status.as_u16()))),
-            ("outcome", Value::Str(s.outcome())),
+            ("outcome", Value::Str(s.outcome)),
             ("handoff", Value::Null),
             ("fallback", Value::Null),
             ("prefill", engine(Role::Prefill)),
             ("decode", engine(Role::Decode)),
             ("attempts", Value::Null),
             ("migrations", Value::Null),
-            ("duration_ms", Value::Millis(s.duration())),
+            ("duration_ms", Value::Millis(s.duration)),
             ("ttft_ms", Value::Null),
             ("queue_ms", Value::Null),
             ("encode_ms", Value::Null),

@@ -218,7 +218,7 @@ where
         // A declared length is taken from the budget now, before any of it is read.
         let declared = hint.exact().and_then(|n| usize::try_from(n).ok());
         match declared {
-            Some(n) if !share.grow_to(n) => Err(PdError::overloaded(Overload::ServerBusy {
+            Some(n) if !share.grow_to(n) => Err(PdError::from(Overload::ServerBusy {
                 retry_after: BUSY_RETRY_AFTER,
             })),
             _ => Ok(declared),
@@ -529,7 +529,7 @@ fn append(
     max_bytes: usize,
 ) -> Result<(), PdError> {
     let busy = || {
-        PdError::overloaded(Overload::ServerBusy {
+        PdError::from(Overload::ServerBusy {
             retry_after: BUSY_RETRY_AFTER,
         })
     };

@@ -25,7 +25,7 @@ pub fn error_response(
     error_type: &str,
     code: &str,
 ) -> Response<PdBody> {
-    let mut resp = Response::new(PdBody::full(openai_error_body(message, error_type, code)));
+    let mut resp = Response::new(PdBody::from(openai_error_body(message, error_type, code)));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -37,7 +37,7 @@ pub fn error_response(
 pub fn pd_error_response(err: &PdError) -> Response<PdBody> {
     let http = err.http();
     let body = openai_body(&error_chain(err), http.error_type, http.param, http.code);
-    let mut resp = Response::new(PdBody::full(body));
+    let mut resp = Response::new(PdBody::from(body));
     *resp.status_mut() = http.status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -79,7 +79,7 @@ pub fn api_error_response(api: Api, request_id: Option<&str>, err: &PdError) -> 
         _ => return pd_error_response(err),
     };
     let mut resp = pd_error_response(err);
-    *resp.body_mut() = PdBody::full(Bytes::from(body.to_string()));
+    *resp.body_mut() = PdBody::from(Bytes::from(body.to_string()));
     resp
 }
 
@@ -103,7 +103,7 @@ mod tests {
 
     #[test]
     fn messages_errors_are_anthropics_but_for_the_request_model() {
-        let busy = PdError::overloaded(disagg_core::error::Overload::ServerBusy {
+        let busy = PdError::from(disagg_core::error::Overload::ServerBusy {
             retry_after: std::time::Duration::from_secs(2),
         });
         let resp = api_error_response(Api::Messages, None, &busy);

@@ -32,7 +32,7 @@ use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
 use disagg_core::json::BodyError;
-use disagg_core::outcome::{Delivery, RouteSummary};
+use disagg_core::outcome::Delivery;
 use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
@@ -43,6 +43,7 @@ use http_body_util::BodyExt;
 
 use crate::body;
 use crate::error::{error_response, pd_error_response};
+use crate::routed::{RouteListeners, RouteSummary};
 use crate::service::{Inner, collect_limited, json_response};
 use crate::tap::{Hooks, Tap, Unshared};
 
@@ -150,7 +151,7 @@ impl Inner {
         }
         let endpoint = match self.pick(&set, model.as_deref(), direct) {
             Ok(ep) => ep,
-            Err(err) => return pd_error_response(&PdError::route(err)),
+            Err(err) => return pd_error_response(&PdError::from(err)),
         };
         if let Some(r) = route.as_mut() {
             r.summary.endpoint = Some(Arc::clone(&endpoint));
@@ -269,7 +270,7 @@ impl Inner {
         let set = match model.as_deref() {
             Some(m) => match set.for_model(Some(m)) {
                 Ok(s) => s.clone(),
-                Err(err) => return pd_error_response(&PdError::route(err)),
+                Err(err) => return pd_error_response(&PdError::from(err)),
             },
             None => set.as_ref().clone(),
         };
@@ -284,7 +285,7 @@ impl Inner {
             }
         }
         if targets.is_empty() {
-            return pd_error_response(&PdError::route(RouteError::NoDecode));
+            return pd_error_response(&PdError::from(RouteError::NoDecode));
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut headers = parts.headers.clone();
@@ -608,19 +609,19 @@ impl EngineBody {
     }
 }
 
-/// A request the orchestrator does not serve, on its way: its summary is told
-/// ([`Orchestrator::route_ended`](disagg_core::Orchestrator::route_ended)) once, when
-/// its answer ends, breaks, or is dropped unfinished (the client left).
+/// A request the orchestrator does not serve, on its way: its summary is told to the
+/// service's [`RouteListeners`] once, when its answer ends, breaks, or is dropped
+/// unfinished (the client left).
 pub(crate) struct RouteEnd {
-    orchestrator: disagg_core::Orchestrator,
+    listeners: RouteListeners,
     pub(crate) summary: RouteSummary,
     told: bool,
 }
 
 impl RouteEnd {
-    pub(crate) fn new(orchestrator: disagg_core::Orchestrator, summary: RouteSummary) -> Self {
+    pub(crate) fn new(listeners: RouteListeners, summary: RouteSummary) -> Self {
         RouteEnd {
-            orchestrator,
+            listeners,
             summary,
             told: false,
         }
@@ -633,7 +634,7 @@ impl RouteEnd {
         }
         let status = self.summary.status;
         self.summary.ended(status, delivery);
-        self.orchestrator.route_ended(&self.summary);
+        self.listeners.tell(&self.summary);
     }
 
     /// The proxy's own answer `resp` (whole in memory: it ends as it is sent) ends the

@@ -54,6 +54,7 @@ pub mod layer;
 pub mod metrics;
 pub mod models;
 pub mod path;
+pub mod routed;
 pub mod routes;
 pub mod server;
 pub mod service;

@@ -208,7 +208,7 @@ impl crate::service::Inner {
                     .map(Arc::from)
                     .collect();
                 let err = RouteError::UnknownModel { model: id, served };
-                crate::error::pd_error_response(&PdError::route(err))
+                crate::error::pd_error_response(&PdError::from(err))
             }
         }
     }

@@ -33,7 +33,6 @@ use bytes::Bytes;
 use disagg_core::Role;
 use disagg_core::error::{BoxError, PdError};
 use disagg_core::orchestrator::PrefillFailure;
-use disagg_core::outcome::{RouteKind, RouteSummary};
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::{Orchestrator, orchestrator::PdBody};
 use http::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
@@ -42,11 +41,12 @@ use http_body::Body;
 use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
-use crate::error::{error_response, pd_error_response};
+use crate::error::error_response;
 use crate::forward::RouteEnd;
 #[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
+use crate::routed::{RouteKind, RouteListeners, RouteSummary};
 use crate::routes::{RouteAction, RouteTable};
 
 /// The request id header a client may send (`x-request-id`).
@@ -81,6 +81,11 @@ pub struct PdServiceConfig {
     /// What is done with each route: orchestrated, answered, forwarded, refused or
     /// fanned out. Default [`RouteTable::default`]: admin routes refused.
     pub routes: RouteTable,
+    /// Who hears how each request the orchestrator does not serve ended (forwarded,
+    /// direct, fanned out: a [`RouteSummary`]); default none. The orchestrator's own
+    /// requests go to its [`Listener`](disagg_core::outcome::Listener)s; the
+    /// [`metrics`](Self::metrics), an access log and a tracer listen to both.
+    pub route_listeners: RouteListeners,
     /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
     /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
     /// `GET /metrics` has the orchestrator's counters and gauges only.
@@ -109,6 +114,7 @@ impl Default for PdServiceConfig {
             models_timeout: Duration::from_secs(5),
             models_ttl: Duration::from_secs(10),
             routes: RouteTable::default(),
+            route_listeners: RouteListeners::default(),
             #[cfg(feature = "metrics")]
             metrics: None,
             #[cfg(feature = "metrics")]
@@ -272,7 +278,7 @@ impl Inner {
                 }
                 Some(_) => method_not_allowed(),
                 // A path the table orchestrates that no API serves.
-                None => pd_error_response(&PdError::not_found()),
+                None => not_found(),
             },
             RouteAction::Proxy => match path {
                 "/v1/models" if get => self.models(None).await,
@@ -288,7 +294,7 @@ impl Inner {
                         self.models(Some(&id)).await
                     }
                     Some(_) => method_not_allowed(),
-                    None => pd_error_response(&PdError::not_found()),
+                    None => not_found(),
                 },
             },
             RouteAction::Forwarded => self.forwarded(req, false).await,
@@ -346,7 +352,7 @@ impl Inner {
                 .get::<crate::auth::KeyId>()
                 .map(|k| Arc::<str>::from(k.to_string()));
         }
-        RouteEnd::new(self.orchestrator.clone(), summary)
+        RouteEnd::new(self.config.route_listeners.clone(), summary)
     }
 
     /// The id (still escaped) of a model card asked for with an encoded `/` in it
@@ -448,11 +454,9 @@ impl Inner {
                 Ok(parsed) => parsed.map_err(PdError::body),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 // The runtime is shutting down: no answer will reach the client anyway.
-                Err(_) => Err(PdError::overloaded(
-                    disagg_core::error::Overload::ServerBusy {
-                        retry_after: body::BUSY_RETRY_AFTER,
-                    },
-                )),
+                Err(_) => Err(PdError::from(disagg_core::error::Overload::ServerBusy {
+                    retry_after: body::BUSY_RETRY_AFTER,
+                })),
             };
         }
         self.orchestrator
@@ -463,7 +467,7 @@ impl Inner {
     #[cfg(feature = "metrics")]
     fn metrics(&self, accept: Option<&HeaderValue>) -> Response<PdBody> {
         let (text, content_type) = crate::metrics::encode(&self.registry, accept);
-        let mut resp = Response::new(PdBody::full(Bytes::from(text)));
+        let mut resp = Response::new(PdBody::from(Bytes::from(text)));
         resp.headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         resp
@@ -516,7 +520,7 @@ where
 }
 
 pub(crate) fn json_response(status: StatusCode, body: Bytes) -> Response<PdBody> {
-    let mut resp = Response::new(PdBody::full(body));
+    let mut resp = Response::new(PdBody::from(body));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -530,6 +534,17 @@ pub(crate) fn invalid_path(err: crate::path::PathError) -> Response<PdBody> {
         &format!("invalid request path: {err}"),
         "invalid_request_error",
         "invalid_path",
+    )
+}
+
+/// A path the service serves no route for (404 `not_found`): the HTTP layer's own
+/// answer, never the orchestrator's.
+fn not_found() -> Response<PdBody> {
+    error_response(
+        StatusCode::NOT_FOUND,
+        "no such route",
+        "invalid_request_error",
+        "not_found",
     )
 }
 

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use disagg_connectors::vllm::VllmNixl;
-use disagg_core::outcome::{Delivery, Listener, RouteKind, RouteSummary};
+use disagg_core::outcome::Delivery;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
+use disagg_http::routed::{RouteKind, RouteListener, RouteSummary};
 use disagg_http::server::Builder;
 use disagg_http::{HttpTransport, PdService, PdServiceConfig, RouteAction, RouteTable};
 use disagg_sim::{SimConfig, SimEngine};
@@ -21,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 #[derive(Clone, Default)]
 struct Heard(Arc<Mutex<Vec<RouteSummary>>>);
 
-impl Listener for Heard {
+impl RouteListener for Heard {
     fn on_route(&self, summary: &RouteSummary) {
         self.0.lock().unwrap().push(summary.clone());
     }
@@ -49,10 +50,10 @@ async fn forwarding_proxy(p: &SimEngine, d: &SimEngine, heard: &Heard) -> std::n
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&d.url(), Role::Decode).unwrap(),
     ]);
-    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
-        .listener(heard.clone())
-        .build();
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
     let mut config = PdServiceConfig::default();
+    config.route_listeners.push(heard.clone());
     config.routes = RouteTable::default().set("/v1/completions", RouteAction::Forwarded);
     let service = PdService::with_config(orchestrator, config);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -98,7 +99,7 @@ async fn a_forwarded_answer_is_told_once_when_it_ends_with_its_bytes() {
     assert_eq!(s.path.as_ref(), "/v1/completions");
     assert_eq!(s.status, 200);
     assert_eq!(s.delivery, Delivery::Complete);
-    assert_eq!(s.outcome(), "success");
+    assert_eq!(s.outcome, "success");
     assert_eq!(
         s.endpoint.as_ref().map(|e| e.id().as_str()),
         Some(d.url().as_str())
@@ -143,8 +144,8 @@ async fn a_client_leaving_a_forwarded_stream_makes_it_cancelled() {
     };
     assert!(left.elapsed() < Duration::from_secs(2), "told late");
     assert_eq!(s.delivery, Delivery::Cancelled);
-    assert_eq!(s.outcome(), "cancelled");
+    assert_eq!(s.outcome, "cancelled");
     assert_eq!(s.status, 200);
     assert!(s.bytes > 0);
-    assert!(s.duration() < Duration::from_secs(3), "{:?}", s.duration());
+    assert!(s.duration < Duration::from_secs(3), "{:?}", s.duration);
 }

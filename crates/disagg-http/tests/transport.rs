@@ -166,7 +166,7 @@ async fn a_sliced_body_arrives_whole_and_keeps_its_connection() {
         r#"{{"model":"sim-model","prompt":"{prompt}","max_tokens":2}}"#
     ));
     let parsed = disagg_core::json::JsonBody::parse_bytes(&client).unwrap();
-    let body = disagg_core::transport::SlicedBody::from_json(&parsed);
+    let body = disagg_core::transport::SlicedBody::from(&parsed);
     // Its pieces, as the transport sends them: its frames.
     let mut pieces = Vec::new();
     let mut frames = body.clone();

@@ -13,7 +13,10 @@
 //! so the engines' own spans (vLLM's `--otlp-traces-endpoint`) sit under the proxy's
 //! leg spans in the client's trace, and hands them to an SDK
 //! [`SpanProcessor`]. The spans are made after the fact, not held open while the request
-//! runs: nothing is kept per request, and the core needs no tracing dependency.
+//! runs: nothing is kept per request, and the core needs no tracing dependency. With
+//! the `http` feature (on by default) it is a `disagg_http::routed::RouteListener` too:
+//! each traced request `disagg-http` serves without the orchestrator (forwarded, fanned
+//! out, refused by the key check) gets a server span ([`route_span`]).
 //!
 //! Why not the `tracing` crate's OpenTelemetry layer: its spans get their ids from the
 //! SDK's id generator when they open, while the legs' `traceparent`s must be sent (and
@@ -75,8 +78,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
 use disagg_core::outcome::TraceIds;
-use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, RouteSummary, Summary};
+use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 use disagg_core::request::Api;
+#[cfg(feature = "http")]
+use disagg_http::routed::{RouteListener, RouteSummary};
 use opentelemetry::trace::{
     Event, SpanContext, SpanId, SpanKind, Status, TraceFlags, TraceId, TraceState,
 };
@@ -281,7 +286,12 @@ impl Listener for Tracer {
             i.processor.on_end(span);
         }
     }
+}
 
+/// A server span for each traced request `disagg-http` serves without the orchestrator
+/// ([`route_span`]): attach the tracer to `PdServiceConfig::route_listeners` too.
+#[cfg(feature = "http")]
+impl RouteListener for Tracer {
     fn on_route(&self, summary: &RouteSummary) {
         let Some(trace) = summary.trace.as_ref().filter(|t| t.sampled) else {
             return;
@@ -296,6 +306,7 @@ impl Listener for Tracer {
 /// refused by the key check), with the ids of `trace`: named `METHOD path`, its route
 /// kind in `disagg.route`, the engine it went to in `disagg.endpoint`. No leg spans:
 /// the request went through unchanged.
+#[cfg(feature = "http")]
 pub fn route_span(
     summary: &RouteSummary,
     trace: &TraceIds,
@@ -308,7 +319,7 @@ pub fn route_span(
         KeyValue::new("url.path", s.path.to_string()),
         KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
         KeyValue::new("disagg.route", s.kind.as_str()),
-        KeyValue::new("disagg.outcome", s.outcome()),
+        KeyValue::new("disagg.outcome", s.outcome),
         KeyValue::new(
             "disagg.response_bytes",
             i64::try_from(s.bytes).unwrap_or(i64::MAX),
@@ -334,7 +345,7 @@ pub fn route_span(
         events: SpanEvents::default(),
         links: SpanLinks::default(),
         status: if failed {
-            Status::error(s.outcome())
+            Status::error(s.outcome)
         } else {
             Status::Unset
         },
@@ -400,7 +411,7 @@ pub fn request_span(
         KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
         KeyValue::new("gen_ai.operation.name", operation(s.api)),
         KeyValue::new("disagg.attempts", i64::from(s.attempts)),
-        KeyValue::new("disagg.outcome", s.outcome()),
+        KeyValue::new("disagg.outcome", s.outcome),
         KeyValue::new(
             "disagg.response_bytes",
             i64::try_from(s.bytes).unwrap_or(i64::MAX),
@@ -426,7 +437,7 @@ pub fn request_span(
         attributes.push(KeyValue::new("error.type", e));
     }
     let mut events = SpanEvents::default();
-    if let Some(first) = s.time_to_first_byte() {
+    if let Some(first) = s.time_to_first_byte {
         events
             .events
             .push(Event::new("first_byte", start + first, Vec::new(), 0));

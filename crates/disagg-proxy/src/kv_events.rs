@@ -522,7 +522,8 @@ struct SetTokenizer {
 #[async_trait]
 impl Tokenizer for SetTokenizer {
     async fn token_ids(&self, api: Api, body: &JsonBody) -> Result<Option<TokenIds>, CoreBoxError> {
-        self.token_ids_asking(api, body, &Asked::default()).await
+        self.token_ids_asking(api, body, &mut Asked::default())
+            .await
     }
 
     /// The engine picked is named to the orchestrator, which counts a failed or
@@ -532,7 +533,7 @@ impl Tokenizer for SetTokenizer {
         &self,
         api: Api,
         body: &JsonBody,
-        asked: &Asked,
+        asked: &mut Asked,
     ) -> Result<Option<TokenIds>, CoreBoxError> {
         let model = body
             .get("model")

@@ -132,9 +132,17 @@ impl Observe {
         builder
     }
 
-    /// `GET /metrics` with the request metrics and the access log's.
+    /// `GET /metrics` with the request metrics and the access log's; the metrics, the
+    /// tracer and the access log hear the requests the orchestrator does not serve.
     pub(crate) fn serve_metrics(&self, service: &mut PdServiceConfig) {
         service.metrics = Some(self.metrics.clone());
+        service.route_listeners.push(self.metrics.clone());
+        if let Some(tracer) = &self.tracer {
+            service.route_listeners.push(tracer.clone());
+        }
+        if let Some(log) = &self.access_log {
+            service.route_listeners.push(log.clone());
+        }
         if let Some(log) = self.access_log.clone() {
             service
                 .extra_metrics

@@ -492,11 +492,12 @@ pub fn run(
         Some(reloads) => Some(spawn_until("disagg-reload", reloads, shutdown.clone())?),
     };
     // A refused request is counted and logged like every other.
-    let layer = shared
-        .edge
-        .layer
-        .clone()
-        .map(|l| l.tell_refusals(shared.orchestrator.clone()));
+    let layer = shared.edge.layer.clone().map(|l| {
+        l.tell_refusals(
+            shared.orchestrator.clone(),
+            shared.service.route_listeners.clone(),
+        )
+    });
     let served = match layer {
         // Without keys the service is served bare: no layer, no cost.
         None => server.serve_threads(args.listen, move || shared.service(), shutdown, on_bound),

@@ -378,7 +378,7 @@ impl State {
         let guard = Waiting(&self.waiting);
         if before >= self.config.max_queue {
             self.queue_full.fetch_add(1, Ordering::Relaxed);
-            return Err(PdError::overloaded(Overload::QueueFull {
+            return Err(PdError::from(Overload::QueueFull {
                 retry_after: self.config.retry_after,
             }));
         }
@@ -395,7 +395,7 @@ impl State {
 
     fn timed_out(&self, since: Instant) -> PdError {
         self.queue_timeouts.fetch_add(1, Ordering::Relaxed);
-        PdError::overloaded(Overload::QueueTimeout {
+        PdError::from(Overload::QueueTimeout {
             waited: since.elapsed(),
         })
     }

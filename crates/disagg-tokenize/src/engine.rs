@@ -109,7 +109,8 @@ impl EngineTokenizer {
     ///
     /// As [`Tokenize::tokenize`].
     pub async fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
-        self.tokenize_prompt_asking(prompt, &Asked::default()).await
+        self.tokenize_prompt_asking(prompt, &mut Asked::default())
+            .await
     }
 
     /// [`Tokenize::tokenize`], telling `asked` that this tokenizer's engine is asked
@@ -125,7 +126,7 @@ impl EngineTokenizer {
         &self,
         api: Api,
         body: &JsonBody,
-        asked: &Asked,
+        asked: &mut Asked,
     ) -> Result<Tokens, TokenizeError> {
         let prompt = Prompt::read(api, body)?;
         if let PromptInput::Chat(chat) = &prompt.input {
@@ -137,7 +138,7 @@ impl EngineTokenizer {
     async fn tokenize_prompt_asking(
         &self,
         prompt: &Prompt,
-        asked: &Asked,
+        asked: &mut Asked,
     ) -> Result<Tokens, TokenizeError> {
         let mut ids = match &prompt.input {
             PromptInput::Ids(ids) => ids.clone(),
@@ -164,15 +165,13 @@ impl EngineTokenizer {
                     .endpoint
                     .uri(self.path)
                     .map_err(|e| TokenizeError::Engine(EngineError::Uri(e)))?;
-                asked.asking(Arc::clone(&self.endpoint));
+                asked.engine = Some(Arc::clone(&self.endpoint));
                 let answer = request_tokens(&*self.transport, uri, body, self.max_answer).await;
-                match &answer {
-                    Ok(_) => asked.answered(),
-                    Err(EngineError::Status { status, .. }) if status.is_client_error() => {
-                        asked.answered()
-                    }
-                    Err(_) => {}
-                }
+                asked.answered = match &answer {
+                    Ok(_) => true,
+                    Err(EngineError::Status { status, .. }) => status.is_client_error(),
+                    Err(_) => false,
+                };
                 answer.map_err(TokenizeError::Engine)?
             }
         };
@@ -186,7 +185,7 @@ impl EngineTokenizer {
 #[async_trait]
 impl Tokenize for EngineTokenizer {
     async fn tokenize(&self, api: Api, body: &JsonBody) -> Result<Tokens, TokenizeError> {
-        self.tokenize_asking(api, body, &Asked::default()).await
+        self.tokenize_asking(api, body, &mut Asked::default()).await
     }
 }
 

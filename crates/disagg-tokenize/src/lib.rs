@@ -156,7 +156,7 @@ impl disagg_core::tokens::Tokenizer for EngineTokenizer {
         &self,
         api: Api,
         body: &JsonBody,
-        asked: &disagg_core::tokens::Asked,
+        asked: &mut disagg_core::tokens::Asked,
     ) -> Result<Option<Tokens>, disagg_core::error::BoxError> {
         match self.tokenize_asking(api, body, asked).await {
             Ok(ids) => Ok(Some(ids)),

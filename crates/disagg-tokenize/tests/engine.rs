@@ -165,12 +165,12 @@ async fn an_answer_that_is_not_a_tokenize_answer_is_a_decode_error() {
 async fn the_engine_asked_is_named_and_blamed_only_for_its_own_faults() {
     use disagg_core::tokens::{Asked, Tokenizer};
     async fn ask(t: &EngineTokenizer, body: &str) -> Asked {
-        let asked = Asked::default();
+        let mut asked = Asked::default();
         let _ = t
             .token_ids_asking(
                 Api::Completions,
                 &JsonBody::parse(body.as_bytes()).unwrap(),
-                &asked,
+                &mut asked,
             )
             .await;
         asked
@@ -193,18 +193,18 @@ async fn the_engine_asked_is_named_and_blamed_only_for_its_own_faults() {
     ] {
         let asked = ask(&t, body).await;
         assert_eq!(
-            asked.engine().map(|e| e.id().as_str().to_owned()),
+            asked.engine.as_ref().map(|e| e.id().as_str().to_owned()),
             Some(e.url()),
             "{body}"
         );
-        assert_eq!(asked.has_answered(), answered, "{body}");
+        assert_eq!(asked.answered, answered, "{body}");
     }
     // Token ids ask nobody.
     let asked = ask(&t, r#"{"prompt":[1,2]}"#).await;
-    assert!(asked.engine().is_none());
+    assert!(asked.engine.is_none());
     // An engine that is gone.
     let url = e.url();
     e.shutdown().await;
     let asked = ask(&tokenizer(&url), r#"{"prompt":"hi"}"#).await;
-    assert!(asked.engine().is_some() && !asked.has_answered());
+    assert!(asked.engine.is_some() && !asked.answered);
 }

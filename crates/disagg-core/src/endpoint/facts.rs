@@ -145,11 +145,6 @@ impl Facts {
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
 }
 
 impl fmt::Debug for Facts {
@@ -260,7 +255,7 @@ mod tests {
             f.insert("k", "a\nb"),
             Err(FactError::ControlCharacter { .. })
         ));
-        assert!(f.is_empty());
+        assert_eq!(f, Facts::default());
         f.insert("k", "v".repeat(Facts::MAX_VALUE_LEN)).unwrap();
         for i in 1..Facts::MAX_ENTRIES {
             f.insert(&format!("k{i}"), "v").unwrap();

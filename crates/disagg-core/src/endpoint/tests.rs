@@ -255,11 +255,11 @@ fn a_rank_endpoint_has_its_engines_facts() {
             .with_facts(facts.clone()),
     );
     assert_eq!(engine.dp_rank(2).facts(), &facts);
-    assert!(
+    assert_eq!(
         Endpoint::new("http://10.0.0.5:8100", Role::Prefill)
             .unwrap()
-            .facts()
-            .is_empty()
+            .facts(),
+        &Facts::default()
     );
 }
 

@@ -43,7 +43,7 @@ impl fmt::Display for Side {
     }
 }
 
-/// Why a request was refused for lack of room ([`PdError::overloaded`]).
+/// Why a request was refused for lack of room: `PdError::from(Overload)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Overload {
@@ -69,7 +69,6 @@ pub enum Overload {
 #[derive(Debug)]
 enum Kind {
     Body,
-    NotFound,
     Route,
     Connector,
     UpstreamStatus {
@@ -186,17 +185,6 @@ impl PdError {
         Self::new(Kind::Body, Side::Client, Some(err.into()))
     }
 
-    /// The request names no route this service serves.
-    pub fn not_found() -> Self {
-        Self::new(Kind::NotFound, Side::Client, None)
-    }
-
-    /// Routing failed (also for a request an adapter forwards to one engine: 503 when
-    /// no endpoint is available, 404 `model_not_found` for an unknown model).
-    pub fn route(err: RouteError) -> Self {
-        Self::new(Kind::Route, Side::Router, Some(err.into()))
-    }
-
     /// The connector failed on `side`.
     pub fn connector(side: Side, err: ConnectorError) -> Self {
         Self::new(Kind::Connector, side, Some(err.into()))
@@ -240,18 +228,6 @@ impl PdError {
         Self::new(Kind::Deadline { phase }, side, None)
     }
 
-    /// The proxy refused the request for lack of room, as `why` says: a full admission
-    /// queue (429 `queue_full`), a wait in it that ran out (503 `queue_timeout`), or too
-    /// many bytes of request bodies being received (503 `server_busy`).
-    pub fn overloaded(why: Overload) -> Self {
-        let kind = match why {
-            Overload::QueueFull { retry_after } => Kind::QueueFull { retry_after },
-            Overload::QueueTimeout { waited } => Kind::QueueTimeout { waited },
-            Overload::ServerBusy { retry_after } => Kind::ServerBusy { retry_after },
-        };
-        Self::new(kind, Side::Router, None)
-    }
-
     /// What an HTTP layer renders for this error: status, OpenAI's `error.code`,
     /// `error.type` and `error.param`, and the `retry-after` header.
     pub fn http(&self) -> HttpFacts {
@@ -286,7 +262,6 @@ impl PdError {
                 Some(BodyError::TimedOut { .. }) => StatusCode::REQUEST_TIMEOUT,
                 _ => StatusCode::BAD_REQUEST,
             },
-            Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::Route => match self.route_error() {
                 Some(RouteError::UnknownModel { .. }) => StatusCode::NOT_FOUND,
                 Some(RouteError::ModelRequired { .. }) => StatusCode::BAD_REQUEST,
@@ -321,7 +296,6 @@ impl PdError {
                 Some(BodyError::TimedOut { .. }) => "request_timeout",
                 _ => "invalid_request_body",
             },
-            (Kind::NotFound, _) => "not_found",
             (Kind::Route, _) => match self.route_error() {
                 Some(RouteError::NoPrefill) => "no_prefill_endpoint",
                 Some(RouteError::UnknownModel { .. }) => "model_not_found",
@@ -440,6 +414,28 @@ impl PdError {
     }
 }
 
+/// Routing failed (also for a request an adapter forwards to one engine: 503 when no
+/// endpoint is available, 404 `model_not_found` for an unknown model).
+impl From<RouteError> for PdError {
+    fn from(err: RouteError) -> Self {
+        Self::new(Kind::Route, Side::Router, Some(err.into()))
+    }
+}
+
+/// The proxy refused the request for lack of room, as `why` says: a full admission
+/// queue (429 `queue_full`), a wait in it that ran out (503 `queue_timeout`), or too
+/// many bytes of request bodies being received (503 `server_busy`).
+impl From<Overload> for PdError {
+    fn from(why: Overload) -> Self {
+        let kind = match why {
+            Overload::QueueFull { retry_after } => Kind::QueueFull { retry_after },
+            Overload::QueueTimeout { waited } => Kind::QueueTimeout { waited },
+            Overload::ServerBusy { retry_after } => Kind::ServerBusy { retry_after },
+        };
+        Self::new(kind, Side::Router, None)
+    }
+}
+
 impl fmt::Debug for PdError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PdError")
@@ -459,7 +455,6 @@ impl fmt::Display for PdError {
                 }
                 _ => f.write_str("invalid request body"),
             },
-            Kind::NotFound => f.write_str("no such route"),
             // A client's mistake is told in the cause's own words.
             Kind::Route if self.status().is_client_error() => match self.route_error() {
                 Some(e) => fmt::Display::fmt(e, f),
@@ -546,14 +541,14 @@ mod tests {
             "invalid request body: request body must be a JSON object"
         );
 
-        let e = PdError::route(RouteError::NoPrefill);
+        let e = PdError::from(RouteError::NoPrefill);
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.code(), "no_prefill_endpoint");
         assert!(e.is_no_prefill());
         assert!(!e.is_retryable());
 
         let served: std::sync::Arc<[std::sync::Arc<str>]> = ["llama".into(), "qwen".into()].into();
-        let e = PdError::route(RouteError::UnknownModel {
+        let e = PdError::from(RouteError::UnknownModel {
             model: "gpt".into(),
             served: served.clone(),
         });
@@ -565,7 +560,7 @@ mod tests {
             error_chain(&e),
             "the model `gpt` does not exist; served models: llama, qwen"
         );
-        let e = PdError::route(RouteError::ModelRequired { served });
+        let e = PdError::from(RouteError::ModelRequired { served });
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
         assert_eq!(e.code(), "model_required");
 
@@ -610,7 +605,7 @@ mod tests {
             assert_eq!(e.status(), StatusCode::GATEWAY_TIMEOUT, "{code}");
             assert!(!e.is_retryable(), "{code}");
         }
-        let e = PdError::overloaded(Overload::QueueFull {
+        let e = PdError::from(Overload::QueueFull {
             retry_after: std::time::Duration::from_secs(2),
         });
         assert_eq!(
@@ -630,7 +625,7 @@ mod tests {
                 retry_after: Some(std::time::Duration::from_secs(2)),
             }
         );
-        let e = PdError::overloaded(Overload::QueueTimeout {
+        let e = PdError::from(Overload::QueueTimeout {
             waited: std::time::Duration::from_millis(1500),
         });
         assert_eq!(
@@ -678,7 +673,7 @@ mod tests {
             error_chain(&e),
             "the request body did not arrive within 30000 ms"
         );
-        let e = PdError::overloaded(Overload::ServerBusy {
+        let e = PdError::from(Overload::ServerBusy {
             retry_after: std::time::Duration::from_secs(1),
         });
         assert_eq!(

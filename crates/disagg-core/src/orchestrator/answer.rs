@@ -26,15 +26,14 @@
 //!   other bytes, its event boundaries included, are the engine's own.
 //! - Other answers (no JSON, no event stream) pass untouched.
 //!
-//! [`unrelayable`] says which answer heads are not relayed at all: a redirect whose
+//! [`unrelayable`](crate::proto::unrelayable) says which answer heads are not relayed at all: a redirect whose
 //! `Location` names the engine's internal address, and a `content-encoding` the client
 //! did not accept (or one on an answer the proxy must read for the keys above).
 
 use std::sync::{Arc, LazyLock};
 
 use bytes::{Bytes, BytesMut};
-use http::StatusCode;
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderMap};
 use memchr::memmem;
 
 use crate::connector::ReturnedHandoff;
@@ -125,80 +124,6 @@ pub(crate) fn scrubbed_kind(headers: &HeaderMap) -> bool {
 pub(crate) fn scrubbed_type(ct: &[u8]) -> bool {
     let starts = |p: &[u8]| ct.len() >= p.len() && ct[..p.len()].eq_ignore_ascii_case(p);
     starts(b"text/event-stream") || starts(b"application/json") || starts(b"application/x-ndjson")
-}
-
-/// Why an engine's answer with `status` and `headers` cannot be relayed to a client whose
-/// request had `client_headers` (their `accept-encoding` is read), if it cannot:
-///
-/// - a redirect (3xx) with a `Location`: it names the engine's own address, which is
-///   not the client's to follow (nor to know);
-/// - a `content-encoding` (other than `identity`) the client's `accept-encoding` does
-///   not allow, or any on an event stream or a JSON answer, which the proxy must read
-///   to keep the engine's handoff from the client.
-///
-/// The reason never quotes the `Location`.
-pub fn unrelayable(
-    status: StatusCode,
-    headers: &HeaderMap,
-    client_headers: &HeaderMap,
-) -> Option<String> {
-    if status.is_redirection() && headers.contains_key(header::LOCATION) {
-        return Some(format!(
-            "a redirect ({}) to an address of its own",
-            status.as_u16()
-        ));
-    }
-    let coding = headers.get(header::CONTENT_ENCODING)?;
-    let coding = coding.to_str().unwrap_or("?").trim();
-    let codings: Vec<&str> = coding
-        .split(',')
-        .map(str::trim)
-        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
-        .collect();
-    if codings.is_empty() {
-        return None;
-    }
-    if scrubbed_kind(headers) {
-        return Some(format!(
-            "a `{coding}`-encoded answer, which the proxy must read to relay"
-        ));
-    }
-    let accept_encoding = client_headers.get(header::ACCEPT_ENCODING);
-    let accepted = codings.iter().all(|c| accepts(accept_encoding, c));
-    (!accepted).then(|| format!("a `{coding}`-encoded answer the client did not accept"))
-}
-
-/// Whether an `accept-encoding` of `value` allows `coding` (RFC 9110 §12.5.3): named, or
-/// `*`, with a non-zero weight; no header allows none (the proxy relays an engine's
-/// encoding only when the client asked for it).
-fn accepts(value: Option<&HeaderValue>, coding: &str) -> bool {
-    let Some(value) = value.and_then(|v| v.to_str().ok()) else {
-        return false;
-    };
-    let norm = |s: &str| {
-        let s = s.trim().to_ascii_lowercase();
-        s.strip_prefix("x-").map(str::to_owned).unwrap_or(s)
-    };
-    let coding = norm(coding);
-    let mut star = false;
-    for item in value.split(',') {
-        let mut parts = item.split(';');
-        let name = norm(parts.next().unwrap_or_default());
-        let weight = parts
-            .filter_map(|p| {
-                let p = p.trim();
-                p.strip_prefix("q=").or_else(|| p.strip_prefix("Q="))
-            })
-            .find_map(|q| q.trim().parse::<f32>().ok())
-            .unwrap_or(1.0);
-        if name == coding {
-            return weight > 0.0;
-        }
-        if name == "*" {
-            star = weight > 0.0;
-        }
-    }
-    star
 }
 
 // === the scrubber ===
@@ -588,53 +513,5 @@ mod tests {
         s.push(Bytes::from(two)).unwrap();
         s.finish().unwrap();
         assert_eq!(*kept.0.lock().unwrap(), vec![HANDOFF.as_bytes().to_vec()]);
-    }
-
-    /// Client headers saying `accept-encoding: value`, if any.
-    fn client(value: Option<&HeaderValue>) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        if let Some(v) = value {
-            h.insert(header::ACCEPT_ENCODING, v.clone());
-        }
-        h
-    }
-
-    #[test]
-    fn heads_that_are_not_relayed() {
-        let unrelayable = |s, h: &HeaderMap, a: Option<&HeaderValue>| unrelayable(s, h, &client(a));
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::LOCATION,
-            HeaderValue::from_static("http://10.0.0.7/x"),
-        );
-        let why = unrelayable(StatusCode::TEMPORARY_REDIRECT, &h, None).unwrap();
-        assert!(!why.contains("10.0.0.7"), "{why}");
-        assert!(unrelayable(StatusCode::CREATED, &h, None).is_none());
-
-        let mut h = HeaderMap::new();
-        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("audio/wav"));
-        let gzip = HeaderValue::from_static("br, GZIP;q=0.5");
-        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_none());
-        for refused in ["br", "gzip;q=0", "*;q=0", "identity"] {
-            let v = HeaderValue::from_static(refused);
-            assert!(
-                unrelayable(StatusCode::OK, &h, Some(&v)).is_some(),
-                "{refused}"
-            );
-        }
-        let star = HeaderValue::from_static("*");
-        assert!(unrelayable(StatusCode::OK, &h, Some(&star)).is_none());
-        assert!(unrelayable(StatusCode::OK, &h, None).is_some());
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_some());
-        h.insert(
-            header::CONTENT_ENCODING,
-            HeaderValue::from_static("identity"),
-        );
-        assert!(unrelayable(StatusCode::OK, &h, None).is_none());
     }
 }

@@ -143,7 +143,7 @@ impl Inner {
         tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
         if route.prefill.is_none() {
-            return Err(Failure::unrouted(PdError::route(RouteError::NoPrefill)));
+            return Err(Failure::unrouted(PdError::from(RouteError::NoPrefill)));
         }
         let mut handoff = self.connector.prepare(&route, req).map_err(|e| {
             Failure::prefill(

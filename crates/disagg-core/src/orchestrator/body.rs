@@ -188,7 +188,7 @@ impl Finish {
                 }
             }
         }
-        reporter.report(&report);
+        reporter.report(&mut report);
         if let Some(mut summary) = self.summary.take() {
             summary.end = end;
             summary.first_byte = self.first_byte;
@@ -204,7 +204,7 @@ impl Finish {
             if summary.delivery == Delivery::Broken {
                 summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
             }
-            reporter.summarize(&summary);
+            reporter.summarize(&mut summary);
         }
     }
 }
@@ -349,18 +349,20 @@ impl fmt::Debug for PdBody {
     }
 }
 
-impl PdBody {
-    /// A body holding `bytes`.
-    pub fn full(bytes: Bytes) -> Self {
-        Self::forward(
+/// A body holding `bytes`, whole.
+impl From<Bytes> for PdBody {
+    fn from(bytes: Bytes) -> Self {
+        PdBody::forward(
             Full::new(bytes).map_err(|never| match never {}).boxed(),
             false,
         )
     }
+}
 
+impl PdBody {
     /// An empty body (also `PdBody::default()`).
     pub(crate) fn empty() -> Self {
-        Self::full(Bytes::new())
+        Self::from(Bytes::new())
     }
 
     /// A body forwarding `inner`; `sse` turns on the in-band error event when `inner`
@@ -858,7 +860,7 @@ mod tests {
 
     #[tokio::test]
     async fn full_bodies_are_exact() {
-        let b = PdBody::full(Bytes::from_static(b"hello"));
+        let b = PdBody::from(Bytes::from_static(b"hello"));
         assert_eq!(b.size_hint().exact(), Some(5));
         assert_eq!(frames(b).await, vec![Ok("hello".into())]);
         let e = PdBody::empty();
@@ -905,7 +907,7 @@ mod tests {
         );
         // A whole JSON answer keeps its exact length; another kind is not read.
         let json = "{\"kv_transfer_params\":{\"remote_port\":5600}}";
-        let b = PdBody::full(Bytes::from(json)).scrubbed(&{
+        let b = PdBody::from(Bytes::from(json)).scrubbed(&{
             let mut h = HeaderMap::new();
             h.insert(
                 http::header::CONTENT_TYPE,

@@ -4,14 +4,6 @@ use std::time::Duration;
 
 use http::header::HeaderName;
 
-/// The response header that says how the KV reached the decode engine:
-/// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
-/// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
-/// the configuration allows serving without), `direct` (the
-/// [`Disaggregate`](crate::policy::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
-/// prefill's answer was the whole answer, [`HandoffFound::Finished`](crate::connector::HandoffFound::Finished): no decode leg).
-pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
-
 /// The response header naming the leg whose answer is passed through on a failure.
 pub(crate) const FAILED_LEG_HEADER: HeaderName = HeaderName::from_static("x-disagg-failed-leg");
 

@@ -180,7 +180,7 @@ impl Inner {
             );
             last = Some(err);
         }
-        Err(last.unwrap_or_else(|| PdError::route(crate::error::RouteError::NoDecode)))
+        Err(last.unwrap_or_else(|| PdError::from(crate::error::RouteError::NoDecode)))
     }
 }
 

@@ -16,6 +16,8 @@ use crate::policy::Permit;
 use crate::request::PdRequest;
 use crate::transport::{BoxBody, SlicedBody, Transport, read_limited};
 
+use crate::proto::forwardable_header;
+
 use super::Inner;
 use super::clock::{Clock, within};
 
@@ -96,7 +98,7 @@ impl Inner {
             crate::endpoint::Role::Decode => Side::Decode,
             crate::endpoint::Role::Encode => Side::Encode,
         };
-        self.leg_request_with(req, leg, SlicedBody::from_json(&leg.body), side)
+        self.leg_request_with(req, leg, SlicedBody::from(&leg.body), side)
     }
 
     /// Build the HTTP request for one leg carrying `body` (rather than the leg's own), a
@@ -243,8 +245,8 @@ pub(super) fn http_request<'a, B>(
 
 /// The client's headers a leg carries: the session header, the configured ones and,
 /// with `forward_authorization`, `authorization`; never the client's `x-request-id` (the
-/// engine-side id is the leg's own, set after these) nor what [`forwardable_header`]
-/// keeps from engines, whatever `forward_headers` lists.
+/// engine-side id is the leg's own, set after these) nor what
+/// [`forwardable_header`](crate::proto::forwardable_header) keeps from engines, whatever `forward_headers` lists.
 pub(super) fn client_headers<'a>(
     config: &'a super::OrchestratorConfig,
     headers: &'a HeaderMap,
@@ -257,61 +259,6 @@ pub(super) fn client_headers<'a>(
             && forwardable_header(name, auth)
             && *name != crate::request::REQUEST_ID
     })
-}
-
-/// Whether a client's request header `name` may reach an engine, on any route (a leg,
-/// or a request an adapter forwards to one engine or to all of them), whatever an
-/// embedder's list of forwarded headers says.
-///
-/// Never:
-/// - the client's credentials: `authorization` only when `forward_authorization` (the
-///   documented [`OrchestratorConfig::forward_authorization`](super::OrchestratorConfig::forward_authorization)),
-///   `x-api-key` never (the engines' key is the transport's to set);
-/// - the headers an engine reads as routing or identity, `x-data-parallel-rank` and SGLang's `x-override-*`.
-///
-/// # Examples
-///
-/// ```
-/// use disagg_core::proto::forwardable_header;
-/// use http::header::HeaderName;
-///
-/// let h = |n: &'static str| HeaderName::from_static(n);
-/// assert!(forwardable_header(&h("traceparent"), false));
-/// assert!(!forwardable_header(&h("authorization"), false));
-/// assert!(forwardable_header(&h("authorization"), true));
-/// assert!(!forwardable_header(&h("x-api-key"), true));
-/// assert!(!forwardable_header(&h("x-override-bootstrap-host"), true));
-/// assert!(!forwardable_header(&h("x-data-parallel-rank"), false));
-/// ```
-pub fn forwardable_header(name: &HeaderName, forward_authorization: bool) -> bool {
-    if *name == header::AUTHORIZATION {
-        return forward_authorization;
-    }
-    name.as_str() != "x-api-key" && !is_engine_directive(name)
-}
-
-/// Whether the engines read `name` as an instruction about where or as what a request
-/// runs, which only the proxy may give (header names are lowercase; `_` counts as `-`,
-/// as some proxies rewrite them):
-///
-/// - vLLM's `x-data-parallel-rank`, which SGLang reads too (it overrides the body's
-///   `routed_dp_rank`): a rank the router did not choose;
-/// - SGLang's `x-override-*` family (`srt/entrypoints/request_headers.py`: `-rid`,
-///   `-bootstrap-host`, `-bootstrap-port`, `-bootstrap-room`, `-routed-dp-rank`,
-///   `-disagg-prefill-dp-rank`, `-priority`, `-conversation-id`, and any later one),
-///   read after the body with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`: a client's
-///   bootstrap host would aim a leg's KV transfer at a host of its choosing.
-pub(crate) fn is_engine_directive(name: &HeaderName) -> bool {
-    const OVERRIDE: &[u8] = b"x-override-";
-    const RANK: &[u8] = b"x-data-parallel-rank";
-    let n = name.as_str().as_bytes();
-    let same = |got: &[u8], want: &[u8]| {
-        got.iter()
-            .zip(want)
-            .all(|(g, w)| g == w || (*g == b'_' && *w == b'-'))
-    };
-    (n.len() >= OVERRIDE.len() && same(&n[..OVERRIDE.len()], OVERRIDE))
-        || (n.len() == RANK.len() && same(n, RANK))
 }
 
 /// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
@@ -399,36 +346,6 @@ mod tests {
         }
         for n in ["x-session-ids", "session-id", "x-sessionid"] {
             assert!(!is_session_header(&HeaderName::from_static(n)), "{n}");
-        }
-    }
-
-    #[test]
-    fn engine_directives_are_recognised_in_any_spelling() {
-        for n in [
-            "x-override-rid",
-            "x-override-bootstrap-host",
-            "x-override-bootstrap-port",
-            "x-override-bootstrap-room",
-            "x-override-routed-dp-rank",
-            "x-override-disagg-prefill-dp-rank",
-            "x-override-priority",
-            "x-override-conversation-id",
-            "x-override-foo",
-            "x_override_bootstrap_host",
-            "x-data-parallel-rank",
-            "x_data_parallel_rank",
-        ] {
-            let name = HeaderName::from_static(n);
-            assert!(is_engine_directive(&name), "{n}");
-            assert!(!forwardable_header(&name, true), "{n}");
-        }
-        for n in [
-            "x-override",
-            "x-overrides-rid",
-            "x-data-parallel-ranks",
-            "x-session-id",
-        ] {
-            assert!(!is_engine_directive(&HeaderName::from_static(n)), "{n}");
         }
     }
 

@@ -214,7 +214,7 @@ impl Moved {
     fn resumed(&self, at: Instant) -> Option<Migration> {
         let mut s = self.inner.lock().ok()?;
         let m = s.log.last_mut()?;
-        m.resumed = Some(at);
+        m.resumed(at);
         Some(m.clone())
     }
 
@@ -390,7 +390,7 @@ impl Migrating {
             to = m.to.as_ref().map(|e| e.id().as_str()),
             prefill = m.prefill.as_ref().map(|e| e.id().as_str()),
             tokens = m.tokens,
-            lost_ms = m.time_lost().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+            lost_ms = m.time_lost.map_or(0.0, |d| d.as_secs_f64() * 1e3),
             "decode stream continued"
         );
     }
@@ -682,14 +682,14 @@ impl Migrating {
             let mut route = ctx.route.clone();
             route.decode = dead;
             route.decode_rank = None;
-            let report = Report::new(
+            let mut report = Report::new(
                 route,
                 Outcome::DecodeFailed,
                 LegOutcome::NotSent,
                 LegOutcome::Failed,
                 Timeline::starting(),
             );
-            ctx.reporter.report(&report);
+            ctx.reporter.report(&mut report);
         };
         if ctx.plan.generate.is_some() {
             self.generate_prefix();
@@ -754,6 +754,7 @@ impl Migrating {
             tokens: generated,
             broke,
             resumed: None,
+            time_lost: None,
             span,
         });
         let n = self.migrations;

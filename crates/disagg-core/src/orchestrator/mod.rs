@@ -167,10 +167,6 @@ pub struct OrchestratorStats {
     /// Requests refused before routing because an engine would refuse a field the
     /// proxy rewrites (400 `invalid_parameter`).
     pub invalid_params: u64,
-    /// Requests the orchestrator did not serve, told through
-    /// [`Orchestrator::route_ended`], by kind: every [`RouteKind`](crate::outcome::RouteKind),
-    /// in the order `forward`, `direct`, `fanout`, `key_refused`.
-    pub routed: Vec<(&'static str, u64)>,
     /// Requests whose prompt the [`Tokenizer`] turned into token ids (see
     /// [`tokens`](crate::tokens)).
     pub tokenized: u64,
@@ -369,36 +365,21 @@ impl Orchestrator {
         let mut summary = crate::outcome::Summary::new(api, arrival, error.status());
         summary.request_id = request_id;
         summary.error = Some(error.code());
-        reporter.summarize(&summary);
+        reporter.summarize(&mut summary);
     }
 
-    /// The trace ids of a request this orchestrator does not serve (a [`RouteSummary`]'s
-    /// [`trace`][trace]), when requests are traced (`trace_ratio`): continuing the
-    /// trace of `headers`' `traceparent`, sampled by the ratio otherwise, as the
-    /// orchestrator's own requests are. `None` when they are not traced.
-    ///
-    /// [`RouteSummary`]: crate::outcome::RouteSummary
-    /// [trace]: crate::outcome::RouteSummary::trace
+    /// The trace ids of a request this orchestrator does not serve (one a server
+    /// forwards, fans out or refuses itself, as `disagg-http`'s `RouteSummary` records),
+    /// when requests are traced (`trace_ratio`): continuing the trace of `headers`'
+    /// `traceparent`, sampled by the ratio otherwise, as the orchestrator's own requests
+    /// are. `None` when they are not traced. The core keeps this one piece of those
+    /// requests: the ids are drawn by the same private generator and ratio as its own
+    /// requests' ids, so that one trace setting covers every request of a server.
     pub fn route_trace(&self, headers: &http::HeaderMap) -> Option<crate::outcome::TraceIds> {
         let i = &self.inner;
         i.config
             .trace_ratio
             .map(|ratio| i.spans.request(headers, ratio))
-    }
-
-    /// Count and tell every listener how a request that this orchestrator did not serve
-    /// ended (forwarded, fanned out, refused by the key check: a [`RouteSummary`]'s
-    /// [`kind`][kind]). The server that served it calls this once, when
-    /// its response ended. The orchestrator's own requests never come here.
-    ///
-    /// [`RouteSummary`]: crate::outcome::RouteSummary
-    /// [kind]: crate::outcome::RouteSummary::kind
-    pub fn route_ended(&self, summary: &crate::outcome::RouteSummary) {
-        let reporter = &self.inner.reporter;
-        stats::bump(&self.inner.counters.routed[summary.kind.index()]);
-        if reporter.listening() {
-            reporter.route(summary);
-        }
     }
 
     /// An orchestrator that sends its legs through `transport` and shares everything
@@ -467,10 +448,6 @@ impl Orchestrator {
             kv_releases_in_flight: load(&c.kv_releases_in_flight),
             direct: c.direct_counts(),
             invalid_params: load(&c.invalid_params),
-            routed: crate::outcome::RouteKind::ALL
-                .iter()
-                .map(|k| (k.as_str(), load(&c.routed[k.index()])))
-                .collect(),
             tokenized: load(&c.tokenized),
             tokenize_failures: load(&c.tokenize_failures),
             invalid_handoffs: load(&c.invalid_handoffs),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::connector::KvConnector;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, LegOutcome, Listener, Report, RouteSummary, Summary};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -25,8 +25,11 @@ impl fmt::Debug for Reporter {
 }
 
 impl Reporter {
-    /// Tell everyone how an attempt ended.
-    pub(crate) fn report(&self, report: &Report) {
+    /// Tell everyone how an attempt ended (its phases filled for the listeners).
+    pub(crate) fn report(&self, report: &mut Report) {
+        if self.listening() {
+            report.phases = report.timeline.phases();
+        }
         self.router.observe(&report.route, report.outcome);
         self.connector.observe(&report.route, report.outcome);
         for l in &self.listeners {
@@ -40,16 +43,10 @@ impl Reporter {
     }
 
     /// Tell every listener how a request ended.
-    pub(crate) fn summarize(&self, summary: &Summary) {
+    pub(crate) fn summarize(&self, summary: &mut Summary) {
+        summary.finish();
         for l in &self.listeners {
             l.on_request(summary);
-        }
-    }
-
-    /// Tell every listener how a request the orchestrator did not serve ended.
-    pub(crate) fn route(&self, summary: &RouteSummary) {
-        for l in &self.listeners {
-            l.on_route(summary);
         }
     }
 

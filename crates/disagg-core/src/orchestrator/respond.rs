@@ -18,11 +18,13 @@ use crate::transport::BoxBody;
 use disagg_json::openai_error_body;
 
 use super::Inner;
-use super::answer::{scrubbed_type, unrelayable};
+use super::answer::scrubbed_type;
 use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
 use super::clock::{Clock, server_timing};
-use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, HANDOFF_HEADER, SERVER_TIMING};
+use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, SERVER_TIMING};
 use super::legs::end_to_end;
+use crate::proto::HANDOFF_HEADER;
+use crate::proto::unrelayable;
 
 /// The answer `head` as it may reach the client (see [`answer`](super::answer)): as it
 /// is (its body is [`scrubbed`](PdBody::scrubbed) by the caller), or, for a head that

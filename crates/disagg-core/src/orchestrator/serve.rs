@@ -164,7 +164,7 @@ impl Inner {
                 s.route = Some(r.route);
                 s.timeline = Some(r.timeline);
             }
-            self.reporter.summarize(&s);
+            self.reporter.summarize(&mut s);
         }
         e
     }
@@ -212,13 +212,13 @@ impl Inner {
     /// ran out, is told to the listeners as a failed call of that engine.
     async fn tokenize(&self, tokenizer: &dyn crate::tokens::Tokenizer, req: &mut PdRequest) {
         let budget = self.config.tokenize_timeout;
-        let asked = crate::tokens::Asked::default();
-        let call = tokenizer.token_ids_asking(req.api(), req.body(), &asked);
+        let mut asked = crate::tokens::Asked::default();
+        let call = tokenizer.token_ids_asking(req.api(), req.body(), &mut asked);
         let result = tokio::time::timeout(budget, call).await;
-        if let Some(engine) = asked.engine() {
+        if let Some(engine) = &asked.engine {
             let failed = match &result {
                 Ok(Ok(_)) => false,
-                Ok(Err(_)) | Err(_) => !asked.has_answered(),
+                Ok(Err(_)) | Err(_) => !asked.answered,
             };
             let outcome = if failed {
                 LegOutcome::Failed

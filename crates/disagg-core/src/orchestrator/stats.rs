@@ -18,8 +18,6 @@ pub(crate) struct Counters {
     pub(crate) tokenized: AtomicU64,
     pub(crate) tokenize_failures: AtomicU64,
     pub(crate) invalid_handoffs: AtomicU64,
-    /// Requests the orchestrator did not serve, by `RouteKind::index`.
-    pub(crate) routed: [AtomicU64; 4],
     /// Mid-stream migrations started, by `migrate::Reason::index`.
     pub(crate) migrations: [AtomicU64; 3],
     /// Generated tokens carried over to continuations.

@@ -16,12 +16,11 @@
 
 use std::sync::Arc;
 
+use http::StatusCode;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
 use crate::endpoint::Endpoint;
 use crate::request::PdRequest;
-
-pub use crate::orchestrator::answer::unrelayable;
-pub use crate::orchestrator::config::HANDOFF_HEADER;
-pub use crate::orchestrator::legs::forwardable_header;
 
 /// Locks `m`, recovering the data if a panicking thread poisoned it (every critical
 /// section in this crate leaves its data consistent). Each crate of the workspace keeps
@@ -44,4 +43,224 @@ pub fn client_handoff<'a>(req: &'a PdRequest, field: &str) -> Option<&'a [u8]> {
 /// counts towards the engine's, so that routers keep seeing the whole engine's load.
 pub fn dp_rank(engine: &Arc<Endpoint>, rank: u32) -> Endpoint {
     engine.dp_rank(rank)
+}
+
+/// The response header that says how the KV reached the decode engine:
+/// `kv` (handed over), `none` (the prefill returned no handoff; the decode engine
+/// computed the prompt itself), `decode-only` (no prefill endpoint was available, and
+/// the configuration allows serving without), `direct` (the
+/// [`Disaggregate`](crate::policy::Disaggregate) hook chose not to disaggregate this request) or `prefill` (the
+/// prefill's answer was the whole answer, [`HandoffFound::Finished`](crate::connector::HandoffFound::Finished): no decode leg).
+pub const HANDOFF_HEADER: HeaderName = HeaderName::from_static("x-disagg-handoff");
+
+/// Whether a client's request header `name` may reach an engine, on any route (a leg,
+/// or a request an adapter forwards to one engine or to all of them), whatever an
+/// embedder's list of forwarded headers says.
+///
+/// Never:
+/// - the client's credentials: `authorization` only when `forward_authorization` (the
+///   documented [`OrchestratorConfig::forward_authorization`](crate::orchestrator::OrchestratorConfig::forward_authorization)),
+///   `x-api-key` never (the engines' key is the transport's to set);
+/// - the headers an engine reads as routing or identity, `x-data-parallel-rank` and SGLang's `x-override-*`.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::proto::forwardable_header;
+/// use http::header::HeaderName;
+///
+/// let h = |n: &'static str| HeaderName::from_static(n);
+/// assert!(forwardable_header(&h("traceparent"), false));
+/// assert!(!forwardable_header(&h("authorization"), false));
+/// assert!(forwardable_header(&h("authorization"), true));
+/// assert!(!forwardable_header(&h("x-api-key"), true));
+/// assert!(!forwardable_header(&h("x-override-bootstrap-host"), true));
+/// assert!(!forwardable_header(&h("x-data-parallel-rank"), false));
+/// ```
+pub fn forwardable_header(name: &HeaderName, forward_authorization: bool) -> bool {
+    if *name == header::AUTHORIZATION {
+        return forward_authorization;
+    }
+    name.as_str() != "x-api-key" && !is_engine_directive(name)
+}
+
+/// Whether the engines read `name` as an instruction about where or as what a request
+/// runs, which only the proxy may give (header names are lowercase; `_` counts as `-`,
+/// as some proxies rewrite them):
+///
+/// - vLLM's `x-data-parallel-rank`, which SGLang reads too (it overrides the body's
+///   `routed_dp_rank`): a rank the router did not choose;
+/// - SGLang's `x-override-*` family (`srt/entrypoints/request_headers.py`: `-rid`,
+///   `-bootstrap-host`, `-bootstrap-port`, `-bootstrap-room`, `-routed-dp-rank`,
+///   `-disagg-prefill-dp-rank`, `-priority`, `-conversation-id`, and any later one),
+///   read after the body with `SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1`: a client's
+///   bootstrap host would aim a leg's KV transfer at a host of its choosing.
+fn is_engine_directive(name: &HeaderName) -> bool {
+    const OVERRIDE: &[u8] = b"x-override-";
+    const RANK: &[u8] = b"x-data-parallel-rank";
+    let n = name.as_str().as_bytes();
+    let same = |got: &[u8], want: &[u8]| {
+        got.iter()
+            .zip(want)
+            .all(|(g, w)| g == w || (*g == b'_' && *w == b'-'))
+    };
+    (n.len() >= OVERRIDE.len() && same(&n[..OVERRIDE.len()], OVERRIDE))
+        || (n.len() == RANK.len() && same(n, RANK))
+}
+
+/// Why an engine's answer with `status` and `headers` cannot be relayed to a client whose
+/// request had `client_headers` (their `accept-encoding` is read), if it cannot:
+///
+/// - a redirect (3xx) with a `Location`: it names the engine's own address, which is
+///   not the client's to follow (nor to know);
+/// - a `content-encoding` (other than `identity`) the client's `accept-encoding` does
+///   not allow, or any on an event stream or a JSON answer, which the proxy must read
+///   to keep the engine's handoff from the client.
+///
+/// The reason never quotes the `Location`.
+pub fn unrelayable(
+    status: StatusCode,
+    headers: &HeaderMap,
+    client_headers: &HeaderMap,
+) -> Option<String> {
+    if status.is_redirection() && headers.contains_key(header::LOCATION) {
+        return Some(format!(
+            "a redirect ({}) to an address of its own",
+            status.as_u16()
+        ));
+    }
+    let coding = headers.get(header::CONTENT_ENCODING)?;
+    let coding = coding.to_str().unwrap_or("?").trim();
+    let codings: Vec<&str> = coding
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+        .collect();
+    if codings.is_empty() {
+        return None;
+    }
+    if crate::orchestrator::answer::scrubbed_kind(headers) {
+        return Some(format!(
+            "a `{coding}`-encoded answer, which the proxy must read to relay"
+        ));
+    }
+    let accept_encoding = client_headers.get(header::ACCEPT_ENCODING);
+    let accepted = codings.iter().all(|c| accepts(accept_encoding, c));
+    (!accepted).then(|| format!("a `{coding}`-encoded answer the client did not accept"))
+}
+
+/// Whether an `accept-encoding` of `value` allows `coding` (RFC 9110 §12.5.3): named, or
+/// `*`, with a non-zero weight; no header allows none (the proxy relays an engine's
+/// encoding only when the client asked for it).
+fn accepts(value: Option<&HeaderValue>, coding: &str) -> bool {
+    let Some(value) = value.and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let norm = |s: &str| {
+        let s = s.trim().to_ascii_lowercase();
+        s.strip_prefix("x-").map(str::to_owned).unwrap_or(s)
+    };
+    let coding = norm(coding);
+    let mut star = false;
+    for item in value.split(',') {
+        let mut parts = item.split(';');
+        let name = norm(parts.next().unwrap_or_default());
+        let weight = parts
+            .filter_map(|p| {
+                let p = p.trim();
+                p.strip_prefix("q=").or_else(|| p.strip_prefix("Q="))
+            })
+            .find_map(|q| q.trim().parse::<f32>().ok())
+            .unwrap_or(1.0);
+        if name == coding {
+            return weight > 0.0;
+        }
+        if name == "*" {
+            star = weight > 0.0;
+        }
+    }
+    star
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_directives_are_recognised_in_any_spelling() {
+        for n in [
+            "x-override-rid",
+            "x-override-bootstrap-host",
+            "x-override-bootstrap-port",
+            "x-override-bootstrap-room",
+            "x-override-routed-dp-rank",
+            "x-override-disagg-prefill-dp-rank",
+            "x-override-priority",
+            "x-override-conversation-id",
+            "x-override-foo",
+            "x_override_bootstrap_host",
+            "x-data-parallel-rank",
+            "x_data_parallel_rank",
+        ] {
+            let name = HeaderName::from_static(n);
+            assert!(is_engine_directive(&name), "{n}");
+            assert!(!forwardable_header(&name, true), "{n}");
+        }
+        for n in [
+            "x-override",
+            "x-overrides-rid",
+            "x-data-parallel-ranks",
+            "x-session-id",
+        ] {
+            assert!(!is_engine_directive(&HeaderName::from_static(n)), "{n}");
+        }
+    }
+
+    /// Client headers saying `accept-encoding: value`, if any.
+    fn client(value: Option<&HeaderValue>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(v) = value {
+            h.insert(header::ACCEPT_ENCODING, v.clone());
+        }
+        h
+    }
+
+    #[test]
+    fn heads_that_are_not_relayed() {
+        let unrelayable = |s, h: &HeaderMap, a: Option<&HeaderValue>| unrelayable(s, h, &client(a));
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::LOCATION,
+            HeaderValue::from_static("http://10.0.0.7/x"),
+        );
+        let why = unrelayable(StatusCode::TEMPORARY_REDIRECT, &h, None).unwrap();
+        assert!(!why.contains("10.0.0.7"), "{why}");
+        assert!(unrelayable(StatusCode::CREATED, &h, None).is_none());
+
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("audio/wav"));
+        let gzip = HeaderValue::from_static("br, GZIP;q=0.5");
+        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_none());
+        for refused in ["br", "gzip;q=0", "*;q=0", "identity"] {
+            let v = HeaderValue::from_static(refused);
+            assert!(
+                unrelayable(StatusCode::OK, &h, Some(&v)).is_some(),
+                "{refused}"
+            );
+        }
+        let star = HeaderValue::from_static("*");
+        assert!(unrelayable(StatusCode::OK, &h, Some(&star)).is_none());
+        assert!(unrelayable(StatusCode::OK, &h, None).is_some());
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        assert!(unrelayable(StatusCode::OK, &h, Some(&gzip)).is_some());
+        h.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        assert!(unrelayable(StatusCode::OK, &h, None).is_none());
+    }
 }

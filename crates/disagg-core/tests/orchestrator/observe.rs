@@ -94,7 +94,7 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
         (LegOutcome::Answered, LegOutcome::Answered, 0)
     );
     let tl = r.timeline;
-    let phases = tl.phases();
+    let phases = r.phases;
     assert_eq!(phases.prefill, Some(std_ms(30)));
     assert_eq!(phases.handoff, Some(std_ms(0)));
     assert_eq!(phases.decode_head, Some(std_ms(5)));
@@ -103,7 +103,7 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
 
     let s = heard.summary();
     assert_eq!(
-        (s.status, s.delivery, s.outcome()),
+        (s.status, s.delivery, s.outcome),
         (StatusCode::OK, Delivery::Complete, "success")
     );
     assert_eq!(s.request_id.as_ref().unwrap(), "client-7");
@@ -122,8 +122,8 @@ async fn a_request_is_summarized_once_with_its_phases_first_byte_and_bytes() {
     assert_eq!(route.prefill.as_ref().unwrap().id().as_str(), P1);
     assert_eq!(s.bytes, all.len() as u64);
     // The first event went out 30 + 5 + 7 ms after arrival; the last 13 ms later.
-    assert_eq!(s.time_to_first_byte(), Some(std_ms(42)));
-    assert_eq!(s.duration(), std_ms(55));
+    assert_eq!(s.time_to_first_byte, Some(std_ms(42)));
+    assert_eq!(s.duration, std_ms(55));
     assert_eq!(s.timeline.unwrap().decode_head, tl.decode_head);
     assert_eq!(s.queued, None);
     assert_eq!(s.trace, None, "not traced unless configured");
@@ -180,7 +180,7 @@ async fn a_request_refused_before_any_attempt_has_a_summary_and_no_report() {
         (s.status, s.error, s.attempts),
         (StatusCode::BAD_REQUEST, Some(e.http().code), 0)
     );
-    assert_eq!(s.outcome(), "client_error");
+    assert_eq!(s.outcome, "client_error");
     assert!(s.route.is_none() && s.timeline.is_none());
     assert!(fake.calls().is_empty());
 
@@ -205,7 +205,7 @@ async fn a_request_refused_before_any_attempt_has_a_summary_and_no_report() {
     let s = all.last().unwrap();
     assert_eq!((s.status.as_u16(), s.error), (400, Some(err.http().code)));
     assert_eq!(s.request_id.as_ref().unwrap(), "c-1");
-    assert_eq!(s.duration(), std_ms(3));
+    assert_eq!(s.duration, std_ms(3));
 }
 
 #[tokio::test(start_paused = true)]
@@ -225,7 +225,7 @@ async fn a_request_that_fails_for_good_is_summarized_with_its_route_and_code() {
         (s.status.as_u16(), s.error, s.attempts),
         (502, Some("prefill_failed"), 1)
     );
-    assert_eq!(s.outcome(), "error");
+    assert_eq!(s.outcome, "error");
     assert_eq!(
         s.route
             .as_ref()
@@ -237,8 +237,8 @@ async fn a_request_that_fails_for_good_is_summarized_with_its_route_and_code() {
             .as_str(),
         P1
     );
-    assert_eq!(s.duration(), std_ms(8));
-    assert_eq!(s.time_to_first_byte(), None);
+    assert_eq!(s.duration, std_ms(8));
+    assert_eq!(s.time_to_first_byte, None);
 }
 
 #[tokio::test(start_paused = true)]
@@ -254,12 +254,9 @@ async fn a_client_leaving_mid_stream_is_summarized_as_cancelled() {
     sleep(ms(100)).await;
     drop(body);
     let s = heard.summary();
-    assert_eq!(
-        (s.delivery, s.outcome()),
-        (Delivery::Cancelled, "cancelled")
-    );
+    assert_eq!((s.delivery, s.outcome), (Delivery::Cancelled, "cancelled"));
     assert_eq!(s.bytes, first.len() as u64);
-    assert_eq!(s.duration(), std_ms(100));
+    assert_eq!(s.duration, std_ms(100));
     assert_eq!(heard.reports()[0].outcome, Outcome::Cancelled);
 }
 
@@ -274,7 +271,7 @@ async fn a_stream_that_breaks_is_summarized_with_the_breaks_code() {
     let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     within(body.collect()).await.unwrap();
     let s = heard.summary();
-    assert_eq!((s.delivery, s.outcome()), (Delivery::Broken, "error"));
+    assert_eq!((s.delivery, s.outcome), (Delivery::Broken, "error"));
     assert_eq!(s.error, Some("decode_idle_timeout"));
     assert_eq!(s.status, StatusCode::OK, "the head had gone out");
 }
@@ -288,8 +285,9 @@ async fn a_concurrent_prefill_answering_after_the_decode_head_is_timed_when_it_a
     let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
     let body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     within(body.collect()).await.unwrap();
-    let tl = heard.summary().timeline.unwrap();
-    let phases = tl.phases();
+    let summary = heard.summary();
+    let tl = summary.timeline.unwrap();
+    let phases = summary.phases.unwrap();
     assert_eq!(phases.prefill, Some(std_ms(40)));
     assert_eq!(phases.decode_head, Some(std_ms(10)));
     assert_eq!(phases.decode_first_chunk, Some(std_ms(15)));

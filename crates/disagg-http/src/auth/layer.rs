@@ -13,10 +13,11 @@ use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 
 use disagg_core::Orchestrator;
-use disagg_core::outcome::{Delivery, RouteKind, RouteSummary};
+use disagg_core::outcome::Delivery;
 
 use super::ApiKeys;
 use super::limits::InFlightSlot;
+use crate::routed::{RouteKind, RouteListeners, RouteSummary};
 use crate::tap::{Hooks, Tap};
 
 // === ApiKeyLayer ===
@@ -60,7 +61,7 @@ impl Policy {
 pub struct ApiKeyLayer {
     policy: Arc<Policy>,
     /// Who hears of each refusal ([`ApiKeyLayer::tell_refusals`]).
-    refusals: Option<Orchestrator>,
+    refusals: Option<(Orchestrator, RouteListeners)>,
 }
 
 impl ApiKeyLayer {
@@ -104,13 +105,14 @@ impl ApiKeyLayer {
         self.map_policy(|p| p.open.push(path))
     }
 
-    /// Every request refused here (401, 429) is told to `orchestrator`'s listeners and
-    /// counted in its stats as a [`RouteKind::KeyRefused`] request
-    /// ([`Orchestrator::route_ended`]): in `disagg_requests_total{route="key_refused"}`
-    /// and the access log. Without it, refusals are counted only by the keys' own
-    /// metrics.
-    pub fn tell_refusals(mut self, orchestrator: Orchestrator) -> Self {
-        self.refusals = Some(orchestrator);
+    /// Every request refused here (401, 429) is told to `listeners` as a
+    /// [`RouteKind::KeyRefused`] [`RouteSummary`], traced as `orchestrator` traces
+    /// ([`Orchestrator::route_trace`]): in `disagg_requests_total{route="key_refused"}`
+    /// and the access log when they listen (give the service's
+    /// [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners)).
+    /// Without it, refusals are counted only by the keys' own metrics.
+    pub fn tell_refusals(mut self, orchestrator: Orchestrator, listeners: RouteListeners) -> Self {
+        self.refusals = Some((orchestrator, listeners));
         self
     }
 
@@ -145,7 +147,7 @@ impl<S> tower::Layer<S> for ApiKeyLayer {
 pub struct ApiKeyService<S> {
     inner: S,
     policy: Arc<Policy>,
-    refusals: Option<Orchestrator>,
+    refusals: Option<(Orchestrator, RouteListeners)>,
 }
 
 impl<S, B, RB> tower::Service<Request<B>> for ApiKeyService<S>
@@ -172,7 +174,7 @@ where
             }
             Err(refusal) => {
                 let response = refusal.to_response();
-                if let Some(orchestrator) = &self.refusals {
+                if let Some((orchestrator, listeners)) = &self.refusals {
                     let arrival = tokio::time::Instant::now().into_std();
                     let mut summary = RouteSummary::new(
                         RouteKind::KeyRefused,
@@ -184,7 +186,7 @@ where
                     summary.trace = orchestrator.route_trace(req.headers());
                     summary.bytes = response.body().len() as u64;
                     summary.ended(response.status(), Delivery::Complete);
-                    orchestrator.route_ended(&summary);
+                    listeners.tell(&summary);
                 }
                 ResponseFuture::refused(response)
             }

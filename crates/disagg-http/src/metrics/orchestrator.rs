@@ -2,6 +2,8 @@
 //! flight, read at each scrape.
 
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use disagg_core::Orchestrator;
 use prometheus_client::collector::Collector;
@@ -16,7 +18,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 ///
 /// | metric | type | meaning |
 /// |---|---|---|
-/// | `disagg_requests_total{route}` | counter | requests served, by how: `orchestrated` (the orchestrator's), `forward`, `direct`, `fanout`, `key_refused` ([`RouteKind`](disagg_core::outcome::RouteKind), told by [`Orchestrator::route_ended`]) |
+/// | `disagg_requests_total{route}` | counter | requests served, by how: `orchestrated` (the orchestrator's), `forward`, `direct`, `fanout`, `key_refused` ([`RouteKind`](crate::routed::RouteKind); these four counted by [`Metrics`](super::Metrics) as a [`RouteListener`](crate::routed::RouteListener), so only with it) |
 /// | `disagg_requests_in_flight` | gauge | requests admitted and not yet ended |
 /// | `disagg_queue_waiting` | gauge | requests waiting for admission |
 /// | `disagg_queued_total` | counter | requests that had to wait for admission |
@@ -38,12 +40,24 @@ use prometheus_client::metrics::gauge::ConstGauge;
 /// | `disagg_endpoint_in_flight{role,endpoint}` | gauge | requests in flight on each endpoint of the set |
 pub struct OrchestratorCollector {
     orchestrator: Orchestrator,
+    /// The requests the orchestrator did not serve, by [`RouteKind::index`](crate::routed::RouteKind),
+    /// when [`Metrics`](super::Metrics) counts them.
+    routed: Option<Arc<[AtomicU64; 4]>>,
 }
 
 impl OrchestratorCollector {
     /// A collector of `orchestrator`'s metrics.
     pub fn new(orchestrator: Orchestrator) -> Self {
-        OrchestratorCollector { orchestrator }
+        OrchestratorCollector {
+            orchestrator,
+            routed: None,
+        }
+    }
+
+    /// With the counts of the requests the orchestrator did not serve.
+    pub(super) fn with_routed(mut self, routed: Arc<[AtomicU64; 4]>) -> Self {
+        self.routed = Some(routed);
+        self
     }
 }
 
@@ -83,8 +97,11 @@ impl Collector for OrchestratorCollector {
         )?;
         ConstCounter::new(s.requests)
             .encode(requests.encode_family(&[("route", "orchestrated")])?)?;
-        for (route, n) in &s.routed {
-            ConstCounter::new(*n).encode(requests.encode_family(&[("route", *route)])?)?;
+        if let Some(routed) = &self.routed {
+            for kind in crate::routed::RouteKind::ALL {
+                ConstCounter::new(routed[kind.index()].load(Relaxed))
+                    .encode(requests.encode_family(&[("route", kind.as_str())])?)?;
+            }
         }
         let rows: [(&str, &str, bool, u64); 16] = [
             (

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use disagg_core::Orchestrator;
@@ -15,6 +16,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 use tokio::sync::watch;
+
+use crate::routed::{RouteListener, RouteSummary};
 
 use super::endpoint::{self, Endpoints, Families, Histograms, histogram};
 
@@ -88,6 +91,8 @@ struct Inner {
     handoff_family: Histograms<[(&'static str, &'static str); 1]>,
     endpoints: Arc<Endpoints>,
     families: Families,
+    /// Requests the orchestrator did not serve, by [`RouteKind::index`](crate::routed::RouteKind).
+    routed: Arc<[AtomicU64; 4]>,
 }
 
 impl fmt::Debug for Metrics {
@@ -155,6 +160,7 @@ impl Metrics {
                 handoff_family,
                 endpoints: Arc::new(Endpoints::new(families.clone(), retention)),
                 families,
+                routed: Arc::default(),
             }),
         }
     }
@@ -230,7 +236,10 @@ impl Metrics {
             "Legs sent to an endpoint, by how they ended: answered, failed (the engine's fault), abandoned.",
             f.legs.clone(),
         );
-        super::register_orchestrator(registry, orchestrator);
+        registry.register_collector(Box::new(
+            super::OrchestratorCollector::new(orchestrator.clone())
+                .with_routed(Arc::clone(&i.routed)),
+        ));
         registry.register_collector(Box::new(Prune {
             endpoints: Arc::clone(&i.endpoints),
             orchestrator: orchestrator.clone(),
@@ -264,12 +273,22 @@ impl Metrics {
     }
 }
 
+/// Counts the requests the orchestrator did not serve, by kind
+/// (`disagg_requests_total{route}`): attach it to
+/// [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) (and
+/// the key layer's, `auth::ApiKeyLayer::tell_refusals`).
+impl RouteListener for Metrics {
+    fn on_route(&self, summary: &RouteSummary) {
+        self.inner.routed[summary.kind.index()].fetch_add(1, Relaxed);
+    }
+}
+
 impl Listener for Metrics {
     fn on_report(&self, report: &Report) {
         let i = &self.inner;
         let tl = &report.timeline;
         let at = tl.end.unwrap_or(tl.start);
-        let phases = tl.phases();
+        let phases = report.phases;
         if let Some(prefill) = &report.route.prefill {
             i.endpoints.with(prefill, at, |s| {
                 s.leg(report.prefill);
@@ -311,14 +330,14 @@ impl Listener for Metrics {
             return;
         };
         let stream = usize::from(summary.stream);
-        let outcome = match summary.outcome() {
+        let outcome = match summary.outcome {
             "success" => 0,
             "client_error" => 1,
             "cancelled" => 3,
             _ => 2,
         };
-        i.duration[api][stream][outcome].observe(seconds(summary.duration()));
-        if let Some(d) = summary.time_to_first_byte() {
+        i.duration[api][stream][outcome].observe(seconds(summary.duration));
+        if let Some(d) = summary.time_to_first_byte {
             i.first_token[api][stream].observe(seconds(d));
         }
         if let Some(d) = summary.queued {
@@ -329,7 +348,7 @@ impl Listener for Metrics {
             i.encode_items.observe(f64::from(e.items));
         }
         for m in &summary.migrated {
-            if let Some(d) = m.time_lost() {
+            if let Some(d) = m.time_lost {
                 i.migration.observe(seconds(d));
             }
         }

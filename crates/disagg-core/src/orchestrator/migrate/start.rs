@@ -87,14 +87,14 @@ pub(super) async fn start(
         .and_then(|m| serde_json::from_slice::<String>(m).ok());
     let set = set
         .for_model(model.as_deref())
-        .map_err(|e| NotStarted::unrouted(PdError::route(e)))?;
+        .map_err(|e| NotStarted::unrouted(PdError::from(e)))?;
     let endpoint = set
         .decode()
         .iter()
         .filter(|e| !tried.contains(e.id()))
         .min_by_key(|e| e.in_flight())
         .cloned()
-        .ok_or_else(|| NotStarted::unrouted(PdError::route(crate::error::RouteError::NoDecode)))?;
+        .ok_or_else(|| NotStarted::unrouted(PdError::from(crate::error::RouteError::NoDecode)))?;
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
     // least busy one. Decode-only when none is, or when the prefill side fails.
@@ -187,7 +187,7 @@ async fn through_prefill(
         through.clock,
         &mut tl,
     );
-    let failure = match attempt.await {
+    let mut failure = match attempt.await {
         Ok(ex) => match ex.into_decoded() {
             Ok((head, guard, pending)) => {
                 let body = match pending {
@@ -228,7 +228,7 @@ async fn through_prefill(
         },
         Err(f) => f,
     };
-    if let Some(report) = &failure.report {
+    if let Some(report) = &mut failure.report {
         ctx.reporter.report(report);
     }
     tracing::warn!(
