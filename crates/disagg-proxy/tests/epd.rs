@@ -198,6 +198,211 @@ async fn e_pd_serves_one_and_two_images_streamed_and_not() {
     serves_images(true).await;
 }
 
+// === /v1/responses and /v1/messages ===
+
+const RESPONSES: &str = "/v1/responses";
+const MESSAGES: &str = "/v1/messages";
+
+/// A Responses request with `images` `input_image` parts (and, with `kwargs`, processor
+/// kwargs the encoder legs must carry for the prefill to name the items alike).
+fn responses(images: usize, stream: bool, kwargs: bool) -> String {
+    let mut content = vec![json!({"type": "input_text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(|n| {
+        json!({"type": "input_image", "image_url": format!("data:image/png;base64,UkVT{n}"),
+               "detail": "auto"})
+    }));
+    let mut body = json!({
+        "model": "sim-model",
+        "input": [{"type": "message", "role": "user", "content": content}],
+        "max_output_tokens": 6,
+        "stream": stream,
+    });
+    if kwargs {
+        body["mm_processor_kwargs"] = json!({"max_pixels": 1024});
+    }
+    body.to_string()
+}
+
+/// A Messages request with `images` Anthropic `image` blocks, base64 and URL sources.
+fn messages(images: usize, stream: bool) -> String {
+    let mut content = vec![json!({"type": "text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(|n| {
+        if n % 2 == 0 {
+            json!({"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                "data": format!("TVNH{n}")}})
+        } else {
+            json!({"type": "image", "source": {"type": "url",
+                                                "url": format!("https://example.com/{n}.png")}})
+        }
+    }));
+    json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": content}],
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The `data:` payloads of a stream (bare or `event:`/`data:` pairs), as JSON.
+fn sse_data(a: &common::Answer) -> Vec<Value> {
+    a.text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("a JSON event"))
+        .collect()
+}
+
+/// The generated text of a Responses or Messages answer, streamed or not.
+fn gen_text(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        sse_data(a)
+            .iter()
+            .filter_map(|v| match v["type"].as_str() {
+                Some("response.output_text.delta") => v["delta"].as_str(),
+                Some("content_block_delta") => v["delta"]["text"].as_str(),
+                _ => None,
+            })
+            .collect()
+    } else {
+        let v = a.json();
+        let text = if v["object"] == "response" {
+            &v["output"][0]["content"][0]["text"]
+        } else {
+            &v["content"][0]["text"]
+        };
+        text.as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// `body` at `path` served by a plain engine: the answer the proxy must give.
+async fn reference_at(path: &str, body: &str) -> String {
+    let plain = engine(None).await;
+    let a = post(&plain.url(), path, body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    gen_text(&a)
+}
+
+async fn serves_responses_and_messages(pd: bool) {
+    let epd = Epd::start(pd).await;
+    let mut loaded = 0;
+    for stream in [false, true] {
+        for (path, body) in [
+            (RESPONSES, responses(2, stream, false)),
+            (RESPONSES, responses(1, stream, true)),
+            (MESSAGES, messages(2, stream)),
+        ] {
+            let items = if body.contains("max_pixels") { 1 } else { 2 };
+            let a = post(&epd.proxy.url(), path, &body).await;
+            assert_eq!(a.status, 200, "{path}: {}", a.text());
+            let text = gen_text(&a);
+            assert!(!text.is_empty(), "{path}: {}", a.text());
+            assert_eq!(
+                text,
+                reference_at(path, &body).await,
+                "{path} stream {stream}"
+            );
+            assert!(!a.text().contains("ec_transfer_params"), "{}", a.text());
+            loaded += items;
+            // The consumer read every item from the encoders' store: the encoder legs
+            // named them as the consumer's own hash of its route's parts does.
+            assert_eq!(epd.consumer().stats().ec_items_loaded, loaded, "{path}");
+            assert_eq!(epd.encoded(), loaded, "{path}");
+            // The consumer's leg came by the client's route with the merged handoff, one
+            // entry per item, and the client's items as they were (no uuid added: that
+            // route would not pass it on).
+            let leg = epd.consumer().requests().pop().expect("a recorded request");
+            assert_eq!(leg.path, path);
+            let params = leg.body["ec_transfer_params"].as_object().expect("params");
+            assert_eq!(params.len() as u64, items, "{params:?}");
+            assert!(!leg.body.to_string().contains("uuid"), "{}", leg.body);
+        }
+    }
+    // The encoder legs are chat requests: items only, no uuid (the consumer hashes), the
+    // Responses request's processor kwargs copied.
+    let legs: Vec<_> = epd.encoders.iter().flat_map(SimEngine::requests).collect();
+    assert!(legs.iter().all(|r| r.path == "/v1/chat/completions"));
+    assert!(!legs.iter().any(|r| r.body.to_string().contains("uuid")));
+    let with_kwargs = legs
+        .iter()
+        .filter(|r| r.body["mm_processor_kwargs"] == json!({"max_pixels": 1024}))
+        .count();
+    assert_eq!(with_kwargs, 2);
+    let urls: Vec<&str> = legs
+        .iter()
+        .flat_map(|r| r.body["messages"][0]["content"].as_array().unwrap().iter())
+        .filter_map(|p| p["image_url"]["url"].as_str())
+        .collect();
+    assert!(urls.contains(&"data:image/png;base64,TVNH0"), "{urls:?}");
+    assert!(urls.contains(&"https://example.com/1.png"), "{urls:?}");
+    if !pd {
+        assert_eq!(epd.decode.stats().ec_items_loaded, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_serves_images_in_responses_and_messages_streamed_and_not() {
+    serves_responses_and_messages(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_serves_images_in_responses_and_messages_streamed_and_not() {
+    serves_responses_and_messages(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_only_responses_and_messages_never_touch_an_encoder() {
+    let epd = Epd::start(false).await;
+    for stream in [false, true] {
+        for (path, body) in [
+            (RESPONSES, responses(0, stream, false)),
+            (MESSAGES, messages(0, stream)),
+        ] {
+            let a = post(&epd.proxy.url(), path, &body).await;
+            assert_eq!(a.status, 200, "{path}: {}", a.text());
+        }
+    }
+    // Text naming a media part type is text; so is a string input.
+    let tricky = [
+        (
+            RESPONSES,
+            json!({"model": "sim-model", "max_output_tokens": 3,
+                   "input": "what is an \"input_image\"?"}),
+        ),
+        (
+            MESSAGES,
+            json!({"model": "sim-model", "max_tokens": 3, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "an \"image\"?"}]}]}),
+        ),
+    ];
+    for (path, body) in tricky {
+        let a = post(&epd.proxy.url(), path, &body.to_string()).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+    }
+    assert_eq!(epd.encoder_requests(), 0);
+    assert_eq!(epd.consumer().stats().requests, 6);
+    assert_eq!(epd.proxy.metric("disagg_encode_requests_total").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_and_messages_items_no_encoder_wrote_fail_the_prefill() {
+    // The simulated consumer hashes these routes' items itself: sent to it directly,
+    // skipping the encoder stage, they fail.
+    let epd = Epd::start(false).await;
+    let p = epd.prefill.as_ref().unwrap();
+    for (path, body) in [
+        (RESPONSES, responses(1, false, false)),
+        (MESSAGES, messages(1, false)),
+    ] {
+        let a = post(&p.url(), path, &body).await;
+        assert_eq!(a.status, 500, "{path}: {}", a.text());
+    }
+    assert_eq!(p.stats().ec_items_loaded, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_only_request_never_touches_an_encoder() {
     let epd = Epd::start(false).await;

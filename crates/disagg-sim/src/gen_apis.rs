@@ -193,7 +193,7 @@ fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
     if let Some(system) = obj.get("system").filter(|s| !s.is_null()) {
         messages.push(json!({"role": "system", "content": system}));
     }
-    messages.extend(turns.iter().cloned());
+    messages.extend(turns.iter().map(chat_turn));
     let mut out = Map::new();
     for key in ["model", "stream", "temperature", "kv_transfer_params"] {
         if let Some(v) = obj.get(key) {
@@ -206,6 +206,27 @@ fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
         out.insert("stop".to_owned(), stop.clone());
     }
     Ok(out)
+}
+
+/// A Messages turn as chat: its `image` blocks become `image_url` parts of the URL vLLM
+/// builds from their source (`anthropic/serving.py`, `_convert_block`).
+fn chat_turn(turn: &Value) -> Value {
+    let Some(Value::Array(blocks)) = turn.get("content") else {
+        return turn.clone();
+    };
+    let mut turn = turn.clone();
+    let content = blocks
+        .iter()
+        .map(
+            |b| match (b.get("type").and_then(Value::as_str), b.get("source")) {
+                (Some("image"), Some(source)) => json!({"type": "image_url",
+                "image_url": {"url": crate::ec::anthropic_image_url(source)}}),
+                _ => b.clone(),
+            },
+        )
+        .collect();
+    turn["content"] = Value::Array(content);
+    turn
 }
 
 /// A Cohere chat body as the chat request vLLM's handler makes of it: `max_tokens`

@@ -1415,22 +1415,32 @@ where
         ),
     };
     // E/P/D: an encoder-only engine answers every chat request as an encoder leg; a
-    // consumer reads each media item's encoder output before any work.
-    if let (Some(ec), Route::Openai(Endpoint::Chat)) = (&inner.config.ec, route) {
-        match ec.role {
-            crate::ec::EcRole::Producer => {
+    // consumer reads each media item's encoder output before any work (chat, Responses
+    // and Messages requests alike).
+    if let Some(ec) = &inner.config.ec {
+        let api = match route {
+            Route::Openai(Endpoint::Chat) => Some(crate::ec::EcApi::Chat),
+            Route::Gen(GenApi::Responses) => Some(crate::ec::EcApi::Responses),
+            Route::Gen(GenApi::Messages) => Some(crate::ec::EcApi::Messages),
+            _ => None,
+        };
+        match (ec.role, api) {
+            (crate::ec::EcRole::Producer, Some(crate::ec::EcApi::Chat)) => {
                 guard.complete();
                 return encoder_answer(inner, &ec.store, &json, &request_id, header_id);
             }
-            crate::ec::EcRole::Consumer => match crate::ec::load(&ec.store, &json) {
-                Ok(n) => {
-                    inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+            (crate::ec::EcRole::Consumer, Some(api)) => {
+                match crate::ec::load(&ec.store, api, &json) {
+                    Ok(n) => {
+                        inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+                    }
+                    Err(e) => {
+                        guard.complete();
+                        return error_response(&e, header_id);
+                    }
                 }
-                Err(e) => {
-                    guard.complete();
-                    return error_response(&e, header_id);
-                }
-            },
+            }
+            _ => {}
         }
     }
     let vllm = inner.config.kv_mode.is_vllm();

@@ -1,6 +1,6 @@
 //! vLLM 0.33's encoder disaggregation (E/P/D), on the proxy's side: the encoder legs
-//! of a multimodal chat request, and the `ec_transfer_params` their answers give the
-//! prefill.
+//! of a multimodal chat, Responses or Messages request, and the `ec_transfer_params`
+//! their answers give the prefill.
 //!
 //! The facts, from vLLM's own code (paths relative to the `vllm` package): a request may
 //! carry a top-level `ec_transfer_params` object (`entrypoints/openai/chat_completion/protocol.py`);
@@ -13,9 +13,11 @@
 use bytes::Bytes;
 use disagg_core::encode::{EncodeLeg, EncodePlan, EncoderConnector};
 use disagg_core::error::ConnectorError;
-use disagg_core::request::PdRequest;
+use disagg_core::request::{Api, PdRequest};
 use disagg_json::{BodyError, InvalidParam};
 use serde_json::{Map, Value};
+
+mod convert;
 
 /// The media part types vLLM's chat API takes, and whether items of the type may share
 /// a leg (images may; audio and video go one per leg).
@@ -40,12 +42,19 @@ const MAX_ENTRIES: usize = 4096;
 
 /// vLLM's encoder protocol, for [`EncodeStage`](disagg_core::encode::EncodeStage).
 ///
-/// Each media item of the client's `messages` gets an explicit `uuid` derived from its
-/// content and the request's `mm_processor_kwargs` / `media_io_kwargs` (a `uuid` the
+/// Chat: each media item of the client's `messages` gets an explicit `uuid` derived from
+/// its content and the request's `mm_processor_kwargs` / `media_io_kwargs` (a `uuid` the
 /// client gave is kept), so the encoder and the prefill name the item alike whatever
-/// their caches; the encoder legs carry the items only (`max_tokens: 1`, not streamed,
-/// since vLLM writes `ec_transfer_params` only into a whole answer); images share a leg
-/// up to [`with_image_batch`](Self::with_image_batch), audio and video go one per leg.
+/// their caches. Responses (`input`) and Messages (`messages`): vLLM hands no per-item
+/// `uuid` to the processor on those routes, so the prefill names each item by its
+/// content hash; the encoder legs carry the item as the chat part vLLM converts it to,
+/// without a `uuid`, and the kwargs that route passes to the processor (Responses:
+/// `mm_processor_kwargs`; Messages: none), so that the encoder hashes it alike.
+///
+/// The encoder legs are chat requests (what vLLM's encoder serves) carrying the items
+/// only (`max_tokens: 1`, not streamed, since vLLM writes `ec_transfer_params` only into
+/// a whole answer); images share a leg up to [`with_image_batch`](Self::with_image_batch),
+/// audio and video go one per leg.
 #[derive(Debug, Clone)]
 pub struct VllmEncoder {
     image_batch: usize,
@@ -98,6 +107,102 @@ impl EncoderConnector for VllmEncoder {
     }
 
     fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
+        let body = req.body();
+        let items = match req.api() {
+            Api::Chat => return self.plan_chat(req),
+            Api::Responses => match body.get("input") {
+                Some(input) => convert::responses(input, MAX_ITEMS)?,
+                None => return Ok(None),
+            },
+            Api::Messages => match body.get("messages") {
+                Some(messages) => convert::messages(messages, MAX_ITEMS)?,
+                None => return Ok(None),
+            },
+            _ => return Ok(None),
+        };
+        // vLLM's Responses request takes `mm_processor_kwargs` (no `media_io_kwargs`);
+        // its Messages request neither.
+        let copied: &[&str] = match req.api() {
+            Api::Responses => &["mm_processor_kwargs"],
+            _ => &[],
+        };
+        let copied: Vec<(&str, &[u8])> = copied
+            .iter()
+            .filter_map(|k| body.get(k).filter(|v| *v != b"null").map(|v| (*k, v)))
+            .collect();
+        let model = body.get("model");
+        let mut legs: Vec<(Vec<&[u8]>, bool)> = Vec::new();
+        for item in &items {
+            match legs.last_mut() {
+                Some((leg, true)) if item.batched && leg.len() < self.image_batch => {
+                    leg.push(&item.part)
+                }
+                _ => legs.push((vec![&item.part], item.batched)),
+            }
+        }
+        if legs.is_empty() {
+            return Ok(None);
+        }
+        let legs = legs
+            .iter()
+            .map(|(parts, _)| EncodeLeg {
+                body: leg_body(model, parts, &copied),
+                items: parts.len(),
+            })
+            .collect();
+        // The client's items stay as they are on the legs that follow: the prefill
+        // hashes them as the encoders did.
+        Ok(Some(EncodePlan {
+            legs,
+            fields: Vec::new(),
+        }))
+    }
+
+    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+        fold_answers(answers)
+    }
+}
+
+/// One encoder leg's body: `{model, messages: [{role: "user", content: parts}], stream:
+/// false, max_tokens: 1, copied...}`, written from raw JSON (`model` left out when absent
+/// or `null`).
+fn leg_body(model: Option<&[u8]>, parts: &[&[u8]], copied: &[(&str, &[u8])]) -> Bytes {
+    let len = parts.iter().map(|p| p.len() + 1).sum::<usize>()
+        + copied
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum::<usize>()
+        + model.map_or(0, <[u8]>::len)
+        + 96;
+    let mut out = Vec::with_capacity(len);
+    out.push(b'{');
+    if let Some(model) = model.filter(|m| *m != b"null") {
+        out.extend_from_slice(b"\"model\":");
+        out.extend_from_slice(model);
+        out.push(b',');
+    }
+    out.extend_from_slice(br#""messages":[{"role":"user","content":["#);
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(part);
+    }
+    out.extend_from_slice(br#"]}],"stream":false,"max_tokens":1"#);
+    for (key, value) in copied {
+        out.extend_from_slice(b",\"");
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(value);
+    }
+    out.push(b'}');
+    Bytes::from(out)
+}
+
+impl VllmEncoder {
+    /// Chat: the items of `messages`, each given its `uuid`, on legs and on the
+    /// `messages` the prefill and decode legs carry.
+    fn plan_chat(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
         let body = req.body();
         let Some(raw) = body.get("messages") else {
             return Ok(None);
@@ -187,8 +292,11 @@ impl EncoderConnector for VllmEncoder {
             fields: vec![("messages", messages)],
         }))
     }
+}
 
-    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+/// The answers' `ec_transfer_params`, merged (their keys are item identifiers).
+fn fold_answers(answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+    {
         let mut merged = Map::new();
         for answer in answers {
             let params =
@@ -302,6 +410,55 @@ mod tests {
         let mut given = msgs("data:a");
         given[0]["content"][0]["uuid"] = json!("mine");
         assert_eq!(uuid(json!({"messages": given})), json!("mine"));
+    }
+
+    #[test]
+    fn responses_and_messages_legs_are_chat_with_their_routes_kwargs_only() {
+        let input = json!([{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:a"},
+            {"type": "input_image", "image_url": "data:b"},
+            {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+        ]}]);
+        let body = json!({"model": "m", "input": input, "media_io_kwargs": {"v": 1},
+                          "mm_processor_kwargs": {"fps": 2}});
+        let req = PdRequest::new(
+            Api::Responses,
+            Default::default(),
+            &Bytes::from(body.to_string()),
+        )
+        .unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        // The client's input goes on unchanged: the prefill hashes it as the encoders do.
+        assert!(plan.fields.is_empty());
+        assert_eq!(
+            plan.legs.iter().map(|l| l.items).collect::<Vec<_>>(),
+            [2, 1]
+        );
+        let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
+        assert_eq!(
+            leg,
+            json!({"model": "m", "stream": false, "max_tokens": 1,
+                   "mm_processor_kwargs": {"fps": 2},
+                   "messages": [{"role": "user", "content": [
+                       {"type": "image_url", "image_url": {"url": "data:a"}},
+                       {"type": "image_url", "image_url": {"url": "data:b"}}]}]})
+        );
+        let body = json!({"model": "m", "max_tokens": 4, "mm_processor_kwargs": {"fps": 2},
+            "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://x"}}]}]});
+        let req = PdRequest::new(
+            Api::Messages,
+            Default::default(),
+            &Bytes::from(body.to_string()),
+        )
+        .unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
+        assert!(leg.get("mm_processor_kwargs").is_none(), "{leg}");
+        assert_eq!(
+            leg["messages"][0]["content"][0],
+            json!({"type": "image_url", "image_url": {"url": "https://x"}})
+        );
     }
 
     #[test]

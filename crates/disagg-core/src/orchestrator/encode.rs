@@ -144,8 +144,9 @@ impl Inner {
                             let message = upstream_message(&body).unwrap_or_else(|| {
                                 format!("an encoder refused the media items ({status})")
                             });
+                            let param = crate::encode::media_field(req.api()).unwrap_or("messages");
                             return Err(PdError::body(BodyError::Invalid(InvalidParam::new(
-                                "messages", message,
+                                param, message,
                             ))));
                         }
                         Ok(body) => {
