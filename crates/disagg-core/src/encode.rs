@@ -71,13 +71,19 @@ pub trait EncoderConnector: Send + Sync + 'static {
     fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam>;
 
     /// The top-level fields the encoders' `answers` (their 2xx bodies, one per leg in
-    /// the plan's order) add to the legs that follow (vLLM: the merged
-    /// `ec_transfer_params`).
+    /// `plan`'s order) add to the legs that follow (vLLM: the merged
+    /// `ec_transfer_params`). A field named in `plan`'s [`fields`](EncodePlan::fields)
+    /// too replaces the plan's (vLLM: `messages` with items rewritten to the embeddings
+    /// placeholders the answers allow).
     ///
     /// # Errors
     ///
     /// [`ConnectorError`] when an answer is unusable (the request fails with 502).
-    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError>;
+    fn fold(
+        &self,
+        plan: &EncodePlan,
+        answers: &[Bytes],
+    ) -> Result<Vec<(&'static str, Bytes)>, ConnectorError>;
 }
 
 /// Settings of an [`EncodeStage`].

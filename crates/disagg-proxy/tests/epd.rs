@@ -198,6 +198,99 @@ async fn e_pd_serves_one_and_two_images_streamed_and_not() {
     serves_images(true).await;
 }
 
+// === Embeddings placeholders (--encode-placeholders) ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placeholders_keep_the_media_bytes_away_from_the_prefill_and_decode() {
+    let epd = Epd::start_with(false, &["--encode-placeholders"]).await;
+    for stream in [false, true] {
+        let body = chat(2, stream);
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&body).await);
+    }
+    // The consumer read every item's embeddings, named by the placeholders' uuids.
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    assert_eq!(epd.encoded(), 4);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    assert_eq!(content[0]["type"], "text");
+    for part in &content[1..] {
+        assert_eq!(part["type"], "image_embeds", "{part}");
+        assert!(part["image_embeds"].is_null(), "{part}");
+        let uuid = part["uuid"].as_str().expect("a uuid");
+        assert_eq!(params[uuid]["modality"], "image");
+    }
+    // No engine after the encoders received the media bytes.
+    let decode = epd.decode.requests();
+    for r in epd.consumer().requests().iter().chain(&decode) {
+        let text = r.body.to_string();
+        assert!(!text.contains("base64") && !text.contains("AAAA"), "{text}");
+    }
+    // The encoders did.
+    let legs: Vec<_> = epd.encoders.iter().flat_map(SimEngine::requests).collect();
+    assert!(
+        legs.iter()
+            .any(|r| r.body.to_string().contains("base64,AAAA0"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_no_encoder_answered_for_keeps_its_media() {
+    // One leg per item, and one encoder that encodes but answers no entries: of two
+    // items sent at once, one gets an entry and the other none.
+    let epd = Epd::start_with(
+        false,
+        &["--encode-placeholders", "--encode-image-batch", "1"],
+    )
+    .await;
+    epd.encoders[1].set_faults(Faults {
+        ec_withhold_params: true,
+        ..Faults::default()
+    });
+    let audio = json!({"type": "input_audio", "input_audio": {"data": "QVVE", "format": "wav"}});
+    let body = json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what do you see and hear?"}, image(0), audio]}],
+    })
+    .to_string();
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(text_of(&a), reference(&body).await);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    assert_eq!(params.len(), 1, "{params:?}");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    let (image_part, audio_part) = (&content[1], &content[2]);
+    let with_entry = |p: &Value| params.contains_key(p["uuid"].as_str().unwrap());
+    // The item with an entry is a placeholder, the other keeps its media.
+    assert_ne!(with_entry(image_part), with_entry(audio_part));
+    for (part, raw, embeds) in [
+        (image_part, "image_url", "image_embeds"),
+        (audio_part, "input_audio", "audio_embeds"),
+    ] {
+        let want = if with_entry(part) { embeds } else { raw };
+        assert_eq!(part["type"], want, "{part}");
+    }
+    // Two images, one without an entry: vLLM takes no mix of raw and embedded images,
+    // so both keep their media.
+    let body = chat(2, false);
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    assert_eq!(leg.body["ec_transfer_params"].as_object().unwrap().len(), 1);
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    assert!(
+        content[1..].iter().all(|p| p["type"] == "image_url"),
+        "{content:?}"
+    );
+    // Every item was read from the store all the same.
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+}
+
 // === /v1/responses and /v1/messages ===
 
 const RESPONSES: &str = "/v1/responses";

@@ -17,7 +17,11 @@
 //! `vllm/entrypoints/openai/responses/utils.py`, `vllm/entrypoints/anthropic/serving.py`).
 //! A consumer that finds an item missing (its encoder was skipped, or was told another
 //! identifier) fails the request with 500: the simulated prefill has no encoder of its
-//! own, so a wrong orchestration really fails.
+//! own, so a wrong orchestration really fails. The same holds for an embeddings
+//! placeholder (`image_embeds` / `audio_embeds` parts with no data, as vLLM takes them
+//! with `--enable-mm-embeds`): it is read from the store under its `uuid`, so one whose
+//! embeddings no encoder wrote fails; and, as vLLM, a request mixing raw and embedded
+//! items of one modality is refused (400).
 
 use std::path::{Path, PathBuf};
 
@@ -212,15 +216,29 @@ pub(crate) fn items(api: EcApi, body: &Value) -> Result<Vec<(String, &'static st
     };
     match api {
         EcApi::Chat => {
+            // vLLM refuses raw and embedded items of one modality in one request
+            // (`chat_utils.py`, `_resolve_items`).
+            let (mut raw, mut embedded) = (Vec::new(), Vec::new());
             for turn in list(body.get("messages")) {
                 for part in list(turn.get("content")) {
                     let Some(obj) = part.as_object() else {
                         continue;
                     };
                     if let Some((m, media)) = chat_media(obj) {
+                        let ty = obj.get("type").and_then(Value::as_str).unwrap_or_default();
+                        if ty.ends_with("_embeds") {
+                            embedded.push(m);
+                        } else {
+                            raw.push(m);
+                        }
                         push(m, media, part_uuid(obj)?)?;
                     }
                 }
+            }
+            if let Some(m) = raw.iter().find(|m| embedded.contains(m)) {
+                return Err(ApiError::bad_request(format!(
+                    "Mixing raw {m} and embedding inputs is not allowed"
+                )));
             }
         }
         EcApi::Responses => {
@@ -413,5 +431,36 @@ mod tests {
         let none = json!({"input": [{"role": "assistant", "content": [
             {"type": "input_image", "image_url": url}]}]});
         assert!(items(EcApi::Responses, &none).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_placeholder_is_read_by_its_uuid_and_never_mixed_with_raw_items() {
+        let store = temp();
+        let img = |u: &str| json!({"type": "image_url", "image_url": {"url": u}, "uuid": u});
+        let embeds = |u: &str| json!({"type": "image_embeds", "image_embeds": null, "uuid": u});
+        let chat = |parts: Vec<Value>| json!({"messages": [{"role": "user", "content": parts}]});
+        encode(&store, &chat(vec![img("a"), img("b")])).unwrap();
+        assert_eq!(
+            load(&store, EcApi::Chat, &chat(vec![embeds("a"), embeds("b")])).unwrap(),
+            2
+        );
+        // Embeddings no encoder wrote: the consumer has nothing to read.
+        let missing = chat(vec![embeds("c")]);
+        assert_eq!(
+            load(&store, EcApi::Chat, &missing).unwrap_err().status,
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+        let mixed = chat(vec![img("a"), embeds("b")]);
+        assert_eq!(
+            load(&store, EcApi::Chat, &mixed).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
+        let audio = json!({"type": "input_audio", "input_audio": {"data": "x", "format": "wav"},
+                           "uuid": "a"});
+        assert_eq!(
+            load(&store, EcApi::Chat, &chat(vec![audio, embeds("b")])).unwrap(),
+            2
+        );
+        std::fs::remove_dir_all(store).unwrap();
     }
 }

@@ -1540,6 +1540,7 @@ fn encoder_answer(
         Err(e) => error_response(&e, header_id),
         Ok((params, n)) => {
             inner.counters.ec_items_encoded.fetch_add(n as u64, Relaxed);
+            let withhold = lock(&inner.faults).ec_withhold_params;
             let body = json!({
                 "id": format!("chatcmpl-{request_id}"),
                 "object": "chat.completion",
@@ -1549,7 +1550,7 @@ fn encoder_answer(
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n},
                 "kv_transfer_params": null,
-                "ec_transfer_params": if n == 0 { Value::Null } else { params },
+                "ec_transfer_params": if n == 0 || withhold { Value::Null } else { params },
             });
             let body = serde_json::to_vec(&body).unwrap_or_default();
             json_response(StatusCode::OK, SimBody::full(body), header_id)

@@ -17,16 +17,10 @@ use disagg_core::request::{Api, PdRequest};
 use disagg_json::{BodyError, InvalidParam};
 use serde_json::{Map, Value};
 
+mod chat;
 mod convert;
 
-/// The media part types vLLM's chat API takes, and whether items of the type may share
-/// a leg (images may; audio and video go one per leg).
-const MEDIA: &[(&str, bool)] = &[
-    ("image_url", true),
-    ("input_audio", false),
-    ("audio_url", false),
-    ("video_url", false),
-];
+use chat::MEDIA;
 
 /// Request fields the encoder legs carry as the client sent them: they change what the
 /// encoder computes (and vLLM folds them into the item's identifier).
@@ -58,11 +52,15 @@ const MAX_ENTRIES: usize = 4096;
 #[derive(Debug, Clone)]
 pub struct VllmEncoder {
     image_batch: usize,
+    placeholders: bool,
 }
 
 impl Default for VllmEncoder {
     fn default() -> Self {
-        VllmEncoder { image_batch: 8 }
+        VllmEncoder {
+            image_batch: 8,
+            placeholders: false,
+        }
     }
 }
 
@@ -75,6 +73,24 @@ impl VllmEncoder {
     /// At most `n` images per encoder leg (at least 1).
     pub fn with_image_batch(mut self, n: usize) -> Self {
         self.image_batch = n.max(1);
+        self
+    }
+
+    /// With `on`, a chat request's image and audio items whose embeddings an encoder
+    /// handed over reach the prefill and decode as vLLM's embeddings placeholder parts
+    /// instead of their media (off by default: the engines need `--enable-mm-embeds`).
+    ///
+    /// An item becomes `{"type": "<modality>_embeds", "<modality>_embeds": M, "uuid":
+    /// U}`, `U` its uuid and `M` the `metadata` of its `ec_transfer_params` entry (the
+    /// placeholder fields the model needs; `null` when empty). vLLM's chat parser reads
+    /// such a part as pre-computed embeddings named by `U`, which its EC connector
+    /// supplies (`vllm/entrypoints/chat_utils.py`: with a `uuid`, the
+    /// `<modality>_embeds` key must be present). It refuses a request mixing raw and
+    /// embedded items of one modality (`_resolve_items`), so a modality is rewritten
+    /// only when every item of it has an entry; video items, and items of requests on
+    /// other routes (whose request models take no such part), keep their media.
+    pub fn with_embeds_placeholders(mut self, on: bool) -> Self {
+        self.placeholders = on;
         self
     }
 }
@@ -158,9 +174,71 @@ impl EncoderConnector for VllmEncoder {
         }))
     }
 
-    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
-        fold_answers(answers)
+    fn fold(
+        &self,
+        plan: &EncodePlan,
+        answers: &[Bytes],
+    ) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+        let merged = merge_answers(answers)?;
+        if merged.is_empty() {
+            return Ok(Vec::new());
+        }
+        let raw = serde_json::to_vec(&merged).map_err(|source| ConnectorError::Encode {
+            field: "ec_transfer_params",
+            source,
+        })?;
+        let mut fields = vec![("ec_transfer_params", Bytes::from(raw))];
+        if self.placeholders
+            && let Some((_, messages)) = plan.fields.iter().find(|(k, _)| *k == "messages")
+            && let Some(rewritten) = placeholders(messages, &merged)
+        {
+            fields.push(("messages", rewritten));
+        }
+        Ok(fields)
     }
+}
+
+/// `messages` (whose media parts carry their uuids) with every image and audio item
+/// rewritten to its embeddings placeholder, modality by modality where every item of
+/// the modality has an entry in `merged`; `None` when nothing is rewritten.
+fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
+    let parts = chat::media_parts(messages, usize::MAX).ok().flatten()?;
+    let entry = |p: &chat::MediaPart| p.uuid.as_ref().and_then(|u| merged.get(u));
+    let covered = |m: &str| {
+        parts
+            .iter()
+            .filter(|p| p.modality() == m)
+            .all(|p| entry(p).is_some())
+    };
+    let (images, audio) = (covered("image"), covered("audio"));
+    let mut edits = Vec::new();
+    for part in &parts {
+        let m = part.modality();
+        let rewrite = match m {
+            "image" => images,
+            "audio" => audio,
+            _ => false,
+        };
+        let (true, Some(entry), Some(uuid)) = (rewrite, entry(part), &part.uuid) else {
+            continue;
+        };
+        let metadata = entry
+            .get("metadata")
+            .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let ty = format!("{m}_embeds");
+        let mut placeholder = Map::new();
+        placeholder.insert("type".to_owned(), Value::String(ty.clone()));
+        placeholder.insert(ty, metadata);
+        placeholder.insert("uuid".to_owned(), Value::String(uuid.clone()));
+        let bytes = serde_json::to_vec(&placeholder).unwrap_or_default();
+        edits.push((part.start, part.end, bytes));
+    }
+    if edits.is_empty() {
+        return None;
+    }
+    Some(Bytes::from(chat::splice(messages, &edits)))
 }
 
 /// One encoder leg's body: `{model, messages: [{role: "user", content: parts}], stream:
@@ -295,50 +373,41 @@ impl VllmEncoder {
 }
 
 /// The answers' `ec_transfer_params`, merged (their keys are item identifiers).
-fn fold_answers(answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
-    {
-        let mut merged = Map::new();
-        for answer in answers {
-            let params =
-                disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
-                    ConnectorError::InvalidEncoderAnswer {
-                        problem: "not a JSON object",
-                        source: Some(source),
-                    }
-                })?;
-            let Some(params) = params else {
-                // An encoder that wrote nothing for its items (no EC connector, or
-                // items its model cannot hand over): the prefill encodes them itself.
-                continue;
-            };
-            if &params[..] == b"null" {
-                continue;
-            }
-            let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
-                return Err(ConnectorError::InvalidEncoderAnswer {
-                    problem: "`ec_transfer_params` is not an object",
-                    source: None::<BodyError>,
-                });
-            };
-            for (hash, entry) in entries {
-                if merged.len() >= MAX_ENTRIES {
-                    return Err(ConnectorError::InvalidEncoderAnswer {
-                        problem: "`ec_transfer_params` has too many entries",
-                        source: None,
-                    });
+fn merge_answers(answers: &[Bytes]) -> Result<Map<String, Value>, ConnectorError> {
+    let mut merged = Map::new();
+    for answer in answers {
+        let params =
+            disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
+                ConnectorError::InvalidEncoderAnswer {
+                    problem: "not a JSON object",
+                    source: Some(source),
                 }
-                merged.insert(hash, entry);
+            })?;
+        let Some(params) = params else {
+            // An encoder that wrote nothing for its items (no EC connector, or
+            // items its model cannot hand over): the prefill encodes them itself.
+            continue;
+        };
+        if &params[..] == b"null" {
+            continue;
+        }
+        let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
+            return Err(ConnectorError::InvalidEncoderAnswer {
+                problem: "`ec_transfer_params` is not an object",
+                source: None::<BodyError>,
+            });
+        };
+        for (hash, entry) in entries {
+            if merged.len() >= MAX_ENTRIES {
+                return Err(ConnectorError::InvalidEncoderAnswer {
+                    problem: "`ec_transfer_params` has too many entries",
+                    source: None,
+                });
             }
+            merged.insert(hash, entry);
         }
-        if merged.is_empty() {
-            return Ok(Vec::new());
-        }
-        let raw = serde_json::to_vec(&merged).map_err(|source| ConnectorError::Encode {
-            field: "ec_transfer_params",
-            source,
-        })?;
-        Ok(vec![("ec_transfer_params", Bytes::from(raw))])
     }
+    Ok(merged)
 }
 
 #[cfg(test)]
@@ -461,6 +530,71 @@ mod tests {
         );
     }
 
+    /// An encoder's answer naming `uuids` (with `metadata`).
+    fn answer(uuids: &[&Value], metadata: Value) -> Bytes {
+        let entries: Map<String, Value> = uuids
+            .iter()
+            .map(|u| {
+                let entry = json!({"modality": "image", "item_indices": [0], "metadata": metadata});
+                (u.as_str().unwrap().to_owned(), entry)
+            })
+            .collect();
+        Bytes::from(json!({"ec_transfer_params": entries}).to_string())
+    }
+
+    #[test]
+    fn placeholders_replace_the_items_a_whole_modality_of_which_was_handed_over() {
+        let req = request(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look"},
+                image("data:a"), image("data:b"),
+                {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+                {"type": "video_url", "video_url": {"url": "v"}},
+            ]}],
+        }));
+        let encoder = VllmEncoder::new().with_embeds_placeholders(true);
+        let plan = encoder.plan(&req).unwrap().unwrap();
+        let messages: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        let uuid = |i: usize| messages[0]["content"][i]["uuid"].clone();
+        let (a, b, audio, video) = (uuid(1), uuid(2), uuid(3), uuid(4));
+        // Both images and the video handed over, the audio not: the images become
+        // placeholders (metadata kept), the audio and the video keep their media.
+        let answers = [
+            answer(&[&a, &b], json!({"image_grid_thw": [1, 4, 4]})),
+            answer(&[&video], json!({})),
+        ];
+        let fields = encoder.fold(&plan, &answers).unwrap();
+        assert_eq!(fields.len(), 2);
+        assert_eq!(fields[1].0, "messages");
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        let content = &rewritten[0]["content"];
+        assert_eq!(content[0], messages[0]["content"][0]);
+        assert_eq!(
+            content[1],
+            json!({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": a})
+        );
+        assert_eq!(content[2]["type"], "image_embeds");
+        assert_eq!(content[2]["uuid"], b);
+        assert_eq!(content[3], messages[0]["content"][3]);
+        assert_eq!(content[4], messages[0]["content"][4]);
+        // The audio handed over too: it becomes one, with `null` for empty metadata.
+        let answers = [answer(&[&a, &b, &audio], json!({}))];
+        let fields = encoder.fold(&plan, &answers).unwrap();
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        assert_eq!(
+            rewritten[0]["content"][3],
+            json!({"type": "audio_embeds", "audio_embeds": null, "uuid": audio})
+        );
+        // One image missing: vLLM refuses raw and embedded images in one request, so
+        // both keep their media; nothing to rewrite at all.
+        let fields = encoder.fold(&plan, &[answer(&[&a], json!({}))]).unwrap();
+        assert_eq!(fields.len(), 1, "{fields:?}");
+        // Off (the default): never rewritten.
+        let fields = VllmEncoder::new().fold(&plan, &answers).unwrap();
+        assert_eq!(fields.len(), 1);
+    }
+
     #[test]
     fn text_only_messages_plan_nothing() {
         let req = request(json!({"messages": [{"role": "user", "content": "see image_url\""}]}));
@@ -475,18 +609,29 @@ mod tests {
         let b = Bytes::from_static(
             br#"{"ec_transfer_params":{"h2":{"modality":"image","item_indices":[0],"metadata":{}}}}"#,
         );
-        let fields = VllmEncoder::new().fold(&[a, b]).unwrap();
+        let fields = VllmEncoder::new()
+            .fold(&EncodePlan::default(), &[a, b])
+            .unwrap();
         let merged: Value = serde_json::from_slice(&fields[0].1).unwrap();
         assert_eq!(fields[0].0, "ec_transfer_params");
         assert!(merged["h1"].is_object() && merged["h2"].is_object());
         let bad = Bytes::from_static(br#"{"ec_transfer_params":[1]}"#);
-        assert!(VllmEncoder::new().fold(&[bad]).is_err());
         assert!(
             VllmEncoder::new()
-                .fold(&[Bytes::from_static(b"[]")])
+                .fold(&EncodePlan::default(), &[bad])
+                .is_err()
+        );
+        assert!(
+            VllmEncoder::new()
+                .fold(&EncodePlan::default(), &[Bytes::from_static(b"[]")])
                 .is_err()
         );
         let none = Bytes::from_static(br#"{"ec_transfer_params":null}"#);
-        assert!(VllmEncoder::new().fold(&[none]).unwrap().is_empty());
+        assert!(
+            VllmEncoder::new()
+                .fold(&EncodePlan::default(), &[none])
+                .unwrap()
+                .is_empty()
+        );
     }
 }

@@ -55,7 +55,7 @@ impl Inner {
         let result = match tokio::time::timeout(budget, all).await {
             Ok(Ok(answers)) => stage
                 .connector
-                .fold(&answers)
+                .fold(&plan, &answers)
                 .map_err(|e| PdError::connector(Side::Encode, e)),
             Ok(Err(e)) => Err(e),
             Err(_) if by_deadline => Err(PdError::deadline(Side::Encode, Phase::Encode)),
