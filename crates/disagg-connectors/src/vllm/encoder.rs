@@ -595,6 +595,36 @@ mod tests {
         assert_eq!(fields.len(), 1);
     }
 
+    /// The uuid the plan gives the first media item of `messages` (raw JSON), with the
+    /// request's `extra` fields.
+    fn first_uuid(messages: &str, extra: &str) -> String {
+        let body = format!(r#"{{"model":"m","messages":{messages}{extra}}}"#);
+        let req = PdRequest::new(Api::Chat, Default::default(), &Bytes::from(body)).unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        let m: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        m.as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t["content"].as_array().cloned().unwrap_or_default())
+            .find_map(|p| p["uuid"].as_str().map(str::to_owned))
+            .unwrap()
+    }
+
+    #[test]
+    fn known_items_keep_their_uuid() {
+        // Pinned: a change of the hashing would make a proxy upgrade name every cached
+        // item anew (and two proxy versions disagree on one engine pool).
+        let plain = r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]"#;
+        let spaced = r#"[ {"role":"user","content":[ "x", {"type":"text","text":"hi"},
+            { "image_url" : { "detail":"auto", "url" : "data:image\/png;base64,AAAA\u00e9" }, "type":"image_url", "uuid": null, "n": 1.50, "e": [1e2, -0, true, {"b":2,"a":"\u0001"}] } ]}]"#;
+        let audio = r#"[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"QUJD","format":"wav"}}]}]"#;
+        let kwargs = r#","mm_processor_kwargs":{"fps":2,"a":[1,2]},"media_io_kwargs":{"video":{"num_frames":4}}"#;
+        assert_eq!(first_uuid(plain, ""), "f82aa6e5f82cf5e9482b8ecd1ffaaac5");
+        assert_eq!(first_uuid(plain, kwargs), "6266012fb75ddd07af302fbf6dccbead");
+        assert_eq!(first_uuid(spaced, ""), "254a984532333d98b292c6f990747da7");
+        assert_eq!(first_uuid(audio, kwargs), "8279f9ec32948236751d04cdf3aa0afc");
+    }
+
     #[test]
     fn text_only_messages_plan_nothing() {
         let req = request(json!({"messages": [{"role": "user", "content": "see image_url\""}]}));
