@@ -20,8 +20,6 @@ use serde_json::{Map, Value};
 mod chat;
 mod convert;
 
-use chat::MEDIA;
-
 /// Request fields the encoder legs carry as the client sent them: they change what the
 /// encoder computes (and vLLM folds them into the item's identifier).
 const COPIED: &[&str] = &["mm_processor_kwargs", "media_io_kwargs"];
@@ -95,26 +93,24 @@ impl VllmEncoder {
     }
 }
 
-fn invalid(message: &str) -> InvalidParam {
-    InvalidParam::new("messages", message.to_owned())
-}
-
-/// The content-derived id of one item: a 128-bit hash of its part (without any `uuid`)
-/// and the copied kwargs, as 32 hex digits.
-fn item_uuid(part: &Map<String, Value>, kwargs: &[u8]) -> String {
+/// The content-derived id of one item: a 128-bit hash of its part's fields (sorted,
+/// `uuid` left out, each value as `serde_json` writes it once parsed, so spacing and
+/// escapes do not matter) and the copied kwargs as the client wrote them, as 32 hex
+/// digits.
+fn item_uuid(part: &chat::MediaPart<'_>, kwargs: &[u8]) -> Result<String, InvalidParam> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for (k, v) in part {
+    for (k, v) in &part.fields {
         if k == "uuid" {
             continue;
         }
         h.update(k.as_bytes());
         h.update(&[0]);
-        // Serializing a parsed value cannot fail.
-        h.update(&serde_json::to_vec(v).unwrap_or_default());
+        chat::canonical(v, &mut |b| h.update(b))
+            .map_err(|_| InvalidParam::new("messages", "is not valid JSON"))?;
         h.update(&[0]);
     }
     h.update(kwargs);
-    format!("{:032x}", h.digest128())
+    Ok(format!("{:032x}", h.digest128()))
 }
 
 impl EncoderConnector for VllmEncoder {
@@ -147,21 +143,22 @@ impl EncoderConnector for VllmEncoder {
             .filter_map(|k| body.get(k).filter(|v| *v != b"null").map(|v| (*k, v)))
             .collect();
         let model = body.get("model");
-        let mut legs: Vec<(Vec<&[u8]>, bool)> = Vec::new();
-        for item in &items {
-            match legs.last_mut() {
-                Some((leg, true)) if item.batched && leg.len() < self.image_batch => {
-                    leg.push(&item.part)
-                }
-                _ => legs.push((vec![&item.part], item.batched)),
-            }
-        }
+        let legs = group(
+            items.iter().map(|item| {
+                let leg = LegPart {
+                    raw: &item.part,
+                    uuid: None,
+                };
+                (leg, item.batched)
+            }),
+            self.image_batch,
+        );
         if legs.is_empty() {
             return Ok(None);
         }
         let legs = legs
             .iter()
-            .map(|(parts, _)| EncodeLeg {
+            .map(|parts| EncodeLeg {
                 body: leg_body(model, parts, &copied),
                 items: parts.len(),
             })
@@ -203,7 +200,7 @@ impl EncoderConnector for VllmEncoder {
 /// the modality has an entry in `merged`; `None` when nothing is rewritten.
 fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
     let parts = chat::media_parts(messages, usize::MAX).ok().flatten()?;
-    let entry = |p: &chat::MediaPart| p.uuid.as_ref().and_then(|u| merged.get(u));
+    let entry = |p: &chat::MediaPart<'_>| p.uuid.as_ref().and_then(|u| merged.get(u));
     let covered = |m: &str| {
         parts
             .iter()
@@ -241,11 +238,27 @@ fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
     Some(Bytes::from(chat::splice(messages, &edits)))
 }
 
+/// One media item on an encoder leg: its part's JSON, and the `uuid` to add to it.
+#[derive(Clone, Copy)]
+struct LegPart<'a> {
+    raw: &'a [u8],
+    uuid: Option<&'a str>,
+}
+
+/// The `,"uuid":"…"` that names an item, inserted before its part's closing brace.
+fn uuid_field(uuid: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(uuid.len() + 10);
+    out.extend_from_slice(br#","uuid":"#);
+    disagg_json::write_json_str(&mut out, uuid.as_bytes());
+    out
+}
+
 /// One encoder leg's body: `{model, messages: [{role: "user", content: parts}], stream:
 /// false, max_tokens: 1, copied...}`, written from raw JSON (`model` left out when absent
-/// or `null`).
-fn leg_body(model: Option<&[u8]>, parts: &[&[u8]], copied: &[(&str, &[u8])]) -> Bytes {
-    let len = parts.iter().map(|p| p.len() + 1).sum::<usize>()
+/// or `null`); a part with a `uuid` to add gets it last, so that it wins over any the
+/// client wrote (the last of duplicate keys is the one engines read).
+fn leg_body(model: Option<&[u8]>, parts: &[LegPart<'_>], copied: &[(&str, &[u8])]) -> Bytes {
+    let len = parts.iter().map(|p| p.raw.len() + 48).sum::<usize>()
         + copied
             .iter()
             .map(|(k, v)| k.len() + v.len() + 4)
@@ -264,7 +277,14 @@ fn leg_body(model: Option<&[u8]>, parts: &[&[u8]], copied: &[(&str, &[u8])]) -> 
         if i > 0 {
             out.push(b',');
         }
-        out.extend_from_slice(part);
+        match (part.uuid, part.raw.split_last()) {
+            (Some(uuid), Some((b'}', head))) => {
+                out.extend_from_slice(head);
+                out.extend_from_slice(&uuid_field(uuid));
+                out.push(b'}');
+            }
+            _ => out.extend_from_slice(part.raw),
+        }
     }
     out.extend_from_slice(br#"]}],"stream":false,"max_tokens":1"#);
     for (key, value) in copied {
@@ -277,94 +297,84 @@ fn leg_body(model: Option<&[u8]>, parts: &[&[u8]], copied: &[(&str, &[u8])]) -> 
     Bytes::from(out)
 }
 
+/// Groups items into legs: a batched item joins the last leg while it holds batched
+/// items only and fewer than `batch`; anything else opens a leg.
+fn group<T>(items: impl IntoIterator<Item = (T, bool)>, batch: usize) -> Vec<Vec<T>> {
+    let mut legs: Vec<(Vec<T>, bool)> = Vec::new();
+    for (item, batched) in items {
+        match legs.last_mut() {
+            Some((leg, true)) if batched && leg.len() < batch => leg.push(item),
+            _ => legs.push((vec![item], batched)),
+        }
+    }
+    legs.into_iter().map(|(leg, _)| leg).collect()
+}
+
 impl VllmEncoder {
     /// Chat: the items of `messages`, each given its `uuid`, on legs and on the
-    /// `messages` the prefill and decode legs carry.
+    /// `messages` the prefill and decode legs carry. Built from raw slices of the
+    /// client's body: the items' bytes are copied once into the legs and once into the
+    /// new `messages` (the text between them with it), and never parsed into values.
     fn plan_chat(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
         let body = req.body();
-        let Some(raw) = body.get("messages") else {
+        let Some(messages) = body.get("messages") else {
             return Ok(None);
         };
-        let mut messages: Value =
-            serde_json::from_slice(raw).map_err(|_| invalid("is not valid JSON"))?;
+        let Some(parts) = chat::media_parts(messages, MAX_ITEMS)? else {
+            return Ok(None);
+        };
+        if parts.is_empty() {
+            return Ok(None);
+        }
         let mut kwargs = Vec::new();
-        let mut copied = Map::new();
+        let mut copied = Vec::new();
         for key in COPIED {
             if let Some(v) = body.get(key).filter(|v| *v != b"null") {
                 kwargs.extend_from_slice(v);
-                let v: Value = serde_json::from_slice(v)
-                    .map_err(|_| InvalidParam::new(key, "is not valid JSON"))?;
-                copied.insert((*key).to_owned(), v);
+                copied.push((*key, v));
             }
         }
-        // The items, in order, each with its uuid set, grouped into legs.
-        let mut legs: Vec<(Vec<Value>, bool)> = Vec::new();
-        let mut items = 0;
-        let Some(list) = messages.as_array_mut() else {
-            return Ok(None);
-        };
-        for message in list {
-            let Some(Value::Array(parts)) = message.get_mut("content") else {
-                continue;
-            };
-            for part in parts {
-                let Some(obj) = part.as_object_mut() else {
-                    continue;
-                };
-                let Some(ty) = obj.get("type").and_then(Value::as_str) else {
-                    continue;
-                };
-                let Some(&(_, batched)) = MEDIA.iter().find(|(t, _)| *t == ty) else {
-                    continue;
-                };
-                items += 1;
-                if items > MAX_ITEMS {
-                    return Err(invalid(
-                        "holds more media items than the encoder stage takes",
-                    ));
-                }
-                let keep = matches!(obj.get("uuid"), Some(Value::String(s)) if !s.is_empty());
-                if !keep {
-                    let uuid = item_uuid(obj, &kwargs);
-                    obj.insert("uuid".to_owned(), Value::String(uuid));
-                }
-                match legs.last_mut() {
-                    Some((leg, true)) if batched && leg.len() < self.image_batch => {
-                        leg.push(part.clone())
-                    }
-                    _ => legs.push((vec![part.clone()], batched)),
-                }
-            }
+        // Each item's uuid: the client's, or one derived from its content.
+        let mut uuids = Vec::with_capacity(parts.len());
+        for part in &parts {
+            uuids.push(match &part.uuid {
+                Some(_) => None,
+                None => Some(item_uuid(part, &kwargs)?),
+            });
         }
-        if legs.is_empty() {
-            return Ok(None);
-        }
-        let model = body.get("model").unwrap_or(b"null");
-        let model: Value = serde_json::from_slice(model).unwrap_or(Value::Null);
+        let legs = group(
+            parts.iter().zip(&uuids).map(|(part, uuid)| {
+                let leg = LegPart {
+                    raw: part.raw.as_bytes(),
+                    uuid: uuid.as_deref(),
+                };
+                (leg, part.batched())
+            }),
+            self.image_batch,
+        );
+        let model = body.get("model");
         let legs = legs
-            .into_iter()
-            .map(|(content, _)| {
-                let mut leg = Map::new();
-                if !model.is_null() {
-                    leg.insert("model".to_owned(), model.clone());
-                }
-                let n = content.len();
-                leg.insert(
-                    "messages".to_owned(),
-                    serde_json::json!([{"role": "user", "content": content}]),
-                );
-                leg.insert("stream".to_owned(), Value::Bool(false));
-                leg.insert("max_tokens".to_owned(), Value::from(1));
-                for (k, v) in &copied {
-                    leg.insert(k.clone(), v.clone());
-                }
-                EncodeLeg {
-                    body: Bytes::from(serde_json::to_vec(&leg).unwrap_or_default()),
-                    items: n,
-                }
+            .iter()
+            .map(|parts| EncodeLeg {
+                body: leg_body(model, parts, &copied),
+                items: parts.len(),
             })
             .collect();
-        let messages = Bytes::from(serde_json::to_vec(&messages).unwrap_or_default());
+        // The prefill and decode legs' `messages`: the client's, each uuid inserted
+        // before its part's closing brace.
+        let edits: Vec<(usize, usize, Vec<u8>)> = parts
+            .iter()
+            .zip(&uuids)
+            .filter_map(|(part, uuid)| {
+                let at = part.end.checked_sub(1)?;
+                Some((at, at, uuid_field(uuid.as_deref()?)))
+            })
+            .collect();
+        let messages = if edits.is_empty() {
+            body.get_bytes("messages").unwrap_or_default()
+        } else {
+            Bytes::from(chat::splice(messages, &edits))
+        };
         Ok(Some(EncodePlan {
             legs,
             fields: vec![("messages", messages)],
@@ -620,9 +630,15 @@ mod tests {
         let audio = r#"[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"QUJD","format":"wav"}}]}]"#;
         let kwargs = r#","mm_processor_kwargs":{"fps":2,"a":[1,2]},"media_io_kwargs":{"video":{"num_frames":4}}"#;
         assert_eq!(first_uuid(plain, ""), "f82aa6e5f82cf5e9482b8ecd1ffaaac5");
-        assert_eq!(first_uuid(plain, kwargs), "6266012fb75ddd07af302fbf6dccbead");
+        assert_eq!(
+            first_uuid(plain, kwargs),
+            "6266012fb75ddd07af302fbf6dccbead"
+        );
         assert_eq!(first_uuid(spaced, ""), "254a984532333d98b292c6f990747da7");
-        assert_eq!(first_uuid(audio, kwargs), "8279f9ec32948236751d04cdf3aa0afc");
+        assert_eq!(
+            first_uuid(audio, kwargs),
+            "8279f9ec32948236751d04cdf3aa0afc"
+        );
     }
 
     #[test]

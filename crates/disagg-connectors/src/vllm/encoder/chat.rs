@@ -21,18 +21,27 @@ pub(super) const MEDIA: &[(&str, bool)] = &[
 ];
 
 /// One media part of `messages`.
-pub(super) struct MediaPart {
+pub(super) struct MediaPart<'a> {
     /// Where the part's object starts in `messages`.
     pub(super) start: usize,
     /// Where it ends (exclusive).
     pub(super) end: usize,
+    /// The part's JSON, as the client wrote it.
+    pub(super) raw: &'a str,
+    /// Its fields, sorted by key; the last of duplicate keys wins (as when parsed).
+    pub(super) fields: BTreeMap<Cow<'a, str>, &'a RawValue>,
     /// Its type's index in [`MEDIA`].
     pub(super) media: usize,
     /// The non-empty string `uuid` the client gave it, unescaped.
     pub(super) uuid: Option<String>,
 }
 
-impl MediaPart {
+impl MediaPart<'_> {
+    /// Whether the part's items may share a leg.
+    pub(super) fn batched(&self) -> bool {
+        MEDIA.get(self.media).is_some_and(|(_, b)| *b)
+    }
+
     /// The part's modality, as vLLM names it in `ec_transfer_params` and in its
     /// `*_embeds` part types.
     pub(super) fn modality(&self) -> &'static str {
@@ -67,7 +76,7 @@ fn offset(outer: &[u8], inner: &str) -> Option<usize> {
 pub(super) fn media_parts(
     messages: &[u8],
     max: usize,
-) -> Result<Option<Vec<MediaPart>>, InvalidParam> {
+) -> Result<Option<Vec<MediaPart<'_>>>, InvalidParam> {
     let Ok(turns) = serde_json::from_slice::<Vec<&RawValue>>(messages) else {
         return Ok(None);
     };
@@ -115,12 +124,65 @@ pub(super) fn media_parts(
             out.push(MediaPart {
                 start,
                 end: start + raw.len(),
+                raw,
+                fields,
                 media,
                 uuid,
             });
         }
     }
     Ok(Some(out))
+}
+
+/// Feeds `out` the bytes `serde_json` writes for the value `raw` holds once parsed
+/// (keys sorted, no whitespace, its own escapes and number forms), without building the
+/// value: a string without escapes, the bulk of a media item, goes as it is; objects and
+/// arrays are walked as raw slices; the rest is parsed and written as `serde_json`
+/// would. What the hash of an item's part reads, whatever its spacing.
+///
+/// # Errors
+///
+/// When `raw` is not valid JSON (it always is: it comes from a parsed body).
+pub(super) fn canonical(raw: &RawValue, out: &mut dyn FnMut(&[u8])) -> serde_json::Result<()> {
+    let text = raw.get();
+    match text.as_bytes().first() {
+        // A JSON string holds no quote or control character unescaped: without a
+        // backslash it is written back exactly as it is.
+        Some(b'"') if !text.contains('\\') => out(text.as_bytes()),
+        Some(b'"') => {
+            let s: String = serde_json::from_str(text)?;
+            out(&serde_json::to_vec(&s)?);
+        }
+        Some(b'{') => {
+            let fields: BTreeMap<Cow<'_, str>, &RawValue> = serde_json::from_str(text)?;
+            out(b"{");
+            for (i, (key, value)) in fields.iter().enumerate() {
+                if i > 0 {
+                    out(b",");
+                }
+                out(&serde_json::to_vec(key)?);
+                out(b":");
+                canonical(value, out)?;
+            }
+            out(b"}");
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text)?;
+            out(b"[");
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out(b",");
+                }
+                canonical(item, out)?;
+            }
+            out(b"]");
+        }
+        _ => {
+            let value: serde_json::Value = serde_json::from_str(text)?;
+            out(&serde_json::to_vec(&value)?);
+        }
+    }
+    Ok(())
 }
 
 /// `messages` with the parts at the given spans (sorted, not overlapping) replaced.
@@ -142,6 +204,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn canonical_bytes_are_serde_jsons() {
+        let cases = [
+            r#""plain""#,
+            r#""esc\/aped \u00e9 \n \u0001 \"q\"""#,
+            r#" { "b" : [1, 1.50, -0, 1e2, 2E-3, true, null], "a":{"z":"\\","y":{}} , "a2":[] } "#,
+            r#"{"k":1,"k":2}"#,
+            "12345678901234567890",
+        ];
+        for case in cases {
+            let raw: &RawValue = serde_json::from_str(case.trim()).unwrap();
+            let mut got = Vec::new();
+            canonical(raw, &mut |b| got.extend_from_slice(b)).unwrap();
+            let value: serde_json::Value = serde_json::from_str(case).unwrap();
+            assert_eq!(
+                String::from_utf8(got).unwrap(),
+                serde_json::to_string(&value).unwrap(),
+                "{case}"
+            );
+        }
+    }
+
+    #[test]
     fn parts_are_found_where_they_are_with_their_uuid() {
         let messages = br#"[{"role":"system","content":"hi"},
             {"role":"user","content":[{"type":"text","text":"image_url"},
@@ -156,6 +240,11 @@ mod tests {
         );
         assert_eq!(parts[0].uuid.as_deref(), Some("u1"));
         assert_eq!(parts[0].modality(), "image");
+        assert!(parts[0].batched() && !parts[1].batched());
+        assert_eq!(
+            parts[0].fields.keys().collect::<Vec<_>>(),
+            ["image_url", "type", "uuid"]
+        );
         assert_eq!(parts[1].uuid, None);
         assert_eq!(
             (parts[1].modality(), parts[2].modality()),
