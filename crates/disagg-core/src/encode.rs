@@ -1,13 +1,14 @@
 //! The encoder stage of E/P/D serving: multimodal requests whose media items are encoded
 //! on encoder-only engines before the prefill.
 //!
-//! A request whose messages hold media parts (`image_url`, `input_audio`, `audio_url`,
-//! `video_url`) goes E → P → D (or E → PD when there is no prefill pool): the encoder
-//! legs run first, concurrently over the encoder pool, and their answers are folded into
-//! the body the prefill and decode legs carry; then today's P → D handoff runs
-//! unchanged. A request without media takes the path it always took: the only added
-//! work is a byte search of its `messages` for those part types, and none at all when
-//! no encoder stage is configured.
+//! A request whose media field holds media parts (chat's `messages`: `image_url`,
+//! `input_audio`, `audio_url`, `video_url`; the Responses API's `input`: `input_image`,
+//! `input_audio`; the Messages API's `messages`: `image`) goes E → P → D (or E → PD when
+//! there is no prefill pool): the encoder legs run first, concurrently over the encoder
+//! pool, and their answers are folded into the body the prefill and decode legs carry;
+//! then today's P → D handoff runs unchanged. A request without media takes the path it
+//! always took: the only added work is a byte search of that field for those part
+//! types, and none at all when no encoder stage is configured.
 //!
 //! As for KV, the engines' protocol is not the core's: an [`EncoderConnector`] (vLLM's is
 //! `disagg_connectors::vllm::VllmEncoder`) plans the encoder legs from the client's body
@@ -72,13 +73,19 @@ pub trait EncoderConnector: Send + Sync + 'static {
     fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam>;
 
     /// The top-level fields the encoders' `answers` (their 2xx bodies, one per leg in
-    /// the plan's order) add to the legs that follow (vLLM: the merged
-    /// `ec_transfer_params`).
+    /// `plan`'s order) add to the legs that follow (vLLM: the merged
+    /// `ec_transfer_params`). A field named in `plan`'s [`fields`](EncodePlan::fields)
+    /// too replaces the plan's (vLLM: `messages` with items rewritten to the embeddings
+    /// placeholders the answers allow).
     ///
     /// # Errors
     ///
     /// [`ConnectorError`] when an answer is unusable (the request fails with 502).
-    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError>;
+    fn fold(
+        &self,
+        plan: &EncodePlan,
+        answers: &[Bytes],
+    ) -> Result<Vec<(&'static str, Bytes)>, ConnectorError>;
 }
 
 /// Settings of an [`EncodeStage`].
@@ -162,7 +169,9 @@ pub struct EncodeStage {
     down_count: AtomicUsize,
     epoch: std::time::Instant,
     pub(crate) counters: EncodeCounters,
-    finders: [memchr::memmem::Finder<'static>; 2],
+    /// The byte pre-check's needles: chat's two, then the Responses API's two, then the
+    /// Messages API's one (see [`media_field`]).
+    finders: [memchr::memmem::Finder<'static>; 5],
 }
 
 impl std::fmt::Debug for EncodeStage {
@@ -187,11 +196,16 @@ impl EncodeStage {
             config,
             next: AtomicUsize::new(0),
             counters: EncodeCounters::default(),
-            // `image_url`, `audio_url` and `video_url` all end so; `input_audio` is the
-            // other part type.
             finders: [
+                // Chat: `image_url`, `audio_url` and `video_url` all end so;
+                // `input_audio` is the other part type.
                 memchr::memmem::Finder::new(b"_url\""),
                 memchr::memmem::Finder::new(b"\"input_audio\""),
+                // Responses: its `input_image` and `input_audio` parts.
+                memchr::memmem::Finder::new(b"\"input_image\""),
+                memchr::memmem::Finder::new(b"\"input_audio\""),
+                // Messages: Anthropic's `image` blocks.
+                memchr::memmem::Finder::new(b"\"image\""),
             ],
         }
     }
@@ -210,17 +224,21 @@ impl EncodeStage {
         }
     }
 
-    /// Whether `req` may hold media parts: a chat request whose `messages` contain a
-    /// media part type's name. A byte search, no parse: a text-only request pays only
-    /// it (the pool is looked up only for a request this selects).
+    /// Whether `req` may hold media parts: a chat, Responses or Messages request whose
+    /// media-carrying field ([`media_field`]) contains one of its media part types'
+    /// names. A byte search, no parse: a text-only request pays only it (the pool is
+    /// looked up only for a request this selects).
     pub(crate) fn wants(&self, req: &PdRequest) -> bool {
-        if req.api() != Api::Chat {
-            return false;
-        }
-        let Some(messages) = req.body().get("messages") else {
+        let finders = match req.api() {
+            Api::Chat => &self.finders[0..2],
+            Api::Responses => &self.finders[2..4],
+            Api::Messages => &self.finders[4..5],
+            _ => return false,
+        };
+        let Some(field) = media_field(req.api()).and_then(|f| req.body().get(f)) else {
             return false;
         };
-        self.finders.iter().any(|f| f.find(messages).is_some())
+        finders.iter().any(|f| f.find(field).is_some())
     }
 
     /// The encoder of `pool` a leg tries first: a healthy one before one passed over,
@@ -286,6 +304,17 @@ impl EncodeStage {
             .down_snapshot()
             .map_or(0, |d| d.values().filter(|&&u| u > now).count());
         u64::try_from(down).unwrap_or(u64::MAX)
+    }
+}
+
+/// The top-level field of `api`'s body that holds its media parts, for the APIs the
+/// encoder stage serves: chat's and Messages' `messages`, the Responses API's `input`.
+/// Also the `param` a refused item is answered with.
+pub fn media_field(api: Api) -> Option<&'static str> {
+    match api {
+        Api::Chat | Api::Messages => Some("messages"),
+        Api::Responses => Some("input"),
+        _ => None,
     }
 }
 

@@ -554,8 +554,9 @@ fn encode_stage(
     }
     let mut config = disagg_core::encode::EncodeConfig::default();
     config.timeout = secs(args.encode_timeout, "encode-timeout")?;
-    let connector =
-        disagg_connectors::vllm::VllmEncoder::new().with_image_batch(args.encode_image_batch);
+    let connector = disagg_connectors::vllm::VllmEncoder::new()
+        .with_image_batch(args.encode_image_batch)
+        .with_embeds_placeholders(args.encode_placeholders);
     Ok(Some(Arc::new(disagg_core::encode::EncodeStage::new(
         connector, config,
     ))))

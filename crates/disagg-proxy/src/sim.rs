@@ -192,7 +192,8 @@ pub(crate) struct SimArgs {
     /// Encoder disaggregation (E/P/D), as vLLM's `ec_role` with its shared-storage EC
     /// connector: `producer` (an encoder-only engine: every chat request is an encoder
     /// leg, its media items written to --ec-store, answered with `ec_transfer_params`)
-    /// or `consumer` (every media item of a chat request is read from --ec-store; one
+    /// or `consumer` (every media item of a chat, Responses or Messages request, and
+    /// every `image_embeds` / `audio_embeds` placeholder, is read from --ec-store; one
     /// never encoded fails the request with 500).
     #[arg(long, value_enum, requires = "ec_store")]
     ec_role: Option<EcRoleArg>,

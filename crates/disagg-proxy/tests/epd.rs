@@ -198,6 +198,304 @@ async fn e_pd_serves_one_and_two_images_streamed_and_not() {
     serves_images(true).await;
 }
 
+// === Embeddings placeholders (--encode-placeholders) ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placeholders_keep_the_media_bytes_away_from_the_prefill_and_decode() {
+    let epd = Epd::start_with(false, &["--encode-placeholders"]).await;
+    for stream in [false, true] {
+        let body = chat(2, stream);
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&body).await);
+    }
+    // The consumer read every item's embeddings, named by the placeholders' uuids.
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    assert_eq!(epd.encoded(), 4);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    assert_eq!(content[0]["type"], "text");
+    for part in &content[1..] {
+        assert_eq!(part["type"], "image_embeds", "{part}");
+        assert!(part["image_embeds"].is_null(), "{part}");
+        let uuid = part["uuid"].as_str().expect("a uuid");
+        assert_eq!(params[uuid]["modality"], "image");
+    }
+    // No engine after the encoders received the media bytes.
+    let decode = epd.decode.requests();
+    for r in epd.consumer().requests().iter().chain(&decode) {
+        let text = r.body.to_string();
+        assert!(!text.contains("base64") && !text.contains("AAAA"), "{text}");
+    }
+    // The encoders did.
+    let legs: Vec<_> = epd.encoders.iter().flat_map(SimEngine::requests).collect();
+    assert!(
+        legs.iter()
+            .any(|r| r.body.to_string().contains("base64,AAAA0"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_no_encoder_answered_for_keeps_its_media() {
+    // One leg per item, and one encoder that encodes but answers no entries: of two
+    // items sent at once, one gets an entry and the other none.
+    let epd = Epd::start_with(
+        false,
+        &["--encode-placeholders", "--encode-image-batch", "1"],
+    )
+    .await;
+    epd.encoders[1].set_faults(Faults {
+        ec_withhold_params: true,
+        ..Faults::default()
+    });
+    let audio = json!({"type": "input_audio", "input_audio": {"data": "QVVE", "format": "wav"}});
+    let body = json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what do you see and hear?"}, image(0), audio]}],
+    })
+    .to_string();
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(text_of(&a), reference(&body).await);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    assert_eq!(params.len(), 1, "{params:?}");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    let (image_part, audio_part) = (&content[1], &content[2]);
+    let with_entry = |p: &Value| params.contains_key(p["uuid"].as_str().unwrap());
+    // The item with an entry is a placeholder, the other keeps its media.
+    assert_ne!(with_entry(image_part), with_entry(audio_part));
+    for (part, raw, embeds) in [
+        (image_part, "image_url", "image_embeds"),
+        (audio_part, "input_audio", "audio_embeds"),
+    ] {
+        let want = if with_entry(part) { embeds } else { raw };
+        assert_eq!(part["type"], want, "{part}");
+    }
+    // Two images, one without an entry: vLLM takes no mix of raw and embedded images,
+    // so both keep their media.
+    let body = chat(2, false);
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    assert_eq!(leg.body["ec_transfer_params"].as_object().unwrap().len(), 1);
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    assert!(
+        content[1..].iter().all(|p| p["type"] == "image_url"),
+        "{content:?}"
+    );
+    // Every item was read from the store all the same.
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+}
+
+// === /v1/responses and /v1/messages ===
+
+const RESPONSES: &str = "/v1/responses";
+const MESSAGES: &str = "/v1/messages";
+
+/// A Responses request with `images` `input_image` parts (and, with `kwargs`, processor
+/// kwargs the encoder legs must carry for the prefill to name the items alike).
+fn responses(images: usize, stream: bool, kwargs: bool) -> String {
+    let mut content = vec![json!({"type": "input_text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(|n| {
+        json!({"type": "input_image", "image_url": format!("data:image/png;base64,UkVT{n}"),
+               "detail": "auto"})
+    }));
+    let mut body = json!({
+        "model": "sim-model",
+        "input": [{"type": "message", "role": "user", "content": content}],
+        "max_output_tokens": 6,
+        "stream": stream,
+    });
+    if kwargs {
+        body["mm_processor_kwargs"] = json!({"max_pixels": 1024});
+    }
+    body.to_string()
+}
+
+/// A Messages request with `images` Anthropic `image` blocks, base64 and URL sources.
+fn messages(images: usize, stream: bool) -> String {
+    let mut content = vec![json!({"type": "text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(|n| {
+        if n % 2 == 0 {
+            json!({"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                "data": format!("TVNH{n}")}})
+        } else {
+            json!({"type": "image", "source": {"type": "url",
+                                                "url": format!("https://example.com/{n}.png")}})
+        }
+    }));
+    json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": content}],
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The `data:` payloads of a stream (bare or `event:`/`data:` pairs), as JSON.
+fn sse_data(a: &common::Answer) -> Vec<Value> {
+    a.text()
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("a JSON event"))
+        .collect()
+}
+
+/// The generated text of a Responses or Messages answer, streamed or not.
+fn gen_text(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        sse_data(a)
+            .iter()
+            .filter_map(|v| match v["type"].as_str() {
+                Some("response.output_text.delta") => v["delta"].as_str(),
+                Some("content_block_delta") => v["delta"]["text"].as_str(),
+                _ => None,
+            })
+            .collect()
+    } else {
+        let v = a.json();
+        let text = if v["object"] == "response" {
+            &v["output"][0]["content"][0]["text"]
+        } else {
+            &v["content"][0]["text"]
+        };
+        text.as_str().unwrap_or_default().to_owned()
+    }
+}
+
+/// `body` at `path` served by a plain engine: the answer the proxy must give.
+async fn reference_at(path: &str, body: &str) -> String {
+    let plain = engine(None).await;
+    let a = post(&plain.url(), path, body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    gen_text(&a)
+}
+
+async fn serves_responses_and_messages(pd: bool) {
+    let epd = Epd::start(pd).await;
+    let mut loaded = 0;
+    for stream in [false, true] {
+        for (path, body) in [
+            (RESPONSES, responses(2, stream, false)),
+            (RESPONSES, responses(1, stream, true)),
+            (MESSAGES, messages(2, stream)),
+        ] {
+            let items = if body.contains("max_pixels") { 1 } else { 2 };
+            let a = post(&epd.proxy.url(), path, &body).await;
+            assert_eq!(a.status, 200, "{path}: {}", a.text());
+            let text = gen_text(&a);
+            assert!(!text.is_empty(), "{path}: {}", a.text());
+            assert_eq!(
+                text,
+                reference_at(path, &body).await,
+                "{path} stream {stream}"
+            );
+            assert!(!a.text().contains("ec_transfer_params"), "{}", a.text());
+            loaded += items;
+            // The consumer read every item from the encoders' store: the encoder legs
+            // named them as the consumer's own hash of its route's parts does.
+            assert_eq!(epd.consumer().stats().ec_items_loaded, loaded, "{path}");
+            assert_eq!(epd.encoded(), loaded, "{path}");
+            // The consumer's leg came by the client's route with the merged handoff, one
+            // entry per item, and the client's items as they were (no uuid added: that
+            // route would not pass it on).
+            let leg = epd.consumer().requests().pop().expect("a recorded request");
+            assert_eq!(leg.path, path);
+            let params = leg.body["ec_transfer_params"].as_object().expect("params");
+            assert_eq!(params.len() as u64, items, "{params:?}");
+            assert!(!leg.body.to_string().contains("uuid"), "{}", leg.body);
+        }
+    }
+    // The encoder legs are chat requests: items only, no uuid (the consumer hashes), the
+    // Responses request's processor kwargs copied.
+    let legs: Vec<_> = epd.encoders.iter().flat_map(SimEngine::requests).collect();
+    assert!(legs.iter().all(|r| r.path == "/v1/chat/completions"));
+    assert!(!legs.iter().any(|r| r.body.to_string().contains("uuid")));
+    let with_kwargs = legs
+        .iter()
+        .filter(|r| r.body["mm_processor_kwargs"] == json!({"max_pixels": 1024}))
+        .count();
+    assert_eq!(with_kwargs, 2);
+    let urls: Vec<&str> = legs
+        .iter()
+        .flat_map(|r| r.body["messages"][0]["content"].as_array().unwrap().iter())
+        .filter_map(|p| p["image_url"]["url"].as_str())
+        .collect();
+    assert!(urls.contains(&"data:image/png;base64,TVNH0"), "{urls:?}");
+    assert!(urls.contains(&"https://example.com/1.png"), "{urls:?}");
+    if !pd {
+        assert_eq!(epd.decode.stats().ec_items_loaded, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_serves_images_in_responses_and_messages_streamed_and_not() {
+    serves_responses_and_messages(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_serves_images_in_responses_and_messages_streamed_and_not() {
+    serves_responses_and_messages(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_only_responses_and_messages_never_touch_an_encoder() {
+    let epd = Epd::start(false).await;
+    for stream in [false, true] {
+        for (path, body) in [
+            (RESPONSES, responses(0, stream, false)),
+            (MESSAGES, messages(0, stream)),
+        ] {
+            let a = post(&epd.proxy.url(), path, &body).await;
+            assert_eq!(a.status, 200, "{path}: {}", a.text());
+        }
+    }
+    // Text naming a media part type is text; so is a string input.
+    let tricky = [
+        (
+            RESPONSES,
+            json!({"model": "sim-model", "max_output_tokens": 3,
+                   "input": "what is an \"input_image\"?"}),
+        ),
+        (
+            MESSAGES,
+            json!({"model": "sim-model", "max_tokens": 3, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "an \"image\"?"}]}]}),
+        ),
+    ];
+    for (path, body) in tricky {
+        let a = post(&epd.proxy.url(), path, &body.to_string()).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+    }
+    assert_eq!(epd.encoder_requests(), 0);
+    assert_eq!(epd.consumer().stats().requests, 6);
+    assert_eq!(epd.proxy.metric("disagg_encode_requests_total").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_and_messages_items_no_encoder_wrote_fail_the_prefill() {
+    // The simulated consumer hashes these routes' items itself: sent to it directly,
+    // skipping the encoder stage, they fail.
+    let epd = Epd::start(false).await;
+    let p = epd.prefill.as_ref().unwrap();
+    for (path, body) in [
+        (RESPONSES, responses(1, false, false)),
+        (MESSAGES, messages(1, false)),
+    ] {
+        let a = post(&p.url(), path, &body).await;
+        assert_eq!(a.status, 500, "{path}: {}", a.text());
+    }
+    assert_eq!(p.stats().ec_items_loaded, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_text_only_request_never_touches_an_encoder() {
     let epd = Epd::start(false).await;

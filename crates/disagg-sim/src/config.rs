@@ -435,6 +435,7 @@ pub enum SimRole {
 /// | an event without its end, of any size (SGLang `/generate`) | `unterminated_event` |
 /// | `/tokenize` hangs | `hang_tokenize` |
 /// | `GET /health` fails | `health_status` |
+/// | an encoder's answer without its `ec_transfer_params` (E/P/D) | `ec_withhold_params` |
 /// | KV-ready notification late, lost or repeated (LMCache) | `notify_delay`, `notify_loss`, `notify_duplicates` |
 /// | bootstrap never met (SGLang, Mooncake) | a decode whose prefill never gets the request: it answers 500 after [`SimConfig::bootstrap_timeout`], counted in [`Stats::bootstrap_timeouts`](crate::Stats::bootstrap_timeouts) |
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -517,6 +518,11 @@ pub struct Faults {
     /// the prompt is then computed here and the request answered 200. The prefill's
     /// blocks stay held until its lease expires.
     pub fail_transfers: bool,
+    /// Encoder-only engines (E/P/D): encode every item into the store as usual but
+    /// answer `"ec_transfer_params": null`, as an EC connector that hands no entry back
+    /// would: a proxy can still name the items to the prefill, which finds them, but
+    /// has no entry to rewrite them to embeddings placeholders with.
+    pub ec_withhold_params: bool,
     /// How `GET /metrics` misbehaves, if at all.
     pub metrics: Option<MetricsFault>,
     /// `GET /health` answers this status (an engine that reports itself unhealthy

@@ -10,7 +10,7 @@
 //!
 //! | route | request model | answer |
 //! |---|---|---|
-//! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
+//! | `POST /v1/messages` (vLLM `vllm/entrypoints/anthropic/`) | `model`, `messages`, `max_tokens` (required, above 0), `system`, `stop_sequences`, `stream`, `temperature`, `thinking` (`budget_tokens` below `max_tokens` unless `kv_transfer_params.do_remote_decode`), `kv_transfer_params`; served as chat (`image` blocks as `image_url` parts of the URL vLLM builds from their `source`) | `{"id", "type": "message", "role", "model", "content": [{"type": "text", "text"}], "stop_reason", "stop_sequence", "usage", "kv_transfer_params"?}` (no key without a handoff); streamed, `event:`/`data:` pairs `message_start`, `content_block_start`, a `content_block_delta` per token, `content_block_stop`, `message_delta`, `message_stop`, no handoff; errors `{"type": "error", "error": {"type", "message"}}`, `type` by status, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /v1/responses` (vLLM `vllm/entrypoints/openai/responses/`) | `input` (required), `instructions`, `max_output_tokens`, `stream`, `kv_transfer_params` (see `surface.rs`); served as the completion of the instructions and input | the Responses object (`surface.rs`), the handoff top-level in a whole answer and in the terminal event's `response` of a stream (new in 0.33) |
 //! | `POST /cohere/v2/chat` (vLLM `vllm/entrypoints/cohere/`) | `messages` (required), `max_tokens` (nullable), `stop_sequences`, `stream`, `temperature`, `kv_transfer_params`; served as chat | `{"id", "finish_reason" (`MAX_TOKENS`, `COMPLETE`, `STOP_SEQUENCE`), "message": {"role", "content": [{"type": "text", "text"}]}, "usage", "kv_transfer_params"?}`; streamed, bare `data:` events `message-start`, `content-start`, a `content-delta` per token, `content-end`, `message-end`, then `data: [DONE]`, no handoff; errors `{"message", "id"}`, but a body the request model refuses gets OpenAI's shape |
 //! | `POST /inference/v1/generate` (vLLM `vllm/entrypoints/scale_out/token_in_token_out/`) | `token_ids` (required), `sampling_params` (required; `max_tokens` defaults to 16), `stream`, `stream_options`, `kv_transfer_params` | `{"request_id", "choices": [{"index", "logprobs", "finish_reason", "token_ids", "routed_experts"}], "prompt_logprobs", "kv_transfer_params"}`; streamed, one `data:` chunk per token with that token's id (`finish_reason` on the last), then `data: [DONE]`, no handoff |
@@ -193,7 +193,7 @@ fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
     if let Some(system) = obj.get("system").filter(|s| !s.is_null()) {
         messages.push(json!({"role": "system", "content": system}));
     }
-    messages.extend(turns.iter().cloned());
+    messages.extend(turns.iter().map(chat_turn));
     let mut out = Map::new();
     for key in ["model", "stream", "temperature", "kv_transfer_params"] {
         if let Some(v) = obj.get(key) {
@@ -206,6 +206,27 @@ fn messages_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiErro
         out.insert("stop".to_owned(), stop.clone());
     }
     Ok(out)
+}
+
+/// A Messages turn as chat: its `image` blocks become `image_url` parts of the URL vLLM
+/// builds from their source (`anthropic/serving.py`, `_convert_block`).
+fn chat_turn(turn: &Value) -> Value {
+    let Some(Value::Array(blocks)) = turn.get("content") else {
+        return turn.clone();
+    };
+    let mut turn = turn.clone();
+    let content = blocks
+        .iter()
+        .map(
+            |b| match (b.get("type").and_then(Value::as_str), b.get("source")) {
+                (Some("image"), Some(source)) => json!({"type": "image_url",
+                "image_url": {"url": crate::ec::anthropic_image_url(source)}}),
+                _ => b.clone(),
+            },
+        )
+        .collect();
+    turn["content"] = Value::Array(content);
+    turn
 }
 
 /// A Cohere chat body as the chat request vLLM's handler makes of it: `max_tokens`

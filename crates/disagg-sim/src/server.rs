@@ -1419,22 +1419,32 @@ where
         ),
     };
     // E/P/D: an encoder-only engine answers every chat request as an encoder leg; a
-    // consumer reads each media item's encoder output before any work.
-    if let (Some(ec), Route::Openai(Endpoint::Chat)) = (&inner.config.ec, route) {
-        match ec.role {
-            crate::ec::EcRole::Producer => {
+    // consumer reads each media item's encoder output before any work (chat, Responses
+    // and Messages requests alike).
+    if let Some(ec) = &inner.config.ec {
+        let api = match route {
+            Route::Openai(Endpoint::Chat) => Some(crate::ec::EcApi::Chat),
+            Route::Gen(GenApi::Responses) => Some(crate::ec::EcApi::Responses),
+            Route::Gen(GenApi::Messages) => Some(crate::ec::EcApi::Messages),
+            _ => None,
+        };
+        match (ec.role, api) {
+            (crate::ec::EcRole::Producer, Some(crate::ec::EcApi::Chat)) => {
                 guard.complete();
                 return encoder_answer(inner, &ec.store, &json, &request_id, header_id);
             }
-            crate::ec::EcRole::Consumer => match crate::ec::load(&ec.store, &json) {
-                Ok(n) => {
-                    inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+            (crate::ec::EcRole::Consumer, Some(api)) => {
+                match crate::ec::load(&ec.store, api, &json) {
+                    Ok(n) => {
+                        inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+                    }
+                    Err(e) => {
+                        guard.complete();
+                        return error_response(&e, header_id);
+                    }
                 }
-                Err(e) => {
-                    guard.complete();
-                    return error_response(&e, header_id);
-                }
-            },
+            }
+            _ => {}
         }
     }
     let vllm = inner.config.kv_mode.is_vllm();
@@ -1534,6 +1544,7 @@ fn encoder_answer(
         Err(e) => error_response(&e, header_id),
         Ok((params, n)) => {
             inner.counters.ec_items_encoded.fetch_add(n as u64, Relaxed);
+            let withhold = lock(&inner.faults).ec_withhold_params;
             let body = json!({
                 "id": format!("chatcmpl-{request_id}"),
                 "object": "chat.completion",
@@ -1543,7 +1554,7 @@ fn encoder_answer(
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n},
                 "kv_transfer_params": null,
-                "ec_transfer_params": if n == 0 { Value::Null } else { params },
+                "ec_transfer_params": if n == 0 || withhold { Value::Null } else { params },
             });
             let body = serde_json::to_vec(&body).unwrap_or_default();
             json_response(StatusCode::OK, SimBody::full(body), header_id)

@@ -1,6 +1,6 @@
 //! vLLM 0.33's encoder disaggregation (E/P/D), on the proxy's side: the encoder legs
-//! of a multimodal chat request, and the `ec_transfer_params` their answers give the
-//! prefill.
+//! of a multimodal chat, Responses or Messages request, and the `ec_transfer_params`
+//! their answers give the prefill.
 //!
 //! The facts, from vLLM's own code (paths relative to the `vllm` package): a request may
 //! carry a top-level `ec_transfer_params` object (`entrypoints/openai/chat_completion/protocol.py`);
@@ -13,18 +13,12 @@
 use bytes::Bytes;
 use disagg_core::encode::{EncodeLeg, EncodePlan, EncoderConnector};
 use disagg_core::error::ConnectorError;
-use disagg_core::request::PdRequest;
+use disagg_core::request::{Api, PdRequest};
 use disagg_json::{BodyError, InvalidParam};
 use serde_json::{Map, Value};
 
-/// The media part types vLLM's chat API takes, and whether items of the type may share
-/// a leg (images may; audio and video go one per leg).
-const MEDIA: &[(&str, bool)] = &[
-    ("image_url", true),
-    ("input_audio", false),
-    ("audio_url", false),
-    ("video_url", false),
-];
+mod chat;
+mod convert;
 
 /// Request fields the encoder legs carry as the client sent them: they change what the
 /// encoder computes (and vLLM folds them into the item's identifier).
@@ -40,20 +34,31 @@ const MAX_ENTRIES: usize = 4096;
 
 /// vLLM's encoder protocol, for [`EncodeStage`](disagg_core::encode::EncodeStage).
 ///
-/// Each media item of the client's `messages` gets an explicit `uuid` derived from its
-/// content and the request's `mm_processor_kwargs` / `media_io_kwargs` (a `uuid` the
+/// Chat: each media item of the client's `messages` gets an explicit `uuid` derived from
+/// its content and the request's `mm_processor_kwargs` / `media_io_kwargs` (a `uuid` the
 /// client gave is kept), so the encoder and the prefill name the item alike whatever
-/// their caches; the encoder legs carry the items only (`max_tokens: 1`, not streamed,
-/// since vLLM writes `ec_transfer_params` only into a whole answer); images share a leg
-/// up to [`with_image_batch`](Self::with_image_batch), audio and video go one per leg.
+/// their caches. Responses (`input`) and Messages (`messages`): vLLM hands no per-item
+/// `uuid` to the processor on those routes, so the prefill names each item by its
+/// content hash; the encoder legs carry the item as the chat part vLLM converts it to,
+/// without a `uuid`, and the kwargs that route passes to the processor (Responses:
+/// `mm_processor_kwargs`; Messages: none), so that the encoder hashes it alike.
+///
+/// The encoder legs are chat requests (what vLLM's encoder serves) carrying the items
+/// only (`max_tokens: 1`, not streamed, since vLLM writes `ec_transfer_params` only into
+/// a whole answer); images share a leg up to [`with_image_batch`](Self::with_image_batch),
+/// audio and video go one per leg.
 #[derive(Debug, Clone)]
 pub struct VllmEncoder {
     image_batch: usize,
+    placeholders: bool,
 }
 
 impl Default for VllmEncoder {
     fn default() -> Self {
-        VllmEncoder { image_batch: 8 }
+        VllmEncoder {
+            image_batch: 8,
+            placeholders: false,
+        }
     }
 }
 
@@ -68,28 +73,44 @@ impl VllmEncoder {
         self.image_batch = n.max(1);
         self
     }
+
+    /// With `on`, a chat request's image and audio items whose embeddings an encoder
+    /// handed over reach the prefill and decode as vLLM's embeddings placeholder parts
+    /// instead of their media (off by default: the engines need `--enable-mm-embeds`).
+    ///
+    /// An item becomes `{"type": "<modality>_embeds", "<modality>_embeds": M, "uuid":
+    /// U}`, `U` its uuid and `M` the `metadata` of its `ec_transfer_params` entry (the
+    /// placeholder fields the model needs; `null` when empty). vLLM's chat parser reads
+    /// such a part as pre-computed embeddings named by `U`, which its EC connector
+    /// supplies (`vllm/entrypoints/chat_utils.py`: with a `uuid`, the
+    /// `<modality>_embeds` key must be present). It refuses a request mixing raw and
+    /// embedded items of one modality (`_resolve_items`), so a modality is rewritten
+    /// only when every item of it has an entry; video items, and items of requests on
+    /// other routes (whose request models take no such part), keep their media.
+    pub fn with_embeds_placeholders(mut self, on: bool) -> Self {
+        self.placeholders = on;
+        self
+    }
 }
 
-fn invalid(message: &str) -> InvalidParam {
-    InvalidParam::new("messages", message.to_owned())
-}
-
-/// The content-derived id of one item: a 128-bit hash of its part (without any `uuid`)
-/// and the copied kwargs, as 32 hex digits.
-fn item_uuid(part: &Map<String, Value>, kwargs: &[u8]) -> String {
+/// The content-derived id of one item: a 128-bit hash of its part's fields (sorted,
+/// `uuid` left out, each value as `serde_json` writes it once parsed, so spacing and
+/// escapes do not matter) and the copied kwargs as the client wrote them, as 32 hex
+/// digits.
+fn item_uuid(part: &chat::MediaPart<'_>, kwargs: &[u8]) -> Result<String, InvalidParam> {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for (k, v) in part {
+    for (k, v) in &part.fields {
         if k == "uuid" {
             continue;
         }
         h.update(k.as_bytes());
         h.update(&[0]);
-        // Serializing a parsed value cannot fail.
-        h.update(&serde_json::to_vec(v).unwrap_or_default());
+        chat::canonical(v, &mut |b| h.update(b))
+            .map_err(|_| InvalidParam::new("messages", "is not valid JSON"))?;
         h.update(&[0]);
     }
     h.update(kwargs);
-    format!("{:032x}", h.digest128())
+    Ok(format!("{:032x}", h.digest128()))
 }
 
 impl EncoderConnector for VllmEncoder {
@@ -99,129 +120,63 @@ impl EncoderConnector for VllmEncoder {
 
     fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
         let body = req.body();
-        let Some(raw) = body.get("messages") else {
-            return Ok(None);
+        let items = match req.api() {
+            Api::Chat => return self.plan_chat(req),
+            Api::Responses => match body.get("input") {
+                Some(input) => convert::responses(input, MAX_ITEMS)?,
+                None => return Ok(None),
+            },
+            Api::Messages => match body.get("messages") {
+                Some(messages) => convert::messages(messages, MAX_ITEMS)?,
+                None => return Ok(None),
+            },
+            _ => return Ok(None),
         };
-        let mut messages: Value =
-            serde_json::from_slice(raw).map_err(|_| invalid("is not valid JSON"))?;
-        let mut kwargs = Vec::new();
-        let mut copied = Map::new();
-        for key in COPIED {
-            if let Some(v) = body.get(key).filter(|v| *v != b"null") {
-                kwargs.extend_from_slice(v);
-                let v: Value = serde_json::from_slice(v)
-                    .map_err(|_| InvalidParam::new(key, "is not valid JSON"))?;
-                copied.insert((*key).to_owned(), v);
-            }
-        }
-        // The items, in order, each with its uuid set, grouped into legs.
-        let mut legs: Vec<(Vec<Value>, bool)> = Vec::new();
-        let mut items = 0;
-        let Some(list) = messages.as_array_mut() else {
-            return Ok(None);
+        // vLLM's Responses request takes `mm_processor_kwargs` (no `media_io_kwargs`);
+        // its Messages request neither.
+        let copied: &[&str] = match req.api() {
+            Api::Responses => &["mm_processor_kwargs"],
+            _ => &[],
         };
-        for message in list {
-            let Some(Value::Array(parts)) = message.get_mut("content") else {
-                continue;
-            };
-            for part in parts {
-                let Some(obj) = part.as_object_mut() else {
-                    continue;
+        let copied: Vec<(&str, &[u8])> = copied
+            .iter()
+            .filter_map(|k| body.get(k).filter(|v| *v != b"null").map(|v| (*k, v)))
+            .collect();
+        let model = body.get("model");
+        let legs = group(
+            items.iter().map(|item| {
+                let leg = LegPart {
+                    raw: &item.part,
+                    uuid: None,
                 };
-                let Some(ty) = obj.get("type").and_then(Value::as_str) else {
-                    continue;
-                };
-                let Some(&(_, batched)) = MEDIA.iter().find(|(t, _)| *t == ty) else {
-                    continue;
-                };
-                items += 1;
-                if items > MAX_ITEMS {
-                    return Err(invalid(
-                        "holds more media items than the encoder stage takes",
-                    ));
-                }
-                let keep = matches!(obj.get("uuid"), Some(Value::String(s)) if !s.is_empty());
-                if !keep {
-                    let uuid = item_uuid(obj, &kwargs);
-                    obj.insert("uuid".to_owned(), Value::String(uuid));
-                }
-                match legs.last_mut() {
-                    Some((leg, true)) if batched && leg.len() < self.image_batch => {
-                        leg.push(part.clone())
-                    }
-                    _ => legs.push((vec![part.clone()], batched)),
-                }
-            }
-        }
+                (leg, item.batched)
+            }),
+            self.image_batch,
+        );
         if legs.is_empty() {
             return Ok(None);
         }
-        let model = body.get("model").unwrap_or(b"null");
-        let model: Value = serde_json::from_slice(model).unwrap_or(Value::Null);
         let legs = legs
-            .into_iter()
-            .map(|(content, _)| {
-                let mut leg = Map::new();
-                if !model.is_null() {
-                    leg.insert("model".to_owned(), model.clone());
-                }
-                let n = content.len();
-                leg.insert(
-                    "messages".to_owned(),
-                    serde_json::json!([{"role": "user", "content": content}]),
-                );
-                leg.insert("stream".to_owned(), Value::Bool(false));
-                leg.insert("max_tokens".to_owned(), Value::from(1));
-                for (k, v) in &copied {
-                    leg.insert(k.clone(), v.clone());
-                }
-                EncodeLeg {
-                    body: Bytes::from(serde_json::to_vec(&leg).unwrap_or_default()),
-                    items: n,
-                }
+            .iter()
+            .map(|parts| EncodeLeg {
+                body: leg_body(model, parts, &copied),
+                items: parts.len(),
             })
             .collect();
-        let messages = Bytes::from(serde_json::to_vec(&messages).unwrap_or_default());
+        // The client's items stay as they are on the legs that follow: the prefill
+        // hashes them as the encoders did.
         Ok(Some(EncodePlan {
             legs,
-            fields: vec![("messages", messages)],
+            fields: Vec::new(),
         }))
     }
 
-    fn fold(&self, answers: &[Bytes]) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
-        let mut merged = Map::new();
-        for answer in answers {
-            let params =
-                disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
-                    ConnectorError::InvalidEncoderAnswer {
-                        problem: "not a JSON object",
-                        source: Some(source),
-                    }
-                })?;
-            let Some(params) = params else {
-                // An encoder that wrote nothing for its items (no EC connector, or
-                // items its model cannot hand over): the prefill encodes them itself.
-                continue;
-            };
-            if &params[..] == b"null" {
-                continue;
-            }
-            let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
-                return Err(ConnectorError::InvalidEncoderAnswer {
-                    problem: "`ec_transfer_params` is not an object",
-                    source: None::<BodyError>,
-                });
-            };
-            for (hash, entry) in entries {
-                if merged.len() >= MAX_ENTRIES {
-                    return Err(ConnectorError::InvalidEncoderAnswer {
-                        problem: "`ec_transfer_params` has too many entries",
-                        source: None,
-                    });
-                }
-                merged.insert(hash, entry);
-            }
-        }
+    fn fold(
+        &self,
+        plan: &EncodePlan,
+        answers: &[Bytes],
+    ) -> Result<Vec<(&'static str, Bytes)>, ConnectorError> {
+        let merged = merge_answers(answers)?;
         if merged.is_empty() {
             return Ok(Vec::new());
         }
@@ -229,8 +184,240 @@ impl EncoderConnector for VllmEncoder {
             field: "ec_transfer_params",
             source,
         })?;
-        Ok(vec![("ec_transfer_params", Bytes::from(raw))])
+        let mut fields = vec![("ec_transfer_params", Bytes::from(raw))];
+        if self.placeholders
+            && let Some((_, messages)) = plan.fields.iter().find(|(k, _)| *k == "messages")
+            && let Some(rewritten) = placeholders(messages, &merged)
+        {
+            fields.push(("messages", rewritten));
+        }
+        Ok(fields)
     }
+}
+
+/// `messages` (whose media parts carry their uuids) with every image and audio item
+/// rewritten to its embeddings placeholder, modality by modality where every item of
+/// the modality has an entry in `merged`; `None` when nothing is rewritten.
+fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
+    let parts = chat::media_parts(messages, usize::MAX).ok().flatten()?;
+    let entry = |p: &chat::MediaPart<'_>| p.uuid.as_ref().and_then(|u| merged.get(u));
+    let covered = |m: &str| {
+        parts
+            .iter()
+            .filter(|p| p.modality() == m)
+            .all(|p| entry(p).is_some())
+    };
+    let (images, audio) = (covered("image"), covered("audio"));
+    let mut edits = Vec::new();
+    for part in &parts {
+        let m = part.modality();
+        let rewrite = match m {
+            "image" => images,
+            "audio" => audio,
+            _ => false,
+        };
+        let (true, Some(entry), Some(uuid)) = (rewrite, entry(part), &part.uuid) else {
+            continue;
+        };
+        let metadata = entry
+            .get("metadata")
+            .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
+            .cloned()
+            .unwrap_or(Value::Null);
+        let ty = format!("{m}_embeds");
+        let mut placeholder = Map::new();
+        placeholder.insert("type".to_owned(), Value::String(ty.clone()));
+        placeholder.insert(ty, metadata);
+        placeholder.insert("uuid".to_owned(), Value::String(uuid.clone()));
+        let bytes = serde_json::to_vec(&placeholder).unwrap_or_default();
+        edits.push((part.start, part.end, bytes));
+    }
+    if edits.is_empty() {
+        return None;
+    }
+    Some(Bytes::from(chat::splice(messages, &edits)))
+}
+
+/// One media item on an encoder leg: its part's JSON, and the `uuid` to add to it.
+#[derive(Clone, Copy)]
+struct LegPart<'a> {
+    raw: &'a [u8],
+    uuid: Option<&'a str>,
+}
+
+/// The `,"uuid":"…"` that names an item, inserted before its part's closing brace.
+fn uuid_field(uuid: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(uuid.len() + 10);
+    out.extend_from_slice(br#","uuid":"#);
+    disagg_json::write_json_str(&mut out, uuid.as_bytes());
+    out
+}
+
+/// One encoder leg's body: `{model, messages: [{role: "user", content: parts}], stream:
+/// false, max_tokens: 1, copied...}`, written from raw JSON (`model` left out when absent
+/// or `null`); a part with a `uuid` to add gets it last, so that it wins over any the
+/// client wrote (the last of duplicate keys is the one engines read).
+fn leg_body(model: Option<&[u8]>, parts: &[LegPart<'_>], copied: &[(&str, &[u8])]) -> Bytes {
+    let len = parts.iter().map(|p| p.raw.len() + 48).sum::<usize>()
+        + copied
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 4)
+            .sum::<usize>()
+        + model.map_or(0, <[u8]>::len)
+        + 96;
+    let mut out = Vec::with_capacity(len);
+    out.push(b'{');
+    if let Some(model) = model.filter(|m| *m != b"null") {
+        out.extend_from_slice(b"\"model\":");
+        out.extend_from_slice(model);
+        out.push(b',');
+    }
+    out.extend_from_slice(br#""messages":[{"role":"user","content":["#);
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        match (part.uuid, part.raw.split_last()) {
+            (Some(uuid), Some((b'}', head))) => {
+                out.extend_from_slice(head);
+                out.extend_from_slice(&uuid_field(uuid));
+                out.push(b'}');
+            }
+            _ => out.extend_from_slice(part.raw),
+        }
+    }
+    out.extend_from_slice(br#"]}],"stream":false,"max_tokens":1"#);
+    for (key, value) in copied {
+        out.extend_from_slice(b",\"");
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(value);
+    }
+    out.push(b'}');
+    Bytes::from(out)
+}
+
+/// Groups items into legs: a batched item joins the last leg while it holds batched
+/// items only and fewer than `batch`; anything else opens a leg.
+fn group<T>(items: impl IntoIterator<Item = (T, bool)>, batch: usize) -> Vec<Vec<T>> {
+    let mut legs: Vec<(Vec<T>, bool)> = Vec::new();
+    for (item, batched) in items {
+        match legs.last_mut() {
+            Some((leg, true)) if batched && leg.len() < batch => leg.push(item),
+            _ => legs.push((vec![item], batched)),
+        }
+    }
+    legs.into_iter().map(|(leg, _)| leg).collect()
+}
+
+impl VllmEncoder {
+    /// Chat: the items of `messages`, each given its `uuid`, on legs and on the
+    /// `messages` the prefill and decode legs carry. Built from raw slices of the
+    /// client's body: the items' bytes are copied once into the legs and once into the
+    /// new `messages` (the text between them with it), and never parsed into values.
+    fn plan_chat(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam> {
+        let body = req.body();
+        let Some(messages) = body.get("messages") else {
+            return Ok(None);
+        };
+        let Some(parts) = chat::media_parts(messages, MAX_ITEMS)? else {
+            return Ok(None);
+        };
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        let mut kwargs = Vec::new();
+        let mut copied = Vec::new();
+        for key in COPIED {
+            if let Some(v) = body.get(key).filter(|v| *v != b"null") {
+                kwargs.extend_from_slice(v);
+                copied.push((*key, v));
+            }
+        }
+        // Each item's uuid: the client's, or one derived from its content.
+        let mut uuids = Vec::with_capacity(parts.len());
+        for part in &parts {
+            uuids.push(match &part.uuid {
+                Some(_) => None,
+                None => Some(item_uuid(part, &kwargs)?),
+            });
+        }
+        let legs = group(
+            parts.iter().zip(&uuids).map(|(part, uuid)| {
+                let leg = LegPart {
+                    raw: part.raw.as_bytes(),
+                    uuid: uuid.as_deref(),
+                };
+                (leg, part.batched())
+            }),
+            self.image_batch,
+        );
+        let model = body.get("model");
+        let legs = legs
+            .iter()
+            .map(|parts| EncodeLeg {
+                body: leg_body(model, parts, &copied),
+                items: parts.len(),
+            })
+            .collect();
+        // The prefill and decode legs' `messages`: the client's, each uuid inserted
+        // before its part's closing brace.
+        let edits: Vec<(usize, usize, Vec<u8>)> = parts
+            .iter()
+            .zip(&uuids)
+            .filter_map(|(part, uuid)| {
+                let at = part.end.checked_sub(1)?;
+                Some((at, at, uuid_field(uuid.as_deref()?)))
+            })
+            .collect();
+        let messages = if edits.is_empty() {
+            body.get_bytes("messages").unwrap_or_default()
+        } else {
+            Bytes::from(chat::splice(messages, &edits))
+        };
+        Ok(Some(EncodePlan {
+            legs,
+            fields: vec![("messages", messages)],
+        }))
+    }
+}
+
+/// The answers' `ec_transfer_params`, merged (their keys are item identifiers).
+fn merge_answers(answers: &[Bytes]) -> Result<Map<String, Value>, ConnectorError> {
+    let mut merged = Map::new();
+    for answer in answers {
+        let params =
+            disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
+                ConnectorError::InvalidEncoderAnswer {
+                    problem: "not a JSON object",
+                    source: Some(source),
+                }
+            })?;
+        let Some(params) = params else {
+            // An encoder that wrote nothing for its items (no EC connector, or
+            // items its model cannot hand over): the prefill encodes them itself.
+            continue;
+        };
+        if &params[..] == b"null" {
+            continue;
+        }
+        let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
+            return Err(ConnectorError::InvalidEncoderAnswer {
+                problem: "`ec_transfer_params` is not an object",
+                source: None::<BodyError>,
+            });
+        };
+        for (hash, entry) in entries {
+            if merged.len() >= MAX_ENTRIES {
+                return Err(ConnectorError::InvalidEncoderAnswer {
+                    problem: "`ec_transfer_params` has too many entries",
+                    source: None,
+                });
+            }
+            merged.insert(hash, entry);
+        }
+    }
+    Ok(merged)
 }
 
 #[cfg(test)]
@@ -305,6 +492,156 @@ mod tests {
     }
 
     #[test]
+    fn responses_and_messages_legs_are_chat_with_their_routes_kwargs_only() {
+        let input = json!([{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:a"},
+            {"type": "input_image", "image_url": "data:b"},
+            {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+        ]}]);
+        let body = json!({"model": "m", "input": input, "media_io_kwargs": {"v": 1},
+                          "mm_processor_kwargs": {"fps": 2}});
+        let req = PdRequest::new(
+            Api::Responses,
+            Default::default(),
+            &Bytes::from(body.to_string()),
+        )
+        .unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        // The client's input goes on unchanged: the prefill hashes it as the encoders do.
+        assert!(plan.fields.is_empty());
+        assert_eq!(
+            plan.legs.iter().map(|l| l.items).collect::<Vec<_>>(),
+            [2, 1]
+        );
+        let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
+        assert_eq!(
+            leg,
+            json!({"model": "m", "stream": false, "max_tokens": 1,
+                   "mm_processor_kwargs": {"fps": 2},
+                   "messages": [{"role": "user", "content": [
+                       {"type": "image_url", "image_url": {"url": "data:a"}},
+                       {"type": "image_url", "image_url": {"url": "data:b"}}]}]})
+        );
+        let body = json!({"model": "m", "max_tokens": 4, "mm_processor_kwargs": {"fps": 2},
+            "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://x"}}]}]});
+        let req = PdRequest::new(
+            Api::Messages,
+            Default::default(),
+            &Bytes::from(body.to_string()),
+        )
+        .unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        let leg: Value = serde_json::from_slice(&plan.legs[0].body).unwrap();
+        assert!(leg.get("mm_processor_kwargs").is_none(), "{leg}");
+        assert_eq!(
+            leg["messages"][0]["content"][0],
+            json!({"type": "image_url", "image_url": {"url": "https://x"}})
+        );
+    }
+
+    /// An encoder's answer naming `uuids` (with `metadata`).
+    fn answer(uuids: &[&Value], metadata: Value) -> Bytes {
+        let entries: Map<String, Value> = uuids
+            .iter()
+            .map(|u| {
+                let entry = json!({"modality": "image", "item_indices": [0], "metadata": metadata});
+                (u.as_str().unwrap().to_owned(), entry)
+            })
+            .collect();
+        Bytes::from(json!({"ec_transfer_params": entries}).to_string())
+    }
+
+    #[test]
+    fn placeholders_replace_the_items_a_whole_modality_of_which_was_handed_over() {
+        let req = request(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look"},
+                image("data:a"), image("data:b"),
+                {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}},
+                {"type": "video_url", "video_url": {"url": "v"}},
+            ]}],
+        }));
+        let encoder = VllmEncoder::new().with_embeds_placeholders(true);
+        let plan = encoder.plan(&req).unwrap().unwrap();
+        let messages: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        let uuid = |i: usize| messages[0]["content"][i]["uuid"].clone();
+        let (a, b, audio, video) = (uuid(1), uuid(2), uuid(3), uuid(4));
+        // Both images and the video handed over, the audio not: the images become
+        // placeholders (metadata kept), the audio and the video keep their media.
+        let answers = [
+            answer(&[&a, &b], json!({"image_grid_thw": [1, 4, 4]})),
+            answer(&[&video], json!({})),
+        ];
+        let fields = encoder.fold(&plan, &answers).unwrap();
+        assert_eq!(fields.len(), 2);
+        assert_eq!(fields[1].0, "messages");
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        let content = &rewritten[0]["content"];
+        assert_eq!(content[0], messages[0]["content"][0]);
+        assert_eq!(
+            content[1],
+            json!({"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]}, "uuid": a})
+        );
+        assert_eq!(content[2]["type"], "image_embeds");
+        assert_eq!(content[2]["uuid"], b);
+        assert_eq!(content[3], messages[0]["content"][3]);
+        assert_eq!(content[4], messages[0]["content"][4]);
+        // The audio handed over too: it becomes one, with `null` for empty metadata.
+        let answers = [answer(&[&a, &b, &audio], json!({}))];
+        let fields = encoder.fold(&plan, &answers).unwrap();
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        assert_eq!(
+            rewritten[0]["content"][3],
+            json!({"type": "audio_embeds", "audio_embeds": null, "uuid": audio})
+        );
+        // One image missing: vLLM refuses raw and embedded images in one request, so
+        // both keep their media; nothing to rewrite at all.
+        let fields = encoder.fold(&plan, &[answer(&[&a], json!({}))]).unwrap();
+        assert_eq!(fields.len(), 1, "{fields:?}");
+        // Off (the default): never rewritten.
+        let fields = VllmEncoder::new().fold(&plan, &answers).unwrap();
+        assert_eq!(fields.len(), 1);
+    }
+
+    /// The uuid the plan gives the first media item of `messages` (raw JSON), with the
+    /// request's `extra` fields.
+    fn first_uuid(messages: &str, extra: &str) -> String {
+        let body = format!(r#"{{"model":"m","messages":{messages}{extra}}}"#);
+        let req = PdRequest::new(Api::Chat, Default::default(), &Bytes::from(body)).unwrap();
+        let plan = VllmEncoder::new().plan(&req).unwrap().unwrap();
+        let m: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        m.as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|t| t["content"].as_array().cloned().unwrap_or_default())
+            .find_map(|p| p["uuid"].as_str().map(str::to_owned))
+            .unwrap()
+    }
+
+    #[test]
+    fn known_items_keep_their_uuid() {
+        // Pinned: a change of the hashing would make a proxy upgrade name every cached
+        // item anew (and two proxy versions disagree on one engine pool).
+        let plain = r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]"#;
+        let spaced = r#"[ {"role":"user","content":[ "x", {"type":"text","text":"hi"},
+            { "image_url" : { "detail":"auto", "url" : "data:image\/png;base64,AAAA\u00e9" }, "type":"image_url", "uuid": null, "n": 1.50, "e": [1e2, -0, true, {"b":2,"a":"\u0001"}] } ]}]"#;
+        let audio = r#"[{"role":"user","content":[{"type":"input_audio","input_audio":{"data":"QUJD","format":"wav"}}]}]"#;
+        let kwargs = r#","mm_processor_kwargs":{"fps":2,"a":[1,2]},"media_io_kwargs":{"video":{"num_frames":4}}"#;
+        assert_eq!(first_uuid(plain, ""), "f82aa6e5f82cf5e9482b8ecd1ffaaac5");
+        assert_eq!(
+            first_uuid(plain, kwargs),
+            "6266012fb75ddd07af302fbf6dccbead"
+        );
+        assert_eq!(first_uuid(spaced, ""), "254a984532333d98b292c6f990747da7");
+        assert_eq!(
+            first_uuid(audio, kwargs),
+            "8279f9ec32948236751d04cdf3aa0afc"
+        );
+    }
+
+    #[test]
     fn text_only_messages_plan_nothing() {
         let req = request(json!({"messages": [{"role": "user", "content": "see image_url\""}]}));
         assert!(VllmEncoder::new().plan(&req).unwrap().is_none());
@@ -318,18 +655,29 @@ mod tests {
         let b = Bytes::from_static(
             br#"{"ec_transfer_params":{"h2":{"modality":"image","item_indices":[0],"metadata":{}}}}"#,
         );
-        let fields = VllmEncoder::new().fold(&[a, b]).unwrap();
+        let fields = VllmEncoder::new()
+            .fold(&EncodePlan::default(), &[a, b])
+            .unwrap();
         let merged: Value = serde_json::from_slice(&fields[0].1).unwrap();
         assert_eq!(fields[0].0, "ec_transfer_params");
         assert!(merged["h1"].is_object() && merged["h2"].is_object());
         let bad = Bytes::from_static(br#"{"ec_transfer_params":[1]}"#);
-        assert!(VllmEncoder::new().fold(&[bad]).is_err());
         assert!(
             VllmEncoder::new()
-                .fold(&[Bytes::from_static(b"[]")])
+                .fold(&EncodePlan::default(), &[bad])
+                .is_err()
+        );
+        assert!(
+            VllmEncoder::new()
+                .fold(&EncodePlan::default(), &[Bytes::from_static(b"[]")])
                 .is_err()
         );
         let none = Bytes::from_static(br#"{"ec_transfer_params":null}"#);
-        assert!(VllmEncoder::new().fold(&[none]).unwrap().is_empty());
+        assert!(
+            VllmEncoder::new()
+                .fold(&EncodePlan::default(), &[none])
+                .unwrap()
+                .is_empty()
+        );
     }
 }

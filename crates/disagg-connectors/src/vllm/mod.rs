@@ -13,7 +13,7 @@
 //! |---|---|
 //! | `nixl.rs` | [`VllmNixl`]: NIXL in pull mode, the handoff dict checked as vLLM 0.33's decode reads it |
 //! | `reuse.rs` | [`PromptTokenReuse`]: vLLM 0.33's prompt-token reuse on NIXL's decode leg (chat) |
-//! | `encoder.rs` | [`VllmEncoder`]: the encoder legs of E/P/D and the `ec_transfer_params` they give the prefill |
+//! | `encoder.rs` | [`VllmEncoder`]: the encoder legs of E/P/D and the `ec_transfer_params` they give the prefill; `encoder/chat.rs` reads a chat request's media parts as raw slices, `encoder/convert.rs` the Responses and Messages items as the chat parts vLLM makes of them |
 //! | `mooncake.rs` | [`VllmMooncake`]: Mooncake, the bootstrap server's engine ids, data-parallel ranks pinned |
 //! | `rewrite/mod.rs` | [`PrefillRewriter`](rewrite::PrefillRewriter): the prefill leg's body |
 //! | `rewrite/check.rs` | [`check_request`](rewrite::check::check_request) and [`VllmLimits`](rewrite::check::VllmLimits): what vLLM refuses in the rewritten fields |

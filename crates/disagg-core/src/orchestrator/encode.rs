@@ -57,7 +57,7 @@ impl Inner {
         let result = match tokio::time::timeout(budget, all).await {
             Ok(Ok(answers)) => stage
                 .connector
-                .fold(&answers)
+                .fold(&plan, &answers)
                 .map_err(|e| PdError::connector(Side::Encode, e)),
             Ok(Err(e)) => Err(e),
             Err(_) if by_deadline => Err(PdError::deadline(Side::Encode, Phase::Encode)),
@@ -149,8 +149,9 @@ impl Inner {
                             let message = upstream_message(&body).unwrap_or_else(|| {
                                 format!("an encoder refused the media items ({status})")
                             });
+                            let param = crate::encode::media_field(req.api()).unwrap_or("messages");
                             return Err(PdError::body(BodyError::Invalid(InvalidParam::new(
-                                "messages", message,
+                                param, message,
                             ))));
                         }
                         Ok(body) => {

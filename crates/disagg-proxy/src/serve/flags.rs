@@ -44,12 +44,13 @@ pub struct ServeArgs {
     pub(crate) decode: Vec<String>,
     /// An encoder-only engine (E/P/D; vLLM `--ec-transfer-config` with `ec_role:
     /// ec_producer`): its base URL. Repeat for several. A chat request with media parts
-    /// (`image_url`, `input_audio`, `audio_url`, `video_url`) has its items encoded there
-    /// first, concurrently, and its prefill and decode legs carry the encoders'
-    /// `ec_transfer_params`; other requests never touch an encoder. With `--connector
-    /// sglang` the prefill calls its encoders itself (`--language-only --encoder-urls`):
-    /// encoders given here are then health-checked and listed in metrics, never sent a
-    /// leg.
+    /// (`image_url`, `input_audio`, `audio_url`, `video_url`), a Responses request with
+    /// `input_image` or `input_audio` parts, or a Messages request with `image` blocks
+    /// has its items encoded there first, concurrently, and its prefill and decode legs
+    /// carry the encoders' `ec_transfer_params`; other requests never touch an encoder.
+    /// With `--connector sglang` the prefill calls its encoders itself (`--language-only
+    /// --encoder-urls`): encoders given here are then health-checked and listed in
+    /// metrics, never sent a leg.
     #[arg(long = "encode", value_name = "URL")]
     pub(crate) encode: Vec<String>,
     /// Seconds for the whole encoder stage of a request (every encoder leg, retries
@@ -59,6 +60,15 @@ pub struct ServeArgs {
     /// At most N images per encoder leg (audio and video items go one per leg).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub(crate) encode_image_batch: usize,
+    /// E/P/D: a chat request's image and audio items whose embeddings the encoders
+    /// handed over reach the prefill and decode as vLLM's `image_embeds` /
+    /// `audio_embeds` placeholder parts (same `uuid`, the encoder's metadata) instead of
+    /// their media, so no engine after the encoders receives the media bytes. The
+    /// engines must run with `--enable-mm-embeds`. A modality with any item not handed
+    /// over keeps its media (vLLM refuses raw and embedded items of one modality in one
+    /// request); video, and the Responses and Messages APIs, always do.
+    #[arg(long)]
+    pub(crate) encode_placeholders: bool,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,
