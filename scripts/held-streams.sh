@@ -6,6 +6,7 @@
 #   scripts/held-streams.sh [PROXY_BINARY] [STREAMS]
 #   WORDS=8000 scripts/held-streams.sh ...        (prompt of WORDS words, 2 bytes each;
 #                                                  the simulator's context is 8192 tokens)
+#   WORD=xxxxxxxxxxxxxxx WORDS=8000 ...           (words of 16 bytes: 128 KB prompts)
 #   WRAP="heaptrack -o /tmp/held" scripts/held-streams.sh ...
 #                                                 (run the proxy under a command: a
 #                                                  profiler, `env LD_PRELOAD=...`)
@@ -46,11 +47,12 @@ sleep 1
 # The proxy's own process (under WRAP it is a child of the wrapper).
 PID=$(pgrep -n -f "^[^ ]*$(basename "$BIN") serve --threads 2 --listen 127.0.0.1:$X")
 
-python3 - "$X" "$STREAMS" "$PID" "${WORDS:-100}" <<'EOF'
+python3 - "$X" "$STREAMS" "$PID" "${WORDS:-100}" "${WORD:-x}" <<'EOF'
 import asyncio, json, sys
 port, n, pid, words = (int(a) for a in sys.argv[1:5])
+word = sys.argv[5]
 body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": True,
-                   "messages": [{"role": "user", "content": "x " * words}]}).encode()
+                   "messages": [{"role": "user", "content": (word + " ") * words}]}).encode()
 req = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
 
