@@ -32,7 +32,7 @@ use tokio::task::JoinSet;
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// The most a connection buffers of what its client sends (hyper's default is about
-/// 400 KiB): 64 KiB.
+/// 400 KiB): 32 KiB.
 ///
 /// A request's head must fit in it, and a body passes through it on its way to the
 /// body's own buffer, which the memory budget of
@@ -41,9 +41,13 @@ pub const LISTEN_BACKLOG: u32 = 4096;
 /// flood of large bodies on many connections the default cost about 400 KiB each beyond
 /// the budget, and left the allocator's heap fragmented after (measured with 500
 /// clients sending 600 KB bodies: about 160 MiB more at the peak, 60 MiB more kept
-/// after). Reads of 64 KiB keep a body's transfer fast, and a head of 64 KiB is 4 times
-/// nginx's default limit.
-pub const READ_BUFFER_MAX: usize = 64 * 1024;
+/// after). The buffer, at the size it grew to, also stays with the connection while
+/// the answer streams (hyper reads into it to notice a client that goes away): with
+/// 128 KB prompts a held stream cost 155–163 KiB at a limit of 64 KiB and 64–65 KiB at
+/// 32 KiB (docs/performance.md). Reads of 32 KiB still take a long prompt in a few
+/// reads, and a head of 32 KiB is as much as nginx takes by default (four buffers of
+/// 8 KiB).
+pub const READ_BUFFER_MAX: usize = 32 * 1024;
 
 /// How long a client may take over its TLS handshake before its connection is closed:
 /// a handshake takes two round trips, so this only ends clients that stalled (or
