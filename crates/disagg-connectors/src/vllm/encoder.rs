@@ -156,13 +156,7 @@ impl EncoderConnector for VllmEncoder {
         if legs.is_empty() {
             return Ok(None);
         }
-        let legs = legs
-            .iter()
-            .map(|parts| EncodeLeg {
-                body: leg_body(model, parts, &copied),
-                items: parts.len(),
-            })
-            .collect();
+        let legs = encode_legs(model, &legs, &copied);
         // The client's items stay as they are on the legs that follow: the prefill
         // hashes them as the encoders did.
         Ok(Some(EncodePlan {
@@ -251,6 +245,21 @@ fn uuid_field(uuid: &str) -> Vec<u8> {
     out.extend_from_slice(br#","uuid":"#);
     disagg_json::write_json_str(&mut out, uuid.as_bytes());
     out
+}
+
+/// The encoder legs of `batches`, each batch's parts in one leg (see [`leg_body`]).
+fn encode_legs(
+    model: Option<&[u8]>,
+    batches: &[Vec<LegPart<'_>>],
+    copied: &[(&str, &[u8])],
+) -> Vec<EncodeLeg> {
+    batches
+        .iter()
+        .map(|parts| EncodeLeg {
+            body: leg_body(model, parts, copied),
+            items: parts.len(),
+        })
+        .collect()
 }
 
 /// One encoder leg's body: `{model, messages: [{role: "user", content: parts}], stream:
@@ -353,13 +362,7 @@ impl VllmEncoder {
             self.image_batch,
         );
         let model = body.get("model");
-        let legs = legs
-            .iter()
-            .map(|parts| EncodeLeg {
-                body: leg_body(model, parts, &copied),
-                items: parts.len(),
-            })
-            .collect();
+        let legs = encode_legs(model, &legs, &copied);
         // The prefill and decode legs' `messages`: the client's, each uuid inserted
         // before its part's closing brace.
         let edits: Vec<(usize, usize, Vec<u8>)> = parts
