@@ -41,7 +41,7 @@ impl Inner {
         {
             self.tokenize(&**tokenizer, &mut req).await;
         }
-        let decision = self.decide(&req, checked);
+        let mut decision = self.decide(&req, checked);
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
@@ -77,7 +77,20 @@ impl Inner {
             if stage.connector.consumer_first() {
                 let routed = self.route(&RequestView::from(&req), decision, clock).await;
                 match routed {
-                    Ok(route) => pinned = Some(route),
+                    Ok(route) => {
+                        // No prefill on the route: the consumer is the decode serving
+                        // alone, as the decode-only fallback would serve it (only
+                        // when that is configured), on this very route.
+                        if route.prefill.is_none()
+                            && matches!(decision, Decision::Disaggregate)
+                            && self.config.prefill_failure == PrefillFailure::DecodeOnly
+                        {
+                            decision = Decision::Direct {
+                                reason: "decode_only",
+                            };
+                        }
+                        pinned = Some(route);
+                    }
                     Err(e) => {
                         drop(in_flight);
                         return Err(self.failed(&req, e, None, None));
