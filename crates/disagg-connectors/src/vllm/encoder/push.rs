@@ -197,3 +197,77 @@ pub(super) fn fold(plan: &EncodePlan, answers: &[Bytes]) -> Result<Option<Bytes>
     })?;
     Ok(Some(Bytes::from(raw)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use disagg_core::Role;
+
+    #[test]
+    fn a_rank_listens_at_the_port_plus_rank_times_tp_and_unknown_consumers_at_vllms_default() {
+        let push = MooncakeEcPush::new()
+            .with_address("http://10.0.0.5:8100/", "10.0.0.5", 20000)
+            .with_tp_size(4);
+        let rank = Endpoint::new("http://10.0.0.5:8100@3", Role::Decode).unwrap();
+        assert_eq!(
+            push.consumer_zmq(&rank, rank.rank()).unwrap(),
+            "tcp://10.0.0.5:20012"
+        );
+        let whole = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        assert_eq!(
+            push.consumer_zmq(&whole, None).unwrap(),
+            "tcp://10.0.0.5:20000"
+        );
+        let other = Endpoint::new("http://10.0.0.9:8100", Role::Decode).unwrap();
+        assert_eq!(
+            push.consumer_zmq(&other, Some(1)).unwrap(),
+            "tcp://127.0.0.1:14583"
+        );
+        // A port past 65535 is refused, not wrapped.
+        let far = MooncakeEcPush::new().with_tp_size(u32::MAX);
+        assert!(far.consumer_zmq(&other, Some(2)).is_err());
+    }
+
+    #[test]
+    fn the_consumer_leg_names_each_answered_item_by_its_legs_transfer_id() {
+        let push = MooncakeEcPush::new();
+        let consumer = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        let plan = EncodePlan {
+            legs: vec![disagg_core::encode::EncodeLeg {
+                body: Bytes::from_static(br#"{"model":"m","messages":[]}"#),
+                items: 2,
+            }],
+            fields: Vec::new(),
+        };
+        let first = push.annotate(plan.clone(), &consumer, None).unwrap();
+        let second = push.annotate(plan, &consumer, None).unwrap();
+        let ids = transfer_ids(&first.legs[0].body);
+        assert_eq!(ids.len(), 2);
+        assert_ne!(ids[0], ids[1]);
+        // Another request, other ids.
+        assert!(
+            transfer_ids(&second.legs[0].body)
+                .iter()
+                .all(|i| !ids.contains(i))
+        );
+        // The answer names the second item by position, the first by its own id.
+        let answer = Bytes::from(
+            json!({"ec_transfer_params": {
+                "h1": {"modality": "image", "item_indices": [1], "metadata": {}},
+                "h0": {"modality": "image", "item_indices": [0], "transfer_id": "own"},
+            }})
+            .to_string(),
+        );
+        let raw = fold(&first, &[answer]).unwrap().unwrap();
+        let v: Value = serde_json::from_slice(&raw).unwrap();
+        let items = v["ec_items"].as_array().unwrap();
+        assert!(
+            items.contains(&json!({"mm_hash": "h1", "transfer_id": ids[1]})),
+            "{v}"
+        );
+        assert!(
+            items.contains(&json!({"mm_hash": "h0", "transfer_id": "own"})),
+            "{v}"
+        );
+    }
+}
