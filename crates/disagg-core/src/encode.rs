@@ -72,6 +72,34 @@ pub trait EncoderConnector: Send + Sync + 'static {
     /// contacted).
     fn plan(&self, req: &PdRequest) -> Result<Option<EncodePlan>, InvalidParam>;
 
+    /// Whether the encoder legs must name the engine that will consume the items (a
+    /// push protocol: vLLM's Mooncake EC connector has the encoders push to the
+    /// consumer). When `true`, the orchestrator routes the request before its encoder
+    /// legs, plans them with [`plan_for`](Self::plan_for), and sends the consumer leg
+    /// to that engine and rank only. Default `false`: the encoders run first and the
+    /// request is routed after, as for a shared store.
+    fn consumer_first(&self) -> bool {
+        false
+    }
+
+    /// The encoder legs for `req` when its items go to `consumer` (the prefill, or the
+    /// decode serving alone, already chosen), at data-parallel rank `rank` when the
+    /// route pins one. Called instead of [`plan`](Self::plan) when
+    /// [`consumer_first`](Self::consumer_first); the default ignores the consumer.
+    ///
+    /// # Errors
+    ///
+    /// As [`plan`](Self::plan).
+    fn plan_for(
+        &self,
+        req: &PdRequest,
+        consumer: &Endpoint,
+        rank: Option<u32>,
+    ) -> Result<Option<EncodePlan>, InvalidParam> {
+        let _ = (consumer, rank);
+        self.plan(req)
+    }
+
     /// The top-level fields the encoders' `answers` (their 2xx bodies, one per leg in
     /// `plan`'s order) add to the legs that follow (vLLM: the merged
     /// `ec_transfer_params`). A field named in `plan`'s [`fields`](EncodePlan::fields)

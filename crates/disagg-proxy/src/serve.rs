@@ -557,6 +557,17 @@ fn encode_stage(
     let connector = disagg_connectors::vllm::VllmEncoder::new()
         .with_image_batch(args.encode_image_batch)
         .with_embeds_placeholders(args.encode_placeholders);
+    let connector = match args.ec_connector {
+        flags::EcConnectorArg::Example => connector,
+        flags::EcConnectorArg::Mooncake => {
+            let mut push =
+                disagg_connectors::vllm::MooncakeEcPush::new().with_tp_size(args.ec_tp_size);
+            for (url, host, port) in &args.ec_addresses {
+                push = push.with_address(url, host, *port);
+            }
+            connector.with_mooncake_push(push)
+        }
+    };
     Ok(Some(Arc::new(disagg_core::encode::EncodeStage::new(
         connector, config,
     ))))

@@ -174,6 +174,16 @@ pub struct SimConfig {
     /// the directory they share (see the crate's `ec` module). Default `None`: media
     /// parts are served as placeholder text, nothing is read or written.
     pub ec: Option<crate::ec::EcConfig>,
+    /// Encoder disaggregation by push, as vLLM's Mooncake EC connector (the crate's
+    /// `ec_push` module): a consumer listens on an EC port
+    /// ([`SimEngine::ec_push_port`](crate::SimEngine::ec_push_port)) and takes its
+    /// requests' items only from what was pushed there under the transfer ids they
+    /// name; an encoder pushes the items of a leg naming a `consumer_zmq`. Default
+    /// `false` (the shared store).
+    pub ec_push: bool,
+    /// How long a push consumer's request waits for each transfer it names (vLLM's
+    /// `push_wait_timeout_s`, default 60 s).
+    pub ec_push_wait: Duration,
     /// What `GET /version` answers as `{"version": ...}` (default `"0.33.0"`, the vLLM
     /// release the simulator follows): set it to model a prefill and a decode of
     /// different engine builds, which vLLM's NIXL handshake refuses to pair.
@@ -277,6 +287,8 @@ impl Default for SimConfig {
             max_num_seqs: None,
             api_key: None,
             ec: None,
+            ec_push: false,
+            ec_push_wait: Duration::from_secs(60),
             version: crate::surface::VERSION.to_owned(),
             tls: None,
         }

@@ -57,7 +57,7 @@ const MAX_ID: usize = 128;
 const MAX_ITEMS: usize = 256;
 
 /// The bytes the simulated encoder writes for an item, and the consumer checks.
-fn embeddings(id: &str) -> Vec<u8> {
+pub(crate) fn embeddings(id: &str) -> Vec<u8> {
     format!("sim-embeddings:{id}").into_bytes()
 }
 
@@ -305,8 +305,7 @@ fn item_path(store: &Path, id: &str) -> PathBuf {
 /// `ec_transfer_params` (keyed by identifier, each `{modality, item_indices, metadata}`).
 pub(crate) fn encode(store: &Path, body: &Value) -> Result<(Value, usize), ApiError> {
     let items = items(EcApi::Chat, body)?;
-    let mut params = Map::new();
-    for (index, (id, m)) in items.iter().enumerate() {
+    for (id, _) in &items {
         let path = item_path(store, id);
         let written = path
             .parent()
@@ -318,6 +317,15 @@ pub(crate) fn encode(store: &Path, body: &Value) -> Result<(Value, usize), ApiEr
                 format!("cannot save the encoder cache of {id}: {e}"),
             ));
         }
+    }
+    Ok((answer_params(&items), items.len()))
+}
+
+/// An encoder's answer `ec_transfer_params` for its leg's `items` (identifier and
+/// modality, in order): keyed by identifier, each `{modality, item_indices, metadata}`.
+pub(crate) fn answer_params(items: &[(String, &'static str)]) -> Value {
+    let mut params = Map::new();
+    for (index, (id, m)) in items.iter().enumerate() {
         let entry = params
             .entry(id.clone())
             .or_insert_with(|| json!({"modality": m, "item_indices": [], "metadata": {}}));
@@ -325,7 +333,7 @@ pub(crate) fn encode(store: &Path, body: &Value) -> Result<(Value, usize), ApiEr
             indices.push(Value::from(index));
         }
     }
-    Ok((Value::Object(params), items.len()))
+    Value::Object(params)
 }
 
 /// A consumer's request (by `api`): every media item read from the store. How many were

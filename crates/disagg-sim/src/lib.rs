@@ -693,6 +693,7 @@ mod body;
 mod config;
 mod dp;
 mod ec;
+mod ec_push;
 mod gen_apis;
 mod generate;
 mod handoff;

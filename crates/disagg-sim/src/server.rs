@@ -121,6 +121,8 @@ struct Inner {
     /// When the engine started: the epoch of its monotonic clock (a bidirectional
     /// decode's `remote_blocks_expiry_time`).
     started: std::time::Instant,
+    /// E/P/D push consumer: the items its encoders pushed, not yet taken.
+    ec_pushed: Arc<crate::ec_push::Pushed>,
 }
 
 impl Inner {
@@ -155,6 +157,7 @@ pub struct SimEngine {
     bootstrap_addr: Option<SocketAddr>,
     lmcache_init_ports: Vec<u16>,
     lmcache_alloc_ports: Vec<u16>,
+    ec_push_port: Option<u16>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -437,6 +440,7 @@ impl SimEngine {
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
             running_slots,
             started: std::time::Instant::now(),
+            ec_pushed: Arc::default(),
         });
         let tls = match &inner.config.tls {
             None => None,
@@ -516,6 +520,31 @@ impl SimEngine {
                 )));
             }
         }
+        // E/P/D push consumer: its EC port, where encoders push items.
+        let mut ec_push_port = None;
+        if inner.config.ec_push
+            && inner
+                .config
+                .ec
+                .as_ref()
+                .is_some_and(|ec| ec.role == crate::ec::EcRole::Consumer)
+        {
+            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+            ec_push_port = Some(listener.local_addr()?.port());
+            let pushed = Arc::clone(&inner.ec_pushed);
+            tasks.push(tokio::spawn(accept_loop(
+                listener,
+                stop_rx.clone(),
+                move |stream, peer| {
+                    let pushed = Arc::clone(&pushed);
+                    async move {
+                        if let Err(e) = crate::ec_push::serve(&pushed, stream).await {
+                            tracing::debug!(%peer, error = %e, "EC push connection failed");
+                        }
+                    }
+                },
+            )));
+        }
         tasks.push(tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)));
         tracing::debug!(%addr, %side_channel_addr, ?bootstrap_addr, engine_id = %inner.engine_id, "sim engine started");
         Ok(SimEngine {
@@ -525,9 +554,17 @@ impl SimEngine {
             bootstrap_addr,
             lmcache_init_ports,
             lmcache_alloc_ports,
+            ec_push_port,
             stop,
             tasks,
         })
+    }
+
+    /// E/P/D push consumer ([`SimConfig::ec_push`] with an
+    /// [`EcRole::Consumer`](crate::EcRole::Consumer)): the port of 127.0.0.1 its
+    /// encoders push items to (vLLM's `ec_port`).
+    pub fn ec_push_port(&self) -> Option<u16> {
+        self.ec_push_port
     }
 
     /// The HTTP address.
@@ -1430,11 +1467,30 @@ where
         };
         match (ec.role, api) {
             (crate::ec::EcRole::Producer, Some(crate::ec::EcApi::Chat)) => {
+                let answer = encoder_answer(inner, &ec.store, &json, &request_id, header_id).await;
                 guard.complete();
-                return encoder_answer(inner, &ec.store, &json, &request_id, header_id);
+                return answer;
             }
             (crate::ec::EcRole::Consumer, Some(api)) => {
-                match crate::ec::load(&ec.store, api, &json) {
+                let loaded = if inner.config.ec_push {
+                    match crate::ec::items(api, &json) {
+                        Ok(items) => {
+                            let hashes: Vec<String> = items.into_iter().map(|(h, _)| h).collect();
+                            crate::ec_push::receive(
+                                &inner.ec_pushed,
+                                &json,
+                                &hashes,
+                                inner.config.ec_push_wait,
+                                crate::ec::embeddings,
+                            )
+                            .await
+                        }
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    crate::ec::load(&ec.store, api, &json)
+                };
+                match loaded {
                     Ok(n) => {
                         inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
                     }
@@ -1525,7 +1581,7 @@ where
 /// shared store, the answer non-streamed with `ec_transfer_params` (vLLM writes them
 /// into a whole answer only; a streamed encoder leg is refused here, as its handoff
 /// would be lost).
-fn encoder_answer(
+async fn encoder_answer(
     inner: &Inner,
     store: &std::path::Path,
     json: &Value,
@@ -1540,7 +1596,25 @@ fn encoder_answer(
             header_id,
         );
     }
-    match crate::ec::encode(store, json) {
+    // Push mode: a leg naming its consumer has each item pushed there, not written.
+    let encoded =
+        if inner.config.ec_push && json.pointer("/ec_transfer_params/consumer_zmq").is_some() {
+            match crate::ec::items(crate::ec::EcApi::Chat, json) {
+                Err(e) => Err(e),
+                Ok(items) => {
+                    let with_bytes: Vec<(String, Vec<u8>)> = items
+                        .iter()
+                        .map(|(h, _)| (h.clone(), crate::ec::embeddings(h)))
+                        .collect();
+                    crate::ec_push::push(json, &with_bytes)
+                        .await
+                        .map(|_| (crate::ec::answer_params(&items), items.len()))
+                }
+            }
+        } else {
+            crate::ec::encode(store, json)
+        };
+    match encoded {
         Err(e) => error_response(&e, header_id),
         Ok((params, n)) => {
             inner.counters.ec_items_encoded.fetch_add(n as u64, Relaxed);

@@ -19,6 +19,9 @@ use serde_json::{Map, Value};
 
 mod chat;
 mod convert;
+mod push;
+
+pub use push::{DEFAULT_EC_HOST, DEFAULT_EC_PORT, MooncakeEcPush};
 
 /// Request fields the encoder legs carry as the client sent them: they change what the
 /// encoder computes (and vLLM folds them into the item's identifier).
@@ -51,6 +54,8 @@ const MAX_ENTRIES: usize = 4096;
 pub struct VllmEncoder {
     image_batch: usize,
     placeholders: bool,
+    /// Mooncake EC (push): the consumer is named to the encoders.
+    push: Option<std::sync::Arc<MooncakeEcPush>>,
 }
 
 impl Default for VllmEncoder {
@@ -58,6 +63,7 @@ impl Default for VllmEncoder {
         VllmEncoder {
             image_batch: 8,
             placeholders: false,
+            push: None,
         }
     }
 }
@@ -89,6 +95,15 @@ impl VllmEncoder {
     /// other routes (whose request models take no such part), keep their media.
     pub fn with_embeds_placeholders(mut self, on: bool) -> Self {
         self.placeholders = on;
+        self
+    }
+
+    /// For vLLM's Mooncake EC connector (push, `ECMooncakeConnector`): the request is
+    /// routed first, each encoder leg names the chosen consumer's address (`push`'s,
+    /// for its data-parallel rank) and a transfer id per item, and the consumer leg
+    /// names each item's hash and transfer id (see the `push` module).
+    pub fn with_mooncake_push(mut self, push: MooncakeEcPush) -> Self {
+        self.push = Some(std::sync::Arc::new(push));
         self
     }
 }
@@ -165,6 +180,25 @@ impl EncoderConnector for VllmEncoder {
         }))
     }
 
+    fn consumer_first(&self) -> bool {
+        self.push.is_some()
+    }
+
+    fn plan_for(
+        &self,
+        req: &PdRequest,
+        consumer: &disagg_core::Endpoint,
+        rank: Option<u32>,
+    ) -> Result<Option<EncodePlan>, InvalidParam> {
+        let Some(push) = &self.push else {
+            return self.plan(req);
+        };
+        match self.plan(req)? {
+            Some(plan) => push.annotate(plan, consumer, rank).map(Some),
+            None => Ok(None),
+        }
+    }
+
     fn fold(
         &self,
         plan: &EncodePlan,
@@ -174,11 +208,20 @@ impl EncoderConnector for VllmEncoder {
         if merged.is_empty() {
             return Ok(Vec::new());
         }
-        let raw = serde_json::to_vec(&merged).map_err(|source| ConnectorError::Encode {
-            field: "ec_transfer_params",
-            source,
-        })?;
-        let mut fields = vec![("ec_transfer_params", Bytes::from(raw))];
+        let raw = match &self.push {
+            // Mooncake: the consumer is told which transfers to wait for.
+            Some(_) => match push::fold(plan, answers)? {
+                Some(raw) => raw,
+                None => return Ok(Vec::new()),
+            },
+            None => Bytes::from(serde_json::to_vec(&merged).map_err(|source| {
+                ConnectorError::Encode {
+                    field: "ec_transfer_params",
+                    source,
+                }
+            })?),
+        };
+        let mut fields = vec![("ec_transfer_params", raw)];
         if self.placeholders
             && let Some((_, messages)) = plan.fields.iter().find(|(k, _)| *k == "messages")
             && let Some(rewritten) = placeholders(messages, &merged)

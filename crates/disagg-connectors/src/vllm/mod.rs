@@ -28,7 +28,7 @@ mod nixl;
 pub mod reuse;
 pub mod rewrite;
 
-pub use encoder::VllmEncoder;
+pub use encoder::{DEFAULT_EC_HOST, DEFAULT_EC_PORT, MooncakeEcPush, VllmEncoder};
 pub use mooncake::VllmMooncake;
 pub use nixl::VllmNixl;
 pub use nixl::bidi;

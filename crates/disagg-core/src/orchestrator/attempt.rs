@@ -77,10 +77,11 @@ impl Inner {
         trace: Option<&TraceIds>,
         decision: Decision,
         clock: Clock,
+        pinned: Option<Route>,
     ) -> Result<Exchange, Failure> {
         let mut tl = Timeline::starting();
         let result = self
-            .attempt_timed(req, id, trace, decision, clock, &mut tl)
+            .attempt_timed(req, id, trace, decision, clock, pinned, &mut tl)
             .await;
         match result {
             Ok(mut ex) => {
@@ -98,6 +99,9 @@ impl Inner {
         }
     }
 
+    // The attempt's inputs, each from a different place in `serve`: a struct would only
+    // move the list.
+    #[allow(clippy::too_many_arguments)]
     async fn attempt_timed(
         &self,
         req: &PdRequest,
@@ -105,13 +109,19 @@ impl Inner {
         trace: Option<&TraceIds>,
         decision: Decision,
         clock: Clock,
+        pinned: Option<Route>,
         tl: &mut Timeline,
     ) -> Result<Exchange, Failure> {
-        let view = RequestView::from(req);
-        let route = self
-            .route(&view, decision, clock)
-            .await
-            .map_err(Failure::unrouted)?;
+        let route = match pinned {
+            // Routed before the encoder stage (a push protocol's consumer).
+            Some(route) => route,
+            None => {
+                let view = RequestView::from(req);
+                self.route(&view, decision, clock)
+                    .await
+                    .map_err(Failure::unrouted)?
+            }
+        };
         tl.start = now();
         if let Decision::Direct { reason } = decision {
             tracing::debug!(

@@ -14,6 +14,7 @@ use crate::endpoint::Endpoint;
 use crate::error::{PdError, Phase, Side, TransportError};
 use crate::outcome::{EncodeSummary, EngineCall, LegOutcome, TraceIds};
 use crate::request::{Api, PdRequest};
+use crate::router::Route;
 use crate::transport::read_limited;
 use disagg_json::JsonBody;
 use disagg_json::{BodyError, InvalidParam};
@@ -31,10 +32,22 @@ impl Inner {
         stage: &EncodeStage,
         pool: &[Arc<Endpoint>],
         req: &mut PdRequest,
+        consumer: Option<&Route>,
         clock: Clock,
         trace: Option<&TraceIds>,
     ) -> Result<Option<EncodeSummary>, PdError> {
-        let plan = match stage.connector.plan(req) {
+        let planned = match consumer {
+            // A push protocol: the consumer chosen first is named to the encoders.
+            Some(route) => {
+                let (engine, rank) = match &route.prefill {
+                    Some(p) => (p, route.prefill_rank.or(p.rank())),
+                    None => (&route.decode, route.decode_rank.or(route.decode.rank())),
+                };
+                stage.connector.plan_for(req, engine, rank)
+            }
+            None => stage.connector.plan(req),
+        };
+        let plan = match planned {
             Ok(Some(plan)) if !plan.legs.is_empty() => plan,
             Ok(_) => return Ok(None),
             Err(e) => return Err(PdError::body(BodyError::Invalid(e))),

@@ -41,7 +41,7 @@ impl Inner {
         {
             self.tokenize(&**tokenizer, &mut req).await;
         }
-        let decision = self.decide(&req, checked);
+        let mut decision = self.decide(&req, checked);
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
@@ -67,12 +67,45 @@ impl Inner {
         // its messages decides; nothing at all without an encoder stage), by the
         // encoders of the current snapshot that serve its model (none: no stage).
         let mut encoded = None;
+        // A push protocol names the consumer to the encoders: the request is routed
+        // first, and its first attempt takes that route (the items wait there only).
+        let mut pinned = None;
         if let Some(stage) = &self.encode
             && stage.wants(&req)
             && let Some(pool) = self.encoders(&req)
         {
+            if stage.connector.consumer_first() {
+                let routed = self.route(&RequestView::from(&req), decision, clock).await;
+                match routed {
+                    Ok(route) => {
+                        // No prefill on the route: the consumer is the decode serving
+                        // alone, as the decode-only fallback would serve it (only
+                        // when that is configured), on this very route.
+                        if route.prefill.is_none()
+                            && matches!(decision, Decision::Disaggregate)
+                            && self.config.prefill_failure == PrefillFailure::DecodeOnly
+                        {
+                            decision = Decision::Direct {
+                                reason: "decode_only",
+                            };
+                        }
+                        pinned = Some(route);
+                    }
+                    Err(e) => {
+                        drop(in_flight);
+                        return Err(self.failed(&req, e, None, None));
+                    }
+                }
+            }
             match self
-                .encode(stage, &pool, &mut req, clock, trace.as_ref())
+                .encode(
+                    stage,
+                    &pool,
+                    &mut req,
+                    pinned.as_ref(),
+                    clock,
+                    trace.as_ref(),
+                )
                 .await
             {
                 Ok(e) => encoded = e,
@@ -82,6 +115,7 @@ impl Inner {
                 }
             }
         }
+        let was_pinned = pinned.is_some();
         let mut retries = 0;
         let result = loop {
             // The first attempt's engine-side id is the request's own when the proxy
@@ -98,7 +132,14 @@ impl Inner {
                 self.spans.next_attempt(t);
             }
             let mut failure = match self
-                .attempt(&req, id.clone(), trace.as_ref(), decision, clock)
+                .attempt(
+                    &req,
+                    id.clone(),
+                    trace.as_ref(),
+                    decision,
+                    clock,
+                    pinned.take(),
+                )
                 .await
             {
                 Ok(ex) => {
@@ -117,7 +158,13 @@ impl Inner {
                 report.attempt = retries;
                 self.reporter.report(report);
             }
-            match self.retry_wait(&req, &failure.error, retries, clock) {
+            // Items pushed to a pinned consumer are nowhere else: no retry elsewhere.
+            let wait = if was_pinned {
+                None
+            } else {
+                self.retry_wait(&req, &failure.error, retries, clock)
+            };
+            match wait {
                 Some(wait) => {
                     retries += 1;
                     tokio::time::sleep(wait).await;

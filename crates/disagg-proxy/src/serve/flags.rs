@@ -69,6 +69,23 @@ pub struct ServeArgs {
     /// request); video, and the Responses and Messages APIs, always do.
     #[arg(long)]
     pub(crate) encode_placeholders: bool,
+    /// E/P/D: vLLM's EC connector between the encoders and their consumers. `example`
+    /// (a shared store, `ECExampleConnector`, also what `ECCPUConnector` needs of the
+    /// proxy): encoders first, then routing. `mooncake` (`ECMooncakeConnector`, push):
+    /// the request is routed first, its encoder legs name the consumer's address
+    /// (`--ec-address`) and a transfer id per item, and its consumer leg (pinned to that
+    /// engine and data-parallel rank) names each item's hash and transfer id.
+    #[arg(long, value_enum, default_value_t = EcConnectorArg::Example)]
+    pub(crate) ec_connector: EcConnectorArg,
+    /// With `--ec-connector mooncake`: where a consumer engine (its URL without @RANK)
+    /// listens for its encoders, its vLLM `ec_ip` and `ec_port`, as URL=HOST:PORT
+    /// (default 127.0.0.1:14579, vLLM's). Rank D listens at PORT + D·`--ec-tp-size`.
+    /// Repeatable.
+    #[arg(long = "ec-address", value_name = "URL=HOST:PORT", value_parser = parse_ec_address)]
+    pub(crate) ec_addresses: Vec<(String, String, u16)>,
+    /// With `--ec-connector mooncake`: the consumers' tensor-parallel size.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub(crate) ec_tp_size: u32,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,
@@ -655,6 +672,30 @@ pub(crate) enum MissingKvArg {
     LocalPrefill,
     /// Answer 502.
     Fail,
+}
+
+/// vLLM's EC connector between encoders and consumers, as far as the proxy's legs differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum EcConnectorArg {
+    /// A shared store (`ECExampleConnector`): the encoders run first, then routing.
+    Example,
+    /// `ECMooncakeConnector`: the consumer chosen first, the encoders push to it.
+    Mooncake,
+}
+
+/// `URL=HOST:PORT`: a consumer's EC push address.
+pub(crate) fn parse_ec_address(s: &str) -> Result<(String, String, u16), String> {
+    let (url, addr) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected URL=HOST:PORT, got {s:?}"))?;
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| format!("expected HOST:PORT after '=', got {addr:?}"))?;
+    let port: u16 = port.parse().map_err(|_| format!("not a port: {port:?}"))?;
+    if url.is_empty() || host.is_empty() {
+        return Err(format!("expected URL=HOST:PORT, got {s:?}"));
+    }
+    Ok((url.to_owned(), host.to_owned(), port))
 }
 
 pub(crate) fn parse_weight(s: &str) -> Result<(String, f64), String> {

@@ -1,0 +1,255 @@
+//! E/P/D with vLLM's Mooncake EC connector (push, issue #34), with the real
+//! `disagg-proxy serve --ec-connector mooncake` in front of simulated vLLM engines over
+//! loopback: the consumers listen on an EC port and take a request's media items only
+//! from what the encoders pushed there under the transfer ids the request names, so
+//! a consumer that was not the one named to the encoders, a wrong address or a wrong
+//! transfer id really fails.
+
+#![allow(missing_docs)] // a test binary
+
+use std::time::Duration;
+
+use disagg_sim::{EcConfig, EcRole, SimConfig, SimEngine};
+use serde_json::{Value, json};
+
+mod common;
+use common::certs::TempDir;
+use common::{Proxy, post};
+
+async fn engine(role: Option<EcRole>, store: &TempDir) -> SimEngine {
+    SimEngine::start(SimConfig {
+        ec: role.map(|role| EcConfig {
+            role,
+            store: store.0.clone(),
+        }),
+        ec_push: true,
+        ec_push_wait: Duration::from_secs(2),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a simulated engine")
+}
+
+fn chat(images: usize, stream: bool) -> String {
+    let mut content = vec![json!({"type": "text", "text": "what is in these pictures?"})];
+    content.extend((0..images).map(|n| {
+        json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,AAAA{n}")}})
+    }));
+    json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "stream": stream,
+    })
+    .to_string()
+}
+
+/// The generated text of a chat answer, streamed or not.
+fn text_of(a: &common::Answer) -> String {
+    if a.header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream"))
+    {
+        let mut out = String::new();
+        for e in a.events().iter().filter(|e| *e != "[DONE]") {
+            let v: Value = serde_json::from_str(e).expect("a JSON event");
+            out.push_str(
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default(),
+            );
+        }
+        out
+    } else {
+        a.json()["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+async fn reference(body: &str) -> String {
+    let store = TempDir::new();
+    let plain = engine(None, &store).await;
+    let a = post(&plain.url(), "/v1/chat/completions", body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    text_of(&a)
+}
+
+/// Two push encoders and `consumers` prefill-decode engines (E → PD), the proxy in
+/// Mooncake EC mode told each consumer's EC port (or `wrong_port` for all).
+struct Epd {
+    _store: TempDir,
+    encoders: Vec<SimEngine>,
+    consumers: Vec<SimEngine>,
+    proxy: Proxy,
+}
+
+impl Epd {
+    async fn start(consumers: usize, wrong_port: Option<u16>) -> Epd {
+        let store = TempDir::new();
+        let encoders = vec![
+            engine(Some(EcRole::Producer), &store).await,
+            engine(Some(EcRole::Producer), &store).await,
+        ];
+        let mut pds = Vec::new();
+        for _ in 0..consumers {
+            pds.push(engine(Some(EcRole::Consumer), &store).await);
+        }
+        let mut args = vec!["--ec-connector".to_owned(), "mooncake".to_owned()];
+        for d in &pds {
+            let port = wrong_port.unwrap_or_else(|| d.ec_push_port().expect("an EC port"));
+            args.extend([
+                "--decode".to_owned(),
+                d.url(),
+                "--ec-address".to_owned(),
+                format!("{}=127.0.0.1:{port}", d.url()),
+            ]);
+        }
+        for e in &encoders {
+            args.extend(["--encode".to_owned(), e.url()]);
+        }
+        let proxy = Proxy::start_args(&args).await;
+        Epd {
+            _store: store,
+            encoders,
+            consumers: pds,
+            proxy,
+        }
+    }
+
+    fn encoder_legs(&self) -> Vec<disagg_sim::RecordedRequest> {
+        self.encoders.iter().flat_map(SimEngine::requests).collect()
+    }
+
+    fn loaded(&self) -> u64 {
+        self.consumers
+            .iter()
+            .map(|c| c.stats().ec_items_loaded)
+            .sum()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_with_mooncake_push_serves_one_and_two_images_streamed_and_not() {
+    let epd = Epd::start(1, None).await;
+    let consumer = &epd.consumers[0];
+    let zmq = format!("tcp://127.0.0.1:{}", consumer.ec_push_port().unwrap());
+    let mut loaded = 0;
+    for (images, stream) in [(1, false), (2, false), (1, true), (2, true)] {
+        let body = chat(images, stream);
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&body).await);
+        loaded += images as u64;
+        // Every item reached the consumer by push, under the transfer ids its leg named.
+        assert_eq!(consumer.stats().ec_items_loaded, loaded);
+        assert!(!a.text().contains("ec_transfer_params"), "{}", a.text());
+    }
+    // The encoder legs named the consumer's address and one transfer id per item.
+    let legs = epd.encoder_legs();
+    assert!(!legs.is_empty());
+    let mut ids = Vec::new();
+    for leg in &legs {
+        let params = &leg.body["ec_transfer_params"];
+        assert_eq!(params["consumer_zmq"], zmq.as_str(), "{params}");
+        let items = params["ec_items"].as_array().expect("ec_items");
+        let parts = leg.body["messages"][0]["content"].as_array().unwrap().len();
+        assert_eq!(items.len(), parts);
+        ids.extend(
+            items
+                .iter()
+                .map(|i| i["transfer_id"].as_str().unwrap().to_owned()),
+        );
+    }
+    // Transfer ids are unique per request and item.
+    let n = ids.len();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), n);
+    assert_eq!(n as u64, loaded);
+    // The consumer leg named each item's hash (its uuid) and transfer id.
+    let last = consumer.requests().pop().expect("a recorded request");
+    let ec_items = last.body["ec_transfer_params"]["ec_items"]
+        .as_array()
+        .expect("ec_items on the consumer leg")
+        .clone();
+    let uuids: Vec<&str> = last.body["messages"][0]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["uuid"].as_str())
+        .collect();
+    assert_eq!(ec_items.len(), 2);
+    for item in &ec_items {
+        assert!(uuids.contains(&item["mm_hash"].as_str().unwrap()), "{item}");
+        assert!(ids.contains(&item["transfer_id"].as_str().unwrap().to_owned()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_is_chosen_first_and_its_leg_goes_to_it() {
+    let epd = Epd::start(2, None).await;
+    // Round robin over two consumers: each request's items are pushed to the one it
+    // is then served by, or its consumer would wait for them in vain.
+    for stream in [false, true, false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    for c in &epd.consumers {
+        assert_eq!(c.stats().ec_items_loaded, 2);
+        let zmq = format!("tcp://127.0.0.1:{}", c.ec_push_port().unwrap());
+        // The transfers its requests named are those of the legs that named it.
+        let named: Vec<String> = epd
+            .encoder_legs()
+            .iter()
+            .filter(|l| l.body["ec_transfer_params"]["consumer_zmq"] == zmq.as_str())
+            .map(|l| l.body["ec_transfer_params"]["ec_items"][0]["transfer_id"].to_string())
+            .collect();
+        assert_eq!(named.len(), 2);
+        for r in c.requests() {
+            let id = r.body["ec_transfer_params"]["ec_items"][0]["transfer_id"].to_string();
+            assert!(named.contains(&id), "{id} not in {named:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_consumer_address_fails_visibly() {
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let epd = Epd::start(1, Some(port)).await;
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+    a.assert_error(502, "encode_failed");
+    assert_eq!(epd.loaded(), 0);
+    assert_eq!(epd.consumers[0].stats().requests, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_fails_a_transfer_that_never_came() {
+    // Straight to the consumer, naming a transfer no encoder pushed: vLLM's consumer
+    // waits push_wait_timeout_s, then fails the request.
+    let store = TempDir::new();
+    let consumer = engine(Some(EcRole::Consumer), &store).await;
+    let mut body: Value = serde_json::from_str(&chat(1, false)).unwrap();
+    body["messages"][0]["content"][1]["uuid"] = json!("item-a");
+    body["ec_transfer_params"] =
+        json!({"ec_items": [{"mm_hash": "item-a", "transfer_id": "nope"}]});
+    let a = post(&consumer.url(), "/v1/chat/completions", &body.to_string()).await;
+    assert_eq!(a.status, 500, "{}", a.text());
+    assert!(a.text().contains("never arrived"), "{}", a.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_only_request_is_untouched_by_the_push_mode() {
+    let epd = Epd::start(1, None).await;
+    for stream in [false, true] {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(0, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert!(epd.encoder_legs().is_empty());
+    for r in epd.consumers[0].requests() {
+        assert!(r.body.get("ec_transfer_params").is_none(), "{}", r.body);
+    }
+}
