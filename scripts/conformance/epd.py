@@ -8,20 +8,23 @@ decode, each behind a recorder (``routes.Recorder``). For each body of ``CASES``
 proxy must answer 2xx, and every leg is judged by vLLM's code:
 
 - encoder legs: ``ChatCompletionRequest.model_validate`` and the chat verdict of
-  ``engines.Vllm``; every media part through ``chat_utils``' own content-part parser
-  (``_parse_chat_message_content_part``, with a stand-in for the multimodal item
-  tracker that needs a model), which gives its modality, data and ``uuid``; on chat the
+  ``engines.Vllm``; every media part through vLLM's own chat parsing
+  (``renderers/chat_utils/``: ``parse_chat_message_content`` →
+  ``parse_chat_message_content_part`` → ``MultiModalContentParser`` →
+  ``MultiModalItemTracker.resolve_items``, with stand-ins for what needs a model:
+  ``MmJudge``), which gives each item's modality, data and ``uuid``; on chat the
   ``uuid`` is present and the consumer's item carries the same one; an encoder leg asks
   for one token and does not stream (vLLM writes ``ec_transfer_params`` only into a
   whole answer);
 - prefill and decode legs: the route's request model (``routes.Judge``: chat,
   ``ResponsesRequest``, ``AnthropicMessagesRequest`` → ``to_chat_completion_request``)
   and the connector's promises (``routes.leg_problems``); ``ec_transfer_params`` read
-  back from the request model where vLLM reads it, shaped as
+  where the engine reads it (the sampling parameters' ``extra_args``), shaped as
   ``collect_ec_item_metadata`` builds it (``distributed/ec_transfer/ec_connector/
   utils.py``: keys the items' identifiers, entries ``modality``, ``item_indices``,
   ``metadata``) and holding every entry the encoders answered; on chat its keys are the
-  ``uuid``s of the consumer's items; with ``--encode-placeholders`` each
+  ``uuid``s of the consumer's items (without processor kwargs: with them vLLM keys a
+  hash of uuid and kwargs); with ``--encode-placeholders`` each
   ``image_embeds`` / ``audio_embeds`` part through the same content-part parser;
 - the client's answer carries no ``kv_transfer_params`` nor ``ec_transfer_params``.
 
