@@ -130,6 +130,9 @@ class Recorder:
     def __init__(self, upstream: int):
         self.upstream = upstream
         self.legs: list[tuple[str, str, dict, bytes]] = []
+        # (request body, answer body) of each POST passed on, for checks that compare
+        # an engine's answer with what the proxy made of it (epd.py).
+        self.answers: list[tuple[bytes, bytes]] = []
         self.lock = threading.Lock()
         rec = self
 
@@ -169,6 +172,9 @@ class Recorder:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("content-length", "transfer-encoding", "connection"):
                         self.send_header(k, v)
+                if self.command == "POST":
+                    with rec.lock:
+                        rec.answers.append((body, data))
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -186,6 +192,12 @@ class Recorder:
             legs, self.legs = self.legs, []
         return [leg for leg in legs if leg[0] == "POST"]
 
+    def take_answers(self) -> list[tuple[bytes, bytes]]:
+        """The (request, answer) bodies of the POSTs answered since the last call."""
+        with self.lock:
+            answers, self.answers = self.answers, []
+        return answers
+
 
 def wait_http(port: int, what: str, proc: subprocess.Popen, timeout: float = 20) -> None:
     end = time.time() + timeout
@@ -198,6 +210,15 @@ def wait_http(port: int, what: str, proc: subprocess.Popen, timeout: float = 20)
         except OSError:
             time.sleep(0.05)
     raise SystemExit(f"routes.py: {what} did not listen on {port}")
+
+
+def spawn_sim(binary: str, port: int, side: int, mode: str, extra=()) -> subprocess.Popen:
+    """``disagg-proxy sim`` on ``port`` (side channel ``side``), listening when it returns."""
+    cmd = [binary, "sim", "--listen", f"127.0.0.1:{port}", "--side-channel",
+           f"127.0.0.1:{side}", "--kv-mode", mode, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(port, f"sim {mode}", proc)
+    return proc
 
 
 class Setup:
@@ -213,12 +234,9 @@ class Setup:
             self.bootstrap = free_port()
             boot = ["--bootstrap", f"127.0.0.1:{self.bootstrap}"]
         for port, side, mode, extra in ((p, ps, pmode, boot), (d, ds, dmode, list(decode_args))):
-            cmd = [binary, "sim", "--listen", f"127.0.0.1:{port}", "--side-channel",
-                   f"127.0.0.1:{side}", "--kv-mode", mode, *extra]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.procs.append(proc)
-            wait_http(port, f"sim {mode}", proc)
+            self.procs.append(spawn_sim(binary, port, side, mode, extra))
         self.prefill, self.decode = Recorder(p), Recorder(d)
+        self.recorders = {"prefill": self.prefill, "decode": self.decode}
         self.port = free_port()
         prefill = [f"http://127.0.0.1:{self.prefill.port}"]
         conn = []
@@ -375,8 +393,10 @@ def client_limit(route: str, body: dict) -> int | None:
 
 
 def exchange(setup: Setup, route: str, body: dict) -> tuple[list[str], dict]:
-    """Send ``body``; the problems seen at the client, and the legs each engine got."""
-    setup.prefill.take(), setup.decode.take()
+    """Send ``body``; the problems seen at the client, and the legs each engine got
+    (by role: ``setup.recorders``' keys)."""
+    for rec in setup.recorders.values():
+        rec.take(), rec.take_answers()
     conn = http.client.HTTPConnection("127.0.0.1", setup.port, timeout=60)
     conn.request("POST", route, body=json.dumps(body), headers={"content-type": "application/json"})
     resp = conn.getresponse()
@@ -387,9 +407,11 @@ def exchange(setup: Setup, route: str, body: dict) -> tuple[list[str], dict]:
         problems.append(f"proxy answered {resp.status}: {answer[:200]!r}")
     if re.search(rb'"kv_transfer_params"\s*:\s*\{', answer):
         problems.append("the client's answer carries a handoff")
+    if re.search(rb'"ec_transfer_params"\s*:\s*\{', answer):
+        problems.append("the client's answer carries the encoders' ec_transfer_params")
     if re.search(rb'"prompt_token_ids"\s*:\s*\[', answer) and not body.get("return_token_ids"):
         problems.append("the client's answer carries prompt_token_ids it did not ask for")
-    return problems, {"prefill": setup.prefill.take(), "decode": setup.decode.take()}
+    return problems, {role: rec.take() for role, rec in setup.recorders.items()}
 
 
 def judge_legs(judge: Judge, connector: str, route: str, body: dict, legs: dict) -> tuple[list[str], dict]:

@@ -40,8 +40,13 @@ for arg in "$@"; do
   case "$arg" in
     --proxy|--proxy=*|--verdicts-only) build=0 ;;
   esac
-  # --routes: the other generation routes (routes.py) instead of chat and completions.
-  if [ "$arg" = --routes ]; then script=routes.py; else args+=("$arg"); fi
+  # --routes: the other generation routes (routes.py) instead of chat and completions;
+  # --epd: encoder disaggregation (epd.py).
+  case "$arg" in
+    --routes) script=routes.py ;;
+    --epd) script=epd.py ;;
+    *) args+=("$arg") ;;
+  esac
 done
 if [ "$build" = 1 ]; then
   cargo build --release -p disagg-proxy

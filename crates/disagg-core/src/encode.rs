@@ -338,7 +338,7 @@ impl EncodeStage {
 /// The top-level field of `api`'s body that holds its media parts, for the APIs the
 /// encoder stage serves: chat's and Messages' `messages`, the Responses API's `input`.
 /// Also the `param` a refused item is answered with.
-pub fn media_field(api: Api) -> Option<&'static str> {
+pub(crate) fn media_field(api: Api) -> Option<&'static str> {
     match api {
         Api::Chat | Api::Messages => Some("messages"),
         Api::Responses => Some("input"),

@@ -237,6 +237,31 @@ async fn placeholders_keep_the_media_bytes_away_from_the_prefill_and_decode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_processor_kwargs_placeholders_keep_the_media_and_the_items_still_load() {
+    // vLLM names an item by its uuid only when the request has no processor kwargs;
+    // with them the encoders' entries are keyed by a hash of uuid and kwargs, which
+    // the proxy cannot name a placeholder by: the items keep their media, and the
+    // consumer (hashing alike) still finds every one.
+    let epd = Epd::start_with(false, &["--encode-placeholders"]).await;
+    let mut body: Value = serde_json::from_str(&chat(2, false)).unwrap();
+    body["mm_processor_kwargs"] = json!({"max_pixels": 1024});
+    let body = body.to_string();
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(text_of(&a), reference(&body).await);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    for part in &content[1..] {
+        assert_eq!(part["type"], "image_url", "{part}");
+        let uuid = part["uuid"].as_str().expect("a uuid");
+        assert!(params.get(uuid).is_none(), "{params:?}");
+    }
+    assert_eq!(params.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_item_no_encoder_answered_for_keeps_its_media() {
     // One leg per item, and one encoder that encodes but answers no entries: of two
     // items sent at once, one gets an entry and the other none.

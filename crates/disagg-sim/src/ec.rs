@@ -7,7 +7,8 @@
 //! reads every media item of its requests from that directory.
 //!
 //! An item's identifier is its `uuid` when the request names one (chat only: vLLM's
-//! Responses and Messages request models keep no per-item `uuid`), else a hash of its
+//! Responses and Messages request models keep no per-item `uuid`) and carries no
+//! processor kwargs (with them, a hash of the `uuid` and the kwargs), else a hash of its
 //! media (the URL or data it is loaded from, whatever part shape carried it) and of the
 //! processor kwargs its route passes on (chat: `mm_processor_kwargs` and
 //! `media_io_kwargs`; Responses: `mm_processor_kwargs`; Messages: none). A consumer reads
@@ -291,9 +292,17 @@ pub(crate) fn items(api: EcApi, body: &Value) -> Result<Vec<(String, &'static st
         }
     }
     let kwargs = kwargs(api, body);
+    // A client's uuid names the item only when the request has no processor kwargs:
+    // vLLM hashes the uuid with them otherwise (`vllm/multimodal/processing/inputs.py`,
+    // `get_mm_hashes`), since the encoder output depends on them.
+    let id = |m: &str, media: String, uuid: Option<String>| match uuid {
+        Some(u) if kwargs.is_empty() => u,
+        Some(u) => content_hash(m, &format!("uuid:{u}"), &kwargs),
+        None => content_hash(m, &media, &kwargs),
+    };
     Ok(found
         .into_iter()
-        .map(|(m, media, uuid)| (uuid.unwrap_or_else(|| content_hash(m, &media, &kwargs)), m))
+        .map(|(m, media, uuid)| (id(m, media, uuid), m))
         .collect())
 }
 
@@ -398,6 +407,23 @@ mod tests {
             StatusCode::BAD_REQUEST
         );
         std::fs::remove_dir_all(store).unwrap();
+    }
+
+    #[test]
+    fn a_uuid_names_its_item_only_without_processor_kwargs() {
+        let img = json!({"type": "image_url", "image_url": {"url": "data:,x"}, "uuid": "u1"});
+        let body = |kwargs: Value| {
+            let mut b = json!({"messages": [{"role": "user", "content": [img.clone()]}]});
+            if !kwargs.is_null() {
+                b["mm_processor_kwargs"] = kwargs;
+            }
+            items(EcApi::Chat, &b).unwrap()[0].0.clone()
+        };
+        assert_eq!(body(Value::Null), "u1");
+        let hashed = body(json!({"max_pixels": 1024}));
+        assert_ne!(hashed, "u1");
+        assert_eq!(hashed, body(json!({"max_pixels": 1024})));
+        assert_ne!(hashed, body(json!({"max_pixels": 2048})));
     }
 
     #[test]
