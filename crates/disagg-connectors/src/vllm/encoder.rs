@@ -88,7 +88,7 @@ impl VllmEncoder {
     /// U}`, `U` its uuid and `M` the `metadata` of its `ec_transfer_params` entry (the
     /// placeholder fields the model needs; `null` when empty). vLLM's chat parser reads
     /// such a part as pre-computed embeddings named by `U`, which its EC connector
-    /// supplies (`vllm/entrypoints/chat_utils.py`: with a `uuid`, the
+    /// supplies (`vllm/renderers/chat_utils/`: with a `uuid`, the
     /// `<modality>_embeds` key must be present). It refuses a request mixing raw and
     /// embedded items of one modality (`_resolve_items`), so a modality is rewritten
     /// only when every item of it has an entry; video items, and items of requests on

@@ -12,7 +12,7 @@
 //!   user, system and developer messages then go to the chat parser as they are
 //!   (`responses/utils.py`, `_construct_message_from_response_item`), where an
 //!   `input_image` part is read as an image from its `image_url` string and an
-//!   `input_audio` part as chat's own (`vllm/entrypoints/chat_utils.py`,
+//!   `input_audio` part as chat's own (`vllm/renderers/chat_utils/`,
 //!   `MM_PARSER_MAP`). Assistant items become text.
 //! - `/v1/messages` (`vllm/entrypoints/anthropic/serving.py`): the content block model
 //!   (`anthropic/protocol.py`, `AnthropicContentBlock`) has no `uuid` either; an `image`
