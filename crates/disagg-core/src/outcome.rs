@@ -278,7 +278,7 @@ pub struct Migration {
     /// continuation failed, or the client left first).
     pub resumed: Option<Instant>,
     /// The time the client's stream stood still: from [`broke`](Self::broke) to
-    /// [`resumed`](Self::resumed) (`None` when it never resumed); set with `resumed`.
+    /// [`resumed`](field@Self::resumed) (`None` when it never resumed); set with `resumed`.
     pub time_lost: Option<Duration>,
     /// The migration's span id, when the request is traced: the continuation's legs
     /// carry it as their `traceparent`'s parent.
