@@ -316,10 +316,16 @@ pub(crate) fn encode(store: &Path, body: &Value) -> Result<(Value, usize), ApiEr
     let items = items(EcApi::Chat, body)?;
     for (id, _) in &items {
         let path = item_path(store, id);
+        // Written aside and renamed into place: a consumer reading the item while
+        // another leg writes the same item (the same media, in concurrent requests)
+        // sees the old whole file or the new one, never a truncated one. The write is
+        // synchronous, so no other write runs on this thread meanwhile.
+        let aside = path.with_extension(format!("{:?}", std::thread::current().id()));
         let written = path
             .parent()
             .map_or(Ok(()), std::fs::create_dir_all)
-            .and_then(|()| std::fs::write(&path, embeddings(id)));
+            .and_then(|()| std::fs::write(&aside, embeddings(id)))
+            .and_then(|()| std::fs::rename(&aside, &path));
         if let Err(e) = written {
             return Err(ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -406,6 +412,31 @@ mod tests {
             encode(&store, &escape).unwrap_err().status,
             StatusCode::BAD_REQUEST
         );
+        std::fs::remove_dir_all(store).unwrap();
+    }
+
+    #[test]
+    fn an_item_read_while_another_leg_writes_it_is_whole() {
+        // Concurrent requests with the same media write the same item: a consumer
+        // reading it meanwhile must find the whole file (it once found it truncated).
+        let store = temp();
+        let img = json!({"type": "image_url", "image_url": {"url": "data:,x"}, "uuid": "same"});
+        let body = json!({"messages": [{"role": "user", "content": [img]}]});
+        encode(&store, &body).unwrap();
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    for _ in 0..500 {
+                        encode(&store, &body).unwrap();
+                    }
+                });
+            }
+            s.spawn(|| {
+                for _ in 0..1000 {
+                    assert_eq!(load(&store, EcApi::Chat, &body).unwrap(), 1);
+                }
+            });
+        });
         std::fs::remove_dir_all(store).unwrap();
     }
 
