@@ -45,6 +45,8 @@ pub(crate) struct RunConfig {
     pub(crate) tokens: u32,
     /// The actual body size.
     pub(crate) body_bytes: usize,
+    /// Image parts per request (`--images`; 0: text only, no encoder).
+    pub(crate) images: usize,
     pub(crate) streams: usize,
     pub(crate) stream_delay: Duration,
     pub(crate) ticks_per_sec: f64,
@@ -474,10 +476,15 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "chat completions, {} B body, {} tokens; {:.1} s per phase after {:.1} s warm-up \
+            "chat completions, {} B body{}, {} tokens; {:.1} s per phase after {:.1} s warm-up \
              (at most {} requests); 1 prefill + 1 decode engine, round-robin, zero delay; \
              CPU clock {} ticks/s{}",
             c.body_bytes,
+            if c.images > 0 {
+                format!(", {} images (E/P/D: 1 encoder)", c.images)
+            } else {
+                String::new()
+            },
             c.tokens,
             c.duration.as_secs_f64(),
             c.warmup.as_secs_f64(),
@@ -710,6 +717,7 @@ impl Report {
                 "engine_threads": c.engine_threads,
                 "client_threads": c.client_threads,
                 "body_bytes": c.body_bytes,
+                "images": c.images,
                 "tokens": c.tokens,
                 "latency_concurrency": LATENCY_CONCURRENCY,
                 "throughput_concurrency": THROUGHPUT_CONCURRENCY,

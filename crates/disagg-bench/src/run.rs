@@ -70,6 +70,13 @@ pub(crate) struct RunArgs {
         allow_hyphen_values = true
     )]
     proxy_args: String,
+    /// Image parts per request (E/P/D, issue #34): above 0, a simulated encoder-only
+    /// engine joins (the proxy's `--encode`), the prefill consumes its output (vLLM's
+    /// shared-storage EC connector), and every request carries this many small inline
+    /// images, so each phase measures the encoder stage too; run it beside `--images 0`
+    /// for the cost per image. Not with `--floor`, which has no encoder stage.
+    #[arg(long, value_name = "K", default_value_t = 0, conflicts_with = "floor")]
+    images: usize,
     /// Also write every figure as JSON to this file.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -86,6 +93,9 @@ struct Engines {
     decode: SimEngine,
     /// A decode engine with an inter-token delay, for the held streams.
     slow_decode: SimEngine,
+    /// With `--images`: the encoder-only engine and the directory it shares with the
+    /// prefill (removed at the end).
+    encoder: Option<(SimEngine, PathBuf)>,
 }
 
 /// Run the benchmark, print the table, write the JSON. `Ok(false)` when some request
@@ -109,6 +119,7 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
         client_threads: args.client_threads.max(1),
         tokens: args.tokens,
         body_bytes: 0,
+        images: args.images,
         streams: args.streams.max(1),
         stream_delay: delay,
         ticks_per_sec,
@@ -128,12 +139,21 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
         .thread_name("load")
         .enable_all()
         .build()?;
-    let engines = engine_rt.block_on(start_engines(config.tokens, delay, args.body_bytes))?;
+    let engines = engine_rt.block_on(start_engines(
+        config.tokens,
+        delay,
+        args.body_bytes,
+        args.images,
+    ))?;
     let result = load_rt.block_on(bench(config, &args, &engines));
     engine_rt.block_on(async {
         engines.prefill.shutdown().await;
         engines.decode.shutdown().await;
         engines.slow_decode.shutdown().await;
+        if let Some((encoder, store)) = engines.encoder {
+            encoder.shutdown().await;
+            let _ = std::fs::remove_dir_all(store);
+        }
     });
     load_rt.shutdown_timeout(Duration::from_secs(2));
     engine_rt.shutdown_timeout(Duration::from_secs(2));
@@ -152,6 +172,7 @@ async fn start_engines(
     tokens: u32,
     delay: Duration,
     body_bytes: usize,
+    images: usize,
 ) -> Result<Engines, BoxError> {
     // A prompt has fewer tokens than bytes: a context as long as the body in bytes
     // (and never shorter than the engines' default) admits any `--body-bytes`.
@@ -167,18 +188,58 @@ async fn start_engines(
         max_model_len,
         ..SimConfig::default()
     };
+    // E/P/D: the encoder writes each item's embeddings where the prefill reads them.
+    let store = (images > 0)
+        .then(|| std::env::temp_dir().join(format!("disagg-bench-ec-{}", std::process::id())));
+    let ec = |role| {
+        store.as_ref().map(|store| disagg_sim::EcConfig {
+            role,
+            store: store.clone(),
+        })
+    };
+    if let Some(store) = &store {
+        std::fs::create_dir_all(store)
+            .map_err(|e| format!("cannot make {}: {e}", store.display()))?;
+    }
+    let encoder = match &store {
+        Some(store) => Some((
+            SimEngine::start(SimConfig {
+                ec: ec(disagg_sim::EcRole::Producer),
+                ..sim("encoder-0", Duration::ZERO)
+            })
+            .await?,
+            store.clone(),
+        )),
+        None => None,
+    };
     Ok(Engines {
-        prefill: SimEngine::start(sim("prefill-0", Duration::ZERO)).await?,
+        prefill: SimEngine::start(SimConfig {
+            ec: ec(disagg_sim::EcRole::Consumer),
+            ..sim("prefill-0", Duration::ZERO)
+        })
+        .await?,
         decode: SimEngine::start(sim("decode-0", Duration::ZERO)).await?,
         slow_decode: SimEngine::start(sim("decode-slow", delay)).await?,
+        encoder,
     })
 }
 
-/// A chat request of `size` bytes (or the smallest possible), prompt padded with words.
-fn chat_body(size: usize, tokens: u32, stream: bool) -> Result<Bytes, BoxError> {
+/// A chat request of `size` bytes (or the smallest possible), prompt padded with words,
+/// with `images` small inline images after the text (each its own item).
+fn chat_body(size: usize, tokens: u32, stream: bool, images: usize) -> Result<Bytes, BoxError> {
     const WORDS: &str = "Explain why splitting prefill and decode across engines helps serving \
                          large language models at scale, with the costs of moving the KV cache. ";
-    let make = |content: &str| {
+    let make = |text: &str| {
+        let content = if images == 0 {
+            serde_json::json!(text)
+        } else {
+            let mut parts = vec![serde_json::json!({"type": "text", "text": text})];
+            parts.extend((0..images).map(|i| {
+                serde_json::json!({"type": "image_url", "image_url": {
+                    "url": format!("data:image/png;base64,iVBORw0KGgo{i:04}")}})
+            }));
+            serde_json::Value::Array(parts)
+        };
         serde_json::to_vec(&serde_json::json!({
             "model": "sim-model",
             "messages": [{"role": "user", "content": content}],
@@ -202,14 +263,18 @@ async fn bench(
     engines: &Engines,
 ) -> Result<Report, BoxError> {
     let bodies = [
-        chat_body(args.body_bytes, config.tokens, false)?,
-        chat_body(args.body_bytes, config.tokens, true)?,
+        chat_body(args.body_bytes, config.tokens, false, args.images)?,
+        chat_body(args.body_bytes, config.tokens, true, args.images)?,
     ];
     config.body_bytes = bodies[0].len();
     let client = load::client();
     let prefill = engines.prefill.url();
     let claims = PhaseClaims::default();
-    let extra: Vec<&str> = args.proxy_args.split_whitespace().collect();
+    let encode_url = engines.encoder.as_ref().map(|(e, _)| e.url());
+    let mut extra: Vec<&str> = args.proxy_args.split_whitespace().collect();
+    if let Some(url) = &encode_url {
+        extra.extend(["--encode", url.as_str()]);
+    }
     let mut proxy = ProxyProcess::spawn(
         &prefill,
         &engines.decode.url(),
