@@ -282,6 +282,39 @@ async fn a_names_addresses_follow_its_ttl_and_a_removed_name_has_no_engines() {
 }
 
 #[tokio::test]
+async fn an_encode_name_gives_encoder_endpoints_and_no_prefill() {
+    // The proxy's `--encode-dns NAME:PORT` is a target of role `encode`.
+    let dir = TempDir::new("dns-encode");
+    let hosts = "127.0.0.31 encode.disagg.test\n127.0.0.32 encode.disagg.test\n\
+                 127.0.0.21 decode.disagg.test\n";
+    let Some(server) = Dnsmasq::start(&dir, hosts, &[], 1).await else {
+        return;
+    };
+    let config = config(
+        &server,
+        vec![
+            target("encode.disagg.test:8300", Role::Encode),
+            target("decode.disagg.test:8200", Role::Decode),
+        ],
+    );
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    let set = merged.snapshot();
+    assert_eq!(
+        ids(&set, Role::Encode),
+        ["http://127.0.0.31:8300", "http://127.0.0.32:8300"]
+    );
+    assert_eq!(ids(&set, Role::Decode), ["http://127.0.0.21:8200"]);
+    assert!(
+        set.by_role(Role::Prefill).is_empty(),
+        "an encoder is no prefill"
+    );
+    assert_eq!(errors(&merged), 0, "no lookup failed");
+}
+
+#[tokio::test]
 async fn the_refresh_bound_caps_a_long_ttl() {
     let dir = TempDir::new("dns-bound");
     let Some(mut server) = Dnsmasq::start(&dir, "127.0.0.41 d.disagg.test\n", &[], 3600).await
