@@ -48,6 +48,11 @@ pub struct EncodePlan {
     /// Top-level fields of the client's body replaced on the legs that follow (vLLM: the
     /// `messages`, each media item given the `uuid` its encoder leg carried).
     pub fields: Vec<(&'static str, Bytes)>,
+    /// The consumer's data-parallel rank the legs were planned for, when the connector
+    /// chose it ([`EncoderConnector::plan_for`] given no rank): the orchestrator pins
+    /// the consumer leg to it (`X-data-parallel-rank`), as it pins a route's own rank.
+    /// `None` leaves the route as it is.
+    pub rank: Option<u32>,
 }
 
 impl EncodePlan {
@@ -86,6 +91,9 @@ pub trait EncoderConnector: Send + Sync + 'static {
     /// decode serving alone, already chosen), at data-parallel rank `rank` when the
     /// route pins one. Called instead of [`plan`](Self::plan) when
     /// [`consumer_first`](Self::consumer_first); the default ignores the consumer.
+    /// When `rank` is `None` and the items must reach one rank of the consumer, the
+    /// connector chooses it and names it in [`EncodePlan::rank`]; the consumer leg is
+    /// then pinned to it. A `rank` given is kept.
     ///
     /// # Errors
     ///

@@ -560,8 +560,9 @@ fn encode_stage(
     let connector = match args.ec_connector {
         flags::EcConnectorArg::Example => connector,
         flags::EcConnectorArg::Mooncake => {
-            let mut push =
-                disagg_connectors::vllm::MooncakeEcPush::new().with_tp_size(args.ec_tp_size);
+            let mut push = disagg_connectors::vllm::MooncakeEcPush::new()
+                .with_tp_size(args.ec_tp_size)
+                .with_dp_size(args.ec_dp_size);
             for (url, host, port) in &args.ec_addresses {
                 push = push.with_address(url, host, *port);
             }

@@ -253,3 +253,153 @@ async fn a_text_only_request_is_untouched_by_the_push_mode() {
         assert!(r.body.get("ec_transfer_params").is_none(), "{}", r.body);
     }
 }
+
+/// A push consumer with `dp` data-parallel ranks, an EC port each.
+async fn consumer_dp(store: &TempDir, dp: u32) -> SimEngine {
+    SimEngine::start(SimConfig {
+        ec: Some(EcConfig {
+            role: EcRole::Consumer,
+            store: store.0.clone(),
+        }),
+        ec_push: true,
+        ec_push_wait: Duration::from_secs(2),
+        dp_size: dp,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a simulated engine")
+}
+
+/// Two consumers of two data-parallel ranks each, given to the proxy as whole engines
+/// (`ranked` false: vLLM balances its ranks itself unless pinned) or as `URL@0-1`, and
+/// `--ec-dp-size 2`; with `pd`, they are decodes serving alone (E → PD), else prefills
+/// in front of one plain decode (E → P → D). Every request of `requests`, one or two
+/// images each, must have been read on the very rank that served it, and every rank of
+/// every consumer must have served some.
+async fn dp_consumers_get_their_items_on_the_rank_that_serves(pd: bool, ranked: bool) {
+    let store = TempDir::new();
+    let encoders = vec![
+        engine(Some(EcRole::Producer), &store).await,
+        engine(Some(EcRole::Producer), &store).await,
+    ];
+    let consumers = vec![consumer_dp(&store, 2).await, consumer_dp(&store, 2).await];
+    let decode = engine(None, &store).await;
+    let role = if pd { "--decode" } else { "--prefill" };
+    let mut args: Vec<String> = ["--ec-connector", "mooncake", "--ec-dp-size", "2"]
+        .map(str::to_owned)
+        .to_vec();
+    for c in &consumers {
+        let ports = c.ec_push_ports();
+        assert_eq!(ports.len(), 2);
+        assert_eq!(ports[1], ports[0] + 1, "rank d listens at ec_port + d");
+        let url = if ranked {
+            format!("{}@0-1", c.url())
+        } else {
+            c.url()
+        };
+        args.extend([
+            role.to_owned(),
+            url,
+            "--ec-address".to_owned(),
+            format!("{}=127.0.0.1:{}", c.url(), ports[0]),
+        ]);
+    }
+    if !pd {
+        args.extend(["--decode".to_owned(), decode.url()]);
+    }
+    for e in &encoders {
+        args.extend(["--encode".to_owned(), e.url()]);
+    }
+    let proxy = Proxy::start_args(&args).await;
+    let mut items = 0;
+    for n in 0..12 {
+        let images = 1 + n % 2;
+        let body = chat(images, n % 3 == 0);
+        let a = post(&proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "request {n}: {}", a.text());
+        assert_eq!(text_of(&a), reference(&body).await);
+        items += images as u64;
+    }
+    let mut loaded = 0;
+    for (i, c) in consumers.iter().enumerate() {
+        let s = c.stats();
+        loaded += s.ec_items_loaded;
+        // Each of its requests read its items on the rank it was placed on, from that
+        // rank's EC port: a request is counted on a rank only once its items arrived
+        // there, and the media requests are all the consumer served.
+        assert_eq!(
+            s.ec_items_loaded_per_dp_rank.iter().sum::<u64>(),
+            s.ec_items_loaded,
+            "consumer {i}: {s:?}"
+        );
+        for rank in 0..2 {
+            assert!(
+                s.requests_per_dp_rank[rank] > 0 && s.ec_items_loaded_per_dp_rank[rank] > 0,
+                "consumer {i} rank {rank} served nothing: {:?} {:?}",
+                s.requests_per_dp_rank,
+                s.ec_items_loaded_per_dp_rank
+            );
+        }
+        // Every consumer leg named the rank it was pushed to.
+        for r in c.requests() {
+            assert!(
+                r.header("x-data-parallel-rank").is_some(),
+                "an unpinned consumer leg: {:?}",
+                r.headers
+            );
+        }
+    }
+    assert_eq!(loaded, items);
+    // The decode behind the prefills read nothing: the prefills consumed every item.
+    if !pd {
+        assert_eq!(decode.stats().ec_items_loaded, 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_push_to_dp_prefills_given_without_a_rank() {
+    dp_consumers_get_their_items_on_the_rank_that_serves(false, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_p_d_push_to_dp_prefills_given_with_their_ranks() {
+    dp_consumers_get_their_items_on_the_rank_that_serves(false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_push_to_dp_decodes_given_without_a_rank() {
+    dp_consumers_get_their_items_on_the_rank_that_serves(true, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_pd_push_to_dp_decodes_given_with_their_ranks() {
+    dp_consumers_get_their_items_on_the_rank_that_serves(true, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dp_consumer_without_ec_dp_size_is_pinned_to_rank_0() {
+    // The size not declared (1): vLLM would balance an unpinned request onto rank 1,
+    // where rank 0's items never arrive; the proxy pins rank 0 instead.
+    let store = TempDir::new();
+    let encoder = engine(Some(EcRole::Producer), &store).await;
+    let consumer = consumer_dp(&store, 2).await;
+    let port = consumer.ec_push_port().expect("an EC port");
+    let args = [
+        "--ec-connector".to_owned(),
+        "mooncake".to_owned(),
+        "--decode".to_owned(),
+        consumer.url(),
+        "--ec-address".to_owned(),
+        format!("{}=127.0.0.1:{port}", consumer.url()),
+        "--encode".to_owned(),
+        encoder.url(),
+    ];
+    let proxy = Proxy::start_args(&args).await;
+    for stream in [false, true, false, true] {
+        let a = post(&proxy.url(), "/v1/chat/completions", &chat(1, stream)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let s = consumer.stats();
+    assert_eq!(s.ec_items_loaded_per_dp_rank, vec![4, 0]);
+    assert_eq!(s.requests_per_dp_rank, vec![4, 0]);
+}

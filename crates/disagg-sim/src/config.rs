@@ -175,10 +175,10 @@ pub struct SimConfig {
     /// parts are served as placeholder text, nothing is read or written.
     pub ec: Option<crate::ec::EcConfig>,
     /// Encoder disaggregation by push, as vLLM's Mooncake EC connector (the crate's
-    /// `ec_push` module): a consumer listens on an EC port
-    /// ([`SimEngine::ec_push_port`](crate::SimEngine::ec_push_port)) and takes its
-    /// requests' items only from what was pushed there under the transfer ids they
-    /// name; an encoder pushes the items of a leg naming a `consumer_zmq`. Default
+    /// `ec_push` module): a consumer listens on an EC port per data-parallel rank
+    /// ([`SimEngine::ec_push_ports`](crate::SimEngine::ec_push_ports)) and takes its
+    /// requests' items only from what was pushed to the port of the rank serving them,
+    /// under the transfer ids they name; an encoder pushes the items of a leg naming a `consumer_zmq`. Default
     /// `false` (the shared store).
     pub ec_push: bool,
     /// How long a push consumer's request waits for each transfer it names (vLLM's

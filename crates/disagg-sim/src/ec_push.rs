@@ -13,15 +13,21 @@
 //! transfer engine): per item a frame of three length-prefixed fields (big-endian
 //! `u32`), the transfer id, the item hash and the embeddings, each bounded; the consumer
 //! answers each frame with one byte, `1` stored or `0` refused.
+//!
+//! A consumer with data-parallel ranks listens on one EC port per rank, consecutive (vLLM:
+//! rank `d` at `ec_port + d·tp_size`; the simulator's tensor-parallel size is 1), each
+//! with its own items: a request takes its items from the port of the rank it is placed
+//! on, so items pushed to another rank never arrive.
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use http::StatusCode;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::api::ApiError;
 
@@ -114,6 +120,39 @@ pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Re
         let stored = pushed.put(id, hash, bytes);
         stream.write_all(&[u8::from(stored)]).await?;
     }
+}
+
+/// `n` listeners on consecutive ports of 127.0.0.1 (a data-parallel consumer's EC
+/// ports, rank `d` at the first plus `d`): the first port drawn by the system, the
+/// others taken after it; drawn again when one of those is taken already.
+pub(crate) async fn bind_consecutive(n: usize) -> std::io::Result<Vec<TcpListener>> {
+    let mut last = None;
+    for _ in 0..64 {
+        let first = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let base = first.local_addr()?.port();
+        let mut listeners = vec![first];
+        for d in 1..n {
+            let Some(port) = u16::try_from(d).ok().and_then(|d| base.checked_add(d)) else {
+                break;
+            };
+            match TcpListener::bind((Ipv4Addr::LOCALHOST, port)).await {
+                Ok(l) => listeners.push(l),
+                Err(e) => {
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        if listeners.len() == n.max(1) {
+            return Ok(listeners);
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "no run of free consecutive ports for the EC ranks",
+        )
+    }))
 }
 
 fn field(out: &mut Vec<u8>, bytes: &[u8]) {

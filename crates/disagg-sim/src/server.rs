@@ -121,8 +121,9 @@ struct Inner {
     /// When the engine started: the epoch of its monotonic clock (a bidirectional
     /// decode's `remote_blocks_expiry_time`).
     started: std::time::Instant,
-    /// E/P/D push consumer: the items its encoders pushed, not yet taken.
-    ec_pushed: Arc<crate::ec_push::Pushed>,
+    /// E/P/D push consumer: per data-parallel rank, the items its encoders pushed to
+    /// that rank's EC port, not yet taken.
+    ec_pushed: Arc<[crate::ec_push::Pushed]>,
 }
 
 impl Inner {
@@ -157,7 +158,7 @@ pub struct SimEngine {
     bootstrap_addr: Option<SocketAddr>,
     lmcache_init_ports: Vec<u16>,
     lmcache_alloc_ports: Vec<u16>,
-    ec_push_port: Option<u16>,
+    ec_push_ports: Vec<u16>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -440,7 +441,9 @@ impl SimEngine {
             prefill_slots: (0..dp_size).map(|_| tokio::sync::Mutex::new(())).collect(),
             running_slots,
             started: std::time::Instant::now(),
-            ec_pushed: Arc::default(),
+            ec_pushed: (0..dp_size)
+                .map(|_| crate::ec_push::Pushed::default())
+                .collect(),
         });
         let tls = match &inner.config.tls {
             None => None,
@@ -520,8 +523,10 @@ impl SimEngine {
                 )));
             }
         }
-        // E/P/D push consumer: its EC port, where encoders push items.
-        let mut ec_push_port = None;
+        // E/P/D push consumer: an EC port per data-parallel rank, where encoders push
+        // that rank's items (vLLM: rank `d` at `ec_port + d·tp_size`; the simulator's
+        // tensor-parallel size is 1, so consecutive ports).
+        let mut ec_push_ports = Vec::new();
         if inner.config.ec_push
             && inner
                 .config
@@ -529,21 +534,26 @@ impl SimEngine {
                 .as_ref()
                 .is_some_and(|ec| ec.role == crate::ec::EcRole::Consumer)
         {
-            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-            ec_push_port = Some(listener.local_addr()?.port());
-            let pushed = Arc::clone(&inner.ec_pushed);
-            tasks.push(tokio::spawn(accept_loop(
-                listener,
-                stop_rx.clone(),
-                move |stream, peer| {
-                    let pushed = Arc::clone(&pushed);
-                    async move {
-                        if let Err(e) = crate::ec_push::serve(&pushed, stream).await {
-                            tracing::debug!(%peer, error = %e, "EC push connection failed");
+            let listeners = crate::ec_push::bind_consecutive(inner.ec_pushed.len()).await?;
+            for (rank, listener) in listeners.into_iter().enumerate() {
+                ec_push_ports.push(listener.local_addr()?.port());
+                let inner = Arc::clone(&inner);
+                tasks.push(tokio::spawn(accept_loop(
+                    listener,
+                    stop_rx.clone(),
+                    move |stream, peer| {
+                        let inner = Arc::clone(&inner);
+                        async move {
+                            let Some(pushed) = inner.ec_pushed.get(rank) else {
+                                return;
+                            };
+                            if let Err(e) = crate::ec_push::serve(pushed, stream).await {
+                                tracing::debug!(%peer, rank, error = %e, "EC push connection failed");
+                            }
                         }
-                    }
-                },
-            )));
+                    },
+                )));
+            }
         }
         tasks.push(tokio::spawn(sweep_leases(inner.clone(), lease, stop_rx)));
         tracing::debug!(%addr, %side_channel_addr, ?bootstrap_addr, engine_id = %inner.engine_id, "sim engine started");
@@ -554,7 +564,7 @@ impl SimEngine {
             bootstrap_addr,
             lmcache_init_ports,
             lmcache_alloc_ports,
-            ec_push_port,
+            ec_push_ports,
             stop,
             tasks,
         })
@@ -562,9 +572,17 @@ impl SimEngine {
 
     /// E/P/D push consumer ([`SimConfig::ec_push`] with an
     /// [`EcRole::Consumer`](crate::EcRole::Consumer)): the port of 127.0.0.1 its
-    /// encoders push items to (vLLM's `ec_port`).
+    /// encoders push items to (vLLM's `ec_port`), rank 0's.
     pub fn ec_push_port(&self) -> Option<u16> {
-        self.ec_push_port
+        self.ec_push_ports.first().copied()
+    }
+
+    /// E/P/D push consumer: the EC port of each data-parallel rank, consecutive from
+    /// [`ec_push_port`](Self::ec_push_port) (vLLM's `ec_port + rank·tp_size`, the
+    /// simulator's tensor-parallel size being 1). An item pushed to one rank's port is
+    /// found only by a request placed on that rank. Empty when not a push consumer.
+    pub fn ec_push_ports(&self) -> &[u16] {
+        &self.ec_push_ports
     }
 
     /// The HTTP address.
@@ -1457,7 +1475,9 @@ where
     };
     // E/P/D: an encoder-only engine answers every chat request as an encoder leg; a
     // consumer reads each media item's encoder output before any work (chat, Responses
-    // and Messages requests alike).
+    // and Messages requests alike): from the shared store at once, or, pushed, from what
+    // reached the EC port of the rank the request is placed on (below).
+    let mut push_consumer = None;
     if let Some(ec) = &inner.config.ec {
         let api = match route {
             Route::Openai(Endpoint::Chat) => Some(crate::ec::EcApi::Chat),
@@ -1471,28 +1491,13 @@ where
                 guard.complete();
                 return answer;
             }
+            (crate::ec::EcRole::Consumer, Some(api)) if inner.config.ec_push => {
+                push_consumer = Some(api);
+            }
             (crate::ec::EcRole::Consumer, Some(api)) => {
-                let loaded = if inner.config.ec_push {
-                    match crate::ec::items(api, &json) {
-                        Ok(items) => {
-                            let hashes: Vec<String> = items.into_iter().map(|(h, _)| h).collect();
-                            crate::ec_push::receive(
-                                &inner.ec_pushed,
-                                &json,
-                                &hashes,
-                                inner.config.ec_push_wait,
-                                crate::ec::embeddings,
-                            )
-                            .await
-                        }
-                        Err(e) => Err(e),
-                    }
-                } else {
-                    crate::ec::load(&ec.store, api, &json)
-                };
-                match loaded {
+                match crate::ec::load(&ec.store, api, &json) {
                     Ok(n) => {
-                        inner.counters.ec_items_loaded.fetch_add(n as u64, Relaxed);
+                        inner.counters.ec_loaded(0, n);
                     }
                     Err(e) => {
                         guard.complete();
@@ -1518,6 +1523,35 @@ where
         None
     };
     let rank = placed.as_ref().map_or(0, dp::RankLoad::rank);
+    // Pushed items are taken from the rank's own EC port only: items pushed to another
+    // rank's never arrive here.
+    if let Some(api) = push_consumer {
+        let received = match (crate::ec::items(api, &json), inner.ec_pushed.get(rank)) {
+            (Ok(items), Some(pushed)) => {
+                let hashes: Vec<String> = items.into_iter().map(|(h, _)| h).collect();
+                crate::ec_push::receive(
+                    pushed,
+                    &json,
+                    &hashes,
+                    inner.config.ec_push_wait,
+                    crate::ec::embeddings,
+                )
+                .await
+            }
+            (Err(e), _) => Err(e),
+            (Ok(_), None) => Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("no EC port for data-parallel rank {rank}"),
+            )),
+        };
+        match received {
+            Ok(n) => inner.counters.ec_loaded(rank, n),
+            Err(e) => {
+                guard.complete();
+                return error_response(&e, header_id);
+            }
+        }
+    }
     let planned = plan(inner, &request, &json, &parts.headers, rank, &request_id);
     drop(json);
     let plan = match planned {

@@ -239,6 +239,11 @@ pub struct Stats {
     /// store.
     #[serde(default)]
     pub ec_items_loaded: u64,
+    /// E/P/D consumers: of [`ec_items_loaded`](Self::ec_items_loaded), those read by
+    /// each data-parallel rank, indexed by rank (a push consumer takes an item only
+    /// from its request's rank's own EC port; the shared store counts on rank 0).
+    #[serde(default)]
+    pub ec_items_loaded_per_dp_rank: Vec<u64>,
     /// `GET /metrics` requests received (whatever [`Faults::metrics`](crate::Faults::metrics)
     /// made of their answer).
     #[serde(default)]
@@ -327,6 +332,8 @@ pub(crate) struct Counters {
     pub(crate) prompt_ids_reused: AtomicU64,
     pub(crate) ec_items_encoded: AtomicU64,
     pub(crate) ec_items_loaded: AtomicU64,
+    /// One counter per data-parallel rank (none in [`Counters::default`]).
+    pub(crate) ec_items_loaded_per_dp_rank: Box<[AtomicU64]>,
     pub(crate) metrics_requests: AtomicU64,
     pub(crate) prompt_tokens_local: AtomicU64,
     pub(crate) prompt_tokens_cached: AtomicU64,
@@ -344,6 +351,7 @@ impl Counters {
     pub(crate) fn with_dp_size(dp_size: usize) -> Self {
         Self {
             requests_per_dp_rank: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
+            ec_items_loaded_per_dp_rank: (0..dp_size).map(|_| AtomicU64::new(0)).collect(),
             ..Self::default()
         }
     }
@@ -362,6 +370,14 @@ impl Counters {
         self.prefix_cache_blocks.fetch_sub(before as u64, Relaxed);
         self.prefix_cache_evictions
             .fetch_add(evicted as u64, Relaxed);
+    }
+
+    /// Counts `n` media items' encoder output read by a request on `rank`.
+    pub(crate) fn ec_loaded(&self, rank: usize, n: usize) {
+        self.ec_items_loaded.fetch_add(n as u64, Relaxed);
+        if let Some(counter) = self.ec_items_loaded_per_dp_rank.get(rank) {
+            counter.fetch_add(n as u64, Relaxed);
+        }
     }
 
     /// Counts a request placed on `rank` (ignored if out of range).
@@ -434,6 +450,11 @@ impl Counters {
             prompt_ids_reused: self.prompt_ids_reused.load(Relaxed),
             ec_items_encoded: self.ec_items_encoded.load(Relaxed),
             ec_items_loaded: self.ec_items_loaded.load(Relaxed),
+            ec_items_loaded_per_dp_rank: self
+                .ec_items_loaded_per_dp_rank
+                .iter()
+                .map(|c| c.load(Relaxed))
+                .collect(),
             metrics_requests: self.metrics_requests.load(Relaxed),
             prompt_tokens_local: self.prompt_tokens_local.load(Relaxed),
             prompt_tokens_cached: self.prompt_tokens_cached.load(Relaxed),

@@ -177,6 +177,7 @@ impl EncoderConnector for VllmEncoder {
         Ok(Some(EncodePlan {
             legs,
             fields: Vec::new(),
+            rank: None,
         }))
     }
 
@@ -424,6 +425,7 @@ impl VllmEncoder {
         Ok(Some(EncodePlan {
             legs,
             fields: vec![("messages", messages)],
+            rank: None,
         }))
     }
 }

@@ -32,11 +32,11 @@ impl Inner {
         stage: &EncodeStage,
         pool: &[Arc<Endpoint>],
         req: &mut PdRequest,
-        consumer: Option<&Route>,
+        consumer: Option<&mut Route>,
         clock: Clock,
         trace: Option<&TraceIds>,
     ) -> Result<Option<EncodeSummary>, PdError> {
-        let planned = match consumer {
+        let planned = match &consumer {
             // A push protocol: the consumer chosen first is named to the encoders.
             Some(route) => {
                 let (engine, rank) = match &route.prefill {
@@ -52,6 +52,15 @@ impl Inner {
             Ok(_) => return Ok(None),
             Err(e) => return Err(PdError::body(BodyError::Invalid(e))),
         };
+        // The rank the connector planned for, the route naming none: the consumer leg
+        // is pinned to it, or the engine would place the request on a rank of its own
+        // choice, where the items never arrive.
+        if let (Some(route), Some(rank)) = (consumer, plan.rank) {
+            match route.prefill {
+                Some(_) => route.prefill_rank = Some(rank),
+                None => route.decode_rank = Some(rank),
+            }
+        }
         let c = &stage.counters;
         c.requests.fetch_add(1, Relaxed);
         let plan_items = plan.items();

@@ -102,7 +102,7 @@ impl Inner {
                     stage,
                     &pool,
                     &mut req,
-                    pinned.as_ref(),
+                    pinned.as_mut(),
                     clock,
                     trace.as_ref(),
                 )

@@ -86,6 +86,13 @@ pub struct ServeArgs {
     /// With `--ec-connector mooncake`: the consumers' tensor-parallel size.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub(crate) ec_tp_size: u32,
+    /// With `--ec-connector mooncake`: the consumers' data-parallel size (vLLM's
+    /// `--data-parallel-size`). A request whose consumer is given without @RANK is
+    /// given one of its N ranks, round robin per consumer, its items pushed to that
+    /// rank's port and its consumer leg pinned there (`X-data-parallel-rank`); a rank
+    /// the endpoint names is kept. With 1, rank 0 is pinned.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub(crate) ec_dp_size: u32,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,

@@ -11,11 +11,23 @@
 //! carries `ec_transfer_params: {ec_items: [{mm_hash, transfer_id}]}` and waits for those
 //! transfers, on the rank the proxy pinned (`X-data-parallel-rank`).
 //!
+//! The consumer leg is always pinned to the rank the items were pushed to. vLLM 0.33
+//! places a request without that header on a rank of its own choice (its DP client's
+//! load balancing, `vllm/v1/engine/core_client.py`, `DPLBAsyncMPClient`), and a
+//! consumer's rank waits only for what reached its own EC port. So a rank the route
+//! names is kept; otherwise this connector chooses one of the consumer's
+//! `dp_size` ranks (round robin per consumer engine), names its port to the encoders and
+//! returns it in [`EncodePlan::rank`], which the orchestrator pins. With `dp_size` 1
+//! (the default, or a size not declared) that is rank 0, pinned explicitly: right for
+//! a consumer without data parallelism, and for one with it, whose requests then all
+//! run on rank 0 rather than fail.
+//!
 //! The consumer must therefore be chosen before the encoder legs
 //! ([`EncoderConnector::consumer_first`](disagg_core::encode::EncoderConnector::consumer_first)).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
@@ -30,6 +42,9 @@ pub const DEFAULT_EC_HOST: &str = "127.0.0.1";
 /// vLLM's default consumer port (`vllm/config/ec_transfer.py`, `ec_port`).
 pub const DEFAULT_EC_PORT: u16 = 14579;
 
+/// Most consumer engines whose rank turns are kept.
+const MAX_CONSUMERS: usize = 4096;
+
 /// Where each consumer engine listens for its encoders' pushes, and the transfer ids'
 /// source. Given to [`VllmEncoder::with_mooncake_push`](super::VllmEncoder::with_mooncake_push).
 #[derive(Debug)]
@@ -39,6 +54,11 @@ pub struct MooncakeEcPush {
     /// vLLM's tensor-parallel size of the consumers (rank `d` listens at
     /// `ec_port + d·tp_size`).
     tp_size: u32,
+    /// vLLM's data-parallel size of the consumers: the ranks a request naming none is
+    /// spread over.
+    dp_size: u32,
+    /// Per consumer engine (its base URL): the requests given a rank of it so far.
+    turns: Mutex<HashMap<String, u32>>,
     /// Drawn once per connector, so two proxies' transfer ids differ.
     nonce: u64,
     /// Requests planned so far: with the nonce, a transfer id unique per request.
@@ -57,6 +77,8 @@ impl MooncakeEcPush {
         MooncakeEcPush {
             addresses: HashMap::new(),
             tp_size: 1,
+            dp_size: 1,
+            turns: Mutex::new(HashMap::new()),
             nonce: std::collections::hash_map::RandomState::new()
                 .build_hasher()
                 .finish(),
@@ -80,16 +102,52 @@ impl MooncakeEcPush {
         self
     }
 
-    /// `consumer`'s push address for `rank`: `tcp://HOST:PORT`.
-    fn consumer_zmq(&self, consumer: &Endpoint, rank: Option<u32>) -> Result<String, InvalidParam> {
+    /// The consumers' data-parallel size (at least 1; default 1): a request whose
+    /// route names no rank of its consumer is given one of these ranks, round robin
+    /// per consumer engine, and pinned to it.
+    pub fn with_dp_size(mut self, dp: u32) -> Self {
+        self.dp_size = dp.max(1);
+        self
+    }
+
+    /// The base URL of `consumer`: its id without `@RANK`.
+    fn base(consumer: &Endpoint) -> &str {
         let id = consumer.id().as_str();
         let base = match consumer.rank() {
             Some(_) => id.rsplit_once('@').map_or(id, |(u, _)| u),
             None => id,
         };
+        base.trim_end_matches('/')
+    }
+
+    /// The rank of `consumer` its next request naming none goes to: its ranks in turn.
+    fn next_rank(&self, consumer: &Endpoint) -> u32 {
+        if self.dp_size <= 1 {
+            return 0;
+        }
+        let Ok(mut turns) = self.turns.lock() else {
+            return 0;
+        };
+        // Bounded by the consumers ever seen; discovery churning through many
+        // engines starts the turns over.
+        if turns.len() >= MAX_CONSUMERS {
+            turns.clear();
+        }
+        let base = Self::base(consumer);
+        let turn = match turns.get_mut(base) {
+            Some(t) => t,
+            None => turns.entry(base.to_owned()).or_insert(0),
+        };
+        let rank = *turn % self.dp_size;
+        *turn = turn.wrapping_add(1);
+        rank
+    }
+
+    /// `consumer`'s push address for `rank`: `tcp://HOST:PORT`.
+    fn consumer_zmq(&self, consumer: &Endpoint, rank: Option<u32>) -> Result<String, InvalidParam> {
         let (host, port) = self
             .addresses
-            .get(base.trim_end_matches('/'))
+            .get(Self::base(consumer))
             .map_or((DEFAULT_EC_HOST, DEFAULT_EC_PORT), |(h, p)| {
                 (h.as_str(), *p)
             });
@@ -106,15 +164,25 @@ impl MooncakeEcPush {
         Ok(format!("tcp://{host}:{port}"))
     }
 
-    /// `plan` with each encoder leg naming the consumer and one fresh transfer id per
-    /// item, in the leg's order; the consumer leg's field is filled in by [`fold`].
+    /// `plan` with each encoder leg naming the consumer's `rank` (when `None`, one
+    /// chosen here and set on the plan's [`rank`](EncodePlan::rank)) and one fresh
+    /// transfer id per item, in the leg's order; the consumer leg's field is filled in
+    /// by [`fold`].
     pub(super) fn annotate(
         &self,
         mut plan: EncodePlan,
         consumer: &Endpoint,
         rank: Option<u32>,
     ) -> Result<EncodePlan, InvalidParam> {
-        let zmq = self.consumer_zmq(consumer, rank)?;
+        let rank = match rank {
+            Some(r) => r,
+            None => {
+                let r = self.next_rank(consumer);
+                plan.rank = Some(r);
+                r
+            }
+        };
+        let zmq = self.consumer_zmq(consumer, Some(rank))?;
         let request = self.next.fetch_add(1, Relaxed);
         for (l, leg) in plan.legs.iter_mut().enumerate() {
             let items: Vec<Value> = (0..leg.items)
@@ -228,6 +296,60 @@ mod tests {
         assert!(far.consumer_zmq(&other, Some(2)).is_err());
     }
 
+    fn zmq_of(plan: &EncodePlan) -> String {
+        let raw = disagg_json::top_level_field(&plan.legs[0].body, "ec_transfer_params")
+            .unwrap()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&raw).unwrap();
+        v["consumer_zmq"].as_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn a_consumer_without_a_rank_is_given_its_ranks_in_turn_and_a_named_rank_is_kept() {
+        let push = MooncakeEcPush::new()
+            .with_address("http://a:8100", "10.0.0.1", 20000)
+            .with_address("http://b:8100", "10.0.0.2", 20000)
+            .with_tp_size(2)
+            .with_dp_size(3);
+        let a = Endpoint::new("http://a:8100", Role::Prefill).unwrap();
+        let b = Endpoint::new("http://b:8100", Role::Prefill).unwrap();
+        let plan = EncodePlan {
+            legs: vec![disagg_core::encode::EncodeLeg {
+                body: Bytes::from_static(br#"{"model":"m","messages":[]}"#),
+                items: 1,
+            }],
+            fields: Vec::new(),
+            rank: None,
+        };
+        // Turns are per consumer: b's first request is its rank 0 whatever a had.
+        let mut got = Vec::new();
+        for c in [&a, &a, &b, &a, &a, &b] {
+            let p = push.annotate(plan.clone(), c, None).unwrap();
+            got.push((p.rank, zmq_of(&p)));
+        }
+        assert_eq!(
+            got,
+            [
+                (Some(0), "tcp://10.0.0.1:20000".to_owned()),
+                (Some(1), "tcp://10.0.0.1:20002".to_owned()),
+                (Some(0), "tcp://10.0.0.2:20000".to_owned()),
+                (Some(2), "tcp://10.0.0.1:20004".to_owned()),
+                (Some(0), "tcp://10.0.0.1:20000".to_owned()),
+                (Some(1), "tcp://10.0.0.2:20002".to_owned()),
+            ]
+        );
+        // A rank the route names is the one pushed to, and the plan pins nothing more.
+        let named = push.annotate(plan.clone(), &a, Some(2)).unwrap();
+        assert_eq!(
+            (named.rank, zmq_of(&named)),
+            (None, "tcp://10.0.0.1:20004".to_owned())
+        );
+        // Size 1 (the default): rank 0, pinned explicitly.
+        let single = MooncakeEcPush::new().annotate(plan, &a, None).unwrap();
+        assert_eq!(single.rank, Some(0));
+        assert_eq!(zmq_of(&single), "tcp://127.0.0.1:14579");
+    }
+
     #[test]
     fn the_consumer_leg_names_each_answered_item_by_its_legs_transfer_id() {
         let push = MooncakeEcPush::new();
@@ -238,6 +360,7 @@ mod tests {
                 items: 2,
             }],
             fields: Vec::new(),
+            rank: None,
         };
         let first = push.annotate(plan.clone(), &consumer, None).unwrap();
         let second = push.annotate(plan, &consumer, None).unwrap();
