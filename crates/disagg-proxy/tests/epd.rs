@@ -237,6 +237,74 @@ async fn placeholders_keep_the_media_bytes_away_from_the_prefill_and_decode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placeholders_carry_videos_as_video_embeds_parts() {
+    // Two videos and an image: every item handed over, so each modality is rewritten
+    // (vLLM 0.33's `video_embeds` part, `renderers/chat_utils/types.py`).
+    let epd = Epd::start_with(true, &["--encode-placeholders"]).await;
+    let video = |n: usize| json!({"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,VklE{n}")}});
+    for stream in [false, true] {
+        let body = json!({
+            "model": "sim-model",
+            "max_tokens": 6,
+            "stream": stream,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what happens?"}, video(0), image(0), video(1)]}],
+        })
+        .to_string();
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(text_of(&a), reference(&body).await);
+    }
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 6);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    let params = leg.body["ec_transfer_params"].as_object().expect("params");
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    for (i, modality) in [(1, "video"), (2, "image"), (3, "video")] {
+        let part = &content[i];
+        let ty = format!("{modality}_embeds");
+        assert_eq!(part["type"], ty.as_str(), "{part}");
+        assert!(part[ty.as_str()].is_null(), "{part}");
+        let uuid = part["uuid"].as_str().expect("a uuid");
+        assert_eq!(params[uuid]["modality"], modality);
+    }
+    // No engine after the encoders received a video's bytes.
+    for r in epd.consumer().requests() {
+        let text = r.body.to_string();
+        assert!(!text.contains("VklE") && !text.contains("AAAA"), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_video_no_encoder_answered_for_keeps_every_videos_media() {
+    // One leg per video; the second encoder answers no entries, so with two videos one
+    // has no entry: vLLM refuses raw and embedded videos in one request, so both keep
+    // their media, and the consumer still reads both from the store.
+    let epd = Epd::start_with(true, &["--encode-placeholders"]).await;
+    epd.encoders[1].set_faults(Faults {
+        ec_withhold_params: true,
+        ..Faults::default()
+    });
+    let video = |n: usize| json!({"type": "video_url", "video_url": {"url": format!("data:video/mp4;base64,VklE{n}")}});
+    let body = json!({
+        "model": "sim-model",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [video(0), video(1)]}],
+    })
+    .to_string();
+    let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(text_of(&a), reference(&body).await);
+    let leg = epd.consumer().requests().pop().expect("a recorded request");
+    assert_eq!(leg.body["ec_transfer_params"].as_object().unwrap().len(), 1);
+    let content = leg.body["messages"][0]["content"].as_array().unwrap();
+    assert!(
+        content.iter().all(|p| p["type"] == "video_url"),
+        "{content:?}"
+    );
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_processor_kwargs_placeholders_keep_the_media_and_the_items_still_load() {
     // vLLM names an item by its uuid only when the request has no processor kwargs;
     // with them the encoders' entries are keyed by a hash of uuid and kwargs, which

@@ -141,7 +141,7 @@ fn push_content(out: &mut String, content: &Value) -> Result<(), ApiError> {
                     .and_then(Value::as_str);
                 // A media item is one placeholder word (its encoder output, under
                 // E/P/D, is the `ec` module's).
-                // vLLM's `image_embeds` / `audio_embeds` parts (pre-computed
+                // vLLM's `image_embeds`, `audio_embeds` and `video_embeds` parts (pre-computed
                 // embeddings) hold the same place.
                 let media = part.get("type").and_then(Value::as_str).and_then(|t| {
                     t.strip_suffix("_url")
@@ -160,7 +160,7 @@ fn push_content(out: &mut String, content: &Value) -> Result<(), ApiError> {
                     }
                     (None, None) => {
                         return Err(ApiError::bad_request(
-                            "messages: only content parts of type `text`, `image_url`, `input_audio`, `audio_url`, `video_url`, `image_embeds` and `audio_embeds` are supported",
+                            "messages: only content parts of type `text`, `image_url`, `input_audio`, `audio_url`, `video_url`, `image_embeds`, `audio_embeds` and `video_embeds` are supported",
                         ));
                     }
                 }

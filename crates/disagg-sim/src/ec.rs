@@ -19,7 +19,7 @@
 //! A consumer that finds an item missing (its encoder was skipped, or was told another
 //! identifier) fails the request with 500: the simulated prefill has no encoder of its
 //! own, so a wrong orchestration really fails. The same holds for an embeddings
-//! placeholder (`image_embeds` / `audio_embeds` parts with no data, as vLLM takes them
+//! placeholder (`image_embeds`, `audio_embeds` or `video_embeds` parts with no data, as vLLM takes them
 //! with `--enable-mm-embeds`): it is read from the store under its `uuid`, so one whose
 //! embeddings no encoder wrote fails; and, as vLLM, a request mixing raw and embedded
 //! items of one modality is refused (400).
@@ -67,7 +67,7 @@ fn modality(ty: &str) -> Option<&'static str> {
     match ty {
         "image_url" | "image_embeds" => Some("image"),
         "input_audio" | "audio_url" | "audio_embeds" => Some("audio"),
-        "video_url" => Some("video"),
+        "video_url" | "video_embeds" => Some("video"),
         _ => None,
     }
 }

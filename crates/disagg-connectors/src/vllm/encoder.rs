@@ -233,9 +233,12 @@ impl EncoderConnector for VllmEncoder {
     }
 }
 
-/// `messages` (whose media parts carry their uuids) with every image and audio item
-/// rewritten to its embeddings placeholder, modality by modality where every item of
-/// the modality has an entry in `merged`; `None` when nothing is rewritten.
+/// `messages` (whose media parts carry their uuids) with every image, audio and video
+/// item rewritten to its embeddings placeholder (vLLM 0.33's `image_embeds`,
+/// `audio_embeds` and `video_embeds` parts, `renderers/chat_utils/types.py`), modality
+/// by modality where every item of the modality has an entry in `merged` (vLLM's
+/// `_resolve_items`, `renderers/chat_utils/item_tracker.py`, refuses raw and embedded
+/// items of one modality); `None` when nothing is rewritten.
 fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
     let parts = chat::media_parts(messages, usize::MAX).ok().flatten()?;
     let entry = |p: &chat::MediaPart<'_>| p.uuid.as_ref().and_then(|u| merged.get(u));
@@ -245,13 +248,14 @@ fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
             .filter(|p| p.modality() == m)
             .all(|p| entry(p).is_some())
     };
-    let (images, audio) = (covered("image"), covered("audio"));
+    let (images, audio, video) = (covered("image"), covered("audio"), covered("video"));
     let mut edits = Vec::new();
     for part in &parts {
         let m = part.modality();
         let rewrite = match m {
             "image" => images,
             "audio" => audio,
+            "video" => video,
             _ => false,
         };
         let (true, Some(entry), Some(uuid)) = (rewrite, entry(part), &part.uuid) else {
@@ -616,8 +620,8 @@ mod tests {
         let messages: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
         let uuid = |i: usize| messages[0]["content"][i]["uuid"].clone();
         let (a, b, audio, video) = (uuid(1), uuid(2), uuid(3), uuid(4));
-        // Both images and the video handed over, the audio not: the images become
-        // placeholders (metadata kept), the audio and the video keep their media.
+        // Both images and the video handed over, the audio not: the images and the
+        // video become placeholders (metadata kept), the audio keeps its media.
         let answers = [
             answer(&[&a, &b], json!({"image_grid_thw": [1, 4, 4]})),
             answer(&[&video], json!({})),
@@ -635,7 +639,10 @@ mod tests {
         assert_eq!(content[2]["type"], "image_embeds");
         assert_eq!(content[2]["uuid"], b);
         assert_eq!(content[3], messages[0]["content"][3]);
-        assert_eq!(content[4], messages[0]["content"][4]);
+        assert_eq!(
+            content[4],
+            json!({"type": "video_embeds", "video_embeds": null, "uuid": video})
+        );
         // The audio handed over too: it becomes one, with `null` for empty metadata.
         let answers = [answer(&[&a, &b, &audio], json!({}))];
         let fields = encoder.fold(&plan, &answers).unwrap();
@@ -651,6 +658,42 @@ mod tests {
         // Off (the default): never rewritten.
         let fields = VllmEncoder::new().fold(&plan, &answers).unwrap();
         assert_eq!(fields.len(), 1);
+    }
+
+    #[test]
+    fn videos_become_placeholders_only_when_every_one_was_handed_over() {
+        let video = |u: &str| json!({"type": "video_url", "video_url": {"url": u}});
+        let req = request(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": [video("v1"), image("data:a"), video("v2")]}],
+        }));
+        let encoder = VllmEncoder::new().with_embeds_placeholders(true);
+        let plan = encoder.plan(&req).unwrap().unwrap();
+        let messages: Value = serde_json::from_slice(&plan.fields[0].1).unwrap();
+        let uuid = |i: usize| messages[0]["content"][i]["uuid"].clone();
+        let (v1, a, v2) = (uuid(0), uuid(1), uuid(2));
+        // One video missing: both keep their media; the image is rewritten alone.
+        let fields = encoder
+            .fold(&plan, &[answer(&[&v1, &a], json!({}))])
+            .unwrap();
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        assert_eq!(rewritten[0]["content"][0], messages[0]["content"][0]);
+        assert_eq!(rewritten[0]["content"][1]["type"], "image_embeds");
+        assert_eq!(rewritten[0]["content"][2], messages[0]["content"][2]);
+        // Both handed over: both are `video_embeds` parts, metadata as the encoder gave.
+        let answers = [
+            answer(&[&v1, &v2], json!({"video_grid_thw": [2, 4, 4]})),
+            answer(&[&a], json!({})),
+        ];
+        let fields = encoder.fold(&plan, &answers).unwrap();
+        let rewritten: Value = serde_json::from_slice(&fields[1].1).unwrap();
+        for (i, u) in [(0, &v1), (2, &v2)] {
+            assert_eq!(
+                rewritten[0]["content"][i],
+                json!({"type": "video_embeds", "video_embeds": {"video_grid_thw": [2, 4, 4]},
+                       "uuid": u})
+            );
+        }
     }
 
     /// The uuid the plan gives the first media item of `messages` (raw JSON), with the

@@ -60,13 +60,13 @@ pub struct ServeArgs {
     /// At most N images per encoder leg (audio and video items go one per leg).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub(crate) encode_image_batch: usize,
-    /// E/P/D: a chat request's image and audio items whose embeddings the encoders
-    /// handed over reach the prefill and decode as vLLM's `image_embeds` /
-    /// `audio_embeds` placeholder parts (same `uuid`, the encoder's metadata) instead of
-    /// their media, so no engine after the encoders receives the media bytes. The
-    /// engines must run with `--enable-mm-embeds`. A modality with any item not handed
-    /// over keeps its media (vLLM refuses raw and embedded items of one modality in one
-    /// request); video, and the Responses and Messages APIs, always do.
+    /// E/P/D: a chat request's image, audio and video items whose embeddings the
+    /// encoders handed over reach the prefill and decode as vLLM's `image_embeds`,
+    /// `audio_embeds` and `video_embeds` placeholder parts (same `uuid`, the encoder's
+    /// metadata) instead of their media, so no engine after the encoders receives the
+    /// media bytes. The engines must run with `--enable-mm-embeds`. A modality with any
+    /// item not handed over keeps its media (vLLM refuses raw and embedded items of one
+    /// modality in one request); the Responses and Messages APIs always do.
     #[arg(long)]
     pub(crate) encode_placeholders: bool,
     /// E/P/D: vLLM's EC connector between the encoders and their consumers. `example`
