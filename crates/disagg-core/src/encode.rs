@@ -108,6 +108,17 @@ pub trait EncoderConnector: Send + Sync + 'static {
         self.plan(req)
     }
 
+    /// Whether `decode`, serving a request alone (a direct request, e.g. a Responses
+    /// request that keeps state), loads the encoders' output: it declares an EC role
+    /// that consumes. The orchestrator runs the stage for such a request only when
+    /// there is no prefill pool (E → PD: the decodes are the consumers) or every decode
+    /// serving the request's model consumes; otherwise the decode gets the media and
+    /// encodes them itself. Default `false`.
+    fn consumes(&self, decode: &Endpoint) -> bool {
+        let _ = decode;
+        false
+    }
+
     /// The top-level fields the encoders' `answers` (their 2xx bodies, one per leg in
     /// `plan`'s order) add to the legs that follow (vLLM: the merged
     /// `ec_transfer_params`). A field named in `plan`'s [`fields`](EncodePlan::fields)
@@ -167,6 +178,10 @@ pub struct EncodeStats {
     pub retries: u64,
     /// Requests whose encoder stage failed (the request failed with it).
     pub failures: u64,
+    /// Requests with media served on a decode alone that loads no encoder output
+    /// (an E → P → D deployment whose decodes declare no consuming EC role): the stage
+    /// was skipped and the decode encoded the media itself.
+    pub skipped: u64,
     /// Total time spent in the stage, in microseconds (for a mean; the per-request
     /// distribution is the listeners').
     pub micros: u64,
@@ -182,6 +197,7 @@ pub(crate) struct EncodeCounters {
     pub(crate) legs: AtomicU64,
     pub(crate) retries: AtomicU64,
     pub(crate) failures: AtomicU64,
+    pub(crate) skipped: AtomicU64,
     pub(crate) micros: AtomicU64,
 }
 
@@ -255,6 +271,7 @@ impl EncodeStage {
             legs: c.legs.load(Relaxed),
             retries: c.retries.load(Relaxed),
             failures: c.failures.load(Relaxed),
+            skipped: c.skipped.load(Relaxed),
             micros: c.micros.load(Relaxed),
             ejected: self.ejected(),
         }

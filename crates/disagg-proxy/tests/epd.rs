@@ -539,6 +539,93 @@ async fn e_pd_serves_images_in_responses_and_messages_streamed_and_not() {
     serves_responses_and_messages(true).await;
 }
 
+/// A Responses request vLLM keeps (`store: true`) or one continuing a kept one: the
+/// proxy serves it on a decode alone (`responses_state`).
+fn kept_responses(images: usize, previous: bool) -> String {
+    let mut body: Value = serde_json::from_str(&responses(images, false, false)).unwrap();
+    if previous {
+        body["previous_response_id"] = json!("resp_1");
+    } else {
+        body["store"] = json!(true);
+    }
+    body.to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_request_kept_on_a_decode_that_loads_nothing_skips_the_encoders() {
+    // E → P → D, the decode declaring no EC role: it would never load what the
+    // encoders wrote, so the stage is skipped and the decode gets the media as sent.
+    let epd = Epd::start(false).await;
+    for previous in [false, true] {
+        let body = kept_responses(2, previous);
+        let a = post(&epd.proxy.url(), RESPONSES, &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(gen_text(&a), reference_at(RESPONSES, &body).await);
+        let leg = epd.decode.requests().pop().expect("the decode served it");
+        assert!(leg.body.get("ec_transfer_params").is_none(), "{}", leg.body);
+        assert!(leg.body.to_string().contains("UkVT1"), "{}", leg.body);
+    }
+    assert_eq!(epd.encoder_requests(), 0);
+    assert_eq!(epd.consumer().stats().requests, 0);
+    assert_eq!(epd.proxy.metric("disagg_encode_skipped_total").await, 2);
+    assert_eq!(epd.proxy.metric("disagg_encode_requests_total").await, 0);
+    // A request disaggregated as usual still goes through the stage.
+    let a = post(&epd.proxy.url(), RESPONSES, &responses(1, false, false)).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 1);
+    assert_eq!(epd.proxy.metric("disagg_encode_skipped_total").await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_request_kept_on_a_consuming_decode_goes_through_the_encoders() {
+    // E → P → D with a decode declared `ec_consumer` (--ec-profile), then E → PD: the
+    // decode serving alone loads every item the encoders wrote.
+    for pd in [false, true] {
+        let store = TempDir::new();
+        let encoders = vec![
+            engine(Some((EcRole::Producer, &store))).await,
+            engine(Some((EcRole::Producer, &store))).await,
+        ];
+        let prefill = engine(Some((EcRole::Consumer, &store))).await;
+        let decode = engine(Some((EcRole::Consumer, &store))).await;
+        let mut args = Vec::new();
+        if !pd {
+            args.extend([
+                "--prefill".to_owned(),
+                prefill.url(),
+                "--ec-profile".to_owned(),
+                format!("{}=example,ec_consumer", decode.url()),
+            ]);
+        }
+        args.extend(["--decode".to_owned(), decode.url()]);
+        for e in &encoders {
+            args.extend(["--encode".to_owned(), e.url()]);
+        }
+        let proxy = Proxy::start_args(&args).await;
+        let epd = Epd {
+            _store: store,
+            encoders,
+            prefill: None,
+            decode,
+            proxy,
+        };
+        for previous in [false, true] {
+            let body = kept_responses(2, previous);
+            let a = post(&epd.proxy.url(), RESPONSES, &body).await;
+            assert_eq!(a.status, 200, "pd {pd}: {}", a.text());
+            assert_eq!(gen_text(&a), reference_at(RESPONSES, &body).await);
+            let leg = epd.decode.requests().pop().expect("the decode served it");
+            let params = leg.body["ec_transfer_params"].as_object().expect("params");
+            assert_eq!(params.len(), 2, "{params:?}");
+        }
+        assert_eq!(epd.decode.stats().ec_items_loaded, 4, "pd {pd}");
+        assert_eq!(epd.encoded(), 4);
+        assert_eq!(prefill.stats().requests, 0);
+        assert_eq!(epd.proxy.metric("disagg_encode_skipped_total").await, 0);
+        assert_eq!(epd.proxy.metric("disagg_encode_requests_total").await, 2);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_only_responses_and_messages_never_touch_an_encoder() {
     let epd = Epd::start(false).await;

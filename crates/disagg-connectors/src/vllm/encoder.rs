@@ -185,6 +185,21 @@ impl EncoderConnector for VllmEncoder {
         self.push.is_some()
     }
 
+    /// A decode consumes when it declares an EC profile of role `ec_consumer` or
+    /// `ec_both` (vLLM `config/ec_transfer.py`: such an engine loads encoder outputs).
+    fn consumes(&self, decode: &disagg_core::Endpoint) -> bool {
+        decode
+            .ext()
+            .get::<disagg_pairing::EcProfile>()
+            .and_then(|p| p.role)
+            .is_some_and(|r| {
+                matches!(
+                    r,
+                    disagg_pairing::EcRole::Consumer | disagg_pairing::EcRole::Both
+                )
+            })
+    }
+
     fn plan_for(
         &self,
         req: &PdRequest,

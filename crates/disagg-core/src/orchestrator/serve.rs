@@ -73,6 +73,7 @@ impl Inner {
         if let Some(stage) = &self.encode
             && stage.wants(&req)
             && let Some(pool) = self.encoders(&req)
+            && self.direct_consumes(stage, &req, decision)
         {
             if stage.connector.consumer_first() {
                 let routed = self.route(&RequestView::from(&req), decision, clock).await;
@@ -226,6 +227,43 @@ impl Inner {
             .ok()?
             .by_role(crate::endpoint::Role::Encode);
         (!pool.is_empty()).then(|| pool.to_vec())
+    }
+
+    /// Whether the engine serving `req` under `decision` loads the encoders' output: a
+    /// request disaggregated goes to a prefill (or, without a prefill pool, to a decode
+    /// alone: E → PD), which does; one served direct goes to a decode alone, which does
+    /// only when there is no prefill pool (the decodes are then the consumers) or every
+    /// decode serving its model declares an EC role that consumes
+    /// ([`EncoderConnector::consumes`](crate::encode::EncoderConnector::consumes)).
+    /// When it does not, the stage is skipped (counted, logged at debug): the decode
+    /// gets the media and encodes them itself.
+    fn direct_consumes(
+        &self,
+        stage: &crate::encode::EncodeStage,
+        req: &PdRequest,
+        decision: Decision,
+    ) -> bool {
+        let Decision::Direct { reason } = decision else {
+            return true;
+        };
+        let snapshot = self.source.snapshot();
+        let Ok(set) = snapshot.for_model(req.model()) else {
+            return true;
+        };
+        let prefills = set.by_role(crate::endpoint::Role::Prefill);
+        let decodes = set.by_role(crate::endpoint::Role::Decode);
+        let consumes = prefills.is_empty()
+            || (!decodes.is_empty() && decodes.iter().all(|d| stage.connector.consumes(d)));
+        if !consumes {
+            bump(&stage.counters.skipped);
+            tracing::debug!(
+                request_id = ?req.request_id(),
+                reason,
+                "served on a decode alone that loads no encoder output: no encoder stage, \
+                 the decode encodes the media itself"
+            );
+        }
+        consumes
     }
 
     /// The connector's check, once per request before anything else: it refuses what

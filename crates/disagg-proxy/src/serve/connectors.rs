@@ -207,6 +207,11 @@ impl prometheus_client::collector::Collector for EncodeCollector {
                     s.failures,
                 ),
                 (
+                    "disagg_encode_skipped",
+                    "Requests with media served on a decode alone that loads no encoder output: no encoder stage, the decode encoded them itself.",
+                    s.skipped,
+                ),
+                (
                     "disagg_encode_microseconds",
                     "Time spent in the encoder stage, summed over requests.",
                     s.micros,
