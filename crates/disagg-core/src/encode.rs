@@ -295,7 +295,9 @@ impl EncodeStage {
     }
 
     /// The encoder of `pool` a leg tries first: a healthy one before one passed over,
-    /// then the least loaded, ties broken round robin.
+    /// then the least loaded ([`Endpoint::load`]: this proxy's legs in flight there, or
+    /// the encoder's own count of its requests when its `/metrics` are read), ties
+    /// broken round robin.
     pub(crate) fn first(&self, pool: &[Arc<Endpoint>]) -> usize {
         let n = pool.len();
         let start = self.next.fetch_add(1, Relaxed) % n.max(1);
@@ -307,7 +309,7 @@ impl EncodeStage {
                 let is_down = down
                     .as_ref()
                     .is_some_and(|d| d.get(pool[i].id()).is_some_and(|&u| u > now));
-                (is_down, pool[i].in_flight())
+                (is_down, pool[i].load())
             })
             .unwrap_or(0)
     }

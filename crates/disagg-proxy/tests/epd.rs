@@ -954,6 +954,61 @@ async fn a_failed_encoder_is_passed_over_until_it_answers_again() {
     assert!(epd.proxy.metric("disagg_encode_ejected").await <= 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoders_are_weighed_by_the_load_their_own_metrics_report() {
+    // With --load-source engine-metrics the proxy reads each encoder's /metrics too:
+    // requests another router holds on encoder 0 (never answered: a leg sent there
+    // would time out) make it the loaded one, though this proxy has nothing in flight
+    // there, and every leg goes to encoder 1.
+    let epd = Epd::start_with(
+        false,
+        &[
+            "--load-source",
+            "engine-metrics",
+            "--engine-metrics-interval",
+            "0.1",
+            "--encode-timeout",
+            "5",
+        ],
+    )
+    .await;
+    let busy = &epd.encoders[0];
+    busy.set_faults(Faults {
+        hang: true,
+        ..Faults::default()
+    });
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let url = busy.url();
+            tokio::spawn(async move { post(&url, "/v1/chat/completions", &chat(1, false)).await })
+        })
+        .collect();
+    let line = format!(
+        "disagg_engine_requests_running{{endpoint=\"{}\"}} ",
+        busy.url()
+    );
+    let read = within_5s(|| {
+        let (proxy, line) = (epd.proxy.url(), line.clone());
+        async move {
+            let text = get(&proxy, "/metrics").await.text();
+            text.lines()
+                .filter_map(|l| l.strip_prefix(&line)?.trim().parse::<f64>().ok())
+                .any(|v| v >= 3.0)
+        }
+    })
+    .await;
+    assert!(read, "the proxy never read the encoder's own load");
+    for _ in 0..6 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 6);
+    assert_eq!(busy.stats().ec_items_encoded, 0);
+    for h in held {
+        h.abort();
+    }
+}
+
 // === encoders as endpoints: discovery, health, metrics, pairing, SGLang ===
 
 /// Polls `f` every 50 ms for up to 5 s.

@@ -6,7 +6,8 @@
 //! # Scraping
 //!
 //! [`Telemetry::run`] asks every engine of a source's set `GET /metrics` every
-//! [`TelemetryConfig::interval`], once per engine (`host:port`, whatever its roles and
+//! [`TelemetryConfig::interval`] (prefill, decode and encoder engines: vLLM's encoder-only
+//! instances serve the same metrics), once per engine (`host:port`, whatever its roles and
 //! data-parallel ranks), all concurrently, through the transport the legs use (the
 //! engine key, TLS). Each scrape is bounded: its whole answer within
 //! [`TelemetryConfig::timeout`], at most [`TelemetryConfig::max_body`] bytes (a larger
@@ -404,11 +405,13 @@ impl Telemetry {
             }
         }
         // The engines' counts go to the endpoints the policies read, every role and rank
-        // of the engine; an engine not read falls back to this proxy's own counts.
+        // of the engine (encoders too: the encoder stage picks the least loaded); an
+        // engine not read falls back to this proxy's own counts.
         for e in set
             .by_role(Role::Prefill)
             .iter()
             .chain(set.by_role(Role::Decode))
+            .chain(set.by_role(Role::Encode))
         {
             if let Some(reading) = loads.get(e.authority()) {
                 e.set_engine_load(*reading);
@@ -428,6 +431,7 @@ impl Telemetry {
             .by_role(Role::Prefill)
             .iter()
             .chain(set.by_role(Role::Decode))
+            .chain(set.by_role(Role::Encode))
         {
             let entry = match seen.get_mut(e.authority()) {
                 Some(entry) => entry,
