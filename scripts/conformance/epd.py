@@ -28,6 +28,11 @@ proxy must answer 2xx, and every leg is judged by vLLM's code:
   ``image_embeds`` / ``audio_embeds`` part through the same content-part parser;
 - the client's answer carries no ``kv_transfer_params`` nor ``ec_transfer_params``.
 
+Every case runs again in Mooncake push mode (``--ec-connector mooncake``: ``PushJudge``,
+``judge_push``), where vLLM's own ``ECMooncakeScheduler._request_transfer_id`` decides
+which transfer id each item of an encoder leg is pushed under and which one the
+consumer waits for.
+
     DISAGG_ENGINES_PYTHON=... scripts/conformance/run.sh --epd [--proxy BIN]
 
 Exit status: 0 every leg accepted, 1 a violation, 2 setup error.
@@ -60,6 +65,10 @@ def image(url: str, **extra: Any) -> dict:
     return {"type": "image_url", "image_url": {"url": url}, **extra}
 
 
+def video(url: str = "http://videos.example/clip.mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def audio() -> dict:
     return {"type": "input_audio", "input_audio": {"data": WAV, "format": "wav"}}
 
@@ -82,6 +91,7 @@ def chat_cases() -> list[tuple[str, str, dict]]:
             (CHAT, "three images, data: and http" + tag, chat(
                 [text("compare"), image(PNG), image(HTTP_IMAGE), image(PNG + "AA")], stream)),
             (CHAT, "audio" + tag, chat([text("transcribe"), audio()], stream)),
+            (CHAT, "video" + tag, chat([text("describe"), video()], stream)),
             (CHAT, "mixed text, image, audio" + tag, chat(
                 [text("look"), image(PNG), text("and listen"), audio(), text("then answer")],
                 stream)),
@@ -131,6 +141,8 @@ PLACEHOLDER_CASES: list[tuple[str, str, dict]] = [
     (CHAT, "placeholders: one image", chat([text("what is this?"), image(PNG)])),
     (CHAT, "placeholders: images and audio streamed", chat(
         [text("look"), image(PNG), image(HTTP_IMAGE), audio()], True)),
+    (CHAT, "placeholders: two videos and an image", chat(
+        [text("watch"), video(), video("http://videos.example/other.mp4"), image(PNG)])),
     # vLLM keys these entries by a hash of uuid and kwargs: the media stay.
     (CHAT, "placeholders: processor kwargs keep the media", chat(
         [text("this"), image(PNG)], mm_processor_kwargs={"max_pixels": 4096})),
@@ -141,13 +153,21 @@ class EpdSetup:
     """A simulated encoder, a consuming NIXL prefill and a NIXL decode, each behind a
     recorder, sharing an EC store; and the proxy in front of them."""
 
-    def __init__(self, binary: str, proxy_args=()):
+    def __init__(self, binary: str, proxy_args=(), push: bool = False):
         self.procs = []
         self.args = list(proxy_args)
+        self.push = push
         self.store = tempfile.mkdtemp(prefix="disagg-epd-conformance-")
         ec = lambda role: ["--ec-role", role, "--ec-store", self.store]  # noqa: E731
+        producer, consumer = ec("producer"), ec("consumer")
+        self.ec_port = None
+        if push:
+            # vLLM's Mooncake EC connector: the prefill listens for its encoders' pushes.
+            self.ec_port = free_port()
+            producer += ["--ec-push"]
+            consumer += ["--ec-push-port", str(self.ec_port)]
         self.recorders: dict[str, Recorder] = {}
-        for role, extra in (("encode", ec("producer")), ("prefill", ec("consumer")), ("decode", [])):
+        for role, extra in (("encode", producer), ("prefill", consumer), ("decode", [])):
             port = free_port()
             self.procs.append(spawn_sim(binary, port, free_port(), "nixl", extra))
             self.recorders[role] = Recorder(port)
@@ -156,6 +176,9 @@ class EpdSetup:
         cmd = [binary, "serve", "--listen", f"127.0.0.1:{self.port}",
                "--prefill", url("prefill"), "--decode", url("decode"),
                "--encode", url("encode"), *proxy_args]
+        if push:
+            cmd += ["--ec-connector", "mooncake",
+                    "--ec-address", f"{url('prefill')}=127.0.0.1:{self.ec_port}"]
         proxy = routes.subprocess.Popen(cmd, stdout=routes.subprocess.DEVNULL,
                                         stderr=routes.subprocess.PIPE)
         self.procs.append(proxy)
@@ -196,10 +219,12 @@ class MmJudge:
 
             fetch_image = fetch_audio = staticmethod(lambda url, **_: url)
             fetch_video = staticmethod(lambda video_url=None, **_: video_url)
-            fetch_image_embedding = fetch_audio_embedding = staticmethod(lambda v: ("embedding", v))
+            fetch_image_embedding = fetch_audio_embedding = fetch_video_embedding = staticmethod(
+                lambda v: ("embedding", v))
 
         class Tracker(item_tracker.MultiModalItemTracker):
             # What the served model would answer (cached properties in vLLM's class).
+            video_processor_name = None
             model_cls = types.SimpleNamespace(get_placeholder_str=lambda m, n: f"<{m}>")
             mm_processor = types.SimpleNamespace(info=types.SimpleNamespace(
                 validate_num_items=lambda m, n: None,
@@ -384,7 +409,7 @@ def judge_exchange(judge: Judge, mm: MmJudge, setup: EpdSetup, route: str, body:
                         problems.append(f"{role}: item {u} is {m}, the encoder's {by_uuid[u][0]}")
                     elif d is not None and not isinstance(d, tuple) and by_uuid[u][1] != d:
                         problems.append(f"{role}: item {u} is not the media the encoder got")
-                    elif (placeholders and not hash_factors(body) and m in ("image", "audio")
+                    elif (placeholders and not hash_factors(body) and m in ("image", "audio", "video")
                           and not (d is None or isinstance(d, tuple))):
                         problems.append(f"{role}: item {u} still carries its media")
             else:
@@ -395,18 +420,134 @@ def judge_exchange(judge: Judge, mm: MmJudge, setup: EpdSetup, route: str, body:
     return problems, judged
 
 
+class PushJudge:
+    """vLLM 0.33's Mooncake EC connector (``distributed/ec_transfer/ec_connector/
+    mooncake/scheduler.py``, ``ECMooncakeScheduler``) on the push legs: its own
+    ``_request_transfer_id`` gives the transfer id each item of a request is pushed
+    under (an encoder, ``_prepare_push_spec``) or waited for (the consumer,
+    ``ensure_cache_available``), from the request's ``ec_transfer_params`` and its items'
+    identifiers; ``consumer_zmq`` is where an encoder pushes them."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.ec_transfer.ec_connector.mooncake.scheduler import ECMooncakeScheduler
+
+        self.transfer_id = ECMooncakeScheduler._request_transfer_id
+
+    def ids(self, ec: Any, identifiers: list[str]) -> list[str | None]:
+        """The transfer id vLLM takes for each item of a request."""
+        import types
+
+        req = types.SimpleNamespace(
+            ec_transfer_params=ec,
+            mm_features=[types.SimpleNamespace(identifier=i) for i in identifiers])
+        return [self.transfer_id(req, i) for i in range(len(identifiers))]
+
+
+def identifier(route: str, body: dict, item: tuple) -> str:
+    """What this conformance run can name an item by on both sides: on chat without
+    processor kwargs vLLM's own identifier, the uuid; elsewhere a stand-in that is the
+    same for the same media (vLLM's is a hash of the loaded media and kwargs)."""
+    modality, data, uuid = item
+    if route == CHAT and not hash_factors(body) and uuid is not None:
+        return uuid
+    return f"{modality}:{data}"
+
+
+def judge_push(judge: Judge, mm: MmJudge, push: PushJudge, setup: EpdSetup, route: str,
+               body: dict) -> tuple[list[str], int]:
+    """Problems of one exchange in Mooncake EC push mode, and how many legs were judged."""
+    problems, legs = routes.exchange(setup, route, body)
+    answers = setup.recorders["encode"].take_answers()
+    judged = 0
+    zmq = f"tcp://127.0.0.1:{setup.ec_port}"
+    pushed: dict[str, str] = {}  # item identifier -> the transfer id its encoder pushes under
+    every_id: list[str] = []
+    if not legs["encode"]:
+        problems.append("no encoder leg")
+    for _, path, _, raw in legs["encode"]:
+        judged += 1
+        leg = json.loads(raw)
+        refusal, _ = judge.verdict(CHAT, leg)
+        if refusal is not None:
+            problems.append(f"vLLM refuses the encoder leg: {refusal}")
+            continue
+        ec = read_ec(judge, CHAT, leg)
+        items, refusal = mm.items(CHAT, leg, False)
+        if refusal is not None or not items:
+            problems.append(f"vLLM's chat parser on the encoder leg: {refusal or 'no item'}")
+            continue
+        if not isinstance(ec, dict):
+            problems.append(f"encoder leg: ec_transfer_params is {ec!r}")
+            continue
+        if ec.get("consumer_zmq") != zmq:
+            problems.append(f"encoder leg: consumer_zmq {ec.get('consumer_zmq')!r}, the consumer listens at {zmq}")
+        idents = [identifier(route, body, it) for it in items]
+        ids = push.ids(ec, idents)
+        if None in ids:
+            problems.append(f"encoder leg: vLLM finds no transfer id for item(s) {[i for i, t in zip(idents, ids) if t is None]}"
+                            " and would push under an id of its own the consumer never waits for")
+        for ident, tid in zip(idents, ids):
+            if tid is not None:
+                pushed.setdefault(ident, tid)
+                every_id.append(tid)
+    if len(set(every_id)) != len(every_id):
+        problems.append(f"transfer ids repeat across the encoder legs: {every_id}")
+    answered: dict = {}
+    for _, answer in answers:
+        ec = json.loads(answer).get("ec_transfer_params")
+        if isinstance(ec, dict):
+            answered.update(ec)
+    found, _ = routes.judge_legs(judge, "nixl", route, body, {k: legs[k] for k in ("prefill", "decode")})
+    problems += found
+    for _, _, _, raw in legs["prefill"]:
+        judged += 1
+        leg = json.loads(raw)
+        try:
+            ec = read_ec(judge, route, leg)
+        except Exception as e:  # noqa: BLE001 - refused: judge_legs said so already
+            problems.append(f"prefill: ec_transfer_params not read: {e}")
+            continue
+        if not isinstance(ec, dict) or not isinstance(ec.get("ec_items"), list):
+            problems.append(f"prefill: ec_transfer_params is {ec!r}, not {{ec_items: [...]}}")
+            continue
+        if "consumer_zmq" in ec:
+            problems.append("prefill: the consumer's leg names a consumer_zmq (it would push)")
+        entries = ec["ec_items"]
+        if sorted(e.get("mm_hash") for e in entries) != sorted(answered):
+            problems.append(f"prefill: ec_items name {sorted(e.get('mm_hash') for e in entries)}, the encoders answered {sorted(answered)}")
+        if sorted(e.get("transfer_id") for e in entries) != sorted(set(pushed.values())):
+            problems.append("prefill: ec_items' transfer ids are not those the encoders push under")
+        items, refusal = mm.items(route, leg, "--encode-placeholders" in setup.args)
+        if refusal is not None:
+            problems.append(f"prefill: vLLM's chat parser refuses the leg: {refusal}")
+            continue
+        if route == CHAT and not hash_factors(body):
+            # vLLM's own identifiers on both sides: the consumer must wait for each item
+            # under the id its encoder pushes it with.
+            idents = [u for _, _, u in items]
+            for ident, tid in zip(idents, push.ids(ec, idents)):
+                if tid is None:
+                    problems.append(f"prefill: vLLM finds no transfer id for item {ident}")
+                elif pushed.get(ident) != tid:
+                    problems.append(f"prefill: item {ident} waited for as {tid}, pushed as {pushed.get(ident)}")
+    return problems, judged
+
+
 def run_setup(judge: Judge, mm: MmJudge, setup: EpdSetup, cases) -> tuple[int, int, int]:
     """(violations, cases, legs judged)."""
     failures = legs = 0
     placeholders = "--encode-placeholders" in setup.args
     for route, name, body in cases:
-        label = f"{'nixl+E':8} {route:24} {name}"
+        label = f"{'nixl+Ep' if setup.push else 'nixl+E':8} {route:24} {name}"
         verdict, _ = judge.verdict(route, body)
         if verdict is not None:
             print(f"SETUP    {label}: vLLM refuses the client's body ({verdict})")
             failures += 1
             continue
-        problems, judged = judge_exchange(judge, mm, setup, route, body, placeholders)
+        if setup.push:
+            problems, judged = judge_push(judge, mm, PushJudge(), setup, route, body)
+        else:
+            problems, judged = judge_exchange(judge, mm, setup, route, body, placeholders)
         legs += judged
         failures += report(f"{label} ({judged} legs)", problems)
     return failures, len(cases), legs
@@ -416,8 +557,9 @@ def run(binary: str) -> int:
     judge = Judge()
     mm = MmJudge()
     failures = cases = legs = 0
-    for args, batch in (([], CASES), (["--encode-placeholders"], PLACEHOLDER_CASES)):
-        setup = EpdSetup(binary, args)
+    for args, batch, push in (([], CASES, False), (["--encode-placeholders"], PLACEHOLDER_CASES, False),
+                              ([], CASES, True), (["--encode-placeholders"], PLACEHOLDER_CASES, True)):
+        setup = EpdSetup(binary, args, push)
         try:
             f, c, n = run_setup(judge, mm, setup, batch)
         finally:

@@ -200,6 +200,17 @@ pub(crate) struct SimArgs {
     /// The directory encoders and consumers share (vLLM's `shared_storage_path`).
     #[arg(long, value_name = "DIR", requires = "ec_role")]
     ec_store: Option<std::path::PathBuf>,
+    /// Encoder disaggregation by push, as vLLM's Mooncake EC connector: an encoder
+    /// (`--ec-role producer`) pushes every item of a leg naming a `consumer_zmq` there;
+    /// a consumer (`--ec-role consumer`) takes its items only from what was pushed to
+    /// its EC ports (--ec-push-port) under the transfer ids its requests name. Without
+    /// it both use --ec-store.
+    #[arg(long, requires = "ec_role")]
+    ec_push: bool,
+    /// A push consumer's EC port (vLLM's `ec_port`; data-parallel rank `d` at PORT + d);
+    /// implies --ec-push. Default: free ports, logged at start.
+    #[arg(long, value_name = "PORT", requires = "ec_role")]
+    ec_push_port: Option<u16>,
     /// Serve HTTPS with this certificate chain (PEM), as vLLM's --ssl-certfile.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -311,6 +322,8 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             }),
             _ => None,
         },
+        ec_push: args.ec_push || args.ec_push_port.is_some(),
+        ec_push_port: args.ec_push_port,
         faults: Faults {
             status: args.fail_status,
             hang: args.hang,
@@ -354,6 +367,9 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
             alloc_ports = ?engine.lmcache_alloc_ports(),
             "LMCache receiver listening"
         );
+    }
+    if !engine.ec_push_ports().is_empty() {
+        tracing::info!(ports = ?engine.ec_push_ports(), "EC push consumer listening");
     }
     match engine.bootstrap_addr() {
         Some(bootstrap) => tracing::info!(
@@ -405,6 +421,16 @@ mod tests {
         // Each needs the other.
         assert!(parse(&["--ec-role", "producer"]).is_err());
         assert!(parse(&["--ec-store", "/tmp/ec"]).is_err());
+        // Push mode: an encoder pushes, a consumer listens from a given port.
+        assert!(!c.ec_push);
+        let ec = ["--ec-store", "/tmp/ec", "--ec-role"];
+        let c = parse(&[&ec[..], &["producer", "--ec-push"]].concat()).unwrap();
+        assert!(c.ec_push);
+        assert_eq!(c.ec_push_port, None);
+        let c = parse(&[&ec[..], &["consumer", "--ec-push-port", "14579"]].concat()).unwrap();
+        assert!(c.ec_push);
+        assert_eq!(c.ec_push_port, Some(14579));
+        assert!(parse(&["--ec-push"]).is_err());
     }
 
     #[test]

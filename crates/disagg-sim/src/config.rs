@@ -181,6 +181,10 @@ pub struct SimConfig {
     /// under the transfer ids they name; an encoder pushes the items of a leg naming a `consumer_zmq`. Default
     /// `false` (the shared store).
     pub ec_push: bool,
+    /// The EC port of a push consumer's first data-parallel rank (vLLM's `ec_port`),
+    /// the other ranks' following it; `None` (the default): a free run of ports, read
+    /// back with [`SimEngine::ec_push_ports`](crate::SimEngine::ec_push_ports).
+    pub ec_push_port: Option<u16>,
     /// How long a push consumer's request waits for each transfer it names (vLLM's
     /// `push_wait_timeout_s`, default 60 s).
     pub ec_push_wait: Duration,
@@ -288,6 +292,7 @@ impl Default for SimConfig {
             api_key: None,
             ec: None,
             ec_push: false,
+            ec_push_port: None,
             ec_push_wait: Duration::from_secs(60),
             version: crate::surface::VERSION.to_owned(),
             tls: None,

@@ -123,12 +123,16 @@ pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Re
 }
 
 /// `n` listeners on consecutive ports of 127.0.0.1 (a data-parallel consumer's EC
-/// ports, rank `d` at the first plus `d`): the first port drawn by the system, the
-/// others taken after it; drawn again when one of those is taken already.
-pub(crate) async fn bind_consecutive(n: usize) -> std::io::Result<Vec<TcpListener>> {
+/// ports, rank `d` at the first plus `d`): from `base` when given (failing when one of
+/// them is taken), else the first port drawn by the system and the others taken after
+/// it, drawn again when one of those is taken already.
+pub(crate) async fn bind_consecutive(
+    n: usize,
+    base: Option<u16>,
+) -> std::io::Result<Vec<TcpListener>> {
     let mut last = None;
-    for _ in 0..64 {
-        let first = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+    for _ in 0..if base.is_some() { 1 } else { 64 } {
+        let first = TcpListener::bind((Ipv4Addr::LOCALHOST, base.unwrap_or(0))).await?;
         let base = first.local_addr()?.port();
         let mut listeners = vec![first];
         for d in 1..n {

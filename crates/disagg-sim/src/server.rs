@@ -534,7 +534,9 @@ impl SimEngine {
                 .as_ref()
                 .is_some_and(|ec| ec.role == crate::ec::EcRole::Consumer)
         {
-            let listeners = crate::ec_push::bind_consecutive(inner.ec_pushed.len()).await?;
+            let listeners =
+                crate::ec_push::bind_consecutive(inner.ec_pushed.len(), inner.config.ec_push_port)
+                    .await?;
             for (rank, listener) in listeners.into_iter().enumerate() {
                 ec_push_ports.push(listener.local_addr()?.port());
                 let inner = Arc::clone(&inner);
