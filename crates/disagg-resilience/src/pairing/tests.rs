@@ -1,0 +1,399 @@
+use super::*;
+use disagg_connectors::vllm::VllmMooncake;
+use disagg_connectors::vllm::VllmNixl;
+use disagg_core::endpoint::{Endpoint, Role};
+use disagg_pairing::KvRole;
+
+fn ep(url: &str, role: Role, profile: KvProfile) -> Arc<Endpoint> {
+    let mut ext = http::Extensions::new();
+    ext.insert(profile);
+    Arc::new(Endpoint::with_extensions(url, role, ext).unwrap())
+}
+
+fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> KvProfile {
+    KvProfile {
+        connector: connector.map(str::to_owned),
+        role,
+        tp_size: tp,
+    }
+}
+
+#[test]
+fn every_refused_pair_is_listed_with_both_endpoints() {
+    let set = EndpointSet::new([
+        ep("http://p1:1", Role::Prefill, profile(None, None, Some(2))),
+        ep("http://p2:1", Role::Prefill, profile(None, None, Some(4))),
+        ep("http://d1:1", Role::Decode, profile(None, None, Some(4))),
+        ep("http://d2:1", Role::Decode, profile(None, None, Some(8))),
+    ]);
+    let err = check_pairs(&set, &VllmMooncake::new()).unwrap_err();
+    let pairs: Vec<(&str, &str)> = err
+        .pairs
+        .iter()
+        .map(|p| (p.prefill.as_str(), p.decode.as_str()))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            ("http://p1:1", "http://d1:1"),
+            ("http://p1:1", "http://d2:1"),
+            ("http://p2:1", "http://d2:1"),
+        ]
+    );
+    let text = err.to_string();
+    assert!(text.contains("3 prefill/decode pair(s) refused"), "{text}");
+    assert!(text.contains("from tensor-parallel size 4 to 8"), "{text}");
+}
+
+/// A source whose sets the test publishes.
+struct Dynamic(watch::Sender<Arc<EndpointSet>>);
+
+impl EndpointSource for Dynamic {
+    fn watch(&self) -> watch::Receiver<Arc<EndpointSet>> {
+        self.0.subscribe()
+    }
+}
+
+#[tokio::test]
+async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start() {
+    let good = Arc::new(EndpointSet::new([
+        ep("http://p:1", Role::Prefill, KvProfile::default()),
+        ep("http://d:1", Role::Decode, KvProfile::default()),
+    ]));
+    let (tx, _) = watch::channel(Arc::clone(&good));
+    let tx2 = tx.clone();
+    let src = ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).unwrap();
+    assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
+
+    // A bad decode joins: refused, the good set stays.
+    let bad = Arc::new(EndpointSet::new([
+        ep("http://p:1", Role::Prefill, KvProfile::default()),
+        ep("http://d:1", Role::Decode, KvProfile::default()),
+        ep(
+            "http://d:2",
+            Role::Decode,
+            profile(Some("MooncakeConnector"), None, None),
+        ),
+    ]));
+    tx2.send_replace(Arc::clone(&bad));
+    let mut waited = 0;
+    while src.last_error().is_none() && waited < 200 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        waited += 1;
+    }
+    let err = src.last_error().expect("the bad decode is left out");
+    assert_eq!(err.pairs[0].decode.as_str(), "http://d:2");
+    assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
+
+    // With the bad decode still there, a good one joining is admitted: one bad
+    // engine does not hold the fleet's other changes back.
+    let more = Arc::new(EndpointSet::new([
+        ep("http://p:1", Role::Prefill, KvProfile::default()),
+        ep("http://d:1", Role::Decode, KvProfile::default()),
+        ep(
+            "http://d:2",
+            Role::Decode,
+            profile(Some("MooncakeConnector"), None, None),
+        ),
+        ep("http://d:4", Role::Decode, KvProfile::default()),
+    ]));
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    tx2.send_replace(more);
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let ids: Vec<_> = src
+        .snapshot()
+        .by_role(Role::Decode)
+        .iter()
+        .map(|e| e.id().as_str().to_owned())
+        .collect();
+    assert_eq!(ids, ["http://d:1", "http://d:4"]);
+    assert_eq!(src.last_error().unwrap().pairs.len(), 1);
+
+    // A good set passes again.
+    let better = Arc::new(EndpointSet::new([
+        ep("http://p:1", Role::Prefill, KvProfile::default()),
+        ep("http://d:3", Role::Decode, KvProfile::default()),
+    ]));
+    tx2.send_replace(better);
+    let mut rx = src.watch();
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        src.snapshot().by_role(Role::Decode)[0].id().as_str(),
+        "http://d:3"
+    );
+    assert!(src.last_error().is_none());
+
+    // At start, an invalid set is an error.
+    let (tx, _) = watch::channel(bad);
+    assert!(ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).is_err());
+}
+
+/// Engines' `/version` answers by authority; an authority not listed refuses the
+/// connection. Counts the probes.
+#[derive(Default, Clone)]
+struct VersionServer {
+    versions: Arc<Mutex<std::collections::HashMap<String, String>>>,
+    probes: Arc<AtomicU64>,
+}
+
+impl VersionServer {
+    fn with(pairs: &[(&str, &str)]) -> Self {
+        let s = VersionServer::default();
+        for (a, v) in pairs {
+            lock(&s.versions).insert((*a).to_owned(), (*v).to_owned());
+        }
+        s
+    }
+}
+
+impl Transport for VersionServer {
+    fn send(&self, req: http::Request<bytes::Bytes>) -> disagg_core::transport::ResponseFuture {
+        use http_body_util::BodyExt;
+        assert_eq!(req.uri().path(), "/version");
+        self.probes.fetch_add(1, Ordering::Relaxed);
+        let authority = req.uri().authority().unwrap().to_string();
+        let version = lock(&self.versions).get(&authority).cloned();
+        Box::pin(async move {
+            let Some(v) = version else {
+                return Err(disagg_core::error::TransportError::Connect(
+                    "refused".into(),
+                ));
+            };
+            let body =
+                http_body_util::Full::new(bytes::Bytes::from(format!(r#"{{"version":"{v}"}}"#)))
+                    .map_err(|never| match never {})
+                    .boxed();
+            Ok(http::Response::new(body))
+        })
+    }
+}
+
+fn plain(url: &str, role: Role) -> Arc<Endpoint> {
+    ep(url, role, KvProfile::default())
+}
+
+fn probe(server: &VersionServer) -> VersionProbe {
+    VersionProbe::new(server.clone(), std::time::Duration::from_secs(1))
+}
+
+#[tokio::test]
+async fn a_pair_of_different_versions_is_refused_at_start_naming_both() {
+    let server = VersionServer::with(&[("p:1", "0.33.0"), ("d:1", "0.32.1")]);
+    let set = Arc::new(EndpointSet::new([
+        plain("http://p:1", Role::Prefill),
+        plain("http://d:1", Role::Decode),
+    ]));
+    let (tx, _) = watch::channel(Arc::clone(&set));
+    let err =
+        ValidatedSource::with_versions(Dynamic(tx), Arc::new(VllmNixl::new()), probe(&server))
+            .await
+            .unwrap_err();
+    let text = err.to_string();
+    for needle in ["http://p:1", "http://d:1", "0.33.0", "0.32.1"] {
+        assert!(text.contains(needle), "{text}");
+    }
+    // SGLang's connector does not compare versions: the same engines start.
+    let (tx, _) = watch::channel(Arc::clone(&set));
+    let sglang: Arc<dyn KvConnector> = Arc::new(disagg_connectors::sglang::SglangBootstrap::new());
+    assert!(
+        ValidatedSource::with_versions(Dynamic(tx), sglang, probe(&server))
+            .await
+            .is_ok()
+    );
+    // Nor does the check without a probe (declared facts only).
+    let (tx, _) = watch::channel(set);
+    assert!(ValidatedSource::new(Dynamic(tx), Arc::new(VllmNixl::new())).is_ok());
+}
+
+#[tokio::test]
+async fn an_engine_without_a_version_is_paired_unchecked() {
+    // d:1 refuses the probe: its version is unknown, the pair is not refused.
+    let server = VersionServer::with(&[("p:1", "0.33.0")]);
+    let set = Arc::new(EndpointSet::new([
+        plain("http://p:1", Role::Prefill),
+        plain("http://d:1", Role::Decode),
+    ]));
+    let (tx, _) = watch::channel(set);
+    let src =
+        ValidatedSource::with_versions(Dynamic(tx), Arc::new(VllmMooncake::new()), probe(&server))
+            .await
+            .unwrap();
+    assert_eq!(src.snapshot().by_role(Role::Decode).len(), 1);
+}
+
+#[tokio::test]
+async fn an_engine_of_another_version_joining_is_left_out_and_counted() {
+    let server = VersionServer::with(&[
+        ("p:1", "0.33.0"),
+        ("d:1", "0.33.0"),
+        ("d:2", "0.32.1"),
+        ("d:3", "0.33.0"),
+    ]);
+    let first = Arc::new(EndpointSet::new([
+        plain("http://p:1@0", Role::Prefill),
+        plain("http://p:1@1", Role::Prefill),
+        plain("http://d:1", Role::Decode),
+    ]));
+    let (tx, _) = watch::channel(first);
+    let tx2 = tx.clone();
+    let src =
+        ValidatedSource::with_versions(Dynamic(tx), Arc::new(VllmNixl::new()), probe(&server))
+            .await
+            .unwrap();
+    // One probe per engine: the two ranks of p:1 share theirs.
+    assert_eq!(server.probes.load(Ordering::Relaxed), 2);
+    let stats = src.stats();
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    let joined = Arc::new(EndpointSet::new([
+        plain("http://p:1@0", Role::Prefill),
+        plain("http://p:1@1", Role::Prefill),
+        plain("http://d:1", Role::Decode),
+        plain("http://d:2", Role::Decode),
+        plain("http://d:3", Role::Decode),
+    ]));
+    tx2.send_replace(Arc::clone(&joined));
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let ids: Vec<_> = src
+        .snapshot()
+        .by_role(Role::Decode)
+        .iter()
+        .map(|e| e.id().as_str().to_owned())
+        .collect();
+    assert_eq!(ids, ["http://d:1", "http://d:3"]);
+    let err = src.last_error().unwrap();
+    assert!(err.pairs.iter().all(|p| p.decode.as_str() == "http://d:2"));
+    assert!(err.to_string().contains("0.32.1"), "{err}");
+    assert_eq!(
+        (stats.left_out(Role::Decode), stats.refused("version")),
+        (1, 1)
+    );
+    // Published again with it still there: still left out, not counted again.
+    tx2.send_replace(Arc::new(EndpointSet::new(
+        joined
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(joined.by_role(Role::Decode))
+            .cloned(),
+    )));
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (stats.left_out(Role::Decode), stats.refused("version")),
+        (1, 1)
+    );
+    let mut registry = prometheus_client::registry::Registry::default();
+    stats.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("disagg_pairing_refused_total{mismatch=\"version\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("disagg_pairing_left_out{role=\"decode\"} 1"),
+        "{text}"
+    );
+}
+
+fn ec(url: &str, role: Role, profile: &str) -> Arc<Endpoint> {
+    let mut ext = http::Extensions::new();
+    ext.insert(profile.parse::<EcProfile>().unwrap());
+    Arc::new(Endpoint::with_extensions(url, role, ext).unwrap())
+}
+
+#[test]
+fn an_encoder_its_consumer_cannot_load_is_refused_naming_both() {
+    let set = EndpointSet::new([
+        ec(
+            "http://e1:1",
+            Role::Encode,
+            "ECExampleConnector,ec_producer",
+        ),
+        ec(
+            "http://e2:1",
+            Role::Encode,
+            "ECMooncakeConnector,ec_producer",
+        ),
+        ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+        plain("http://d:1", Role::Decode),
+    ]);
+    let err = check_pairs(&set, &VllmNixl::new()).unwrap_err();
+    assert!(err.pairs.is_empty());
+    assert_eq!(err.encoders.len(), 1, "{err}");
+    let text = err.to_string();
+    assert!(text.contains("encoder endpoint http://e2:1"), "{text}");
+    assert!(text.contains("prefill endpoint http://p:1"), "{text}");
+    assert!(text.contains("ECMooncakeConnector"), "{text}");
+    // E -> PD: the decode is the consumer; a producer-only one cannot load.
+    let epd = EndpointSet::new([
+        ec("http://e1:1", Role::Encode, "cpu,ec_producer"),
+        ec("http://d:1", Role::Decode, "ECCPUConnector,ec_producer"),
+    ]);
+    let err = check_pairs(&epd, &VllmNixl::new()).unwrap_err();
+    assert!(
+        matches!(
+            err.encoders[0].mismatch,
+            disagg_pairing::EcMismatch::ConsumerRole(_)
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("decode endpoint http://d:1"),
+        "{err}"
+    );
+    // Undeclared profiles are not checked.
+    let unchecked = EndpointSet::new([
+        plain("http://e1:1", Role::Encode),
+        ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+        plain("http://d:1", Role::Decode),
+    ]);
+    assert!(check_pairs(&unchecked, &VllmNixl::new()).is_ok());
+}
+
+#[tokio::test]
+async fn an_encoder_joining_with_the_wrong_ec_connector_is_left_out() {
+    let (tx, _) = watch::channel(Arc::new(EndpointSet::new([
+        ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+        plain("http://d:1", Role::Decode),
+    ])));
+    let src = ValidatedSource::new(Dynamic(tx.clone()), Arc::new(VllmNixl::new())).unwrap();
+    let stats = src.stats();
+    let mut rx = src.watch();
+    tx.send_replace(Arc::new(EndpointSet::new([
+        ec("http://p:1", Role::Prefill, "example,ec_consumer"),
+        plain("http://d:1", Role::Decode),
+        ec("http://e1:1", Role::Encode, "example,ec_producer"),
+        ec("http://e2:1", Role::Encode, "cpu,ec_producer"),
+    ])));
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+    let set = src.snapshot();
+    let encoders: Vec<_> = set
+        .by_role(Role::Encode)
+        .iter()
+        .map(|e| e.id().as_str().to_owned())
+        .collect();
+    assert_eq!(encoders, ["http://e1:1"]);
+    assert_eq!(stats.left_out(Role::Encode), 1);
+    assert_eq!(stats.refused("connector"), 1);
+    let err = src.last_error().unwrap().to_string();
+    assert!(
+        err.contains("http://e2:1") && err.contains("http://p:1"),
+        "{err}"
+    );
+}
