@@ -487,11 +487,14 @@ mod tests {
             "5",
             "--bootstrap-timeout",
             "0.5",
+            "--max-model-len",
+            "131136",
         ])
         .unwrap();
         assert_eq!(c.kv_mode, KvMode::NixlPush);
         assert_eq!(c.dp_size, 2);
         assert_eq!(c.max_logprobs, 5);
+        assert_eq!(c.max_model_len, 131_136);
         assert_eq!(c.bootstrap_timeout, Duration::from_millis(500));
         let c = parse(&[
             "--kv-mode",
@@ -501,9 +504,11 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.lmcache_prefill_tp_size, Some(3));
-        // Defaults: vLLM's --max-logprobs, the prefill TP of the spec.
+        // Defaults: vLLM's --max-logprobs, the prefill TP of the spec, the simulator's
+        // context.
         let c = parse(&[]).unwrap();
         assert_eq!((c.max_logprobs, c.lmcache_prefill_tp_size), (20, None));
+        assert_eq!(c.max_model_len, SimConfig::default().max_model_len);
         assert!(parse(&["--kv-mode", "nixl-pull"]).is_err());
     }
 
