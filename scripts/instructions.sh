@@ -11,6 +11,9 @@
 #                                             prefill, `--encode`; each request carries K
 #                                             images, K=0 a text-only request through the
 #                                             same proxy; nixl only)
+#   BODY_BYTES=131072 scripts/instructions.sh ...   (chat bodies padded to about this many
+#                                             bytes with the bench's text, as its
+#                                             --body-bytes; the engines' context grows to fit)
 #   FLOOR=1 scripts/instructions.sh target/release/disagg-bench
 #                                            (the bench's floor proxy instead of disagg:
 #                                             the yardstick of docs/performance.md; nixl only)
@@ -70,6 +73,9 @@ if [ -n "${TLS_OUT:-}" ]; then
   EDGE+=(--engine-ca "$OUT/ca.pem"); fi
 if [ -n "${AUTH:-}" ]; then KEY=sk-instructions-0123456789abcdef; EDGE+=(--api-key "$KEY"); fi
 
+# A context as long as the body in bytes admits any prompt (as disagg-bench sets it).
+CONTEXT=()
+if [ -n "${BODY_BYTES:-}" ]; then CONTEXT=(--max-model-len $(( BODY_BYTES > 8192 ? BODY_BYTES + 64 : 8192 ))); fi
 P=$(free_port); PS=$(free_port); PB=$(free_port); D=$(free_port); DS=$(free_port)
 # shellcheck disable=SC2206 # split on purpose: several flags in one variable
 EXTRA=(${PROXY_ARGS:-})
@@ -102,9 +108,9 @@ fi
 if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
   BOOT=(--bootstrap 127.0.0.1:$PB); PORT_ARG=("$PB"); CONN=(--connector "$CONNECTOR"); fi
 "$SIM" sim --listen 127.0.0.1:$P --side-channel 127.0.0.1:$PS "${BOOT[@]}" "${SIM_TLS[@]}" \
-  --kv-mode $PMODE "${EC_PREFILL[@]}" >/dev/null 2>&1 &
+  --kv-mode $PMODE "${EC_PREFILL[@]}" "${CONTEXT[@]}" >/dev/null 2>&1 &
 "$SIM" sim --listen 127.0.0.1:$D --side-channel 127.0.0.1:$DS "${SIM_TLS[@]}" \
-  --kv-mode $DMODE >/dev/null 2>&1 &
+  --kv-mode $DMODE "${CONTEXT[@]}" >/dev/null 2>&1 &
 sleep 0.5
 PREFILL="$SCHEME://127.0.0.1:$P"
 
@@ -125,7 +131,7 @@ count() { # requests → total instructions of one proxy run
   fi
   local pid=$!
   python3 - "$port" "$n" "${STREAM:-0}" "$CLIENT_CA" "$KEY" "${NEW_CONN:-0}" \
-    "${IMAGES:-}" <<'EOF'
+    "${IMAGES:-}" "${BODY_BYTES:-0}" <<'EOF'
 import http.client, json, ssl, sys, time
 port, n, stream = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 ca, key, new_conn = sys.argv[4], sys.argv[5], sys.argv[6] == "1"
@@ -135,8 +141,17 @@ if sys.argv[7]:
     content = [{"type": "text", "text": content}] + [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,iVBORw0KGgo{i:04d}"}}
         for i in range(int(sys.argv[7]))]
-body = json.dumps({"model": "sim-model", "max_tokens": 16, "stream": stream,
-                   "messages": [{"role": "user", "content": content}]})
+def make(content):
+    return json.dumps({"model": "sim-model", "max_tokens": 16, "stream": stream,
+                       "messages": [{"role": "user", "content": content}]})
+body = make(content)
+size = int(sys.argv[8])
+if size:
+    # disagg-bench's text (run.rs, chat_body), repeated to pad the body to about SIZE.
+    words = ("Explain why splitting prefill and decode across engines helps serving "
+             "large language models at scale, with the costs of moving the KV cache. ")
+    pad = max(size - len(make("")), 0)
+    body = make((words * (pad // len(words) + 1))[:pad])
 headers = {"content-type": "application/json"}
 if key:
     headers["authorization"] = f"Bearer {key}"
@@ -173,4 +188,5 @@ if [ -n "${TLS_OUT:-}" ]; then VARIANT+=" tls-out"; fi
 if [ "${NEW_CONN:-0}" = 1 ]; then VARIANT+=" new-conn"; fi
 if [ -n "${FLOOR:-}" ]; then VARIANT+=" floor"; fi
 if [ -n "${IMAGES:-}" ]; then VARIANT+=" epd images=$IMAGES"; fi
+if [ -n "${BODY_BYTES:-}" ]; then VARIANT+=" body=$BODY_BYTES"; fi
 echo "$CONNECTOR$VARIANT: $(( (B - A) / N )) instructions per request ($BIN)"

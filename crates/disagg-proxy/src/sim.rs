@@ -101,6 +101,10 @@ pub(crate) struct SimArgs {
     /// with 400 (vLLM modes).
     #[arg(long, value_name = "N", default_value_t = 20)]
     max_logprobs: u32,
+    /// vLLM's --max-model-len: the context in tokens (prompt and completion); longer
+    /// requests are refused with 400.
+    #[arg(long, value_name = "TOKENS", default_value_t = SimConfig::default().max_model_len)]
+    max_model_len: u32,
     /// LMCache prefill: its tensor-parallel size, each rank pushing to the receiver port
     /// of its index and notifying once (default: as many as the disagg_spec names ports).
     #[arg(long, value_name = "N")]
@@ -292,6 +296,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
         dp_size: args.dp_size.max(1),
         max_num_seqs: args.max_num_seqs,
         max_logprobs: args.max_logprobs,
+        max_model_len: args.max_model_len,
         lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
         kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))
             .map_err(|e| format!("--kv-lease: {e}"))?,
@@ -508,11 +513,14 @@ mod tests {
             "5",
             "--bootstrap-timeout",
             "0.5",
+            "--max-model-len",
+            "131136",
         ])
         .unwrap();
         assert_eq!(c.kv_mode, KvMode::NixlPush);
         assert_eq!(c.dp_size, 2);
         assert_eq!(c.max_logprobs, 5);
+        assert_eq!(c.max_model_len, 131_136);
         assert_eq!(c.bootstrap_timeout, Duration::from_millis(500));
         let c = parse(&[
             "--kv-mode",
@@ -522,9 +530,11 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.lmcache_prefill_tp_size, Some(3));
-        // Defaults: vLLM's --max-logprobs, the prefill TP of the spec.
+        // Defaults: vLLM's --max-logprobs, the prefill TP of the spec, the simulator's
+        // context.
         let c = parse(&[]).unwrap();
         assert_eq!((c.max_logprobs, c.lmcache_prefill_tp_size), (20, None));
+        assert_eq!(c.max_model_len, SimConfig::default().max_model_len);
         assert!(parse(&["--kv-mode", "nixl-pull"]).is_err());
     }
 

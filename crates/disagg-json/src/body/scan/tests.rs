@@ -131,10 +131,11 @@ fn refuses_what_serde_refuses() {
 
 #[test]
 fn escapes_and_stops_at_every_offset_of_a_block() {
-    // A quote, backslash, control or non-ASCII byte at each place of the 32-byte
-    // blocks (and across their edges), the string starting at several alignments.
+    // A quote, backslash, control or non-ASCII byte at each place of the first two
+    // 64-byte blocks and their 32-byte halves (and across their edges), the string
+    // starting at several alignments.
     for lead in 0..4 {
-        for at in 0..80 {
+        for at in 0..160 {
             for (piece, valid) in [
                 (&br#"\""#[..], true),
                 (br"\\", true),
@@ -152,7 +153,7 @@ fn escapes_and_stops_at_every_offset_of_a_block() {
                 body.extend_from_slice(b"\":\"");
                 body.extend(std::iter::repeat_n(b'x', at));
                 body.extend_from_slice(piece);
-                body.extend(std::iter::repeat_n(b'y', 70));
+                body.extend(std::iter::repeat_n(b'y', 140));
                 body.extend_from_slice(b"\"}");
                 assert_eq!(agrees(&body), valid, "{lead} {at} {piece:?}");
                 assert_eq!(serde(&body).is_some(), valid, "{lead} {at} {piece:?}");
