@@ -333,6 +333,27 @@ def hash_factors(body: dict) -> bool:
     return bool(body.get("mm_processor_kwargs") or body.get("media_io_kwargs"))
 
 
+def answered_entries(answers: list) -> dict:
+    """The ``ec_transfer_params`` entries the encoders answered, merged."""
+    out: dict = {}
+    for _, answer in answers:
+        ec = json.loads(answer).get("ec_transfer_params")
+        if isinstance(ec, dict):
+            out.update(ec)
+    return out
+
+
+def consumer_ec(judge: Judge, route: str, role: str, raw: bytes, problems: list) -> tuple[bool, dict, Any]:
+    """A consumer leg and its ``ec_transfer_params`` as the engine reads them; ``False``
+    (and a problem noted) when they cannot be read."""
+    leg = json.loads(raw)
+    try:
+        return True, leg, read_ec(judge, route, leg)
+    except Exception as e:  # noqa: BLE001 - refused: judge_legs said so already
+        problems.append(f"{role}: ec_transfer_params not read: {e}")
+        return False, leg, None
+
+
 def judge_exchange(judge: Judge, mm: MmJudge, setup: EpdSetup, route: str, body: dict,
                    placeholders: bool) -> tuple[list[str], int]:
     """Problems of one exchange, and how many legs were judged."""
@@ -365,21 +386,15 @@ def judge_exchange(judge: Judge, mm: MmJudge, setup: EpdSetup, route: str, body:
         if route != CHAT and any(u is not None for _, _, u in items):
             problems.append(f"an encoder leg of {route} names an item by uuid (the consumer hashes it)")
         enc_items += items
-    for _, answer in answers:
-        ec = json.loads(answer).get("ec_transfer_params")
-        if isinstance(ec, dict):
-            answered.update(ec)
+    answered.update(answered_entries(answers))
     # The consumers' legs.
     found, _ = routes.judge_legs(judge, "nixl", route, body, {k: legs[k] for k in ("prefill", "decode")})
     problems += found
     for role in ("prefill", "decode"):
         for _, _, _, raw in legs[role]:
             judged += 1
-            leg = json.loads(raw)
-            try:
-                ec = read_ec(judge, route, leg)
-            except Exception as e:  # noqa: BLE001 - refused: judge_legs said so already
-                problems.append(f"{role}: ec_transfer_params not read: {e}")
+            ok, leg, ec = consumer_ec(judge, route, role, raw, problems)
+            if not ok:
                 continue
             problems += [f"{role}: {p}" for p in ec_problems(ec, answered)]
             items, refusal = mm.items(route, leg, placeholders)
@@ -492,20 +507,13 @@ def judge_push(judge: Judge, mm: MmJudge, push: PushJudge, setup: EpdSetup, rout
                 every_id.append(tid)
     if len(set(every_id)) != len(every_id):
         problems.append(f"transfer ids repeat across the encoder legs: {every_id}")
-    answered: dict = {}
-    for _, answer in answers:
-        ec = json.loads(answer).get("ec_transfer_params")
-        if isinstance(ec, dict):
-            answered.update(ec)
+    answered = answered_entries(answers)
     found, _ = routes.judge_legs(judge, "nixl", route, body, {k: legs[k] for k in ("prefill", "decode")})
     problems += found
     for _, _, _, raw in legs["prefill"]:
         judged += 1
-        leg = json.loads(raw)
-        try:
-            ec = read_ec(judge, route, leg)
-        except Exception as e:  # noqa: BLE001 - refused: judge_legs said so already
-            problems.append(f"prefill: ec_transfer_params not read: {e}")
+        ok, leg, ec = consumer_ec(judge, route, "prefill", raw, problems)
+        if not ok:
             continue
         if not isinstance(ec, dict) or not isinstance(ec.get("ec_items"), list):
             problems.append(f"prefill: ec_transfer_params is {ec!r}, not {{ec_items: [...]}}")

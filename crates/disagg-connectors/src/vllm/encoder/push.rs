@@ -271,6 +271,18 @@ mod tests {
     use super::*;
     use disagg_core::Role;
 
+    /// A plan of one encoder leg holding `items` items.
+    fn one_leg(items: usize) -> EncodePlan {
+        EncodePlan {
+            legs: vec![disagg_core::encode::EncodeLeg {
+                body: Bytes::from_static(br#"{"model":"m","messages":[]}"#),
+                items,
+            }],
+            fields: Vec::new(),
+            rank: None,
+        }
+    }
+
     #[test]
     fn a_rank_listens_at_the_port_plus_rank_times_tp_and_unknown_consumers_at_vllms_default() {
         let push = MooncakeEcPush::new()
@@ -313,14 +325,7 @@ mod tests {
             .with_dp_size(3);
         let a = Endpoint::new("http://a:8100", Role::Prefill).unwrap();
         let b = Endpoint::new("http://b:8100", Role::Prefill).unwrap();
-        let plan = EncodePlan {
-            legs: vec![disagg_core::encode::EncodeLeg {
-                body: Bytes::from_static(br#"{"model":"m","messages":[]}"#),
-                items: 1,
-            }],
-            fields: Vec::new(),
-            rank: None,
-        };
+        let plan = one_leg(1);
         // Turns are per consumer: b's first request is its rank 0 whatever a had.
         let mut got = Vec::new();
         for c in [&a, &a, &b, &a, &a, &b] {
@@ -354,14 +359,7 @@ mod tests {
     fn the_consumer_leg_names_each_answered_item_by_its_legs_transfer_id() {
         let push = MooncakeEcPush::new();
         let consumer = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
-        let plan = EncodePlan {
-            legs: vec![disagg_core::encode::EncodeLeg {
-                body: Bytes::from_static(br#"{"model":"m","messages":[]}"#),
-                items: 2,
-            }],
-            fields: Vec::new(),
-            rank: None,
-        };
+        let plan = one_leg(2);
         let first = push.annotate(plan.clone(), &consumer, None).unwrap();
         let second = push.annotate(plan, &consumer, None).unwrap();
         let ids = transfer_ids(&first.legs[0].body);
