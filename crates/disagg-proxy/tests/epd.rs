@@ -1291,3 +1291,49 @@ async fn with_sglang_an_encoder_is_health_checked_but_sent_nothing() {
     let e_url = e.url();
     assert!(within_5s(|| async { !proxy.routes_to("encode", &e_url).await }).await);
 }
+
+// === A decode-only fallback after the encoder stage ===
+
+/// E → P → D with placeholders on and `--prefill-failure decode-only`: the prefill is
+/// down after the encoders answered, and the decode that serves alone loads no encoder
+/// output, so it gets the client's media (and no encoder fields), not placeholders it
+/// could never resolve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_only_fallback_to_a_decode_that_loads_nothing_gets_the_media() {
+    let store = TempDir::new();
+    let encoder = engine(Some((EcRole::Producer, &store))).await;
+    let decode = engine(None).await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        format!("http://{}", l.local_addr().expect("its address"))
+    };
+    let url = decode.url();
+    let args = [
+        "--prefill",
+        &dead,
+        "--decode",
+        &url,
+        "--encode",
+        &encoder.url(),
+        "--encode-placeholders",
+        "--prefill-failure",
+        "decode-only",
+    ]
+    .map(str::to_owned);
+    let proxy = Proxy::start_args(&args).await;
+    for stream in [false, true] {
+        let body = chat(2, stream);
+        let a = post(&proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("decode-only"));
+        assert_eq!(text_of(&a), reference(&body).await);
+        let leg = decode.requests().pop().expect("the decode served it");
+        assert!(leg.body.get("ec_transfer_params").is_none(), "{}", leg.body);
+        let content = leg.body["messages"][0]["content"].as_array().unwrap();
+        for (n, part) in content[1..].iter().enumerate() {
+            assert_eq!(part, &image(n), "the client's item, as sent");
+        }
+    }
+    // The stage did run (the prefill was the consumer it planned for).
+    assert_eq!(encoder.stats().ec_items_encoded, 4);
+}

@@ -70,11 +70,20 @@ impl Inner {
         // A push protocol names the consumer to the encoders: the request is routed
         // first, and its first attempt takes that route (the items wait there only).
         let mut pinned = None;
+        // The body before the stage, kept only when a decode-only fallback may serve the
+        // request on a decode that loads no encoder output: that decode gets the media.
+        let mut unencoded = None;
         if let Some(stage) = &self.encode
             && stage.wants(&req)
             && let Some(pool) = self.encoders(&req)
             && self.direct_consumes(stage, &req, decision)
         {
+            if self.config.prefill_failure == PrefillFailure::DecodeOnly
+                && matches!(decision, Decision::Disaggregate)
+                && !self.decodes_consume(stage, &req)
+            {
+                unencoded = Some(req.body().clone());
+            }
             if stage.connector.consumer_first() {
                 let routed = self.route(&RequestView::from(&req), decision, clock).await;
                 match routed {
@@ -178,7 +187,9 @@ impl Inner {
                         trace,
                         encode: encoded,
                     };
-                    break self.after_failure(&req, failure, clock, meta).await;
+                    break self
+                        .after_failure(&req, unencoded.take(), failure, clock, meta)
+                        .await;
                 }
             }
         };
@@ -250,10 +261,7 @@ impl Inner {
         let Ok(set) = snapshot.for_model(req.model()) else {
             return true;
         };
-        let prefills = set.by_role(crate::endpoint::Role::Prefill);
-        let decodes = set.by_role(crate::endpoint::Role::Decode);
-        let consumes = prefills.is_empty()
-            || (!decodes.is_empty() && decodes.iter().all(|d| stage.connector.consumes(d)));
+        let consumes = decodes_consume(stage, set);
         if !consumes {
             bump(&stage.counters.skipped);
             tracing::debug!(
@@ -264,6 +272,15 @@ impl Inner {
             );
         }
         consumes
+    }
+
+    /// Whether a decode serving `req` alone loads the encoders' output (see
+    /// [`direct_consumes`](Self::direct_consumes)); without a set for its model, yes.
+    fn decodes_consume(&self, stage: &crate::encode::EncodeStage, req: &PdRequest) -> bool {
+        let snapshot = self.source.snapshot();
+        snapshot
+            .for_model(req.model())
+            .map_or(true, |set| decodes_consume(stage, set))
     }
 
     /// The connector's check, once per request before anything else: it refuses what
@@ -414,9 +431,14 @@ impl Inner {
 
     /// The request failed for good with the attempt's `failure`: serve it decode-only
     /// when the prefill could not be had and the policy says so, else fail.
+    ///
+    /// `unencoded` is the request's body before its encoder stage, when the decodes load
+    /// no encoder output: the decode serving alone then gets it (the media, no encoder
+    /// fields) and encodes the media itself, as for a request the stage skipped.
     async fn after_failure(
         &self,
         req: &PdRequest,
+        unencoded: Option<disagg_json::JsonBody>,
         failure: Failure,
         clock: Clock,
         mut meta: RequestMeta,
@@ -437,6 +459,16 @@ impl Inner {
             error = %crate::error::error_chain(&e),
             "prefill unavailable: serving decode-only, as configured"
         );
+        let plain;
+        let req = match unencoded {
+            Some(body) => {
+                let mut r = req.clone();
+                *r.body_mut() = body;
+                plain = r;
+                &plain
+            }
+            None => req,
+        };
         let view = RequestView::from(req);
         // Routed like any attempt: the admission's per-endpoint limits apply.
         let decision = Decision::Direct {
@@ -475,4 +507,14 @@ impl Inner {
             }
         }
     }
+}
+
+/// Whether the decodes of `set` load the encoders' output when one serves a request
+/// alone: when there is no prefill pool (they are the consumers, E → PD) or every one
+/// declares an EC role that consumes.
+fn decodes_consume(stage: &crate::encode::EncodeStage, set: &crate::endpoint::EndpointSet) -> bool {
+    let prefills = set.by_role(crate::endpoint::Role::Prefill);
+    let decodes = set.by_role(crate::endpoint::Role::Decode);
+    prefills.is_empty()
+        || (!decodes.is_empty() && decodes.iter().all(|d| stage.connector.consumes(d)))
 }
