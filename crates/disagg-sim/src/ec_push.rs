@@ -124,31 +124,34 @@ pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Re
 
 /// `n` listeners on consecutive ports of 127.0.0.1 (a data-parallel consumer's EC
 /// ports, rank `d` at the first plus `d`): from `base` when given (failing when one of
-/// them is taken), else the first port drawn by the system and the others taken after
-/// it, drawn again when one of those is taken already.
+/// them is taken); else one port drawn by the system when `n` is 1, and otherwise a run
+/// drawn at random below Linux's default ephemeral range (32768-60999), tried again
+/// where a port of it is taken. Not in the ephemeral range: there the ports next to
+/// one the system gives a listener are the ones it gives outgoing connections (Linux
+/// hands `bind` odd ports and `connect` even ones), so under a busy test run a port
+/// drawn by the system rarely has a free neighbour.
 pub(crate) async fn bind_consecutive(
     n: usize,
     base: Option<u16>,
 ) -> std::io::Result<Vec<TcpListener>> {
+    if n <= 1 || base.is_some() {
+        return bind_run(base.unwrap_or(0), n.max(1)).await;
+    }
+    let span = u16::try_from(n).unwrap_or(u16::MAX);
     let mut last = None;
-    for _ in 0..if base.is_some() { 1 } else { 64 } {
-        let first = TcpListener::bind((Ipv4Addr::LOCALHOST, base.unwrap_or(0))).await?;
-        let base = first.local_addr()?.port();
-        let mut listeners = vec![first];
-        for d in 1..n {
-            let Some(port) = u16::try_from(d).ok().and_then(|d| base.checked_add(d)) else {
-                break;
-            };
-            match TcpListener::bind((Ipv4Addr::LOCALHOST, port)).await {
-                Ok(l) => listeners.push(l),
-                Err(e) => {
-                    last = Some(e);
-                    break;
-                }
-            }
+    for _ in 0..256 {
+        use std::hash::{BuildHasher, Hasher};
+        let draw = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        // 20000..32000, leaving room for the run below 32768.
+        let start = 20_000 + u16::try_from(draw % 12_000).unwrap_or(0);
+        if start.checked_add(span).is_none_or(|end| end > 32_768) {
+            continue;
         }
-        if listeners.len() == n.max(1) {
-            return Ok(listeners);
+        match bind_run(start, n).await {
+            Ok(listeners) => return Ok(listeners),
+            Err(e) => last = Some(e),
         }
     }
     Err(last.unwrap_or_else(|| {
@@ -157,6 +160,26 @@ pub(crate) async fn bind_consecutive(
             "no run of free consecutive ports for the EC ranks",
         )
     }))
+}
+
+/// `n` listeners from port `first` on (0: one drawn by the system, then the next ones).
+async fn bind_run(first: u16, n: usize) -> std::io::Result<Vec<TcpListener>> {
+    let head = TcpListener::bind((Ipv4Addr::LOCALHOST, first)).await?;
+    let base = head.local_addr()?.port();
+    let mut listeners = vec![head];
+    for d in 1..n {
+        let port = u16::try_from(d)
+            .ok()
+            .and_then(|d| base.checked_add(d))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::AddrNotAvailable,
+                    "the EC ranks' ports pass 65535",
+                )
+            })?;
+        listeners.push(TcpListener::bind((Ipv4Addr::LOCALHOST, port)).await?);
+    }
+    Ok(listeners)
 }
 
 fn field(out: &mut Vec<u8>, bytes: &[u8]) {
