@@ -125,8 +125,8 @@ pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Re
 /// `n` listeners on consecutive ports of 127.0.0.1 (a data-parallel consumer's EC
 /// ports, rank `d` at the first plus `d`): from `base` when given (failing when one of
 /// them is taken); else one port drawn by the system when `n` is 1, and otherwise a run
-/// drawn at random below Linux's default ephemeral range (32768-60999), tried again
-/// where a port of it is taken. Not in the ephemeral range: there the ports next to
+/// drawn at random below Linux's default ephemeral range (32768-60999) as the
+/// KV-event publishers' are, tried again where a port of it is taken. Not in the ephemeral range: there the ports next to
 /// one the system gives a listener are the ones it gives outgoing connections (Linux
 /// hands `bind` odd ports and `connect` even ones), so under a busy test run a port
 /// drawn by the system rarely has a free neighbour.
@@ -137,19 +137,11 @@ pub(crate) async fn bind_consecutive(
     if n <= 1 || base.is_some() {
         return bind_run(base.unwrap_or(0), n.max(1)).await;
     }
-    let span = u16::try_from(n).unwrap_or(u16::MAX);
     let mut last = None;
-    for _ in 0..256 {
-        use std::hash::{BuildHasher, Hasher};
-        let draw = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        // 20000..32000, leaving room for the run below 32768.
-        let start = 20_000 + u16::try_from(draw % 12_000).unwrap_or(0);
-        if start.checked_add(span).is_none_or(|end| end > 32_768) {
-            continue;
-        }
-        match bind_run(start, n).await {
+    let mut draw =
+        std::hash::BuildHasher::build_hasher(&std::collections::hash_map::RandomState::new());
+    for attempt in 0..256 {
+        match bind_run(crate::kv_events::draw_base(&mut draw, attempt), n).await {
             Ok(listeners) => return Ok(listeners),
             Err(e) => last = Some(e),
         }

@@ -231,11 +231,7 @@ async fn bind_ranks<S: Socket>(
     for attempt in 0..BIND_ATTEMPTS {
         let start = match (base, attempt) {
             (0, 0) | (1.., _) => base,
-            (0, _) => {
-                draw.write_usize(attempt);
-                DRAWN_BASES.start
-                    + (draw.finish() % u64::from(DRAWN_BASES.end - DRAWN_BASES.start)) as u16
-            }
+            (0, _) => draw_base(&mut draw, attempt),
         };
         match bind_from(host, start, dp_size, new).await {
             Ok(bound) => return Ok(bound),
@@ -257,6 +253,14 @@ async fn bind_ranks<S: Socket>(
 
 /// Where drawn base ports come from: below Linux's default ephemeral port range.
 const DRAWN_BASES: std::ops::Range<u16> = 20_000..32_000;
+
+/// A base port for a run of ranks' ports, drawn in [`DRAWN_BASES`] (below Linux's
+/// default ephemeral range, where no outgoing connection takes a port), a new one for
+/// each `attempt`.
+pub(crate) fn draw_base(draw: &mut impl Hasher, attempt: usize) -> u16 {
+    draw.write_usize(attempt);
+    DRAWN_BASES.start + (draw.finish() % u64::from(DRAWN_BASES.end - DRAWN_BASES.start)) as u16
+}
 
 /// One attempt of [`bind_ranks`] from port `start` (0: a free one for rank 0).
 async fn bind_from<S: Socket>(
