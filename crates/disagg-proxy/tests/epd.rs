@@ -41,29 +41,6 @@ fn chat(images: usize, stream: bool) -> String {
     .to_string()
 }
 
-/// The generated text of a chat answer, streamed or not.
-fn text_of(a: &common::Answer) -> String {
-    if a.header("content-type")
-        .is_some_and(|c| c.starts_with("text/event-stream"))
-    {
-        let mut out = String::new();
-        for e in a.events().iter().filter(|e| *e != "[DONE]") {
-            let v: Value = serde_json::from_str(e).expect("a JSON event");
-            out.push_str(
-                v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .unwrap_or_default(),
-            );
-        }
-        out
-    } else {
-        a.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
-    }
-}
-
 struct Epd {
     _store: TempDir,
     encoders: Vec<SimEngine>,
@@ -136,7 +113,7 @@ async fn reference(body: &str) -> String {
     let plain = engine(None).await;
     let a = post(&plain.url(), "/v1/chat/completions", body).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    text_of(&a)
+    a.chat_content()
 }
 
 async fn serves_images(pd: bool) {
@@ -146,7 +123,7 @@ async fn serves_images(pd: bool) {
         let body = chat(images, stream);
         let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
-        assert_eq!(text_of(&a), reference(&chat(images, stream)).await);
+        assert_eq!(a.chat_content(), reference(&chat(images, stream)).await);
         loaded += images as u64;
         // The consumer read every item from the encoders' store.
         assert_eq!(epd.consumer().stats().ec_items_loaded, loaded);
@@ -207,7 +184,7 @@ async fn placeholders_keep_the_media_bytes_away_from_the_prefill_and_decode() {
         let body = chat(2, stream);
         let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
-        assert_eq!(text_of(&a), reference(&body).await);
+        assert_eq!(a.chat_content(), reference(&body).await);
     }
     // The consumer read every item's embeddings, named by the placeholders' uuids.
     assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
@@ -253,7 +230,7 @@ async fn placeholders_carry_videos_as_video_embeds_parts() {
         .to_string();
         let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
-        assert_eq!(text_of(&a), reference(&body).await);
+        assert_eq!(a.chat_content(), reference(&body).await);
     }
     assert_eq!(epd.consumer().stats().ec_items_loaded, 6);
     let leg = epd.consumer().requests().pop().expect("a recorded request");
@@ -293,7 +270,7 @@ async fn a_video_no_encoder_answered_for_keeps_every_videos_media() {
     .to_string();
     let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    assert_eq!(text_of(&a), reference(&body).await);
+    assert_eq!(a.chat_content(), reference(&body).await);
     let leg = epd.consumer().requests().pop().expect("a recorded request");
     assert_eq!(leg.body["ec_transfer_params"].as_object().unwrap().len(), 1);
     let content = leg.body["messages"][0]["content"].as_array().unwrap();
@@ -316,7 +293,7 @@ async fn with_processor_kwargs_placeholders_keep_the_media_and_the_items_still_l
     let body = body.to_string();
     let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    assert_eq!(text_of(&a), reference(&body).await);
+    assert_eq!(a.chat_content(), reference(&body).await);
     assert_eq!(epd.consumer().stats().ec_items_loaded, 2);
     let leg = epd.consumer().requests().pop().expect("a recorded request");
     let params = leg.body["ec_transfer_params"].as_object().expect("params");
@@ -352,7 +329,7 @@ async fn an_item_no_encoder_answered_for_keeps_its_media() {
     .to_string();
     let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    assert_eq!(text_of(&a), reference(&body).await);
+    assert_eq!(a.chat_content(), reference(&body).await);
     let leg = epd.consumer().requests().pop().expect("a recorded request");
     let params = leg.body["ec_transfer_params"].as_object().expect("params");
     assert_eq!(params.len(), 1, "{params:?}");
@@ -1326,7 +1303,7 @@ async fn a_decode_only_fallback_to_a_decode_that_loads_nothing_gets_the_media() 
         let a = post(&proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
         assert_eq!(a.header("x-disagg-handoff"), Some("decode-only"));
-        assert_eq!(text_of(&a), reference(&body).await);
+        assert_eq!(a.chat_content(), reference(&body).await);
         let leg = decode.requests().pop().expect("the decode served it");
         assert!(leg.body.get("ec_transfer_params").is_none(), "{}", leg.body);
         let content = leg.body["messages"][0]["content"].as_array().unwrap();

@@ -44,35 +44,12 @@ fn chat(images: usize, stream: bool) -> String {
     .to_string()
 }
 
-/// The generated text of a chat answer, streamed or not.
-fn text_of(a: &common::Answer) -> String {
-    if a.header("content-type")
-        .is_some_and(|c| c.starts_with("text/event-stream"))
-    {
-        let mut out = String::new();
-        for e in a.events().iter().filter(|e| *e != "[DONE]") {
-            let v: Value = serde_json::from_str(e).expect("a JSON event");
-            out.push_str(
-                v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .unwrap_or_default(),
-            );
-        }
-        out
-    } else {
-        a.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
-    }
-}
-
 async fn reference(body: &str) -> String {
     let store = TempDir::new();
     let plain = engine(None, &store).await;
     let a = post(&plain.url(), "/v1/chat/completions", body).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    text_of(&a)
+    a.chat_content()
 }
 
 /// Two push encoders and `consumers` prefill-decode engines (E → PD), the proxy in
@@ -139,7 +116,7 @@ async fn e_pd_with_mooncake_push_serves_one_and_two_images_streamed_and_not() {
         let body = chat(images, stream);
         let a = post(&epd.proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
-        assert_eq!(text_of(&a), reference(&body).await);
+        assert_eq!(a.chat_content(), reference(&body).await);
         loaded += images as u64;
         // Every item reached the consumer by push, under the transfer ids its leg named.
         assert_eq!(consumer.stats().ec_items_loaded, loaded);
@@ -317,7 +294,7 @@ async fn dp_consumers_get_their_items_on_the_rank_that_serves(pd: bool, ranked: 
         let body = chat(images, n % 3 == 0);
         let a = post(&proxy.url(), "/v1/chat/completions", &body).await;
         assert_eq!(a.status, 200, "request {n}: {}", a.text());
-        assert_eq!(text_of(&a), reference(&body).await);
+        assert_eq!(a.chat_content(), reference(&body).await);
         items += images as u64;
     }
     let mut loaded = 0;

@@ -58,29 +58,6 @@ async fn prompt_ids(p: &SimEngine) -> Value {
     a.json()["tokens"].clone()
 }
 
-/// The generated text of a chat answer, streamed or not.
-fn chat_text(a: &common::Answer) -> String {
-    let streamed = a
-        .header("content-type")
-        .is_some_and(|c| c.starts_with("text/event-stream"));
-    if !streamed {
-        return a.json()["choices"][0]["message"]["content"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-    }
-    let mut out = String::new();
-    for e in a.events().iter().filter(|e| *e != "[DONE]") {
-        let v: Value = serde_json::from_str(e).expect("a JSON event");
-        out.push_str(
-            v["choices"][0]["delta"]["content"]
-                .as_str()
-                .unwrap_or_default(),
-        );
-    }
-    out
-}
-
 /// The body of the one chat request `engine` received.
 fn leg(engine: &SimEngine) -> Value {
     let chats: Vec<_> = engine
@@ -148,15 +125,15 @@ async fn reused_ids_reach_the_decode_which_tokenizes_nothing_streamed_or_not() {
                 let v: Value = serde_json::from_str(e).expect("a JSON event");
                 assert!(v["prompt_token_ids"].is_null(), "{e}");
             }
-            assert!(!chat_text(&a).is_empty());
+            assert!(!a.chat_content().is_empty());
         } else {
             let v = a.json();
             assert!(v.get("prompt_token_ids").is_none(), "{v}");
-            assert!(!chat_text(&a).is_empty());
+            assert!(!a.chat_content().is_empty());
         }
         // The same answer as the decode alone, tokenizing the messages itself.
         let alone = post(&d.url(), "/v1/chat/completions", &chat(false, json!({}))).await;
-        assert_eq!(chat_text(&a), chat_text(&alone));
+        assert_eq!(a.chat_content(), alone.chat_content());
     }
 }
 

@@ -237,6 +237,29 @@ impl Answer {
         out
     }
 
+    /// The generated text of a chat completion answer, streamed or not.
+    pub fn chat_content(&self) -> String {
+        let streamed = self
+            .header("content-type")
+            .is_some_and(|c| c.starts_with("text/event-stream"));
+        if !streamed {
+            return self.json()["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+        }
+        let mut out = String::new();
+        for e in self.events().iter().filter(|e| *e != "[DONE]") {
+            let v: serde_json::Value = serde_json::from_str(e).expect("a JSON event");
+            out.push_str(
+                v["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .unwrap_or_default(),
+            );
+        }
+        out
+    }
+
     /// Assert an OpenAI-format error with `status` and `code`.
     pub fn assert_error(&self, status: u16, code: &str) {
         assert_eq!(self.status.as_u16(), status, "body: {}", self.text());
