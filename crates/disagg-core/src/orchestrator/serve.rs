@@ -75,12 +75,12 @@ impl Inner {
         let mut unencoded = None;
         if let Some(stage) = &self.encode
             && stage.wants(&req)
-            && let Some(pool) = self.encoders(&req)
-            && self.direct_consumes(stage, &req, decision)
+            && let Some((pool, decodes_consume)) = self.encoders(stage, &req)
+            && self.direct_consumes(stage, &req, decision, decodes_consume)
         {
             if self.config.prefill_failure == PrefillFailure::DecodeOnly
                 && matches!(decision, Decision::Disaggregate)
-                && !self.decodes_consume(stage, &req)
+                && !decodes_consume
             {
                 unencoded = Some(req.body().clone());
             }
@@ -228,24 +228,28 @@ impl Inner {
         e
     }
 
-    /// The encoders of the current snapshot serving `req`'s model, or `None` when there
-    /// are none (the request then goes without the encoder stage; a model no decode
-    /// serves fails at routing as usual).
-    fn encoders(&self, req: &PdRequest) -> Option<Vec<Arc<crate::endpoint::Endpoint>>> {
-        let set = self.source.snapshot();
-        let pool = set
-            .for_model(req.model())
-            .ok()?
-            .by_role(crate::endpoint::Role::Encode);
-        (!pool.is_empty()).then(|| pool.to_vec())
+    /// The encoders of the current snapshot serving `req`'s model, and whether a decode
+    /// of that model serving a request alone loads their output ([`decodes_consume`]),
+    /// both read from one snapshot; `None` when there are no encoders (the request then
+    /// goes without the encoder stage; a model no decode serves fails at routing as
+    /// usual).
+    fn encoders(
+        &self,
+        stage: &crate::encode::EncodeStage,
+        req: &PdRequest,
+    ) -> Option<(Vec<Arc<crate::endpoint::Endpoint>>, bool)> {
+        let snapshot = self.source.snapshot();
+        let set = snapshot.for_model(req.model()).ok()?;
+        let pool = set.by_role(crate::endpoint::Role::Encode);
+        (!pool.is_empty()).then(|| (pool.to_vec(), decodes_consume(stage, set)))
     }
 
     /// Whether the engine serving `req` under `decision` loads the encoders' output: a
     /// request disaggregated goes to a prefill (or, without a prefill pool, to a decode
     /// alone: E → PD), which does; one served direct goes to a decode alone, which does
-    /// only when there is no prefill pool (the decodes are then the consumers) or every
-    /// decode serving its model declares an EC role that consumes
-    /// ([`EncoderConnector::consumes`](crate::encode::EncoderConnector::consumes)).
+    /// only when `decodes_consume` (no prefill pool, or every decode serving its model
+    /// declares an EC role that consumes:
+    /// [`EncoderConnector::consumes`](crate::encode::EncoderConnector::consumes)).
     /// When it does not, the stage is skipped (counted, logged at debug): the decode
     /// gets the media and encodes them itself.
     fn direct_consumes(
@@ -253,16 +257,12 @@ impl Inner {
         stage: &crate::encode::EncodeStage,
         req: &PdRequest,
         decision: Decision,
+        decodes_consume: bool,
     ) -> bool {
         let Decision::Direct { reason } = decision else {
             return true;
         };
-        let snapshot = self.source.snapshot();
-        let Ok(set) = snapshot.for_model(req.model()) else {
-            return true;
-        };
-        let consumes = decodes_consume(stage, set);
-        if !consumes {
+        if !decodes_consume {
             bump(&stage.counters.skipped);
             tracing::debug!(
                 request_id = ?req.request_id(),
@@ -271,16 +271,7 @@ impl Inner {
                  the decode encodes the media itself"
             );
         }
-        consumes
-    }
-
-    /// Whether a decode serving `req` alone loads the encoders' output (see
-    /// [`direct_consumes`](Self::direct_consumes)); without a set for its model, yes.
-    fn decodes_consume(&self, stage: &crate::encode::EncodeStage, req: &PdRequest) -> bool {
-        let snapshot = self.source.snapshot();
-        snapshot
-            .for_model(req.model())
-            .map_or(true, |set| decodes_consume(stage, set))
+        decodes_consume
     }
 
     /// The connector's check, once per request before anything else: it refuses what
