@@ -144,14 +144,14 @@ impl MooncakeEcPush {
     }
 
     /// `consumer`'s push address for `rank`: `tcp://HOST:PORT`.
-    fn consumer_zmq(&self, consumer: &Endpoint, rank: Option<u32>) -> Result<String, InvalidParam> {
+    fn consumer_zmq(&self, consumer: &Endpoint, rank: u32) -> Result<String, InvalidParam> {
         let (host, port) = self
             .addresses
             .get(Self::base(consumer))
             .map_or((DEFAULT_EC_HOST, DEFAULT_EC_PORT), |(h, p)| {
                 (h.as_str(), *p)
             });
-        let port = u64::from(rank.unwrap_or(0))
+        let port = u64::from(rank)
             .checked_mul(u64::from(self.tp_size))
             .and_then(|o| o.checked_add(u64::from(port)))
             .and_then(|p| u16::try_from(p).ok())
@@ -182,7 +182,7 @@ impl MooncakeEcPush {
                 r
             }
         };
-        let zmq = self.consumer_zmq(consumer, Some(rank))?;
+        let zmq = self.consumer_zmq(consumer, rank)?;
         let request = self.next.fetch_add(1, Relaxed);
         for (l, leg) in plan.legs.iter_mut().enumerate() {
             let items: Vec<Value> = (0..leg.items)
@@ -290,22 +290,22 @@ mod tests {
             .with_tp_size(4);
         let rank = Endpoint::new("http://10.0.0.5:8100@3", Role::Decode).unwrap();
         assert_eq!(
-            push.consumer_zmq(&rank, rank.rank()).unwrap(),
+            push.consumer_zmq(&rank, rank.rank().unwrap_or(0)).unwrap(),
             "tcp://10.0.0.5:20012"
         );
         let whole = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
         assert_eq!(
-            push.consumer_zmq(&whole, None).unwrap(),
+            push.consumer_zmq(&whole, 0).unwrap(),
             "tcp://10.0.0.5:20000"
         );
         let other = Endpoint::new("http://10.0.0.9:8100", Role::Decode).unwrap();
         assert_eq!(
-            push.consumer_zmq(&other, Some(1)).unwrap(),
+            push.consumer_zmq(&other, 1).unwrap(),
             "tcp://127.0.0.1:14583"
         );
         // A port past 65535 is refused, not wrapped.
         let far = MooncakeEcPush::new().with_tp_size(u32::MAX);
-        assert!(far.consumer_zmq(&other, Some(2)).is_err());
+        assert!(far.consumer_zmq(&other, 2).is_err());
     }
 
     fn zmq_of(plan: &EncodePlan) -> String {
