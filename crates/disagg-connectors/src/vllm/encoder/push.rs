@@ -391,4 +391,38 @@ mod tests {
             "{v}"
         );
     }
+
+    #[test]
+    fn hostile_encoder_answers_are_refused_with_their_problem() {
+        let push = MooncakeEcPush::new();
+        let consumer = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        let plan = push.annotate(one_leg(2), &consumer, None).unwrap();
+        let answer =
+            |params: Value| Bytes::from(json!({ "ec_transfer_params": params }).to_string());
+        // An entry naming a position the leg does not have, a position that is not an
+        // index, or none at all (and no transfer id of its own): refused.
+        for entry in [
+            json!({"modality": "image", "item_indices": [2]}),
+            json!({"modality": "image", "item_indices": [u64::MAX]}),
+            json!({"modality": "image", "item_indices": [-1]}),
+            json!({"modality": "image", "item_indices": ["0"]}),
+            json!({"modality": "image", "item_indices": []}),
+            json!({"modality": "image"}),
+        ] {
+            let got = fold(&plan, &[answer(json!({ "h": entry }))]);
+            assert!(
+                matches!(got, Err(ConnectorError::InvalidEncoderAnswer { .. })),
+                "{entry}: {got:?}"
+            );
+        }
+        // More entries than the ceiling: refused rather than collected.
+        let many: Map<String, Value> = (0..=super::super::MAX_ENTRIES)
+            .map(|i| (format!("h{i}"), json!({"transfer_id": "t"})))
+            .collect();
+        let got = fold(&plan, &[answer(Value::Object(many))]);
+        assert!(
+            matches!(got, Err(ConnectorError::InvalidEncoderAnswer { .. })),
+            "{got:?}"
+        );
+    }
 }
