@@ -220,42 +220,33 @@ impl Answer {
 
     /// The generated text of a completion answer, streamed or not.
     pub fn content(&self) -> String {
-        let streamed = self
-            .header("content-type")
-            .is_some_and(|c| c.starts_with("text/event-stream"));
-        if !streamed {
-            return self.json()["choices"][0]["text"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-        }
-        let mut out = String::new();
-        for e in self.events().iter().filter(|e| *e != "[DONE]") {
-            let v: serde_json::Value = serde_json::from_str(e).expect("a JSON event");
-            out.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
-        }
-        out
+        self.generated("/choices/0/text", "/choices/0/text")
     }
 
     /// The generated text of a chat completion answer, streamed or not.
     pub fn chat_content(&self) -> String {
+        self.generated("/choices/0/message/content", "/choices/0/delta/content")
+    }
+
+    /// The text at JSON pointer `whole` of a non-streamed answer, or the texts at
+    /// `delta` of a streamed answer's events, joined.
+    fn generated(&self, whole: &str, delta: &str) -> String {
+        let text = |v: &serde_json::Value, at: &str| {
+            v.pointer(at)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
         let streamed = self
             .header("content-type")
             .is_some_and(|c| c.starts_with("text/event-stream"));
         if !streamed {
-            return self.json()["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
+            return text(&self.json(), whole);
         }
         let mut out = String::new();
         for e in self.events().iter().filter(|e| *e != "[DONE]") {
             let v: serde_json::Value = serde_json::from_str(e).expect("a JSON event");
-            out.push_str(
-                v["choices"][0]["delta"]["content"]
-                    .as_str()
-                    .unwrap_or_default(),
-            );
+            out.push_str(&text(&v, delta));
         }
         out
     }
