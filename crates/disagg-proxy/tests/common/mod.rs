@@ -365,10 +365,22 @@ fn serving_addr(log: &str) -> Option<SocketAddr> {
     rest.split_whitespace().next()?.parse().ok()
 }
 
-/// A loopback address nothing listens on right now.
+/// A loopback address nothing listens on right now, for a listener a test starts
+/// later (the proxy's): drawn in 10000-19999, where the system never hands out a port
+/// to `bind(0)` or `connect` (Linux's ephemeral range starts at 32768) and the
+/// simulator draws none (its runs of rank ports are in 20000-31999), so the engines a
+/// test starts in between cannot take it.
 pub fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("its address")
+    use std::hash::{BuildHasher, Hasher};
+    let mut draw = std::collections::hash_map::RandomState::new().build_hasher();
+    for attempt in 0..1000_usize {
+        draw.write_usize(attempt);
+        let port = 10_000 + u16::try_from(draw.finish() % 10_000).expect("under 10000");
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().expect("its address");
+        }
+    }
+    panic!("no free port in 10000-19999")
 }
 
 /// The Python the tests drive (`$DISAGG_PYTHON`, else the repository's `.venv`, which
