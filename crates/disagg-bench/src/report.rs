@@ -62,8 +62,30 @@ pub(crate) struct RunConfig {
 pub(crate) struct ProxyCpu {
     /// CPU µs (user + system) per successful request.
     pub(crate) us_per_req: f64,
-    /// The part of it spent in the kernel, 0..=1.
+    /// The part of it spent in the kernel, 0..=1 (always from the clock ticks, the only
+    /// reading that splits user and kernel time).
     pub(crate) system_share: f64,
+    /// Which clock `us_per_req` was read from.
+    pub(crate) clock: CpuClock,
+}
+
+/// Where a phase's proxy CPU time was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CpuClock {
+    /// The scheduler's nanoseconds per thread (`/proc/<pid>/task/*/schedstat`).
+    Scheduler,
+    /// Clock ticks of `/proc/<pid>/stat` (a thread ended during the phase, or the kernel
+    /// keeps no schedstat).
+    Ticks,
+}
+
+impl CpuClock {
+    fn as_str(self) -> &'static str {
+        match self {
+            CpuClock::Scheduler => "schedstat",
+            CpuClock::Ticks => "ticks",
+        }
+    }
 }
 
 /// The figures of one measured phase.
@@ -137,9 +159,14 @@ impl PhaseStats {
         if let Some(cpu) = self.proxy_cpu {
             let _ = write!(
                 s,
-                "  proxy {:.1} µs/req ({} sys)",
+                "  proxy {:.1} µs/req ({} sys){}",
                 cpu.us_per_req,
-                percent(Some(cpu.system_share))
+                percent(Some(cpu.system_share)),
+                if cpu.clock == CpuClock::Ticks {
+                    " [clock ticks]"
+                } else {
+                    ""
+                }
             );
         }
         if self.all_errors() > 0 {
@@ -169,6 +196,7 @@ impl PhaseStats {
             "ttft_p50_ms": self.ttft_p50_ms,
             "ttft_p99_ms": self.ttft_p99_ms,
             "proxy_cpu_us_per_req": self.proxy_cpu.map(|c| c.us_per_req).filter(|v| v.is_finite()),
+            "proxy_cpu_clock": self.proxy_cpu.map(|c| c.clock.as_str()),
             "proxy_cpu_system_share": self
                 .proxy_cpu
                 .map(|c| c.system_share)
@@ -478,7 +506,8 @@ impl Report {
             s,
             "chat completions, {} B body{}, {} tokens; {:.1} s per phase after {:.1} s warm-up \
              (at most {} requests); 1 prefill + 1 decode engine, round-robin, zero delay; \
-             CPU clock {} ticks/s{}",
+             proxy CPU from the scheduler's ns per thread (schedstat; clock ticks, {} \
+             ticks/s{}, for the system share and where a thread ended)",
             c.body_bytes,
             if c.images > 0 {
                 format!(", {} images (E/P/D: 1 encoder)", c.images)
@@ -534,6 +563,18 @@ impl Report {
                 percent(p.proxy_cpu.map(|c| c.system_share)),
                 us(Some(p.bench_cpu_us)),
                 p.all_errors(),
+            );
+        }
+        let by_ticks = self
+            .phases
+            .iter()
+            .filter(|p| p.proxy_cpu.is_some_and(|c| c.clock == CpuClock::Ticks))
+            .count();
+        if by_ticks > 0 {
+            let _ = writeln!(
+                s,
+                "proxy CPU of {by_ticks} phase(s) read from clock ticks (a proxy thread ended \
+                 during the phase, or no schedstat): 10 ms steps"
             );
         }
         let _ = writeln!(s);

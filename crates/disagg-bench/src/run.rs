@@ -13,7 +13,7 @@ use crate::BoxError;
 use crate::load::{self, Claims, Gauge, Hold, HttpClient, Outcome, Target};
 use crate::procfs::{self, ProxyProcess};
 use crate::report::{
-    HandoffCheck, HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via,
+    CpuClock, HandoffCheck, HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via,
 };
 
 /// The concurrencies of the latency phases.
@@ -463,6 +463,7 @@ async fn phases(
                 )
                 .await?;
                 let proxy0 = procfs::cpu_ticks(measured_pid)?;
+                let proxy_clock0 = procfs::thread_clocks(measured_pid)?;
                 let me0 = procfs::cpu_ticks(me)?;
                 let out = load::run(
                     client,
@@ -474,6 +475,12 @@ async fn phases(
                 )
                 .await?;
                 let proxy_ticks = procfs::cpu_ticks(measured_pid)?.since(proxy0);
+                // The scheduler's nanoseconds when every thread lived through the
+                // phase; the ticks' 10 ms steps otherwise.
+                let proxy_ns = match (proxy_clock0, procfs::thread_clocks(measured_pid)?) {
+                    (Some(before), Some(after)) => after.since(&before),
+                    _ => None,
+                };
                 let me_ticks = procfs::cpu_ticks(me)?.since(me0);
                 proxy.check_alive()?;
                 if let Some(f) = floor.as_deref_mut() {
@@ -491,7 +498,15 @@ async fn phases(
                     warm.first_error,
                     warmup_errors,
                     (via != Via::Direct).then(|| ProxyCpu {
-                        us_per_req: per_request_us(proxy_ticks.total(), config, &out),
+                        us_per_req: match proxy_ns {
+                            Some(ns) => per_request_us_ns(ns, &out),
+                            None => per_request_us(proxy_ticks.total(), config, &out),
+                        },
+                        clock: if proxy_ns.is_some() {
+                            CpuClock::Scheduler
+                        } else {
+                            CpuClock::Ticks
+                        },
                         system_share: share(proxy_ticks.system, proxy_ticks.total()),
                     }),
                     per_request_us(me_ticks.total(), config, &out),
@@ -511,6 +526,14 @@ fn per_request_us(ticks: u64, config: &RunConfig, out: &Outcome) -> f64 {
         return f64::NAN;
     }
     ticks as f64 / config.ticks_per_sec / out.ok as f64 * 1e6
+}
+
+/// CPU µs per successful request from nanoseconds.
+fn per_request_us_ns(ns: u64, out: &Outcome) -> f64 {
+    if out.ok == 0 {
+        return f64::NAN;
+    }
+    ns as f64 / 1e3 / out.ok as f64
 }
 
 /// `part / total`, `NaN` when `total` is 0.
