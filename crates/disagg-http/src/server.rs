@@ -234,7 +234,10 @@ impl Builder {
     /// thread: the request path takes no cross-thread wake-up, which on a loaded 2-core
     /// machine costs more than the proxying itself (measured with `disagg-bench`). Share
     /// what must be shared (endpoint source, router, connector) through `make_service`;
-    /// give each thread its own transport so its connection pool is thread-local.
+    /// give each thread its own transport so its connection pool is thread-local. Each
+    /// runtime also runs a one-second tick that does nothing, so that the timers every
+    /// request arms (all longer than a second) never make Tokio wake its own driver
+    /// through the eventfd (docs/performance.md, "The event loops' timer heartbeat").
     ///
     /// Blocks until `shutdown` turns `true` and every thread has drained: each closes
     /// its listening socket at once and drains its connections as
