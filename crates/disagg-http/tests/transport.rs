@@ -201,3 +201,25 @@ async fn a_sliced_body_arrives_whole_and_keeps_its_connection() {
     assert_eq!(t.idle_connections(&authority(&engine)), 1);
     assert_eq!(engine.stats().requests, 2);
 }
+
+/// The pool finds a connection by the engine's authority as `Authority` compares it,
+/// ignoring ASCII case, also where its byte-for-byte lookup finds no twin.
+#[tokio::test]
+async fn authorities_spelled_in_another_case_share_a_pooled_connection() {
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let t = HttpTransport::default();
+    let port = engine.addr().port();
+    for host in ["localhost", "LocalHost", "LOCALHOST"] {
+        let mut req = request(&engine, false, 2);
+        *req.uri_mut() = format!("http://{host}:{port}/v1/completions")
+            .parse()
+            .unwrap();
+        let resp = t.send(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.into_body().collect().await.unwrap();
+    }
+    assert_eq!(engine.stats().requests, 3);
+    assert_eq!(engine.stats().http_connections, 1, "{:?}", engine.stats());
+    let lower: Authority = format!("localhost:{port}").parse().unwrap();
+    assert_eq!(t.idle_connections(&lower), 1);
+}
