@@ -18,6 +18,22 @@ fn profile(connector: Option<&str>, role: Option<KvRole>, tp: Option<u32>) -> Kv
     }
 }
 
+/// Waits (at most 2 s) for the next set a source's watch sees.
+async fn next_set(rx: &mut watch::Receiver<Arc<EndpointSet>>) {
+    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// The ids of `set`'s endpoints of `role`, in order.
+fn ids(set: &EndpointSet, role: Role) -> Vec<String> {
+    set.by_role(role)
+        .iter()
+        .map(|e| e.id().as_str().to_owned())
+        .collect()
+}
+
 #[test]
 fn every_refused_pair_is_listed_with_both_endpoints() {
     let set = EndpointSet::new([
@@ -100,16 +116,8 @@ async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start(
     let mut rx = src.watch();
     rx.borrow_and_update();
     tx2.send_replace(more);
-    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
-        .await
-        .unwrap()
-        .unwrap();
-    let ids: Vec<_> = src
-        .snapshot()
-        .by_role(Role::Decode)
-        .iter()
-        .map(|e| e.id().as_str().to_owned())
-        .collect();
+    next_set(&mut rx).await;
+    let ids = ids(&src.snapshot(), Role::Decode);
     assert_eq!(ids, ["http://d:1", "http://d:4"]);
     assert_eq!(src.last_error().unwrap().pairs.len(), 1);
 
@@ -120,10 +128,7 @@ async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start(
     ]));
     tx2.send_replace(better);
     let mut rx = src.watch();
-    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
-        .await
-        .unwrap()
-        .unwrap();
+    next_set(&mut rx).await;
     assert_eq!(
         src.snapshot().by_role(Role::Decode)[0].id().as_str(),
         "http://d:3"
@@ -260,16 +265,8 @@ async fn an_engine_of_another_version_joining_is_left_out_and_counted() {
         plain("http://d:3", Role::Decode),
     ]));
     tx2.send_replace(Arc::clone(&joined));
-    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
-        .await
-        .unwrap()
-        .unwrap();
-    let ids: Vec<_> = src
-        .snapshot()
-        .by_role(Role::Decode)
-        .iter()
-        .map(|e| e.id().as_str().to_owned())
-        .collect();
+    next_set(&mut rx).await;
+    let ids = ids(&src.snapshot(), Role::Decode);
     assert_eq!(ids, ["http://d:1", "http://d:3"]);
     let err = src.last_error().unwrap();
     assert!(err.pairs.iter().all(|p| p.decode.as_str() == "http://d:2"));
@@ -286,10 +283,7 @@ async fn an_engine_of_another_version_joining_is_left_out_and_counted() {
             .chain(joined.by_role(Role::Decode))
             .cloned(),
     )));
-    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
-        .await
-        .unwrap()
-        .unwrap();
+    next_set(&mut rx).await;
     assert_eq!(
         (stats.left_out(Role::Decode), stats.refused("version")),
         (1, 1)
@@ -378,17 +372,8 @@ async fn an_encoder_joining_with_the_wrong_ec_connector_is_left_out() {
         ec("http://e1:1", Role::Encode, "example,ec_producer"),
         ec("http://e2:1", Role::Encode, "cpu,ec_producer"),
     ])));
-    tokio::time::timeout(std::time::Duration::from_secs(2), rx.changed())
-        .await
-        .unwrap()
-        .unwrap();
-    let set = src.snapshot();
-    let encoders: Vec<_> = set
-        .by_role(Role::Encode)
-        .iter()
-        .map(|e| e.id().as_str().to_owned())
-        .collect();
-    assert_eq!(encoders, ["http://e1:1"]);
+    next_set(&mut rx).await;
+    assert_eq!(ids(&src.snapshot(), Role::Encode), ["http://e1:1"]);
     assert_eq!(stats.left_out(Role::Encode), 1);
     assert_eq!(stats.refused("connector"), 1);
     let err = src.last_error().unwrap().to_string();
