@@ -22,8 +22,11 @@ async fn consumer(store: &std::path::Path) -> SimEngine {
     .expect("start a push consumer")
 }
 
-/// Whether the peer closed `stream` (EOF or reset) instead of answering.
-async fn closed(stream: &mut TcpStream) -> bool {
+/// Whether the engine closes a new connection to `addr` (EOF or reset) instead of
+/// answering, once `frame` is written on it.
+async fn closes(addr: (&str, u16), frame: &[u8]) -> bool {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(frame).await.unwrap();
     let mut b = [0u8; 1];
     matches!(
         tokio::time::timeout(std::time::Duration::from_secs(5), stream.read(&mut b)).await,
@@ -45,29 +48,26 @@ async fn oversized_push_frames_close_their_connection_and_the_engine_serves_on()
     let addr = ("127.0.0.1", port);
 
     // A transfer id claiming 4 GiB: refused on its length, before any buffer.
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
-    assert!(closed(&mut s).await, "a 4 GiB id must close the connection");
+    assert!(
+        closes(addr, &u32::MAX.to_be_bytes()).await,
+        "a 4 GiB id must close the connection"
+    );
 
     // An id of 257 bytes (the ceiling is 256).
-    let mut s = TcpStream::connect(addr).await.unwrap();
     let mut frame = Vec::new();
     field(&mut frame, &[b'x'; 257]);
-    s.write_all(&frame).await.unwrap();
     assert!(
-        closed(&mut s).await,
+        closes(addr, &frame).await,
         "an over-long id must close the connection"
     );
 
     // Embeddings over 1 MiB.
-    let mut s = TcpStream::connect(addr).await.unwrap();
     let mut frame = Vec::new();
     field(&mut frame, b"t-1");
     field(&mut frame, b"h-1");
     frame.extend_from_slice(&((1u32 << 20) + 1).to_be_bytes());
-    s.write_all(&frame).await.unwrap();
     assert!(
-        closed(&mut s).await,
+        closes(addr, &frame).await,
         "over-large embeddings must close the connection"
     );
 
