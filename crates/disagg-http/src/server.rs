@@ -67,7 +67,7 @@ const TIMER_HEARTBEAT: Duration = Duration::from_secs(1);
 /// (the driver parks with no timer left, so every first timer is "earlier"). With a
 /// tick every second the planned wake-up is never more than a second away, so only
 /// timers shorter than that unpark; the tick itself costs one wake-up a second.
-pub(crate) async fn timer_heartbeat() {
+async fn timer_heartbeat() {
     let mut tick = tokio::time::interval(TIMER_HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
