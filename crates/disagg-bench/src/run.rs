@@ -481,6 +481,10 @@ async fn phases(
                     (Some(before), Some(after)) => after.since(&before),
                     _ => None,
                 };
+                let (proxy_secs, clock) = match proxy_ns {
+                    Some(ns) => (ns as f64 / 1e9, CpuClock::Scheduler),
+                    None => (ticks_secs(proxy_ticks.total(), config), CpuClock::Ticks),
+                };
                 let me_ticks = procfs::cpu_ticks(me)?.since(me0);
                 proxy.check_alive()?;
                 if let Some(f) = floor.as_deref_mut() {
@@ -498,18 +502,11 @@ async fn phases(
                     warm.first_error,
                     warmup_errors,
                     (via != Via::Direct).then(|| ProxyCpu {
-                        us_per_req: match proxy_ns {
-                            Some(ns) => per_request_us_ns(ns, &out),
-                            None => per_request_us(proxy_ticks.total(), config, &out),
-                        },
-                        clock: if proxy_ns.is_some() {
-                            CpuClock::Scheduler
-                        } else {
-                            CpuClock::Ticks
-                        },
+                        us_per_req: per_request_us(proxy_secs, &out),
+                        clock,
                         system_share: share(proxy_ticks.system, proxy_ticks.total()),
                     }),
-                    per_request_us(me_ticks.total(), config, &out),
+                    per_request_us(ticks_secs(me_ticks.total(), config), &out),
                 );
                 eprintln!("{}", stats.progress_line());
                 phases.push(stats);
@@ -520,20 +517,17 @@ async fn phases(
     Ok((phases, idle, peak, floor_idle))
 }
 
-/// CPU µs per successful request from a tick count.
-fn per_request_us(ticks: u64, config: &RunConfig, out: &Outcome) -> f64 {
-    if out.ok == 0 {
-        return f64::NAN;
-    }
-    ticks as f64 / config.ticks_per_sec / out.ok as f64 * 1e6
+/// Seconds of CPU in `ticks` clock ticks.
+fn ticks_secs(ticks: u64, config: &RunConfig) -> f64 {
+    ticks as f64 / config.ticks_per_sec
 }
 
-/// CPU µs per successful request from nanoseconds.
-fn per_request_us_ns(ns: u64, out: &Outcome) -> f64 {
+/// CPU µs per successful request from CPU seconds.
+fn per_request_us(secs: f64, out: &Outcome) -> f64 {
     if out.ok == 0 {
         return f64::NAN;
     }
-    ns as f64 / 1e3 / out.ok as f64
+    secs / out.ok as f64 * 1e6
 }
 
 /// `part / total`, `NaN` when `total` is 0.
