@@ -68,3 +68,13 @@ pub use layer::{PdLayer, PdMiddleware};
 pub use routes::{RouteAction, RouteTable};
 pub use service::{PdService, PdServiceConfig};
 pub use transport::{HttpTransport, HttpTransportConfig};
+
+/// `make()`'s future, boxed and pinned, written straight into its allocation.
+///
+/// `Box::pin(fut)` builds the future on the stack and copies all of it into the box: an
+/// `async` block is as large as its largest state, several KiB on the request path, even
+/// when it has not started. Allocating first and then writing `make()`'s result lets the
+/// compiler build it in place (docs/performance.md, "Futures and bodies copied whole").
+fn pin_in_place<F: std::future::Future>(make: impl FnOnce() -> F) -> std::pin::Pin<Box<F>> {
+    Box::into_pin(Box::write(Box::new_uninit(), make()))
+}

@@ -250,7 +250,7 @@ where
     fn call(&mut self, req: Request<B>) -> ResponseFuture {
         let inner = Arc::clone(&self.inner);
         ResponseFuture {
-            inner: Box::pin(async move { Ok(inner.handle(req).await) }),
+            inner: crate::pin_in_place(move || async move { Ok(inner.handle(req).await) }),
         }
     }
 }

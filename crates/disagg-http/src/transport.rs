@@ -235,7 +235,9 @@ impl HttpTransport {
 impl Transport for HttpTransport {
     fn send(&self, req: Request<Bytes>) -> ResponseFuture {
         let inner = Arc::clone(&self.inner);
-        Box::pin(async move { inner.send(req.map(|b| LegBody::Full(Full::new(b)))).await })
+        crate::pin_in_place(move || async move {
+            inner.send(req.map(|b| LegBody::Full(Full::new(b)))).await
+        })
     }
 
     fn send_streaming(
@@ -243,14 +245,14 @@ impl Transport for HttpTransport {
         req: Request<BoxBody>,
     ) -> Result<ResponseFuture, Box<Request<BoxBody>>> {
         let inner = Arc::clone(&self.inner);
-        Ok(Box::pin(async move {
+        Ok(crate::pin_in_place(move || async move {
             inner.send(req.map(LegBody::Stream)).await
         }))
     }
 
     fn send_sliced(&self, req: Request<SlicedBody>) -> ResponseFuture {
         let inner = Arc::clone(&self.inner);
-        Box::pin(async move { inner.send(req.map(LegBody::Sliced)).await })
+        crate::pin_in_place(move || async move { inner.send(req.map(LegBody::Sliced)).await })
     }
 }
 
@@ -302,7 +304,10 @@ impl Inner {
                 },
             }
         }
-        let mut sender = self.connect(&key).await?;
+        // Boxed: a new connection's future (the resolver, the TLS handshake) is several
+        // KiB, and every leg's future, pooled or not, would otherwise be that large and
+        // copied whole into its box (docs/performance.md, "Futures copied whole").
+        let mut sender = Box::pin(self.connect(&key)).await?;
         match sender.send_request(req).await {
             Ok(resp) => Ok(self.respond(key, sender, resp)),
             Err(e) => Err(TransportError::Io(e.into())),

@@ -331,7 +331,10 @@ pin_project_lite::pin_project! {
         // Yields in a row that brought no new frame.
         idle_yields: u8,
         end: Option<Tail>,
-        finish: Option<Finish>,
+        // Boxed: a `Response<PdBody>` is moved a dozen times on its way to the client, and
+        // the attempt's state is most of its size (docs/performance.md, "Futures and
+        // bodies copied whole").
+        finish: Option<Box<Finish>>,
         prefill: Option<SyncWrapper<PendingPrefill>>,
         timer: Option<SyncWrapper<StreamTimer>>,
         // The engine's handoff kept from the client, when scrubbed.
@@ -420,7 +423,7 @@ impl PdBody {
         timer: Option<StreamTimer>,
     ) -> Self {
         let mut body = Self::forward(inner, sse);
-        body.finish = Some(finish);
+        body.finish = Some(Box::new(finish));
         body.prefill = prefill.map(SyncWrapper::new);
         body.timer = timer.map(SyncWrapper::new);
         body
@@ -434,7 +437,7 @@ impl PdBody {
                 f.permit = permit;
                 f.in_flight = in_flight;
             }
-            None => self.finish = Some(Finish::holding(permit, in_flight)),
+            None => self.finish = Some(Box::new(Finish::holding(permit, in_flight))),
         }
     }
 }
@@ -670,7 +673,7 @@ impl PdBody {
     }
 }
 
-fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Finish>) -> PollFrame {
+fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Box<Finish>>) -> PollFrame {
     match end {
         Tail::Trailers(t) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
         Tail::Eos => {

@@ -46,10 +46,11 @@ impl Inner {
         tl.decode_sent = Some(start);
         let joined = handoff.dispatch == Dispatch::Joined;
         // Boxed: the race needs them pinned, and the prefill may move into the body.
-        let prefill =
-            Box::pin(self.prefill(req, &handoff.prefill, route.take_prefill_hold(), clock));
+        let prefill = super::pin_in_place(|| {
+            self.prefill(req, &handoff.prefill, route.take_prefill_hold(), clock)
+        });
         let guard = handoff.decode.endpoint.track();
-        let decode = Box::pin(self.decode_head(req, &handoff.decode, clock));
+        let decode = super::pin_in_place(|| self.decode_head(req, &handoff.decode, clock));
         let (head, pending, prefilled, answer) = match select(prefill, decode).await {
             // The prefill ended first: a failure ends the attempt (dropping the decode
             // leg); a success leaves the decode to finish.

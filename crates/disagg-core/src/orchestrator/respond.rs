@@ -205,8 +205,13 @@ impl Inner {
         req: &PdRequest,
         status: http::StatusCode,
         meta: Option<RequestMeta>,
-    ) -> Summary {
-        let mut s = Summary::new(req.api(), req.arrival(), status);
+    ) -> Box<Summary> {
+        // Boxed where it is made: the body keeps it boxed, and a summary is several
+        // hundred bytes that would otherwise be copied into the box.
+        let mut s = Box::write(
+            Box::new_uninit(),
+            Summary::new(req.api(), req.arrival(), status),
+        );
         s.stream = req.is_stream();
         s.model = req.model_arc();
         s.request_id = Some(req.request_id().clone());
@@ -332,7 +337,7 @@ impl Inner {
             s.handoff = mark;
             s.fallback = fallback;
             s.route = Some(report.route.clone());
-            Box::new(s)
+            s
         });
         let finish = Finish {
             guard,
