@@ -410,7 +410,10 @@ impl Summary {
         self.time_to_first_byte = self
             .first_byte
             .map(|b| b.saturating_duration_since(self.arrival));
-        self.phases = self.timeline.as_ref().map(Timeline::phases);
+        // Known already when the attempt's report was told from the same timeline.
+        if self.phases.is_none() {
+            self.phases = self.timeline.as_ref().map(Timeline::phases);
+        }
         self.outcome = self.delivery.outcome(self.status);
     }
 }

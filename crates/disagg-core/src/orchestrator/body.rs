@@ -193,6 +193,9 @@ impl Finish {
             summary.end = end;
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
+            // `report` told its phases from this timeline (a summary is made only when
+            // someone listens, and then the report's phases are filled).
+            summary.phases = Some(report.phases);
             summary.timeline = Some(report.timeline);
             summary.migrations = migrations;
             summary.migrated = migrated;
