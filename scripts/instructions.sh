@@ -14,6 +14,11 @@
 #   BODY_BYTES=131072 scripts/instructions.sh ...   (chat bodies padded to about this many
 #                                             bytes with the bench's text, as its
 #                                             --body-bytes; the engines' context grows to fit)
+#   COPIES=1 scripts/instructions.sh ...   (instead of callgrind, an LD_PRELOAD
+#                                             interposer, scripts/copies.c, counts the
+#                                             bytes memcpy and memmove copy per call
+#                                             site; prints bytes per request and the
+#                                             top sites, TOP=20; needs cc and addr2line)
 #   FLOOR=1 scripts/instructions.sh target/release/disagg-bench
 #                                            (the bench's floor proxy instead of disagg:
 #                                             the yardstick of docs/performance.md; nixl only)
@@ -114,16 +119,25 @@ if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
 sleep 0.5
 PREFILL="$SCHEME://127.0.0.1:$P"
 
+# The runner of the measured proxy: callgrind, or the copy counter.
+RUN=(valgrind --tool=callgrind)
+if [ -n "${COPIES:-}" ]; then
+  cc -O2 -shared -fPIC -o "$OUT/copies.so" scripts/copies.c -ldl
+  RUN=(env LD_PRELOAD="$OUT/copies.so")
+fi
+
 count() { # requests → total instructions of one proxy run
   local n=$1 port
   port=$(free_port)
+  local run=("${RUN[@]}" --callgrind-out-file="$OUT/cg.$n")
+  if [ -n "${COPIES:-}" ]; then run=("${RUN[@]}" COPIES_OUT="$OUT/copies.$n"); fi
   if [ -n "${FLOOR:-}" ]; then
-    valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
+    "${run[@]}" \
       "$BIN" floor --threads 1 --listen 127.0.0.1:$port \
       --prefill "$PREFILL" --decode "$SCHEME://127.0.0.1:$D" \
       >/dev/null 2>"$OUT/log.$n" &
   else
-  valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n" \
+  "${run[@]}" \
     "$BIN" serve --threads 1 --listen 127.0.0.1:$port "${CONN[@]}" \
     --prefill "$PREFILL" "${PORT_ARG[@]}" --decode "$SCHEME://127.0.0.1:$D" "${EDGE[@]}" \
     "${EXTRA[@]}" \
@@ -172,9 +186,17 @@ for _ in range(n):
     r = c.getresponse(); data = r.read()
     assert r.status == 200, (r.status, data)
 EOF
-  kill -TERM $pid; wait $pid || true; [ -n "${KEEP:-}" ] && cp "$OUT/cg.$n" "$KEEP.$n"
+  kill -TERM $pid; wait $pid || true
+  if [ -n "${COPIES:-}" ]; then return; fi
+  [ -n "${KEEP:-}" ] && cp "$OUT/cg.$n" "$KEEP.$n"
   grep -E '^(summary|totals):' "$OUT/cg.$n" | head -1 | awk '{print $2}'
 }
+
+if [ -n "${COPIES:-}" ]; then
+  count "$WARM"; count "$((WARM + N))"
+  python3 scripts/copies.py "$OUT/copies.$WARM" "$OUT/copies.$((WARM + N))" "$N" "${TOP:-20}"
+  exit 0
+fi
 
 A=$(count "$WARM")
 B=$(count "$((WARM + N))")

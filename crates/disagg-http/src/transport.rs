@@ -306,7 +306,7 @@ impl Inner {
         }
         // Boxed: a new connection's future (the resolver, the TLS handshake) is several
         // KiB, and every leg's future, pooled or not, would otherwise be that large and
-        // copied whole into its box (docs/performance.md, "Futures copied whole").
+        // copied whole into its box (docs/performance.md, "Futures and bodies copied whole").
         let mut sender = Box::pin(self.connect(&key)).await?;
         match sender.send_request(req).await {
             Ok(resp) => Ok(self.respond(key, sender, resp)),
