@@ -109,7 +109,8 @@ pub(super) struct Endpoints {
     epoch: Instant,
     retention: Duration,
     families: Families,
-    by_role: [RwLock<HashMap<Arc<str>, Series>>; 3],
+    // foldhash: looked up twice per request, by ids from the operator's sources.
+    by_role: [RwLock<HashMap<Arc<str>, Series, foldhash::fast::RandomState>>; 3],
 }
 
 /// The roles with series, in [`Endpoints::by_role`]'s order.

@@ -289,7 +289,8 @@ struct Registry {
     inner: Arc<EndpointSet>,
     /// By role (prefill, decode, encode), then id. `Box<str>` keys let `record` look up with
     /// the endpoint's `&str` id: no allocation, no reference count touched.
-    by_role: [HashMap<Box<str>, Arc<EndpointState>>; 3],
+    /// (foldhash: looked up twice per request; ids come from the operator's sources.)
+    by_role: [HashMap<Box<str>, Arc<EndpointState>, foldhash::fast::RandomState>; 3],
     /// Every state once, in the inner set's order (prefill first).
     order: Vec<Arc<EndpointState>>,
 }
@@ -306,7 +307,7 @@ fn role_index(role: Role) -> usize {
 impl Registry {
     /// States for `inner`'s endpoints, reusing `old`'s for those still there.
     fn build(inner: Arc<EndpointSet>, old: Option<&Registry>) -> Registry {
-        let mut by_role: [HashMap<Box<str>, Arc<EndpointState>>; 3] = Default::default();
+        let mut by_role: [HashMap<Box<str>, Arc<EndpointState>, _>; 3] = Default::default();
         let mut order = Vec::new();
         for ep in inner.iter() {
             let map = &mut by_role[role_index(ep.role())];
