@@ -87,6 +87,12 @@ fn classify<const N: usize>(block: &[u8; N]) -> (bool, bool) {
     (stop, high)
 }
 
+/// Whether `c` ends a plain run of a string (the rule `classify` applies to a block).
+#[inline(always)]
+fn stops_string(c: u8) -> bool {
+    c == b'"' || c == b'\\' || c < 0x20
+}
+
 impl Scan<'_> {
     fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
@@ -119,31 +125,42 @@ impl Scan<'_> {
         let mut high = false;
         let mut escaped = false;
         loop {
-            while let Some(block) = b.get(j..j + 64) {
-                let block: &[u8; 64] = block.try_into().ok()?;
-                let (stop, hi) = classify(block);
-                high |= hi;
-                if stop {
-                    break;
-                }
-                j += 64;
+            // Keys and many values end within a few bytes: the first 8 are stepped one
+            // at a time, and a block is classified only past them (a classification
+            // costs about as much as 10 bytes stepped; 8 beat 16 and none by 0.1-0.3%
+            // of a 256-byte request's instructions).
+            let near = b.len().min(j + 8);
+            while j < near && !stops_string(b[j]) {
+                high |= b[j] >= 0x80;
+                j += 1;
             }
-            // The stop byte is in the next 64 (or fewer are left): past the first half
-            // of them at once when it holds none, so that what is left to step through
-            // one byte at a time is under 32, as with blocks of 32.
-            if let Some(half) = b.get(j..j + 32) {
-                let half: &[u8; 32] = half.try_into().ok()?;
-                let (stop, hi) = classify(half);
-                if !stop {
+            if j == near {
+                while let Some(block) = b.get(j..j + 64) {
+                    let block: &[u8; 64] = block.try_into().ok()?;
+                    let (stop, hi) = classify(block);
                     high |= hi;
-                    j += 32;
+                    if stop {
+                        break;
+                    }
+                    j += 64;
+                }
+                // The stop byte is in the next 64 (or fewer are left): past the first
+                // half of them at once when it holds none, so that what is left to step
+                // through one byte at a time is under 32, as with blocks of 32.
+                if let Some(half) = b.get(j..j + 32) {
+                    let half: &[u8; 32] = half.try_into().ok()?;
+                    let (stop, hi) = classify(half);
+                    if !stop {
+                        high |= hi;
+                        j += 32;
+                    }
                 }
             }
             // Up to the stop byte (or the input's last bytes), one at a time, the block
             // not classified again for each.
             let c = loop {
                 let c = *b.get(j)?;
-                if c == b'"' || c == b'\\' || c < 0x20 {
+                if stops_string(c) {
                     break c;
                 }
                 high |= c >= 0x80;

@@ -131,9 +131,10 @@ fn refuses_what_serde_refuses() {
 
 #[test]
 fn escapes_and_stops_at_every_offset_of_a_block() {
-    // A quote, backslash, control or non-ASCII byte at each place of the first two
-    // 64-byte blocks and their 32-byte halves (and across their edges), the string
-    // starting at several alignments.
+    // A quote, backslash, control or non-ASCII byte at each place of the 8 bytes
+    // stepped before any block, of the first two 64-byte blocks and their 32-byte
+    // halves (and across their edges), the string starting at several alignments; the
+    // keys (0-3 bytes) end within the first 8.
     for lead in 0..4 {
         for at in 0..160 {
             for (piece, valid) in [
