@@ -783,6 +783,21 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_response_body_stays_small_enough_to_move() {
+        // A `Response<PdBody>` is moved about a dozen times between `respond` and
+        // hyper's dispatcher, each move a copy of the whole value: the attempt's state
+        // lives behind one box (`Finish`, 470-odd bytes) so that these copies stay
+        // short (docs/performance.md, "Futures and bodies copied whole"). A field
+        // added inline that makes the body much larger fails here (with `Finish`
+        // inline it was 760 bytes).
+        assert!(
+            std::mem::size_of::<PdBody>() <= 320,
+            "PdBody is {} bytes",
+            std::mem::size_of::<PdBody>()
+        );
+    }
+
     fn body(steps: Vec<Step>, sse: bool) -> PdBody {
         let script = Script {
             steps: steps.into(),
