@@ -10,17 +10,20 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use disagg_core::error::BoxError;
+use futures::task::AtomicWaker;
 use http::{Request, Response};
 use http_body::Body;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
@@ -404,6 +407,99 @@ impl Drained {
     }
 }
 
+/// The drain's word to one listener's connections: when it starts, each connection is
+/// told to close once idle (`graceful_shutdown`), and woken to hear it.
+///
+/// Each watched connection keeps its task's waker in an `AtomicWaker`, refreshed by a
+/// compare-and-swap on every poll. hyper-util's `GracefulShutdown`, used before, polled
+/// a `watch` channel's `Notified` on every poll of the connection instead, which takes
+/// the channel's lock each time: about 150 instructions per poll, and a streamed answer
+/// polls its connection twenty-odd times (docs/performance.md, "The drain's signal").
+#[derive(Default)]
+struct Drain {
+    started: AtomicBool,
+    waiting: std::sync::Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    by_id: std::collections::HashMap<u64, Arc<AtomicWaker>>,
+    next: u64,
+}
+
+impl Drain {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        // Inserts and removes only: a panic cannot leave the map inconsistent.
+        self.waiting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// `conn`, told to close once idle when the drain starts (at once if it has).
+    fn watch<C: GracefulConnection>(self: &Arc<Self>, conn: C) -> Watched<C> {
+        let waker = Arc::new(AtomicWaker::new());
+        let id = {
+            let mut waiting = self.lock();
+            let id = waiting.next;
+            waiting.next += 1;
+            waiting.by_id.insert(id, Arc::clone(&waker));
+            id
+        };
+        Watched {
+            conn,
+            drain: Arc::clone(self),
+            id,
+            waker,
+            told: false,
+        }
+    }
+
+    /// Tell every watched connection, and every one watched from now on.
+    fn start(&self) {
+        self.started.store(true, Ordering::Release);
+        for waker in self.lock().by_id.values() {
+            waker.wake();
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection under a [`Drain`].
+    struct Watched<C> {
+        #[pin]
+        conn: C,
+        drain: Arc<Drain>,
+        id: u64,
+        waker: Arc<AtomicWaker>,
+        told: bool,
+    }
+
+    impl<C> PinnedDrop for Watched<C> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            this.drain.lock().by_id.remove(this.id);
+        }
+    }
+}
+
+impl<C: GracefulConnection> Future for Watched<C> {
+    type Output = C::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<C::Output> {
+        let mut this = self.project();
+        if !*this.told {
+            // Registered before the flag is read: a drain that starts after the read
+            // finds this waker (`AtomicWaker`'s own protocol).
+            this.waker.register(cx.waker());
+            if this.drain.started.load(Ordering::Acquire) {
+                *this.told = true;
+                this.conn.as_mut().graceful_shutdown();
+            }
+        }
+        this.conn.poll(cx)
+    }
+}
+
 /// The accept loop and the drain of one listener; the caller logs the outcome.
 async fn serve_until<S, B>(
     listener: TcpListener,
@@ -417,7 +513,7 @@ where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let graceful = GracefulShutdown::new();
+    let drain = Arc::new(Drain::default());
     // Every connection's task, so that the drain can cut those left at its deadline.
     let mut connections = JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -447,7 +543,7 @@ where
         let _ = stream.set_nodelay(true);
         #[cfg(feature = "tls")]
         if let Some(tls) = &config.tls {
-            let (acceptor, watcher) = (tls.acceptor().clone(), graceful.watcher());
+            let (acceptor, drain) = (tls.acceptor().clone(), Arc::clone(&drain));
             let (http, service) = (http.clone(), service.clone());
             let open = OpenConnection::new(tracker);
             connections.spawn(async move {
@@ -472,7 +568,7 @@ where
                     http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
                 // Watched from its acceptance: a drain that started meanwhile closes it
                 // as soon as it is idle.
-                if let Err(e) = watcher.watch(conn).await {
+                if let Err(e) = drain.watch(conn).await {
                     tracing::debug!(error = %e, "connection ended with an error");
                 }
             });
@@ -482,7 +578,7 @@ where
             TokioIo::new(stream),
             TowerToHyperService::new(service.clone()),
         );
-        let conn = graceful.watch(conn);
+        let conn = drain.watch(conn);
         let open = OpenConnection::new(tracker);
         connections.spawn(async move {
             let _open = open;
@@ -504,7 +600,7 @@ where
     }
     let all_closed = async {
         // Tells every connection to close once idle, then waits for all of them.
-        graceful.shutdown().await;
+        drain.start();
         while connections.join_next().await.is_some() {}
     };
     let cut = match tokio::time::timeout(config.drain_timeout, all_closed).await {

@@ -1,6 +1,7 @@
 //! `server::Builder::serve`'s drain over loopback: on shutdown the listener closes, an answer
 //! in flight streams to its end within the drain timeout, and what is left at the
-//! deadline is cut before the function returns.
+//! deadline is cut before the function returns, and an idle keep-alive connection is
+//! closed at once.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -142,4 +143,31 @@ async fn the_deadline_cuts_what_is_left() {
         "the connection stayed open"
     );
     assert!(!got.windows(8).any(|w| w == b"frame 99"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_at_once() {
+    // One answer, read whole: the connection then waits for a next request, and the
+    // drain (10 s) must wake it to close it, not wait for its deadline.
+    let (addr, stop, server) = start(1, Duration::from_millis(10), Duration::from_secs(10)).await;
+    let mut s = get(addr).await;
+    let mut got = Vec::new();
+    assert!(read_until(&mut s, &mut got, b"frame 0\n\r\n0\r\n\r\n").await);
+    // Idle for a moment, so that nothing but the drain polls its task again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stopped = Instant::now();
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("serve returns once the idle connection is closed")
+        .unwrap()
+        .unwrap();
+    assert!(stopped.elapsed() < Duration::from_secs(2));
+    // The client sees the close.
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+        .await
+        .expect("closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "{}", String::from_utf8_lossy(&buf[..n]));
 }
