@@ -78,6 +78,15 @@ async fn read_until(s: &mut TcpStream, got: &mut Vec<u8>, want: &[u8]) -> bool {
     true
 }
 
+/// `serve` returned, without an error, within 2 s (`why` says what it waited for).
+async fn returns_within_2s(server: JoinHandle<std::io::Result<()>>, why: &str) {
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect(why)
+        .unwrap()
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_in_flight_streams_to_its_end() {
     // 6 frames, 100 ms apart: 0.5 s of answer, well within the 10 s drain.
@@ -105,11 +114,7 @@ async fn an_answer_in_flight_streams_to_its_end() {
         String::from_utf8_lossy(&got)
     );
     let ended = Instant::now();
-    tokio::time::timeout(Duration::from_secs(2), server)
-        .await
-        .expect("serve returns once the answer is out")
-        .unwrap()
-        .unwrap();
+    returns_within_2s(server, "serve returns once the answer is out").await;
     assert!(ended.elapsed() < Duration::from_secs(2));
 }
 
@@ -123,11 +128,7 @@ async fn the_deadline_cuts_what_is_left() {
     assert!(read_until(&mut s, &mut got, b"frame 0").await);
     let stopped = Instant::now();
     stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(2), server)
-        .await
-        .expect("serve returns at its deadline")
-        .unwrap()
-        .unwrap();
+    returns_within_2s(server, "serve returns at its deadline").await;
     let took = stopped.elapsed();
     assert!(
         took >= Duration::from_millis(200),
@@ -157,11 +158,7 @@ async fn an_idle_keep_alive_connection_is_closed_at_once() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let stopped = Instant::now();
     stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(2), server)
-        .await
-        .expect("serve returns once the idle connection is closed")
-        .unwrap()
-        .unwrap();
+    returns_within_2s(server, "serve returns once the idle connection is closed").await;
     assert!(stopped.elapsed() < Duration::from_secs(2));
     // The client sees the close.
     let mut buf = [0u8; 64];
