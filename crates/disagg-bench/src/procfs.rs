@@ -81,6 +81,9 @@ impl ThreadClocks {
     }
 }
 
+/// Linux's "no such process" (`errno` 3), which reading an exiting thread's files gives.
+const ESRCH: i32 = 3;
+
 /// [`ThreadClocks`] of `pid`; `None` when the kernel keeps no schedstat (built without
 /// `CONFIG_SCHED_INFO`) or a thread's file cannot be parsed.
 pub(crate) fn thread_clocks(pid: u32) -> io::Result<Option<ThreadClocks>> {
@@ -92,8 +95,11 @@ pub(crate) fn thread_clocks(pid: u32) -> io::Result<Option<ThreadClocks>> {
         };
         let stat = match std::fs::read_to_string(entry.path().join("schedstat")) {
             Ok(stat) => stat,
-            // The thread ended between the listing and the read: it is not live.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            // The thread ended between the listing and the read: it is not live. Linux
+            // says so with ENOENT once it is gone, or ESRCH while it is exiting.
+            Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(ESRCH) => {
+                continue;
+            }
             Err(e) if e.kind() == io::ErrorKind::PermissionDenied => return Ok(None),
             Err(e) => return Err(e),
         };
@@ -341,6 +347,32 @@ mod tests {
         // Thread 2 ended: its time is no longer readable per thread.
         let lost = ThreadClocks(vec![(1, 1_500), (3, 250)]);
         assert_eq!(lost.since(&before), None);
+    }
+
+    #[test]
+    fn threads_ending_during_the_read_are_skipped() {
+        // Threads born and ended while the clocks are read, over and over: a thread may
+        // be listed and gone (or exiting) by the time its schedstat is read.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = std::thread::spawn(|| {}).join();
+                }
+            })
+        };
+        let pid = std::process::id();
+        let mut failed = None;
+        for _ in 0..3_000 {
+            if let Err(e) = thread_clocks(pid) {
+                failed = Some(e);
+                break;
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = churn.join();
+        assert!(failed.is_none(), "{failed:?}");
     }
 
     #[test]
