@@ -367,16 +367,26 @@ async fn a_restarted_engine_seen_past_the_old_last_has_its_old_entries_dropped()
     let before = status(&subscriber, &first, 0);
     first.shutdown().await;
 
-    let second = SimEngine::start(SimConfig {
-        kv_events: Some(KvEventsConfig {
-            port,
-            replay_port: Some(replay_port),
-            ..KvEventsConfig::default()
-        }),
-        ..config(64, true)
-    })
-    .await
-    .unwrap();
+    // On the old process's ports, which its sockets' closing releases a moment after
+    // `shutdown` returns (a bind seen failing with "address in use" once in CI).
+    let restart_by = Instant::now() + Duration::from_secs(5);
+    let second = loop {
+        let started = SimEngine::start(SimConfig {
+            kv_events: Some(KvEventsConfig {
+                port,
+                replay_port: Some(replay_port),
+                ..KvEventsConfig::default()
+            }),
+            ..config(64, true)
+        })
+        .await;
+        match started {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < restart_by => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => break other.unwrap(),
+        }
+    };
     // Published before the subscription is back (dropped by its PUB socket, kept in its
     // replay buffer): the new process's numbers pass the old last.
     let last = before.last_seq.unwrap();
