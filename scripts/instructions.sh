@@ -119,18 +119,18 @@ if [ "$CONNECTOR" = nixl ]; then BOOT=(); PORT_ARG=(); CONN=(); else
 sleep 0.5
 PREFILL="$SCHEME://127.0.0.1:$P"
 
-# The runner of the measured proxy: callgrind, or the copy counter.
-RUN=(valgrind --tool=callgrind)
 if [ -n "${COPIES:-}" ]; then
   cc -O2 -shared -fPIC -o "$OUT/copies.so" scripts/copies.c -ldl
-  RUN=(env LD_PRELOAD="$OUT/copies.so")
 fi
 
 count() { # requests → total instructions of one proxy run
   local n=$1 port
   port=$(free_port)
-  local run=("${RUN[@]}" --callgrind-out-file="$OUT/cg.$n")
-  if [ -n "${COPIES:-}" ]; then run=("${RUN[@]}" COPIES_OUT="$OUT/copies.$n"); fi
+  # The runner of the measured proxy: callgrind, or the copy counter.
+  local run=(valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$n")
+  if [ -n "${COPIES:-}" ]; then
+    run=(env LD_PRELOAD="$OUT/copies.so" COPIES_OUT="$OUT/copies.$n")
+  fi
   if [ -n "${FLOOR:-}" ]; then
     "${run[@]}" \
       "$BIN" floor --threads 1 --listen 127.0.0.1:$port \
