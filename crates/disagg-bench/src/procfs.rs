@@ -353,11 +353,13 @@ mod tests {
     fn threads_ending_during_the_read_are_skipped() {
         // Threads born and ended while the clocks are read, over and over: a thread may
         // be listed and gone (or exiting) by the time its schedstat is read.
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = Arc::new(AtomicBool::new(false));
         let churn = {
-            let stop = std::sync::Arc::clone(&stop);
+            let stop = Arc::clone(&stop);
             std::thread::spawn(move || {
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) {
                     let _ = std::thread::spawn(|| {}).join();
                 }
             })
@@ -370,7 +372,7 @@ mod tests {
                 break;
             }
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
         let _ = churn.join();
         assert!(failed.is_none(), "{failed:?}");
     }
