@@ -373,8 +373,11 @@ impl Inner {
             (Some(c), Some(h)) => Some(c.min(h)),
             (c, h) => c.or(h),
         };
+        // A deadline past the last instant the clock can represent is never reached: no
+        // deadline, rather than the panic of `Instant + Duration` (the client's header is
+        // a u64 of milliseconds; `--deadline` takes any number of seconds).
         Clock {
-            deadline: total.map(|t| TokioInstant::now() + t),
+            deadline: total.and_then(|t| TokioInstant::now().checked_add(t)),
         }
     }
 

@@ -1014,6 +1014,41 @@ async fn the_nearer_of_deadline_and_step_budget_names_the_error() {
     }
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_deadline_past_what_the_clock_can_hold_is_no_deadline() {
+    // The client's u64::MAX ms with no configured deadline, and a configured deadline
+    // past what an instant can hold (`--deadline 1e19`, `Duration::MAX`): neither may
+    // panic the request's task; both serve a normal answer without a deadline.
+    let huge = ("x-disagg-deadline-ms", "18446744073709551615");
+    let cases = [
+        (None, Some(huge)),
+        (Some(Duration::MAX), None),
+        (Some(Duration::MAX), Some(huge)),
+    ];
+    for (configured, header) in cases {
+        let headers = Vec::from_iter(header);
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(
+            D1,
+            CHAT,
+            Reply::sse().frame(ms(10), event(0)).frame(ms(10), DONE),
+        );
+        let orch = nixl(&fake, |c| {
+            c.deadline = configured;
+            c.client_deadline = true;
+        });
+        let resp = serve(&orch, chat_with(&orch, &headers)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{configured:?}");
+        let mut body = resp.into_body();
+        assert_eq!(data(&mut body).await, event(0));
+        assert_eq!(data(&mut body).await, DONE);
+        assert!(next(&mut body).await.is_none());
+        assert_eq!(orch.stats().deadlines_exceeded, 0);
+        assert_settled(&orch);
+    }
+}
+
 // === 6. admission ===
 
 #[tokio::test(start_paused = true)]
