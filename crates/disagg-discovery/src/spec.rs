@@ -70,16 +70,26 @@ impl Ranks {
         u64::from(self.last - self.first) + 1
     }
 
-    /// These ranks, if there are at most `max` of them.
+    /// These ranks, if there are at most `max` of them and each is below `max`: a rank
+    /// is an index into an engine's data-parallel group, so rank 60000 alone says the
+    /// group is 60,001 ranks large (and whoever follows every rank of it, the KV-event
+    /// subscriber for one, would open that many subscriptions).
     ///
     /// # Errors
     ///
-    /// [`RanksError::TooMany`] otherwise.
+    /// [`RanksError::TooMany`] for more than `max` ranks, [`RanksError::Beyond`] for a
+    /// rank not below `max`.
     pub fn within(self, max: u32) -> Result<Self, RanksError> {
         if self.count() > u64::from(max) {
             return Err(RanksError::TooMany {
                 ranks: self,
                 count: self.count(),
+                max,
+            });
+        }
+        if self.last >= max {
+            return Err(RanksError::Beyond {
+                rank: self.last,
                 max,
             });
         }
@@ -135,6 +145,14 @@ pub enum RanksError {
         ranks: Ranks,
         /// How many they are.
         count: u64,
+        /// The ceiling.
+        max: u32,
+    },
+    /// A rank at or past the ceiling on a group's size.
+    #[error("data-parallel rank {rank} is not below the {max} ranks allowed per engine")]
+    Beyond {
+        /// The highest rank named.
+        rank: u32,
         /// The ceiling.
         max: u32,
     },
@@ -584,6 +602,33 @@ mod tests {
             Ranks::new(0, DEFAULT_MAX_DP_RANKS)
                 .unwrap()
                 .within(DEFAULT_MAX_DP_RANKS)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn one_rank_past_the_ceiling_is_refused_though_it_is_one() {
+        let far: Ranks = "60000".parse().unwrap();
+        assert_eq!(far.count(), 1);
+        assert_eq!(
+            far.within(DEFAULT_MAX_DP_RANKS),
+            Err(RanksError::Beyond {
+                rank: 60000,
+                max: 1024
+            })
+        );
+        let last = Ranks::new(1020, DEFAULT_MAX_DP_RANKS - 1).unwrap();
+        assert_eq!(last.within(DEFAULT_MAX_DP_RANKS), Ok(last));
+        assert!(
+            Ranks::new(1021, DEFAULT_MAX_DP_RANKS)
+                .unwrap()
+                .within(DEFAULT_MAX_DP_RANKS)
+                .is_err()
+        );
+        assert!(
+            Ranks::new(u32::MAX, u32::MAX)
+                .unwrap()
+                .within(u32::MAX)
                 .is_err()
         );
     }

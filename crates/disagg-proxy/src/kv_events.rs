@@ -221,7 +221,7 @@ impl KvEvents {
                 Some(_) => id.rsplit_once('@').map_or(id, |(b, _)| b),
                 None => id,
             };
-            let ranks = ep.rank().map_or(1, |r| r + 1);
+            let ranks = ep.rank().map_or(1, |r| r.saturating_add(1));
             let entry = engines.entry(base.to_owned()).or_insert((ranks, ep));
             entry.0 = entry.0.max(ranks);
         }

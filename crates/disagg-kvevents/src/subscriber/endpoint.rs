@@ -101,7 +101,7 @@ impl EngineEndpoint {
             .chain(&self.load)
         {
             let port = tcp_port(endpoint)?;
-            if u32::from(port) + dp_size - 1 > u32::from(u16::MAX) {
+            if u64::from(port) + u64::from(dp_size) - 1 > u64::from(u16::MAX) {
                 return Err(EndpointError::PortRange { port, dp_size });
             }
         }

@@ -748,6 +748,11 @@ pub(crate) fn expand_ranks(url: &str, max: u32) -> Result<Vec<String>, BoxError>
         return Ok(vec![url.to_owned()]);
     };
     if !range.contains('-') {
+        // One rank: its number is checked too (rank 60000 says a group of 60,001).
+        if let Ok(rank) = range.parse::<disagg_discovery::Ranks>() {
+            rank.within(max)
+                .map_err(|e| format!("{url}: {e} (--max-dp-ranks)"))?;
+        }
         return Ok(vec![url.to_owned()]);
     }
     let ranks: disagg_discovery::Ranks = range.parse().map_err(|_| {

@@ -62,6 +62,14 @@ fn rank_ranges_expand_and_base_urls_drop_ranks() {
     assert!(err.to_string().contains("--max-dp-ranks"), "{err}");
     assert_eq!(expand_ranks("http://d:1@0-1023", max).unwrap().len(), 1024);
     assert!(expand_ranks("http://d:1@0-3", 2).is_err());
+    // One rank past the ceiling is a group past it.
+    let err = expand_ranks("http://d:1@60000", max).unwrap_err();
+    assert!(err.to_string().contains("--max-dp-ranks"), "{err}");
+    assert!(expand_ranks("http://d:1@1020-1024", max).is_err());
+    assert_eq!(
+        expand_ranks("http://d:1@1023", max).unwrap(),
+        ["http://d:1@1023"]
+    );
     assert_eq!(base_url("http://d:1/@0-3"), "http://d:1");
     assert_eq!(base_url("http://d:1@2"), "http://d:1");
     assert_eq!(base_url("http://d:1/"), "http://d:1");
