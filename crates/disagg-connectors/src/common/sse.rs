@@ -5,8 +5,9 @@
 //! Streams that need no change never come here: the orchestrator relays them frame by
 //! frame. [`MapEvents`] cuts the stream at event boundaries, however the engine's
 //! frames split them, hands each complete event to an [`EventMap`], and sends what the
-//! map wrote as soon as a frame's events are done: it holds at most one incomplete
-//! event, never the stream.
+//! map wrote as soon as a frame's events are done, in frames of about 256 KiB at most
+//! (a map may write far more than it reads): it holds at most one incomplete event and
+//! one frame of the engine's, never the stream.
 //!
 //! The work is linear in the stream: each byte is scanned for an event's end once, as
 //! it arrives. An unfinished event is not scanned again from its start when the next
@@ -35,6 +36,13 @@ use disagg_core::transport::BoxBody;
 /// with every prompt token's logprob about 40 bytes a prompt token, so 8 MiB holds
 /// a 200k-token prompt's.
 pub const DEFAULT_MAX_EVENT: usize = 8 * 1024 * 1024;
+
+/// About how many bytes of mapped events one frame of [`MapEvents`] carries: once
+/// this much is written, the events still held wait for the next poll. A map may write
+/// much more than it reads (SGLang's routers prepend the prefill's whole list of prompt
+/// logprobs to every streamed event), so a frame of small events from the engine must
+/// not become one frame of their whole mapping: it goes out as the client reads.
+const MAX_FRAME: usize = 256 * 1024;
 
 /// An engine's server-sent event grew past [`MapEvents`]' ceiling before it ended.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +106,26 @@ impl<M: EventMap> MapEvents<M> {
         self.max_event = bytes;
         self
     }
+
+    /// Map the complete events `buf` holds into `out`, until `out` holds
+    /// [`MAX_FRAME`] bytes or more. `true` when it stopped for that (complete events
+    /// may still be held), `false` when no complete event is left.
+    fn map_held(&mut self, out: &mut BytesMut) -> bool {
+        while out.len() < MAX_FRAME {
+            match scan(&self.buf, self.scanned) {
+                Ok((end, next)) => {
+                    let ev = self.buf.split_to(next);
+                    self.scanned = 0;
+                    self.map.event(&ev[..end], out);
+                }
+                Err(resume) => {
+                    self.scanned = resume;
+                    return false;
+                }
+            }
+        }
+        true
+    }
 }
 
 impl<M: EventMap + Unpin> Body for MapEvents<M> {
@@ -116,45 +144,36 @@ impl<M: EventMap + Unpin> Body for MapEvents<M> {
             if this.ended {
                 return Poll::Ready(None);
             }
+            // The events already held first: what they map to goes out in frames of
+            // about `MAX_FRAME` bytes, however many of them one frame of the engine's
+            // brought.
+            let mut out = BytesMut::new();
+            let more = this.map_held(&mut out);
+            if !more && this.buf.len() > this.max_event {
+                // The engine's event is not going to end in reason: drop it and the
+                // engine's body, and end after what was mapped.
+                this.ended = true;
+                this.buf = BytesMut::new();
+                this.inner = http_body_util::Empty::new()
+                    .map_err(|never| match never {})
+                    .boxed();
+                this.failed = Some(EventTooLarge {
+                    limit: this.max_event,
+                });
+            }
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+            }
+            if this.ended {
+                continue;
+            }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
-                Poll::Ready(Some(Ok(frame))) => {
-                    let data = match frame.into_data() {
-                        Ok(d) => d,
-                        Err(other) => return Poll::Ready(Some(Ok(other))),
-                    };
-                    this.buf.extend_from_slice(&data);
-                    let mut out = BytesMut::new();
-                    loop {
-                        match scan(&this.buf, this.scanned) {
-                            Ok((end, next)) => {
-                                let ev = this.buf.split_to(next);
-                                this.scanned = 0;
-                                this.map.event(&ev[..end], &mut out);
-                            }
-                            Err(resume) => {
-                                this.scanned = resume;
-                                break;
-                            }
-                        }
-                    }
-                    if this.buf.len() > this.max_event {
-                        // The engine's event is not going to end in reason: drop it
-                        // and the engine's body, and end after what was mapped.
-                        this.ended = true;
-                        this.buf = BytesMut::new();
-                        this.inner = http_body_util::Empty::new()
-                            .map_err(|never| match never {})
-                            .boxed();
-                        this.failed = Some(EventTooLarge {
-                            limit: this.max_event,
-                        });
-                    }
-                    if !out.is_empty() {
-                        return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
-                    }
-                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => this.buf.extend_from_slice(&data),
+                    Err(other) => return Poll::Ready(Some(Ok(other))),
+                },
                 Poll::Ready(None) => {
                     this.ended = true;
                     let rest = this.buf.split();
@@ -371,6 +390,36 @@ mod tests {
         let fits = MapEvents::new(frames(&["data: ", big, "\n\n"]), Upper).with_max_event(72);
         let out = fits.collect().await.unwrap().to_bytes();
         assert_eq!(out.len(), 6 + 64 + 3);
+    }
+
+    /// Writes 64 KiB for every event, as a map that prepends a large list would.
+    struct Swell;
+
+    impl EventMap for Swell {
+        fn event(&self, _event: &[u8], out: &mut BytesMut) {
+            out.extend_from_slice(&[b'x'; 64 * 1024]);
+            out.extend_from_slice(b"\n\n");
+        }
+    }
+
+    /// A frame of many small events whose mapping is large goes out in several frames,
+    /// none much over `MAX_FRAME`: what the proxy holds for one stream does not grow
+    /// with how many events the engine packed into one frame.
+    #[tokio::test]
+    async fn a_swelling_map_goes_out_in_bounded_frames() {
+        let many: &'static str = Box::leak("data: {}\n\n".repeat(1000).into_boxed_str());
+        let mut body = MapEvents::new(frames(&[many]), Swell);
+        let per_event = 64 * 1024 + 2;
+        let (mut total, mut count) = (0, 0);
+        while let Some(frame) = body.frame().await {
+            let len = frame.unwrap().into_data().unwrap().len();
+            // Stopped once 256 KiB were written: at most one event more.
+            assert!(len < 256 * 1024 + per_event, "a frame of {len} bytes");
+            total += len;
+            count += 1;
+        }
+        assert_eq!(total, 1000 * per_event);
+        assert!(count >= 200, "{count} frames");
     }
 
     #[tokio::test]
