@@ -417,7 +417,12 @@ impl KvScorer {
         let mut best: Option<(u64, usize, usize, usize)> = None; // (cost, cached, in_flight, i)
         for (i, c) in candidates.iter().enumerate() {
             let hit = cached[i].0.min(len);
-            let cost = ((len - hit) as u64).saturating_mul(self.config.miss_weight) + queued[i];
+            // `queued` may be an engine's own figure (`others_queued`): saturating, a
+            // huge one makes its engine the dearest, where a wrap would make it the
+            // cheapest.
+            let cost = ((len - hit) as u64)
+                .saturating_mul(self.config.miss_weight)
+                .saturating_add(queued[i]);
             let better = best.is_none_or(|(b_cost, b_hit, b_load, _)| {
                 (cost, std::cmp::Reverse(hit), c.in_flight)
                     < (b_cost, std::cmp::Reverse(b_hit), b_load)
@@ -575,7 +580,9 @@ impl KvScorer {
         let lag = self.config.load_report_lag;
         let made = received.checked_sub(lag).unwrap_or(received);
         let ours = sent.in_flight_between(made, received + lag, c.in_flight);
-        if report.waiting + report.running > ours as u64 {
+        // The engine's figures are peer input (any u64 off the wire): saturating, a
+        // huge report counts as others' work rather than panicking or wrapping to none.
+        if report.waiting.saturating_add(report.running) > ours as u64 {
             report.waiting_uncached_tokens
         } else {
             0

@@ -154,6 +154,27 @@ fn an_engine_report_prices_work_other_routers_sent() {
 }
 
 #[test]
+fn an_engine_reporting_u64_max_load_is_the_dearest_not_the_cheapest() {
+    let prompt: Vec<u32> = (0..256).collect();
+    // b holds the longer prefix, so only its load can make a win.
+    let index = index_with("b", &prompt[..160]);
+    let now = Instant::now();
+    let hostile = crate::load::LoadStat {
+        waiting: u64::MAX,
+        running: u64::MAX,
+        waiting_uncached_tokens: u64::MAX,
+        ..Default::default()
+    };
+    index.loads().record("b", 0, hostile, now);
+    let scorer = KvScorer::new(Arc::clone(&index), weight(1));
+    // b costs 96 + u64::MAX, saturated: a (256 + 0) is chosen; a wrap would make b
+    // cost 95, the cheapest.
+    let c = cands(&[("a", 0), ("b", 0)]);
+    assert_eq!(scorer.choose_at(&prompt, &c, now).unwrap().index, 0);
+    assert_eq!(scorer.queued_tokens(&Candidate::new("b", 0)), u64::MAX);
+}
+
+#[test]
 fn a_report_of_only_our_own_requests_is_not_counted() {
     let prompt: Vec<u32> = (0..256).collect();
     let index = index_with("b", &prompt[..160]);
