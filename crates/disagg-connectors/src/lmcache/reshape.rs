@@ -139,7 +139,7 @@ pub(super) fn usage(prompt: u64, completion: u64) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": prompt + completion,
+        "total_tokens": prompt.saturating_add(completion),
     })
 }
 
@@ -190,7 +190,9 @@ impl Shape {
     }
 
     /// Usage as the client counts it: the prompt once, every generated token once (the
-    /// decode saw the first token as part of its prompt). Other usage fields stay.
+    /// decode saw the first token as part of its prompt). Other usage fields stay. The
+    /// decode's count is any u64 it wrote: the sums saturate rather than panic (debug)
+    /// or wrap to a small count (release).
     fn fix_usage(&self, obj: &mut Map<String, Value>) {
         let Some(Value::Object(u)) = obj.get_mut("usage") else {
             return;
@@ -202,11 +204,14 @@ impl Shape {
             .get("completion_tokens")
             .and_then(Value::as_u64)
             .unwrap_or(0)
-            + 1;
+            .saturating_add(1);
         let prompt = self.prompt_tokens as u64;
         u.insert("prompt_tokens".into(), json!(prompt));
         u.insert("completion_tokens".into(), json!(generated));
-        u.insert("total_tokens".into(), json!(prompt + generated));
+        u.insert(
+            "total_tokens".into(),
+            json!(prompt.saturating_add(generated)),
+        );
     }
 
     /// One streamed chunk of the decode, in the client's form.

@@ -649,7 +649,9 @@ impl Migrating {
                 .get("completion_tokens")
                 .and_then(Value::as_u64)
                 .unwrap_or(0);
-            let completion = self.carried + leg;
+            // The engine's counts are any u64 it wrote: saturate rather than panic
+            // (debug) or wrap to a small count (release).
+            let completion = self.carried.saturating_add(leg);
             let prompt = usage
                 .get("prompt_tokens")
                 .and_then(Value::as_u64)
@@ -657,7 +659,10 @@ impl Migrating {
                 .saturating_sub(self.carried);
             let mut u = serde_json::Map::new();
             u.insert("prompt_tokens".into(), Value::from(prompt));
-            u.insert("total_tokens".into(), Value::from(prompt + completion));
+            u.insert(
+                "total_tokens".into(),
+                Value::from(prompt.saturating_add(completion)),
+            );
             u.insert("completion_tokens".into(), Value::from(completion));
             chunk.insert("usage".into(), Value::Object(u));
         }

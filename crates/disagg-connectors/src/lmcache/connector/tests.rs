@@ -280,6 +280,34 @@ fn a_whole_answer_gets_the_first_token_in_front() {
     assert!(shape(true).whole(b"[1]").is_err());
 }
 
+#[tokio::test]
+async fn a_decodes_u64_max_completion_tokens_saturate_streamed_and_whole() {
+    // The decode's count plus the prefill's token, and the prompt plus that: at
+    // u64::MAX, not a panic (debug) or a wrap to a handful of tokens (release).
+    let saturated =
+        json!({"prompt_tokens": 3, "completion_tokens": u64::MAX, "total_tokens": u64::MAX});
+    let usage = r#""usage":{"completion_tokens":18446744073709551615}"#;
+    let streamed = format!(
+        "data: {{\"id\":\"cmpl-d\",\"choices\":[{{\"index\":0,\"text\":\"\",\"finish_reason\":\"length\"}}],{usage}}}\n\ndata: [DONE]\n\n"
+    );
+    let body = BoxBody::new(http_body_util::StreamBody::new(futures::stream::iter([
+        Ok::<_, BoxError>(Frame::data(Bytes::from(streamed))),
+    ])));
+    let mapped = MapEvents::new(body, Arc::new(shape(true)));
+    let out = BodyExt::collect(mapped).await.unwrap().to_bytes();
+    let evs = events(&out);
+    assert_eq!(evs.len(), 2, "{evs:?}");
+    let last: Value = serde_json::from_str(evs[0].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(last["usage"], saturated);
+
+    let whole = format!(
+        r#"{{"id":"cmpl-d","choices":[{{"index":0,"text":" two","finish_reason":"length"}}],{usage}}}"#
+    );
+    let chat: Value =
+        serde_json::from_slice(&shape(true).whole(whole.as_bytes()).unwrap()).unwrap();
+    assert_eq!(chat["usage"], saturated);
+}
+
 /// An endpoint declaring `profile`, with `receiver` installed as a proxy does it
 /// (`insert_into`, declaring its size).
 fn declared(

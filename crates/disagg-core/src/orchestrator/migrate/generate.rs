@@ -155,14 +155,19 @@ pub(super) fn splice(prefix: &Prefix, prompt_len: usize, data: &[u8]) -> Option<
         .get("completion_tokens")
         .and_then(Value::as_u64)
         .unwrap_or(0);
-    meta.insert("completion_tokens".into(), Value::from(carried + leg));
+    // The engine's counts are any u64 it wrote: saturate rather than panic (debug) or
+    // wrap to a small count (release).
+    meta.insert(
+        "completion_tokens".into(),
+        Value::from(carried.saturating_add(leg)),
+    );
     // A length finish names the limit, the client's: the continuation's plus the
     // tokens carried.
     if let Some(Value::Object(finish)) = meta.get_mut("finish_reason")
         && finish.get("type").and_then(Value::as_str) == Some("length")
         && let Some(n) = finish.get("length").and_then(Value::as_u64)
     {
-        finish.insert("length".into(), Value::from(carried + n));
+        finish.insert("length".into(), Value::from(carried.saturating_add(n)));
     }
     let finished = meta.get("finish_reason").is_some_and(|f| !f.is_null());
     v.insert("text".into(), Value::String(all));

@@ -252,3 +252,16 @@ fn a_generate_event_is_spliced_after_what_the_client_has() {
     assert_eq!(meta["finish_reason"]["length"], 3);
     assert!(generate::prefix(b"{\"error\":{}}").is_none());
 }
+
+#[test]
+fn a_continuations_u64_max_counts_saturate() {
+    let last = br#"{"text":" a b","output_ids":[5,6],"meta_info":{"id":"first","finish_reason":null,"prompt_tokens":3,"completion_tokens":2}}"#;
+    let prefix = generate::prefix(last).unwrap();
+    let cont = br#"{"text":" c","output_ids":[7],"meta_info":{"id":"second","finish_reason":{"type":"length","length":18446744073709551615},"prompt_tokens":5,"completion_tokens":18446744073709551615}}"#;
+    let (json, finished) = generate::splice(&prefix, 3, cont).unwrap();
+    assert!(finished);
+    let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let meta = &v["meta_info"];
+    assert_eq!(meta["completion_tokens"], u64::MAX);
+    assert_eq!(meta["finish_reason"]["length"], u64::MAX);
+}
