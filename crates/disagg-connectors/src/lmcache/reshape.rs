@@ -266,10 +266,7 @@ impl Shape {
             );
             (m, false)
         } else {
-            match serde_json::from_slice::<Value>(decode)? {
-                Value::Object(m) => (m, true),
-                _ => return Err("the decode's answer is not a JSON object".into()),
-            }
+            (decode_answer(decode)?, true)
         };
         if let Some(f) = &self.first {
             obj.insert("id".into(), json!(self.id(&f.id)));
@@ -277,13 +274,21 @@ impl Shape {
             obj.insert("model".into(), json!(f.model));
         }
         if let Some(Value::Array(choices)) = obj.get_mut("choices") {
-            for c in choices.iter_mut() {
+            // The prefill's first token begins the choice of index 0 only: the first one
+            // naming index 0, or the first one when none names an index.
+            let first_at = choices
+                .iter()
+                .position(|c| c.get("index").and_then(Value::as_u64) == Some(0))
+                .or_else(|| {
+                    let indexed = |c: &Value| c.get("index").is_some_and(|i| !i.is_null());
+                    (!choices.iter().any(indexed)).then_some(0)
+                });
+            for (i, c) in choices.iter_mut().enumerate() {
                 let Value::Object(c) = c else { continue };
-                let mut text = self
-                    .first
-                    .as_ref()
-                    .map(|f| f.text.clone())
-                    .unwrap_or_default();
+                let mut text = match &self.first {
+                    Some(f) if first_at == Some(i) => f.text.clone(),
+                    _ => String::new(),
+                };
                 if let Some(Value::String(t)) = c.remove("text") {
                     text.push_str(&t);
                 }
@@ -311,6 +316,76 @@ impl Shape {
             self.fix_usage(&mut obj);
         }
         Ok(Bytes::from(serde_json::to_vec(&obj)?))
+    }
+}
+
+/// The most choices a decode may answer: the connector refuses a request for more
+/// than one (`n`, `best_of`), so a decode's answer has exactly one.
+const MAX_CHOICES: usize = 1;
+
+/// The decode's whole answer as an object, refused (naming the count) when it has
+/// more than [`MAX_CHOICES`] choices. The choices are counted on the raw text before
+/// any is built: a 64 MiB answer of `{}` choices would be 21 million maps (and as many
+/// reshaped ones) that a refusal must not pay for.
+fn decode_answer(bytes: &[u8]) -> Result<Map<String, Value>, BoxError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let answer = match serde::de::Deserializer::deserialize_map(&mut de, AnswerVisitor) {
+        Ok(a) => a,
+        // The only data error the visitor's input can raise: the top level is not a map.
+        Err(e) if e.classify() == serde_json::error::Category::Data => {
+            return Err("the decode's answer is not a JSON object".into());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    de.end()?;
+    match answer {
+        Answer::Object(m) => Ok(m),
+        Answer::TooManyChoices(n) => Err(format!(
+            "the decode answered {n} choices; the request can have {MAX_CHOICES}"
+        )
+        .into()),
+    }
+}
+
+enum Answer {
+    Object(Map<String, Value>),
+    TooManyChoices(usize),
+}
+
+/// Reads an object as [`Value`] would (a repeated key: the last wins), except that a
+/// `choices` list is counted, its elements unbuilt, before it is read.
+struct AnswerVisitor;
+
+impl<'de> serde::de::Visitor<'de> for AnswerVisitor {
+    type Value = Answer;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Answer, A::Error> {
+        use serde::de::{Error, IgnoredAny};
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if key != "choices" {
+                let value = map.next_value::<Value>()?;
+                out.insert(key, value);
+                continue;
+            }
+            let raw = map.next_value::<&serde_json::value::RawValue>()?;
+            // A list of zero-sized elements allocates nothing: a count for a scan.
+            let count = serde_json::from_str::<Vec<IgnoredAny>>(raw.get()).map(|v| v.len());
+            if let Ok(n) = count
+                && n > MAX_CHOICES
+            {
+                // The rest is read (unbuilt) for the parser to see the object's end.
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                return Ok(Answer::TooManyChoices(n));
+            }
+            let value = serde_json::from_str::<Value>(raw.get()).map_err(A::Error::custom)?;
+            out.insert(key, value);
+        }
+        Ok(Answer::Object(out))
     }
 }
 

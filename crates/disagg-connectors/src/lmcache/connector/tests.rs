@@ -280,6 +280,30 @@ fn a_whole_answer_gets_the_first_token_in_front() {
     assert!(shape(true).whole(b"[1]").is_err());
 }
 
+#[test]
+fn a_whole_answer_of_more_choices_than_one_is_refused_naming_the_count() {
+    let two = br#"{"id":"cmpl-d","choices":[{"index":0,"text":" two"},{"index":1,"text":" 2"}],"usage":null}"#;
+    let e = shape(true).whole(two).unwrap_err().to_string();
+    assert!(e.contains("2 choices"), "{e}");
+    // Counted, not built: a hostile decode's many empty choices are refused alike.
+    let many = format!(r#"{{"choices":[{}],"x":1}}"#, vec!["{}"; 100_000].join(","));
+    let e = shape(false).whole(many.as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("100000 choices"), "{e}");
+}
+
+#[test]
+fn the_first_token_begins_the_one_choice_even_without_an_index() {
+    let decode = br#"{"choices":[{"text":" two","finish_reason":"stop"}]}"#;
+    let chat: Value = serde_json::from_slice(&shape(true).whole(decode).unwrap()).unwrap();
+    assert_eq!(chat["choices"][0]["message"]["content"], " one two");
+    let text: Value = serde_json::from_slice(&shape(false).whole(decode).unwrap()).unwrap();
+    assert_eq!(text["choices"][0]["text"], " one two");
+    // Not a JSON object, or not JSON: refused as before.
+    let e = shape(true).whole(b"\"x\"").unwrap_err().to_string();
+    assert_eq!(e, "the decode's answer is not a JSON object");
+    assert!(shape(true).whole(b"{\"choices\":[").is_err());
+}
+
 #[tokio::test]
 async fn a_decodes_u64_max_completion_tokens_saturate_streamed_and_whole() {
     // The decode's count plus the prefill's token, and the prompt plus that: at
