@@ -55,7 +55,8 @@ pub enum DecodeError {
     #[error("event is neither a tagged map nor a tagged array")]
     Untagged,
     /// A count or the decoded size over [`DecodeLimits`] (`what`: `events`, `items`,
-    /// `decoded bytes`).
+    /// `decoded bytes`), or an event map of more than [`MAX_EVENT_FIELDS`] entries
+    /// (`fields`).
     #[error("event batch over the decoding limit on {what}")]
     Limit {
         /// Which limit.
@@ -208,6 +209,12 @@ pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<Frames<'a>, DecodeError> 
 /// its products with block counts must not overflow.
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
 
+/// The most entries an event's map may have: 256. An event class has about a dozen
+/// fields (this crate reads ten of `BlockStored`'s, newer optional ones included); a
+/// map of thousands is a broken or hostile publisher, refused before its entries are
+/// walked.
+pub const MAX_EVENT_FIELDS: usize = 256;
+
 /// The default ceiling on one message's bytes that [`DecodeLimits::default`] is
 /// derived from: 8 MiB (see [`crate::subscriber::DEFAULT_MAX_MESSAGE`]).
 const DEFAULT_MESSAGE: usize = 8 << 20;
@@ -357,6 +364,9 @@ fn decode_event(
     budget: &mut Budget,
 ) -> Result<KvEvent, DecodeError> {
     let (tag, shape) = if let Some(entries) = r.map()? {
+        if entries > MAX_EVENT_FIELDS {
+            return Err(DecodeError::Limit { what: "fields" });
+        }
         let start = r.pos();
         // The first "type" key with a string value names the class (msgspec writes it
         // first, but a map has no order).
@@ -419,29 +429,38 @@ fn skip_fields(r: &mut Reader<'_>, shape: Shape) -> Result<(), DecodeError> {
 }
 
 /// Calls `field(name, position, reader)` for each non-nil field of the event (map:
-/// its name and `None`, the first of duplicate names only; array: `""` and its
-/// position), which reads or skips its value; leaves the reader after the event.
+/// its name, one of `known`, and `None`, the first of duplicate names only; array:
+/// `""` and its position), which reads or skips its value; leaves the reader after the
+/// event. A map's other names are skipped unread.
 fn walk_fields<'a>(
     r: &mut Reader<'a>,
     shape: Shape,
+    known: &[&str],
     mut field: impl FnMut(&[u8], Option<usize>, &mut Reader<'a>) -> Result<(), DecodeError>,
 ) -> Result<(), DecodeError> {
     match shape {
         Shape::Map { start, entries } => {
             r.seek(start);
-            // Names already read (a map may repeat a key: the first one counts).
-            let mut seen: smallvec::SmallVec<[&'a [u8]; 12]> = smallvec::SmallVec::new();
+            // The known names already read, one bit each (a map may repeat a key: the
+            // first one counts). Only known names are remembered: the work per entry
+            // is a look-up in `known`, not in every name before it (quadratic in a
+            // peer's map of distinct unknown keys).
+            let mut seen = 0u32;
             for _ in 0..entries {
                 let Some(name) = r.str()? else {
                     r.skip()?;
                     r.skip()?;
                     continue;
                 };
-                if name == b"type" || seen.contains(&name) {
+                let Some(k) = known.iter().position(|n| n.as_bytes() == name) else {
+                    r.skip()?;
+                    continue;
+                };
+                if seen & (1 << k) != 0 {
                     r.skip()?;
                     continue;
                 }
-                seen.push(name);
+                seen |= 1 << k;
                 // A nil counts as absent (and so does any later value of the name).
                 if r.nil()? {
                     continue;
@@ -473,6 +492,26 @@ fn is(name: &[u8], position: Option<usize>, wanted: &str, at: Option<usize>) -> 
 const STORED: &str = "BlockStored";
 const REMOVED: &str = "BlockRemoved";
 
+/// The map fields [`block_stored`] reads: every name it tests.
+const STORED_FIELDS: &[&str] = &[
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "medium",
+    "lora_id",
+    "lora_name",
+    "cache_salt",
+    "extra_keys",
+    "group_idx",
+];
+
+/// The map fields [`block_removed`] reads: every name it tests.
+const REMOVED_FIELDS: &[&str] = &["block_hashes", "medium", "group_idx"];
+
+// `walk_fields` keeps one bit per known name in a `u32`.
+const _: () = assert!(STORED_FIELDS.len() <= 32 && REMOVED_FIELDS.len() <= 32);
+
 fn block_stored(
     r: &mut Reader<'_>,
     shape: Shape,
@@ -488,7 +527,7 @@ fn block_stored(
     let mut token_ids = None;
     let mut block_size = None;
     let mut out = BlockStored::default();
-    walk_fields(r, shape, |name, position, r| {
+    walk_fields(r, shape, STORED_FIELDS, |name, position, r| {
         if is(name, position, "block_hashes", Some(0)) {
             block_hashes =
                 Some(hashes(r, limits, budget).map_err(|e| e.or(field("block_hashes")))?);
@@ -541,7 +580,7 @@ fn block_removed(
     };
     let mut block_hashes = None;
     let mut out = BlockRemoved::default();
-    walk_fields(r, shape, |name, position, r| {
+    walk_fields(r, shape, REMOVED_FIELDS, |name, position, r| {
         if is(name, position, "block_hashes", Some(0)) {
             block_hashes = Some(hashes(r, limits, budget).map_err(|e| e.or(missing.clone()))?);
         } else if is(name, position, "medium", Some(1)) {

@@ -144,6 +144,49 @@ fn counts_and_decoded_memory_have_ceilings() {
     );
 }
 
+/// `[1.0, [{"type": "BlockStored", block_hashes, token_ids, "block_size": 1,
+/// "k0": 0, .. "k{unknown-1}": 0, "block_size": 2}]]`: the known fields, `unknown`
+/// distinct unknown keys, then a repeated `block_size`.
+fn stored_with_unknown_keys(unknown: usize) -> Vec<u8> {
+    let mut entries: Vec<(Value, Value)> = vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), Value::Array(vec![7.into()])),
+        ("token_ids".into(), Value::Array(vec![1.into()])),
+        ("block_size".into(), 1.into()),
+    ];
+    entries.extend((0..unknown).map(|i| (Value::from(format!("k{i}")), Value::from(0))));
+    entries.push(("block_size".into(), 2.into()));
+    let batch = Value::Array(vec![
+        Value::F64(1.0),
+        Value::Array(vec![Value::Map(entries)]),
+    ]);
+    encode(&batch)
+}
+
+#[test]
+fn an_event_map_past_the_field_ceiling_is_refused_before_its_walk() {
+    // At the ceiling (the four known entries, the repeat and 251 unknown keys): the
+    // unknown keys skipped, the first `block_size` read.
+    let at = stored_with_unknown_keys(MAX_EVENT_FIELDS - 5);
+    let batch = decode_batch(&at).unwrap();
+    let [KvEvent::BlockStored(stored)] = &batch.events[..] else {
+        panic!("{batch:?}")
+    };
+    assert_eq!(
+        (stored.block_hashes.clone(), stored.block_size),
+        (vec![BlockHash::Int(7)], 1)
+    );
+    // One more entry, or 200,000 distinct keys (a 1.7 MB message, whose walk was
+    // quadratic in them): refused at the map's header.
+    for unknown in [MAX_EVENT_FIELDS - 4, 200_000] {
+        assert_eq!(
+            decode_batch(&stored_with_unknown_keys(unknown)),
+            Err(DecodeError::Limit { what: "fields" }),
+            "{unknown}"
+        );
+    }
+}
+
 /// Values shaped like event fields: mostly the right type, sometimes not.
 fn field_value() -> impl Strategy<Value = Value> {
     prop_oneof![
