@@ -88,6 +88,48 @@ pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "data_parallel_rank_decode",
 ];
 
+/// Keys of `vllm_xargs` that vLLM reads as a handoff: it copies `vllm_xargs` into the
+/// request's `extra_args`, and its KV and EC connectors read `kv_transfer_params` and
+/// `ec_transfer_params` from there, as if the top-level field had been sent
+/// (`vllm/entrypoints/openai/.../protocol.py`, `to_sampling_params`: `extra_args =
+/// vllm_xargs`, then the top-level `kv_transfer_params` over it when there is one). A
+/// leg without the proxy's own `kv_transfer_params` (a direct or decode-only one, or
+/// any leg of a connector that sends none) would carry the client's.
+const XARGS_HANDOFF: &[&str] = &["kv_transfer_params", "ec_transfer_params"];
+
+/// Remove from `body` what no client may send an engine: the [`HANDOFF_FIELDS`] at the
+/// top level (each one removed is given to `removed`) and the [`XARGS_HANDOFF`] keys of
+/// `vllm_xargs`. Whether anything was removed.
+pub(crate) fn remove_handoff(
+    body: &mut JsonBody,
+    mut removed: impl FnMut(&'static str, Bytes),
+) -> bool {
+    let mut any = false;
+    for field in HANDOFF_FIELDS {
+        if let Some(raw) = body.remove(field) {
+            removed(field, raw);
+            any = true;
+        }
+    }
+    // Rare: the object is parsed only when the client sent one. Its keys are read
+    // unescaped and a repeated key once, as vLLM reads them.
+    let xargs = body
+        .get("vllm_xargs")
+        .filter(|raw| raw.first() == Some(&b'{'))
+        .and_then(|raw| {
+            serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(raw).ok()
+        });
+    if let Some(mut xargs) = xargs {
+        let before = xargs.len();
+        xargs.retain(|k, _| !XARGS_HANDOFF.contains(&k.as_str()));
+        if xargs.len() != before {
+            body.set("vllm_xargs", &xargs);
+            any = true;
+        }
+    }
+    any
+}
+
 /// The request id header, sent on both legs.
 pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -160,11 +202,7 @@ impl PdRequest {
     ) -> Result<Self, BodyError> {
         let mut body = JsonBody::parse_bytes(body)?;
         let mut removed = Vec::new();
-        for field in HANDOFF_FIELDS {
-            if let Some(raw) = body.remove(field) {
-                removed.push((*field, raw));
-            }
-        }
+        remove_handoff(&mut body, |field, raw| removed.push((field, raw)));
         let model = match body.get_as::<Option<String>>("model") {
             None => None,
             Some(Ok(m)) => m.map(Arc::from),
@@ -403,6 +441,31 @@ mod tests {
         assert_eq!(r.body().keys().collect::<Vec<_>>(), ["model", "messages"]);
         assert_eq!(r.model(), Some("m"));
         assert!(!r.is_stream());
+    }
+
+    /// vLLM reads `vllm_xargs.kv_transfer_params` as the handoff when the top level has
+    /// none: the nested spelling is removed too, escaped or repeated, and the client's
+    /// other extra arguments stay.
+    #[test]
+    fn strips_the_handoff_nested_in_vllm_xargs() {
+        let r = req(
+            HeaderMap::new(),
+            r#"{"model":"m","vllm_xargs":{"kv_transfer_params":"x","\u0065c_transfer_params":{"a":1},"mine":2,"kv_transfer_params":{"remote_host":"evil"}},"prompt":"p"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.body().keys().collect::<Vec<_>>(),
+            ["model", "vllm_xargs", "prompt"]
+        );
+        let xargs: serde_json::Value = r.body().get_as("vllm_xargs").unwrap().unwrap();
+        assert_eq!(xargs, serde_json::json!({"mine": 2}));
+        // Nothing else touched: a body without them keeps its bytes.
+        let plain = r#"{"model":"m","vllm_xargs":{"mine":"kv_transfer_params"}}"#;
+        let r = req(HeaderMap::new(), plain).unwrap();
+        assert_eq!(
+            r.body().get("vllm_xargs"),
+            Some(&br#"{"mine":"kv_transfer_params"}"#[..])
+        );
     }
 
     #[test]

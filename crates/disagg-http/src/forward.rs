@@ -28,10 +28,10 @@ use std::sync::{Arc, OnceLock};
 use std::task::Context;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
-use disagg_core::json::BodyError;
+use disagg_core::json::{BodyError, JsonBody};
 use disagg_core::outcome::Delivery;
 use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
@@ -123,27 +123,62 @@ impl Inner {
         B::Error: Into<BoxError>,
     {
         let set = self.orchestrator.source().snapshot();
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
         // What went wrong with a streamed client body, when it was the client's fault.
         let failed = Arc::new(OnceLock::new());
-        // The body is read for its `model` only when the model decides the engine.
-        let (body, model) = if set.served_models().len() > 1 && may_have_body(&parts.headers) {
-            let limits = self.limits();
-            match body::read(body, limits).await {
-                Ok((bytes, _share)) => {
-                    let model = model_of(&bytes);
-                    (ClientBody::whole(bytes), model)
-                }
-                Err(err) => return body_refused(&err),
-            }
-        } else {
-            let limits = StreamLimits {
-                max_bytes: self.config.max_body_bytes,
-                timeout: self.config.body_timeout,
-                failed: Arc::clone(&failed),
-            };
-            (ClientBody::stream(body, limits), None)
+        let limits = StreamLimits {
+            max_bytes: self.config.max_body_bytes,
+            timeout: self.config.body_timeout,
+            failed: Arc::clone(&failed),
         };
+        let mut body = ClientBody::stream(body, limits);
+        // A JSON object is read whole, for its `model` and to lose the handoff fields no
+        // client may send (as on every leg); anything else (a form, an upload, nothing)
+        // streams as it comes. Its first bytes tell which.
+        let mut model = None;
+        if may_have_body(&parts.headers) {
+            let mut start = BytesMut::new();
+            let object = loop {
+                if let Some(object) = json_object_start(&start, false) {
+                    break object;
+                }
+                match body.frame().await {
+                    None => break json_object_start(&start, true).unwrap_or(false),
+                    Some(Ok(frame)) => {
+                        if let Ok(data) = frame.into_data() {
+                            start.extend_from_slice(&data);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        return match failed.get() {
+                            Some(client) => body_refused(client),
+                            None => body_refused(&PdError::body(e)),
+                        };
+                    }
+                }
+            };
+            let started = Started {
+                start: Some(start.freeze()),
+                rest: body,
+            };
+            body = if object {
+                let bytes = match body::read(started, self.limits()).await {
+                    Ok((bytes, _share)) => bytes,
+                    Err(err) => return body_refused(failed.get().unwrap_or(&err)),
+                };
+                let (bytes, named) = match engine_body(bytes) {
+                    Ok(b) => b,
+                    Err(err) => return pd_error_response(&err),
+                };
+                model = named;
+                parts
+                    .headers
+                    .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+                ClientBody::whole(bytes)
+            } else {
+                ClientBody::client(started, u64::MAX, None)
+            };
+        }
         // The client's `accept-encoding`, which the engine's request goes without.
         let mut client_accepts = HeaderMap::new();
         if let Some(v) = parts.headers.get(header::ACCEPT_ENCODING) {
@@ -265,8 +300,11 @@ impl Inner {
             Ok((bytes, _share)) => bytes,
             Err(err) => return body_refused(&err),
         };
+        let (bytes, model) = match engine_body(bytes) {
+            Ok(b) => b,
+            Err(err) => return pd_error_response(&err),
+        };
         let set = self.orchestrator.source().snapshot();
-        let model = model_of(&bytes);
         let set = match model.as_deref() {
             Some(m) => match set.for_model(Some(m)) {
                 Ok(s) => s.clone(),
@@ -289,6 +327,7 @@ impl Inner {
         }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut headers = parts.headers.clone();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         let config = self.orchestrator.config();
         strip_request(&mut headers, config.forward_authorization);
         let timeout = config.decode_head_timeout;
@@ -443,10 +482,102 @@ fn may_have_body(headers: &HeaderMap) -> bool {
         .is_none_or(|v| v.as_bytes() != b"0")
 }
 
-/// The top-level `model` string of a JSON body, if it has one.
-fn model_of(bytes: &Bytes) -> Option<String> {
-    let raw = disagg_core::json::top_level_field(bytes, "model").ok()??;
-    serde_json::from_slice::<String>(&raw).ok()
+/// A client's whole body as an engine may get it, and the `model` it names: a JSON
+/// object loses the handoff fields no client may send
+/// ([`strip_client_handoff`](disagg_core::proto::strip_client_handoff)), as on every
+/// leg; anything else is passed as it came.
+///
+/// # Errors
+///
+/// 400 for a body that starts as a JSON object ([`json_object_start`]) but does not
+/// parse as one in UTF-8 (a byte-order mark, UTF-16 or -32, `NaN`): the engines'
+/// Python reads those, the proxy could not strip them, so it refuses them as the
+/// orchestrated routes do.
+fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
+    if !json_object_start(&bytes, true).unwrap_or(false) {
+        return Ok((bytes, None));
+    }
+    let mut json = JsonBody::parse_bytes(&bytes).map_err(PdError::body)?;
+    let model = match json.get_as::<String>("model") {
+        Some(Ok(m)) => Some(m),
+        _ => None,
+    };
+    if disagg_core::proto::strip_client_handoff(&mut json) {
+        return Ok((json.to_bytes(), model));
+    }
+    Ok((bytes, model))
+}
+
+/// Whether a body starting with `start` is a JSON object as the engines read bodies
+/// (Python's `json.loads` of the bytes, which Starlette's `Request.json()` calls): the
+/// encoding guessed as `json.detect_encoding` does (a UTF-8, -16 or -32 byte-order
+/// mark, else where the first four bytes hold zeros), whitespace skipped, then `{`.
+/// `None` when more bytes are needed to tell (`ended`: `start` is the whole body).
+fn json_object_start(start: &[u8], ended: bool) -> Option<bool> {
+    if start.len() < 4 && !ended {
+        return None;
+    }
+    // (bytes per code unit, big-endian, byte-order mark's length)
+    let enc: (usize, bool, usize) = match start {
+        [0xFF, 0xFE, 0, 0, ..] => (4, false, 4),
+        [0, 0, 0xFE, 0xFF, ..] => (4, true, 4),
+        [0xFE, 0xFF, ..] => (2, true, 2),
+        [0xFF, 0xFE, ..] => (2, false, 2),
+        [0xEF, 0xBB, 0xBF, ..] => (1, false, 3),
+        [0, b, ..] if start.len() >= 4 => (if *b != 0 { 2 } else { 4 }, true, 0),
+        [_, 0, c, d, ..] => (if *c != 0 || *d != 0 { 2 } else { 4 }, false, 0),
+        [0, _] if ended => (2, true, 0),
+        [_, 0] if ended => (2, false, 0),
+        _ => (1, false, 0),
+    };
+    let (width, big, bom) = enc;
+    for unit in start[bom..].chunks(width) {
+        if unit.len() < width {
+            break;
+        }
+        let push = |acc: u32, b: &u8| acc << 8 | u32::from(*b);
+        let c = if big {
+            unit.iter().fold(0, push)
+        } else {
+            unit.iter().rev().fold(0, push)
+        };
+        match c {
+            0x20 | 0x09 | 0x0A | 0x0D => continue,
+            0x7B => return Some(true),
+            _ => return Some(false),
+        }
+    }
+    ended.then_some(false)
+}
+
+/// A client's body after its first bytes were read: those bytes, then the rest. Its
+/// size hint is the rest's, which ([`ClientBody`]'s) is the whole body's.
+struct Started {
+    start: Option<Bytes>,
+    rest: ClientBody,
+}
+
+impl Body for Started {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(start) = self.start.take().filter(|s| !s.is_empty()) {
+            return std::task::Poll::Ready(Some(Ok(Frame::data(start))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.start.as_ref().is_none_or(Bytes::is_empty) && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.rest.size_hint()
+    }
 }
 
 /// The limits of a client body streamed to an engine, and where a breach is told.
@@ -701,5 +832,95 @@ impl Hooks<BoxBody> for EngineWatch {
             return Err(msg.into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `s` in UTF-16 or -32, either byte order, with or without a byte-order mark.
+    fn encode(s: &str, width: usize, big: bool, bom: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut put = |c: u32| {
+            let bytes = c.to_be_bytes();
+            let unit = &bytes[4 - width..];
+            if big {
+                out.extend_from_slice(unit);
+            } else {
+                out.extend(unit.iter().rev());
+            }
+        };
+        if bom {
+            put(0xFEFF);
+        }
+        for c in s.chars() {
+            put(u32::from(c));
+        }
+        out
+    }
+
+    #[test]
+    fn a_json_object_is_told_in_every_encoding_pythons_json_reads() {
+        for text in ["{\"a\":1}", " \r\n\t{}"] {
+            assert_eq!(
+                json_object_start(text.as_bytes(), true),
+                Some(true),
+                "{text:?}"
+            );
+            let bom = [&[0xEF, 0xBB, 0xBF][..], text.as_bytes()].concat();
+            assert_eq!(json_object_start(&bom, true), Some(true), "{text:?}");
+            for width in [2, 4] {
+                for big in [true, false] {
+                    for with_bom in [true, false] {
+                        let b = encode(text, width, big, with_bom);
+                        assert_eq!(
+                            json_object_start(&b, true),
+                            Some(true),
+                            "{text:?} {width} {big} {with_bom}"
+                        );
+                    }
+                }
+            }
+        }
+        for text in ["[{}]", "--x\r\n", "", "   ", "\"{\""] {
+            assert_eq!(
+                json_object_start(text.as_bytes(), true),
+                Some(false),
+                "{text:?}"
+            );
+            let b = encode(text, 2, false, true);
+            assert_eq!(json_object_start(&b, true), Some(false), "{text:?}");
+        }
+        // A two-byte body is UTF-16 when it holds a zero, as Python guesses.
+        assert_eq!(json_object_start(b"{\0", true), Some(true));
+        assert_eq!(json_object_start(b"\0{", true), Some(true));
+    }
+
+    #[test]
+    fn a_start_too_short_to_tell_waits_for_more() {
+        assert_eq!(json_object_start(b"", false), None);
+        assert_eq!(json_object_start(b"{\0", false), None);
+        assert_eq!(json_object_start(b"\xFF\xFE", false), None);
+        assert_eq!(json_object_start(b"    ", false), None);
+        assert_eq!(json_object_start(b"    {", false), Some(true));
+        assert_eq!(json_object_start(b"  x", true), Some(false));
+    }
+
+    #[test]
+    fn the_engines_body_keeps_its_bytes_unless_a_handoff_was_removed() {
+        let plain = Bytes::from_static(br#"{"model":"m", "prompt" : "p"}"#);
+        let (bytes, model) = engine_body(plain.clone()).unwrap();
+        assert_eq!(bytes.as_ptr(), plain.as_ptr(), "no copy");
+        assert_eq!(model.as_deref(), Some("m"));
+        let (bytes, model) = engine_body(Bytes::from_static(
+            br#"{"model":"m","bootstrap_host":"h","vllm_xargs":{"kv_transfer_params":1}}"#,
+        ))
+        .unwrap();
+        assert_eq!(&bytes[..], br#"{"model":"m","vllm_xargs":{}}"#);
+        assert_eq!(model.as_deref(), Some("m"));
+        let form = Bytes::from_static(b"--x\r\n\r\n--x--");
+        assert_eq!(engine_body(form.clone()).unwrap(), (form, None));
+        assert!(engine_body(Bytes::from_static(b"{\"a\":NaN}")).is_err());
     }
 }

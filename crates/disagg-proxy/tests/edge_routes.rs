@@ -776,6 +776,120 @@ async fn a_handoff_is_blanked_in_place_and_every_other_byte_is_the_engines() {
     assert_eq!(relayed, 6, "{heads:?}");
 }
 
+// === a client's handoff, on every route kind and in every spelling ===
+
+/// A body with every spelling of a client's handoff: the top-level fields (one key
+/// escaped, one repeated), and vLLM's other spelling inside `vllm_xargs`, whose other
+/// arguments must stay.
+const CLIENT_HANDOFF: &str = r#"{"model":"sim-model","prompt":"a b","kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.6.6.6","remote_port":5600},"\u0062ootstrap_host":"10.6.6.6","bootstrap_room":7,"bootstrap_room":8,"routed_dp_rank":1,"vllm_xargs":{"kv_transfer_params":"x","ec_transfer_params":{"peer_host":"10.6.6.6"},"mine":1}}"#;
+
+/// The bodies `engine` received, not counting the start-up `GET /version` probe.
+fn bodies(engine: &RawEngine) -> Vec<String> {
+    engine
+        .heads()
+        .into_iter()
+        .filter(|h| !h.starts_with("GET /version"))
+        .map(|h| {
+            h.split_once("\r\n\r\n")
+                .map_or(String::new(), |(_, b)| b.to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_clients_handoff_reaches_no_engine_on_any_route() {
+    let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        engine.url(),
+        "--decode".to_owned(),
+        engine.url(),
+        "--admin-routes".to_owned(),
+    ])
+    .await;
+    // Forwarded (`/tokenize`, `/score`), direct (`/invocations`, which vLLM serves as
+    // chat or completions; `/v1/audio/translations`), fanned out
+    // (`/v1/load_lora_adapter`); with whitespace before the object too.
+    let spaced = format!(" \r\n\t{CLIENT_HANDOFF}");
+    let sent = [
+        ("/tokenize", CLIENT_HANDOFF),
+        ("/score", spaced.as_str()),
+        ("/invocations", CLIENT_HANDOFF),
+        ("/invocations", spaced.as_str()),
+        ("/v1/audio/translations", CLIENT_HANDOFF),
+        ("/v1/load_lora_adapter", CLIENT_HANDOFF),
+    ];
+    for (path, body) in sent {
+        let a = raw_request(proxy.addr, "POST", path, body).await;
+        assert_eq!(
+            a.status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+    }
+    let seen = bodies(&engine);
+    assert_eq!(seen.len(), sent.len(), "{seen:?}");
+    for body in seen {
+        // Read whole by its `content-length`, which was made to fit.
+        let v: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys.len(), 3, "{body}");
+        for key in ["model", "prompt", "vllm_xargs"] {
+            assert!(keys.contains(&key), "{body}");
+        }
+        assert_eq!(v["vllm_xargs"], serde_json::json!({"mine": 1}), "{body}");
+        assert!(!body.contains("10.6.6.6"), "{body}");
+    }
+}
+
+#[tokio::test]
+async fn bodies_the_proxy_cannot_read_as_the_engines_do_are_refused_off_the_orchestrated_routes() {
+    let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        engine.url(),
+        "--decode".to_owned(),
+        engine.url(),
+        "--admin-routes".to_owned(),
+    ])
+    .await;
+    // Python's `json.loads` reads a byte-order mark, UTF-16 and `NaN`; the proxy,
+    // which could not strip a handoff from them, refuses them as it does on the
+    // orchestrated routes.
+    let bom = format!("\u{feff}{CLIENT_HANDOFF}");
+    let utf16: String = CLIENT_HANDOFF.chars().flat_map(|c| [c, '\0']).collect();
+    let nan = r#"{"model":"sim-model","x":NaN,"kv_transfer_params":{"remote_host":"10.6.6.6"}}"#;
+    for path in [
+        "/tokenize",
+        "/invocations",
+        "/v1/load_lora_adapter",
+        "/v1/chat/completions",
+    ] {
+        for body in [bom.as_str(), utf16.as_str(), nan] {
+            let a = raw_request(proxy.addr, "POST", path, body).await;
+            assert_eq!(
+                a.status,
+                400,
+                "{path}: {}",
+                String::from_utf8_lossy(&a.body)
+            );
+            assert!(a.json()["error"]["message"].is_string());
+        }
+    }
+    assert_eq!(bodies(&engine), Vec::<String>::new());
+    // What is not a JSON object passes as it came: a form, a list, nothing.
+    let form =
+        "--x\r\ncontent-disposition: form-data; name=\"kv_transfer_params\"\r\n\r\nv\r\n--x--\r\n";
+    let list = r#"[{"kv_transfer_params":1}]"#;
+    for body in [form, list, ""] {
+        let a = raw_request(proxy.addr, "POST", "/v1/audio/transcriptions", body).await;
+        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    }
+    assert_eq!(bodies(&engine), [form, list, ""]);
+}
+
 // === 4. every body under the clock ===
 
 /// Send a head announcing 1000 bytes to `target`, then trickle them a byte every 100

@@ -6,13 +6,13 @@
 //! [`json`](crate::json)), sees the handoff fields a client sent ([`client_handoff`]), and may pick a data-parallel rank after routing ([`dp_rank`];
 //! a [`Route`](crate::router::Route)'s ranks are its public fields). An adapter that
 //! forwards a request to one engine keeps the proxy's rules for headers and answers
-//! ([`forwardable_header`], [`unrelayable`], [`HANDOFF_HEADER`]).
+//! ([`forwardable_header`], [`strip_client_handoff`], [`unrelayable`], [`HANDOFF_HEADER`]).
 //!
 //! | item | for |
 //! |---|---|
 //! | [`client_handoff`] | the handoff fields a client sent, which the legs never carry |
 //! | [`dp_rank`] | data-parallel ranks chosen after routing |
-//! | [`forwardable_header`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
+//! | [`forwardable_header`], [`strip_client_handoff`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
 
 use std::sync::Arc;
 
@@ -35,6 +35,28 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// `kv_transfer_params` that is not an object, as vLLM would).
 pub fn client_handoff<'a>(req: &'a PdRequest, field: &str) -> Option<&'a [u8]> {
     req.client_handoff(field)
+}
+
+/// Remove from a client's JSON body what no engine may get from a client, on any route:
+/// the handoff fields [`PdRequest::new`] removes (`kv_transfer_params`, the bootstrap
+/// fields, the rank fields) and their spelling vLLM also reads, inside `vllm_xargs`.
+/// Whether anything was removed (then the body's bytes changed). An adapter that
+/// forwards a body to one engine, or to all of them, applies it as the orchestrator does
+/// to every leg.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::json::JsonBody;
+/// use disagg_core::proto::strip_client_handoff;
+///
+/// let mut body = JsonBody::parse(br#"{"model":"m","kv_transfer_params":{"remote_host":"evil"}}"#)?;
+/// assert!(strip_client_handoff(&mut body));
+/// assert_eq!(&body.to_bytes()[..], br#"{"model":"m"}"#);
+/// # Ok::<(), disagg_core::json::BodyError>(())
+/// ```
+pub fn strip_client_handoff(body: &mut disagg_json::JsonBody) -> bool {
+    crate::request::remove_handoff(body, |_, _| {})
 }
 
 /// One data-parallel rank of `engine`, for a connector that picks the rank itself after
