@@ -448,6 +448,26 @@ async fn forward_authorization_passes_authorization_alone_on_every_route() {
     }
 }
 
+/// A header the client's `connection` names is for the proxy alone: dropped on the
+/// legs as on forwarded and fanned-out requests, even `authorization` under
+/// `--forward-authorization`.
+#[tokio::test]
+async fn headers_the_clients_connection_names_reach_no_engine_on_any_route() {
+    let (p, d) = plain_pair().await;
+    let proxy = start(&p, &d, &["--forward-authorization", "--admin-routes"]).await;
+    let extra = [
+        ("connection", "keep-alive, Authorization"),
+        ("connection", "x-session-id"),
+        ("x-session-id", "s-1"),
+    ];
+    every_route(&proxy.url(), "Bearer hop-only", &extra, true).await;
+    assert_every_route_reached(&p, &d, true);
+    for r in received(&[&p, &d]) {
+        assert_eq!(r.header("authorization"), None, "{r:?}");
+        assert_eq!(r.header("x-session-id"), None, "{r:?}");
+    }
+}
+
 #[tokio::test]
 async fn engine_directives_reach_no_engine_on_any_route() {
     let (p, d) = plain_pair().await;

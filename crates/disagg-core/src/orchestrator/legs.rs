@@ -245,8 +245,10 @@ pub(super) fn http_request<'a, B>(
 
 /// The client's headers a leg carries: the session header, the configured ones and,
 /// with `forward_authorization`, `authorization`; never the client's `x-request-id` (the
-/// engine-side id is the leg's own, set after these) nor what
-/// [`forwardable_header`](crate::proto::forwardable_header) keeps from engines, whatever `forward_headers` lists.
+/// engine-side id is the leg's own, set after these), nor what
+/// [`forwardable_header`](crate::proto::forwardable_header) keeps from engines, whatever `forward_headers` lists,
+/// nor a header the client's `connection` names (one meant for the proxy alone, as a
+/// forwarded request drops it).
 pub(super) fn client_headers<'a>(
     config: &'a super::OrchestratorConfig,
     headers: &'a HeaderMap,
@@ -258,6 +260,18 @@ pub(super) fn client_headers<'a>(
             || (auth && *name == header::AUTHORIZATION))
             && forwardable_header(name, auth)
             && *name != crate::request::REQUEST_ID
+            && !named_by_connection(headers, name)
+    })
+}
+
+/// Whether a `connection` header of `headers` lists `name` (RFC 9110 §7.6.1: the
+/// header is for this hop alone).
+fn named_by_connection(headers: &HeaderMap, name: &HeaderName) -> bool {
+    headers.get_all(header::CONNECTION).iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case(name.as_str()))
+        })
     })
 }
 
@@ -273,13 +287,15 @@ pub(crate) fn is_session_header(name: &HeaderName) -> bool {
             .all(|(g, w)| g == w || (*g == b'_' && *w == b'-'))
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded.
+/// Hop-by-hop headers (RFC 9110 §7.6.1), never forwarded, and `proxy-authenticate`,
+/// an engine's challenge to a proxy (a forwarded answer drops it too).
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
             | "keep-alive"
             | "proxy-connection"
+            | "proxy-authenticate"
             | "transfer-encoding"
             | "upgrade"
             | "te"
@@ -287,10 +303,22 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-/// `headers` without the hop-by-hop ones, reusing the map (no copy of the rest).
+/// `headers` without the hop-by-hop ones and those the engine's `connection` names,
+/// reusing the map (no copy of the rest).
 pub(super) fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
     if headers.keys().any(is_hop_by_hop) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
         for name in [
+            header::PROXY_AUTHENTICATE,
             header::CONNECTION,
             HeaderName::from_static("keep-alive"),
             HeaderName::from_static("proxy-connection"),
@@ -338,6 +366,28 @@ pub(super) fn upstream_message(bytes: &Bytes) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An engine's answer loses its hop-by-hop headers, those its `connection` names,
+    /// and `proxy-authenticate`; the rest stays.
+    #[test]
+    fn an_answer_keeps_its_end_to_end_headers_only() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, X-Internal"),
+        );
+        h.insert("x-internal", HeaderValue::from_static("10.0.0.7"));
+        h.insert(
+            header::PROXY_AUTHENTICATE,
+            HeaderValue::from_static("Basic"),
+        );
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let kept = end_to_end(h);
+        assert_eq!(kept.keys().collect::<Vec<_>>(), [&header::CONTENT_TYPE]);
+    }
 
     #[test]
     fn session_header_matches_rewrites() {
