@@ -15,6 +15,7 @@
 //! card whose `id` is the rest of the path, percent-decoded), and 404
 //! `model_not_found` in OpenAI's format for an unknown id, as OpenAI does.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -100,6 +101,10 @@ async fn fetch(
         .unwrap_or_default();
     let mut answered = false;
     let mut cards: Vec<Card> = Vec::new();
+    // The ids of `cards`, for the merge's "already listed": one hash per card, where a
+    // scan of the list per card was quadratic in an engine's answer (a 4 MiB list holds
+    // ~260k ids), under the catalog's lock.
+    let mut ids: HashSet<IdKey> = HashSet::new();
     // Each server's base model card, by its authority.
     let mut base_of: Vec<(&http::uri::Authority, Card)> = Vec::new();
     for (ep, list) in servers
@@ -118,16 +123,13 @@ async fn fetch(
             base_of.push((ep.authority(), base.clone()));
         }
         for card in list {
-            if !cards.iter().any(|c| c.get("id") == card.get("id")) {
+            if ids.insert(IdKey::of(&card)) {
                 cards.push(card);
             }
         }
     }
     for name in set.served_models() {
-        if cards
-            .iter()
-            .any(|c| c.get("id").and_then(|v| v.as_str()) == Some(name))
-        {
+        if !ids.insert(IdKey::Str(name.to_string())) {
             continue;
         }
         // The base card of a server with a decode endpoint declaring the name.
@@ -140,6 +142,27 @@ async fn fetch(
         cards.push(declared(name, base));
     }
     (answered || !cards.is_empty()).then_some(cards)
+}
+
+/// A card's `id` as the merge compares them: a string (what engines send) by its text,
+/// any other value by its JSON text (equal values write equal text, but for a float
+/// zero's sign), a missing one as itself; a string and a number of the same digits
+/// differ, as the values do.
+#[derive(PartialEq, Eq, Hash)]
+enum IdKey {
+    Missing,
+    Str(String),
+    Other(String),
+}
+
+impl IdKey {
+    fn of(card: &Card) -> Self {
+        match card.get("id") {
+            None => IdKey::Missing,
+            Some(serde_json::Value::String(s)) => IdKey::Str(s.clone()),
+            Some(v) => IdKey::Other(v.to_string()),
+        }
+    }
 }
 
 /// The card for a model an endpoint declares: its engine's base card under the
@@ -249,6 +272,82 @@ mod tests {
         assert_eq!(percent_decode("a%2"), "a%2");
         assert_eq!(percent_decode("a%zz"), "a%zz");
         assert_eq!(percent_decode("plain/id"), "plain/id");
+    }
+
+    /// Decode servers answering `GET /v1/models` with the list of their authority.
+    struct Lists(std::collections::HashMap<String, String>);
+
+    impl disagg_core::transport::Transport for Lists {
+        fn send(&self, req: Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+            use http_body_util::BodyExt;
+            let authority = req.uri().authority().map(ToString::to_string);
+            let body = authority
+                .and_then(|a| self.0.get(&a).cloned())
+                .unwrap_or_default();
+            Box::pin(async move {
+                let body = http_body_util::Full::new(Bytes::from(body))
+                    .map_err(|never| match never {})
+                    .boxed();
+                Ok(http::Response::new(body))
+            })
+        }
+    }
+
+    /// `{"data": [..]}` of a card per id, owned by `owner`.
+    fn list(ids: impl Iterator<Item = usize>, owner: &str) -> String {
+        let cards: Vec<serde_json::Value> = ids
+            .map(|i| serde_json::json!({"id": format!("m{i}"), "object": "model", "owned_by": owner}))
+            .collect();
+        serde_json::json!({ "data": cards }).to_string()
+    }
+
+    #[tokio::test]
+    async fn long_lists_merge_by_id_in_order_first_listing_wins() {
+        // Two servers of 50,000 ids each, 25,000 of them shared; a declared name no
+        // engine lists, and one it does.
+        let lists = Lists(
+            [
+                ("a:1".to_owned(), list(0..50_000, "a")),
+                ("b:1".to_owned(), list(25_000..75_000, "b")),
+            ]
+            .into(),
+        );
+        let ep = |url: &str| disagg_core::Endpoint::new(url, Role::Decode).map(Arc::new);
+        let set = EndpointSet::new([
+            ep("http://a:1").unwrap(),
+            Arc::new(
+                disagg_core::Endpoint::new("http://b:1", Role::Decode)
+                    .unwrap()
+                    .with_models(["alias", "m3"]),
+            ),
+        ]);
+        let cards = fetch(&set, &lists, Duration::from_secs(60)).await.unwrap();
+        assert_eq!(cards.len(), 75_001);
+        // a's cards in its order, then b's it did not list, then the declared one.
+        for (i, card) in cards[..75_000].iter().enumerate() {
+            assert_eq!(card["id"], format!("m{i}"));
+            assert_eq!(card["owned_by"], if i < 50_000 { "a" } else { "b" }, "{i}");
+        }
+        assert_eq!(cards[75_000]["id"], "alias");
+        // b declares it: b's base card (its first), renamed.
+        assert_eq!(cards[75_000]["owned_by"], "b");
+    }
+
+    #[test]
+    fn ids_of_other_types_are_their_own_and_a_missing_one_is_one() {
+        let card = |json: &str| -> Card { serde_json::from_str(json).unwrap() };
+        let keys = [
+            r#"{"id":"5"}"#,
+            r#"{"id":5}"#,
+            r#"{"id":null}"#,
+            r#"{}"#,
+            r#"{"id":{"a":1,"b":2}}"#,
+        ]
+        .map(|j| IdKey::of(&card(j)));
+        let distinct: HashSet<&IdKey> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len());
+        assert!(IdKey::of(&card(r#"{"x":1}"#)) == keys[3]);
+        assert!(IdKey::of(&card(r#"{"id":{"b":2,"a":1}}"#)) == keys[4]);
     }
 
     #[test]
