@@ -89,13 +89,7 @@ fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
 
 /// Remove the headers `connection` names, then those `drop` picks.
 fn strip_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
+    let named: Vec<HeaderName> = disagg_core::proto::connection_names(headers).collect();
     for name in named {
         headers.remove(name);
     }

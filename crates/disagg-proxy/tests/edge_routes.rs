@@ -816,8 +816,9 @@ fn bodies(engine: &RawEngine) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test]
-async fn a_clients_handoff_reaches_no_engine_on_any_route() {
+/// A raw engine answering `{"ok":true}` to everything, as both prefill and decode of
+/// a proxy with the admin routes open.
+async fn one_raw_engine() -> (RawEngine, Proxy) {
     let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
     let proxy = Proxy::start_args(&[
         "--prefill".to_owned(),
@@ -827,6 +828,12 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
         "--admin-routes".to_owned(),
     ])
     .await;
+    (engine, proxy)
+}
+
+#[tokio::test]
+async fn a_clients_handoff_reaches_no_engine_on_any_route() {
+    let (engine, proxy) = one_raw_engine().await;
     // Forwarded (`/tokenize`, `/score`), direct (`/invocations`, which vLLM serves as
     // chat or completions; `/v1/audio/translations`), fanned out
     // (`/v1/load_lora_adapter`); with whitespace before the object too.
@@ -866,15 +873,7 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
 
 #[tokio::test]
 async fn bodies_the_proxy_cannot_read_as_the_engines_do_are_refused_off_the_orchestrated_routes() {
-    let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
-    let proxy = Proxy::start_args(&[
-        "--prefill".to_owned(),
-        engine.url(),
-        "--decode".to_owned(),
-        engine.url(),
-        "--admin-routes".to_owned(),
-    ])
-    .await;
+    let (engine, proxy) = one_raw_engine().await;
     // Python's `json.loads` reads a byte-order mark, UTF-16 and `NaN`; the proxy,
     // which could not strip a handoff from them, refuses them as it does on the
     // orchestrated routes.

@@ -264,15 +264,9 @@ pub(super) fn client_headers<'a>(
     })
 }
 
-/// Whether a `connection` header of `headers` lists `name` (RFC 9110 §7.6.1: the
-/// header is for this hop alone).
+/// Whether a `connection` header of `headers` lists `name` (for this hop alone).
 fn named_by_connection(headers: &HeaderMap, name: &HeaderName) -> bool {
-    headers.get_all(header::CONNECTION).iter().any(|v| {
-        v.to_str().is_ok_and(|v| {
-            v.split(',')
-                .any(|t| t.trim().eq_ignore_ascii_case(name.as_str()))
-        })
-    })
+    crate::proto::connection_names(headers).any(|n| n == name)
 }
 
 /// Whether `name` is the session header, whatever `-`/`_` rewriting a proxy did
@@ -307,13 +301,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// reusing the map (no copy of the rest).
 pub(super) fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
     if headers.keys().any(is_hop_by_hop) {
-        let named: Vec<HeaderName> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-            .collect();
+        let named: Vec<HeaderName> = crate::proto::connection_names(&headers).collect();
         for name in named {
             headers.remove(name);
         }

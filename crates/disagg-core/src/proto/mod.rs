@@ -6,13 +6,14 @@
 //! [`json`](crate::json)), sees the handoff fields a client sent ([`client_handoff`]), and may pick a data-parallel rank after routing ([`dp_rank`];
 //! a [`Route`](crate::router::Route)'s ranks are its public fields). An adapter that
 //! forwards a request to one engine keeps the proxy's rules for headers and answers
-//! ([`forwardable_header`], [`strip_client_handoff`], [`unrelayable`], [`HANDOFF_HEADER`]).
+//! ([`forwardable_header`], [`connection_names`], [`strip_client_handoff`], [`unrelayable`],
+//! [`HANDOFF_HEADER`]).
 //!
 //! | item | for |
 //! |---|---|
 //! | [`client_handoff`] | the handoff fields a client sent, which the legs never carry |
 //! | [`dp_rank`] | data-parallel ranks chosen after routing |
-//! | [`forwardable_header`], [`strip_client_handoff`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
+//! | [`forwardable_header`], [`connection_names`], [`strip_client_handoff`], [`unrelayable`], [`HANDOFF_HEADER`] | forwarding to one engine as the legs do |
 
 use std::sync::Arc;
 
@@ -35,6 +36,31 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// `kv_transfer_params` that is not an object, as vLLM would).
 pub fn client_handoff<'a>(req: &'a PdRequest, field: &str) -> Option<&'a [u8]> {
     req.client_handoff(field)
+}
+
+/// The headers a `connection` header of `headers` names (RFC 9110 §7.6.1: each is for
+/// one hop alone, never forwarded), as header names; tokens that are no header name
+/// are skipped.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_core::proto::connection_names;
+/// use http::header::{CONNECTION, HeaderMap, HeaderValue};
+///
+/// let mut h = HeaderMap::new();
+/// h.append(CONNECTION, HeaderValue::from_static("keep-alive, Authorization"));
+/// h.append(CONNECTION, HeaderValue::from_static("x-hop"));
+/// let names: Vec<_> = connection_names(&h).collect();
+/// assert_eq!(names, ["keep-alive", "authorization", "x-hop"]);
+/// ```
+pub fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
 }
 
 /// Remove from a client's JSON body what no engine may get from a client, on any route:
