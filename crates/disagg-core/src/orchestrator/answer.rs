@@ -97,6 +97,15 @@ impl memchr::arch::all::packedpair::HeuristicFrequencyRank for JsonRank {
 /// long prompt).
 pub(crate) const MAX_HELD_HANDOFF: usize = 1024 * 1024;
 
+/// Up to this many held bytes, a frame that adds to a handoff not whole yet scans it
+/// again at once (a vLLM handoff fits, so its end goes out with the frame that
+/// completes it); past it, a held handoff is scanned again only once its bytes doubled
+/// since the last scan, or when the answer ends. Each scan reads the held bytes from the
+/// key on, so an engine trickling a long value a byte per frame would otherwise cost a
+/// scan of up to [`MAX_HELD_HANDOFF`] bytes per byte: this keeps the work about linear
+/// in the value (at most 16 KiB per frame, then a doubling series).
+const RESCAN_FREELY: usize = 16 * 1024;
+
 /// An answer holds a handoff the proxy cannot keep from the client.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -144,7 +153,12 @@ enum Hit {
 #[derive(Debug, Default)]
 pub(crate) struct Scrubber {
     held: BytesMut,
+    /// How many bytes were held after the last scan: what it could not pass on yet.
+    scanned: usize,
     capture: Option<Arc<dyn ReturnedHandoff>>,
+    /// Scans run (tests count them).
+    #[cfg(test)]
+    scans: usize,
 }
 
 impl Scrubber {
@@ -166,9 +180,16 @@ impl Scrubber {
             data
         } else {
             self.held.extend_from_slice(&data);
+            let len = self.held.len();
+            if len > RESCAN_FREELY && len < 2 * self.scanned && len <= MAX_HELD_HANDOFF {
+                // A long handoff still coming in: scanned again once it doubled.
+                return Ok(Bytes::new());
+            }
             self.held.split().freeze()
         };
-        self.scan(buf, false)
+        let out = self.scan(buf, false);
+        self.scanned = self.held.len();
+        out
     }
 
     /// The answer ended: what was held, scrubbed.
@@ -183,6 +204,10 @@ impl Scrubber {
     /// `buf`, its handoff values overwritten; what may start a key, or a handoff not
     /// whole yet, is held back unless `end`.
     fn scan(&mut self, buf: Bytes, end: bool) -> Result<Bytes, AnswerError> {
+        #[cfg(test)]
+        {
+            self.scans += 1;
+        }
         let mut edited: Option<BytesMut> = None;
         let mut pos = 0;
         let mut cut = buf.len();
@@ -407,6 +432,54 @@ mod tests {
         // Three pieces, the key itself cut.
         let k = stream.rfind("_tra").unwrap();
         assert_eq!(joined(&[&b[..k], &b[k..k + 3], &b[k + 3..]]), want);
+    }
+
+    /// A long handoff trickled a few bytes per frame is scanned about linearly (every
+    /// frame while it is short, then each time it doubled), and comes out as scrubbed
+    /// as when it came whole; what follows it waits at most for the stream's end.
+    #[test]
+    fn a_long_handoff_trickled_in_is_not_scanned_again_per_frame() {
+        let ids: Vec<String> = (0..40_000).map(|i| i.to_string()).collect();
+        let value = format!(
+            r#"{{"remote_host":"10.0.0.7","remote_block_ids":[{}]}}"#,
+            ids.join(",")
+        );
+        assert!(value.len() > 200_000);
+        let stream = format!(
+            "{CHUNK}data: {{\"choices\":[],\"kv_transfer_params\":{value}}}\n\ndata: [DONE]\n\n"
+        );
+        let want = blanked(&stream, &[&value]);
+        let b = stream.as_bytes();
+        let mut s = Scrubber::default();
+        let mut out = Vec::new();
+        let frames = b.chunks(64);
+        let count = frames.len();
+        for f in frames {
+            out.extend_from_slice(&s.push(Bytes::copy_from_slice(f)).unwrap());
+        }
+        out.extend_from_slice(&s.finish().unwrap());
+        assert_eq!(String::from_utf8(out).unwrap(), want);
+        // 16 KiB / 64 frames scanned one by one, then a doubling series: not one per frame.
+        assert!(count > 3_000, "{count} frames");
+        assert!(
+            s.scans < 16 * 1024 / 64 + 40,
+            "{} scans of {count} frames",
+            s.scans
+        );
+        // A short one cut anywhere still goes out with the frame that completes it.
+        let short = format!("{CHUNK}{}", last_chunk());
+        let cut = short.rfind("remote_port").unwrap();
+        let mut s = Scrubber::default();
+        let first = s
+            .push(Bytes::copy_from_slice(&short.as_bytes()[..cut]))
+            .unwrap();
+        let second = s
+            .push(Bytes::copy_from_slice(&short.as_bytes()[cut..]))
+            .unwrap();
+        assert_eq!(
+            String::from_utf8([first, second].concat()).unwrap(),
+            blanked(&short, &[HANDOFF])
+        );
     }
 
     #[test]
