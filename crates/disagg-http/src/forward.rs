@@ -33,6 +33,7 @@ use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
 use disagg_core::json::{BodyError, JsonBody};
 use disagg_core::outcome::Delivery;
+use disagg_core::policy::Permit;
 use disagg_core::proto::{forwardable_header, unrelayable};
 use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
@@ -173,6 +174,19 @@ impl Inner {
                 ClientBody::client(started, u64::MAX, None)
             };
         }
+        // Generation sent direct takes a place among the running requests, as an
+        // orchestrated one does (it queues, 429 `queue_full`, 503 `queue_timeout`), and
+        // holds it until its answer's last byte.
+        let mut permit = None;
+        if direct && let Some(admission) = self.orchestrator.admission() {
+            permit = match admission.try_admit() {
+                Some(p) => Some(p),
+                None => match admission.admit(None).await {
+                    Ok(p) => Some(p),
+                    Err(err) => return pd_error_response(&err),
+                },
+            };
+        }
         // The client's `accept-encoding`, which the engine's request goes without.
         let mut client_accepts = HeaderMap::new();
         if let Some(v) = parts.headers.get(header::ACCEPT_ENCODING) {
@@ -246,7 +260,7 @@ impl Inner {
         if let Some(r) = route.as_mut() {
             r.summary.status = parts.status;
         }
-        let body = EngineBody::watch(body, guard, config.decode_idle_timeout, route);
+        let body = EngineBody::watch(body, (guard, permit), config.decode_idle_timeout, route);
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         Response::from_parts(parts, body)
     }
@@ -697,13 +711,14 @@ impl Hooks<Unshared<DynBody>> for ClientLimits {
 }
 
 /// An engine's answer on its way to the client: holds the engine's place in the
-/// in-flight count until it ends, and ends with an error after `idle` without a frame.
+/// in-flight count (and a direct request's admission permit) until it ends, and ends
+/// with an error after `idle` without a frame.
 type EngineBody = Tap<BoxBody, EngineWatch>;
 
-/// [`EngineBody`]'s own: the engine's place, the idle timer, and the request's summary
-/// until the answer ends.
+/// [`EngineBody`]'s own: the engine's place and the request's admission, the idle
+/// timer, and the request's summary until the answer ends.
 struct EngineWatch {
-    _guard: InFlightGuard,
+    _places: (InFlightGuard, Option<Permit>),
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
     route: Option<RouteEnd>,
 }
@@ -711,7 +726,7 @@ struct EngineWatch {
 impl EngineBody {
     fn watch<B>(
         body: B,
-        guard: InFlightGuard,
+        places: (InFlightGuard, Option<Permit>),
         idle: Option<Duration>,
         mut route: Option<RouteEnd>,
     ) -> Self
@@ -726,7 +741,7 @@ impl EngineBody {
             r.tell(Delivery::Complete);
         }
         let watch = EngineWatch {
-            _guard: guard,
+            _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
             route,
         };

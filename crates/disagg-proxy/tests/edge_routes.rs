@@ -909,6 +909,74 @@ async fn bodies_the_proxy_cannot_read_as_the_engines_do_are_refused_off_the_orch
     assert_eq!(bodies(&engine), [form, list, ""]);
 }
 
+/// Generation sent direct takes its place under `--max-in-flight`, as an orchestrated
+/// request does, and holds it until its answer ends (here: the client leaves).
+#[tokio::test]
+async fn direct_generation_takes_its_place_under_max_in_flight() {
+    // The held request's stream hangs after its first event (an empty frame).
+    let engine = RawEngine::start_with(|request| {
+        if request.contains("hold me") {
+            vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
+        } else {
+            json_answer(r#"{"ok":true}"#)
+        }
+    })
+    .await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        engine.url(),
+        "--decode".to_owned(),
+        engine.url(),
+        "--max-in-flight".to_owned(),
+        "1".to_owned(),
+        "--max-queue".to_owned(),
+        "0".to_owned(),
+    ])
+    .await;
+    let body = r#"{"model":"sim-model","prompt":"hold me","stream":true}"#;
+    let mut held = TcpStream::connect(proxy.addr).await.unwrap();
+    let head = format!(
+        "POST /invocations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    held.write_all(head.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !seen.windows(9).any(|w| w == b"data: {}\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), held.read(&mut buf))
+            .await
+            .expect("the held stream's first event")
+            .unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    // The only place is taken: direct and orchestrated requests alike are refused.
+    let direct = r#"{"model":"sim-model","prompt":"p"}"#;
+    raw_request(proxy.addr, "POST", "/invocations", direct)
+        .await
+        .assert_error(429, "queue_full");
+    raw_request(
+        proxy.addr,
+        "POST",
+        "/v1/completions",
+        &completion("p", 2, false),
+    )
+    .await
+    .assert_error(429, "queue_full");
+    // The client leaves: its place comes back.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let a = raw_request(proxy.addr, "POST", "/invocations", direct).await;
+        if a.status == 200 {
+            break;
+        }
+        a.assert_error(429, "queue_full");
+        assert!(Instant::now() < deadline, "the place never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 // === 4. every body under the clock ===
 
 /// Send a head announcing 1000 bytes to `target`, then trickle them a byte every 100

@@ -426,6 +426,12 @@ impl Orchestrator {
         &self.inner.config
     }
 
+    /// The limit on requests running at once, when there is one: an adapter that sends
+    /// generation to one engine itself (a direct route) takes its places from it too.
+    pub fn admission(&self) -> Option<&dyn Admission> {
+        self.inner.admission.as_deref()
+    }
+
     /// What this orchestrator counted so far: requests, retries, fallbacks, admission,
     /// early KV releases.
     pub fn stats(&self) -> OrchestratorStats {
