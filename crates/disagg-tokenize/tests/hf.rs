@@ -413,6 +413,33 @@ async fn large_prompts_tokenized_off_the_event_loop_give_the_same_ids() {
     assert_eq!(a, encode(&text, true));
 }
 
+/// A `tokenizer.json` that is a FIFO is refused before it is opened (a read would wait
+/// for a writer and hold start-up for ever), as a directory is.
+#[cfg(unix)]
+#[test]
+fn a_tokenizer_file_that_is_no_regular_file_is_refused_unread() {
+    let dir = fixture::temp_dir("fifo");
+    let fifo = dir.join("tokenizer.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    match HfTokenizer::from_dir(&dir) {
+        Err(LoadError::Read { path, source }) => {
+            assert_eq!(path, fifo);
+            assert_eq!(source.kind(), std::io::ErrorKind::InvalidInput, "{source}");
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::remove_file(&fifo).unwrap();
+    std::fs::create_dir(&fifo).unwrap();
+    assert!(matches!(
+        HfTokenizer::from_dir(&dir),
+        Err(LoadError::Read { .. })
+    ));
+}
+
 #[test]
 fn loading_errors_name_the_file_and_the_fault() {
     let dir = fixture::temp_dir("errors");

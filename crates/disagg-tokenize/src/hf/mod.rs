@@ -266,19 +266,10 @@ impl HfTokenizer {
         tokenizer_config: Option<&Path>,
     ) -> Result<HfTokenizer, LoadError> {
         let tokenizer_json = tokenizer_json.as_ref();
-        let json = std::fs::read(tokenizer_json).map_err(|source| LoadError::Read {
-            path: tokenizer_json.to_owned(),
-            source,
-        })?;
+        let json = read_file(tokenizer_json, MAX_TOKENIZER_FILE)?;
         let config = match tokenizer_config {
             None => None,
-            Some(p) => Some((
-                p.to_owned(),
-                std::fs::read(p).map_err(|source| LoadError::Read {
-                    path: p.to_owned(),
-                    source,
-                })?,
-            )),
+            Some(p) => Some((p.to_owned(), read_file(p, MAX_CONFIG_FILE)?)),
         };
         load(
             (tokenizer_json.to_owned(), &json),
@@ -659,10 +650,28 @@ fn template_message(e: &minijinja::Error) -> String {
     }
 }
 
-fn read(path: &Path) -> Result<String, LoadError> {
-    std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+/// The largest `tokenizer.json` read (the largest published ones are tens of MB).
+const MAX_TOKENIZER_FILE: u64 = 256 * 1024 * 1024;
+
+/// The largest `tokenizer_config.json` or chat template read.
+const MAX_CONFIG_FILE: u64 = 16 * 1024 * 1024;
+
+/// The bytes of `path`, a regular file of at most `limit` bytes: a FIFO or a device is
+/// refused before it is opened (reading one would block start-up), a longer file
+/// before it is held whole ([`disagg_files::read_regular`]).
+fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
+    disagg_files::read_regular(path, limit).map_err(|source| LoadError::Read {
         path: path.to_owned(),
         source,
+    })
+}
+
+/// A chat template's text (UTF-8), read as [`read_file`] reads.
+fn read(path: &Path) -> Result<String, LoadError> {
+    let bytes = read_file(path, MAX_CONFIG_FILE)?;
+    String::from_utf8(bytes).map_err(|e| LoadError::Read {
+        path: path.to_owned(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
     })
 }
 
