@@ -159,6 +159,12 @@ pub struct DnsConfig {
     pub timeout: Duration,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
+    /// The most engines one name may give (`--max-endpoints-per-source`, 4,096 by
+    /// default): an SRV answer's targets each resolve to many addresses, so a few
+    /// kilobytes of answers can name millions of engines. A name past it fails its
+    /// lookup, as a server error does (its last good engines are kept), before the rest
+    /// of its targets are resolved.
+    pub max_endpoints: usize,
 }
 
 impl DnsConfig {
@@ -171,6 +177,7 @@ impl DnsConfig {
             min_refresh: Duration::from_secs(1),
             timeout: Duration::from_secs(5),
             name: SOURCE_NAME.to_owned(),
+            max_endpoints: crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
         }
     }
 }
@@ -294,7 +301,7 @@ async fn refresh_due(
     resolver.clear_cache();
     let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
     for state in names.iter_mut().filter(|n| n.due <= now) {
-        match resolve(resolver, &state.target).await {
+        match resolve(resolver, &state.target, config.max_endpoints).await {
             Ok(Resolved { specs, ttl }) => {
                 state.last = Some(specs);
                 state.failures = 0;
@@ -307,18 +314,29 @@ async fn refresh_due(
                     negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
                 state.due = Instant::now() + bound(wait);
             }
-            Err(Failure::Lookup(e)) => {
+            Err(failed @ (Failure::Lookup(_) | Failure::TooMany { .. })) => {
                 publisher.record_error();
                 state.failures = state.failures.saturating_add(1);
                 // 1, 2, 4 ... times min_refresh, up to max_refresh.
                 let factor = 1u32 << state.failures.saturating_sub(1).min(16);
                 let wait = config.min_refresh.saturating_mul(factor);
-                tracing::warn!(
-                    name = %state.target.name,
-                    error = %e,
-                    retry_in = ?bound(wait),
-                    "DNS lookup failed; keeping the name's last good engines"
-                );
+                match failed {
+                    // Matched by the arm above.
+                    Failure::NoRecords { .. } => {}
+                    Failure::TooMany { found, max } => tracing::warn!(
+                        name = %state.target.name,
+                        found,
+                        max,
+                        retry_in = ?bound(wait),
+                        "DNS answers name more engines than the ceiling per source (--max-endpoints-per-source); keeping the name's last good engines"
+                    ),
+                    Failure::Lookup(e) => tracing::warn!(
+                        name = %state.target.name,
+                        error = %e,
+                        retry_in = ?bound(wait),
+                        "DNS lookup failed; keeping the name's last good engines"
+                    ),
+                }
                 state.due = Instant::now() + bound(wait);
             }
         }
@@ -348,6 +366,8 @@ enum Failure {
     NoRecords { negative_ttl: Option<u32> },
     /// No answer.
     Lookup(NetError),
+    /// Answers that name more engines than the ceiling (found so far when it stopped).
+    TooMany { found: usize, max: usize },
 }
 
 impl From<NetError> for Failure {
@@ -363,10 +383,18 @@ impl From<NetError> for Failure {
     }
 }
 
-async fn resolve(resolver: &TokioResolver, target: &DnsTarget) -> Result<Resolved, Failure> {
+async fn resolve(
+    resolver: &TokioResolver,
+    target: &DnsTarget,
+    max: usize,
+) -> Result<Resolved, Failure> {
+    let too_many = |found: usize| (found > max).then_some(Failure::TooMany { found, max });
     match &target.name {
         DnsName::Host { name, port } => {
             let (ips, valid_until) = lookup_ip(resolver, name).await?;
+            if let Some(e) = too_many(ips.len()) {
+                return Err(e);
+            }
             Ok(Resolved {
                 specs: ips.into_iter().map(|ip| spec(target, ip, *port)).collect(),
                 ttl: valid_until.saturating_duration_since(Instant::now()),
@@ -396,6 +424,9 @@ async fn resolve(resolver: &TokioResolver, target: &DnsTarget) -> Result<Resolve
                     Err(e) => return Err(e),
                 };
                 valid_until = valid_until.min(until);
+                if let Some(e) = too_many(specs.len() + ips.len()) {
+                    return Err(e);
+                }
                 specs.extend(ips.into_iter().map(|ip| {
                     let mut s = spec(target, ip, srv.port);
                     s.weight = Some(srv_weight(srv.weight));

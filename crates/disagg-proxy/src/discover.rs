@@ -165,6 +165,7 @@ impl DiscoveryArgs {
         let mut c = DnsConfig::new(targets);
         c.max_refresh = crate::serve::secs(self.dns_refresh, "dns-refresh")?;
         c.server = self.dns_server;
+        c.max_endpoints = self.max_endpoints_per_source;
         Ok(Some(c))
     }
 

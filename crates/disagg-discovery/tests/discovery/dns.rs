@@ -394,6 +394,60 @@ async fn srv_records_give_the_lowest_prioritys_targets_and_ports() {
     .await;
 }
 
+/// A name whose answers make more engines than the ceiling fails as a lookup does (the
+/// last good engines kept, an error counted), before the rest of its targets are
+/// resolved; back under it, its engines follow.
+#[tokio::test]
+async fn a_name_past_the_endpoint_ceiling_is_refused_as_it_is_resolved() {
+    let dir = TempDir::new("dns-many");
+    let hosts = "127.0.0.61 m1.disagg.test\n127.0.0.62 m1.disagg.test\n\
+                 127.0.0.63 m2.disagg.test\n127.0.0.64 m2.disagg.test\n\
+                 127.0.0.65 m3.disagg.test\n127.0.0.66 m3.disagg.test\n";
+    let three = [
+        "_many._tcp.disagg.test,m1.disagg.test,8201,0,10",
+        "_many._tcp.disagg.test,m2.disagg.test,8202,0,10",
+        "_many._tcp.disagg.test,m3.disagg.test,8203,0,10",
+    ];
+    let Some(mut server) = Dnsmasq::start(&dir, hosts, &three[..2], 1).await else {
+        return;
+    };
+    let mut config = config(
+        &server,
+        vec![target("_many._tcp.disagg.test", Role::Decode)],
+    );
+    config.max_endpoints = 5;
+    config.max_refresh = Duration::from_secs(1);
+    config.min_refresh = Duration::from_millis(200);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    let before = merged.snapshot();
+    assert_eq!(ids(&before, Role::Decode).len(), 4);
+    // Six engines: past the ceiling of five.
+    server.set_srv(&three).await;
+    eventually(Duration::from_secs(15), "a refused lookup", || {
+        errors(&merged) >= 1
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&merged.snapshot(), &before),
+        "the last good engines kept"
+    );
+    // Back to four.
+    server.set_srv(&three[1..]).await;
+    wait_for(&merged, SEEN, "the engines under the ceiling", |s| {
+        ids(s, Role::Decode)
+            == [
+                "http://127.0.0.63:8202",
+                "http://127.0.0.64:8202",
+                "http://127.0.0.65:8203",
+                "http://127.0.0.66:8203",
+            ]
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_failed_lookup_keeps_the_last_good_engines() {
     let dir = TempDir::new("dns-fail");
