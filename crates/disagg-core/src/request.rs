@@ -111,19 +111,22 @@ pub(crate) fn remove_handoff(
             any = true;
         }
     }
-    // Rare: the object is parsed only when the client sent one. Its keys are read
-    // unescaped and a repeated key once, as vLLM reads them.
+    // Rare: the object is parsed only when the client sent one, by the parser that read
+    // the body (it took the body, so it takes this part of it: no value a `Value` could
+    // not hold, a `1e400` beside the key, lets the key through); its keys are read
+    // unescaped and a repeated key once, as vLLM reads them. Its other values keep
+    // their bytes.
     let xargs = body
-        .get("vllm_xargs")
+        .get_bytes("vllm_xargs")
         .filter(|raw| raw.first() == Some(&b'{'))
-        .and_then(|raw| {
-            serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(raw).ok()
-        });
+        .and_then(|raw| JsonBody::parse_bytes(&raw).ok());
     if let Some(mut xargs) = xargs {
-        let before = xargs.len();
-        xargs.retain(|k, _| !XARGS_HANDOFF.contains(&k.as_str()));
-        if xargs.len() != before {
-            body.set("vllm_xargs", &xargs);
+        let mut cut = false;
+        for key in XARGS_HANDOFF {
+            cut |= xargs.remove(key).is_some();
+        }
+        if cut {
+            body.set_raw("vllm_xargs", xargs.to_bytes());
             any = true;
         }
     }
@@ -465,6 +468,21 @@ mod tests {
         assert_eq!(
             r.body().get("vllm_xargs"),
             Some(&br#"{"mine":"kv_transfer_params"}"#[..])
+        );
+    }
+
+    /// A value `serde_json::Value` cannot hold (a number past `f64`, which Python reads
+    /// as `inf`) beside the nested key does not let the key through.
+    #[test]
+    fn the_nested_handoff_goes_whatever_sits_beside_it() {
+        let r = req(
+            HeaderMap::new(),
+            r#"{"model":"m","vllm_xargs":{"pad":1e400,"kv_transfer_params":"x","big":123456789012345678901234567890}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.body().get("vllm_xargs"),
+            Some(&br#"{"pad":1e400,"big":123456789012345678901234567890}"#[..])
         );
     }
 
