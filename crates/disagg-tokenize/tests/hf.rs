@@ -440,6 +440,23 @@ fn a_tokenizer_file_that_is_no_regular_file_is_refused_unread() {
     ));
 }
 
+/// A chat template past its ceiling (16 MiB) is refused whole, not read cut short.
+#[test]
+fn a_template_past_its_ceiling_is_refused_not_cut() {
+    let dir = fixture::temp_dir("big");
+    raw().save(dir.join("tokenizer.json"), false).unwrap();
+    let big = "{{ messages[0].content }}".repeat(16 * 1024 * 1024 / 25 + 1);
+    assert!(big.len() > 16 * 1024 * 1024);
+    std::fs::write(dir.join("chat_template.jinja"), &big).unwrap();
+    match HfTokenizer::from_dir(&dir) {
+        Err(LoadError::Read { path, source }) => {
+            assert!(path.ends_with("chat_template.jinja"));
+            assert_eq!(source.kind(), std::io::ErrorKind::FileTooLarge, "{source}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn loading_errors_name_the_file_and_the_fault() {
     let dir = fixture::temp_dir("errors");
