@@ -404,6 +404,11 @@ impl EndpointSpec {
                 let mut ep =
                     Endpoint::with_address_policy(url, self.role, ext.clone(), bounds.addresses)?
                         .with_facts(self.facts.clone());
+                // A rank written in the URL (`http://h:1@60000`) is held to the ceiling
+                // as one in `ranks` is.
+                if let Some(rank) = ep.rank() {
+                    Ranks::new(rank, rank)?.within(bounds.max_ranks)?;
+                }
                 if let Some(w) = self.weight {
                     ep = ep.with_weight(w)?;
                 }
@@ -604,6 +609,25 @@ mod tests {
                 .within(DEFAULT_MAX_DP_RANKS)
                 .is_err()
         );
+    }
+
+    /// The rank a URL carries after `@` is held to the ceiling like `ranks`.
+    #[test]
+    fn a_rank_in_the_url_is_held_to_the_ceiling() {
+        let spec = |url: &str| EndpointSpec::new(url, Role::Decode);
+        let bounds = Bounds::default();
+        let far =
+            spec("http://10.0.0.5:1@60000").to_endpoints_bounded(http::Extensions::new(), &bounds);
+        assert!(
+            matches!(
+                far,
+                Err(SpecError::Ranks(RanksError::Beyond { rank: 60000, .. }))
+            ),
+            "{far:?}"
+        );
+        let near =
+            spec("http://10.0.0.5:1@1023").to_endpoints_bounded(http::Extensions::new(), &bounds);
+        assert_eq!(near.unwrap()[0].rank(), Some(1023));
     }
 
     #[test]
