@@ -5,12 +5,17 @@
 //! connections), the decode head timeout for the engine's head and the decode idle
 //! timeout between chunks of its answer, the healthy endpoints of the source, and
 //! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow.
-//! Both bodies stream: the client's to the engine as it arrives (within
+//! The client's body is held to
 //! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
-//! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout): past them,
-//! 413 or 408 and the connection closed, as for an orchestrated body), the engine's to
-//! the client frame by frame. Only when the fleet serves several models is the client's
-//! body read whole first, to find its `model`; a fanned-out body is always read whole.
+//! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout) (past them,
+//! 413 or 408 and the connection closed, as for an orchestrated body). A body that starts
+//! as a JSON object (as the engines' Python guesses its encoding) is read whole: it loses
+//! the handoff fields no client may send
+//! ([`strip_client_handoff`](disagg_core::proto::strip_client_handoff)), and its `model`
+//! picks the engine, as on the orchestrated routes; so is a direct request's body, which
+//! takes a place under the orchestrator's admission once it is in and holds it until the
+//! answer ends. Any other body streams to the engine as it arrives; a fanned-out body is
+//! always read whole. The engine's answer goes to the client frame by frame.
 //!
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
@@ -131,6 +136,9 @@ impl Inner {
         // client may send (as on every leg); anything else (a form, an upload, nothing)
         // streams as it comes. Its first bytes tell which.
         let mut model = None;
+        // Whether this is generation sent direct: a direct request with a body (one
+        // without, retrieving or cancelling a stored response, is not).
+        let mut generation = false;
         if may_have_body(&parts.headers) {
             let mut start = BytesMut::new();
             let object = loop {
@@ -156,7 +164,10 @@ impl Inner {
                 start: Some(start.freeze()),
                 rest: body,
             };
-            body = if object {
+            // Direct generation is read whole too: it takes its place among the running
+            // requests once its body is in, as an orchestrated request does (a slow
+            // upload holds no place).
+            body = if object || direct {
                 let bytes = match body::read(started, self.limits()).await {
                     Ok((bytes, _share)) => bytes,
                     Err(err) => return body_refused(failed.get().unwrap_or(&err)),
@@ -166,6 +177,7 @@ impl Inner {
                     Err(err) => return pd_error_response(&err),
                 };
                 model = named;
+                generation = direct && !bytes.is_empty();
                 parts
                     .headers
                     .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
@@ -178,7 +190,7 @@ impl Inner {
         // orchestrated one does (it queues, 429 `queue_full`, 503 `queue_timeout`), and
         // holds it until its answer's last byte.
         let mut permit = None;
-        if direct && let Some(admission) = self.orchestrator.admission() {
+        if generation && let Some(admission) = self.orchestrator.admission() {
             permit = match admission.try_admit() {
                 Some(p) => Some(p),
                 None => match admission.admit(None).await {

@@ -963,6 +963,20 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
     )
     .await
     .assert_error(429, "queue_full");
+    // Direct requests without a body are no generation: retrieving or cancelling a
+    // stored response takes no place (a cancel is what frees one).
+    for (method, target) in [
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/resp_1/cancel"),
+    ] {
+        let a = raw_request(proxy.addr, method, target, "").await;
+        assert_eq!(
+            a.status,
+            200,
+            "{method} {target}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+    }
     // The client leaves: its place comes back.
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(5);

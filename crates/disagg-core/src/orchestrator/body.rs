@@ -393,8 +393,11 @@ impl PdBody {
     /// `headers` (the engine answer's) say it is an event stream or JSON: the value of
     /// each handoff key (`kv_transfer_params`, `ec_transfer_params`, `bootstrap_host`,
     /// `bootstrap_port`, `bootstrap_room`) is overwritten in place (`null` and spaces:
-    /// the answer keeps its length), unbuffered. A handoff that cannot be overwritten
-    /// (longer than 1 MiB, or no JSON) ends the body as a broken stream does.
+    /// the answer keeps its length), unbuffered but for a handoff not whole yet: held
+    /// until its value ends (one over 16 KiB is looked at again once its held bytes
+    /// doubled, or at the answer's end, so what follows it may wait that long). A
+    /// handoff that cannot be overwritten (longer than 1 MiB, or no JSON) ends the body
+    /// as a broken stream does.
     #[must_use]
     pub fn scrubbed(self, headers: &HeaderMap) -> Self {
         let on = scrubbed_kind(headers);

@@ -254,13 +254,15 @@ pub(super) fn client_headers<'a>(
     headers: &'a HeaderMap,
 ) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> + 'a {
     let auth = config.forward_authorization;
+    // Most requests have no `connection` header: then nothing is looked up per header.
+    let hop = headers.contains_key(header::CONNECTION);
     headers.iter().filter(move |(name, _)| {
         (is_session_header(name)
             || config.forward_headers.contains(name)
             || (auth && *name == header::AUTHORIZATION))
             && forwardable_header(name, auth)
             && *name != crate::request::REQUEST_ID
-            && !named_by_connection(headers, name)
+            && !(hop && named_by_connection(headers, name))
     })
 }
 
