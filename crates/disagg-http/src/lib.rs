@@ -58,6 +58,7 @@ pub mod routed;
 pub mod routes;
 pub mod server;
 pub mod service;
+mod stall;
 mod tap;
 #[cfg(feature = "tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]

@@ -28,6 +28,8 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
+use crate::stall::SendTimeout;
+
 /// The accept queue asked for by [`bind`]. The default of the standard library and of
 /// Tokio (128) overflows when a few hundred clients connect at once, and the dropped
 /// connections wait a whole SYN retransmission (about a second) before they get in.
@@ -51,6 +53,10 @@ pub const LISTEN_BACKLOG: u32 = 4096;
 /// reads, and a head of 32 KiB is as much as nginx takes by default (four buffers of
 /// 8 KiB).
 pub const READ_BUFFER_MAX: usize = 32 * 1024;
+
+/// How long a write to a client may wait with no byte taken before the connection is
+/// closed, by default ([`Builder::send_timeout`]): nginx's `send_timeout` default.
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How often each of [`Builder::serve_threads`]'s event loops wakes its timer driver while
 /// it serves: 1 s (see [`timer_heartbeat`]).
@@ -137,6 +143,7 @@ fn listen(addr: std::net::SocketAddr, shared: bool) -> std::io::Result<TcpListen
 #[derive(Debug, Clone)]
 pub struct Builder {
     drain_timeout: Duration,
+    send_timeout: Duration,
     threads: usize,
     #[cfg(feature = "tls")]
     tls: Option<crate::tls::ServerTls>,
@@ -146,6 +153,7 @@ impl Default for Builder {
     fn default() -> Self {
         Builder {
             drain_timeout: Duration::from_secs(30),
+            send_timeout: DEFAULT_SEND_TIMEOUT,
             threads: 1,
             #[cfg(feature = "tls")]
             tls: None,
@@ -169,6 +177,19 @@ impl Builder {
     /// orchestrator's stop timeout (Kubernetes waits 30 s before SIGKILL by default).
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
+        self
+    }
+
+    /// How long a write to a client may wait without the client taking a byte before
+    /// its connection is closed (default 60 s, [`DEFAULT_SEND_TIMEOUT`]; zero: no
+    /// limit). A client that stops reading a streamed answer (or advertises a zero TCP
+    /// window for ever) would otherwise hold the engine's slot, the connection to it and
+    /// the request's places for as long as it likes: the answer's own timers run only
+    /// while the answer is polled, and the connection stops polling it once its write
+    /// buffer is full. The limit is between two writes that move bytes, as nginx's
+    /// `send_timeout`: a slow reader that keeps reading is served.
+    pub fn send_timeout(mut self, timeout: Duration) -> Self {
+        self.send_timeout = timeout;
         self
     }
 
@@ -521,6 +542,11 @@ where
     // Slow or idle clients must not hold a connection's task open forever.
     http.header_read_timeout(Duration::from_secs(30));
     http.max_buf_size(READ_BUFFER_MAX);
+    // Zero: no limit (a timer far past any connection's life).
+    let send_timeout = match config.send_timeout {
+        Duration::ZERO => Duration::from_secs(100 * 365 * 24 * 3600),
+        d => d,
+    };
     tokio::pin!(shutdown);
     loop {
         let (stream, _peer) = tokio::select! {
@@ -541,6 +567,7 @@ where
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let _ = stream.set_nodelay(true);
+        let stream = SendTimeout::new(stream, send_timeout);
         #[cfg(feature = "tls")]
         if let Some(tls) = &config.tls {
             let (acceptor, drain) = (tls.acceptor().clone(), Arc::clone(&drain));

@@ -5,6 +5,8 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -167,4 +169,75 @@ async fn an_idle_keep_alive_connection_is_closed_at_once() {
         .expect("closed")
         .unwrap_or(0);
     assert_eq!(n, 0, "{}", String::from_utf8_lossy(&buf[..n]));
+}
+
+/// Serves an endless answer of 64 KiB chunks (as fast as the client takes them) with
+/// `send_timeout`; the flag turns true when the answer is dropped.
+async fn endless(send_timeout: Duration) -> (SocketAddr, Arc<AtomicBool>, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let dropped = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&dropped);
+    let service = tower::service_fn(move |_req: Request<Incoming>| {
+        let flag = Arc::clone(&flag);
+        async move {
+            /// Sets its flag when the answer holding it is dropped.
+            struct OnDrop(Arc<AtomicBool>);
+            impl Drop for OnDrop {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+            }
+            let guard = OnDrop(flag);
+            let chunks = futures::stream::unfold(guard, |guard| async move {
+                let frame = Frame::data(Bytes::from(vec![b'x'; 64 * 1024]));
+                Some((Ok::<_, Infallible>(frame), guard))
+            });
+            Ok::<_, Infallible>(Response::new(StreamBody::new(chunks)))
+        }
+    });
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(
+        Builder::new()
+            .send_timeout(send_timeout)
+            .serve(listener, service, async {
+                let _ = stopped.await;
+            }),
+    );
+    (addr, dropped, stop)
+}
+
+/// A client that reads the head of an endless answer and then nothing more.
+async fn stop_reading(addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut s = socket.connect(addr).await.unwrap();
+    s.write_all(format!("GET / HTTP/1.1\r\nhost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    assert!(read_until(&mut s, &mut got, b"\r\n\r\n").await);
+    s
+}
+
+/// A client that stops reading a streamed answer is cut once a write has waited the
+/// send timeout: its answer (and all a proxy's answer holds) is dropped. Without the
+/// limit it is held as long as the client stays.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
+    let (addr, dropped, _stop) = endless(Duration::from_millis(300)).await;
+    let _client = stop_reading(addr).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !dropped.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the answer was never dropped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The control: no limit, the same client, the answer still held after 2 s.
+    let (addr, dropped, _stop) = endless(Duration::ZERO).await;
+    let _client = stop_reading(addr).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !dropped.load(Ordering::SeqCst),
+        "held while the client stays"
+    );
 }

@@ -485,6 +485,7 @@ pub fn run(
     let server = disagg_http::server::Builder::new()
         .threads(threads)
         .drain_timeout(secs(args.drain_timeout, "drain-timeout")?)
+        .send_timeout(secs(args.client_send_timeout, "client-send-timeout")?)
         .tls(shared.edge.server_tls.clone());
     // The key file and certificates, re-read on a small thread of their own.
     let reloader = match shared.edge.reloads() {

@@ -239,6 +239,11 @@ pub struct ServeArgs {
     /// this deadline the connections still open are cut and the process exits (status 0).
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub(crate) drain_timeout: f64,
+    /// Seconds a write to a client may wait with the client taking no byte before its
+    /// connection is closed (0: no limit). A client that stops reading a stream would
+    /// otherwise hold its engine's slot for as long as it stays connected.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub(crate) client_send_timeout: f64,
 }
 
 /// Flags that hold client request bodies in time and in memory (docs/reliability.md).
