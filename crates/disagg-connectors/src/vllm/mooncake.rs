@@ -65,6 +65,11 @@ const MAX_QUERY_ANSWER: usize = 1 << 20;
 /// handful of prefill endpoints, so this only bounds a pathological endpoint churn).
 const MAX_CACHED: usize = 4096;
 
+/// Data-parallel ranks kept in all the cached maps at most (each is an endpoint and an
+/// engine id, up to about 1 KiB): a map may list [`MAX_RANKS`], so counting maps alone
+/// would let the cache hold gigabytes; past it the cache starts over.
+const MAX_CACHED_RANKS: usize = 16 * 1024;
+
 /// A prefill engine's data-parallel ranks, as its bootstrap server lists them.
 #[derive(Debug)]
 struct Ranks {
@@ -355,7 +360,10 @@ impl KvConnector for VllmMooncake {
                     .map_err(bootstrap_error)?;
                 let fresh = Arc::new(Ranks::new(&handoff.prefill.endpoint, ids));
                 let mut cache = lock(&self.engines);
-                if cache.len() >= MAX_CACHED {
+                // A miss is a prefill's first request (or one after a failure): the sum
+                // is taken rarely.
+                let ranks: usize = cache.values().map(|r| r.ranks.len()).sum();
+                if cache.len() >= MAX_CACHED || ranks + fresh.ranks.len() > MAX_CACHED_RANKS {
                     cache.clear();
                 }
                 cache.insert(prefill.clone(), Arc::clone(&fresh));
@@ -592,6 +600,46 @@ mod tests {
         let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
         c.resolve(&mut h, &t).await.unwrap();
         assert_eq!(t.queries.load(Ordering::Relaxed), 2);
+    }
+
+    /// The cache is bounded by the ranks it holds, not only by its maps: sixteen
+    /// prefills of 1,024 ranks fill it; the seventeenth starts it over.
+    #[tokio::test]
+    async fn the_cache_holds_a_bounded_number_of_ranks() {
+        let many: &'static str = Box::leak(
+            format!(
+                "{{{}}}",
+                (0..MAX_RANKS)
+                    .map(|r| format!(r#""{r}":{{"engine_id":"e{r}"}}"#))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+            .into_boxed_str(),
+        );
+        let c = VllmMooncake::new();
+        let t = bootstrap(many);
+        let route_to = |i: usize| {
+            Route::new(
+                Some(Arc::new(
+                    Endpoint::new(&format!("http://10.1.3.{i}:8100"), Role::Prefill).unwrap(),
+                )),
+                Arc::new(Endpoint::new("http://10.1.2.4:8200", Role::Decode).unwrap()),
+            )
+        };
+        let cached = |i: usize| {
+            c.cached_engine_ids(route_to(i).prefill.as_ref().unwrap().id())
+                .is_some()
+        };
+        let fits = MAX_CACHED_RANKS / MAX_RANKS;
+        for i in 1..=fits + 1 {
+            let mut h = c.prepare(&route_to(i), &req(r#"{"messages":[]}"#)).unwrap();
+            c.resolve(&mut h, &t).await.unwrap();
+            if i == fits {
+                assert!((1..=fits).all(cached), "all {fits} maps held");
+            }
+        }
+        assert!(!cached(1), "the cache started over");
+        assert!(cached(fits + 1));
     }
 
     #[tokio::test]
