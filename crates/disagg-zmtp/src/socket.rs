@@ -11,6 +11,7 @@
 //! None of them reconnects by itself: a failed connection is the caller's to renew
 //! (with its own back-off), so every renewal is seen and counted where it is decided.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +19,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 
 use crate::conn::{self, Connection, Error, Limits, Message, Reject, SocketType};
 
@@ -115,6 +116,13 @@ pub struct PullConfig {
     /// Messages received but not yet taken by [`Pull::recv`]; when full, peers wait
     /// (TCP back-pressure) instead of being buffered (default 64).
     pub queue: usize,
+    /// With [`max_peers`](Self::max_peers) connected, a newcomer takes the place of the
+    /// peer idle longest (nothing received since its connection or its last message),
+    /// if that one has been idle this long (default 60 s); otherwise the newcomer is
+    /// closed. A peer that vanished without closing (a prefill pod's node lost, a
+    /// NAT entry dropped) or that connects and sends nothing would otherwise hold its
+    /// place for ever; a `PUSH` peer that is closed reconnects by itself.
+    pub evict_idle_after: Duration,
 }
 
 impl PullConfig {
@@ -124,6 +132,7 @@ impl PullConfig {
             limits,
             max_peers: 1024,
             queue: 64,
+            evict_idle_after: Duration::from_secs(60),
         }
     }
 }
@@ -136,8 +145,12 @@ pub struct PullStats {
     pub peers: u64,
     /// Connections accepted.
     pub accepted: u64,
-    /// Connections closed at once: [`PullConfig::max_peers`] were connected.
+    /// Connections closed at once: [`PullConfig::max_peers`] were connected, none idle
+    /// past [`PullConfig::evict_idle_after`].
     pub refused: u64,
+    /// Peers closed to make room for a newcomer, idle past
+    /// [`PullConfig::evict_idle_after`].
+    pub evicted: u64,
     /// Peers disconnected for a frame, message or frame count over the limits.
     pub oversized: u64,
     /// Peers disconnected for not speaking ZMTP 3 as a `PUSH` (greeting, mechanism,
@@ -154,6 +167,7 @@ struct Counters {
     peers: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
+    evicted: AtomicU64,
     oversized: AtomicU64,
     protocol: AtomicU64,
     timeout: AtomicU64,
@@ -167,6 +181,7 @@ impl Counters {
             peers: get(&self.peers),
             accepted: get(&self.accepted),
             refused: get(&self.refused),
+            evicted: get(&self.evicted),
             oversized: get(&self.oversized),
             protocol: get(&self.protocol),
             timeout: get(&self.timeout),
@@ -270,21 +285,55 @@ async fn accept_loop(
     counters: Arc<Counters>,
 ) {
     let mut peers = JoinSet::new();
+    // Each live peer's task and when it was last heard from.
+    let mut live: HashMap<tokio::task::Id, (AbortHandle, Arc<Heard>)> = HashMap::new();
+    let clock = Heard::clock();
     loop {
         tokio::select! {
-            Some(_) = peers.join_next() => {
+            Some(ended) = peers.join_next_with_id() => {
+                let id = match ended {
+                    Ok((id, ())) => id,
+                    Err(e) => e.id(),
+                };
+                live.remove(&id);
                 counters.peers.store(peers.len() as u64, Ordering::Relaxed);
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    if peers.len() >= config.max_peers {
-                        counters.refused.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(%addr, max_peers = config.max_peers, "ZMQ PULL: too many peers, connection closed");
-                        drop(stream);
-                        continue;
+                    if live.len() >= config.max_peers {
+                        // The peer idle longest makes room, if it has been idle long
+                        // enough; its task ends (and is reaped) at the abort.
+                        let now = clock.now();
+                        let idlest = live
+                            .iter()
+                            .min_by_key(|(_, (_, heard))| heard.at())
+                            .map(|(id, (handle, heard))| (*id, handle.clone(), now.saturating_sub(heard.at())));
+                        match idlest {
+                            Some((id, handle, idle)) if idle >= config.evict_idle_after => {
+                                handle.abort();
+                                live.remove(&id);
+                                counters.evicted.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(%addr, idle_ms = idle.as_millis(), "ZMQ PULL: peer idle longest closed to make room");
+                            }
+                            _ => {
+                                counters.refused.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(%addr, max_peers = config.max_peers, "ZMQ PULL: too many peers, connection closed");
+                                drop(stream);
+                                continue;
+                            }
+                        }
                     }
                     counters.accepted.fetch_add(1, Ordering::Relaxed);
-                    peers.spawn(peer(stream, addr, config.limits, tx.clone(), Arc::clone(&counters)));
+                    let heard = Arc::new(Heard::new(&clock));
+                    let handle = peers.spawn(peer(
+                        stream,
+                        addr,
+                        config.limits,
+                        tx.clone(),
+                        Arc::clone(&counters),
+                        (Arc::clone(&heard), clock),
+                    ));
+                    live.insert(handle.id(), (handle, heard));
                     counters.peers.store(peers.len() as u64, Ordering::Relaxed);
                 }
                 Err(error) => {
@@ -297,17 +346,56 @@ async fn accept_loop(
     }
 }
 
+/// When a peer was last heard from, in milliseconds of its socket's [`Clock`].
+#[derive(Debug)]
+struct Heard(AtomicU64);
+
+/// A socket's time base for [`Heard`].
+#[derive(Debug, Clone, Copy)]
+struct Clock(tokio::time::Instant);
+
+impl Clock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+impl Heard {
+    fn clock() -> Clock {
+        Clock(tokio::time::Instant::now())
+    }
+
+    fn new(clock: &Clock) -> Heard {
+        let heard = Heard(AtomicU64::new(0));
+        heard.now(clock);
+        heard
+    }
+
+    /// Heard from now.
+    fn now(&self, clock: &Clock) {
+        let ms = u64::try_from(clock.now().as_millis()).unwrap_or(u64::MAX);
+        self.0.store(ms, Ordering::Relaxed);
+    }
+
+    fn at(&self) -> Duration {
+        Duration::from_millis(self.0.load(Ordering::Relaxed))
+    }
+}
+
 async fn peer(
     stream: tokio::net::TcpStream,
     addr: SocketAddr,
     limits: Limits,
     tx: mpsc::Sender<Message>,
     counters: Arc<Counters>,
+    (heard, clock): (Arc<Heard>, Clock),
 ) {
     let result = async {
         let mut conn = Connection::handshake(stream, SocketType::Pull, true, limits).await?;
+        heard.now(&clock);
         loop {
             let message = conn.recv().await?;
+            heard.now(&clock);
             counters.messages.fetch_add(1, Ordering::Relaxed);
             if tx.send(message).await.is_err() {
                 return Ok::<(), Error>(());

@@ -416,6 +416,52 @@ async fn pull_closes_peers_beyond_its_maximum() {
     assert_eq!(pull.stats().refused, 1);
 }
 
+/// At its maximum, a newcomer takes the place of the peer idle longest once that one
+/// has been idle past `evict_idle_after`; a peer heard from since keeps its place.
+#[tokio::test]
+async fn pull_makes_room_by_closing_its_longest_idle_peer() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = PullConfig {
+        max_peers: 2,
+        evict_idle_after: Duration::from_millis(300),
+        ..PullConfig::new(Limits {
+            handshake_timeout: PATIENCE,
+            ..limits()
+        })
+    };
+    let mut pull = Pull::from_listener(listener, config).unwrap();
+    let addr = pull.local_addr();
+    // An idle peer (greets, then nothing), then a live one.
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    idle.write_all(&hello("PUSH")).await.unwrap();
+    eventually("the idle peer", || pull.stats().peers == 1).await;
+    let mut live = zeromq::PushSocket::new();
+    live.connect(&format!("tcp://{addr}")).await.unwrap();
+    eventually("two peers", || pull.stats().peers == 2).await;
+    // Too soon: nobody has been idle long enough, the newcomer is closed.
+    let mut early = TcpStream::connect(addr).await.unwrap();
+    assert!(closed_by_peer(&mut early).await);
+    assert_eq!(pull.stats().refused, 1);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    live.send(ZmqMessage::from(b"still here".to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(recv_pull(&mut pull).await, [&b"still here"[..]]);
+    // Now the idle peer makes room; the live one stays.
+    let mut newcomer = zeromq::PushSocket::new();
+    newcomer.connect(&format!("tcp://{addr}")).await.unwrap();
+    assert!(closed_by_peer(&mut idle).await, "the idle peer was closed");
+    newcomer
+        .send(ZmqMessage::from(b"new".to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(recv_pull(&mut pull).await, [&b"new"[..]]);
+    live.send(ZmqMessage::from(b"live".to_vec())).await.unwrap();
+    assert_eq!(recv_pull(&mut pull).await, [&b"live"[..]]);
+    let stats = pull.stats();
+    assert_eq!((stats.evicted, stats.refused), (1, 1));
+}
+
 /// A hand-written publisher on `listener`: greets as `socket_type`, then sends
 /// `bytes` and holds the connection until the subscriber closes it.
 async fn publisher(listener: TcpListener, socket_type: &'static str, bytes: Vec<u8>) -> bool {

@@ -752,7 +752,7 @@ impl Notifications {
     /// | `disagg_lmcache_registrations_completed_total` | counter | requests whose every expected notification arrived |
     /// | `disagg_lmcache_registrations_evicted_total` | counter | registrations removed after outliving [`NotifyConfig::ttl`] |
     /// | `disagg_lmcache_registrations_pending` | gauge | requests waiting for notifications now |
-    /// | `disagg_lmcache_notify_peers_rejected_total{reason}` | counter | peers of the socket disconnected or refused: `oversized` (a message over [`NotifyConfig::max_message`] or more than 16 frames), `protocol` (not ZMTP 3 as a `PUSH`), `timeout` (no handshake within 5 s), `too_many_peers` (beyond [`NotifyConfig::max_peers`]); only with a socket |
+    /// | `disagg_lmcache_notify_peers_rejected_total{reason}` | counter | peers of the socket disconnected or refused: `oversized` (a message over [`NotifyConfig::max_message`] or more than 16 frames), `protocol` (not ZMTP 3 as a `PUSH`), `timeout` (no handshake within 5 s), `too_many_peers` (beyond [`NotifyConfig::max_peers`], none idle past 60 s), `idle_evicted` (idle past 60 s, closed to make room for a newcomer); only with a socket |
     ///
     /// The outcomes partition what was received: their sum is [`NotifyStats::received`]
     /// (so no separate total is exported).
@@ -837,6 +837,7 @@ impl prometheus_client::collector::Collector for NotifyCollector {
                 ("protocol", peers.protocol),
                 ("timeout", peers.timeout),
                 ("too_many_peers", peers.refused),
+                ("idle_evicted", peers.evicted),
             ] {
                 ConstCounter::new(n).encode(rejected.encode_family(&[("reason", reason)])?)?;
             }
