@@ -62,8 +62,10 @@ pub enum KvRelease {
     /// a prefill still running after `grace` is aborted, which frees its blocks.
     ///
     /// Each release is a short background task (counted in
-    /// [`OrchestratorStats::kv_releases_in_flight`](super::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + `wait` at the
-    /// latest; a release that finds nothing to release sends nothing. A decode that
+    /// [`OrchestratorStats::kv_releases_in_flight`](super::OrchestratorStats::kv_releases_in_flight)), ended by `grace` + 2 × `wait` at the
+    /// latest (the prefill's answer, the connector reading it, the release leg's
+    /// head); a release that finds nothing to release sends nothing. It holds the
+    /// request's legs meanwhile, and with them the client's body they are cut from. A decode that
     /// already received the leg may see it twice (the second pull fails harmlessly),
     /// which is why this is opt-in.
     AbortDecode {
