@@ -59,18 +59,49 @@ pub enum RouteError {
 /// A model list, as error messages print it.
 struct Served<'a>(&'a [std::sync::Arc<str>]);
 
+/// The most served names an error message lists: the list comes from the engines'
+/// answers and discovery (an engine's `/v1/models` may name thousands), and every
+/// client asking for an unknown model would get all of them.
+const MAX_LISTED: usize = 32;
+
 impl fmt::Display for Served<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.0.is_empty() {
             return f.write_str("none");
         }
-        for (i, m) in self.0.iter().enumerate() {
+        for (i, m) in self.0.iter().take(MAX_LISTED).enumerate() {
             if i > 0 {
                 f.write_str(", ")?;
             }
             f.write_str(m)?;
         }
+        if self.0.len() > MAX_LISTED {
+            write!(f, " and {} more", self.0.len() - MAX_LISTED)?;
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod served_tests {
+    use super::*;
+
+    #[test]
+    fn an_error_lists_at_most_32_served_models() {
+        let names: std::sync::Arc<[std::sync::Arc<str>]> = (0..1000)
+            .map(|i| std::sync::Arc::from(format!("m{i}")))
+            .collect();
+        let err = RouteError::UnknownModel {
+            model: "x".into(),
+            served: names,
+        };
+        let text = err.to_string();
+        assert!(text.ends_with("m30, m31 and 968 more"), "{text}");
+        assert!(!text.contains("m32"), "{text}");
+        let few: std::sync::Arc<[std::sync::Arc<str>]> =
+            ["a", "b"].map(std::sync::Arc::from).into();
+        let err = RouteError::ModelRequired { served: few };
+        assert!(err.to_string().ends_with("served models: a, b"), "{err}");
     }
 }
 
