@@ -64,6 +64,38 @@ pub fn read_regular(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// [`read_regular`], refusing a file of more than `limit` bytes with
+/// [`io::ErrorKind::FileTooLarge`] (for callers with no error of their own for it).
+///
+/// # Errors
+///
+/// As [`read_regular`], and [`io::ErrorKind::FileTooLarge`] past `limit`.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_files::read_regular_within;
+/// let dir = std::env::temp_dir().join(format!("disagg-doc-within-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("cert.pem");
+/// std::fs::write(&path, "0123456789")?;
+/// assert_eq!(read_regular_within(&path, 10)?.len(), 10);
+/// let err = read_regular_within(&path, 9).unwrap_err();
+/// assert_eq!(err.kind(), std::io::ErrorKind::FileTooLarge);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub fn read_regular_within(path: &Path, limit: u64) -> io::Result<Vec<u8>> {
+    let bytes = read_regular(path, limit)?;
+    if bytes.len() as u64 > limit {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("larger than {limit} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// `Ok` for a regular file, else the error naming what it is.
 fn regular(meta: &std::fs::Metadata) -> io::Result<()> {
     if meta.is_file() {

@@ -164,14 +164,7 @@ fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
         path: path.to_owned(),
         source,
     };
-    let bytes = disagg_files::read_regular(path, MAX_PEM_BYTES).map_err(err)?;
-    if bytes.len() as u64 > MAX_PEM_BYTES {
-        return Err(err(std::io::Error::new(
-            std::io::ErrorKind::FileTooLarge,
-            format!("larger than {MAX_PEM_BYTES} bytes"),
-        )));
-    }
-    Ok(bytes)
+    disagg_files::read_regular_within(path, MAX_PEM_BYTES).map_err(err)
 }
 
 fn certs_from_pem(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {

@@ -660,19 +660,10 @@ const MAX_CONFIG_FILE: u64 = 16 * 1024 * 1024;
 /// refused before it is opened (reading one would block start-up), a longer file
 /// before it is held whole ([`disagg_files::read_regular`]).
 fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
-    let err = |source| LoadError::Read {
+    disagg_files::read_regular_within(path, limit).map_err(|source| LoadError::Read {
         path: path.to_owned(),
         source,
-    };
-    let bytes = disagg_files::read_regular(path, limit).map_err(err)?;
-    // `read_regular` reads one byte past the limit to tell a longer file.
-    if bytes.len() as u64 > limit {
-        return Err(err(std::io::Error::new(
-            std::io::ErrorKind::FileTooLarge,
-            format!("larger than {limit} bytes"),
-        )));
-    }
-    Ok(bytes)
+    })
 }
 
 /// A chat template's text (UTF-8), read as [`read_file`] reads.
