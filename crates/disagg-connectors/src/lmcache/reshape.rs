@@ -344,12 +344,16 @@ fn decode_answer(bytes: &[u8]) -> Result<Map<String, Value>, BoxError> {
             "the decode answered {n} choices; the request can have {MAX_CHOICES}"
         )
         .into()),
+        Answer::Choices(e) => Err(format!("the decode's choices do not parse: {e}").into()),
     }
 }
 
 enum Answer {
     Object(Map<String, Value>),
     TooManyChoices(usize),
+    /// The `choices` list is JSON the answer's value cannot hold (a number past `f64`,
+    /// nesting past serde's limit): said as such, not as "not a JSON object".
+    Choices(serde_json::Error),
 }
 
 /// Reads an object as [`Value`] would (a repeated key: the last wins), except that a
@@ -364,7 +368,7 @@ impl<'de> serde::de::Visitor<'de> for AnswerVisitor {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Answer, A::Error> {
-        use serde::de::{Error, IgnoredAny};
+        use serde::de::IgnoredAny;
         let mut out = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if key != "choices" {
@@ -382,7 +386,13 @@ impl<'de> serde::de::Visitor<'de> for AnswerVisitor {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
                 return Ok(Answer::TooManyChoices(n));
             }
-            let value = serde_json::from_str::<Value>(raw.get()).map_err(A::Error::custom)?;
+            let value = match serde_json::from_str::<Value>(raw.get()) {
+                Ok(v) => v,
+                Err(e) => {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    return Ok(Answer::Choices(e));
+                }
+            };
             out.insert(key, value);
         }
         Ok(Answer::Object(out))

@@ -302,6 +302,12 @@ fn the_first_token_begins_the_one_choice_even_without_an_index() {
     let e = shape(true).whole(b"\"x\"").unwrap_err().to_string();
     assert_eq!(e, "the decode's answer is not a JSON object");
     assert!(shape(true).whole(b"{\"choices\":[").is_err());
+    // Choices that are JSON but no value the proxy can build are said as such.
+    let e = shape(true)
+        .whole(br#"{"choices":[{"index":0,"text":"a","x":1e400}],"usage":null}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("the decode's choices do not parse"), "{e}");
 }
 
 #[tokio::test]
