@@ -95,11 +95,15 @@ pub(crate) const HANDOFF_FIELDS: &[&str] = &[
 /// vllm_xargs`, then the top-level `kv_transfer_params` over it when there is one). A
 /// leg without the proxy's own `kv_transfer_params` (a direct or decode-only one, or
 /// any leg of a connector that sends none) would carry the client's.
-const XARGS_HANDOFF: &[&str] = &["kv_transfer_params", "ec_transfer_params"];
+const XARGS_HANDOFF: &[(&str, &str)] = &[
+    ("kv_transfer_params", "vllm_xargs.kv_transfer_params"),
+    ("ec_transfer_params", "vllm_xargs.ec_transfer_params"),
+];
 
 /// Remove from `body` what no client may send an engine: the [`HANDOFF_FIELDS`] at the
-/// top level (each one removed is given to `removed`) and the [`XARGS_HANDOFF`] keys of
-/// `vllm_xargs`. Whether anything was removed.
+/// top level and the [`XARGS_HANDOFF`] keys of `vllm_xargs` (each one removed is given
+/// to `removed`, a nested one as `vllm_xargs.KEY`, for the checks of connectors whose
+/// engines validate them). Whether anything was removed.
 pub(crate) fn remove_handoff(
     body: &mut JsonBody,
     mut removed: impl FnMut(&'static str, Bytes),
@@ -122,8 +126,11 @@ pub(crate) fn remove_handoff(
         .and_then(|raw| JsonBody::parse_bytes(&raw).ok());
     if let Some(mut xargs) = xargs {
         let mut cut = false;
-        for key in XARGS_HANDOFF {
-            cut |= xargs.remove(key).is_some();
+        for (key, named) in XARGS_HANDOFF {
+            if let Some(raw) = xargs.remove(key) {
+                removed(named, raw);
+                cut = true;
+            }
         }
         if cut {
             body.set_raw("vllm_xargs", xargs.to_bytes());

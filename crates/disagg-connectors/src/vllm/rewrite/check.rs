@@ -106,6 +106,21 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
             "kv_transfer_params: Input should be a valid dictionary",
         ));
     }
+    // The handoff spelled inside `vllm_xargs` was removed too; vLLM takes a string, a
+    // number or a list of them there, and refuses the body for anything else.
+    for field in [
+        "vllm_xargs.kv_transfer_params",
+        "vllm_xargs.ec_transfer_params",
+    ] {
+        if let Some(raw) = disagg_core::proto::client_handoff(req, field)
+            && !xarg_value(raw)
+        {
+            return Err(InvalidParam::new(
+                "vllm_xargs",
+                "vllm_xargs: Input should be a valid string, number or list of them",
+            ));
+        }
+    }
     match req.api() {
         Api::TokenGenerate => return super::token_in::check(req.body(), limits),
         Api::Messages => return super::messages::check(req.body()),
@@ -114,6 +129,18 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
         _ => {}
     }
     check(req.api(), req.body(), limits)
+}
+
+/// Whether vLLM's `vllm_xargs` takes `raw` as a value (`dict[str, str | int | float |
+/// list[str | int | float]]`): not an object, not `null`, not a list holding either or
+/// a list.
+fn xarg_value(raw: &[u8]) -> bool {
+    let scalar = |v: &[u8]| !matches!(v.first(), Some(b'{' | b'[' | b'n'));
+    match raw.first() {
+        Some(b'[') => serde_json::from_slice::<Vec<&serde_json::value::RawValue>>(raw)
+            .is_ok_and(|items| items.iter().all(|i| scalar(i.get().as_bytes()))),
+        _ => scalar(raw),
+    }
 }
 
 /// vLLM's `_SAMPLING_EPS`: a temperature below it samples greedily.
@@ -722,6 +749,39 @@ mod tests {
             Ok(Decision::Direct { reason }) => format!("direct:{reason}"),
             Ok(other) => format!("{other:?}"),
             Err(e) => e.param.to_owned(),
+        }
+    }
+
+    /// The handoff spelled in `vllm_xargs` is removed from the legs; what vLLM would
+    /// refuse there (`dict[str, str | int | float | list[...]]`) is refused as vLLM
+    /// refuses it, what it would take passes.
+    #[test]
+    fn a_nested_handoff_of_a_type_vllm_refuses_is_refused() {
+        let of = |xargs: &str| {
+            let body = format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"vllm_xargs":{xargs}}}"#
+            );
+            let req = PdRequest::new(Api::Chat, Default::default(), &body.into()).unwrap();
+            match check_request(&req, &VllmLimits::default()) {
+                Ok(_) => "ok".to_owned(),
+                Err(e) => e.param.to_owned(),
+            }
+        };
+        for taken in [
+            r#"{"kv_transfer_params":"x"}"#,
+            r#"{"kv_transfer_params":1e400}"#,
+            r#"{"ec_transfer_params":[1,"a",2.5]}"#,
+            r#"{"kv_transfer_params":true,"mine":{"a":1}}"#,
+        ] {
+            assert_eq!(of(taken), "ok", "{taken}");
+        }
+        for refused in [
+            r#"{"kv_transfer_params":{"remote_host":"evil"}}"#,
+            r#"{"kv_transfer_params":null}"#,
+            r#"{"ec_transfer_params":[{"a":1}]}"#,
+            r#"{"kv_transfer_params":[[1]]}"#,
+        ] {
+            assert_eq!(of(refused), "vllm_xargs", "{refused}");
         }
     }
 
