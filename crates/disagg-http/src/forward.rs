@@ -141,33 +141,34 @@ impl Inner {
         let mut generation = false;
         if may_have_body(&parts.headers) {
             let mut start = BytesMut::new();
-            let object = loop {
-                if let Some(object) = json_object_start(&start, false) {
-                    break object;
-                }
-                match body.frame().await {
-                    None => break json_object_start(&start, true).unwrap_or(false),
-                    Some(Ok(frame)) => {
-                        if let Ok(data) = frame.into_data() {
-                            start.extend_from_slice(&data);
+            // Direct generation is read whole whatever it is: its first bytes need no
+            // look. It takes its place among the running requests once its body is in,
+            // as an orchestrated request does (a slow upload holds no place).
+            let whole = direct
+                || loop {
+                    if let Some(object) = json_object_start(&start, false) {
+                        break object;
+                    }
+                    match body.frame().await {
+                        None => break json_object_start(&start, true).unwrap_or(false),
+                        Some(Ok(frame)) => {
+                            if let Ok(data) = frame.into_data() {
+                                start.extend_from_slice(&data);
+                            }
+                        }
+                        Some(Err(e)) => {
+                            return match failed.get() {
+                                Some(client) => body_refused(client),
+                                None => body_refused(&PdError::body(e)),
+                            };
                         }
                     }
-                    Some(Err(e)) => {
-                        return match failed.get() {
-                            Some(client) => body_refused(client),
-                            None => body_refused(&PdError::body(e)),
-                        };
-                    }
-                }
-            };
+                };
             let started = Started {
                 start: Some(start.freeze()),
                 rest: body,
             };
-            // Direct generation is read whole too: it takes its place among the running
-            // requests once its body is in, as an orchestrated request does (a slow
-            // upload holds no place).
-            body = if object || direct {
+            body = if whole {
                 let bytes = match body::read(started, self.limits()).await {
                     Ok((bytes, _share)) => bytes,
                     Err(err) => return body_refused(failed.get().unwrap_or(&err)),
