@@ -542,11 +542,6 @@ where
     // Slow or idle clients must not hold a connection's task open forever.
     http.header_read_timeout(Duration::from_secs(30));
     http.max_buf_size(READ_BUFFER_MAX);
-    // Zero: no limit (a timer far past any connection's life).
-    let send_timeout = match config.send_timeout {
-        Duration::ZERO => Duration::from_secs(100 * 365 * 24 * 3600),
-        d => d,
-    };
     tokio::pin!(shutdown);
     loop {
         let (stream, _peer) = tokio::select! {
@@ -567,7 +562,7 @@ where
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let _ = stream.set_nodelay(true);
-        let stream = SendTimeout::new(stream, send_timeout);
+        let stream = SendTimeout::new(stream, config.send_timeout);
         #[cfg(feature = "tls")]
         if let Some(tls) = &config.tls {
             let (acceptor, drain) = (tls.acceptor().clone(), Arc::clone(&drain));

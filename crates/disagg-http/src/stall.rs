@@ -20,28 +20,28 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
 /// A connection to a client whose writes fail once one has waited `limit` with no byte
-/// taken by the client.
+/// taken by the client (no limit: `None`).
 pub(crate) struct SendTimeout<T> {
     io: T,
-    limit: Duration,
+    limit: Option<Duration>,
     /// Armed when a write first found the socket full; disarmed by any write that moves
     /// bytes. Allocated only for a connection that has stalled.
     stalled: Option<Pin<Box<Sleep>>>,
 }
 
 impl<T> SendTimeout<T> {
+    /// `io` with writes limited to `limit` without progress; zero: no limit.
     pub(crate) fn new(io: T, limit: Duration) -> Self {
         SendTimeout {
             io,
-            limit,
+            limit: (!limit.is_zero()).then_some(limit),
             stalled: None,
         }
     }
 
     /// What a write that found the socket full answers: pending while the client has
     /// time left (the timer wakes the connection when it runs out), then an error.
-    fn stall<R>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<R>> {
-        let limit = self.limit;
+    fn stall<R>(&mut self, cx: &mut Context<'_>, limit: Duration) -> Poll<io::Result<R>> {
         let timer = self
             .stalled
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
@@ -63,9 +63,10 @@ impl<T> SendTimeout<T> {
     where
         T: Unpin,
     {
-        match poll(Pin::new(&mut self.io), cx) {
-            Poll::Pending => self.stall(cx),
-            ready => {
+        match (poll(Pin::new(&mut self.io), cx), self.limit) {
+            (Poll::Pending, None) => Poll::Pending,
+            (Poll::Pending, Some(limit)) => self.stall(cx, limit),
+            (ready, _) => {
                 self.stalled = None;
                 ready
             }
