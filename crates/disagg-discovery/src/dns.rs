@@ -314,29 +314,19 @@ async fn refresh_due(
                     negative_ttl.map_or(config.max_refresh, |t| Duration::from_secs(t.into()));
                 state.due = Instant::now() + bound(wait);
             }
-            Err(failed @ (Failure::Lookup(_) | Failure::TooMany { .. })) => {
+            // A lookup that failed, or answers past the ceiling.
+            Err(failed) => {
                 publisher.record_error();
                 state.failures = state.failures.saturating_add(1);
                 // 1, 2, 4 ... times min_refresh, up to max_refresh.
                 let factor = 1u32 << state.failures.saturating_sub(1).min(16);
                 let wait = config.min_refresh.saturating_mul(factor);
-                match failed {
-                    // Matched by the arm above.
-                    Failure::NoRecords { .. } => {}
-                    Failure::TooMany { found, max } => tracing::warn!(
-                        name = %state.target.name,
-                        found,
-                        max,
-                        retry_in = ?bound(wait),
-                        "DNS answers name more engines than the ceiling per source (--max-endpoints-per-source); keeping the name's last good engines"
-                    ),
-                    Failure::Lookup(e) => tracing::warn!(
-                        name = %state.target.name,
-                        error = %e,
-                        retry_in = ?bound(wait),
-                        "DNS lookup failed; keeping the name's last good engines"
-                    ),
-                }
+                tracing::warn!(
+                    name = %state.target.name,
+                    error = %failed,
+                    retry_in = ?bound(wait),
+                    "DNS lookup failed; keeping the name's last good engines"
+                );
                 state.due = Instant::now() + bound(wait);
             }
         }
@@ -368,6 +358,20 @@ enum Failure {
     Lookup(NetError),
     /// Answers that name more engines than the ceiling (found so far when it stopped).
     TooMany { found: usize, max: usize },
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::NoRecords { .. } => f.write_str("no records"),
+            Failure::Lookup(e) => e.fmt(f),
+            Failure::TooMany { found, max } => write!(
+                f,
+                "the answers name {found} engines or more, past the ceiling per source \
+                 (--max-endpoints-per-source {max})"
+            ),
+        }
+    }
 }
 
 impl From<NetError> for Failure {

@@ -287,7 +287,7 @@ async fn accept_loop(
     let mut peers = JoinSet::new();
     // Each live peer's task and when it was last heard from.
     let mut live: HashMap<tokio::task::Id, (AbortHandle, Arc<Heard>)> = HashMap::new();
-    let clock = Heard::clock();
+    let clock = Clock::start();
     loop {
         tokio::select! {
             Some(ended) = peers.join_next_with_id() => {
@@ -355,16 +355,16 @@ struct Heard(AtomicU64);
 struct Clock(tokio::time::Instant);
 
 impl Clock {
+    fn start() -> Clock {
+        Clock(tokio::time::Instant::now())
+    }
+
     fn now(&self) -> Duration {
         self.0.elapsed()
     }
 }
 
 impl Heard {
-    fn clock() -> Clock {
-        Clock(tokio::time::Instant::now())
-    }
-
     fn new(clock: &Clock) -> Heard {
         let heard = Heard(AtomicU64::new(0));
         heard.now(clock);
