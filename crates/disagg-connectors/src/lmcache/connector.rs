@@ -48,6 +48,7 @@ use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_pairing::{KvProfile, Mismatch, PairError};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use super::notify::{Notifications, Pending};
@@ -695,17 +696,25 @@ impl KvConnector for Lmcache {
         answer: &PrefillAnswer,
     ) -> Result<HandoffFound, ConnectorError> {
         let endpoint = handoff.prefill.endpoint.id().clone();
-        let reply: PrefillReply =
-            serde_json::from_slice(&answer.body).map_err(|_| ConnectorError::InvalidHandoff {
-                endpoint: endpoint.clone(),
-                field: "choices",
-            })?;
+        let invalid = |field| ConnectorError::InvalidHandoff {
+            endpoint: endpoint.clone(),
+            field,
+        };
+        let reply: PrefillReply<'_> =
+            serde_json::from_slice(&answer.body).map_err(|_| invalid("choices"))?;
+        // Held until the answer ends, and built as `Value`s to be written into it: a
+        // ceiling first (a prefill's usage or stop reason is a few dozen bytes).
+        let usage = built(reply.usage).ok_or_else(|| invalid("usage"))?;
+        let first_choice = reply.choices.0;
+        let stop_reason = built(first_choice.as_ref().and_then(|c| c.stop_reason))
+            .ok_or_else(|| invalid("choices"))?
+            .unwrap_or(Value::Null);
         let Some(plan) = handoff.ext.get_mut::<Plan>() else {
             return Ok(HandoffFound::Missing);
         };
         let first_tok = reply.kv_transfer_params.as_ref().and_then(|p| p.first_tok);
         let (Some(first_tok), Some(choice), Some(tokens)) =
-            (first_tok, reply.choices.first(), plan.tokens.clone())
+            (first_tok, first_choice, plan.tokens.clone())
         else {
             // No first token: the decode computes the whole answer from the prompt.
             handoff.gate = None;
@@ -721,15 +730,10 @@ impl KvConnector for Lmcache {
             id: reply.id.unwrap_or_else(|| format!("cmpl-{}", plan.req_id)),
             created: reply.created.unwrap_or(0),
             model: reply.model.unwrap_or_default(),
-            text: choice.text.clone().unwrap_or_default(),
-            usage: reply.usage,
-            stop_reason: choice.stop_reason.clone(),
-            finish: finished.then(|| {
-                choice
-                    .finish_reason
-                    .clone()
-                    .unwrap_or_else(|| "length".to_owned())
-            }),
+            text: choice.text.unwrap_or_default(),
+            usage,
+            stop_reason,
+            finish: finished.then(|| choice.finish_reason.unwrap_or_else(|| "length".to_owned())),
         };
         plan.first = Some(first);
         handoff.reshape = reshaper(plan);
@@ -756,22 +760,65 @@ impl KvConnector for Lmcache {
 }
 
 #[derive(Deserialize)]
-struct PrefillReply {
+struct PrefillReply<'a> {
     id: Option<String>,
     created: Option<u64>,
     model: Option<String>,
-    #[serde(default)]
-    choices: Vec<ChoiceIn>,
+    #[serde(default, borrow)]
+    choices: FirstChoice<'a>,
     kv_transfer_params: Option<KvParamsIn>,
-    usage: Option<Value>,
+    #[serde(borrow)]
+    usage: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
-struct ChoiceIn {
+struct ChoiceIn<'a> {
     text: Option<String>,
     finish_reason: Option<String>,
-    #[serde(default)]
-    stop_reason: Value,
+    #[serde(default, borrow)]
+    stop_reason: Option<&'a RawValue>,
+}
+
+/// The largest prefill `usage` or `stop_reason` built and held for the client's
+/// answer: each is a few dozen bytes from an engine.
+const MAX_HELD_FIELD: usize = 64 * 1024;
+
+/// `raw` built as a [`Value`], `None` past [`MAX_HELD_FIELD`]; `Some(None)` without
+/// it (a JSON `null` is a value).
+fn built(raw: Option<&RawValue>) -> Option<Option<Value>> {
+    let Some(raw) = raw else {
+        return Some(None);
+    };
+    if raw.get().len() > MAX_HELD_FIELD {
+        return None;
+    }
+    serde_json::from_str(raw.get()).ok().map(Some)
+}
+
+/// The first of a prefill's choices (it answers one), the others read unbuilt: a
+/// prefill's list of millions of `{}` is no million choices in memory.
+#[derive(Default)]
+struct FirstChoice<'a>(Option<ChoiceIn<'a>>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for FirstChoice<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct First<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for First<'a> {
+            type Value = FirstChoice<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let first = seq.next_element::<ChoiceIn<'a>>()?;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(FirstChoice(first))
+            }
+        }
+        d.deserialize_seq(First(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
@@ -786,9 +833,18 @@ fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
         .flatten()
 }
 
+/// Whether a completions `prompt` is a batch: a list holding a string or a list. Its
+/// elements are looked at, not built (a client's prompt of millions of token ids is
+/// one prompt, and no `Value` per id).
 fn is_batch(raw: &[u8]) -> bool {
-    serde_json::from_slice::<Vec<Value>>(raw)
-        .is_ok_and(|v| v.iter().any(|x| x.is_string() || x.is_array()))
+    let Ok(text) = std::str::from_utf8(raw) else {
+        return false;
+    };
+    let mut batch = false;
+    let listed = crate::common::json::elements(text, |x| {
+        batch |= matches!(x.get().as_bytes().first(), Some(b'"' | b'['));
+    });
+    listed.is_ok() && batch
 }
 
 fn is_token_ids(raw: &[u8]) -> bool {

@@ -9,9 +9,11 @@ use disagg_core::connector::Reshape;
 use disagg_core::error::BoxError;
 use disagg_core::transport::{BoxBody, read_limited};
 use http_body::Frame;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use super::connector::{First, MAX_BODY, Plan};
+use crate::common::json::{self, Edit};
 use crate::common::sse::{EventMap, MapEvents};
 
 /// LMCache's change of form ([`Reshape`]): the decode answered a completions request
@@ -189,236 +191,246 @@ impl Shape {
         }
     }
 
-    /// Usage as the client counts it: the prompt once, every generated token once (the
-    /// decode saw the first token as part of its prompt). Other usage fields stay. The
-    /// decode's count is any u64 it wrote: the sums saturate rather than panic (debug)
-    /// or wrap to a small count (release).
-    fn fix_usage(&self, obj: &mut Map<String, Value>) {
-        let Some(Value::Object(u)) = obj.get_mut("usage") else {
-            return;
-        };
-        if self.first.is_none() {
-            return;
+    /// Writes `usage` as the client counts it: the prompt once, every generated token
+    /// once (the decode saw the first token as part of its prompt); the other members
+    /// as the decode wrote them. The decode's count is any u64 it wrote: the sums
+    /// saturate rather than panic (debug) or wrap to a small count (release). A usage
+    /// that is not an object, or an answer without a first token, keeps its own.
+    fn usage(&self, usage: &RawValue, out: &mut Vec<u8>) -> Edit {
+        if self.first.is_none() || !json::is_object(usage.get()) {
+            return Edit::Keep;
         }
-        let generated = u
-            .get("completion_tokens")
-            .and_then(Value::as_u64)
+        let generated = json::member_u64(usage.get(), "completion_tokens")
             .unwrap_or(0)
             .saturating_add(1);
         let prompt = self.prompt_tokens as u64;
-        u.insert("prompt_tokens".into(), json!(prompt));
-        u.insert("completion_tokens".into(), json!(generated));
-        u.insert(
-            "total_tokens".into(),
-            json!(prompt.saturating_add(generated)),
-        );
+        let mut u = json::Object::open(out);
+        // A valid object: its members always visit.
+        let _ = u.copy(usage.get(), |key, _, _| match key {
+            "prompt_tokens" | "completion_tokens" | "total_tokens" => Edit::Drop,
+            _ => Edit::Keep,
+        });
+        u.value("prompt_tokens", &prompt);
+        u.value("completion_tokens", &generated);
+        u.value("total_tokens", &prompt.saturating_add(generated));
+        u.close();
+        Edit::Wrote
     }
 
-    /// One streamed chunk of the decode, in the client's form.
-    fn chunk(&self, mut obj: Map<String, Value>) -> Map<String, Value> {
+    /// Writes one streamed chunk of the decode (a JSON object) in the client's form.
+    fn chunk(&self, obj: &str, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+        let mut o = json::Object::open(out);
+        o.copy(obj, |key, value, out| match key {
+            "id" if self.first.is_some() => Edit::Drop,
+            "object" if self.chat => Edit::Drop,
+            "choices" if self.chat && json::is_list(value.get()) => {
+                list(value, out, chat_delta);
+                Edit::Wrote
+            }
+            "usage" => self.usage(value, out),
+            _ => Edit::Keep,
+        })?;
         if let Some(f) = &self.first {
-            obj.insert("id".into(), json!(self.id(&f.id)));
+            o.value("id", &self.id(&f.id));
         }
         if self.chat {
-            obj.insert("object".into(), json!("chat.completion.chunk"));
-            if let Some(Value::Array(choices)) = obj.get_mut("choices") {
-                for c in choices.iter_mut() {
-                    if let Value::Object(c) = c {
-                        let text = c.remove("text").unwrap_or(Value::Null);
-                        c.remove("prompt_logprobs");
-                        // Fields of a completions choice that a chat choice lacks:
-                        // the prompt's ids, and before the finish `stop_reason` and
-                        // `weight_versions` (vLLM sets those on a chat chunk only
-                        // with its finish).
-                        c.remove("prompt_token_ids");
-                        if c.get("finish_reason").is_none_or(Value::is_null) {
-                            c.remove("stop_reason");
-                            c.remove("weight_versions");
-                        }
-                        c.insert("delta".into(), json!({ "content": text }));
-                        c.insert("logprobs".into(), Value::Null);
-                    }
-                }
-            }
+            o.value("object", &"chat.completion.chunk");
         }
-        self.fix_usage(&mut obj);
-        obj
+        o.close();
+        Ok(())
     }
 
     /// The client's whole (non-streaming) answer from the decode's, which is empty when
-    /// no decode leg was sent.
+    /// no decode leg was sent. The decode's members the change of form does not touch
+    /// are copied as it wrote them, never built: a 64 MiB answer costs its own size,
+    /// not a gigabyte of `Value`s.
     pub(super) fn whole(&self, decode: &[u8]) -> Result<Bytes, BoxError> {
-        let (mut obj, from_decode) = if decode.is_empty() {
-            let first = self
-                .first
-                .as_ref()
-                .ok_or("no decode answer and no first token")?;
-            let mut m = Map::new();
-            m.insert(
-                "choices".into(),
-                json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": first.finish}]),
-            );
-            // The prefill's own usage: the prompt and its one token.
-            let own = first.usage.clone();
-            m.insert(
-                "usage".into(),
-                own.unwrap_or_else(|| usage(self.prompt_tokens as u64, 1)),
-            );
-            (m, false)
-        } else {
-            (decode_answer(decode)?, true)
-        };
+        if decode.is_empty() {
+            return self.first_only();
+        }
+        let text = std::str::from_utf8(decode)?;
+        if !json::is_object(text) {
+            return Err("the decode's answer is not a JSON object".into());
+        }
+        let mut out = Vec::with_capacity(decode.len().saturating_add(256));
+        let mut too_many = None;
+        let mut o = json::Object::open(&mut out);
+        o.copy(text, |key, value, out| match key {
+            "id" | "created" | "model" if self.first.is_some() => Edit::Drop,
+            "object" => Edit::Drop,
+            "choices" => self.choices(value, out, &mut too_many),
+            "usage" => self.usage(value, out),
+            _ => Edit::Keep,
+        })?;
+        if let Some(n) = too_many {
+            return Err(format!(
+                "the decode answered {n} choices; the request can have {MAX_CHOICES}"
+            )
+            .into());
+        }
         if let Some(f) = &self.first {
-            obj.insert("id".into(), json!(self.id(&f.id)));
-            obj.insert("created".into(), json!(f.created));
-            obj.insert("model".into(), json!(f.model));
+            o.value("id", &self.id(&f.id));
+            o.value("created", &f.created);
+            o.value("model", &f.model);
         }
-        if let Some(Value::Array(choices)) = obj.get_mut("choices") {
-            // The prefill's first token begins the choice of index 0 only: the first one
-            // naming index 0, or the first one when none names an index.
-            let first_at = choices
-                .iter()
-                .position(|c| c.get("index").and_then(Value::as_u64) == Some(0))
-                .or_else(|| {
-                    let indexed = |c: &Value| c.get("index").is_some_and(|i| !i.is_null());
-                    (!choices.iter().any(indexed)).then_some(0)
-                });
-            for (i, c) in choices.iter_mut().enumerate() {
-                let Value::Object(c) = c else { continue };
-                let mut text = match &self.first {
-                    Some(f) if first_at == Some(i) => f.text.clone(),
-                    _ => String::new(),
-                };
-                if let Some(Value::String(t)) = c.remove("text") {
-                    text.push_str(&t);
-                }
-                if self.chat {
-                    c.remove("prompt_logprobs");
-                    c.insert(
-                        "message".into(),
-                        json!({"role": "assistant", "content": text}),
-                    );
-                    c.insert("logprobs".into(), Value::Null);
-                } else {
-                    c.insert("text".into(), json!(text));
-                }
-            }
-        }
-        obj.insert(
-            "object".into(),
-            json!(if self.chat {
-                "chat.completion"
-            } else {
-                "text_completion"
-            }),
-        );
-        if from_decode {
-            self.fix_usage(&mut obj);
-        }
-        Ok(Bytes::from(serde_json::to_vec(&obj)?))
+        o.value("object", &self.whole_object());
+        o.close();
+        Ok(Bytes::from(out))
     }
+
+    /// The whole answer when the prefill's first token ended it (no decode leg).
+    fn first_only(&self) -> Result<Bytes, BoxError> {
+        let first = self
+            .first
+            .as_ref()
+            .ok_or("no decode answer and no first token")?;
+        let mut m = Map::new();
+        m.insert("id".into(), json!(self.id(&first.id)));
+        m.insert("created".into(), json!(first.created));
+        m.insert("model".into(), json!(first.model));
+        let choice = if self.chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": first.text},
+                "logprobs": null, "finish_reason": first.finish})
+        } else {
+            json!({"index": 0, "text": first.text, "logprobs": null, "finish_reason": first.finish})
+        };
+        m.insert("choices".into(), json!([choice]));
+        // The prefill's own usage: the prompt and its one token.
+        let own = first.usage.clone();
+        m.insert(
+            "usage".into(),
+            own.unwrap_or_else(|| usage(self.prompt_tokens as u64, 1)),
+        );
+        m.insert("object".into(), json!(self.whole_object()));
+        Ok(Bytes::from(serde_json::to_vec(&m)?))
+    }
+
+    fn whole_object(&self) -> &'static str {
+        if self.chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        }
+    }
+
+    /// Writes the whole answer's `choices` in the client's form: the first token
+    /// begins the choice of index 0 (the one choice, unless it names another index).
+    /// A list of more than [`MAX_CHOICES`] is counted, its elements unbuilt, and noted
+    /// in `too_many` (the answer is refused).
+    fn choices(&self, value: &RawValue, out: &mut Vec<u8>, too_many: &mut Option<usize>) -> Edit {
+        if !json::is_list(value.get()) {
+            return Edit::Keep;
+        }
+        let mut n = 0usize;
+        // A valid list: its elements always visit.
+        let _ = json::elements(value.get(), |_| n += 1);
+        if n > MAX_CHOICES {
+            *too_many = Some(n);
+            return Edit::Keep;
+        }
+        list(value, out, |c, out| self.whole_choice(c, out));
+        Edit::Wrote
+    }
+
+    /// Writes one choice of a whole answer (a JSON object) in the client's form.
+    fn whole_choice(&self, c: &str, out: &mut Vec<u8>) {
+        let begins = json::member(c, "index")
+            .is_none_or(|i| i.get() == "null" || json::u64_of(i) == Some(0));
+        let mut text = match &self.first {
+            Some(f) if begins => f.text.clone(),
+            _ => String::new(),
+        };
+        // The last `text`, when it is a string.
+        if let Some(own) =
+            json::member(c, "text").and_then(|t| serde_json::from_str::<String>(t.get()).ok())
+        {
+            text.push_str(&own);
+        }
+        let mut o = json::Object::open(out);
+        // A valid object: its members always visit.
+        let _ = o.copy(c, |key, _, _| match key {
+            "text" => Edit::Drop,
+            "prompt_logprobs" | "message" | "logprobs" if self.chat => Edit::Drop,
+            _ => Edit::Keep,
+        });
+        if self.chat {
+            o.value("message", &json!({"role": "assistant", "content": text}));
+            o.raw("logprobs", b"null");
+        } else {
+            o.value("text", &text);
+        }
+        o.close();
+    }
+}
+
+/// Writes the JSON list `value` with each object element as `choice` writes it, other
+/// elements as they came.
+fn list(value: &RawValue, out: &mut Vec<u8>, mut choice: impl FnMut(&str, &mut Vec<u8>)) {
+    out.push(b'[');
+    let mut first = true;
+    // A valid list: its elements always visit.
+    let _ = json::elements(value.get(), |c| {
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        if json::is_object(c.get()) {
+            choice(c.get(), out);
+        } else {
+            out.extend_from_slice(c.get().as_bytes());
+        }
+    });
+    out.push(b']');
+}
+
+/// Writes one choice of a streamed completions chunk (a JSON object) as a chat
+/// chunk's: its `text` becomes `delta.content`; the fields of a completions choice that
+/// a chat choice lacks go: `prompt_logprobs`, the prompt's ids, and before the finish
+/// `stop_reason` and `weight_versions` (vLLM sets those on a chat chunk only with its
+/// finish).
+fn chat_delta(c: &str, out: &mut Vec<u8>) {
+    let text = json::member(c, "text");
+    let finished = json::member(c, "finish_reason").is_some_and(|f| f.get() != "null");
+    let mut o = json::Object::open(out);
+    // A valid object: its members always visit.
+    let _ = o.copy(c, |key, _, _| match key {
+        "text" | "prompt_logprobs" | "prompt_token_ids" | "delta" | "logprobs" => Edit::Drop,
+        "stop_reason" | "weight_versions" if !finished => Edit::Drop,
+        _ => Edit::Keep,
+    });
+    let delta = o.key("delta");
+    delta.extend_from_slice(b"{\"content\":");
+    delta.extend_from_slice(text.map_or("null", RawValue::get).as_bytes());
+    delta.push(b'}');
+    o.raw("logprobs", b"null");
+    o.close();
 }
 
 /// The most choices a decode may answer: the connector refuses a request for more
 /// than one (`n`, `best_of`), so a decode's answer has exactly one.
 const MAX_CHOICES: usize = 1;
 
-/// The decode's whole answer as an object, refused (naming the count) when it has
-/// more than [`MAX_CHOICES`] choices. The choices are counted on the raw text before
-/// any is built: a 64 MiB answer of `{}` choices would be 21 million maps (and as many
-/// reshaped ones) that a refusal must not pay for.
-fn decode_answer(bytes: &[u8]) -> Result<Map<String, Value>, BoxError> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let answer = match serde::de::Deserializer::deserialize_map(&mut de, AnswerVisitor) {
-        Ok(a) => a,
-        // The only data error the visitor's input can raise: the top level is not a map.
-        Err(e) if e.classify() == serde_json::error::Category::Data => {
-            return Err("the decode's answer is not a JSON object".into());
-        }
-        Err(e) => return Err(e.into()),
-    };
-    de.end()?;
-    match answer {
-        Answer::Object(m) => Ok(m),
-        Answer::TooManyChoices(n) => Err(format!(
-            "the decode answered {n} choices; the request can have {MAX_CHOICES}"
-        )
-        .into()),
-        Answer::Choices(e) => Err(format!("the decode's choices do not parse: {e}").into()),
-    }
-}
-
-enum Answer {
-    Object(Map<String, Value>),
-    TooManyChoices(usize),
-    /// The `choices` list is JSON the answer's value cannot hold (a number past `f64`,
-    /// nesting past serde's limit): said as such, not as "not a JSON object".
-    Choices(serde_json::Error),
-}
-
-/// Reads an object as [`Value`] would (a repeated key: the last wins), except that a
-/// `choices` list is counted, its elements unbuilt, before it is read.
-struct AnswerVisitor;
-
-impl<'de> serde::de::Visitor<'de> for AnswerVisitor {
-    type Value = Answer;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a JSON object")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Answer, A::Error> {
-        use serde::de::IgnoredAny;
-        let mut out = Map::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if key != "choices" {
-                let value = map.next_value::<Value>()?;
-                out.insert(key, value);
-                continue;
-            }
-            let raw = map.next_value::<&serde_json::value::RawValue>()?;
-            // A list of zero-sized elements allocates nothing: a count for a scan.
-            let count = serde_json::from_str::<Vec<IgnoredAny>>(raw.get()).map(|v| v.len());
-            if let Ok(n) = count
-                && n > MAX_CHOICES
-            {
-                // The rest is read (unbuilt) for the parser to see the object's end.
-                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                return Ok(Answer::TooManyChoices(n));
-            }
-            let value = match serde_json::from_str::<Value>(raw.get()) {
-                Ok(v) => v,
-                Err(e) => {
-                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                    return Ok(Answer::Choices(e));
-                }
-            };
-            out.insert(key, value);
-        }
-        Ok(Answer::Object(out))
-    }
-}
-
 impl EventMap for Shape {
-    /// One SSE event (without its blank-line terminator), in the client's form.
+    /// One SSE event (without its blank-line terminator), in the client's form; an
+    /// event's members the change of form does not touch are copied, never built.
     fn event(&self, ev: &[u8], out: &mut BytesMut) {
         let data = ev
             .strip_prefix(b"data: ")
-            .or_else(|| ev.strip_prefix(b"data:"));
-        let parsed = data
+            .or_else(|| ev.strip_prefix(b"data:"))
             .filter(|d| d.first() == Some(&b'{'))
-            .and_then(|d| serde_json::from_slice::<Map<String, Value>>(d).ok());
-        match parsed {
-            Some(obj) if !obj.contains_key("error") => {
-                let mut v = Vec::with_capacity(ev.len() + 64);
-                event(&mut v, &self.chunk(obj));
+            .and_then(|d| std::str::from_utf8(d).ok())
+            .filter(|d| json::member(d, "error").is_none());
+        if let Some(data) = data {
+            let mut v = Vec::with_capacity(ev.len() + 64);
+            v.extend_from_slice(b"data: ");
+            if self.chunk(data, &mut v).is_ok() {
+                v.extend_from_slice(b"\n\n");
                 out.extend_from_slice(&v);
-            }
-            // Error events, `[DONE]`, comments, anything else: as it came.
-            _ => {
-                out.extend_from_slice(ev);
-                out.extend_from_slice(b"\n\n");
+                return;
             }
         }
+        // Error events, `[DONE]`, comments, anything else: as it came.
+        out.extend_from_slice(ev);
+        out.extend_from_slice(b"\n\n");
     }
 }

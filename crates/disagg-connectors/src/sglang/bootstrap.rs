@@ -47,7 +47,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use serde_json::value::RawValue;
 
 use crate::common::Rooms;
 use crate::sglang::generate::{self, LogprobMerge, MergeLogprobs};
@@ -156,16 +155,11 @@ fn openai_n(body: &disagg_json::JsonBody) -> usize {
 
 /// How many prompts a completions request's `prompt` lists, when it is a batch.
 fn completion_batch(body: &disagg_json::JsonBody) -> Option<usize> {
-    let raw = body.get("prompt")?;
-    if raw.first() != Some(&b'[') {
-        return None;
-    }
-    // Only the list's own level is parsed; the prompts stay raw.
-    let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
-    let first = items.first()?.get().as_bytes().first().copied();
+    // Only the list's own level is read; the prompts stay raw.
+    let list = crate::common::json::list_head(body.get("prompt")?)?;
     // A flat list of token ids is one prompt; a list of strings or of token-id lists
     // is a batch.
-    matches!(first, Some(b'"' | b'[')).then_some(items.len())
+    matches!(list.first, Some(b'"' | b'[')).then_some(list.len)
 }
 
 #[async_trait]

@@ -23,9 +23,9 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use http_body::Frame;
-use serde_json::Value;
 use serde_json::value::RawValue;
 
+use crate::common::json::{self, Edit};
 use crate::common::sse::{EventMap, MapEvents, event_end};
 use disagg_core::connector::{PrefillAnswer, Reshape};
 use disagg_core::error::BoxError;
@@ -43,20 +43,14 @@ pub(crate) fn batch_size(body: &JsonBody) -> Option<usize> {
     if let Some(text) = body.get("text") {
         return list_len(text);
     }
-    let ids = body.get("input_ids")?;
     // A flat list of token ids is one prompt; a list of lists is a batch.
-    let items: Vec<&RawValue> = serde_json::from_slice(ids).ok()?;
-    let first = items.first()?.get().as_bytes().first().copied();
-    (first == Some(b'[')).then_some(items.len())
+    let list = json::list_head(body.get("input_ids")?)?;
+    (list.first == Some(b'[')).then_some(list.len)
 }
 
 /// The length of `raw` when it is a non-empty JSON list.
 fn list_len(raw: &[u8]) -> Option<usize> {
-    if raw.first() != Some(&b'[') {
-        return None;
-    }
-    let items: Vec<&RawValue> = serde_json::from_slice(raw).ok()?;
-    (!items.is_empty()).then_some(items.len())
+    json::list_head(raw).map(|l| l.len).filter(|n| *n > 0)
 }
 
 /// Whether the request asks for logprobs: `return_logprob` true (read as pydantic's lax
@@ -66,10 +60,13 @@ pub(crate) fn wants_logprobs(body: &JsonBody) -> bool {
         return false;
     };
     if raw.first() == Some(&b'[') {
-        let items: Vec<&RawValue> = serde_json::from_slice(raw).unwrap_or_default();
-        return items
-            .iter()
-            .any(|v| disagg_json::lax::bool_value(v.get().as_bytes()) == Ok(Some(true)));
+        let mut any = false;
+        let _ = std::str::from_utf8(raw).map(|text| {
+            json::elements(text, |v| {
+                any |= disagg_json::lax::bool_value(v.get().as_bytes()) == Ok(Some(true));
+            })
+        });
+        return any;
     }
     disagg_json::lax::bool_value(raw) == Ok(Some(true))
 }
@@ -132,7 +129,9 @@ pub(crate) struct OutOfRange {
 
 /// The prefill's prompt logprobs, by element, from its whole answer: a JSON object (one
 /// element), a JSON list (a batch, by position), or an event stream (the first event of
-/// each `index`). `None` when the answer carries none.
+/// each `index`). `None` when the answer carries none. Each element's list is kept as
+/// the engine wrote it (a raw slice, not a built `Value`: it is held until the decode's
+/// answer ends).
 ///
 /// # Errors
 ///
@@ -142,9 +141,9 @@ pub(crate) struct OutOfRange {
 pub(crate) fn prefill_logprobs(
     answer: &PrefillAnswer,
     sequences: usize,
-) -> Result<Option<Vec<Option<Value>>>, OutOfRange> {
-    let mut out: Vec<Option<Value>> = Vec::new();
-    let mut put = |index: usize, v: Option<Value>| {
+) -> Result<Option<Vec<Option<Box<RawValue>>>>, OutOfRange> {
+    let mut out: Vec<Option<Box<RawValue>>> = Vec::new();
+    let mut put = |index: usize, v: Option<Box<RawValue>>| {
         if out.len() <= index {
             out.resize(index + 1, None);
         }
@@ -152,29 +151,42 @@ pub(crate) fn prefill_logprobs(
             out[index] = v;
         }
     };
-    match serde_json::from_slice::<Value>(&answer.body) {
-        Ok(Value::Object(o)) => put(0, input_logprobs(&o)),
-        Ok(Value::Array(items)) => {
-            if items.len() > sequences {
+    let text = std::str::from_utf8(&answer.body).ok();
+    match text.and_then(|t| serde_json::from_str::<&RawValue>(t).ok()) {
+        Some(one) if json::is_object(one.get()) => put(0, input_logprobs(one.get())),
+        Some(list) if json::is_list(list.get()) => {
+            let mut count = 0usize;
+            // A valid list: its elements always visit.
+            let _ = json::elements(list.get(), |item| {
+                if count < sequences && json::is_object(item.get()) {
+                    put(count, input_logprobs(item.get()));
+                }
+                count += 1;
+            });
+            if count > sequences {
                 return Err(OutOfRange {
                     what: "list length",
-                    found: items.len().to_string(),
+                    found: count.to_string(),
                     sequences,
                 });
             }
-            for (i, item) in items.iter().enumerate() {
-                if let Value::Object(o) = item {
-                    put(i, input_logprobs(o));
-                }
-            }
         }
-        Ok(_) => return Ok(None),
+        Some(_) => return Ok(None),
         // Not one JSON value: a stream of events.
-        Err(_) => {
+        None => {
             let mut rest = &answer.body[..];
             while let Some((end, next)) = event_end(rest) {
-                if let Some(Value::Object(o)) = data_json(&rest[..end]) {
-                    put(checked_index(&o, sequences)?, input_logprobs(&o));
+                if let Some(data) = data_object(&rest[..end]) {
+                    let mut index = None;
+                    if json::members(data, |k, v| {
+                        if k == "index" {
+                            index = Some(v);
+                        }
+                    })
+                    .is_ok()
+                    {
+                        put(checked_index(index, sequences)?, input_logprobs(data));
+                    }
                 }
                 rest = &rest[next..];
             }
@@ -185,69 +197,74 @@ pub(crate) fn prefill_logprobs(
 
 /// The element an event of an engine answers: its `index` (0 without one), which must
 /// be a non-negative integer below `sequences`.
-fn checked_index(
-    o: &serde_json::Map<String, Value>,
-    sequences: usize,
-) -> Result<usize, OutOfRange> {
-    let Some(raw) = o.get("index") else {
+fn checked_index(index: Option<&RawValue>, sequences: usize) -> Result<usize, OutOfRange> {
+    let Some(raw) = index else {
         return Ok(0);
     };
-    raw.as_u64()
+    json::u64_of(raw)
         .and_then(|i| usize::try_from(i).ok())
         .filter(|i| *i < sequences)
         .ok_or_else(|| OutOfRange {
             what: "index",
-            found: raw.to_string(),
+            found: raw.get().to_owned(),
             sequences,
         })
 }
 
 /// `meta_info.input_token_logprobs` of one answer object, when it is a list.
-fn input_logprobs(o: &serde_json::Map<String, Value>) -> Option<Value> {
-    o.get("meta_info")?
-        .get("input_token_logprobs")
-        .filter(|v| v.is_array())
-        .cloned()
+fn input_logprobs(obj: &str) -> Option<Box<RawValue>> {
+    let meta = json::member(obj, "meta_info")?;
+    let list = json::member(meta.get(), "input_token_logprobs")?;
+    json::is_list(list.get()).then(|| list.to_owned())
 }
 
-/// The element a decode's event answers: its `index`, 0 without one. Unchecked: it
-/// only looks up the prefill's logprobs, and an index the request does not have finds
-/// none (the event passes unmerged).
-fn index_of(o: &serde_json::Map<String, Value>) -> usize {
-    o.get("index")
-        .and_then(Value::as_u64)
-        .and_then(|i| usize::try_from(i).ok())
-        .unwrap_or(0)
-}
-
-/// Prepend the prefill's logprobs of the element `index` to the answer object's own.
-fn merge_into(o: &mut serde_json::Map<String, Value>, prefill: &[Option<Value>], index: usize) {
-    let Some(Some(Value::Array(head))) = prefill.get(index) else {
+/// Writes the answer object `obj` with the prefill's logprobs of the element `index`
+/// before its own `meta_info.input_token_logprobs`; every other member as it came.
+fn merge_object(obj: &str, prefill: &[Option<Box<RawValue>>], index: usize, out: &mut Vec<u8>) {
+    let Some(Some(head)) = prefill.get(index) else {
+        out.extend_from_slice(obj.as_bytes());
         return;
     };
-    let Some(Value::Array(own)) = o
-        .get_mut("meta_info")
-        .and_then(|m| m.get_mut("input_token_logprobs"))
-    else {
-        return;
-    };
-    let mut merged = Vec::with_capacity(head.len() + own.len());
-    merged.extend(head.iter().cloned());
-    merged.append(own);
-    *own = merged;
+    let mark = out.len();
+    let mut o = json::Object::open(out);
+    let copied = o.copy(obj, |key, meta, out| {
+        if key != "meta_info" || !json::is_object(meta.get()) {
+            return Edit::Keep;
+        }
+        let mut m = json::Object::open(out);
+        // `meta` is a valid object: its members always visit.
+        let _ = m.copy(meta.get(), |key, own, out| {
+            if key == "input_token_logprobs" && json::is_list(own.get()) {
+                json::concat_lists(head.get(), own.get(), out);
+                Edit::Wrote
+            } else {
+                Edit::Keep
+            }
+        });
+        m.close();
+        Edit::Wrote
+    });
+    match copied {
+        Ok(()) => o.close(),
+        Err(_) => {
+            // Not an object after all: as it came.
+            out.truncate(mark);
+            out.extend_from_slice(obj.as_bytes());
+        }
+    }
 }
 
 /// The change of form of a `/generate` answer with logprobs: the prefill's prompt
 /// logprobs prepended to the decode's, element by element.
 #[derive(Debug)]
 pub(crate) struct LogprobMerge {
-    prefill: Arc<[Option<Value>]>,
+    prefill: Arc<[Option<Box<RawValue>>]>,
     stream: bool,
 }
 
 impl LogprobMerge {
     /// A merge of `prefill`'s logprobs into a streamed (`stream`) or whole answer.
-    pub(crate) fn new(prefill: Vec<Option<Value>>, stream: bool) -> Self {
+    pub(crate) fn new(prefill: Vec<Option<Box<RawValue>>>, stream: bool) -> Self {
         LogprobMerge {
             prefill: prefill.into(),
             stream,
@@ -268,77 +285,117 @@ impl Reshape for LogprobMerge {
     }
 }
 
-/// The whole decode answer, merged; passed as it came when it is not JSON (as SGLang's
-/// routers do).
-async fn whole(decode: BoxBody, prefill: Arc<[Option<Value>]>) -> Result<Frame<Bytes>, BoxError> {
+/// The whole decode answer, merged; passed as it came when it is not a JSON object or
+/// list (as SGLang's routers do). Its members are copied as the decode wrote them, never
+/// built: a 64 MiB answer costs about 64 MiB of output, not a gigabyte of `Value`s.
+async fn whole(
+    decode: BoxBody,
+    prefill: Arc<[Option<Box<RawValue>>]>,
+) -> Result<Frame<Bytes>, BoxError> {
     let bytes = read_limited(decode, MAX_MERGED_ANSWER).await?;
-    let merged = match serde_json::from_slice::<Value>(&bytes) {
-        Ok(Value::Object(mut o)) => {
-            merge_into(&mut o, &prefill, 0);
-            serde_json::to_vec(&o).ok()
-        }
-        Ok(Value::Array(mut items)) => {
-            for (i, item) in items.iter_mut().enumerate() {
-                if let Value::Object(o) = item {
-                    merge_into(o, &prefill, i);
-                }
-            }
-            serde_json::to_vec(&items).ok()
-        }
-        _ => None,
-    };
+    let merged = std::str::from_utf8(&bytes)
+        .ok()
+        .and_then(|text| merged_answer(text, &prefill));
     Ok(Frame::data(merged.map_or(bytes, Bytes::from)))
+}
+
+/// The whole answer `text` merged: an object (element 0) or a list (by position);
+/// `None` when it is neither, or not JSON.
+fn merged_answer(text: &str, prefill: &[Option<Box<RawValue>>]) -> Option<Vec<u8>> {
+    let one = serde_json::from_str::<&RawValue>(text).ok()?;
+    let heads: usize = prefill.iter().flatten().map(|h| h.get().len()).sum();
+    let mut out = Vec::with_capacity(text.len().saturating_add(heads));
+    if json::is_object(one.get()) {
+        merge_object(one.get(), prefill, 0, &mut out);
+    } else if json::is_list(one.get()) {
+        out.push(b'[');
+        let mut i = 0usize;
+        // A valid list: its elements always visit.
+        let _ = json::elements(one.get(), |item| {
+            if i > 0 {
+                out.push(b',');
+            }
+            if json::is_object(item.get()) {
+                merge_object(item.get(), prefill, i, &mut out);
+            } else {
+                out.extend_from_slice(item.get().as_bytes());
+            }
+            i += 1;
+        });
+        out.push(b']');
+    } else {
+        return None;
+    }
+    Some(out)
 }
 
 /// The decode's event stream with each `data:` event merged; only an unfinished event is
 /// held back, each frame's complete events go out with it.
 struct MergeEvents {
-    prefill: Arc<[Option<Value>]>,
+    prefill: Arc<[Option<Box<RawValue>>]>,
 }
 
 impl EventMap for MergeEvents {
     fn event(&self, ev: &[u8], out: &mut BytesMut) {
-        match data_json(ev) {
-            Some(Value::Object(mut o)) if !o.contains_key("error") => {
-                let index = index_of(&o);
-                merge_into(&mut o, &self.prefill, index);
-                out.extend_from_slice(b"data: ");
-                match serde_json::to_vec(&o) {
-                    Ok(v) => out.extend_from_slice(&v),
-                    Err(_) => out.extend_from_slice(b"{}"),
-                }
-                out.extend_from_slice(b"\n\n");
-            }
-            // `[DONE]`, error events, comments: as they came.
-            _ => {
-                out.extend_from_slice(ev);
-                out.extend_from_slice(b"\n\n");
+        if let Some(data) = data_object(ev) {
+            let (mut error, mut index) = (false, None);
+            let read = json::members(data, |k, v| match k.as_str() {
+                "error" => error = true,
+                "index" => index = Some(v),
+                _ => {}
+            });
+            if read.is_ok() && !error {
+                // Unchecked: an index the request does not have finds no logprobs, and
+                // the event passes unmerged.
+                let index = index
+                    .and_then(json::u64_of)
+                    .and_then(|i| usize::try_from(i).ok())
+                    .unwrap_or(0);
+                let mut v = Vec::with_capacity(data.len() + 64);
+                v.extend_from_slice(b"data: ");
+                merge_object(data, &self.prefill, index, &mut v);
+                v.extend_from_slice(b"\n\n");
+                out.extend_from_slice(&v);
+                return;
             }
         }
+        // `[DONE]`, error events, comments, what is not JSON: as they came.
+        out.extend_from_slice(ev);
+        out.extend_from_slice(b"\n\n");
     }
 }
 
-/// The JSON of a `data:` event, if it is one.
-fn data_json(ev: &[u8]) -> Option<Value> {
+/// The JSON object text of a `data:` event, if it is one.
+fn data_object(ev: &[u8]) -> Option<&str> {
     let data = ev
         .strip_prefix(b"data: ")
         .or_else(|| ev.strip_prefix(b"data:"))?;
-    let data = data.trim_ascii();
-    if data.first() != Some(&b'{') {
-        return None;
-    }
-    serde_json::from_slice(data).ok()
+    let data = std::str::from_utf8(data.trim_ascii()).ok()?;
+    data.starts_with('{').then_some(data)
 }
 
 #[cfg(test)]
 mod tests {
     use http_body_util::BodyExt;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 
     fn body(s: &str) -> JsonBody {
         JsonBody::parse(s.as_bytes()).unwrap()
+    }
+
+    /// A prefill's logprob list as the merge holds it.
+    fn raw(v: Value) -> Option<Box<RawValue>> {
+        Some(serde_json::value::to_raw_value(&v).unwrap())
+    }
+
+    /// The logprob lists found, built to compare.
+    fn built(found: Vec<Option<Box<RawValue>>>) -> Vec<Option<Value>> {
+        found
+            .into_iter()
+            .map(|v| v.map(|v| serde_json::from_str(v.get()).unwrap()))
+            .collect()
     }
 
     fn answer(s: &str) -> PrefillAnswer {
@@ -386,14 +443,14 @@ mod tests {
             r#"{"text":"x","meta_info":{"input_token_logprobs":[[null,1,null],[-0.5,2,null]]}}"#,
         );
         assert_eq!(
-            prefill_logprobs(&one, 1).unwrap().unwrap(),
+            built(prefill_logprobs(&one, 1).unwrap().unwrap()),
             [Some(json!([[null, 1, null], [-0.5, 2, null]]))]
         );
         let batch = answer(
             r#"[{"meta_info":{"input_token_logprobs":[[null,1,null]]}},{"meta_info":{"input_token_logprobs":[[null,7,null]]}}]"#,
         );
         assert_eq!(
-            prefill_logprobs(&batch, 2).unwrap().unwrap(),
+            built(prefill_logprobs(&batch, 2).unwrap().unwrap()),
             [
                 Some(json!([[null, 1, null]])),
                 Some(json!([[null, 7, null]]))
@@ -407,7 +464,7 @@ mod tests {
             "data: [DONE]\n\n"
         ));
         assert_eq!(
-            prefill_logprobs(&stream, 2).unwrap().unwrap(),
+            built(prefill_logprobs(&stream, 2).unwrap().unwrap()),
             [
                 Some(json!([[null, 8, null]])),
                 Some(json!([[null, 9, null]]))
@@ -483,7 +540,7 @@ mod tests {
 
     #[tokio::test]
     async fn whole_answers_get_the_prefill_logprobs_first() {
-        let m = LogprobMerge::new(vec![Some(json!([[null, 1, null]]))], false);
+        let m = LogprobMerge::new(vec![raw(json!([[null, 1, null]]))], false);
         let out = reshape(
             &m,
             &[r#"{"text":"y","meta_info":{"input_token_logprobs":[[-1.0,2,null]],"id":"a"}}"#],
@@ -497,10 +554,7 @@ mod tests {
         assert_eq!(v["text"], "y");
         // A batch, element by element.
         let m = LogprobMerge::new(
-            vec![
-                Some(json!([[null, 1, null]])),
-                Some(json!([[null, 5, null]])),
-            ],
+            vec![raw(json!([[null, 1, null]])), raw(json!([[null, 5, null]]))],
             false,
         );
         let out = reshape(
@@ -521,13 +575,37 @@ mod tests {
         assert_eq!(reshape(&m, &["oops"]).await, "oops");
     }
 
+    /// The decode's members the merge does not touch are copied as written, never
+    /// built: a hostile `"x":[0,0,...]` costs its own size (a `Value` per `0,` was 16
+    /// bytes per byte), and JSON no `Value` holds (`1e400`) no longer stops the merge.
+    #[tokio::test]
+    async fn a_whole_answers_untouched_members_are_copied_as_written() {
+        let m = LogprobMerge::new(vec![raw(json!([[null, 1, null]]))], false);
+        let zeros = vec!["0"; 1_000_000].join(",");
+        let decode = format!(
+            r#"{{"x":[{zeros}],"big":1e400,"meta_info":{{"y":[{zeros}],"input_token_logprobs":[[-1.0,2,null]]}}}}"#
+        );
+        let out = reshape(&m, &[&decode]).await;
+        assert!(
+            out.len() < decode.len() + 64,
+            "{} from {}",
+            out.len(),
+            decode.len()
+        );
+        assert!(out.starts_with(&format!(
+            r#"{{"x":[{zeros}],"big":1e400,"meta_info":{{"y":[{zeros}],"#
+        )));
+        assert!(
+            out.ends_with(r#""input_token_logprobs":[[null,1,null],[-1.0,2,null]]}}"#),
+            "{}",
+            &out[out.len() - 80..]
+        );
+    }
+
     #[tokio::test]
     async fn streamed_events_are_merged_wherever_the_frames_are_cut() {
         let m = LogprobMerge::new(
-            vec![
-                Some(json!([[null, 1, null]])),
-                Some(json!([[null, 2, null]])),
-            ],
+            vec![raw(json!([[null, 1, null]])), raw(json!([[null, 2, null]]))],
             true,
         );
         let out = reshape(

@@ -302,12 +302,48 @@ fn the_first_token_begins_the_one_choice_even_without_an_index() {
     let e = shape(true).whole(b"\"x\"").unwrap_err().to_string();
     assert_eq!(e, "the decode's answer is not a JSON object");
     assert!(shape(true).whole(b"{\"choices\":[").is_err());
-    // Choices that are JSON but no value the proxy can build are said as such.
-    let e = shape(true)
-        .whole(br#"{"choices":[{"index":0,"text":"a","x":1e400}],"usage":null}"#)
-        .unwrap_err()
-        .to_string();
-    assert!(e.starts_with("the decode's choices do not parse"), "{e}");
+    // JSON no `Value` can hold (a number past f64, nesting past serde's limit) is
+    // carried as the decode wrote it: the reshape never builds what it does not touch.
+    let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+    let decode =
+        format!(r#"{{"choices":[{{"index":0,"text":"a","x":1e400}}],"usage":null,"d":{deep}}}"#);
+    let out = shape(true).whole(decode.as_bytes()).unwrap();
+    let out = std::str::from_utf8(&out).unwrap();
+    assert!(out.contains(r#""x":1e400"#), "{out}");
+    assert!(out.contains(&format!(r#""d":{deep}"#)));
+    assert!(
+        out.contains(r#""message":{"content":" onea","role":"assistant"}"#),
+        "{out}"
+    );
+}
+
+/// A hostile decode's whole answer costs about its own size: what the change of form
+/// does not touch is copied, not built (a `Value` per `0,` was 16 bytes per byte).
+#[test]
+fn a_whole_answers_untouched_members_are_copied_as_written() {
+    let zeros = vec!["0"; 1_000_000].join(",");
+    let decode = format!(
+        r#"{{"x": [{zeros}], "choices":[{{"index":0,"text":" two","y":[{zeros}],"finish_reason":"stop"}}],"usage":{{"completion_tokens":2,"z":[{zeros}]}}}}"#
+    );
+    let out = shape(false).whole(decode.as_bytes()).unwrap();
+    assert!(
+        out.len() < decode.len() + 256,
+        "{} from {}",
+        out.len(),
+        decode.len()
+    );
+    let v: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(v["x"].as_array().unwrap().len(), 1_000_000);
+    assert_eq!(v["choices"][0]["y"].as_array().unwrap().len(), 1_000_000);
+    assert_eq!(v["choices"][0]["text"], " one two");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(v["usage"]["z"].as_array().unwrap().len(), 1_000_000);
+    // Untouched values keep the decode's spelling.
+    assert!(
+        std::str::from_utf8(&out)
+            .unwrap()
+            .starts_with("{\"x\":[0,0,")
+    );
 }
 
 #[tokio::test]
@@ -566,4 +602,84 @@ fn prepare_refuses_an_unequal_pair_whose_receiver_declared_nothing() {
     );
     assert!(connector().prepare(&route(tp(2), tp(2)), &req).is_ok());
     assert!(connector().prepare(&route(None, None), &req).is_ok());
+}
+
+fn prefill_answer(body: String) -> PrefillAnswer {
+    PrefillAnswer {
+        status: http::StatusCode::OK,
+        headers: HeaderMap::new(),
+        body: Bytes::from(body),
+    }
+}
+
+/// What the prefill answers is read with a ceiling: its first choice only (a list of
+/// millions of `{}` is read, not built), and a usage or stop reason the client's
+/// answer would hold is refused past 64 KiB, naming the field.
+#[tokio::test]
+async fn a_prefills_answer_is_read_within_ceilings() {
+    let req = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":[1,2,3],"max_tokens":5}"#,
+    );
+    let c = connector();
+    let answer = |choices: &str, usage: &str| {
+        prefill_answer(format!(
+            r#"{{"id":"cmpl-p","created":1,"model":"m","choices":[{choices}],"usage":{usage},"kv_transfer_params":{{"first_tok":7}}}}"#
+        ))
+    };
+    // Prepared and resolved (the prompt's ids known) as the orchestrator does.
+    let prepared = || {
+        let mut h = c.prepare(&route(Some(receiver())), &req).unwrap();
+        h.ext.get_mut::<Plan>().unwrap().tokens = Some(vec![1, 2, 3].into());
+        h
+    };
+    let one = r#"{"index":0,"text":" a","finish_reason":"length","stop_reason":null}"#;
+    let many = format!("{one},{}", vec!["{}"; 1_000_000].join(","));
+    let mut h = prepared();
+    let found = c.complete(&mut h, &answer(&many, "null")).await.unwrap();
+    assert_eq!(found, HandoffFound::Handed);
+    let first = h.ext.get::<Plan>().unwrap().first.clone().unwrap();
+    assert_eq!(first.text, " a");
+    let big = format!(r#"{{"prompt_tokens":3,"x":"{}"}}"#, "a".repeat(70_000));
+    let mut h = prepared();
+    match c.complete(&mut h, &answer(one, &big)).await {
+        Err(ConnectorError::InvalidHandoff { field, .. }) => assert_eq!(field, "usage"),
+        other => panic!("{other:?}"),
+    }
+    let long_stop = one.replace(
+        r#""stop_reason":null"#,
+        &format!(r#""stop_reason":"{}""#, "s".repeat(70_000)),
+    );
+    let mut h = prepared();
+    match c.complete(&mut h, &answer(&long_stop, "null")).await {
+        Err(ConnectorError::InvalidHandoff { field, .. }) => assert_eq!(field, "choices"),
+        other => panic!("{other:?}"),
+    }
+    // Within the ceilings, both are the client's.
+    let mut h = prepared();
+    let stop = one.replace(r#""stop_reason":null"#, r#""stop_reason":"\n""#);
+    c.complete(
+        &mut h,
+        &answer(&stop, r#"{"prompt_tokens":3,"completion_tokens":1}"#),
+    )
+    .await
+    .unwrap();
+    let first = h.ext.get::<Plan>().unwrap().first.clone().unwrap();
+    assert_eq!(first.stop_reason, json!("\n"));
+    assert_eq!(first.usage.unwrap()["completion_tokens"], 1);
+}
+
+#[test]
+fn a_completions_batch_is_a_list_holding_a_string_or_a_list() {
+    for (prompt, batch) in [
+        ("[1,2,3]", false),
+        (r#"["a","b"]"#, true),
+        ("[[1],[2]]", true),
+        (r#"[1, "a"]"#, true),
+        (r#""a""#, false),
+        ("[]", false),
+        ("[1,", false),
+    ] {
+        assert_eq!(is_batch(prompt.as_bytes()), batch, "{prompt}");
+    }
 }

@@ -1,0 +1,350 @@
+//! An engine's JSON rewritten without building it.
+//!
+//! A reshape (SGLang's logprob merge, LMCache's change of form) touches a handful of an
+//! answer's members and passes the rest. Built as [`serde_json::Value`], every byte of
+//! the rest costs about sixteen of memory (a `0,` is a 32-byte `Value`), so a hostile
+//! engine's 64 MiB answer of `"x":[0,0,...]` cost a gigabyte per request. Here the
+//! answer is visited member by member, each value a [`RawValue`] slice of the engine's
+//! own bytes: what the reshape does not touch is copied as the engine wrote it (its
+//! order, its numbers, its nesting: a raw value is skipped without recursion), and
+//! the output is the only allocation, about the input's size.
+//!
+//! Duplicate keys are passed in order, each edited alike: a client's parser keeps the
+//! last one, as it would have before the rewrite.
+
+use serde::de::{Deserializer as _, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+
+/// The JSON whitespace around a value (RFC 8259): space, tab, line feed, return.
+const WHITESPACE: [char; 4] = [' ', '\t', '\n', '\r'];
+
+/// `raw` without the JSON whitespace around it.
+pub(crate) fn trim(raw: &str) -> &str {
+    raw.trim_matches(WHITESPACE)
+}
+
+/// Whether the JSON text `raw` (leading whitespace allowed) is an object.
+pub(crate) fn is_object(raw: &str) -> bool {
+    trim(raw).starts_with('{')
+}
+
+/// Whether the JSON text `raw` (leading whitespace allowed) is a list.
+pub(crate) fn is_list(raw: &str) -> bool {
+    trim(raw).starts_with('[')
+}
+
+/// Calls `f` with each member of the JSON object `raw`, in order, its value unbuilt.
+///
+/// # Errors
+///
+/// `raw` is not one JSON object (a data error when it is JSON of another type).
+pub(crate) fn members<'a>(
+    raw: &'a str,
+    f: impl FnMut(String, &'a RawValue),
+) -> Result<(), serde_json::Error> {
+    struct Members<F>(F);
+    impl<'de, F: FnMut(String, &'de RawValue)> Visitor<'de> for Members<F> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                let value = map.next_value::<&'de RawValue>()?;
+                (self.0)(key, value);
+            }
+            Ok(())
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(raw);
+    (&mut de).deserialize_map(Members(f))?;
+    de.end()
+}
+
+/// Calls `f` with each element of the JSON list `raw`, in order, unbuilt.
+///
+/// # Errors
+///
+/// `raw` is not one JSON list.
+pub(crate) fn elements<'a>(
+    raw: &'a str,
+    f: impl FnMut(&'a RawValue),
+) -> Result<(), serde_json::Error> {
+    struct Elements<F>(F);
+    impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Elements<F> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON list")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+            while let Some(value) = seq.next_element::<&'de RawValue>()? {
+                (self.0)(value);
+            }
+            Ok(())
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(raw);
+    (&mut de).deserialize_seq(Elements(f))?;
+    de.end()
+}
+
+/// A JSON list's length and the first byte of its first element, read without building
+/// anything (a `Vec<&RawValue>` is 16 bytes per element: eight times a client's
+/// `[0,0,...]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's batches
+pub(crate) struct ListHead {
+    /// How many elements the list has.
+    pub(crate) len: usize,
+    /// The first byte of its first element (`None` when empty).
+    pub(crate) first: Option<u8>,
+}
+
+/// The [`ListHead`] of `raw` when it is one JSON list.
+#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's batches
+pub(crate) fn list_head(raw: &[u8]) -> Option<ListHead> {
+    let text = std::str::from_utf8(raw).ok()?;
+    if !is_list(text) {
+        return None;
+    }
+    let mut head = ListHead {
+        len: 0,
+        first: None,
+    };
+    elements(text, |v| {
+        if head.len == 0 {
+            head.first = v.get().as_bytes().first().copied();
+        }
+        head.len += 1;
+    })
+    .ok()?;
+    Some(head)
+}
+
+/// The value of `key` in the JSON object `raw` (the last, when the key repeats, as a
+/// parser into a map keeps it); `None` when `raw` is not an object or lacks the key.
+pub(crate) fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
+    let mut found = None;
+    members(raw, |k, v| {
+        if k == key {
+            found = Some(v);
+        }
+    })
+    .ok()?;
+    found
+}
+
+/// The value of `key` in the JSON object `raw` when it is a non-negative integer that
+/// fits a `u64` (as `Value::as_u64` reads one: `1.0`, `-1` and `"1"` are not).
+#[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
+pub(crate) fn member_u64(raw: &str, key: &str) -> Option<u64> {
+    u64_of(member(raw, key)?)
+}
+
+/// `raw` as a non-negative integer that fits a `u64`.
+pub(crate) fn u64_of(raw: &RawValue) -> Option<u64> {
+    serde_json::from_str(raw.get()).ok()
+}
+
+/// What to do with one member of an object being copied ([`Object::copy`]).
+pub(crate) enum Edit {
+    /// Copy it as it came.
+    Keep,
+    /// Leave it out.
+    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
+    Drop,
+    /// The edit wrote the member's value itself, after its key.
+    Wrote,
+}
+
+/// A JSON object being written into a buffer, member by member.
+pub(crate) struct Object<'o> {
+    out: &'o mut Vec<u8>,
+    empty: bool,
+}
+
+impl<'o> Object<'o> {
+    /// Opens an object at the end of `out`.
+    pub(crate) fn open(out: &'o mut Vec<u8>) -> Self {
+        out.push(b'{');
+        Object { out, empty: true }
+    }
+
+    /// Writes `key` and returns the buffer for its value, which the caller writes.
+    pub(crate) fn key(&mut self, key: &str) -> &mut Vec<u8> {
+        if !self.empty {
+            self.out.push(b',');
+        }
+        self.empty = false;
+        // A string always encodes.
+        let _ = serde_json::to_writer(&mut *self.out, key);
+        self.out.push(b':');
+        self.out
+    }
+
+    /// Writes the member `key` with the JSON text `value`.
+    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
+    pub(crate) fn raw(&mut self, key: &str, value: &[u8]) {
+        self.key(key).extend_from_slice(value);
+    }
+
+    /// Writes the member `key` with `value` encoded as JSON.
+    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
+    pub(crate) fn value(&mut self, key: &str, value: &impl serde::Serialize) {
+        let out = self.key(key);
+        let mark = out.len();
+        if serde_json::to_writer(&mut *out, value).is_err() {
+            // The values given here (strings, numbers, nulls) always encode.
+            out.truncate(mark);
+            out.extend_from_slice(b"null");
+        }
+    }
+
+    /// Copies the members of the JSON object `raw`, each as `edit` says; an edit that
+    /// returns [`Edit::Wrote`] has written the value into the buffer it was given,
+    /// after the member's key.
+    ///
+    /// # Errors
+    ///
+    /// `raw` is not one JSON object; what was written of it stays, the caller discards
+    /// the buffer.
+    pub(crate) fn copy<'a>(
+        &mut self,
+        raw: &'a str,
+        mut edit: impl FnMut(&str, &'a RawValue, &mut Vec<u8>) -> Edit,
+    ) -> Result<(), serde_json::Error> {
+        members(raw, |key, value| {
+            let (mark, empty) = (self.out.len(), self.empty);
+            let out = self.key(&key);
+            match edit(&key, value, out) {
+                Edit::Keep => out.extend_from_slice(value.get().as_bytes()),
+                Edit::Wrote => {}
+                Edit::Drop => {
+                    self.out.truncate(mark);
+                    self.empty = empty;
+                }
+            }
+        })
+    }
+
+    /// Closes the object.
+    pub(crate) fn close(self) {
+        self.out.push(b'}');
+    }
+}
+
+/// Writes the JSON list of `head`'s elements, then `tail`'s: both must be lists.
+#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's logprob merge
+pub(crate) fn concat_lists(head: &str, tail: &str, out: &mut Vec<u8>) {
+    let (h, t) = (inner(head), inner(tail));
+    out.push(b'[');
+    out.extend_from_slice(h.as_bytes());
+    if !h.is_empty() && !t.is_empty() {
+        out.push(b',');
+    }
+    out.extend_from_slice(t.as_bytes());
+    out.push(b']');
+}
+
+/// The elements of the JSON list `raw` as written, without its brackets.
+#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's logprob merge
+fn inner(raw: &str) -> &str {
+    let t = trim(raw);
+    trim(t.get(1..t.len().saturating_sub(1)).unwrap_or(""))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    #[test]
+    fn members_come_in_order_unbuilt_and_the_last_of_a_key_is_found() {
+        let raw = r#" {"a": [1, 2], "b":{"c":1e400}, "a":"x"} "#;
+        let mut seen = Vec::new();
+        members(raw, |k, v| seen.push((k, v.get().to_owned()))).unwrap();
+        assert_eq!(
+            seen,
+            [
+                ("a".to_owned(), "[1, 2]".to_owned()),
+                ("b".to_owned(), r#"{"c":1e400}"#.to_owned()),
+                ("a".to_owned(), r#""x""#.to_owned()),
+            ]
+        );
+        assert_eq!(member(raw, "a").unwrap().get(), r#""x""#);
+        assert!(member(raw, "z").is_none());
+        assert!(member("[1]", "a").is_none());
+        assert!(members("{\"a\":1", |_, _| {}).is_err());
+        assert_eq!(member_u64(r#"{"i":3}"#, "i"), Some(3));
+        for not in ["-1", "1.0", "\"1\"", "null", "18446744073709551616"] {
+            assert_eq!(member_u64(&format!(r#"{{"i":{not}}}"#), "i"), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn a_copy_edits_drops_and_appends_and_keeps_the_rest_as_written() {
+        let raw = r#"{"keep": [0, 0,0], "drop":1, "edit":"old", "deep":[[[[]]]]}"#;
+        let mut out = Vec::new();
+        let mut obj = Object::open(&mut out);
+        obj.copy(raw, |k, _, out| match k {
+            "drop" => Edit::Drop,
+            "edit" => {
+                out.extend_from_slice(b"\"new\"");
+                Edit::Wrote
+            }
+            _ => Edit::Keep,
+        })
+        .unwrap();
+        obj.value("added", &7);
+        obj.close();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"keep":[0, 0,0],"edit":"new","deep":[[[[]]]],"added":7}"#
+        );
+        // Dropping the first member leaves no stray comma.
+        let mut out = Vec::new();
+        let mut obj = Object::open(&mut out);
+        obj.copy(r#"{"drop":1,"a":2}"#, |k, _, _| {
+            if k == "drop" { Edit::Drop } else { Edit::Keep }
+        })
+        .unwrap();
+        obj.close();
+        assert_eq!(out, br#"{"a":2}"#);
+    }
+
+    /// Nesting far past serde's recursion limit is copied, not recursed into.
+    #[test]
+    fn deep_values_are_copied_without_recursion() {
+        let deep = format!("{}{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        let raw = format!(r#"{{"d":{deep}}}"#);
+        let mut out = Vec::new();
+        let mut obj = Object::open(&mut out);
+        obj.copy(&raw, |_, _, _| Edit::Keep).unwrap();
+        obj.close();
+        assert_eq!(out, raw.as_bytes());
+    }
+
+    #[test]
+    fn lists_concatenate_whatever_their_whitespace() {
+        for (head, tail, want) in [
+            ("[1]", "[2,3]", json!([1, 2, 3])),
+            ("[ ]", "[2]", json!([2])),
+            ("[1]", " [ ] ", json!([1])),
+            ("[]", "[]", json!([])),
+            (
+                "[[null,1,null]]",
+                "[ [-1.0,2,null] ]",
+                json!([[null, 1, null], [-1.0, 2, null]]),
+            ),
+        ] {
+            let mut out = Vec::new();
+            concat_lists(head, tail, &mut out);
+            let got: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(got, want, "{head} {tail}");
+        }
+        let mut n = 0;
+        elements("[1, {\"a\":[]}, \"x\"]", |_| n += 1).unwrap();
+        assert_eq!(n, 3);
+    }
+}
