@@ -124,6 +124,12 @@ impl Inner {
     {
         let set = self.orchestrator.source().snapshot();
         let (mut parts, body) = req.into_parts();
+        // Generation sent direct keeps the deadline an orchestrated request has (the
+        // configured one, shortened by the client's header when allowed), from its
+        // arrival: for its place in the queue, the engine's head and its whole answer.
+        let deadline = direct
+            .then(|| self.orchestrator.config().deadline_for(&parts.headers))
+            .flatten();
         // What went wrong with a streamed client body, when it was the client's fault.
         let failed = Arc::new(OnceLock::new());
         let limits = StreamLimits {
@@ -194,7 +200,7 @@ impl Inner {
         if generation && let Some(admission) = self.orchestrator.admission() {
             permit = match admission.try_admit() {
                 Some(p) => Some(p),
-                None => match admission.admit(None).await {
+                None => match admission.admit(deadline).await {
                     Ok(p) => Some(p),
                     Err(err) => return pd_error_response(&err),
                 },
@@ -240,7 +246,10 @@ impl Inner {
                 }
             }
         };
-        let head = match tokio::time::timeout(config.decode_head_timeout, sent).await {
+        let head_by = tokio::time::Instant::now() + config.decode_head_timeout;
+        let by_deadline = deadline.is_some_and(|d| d < head_by);
+        let head_by = deadline.map_or(head_by, |d| d.min(head_by));
+        let head = match tokio::time::timeout_at(head_by, sent).await {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
                 // The client's body failed the exchange (too slow, too large): its error.
@@ -249,6 +258,7 @@ impl Inner {
                 }
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
+            Err(_) if by_deadline => return pd_error_response(&PdError::deadline_exceeded(side)),
             Err(_) => {
                 let err = TransportError::Timeout;
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
@@ -273,7 +283,13 @@ impl Inner {
         if let Some(r) = route.as_mut() {
             r.summary.status = parts.status;
         }
-        let body = EngineBody::watch(body, (guard, permit), config.decode_idle_timeout, route);
+        let body = EngineBody::watch(
+            body,
+            (guard, permit),
+            config.decode_idle_timeout,
+            deadline,
+            route,
+        );
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         Response::from_parts(parts, body)
     }
@@ -733,6 +749,8 @@ type EngineBody = Tap<BoxBody, EngineWatch>;
 struct EngineWatch {
     _places: (InFlightGuard, Option<Permit>),
     idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+    /// The request's deadline (generation sent direct): the answer ends there.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
     route: Option<RouteEnd>,
 }
 
@@ -741,6 +759,7 @@ impl EngineBody {
         body: B,
         places: (InFlightGuard, Option<Permit>),
         idle: Option<Duration>,
+        deadline: Option<tokio::time::Instant>,
         mut route: Option<RouteEnd>,
     ) -> Self
     where
@@ -756,6 +775,7 @@ impl EngineBody {
         let watch = EngineWatch {
             _places: places,
             idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+            deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
             route,
         };
         Tap::new(body.map_err(Into::into).boxed(), watch)
@@ -816,8 +836,26 @@ impl EngineWatch {
     }
 }
 
+impl EngineWatch {
+    /// The request's deadline passed: the answer ends broken.
+    fn past_deadline(&mut self) -> Result<(), BoxError> {
+        let Some(deadline) = &self.deadline else {
+            return Ok(());
+        };
+        if tokio::time::Instant::now() < deadline.deadline() {
+            return Ok(());
+        }
+        if let Some(r) = self.route.as_mut() {
+            r.tell(Delivery::Broken);
+        }
+        Err("the request's deadline passed".into())
+    }
+}
+
 impl Hooks<BoxBody> for EngineWatch {
     fn frame(&mut self, frame: &Frame<Bytes>, body: &BoxBody) -> Result<(), BoxError> {
+        // An engine that streams without pause is cut at the deadline too.
+        self.past_deadline()?;
         self.answered();
         if let Some(r) = self.route.as_mut() {
             r.summary.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
@@ -844,6 +882,11 @@ impl Hooks<BoxBody> for EngineWatch {
     }
 
     fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
+        if let Some(deadline) = &mut self.deadline
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return self.past_deadline();
+        }
         if let Some((d, sleep)) = &mut self.idle
             && sleep.as_mut().poll(cx).is_ready()
         {

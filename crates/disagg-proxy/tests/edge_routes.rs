@@ -991,6 +991,111 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
     }
 }
 
+/// Generation sent direct keeps the request's deadline, as an orchestrated request
+/// does: its wait for a place, the engine's response head and its whole answer end
+/// there (`--deadline`, shortened by the client's `x-disagg-deadline-ms` with
+/// `--client-deadline`).
+#[tokio::test]
+async fn direct_generation_keeps_the_requests_deadline() {
+    let engine = RawEngine::start_with(|request| {
+        if request.contains("no head") {
+            vec![Vec::new()]
+        } else if request.contains("hold me") {
+            vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
+        } else {
+            json_answer(r#"{"ok":true}"#)
+        }
+    })
+    .await;
+    let url = engine.url();
+    let proxy = Proxy::start_args(
+        &[
+            "--prefill",
+            &url,
+            "--decode",
+            &url,
+            "--deadline",
+            "30",
+            "--client-deadline",
+            "--max-in-flight",
+            "1",
+            "--queue-timeout",
+            "30",
+        ]
+        .map(str::to_owned),
+    )
+    .await;
+    let ask = |prompt: &str, ms: u64| {
+        let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","stream":true}}"#);
+        format!(
+            "POST /invocations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // No head by the deadline: 504 `deadline_exceeded`, at the deadline.
+    let start = Instant::now();
+    raw(proxy.addr, &ask("no head", 300))
+        .await
+        .assert_error(504, "deadline_exceeded");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    // A stream still running at the deadline is cut there.
+    let start = Instant::now();
+    let cut = raw(proxy.addr, &ask("hold me", 400)).await;
+    assert_eq!(cut.status, 200);
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    // The place is taken by a held stream: the queue's wait ends at the deadline too,
+    // not at the 30 s queue timeout.
+    let mut held = TcpStream::connect(proxy.addr).await.unwrap();
+    held.write_all(ask("hold me", 20_000).as_bytes())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !seen.windows(9).any(|w| w == b"data: {}\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), held.read(&mut buf))
+            .await
+            .expect("the held stream's first event")
+            .unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let start = Instant::now();
+    raw(proxy.addr, &ask("p", 300))
+        .await
+        .assert_error(503, "queue_timeout");
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    // Without a deadline the same answers come whole.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let a = raw_request(
+            proxy.addr,
+            "POST",
+            "/invocations",
+            r#"{"model":"sim-model","prompt":"p"}"#,
+        )
+        .await;
+        if a.status == 200 {
+            assert_eq!(a.json()["ok"], true);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the place never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 // === 4. every body under the clock ===
 
 /// Send a head announcing 1000 bytes to `target`, then trickle them a byte every 100

@@ -228,6 +228,14 @@ impl PdError {
         Self::new(Kind::Deadline { phase }, side, None)
     }
 
+    /// The request's total deadline passed before `side`'s engine sent its response
+    /// head (504 `deadline_exceeded`): for an adapter that sends a request to one
+    /// engine itself (a direct route) and keeps the orchestrator's deadline
+    /// ([`OrchestratorConfig::deadline_for`](crate::orchestrator::OrchestratorConfig::deadline_for)).
+    pub fn deadline_exceeded(side: Side) -> Self {
+        Self::deadline(side, Phase::DecodeHead)
+    }
+
     /// What an HTTP layer renders for this error: status, OpenAI's `error.code`,
     /// `error.type` and `error.param`, and the `retry-after` header.
     pub fn http(&self) -> HttpFacts {

@@ -169,6 +169,29 @@ pub struct OrchestratorConfig {
     pub migration: super::MigrationConfig,
 }
 
+impl OrchestratorConfig {
+    /// The deadline of a request arriving now with `headers`: [`deadline`](Self::deadline)
+    /// from now, shortened by the client's `x-disagg-deadline-ms` when
+    /// [`client_deadline`](Self::client_deadline) allows it; `None` without one, or
+    /// when it lies past the last instant the clock can represent (the header is a u64
+    /// of milliseconds, `--deadline` any number of seconds: no deadline rather than the
+    /// panic of `Instant + Duration`). An adapter serving a request itself (a direct
+    /// route) keeps the same deadline as the orchestrator would.
+    pub fn deadline_for(&self, headers: &http::HeaderMap) -> Option<tokio::time::Instant> {
+        let client = self
+            .client_deadline
+            .then(|| headers.get(DEADLINE_HEADER))
+            .flatten()
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .map(Duration::from_millis);
+        let total = match (self.deadline, client) {
+            (Some(c), Some(h)) => Some(c.min(h)),
+            (c, h) => c.or(h),
+        };
+        total.and_then(|t| tokio::time::Instant::now().checked_add(t))
+    }
+}
+
 impl Default for OrchestratorConfig {
     fn default() -> Self {
         OrchestratorConfig {

@@ -18,7 +18,7 @@ use super::Inner;
 use super::attempt::{Failure, decode_alone};
 use super::body::PdBody;
 use super::clock::Clock;
-use super::config::{DEADLINE_HEADER, PrefillFailure};
+use super::config::PrefillFailure;
 use super::respond::RequestMeta;
 use crate::outcome::{EngineCall, LegOutcome, Report, Timeline};
 
@@ -361,23 +361,8 @@ impl Inner {
     /// The request's deadline: the configured one, shortened by the client's header when
     /// allowed.
     fn clock(&self, req: &PdRequest) -> Clock {
-        let configured = self.config.deadline;
-        let client = self
-            .config
-            .client_deadline
-            .then(|| req.headers().get(DEADLINE_HEADER))
-            .flatten()
-            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
-            .map(Duration::from_millis);
-        let total = match (configured, client) {
-            (Some(c), Some(h)) => Some(c.min(h)),
-            (c, h) => c.or(h),
-        };
-        // A deadline past the last instant the clock can represent is never reached: no
-        // deadline, rather than the panic of `Instant + Duration` (the client's header is
-        // a u64 of milliseconds; `--deadline` takes any number of seconds).
         Clock {
-            deadline: total.and_then(|t| TokioInstant::now().checked_add(t)),
+            deadline: self.config.deadline_for(req.headers()),
         }
     }
 
