@@ -19,6 +19,14 @@ pub enum BodyError {
         /// What was expected, in words.
         expected: &'static str,
     },
+    /// The body's top level has more than `limit` fields (duplicates counted): no
+    /// request of any engine's API has a tenth of that, and each field costs the proxy
+    /// its place in the body's index for the request's life.
+    #[error("request body has more than {limit} top-level fields")]
+    TooManyFields {
+        /// The most fields a body may have ([`MAX_FIELDS`](crate::MAX_FIELDS)).
+        limit: usize,
+    },
     /// The body is larger than the server takes, `limit` bytes (413
     /// `request_too_large`).
     #[error("request body is larger than the limit of {limit} bytes")]

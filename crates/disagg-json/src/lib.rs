@@ -33,6 +33,7 @@ mod error;
 pub mod lax;
 
 pub use body::{
-    JsonBody, ReadPair, top_level_field, top_level_read, top_level_read_pair, write_json_str,
+    JsonBody, MAX_FIELDS, ReadPair, top_level_field, top_level_read, top_level_read_pair,
+    write_json_str,
 };
 pub use error::{BodyError, InvalidParam, openai_error_body};

@@ -871,6 +871,41 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
     }
 }
 
+/// A body of more top-level fields than `disagg_core::json::MAX_FIELDS` is refused 400 on
+/// every route kind that reads the body (orchestrated, forwarded, direct, fanned out),
+/// and reaches no engine; one at the ceiling passes.
+#[tokio::test]
+async fn bodies_past_the_field_ceiling_are_refused_on_every_route() {
+    let (engine, proxy) = one_raw_engine().await;
+    let body = |n: usize| {
+        let fields: Vec<String> = (0..n).map(|i| format!("\"x{i}\":0")).collect();
+        format!(
+            r#"{{"model":"sim-model","prompt":"p",{}}}"#,
+            fields.join(",")
+        )
+    };
+    let over = body(disagg_core::json::MAX_FIELDS);
+    for path in [
+        "/v1/completions",
+        "/tokenize",
+        "/invocations",
+        "/v1/load_lora_adapter",
+    ] {
+        let a = raw_request(proxy.addr, "POST", path, &over).await;
+        a.assert_error(400, "invalid_request_body");
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("1024 top-level fields"),
+            "{path}: {message}"
+        );
+    }
+    assert_eq!(bodies(&engine), Vec::<String>::new());
+    let at = body(disagg_core::json::MAX_FIELDS - 2);
+    let a = raw_request(proxy.addr, "POST", "/tokenize", &at).await;
+    assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+    assert_eq!(bodies(&engine).len(), 1);
+}
+
 #[tokio::test]
 async fn bodies_the_proxy_cannot_read_as_the_engines_do_are_refused_off_the_orchestrated_routes() {
     let (engine, proxy) = one_raw_engine().await;

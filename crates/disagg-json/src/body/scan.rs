@@ -51,6 +51,10 @@ pub(super) fn object_fields(b: &[u8]) -> Option<Vec<(Key, usize, usize)>> {
             s.ws();
             let value = s.i;
             s.value()?;
+            if out.len() > super::MAX_FIELDS {
+                // Too many to keep: serde reads the rest and the caller refuses it.
+                return None;
+            }
             out.push((key, value, s.i));
             s.ws();
             match s.next()? {

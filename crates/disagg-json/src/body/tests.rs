@@ -46,11 +46,11 @@ fn object(pairs: &[(String, String)]) -> String {
 
 #[test]
 fn many_keys_fold_as_python_does() {
-    // Past the index threshold: 3000 fields over 700 distinct keys, repeated out of
+    // Past the index threshold: 1000 fields over 300 distinct keys, repeated out of
     // order, some written with escapes (`"\u006b12"` is `"k12"`).
     let mut pairs = Vec::new();
-    for i in 0..3000usize {
-        let k = (i * 7919) % 700;
+    for i in 0..1000usize {
+        let k = (i * 7919) % 300;
         let key = if i % 11 == 0 {
             format!("\"\\u006b{k}\"")
         } else {
@@ -65,8 +65,8 @@ fn many_keys_fold_as_python_does() {
         .map(|(k, v)| (serde_json::from_str::<String>(k).unwrap(), v.clone()))
         .collect();
     let want = python_fold(&unescaped);
-    assert_eq!(want.len(), 700);
-    assert_eq!(b.keys().count(), 700);
+    assert_eq!(want.len(), 300);
+    assert_eq!(b.keys().count(), 300);
     let got: Vec<(String, String)> = b
         .keys()
         .map(|k| {
@@ -329,4 +329,43 @@ fn values_share_the_input_buffer() {
     // So does the key (it has no escapes).
     let key = &b.fields[0].0;
     assert_eq!(key.as_ptr() as usize - input.as_ptr() as usize, 2);
+}
+
+/// A body of more than [`MAX_FIELDS`] top-level fields is refused, duplicates counted,
+/// whichever reader reads it (the scan, or serde for what the scan leaves to it: here
+/// a value nested deeper than the scan follows), and however far past the ceiling.
+#[test]
+fn bodies_past_the_field_ceiling_are_refused() {
+    let body = |n: usize, dup: bool, deep: bool| {
+        let mut pairs: Vec<(String, String)> = (0..n)
+            .map(|i| {
+                let k = if dup { 0 } else { i };
+                (format!("\"k{k}\""), "0".to_owned())
+            })
+            .collect();
+        if deep {
+            pairs[0].1 = format!("{}{}", "[".repeat(300), "]".repeat(300));
+        }
+        object(&pairs)
+    };
+    for deep in [false, true] {
+        let ok = JsonBody::parse(body(MAX_FIELDS, false, deep).as_bytes()).unwrap();
+        assert_eq!(ok.keys().count(), MAX_FIELDS);
+        for (n, dup) in [
+            (MAX_FIELDS + 1, false),
+            (MAX_FIELDS + 1, true),
+            (200_000, false),
+        ] {
+            match JsonBody::parse(body(n, dup, deep).as_bytes()) {
+                Err(BodyError::TooManyFields { limit }) => assert_eq!(limit, MAX_FIELDS),
+                other => panic!("{n} {dup} {deep}: {:?}", other.map(|b| b.keys().count())),
+            }
+        }
+    }
+    // Broken JSON past the ceiling is still said to be broken.
+    let broken = body(MAX_FIELDS + 10, false, false);
+    assert!(matches!(
+        JsonBody::parse(&broken.as_bytes()[..broken.len() - 1]),
+        Err(BodyError::InvalidJson(_))
+    ));
 }
