@@ -12,6 +12,13 @@
 //! Duplicate keys are passed in order, each edited alike: a client's parser keeps the
 //! last one, as it would have before the rewrite.
 
+// Each engine family uses its own part of these; a build without one leaves that part
+// unused.
+#![cfg_attr(
+    not(all(feature = "vllm", feature = "sglang", feature = "lmcache")),
+    allow(dead_code)
+)]
+
 use serde::de::{Deserializer as _, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -92,7 +99,6 @@ pub(crate) fn elements<'a>(
 /// anything (a `Vec<&RawValue>` is 16 bytes per element: eight times a client's
 /// `[0,0,...]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's batches
 pub(crate) struct ListHead {
     /// How many elements the list has.
     pub(crate) len: usize,
@@ -101,7 +107,6 @@ pub(crate) struct ListHead {
 }
 
 /// The [`ListHead`] of `raw` when it is one JSON list.
-#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's batches
 pub(crate) fn list_head(raw: &[u8]) -> Option<ListHead> {
     let text = std::str::from_utf8(raw).ok()?;
     if !is_list(text) {
@@ -136,7 +141,6 @@ pub(crate) fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
 
 /// The value of `key` in the JSON object `raw` when it is a non-negative integer that
 /// fits a `u64` (as `Value::as_u64` reads one: `1.0`, `-1` and `"1"` are not).
-#[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
 pub(crate) fn member_u64(raw: &str, key: &str) -> Option<u64> {
     u64_of(member(raw, key)?)
 }
@@ -151,7 +155,6 @@ pub(crate) enum Edit {
     /// Copy it as it came.
     Keep,
     /// Leave it out.
-    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
     Drop,
     /// The edit wrote the member's value itself, after its key.
     Wrote,
@@ -183,13 +186,11 @@ impl<'o> Object<'o> {
     }
 
     /// Writes the member `key` with the JSON text `value`.
-    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
     pub(crate) fn raw(&mut self, key: &str, value: &[u8]) {
         self.key(key).extend_from_slice(value);
     }
 
     /// Writes the member `key` with `value` encoded as JSON.
-    #[cfg_attr(not(feature = "lmcache"), allow(dead_code))] // LMCache's reshape
     pub(crate) fn value(&mut self, key: &str, value: &impl serde::Serialize) {
         let out = self.key(key);
         let mark = out.len();
@@ -234,7 +235,6 @@ impl<'o> Object<'o> {
 }
 
 /// Writes the JSON list of `head`'s elements, then `tail`'s: both must be lists.
-#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's logprob merge
 pub(crate) fn concat_lists(head: &str, tail: &str, out: &mut Vec<u8>) {
     let (h, t) = (inner(head), inner(tail));
     out.push(b'[');
@@ -247,7 +247,6 @@ pub(crate) fn concat_lists(head: &str, tail: &str, out: &mut Vec<u8>) {
 }
 
 /// The elements of the JSON list `raw` as written, without its brackets.
-#[cfg_attr(not(feature = "sglang"), allow(dead_code))] // SGLang's logprob merge
 fn inner(raw: &str) -> &str {
     let t = trim(raw);
     trim(t.get(1..t.len().saturating_sub(1)).unwrap_or(""))

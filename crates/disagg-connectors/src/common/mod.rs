@@ -11,7 +11,6 @@ use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
 use disagg_core::request::Api;
 
-#[cfg(any(feature = "sglang", feature = "lmcache"))]
 pub(crate) mod json;
 mod room;
 pub mod sse;

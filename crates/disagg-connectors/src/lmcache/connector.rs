@@ -87,11 +87,16 @@ pub(crate) const GRAMMAR: &str = "grammar";
 /// `structured_outputs`, or one of the older `guided_*` fields.
 fn has_grammar(body: &JsonBody) -> bool {
     let present = |k: &str| !body.is_null_or_absent(k);
+    // Read, not built: only its `type` counts.
     let format = body
         .get("response_format")
-        .map(serde_json::from_slice::<Value>)
-        .and_then(Result::ok)
-        .is_some_and(|f| !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text"));
+        .filter(|f| *f != b"null")
+        .and_then(|f| std::str::from_utf8(f).ok())
+        .is_some_and(|f| {
+            crate::common::json::member(f, "type")
+                .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
+                != Some("text".to_owned())
+        });
     format
         || present("structured_outputs")
         || [
@@ -545,9 +550,9 @@ impl KvConnector for Lmcache {
         let stream_options = body.get_bytes("stream_options");
         let include_usage = body
             .get("stream_options")
-            .map(serde_json::from_slice::<Value>)
-            .and_then(Result::ok)
-            .is_some_and(|v| v.get("include_usage") == Some(&Value::Bool(true)));
+            .and_then(|o| std::str::from_utf8(o).ok())
+            .and_then(|o| crate::common::json::member(o, "include_usage"))
+            .is_some_and(|v| v.get() == "true");
 
         // The ids the orchestrator already has (its tokenizer ran for a router that
         // reads them) spare the prefill engine's `/tokenize` round trip.

@@ -33,11 +33,13 @@
 //! `structured_outputs` is checked). Such a request is refused by the decode after its
 //! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
 
+use crate::common::json;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_json::lax::{bool_value, int_value, truthy};
+use serde_json::value::RawValue;
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -539,17 +541,23 @@ fn check_grammar(chat: bool, f: &Fields<'_>) -> Result<(), InvalidParam> {
         }
     }
     if let Some(raw) = f.structured_outputs.filter(|v| *v != b"null") {
-        let fields: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(raw)
-            .map_err(|_| {
-                InvalidParam::new(
-                    "structured_outputs",
-                    "structured_outputs: Input should be a valid dictionary",
-                )
-            })?;
-        let count = ["json", "regex", "choice"]
-            .iter()
-            .filter(|k| fields.get(**k).is_some_and(|v| !v.is_null()))
-            .count();
+        // Read member by member, nothing built: a client's `{"json":[0,0,...]}` is no
+        // `Value` per element (a repeated key: the last counts, as in a dict).
+        let not_a_dict = || {
+            InvalidParam::new(
+                "structured_outputs",
+                "structured_outputs: Input should be a valid dictionary",
+            )
+        };
+        let text = std::str::from_utf8(raw).map_err(|_| not_a_dict())?;
+        let mut set: [Option<&RawValue>; 3] = [None; 3];
+        json::members(text, |k, v| {
+            if let Some(i) = ["json", "regex", "choice"].iter().position(|n| *n == k) {
+                set[i] = Some(v);
+            }
+        })
+        .map_err(|_| not_a_dict())?;
+        let count = set.iter().flatten().filter(|v| v.get() != "null").count();
         if count > 1 {
             return Err(InvalidParam::new(
                 "structured_outputs",
@@ -557,10 +565,9 @@ fn check_grammar(chat: bool, f: &Fields<'_>) -> Result<(), InvalidParam> {
             ));
         }
         // `SamplingParams._validate_structured_outputs`.
-        if fields
-            .get("choice")
-            .and_then(serde_json::Value::as_array)
-            .is_some_and(Vec::is_empty)
+        if set[2]
+            .and_then(|c| json::list_head(c.get().as_bytes()))
+            .is_some_and(|l| l.len == 0)
         {
             return Err(InvalidParam::new(
                 "structured_outputs",
@@ -584,22 +591,30 @@ fn check_stream_options(raw: Option<&[u8]>) -> Result<(), InvalidParam> {
     let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(());
     };
-    let options: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(raw).map_err(|_| {
-            InvalidParam::new(
+    let not_a_dict = || {
+        InvalidParam::new(
+            "stream_options",
+            "stream_options: Input should be a valid dictionary",
+        )
+    };
+    let text = std::str::from_utf8(raw).map_err(|_| not_a_dict())?;
+    // The last of a repeated key counts, as in a dict.
+    let mut set: [Option<&RawValue>; 2] = [None; 2];
+    let keys = ["include_usage", "continuous_usage_stats"];
+    json::members(text, |k, v| {
+        if let Some(i) = keys.iter().position(|n| *n == k) {
+            set[i] = Some(v);
+        }
+    })
+    .map_err(|_| not_a_dict())?;
+    for (key, v) in keys.iter().zip(set) {
+        if let Some(v) = v
+            && bool_value(v.get().as_bytes()).is_err()
+        {
+            return Err(InvalidParam::new(
                 "stream_options",
-                "stream_options: Input should be a valid dictionary",
-            )
-        })?;
-    for key in ["include_usage", "continuous_usage_stats"] {
-        if let Some(v) = options.get(key) {
-            let text = v.to_string();
-            if bool_value(text.as_bytes()).is_err() {
-                return Err(InvalidParam::new(
-                    "stream_options",
-                    format!("stream_options.{key}: Input should be a valid boolean"),
-                ));
-            }
+                format!("stream_options.{key}: Input should be a valid boolean"),
+            ));
         }
     }
     Ok(())
@@ -924,6 +939,26 @@ mod tests {
                 "structured_outputs",
             ),
             (Chat, r#""structured_outputs":{"choice":["a","b"]}"#, "ok"),
+            // As a dict reads them: the last of a repeated key counts.
+            (
+                Chat,
+                r#""structured_outputs":{"regex":"a+","choice":["a"],"choice":null}"#,
+                "ok",
+            ),
+            (
+                Chat,
+                r#""structured_outputs":{"choice":["a"],"choice":[]}"#,
+                "structured_outputs",
+            ),
+            (Chat, r#""structured_outputs":5"#, "structured_outputs"),
+            (Chat, r#""structured_outputs":{"json":{"x":1e400}}"#, "ok"),
+            (Chat, r#""stream":true,"stream_options":{"include_usage":"yes"}"#, "ok"),
+            (
+                Chat,
+                r#""stream":true,"stream_options":{"include_usage":true,"include_usage":2}"#,
+                "stream_options",
+            ),
+            (Chat, r#""stream":true,"stream_options":[]"#, "stream_options"),
             (
                 Chat,
                 r#""structured_outputs":{"regex":"a+","choice":["a"]}"#,

@@ -18,6 +18,7 @@
 //! Everything else (`messages`, `system`, `tools`, `tool_choice`, `model`, the sampling
 //! fields) passes unchanged and in order.
 
+use crate::common::json;
 use bytes::Bytes;
 use disagg_core::policy::Decision;
 use disagg_json::InvalidParam;
@@ -76,11 +77,17 @@ pub(crate) fn check(body: &JsonBody) -> Result<Decision, InvalidParam> {
     if let Some(raw) = body.get("thinking")
         && raw != b"null"
     {
-        let thinking: serde_json::Value = serde_json::from_slice(raw).map_err(|_| {
+        // Read member by member, nothing built (a non-object has neither member; the
+        // engine says what it thinks of it).
+        let thinking = std::str::from_utf8(raw).map_err(|_| {
             InvalidParam::new("thinking", "thinking: Input should be a valid dictionary")
         })?;
-        if thinking.get("type").and_then(|t| t.as_str()) == Some("enabled")
-            && let Some(budget) = thinking.get("budget_tokens").and_then(|b| b.as_i64())
+        let enabled = json::member(thinking, "type")
+            .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
+            .is_some_and(|t| t == "enabled");
+        if enabled
+            && let Some(budget) = json::member(thinking, "budget_tokens")
+                .and_then(|b| serde_json::from_str::<i64>(b.get()).ok())
             && budget >= max_tokens
         {
             return Err(InvalidParam::new(
