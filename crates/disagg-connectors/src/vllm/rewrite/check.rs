@@ -340,7 +340,7 @@ pub(crate) fn check(
         int_not_null("n", f.n)?
     }
     .unwrap_or(1);
-    let stop = stop_strings(f.stop, limits)?;
+    let stop_empty = stop_strings(f.stop, limits)?;
     let logprob_token_ids = int_list("logprob_token_ids", f.logprob_token_ids)?;
     int_list("stop_token_ids", f.stop_token_ids)?;
     bool_not_null("include_stop_str_in_output", f.include_stop_str_in_output)?;
@@ -424,26 +424,23 @@ pub(crate) fn check(
             format!("n must be 1 when using greedy sampling, got {n}."),
         ));
     }
-    if stop.iter().any(String::is_empty) {
+    if stop_empty {
         return Err(InvalidParam::new(
             "stop",
             "stop cannot contain an empty string.",
         ));
     }
-    if let Some(ids) = &logprob_token_ids
-        && ids.len() > MAX_LOGPROB_TOKEN_IDS
+    if let Some(len) = logprob_token_ids
+        && len > MAX_LOGPROB_TOKEN_IDS
     {
         return Err(InvalidParam::new(
             "logprob_token_ids",
             format!(
-                "Requested logprob_token_ids of length {}, which is greater than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
-                ids.len()
+                "Requested logprob_token_ids of length {len}, which is greater than max allowed: {MAX_LOGPROB_TOKEN_IDS}",
             ),
         ));
     }
-    let has_ids = logprob_token_ids
-        .as_ref()
-        .is_some_and(|ids| !ids.is_empty());
+    let has_ids = logprob_token_ids.is_some_and(|len| len > 0);
     let sample = match (chat, has_ids) {
         (_, true) => None,
         (true, false) => logprobs_on.then_some(top_logprobs),
@@ -648,12 +645,34 @@ pub(super) fn opt_bool(
 
 /// An optional list of strings (`null` allowed), as pydantic reads `list[str] | None`.
 pub(super) fn opt_string_list(field: &'static str, raw: Option<&[u8]>) -> Result<(), InvalidParam> {
-    match raw {
-        Some(raw) if raw != b"null" && serde_json::from_slice::<Vec<String>>(raw).is_err() => {
-            Err(type_error(field, "list of strings"))
-        }
-        _ => Ok(()),
+    let Some(raw) = raw.filter(|v| *v != b"null") else {
+        return Ok(());
+    };
+    let mut strings = true;
+    // Each element read on its own, none kept: no `Vec` of the client's list.
+    let listed = strings_of(raw, |_| {}).map(|all| strings = all);
+    match listed {
+        Ok(()) if strings => Ok(()),
+        _ => Err(type_error(field, "list of strings")),
     }
+}
+
+/// Walks the JSON list `raw`, calling `each` with every element that is a string (as
+/// `String` reads it, lone surrogates refused); `Ok(false)` when one is not. One
+/// element is built at a time.
+fn strings_of(raw: &[u8], mut each: impl FnMut(&str)) -> Result<bool, ()> {
+    let text = std::str::from_utf8(raw).map_err(|_| ())?;
+    if !text.starts_with('[') {
+        return Err(());
+    }
+    let mut all = true;
+    json::elements(text, |v| match serde_json::from_str::<String>(v.get()) {
+        Ok(s) if all => each(&s),
+        Ok(_) => {}
+        Err(_) => all = false,
+    })
+    .map_err(|_| ())?;
+    Ok(all)
 }
 
 /// A `bool` field without `None` in its type: `null` is refused too.
@@ -693,30 +712,36 @@ fn opt_float(field: &'static str, raw: Option<&[u8]>) -> Result<Option<f64>, Inv
         .ok_or_else(|| type_error(field, "number"))
 }
 
-/// `list[int] | None` with lax elements.
-fn int_list(field: &'static str, raw: Option<&[u8]>) -> Result<Option<Vec<i64>>, InvalidParam> {
+/// `list[int] | None` with lax elements: its length. The elements are read one by one,
+/// none kept.
+fn int_list(field: &'static str, raw: Option<&[u8]>) -> Result<Option<usize>, InvalidParam> {
     let Some(raw) = raw.filter(|v| *v != b"null") else {
         return Ok(None);
     };
-    let items: Vec<&serde_json::value::RawValue> =
-        serde_json::from_slice(raw).map_err(|_| type_error(field, "list"))?;
-    items
-        .iter()
-        .map(|item| match int_value(item.get().as_bytes()) {
-            Ok(Some(i)) => Ok(i),
-            _ => Err(InvalidParam::new(
-                field,
-                format!("{field}: Input should be a valid list of integers"),
-            )),
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
+    let text = std::str::from_utf8(raw)
+        .ok()
+        .filter(|t| t.starts_with('['))
+        .ok_or_else(|| type_error(field, "list"))?;
+    let (mut len, mut ints) = (0usize, true);
+    json::elements(text, |item| {
+        len += 1;
+        ints &= matches!(int_value(item.get().as_bytes()), Ok(Some(_)));
+    })
+    .map_err(|_| type_error(field, "list"))?;
+    if !ints {
+        return Err(InvalidParam::new(
+            field,
+            format!("{field}: Input should be a valid list of integers"),
+        ));
+    }
+    Ok(Some(len))
 }
 
-/// `stop`: `str | list[str] | None`, the list at most `max_stop_strings` long.
-fn stop_strings(raw: Option<&[u8]>, limits: &VllmLimits) -> Result<Vec<String>, InvalidParam> {
+/// `stop`: `str | list[str] | None`, the list at most `max_stop_strings` long: whether
+/// a stop string is empty. The list's strings are read one by one, none kept.
+fn stop_strings(raw: Option<&[u8]>, limits: &VllmLimits) -> Result<bool, InvalidParam> {
     let Some(raw) = raw.filter(|v| *v != b"null") else {
-        return Ok(Vec::new());
+        return Ok(false);
     };
     let bad = || {
         InvalidParam::new(
@@ -725,20 +750,29 @@ fn stop_strings(raw: Option<&[u8]>, limits: &VllmLimits) -> Result<Vec<String>, 
         )
     };
     match raw.first() {
-        Some(b'"') => Ok(vec![serde_json::from_slice(raw).map_err(|_| bad())?]),
+        Some(b'"') => Ok(serde_json::from_slice::<String>(raw)
+            .map_err(|_| bad())?
+            .is_empty()),
         Some(b'[') => {
-            let list: Vec<String> = serde_json::from_slice(raw).map_err(|_| bad())?;
-            if list.len() > limits.max_stop_strings {
+            let (mut len, mut empty) = (0usize, false);
+            let all = strings_of(raw, |s| {
+                len += 1;
+                empty |= s.is_empty();
+            })
+            .map_err(|_| bad())?;
+            if !all {
+                return Err(bad());
+            }
+            if len > limits.max_stop_strings {
                 return Err(InvalidParam::new(
                     "stop",
                     format!(
-                        "stop: List should have at most {} items after validation, not {}",
+                        "stop: List should have at most {} items after validation, not {len}",
                         limits.max_stop_strings,
-                        list.len()
                     ),
                 ));
             }
-            Ok(list)
+            Ok(empty)
         }
         _ => Err(bad()),
     }
@@ -877,6 +911,9 @@ mod tests {
             (Chat, r#""stop":["a","b","c","d","e"]"#, "stop"),
             (Chat, r#""stop_token_ids":[1,"2"]"#, "ok"),
             (Chat, r#""stop_token_ids":["a"]"#, "stop_token_ids"),
+            (Chat, r#""stop_token_ids":5"#, "stop_token_ids"),
+            (Chat, r#""stop":["a",5]"#, "stop"),
+            (Chat, r#""stop":["a",""]"#, "stop"),
             (Chat, r#""ignore_eos":"maybe""#, "ignore_eos"),
             (Chat, r#""ignore_eos":null"#, "ignore_eos"),
             (Chat, r#""include_stop_str_in_output":"yes""#, "ok"),
@@ -952,13 +989,21 @@ mod tests {
             ),
             (Chat, r#""structured_outputs":5"#, "structured_outputs"),
             (Chat, r#""structured_outputs":{"json":{"x":1e400}}"#, "ok"),
-            (Chat, r#""stream":true,"stream_options":{"include_usage":"yes"}"#, "ok"),
+            (
+                Chat,
+                r#""stream":true,"stream_options":{"include_usage":"yes"}"#,
+                "ok",
+            ),
             (
                 Chat,
                 r#""stream":true,"stream_options":{"include_usage":true,"include_usage":2}"#,
                 "stream_options",
             ),
-            (Chat, r#""stream":true,"stream_options":[]"#, "stream_options"),
+            (
+                Chat,
+                r#""stream":true,"stream_options":[]"#,
+                "stream_options",
+            ),
             (
                 Chat,
                 r#""structured_outputs":{"regex":"a+","choice":["a"]}"#,
@@ -982,6 +1027,33 @@ mod tests {
         for (api, extra, want) in rows {
             assert_eq!(&verdict(*api, extra), want, "{api:?} {extra}");
         }
+    }
+
+    /// Long lists are walked, not collected, and refused naming their length.
+    #[test]
+    fn long_lists_are_counted_as_they_are_read() {
+        let stops = vec![r#""s""#; 1_000_000].join(",");
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"stop":[{stops}]}}"#
+        );
+        let e = check(
+            Api::Chat,
+            &JsonBody::parse(body.as_bytes()).unwrap(),
+            &VllmLimits::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().ends_with("not 1000000"), "{e}");
+        let ids = vec!["7"; 1_000_000].join(",");
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"logprobs":true,"logprob_token_ids":[{ids}]}}"#
+        );
+        let e = check(
+            Api::Chat,
+            &JsonBody::parse(body.as_bytes()).unwrap(),
+            &VllmLimits::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("of length 1000000"), "{e}");
     }
 
     #[test]
