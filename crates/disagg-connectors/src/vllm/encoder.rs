@@ -15,7 +15,10 @@ use disagg_core::encode::{EncodeLeg, EncodePlan, EncoderConnector};
 use disagg_core::error::ConnectorError;
 use disagg_core::request::{Api, PdRequest};
 use disagg_json::{BodyError, InvalidParam};
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
+use std::collections::BTreeMap;
+
+use crate::common::json;
 
 mod chat;
 mod convert;
@@ -34,6 +37,12 @@ const MAX_ITEMS: usize = 256;
 /// Most entries the merged `ec_transfer_params` may hold (a peer's answer is bounded by
 /// the stage's byte ceiling too).
 const MAX_ENTRIES: usize = 4096;
+
+/// Longest one entry of an encoder's `ec_transfer_params` may be, as written: vLLM's
+/// are `{modality, item_indices, metadata}` of a few placeholder fields (hundreds of
+/// bytes). Bounds what a placeholder copies of its entry's `metadata`, up to
+/// [`MAX_ITEMS`] times.
+const MAX_ENTRY_BYTES: usize = 64 * 1024;
 
 /// vLLM's encoder protocol, for [`EncodeStage`](disagg_core::encode::EncodeStage).
 ///
@@ -120,8 +129,14 @@ fn item_uuid(part: &chat::MediaPart<'_>, kwargs: &[u8]) -> Result<String, Invali
         }
         h.update(k.as_bytes());
         h.update(&[0]);
-        chat::canonical(v, &mut |b| h.update(b))
-            .map_err(|_| InvalidParam::new("messages", "is not valid JSON"))?;
+        chat::canonical(v, &mut |b| h.update(b)).map_err(|e| {
+            let problem = if e.is_data() {
+                "nests a media part's values too deeply"
+            } else {
+                "is not valid JSON"
+            };
+            InvalidParam::new("messages", problem)
+        })?;
         h.update(&[0]);
     }
     h.update(kwargs);
@@ -254,7 +269,7 @@ impl EncoderConnector for VllmEncoder {
 /// by modality where every item of the modality has an entry in `merged` (vLLM's
 /// `_resolve_items`, `renderers/chat_utils/item_tracker.py`, refuses raw and embedded
 /// items of one modality); `None` when nothing is rewritten.
-fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
+fn placeholders(messages: &[u8], merged: &Entries) -> Option<Bytes> {
     let parts = chat::media_parts(messages, usize::MAX).ok().flatten()?;
     let entry = |p: &chat::MediaPart<'_>| p.uuid.as_ref().and_then(|u| merged.get(u));
     let covered = |m: &str| {
@@ -276,17 +291,20 @@ fn placeholders(messages: &[u8], merged: &Map<String, Value>) -> Option<Bytes> {
         let (true, Some(entry), Some(uuid)) = (rewrite, entry(part), &part.uuid) else {
             continue;
         };
-        let metadata = entry
-            .get("metadata")
-            .filter(|v| v.as_object().is_some_and(|o| !o.is_empty()))
-            .cloned()
-            .unwrap_or(Value::Null);
+        // The entry's `metadata` as the engine wrote it (the last, when repeated), when
+        // it is a non-empty object; `null` otherwise.
+        let metadata = json::member(entry.get(), "metadata")
+            .map(RawValue::get)
+            .filter(|m| is_filled_object(m))
+            .unwrap_or("null");
         let ty = format!("{m}_embeds");
-        let mut placeholder = Map::new();
-        placeholder.insert("type".to_owned(), Value::String(ty.clone()));
-        placeholder.insert(ty, metadata);
-        placeholder.insert("uuid".to_owned(), Value::String(uuid.clone()));
-        let bytes = serde_json::to_vec(&placeholder).unwrap_or_default();
+        // The members in the order a built map wrote them (`*_embeds` < `type` < `uuid`).
+        let mut bytes = Vec::with_capacity(metadata.len() + uuid.len() + 2 * ty.len() + 32);
+        let mut placeholder = json::Object::open(&mut bytes);
+        placeholder.raw(&ty, metadata.as_bytes());
+        placeholder.value("type", &ty);
+        placeholder.value("uuid", uuid);
+        placeholder.close();
         edits.push((part.start, part.end, bytes));
     }
     if edits.is_empty() {
@@ -449,49 +467,145 @@ impl VllmEncoder {
     }
 }
 
+/// The answers' `ec_transfer_params` entries, keyed by item identifier, each value
+/// as its engine wrote it (never built: see [`answer_entries`]).
+type Entries = BTreeMap<String, Box<RawValue>>;
+
 /// The answers' `ec_transfer_params`, merged (their keys are item identifiers).
-fn merge_answers(answers: &[Bytes]) -> Result<Map<String, Value>, ConnectorError> {
-    let mut merged = Map::new();
+fn merge_answers(answers: &[Bytes]) -> Result<Entries, ConnectorError> {
+    let mut merged = Entries::new();
     for answer in answers {
-        let params =
-            disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
-                ConnectorError::InvalidEncoderAnswer {
-                    problem: "not a JSON object",
-                    source: Some(source),
-                }
-            })?;
-        let Some(params) = params else {
-            // An encoder that wrote nothing for its items (no EC connector, or
-            // items its model cannot hand over): the prefill encodes them itself.
-            continue;
-        };
-        if &params[..] == b"null" {
-            continue;
-        }
-        let Ok(Value::Object(entries)) = serde_json::from_slice::<Value>(&params) else {
-            return Err(ConnectorError::InvalidEncoderAnswer {
-                problem: "`ec_transfer_params` is not an object",
-                source: None::<BodyError>,
-            });
-        };
-        for (hash, entry) in entries {
+        answer_entries(answer, |hash, entry| {
             if merged.len() >= MAX_ENTRIES {
-                return Err(ConnectorError::InvalidEncoderAnswer {
-                    problem: "`ec_transfer_params` has too many entries",
-                    source: None,
-                });
+                return Err(too_many());
             }
-            merged.insert(hash, entry);
-        }
+            merged.insert(hash, entry.to_owned());
+            Ok(())
+        })?;
     }
     Ok(merged)
+}
+
+/// Refuses an answer whose `ec_transfer_params` holds more than [`MAX_ENTRIES`].
+fn too_many() -> ConnectorError {
+    ConnectorError::InvalidEncoderAnswer {
+        problem: "`ec_transfer_params` has too many entries",
+        source: None,
+    }
+}
+
+/// Calls `f` with each entry of `answer`'s `ec_transfer_params` (none when it is absent
+/// or `null`: an encoder that wrote nothing for its items, no EC connector or items its
+/// model cannot hand over, leaves them to the prefill), sorted by identifier, the last
+/// of a repeated identifier only (as a parsed map holds them), each value unbuilt: a
+/// slice of the engine's bytes. The object's members are counted and measured as they
+/// are walked, before anything is kept: an object of more than [`MAX_ENTRIES`] members,
+/// or with one longer than [`MAX_ENTRY_BYTES`], is refused (as a `serde_json::Value`, a
+/// 4 MiB answer of `{"a":[0,0,...]}` would have cost 60 MiB and one of small objects
+/// hundreds). Stops at the first error of `f`.
+///
+/// # Errors
+///
+/// [`ConnectorError::InvalidEncoderAnswer`] when `answer` is not a JSON object, its
+/// `ec_transfer_params` not an object or too large as said; `f`'s error.
+fn answer_entries(
+    answer: &Bytes,
+    mut f: impl FnMut(String, &RawValue) -> Result<(), ConnectorError>,
+) -> Result<(), ConnectorError> {
+    let params = disagg_json::top_level_field(answer, "ec_transfer_params").map_err(|source| {
+        ConnectorError::InvalidEncoderAnswer {
+            problem: "not a JSON object",
+            source: Some(source),
+        }
+    })?;
+    let Some(params) = params else {
+        return Ok(());
+    };
+    if &params[..] == b"null" {
+        return Ok(());
+    }
+    let not_an_object = || ConnectorError::InvalidEncoderAnswer {
+        problem: "`ec_transfer_params` is not an object",
+        source: None::<BodyError>,
+    };
+    let text = std::str::from_utf8(&params).map_err(|_| not_an_object())?;
+    if !json::is_object(text) {
+        return Err(not_an_object());
+    }
+    let (mut count, mut too_large) = (0usize, false);
+    // At most `MAX_ENTRIES` borrowed entries: 4096 keys and slices.
+    let mut entries: BTreeMap<String, &RawValue> = BTreeMap::new();
+    json::members(text, |key, value| {
+        count = count.saturating_add(1);
+        if count > MAX_ENTRIES || too_large {
+            return;
+        }
+        if value.get().len() > MAX_ENTRY_BYTES {
+            too_large = true;
+            return;
+        }
+        entries.insert(key, value);
+    })
+    .map_err(|_| not_an_object())?;
+    if count > MAX_ENTRIES {
+        return Err(too_many());
+    }
+    if too_large {
+        return Err(ConnectorError::InvalidEncoderAnswer {
+            problem: "an `ec_transfer_params` entry is too large",
+            source: None,
+        });
+    }
+    for (hash, entry) in entries {
+        f(hash, entry)?;
+    }
+    Ok(())
+}
+
+/// Whether the JSON text `raw` is an object with at least one member.
+fn is_filled_object(raw: &str) -> bool {
+    json::trim(raw)
+        .strip_prefix('{')
+        .is_some_and(|rest| !json::trim(rest).starts_with('}'))
+}
+
+/// Calls `f` with each element of the JSON list `raw`, in order and unbuilt (a
+/// `Vec<&RawValue>` is 16 bytes per element, eight times a client's `[0,0,...]`),
+/// until `f` fails; the elements after are walked over (still unbuilt) without `f`.
+///
+/// Returns `Ok(false)` when `raw` is not one JSON list (whatever `f` said of the
+/// elements before the fault: the list is then no list, as when parsed whole).
+///
+/// # Errors
+///
+/// The first error of `f`.
+fn each_element<'a, E>(
+    raw: &'a str,
+    mut f: impl FnMut(&'a RawValue) -> Result<(), E>,
+) -> Result<bool, E> {
+    if !json::is_list(raw) {
+        return Ok(false);
+    }
+    let mut failed = None;
+    let walked = json::elements(raw, |value| {
+        if failed.is_none()
+            && let Err(e) = f(value)
+        {
+            failed = Some(e);
+        }
+    });
+    match (walked, failed) {
+        (Err(_), _) => Ok(false),
+        (Ok(()), Some(e)) => Err(e),
+        (Ok(()), None) => Ok(true),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use disagg_core::request::Api;
-    use serde_json::json;
+    use serde_json::{Map, Value, json};
 
     fn request(body: Value) -> PdRequest {
         PdRequest::new(
@@ -785,5 +899,135 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+    }
+
+    /// The problem `fold` refuses `answers` with.
+    fn refusal(answers: &[Bytes]) -> &'static str {
+        match VllmEncoder::new().fold(&EncodePlan::default(), answers) {
+            Err(ConnectorError::InvalidEncoderAnswer { problem, .. }) => problem,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn entries_keep_the_engines_spelling_and_the_last_of_a_repeated_identifier() {
+        // `1e400` is no `serde_json::Value`: an entry built as one refused the answer.
+        let a = Bytes::from_static(
+            br#"{"ec_transfer_params":{"h1":{"metadata":{"x":1}}, "h0":{"metadata" : {"x":1e400}},
+                "h1":{"metadata":{"x":2}}}}"#,
+        );
+        let b = Bytes::from_static(br#"{"ec_transfer_params":{"h2":[ 1.50 ]}}"#);
+        let fields = VllmEncoder::new()
+            .fold(&EncodePlan::default(), &[a, b])
+            .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&fields[0].1).unwrap(),
+            r#"{"h0":{"metadata" : {"x":1e400}},"h1":{"metadata":{"x":2}},"h2":[ 1.50 ]}"#
+        );
+    }
+
+    #[test]
+    fn too_many_or_too_large_entries_are_refused_as_they_are_walked() {
+        let answer =
+            |entries: &str| Bytes::from(format!(r#"{{"ec_transfer_params":{{{entries}}}}}"#));
+        let many = |from: usize, n: usize| {
+            (from..from + n)
+                .map(|i| format!(r#""h{i}":0"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        // The ceiling, in one answer or over several.
+        assert!(
+            VllmEncoder::new()
+                .fold(&EncodePlan::default(), &[answer(&many(0, MAX_ENTRIES))])
+                .is_ok()
+        );
+        let too_many = "`ec_transfer_params` has too many entries";
+        assert_eq!(refusal(&[answer(&many(0, MAX_ENTRIES + 1))]), too_many);
+        assert_eq!(
+            refusal(&[answer(&many(0, MAX_ENTRIES)), answer(&many(MAX_ENTRIES, 1))]),
+            too_many
+        );
+        // An entry longer than the ceiling, by its raw length (its `[0,0,...]` would
+        // have been 16 bytes a byte as a `Value`).
+        let zeros = vec!["0"; MAX_ENTRY_BYTES / 2 + 1].join(",");
+        assert_eq!(
+            refusal(&[answer(&format!(r#""h":[{zeros}]"#))]),
+            "an `ec_transfer_params` entry is too large"
+        );
+        let fits = vec!["0"; MAX_ENTRY_BYTES / 2 - 1].join(",");
+        assert!(
+            VllmEncoder::new()
+                .fold(
+                    &EncodePlan::default(),
+                    &[answer(&format!(r#""h":[{fits}]"#))]
+                )
+                .is_ok()
+        );
+        // A malformed object is still not an object.
+        assert_eq!(
+            refusal(&[Bytes::from_static(br#"{"ec_transfer_params":"x"}"#)]),
+            "`ec_transfer_params` is not an object"
+        );
+    }
+
+    #[test]
+    fn a_placeholder_carries_its_entrys_metadata_as_the_engine_wrote_it() {
+        let messages = br#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a"},"uuid":"u"},{"type":"image_url","image_url":{"url":"b"},"uuid":"v"}]}]"#;
+        let merged = merge_answers(&[Bytes::from_static(
+            br#"{"ec_transfer_params":{"u":{"metadata":{"g": [1e400]}},"v":{"metadata":{ },"metadata":{"g":1}}}}"#,
+        )])
+        .unwrap();
+        let out = placeholders(messages, &merged).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            r#"[{"role":"user","content":[{"image_embeds":{"g": [1e400]},"type":"image_embeds","uuid":"u"},{"image_embeds":{"g":1},"type":"image_embeds","uuid":"v"}]}]"#
+        );
+        // Empty metadata, or none that is an object, is `null`.
+        for metadata in [r#"{ }"#, "[1]", "7"] {
+            let answer =
+                format!(r#"{{"ec_transfer_params":{{"u":{{"metadata":{metadata}}},"v":0}}}}"#);
+            let merged = merge_answers(&[Bytes::from(answer)]).unwrap();
+            let out = placeholders(messages, &merged).unwrap();
+            let v: Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(
+                v[0]["content"][0]["image_embeds"],
+                Value::Null,
+                "{metadata}"
+            );
+            assert_eq!(
+                v[0]["content"][1]["image_embeds"],
+                Value::Null,
+                "{metadata}"
+            );
+        }
+    }
+
+    #[test]
+    fn lists_are_walked_until_the_visitor_fails() {
+        let mut seen = Vec::new();
+        let got = each_element(" [1, [2], {\"a\":3}, 4] ", |v| {
+            seen.push(v.get().to_owned());
+            if seen.len() == 3 { Err("stop") } else { Ok(()) }
+        });
+        assert_eq!(got, Err("stop"));
+        assert_eq!(seen, ["1", "[2]", r#"{"a":3}"#]);
+        assert_eq!(each_element::<()>("[]", |_| panic!("empty")), Ok(true));
+        for not in [r#""[1]""#, "{}", "[1,", "[1] 2"] {
+            assert_eq!(each_element::<()>(not, |_| Ok(())), Ok(false), "{not}");
+        }
+        assert!(is_filled_object(r#" { "a" : 1 } "#));
+        assert!(!is_filled_object(" { \n } ") && !is_filled_object("[1]"));
+    }
+
+    #[test]
+    fn a_media_part_nested_past_the_ceiling_is_refused_not_overflowed() {
+        let deep = format!("{}{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"a"}},"e":{deep}}}]}}]}}"#
+        );
+        let req = PdRequest::new(Api::Chat, Default::default(), &Bytes::from(body)).unwrap();
+        let err = VllmEncoder::new().plan(&req).unwrap_err();
+        assert!(err.to_string().contains("too deeply"), "{err}");
     }
 }

@@ -11,6 +11,8 @@ use serde_json::value::RawValue;
 
 use disagg_json::InvalidParam;
 
+use crate::common::json;
+
 /// The media part types vLLM's chat API takes, and whether items of the type may share
 /// a leg (images may; audio and video go one per leg).
 pub(super) const MEDIA: &[(&str, bool)] = &[
@@ -70,6 +72,10 @@ fn offset(outer: &[u8], inner: &str) -> Option<usize> {
 /// an array of JSON values (the engine answers for it). Parts that are not objects, or
 /// whose `type` is not a media type, are not items.
 ///
+/// The turns and their content lists are walked, not collected (a `Vec<&RawValue>` of
+/// them was eight times a client's `[0,0,...]`), and a part's fields are mapped only
+/// once its `type` says it is a media part (so at most `max` + 1 maps).
+///
 /// # Errors
 ///
 /// [`InvalidParam`] (`messages`) when there are more than `max`.
@@ -77,61 +83,75 @@ pub(super) fn media_parts(
     messages: &[u8],
     max: usize,
 ) -> Result<Option<Vec<MediaPart<'_>>>, InvalidParam> {
-    let Ok(turns) = serde_json::from_slice::<Vec<&RawValue>>(messages) else {
+    let Ok(text) = std::str::from_utf8(messages) else {
         return Ok(None);
     };
     let mut out = Vec::new();
-    for turn in turns {
+    let walked = super::each_element(text, |turn| {
         let Ok(turn) = serde_json::from_str::<Turn<'_>>(turn.get()) else {
-            continue;
+            return Ok(());
         };
         let Some(content) = turn.content else {
-            continue;
+            return Ok(());
         };
-        let Ok(parts) = serde_json::from_str::<Vec<&RawValue>>(content.get()) else {
-            continue;
-        };
-        for part in parts {
-            let raw = part.get();
-            if !raw.starts_with('{') {
-                continue;
-            }
-            let Ok(fields) = serde_json::from_str::<BTreeMap<Cow<'_, str>, &RawValue>>(raw) else {
-                continue;
-            };
-            let Some(ty) = fields
-                .get("type")
-                .and_then(|t| serde_json::from_str::<Cow<'_, str>>(t.get()).ok())
-            else {
-                continue;
-            };
-            let Some(media) = MEDIA.iter().position(|(t, _)| *t == ty) else {
-                continue;
-            };
-            if out.len() >= max {
-                return Err(InvalidParam::new(
-                    "messages",
-                    "holds more media items than the encoder stage takes",
-                ));
-            }
-            let uuid = fields
-                .get("uuid")
-                .and_then(|u| serde_json::from_str::<String>(u.get()).ok())
-                .filter(|u| !u.is_empty());
-            let Some(start) = offset(messages, raw) else {
-                continue;
-            };
-            out.push(MediaPart {
-                start,
-                end: start + raw.len(),
-                raw,
-                fields,
-                media,
-                uuid,
-            });
-        }
+        // A content that is not a list (a string) holds no parts.
+        super::each_element(content.get(), |part| {
+            media_part(messages, part, max, &mut out)
+        })
+        .map(|_| ())
+    })?;
+    Ok(walked.then_some(out))
+}
+
+/// Adds `part` (a content part of `messages`) to `out` when it is a media part.
+///
+/// # Errors
+///
+/// [`InvalidParam`] (`messages`) when `out` holds `max` parts already.
+fn media_part<'a>(
+    messages: &'a [u8],
+    part: &'a RawValue,
+    max: usize,
+    out: &mut Vec<MediaPart<'a>>,
+) -> Result<(), InvalidParam> {
+    let raw = part.get();
+    if !raw.starts_with('{') {
+        return Ok(());
     }
-    Ok(Some(out))
+    // The type (the last, when repeated, as in a map) read without keeping the rest.
+    let Some(ty) =
+        json::member(raw, "type").and_then(|t| serde_json::from_str::<Cow<'_, str>>(t.get()).ok())
+    else {
+        return Ok(());
+    };
+    let Some(media) = MEDIA.iter().position(|(t, _)| *t == ty) else {
+        return Ok(());
+    };
+    let Ok(fields) = serde_json::from_str::<BTreeMap<Cow<'_, str>, &RawValue>>(raw) else {
+        return Ok(());
+    };
+    if out.len() >= max {
+        return Err(InvalidParam::new(
+            "messages",
+            "holds more media items than the encoder stage takes",
+        ));
+    }
+    let uuid = fields
+        .get("uuid")
+        .and_then(|u| serde_json::from_str::<String>(u.get()).ok())
+        .filter(|u| !u.is_empty());
+    let Some(start) = offset(messages, raw) else {
+        return Ok(());
+    };
+    out.push(MediaPart {
+        start,
+        end: start + raw.len(),
+        raw,
+        fields,
+        media,
+        uuid,
+    });
+    Ok(())
 }
 
 /// Feeds `out` the bytes `serde_json` writes for the value `raw` holds once parsed
@@ -142,9 +162,62 @@ pub(super) fn media_parts(
 ///
 /// # Errors
 ///
-/// When `raw` is not valid JSON (it always is: it comes from a parsed body).
+/// A syntax error when `raw` is not valid JSON (it always is: it comes from a parsed
+/// body) or holds a number `serde_json` cannot (`1e400`); a data error when it nests
+/// deeper than [`MAX_DEPTH`] (each level is a frame of this walk: a client's body of
+/// `[[[...]]]` would have overflowed the stack).
 pub(super) fn canonical(raw: &RawValue, out: &mut dyn FnMut(&[u8])) -> serde_json::Result<()> {
+    // Told in one pass: the walk re-reads each level's rest, so finding the fault by
+    // walking down to it would read the value `MAX_DEPTH` times.
+    if nests_deeper(raw.get(), MAX_DEPTH) {
+        return Err(serde::de::Error::custom("nested too deeply"));
+    }
+    canonical_at(raw, out, 0)
+}
+
+/// Whether the JSON text `raw` nests lists and objects more than `max` deep, read in
+/// one pass (strings skipped).
+fn nests_deeper(raw: &str, max: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in raw.as_bytes() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// Deepest a value [`canonical`] reads may nest: `serde_json`'s own ceiling for a
+/// value it builds.
+pub(super) const MAX_DEPTH: usize = 128;
+
+/// [`canonical`] of a value nested `depth` deep.
+fn canonical_at(
+    raw: &RawValue,
+    out: &mut dyn FnMut(&[u8]),
+    depth: usize,
+) -> serde_json::Result<()> {
     let text = raw.get();
+    if depth >= MAX_DEPTH && matches!(text.as_bytes().first(), Some(b'{' | b'[')) {
+        return Err(serde::de::Error::custom("nested too deeply"));
+    }
     match text.as_bytes().first() {
         // A JSON string holds no quote or control character unescaped: without a
         // backslash it is written back exactly as it is.
@@ -162,18 +235,23 @@ pub(super) fn canonical(raw: &RawValue, out: &mut dyn FnMut(&[u8])) -> serde_jso
                 }
                 out(&serde_json::to_vec(key)?);
                 out(b":");
-                canonical(value, out)?;
+                canonical_at(value, out, depth + 1)?;
             }
             out(b"}");
         }
         Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(text)?;
+            // Walked, not collected: a `Vec<&RawValue>` is 16 bytes per element.
             out(b"[");
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
+            let mut first = true;
+            let walked = super::each_element(text, |item| {
+                if !first {
                     out(b",");
                 }
-                canonical(item, out)?;
+                first = false;
+                canonical_at(item, out, depth + 1)
+            })?;
+            if !walked {
+                return Err(serde::de::Error::custom("not a JSON list"));
             }
             out(b"]");
         }
@@ -269,5 +347,62 @@ mod tests {
             "{out}"
         );
         assert!(out.ends_with(r#""plain", B]}]"#), "{out}");
+    }
+
+    #[test]
+    fn only_media_parts_are_mapped_and_the_last_type_decides() {
+        // The type is the last one, an escaped key read as its text (as in a map); a
+        // content that is no list, or a turn that is no object, holds no part.
+        let messages = br#"[{"content":[{"type":"image_url","type":"text"},
+            {"type":"text","typ\u0065":"video_url","video_url":{"url":"v"}},
+            {"type":"text","":0,"":0}, 7, [{"type":"image_url"}]]},
+            {"content":{"type":"image_url"}}, {"content":"image_url"}, "x",
+            {"content":[{"type":"audio_url","audio_url":{"url":"a"}}]}]"#;
+        let parts = media_parts(messages, 2).unwrap().unwrap();
+        assert_eq!(
+            parts.iter().map(MediaPart::modality).collect::<Vec<_>>(),
+            ["video", "audio"]
+        );
+        assert_eq!(
+            parts[0].fields.keys().collect::<Vec<_>>(),
+            ["type", "video_url"]
+        );
+        assert!(media_parts(messages, 1).is_err());
+        // Not a list, or not JSON: nothing to say.
+        for not in [&br#"{"content":[]}"#[..], b"[1,", b"[\"\xff\"]"] {
+            assert!(media_parts(not, 2).unwrap().is_none());
+        }
+        assert!(media_parts(b" [ ] ", 2).unwrap().unwrap().is_empty());
+    }
+
+    #[test]
+    fn canonical_lists_are_walked_whatever_their_spacing() {
+        let raw: &RawValue =
+            serde_json::from_str(r#"[ 1 ,[ ], [ {"b":1, "a" : [2,3]} ] ]"#).unwrap();
+        let mut got = Vec::new();
+        canonical(raw, &mut |b| got.extend_from_slice(b)).unwrap();
+        assert_eq!(got, br#"[1,[],[{"a":[2,3],"b":1}]]"#);
+    }
+
+    #[test]
+    fn canonical_refuses_nesting_past_its_ceiling_without_overflowing() {
+        let nested = |n: usize| format!("{}0{}", "[{\"a\":".repeat(n / 2), "}]".repeat(n / 2));
+        let fits: Box<RawValue> = serde_json::from_str(&nested(MAX_DEPTH)).unwrap();
+        assert!(canonical(&fits, &mut |_| {}).is_ok());
+        let deep = format!("{}{}", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        for too_deep in [nested(MAX_DEPTH + 2), deep] {
+            let raw: Box<RawValue> = serde_json::from_str(&too_deep).unwrap();
+            let err = canonical(&raw, &mut |_| {}).unwrap_err();
+            assert!(err.is_data(), "{err}");
+        }
+        let big: &RawValue = serde_json::from_str("1e400").unwrap();
+        assert!(canonical(big, &mut |_| {}).unwrap_err().is_syntax());
+    }
+
+    #[test]
+    fn depth_is_told_in_one_pass_skipping_strings() {
+        assert!(!nests_deeper(r#"[[1], {"a": [2]}]"#, 3));
+        assert!(nests_deeper(r#"[[1], {"a": [[2]]}]"#, 3));
+        assert!(!nests_deeper(r#"["[[[[", "\\", "\"[[[[", {"{{{{": 1}]"#, 2));
     }
 }

@@ -94,9 +94,18 @@ fn string_body(raw: &RawValue) -> Option<&str> {
     t.strip_prefix('"')?.strip_suffix('"')
 }
 
-/// The elements of a JSON array, or `None` when `raw` is not one.
-fn elements(raw: &[u8]) -> Option<Vec<&RawValue>> {
-    serde_json::from_slice::<Vec<&RawValue>>(raw).ok()
+/// Calls `f` with each element of the JSON list `raw`, walked in order and unbuilt (a
+/// `Vec<&RawValue>` of them was eight times a client's `[0,0,...]`), until `f` fails;
+/// nothing when `raw` is not a list.
+///
+/// # Errors
+///
+/// The first error of `f`.
+fn each<'a>(
+    raw: &'a str,
+    f: impl FnMut(&'a RawValue) -> Result<(), InvalidParam>,
+) -> Result<(), InvalidParam> {
+    super::each_element(raw, f).map(|_| ())
 }
 
 /// Collects items up to `max`.
@@ -143,22 +152,22 @@ pub(super) fn responses(input: &[u8], max: usize) -> Result<Vec<Item>, InvalidPa
         max,
         param: "input",
     };
-    let Some(turns) = elements(input) else {
+    let Ok(input) = std::str::from_utf8(input) else {
         return Ok(items.out);
     };
-    for turn in turns {
+    each(input, |turn| {
         let Ok(turn) = serde_json::from_str::<Turn<'_>>(turn.get()) else {
-            continue;
+            return Ok(());
         };
         if turn.ty.is_some_and(|_| !is(turn.ty, "message")) || is(turn.role, "assistant") {
-            continue;
+            return Ok(());
         }
-        let Some(parts) = turn.content.and_then(|c| elements(c.get().as_bytes())) else {
-            continue;
+        let Some(content) = turn.content else {
+            return Ok(());
         };
-        for part in parts {
+        each(content.get(), |part| {
             let Ok(part) = serde_json::from_str::<Part<'_>>(part.get()) else {
-                continue;
+                return Ok(());
             };
             if is(part.ty, "input_image") {
                 if let Some(url) = part.image_url.and_then(string_body) {
@@ -173,8 +182,9 @@ pub(super) fn responses(input: &[u8], max: usize) -> Result<Vec<Item>, InvalidPa
                 out.push(b'}');
                 items.push(out, false)?;
             }
-        }
-    }
+            Ok(())
+        })
+    })?;
     Ok(items.out)
 }
 
@@ -190,41 +200,43 @@ pub(super) fn messages(messages: &[u8], max: usize) -> Result<Vec<Item>, Invalid
         max,
         param: "messages",
     };
-    let Some(turns) = elements(messages) else {
+    let Ok(messages) = std::str::from_utf8(messages) else {
         return Ok(items.out);
     };
-    for turn in turns {
+    each(messages, |turn| {
         let Ok(turn) = serde_json::from_str::<Turn<'_>>(turn.get()) else {
-            continue;
+            return Ok(());
         };
         if is(turn.role, "system") {
-            continue;
+            return Ok(());
         }
         let user = is(turn.role, "user");
-        let Some(blocks) = turn.content.and_then(|c| elements(c.get().as_bytes())) else {
-            continue;
+        let Some(content) = turn.content else {
+            return Ok(());
         };
-        for block in blocks {
+        each(content.get(), |block| {
             let Ok(block) = serde_json::from_str::<Part<'_>>(block.get()) else {
-                continue;
+                return Ok(());
             };
             if is(block.ty, "image") {
                 anthropic_image(block.source, &mut items)?;
-            } else if is(block.ty, "tool_result") && user {
-                let Some(inner) = block.content.and_then(|c| elements(c.get().as_bytes())) else {
-                    continue;
-                };
-                for part in inner {
+            } else if is(block.ty, "tool_result")
+                && user
+                && let Some(inner) = block.content
+            {
+                each(inner.get(), |part| {
                     let Ok(part) = serde_json::from_str::<Part<'_>>(part.get()) else {
-                        continue;
+                        return Ok(());
                     };
                     if is(part.ty, "image") {
                         anthropic_image(part.source, &mut items)?;
                     }
-                }
+                    Ok(())
+                })?;
             }
-        }
-    }
+            Ok(())
+        })
+    })?;
     Ok(items.out)
 }
 
@@ -338,5 +350,24 @@ mod tests {
         let bad = json!([{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": 3, "data": "x"}}]}]);
         assert!(messages(bad.to_string().as_bytes(), 8).is_err());
+    }
+
+    #[test]
+    fn contents_that_are_no_lists_hold_no_items_and_the_ceiling_holds() {
+        let input = br#"[{"role":"user","content":"input_image"},
+            {"role":"user","content":{"type":"input_image","image_url":"x"}}, 3,
+            {"role":"user","content":[7, {"type":"input_image","image_url":"a"},
+                                      {"type":"input_image","image_url":"b"}]}]"#;
+        assert_eq!(responses(input, 2).unwrap().len(), 2);
+        assert!(responses(input, 1).is_err());
+        assert!(responses(b"{}", 1).unwrap().is_empty());
+        assert!(responses(b"[\"\xff\"]", 1).unwrap().is_empty());
+        let blocks = br#"[{"role":"user","content":[
+            {"type":"tool_result","content":"text"},
+            {"type":"tool_result","content":[{"type":"image","source":{"type":"url","url":"a"}},
+                                             {"type":"image","source":{"type":"url","url":"b"}}]}]}]"#;
+        assert_eq!(messages(blocks, 2).unwrap().len(), 2);
+        assert!(messages(blocks, 1).is_err());
+        assert!(messages(b"null", 1).unwrap().is_empty());
     }
 }

@@ -35,7 +35,10 @@ use disagg_core::Endpoint;
 use disagg_core::encode::EncodePlan;
 use disagg_core::error::ConnectorError;
 use disagg_json::InvalidParam;
-use serde_json::{Map, Value, json};
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+
+use crate::common::json;
 
 /// vLLM's default consumer address (`vllm/config/ec_transfer.py`, `ec_ip`).
 pub const DEFAULT_EC_HOST: &str = "127.0.0.1";
@@ -230,29 +233,27 @@ pub(super) fn fold(plan: &EncodePlan, answers: &[Bytes]) -> Result<Option<Bytes>
     let mut items = Vec::new();
     for (leg, answer) in plan.legs.iter().zip(answers) {
         let ids = transfer_ids(&leg.body);
-        let entries: Map<String, Value> = super::merge_answers(std::slice::from_ref(answer))?;
-        for (hash, entry) in entries {
+        // Each entry read where it lies in the answer: only its transfer id is kept.
+        super::answer_entries(answer, |hash, entry| {
             if items.len() >= super::MAX_ENTRIES {
-                return Err(ConnectorError::InvalidEncoderAnswer {
-                    problem: "`ec_transfer_params` has too many entries",
-                    source: None,
-                });
+                return Err(super::too_many());
             }
-            let named = entry.get("transfer_id").and_then(Value::as_str);
-            let by_position = entry
-                .get("item_indices")
-                .and_then(Value::as_array)
-                .and_then(|i| i.first())
-                .and_then(Value::as_u64)
+            let entry = entry.get();
+            let named = json::member(entry, "transfer_id")
+                .and_then(|t| serde_json::from_str::<String>(t.get()).ok());
+            let by_position = json::member(entry, "item_indices")
+                .and_then(first_element)
+                .and_then(json::u64_of)
                 .and_then(|i| ids.get(usize::try_from(i).ok()?));
-            let Some(transfer_id) = named.or(by_position.map(String::as_str)) else {
+            let Some(transfer_id) = named.or_else(|| by_position.cloned()) else {
                 return Err(ConnectorError::InvalidEncoderAnswer {
                     problem: "an `ec_transfer_params` entry names no item of its leg",
                     source: None,
                 });
             };
             items.push(json!({"mm_hash": hash, "transfer_id": transfer_id}));
-        }
+            Ok(())
+        })?;
     }
     if items.is_empty() {
         return Ok(None);
@@ -266,10 +267,25 @@ pub(super) fn fold(plan: &EncodePlan, answers: &[Bytes]) -> Result<Option<Bytes>
     Ok(Some(Bytes::from(raw)))
 }
 
+/// The first element of the JSON list `raw`, unbuilt; `None` when `raw` is not a list
+/// or is empty.
+fn first_element(raw: &RawValue) -> Option<&RawValue> {
+    let mut first = None;
+    // `f` stops the walk's calls at the first; the rest are skipped over, unbuilt.
+    match super::each_element(raw.get(), |value| {
+        first = Some(value);
+        Err(())
+    }) {
+        Err(()) => first,
+        Ok(_) => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use disagg_core::Role;
+    use serde_json::Map;
 
     /// A plan of one encoder leg holding `items` items.
     fn one_leg(items: usize) -> EncodePlan {
@@ -424,5 +440,40 @@ mod tests {
             matches!(got, Err(ConnectorError::InvalidEncoderAnswer { .. })),
             "{got:?}"
         );
+    }
+
+    #[test]
+    fn entries_are_read_where_they_lie_in_the_answer() {
+        let push = MooncakeEcPush::new();
+        let consumer = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        let plan = push.annotate(one_leg(2), &consumer, None).unwrap();
+        let ids = transfer_ids(&plan.legs[0].body);
+        // Numbers no `Value` holds are no matter; the position is the first index; an
+        // escaped transfer id is read unescaped; a repeated identifier's last entry counts.
+        let answer = Bytes::from_static(
+            br#"{"ec_transfer_params":{
+                "a":{"item_indices":[1, 1e400],"metadata":{"x":1e400}},
+                "b":{"transfer_id":"t\u0031","item_indices":[0]},
+                "c":{"transfer_id":"old"},"c":{"transfer_id":7,"item_indices":[0]}}}"#,
+        );
+        let raw = fold(&plan, &[answer]).unwrap().unwrap();
+        let v: Value = serde_json::from_slice(&raw).unwrap();
+        assert_eq!(
+            v,
+            json!({"ec_items": [
+                {"mm_hash": "a", "transfer_id": ids[1]},
+                {"mm_hash": "b", "transfer_id": "t1"},
+                {"mm_hash": "c", "transfer_id": ids[0]},
+            ]})
+        );
+        // Only `null` or absent parameters are no entries.
+        let none = Bytes::from_static(br#"{"ec_transfer_params":null}"#);
+        assert_eq!(fold(&plan, &[none]).unwrap(), None);
+        assert_eq!(
+            first_element(serde_json::from_str("[ 3 , 4]").unwrap()).map(RawValue::get),
+            Some("3")
+        );
+        assert!(first_element(serde_json::from_str("[]").unwrap()).is_none());
+        assert!(first_element(serde_json::from_str("{}").unwrap()).is_none());
     }
 }
