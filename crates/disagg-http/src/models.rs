@@ -24,14 +24,73 @@ use disagg_core::Role;
 use disagg_core::error::{PdError, RouteError};
 use disagg_core::{endpoint::EndpointSet, orchestrator::PdBody};
 use http::{Request, StatusCode};
+use serde_json::value::RawValue;
 
 use crate::error::error_response;
 use crate::service::{collect_limited, json_response};
 
-type Card = serde_json::Map<String, serde_json::Value>;
+/// A model card as its engine wrote it (never built as a `Value`: a card of
+/// `[{},{},...]` cost about 95 bytes per byte), with the two members the merge reads.
+#[derive(Debug, Clone)]
+struct Card {
+    raw: Box<RawValue>,
+    id: IdKey,
+    /// No `parent` (or a null one): a base model's card, not a LoRA adapter's.
+    base: bool,
+}
+
+impl Card {
+    /// The card `raw`, which must be a JSON object.
+    fn read(raw: Box<RawValue>) -> Option<Card> {
+        if !raw.get().starts_with('{') {
+            return None;
+        }
+        let (mut id, mut base) = (IdKey::Missing, true);
+        let mut de = serde_json::Deserializer::from_str(raw.get());
+        serde::Deserializer::deserialize_map(&mut de, CardVisitor(&mut id, &mut base)).ok()?;
+        Some(Card { raw, id, base })
+    }
+
+    /// The card's `id`, when it is a string.
+    fn id_str(&self) -> Option<&str> {
+        match &self.id {
+            IdKey::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// Reads a card's `id` and `parent` (the last of a repeated key, as a map keeps it),
+/// skipping the rest unbuilt.
+struct CardVisitor<'c>(&'c mut IdKey, &'c mut bool);
+
+impl<'de> serde::de::Visitor<'de> for CardVisitor<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a model card")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            let value = map.next_value::<&'de RawValue>()?;
+            match &*key {
+                "id" => *self.0 = IdKey::of(value),
+                "parent" => *self.1 = value.get() == "null",
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
 
 /// The largest model list read from an engine.
 const LIST_LIMIT: usize = 4 * 1024 * 1024;
+
+/// The most cards read from one engine's list: each costs its own bytes and a few
+/// dozen more, so a list of millions of `{}` is refused (as no list) rather than
+/// held. vLLM lists its model and one card per LoRA adapter.
+const MAX_CARDS: usize = 65_536;
 
 /// The cached model list.
 #[derive(Debug, Default)]
@@ -116,14 +175,11 @@ async fn fetch(
         };
         answered = true;
         // The engine's base model: the card without a parent (LoRA cards name one).
-        if let Some(base) = list
-            .iter()
-            .find(|c| c.get("parent").is_none_or(serde_json::Value::is_null))
-        {
+        if let Some(base) = list.iter().find(|c| c.base) {
             base_of.push((ep.authority(), base.clone()));
         }
         for card in list {
-            if ids.insert(IdKey::of(&card)) {
+            if ids.insert(card.id.clone()) {
                 cards.push(card);
             }
         }
@@ -146,9 +202,9 @@ async fn fetch(
 
 /// A card's `id` as the merge compares them: a string (what engines send) by its text,
 /// any other value by its JSON text (equal values write equal text, but for a float
-/// zero's sign), a missing one as itself; a string and a number of the same digits
-/// differ, as the values do.
-#[derive(PartialEq, Eq, Hash)]
+/// zero's sign; one longer than 4 KiB as the engine wrote it), a missing one as
+/// itself; a string and a number of the same digits differ, as the values do.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum IdKey {
     Missing,
     Str(String),
@@ -156,37 +212,126 @@ enum IdKey {
 }
 
 impl IdKey {
-    fn of(card: &Card) -> Self {
-        match card.get("id") {
-            None => IdKey::Missing,
-            Some(serde_json::Value::String(s)) => IdKey::Str(s.clone()),
-            Some(v) => IdKey::Other(v.to_string()),
+    fn of(id: &RawValue) -> Self {
+        let text = id.get();
+        if let Ok(s) = serde_json::from_str::<String>(text) {
+            return IdKey::Str(s);
         }
+        let written = (text.len() <= 4096)
+            .then(|| serde_json::from_str::<serde_json::Value>(text).ok())
+            .flatten()
+            .map(|v| v.to_string());
+        IdKey::Other(written.unwrap_or_else(|| text.to_owned()))
     }
 }
 
 /// The card for a model an endpoint declares: its engine's base card under the
-/// declared name, or, when no engine answered, vLLM's card shape with what is known.
+/// declared name (its other members as the engine wrote them), or, when no engine
+/// answered, vLLM's card shape with what is known.
 fn declared(name: &str, base: Option<Card>) -> Card {
-    let mut card = base.unwrap_or_else(|| {
-        let fields = [
-            ("object", "model".into()),
-            ("created", 0.into()),
-            ("owned_by", "vllm".into()),
-            ("root", name.into()),
-            ("parent", serde_json::Value::Null),
-            ("max_model_len", serde_json::Value::Null),
-            ("permission", serde_json::Value::Array(Vec::new())),
-        ];
-        fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
-    });
-    card.insert("id".into(), name.into());
-    card
+    let raw = match base {
+        Some(base) => renamed(&base.raw, name),
+        None => serde_json::json!({
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": null,
+            "max_model_len": null,
+            "permission": [],
+        })
+        .to_string(),
+    };
+    Card {
+        // A JSON object the proxy wrote (or copied) whole.
+        raw: RawValue::from_string(raw).unwrap_or_else(|_| empty_card()),
+        id: IdKey::Str(name.to_owned()),
+        base: true,
+    }
 }
 
-#[derive(serde::Deserialize)]
+/// An object with no member: the card of a name whose base card could not be copied
+/// (never: it was read as an object).
+fn empty_card() -> Box<RawValue> {
+    RawValue::from_string("{}".to_owned()).unwrap_or_else(|_| unreachable!("`{{}}` is JSON"))
+}
+
+/// The JSON object `card` with its `id` (every copy of it) replaced by `name`.
+fn renamed(card: &RawValue, name: &str) -> String {
+    struct Copy<'o>(&'o mut String);
+    impl<'de> serde::de::Visitor<'de> for Copy<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a model card")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                let value = map.next_value::<&'de RawValue>()?;
+                if key != "id" {
+                    self.0.push_str(&serde_json::Value::String(key).to_string());
+                    self.0.push(':');
+                    self.0.push_str(value.get());
+                    self.0.push(',');
+                }
+            }
+            Ok(())
+        }
+    }
+    let mut out = String::with_capacity(card.get().len() + name.len() + 8);
+    out.push('{');
+    let mut de = serde_json::Deserializer::from_str(card.get());
+    if serde::Deserializer::deserialize_map(&mut de, Copy(&mut out)).is_err() {
+        out.truncate(1);
+    }
+    out.push_str("\"id\":");
+    out.push_str(&serde_json::Value::String(name.to_owned()).to_string());
+    out.push('}');
+    out
+}
+
+/// An engine's `{"data": [cards]}`: at most [`MAX_CARDS`] objects, read unbuilt.
 struct ModelList {
     data: Vec<Card>,
+}
+
+impl<'de> serde::Deserialize<'de> for ModelList {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Raw {
+            data: Cards,
+        }
+        Raw::deserialize(d).map(|r| ModelList { data: r.data.0 })
+    }
+}
+
+struct Cards(Vec<Card>);
+
+impl<'de> serde::Deserialize<'de> for Cards {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Each;
+        impl<'de> serde::de::Visitor<'de> for Each {
+            type Value = Cards;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of model cards")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Cards, A::Error> {
+                use serde::de::Error;
+                let mut out = Vec::new();
+                while let Some(raw) = seq.next_element::<Box<RawValue>>()? {
+                    if out.len() == MAX_CARDS {
+                        return Err(A::Error::custom("too many model cards"));
+                    }
+                    out.push(Card::read(raw).ok_or_else(|| A::Error::custom("not a card"))?);
+                }
+                Ok(Cards(out))
+            }
+        }
+        d.deserialize_seq(Each)
+    }
 }
 
 impl crate::service::Inner {
@@ -212,22 +357,28 @@ impl crate::service::Inner {
             );
         };
         let Some(id) = id else {
-            let body = serde_json::json!({"object": "list", "data": &*cards});
-            return json_response(StatusCode::OK, Bytes::from(body.to_string()));
+            let len: usize = cards.iter().map(|c| c.raw.get().len() + 1).sum();
+            let mut body = String::with_capacity(len + 32);
+            body.push_str(r#"{"object":"list","data":["#);
+            for (i, card) in cards.iter().enumerate() {
+                if i > 0 {
+                    body.push(',');
+                }
+                body.push_str(card.raw.get());
+            }
+            body.push_str("]}");
+            return json_response(StatusCode::OK, Bytes::from(body));
         };
         let id = percent_decode(id);
-        match cards
-            .iter()
-            .find(|c| c.get("id").and_then(|v| v.as_str()) == Some(&id))
-        {
+        match cards.iter().find(|c| c.id_str() == Some(&id)) {
             Some(card) => json_response(
                 StatusCode::OK,
-                Bytes::from(serde_json::Value::Object(card.clone()).to_string()),
+                Bytes::copy_from_slice(card.raw.get().as_bytes()),
             ),
             None => {
                 let served = cards
                     .iter()
-                    .filter_map(|c| c.get("id").and_then(|v| v.as_str()))
+                    .filter_map(Card::id_str)
                     .map(Arc::from)
                     .collect();
                 let err = RouteError::UnknownModel { model: id, served };
@@ -265,6 +416,45 @@ pub(crate) fn percent_decode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The card `json`, read as an engine's.
+    fn read(json: &str) -> Card {
+        Card::read(RawValue::from_string(json.to_owned()).unwrap()).unwrap()
+    }
+
+    /// `card` built, to look at.
+    fn built(card: &Card) -> serde_json::Value {
+        serde_json::from_str(card.raw.get()).unwrap()
+    }
+
+    /// Cards are kept as their engine wrote them; a list of more than `MAX_CARDS`, or
+    /// with an element that is no card, is no list.
+    #[test]
+    fn cards_are_kept_as_written_and_lists_have_a_ceiling() {
+        let list: ModelList = serde_json::from_str(
+            r#"{"data":[{"id":"m","parent":"x","parent":null,"w":[0, 1e400]}],"object":"list"}"#,
+        )
+        .unwrap();
+        let card = &list.data[0];
+        assert_eq!(
+            card.raw.get(),
+            r#"{"id":"m","parent":"x","parent":null,"w":[0, 1e400]}"#
+        );
+        assert_eq!((card.id_str(), card.base), (Some("m"), true));
+        let renamed = declared("alias", Some(card.clone()));
+        assert_eq!(
+            renamed.raw.get(),
+            r#"{"parent":"x","parent":null,"w":[0, 1e400],"id":"alias"}"#
+        );
+        let many = format!(r#"{{"data":[{}]}}"#, vec!["{}"; MAX_CARDS + 1].join(","));
+        assert!(serde_json::from_str::<ModelList>(&many).is_err());
+        let at = format!(r#"{{"data":[{}]}}"#, vec!["{}"; MAX_CARDS].join(","));
+        assert_eq!(
+            serde_json::from_str::<ModelList>(&at).unwrap().data.len(),
+            MAX_CARDS
+        );
+        assert!(serde_json::from_str::<ModelList>(r#"{"data":[{},1]}"#).is_err());
+    }
 
     #[test]
     fn escapes_decode_and_broken_ones_stay() {
@@ -325,17 +515,18 @@ mod tests {
         assert_eq!(cards.len(), 75_001);
         // a's cards in its order, then b's it did not list, then the declared one.
         for (i, card) in cards[..75_000].iter().enumerate() {
+            let card = built(card);
             assert_eq!(card["id"], format!("m{i}"));
             assert_eq!(card["owned_by"], if i < 50_000 { "a" } else { "b" }, "{i}");
         }
-        assert_eq!(cards[75_000]["id"], "alias");
+        assert_eq!(built(&cards[75_000])["id"], "alias");
         // b declares it: b's base card (its first), renamed.
-        assert_eq!(cards[75_000]["owned_by"], "b");
+        assert_eq!(built(&cards[75_000])["owned_by"], "b");
     }
 
     #[test]
     fn ids_of_other_types_are_their_own_and_a_missing_one_is_one() {
-        let card = |json: &str| -> Card { serde_json::from_str(json).unwrap() };
+        let card = |json: &str| -> Card { read(json) };
         let keys = [
             r#"{"id":"5"}"#,
             r#"{"id":5}"#,
@@ -343,24 +534,23 @@ mod tests {
             r#"{}"#,
             r#"{"id":{"a":1,"b":2}}"#,
         ]
-        .map(|j| IdKey::of(&card(j)));
+        .map(|j| card(j).id);
         let distinct: HashSet<&IdKey> = keys.iter().collect();
         assert_eq!(distinct.len(), keys.len());
-        assert!(IdKey::of(&card(r#"{"x":1}"#)) == keys[3]);
-        assert!(IdKey::of(&card(r#"{"id":{"b":2,"a":1}}"#)) == keys[4]);
+        assert!(card(r#"{"x":1}"#).id == keys[3]);
+        assert!(card(r#"{"id":{"b":2,"a":1}}"#).id == keys[4]);
     }
 
     #[test]
     fn a_declared_name_keeps_its_engines_fields() {
-        let base: Card = serde_json::from_str(
+        let base = read(
             r#"{"id":"m","object":"model","root":"/models/m","parent":null,"max_model_len":4096}"#,
-        )
-        .unwrap();
-        let card = declared("alias", Some(base));
+        );
+        let card = built(&declared("alias", Some(base)));
         assert_eq!(card["id"], "alias");
         assert_eq!(card["root"], "/models/m");
         assert_eq!(card["max_model_len"], 4096);
-        let bare = declared("alias", None);
+        let bare = built(&declared("alias", None));
         assert_eq!(bare["root"], "alias");
         assert!(bare["parent"].is_null());
     }
