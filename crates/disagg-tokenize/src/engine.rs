@@ -34,11 +34,12 @@ use disagg_core::request::Api;
 use disagg_core::tokens::Asked;
 use disagg_core::transport::{Transport, read_limited};
 use http::{HeaderValue, header};
-use serde::Deserialize;
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
 use crate::prompt::{Prompt, PromptInput};
+use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
 
 /// The largest `/tokenize` answer read by default: room for a prompt of a few million
@@ -191,39 +192,240 @@ impl Tokenize for EngineTokenizer {
 
 /// Refuse what the engine would tokenize but not as one text sequence: messages with
 /// other content parts than text (images, audio, video, embeddings).
+///
+/// The messages are walked one at a time and their content parts one at a time, each
+/// parsed and dropped: nothing of the client's list is built, however long. Errors come
+/// in the order of a reader that parses the whole list first: a malformed message is
+/// reported before any content, then the first message whose content is malformed or
+/// has other parts than text.
 fn check_messages(raw: &[u8]) -> Result<(), TokenizeError> {
-    #[derive(Deserialize)]
-    struct Message<'a> {
-        #[serde(borrow, default)]
-        content: Option<&'a RawValue>,
+    match serde_json::from_slice::<Messages>(raw) {
+        Ok(Messages(verdict)) => verdict,
+        Err(_) => Err(TokenizeError::invalid(
+            "messages",
+            "expected a list of objects",
+        )),
     }
-    #[derive(Deserialize)]
-    struct Part<'a> {
-        #[serde(rename = "type", default)]
-        kind: Option<&'a str>,
-    }
-    let messages: Vec<Message<'_>> = serde_json::from_slice(raw)
-        .map_err(|_| TokenizeError::invalid("messages", "expected a list of objects"))?;
-    for m in messages {
-        let Some(content) = m.content else { continue };
-        if !content.get().starts_with('[') {
-            continue;
-        }
-        let parts: Vec<serde_json::Value> = serde_json::from_str(content.get())
-            .map_err(|_| TokenizeError::invalid("messages", "content: expected a list"))?;
-        for part in parts {
-            if part.is_string() {
-                continue;
+}
+
+/// A message as [`check_messages`] reads it: its content, raw. (A derived struct: a
+/// message repeating `content` is refused, as it always was here.)
+#[derive(serde::Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// The messages list, walked: the verdict on the first content that fails, if any.
+struct Messages(Result<(), TokenizeError>);
+
+impl<'de> Deserialize<'de> for Messages {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Messages, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Messages;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of messages")
             }
-            let kind = Part::deserialize(&part)
-                .ok()
-                .and_then(|p| p.kind.map(str::to_owned));
-            if !matches!(kind.as_deref(), Some("text" | "input_text" | "output_text")) {
-                return Err(TokenizeError::not_supported("non-text content parts"));
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+                let mut verdict = Ok(());
+                while let Some(m) = seq.next_element::<Message<'de>>()? {
+                    if verdict.is_ok()
+                        && let Some(content) = m.content
+                    {
+                        verdict = check_content(content.get());
+                    }
+                }
+                Ok(Messages(verdict))
             }
         }
+        d.deserialize_seq(V)
     }
-    Ok(())
+}
+
+/// A message's content: a list must hold only text parts (a string, or an object whose
+/// `type` is a text type); anything else is not a list and not checked.
+fn check_content(content: &str) -> Result<(), TokenizeError> {
+    if !content.starts_with('[') {
+        return Ok(());
+    }
+    match serde_json::from_str::<TextOnly>(content) {
+        Ok(TextOnly(true)) => Ok(()),
+        Ok(TextOnly(false)) => Err(TokenizeError::not_supported("non-text content parts")),
+        Err(_) => Err(TokenizeError::invalid(
+            "messages",
+            "content: expected a list",
+        )),
+    }
+}
+
+/// Whether every part of a content list is a text part (every part is parsed).
+struct TextOnly(bool);
+
+impl<'de> Deserialize<'de> for TextOnly {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<TextOnly, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TextOnly;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of content parts")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<TextOnly, A::Error> {
+                let mut text_only = true;
+                while let Some(IsText(text)) = seq.next_element()? {
+                    text_only &= text;
+                }
+                Ok(TextOnly(text_only))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// Whether a content part is text: a string; an object whose `type` (the last, when
+/// repeated) is `text`, `input_text` or `output_text`; or, as serde reads a struct from
+/// a list, a list of one such string.
+struct IsText(bool);
+
+impl<'de> Deserialize<'de> for IsText {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<IsText, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = IsText;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a content part")
+            }
+
+            fn visit_str<E>(self, _: &str) -> Result<IsText, E> {
+                Ok(IsText(true))
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<IsText, E> {
+                Ok(IsText(false))
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<IsText, E> {
+                Ok(IsText(false))
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<IsText, E> {
+                Ok(IsText(false))
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<IsText, E> {
+                Ok(IsText(false))
+            }
+
+            fn visit_unit<E>(self) -> Result<IsText, E> {
+                Ok(IsText(false))
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<IsText, A::Error> {
+                let mut text = false;
+                while let Some(key) = map.next_key::<PartKey>()? {
+                    match key {
+                        PartKey::Type => text = map.next_value::<TextType>()?.0,
+                        PartKey::Other => {
+                            map.next_value::<Skip>()?;
+                        }
+                    }
+                }
+                Ok(IsText(text))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<IsText, A::Error> {
+                let text = match seq.next_element::<TextType>()? {
+                    None => false,
+                    Some(TextType(first)) => first && seq.next_element::<Skip>()?.is_none(),
+                };
+                skip_seq(seq).map(|()| IsText(text))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A content part's key: `type` or another.
+enum PartKey {
+    Type,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for PartKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<PartKey, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = PartKey;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_str<E>(self, s: &str) -> Result<PartKey, E> {
+                Ok(if s == "type" {
+                    PartKey::Type
+                } else {
+                    PartKey::Other
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// Whether a value is the string `text`, `input_text` or `output_text` (anything else
+/// is parsed, not kept).
+struct TextType(bool);
+
+impl<'de> Deserialize<'de> for TextType {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<TextType, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TextType;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+
+            fn visit_str<E>(self, s: &str) -> Result<TextType, E> {
+                Ok(TextType(matches!(s, "text" | "input_text" | "output_text")))
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<TextType, E> {
+                Ok(TextType(false))
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<TextType, E> {
+                Ok(TextType(false))
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<TextType, E> {
+                Ok(TextType(false))
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<TextType, E> {
+                Ok(TextType(false))
+            }
+
+            fn visit_unit<E>(self) -> Result<TextType, E> {
+                Ok(TextType(false))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<TextType, A::Error> {
+                skip_seq(seq).map(|()| TextType(false))
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<TextType, A::Error> {
+                skip_map(map).map(|()| TextType(false))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// The `/tokenize` body for `prompt`, or `None` when it is token ids already.
@@ -302,7 +504,7 @@ pub fn request_body(prompt: &Prompt) -> Result<Option<Bytes>, TokenizeError> {
 }
 
 /// A `/tokenize` answer: one list of ids (a batch answer's list of lists is refused).
-#[derive(Deserialize)]
+#[derive(serde::Deserialize)]
 struct Answer {
     tokens: Vec<u32>,
 }
@@ -400,5 +602,104 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.is_not_supported());
+    }
+
+    /// The messages check as it was, building each content list: the reference the
+    /// walking check is checked against.
+    fn check_messages_as_value(raw: &[u8]) -> Result<(), TokenizeError> {
+        #[derive(serde::Deserialize)]
+        struct Part<'a> {
+            #[serde(rename = "type", default)]
+            kind: Option<&'a str>,
+        }
+        let messages: Vec<Message<'_>> = serde_json::from_slice(raw)
+            .map_err(|_| TokenizeError::invalid("messages", "expected a list of objects"))?;
+        for m in messages {
+            let Some(content) = m.content else { continue };
+            if !content.get().starts_with('[') {
+                continue;
+            }
+            let parts: Vec<serde_json::Value> = serde_json::from_str(content.get())
+                .map_err(|_| TokenizeError::invalid("messages", "content: expected a list"))?;
+            for part in parts {
+                if part.is_string() {
+                    continue;
+                }
+                let kind = Part::deserialize(&part)
+                    .ok()
+                    .and_then(|p| p.kind.map(str::to_owned));
+                if !matches!(kind.as_deref(), Some("text" | "input_text" | "output_text")) {
+                    return Err(TokenizeError::not_supported("non-text content parts"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The walking check answers every list of messages, malformed ones included, as
+    /// the one that built the content parts did, in the same order.
+    #[test]
+    fn messages_check_answers_as_the_value_check() {
+        let text = r#"{"type":"text","text":"a"}"#;
+        let image = r#"{"type":"image_url","image_url":{"url":"x"}}"#;
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let messages = [
+            "[]".to_owned(),
+            r#"[{"role":"user","content":"x"}]"#.into(),
+            r#"[{"role":"user","content":null}]"#.into(),
+            r#"[{"role":"user"}]"#.into(),
+            r#"[{}]"#.into(),
+            format!(r#"[{{"role":"user","content":[{text},"b",{text}]}}]"#),
+            format!(r#"[{{"role":"user","content":[{text},{image}]}}]"#),
+            format!(r#"[{{"role":"user","content":[{image},1e400]}}]"#),
+            format!(r#"[{{"content":[{image}]}},{{"content":[1e400]}}]"#),
+            format!(r#"[{{"content":[1e400]}},{{"content":[{image}]}}]"#),
+            format!(r#"[{{"content":[{image}]}},5]"#),
+            format!(r#"[{{"content":[{image}]}},{{"content":1,"content":2}}]"#),
+            r#"[{"content":[{"type":"input_text"},{"type":"output_text"}]}]"#.into(),
+            r#"[{"content":[{"type":"te\u0078t"}]}]"#.into(),
+            r#"[{"content":[{"type":"image","type":"text"}]}]"#.into(),
+            r#"[{"content":[{"type":"text","type":"image"}]}]"#.into(),
+            r#"[{"content":[{"type":"text","type":null}]}]"#.into(),
+            r#"[{"content":[{"type":null}]}]"#.into(),
+            r#"[{"content":[{"type":5}]}]"#.into(),
+            r#"[{"content":[{"type":["text"]}]}]"#.into(),
+            r#"[{"content":[{"text":"a"}]}]"#.into(),
+            r#"[{"content":[{"type":"text","text":1e400}]}]"#.into(),
+            r#"[{"content":[{"type":"text","text":"\ud800"}]}]"#.into(),
+            r#"[{"content":["\ud800"]}]"#.into(),
+            r#"[{"content":[["text"]]}]"#.into(),
+            r#"[{"content":[["input_text"]]}]"#.into(),
+            r#"[{"content":[["text",1]]}]"#.into(),
+            r#"[{"content":[["image"]]}]"#.into(),
+            r#"[{"content":[[null]]}]"#.into(),
+            r#"[{"content":[[]]}]"#.into(),
+            r#"[{"content":[[5]]}]"#.into(),
+            r#"[{"content":[["text",1e400]]}]"#.into(),
+            r#"[{"content":[5]}]"#.into(),
+            r#"[{"content":[true]}]"#.into(),
+            r#"[{"content":[null]}]"#.into(),
+            r#"[{"content":[]}]"#.into(),
+            r#"[{"content":{"type":"image"}}]"#.into(),
+            r#"[[]]"#.into(),
+            r#"[["x"]]"#.into(),
+            format!(r#"[[[{image}]]]"#),
+            r#"[["x","y"]]"#.into(),
+            r#"[5]"#.into(),
+            r#"["x"]"#.into(),
+            r#"[null]"#.into(),
+            r#"[{"content":[{"type":"text"}],"role":1e400}]"#.into(),
+            format!(r#"[{{"content":{}}}]"#, deep(128)),
+            format!(r#"[{{"content":{}}}]"#, deep(129)),
+            format!(r#"[{{"content":[{{"type":"text","x":{}}}]}}]"#, deep(125)),
+            format!(r#"[{{"content":[{{"type":"text","x":{}}}]}}]"#, deep(126)),
+        ];
+        for raw in &messages {
+            assert_eq!(
+                format!("{:?}", check_messages(raw.as_bytes())),
+                format!("{:?}", check_messages_as_value(raw.as_bytes())),
+                "{raw}"
+            );
+        }
     }
 }

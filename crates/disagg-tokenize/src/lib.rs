@@ -64,6 +64,7 @@ pub mod error;
 #[cfg_attr(docsrs, doc(cfg(feature = "hf")))]
 pub mod hf;
 pub mod prompt;
+mod walk;
 
 use std::sync::Arc;
 

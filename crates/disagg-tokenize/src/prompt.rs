@@ -15,13 +15,21 @@
 //!   "right"`, the first) tokens.
 //!
 //! Booleans are read as pydantic's lax mode reads them (`"yes"`, `1`), as the engines do.
+//!
+//! The client's lists and objects are walked, never built as `serde_json::Value` (which
+//! takes 16 to 100 times their size): a batch of prompts or a large
+//! `chat_template_kwargs` costs no memory, a list of token ids the ids.
+
+use std::fmt;
 
 use bytes::Bytes;
 use disagg_core::json::JsonBody;
+use disagg_core::json::lax::bool_value;
 use disagg_core::request::Api;
-use serde_json::Value;
+use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
 use crate::error::TokenizeError;
+use crate::walk::{Skip, skip_map, skip_seq};
 
 /// A request's prompt, read: what any [`Tokenize`](crate::Tokenize) implementation
 /// turns into token ids.
@@ -161,52 +169,334 @@ fn completion(body: &JsonBody) -> Result<PromptInput, TokenizeError> {
     let Some(raw) = present(body, "prompt") else {
         return Err(TokenizeError::invalid("prompt", "field required"));
     };
-    let value: Value =
-        serde_json::from_slice(raw).map_err(|_| TokenizeError::invalid("prompt", "not JSON"))?;
-    match value {
-        Value::String(text) => Ok(PromptInput::Text {
+    match serde_json::from_slice::<Shape>(raw) {
+        Err(_) => Err(TokenizeError::invalid("prompt", "not JSON")),
+        Ok(Shape::Text(text) | Shape::One(Item::Text(text))) => Ok(PromptInput::Text {
             text,
             add_special_tokens,
         }),
-        Value::Array(items) => {
-            if items.is_empty() {
-                return Err(TokenizeError::invalid("prompt", "empty prompt"));
-            }
-            if items.iter().all(Value::is_number) {
-                return ids(&items).map(PromptInput::Ids);
-            }
-            // A batch of one is answered exactly as that one prompt.
-            match <[Value; 1]>::try_from(items) {
-                Ok([Value::String(text)]) => Ok(PromptInput::Text {
-                    text,
-                    add_special_tokens,
-                }),
-                Ok([Value::Array(inner)]) if inner.iter().all(Value::is_number) => {
-                    ids(&inner).map(PromptInput::Ids)
-                }
-                Ok(_) => Err(TokenizeError::invalid(
-                    "prompt",
-                    "expected a string, a list of strings, token ids or lists of token ids",
-                )),
-                Err(_) => Err(TokenizeError::not_supported("a batch of prompts")),
-            }
-        }
-        _ => Err(TokenizeError::invalid(
+        Ok(Shape::Ids(Some(ids)) | Shape::One(Item::Ids(Some(ids)))) => Ok(PromptInput::Ids(ids)),
+        Ok(Shape::Ids(None) | Shape::One(Item::Ids(None))) => Err(TokenizeError::invalid(
+            "prompt",
+            "token ids must be integers",
+        )),
+        Ok(Shape::Empty) => Err(TokenizeError::invalid("prompt", "empty prompt")),
+        // A batch of one is answered exactly as that one prompt (above); another list
+        // of one is not a prompt.
+        Ok(Shape::One(Item::Number(_) | Item::Other)) => Err(TokenizeError::invalid(
+            "prompt",
+            "expected a string, a list of strings, token ids or lists of token ids",
+        )),
+        Ok(Shape::Batch) => Err(TokenizeError::not_supported("a batch of prompts")),
+        Ok(Shape::Other) => Err(TokenizeError::invalid(
             "prompt",
             "expected a string or token ids",
         )),
     }
 }
 
-fn ids(items: &[Value]) -> Result<Vec<u32>, TokenizeError> {
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| TokenizeError::invalid("prompt", "token ids must be integers"))
+/// A completions `prompt`, read in one pass that keeps only what the answer needs: the
+/// text, or the token ids. A batch's elements are parsed (a malformed one is "not
+/// JSON", as when the prompt was built as a `serde_json::Value`) but not kept, so a
+/// batch costs no memory however large.
+#[derive(Debug)]
+enum Shape {
+    /// A string.
+    Text(String),
+    /// A non-empty list of numbers: their ids, or `None` when one is not a `u32`.
+    Ids(Option<Vec<u32>>),
+    /// `[]`.
+    Empty,
+    /// A list of one element that is not a number.
+    One(Item),
+    /// A list of two elements or more, not all numbers.
+    Batch,
+    /// Anything else: a number, a boolean, an object.
+    Other,
+}
+
+/// An element of a `prompt` list, as far as the answer needs it.
+#[derive(Debug)]
+enum Item {
+    /// A number: the token id it is, if it is one.
+    Number(Option<u32>),
+    /// A string (kept only for the list's first element).
+    Text(String),
+    /// A list of numbers, possibly empty (kept only for the list's first element): their
+    /// ids, or `None` when one is not a `u32`.
+    Ids(Option<Vec<u32>>),
+    /// Anything else, or an element not kept.
+    Other,
+}
+
+/// A token id as `Value::as_u64` then `u32::try_from` read it: integers only.
+fn token_id(n: u64) -> Option<u32> {
+    u32::try_from(n).ok()
+}
+
+/// Token ids, collected while every element is a number.
+struct Collect {
+    /// Every element so far is a number.
+    numbers: bool,
+    /// Their ids, while every one is a token id.
+    ids: Option<Vec<u32>>,
+}
+
+impl Collect {
+    fn new() -> Collect {
+        Collect {
+            numbers: true,
+            ids: Some(Vec::new()),
+        }
+    }
+
+    fn push(&mut self, item: &Item) {
+        match item {
+            Item::Number(Some(id)) => {
+                if let Some(ids) = &mut self.ids {
+                    ids.push(*id);
+                }
+            }
+            Item::Number(None) => self.ids = None,
+            _ => {
+                self.numbers = false;
+                self.ids = None;
+            }
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Shape {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Shape, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Shape;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a prompt")
+            }
+
+            fn visit_str<E>(self, s: &str) -> Result<Shape, E> {
+                Ok(Shape::Text(s.to_owned()))
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<Shape, E> {
+                Ok(Shape::Other)
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<Shape, E> {
+                Ok(Shape::Other)
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<Shape, E> {
+                Ok(Shape::Other)
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<Shape, E> {
+                Ok(Shape::Other)
+            }
+
+            fn visit_unit<E>(self) -> Result<Shape, E> {
+                Ok(Shape::Other)
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Shape, A::Error> {
+                skip_map(map).map(|()| Shape::Other)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Shape, A::Error> {
+                let mut count = 0usize;
+                let mut collect = Collect::new();
+                let mut first = None;
+                // Only the first element can be the prompt of a batch of one; once the
+                // list is a batch, the rest is parsed and dropped.
+                while let Some(item) = seq.next_element_seed(ItemSeed { keep: count == 0 })? {
+                    collect.push(&item);
+                    if count == 0 {
+                        first = Some(item);
+                    }
+                    count += 1;
+                    if !collect.numbers && count >= 2 {
+                        return skip_seq(seq).map(|()| Shape::Batch);
+                    }
+                }
+                Ok(match first {
+                    None => Shape::Empty,
+                    Some(_) if collect.numbers => Shape::Ids(collect.ids),
+                    Some(item) => Shape::One(item),
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// An element of a `prompt` list; strings and lists are kept when `keep`.
+struct ItemSeed {
+    keep: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for ItemSeed {
+    type Value = Item;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Item, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemSeed {
+    type Value = Item;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a prompt")
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Item, E> {
+        Ok(Item::Number(token_id(n)))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Item, E> {
+        Ok(Item::Number(u64::try_from(n).ok().and_then(token_id)))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Item, E> {
+        Ok(Item::Number(None))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Item, E> {
+        Ok(if self.keep {
+            Item::Text(s.to_owned())
+        } else {
+            Item::Other
         })
-        .collect()
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Item, E> {
+        Ok(Item::Other)
+    }
+
+    fn visit_unit<E>(self) -> Result<Item, E> {
+        Ok(Item::Other)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
+        skip_map(map).map(|()| Item::Other)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Item, A::Error> {
+        if !self.keep {
+            return skip_seq(seq).map(|()| Item::Other);
+        }
+        let mut collect = Collect::new();
+        while let Some(item) = seq.next_element_seed(ItemSeed { keep: false })? {
+            collect.push(&item);
+            if !collect.numbers {
+                return skip_seq(seq).map(|()| Item::Other);
+            }
+        }
+        Ok(Item::Ids(collect.ids))
+    }
+}
+
+/// Whether a `chat_template_kwargs` object sets `chat_template` to anything but
+/// `null`: the last of a repeated key counts, as in a `serde_json::Map`. The other
+/// values are parsed, not kept.
+struct SetsTemplate(bool);
+
+impl<'de> serde::Deserialize<'de> for SetsTemplate {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SetsTemplate, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = SetsTemplate;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SetsTemplate, A::Error> {
+                let mut set = false;
+                while let Some(is_template) = map.next_key::<IsTemplateKey>()? {
+                    if is_template.0 {
+                        set = !map.next_value::<IsNull>()?.0;
+                    } else {
+                        map.next_value::<Skip>()?;
+                    }
+                }
+                Ok(SetsTemplate(set))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Whether an object's key is `chat_template`.
+struct IsTemplateKey(bool);
+
+impl<'de> serde::Deserialize<'de> for IsTemplateKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<IsTemplateKey, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = IsTemplateKey;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_str<E>(self, s: &str) -> Result<IsTemplateKey, E> {
+                Ok(IsTemplateKey(s == "chat_template"))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// Whether a value is `null` (anything else is parsed, not kept).
+struct IsNull(bool);
+
+impl<'de> serde::Deserialize<'de> for IsNull {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<IsNull, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = IsNull;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+
+            fn visit_unit<E>(self) -> Result<IsNull, E> {
+                Ok(IsNull(true))
+            }
+
+            fn visit_bool<E>(self, _: bool) -> Result<IsNull, E> {
+                Ok(IsNull(false))
+            }
+
+            fn visit_i64<E>(self, _: i64) -> Result<IsNull, E> {
+                Ok(IsNull(false))
+            }
+
+            fn visit_u64<E>(self, _: u64) -> Result<IsNull, E> {
+                Ok(IsNull(false))
+            }
+
+            fn visit_f64<E>(self, _: f64) -> Result<IsNull, E> {
+                Ok(IsNull(false))
+            }
+
+            fn visit_str<E>(self, _: &str) -> Result<IsNull, E> {
+                Ok(IsNull(false))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<IsNull, A::Error> {
+                skip_seq(seq).map(|()| IsNull(false))
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<IsNull, A::Error> {
+                skip_map(map).map(|()| IsNull(false))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 fn chat(body: &JsonBody) -> Result<ChatPrompt, TokenizeError> {
@@ -227,9 +517,9 @@ fn chat(body: &JsonBody) -> Result<ChatPrompt, TokenizeError> {
         .get_bytes("chat_template_kwargs")
         .filter(|raw| &raw[..] != b"null");
     if let Some(raw) = &chat_template_kwargs {
-        let kwargs: serde_json::Map<String, Value> = serde_json::from_slice(raw)
+        let SetsTemplate(sets_template) = serde_json::from_slice(raw)
             .map_err(|_| TokenizeError::invalid("chat_template_kwargs", "expected an object"))?;
-        if kwargs.get("chat_template").is_some_and(|t| !t.is_null()) {
+        if sets_template {
             return Err(TokenizeError::not_supported(
                 "a request's own chat_template",
             ));
@@ -310,30 +600,13 @@ fn truncation(body: &JsonBody) -> Result<Option<Truncation>, TokenizeError> {
     Ok(Some(Truncation { keep, side }))
 }
 
-/// A field read as pydantic's lax `bool` (`true`, `1`, `"yes"`, `"on"`, ...).
+/// A field read as pydantic's lax `bool` (`true`, `1`, `"yes"`, `"on"`, ...; see
+/// [`bool_value`]): only strings and numbers are parsed, nothing else is built.
 fn lax_bool(body: &JsonBody, field: &'static str) -> Result<Option<bool>, TokenizeError> {
     let Some(raw) = body.get(field) else {
         return Ok(None);
     };
-    let bad = || TokenizeError::invalid(field, "expected a boolean");
-    match raw {
-        b"true" => Ok(Some(true)),
-        b"false" => Ok(Some(false)),
-        b"null" => Ok(None),
-        _ => match serde_json::from_slice::<Value>(raw).map_err(|_| bad())? {
-            Value::String(s) => match s.to_ascii_lowercase().as_str() {
-                "1" | "on" | "t" | "true" | "y" | "yes" => Ok(Some(true)),
-                "0" | "off" | "f" | "false" | "n" | "no" => Ok(Some(false)),
-                _ => Err(bad()),
-            },
-            Value::Number(n) => match n.as_f64() {
-                Some(1.0) => Ok(Some(true)),
-                Some(0.0) => Ok(Some(false)),
-                _ => Err(bad()),
-            },
-            _ => Err(bad()),
-        },
-    }
+    bool_value(raw).map_err(|_| TokenizeError::invalid(field, "expected a boolean"))
 }
 
 #[cfg(test)]
@@ -462,5 +735,255 @@ mod tests {
         let mut ids = vec![1, 2, 3, 4];
         p.truncation.unwrap().apply(&mut ids);
         assert_eq!(ids, [1, 2]);
+    }
+
+    /// The `prompt` reader as it was, building the value: the reference the walking
+    /// reader is checked against.
+    fn completion_as_value(
+        raw: &[u8],
+        add_special_tokens: bool,
+    ) -> Result<PromptInput, TokenizeError> {
+        use serde_json::Value;
+        fn ids(items: &[Value]) -> Result<Vec<u32>, TokenizeError> {
+            items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| {
+                            TokenizeError::invalid("prompt", "token ids must be integers")
+                        })
+                })
+                .collect()
+        }
+        let value: Value = serde_json::from_slice(raw)
+            .map_err(|_| TokenizeError::invalid("prompt", "not JSON"))?;
+        match value {
+            Value::String(text) => Ok(PromptInput::Text {
+                text,
+                add_special_tokens,
+            }),
+            Value::Array(items) => {
+                if items.is_empty() {
+                    return Err(TokenizeError::invalid("prompt", "empty prompt"));
+                }
+                if items.iter().all(Value::is_number) {
+                    return ids(&items).map(PromptInput::Ids);
+                }
+                match <[Value; 1]>::try_from(items) {
+                    Ok([Value::String(text)]) => Ok(PromptInput::Text {
+                        text,
+                        add_special_tokens,
+                    }),
+                    Ok([Value::Array(inner)]) if inner.iter().all(Value::is_number) => {
+                        ids(&inner).map(PromptInput::Ids)
+                    }
+                    Ok(_) => Err(TokenizeError::invalid(
+                        "prompt",
+                        "expected a string, a list of strings, token ids or lists of token ids",
+                    )),
+                    Err(_) => Err(TokenizeError::not_supported("a batch of prompts")),
+                }
+            }
+            _ => Err(TokenizeError::invalid(
+                "prompt",
+                "expected a string or token ids",
+            )),
+        }
+    }
+
+    fn outcome(r: Result<Prompt, TokenizeError>) -> String {
+        match r {
+            Ok(p) => format!("{:?}", p.input),
+            Err(e) => format!("{e:?}"),
+        }
+    }
+
+    /// The walking `prompt` reader answers every shape, malformed ones included, as the
+    /// one that built a `serde_json::Value` did: same ids, same text, same errors.
+    #[test]
+    fn prompt_reader_answers_as_the_value_reader() {
+        let deep = |n: usize| format!("{}0{}", "[".repeat(n), "]".repeat(n));
+        let prompts = [
+            r#""hi""#.to_owned(),
+            r#""a \"b\" \u00e9 \ud83d\ude00""#.into(),
+            r#""\ud800""#.into(),
+            "[1,2,3]".into(),
+            "[0]".into(),
+            "[4294967295]".into(),
+            "[4294967296]".into(),
+            "[1,-2]".into(),
+            "[-0]".into(),
+            "[1.0]".into(),
+            "[1e400]".into(),
+            "[1,1e400]".into(),
+            "[18446744073709551616]".into(),
+            "[]".into(),
+            "[[]]".into(),
+            "[[],[]]".into(),
+            "[[4,5]]".into(),
+            "[[4,-5]]".into(),
+            "[[4,5.5]]".into(),
+            "[[4,\"a\"]]".into(),
+            "[[4,[5]]]".into(),
+            "[[4,5],[6]]".into(),
+            "[[4,5],1e400]".into(),
+            "[[4,5],[\"\\ud800\"]]".into(),
+            "[\"a\"]".into(),
+            "[\"a\",\"b\"]".into(),
+            "[\"a\",1e400]".into(),
+            "[\"\\ud800\"]".into(),
+            "[1,\"a\"]".into(),
+            "[\"a\",1]".into(),
+            "[1,[2]]".into(),
+            "[true]".into(),
+            "[null]".into(),
+            "[{}]".into(),
+            "[{\"a\":1e400}]".into(),
+            "[{\"\":0},{\"\":0}]".into(),
+            "[true,false]".into(),
+            "5".into(),
+            "-5".into(),
+            "1.5".into(),
+            "1e400".into(),
+            "true".into(),
+            "{}".into(),
+            "{\"a\":1,\"a\":2}".into(),
+            "{\"a\":1e400}".into(),
+            deep(127),
+            deep(128),
+            deep(129),
+            format!("[1,{}]", deep(127)),
+            format!("[1,{}]", deep(128)),
+            format!("[\"a\",{}]", deep(128)),
+        ];
+        for prompt in &prompts {
+            for special in ["", r#","add_special_tokens":false"#] {
+                let body = format!(r#"{{"prompt":{prompt}{special}}}"#);
+                let Ok(parsed) = JsonBody::parse(body.as_bytes()) else {
+                    panic!("{body}: not a body")
+                };
+                let raw = parsed.get("prompt").unwrap_or_default();
+                let add = special.is_empty();
+                let want = outcome(completion_as_value(raw, add).map(|input| Prompt {
+                    input,
+                    truncation: None,
+                    model: None,
+                }));
+                assert_eq!(
+                    outcome(Prompt::read(Api::Completions, &parsed)),
+                    want,
+                    "{body}"
+                );
+            }
+        }
+    }
+
+    /// serde_json builds `{"$serde_json::private::RawValue": "<json>"}` as the value
+    /// the string holds (its token for raw values); the walking reader, as the engines,
+    /// sees an object.
+    #[test]
+    fn serde_jsons_raw_value_token_is_an_object() {
+        let body = r#"{"prompt":{"$serde_json::private::RawValue":"[1,2,3]"}}"#;
+        match read(Api::Completions, body) {
+            Err(TokenizeError::Invalid { field, reason }) => {
+                assert_eq!(
+                    (field, &*reason),
+                    ("prompt", "expected a string or token ids")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `chat_template_kwargs` sets a template when its last `chat_template` is not
+    /// null, as in a `serde_json::Map`; the other values are parsed as before.
+    #[test]
+    fn chat_template_kwargs_read_as_a_map() {
+        fn as_map(raw: &[u8]) -> Result<bool, ()> {
+            let kwargs: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_slice(raw).map_err(|_| ())?;
+            Ok(kwargs.get("chat_template").is_some_and(|t| !t.is_null()))
+        }
+        // Nested one level below the object: 127 is serde_json's limit.
+        let deep = |n: usize| format!(r#"{{"a":{}{}}}"#, "[".repeat(n), "]".repeat(n));
+        for kwargs in [
+            r#"{}"#,
+            r#"{"enable_thinking":false}"#,
+            r#"{"chat_template":"x"}"#,
+            r#"{"chat_template":null}"#,
+            r#"{"chat_template":"x","chat_template":null}"#,
+            r#"{"chat_template":null,"chat_template":{"a":[1]}}"#,
+            r#"{"chat\u005ftemplate":"x"}"#,
+            r#"{"chat_template":[]}"#,
+            r#"{"chat_template":false}"#,
+            r#"{"a":1e400}"#,
+            r#"{"a":"\ud800"}"#,
+            &deep(126),
+            &deep(127),
+            r#"[]"#,
+            r#""x""#,
+            r#"5"#,
+            r#"true"#,
+        ] {
+            let body = format!(r#"{{"messages":[],"chat_template_kwargs":{kwargs}}}"#);
+            let Ok(parsed) = JsonBody::parse(body.as_bytes()) else {
+                panic!("{body}: not a body")
+            };
+            let got = match Prompt::read(Api::Chat, &parsed) {
+                Ok(_) => Ok(false),
+                Err(e) if e.is_not_supported() => Ok(true),
+                Err(TokenizeError::Invalid {
+                    field: "chat_template_kwargs",
+                    ..
+                }) => Err(()),
+                Err(e) => panic!("{body}: {e}"),
+            };
+            assert_eq!(got, as_map(kwargs.as_bytes()), "{body}");
+        }
+    }
+
+    /// Lax booleans, as pydantic reads them, without building the value.
+    #[test]
+    fn lax_booleans() {
+        for (raw, want) in [
+            ("true", Some(Some(true))),
+            ("false", Some(Some(false))),
+            ("null", Some(None)),
+            ("1", Some(Some(true))),
+            ("0", Some(Some(false))),
+            ("1.0", Some(Some(true))),
+            ("-0", Some(Some(false))),
+            ("0.0", Some(Some(false))),
+            (r#""YES""#, Some(Some(true))),
+            (r#""off""#, Some(Some(false))),
+            (r#""\u0079""#, Some(Some(true))),
+            ("2", None),
+            ("1e400", None),
+            (r#"" yes ""#, None),
+            (r#""""#, None),
+            ("[true]", None),
+            (r#"[{"":0},{"":0}]"#, None),
+            ("{}", None),
+        ] {
+            let body = format!(r#"{{"prompt":"a","add_special_tokens":{raw}}}"#);
+            let got = match read(Api::Completions, &body) {
+                Ok(Prompt {
+                    input:
+                        PromptInput::Text {
+                            add_special_tokens, ..
+                        },
+                    ..
+                }) => Some(Some(add_special_tokens).filter(|_| raw != "null")),
+                Err(TokenizeError::Invalid {
+                    field: "add_special_tokens",
+                    ..
+                }) => None,
+                other => panic!("{raw}: {other:?}"),
+            };
+            // `null` is the default (`true`), as if absent.
+            let want = want.map(|w| if raw == "null" { None } else { w });
+            assert_eq!(got, want, "{raw}");
+        }
     }
 }

@@ -48,8 +48,9 @@ use crate::error::TokenizeError;
 use crate::prompt::{ChatPrompt, Prompt, PromptInput};
 use crate::{Tokenize, Tokens};
 
-/// Prompts from this size on (bytes of text, or of messages and tools) are tokenized on
-/// Tokio's blocking pool (`spawn_blocking`), not on the event loop.
+/// Prompts from this size on (bytes of text, or of messages, tools, documents and
+/// `chat_template_kwargs`) are tokenized on Tokio's blocking pool (`spawn_blocking`),
+/// not on the event loop.
 ///
 /// The bench (`cargo bench -p disagg-tokenize`) measures a byte-level BPE tokenizer
 /// with Llama 3's pre-tokenizer at about 6 MB/s of text on one core of the reference
@@ -389,7 +390,12 @@ impl Tokenize for HfTokenizer {
         let size = match &prompt.input {
             PromptInput::Ids(_) => 0,
             PromptInput::Text { text, .. } => text.len(),
-            PromptInput::Chat(c) => c.messages.len() + c.tools.as_ref().map_or(0, |t| t.len()),
+            // Every client field the render builds as template values counts.
+            PromptInput::Chat(c) => [&c.tools, &c.documents, &c.chat_template_kwargs]
+                .into_iter()
+                .fold(c.messages.len(), |n, raw| {
+                    n + raw.as_ref().map_or(0, |r| r.len())
+                }),
         };
         // A large prompt would hold the event loop, and every connection on it, for
         // milliseconds; see `DEFAULT_OFF_LOOP_FROM`.
