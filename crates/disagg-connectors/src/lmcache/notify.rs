@@ -474,9 +474,17 @@ impl fmt::Display for Malformed {
     }
 }
 
+/// How deep a notification's values may nest: LMCache's are a flat map. rmp-serde
+/// skips an unknown key's value recursively, to 1,024 levels by default: a peer's 1 KB
+/// frame of nested arrays overflowed a 2 MiB worker's stack in a debug build (which
+/// aborts the process).
+const MAX_NOTIFY_DEPTH: usize = 16;
+
 /// The request id of a `ProxyNotif`/`NixlProxyNotif` frame.
 fn decode(frame: &[u8]) -> Result<&str, Malformed> {
-    let wire: Wire<'_> = rmp_serde::from_slice(frame).map_err(Malformed::Undecodable)?;
+    let mut de = rmp_serde::Deserializer::from_read_ref(frame);
+    de.set_max_depth(MAX_NOTIFY_DEPTH);
+    let wire = Wire::deserialize(&mut de).map_err(Malformed::Undecodable)?;
     if NOTIFY_TYPES.contains(&wire.kind) {
         Ok(wire.req_id)
     } else {

@@ -52,6 +52,35 @@ fn decodes_both_tags_and_ignores_other_keys() {
     assert_eq!(decode(&bytes).ok(), Some("r1"));
 }
 
+/// A peer's frame nesting an unknown key's value deeper than a notification can is
+/// refused at the depth ceiling, on a stack of a tokio worker's size (rmp-serde's own
+/// 1,024 levels overflowed 2 MiB in a debug build); a nested value within it is
+/// skipped as before.
+#[test]
+fn a_deeply_nested_unknown_value_is_refused_not_an_overflow() {
+    let frame = |depth: usize| {
+        // A map of 3: "x" => [[[...nil...]]], then the notification's two keys.
+        let mut b = vec![0x83, 0xa1, b'x'];
+        b.extend(std::iter::repeat_n(0x91, depth));
+        b.push(0xc0);
+        b.extend_from_slice(&[0xa4, b't', b'y', b'p', b'e', 0xaa]);
+        b.extend_from_slice(b"ProxyNotif");
+        b.extend_from_slice(&[0xa6, b'r', b'e', b'q', b'_', b'i', b'd', 0xa1, b'r']);
+        b
+    };
+    let result = std::thread::Builder::new()
+        .stack_size(2 * 1024 * 1024)
+        .spawn(move || {
+            let shallow = decode(&frame(4)).ok().map(str::to_owned);
+            let deep = matches!(decode(&frame(100_000)), Err(Malformed::Undecodable(_)));
+            (shallow, deep)
+        })
+        .expect("a thread")
+        .join()
+        .expect("no overflow");
+    assert_eq!(result, (Some("r".to_owned()), true));
+}
+
 #[test]
 fn rejects_what_is_not_a_notification() {
     assert!(matches!(
