@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use disagg_core::Role;
 use disagg_core::error::{PdError, RouteError};
+use disagg_core::json::raw;
 use disagg_core::{endpoint::EndpointSet, orchestrator::PdBody};
 use http::{Request, StatusCode};
 use serde_json::value::RawValue;
@@ -46,8 +47,13 @@ impl Card {
             return None;
         }
         let (mut id, mut base) = (IdKey::Missing, true);
-        let mut de = serde_json::Deserializer::from_str(raw.get());
-        serde::Deserializer::deserialize_map(&mut de, CardVisitor(&mut id, &mut base)).ok()?;
+        // The last of a repeated key counts, as a map keeps it; the rest is skipped.
+        raw::members(raw.get(), |key, value| match key.as_str() {
+            "id" => id = IdKey::of(value),
+            "parent" => base = value.get() == "null",
+            _ => {}
+        })
+        .ok()?;
         Some(Card { raw, id, base })
     }
 
@@ -57,30 +63,6 @@ impl Card {
             IdKey::Str(s) => Some(s),
             _ => None,
         }
-    }
-}
-
-/// Reads a card's `id` and `parent` (the last of a repeated key, as a map keeps it),
-/// skipping the rest unbuilt.
-struct CardVisitor<'c>(&'c mut IdKey, &'c mut bool);
-
-impl<'de> serde::de::Visitor<'de> for CardVisitor<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a model card")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            let value = map.next_value::<&'de RawValue>()?;
-            match &*key {
-                "id" => *self.0 = IdKey::of(value),
-                "parent" => *self.1 = value.get() == "null",
-                _ => {}
-            }
-        }
-        Ok(())
     }
 }
 
@@ -259,35 +241,19 @@ fn empty_card() -> Box<RawValue> {
 
 /// The JSON object `card` with its `id` (every copy of it) replaced by `name`.
 fn renamed(card: &RawValue, name: &str) -> String {
-    struct Copy<'o>(&'o mut String);
-    impl<'de> serde::de::Visitor<'de> for Copy<'_> {
-        type Value = ();
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a model card")
+    let mut out = Vec::with_capacity(card.get().len() + name.len() + 8);
+    let mut o = raw::Object::open(&mut out);
+    // A card was read as an object: its members always visit.
+    let _ = o.copy(card.get(), |key, _, _| {
+        if key == "id" {
+            raw::Edit::Drop
+        } else {
+            raw::Edit::Keep
         }
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-            while let Some(key) = map.next_key::<String>()? {
-                let value = map.next_value::<&'de RawValue>()?;
-                if key != "id" {
-                    self.0.push_str(&serde_json::Value::String(key).to_string());
-                    self.0.push(':');
-                    self.0.push_str(value.get());
-                    self.0.push(',');
-                }
-            }
-            Ok(())
-        }
-    }
-    let mut out = String::with_capacity(card.get().len() + name.len() + 8);
-    out.push('{');
-    let mut de = serde_json::Deserializer::from_str(card.get());
-    if serde::Deserializer::deserialize_map(&mut de, Copy(&mut out)).is_err() {
-        out.truncate(1);
-    }
-    out.push_str("\"id\":");
-    out.push_str(&serde_json::Value::String(name.to_owned()).to_string());
-    out.push('}');
-    out
+    });
+    o.value("id", &name);
+    o.close();
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// An engine's `{"data": [cards]}`: at most [`MAX_CARDS`] objects, read unbuilt.

@@ -31,6 +31,7 @@
 mod body;
 mod error;
 pub mod lax;
+pub mod raw;
 
 pub use body::{
     JsonBody, MAX_FIELDS, ReadPair, top_level_field, top_level_read, top_level_read_pair,

@@ -3,7 +3,6 @@
 //! | file | holds |
 //! |---|---|
 //! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
-//! | `json.rs` | an engine's JSON answer rewritten member by member, its untouched values copied as raw slices (never built as `Value`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
 //! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts; `lock`: a mutex locked through poisoning |
 
@@ -11,7 +10,6 @@ use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
 use disagg_core::request::Api;
 
-pub(crate) mod json;
 mod room;
 pub mod sse;
 

@@ -93,7 +93,7 @@ fn has_grammar(body: &JsonBody) -> bool {
         .filter(|f| *f != b"null")
         .and_then(|f| std::str::from_utf8(f).ok())
         .is_some_and(|f| {
-            crate::common::json::member(f, "type")
+            disagg_json::raw::member(f, "type")
                 .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
                 != Some("text".to_owned())
         });
@@ -551,7 +551,7 @@ impl KvConnector for Lmcache {
         let include_usage = body
             .get("stream_options")
             .and_then(|o| std::str::from_utf8(o).ok())
-            .and_then(|o| crate::common::json::member(o, "include_usage"))
+            .and_then(|o| disagg_json::raw::member(o, "include_usage"))
             .is_some_and(|v| v.get() == "true");
 
         // The ids the orchestrator already has (its tokenizer ran for a router that
@@ -846,7 +846,7 @@ fn is_batch(raw: &[u8]) -> bool {
         return false;
     };
     let mut batch = false;
-    let listed = crate::common::json::elements(text, |x| {
+    let listed = disagg_json::raw::elements(text, |x| {
         batch |= matches!(x.get().as_bytes().first(), Some(b'"' | b'['));
     });
     listed.is_ok() && batch
@@ -859,8 +859,8 @@ fn is_token_ids(raw: &[u8]) -> bool {
         return false;
     };
     let mut ids = true;
-    let listed = crate::common::json::elements(text, |v| {
-        ids &= crate::common::json::u64_of(v).is_some();
+    let listed = disagg_json::raw::elements(text, |v| {
+        ids &= disagg_json::raw::u64_of(v).is_some();
     });
     listed.is_ok() && ids
 }
@@ -871,7 +871,7 @@ fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, Connec
     // message list costs up to ~95 bytes per byte).
     let raw = |key: &str| body.get(key).filter(|v| *v != b"null");
     let mut out = Vec::with_capacity(256);
-    let mut o = crate::common::json::Object::open(&mut out);
+    let mut o = disagg_json::raw::Object::open(&mut out);
     if let Some(m) = raw("model") {
         o.raw("model", m);
     }

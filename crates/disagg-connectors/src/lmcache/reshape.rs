@@ -13,8 +13,8 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use super::connector::{First, MAX_BODY, Plan};
-use crate::common::json::{self, Edit};
 use crate::common::sse::{EventMap, MapEvents};
+use disagg_json::raw::{self as json, Edit};
 
 /// LMCache's change of form ([`Reshape`]): the decode answered a completions request
 /// (the legs speak completions whatever the client asked) that continues after the

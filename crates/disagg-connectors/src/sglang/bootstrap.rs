@@ -156,7 +156,7 @@ fn openai_n(body: &disagg_json::JsonBody) -> usize {
 /// How many prompts a completions request's `prompt` lists, when it is a batch.
 fn completion_batch(body: &disagg_json::JsonBody) -> Option<usize> {
     // Only the list's own level is read; the prompts stay raw.
-    let list = crate::common::json::list_head(body.get("prompt")?)?;
+    let list = disagg_json::raw::list_head(body.get("prompt")?)?;
     // A flat list of token ids is one prompt; a list of strings or of token-id lists
     // is a batch.
     matches!(list.first, Some(b'"' | b'[')).then_some(list.len)

@@ -25,12 +25,12 @@ use bytes::{Bytes, BytesMut};
 use http_body::Frame;
 use serde_json::value::RawValue;
 
-use crate::common::json::{self, Edit};
 use crate::common::sse::{EventMap, MapEvents, event_end};
 use disagg_core::connector::{PrefillAnswer, Reshape};
 use disagg_core::error::BoxError;
 use disagg_core::transport::{BoxBody, read_limited};
 use disagg_json::JsonBody;
+use disagg_json::raw::{self as json, Edit};
 
 /// Largest non-streaming decode answer merged with the prefill's logprobs: it is read
 /// whole to be rewritten. Logprob-laden batch answers are large; 64 MiB holds a batch of

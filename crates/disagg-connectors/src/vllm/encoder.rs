@@ -18,7 +18,7 @@ use disagg_json::{BodyError, InvalidParam};
 use serde_json::value::RawValue;
 use std::collections::BTreeMap;
 
-use crate::common::json;
+use disagg_json::raw as json;
 
 mod chat;
 mod convert;

@@ -710,6 +710,10 @@ fn the_tokenize_body_copies_the_clients_values() {
     ] {
         assert_eq!(is_token_ids(prompt.as_bytes()), ids, "{prompt}");
         let body = JsonBody::parse(format!(r#"{{"prompt":{prompt}}}"#).as_bytes()).unwrap();
-        assert_eq!(tokenize_request(&body, false).unwrap().is_none(), ids, "{prompt}");
+        assert_eq!(
+            tokenize_request(&body, false).unwrap().is_none(),
+            ids,
+            "{prompt}"
+        );
     }
 }

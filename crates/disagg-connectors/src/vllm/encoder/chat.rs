@@ -11,7 +11,7 @@ use serde_json::value::RawValue;
 
 use disagg_json::InvalidParam;
 
-use crate::common::json;
+use disagg_json::raw as json;
 
 /// The media part types vLLM's chat API takes, and whether items of the type may share
 /// a leg (images may; audio and video go one per leg).

@@ -38,7 +38,7 @@ use disagg_json::InvalidParam;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
-use crate::common::json;
+use disagg_json::raw as json;
 
 /// vLLM's default consumer address (`vllm/config/ec_transfer.py`, `ec_ip`).
 pub const DEFAULT_EC_HOST: &str = "127.0.0.1";

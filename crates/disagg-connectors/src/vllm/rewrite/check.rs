@@ -33,12 +33,12 @@
 //! `structured_outputs` is checked). Such a request is refused by the decode after its
 //! prefill ran; `KvRelease::AbortDecode` then releases the prefill's KV.
 
-use crate::common::json;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_json::lax::{bool_value, int_value, truthy};
+use disagg_json::raw as json;
 use serde_json::value::RawValue;
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.

@@ -18,12 +18,12 @@
 //! Everything else (`messages`, `system`, `tools`, `tool_choice`, `model`, the sampling
 //! fields) passes unchanged and in order.
 
-use crate::common::json;
 use bytes::Bytes;
 use disagg_core::policy::Decision;
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_json::lax::int_value;
+use disagg_json::raw as json;
 
 /// The prefill leg's body for a client `body` of `/v1/messages` (see the
 /// [module docs](self)).

@@ -73,7 +73,7 @@ pub(crate) fn check(body: &JsonBody, limits: &VllmLimits) -> Result<Decision, In
                 .ok()
                 .filter(|t| t.starts_with('['))
                 .map(|t| {
-                    crate::common::json::elements(t, |v| {
+                    disagg_json::raw::elements(t, |v| {
                         ints &= serde_json::from_str::<i64>(v.get()).is_ok();
                     })
                 });

@@ -1,7 +1,11 @@
-//! An engine's JSON rewritten without building it.
+//! JSON read and rewritten without building it: the members of an object and the
+//! elements of a list visited one at a time, each a [`RawValue`] slice of the input.
 //!
-//! A reshape (SGLang's logprob merge, LMCache's change of form) touches a handful of an
-//! answer's members and passes the rest. Built as [`serde_json::Value`], every byte of
+//! Bytes from a client or an engine are never built as [`serde_json::Value`] to read a
+//! few members of them: a `Value` costs about sixteen bytes per byte of `[0,0,...]` and
+//! over ninety per byte of `[{"":0},...]` (each small object is a B-tree leaf), so a
+//! 32 MiB body could cost gigabytes. A reshape (SGLang's logprob merge, LMCache's
+//! change of form) touches a handful of an answer's members and passes the rest. Built as [`serde_json::Value`], every byte of
 //! the rest costs about sixteen of memory (a `0,` is a 32-byte `Value`), so a hostile
 //! engine's 64 MiB answer of `"x":[0,0,...]` cost a gigabyte per request. Here the
 //! answer is visited member by member, each value a [`RawValue`] slice of the engine's
@@ -12,13 +16,6 @@
 //! Duplicate keys are passed in order, each edited alike: a client's parser keeps the
 //! last one, as it would have before the rewrite.
 
-// Each engine family uses its own part of these; a build without one leaves that part
-// unused.
-#![cfg_attr(
-    not(all(feature = "vllm", feature = "sglang", feature = "lmcache")),
-    allow(dead_code)
-)]
-
 use serde::de::{Deserializer as _, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
@@ -26,17 +23,17 @@ use serde_json::value::RawValue;
 const WHITESPACE: [char; 4] = [' ', '\t', '\n', '\r'];
 
 /// `raw` without the JSON whitespace around it.
-pub(crate) fn trim(raw: &str) -> &str {
+pub fn trim(raw: &str) -> &str {
     raw.trim_matches(WHITESPACE)
 }
 
 /// Whether the JSON text `raw` (leading whitespace allowed) is an object.
-pub(crate) fn is_object(raw: &str) -> bool {
+pub fn is_object(raw: &str) -> bool {
     trim(raw).starts_with('{')
 }
 
 /// Whether the JSON text `raw` (leading whitespace allowed) is a list.
-pub(crate) fn is_list(raw: &str) -> bool {
+pub fn is_list(raw: &str) -> bool {
     trim(raw).starts_with('[')
 }
 
@@ -45,7 +42,7 @@ pub(crate) fn is_list(raw: &str) -> bool {
 /// # Errors
 ///
 /// `raw` is not one JSON object (a data error when it is JSON of another type).
-pub(crate) fn members<'a>(
+pub fn members<'a>(
     raw: &'a str,
     f: impl FnMut(String, &'a RawValue),
 ) -> Result<(), serde_json::Error> {
@@ -73,10 +70,7 @@ pub(crate) fn members<'a>(
 /// # Errors
 ///
 /// `raw` is not one JSON list.
-pub(crate) fn elements<'a>(
-    raw: &'a str,
-    f: impl FnMut(&'a RawValue),
-) -> Result<(), serde_json::Error> {
+pub fn elements<'a>(raw: &'a str, f: impl FnMut(&'a RawValue)) -> Result<(), serde_json::Error> {
     struct Elements<F>(F);
     impl<'de, F: FnMut(&'de RawValue)> Visitor<'de> for Elements<F> {
         type Value = ();
@@ -99,15 +93,15 @@ pub(crate) fn elements<'a>(
 /// anything (a `Vec<&RawValue>` is 16 bytes per element: eight times a client's
 /// `[0,0,...]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ListHead {
+pub struct ListHead {
     /// How many elements the list has.
-    pub(crate) len: usize,
+    pub len: usize,
     /// The first byte of its first element (`None` when empty).
-    pub(crate) first: Option<u8>,
+    pub first: Option<u8>,
 }
 
 /// The [`ListHead`] of `raw` when it is one JSON list.
-pub(crate) fn list_head(raw: &[u8]) -> Option<ListHead> {
+pub fn list_head(raw: &[u8]) -> Option<ListHead> {
     let text = std::str::from_utf8(raw).ok()?;
     if !is_list(text) {
         return None;
@@ -128,7 +122,7 @@ pub(crate) fn list_head(raw: &[u8]) -> Option<ListHead> {
 
 /// The value of `key` in the JSON object `raw` (the last, when the key repeats, as a
 /// parser into a map keeps it); `None` when `raw` is not an object or lacks the key.
-pub(crate) fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
+pub fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
     let mut found = None;
     members(raw, |k, v| {
         if k == key {
@@ -141,17 +135,18 @@ pub(crate) fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
 
 /// The value of `key` in the JSON object `raw` when it is a non-negative integer that
 /// fits a `u64` (as `Value::as_u64` reads one: `1.0`, `-1` and `"1"` are not).
-pub(crate) fn member_u64(raw: &str, key: &str) -> Option<u64> {
+pub fn member_u64(raw: &str, key: &str) -> Option<u64> {
     u64_of(member(raw, key)?)
 }
 
 /// `raw` as a non-negative integer that fits a `u64`.
-pub(crate) fn u64_of(raw: &RawValue) -> Option<u64> {
+pub fn u64_of(raw: &RawValue) -> Option<u64> {
     serde_json::from_str(raw.get()).ok()
 }
 
 /// What to do with one member of an object being copied ([`Object::copy`]).
-pub(crate) enum Edit {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
     /// Copy it as it came.
     Keep,
     /// Leave it out.
@@ -161,20 +156,35 @@ pub(crate) enum Edit {
 }
 
 /// A JSON object being written into a buffer, member by member.
-pub(crate) struct Object<'o> {
+///
+/// ```
+/// use disagg_json::raw::{Edit, Object};
+///
+/// let mut out = Vec::new();
+/// let mut o = Object::open(&mut out);
+/// o.copy(r#"{"a":[1, 2],"secret":1}"#, |key, _, _| {
+///     if key == "secret" { Edit::Drop } else { Edit::Keep }
+/// })?;
+/// o.value("b", &true);
+/// o.close();
+/// assert_eq!(out, br#"{"a":[1, 2],"b":true}"#);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Object<'o> {
     out: &'o mut Vec<u8>,
     empty: bool,
 }
 
 impl<'o> Object<'o> {
     /// Opens an object at the end of `out`.
-    pub(crate) fn open(out: &'o mut Vec<u8>) -> Self {
+    pub fn open(out: &'o mut Vec<u8>) -> Self {
         out.push(b'{');
         Object { out, empty: true }
     }
 
     /// Writes `key` and returns the buffer for its value, which the caller writes.
-    pub(crate) fn key(&mut self, key: &str) -> &mut Vec<u8> {
+    pub fn key(&mut self, key: &str) -> &mut Vec<u8> {
         if !self.empty {
             self.out.push(b',');
         }
@@ -186,12 +196,12 @@ impl<'o> Object<'o> {
     }
 
     /// Writes the member `key` with the JSON text `value`.
-    pub(crate) fn raw(&mut self, key: &str, value: &[u8]) {
+    pub fn raw(&mut self, key: &str, value: &[u8]) {
         self.key(key).extend_from_slice(value);
     }
 
     /// Writes the member `key` with `value` encoded as JSON.
-    pub(crate) fn value(&mut self, key: &str, value: &impl serde::Serialize) {
+    pub fn value(&mut self, key: &str, value: &impl serde::Serialize) {
         let out = self.key(key);
         let mark = out.len();
         if serde_json::to_writer(&mut *out, value).is_err() {
@@ -209,7 +219,7 @@ impl<'o> Object<'o> {
     ///
     /// `raw` is not one JSON object; what was written of it stays, the caller discards
     /// the buffer.
-    pub(crate) fn copy<'a>(
+    pub fn copy<'a>(
         &mut self,
         raw: &'a str,
         mut edit: impl FnMut(&str, &'a RawValue, &mut Vec<u8>) -> Edit,
@@ -229,13 +239,13 @@ impl<'o> Object<'o> {
     }
 
     /// Closes the object.
-    pub(crate) fn close(self) {
+    pub fn close(self) {
         self.out.push(b'}');
     }
 }
 
 /// Writes the JSON list of `head`'s elements, then `tail`'s: both must be lists.
-pub(crate) fn concat_lists(head: &str, tail: &str, out: &mut Vec<u8>) {
+pub fn concat_lists(head: &str, tail: &str, out: &mut Vec<u8>) {
     let (h, t) = (inner(head), inner(tail));
     out.push(b'[');
     out.extend_from_slice(h.as_bytes());
