@@ -17,7 +17,7 @@ use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value};
 
 use crate::request::PdRequest;
-use disagg_json::JsonBody;
+use disagg_json::{JsonBody, raw};
 
 use super::plan::{Plan, REFUSED, set};
 use super::scan::parse_ids_into;
@@ -56,23 +56,38 @@ pub(super) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     if prompt.is_empty() || prompt.len() > config.max_seq_len {
         return None;
     }
-    let params: Map<String, Value> = serde_json::from_slice(b.get("sampling_params")?).ok()?;
+    // The few parameters read, member by member (the last of a repeated key counts);
+    // the rest is not built.
+    let params = std::str::from_utf8(b.get("sampling_params")?).ok()?;
+    let wanted = |k: &str| {
+        STRUCTURED.contains(&k)
+            || matches!(k, "n" | "sampling_seed" | "max_new_tokens" | "min_new_tokens")
+    };
+    let mut read: Vec<(String, &serde_json::value::RawValue)> = Vec::new();
+    raw::members(params, |k, v| {
+        if wanted(&k) {
+            read.retain(|(seen, _)| *seen != k);
+            read.push((k, v));
+        }
+    })
+    .ok()?;
     let param = |k: &str| {
-        params
-            .get(k)
-            .filter(|v| !v.is_null() && **v != Value::Bool(false))
+        read.iter()
+            .find(|(seen, _)| seen == k)
+            .map(|(_, v)| *v)
+            .filter(|v| !matches!(v.get(), "null" | "false"))
     };
     if STRUCTURED.iter().any(|k| param(k).is_some()) {
         return None;
     }
-    if param("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+    if param("n").and_then(raw::u64_of).is_some_and(|n| n > 1) {
         return None;
     }
     if !config.allow_seed && param("sampling_seed").is_some() {
         return None;
     }
-    let max_tokens = Some(param("max_new_tokens")?.as_u64()?);
-    let min_tokens = param("min_new_tokens").and_then(Value::as_u64);
+    let max_tokens = Some(raw::u64_of(param("max_new_tokens")?)?);
+    let min_tokens = param("min_new_tokens").and_then(raw::u64_of);
     Some(Plan {
         chat: false,
         generate: Some(prompt),
@@ -96,20 +111,27 @@ pub(super) fn continuation_body(
     let mut body: JsonBody = plan.body.clone();
     body.remove("rid");
     body.set("input_ids", ids);
-    let mut params: Map<String, Value> = body
+    // The client's parameters as written (the plan read them as an object), the
+    // limits replaced.
+    let client = body
         .get("sampling_params")
-        .and_then(|p| serde_json::from_slice(p).ok())
-        .unwrap_or_default();
+        .and_then(|p| std::str::from_utf8(p).ok())
+        .unwrap_or("{}");
+    let mut params = Vec::with_capacity(client.len() + 64);
+    let mut o = raw::Object::open(&mut params);
+    let _ = o.copy(client, |k, _, _| match k {
+        "max_new_tokens" if left.is_some() => raw::Edit::Drop,
+        "min_new_tokens" if plan.min_tokens.is_some() => raw::Edit::Drop,
+        _ => raw::Edit::Keep,
+    });
     if let Some(left) = left {
-        params.insert("max_new_tokens".into(), Value::from(left));
+        o.value("max_new_tokens", &left);
     }
     if let Some(min) = plan.min_tokens {
-        params.insert(
-            "min_new_tokens".into(),
-            Value::from(min.saturating_sub(generated)),
-        );
+        o.value("min_new_tokens", &min.saturating_sub(generated));
     }
-    body.set("sampling_params", &params);
+    o.close();
+    body.set_raw("sampling_params", Bytes::from(params));
     body.set_raw("stream", Bytes::from_static(b"true"));
     body.to_bytes()
 }

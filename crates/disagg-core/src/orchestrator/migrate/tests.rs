@@ -235,6 +235,49 @@ fn a_generate_request_is_eligible_with_input_ids_and_a_limit() {
     assert_eq!(v["stream"], true);
 }
 
+/// The client's sampling parameters are read member by member (the last of a repeated
+/// key counts) and copied into the continuation as written, the limits replaced.
+#[test]
+fn generate_parameters_are_read_and_copied_as_written() {
+    let on = MigrationConfig {
+        limit: 1,
+        ..MigrationConfig::default()
+    };
+    let body = |params: &str| {
+        let text = format!(r#"{{"input_ids":[1,2,3],"stream":true,"sampling_params":{params}}}"#);
+        PdRequest::new(
+            Api::Generate,
+            http::HeaderMap::new(),
+            &bytes::Bytes::from(text),
+        )
+        .unwrap()
+    };
+    // A repeated `n`: the last counts, as in a dict.
+    assert!(plan(&on, &body(r#"{"max_new_tokens":8,"n":1,"n":2}"#)).is_none());
+    assert!(plan(&on, &body(r#"{"max_new_tokens":8,"n":2,"n":1}"#)).is_some());
+    assert!(
+        plan(
+            &on,
+            &body(r#"{"max_new_tokens":8,"regex":null,"ebnf":false}"#)
+        )
+        .is_some()
+    );
+    assert!(plan(&on, &body("5")).is_none());
+    let p = plan(
+        &on,
+        &body(r#"{"temperature":1e400,"max_new_tokens":8,"stop":[ "x" ]}"#),
+    )
+    .unwrap();
+    let out = generate::continuation_body(&p, &[1, 2, 3, 9], 1, Some(7));
+    let text = String::from_utf8(out.to_vec()).unwrap();
+    assert!(
+        text.contains(
+            r#""sampling_params":{"temperature":1e400,"stop":[ "x" ],"max_new_tokens":7}"#
+        ),
+        "{text}"
+    );
+}
+
 #[test]
 fn a_generate_event_is_spliced_after_what_the_client_has() {
     let last = br#"{"text":" a b","output_ids":[5,6],"meta_info":{"id":"first","finish_reason":null,"prompt_tokens":3,"completion_tokens":2}}"#;
