@@ -944,6 +944,24 @@ async fn bodies_the_proxy_cannot_read_as_the_engines_do_are_refused_off_the_orch
     assert_eq!(bodies(&engine), [form, list, ""]);
 }
 
+/// Send `request` (a stream the engine holds after its first event, `data: {}`) and
+/// read until that event: the connection, held open.
+async fn held_stream(addr: SocketAddr, request: &str) -> TcpStream {
+    let mut held = TcpStream::connect(addr).await.unwrap();
+    held.write_all(request.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !seen.windows(9).any(|w| w == b"data: {}\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), held.read(&mut buf))
+            .await
+            .expect("the held stream's first event")
+            .unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    held
+}
+
 /// Generation sent direct takes its place under `--max-in-flight`, as an orchestrated
 /// request does, and holds it until its answer ends (here: the client leaves).
 #[tokio::test]
@@ -969,22 +987,11 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
     ])
     .await;
     let body = r#"{"model":"sim-model","prompt":"hold me","stream":true}"#;
-    let mut held = TcpStream::connect(proxy.addr).await.unwrap();
     let head = format!(
         "POST /invocations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    held.write_all(head.as_bytes()).await.unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !seen.windows(9).any(|w| w == b"data: {}\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), held.read(&mut buf))
-            .await
-            .expect("the held stream's first event")
-            .unwrap();
-        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let held = held_stream(proxy.addr, &head).await;
     // The only place is taken: direct and orchestrated requests alike are refused.
     let direct = r#"{"model":"sim-model","prompt":"p"}"#;
     raw_request(proxy.addr, "POST", "/invocations", direct)
@@ -1088,20 +1095,7 @@ async fn direct_generation_keeps_the_requests_deadline() {
     );
     // The place is taken by a held stream: the queue's wait ends at the deadline too,
     // not at the 30 s queue timeout.
-    let mut held = TcpStream::connect(proxy.addr).await.unwrap();
-    held.write_all(ask("hold me", 20_000).as_bytes())
-        .await
-        .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !seen.windows(9).any(|w| w == b"data: {}\n") {
-        let n = tokio::time::timeout(Duration::from_secs(5), held.read(&mut buf))
-            .await
-            .expect("the held stream's first event")
-            .unwrap();
-        assert!(n > 0, "{}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
+    let held = held_stream(proxy.addr, &ask("hold me", 20_000)).await;
     let start = Instant::now();
     raw(proxy.addr, &ask("p", 300))
         .await
