@@ -70,9 +70,15 @@ impl FirstChunk<'_> {
         let raw = match self.prompt_token_ids {
             Some(ids) => ids,
             None => {
-                let choices: Vec<FirstChoice<'_>> =
-                    serde_json::from_str(self.choices?.get()).ok()?;
-                choices.into_iter().next()?.prompt_token_ids?
+                // The first choice only; the others are walked, not built.
+                let mut first = None;
+                disagg_json::raw::elements(self.choices?.get(), |c| {
+                    first.get_or_insert(c);
+                })
+                .ok()?;
+                serde_json::from_str::<FirstChoice<'_>>(first?.get())
+                    .ok()?
+                    .prompt_token_ids?
             }
         };
         let mut ids = Vec::new();

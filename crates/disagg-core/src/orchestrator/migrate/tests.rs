@@ -69,6 +69,13 @@ fn the_first_chunk_is_read_for_its_header_and_prompt_ids_only() {
     );
     assert!(read(br#"{"id":"x","prompt_token_ids":[1,2"#).is_none());
     assert!(read(br#"[1,2]"#).is_none_or(|(_, ids)| ids.is_none()));
+    // Only the first choice is read: the others are walked, not built (an engine's
+    // chunk of a million `{}` choices after it is no million maps).
+    let many = format!(
+        r#"{{"choices":[{{"prompt_token_ids":[6]}},{}]}}"#,
+        vec!["{}"; 1_000_000].join(",")
+    );
+    assert_eq!(read(many.as_bytes()).unwrap().1, Some(vec![6]));
 }
 
 #[test]
