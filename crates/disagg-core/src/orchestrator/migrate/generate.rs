@@ -61,7 +61,10 @@ pub(super) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     let params = std::str::from_utf8(b.get("sampling_params")?).ok()?;
     let wanted = |k: &str| {
         STRUCTURED.contains(&k)
-            || matches!(k, "n" | "sampling_seed" | "max_new_tokens" | "min_new_tokens")
+            || matches!(
+                k,
+                "n" | "sampling_seed" | "max_new_tokens" | "min_new_tokens"
+            )
     };
     let mut read: Vec<(String, &serde_json::value::RawValue)> = Vec::new();
     raw::members(params, |k, v| {
