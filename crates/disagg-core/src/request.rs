@@ -8,6 +8,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 
 use disagg_json::BodyError;
 use disagg_json::JsonBody;
+use disagg_json::raw;
 
 /// The API a request belongs to: OpenAI's chat and completions, SGLang's native
 /// `/generate`, and the other generation routes vLLM 0.33 takes a KV handoff on
@@ -115,25 +116,37 @@ pub(crate) fn remove_handoff(
             any = true;
         }
     }
-    // Rare: the object is parsed only when the client sent one, by the parser that read
-    // the body (it took the body, so it takes this part of it: no value a `Value` could
-    // not hold, a `1e400` beside the key, lets the key through); its keys are read
-    // unescaped and a repeated key once, as vLLM reads them. Its other values keep
+    // Rare: the object is read only when the client sent one, member by member (no
+    // value a `Value` could not hold, a `1e400` beside the key, and no count of members,
+    // lets the key through); its keys are read unescaped and a repeated key's every
+    // copy goes, the last given to `removed`, as vLLM reads it. Its other members keep
     // their bytes.
     let xargs = body
         .get_bytes("vllm_xargs")
-        .filter(|raw| raw.first() == Some(&b'{'))
-        .and_then(|raw| JsonBody::parse_bytes(&raw).ok());
-    if let Some(mut xargs) = xargs {
-        let mut cut = false;
-        for (key, named) in XARGS_HANDOFF {
-            if let Some(raw) = xargs.remove(key) {
-                removed(named, raw);
-                cut = true;
+        .filter(|raw| raw.first() == Some(&b'{'));
+    if let Some(xargs) = xargs
+        && let Ok(text) = std::str::from_utf8(&xargs)
+    {
+        let mut found: [Option<Bytes>; XARGS_HANDOFF.len()] = [None, None];
+        let mut out = Vec::with_capacity(text.len());
+        let mut o = raw::Object::open(&mut out);
+        let copied = o.copy(text, |key, value, _| {
+            match XARGS_HANDOFF.iter().position(|(k, _)| *k == key) {
+                Some(i) => {
+                    found[i] = Some(xargs.slice_ref(value.get().as_bytes()));
+                    raw::Edit::Drop
+                }
+                None => raw::Edit::Keep,
             }
-        }
-        if cut {
-            body.set_raw("vllm_xargs", xargs.to_bytes());
+        });
+        o.close();
+        if copied.is_ok() && found.iter().any(Option::is_some) {
+            for ((_, named), raw) in XARGS_HANDOFF.iter().zip(found) {
+                if let Some(raw) = raw {
+                    removed(named, raw);
+                }
+            }
+            body.set_raw("vllm_xargs", Bytes::from(out));
             any = true;
         }
     }
@@ -491,6 +504,17 @@ mod tests {
             r.body().get("vllm_xargs"),
             Some(&br#"{"pad":1e400,"big":123456789012345678901234567890}"#[..])
         );
+        // However many members sit beside it: past the top level's field ceiling too
+        // (a parse of the object as a body refused it, and the key went through).
+        let pad: Vec<String> = (0..2000).map(|i| format!(r#""k{i}":0"#)).collect();
+        let body = format!(
+            r#"{{"model":"m","vllm_xargs":{{{},"kv_transfer_params":{{"remote_host":"evil"}}}}}}"#,
+            pad.join(",")
+        );
+        let r = req(HeaderMap::new(), &body).unwrap();
+        let xargs = std::str::from_utf8(r.body().get("vllm_xargs").unwrap()).unwrap();
+        assert!(!xargs.contains("evil") && xargs.contains(r#""k1999":0"#));
+        assert_eq!(r.removed.len(), 1);
     }
 
     #[test]

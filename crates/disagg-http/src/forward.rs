@@ -196,6 +196,9 @@ impl Inner {
         // Generation sent direct takes a place among the running requests, as an
         // orchestrated one does (it queues, 429 `queue_full`, 503 `queue_timeout`), and
         // holds it until its answer's last byte.
+        // Only generation keeps it (retrieving a stored response, or resuming its
+        // stream, is no generation).
+        let deadline = deadline.filter(|_| generation);
         let mut permit = None;
         if generation && let Some(admission) = self.orchestrator.admission() {
             permit = match admission.try_admit() {
@@ -246,10 +249,19 @@ impl Inner {
                 }
             }
         };
-        let head_by = tokio::time::Instant::now() + config.decode_head_timeout;
-        let by_deadline = deadline.is_some_and(|d| d < head_by);
-        let head_by = deadline.map_or(head_by, |d| d.min(head_by));
-        let head = match tokio::time::timeout_at(head_by, sent).await {
+        // A head timeout too large for the clock is none (as `tokio::time::timeout`
+        // takes it), not a panic.
+        let head_by = tokio::time::Instant::now().checked_add(config.decode_head_timeout);
+        let by_deadline = deadline.is_some_and(|d| head_by.is_none_or(|h| d < h));
+        let head_by = match (deadline, head_by) {
+            (Some(d), Some(h)) => Some(d.min(h)),
+            (d, h) => d.or(h),
+        };
+        let waited = match head_by {
+            Some(at) => tokio::time::timeout_at(at, sent).await,
+            None => Ok(sent.await),
+        };
+        let head = match waited {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
                 // The client's body failed the exchange (too slow, too large): its error.
@@ -829,8 +841,10 @@ impl Drop for RouteEnd {
 impl EngineWatch {
     /// The engine answered something: the idle time starts again.
     fn answered(&mut self) {
-        if let Some((d, sleep)) = &mut self.idle {
-            let next = tokio::time::Instant::now() + *d;
+        // An idle time too large for the clock never ends (no panic).
+        if let Some((d, sleep)) = &mut self.idle
+            && let Some(next) = tokio::time::Instant::now().checked_add(*d)
+        {
             sleep.as_mut().reset(next);
         }
     }

@@ -1042,7 +1042,7 @@ async fn direct_generation_keeps_the_requests_deadline() {
     let engine = RawEngine::start_with(|request| {
         if request.contains("no head") {
             vec![Vec::new()]
-        } else if request.contains("hold me") {
+        } else if request.contains("hold me") || request.starts_with("GET /v1/responses/") {
             vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
         } else {
             json_answer(r#"{"ok":true}"#)
@@ -1105,8 +1105,15 @@ async fn direct_generation_keeps_the_requests_deadline() {
         took >= Duration::from_millis(300) && took < Duration::from_secs(5),
         "{took:?}"
     );
-    // Without a deadline the same answers come whole.
+    // Retrieving a stored response (its stream resumed) is no generation: the
+    // deadline does not cut it.
     drop(held);
+    let resumed = "GET /v1/responses/resp_1?stream=true HTTP/1.1\r\nhost: x\r\nx-disagg-deadline-ms: 200\r\n\r\n";
+    let mut open = held_stream(proxy.addr, resumed).await;
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_millis(800), open.read(&mut buf)).await;
+    assert!(read.is_err(), "the resumed stream ended: {read:?}");
+    // Without a deadline the same answers come whole.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let a = raw_request(
