@@ -92,11 +92,15 @@ pub(crate) fn check(body: &JsonBody, limits: &VllmLimits) -> Result<Decision, In
                 "sampling_params: Field required",
             ));
         }
-        Some(raw) if raw.first() == Some(&b'{') => JsonBody::parse(raw).map_err(|_| {
-            InvalidParam::new(
+        Some(raw) if raw.first() == Some(&b'{') => JsonBody::parse(raw).map_err(|e| match e {
+            disagg_json::BodyError::TooManyFields { limit } => InvalidParam::new(
+                "sampling_params",
+                format!("sampling_params: more than {limit} fields"),
+            ),
+            _ => InvalidParam::new(
                 "sampling_params",
                 "sampling_params: Input should be a valid dictionary",
-            )
+            ),
         })?,
         Some(_) => {
             return Err(InvalidParam::new(
@@ -185,6 +189,21 @@ mod tests {
             chk(r#"{"token_ids":[1,2],"sampling_params":{"max_tokens":8}}"#),
             Ok(Decision::Disaggregate)
         ));
+        // Ids that are not integers, and parameters past the body's field ceiling,
+        // each said as such.
+        assert_eq!(
+            chk(r#"{"token_ids":[1,2.5],"sampling_params":{}}"#)
+                .unwrap_err()
+                .param,
+            "token_ids"
+        );
+        let many: Vec<String> = (0..2000).map(|i| format!(r#""p{i}":0"#)).collect();
+        let e = chk(&format!(
+            r#"{{"token_ids":[1],"sampling_params":{{{}}}}}"#,
+            many.join(",")
+        ))
+        .unwrap_err();
+        assert_eq!(e.to_string(), "sampling_params: more than 1024 fields");
     }
 
     #[test]
