@@ -144,6 +144,40 @@ pub fn u64_of(raw: &RawValue) -> Option<u64> {
     serde_json::from_str(raw.get()).ok()
 }
 
+/// How many objects and lists the JSON text `raw` holds, counted in one pass (strings
+/// skipped), up to `stop_after` + 1: what building it as values would allocate a
+/// container for, told without building it.
+///
+/// ```
+/// assert_eq!(disagg_json::raw::containers(br#"[{"a":"[{"}, [], 1]"#, 100), 3);
+/// assert_eq!(disagg_json::raw::containers(b"[[[[[[", 2), 3);
+/// ```
+pub fn containers(raw: &[u8], stop_after: usize) -> usize {
+    let (mut count, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in raw {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                count += 1;
+                if count > stop_after {
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    count
+}
+
 /// What to do with one member of an object being copied ([`Object::copy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Edit {

@@ -519,3 +519,32 @@ fn loading_errors_name_the_file_and_the_fault() {
         .unwrap();
     assert_eq!(tools, encode("with tools", false));
 }
+
+/// A chat holding more objects and lists than `MAX_TEMPLATE_CONTAINERS` is not rendered
+/// (each would be a template value of its own: a body of `{}`s, a hundred times its
+/// size): not supported, so it is routed without ids. Objects inside strings do not
+/// count, and a chat at the ceiling renders.
+#[tokio::test]
+async fn a_chat_of_too_many_objects_is_not_rendered() {
+    use disagg_tokenize::hf::MAX_TEMPLATE_CONTAINERS;
+    let t = hf();
+    // The messages list, each message and `kwargs` count: `n` more in `kwargs.x`.
+    let chat = |n: usize| {
+        format!(
+            r#"{{"model":"m","messages":{CHAT},"chat_template_kwargs":{{"x":[{}],"s":"{}"}}}}"#,
+            vec!["{}"; n].join(","),
+            "[{".repeat(1000)
+        )
+    };
+    let fixed = 1 + 2 + 1 + 1;
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        &chat(MAX_TEMPLATE_CONTAINERS + 1 - fixed + 1),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.is_not_supported(), "{err}");
+    let at = tokenize(&t, Api::Chat, &chat(MAX_TEMPLATE_CONTAINERS - fixed)).await;
+    assert!(at.is_ok(), "{at:?}");
+}

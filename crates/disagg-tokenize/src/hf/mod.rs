@@ -60,6 +60,15 @@ use crate::{Tokenize, Tokens};
 /// handoff to another thread (tens of microseconds with the wake-up) buys little.
 pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
 
+/// The most JSON objects and lists a chat's template inputs (`messages`, `tools`,
+/// `documents`, `chat_template_kwargs`) may hold for the chat to be rendered: each
+/// becomes a template value of its own (a small map some hundreds of bytes), so a body
+/// of `[{},{},...]` would cost about a hundred times its size. A chat past it is
+/// [not supported](TokenizeError::NotSupported): it is routed without token ids. A
+/// conversation of thousands of turns, each with its content parts, holds a few tens
+/// of thousands.
+pub const MAX_TEMPLATE_CONTAINERS: usize = 100_000;
+
 /// The named special tokens of transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order.
 const SPECIAL_TOKENS: [&str; 7] = [
     "bos_token",
@@ -432,6 +441,23 @@ impl Inner {
                 add_special_tokens,
             } => self.encode(text, *add_special_tokens, inside)?,
             PromptInput::Chat(chat) => {
+                let held = [&chat.tools, &chat.documents, &chat.chat_template_kwargs]
+                    .into_iter()
+                    .flatten()
+                    .fold(
+                        disagg_core::json::raw::containers(&chat.messages, MAX_TEMPLATE_CONTAINERS),
+                        |n, raw| {
+                            n.saturating_add(disagg_core::json::raw::containers(
+                                raw,
+                                MAX_TEMPLATE_CONTAINERS,
+                            ))
+                        },
+                    );
+                if held > MAX_TEMPLATE_CONTAINERS {
+                    return Err(TokenizeError::not_supported(
+                        "a chat of more JSON objects and lists than the template renders",
+                    ));
+                }
                 let text = self.render(chat)?;
                 self.encode(&text, chat.add_special_tokens, inside)?
             }
