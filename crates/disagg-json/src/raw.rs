@@ -153,7 +153,43 @@ pub fn u64_of(raw: &RawValue) -> Option<u64> {
 /// assert_eq!(disagg_json::raw::containers(b"[[[[[[", 2), 3);
 /// ```
 pub fn containers(raw: &[u8], stop_after: usize) -> usize {
-    let (mut count, mut in_string, mut escaped) = (0usize, false, false);
+    let mut count = 0usize;
+    brackets(raw, |b| {
+        if matches!(b, b'[' | b'{') {
+            count += 1;
+        }
+        count <= stop_after
+    });
+    count
+}
+
+/// Whether the JSON text `raw` nests objects and lists more than `max` deep, told in
+/// one pass (strings skipped), where a walk down to the fault would recurse once per
+/// level (a client's `[[[...]]]` of 200,000 levels overflows a thread's stack).
+///
+/// ```
+/// assert!(!disagg_json::raw::nests_deeper(br#"[[1], {"a": [2]}]"#, 3));
+/// assert!(disagg_json::raw::nests_deeper(br#"[[1], {"a": [[2]]}]"#, 3));
+/// assert!(!disagg_json::raw::nests_deeper(br#"["[[[[", "\\", "\"[[[[", {"{{{{": 1}]"#, 2));
+/// ```
+pub fn nests_deeper(raw: &[u8], max: usize) -> bool {
+    let (mut depth, mut deeper) = (0usize, false);
+    brackets(raw, |b| {
+        if matches!(b, b'[' | b'{') {
+            depth += 1;
+            deeper = depth > max;
+        } else {
+            depth = depth.saturating_sub(1);
+        }
+        !deeper
+    });
+    deeper
+}
+
+/// Calls `f` with each bracket of the JSON text `raw` (`[`, `{`, `]`, `}`) outside its
+/// strings, in order, while `f` says to go on.
+fn brackets(raw: &[u8], mut f: impl FnMut(u8) -> bool) {
+    let (mut in_string, mut escaped) = (false, false);
     for &b in raw {
         if in_string {
             match b {
@@ -166,16 +202,10 @@ pub fn containers(raw: &[u8], stop_after: usize) -> usize {
         }
         match b {
             b'"' => in_string = true,
-            b'[' | b'{' => {
-                count += 1;
-                if count > stop_after {
-                    break;
-                }
-            }
+            b'[' | b'{' | b']' | b'}' if !f(b) => return,
             _ => {}
         }
     }
-    count
 }
 
 /// What to do with one member of an object being copied ([`Object::copy`]).
