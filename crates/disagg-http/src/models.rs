@@ -46,14 +46,10 @@ impl Card {
         if !raw.get().starts_with('{') {
             return None;
         }
-        let (mut id, mut base) = (IdKey::Missing, true);
         // The last of a repeated key counts, as a map keeps it; the rest is skipped.
-        raw::members(raw.get(), |key, value| match key.as_str() {
-            "id" => id = IdKey::of(value),
-            "parent" => base = value.get() == "null",
-            _ => {}
-        })
-        .ok()?;
+        let [id, parent] = raw::members_named(raw.get(), ["id", "parent"]).ok()?;
+        let id = id.map_or(IdKey::Missing, IdKey::of);
+        let base = parent.is_none_or(|p| p.get() == "null");
         Some(Card { raw, id, base })
     }
 

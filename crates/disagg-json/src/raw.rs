@@ -5,16 +5,14 @@
 //! few members of them: a `Value` costs about sixteen bytes per byte of `[0,0,...]` and
 //! over ninety per byte of `[{"":0},...]` (each small object is a B-tree leaf), so a
 //! 32 MiB body could cost gigabytes. A reshape (SGLang's logprob merge, LMCache's
-//! change of form) touches a handful of an answer's members and passes the rest. Built as [`serde_json::Value`], every byte of
-//! the rest costs about sixteen of memory (a `0,` is a 32-byte `Value`), so a hostile
-//! engine's 64 MiB answer of `"x":[0,0,...]` cost a gigabyte per request. Here the
-//! answer is visited member by member, each value a [`RawValue`] slice of the engine's
-//! own bytes: what the reshape does not touch is copied as the engine wrote it (its
-//! order, its numbers, its nesting: a raw value is skipped without recursion), and
-//! the output is the only allocation, about the input's size.
+//! change of form) touches a handful of an answer's members: with [`Object::copy`] what
+//! it does not touch is copied as the engine wrote it (its order, its numbers, its
+//! nesting: a raw value is skipped without recursion), and the output is the only
+//! allocation, about the input's size.
 //!
-//! Duplicate keys are passed in order, each edited alike: a client's parser keeps the
-//! last one, as it would have before the rewrite.
+//! Duplicate keys: a lookup ([`member`], [`members_named`]) finds the last, as a parser
+//! into a map keeps it; a copy passes each in order, edited alike, so a client's parser
+//! still keeps the last.
 
 use serde::de::{Deserializer as _, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
@@ -123,14 +121,34 @@ pub fn list_head(raw: &[u8]) -> Option<ListHead> {
 /// The value of `key` in the JSON object `raw` (the last, when the key repeats, as a
 /// parser into a map keeps it); `None` when `raw` is not an object or lacks the key.
 pub fn member<'a>(raw: &'a str, key: &str) -> Option<&'a RawValue> {
-    let mut found = None;
-    members(raw, |k, v| {
-        if k == key {
-            found = Some(v);
-        }
-    })
-    .ok()?;
+    let [found] = members_named(raw, [key]).ok()?;
     found
+}
+
+/// The values of `keys` in the JSON object `raw`, in the order of `keys`, found in one
+/// walk (each the last, when its key repeats, as a parser into a map keeps it); the
+/// other members are skipped, not built.
+///
+/// ```
+/// let [a, b] = disagg_json::raw::members_named(r#"{"a":1,"x":[],"a":2}"#, ["a", "b"])?;
+/// assert_eq!((a.map(|v| v.get()), b.is_none()), (Some("2"), true));
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// `raw` is not one JSON object.
+pub fn members_named<'a, const N: usize>(
+    raw: &'a str,
+    keys: [&str; N],
+) -> Result<[Option<&'a RawValue>; N], serde_json::Error> {
+    let mut found = [None; N];
+    members(raw, |k, v| {
+        if let Some(i) = keys.iter().position(|key| *key == k) {
+            found[i] = Some(v);
+        }
+    })?;
+    Ok(found)
 }
 
 /// The value of `key` in the JSON object `raw` when it is a non-negative integer that

@@ -334,16 +334,15 @@ impl Shape {
 
     /// Writes one choice of a whole answer (a JSON object) in the client's form.
     fn whole_choice(&self, c: &str, out: &mut Vec<u8>) {
-        let begins = json::member(c, "index")
-            .is_none_or(|i| i.get() == "null" || json::u64_of(i) == Some(0));
+        // One walk for both (each the last of its key).
+        let [index, own] = json::members_named(c, ["index", "text"]).unwrap_or_default();
+        let begins = index.is_none_or(|i| i.get() == "null" || json::u64_of(i) == Some(0));
         let mut text = match &self.first {
             Some(f) if begins => f.text.clone(),
             _ => String::new(),
         };
         // The last `text`, when it is a string.
-        if let Some(own) =
-            json::member(c, "text").and_then(|t| serde_json::from_str::<String>(t.get()).ok())
-        {
+        if let Some(own) = own.and_then(|t| serde_json::from_str::<String>(t.get()).ok()) {
             text.push_str(&own);
         }
         let mut o = json::Object::open(out);
@@ -389,8 +388,8 @@ fn list(value: &RawValue, out: &mut Vec<u8>, mut choice: impl FnMut(&str, &mut V
 /// `stop_reason` and `weight_versions` (vLLM sets those on a chat chunk only with its
 /// finish).
 fn chat_delta(c: &str, out: &mut Vec<u8>) {
-    let text = json::member(c, "text");
-    let finished = json::member(c, "finish_reason").is_some_and(|f| f.get() != "null");
+    let [text, finish] = json::members_named(c, ["text", "finish_reason"]).unwrap_or_default();
+    let finished = finish.is_some_and(|f| f.get() != "null");
     let mut o = json::Object::open(out);
     // A valid object: its members always visit.
     let _ = o.copy(c, |key, _, _| match key {

@@ -176,17 +176,10 @@ pub(crate) fn prefill_logprobs(
         None => {
             let mut rest = &answer.body[..];
             while let Some((end, next)) = event_end(rest) {
-                if let Some(data) = data_object(&rest[..end]) {
-                    let mut index = None;
-                    if json::members(data, |k, v| {
-                        if k == "index" {
-                            index = Some(v);
-                        }
-                    })
-                    .is_ok()
-                    {
-                        put(checked_index(index, sequences)?, input_logprobs(data));
-                    }
+                if let Some(data) = data_object(&rest[..end])
+                    && let Ok([index]) = json::members_named(data, ["index"])
+                {
+                    put(checked_index(index, sequences)?, input_logprobs(data));
                 }
                 rest = &rest[next..];
             }
@@ -300,18 +293,19 @@ async fn whole(
 }
 
 /// The whole answer `text` merged: an object (element 0) or a list (by position);
-/// `None` when it is neither, or not JSON.
+/// `None` when it is neither.
 fn merged_answer(text: &str, prefill: &[Option<Box<RawValue>>]) -> Option<Vec<u8>> {
-    let one = serde_json::from_str::<&RawValue>(text).ok()?;
+    // Read once, as it is merged: an object that is not JSON is written as it came
+    // (`merge_object`), a list that is not JSON gives `None`.
+    let text = json::trim(text);
     let heads: usize = prefill.iter().flatten().map(|h| h.get().len()).sum();
     let mut out = Vec::with_capacity(text.len().saturating_add(heads));
-    if json::is_object(one.get()) {
-        merge_object(one.get(), prefill, 0, &mut out);
-    } else if json::is_list(one.get()) {
+    if json::is_object(text) {
+        merge_object(text, prefill, 0, &mut out);
+    } else if json::is_list(text) {
         out.push(b'[');
         let mut i = 0usize;
-        // A valid list: its elements always visit.
-        let _ = json::elements(one.get(), |item| {
+        json::elements(text, |item| {
             if i > 0 {
                 out.push(b',');
             }
@@ -321,7 +315,8 @@ fn merged_answer(text: &str, prefill: &[Option<Box<RawValue>>]) -> Option<Vec<u8
                 out.extend_from_slice(item.get().as_bytes());
             }
             i += 1;
-        });
+        })
+        .ok()?;
         out.push(b']');
     } else {
         return None;
@@ -337,27 +332,21 @@ struct MergeEvents {
 
 impl EventMap for MergeEvents {
     fn event(&self, ev: &[u8], out: &mut BytesMut) {
-        if let Some(data) = data_object(ev) {
-            let (mut error, mut index) = (false, None);
-            let read = json::members(data, |k, v| match k.as_str() {
-                "error" => error = true,
-                "index" => index = Some(v),
-                _ => {}
-            });
-            if read.is_ok() && !error {
-                // Unchecked: an index the request does not have finds no logprobs, and
-                // the event passes unmerged.
-                let index = index
-                    .and_then(json::u64_of)
-                    .and_then(|i| usize::try_from(i).ok())
-                    .unwrap_or(0);
-                let mut v = Vec::with_capacity(data.len() + 64);
-                v.extend_from_slice(b"data: ");
-                merge_object(data, &self.prefill, index, &mut v);
-                v.extend_from_slice(b"\n\n");
-                out.extend_from_slice(&v);
-                return;
-            }
+        if let Some(data) = data_object(ev)
+            && let Ok([None, index]) = json::members_named(data, ["error", "index"])
+        {
+            // Unchecked: an index the request does not have finds no logprobs, and the
+            // event passes unmerged.
+            let index = index
+                .and_then(json::u64_of)
+                .and_then(|i| usize::try_from(i).ok())
+                .unwrap_or(0);
+            let mut v = Vec::with_capacity(data.len() + 64);
+            v.extend_from_slice(b"data: ");
+            merge_object(data, &self.prefill, index, &mut v);
+            v.extend_from_slice(b"\n\n");
+            out.extend_from_slice(&v);
+            return;
         }
         // `[DONE]`, error events, comments, what is not JSON: as they came.
         out.extend_from_slice(ev);

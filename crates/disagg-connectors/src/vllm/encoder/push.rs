@@ -239,9 +239,10 @@ pub(super) fn fold(plan: &EncodePlan, answers: &[Bytes]) -> Result<Option<Bytes>
                 return Err(super::too_many());
             }
             let entry = entry.get();
-            let named = json::member(entry, "transfer_id")
-                .and_then(|t| serde_json::from_str::<String>(t.get()).ok());
-            let by_position = json::member(entry, "item_indices")
+            let [named, indices] =
+                json::members_named(entry, ["transfer_id", "item_indices"]).unwrap_or_default();
+            let named = named.and_then(|t| serde_json::from_str::<String>(t.get()).ok());
+            let by_position = indices
                 .and_then(first_element)
                 .and_then(json::u64_of)
                 .and_then(|i| ids.get(usize::try_from(i).ok()?));

@@ -39,7 +39,6 @@ use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_json::lax::{bool_value, int_value, truthy};
 use disagg_json::raw as json;
-use serde_json::value::RawValue;
 
 /// Engine settings the checks depend on, as the vLLM servers behind the proxy run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -547,13 +546,8 @@ fn check_grammar(chat: bool, f: &Fields<'_>) -> Result<(), InvalidParam> {
             )
         };
         let text = std::str::from_utf8(raw).map_err(|_| not_a_dict())?;
-        let mut set: [Option<&RawValue>; 3] = [None; 3];
-        json::members(text, |k, v| {
-            if let Some(i) = ["json", "regex", "choice"].iter().position(|n| *n == k) {
-                set[i] = Some(v);
-            }
-        })
-        .map_err(|_| not_a_dict())?;
+        let set =
+            json::members_named(text, ["json", "regex", "choice"]).map_err(|_| not_a_dict())?;
         let count = set.iter().flatten().filter(|v| v.get() != "null").count();
         if count > 1 {
             return Err(InvalidParam::new(
@@ -596,14 +590,8 @@ fn check_stream_options(raw: Option<&[u8]>) -> Result<(), InvalidParam> {
     };
     let text = std::str::from_utf8(raw).map_err(|_| not_a_dict())?;
     // The last of a repeated key counts, as in a dict.
-    let mut set: [Option<&RawValue>; 2] = [None; 2];
     let keys = ["include_usage", "continuous_usage_stats"];
-    json::members(text, |k, v| {
-        if let Some(i) = keys.iter().position(|n| *n == k) {
-            set[i] = Some(v);
-        }
-    })
-    .map_err(|_| not_a_dict())?;
+    let set = json::members_named(text, keys).map_err(|_| not_a_dict())?;
     for (key, v) in keys.iter().zip(set) {
         if let Some(v) = v
             && bool_value(v.get().as_bytes()).is_err()

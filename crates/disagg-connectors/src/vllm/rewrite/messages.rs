@@ -82,12 +82,13 @@ pub(crate) fn check(body: &JsonBody) -> Result<Decision, InvalidParam> {
         let thinking = std::str::from_utf8(raw).map_err(|_| {
             InvalidParam::new("thinking", "thinking: Input should be a valid dictionary")
         })?;
-        let enabled = json::member(thinking, "type")
+        let [kind, budget] =
+            json::members_named(thinking, ["type", "budget_tokens"]).unwrap_or_default();
+        let enabled = kind
             .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
             .is_some_and(|t| t == "enabled");
         if enabled
-            && let Some(budget) = json::member(thinking, "budget_tokens")
-                .and_then(|b| serde_json::from_str::<i64>(b.get()).ok())
+            && let Some(budget) = budget.and_then(|b| serde_json::from_str::<i64>(b.get()).ok())
             && budget >= max_tokens
         {
             return Err(InvalidParam::new(

@@ -56,41 +56,35 @@ pub(super) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     if prompt.is_empty() || prompt.len() > config.max_seq_len {
         return None;
     }
-    // The few parameters read, member by member (the last of a repeated key counts);
-    // the rest is not built.
+    // The few parameters read in one walk (the last of a repeated key counts); the
+    // rest is not built. A parameter that is null or false is unset.
     let params = std::str::from_utf8(b.get("sampling_params")?).ok()?;
-    let wanted = |k: &str| {
-        STRUCTURED.contains(&k)
-            || matches!(
-                k,
-                "n" | "sampling_seed" | "max_new_tokens" | "min_new_tokens"
-            )
-    };
-    let mut read: Vec<(String, &serde_json::value::RawValue)> = Vec::new();
-    raw::members(params, |k, v| {
-        if wanted(&k) {
-            read.retain(|(seen, _)| *seen != k);
-            read.push((k, v));
-        }
-    })
-    .ok()?;
-    let param = |k: &str| {
-        read.iter()
-            .find(|(seen, _)| seen == k)
-            .map(|(_, v)| *v)
-            .filter(|v| !matches!(v.get(), "null" | "false"))
-    };
-    if STRUCTURED.iter().any(|k| param(k).is_some()) {
+    let [structured @ .., n, seed, max_new, min_new] = raw::members_named(
+        params,
+        [
+            STRUCTURED[0],
+            STRUCTURED[1],
+            STRUCTURED[2],
+            STRUCTURED[3],
+            "n",
+            "sampling_seed",
+            "max_new_tokens",
+            "min_new_tokens",
+        ],
+    )
+    .ok()?
+    .map(|v| v.filter(|v| !matches!(v.get(), "null" | "false")));
+    if structured.iter().any(Option::is_some) {
         return None;
     }
-    if param("n").and_then(raw::u64_of).is_some_and(|n| n > 1) {
+    if n.and_then(raw::u64_of).is_some_and(|n| n > 1) {
         return None;
     }
-    if !config.allow_seed && param("sampling_seed").is_some() {
+    if !config.allow_seed && seed.is_some() {
         return None;
     }
-    let max_tokens = Some(raw::u64_of(param("max_new_tokens")?)?);
-    let min_tokens = param("min_new_tokens").and_then(raw::u64_of);
+    let max_tokens = Some(raw::u64_of(max_new?)?);
+    let min_tokens = min_new.and_then(raw::u64_of);
     Some(Plan {
         chat: false,
         generate: Some(prompt),

@@ -140,14 +140,13 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
     let usage = match b.get("stream_options") {
         Some(opts) if set(Some(opts)) => {
             let opts = std::str::from_utf8(opts).ok()?;
-            let (mut continuous, mut include) = (false, false);
-            raw::members(opts, |k, v| match k.as_str() {
-                "continuous_usage_stats" => continuous = v.get() == "true",
-                "include_usage" => include = v.get() == "true",
-                _ => {}
-            })
-            .ok()
-            .or_else(|| (!raw::is_object(opts)).then_some(()))?;
+            let keys = ["continuous_usage_stats", "include_usage"];
+            let [continuous, include] = match raw::members_named(opts, keys) {
+                Ok(found) => found.map(|v| v.is_some_and(|v| v.get() == "true")),
+                // JSON of another type sets neither.
+                Err(_) if !raw::is_object(opts) => [false, false],
+                Err(_) => return None,
+            };
             if continuous {
                 return None;
             }
