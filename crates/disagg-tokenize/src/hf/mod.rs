@@ -36,7 +36,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use disagg_core::json::JsonBody;
+use bytes::Bytes;
+use disagg_core::json::{JsonBody, raw};
 use disagg_core::request::Api;
 use minijinja::value::Value;
 use serde_json::Value as Json;
@@ -68,6 +69,16 @@ pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
 /// conversation of thousands of turns, each with its content parts, holds a few tens
 /// of thousands.
 pub const MAX_TEMPLATE_CONTAINERS: usize = 100_000;
+
+/// The client's fields a chat's render builds as template values: `messages`, and
+/// `tools`, `documents` and `chat_template_kwargs` when set.
+fn template_inputs(chat: &ChatPrompt) -> impl Iterator<Item = &Bytes> {
+    std::iter::once(&chat.messages).chain(
+        [&chat.tools, &chat.documents, &chat.chat_template_kwargs]
+            .into_iter()
+            .flatten(),
+    )
+}
 
 /// The named special tokens of transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order.
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -400,11 +411,7 @@ impl Tokenize for HfTokenizer {
             PromptInput::Ids(_) => 0,
             PromptInput::Text { text, .. } => text.len(),
             // Every client field the render builds as template values counts.
-            PromptInput::Chat(c) => [&c.tools, &c.documents, &c.chat_template_kwargs]
-                .into_iter()
-                .fold(c.messages.len(), |n, raw| {
-                    n + raw.as_ref().map_or(0, |r| r.len())
-                }),
+            PromptInput::Chat(c) => template_inputs(c).map(Bytes::len).sum(),
         };
         // A large prompt would hold the event loop, and every connection on it, for
         // milliseconds; see `DEFAULT_OFF_LOOP_FROM`.
@@ -441,18 +448,9 @@ impl Inner {
                 add_special_tokens,
             } => self.encode(text, *add_special_tokens, inside)?,
             PromptInput::Chat(chat) => {
-                let held = [&chat.tools, &chat.documents, &chat.chat_template_kwargs]
-                    .into_iter()
-                    .flatten()
-                    .fold(
-                        disagg_core::json::raw::containers(&chat.messages, MAX_TEMPLATE_CONTAINERS),
-                        |n, raw| {
-                            n.saturating_add(disagg_core::json::raw::containers(
-                                raw,
-                                MAX_TEMPLATE_CONTAINERS,
-                            ))
-                        },
-                    );
+                let held = template_inputs(chat)
+                    .map(|raw| raw::containers(raw, MAX_TEMPLATE_CONTAINERS))
+                    .fold(0, usize::saturating_add);
                 if held > MAX_TEMPLATE_CONTAINERS {
                     return Err(TokenizeError::not_supported(
                         "a chat of more JSON objects and lists than the template renders",
