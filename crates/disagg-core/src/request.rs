@@ -127,7 +127,7 @@ pub(crate) fn remove_handoff(
     if let Some(xargs) = xargs
         && let Ok(text) = std::str::from_utf8(&xargs)
     {
-        let mut found: [Option<Bytes>; XARGS_HANDOFF.len()] = [None, None];
+        let mut found: [Option<Bytes>; XARGS_HANDOFF.len()] = Default::default();
         let mut out = Vec::with_capacity(text.len());
         let mut o = raw::Object::open(&mut out);
         let copied = o.copy(text, |key, value, _| {

@@ -193,12 +193,12 @@ impl Inner {
                 ClientBody::client(started, u64::MAX, None)
             };
         }
+        // Only generation keeps the deadline (retrieving a stored response, or resuming
+        // its stream, is no generation).
+        let deadline = deadline.filter(|_| generation);
         // Generation sent direct takes a place among the running requests, as an
         // orchestrated one does (it queues, 429 `queue_full`, 503 `queue_timeout`), and
         // holds it until its answer's last byte.
-        // Only generation keeps it (retrieving a stored response, or resuming its
-        // stream, is no generation).
-        let deadline = deadline.filter(|_| generation);
         let mut permit = None;
         if generation && let Some(admission) = self.orchestrator.admission() {
             permit = match admission.try_admit() {
@@ -848,9 +848,7 @@ impl EngineWatch {
             sleep.as_mut().reset(next);
         }
     }
-}
 
-impl EngineWatch {
     /// The request's deadline passed: the answer ends broken.
     fn past_deadline(&mut self) -> Result<(), BoxError> {
         let Some(deadline) = &self.deadline else {
