@@ -128,7 +128,10 @@ impl Inner {
         // configured one, shortened by the client's header when allowed), from its
         // arrival: for its place in the queue, the engine's head and its whole answer.
         let deadline = direct
-            .then(|| self.orchestrator.config().deadline_for(&parts.headers))
+            .then(|| {
+                let config = self.orchestrator.config();
+                config.deadline_for(&parts.headers, tokio::time::Instant::now())
+            })
             .flatten();
         // What went wrong with a streamed client body, when it was the client's fault.
         let failed = Arc::new(OnceLock::new());

@@ -1132,6 +1132,70 @@ async fn direct_generation_keeps_the_requests_deadline() {
     }
 }
 
+/// Send `head` then, `after` later, `body`, on a new connection; read until the proxy
+/// closes it.
+async fn late_body(addr: SocketAddr, head: &str, body: &str, after: Duration) -> Raw {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(head.as_bytes()).await.expect("send the head");
+    tokio::time::sleep(after).await;
+    s.write_all(body.as_bytes()).await.expect("send the body");
+    let mut buf = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+        .await
+        .expect("answered and closed within 10 s")
+        .expect("read");
+    parse_answer(&buf)
+}
+
+/// The deadline counts from the request's arrival (its head), on orchestrated and
+/// direct routes alike: a body that takes longer than the deadline to come in leaves
+/// the engines no time (504 `deadline_exceeded`, no leg sent), where the same body
+/// sent at once is served.
+#[tokio::test]
+async fn the_deadline_counts_from_the_head_on_orchestrated_and_direct_routes() {
+    let (p, d) = plain_pair().await;
+    let sim = start(&p, &d, &["--client-deadline"]).await;
+    let raw_engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
+    let url = raw_engine.url();
+    let direct = Proxy::start_args(
+        &["--prefill", &url, "--decode", &url, "--client-deadline"].map(str::to_owned),
+    )
+    .await;
+    let direct_body = r#"{"model":"sim-model","prompt":"p"}"#.to_owned();
+    let cases = [
+        (sim.addr, "/v1/completions", completion("p", 2, false)),
+        (sim.addr, "/v1/chat/completions", chat("p", 2, false)),
+        (direct.addr, "/invocations", direct_body),
+    ];
+    for (addr, target, body) in cases {
+        let head = |ms: u64| {
+            format!(
+                "POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            )
+        };
+        let sent = || received(&[&p, &d]).len() + bodies(&raw_engine).len();
+        let before = sent();
+        let at_once = late_body(addr, &head(300), &body, Duration::ZERO).await;
+        assert_eq!(
+            at_once.status,
+            200,
+            "{target}: {}",
+            String::from_utf8_lossy(&at_once.body)
+        );
+        assert!(sent() > before, "{target}: no engine was asked");
+        let before = sent();
+        late_body(addr, &head(300), &body, Duration::from_millis(600))
+            .await
+            .assert_error(504, "deadline_exceeded");
+        assert_eq!(
+            sent(),
+            before,
+            "{target}: an engine was asked past the deadline"
+        );
+    }
+}
+
 // === 4. every body under the clock ===
 
 /// Send a head announcing 1000 bytes to `target`, then trickle them a byte every 100

@@ -170,14 +170,20 @@ pub struct OrchestratorConfig {
 }
 
 impl OrchestratorConfig {
-    /// The deadline of a request arriving now with `headers`: [`deadline`](Self::deadline)
-    /// from now, shortened by the client's `x-disagg-deadline-ms` when
-    /// [`client_deadline`](Self::client_deadline) allows it; `None` without one, or
-    /// when it lies past the last instant the clock can represent (the header is a u64
-    /// of milliseconds, `--deadline` any number of seconds: no deadline rather than the
-    /// panic of `Instant + Duration`). An adapter serving a request itself (a direct
-    /// route) keeps the same deadline as the orchestrator would.
-    pub fn deadline_for(&self, headers: &http::HeaderMap) -> Option<tokio::time::Instant> {
+    /// The deadline of a request that arrived at `arrival` (its head came in) with
+    /// `headers`: [`deadline`](Self::deadline) from then, shortened by the client's
+    /// `x-disagg-deadline-ms` when [`client_deadline`](Self::client_deadline) allows it;
+    /// `None` without one, or when it lies past the last instant the clock can represent
+    /// (the header is a u64 of milliseconds, `--deadline` any number of seconds: no
+    /// deadline rather than the panic of `Instant + Duration`). The orchestrator counts
+    /// from [`PdRequest`](crate::PdRequest)'s arrival, so the time its body took to come
+    /// in is part of the budget; an adapter serving a request itself (a direct route)
+    /// passes the instant its head came in and keeps the same deadline.
+    pub fn deadline_for(
+        &self,
+        headers: &http::HeaderMap,
+        arrival: tokio::time::Instant,
+    ) -> Option<tokio::time::Instant> {
         let client = self
             .client_deadline
             .then(|| headers.get(DEADLINE_HEADER))
@@ -188,7 +194,7 @@ impl OrchestratorConfig {
             (Some(c), Some(h)) => Some(c.min(h)),
             (c, h) => c.or(h),
         };
-        total.and_then(|t| tokio::time::Instant::now().checked_add(t))
+        total.and_then(|t| arrival.checked_add(t))
     }
 }
 

@@ -358,11 +358,13 @@ impl Inner {
         }
     }
 
-    /// The request's deadline: the configured one, shortened by the client's header when
+    /// The request's deadline, counted from its arrival (before its body was read, when
+    /// the server said so): the configured one, shortened by the client's header when
     /// allowed.
     fn clock(&self, req: &PdRequest) -> Clock {
+        let arrival = tokio::time::Instant::from_std(req.arrival());
         Clock {
-            deadline: self.config.deadline_for(req.headers()),
+            deadline: self.config.deadline_for(req.headers(), arrival),
         }
     }
 
