@@ -159,6 +159,10 @@ pub struct OrchestratorStats {
     pub kv_releases: u64,
     /// Early KV releases still running: a gauge.
     pub kv_releases_in_flight: u64,
+    /// Early KV releases not run because too many were running (4,096) or held too
+    /// many bytes of legs (512 MiB): those requests' KV is left to the engine's own
+    /// expiry.
+    pub kv_releases_skipped: u64,
     /// Requests served by a decode engine alone, by reason (`beam_search` and
     /// `prompt_only`, which the connector cannot carry; `short_prompt` from
     /// `disagg_affinity::PromptThreshold`; a custom hook's own),
@@ -452,6 +456,7 @@ impl Orchestrator {
             deadlines_exceeded: load(&c.deadlines_exceeded),
             kv_releases: load(&c.kv_releases),
             kv_releases_in_flight: load(&c.kv_releases_in_flight),
+            kv_releases_skipped: load(&c.kv_releases_skipped),
             direct: c.direct_counts(),
             invalid_params: load(&c.invalid_params),
             tokenized: load(&c.tokenized),

@@ -14,14 +14,29 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::stats::{Counters, GaugeGuard, bump};
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::stats::{Counters, bump};
 use crate::connector::{Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
+use crate::json::JsonBody;
 use crate::request::Api;
 use crate::transport::Transport;
 
 use super::clock::{Clock, within};
 use super::legs::{PrefillResult, http_request};
+
+/// At most this many early releases run at once. Each lives up to `grace` + 2 × `wait`
+/// after its request ended; past this many (a storm of abandoned requests), a dropped
+/// request's KV is left to the engine's own expiry and the release is counted as
+/// skipped (`kv_releases_skipped`).
+pub(super) const MAX_RELEASES: u64 = 4096;
+
+/// At most this many bytes of legs are held by running early releases. A release holds
+/// its request's legs, and with them the client's body they are cut from, after the
+/// request ended and its body's share of the server's budget was given back: past
+/// this, a release is skipped as past [`MAX_RELEASES`].
+pub(super) const MAX_RELEASE_BYTES: u64 = 512 << 20;
 
 /// The prefill exchange of a sequential handoff.
 pub(super) type PrefillFuture =
@@ -136,18 +151,69 @@ impl Drop for KvHold {
         else {
             return;
         };
+        let held = size(&release.handoff.prefill.body).max(size(&release.handoff.decode.body));
+        let Some(slot) = Slot::take(&release.counters, held) else {
+            return;
+        };
         // The one task the orchestrator spawns: bounded by `grace` + `wait`, counted in
-        // `kv_releases_in_flight`.
-        runtime.spawn(release.run(stage));
+        // `kv_releases_in_flight`, within the releases' room.
+        runtime.spawn(release.run(stage, slot));
+    }
+}
+
+/// The bytes `body` holds: its fields, the slices of the client's body (and the
+/// connector's small additions) a leg keeps alive.
+fn size(body: &JsonBody) -> u64 {
+    body.fields()
+        .map(|(k, v)| (k.len() + v.len()) as u64)
+        .fold(0, u64::saturating_add)
+}
+
+/// One running release's share of the releases' room ([`MAX_RELEASES`],
+/// [`MAX_RELEASE_BYTES`]): its place in `kv_releases_in_flight` and the bytes it holds,
+/// given back when the release ends.
+struct Slot {
+    counters: Arc<Counters>,
+    bytes: u64,
+}
+
+impl Slot {
+    /// A place for a release holding `bytes`, or `None` (counted in
+    /// `kv_releases_skipped`) when the room is spent.
+    fn take(counters: &Arc<Counters>, bytes: u64) -> Option<Slot> {
+        let running = counters.kv_releases_in_flight.fetch_add(1, Relaxed);
+        let held = counters.kv_release_bytes.fetch_add(bytes, Relaxed);
+        let slot = Slot {
+            counters: Arc::clone(counters),
+            bytes,
+        };
+        if running >= MAX_RELEASES || held.saturating_add(bytes) > MAX_RELEASE_BYTES {
+            drop(slot);
+            bump(&counters.kv_releases_skipped);
+            tracing::debug!(
+                running,
+                held_bytes = held,
+                "too many early KV releases running: the engine's own expiry frees this one"
+            );
+            return None;
+        }
+        Some(slot)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.counters.kv_releases_in_flight.fetch_sub(1, Relaxed);
+        self.counters
+            .kv_release_bytes
+            .fetch_sub(self.bytes, Relaxed);
     }
 }
 
 impl Release {
     /// Release the KV a dropped request's prefill holds (see
     /// [`KvRelease::AbortDecode`](super::KvRelease::AbortDecode)).
-    async fn run(mut self, stage: Stage) {
-        let counters = Arc::clone(&self.counters);
-        let _running = GaugeGuard::new(&counters.kv_releases_in_flight);
+    async fn run(mut self, stage: Stage, _slot: Slot) {
         let answer = match stage {
             Stage::Nothing => return,
             Stage::Handed(leg) => return self.send(leg).await,
@@ -183,5 +249,40 @@ impl Release {
             "releasing the KV of a request that ended before its decode"
         );
         let _ = tokio::time::timeout(self.wait, self.transport.send(req)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running(c: &Counters) -> (u64, u64, u64) {
+        (
+            Counters::load(&c.kv_releases_in_flight),
+            Counters::load(&c.kv_release_bytes),
+            Counters::load(&c.kv_releases_skipped),
+        )
+    }
+
+    #[test]
+    fn releases_past_their_room_are_skipped_and_counted() {
+        let c = Arc::new(Counters::default());
+        // Bytes: a release that would pass the ceiling is skipped; a smaller one fits.
+        let big = Slot::take(&c, MAX_RELEASE_BYTES - 10).expect("room");
+        assert!(Slot::take(&c, 11).is_none());
+        let small = Slot::take(&c, 10).expect("room for 10 bytes");
+        assert_eq!(running(&c), (2, MAX_RELEASE_BYTES, 1));
+        drop((big, small));
+        assert_eq!(running(&c), (0, 0, 1));
+        // Count: the release past `MAX_RELEASES` is skipped, whatever it holds.
+        let all: Vec<Slot> = (0..MAX_RELEASES)
+            .map(|_| Slot::take(&c, 1).expect("room"))
+            .collect();
+        assert!(Slot::take(&c, 0).is_none());
+        assert_eq!(running(&c), (MAX_RELEASES, MAX_RELEASES, 2));
+        // Room comes back as releases end.
+        drop(all);
+        assert_eq!(running(&c), (0, 0, 2));
+        assert!(Slot::take(&c, MAX_RELEASE_BYTES).is_some());
     }
 }

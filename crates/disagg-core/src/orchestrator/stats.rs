@@ -14,6 +14,10 @@ pub(crate) struct Counters {
     pub(crate) deadlines_exceeded: AtomicU64,
     pub(crate) kv_releases: AtomicU64,
     pub(crate) kv_releases_in_flight: AtomicU64,
+    /// Early releases not run: the releases' room was spent (`release::MAX_RELEASES`).
+    pub(crate) kv_releases_skipped: AtomicU64,
+    /// Bytes of legs the running early releases hold: a gauge.
+    pub(crate) kv_release_bytes: AtomicU64,
     pub(crate) invalid_params: AtomicU64,
     pub(crate) tokenized: AtomicU64,
     pub(crate) tokenize_failures: AtomicU64,
@@ -46,22 +50,6 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Relaxed);
-    }
-}
-
-/// Counts one running task in a gauge while it lives.
-pub(crate) struct GaugeGuard<'a>(&'a AtomicU64);
-
-impl<'a> GaugeGuard<'a> {
-    pub(crate) fn new(gauge: &'a AtomicU64) -> Self {
-        gauge.fetch_add(1, Relaxed);
-        GaugeGuard(gauge)
-    }
-}
-
-impl Drop for GaugeGuard<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
     }
 }
 

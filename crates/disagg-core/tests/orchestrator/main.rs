@@ -247,8 +247,13 @@ fn assert_settled(orch: &Orchestrator) {
     }
     let st = orch.stats();
     assert_eq!(
-        (st.in_flight, st.queued_now, st.kv_releases_in_flight),
-        (0, 0, 0),
+        (
+            st.in_flight,
+            st.queued_now,
+            st.kv_releases_in_flight,
+            st.kv_releases_skipped
+        ),
+        (0, 0, 0, 0),
         "{st:?}"
     );
 }

@@ -30,6 +30,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 /// | `disagg_deadlines_exceeded_total` | counter | requests ended by their total deadline |
 /// | `disagg_kv_releases_total` | counter | early KV releases sent |
 /// | `disagg_kv_releases_in_flight` | gauge | early KV releases running |
+/// | `disagg_kv_releases_skipped_total` | counter | early KV releases not run: too many running (4,096) or holding too many bytes (512 MiB) |
 /// | `disagg_invalid_params_total` | counter | requests refused 400 before routing: a field the proxy rewrites holds a value the engines refuse |
 /// | `disagg_tokenized_total` | counter | requests whose prompt was tokenized for routing |
 /// | `disagg_tokenize_failures_total` | counter | requests whose prompt could not be tokenized in time (routed without token ids) |
@@ -103,7 +104,7 @@ impl Collector for OrchestratorCollector {
                     .encode(requests.encode_family(&[("route", kind.as_str())])?)?;
             }
         }
-        let rows: [(&str, &str, bool, u64); 16] = [
+        let rows: [(&str, &str, bool, u64); 17] = [
             (
                 "disagg_requests_in_flight",
                 "Requests admitted and not yet ended.",
@@ -164,6 +165,12 @@ impl Collector for OrchestratorCollector {
                 "Early KV releases running.",
                 true,
                 s.kv_releases_in_flight,
+            ),
+            (
+                "disagg_kv_releases_skipped",
+                "Early KV releases not run: too many running, or holding too many bytes.",
+                false,
+                s.kv_releases_skipped,
             ),
             (
                 "disagg_invalid_params",
