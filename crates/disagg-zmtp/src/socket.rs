@@ -12,7 +12,7 @@
 //! (with its own back-off), so every renewal is seen and counted where it is decided.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -123,6 +123,13 @@ pub struct PullConfig {
     /// NAT entry dropped) or that connects and sends nothing would otherwise hold its
     /// place for ever; a `PUSH` peer that is closed reconnects by itself.
     pub evict_idle_after: Duration,
+    /// Peers connected at once from one IP address (default 256). A newcomer from a
+    /// host that has this many takes the place of that host's peer idle longest, if it
+    /// has been idle past [`evict_idle_after`](Self::evict_idle_after); otherwise the
+    /// newcomer is closed. One host (a busy or hostile process on the engines'
+    /// network) then cannot hold every place of [`max_peers`](Self::max_peers) by
+    /// connecting and sending, which keeps a peer from being idle.
+    pub max_peers_per_host: usize,
 }
 
 impl PullConfig {
@@ -133,6 +140,7 @@ impl PullConfig {
             max_peers: 1024,
             queue: 64,
             evict_idle_after: Duration::from_secs(60),
+            max_peers_per_host: 256,
         }
     }
 }
@@ -148,6 +156,10 @@ pub struct PullStats {
     /// Connections closed at once: [`PullConfig::max_peers`] were connected, none idle
     /// past [`PullConfig::evict_idle_after`].
     pub refused: u64,
+    /// Connections closed at once: their host had
+    /// [`PullConfig::max_peers_per_host`] connected, none idle past
+    /// [`PullConfig::evict_idle_after`].
+    pub refused_per_host: u64,
     /// Peers closed to make room for a newcomer, idle past
     /// [`PullConfig::evict_idle_after`].
     pub evicted: u64,
@@ -167,6 +179,7 @@ struct Counters {
     peers: AtomicU64,
     accepted: AtomicU64,
     refused: AtomicU64,
+    refused_per_host: AtomicU64,
     evicted: AtomicU64,
     oversized: AtomicU64,
     protocol: AtomicU64,
@@ -181,6 +194,7 @@ impl Counters {
             peers: get(&self.peers),
             accepted: get(&self.accepted),
             refused: get(&self.refused),
+            refused_per_host: get(&self.refused_per_host),
             evicted: get(&self.evicted),
             oversized: get(&self.oversized),
             protocol: get(&self.protocol),
@@ -285,8 +299,7 @@ async fn accept_loop(
     counters: Arc<Counters>,
 ) {
     let mut peers = JoinSet::new();
-    // Each live peer's task and when it was last heard from.
-    let mut live: HashMap<tokio::task::Id, (AbortHandle, Arc<Heard>)> = HashMap::new();
+    let mut live = Live::default();
     let clock = Clock::start();
     loop {
         tokio::select! {
@@ -295,29 +308,34 @@ async fn accept_loop(
                     Ok((id, ())) => id,
                     Err(e) => e.id(),
                 };
-                live.remove(&id);
+                live.remove(id);
                 counters.peers.store(peers.len() as u64, Ordering::Relaxed);
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    if live.len() >= config.max_peers {
-                        // The peer idle longest makes room, if it has been idle long
-                        // enough; its task ends (and is reaped) at the abort.
+                    let host = addr.ip();
+                    // Its host's places first, then the socket's: the peer idle longest
+                    // among them makes room, if it has been idle long enough; its task
+                    // ends (and is reaped) at the abort.
+                    let full = if live.of_host(host) >= config.max_peers_per_host {
+                        Some((Some(host), &counters.refused_per_host, "from its host"))
+                    } else if live.peers.len() >= config.max_peers {
+                        Some((None, &counters.refused, "in all"))
+                    } else {
+                        None
+                    };
+                    if let Some((among, refused, limit)) = full {
                         let now = clock.now();
-                        let idlest = live
-                            .iter()
-                            .min_by_key(|(_, (_, heard))| heard.at())
-                            .map(|(id, (handle, heard))| (*id, handle.clone(), now.saturating_sub(heard.at())));
-                        match idlest {
-                            Some((id, handle, idle)) if idle >= config.evict_idle_after => {
-                                handle.abort();
-                                live.remove(&id);
+                        match live.idlest(among) {
+                            Some((id, at)) if now.saturating_sub(at) >= config.evict_idle_after => {
+                                live.evict(id);
                                 counters.evicted.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(%addr, idle_ms = idle.as_millis(), "ZMQ PULL: peer idle longest closed to make room");
+                                let idle_ms = now.saturating_sub(at).as_millis();
+                                tracing::warn!(%addr, idle_ms, "ZMQ PULL: peer idle longest closed to make room");
                             }
                             _ => {
-                                counters.refused.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(%addr, max_peers = config.max_peers, "ZMQ PULL: too many peers, connection closed");
+                                refused.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(%addr, limit, "ZMQ PULL: too many peers, connection closed");
                                 drop(stream);
                                 continue;
                             }
@@ -333,7 +351,7 @@ async fn accept_loop(
                         Arc::clone(&counters),
                         (Arc::clone(&heard), clock),
                     ));
-                    live.insert(handle.id(), (handle, heard));
+                    live.insert(handle, host, heard);
                     counters.peers.store(peers.len() as u64, Ordering::Relaxed);
                 }
                 Err(error) => {
@@ -343,6 +361,55 @@ async fn accept_loop(
                 }
             },
         }
+    }
+}
+
+/// The live peers of a [`Pull`]: each one's task, host and when it was last heard
+/// from, and how many each host has.
+#[derive(Default)]
+struct Live {
+    peers: HashMap<tokio::task::Id, (AbortHandle, IpAddr, Arc<Heard>)>,
+    per_host: HashMap<IpAddr, usize>,
+}
+
+impl Live {
+    fn insert(&mut self, handle: AbortHandle, host: IpAddr, heard: Arc<Heard>) {
+        *self.per_host.entry(host).or_default() += 1;
+        self.peers.insert(handle.id(), (handle, host, heard));
+    }
+
+    /// Forget the peer `id` (its task ended, or was aborted).
+    fn remove(&mut self, id: tokio::task::Id) {
+        let Some((_, host, _)) = self.peers.remove(&id) else {
+            return;
+        };
+        if let Some(n) = self.per_host.get_mut(&host) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_host.remove(&host);
+            }
+        }
+    }
+
+    /// Close the peer `id`.
+    fn evict(&mut self, id: tokio::task::Id) {
+        if let Some((handle, _, _)) = self.peers.get(&id) {
+            handle.abort();
+        }
+        self.remove(id);
+    }
+
+    fn of_host(&self, host: IpAddr) -> usize {
+        self.per_host.get(&host).copied().unwrap_or(0)
+    }
+
+    /// The peer idle longest (of `host` only, when given) and when it was last heard.
+    fn idlest(&self, host: Option<IpAddr>) -> Option<(tokio::task::Id, Duration)> {
+        self.peers
+            .iter()
+            .filter(|(_, (_, h, _))| host.is_none_or(|host| *h == host))
+            .map(|(id, (_, _, heard))| (*id, heard.at()))
+            .min_by_key(|(_, at)| *at)
     }
 }
 

@@ -462,6 +462,81 @@ async fn pull_makes_room_by_closing_its_longest_idle_peer() {
     assert_eq!((stats.evicted, stats.refused), (1, 1));
 }
 
+/// A `PUSH` greeting sent to `addr` from the loopback address `ip` (Linux answers for
+/// all of 127.0.0.0/8): a peer on a host of its own.
+async fn push_from(ip: &str, addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+    let mut s = socket.connect(addr).await.unwrap();
+    s.write_all(&hello("PUSH")).await.unwrap();
+    s
+}
+
+/// Whether `stream` is still open after `wait` (what the socket sent meanwhile read).
+async fn still_open(stream: &mut TcpStream, wait: Duration) -> bool {
+    let mut sink = [0u8; 1024];
+    let until = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(until, stream.read(&mut sink)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return false,
+            Ok(Ok(_)) => {}
+            Err(_) => return true,
+        }
+    }
+}
+
+/// One host holds at most `max_peers_per_host` places: its next connection is closed
+/// while its peers are busy, or takes the place of its own peer idle longest (not
+/// another host's, even one idle longer); other hosts still get in.
+#[tokio::test]
+async fn pull_limits_the_peers_of_one_host() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let config = PullConfig {
+        max_peers: 8,
+        max_peers_per_host: 2,
+        evict_idle_after: Duration::from_millis(300),
+        ..PullConfig::new(Limits {
+            handshake_timeout: PATIENCE,
+            ..limits()
+        })
+    };
+    let pull = Pull::from_listener(listener, config).unwrap();
+    let addr = pull.local_addr();
+    // Host B's peer first: idle longest of all from here on.
+    let mut b1 = push_from("127.0.0.3", addr).await;
+    eventually("host B's peer", || pull.stats().peers == 1).await;
+    let mut a1 = push_from("127.0.0.2", addr).await;
+    eventually("a first peer of host A", || pull.stats().peers == 2).await;
+    let mut a2 = push_from("127.0.0.2", addr).await;
+    eventually("host A's two peers", || pull.stats().peers == 3).await;
+    // Too soon for anyone to be idle: host A's third is closed, though the socket has
+    // room for five more.
+    let mut a3 = push_from("127.0.0.2", addr).await;
+    assert!(closed_by_peer(&mut a3).await);
+    let stats = pull.stats();
+    assert_eq!(
+        (stats.refused_per_host, stats.refused, stats.peers),
+        (1, 0, 3)
+    );
+    // Idle now: host A's next takes the place of host A's idlest, and host B's
+    // (idle longer) keeps its own.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut a4 = push_from("127.0.0.2", addr).await;
+    assert!(
+        closed_by_peer(&mut a1).await,
+        "host A's idlest peer was closed"
+    );
+    assert!(still_open(&mut b1, Duration::from_millis(300)).await);
+    assert!(still_open(&mut a2, Duration::from_millis(10)).await);
+    assert!(still_open(&mut a4, Duration::from_millis(10)).await);
+    // Another host still gets in.
+    let mut b2 = push_from("127.0.0.3", addr).await;
+    eventually("host B's second peer", || pull.stats().peers == 4).await;
+    assert!(still_open(&mut b2, Duration::from_millis(10)).await);
+    let stats = pull.stats();
+    assert_eq!((stats.evicted, stats.refused_per_host), (1, 1));
+}
+
 /// A hand-written publisher on `listener`: greets as `socket_type`, then sends
 /// `bytes` and holds the connection until the subscriber closes it.
 async fn publisher(listener: TcpListener, socket_type: &'static str, bytes: Vec<u8>) -> bool {

@@ -97,6 +97,11 @@ pub struct NotifyConfig {
     /// Prefill ranks connected at once (default 1,024); one more is closed at once
     /// and counted.
     pub max_peers: usize,
+    /// Ranks connected at once from one IP address (default 256: a node of eight
+    /// engines of TP 8 has 64, with room to reconnect); one more from that host takes
+    /// the place of its peer idle longest, if idle 60 s, else it is closed and counted
+    /// (`PullConfig::max_peers_per_host`). One host cannot hold every place.
+    pub max_peers_per_host: usize,
 }
 
 /// [`NotifyConfig::max_message`]'s default: 64 KiB.
@@ -110,6 +115,7 @@ impl Default for NotifyConfig {
             max_pending: 65_536,
             max_message: DEFAULT_MAX_NOTIFICATION,
             max_peers: 1024,
+            max_peers_per_host: 256,
         }
     }
 }
@@ -619,6 +625,7 @@ impl Notifications {
             listener,
             PullConfig {
                 max_peers: config.max_peers,
+                max_peers_per_host: config.max_peers_per_host,
                 ..PullConfig::new(limits)
             },
         )
@@ -760,7 +767,7 @@ impl Notifications {
     /// | `disagg_lmcache_registrations_completed_total` | counter | requests whose every expected notification arrived |
     /// | `disagg_lmcache_registrations_evicted_total` | counter | registrations removed after outliving [`NotifyConfig::ttl`] |
     /// | `disagg_lmcache_registrations_pending` | gauge | requests waiting for notifications now |
-    /// | `disagg_lmcache_notify_peers_rejected_total{reason}` | counter | peers of the socket disconnected or refused: `oversized` (a message over [`NotifyConfig::max_message`] or more than 16 frames), `protocol` (not ZMTP 3 as a `PUSH`), `timeout` (no handshake within 5 s), `too_many_peers` (beyond [`NotifyConfig::max_peers`], none idle past 60 s), `idle_evicted` (idle past 60 s, closed to make room for a newcomer); only with a socket |
+    /// | `disagg_lmcache_notify_peers_rejected_total{reason}` | counter | peers of the socket disconnected or refused: `oversized` (a message over [`NotifyConfig::max_message`] or more than 16 frames), `protocol` (not ZMTP 3 as a `PUSH`), `timeout` (no handshake within 5 s), `too_many_peers` (beyond [`NotifyConfig::max_peers`], none idle past 60 s), `too_many_from_host` (beyond [`NotifyConfig::max_peers_per_host`] from one IP address, none of its idle past 60 s), `idle_evicted` (idle past 60 s, closed to make room for a newcomer); only with a socket |
     ///
     /// The outcomes partition what was received: their sum is [`NotifyStats::received`]
     /// (so no separate total is exported).
@@ -845,6 +852,7 @@ impl prometheus_client::collector::Collector for NotifyCollector {
                 ("protocol", peers.protocol),
                 ("timeout", peers.timeout),
                 ("too_many_peers", peers.refused),
+                ("too_many_from_host", peers.refused_per_host),
                 ("idle_evicted", peers.evicted),
             ] {
                 ConstCounter::new(n).encode(rejected.encode_family(&[("reason", reason)])?)?;
