@@ -134,12 +134,14 @@ pub fn check_request(req: &PdRequest, limits: &VllmLimits) -> Result<Decision, I
 
 /// Whether vLLM's `vllm_xargs` takes `raw` as a value (`dict[str, str | int | float |
 /// list[str | int | float]]`): not an object, not `null`, not a list holding either or
-/// a list.
+/// a list. A list is walked, not collected.
 fn xarg_value(raw: &[u8]) -> bool {
     let scalar = |v: &[u8]| !matches!(v.first(), Some(b'{' | b'[' | b'n'));
     match raw.first() {
-        Some(b'[') => serde_json::from_slice::<Vec<&serde_json::value::RawValue>>(raw)
-            .is_ok_and(|items| items.iter().all(|i| scalar(i.get().as_bytes()))),
+        Some(b'[') => std::str::from_utf8(raw).is_ok_and(|text| {
+            let mut all = true;
+            json::elements(text, |item| all &= scalar(item.get().as_bytes())).is_ok() && all
+        }),
         _ => scalar(raw),
     }
 }
@@ -808,6 +810,7 @@ mod tests {
             r#"{"kv_transfer_params":"x"}"#,
             r#"{"kv_transfer_params":1e400}"#,
             r#"{"ec_transfer_params":[1,"a",2.5]}"#,
+            r#"{"ec_transfer_params":[]}"#,
             r#"{"kv_transfer_params":true,"mine":{"a":1}}"#,
         ] {
             assert_eq!(of(taken), "ok", "{taken}");
@@ -817,6 +820,8 @@ mod tests {
             r#"{"kv_transfer_params":null}"#,
             r#"{"ec_transfer_params":[{"a":1}]}"#,
             r#"{"kv_transfer_params":[[1]]}"#,
+            r#"{"kv_transfer_params":[1,"a",null]}"#,
+            r#"{"kv_transfer_params":[1,2,{"a":1},3]}"#,
         ] {
             assert_eq!(of(refused), "vllm_xargs", "{refused}");
         }
