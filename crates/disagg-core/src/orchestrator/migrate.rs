@@ -32,10 +32,12 @@
 //!   with [`MigrationConfig::decode_only`], for a request served by a decode alone
 //!   (direct, decode-only fallback), when no prefill is left, or when the prefill side
 //!   of the continuation fails.
-//! * **Splice.** The continuation's chunks (parsed whole: this is the rare path) are
-//!   rewritten with the first leg's `id`, `object`, `created` and `model`, chat-shaped
-//!   (`delta.content`) for a chat request, with no second role chunk; a usage chunk
-//!   counts the original prompt and the completion tokens of every leg.
+//! * **Splice.** The continuation's chunks are rewritten with the first leg's `id`,
+//!   `object`, `created` and `model`, chat-shaped (`delta.content`) for a chat request,
+//!   with no second role chunk; a usage chunk counts the original prompt and the
+//!   completion tokens of every leg. A chunk is walked, never built as a `Value` (an
+//!   engine's event of `MAX_EVENT` bytes would cost up to ninety times its size): what is
+//!   carried over is copied as the engine wrote it, only ids and counts are read.
 //! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
 //!   (from, to, tokens carried, when the stream broke and when the continuation's first
 //!   byte went out: the time lost), with a span id drawn when the request is traced;
@@ -56,9 +58,10 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use disagg_json::raw;
 use http::header::{HeaderName, HeaderValue};
 use http_body::{Body, Frame};
-use serde_json::Value;
+use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
 use crate::endpoint::{Endpoint, EndpointId};
@@ -407,17 +410,9 @@ impl Migrating {
             &self.prompt,
         ) {
             let (p, c) = (prompt.len() as u64, self.generated.len() as u64);
-            let mut chunk = head.fields();
-            chunk.insert("choices".into(), Value::Array(Vec::new()));
-            chunk.insert(
-                "usage".into(),
-                serde_json::json!({"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}),
-            );
-            if let Ok(json) = serde_json::to_vec(&chunk) {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(&json);
-                out.extend_from_slice(b"\n\n");
-            }
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(&usage_chunk(head, p, c));
+            out.extend_from_slice(b"\n\n");
         }
         out.extend_from_slice(b"data: [DONE]\n\n");
         out.freeze()
@@ -587,89 +582,26 @@ impl Migrating {
         Ok(())
     }
 
-    /// An event of a continuation, rewritten into the client's stream.
+    /// An event of a continuation, rewritten into the client's stream
+    /// ([`splice_chunk`]).
     fn spliced(&mut self, event: &Bytes, out: &mut BytesMut) -> Result<(), Reason> {
         let Some(data) = self.continued(event, out)? else {
             return Ok(());
         };
-        let Ok(v) = serde_json::from_slice::<Value>(data) else {
-            return Err(Reason::ErrorFrame);
-        };
         let Some(head) = &self.head else {
             return Err(Reason::ErrorFrame);
         };
-        let mut chunk = head.fields();
-        let mut choices = Vec::new();
-        let mut new_ids = Vec::new();
-        for c in v
-            .get("choices")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            let text = c
-                .get("text")
-                .cloned()
-                .unwrap_or(Value::String(String::new()));
-            let finish = c.get("finish_reason").cloned().unwrap_or(Value::Null);
-            if !finish.is_null() {
-                self.finished = true;
-            }
-            let ids = c.get("token_ids").and_then(ids_of);
-            if let Some(ids) = &ids {
-                new_ids.extend_from_slice(ids);
-            }
-            let mut choice = serde_json::Map::new();
-            choice.insert("index".into(), Value::from(0));
-            if self.ctx.plan.chat {
-                let mut delta = serde_json::Map::new();
-                delta.insert("content".into(), text);
-                choice.insert("delta".into(), Value::Object(delta));
-            } else {
-                choice.insert("text".into(), text);
-            }
-            choice.insert("logprobs".into(), Value::Null);
-            choice.insert("finish_reason".into(), finish);
-            if let Some(stop) = c.get("stop_reason") {
-                choice.insert("stop_reason".into(), stop.clone());
-            }
-            if self.ctx.plan.client_ids {
-                choice.insert("token_ids".into(), ids.map_or(Value::Null, Value::from));
-            }
-            choices.push(Value::Object(choice));
+        let Some(spliced) = splice_chunk(head, &self.ctx.plan, self.carried, data) else {
+            return Err(Reason::ErrorFrame);
+        };
+        self.finished |= spliced.finished;
+        self.keep_ids(&spliced.ids);
+        self.usage_seen |= spliced.usage;
+        if let Some(json) = spliced.json {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(&json);
+            out.extend_from_slice(b"\n\n");
         }
-        self.keep_ids(&new_ids);
-        chunk.insert("choices".into(), Value::Array(choices));
-        if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
-            if !self.ctx.plan.usage {
-                return Ok(());
-            }
-            self.usage_seen = true;
-            let leg = usage
-                .get("completion_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0);
-            // The engine's counts are any u64 it wrote: saturate rather than panic
-            // (debug) or wrap to a small count (release).
-            let completion = self.carried.saturating_add(leg);
-            let prompt = usage
-                .get("prompt_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0)
-                .saturating_sub(self.carried);
-            let mut u = serde_json::Map::new();
-            u.insert("prompt_tokens".into(), Value::from(prompt));
-            u.insert(
-                "total_tokens".into(),
-                Value::from(prompt.saturating_add(completion)),
-            );
-            u.insert("completion_tokens".into(), Value::from(completion));
-            chunk.insert("usage".into(), Value::Object(u));
-        }
-        out.extend_from_slice(b"data: ");
-        let json = serde_json::to_vec(&Value::Object(chunk)).map_err(|_| Reason::ErrorFrame)?;
-        out.extend_from_slice(&json);
-        out.extend_from_slice(b"\n\n");
         Ok(())
     }
 
@@ -767,6 +699,138 @@ impl Migrating {
         self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n, span))));
         true
     }
+}
+
+/// A continuation's chunk rewritten for the client ([`splice_chunk`]).
+#[derive(Debug)]
+struct Spliced {
+    /// The client's chunk (`None`: a usage chunk the client did not ask for).
+    json: Option<Vec<u8>>,
+    /// The generated ids its choices carry.
+    ids: Vec<u32>,
+    /// A choice has a finish reason.
+    finished: bool,
+    /// It carries the usage, which goes out.
+    usage: bool,
+}
+
+/// The chunk `data` of a continuation rewritten for the client: `head`'s `id`,
+/// `object`, `created` and `model`; each choice at index 0 with its text (a chat's as
+/// `delta.content`), finish and stop reasons, and its token ids when the client asked
+/// for them; a usage counting the original prompt once and the completion tokens of
+/// every leg (`carried` before this one). `None` when `data` is not one JSON value.
+///
+/// The chunk is walked, never built as a `Value` (which costs up to ninety bytes per
+/// byte of an engine's `[{"":0},...]`): the values carried over are copied as the
+/// engine wrote them, the rest is skipped, and only the ids, the finish and the counts
+/// are read.
+fn splice_chunk(head: &Head, plan: &Plan, carried: u64, data: &[u8]) -> Option<Spliced> {
+    let text = std::str::from_utf8(data).ok()?;
+    // One JSON value (an object's walk checks all of it), never built.
+    let [choices, usage] = if raw::is_object(text) {
+        raw::members_named(text, ["choices", "usage"]).ok()?
+    } else {
+        // Another value has neither choices nor usage.
+        serde_json::from_str::<&RawValue>(text).ok()?;
+        [None, None]
+    };
+    let usage = usage.filter(|u| u.get() != "null");
+    let mut spliced = Spliced {
+        json: None,
+        ids: Vec::new(),
+        finished: false,
+        usage: false,
+    };
+    let mut json = Vec::with_capacity(head.size() + 256);
+    let mut chunk = raw::Object::open(&mut json);
+    head.write(&mut chunk);
+    let list = chunk.key("choices");
+    list.push(b'[');
+    if let Some(choices) = choices.filter(|c| raw::is_list(c.get())) {
+        let mut first = true;
+        // A list within a valid value: its elements always visit.
+        let _ = raw::elements(choices.get(), |c| {
+            if !std::mem::take(&mut first) {
+                list.push(b',');
+            }
+            write_choice(c, plan, list, &mut spliced);
+        });
+    }
+    list.push(b']');
+    if let Some(usage) = usage {
+        if !plan.usage {
+            return Some(spliced);
+        }
+        spliced.usage = true;
+        // A usage that is not an object counts nothing.
+        let [leg, prompt] = raw::members_named(usage.get(), ["completion_tokens", "prompt_tokens"])
+            .unwrap_or([None, None]);
+        let count = |v: Option<&RawValue>| v.and_then(raw::u64_of).unwrap_or(0);
+        // The engine's counts are any u64 it wrote: saturate rather than panic (debug)
+        // or wrap to a small count (release).
+        let completion = carried.saturating_add(count(leg));
+        let prompt = count(prompt).saturating_sub(carried);
+        write_usage(chunk.key("usage"), prompt, completion);
+    }
+    chunk.close();
+    spliced.json = Some(json);
+    Some(spliced)
+}
+
+/// Writes the continuation's choice `c` (a value of its `choices`) as the client's, at
+/// index 0: its `text`, `finish_reason` and `stop_reason` copied as written, its
+/// `token_ids` read into `spliced` (and written, when the client asked for them and
+/// they are ids; `null` when they are not). A choice that is not an object has an
+/// empty text and no finish.
+fn write_choice(c: &RawValue, plan: &Plan, out: &mut Vec<u8>, spliced: &mut Spliced) {
+    let [text, finish, ids, stop] = raw::members_named(
+        c.get(),
+        ["text", "finish_reason", "token_ids", "stop_reason"],
+    )
+    .unwrap_or([None; 4]);
+    let finish = finish.map_or("null", RawValue::get);
+    spliced.finished |= finish != "null";
+    let ids = ids.filter(|ids| ids_of(ids, &mut spliced.ids));
+    let text = text.map_or("\"\"", RawValue::get).as_bytes();
+    let mut o = raw::Object::open(out);
+    o.raw("index", b"0");
+    if plan.chat {
+        let mut delta = raw::Object::open(o.key("delta"));
+        delta.raw("content", text);
+        delta.close();
+    } else {
+        o.raw("text", text);
+    }
+    o.raw("logprobs", b"null");
+    o.raw("finish_reason", finish.as_bytes());
+    if let Some(stop) = stop {
+        o.raw("stop_reason", stop.get().as_bytes());
+    }
+    if plan.client_ids {
+        o.raw("token_ids", ids.map_or("null", RawValue::get).as_bytes());
+    }
+    o.close();
+}
+
+/// Writes a usage object of `prompt` and `completion` tokens into `out`.
+fn write_usage(out: &mut Vec<u8>, prompt: u64, completion: u64) {
+    let mut u = raw::Object::open(out);
+    u.value("prompt_tokens", &prompt);
+    u.value("completion_tokens", &completion);
+    u.value("total_tokens", &prompt.saturating_add(completion));
+    u.close();
+}
+
+/// The usage chunk the proxy writes at the end of a stream whose last token is out:
+/// `head`'s header, no choices, the usage of `prompt` and `completion` tokens.
+fn usage_chunk(head: &Head, prompt: u64, completion: u64) -> Vec<u8> {
+    let mut json = Vec::with_capacity(head.size() + 128);
+    let mut chunk = raw::Object::open(&mut json);
+    head.write(&mut chunk);
+    chunk.raw("choices", b"[]");
+    write_usage(chunk.key("usage"), prompt, completion);
+    chunk.close();
+    json
 }
 
 impl Body for Migrating {

@@ -13,11 +13,14 @@
 //! tracking keeps the last event relayed (a slice of its frame, no copy), read only
 //! when the stream breaks.
 
+use std::io::Write as _;
+
 use bytes::{Bytes, BytesMut};
-use serde_json::{Map, Value};
+use serde_json::value::RawValue;
 
 use crate::request::PdRequest;
-use disagg_json::{JsonBody, raw};
+use disagg_json::JsonBody;
+use disagg_json::raw::{self, Edit};
 
 use super::plan::{Plan, REFUSED, set};
 use super::scan::parse_ids_into;
@@ -134,64 +137,167 @@ pub(super) fn continuation_body(
 }
 
 /// What the client's stream held when it broke: the text and ids generated so far and
-/// the answer's id, from its last event; every spliced event starts from them.
+/// the answer's id (as the engine wrote it), from its last event; every spliced event
+/// starts from them.
 #[derive(Debug, Clone)]
 pub(super) struct Prefix {
     text: String,
     pub(super) ids: Vec<u32>,
-    id: Value,
+    id: Box<RawValue>,
 }
 
 /// The prefix the last event relayed to the client holds (`None` when it is not an
-/// answer event of one sequence).
+/// answer event of one sequence). The event is walked, not built: its text decoded,
+/// its ids read, its id kept as written, the rest skipped.
 pub(super) fn prefix(last: &[u8]) -> Option<Prefix> {
-    let v: Map<String, Value> = serde_json::from_slice(last).ok()?;
-    let text = v.get("text")?.as_str()?.to_owned();
-    let mut ids = Vec::new();
-    let raw = serde_json::to_vec(v.get("output_ids")?).ok()?;
-    parse_ids_into(&raw, &mut ids)?;
-    let id = v.get("meta_info")?.get("id")?.clone();
-    Some(Prefix { text, ids, id })
+    let last = std::str::from_utf8(last).ok()?;
+    let [text, ids, meta] = raw::members_named(last, ["text", "output_ids", "meta_info"]).ok()?;
+    let text = serde_json::from_str::<String>(text?.get()).ok()?;
+    let mut read = Vec::new();
+    parse_ids_into(ids?.get().as_bytes(), &mut read)?;
+    let id = raw::member(meta?.get(), "id")?.to_owned();
+    Some(Prefix {
+        text,
+        ids: read,
+        id,
+    })
 }
 
 /// A continuation's event `data` rewritten into the client's stream: its text and ids
 /// after the prefix's, the first leg's id, the original prompt's length and every
 /// leg's completion tokens; whether it finishes the answer. `None` for what is not an
 /// answer event.
+///
+/// The event is walked, never built as a `Value` (which costs up to ninety bytes per
+/// byte of an engine's `[{"":0},...]`): the members the splice does not touch, at the
+/// top and in `meta_info`, are copied as the engine wrote them, and so are the
+/// continuation's ids; only the text, the counts and the finish are read. A key that
+/// repeats is written once, where its last member was (the one a parser keeps).
 pub(super) fn splice(prefix: &Prefix, prompt_len: usize, data: &[u8]) -> Option<(Vec<u8>, bool)> {
-    let mut v: Map<String, Value> = serde_json::from_slice(data).ok()?;
-    let text = v.get("text")?.as_str()?;
-    let mut all = String::with_capacity(prefix.text.len() + text.len());
+    let data = std::str::from_utf8(data).ok()?;
+    let [text, ids, meta] = raw::members_named(data, ["text", "output_ids", "meta_info"]).ok()?;
+    let text = text?;
+    let decoded = serde_json::from_str::<String>(text.get()).ok()?;
+    let ids = ids.filter(|v| raw::is_list(v.get()))?;
+    let meta = meta.filter(|v| raw::is_object(v.get()))?;
+    let mut all = String::with_capacity(prefix.text.len() + decoded.len());
     all.push_str(&prefix.text);
-    all.push_str(text);
-    let mut ids: Vec<Value> = prefix.ids.iter().map(|&i| Value::from(i)).collect();
-    ids.extend(v.get("output_ids")?.as_array()?.iter().cloned());
+    all.push_str(&decoded);
+    drop(decoded);
+    let [id, prompt, completion, finish] = raw::members_named(
+        meta.get(),
+        ["id", "prompt_tokens", "completion_tokens", "finish_reason"],
+    )
+    .ok()?;
     let carried = prefix.ids.len() as u64;
-    let meta = v.get_mut("meta_info")?.as_object_mut()?;
-    meta.insert("id".into(), prefix.id.clone());
-    meta.insert("prompt_tokens".into(), Value::from(prompt_len));
-    let leg = meta
-        .get("completion_tokens")
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
     // The engine's counts are any u64 it wrote: saturate rather than panic (debug) or
     // wrap to a small count (release).
-    meta.insert(
-        "completion_tokens".into(),
-        Value::from(carried.saturating_add(leg)),
-    );
+    let completion_tokens = carried.saturating_add(completion.and_then(raw::u64_of).unwrap_or(0));
     // A length finish names the limit, the client's: the continuation's plus the
     // tokens carried.
-    if let Some(Value::Object(finish)) = meta.get_mut("finish_reason")
-        && finish.get("type").and_then(Value::as_str) == Some("length")
-        && let Some(n) = finish.get("length").and_then(Value::as_u64)
-    {
-        finish.insert("length".into(), Value::from(carried.saturating_add(n)));
+    let length = finish.filter(|f| raw::is_object(f.get())).and_then(|f| {
+        let [kind, length] = raw::members_named(f.get(), ["type", "length"]).ok()?;
+        // Any spelling of "length" is short: a longer string is not read.
+        let kind = kind.filter(|k| k.get().len() <= 64)?;
+        let kind = serde_json::from_str::<String>(kind.get()).ok()?;
+        let length = length?;
+        let n = raw::u64_of(length)?;
+        (kind == "length").then_some((length, carried.saturating_add(n)))
+    });
+    let finished = finish.is_some_and(|f| f.get() != "null");
+    let mut out = Vec::with_capacity(
+        data.len() + all.len() + prefix.ids.len() * 11 + prefix.id.get().len() + 64,
+    );
+    let mut o = raw::Object::open(&mut out);
+    // A valid object (the members were found in it): its members always visit.
+    let _ = o.copy(data, |key, v, out| match key {
+        "text" if same(v, text) => {
+            // A string always encodes.
+            let _ = serde_json::to_writer(&mut *out, &all);
+            Edit::Wrote
+        }
+        "output_ids" if same(v, ids) => {
+            write_ids(out, &prefix.ids, v);
+            Edit::Wrote
+        }
+        "meta_info" if same(v, meta) => {
+            let mut m = raw::Object::open(out);
+            let _ = m.copy(meta.get(), |key, v, out| match key {
+                "id" if id.is_some_and(|id| same(v, id)) => {
+                    out.extend_from_slice(prefix.id.get().as_bytes());
+                    Edit::Wrote
+                }
+                "prompt_tokens" if prompt.is_some_and(|p| same(v, p)) => {
+                    let _ = write!(out, "{prompt_len}");
+                    Edit::Wrote
+                }
+                "completion_tokens" if completion.is_some_and(|c| same(v, c)) => {
+                    let _ = write!(out, "{completion_tokens}");
+                    Edit::Wrote
+                }
+                "finish_reason" if finish.is_some_and(|f| same(v, f)) => {
+                    let Some((length, n)) = length else {
+                        return Edit::Keep;
+                    };
+                    let mut f = raw::Object::open(out);
+                    let _ = f.copy(v.get(), |key, v, out| match key {
+                        "length" if same(v, length) => {
+                            let _ = write!(out, "{n}");
+                            Edit::Wrote
+                        }
+                        "length" => Edit::Drop,
+                        _ => Edit::Keep,
+                    });
+                    f.close();
+                    Edit::Wrote
+                }
+                "id" | "prompt_tokens" | "completion_tokens" | "finish_reason" => Edit::Drop,
+                _ => Edit::Keep,
+            });
+            if id.is_none() {
+                m.raw("id", prefix.id.get().as_bytes());
+            }
+            if prompt.is_none() {
+                m.value("prompt_tokens", &prompt_len);
+            }
+            if completion.is_none() {
+                m.value("completion_tokens", &completion_tokens);
+            }
+            m.close();
+            Edit::Wrote
+        }
+        // An earlier member of a key the splice writes: the last one is written, once
+        // (a parser keeps the last).
+        "text" | "output_ids" | "meta_info" => Edit::Drop,
+        _ => Edit::Keep,
+    });
+    o.close();
+    Some((out, finished))
+}
+
+/// Whether `a` and `b` are the same member's value of one text (not merely equal).
+fn same(a: &RawValue, b: &RawValue) -> bool {
+    std::ptr::addr_eq(a, b)
+}
+
+/// Writes the JSON list of `head`, then the elements of the JSON list `tail` as written.
+fn write_ids(out: &mut Vec<u8>, head: &[u32], tail: &RawValue) {
+    out.push(b'[');
+    let mut first = true;
+    for id in head {
+        if !std::mem::take(&mut first) {
+            out.push(b',');
+        }
+        let _ = write!(out, "{id}");
     }
-    let finished = meta.get("finish_reason").is_some_and(|f| !f.is_null());
-    v.insert("text".into(), Value::String(all));
-    v.insert("output_ids".into(), Value::Array(ids));
-    Some((serde_json::to_vec(&v).ok()?, finished))
+    // A list within a valid value: its elements always visit.
+    let _ = raw::elements(tail.get(), |v| {
+        if !std::mem::take(&mut first) {
+            out.push(b',');
+        }
+        out.extend_from_slice(v.get().as_bytes());
+    });
+    out.push(b']');
 }
 
 impl Migrating {

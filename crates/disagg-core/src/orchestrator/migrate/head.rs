@@ -1,39 +1,48 @@
 //! The first chunk of a tracked vLLM leg, read once: the header every spliced chunk
 //! carries, and the prompt's ids.
 
-use serde_json::Value;
+use disagg_json::raw;
 use serde_json::value::RawValue;
 
 use super::scan::parse_ids_into;
 
 /// The first leg's chunk header, written on every spliced chunk: the JSON object of
 /// its `id`, `object`, `created` and `model` as the engine wrote them (kept as text, one
-/// allocation; parsed only when a chunk is written from it, the rare path).
-pub(super) struct Head(Box<[u8]>);
+/// allocation; copied as written into each chunk the proxy writes, never built).
+pub(super) struct Head(Box<str>);
 
 impl Head {
     /// The header of the first chunk `first`.
     pub(super) fn of(first: &FirstChunk<'_>) -> Self {
-        fn raw(v: Option<&RawValue>) -> &str {
+        fn text(v: Option<&RawValue>) -> &str {
             v.map_or("null", RawValue::get)
         }
-        let mut out = Vec::with_capacity(64);
+        let mut out = String::with_capacity(64);
         for (key, value) in [
-            (&b"{\"id\":"[..], first.id),
-            (b",\"object\":", first.object),
-            (b",\"created\":", first.created),
-            (b",\"model\":", first.model),
+            ("{\"id\":", first.id),
+            (",\"object\":", first.object),
+            (",\"created\":", first.created),
+            (",\"model\":", first.model),
         ] {
-            out.extend_from_slice(key);
-            out.extend_from_slice(raw(value).as_bytes());
+            out.push_str(key);
+            out.push_str(text(value));
         }
-        out.push(b'}');
-        Head(out.into_boxed_slice())
+        out.push('}');
+        Head(out.into_boxed_str())
     }
 
-    /// The header's fields, the start of a chunk written by the proxy.
-    pub(super) fn fields(&self) -> serde_json::Map<String, Value> {
-        serde_json::from_slice(&self.0).unwrap_or_default()
+    /// Writes the header's members into `chunk`, the start of a chunk written by the
+    /// proxy: each value as the engine wrote it (a number such as `1e400` that a
+    /// `Value` would refuse included).
+    pub(super) fn write(&self, chunk: &mut raw::Object<'_>) {
+        // Four JSON values the first chunk's read took whole, in an object: its members
+        // always visit.
+        let _ = chunk.copy(&self.0, |_, _, _| raw::Edit::Keep);
+    }
+
+    /// The header's size in bytes (what a chunk written from it holds of it).
+    pub(super) fn size(&self) -> usize {
+        self.0.len()
     }
 }
 

@@ -1,7 +1,7 @@
 //! The byte scans of a tracked decode stream: its events, their payloads and the token
 //! id lists in them, read without deserializing the chunks.
 
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// The payload of an event's `data:` line (the whole event is one line in vLLM's
 /// streams), trimmed.
@@ -110,9 +110,10 @@ pub(super) fn parse_ids_into(raw: &[u8], ids: &mut Vec<u32>) -> Option<()> {
     read
 }
 
-pub(super) fn ids_of(v: &Value) -> Option<Vec<u32>> {
-    v.as_array()?
-        .iter()
-        .map(|i| i.as_u64().and_then(|i| u32::try_from(i).ok()))
-        .collect()
+/// The ids of `raw`, a value of a chunk that was read as one JSON value, appended to
+/// `ids` when it is a list of non-negative integers below 2^32 (`true`); `ids` as it was
+/// otherwise. In valid JSON this is what an integer read of each element takes: `1.0`,
+/// `1e2`, `-0`, `"1"` and `[1]` are not ids, whitespace between them is allowed.
+pub(super) fn ids_of(raw: &RawValue, ids: &mut Vec<u32>) -> bool {
+    parse_ids_into(raw.get().as_bytes(), ids).is_some()
 }

@@ -1,5 +1,16 @@
+use serde_json::Value;
+
 use super::*;
 use crate::request::Api;
+
+/// The header as a chunk the proxy writes holds it, read back.
+fn head_value(head: &Head) -> Value {
+    let mut out = Vec::new();
+    let mut o = raw::Object::open(&mut out);
+    head.write(&mut o);
+    o.close();
+    serde_json::from_slice(&out).unwrap()
+}
 
 #[test]
 fn ids_are_found_in_choices_and_at_the_top_never_in_text() {
@@ -33,7 +44,7 @@ fn the_first_chunk_is_read_for_its_header_and_prompt_ids_only() {
     let read = |data: &[u8]| {
         let first: FirstChunk<'_> = serde_json::from_slice(data).ok()?;
         let head = Head::of(&first);
-        Some((Value::Object(head.fields()), first.prompt()))
+        Some((head_value(&head), first.prompt()))
     };
     // Chat: the ids at the top; a key inside a string is text, not a key.
     let (head, ids) = read(
@@ -314,4 +325,332 @@ fn a_continuations_u64_max_counts_saturate() {
     let meta = &v["meta_info"];
     assert_eq!(meta["completion_tokens"], u64::MAX);
     assert_eq!(meta["finish_reason"]["length"], u64::MAX);
+}
+
+/// A list of small objects of about `bytes` bytes: what a `Value` costs most for (each
+/// `{"":0}` a map of its own, ninety-odd bytes per byte).
+fn objects(bytes: usize) -> String {
+    format!("[{}]", vec![r#"{"":0}"#; bytes / 7].join(","))
+}
+
+/// The JSON text at `path` in `json` (a key of an object, or the index of a list's
+/// element), as written, read without building it (a `Value` refuses `1e400`).
+fn at<'a>(json: &'a str, path: &[&str]) -> Option<&'a str> {
+    let mut here = raw::trim(json);
+    for step in path {
+        here = match step.parse::<usize>() {
+            Ok(i) => {
+                let mut found = None;
+                let mut n = 0;
+                raw::elements(here, |v| {
+                    if n == i {
+                        found = Some(v.get());
+                    }
+                    n += 1;
+                })
+                .ok()?;
+                found?
+            }
+            Err(_) => raw::member(here, step)?.get(),
+        };
+    }
+    Some(here)
+}
+
+/// The keys of the JSON object `json`, in order.
+fn keys(json: &str) -> Vec<String> {
+    let mut keys = Vec::new();
+    raw::members(json, |k, _| keys.push(k)).unwrap();
+    keys
+}
+
+fn migrating_plan(api: Api, body: serde_json::Value) -> Plan {
+    let on = MigrationConfig {
+        limit: 1,
+        ..MigrationConfig::default()
+    };
+    plan(&on, &request(api, body)).expect("eligible")
+}
+
+fn head_of(first: &str) -> Head {
+    Head::of(&serde_json::from_str::<FirstChunk<'_>>(first).unwrap())
+}
+
+/// A continuation's chunk is walked, not built: what the client gets of it (the text,
+/// the finish and stop reasons, the ids) is copied as the engine wrote it, a megabyte
+/// of small objects and a number a `Value` refuses (`1e400`) included, and the members
+/// it does not carry are skipped; the first leg's header goes out as written too.
+#[test]
+fn a_continuation_chunk_is_walked_and_what_it_carries_is_copied_as_written() {
+    let plan = migrating_plan(
+        Api::Chat,
+        serde_json::json!({"messages": [], "stream": true, "return_token_ids": true,
+            "stream_options": {"include_usage": true}}),
+    );
+    let head = head_of(
+        r#"{"id":"c-1","object":"chat.completion.chunk","created":1e400,"model":"m\u00e9","choices":[]}"#,
+    );
+    let big = objects(1 << 20);
+    let stop = format!(r#"{{"list":{big},"n":1e400,"f":1.0000}}"#);
+    let data = format!(
+        r#"{{"id":"cmpl-2","object":"text_completion","created":9,"model":"other","kv_transfer_params":{big},"choices":[{{"index":3,"text":"caf\u00e9 1.0000","logprobs":null,"finish_reason":"length","stop_reason":{stop},"token_ids":[ 7 , 8 ],"prompt_token_ids":[1e400]}}],"usage":{{"prompt_tokens":15,"completion_tokens":3,"total_tokens":18,"x":1e400}}}}"#
+    );
+    let s = splice_chunk(&head, &plan, 5, data.as_bytes()).expect("one JSON value");
+    assert!(s.finished && s.usage);
+    assert_eq!(s.ids, [7, 8]);
+    let json = String::from_utf8(s.json.expect("a chunk")).unwrap();
+    // The header is the first leg's, as written; nothing else of the top is carried.
+    assert_eq!(
+        keys(&json),
+        ["id", "object", "created", "model", "choices", "usage"]
+    );
+    assert_eq!(at(&json, &["id"]), Some(r#""c-1""#));
+    assert_eq!(at(&json, &["object"]), Some(r#""chat.completion.chunk""#));
+    assert_eq!(at(&json, &["created"]), Some("1e400"));
+    assert_eq!(at(&json, &["model"]), Some(r#""m\u00e9""#));
+    // One choice, chat-shaped, at index 0, its values byte for byte.
+    let choice = at(&json, &["choices", "0"]).unwrap();
+    assert!(at(&json, &["choices", "1"]).is_none());
+    assert_eq!(
+        keys(choice),
+        [
+            "index",
+            "delta",
+            "logprobs",
+            "finish_reason",
+            "stop_reason",
+            "token_ids"
+        ]
+    );
+    assert_eq!(at(choice, &["index"]), Some("0"));
+    assert_eq!(
+        at(choice, &["delta"]),
+        Some(r#"{"content":"caf\u00e9 1.0000"}"#)
+    );
+    assert_eq!(at(choice, &["logprobs"]), Some("null"));
+    assert_eq!(at(choice, &["finish_reason"]), Some(r#""length""#));
+    assert_eq!(at(choice, &["stop_reason"]), Some(&stop[..]));
+    assert_eq!(at(choice, &["token_ids"]), Some("[ 7 , 8 ]"));
+    // The usage counts the original prompt once and both legs' tokens.
+    assert_eq!(
+        at(&json, &["usage"]),
+        Some(r#"{"prompt_tokens":10,"completion_tokens":8,"total_tokens":18}"#)
+    );
+    // The chunk is about what it carries: the skipped megabyte is not in it.
+    assert!(json.len() < stop.len() + 512, "{}", json.len());
+}
+
+/// The chunk the proxy writes for a continuation's is the one a parse of it gave: the
+/// same members and values for every shape an engine may send, malformed ones refused
+/// as before.
+#[test]
+fn a_continuation_chunk_is_rewritten_as_a_parse_of_it_was() {
+    let completions = migrating_plan(
+        Api::Completions,
+        serde_json::json!({"prompt": "x", "stream": true}),
+    );
+    let chat_ids = migrating_plan(
+        Api::Chat,
+        serde_json::json!({"messages": [], "stream": true, "return_token_ids": true}),
+    );
+    let head = head_of(r#"{"id":"x","object":"text_completion","created":7,"model":"m"}"#);
+    let header =
+        serde_json::json!({"id": "x", "object": "text_completion", "created": 7, "model": "m"});
+    let chunk = |plan: &Plan, data: &str| {
+        let s = splice_chunk(&head, plan, 2, data.as_bytes())?;
+        let json = s.json.map(|j| serde_json::from_slice::<Value>(&j).unwrap());
+        Some((json, s.ids, s.finished, s.usage))
+    };
+    let with = |choices: Value, usage: Option<Value>| {
+        let mut v = header.clone();
+        v["choices"] = choices;
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        Some(v)
+    };
+    // Completions: the text at `text`, no ids for a client that did not ask, the
+    // last of a repeated key, a usage chunk the client did not ask for not sent (its
+    // ids and finish still read).
+    assert_eq!(
+        chunk(
+            &completions,
+            r#"{"choices":[{"text":"a","text":"b","finish_reason":null,"token_ids":[4],"stop_reason":null}]}"#
+        ),
+        Some((
+            with(
+                serde_json::json!([{"index": 0, "text": "b", "logprobs": null, "finish_reason": null, "stop_reason": null}]),
+                None
+            ),
+            vec![4],
+            false,
+            false
+        ))
+    );
+    assert_eq!(
+        chunk(
+            &completions,
+            r#"{"choices":[{"text":"","finish_reason":"stop","token_ids":[9]}],"usage":{"completion_tokens":1}}"#
+        ),
+        Some((None, vec![9], true, false))
+    );
+    // What is not an object: no choices, no usage; a choice that is not one: an empty
+    // text, no finish.
+    assert_eq!(
+        chunk(&completions, "[1]"),
+        Some((with(serde_json::json!([]), None), vec![], false, false))
+    );
+    assert_eq!(
+        chunk(&chat_ids, r#"{"choices":[5],"usage":null}"#),
+        Some((
+            with(
+                serde_json::json!([{"index": 0, "delta": {"content": ""}, "logprobs": null, "finish_reason": null, "token_ids": null}]),
+                None
+            ),
+            vec![],
+            false,
+            false
+        ))
+    );
+    assert_eq!(
+        chunk(&chat_ids, r#"{"choices":{"text":"a"}}"#),
+        Some((with(serde_json::json!([]), None), vec![], false, false))
+    );
+    // Ids an integer read refuses are no ids (null for the client), the others are.
+    for bad in [
+        "[1.0]",
+        "[-0]",
+        "[1e2]",
+        r#"["1"]"#,
+        "[4294967296]",
+        "[[1]]",
+        "{}",
+        "1",
+    ] {
+        let data =
+            format!(r#"{{"choices":[{{"text":"a","token_ids":{bad}}},{{"token_ids":[3]}}]}}"#);
+        let (json, ids, _, _) = chunk(&chat_ids, &data).unwrap();
+        let json = json.unwrap();
+        assert_eq!(json["choices"][0]["token_ids"], Value::Null, "{bad}");
+        assert_eq!(
+            json["choices"][1]["token_ids"],
+            serde_json::json!([3]),
+            "{bad}"
+        );
+        assert_eq!(ids, [3], "{bad}");
+    }
+    // Malformed: a cut chunk, bytes that are not UTF-8, two values.
+    assert_eq!(chunk(&completions, r#"{"choices":["#), None);
+    assert!(
+        splice_chunk(
+            &head,
+            &completions,
+            0,
+            b"{\"choices\":[{\"text\":\"\xff\"}]}"
+        )
+        .is_none()
+    );
+    assert_eq!(chunk(&completions, "{} {}"), None);
+    assert_eq!(chunk(&completions, "[1"), None);
+    assert_eq!(chunk(&completions, "[1] 2"), None);
+}
+
+/// The end of a stream the proxy writes carries the first leg's header as written.
+#[test]
+fn the_proxys_usage_chunk_carries_the_header_as_written() {
+    let head = head_of(r#"{"id":"c","object":"o","created":1.0000,"model":"m"}"#);
+    let json = usage_chunk(&head, 3, 4);
+    assert_eq!(
+        String::from_utf8(json).unwrap(),
+        r#"{"id":"c","object":"o","created":1.0000,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#
+    );
+}
+
+/// SGLang's events are walked, not built: the prefix keeps the answer's id as written,
+/// and a continuation's event keeps what the splice does not touch (a megabyte of
+/// small objects, numbers a `Value` refuses or rewrites) byte for byte, in the engine's
+/// order, each key the splice writes once.
+#[test]
+fn a_generate_event_keeps_what_the_splice_does_not_touch_as_written() {
+    let big = objects(1 << 20);
+    let last = format!(
+        r#"{{"text":"a\u00e9","output_ids":[5, 6],"meta_info":{{"id":{{"rid":1e400}},"finish_reason":null,"weights":{big}}}}}"#
+    );
+    let prefix = generate::prefix(last.as_bytes()).expect("an answer event");
+    assert_eq!(prefix.ids, [5, 6]);
+    let cont = format!(
+        r#"{{"text":"ignored","x":{big},"text":" c","output_ids":[ 7 ,8],"meta_info":{{"e2e_latency":1.0000,"completion_tokens":1,"id":"second","weird":1e400,"finish_reason":{{"length":0,"type":"length","length":2,"more":1e400}},"completion_tokens":2,"prompt_tokens":11}},"index":0}}"#
+    );
+    let (json, finished) = generate::splice(&prefix, 3, cont.as_bytes()).unwrap();
+    assert!(finished);
+    let json = String::from_utf8(json).unwrap();
+    assert_eq!(
+        keys(&json),
+        ["x", "text", "output_ids", "meta_info", "index"]
+    );
+    assert_eq!(at(&json, &["x"]), Some(&big[..]));
+    assert_eq!(at(&json, &["text"]), Some(r#""aé c""#));
+    assert_eq!(at(&json, &["output_ids"]), Some("[5,6,7,8]"));
+    assert_eq!(at(&json, &["index"]), Some("0"));
+    let meta = at(&json, &["meta_info"]).unwrap();
+    assert_eq!(
+        meta,
+        r#"{"e2e_latency":1.0000,"id":{"rid":1e400},"weird":1e400,"finish_reason":{"type":"length","length":4,"more":1e400},"completion_tokens":4,"prompt_tokens":3}"#
+    );
+    // What the client's stream then holds is the prefix of a further continuation.
+    let again = generate::prefix(json.as_bytes()).unwrap();
+    assert_eq!(again.ids, [5, 6, 7, 8]);
+
+    // Members the continuation lacks are added; a finish that is not a length is kept.
+    let (json, finished) = generate::splice(
+        &prefix,
+        3,
+        br#"{"text":"","output_ids":[],"meta_info":{"finish_reason":{"type":"stop","length":1}}}"#,
+    )
+    .unwrap();
+    assert!(finished);
+    assert_eq!(
+        String::from_utf8(json).unwrap(),
+        r#"{"text":"aé","output_ids":[5,6],"meta_info":{"finish_reason":{"type":"stop","length":1},"id":{"rid":1e400},"prompt_tokens":3,"completion_tokens":2}}"#
+    );
+
+    // "length" spelled with an escape is a length finish; a long string is not.
+    let long = format!("{:?}", "x".repeat(100));
+    for (kind, want) in [
+        (r#""lengt\u0068""#, "4"),
+        (r#""\u006c\u0065\u006e\u0067\u0074\u0068""#, "4"),
+        (&long[..], "2"),
+    ] {
+        let cont = format!(
+            r#"{{"text":"","output_ids":[],"meta_info":{{"finish_reason":{{"type":{kind},"length":2}}}}}}"#
+        );
+        let (json, _) = generate::splice(&prefix, 3, cont.as_bytes()).unwrap();
+        let json = String::from_utf8(json).unwrap();
+        let length = at(&json, &["meta_info", "finish_reason", "length"]);
+        assert_eq!(length, Some(want), "{kind}");
+    }
+
+    // Not answer events, as before: no text string, ids that are not a list, no
+    // meta_info object, a cut event; a prefix without ids or id.
+    for bad in [
+        r#"{"text":1,"output_ids":[],"meta_info":{}}"#,
+        r#"{"text":"","output_ids":{},"meta_info":{}}"#,
+        r#"{"text":"","output_ids":[],"meta_info":[]}"#,
+        r#"{"text":"","output_ids":[]}"#,
+        r#"{"text":"","output_ids":[],"meta_info":{}"#,
+        r#"[{"text":"","output_ids":[],"meta_info":{}}]"#,
+    ] {
+        assert!(
+            generate::splice(&prefix, 3, bad.as_bytes()).is_none(),
+            "{bad}"
+        );
+    }
+    for bad in [
+        r#"{"text":"","output_ids":[1.0],"meta_info":{"id":1}}"#,
+        r#"{"text":"","output_ids":[1],"meta_info":{}}"#,
+        r#"{"text":"","output_ids":[1],"meta_info":[{"id":1}]}"#,
+        r#"{"text":"\ud800","output_ids":[1],"meta_info":{"id":1}}"#,
+    ] {
+        assert!(generate::prefix(bad.as_bytes()).is_none(), "{bad}");
+    }
 }
