@@ -34,11 +34,11 @@ use disagg_core::request::Api;
 use disagg_core::tokens::Asked;
 use disagg_core::transport::{Transport, read_limited};
 use http::{HeaderValue, header};
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
-use crate::prompt::{Prompt, PromptInput};
+use crate::prompt::{Prompt, PromptInput, Truncation, read_off_loop};
 use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
 
@@ -110,7 +110,7 @@ impl EngineTokenizer {
     ///
     /// As [`Tokenize::tokenize`].
     pub async fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
-        self.tokenize_prompt_asking(prompt, &mut Asked::default())
+        self.ask(plan(prompt)?, prompt.truncation, &mut Asked::default())
             .await
     }
 
@@ -129,57 +129,89 @@ impl EngineTokenizer {
         body: &JsonBody,
         asked: &mut Asked,
     ) -> Result<Tokens, TokenizeError> {
-        let prompt = Prompt::read(api, body)?;
-        if let PromptInput::Chat(chat) = &prompt.input {
-            check_messages(&chat.messages)?;
-        }
-        self.tokenize_prompt_asking(&prompt, asked).await
+        // Reading the prompt, checking the messages and writing the `/tokenize` request
+        // each walk the body: a large one would hold the event loop, and every
+        // connection on it, for milliseconds; see `READ_OFF_LOOP_FROM`.
+        let (plan, truncation) = match read_off_loop(body, move |body| prepare(api, body)).await {
+            Some(prepared) => prepared?,
+            None => prepare(api, body)?,
+        };
+        self.ask(plan, truncation, asked).await
     }
 
-    async fn tokenize_prompt_asking(
+    /// The ids `plan` gives: its own, or the engine's answer to its request, truncated
+    /// to `truncation`.
+    async fn ask(
         &self,
-        prompt: &Prompt,
+        plan: Plan,
+        truncation: Option<Truncation>,
         asked: &mut Asked,
     ) -> Result<Tokens, TokenizeError> {
-        let mut ids = match &prompt.input {
-            PromptInput::Ids(ids) => ids.clone(),
-            _ => {
-                // Without an explicit side vLLM truncates text inside the tokenizer,
-                // which keeps the special tokens it adds; which of the answer's ids
-                // those are is not known here.
-                let special = match &prompt.input {
-                    PromptInput::Text {
-                        add_special_tokens, ..
-                    } => *add_special_tokens,
-                    PromptInput::Chat(chat) => chat.add_special_tokens,
-                    PromptInput::Ids(_) => false,
-                };
-                if special && prompt.truncation.is_some_and(|t| t.side.is_none()) {
-                    return Err(TokenizeError::not_supported(
-                        "truncate_prompt_tokens with special tokens, through the engine",
-                    ));
-                }
-                let Some(body) = request_body(prompt)? else {
-                    return Err(TokenizeError::not_supported("this prompt"));
-                };
-                let uri = self
-                    .endpoint
-                    .uri(self.path)
-                    .map_err(|e| TokenizeError::Engine(EngineError::Uri(e)))?;
-                asked.engine = Some(Arc::clone(&self.endpoint));
-                let answer = request_tokens(&*self.transport, uri, body, self.max_answer).await;
-                asked.answered = match &answer {
-                    Ok(_) => true,
-                    Err(EngineError::Status { status, .. }) => status.is_client_error(),
-                    Err(_) => false,
-                };
-                answer.map_err(TokenizeError::Engine)?
-            }
+        let body = match plan {
+            Plan::Ids(ids) => return Ok(ids),
+            Plan::Ask(body) => body,
         };
-        if let Some(t) = &prompt.truncation {
+        let uri = self
+            .endpoint
+            .uri(self.path)
+            .map_err(|e| TokenizeError::Engine(EngineError::Uri(e)))?;
+        asked.engine = Some(Arc::clone(&self.endpoint));
+        let answer = request_tokens(&*self.transport, uri, body, self.max_answer).await;
+        asked.answered = match &answer {
+            Ok(_) => true,
+            Err(EngineError::Status { status, .. }) => status.is_client_error(),
+            Err(_) => false,
+        };
+        let mut ids = answer.map_err(TokenizeError::Engine)?;
+        if let Some(t) = &truncation {
             t.apply(&mut ids);
         }
         Ok(ids.into())
+    }
+}
+
+/// What a prompt needs of the engine: nothing (a token-id prompt: its ids, truncated),
+/// or an answer to this `/tokenize` request.
+enum Plan {
+    Ids(Tokens),
+    Ask(Bytes),
+}
+
+/// The prompt of `body`, a request for `api`, read and checked ([`check_messages`]), as
+/// a [`Plan`] and the truncation to apply to the engine's answer.
+fn prepare(api: Api, body: &JsonBody) -> Result<(Plan, Option<Truncation>), TokenizeError> {
+    let prompt = Prompt::read(api, body)?;
+    if let PromptInput::Chat(chat) = &prompt.input {
+        check_messages(&chat.messages)?;
+    }
+    Ok((plan(&prompt)?, prompt.truncation))
+}
+
+/// What `prompt` needs of the engine.
+fn plan(prompt: &Prompt) -> Result<Plan, TokenizeError> {
+    let special = match &prompt.input {
+        PromptInput::Ids(ids) => {
+            let mut ids = ids.clone();
+            if let Some(t) = &prompt.truncation {
+                t.apply(&mut ids);
+            }
+            return Ok(Plan::Ids(ids.into()));
+        }
+        PromptInput::Text {
+            add_special_tokens, ..
+        } => *add_special_tokens,
+        PromptInput::Chat(chat) => chat.add_special_tokens,
+    };
+    // Without an explicit side vLLM truncates text inside the tokenizer, which keeps the
+    // special tokens it adds; which of the answer's ids those are is not known here.
+    if special && prompt.truncation.is_some_and(|t| t.side.is_none()) {
+        return Err(TokenizeError::not_supported(
+            "truncate_prompt_tokens with special tokens, through the engine",
+        ));
+    }
+    match request_body(prompt)? {
+        Some(body) => Ok(Plan::Ask(body)),
+        None => Err(TokenizeError::not_supported("this prompt")),
     }
 }
 
@@ -208,12 +240,81 @@ fn check_messages(raw: &[u8]) -> Result<(), TokenizeError> {
     }
 }
 
-/// A message as [`check_messages`] reads it: its content, raw. (A derived struct: a
-/// message repeating `content` is refused, as it always was here.)
-#[derive(serde::Deserialize)]
+/// A message as [`check_messages`] reads it: its content, raw (`None` when absent or
+/// `null`).
+///
+/// Read as a derived struct would read it (an object, or a list whose first element is
+/// the content; other fields skipped unchecked), except that a repeated `content`
+/// counts by its last value, as the engines (Python's `json.loads`, then pydantic) and
+/// the HF tokenizer read it: a derived struct refuses a repeated field. Every value of
+/// a repeated key is parsed; only the last is checked.
 struct Message<'a> {
-    #[serde(borrow, default)]
     content: Option<&'a RawValue>,
+}
+
+impl<'de> Deserialize<'de> for Message<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Message<'de>, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Message<'de>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a message")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Message<'de>, A::Error> {
+                let mut content = None;
+                while let Some(key) = map.next_key::<MessageKey>()? {
+                    match key {
+                        // The last of a repeated `content` wins.
+                        MessageKey::Content => {
+                            content = map.next_value::<Option<&'de RawValue>>()?
+                        }
+                        MessageKey::Other => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(Message { content })
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Message<'de>, A::Error> {
+                // As serde reads a struct from a list: the first element is `content`
+                // (the deserializer refuses more elements than the struct has fields).
+                let content = seq.next_element::<Option<&'de RawValue>>()?.flatten();
+                Ok(Message { content })
+            }
+        }
+        d.deserialize_struct("Message", &["content"], V)
+    }
+}
+
+/// A message's key: `content` or another.
+enum MessageKey {
+    Content,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for MessageKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<MessageKey, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = MessageKey;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+
+            fn visit_str<E>(self, s: &str) -> Result<MessageKey, E> {
+                Ok(if s == "content" {
+                    MessageKey::Content
+                } else {
+                    MessageKey::Other
+                })
+            }
+        }
+        d.deserialize_identifier(V)
+    }
 }
 
 /// The messages list, walked: the verdict on the first content that fails, if any.
@@ -604,18 +705,78 @@ mod tests {
         assert!(err.is_not_supported());
     }
 
-    /// The messages check as it was, building each content list: the reference the
-    /// walking check is checked against.
+    /// A repeated key of a message counts by its last value, as the engines
+    /// (`json.loads`, then pydantic) and the HF tokenizer read it: only the last
+    /// `content` is checked, and a repeated `role` (or any other field) is no error.
+    #[test]
+    fn a_repeated_key_counts_by_its_last_value() {
+        let image = r#"{"type":"image_url","image_url":{"url":"x"}}"#;
+        // An earlier value the check would refuse is overridden by a valid last one.
+        for ok in [
+            r#"[{"role":"user","content":[1e400],"content":"hello"}]"#.to_owned(),
+            format!(
+                r#"[{{"role":"user","content":[{image}],"content":[{{"type":"text","text":"a"}}]}}]"#
+            ),
+            format!(r#"[{{"role":"user","content":[{image}],"content":null}}]"#),
+            r#"[{"role":"user","role":"assistant","content":"a","content":"b"}]"#.into(),
+            r#"[{"role":"user","content":[{"type":"image","type":"text","text":"a","text":"b"}]}]"#
+                .into(),
+        ] {
+            assert!(check_messages(ok.as_bytes()).is_ok(), "{ok}");
+        }
+        // A valid earlier value does not save an invalid last one.
+        let err = check_messages(br#"[{"role":"user","content":"hello","content":[1e400]}]"#)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TokenizeError::Invalid {
+                    field: "messages",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = check_messages(
+            format!(r#"[{{"role":"user","content":"hello","content":[{image}]}}]"#).as_bytes(),
+        )
+        .unwrap_err();
+        assert!(err.is_not_supported(), "{err:?}");
+    }
+
+    /// The messages check as it was, building each message and content list: the
+    /// reference the walking check is checked against. A message object is built as a
+    /// map (the last of a repeated key wins, as in Python's `json.loads`); a message
+    /// written as a list is read by a derived struct, as serde reads a struct from a
+    /// list.
     fn check_messages_as_value(raw: &[u8]) -> Result<(), TokenizeError> {
         #[derive(serde::Deserialize)]
         struct Part<'a> {
             #[serde(rename = "type", default)]
             kind: Option<&'a str>,
         }
-        let messages: Vec<Message<'_>> = serde_json::from_slice(raw)
-            .map_err(|_| TokenizeError::invalid("messages", "expected a list of objects"))?;
+        #[derive(serde::Deserialize)]
+        struct ListMessage<'a> {
+            #[serde(borrow, default)]
+            content: Option<&'a RawValue>,
+        }
+        let malformed = || TokenizeError::invalid("messages", "expected a list of objects");
+        let messages: Vec<&RawValue> = serde_json::from_slice(raw).map_err(|_| malformed())?;
+        let mut contents = Vec::with_capacity(messages.len());
         for m in messages {
-            let Some(content) = m.content else { continue };
+            let content = if m.get().starts_with('{') {
+                let map: std::collections::BTreeMap<String, &RawValue> =
+                    serde_json::from_str(m.get()).map_err(|_| malformed())?;
+                map.get("content").copied().filter(|c| c.get() != "null")
+            } else {
+                serde_json::from_str::<ListMessage<'_>>(m.get())
+                    .map_err(|_| malformed())?
+                    .content
+            };
+            contents.push(content);
+        }
+        for content in contents {
+            let Some(content) = content else { continue };
             if !content.get().starts_with('[') {
                 continue;
             }
@@ -656,6 +817,18 @@ mod tests {
             format!(r#"[{{"content":[1e400]}},{{"content":[{image}]}}]"#),
             format!(r#"[{{"content":[{image}]}},5]"#),
             format!(r#"[{{"content":[{image}]}},{{"content":1,"content":2}}]"#),
+            r#"[{"content":[1e400],"content":"x"}]"#.into(),
+            r#"[{"content":"x","content":[1e400]}]"#.into(),
+            r#"[{"content":[1e400],"content":null}]"#.into(),
+            r#"[{"content":[1e400,],"content":"x"}]"#.into(),
+            r#"[{"content":"x","cont\u0065nt":[1e400]}]"#.into(),
+            format!(r#"[{{"content":[{image}],"content":[{text}]}}]"#),
+            format!(r#"[{{"content":[{text}],"content":[{image}]}}]"#),
+            format!(
+                r#"[{{"content":[{image}],"content":"x"}},{{"content":"y","content":[{image}]}}]"#
+            ),
+            format!(r#"[{{"content":"x","content":[{image}]}},{{"content":[1e400]}}]"#),
+            r#"[{"role":"user","role":"assistant","content":"x","role":5}]"#.into(),
             r#"[{"content":[{"type":"input_text"},{"type":"output_text"}]}]"#.into(),
             r#"[{"content":[{"type":"te\u0078t"}]}]"#.into(),
             r#"[{"content":[{"type":"image","type":"text"}]}]"#.into(),

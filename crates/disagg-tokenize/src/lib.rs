@@ -37,6 +37,12 @@
 //! this per request; [`EngineTokenizer`] pays a round trip instead, and the engine's
 //! own tokenization.
 //!
+//! Reading the prompt out of the body ([`Prompt::read`]) is cheaper (about 400 MB/s for
+//! token ids, 100 ms for a 32 MiB list of them); both tokenizers read a body of
+//! [`READ_OFF_LOOP_FROM`](prompt::READ_OFF_LOOP_FROM) bytes (256 KiB) or more on the
+//! blocking pool as well, [`EngineTokenizer`] checking the messages and writing its
+//! request there too.
+//!
 //! # Examples
 //!
 //! ```

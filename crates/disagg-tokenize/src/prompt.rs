@@ -19,6 +19,9 @@
 //! The client's lists and objects are walked, never built as `serde_json::Value` (which
 //! takes 16 to 100 times their size): a batch of prompts or a large
 //! `chat_template_kwargs` costs no memory, a list of token ids the ids.
+//!
+//! The tokenizers read the prompt of a body of [`READ_OFF_LOOP_FROM`] bytes or more on
+//! Tokio's blocking pool, off the event loop.
 
 use std::fmt;
 
@@ -30,6 +33,67 @@ use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 
 use crate::error::TokenizeError;
 use crate::walk::{Skip, skip_map, skip_seq};
+
+/// Bodies from this size on (the bytes of their top-level keys and values) have their
+/// prompt read on Tokio's blocking pool (`spawn_blocking`) by `HfTokenizer` (feature
+/// `hf`) and [`EngineTokenizer`], not on the event loop; the engine tokenizer's message check and
+/// `/tokenize` request go along.
+///
+/// [`Prompt::read`] walks a list of token ids and a `chat_template_kwargs` object at
+/// about 400 MB/s on one core of the reference machine (a 2-core x86-64 VM shared with
+/// other builds, release build: 10 µs for 4 KiB of ids, 0.65 ms for 256 KiB, 2.8 ms for
+/// 1 MiB, 107 ms for 32 MiB), a text prompt at about 1.6 GB/s; the engine tokenizer's
+/// message check walks `messages` at about 500 MB/s (0.5 ms for 256 KiB). So 256 KiB
+/// costs at most some 0.65 ms: about the most the event loop, and every connection on
+/// it, should wait for one request, and the size from which `disagg-http` parses a
+/// body off the loop (`PARSE_OFF_LOOP_FROM`), for the same reason. Below it a read is
+/// short enough to stay, and saves the handoff to another thread and back (tens of
+/// microseconds with the wake-up). The body moves to the pool without a copy: its
+/// values are shared `Bytes` (a clone costs about 0.1 µs).
+///
+/// [`EngineTokenizer`]: crate::EngineTokenizer
+pub const READ_OFF_LOOP_FROM: usize = 256 * 1024;
+
+/// `work` on `body`, on Tokio's blocking pool, when the body is large
+/// ([`READ_OFF_LOOP_FROM`]) and a runtime is running; `None` (nothing run) otherwise,
+/// for the caller to run it on its own thread.
+pub(crate) async fn read_off_loop<T, F>(
+    body: &JsonBody,
+    work: F,
+) -> Option<Result<T, TokenizeError>>
+where
+    T: Send + 'static,
+    F: FnOnce(&JsonBody) -> Result<T, TokenizeError> + Send + 'static,
+{
+    let size = body
+        .fields()
+        .map(|(key, value)| key.len() + value.len())
+        .fold(0, usize::saturating_add);
+    if size < READ_OFF_LOOP_FROM {
+        return None;
+    }
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    // Cheap: the clone shares the body's buffers.
+    let body = body.clone();
+    Some(blocking(&runtime, move || work(&body)).await)
+}
+
+/// `work` on `runtime`'s blocking pool: its panic resumes here; a runtime shutting down
+/// (the task cancelled) is a [`TokenizeError::Tokenizer`].
+pub(crate) async fn blocking<T, F>(
+    runtime: &tokio::runtime::Handle,
+    work: F,
+) -> Result<T, TokenizeError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, TokenizeError> + Send + 'static,
+{
+    match runtime.spawn_blocking(work).await {
+        Ok(result) => result,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(TokenizeError::Tokenizer(Box::new(e))),
+    }
+}
 
 /// A request's prompt, read: what any [`Tokenize`](crate::Tokenize) implementation
 /// turns into token ids.
@@ -126,7 +190,8 @@ impl Prompt {
     /// Read the prompt of a request for `api` from its parsed body.
     ///
     /// Cheap for chat (the messages stay raw) and for text; token-id prompts are
-    /// parsed here.
+    /// parsed here. Runs on the calling thread (the tokenizers call it off the event
+    /// loop for bodies from [`READ_OFF_LOOP_FROM`] bytes on).
     ///
     /// # Errors
     ///

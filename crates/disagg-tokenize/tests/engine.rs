@@ -1,14 +1,20 @@
 //! `EngineTokenizer` against the simulated engine's `POST /tokenize` over loopback: the
-//! ids are the engine's, token-id prompts never reach it, and its failures are typed.
+//! ids are the engine's, token-id prompts never reach it, and its failures are typed;
+//! and, over a transport that answers at once, large bodies are read off the event loop.
 
-use std::sync::Arc;
+mod ticks;
 
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
 use disagg_core::error::TransportError;
-use disagg_core::transport::Transport;
+use disagg_core::transport::{ResponseFuture, Transport};
 use disagg_core::{Endpoint, Role, json::JsonBody, request::Api};
 use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
+use disagg_tokenize::prompt::READ_OFF_LOOP_FROM;
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};
+use ticks::ticks_while;
 
 async fn engine() -> SimEngine {
     SimEngine::start(SimConfig {
@@ -207,4 +213,127 @@ async fn the_engine_asked_is_named_and_blamed_only_for_its_own_faults() {
     e.shutdown().await;
     let asked = ask(&tokenizer(&url), r#"{"prompt":"hi"}"#).await;
     assert!(asked.engine.is_some() && !asked.answered);
+}
+
+/// A message that repeats `content` is read as the engine reads it (`json.loads`, then
+/// pydantic): by its last value. An image first and text last is text; text first and
+/// an image last is not supported, and the engine is not asked.
+#[tokio::test]
+async fn a_repeated_content_counts_by_its_last_value_as_in_the_engine() {
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    let image = r#"{"type":"image_url","image_url":{"url":"u"}}"#;
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        &format!(
+            r#"{{"messages":[{{"role":"user","content":[{image}],"content":"hello there"}}]}}"#
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, disagg_sim::tokenize("hello there\n"));
+    let err = tokenize(
+        &t,
+        Api::Chat,
+        &format!(
+            r#"{{"messages":[{{"role":"user","content":"hello there","content":[{image}]}}]}}"#
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert!(err.is_not_supported(), "{err:?}");
+    assert_eq!(e.stats().tokenize_requests, 1);
+}
+
+/// A prompt of a body read off the event loop gets the same ids from the engine.
+#[tokio::test]
+async fn a_large_prompt_read_off_the_loop_gets_the_engines_ids() {
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    let word = "the \"quoted\" caf\u{e9} of the engine\n";
+    let text = word.repeat(READ_OFF_LOOP_FROM / word.len() + 1);
+    let body = serde_json::json!({"model": "sim-model", "prompt": text}).to_string();
+    assert!(body.len() > READ_OFF_LOOP_FROM);
+    let ids = tokenize(&t, Api::Completions, &body).await.unwrap();
+    assert_eq!(ids, disagg_sim::tokenize(&text));
+}
+
+/// A transport that keeps each request body it is sent and fails the request at once,
+/// waiting on nothing: a tokenizer over it never yields to the event loop unless it
+/// hands work to another thread.
+#[derive(Default)]
+struct Keep(Mutex<Vec<Bytes>>);
+
+impl Transport for Keep {
+    fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
+        self.0.lock().unwrap().push(req.into_body());
+        Box::pin(std::future::ready(Err(TransportError::Timeout)))
+    }
+}
+
+/// Token ids that are no run.
+fn ids(n: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 128_000)
+        .collect()
+}
+
+/// A body from `READ_OFF_LOOP_FROM` bytes on is read, its messages checked and its
+/// `/tokenize` request written on the blocking pool: the event loop runs another task
+/// meanwhile. A smaller one is read inline: the other task never runs. The answers are
+/// the same either way.
+#[test]
+fn large_bodies_are_read_off_the_event_loop() {
+    let transport = Arc::new(Keep::default());
+    let t = EngineTokenizer::new(
+        Arc::clone(&transport) as Arc<dyn Transport>,
+        Arc::new(Endpoint::new("http://127.0.0.1:9", Role::Prefill).unwrap()),
+    );
+
+    // Token ids: answered without the engine.
+    for (n, off_loop) in [(100, false), (80_000, true)] {
+        let ids = ids(n);
+        let body = format!(r#"{{"prompt":{}}}"#, serde_json::to_string(&ids).unwrap());
+        assert_eq!(body.len() >= READ_OFF_LOOP_FROM, off_loop, "{n} ids");
+        let body = JsonBody::parse(body.as_bytes()).unwrap();
+        let (got, ticks) = ticks_while(t.tokenize(Api::Completions, &body));
+        assert_eq!(&*got.unwrap(), &ids[..]);
+        assert_eq!(ticks > 0, off_loop, "{n} ids: {ticks} ticks");
+    }
+    assert!(transport.0.lock().unwrap().is_empty());
+
+    // Chat: the check walks the messages, the request copies them.
+    let message = r#"{"role":"user","content":[{"type":"text","text":"some words"},"more"]}"#;
+    for (n, off_loop) in [(10, false), (5_000, true)] {
+        let messages = format!("[{}]", vec![message; n].join(","));
+        let body = format!(r#"{{"model":"m","messages":{messages},"stream":true}}"#);
+        assert_eq!(body.len() >= READ_OFF_LOOP_FROM, off_loop, "{n} messages");
+        let body = JsonBody::parse(body.as_bytes()).unwrap();
+        let (got, ticks) = ticks_while(t.tokenize(Api::Chat, &body));
+        assert!(
+            matches!(
+                got,
+                Err(TokenizeError::Engine(EngineError::Transport(
+                    TransportError::Timeout
+                )))
+            ),
+            "{got:?}"
+        );
+        assert_eq!(ticks > 0, off_loop, "{n} messages: {ticks} ticks");
+        let sent = transport.0.lock().unwrap().pop().unwrap();
+        assert_eq!(
+            sent,
+            format!(r#"{{"model":"m","messages":{messages}}}"#).as_bytes()
+        );
+    }
+
+    // The check's refusal, found off the loop, is the same: the engine is not asked.
+    let image = r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}"#;
+    let messages = format!("[{},{image}]", vec![message; 5_000].join(","));
+    let body = JsonBody::parse(format!(r#"{{"messages":{messages}}}"#).as_bytes()).unwrap();
+    let (got, ticks) = ticks_while(t.tokenize(Api::Chat, &body));
+    assert!(matches!(&got, Err(e) if e.is_not_supported()), "{got:?}");
+    assert!(ticks > 0);
+    assert!(transport.0.lock().unwrap().is_empty());
 }

@@ -2,12 +2,15 @@
 //! ids, special tokens, the generation prompt, template errors, loading errors.
 
 mod fixture;
+mod ticks;
 
 use std::sync::OnceLock;
 
 use disagg_core::{json::JsonBody, request::Api};
+use disagg_tokenize::prompt::READ_OFF_LOOP_FROM;
 use disagg_tokenize::{HfTokenizer, LoadError, Tokenize, TokenizeError};
 use fixture::{BOS, END_HEADER, EOT, START_HEADER};
+use ticks::ticks_while;
 
 /// The model's `tokenizer.json`, trained once per test binary.
 fn tokenizer_json() -> &'static str {
@@ -411,6 +414,39 @@ async fn large_prompts_tokenized_off_the_event_loop_give_the_same_ids() {
     let b = tokenize(&off_loop, Api::Completions, &body).await.unwrap();
     assert_eq!(a, b);
     assert_eq!(a, encode(&text, true));
+}
+
+/// A body from `READ_OFF_LOOP_FROM` bytes on is read on the blocking pool (and
+/// tokenized in the same trip): the event loop runs another task meanwhile. A token-id
+/// prompt is never tokenized, so only its read can take it off the loop; a smaller one
+/// is read inline, and the other task never runs. The ids are the same either way,
+/// whatever the tokenization threshold.
+#[test]
+fn large_bodies_are_read_off_the_event_loop() {
+    for t in [hf(), hf().with_off_loop_from(usize::MAX)] {
+        for (n, off_loop) in [(100u32, false), (80_000, true)] {
+            let ids: Vec<u32> = (0..n)
+                .map(|i| i.wrapping_mul(2_654_435_761) % 1000)
+                .collect();
+            let body = format!(
+                r#"{{"prompt":{},"truncate_prompt_tokens":{}}}"#,
+                serde_json::to_string(&ids).unwrap(),
+                n - 1
+            );
+            assert_eq!(body.len() >= READ_OFF_LOOP_FROM, off_loop, "{n} ids");
+            let body = JsonBody::parse(body.as_bytes()).unwrap();
+            let (got, ticks) = ticks_while(t.tokenize(Api::Completions, &body));
+            assert_eq!(&*got.unwrap(), &ids[1..]);
+            assert_eq!(ticks > 0, off_loop, "{n} ids: {ticks} ticks");
+        }
+    }
+    // A refusal found off the loop is the same refusal.
+    let batch = format!(r#"{{"prompt":[{}]}}"#, vec![r#""a""#; 100_000].join(","));
+    assert!(batch.len() >= READ_OFF_LOOP_FROM);
+    let body = JsonBody::parse(batch.as_bytes()).unwrap();
+    let (got, ticks) = ticks_while(hf().tokenize(Api::Completions, &body));
+    assert!(matches!(&got, Err(e) if e.is_not_supported()), "{got:?}");
+    assert!(ticks > 0);
 }
 
 /// A `tokenizer.json` that is a FIFO is refused before it is opened (a read would wait

@@ -46,7 +46,7 @@ use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, Trunc
 
 use self::template::{Fields, Templates};
 use crate::error::TokenizeError;
-use crate::prompt::{ChatPrompt, Prompt, PromptInput};
+use crate::prompt::{ChatPrompt, Prompt, PromptInput, blocking, read_off_loop};
 use crate::{Tokenize, Tokens};
 
 /// Prompts from this size on (bytes of text, or of messages, tools, documents and
@@ -171,7 +171,8 @@ pub enum LoadError {
 /// A Hugging Face tokenizer and chat template, tokenizing requests as vLLM 0.33 does.
 ///
 /// Cheap to clone (shared). Tokenization runs on the calling thread for small prompts
-/// and on Tokio's blocking pool for large ones ([`DEFAULT_OFF_LOOP_FROM`]).
+/// and on Tokio's blocking pool for large ones ([`DEFAULT_OFF_LOOP_FROM`]); a large
+/// body is read there too ([`READ_OFF_LOOP_FROM`](crate::prompt::READ_OFF_LOOP_FROM)).
 ///
 /// # Examples
 ///
@@ -360,7 +361,9 @@ impl HfTokenizer {
     }
 
     /// Prompts from `bytes` on are tokenized on the blocking pool
-    /// ([`DEFAULT_OFF_LOOP_FROM`] by default; `usize::MAX` never moves them).
+    /// ([`DEFAULT_OFF_LOOP_FROM`] by default; `usize::MAX` never moves them, except
+    /// those of bodies from [`READ_OFF_LOOP_FROM`](crate::prompt::READ_OFF_LOOP_FROM)
+    /// bytes on, which are read there and tokenized in the same trip).
     pub fn with_off_loop_from(mut self, bytes: usize) -> HfTokenizer {
         Arc::make_mut(&mut self.inner).off_loop_from = bytes;
         self
@@ -406,6 +409,14 @@ impl HfTokenizer {
 #[async_trait]
 impl Tokenize for HfTokenizer {
     async fn tokenize(&self, api: Api, body: &JsonBody) -> Result<Tokens, TokenizeError> {
+        // A large body is read off the event loop too (reading 32 MiB of token ids takes
+        // some 100 ms; see `READ_OFF_LOOP_FROM`), and tokenized in the same trip.
+        let inner = Arc::clone(&self.inner);
+        if let Some(result) =
+            read_off_loop(body, move |body| inner.tokenize(&Prompt::read(api, body)?)).await
+        {
+            return result;
+        }
         let prompt = Prompt::read(api, body)?;
         let size = match &prompt.input {
             PromptInput::Ids(_) => 0,
@@ -419,14 +430,7 @@ impl Tokenize for HfTokenizer {
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             let inner = Arc::clone(&self.inner);
-            return match runtime
-                .spawn_blocking(move || inner.tokenize(&prompt))
-                .await
-            {
-                Ok(result) => result,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(e) => Err(TokenizeError::Tokenizer(Box::new(e))),
-            };
+            return blocking(&runtime, move || inner.tokenize(&prompt)).await;
         }
         self.inner.tokenize(&prompt)
     }
