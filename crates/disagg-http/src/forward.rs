@@ -225,6 +225,11 @@ impl Inner {
             r.summary.endpoint = Some(Arc::clone(&endpoint));
         }
         let side = side(&endpoint);
+        // No time left (the body came in after the deadline, or the wait for a place
+        // ended at its last instant): nothing is sent, as on the orchestrated routes.
+        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+            return pd_error_response(&PdError::deadline_exceeded(side));
+        }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri = match endpoint.uri(path) {
             Ok(uri) => uri,

@@ -106,6 +106,11 @@ pub(super) async fn within<T>(
     step: impl Future<Output = Result<T, PdError>>,
 ) -> Result<T, PdError> {
     let (budget, by_deadline) = clock.budget(budget);
+    // The deadline has passed: the step is not started (a first poll would send its
+    // request).
+    if by_deadline && budget.is_zero() {
+        return Err(out_of_time(true, side, endpoint, phase));
+    }
     match tokio::time::timeout(budget, step).await {
         Ok(r) => r,
         Err(_) => Err(out_of_time(by_deadline, side, endpoint, phase)),

@@ -7,7 +7,7 @@ use http::Response;
 use tokio::time::Instant as TokioInstant;
 
 use super::stats::{InFlight, bump};
-use crate::error::PdError;
+use crate::error::{PdError, Phase, Side};
 use crate::outcome::now;
 use crate::policy::Decision;
 use crate::request::PdRequest;
@@ -62,6 +62,15 @@ impl Inner {
                 }
             }),
         };
+        // The deadline counts from the request's arrival: a body that took longer to
+        // come in (or a wait for admission that ended at the last instant) leaves no
+        // time for any leg, and none is sent (a step with no time left would still be
+        // polled once, which writes its request).
+        if clock.expired() {
+            bump(&self.counters.deadlines_exceeded);
+            let e = PdError::deadline(Side::Prefill, Phase::Prefill);
+            return Err(self.failed(&req, e, None, None));
+        }
         let in_flight = InFlight::new(&self.counters);
         // E/P/D: a request with media items has them encoded first (a byte search of
         // its messages decides; nothing at all without an encoder stage), by the
