@@ -221,6 +221,28 @@ pub trait Router: Send + Sync + 'static {
         Either::Left(ready(ask.select(self)))
     }
 
+    /// The route of a request an adapter sends to one engine itself rather than
+    /// through the orchestrator (generation on a direct route of `disagg-http`: audio,
+    /// `/invocations`, whose bodies a router cannot read): no prefill, and as its
+    /// decode the engine `pick` chooses over the endpoints as they stand when it is
+    /// called. A router that limits the requests per endpoint
+    /// (`disagg_resilience::PerEndpointLimit`) waits, within `deadline`, while the
+    /// engine picked has no room, picks again after each wait, and gives the route
+    /// holding a place ([`Route::with_holds`]) for the adapter to keep until the
+    /// answer's last byte; the default picks at once and holds nothing. Decorators
+    /// pass it on to the router they wrap.
+    ///
+    /// # Errors
+    ///
+    /// `pick`'s, or the wait's (429 `queue_full`, 503 `queue_timeout`).
+    fn place<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        _deadline: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        Box::pin(async move { Ok(Route::new(None, pick()?)) })
+    }
+
     /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). The
     /// default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
@@ -245,6 +267,14 @@ impl<T: Router + ?Sized> Router for Arc<T> {
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
         (**self).route(ask)
+    }
+
+    fn place<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        (**self).place(pick, deadline)
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {

@@ -217,9 +217,30 @@ impl Inner {
         if let Some(v) = parts.headers.get(header::ACCEPT_ENCODING) {
             client_accepts.insert(header::ACCEPT_ENCODING, v.clone());
         }
-        let endpoint = match self.pick(&set, model.as_deref(), direct) {
-            Ok(ep) => ep,
-            Err(err) => return pd_error_response(&PdError::from(err)),
+        // Generation sent direct takes its engine's place from the router too (a limit
+        // per endpoint waits here, as a routed request does, over the endpoints as
+        // they stand after each wait); anything else goes to the least loaded at once.
+        let endpoint = if generation {
+            let source = self.orchestrator.source();
+            let pick = || {
+                let set = source.snapshot();
+                self.pick(&set, model.as_deref(), direct)
+                    .map_err(PdError::from)
+            };
+            match self.orchestrator.router().place(&pick, deadline).await {
+                Ok(placed) => {
+                    let ep = Arc::clone(&placed.decode);
+                    // The route holds the engine's place: kept with the global one.
+                    permit = Some(Permit::new((permit, placed)));
+                    ep
+                }
+                Err(err) => return pd_error_response(&err),
+            }
+        } else {
+            match self.pick(&set, model.as_deref(), direct) {
+                Ok(ep) => ep,
+                Err(err) => return pd_error_response(&PdError::from(err)),
+            }
         };
         if let Some(r) = route.as_mut() {
             r.summary.endpoint = Some(Arc::clone(&endpoint));

@@ -1033,6 +1033,90 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
     }
 }
 
+/// Generation sent direct takes its engine's place under
+/// `--max-in-flight-per-endpoint`, as an orchestrated request does, from the same
+/// places: with the decode engine's one place held by a direct stream, another direct
+/// request and an orchestrated one both wait (here until their deadline: 503
+/// `queue_timeout`, nothing sent); when the stream ends, a waiting direct request is
+/// served. Without the limit the same request is served alongside the stream.
+#[tokio::test]
+async fn direct_generation_takes_its_engines_place_under_the_per_endpoint_limit() {
+    let engine = RawEngine::start_with(|request| {
+        if request.contains("hold me") {
+            vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
+        } else {
+            json_answer(r#"{"ok":true}"#)
+        }
+    })
+    .await;
+    let url = engine.url();
+    let start = |limit: bool| {
+        let mut args = vec![
+            "--prefill",
+            &url,
+            "--decode",
+            &url,
+            "--client-deadline",
+            "--queue-timeout",
+            "30",
+        ];
+        if limit {
+            args.extend(["--max-in-flight-per-endpoint", "1"]);
+        }
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        async move { Proxy::start_args(&args).await }
+    };
+    let ask = |prompt: &str, target: &str, ms: u64| {
+        let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","stream":true}}"#);
+        format!(
+            "POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let invocations = || {
+        let heads = engine.heads();
+        heads
+            .iter()
+            .filter(|h| h.starts_with("POST /invocations"))
+            .count()
+    };
+    let proxy = start(true).await;
+    let held = held_stream(proxy.addr, &ask("hold me", "/invocations", 60_000)).await;
+    let sent = invocations();
+    for target in ["/invocations", "/v1/completions"] {
+        let begun = Instant::now();
+        raw(proxy.addr, &ask("p", target, 500))
+            .await
+            .assert_error(503, "queue_timeout");
+        let took = begun.elapsed();
+        assert!(
+            took >= Duration::from_millis(500) && took < Duration::from_secs(5),
+            "{target}: {took:?}"
+        );
+    }
+    assert_eq!(invocations(), sent, "a request reached the full engine");
+    // A waiting direct request is served once the stream ends.
+    let addr = proxy.addr;
+    let waiting = tokio::spawn(async move { raw(addr, &ask("p", "/invocations", 20_000)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "served while the engine was full");
+    drop(held);
+    let served = waiting.await.unwrap();
+    assert_eq!(
+        served.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&served.body)
+    );
+    // The control: without the limit, served alongside the stream at once.
+    let proxy = start(false).await;
+    let _held = held_stream(proxy.addr, &ask("hold me", "/invocations", 60_000)).await;
+    let begun = Instant::now();
+    let alongside = raw(proxy.addr, &ask("p", "/invocations", 5_000)).await;
+    assert_eq!(alongside.status, 200);
+    assert!(begun.elapsed() < Duration::from_secs(3));
+}
+
 /// Generation sent direct keeps the request's deadline, as an orchestrated request
 /// does: its wait for a place, the engine's response head and its whole answer end
 /// there (`--deadline`, shortened by the client's `x-disagg-deadline-ms` with

@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use disagg_core::endpoint::Role;
-use disagg_core::endpoint::{EndpointId, EndpointSet};
+use disagg_core::endpoint::{Endpoint, EndpointId, EndpointSet};
 use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::{Admission, AdmissionStats, Permit};
@@ -362,6 +362,16 @@ impl<R: Router> Router for DecodeHold<R> {
         }))
     }
 
+    // A request sent to one engine by an adapter is not held (it has no prefill to
+    // keep back); the router it wraps places it.
+    fn place<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        self.inner.place(pick, deadline)
+    }
+
     fn observe(&self, route: &Route, outcome: Outcome) {
         self.inner.observe(route, outcome)
     }
@@ -525,6 +535,33 @@ impl<R: Router> Router for PerEndpointLimit<R> {
                 }
             }
         }))
+    }
+
+    /// The engine `pick` chooses, holding a place under the limit: while it has no
+    /// room, the request waits in the queue as a routed one does, and picks again.
+    fn place<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        let limit = self.limit;
+        // The place is made only with room: a place dropped wakes the waiters.
+        let held = move |ep: Arc<Endpoint>| {
+            let place = || Permit::new(LegPlace(Arc::clone(&self.state)));
+            (ep.in_flight() < limit).then(|| Route::new(None, ep).with_holds(None, Some(place())))
+        };
+        Box::pin(async move {
+            if let Some(placed) = held(pick()?) {
+                return Ok(placed);
+            }
+            let since = Instant::now();
+            loop {
+                self.state.wait_for_room(since, deadline).await?;
+                if let Some(placed) = held(pick()?) {
+                    return Ok(placed);
+                }
+            }
+        })
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {
@@ -711,5 +748,45 @@ mod tests {
                 .is_some(),
             "never waits"
         );
+    }
+
+    /// A request an adapter sends to one engine itself takes its place from the same
+    /// limit, through the decode hold that wraps it: with room at once; at the limit it
+    /// waits until a place is given back, then picks again.
+    #[tokio::test]
+    async fn a_direct_place_waits_for_room_through_the_decorators() {
+        use disagg_core::endpoint::{Endpoint, Role};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.decode_hold(
+            Arc::new(limits.per_endpoint(First, 1)),
+            100,
+            Duration::from_secs(5),
+        );
+        let decode = Arc::new(Endpoint::new("http://127.0.0.1:2", Role::Decode).unwrap());
+        let pick = {
+            let decode = Arc::clone(&decode);
+            move || Ok(Arc::clone(&decode))
+        };
+        let first = router.place(&pick, None).now_or_never().unwrap().unwrap();
+        assert!(first.prefill.is_none());
+        let running = first.decode.track();
+        let mut second = Box::pin(router.place(&pick, None));
+        assert!((&mut second).now_or_never().is_none(), "no room: it waits");
+        assert_eq!(waiting(&limits), 1);
+        drop(running);
+        drop(first);
+        let second = tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("woken when the place was given back")
+            .unwrap();
+        assert_eq!(waiting(&limits), 0);
+        assert_eq!(second.decode.id(), decode.id());
+        // Past the deadline: 503 `queue_timeout`.
+        let _running = decode.track();
+        let by = Instant::now() + Duration::from_millis(50);
+        let e = router.place(&pick, Some(by)).await.unwrap_err();
+        assert_eq!(e.http().code, "queue_timeout");
     }
 }

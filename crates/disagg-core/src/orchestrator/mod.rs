@@ -430,6 +430,13 @@ impl Orchestrator {
         &self.inner.config
     }
 
+    /// The router: an adapter that sends generation to one engine itself (a direct
+    /// route) takes its engine's place from it ([`Router::place`]), so a limit per
+    /// endpoint holds on those routes too.
+    pub fn router(&self) -> &dyn Router {
+        &*self.inner.router
+    }
+
     /// The limit on requests running at once, when there is one: an adapter that sends
     /// generation to one engine itself (a direct route) takes its places from it too.
     pub fn admission(&self) -> Option<&dyn Admission> {
