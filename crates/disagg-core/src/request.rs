@@ -175,6 +175,10 @@ pub struct PdRequest {
     stream: bool,
     /// When the request arrived (its parse, unless the server says otherwise).
     arrival: Instant,
+    /// The size of the body it was parsed from: the buffer its fields, and every leg
+    /// cut from them, keep alive (whitespace, a repeated key's earlier values and the
+    /// fields removed included).
+    received: usize,
     /// The handoff fields the client sent (removed from `body`), kept for the checks of
     /// connectors whose engines validate them; empty, and unallocated, for almost every
     /// request.
@@ -223,6 +227,7 @@ impl PdRequest {
         body: &Bytes,
         new_id: impl FnOnce() -> HeaderValue,
     ) -> Result<Self, BodyError> {
+        let received = body.len();
         let mut body = JsonBody::parse_bytes(body)?;
         let mut removed = Vec::new();
         remove_handoff(&mut body, |field, raw| removed.push((field, raw)));
@@ -268,6 +273,7 @@ impl PdRequest {
             model,
             stream,
             arrival: crate::outcome::now(),
+            received,
             removed,
             tokens: None,
             client: None,
@@ -346,6 +352,11 @@ impl PdRequest {
     /// time to the first byte count from here.
     pub(crate) fn arrival(&self) -> Instant {
         self.arrival
+    }
+
+    /// The size of the body the request was parsed from, which its legs keep alive.
+    pub(crate) fn received_len(&self) -> usize {
+        self.received
     }
 
     /// Record what the server knows of how the request came in: `at`, when its head

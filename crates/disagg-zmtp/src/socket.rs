@@ -123,10 +123,11 @@ pub struct PullConfig {
     /// NAT entry dropped) or that connects and sends nothing would otherwise hold its
     /// place for ever; a `PUSH` peer that is closed reconnects by itself.
     pub evict_idle_after: Duration,
-    /// Peers connected at once from one IP address (default 256). A newcomer from a
-    /// host that has this many takes the place of that host's peer idle longest, if it
-    /// has been idle past [`evict_idle_after`](Self::evict_idle_after); otherwise the
-    /// newcomer is closed. One host (a busy or hostile process on the engines'
+    /// Peers connected at once from one host (default 256; 0 is taken as 1): one IPv4
+    /// address, or one IPv6 /64, the block one machine is given and may draw
+    /// addresses from at will. A newcomer from a host that has this many takes the
+    /// place of that host's peer idle longest, if it has been idle past
+    /// [`evict_idle_after`](Self::evict_idle_after); otherwise the newcomer is closed. One host (a busy or hostile process on the engines'
     /// network) then cannot hold every place of [`max_peers`](Self::max_peers) by
     /// connecting and sending, which keeps a peer from being idle.
     pub max_peers_per_host: usize,
@@ -313,11 +314,11 @@ async fn accept_loop(
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, addr)) => {
-                    let host = addr.ip();
+                    let host = host_of(addr.ip());
                     // Its host's places first, then the socket's: the peer idle longest
                     // among them makes room, if it has been idle long enough; its task
                     // ends (and is reaped) at the abort.
-                    let full = if live.of_host(host) >= config.max_peers_per_host {
+                    let full = if live.of_host(host) >= config.max_peers_per_host.max(1) {
                         Some((Some(host), &counters.refused_per_host, "from its host"))
                     } else if live.peers.len() >= config.max_peers {
                         Some((None, &counters.refused, "in all"))
@@ -361,6 +362,18 @@ async fn accept_loop(
                 }
             },
         }
+    }
+}
+
+/// The host a peer at `ip` is counted under: an IPv4 address (an IPv4-mapped IPv6 one
+/// too), or an IPv6 address's /64.
+fn host_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
     }
 }
 
@@ -478,5 +491,26 @@ async fn peer(
         } else {
             tracing::warn!(%addr, %error, "ZMQ PULL: peer disconnected");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_is_an_ipv4_address_or_an_ipv6_slash_64() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(host_of(ip("10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(host_of(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(host_of(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(
+            host_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
+            host_of(ip("2001:db8:1:2::9"))
+        );
+        assert_ne!(
+            host_of(ip("2001:db8:1:3::1")),
+            host_of(ip("2001:db8:1:2::1"))
+        );
     }
 }

@@ -97,10 +97,11 @@ pub struct NotifyConfig {
     /// Prefill ranks connected at once (default 1,024); one more is closed at once
     /// and counted.
     pub max_peers: usize,
-    /// Ranks connected at once from one IP address (default 256: a node of eight
-    /// engines of TP 8 has 64, with room to reconnect); one more from that host takes
-    /// the place of its peer idle longest, if idle 60 s, else it is closed and counted
-    /// (`PullConfig::max_peers_per_host`). One host cannot hold every place.
+    /// Ranks connected at once from one host, an IPv4 address or an IPv6 /64 (default
+    /// 256: a node of eight engines of TP 8 has 64, with room to reconnect); one more
+    /// from that host takes the place of its peer idle longest, if idle 60 s, else it
+    /// is closed and counted (`PullConfig::max_peers_per_host`). One host cannot hold
+    /// every place.
     pub max_peers_per_host: usize,
 }
 

@@ -135,6 +135,35 @@ pub(super) fn out_of_time(
 mod tests {
     use super::*;
 
+    /// A step the deadline left no time for is not started (polled once, a leg would
+    /// write its request); with time left the same step runs.
+    #[tokio::test(start_paused = true)]
+    async fn a_step_the_deadline_left_no_time_for_is_not_started() {
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        let ep = Arc::new(Endpoint::new("http://127.0.0.1:1", crate::Role::Prefill).unwrap());
+        let polled = AtomicBool::new(false);
+        let step = || async {
+            polled.store(true, Relaxed);
+            Ok::<_, PdError>(())
+        };
+        let budget = Duration::from_secs(5);
+        let passed = Clock {
+            deadline: Some(TokioInstant::now()),
+        };
+        let e = within(passed, budget, Side::Prefill, &ep, Phase::Prefill, step())
+            .await
+            .unwrap_err();
+        assert!(e.is_deadline(), "{e}");
+        assert!(!polled.load(Relaxed), "the step was started");
+        let left = Clock {
+            deadline: Some(TokioInstant::now() + Duration::from_secs(1)),
+        };
+        within(left, budget, Side::Prefill, &ep, Phase::Prefill, step())
+            .await
+            .unwrap();
+        assert!(polled.load(Relaxed));
+    }
+
     #[test]
     fn server_timing_values() {
         let t = [

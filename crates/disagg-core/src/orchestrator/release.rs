@@ -63,6 +63,9 @@ pub(super) struct KvHold {
 
 /// What a background release needs, made only when the feature is on.
 pub(super) struct Release {
+    /// The size of the client's body the legs are cut from, which the release keeps
+    /// alive whatever the legs' own fields add up to.
+    pub(super) received: usize,
     pub(super) grace: Duration,
     pub(super) wait: Duration,
     pub(super) handoff: Handoff,
@@ -151,12 +154,19 @@ impl Drop for KvHold {
         else {
             return;
         };
-        let held = size(&release.handoff.prefill.body).max(size(&release.handoff.decode.body));
+        // What the release keeps alive: the client's body (the legs are slices of it,
+        // and a connector's additions), and the prefill's answer once it is held.
+        let legs = size(&release.handoff.prefill.body).max(size(&release.handoff.decode.body));
+        let answer = match &stage {
+            Stage::Answered(answer) => answer.body.len() as u64,
+            _ => 0,
+        };
+        let held = legs.max(release.received as u64).saturating_add(answer);
         let Some(slot) = Slot::take(&release.counters, held) else {
             return;
         };
-        // The one task the orchestrator spawns: bounded by `grace` + `wait`, counted in
-        // `kv_releases_in_flight`, within the releases' room.
+        // The one task the orchestrator spawns: bounded by `grace` + 2 × `wait`,
+        // counted in `kv_releases_in_flight`, within the releases' room.
         runtime.spawn(release.run(stage, slot));
     }
 }
@@ -181,23 +191,35 @@ impl Slot {
     /// A place for a release holding `bytes`, or `None` (counted in
     /// `kv_releases_skipped`) when the room is spent.
     fn take(counters: &Arc<Counters>, bytes: u64) -> Option<Slot> {
-        let running = counters.kv_releases_in_flight.fetch_add(1, Relaxed);
-        let held = counters.kv_release_bytes.fetch_add(bytes, Relaxed);
-        let slot = Slot {
+        // Each count is raised only when it stays within its ceiling, so refusals never
+        // inflate them (a release is never skipped for another's refused attempt).
+        let raise = |counter: &std::sync::atomic::AtomicU64, by: u64, max: u64| {
+            counter
+                .fetch_update(Relaxed, Relaxed, |n| {
+                    n.checked_add(by).filter(|after| *after <= max)
+                })
+                .is_ok()
+        };
+        if !raise(&counters.kv_releases_in_flight, 1, MAX_RELEASES) {
+            return Self::skipped(counters, "too many early KV releases running");
+        }
+        if !raise(&counters.kv_release_bytes, bytes, MAX_RELEASE_BYTES) {
+            counters.kv_releases_in_flight.fetch_sub(1, Relaxed);
+            return Self::skipped(counters, "early KV releases hold too many bytes");
+        }
+        Some(Slot {
             counters: Arc::clone(counters),
             bytes,
-        };
-        if running >= MAX_RELEASES || held.saturating_add(bytes) > MAX_RELEASE_BYTES {
-            drop(slot);
-            bump(&counters.kv_releases_skipped);
-            tracing::debug!(
-                running,
-                held_bytes = held,
-                "too many early KV releases running: the engine's own expiry frees this one"
-            );
-            return None;
-        }
-        Some(slot)
+        })
+    }
+
+    fn skipped(counters: &Counters, why: &'static str) -> Option<Slot> {
+        bump(&counters.kv_releases_skipped);
+        tracing::debug!(
+            why,
+            "early KV release skipped: the engine's own expiry frees it"
+        );
+        None
     }
 }
 

@@ -157,6 +157,7 @@ impl Inner {
         match self.config.kv_release {
             KvRelease::Off => None,
             KvRelease::AbortDecode { grace, wait } => Some(Release {
+                received: req.received_len(),
                 grace,
                 wait,
                 handoff: handoff.clone(),

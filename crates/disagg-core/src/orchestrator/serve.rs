@@ -36,16 +36,21 @@ impl Inner {
             Ok(d) => d,
             Err(e) => return Err(self.failed(&req, e, None, None)),
         };
+        // The deadline counts from the request's arrival: a body that took longer to
+        // come in leaves no time for tokenizing, queueing or any leg.
+        let clock = self.clock(&req);
+        if clock.expired() {
+            return Err(self.out_of_time(&req));
+        }
         if let Some(tokenizer) = &self.tokenizer
             && req.tokens().is_none()
         {
-            self.tokenize(&**tokenizer, &mut req).await;
+            self.tokenize(&**tokenizer, &mut req, clock).await;
         }
         let mut decision = self.decide(&req, checked);
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
-        let clock = self.clock(&req);
         let mut queued = None;
         let permit = match &self.admission {
             None => None,
@@ -62,14 +67,11 @@ impl Inner {
                 }
             }),
         };
-        // The deadline counts from the request's arrival: a body that took longer to
-        // come in (or a wait for admission that ended at the last instant) leaves no
-        // time for any leg, and none is sent (a step with no time left would still be
-        // polled once, which writes its request).
+        // Tokenizing or a wait for admission that ended at the deadline's last instant
+        // leaves no time for any leg, and none is sent (a step with no time left would
+        // still be polled once, which writes its request).
         if clock.expired() {
-            bump(&self.counters.deadlines_exceeded);
-            let e = PdError::deadline(Side::Prefill, Phase::Prefill);
-            return Err(self.failed(&req, e, None, None));
+            return Err(self.out_of_time(&req));
         }
         let in_flight = InFlight::new(&self.counters);
         // E/P/D: a request with media items has them encoded first (a byte search of
@@ -216,6 +218,18 @@ impl Inner {
         }
     }
 
+    /// `req`'s deadline passed before any leg was sent: 504 `deadline_exceeded`,
+    /// counted.
+    fn out_of_time(&self, req: &PdRequest) -> PdError {
+        bump(&self.counters.deadlines_exceeded);
+        self.failed(
+            req,
+            PdError::deadline(Side::Prefill, Phase::Prefill),
+            None,
+            None,
+        )
+    }
+
     /// `req` failed for good with `e` before any answer went out (its last attempt's
     /// report, if any, already told): its summary is told, and `e` is the answer.
     fn failed(
@@ -312,17 +326,27 @@ impl Inner {
     /// leaves the request without ids: logged, counted, never an error of the request.
     /// An engine the tokenizer asked that failed, or had not answered when the budget
     /// ran out, is told to the listeners as a failed call of that engine.
-    async fn tokenize(&self, tokenizer: &dyn crate::tokens::Tokenizer, req: &mut PdRequest) {
-        let budget = self.config.tokenize_timeout;
+    async fn tokenize(
+        &self,
+        tokenizer: &dyn crate::tokens::Tokenizer,
+        req: &mut PdRequest,
+        clock: Clock,
+    ) {
+        // Within its own budget and what is left of the deadline.
+        let (budget, by_deadline) = clock.budget(self.config.tokenize_timeout);
         let mut asked = crate::tokens::Asked::default();
         let call = tokenizer.token_ids_asking(req.api(), req.body(), &mut asked);
         let result = tokio::time::timeout(budget, call).await;
         if let Some(engine) = &asked.engine {
+            // Cut by the request's deadline, the engine is not to blame.
+            let cut = result.is_err() && by_deadline;
             let failed = match &result {
                 Ok(Ok(_)) => false,
-                Ok(Err(_)) | Err(_) => !asked.answered,
+                Ok(Err(_)) | Err(_) => !asked.answered && !cut,
             };
-            let outcome = if failed {
+            let outcome = if cut {
+                LegOutcome::Abandoned
+            } else if failed {
                 LegOutcome::Failed
             } else {
                 LegOutcome::Answered
