@@ -29,6 +29,7 @@ use disagg_http::{HttpTransport, HttpTransportConfig};
 use disagg_kvevents::{
     EngineEndpoint, IndexConfig, KvIndex, KvScorer, ScorerConfig, Subscriber, SubscriberConfig,
 };
+use disagg_tokenize::prompt::BlockingLimit;
 use disagg_tokenize::{EngineTokenizer, HfTokenizer};
 
 use crate::BoxError;
@@ -165,6 +166,7 @@ impl KvEventsArgs {
                 source,
                 transport: Arc::new(HttpTransport::new(transport)),
                 next: AtomicUsize::new(0),
+                blocking: BlockingLimit::default(),
             })),
             None => None,
         })
@@ -517,6 +519,9 @@ struct SetTokenizer {
     source: Arc<dyn EndpointSource>,
     transport: Arc<dyn Transport>,
     next: AtomicUsize,
+    /// The one limit on the blocking pool's work every engine tokenizer made here
+    /// shares (a tokenizer is made per request: each would have a limit of its own).
+    blocking: BlockingLimit,
 }
 
 #[async_trait]
@@ -551,6 +556,7 @@ impl Tokenizer for SetTokenizer {
             }
         };
         EngineTokenizer::new(Arc::clone(&self.transport), endpoint)
+            .with_blocking_limit(self.blocking.clone())
             .token_ids_asking(api, body, asked)
             .await
     }

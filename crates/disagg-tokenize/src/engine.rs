@@ -38,7 +38,7 @@ use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Vis
 use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
-use crate::prompt::{Prompt, PromptInput, Truncation, read_off_loop};
+use crate::prompt::{BlockingLimit, Prompt, PromptInput, Truncation, read_off_loop};
 use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
 
@@ -70,6 +70,7 @@ pub struct EngineTokenizer {
     endpoint: Arc<Endpoint>,
     path: &'static str,
     max_answer: usize,
+    blocking: BlockingLimit,
 }
 
 impl fmt::Debug for EngineTokenizer {
@@ -89,6 +90,7 @@ impl EngineTokenizer {
             endpoint,
             path: "/tokenize",
             max_answer: DEFAULT_MAX_ANSWER,
+            blocking: BlockingLimit::default(),
         }
     }
 
@@ -101,6 +103,16 @@ impl EngineTokenizer {
     /// The largest answer read, in bytes ([`DEFAULT_MAX_ANSWER`] by default).
     pub fn with_max_answer(mut self, bytes: usize) -> Self {
         self.max_answer = bytes;
+        self
+    }
+
+    /// Bound this tokenizer's work on the blocking pool (reading a large body, checking
+    /// its messages and writing its request) by `limit`, which other tokenizers may share;
+    /// by default each tokenizer has its own, shared by its clones (see
+    /// [`BlockingLimit`]). A caller that builds a tokenizer per request (one per engine
+    /// asked) should give them all one limit, or it bounds nothing.
+    pub fn with_blocking_limit(mut self, limit: BlockingLimit) -> Self {
+        self.blocking = limit;
         self
     }
 
@@ -131,8 +143,10 @@ impl EngineTokenizer {
     ) -> Result<Tokens, TokenizeError> {
         // Reading the prompt, checking the messages and writing the `/tokenize` request
         // each walk the body: a large one would hold the event loop, and every
-        // connection on it, for milliseconds; see `READ_OFF_LOOP_FROM`.
-        let (plan, truncation) = match read_off_loop(body, move |body| prepare(api, body)).await {
+        // connection on it, for milliseconds; see `READ_OFF_LOOP_FROM`. How many walk at
+        // once is bounded; see `BlockingLimit`.
+        let prepared = read_off_loop(&self.blocking, body, move |body| prepare(api, body)).await;
+        let (plan, truncation) = match prepared {
             Some(prepared) => prepared?,
             None => prepare(api, body)?,
         };
@@ -874,5 +888,44 @@ mod tests {
                 "{raw}"
             );
         }
+    }
+
+    /// A transport never called: token-id prompts are answered without the engine.
+    struct Unused;
+
+    impl Transport for Unused {
+        fn send(&self, _: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+            unreachable!("token ids never reach the engine")
+        }
+    }
+
+    /// A large body is read within the limit the tokenizer is given: while its one
+    /// place is taken the call waits (nothing read); once it is free the ids come. A
+    /// small body is read inline, whatever the limit.
+    #[tokio::test]
+    async fn a_large_body_waits_for_a_place_in_the_tokenizers_limit() {
+        let limit = BlockingLimit::new(1);
+        let endpoint = Endpoint::new("http://127.0.0.1:9", disagg_core::Role::Prefill).unwrap();
+        let t = EngineTokenizer::new(Arc::new(Unused), Arc::new(endpoint))
+            .with_blocking_limit(limit.clone());
+        let ids: Vec<u32> = (0..80_000).collect();
+        let large = format!(r#"{{"prompt":{}}}"#, serde_json::to_string(&ids).unwrap());
+        assert!(large.len() >= crate::prompt::READ_OFF_LOOP_FROM);
+        let large = JsonBody::parse(large.as_bytes()).unwrap();
+        let small = JsonBody::parse(br#"{"prompt":[1,2,3]}"#).unwrap();
+
+        let place = limit.acquire().await.unwrap();
+        let wait = std::time::Duration::from_millis(200);
+        let waited = tokio::time::timeout(wait, t.tokenize(Api::Completions, &large)).await;
+        assert!(waited.is_err(), "{waited:?}");
+        assert_eq!(
+            &*t.tokenize(Api::Completions, &small).await.unwrap(),
+            [1, 2, 3]
+        );
+        drop(place);
+        assert_eq!(
+            &*t.tokenize(Api::Completions, &large).await.unwrap(),
+            &ids[..]
+        );
     }
 }

@@ -41,7 +41,10 @@
 //! token ids, 100 ms for a 32 MiB list of them); both tokenizers read a body of
 //! [`READ_OFF_LOOP_FROM`](prompt::READ_OFF_LOOP_FROM) bytes (256 KiB) or more on the
 //! blocking pool as well, [`EngineTokenizer`] checking the messages and writing its
-//! request there too.
+//! request there too. Each tokenizer has at most so many jobs there at once
+//! ([`BlockingLimit`](prompt::BlockingLimit), by default as many as the process has
+//! cores); a call dropped before its job starts (the client gone, the tokenize timeout)
+//! runs nothing.
 //!
 //! # Examples
 //!

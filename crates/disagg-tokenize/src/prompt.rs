@@ -21,15 +21,21 @@
 //! `chat_template_kwargs` costs no memory, a list of token ids the ids.
 //!
 //! The tokenizers read the prompt of a body of [`READ_OFF_LOOP_FROM`] bytes or more on
-//! Tokio's blocking pool, off the event loop.
+//! Tokio's blocking pool, off the event loop, a bounded number at once
+//! ([`BlockingLimit`]).
 
 use std::fmt;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use disagg_core::json::JsonBody;
 use disagg_core::json::lax::bool_value;
 use disagg_core::request::Api;
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinError, JoinHandle};
 
 use crate::error::TokenizeError;
 use crate::walk::{Skip, skip_map, skip_seq};
@@ -54,10 +60,67 @@ use crate::walk::{Skip, skip_map, skip_seq};
 /// [`EngineTokenizer`]: crate::EngineTokenizer
 pub const READ_OFF_LOOP_FROM: usize = 256 * 1024;
 
-/// `work` on `body`, on Tokio's blocking pool, when the body is large
+/// How many of a tokenizer's jobs may be on Tokio's blocking pool at once: those reading
+/// a large body ([`READ_OFF_LOOP_FROM`]) and, for `HfTokenizer` (feature `hf`),
+/// tokenizing a large prompt. Each job holds its body (or prompt) until it ends, and the
+/// body's share of the server's memory budget is given back once it is read, so without
+/// a bound many clients sending large prompts, and disconnecting, would pile up work and
+/// memory.
+///
+/// A call waits for a place before it hands its job to the pool; a call dropped while
+/// it waits (the client gone, the orchestrator's tokenize timeout) starts nothing, and
+/// one dropped after its job was handed over but before the pool started it keeps it
+/// from starting. A job already running finishes, and holds its place until then.
+///
+/// Each tokenizer has its own by default ([`BlockingLimit::default`]), shared by its
+/// clones; give several tokenizers one limit (`with_blocking_limit`) to bound them
+/// together, as a caller that builds an [`EngineTokenizer`] per request must.
+///
+/// [`EngineTokenizer`]: crate::EngineTokenizer
+#[derive(Clone, Default)]
+pub struct BlockingLimit(Arc<OnceLock<Arc<Semaphore>>>);
+
+impl BlockingLimit {
+    /// At most `jobs` at once (at least one).
+    pub fn new(jobs: usize) -> BlockingLimit {
+        let jobs = jobs.clamp(1, Semaphore::MAX_PERMITS);
+        BlockingLimit(Arc::new(OnceLock::from(Arc::new(Semaphore::new(jobs)))))
+    }
+
+    /// The places: those given to [`new`](Self::new), or by default as many as the
+    /// process may run threads at once (`std::thread::available_parallelism`, 2 when
+    /// unknown), counted at first use (a tokenizer built per request pays nothing for
+    /// small bodies).
+    fn permits(&self) -> &Arc<Semaphore> {
+        self.0.get_or_init(|| {
+            let jobs = std::thread::available_parallelism().map_or(2, usize::from);
+            Arc::new(Semaphore::new(jobs))
+        })
+    }
+
+    /// A place, waited for.
+    pub(crate) async fn acquire(&self) -> Result<OwnedSemaphorePermit, TokenizeError> {
+        Arc::clone(self.permits())
+            .acquire_owned()
+            .await
+            // Never closed: no error comes, but one would not be a panic.
+            .map_err(|e| TokenizeError::Tokenizer(Box::new(e)))
+    }
+}
+
+impl fmt::Debug for BlockingLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockingLimit")
+            .field("free", &self.0.get().map(|s| s.available_permits()))
+            .finish()
+    }
+}
+
+/// `work` on `body`, on Tokio's blocking pool within `limit`, when the body is large
 /// ([`READ_OFF_LOOP_FROM`]) and a runtime is running; `None` (nothing run) otherwise,
 /// for the caller to run it on its own thread.
 pub(crate) async fn read_off_loop<T, F>(
+    limit: &BlockingLimit,
     body: &JsonBody,
     work: F,
 ) -> Option<Result<T, TokenizeError>>
@@ -75,12 +138,19 @@ where
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     // Cheap: the clone shares the body's buffers.
     let body = body.clone();
-    Some(blocking(&runtime, move || work(&body)).await)
+    Some(blocking(limit, &runtime, move || work(&body)).await)
 }
 
-/// `work` on `runtime`'s blocking pool: its panic resumes here; a runtime shutting down
-/// (the task cancelled) is a [`TokenizeError::Tokenizer`].
+/// `work` on `runtime`'s blocking pool, once `limit` has a place for it (see
+/// [`BlockingLimit`]): its panic resumes here; a runtime shutting down (the task
+/// cancelled) is a [`TokenizeError::Tokenizer`].
+///
+/// Dropped while it waits for a place, nothing is spawned; dropped once spawned, the
+/// job is aborted, which keeps it from starting if the pool has not started it yet.
+/// The place goes with the job, and comes back when the job ends (or is dropped
+/// unstarted).
 pub(crate) async fn blocking<T, F>(
+    limit: &BlockingLimit,
     runtime: &tokio::runtime::Handle,
     work: F,
 ) -> Result<T, TokenizeError>
@@ -88,10 +158,34 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<T, TokenizeError> + Send + 'static,
 {
-    match runtime.spawn_blocking(work).await {
+    let place = limit.acquire().await?;
+    let job = AbortOnDrop(runtime.spawn_blocking(move || {
+        let _place = place;
+        work()
+    }));
+    match job.await {
         Ok(result) => result,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(e) => Err(TokenizeError::Tokenizer(Box::new(e))),
+    }
+}
+
+/// A spawned task that is aborted when its handle is dropped: a blocking job the pool
+/// has not started then never runs (one running finishes: a thread is not stopped).
+struct AbortOnDrop<T>(JoinHandle<T>);
+
+impl<T> Future for AbortOnDrop<T> {
+    type Output = Result<T, JoinError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        // Once the task has ended, a no-op.
+        self.0.abort();
     }
 }
 
@@ -676,6 +770,11 @@ fn lax_bool(body: &JsonBody, field: &'static str) -> Result<Option<bool>, Tokeni
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use tokio::time::timeout;
+
     use super::*;
 
     fn read(api: Api, body: &str) -> Result<Prompt, TokenizeError> {
@@ -1050,5 +1149,151 @@ mod tests {
             let want = want.map(|w| if raw == "null" { None } else { w });
             assert_eq!(got, want, "{raw}");
         }
+    }
+
+    /// A current-thread runtime whose blocking pool has at most `threads` threads.
+    fn runtime(threads: usize) -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .max_blocking_threads(threads)
+            .build()
+            .unwrap()
+    }
+
+    /// [`blocking`] on the current runtime within `limit`, as a task can own it.
+    fn call<T: Send + 'static>(
+        limit: &BlockingLimit,
+        work: impl FnOnce() -> Result<T, TokenizeError> + Send + 'static,
+    ) -> impl Future<Output = Result<T, TokenizeError>> + Send + 'static {
+        let limit = limit.clone();
+        async move { blocking(&limit, &tokio::runtime::Handle::current(), work).await }
+    }
+
+    /// A job's view from the test: whether it started, and the hand that lets it end.
+    struct Held {
+        started: tokio::sync::mpsc::UnboundedReceiver<()>,
+        release: std::sync::mpsc::Sender<()>,
+    }
+
+    /// A job that says when it starts, then holds its thread until let go; it gives `n`.
+    fn held(
+        n: u32,
+    ) -> (
+        Held,
+        impl FnOnce() -> Result<u32, TokenizeError> + Send + 'static,
+    ) {
+        let (started_tx, started) = tokio::sync::mpsc::unbounded_channel();
+        let (release, released) = std::sync::mpsc::channel();
+        let work = move || {
+            started_tx.send(()).unwrap();
+            released.recv().unwrap();
+            Ok(n)
+        };
+        (Held { started, release }, work)
+    }
+
+    /// A job that only records that it ran.
+    fn flag(ran: &Arc<AtomicBool>) -> impl FnOnce() -> Result<u32, TokenizeError> + Send + 'static {
+        let ran = Arc::clone(ran);
+        move || {
+            ran.store(true, Ordering::SeqCst);
+            Ok(0)
+        }
+    }
+
+    const WHILE: Duration = Duration::from_millis(200);
+
+    /// With one place, a second job is not handed to the pool (which has threads to
+    /// spare) while the first runs: it starts when the first ends, and both answer.
+    #[test]
+    fn with_one_place_a_second_job_starts_when_the_first_ends() {
+        runtime(4).block_on(async {
+            let limit = BlockingLimit::new(1);
+            let (mut first, work) = held(1);
+            let first_call = tokio::spawn(call(&limit, work));
+            first.started.recv().await.unwrap();
+            let (mut second, work) = held(2);
+            let second_call = tokio::spawn(call(&limit, work));
+            assert!(timeout(WHILE, second.started.recv()).await.is_err());
+            first.release.send(()).unwrap();
+            assert_eq!(first_call.await.unwrap().unwrap(), 1);
+            second.started.recv().await.unwrap();
+            second.release.send(()).unwrap();
+            assert_eq!(second_call.await.unwrap().unwrap(), 2);
+            assert_eq!(limit.permits().available_permits(), 1);
+        });
+    }
+
+    /// A call dropped while it waits for a place (the client gone, the tokenize timeout)
+    /// hands nothing to the pool: its job never runs, and it takes no place.
+    #[test]
+    fn a_call_dropped_while_it_waits_runs_nothing() {
+        runtime(4).block_on(async {
+            let limit = BlockingLimit::new(1);
+            let (mut first, work) = held(1);
+            let first_call = tokio::spawn(call(&limit, work));
+            first.started.recv().await.unwrap();
+            let ran = Arc::new(AtomicBool::new(false));
+            assert!(timeout(WHILE, call(&limit, flag(&ran))).await.is_err());
+            first.release.send(()).unwrap();
+            assert_eq!(first_call.await.unwrap().unwrap(), 1);
+            // The place passes to the next call, not to the one dropped.
+            assert_eq!(call(&limit, || Ok(3)).await.unwrap(), 3);
+            assert!(!ran.load(Ordering::SeqCst));
+            assert_eq!(limit.permits().available_permits(), 1);
+        });
+    }
+
+    /// A call dropped after its job was handed to the pool but before the pool started
+    /// it (its one thread busy) aborts it: the job never runs, and its place comes back
+    /// when the pool drops it.
+    #[test]
+    fn a_job_dropped_before_the_pool_starts_it_never_runs() {
+        runtime(1).block_on(async {
+            let limit = BlockingLimit::new(2);
+            let (mut first, work) = held(1);
+            let first_call = tokio::spawn(call(&limit, work));
+            first.started.recv().await.unwrap();
+            let ran = Arc::new(AtomicBool::new(false));
+            assert!(timeout(WHILE, call(&limit, flag(&ran))).await.is_err());
+            // It had a place: it was handed to the pool, behind the first job.
+            assert_eq!(limit.permits().available_permits(), 0);
+            first.release.send(()).unwrap();
+            assert_eq!(first_call.await.unwrap().unwrap(), 1);
+            // The pool's one thread takes its jobs in order: the dropped one first.
+            assert_eq!(call(&limit, || Ok(3)).await.unwrap(), 3);
+            assert!(!ran.load(Ordering::SeqCst));
+            assert_eq!(limit.permits().available_permits(), 2);
+        });
+    }
+
+    /// A job's panic resumes in the caller, as before, and gives its place back.
+    #[test]
+    fn a_panicking_job_resumes_its_panic_and_frees_its_place() {
+        runtime(4).block_on(async {
+            let limit = BlockingLimit::new(1);
+            let err = tokio::spawn(call(&limit, || -> Result<u32, TokenizeError> {
+                std::panic::panic_any("job panicked")
+            }))
+            .await
+            .unwrap_err();
+            assert_eq!(
+                err.into_panic().downcast_ref::<&str>(),
+                Some(&"job panicked")
+            );
+            assert_eq!(call(&limit, || Ok(3)).await.unwrap(), 3);
+            assert_eq!(limit.permits().available_permits(), 1);
+        });
+    }
+
+    /// A limit asks for at least one place; the default is sized at first use.
+    #[test]
+    fn limits_have_a_place_at_least() {
+        assert_eq!(BlockingLimit::new(0).permits().available_permits(), 1);
+        let limit = BlockingLimit::default();
+        assert!(limit.0.get().is_none());
+        let shared = limit.clone();
+        assert!(limit.permits().available_permits() >= 1);
+        assert!(Arc::ptr_eq(limit.permits(), shared.permits()));
     }
 }

@@ -46,7 +46,7 @@ use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, Trunc
 
 use self::template::{Fields, Templates};
 use crate::error::TokenizeError;
-use crate::prompt::{ChatPrompt, Prompt, PromptInput, blocking, read_off_loop};
+use crate::prompt::{BlockingLimit, ChatPrompt, Prompt, PromptInput, blocking, read_off_loop};
 use crate::{Tokenize, Tokens};
 
 /// Prompts from this size on (bytes of text, or of messages, tools, documents and
@@ -173,6 +173,7 @@ pub enum LoadError {
 /// Cheap to clone (shared). Tokenization runs on the calling thread for small prompts
 /// and on Tokio's blocking pool for large ones ([`DEFAULT_OFF_LOOP_FROM`]); a large
 /// body is read there too ([`READ_OFF_LOOP_FROM`](crate::prompt::READ_OFF_LOOP_FROM)).
+/// At most so many of its jobs are there at once ([`BlockingLimit`]).
 ///
 /// # Examples
 ///
@@ -223,6 +224,8 @@ struct Inner {
     /// The server's `--default-chat-template-kwargs`, below the request's.
     default_kwargs: Vec<(String, Value)>,
     off_loop_from: usize,
+    /// How many of its jobs are on the blocking pool at once.
+    blocking: BlockingLimit,
 }
 
 impl fmt::Debug for HfTokenizer {
@@ -232,6 +235,7 @@ impl fmt::Debug for HfTokenizer {
             .field("chat_template", &self.inner.templates.is_some())
             .field("content_format", &self.inner.content_format)
             .field("off_loop_from", &self.inner.off_loop_from)
+            .field("blocking", &self.inner.blocking)
             .finish_non_exhaustive()
     }
 }
@@ -369,6 +373,14 @@ impl HfTokenizer {
         self
     }
 
+    /// Bound this tokenizer's work on the blocking pool (tokenizing a large prompt,
+    /// reading a large body) by `limit`, which other tokenizers may share; by default
+    /// each tokenizer has its own, shared by its clones (see [`BlockingLimit`]).
+    pub fn with_blocking_limit(mut self, limit: BlockingLimit) -> HfTokenizer {
+        Arc::make_mut(&mut self.inner).blocking = limit;
+        self
+    }
+
     /// Whether a chat template was loaded.
     pub fn has_chat_template(&self) -> bool {
         self.inner.templates.is_some()
@@ -412,8 +424,10 @@ impl Tokenize for HfTokenizer {
         // A large body is read off the event loop too (reading 32 MiB of token ids takes
         // some 100 ms; see `READ_OFF_LOOP_FROM`), and tokenized in the same trip.
         let inner = Arc::clone(&self.inner);
-        if let Some(result) =
-            read_off_loop(body, move |body| inner.tokenize(&Prompt::read(api, body)?)).await
+        if let Some(result) = read_off_loop(&self.inner.blocking, body, move |body| {
+            inner.tokenize(&Prompt::read(api, body)?)
+        })
+        .await
         {
             return result;
         }
@@ -430,7 +444,10 @@ impl Tokenize for HfTokenizer {
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             let inner = Arc::clone(&self.inner);
-            return blocking(&runtime, move || inner.tokenize(&prompt)).await;
+            return blocking(&self.inner.blocking, &runtime, move || {
+                inner.tokenize(&prompt)
+            })
+            .await;
         }
         self.inner.tokenize(&prompt)
     }
@@ -789,6 +806,76 @@ fn load(
             content_format: ContentFormat::Auto,
             default_kwargs: Vec::new(),
             off_loop_from: DEFAULT_OFF_LOOP_FROM,
+            blocking: BlockingLimit::default(),
         }),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::timeout;
+
+    use super::*;
+
+    /// A word-level tokenizer whose post-processor adds `<s>` (id 0).
+    const TOKENIZER: &str = r#"{
+      "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+      "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+                        "rstrip": false, "normalized": false, "special": true}],
+      "pre_tokenizer": {"type": "Whitespace"},
+      "post_processor": {"type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}},
+      "decoder": null,
+      "model": {"type": "WordLevel", "vocab": {"<s>": 0, "<unk>": 1, "hello": 2, "world": 3},
+                "unk_token": "<unk>"}
+    }"#;
+
+    /// Both trips to the blocking pool (a large body read and tokenized, a large prompt
+    /// of a small body tokenized) take a place in the limit the tokenizer is given:
+    /// while its one place is taken they wait; once it is free their ids come. A small
+    /// prompt is tokenized inline, whatever the limit.
+    #[tokio::test]
+    async fn large_work_waits_for_a_place_in_the_tokenizers_limit() {
+        let limit = BlockingLimit::new(1);
+        let t = HfTokenizer::from_bytes(TOKENIZER.as_bytes(), None)
+            .unwrap()
+            .with_blocking_limit(limit.clone());
+        let ids: Vec<u32> = (0..140_000).map(|i| i % 4).collect();
+        let large_body = format!(r#"{{"prompt":{}}}"#, serde_json::to_string(&ids).unwrap());
+        assert!(large_body.len() >= crate::prompt::READ_OFF_LOOP_FROM);
+        let large_body = JsonBody::parse(large_body.as_bytes()).unwrap();
+        let text = "hello world ".repeat(400);
+        assert!(text.len() >= DEFAULT_OFF_LOOP_FROM);
+        let large_prompt = serde_json::json!({ "prompt": text }).to_string();
+        let large_prompt = JsonBody::parse(large_prompt.as_bytes()).unwrap();
+        let small = JsonBody::parse(br#"{"prompt":"hello world"}"#).unwrap();
+
+        let place = limit.acquire().await.unwrap();
+        for body in [&large_body, &large_prompt] {
+            let waited = timeout(
+                Duration::from_millis(200),
+                t.tokenize(Api::Completions, body),
+            )
+            .await;
+            assert!(waited.is_err(), "{waited:?}");
+        }
+        assert_eq!(
+            &*t.tokenize(Api::Completions, &small).await.unwrap(),
+            [0, 2, 3]
+        );
+        drop(place);
+        assert_eq!(
+            &*t.tokenize(Api::Completions, &large_body).await.unwrap(),
+            &ids[..]
+        );
+        let want: Vec<u32> = std::iter::once(0).chain([2, 3].repeat(400)).collect();
+        assert_eq!(
+            &*t.tokenize(Api::Completions, &large_prompt).await.unwrap(),
+            &want[..]
+        );
+    }
 }
