@@ -962,19 +962,24 @@ async fn held_stream(addr: SocketAddr, request: &str) -> TcpStream {
     held
 }
 
-/// Generation sent direct takes its place under `--max-in-flight`, as an orchestrated
-/// request does, and holds it until its answer ends (here: the client leaves).
-#[tokio::test]
-async fn direct_generation_takes_its_place_under_max_in_flight() {
-    // The held request's stream hangs after its first event (an empty frame).
-    let engine = RawEngine::start_with(|request| {
+/// A raw engine answering `{"ok":true}`, but a request asking "hold me", whose stream
+/// hangs after its first event (an empty frame).
+async fn holding_engine() -> RawEngine {
+    RawEngine::start_with(|request| {
         if request.contains("hold me") {
             vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
         } else {
             json_answer(r#"{"ok":true}"#)
         }
     })
-    .await;
+    .await
+}
+
+/// Generation sent direct takes its place under `--max-in-flight`, as an orchestrated
+/// request does, and holds it until its answer ends (here: the client leaves).
+#[tokio::test]
+async fn direct_generation_takes_its_place_under_max_in_flight() {
+    let engine = holding_engine().await;
     let proxy = Proxy::start_args(&[
         "--prefill".to_owned(),
         engine.url(),
@@ -1041,14 +1046,7 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
 /// served. Without the limit the same request is served alongside the stream.
 #[tokio::test]
 async fn direct_generation_takes_its_engines_place_under_the_per_endpoint_limit() {
-    let engine = RawEngine::start_with(|request| {
-        if request.contains("hold me") {
-            vec![SSE_HEAD.to_vec(), b"data: {}\n\n".to_vec(), Vec::new()]
-        } else {
-            json_answer(r#"{"ok":true}"#)
-        }
-    })
-    .await;
+    let engine = holding_engine().await;
     let url = engine.url();
     let start = |limit: bool| {
         let mut args = vec![
