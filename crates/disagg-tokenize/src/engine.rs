@@ -38,7 +38,9 @@ use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Vis
 use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
-use crate::prompt::{BlockingLimit, Prompt, PromptInput, Truncation, read_off_loop};
+use crate::prompt::{
+    BlockingLimit, Prompt, PromptInput, READ_OFF_LOOP_FROM, Truncation, blocking, read_off_loop,
+};
 use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
 
@@ -170,7 +172,21 @@ impl EngineTokenizer {
             .uri(self.path)
             .map_err(|e| TokenizeError::Engine(EngineError::Uri(e)))?;
         asked.engine = Some(Arc::clone(&self.endpoint));
-        let answer = request_tokens(&*self.transport, uri, body, self.max_answer).await;
+        let answer = match fetch_answer(&*self.transport, uri, body, self.max_answer).await {
+            // A large answer (up to `max_answer`, 64 MiB: some 150 ms for 8M ids) is
+            // decoded off the event loop, as a large body is read.
+            Ok(bytes) if bytes.len() >= READ_OFF_LOOP_FROM => {
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        blocking(&self.blocking, &runtime, move || Ok(decode_answer(&bytes)))
+                            .await?
+                    }
+                    Err(_) => decode_answer(&bytes),
+                }
+            }
+            Ok(bytes) => decode_answer(&bytes),
+            Err(e) => Err(e),
+        };
         asked.answered = match &answer {
             Ok(_) => true,
             Err(EngineError::Status { status, .. }) => status.is_client_error(),
@@ -639,6 +655,17 @@ pub async fn request_tokens(
     body: Bytes,
     max_answer: usize,
 ) -> Result<Vec<u32>, EngineError> {
+    decode_answer(&fetch_answer(transport, uri, body, max_answer).await?)
+}
+
+/// The body of a successful answer to `POST body` at `uri`, at most `max_answer` bytes
+/// ([`request_tokens`] without the decoding).
+async fn fetch_answer(
+    transport: &dyn Transport,
+    uri: http::Uri,
+    body: Bytes,
+    max_answer: usize,
+) -> Result<Bytes, EngineError> {
     let mut req = http::Request::new(body);
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
@@ -658,7 +685,12 @@ pub async fn request_tokens(
             message: shown,
         });
     }
-    let answer: Answer = serde_json::from_slice(&bytes).map_err(EngineError::Decode)?;
+    Ok(bytes)
+}
+
+/// The token ids of a `/tokenize` answer.
+fn decode_answer(bytes: &[u8]) -> Result<Vec<u32>, EngineError> {
+    let answer: Answer = serde_json::from_slice(bytes).map_err(EngineError::Decode)?;
     Ok(answer.tokens)
 }
 

@@ -14,6 +14,7 @@ use disagg_http::HttpTransport;
 use disagg_sim::{SimConfig, SimEngine};
 use disagg_tokenize::prompt::READ_OFF_LOOP_FROM;
 use disagg_tokenize::{EngineError, EngineTokenizer, Tokenize, TokenizeError};
+use http_body_util::BodyExt;
 use ticks::ticks_while;
 
 async fn engine() -> SimEngine {
@@ -269,6 +270,43 @@ impl Transport for Keep {
     fn send(&self, req: http::Request<Bytes>) -> ResponseFuture {
         self.0.lock().unwrap().push(req.into_body());
         Box::pin(std::future::ready(Err(TransportError::Timeout)))
+    }
+}
+
+/// A transport whose every request is answered 200 with `.0` at once (no wait: a
+/// tokenizer over it yields to the event loop only when it hands work to another
+/// thread).
+struct Answers(Bytes);
+
+impl Transport for Answers {
+    fn send(&self, _req: http::Request<Bytes>) -> ResponseFuture {
+        let body = http_body_util::Full::new(self.0.clone())
+            .map_err(|never| match never {})
+            .boxed();
+        Box::pin(std::future::ready(Ok(http::Response::new(body))))
+    }
+}
+
+/// An engine's answer from `READ_OFF_LOOP_FROM` bytes on is decoded on the blocking
+/// pool (8M ids would hold the event loop some 150 ms); a small one inline. The ids are
+/// the same either way.
+#[test]
+fn large_answers_are_decoded_off_the_event_loop() {
+    for (n, off_loop) in [(100, false), (80_000, true)] {
+        let ids = ids(n);
+        let answer = format!(
+            r#"{{"count":{n},"tokens":{}}}"#,
+            serde_json::to_string(&ids).unwrap()
+        );
+        assert_eq!(answer.len() >= READ_OFF_LOOP_FROM, off_loop, "{n} ids");
+        let t = EngineTokenizer::new(
+            Arc::new(Answers(Bytes::from(answer))),
+            Arc::new(Endpoint::new("http://127.0.0.1:9", Role::Prefill).unwrap()),
+        );
+        let body = JsonBody::parse(br#"{"model":"m","prompt":"a few words"}"#).unwrap();
+        let (got, ticks) = ticks_while(t.tokenize(Api::Completions, &body));
+        assert_eq!(&*got.unwrap(), &ids[..]);
+        assert_eq!(ticks > 0, off_loop, "{n} ids: {ticks} ticks");
     }
 }
 
