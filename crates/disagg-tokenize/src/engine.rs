@@ -39,7 +39,7 @@ use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
 use crate::prompt::{
-    BlockingLimit, Prompt, PromptInput, READ_OFF_LOOP_FROM, Truncation, blocking, read_off_loop,
+    BlockingLimit, Prompt, PromptInput, READ_OFF_LOOP_FROM, Truncation, off_loop, read_off_loop,
 };
 use crate::walk::{Skip, skip_map, skip_seq};
 use crate::{Tokenize, Tokens};
@@ -176,13 +176,7 @@ impl EngineTokenizer {
             // A large answer (up to `max_answer`, 64 MiB: some 150 ms for 8M ids) is
             // decoded off the event loop, as a large body is read.
             Ok(bytes) if bytes.len() >= READ_OFF_LOOP_FROM => {
-                match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        blocking(&self.blocking, &runtime, move || Ok(decode_answer(&bytes)))
-                            .await?
-                    }
-                    Err(_) => decode_answer(&bytes),
-                }
+                off_loop(&self.blocking, move || Ok(decode_answer(&bytes))).await?
             }
             Ok(bytes) => decode_answer(&bytes),
             Err(e) => Err(e),

@@ -116,9 +116,9 @@ impl fmt::Debug for BlockingLimit {
     }
 }
 
-/// `work` on `body`, on Tokio's blocking pool within `limit`, when the body is large
-/// ([`READ_OFF_LOOP_FROM`]) and a runtime is running; `None` (nothing run) otherwise,
-/// for the caller to run it on its own thread.
+/// `work` on `body`, off the event loop ([`off_loop`]) within `limit`, when the body is
+/// large ([`READ_OFF_LOOP_FROM`]); `None` (nothing run) otherwise, for the caller to run
+/// it on its own thread.
 pub(crate) async fn read_off_loop<T, F>(
     limit: &BlockingLimit,
     body: &JsonBody,
@@ -135,29 +135,27 @@ where
     if size < READ_OFF_LOOP_FROM {
         return None;
     }
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
     // Cheap: the clone shares the body's buffers.
     let body = body.clone();
-    Some(blocking(limit, &runtime, move || work(&body)).await)
+    Some(off_loop(limit, move || work(&body)).await)
 }
 
-/// `work` on `runtime`'s blocking pool, once `limit` has a place for it (see
-/// [`BlockingLimit`]): its panic resumes here; a runtime shutting down (the task
-/// cancelled) is a [`TokenizeError::Tokenizer`].
+/// `work` on the current runtime's blocking pool, once `limit` has a place for it (see
+/// [`BlockingLimit`]); on the calling thread outside a runtime. Its panic resumes here;
+/// a runtime shutting down (the task cancelled) is a [`TokenizeError::Tokenizer`].
 ///
 /// Dropped while it waits for a place, nothing is spawned; dropped once spawned, the
 /// job is aborted, which keeps it from starting if the pool has not started it yet.
 /// The place goes with the job, and comes back when the job ends (or is dropped
 /// unstarted).
-pub(crate) async fn blocking<T, F>(
-    limit: &BlockingLimit,
-    runtime: &tokio::runtime::Handle,
-    work: F,
-) -> Result<T, TokenizeError>
+pub(crate) async fn off_loop<T, F>(limit: &BlockingLimit, work: F) -> Result<T, TokenizeError>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, TokenizeError> + Send + 'static,
 {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return work();
+    };
     let place = limit.acquire().await?;
     let job = AbortOnDrop(runtime.spawn_blocking(move || {
         let _place = place;
@@ -1166,7 +1164,7 @@ mod tests {
         work: impl FnOnce() -> Result<T, TokenizeError> + Send + 'static,
     ) -> impl Future<Output = Result<T, TokenizeError>> + Send + 'static {
         let limit = limit.clone();
-        async move { blocking(&limit, &tokio::runtime::Handle::current(), work).await }
+        async move { off_loop(&limit, work).await }
     }
 
     /// A job's view from the test: whether it started, and the hand that lets it end.

@@ -46,7 +46,7 @@ use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, Trunc
 
 use self::template::{Fields, Templates};
 use crate::error::TokenizeError;
-use crate::prompt::{BlockingLimit, ChatPrompt, Prompt, PromptInput, blocking, read_off_loop};
+use crate::prompt::{BlockingLimit, ChatPrompt, Prompt, PromptInput, off_loop, read_off_loop};
 use crate::{Tokenize, Tokens};
 
 /// Prompts from this size on (bytes of text, or of messages, tools, documents and
@@ -440,14 +440,9 @@ impl Tokenize for HfTokenizer {
         };
         // A large prompt would hold the event loop, and every connection on it, for
         // milliseconds; see `DEFAULT_OFF_LOOP_FROM`.
-        if size >= self.inner.off_loop_from
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
+        if size >= self.inner.off_loop_from {
             let inner = Arc::clone(&self.inner);
-            return blocking(&self.inner.blocking, &runtime, move || {
-                inner.tokenize(&prompt)
-            })
-            .await;
+            return off_loop(&self.inner.blocking, move || inner.tokenize(&prompt)).await;
         }
         self.inner.tokenize(&prompt)
     }
