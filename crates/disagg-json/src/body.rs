@@ -205,14 +205,17 @@ impl JsonBody {
             .map(|(k, _)| std::str::from_utf8(k).unwrap_or_default())
     }
 
+    /// The bytes of its keys (unescaped) and values: what the body holds of its input,
+    /// and its length as JSON text but for the quotes, colons, commas and braces.
+    pub fn size(&self) -> usize {
+        self.fields.iter().map(|(k, v)| k.len() + v.len()).sum()
+    }
+
     /// The object as compact JSON text; values are written back byte for byte.
     #[inline]
     pub fn to_bytes(&self) -> Bytes {
-        let len: usize = 2 + self
-            .fields
-            .iter()
-            .map(|(k, v)| k.len() + v.len() + 4)
-            .sum::<usize>();
+        // Each field's quotes, colon and separator, and the braces.
+        let len = self.size() + 4 * self.fields.len() + 2;
         let mut out = Vec::with_capacity(len);
         // Each field is written after its separator (`{` before the first): one push,
         // and a plain key's closing quote and colon in one copy. Per body of a dozen

@@ -128,11 +128,7 @@ where
     T: Send + 'static,
     F: FnOnce(&JsonBody) -> Result<T, TokenizeError> + Send + 'static,
 {
-    let size = body
-        .fields()
-        .map(|(key, value)| key.len() + value.len())
-        .fold(0, usize::saturating_add);
-    if size < READ_OFF_LOOP_FROM {
+    if body.size() < READ_OFF_LOOP_FROM {
         return None;
     }
     // Cheap: the clone shares the body's buffers.

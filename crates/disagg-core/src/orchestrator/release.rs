@@ -19,7 +19,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use super::stats::{Counters, bump};
 use crate::connector::{Handoff, HandoffFound, KvConnector, Leg, PrefillAnswer};
 use crate::error::{PdError, Phase, Side};
-use crate::json::JsonBody;
 use crate::request::Api;
 use crate::transport::Transport;
 
@@ -156,12 +155,17 @@ impl Drop for KvHold {
         };
         // What the release keeps alive: the client's body (the legs are slices of it,
         // and a connector's additions), and the prefill's answer once it is held.
-        let legs = size(&release.handoff.prefill.body).max(size(&release.handoff.decode.body));
+        let legs = release
+            .handoff
+            .prefill
+            .body
+            .size()
+            .max(release.handoff.decode.body.size());
         let answer = match &stage {
             Stage::Answered(answer) => answer.body.len() as u64,
             _ => 0,
         };
-        let held = legs.max(release.received as u64).saturating_add(answer);
+        let held = (legs.max(release.received) as u64).saturating_add(answer);
         let Some(slot) = Slot::take(&release.counters, held) else {
             return;
         };
@@ -169,14 +173,6 @@ impl Drop for KvHold {
         // counted in `kv_releases_in_flight`, within the releases' room.
         runtime.spawn(release.run(stage, slot));
     }
-}
-
-/// The bytes `body` holds: its fields, the slices of the client's body (and the
-/// connector's small additions) a leg keeps alive.
-fn size(body: &JsonBody) -> u64 {
-    body.fields()
-        .map(|(k, v)| (k.len() + v.len()) as u64)
-        .fold(0, u64::saturating_add)
 }
 
 /// One running release's share of the releases' room ([`MAX_RELEASES`],
