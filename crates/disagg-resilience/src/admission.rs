@@ -495,8 +495,25 @@ pub struct PerEndpointLimit<R> {
 }
 
 impl<R: Router> PerEndpointLimit<R> {
-    /// `route` holding a place per leg, when both its endpoints are below `limit`.
-    fn with_room(&self, route: Route, limit: usize) -> Option<Route> {
+    /// Wait in the queue, as a request that found no room, until a leg that held a
+    /// place ends; then `choose` again, until its route has room.
+    async fn wait_for_room(
+        &self,
+        choose: impl Fn() -> Result<Route, PdError>,
+        deadline: Option<Instant>,
+    ) -> Result<Route, PdError> {
+        let since = Instant::now();
+        loop {
+            self.state.wait_for_room(since, deadline).await?;
+            if let Some(route) = self.with_room(choose()?) {
+                return Ok(route);
+            }
+        }
+    }
+
+    /// `route` holding a place per leg, when both its endpoints are below the limit.
+    fn with_room(&self, route: Route) -> Option<Route> {
+        let limit = self.limit;
         let room = route.decode.in_flight() < limit
             && route.prefill.as_ref().is_none_or(|p| p.in_flight() < limit);
         if !room {
@@ -518,23 +535,15 @@ impl<R: Router> Router for PerEndpointLimit<R> {
     }
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        let limit = self.limit;
         let first = match ask.select(&self.inner) {
             Ok(route) => route,
             Err(e) => return Either::Left(ready(Err(e))),
         };
-        if let Some(route) = self.with_room(first, limit) {
+        if let Some(route) = self.with_room(first) {
             return Either::Left(ready(Ok(route)));
         }
-        Either::Right(Box::pin(async move {
-            let since = Instant::now();
-            loop {
-                self.state.wait_for_room(since, ask.deadline).await?;
-                if let Some(route) = self.with_room(ask.select(&self.inner)?, limit) {
-                    return Ok(route);
-                }
-            }
-        }))
+        let choose = move || ask.select(&self.inner);
+        Either::Right(Box::pin(self.wait_for_room(choose, ask.deadline)))
     }
 
     /// The engine `pick` chooses, holding a place under the limit: while it has no
@@ -544,23 +553,12 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
         deadline: Option<Instant>,
     ) -> BoxFuture<'a, Result<Route, PdError>> {
-        let limit = self.limit;
-        // The place is made only with room: a place dropped wakes the waiters.
-        let held = move |ep: Arc<Endpoint>| {
-            let place = || Permit::new(LegPlace(Arc::clone(&self.state)));
-            (ep.in_flight() < limit).then(|| Route::new(None, ep).with_holds(None, Some(place())))
-        };
+        let choose = move || Ok(Route::new(None, pick()?));
         Box::pin(async move {
-            if let Some(placed) = held(pick()?) {
-                return Ok(placed);
+            if let Some(route) = self.with_room(choose()?) {
+                return Ok(route);
             }
-            let since = Instant::now();
-            loop {
-                self.state.wait_for_room(since, deadline).await?;
-                if let Some(placed) = held(pick()?) {
-                    return Ok(placed);
-                }
-            }
+            self.wait_for_room(choose, deadline).await
         })
     }
 
