@@ -1031,6 +1031,32 @@ async fn direct_generation_takes_its_place_under_max_in_flight() {
     }
 }
 
+/// The head of `POST target` with a JSON body of `len` bytes and the client's deadline
+/// of `ms`, on a connection closed after the answer.
+fn deadline_head(target: &str, len: usize, ms: u64) -> String {
+    format!(
+        "POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {len}\r\nconnection: close\r\n\r\n"
+    )
+}
+
+/// A streamed completion of `prompt` to `target` with the client's deadline of `ms`.
+fn streamed_with_deadline(target: &str, prompt: &str, ms: u64) -> String {
+    let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","stream":true}}"#);
+    deadline_head(target, body.len(), ms) + &body
+}
+
+/// Send `request`; its answer must be the error `status` `code`, no sooner than
+/// `after` (and within 5 s).
+async fn refused_after(addr: SocketAddr, request: &str, status: u16, code: &str, after: Duration) {
+    let begun = Instant::now();
+    raw(addr, request).await.assert_error(status, code);
+    let took = begun.elapsed();
+    assert!(
+        took >= after && took < Duration::from_secs(5),
+        "{code}: {took:?}"
+    );
+}
+
 /// Generation sent direct takes its engine's place under
 /// `--max-in-flight-per-endpoint`, as an orchestrated request does, from the same
 /// places: with the decode engine's one place held by a direct stream, another direct
@@ -1057,13 +1083,7 @@ async fn direct_generation_takes_its_engines_place_under_the_per_endpoint_limit(
         let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         async move { Proxy::start_args(&args).await }
     };
-    let ask = |prompt: &str, target: &str, ms: u64| {
-        let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","stream":true}}"#);
-        format!(
-            "POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
-    };
+    let ask = |prompt: &str, target: &str, ms: u64| streamed_with_deadline(target, prompt, ms);
     let invocations = || {
         let heads = engine.heads();
         heads
@@ -1075,15 +1095,15 @@ async fn direct_generation_takes_its_engines_place_under_the_per_endpoint_limit(
     let held = held_stream(proxy.addr, &ask("hold me", "/invocations", 60_000)).await;
     let sent = invocations();
     for target in ["/invocations", "/v1/completions"] {
-        let begun = Instant::now();
-        raw(proxy.addr, &ask("p", target, 500))
-            .await
-            .assert_error(503, "queue_timeout");
-        let took = begun.elapsed();
-        assert!(
-            took >= Duration::from_millis(500) && took < Duration::from_secs(5),
-            "{target}: {took:?}"
-        );
+        let ask = ask("p", target, 500);
+        refused_after(
+            proxy.addr,
+            &ask,
+            503,
+            "queue_timeout",
+            Duration::from_millis(500),
+        )
+        .await;
     }
     assert_eq!(invocations(), sent, "a request reached the full engine");
     // A waiting direct request is served once the stream ends.
@@ -1142,23 +1162,11 @@ async fn direct_generation_keeps_the_requests_deadline() {
         .map(str::to_owned),
     )
     .await;
-    let ask = |prompt: &str, ms: u64| {
-        let body = format!(r#"{{"model":"sim-model","prompt":"{prompt}","stream":true}}"#);
-        format!(
-            "POST /invocations HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
-    };
+    let ask = |prompt: &str, ms: u64| streamed_with_deadline("/invocations", prompt, ms);
+    let ms = Duration::from_millis;
     // No head by the deadline: 504 `deadline_exceeded`, at the deadline.
-    let start = Instant::now();
-    raw(proxy.addr, &ask("no head", 300))
-        .await
-        .assert_error(504, "deadline_exceeded");
-    let took = start.elapsed();
-    assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
-        "{took:?}"
-    );
+    let no_head = ask("no head", 300);
+    refused_after(proxy.addr, &no_head, 504, "deadline_exceeded", ms(300)).await;
     // A stream still running at the deadline is cut there.
     let start = Instant::now();
     let cut = raw(proxy.addr, &ask("hold me", 400)).await;
@@ -1171,15 +1179,7 @@ async fn direct_generation_keeps_the_requests_deadline() {
     // The place is taken by a held stream: the queue's wait ends at the deadline too,
     // not at the 30 s queue timeout.
     let held = held_stream(proxy.addr, &ask("hold me", 20_000)).await;
-    let start = Instant::now();
-    raw(proxy.addr, &ask("p", 300))
-        .await
-        .assert_error(503, "queue_timeout");
-    let took = start.elapsed();
-    assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_secs(5),
-        "{took:?}"
-    );
+    refused_after(proxy.addr, &ask("p", 300), 503, "queue_timeout", ms(300)).await;
     // Retrieving a stored response (its stream resumed) is no generation: the
     // deadline does not cut it.
     drop(held);
@@ -1245,12 +1245,7 @@ async fn the_deadline_counts_from_the_head_on_orchestrated_and_direct_routes() {
         (direct.addr, "/invocations", direct_body),
     ];
     for (addr, target, body) in cases {
-        let head = |ms: u64| {
-            format!(
-                "POST {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-disagg-deadline-ms: {ms}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            )
-        };
+        let head = |ms: u64| deadline_head(target, body.len(), ms);
         // The requests for `target` the engines received (not the simulated engines'
         // own traffic between them, which may come after the answer).
         let sent = || {
