@@ -19,7 +19,7 @@ use disagg_sim::{SimConfig, SimEngine};
 
 mod common;
 use common::certs::{TempDir, write_atomic};
-use common::{Proxy, completion, get, post, post_with};
+use common::{Proxy, completion, eventually, get, post, post_with};
 
 const COMPLETIONS: &str = "/v1/completions";
 
@@ -286,7 +286,13 @@ async fn a_rank_range_past_its_ceiling_is_refused_and_the_last_good_set_kept() {
     )
     .await;
     assert!(refused, "{}", proxy.log());
-    assert!(proxy.log().contains("over its ceiling"), "{}", proxy.log());
+    // The warning is read from the process's pipe by another thread: it may reach the
+    // test a moment after `/metrics` shows the count.
+    let logged = eventually(Duration::from_secs(5), || {
+        proxy.log().contains("over its ceiling")
+    })
+    .await;
+    assert!(logged, "{}", proxy.log());
     // Alive and quick: the range was counted, never expanded.
     let t = Instant::now();
     let health = get(&proxy.url(), "/health").await;
