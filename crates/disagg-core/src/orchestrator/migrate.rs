@@ -89,7 +89,7 @@ pub(crate) use plan::{Plan, ask_ids, plan};
 #[cfg(test)]
 use scan::parse_ids;
 use scan::{
-    IDS_KEY, IdsKey, event_end, ids_of, is_error, next_ids, parse_ids_into, payload, trailing,
+    Held, IDS_KEY, IdsKey, event_end, ids_of, is_error, next_ids, parse_ids_into, payload, trailing,
 };
 
 /// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
@@ -269,7 +269,7 @@ pub(crate) struct Migrating {
     leg: Current,
     pending: Option<SyncWrapper<Continuation>>,
     /// A partial event of the current leg.
-    buf: BytesMut,
+    held: Held,
     head: Option<Head>,
     prompt: Option<Vec<u32>>,
     generated: Vec<u32>,
@@ -352,7 +352,7 @@ impl Migrating {
             ctx: Arc::new(ctx),
             leg,
             pending: None,
-            buf: BytesMut::new(),
+            held: Held::default(),
             head: None,
             prompt,
             last: None,
@@ -453,20 +453,23 @@ impl Migrating {
         }
     }
 
-    /// The complete events in `buf`, each handled, into `out`; `Err` when one says the
-    /// leg failed.
+    /// The complete events of `data` (after what was held of a cut event), each handled,
+    /// into `out`; `Err` when one says the leg failed.
     ///
-    /// The events are slices of the frame `data` (after what `buf` held of a cut event):
-    /// only a cut event's bytes are copied, into `buf`, where they wait for their end
-    /// (and what follows a failed event, which goes out as it came if the leg is not
-    /// migrated).
+    /// The events are slices of the frame `data`: only a cut event's bytes are copied,
+    /// into [`Held`], where they wait for their end (and what follows a failed event,
+    /// which goes out as it came if the leg is not migrated), each frame scanned once.
     fn events(&mut self, data: Bytes, out: &mut BytesMut) -> Result<(), (Reason, Bytes)> {
-        let mut src = if self.buf.is_empty() {
-            data
-        } else {
-            self.buf.extend_from_slice(&data);
-            self.buf.split().freeze()
+        let Some(mut src) = self.held.push(data) else {
+            if self.held.len() > MAX_EVENT {
+                // Nothing of this size is a chunk of tokens: relay as it comes, untracked.
+                self.untrack();
+                self.raw = true;
+                out.extend_from_slice(&self.held.take());
+            }
+            return Ok(());
         };
+        out.reserve(src.len() + 16);
         while let Some(end) = event_end(&src) {
             let event = src.split_to(end);
             let handled = match (self.continuing(), self.ctx.plan.generate.is_some()) {
@@ -476,17 +479,16 @@ impl Migrating {
                 (false, true) => self.generate_first_leg(&event, out),
             };
             if let Err(reason) = handled {
-                self.buf.extend_from_slice(&src);
+                self.held.hold(&src);
                 return Err((reason, event));
             }
         }
         if src.len() > MAX_EVENT {
-            // Nothing of this size is a chunk of tokens: relay as it comes, untracked.
             self.untrack();
             self.raw = true;
             out.extend_from_slice(&src);
         } else {
-            self.buf.extend_from_slice(&src);
+            self.held.hold(&src);
         }
         Ok(())
     }
@@ -679,7 +681,7 @@ impl Migrating {
         };
         self.carried = generated;
         self.migrations += 1;
-        self.buf.clear();
+        self.held.clear();
         self.inner = super::body::empty_body();
         let broke = *self.stalled.get_or_insert_with(now);
         let span = ctx.trace.as_ref().map(|(_, ids)| ids.span());
@@ -907,9 +909,9 @@ impl Body for Migrating {
                     if this.raw {
                         return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
-                    // One allocation for what goes out (blanked ids are about as long as
-                    // the ids).
-                    let mut out = BytesMut::with_capacity(this.buf.len() + data.len() + 16);
+                    // One allocation for what goes out, when something does (blanked ids
+                    // are about as long as the ids): `events` sizes it.
+                    let mut out = BytesMut::new();
                     match this.events(data, &mut out) {
                         Ok(()) if out.is_empty() => continue,
                         Ok(()) => {
@@ -928,7 +930,7 @@ impl Body for Migrating {
                             this.untrack();
                             this.raw = true;
                             out.extend_from_slice(&event);
-                            out.extend_from_slice(&this.buf.split());
+                            out.extend_from_slice(&this.held.take());
                             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                         }
                     }
@@ -939,10 +941,10 @@ impl Body for Migrating {
                 }
                 Poll::Ready(None) if this.done || this.raw => {
                     this.ended = true;
-                    if this.buf.is_empty() {
+                    if this.held.is_empty() {
                         return Poll::Ready(None);
                     }
-                    return Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))));
+                    return Poll::Ready(Some(Ok(Frame::data(this.held.take().freeze()))));
                 }
                 Poll::Ready(None) => Reason::Eof,
             };
@@ -953,12 +955,12 @@ impl Body for Migrating {
             // the end).
             this.ended = true;
             this.raw = true;
-            if !this.buf.is_empty() {
+            if !this.held.is_empty() {
                 if let Some(e) = this.broke.take() {
                     this.inner = failing(e);
                     this.ended = false;
                 }
-                return Poll::Ready(Some(Ok(Frame::data(this.buf.split().freeze()))));
+                return Poll::Ready(Some(Ok(Frame::data(this.held.take().freeze()))));
             }
             return Poll::Ready(this.broke.take().map(Err));
         }

@@ -1,6 +1,7 @@
 //! The byte scans of a tracked decode stream: its events, their payloads and the token
 //! id lists in them, read without deserializing the chunks.
 
+use bytes::{Bytes, BytesMut};
 use serde_json::value::RawValue;
 
 /// The payload of an event's `data:` line (the whole event is one line in vLLM's
@@ -27,6 +28,65 @@ pub(super) fn event_end(buf: &[u8]) -> Option<usize> {
     memchr::memchr_iter(b'\n', buf)
         .find(|&i| buf.get(i + 1) == Some(&b'\n'))
         .map(|i| i + 2)
+}
+
+/// The bytes of a cut SSE event, held until its end comes (and, after a leg failed,
+/// what followed the failed event).
+///
+/// Each frame is scanned once: the held bytes have no event end, so a new frame is
+/// scanned from the last held byte on (an end may straddle the two). An engine writing
+/// one event a byte per frame costs the event's length, not its length squared.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    buf: BytesMut,
+    /// Bytes copied in and scanned, for the tests' bound.
+    #[cfg(test)]
+    pub(super) work: usize,
+}
+
+impl Held {
+    /// `data` after the held bytes: all of them, from the first held byte, when an event
+    /// ended in them (the caller walks the events and holds what is left), else `None`
+    /// (`data` is held too). With nothing held, `data` itself.
+    pub(super) fn push(&mut self, data: Bytes) -> Option<Bytes> {
+        if self.buf.is_empty() {
+            return Some(data);
+        }
+        let from = self.buf.len() - 1;
+        self.buf.extend_from_slice(&data);
+        #[cfg(test)]
+        {
+            self.work += 2 * data.len() + 1;
+        }
+        event_end(&self.buf[from..])?;
+        Some(self.take().freeze())
+    }
+
+    /// Hold `rest`, after what is held.
+    pub(super) fn hold(&mut self, rest: &[u8]) {
+        #[cfg(test)]
+        {
+            self.work += rest.len();
+        }
+        self.buf.extend_from_slice(rest);
+    }
+
+    /// Everything held, which is no longer.
+    pub(super) fn take(&mut self) -> BytesMut {
+        self.buf.split()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.buf.clear();
+    }
 }
 
 /// The end of both ids keys, `token_ids":`.

@@ -39,6 +39,56 @@ fn an_event_ends_at_its_blank_line_and_a_cut_one_waits() {
     assert_eq!(event_end(b"\n\n"), Some(2));
 }
 
+/// The caller's walk over what [`Held::push`] gives: the whole events, in order; the
+/// rest held.
+fn walk(held: &mut Held, data: &[u8]) -> Vec<Bytes> {
+    let Some(mut src) = held.push(Bytes::copy_from_slice(data)) else {
+        return Vec::new();
+    };
+    let mut events = Vec::new();
+    while let Some(end) = event_end(&src) {
+        events.push(src.split_to(end));
+    }
+    held.hold(&src);
+    events
+}
+
+#[test]
+fn a_cut_event_is_held_and_each_frame_scanned_once() {
+    // An end straddling two frames is found.
+    let mut held = Held::default();
+    assert!(walk(&mut held, b"data: a\n\ndata: b\n").len() == 1);
+    assert_eq!(
+        walk(&mut held, b"\ndata: c"),
+        vec![Bytes::from_static(b"data: b\n\n")]
+    );
+    assert_eq!(held.take().as_ref(), b"data: c");
+
+    // One event of 64 KiB, a byte per frame: held whole until its end, and the bytes
+    // copied and scanned are a few times its length (a rescan of all that is held per
+    // frame would be its length squared over two: two billion).
+    // Every other byte a line end, so each byte frame is one `memchr` hit.
+    let event = format!("data: {}y\n\n", "x\n".repeat(32 << 10));
+    let mut held = Held::default();
+    let mut out = Vec::new();
+    for b in event.as_bytes().chunks(1) {
+        let got = walk(&mut held, b);
+        assert!(out.is_empty() || got.is_empty(), "one event, given once");
+        out.extend(got);
+    }
+    assert!(
+        out.len() == 1 && out[0] == event.as_bytes(),
+        "the event, once and whole"
+    );
+    assert!(held.is_empty());
+    assert!(
+        held.work < 4 * event.len(),
+        "{} bytes of work for an event of {}",
+        held.work,
+        event.len()
+    );
+}
+
 #[test]
 fn the_first_chunk_is_read_for_its_header_and_prompt_ids_only() {
     let read = |data: &[u8]| {
