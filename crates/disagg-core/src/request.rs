@@ -89,21 +89,89 @@ pub(crate) const HANDOFF_FIELDS: &[&str] = &[
     "data_parallel_rank_decode",
 ];
 
-/// Keys of `vllm_xargs` that vLLM reads as a handoff: it copies `vllm_xargs` into the
-/// request's `extra_args`, and its KV and EC connectors read `kv_transfer_params` and
-/// `ec_transfer_params` from there, as if the top-level field had been sent
-/// (`vllm/entrypoints/openai/.../protocol.py`, `to_sampling_params`: `extra_args =
-/// vllm_xargs`, then the top-level `kv_transfer_params` over it when there is one). A
-/// leg without the proxy's own `kv_transfer_params` (a direct or decode-only one, or
-/// any leg of a connector that sends none) would carry the client's.
-const XARGS_HANDOFF: &[(&str, &str)] = &[
-    ("kv_transfer_params", "vllm_xargs.kv_transfer_params"),
-    ("ec_transfer_params", "vllm_xargs.ec_transfer_params"),
+/// An object below the top level whose members an engine reads as if the client had
+/// sent them at the top level, and which of its keys are handoffs there.
+struct Nested {
+    /// The keys from the top level down to the object.
+    path: &'static [&'static str],
+    /// Each key removed there, with the name it is given to `removed` by (`path.key`).
+    keys: &'static [(&'static str, &'static str)],
+}
+
+/// The handoffs spelled below the top level. A leg without the proxy's own handoff (a
+/// direct or decode-only one, a forwarded request, any leg of a connector that sends
+/// none) would otherwise carry the client's.
+const NESTED_HANDOFF: &[Nested] = &[
+    // vLLM copies `vllm_xargs` into the request's `extra_args`, and its KV and EC
+    // connectors read `kv_transfer_params` and `ec_transfer_params` from there, as if
+    // the top-level field had been sent (`vllm/entrypoints/openai/.../protocol.py`,
+    // `to_sampling_params`: `extra_args = vllm_xargs`, then the top-level
+    // `kv_transfer_params` over it when there is one).
+    Nested {
+        path: &["vllm_xargs"],
+        keys: &[
+            ("kv_transfer_params", "vllm_xargs.kv_transfer_params"),
+            ("ec_transfer_params", "vllm_xargs.ec_transfer_params"),
+        ],
+    },
+    // vLLM's token-in route (`/inference/v1/generate`) takes `sampling_params` as
+    // `SamplingParams` itself, `extra_args` included, and hands it to the engine, whose
+    // request reads its handoff from `extra_args` (`vllm/v1/request.py`); the route
+    // writes a top-level `kv_transfer_params` over it only when there is one.
+    Nested {
+        path: &["sampling_params", "extra_args"],
+        keys: &[
+            (
+                "kv_transfer_params",
+                "sampling_params.extra_args.kv_transfer_params",
+            ),
+            (
+                "ec_transfer_params",
+                "sampling_params.extra_args.ec_transfer_params",
+            ),
+        ],
+    },
+    // SGLang's Vertex AI route (`/vertex_generate`, or what `AIP_PREDICT_ROUTE` names)
+    // builds its `GenerateReqInput` from `parameters`' members
+    // (`sglang/srt/entrypoints/http_server.py`, `vertex_generate`): every handoff field
+    // of `/generate` is one there.
+    Nested {
+        path: &["parameters"],
+        keys: &[
+            ("kv_transfer_params", "parameters.kv_transfer_params"),
+            ("ec_transfer_params", "parameters.ec_transfer_params"),
+            ("bootstrap_host", "parameters.bootstrap_host"),
+            ("bootstrap_port", "parameters.bootstrap_port"),
+            ("bootstrap_room", "parameters.bootstrap_room"),
+            ("bootstrap_pair_key", "parameters.bootstrap_pair_key"),
+            ("routed_dp_rank", "parameters.routed_dp_rank"),
+            ("data_parallel_rank", "parameters.data_parallel_rank"),
+            (
+                "disagg_prefill_dp_rank",
+                "parameters.disagg_prefill_dp_rank",
+            ),
+            (
+                "data_parallel_rank_decode",
+                "parameters.data_parallel_rank_decode",
+            ),
+        ],
+    },
 ];
 
+/// The longest list of keys of a [`Nested`].
+const MAX_NESTED_KEYS: usize = HANDOFF_FIELDS.len();
+
+const _: () = {
+    let mut i = 0;
+    while i < NESTED_HANDOFF.len() {
+        assert!(NESTED_HANDOFF[i].keys.len() <= MAX_NESTED_KEYS);
+        i += 1;
+    }
+};
+
 /// Remove from `body` what no client may send an engine: the [`HANDOFF_FIELDS`] at the
-/// top level and the [`XARGS_HANDOFF`] keys of `vllm_xargs` (each one removed is given
-/// to `removed`, a nested one as `vllm_xargs.KEY`, for the checks of connectors whose
+/// top level and the [`NESTED_HANDOFF`] keys below it (each one removed is given to
+/// `removed`, a nested one by its dotted name, for the checks of connectors whose
 /// engines validate them). Whether anything was removed.
 pub(crate) fn remove_handoff(
     body: &mut JsonBody,
@@ -116,41 +184,78 @@ pub(crate) fn remove_handoff(
             any = true;
         }
     }
-    // Rare: the object is read only when the client sent one, member by member (no
+    // Rare: an object is read only when the client sent one, member by member (no
     // value a `Value` could not hold, a `1e400` beside the key, and no count of members,
     // lets the key through); its keys are read unescaped and a repeated key's every
-    // copy goes, the last given to `removed`, as vLLM reads it. Its other members keep
-    // their bytes.
-    let xargs = body
-        .get_bytes("vllm_xargs")
-        .filter(|raw| raw.first() == Some(&b'{'));
-    if let Some(xargs) = xargs
-        && let Ok(text) = std::str::from_utf8(&xargs)
-    {
-        let mut found: [Option<Bytes>; XARGS_HANDOFF.len()] = Default::default();
-        let mut out = Vec::with_capacity(text.len());
-        let mut o = raw::Object::open(&mut out);
-        let copied = o.copy(text, |key, value, _| {
-            match XARGS_HANDOFF.iter().position(|(k, _)| *k == key) {
-                Some(i) => {
-                    found[i] = Some(xargs.slice_ref(value.get().as_bytes()));
-                    raw::Edit::Drop
-                }
-                None => raw::Edit::Keep,
-            }
-        });
-        o.close();
-        if copied.is_ok() && found.iter().any(Option::is_some) {
-            for ((_, named), raw) in XARGS_HANDOFF.iter().zip(found) {
+    // copy goes (at every level of the path), the last given to `removed`, as the
+    // engines read it. Its other members keep their bytes.
+    for nested in NESTED_HANDOFF {
+        let Some((first, below)) = nested.path.split_first() else {
+            continue;
+        };
+        let Some(top) = body
+            .get_bytes(first)
+            .filter(|raw| raw.first() == Some(&b'{'))
+        else {
+            continue;
+        };
+        let Ok(text) = std::str::from_utf8(&top) else {
+            continue;
+        };
+        let mut found: [Option<Bytes>; MAX_NESTED_KEYS] = Default::default();
+        if let Some(out) = strip_nested(&top, text, below, nested.keys, &mut found) {
+            for ((_, named), raw) in nested.keys.iter().zip(found) {
                 if let Some(raw) = raw {
                     removed(named, raw);
                 }
             }
-            body.set_raw("vllm_xargs", Bytes::from(out));
+            body.set_raw(first, Bytes::from(out));
             any = true;
         }
     }
     any
+}
+
+/// The object `raw` (a slice of `top`) without the members `keys` names in the object
+/// `path` leads to below it, and each removed value into `found` (by its place in
+/// `keys`, as slices of `top`); `None` when nothing was removed, or `raw` is not one
+/// JSON object.
+fn strip_nested(
+    top: &Bytes,
+    raw: &str,
+    path: &[&str],
+    keys: &[(&str, &str)],
+    found: &mut [Option<Bytes>],
+) -> Option<Vec<u8>> {
+    if !raw.starts_with('{') {
+        return None;
+    }
+    let mut any = false;
+    let mut out = Vec::with_capacity(raw.len());
+    let mut o = raw::Object::open(&mut out);
+    let copied = o.copy(raw, |key, value, buf| match path.split_first() {
+        None => match keys.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                found[i] = Some(top.slice_ref(value.get().as_bytes()));
+                any = true;
+                raw::Edit::Drop
+            }
+            None => raw::Edit::Keep,
+        },
+        Some((next, below)) if *next == key => {
+            match strip_nested(top, value.get(), below, keys, found) {
+                Some(inner) => {
+                    buf.extend_from_slice(&inner);
+                    any = true;
+                    raw::Edit::Wrote
+                }
+                None => raw::Edit::Keep,
+            }
+        }
+        Some(_) => raw::Edit::Keep,
+    });
+    o.close();
+    (copied.is_ok() && any).then_some(out)
 }
 
 /// The request id header, sent on both legs.
@@ -500,6 +605,46 @@ mod tests {
             r.body().get("vllm_xargs"),
             Some(&br#"{"mine":"kv_transfer_params"}"#[..])
         );
+    }
+
+    /// vLLM's token-in route reads the handoff from `sampling_params.extra_args`, and
+    /// SGLang's Vertex route splats `parameters` into its request: both spellings go,
+    /// escaped or repeated at either level, and everything beside them stays as written.
+    #[test]
+    fn strips_the_handoff_nested_in_sampling_params_and_parameters() {
+        let body = r#"{"token_ids":[1],"sampling_params":{"max_tokens":8,"extra_args":{"kv_transfer_params":{"remote_host":"evil"},"mine":1},"extra_args":{"\u006bv_transfer_params":{"remote_host":"evil2"},"ec_transfer_params":1,"keep":2}},"parameters":{"bootstrap_host":"evil","b\u006fotstrap_port":8998,"bootstrap_room":1,"routed_dp_rank":0,"temperature":0}}"#;
+        let r = req(HeaderMap::new(), body).unwrap();
+        let text = String::from_utf8(r.body().to_bytes().to_vec()).unwrap();
+        assert!(!text.contains("evil") && !text.contains("8998"), "{text}");
+        assert_eq!(
+            r.body().get("sampling_params"),
+            Some(&br#"{"max_tokens":8,"extra_args":{"mine":1},"extra_args":{"keep":2}}"#[..])
+        );
+        assert_eq!(
+            r.body().get("parameters"),
+            Some(&br#"{"temperature":0}"#[..])
+        );
+        let mut removed: Vec<&str> = r.removed.iter().map(|(name, _)| *name).collect();
+        removed.sort_unstable();
+        assert_eq!(
+            removed,
+            [
+                "parameters.bootstrap_host",
+                "parameters.bootstrap_port",
+                "parameters.bootstrap_room",
+                "parameters.routed_dp_rank",
+                "sampling_params.extra_args.ec_transfer_params",
+                "sampling_params.extra_args.kv_transfer_params",
+            ]
+        );
+        // The last of a repeated key is the one given, as the engines read it.
+        let kv = r.client_handoff("sampling_params.extra_args.kv_transfer_params");
+        assert_eq!(kv, Some(&br#"{"remote_host":"evil2"}"#[..]));
+        // A key of the same name elsewhere, or the objects without one, keep their bytes.
+        let plain = r#"{"sampling_params":{"kv_transfer_params":1,"extra_args":{"mine":"kv_transfer_params"}},"parameters":[{"bootstrap_host":"h"}],"extra_args":{"kv_transfer_params":1}}"#;
+        let r = req(HeaderMap::new(), plain).unwrap();
+        assert_eq!(&r.body().to_bytes()[..], plain.as_bytes());
+        assert!(r.removed.is_empty());
     }
 
     /// A value `serde_json::Value` cannot hold (a number past `f64`, which Python reads

@@ -864,6 +864,71 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
     }
 }
 
+/// The handoff spelled below the top level, where an engine reads it as the top-level
+/// field: vLLM's token-in route in `sampling_params.extra_args`, SGLang's Vertex route in
+/// `parameters` (each with a neighbour that must stay).
+const NESTED_HANDOFF: &str = r#"{"model":"sim-model","token_ids":[1,2],"sampling_params":{"max_tokens":4,"extra_args":{"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.6.6.6"},"mine":1}},"parameters":{"bootstrap_host":"10.6.6.6","bootstrap_room":7,"temperature":0}}"#;
+
+#[tokio::test]
+async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
+    let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
+    let proxy = Proxy::start_args(&[
+        "--prefill".to_owned(),
+        engine.url(),
+        "--decode".to_owned(),
+        engine.url(),
+        "--admin-routes".to_owned(),
+    ])
+    .await;
+    // Orchestrated (token-in: the raw engine's prefill answer holds no handoff, so the
+    // decode leg goes without one of the proxy's, the leg the client's would have
+    // steered), forwarded (SGLang's `/vertex_generate`,
+    // `/tokenize`), direct (`/invocations`), fanned out (`/v1/load_lora_adapter`).
+    let sent = [
+        "/inference/v1/generate",
+        "/vertex_generate",
+        "/tokenize",
+        "/invocations",
+        "/v1/load_lora_adapter",
+    ];
+    for path in sent {
+        let a = raw_request(proxy.addr, "POST", path, NESTED_HANDOFF).await;
+        assert_eq!(
+            a.status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+    }
+    let seen = bodies(&engine);
+    // Both legs of the orchestrated request, one request of each other.
+    assert_eq!(seen.len(), sent.len() + 1, "{seen:?}");
+    let bare = seen
+        .iter()
+        .filter(|b| !b.contains("kv_transfer_params"))
+        .count();
+    assert_eq!(
+        bare,
+        sent.len(),
+        "the decode leg carried no handoff: {seen:?}"
+    );
+    for body in seen {
+        let v: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+        assert!(!body.contains("10.6.6.6"), "{body}");
+        assert_eq!(
+            v["sampling_params"]["extra_args"],
+            serde_json::json!({"mine": 1}),
+            "{body}"
+        );
+        assert_eq!(
+            v["parameters"],
+            serde_json::json!({"temperature": 0}),
+            "{body}"
+        );
+    }
+}
+
 /// A body of more top-level fields than `disagg_core::json::MAX_FIELDS` is refused 400 on
 /// every route kind that reads the body (orchestrated, forwarded, direct, fanned out),
 /// and reaches no engine; one at the ceiling passes.

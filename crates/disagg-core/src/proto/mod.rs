@@ -65,7 +65,9 @@ pub fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName>
 
 /// Remove from a client's JSON body what no engine may get from a client, on any route:
 /// the handoff fields [`PdRequest::new`] removes (`kv_transfer_params`, the bootstrap
-/// fields, the rank fields) and their spelling vLLM also reads, inside `vllm_xargs`.
+/// fields, the rank fields) and their spellings below the top level that the engines
+/// also read: inside `vllm_xargs` and `sampling_params.extra_args` (vLLM), and inside
+/// `parameters` (SGLang's `/vertex_generate`).
 /// Whether anything was removed (then the body's bytes changed). An adapter that
 /// forwards a body to one engine, or to all of them, applies it as the orchestrator does
 /// to every leg.
