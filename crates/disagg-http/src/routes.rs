@@ -19,6 +19,7 @@
 //! | `GET /v1/models`, `/v1/models/{id}`, `/health`, `/metrics` | [`Proxy`](RouteAction::Proxy) |
 //! | the paths below `/v1/responses` (retrieve, cancel), `/v1/audio/transcriptions`, `/v1/audio/translations`, `/invocations` | [`Direct`](RouteAction::Direct) |
 //! | [`ADMIN_ROUTES`] | [`Refused`](RouteAction::Refused), [`FannedOut`](RouteAction::FannedOut) once opened |
+//! | every other path that starts with `/metrics` (the engines' Prometheus mount answers them all) | [`Refused`](RouteAction::Refused) |
 //! | anything else (`/tokenize`, `/detokenize`, `/version`, `/v1/embeddings`, `/pooling`, `/score`, `/rerank`, ...) | [`Forwarded`](RouteAction::Forwarded) |
 
 use std::borrow::Cow;
@@ -82,6 +83,13 @@ pub const ADMIN_ROUTES: &[&str] = &[
     "/abort_requests",
     "/collective_rpc",
     "/server_info",
+    // SGLang's older spellings of its `/server_info` (the engine's whole configuration)
+    // and of `/hicache/storage-backend/clear`, and its remote-instance weight loading's
+    // transfer-engine session (both spellings).
+    "/get_server_info",
+    "/clear_hicache_storage_backend",
+    "/remote_instance_transfer_engine_info",
+    "/get_remote_instance_transfer_engine_info",
     "/get_world_size",
     "/start_profile",
     "/stop_profile",
@@ -155,7 +163,8 @@ const DIRECT_ROUTES: &[&str] = &[
 /// One rule of a [`RouteTable`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteRule {
-    /// The path; one ending in `/*` also matches every path below it.
+    /// The path; one ending in `/*` also matches every path below it, one ending in
+    /// another `*` every longer path that starts with what comes before the `*`.
     pub path: Cow<'static, str>,
     /// What is done with requests on it.
     pub action: RouteAction,
@@ -163,10 +172,13 @@ pub struct RouteRule {
 
 impl RouteRule {
     fn matches(&self, path: &str) -> bool {
-        match self.path.strip_suffix("/*") {
-            Some(prefix) => path
+        if let Some(prefix) = self.path.strip_suffix("/*") {
+            return path
                 .strip_prefix(prefix)
-                .is_some_and(|rest| rest.len() > 1 && rest.starts_with('/')),
+                .is_some_and(|rest| rest.len() > 1 && rest.starts_with('/'));
+        }
+        match self.path.strip_suffix('*') {
+            Some(prefix) => path.len() > prefix.len() && path.starts_with(prefix),
             None => self.path == path,
         }
     }
@@ -217,6 +229,11 @@ impl Default for RouteTable {
             rule("/v1/models/*", RouteAction::Proxy),
             rule("/health", RouteAction::Proxy),
             rule("/metrics", RouteAction::Proxy),
+            // The engines' Prometheus app answers every path that starts with
+            // `/metrics` (vLLM mounts it with the pattern `^/metrics(?P<path>.*)$`),
+            // so `/metrics/` or `/metricsx` forwarded would be an engine's metrics,
+            // past the scraper's key.
+            rule("/metrics*", RouteAction::Refused),
         ];
         rules.extend(DIRECT_ROUTES.iter().map(|p| rule(p, RouteAction::Direct)));
         rules.extend(ADMIN_ROUTES.iter().map(|p| rule(p, RouteAction::Refused)));
@@ -282,6 +299,16 @@ mod tests {
         assert_eq!(t.action("/v1/models/"), RouteAction::Forwarded);
         assert_eq!(t.action("/v1/responses/resp_1/cancel"), RouteAction::Direct);
         assert_eq!(t.action("/v1/responsesX"), RouteAction::Forwarded);
+        // The engines' metrics mount answers every path that starts with `/metrics`.
+        assert_eq!(t.action("/metrics"), RouteAction::Proxy);
+        for path in ["/metrics/", "/metricsx", "/metrics/metrics"] {
+            assert_eq!(t.action(path), RouteAction::Refused, "{path}");
+        }
+        assert_eq!(t.action("/metric"), RouteAction::Forwarded);
+        assert_eq!(
+            t.clone().admin_routes(true).action("/metrics/"),
+            RouteAction::Refused
+        );
     }
 
     #[test]

@@ -188,6 +188,33 @@ async fn oddly_spelled_admin_routes_are_refused_and_reach_no_engine() {
     assert_eq!(d.stats().admin_requests, 1);
 }
 
+/// The engines serve some closed routes under a second name, and their Prometheus
+/// mount answers every path that starts with `/metrics`: each is refused, with or
+/// without the scraper's key, and none reaches an engine.
+#[tokio::test]
+async fn other_names_of_closed_routes_and_the_metrics_mount_are_refused() {
+    let (p, d) = plain_pair().await;
+    // The scraper's key alone: `/metrics` needs it, every other path is open.
+    let proxy = start(&p, &d, &["--metrics-api-key", "scrape"]).await;
+    for (method, target) in [
+        ("GET", "/get_server_info"),
+        ("POST", "/clear_hicache_storage_backend"),
+        ("GET", "/remote_instance_transfer_engine_info"),
+        ("GET", "/get_remote_instance_transfer_engine_info"),
+        ("GET", "/metrics/"),
+        ("GET", "/metricsx"),
+        ("GET", "/metrics/metrics"),
+        ("GET", "/%6detrics/"),
+    ] {
+        let a = raw_request(proxy.addr, method, target, "").await;
+        a.assert_error(403, "admin_route_closed");
+    }
+    assert_eq!(received(&[&p, &d]), Vec::new());
+    // The proxy's own metrics stay behind the key.
+    let a = raw_request(proxy.addr, "GET", "/metrics", "").await;
+    assert_eq!(a.status, 401, "{}", a.head);
+}
+
 #[tokio::test]
 async fn ambiguous_paths_are_400_and_reach_no_engine() {
     let (p, d) = plain_pair().await;
