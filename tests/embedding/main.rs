@@ -274,6 +274,38 @@ async fn non_pd_requests_reach_the_inner_service_untouched_oneshot() {
     );
 }
 
+/// In sidecar mode the inner service is the decode engine: the headers the engines
+/// read as where or as what a request runs never reach it from a client, on the
+/// routes the sidecar passes through too (the gateway's inner service is an app's,
+/// which gets them as they came).
+#[tokio::test]
+async fn a_sidecar_passes_no_engine_directive_to_its_engine() {
+    let (p, _d) = nixl_pair().await;
+    let recorder = Recorder::default();
+    let req = request(
+        Method::POST,
+        "/v1/embeddings",
+        &[
+            ("x-override-bootstrap-host", "10.6.6.6"),
+            ("x_override_bootstrap_room", "7"),
+            ("x-data-parallel-rank", "1"),
+            ("x-custom", "a"),
+            ("authorization", "Bearer t"),
+        ],
+        r#"{"input":"x","model":"m"}"#,
+    );
+    let resp = ServiceBuilder::new()
+        .layer(sidecar_layer(&[&p]))
+        .service(recorder.clone())
+        .oneshot(req)
+        .await;
+    assert_eq!(read(resp.unwrap()).await.status, StatusCode::OK);
+    let seen = recorder.seen().pop().unwrap();
+    let mut names: Vec<&str> = seen.headers.keys().map(|n| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["authorization", "x-custom"], "{:?}", seen.headers);
+}
+
 /// The same over hyper and real sockets, next to a P/D request served disaggregated.
 #[tokio::test]
 async fn non_pd_requests_reach_the_inner_service_untouched_over_sockets() {

@@ -3,7 +3,10 @@
 //! The layer takes `POST /v1/chat/completions` and `POST /v1/completions` (the paths
 //! can be changed with [`PdLayer::paths`]) through the [`Orchestrator`]; every other
 //! request reaches the inner service as it came (body, headers and extensions), so an
-//! engine or an app keeps its own `/health`, `/metrics` and `/v1/models`.
+//! engine or an app keeps its own `/health`, `/metrics` and `/v1/models` (in sidecar
+//! mode less the headers the engines read as where or as what a request runs,
+//! `x-data-parallel-rank` and SGLang's `x-override-*`, which no leg takes from a client
+//! either).
 //!
 //! The path is normalised first ([`crate::path::normalize`]): the layer matches the
 //! normal path, and the inner service receives it (the query as it came), so
@@ -280,7 +283,10 @@ where
         }
         let Some(api) = self.api(req.method(), req.uri().path()) else {
             if let Some(check) = &self.prefiller {
+                // Sidecar: the inner service is the decode engine, which must not take
+                // from a client what only P/D may tell it, on any route.
                 req.headers_mut().remove(&check.header);
+                sidecar::strip_engine_directives(req.headers_mut());
             }
             return ResponseFuture::inner(inner.call(req));
         };

@@ -396,6 +396,26 @@ impl Router for SidecarRouter {
     }
 }
 
+/// Remove from a request the sidecar passes to its engine the headers the engines read
+/// as where or as what a request runs (`x-data-parallel-rank`, SGLang's `x-override-*`,
+/// either spelling), which the legs never carry from a client either
+/// ([`disagg_core::proto::forwardable_header`]). The client's credentials are the
+/// engine's business here, as they were before the sidecar stood in front of it.
+pub(super) fn strip_engine_directives(headers: &mut HeaderMap) {
+    let directive = |name: &HeaderName| {
+        *name != http::header::AUTHORIZATION
+            && name.as_str() != "x-api-key"
+            && !disagg_core::proto::forwardable_header(name, true)
+    };
+    if !headers.keys().any(directive) {
+        return;
+    }
+    let names: Vec<HeaderName> = headers.keys().filter(|n| directive(n)).cloned().collect();
+    for name in names {
+        headers.remove(&name);
+    }
+}
+
 // === impl LocalDecode ===
 
 /// The sidecar's transport: legs addressed to the local decode endpoint go to the
