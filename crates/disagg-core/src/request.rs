@@ -496,14 +496,19 @@ impl PdRequest {
     }
 }
 
-/// Generates request ids: 128 random bits drawn once, then a counter.
+/// Generates request ids: a counter, keyed.
 ///
-/// Ids are 32 lowercase hex digits, unique within the generator (the low half is the seed
-/// plus the counter) and unpredictable across processes; drawing one costs no system call.
-/// (Private: `generated_ids_are_distinct_hex` below pins the format.)
+/// Ids are 32 lowercase hex digits: the high half is the counter under a keyed hash
+/// (std's `RandomState`, SipHash with a 128-bit key drawn per generator), the low half
+/// the counter plus a random offset, so ids are unique within the generator (the low
+/// half alone differs), and no number of ids seen tells the next one (a client that
+/// could name another request's engine-side id could collide with it on an engine).
+/// Drawing one costs no system call. (Private: `generated_ids_are_distinct_hex` below
+/// pins the format.)
 #[derive(Debug)]
 pub(crate) struct RequestIds {
-    seed: u128,
+    keys: std::collections::hash_map::RandomState,
+    offset: u64,
     counter: std::sync::atomic::AtomicU64,
 }
 
@@ -514,26 +519,28 @@ impl Default for RequestIds {
 }
 
 impl RequestIds {
-    /// A generator with a random seed.
+    /// A generator with a random key and offset.
     pub(crate) fn new() -> Self {
-        Self::from_seed(uuid::Uuid::new_v4().as_u128())
+        Self::from_offset(uuid::Uuid::new_v4().as_u128() as u64)
     }
 
-    /// A generator with a fixed seed, for deterministic tests.
-    pub(crate) fn from_seed(seed: u128) -> Self {
+    /// A generator whose low halves start at `offset` (its key is random).
+    pub(crate) fn from_offset(offset: u64) -> Self {
         RequestIds {
-            seed,
+            keys: std::collections::hash_map::RandomState::new(),
+            offset,
             counter: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
     /// The next id.
     pub(crate) fn next_id(&self) -> HeaderValue {
+        use std::hash::BuildHasher;
         let n = self
             .counter
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let hi = ((self.seed >> 64) as u64) ^ splitmix64(n);
-        let lo = (self.seed as u64).wrapping_add(n);
+        let hi = self.keys.hash_one(n);
+        let lo = self.offset.wrapping_add(n);
         let mut buf = [0u8; 32];
         for (i, byte) in hi.to_be_bytes().iter().chain(&lo.to_be_bytes()).enumerate() {
             buf[2 * i] = HEX[usize::from(byte >> 4)];
@@ -545,15 +552,6 @@ impl RequestIds {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
-
-/// A bijective 64-bit mixer (splitmix64's step and finalizer), so consecutive inputs give
-/// unrelated outputs (the request ids).
-pub(crate) fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 /// A fresh request id: a random UUID, hyphenless.
 pub(crate) fn new_request_id() -> HeaderValue {
@@ -689,7 +687,8 @@ mod tests {
 
     #[test]
     fn generated_ids_are_distinct_hex() {
-        let ids = RequestIds::from_seed(u128::MAX);
+        // The low half wraps past `u64::MAX` here.
+        let ids = RequestIds::from_offset(u64::MAX - 10);
         let mut seen = std::collections::HashSet::new();
         for _ in 0..10_000 {
             let id = ids.next_id();
@@ -697,6 +696,12 @@ mod tests {
             assert!(id.as_bytes().iter().all(u8::is_ascii_hexdigit));
             assert!(seen.insert(id));
         }
+        // Two generators: the same low halves, unrelated high halves (each its own key),
+        // so a run of ids seen says nothing of another generator's, nor of the next.
+        let (a, b) = (RequestIds::from_offset(0), RequestIds::from_offset(0));
+        let (x, y) = (a.next_id(), b.next_id());
+        assert_eq!(x.as_bytes()[16..], y.as_bytes()[16..]);
+        assert_ne!(x.as_bytes()[..16], y.as_bytes()[..16]);
         let r = PdRequest::with_ids(Api::Chat, HeaderMap::new(), &Bytes::from("{}"), &ids).unwrap();
         assert!(!seen.contains(r.request_id()));
     }

@@ -28,7 +28,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::outcome::TraceIds;
-use crate::request::splitmix64;
 
 /// The W3C `traceparent` header.
 pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
@@ -213,6 +212,15 @@ fn unhex<const N: usize>(s: &[u8]) -> Option<[u8; N]> {
         *o = (digit(s[2 * i])? << 4) | digit(s[2 * i + 1])?;
     }
     Some(out)
+}
+
+/// A bijective 64-bit mixer (splitmix64's step and finalizer), so consecutive inputs give
+/// unrelated outputs (the span ids).
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
