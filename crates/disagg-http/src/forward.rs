@@ -8,23 +8,26 @@
 //! The client's body is held to
 //! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
 //! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout) (past them,
-//! 413 or 408 and the connection closed, as for an orchestrated body). A body that starts
-//! as a JSON object (as the engines' Python guesses its encoding) is read whole: it loses
-//! the handoff fields no client may send
-//! ([`strip_client_handoff`](disagg_core::proto::strip_client_handoff)), and its `model`
-//! picks the engine, as on the orchestrated routes; so is a direct request's body, which
-//! takes a place under the orchestrator's admission once it is in and holds it until the
-//! answer ends. Any other body streams to the engine as it arrives; a fanned-out body is
-//! always read whole. The engine's answer goes to the client frame by frame.
+//! 413 or 408 and the connection closed, as for an orchestrated body), and what of it the
+//! proxy holds to [`PdServiceConfig::body_budget`](crate::PdServiceConfig::body_budget)
+//! (past it, 503 `server_busy`). A body that starts as a JSON object (as the engines'
+//! Python guesses its encoding) is read whole: it loses the handoff fields no client may
+//! send ([`strip_client_handoff`](disagg_core::proto::strip_client_handoff)), and its
+//! `model` picks the engine, as on the orchestrated routes (parsed off the event loop
+//! when large, as theirs are); so is a direct request's body, which takes a place under
+//! the orchestrator's admission once it is in and holds it until the answer ends. Any
+//! other body streams to the engine as it arrives; a fanned-out body is always read
+//! whole. The engine's answer goes to the client frame by frame.
 //!
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
 //! [`forward_authorization`](disagg_core::orchestrator::OrchestratorConfig::forward_authorization)),
-//! and `accept-encoding` (the proxy reads the answers it relays). What comes back too:
-//! the engine's KV handoff is overwritten in its answer ([`PdBody::scrubbed`]), and a
-//! redirect to the engine's own address or an encoding the client did not accept is
-//! answered 502 naming the engine ([`unrelayable`]).
+//! the client's `x-request-id` (an engine-side id is the proxy's to give, and these
+//! routes give none) and `accept-encoding` (the proxy reads the answers it relays). What
+//! comes back too: the engine's KV handoff is overwritten in its answer
+//! ([`PdBody::scrubbed`]), and a redirect to the engine's own address or an encoding the
+//! client did not accept is answered 502 naming the engine ([`unrelayable`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -33,9 +36,9 @@ use std::sync::{Arc, OnceLock};
 use std::task::Context;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
-use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::error::{BoxError, Overload, PdError, RouteError, Side, TransportError};
 use disagg_core::json::{BodyError, JsonBody};
 use disagg_core::outcome::Delivery;
 use disagg_core::policy::Permit;
@@ -52,6 +55,9 @@ use crate::error::{error_response, pd_error_response};
 use crate::routed::{RouteListeners, RouteSummary};
 use crate::service::{Inner, collect_limited, json_response};
 use crate::tap::{Hooks, Tap, Unshared};
+
+mod sniff;
+use sniff::json_object_start;
 
 /// The answer's marker for a generation served by a decode engine alone.
 const DIRECT: HeaderValue = HeaderValue::from_static("direct");
@@ -80,15 +86,25 @@ fn strip(headers: &mut HeaderMap) {
     strip_where(headers, hop_by_hop);
 }
 
+/// The request id header (`x-request-id`), which vLLM takes as its own request id.
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
 /// A client's headers as an engine may see them: without those that describe one
 /// connection, without what [`forwardable_header`] keeps from every engine (the client's
 /// credentials unless `forward_authorization` says otherwise for `authorization`, the
-/// engines' routing and identity headers), and without `accept-encoding`: the proxy
-/// reads the answers it relays, so it asks for them unencoded.
+/// engines' routing and identity headers), without `accept-encoding` (the proxy reads
+/// the answers it relays, so it asks for them unencoded), and without the client's
+/// `x-request-id`.
+///
+/// vLLM takes `X-Request-Id` as the engine-side id of the request, which must be unique
+/// among its requests in flight: the orchestrated legs carry an id of the proxy's in its
+/// place, and these routes, which mint none, carry none (the engine draws its own). The
+/// client's id stays in the proxy's summary of the request (its access log).
 fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
     strip_where(headers, |n| {
         hop_by_hop(n)
             || *n == header::ACCEPT_ENCODING
+            || *n == REQUEST_ID
             || !forwardable_header(n, forward_authorization)
     });
 }
@@ -149,40 +165,31 @@ impl Inner {
         // without, retrieving or cancelling a stored response, is not).
         let mut generation = false;
         if may_have_body(&parts.headers) {
-            let mut start = BytesMut::new();
             // Direct generation is read whole whatever it is: its first bytes need no
             // look. It takes its place among the running requests once its body is in,
             // as an orchestrated request does (a slow upload holds no place).
-            let whole = direct
-                || loop {
-                    if let Some(object) = json_object_start(&start, false) {
-                        break object;
-                    }
-                    match body.frame().await {
-                        None => break json_object_start(&start, true).unwrap_or(false),
-                        Some(Ok(frame)) => {
-                            if let Ok(data) = frame.into_data() {
-                                start.extend_from_slice(&data);
-                            }
-                        }
-                        Some(Err(e)) => {
-                            return match failed.get() {
-                                Some(client) => body_refused(client),
-                                None => body_refused(&PdError::body(e)),
-                            };
-                        }
-                    }
-                };
+            let (start, rest, whole) = if direct {
+                (Bytes::new(), body, true)
+            } else {
+                match self.sniff(body).await {
+                    Ok(sniffed) => sniffed,
+                    Err(err) => return body_refused(failed.get().unwrap_or(&err)),
+                }
+            };
             let started = Started {
-                start: Some(start.freeze()),
-                rest: body,
+                start: Some(start),
+                rest,
             };
             body = if whole {
-                let bytes = match body::read(started, self.limits()).await {
-                    Ok((bytes, _share)) => bytes,
+                // Its share of the budget is held until the body is parsed and, when a
+                // handoff was removed, copied: as on the orchestrated routes.
+                let (bytes, share) = match body::read(started, self.limits()).await {
+                    Ok(read) => read,
                     Err(err) => return body_refused(failed.get().unwrap_or(&err)),
                 };
-                let (bytes, named) = match engine_body(bytes) {
+                let engine = engine_body_off_loop(bytes).await;
+                drop(share);
+                let (bytes, named) = match engine {
                     Ok(b) => b,
                     Err(err) => return pd_error_response(&err),
                 };
@@ -374,11 +381,14 @@ impl Inner {
         B::Error: Into<BoxError>,
     {
         let (parts, body) = req.into_parts();
-        let bytes = match body::read(body, self.limits()).await {
-            Ok((bytes, _share)) => bytes,
+        let (bytes, share) = match body::read(body, self.limits()).await {
+            Ok(read) => read,
             Err(err) => return body_refused(&err),
         };
-        let (bytes, model) = match engine_body(bytes) {
+        // The body's share of the budget is held until it is parsed (and copied).
+        let engine = engine_body_off_loop(bytes).await;
+        drop(share);
+        let (bytes, model) = match engine {
             Ok(b) => b,
             Err(err) => return pd_error_response(&err),
         };
@@ -427,6 +437,20 @@ impl Inner {
         fan_out_answer(parts.uri.path(), &targets, answers)
     }
 
+    /// Read a forwarded client's `body` until its first bytes tell whether it is a JSON
+    /// object: those bytes, the rest of the body unread, and what they told.
+    ///
+    /// They are read as an orchestrated body is ([`body::read`]): held to the budget as
+    /// they grow (503 `server_busy` past it, as for an orchestrated body), to the size
+    /// limit and to the body timeout, and looked at once each, where the last frame
+    /// left off ([`ObjectStart`](sniff::ObjectStart)): a body of many one-byte frames of
+    /// whitespace costs its length, not its square. Their share of the budget is given
+    /// back here: a body read whole takes its own share again at once, and one streamed
+    /// is sent to the engine as it comes.
+    async fn sniff(&self, body: ClientBody) -> Result<(Bytes, ClientBody, bool), PdError> {
+        sniff_start(body, self.limits()).await
+    }
+
     fn limits(&self) -> body::Limits<'_> {
         body::Limits {
             max_bytes: self.config.max_body_bytes,
@@ -434,6 +458,50 @@ impl Inner {
             budget: &self.config.body_budget,
         }
     }
+}
+
+/// [`Inner::sniff`] under `limits`.
+async fn sniff_start(
+    body: ClientBody,
+    limits: body::Limits<'_>,
+) -> Result<(Bytes, ClientBody, bool), PdError> {
+    let (sniff, mut back) = sniff::Sniff::new(body);
+    let (start, _share) = body::read(sniff, limits).await?;
+    match back.try_recv() {
+        Ok(Some((rest, object))) => Ok((start, rest, object)),
+        // `Sniff` hands the body back whenever its read ends without an error.
+        _ => Err(PdError::body("the body was already read")),
+    }
+}
+
+/// [`engine_body`], on Tokio's blocking pool for a body of
+/// [`PARSE_OFF_LOOP_FROM`](body::PARSE_OFF_LOOP_FROM) bytes or more, as the
+/// orchestrated routes parse theirs: a large body (or a hostile one of many keys) would
+/// otherwise hold the event loop, and every connection on it, for its parse and copy.
+async fn engine_body_off_loop(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
+    off_loop(bytes.len(), move || engine_body(bytes)).await
+}
+
+/// `work` on a body of `len` bytes: on Tokio's blocking pool from
+/// [`PARSE_OFF_LOOP_FROM`](body::PARSE_OFF_LOOP_FROM) on (see there for the threshold
+/// and why the blocking pool), else here.
+async fn off_loop<T: Send + 'static>(
+    len: usize,
+    work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
+) -> Result<T, PdError> {
+    if len >= body::PARSE_OFF_LOOP_FROM
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        return match runtime.spawn_blocking(work).await {
+            Ok(done) => done,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down: no answer will reach the client anyway.
+            Err(_) => Err(PdError::from(Overload::ServerBusy {
+                retry_after: body::BUSY_RETRY_AFTER,
+            })),
+        };
+    }
+    work()
 }
 
 /// The answer to a client body that could not be read (too large, too slow, over the
@@ -584,48 +652,6 @@ fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
         return Ok((json.to_bytes(), model));
     }
     Ok((bytes, model))
-}
-
-/// Whether a body starting with `start` is a JSON object as the engines read bodies
-/// (Python's `json.loads` of the bytes, which Starlette's `Request.json()` calls): the
-/// encoding guessed as `json.detect_encoding` does (a UTF-8, -16 or -32 byte-order
-/// mark, else where the first four bytes hold zeros), whitespace skipped, then `{`.
-/// `None` when more bytes are needed to tell (`ended`: `start` is the whole body).
-fn json_object_start(start: &[u8], ended: bool) -> Option<bool> {
-    if start.len() < 4 && !ended {
-        return None;
-    }
-    // (bytes per code unit, big-endian, byte-order mark's length)
-    let enc: (usize, bool, usize) = match start {
-        [0xFF, 0xFE, 0, 0, ..] => (4, false, 4),
-        [0, 0, 0xFE, 0xFF, ..] => (4, true, 4),
-        [0xFE, 0xFF, ..] => (2, true, 2),
-        [0xFF, 0xFE, ..] => (2, false, 2),
-        [0xEF, 0xBB, 0xBF, ..] => (1, false, 3),
-        [0, b, ..] if start.len() >= 4 => (if *b != 0 { 2 } else { 4 }, true, 0),
-        [_, 0, c, d, ..] => (if *c != 0 || *d != 0 { 2 } else { 4 }, false, 0),
-        [0, _] if ended => (2, true, 0),
-        [_, 0] if ended => (2, false, 0),
-        _ => (1, false, 0),
-    };
-    let (width, big, bom) = enc;
-    for unit in start[bom..].chunks(width) {
-        if unit.len() < width {
-            break;
-        }
-        let push = |acc: u32, b: &u8| acc << 8 | u32::from(*b);
-        let c = if big {
-            unit.iter().fold(0, push)
-        } else {
-            unit.iter().rev().fold(0, push)
-        };
-        match c {
-            0x20 | 0x09 | 0x0A | 0x0D => continue,
-            0x7B => return Some(true),
-            _ => return Some(false),
-        }
-    }
-    ended.then_some(false)
 }
 
 /// A client's body after its first bytes were read: those bytes, then the rest. Its
@@ -945,74 +971,6 @@ impl Hooks<BoxBody> for EngineWatch {
 mod tests {
     use super::*;
 
-    /// `s` in UTF-16 or -32, either byte order, with or without a byte-order mark.
-    fn encode(s: &str, width: usize, big: bool, bom: bool) -> Vec<u8> {
-        let mut out = Vec::new();
-        let mut put = |c: u32| {
-            let bytes = c.to_be_bytes();
-            let unit = &bytes[4 - width..];
-            if big {
-                out.extend_from_slice(unit);
-            } else {
-                out.extend(unit.iter().rev());
-            }
-        };
-        if bom {
-            put(0xFEFF);
-        }
-        for c in s.chars() {
-            put(u32::from(c));
-        }
-        out
-    }
-
-    #[test]
-    fn a_json_object_is_told_in_every_encoding_pythons_json_reads() {
-        for text in ["{\"a\":1}", " \r\n\t{}"] {
-            assert_eq!(
-                json_object_start(text.as_bytes(), true),
-                Some(true),
-                "{text:?}"
-            );
-            let bom = [&[0xEF, 0xBB, 0xBF][..], text.as_bytes()].concat();
-            assert_eq!(json_object_start(&bom, true), Some(true), "{text:?}");
-            for width in [2, 4] {
-                for big in [true, false] {
-                    for with_bom in [true, false] {
-                        let b = encode(text, width, big, with_bom);
-                        assert_eq!(
-                            json_object_start(&b, true),
-                            Some(true),
-                            "{text:?} {width} {big} {with_bom}"
-                        );
-                    }
-                }
-            }
-        }
-        for text in ["[{}]", "--x\r\n", "", "   ", "\"{\""] {
-            assert_eq!(
-                json_object_start(text.as_bytes(), true),
-                Some(false),
-                "{text:?}"
-            );
-            let b = encode(text, 2, false, true);
-            assert_eq!(json_object_start(&b, true), Some(false), "{text:?}");
-        }
-        // A two-byte body is UTF-16 when it holds a zero, as Python guesses.
-        assert_eq!(json_object_start(b"{\0", true), Some(true));
-        assert_eq!(json_object_start(b"\0{", true), Some(true));
-    }
-
-    #[test]
-    fn a_start_too_short_to_tell_waits_for_more() {
-        assert_eq!(json_object_start(b"", false), None);
-        assert_eq!(json_object_start(b"{\0", false), None);
-        assert_eq!(json_object_start(b"\xFF\xFE", false), None);
-        assert_eq!(json_object_start(b"    ", false), None);
-        assert_eq!(json_object_start(b"    {", false), Some(true));
-        assert_eq!(json_object_start(b"  x", true), Some(false));
-    }
-
     #[test]
     fn the_engines_body_keeps_its_bytes_unless_a_handoff_was_removed() {
         let plain = Bytes::from_static(br#"{"model":"m", "prompt" : "p"}"#);
@@ -1028,5 +986,99 @@ mod tests {
         let form = Bytes::from_static(b"--x\r\n\r\n--x--");
         assert_eq!(engine_body(form.clone()).unwrap(), (form, None));
         assert!(engine_body(Bytes::from_static(b"{\"a\":NaN}")).is_err());
+    }
+
+    #[tokio::test]
+    async fn large_bodies_are_parsed_off_the_event_loop() {
+        // A current-thread runtime: its one thread is the event loop.
+        let here = std::thread::current().id();
+        let on = |len| off_loop(len, || Ok(std::thread::current().id()));
+        assert_eq!(on(body::PARSE_OFF_LOOP_FROM - 1).await.unwrap(), here);
+        assert_ne!(on(body::PARSE_OFF_LOOP_FROM).await.unwrap(), here);
+        // The same result there as here.
+        let prompt = "a".repeat(body::PARSE_OFF_LOOP_FROM);
+        let large = format!(r#"{{"model":"m","prompt":"{prompt}","bootstrap_host":"h"}}"#);
+        let (bytes, model) = engine_body_off_loop(Bytes::from(large)).await.unwrap();
+        assert_eq!(bytes, format!(r#"{{"model":"m","prompt":"{prompt}"}}"#));
+        assert_eq!(model.as_deref(), Some("m"));
+        let err = engine_body_off_loop(Bytes::from(format!(r#"{{"p":"{prompt}","x":NaN}}"#)))
+            .await
+            .unwrap_err();
+        assert_eq!(err.http().status, StatusCode::BAD_REQUEST);
+    }
+
+    /// A streamed client body of `pieces`, each its own frame, to at most `max_bytes`.
+    fn client_body(pieces: Vec<Bytes>, max_bytes: usize) -> ClientBody {
+        client_body_told(pieces, max_bytes, Arc::new(OnceLock::new()))
+    }
+
+    /// [`client_body`], its breach of a limit told in `failed`.
+    fn client_body_told(
+        pieces: Vec<Bytes>,
+        max_bytes: usize,
+        failed: Arc<OnceLock<PdError>>,
+    ) -> ClientBody {
+        let frames = pieces
+            .into_iter()
+            .map(|b| Ok::<_, BoxError>(Frame::data(b)));
+        let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
+        let limits = StreamLimits {
+            max_bytes,
+            timeout: Duration::from_secs(5),
+            failed,
+        };
+        ClientBody::stream(body, limits)
+    }
+
+    fn limits(budget: &crate::body::BodyBudget) -> body::Limits<'_> {
+        body::Limits {
+            max_bytes: 1 << 20,
+            timeout: Duration::from_secs(5),
+            budget,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_of_many_frames_of_whitespace_is_told_and_held_to_the_budget() {
+        let space = Bytes::from_static(b" ");
+        let mut pieces = vec![space.clone(); 200_000];
+        pieces.extend([Bytes::from_static(b"{}"), Bytes::from_static(b"more")]);
+        let budget = crate::body::BodyBudget::new(1 << 20);
+        let (start, mut rest, object) = sniff_start(client_body(pieces, 1 << 20), limits(&budget))
+            .await
+            .unwrap();
+        assert!(object);
+        assert_eq!(start.len(), 200_002);
+        assert_eq!(&start[199_999..], b" {}");
+        // Read to where it told; the rest is the client's still, and the share is back.
+        let rest = rest.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(rest, "more");
+        assert_eq!(budget.in_use(), 0);
+        // Not an object: read to where it told, too.
+        let pieces = vec![space.clone(), Bytes::from_static(b"  x"), space.clone()];
+        let (start, _, object) = sniff_start(client_body(pieces, 1 << 20), limits(&budget))
+            .await
+            .unwrap();
+        assert!(!object);
+        assert_eq!(start, "   x");
+        // Whitespace past what the budget has room for is refused, not held.
+        let budget = crate::body::BodyBudget::new(100_000);
+        let pieces = vec![space.clone(); 200_000];
+        let err = sniff_start(client_body(pieces, 1 << 20), limits(&budget))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(
+            (err.http().status, err.http().code),
+            (StatusCode::SERVICE_UNAVAILABLE, "server_busy")
+        );
+        assert_eq!(budget.in_use(), 0);
+        // Past the size limit: 413, as for any body (told on the side, as `forward`
+        // reads it).
+        let failed = Arc::new(OnceLock::new());
+        let body = client_body_told(vec![space; 2_000], 1_000, Arc::clone(&failed));
+        let err = sniff_start(body, limits(&budget)).await.err().unwrap();
+        assert_eq!(err.http().code, "invalid_request_body");
+        assert_eq!(failed.get().unwrap().http().code, "request_too_large");
     }
 }

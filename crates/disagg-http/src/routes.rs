@@ -306,7 +306,7 @@ mod tests {
         }
         assert_eq!(t.action("/metric"), RouteAction::Forwarded);
         assert_eq!(
-            t.clone().admin_routes(true).action("/metrics/"),
+            t.admin_routes(true).action("/metrics/"),
             RouteAction::Refused
         );
     }

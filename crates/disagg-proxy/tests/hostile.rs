@@ -1,20 +1,22 @@
 //! `disagg-proxy serve` holds against hostile clients: a body of very many keys is parsed
 //! without stalling the event loop it came on, a body that stops half way is cut by
 //! `--body-timeout`, and a flood of large bodies is held under `--max-buffered-bytes`,
-//! its memory given back after it. The real binary runs as a child process (its memory is
-//! read from `/proc/PID/status`), against simulated engines in this process, over raw
-//! loopback sockets.
+//! its memory given back after it; on the forwarded routes, a body of very many frames
+//! of whitespace is read once and held to the same budget, and a client's `x-request-id`
+//! reaches no engine. The real binary runs as a child process (its memory is read from
+//! `/proc/PID/status`), against simulated engines (or raw ones written here) in this
+//! process, over raw loopback sockets.
 
 #![allow(missing_docs)] // a test binary
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use disagg_sim::{SimConfig, SimEngine};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
 mod common;
 use common::Proxy;
@@ -499,4 +501,316 @@ async fn floods_of_stalled_bodies_are_held_under_the_cap_and_their_memory_given_
     let mut sock = TcpStream::connect(addr).await.expect("connect");
     sock.write_all(&small_request(addr)).await.expect("send");
     assert_eq!(read_answer(&mut sock).await.expect("answer").status, 200);
+}
+
+// === the forwarded routes ===
+
+/// A raw engine: answers every request (read to its end) `{"ok":true}` and closes the
+/// connection, and keeps each request it saw (head and body, as text).
+struct RawEngine {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl RawEngine {
+    async fn start() -> RawEngine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("its address");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let kept = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let kept = Arc::clone(&kept);
+                tokio::spawn(async move {
+                    let Some(request) = read_request(&mut s).await else {
+                        return;
+                    };
+                    kept.lock().expect("the record").push(request);
+                    let body = r#"{"ok":true}"#;
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = s.write_all(answer.as_bytes()).await;
+                    let _ = s.shutdown().await;
+                });
+            }
+        });
+        RawEngine { addr, seen }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The requests a client caused (not the proxy's own `GET`s: start-up probes).
+    fn requests(&self) -> Vec<String> {
+        let seen = self.seen.lock().expect("the record").clone();
+        seen.into_iter()
+            .filter(|r| !r.starts_with("GET "))
+            .collect()
+    }
+
+    /// The proxy in front of this engine (as prefill and decode), with `extra` flags.
+    async fn proxy(&self, extra: &[&str]) -> Proxy {
+        let mut args = vec![
+            "--prefill".to_owned(),
+            self.url(),
+            "--decode".to_owned(),
+            self.url(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        Proxy::start_args(&args).await
+    }
+}
+
+/// Read one request off `s`: its head and its body (a `content-length`'s worth, or
+/// chunks to the last one, as they came), as text.
+async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let chunked = head.contains("transfer-encoding: chunked");
+    loop {
+        let body = &buf[end..];
+        let done = if chunked {
+            body.ends_with(b"0\r\n\r\n")
+        } else {
+            body.len() >= length
+        };
+        if done {
+            return Some(String::from_utf8_lossy(&buf).into_owned());
+        }
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return Some(String::from_utf8_lossy(&buf).into_owned()),
+        }
+    }
+}
+
+/// The head of a chunked `POST target`.
+fn chunked_head(addr: SocketAddr, target: &str) -> String {
+    format!(
+        "POST {target} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+}
+
+/// `data` as one HTTP/1.1 chunk.
+fn chunk(data: &[u8]) -> Vec<u8> {
+    let mut out = format!("{:x}\r\n", data.len()).into_bytes();
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
+/// A forwarded body of 200,000 one-byte chunks of whitespace (hyper hands each on as a
+/// frame of its own), then `{}`: the proxy looks at each byte once to tell that it is a
+/// JSON object, where it once read everything from the first byte again after each
+/// frame (20 billion looks, on the event loop). It reaches the engine whole, and the
+/// loop serves other connections meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forwarded_body_of_many_frames_of_whitespace_is_read_once_while_its_loop_serves_others() {
+    let engine = RawEngine::start().await;
+    // One event loop: the big body and the small requests share it.
+    let proxy = engine.proxy(&["--threads", "1"]).await;
+    let addr = proxy.addr;
+
+    // A client asking the proxy's own `GET /health` one after the other on one
+    // keep-alive connection, noting when each answer is complete.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let ticker = tokio::spawn(async move {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let req = format!("GET /health HTTP/1.1\r\nhost: {addr}\r\n\r\n");
+        let mut done = vec![Instant::now()];
+        while !*stop.borrow() {
+            sock.write_all(req.as_bytes())
+                .await
+                .expect("ask for health");
+            let answer = read_answer(&mut sock).await.expect("a health answer");
+            assert_eq!(answer.status, 200, "{answer:?}");
+            done.push(Instant::now());
+        }
+        done
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    const FRAMES: usize = 200_000;
+    let mut request = chunked_head(addr, "/tokenize").into_bytes();
+    for i in 0..FRAMES {
+        request.extend_from_slice(&chunk(&[b" \t\r\n"[i % 4]]));
+    }
+    request.extend_from_slice(&chunk(b"{}"));
+    request.extend_from_slice(b"0\r\n\r\n");
+    let started = Instant::now();
+    let mut sock = TcpStream::connect(addr).await.expect("connect");
+    sock.write_all(&request).await.expect("send the body");
+    let answer = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut sock))
+        .await
+        .expect("an answer within 10 s")
+        .expect("an answer");
+    let took = started.elapsed();
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.json()["ok"], true);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop_tx.send(true).expect("stop the ticker");
+    let done = ticker.await.expect("the ticker");
+
+    // The engine got the body whole, as one: `{}` after the whitespace.
+    let got = engine.requests();
+    assert_eq!(got.len(), 1, "{} requests", got.len());
+    let (head, body) = got[0].split_once("\r\n\r\n").expect("a head");
+    assert!(head.starts_with("POST /tokenize "), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("content-length: {}", FRAMES + 2)),
+        "{head}"
+    );
+    assert_eq!(body.len(), FRAMES + 2);
+    let value: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    assert_eq!(value, serde_json::json!({}));
+
+    // Bounds against the quadratic rescan this test guards (minutes of one event
+    // loop), not a performance goal: loose enough for a debug build on a loaded
+    // 2-core machine.
+    assert!(took < Duration::from_secs(6), "answered after {took:?}");
+    let gaps: Vec<Duration> = done
+        .windows(2)
+        .filter(|w| w[1] > started)
+        .map(|w| w[1] - w[0])
+        .collect();
+    assert!(gaps.len() >= 3, "few small answers meanwhile: {gaps:?}");
+    let worst = gaps.iter().max().copied().unwrap_or_default();
+    assert!(
+        worst <= Duration::from_secs(1),
+        "the other connection waited {worst:?} for an answer"
+    );
+}
+
+/// What a forwarded body holds while its first bytes are read is taken from
+/// `--max-buffered-bytes`, as an orchestrated body's bytes are: with the budget spent,
+/// a body of whitespace is refused at once (503 `server_busy`, the connection closed),
+/// not held; with room again, the same kind of body is served.
+#[tokio::test]
+async fn forwarded_whitespace_is_held_to_the_body_budget() {
+    let engine = RawEngine::start().await;
+    let mib = "1048576";
+    let proxy = engine
+        .proxy(&["--max-body-bytes", mib, "--max-buffered-bytes", mib])
+        .await;
+    let addr = proxy.addr;
+    // An orchestrated body declaring the whole budget takes it at once, and stalls.
+    let mut occupant = TcpStream::connect(addr).await.expect("connect");
+    occupant
+        .write_all(head(addr, 1024 * 1024).as_bytes())
+        .await
+        .expect("send the head");
+    occupant.write_all(b"{").await.expect("send a byte");
+    // Taken once a small forwarded body is refused for it.
+    let probe = |target: &'static str| async move {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let request = format!(
+            "POST {target} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        sock.write_all(request.as_bytes()).await.expect("send");
+        read_answer(&mut sock).await.expect("an answer")
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while probe("/tokenize").await.status != 503 {
+        assert!(Instant::now() < deadline, "the budget was never taken");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Whitespace, which tells nothing yet: refused at its first chunk, not held.
+    let mut sock = TcpStream::connect(addr).await.expect("connect");
+    let mut request = chunked_head(addr, "/tokenize").into_bytes();
+    request.extend_from_slice(&chunk(&[b' '; 64 * 1024]));
+    sock.write_all(&request).await.expect("send whitespace");
+    let answer = tokio::time::timeout(Duration::from_secs(3), read_answer(&mut sock))
+        .await
+        .expect("whitespace past the budget was held, not refused")
+        .expect("an answer");
+    assert_eq!(answer.status, 503, "{answer:?}");
+    assert_eq!(answer.json()["error"]["code"], "server_busy", "{answer:?}");
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    assert_eq!(answer.header("connection"), Some("close"));
+    assert!(
+        closes_within(&mut sock, Duration::from_secs(2)).await,
+        "the connection stayed open after the 503"
+    );
+
+    // The occupant leaves: 800 KiB of whitespace then `{}` fits, and is served.
+    drop(occupant);
+    let mut body = chunked_head(addr, "/tokenize").into_bytes();
+    for _ in 0..100 {
+        body.extend_from_slice(&chunk(&[b' '; 8 * 1024]));
+    }
+    body.extend_from_slice(&chunk(b"{}"));
+    body.extend_from_slice(b"0\r\n\r\n");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        sock.write_all(&body).await.expect("send");
+        let answer = read_answer(&mut sock).await.expect("an answer");
+        if answer.status == 200 {
+            break;
+        }
+        assert_eq!(answer.status, 503, "{answer:?}");
+        assert!(Instant::now() < deadline, "the budget never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = engine.requests();
+    assert_eq!(got.len(), 1, "{} requests", got.len());
+    assert!(got[0].ends_with(&format!("{}{{}}", " ".repeat(800 * 1024))));
+}
+
+/// A client's `x-request-id` reaches no engine on the forwarded (a JSON body read whole,
+/// and one streamed), direct and fanned-out routes: vLLM takes it as its own request id,
+/// which must be unique among its requests in flight, so the engine-side id is never
+/// the client's to choose (on the orchestrated legs it is the proxy's own).
+#[tokio::test]
+async fn a_clients_request_id_reaches_no_engine_on_the_forwarded_routes() {
+    let engine = RawEngine::start().await;
+    let proxy = engine.proxy(&["--admin-routes"]).await;
+    let addr = proxy.addr;
+    let form = "--x\r\ncontent-disposition: form-data; name=\"a\"\r\n\r\nv\r\n--x--\r\n";
+    let json = r#"{"model":"sim-model","prompt":"a b"}"#;
+    let sent = [
+        ("/tokenize", json),
+        ("/v1/audio/transcriptions", form),
+        ("/invocations", json),
+        ("/reset_prefix_cache", ""),
+    ];
+    for (target, body) in sent {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let request = format!(
+            "POST {target} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\nX-Request-Id: client-chosen-id\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        sock.write_all(request.as_bytes()).await.expect("send");
+        let answer = read_answer(&mut sock).await.expect("an answer");
+        assert_eq!(answer.status, 200, "{target}: {answer:?}");
+    }
+    let got = engine.requests();
+    assert_eq!(got.len(), sent.len(), "{got:?}");
+    for (request, (target, _)) in got.iter().zip(sent) {
+        assert!(request.starts_with(&format!("POST {target} ")), "{request}");
+        let lower = request.to_ascii_lowercase();
+        assert!(!lower.contains("x-request-id"), "{request}");
+        assert!(!lower.contains("client-chosen-id"), "{request}");
+    }
 }
