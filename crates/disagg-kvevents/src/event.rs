@@ -267,9 +267,33 @@ impl Default for DecodeLimits {
 /// What is left of [`DecodeLimits::max_decoded_bytes`].
 struct Budget(usize);
 
+/// The heap memory one allocation of `bytes` takes: glibc's `malloc` (the proxy's
+/// allocator) adds an 8-byte header, rounds up to 16 bytes and hands out no chunk under
+/// 32. A one-byte hash copied into its own `Vec` holds 32 bytes, not 1; an empty one
+/// allocates nothing. Up to 128 bytes (more than any hash an engine sends) this is
+/// also at least what allocators of size classes (jemalloc, mimalloc) hand out.
+const fn heap_bytes(bytes: usize) -> usize {
+    if bytes == 0 {
+        return 0;
+    }
+    let chunk = bytes.saturating_add(8 + 15) & !15;
+    if chunk < 32 { 32 } else { chunk }
+}
+
 impl Budget {
+    /// Takes `count` values of `size` bytes held inline (in a vector already charged,
+    /// or the event itself).
     fn take(&mut self, count: usize, size: usize) -> Result<(), DecodeError> {
-        let bytes = count.saturating_mul(size);
+        self.take_bytes(count.saturating_mul(size))
+    }
+
+    /// Takes one heap allocation of `count` values of `size` bytes (a vector's buffer,
+    /// a string's, a byte hash's): what the allocator holds for it, never less.
+    fn take_heap(&mut self, count: usize, size: usize) -> Result<(), DecodeError> {
+        self.take_bytes(heap_bytes(count.saturating_mul(size)))
+    }
+
+    fn take_bytes(&mut self, bytes: usize) -> Result<(), DecodeError> {
         match self.0.checked_sub(bytes) {
             Some(left) => {
                 self.0 = left;
@@ -412,7 +436,7 @@ fn decode_event(
         }
         other => {
             skip_fields(r, shape)?;
-            budget.take(other.len(), 1)?;
+            budget.take_heap(other.len(), 1)?;
             KvEvent::Unknown(std::str::from_utf8(other).unwrap_or_default().to_owned())
         }
     };
@@ -631,7 +655,7 @@ fn list_len(
     if n > limits.max_items {
         return Err(DecodeError::Limit { what: "items" }.into());
     }
-    budget.take(n, size)?;
+    budget.take_heap(n, size)?;
     Ok(n)
 }
 
@@ -674,7 +698,9 @@ fn hash(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<BlockHash>, De
     }
     match r.bin()? {
         Some(b) => {
-            budget.take(b.len(), 1)?;
+            // Its own allocation: a one-byte hash holds an allocator chunk (32 bytes),
+            // besides the `BlockHash` its list already took.
+            budget.take_heap(b.len(), 1)?;
             Ok(Some(BlockHash::Bytes(b.to_vec())))
         }
         None => Ok(None),
@@ -685,7 +711,7 @@ fn hash(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<BlockHash>, De
 fn optional_string(r: &mut Reader<'_>, budget: &mut Budget) -> Result<Option<String>, DecodeError> {
     match r.str()? {
         Some(s) => {
-            budget.take(s.len(), 1)?;
+            budget.take_heap(s.len(), 1)?;
             Ok(std::str::from_utf8(s).ok().map(str::to_owned))
         }
         None => {

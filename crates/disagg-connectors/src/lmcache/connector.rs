@@ -385,10 +385,24 @@ impl Lmcache {
         &self.notifications
     }
 
+    /// A request id: `disagg-{prefix}-{n}-{secret}`. The connector's prefix and the
+    /// counter `n` keep ids unique; `secret`, 16 hex digits drawn afresh for each id,
+    /// makes it unguessable. Every prefill engine sees its requests' ids (in
+    /// `disagg_spec.req_id`) and anything that reaches the notification socket may send
+    /// a `ProxyNotif`: were the ids predictable, a peer that saw one could complete the
+    /// next requests' waits before their KV arrived.
     fn next_req_id(&self) -> String {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        format!("disagg-{:016x}-{n}", self.prefix)
+        format!("disagg-{:016x}-{n}-{:016x}", self.prefix, secret())
     }
+}
+
+/// 64 bits from the operating system's random source, which no other id reveals. A v4
+/// UUID's halves each have a few fixed bits (the version's in the first, the
+/// variant's in the second), never at the same place: their XOR is 64 random bits.
+fn secret() -> u64 {
+    let (high, low) = uuid::Uuid::new_v4().as_u64_pair();
+    high ^ low
 }
 
 /// What one attempt carries from `prepare` to its reshape.

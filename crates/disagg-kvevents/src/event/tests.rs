@@ -144,6 +144,65 @@ fn counts_and_decoded_memory_have_ceilings() {
     );
 }
 
+/// `[1, [["BlockRemoved", [b"\x07"] * n]]]`: `n` one-byte binary hashes, 3 bytes each
+/// on the wire.
+fn one_byte_bins_removed(n: u32) -> Vec<u8> {
+    let mut payload = vec![0x92, 0x01, 0x91, 0x92, 0xac];
+    payload.extend_from_slice(b"BlockRemoved");
+    payload.push(0xdd);
+    payload.extend_from_slice(&n.to_be_bytes());
+    for _ in 0..n {
+        payload.extend_from_slice(&[0xc4, 0x01, 0x07]);
+    }
+    payload
+}
+
+#[test]
+fn a_byte_hash_is_charged_the_allocation_it_holds() {
+    // 1 M one-byte binary hashes: 3 MB on the wire; 24 MB of `BlockHash`es plus, for
+    // each, its own one-byte `Vec`, which holds a 32-byte allocator chunk: 56 MB held.
+    // Charging the byte alone (25 MB) let it through a ceiling of 48 MB.
+    let n = 1_000_000;
+    let payload = one_byte_bins_removed(n);
+    let held = n as usize * (std::mem::size_of::<BlockHash>() + 32);
+    let between = DecodeLimits {
+        max_decoded_bytes: 48_000_000,
+        ..DecodeLimits::for_message(payload.len())
+    };
+    assert!(n as usize * (std::mem::size_of::<BlockHash>() + 1) < between.max_decoded_bytes);
+    assert!(held > between.max_decoded_bytes);
+    // (Not `assert_eq!`: a batch decoded would print its million hashes.)
+    let decoded = decode_batch_with(&payload, &between);
+    assert!(
+        decoded
+            == Err(DecodeError::Limit {
+                what: "decoded bytes"
+            }),
+        "{:?}",
+        decoded.map(|batch| batch.events.len())
+    );
+    // With room for what it holds, it decodes.
+    let roomy = DecodeLimits {
+        max_decoded_bytes: held + (1 << 20),
+        ..between
+    };
+    let batch = decode_batch_with(&payload, &roomy).unwrap();
+    assert!(matches!(
+        &batch.events[0],
+        KvEvent::BlockRemoved(r) if r.block_hashes.len() == n as usize
+            && r.block_hashes[0] == BlockHash::Bytes(vec![7])
+    ));
+}
+
+#[test]
+fn heap_charges_are_allocator_chunks() {
+    assert_eq!(heap_bytes(0), 0);
+    for (bytes, chunk) in [(1, 32), (24, 32), (25, 48), (32, 48), (40, 48), (41, 64)] {
+        assert_eq!(heap_bytes(bytes), chunk, "{bytes}");
+    }
+    assert_eq!(heap_bytes(usize::MAX), usize::MAX & !15);
+}
+
 /// `[1.0, [{"type": "BlockStored", block_hashes, token_ids, "block_size": 1,
 /// "k0": 0, .. "k{unknown-1}": 0, "block_size": 2}]]`: the known fields, `unknown`
 /// distinct unknown keys, then a repeated `block_size`.

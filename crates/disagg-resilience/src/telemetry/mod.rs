@@ -17,7 +17,11 @@
 //! at the next round.
 //!
 //! The text is parsed with the `prom_text_format_parser` crate and the engines' names
-//! are mapped to the model in `names.rs` (vLLM 0.33 and SGLang 0.5.23).
+//! are mapped to the model in `names.rs` (vLLM 0.33 and SGLang 0.5.23). Only the lines
+//! of the names read reach the parser, at most 8,192 of them and 1 MiB; the others are
+//! checked a chunk at a time and dropped (`filter.rs`), and no sample line over 64 KiB
+//! is parsed (a body past a ceiling fails the scrape): a scrape's memory is that of
+//! the lines read, whatever else the body holds.
 //!
 //! # Receipts
 //!
@@ -64,6 +68,7 @@ use disagg_core::outcome::{Listener, Summary};
 use disagg_core::source::EndpointSource;
 use disagg_core::transport::{Transport, read_limited};
 
+mod filter;
 mod metrics;
 mod names;
 
@@ -205,6 +210,12 @@ pub enum ScrapeError {
     /// Its body is not the Prometheus text format.
     #[error("body is not the Prometheus text format: {0}")]
     Parse(String),
+    /// Its body passes a ceiling on what the parser is given: more than 8,192 lines,
+    /// or 1 MiB, of the metrics read (their samples, `HELP` and `TYPE` lines), or a
+    /// sample line over 64 KiB (read or not). The scrape is refused rather than read in
+    /// part.
+    #[error("body has {0}")]
+    Ceiling(&'static str),
 }
 
 /// An engine's state between scrapes.
@@ -634,25 +645,53 @@ pub async fn scrape(
 /// Parse an engine's `/metrics` text into the model. Lines that are not the text
 /// format fail it; a metric whose lines are well formed but out of the format's order
 /// is skipped.
+///
+/// Only the lines of the metrics read reach the parser, the others being checked a
+/// chunk at a time and dropped: the answer is the one the parser gives on the whole
+/// text, its memory that of the lines read (see `filter.rs`). A text past a ceiling on
+/// what the parser is given is refused ([`ScrapeError::Ceiling`]).
 pub fn parse(text: &str) -> Result<EngineSnapshot, ScrapeError> {
-    let (metrics, errors) = prom_text_format_parser::parse_scrape(text);
-    if metrics.is_empty()
-        && let Some(e) = errors
-    {
-        let mut message = match e {
-            prom_text_format_parser::ScrapeParseError::Parse(m) => m,
-            prom_text_format_parser::ScrapeParseError::Collect(errors) => errors
-                .first()
-                .map(|e| format!("line {}: {}", e.line_no.start + 1, e.error))
-                .unwrap_or_default(),
+    let kept = filter::filter(text)?;
+    if !kept.samples {
+        // No sample line, so no metric: the parser's error for an empty text or a HELP
+        // or TYPE line (a metric without samples), else nothing.
+        let (probe, index) = match kept.descriptor {
+            Some((index, line)) => (line, index),
+            None if text.is_empty() => ("", 0),
+            None => return Ok(EngineSnapshot::default()),
         };
-        // The parser's message quotes the input: a line's worth is enough for a log.
-        if let Some((i, _)) = message.char_indices().nth(200) {
-            message.truncate(i);
-        }
-        return Err(ScrapeError::Parse(message));
+        let message = match prom_text_format_parser::parse_scrape(probe).1 {
+            Some(prom_text_format_parser::ScrapeParseError::Collect(errors)) => errors
+                .first()
+                .map(|e| format!("line {}: {}", index + 1, e.error))
+                .unwrap_or_default(),
+            Some(prom_text_format_parser::ScrapeParseError::Parse(m)) => m,
+            None => String::new(),
+        };
+        return Err(parse_error(message));
     }
-    Ok(names::snapshot(&metrics))
+    let mut snapshot = if kept.text.is_empty() {
+        EngineSnapshot::default()
+    } else {
+        let (metrics, errors) = prom_text_format_parser::parse_scrape(&kept.text);
+        // A metric left incomplete is no failure: the text has samples, so the parser
+        // found a metric in it.
+        if let Some(prom_text_format_parser::ScrapeParseError::Parse(m)) = errors {
+            return Err(parse_error(m));
+        }
+        names::snapshot(&metrics)
+    };
+    snapshot.family = kept.family;
+    Ok(snapshot)
+}
+
+/// [`ScrapeError::Parse`] with the parser's `message`, cut to a line's worth (it quotes
+/// the input) for a log.
+fn parse_error(mut message: String) -> ScrapeError {
+    if let Some((i, _)) = message.char_indices().nth(200) {
+        message.truncate(i);
+    }
+    ScrapeError::Parse(message)
 }
 
 #[cfg(test)]

@@ -20,6 +20,22 @@ use prom_text_format_parser::Metric;
 
 use super::{EngineFamily, EngineSnapshot};
 
+/// Every name [`snapshot`] reads. Only these metrics' lines reach the parser
+/// (`filter.rs`): a name read below but missing here would never be seen.
+pub(super) const READ: [&str; 11] = [
+    "vllm:prompt_tokens_by_source_total",
+    "vllm:nixl_num_failed_transfers_total",
+    "vllm:nixl_num_kv_expired_reqs_total",
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "sglang:realtime_tokens_total",
+    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_queue_reqs",
+    "sglang:num_running_reqs",
+    "sglang:token_usage",
+];
+
 /// Reads the model out of an engine's parsed metrics.
 pub(super) fn snapshot(metrics: &[Metric]) -> EngineSnapshot {
     let mut s = EngineSnapshot::default();
@@ -60,6 +76,7 @@ pub(super) fn snapshot(metrics: &[Metric]) -> EngineSnapshot {
             }
             _ => continue,
         };
+        debug_assert!(READ.contains(&name), "{name} is read but not in READ");
         *slot = Some(sum(m, |_| true));
     }
     s
@@ -67,6 +84,7 @@ pub(super) fn snapshot(metrics: &[Metric]) -> EngineSnapshot {
 
 /// Adds each series of `m` to the prompt-token source `which` gives for its `label`.
 fn split(m: &Metric, label: &str, s: &mut EngineSnapshot, which: impl Fn(&str) -> Option<usize>) {
+    debug_assert!(READ.contains(&m.name.as_str()), "{} not in READ", m.name);
     for sample in &m.samples {
         let Some(i) = sample
             .labels

@@ -717,3 +717,121 @@ fn the_tokenize_body_copies_the_clients_values() {
         );
     }
 }
+
+/// `(counter, secret)` of an id of `c`'s (no secret: the scheme before).
+fn id_parts(c: &Lmcache, id: &str) -> (u64, Option<String>) {
+    let rest = id
+        .strip_prefix(&format!("disagg-{:016x}-", c.prefix))
+        .unwrap_or_else(|| panic!("{id}: not the connector's prefix"));
+    match rest.split_once('-') {
+        Some((n, secret)) => (n.parse().unwrap(), Some(secret.to_owned())),
+        None => (rest.parse().unwrap(), None),
+    }
+}
+
+/// The ids a peer that saw `id` would try next: the counter incremented, as the scheme
+/// before wrote it (no secret), with `id`'s secret, and with its secret plus one.
+fn predictions(c: &Lmcache, id: &str) -> Vec<String> {
+    let (n, secret) = id_parts(c, id);
+    let base = format!("disagg-{:016x}-{}", c.prefix, n + 1);
+    let mut guesses = vec![base.clone()];
+    if let Some(secret) = secret {
+        let next = u64::from_str_radix(&secret, 16).unwrap().wrapping_add(1);
+        guesses.push(format!("{base}-{secret}"));
+        guesses.push(format!("{base}-{next:016x}"));
+    }
+    guesses
+}
+
+#[test]
+fn request_ids_carry_64_bits_no_other_id_reveals() {
+    let c = connector();
+    let ids: Vec<String> = (0..1000).map(|_| c.next_req_id()).collect();
+    let mut secrets = std::collections::HashSet::new();
+    for (i, id) in ids.iter().enumerate() {
+        // Short, and an opaque string LMCache carries as is.
+        assert!(id.len() <= 64, "{id}");
+        assert!(
+            id.bytes()
+                .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-'),
+            "{id}"
+        );
+        let (n, secret) = id_parts(&c, id);
+        assert_eq!(n, i as u64);
+        let secret = secret.unwrap_or_else(|| panic!("{id}: no secret"));
+        assert_eq!(secret.len(), 16, "{id}");
+        assert!(secret.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        assert!(secrets.insert(secret), "{id}: a secret seen before");
+    }
+    // No id is another's with its counter, or its secret, moved on.
+    let all: std::collections::HashSet<&String> = ids.iter().collect();
+    for id in &ids {
+        for guess in predictions(&c, id) {
+            assert!(!all.contains(&guess), "{guess} guessed from {id}");
+        }
+    }
+    // A second connector's ids are its own.
+    let other = connector();
+    assert_ne!(other.prefix, c.prefix);
+}
+
+#[tokio::test]
+async fn a_notification_naming_a_predicted_id_completes_nothing() {
+    use zeromq::{PushSocket, Socket, SocketSend, ZmqMessage};
+
+    #[derive(serde::Serialize)]
+    struct Notif<'a> {
+        #[serde(rename = "type")]
+        kind: &'a str,
+        req_id: &'a str,
+    }
+    let patience = std::time::Duration::from_secs(20);
+    let notifications = Notifications::bind("127.0.0.1:0", Default::default())
+        .await
+        .unwrap();
+    let addr = notifications.local_addr().unwrap();
+    let c = Lmcache::new(notifications);
+    // A prefill saw one request's id; the next request waits for its KV.
+    let seen = c.next_req_id();
+    let waiting = c.next_req_id();
+    let pending = c.notifications().register(&waiting, 1).unwrap();
+
+    let mut push = PushSocket::new();
+    tokio::time::timeout(patience, push.connect(&format!("tcp://{addr}")))
+        .await
+        .unwrap()
+        .unwrap();
+    let guesses = predictions(&c, &seen);
+    for (i, id) in guesses.iter().chain([&waiting]).enumerate() {
+        let wire = rmp_serde::to_vec_named(&Notif {
+            kind: "ProxyNotif",
+            req_id: id,
+        })
+        .unwrap();
+        tokio::time::timeout(patience, push.send(ZmqMessage::from(wire)))
+            .await
+            .unwrap()
+            .unwrap();
+        if i + 1 == guesses.len() {
+            // Every guess taken in, none counted for the request waiting.
+            let deadline = tokio::time::Instant::now() + patience;
+            loop {
+                let stats = c.notifications().stats();
+                if stats.unknown + stats.matched >= guesses.len() as u64 {
+                    break;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "guesses not read");
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            assert_eq!(c.notifications().stats().matched, 0, "{guesses:?}");
+            assert_eq!(pending.received(), 0);
+        }
+    }
+    // The real id completes it.
+    tokio::time::timeout(patience, pending.ready())
+        .await
+        .unwrap()
+        .unwrap();
+    let stats = c.notifications().stats();
+    assert_eq!((stats.matched, stats.unknown), (1, guesses.len() as u64));
+}
