@@ -17,6 +17,7 @@
 //!   ranges and their ceiling are `disagg_discovery::{Ranks, DEFAULT_MAX_DP_RANKS}`,
 //!   where every list of endpoints, the command line's included, is expanded).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
@@ -535,11 +536,17 @@ impl Endpoint {
         self.models.as_deref()
     }
 
-    /// Whether this endpoint serves `model`: it declares it, or declares no models.
+    /// Whether this endpoint serves `model`: it declares it, or declares no models. A
+    /// scan of the declared names: the tests' reference for [`EndpointSet::for_model`],
+    /// whose index is built without it.
+    #[cfg(test)]
     pub(crate) fn serves(&self, model: &str) -> bool {
-        self.models
-            .as_deref()
-            .is_none_or(|ms| ms.iter().any(|m| &**m == model))
+        self.models.as_deref().is_none_or(|ms| {
+            ms.iter().any(|m| {
+                index_cost::add(1);
+                &**m == model
+            })
+        })
     }
 
     /// The endpoint's role.
@@ -719,7 +726,7 @@ pub struct EndpointSet {
 #[derive(Debug)]
 struct ModelIndex {
     /// Each declared model: the endpoints declaring it, plus those declaring none.
-    by_model: std::collections::HashMap<Arc<str>, EndpointSet>,
+    by_model: HashMap<Arc<str>, EndpointSet>,
     /// The endpoints declaring no model: they serve any name the others do not.
     undeclared: EndpointSet,
     /// The models some decode endpoint declares, sorted.
@@ -737,11 +744,7 @@ impl EndpointSet {
     fn by_roles(endpoints: impl IntoIterator<Item = Arc<Endpoint>>) -> Self {
         let mut set = EndpointSet::default();
         for ep in endpoints {
-            match ep.role() {
-                Role::Prefill => set.prefill.push(ep),
-                Role::Decode => set.decode.push(ep),
-                Role::Encode => set.encode.push(ep),
-            }
+            set.push(ep);
         }
         set
     }
@@ -838,32 +841,98 @@ impl EndpointSet {
 
 impl ModelIndex {
     /// The index of `set`, or `None` when no endpoint declares a model.
+    ///
+    /// Inverted in one pass over the declarations: each declared name is looked up
+    /// once per endpoint declaring it (the endpoints joining that name's subset), and
+    /// each endpoint declaring none joins every subset, as it serves every name. The
+    /// cost is the declarations plus the subsets made, where a scan of every endpoint's
+    /// names for every model cost models × endpoints × names per endpoint. Each subset
+    /// keeps the set's order.
     fn build(set: &EndpointSet) -> Option<ModelIndex> {
-        let all = || set.iter();
-        all().find_map(|e| e.models())?;
-        let declared: std::collections::BTreeSet<&Arc<str>> =
-            all().filter_map(|e| e.models()).flatten().collect();
-        let subset = |keep: &dyn Fn(&Endpoint) -> bool| {
-            EndpointSet::by_roles(all().filter(|e| keep(e)).cloned())
-        };
-        let by_model = declared
+        set.iter().find_map(|e| e.models())?;
+        // The declared names, each numbered once.
+        let mut number: HashMap<&str, usize> = HashMap::new();
+        let mut names: Vec<&Arc<str>> = Vec::new();
+        for m in set.iter().filter_map(|e| e.models()).flatten() {
+            #[cfg(test)]
+            index_cost::add(1);
+            number.entry(&**m).or_insert_with(|| {
+                names.push(m);
+                names.len() - 1
+            });
+        }
+        let mut subsets: Vec<EndpointSet> = vec![EndpointSet::default(); names.len()];
+        // The last endpoint added to each subset: an endpoint naming a model twice
+        // joins its subset once.
+        let mut last: Vec<usize> = vec![usize::MAX; names.len()];
+        let mut served = vec![false; names.len()];
+        let mut undeclared = EndpointSet::default();
+        for (at, e) in set.iter().enumerate() {
+            let Some(models) = e.models() else {
+                undeclared.push(Arc::clone(e));
+                for subset in &mut subsets {
+                    subset.push(Arc::clone(e));
+                }
+                continue;
+            };
+            for m in models {
+                #[cfg(test)]
+                index_cost::add(1);
+                let Some(&k) = number.get(&**m) else {
+                    continue;
+                };
+                if last[k] != at {
+                    last[k] = at;
+                    subsets[k].push(Arc::clone(e));
+                    served[k] |= e.role() == Role::Decode;
+                }
+            }
+        }
+        let mut served: Vec<Arc<str>> = names
             .iter()
-            .map(|m| ((*m).clone(), subset(&|e| e.serves(m))))
+            .zip(&served)
+            .filter(|(_, decode)| **decode)
+            .map(|(m, _)| Arc::clone(m))
             .collect();
-        let served = set
-            .decode
-            .iter()
-            .filter_map(|e| e.models())
-            .flatten()
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .cloned()
-            .collect();
+        served.sort_unstable();
+        let by_model = names.into_iter().cloned().zip(subsets).collect();
         Some(ModelIndex {
             by_model,
-            undeclared: subset(&|e| e.models().is_none()),
-            served,
+            undeclared,
+            served: served.into(),
         })
+    }
+}
+
+impl EndpointSet {
+    /// Adds `e` to the endpoints of its role.
+    fn push(&mut self, e: Arc<Endpoint>) {
+        match e.role() {
+            Role::Prefill => self.prefill.push(e),
+            Role::Decode => self.decode.push(e),
+            Role::Encode => self.encode.push(e),
+        }
+    }
+}
+
+/// A count of the model-name steps (lookups and comparisons) [`ModelIndex::build`]
+/// makes, per thread, for the tests of its cost: a count, never a clock.
+#[cfg(test)]
+pub(crate) mod index_cost {
+    use std::cell::Cell;
+
+    thread_local! {
+        static STEPS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// Counts `n` more steps.
+    pub(crate) fn add(n: u64) {
+        STEPS.with(|s| s.set(s.get() + n));
+    }
+
+    /// The steps counted on this thread since the last call, and a new count started.
+    pub(crate) fn take() -> u64 {
+        STEPS.with(|s| s.replace(0))
     }
 }
 

@@ -50,7 +50,7 @@ use hickory_resolver::{Resolver, TokioResolver};
 use tokio::time::Instant;
 
 use crate::source::{SpecPublisher, SpecSource};
-use crate::spec::EndpointSpec;
+use crate::spec::{EndpointSpec, ModelsError, model_names};
 
 /// The default source name of DNS discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "dns";
@@ -124,7 +124,10 @@ pub struct DnsTarget {
     pub role: Role,
     /// The prefill engines' bootstrap port (one for all: DNS carries none).
     pub bootstrap_port: Option<u16>,
-    /// The models every engine found under it serves (empty: any).
+    /// The models every engine found under it serves (empty: any): at most
+    /// [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE) distinct names of at
+    /// most [`MAX_MODEL_NAME_BYTES`](crate::spec::MAX_MODEL_NAME_BYTES), or [`spawn`]
+    /// refuses the configuration ([`DnsError::Models`]); duplicates count once.
     pub models: Vec<String>,
 }
 
@@ -198,6 +201,15 @@ pub enum DnsError {
     /// The refresh bounds are inverted or zero.
     #[error("the DNS refresh bounds must satisfy 0 < min_refresh <= max_refresh")]
     Refresh,
+    /// A name's models are more, or longer, than an engine may declare.
+    #[error("DNS name {name}: models: {source}")]
+    Models {
+        /// The name.
+        name: String,
+        /// What is past which ceiling.
+        #[source]
+        source: ModelsError,
+    },
 }
 
 /// Resolves every name once, publishes the engines found, and starts the task that
@@ -205,19 +217,14 @@ pub enum DnsError {
 ///
 /// # Errors
 ///
-/// [`DnsError`] when the resolver cannot be set up (no failed lookup is an error: it
-/// is retried).
+/// [`DnsError`] when the resolver cannot be set up or a target declares models past
+/// their ceilings (no failed lookup is an error: it is retried).
 ///
 /// # Panics
 ///
 /// When called outside a tokio runtime.
 pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
-    if config.targets.is_empty() {
-        return Err(DnsError::NoTargets);
-    }
-    if config.min_refresh.is_zero() || config.min_refresh > config.max_refresh {
-        return Err(DnsError::Refresh);
-    }
+    let config = checked(config)?;
     let resolver = resolver(&config)?;
     let (publisher, source) = SpecSource::channel(config.name.as_str());
     let mut names: Vec<NameState> = config
@@ -234,6 +241,27 @@ pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
     refresh_due(&resolver, &config, &publisher, &mut names).await;
     let task = tokio::spawn(run(resolver, config, publisher, names));
     Ok(source.with_task(task))
+}
+
+/// `config` checked: targets given, refresh bounds in order, and each target's models
+/// within their ceilings (duplicates collapsed), before one engine is made with them.
+fn checked(mut config: DnsConfig) -> Result<DnsConfig, DnsError> {
+    if config.targets.is_empty() {
+        return Err(DnsError::NoTargets);
+    }
+    if config.min_refresh.is_zero() || config.min_refresh > config.max_refresh {
+        return Err(DnsError::Refresh);
+    }
+    for target in &mut config.targets {
+        target.models =
+            model_names(target.models.iter().map(String::as_str)).map_err(|source| {
+                DnsError::Models {
+                    name: target.name.to_string(),
+                    source,
+                }
+            })?;
+    }
+    Ok(config)
 }
 
 fn resolver(config: &DnsConfig) -> Result<TokioResolver, DnsError> {
@@ -523,6 +551,38 @@ mod tests {
             spec(&t, "fd00::1".parse().unwrap(), 80).url,
             "http://[fd00::1]:80"
         );
+    }
+
+    #[test]
+    fn a_target_with_models_past_their_ceilings_is_refused() {
+        use crate::spec::{MAX_MODEL_NAME_BYTES, MAX_MODELS_PER_ENGINE};
+        let mut t = DnsTarget::new("decode.llm.svc:8200".parse().unwrap(), Role::Decode);
+        t.models = (0..=MAX_MODELS_PER_ENGINE)
+            .map(|i| format!("m{i}"))
+            .collect();
+        let err = checked(DnsConfig::new([t.clone()])).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                DnsError::Models {
+                    source: ModelsError::TooMany { max: 256 },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("decode.llm.svc:8200"), "{err}");
+        t.models = vec!["x".repeat(MAX_MODEL_NAME_BYTES + 1)];
+        assert!(matches!(
+            checked(DnsConfig::new([t.clone()])),
+            Err(DnsError::Models {
+                source: ModelsError::TooLong { .. },
+                ..
+            })
+        ));
+        t.models = vec!["llama".into(), "llama".into(), "qwen".into()];
+        let ok = checked(DnsConfig::new([t])).unwrap();
+        assert_eq!(ok.targets[0].models, ["llama", "qwen"]);
     }
 
     #[test]

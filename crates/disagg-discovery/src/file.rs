@@ -6,6 +6,7 @@
 //! url = "http://10.0.0.5:8100"
 //! bootstrap_port = 8998                 # as the second value of --prefill
 //! model = "llama-3-8b"                  # or a list: ["a", "b"] (--served-model)
+//!                                       # (at most 256 names of at most 512 bytes)
 //! ranks = "0-1"                         # data-parallel ranks: URL@0, URL@1
 //! weight = 2.0                          # for weighted_random (--weight)
 //! kv_profile = "NixlConnector,kv_producer,8"   # as --kv-profile, or a table:
@@ -42,9 +43,12 @@
 //!   once per distinct content.
 //! - So is an edit past a ceiling ([`FileConfig::bounds`]): an engine with more
 //!   data-parallel ranks than `max_ranks` (1,024 by default), or more endpoints in all,
-//!   ranks counted, than `max_endpoints` (4,096 by default). Ranks are counted from the
-//!   range, never expanded first, and such an edit is also counted in
-//!   [`SourceStats::over_limit`](crate::SourceStats::over_limit).
+//!   ranks counted, than `max_endpoints` (4,096 by default), or an engine declaring
+//!   more than 256 distinct models
+//!   ([`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE)) or a model name
+//!   longer than [`MAX_MODEL_NAME_BYTES`] (512 bytes). Ranks are counted from the range,
+//!   never expanded first, model names checked as they are read, and such an edit is
+//!   also counted in [`SourceStats::over_limit`](crate::SourceStats::over_limit).
 //! - A deleted (or unreadable) file also keeps the last good list, logged and counted
 //!   once: deletion is more often an accident or a step of a replacement than an intent
 //!   to drain every engine. To remove every engine, write a file with no entries.
@@ -67,7 +71,8 @@ use serde::Deserialize;
 
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{
-    Bounds, EndpointSpec, Ranks, endpoint_count, parse_kv_profile, parse_kv_role, parse_tp,
+    Bounds, DistinctNames, EndpointSpec, MAX_MODEL_NAME_BYTES, ModelsError, Ranks, endpoint_count,
+    model_names, parse_kv_profile, parse_kv_role, parse_tp,
 };
 
 /// The default source name of the endpoints file (the `source` label of its metrics).
@@ -132,7 +137,9 @@ pub enum FileError {
     #[error("invalid endpoints file: {0}")]
     Invalid(String),
     /// The file makes more endpoints, or gives an engine more ranks, than its
-    /// [`Bounds`] allow.
+    /// [`Bounds`] allow, or an engine declares more models, or a longer model name,
+    /// than [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE)
+    /// and [`MAX_MODEL_NAME_BYTES`] allow.
     #[error("endpoints file over its ceiling: {0}")]
     OverLimit(String),
 }
@@ -149,7 +156,10 @@ pub enum FileError {
 /// URL (a link-local or cloud metadata address included), ranks, weight, KV profile or
 /// LMCache receiver, a bootstrap port on a decode or an LMCache receiver on a prefill,
 /// or one URL listed twice for one role; [`FileError::OverLimit`] for an engine with
-/// more ranks, or a file with more endpoints, than the bounds allow.
+/// more ranks, or a file with more endpoints, than the bounds allow, or an engine
+/// declaring more models, or a longer model name, than
+/// [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE) and
+/// [`MAX_MODEL_NAME_BYTES`] allow.
 ///
 /// # Examples
 ///
@@ -191,6 +201,11 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
             let table = role.as_str();
             let place = format!("[[{table}]] #{}", i + 1);
             let invalid = |what: String| FileError::Invalid(format!("{place}: {what}"));
+            // The models are held to their ceilings as the ranks are, as an over-limit
+            // edit.
+            if let Some(ModelField(Err(e))) = &entry.model {
+                return Err(FileError::OverLimit(format!("{place}: model: {e}")));
+            }
             let spec = entry.into_spec(role).map_err(invalid)?;
             // The ranks are counted before an endpoint is made for each of them.
             if let Some(ranks) = spec.ranks {
@@ -244,7 +259,7 @@ struct FileModel {
 struct EntryModel {
     url: String,
     bootstrap_port: Option<u16>,
-    model: Option<OneOrMany>,
+    model: Option<ModelField>,
     ranks: Option<String>,
     weight: Option<f64>,
     kv_profile: Option<ProfileModel>,
@@ -254,11 +269,90 @@ struct EntryModel {
     facts: Option<std::collections::BTreeMap<String, String>>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum OneOrMany {
-    One(String),
-    Many(Vec<String>),
+/// `model`: one name or a list of names, read within the ceilings on an engine's
+/// models as the TOML is read: a name past [`MAX_MODEL_NAME_BYTES`] is measured, not
+/// copied, duplicates are looked up, not kept, and past
+/// [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE) distinct
+/// names the rest of the list is skipped unread. What was past a ceiling is
+/// kept as the error, for [`parse_within`] to refuse the file naming the entry.
+#[derive(Debug)]
+struct ModelField(Result<Vec<String>, ModelsError>);
+
+impl<'de> Deserialize<'de> for ModelField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ModelFieldVisitor)
+    }
+}
+
+struct ModelFieldVisitor;
+
+impl<'de> serde::de::Visitor<'de> for ModelFieldVisitor {
+    type Value = ModelField;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a model name or a list of model names")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ModelField, E> {
+        Ok(ModelField(model_names([v])))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<ModelField, A::Error> {
+        let mut names = DistinctNames::default();
+        let refused = loop {
+            match seq.next_element::<ModelName>()? {
+                None => return Ok(ModelField(Ok(names.into_vec()))),
+                Some(ModelName::TooLong(len)) => {
+                    break ModelsError::TooLong {
+                        len,
+                        max: MAX_MODEL_NAME_BYTES,
+                    };
+                }
+                Some(ModelName::Name(name)) => {
+                    if let Err(e) = names.push(name) {
+                        break e;
+                    }
+                }
+            }
+        };
+        // The rest of the list, skipped without a copy.
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(ModelField(Err(refused)))
+    }
+}
+
+/// One name of a `model` list: copied only within [`MAX_MODEL_NAME_BYTES`].
+enum ModelName {
+    Name(String),
+    TooLong(usize),
+}
+
+impl<'de> Deserialize<'de> for ModelName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct NameVisitor;
+        impl serde::de::Visitor<'_> for NameVisitor {
+            type Value = ModelName;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a model name")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ModelName, E> {
+                Ok(match v.len() {
+                    len if len > MAX_MODEL_NAME_BYTES => ModelName::TooLong(len),
+                    _ => ModelName::Name(v.to_owned()),
+                })
+            }
+
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<ModelName, E> {
+                Ok(match v.len() {
+                    len if len > MAX_MODEL_NAME_BYTES => ModelName::TooLong(len),
+                    _ => ModelName::Name(v),
+                })
+            }
+        }
+        d.deserialize_str(NameVisitor)
+    }
 }
 
 /// `kv_profile`: the command line's `CONNECTOR,ROLE,TP`, or a table.
@@ -294,8 +388,9 @@ impl EntryModel {
         }
         spec.models = match self.model {
             None => Vec::new(),
-            Some(OneOrMany::One(m)) => vec![m],
-            Some(OneOrMany::Many(ms)) => ms,
+            Some(ModelField(Ok(ms))) => ms,
+            // Refused by `parse_within` before an entry is made into a spec.
+            Some(ModelField(Err(e))) => return Err(e.to_string()),
         };
         if spec.models.iter().any(|m| m.trim().is_empty()) {
             return Err("a model name is empty".into());
@@ -613,6 +708,52 @@ mod tests {
             Err(FileError::OverLimit(_))
         ));
         assert_eq!(parse(three).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn models_past_their_ceilings_refuse_the_file() {
+        use crate::spec::MAX_MODELS_PER_ENGINE;
+        let entry = |model: &str| {
+            format!("[[decode]]\nurl = \"http://d:1\"\nranks = \"0-1023\"\nmodel = {model}\n")
+        };
+        let list = |names: &mut dyn Iterator<Item = String>| {
+            let quoted: Vec<String> = names.map(|n| format!("\"{n}\"")).collect();
+            format!("[{}]", quoted.join(", "))
+        };
+        // 257 distinct names: one past the ceiling.
+        let many = entry(&list(
+            &mut (0..=MAX_MODELS_PER_ENGINE).map(|i| format!("m{i}")),
+        ));
+        let err = parse(&many).unwrap_err();
+        assert!(matches!(err, FileError::OverLimit(_)), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("[[decode]] #1: model:") && text.contains("256"),
+            "{text}"
+        );
+        // A name past 512 bytes, alone or in a list.
+        let long = "x".repeat(MAX_MODEL_NAME_BYTES + 1);
+        for model in [
+            format!("\"{long}\""),
+            list(&mut ["llama".to_owned(), long].into_iter()),
+        ] {
+            let err = parse(&entry(&model)).unwrap_err();
+            assert!(matches!(err, FileError::OverLimit(_)), "{err}");
+            assert!(err.to_string().contains("512"), "{err}");
+        }
+        // Any number of repeats is one name; at the ceilings, kept.
+        let repeated = entry(&list(&mut std::iter::repeat_n("a".to_owned(), 100_000)));
+        assert_eq!(parse(&repeated).unwrap()[0].models, ["a"]);
+        let most = entry(&list(
+            &mut (0..MAX_MODELS_PER_ENGINE).map(|i| format!("{i:0>512}")),
+        ));
+        assert_eq!(parse(&most).unwrap()[0].models.len(), MAX_MODELS_PER_ENGINE);
+        // Not a name: refused as before.
+        assert!(matches!(parse(&entry("[1]")), Err(FileError::Invalid(_))));
+        assert!(matches!(
+            parse(&entry("[\" \"]")),
+            Err(FileError::Invalid(_))
+        ));
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! | key | kind | meaning |
 //! |---|---|---|
 //! | `model` ([`KubernetesConfig::model_label`]) | label | the model the engine serves |
-//! | `disagg.io/models` | annotation | the models it serves, comma-separated (names a label value cannot hold, such as `meta-llama/Llama-3.1-8B`); wins over the label |
+//! | `disagg.io/models` | annotation | the models it serves, comma-separated (names a label value cannot hold, such as `meta-llama/Llama-3.1-8B`); wins over the label; at most 256 distinct names ([`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE)) of at most 512 bytes ([`MAX_MODEL_NAME_BYTES`](crate::spec::MAX_MODEL_NAME_BYTES)), duplicates counted once |
 //! | `sglang.ai/bootstrap-port` | annotation | a prefill's bootstrap port (SGLang's gateway reads the same) |
 //! | `vllm.ai/bootstrap-port` | annotation | the same, as vLLM's router names it (read when the SGLang one is absent) |
 //! | `disagg.io/dp-ranks` | annotation | data-parallel ranks behind the pod's one server, `FIRST-LAST` or `N`: one endpoint per rank |
@@ -62,7 +62,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::source::{SpecPublisher, SpecSource};
-use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, parse_kv_role, parse_tp};
+use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, model_names, parse_kv_role, parse_tp};
 
 /// The default source name of Kubernetes discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "kubernetes";
@@ -74,7 +74,10 @@ pub const DEFAULT_MODEL_LABEL: &str = "model";
 pub const SGLANG_BOOTSTRAP_PORT: &str = "sglang.ai/bootstrap-port";
 /// vLLM router's bootstrap-port annotation.
 pub const VLLM_BOOTSTRAP_PORT: &str = "vllm.ai/bootstrap-port";
-/// The models a pod serves, comma-separated; wins over the model label.
+/// The models a pod serves, comma-separated; wins over the model label. A list past
+/// [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE) distinct names, or
+/// with a name past [`MAX_MODEL_NAME_BYTES`](crate::spec::MAX_MODEL_NAME_BYTES),
+/// leaves the pod out.
 pub const MODELS: &str = "disagg.io/models";
 /// The data-parallel ranks behind the pod's server: `FIRST-LAST` or `N`.
 pub const DP_RANKS: &str = "disagg.io/dp-ranks";
@@ -408,18 +411,18 @@ pub fn pod_spec(
     let bad = |key: &str, why: &dyn std::fmt::Display| format!("annotation {key}: {why}");
 
     let mut spec = EndpointSpec::new(url, role);
+    // Held to the ceilings name by name, before any is kept (an annotation may hold
+    // 256 KiB of names); duplicates collapse to one.
     spec.models = match get(MODELS) {
-        Some(list) => list
-            .split(',')
-            .map(str::trim)
-            .filter(|m| !m.is_empty())
-            .map(str::to_owned)
-            .collect(),
-        None => labels
-            .get(&config.model_label)
-            .filter(|m| !m.is_empty())
-            .map(|m| vec![m.clone()])
-            .unwrap_or_default(),
+        Some(list) => model_names(list.split(',').map(str::trim).filter(|m| !m.is_empty()))
+            .map_err(|e| bad(MODELS, &e))?,
+        None => model_names(
+            labels
+                .get(&config.model_label)
+                .map(String::as_str)
+                .filter(|m| !m.is_empty()),
+        )
+        .map_err(|e| format!("label {}: {e}", config.model_label))?,
     };
     if role == Role::Prefill {
         for key in [SGLANG_BOOTSTRAP_PORT, VLLM_BOOTSTRAP_PORT] {
@@ -645,6 +648,45 @@ mod tests {
         let spec = pod_spec(&pod, Role::Prefill, &config()).unwrap().unwrap();
         assert_eq!(spec.facts.get(Facts::BOOTSTRAP_PORT), Some("9000"));
         assert_eq!(spec.models, ["meta-llama/Llama-3.1-8B", "llama"]);
+    }
+
+    #[test]
+    fn a_models_annotation_past_its_ceilings_leaves_the_pod_out() {
+        use crate::spec::{MAX_MODEL_NAME_BYTES, MAX_MODELS_PER_ENGINE};
+        // 257 distinct names: one past the ceiling.
+        let many = (0..=MAX_MODELS_PER_ENGINE)
+            .map(|i| format!("m{i}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let p = pod(true, &[(MODELS, &many), (DP_RANKS, "0-1023")]);
+        let err = pod_spec(&p, Role::Decode, &config()).unwrap_err();
+        assert!(err.contains(MODELS) && err.contains("256"), "{err}");
+        // One name past 512 bytes.
+        let long = format!("llama,{}", "x".repeat(MAX_MODEL_NAME_BYTES + 1));
+        let err = pod_spec(&pod(true, &[(MODELS, &long)]), Role::Decode, &config()).unwrap_err();
+        assert!(err.contains(MODELS) && err.contains("512"), "{err}");
+        // 256 KiB of one repeated name (the annotations' own limit in Kubernetes) on
+        // 1,024 ranks: one name, one allocation, shared by every rank.
+        let repeated = vec!["a"; 128 * 1024].join(",");
+        let p = pod(true, &[(MODELS, &repeated), (DP_RANKS, "0-1023")]);
+        let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
+        assert_eq!(spec.models, ["a"]);
+        let eps = spec.to_endpoints().unwrap();
+        assert_eq!(eps.len(), 1024);
+        let first = &eps[0].models().unwrap()[0];
+        assert!(
+            eps.iter()
+                .all(|e| std::sync::Arc::ptr_eq(&e.models().unwrap()[0], first))
+        );
+        // At the ceilings: kept.
+        let most = (0..MAX_MODELS_PER_ENGINE)
+            .map(|i| format!("{i:0>512}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let spec = pod_spec(&pod(true, &[(MODELS, &most)]), Role::Decode, &config())
+            .unwrap()
+            .unwrap();
+        assert_eq!(spec.models.len(), MAX_MODELS_PER_ENGINE);
     }
 
     #[test]

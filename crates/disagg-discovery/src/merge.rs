@@ -422,7 +422,8 @@ type Key = (Role, Arc<str>);
 
 /// One endpoint of the current set: the spec it was built from, and who contributed it.
 struct Entry {
-    spec: EndpointSpec,
+    /// One copy per spec, shared by the entries of all its ranks.
+    spec: Arc<EndpointSpec>,
     endpoint: Arc<Endpoint>,
     source: usize,
 }
@@ -479,6 +480,8 @@ impl Merger {
                 let Some(endpoints) = self.endpoints_for(i, spec, &mut rejected) else {
                     continue;
                 };
+                // One copy of the spec for all its ranks, not one per rank.
+                let shared = Arc::new(spec.clone());
                 for endpoint in endpoints {
                     let key = key_of(&endpoint);
                     if !seen.insert(key.clone()) {
@@ -490,7 +493,7 @@ impl Merger {
                     next.insert(
                         key,
                         Entry {
-                            spec: spec.clone(),
+                            spec: Arc::clone(&shared),
                             endpoint,
                             source: i,
                         },
@@ -583,11 +586,18 @@ impl Merger {
             return None;
         }
         let urls = spec.endpoint_urls();
+        // The ranks of one spec share its copy: compared once, not once per rank.
+        let mut same: Option<&Arc<EndpointSpec>> = None;
         let reused: Option<Vec<Arc<Endpoint>>> = urls
             .iter()
             .map(|url| {
                 let entry = self.current.get(&(spec.role, Arc::from(url.as_str())))?;
-                (entry.spec == *spec).then(|| Arc::clone(&entry.endpoint))
+                let equal =
+                    same.is_some_and(|s| Arc::ptr_eq(s, &entry.spec)) || *entry.spec == *spec;
+                if equal {
+                    same = Some(&entry.spec);
+                }
+                equal.then(|| Arc::clone(&entry.endpoint))
             })
             .collect();
         if let Some(reused) = reused {
@@ -761,6 +771,30 @@ mod tests {
         let mut m = merger(1);
         m.bounds.addresses = disagg_core::endpoint::AddressPolicy::allow_link_local();
         assert_eq!(m.merge(&[specs]).unwrap().by_role(Role::Decode).len(), 2);
+    }
+
+    #[test]
+    fn the_ranks_of_a_spec_share_one_copy_of_it_and_its_model_names() {
+        let mut m = merger(1);
+        let mut spec = decode("http://d1:1");
+        spec.ranks = Some(crate::Ranks::new(0, 1023).unwrap());
+        spec.models = (0..256).map(|i| format!("model-{i}")).collect();
+        let set = m.merge(&[list(vec![spec.clone()])]).unwrap();
+        let decode = set.by_role(Role::Decode);
+        assert_eq!(decode.len(), 1024);
+        let entries: Vec<&Entry> = m.current.values().collect();
+        assert!(
+            entries
+                .iter()
+                .all(|e| Arc::ptr_eq(&e.spec, &entries[0].spec))
+        );
+        let first = decode[0].models().unwrap();
+        assert!(decode.iter().all(|e| {
+            let models = e.models().unwrap();
+            models.len() == 256 && models.iter().zip(first).all(|(a, b)| Arc::ptr_eq(a, b))
+        }));
+        // The same spec published again (a new copy): the same endpoints, no new set.
+        assert!(m.merge(&[list(vec![spec])]).is_none());
     }
 
     #[test]

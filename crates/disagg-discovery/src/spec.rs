@@ -13,10 +13,15 @@
 //! What a source describes comes from outside the proxy (a file anyone with write
 //! access edits, a pod's annotations, DNS answers), so it is held to [`Bounds`] before
 //! anything is allocated for it: ranks per engine, endpoints per source, and the
-//! addresses an engine may have.
+//! addresses an engine may have; and to the fixed ceilings on the models an engine
+//! declares ([`MAX_MODELS_PER_ENGINE`], [`MAX_MODEL_NAME_BYTES`]), which every source
+//! checks as it reads the names ([`model_names`]).
 
+use std::collections::HashSet;
 use std::fmt;
+use std::hash::Hash;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use disagg_core::endpoint::{AddressPolicy, EndpointError, FactError, Facts};
 use disagg_core::{Endpoint, Role};
@@ -27,6 +32,133 @@ use disagg_pairing::{EcProfile, KvProfile, KvRole};
 /// deployment's DP size, low enough that a typo cannot make millions of endpoints (each
 /// with its own health state and `/metrics` lines).
 pub const DEFAULT_MAX_DP_RANKS: u32 = 1024;
+
+/// The most distinct model names one engine may declare (a pod's `disagg.io/models`
+/// annotation, an endpoints file's `model`, a DNS target's models, `--served-model`).
+///
+/// An engine serves one base model under its `--served-model-name`s (vLLM takes a
+/// list, without a limit of its own) and the LoRA adapters it lists (`--lora-modules`;
+/// `--max-loras`, default 1, are loaded at once): a declaration of a few names is the
+/// norm, a few dozen a large multi-LoRA engine. 256 leaves ample room for that, and
+/// bounds what one declaration costs however many ranks share it: names are checked
+/// before any is kept, and every routing snapshot indexes each declared name.
+pub const MAX_MODELS_PER_ENGINE: usize = 256;
+
+/// The longest model name one engine may declare, in bytes.
+///
+/// A served name is what clients write in `model`: a Hugging Face repository id (at
+/// most 96 characters, `validate_repo_id`), an alias, or, when vLLM is given no
+/// `--served-model-name`, the `--model` argument itself, which may be a local path
+/// (`/models/hub/models--org--name/snapshots/<40 hex digits>` is ~130 bytes); vLLM
+/// caps neither. 512 bytes is five times a repository id and room for deep paths, while
+/// [`MAX_MODELS_PER_ENGINE`] names of it stay within 128 KiB per engine.
+pub const MAX_MODEL_NAME_BYTES: usize = 512;
+
+/// Model names past [`MAX_MODELS_PER_ENGINE`] or [`MAX_MODEL_NAME_BYTES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelsError {
+    /// More distinct names than one engine may declare.
+    #[error("more than {max} model names, the most one engine may declare")]
+    TooMany {
+        /// The ceiling ([`MAX_MODELS_PER_ENGINE`]).
+        max: usize,
+    },
+    /// A name longer than allowed.
+    #[error("a model name of {len} bytes, longer than the {max} allowed")]
+    TooLong {
+        /// The name's length in bytes.
+        len: usize,
+        /// The ceiling ([`MAX_MODEL_NAME_BYTES`]).
+        max: usize,
+    },
+}
+
+/// Distinct model names, in the order first given, held to the ceilings as each one
+/// comes: at most [`MAX_MODELS_PER_ENGINE`] kept and none longer than
+/// [`MAX_MODEL_NAME_BYTES`], so that a list of any length costs at most that much
+/// (duplicates are looked up, not kept).
+#[derive(Debug)]
+pub(crate) struct DistinctNames<S> {
+    kept: Vec<S>,
+    seen: HashSet<S>,
+}
+
+impl<S> Default for DistinctNames<S> {
+    fn default() -> Self {
+        DistinctNames {
+            kept: Vec::new(),
+            seen: HashSet::new(),
+        }
+    }
+}
+
+impl<S: AsRef<str> + Clone + Eq + Hash> DistinctNames<S> {
+    /// Adds `name` unless it is there already.
+    ///
+    /// # Errors
+    ///
+    /// [`ModelsError`] for a name past [`MAX_MODEL_NAME_BYTES`], or a new name past
+    /// [`MAX_MODELS_PER_ENGINE`]; nothing is added then.
+    pub(crate) fn push(&mut self, name: S) -> Result<(), ModelsError> {
+        let len = name.as_ref().len();
+        if len > MAX_MODEL_NAME_BYTES {
+            return Err(ModelsError::TooLong {
+                len,
+                max: MAX_MODEL_NAME_BYTES,
+            });
+        }
+        if self.seen.contains(&name) {
+            return Ok(());
+        }
+        if self.kept.len() >= MAX_MODELS_PER_ENGINE {
+            return Err(ModelsError::TooMany {
+                max: MAX_MODELS_PER_ENGINE,
+            });
+        }
+        self.seen.insert(name.clone());
+        self.kept.push(name);
+        Ok(())
+    }
+
+    /// The names, in the order first given.
+    pub(crate) fn into_vec(self) -> Vec<S> {
+        self.kept
+    }
+}
+
+/// `names` as an engine's declared models: checked against [`MAX_MODEL_NAME_BYTES`]
+/// and [`MAX_MODELS_PER_ENGINE`] (distinct names counted) before any is copied,
+/// duplicates collapsed to the first. Callers trim and skip empty names as their
+/// syntax says; this checks only the ceilings.
+///
+/// # Errors
+///
+/// [`ModelsError`] at the first name too long, or the first distinct name past the
+/// ceiling: the rest is not read.
+///
+/// # Examples
+///
+/// ```
+/// use disagg_discovery::spec::{MAX_MODELS_PER_ENGINE, model_names};
+///
+/// assert_eq!(model_names(["llama", "qwen", "llama"])?, ["llama", "qwen"]);
+/// // Any number of repeats is one name.
+/// assert_eq!(model_names(std::iter::repeat_n("a", 100_000))?, ["a"]);
+/// let many: Vec<String> = (0..=MAX_MODELS_PER_ENGINE).map(|i| format!("m{i}")).collect();
+/// assert!(model_names(many.iter().map(String::as_str)).is_err());
+/// assert!(model_names([&*"x".repeat(513)]).is_err());
+/// # Ok::<(), disagg_discovery::spec::ModelsError>(())
+/// ```
+pub fn model_names<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> Result<Vec<String>, ModelsError> {
+    let mut distinct = DistinctNames::default();
+    for name in names {
+        distinct.push(name)?;
+    }
+    Ok(distinct.into_vec().into_iter().map(str::to_owned).collect())
+}
 
 /// The data-parallel ranks of one engine: `FIRST-LAST`, both included, or one rank `N`.
 ///
@@ -174,6 +306,11 @@ pub const DEFAULT_MAX_ENDPOINTS_PER_SOURCE: usize = 4096;
 /// - `addresses`: which addresses engines may have (link-local and cloud metadata
 ///   addresses refused by default, [`AddressPolicy`]).
 ///
+/// Beside them, fixed as the protocol facts' ceilings are ([`Facts`]: 32 entries of at
+/// most 4 KiB), every engine's declared models are held to [`MAX_MODELS_PER_ENGINE`]
+/// distinct names of at most [`MAX_MODEL_NAME_BYTES`] bytes: by each source as it reads
+/// them ([`model_names`]), and again when endpoints are made.
+///
 /// # Examples
 ///
 /// ```
@@ -246,7 +383,9 @@ pub struct EndpointSpec {
     /// The leg the engine serves.
     pub role: Role,
     /// The model names the engine serves; empty: any (see
-    /// [`Endpoint::with_models`]).
+    /// [`Endpoint::with_models`]). At most [`MAX_MODELS_PER_ENGINE`] distinct names of
+    /// at most [`MAX_MODEL_NAME_BYTES`] bytes make endpoints (the sources check as they
+    /// read, [`model_names`]); duplicates count once.
     pub models: Vec<String>,
     /// The engine's protocol facts (a prefill's [`Facts::BOOTSTRAP_PORT`], a decode's
     /// [`Facts::KV_RECEIVER`]), given to each of its endpoints as
@@ -377,11 +516,16 @@ impl EndpointSpec {
     }
 
     /// The endpoints with `ext` as every endpoint's extensions, within `bounds`: the
-    /// ranks are counted before any endpoint is made.
+    /// ranks and the models are counted before any endpoint is made. The model names
+    /// are made once and shared by every rank's endpoint (each rank holds its own list
+    /// of them: `Endpoint::with_models` takes names, not a shared list), duplicates
+    /// collapsed.
     ///
     /// # Errors
     ///
     /// [`SpecError::Ranks`] when the engine has more ranks than `bounds.max_ranks`,
+    /// [`SpecError::Models`] when it declares more models, or a longer name, than
+    /// [`MAX_MODELS_PER_ENGINE`] and [`MAX_MODEL_NAME_BYTES`] allow,
     /// [`SpecError::Weight`] when its weight is not a positive number, and
     /// [`SpecError::Url`] when the URL is not an `http://host:port` URL or its address
     /// is one `bounds.addresses` refuses.
@@ -393,6 +537,12 @@ impl EndpointSpec {
         if let Some(ranks) = self.ranks {
             ranks.within(bounds.max_ranks)?;
         }
+        // Checked whole before a name is made; then made once for all the ranks.
+        let mut distinct = DistinctNames::default();
+        for name in &self.models {
+            distinct.push(name.as_str())?;
+        }
+        let models: Vec<Arc<str>> = distinct.into_vec().into_iter().map(Arc::from).collect();
         if let Some(w) = self.weight
             && !(w.is_finite() && w > 0.0)
         {
@@ -412,10 +562,10 @@ impl EndpointSpec {
                 if let Some(w) = self.weight {
                     ep = ep.with_weight(w)?;
                 }
-                Ok(if self.models.is_empty() {
+                Ok(if models.is_empty() {
                     ep
                 } else {
-                    ep.with_models(self.models.iter().map(String::as_str))
+                    ep.with_models(models.iter().cloned())
                 })
             })
             .collect()
@@ -435,6 +585,9 @@ pub enum SpecError {
     /// The engine has more data-parallel ranks than allowed.
     #[error(transparent)]
     Ranks(#[from] RanksError),
+    /// The engine declares more models, or a longer model name, than allowed.
+    #[error("models: {0}")]
+    Models(#[from] ModelsError),
     /// The LMCache receiver is unusable.
     #[error("lmcache receiver: {0}")]
     Lmcache(String),
@@ -756,6 +909,93 @@ mod tests {
         assert!(
             p.iter()
                 .all(|e| e.facts().get(Facts::BOOTSTRAP_PORT) == Some("8998"))
+        );
+    }
+
+    #[test]
+    fn models_past_their_ceilings_make_no_endpoint() {
+        let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+        spec.ranks = Some(Ranks::new(0, 1023).unwrap());
+        spec.models = (0..=MAX_MODELS_PER_ENGINE)
+            .map(|i| format!("m{i}"))
+            .collect();
+        let err = spec.to_endpoints().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SpecError::Models(ModelsError::TooMany {
+                    max: MAX_MODELS_PER_ENGINE
+                })
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("256"), "{err}");
+        spec.models = vec!["x".repeat(MAX_MODEL_NAME_BYTES + 1)];
+        let err = spec.to_endpoints().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SpecError::Models(ModelsError::TooLong { len: 513, .. })
+            ),
+            "{err}"
+        );
+        // At the ceilings, and any number of repeats (one name): endpoints.
+        spec.ranks = None;
+        spec.models = (0..MAX_MODELS_PER_ENGINE)
+            .map(|i| format!("m{i}"))
+            .collect();
+        spec.models
+            .extend(std::iter::repeat_n("m0".to_owned(), 10_000));
+        let eps = spec.to_endpoints().unwrap();
+        assert_eq!(eps[0].models().unwrap().len(), MAX_MODELS_PER_ENGINE);
+        spec.models = vec!["x".repeat(MAX_MODEL_NAME_BYTES)];
+        assert!(spec.to_endpoints().is_ok());
+    }
+
+    #[test]
+    fn the_ranks_of_a_spec_share_its_model_names() {
+        let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+        spec.ranks = Some(Ranks::new(0, 3).unwrap());
+        spec.models = vec!["llama".into(), "qwen".into(), "llama".into()];
+        let eps = spec.to_endpoints().unwrap();
+        let first = eps[0].models().unwrap();
+        assert_eq!(first.len(), 2, "duplicates collapse to one");
+        for ep in &eps[1..] {
+            let models = ep.models().unwrap();
+            assert!(
+                models.iter().zip(first).all(|(a, b)| Arc::ptr_eq(a, b)),
+                "one allocation per name, not per rank"
+            );
+        }
+    }
+
+    #[test]
+    fn model_names_are_checked_before_they_are_kept() {
+        assert_eq!(
+            model_names(["b", "a", "b", "c", "a"]).unwrap(),
+            ["b", "a", "c"]
+        );
+        assert_eq!(
+            model_names(std::iter::repeat_n("a", 200_000)).unwrap(),
+            ["a"]
+        );
+        let names: Vec<String> = (0..MAX_MODELS_PER_ENGINE + 10)
+            .map(|i| format!("m{i}"))
+            .collect();
+        assert_eq!(
+            model_names(names.iter().map(String::as_str)),
+            Err(ModelsError::TooMany { max: 256 })
+        );
+        assert_eq!(
+            model_names(names[..MAX_MODELS_PER_ENGINE].iter().map(String::as_str))
+                .unwrap()
+                .len(),
+            MAX_MODELS_PER_ENGINE
+        );
+        let long = "n".repeat(MAX_MODEL_NAME_BYTES + 1);
+        assert_eq!(
+            model_names(["a", &long]),
+            Err(ModelsError::TooLong { len: 513, max: 512 })
         );
     }
 

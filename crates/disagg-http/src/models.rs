@@ -15,7 +15,7 @@
 //! card whose `id` is the rest of the path, percent-decoded), and 404
 //! `model_not_found` in OpenAI's format for an unknown id, as OpenAI does.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,12 +111,13 @@ async fn fetch(
     transport: &dyn disagg_core::transport::Transport,
     timeout: Duration,
 ) -> Option<Vec<Card>> {
-    let mut servers: Vec<&Arc<disagg_core::Endpoint>> = Vec::new();
-    for ep in set.by_role(Role::Decode) {
-        if !servers.iter().any(|s| s.authority() == ep.authority()) {
-            servers.push(ep);
-        }
-    }
+    // One fetch per server (the ranks of an engine share it): one hash per endpoint.
+    let mut seen: HashSet<&http::uri::Authority> = HashSet::new();
+    let servers: Vec<&Arc<disagg_core::Endpoint>> = set
+        .by_role(Role::Decode)
+        .iter()
+        .filter(|ep| seen.insert(ep.authority()))
+        .collect();
     let fetches = servers.iter().map(|ep| {
         let sent = ep.uri("/v1/models").map(|uri| {
             let mut r = Request::new(Bytes::new());
@@ -143,7 +144,7 @@ async fn fetch(
     // ~260k ids), under the catalog's lock.
     let mut ids: HashSet<IdKey> = HashSet::new();
     // Each server's base model card, by its authority.
-    let mut base_of: Vec<(&http::uri::Authority, Card)> = Vec::new();
+    let mut base_of: HashMap<&http::uri::Authority, Card> = HashMap::new();
     for (ep, list) in servers
         .iter()
         .zip(lists.into_iter().chain(std::iter::repeat(None)))
@@ -154,7 +155,9 @@ async fn fetch(
         answered = true;
         // The engine's base model: the card without a parent (LoRA cards name one).
         if let Some(base) = list.iter().find(|c| c.base) {
-            base_of.push((ep.authority(), base.clone()));
+            base_of
+                .entry(ep.authority())
+                .or_insert_with(|| base.clone());
         }
         for card in list {
             if ids.insert(card.id.clone()) {
@@ -162,17 +165,25 @@ async fn fetch(
             }
         }
     }
+    // For each declared name, the base card of the first server (in the set's order)
+    // with a decode endpoint declaring it: one pass over the declarations, where a scan
+    // of every endpoint's names per name cost names × endpoints × names per endpoint.
+    let mut base_for: HashMap<&str, &Card> = HashMap::new();
+    if !set.served_models().is_empty() {
+        for ep in set.by_role(Role::Decode) {
+            let (Some(models), Some(base)) = (ep.models(), base_of.get(ep.authority())) else {
+                continue;
+            };
+            for m in models {
+                base_for.entry(&**m).or_insert(base);
+            }
+        }
+    }
     for name in set.served_models() {
         if !ids.insert(IdKey::Str(name.to_string())) {
             continue;
         }
-        // The base card of a server with a decode endpoint declaring the name.
-        let base = set
-            .by_role(Role::Decode)
-            .iter()
-            .filter(|ep| ep.models().is_some_and(|m| m.contains(name)))
-            .find_map(|ep| base_of.iter().find(|(a, _)| *a == ep.authority()))
-            .map(|(_, card)| card.clone());
+        let base = base_for.get(&**name).map(|card| (*card).clone());
         cards.push(declared(name, base));
     }
     (answered || !cards.is_empty()).then_some(cards)
@@ -484,6 +495,52 @@ mod tests {
         assert_eq!(built(&cards[75_000])["id"], "alias");
         // b declares it: b's base card (its first), renamed.
         assert_eq!(built(&cards[75_000])["owned_by"], "b");
+    }
+
+    #[tokio::test]
+    async fn a_declared_name_takes_the_first_declaring_server_with_a_base_card() {
+        let card = |owner: &str| {
+            serde_json::json!({"data": [
+                {"id": format!("lora-{owner}"), "parent": "base", "owned_by": owner},
+                {"id": format!("base-{owner}"), "parent": null, "owned_by": owner},
+            ]})
+            .to_string()
+        };
+        // b does not answer (no list), so it has no base card to lend.
+        let lists = Lists([("a:1".to_owned(), card("a")), ("c:1".to_owned(), card("c"))].into());
+        let ep = |url: &str, models: &[&str]| {
+            Arc::new(
+                disagg_core::Endpoint::new(url, Role::Decode)
+                    .unwrap()
+                    .with_models(models.iter().copied()),
+            )
+        };
+        let set = EndpointSet::new([
+            ep("http://b:1", &["x"]),
+            ep("http://c:1@0", &["x", "y"]),
+            ep("http://c:1@1", &["x", "y"]),
+            ep("http://a:1", &["y", "z"]),
+        ]);
+        let cards = fetch(&set, &lists, Duration::from_secs(60)).await.unwrap();
+        let owner = |id: &str| {
+            cards
+                .iter()
+                .map(built)
+                .find(|c| c["id"] == id)
+                .map(|c| c["owned_by"].clone())
+        };
+        assert_eq!(owner("x"), Some("c".into()));
+        assert_eq!(owner("y"), Some("c".into()));
+        assert_eq!(owner("z"), Some("a".into()));
+        // c's two ranks are one server: its cards once.
+        assert_eq!(
+            cards
+                .iter()
+                .filter(|c| c.id_str() == Some("base-c"))
+                .count(),
+            1
+        );
+        assert_eq!(cards.len(), 4 + 3);
     }
 
     #[test]

@@ -311,3 +311,140 @@ fn a_static_source_adds_and_removes_encoders() {
     assert!(source.snapshot().by_role(Role::Encode).is_empty());
     assert_eq!(source.snapshot().len(), 2);
 }
+
+/// A set of `n` endpoints of every role, each declaring `k` names of `pool` (some twice,
+/// some none at all, some an empty list), chosen by a fixed sequence.
+fn many(n: usize, k: usize, pool: usize) -> Vec<Arc<Endpoint>> {
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = move |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    (0..n)
+        .map(|i| {
+            let role = [Role::Prefill, Role::Decode, Role::Decode, Role::Encode][i % 4];
+            let ep = Endpoint::new(&format!("http://e{i}:1"), role).unwrap();
+            Arc::new(match i % 10 {
+                // Declares no model: serves any.
+                3 => ep,
+                // Declares an empty list: serves none.
+                7 => ep.with_models(Vec::<Arc<str>>::new()),
+                _ => {
+                    let mut names: Vec<String> =
+                        (0..k).map(|_| format!("model-{}", next(pool))).collect();
+                    names.push(names[0].clone());
+                    ep.with_models(names)
+                }
+            })
+        })
+        .collect()
+}
+
+/// The endpoints of `set` serving `model`, by role, by a scan of each one's names.
+fn reference<'a>(set: &'a EndpointSet, model: &str, role: Role) -> Vec<&'a str> {
+    set.by_role(role)
+        .iter()
+        .filter(|e| e.serves(model))
+        .map(|e| e.id().as_str())
+        .collect()
+}
+
+#[test]
+fn a_large_index_answers_as_a_scan_of_every_endpoint_does() {
+    let (n, k, pool) = (400, 24, 300);
+    let set = EndpointSet::new(many(n, k, pool));
+    let mut served: Vec<&str> = set
+        .decode()
+        .iter()
+        .filter_map(|e| e.models())
+        .flatten()
+        .map(|m| &**m)
+        .collect();
+    served.sort_unstable();
+    served.dedup();
+    assert_eq!(
+        set.served_models().iter().map(|m| &**m).collect::<Vec<_>>(),
+        served
+    );
+    let undeclared: Vec<_> = set.iter().filter(|e| e.models().is_none()).collect();
+    for i in 0..pool + 5 {
+        let model = format!("model-{i}");
+        let declared = set.iter().any(|e| {
+            e.models()
+                .is_some_and(|ms| ms.iter().any(|m| **m == *model))
+        });
+        match set.for_model(Some(&model)) {
+            Ok(found) => {
+                for role in [Role::Prefill, Role::Decode, Role::Encode] {
+                    let expected = if declared {
+                        reference(&set, &model, role)
+                    } else {
+                        // A name nobody declares: the endpoints declaring none.
+                        ids(set.by_role(role))
+                            .into_iter()
+                            .filter(|id| undeclared.iter().any(|e| e.id().as_str() == *id))
+                            .collect()
+                    };
+                    assert_eq!(ids(found.by_role(role)), expected, "{model} {role}");
+                }
+            }
+            Err(e) => assert!(reference(&set, &model, Role::Decode).is_empty(), "{e}"),
+        }
+    }
+    // A name twice in one declaration: the endpoint once in its subset.
+    let twice = EndpointSet::new([
+        ep("http://d1:1", Role::Decode, &["a", "b", "a"]),
+        ep("http://d2:1", Role::Decode, &[]),
+    ]);
+    assert_eq!(
+        ids(twice.for_model(Some("a")).unwrap().decode()),
+        ["http://d1:1", "http://d2:1"]
+    );
+    // No model named, several served: the endpoints declaring none.
+    assert_eq!(
+        ids(twice.for_model(None).unwrap().decode()),
+        ["http://d2:1"]
+    );
+    // An empty declaration serves nothing, and is not "undeclared".
+    let empty = EndpointSet::new([
+        ep("http://d1:1", Role::Decode, &["a"]),
+        Arc::new(
+            Endpoint::new("http://d2:1", Role::Decode)
+                .unwrap()
+                .with_models(Vec::<Arc<str>>::new()),
+        ),
+    ]);
+    assert_eq!(
+        ids(empty.for_model(Some("a")).unwrap().decode()),
+        ["http://d1:1"]
+    );
+    assert!(empty.for_model(Some("b")).is_err());
+    assert_eq!(
+        ids(empty.for_model(None).unwrap().decode()),
+        ["http://d1:1"]
+    );
+}
+
+/// The index costs the declarations it reads (a count of name lookups, no clock): a
+/// scan of every endpoint's names per declared model cost models × endpoints × names.
+#[test]
+fn building_the_index_costs_the_declarations_not_their_product() {
+    let (n, k, pool) = (400, 40, 400);
+    let endpoints = many(n, k, pool);
+    let declarations: u64 = endpoints
+        .iter()
+        .filter_map(|e| e.models())
+        .map(|ms| ms.len() as u64)
+        .sum();
+    index_cost::take();
+    let set = EndpointSet::new(endpoints);
+    let steps = index_cost::take();
+    assert!(set.served_models().len() > 300);
+    // One lookup per declared name to number the names, one to place each endpoint.
+    assert!(
+        steps <= 2 * declarations,
+        "{steps} name steps for {declarations} declared names"
+    );
+}

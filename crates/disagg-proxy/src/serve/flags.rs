@@ -721,16 +721,17 @@ pub(crate) fn parse_weight(s: &str) -> Result<(String, f64), String> {
     Ok((url.trim_end_matches('/').to_owned(), w))
 }
 
+/// `URL=NAME[,NAME...]`: the names held to the ceilings every source's are
+/// ([`disagg_discovery::spec::model_names`]: 256 distinct names of at most 512 bytes),
+/// duplicates collapsed.
 pub(crate) fn parse_models(s: &str) -> Result<(String, Vec<String>), String> {
     let (url, names) = s
         .rsplit_once('=')
         .ok_or_else(|| format!("`{s}` is not URL=NAME[,NAME]"))?;
-    let names: Vec<String> = names
-        .split(',')
-        .map(str::trim)
-        .filter(|n| !n.is_empty())
-        .map(str::to_owned)
-        .collect();
+    let names = disagg_discovery::spec::model_names(
+        names.split(',').map(str::trim).filter(|n| !n.is_empty()),
+    )
+    .map_err(|e| format!("{url}: {e}"))?;
     if names.is_empty() {
         return Err(format!("`{s}` names no model"));
     }

@@ -86,6 +86,23 @@ fn served_models_parse() {
     );
     assert!(parse_models("http://d:1=").is_err());
     assert!(parse_models("llama").is_err());
+    // The ceilings of every source's models: 256 distinct names of at most 512 bytes.
+    let names: Vec<String> = (0..=256).map(|i| format!("m{i}")).collect();
+    let err = parse_models(&format!("http://d:1={}", names.join(","))).unwrap_err();
+    assert!(err.contains("256"), "{err}");
+    let err = parse_models(&format!("http://d:1=llama,{}", "x".repeat(513))).unwrap_err();
+    assert!(err.contains("512"), "{err}");
+    assert_eq!(
+        parse_models(&format!("http://d:1={}", names[..256].join(",")))
+            .unwrap()
+            .1
+            .len(),
+        256
+    );
+    assert_eq!(
+        parse_models("http://d:1=llama,llama,qwen").unwrap().1,
+        ["llama", "qwen"]
+    );
 }
 
 #[test]
