@@ -173,10 +173,16 @@ const _: () = {
 /// top level and the [`NESTED_HANDOFF`] keys below it (each one removed is given to
 /// `removed`, a nested one by its dotted name, for the checks of connectors whose
 /// engines validate them). Whether anything was removed.
+///
+/// # Errors
+///
+/// An object on a [`NESTED_HANDOFF`] path that cannot be walked as serde reads JSON (a
+/// key holding a lone UTF-16 surrogate, which Python takes and serde does not): its
+/// keys cannot be told, so the body is refused rather than passed with them.
 pub(crate) fn remove_handoff(
     body: &mut JsonBody,
     mut removed: impl FnMut(&'static str, Bytes),
-) -> bool {
+) -> Result<bool, BodyError> {
     let mut any = false;
     for field in HANDOFF_FIELDS {
         if let Some(raw) = body.remove(field) {
@@ -203,7 +209,9 @@ pub(crate) fn remove_handoff(
             continue;
         };
         let mut found: [Option<Bytes>; MAX_NESTED_KEYS] = Default::default();
-        if let Some(out) = strip_nested(&top, text, below, nested.keys, &mut found) {
+        let stripped = strip_nested(&top, text, below, nested.keys, &mut found)
+            .map_err(BodyError::InvalidJson)?;
+        if let Some(out) = stripped {
             for ((_, named), raw) in nested.keys.iter().zip(found) {
                 if let Some(raw) = raw {
                     removed(named, raw);
@@ -213,27 +221,31 @@ pub(crate) fn remove_handoff(
             any = true;
         }
     }
-    any
+    Ok(any)
 }
 
 /// The object `raw` (a slice of `top`) without the members `keys` names in the object
 /// `path` leads to below it, and each removed value into `found` (by its place in
-/// `keys`, as slices of `top`); `None` when nothing was removed, or `raw` is not one
-/// JSON object.
+/// `keys`, as slices of `top`); `None` when nothing was removed or `raw` is no object.
+///
+/// # Errors
+///
+/// An object on the path that serde cannot walk (see [`remove_handoff`]).
 fn strip_nested(
     top: &Bytes,
     raw: &str,
     path: &[&str],
     keys: &[(&str, &str)],
     found: &mut [Option<Bytes>],
-) -> Option<Vec<u8>> {
+) -> Result<Option<Vec<u8>>, serde_json::Error> {
     if !raw.starts_with('{') {
-        return None;
+        return Ok(None);
     }
     let mut any = false;
+    let mut below_failed = None;
     let mut out = Vec::with_capacity(raw.len());
     let mut o = raw::Object::open(&mut out);
-    let copied = o.copy(raw, |key, value, buf| match path.split_first() {
+    o.copy(raw, |key, value, buf| match path.split_first() {
         None => match keys.iter().position(|(k, _)| *k == key) {
             Some(i) => {
                 found[i] = Some(top.slice_ref(value.get().as_bytes()));
@@ -244,18 +256,25 @@ fn strip_nested(
         },
         Some((next, below)) if *next == key => {
             match strip_nested(top, value.get(), below, keys, found) {
-                Some(inner) => {
+                Ok(Some(inner)) => {
                     buf.extend_from_slice(&inner);
                     any = true;
                     raw::Edit::Wrote
                 }
-                None => raw::Edit::Keep,
+                Ok(None) => raw::Edit::Keep,
+                Err(e) => {
+                    below_failed = Some(e);
+                    raw::Edit::Keep
+                }
             }
         }
         Some(_) => raw::Edit::Keep,
-    });
+    })?;
     o.close();
-    (copied.is_ok() && any).then_some(out)
+    if let Some(e) = below_failed {
+        return Err(e);
+    }
+    Ok(any.then_some(out))
 }
 
 /// The request id header, sent on both legs.
@@ -335,7 +354,7 @@ impl PdRequest {
         let received = body.len();
         let mut body = JsonBody::parse_bytes(body)?;
         let mut removed = Vec::new();
-        remove_handoff(&mut body, |field, raw| removed.push((field, raw)));
+        remove_handoff(&mut body, |field, raw| removed.push((field, raw)))?;
         let model = match body.get_as::<Option<String>>("model") {
             None => None,
             Some(Ok(m)) => m.map(Arc::from),
@@ -499,7 +518,8 @@ impl PdRequest {
 /// Generates request ids: a counter, keyed.
 ///
 /// Ids are 32 lowercase hex digits: the high half is the counter under a keyed hash
-/// (std's `RandomState`, SipHash with a 128-bit key drawn per generator), the low half
+/// (std's `RandomState`: SipHash-1-3 under the process's secret 128-bit key, varied per
+/// generator), the low half
 /// the counter plus a random offset, so ids are unique within the generator (the low
 /// half alone differs), and no number of ids seen tells the next one (a client that
 /// could name another request's engine-side id could collide with it on an engine).
@@ -643,6 +663,25 @@ mod tests {
         let r = req(HeaderMap::new(), plain).unwrap();
         assert_eq!(&r.body().to_bytes()[..], plain.as_bytes());
         assert!(r.removed.is_empty());
+    }
+
+    /// A nested object whose keys serde cannot read (a lone surrogate, which Python
+    /// reads) is refused, at either level of a path and in either place: its handoff
+    /// keys could not be told, and would reach the engine.
+    #[test]
+    fn a_nested_object_whose_keys_cannot_be_read_is_refused() {
+        for body in [
+            r#"{"vllm_xargs":{"\udc00":0,"kv_transfer_params":{"remote_host":"evil"}}}"#,
+            r#"{"sampling_params":{"extra_args":{"kv_transfer_params":1,"\ud800":0}}}"#,
+            r#"{"sampling_params":{"\udfff":0,"extra_args":{"kv_transfer_params":1}}}"#,
+            r#"{"parameters":{"\udc00x":0,"bootstrap_host":"evil"}}"#,
+        ] {
+            let r = req(HeaderMap::new(), body);
+            assert!(matches!(r, Err(BodyError::InvalidJson(_))), "{body}: {r:?}");
+        }
+        // Elsewhere such a key is the engine's business, as before.
+        let fine = r#"{"other":{"\udc00":0},"sampling_params":{"extra_args":{"x":{"\udc00":1}}}}"#;
+        assert!(req(HeaderMap::new(), fine).is_ok());
     }
 
     /// A value `serde_json::Value` cannot hold (a number past `f64`, which Python reads

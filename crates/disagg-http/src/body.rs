@@ -558,10 +558,15 @@ fn append(
         State::Many(buf) => {
             let needed = buf.len() + data.len();
             if needed > buf.capacity() {
-                let capacity = needed
-                    .max(buf.capacity().saturating_mul(2))
-                    .min(max_bytes.max(needed));
-                let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
+                let most = max_bytes.max(needed);
+                let capacity = needed.max(buf.capacity().saturating_mul(2)).min(most);
+                // Short of room for twice the buffer, a quarter more at least: growth
+                // by what one frame needs would copy all that is held for every frame
+                // (one-byte frames with the budget nearly spent: the held size squared).
+                let least = needed
+                    .max(buf.capacity().saturating_add(buf.capacity() / 4))
+                    .min(most);
+                let capacity = grow(share, capacity, least).ok_or_else(busy)?;
                 let mut bigger =
                     Buffer::with_capacity(capacity, share.budget).map_err(|_| busy())?;
                 bigger.push(buf.as_slice());
@@ -576,10 +581,10 @@ fn append(
     Ok(())
 }
 
-/// Grow `share` to `wanted` bytes, or to the `needed` ones when the budget has no room
-/// for the slack: a body that fits is not refused for its buffer's growth policy.
-fn grow(share: &mut Share<'_>, wanted: usize, needed: usize) -> Option<usize> {
-    [wanted, needed].into_iter().find(|&n| share.grow_to(n))
+/// Grow `share` to `wanted` bytes, or to the `least` ones when the budget has no room
+/// for the slack.
+fn grow(share: &mut Share<'_>, wanted: usize, least: usize) -> Option<usize> {
+    [wanted, least].into_iter().find(|&n| share.grow_to(n))
 }
 
 #[cfg(test)]
@@ -629,6 +634,30 @@ mod tests {
         assert_eq!(budget.in_use(), 10);
         drop(share);
         assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A chunked body's buffer grows by a quarter at least: past twice its size in the
+    /// budget, a growth by what one frame needs would copy all that is held for every
+    /// frame, so the body is refused (503) instead, and its share given back.
+    #[tokio::test]
+    async fn a_chunked_buffer_grows_by_a_quarter_or_the_body_is_refused() {
+        let budget = BodyBudget::new(10_000);
+        let frames: Vec<&'static [u8]> = vec![b"x"; 9_000];
+        let wide = |budget| Limits {
+            max_bytes: 100_000,
+            ..limits(budget)
+        };
+        // Doubling reaches 8,192; 16,384 and 10,240 exceed the budget at the 8,193rd byte.
+        let err = read(chunked(frames), wide(&budget)).await.unwrap_err();
+        assert_eq!(err.http().code, "server_busy");
+        assert_eq!(budget.in_use(), 0);
+        // With room for a quarter more it grows by that and is read.
+        let budget = BodyBudget::new(10_240);
+        let frames: Vec<&'static [u8]> = vec![b"x"; 9_000];
+        let (bytes, share) = read(chunked(frames), wide(&budget)).await.unwrap();
+        assert_eq!(bytes.len(), 9_000);
+        assert_eq!(budget.in_use(), 10_240);
+        drop(share);
     }
 
     /// `chunks`, declaring their total length as `content-length` does.

@@ -23,8 +23,8 @@
 //! headers lose those that describe one connection, the client's credentials and the
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
 //! [`forward_authorization`](disagg_core::orchestrator::OrchestratorConfig::forward_authorization)),
-//! the client's `x-request-id` (an engine-side id is the proxy's to give, and these
-//! routes give none) and `accept-encoding` (the proxy reads the answers it relays). What
+//! the client's `x-request-id` (an engine-side id is the proxy's to give: these routes
+//! send one of theirs) and `accept-encoding` (the proxy reads the answers it relays). What
 //! comes back too: the engine's KV handoff is overwritten in its answer
 //! ([`PdBody::scrubbed`]), and a redirect to the engine's own address or an encoding the
 //! client did not accept is answered 502 naming the engine ([`unrelayable`]).
@@ -86,8 +86,33 @@ fn strip(headers: &mut HeaderMap) {
     strip_where(headers, hop_by_hop);
 }
 
+/// The most of a body's first bytes that may wait for the engine outside the body
+/// budget when the body streams (it is no JSON object): past it, the body is read
+/// whole, held to the budget.
+const STREAMED_START_MAX: usize = 64 << 10;
+
 /// The request id header (`x-request-id`), which vLLM takes as its own request id.
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The engine-side ids of the requests these routes send: `fwd-`, then a counter under
+/// a keyed hash (std's SipHash, keyed per service) and the counter, so ids are unique
+/// and no number of them seen tells another. (The orchestrator's legs draw theirs from
+/// a generator of its own, private to the core.)
+#[derive(Debug, Default)]
+pub(crate) struct EngineIds {
+    keys: std::collections::hash_map::RandomState,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl EngineIds {
+    fn next_id(&self) -> HeaderValue {
+        use std::hash::BuildHasher;
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("fwd-{:016x}{n:x}", self.keys.hash_one(n));
+        // Hex digits and a dash are always a valid header value.
+        HeaderValue::from_str(&id).unwrap_or(HeaderValue::from_static("fwd"))
+    }
+}
 
 /// A client's headers as an engine may see them: without those that describe one
 /// connection, without what [`forwardable_header`] keeps from every engine (the client's
@@ -98,8 +123,9 @@ const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 ///
 /// vLLM takes `X-Request-Id` as the engine-side id of the request, which must be unique
 /// among its requests in flight: the orchestrated legs carry an id of the proxy's in its
-/// place, and these routes, which mint none, carry none (the engine draws its own). The
-/// client's id stays in the proxy's summary of the request (its access log).
+/// place, and so do these routes ([`EngineIds`]; without the header vLLM would take the
+/// body's `request_id`, the client's again). The client's id stays in the proxy's
+/// summary of the request (its access log).
 fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
     strip_where(headers, |n| {
         hop_by_hop(n)
@@ -172,7 +198,13 @@ impl Inner {
                 (Bytes::new(), body, true)
             } else {
                 match self.sniff(body).await {
-                    Ok(sniffed) => sniffed,
+                    // A body that is no JSON object streams, unless its first bytes
+                    // were many (a long run of whitespace): those would wait for the
+                    // engine outside the budget, so it is read whole, held to it.
+                    Ok((start, rest, object)) => {
+                        let whole = object || start.len() > STREAMED_START_MAX;
+                        (start, rest, whole)
+                    }
                     Err(err) => return body_refused(failed.get().unwrap_or(&err)),
                 }
             };
@@ -272,6 +304,8 @@ impl Inner {
         *out.headers_mut() = parts.headers;
         let config = self.orchestrator.config();
         strip_request(out.headers_mut(), config.forward_authorization);
+        out.headers_mut()
+            .insert(REQUEST_ID, self.engine_ids.next_id());
         let guard = endpoint.track();
         let transport = self.orchestrator.transport();
         let sent = match transport.send_streaming(out) {
@@ -418,6 +452,7 @@ impl Inner {
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
         let config = self.orchestrator.config();
         strip_request(&mut headers, config.forward_authorization);
+        headers.insert(REQUEST_ID, self.engine_ids.next_id());
         let timeout = config.decode_head_timeout;
         let transport = self.orchestrator.transport();
         let sends = targets.iter().map(|ep| {
@@ -638,7 +673,8 @@ fn may_have_body(headers: &HeaderMap) -> bool {
 /// 400 for a body that starts as a JSON object ([`json_object_start`]) but does not
 /// parse as one in UTF-8 (a byte-order mark, UTF-16 or -32, `NaN`): the engines'
 /// Python reads those, the proxy could not strip them, so it refuses them as the
-/// orchestrated routes do.
+/// orchestrated routes do; the same for one whose nested handoff objects it cannot walk
+/// (a key holding a lone surrogate).
 fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
     if !json_object_start(&bytes, true).unwrap_or(false) {
         return Ok((bytes, None));
@@ -648,7 +684,7 @@ fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
         Some(Ok(m)) => Some(m),
         _ => None,
     };
-    if disagg_core::proto::strip_client_handoff(&mut json) {
+    if disagg_core::proto::strip_client_handoff(&mut json).map_err(PdError::body)? {
         return Ok((json.to_bytes(), model));
     }
     Ok((bytes, model))

@@ -259,8 +259,10 @@ impl RouteTable {
         self
     }
 
-    /// Give `path` the `action` (a path ending in `/*` covers the paths below it),
-    /// replacing its rule if it had one. An exact path's rule wins over a `/*` one.
+    /// Give `path` the `action` (a path ending in `/*` covers the paths below it, one
+    /// ending in another `*` every longer path that starts with what precedes it),
+    /// replacing its rule if it had one. An exact path's rule wins over the others, and
+    /// among those the longest that matches.
     #[must_use]
     pub fn set(mut self, path: impl Into<Cow<'static, str>>, action: RouteAction) -> Self {
         let path = path.into();
@@ -277,7 +279,12 @@ impl RouteTable {
     pub fn action(&self, path: &str) -> RouteAction {
         let exact = self.rules.iter().find(|r| r.path == path);
         exact
-            .or_else(|| self.rules.iter().find(|r| r.matches(path)))
+            .or_else(|| {
+                self.rules
+                    .iter()
+                    .filter(|r| r.matches(path))
+                    .max_by_key(|r| r.path.len())
+            })
             .map_or(RouteAction::Forwarded, |r| r.action)
     }
 
@@ -333,6 +340,13 @@ mod tests {
         );
         assert_eq!(closed.action("/dumper/start"), RouteAction::Refused);
         assert_eq!(closed.action("/tokenizer_info"), RouteAction::Forwarded);
+    }
+
+    #[test]
+    fn the_longest_prefix_wins() {
+        let t = RouteTable::default().set("/metrics/engine/*", RouteAction::Forwarded);
+        assert_eq!(t.action("/metrics/engine/0"), RouteAction::Forwarded);
+        assert_eq!(t.action("/metrics/other"), RouteAction::Refused);
     }
 
     #[test]

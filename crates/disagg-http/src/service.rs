@@ -132,6 +132,8 @@ pub(crate) struct Inner {
     registry: prometheus_client::registry::Registry,
     /// Whose turn it is among equally loaded engines for a forwarded request.
     pub(crate) turn: AtomicUsize,
+    /// The engine-side ids of forwarded, direct and fanned-out requests.
+    pub(crate) engine_ids: crate::forward::EngineIds,
 }
 
 /// Serves OpenAI chat and completion requests through an [`Orchestrator`].
@@ -178,6 +180,7 @@ impl PdService {
                 #[cfg(feature = "metrics")]
                 registry,
                 turn: AtomicUsize::new(0),
+                engine_ids: crate::forward::EngineIds::default(),
             }),
         }
     }

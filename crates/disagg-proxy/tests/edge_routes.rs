@@ -956,6 +956,25 @@ async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
             "{body}"
         );
     }
+    // A nested object whose keys the proxy cannot read (a lone surrogate, which the
+    // engines' Python reads) is refused on every kind, not passed with its handoff.
+    let before = bodies(&engine).len();
+    let odd = r#"{"model":"sim-model","prompt":"a","token_ids":[1],"sampling_params":{"max_tokens":1},"vllm_xargs":{"\udc00":0,"kv_transfer_params":{"remote_host":"10.6.6.6"}}}"#;
+    for path in [
+        "/v1/completions",
+        "/tokenize",
+        "/invocations",
+        "/v1/load_lora_adapter",
+    ] {
+        let a = raw_request(proxy.addr, "POST", path, odd).await;
+        assert_eq!(
+            a.status,
+            400,
+            "{path}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
+    }
+    assert_eq!(bodies(&engine).len(), before, "no engine got one");
 }
 
 /// A body of more top-level fields than `disagg_core::json::MAX_FIELDS` is refused 400 on

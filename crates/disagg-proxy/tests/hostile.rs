@@ -778,6 +778,52 @@ async fn forwarded_whitespace_is_held_to_the_body_budget() {
     assert!(got[0].ends_with(&format!("{}{{}}", " ".repeat(800 * 1024))));
 }
 
+/// A body that is no JSON object streams to the engine, but not after a long run of
+/// whitespace: those first bytes would wait for the engine outside the body budget, so
+/// such a body is read whole under it (and reaches the engine with its length).
+#[tokio::test]
+async fn a_long_start_of_a_streamed_body_is_read_whole_under_the_budget() {
+    let engine = RawEngine::start().await;
+    let proxy = engine.proxy(&[]).await;
+    let addr = proxy.addr;
+    let send = |body: Vec<u8>| async move {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let mut request = chunked_head(addr, "/tokenize").into_bytes();
+        for piece in body.chunks(64 * 1024) {
+            request.extend_from_slice(&chunk(piece));
+        }
+        request.extend_from_slice(b"0\r\n\r\n");
+        sock.write_all(&request).await.expect("send");
+        read_answer(&mut sock).await.expect("an answer")
+    };
+    // 100 KiB of whitespace, then bytes that are no JSON: read whole.
+    let mut long = vec![b' '; 100 * 1024];
+    long.extend_from_slice(&[b'x'; 1024]);
+    assert_eq!(send(long).await.status, 200);
+    // A short start: streamed, as it always was.
+    let mut short = vec![b' '; 1024];
+    short.extend_from_slice(&[b'x'; 100 * 1024]);
+    assert_eq!(send(short).await.status, 200);
+    let got = engine.requests();
+    assert_eq!(got.len(), 2);
+    let head = |r: &str| {
+        r.split("\r\n\r\n")
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase()
+    };
+    assert!(
+        head(&got[0]).contains("content-length: 103424"),
+        "{}",
+        head(&got[0])
+    );
+    assert!(
+        head(&got[1]).contains("transfer-encoding: chunked"),
+        "{}",
+        head(&got[1])
+    );
+}
+
 /// A client's `x-request-id` reaches no engine on the forwarded (a JSON body read whole,
 /// and one streamed), direct and fanned-out routes: vLLM takes it as its own request id,
 /// which must be unique among its requests in flight, so the engine-side id is never
@@ -810,7 +856,9 @@ async fn a_clients_request_id_reaches_no_engine_on_the_forwarded_routes() {
     for (request, (target, _)) in got.iter().zip(sent) {
         assert!(request.starts_with(&format!("POST {target} ")), "{request}");
         let lower = request.to_ascii_lowercase();
-        assert!(!lower.contains("x-request-id"), "{request}");
+        // The proxy's own id, as on the legs (without one vLLM takes the body's
+        // `request_id`, the client's again).
+        assert!(lower.contains("x-request-id: fwd-"), "{request}");
         assert!(!lower.contains("client-chosen-id"), "{request}");
     }
 }

@@ -72,6 +72,13 @@ pub fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName>
 /// forwards a body to one engine, or to all of them, applies it as the orchestrator does
 /// to every leg.
 ///
+/// # Errors
+///
+/// [`BodyError::InvalidJson`](disagg_json::BodyError::InvalidJson) when one of those
+/// nested objects cannot be walked (a key holding a lone UTF-16 surrogate, which the
+/// engines' Python reads and serde does not): its keys cannot be told, so the body must
+/// be refused, as [`PdRequest::new`] refuses it, rather than passed with them.
+///
 /// # Examples
 ///
 /// ```
@@ -79,11 +86,15 @@ pub fn connection_names(headers: &HeaderMap) -> impl Iterator<Item = HeaderName>
 /// use disagg_core::proto::strip_client_handoff;
 ///
 /// let mut body = JsonBody::parse(br#"{"model":"m","kv_transfer_params":{"remote_host":"evil"}}"#)?;
-/// assert!(strip_client_handoff(&mut body));
+/// assert!(strip_client_handoff(&mut body)?);
 /// assert_eq!(&body.to_bytes()[..], br#"{"model":"m"}"#);
+/// let mut odd = JsonBody::parse(br#"{"vllm_xargs":{"\udc00":0,"kv_transfer_params":1}}"#)?;
+/// assert!(strip_client_handoff(&mut odd).is_err());
 /// # Ok::<(), disagg_core::json::BodyError>(())
 /// ```
-pub fn strip_client_handoff(body: &mut disagg_json::JsonBody) -> bool {
+pub fn strip_client_handoff(
+    body: &mut disagg_json::JsonBody,
+) -> Result<bool, disagg_json::BodyError> {
     crate::request::remove_handoff(body, |_, _| {})
 }
 

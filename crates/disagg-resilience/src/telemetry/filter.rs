@@ -34,18 +34,21 @@ use super::names::READ;
 use super::{EngineFamily, ScrapeError};
 
 /// The most lines kept for the parser ([`BREAK`]s included): a vLLM engine writes
-/// about ten series of the names read per data-parallel rank.
-pub(super) const MAX_KEPT_LINES: usize = 8192;
+/// about ten series of the names read per data-parallel rank, so an engine of
+/// `--max-dp-ranks` (1,024) ranks writes some 10,000 of them.
+pub(super) const MAX_KEPT_LINES: usize = 16_384;
 
-/// The most bytes kept for the parser: an engine writes some 150 bytes a series.
-pub(super) const MAX_KEPT_BYTES: usize = 1 << 20;
+/// The most bytes kept for the parser: an engine writes some 130 bytes a series, so
+/// 1,024 ranks some 1.3 MiB. (The parser holds a line's labels in up to 30 times its
+/// bytes: this bounds a scrape's parse near 60 MiB.)
+pub(super) const MAX_KEPT_BYTES: usize = 2 << 20;
 
 /// The longest sample line, newline included, handed to the parser, read or not: an
 /// engine writes a few hundred bytes, an info metric's labels a few kilobytes.
 pub(super) const MAX_SAMPLE_LINE: usize = 64 << 10;
 
 // The ceilings' errors name them.
-const _: () = assert!(MAX_KEPT_LINES == 8192 && MAX_KEPT_BYTES == 1 << 20);
+const _: () = assert!(MAX_KEPT_LINES == 16_384 && MAX_KEPT_BYTES == 2 << 20);
 const _: () = assert!(MAX_SAMPLE_LINE == 64 << 10);
 
 /// The most bytes of dropped lines the parser checks at once (its lines' vector for
@@ -132,11 +135,11 @@ pub(super) fn filter(text: &str) -> Result<Kept<'_>, ScrapeError> {
             lines += 1 + usize::from(broken);
             if lines > MAX_KEPT_LINES {
                 return Err(ScrapeError::Ceiling(
-                    "more than 8,192 lines of the metrics read",
+                    "more than 16,384 lines of the metrics read",
                 ));
             }
             if kept.text.len() + BREAK.len() + here.len() > MAX_KEPT_BYTES {
-                return Err(ScrapeError::Ceiling("more than 1 MiB of the metrics read"));
+                return Err(ScrapeError::Ceiling("more than 2 MiB of the metrics read"));
             }
             if broken {
                 kept.text.push_str(BREAK);

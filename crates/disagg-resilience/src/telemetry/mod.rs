@@ -18,7 +18,7 @@
 //!
 //! The text is parsed with the `prom_text_format_parser` crate and the engines' names
 //! are mapped to the model in `names.rs` (vLLM 0.33 and SGLang 0.5.23). Only the lines
-//! of the names read reach the parser, at most 8,192 of them and 1 MiB; the others are
+//! of the names read reach the parser, at most 16,384 of them and 2 MiB; the others are
 //! checked a chunk at a time and dropped (`filter.rs`), and no sample line over 64 KiB
 //! is parsed (a body past a ceiling fails the scrape): a scrape's memory is that of
 //! the lines read, whatever else the body holds.
@@ -210,8 +210,8 @@ pub enum ScrapeError {
     /// Its body is not the Prometheus text format.
     #[error("body is not the Prometheus text format: {0}")]
     Parse(String),
-    /// Its body passes a ceiling on what the parser is given: more than 8,192 lines,
-    /// or 1 MiB, of the metrics read (their samples, `HELP` and `TYPE` lines), or a
+    /// Its body passes a ceiling on what the parser is given: more than 16,384 lines,
+    /// or 2 MiB, of the metrics read (their samples, `HELP` and `TYPE` lines), or a
     /// sample line over 64 KiB (read or not). The scrape is refused rather than read in
     /// part.
     #[error("body has {0}")]

@@ -54,11 +54,12 @@ impl Held {
         }
         let from = self.buf.len() - 1;
         self.buf.extend_from_slice(&data);
+        let scanned = &self.buf[from..];
         #[cfg(test)]
         {
-            self.work += 2 * data.len() + 1;
+            self.work += data.len() + scanned.len();
         }
-        event_end(&self.buf[from..])?;
+        event_end(scanned)?;
         Some(self.take().freeze())
     }
 
