@@ -19,7 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod common;
-use common::{Proxy, completion, get, get_with, post, post_with};
+use common::{Proxy, completion, get, get_with, post, post_with, read_request};
 
 async fn engine(config: SimConfig) -> SimEngine {
     SimEngine::start(config)
@@ -663,46 +663,6 @@ impl RawEngine {
     }
 }
 
-/// Read one request off `s`: its head and its body (a `content-length`'s worth, or
-/// chunks to the last one), as text.
-async fn read_request(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-    let lower = head.to_ascii_lowercase();
-    let length: usize = lower
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    let chunked = lower.contains("transfer-encoding: chunked");
-    loop {
-        let body = &buf[end..];
-        let done = if chunked {
-            body.ends_with(b"0\r\n\r\n")
-        } else {
-            body.len() >= length
-        };
-        if done {
-            return Some(String::from_utf8_lossy(&buf).into_owned());
-        }
-        match s.read(&mut chunk).await {
-            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-            _ => return Some(String::from_utf8_lossy(&buf).into_owned()),
-        }
-    }
-}
-
 const SSE_HEAD: &[u8] =
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\nconnection: close\r\n\r\n";
 
@@ -900,15 +860,7 @@ const NESTED_HANDOFF: &str = r#"{"model":"sim-model","token_ids":[1,2],"sampling
 
 #[tokio::test]
 async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
-    let engine = RawEngine::start_with(|_| json_answer(r#"{"ok":true}"#)).await;
-    let proxy = Proxy::start_args(&[
-        "--prefill".to_owned(),
-        engine.url(),
-        "--decode".to_owned(),
-        engine.url(),
-        "--admin-routes".to_owned(),
-    ])
-    .await;
+    let (engine, proxy) = one_raw_engine().await;
     // Orchestrated (token-in: the raw engine's prefill answer holds no handoff, so the
     // decode leg goes without one of the proxy's, the leg the client's would have
     // steered), forwarded (SGLang's `/vertex_generate`,

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use disagg_sim::SimEngine;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 pub mod certs;
@@ -396,4 +397,43 @@ pub fn python(needs: &str) -> std::path::PathBuf {
         "no Python with {needs}: run scripts/test.sh (it creates .venv), or set DISAGG_PYTHON"
     );
     venv
+}
+
+/// Read one request off `s`: its head and its body (a `content-length`'s worth, or
+/// chunks to the last one, as they came), as text.
+pub async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let chunked = head.contains("transfer-encoding: chunked");
+    loop {
+        let body = &buf[end..];
+        let done = if chunked {
+            body.ends_with(b"0\r\n\r\n")
+        } else {
+            body.len() >= length
+        };
+        if done {
+            return Some(String::from_utf8_lossy(&buf).into_owned());
+        }
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            _ => return Some(String::from_utf8_lossy(&buf).into_owned()),
+        }
+    }
 }
