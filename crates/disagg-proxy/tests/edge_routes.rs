@@ -828,15 +828,7 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
         ("/v1/audio/translations", CLIENT_HANDOFF),
         ("/v1/load_lora_adapter", CLIENT_HANDOFF),
     ];
-    for (path, body) in sent {
-        let a = raw_request(proxy.addr, "POST", path, body).await;
-        assert_eq!(
-            a.status,
-            200,
-            "{path}: {}",
-            String::from_utf8_lossy(&a.body)
-        );
-    }
+    all_ok(&proxy, &sent).await;
     let seen = bodies(&engine);
     assert_eq!(seen.len(), sent.len(), "{seen:?}");
     for body in seen {
@@ -850,6 +842,19 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
         }
         assert_eq!(v["vllm_xargs"], serde_json::json!({"mine": 1}), "{body}");
         assert!(!body.contains("10.6.6.6"), "{body}");
+    }
+}
+
+/// POST each `(path, body)` to `proxy`: each is answered 200.
+async fn all_ok(proxy: &Proxy, sent: &[(&str, &str)]) {
+    for (path, body) in sent {
+        let a = raw_request(proxy.addr, "POST", path, body).await;
+        assert_eq!(
+            a.status,
+            200,
+            "{path}: {}",
+            String::from_utf8_lossy(&a.body)
+        );
     }
 }
 
@@ -871,16 +876,9 @@ async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
         "/tokenize",
         "/invocations",
         "/v1/load_lora_adapter",
-    ];
-    for path in sent {
-        let a = raw_request(proxy.addr, "POST", path, NESTED_HANDOFF).await;
-        assert_eq!(
-            a.status,
-            200,
-            "{path}: {}",
-            String::from_utf8_lossy(&a.body)
-        );
-    }
+    ]
+    .map(|path| (path, NESTED_HANDOFF));
+    all_ok(&proxy, &sent).await;
     let seen = bodies(&engine);
     // Both legs of the orchestrated request, one request of each other.
     assert_eq!(seen.len(), sent.len() + 1, "{seen:?}");
