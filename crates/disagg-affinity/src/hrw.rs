@@ -26,6 +26,8 @@ const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
+    #[cfg(test)]
+    HASHED_BYTES.with(|n| n.set(n.get() + bytes.len() as u64));
     for &b in bytes {
         h ^= u64::from(b);
         h = h.wrapping_mul(FNV_PRIME);
@@ -54,9 +56,69 @@ pub(crate) fn finalize(mut z: u64) -> u64 {
 /// assert_ne!(hash(b"ab", "c"), hash(b"a", "bc"));
 /// ```
 pub fn hash(key: &[u8], id: &str) -> u64 {
-    let h = fnv1a(FNV_OFFSET, &(key.len() as u64).to_le_bytes());
-    let h = fnv1a(h, key);
-    finalize(fnv1a(h, id.as_bytes()))
+    KeyHash::new(key).with_id(id)
+}
+
+/// A key hashed once, to score it on many endpoints: [`hash`] is FNV-1a over the key's
+/// length, the key and the id, in that order, and FNV-1a is streaming, so the state
+/// after the key serves every id. Scoring a key on `N` endpoints then costs the key's
+/// length once plus the ids' lengths, not `N` times the key's length (the key comes
+/// from the client: a header or a body field of any size).
+///
+/// # Examples
+///
+/// ```
+/// use disagg_affinity::hrw::{KeyHash, hash};
+/// let k = KeyHash::new(b"session-1");
+/// assert_eq!(k.with_id("http://10.0.0.1:8200"), hash(b"session-1", "http://10.0.0.1:8200"));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyHash(u64);
+
+impl KeyHash {
+    /// Hashes `key` (its length, then its bytes).
+    pub fn new(key: &[u8]) -> Self {
+        let h = fnv1a(FNV_OFFSET, &(key.len() as u64).to_le_bytes());
+        KeyHash(fnv1a(h, key))
+    }
+
+    /// [`hash`]`(key, id)`, hashing only `id`.
+    pub fn with_id(self, id: &str) -> u64 {
+        finalize(fnv1a(self.0, id.as_bytes()))
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Bytes run through FNV-1a on this thread, for tests that count hashing work.
+    static HASHED_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes run through FNV-1a on this thread so far.
+#[cfg(test)]
+pub(crate) fn hashed_bytes() -> u64 {
+    HASHED_BYTES.with(std::cell::Cell::get)
+}
+
+/// A power of two that brings `max`, the largest weight among some candidates, into
+/// `[1, 2)` (`[2, 4)` for weights of `2^1023` and above): multiply every candidate's
+/// weight by it before summing or scoring.
+///
+/// Each weight is finite, but two near `f64::MAX` sum to infinity, and one above about
+/// `1e292` gives an infinite rendezvous score (`-w / ln(u)` multiplies by up to
+/// `1.8e16`): every pick would then go to one candidate. Scaled, weights are at most 4
+/// and sums and scores stay finite. Multiplying by a power of two is exact (no rounding,
+/// unless a weight falls below `2^-1022` of the largest), and so are the sums and
+/// quotients of scaled weights, up to the same power: ordinary weights pick exactly as
+/// unscaled.
+pub(crate) fn weight_scale(max: f64) -> f64 {
+    if !(max.is_finite() && max > 0.0) {
+        return 1.0;
+    }
+    // The biased exponent of `max` (0 for a subnormal one), kept where the scale's own
+    // exponent, 2046 minus it, is a normal float's.
+    let biased = ((max.to_bits() >> 52) & 0x7ff).clamp(1, 2045);
+    f64::from_bits((2046 - biased) << 52)
 }
 
 /// The weighted rendezvous score of a hash: `-weight / ln(u)`, `u` uniform in `(0, 1)`.
@@ -153,7 +215,8 @@ impl Weights {
         self.by_id.is_empty()
     }
 
-    /// The score of endpoint `id` for `key`.
+    /// The score of endpoint `id` for `key`, of its weight unscaled (infinite for weights
+    /// above about `1e292`; [`best`] scales the candidates' weights first).
     pub fn score(&self, key: &[u8], id: &str) -> f64 {
         score(hash(key, id), self.weight(id))
     }
@@ -175,10 +238,20 @@ impl Weights {
 /// assert_eq!(ids[i], reversed[j]);
 /// ```
 pub fn best<S: AsRef<str>>(key: &[u8], ids: &[S], weights: &Weights) -> Option<usize> {
+    let key = KeyHash::new(key);
+    let scale = if weights.is_uniform() {
+        1.0
+    } else {
+        weight_scale(
+            ids.iter()
+                .map(|id| weights.weight(id.as_ref()))
+                .fold(0.0, f64::max),
+        )
+    };
     let mut top: Option<(f64, &str, usize)> = None;
     for (i, id) in ids.iter().enumerate() {
         let id = id.as_ref();
-        let s = weights.score(key, id);
+        let s = score(key.with_id(id), weights.weight(id) * scale);
         if top.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
             top = Some((s, id, i));
         }
@@ -231,6 +304,116 @@ mod tests {
     }
 
     const GOLDEN_PICKS: [usize; 6] = [3, 6, 0, 5, 7, 1];
+
+    /// The spec, in one pass over the concatenated bytes.
+    fn reference(key: &[u8], id: &str) -> u64 {
+        let mut bytes = (key.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(key);
+        bytes.extend_from_slice(id.as_bytes());
+        let mut h = FNV_OFFSET;
+        for b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+        }
+        finalize(h)
+    }
+
+    #[test]
+    fn best_hashes_the_key_once() {
+        // A client-chosen key of 1 MiB on 64 endpoints: the key's bytes once, then each
+        // id's (before: 64 MiB).
+        let key = vec![b'k'; 1 << 20];
+        let ids: Vec<String> = (0..64).map(|i| format!("http://10.0.0.{i}:8200")).collect();
+        let w = Weights::new().with_weight(&*ids[3], 2.0).expect("valid");
+        let before = hashed_bytes();
+        let i = best(&key, &ids, &w);
+        let hashed = hashed_bytes() - before;
+        let ids_len: usize = ids.iter().map(String::len).sum();
+        assert!(
+            hashed <= (8 + key.len() + ids_len) as u64,
+            "{hashed} bytes hashed"
+        );
+        // And the pick is the one the one-shot hash makes.
+        let by_reference = ids
+            .iter()
+            .enumerate()
+            .map(|(j, id)| (score(reference(&key, id), w.weight(id)), j))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, j)| j);
+        assert_eq!(i, by_reference);
+    }
+
+    #[test]
+    fn weights_near_f64_max_keep_their_shares() {
+        // Unscaled, `-w / ln(u)` is infinite for most keys at these weights and the
+        // tie goes to the smallest id.
+        let ids = ["http://a:1", "http://b:1", "http://c:1"];
+        let w = Weights::new()
+            .with_weight("http://a:1", f64::MAX / 2.0)
+            .and_then(|w| w.with_weight("http://b:1", f64::MAX / 2.0))
+            .and_then(|w| w.with_weight("http://c:1", f64::MAX))
+            .expect("valid weights");
+        let mut counts = [0usize; 3];
+        let n = 40_000;
+        for k in 0..n {
+            counts[best(format!("k{k}").as_bytes(), &ids, &w).unwrap_or(0)] += 1;
+        }
+        let share = |i: usize| counts[i] as f64 / n as f64;
+        assert!((share(0) - 0.25).abs() < 0.02, "{counts:?}");
+        assert!((share(1) - 0.25).abs() < 0.02, "{counts:?}");
+        assert!((share(2) - 0.5).abs() < 0.02, "{counts:?}");
+    }
+
+    #[test]
+    fn weights_scaled_by_a_power_of_two_pick_the_same() {
+        // Scaling is exact: 1, 2, 3 and the same times 2^1020 (up to 3.4e307, whose
+        // scores overflowed for about one key in six) pick the same endpoint for every
+        // key.
+        let ids = ["http://a:1", "http://b:1", "http://c:1"];
+        let weights = |f: f64| {
+            Weights::new()
+                .with_weight("http://a:1", f)
+                .and_then(|w| w.with_weight("http://b:1", 2.0 * f))
+                .and_then(|w| w.with_weight("http://c:1", 3.0 * f))
+                .expect("valid weights")
+        };
+        let (small, huge) = (weights(1.0), weights(2f64.powi(1020)));
+        for k in 0..5_000 {
+            let key = format!("session-{k}");
+            assert_eq!(
+                best(key.as_bytes(), &ids, &small),
+                best(key.as_bytes(), &ids, &huge),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn weight_scale_is_a_power_of_two_into_one_to_four() {
+        for max in [
+            f64::MIN_POSITIVE / 8.0,
+            f64::MIN_POSITIVE,
+            1e-300,
+            0.3,
+            1.0,
+            1.5,
+            4.0,
+            7.0,
+            1e292,
+            2f64.powi(1023),
+            f64::MAX,
+        ] {
+            let s = weight_scale(max);
+            assert_eq!(s.to_bits() & ((1 << 52) - 1), 0, "{max}: {s}");
+            let scaled = max * s;
+            assert!(scaled < 4.0 && scaled > 0.0, "{max}: {scaled}");
+            if max >= f64::MIN_POSITIVE && max < 2f64.powi(1023) {
+                assert!((1.0..2.0).contains(&scaled), "{max}: {scaled}");
+            }
+        }
+        assert_eq!(weight_scale(1.0), 1.0);
+        assert_eq!(weight_scale(1.9), 1.0);
+        assert_eq!(weight_scale(0.0), 1.0);
+    }
 
     #[test]
     fn weights_are_validated() {
@@ -292,6 +475,16 @@ mod tests {
     }
 
     proptest! {
+        /// The key hashed once then continued per id is the one-shot hash.
+        #[test]
+        fn key_hash_continues_the_one_shot_hash(key in any::<Vec<u8>>(), ids in ids_strategy()) {
+            let k = KeyHash::new(&key);
+            for id in &ids {
+                prop_assert_eq!(k.with_id(id), reference(&key, id));
+                prop_assert_eq!(hash(&key, id), reference(&key, id));
+            }
+        }
+
         /// The same key, ids and weights always pick the same id, in any order.
         #[test]
         fn stable_and_order_independent(key in any::<Vec<u8>>(), ids in ids_strategy()) {

@@ -26,6 +26,8 @@ use disagg_core::endpoint::{Endpoint, EndpointSet};
 use disagg_core::error::RouteError;
 use disagg_core::router::{Pick, RequestView, Route, Router};
 
+use crate::hrw::weight_scale;
+
 /// A router from one [`Pick`] per leg.
 ///
 /// # Examples
@@ -324,11 +326,25 @@ pub(crate) fn policy_weight(
 
 impl Pick for WeightedRandom {
     fn pick(&self, _req: &RequestView<'_>, candidates: &[Arc<Endpoint>]) -> usize {
-        let total: f64 = candidates.iter().map(|e| self.weight(e)).sum();
+        let (mut total, max) = candidates
+            .iter()
+            .map(|e| self.weight(e))
+            .fold((0.0f64, 0.0f64), |(t, m), w| (t + w, m.max(w)));
+        // Each weight is finite, but their sum may not be (two of 1e308): then every
+        // pick would go to the last candidate. Scaled by a power of two, they sum to at
+        // most 4 per candidate; a finite sum keeps the unscaled arithmetic (the same
+        // picks either way, see `weight_scale`).
+        let scale = if total.is_finite() {
+            1.0
+        } else {
+            let scale = weight_scale(max);
+            total = candidates.iter().map(|e| self.weight(e) * scale).sum();
+            scale
+        };
         // 53 random bits: uniform in [0, 1).
         let mut x = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
         for (i, ep) in candidates.iter().enumerate() {
-            x -= self.weight(ep);
+            x -= self.weight(ep) * scale;
             if x < 0.0 {
                 return i;
             }
@@ -492,6 +508,33 @@ mod tests {
             let got = *n as f64 / 100_000.0;
             assert!((got - share).abs() < 0.02, "{counts:?}");
         }
+    }
+
+    #[test]
+    fn weighted_random_follows_weights_that_sum_past_f64_max() {
+        // Each weight is finite (accepted), their sum is not: unscaled, every pick went
+        // to the last candidate.
+        let c = eps(3, Role::Decode);
+        let w = WeightedRandom::from_seed(7)
+            .with_weight(c[0].id().as_str(), 1e308)
+            .with_weight(c[1].id().as_str(), 1e308)
+            .with_weight(c[2].id().as_str(), 5e307);
+        let got = shares(&w, &c, 40_000);
+        // Expected shares 2/5, 2/5, 1/5, within two points (σ ≈ 0.25 points).
+        for (g, share) in got.iter().zip([0.4, 0.4, 0.2]) {
+            assert!((g - share).abs() < 0.02, "{got:?}");
+        }
+        // The same through the endpoints' own weights.
+        let own: Vec<_> = [f64::MAX, f64::MAX]
+            .iter()
+            .enumerate()
+            .map(|(i, &wt)| {
+                let e = Endpoint::new(&format!("http://e{i}:1"), Role::Decode).unwrap();
+                Arc::new(e.with_weight(wt).unwrap())
+            })
+            .collect();
+        let got = shares(&WeightedRandom::from_seed(7), &own, 40_000);
+        assert!((got[0] - 0.5).abs() < 0.02, "{got:?}");
     }
 
     /// The share of `n` picks each candidate got.

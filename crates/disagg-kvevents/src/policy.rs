@@ -182,7 +182,8 @@ impl Pick for KvEventsPick {
 /// Requests without token ids are decided by the fallback hook (the proxy gives
 /// `PromptThreshold` with the same threshold).
 ///
-/// Cost: a snapshot of the endpoint set and one index lookup per decode candidate.
+/// Cost: a snapshot of the endpoint set, one walk of the prompt's leading blocks for all
+/// decode candidates ([`KvScorer::cached_tokens_each`]) and a lookup per candidate.
 pub struct CachedPrefixThreshold {
     scorer: Arc<KvScorer>,
     source: Arc<dyn EndpointSource>,
@@ -225,9 +226,15 @@ impl CachedPrefixThreshold {
         let Ok(set) = set.for_model(model) else {
             return 0;
         };
-        set.by_role(Role::Decode)
+        // One lookup for all of them: the prompt walked once, not once per candidate.
+        let decode: Vec<Candidate<'_>> = set
+            .by_role(Role::Decode)
             .iter()
-            .map(|ep| self.scorer.cached_tokens(&candidate(ep), tokens))
+            .map(|ep| candidate(ep))
+            .collect();
+        self.scorer
+            .cached_tokens_each(&decode, tokens)
+            .into_iter()
             .max()
             .unwrap_or(0)
     }
@@ -368,5 +375,41 @@ mod tests {
         );
         // No tokens: the fallback (here: always disaggregate).
         assert_eq!(hook.decide(&view(None)), Split::Disaggregate);
+    }
+
+    #[test]
+    fn the_decode_candidates_are_looked_up_in_one_walk_of_the_prompt() {
+        // A long prompt (4,096 blocks) and 64 decode engines, two holding its first
+        // blocks: `decide` keys the prompt as far as one holds it, once, and walks the
+        // index once (it keyed all 4,096 blocks and walked the index per engine).
+        let index = Arc::new(KvIndex::new(IndexConfig::default()));
+        let prompt: &'static [u32] = Vec::leak((0..65_536).collect());
+        store(&index, "http://d7:1", 0, &prompt[..640]);
+        let scorer = scorer(index);
+        let urls: Vec<String> = (0..64).map(|i| format!("http://d{i}:1")).collect();
+        let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let decode = eps(&urls, Role::Decode);
+        scorer.choose(&prompt[..1_600], &[candidate(&decode[9])]);
+        let source =
+            StaticSource::new(urls.iter().map(|u| Endpoint::new(u, Role::Decode).unwrap()));
+        let hook =
+            CachedPrefixThreshold::new(Arc::clone(&scorer), Arc::new(source), 64, Arc::new(Always));
+        let (h, b) = (HeaderMap::new(), JsonBody::default());
+        let view = RequestView {
+            tokens: Some(prompt),
+            ..RequestView::new(Api::Completions, None, &h, &b)
+        };
+        let (keys, walks) = crate::score::work::counts();
+        assert_eq!(hook.decide(&view), Split::Disaggregate);
+        let (now_keys, now_walks) = crate::score::work::counts();
+        assert!(now_keys - keys <= 101, "{} block keys", now_keys - keys);
+        assert_eq!(now_walks - walks, 1);
+        // The same as asking for each engine alone.
+        let each = decode
+            .iter()
+            .map(|ep| scorer.cached_tokens(&candidate(ep), prompt))
+            .max();
+        assert_eq!(hook.best_decode_cached(None, prompt), 1_600);
+        assert_eq!(each, Some(1_600));
     }
 }

@@ -85,7 +85,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use crate::index::{KvIndex, PrefixMatch};
-use crate::key::{BlockKeys, KeyMix};
+use crate::key::{BlockKeys, KeyIter, KeyMix};
 use crate::load::LoadStat;
 
 /// Maps keyed by engine ids (configured, not chosen by clients) or candidate tags:
@@ -390,7 +390,7 @@ impl KvScorer {
             .collect();
         let mut cached: Vec<Held> = vec![(0, None); candidates.len()];
         for (keys, from_index) in &by_size {
-            let provisional = state.provisional.matches(keys, now);
+            let provisional = state.provisional.matches(keys.keys().iter().copied(), now);
             for (i, entry) in cached.iter_mut().enumerate() {
                 let (t, rank) = from_index[i];
                 if rank.is_some() && (t > entry.0 || (t == entry.0 && entry.1.is_none())) {
@@ -482,25 +482,110 @@ impl KvScorer {
         tokens: &[u32],
         now: Instant,
     ) -> usize {
+        #[cfg(test)]
+        work::index_walk();
         let from_index = match candidate.dp_rank {
             Some(r) => self
                 .index
                 .cached_tokens_on_rank(candidate.engine, r, tokens),
             None => self.index.cached_tokens(candidate.engine, tokens),
         };
-        let block_size = self
-            .index
-            .block_size(candidate.engine)
-            .unwrap_or(self.index.config().block_size);
-        let keys = BlockKeys::new(tokens, block_size);
+        let mut cached = [from_index];
+        self.add_provisional(std::slice::from_ref(candidate), tokens, now, &mut cached);
+        cached[0]
+    }
+
+    /// [`cached_tokens`](Self::cached_tokens) of each of `candidates`, in their order:
+    /// for conditional disaggregation, what each decode engine holds. Records nothing.
+    ///
+    /// Cost: the index walked once for all of them, and the prompt's provisional
+    /// entries once per block size, each stopping at the first block nobody holds
+    /// (the prompt's blocks are hashed only that far), then a lookup per candidate; not
+    /// a walk of the prompt per candidate.
+    pub fn cached_tokens_each(&self, candidates: &[Candidate<'_>], tokens: &[u32]) -> Vec<usize> {
+        self.cached_tokens_each_at(candidates, tokens, Instant::now())
+    }
+
+    /// [`cached_tokens_each`](Self::cached_tokens_each) at a given time.
+    pub fn cached_tokens_each_at(
+        &self,
+        candidates: &[Candidate<'_>],
+        tokens: &[u32],
+        now: Instant,
+    ) -> Vec<usize> {
+        if candidates.is_empty() {
+            return Vec::new();
+        }
+        // Every holder's match, each at its own block size: what the index says of
+        // each candidate alone (`KvIndex::cached_tokens`: the best of the engine's
+        // ranks, or the one rank), from one walk.
+        #[cfg(test)]
+        work::index_walk();
+        let matched = self.index.match_prefix(tokens);
+        let n = matched.holders().len();
+        let mut by_rank: FastMap<(&str, u32), usize> =
+            FastMap::with_capacity_and_hasher(n, Default::default());
+        let mut by_engine: FastMap<&str, usize> =
+            FastMap::with_capacity_and_hasher(n, Default::default());
+        for m in matched.holders() {
+            by_rank.insert((&*m.engine, m.dp_rank), m.tokens());
+            let best = by_engine.entry(&*m.engine).or_insert(0);
+            *best = (*best).max(m.tokens());
+        }
+        let mut cached: Vec<usize> = candidates
+            .iter()
+            .map(|c| {
+                match c.dp_rank {
+                    Some(r) => by_rank.get(&(c.engine, r)),
+                    None => by_engine.get(c.engine),
+                }
+                .copied()
+                .unwrap_or(0)
+            })
+            .collect();
+        self.add_provisional(candidates, tokens, now, &mut cached);
+        cached
+    }
+
+    /// Raises each of `cached` (the candidates' cached tokens by the index) to what
+    /// their provisional entries hold, and caps it at the prompt. The prompt is keyed
+    /// once per block size among the candidates, lazily: the walk stops at the first
+    /// block no candidate holds provisionally.
+    fn add_provisional(
+        &self,
+        candidates: &[Candidate<'_>],
+        tokens: &[u32],
+        now: Instant,
+        cached: &mut [usize],
+    ) {
+        let engine_sizes = self.block_sizes(candidates);
+        let mut sizes: SmallVec<[usize; 2]> = SmallVec::new();
+        for &b in &engine_sizes {
+            if !sizes.contains(&b) {
+                sizes.push(b);
+            }
+        }
+        let tags: SmallVec<[u64; 8]> = candidates.iter().map(Candidate::tag).collect();
         let mut state = lock(&self.state);
         self.drop_removed(&mut state);
-        let provisional = state
-            .provisional
-            .matches(&keys, now)
-            .get(&candidate.tag())
-            .map_or(0, |&b| b * block_size);
-        from_index.max(provisional).min(tokens.len())
+        for &block_size in &sizes {
+            let keys = KeyIter::new(tokens, block_size);
+            #[cfg(test)]
+            let keys = keys.inspect(|_| work::key());
+            let provisional = state.provisional.matches(keys, now);
+            for (i, entry) in cached.iter_mut().enumerate() {
+                if engine_sizes[i] != block_size {
+                    continue;
+                }
+                if let Some(&blocks) = provisional.get(&tags[i]) {
+                    *entry = (*entry).max(blocks * block_size);
+                }
+            }
+        }
+        drop(state);
+        for entry in cached.iter_mut() {
+            *entry = (*entry).min(tokens.len());
+        }
     }
 
     /// The prefill work, in tokens, the scorer counts queued on a candidate: the larger
@@ -730,11 +815,12 @@ impl Default for Provisional {
 }
 
 impl Provisional {
-    /// Leading blocks of `keys` each engine holds provisionally at `now`.
-    fn matches(&self, keys: &BlockKeys, now: Instant) -> FastMap<u64, usize> {
+    /// Leading blocks of `keys` each engine holds provisionally at `now`. Reads `keys`
+    /// only as far as some engine holds them (a lazy [`KeyIter`] hashes no further).
+    fn matches(&self, keys: impl IntoIterator<Item = u64>, now: Instant) -> FastMap<u64, usize> {
         let mut depth: FastMap<u64, usize> = FastMap::default();
-        for (i, key) in keys.keys().iter().enumerate() {
-            let Some(holders) = self.by_key.get(key) else {
+        for (i, key) in keys.into_iter().enumerate() {
+            let Some(holders) = self.by_key.get(&key) else {
                 break;
             };
             let mut advanced = false;
@@ -805,6 +891,32 @@ impl Provisional {
                 }
             }
         }
+    }
+}
+
+/// Work counters of this thread, for tests that count work rather than time it.
+#[cfg(test)]
+pub(crate) mod work {
+    use std::cell::Cell;
+
+    thread_local! {
+        static KEYS: Cell<u64> = const { Cell::new(0) };
+        static INDEX_WALKS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    /// One block key computed by the scorer's lookups of cached tokens.
+    pub(crate) fn key() {
+        KEYS.with(|n| n.set(n.get() + 1));
+    }
+
+    /// One walk of the index for a prompt by those lookups.
+    pub(crate) fn index_walk() {
+        INDEX_WALKS.with(|n| n.set(n.get() + 1));
+    }
+
+    /// (block keys computed, index walks) on this thread so far.
+    pub(crate) fn counts() -> (u64, u64) {
+        (KEYS.with(Cell::get), INDEX_WALKS.with(Cell::get))
     }
 }
 

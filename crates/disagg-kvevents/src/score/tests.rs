@@ -513,3 +513,89 @@ fn an_engines_removal_drops_what_the_scorer_holds_provisionally_for_it() {
     assert_eq!(d.cached_tokens, 0, "{d:?}");
     assert_eq!(scorer.cached_tokens(&a, &prompt), 0);
 }
+
+/// `engine`'s rank `rank` holds the first `blocks` blocks of `tokens` at `block_size`.
+fn store_blocks(
+    index: &KvIndex,
+    engine: &str,
+    rank: u32,
+    tokens: &[u32],
+    block_size: usize,
+    blocks: usize,
+) {
+    let stored = BlockStored {
+        block_hashes: (0..blocks as u64)
+            .map(|b| BlockHash::Int(candidate_tag(engine, Some(rank)) ^ b))
+            .collect(),
+        token_ids: tokens[..blocks * block_size].to_vec(),
+        block_size,
+        ..BlockStored::default()
+    };
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(stored)],
+        dp_rank: Some(rank),
+    };
+    index.apply(engine, rank, &batch);
+}
+
+#[test]
+fn cached_tokens_each_is_cached_tokens_of_each() {
+    let prompt: Vec<u32> = (0..1_000).collect();
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    store_blocks(&index, "a", 0, &prompt, 16, 10);
+    store_blocks(&index, "a", 1, &prompt, 16, 20);
+    store_blocks(&index, "b", 0, &prompt, 16, 3);
+    // An engine with other blocks, and a prefill engine that holds more than all.
+    store_blocks(&index, "big", 0, &prompt, 32, 7);
+    store_blocks(&index, "prefill", 0, &prompt, 16, 50);
+    let scorer = KvScorer::new(Arc::clone(&index), ScorerConfig::default());
+    let now = Instant::now();
+    // Provisional entries: c (no events) for the whole prompt, b for a longer one.
+    scorer.choose_at(&prompt, &cands(&[("c", 0)]), now);
+    scorer.choose_at(&prompt[..400], &cands(&[("b", 0)]), now);
+    scorer.choose_at(&prompt[..128], &cands(&[("big", 0)]), now);
+    let candidates = [
+        Candidate::new("a", 0),
+        Candidate::new("a", 0).with_dp_rank(0),
+        Candidate::new("a", 0).with_dp_rank(1),
+        Candidate::new("a", 0).with_dp_rank(2),
+        Candidate::new("b", 0),
+        Candidate::new("big", 0),
+        Candidate::new("c", 0),
+        Candidate::new("d", 0),
+    ];
+    for tokens in [&prompt[..], &prompt[..300], &prompt[..10], &prompt[..0]] {
+        let each = scorer.cached_tokens_each_at(&candidates, tokens, now);
+        let one: Vec<usize> = candidates
+            .iter()
+            .map(|c| scorer.cached_tokens_at(c, tokens, now))
+            .collect();
+        assert_eq!(each, one, "{} tokens", tokens.len());
+    }
+    assert_eq!(
+        scorer.cached_tokens_each_at(&candidates, &prompt, now),
+        [320, 160, 320, 0, 400, 224, 992, 0]
+    );
+    assert!(scorer.cached_tokens_each(&[], &prompt).is_empty());
+}
+
+#[test]
+fn cached_tokens_each_keys_the_prompt_once_not_per_candidate() {
+    // A long prompt (4,096 blocks) and 64 candidates, two of which hold its first
+    // blocks: the scorer keys the prompt as far as a candidate holds it, once, and
+    // walks the index once (it keyed all 4,096 blocks per candidate: 262,144 keys).
+    let prompt: Vec<u32> = (0..65_536).collect();
+    let index = Arc::new(KvIndex::new(IndexConfig::default()));
+    store_blocks(&index, "e7", 0, &prompt, 16, 40);
+    let scorer = KvScorer::new(index, ScorerConfig::default());
+    scorer.choose(&prompt[..16 * 100], &cands(&[("e9", 0)]));
+    let names: Vec<String> = (0..64).map(|i| format!("e{i}")).collect();
+    let candidates: Vec<Candidate<'_>> = names.iter().map(|n| Candidate::new(n, 0)).collect();
+    let (keys, walks) = work::counts();
+    let cached = scorer.cached_tokens_each(&candidates, &prompt);
+    let (keys, walks) = (work::counts().0 - keys, work::counts().1 - walks);
+    assert_eq!((cached[7], cached[9], cached[0]), (640, 1_600, 0));
+    assert!(keys <= 101, "{keys} block keys");
+    assert_eq!(walks, 1);
+}
