@@ -584,3 +584,115 @@ async fn a_chat_of_too_many_objects_is_not_rendered() {
     let at = tokenize(&t, Api::Chat, &chat(MAX_TEMPLATE_CONTAINERS - fixed)).await;
     assert!(at.is_ok(), "{at:?}");
 }
+
+/// A chat whose tool parameters hold a list nested `depth` deep around `zeros` zeros:
+/// the template dumps tools with `indent=2`, some `2 * depth` bytes out for each `0,`.
+fn nested_tools_chat(depth: usize, zeros: usize) -> String {
+    let parameters = format!(
+        "{}{}{}",
+        "[".repeat(depth),
+        vec!["0"; zeros].join(","),
+        "]".repeat(depth)
+    );
+    format!(
+        r#"{{"model":"m","messages":{CHAT},"tools":[{{"type":"function","function":{{"name":"f","parameters":{parameters}}}}}]}}"#
+    )
+}
+
+/// A render that would write past its ceiling (`render_ceiling`: here its 1 MiB floor)
+/// stops there and is not supported, so the chat is routed without ids: 10 KiB of
+/// nested list would render some 1.3 MB (a 32 MiB body, some 8 GB). The same tools,
+/// less of them, render.
+#[tokio::test]
+async fn a_chat_that_renders_past_its_ceiling_is_not_supported() {
+    use disagg_tokenize::hf::{RENDER_CEILING_FLOOR, render_ceiling};
+    let t = hf();
+    let body = nested_tools_chat(120, 5000);
+    assert!(body.len() * 4 < RENDER_CEILING_FLOOR);
+    assert_eq!(render_ceiling(body.len()), RENDER_CEILING_FLOOR);
+    let err = tokenize(&t, Api::Chat, &body).await.unwrap_err();
+    assert!(err.is_not_supported(), "{err}");
+    let small = tokenize(&t, Api::Chat, &nested_tools_chat(120, 50)).await;
+    assert!(small.is_ok(), "{small:?}");
+}
+
+/// A small chat is rendered on the event loop (its render is bounded by the ceiling's
+/// floor); the text it expands to, past the off-loop threshold, is tokenized on the
+/// blocking pool, with the same ids.
+#[test]
+fn a_small_chat_that_renders_large_is_tokenized_off_the_event_loop() {
+    let body = nested_tools_chat(30, 200);
+    assert!(body.len() < disagg_tokenize::hf::DEFAULT_OFF_LOOP_FROM);
+    let body = JsonBody::parse(body.as_bytes()).unwrap();
+    let (off, ticks) = ticks_while(hf().tokenize(Api::Chat, &body));
+    assert!(ticks > 0, "{ticks} ticks");
+    let (inline, ticks) = ticks_while(
+        hf().with_off_loop_from(usize::MAX)
+            .tokenize(Api::Chat, &body),
+    );
+    assert_eq!(ticks, 0);
+    let (off, inline) = (off.unwrap(), inline.unwrap());
+    assert!(off.len() > 1000, "{} ids", off.len());
+    assert_eq!(off, inline);
+}
+
+/// A tool call's `arguments` string, parsed into template values, counts against the
+/// same `MAX_TEMPLATE_CONTAINERS` as the rest of the chat (its objects are inside a
+/// string, which the count of the body skips).
+#[tokio::test]
+async fn tool_call_arguments_count_against_the_container_budget() {
+    use disagg_tokenize::hf::MAX_TEMPLATE_CONTAINERS;
+    let t = hf();
+    // The messages list, two messages, the tool calls list, the call, its function: 6;
+    // the arguments' object and list: 2, then `n` objects in the list.
+    let chat = |n: usize| {
+        let arguments = format!(r#"{{"x":[{}]}}"#, vec!["{}"; n].join(","));
+        let arguments = serde_json::to_string(&arguments).unwrap();
+        format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}},{{"role":"assistant","content":"y","tool_calls":[{{"type":"function","function":{{"name":"f","arguments":{arguments}}}}}]}}]}}"#
+        )
+    };
+    let fixed = 6 + 2;
+    let err = tokenize(&t, Api::Chat, &chat(MAX_TEMPLATE_CONTAINERS - fixed + 1))
+        .await
+        .unwrap_err();
+    assert!(err.is_not_supported(), "{err}");
+    let at = tokenize(&t, Api::Chat, &chat(MAX_TEMPLATE_CONTAINERS - fixed)).await;
+    assert!(at.is_ok(), "{at:?}");
+}
+
+/// `truncate_prompt_tokens` below the count of special tokens the tokenizer adds (here
+/// 0, below the one BOS) keeps the last ids of the full encoding, as vLLM does (its
+/// `tokenizers` wheel truncates nothing then, and vLLM slices the ids), with or without
+/// special tokens, for text and chat alike; it does not reach `tokenizers` (whose
+/// `max_length - added` underflows).
+#[tokio::test]
+async fn truncation_below_the_special_tokens_keeps_the_last_ids() {
+    let t = hf();
+    for extra in [
+        r#","truncate_prompt_tokens":0"#,
+        r#","truncate_prompt_tokens":0,"add_special_tokens":false"#,
+    ] {
+        let ids = tokenize(&t, Api::Completions, &completion("hello world", extra))
+            .await
+            .unwrap();
+        assert!(ids.is_empty(), "{extra}: {ids:?}");
+    }
+    let ids = tokenize(
+        &t,
+        Api::Chat,
+        &format!(r#"{{"messages":{CHAT},"add_special_tokens":true,"truncate_prompt_tokens":0}}"#),
+    )
+    .await
+    .unwrap();
+    assert!(ids.is_empty(), "{ids:?}");
+    // At the count of special tokens, the tokenizer truncates: the BOS is kept.
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &completion("hello world", r#","truncate_prompt_tokens":1"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids, [BOS]);
+}

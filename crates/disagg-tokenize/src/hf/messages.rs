@@ -20,6 +20,7 @@
 //! Other fields of a message are dropped. Content parts other than text (images, audio,
 //! video, embeddings) are [not supported](crate::TokenizeError::NotSupported).
 
+use disagg_core::json::raw;
 use minijinja::value::{Value, ValueKind};
 
 use super::template::Fields;
@@ -30,18 +31,24 @@ const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 const FIELD: &str = "messages";
 
-/// The conversation vLLM renders for `raw` (a JSON array of messages).
+/// The conversation vLLM renders for `json` (a JSON array of messages).
+///
+/// `containers` is what is left of the request's budget of JSON objects and lists
+/// ([`MAX_TEMPLATE_CONTAINERS`](super::MAX_TEMPLATE_CONTAINERS), the client's fields
+/// counted already): the tool-call `arguments` strings parsed into objects take from it
+/// too, each counted before it is parsed, and a chat past it is not supported.
 pub(crate) fn conversation(
-    raw: &[u8],
+    json: &[u8],
     openai_format: bool,
     developer_role: bool,
+    containers: &mut usize,
 ) -> Result<Vec<Fields>, TokenizeError> {
-    let messages: Vec<Fields> = serde_json::from_slice(raw)
+    let messages: Vec<Fields> = serde_json::from_slice(json)
         .map_err(|_| TokenizeError::invalid(FIELD, "expected a list of objects"))?;
     let mut out = Vec::with_capacity(messages.len());
     let mut developer = false;
     for m in &messages {
-        let msg = message(m, openai_format)?;
+        let msg = message(m, openai_format, containers)?;
         developer |= role(&msg) == "developer";
         out.push(msg);
     }
@@ -67,7 +74,11 @@ fn present(m: &Fields, key: &str) -> Option<Value> {
         .cloned()
 }
 
-fn message(m: &Fields, openai_format: bool) -> Result<Fields, TokenizeError> {
+fn message(
+    m: &Fields,
+    openai_format: bool,
+    containers: &mut usize,
+) -> Result<Fields, TokenizeError> {
     let Some(role) = m.get("role").and_then(Value::as_str).map(str::to_owned) else {
         return Err(TokenizeError::invalid(
             FIELD,
@@ -89,7 +100,7 @@ fn message(m: &Fields, openai_format: bool) -> Result<Fields, TokenizeError> {
     }
     let content = if openai_format && role != "tool" {
         Value::from_iter(texts.into_iter().map(|t| {
-            Fields(vec![
+            Fields::new(vec![
                 ("type".to_owned(), Value::from("text")),
                 ("text".to_owned(), Value::from(t)),
             ])
@@ -99,14 +110,14 @@ fn message(m: &Fields, openai_format: bool) -> Result<Fields, TokenizeError> {
         // Tool results are joined in both formats: most templates take them as strings.
         Value::from(texts.join("\n"))
     };
-    let mut out = Fields(vec![
+    let mut out = Fields::new(vec![
         ("role".to_owned(), Value::from(role.as_str())),
         ("content".to_owned(), content),
     ]);
     match role.as_str() {
         "assistant" => {
             if let Some(calls) = present(m, "tool_calls")
-                && let Some(calls) = tool_calls(&calls)?
+                && let Some(calls) = tool_calls(&calls, containers)?
             {
                 out.set("tool_calls", calls);
             }
@@ -190,7 +201,7 @@ fn texts(content: Option<&Value>) -> Result<Vec<String>, TokenizeError> {
 
 /// An assistant message's `tool_calls`, as vLLM's `_postprocess_messages` leaves them
 /// (`None`: the list was empty and is dropped).
-fn tool_calls(calls: &Value) -> Result<Option<Value>, TokenizeError> {
+fn tool_calls(calls: &Value, containers: &mut usize) -> Result<Option<Value>, TokenizeError> {
     if calls.kind() != ValueKind::Seq {
         // Not a list: vLLM leaves it as it is.
         return Ok(Some(calls.clone()));
@@ -220,7 +231,7 @@ fn tool_calls(calls: &Value) -> Result<Option<Value>, TokenizeError> {
         };
         let mut function = Fields::of(&function).map_err(|_| bad("unreadable function"))?;
         let arguments = function.get("arguments").cloned();
-        function.set("arguments", arguments_object(arguments));
+        function.set("arguments", arguments_object(arguments, containers)?);
         call.set("function", function.into_value());
         out.push(call.into_value());
     }
@@ -229,19 +240,36 @@ fn tool_calls(calls: &Value) -> Result<Option<Value>, TokenizeError> {
 
 /// A tool call's `arguments` as an object: kept when it is one, parsed when it is a
 /// string holding one, `{}` otherwise (vLLM coerces rather than fail the conversation).
-fn arguments_object(arguments: Option<Value>) -> Value {
+///
+/// A string's objects and lists are counted first, against what is left of the
+/// request's `containers` budget: past it the chat is not supported (the string would
+/// be built as a template value of its own for each, a hundred times its size).
+fn arguments_object(
+    arguments: Option<Value>,
+    containers: &mut usize,
+) -> Result<Value, TokenizeError> {
     let empty = || Fields::default().into_value();
     let Some(a) = arguments.filter(|a| a.is_true()) else {
-        return empty();
+        return Ok(empty());
     };
-    match a.kind() {
+    Ok(match a.kind() {
         ValueKind::Map => a,
-        ValueKind::String => match serde_json::from_str::<Fields>(a.as_str().unwrap_or("")) {
-            Ok(fields) => fields.into_value(),
-            Err(_) => empty(),
-        },
+        ValueKind::String => {
+            let text = a.as_str().unwrap_or("");
+            let held = raw::containers(text.as_bytes(), *containers);
+            if held > *containers {
+                return Err(TokenizeError::not_supported(
+                    "a chat of more JSON objects and lists than the template renders",
+                ));
+            }
+            *containers -= held;
+            match serde_json::from_str::<Fields>(text) {
+                Ok(fields) => fields.into_value(),
+                Err(_) => empty(),
+            }
+        }
         _ => empty(),
-    }
+    })
 }
 
 /// All system messages merged into one, first (vLLM's `_consolidate_system_messages`),
@@ -286,7 +314,7 @@ fn consolidate_system(conversation: Vec<Fields>) -> Vec<Fields> {
         return conversation;
     }
     let mut out = Vec::with_capacity(rest.len() + 1);
-    out.push(Fields(vec![
+    out.push(Fields::new(vec![
         ("role".to_owned(), Value::from("system")),
         ("content".to_owned(), Value::from(contents.join("\n\n"))),
     ]));
@@ -325,7 +353,7 @@ pub(crate) fn tools(raw: &[u8]) -> Result<Value, TokenizeError> {
         else {
             return Err(bad("a function needs a string name"));
         };
-        let mut dumped = Fields(vec![
+        let mut dumped = Fields::new(vec![
             ("name".to_owned(), name.clone()),
             (
                 "description".to_owned(),
@@ -354,7 +382,7 @@ pub(crate) fn tools(raw: &[u8]) -> Result<Value, TokenizeError> {
         {
             dumped.set("defer_loading", defer);
         }
-        let mut t = Fields(vec![
+        let mut t = Fields::new(vec![
             ("type".to_owned(), Value::from("function")),
             ("function".to_owned(), dumped.into_value()),
         ]);
@@ -370,6 +398,11 @@ pub(crate) fn tools(raw: &[u8]) -> Result<Value, TokenizeError> {
 mod tests {
     use super::*;
 
+    /// No ceiling on the objects and lists of tool-call arguments.
+    fn budget() -> usize {
+        usize::MAX
+    }
+
     fn json(fields: &[Fields]) -> String {
         // Through the same Python-style dumper the templates use.
         let t = super::super::template::Templates::new(vec![(
@@ -384,7 +417,8 @@ mod tests {
                 .map(Fields::into_value)
                 .collect::<Vec<_>>(),
         );
-        t.render("default", minijinja::context! { m => m }).unwrap()
+        t.render("default", minijinja::context! { m => m }, usize::MAX)
+            .unwrap()
     }
 
     #[test]
@@ -396,6 +430,7 @@ mod tests {
                  {"role":"tool","content":[{"type":"text","text":"t1"},{"type":"text","text":"t2"}],"tool_call_id":"1"}]"#,
             false,
             false,
+            &mut budget(),
         )
         .unwrap();
         assert_eq!(
@@ -411,6 +446,7 @@ mod tests {
                  {"role":"assistant","content":"y","tool_calls":[{"function":{"name":"g","arguments":"not json"}}]}]"#,
             true,
             true,
+            &mut budget(),
         )
         .unwrap();
         assert_eq!(
@@ -422,13 +458,13 @@ mod tests {
     #[test]
     fn developer_messages_become_one_system_message_first() {
         let raw = br#"[{"role":"system","content":"s"},{"role":"user","content":"u"},{"role":"developer","content":"d","tools":[]}]"#;
-        let c = conversation(raw, false, false).unwrap();
+        let c = conversation(raw, false, false, &mut budget()).unwrap();
         assert_eq!(
             json(&c),
             r#"[{"role": "system", "content": "s\n\nd"}, {"role": "user", "content": "u"}]"#
         );
         // A template that names the role gets the message as it is.
-        let c = conversation(raw, false, true).unwrap();
+        let c = conversation(raw, false, true, &mut budget()).unwrap();
         assert_eq!(
             json(&c[2..]),
             r#"[{"role": "developer", "content": "d", "tools": []}]"#
@@ -441,6 +477,7 @@ mod tests {
             br#"[{"role":"system","content":"x-anthropic-billing-header: cch=1\nkeep"},{"role":"user","content":"x-anthropic-billing-header: stays"}]"#,
             false,
             false,
+            &mut budget(),
         )
         .unwrap();
         assert_eq!(
@@ -455,10 +492,11 @@ mod tests {
             br#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]"#,
             false,
             false,
+            &mut budget(),
         )
         .unwrap_err();
         assert!(err.is_not_supported());
-        let err = conversation(br#"[{"content":"x"}]"#, false, false).unwrap_err();
+        let err = conversation(br#"[{"content":"x"}]"#, false, false, &mut budget()).unwrap_err();
         assert!(matches!(
             err,
             TokenizeError::Invalid {

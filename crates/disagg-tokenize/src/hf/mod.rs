@@ -41,10 +41,10 @@ use disagg_core::json::{JsonBody, raw};
 use disagg_core::request::Api;
 use minijinja::value::Value;
 use serde_json::Value as Json;
-use tokenizers::tokenizer::AddedToken;
+use tokenizers::tokenizer::{AddedToken, PostProcessor};
 use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, TruncationStrategy};
 
-use self::template::{Fields, Templates};
+use self::template::{Fields, RenderError, Templates};
 use crate::error::TokenizeError;
 use crate::prompt::{BlockingLimit, ChatPrompt, Prompt, PromptInput, off_loop, read_off_loop};
 use crate::{Tokenize, Tokens};
@@ -59,6 +59,12 @@ use crate::{Tokenize, Tokens};
 /// event loop, and every connection on it, should wait for one request (the same
 /// budget as the core's off-loop JSON parse, "well under a millisecond"). Below it the
 /// handoff to another thread (tens of microseconds with the wake-up) buys little.
+///
+/// A smaller chat is rendered on the event loop, and its text, when the template made
+/// it this size or more, is tokenized on the blocking pool. The render itself is
+/// bounded by [`render_ceiling`]'s floor: a tool list nested 120 deep, 3.8 KB of body,
+/// renders 0.46 MB in 0.6 ms (8.5 KB: 1 MB in 1.4 ms), release build, one core of a
+/// 2-core x86-64 VM.
 pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
 
 /// The most JSON objects and lists a chat's template inputs (`messages`, `tools`,
@@ -69,6 +75,39 @@ pub const DEFAULT_OFF_LOOP_FROM: usize = 4 * 1024;
 /// conversation of thousands of turns, each with its content parts, holds a few tens
 /// of thousands.
 pub const MAX_TEMPLATE_CONTAINERS: usize = 100_000;
+
+/// The least a chat's render may write (see [`render_ceiling`]): 1 MiB, some hundred
+/// times what a chat template adds to a short conversation, and ten times a large tool
+/// set dumped with an indent, so that no real chat of a small request meets it.
+pub const RENDER_CEILING_FLOOR: usize = 1024 * 1024;
+
+/// How many times the size of its template inputs (`messages`, `tools`, `documents`,
+/// `chat_template_kwargs`) a chat's render may write, above the floor (see
+/// [`render_ceiling`]).
+pub const RENDER_CEILING_FACTOR: usize = 4;
+
+/// The most a chat's render may write, for template inputs of `input` bytes: the
+/// rendered text, and, separately, the text its `tojson` calls write (together), each
+/// at most `max(RENDER_CEILING_FLOOR, RENDER_CEILING_FACTOR * input)`, counted as it is
+/// written. A render past it is [not supported](TokenizeError::NotSupported): the chat
+/// is routed without token ids.
+///
+/// A chat template writes each message's content once, and the tools as JSON, with
+/// an indent in most templates: some 2 to 3 times their compact size for real tool
+/// schemas (a few levels deep), all of it well under the floor for any request but
+/// large conversations, where the content, written once, dominates; four times the
+/// input leaves room for a template that writes the content twice. A client's value
+/// built to expand (a list nested 124 deep dumped with `indent`: 2 bytes in, some 250
+/// to 500 out) stops at the ceiling: a render costs at most 4 times its request (and the
+/// floor), and so does tokenizing its text. The floor bounds a small request's render
+/// on the event loop: at most 1 MiB written (about 1.5 ms, see
+/// [`DEFAULT_OFF_LOOP_FROM`]); its text, if past the tokenizer's off-loop threshold, is
+/// tokenized on the blocking pool.
+pub fn render_ceiling(input: usize) -> usize {
+    input
+        .saturating_mul(RENDER_CEILING_FACTOR)
+        .max(RENDER_CEILING_FLOOR)
+}
 
 /// The client's fields a chat's render builds as template values: `messages`, and
 /// `tools`, `documents` and `chat_template_kwargs` when set.
@@ -222,7 +261,7 @@ struct Inner {
     special: Vec<(&'static str, String)>,
     content_format: ContentFormat,
     /// The server's `--default-chat-template-kwargs`, below the request's.
-    default_kwargs: Vec<(String, Value)>,
+    default_kwargs: Fields,
     off_loop_from: usize,
     /// How many of its jobs are on the blocking pool at once.
     blocking: BlockingLimit,
@@ -360,7 +399,7 @@ impl HfTokenizer {
             path: PathBuf::from("--default-chat-template-kwargs"),
             reason: "not a JSON object".into(),
         })?;
-        Arc::make_mut(&mut self.inner).default_kwargs = fields.0;
+        Arc::make_mut(&mut self.inner).default_kwargs = fields;
         Ok(self)
     }
 
@@ -444,7 +483,22 @@ impl Tokenize for HfTokenizer {
             let inner = Arc::clone(&self.inner);
             return off_loop(&self.inner.blocking, move || inner.tokenize(&prompt)).await;
         }
-        self.inner.tokenize(&prompt)
+        let PromptInput::Chat(chat) = &prompt.input else {
+            return self.inner.tokenize(&prompt);
+        };
+        // A small chat is rendered here: at most `RENDER_CEILING_FLOOR` bytes written
+        // (see `render_ceiling`). The text it expands to, if large, is tokenized on the
+        // blocking pool as a large prompt would be.
+        let text = self.inner.render(chat)?;
+        let add_special_tokens = chat.add_special_tokens;
+        if text.len() >= self.inner.off_loop_from {
+            let inner = Arc::clone(&self.inner);
+            return off_loop(&self.inner.blocking, move || {
+                inner.tokenize_text(&prompt, &text, add_special_tokens)
+            })
+            .await;
+        }
+        self.inner.tokenize_text(&prompt, &text, add_special_tokens)
     }
 }
 
@@ -452,30 +506,39 @@ impl Tokenize for HfTokenizer {
 
 impl Inner {
     fn tokenize(&self, prompt: &Prompt) -> Result<Tokens, TokenizeError> {
+        match &prompt.input {
+            PromptInput::Ids(ids) => {
+                let mut ids = ids.clone();
+                if let Some(t) = prompt.truncation {
+                    t.apply(&mut ids);
+                }
+                Ok(ids.into())
+            }
+            PromptInput::Text {
+                text,
+                add_special_tokens,
+            } => self.tokenize_text(prompt, text, *add_special_tokens),
+            PromptInput::Chat(chat) => {
+                let text = self.render(chat)?;
+                self.tokenize_text(prompt, &text, chat.add_special_tokens)
+            }
+        }
+    }
+
+    /// The ids of `text` (a text prompt, or a chat's rendered text), truncated as
+    /// `prompt` says.
+    fn tokenize_text(
+        &self,
+        prompt: &Prompt,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Tokens, TokenizeError> {
         let truncation = prompt.truncation;
         // Without an explicit side vLLM truncates text inside the tokenizer
         // (`TokenizeParams.get_encode_kwargs`), which keeps the special tokens it adds;
         // a chat's rendered text included.
         let inside = truncation.filter(|t| t.side.is_none()).map(|t| t.keep);
-        let mut ids = match &prompt.input {
-            PromptInput::Ids(ids) => ids.clone(),
-            PromptInput::Text {
-                text,
-                add_special_tokens,
-            } => self.encode(text, *add_special_tokens, inside)?,
-            PromptInput::Chat(chat) => {
-                let held = template_inputs(chat)
-                    .map(|raw| raw::containers(raw, MAX_TEMPLATE_CONTAINERS))
-                    .fold(0, usize::saturating_add);
-                if held > MAX_TEMPLATE_CONTAINERS {
-                    return Err(TokenizeError::not_supported(
-                        "a chat of more JSON objects and lists than the template renders",
-                    ));
-                }
-                let text = self.render(chat)?;
-                self.encode(&text, chat.add_special_tokens, inside)?
-            }
-        };
+        let mut ids = self.encode(text, add_special_tokens, inside)?;
         if let Some(t) = truncation {
             t.apply(&mut ids);
         }
@@ -488,6 +551,16 @@ impl Inner {
         add_special_tokens: bool,
         max_length: Option<usize>,
     ) -> Result<Vec<u32>, TokenizeError> {
+        // The `tokenizers` crate computes `max_length - added tokens` unchecked (a
+        // panic in debug builds, a wrap to "no limit" in Python's release wheels). vLLM,
+        // on those wheels, then gets the text's full ids and keeps their last
+        // `max_length` (`TokenizeParams._token_truncation`); so does the caller's
+        // `Truncation::apply` when the tokenizer truncates nothing here.
+        let added = self
+            .tokenizer
+            .get_post_processor()
+            .map_or(0, |p| p.added_tokens(false));
+        let max_length = max_length.filter(|&m| m >= added);
         let encoding = match max_length {
             None => self.tokenizer.encode_fast(text, add_special_tokens),
             Some(max_length) => {
@@ -514,15 +587,31 @@ impl Inner {
         let Some(templates) = &self.templates else {
             return Err(TokenizeError::not_supported("no chat template"));
         };
+        // One budget of objects and lists for the whole request: the client's fields,
+        // then the tool-call `arguments` strings parsed into objects.
+        let held = template_inputs(chat)
+            .map(|raw| raw::containers(raw, MAX_TEMPLATE_CONTAINERS))
+            .fold(0, usize::saturating_add);
+        if held > MAX_TEMPLATE_CONTAINERS {
+            return Err(TokenizeError::not_supported(
+                "a chat of more JSON objects and lists than the template renders",
+            ));
+        }
+        let mut containers = MAX_TEMPLATE_CONTAINERS - held;
+        let ceiling = render_ceiling(template_inputs(chat).map(Bytes::len).sum());
         // Tools: the request's, unless its chat_template_kwargs carry their own.
-        let mut kwargs: Vec<(String, Value)> = self.default_kwargs.clone();
+        let mut kwargs = self.default_kwargs.clone();
         let mut request_kwargs: Vec<(String, Value)> = Vec::new();
         if let Some(raw) = &chat.chat_template_kwargs {
             let fields: Fields = serde_json::from_slice(raw).map_err(|_| {
                 TokenizeError::invalid("chat_template_kwargs", "expected an object")
             })?;
             // vLLM's merge drops `None` values: they leave the default in place.
-            request_kwargs = fields.0.into_iter().filter(|(_, v)| !v.is_none()).collect();
+            request_kwargs = fields
+                .into_pairs()
+                .into_iter()
+                .filter(|(_, v)| !v.is_none())
+                .collect();
         }
         let user_tools = request_kwargs.iter().any(|(k, _)| k == "tools");
         let tools = match (&chat.tools, user_tools) {
@@ -540,8 +629,12 @@ impl Inner {
             ContentFormat::String => false,
             ContentFormat::OpenAi => true,
         };
-        let mut conversation =
-            messages::conversation(&chat.messages, openai, entry.developer_role)?;
+        let mut conversation = messages::conversation(
+            &chat.messages,
+            openai,
+            entry.developer_role,
+            &mut containers,
+        )?;
         if conversation.is_empty() {
             return Err(TokenizeError::invalid(
                 "messages",
@@ -549,40 +642,31 @@ impl Inner {
             ));
         }
         for (k, v) in request_kwargs {
-            set(&mut kwargs, k, v);
+            kwargs.insert(k, v);
         }
         // The request's own fields win over its chat_template_kwargs (vLLM's
         // `build_chat_params`).
-        set(
-            &mut kwargs,
-            "add_generation_prompt".into(),
+        kwargs.set(
+            "add_generation_prompt",
             Value::from(chat.add_generation_prompt),
         );
         if let Some(raw) = &chat.documents {
             let docs: Value = serde_json::from_slice(raw)
                 .map_err(|_| TokenizeError::invalid("documents", "not JSON"))?;
-            set(&mut kwargs, "documents".into(), docs);
+            kwargs.set("documents", docs);
         }
         if let Some(effort) = &chat.reasoning_effort {
-            if !kwargs.iter().any(|(k, _)| k == "enable_thinking") {
-                set(
-                    &mut kwargs,
-                    "enable_thinking".into(),
-                    Value::from(effort != "none"),
-                );
+            if kwargs.get("enable_thinking").is_none() {
+                kwargs.set("enable_thinking", Value::from(effort != "none"));
             }
-            set(
-                &mut kwargs,
-                "reasoning_effort".into(),
-                Value::from(effort.as_str()),
-            );
+            kwargs.set("reasoning_effort", Value::from(effort.as_str()));
         }
         if let Some(tools) = tools {
-            set(&mut kwargs, "tools".into(), tools);
+            kwargs.set("tools", tools);
         }
         if kwargs
-            .iter()
-            .any(|(k, v)| k == "sanitize_control_tokens" && v.is_true())
+            .get("sanitize_control_tokens")
+            .is_some_and(Value::is_true)
         {
             return Err(TokenizeError::not_supported("sanitize_control_tokens"));
         }
@@ -603,7 +687,7 @@ impl Inner {
         let mut documents = Value::from(());
         let mut tools_value = Value::from(());
         let mut add_generation_prompt = Value::from(false);
-        for (k, v) in kwargs {
+        for (k, v) in kwargs.into_pairs() {
             match k.as_str() {
                 "documents" => documents = v,
                 "tools" => tools_value = v,
@@ -625,9 +709,14 @@ impl Inner {
         context.set("documents", documents);
         context.set("add_generation_prompt", add_generation_prompt);
         let rendered = templates
-            .render(&entry.name, context.into_value())
-            .map_err(|e| TokenizeError::Template {
-                message: template_message(&e),
+            .render(&entry.name, context.into_value(), ceiling)
+            .map_err(|e| match e {
+                RenderError::Template(e) => TokenizeError::Template {
+                    message: template_message(&e),
+                },
+                RenderError::TooLarge => TokenizeError::not_supported(
+                    "a chat whose rendered text is larger than its render's ceiling",
+                ),
             })?;
         if !chat.continue_final_message {
             return Ok(rendered);
@@ -679,13 +768,6 @@ fn mark_final(message: &mut Fields) -> Result<(), TokenizeError> {
     parts[i] = part.into_value();
     message.set("content", Value::from(parts));
     Ok(())
-}
-
-fn set(kwargs: &mut Vec<(String, Value)>, key: String, value: Value) {
-    match kwargs.iter_mut().find(|(k, _)| *k == key) {
-        Some(slot) => slot.1 = value,
-        None => kwargs.push((key, value)),
-    }
 }
 
 /// The reason a render failed: the template's own (`raise_exception`) or minijinja's.
@@ -799,7 +881,7 @@ fn load(
             templates,
             special,
             content_format: ContentFormat::Auto,
-            default_kwargs: Vec::new(),
+            default_kwargs: Fields::default(),
             off_loop_from: DEFAULT_OFF_LOOP_FROM,
             blocking: BlockingLimit::default(),
         }),
@@ -871,6 +953,47 @@ mod tests {
         assert_eq!(
             &*t.tokenize(Api::Completions, &large_prompt).await.unwrap(),
             &want[..]
+        );
+    }
+
+    /// A chat whose message, `chat_template_kwargs`, tool and tool-call `arguments`
+    /// each have `n` distinct keys renders at a few key look-ups per key: the scans
+    /// made `n²/2` comparisons for each (5,000 keys: 12,500,000), some 15 s for a
+    /// 1 MiB object of 90,000 keys.
+    #[test]
+    fn objects_of_many_keys_cost_a_few_look_ups_per_key() {
+        let n = 5000;
+        let members = |v: &str| {
+            (0..n)
+                .map(|i| format!(r#""k{i}":{v}"#))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let arguments = serde_json::to_string(&format!("{{{}}}", members("1"))).unwrap();
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"hello",{m}}},
+                {{"role":"assistant","content":"","tool_calls":[{{"type":"function","function":{{"name":"f","arguments":{arguments},{m}}}}}]}}],
+              "chat_template_kwargs":{{{m}}},
+              "tools":[{{"type":"function","function":{{"name":"g",{m}}},{m}}}]}}"#,
+            m = members("2"),
+        );
+        let config = r#"{"chat_template": "{% for m in messages %}{{ m.role }} {{ m.tool_calls | tojson }}{% endfor %}{{ k4999 }}{{ tools | length }}"}"#;
+        let t = HfTokenizer::from_bytes(TOKENIZER.as_bytes(), Some(config.as_bytes())).unwrap();
+        let body = JsonBody::parse(body.as_bytes()).unwrap();
+        let PromptInput::Chat(chat) = Prompt::read(Api::Chat, &body).unwrap().input else {
+            panic!("a chat");
+        };
+        template::PROBES.set(0);
+        let text = t.render_chat(&chat).unwrap();
+        assert!(
+            text.ends_with(r#""k4999": 2}}]21"#),
+            "{}",
+            &text[text.len() - 40..]
+        );
+        let probes = template::PROBES.get();
+        assert!(
+            probes <= 40 * n as u64,
+            "{probes} key comparisons and look-ups for objects of {n} keys"
         );
     }
 }

@@ -10,7 +10,10 @@
 //! `.startswith()`, `.items()`, `.get()`) come from `minijinja-contrib`'s pycompat, and
 //! maps keep their keys in the order the client sent them, as Python's dicts do.
 
+use std::cell::Cell;
+use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::io;
 use std::sync::Arc;
 
 use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Value, ValueKind};
@@ -73,9 +76,119 @@ impl Templates {
         named("default")
     }
 
-    /// Render template `name` with `context`.
-    pub(crate) fn render(&self, name: &str, context: Value) -> Result<String, Error> {
-        self.env.get_template(name)?.render(context)
+    /// Render template `name` with `context`, its output at most `ceiling` bytes, and
+    /// what its `tojson` calls write, together, at most `ceiling` bytes too: both are
+    /// counted as they are written, and the render stops at the first byte past
+    /// ([`RenderError::TooLarge`]), so that a client's value a template expands (a
+    /// deeply nested list dumped with an indent: some 250 bytes out for each 2 in)
+    /// costs at most the ceiling, never what the expansion would reach.
+    pub(crate) fn render(
+        &self,
+        name: &str,
+        context: Value,
+        ceiling: usize,
+    ) -> Result<String, RenderError> {
+        let template = self.env.get_template(name).map_err(RenderError::Template)?;
+        let budget = DumpBudget::install(ceiling);
+        let mut out = Capped {
+            buf: Vec::new(),
+            ceiling,
+            over: false,
+        };
+        let rendered = template.render_captured_to(context, &mut out);
+        if out.over || budget.exceeded() {
+            return Err(RenderError::TooLarge);
+        }
+        if let Err(e) = rendered {
+            return Err(RenderError::Template(e));
+        }
+        String::from_utf8(out.buf).map_err(|_| {
+            RenderError::Template(Error::new(
+                ErrorKind::InvalidOperation,
+                "the rendered chat is not UTF-8",
+            ))
+        })
+    }
+}
+
+/// Why a render gave no text.
+#[derive(Debug)]
+pub(crate) enum RenderError {
+    /// The template failed, or raised.
+    Template(Error),
+    /// The output, or what `tojson` wrote, went past the render's ceiling.
+    TooLarge,
+}
+
+/// A render's output, refused from the first byte past `ceiling`.
+struct Capped {
+    buf: Vec<u8>,
+    ceiling: usize,
+    over: bool,
+}
+
+impl io::Write for Capped {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        if bytes.len() > self.ceiling.saturating_sub(self.buf.len()) {
+            self.over = true;
+            return Err(io::Error::other("the render's ceiling"));
+        }
+        self.buf.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// What the `tojson` calls of the render running on this thread may still write,
+    /// and whether one went past it (`None`: no render, no limit). A render runs on
+    /// the thread that calls it, start to end, and so do its filters.
+    static DUMP_LEFT: Cell<Option<(usize, bool)>> = const { Cell::new(None) };
+}
+
+/// The `tojson` budget of the render in progress, removed when the render ends (or
+/// unwinds).
+struct DumpBudget {
+    outer: Option<(usize, bool)>,
+}
+
+impl DumpBudget {
+    fn install(ceiling: usize) -> DumpBudget {
+        DumpBudget {
+            outer: DUMP_LEFT.replace(Some((ceiling, false))),
+        }
+    }
+
+    fn exceeded(&self) -> bool {
+        DUMP_LEFT.get().is_some_and(|(_, over)| over)
+    }
+
+    /// What `tojson` may still write.
+    fn left() -> usize {
+        DUMP_LEFT.get().map_or(usize::MAX, |(left, _)| left)
+    }
+
+    /// `tojson` wrote `n` bytes.
+    fn spend(n: usize) {
+        if let Some((left, over)) = DUMP_LEFT.get() {
+            DUMP_LEFT.set(Some((left.saturating_sub(n), over)));
+        }
+    }
+
+    /// `tojson` went past what it may write.
+    fn overrun() {
+        if let Some((left, _)) = DUMP_LEFT.get() {
+            DUMP_LEFT.set(Some((left, true)));
+        }
+    }
+}
+
+impl Drop for DumpBudget {
+    fn drop(&mut self) {
+        DUMP_LEFT.set(self.outer);
     }
 }
 
@@ -174,9 +287,16 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         key,
         ensure_ascii: ensure_ascii.unwrap_or(false),
         sort_keys: sort_keys.unwrap_or(false),
+        limit: DumpBudget::left(),
     };
     let mut out = String::new();
-    dumper.value(&mut out, &value, 0)?;
+    if let Err(e) = dumper.value(&mut out, &value, 0) {
+        if out.len() > dumper.limit {
+            DumpBudget::overrun();
+        }
+        return Err(e);
+    }
+    DumpBudget::spend(out.len());
     Ok(Value::from(out))
 }
 
@@ -186,19 +306,37 @@ struct Dumper {
     key: String,
     ensure_ascii: bool,
     sort_keys: bool,
+    /// The most it may write: what is left of the render's budget.
+    limit: usize,
 }
 
 impl Dumper {
-    fn newline(&self, out: &mut String, level: usize) {
+    /// Fails once `out` is past the limit: checked as the text grows (after each
+    /// indent, each scalar and each character of a string), so the dump stops within
+    /// a few bytes of it.
+    fn room(&self, out: &str) -> Result<(), Error> {
+        if out.len() > self.limit {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: the dump is larger than the render may write",
+            ));
+        }
+        Ok(())
+    }
+
+    fn newline(&self, out: &mut String, level: usize) -> Result<(), Error> {
         if let Some(indent) = &self.indent {
             out.push('\n');
             for _ in 0..level {
                 out.push_str(indent);
+                self.room(out)?;
             }
         }
+        Ok(())
     }
 
     fn value(&self, out: &mut String, v: &Value, level: usize) -> Result<(), Error> {
+        self.room(out)?;
         match v.kind() {
             ValueKind::Undefined | ValueKind::None => out.push_str("null"),
             ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -210,7 +348,7 @@ impl Dumper {
                     out.push_str(&py_float(f));
                 }
             }
-            ValueKind::String => self.string(out, v.as_str().unwrap_or("")),
+            ValueKind::String => self.string(out, v.as_str().unwrap_or(""))?,
             ValueKind::Seq | ValueKind::Iterable => {
                 let items: Vec<Value> = v.try_iter()?.collect();
                 self.seq(out, &items, level)?;
@@ -233,7 +371,7 @@ impl Dumper {
                 ));
             }
         }
-        Ok(())
+        self.room(out)
     }
 
     fn seq(&self, out: &mut String, items: &[Value], level: usize) -> Result<(), Error> {
@@ -246,10 +384,10 @@ impl Dumper {
             if i > 0 {
                 out.push_str(&self.item);
             }
-            self.newline(out, level + 1);
+            self.newline(out, level + 1)?;
             self.value(out, item, level + 1)?;
         }
-        self.newline(out, level);
+        self.newline(out, level)?;
         out.push(']');
         Ok(())
     }
@@ -264,20 +402,21 @@ impl Dumper {
             if i > 0 {
                 out.push_str(&self.item);
             }
-            self.newline(out, level + 1);
-            self.string(out, k);
+            self.newline(out, level + 1)?;
+            self.string(out, k)?;
             out.push_str(&self.key);
             self.value(out, v, level + 1)?;
         }
-        self.newline(out, level);
+        self.newline(out, level)?;
         out.push('}');
         Ok(())
     }
 
     /// A JSON string as Python's encoder writes it.
-    fn string(&self, out: &mut String, s: &str) {
+    fn string(&self, out: &mut String, s: &str) -> Result<(), Error> {
         out.push('"');
         for c in s.chars() {
+            self.room(out)?;
             match c {
                 '"' => out.push_str("\\\""),
                 '\\' => out.push_str("\\\\"),
@@ -299,6 +438,7 @@ impl Dumper {
             }
         }
         out.push('"');
+        self.room(out)
     }
 }
 
@@ -362,36 +502,129 @@ fn py_float(f: f64) -> String {
     }
 }
 
+/// From this many keys on, a [`Fields`] keeps an index of them (key to position), so
+/// that finding a key costs one hash look-up, not a comparison with each key: a
+/// client's object of `n` distinct keys (a message, `chat_template_kwargs`, a tool, a
+/// tool call's `arguments`) then costs `n` look-ups to build and to read, where the
+/// scan cost `n²/2` comparisons (90,000 keys: 4 billion). Below it the scan is as fast
+/// and allocates nothing.
+const INDEX_FROM: usize = 8;
+
 /// A JSON object with its keys in their order: a message, or a dict the normalisation
 /// rebuilt. Templates see it as a mapping.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Fields(pub(crate) Vec<(String, Value)>);
+pub(crate) struct Fields {
+    pairs: Vec<(String, Value)>,
+    /// Each key's position in `pairs`, once there are [`INDEX_FROM`] of them.
+    index: Option<HashMap<String, usize>>,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Key comparisons and index look-ups made on this thread ([`Fields`]' cost).
+    pub(crate) static PROBES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// One key comparison, or one index look-up.
+#[inline]
+fn probe() {
+    #[cfg(test)]
+    PROBES.set(PROBES.get() + 1);
+}
 
 impl Fields {
+    /// `pairs` as an object, a repeated key keeping its first position and its last
+    /// value (as Python's `json` and dicts do).
+    pub(crate) fn new(pairs: Vec<(String, Value)>) -> Fields {
+        let mut fields = Fields {
+            pairs: Vec::with_capacity(pairs.len()),
+            index: None,
+        };
+        for (k, v) in pairs {
+            fields.insert(k, v);
+        }
+        fields
+    }
+
+    /// The key-value pairs, in order.
+    #[cfg(test)]
+    pub(crate) fn pairs(&self) -> &[(String, Value)] {
+        &self.pairs
+    }
+
+    pub(crate) fn into_pairs(self) -> Vec<(String, Value)> {
+        self.pairs
+    }
+
+    fn position(&self, key: &str) -> Option<usize> {
+        match &self.index {
+            Some(index) => {
+                probe();
+                index.get(key).copied()
+            }
+            None => self.pairs.iter().position(|(k, _)| {
+                probe();
+                k == key
+            }),
+        }
+    }
+
     pub(crate) fn get(&self, key: &str) -> Option<&Value> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+        self.position(key).map(|i| &self.pairs[i].1)
     }
 
     /// Set `key`, in place when it exists (a Python dict keeps the key's position).
     pub(crate) fn set(&mut self, key: &str, value: Value) {
-        match self.0.iter_mut().find(|(k, _)| k == key) {
-            Some(slot) => slot.1 = value,
-            None => self.0.push((key.to_owned(), value)),
+        match self.position(key) {
+            Some(i) => self.pairs[i].1 = value,
+            None => self.push(key.to_owned(), value),
         }
     }
 
+    /// [`set`](Self::set) with an owned key.
+    pub(crate) fn insert(&mut self, key: String, value: Value) {
+        match self.position(&key) {
+            Some(i) => self.pairs[i].1 = value,
+            None => self.push(key, value),
+        }
+    }
+
+    /// A key not there yet.
+    fn push(&mut self, key: String, value: Value) {
+        if let Some(index) = &mut self.index {
+            index.insert(key.clone(), self.pairs.len());
+        }
+        self.pairs.push((key, value));
+        if self.index.is_none() && self.pairs.len() >= INDEX_FROM {
+            self.reindex();
+        }
+    }
+
+    fn reindex(&mut self) {
+        self.index = (self.pairs.len() >= INDEX_FROM).then(|| {
+            self.pairs
+                .iter()
+                .enumerate()
+                .map(|(i, (k, _))| (k.clone(), i))
+                .collect()
+        });
+    }
+
     pub(crate) fn remove(&mut self, key: &str) {
-        self.0.retain(|(k, _)| k != key);
+        if self.position(key).is_some() {
+            self.pairs.retain(|(k, _)| k != key);
+            self.reindex();
+        }
     }
 
     /// The fields of a mapping value, in its order.
     pub(crate) fn of(v: &Value) -> Result<Fields, Error> {
-        let mut fields = Vec::new();
+        let mut fields = Fields::default();
         for k in v.try_iter()? {
             let val = v.get_item(&k)?;
-            fields.push((key_text(&k)?, val));
+            fields.insert(key_text(&k)?, val);
         }
-        Ok(Fields(fields))
+        Ok(fields)
     }
 
     pub(crate) fn into_value(self) -> Value {
@@ -410,7 +643,7 @@ impl Object for Fields {
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
         Enumerator::Values(
-            self.0
+            self.pairs
                 .iter()
                 .map(|(k, _)| Value::from(k.as_str()))
                 .collect(),
@@ -418,7 +651,7 @@ impl Object for Fields {
     }
 
     fn enumerator_len(self: &Arc<Self>) -> Option<usize> {
-        Some(self.0.len())
+        Some(self.pairs.len())
     }
 }
 
@@ -431,15 +664,12 @@ impl<'de> Deserialize<'de> for Fields {
                 f.write_str("an object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Fields, A::Error> {
-                let mut fields: Vec<(String, Value)> = Vec::new();
+                let mut fields = Fields::default();
                 while let Some((k, v)) = map.next_entry::<String, Value>()? {
                     // Python's `json` keeps a repeated key's first position, last value.
-                    match fields.iter_mut().find(|(f, _)| *f == k) {
-                        Some(slot) => slot.1 = v,
-                        None => fields.push((k, v)),
-                    }
+                    fields.insert(k, v);
                 }
-                Ok(Fields(fields))
+                Ok(fields)
             }
         }
         d.deserialize_map(V)
@@ -452,7 +682,10 @@ mod tests {
 
     fn render(source: &str, ctx: Value) -> Result<String, Error> {
         let t = Templates::new(vec![("default".into(), source.into())]).map_err(|e| e.1)?;
-        t.render("default", ctx)
+        t.render("default", ctx, usize::MAX).map_err(|e| match e {
+            RenderError::Template(e) => e,
+            RenderError::TooLarge => Error::new(ErrorKind::InvalidOperation, "too large"),
+        })
     }
 
     #[test]
@@ -527,7 +760,7 @@ mod tests {
     #[test]
     fn fields_keep_their_order_and_fold_repeats() {
         let f: Fields = serde_json::from_str(r#"{"z":1,"a":2,"z":3}"#).unwrap();
-        let keys: Vec<&str> = f.0.iter().map(|(k, _)| k.as_str()).collect();
+        let keys: Vec<&str> = f.pairs().iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(keys, ["z", "a"]);
         assert_eq!(f.get("z").and_then(Value::as_i64), Some(3));
         let got = render(
@@ -536,5 +769,84 @@ mod tests {
         )
         .unwrap();
         assert_eq!(got, r#"{"z": 3, "a": 2}"#);
+    }
+
+    /// A list nested deep, dumped with an indent: 2 bytes of `0,` in, some 250 out.
+    fn nested(depth: usize, zeros: usize) -> Value {
+        let json = format!(
+            "{}{}{}",
+            "[".repeat(depth),
+            vec!["0"; zeros].join(","),
+            "]".repeat(depth)
+        );
+        serde_json::from_str(&json).unwrap()
+    }
+
+    /// What a render writes, and what its `tojson` calls write (printed or not), stop
+    /// at its ceiling; under it the same render succeeds.
+    #[test]
+    fn renders_and_dumps_stop_at_the_ceiling() {
+        let t = Templates::new(vec![
+            ("out".into(), "{{ v | tojson(indent=2) }}".into()),
+            (
+                "kept".into(),
+                "{% set x = v | tojson(indent=2) %}{{ x | length }}".into(),
+            ),
+            (
+                "twice".into(),
+                "{% for _ in range(4) %}{% set x = v | tojson(indent=2) %}{% endfor %}ok".into(),
+            ),
+        ])
+        .map_err(|e| e.1)
+        .unwrap();
+        let v = nested(100, 1000);
+        let ctx = || minijinja::context! { v => v.clone() };
+        let full = t.render("out", ctx(), usize::MAX).unwrap();
+        assert!(full.len() > 200_000, "{}", full.len());
+        for name in ["out", "kept"] {
+            let err = t.render(name, ctx(), 64 * 1024).unwrap_err();
+            assert!(matches!(err, RenderError::TooLarge), "{name}: {err:?}");
+            assert!(t.render(name, ctx(), full.len() + 10).is_ok(), "{name}");
+        }
+        // The dumps of one render share one budget.
+        assert!(t.render("twice", ctx(), 2 * full.len()).is_err());
+        assert!(t.render("twice", ctx(), 4 * full.len()).is_ok());
+        // No budget is left behind on the thread.
+        assert_eq!(DUMP_LEFT.get(), None);
+    }
+
+    /// Building, reading, setting and dumping an object of `n` distinct keys costs a
+    /// few look-ups per key, not a comparison with each other key (`n²/2`: the
+    /// 12,500,000 comparisons of 5,000 keys the scan made).
+    #[test]
+    fn fields_cost_a_few_look_ups_per_key() {
+        let n = 5000;
+        let keys: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+        let json = format!(
+            "{{{}}}",
+            keys.iter()
+                .map(|k| format!("\"{k}\":1"))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        PROBES.set(0);
+        let mut f: Fields = serde_json::from_str(&json).unwrap();
+        for k in &keys {
+            assert!(f.get(k).is_some());
+            f.set(k, Value::from(2));
+        }
+        let copy = Fields::of(&f.clone().into_value()).unwrap();
+        assert_eq!(copy.pairs().len(), n);
+        let dumped = render(
+            "{{ f | tojson }}",
+            minijinja::context! { f => f.into_value() },
+        )
+        .unwrap();
+        assert!(dumped.starts_with(r#"{"k0": 2, "k1": 2"#));
+        let probes = PROBES.get();
+        assert!(
+            probes <= 8 * n as u64,
+            "{probes} key comparisons and look-ups for {n} keys"
+        );
     }
 }
