@@ -57,6 +57,24 @@ pub const BUSY_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// the runtime's blocking threads instead.
 pub const PARSE_OFF_LOOP_FROM: usize = 256 * 1024;
 
+/// `work` on Tokio's blocking pool (see [`PARSE_OFF_LOOP_FROM`]), or here when there
+/// is no runtime: its panic is raised again here, and a runtime shutting down is 503
+/// `server_busy` (no answer will reach the client anyway).
+pub(crate) async fn on_blocking_pool<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
+) -> Result<T, PdError> {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return work();
+    };
+    match runtime.spawn_blocking(work).await {
+        Ok(done) => done,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(PdError::from(Overload::ServerBusy {
+            retry_after: BUSY_RETRY_AFTER,
+        })),
+    }
+}
+
 /// The bytes that request bodies being received may hold at once, shared by every clone.
 ///
 /// A body takes its share when its reading starts (its declared length) or as it grows

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use disagg_core::endpoint::InFlightGuard;
-use disagg_core::error::{BoxError, Overload, PdError, RouteError, Side, TransportError};
+use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
 use disagg_core::json::{BodyError, JsonBody};
 use disagg_core::outcome::Delivery;
 use disagg_core::policy::Permit;
@@ -141,6 +141,11 @@ fn strip_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
     for name in named {
         headers.remove(name);
     }
+    remove_where(headers, drop);
+}
+
+/// Remove the headers `drop` picks.
+pub(crate) fn remove_where(headers: &mut HeaderMap, drop: impl Fn(&HeaderName) -> bool) {
     let gone: Vec<HeaderName> = headers.keys().filter(|n| drop(n)).cloned().collect();
     for name in gone {
         headers.remove(name);
@@ -197,7 +202,7 @@ impl Inner {
             let (start, rest, whole) = if direct {
                 (Bytes::new(), body, true)
             } else {
-                match self.sniff(body).await {
+                match sniff_start(body, self.limits()).await {
                     // A body that is no JSON object streams, unless its first bytes
                     // were many (a long run of whitespace): those would wait for the
                     // engine outside the budget, so it is read whole, held to it.
@@ -472,20 +477,6 @@ impl Inner {
         fan_out_answer(parts.uri.path(), &targets, answers)
     }
 
-    /// Read a forwarded client's `body` until its first bytes tell whether it is a JSON
-    /// object: those bytes, the rest of the body unread, and what they told.
-    ///
-    /// They are read as an orchestrated body is ([`body::read`]): held to the budget as
-    /// they grow (503 `server_busy` past it, as for an orchestrated body), to the size
-    /// limit and to the body timeout, and looked at once each, where the last frame
-    /// left off ([`ObjectStart`](sniff::ObjectStart)): a body of many one-byte frames of
-    /// whitespace costs its length, not its square. Their share of the budget is given
-    /// back here: a body read whole takes its own share again at once, and one streamed
-    /// is sent to the engine as it comes.
-    async fn sniff(&self, body: ClientBody) -> Result<(Bytes, ClientBody, bool), PdError> {
-        sniff_start(body, self.limits()).await
-    }
-
     fn limits(&self) -> body::Limits<'_> {
         body::Limits {
             max_bytes: self.config.max_body_bytes,
@@ -495,7 +486,16 @@ impl Inner {
     }
 }
 
-/// [`Inner::sniff`] under `limits`.
+/// Read a forwarded client's `body`, under `limits`, until its first bytes tell whether
+/// it is a JSON object: those bytes, the rest of the body unread, and what they told.
+///
+/// They are read as an orchestrated body is ([`body::read`]): held to the budget as
+/// they grow (503 `server_busy` past it, as for an orchestrated body), to the size
+/// limit and to the body timeout, and looked at once each, where the last frame
+/// left off ([`ObjectStart`](sniff::ObjectStart)): a body of many one-byte frames of
+/// whitespace costs its length, not its square. Their share of the budget is given
+/// back here: a body read whole takes its own share again at once, and one streamed
+/// is sent to the engine as it comes.
 async fn sniff_start(
     body: ClientBody,
     limits: body::Limits<'_>,
@@ -524,17 +524,8 @@ async fn off_loop<T: Send + 'static>(
     len: usize,
     work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
 ) -> Result<T, PdError> {
-    if len >= body::PARSE_OFF_LOOP_FROM
-        && let Ok(runtime) = tokio::runtime::Handle::try_current()
-    {
-        return match runtime.spawn_blocking(work).await {
-            Ok(done) => done,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            // The runtime is shutting down: no answer will reach the client anyway.
-            Err(_) => Err(PdError::from(Overload::ServerBusy {
-                retry_after: body::BUSY_RETRY_AFTER,
-            })),
-        };
+    if len >= body::PARSE_OFF_LOOP_FROM {
+        return body::on_blocking_pool(work).await;
     }
     work()
 }

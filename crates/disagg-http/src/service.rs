@@ -446,21 +446,14 @@ impl Inner {
         // A large body (or a hostile one of many keys) would hold the event loop, and
         // every connection on it, for as long as its parse takes; see
         // `PARSE_OFF_LOOP_FROM` for the threshold and why the blocking pool.
-        if bytes.len() >= body::PARSE_OFF_LOOP_FROM
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
+        if bytes.len() >= body::PARSE_OFF_LOOP_FROM {
             let orchestrator = self.orchestrator.clone();
-            let parsed = runtime
-                .spawn_blocking(move || orchestrator.request(api, headers, &bytes))
-                .await;
-            return match parsed {
-                Ok(parsed) => parsed.map_err(PdError::body),
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                // The runtime is shutting down: no answer will reach the client anyway.
-                Err(_) => Err(PdError::from(disagg_core::error::Overload::ServerBusy {
-                    retry_after: body::BUSY_RETRY_AFTER,
-                })),
-            };
+            return body::on_blocking_pool(move || {
+                orchestrator
+                    .request(api, headers, &bytes)
+                    .map_err(PdError::body)
+            })
+            .await;
         }
         self.orchestrator
             .request(api, headers, &bytes)

@@ -402,18 +402,11 @@ impl Router for SidecarRouter {
 /// ([`disagg_core::proto::forwardable_header`]). The client's credentials are the
 /// engine's business here, as they were before the sidecar stood in front of it.
 pub(super) fn strip_engine_directives(headers: &mut HeaderMap) {
-    let directive = |name: &HeaderName| {
-        *name != http::header::AUTHORIZATION
-            && name.as_str() != "x-api-key"
-            && !disagg_core::proto::forwardable_header(name, true)
-    };
-    if !headers.keys().any(directive) {
-        return;
-    }
-    let names: Vec<HeaderName> = headers.keys().filter(|n| directive(n)).cloned().collect();
-    for name in names {
-        headers.remove(&name);
-    }
+    // `forwardable_header` with `authorization` allowed refuses `x-api-key` and the
+    // directives; the key stays.
+    crate::forward::remove_where(headers, |name| {
+        name.as_str() != "x-api-key" && !disagg_core::proto::forwardable_header(name, true)
+    });
 }
 
 // === impl LocalDecode ===
