@@ -294,19 +294,24 @@ mod tests {
         assert_eq!(p.pick_key(b"hot", &c), home, "back home once idle");
     }
 
-    #[test]
-    fn an_endpoints_own_weight_draws_its_share_of_sessions() {
+    /// Of 10,000 sessions over two endpoints weighted `weights`, those the second gets.
+    fn second_share(weights: [f64; 2]) -> usize {
         let c: Vec<_> = (0..2)
             .map(|i| {
                 let e = Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
                     .expect("valid url");
-                Arc::new(e.with_weight([1.0, 4.0][i]).expect("valid weight"))
+                Arc::new(e.with_weight(weights[i]).expect("valid weight"))
             })
             .collect();
         let p = ConsistentHash::default();
-        let heavy = (0..10_000u32)
+        (0..10_000u32)
             .filter(|k| p.pick_key(&k.to_le_bytes(), &c) == 1)
-            .count();
+            .count()
+    }
+
+    #[test]
+    fn an_endpoints_own_weight_draws_its_share_of_sessions() {
+        let heavy = second_share([1.0, 4.0]);
         // A share of 4/5 of the sessions.
         assert!((7_600..8_400).contains(&heavy), "{heavy}");
     }
@@ -335,19 +340,7 @@ mod tests {
     fn endpoint_weights_near_f64_max_keep_their_shares() {
         // Unscaled, both scores are infinite for most keys and the tie goes to the
         // smaller id.
-        let c: Vec<_> = [f64::MAX / 4.0, f64::MAX]
-            .iter()
-            .enumerate()
-            .map(|(i, &w)| {
-                let e = Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
-                    .expect("valid url");
-                Arc::new(e.with_weight(w).expect("valid weight"))
-            })
-            .collect();
-        let p = ConsistentHash::default();
-        let heavy = (0..10_000u32)
-            .filter(|k| p.pick_key(&k.to_le_bytes(), &c) == 1)
-            .count();
+        let heavy = second_share([f64::MAX / 4.0, f64::MAX]);
         // A share of 4/5 of the sessions.
         assert!((7_600..8_400).contains(&heavy), "{heavy}");
     }
