@@ -11,7 +11,7 @@ use disagg_sim::{SimConfig, SimEngine};
 use serde_json::{Value, json};
 
 mod common;
-use common::{Proxy, post, post_with};
+use common::{Proxy, post, post_with, read_request};
 
 /// A prefill engine (vLLM NIXL).
 async fn prefill() -> SimEngine {
@@ -338,7 +338,7 @@ async fn an_oversized_decode_handoff_is_dropped_and_the_answer_still_arrives() {
 /// `kv_transfer_params` is the next of `handoffs` (round and round), then closes.
 async fn raw_decode(handoffs: Vec<&'static str>) -> String {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let next = std::sync::Arc::new(AtomicUsize::new(0));
@@ -347,24 +347,8 @@ async fn raw_decode(handoffs: Vec<&'static str>) -> String {
             let (next, handoffs) = (next.clone(), handoffs.clone());
             tokio::spawn(async move {
                 // The head, then as many body bytes as it says.
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                        let length: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= end + 4 + length {
-                            break;
-                        }
-                    }
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
+                if read_request(&mut s).await.is_none() {
+                    return;
                 }
                 let handoff = handoffs[next.fetch_add(1, Ordering::Relaxed) % handoffs.len()];
                 let body = format!(
