@@ -828,7 +828,7 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
         ("/v1/audio/translations", CLIENT_HANDOFF),
         ("/v1/load_lora_adapter", CLIENT_HANDOFF),
     ];
-    all_ok(&proxy, &sent).await;
+    all_answered(&proxy, &sent, 200).await;
     let seen = bodies(&engine);
     assert_eq!(seen.len(), sent.len(), "{seen:?}");
     for body in seen {
@@ -845,13 +845,13 @@ async fn a_clients_handoff_reaches_no_engine_on_any_route() {
     }
 }
 
-/// POST each `(path, body)` to `proxy`: each is answered 200.
-async fn all_ok(proxy: &Proxy, sent: &[(&str, &str)]) {
+/// POST each `(path, body)` to `proxy`: each is answered `status`.
+async fn all_answered(proxy: &Proxy, sent: &[(&str, &str)], status: u16) {
     for (path, body) in sent {
         let a = raw_request(proxy.addr, "POST", path, body).await;
         assert_eq!(
             a.status,
-            200,
+            status,
             "{path}: {}",
             String::from_utf8_lossy(&a.body)
         );
@@ -878,7 +878,7 @@ async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
         "/v1/load_lora_adapter",
     ]
     .map(|path| (path, NESTED_HANDOFF));
-    all_ok(&proxy, &sent).await;
+    all_answered(&proxy, &sent, 200).await;
     let seen = bodies(&engine);
     // Both legs of the orchestrated request, one request of each other.
     assert_eq!(seen.len(), sent.len() + 1, "{seen:?}");
@@ -910,20 +910,14 @@ async fn a_clients_nested_handoff_reaches_no_engine_on_any_route() {
     // engines' Python reads) is refused on every kind, not passed with its handoff.
     let before = bodies(&engine).len();
     let odd = r#"{"model":"sim-model","prompt":"a","token_ids":[1],"sampling_params":{"max_tokens":1},"vllm_xargs":{"\udc00":0,"kv_transfer_params":{"remote_host":"10.6.6.6"}}}"#;
-    for path in [
+    let sent = [
         "/v1/completions",
         "/tokenize",
         "/invocations",
         "/v1/load_lora_adapter",
-    ] {
-        let a = raw_request(proxy.addr, "POST", path, odd).await;
-        assert_eq!(
-            a.status,
-            400,
-            "{path}: {}",
-            String::from_utf8_lossy(&a.body)
-        );
-    }
+    ]
+    .map(|path| (path, odd));
+    all_answered(&proxy, &sent, 400).await;
     assert_eq!(bodies(&engine).len(), before, "no engine got one");
 }
 
