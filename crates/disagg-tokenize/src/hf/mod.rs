@@ -556,11 +556,10 @@ impl Inner {
         // on those wheels, then gets the text's full ids and keeps their last
         // `max_length` (`TokenizeParams._token_truncation`); so does the caller's
         // `Truncation::apply` when the tokenizer truncates nothing here.
-        let added = self
-            .tokenizer
-            .get_post_processor()
-            .map_or(0, |p| p.added_tokens(false));
-        let max_length = max_length.filter(|&m| m >= added);
+        let max_length = max_length.filter(|&m| {
+            let added = self.tokenizer.get_post_processor();
+            m >= added.map_or(0, |p| p.added_tokens(false))
+        });
         let encoding = match max_length {
             None => self.tokenizer.encode_fast(text, add_special_tokens),
             Some(max_length) => {
