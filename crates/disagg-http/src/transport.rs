@@ -356,7 +356,7 @@ impl Inner {
             .unwrap_or(if key.tls { 443 } else { 80 });
         // The connect timeout covers the TLS handshake too: both must be done before
         // the request can go.
-        let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
+        let deadline = deadline_after(self.config.connect_timeout);
         let connect = crate::connect::connect(host, port, self.config.addresses);
         let stream = match tokio::time::timeout_at(deadline, connect).await {
             Err(_) => return Err(TransportError::Connect("connect timed out".into())),
@@ -424,6 +424,15 @@ impl Inner {
                 .boxed()
         })
     }
+}
+
+/// `timeout` from now; a timeout too long for the clock to add (`Duration::MAX`, the
+/// usual "no limit") ends some thirty years from now instead of panicking.
+fn deadline_after(timeout: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(30 * 365 * 86_400)))
+        .unwrap_or(now)
 }
 
 /// The HTTP/1.1 handshake over `io`, its connection driven by a task of its own.

@@ -51,6 +51,18 @@ async fn sequential_requests_share_one_connection() {
     assert_eq!(engine.stats().requests, 3);
 }
 
+/// `Duration::MAX`, the usual "no limit", as the connect timeout: the deadline it
+/// makes cannot be added to the clock, so it must mean "far away", not a panic.
+#[tokio::test]
+async fn a_connect_timeout_of_duration_max_connects() {
+    let engine = SimEngine::start(SimConfig::default()).await.unwrap();
+    let mut config = HttpTransportConfig::default();
+    config.connect_timeout = Duration::MAX;
+    let t = HttpTransport::new(config);
+    let resp = t.send(request(&engine, false, 3)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+}
+
 #[tokio::test]
 async fn a_body_dropped_early_closes_its_connection() {
     let slow = SimConfig {

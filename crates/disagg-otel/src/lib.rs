@@ -106,6 +106,10 @@ pub enum OtelError {
     /// The exporter's runtime could not start.
     #[error("OTLP exporter runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    /// The endpoint is not an `http://` URL: [`ExportClient`] speaks plain HTTP only, so
+    /// an `https://` collector would fail every export, silently, after start-up.
+    #[error("OTLP endpoint {0:?}: only http:// collectors are supported")]
+    Scheme(String),
 }
 
 /// Where and as whom [`Tracer::otlp`] exports.
@@ -205,9 +209,14 @@ impl Tracer {
     ///
     /// # Errors
     ///
-    /// An endpoint the exporter refuses, or a runtime that cannot start.
+    /// An endpoint that is not `http://` or that the exporter refuses, or a runtime that
+    /// cannot start.
     pub fn otlp(config: OtlpConfig) -> Result<Tracer, OtelError> {
         use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+        let scheme = config.endpoint.split_once("://").map(|(s, _)| s);
+        if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("http")) {
+            return Err(OtelError::Scheme(config.endpoint));
+        }
         let client = ExportClient::new(config.timeout).map_err(OtelError::Runtime)?;
         let mut exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
@@ -315,8 +324,8 @@ pub fn route_span(
 ) -> SpanData {
     let s = summary;
     let mut attributes = vec![
-        KeyValue::new("http.request.method", s.method.as_str().to_owned()),
-        KeyValue::new("url.path", s.path.to_string()),
+        KeyValue::new("http.request.method", clip(s.method.as_str()).to_owned()),
+        KeyValue::new("url.path", clip(&s.path).to_owned()),
         KeyValue::new("http.response.status_code", i64::from(s.status.as_u16())),
         KeyValue::new("disagg.route", s.kind.as_str()),
         KeyValue::new("disagg.outcome", s.outcome),
@@ -337,7 +346,7 @@ pub fn route_span(
         parent_span_id: trace.parent.map_or(SpanId::INVALID, SpanId::from_bytes),
         parent_span_is_remote: trace.parent.is_some(),
         span_kind: SpanKind::Server,
-        name: Cow::Owned(format!("{} {}", s.method, s.path)),
+        name: Cow::Owned(format!("{} {}", clip(s.method.as_str()), clip(&s.path))),
         start_time: clock.wall(s.arrival),
         end_time: clock.wall(s.end.max(s.arrival)),
         attributes,
@@ -361,12 +370,7 @@ fn scope() -> InstrumentationScope {
 }
 
 fn context(trace: &TraceIds, span: [u8; 8]) -> SpanContext {
-    let state = trace
-        .tracestate
-        .as_ref()
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<TraceState>().ok())
-        .unwrap_or(TraceState::NONE);
+    let state = trace_state(trace.tracestate.as_ref());
     SpanContext::new(
         TraceId::from_bytes(trace.trace_id),
         SpanId::from_bytes(span),
@@ -380,6 +384,16 @@ fn context(trace: &TraceIds, span: [u8; 8]) -> SpanContext {
     )
 }
 
+/// The client's `tracestate`, when it is one (and not longer than
+/// [`MAX_TRACESTATE_BYTES`]).
+fn trace_state(header: Option<&http::HeaderValue>) -> TraceState {
+    header
+        .filter(|v| v.len() <= MAX_TRACESTATE_BYTES)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<TraceState>().ok())
+        .unwrap_or(TraceState::NONE)
+}
+
 fn operation(api: Api) -> &'static str {
     match api {
         // The GenAI semantic conventions' names: chat, and a prompt completed as text
@@ -389,8 +403,33 @@ fn operation(api: Api) -> &'static str {
     }
 }
 
+/// The most bytes of an attribute value (or span name part) taken from what a client
+/// sent: its `model`, path or `x-request-id`. The request is over when its span is
+/// queued, so an unbounded value would sit in the batch queue (2,048 spans) outside
+/// every per-request budget; a longer value is cut on a character boundary. Model ids,
+/// paths and request ids people use are far shorter.
+pub const MAX_CLIENT_ATTRIBUTE_BYTES: usize = 256;
+
+/// The most bytes of a `tracestate` header carried into the spans: the W3C Trace Context
+/// asks vendors to propagate at least 512 characters and allows dropping a longer
+/// one; a longer one is dropped here.
+const MAX_TRACESTATE_BYTES: usize = 512;
+
+/// `s` cut to [`MAX_CLIENT_ATTRIBUTE_BYTES`] on a character boundary.
+fn clip(s: &str) -> &str {
+    if s.len() <= MAX_CLIENT_ATTRIBUTE_BYTES {
+        return s;
+    }
+    let mut end = MAX_CLIENT_ATTRIBUTE_BYTES;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 fn header(v: &http::HeaderValue) -> String {
-    String::from_utf8_lossy(v.as_bytes()).into_owned()
+    let b = v.as_bytes();
+    String::from_utf8_lossy(&b[..b.len().min(MAX_CLIENT_ATTRIBUTE_BYTES)]).into_owned()
 }
 
 /// The server span of the request `summary` tells of, with the ids of `trace`, placed on
@@ -419,7 +458,10 @@ pub fn request_span(
         KeyValue::new("disagg.stream", s.stream),
     ];
     if let Some(model) = &s.model {
-        attributes.push(KeyValue::new("gen_ai.request.model", model.to_string()));
+        attributes.push(KeyValue::new(
+            "gen_ai.request.model",
+            clip(model).to_owned(),
+        ));
     }
     if let Some(id) = &s.request_id {
         attributes.push(KeyValue::new("disagg.request_id", header(id)));
@@ -736,6 +778,45 @@ pub fn migration_spans(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clip_cuts_on_a_character_boundary_at_the_ceiling() {
+        let short = "m".repeat(MAX_CLIENT_ATTRIBUTE_BYTES);
+        assert_eq!(clip(&short), short, "at the ceiling: whole");
+        let long = format!(
+            "{}{}",
+            "m".repeat(MAX_CLIENT_ATTRIBUTE_BYTES - 1),
+            "é".repeat(4)
+        );
+        assert_eq!(clip(&long), "m".repeat(MAX_CLIENT_ATTRIBUTE_BYTES - 1));
+        let v = http::HeaderValue::from_str(&"i".repeat(4000)).unwrap();
+        assert_eq!(header(&v).len(), MAX_CLIENT_ATTRIBUTE_BYTES);
+    }
+
+    #[test]
+    fn a_tracestate_longer_than_512_bytes_is_dropped() {
+        let short = http::HeaderValue::from_static("vendor=opaque");
+        assert_eq!(trace_state(Some(&short)).header(), "vendor=opaque");
+        // Three members of 200 characters: each valid, 610 bytes in all.
+        let list = format!(
+            "a={},b={},c={}",
+            "x".repeat(200),
+            "y".repeat(200),
+            "z".repeat(200)
+        );
+        assert!(list.len() > MAX_TRACESTATE_BYTES);
+        let long = http::HeaderValue::from_str(&list).unwrap();
+        assert_eq!(trace_state(Some(&long)).header(), "");
+    }
+
+    #[test]
+    fn an_https_collector_is_refused_at_setup() {
+        for endpoint in ["https://collector:4318", "collector:4318", "grpc://c:4317"] {
+            let e = Tracer::otlp(OtlpConfig::new(endpoint)).expect_err(endpoint);
+            assert!(matches!(e, OtelError::Scheme(_)), "{endpoint}: {e}");
+        }
+        assert!(Tracer::otlp(OtlpConfig::new("HTTP://127.0.0.1:4318")).is_ok());
+    }
 
     #[test]
     fn a_span_clock_keeps_its_reading_unless_the_wall_clock_was_stepped() {

@@ -419,7 +419,7 @@ impl Inner {
         let wait = retry.backoff(e, done)?;
         if clock
             .deadline
-            .is_some_and(|d| TokioInstant::now() + wait >= d)
+            .is_some_and(|d| TokioInstant::now().checked_add(wait).is_none_or(|t| t >= d))
         {
             return None;
         }

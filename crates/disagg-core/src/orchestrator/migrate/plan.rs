@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use disagg_json::raw;
+use disagg_json::{lax, raw};
 
 use crate::connector::Leg;
 use crate::request::{Api, PdRequest};
@@ -25,7 +25,8 @@ pub(crate) struct Plan {
     pub(super) client_ids: bool,
     /// The client asked for a usage chunk (`stream_options.include_usage`).
     pub(super) usage: bool,
-    /// The client's `max_tokens` (or `max_completion_tokens`).
+    /// The most tokens the client's request generates, as the engine reads its body
+    /// (see [`plan`]); `None`: to the end of the context.
     pub(super) max_tokens: Option<u64>,
     /// The client's `min_tokens`.
     pub(super) min_tokens: Option<u64>,
@@ -86,9 +87,22 @@ pub(super) fn set(raw: Option<&[u8]>) -> bool {
     })
 }
 
-pub(super) fn uint(raw: Option<&[u8]>) -> Option<u64> {
-    std::str::from_utf8(raw?.trim_ascii()).ok()?.parse().ok()
+/// A field read as the engine reads an integer (pydantic's lax `int`: `2.0` and `"2"`
+/// are 2): `Ok(None)` when absent or `null`; `Err` for a value the engine refuses.
+fn int(raw: Option<&[u8]>) -> Result<Option<i64>, lax::Refused> {
+    raw.map_or(Ok(None), |v| lax::int_value(v.trim_ascii()))
 }
+
+/// A field read as the engine reads a boolean (pydantic's lax `bool`: `1` and `"yes"`
+/// are true); a value the engine refuses reads as not set.
+fn flag(raw: Option<&[u8]>) -> bool {
+    raw.is_some_and(|v| lax::bool_value(v.trim_ascii()) == Ok(Some(true)))
+}
+
+/// What vLLM's completions API generates when the body names no `max_tokens` (the
+/// OpenAI default its `CompletionRequest` declares). Chat has none: it generates to the
+/// end of the context.
+pub(super) const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// Whether `req` may be migrated under `config`, decided from its body alone: a
 /// streamed chat or completion with one sequence and nothing a token prompt cannot
@@ -119,7 +133,12 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
             return None;
         }
     }
-    if uint(b.get("n")).is_some_and(|n| n > 1) || uint(b.get("best_of")).is_some_and(|n| n > 1) {
+    // Read as the engine reads them: `"n": 2.0` is two sequences. A value the engine
+    // refuses fails the request before any stream; nothing to plan for.
+    let (Ok(n), Ok(best_of)) = (int(b.get("n")), int(b.get("best_of"))) else {
+        return None;
+    };
+    if n.is_some_and(|n| n > 1) || best_of.is_some_and(|n| n > 1) {
         return None;
     }
     if !config.allow_seed && set(b.get("seed")) {
@@ -142,7 +161,7 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
             let opts = std::str::from_utf8(opts).ok()?;
             let keys = ["continuous_usage_stats", "include_usage"];
             let [continuous, include] = match raw::members_named(opts, keys) {
-                Ok(found) => found.map(|v| v.is_some_and(|v| v.get() == "true")),
+                Ok(found) => found.map(|v| flag(v.map(|v| v.get().as_bytes()))),
                 // JSON of another type sets neither.
                 Err(_) if !raw::is_object(opts) => [false, false],
                 Err(_) => return None,
@@ -154,15 +173,36 @@ pub(crate) fn plan(config: &MigrationConfig, req: &PdRequest) -> Option<Plan> {
         }
         _ => false,
     };
+    // The limit the engine generates to, which the continuation must carry less what
+    // was generated. Chat: `max_completion_tokens or max_tokens`, as vLLM resolves them
+    // (Python's `or`: a 0 falls through), none meaning the rest of the context.
+    // Completions: `max_tokens`, 16 when absent, the rest of the context when `null`.
+    let (Ok(max_completion), Ok(max), Ok(min)) = (
+        int(b.get("max_completion_tokens")),
+        int(b.get("max_tokens")),
+        int(b.get("min_tokens")),
+    ) else {
+        return None;
+    };
+    let max_tokens = if chat {
+        max_completion.filter(|&m| m != 0).or(max)
+    } else if b.get("max_tokens").is_none() {
+        Some(COMPLETIONS_DEFAULT_MAX_TOKENS as i64)
+    } else {
+        max
+    };
+    // A negative limit fails the request at the engine; nothing to plan for.
+    let max_tokens = match max_tokens {
+        Some(m) => Some(u64::try_from(m).ok()?),
+        None => None,
+    };
     Some(Plan {
         chat,
         generate: None,
-        client_ids: b
-            .get("return_token_ids")
-            .is_some_and(|v| v.trim_ascii() == b"true"),
+        client_ids: flag(b.get("return_token_ids")),
         usage,
-        max_tokens: uint(b.get("max_tokens")).or_else(|| uint(b.get("max_completion_tokens"))),
-        min_tokens: uint(b.get("min_tokens")),
+        max_tokens,
+        min_tokens: min.and_then(|m| u64::try_from(m).ok()),
         body: b.clone(),
     })
 }
@@ -202,8 +242,11 @@ pub(super) fn continuation_body(
         }
     }
     body.set("prompt", ids);
-    if let Some(left) = left {
-        body.set("max_tokens", &left);
+    match left {
+        Some(left) => body.set("max_tokens", &left),
+        // The continuation goes to the completions API, whose absent `max_tokens` means
+        // 16: `null` asks for the rest of the context, as the client's chat did.
+        None => body.set_raw("max_tokens", Bytes::from_static(b"null")),
     }
     if let Some(min) = plan.min_tokens {
         body.set("min_tokens", &min.saturating_sub(generated));

@@ -250,6 +250,84 @@ fn a_continuation_carries_sampling_and_reduced_limits() {
     );
 }
 
+/// The limit a continuation carries is the one the engine generated to: chat prefers
+/// `max_completion_tokens`, a chat without one runs to the end of the context (the
+/// continuation says `null`: the completions API it goes to would stop at 16), a
+/// completion without one stops at 16; integers are read as the engine reads them.
+#[test]
+fn the_limit_is_read_as_the_engine_reads_it() {
+    let on = MigrationConfig {
+        limit: 1,
+        ..MigrationConfig::default()
+    };
+    let planned = |api: Api, extra: serde_json::Value| {
+        let mut body = serde_json::json!({"messages": [], "prompt": "x", "stream": true});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        plan(&on, &request(api, body))
+    };
+    let limit =
+        |api: Api, extra: serde_json::Value| planned(api, extra).expect("eligible").max_tokens;
+    let both = serde_json::json!({"max_tokens": 1000, "max_completion_tokens": 20});
+    assert_eq!(limit(Api::Chat, both), Some(20));
+    let zero = serde_json::json!({"max_tokens": 30, "max_completion_tokens": 0});
+    assert_eq!(limit(Api::Chat, zero), Some(30), "Python's `or`");
+    assert_eq!(limit(Api::Chat, serde_json::json!({})), None);
+    assert_eq!(limit(Api::Completions, serde_json::json!({})), Some(16));
+    assert_eq!(
+        limit(Api::Completions, serde_json::json!({"max_tokens": null})),
+        None
+    );
+    assert_eq!(
+        limit(Api::Chat, serde_json::json!({"max_tokens": 50.0})),
+        Some(50)
+    );
+    assert_eq!(
+        limit(Api::Completions, serde_json::json!({"max_tokens": "50"})),
+        Some(50)
+    );
+    assert_eq!(
+        limit(Api::Chat, serde_json::json!({"min_tokens": 2.0})),
+        None
+    );
+    assert_eq!(
+        planned(Api::Chat, serde_json::json!({"min_tokens": 2.0}))
+            .unwrap()
+            .min_tokens,
+        Some(2)
+    );
+    // Two sequences however `n` is spelled: not migrated.
+    for n in [
+        serde_json::json!(2.0),
+        serde_json::json!("2"),
+        serde_json::json!(true),
+    ] {
+        let two = n != serde_json::json!(true);
+        let p = planned(
+            Api::Chat,
+            serde_json::json!({"n": n.clone(), "temperature": 1}),
+        );
+        assert_eq!(p.is_none(), two, "{n}");
+    }
+    // Booleans as the engine reads them.
+    let p = planned(
+        Api::Chat,
+        serde_json::json!({"return_token_ids": 1, "stream_options": {"include_usage": "yes"}}),
+    )
+    .unwrap();
+    assert!(p.client_ids && p.usage);
+    // A chat with no limit continues to the end of the context, said as `null`.
+    let p = planned(Api::Chat, serde_json::json!({"model": "m"})).unwrap();
+    let body: serde_json::Value =
+        serde_json::from_slice(&continuation_body(&p, &[5, 6], 2, None)).unwrap();
+    assert_eq!(
+        body.get("max_tokens"),
+        Some(&serde_json::Value::Null),
+        "{body}"
+    );
+}
+
 #[test]
 fn a_generate_request_is_eligible_with_input_ids_and_a_limit() {
     let on = MigrationConfig {
