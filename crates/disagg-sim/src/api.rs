@@ -10,6 +10,7 @@ use crate::body::Endpoint;
 use crate::config::{KvMode, SimConfig};
 use crate::generate::{Generation, VOCAB_SIZE, tokenize};
 use crate::lax;
+use crate::surface::Loras;
 
 /// An error answered in vLLM's shape:
 /// `{"error":{"message":..,"type":..,"param":null,"code":..}}`.
@@ -82,10 +83,49 @@ fn error_type(status: StatusCode) -> String {
     }
 }
 
+/// Most choices (prompts × `n`) one request may ask for: the simulator builds every
+/// choice up front, so an unbounded batch would be an unbounded allocation.
+pub(crate) const MAX_CHOICES: u64 = 1024;
+
+/// Most tokens one request may ask to generate, all choices together (prompts × `n` ×
+/// the completion's token limit).
+pub(crate) const MAX_GENERATED_TOKENS: u64 = 1 << 22;
+
+/// How many prompts a `prompt` (or `text`, `input_ids`) value holds, read before they
+/// are tokenized: a list of strings or of lists is a batch, anything else one prompt.
+pub(crate) fn batch_len(prompt: Option<&Value>) -> usize {
+    match prompt {
+        Some(Value::Array(items)) if !items.iter().all(Value::is_number) => items.len(),
+        _ => 1,
+    }
+}
+
+/// Refuses a batch too large to build: more than [`MAX_CHOICES`] choices, or more than
+/// [`MAX_GENERATED_TOKENS`] tokens to generate. `n` and `max_tokens` are per prompt.
+pub(crate) fn check_batch(prompts: usize, n: u32, max_tokens: u32) -> Result<(), ApiError> {
+    let prompts = prompts as u64;
+    let choices = prompts.saturating_mul(u64::from(n));
+    if choices > MAX_CHOICES {
+        return Err(ApiError::bad_request(format!(
+            "The request asks for {choices} choices ({prompts} prompts, n={n}); at most {MAX_CHOICES} choices are served per request."
+        )));
+    }
+    let tokens = choices.saturating_mul(u64::from(max_tokens));
+    if tokens > MAX_GENERATED_TOKENS {
+        return Err(ApiError::bad_request(format!(
+            "The request asks for up to {tokens} generated tokens ({choices} choices of up to {max_tokens} tokens); at most {MAX_GENERATED_TOKENS} are served per request."
+        )));
+    }
+    Ok(())
+}
+
 /// A completion request, validated.
 #[derive(Debug)]
 pub(crate) struct CompletionRequest {
     pub(crate) endpoint: Endpoint,
+    /// The LoRA adapter the request's `model` names (`None`: the base model), which
+    /// the answer names as its `model`, as vLLM does.
+    pub(crate) adapter: Option<String>,
     /// The prompts as token ids (one prompt for chat: its messages rendered
     /// by [`chat_prompt`]).
     pub(crate) prompts: Vec<Vec<u32>>,
@@ -248,11 +288,19 @@ pub(crate) fn chat_prompt(messages: Option<&Value>) -> Result<String, ApiError> 
     Ok(text)
 }
 
-/// Checks a request's optional `model` against the served one, like vLLM.
-pub(crate) fn check_model(obj: &Map<String, Value>, config: &SimConfig) -> Result<(), ApiError> {
+/// Checks a request's optional `model` against the served ones, like vLLM
+/// (`OpenAIServing._check_model`): the base model or a LoRA adapter loaded
+/// (`/v1/load_lora_adapter`). The adapter's name, when the request names one: vLLM
+/// names it as the answer's `model`.
+pub(crate) fn check_model(
+    obj: &Map<String, Value>,
+    config: &SimConfig,
+    loras: &Loras,
+) -> Result<Option<String>, ApiError> {
     match lax::field(obj, "model") {
-        None => Ok(()),
-        Some(Value::String(m)) if *m == config.model => Ok(()),
+        None => Ok(None),
+        Some(Value::String(m)) if *m == config.model => Ok(None),
+        Some(Value::String(m)) if loras.contains(m) => Ok(Some(m.clone())),
         Some(Value::String(m)) => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("The model `{m}` does not exist."),
@@ -277,13 +325,14 @@ pub(crate) struct TokenizeAnswer {
 pub(crate) fn tokenize_request(
     body: &Value,
     config: &SimConfig,
+    loras: &Loras,
 ) -> Result<TokenizeAnswer, ApiError> {
     let Some(obj) = body.as_object() else {
         return Err(ApiError::bad_request(
             "Input should be a valid dictionary or object to extract fields from",
         ));
     };
-    check_model(obj, config)?;
+    check_model(obj, config, loras)?;
     let tokens = if obj.contains_key("messages") {
         // Validated, although the template has no generation prompt to add.
         lax::opt_bool(obj, "add_generation_prompt")?;
@@ -316,13 +365,14 @@ impl CompletionRequest {
         endpoint: Endpoint,
         body: &Value,
         config: &SimConfig,
+        loras: &Loras,
     ) -> Result<Self, ApiError> {
         let Some(obj) = body.as_object() else {
             return Err(ApiError::bad_request(
                 "Input should be a valid dictionary or object to extract fields from",
             ));
         };
-        check_model(obj, config)?;
+        let adapter = check_model(obj, config, loras)?;
         let dialect = Dialect::of(config.kv_mode);
         let vllm = dialect == Dialect::Vllm;
         if vllm {
@@ -371,6 +421,10 @@ impl CompletionRequest {
             endpoint == Endpoint::Chat && reused.is_none(),
             reused.is_some(),
         );
+        // A batch of more prompts than choices served is refused before it is tokenized.
+        if endpoint == Endpoint::Completions {
+            check_batch(batch_len(obj.get("prompt")), 1, 0)?;
+        }
         let prompts = match (endpoint, reused) {
             (Endpoint::Chat, Some(ids)) => vec![ids],
             (Endpoint::Chat, None) => vec![tokenize(&chat_prompt(obj.get("messages"))?)],
@@ -455,6 +509,7 @@ impl CompletionRequest {
             }
             Some(n) => u32::try_from(n).unwrap_or(1).max(1),
         };
+        check_batch(prompts.len(), n, max_tokens)?;
         let stop = lax::opt_str_or_list(obj, "stop")?.unwrap_or_default();
         let ignore_eos = lax::opt_bool(obj, "ignore_eos")?.unwrap_or(false);
         let include_stop_str_in_output =
@@ -483,6 +538,7 @@ impl CompletionRequest {
 
         Ok(Self {
             endpoint,
+            adapter,
             prompts,
             prompt_tokens,
             max_tokens,
@@ -966,7 +1022,7 @@ mod tests {
             kv_mode: mode,
             ..SimConfig::default()
         };
-        CompletionRequest::parse(endpoint, &body, &config).map_err(|e| {
+        CompletionRequest::parse(endpoint, &body, &config, &Loras::default()).map_err(|e| {
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{}", e.message);
             e.message
         })

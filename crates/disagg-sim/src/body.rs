@@ -457,11 +457,52 @@ impl SseBody {
     }
 }
 
-/// A stream of events rendered up front, one event per frame, with the engine's
-/// inter-token delay before each event after the first. No task, no channel.
+/// Where the frames of an [`EventsBody`] come from.
+#[derive(Debug)]
+pub(crate) enum Events {
+    /// Rendered up front (streams whose events are small: one token each).
+    Ready(std::collections::VecDeque<Bytes>),
+    /// SGLang's `/generate`, rendered event by event as hyper asks for it.
+    Native(Box<crate::native::NativeStream>),
+}
+
+impl From<std::collections::VecDeque<Bytes>> for Events {
+    fn from(events: std::collections::VecDeque<Bytes>) -> Self {
+        Events::Ready(events)
+    }
+}
+
+impl Events {
+    fn is_empty(&self) -> bool {
+        match self {
+            Events::Ready(events) => events.is_empty(),
+            Events::Native(stream) => stream.is_end(),
+        }
+    }
+
+    /// The next frame: `None` at the end, `Err` when it cannot be rendered.
+    fn next_frame(&mut self) -> Option<Result<Bytes, serde_json::Error>> {
+        match self {
+            Events::Ready(events) => events.pop_front().map(Ok),
+            Events::Native(stream) => stream.next_frame(),
+        }
+    }
+
+    /// The bytes held for frames not sent yet (what is rendered ahead of the client).
+    #[cfg(test)]
+    pub(crate) fn queued_bytes(&self) -> usize {
+        match self {
+            Events::Ready(events) => events.iter().map(Bytes::len).sum(),
+            Events::Native(_) => 0,
+        }
+    }
+}
+
+/// A stream of events, one event per frame, with the engine's inter-token delay before
+/// each event after the first. No task, no channel.
 #[derive(Debug)]
 pub(crate) struct EventsBody {
-    events: std::collections::VecDeque<Bytes>,
+    events: Events,
     delay: Duration,
     sleep: Option<Pin<Box<Sleep>>>,
     emitted: usize,
@@ -476,13 +517,13 @@ pub(crate) struct EventsBody {
 
 impl EventsBody {
     pub(crate) fn new(
-        events: std::collections::VecDeque<Bytes>,
+        events: impl Into<Events>,
         delay: Duration,
         stall_after: Option<usize>,
         guard: RequestGuard,
     ) -> Self {
         EventsBody {
-            events,
+            events: events.into(),
             delay,
             sleep: None,
             emitted: 0,
@@ -491,6 +532,12 @@ impl EventsBody {
             flushed: false,
             guard: Some(guard),
         }
+    }
+
+    /// The bytes held for frames not sent yet.
+    #[cfg(test)]
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.events.queued_bytes()
     }
 
     /// The same body, aborting the connection after `n` events, when set.
@@ -529,8 +576,19 @@ impl EventsBody {
             }
             self.sleep = None;
         }
-        let Some(event) = self.events.pop_front() else {
-            return Poll::Ready(None);
+        let event = match self.events.next_frame() {
+            None => return Poll::Ready(None),
+            Some(Ok(event)) => event,
+            Some(Err(e)) => {
+                // Serializing a JSON value into memory does not fail; should it, the
+                // stream ends without its end, as an engine's would.
+                tracing::error!(error = %e, "cannot render a stream event");
+                self.events = Events::Ready(std::collections::VecDeque::new());
+                if let Some(mut g) = self.guard.take() {
+                    g.complete();
+                }
+                return Poll::Ready(Some(Err(FaultAbort)));
+            }
         };
         self.emitted += 1;
         if self.events.is_empty()

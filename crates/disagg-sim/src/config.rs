@@ -22,7 +22,8 @@ use std::time::Duration;
 #[derive(Clone, Debug)]
 pub struct SimConfig {
     /// Served model name (`"sim-model"` by default). Requests naming another
-    /// model are answered with 404, like vLLM.
+    /// model (nor a LoRA adapter loaded with `POST /v1/load_lora_adapter`) are
+    /// answered with 404, like vLLM.
     pub model: String,
     /// The NIXL engine id put in `kv_transfer_params.remote_engine_id`
     /// (Mooncake: the engine id of data-parallel rank 0). `None` (the
@@ -45,7 +46,8 @@ pub struct SimConfig {
     pub eos_period: u32,
     /// How long a prefill keeps KV blocks nobody pulled (default 30 s, like
     /// vLLM's `kv_lease_duration`); in [`KvMode::Lmcache`], how long a decode
-    /// keeps received KV no request took.
+    /// keeps received KV no request took; with [`SimConfig::ec_push`], how long a
+    /// consumer keeps pushed encoder outputs no request took.
     pub kv_lease: Duration,
     /// Prompt tokens per KV block (default 16).
     pub block_size: usize,
@@ -53,7 +55,9 @@ pub struct SimConfig {
     /// completion tokens beyond it are rejected with 400.
     pub max_model_len: u32,
     /// How many of the last completion requests [`SimEngine::requests`]
-    /// keeps (default 256; 0 records nothing, which the benchmarks use).
+    /// keeps (default 256; 0 records nothing, which the benchmarks use). They are
+    /// also kept within 64 MiB (paths, headers and bodies; the newest request always):
+    /// beyond it the oldest are forgotten first.
     ///
     /// [`SimEngine::requests`]: crate::SimEngine::requests
     pub record_requests: usize,

@@ -12,7 +12,9 @@
 //! The wire is the simulator's own (vLLM's is a ZMQ control channel and a Mooncake
 //! transfer engine): per item a frame of three length-prefixed fields (big-endian
 //! `u32`), the transfer id, the item hash and the embeddings, each bounded; the consumer
-//! answers each frame with one byte, `1` stored or `0` refused.
+//! answers each frame with one byte, `1` stored or `0` refused (a transfer id it holds
+//! already, or 4096 items held). An item no request takes within the consumer's
+//! [`SimConfig::kv_lease`](crate::SimConfig::kv_lease) is dropped.
 //!
 //! A consumer with data-parallel ranks listens on one EC port per rank, consecutive (vLLM:
 //! rank `d` at `ec_port + d·tp_size`; the simulator's tensor-parallel size is 1), each
@@ -20,6 +22,7 @@
 //! on, so items pushed to another rank never arrive.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::net::Ipv4Addr;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -28,6 +31,7 @@ use http::StatusCode;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
 
 use crate::api::ApiError;
 
@@ -35,36 +39,79 @@ use crate::api::ApiError;
 const MAX_ID: usize = 256;
 /// Largest embeddings frame accepted.
 const MAX_BYTES: usize = 1 << 20;
-/// Most pushed items a consumer holds at once (older ones are refused beyond).
+/// Most pushed items a consumer holds at once (more are refused until some are taken or
+/// expire).
 const MAX_HELD: usize = 4096;
 /// How long an encoder tries to reach its consumer (vLLM's `control_timeout_s` is
 /// 30 s; a test wants a wrong address to fail sooner).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The items pushed to a consumer and not yet taken by a request: by transfer id, the
-/// item hash and the embeddings.
+/// An item pushed to a consumer: its hash, its embeddings, and when it is dropped if no
+/// request took it.
+#[derive(Debug)]
+struct Held {
+    hash: String,
+    bytes: Vec<u8>,
+    expires: Instant,
+}
+
+/// The items pushed to a consumer and not yet taken by a request, by transfer id, each
+/// held for the consumer's lease ([`SimConfig::kv_lease`](crate::SimConfig::kv_lease)).
 #[derive(Debug, Default)]
 pub(crate) struct Pushed {
-    held: Mutex<HashMap<String, (String, Vec<u8>)>>,
+    held: Mutex<HashMap<String, Held>>,
     arrived: tokio::sync::Notify,
 }
 
 impl Pushed {
-    fn put(&self, transfer_id: String, hash: String, bytes: Vec<u8>) -> bool {
+    /// Stores an item for `lease`. Refused (`false`) when `transfer_id` is held already
+    /// (a second push under it would silently replace the first) or when
+    /// [`MAX_HELD`] items are held, expired ones dropped first.
+    fn put(&self, transfer_id: String, hash: String, bytes: Vec<u8>, lease: Duration) -> bool {
         let Ok(mut held) = self.held.lock() else {
             return false;
         };
+        let now = Instant::now();
+        if held.len() >= MAX_HELD {
+            held.retain(|_, item| item.expires > now);
+        }
         if held.len() >= MAX_HELD {
             return false;
         }
-        held.insert(transfer_id, (hash, bytes));
+        match held.entry(transfer_id) {
+            Entry::Occupied(mut taken) if taken.get().expires <= now => {
+                taken.insert(Held {
+                    hash,
+                    bytes,
+                    expires: now + lease,
+                });
+            }
+            Entry::Occupied(_) => return false,
+            Entry::Vacant(free) => {
+                free.insert(Held {
+                    hash,
+                    bytes,
+                    expires: now + lease,
+                });
+            }
+        }
         drop(held);
         self.arrived.notify_waiters();
         true
     }
 
+    /// Takes the item pushed under `transfer_id`, unless its lease ran out.
     fn take(&self, transfer_id: &str) -> Option<(String, Vec<u8>)> {
-        self.held.lock().ok()?.remove(transfer_id)
+        let item = self.held.lock().ok()?.remove(transfer_id)?;
+        (item.expires > Instant::now()).then_some((item.hash, item.bytes))
+    }
+
+    /// Drops the items whose lease ran out.
+    pub(crate) fn sweep(&self) {
+        let now = Instant::now();
+        if let Ok(mut held) = self.held.lock() {
+            held.retain(|_, item| item.expires > now);
+        }
     }
 
     /// The item pushed under `transfer_id`, waited for up to `wait`.
@@ -101,8 +148,13 @@ async fn read_field(stream: &mut TcpStream, max: usize) -> std::io::Result<Optio
     Ok(Some(buf))
 }
 
-/// A consumer's EC port, one encoder's connection: frames stored until it closes.
-pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Result<()> {
+/// A consumer's EC port, one encoder's connection: frames stored (each held for
+/// `lease`) until it closes.
+pub(crate) async fn serve(
+    pushed: &Pushed,
+    lease: Duration,
+    mut stream: TcpStream,
+) -> std::io::Result<()> {
     loop {
         let Some(id) = read_field(&mut stream, MAX_ID).await? else {
             return Ok(());
@@ -117,7 +169,7 @@ pub(crate) async fn serve(pushed: &Pushed, mut stream: TcpStream) -> std::io::Re
             stream.write_all(&[0]).await?;
             continue;
         };
-        let stored = pushed.put(id, hash, bytes);
+        let stored = pushed.put(id, hash, bytes, lease);
         stream.write_all(&[u8::from(stored)]).await?;
     }
 }

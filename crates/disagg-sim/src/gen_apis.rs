@@ -76,6 +76,7 @@ pub(crate) fn parse(
     api: GenApi,
     body: &Value,
     config: &SimConfig,
+    loras: &crate::surface::Loras,
 ) -> Result<CompletionRequest, ApiError> {
     let Some(obj) = body.as_object() else {
         return Err(ApiError::bad_request(
@@ -88,7 +89,7 @@ pub(crate) fn parse(
         GenApi::Messages => (Endpoint::Chat, messages_body(obj)?),
         GenApi::Cohere => (Endpoint::Chat, cohere_body(obj)?),
         GenApi::Responses => {
-            let read = crate::surface::responses_request(body, config)?;
+            let read = crate::surface::responses_request(body, config, loras)?;
             let mut out = Map::new();
             for key in ["model", "kv_transfer_params"] {
                 if let Some(v) = obj.get(key) {
@@ -104,7 +105,7 @@ pub(crate) fn parse(
             (Endpoint::Completions, out)
         }
     };
-    let mut request = CompletionRequest::parse(endpoint, &Value::Object(inner), config)?;
+    let mut request = CompletionRequest::parse(endpoint, &Value::Object(inner), config, loras)?;
     request.gen_api = Some(api);
     request.responses = responses;
     Ok(request)

@@ -98,7 +98,9 @@
 //! * Admin routes: `POST /v1/load_lora_adapter` (`lora_name`, `lora_path`,
 //!   `load_inplace`; vLLM's checks and answers) and
 //!   `POST /v1/unload_lora_adapter` keep the engine's adapters
-//!   ([`SimEngine::lora_adapters`]); `POST /reset_prefix_cache` empties the
+//!   ([`SimEngine::lora_adapters`]); a request whose `model` names a loaded adapter
+//!   is served as one naming the base model, its answer naming the adapter as its
+//!   `model`, as vLLM's does; `POST /reset_prefix_cache` empties the
 //!   prefix cache. [`Faults::admin_status`] makes them fail, changing nothing.
 //! * SGLang engines ([`KvMode::Sglang`], both roles): `POST /generate`,
 //!   SGLang's native API, with the same bootstrap fields, rooms, ranks and
@@ -155,6 +157,13 @@
 //!   `max_tokens: 0` (an answer without tokens), `n: 0` (one choice),
 //!   `temperature: 3`, and `top_logprobs: 50` with or without `logprobs`. It
 //!   keeps the `stream_options`, `min_tokens` and negative-value checks.
+//! * **Size**, in every mode and on every generation route (SGLang's `/generate` and
+//!   vLLM's `/inference/v1/generate` included): the simulator builds every choice of
+//!   a request before it answers, so it refuses, with a 400, a request of more than
+//!   1024 choices (prompts × `n`; a list of more than 1024 prompts before it is
+//!   tokenized) or of more than 2^22 (4,194,304) tokens to generate (choices × the
+//!   completion's token limit). The engines have no such ceilings; no real client
+//!   comes near them.
 //!
 //! # Beam search and structured output (vLLM)
 //!
@@ -435,7 +444,9 @@
 //!   ([`SimEngine::lmcache_init_ports`], [`SimEngine::lmcache_alloc_ports`])
 //!   and keeps the KV received, per rank, by prompt, for
 //!   [`SimConfig::kv_lease`] (counted in [`Stats::blocks_held`]; expired KV
-//!   in [`Stats::kv_expired`]). A completion request (no
+//!   in [`Stats::kv_expired`]). An alloc port allocates at most the blocks of a
+//!   prompt of [`SimConfig::max_model_len`] tokens: a `num_blocks` of 0 or beyond is
+//!   refused (`{"ok": false}`), whatever the sender claims. A completion request (no
 //!   `kv_transfer_params` needed) whose prompt is `ids + [first_tok]` takes
 //!   the KV of `ids` from every rank and generates what a direct run on
 //!   `ids` generates from its second token on; `max_tokens` and

@@ -378,7 +378,7 @@ impl Receiver {
         &self,
         counters: &Counters,
         rank: usize,
-        lease: Duration,
+        limits: &AllocLimits,
         pending: &mut Option<(String, Vec<u64>)>,
         line: &[u8],
     ) -> PushAnswer {
@@ -405,9 +405,20 @@ impl Receiver {
                         "this is the alloc port of rank {rank}, not {r}"
                     ));
                 }
+                // The blocks of the longest prompt the model takes, at most: a count
+                // from the wire is never allocated unchecked.
+                if num_blocks == 0 || num_blocks > limits.max_blocks {
+                    return PushAnswer::failure(format!(
+                        "num_blocks {num_blocks} is not in [1, {}] (a prompt of at most {} tokens in blocks of {})",
+                        limits.max_blocks, limits.max_model_len, limits.block_size
+                    ));
+                }
                 let n = num_blocks as u64;
                 let first = self.next_block.fetch_add(n, Relaxed);
-                let block_ids: Vec<u64> = (first..first + n).collect();
+                let Some(end) = first.checked_add(n) else {
+                    return PushAnswer::failure("no block ids left to allocate");
+                };
+                let block_ids: Vec<u64> = (first..end).collect();
                 *pending = Some((prompt_digest, block_ids.clone()));
                 PushAnswer {
                     block_ids: Some(block_ids),
@@ -434,7 +445,7 @@ impl Receiver {
                         blocks,
                         prompt: prompt_digest.clone(),
                     },
-                    expires: Instant::now() + lease,
+                    expires: Instant::now() + limits.lease,
                 };
                 let mut held = lock(&self.held);
                 let Some(held) = held.get_mut(rank) else {
@@ -449,6 +460,32 @@ impl Receiver {
                 PushAnswer::failure(format!("this is the alloc port of rank {rank}"))
             }
             Err(e) => PushAnswer::failure(format!("malformed request: {e}")),
+        }
+    }
+}
+
+/// What a receiver's alloc port allows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AllocLimits {
+    /// How long received KV is held ([`SimConfig::kv_lease`](crate::SimConfig::kv_lease)).
+    pub(crate) lease: Duration,
+    /// The most blocks one allocation may ask for: those of a prompt of
+    /// `max_model_len` tokens.
+    pub(crate) max_blocks: usize,
+    max_model_len: u32,
+    block_size: usize,
+}
+
+impl AllocLimits {
+    pub(crate) fn new(config: &crate::SimConfig) -> Self {
+        let block_size = config.block_size.max(1);
+        let max_model_len = config.max_model_len;
+        Self {
+            lease: config.kv_lease,
+            // A prompt of no token still occupies one block.
+            max_blocks: (max_model_len as usize).div_ceil(block_size).max(1),
+            max_model_len,
+            block_size,
         }
     }
 }
@@ -469,7 +506,7 @@ pub(crate) async fn serve(
     counters: &Counters,
     port: Port,
     rank: usize,
-    lease: Duration,
+    limits: AllocLimits,
     mut stream: TcpStream,
 ) -> io::Result<()> {
     let (read, mut write) = stream.split();
@@ -478,7 +515,7 @@ pub(crate) async fn serve(
     while let Some(line) = next_line(&mut reader).await? {
         let answer = match port {
             Port::Init => receiver.answer_init(rank, &line),
-            Port::Alloc => receiver.answer_alloc(counters, rank, lease, &mut pending, &line),
+            Port::Alloc => receiver.answer_alloc(counters, rank, &limits, &mut pending, &line),
         };
         write_line(&mut write, &answer).await?;
     }

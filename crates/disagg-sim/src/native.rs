@@ -7,7 +7,8 @@
 //! - the prompt is `text` (a string, or a list of strings: a batch) or `input_ids`
 //!   (token ids, or a list of token-id lists: a batch), exactly one of them;
 //! - `sampling_params` holds `max_new_tokens` (default 128), `min_new_tokens`, `stop`,
-//!   `ignore_eos`, `temperature` and `n` (samples per prompt, at most 128 here): a
+//!   `ignore_eos`, `temperature` and `n` (samples per prompt, at most 128 here, and
+//!   at most 1024 prompts × samples and 2^22 tokens to generate in all): a
 //!   request of B prompts and `n` samples is B·n requests on the engine, answered as a
 //!   list in prompt order (each prompt's samples in turn), as is one prompt with
 //!   `n` > 1;
@@ -26,7 +27,6 @@
 //! prefill answers an empty list, which SGLang's routers complete with the prefill's.
 //! Logprobs are a deterministic function of the token and its position.
 
-use std::collections::VecDeque;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -41,7 +41,7 @@ use crate::lax;
 use http::header::{CONTENT_TYPE, HeaderValue};
 use http::{Response, StatusCode};
 
-use crate::body::{EventsBody, SimBody};
+use crate::body::{Events, EventsBody, SimBody};
 use crate::config::Faults;
 use crate::server::json_response;
 use crate::stats::RequestGuard;
@@ -83,6 +83,9 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
             ));
         }
         (Some(t), None) => {
+            // A batch of more prompts than choices served is refused before it is
+            // tokenized.
+            crate::api::check_batch(crate::api::batch_len(Some(t)), 1, 0)?;
             if !(t.is_string() || t.as_array().is_some_and(|a| a.iter().all(Value::is_string))) {
                 return Err(ApiError::bad_request(
                     "text: should be a string or a list of strings",
@@ -100,6 +103,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
                     "input_ids: should be a list of token ids or a list of lists of them",
                 ));
             }
+            crate::api::check_batch(crate::api::batch_len(Some(i)), 1, 0)?;
             (completion_prompts(Some(i))?, nested)
         }
     };
@@ -156,6 +160,7 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
         }
         Some(n) => u32::try_from(n).unwrap_or(1),
     };
+    crate::api::check_batch(prompts.len(), n, max_tokens)?;
     let return_logprob = match obj.get("return_logprob") {
         Some(Value::Array(items)) => items
             .iter()
@@ -167,6 +172,8 @@ pub(crate) fn parse(body: &Value, config: &SimConfig) -> Result<CompletionReques
     Ok(CompletionRequest {
         // Generation and the KV protocol read the request as completions do.
         endpoint: Endpoint::Completions,
+        // SGLang's `/generate` names no model.
+        adapter: None,
         prompt_tokens: prompts.iter().map(|p| p.len() as u64).sum(),
         prompts,
         max_tokens,
@@ -201,14 +208,14 @@ fn logprob(token: u32, pos: usize) -> f64 {
 
 /// The answer of one `/generate` request, one element per sample of each prompt.
 #[derive(Debug)]
-pub(crate) struct Answer<'a> {
+pub(crate) struct Answer {
     pub(crate) native: Native,
-    pub(crate) request_id: &'a str,
-    pub(crate) prompts: &'a [Vec<u32>],
+    pub(crate) request_id: String,
+    pub(crate) prompts: Vec<Vec<u32>>,
     /// One generation per sample of each prompt, prompt by prompt (SGLang's order:
     /// `managers/tokenizer_manager.py` sends each prompt's samples in turn, and a
     /// stream's `index` is the position in that order).
-    pub(crate) choices: &'a [Generation],
+    pub(crate) choices: Vec<Generation>,
     /// Samples per prompt (`sampling_params.n`).
     pub(crate) samples: usize,
     /// The `index` every event says ([`Faults::generate_index`](crate::Faults::generate_index)).
@@ -221,7 +228,7 @@ pub(crate) struct Answer<'a> {
     pub(crate) started: Instant,
 }
 
-impl Answer<'_> {
+impl Answer {
     /// The answer object of element `e` after its first `k` generated tokens.
     fn element(&self, e: usize, k: usize) -> Value {
         let prompt = self
@@ -241,7 +248,7 @@ impl Answer<'_> {
         let id = if self.native.batch {
             format!("{}-{e}", self.request_id)
         } else {
-            self.request_id.to_owned()
+            self.request_id.clone()
         };
         let mut meta = json!({
             "id": id,
@@ -295,73 +302,174 @@ impl Answer<'_> {
         }
     }
 
-    /// The streamed answer: one event per generated token of each element (step by
-    /// step, elements in turn), then `data: [DONE]`.
-    pub(crate) fn events(&self) -> Result<VecDeque<Bytes>, serde_json::Error> {
-        let mut out = VecDeque::new();
-        let longest = self.choices.iter().map(|c| c.ids.len()).max().unwrap_or(0);
-        // A generation of no token still ends with one event.
-        for k in 1.max(usize::from(longest == 0))..=longest.max(1) {
-            for (e, c) in self.choices.iter().enumerate() {
-                if k > c.ids.len().max(1) {
-                    continue;
-                }
-                let mut v = self.element(e, k);
-                if let Some(index) = self.index_override {
-                    v["index"] = json!(index);
-                } else if self.native.batch {
-                    v["index"] = json!(e);
-                }
-                let mut event = b"data: ".to_vec();
-                serde_json::to_writer(&mut event, &v)?;
-                event.extend_from_slice(b"\n\n");
-                out.push_back(Bytes::from(event));
-            }
+    /// The event of element `e` after its first `k` generated tokens.
+    fn event(&self, e: usize, k: usize) -> Result<Bytes, serde_json::Error> {
+        let mut v = self.element(e, k);
+        if let Some(index) = self.index_override {
+            v["index"] = json!(index);
+        } else if self.native.batch {
+            v["index"] = json!(e);
         }
-        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-        Ok(out)
+        let mut event = b"data: ".to_vec();
+        serde_json::to_writer(&mut event, &v)?;
+        event.extend_from_slice(b"\n\n");
+        Ok(Bytes::from(event))
+    }
+
+    /// The event after step `k` of element `e` (`(1, 0)` the first): step by step,
+    /// elements in turn, each element's events up to its last token (a generation of
+    /// no token still has one event); `None` after the last.
+    fn next_event(&self, mut k: usize, mut e: usize) -> Option<(usize, usize)> {
+        let last = self
+            .choices
+            .iter()
+            .map(|c| c.ids.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        while k <= last {
+            if let Some(found) =
+                (e..self.choices.len()).find(|&i| k <= self.choices[i].ids.len().max(1))
+            {
+                return Some((k, found));
+            }
+            k += 1;
+            e = 0;
+        }
+        None
+    }
+
+    /// The streamed answer, rendered event by event as it is sent (an event holds
+    /// everything generated so far, so rendering them all up front would hold a
+    /// number of bytes quadratic in the tokens).
+    pub(crate) fn stream(self, unterminated: Option<usize>) -> NativeStream {
+        let phase = match self.next_event(1, 0) {
+            Some((k, e)) => StreamPhase::Event { k, e },
+            None => StreamPhase::Done,
+        };
+        NativeStream {
+            answer: self,
+            phase,
+            unterminated,
+            filler: None,
+        }
+    }
+}
+
+/// Where a [`NativeStream`] is.
+#[derive(Debug, Clone, Copy)]
+enum StreamPhase {
+    /// The event of element `e` after its first `k` tokens.
+    Event {
+        k: usize,
+        e: usize,
+    },
+    /// `data: [DONE]`.
+    Done,
+    /// [`Faults::unterminated_event`](crate::Faults::unterminated_event): the head of
+    /// the event that never ends.
+    Head,
+    /// ... and this many bytes of it still to send.
+    Filler(usize),
+    End,
+}
+
+/// A `/generate` stream ([`Answer::stream`]): one event per generated token of each
+/// element (step by step, elements in turn), then `data: [DONE]`, each rendered when
+/// the body is polled for it.
+#[derive(Debug)]
+pub(crate) struct NativeStream {
+    answer: Answer,
+    phase: StreamPhase,
+    /// [`Faults::unterminated_event`](crate::Faults::unterminated_event): the first
+    /// event, then one of this many bytes that never ends (in frames of 64 KiB, one
+    /// buffer shared by all), and the end.
+    unterminated: Option<usize>,
+    filler: Option<Bytes>,
+}
+
+impl NativeStream {
+    /// The next frame, `None` at the end.
+    pub(crate) fn next_frame(&mut self) -> Option<Result<Bytes, serde_json::Error>> {
+        const FRAME: usize = 64 * 1024;
+        const HEAD: &[u8] = b"data: {\"text\":\"";
+        // After the first frame, an unterminated event takes the rest of the stream.
+        let after_first = |this: &Self, next: StreamPhase| match this.unterminated {
+            Some(_) if matches!(this.phase, StreamPhase::Event { k: 1, e: 0 }) => StreamPhase::Head,
+            _ => next,
+        };
+        let (frame, next) = match self.phase {
+            StreamPhase::Event { k, e } => {
+                let next = match self.answer.next_event(k, e + 1) {
+                    Some((k, e)) => StreamPhase::Event { k, e },
+                    None => StreamPhase::Done,
+                };
+                (self.answer.event(e, k), after_first(self, next))
+            }
+            StreamPhase::Done => {
+                let next = match self.unterminated {
+                    // No event came before `[DONE]`: the unterminated one follows it.
+                    Some(_) if self.answer.choices.is_empty() => StreamPhase::Head,
+                    _ => StreamPhase::End,
+                };
+                (Ok(Bytes::from_static(b"data: [DONE]\n\n")), next)
+            }
+            StreamPhase::Head => {
+                let left = self.unterminated.unwrap_or(0).saturating_sub(HEAD.len());
+                let next = if left > 0 {
+                    StreamPhase::Filler(left)
+                } else {
+                    StreamPhase::End
+                };
+                (Ok(Bytes::from_static(HEAD)), next)
+            }
+            StreamPhase::Filler(left) => {
+                let n = left.min(FRAME);
+                let filler = self
+                    .filler
+                    .get_or_insert_with(|| Bytes::from(vec![b'x'; FRAME]));
+                let next = if left > n {
+                    StreamPhase::Filler(left - n)
+                } else {
+                    StreamPhase::End
+                };
+                (Ok(filler.slice(..n)), next)
+            }
+            StreamPhase::End => return None,
+        };
+        self.phase = next;
+        Some(frame)
+    }
+
+    /// Whether every frame was sent.
+    pub(crate) fn is_end(&self) -> bool {
+        matches!(self.phase, StreamPhase::End)
     }
 }
 
 /// What SGLang's `/generate` answers with, besides the request.
-pub(crate) struct NativeParts<'a> {
+pub(crate) struct NativeParts {
     pub(crate) native: Native,
-    /// One generation per prompt.
-    pub(crate) choices: &'a [Generation],
+    /// One generation per sample of each prompt.
+    pub(crate) choices: Vec<Generation>,
     /// Whether the prompt was computed here (not taken from a prefill).
     pub(crate) computed_prompt: bool,
     pub(crate) cached_tokens: Option<u64>,
-}
-
-/// [`Faults::unterminated_event`](crate::Faults::unterminated_event): the first event, then `size` bytes of one event
-/// that never ends (in frames of 64 KiB, one buffer shared by all), and the end.
-fn unterminated(events: &mut std::collections::VecDeque<Bytes>, size: usize) {
-    const FRAME: usize = 64 * 1024;
-    events.truncate(1);
-    let head: &[u8] = b"data: {\"text\":\"";
-    events.push_back(Bytes::from_static(head));
-    let filler = Bytes::from(vec![b'x'; FRAME]);
-    let mut left = size.saturating_sub(head.len());
-    while left > 0 {
-        let n = left.min(FRAME);
-        events.push_back(filler.slice(..n));
-        left -= n;
-    }
 }
 
 /// The answer of SGLang's `/generate`, streamed or whole (see the [module docs](self)).
 pub(crate) fn answer(
     config: &SimConfig,
     request: &CompletionRequest,
-    parts: NativeParts<'_>,
+    parts: NativeParts,
     request_id: &str,
     faults: Faults,
     guard: RequestGuard,
 ) -> Result<Response<SimBody>, (ApiError, RequestGuard)> {
     let answer = Answer {
         native: parts.native,
-        request_id,
-        prompts: &request.prompts,
+        request_id: request_id.to_owned(),
+        prompts: request.prompts.clone(),
         choices: parts.choices,
         samples: request.n as usize,
         index_override: faults.generate_index,
@@ -372,15 +480,9 @@ pub(crate) fn answer(
     let internal =
         |e: serde_json::Error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     if request.stream {
-        let mut events = match answer.events() {
-            Ok(events) => events,
-            Err(e) => return Err((internal(e), guard)),
-        };
-        if let Some(size) = faults.unterminated_event {
-            unterminated(&mut events, size);
-        }
+        let events = answer.stream(faults.unterminated_event);
         let body = EventsBody::new(
-            events,
+            Events::Native(Box::new(events)),
             config.inter_token_delay,
             faults.stall_after_chunks,
             guard,
@@ -445,6 +547,54 @@ mod tests {
         }
     }
 
+    /// A stream's events hold everything generated so far: rendered up front, a
+    /// 4000-token answer would hold some 100 MB before the first byte went out.
+    #[tokio::test]
+    async fn a_long_stream_is_rendered_as_it_is_sent() {
+        use http_body_util::BodyExt;
+        let config = SimConfig::default();
+        let request = parse_json(json!({
+            "text": "a b c",
+            "stream": true,
+            "return_logprob": true,
+            "sampling_params": {"max_new_tokens": 4000, "ignore_eos": true},
+        }))
+        .unwrap();
+        let params = crate::generate::GenParams {
+            start: 0,
+            max_tokens: 4000,
+            min_tokens: 0,
+            eos_period: 0,
+            ignore_eos: true,
+            stop: &[],
+            include_stop_str_in_output: false,
+        };
+        let hash = crate::generate::ids_hash(&request.prompts[0]);
+        let choices = vec![crate::generate::generate_choice(hash, 0, &params)];
+        assert_eq!(choices[0].ids.len(), 4000);
+        let parts = NativeParts {
+            native: request.native.unwrap(),
+            choices,
+            computed_prompt: true,
+            cached_tokens: None,
+        };
+        let guard = RequestGuard::new(std::sync::Arc::default());
+        let response = answer(&config, &request, parts, "r", Faults::default(), guard).unwrap();
+        let mut body = response.into_body();
+        let SimBody::Events(events) = &body else {
+            panic!("a /generate stream is an events body: {body:?}");
+        };
+        let queued = events.queued_bytes();
+        assert!(queued < 1 << 20, "{queued} bytes rendered before sending");
+        // The events still come, one token more each.
+        for k in 1..=3 {
+            let frame = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            let v: Value = serde_json::from_slice(&frame[6..]).unwrap();
+            assert_eq!(v["meta_info"]["completion_tokens"], k);
+            assert_eq!(v["output_ids"].as_array().unwrap().len(), k);
+        }
+    }
+
     #[test]
     fn logprobs_cover_the_prompt_where_it_was_computed() {
         let prompts = [vec![20, 21, 22]];
@@ -460,9 +610,9 @@ mod tests {
                 prompt_list: false,
                 return_logprob: true,
             },
-            request_id: "r",
-            prompts: &prompts,
-            choices: &choices,
+            request_id: "r".to_owned(),
+            prompts: prompts.to_vec(),
+            choices: choices.to_vec(),
             samples: 1,
             index_override: None,
             computed_prompt: true,
@@ -490,7 +640,11 @@ mod tests {
         let v: Value = serde_json::from_slice(&a.whole().unwrap()).unwrap();
         assert_eq!(v["meta_info"]["input_token_logprobs"], json!([]));
         // Streamed: cumulative text, the finish on the last event, then [DONE].
-        let events = a.events().unwrap();
+        let mut stream = a.stream(None);
+        let events: Vec<Bytes> = std::iter::from_fn(|| stream.next_frame())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert!(stream.is_end());
         assert_eq!(events.len(), 3);
         let last: Value = serde_json::from_slice(&events[1][6..]).unwrap();
         assert_eq!(last["text"], " the of");

@@ -95,7 +95,7 @@ struct Inner {
     rooms: sglang::Rooms,
     /// Mooncake prefill: KV held by (engine id, transfer id).
     transfers: Arc<kv::Transfers>,
-    recorded: Mutex<VecDeque<Recorded>>,
+    recorded: Mutex<RecordedRing>,
     /// The head of every request, on every route.
     received: crate::received::Ring,
     next_id: AtomicU64,
@@ -506,13 +506,12 @@ impl SimEngine {
                         let inner = inner.clone();
                         async move {
                             let _ = stream.set_nodelay(true);
-                            let lease = inner.config.kv_lease;
                             let served = lmcache::serve(
                                 &inner.receiver,
                                 &inner.counters,
                                 port,
                                 rank,
-                                lease,
+                                lmcache::AllocLimits::new(&inner.config),
                                 stream,
                             );
                             if let Err(e) = served.await {
@@ -549,7 +548,8 @@ impl SimEngine {
                             let Some(pushed) = inner.ec_pushed.get(rank) else {
                                 return;
                             };
-                            if let Err(e) = crate::ec_push::serve(pushed, stream).await {
+                            let lease = inner.config.kv_lease;
+                            if let Err(e) = crate::ec_push::serve(pushed, lease, stream).await {
                                 tracing::debug!(%peer, rank, error = %e, "EC push connection failed");
                             }
                         }
@@ -718,9 +718,11 @@ impl SimEngine {
     }
 
     /// The last completion requests received, oldest first (at most
-    /// [`SimConfig::record_requests`]).
+    /// [`SimConfig::record_requests`], and the newest ones within 64 MiB of paths,
+    /// headers and bodies: the oldest are forgotten first).
     pub fn requests(&self) -> Vec<RecordedRequest> {
         lock(&self.inner.recorded)
+            .requests
             .iter()
             .map(Recorded::to_public)
             .collect()
@@ -946,6 +948,9 @@ async fn sweep_leases(inner: Arc<Inner>, lease: Duration, mut stop: watch::Recei
                 inner.kv.sweep(&inner.counters);
                 inner.transfers.sweep(&inner.counters);
                 inner.receiver.sweep(&inner.counters);
+                for pushed in inner.ec_pushed.iter() {
+                    pushed.sweep();
+                }
             }
         }
     }
@@ -1188,11 +1193,11 @@ where
     let answer = match path {
         "/detokenize" => {
             bump(&counters.detokenize_requests);
-            surface::detokenize(&json, config, &inner.vocab)
+            surface::detokenize(&json, config, &inner.loras, &inner.vocab)
         }
         "/v1/embeddings" => {
             bump(&counters.embeddings_requests);
-            surface::embeddings(&json, config, &request_id, unix_now())
+            surface::embeddings(&json, config, &inner.loras, &request_id, unix_now())
         }
         _ => Err(ApiError::new(StatusCode::NOT_FOUND, "Not Found")),
     };
@@ -1272,7 +1277,7 @@ where
                 } else if let Ok(text) = crate::api::chat_prompt(json.get("messages")) {
                     inner.vocab.learn(&text);
                 }
-                crate::api::tokenize_request(&json, &inner.config)
+                crate::api::tokenize_request(&json, &inner.config, &inner.loras)
             })
             .and_then(|answer| {
                 serde_json::to_vec(&answer)
@@ -1316,6 +1321,42 @@ impl Recorded {
             }),
         }
     }
+
+    /// The bytes the record holds: its path, headers and body.
+    fn size(&self) -> usize {
+        let headers: usize = self
+            .headers
+            .iter()
+            .map(|(k, v)| k.as_str().len() + v.len())
+            .sum();
+        self.path.len() + headers + self.body.len()
+    }
+}
+
+/// Most bytes of requests the ring keeps: beyond it, the oldest requests are
+/// forgotten first (the newest is always kept: a body is at most [`MAX_BODY`]).
+const RECORD_BUDGET: usize = MAX_BODY;
+
+/// The recorded requests: the last ones, at most [`SimConfig::record_requests`] of
+/// them and [`RECORD_BUDGET`] bytes.
+#[derive(Debug, Default)]
+struct RecordedRing {
+    requests: VecDeque<Recorded>,
+    /// The bytes the requests hold ([`Recorded::size`]).
+    bytes: usize,
+}
+
+impl RecordedRing {
+    fn pop_front(&mut self) -> Option<Recorded> {
+        let oldest = self.requests.pop_front()?;
+        self.bytes = self.bytes.saturating_sub(oldest.size());
+        Some(oldest)
+    }
+
+    fn clear(&mut self) {
+        self.requests.clear();
+        self.bytes = 0;
+    }
 }
 
 fn record(inner: &Inner, path: &str, headers: &HeaderMap, body: &Bytes) {
@@ -1328,11 +1369,15 @@ fn record(inner: &Inner, path: &str, headers: &HeaderMap, body: &Bytes) {
         headers: headers.clone(),
         body: body.clone(),
     };
+    let size = recorded.size();
     let mut ring = lock(&inner.recorded);
-    while ring.len() >= capacity {
+    while ring.requests.len() >= capacity
+        || (!ring.requests.is_empty() && ring.bytes.saturating_add(size) > RECORD_BUDGET)
+    {
         ring.pop_front();
     }
-    ring.push_back(recorded);
+    ring.bytes = ring.bytes.saturating_add(size);
+    ring.requests.push_back(recorded);
 }
 
 /// What a vLLM 0.33 NIXL pull decode does with `kv_transfer_params` whose
@@ -1430,10 +1475,10 @@ where
         .and_then(|json| {
             let request = match route {
                 Route::Openai(endpoint) => {
-                    CompletionRequest::parse(endpoint, &json, &inner.config)?
+                    CompletionRequest::parse(endpoint, &json, &inner.config, &inner.loras)?
                 }
                 Route::Native => crate::native::parse(&json, &inner.config)?,
-                Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config)?,
+                Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config, &inner.loras)?,
             };
             Ok((request, json))
         });
@@ -2402,7 +2447,7 @@ async fn serve_completion(
     if let Some(native) = request.native {
         let native = crate::native::NativeParts {
             native,
-            choices: &choices,
+            choices,
             computed_prompt: !remote_kv,
             cached_tokens,
         };
@@ -2415,12 +2460,14 @@ async fn serve_completion(
             });
     }
 
+    // The answer names the LoRA adapter the request named, as vLLM's does.
+    let model = request.adapter.as_deref().unwrap_or(&config.model);
     if let (Some(api), true) = (request.gen_api, request.stream) {
         let answer = crate::gen_apis::Answer {
             api,
             request_id,
             choices: &choices,
-            model: &config.model,
+            model,
             prompt_tokens: request.prompt_tokens,
             responses: request.responses.as_deref().map(|r| (r, max_tokens)),
             // A stream carries a handoff only on `/v1/responses` (its terminal event).
@@ -2443,7 +2490,14 @@ async fn serve_completion(
             endpoint: request.endpoint,
             id,
             created,
-            model_json: inner.model_json.clone(),
+            model_json: match &request.adapter {
+                Some(adapter) => {
+                    let mut json = String::new();
+                    push_json_str(&mut json, adapter);
+                    json
+                }
+                None => inner.model_json.clone(),
+            },
             choices,
             usage: request
                 .include_usage
@@ -2532,7 +2586,7 @@ async fn serve_completion(
         endpoint: request.endpoint,
         id: &id,
         created,
-        model: &config.model,
+        model,
         choices: &choices,
         prompt_tokens: request.prompt_tokens,
         cached_tokens,
@@ -2544,7 +2598,7 @@ async fn serve_completion(
             api,
             request_id,
             choices: &choices,
-            model: &config.model,
+            model,
             prompt_tokens: request.prompt_tokens,
             responses: request.responses.as_deref().map(|r| (r, max_tokens)),
             kv_transfer_params: kv_field.and_then(|f| serde_json::to_value(f).ok()),

@@ -76,6 +76,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub(crate) struct Loras(Mutex<Vec<(String, String)>>);
 
 impl Loras {
+    /// Whether an adapter of this name is loaded.
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        lock(&self.0).iter().any(|(n, _)| n == name)
+    }
+
     pub(crate) fn names(&self) -> Vec<String> {
         lock(&self.0).iter().map(|(n, _)| n.clone()).collect()
     }
@@ -137,10 +142,11 @@ fn object(body: &Value) -> Result<&Map<String, Value>, ApiError> {
 pub(crate) fn detokenize(
     body: &Value,
     config: &SimConfig,
+    loras: &Loras,
     vocab: &Vocab,
 ) -> Result<Value, ApiError> {
     let obj = object(body)?;
-    check_model(obj, config)?;
+    check_model(obj, config, loras)?;
     let ids = lax::opt_int_list(obj, "tokens")?
         .ok_or_else(|| ApiError::bad_request("tokens: Field required"))?;
     let ids = ids
@@ -197,11 +203,12 @@ fn base64(bytes: &[u8]) -> String {
 pub(crate) fn embeddings(
     body: &Value,
     config: &SimConfig,
+    loras: &Loras,
     request_id: &str,
     created: u64,
 ) -> Result<Value, ApiError> {
     let obj = object(body)?;
-    check_model(obj, config)?;
+    let adapter = check_model(obj, config, loras)?;
     let inputs = crate::api::completion_prompts(obj.get("input"))
         .map_err(|_| ApiError::bad_request("input: should be a string, a list of strings, a list of token ids or a list of lists of token ids"))?;
     if obj.get("dimensions").is_some_and(|d| !d.is_null()) {
@@ -238,7 +245,7 @@ pub(crate) fn embeddings(
         "id": format!("embd-{request_id}"),
         "object": "list",
         "created": created,
-        "model": config.model,
+        "model": adapter.as_deref().unwrap_or(&config.model),
         "data": data,
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -263,9 +270,10 @@ pub(crate) struct ResponsesRequest {
 pub(crate) fn responses_request(
     body: &Value,
     config: &SimConfig,
+    loras: &Loras,
 ) -> Result<ResponsesRequest, ApiError> {
     let obj = object(body)?;
-    check_model(obj, config)?;
+    check_model(obj, config, loras)?;
     let mut text = String::new();
     if let Some(Value::String(i)) = obj.get("instructions") {
         text.push_str(i);

@@ -85,3 +85,66 @@ async fn oversized_push_frames_close_their_connection_and_the_engine_serves_on()
     assert_eq!(get(engine.addr(), "/health").await.status, 200);
     std::fs::remove_dir_all(&store).ok();
 }
+
+/// Pushes one item frame on `s` and reads the consumer's acknowledgement.
+async fn push_item(s: &mut TcpStream, id: &str, hash: &str) -> u8 {
+    let mut frame = Vec::new();
+    field(&mut frame, id.as_bytes());
+    field(&mut frame, hash.as_bytes());
+    field(&mut frame, b"embeddings");
+    s.write_all(&frame).await.unwrap();
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).await.unwrap();
+    ack[0]
+}
+
+/// A second push under a transfer id the consumer holds is refused, not a silent
+/// replacement of the first item.
+#[tokio::test]
+async fn a_transfer_id_held_already_is_refused() {
+    let store = std::env::temp_dir().join(format!("disagg-ec-dup-{}", std::process::id()));
+    std::fs::create_dir_all(&store).unwrap();
+    let engine = consumer(&store).await;
+    let port = engine.ec_push_port().expect("an EC port");
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    assert_eq!(push_item(&mut s, "t-1", "h-1").await, 1);
+    assert_eq!(push_item(&mut s, "t-1", "h-other").await, 0, "a duplicate");
+    assert_eq!(push_item(&mut s, "t-2", "h-1").await, 1, "another id");
+    std::fs::remove_dir_all(&store).ok();
+}
+
+/// Items no request takes expire after the consumer's lease: a consumer filled with
+/// stranded items (4096 of them) takes new pushes again once they expired, instead of
+/// refusing every later encoder for ever.
+#[tokio::test]
+async fn stranded_items_expire_and_free_their_place() {
+    let store = std::env::temp_dir().join(format!("disagg-ec-lease-{}", std::process::id()));
+    std::fs::create_dir_all(&store).unwrap();
+    let engine = SimEngine::start(SimConfig {
+        ec: Some(EcConfig {
+            role: EcRole::Consumer,
+            store: store.clone(),
+        }),
+        ec_push: true,
+        kv_lease: std::time::Duration::from_millis(200),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("start a push consumer");
+    let port = engine.ec_push_port().expect("an EC port");
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    for i in 0..4096 {
+        assert_eq!(push_item(&mut s, &format!("stranded-{i}"), "h").await, 1);
+    }
+    // Within 30 s (the lease is 200 ms), a new item is stored again.
+    let mut stored = false;
+    for attempt in 0..300 {
+        if push_item(&mut s, &format!("late-{attempt}"), "h").await == 1 {
+            stored = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(stored, "the stranded items never expired");
+    std::fs::remove_dir_all(&store).ok();
+}

@@ -627,6 +627,38 @@ async fn recorded_requests_are_bounded() {
     assert!(e.requests().is_empty());
 }
 
+/// The ring keeps its requests within 64 MiB, the oldest forgotten first: 256 bodies
+/// of up to 64 MiB each are not held at once.
+#[tokio::test]
+async fn recorded_requests_are_bounded_in_bytes() {
+    let e = engine().await;
+    for word in ["a", "b", "c"] {
+        // One word of 25 MiB: one prompt token.
+        let body = json!({"prompt": word.repeat(25 << 20), "max_tokens": 1});
+        let reply = post(e.addr(), "/v1/completions", &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let recorded = e.requests();
+    let first_letters: Vec<&str> = recorded
+        .iter()
+        .map(|r| &r.body["prompt"].as_str().unwrap()[..1])
+        .collect();
+    assert_eq!(
+        first_letters,
+        ["b", "c"],
+        "the newest requests, within 64 MiB"
+    );
+    let bytes: usize = recorded
+        .iter()
+        .map(|r| r.body["prompt"].as_str().unwrap().len())
+        .sum();
+    assert!(bytes <= 64 << 20, "{bytes} bytes of bodies recorded");
+    // Small requests are recorded as before.
+    let reply = post(e.addr(), "/v1/completions", &json!({"prompt": "d"})).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(e.requests().last().unwrap().body, json!({"prompt": "d"}));
+}
+
 #[tokio::test]
 async fn fault_status() {
     let e = SimEngine::start(SimConfig {

@@ -800,3 +800,68 @@ async fn a_missing_proxy_does_not_hang_the_prefill() {
     assert_eq!(stats.notification_failures, 2);
     assert_eq!(d.stats().kv_received, 2);
 }
+
+/// One request line to a receiver port, and its answer line.
+async fn receiver_line(
+    stream: &mut tokio::io::BufReader<tokio::net::TcpStream>,
+    line: &Value,
+) -> Value {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut out = serde_json::to_vec(line).unwrap();
+    out.push(b'\n');
+    stream.get_mut().write_all(&out).await.unwrap();
+    let mut answer = String::new();
+    stream.read_line(&mut answer).await.unwrap();
+    assert!(
+        answer.ends_with('\n'),
+        "the receiver closed the connection: {answer:?}"
+    );
+    serde_json::from_str(&answer).unwrap()
+}
+
+/// The alloc port allocates the blocks a prompt of the model can have (at most
+/// `max_model_len / block_size`, 512 by default), never the count a sender claims: 0,
+/// one more, or a count no memory holds is refused with `{"ok": false}`, and the
+/// receiver goes on serving.
+#[tokio::test]
+async fn receiver_allocates_only_the_blocks_a_prompt_can_have() {
+    let d = decode(1).await;
+    let (init, alloc) = (d.lmcache_init_ports()[0], d.lmcache_alloc_ports()[0]);
+    let connect = |port: u16| async move {
+        tokio::io::BufReader::new(
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap(),
+        )
+    };
+    let mut init = connect(init).await;
+    let mut ask = async |num_blocks: Value| {
+        let session = receiver_line(
+            &mut init,
+            &json!({"type": "init", "rank": 0, "sender": "test"}),
+        )
+        .await;
+        let mut alloc = connect(alloc).await;
+        receiver_line(
+            &mut alloc,
+            &json!({"type": "alloc", "session": session["session"], "rank": 0,
+                    "req_id": "r", "prompt_digest": "d", "num_blocks": num_blocks}),
+        )
+        .await
+    };
+    let granted = ask(json!(512)).await;
+    assert_eq!(granted["ok"], true, "{granted}");
+    assert_eq!(granted["block_ids"].as_array().unwrap().len(), 512);
+    for num_blocks in [json!(0), json!(513), json!(u64::MAX)] {
+        let refused = ask(num_blocks.clone()).await;
+        assert_eq!(refused["ok"], false, "{num_blocks}: {refused}");
+        assert!(refused.get("block_ids").is_none(), "{refused}");
+        assert!(
+            refused["error"].as_str().unwrap().contains("num_blocks"),
+            "{refused}"
+        );
+    }
+    let granted = ask(json!(1)).await;
+    assert_eq!(granted["ok"], true, "{granted}");
+    assert_eq!(d.stats().blocks_held, 0);
+}

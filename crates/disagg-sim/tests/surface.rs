@@ -199,6 +199,66 @@ async fn responses_stream_the_event_sequence_vllm_emits() {
     assert_eq!(e.stats().responses_requests, 2);
 }
 
+/// Once `/v1/load_lora_adapter` loaded an adapter, vLLM serves requests naming it (the
+/// answer names it as its `model`); unloaded, it is an unknown model again.
+#[tokio::test]
+async fn requests_may_name_a_loaded_lora_adapter() {
+    let e = engine(|_| {}).await;
+    let chat =
+        json!({"model": "sql", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let completion = json!({"model": "sql", "prompt": "hi", "max_tokens": 2});
+    let unknown = post(e.addr(), "/v1/completions", &completion).await;
+    assert_eq!(unknown.status, 404, "{}", unknown.text());
+    assert!(error_message(&unknown).contains("The model `sql` does not exist."));
+
+    let load = post(
+        e.addr(),
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "sql", "lora_path": "/adapters/sql"}),
+    )
+    .await;
+    assert_eq!(load.status, 200, "{}", load.text());
+    let whole = post(e.addr(), "/v1/completions", &completion).await;
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    assert_eq!(whole.json()["model"], "sql");
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let stream = post(e.addr(), "/v1/chat/completions", &streamed).await;
+    assert_eq!(stream.status, 200, "{}", stream.text());
+    let events = stream.events();
+    assert!(events.len() > 2);
+    for event in events.iter().filter(|e| e.is_object()) {
+        assert_eq!(event["model"], "sql", "{event}");
+    }
+    let tokenized = post(
+        e.addr(),
+        "/tokenize",
+        &json!({"model": "sql", "prompt": "a b"}),
+    )
+    .await;
+    assert_eq!(tokenized.status, 200, "{}", tokenized.text());
+    // The base model is still served under its own name.
+    let base = post(
+        e.addr(),
+        "/v1/completions",
+        &json!({"model": "sim-model", "prompt": "hi"}),
+    )
+    .await;
+    assert_eq!(base.json()["model"], "sim-model");
+
+    let unload = post(
+        e.addr(),
+        "/v1/unload_lora_adapter",
+        &json!({"lora_name": "sql"}),
+    )
+    .await;
+    assert_eq!(unload.status, 200);
+    assert_eq!(
+        post(e.addr(), "/v1/chat/completions", &chat).await.status,
+        404
+    );
+}
+
 // ---------------------------------------------------------------- SGLang /generate
 
 async fn sglang(role: SimRole) -> SimEngine {
@@ -291,6 +351,75 @@ async fn generate_hands_kv_over_by_room_single_and_batch() {
     assert_eq!((ps.generate_requests, ds.generate_requests), (2, 2));
     assert_eq!(ds.remote_decodes, 2);
     assert_eq!(ps.kv_transfers_pending, 0);
+}
+
+/// A streamed `/generate` answer, rendered event by event: each element's events carry
+/// one token more each, in step order, and its last one is the whole answer's element;
+/// with `unterminated_event`, the first event is followed by the event that never ends.
+#[tokio::test]
+async fn generate_streams_each_element_token_by_token() {
+    let (p, d) = (
+        sglang(SimRole::Prefill).await,
+        sglang(SimRole::Decode).await,
+    );
+    let port = p.bootstrap_addr().unwrap().port();
+    let body = |stream: bool, rooms: Value| {
+        with_rooms(
+            json!({"text": ["one two", "three four five"], "sampling_params": {"max_new_tokens": 5}, "return_logprob": true, "stream": stream}),
+            port,
+            rooms,
+        )
+    };
+    let run = |b: Value| {
+        let (p, d) = (&p, &d);
+        async move {
+            let (pr, dr) = tokio::join!(
+                post(p.addr(), "/generate", &b),
+                post(d.addr(), "/generate", &b)
+            );
+            assert_eq!(pr.status, 200, "{}", pr.text());
+            assert_eq!(dr.status, 200, "{}", dr.text());
+            dr
+        }
+    };
+    let whole = run(body(false, json!([51, 52]))).await.json();
+    let events = run(body(true, json!([53, 54]))).await.events();
+    assert_eq!(events.len(), 2 * 5 + 1);
+    assert_eq!(events.last(), Some(&json!("[DONE]")));
+    for (i, event) in events[..10].iter().enumerate() {
+        // Step by step, the elements in turn.
+        let (step, index) = (i / 2 + 1, i % 2);
+        assert_eq!(event["index"], index, "{event}");
+        assert_eq!(event["meta_info"]["completion_tokens"], step, "{event}");
+        let ids = event["output_ids"].as_array().unwrap();
+        assert_eq!(
+            ids[..],
+            whole[index]["output_ids"].as_array().unwrap()[..step]
+        );
+        if step == 5 {
+            for key in ["text", "output_ids"] {
+                assert_eq!(event[key], whole[index][key], "{key}");
+            }
+            assert_eq!(
+                event["meta_info"]["finish_reason"],
+                json!({"type": "length", "length": 5})
+            );
+        } else {
+            assert!(event["meta_info"]["finish_reason"].is_null(), "{event}");
+        }
+    }
+
+    d.set_faults(Faults {
+        unterminated_event: Some(200_000),
+        ..Faults::default()
+    });
+    let cut = run(body(true, json!([55, 56]))).await.text();
+    let (first, rest) = cut.split_once("\n\n").unwrap();
+    let first: Value = serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(first["meta_info"]["completion_tokens"], 1);
+    assert!(rest.starts_with("data: {\"text\":\"xxx"), "{}", &rest[..40]);
+    assert_eq!(rest.len(), 200_000);
+    assert!(!rest.contains('\n'));
 }
 
 /// `sampling_params.n`: B prompts times n samples are B·n requests, each taking its

@@ -351,3 +351,93 @@ async fn recorded_requests_keep_the_headers_of_each_leg() {
     assert_eq!(recorded[1].header("traceparent"), None);
     assert_eq!(e.stats().requests_per_dp_rank, [0, 2]);
 }
+
+/// Every choice of a request is built up front: a batch of prompts × `n` beyond 1024
+/// choices, or beyond 2^22 tokens to generate, is a 400 in OpenAI's shape on every
+/// generation route (SGLang's `/generate` and vLLM's token-in route included), not an
+/// allocation of gigabytes.
+#[tokio::test]
+async fn batches_beyond_the_choice_and_token_ceilings_are_refused() {
+    let vllm = engine(KvMode::Nixl, |_| {}).await;
+    let sglang = engine(KvMode::Sglang(SimRole::Decode), |_| {}).await;
+    let prompts = |n: usize| json!(vec!["a b"; n]);
+    let refused = [
+        // 9 prompts × n = 128: 1152 choices.
+        (
+            &vllm,
+            COMPLETIONS,
+            json!({"prompt": prompts(9), "n": 128, "max_tokens": 1}),
+            "1152 choices",
+        ),
+        // Token-id prompts, counted the same.
+        (
+            &vllm,
+            COMPLETIONS,
+            json!({"prompt": vec![vec![20, 21]; 9], "n": 128, "max_tokens": 1}),
+            "1152 choices",
+        ),
+        // More prompts than choices served, refused before they are tokenized.
+        (
+            &vllm,
+            COMPLETIONS,
+            json!({"prompt": prompts(1025)}),
+            "1025 choices",
+        ),
+        // 600 choices of up to 8000 tokens: 4.8 million tokens.
+        (
+            &vllm,
+            COMPLETIONS,
+            json!({"prompt": prompts(600), "max_tokens": 8000}),
+            "4800000 generated tokens",
+        ),
+        (
+            &vllm,
+            "/inference/v1/generate",
+            json!({"token_ids": vec![vec![20, 21]; 9], "sampling_params": {"n": 128, "max_tokens": 1}}),
+            "1152 choices",
+        ),
+        (
+            &sglang,
+            COMPLETIONS,
+            json!({"prompt": prompts(9), "n": 128, "max_tokens": 1}),
+            "1152 choices",
+        ),
+        (
+            &sglang,
+            "/generate",
+            json!({"text": prompts(9), "sampling_params": {"n": 128, "max_new_tokens": 1}}),
+            "1152 choices",
+        ),
+        (
+            &sglang,
+            "/generate",
+            json!({"input_ids": vec![vec![20, 21]; 1025]}),
+            "1025 choices",
+        ),
+        (
+            &sglang,
+            "/generate",
+            json!({"text": prompts(600), "sampling_params": {"max_new_tokens": 8000}}),
+            "4800000 generated tokens",
+        ),
+    ];
+    for (e, path, body, needle) in refused {
+        let reply = post(e.addr(), path, &body).await;
+        assert_eq!(reply.status, 400, "{path}: {}", reply.text());
+        let message = error_message(&reply);
+        assert!(
+            message.contains(needle),
+            "{path}: {message:?} lacks {needle:?}"
+        );
+        assert_eq!(reply.json()["error"]["type"], "BadRequestError");
+    }
+    // At the ceiling: 8 prompts × n = 128 are 1024 choices.
+    let reply = post(
+        vllm.addr(),
+        COMPLETIONS,
+        &json!({"prompt": prompts(8), "n": 128, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["choices"].as_array().unwrap().len(), 1024);
+}
