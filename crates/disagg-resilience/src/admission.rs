@@ -10,10 +10,11 @@
 //!   router chose has an endpoint at its limit, the request waits in the same queue
 //!   until a leg that held a place ends (a prefill exchange, or an attempt), then
 //!   routes again (so it may go elsewhere). The route it gives holds a place per leg
-//!   ([`Route::with_holds`]), given back when that leg ends. These waiters are woken
-//!   together and race for the freed room, so their order is close to, but not
-//!   strictly, FIFO; the limit is checked when a request is routed, so requests routed
-//!   at the same instant on different threads may pass it by one each.
+//!   ([`Route::with_holds`]), given back when that leg ends. An endpoint's count is
+//!   the larger of its in-flight count and the places handed out on it (a request
+//!   counts from its routing, before its legs are sent), and the room is checked and
+//!   taken under one lock. These waiters are woken together and race for the freed
+//!   room, so their order is close to, but not strictly, FIFO.
 //!
 //! - a **decode hold** ([`DecodeHold`], made by [`Limits::decode_hold`]): while every
 //!   decode endpoint of a request's model is saturated (its
@@ -23,7 +24,8 @@
 //!   have not ended), the request waits in the same queue, for at most its own
 //!   wait, before any leg is sent: its prefill is not run for a decode that cannot
 //!   take its KV, which would otherwise sit on the prefill until it expires. Held
-//!   requests get room oldest first.
+//!   requests get room oldest first, each model's behind its own model's only: a
+//!   model with an idle decode is not held behind another's line.
 //!
 //! The queue is bounded: a request that finds it full is refused at once with 429
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
@@ -102,12 +104,42 @@ struct Place {
 }
 
 /// A leg's place under the per-endpoint limit, inside the [`Permit`] its route holds:
-/// when the leg ends, requests waiting for room route again.
-struct LegPlace(Arc<State>);
+/// when the leg ends, its endpoint's count of places goes down, then requests waiting
+/// for room route again (in that order: a woken request finds the room).
+struct LegPlace {
+    state: Arc<State>,
+    places: Arc<Places>,
+    endpoint: PlaceKey,
+}
 
 impl Drop for LegPlace {
     fn drop(&mut self) {
-        self.0.ended.notify_waiters();
+        self.places.give_back(&self.endpoint);
+        self.state.ended.notify_waiters();
+    }
+}
+
+/// An endpoint in [`Places`]: its role and id (an engine serving both roles is two
+/// endpoints, each with its own in-flight count and limit).
+type PlaceKey = (Role, EndpointId);
+
+/// The places a [`PerEndpointLimit`] handed out per endpoint and not yet given back,
+/// counted from a request's routing to the end of its leg. An endpoint's in-flight
+/// count takes a leg only once it is sent (a decode's after the prefill and the
+/// handoff): without this, requests routed before their legs run would be invisible to
+/// the limit and would all pass it. An endpoint's entry leaves with its last place.
+#[derive(Debug, Default)]
+struct Places(std::sync::Mutex<HashMap<PlaceKey, usize>>);
+
+impl Places {
+    fn give_back(&self, endpoint: &PlaceKey) {
+        let mut places = crate::lock(&self.0);
+        if let Some(n) = places.get_mut(endpoint) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                places.remove(endpoint);
+            }
+        }
     }
 }
 
@@ -160,6 +192,7 @@ impl Limits {
             inner: router,
             state: Arc::clone(&self.state),
             limit,
+            places: Arc::default(),
         }
     }
 
@@ -195,7 +228,8 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) and the requests this hold
 /// routed to it whose attempt has not ended (a request counts from its routing, before
 /// its prefill runs; the place is the route's decode hold). Held requests get room in
-/// their order of arrival, and a new request waits behind them.
+/// their order of arrival, and a new request waits behind them: behind those of its own
+/// model, when endpoints declare models (they wait for other decodes).
 ///
 /// Cost per request: a boxed routing future, two short locks (the check, then the
 /// count), a snapshot of the endpoint set and one `load` per decode endpoint of the
@@ -216,8 +250,8 @@ pub struct DecodeHold<R> {
 /// request whose prefill is running would be invisible to the hold, and requests
 /// released at the same poll would all find the same free place.
 ///
-/// It also keeps the held requests in their order of arrival: room goes to the oldest
-/// first, and a new request waits behind them.
+/// It also keeps the held requests of each model in their order of arrival (see
+/// [`line`]): room goes to the oldest first, and a new request waits behind them.
 #[derive(Debug, Default)]
 struct Routed(std::sync::Mutex<Counts>);
 
@@ -225,21 +259,77 @@ struct Routed(std::sync::Mutex<Counts>);
 struct Counts {
     /// Places per decode endpoint.
     places: HashMap<EndpointId, usize>,
-    /// The tickets of the requests held, oldest first.
-    held: BTreeSet<u64>,
+    /// The tickets of the requests held, oldest first, per named line; a line leaves
+    /// with its last ticket.
+    held: HashMap<Box<str>, BTreeSet<u64>>,
+    /// The tickets of the unnamed line (see [`line`]).
+    unnamed: BTreeSet<u64>,
     /// The next ticket.
     next: u64,
 }
 
-/// A held request's ticket, leaving the line when the request is routed or gives up.
+impl Counts {
+    /// The tickets held in `line`, if any.
+    fn line(&self, line: Option<&str>) -> Option<&BTreeSet<u64>> {
+        match line {
+            None => Some(&self.unnamed),
+            Some(model) => self.held.get(model),
+        }
+    }
+
+    /// A new ticket, held at the end of `line`.
+    fn hold(&mut self, line: Option<&str>) -> u64 {
+        let ticket = self.next;
+        self.next += 1;
+        match line {
+            None => self.unnamed.insert(ticket),
+            Some(model) => self.held.entry(model.into()).or_default().insert(ticket),
+        };
+        ticket
+    }
+
+    /// `ticket` leaves `line`.
+    fn leave(&mut self, line: Option<&str>, ticket: u64) {
+        match line {
+            None => {
+                self.unnamed.remove(&ticket);
+            }
+            Some(model) => {
+                if let Some(tickets) = self.held.get_mut(model) {
+                    tickets.remove(&ticket);
+                    if tickets.is_empty() {
+                        self.held.remove(model);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The line a request for `model` waits in over `set` (every model's endpoints): held
+/// requests wait only behind those held for the same model, whose decodes they wait
+/// for. When no endpoint declares a model, every request goes to the same decodes and
+/// waits in one line (`None`); a request naming no model is the one model served's, if
+/// there is just one.
+fn line<'s>(set: &'s EndpointSet, model: Option<&'s str>) -> Option<&'s str> {
+    match set.served_models() {
+        [] => None,
+        [only] if model.is_none() => Some(only),
+        _ => model,
+    }
+}
+
+/// A held request's ticket in its line, leaving it when the request is routed or
+/// gives up.
 struct Ticket<'a> {
     routed: &'a Routed,
+    line: Option<Box<str>>,
     ticket: u64,
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        crate::lock(&self.routed.0).held.remove(&self.ticket);
+        crate::lock(&self.routed.0).leave(self.line.as_deref(), self.ticket);
     }
 }
 
@@ -264,13 +354,13 @@ impl Drop for RoutedPlace {
 
 impl<R: Router> DecodeHold<R> {
     /// Whether the decodes of the request's model have room for it: more free places
-    /// than requests held ahead of it (every held request, for one not yet held; true
-    /// when the model has no decode: routing says why). A decode's count is the larger
-    /// of its [load](disagg_core::endpoint::Endpoint::load) and the requests this hold
-    /// routed to it that have not ended.
-    fn has_room(&self, ask: &Ask<'_>, counts: &Counts, ticket: Option<u64>) -> bool {
-        let set = ask.source.snapshot();
-        let Ok(set) = set.for_model(ask.view.model) else {
+    /// than requests held ahead of it in its model's [`line`] (the whole line, for one
+    /// not yet held; true when the model has no decode: routing says why). A decode's
+    /// count is the larger of its [load](disagg_core::endpoint::Endpoint::load) and the
+    /// requests this hold routed to it that have not ended.
+    fn has_room(&self, ask: &Ask<'_>, counts: &Counts, ticket: Option<&Ticket<'_>>) -> bool {
+        let all = ask.source.snapshot();
+        let Ok(set) = all.for_model(ask.view.model) else {
             return true;
         };
         let decodes = set.by_role(Role::Decode);
@@ -285,8 +375,12 @@ impl<R: Router> DecodeHold<R> {
             })
             .sum();
         let ahead = match ticket {
-            None => counts.held.len(),
-            Some(t) => counts.held.range(..t).count(),
+            None => counts
+                .line(line(&all, ask.view.model))
+                .map_or(0, BTreeSet::len),
+            Some(t) => counts
+                .line(t.line.as_deref())
+                .map_or(0, |held| held.range(..t.ticket).count()),
         };
         free > ahead
     }
@@ -295,7 +389,7 @@ impl<R: Router> DecodeHold<R> {
     /// have room for the request: checked and counted under one lock, so that requests
     /// let through at the same time cannot all take the same free place. `None` when
     /// they filled up since the request was routed.
-    fn admit(&self, ask: &Ask<'_>, route: Route, ticket: Option<u64>) -> Option<Route> {
+    fn admit(&self, ask: &Ask<'_>, route: Route, ticket: Option<&Ticket<'_>>) -> Option<Route> {
         let mut counts = crate::lock(&self.routed.0);
         if !self.has_room(ask, &counts, ticket) {
             return None;
@@ -324,13 +418,13 @@ impl<R: Router> Router for DecodeHold<R> {
         Either::Right(Box::pin(async move {
             let since = Instant::now();
             let until = {
-                let by_hold = since + self.wait;
+                let by_hold = crate::after(since, self.wait);
                 ask.deadline.map_or(by_hold, |d| d.min(by_hold))
             };
             // Once held: its place in the admission queue and in the hold's line.
             let mut held: Option<(Waiting<'_>, Ticket<'_>)> = None;
             loop {
-                let ticket = held.as_ref().map(|(_, t)| t.ticket);
+                let ticket = held.as_ref().map(|(_, t)| t);
                 let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
                 if room {
                     // The policy chooses the decode (a saturated one too, when it
@@ -343,13 +437,11 @@ impl<R: Router> Router for DecodeHold<R> {
                 }
                 if held.is_none() {
                     let waiting = self.state.enqueue()?;
-                    let mut counts = crate::lock(&self.routed.0);
-                    let ticket = counts.next;
-                    counts.next += 1;
-                    counts.held.insert(ticket);
-                    drop(counts);
+                    let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
+                    let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
                     let ticket = Ticket {
                         routed: &self.routed,
+                        line,
                         ticket,
                     };
                     held = Some((waiting, ticket));
@@ -399,7 +491,7 @@ impl State {
     /// When a wait that started at `since` must end: the queue timeout or the request's
     /// deadline, whichever comes first.
     fn wait_until(&self, since: Instant, deadline: Option<Instant>) -> Instant {
-        let by_queue = since + self.config.queue_timeout;
+        let by_queue = crate::after(since, self.config.queue_timeout);
         deadline.map_or(by_queue, |d| d.min(by_queue))
     }
 
@@ -412,21 +504,6 @@ impl State {
 
     fn permit(global: Option<OwnedSemaphorePermit>) -> Permit {
         Permit::new(Place { _global: global })
-    }
-
-    /// Wait, as a queued request that first found no room at `since`, until a leg that
-    /// held a place ends.
-    async fn wait_for_room(
-        &self,
-        since: Instant,
-        deadline: Option<Instant>,
-    ) -> Result<(), PdError> {
-        let _waiting = self.enqueue()?;
-        let until = self.wait_until(since, deadline);
-        match tokio::time::timeout_at(until, self.ended.notified()).await {
-            Ok(()) => Ok(()),
-            Err(_) => Err(self.timed_out(since)),
-        }
     }
 }
 
@@ -478,20 +555,28 @@ impl Admission for Limits {
 /// A [`Router`] whose routes go only to endpoints below its limit of requests in
 /// flight, made by [`Limits::per_endpoint`].
 ///
-/// When the route its router chose has an endpoint at the limit (counted by the
-/// endpoints' own in-flight counts: a prefill endpoint's prefill exchanges, a decode
-/// endpoint's streams), [`route`](Router::route) waits in the [`Limits`]' queue (429
-/// when full, 503 past the queue timeout or the request's deadline) until a leg that
-/// held a place ends, and routes again. Each route it gives holds a place per leg
-/// ([`Route::with_holds`]): the prefill's ends with the prefill exchange, the decode's
-/// with the attempt. A route with room is given without waiting or allocating more than
-/// its two places.
+/// When the route its router chose has an endpoint at the limit, [`route`](Router::route)
+/// waits in the [`Limits`]' queue (429 when full, 503 past the queue timeout or the
+/// request's deadline) until a leg that held a place ends, and routes again. An
+/// endpoint's count is the larger of its own in-flight count (a prefill endpoint's
+/// prefill exchanges, a decode endpoint's streams) and the places this limit handed
+/// out on it that were not given back: a request counts from its routing, before its
+/// legs are sent. The room is checked and the places taken under one lock, so requests
+/// routed at the same time cannot all take the same free place. Each route it gives
+/// holds a place per leg ([`Route::with_holds`]): the prefill's ends with the prefill
+/// exchange, the decode's with the attempt.
+///
+/// Cost per request with room: one short lock, a hash lookup per leg, an entry made
+/// for an endpoint that had no place (an endpoint's entry leaves with its last place)
+/// and its two places; one short lock when each leg ends.
 #[derive(Debug)]
 pub struct PerEndpointLimit<R> {
     inner: R,
     state: Arc<State>,
     /// Requests in flight on one endpoint.
     limit: usize,
+    /// The places handed out per endpoint and not yet given back.
+    places: Arc<Places>,
 }
 
 impl<R: Router> PerEndpointLimit<R> {
@@ -503,25 +588,59 @@ impl<R: Router> PerEndpointLimit<R> {
         deadline: Option<Instant>,
     ) -> Result<Route, PdError> {
         let since = Instant::now();
+        // One place in the queue (and one `queued`) however often it routes again.
+        let _waiting = self.state.enqueue()?;
+        let until = self.state.wait_until(since, deadline);
         loop {
-            self.state.wait_for_room(since, deadline).await?;
+            // Listening before looking: a leg that ends between the look and the wait
+            // still wakes it.
+            let ended = self.state.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
             if let Some(route) = self.with_room(choose()?) {
                 return Ok(route);
+            }
+            if tokio::time::timeout_at(until, ended).await.is_err() {
+                return Err(self.state.timed_out(since));
             }
         }
     }
 
-    /// `route` holding a place per leg, when both its endpoints are below the limit.
+    /// `route` holding a place per leg, when both its endpoints are below the limit:
+    /// checked and taken under one lock.
     fn with_room(&self, route: Route) -> Option<Route> {
-        let limit = self.limit;
-        let room = route.decode.in_flight() < limit
-            && route.prefill.as_ref().is_none_or(|p| p.in_flight() < limit);
+        let key = |ep: &Endpoint| (ep.role(), ep.id().clone());
+        let decode = key(&route.decode);
+        let prefill = route.prefill.as_deref().map(key);
+        // A route whose two legs are one endpoint takes two of its places.
+        let both = prefill.as_ref() == Some(&decode);
+        let mut places = crate::lock(&self.places.0);
+        let count = |ep: &Endpoint, key: &PlaceKey| {
+            ep.in_flight().max(places.get(key).copied().unwrap_or(0))
+        };
+        let room = count(&route.decode, &decode) + usize::from(both) < self.limit
+            && route
+                .prefill
+                .as_deref()
+                .zip(prefill.as_ref())
+                .is_none_or(|(p, key)| count(p, key) < self.limit);
         if !room {
             return None;
         }
-        let place = || Permit::new(LegPlace(Arc::clone(&self.state)));
-        let prefill = route.prefill.is_some().then(place);
-        Some(route.with_holds(prefill, Some(place())))
+        if let Some(key) = &prefill {
+            *places.entry(key.clone()).or_insert(0) += 1;
+        }
+        *places.entry(decode.clone()).or_insert(0) += 1;
+        drop(places);
+        let place = |endpoint| {
+            Permit::new(LegPlace {
+                state: Arc::clone(&self.state),
+                places: Arc::clone(&self.places),
+                endpoint,
+            })
+        };
+        let prefill = prefill.map(place);
+        Some(route.with_holds(prefill, Some(place(decode))))
     }
 }
 
@@ -786,5 +905,270 @@ mod tests {
         let by = Instant::now() + Duration::from_millis(50);
         let e = router.place(&pick, Some(by)).await.unwrap_err();
         assert_eq!(e.http().code, "queue_timeout");
+    }
+
+    /// The prefill endpoint with the fewest legs in flight, and the first decode.
+    struct LeastLoaded;
+
+    impl Router for LeastLoaded {
+        fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+            let decode = set
+                .by_role(Role::Decode)
+                .first()
+                .ok_or(RouteError::NoDecode)?;
+            let prefill = set
+                .by_role(Role::Prefill)
+                .iter()
+                .min_by_key(|p| p.in_flight())
+                .cloned();
+            Ok(Route::new(prefill, Arc::clone(decode)))
+        }
+    }
+
+    fn endpoint(url: &str, role: Role) -> Endpoint {
+        Endpoint::new(url, role).unwrap()
+    }
+
+    /// Finding: a decode's in-flight count rises only when its leg is sent, after the
+    /// prefill; the places handed out count from the routing on.
+    #[tokio::test]
+    async fn a_place_handed_out_counts_before_its_leg_is_sent() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(LeastLoaded, 1);
+        let source = StaticSource::new([
+            endpoint("http://p1:1", Role::Prefill),
+            endpoint("http://p2:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let r1 = router.route(ask).now_or_never().unwrap().unwrap();
+        // R1's prefill runs on P1; its decode leg is not sent yet.
+        let prefill = r1.prefill.as_ref().unwrap().track();
+        assert_eq!(r1.decode.in_flight(), 0);
+        // R2 would go to P2 and the same decode, whose one place is R1's.
+        let mut r2 = Box::pin(router.route(ask));
+        assert!(
+            (&mut r2).now_or_never().is_none(),
+            "the decode is full: R2 waits"
+        );
+        assert_eq!(waiting(&limits), 1);
+        // R1's legs end: R2 is let through.
+        drop(prefill);
+        drop(r1);
+        let r2 = (&mut r2)
+            .now_or_never()
+            .expect("woken when R1's places were given back")
+            .unwrap();
+        assert_eq!(r2.decode.id().as_str(), "http://d:1");
+        assert_eq!(waiting(&limits), 0);
+        // Every place given back, no entry is left behind.
+        drop(r2);
+        assert!(crate::lock(&router.places.0).is_empty());
+    }
+
+    /// Finding: the room was looked at, then the wait made: a leg that ended between the
+    /// two woke no one, and the request waited for another leg's end (or timed out).
+    #[tokio::test]
+    async fn a_leg_that_ends_before_the_wait_is_polled_still_lets_it_through() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(First, 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        let stream = first.decode.track();
+        // It finds no room, and is not polled before the leg ends.
+        let second = router.route(ask);
+        drop(stream);
+        drop(first);
+        let second = second
+            .now_or_never()
+            .expect("the room freed before the wait is found")
+            .unwrap();
+        assert_eq!(second.decode.id().as_str(), "http://d:1");
+        assert_eq!(waiting(&limits), 0);
+    }
+
+    /// Finding: each wake-up that found no room queued the request again, counting it
+    /// in `queued` once per wake-up (and, with a full queue, refusing it with 429).
+    #[tokio::test]
+    async fn a_waiter_woken_without_room_is_queued_once() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(First, 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none());
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // Places on another engine come and go: the waiter is woken three times and
+        // finds no room each time.
+        let other = Arc::new(endpoint("http://e:1", Role::Decode));
+        let pick = {
+            let other = Arc::clone(&other);
+            move || Ok(Arc::clone(&other))
+        };
+        for _ in 0..3 {
+            drop(router.place(&pick, None).now_or_never().unwrap().unwrap());
+            assert!((&mut second).now_or_never().is_none(), "still no room");
+        }
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        drop(first);
+        assert!((&mut second).now_or_never().is_some());
+        assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
+    }
+
+    /// Finding: the hold counted the held requests of every model ahead of a request,
+    /// against the free places of its own model's decodes.
+    #[tokio::test(start_paused = true)]
+    async fn a_model_with_room_is_not_held_behind_another_models_line() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.decode_hold(First, 1, Duration::from_secs(60));
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://da:1", Role::Decode).with_models(["a"]),
+            endpoint("http://db:1", Role::Decode).with_models(["b"]),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let a = RequestView::new(Api::Chat, Some("a"), &headers, &body);
+        let b = RequestView::new(Api::Chat, Some("b"), &headers, &body);
+        let ask_a = Ask::new(&a, &source, false, None);
+        let ask_b = Ask::new(&b, &source, false, None);
+
+        // Model a's one decode is full, and 20 of its requests are held.
+        let running = router.route(ask_a).now_or_never().unwrap().unwrap();
+        let mut held: Vec<_> = (0..20).map(|_| Box::pin(router.route(ask_a))).collect();
+        for h in &mut held {
+            assert!(h.now_or_never().is_none(), "model a is saturated");
+        }
+        assert_eq!(waiting(&limits), 20);
+        // Model b's decode is idle: its request is routed at once.
+        let routed = router
+            .route(ask_b)
+            .now_or_never()
+            .expect("not held behind model a's line")
+            .unwrap();
+        assert_eq!(routed.decode.id().as_str(), "http://db:1");
+        // A second b request waits for b's decode, not for a's line.
+        let mut second = Box::pin(router.route(ask_b));
+        assert!((&mut second).now_or_never().is_none());
+        drop(routed);
+        // It looks again at its next poll of the decodes.
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut second).now_or_never().is_some());
+        // The lines leave with their last ticket.
+        drop(held);
+        drop(running);
+        let counts = crate::lock(&router.routed.0);
+        assert!(counts.held.is_empty() && counts.unnamed.is_empty());
+    }
+
+    /// Without models declared every request waits for the same decodes: one line,
+    /// whatever the model each names.
+    #[tokio::test(start_paused = true)]
+    async fn without_declared_models_every_request_waits_in_one_line() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.decode_hold(First, 1, Duration::from_secs(60));
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let a = RequestView::new(Api::Chat, Some("a"), &headers, &body);
+        let b = RequestView::new(Api::Chat, Some("b"), &headers, &body);
+        let (ask_a, ask_b) = (
+            Ask::new(&a, &source, false, None),
+            Ask::new(&b, &source, false, None),
+        );
+        let running = router.route(ask_a).now_or_never().unwrap().unwrap();
+        let mut older = Box::pin(router.route(ask_a));
+        assert!((&mut older).now_or_never().is_none());
+        drop(running);
+        // The place freed is the older request's: a newcomer naming another model
+        // waits behind it.
+        assert!(router.route(ask_b).now_or_never().is_none());
+        tokio::time::advance(HOLD_POLL).await;
+        let _older = (&mut older).now_or_never().expect("oldest first").unwrap();
+    }
+
+    /// Finding: `Duration::MAX`, a common "forever", overflowed the clock and panicked.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_of_duration_max_waits_instead_of_panicking() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            max_in_flight: Some(1),
+            queue_timeout: Duration::MAX,
+            ..AdmissionConfig::default()
+        });
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // The decode hold's wait.
+        let hold = limits.decode_hold(First, 1, Duration::MAX);
+        let route = hold.route(ask).now_or_never().unwrap().unwrap();
+        let mut held = Box::pin(hold.route(ask));
+        assert!((&mut held).now_or_never().is_none(), "held");
+        drop(route);
+        // The global queue's timeout.
+        let _first = limits.admit(None).now_or_never().unwrap().unwrap();
+        let mut queued = limits.admit(None);
+        assert!((&mut queued).now_or_never().is_none(), "queued");
+        // The per-endpoint limit's, through the same queue.
+        let per = limits.per_endpoint(First, 1);
+        let _route = per.route(ask).now_or_never().unwrap().unwrap();
+        let mut waiting_route = Box::pin(per.route(ask));
+        assert!((&mut waiting_route).now_or_never().is_none(), "waits");
+        // Forever is long: an hour later they all still wait.
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!((&mut queued).now_or_never().is_none());
+        assert!((&mut waiting_route).now_or_never().is_none());
     }
 }

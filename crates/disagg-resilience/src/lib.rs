@@ -54,3 +54,20 @@ pub use telemetry::{SuspectAction, Telemetry, TelemetryConfig};
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
+
+/// About 30 years: how far ahead a wait that never ends is put (as tokio does), when a
+/// configured [`Duration`](std::time::Duration) (`Duration::MAX` for "forever") goes
+/// past what an `Instant` can hold.
+const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
+
+/// `start + wait`, or about 30 years after `start` when that sum overflows: a configured
+/// duration never panics the code that adds it to a clock.
+pub(crate) fn after(
+    start: tokio::time::Instant,
+    wait: std::time::Duration,
+) -> tokio::time::Instant {
+    start
+        .checked_add(wait)
+        .or_else(|| start.checked_add(FAR_FUTURE))
+        .unwrap_or(start)
+}

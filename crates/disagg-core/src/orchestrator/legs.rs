@@ -146,13 +146,15 @@ impl Inner {
         hold: Option<Permit>,
     ) -> impl Future<Output = Result<PrefillResult, PdError>> + Send + 'static {
         let ep = Arc::clone(&leg.endpoint);
-        let guard = ep.track();
+        // The in-flight count drops before the router's hold (a tuple drops its fields
+        // in order, whether the future ran or not): a hold given back wakes requests
+        // waiting for room on this endpoint, which must find its count already down.
+        let held = (ep.track(), hold);
         let http_req = self.leg_request(req, leg);
         let transport = Arc::clone(&self.transport);
         let limit = self.config.max_prefill_answer;
         async move {
-            let _guard = guard;
-            let _hold = hold;
+            let _held = held;
             let http_req = http_req?;
             let exchange = async {
                 let resp = transport

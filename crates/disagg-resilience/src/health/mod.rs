@@ -538,13 +538,20 @@ impl Health {
         transport: impl Transport,
         mut stop: watch::Receiver<bool>,
     ) {
+        // Subscribed first, then the registry brought up to the inner set, then the
+        // targets made from it: an engine the inner source published before now (and
+        // that no snapshot has taken in yet) is checked from the first round, and one
+        // published from now on wakes the loop below.
+        let mut inner_rx = self.inner.watch();
+        self.refresh();
         let mut checker = Checker {
             health: Arc::clone(&self),
             targets: Vec::new(),
         };
-        checker.retarget();
+        if checker.retarget() {
+            self.refresh();
+        }
         let config = &self.config.checks;
-        let mut inner_rx = self.inner.watch();
         let mut following = true;
         let mut tick = tokio::time::interval(config.interval.max(MIN_INTERVAL));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

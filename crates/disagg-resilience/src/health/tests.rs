@@ -469,3 +469,29 @@ async fn the_checker_publishes_returns_and_inner_changes_to_watchers() {
         .unwrap();
     assert_eq!(rx.borrow_and_update().by_role(Role::Decode).len(), 2);
 }
+
+/// Finding: the checker made its targets from the registry before bringing it up to
+/// the inner set, and its watch of the inner source took the current set as seen: an
+/// engine published before the checks started, with no snapshot taken since, was never
+/// checked.
+#[tokio::test(start_paused = true)]
+async fn an_engine_published_before_the_checks_start_is_checked() {
+    let inner = Arc::new(StaticSource::new([ep("http://a:1", Role::Prefill)]));
+    let source = HealthSource::new(Arc::clone(&inner), HealthConfig::default());
+    // Published before the checker runs; nobody takes a snapshot.
+    inner.insert(ep("http://c:1", Role::Decode));
+    let checks = Arc::new(Checks::default());
+    checks.set("a:1", Some(200));
+    // c:1 refuses connections.
+    let (_stop_tx, stop) = watch::channel(false);
+    tokio::spawn(Arc::clone(source.health()).run_checks(Arc::clone(&checks), stop));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(checks.count("c:1"), 1, "checked in the first round");
+    // The second failure, at 5 s, takes it out.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(checks.count("c:1"), 2);
+    let c = find(&source, "http://c:1", Role::Decode);
+    assert_eq!(source.health().state(&c), Some(EndpointHealth::Down));
+    assert!(source.snapshot().by_role(Role::Decode).is_empty());
+}

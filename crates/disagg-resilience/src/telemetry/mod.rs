@@ -36,8 +36,9 @@
 //!
 //! Prefix-cache hits (`local_cache_hit`) are left out of both sides: a prompt found in
 //! the decode's own cache needed no transfer and says nothing about one. A window with
-//! no handoff, no prompt token, or an engine that does not count transfers (SGLang) has
-//! no ratio. A ratio below [`TelemetryConfig::receipt_threshold`] for
+//! no handoff, no prompt token, an engine that does not count transfers (SGLang), or
+//! counts that make no share (a negative one, a sum too large for an `f64`) has no
+//! ratio. A ratio below [`TelemetryConfig::receipt_threshold`] for
 //! [`TelemetryConfig::suspect_windows`] judged windows in a row flags the decode as
 //! suspect (a warning names the prefill it was last paired with); with
 //! [`SuspectAction::Eject`] it is also ejected through [`Health::eject`], like an
@@ -338,7 +339,8 @@ impl Telemetry {
         // just asked for their versions, and a proxy that lives less than an interval
         // (a test, a failed start) reads nothing.
         let period = self.config.interval.max(MIN_INTERVAL);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let first = crate::after(tokio::time::Instant::now(), period);
+        let mut tick = tokio::time::interval_at(first, period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let stopped = async move {
             let _ = stop.wait_for(|stop| *stop).await;
@@ -532,7 +534,11 @@ impl Telemetry {
         };
         let local = delta(p.local_compute, q.local_compute).unwrap_or(0.0);
         let total = local + external;
-        if total <= 0.0 {
+        // Only counts that make a share are judged: sums that overflowed to infinity
+        // (and then a NaN, infinity less infinity), and negative counts, say nothing
+        // of the KV; judged, a NaN would count as a low window and eject the decode.
+        let counted = |n: f64| n.is_finite() && n >= 0.0;
+        if !(counted(external) && counted(local) && total.is_finite() && total > 0.0) {
             return false;
         }
         let ratio = external / total;

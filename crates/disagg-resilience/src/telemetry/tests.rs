@@ -463,3 +463,73 @@ fn any_mix_of_lines_reads_as_the_whole_text_did() {
         same_as_unfiltered(text);
     }
 }
+
+/// Finding: finite samples summing past `f64::MAX` made an infinite count, the next
+/// window's delta infinity less infinity, a NaN: judged as a low ratio, exported as NaN,
+/// and with eject, the decode ejected.
+#[test]
+fn counts_that_overflow_or_go_negative_are_not_judged() {
+    let config = TelemetryConfig {
+        suspect_windows: 2,
+        suspect_action: SuspectAction::Eject,
+        ..TelemetryConfig::default()
+    };
+    let t = Telemetry::new(config, None);
+    let h = Arc::new(Handoffs::default());
+    let mut s = decode_state();
+    assert!(!t.judge(&mut s, tokens(0.0, 0.0), Some(Arc::clone(&h))));
+    // Two engine indexes of 1e308 external tokens each: the sum is infinite.
+    let text = "\
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"local_compute\"} 0
+vllm:prompt_tokens_by_source_total{engine=\"0\",source=\"external_kv_transfer\"} 1e308
+vllm:prompt_tokens_by_source_total{engine=\"1\",source=\"external_kv_transfer\"} 1e308
+";
+    let huge = parse(text).unwrap();
+    assert_eq!(huge.prompt_tokens.external_kv_transfer, Some(f64::INFINITY));
+    for _ in 0..2 {
+        h.count.fetch_add(1, Ordering::Relaxed);
+        assert!(!t.judge(&mut s, huge.clone(), Some(Arc::clone(&h))));
+        assert_eq!(s.ratio, None);
+        assert!(!s.suspect);
+    }
+    // A negative count makes no share either (it would be a ratio above 1).
+    assert!(!t.judge(&mut s, tokens(0.0, 0.0), Some(Arc::clone(&h))));
+    h.count.fetch_add(1, Ordering::Relaxed);
+    assert!(!t.judge(&mut s, tokens(-50.0, 100.0), Some(Arc::clone(&h))));
+    assert_eq!(s.ratio, None);
+    // Counts that make a share are judged again.
+    assert!(!t.judge(&mut s, tokens(0.0, 0.0), Some(Arc::clone(&h))));
+    h.count.fetch_add(1, Ordering::Relaxed);
+    assert!(!t.judge(&mut s, tokens(0.0, 100.0), Some(Arc::clone(&h))));
+    assert_eq!(s.ratio, Some(1.0));
+}
+
+/// Finding: an interval of `Duration::MAX` (never) overflowed the clock and panicked.
+#[tokio::test(start_paused = true)]
+async fn an_interval_of_duration_max_never_scrapes_instead_of_panicking() {
+    use futures::FutureExt;
+
+    struct Never;
+    impl Transport for Never {
+        fn send(&self, _: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+            panic!("no scrape within forever")
+        }
+    }
+    let config = TelemetryConfig {
+        interval: Duration::MAX,
+        ..TelemetryConfig::default()
+    };
+    let t = Telemetry::new(config, None);
+    let source: Arc<dyn EndpointSource> =
+        Arc::new(disagg_core::source::StaticSource::new([Endpoint::new(
+            "http://d:1",
+            Role::Decode,
+        )
+        .unwrap()]));
+    let (_stop_tx, stop) = watch::channel(false);
+    let mut run = Box::pin(t.run(source, Never, stop));
+    assert!((&mut run).now_or_never().is_none());
+    tokio::time::advance(Duration::from_secs(3600)).await;
+    assert!((&mut run).now_or_never().is_none());
+}
