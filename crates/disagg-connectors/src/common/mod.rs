@@ -2,7 +2,7 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
+//! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process and cannot be predicted from the ones seen (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
 //! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts; `lock`: a mutex locked through poisoning |
 

@@ -6,6 +6,8 @@
 //!    prompt; completions: the prompt), once per attempt; a prompt already given as token
 //!    ids is not tokenized again, nor one the orchestrator's tokenizer already turned
 //!    into ids ([`PdRequest::tokens`]: a router reading tokens asked for them).
+//!    A prompt of more token ids than the connector carries
+//!    ([`MAX_PROMPT_TOKENS`] by default) fails the request (400) before any leg is sent.
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
@@ -56,6 +58,14 @@ use super::reshape::{lead, reshaper};
 
 /// The largest `/tokenize` answer and non-streaming decode answer read, in bytes.
 pub(super) const MAX_BODY: usize = 64 * 1024 * 1024;
+
+/// The most token ids a prompt may have to be carried by the [`Lmcache`] connector
+/// by default (2^20, as many as vLLM prompt-token reuse carries,
+/// [`DEFAULT_MAX_IDS`](crate::vllm::reuse::DEFAULT_MAX_IDS); above the context of the
+/// models LMCache serves). The ids are held for the request's life and written into
+/// both legs: without a ceiling, a `/tokenize` answer of [`MAX_BODY`] could name some
+/// 30 million of them. See [`Lmcache::with_max_prompt_tokens`].
+pub const MAX_PROMPT_TOKENS: usize = crate::vllm::reuse::DEFAULT_MAX_IDS;
 
 /// Chat-only request fields a completions leg does not carry.
 const CHAT_ONLY: &[&str] = &[
@@ -357,6 +367,7 @@ pub struct Lmcache {
     prefix: u64,
     next: AtomicU64,
     limits: VllmLimits,
+    max_prompt_tokens: usize,
 }
 
 impl Lmcache {
@@ -370,7 +381,18 @@ impl Lmcache {
             prefix,
             next: AtomicU64::new(0),
             limits: VllmLimits::default(),
+            max_prompt_tokens: MAX_PROMPT_TOKENS,
         }
+    }
+
+    /// Carry prompts of at most `max` token ids (the default is
+    /// [`MAX_PROMPT_TOKENS`]): a longer one, whether the client sent the ids or the
+    /// prefill's `/tokenize` answered them, fails the request with a 400
+    /// ([`ConnectorError::Unsupported`]) naming the count, before either leg is sent.
+    #[must_use]
+    pub fn with_max_prompt_tokens(mut self, max: usize) -> Self {
+        self.max_prompt_tokens = max;
+        self
     }
 
     /// Check requests against `limits` (the engines' `--max-logprobs` and
@@ -677,13 +699,30 @@ impl KvConnector for Lmcache {
                 reason: "the plan was not prepared by this connector".into(),
             });
         };
+        let max = self.max_prompt_tokens;
+        let too_long = |n: usize| ConnectorError::Unsupported {
+            connector: "lmcache",
+            what: format!("a prompt of {n} token ids (at most {max} are carried)"),
+        };
         let tokens: Arc<[u64]> = match (&plan.tokenize, handoff.prefill.body.get("prompt")) {
-            (Some(t), _) => tokenize(transport, &ep, t.clone())
-                .await
-                .map_err(|e| engine_error(&ep, "/tokenize", e))?,
-            (None, Some(raw)) => serde_json::from_slice::<Vec<u64>>(raw)
-                .map_err(|e| engine_error(&ep, "reading the prompt's token ids", e.into()))?
-                .into(),
+            (Some(t), _) => {
+                let ids = tokenize(transport, &ep, t.clone())
+                    .await
+                    .map_err(|e| engine_error(&ep, "/tokenize", e))?;
+                // Counted before they are widened and written into both legs.
+                if ids.len() > max {
+                    return Err(too_long(ids.len()));
+                }
+                ids.into_iter().map(u64::from).collect()
+            }
+            (None, Some(raw)) => {
+                let ids = serde_json::from_slice::<Vec<u64>>(raw)
+                    .map_err(|e| engine_error(&ep, "reading the prompt's token ids", e.into()))?;
+                if ids.len() > max {
+                    return Err(too_long(ids.len()));
+                }
+                ids.into()
+            }
             (None, None) => return Err(engine_error(&ep, "/tokenize", "no prompt".into())),
         };
         if tokens.is_empty() {
@@ -928,12 +967,11 @@ async fn tokenize(
     transport: &dyn Transport,
     ep: &Arc<Endpoint>,
     body: Bytes,
-) -> Result<Arc<[u64]>, BoxError> {
+) -> Result<Vec<u32>, BoxError> {
     let uri = ep.uri("/tokenize").map_err(boxed)?;
-    let ids = disagg_tokenize::engine::request_tokens(transport, uri, body, MAX_BODY)
+    disagg_tokenize::engine::request_tokens(transport, uri, body, MAX_BODY)
         .await
-        .map_err(boxed)?;
-    Ok(ids.into_iter().map(u64::from).collect())
+        .map_err(boxed)
 }
 
 fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {

@@ -63,7 +63,7 @@ mod connector;
 mod notify;
 mod reshape;
 
-pub use connector::{Lmcache, LmcacheReceiver, ReceiverError};
+pub use connector::{Lmcache, LmcacheReceiver, MAX_PROMPT_TOKENS, ReceiverError};
 pub use notify::{
     DEFAULT_MAX_NOTIFICATION, Notifications, NotifyConfig, NotifyError, NotifyStats, Pending,
     WaitError,

@@ -258,31 +258,49 @@ const MAX_ENGINE_ID: usize = 256;
 /// The engine ids of a `GET /query` answer, by rank. The engine id goes into every
 /// decode leg over that rank (`remote_engine_id`, which the decode's connector looks
 /// up on the bootstrap server), so it is checked as the handoff it feeds: a non-empty
-/// string of at most [`MAX_ENGINE_ID`] bytes, for at most [`MAX_RANKS`] ranks.
+/// string of at most [`MAX_ENGINE_ID`] bytes, for at most [`MAX_RANKS`] ranks. Each
+/// rank is written as the engine writes it (`str(dp_rank)`: digits, no sign, no leading
+/// zero) and listed once: `"0"`, `"00"` and `"+0"` would all name rank 0, and which of
+/// their engine ids the decode were given would be chance.
 fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
     #[derive(serde::Deserialize)]
     struct Rank {
         engine_id: String,
     }
-    let ranks: HashMap<String, Rank> = serde_json::from_slice(bytes)?;
-    if ranks.len() > MAX_RANKS {
-        return Err(format!("it lists {} ranks, more than {MAX_RANKS}", ranks.len()).into());
+    let text = std::str::from_utf8(bytes)?;
+    // Every member in order, keys decoded, repeats kept (a map would keep one of them).
+    let mut members = Vec::new();
+    disagg_json::raw::members(text, |rank, value| members.push((rank, value)))?;
+    if members.len() > MAX_RANKS {
+        return Err(format!("it lists {} ranks, more than {MAX_RANKS}", members.len()).into());
     }
-    ranks
-        .into_iter()
-        .map(|(rank, r)| {
-            let rank: u32 = rank
-                .parse()
-                .map_err(|_| BoxError::from(format!("rank `{rank}` is not a number")))?;
-            if r.engine_id.is_empty() || r.engine_id.len() > MAX_ENGINE_ID {
-                return Err(format!(
-                    "rank {rank}'s engine_id is empty or longer than {MAX_ENGINE_ID} bytes"
-                )
-                .into());
-            }
-            Ok((rank, Arc::from(r.engine_id)))
-        })
-        .collect()
+    let mut ranks = HashMap::with_capacity(members.len());
+    for (key, value) in members {
+        let rank = canonical_rank(&key).ok_or_else(|| {
+            BoxError::from(format!(
+                "rank `{key}` is not a rank number (decimal digits, no sign, no leading zero)"
+            ))
+        })?;
+        let r: Rank = serde_json::from_str(value.get())
+            .map_err(|e| BoxError::from(format!("rank {rank}: {e}")))?;
+        if r.engine_id.is_empty() || r.engine_id.len() > MAX_ENGINE_ID {
+            return Err(format!(
+                "rank {rank}'s engine_id is empty or longer than {MAX_ENGINE_ID} bytes"
+            )
+            .into());
+        }
+        if ranks.insert(rank, Arc::from(r.engine_id)).is_some() {
+            return Err(format!("rank {rank} is listed more than once").into());
+        }
+    }
+    Ok(ranks)
+}
+
+/// `key` as a rank when it is one written canonically: decimal digits without a sign
+/// or a leading zero, within a `u32`.
+fn canonical_rank(key: &str) -> Option<u32> {
+    let rank: u32 = key.parse().ok()?;
+    (rank.to_string() == key).then_some(rank)
 }
 
 #[async_trait]
@@ -699,6 +717,42 @@ mod tests {
                 Err(ConnectorError::Bootstrap { .. })
             ));
         }
+    }
+
+    /// Rank keys that name one rank twice (`"0"`, `"00"`, `"+0"`, an escaped `"0"`), or
+    /// not as the engine writes it, fail the query: which engine id a decode were given
+    /// would otherwise be chance.
+    #[tokio::test]
+    async fn query_answers_naming_a_rank_twice_or_not_canonically_are_errors() {
+        for answer in [
+            r#"{"0":{"engine_id":"a"},"00":{"engine_id":"b"}}"#,
+            r#"{"0":{"engine_id":"a"},"+0":{"engine_id":"b"}}"#,
+            r#"{"0":{"engine_id":"a"},"0":{"engine_id":"b"}}"#,
+            r#"{"0":{"engine_id":"a"},"\u0030":{"engine_id":"b"}}"#,
+            r#"{"00":{"engine_id":"a"}}"#,
+            r#"{"+1":{"engine_id":"a"}}"#,
+            r#"{" 1":{"engine_id":"a"}}"#,
+            r#"{"4294967296":{"engine_id":"a"}}"#,
+        ] {
+            assert!(parse_query(answer.as_bytes()).is_err(), "{answer}");
+            let c = VllmMooncake::new();
+            let t = bootstrap(answer);
+            let mut h = c.prepare(&route(None), &req(r#"{"messages":[]}"#)).unwrap();
+            let err = c.resolve(&mut h, &t).await.unwrap_err();
+            assert!(matches!(err, ConnectorError::Bootstrap { .. }), "{answer}");
+            assert!(
+                h.decode.body.get("kv_transfer_params").is_none(),
+                "{answer}"
+            );
+        }
+        let twice = parse_query(br#"{"0":{"engine_id":"a"},"\u0030":{"engine_id":"b"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(twice.contains("rank 0 is listed more than once"), "{twice}");
+        // Escaped keys are read decoded; canonical ones pass.
+        let ok = parse_query(br#"{"0":{"engine_id":"a"},"1\u0030":{"engine_id":"b"}}"#).unwrap();
+        assert_eq!(ok.len(), 2);
+        assert_eq!(ok.get(&10).map(|e| &**e), Some("b"));
     }
 
     #[test]

@@ -31,16 +31,25 @@
 //! without `remote_engine_id`, `remote_host`, `remote_port` or `tp_size`). So the dict
 //! is handed on only when `do_remote_prefill` is `true`, `remote_block_ids` holds at
 //! least one block id (a flat list, or one list per KV-cache group as 0.33 writes
-//! them), `remote_engine_id` and `remote_request_id` are non-empty strings,
-//! `remote_host` a non-empty string and `remote_port` a port number (and, when
-//! `transfer_mode` is `"push"`, `tp_size` a positive integer). Anything less is
-//! [`HandoffFound::Incomplete`]: the orchestrator treats it as a missing handoff. Other
-//! keys are not read (0.33 added `dcp_size`, `pp_size`, `transfer_mode`,
-//! `remote_registration_generation`, `remote_blocks_expiry_time`; later versions add
-//! more), and a dict that passes is still forwarded byte for byte. A dict that carries
-//! `prompt_token_ids` is refused as well: a decode takes that key as the prompt itself
-//! (vLLM 0.33's prompt-token reuse), which only the proxy may set (see
-//! [`reuse`](crate::vllm::reuse)).
+//! them), `remote_engine_id` and `remote_request_id` are non-empty strings without
+//! control characters, `remote_host` a host name or IP literal (ASCII letters, digits,
+//! `-`, `.`, `_`, `:`, `[`, `]`, `%`; at most 255 bytes) and `remote_port` a port number
+//! from 1 to 65535 (and, when `transfer_mode` is `"push"`, `tp_size` a positive
+//! integer). Anything less is [`HandoffFound::Incomplete`]: the orchestrator treats it
+//! as a missing handoff. Other keys are not read (0.33 added `dcp_size`, `pp_size`,
+//! `transfer_mode`, `remote_registration_generation`, `remote_blocks_expiry_time`; later
+//! versions add more), and a dict that passes is still forwarded byte for byte. A dict
+//! that carries `prompt_token_ids` is refused as well: a decode takes that key as the
+//! prompt itself (vLLM 0.33's prompt-token reuse), which only the proxy may set (see
+//! [`reuse`](crate::vllm::reuse)); so is one whose `do_remote_decode` is anything but
+//! absent or `false` (a prefill answers `false`): a decode told to hand its own KV on
+//! keeps the request's blocks, when it ends, for a remote decode that never comes,
+//! until vLLM's abort timeout (480 s).
+//!
+//! Keys are read as the decode's parser (Python's `json`) reads them: a key spelled with
+//! escapes (`"remote_\u0070ort"`) is decoded first, and a key repeated under any
+//! spelling is refused (Python would keep the last, which the check might not have
+//! read).
 //!
 //! With prompt-token reuse on for the decode (chat only), the prefill leg also asks for
 //! `return_token_ids`, and the decode's dict gets the prefill's `prompt_token_ids`
@@ -303,7 +312,9 @@ fn check_handoff(raw: &[u8]) -> Result<(), Option<&'static str>> {
 /// (property tests hold it to both). It never panics or reads past its input; it
 /// recurses, so a dict nesting deeper than 127 levels is refused as a handoff (no
 /// handoff nests beyond three). A key spelled with escapes (`"remote\u005fport"`,
-/// which no engine writes) reads as absent, so such a dict is refused, never passed on.
+/// which no engine writes) is decoded before it is matched, as the decode's parser
+/// decodes it, so its value is checked and a second spelling of a key is a repeat; a
+/// key whose escapes make no Unicode text (a lone surrogate) refuses the dict.
 pub(crate) fn read_handoff(b: &[u8]) -> Option<(usize, Read)> {
     let mut s = Scan {
         b,
@@ -331,6 +342,7 @@ fn handoff_dict<'a>(s: &mut Scan<'a>) -> Option<Result<(), &'static str>> {
     let mut read: [Option<&'a [u8]>; KEYS.len()] = [None; KEYS.len()];
     let mut blocks = None;
     let mut repeated = false;
+    let mut unreadable_key = false;
     if !s.eat(b'{') {
         return None;
     }
@@ -343,10 +355,15 @@ fn handoff_dict<'a>(s: &mut Scan<'a>) -> Option<Result<(), &'static str>> {
                 return None;
             }
             s.skip_ws();
-            // A key of its own (`"a"`) has its quotes: compare what is between them.
-            let slot = KEYS
-                .iter()
-                .position(|k| k.as_bytes() == &key[1..key.len() - 1]);
+            // A key of its own (`"a"`) has its quotes: compare what is between them, as
+            // the decode's parser reads it (a key spelled with escapes decoded first).
+            let slot = match key_slot(key) {
+                Some(slot) => slot,
+                None => {
+                    unreadable_key = true;
+                    None
+                }
+            };
             let value = if slot == Some(BLOCKS) {
                 // Counted as it is stepped over, so the list is read once.
                 let start = s.i;
@@ -372,7 +389,24 @@ fn handoff_dict<'a>(s: &mut Scan<'a>) -> Option<Result<(), &'static str>> {
             return None;
         }
     }
+    if unreadable_key {
+        return Some(Err("kv_transfer_params has a key that is not Unicode text"));
+    }
     Some(handoff_rules(read, blocks, repeated))
+}
+
+/// Where the scanned key `key` (quotes included) is in [`KEYS`]: `Some(None)` for
+/// another key, `None` for a key whose escapes make no Unicode text (a lone surrogate).
+/// A key spelled with escapes is decoded first, as Python's `json` (the decode's parser)
+/// decodes it: `"remote_\u0070ort"` is `remote_port`, so a second spelling of a key is a
+/// repeat, never a key the check does not see.
+fn key_slot(key: &[u8]) -> Option<Option<usize>> {
+    let name = &key[1..key.len() - 1];
+    if memchr::memchr(b'\\', name).is_none() {
+        return Some(KEYS.iter().position(|k| k.as_bytes() == name));
+    }
+    let name = serde_json::from_slice::<String>(key).ok()?;
+    Some(KEYS.iter().position(|k| *k == name))
 }
 
 /// Whether the keys read from a dict (see [`KEYS`]) make a handoff a vLLM 0.33 decode
@@ -385,30 +419,48 @@ fn handoff_rules(
     if repeated {
         return Err("kv_transfer_params repeats a key");
     }
-    let [prefill, _, engine, request, host, port, tp, mode, ids] = read;
+    let [
+        prefill,
+        _,
+        engine,
+        request,
+        host,
+        port,
+        tp,
+        mode,
+        ids,
+        decode,
+    ] = read;
     if ids.is_some() {
         return Err("kv_transfer_params carries prompt_token_ids, which only the proxy sets");
     }
     if prefill != Some(b"true") {
         return Err("do_remote_prefill is not true");
     }
+    if decode.is_some_and(|d| d != b"false") {
+        return Err("do_remote_decode is not absent or false");
+    }
     if blocks.is_none_or(|n| n == 0) {
         return Err("remote_block_ids is missing or holds no block id");
     }
-    if !non_empty_str(engine) {
-        return Err("remote_engine_id is missing or not a non-empty string");
+    if !id_str(engine) {
+        return Err(
+            "remote_engine_id is missing or not a non-empty string without control characters",
+        );
     }
-    if !non_empty_str(request) {
-        return Err("remote_request_id is missing or not a non-empty string");
+    if !id_str(request) {
+        return Err(
+            "remote_request_id is missing or not a non-empty string without control characters",
+        );
     }
-    if !non_empty_str(host) {
-        return Err("remote_host is missing or not a non-empty string");
+    if !host_str(host) {
+        return Err("remote_host is missing or not a host name or IP address");
     }
     if port
         .and_then(unsigned)
-        .is_none_or(|p| p > u64::from(u16::MAX))
+        .is_none_or(|p| p == 0 || p > u64::from(u16::MAX))
     {
-        return Err("remote_port is missing or not a port number");
+        return Err("remote_port is missing or not a port number (1 to 65535)");
     }
     let push = mode == Some(br#""push""#);
     let tp = tp.and_then(unsigned);
@@ -419,8 +471,8 @@ fn handoff_rules(
 }
 
 /// The keys of a prefill's handoff dict a vLLM 0.33 decode reads, in the order
-/// [`check_handoff`] unpacks them; the others are skipped unread.
-const KEYS: [&str; 9] = [
+/// [`handoff_rules`] unpacks them; the others are skipped unread.
+const KEYS: [&str; 10] = [
     "do_remote_prefill",
     "remote_block_ids",
     "remote_engine_id",
@@ -430,15 +482,46 @@ const KEYS: [&str; 9] = [
     "tp_size",
     "transfer_mode",
     "prompt_token_ids",
+    "do_remote_decode",
 ];
 
 /// Where `remote_block_ids` is in [`KEYS`].
 const BLOCKS: usize = 1;
 
 /// Whether `raw` is a JSON string with at least one character (a scanned string keeps
-/// its quotes, so one longer than them holds something).
-fn non_empty_str(raw: Option<&[u8]>) -> bool {
-    raw.is_some_and(|v| v.first() == Some(&b'"') && v.len() > 2)
+/// its quotes, so one longer than them holds something) and no control character
+/// (Unicode's `Cc`: C0, DEL, C1), escaped or not (an escape is decoded to be read; one
+/// that makes no Unicode text, a lone surrogate, is refused).
+fn id_str(raw: Option<&[u8]>) -> bool {
+    let Some(v) = raw.filter(|v| v.first() == Some(&b'"') && v.len() > 2) else {
+        return false;
+    };
+    let text = &v[1..v.len() - 1];
+    if memchr::memchr(b'\\', text).is_none() {
+        // Unescaped, a JSON string holds no C0 byte; only DEL and C1 are left to find.
+        return std::str::from_utf8(text).is_ok_and(|t| !t.chars().any(char::is_control));
+    }
+    serde_json::from_slice::<String>(v).is_ok_and(|t| !t.chars().any(char::is_control))
+}
+
+/// The longest `remote_host` taken: a DNS name is at most 253 bytes, an IPv6 literal
+/// with brackets and a zone far less.
+const MAX_HOST: usize = 255;
+
+/// Whether `raw` is a JSON string a side-channel host can be: a host name or an IP
+/// literal, written without escapes, of at most [`MAX_HOST`] bytes of ASCII letters,
+/// digits, `-`, `.`, `_` (container and service names), `:`, `[`, `]` and `%` (IPv6
+/// literals, with a zone). No whitespace, control character or anything else a URL
+/// or a ZMQ address would read as more than a host.
+fn host_str(raw: Option<&[u8]>) -> bool {
+    let Some(v) = raw.filter(|v| v.first() == Some(&b'"') && v.len() > 2) else {
+        return false;
+    };
+    let host = &v[1..v.len() - 1];
+    host.len() <= MAX_HOST
+        && host.iter().all(|&c| {
+            c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b':' | b'[' | b']' | b'%')
+        })
 }
 
 /// A JSON non-negative integer that fits a `u64`: digits only (a sign, a fraction or an

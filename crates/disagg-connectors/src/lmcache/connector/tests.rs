@@ -835,3 +835,55 @@ async fn a_notification_naming_a_predicted_id_completes_nothing() {
     let stats = c.notifications().stats();
     assert_eq!((stats.matched, stats.unknown), (1, guesses.len() as u64));
 }
+
+/// Answers every request with `self.0`, as a prefill's `/tokenize` would.
+struct Tokenizer(&'static str);
+
+impl Transport for Tokenizer {
+    fn send(&self, _req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+        let body = http_body_util::Full::new(Bytes::from_static(self.0.as_bytes()))
+            .map_err(|never| match never {})
+            .boxed();
+        Box::pin(
+            async move { Ok::<_, disagg_core::error::TransportError>(http::Response::new(body)) },
+        )
+    }
+}
+
+/// A prompt of more token ids than the connector carries, from the prefill's
+/// `/tokenize` or from the client, fails the request (400) before any leg is sent or
+/// any id is written into one; at the ceiling, it is carried.
+#[tokio::test]
+async fn a_prompt_past_the_token_ceiling_fails_before_any_leg() {
+    assert_eq!(connector().max_prompt_tokens, MAX_PROMPT_TOKENS);
+    let c = connector().with_max_prompt_tokens(4);
+    let text = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":"hi there","max_tokens":5}"#,
+    );
+    let five = Tokenizer(r#"{"count":5,"max_model_len":8,"tokens":[1,2,3,4,5]}"#);
+    let ids = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":[1,2,3,4,5],"max_tokens":5}"#,
+    );
+    for req in [&text, &ids] {
+        let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
+        let before = h.decode.body.get("prompt").map(<[u8]>::to_vec);
+        let err = c.resolve(&mut h, &five).await.unwrap_err();
+        assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains("a prompt of 5 token ids (at most 4"),
+            "{err}"
+        );
+        let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
+        assert_eq!(pd.http().status.as_u16(), 400);
+        assert_eq!(h.decode.body.get("prompt").map(<[u8]>::to_vec), before);
+        assert!(h.gate.is_none());
+        assert!(h.ext.get::<Plan>().unwrap().tokens.is_none());
+    }
+    let four = Tokenizer(r#"{"count":4,"max_model_len":8,"tokens":[1,2,3,4]}"#);
+    let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
+    c.resolve(&mut h, &four).await.unwrap();
+    assert_eq!(h.decode.body.get("prompt"), Some(&b"[1,2,3,4]"[..]));
+}

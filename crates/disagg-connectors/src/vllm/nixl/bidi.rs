@@ -20,8 +20,12 @@
 //!   `kv_transfer_params` as it blanks it for the client (nothing more is buffered). The
 //!   value is peer bytes: it is kept only when it is at most
 //!   [`BidiConfig::max_handoff_bytes`], a JSON object with `do_remote_decode: true`, a
-//!   non-empty `remote_engine_id`, `remote_request_id` and `remote_block_ids`, a
-//!   `remote_port` and a `remote_num_tokens`; anything else is dropped and counted.
+//!   non-empty `remote_engine_id` and `remote_request_id` (without control
+//!   characters) and `remote_block_ids`, a `remote_port` from 1 to 65535 and a
+//!   `remote_num_tokens`, and no `prompt_token_ids` (a prefill given that key takes it
+//!   as its prompt, vLLM 0.33's prompt-token reuse; only the proxy sets it, so a decode
+//!   writing it is not trusted with the rest of its dict either); anything else is
+//!   dropped and counted.
 //!   Its `remote_host` is replaced by the decode endpoint's host, as vLLM's example
 //!   proxy does (an engine's side-channel host defaults to `localhost`).
 //! - **Scope.** The key is client input: with client keys (`--api-key`) it is scoped by
@@ -49,6 +53,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use crate::vllm::reuse::PROMPT_TOKEN_IDS;
 use bytes::Bytes;
 use disagg_core::connector::ReturnedHandoff;
 use disagg_core::request::{Api, PdRequest};
@@ -402,16 +407,20 @@ impl BidiStore {
         if raw.len() > self.config.max_handoff_bytes {
             return None;
         }
+        // Parsed as the engines' parser reads it: escaped keys decoded, the last of
+        // repeated keys kept; written back from what was read.
         let mut dict: Map<String, Value> = serde_json::from_slice(raw).ok()?;
-        let non_empty_str = |k: &str| {
+        let id_str = |k: &str| {
             dict.get(k)
                 .and_then(Value::as_str)
-                .is_some_and(|s| !s.is_empty())
+                .is_some_and(|s| !s.is_empty() && !s.chars().any(char::is_control))
         };
         let ok = dict.get("do_remote_decode") == Some(&Value::Bool(true))
             && dict.get("do_remote_prefill") != Some(&Value::Bool(true))
-            && non_empty_str("remote_engine_id")
-            && non_empty_str("remote_request_id")
+            // The next prefill would take it as its prompt: only the proxy sets it.
+            && !dict.contains_key(PROMPT_TOKEN_IDS)
+            && id_str("remote_engine_id")
+            && id_str("remote_request_id")
             && dict
                 .get("remote_block_ids")
                 .and_then(Value::as_array)
@@ -419,7 +428,7 @@ impl BidiStore {
             && dict
                 .get("remote_port")
                 .and_then(Value::as_u64)
-                .is_some_and(|p| p <= u64::from(u16::MAX));
+                .is_some_and(|p| (1..=u64::from(u16::MAX)).contains(&p));
         let tokens = dict.get("remote_num_tokens").and_then(Value::as_u64)?;
         if !ok || host.is_empty() {
             return None;
@@ -489,12 +498,37 @@ mod tests {
             dict(1).replace("[0,1]", "[]"),
             dict(1).replace(",\"remote_num_tokens\":1", ""),
             dict(1).replace("5600", "70000"),
+            dict(1).replace("5600", "0"),
+            dict(1).replace(r#""d""#, r#""d\u0000""#),
+            dict(1).replace(r#""r""#, r#""r\n""#),
             big,
         ] {
             s.put("c", "h", bad.as_bytes());
             assert!(s.take("c").is_none(), "{bad}");
         }
-        assert_eq!(s.stats().invalid, 9);
+        assert_eq!(s.stats().invalid, 12);
+    }
+
+    /// A decode's dict naming `prompt_token_ids`, under any spelling, is never sent on
+    /// to the next turn's prefill, which would take those ids as its prompt.
+    #[test]
+    fn a_decode_dict_carrying_prompt_token_ids_is_never_kept() {
+        let s = store(BidiConfig::default());
+        let with = |extra: &str| {
+            let d = dict(100);
+            format!("{}{extra}}}", &d[..d.len() - 1])
+        };
+        for forged in [
+            with(r#","prompt_token_ids":[6,6,6]"#),
+            with(r#","prompt_token_id\u0073":[6]"#),
+        ] {
+            s.put("c", "h", forged.as_bytes());
+            assert!(s.take("c").is_none(), "{forged}");
+        }
+        assert_eq!(s.stats().invalid, 2);
+        // Without it, the same dict is kept.
+        s.put("c", "h", with(r#","other":[6]"#).as_bytes());
+        assert!(s.take("c").is_some());
     }
 
     #[test]

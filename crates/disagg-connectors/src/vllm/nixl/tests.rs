@@ -207,7 +207,7 @@ fn the_handoff_scan_steps_over_escapes_and_refuses_cut_dicts() {
             "z".into(),
             serde_json::json!({"q\"]}": ["\\", {"a": [[]]}]}),
         );
-        m.insert("remote_host".into(), "h\"o\\st".into());
+        m.insert("remote_request_id".into(), "h\"o\\st".into());
     });
     assert_eq!(check_handoff(tricky.as_bytes()), Ok(()));
     assert_eq!(check_handoff(format!(" \n{V033}\t").as_bytes()), Ok(()));
@@ -278,7 +278,15 @@ proptest::proptest! {
 
 /// What a vLLM 0.33 decode takes, read from a parsed dict (the module docs' rule).
 fn takes(v: &serde_json::Value) -> bool {
-    let text = |k: &str| v[k].as_str().is_some_and(|s| !s.is_empty());
+    let text = |k: &str| {
+        v[k].as_str()
+            .is_some_and(|s| !s.is_empty() && !s.chars().any(char::is_control))
+    };
+    let host = v["remote_host"].as_str().is_some_and(|h| {
+        (1..=255).contains(&h.len())
+            && h.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"-._:[]%".contains(&c))
+    });
     let ids = |l: &serde_json::Value| {
         l.as_array()
             .filter(|l| l.iter().all(|i| i.as_u64().is_some()))
@@ -298,8 +306,12 @@ fn takes(v: &serde_json::Value) -> bool {
         && blocks.is_some_and(|n| n > 0)
         && text("remote_engine_id")
         && text("remote_request_id")
-        && text("remote_host")
-        && v["remote_port"].as_u64().is_some_and(|p| p <= 65535)
+        && v.get("do_remote_decode")
+            .is_none_or(|d| *d == serde_json::Value::Bool(false))
+        && host
+        && v["remote_port"]
+            .as_u64()
+            .is_some_and(|p| (1..=65535).contains(&p))
         && (!push
             || v["tp_size"]
                 .as_u64()
@@ -566,4 +578,133 @@ async fn a_prefill_dict_carrying_prompt_token_ids_never_reaches_the_decode() {
     ));
     assert_eq!(h.decode.body.get("kv_transfer_params"), None);
     assert_eq!(stats.sent(), 0);
+}
+
+/// `V033` with `extra` (`,"key":value` members) added after its last member.
+fn v033_with(extra: &str) -> String {
+    format!("{}{extra}}}", &V033[..V033.len() - 1])
+}
+
+/// A key spelled with escapes is read as the decode's parser reads it (Python's `json`
+/// decodes it, and keeps the last of repeated keys): a second, escaped spelling of a key
+/// the check reads is a repeat, never a key the check does not see.
+#[tokio::test]
+async fn escaped_keys_are_read_decoded_and_their_repeats_refused() {
+    for extra in [
+        r#","remote_block_id\u0073":[]"#,
+        r#","remote_\u0070ort":"x""#,
+        r#","\u0072emote_host":"""#,
+        r#","do_remote_prefil\u006c":false"#,
+    ] {
+        let params = v033_with(extra);
+        let (outcome, decode) = outcome_of(&params).await;
+        assert_eq!(
+            outcome,
+            HandoffFound::Incomplete {
+                problem: "kv_transfer_params repeats a key"
+            },
+            "{params}"
+        );
+        assert!(decode.get(KV_TRANSFER_PARAMS).is_none(), "{params}");
+    }
+    // The forbidden key, spelled with escapes, is the forbidden key.
+    let forged = v033_with(r#","prompt_token_id\u0073":[6]"#);
+    let (outcome, decode) = outcome_of(&forged).await;
+    assert!(
+        matches!(outcome, HandoffFound::Incomplete { problem } if problem.contains("prompt_token_ids")),
+        "{outcome:?}"
+    );
+    assert!(decode.get(KV_TRANSFER_PARAMS).is_none());
+    // A required key spelled with escapes is that key: read, checked and passed on.
+    let escaped = V033.replace("\"remote_port\"", r#""remote\u005fport""#);
+    let (outcome, decode) = outcome_of(&escaped).await;
+    assert_eq!(outcome, HandoffFound::Handed);
+    assert_eq!(decode.get(KV_TRANSFER_PARAMS), Some(escaped.as_bytes()));
+    let bad = V033.replace("\"remote_port\":5600", r#""remote\u005fport":"x""#);
+    assert!(matches!(
+        outcome_of(&bad).await.0,
+        HandoffFound::Incomplete { problem } if problem.starts_with("remote_port")
+    ));
+    // A key no text is (a lone surrogate) is refused, not guessed at.
+    let lone = v033_with(r#","\ud800":1"#);
+    assert!(matches!(
+        outcome_of(&lone).await.0,
+        HandoffFound::Incomplete { .. }
+    ));
+    // Unknown keys with escapes pass, as before.
+    let unknown = v033_with(r#","x\u00e9\n":1"#);
+    assert_eq!(outcome_of(&unknown).await.0, HandoffFound::Handed);
+}
+
+/// A prefill's dict telling the decode to keep its blocks for a remote decode
+/// (`do_remote_decode` true) never reaches the decode: a decode given it would hold the
+/// request's blocks until vLLM's abort timeout.
+#[tokio::test]
+async fn a_prefill_dict_asking_for_a_remote_decode_never_reaches_the_decode() {
+    for value in ["true", "1", "\"yes\"", "null"] {
+        let params = V033.replace(
+            "\"do_remote_decode\":false",
+            &format!("\"do_remote_decode\":{value}"),
+        );
+        assert_ne!(params, V033);
+        let (outcome, decode) = outcome_of(&params).await;
+        assert!(
+            matches!(outcome, HandoffFound::Incomplete { problem } if problem.starts_with("do_remote_decode")),
+            "{value}: {outcome:?}"
+        );
+        assert!(decode.get(KV_TRANSFER_PARAMS).is_none(), "{value}");
+    }
+    // Absent or false, it passes.
+    let absent = V033.replace("\"do_remote_decode\":false,", "");
+    assert_eq!(outcome_of(&absent).await.0, HandoffFound::Handed);
+    assert_eq!(outcome_of(V033).await.0, HandoffFound::Handed);
+}
+
+/// The side channel's address and the ids are checked as the decode uses them: a host
+/// is a host name or an IP literal, an id holds no control character, a port is 1 to
+/// 65535.
+#[tokio::test]
+async fn hosts_ids_and_ports_the_decode_cannot_use_are_refused() {
+    use serde_json::json;
+    let cases = [
+        ("remote_host", json!("\u{0}")),
+        ("remote_host", json!("a b")),
+        ("remote_host", json!("h\n")),
+        ("remote_host", json!("h\t")),
+        ("remote_host", json!("h/x")),
+        ("remote_host", json!("h\u{e9}")),
+        ("remote_host", json!("x".repeat(256))),
+        ("remote_engine_id", json!("e\u{0}")),
+        ("remote_engine_id", json!("e\n")),
+        ("remote_engine_id", json!("e\u{7f}")),
+        ("remote_engine_id", json!("e\u{85}")),
+        ("remote_request_id", json!("r\r")),
+        ("remote_port", json!(0)),
+    ];
+    for (key, value) in cases {
+        let params = edited(V033, |m| drop(m.insert(key.into(), value.clone())));
+        let (outcome, decode) = outcome_of(&params).await;
+        assert!(
+            matches!(outcome, HandoffFound::Incomplete { problem } if problem.starts_with(key)),
+            "{params}: {outcome:?}"
+        );
+        assert!(decode.get(KV_TRANSFER_PARAMS).is_none(), "{params}");
+    }
+    for (key, value) in [
+        ("remote_host", json!("prefill-0.svc.cluster.local")),
+        ("remote_host", json!("localhost")),
+        ("remote_host", json!("[fe80::1%eth0]")),
+        ("remote_host", json!("::1")),
+        ("remote_host", json!("node_7")),
+        ("remote_engine_id", json!("e\u{e9}\"\\/")),
+        ("remote_port", json!(1)),
+        ("remote_port", json!(65535)),
+    ] {
+        let params = edited(V033, |m| drop(m.insert(key.into(), value.clone())));
+        assert_eq!(
+            outcome_of(&params).await.0,
+            HandoffFound::Handed,
+            "{params}"
+        );
+    }
 }
