@@ -14,8 +14,8 @@
 //! `disagg_connectors::vllm::VllmEncoder`) plans the encoder legs from the client's body
 //! and folds their answers; the [`EncodeStage`] (its settings, counters and the
 //! encoders' passive health) sends them to the source's encoders (endpoints of role
-//! [`Role::Encode`](crate::Role::Encode), taken from the request's snapshot), with a retry on another encoder for a leg that failed and one deadline
-//! for the whole stage. A client that leaves drops the request's future, and with it
+//! [`Role::Encode`](crate::Role::Encode), taken from the request's snapshot), with a retry on another encoder for a leg that failed (each try
+//! within its share of the time left) and one deadline for the whole stage. A client that leaves drops the request's future, and with it
 //! every encoder leg still running.
 
 use std::collections::HashMap;
@@ -140,16 +140,20 @@ pub trait EncoderConnector: Send + Sync + 'static {
 #[non_exhaustive]
 pub struct EncodeConfig {
     /// The whole stage's budget: every encoder leg, retries included (default 60 s). The
-    /// request's own deadline, when sooner, bounds it too.
+    /// request's own deadline, when sooner, bounds it too. Each try of a leg gets its
+    /// fair share of what is left (that divided by the tries it may still make, itself
+    /// included): an encoder that has not answered within it failed, and the leg goes
+    /// to the next encoder.
     pub timeout: Duration,
     /// How many encoders a leg may be tried on, the first included (default 2; at most
     /// the pool's size).
     pub attempts: usize,
     /// Largest encoder answer read (default 4 MiB): a longer one fails its leg.
     pub max_answer_bytes: usize,
-    /// How long an encoder whose leg failed (unreachable, 5xx, an unreadable answer) is
-    /// passed over while another is healthy (default 5 s; passive health). Its next
-    /// success clears it at once.
+    /// How long an encoder whose leg failed (unreachable, 5xx, a 4xx other than 400, 413
+    /// and 422, no answer within the try's share of [`timeout`](Self::timeout), an
+    /// unreadable answer) is passed over while another is healthy (default 5 s; passive
+    /// health). Its next success clears it at once.
     pub eject_for: Duration,
 }
 
@@ -373,8 +377,38 @@ pub(crate) fn media_field(api: Api) -> Option<&'static str> {
     }
 }
 
+/// Whether an encoder's answer `status` says it refused the media items themselves: 400
+/// (an image it cannot decode), 413 (too large), 422 (not processable). The client's
+/// fault, which would fail on any encoder: answered 400, never retried, the encoder not
+/// blamed.
+pub(crate) fn item_refused(status: http::StatusCode) -> bool {
+    matches!(status.as_u16(), 400 | 413 | 422)
+}
+
 /// Whether an answer's status says another encoder may do better: a server's failure,
-/// not the client's (a 4xx is the item's fault and would fail anywhere).
+/// or a 4xx about the encoder's own state rather than the items (429 overloaded, 408,
+/// 404 a model it does not serve, 401 and 403 credentials it wants...): only
+/// [`item_refused`] is the item's fault and would fail anywhere.
 pub(crate) fn retryable_status(status: http::StatusCode) -> bool {
-    status.is_server_error()
+    status.is_server_error() || (status.is_client_error() && !item_refused(status))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::StatusCode;
+
+    #[test]
+    fn only_400_413_and_422_are_the_items_fault() {
+        for s in [400, 413, 422] {
+            let s = StatusCode::from_u16(s).unwrap();
+            assert!(item_refused(s) && !retryable_status(s), "{s}");
+        }
+        // The encoder's own state: another encoder may do better.
+        for s in [401, 403, 404, 408, 429, 500, 502, 503, 504] {
+            let s = StatusCode::from_u16(s).unwrap();
+            assert!(!item_refused(s) && retryable_status(s), "{s}");
+        }
+        assert!(!retryable_status(StatusCode::OK));
+    }
 }

@@ -780,13 +780,94 @@ async fn the_encoder_stage_has_a_deadline() {
     let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
     a.assert_error(504, "encode_timeout");
     assert_eq!(epd.consumer().stats().requests, 0);
-    // The legs the deadline ended were dropped: the encoders saw their clients leave.
+    // Each encoder was given its share of the budget, then dropped: the encoders saw
+    // their clients leave, and the answer names one of them.
     let encoders = &epd.encoders;
     let gone = common::eventually(std::time::Duration::from_secs(5), || {
-        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 1
+        encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 2
+    })
+    .await;
+    assert!(gone, "the hung encoder legs were not dropped");
+    let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        encoders
+            .iter()
+            .any(|e| message.contains(&format!("encode endpoint {} ", e.url()))),
+        "{message}"
+    );
+}
+
+/// An encoder that accepts legs and never answers is given up after its share of the
+/// stage's budget (half of it, with two tries): the leg goes to the other encoder, the
+/// hung one is blamed (passed over, counted failed), and every request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_encoder_is_given_up_in_its_share_retried_elsewhere_and_passed_over() {
+    let epd = Epd::start_with(false, &["--encode-timeout", "2"]).await;
+    hang(&epd.encoders[0]);
+    for _ in 0..4 {
+        let sent = std::time::Instant::now();
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert!(sent.elapsed() < std::time::Duration::from_secs(2));
+    }
+    // Tried once (round robin gives it one of the first two legs), then passed over.
+    assert_eq!(epd.encoders[0].stats().requests, 1);
+    assert_eq!(epd.encoders[0].stats().ec_items_encoded, 0);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 4);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 1);
+    assert_eq!(epd.proxy.metric("disagg_encode_failures_total").await, 0);
+    assert_eq!(epd.proxy.metric("disagg_encode_ejected").await, 1);
+    let text = get(&epd.proxy.url(), "/metrics").await.text();
+    let failed = format!(
+        "disagg_endpoint_requests_total{{role=\"encode\",endpoint=\"{}\",outcome=\"failed\"}} 1",
+        epd.encoders[0].url()
+    );
+    assert!(text.lines().any(|l| l == failed), "{text}");
+    // Its leg was dropped when its share ran out.
+    let hung = &epd.encoders[0];
+    let gone = common::eventually(std::time::Duration::from_secs(5), || {
+        hung.stats().cancelled == 1
     })
     .await;
     assert!(gone, "the hung encoder leg was not dropped");
+}
+
+/// A stage that fails names the encoder its leg last failed on: the hung one when the
+/// budget ran out there, the other when its error came after the hung one was given up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_stage_names_the_encoder_that_hung() {
+    let epd = Epd::start_with(false, &["--encode-timeout", "0.6"]).await;
+    hang(&epd.encoders[1]);
+    epd.encoders[0].set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    let (broken, hung) = (epd.encoders[0].url(), epd.encoders[1].url());
+    let mut seen = Vec::new();
+    // Both are passed over after the first request: the second starts at the other.
+    for _ in 0..2 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        if a.status == 504 {
+            a.assert_error(504, "encode_timeout");
+            assert!(
+                message.starts_with(&format!("encode endpoint {hung} timed out")),
+                "{message}"
+            );
+        } else {
+            a.assert_error(502, "encode_failed");
+            assert!(
+                message.starts_with(&format!("encode endpoint {broken} answered 503")),
+                "{message}"
+            );
+        }
+        seen.push(a.status);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, [502, 504]);
+    assert_eq!(epd.encoders[0].stats().requests, 2);
+    assert_eq!(epd.encoders[1].stats().requests, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -912,6 +993,94 @@ async fn an_item_an_encoder_refuses_is_the_clients_400_and_not_retried() {
     assert_eq!(refused, epd.encoders[0].stats().requests);
     assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 0);
     assert_eq!(epd.consumer().stats().requests, 4 - refused);
+}
+
+/// A 4xx that is about the encoder, not the items (429 overloaded here; 408, 404, 401,
+/// 403 alike), is its failure, as a 5xx is: the leg goes to the other encoder, the
+/// refusing one is passed over, and the client never sees a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_encoder_answering_429_is_replaced_by_the_other() {
+    let epd = Epd::start(false).await;
+    epd.encoders[0].set_faults(Faults {
+        status: Some(429),
+        ..Faults::default()
+    });
+    for _ in 0..4 {
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    // Tried once, its leg sent on to the other, then passed over.
+    assert_eq!(epd.encoders[0].stats().requests, 1);
+    assert_eq!(epd.encoders[1].stats().ec_items_encoded, 4);
+    assert_eq!(epd.consumer().stats().ec_items_loaded, 4);
+    assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 1);
+    assert_eq!(epd.proxy.metric("disagg_encode_ejected").await, 1);
+    let text = get(&epd.proxy.url(), "/metrics").await.text();
+    let failed = format!(
+        "disagg_endpoint_requests_total{{role=\"encode\",endpoint=\"{}\",outcome=\"failed\"}} 1",
+        epd.encoders[0].url()
+    );
+    assert!(text.lines().any(|l| l == failed), "{text}");
+}
+
+/// 413 and 422 refuse the items themselves, as 400 does: the client's 400, not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_an_encoder_finds_too_large_or_unprocessable_are_the_clients_400() {
+    for status in [413, 422] {
+        let epd = Epd::start(false).await;
+        for e in &epd.encoders {
+            e.set_faults(Faults {
+                status: Some(status),
+                ..Faults::default()
+            });
+        }
+        let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
+        a.assert_error(400, "invalid_parameter");
+        assert_eq!(epd.encoder_requests(), 1, "{status}");
+        assert_eq!(epd.proxy.metric("disagg_encode_retries_total").await, 0);
+        assert_eq!(epd.proxy.metric("disagg_encode_ejected").await, 0);
+    }
+}
+
+/// The encoders only ever see ids of the proxy's: a client's `x-request-id`, the same
+/// on two requests, never reaches them, and each request's encoder leg carries the id
+/// its prefill and decode legs carry, with `-enc0` after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoder_legs_never_carry_the_clients_request_id() {
+    let epd = Epd::start(false).await;
+    let url = epd.proxy.url();
+    let body = chat(1, false);
+    let headers = [("x-request-id", "client-id-7")];
+    let (a, b) = tokio::join!(
+        common::post_with(&url, "/v1/chat/completions", &body, &headers),
+        common::post_with(&url, "/v1/chat/completions", &body, &headers),
+    );
+    for a in [a, b] {
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let mut ids: Vec<String> = epd
+        .encoders
+        .iter()
+        .flat_map(SimEngine::requests)
+        .filter_map(|r| r.header("x-request-id").map(str::to_owned))
+        .collect();
+    assert_eq!(ids.len(), 2);
+    let prefill_ids: Vec<String> = epd
+        .consumer()
+        .requests()
+        .iter()
+        .filter_map(|r| r.header("x-request-id").map(str::to_owned))
+        .collect();
+    for id in &ids {
+        assert!(!id.contains("client-id-7"), "{id}");
+        let base = id.strip_suffix("-enc0").expect("a leg id");
+        assert!(
+            prefill_ids.iter().any(|p| p == base),
+            "{id}: {prefill_ids:?}"
+        );
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 2, "{ids:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use disagg_sim::{EcConfig, EcRole, SimConfig, SimEngine};
+use disagg_sim::{EcConfig, EcRole, Faults, SimConfig, SimEngine};
 use serde_json::{Value, json};
 
 mod common;
@@ -379,4 +379,66 @@ async fn a_dp_consumer_without_ec_dp_size_is_pinned_to_rank_0() {
     let s = consumer.stats();
     assert_eq!(s.ec_items_loaded_per_dp_rank, vec![4, 0]);
     assert_eq!(s.requests_per_dp_rank, vec![4, 0]);
+}
+
+/// E → P → D in push mode with `--prefill-failure decode-only` and decodes that consume
+/// (`--ec-profile ...,ec_consumer`): the items were pushed to the prefill, which then
+/// fails; the decode that serves alone never got them, so the encoder stage runs again
+/// with that decode as the consumer, and the request is served (not a 500 after the
+/// decode waited `push_wait_timeout_s` for transfers pushed elsewhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_only_fallback_to_a_consuming_decode_has_the_items_pushed_to_it() {
+    let store = TempDir::new();
+    let encoder = engine(Some(EcRole::Producer), &store).await;
+    let prefill = engine(Some(EcRole::Consumer), &store).await;
+    let decode = engine(Some(EcRole::Consumer), &store).await;
+    prefill.set_faults(Faults {
+        status: Some(503),
+        ..Faults::default()
+    });
+    let zmq = |e: &SimEngine| format!("127.0.0.1:{}", e.ec_push_port().expect("an EC port"));
+    let args = [
+        "--ec-connector".to_owned(),
+        "mooncake".to_owned(),
+        "--prefill".to_owned(),
+        prefill.url(),
+        "--ec-address".to_owned(),
+        format!("{}={}", prefill.url(), zmq(&prefill)),
+        "--decode".to_owned(),
+        decode.url(),
+        "--ec-address".to_owned(),
+        format!("{}={}", decode.url(), zmq(&decode)),
+        "--ec-profile".to_owned(),
+        format!("{}=mooncake,ec_consumer", decode.url()),
+        "--encode".to_owned(),
+        encoder.url(),
+        "--prefill-failure".to_owned(),
+        "decode-only".to_owned(),
+    ];
+    let proxy = Proxy::start_args(&args).await;
+    for stream in [false, true] {
+        let body = chat(2, stream);
+        let a = post(&proxy.url(), "/v1/chat/completions", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.header("x-disagg-handoff"), Some("decode-only"));
+        assert_eq!(a.chat_content(), reference(&body).await);
+    }
+    // Each request's prefill failed; its decode read both items, pushed to it.
+    assert_eq!(prefill.stats().requests, 2);
+    assert_eq!(prefill.stats().ec_items_loaded, 0);
+    assert_eq!(decode.stats().ec_items_loaded, 4);
+    // The encoder legs named the prefill first, then the decode, once per request.
+    let named = |e: &SimEngine| {
+        let zmq = format!("tcp://{}", zmq(e));
+        encoder
+            .requests()
+            .iter()
+            .filter(|l| l.body["ec_transfer_params"]["consumer_zmq"] == zmq.as_str())
+            .count()
+    };
+    assert_eq!((named(&prefill), named(&decode)), (2, 2));
+    // Counted once per request, and not as failures.
+    assert_eq!(proxy.metric("disagg_encode_requests_total").await, 2);
+    assert_eq!(proxy.metric("disagg_encode_failures_total").await, 0);
+    assert_eq!(proxy.metric("disagg_prefill_fallbacks_total").await, 2);
 }

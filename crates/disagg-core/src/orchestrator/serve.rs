@@ -74,6 +74,14 @@ impl Inner {
             return Err(self.out_of_time(&req));
         }
         let in_flight = InFlight::new(&self.counters);
+        // The first attempt's engine-side id is the request's own when the proxy drew it
+        // (fresh and unique already); a client's id gets a new one. The encoder legs
+        // carry it too (with `-enc<leg>`): an engine never sees the client's id.
+        let first_id = if req.has_generated_id() {
+            req.request_id().clone()
+        } else {
+            self.ids.next_id()
+        };
         // E/P/D: a request with media items has them encoded first (a byte search of
         // its messages decides; nothing at all without an encoder stage), by the
         // encoders of the current snapshot that serve its model (none: no stage).
@@ -82,7 +90,10 @@ impl Inner {
         // first, and its first attempt takes that route (the items wait there only).
         let mut pinned = None;
         // The body before the stage, kept only when a decode-only fallback may serve the
-        // request on a decode that loads no encoder output: that decode gets the media.
+        // request on a decode the stage's items did not reach: a decode that loads no
+        // encoder output (it gets the media), or, with a push protocol, a consuming
+        // decode other than the prefill the items were pushed to (the stage runs again,
+        // for it).
         let mut unencoded = None;
         if let Some(stage) = &self.encode
             && stage.wants(&req)
@@ -91,9 +102,12 @@ impl Inner {
         {
             if self.config.prefill_failure == PrefillFailure::DecodeOnly
                 && matches!(decision, Decision::Disaggregate)
-                && !decodes_consume
+                && (!decodes_consume || stage.connector.consumer_first())
             {
-                unencoded = Some(req.body().clone());
+                unencoded = Some(Unencoded {
+                    body: req.body().clone(),
+                    encode_again: decodes_consume,
+                });
             }
             if stage.connector.consumer_first() {
                 let routed = self.route(&RequestView::from(&req), decision, clock).await;
@@ -109,6 +123,8 @@ impl Inner {
                             decision = Decision::Direct {
                                 reason: "decode_only",
                             };
+                            // The items go to that decode: no fallback follows.
+                            unencoded = None;
                         }
                         pinned = Some(route);
                     }
@@ -126,6 +142,8 @@ impl Inner {
                     pinned.as_mut(),
                     clock,
                     trace.as_ref(),
+                    &first_id,
+                    None,
                 )
                 .await
             {
@@ -139,11 +157,9 @@ impl Inner {
         let was_pinned = pinned.is_some();
         let mut retries = 0;
         let result = loop {
-            // The first attempt's engine-side id is the request's own when the proxy
-            // drew it (fresh and unique already); a client's id, or a retry, gets a new
-            // one.
-            let id = if retries == 0 && req.has_generated_id() {
-                req.request_id().clone()
+            // A retry gets an engine-side id of its own.
+            let id = if retries == 0 {
+                first_id.clone()
             } else {
                 self.ids.next_id()
             };
@@ -446,13 +462,16 @@ impl Inner {
     /// The request failed for good with the attempt's `failure`: serve it decode-only
     /// when the prefill could not be had and the policy says so, else fail.
     ///
-    /// `unencoded` is the request's body before its encoder stage, when the decodes load
-    /// no encoder output: the decode serving alone then gets it (the media, no encoder
-    /// fields) and encodes the media itself, as for a request the stage skipped.
+    /// `unencoded` is the request's body before its encoder stage, when the stage's
+    /// items cannot have reached the decode that serves alone: that decode then gets it.
+    /// A decode that loads no encoder output gets the media (no encoder fields) and
+    /// encodes them itself, as for a request the stage skipped; a consuming one, with a
+    /// push protocol (the items went to the prefill only), has the stage run again with
+    /// it as the consumer.
     async fn after_failure(
         &self,
         req: &PdRequest,
-        unencoded: Option<disagg_json::JsonBody>,
+        unencoded: Option<Unencoded>,
         failure: Failure,
         clock: Clock,
         mut meta: RequestMeta,
@@ -473,26 +492,51 @@ impl Inner {
             error = %crate::error::error_chain(&e),
             "prefill unavailable: serving decode-only, as configured"
         );
-        let plain;
-        let req = match unencoded {
-            Some(body) => {
+        let (mut plain, encode_again) = match unencoded {
+            Some(u) => {
                 let mut r = req.clone();
-                *r.body_mut() = body;
-                plain = r;
-                &plain
+                *r.body_mut() = u.body;
+                (Some(r), u.encode_again)
             }
-            None => req,
+            None => (None, false),
         };
-        let view = RequestView::from(req);
         // Routed like any attempt: the admission's per-endpoint limits apply.
         let decision = Decision::Direct {
             reason: "decode_only",
         };
-        let route = match self.route(&view, decision, clock).await {
+        let view = RequestView::from(plain.as_ref().unwrap_or(req));
+        let routed = self.route(&view, decision, clock).await;
+        let mut route = match routed {
             Ok(r) => r,
             Err(e) => return Err(self.failed(req, e, None, Some(meta))),
         };
         let id = self.ids.next_id();
+        // Pushed to the prefill, the items are not at this decode: it is the consumer of
+        // a stage run again (with the encoders of the current snapshot; none left, it
+        // gets the media as a request without the stage would).
+        if encode_again
+            && let (Some(stage), Some(r)) = (&self.encode, plain.as_mut())
+            && let Some((pool, _)) = self.encoders(stage, r)
+        {
+            let encoded = self
+                .encode(
+                    stage,
+                    &pool,
+                    r,
+                    Some(&mut route),
+                    clock,
+                    meta.trace.as_ref(),
+                    &id,
+                    meta.encode.as_ref(),
+                )
+                .await;
+            match encoded {
+                Ok(Some(summary)) => meta.encode = Some(summary),
+                Ok(None) => {}
+                Err(e) => return Err(self.failed(req, e, None, Some(meta))),
+            }
+        }
+        let req = plain.as_ref().unwrap_or(req);
         let mut leg = decode_alone(&route, req, id.clone());
         if let Some(t) = &mut meta.trace {
             self.spans.next_attempt(t);
@@ -521,6 +565,16 @@ impl Inner {
             }
         }
     }
+}
+
+/// A request's body before its encoder stage, kept for a decode-only fallback whose
+/// decode the stage's items did not reach (see `Inner::after_failure`).
+struct Unencoded {
+    body: disagg_json::JsonBody,
+    /// The decodes load encoder output (a push protocol: the items went to the prefill
+    /// alone): the stage runs again with the fallback's decode as its consumer. Else the
+    /// decode gets this body, the media, and encodes them itself.
+    encode_again: bool,
 }
 
 /// Whether the decodes of `set` load the encoders' output when one serves a request
