@@ -70,16 +70,17 @@ pub enum PlanError {
         port: u16,
     },
     /// Prefill and decode are on different hosts, yet an engine advertises a loopback
-    /// side-channel host that a peer on another machine cannot reach.
+    /// or unspecified side-channel host (`localhost`, `127.x`, `::1`, `0.0.0.0`, `::`,
+    /// or one of those as IPv4-mapped IPv6) that a peer on another machine cannot reach.
     #[error(
-        "engine {engine} on {host}: side-channel host {side_channel_host} is loopback, but prefill and decode run on different hosts"
+        "engine {engine} on {host}: side-channel host {side_channel_host} is loopback or unspecified, but prefill and decode run on different hosts"
     )]
     LoopbackAcrossHosts {
         /// The engine.
         engine: String,
         /// Its host.
         host: String,
-        /// The loopback side-channel host it would advertise.
+        /// The loopback or unspecified side-channel host it would advertise.
         side_channel_host: String,
     },
     /// Two engines would get the same engine id.

@@ -343,7 +343,8 @@ impl Plan {
     }
 }
 
-/// Refuses loopback side-channel hosts when prefill and decode are on different hosts.
+/// Refuses loopback and unspecified side-channel hosts when prefill and decode are on
+/// different hosts.
 ///
 /// Every engine is checked, not only prefills: the engines run as `kv_both`, and the
 /// prefill's `remote_host` is literally its `VLLM_NIXL_SIDE_CHANNEL_HOST` (vllm-project/vllm
@@ -365,7 +366,11 @@ fn check_loopback(engines: &[EnginePlan]) -> Result<(), PlanError> {
     }
 }
 
-/// `localhost` (any case, with or without a trailing dot), 127.0.0.0/8 or `::1`.
+/// A host no other machine reaches this engine at: `localhost` (any case, with or
+/// without a trailing dot), 127.0.0.0/8, `::1`, an unspecified address (`0.0.0.0`,
+/// `::`: fine to bind, but vLLM advertises the host literally as `remote_host`, and a
+/// peer connecting to it connects to itself), and those written as IPv4-mapped IPv6
+/// (`::ffff:127.0.0.1`, `::ffff:0.0.0.0`).
 fn is_loopback(host: &str) -> bool {
     let host = host.trim_end_matches('.');
     if host.eq_ignore_ascii_case("localhost") {
@@ -374,7 +379,8 @@ fn is_loopback(host: &str) -> bool {
     host.trim_start_matches('[')
         .trim_end_matches(']')
         .parse::<IpAddr>()
-        .is_ok_and(|ip| ip.is_loopback())
+        .map(|ip| ip.to_canonical())
+        .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified())
 }
 
 /// The `--kv-transfer-config` JSON for a NIXL engine with this id.
@@ -707,12 +713,35 @@ mod tests {
             );
         assert_eq!(
             plan.plan().expect_err("loopback").to_string(),
-            "engine p/0 on 10.0.0.5: side-channel host localhost is loopback, but prefill and decode run on different hosts"
+            "engine p/0 on 10.0.0.5: side-channel host localhost is loopback or unspecified, but prefill and decode run on different hosts"
         );
         for host in ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "LOCALHOST."] {
             assert!(is_loopback(host), "{host}");
         }
+        // Unspecified addresses, and IPv4 ones written as IPv6, reach no other host.
+        for host in [
+            "0.0.0.0",
+            "::",
+            "[::]",
+            "::ffff:127.0.0.1",
+            "[::ffff:127.0.0.1]",
+            "::ffff:0.0.0.0",
+        ] {
+            assert!(is_loopback(host), "{host}");
+            let plan = Plan::new(PortScheme::PerEngine)
+                .with_host(Host::new("10.0.0.5").with_deployment(
+                    Deployment::new("p", NixlRole::Prefill).with_side_channel_host(host),
+                ))
+                .with_host(
+                    Host::new("10.0.0.6").with_deployment(Deployment::new("d", NixlRole::Decode)),
+                );
+            assert!(
+                matches!(plan.plan(), Err(PlanError::LoopbackAcrossHosts { .. })),
+                "{host}"
+            );
+        }
         assert!(!is_loopback("10.0.0.5"));
+        assert!(!is_loopback("::ffff:10.0.0.5"));
         // On one host, loopback is fine.
         let single = Plan::new(PortScheme::PerEngine).with_host(
             Host::new("127.0.0.1")

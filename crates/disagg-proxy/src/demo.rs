@@ -51,12 +51,21 @@ pub(crate) struct DemoArgs {
     encode: bool,
 }
 
-pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
-    let sim = SimConfig {
-        prefill_delay_per_token: Duration::from_secs_f64(args.prefill_ms_per_token / 1e3),
-        inter_token_delay: Duration::from_secs_f64(args.inter_token_ms / 1e3),
+/// The simulated engines' common settings: the flags' delays, refused when negative,
+/// not a number or too large (a panic or a silent 0 otherwise).
+fn sim_config(args: &DemoArgs) -> Result<SimConfig, BoxError> {
+    Ok(SimConfig {
+        prefill_delay_per_token: crate::sim::millis(
+            "--prefill-ms-per-token",
+            args.prefill_ms_per_token,
+        )?,
+        inter_token_delay: crate::sim::millis("--inter-token-ms", args.inter_token_ms)?,
         ..SimConfig::default()
-    };
+    })
+}
+
+pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
+    let sim = sim_config(&args)?;
     let (p_mode, d_mode) = match args.connector {
         ConnectorArg::Nixl => (KvMode::Nixl, KvMode::Nixl),
         ConnectorArg::Sglang => (
@@ -391,4 +400,40 @@ fn body_json(args: &DemoArgs, stream: bool) -> serde_json::Value {
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        demo: DemoArgs,
+    }
+
+    fn sim(args: &[&str]) -> Result<SimConfig, BoxError> {
+        let cli = Cli::try_parse_from(std::iter::once("demo").chain(args.iter().copied()))?;
+        sim_config(&cli.demo)
+    }
+
+    #[test]
+    fn delays_that_are_no_duration_are_refused_not_a_panic() {
+        for (flag, value) in [
+            ("--inter-token-ms", "inf"),
+            ("--inter-token-ms", "NaN"),
+            ("--inter-token-ms", "-1"),
+            ("--prefill-ms-per-token", "1e300"),
+            ("--prefill-ms-per-token", "-0.5"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let err = sim(&[&arg]).expect_err(&arg).to_string();
+            assert!(err.starts_with(flag), "{arg}: {err}");
+        }
+        let c = sim(&["--inter-token-ms", "25", "--prefill-ms-per-token", "0"]).expect("valid");
+        assert_eq!(c.inter_token_delay, Duration::from_millis(25));
+        assert_eq!(c.prefill_delay_per_token, Duration::ZERO);
+    }
 }

@@ -146,6 +146,38 @@ impl DiscoveryArgs {
             || self.endpoints_file.is_some()
     }
 
+    /// A flag that only a source not asked for would read, refused rather than
+    /// ignored: `--dns-server` without a `--*-dns` name, `--k8s-namespace` or
+    /// `--k8s-port` without a `--k8s-*-selector`.
+    pub(crate) fn check_needs(&self) -> Result<(), BoxError> {
+        let dns = !self.prefill_dns.is_empty()
+            || !self.decode_dns.is_empty()
+            || !self.encode_dns.is_empty();
+        if self.dns_server.is_some() && !dns {
+            return Err(
+                "--dns-server is read only by DNS discovery: add --prefill-dns, --decode-dns or --encode-dns"
+                    .into(),
+            );
+        }
+        let k8s = self.k8s_prefill_selector.is_some()
+            || self.k8s_decode_selector.is_some()
+            || self.k8s_encode_selector.is_some();
+        let k8s_flag = if self.k8s_namespace.is_some() {
+            Some("--k8s-namespace")
+        } else if self.k8s_port.is_some() {
+            Some("--k8s-port")
+        } else {
+            None
+        };
+        match k8s_flag {
+            Some(flag) if !k8s => Err(format!(
+                "{flag} is read only by Kubernetes discovery: add --k8s-prefill-selector, --k8s-decode-selector or --k8s-encode-selector"
+            )
+            .into()),
+            _ => Ok(()),
+        }
+    }
+
     fn dns(&self) -> Result<Option<DnsConfig>, BoxError> {
         let mut targets = Vec::new();
         let roles = [

@@ -166,10 +166,10 @@ impl EdgeArgs {
         mut engine_urls: impl Iterator<Item = &'a str> + Clone,
         discovery: bool,
     ) -> Result<Edge, BoxError> {
-        let interval = Duration::try_from_secs_f64(self.reload_interval)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or("--reload-interval must be a positive number of seconds")?;
+        let interval = crate::serve::secs(self.reload_interval, "reload-interval")?;
+        if interval.is_zero() {
+            return Err("--reload-interval must be a positive number of seconds".into());
+        }
         let limits = self.limits()?;
         let mut edge = Edge {
             interval,

@@ -40,7 +40,8 @@ pub struct KvEventsArgs {
     /// Where an engine publishes its KV-cache events (its `--kv-events-config`
     /// `endpoint`, `*` replaced by its address), as
     /// URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]; data-parallel rank r
-    /// publishes on PORT + r. Repeatable.
+    /// publishes on PORT + r, for every rank of the engine (those given as URL@RANK or
+    /// URL@FIRST-LAST, or N when more). Repeatable.
     #[arg(long = "kv-events-endpoint", value_name = "URL=tcp://HOST:PORT", value_parser = parse_endpoint)]
     kv_events_endpoints: Vec<EngineEndpoint>,
     /// Every engine publishes its KV-cache events on its own host at this port (rank
@@ -123,6 +124,13 @@ impl KvEventsArgs {
             Some("--kv-events-replay-port")
         } else if self.kv_load_port.is_some() {
             Some("--kv-load-port")
+        } else if self.kv_miss_weight.is_some() {
+            Some("--kv-miss-weight")
+        } else if self.tokenizer.is_some() {
+            // Token ids are asked for only by the policy's scorer.
+            Some("--tokenizer")
+        } else if self.tokenize.is_some() {
+            Some("--tokenize")
         } else {
             None
         }
@@ -208,8 +216,36 @@ impl KvEvents {
     }
 
     /// Where each engine of `set` publishes, by the flags and the endpoints' own
-    /// discovered KV-events endpoints.
+    /// discovered KV-events endpoints; an engine whose publishers cannot be named (a
+    /// rank's port past 65535) is logged and left out.
     pub(crate) fn engine_endpoints(&self, set: &EndpointSet) -> Vec<EngineEndpoint> {
+        let (found, refused) = self.engine_endpoints_checked(set);
+        for (engine, e) in refused {
+            tracing::warn!(%engine, error = %e, "no KV-events subscription");
+        }
+        found
+    }
+
+    /// The engines of the fixed `set` (`--prefill`, `--decode`) must each have their
+    /// publishers named: an engine whose rank ports go past 65535 stops the proxy at
+    /// start rather than never being subscribed to.
+    pub(crate) fn check_fixed(&self, set: &EndpointSet) -> Result<(), BoxError> {
+        match self.engine_endpoints_checked(set).1.into_iter().next() {
+            Some((engine, e)) => {
+                Err(format!("the kv_events policy cannot subscribe to {engine}: {e}").into())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// [`engine_endpoints`](Self::engine_endpoints), with the engines left out and why.
+    fn engine_endpoints_checked(
+        &self,
+        set: &EndpointSet,
+    ) -> (
+        Vec<EngineEndpoint>,
+        Vec<(String, disagg_kvevents::EndpointError)>,
+    ) {
         // Engines by base URL, with their ranks' count (rank r of an engine run as
         // `URL@r` publishes on the port plus r).
         let mut engines: BTreeMap<String, (u32, &Endpoint)> = BTreeMap::new();
@@ -229,9 +265,13 @@ impl KvEvents {
         }
         let a = &self.args;
         let mut out = Vec::with_capacity(engines.len());
+        let mut refused = Vec::new();
         for (base, (ranks, ep)) in engines {
             let found = if let Some(e) = a.kv_events_endpoints.iter().find(|e| e.engine == base) {
-                Ok(Some(e.clone()))
+                // Rank r publishes at the flag's port plus r, as with the other sources:
+                // the engine's ranks counted, or the flag's `dp-size` when larger.
+                let dp_size = e.dp_size.max(ranks);
+                e.clone().with_dp_size(dp_size).map(Some)
             } else if let Some(d) = ep.ext().get::<disagg_discovery::KvEventsEndpoint>() {
                 discovered(&base, &d.0, a.kv_events_replay_port, ranks).map(Some)
             } else if let Some(port) = a.kv_events_port {
@@ -249,10 +289,10 @@ impl KvEvents {
             match found {
                 Ok(Some(e)) => out.push(e),
                 Ok(None) => {}
-                Err(e) => tracing::warn!(engine = %base, error = %e, "no KV-events subscription"),
+                Err(e) => refused.push((base, e)),
             }
         }
-        out
+        (out, refused)
     }
 
     /// Subscribe on a thread of its own and follow `follow`'s set until `shutdown`.
@@ -657,6 +697,42 @@ mod tests {
 
     fn kv_default_weight(flags: &[&str]) -> u64 {
         kv(flags).scorer.config().miss_weight
+    }
+
+    #[test]
+    fn an_endpoint_flag_covers_every_rank_of_its_engine() {
+        // `http://10.0.0.2:8000` runs ranks 0 and 1: rank 1 publishes at the port plus 1,
+        // as with --kv-events-port and discovered endpoints.
+        let flagged = kv(&[
+            "--kv-events-endpoint",
+            "http://10.0.0.2:8000=tcp://10.0.0.2:7000,replay=tcp://10.0.0.2:7100",
+            "--kv-events-endpoint",
+            "http://10.0.0.1:8000=tcp://10.0.0.1:7000,dp-size=4",
+        ]);
+        let got = flagged.engine_endpoints(&set());
+        let find = |engine: &str| got.iter().find(|e| e.engine == engine).unwrap();
+        let d = find("http://10.0.0.2:8000");
+        assert_eq!(d.dp_size, 2);
+        assert_eq!(d.publisher_of(1), "tcp://10.0.0.2:7001");
+        assert_eq!(d.replay_of(1).as_deref(), Some("tcp://10.0.0.2:7101"));
+        // A larger `dp-size` the flag gives is kept.
+        assert_eq!(find("http://10.0.0.1:8000").dp_size, 4);
+        // Ports past 65535 for the engine's ranks: left out, and refused for a fixed set.
+        let past = kv(&[
+            "--kv-events-endpoint",
+            "http://10.0.0.2:8000=tcp://10.0.0.2:65535",
+        ]);
+        let engines: Vec<String> = past
+            .engine_endpoints(&set())
+            .into_iter()
+            .map(|e| e.engine)
+            .collect();
+        assert_eq!(engines, ["http://10.0.0.9:8000"]);
+        let err = past.check_fixed(&set()).unwrap_err().to_string();
+        assert!(
+            err.contains("cannot subscribe to http://10.0.0.2:8000: port 65535 plus 2 ranks"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -22,7 +22,9 @@ pub(crate) struct NixlPortsArgs {
 
 /// Reads, checks and prints the plan; the error names the engines and port at fault.
 pub(crate) async fn run(args: NixlPortsArgs) -> Result<(), BoxError> {
-    let text = std::fs::read_to_string(&args.plan)
+    // A regular file of at most 1 MiB: `/dev/zero` or a FIFO given by mistake is
+    // refused, not read until memory runs out or waited on.
+    let text = crate::files::read_text(&args.plan, crate::files::MAX_FILE_BYTES)
         .map_err(|e| format!("cannot read {}: {e}", args.plan.display()))?;
     let plan = Plan::from_toml(&text)?.plan()?;
     if args.json {

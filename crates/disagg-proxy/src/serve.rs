@@ -82,8 +82,17 @@ impl Shared {
         if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback && !e_pd {
             return Err("no prefill engine: give --prefill, or a discovery source".into());
         }
-        // The telemetry flags are checked before any engine is asked anything.
+        // The telemetry and EC flags are checked before any engine is asked anything.
         let telemetry_config = args.reliability.telemetry()?;
+        check_ec_flags(args, e_pd)?;
+        args.discovery.check_needs()?;
+        if args.connector != ConnectorArg::Lmcache && args.lmcache.lmcache_notify.is_some() {
+            return Err(format!(
+                "--lmcache-notify is read only by --connector lmcache (the connector is {})",
+                args.connector.name()
+            )
+            .into());
+        }
         let bounds = args.discovery.bounds();
         // Engine-wide settings are given for the engine URL and apply to all its ranks.
         // Protocol data goes into the endpoint's facts, for the connector to read.
@@ -188,6 +197,11 @@ impl Shared {
                 .iter()
                 .map(|(u, _)| ("--lmcache-receiver", u)),
         );
+        let named = named.chain(
+            args.ec_addresses
+                .iter()
+                .map(|(u, _, _)| ("--ec-address", u)),
+        );
         for (flag, url) in named {
             if !args.engine_urls().any(|u| base_url(u) == url) {
                 return Err(format!(
@@ -274,6 +288,10 @@ impl Shared {
             (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
+            // A fixed engine whose KV-event publishers cannot be named never will be.
+            if let Some(kv) = &kv_events {
+                kv.check_fixed(&source.snapshot())?;
+            }
             // The engines' versions too, for the connectors whose handshake compares
             // them (a pair of different builds fails every request).
             let versions =
@@ -438,10 +456,14 @@ pub fn run(
     shutdown: tokio::sync::watch::Receiver<bool>,
     on_bound: impl FnOnce(SocketAddr),
 ) -> Result<(), BoxError> {
-    // LMCache's notification socket, on a small thread of its own until shutdown.
+    // LMCache's notification socket, on a small thread of its own until the serving
+    // threads are done: the requests still draining after shutdown wait for their
+    // notifications on it. Its own stop signal, sent once `serve_threads` returned (or
+    // dropped, which stops it too, when `run` ends early).
+    let (stop_listener, listener_stop) = tokio::sync::watch::channel(false);
     let (notifications, listener) = match args.connector {
         ConnectorArg::Lmcache => {
-            let (n, thread) = lmcache_listener(&args.lmcache, args.listen, shutdown.clone())?;
+            let (n, thread) = lmcache_listener(&args.lmcache, args.listen, listener_stop)?;
             (Some(n), Some(thread))
         }
         _ => (None, None),
@@ -510,6 +532,8 @@ pub fn run(
         ),
     };
     served.map_err(|e| format!("cannot serve on {}: {e}", args.listen))?;
+    // Every request is over (drained or cut): LMCache's notifications may stop.
+    let _ = stop_listener.send(true);
     if let Some(reloader) = reloader {
         let _ = reloader.join();
     }
@@ -560,17 +584,86 @@ fn encode_stage(
         .with_embeds_placeholders(args.encode_placeholders);
     let connector = match args.ec_connector {
         flags::EcConnectorArg::Example => connector,
-        flags::EcConnectorArg::Mooncake => {
-            let mut push = disagg_connectors::vllm::MooncakeEcPush::new()
-                .with_tp_size(args.ec_tp_size)
-                .with_dp_size(args.ec_dp_size);
-            for (url, host, port) in &args.ec_addresses {
-                push = push.with_address(url, host, *port);
-            }
-            connector.with_mooncake_push(push)
-        }
+        flags::EcConnectorArg::Mooncake => connector.with_mooncake_push(mooncake_push(args)),
     };
     Ok(Some(Arc::new(disagg_core::encode::EncodeStage::new(
         connector, config,
     ))))
+}
+
+/// Whether the proxy calls encoders itself: encoders may be known (`--encode`, or a
+/// discovery source that can find some) and the connector is not SGLang's, whose
+/// prefill calls them.
+fn calls_encoders(args: &ServeArgs) -> bool {
+    (!args.encode.is_empty() || args.discovery.may_find_encode())
+        && args.connector != ConnectorArg::Sglang
+}
+
+/// `--ec-connector mooncake`'s consumer addresses and sizes, from its flags.
+fn mooncake_push(args: &ServeArgs) -> disagg_connectors::vllm::MooncakeEcPush {
+    let mut push = disagg_connectors::vllm::MooncakeEcPush::new()
+        .with_tp_size(args.ec_tp_size.unwrap_or(1))
+        .with_dp_size(args.ec_dp_size.unwrap_or(1));
+    for (url, host, port) in &args.ec_addresses {
+        push = push.with_address(url, host, *port);
+    }
+    push
+}
+
+/// The EC flags, before any engine is asked anything: a flag the chosen EC connector
+/// does not read, or `--ec-connector mooncake` where the proxy calls no encoder, is
+/// refused rather than ignored; with Mooncake, every consumer given on the command line
+/// must have an EC port for each of its ranks (its `ec_port` plus `rank·--ec-tp-size`
+/// at most 65535), or every request planned for a rank past it would fail. The
+/// consumers are the prefill engines, and the decode engines when one may serve a
+/// request alone (`e_pd`, `--min-prefill-tokens`, a decode-only fallback).
+fn check_ec_flags(args: &ServeArgs, e_pd: bool) -> Result<(), BoxError> {
+    let given = [
+        (!args.ec_addresses.is_empty()).then_some("--ec-address"),
+        args.ec_tp_size.map(|_| "--ec-tp-size"),
+        args.ec_dp_size.map(|_| "--ec-dp-size"),
+    ];
+    let given = given.into_iter().flatten().next();
+    match args.ec_connector {
+        flags::EcConnectorArg::Example => match given {
+            Some(flag) => Err(format!(
+                "{flag} is read only by --ec-connector mooncake (the EC connector is `example`)"
+            )
+            .into()),
+            None => Ok(()),
+        },
+        flags::EcConnectorArg::Mooncake if !calls_encoders(args) => Err(
+            "--ec-connector mooncake needs encoders the proxy calls: --encode, or a discovery source that can find encoders, with a --connector other than sglang (whose prefill calls its encoders itself)"
+                .into(),
+        ),
+        flags::EcConnectorArg::Mooncake => {
+            let push = mooncake_push(args);
+            let decodes_alone = e_pd
+                || args.min_prefill_tokens.is_some()
+                || args.decode_only_fallback
+                || args.reliability.decode_only_on_prefill_failure();
+            let prefills = parse_prefills(&args.prefill)?.into_iter().map(|(u, _)| u);
+            let decodes = args.decode.iter().filter(|_| decodes_alone);
+            let max_ranks = args.discovery.bounds().max_ranks;
+            for url in prefills.chain(decodes.map(String::as_str)) {
+                // The last rank a request may be planned for: of the consumer's
+                // --ec-dp-size ranks, or the highest its URL names.
+                let named = expand_ranks(url, max_ranks)?
+                    .iter()
+                    .filter_map(|u| u.rsplit_once('@')?.1.parse::<u32>().ok())
+                    .max();
+                let last = args.ec_dp_size.unwrap_or(1).saturating_sub(1);
+                let last = named.map_or(last, |n| n.max(last));
+                let base = base_url(url);
+                if push.port_of(base, last).is_none() {
+                    return Err(format!(
+                        "--ec-connector mooncake: consumer {base}'s data-parallel rank {last} would listen for its encoders past port 65535 (its --ec-address port plus {last}·--ec-tp-size {})",
+                        args.ec_tp_size.unwrap_or(1)
+                    )
+                    .into());
+                }
+            }
+            Ok(())
+        }
+    }
 }

@@ -239,8 +239,10 @@ enum EcRoleArg {
 
 /// The HTTPS settings the flags describe.
 fn tls(args: &SimArgs) -> Result<Option<SimTls>, BoxError> {
+    // Regular files of at most 1 MiB each (a PEM file is a few KiB).
     let read = |flag: &str, path: &std::path::Path| {
-        std::fs::read_to_string(path).map_err(|e| format!("{flag} {}: {e}", path.display()))
+        crate::files::read_text(path, crate::files::MAX_FILE_BYTES)
+            .map_err(|e| format!("{flag} {}: {e}", path.display()))
     };
     let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) else {
         return Ok(None);
@@ -256,9 +258,33 @@ fn tls(args: &SimArgs) -> Result<Option<SimTls>, BoxError> {
     }))
 }
 
-/// Milliseconds from a flag, as a duration.
-fn millis(flag: &str, ms: f64) -> Result<Duration, BoxError> {
-    Duration::try_from_secs_f64(ms.max(0.0) / 1e3).map_err(|e| format!("{flag}: {e}").into())
+/// The most seconds a time flag of `sim` and `demo` takes: 10^9 s, about 31 years
+/// (a clock reading plus more could overflow, which panics).
+const MAX_SECS: f64 = 1e9;
+
+/// Seconds from a flag, as a duration: refused when negative, not a number, or above
+/// [`MAX_SECS`] (none is taken as 0 or capped silently).
+pub(crate) fn secs(flag: &str, s: f64) -> Result<Duration, BoxError> {
+    if s.is_nan() || s < 0.0 {
+        return Err(format!("{flag} must be a non-negative number of seconds, not {s}").into());
+    }
+    if s > MAX_SECS {
+        return Err(format!("{flag} is too large: {s} seconds (at most {MAX_SECS})").into());
+    }
+    Duration::try_from_secs_f64(s).map_err(|e| format!("{flag}: {e}").into())
+}
+
+/// Milliseconds from a flag, as a duration: refused as [`secs`] refuses seconds.
+pub(crate) fn millis(flag: &str, ms: f64) -> Result<Duration, BoxError> {
+    if ms.is_nan() || ms < 0.0 {
+        return Err(
+            format!("{flag} must be a non-negative number of milliseconds, not {ms}").into(),
+        );
+    }
+    if ms / 1e3 > MAX_SECS {
+        return Err(format!("{flag} is too large: {ms} milliseconds").into());
+    }
+    Duration::try_from_secs_f64(ms / 1e3).map_err(|e| format!("{flag}: {e}").into())
 }
 
 /// The engine configuration the flags describe.
@@ -290,19 +316,16 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
         prefill_delay_per_token: millis("--prefill-ms-per-token", args.prefill_ms_per_token)?,
         inter_token_delay: millis("--inter-token-ms", args.inter_token_ms)?,
         kv_mode: args.kv_mode.into(),
-        bootstrap_timeout: Duration::try_from_secs_f64(args.bootstrap_timeout.max(0.0))
-            .map_err(|e| format!("--bootstrap-timeout: {e}"))?,
+        bootstrap_timeout: secs("--bootstrap-timeout", args.bootstrap_timeout)?,
         request_delay: millis("--request-delay-ms", args.request_delay_ms)?,
         dp_size: args.dp_size.max(1),
         max_num_seqs: args.max_num_seqs,
         max_logprobs: args.max_logprobs,
         max_model_len: args.max_model_len,
         lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
-        kv_lease: Duration::try_from_secs_f64(args.kv_lease.max(0.0))
-            .map_err(|e| format!("--kv-lease: {e}"))?,
+        kv_lease: secs("--kv-lease", args.kv_lease)?,
         decode_handoff: args.decode_handoff,
-        decoder_kv_blocks_ttl: Duration::try_from_secs_f64(args.decoder_kv_blocks_ttl.max(0.0))
-            .map_err(|e| format!("--decoder-kv-blocks-ttl: {e}"))?,
+        decoder_kv_blocks_ttl: secs("--decoder-kv-blocks-ttl", args.decoder_kv_blocks_ttl)?,
         kv_recompute_threshold: args.kv_recompute_threshold,
         lmcache_proxy: args.lmcache_proxy.clone(),
         lmcache_receiver: LmcacheReceiver {
@@ -412,6 +435,28 @@ mod tests {
     fn parse(args: &[&str]) -> Result<SimConfig, BoxError> {
         let cli = Cli::try_parse_from(std::iter::once("sim").chain(args.iter().copied()))?;
         config(&cli.sim)
+    }
+
+    #[test]
+    fn time_flags_that_are_no_duration_are_refused_not_taken_as_zero() {
+        for (flag, value) in [
+            ("--inter-token-ms", "-1"),
+            ("--inter-token-ms", "NaN"),
+            ("--prefill-ms-per-token", "inf"),
+            ("--request-delay-ms", "-5"),
+            ("--notify-delay-ms", "NaN"),
+            ("--bootstrap-timeout", "-1"),
+            ("--kv-lease", "NaN"),
+            ("--kv-lease", "1e19"),
+            ("--decoder-kv-blocks-ttl", "-480"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let err = parse(&[&arg]).expect_err(&arg).to_string();
+            assert!(err.starts_with(flag), "{arg}: {err}");
+        }
+        let c = parse(&["--inter-token-ms", "0", "--kv-lease", "0.5"]).expect("valid");
+        assert_eq!(c.inter_token_delay, Duration::ZERO);
+        assert_eq!(c.kv_lease, Duration::from_millis(500));
     }
 
     #[test]

@@ -5,7 +5,11 @@
 //! traffic; a rank range past its ceiling refused with the last good set kept; FIFOs at
 //! the key file and the endpoints file refused without stopping the reloads or the
 //! exit at SIGTERM; 100,000 API keys loaded and one appended while other requests go
-//! on; a cloud metadata address refused from the endpoints file. No test sends
+//! on; a cloud metadata address refused from the endpoints file; flags refused at start
+//! rather than panicking later, failing every request of a rank, or being ignored
+//! (seconds past ~31 years, EC ports past 65535, KV-event ports past 65535, flags only
+//! a source or policy not asked for reads); `nixl-ports` and `sim` refusing a FIFO, a
+//! device or an oversized file instead of reading it. No test sends
 //! anything to a link-local or metadata address: those are refused when the file is
 //! parsed.
 
@@ -45,10 +49,17 @@ fn path_arg(p: &Path) -> String {
 /// test failed) if it is still running after 20 s. Async, so that the test's engines
 /// go on answering meanwhile.
 async fn refused_start(args: &[String]) -> String {
+    let mut command = vec!["serve".to_owned()];
+    command.extend(args.iter().cloned());
+    command.extend(["--listen".to_owned(), "127.0.0.1:0".to_owned()]);
+    refused_run(&command).await
+}
+
+/// `disagg-proxy COMMAND...` (any subcommand), expected to fail: its stderr, as
+/// [`refused_start`].
+async fn refused_run(command: &[String]) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))
-        .arg("serve")
-        .args(args)
-        .args(["--listen", "127.0.0.1:0"])
+        .args(command)
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -62,7 +73,8 @@ async fn refused_start(args: &[String]) -> String {
         }
         if start.elapsed() > Duration::from_secs(20) {
             let _ = child.kill();
-            panic!("the proxy did not refuse to start");
+            let _ = child.wait();
+            panic!("the proxy did not refuse to start: {command:?}");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
@@ -74,9 +86,29 @@ async fn refused_start(args: &[String]) -> String {
         .expect("piped stderr")
         .read_to_string(&mut err)
         .expect("read stderr");
-    assert!(!status.success(), "it started: {err}");
+    assert!(!status.success(), "it started: {command:?}: {err}");
     err
 }
+
+/// `refused_start` for each of `cases` (flags after two engines that are never asked
+/// anything), its stderr holding the case's message.
+async fn each_refused(engines: &[&str], cases: &[(&[&str], &str)]) {
+    for (flags, message) in cases {
+        let mut args: Vec<String> = engines.iter().map(|a| (*a).to_owned()).collect();
+        args.extend(flags.iter().map(|a| (*a).to_owned()));
+        let err = refused_start(&args).await;
+        assert!(err.contains(message), "{flags:?}: {err}");
+    }
+}
+
+/// A prefill and a decode at ports nothing listens on: refused flags stop the proxy
+/// before any engine is asked anything (or on a refused connection, at once).
+const NO_ENGINES: &[&str] = &[
+    "--prefill",
+    "http://127.0.0.1:1",
+    "--decode",
+    "http://127.0.0.1:2",
+];
 
 /// The value of the sample `series` (name and labels, as written) in `/metrics`.
 async fn sample(proxy: &Proxy, series: &str) -> Option<u64> {
@@ -567,4 +599,239 @@ async fn a_hundred_thousand_keys_load_and_one_appended_is_admitted_while_others_
         assert!(*took < Duration::from_secs(5), "{answers:?}");
     }
     assert_eq!(sample(&proxy, "disagg_api_keys").await, Some(100_001));
+}
+
+// === flags refused at start instead of a panic, a failure per request, or silence ===
+
+#[tokio::test]
+async fn seconds_flags_too_large_or_not_a_duration_are_refused_at_start() {
+    // Past about 31 years a clock reading plus the duration could overflow, which
+    // panicked (at the first connection, admission wait or telemetry tick).
+    each_refused(
+        NO_ENGINES,
+        &[
+            (
+                &["--connect-timeout", "1e19"],
+                "--connect-timeout is too large",
+            ),
+            (&["--queue-timeout", "1e19"], "--queue-timeout is too large"),
+            (
+                &["--engine-metrics-interval", "1e19"],
+                "--engine-metrics-interval is too large",
+            ),
+            (
+                &[
+                    "--decode-admission-wait",
+                    "1e19",
+                    "--decode-max-running",
+                    "4",
+                ],
+                "--decode-admission-wait is too large",
+            ),
+            (&["--drain-timeout", "1e12"], "--drain-timeout is too large"),
+            (
+                &["--reload-interval", "1e10"],
+                "--reload-interval is too large",
+            ),
+            (
+                &["--prefill-timeout=NaN"],
+                "--prefill-timeout must be a non-negative number of seconds",
+            ),
+            (
+                &["--decode-timeout=-1"],
+                "--decode-timeout must be a non-negative number of seconds",
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn ec_flags_that_cannot_work_are_refused_at_start() {
+    let epd = [NO_ENGINES, &["--encode", "http://127.0.0.1:3"]].concat();
+    let mooncake: &[&str] = &["--ec-connector", "mooncake"];
+    each_refused(
+        &[epd.as_slice(), mooncake].concat(),
+        &[
+            // Rank 1 of the prefill would listen at 65000 + 1000: every request planned
+            // for it would fail (400, blamed on the client).
+            (
+                &[
+                    "--ec-address",
+                    "http://127.0.0.1:1=10.0.0.5:65000",
+                    "--ec-dp-size",
+                    "2",
+                    "--ec-tp-size",
+                    "1000",
+                ],
+                "consumer http://127.0.0.1:1's data-parallel rank 1 would listen for its encoders past port 65535",
+            ),
+            // An address naming no engine would be used for none.
+            (
+                &["--ec-address", "http://127.0.0.1:9=10.0.0.5:14579"],
+                "--ec-address names http://127.0.0.1:9, which is no --prefill, --decode or --encode engine",
+            ),
+            (
+                &["--ec-address", "http://127.0.0.1:1@0=10.0.0.5:14579"],
+                "the engine's URL without @RANK",
+            ),
+            (&["--ec-tp-size", "0"], "0 is not in 1.."),
+            (&["--ec-dp-size", "0"], "0 is not in 1.."),
+        ],
+    )
+    .await;
+    // The ranks an engine URL names count too.
+    each_refused(
+        &[
+            "--prefill",
+            "http://127.0.0.1:1@0-1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--encode",
+            "http://127.0.0.1:3",
+            "--ec-connector",
+            "mooncake",
+        ],
+        &[(
+            &["--ec-address", "http://127.0.0.1:1=10.0.0.5:65535"],
+            "consumer http://127.0.0.1:1's data-parallel rank 1 would listen",
+        )],
+    )
+    .await;
+    // Flags the `example` EC connector never reads, and Mooncake where the proxy calls
+    // no encoder.
+    each_refused(
+        &epd,
+        &[
+            (
+                &["--ec-address", "http://127.0.0.1:1=10.0.0.5:14579"],
+                "--ec-address is read only by --ec-connector mooncake",
+            ),
+            (
+                &["--ec-tp-size", "2"],
+                "--ec-tp-size is read only by --ec-connector mooncake",
+            ),
+            (
+                &["--ec-dp-size", "2"],
+                "--ec-dp-size is read only by --ec-connector mooncake",
+            ),
+        ],
+    )
+    .await;
+    each_refused(
+        NO_ENGINES,
+        &[(
+            mooncake,
+            "--ec-connector mooncake needs encoders the proxy calls",
+        )],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn flags_nothing_asked_for_reads_are_refused_at_start() {
+    let policy = "is read only by the kv_events policy";
+    each_refused(
+        NO_ENGINES,
+        &[
+            (&["--tokenizer", "/nonexistent/tokenizer.json"], policy),
+            (&["--tokenize", "engine"], policy),
+            (&["--kv-miss-weight", "2"], policy),
+            (
+                &["--lmcache-notify", "127.0.0.1:7500"],
+                "--lmcache-notify is read only by --connector lmcache",
+            ),
+            (
+                &["--dns-server", "10.0.0.1:53"],
+                "--dns-server is read only by DNS discovery",
+            ),
+            (
+                &["--k8s-namespace", "llm"],
+                "--k8s-namespace is read only by Kubernetes discovery",
+            ),
+            (
+                &["--k8s-port", "http"],
+                "--k8s-port is read only by Kubernetes discovery",
+            ),
+            (&["--threads", "0"], "must be at least 1"),
+            (&["--encode-image-batch", "0"], "must be at least 1"),
+            // 0 turns the checks off; a negative or NaN interval did so silently.
+            (
+                &["--health-check-interval=-1"],
+                "--health-check-interval must be a non-negative number of seconds",
+            ),
+            (
+                &["--health-check-interval=NaN"],
+                "--health-check-interval must be a non-negative number of seconds",
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn kv_event_ports_past_65535_for_a_fixed_engine_are_refused_at_start() {
+    // Two ranks publishing at 65535 and 65536: never subscribed to, only warned of.
+    each_refused(
+        &[
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2@0-1",
+            "--decode-policy",
+            "kv_events",
+            "--tokenize",
+            "engine",
+        ],
+        &[
+            (
+                &["--kv-events-port", "65535"],
+                "the kv_events policy cannot subscribe to http://127.0.0.1:2: port 65535 plus 2 ranks goes beyond 65535",
+            ),
+            // The explicit endpoint counts the engine's ranks too.
+            (
+                &[
+                    "--kv-events-endpoint",
+                    "http://127.0.0.1:2=tcp://127.0.0.1:65535",
+                ],
+                "the kv_events policy cannot subscribe to http://127.0.0.1:2",
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn files_that_are_no_small_regular_file_are_refused_not_read() {
+    let dir = TempDir::new();
+    let fifo = dir.path("plan.toml");
+    fifo_at(&fifo);
+    // A FIFO would block the read for ever; /dev/zero would be read until memory ran
+    // out.
+    for plan in [path_arg(&fifo), "/dev/zero".to_owned()] {
+        let err = refused_run(&["nixl-ports".to_owned(), plan.clone()]).await;
+        assert!(err.contains("not a regular file"), "{plan}: {err}");
+    }
+    let big = dir.write("big.toml", &"#".repeat(2 << 20));
+    let err = refused_run(&["nixl-ports".to_owned(), path_arg(&big)]).await;
+    assert!(err.contains("larger than 1048576 bytes"), "{err}");
+    let err = refused_run(
+        &[
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--side-channel",
+            "127.0.0.1:0",
+            "--tls-cert",
+            "/dev/zero",
+            "--tls-key",
+            "/dev/zero",
+        ]
+        .map(str::to_owned),
+    )
+    .await;
+    assert!(
+        err.contains("--tls-cert /dev/zero: not a regular file"),
+        "{err}"
+    );
 }

@@ -1,6 +1,7 @@
 //! `disagg-proxy serve --connector lmcache`: the real binary binds its notification
 //! socket, learns each decode's receiver from `--lmcache-receiver`, and serves chat
-//! through simulated LMCache engines (decode TP 2) in this process.
+//! through simulated LMCache engines (decode TP 2) in this process, a request still
+//! waiting for its notifications at SIGTERM included.
 
 #![allow(missing_docs)] // a test binary
 
@@ -12,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 mod common;
-use common::{Proxy, free_addr};
+use common::{Proxy, eventually, free_addr, post};
 
 /// POST a chat request over a fresh connection and read the raw answer to its end.
 async fn chat(proxy: &Proxy, stream: bool) -> String {
@@ -345,4 +346,87 @@ async fn lmcache_notification_counters_are_in_metrics() {
         .find("\ndisagg_requests_total{route=\"orchestrated\"} ")
         .expect("core metrics");
     assert!(core < after.find(MATCHED).unwrap(), "{after}");
+}
+
+/// A request still waiting for its KV-ready notifications when the proxy is told to
+/// stop is served whole within `--drain-timeout`: the notification socket keeps
+/// running until the serving threads are done, not only until the stop signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_for_notifications_at_sigterm_completes() {
+    const TOKENS: u32 = 6;
+    let notify = free_addr();
+    let decode = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Decode),
+        lmcache_receiver: LmcacheReceiver::ephemeral(2),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("decode sim");
+    // The prefill answers at once and notifies 1.5 s later: the decode leg waits.
+    let faults = disagg_sim::Faults {
+        notify_delay: Duration::from_millis(1500),
+        ..disagg_sim::Faults::default()
+    };
+    let prefill = SimEngine::start(SimConfig {
+        kv_mode: KvMode::Lmcache(SimRole::Prefill),
+        lmcache_proxy: Some(notify.to_string()),
+        faults,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("prefill sim");
+    let join = |p: Vec<u16>| p.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
+    let receiver = format!(
+        "{}=127.0.0.1:{}:{}",
+        decode.url(),
+        join(decode.lmcache_init_ports()),
+        join(decode.lmcache_alloc_ports())
+    );
+    let notify = notify.to_string();
+    let mut proxy = Proxy::start(
+        &prefill,
+        &decode,
+        &[
+            "--connector",
+            "lmcache",
+            "--lmcache-notify",
+            &notify,
+            "--lmcache-receiver",
+            &receiver,
+            "--handoff-timeout",
+            "5",
+            "--drain-timeout",
+            "10",
+        ],
+    )
+    .await;
+    let body = serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "drain while the KV is on its way"}],
+        "max_tokens": TOKENS,
+    })
+    .to_string();
+    let url = proxy.url();
+    let request = tokio::spawn(async move { post(&url, "/v1/chat/completions", &body).await });
+    // Stop once the prefill answered: the decode leg now waits for the notifications.
+    assert!(
+        eventually(Duration::from_secs(10), || prefill.stats().prefill_requests
+            >= 1)
+        .await,
+        "the prefill leg never came: {}",
+        proxy.log()
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.sigterm();
+    let answer = request.await.expect("the request task");
+    assert_eq!(answer.status, 200, "{}\n{}", answer.text(), proxy.log());
+    assert_eq!(answer.header("x-disagg-handoff"), Some("kv"));
+    let json = answer.json();
+    assert_eq!(json["usage"]["completion_tokens"], TOKENS, "{json}");
+    assert_eq!(json["choices"][0]["finish_reason"], "length", "{json}");
+    // The decode took the pushed KV: the notifications reached the draining proxy.
+    let d = decode.stats();
+    assert_eq!((d.remote_decodes, d.local_prefills), (1, 0), "{d:?}");
+    let status = proxy.exit_within(Duration::from_secs(15)).await;
+    assert!(status.success(), "{status}: {}", proxy.log());
 }

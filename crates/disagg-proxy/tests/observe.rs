@@ -1018,6 +1018,44 @@ async fn forwarded_direct_and_key_refused_requests_have_spans() {
     assert!(at.get("disagg.endpoint").is_none_or(Value::is_null), "{at}");
 }
 
+/// The model a client named goes into its request's span cut to 256 bytes (on a
+/// character boundary): the span is queued for export after the request ended, outside
+/// every per-request budget, so a 64 KiB model name must not ride along whole. (A long
+/// `x-request-id` never gets this far: the proxy draws its own id for one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_strings_in_spans_are_cut_to_a_ceiling() {
+    let receiver = Receiver::start();
+    let (p, d) = pair().await;
+    let args: Vec<String> = [
+        "--prefill",
+        &p.url(),
+        "--decode",
+        &d.url(),
+        "--otlp-endpoint",
+        &receiver.url,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let proxy = Proxy::start_env(&args, &[("OTEL_BSP_SCHEDULE_DELAY", "50")]).await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4799";
+    let tp = format!("00-{trace}-00f067aa0ba902b7-01");
+    // 255 ASCII bytes, then two-byte characters: the cut falls inside the first of them.
+    let model = format!("{}{}", "m".repeat(255), "é".repeat(32 * 1024));
+    let a = post_with(
+        &proxy.url(),
+        COMPLETIONS,
+        &serde_json::json!({"model": model, "prompt": "x", "max_tokens": 2}).to_string(),
+        &[("traceparent", tp.as_str())],
+    )
+    .await;
+    assert_eq!(a.status, 404, "an unknown model: {}", a.text());
+    let spans = receiver.trace(trace, 1).await;
+    let span = named(&spans, "POST /v1/completions");
+    let at = &span["attributes"];
+    assert_eq!(at["gen_ai.request.model"], "m".repeat(255), "{at}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_encoder_stage_has_a_span_its_legs_name() {
     // E/P/D: an encoder-only engine writes the image's embeddings to a store the

@@ -78,11 +78,13 @@ pub(super) fn notify_address(args: &LmcacheArgs, listen: SocketAddr) -> String {
 }
 
 /// Binds LMCache's notification socket on a thread of its own, which runs the socket
-/// until `shutdown` turns `true`.
+/// until `stop` turns `true` or its sender is dropped. Not the proxy's shutdown signal:
+/// requests draining after it still wait for their notifications here, so `run` stops
+/// the listener only once the serving threads have returned.
 pub(super) fn lmcache_listener(
     args: &LmcacheArgs,
     listen: SocketAddr,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Notifications, std::thread::JoinHandle<()>), BoxError> {
     let notify = notify_address(args, listen);
     let config = NotifyConfig {
@@ -102,8 +104,8 @@ pub(super) fn lmcache_listener(
         .name("disagg-lmcache".into())
         .spawn(move || {
             runtime.block_on(async move {
-                while !*shutdown.borrow_and_update() {
-                    if shutdown.changed().await.is_err() {
+                while !*stop.borrow_and_update() {
+                    if stop.changed().await.is_err() {
                         break;
                     }
                 }

@@ -58,7 +58,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub(crate) encode_timeout: f64,
     /// At most N images per encoder leg (audio and video items go one per leg).
-    #[arg(long, value_name = "N", default_value_t = 8)]
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = at_least_one)]
     pub(crate) encode_image_batch: usize,
     /// E/P/D: a chat request's image, audio and video items whose embeddings the
     /// encoders handed over reach the prefill and decode as vLLM's `image_embeds`,
@@ -83,16 +83,16 @@ pub struct ServeArgs {
     /// Repeatable.
     #[arg(long = "ec-address", value_name = "URL=HOST:PORT", value_parser = parse_ec_address)]
     pub(crate) ec_addresses: Vec<(String, String, u16)>,
-    /// With `--ec-connector mooncake`: the consumers' tensor-parallel size.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub(crate) ec_tp_size: u32,
+    /// With `--ec-connector mooncake`: the consumers' tensor-parallel size (default 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) ec_tp_size: Option<u32>,
     /// With `--ec-connector mooncake`: the consumers' data-parallel size (vLLM's
-    /// `--data-parallel-size`). A request whose consumer is given without @RANK is
-    /// given one of its N ranks, round robin per consumer, its items pushed to that
-    /// rank's port and its consumer leg pinned there (`X-data-parallel-rank`); a rank
-    /// the endpoint names is kept. With 1, rank 0 is pinned.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub(crate) ec_dp_size: u32,
+    /// `--data-parallel-size`; default 1). A request whose consumer is given without
+    /// @RANK is given one of its N ranks, round robin per consumer, its items pushed to
+    /// that rank's port and its consumer leg pinned there (`X-data-parallel-rank`); a
+    /// rank the endpoint names is kept. With 1, rank 0 is pinned.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) ec_dp_size: Option<u32>,
     /// The model an engine serves, as URL=NAME[,NAME...] (URL without @RANK covers every
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,
@@ -167,7 +167,7 @@ pub struct ServeArgs {
     pub(crate) listen: SocketAddr,
     /// Threads serving requests, each with its own event loop, listening socket and
     /// connection pool (default: the number of CPUs).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = at_least_one)]
     pub(crate) threads: Option<usize>,
     /// How endpoints are picked, for both legs (see --prefill-policy, --decode-policy).
     #[arg(long, value_enum, default_value_t = Policy::RoundRobin)]
@@ -479,13 +479,20 @@ pub(crate) enum KvReleaseArg {
 }
 
 impl ReliabilityArgs {
+    /// `--prefill-failure decode-only`: a decode may serve a request alone.
+    pub(crate) fn decode_only_on_prefill_failure(&self) -> bool {
+        matches!(self.prefill_failure, PrefillFailureArg::DecodeOnly)
+    }
+
     /// The health settings, and whether active checks run.
     pub(crate) fn health(&self) -> Result<(HealthConfig, bool), BoxError> {
         let mut config = HealthConfig::default();
         config.failure_threshold = self.eject_after;
         config.base_ejection = secs(self.ejection_time, "ejection-time")?;
         config.max_ejection = secs(self.max_ejection_time, "max-ejection-time")?;
-        let active = self.health_check_interval > 0.0;
+        // 0 turns the checks off; anything else must be a duration (a negative or NaN
+        // interval is refused, not taken for "off").
+        let active = self.health_check_interval != 0.0;
         if active {
             config.checks.interval = secs(self.health_check_interval, "health-check-interval")?;
         }
@@ -695,6 +702,15 @@ pub(crate) enum EcConnectorArg {
     Mooncake,
 }
 
+/// A count of at least 1 (0 would mean nothing, and is refused rather than taken as 1).
+pub(crate) fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_owned()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// `URL=HOST:PORT`: a consumer's EC push address.
 pub(crate) fn parse_ec_address(s: &str) -> Result<(String, String, u16), String> {
     let (url, addr) = s
@@ -706,6 +722,12 @@ pub(crate) fn parse_ec_address(s: &str) -> Result<(String, String, u16), String>
     let port: u16 = port.parse().map_err(|_| format!("not a port: {port:?}"))?;
     if url.is_empty() || host.is_empty() {
         return Err(format!("expected URL=HOST:PORT, got {s:?}"));
+    }
+    let url = url.trim_end_matches('/');
+    if base_url(url) != url {
+        return Err(format!(
+            "{url}: the engine's URL without @RANK (rank D listens at PORT + D·--ec-tp-size)"
+        ));
     }
     Ok((url.to_owned(), host.to_owned(), port))
 }
@@ -837,7 +859,23 @@ pub(crate) fn parse_prefills(values: &[String]) -> Result<Vec<(&str, Option<u16>
     Ok(out)
 }
 
+/// The most seconds any seconds flag takes: 10^9 s, about 31 years. Far past any
+/// timeout or interval that means something, and far below what a clock reading plus
+/// the duration could overflow (`Instant + Duration` panics past the clock's range).
+pub(crate) const MAX_SECS: f64 = 1e9;
+
+/// `--{flag}`'s value in seconds, as a duration: refused when negative, not a number,
+/// or above [`MAX_SECS`].
 pub(crate) fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    if v.is_nan() || v < 0.0 {
+        return Err(format!("--{flag} must be a non-negative number of seconds").into());
+    }
+    if v > MAX_SECS {
+        return Err(format!(
+            "--{flag} is too large: {v} seconds (at most {MAX_SECS}, about 31 years)"
+        )
+        .into());
+    }
     Duration::try_from_secs_f64(v)
         .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
 }

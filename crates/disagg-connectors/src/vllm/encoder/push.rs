@@ -146,24 +146,54 @@ impl MooncakeEcPush {
         rank
     }
 
-    /// `consumer`'s push address for `rank`: `tcp://HOST:PORT`.
-    fn consumer_zmq(&self, consumer: &Endpoint, rank: u32) -> Result<String, InvalidParam> {
+    /// Where the consumer engine at `url` (its URL without `@RANK`) listens for rank
+    /// `rank`'s pushes: its host, and its `ec_port` (given with
+    /// [`with_address`](Self::with_address), else vLLM's default) plus
+    /// `rank·tp_size`; the port `None` past 65535.
+    fn address(&self, url: &str, rank: u32) -> (&str, Option<u16>) {
         let (host, port) = self
             .addresses
-            .get(Self::base(consumer))
+            .get(url.trim_end_matches('/'))
             .map_or((DEFAULT_EC_HOST, DEFAULT_EC_PORT), |(h, p)| {
                 (h.as_str(), *p)
             });
         let port = u64::from(rank)
             .checked_mul(u64::from(self.tp_size))
             .and_then(|o| o.checked_add(u64::from(port)))
-            .and_then(|p| u16::try_from(p).ok())
-            .ok_or_else(|| {
-                InvalidParam::new(
-                    "ec_transfer_params",
-                    "the consumer's EC port for its data-parallel rank is out of range",
-                )
-            })?;
+            .and_then(|p| u16::try_from(p).ok());
+        (host, port)
+    }
+
+    /// The EC port data-parallel rank `rank` of the consumer engine at `url` (its URL
+    /// without `@RANK`) listens on: its `ec_port` plus `rank·tp_size`, `None` when that
+    /// is past 65535. For a check at start-up: a rank whose port is out of range fails
+    /// every request planned for it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_connectors::vllm::MooncakeEcPush;
+    /// let push = MooncakeEcPush::new()
+    ///     .with_tp_size(1000)
+    ///     .with_address("http://p:8100", "10.0.0.5", 65000);
+    /// assert_eq!(push.port_of("http://p:8100", 0), Some(65000));
+    /// assert_eq!(push.port_of("http://p:8100", 1), None);
+    /// // An engine without an address: vLLM's default port, 14579.
+    /// assert_eq!(push.port_of("http://d:8200", 1), Some(15579));
+    /// ```
+    pub fn port_of(&self, url: &str, rank: u32) -> Option<u16> {
+        self.address(url, rank).1
+    }
+
+    /// `consumer`'s push address for `rank`: `tcp://HOST:PORT`.
+    fn consumer_zmq(&self, consumer: &Endpoint, rank: u32) -> Result<String, InvalidParam> {
+        let (host, port) = self.address(Self::base(consumer), rank);
+        let port = port.ok_or_else(|| {
+            InvalidParam::new(
+                "ec_transfer_params",
+                "the consumer's EC port for its data-parallel rank is out of range",
+            )
+        })?;
         Ok(format!("tcp://{host}:{port}"))
     }
 
