@@ -929,7 +929,7 @@ mod tests {
         Endpoint::new(url, role).unwrap()
     }
 
-    /// Finding: a decode's in-flight count rises only when its leg is sent, after the
+    /// A decode's in-flight count rises only when its leg is sent, after the
     /// prefill; the places handed out count from the routing on.
     #[tokio::test]
     async fn a_place_handed_out_counts_before_its_leg_is_sent() {
@@ -974,7 +974,7 @@ mod tests {
         assert!(crate::lock(&router.places.0).is_empty());
     }
 
-    /// Finding: the room was looked at, then the wait made: a leg that ended between the
+    /// The room was looked at, then the wait made: a leg that ended between the
     /// two woke no one, and the request waited for another leg's end (or timed out).
     #[tokio::test]
     async fn a_leg_that_ends_before_the_wait_is_polled_still_lets_it_through() {
@@ -1007,7 +1007,7 @@ mod tests {
         assert_eq!(waiting(&limits), 0);
     }
 
-    /// Finding: each wake-up that found no room queued the request again, counting it
+    /// Each wake-up that found no room queued the request again, counting it
     /// in `queued` once per wake-up (and, with a full queue, refusing it with 429).
     #[tokio::test]
     async fn a_waiter_woken_without_room_is_queued_once() {
@@ -1047,7 +1047,7 @@ mod tests {
         assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
     }
 
-    /// Finding: the hold counted the held requests of every model ahead of a request,
+    /// The hold counted the held requests of every model ahead of a request,
     /// against the free places of its own model's decodes.
     #[tokio::test(start_paused = true)]
     async fn a_model_with_room_is_not_held_behind_another_models_line() {
@@ -1130,7 +1130,7 @@ mod tests {
         let _older = (&mut older).now_or_never().expect("oldest first").unwrap();
     }
 
-    /// Finding: `Duration::MAX`, a common "forever", overflowed the clock and panicked.
+    /// `Duration::MAX`, a common "forever", overflowed the clock and panicked.
     #[tokio::test(start_paused = true)]
     async fn a_wait_of_duration_max_waits_instead_of_panicking() {
         use disagg_core::json::JsonBody;

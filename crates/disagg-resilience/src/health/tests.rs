@@ -470,7 +470,7 @@ async fn the_checker_publishes_returns_and_inner_changes_to_watchers() {
     assert_eq!(rx.borrow_and_update().by_role(Role::Decode).len(), 2);
 }
 
-/// Finding: the checker made its targets from the registry before bringing it up to
+/// The checker made its targets from the registry before bringing it up to
 /// the inner set, and its watch of the inner source took the current set as seen: an
 /// engine published before the checks started, with no snapshot taken since, was never
 /// checked.

@@ -464,7 +464,7 @@ fn any_mix_of_lines_reads_as_the_whole_text_did() {
     }
 }
 
-/// Finding: finite samples summing past `f64::MAX` made an infinite count, the next
+/// Finite samples summing past `f64::MAX` made an infinite count, the next
 /// window's delta infinity less infinity, a NaN: judged as a low ratio, exported as NaN,
 /// and with eject, the decode ejected.
 #[test]
@@ -505,7 +505,7 @@ vllm:prompt_tokens_by_source_total{engine=\"1\",source=\"external_kv_transfer\"}
     assert_eq!(s.ratio, Some(1.0));
 }
 
-/// Finding: an interval of `Duration::MAX` (never) overflowed the clock and panicked.
+/// An interval of `Duration::MAX` (never) overflowed the clock and panicked.
 #[tokio::test(start_paused = true)]
 async fn an_interval_of_duration_max_never_scrapes_instead_of_panicking() {
     use futures::FutureExt;
