@@ -150,8 +150,8 @@ pub struct EncodeConfig {
     pub attempts: usize,
     /// Largest encoder answer read (default 4 MiB): a longer one fails its leg.
     pub max_answer_bytes: usize,
-    /// How long an encoder whose leg failed (unreachable, 5xx, a 4xx other than 400, 413
-    /// and 422, no answer within the try's share of [`timeout`](Self::timeout), an
+    /// How long an encoder whose leg failed (unreachable, 5xx, a 4xx the items did not
+    /// cause, no answer within the try's share of [`timeout`](Self::timeout), an
     /// unreadable answer) is passed over while another is healthy (default 5 s; passive
     /// health). Its next success clears it at once.
     pub eject_for: Duration,
@@ -378,11 +378,12 @@ pub(crate) fn media_field(api: Api) -> Option<&'static str> {
 }
 
 /// Whether an encoder's answer `status` says it refused the media items themselves: 400
-/// (an image it cannot decode), 413 (too large), 422 (not processable). The client's
+/// (an image it cannot decode), 413 (too large), 414 (a data URL too long for its
+/// request line), 415 (a media type it does not take), 422 (not processable). The client's
 /// fault, which would fail on any encoder: answered 400, never retried, the encoder not
 /// blamed.
 pub(crate) fn item_refused(status: http::StatusCode) -> bool {
-    matches!(status.as_u16(), 400 | 413 | 422)
+    matches!(status.as_u16(), 400 | 413 | 414 | 415 | 422)
 }
 
 /// Whether an answer's status says another encoder may do better: a server's failure,
@@ -399,8 +400,8 @@ mod tests {
     use http::StatusCode;
 
     #[test]
-    fn only_400_413_and_422_are_the_items_fault() {
-        for s in [400, 413, 422] {
+    fn only_what_the_items_cause_is_their_fault() {
+        for s in [400, 413, 414, 415, 422] {
             let s = StatusCode::from_u16(s).unwrap();
             assert!(item_refused(s) && !retryable_status(s), "{s}");
         }

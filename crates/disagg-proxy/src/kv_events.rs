@@ -219,18 +219,28 @@ impl KvEvents {
     /// discovered KV-events endpoints; an engine whose publishers cannot be named (a
     /// rank's port past 65535) is logged and left out.
     pub(crate) fn engine_endpoints(&self, set: &EndpointSet) -> Vec<EngineEndpoint> {
-        let (found, refused) = self.engine_endpoints_checked(set);
+        let engines = set
+            .by_role(Role::Prefill)
+            .iter()
+            .chain(set.by_role(Role::Decode));
+        let (found, refused) = self.engine_endpoints_checked(engines.map(|e| &**e));
         for (engine, e) in refused {
             tracing::warn!(%engine, error = %e, "no KV-events subscription");
         }
         found
     }
 
-    /// The engines of the fixed `set` (`--prefill`, `--decode`) must each have their
-    /// publishers named: an engine whose rank ports go past 65535 stops the proxy at
-    /// start rather than never being subscribed to.
-    pub(crate) fn check_fixed(&self, set: &EndpointSet) -> Result<(), BoxError> {
-        match self.engine_endpoints_checked(set).1.into_iter().next() {
+    /// The engines given on the command line (`--prefill`, `--decode`; discovery on or
+    /// not) must each have their publishers named: an engine whose rank ports go past
+    /// 65535 stops the proxy at start rather than never being subscribed to.
+    pub(crate) fn check_fixed<'a>(
+        &self,
+        given: impl IntoIterator<Item = &'a Endpoint>,
+    ) -> Result<(), BoxError> {
+        let engines = given
+            .into_iter()
+            .filter(|e| matches!(e.role(), Role::Prefill | Role::Decode));
+        match self.engine_endpoints_checked(engines).1.into_iter().next() {
             Some((engine, e)) => {
                 Err(format!("the kv_events policy cannot subscribe to {engine}: {e}").into())
             }
@@ -239,34 +249,30 @@ impl KvEvents {
     }
 
     /// [`engine_endpoints`](Self::engine_endpoints), with the engines left out and why.
-    fn engine_endpoints_checked(
+    fn engine_endpoints_checked<'a>(
         &self,
-        set: &EndpointSet,
+        engines: impl IntoIterator<Item = &'a Endpoint>,
     ) -> (
         Vec<EngineEndpoint>,
         Vec<(String, disagg_kvevents::EndpointError)>,
     ) {
         // Engines by base URL, with their ranks' count (rank r of an engine run as
         // `URL@r` publishes on the port plus r).
-        let mut engines: BTreeMap<String, (u32, &Endpoint)> = BTreeMap::new();
-        for ep in set
-            .by_role(Role::Prefill)
-            .iter()
-            .chain(set.by_role(Role::Decode))
-        {
+        let mut by_base: BTreeMap<String, (u32, &Endpoint)> = BTreeMap::new();
+        for ep in engines {
             let id = ep.id().as_str();
             let base = match ep.rank() {
                 Some(_) => id.rsplit_once('@').map_or(id, |(b, _)| b),
                 None => id,
             };
             let ranks = ep.rank().map_or(1, |r| r.saturating_add(1));
-            let entry = engines.entry(base.to_owned()).or_insert((ranks, ep));
+            let entry = by_base.entry(base.to_owned()).or_insert((ranks, ep));
             entry.0 = entry.0.max(ranks);
         }
         let a = &self.args;
-        let mut out = Vec::with_capacity(engines.len());
+        let mut out = Vec::with_capacity(by_base.len());
         let mut refused = Vec::new();
-        for (base, (ranks, ep)) in engines {
+        for (base, (ranks, ep)) in by_base {
             let found = if let Some(e) = a.kv_events_endpoints.iter().find(|e| e.engine == base) {
                 // Rank r publishes at the flag's port plus r, as with the other sources:
                 // the engine's ranks counted, or the flag's `dp-size` when larger.
@@ -728,7 +734,11 @@ mod tests {
             .map(|e| e.engine)
             .collect();
         assert_eq!(engines, ["http://10.0.0.9:8000"]);
-        let err = past.check_fixed(&set()).unwrap_err().to_string();
+        let given = set();
+        let err = past
+            .check_fixed(given.iter().map(|e| &**e))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("cannot subscribe to http://10.0.0.2:8000: port 65535 plus 2 ranks"),
             "{err}"

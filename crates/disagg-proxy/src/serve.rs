@@ -263,6 +263,11 @@ impl Shared {
             )
             .into());
         }
+        // An engine given on the command line whose KV-event publishers cannot be named
+        // never will be, discovery or not.
+        if let Some(kv) = &kv_events {
+            kv.check_fixed(&endpoints)?;
+        }
         // The set the KV-event subscriber follows: every engine found, before health
         // takes any out (an ejected engine keeps its cache, and its entries).
         let (source, health, discovery, follow): (
@@ -288,10 +293,6 @@ impl Shared {
             (Arc::new(d.source), d.health, Some(d.thread), d.merged)
         } else {
             let source = HealthSource::new(StaticSource::new(endpoints), health_config);
-            // A fixed engine whose KV-event publishers cannot be named never will be.
-            if let Some(kv) = &kv_events {
-                kv.check_fixed(&source.snapshot())?;
-            }
             // The engines' versions too, for the connectors whose handshake compares
             // them (a pair of different builds fails every request).
             let versions =

@@ -796,6 +796,17 @@ async fn kv_event_ports_past_65535_for_a_fixed_engine_are_refused_at_start() {
                 ],
                 "the kv_events policy cannot subscribe to http://127.0.0.1:2",
             ),
+            // With a discovery source too: the engines the command line gives are
+            // checked before any source starts.
+            (
+                &[
+                    "--kv-events-port",
+                    "65535",
+                    "--endpoints-file",
+                    "/nonexistent/endpoints.toml",
+                ],
+                "the kv_events policy cannot subscribe to http://127.0.0.1:2",
+            ),
         ],
     )
     .await;

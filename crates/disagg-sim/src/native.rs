@@ -319,14 +319,7 @@ impl Answer {
     /// The event after step `k` of element `e` (`(1, 0)` the first): step by step,
     /// elements in turn, each element's events up to its last token (a generation of
     /// no token still has one event); `None` after the last.
-    fn next_event(&self, mut k: usize, mut e: usize) -> Option<(usize, usize)> {
-        let last = self
-            .choices
-            .iter()
-            .map(|c| c.ids.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
+    fn next_event(&self, last: usize, mut k: usize, mut e: usize) -> Option<(usize, usize)> {
         while k <= last {
             if let Some(found) =
                 (e..self.choices.len()).find(|&i| k <= self.choices[i].ids.len().max(1))
@@ -342,13 +335,26 @@ impl Answer {
     /// The streamed answer, rendered event by event as it is sent (an event holds
     /// everything generated so far, so rendering them all up front would hold a
     /// number of bytes quadratic in the tokens).
+    /// The step of the longest choice (at least 1: an answer without tokens still has
+    /// an event): counted once per stream, not per event.
+    fn last_step(&self) -> usize {
+        self.choices
+            .iter()
+            .map(|c| c.ids.len())
+            .max()
+            .unwrap_or(0)
+            .max(1)
+    }
+
     pub(crate) fn stream(self, unterminated: Option<usize>) -> NativeStream {
-        let phase = match self.next_event(1, 0) {
+        let last = self.last_step();
+        let phase = match self.next_event(last, 1, 0) {
             Some((k, e)) => StreamPhase::Event { k, e },
             None => StreamPhase::Done,
         };
         NativeStream {
             answer: self,
+            last,
             phase,
             unterminated,
             filler: None,
@@ -380,6 +386,8 @@ enum StreamPhase {
 #[derive(Debug)]
 pub(crate) struct NativeStream {
     answer: Answer,
+    /// [`Answer::last_step`].
+    last: usize,
     phase: StreamPhase,
     /// [`Faults::unterminated_event`](crate::Faults::unterminated_event): the first
     /// event, then one of this many bytes that never ends (in frames of 64 KiB, one
@@ -400,7 +408,7 @@ impl NativeStream {
         };
         let (frame, next) = match self.phase {
             StreamPhase::Event { k, e } => {
-                let next = match self.answer.next_event(k, e + 1) {
+                let next = match self.answer.next_event(self.last, k, e + 1) {
                     Some((k, e)) => StreamPhase::Event { k, e },
                     None => StreamPhase::Done,
                 };

@@ -462,7 +462,12 @@ fn handoff_rules(
     {
         return Err("remote_port is missing or not a port number (1 to 65535)");
     }
-    let push = mode == Some(br#""push""#);
+    // Read as the decode reads it: `"pus\u0068"` is push mode too.
+    let push = mode.is_some_and(|m| {
+        m == br#""push""#
+            || (m.contains(&b'\\')
+                && serde_json::from_slice::<String>(m).is_ok_and(|s| s == "push"))
+    });
     let tp = tp.and_then(unsigned);
     if push && tp.is_none_or(|t| t == 0 || t > u64::from(u32::MAX)) {
         return Err("tp_size is missing or not a positive integer (push mode)");
@@ -508,20 +513,40 @@ fn id_str(raw: Option<&[u8]>) -> bool {
 /// with brackets and a zone far less.
 const MAX_HOST: usize = 255;
 
-/// Whether `raw` is a JSON string a side-channel host can be: a host name or an IP
-/// literal, written without escapes, of at most [`MAX_HOST`] bytes of ASCII letters,
-/// digits, `-`, `.`, `_` (container and service names), `:`, `[`, `]` and `%` (IPv6
-/// literals, with a zone). No whitespace, control character or anything else a URL
-/// or a ZMQ address would read as more than a host.
+/// Whether `raw` is a JSON string a side-channel host can be, written without escapes
+/// and at most [`MAX_HOST`] bytes: a name or IPv4 address of ASCII letters, digits,
+/// `-`, `.` and `_` (container and service names), or an IPv6 literal, bracketed or
+/// not, with an optional `%zone`. No whitespace, control character, port or anything
+/// else a ZMQ address would read as more than a host.
 fn host_str(raw: Option<&[u8]>) -> bool {
     let Some(v) = raw.filter(|v| v.first() == Some(&b'"') && v.len() > 2) else {
         return false;
     };
     let host = &v[1..v.len() - 1];
-    host.len() <= MAX_HOST
-        && host.iter().all(|&c| {
-            c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b':' | b'[' | b']' | b'%')
-        })
+    let name = |h: &[u8]| {
+        !h.is_empty()
+            && h.iter()
+                .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_'))
+    };
+    if host.len() > MAX_HOST {
+        return false;
+    }
+    if !host.contains(&b':') {
+        return name(host);
+    }
+    // With a colon, an IPv6 literal (vLLM brackets a bare one itself when it builds
+    // `tcp://[host]:port`), bracketed or not, with an optional `%zone`: anything else
+    // would read as a host and a port (`evil:1234` made `tcp://evil:1234:5600`).
+    let inner = host
+        .strip_prefix(b"[")
+        .and_then(|h| h.strip_suffix(b"]"))
+        .unwrap_or(host);
+    let (addr, zone) = match inner.iter().position(|&c| c == b'%') {
+        Some(at) => (&inner[..at], Some(&inner[at + 1..])),
+        None => (inner, None),
+    };
+    zone.is_none_or(name)
+        && std::str::from_utf8(addr).is_ok_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok())
 }
 
 /// A JSON non-negative integer that fits a `u64`: digits only (a sign, a fraction or an

@@ -28,7 +28,6 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use bytes::Bytes;
 use disagg_core::Endpoint;
@@ -37,6 +36,8 @@ use disagg_core::error::ConnectorError;
 use disagg_json::InvalidParam;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
+
+use crate::common::Rooms;
 
 use disagg_json::raw as json;
 
@@ -64,8 +65,10 @@ pub struct MooncakeEcPush {
     turns: Mutex<HashMap<String, u32>>,
     /// Drawn once per connector, so two proxies' transfer ids differ.
     nonce: u64,
-    /// Requests planned so far: with the nonce, a transfer id unique per request.
-    next: AtomicU64,
+    /// Each request's part of its transfer ids: unique per process and, keyed by a
+    /// secret, unpredictable from the ids an encoder saw (one that could name another
+    /// request's ids could push its own items under them first).
+    ids: Rooms,
 }
 
 impl Default for MooncakeEcPush {
@@ -85,7 +88,7 @@ impl MooncakeEcPush {
             nonce: std::collections::hash_map::RandomState::new()
                 .build_hasher()
                 .finish(),
-            next: AtomicU64::new(0),
+            ids: Rooms::new(),
         }
     }
 
@@ -216,7 +219,7 @@ impl MooncakeEcPush {
             }
         };
         let zmq = self.consumer_zmq(consumer, rank)?;
-        let request = self.next.fetch_add(1, Relaxed);
+        let request = self.ids.next_room();
         for (l, leg) in plan.legs.iter_mut().enumerate() {
             let items: Vec<Value> = (0..leg.items)
                 .map(|i| json!({"transfer_id": format!("{:016x}{request:016x}-{l}-{i}", self.nonce)}))
@@ -400,6 +403,28 @@ mod tests {
         let single = MooncakeEcPush::new().annotate(plan, &a, None).unwrap();
         assert_eq!(single.rank, Some(0));
         assert_eq!(zmq_of(&single), "tcp://127.0.0.1:14579");
+    }
+
+    /// An encoder sees the transfer ids of its legs; the next request's must not follow
+    /// from them (a counter did: the encoder could push items under them first).
+    #[test]
+    fn a_requests_transfer_ids_do_not_tell_the_next_ones() {
+        let push = MooncakeEcPush::new();
+        let consumer = Endpoint::new("http://10.0.0.5:8100", Role::Decode).unwrap();
+        let part = |plan: &EncodePlan| {
+            let id = transfer_ids(&plan.legs[0].body).remove(0);
+            u64::from_str_radix(&id[16..32], 16).unwrap()
+        };
+        let parts: Vec<u64> = (0..64)
+            .map(|_| part(&push.annotate(one_leg(1), &consumer, None).unwrap()))
+            .collect();
+        let steps = parts
+            .windows(2)
+            .filter(|w| w[1].wrapping_sub(w[0]) == 1)
+            .count();
+        assert_eq!(steps, 0, "{parts:x?}");
+        let distinct: std::collections::HashSet<_> = parts.iter().collect();
+        assert_eq!(distinct.len(), parts.len());
     }
 
     #[test]

@@ -282,10 +282,23 @@ fn takes(v: &serde_json::Value) -> bool {
         v[k].as_str()
             .is_some_and(|s| !s.is_empty() && !s.chars().any(char::is_control))
     };
-    let host = v["remote_host"].as_str().is_some_and(|h| {
-        (1..=255).contains(&h.len())
+    let name = |h: &str| {
+        !h.is_empty()
             && h.bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b"-._:[]%".contains(&c))
+                .all(|c| c.is_ascii_alphanumeric() || b"-._".contains(&c))
+    };
+    let host = v["remote_host"].as_str().is_some_and(|h| {
+        let bare = h.trim_start_matches('[').trim_end_matches(']');
+        let bracketed = bare.len() + 2 == h.len() && h.starts_with('[');
+        let (addr, zone) = bare.split_once('%').unwrap_or((bare, "x"));
+        (1..=255).contains(&h.len())
+            && if h.contains(':') {
+                (bracketed || bare.len() == h.len())
+                    && name(zone)
+                    && addr.parse::<std::net::Ipv6Addr>().is_ok()
+            } else {
+                name(h)
+            }
     });
     let ids = |l: &serde_json::Value| {
         l.as_array()
@@ -607,6 +620,20 @@ async fn escaped_keys_are_read_decoded_and_their_repeats_refused() {
         );
         assert!(decode.get(KV_TRANSFER_PARAMS).is_none(), "{params}");
     }
+    // An escaped value the rules read is read decoded too: push mode without `tp_size`.
+    let push = V033
+        .replace(
+            r#""transfer_mode":"pull""#,
+            r#""transfer_mode":"pus\u0068""#,
+        )
+        .replace(r#""tp_size":8,"#, "");
+    assert!(push.contains("pus\\u0068") && !push.contains("tp_size"));
+    let (outcome, decode) = outcome_of(&push).await;
+    assert!(
+        matches!(outcome, HandoffFound::Incomplete { problem } if problem.starts_with("tp_size")),
+        "{outcome:?}"
+    );
+    assert!(decode.get(KV_TRANSFER_PARAMS).is_none());
     // The forbidden key, spelled with escapes, is the forbidden key.
     let forged = v033_with(r#","prompt_token_id\u0073":[6]"#);
     let (outcome, decode) = outcome_of(&forged).await;
@@ -674,6 +701,12 @@ async fn hosts_ids_and_ports_the_decode_cannot_use_are_refused() {
         ("remote_host", json!("h/x")),
         ("remote_host", json!("h\u{e9}")),
         ("remote_host", json!("x".repeat(256))),
+        ("remote_host", json!("evil:1234")),
+        ("remote_host", json!("a]b")),
+        ("remote_host", json!("%")),
+        ("remote_host", json!("[::1")),
+        ("remote_host", json!("[node]")),
+        ("remote_host", json!("fe80::1%")),
         ("remote_engine_id", json!("e\u{0}")),
         ("remote_engine_id", json!("e\n")),
         ("remote_engine_id", json!("e\u{7f}")),
@@ -695,6 +728,9 @@ async fn hosts_ids_and_ports_the_decode_cannot_use_are_refused() {
         ("remote_host", json!("localhost")),
         ("remote_host", json!("[fe80::1%eth0]")),
         ("remote_host", json!("::1")),
+        ("remote_host", json!("[::1]")),
+        ("remote_host", json!("fe80::1%eth0")),
+        ("remote_host", json!("10.0.0.5")),
         ("remote_host", json!("node_7")),
         ("remote_engine_id", json!("e\u{e9}\"\\/")),
         ("remote_port", json!(1)),
