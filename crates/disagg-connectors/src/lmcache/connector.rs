@@ -63,8 +63,8 @@ pub(super) const MAX_BODY: usize = 64 * 1024 * 1024;
 /// by default (2^20, as many as vLLM prompt-token reuse carries,
 /// [`DEFAULT_MAX_IDS`](crate::vllm::reuse::DEFAULT_MAX_IDS); above the context of the
 /// models LMCache serves). The ids are held for the request's life and written into
-/// both legs: without a ceiling, a `/tokenize` answer of [`MAX_BODY`] could name some
-/// 30 million of them. See [`Lmcache::with_max_prompt_tokens`].
+/// both legs: without a ceiling, a `/tokenize` answer of 64 MiB (the most read) could
+/// name some 30 million of them. See [`Lmcache::with_max_prompt_tokens`].
 pub const MAX_PROMPT_TOKENS: usize = crate::vllm::reuse::DEFAULT_MAX_IDS;
 
 /// Chat-only request fields a completions leg does not carry.
