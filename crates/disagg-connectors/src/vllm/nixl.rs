@@ -32,8 +32,9 @@
 //! is handed on only when `do_remote_prefill` is `true`, `remote_block_ids` holds at
 //! least one block id (a flat list, or one list per KV-cache group as 0.33 writes
 //! them), `remote_engine_id` and `remote_request_id` are non-empty strings without
-//! control characters, `remote_host` a host name or IP literal (ASCII letters, digits,
-//! `-`, `.`, `_`, `:`, `[`, `]`, `%`; at most 255 bytes) and `remote_port` a port number
+//! control characters, `remote_host` a name or IPv4 address (ASCII letters, digits, `-`,
+//! `.`, `_`) or an IPv6 literal, bracketed or not, with an optional zone (at most 255
+//! bytes), and `remote_port` a port number
 //! from 1 to 65535 (and, when `transfer_mode` is `"push"`, `tp_size` a positive
 //! integer). Anything less is [`HandoffFound::Incomplete`]: the orchestrator treats it
 //! as a missing handoff. Other keys are not read (0.33 added `dcp_size`, `pp_size`,
@@ -55,6 +56,7 @@
 //! `return_token_ids`, and the decode's dict gets the prefill's `prompt_token_ids`
 //! spliced in as its last key, both read in the one pass over the prefill's answer.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -401,12 +403,21 @@ fn handoff_dict<'a>(s: &mut Scan<'a>) -> Option<Result<(), &'static str>> {
 /// decodes it: `"remote_\u0070ort"` is `remote_port`, so a second spelling of a key is a
 /// repeat, never a key the check does not see.
 fn key_slot(key: &[u8]) -> Option<Option<usize>> {
-    let name = &key[1..key.len() - 1];
-    if memchr::memchr(b'\\', name).is_none() {
-        return Some(KEYS.iter().position(|k| k.as_bytes() == name));
+    let name = string_bytes(key)?;
+    Some(KEYS.iter().position(|k| k.as_bytes() == &*name))
+}
+
+/// The text of the JSON string `raw` (its quotes included) as the decode's parser reads
+/// it: the bytes as written when they hold no escape (nothing allocated), else decoded.
+/// `None` for a value that is no string, or whose escapes make no Unicode text (a lone
+/// surrogate).
+fn string_bytes(raw: &[u8]) -> Option<Cow<'_, [u8]>> {
+    let text = raw.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+    if memchr::memchr(b'\\', text).is_none() {
+        return Some(Cow::Borrowed(text));
     }
-    let name = serde_json::from_slice::<String>(key).ok()?;
-    Some(KEYS.iter().position(|k| *k == name))
+    let decoded = serde_json::from_slice::<String>(raw).ok()?;
+    Some(Cow::Owned(decoded.into_bytes()))
 }
 
 /// Whether the keys read from a dict (see [`KEYS`]) make a handoff a vLLM 0.33 decode
@@ -463,11 +474,7 @@ fn handoff_rules(
         return Err("remote_port is missing or not a port number (1 to 65535)");
     }
     // Read as the decode reads it: `"pus\u0068"` is push mode too.
-    let push = mode.is_some_and(|m| {
-        m == br#""push""#
-            || (m.contains(&b'\\')
-                && serde_json::from_slice::<String>(m).is_ok_and(|s| s == "push"))
-    });
+    let push = mode.and_then(string_bytes).is_some_and(|m| &*m == b"push");
     let tp = tp.and_then(unsigned);
     if push && tp.is_none_or(|t| t == 0 || t > u64::from(u32::MAX)) {
         return Err("tp_size is missing or not a positive integer (push mode)");
@@ -493,20 +500,13 @@ const KEYS: [&str; 10] = [
 /// Where `remote_block_ids` is in [`KEYS`].
 const BLOCKS: usize = 1;
 
-/// Whether `raw` is a JSON string with at least one character (a scanned string keeps
-/// its quotes, so one longer than them holds something) and no control character
-/// (Unicode's `Cc`: C0, DEL, C1), escaped or not (an escape is decoded to be read; one
-/// that makes no Unicode text, a lone surrogate, is refused).
+/// Whether `raw` is a JSON string with at least one character and no control character
+/// (Unicode's `Cc`: C0, DEL, C1), escaped or not (read by [`string_bytes`]: one whose
+/// escapes make no Unicode text, a lone surrogate, is refused).
 fn id_str(raw: Option<&[u8]>) -> bool {
-    let Some(v) = raw.filter(|v| v.first() == Some(&b'"') && v.len() > 2) else {
-        return false;
-    };
-    let text = &v[1..v.len() - 1];
-    if memchr::memchr(b'\\', text).is_none() {
-        // Unescaped, a JSON string holds no C0 byte; only DEL and C1 are left to find.
-        return std::str::from_utf8(text).is_ok_and(|t| !t.chars().any(char::is_control));
-    }
-    serde_json::from_slice::<String>(v).is_ok_and(|t| !t.chars().any(char::is_control))
+    raw.and_then(string_bytes).is_some_and(|t| {
+        !t.is_empty() && std::str::from_utf8(&t).is_ok_and(|t| !t.chars().any(char::is_control))
+    })
 }
 
 /// The longest `remote_host` taken: a DNS name is at most 253 bytes, an IPv6 literal
