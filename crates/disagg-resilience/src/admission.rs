@@ -114,7 +114,7 @@ struct LegPlace {
 
 impl Drop for LegPlace {
     fn drop(&mut self) {
-        self.places.give_back(&self.endpoint);
+        give_back(&mut crate::lock(&self.places.0), &self.endpoint);
         self.state.ended.notify_waiters();
     }
 }
@@ -131,14 +131,19 @@ type PlaceKey = (Role, EndpointId);
 #[derive(Debug, Default)]
 struct Places(std::sync::Mutex<HashMap<PlaceKey, usize>>);
 
-impl Places {
-    fn give_back(&self, endpoint: &PlaceKey) {
-        let mut places = crate::lock(&self.0);
-        if let Some(n) = places.get_mut(endpoint) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                places.remove(endpoint);
-            }
+/// One more place taken on `endpoint`, in a count of places per endpoint (this limit's
+/// [`Places`], the decode hold's [`Counts::places`]).
+fn take<K: std::hash::Hash + Eq>(places: &mut HashMap<K, usize>, endpoint: K) {
+    *places.entry(endpoint).or_insert(0) += 1;
+}
+
+/// One place on `endpoint` given back; its entry leaves with its last place, so the
+/// count holds only endpoints with places out.
+fn give_back<K: std::hash::Hash + Eq>(places: &mut HashMap<K, usize>, endpoint: &K) {
+    if let Some(n) = places.get_mut(endpoint) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            places.remove(endpoint);
         }
     }
 }
@@ -342,13 +347,7 @@ struct RoutedPlace {
 
 impl Drop for RoutedPlace {
     fn drop(&mut self) {
-        let places = &mut crate::lock(&self.routed.0).places;
-        if let Some(n) = places.get_mut(&self.decode) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                places.remove(&self.decode);
-            }
-        }
+        give_back(&mut crate::lock(&self.routed.0).places, &self.decode);
     }
 }
 
@@ -395,7 +394,7 @@ impl<R: Router> DecodeHold<R> {
             return None;
         }
         let decode = route.decode.id().clone();
-        *counts.places.entry(decode.clone()).or_insert(0) += 1;
+        take(&mut counts.places, decode.clone());
         drop(counts);
         let place = RoutedPlace {
             routed: Arc::clone(&self.routed),
@@ -612,13 +611,11 @@ impl<R: Router> PerEndpointLimit<R> {
         let key = |ep: &Endpoint| (ep.role(), ep.id().clone());
         let decode = key(&route.decode);
         let prefill = route.prefill.as_deref().map(key);
-        // A route whose two legs are one endpoint takes two of its places.
-        let both = prefill.as_ref() == Some(&decode);
         let mut places = crate::lock(&self.places.0);
         let count = |ep: &Endpoint, key: &PlaceKey| {
             ep.in_flight().max(places.get(key).copied().unwrap_or(0))
         };
-        let room = count(&route.decode, &decode) + usize::from(both) < self.limit
+        let room = count(&route.decode, &decode) < self.limit
             && route
                 .prefill
                 .as_deref()
@@ -628,9 +625,9 @@ impl<R: Router> PerEndpointLimit<R> {
             return None;
         }
         if let Some(key) = &prefill {
-            *places.entry(key.clone()).or_insert(0) += 1;
+            take(&mut places, key.clone());
         }
-        *places.entry(decode.clone()).or_insert(0) += 1;
+        take(&mut places, decode.clone());
         drop(places);
         let place = |endpoint| {
             Permit::new(LegPlace {
