@@ -21,7 +21,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 
 use crate::BoxError;
-use crate::serve::ConnectorArg;
+use crate::serve::{ConnectorArg, millis};
 
 /// Flags of `demo`.
 #[derive(Debug, Args)]
@@ -55,11 +55,8 @@ pub(crate) struct DemoArgs {
 /// not a number or too large (a panic or a silent 0 otherwise).
 fn sim_config(args: &DemoArgs) -> Result<SimConfig, BoxError> {
     Ok(SimConfig {
-        prefill_delay_per_token: crate::sim::millis(
-            "--prefill-ms-per-token",
-            args.prefill_ms_per_token,
-        )?,
-        inter_token_delay: crate::sim::millis("--inter-token-ms", args.inter_token_ms)?,
+        prefill_delay_per_token: millis(args.prefill_ms_per_token, "prefill-ms-per-token")?,
+        inter_token_delay: millis(args.inter_token_ms, "inter-token-ms")?,
         ..SimConfig::default()
     })
 }

@@ -34,9 +34,9 @@ mod flags;
 
 pub use bidi::BidiArgs;
 use connectors::*;
-pub(crate) use flags::secs;
 use flags::*;
 pub use flags::{ClientBodyArgs, ConnectorArg, LmcacheArgs, ReliabilityArgs, ReuseArg, ServeArgs};
+pub use flags::{millis, secs};
 
 /// The proxy's parts that every serving thread shares: one orchestrator (endpoints,
 /// router, connector, admission, retry budget, counters), of which each thread takes a

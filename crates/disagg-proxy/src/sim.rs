@@ -1,13 +1,13 @@
 //! `disagg-proxy sim`: a simulated vLLM-like engine on chosen ports.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use disagg_sim::{Faults, KvMode, LmcacheReceiver, SimConfig, SimEngine, SimRole, SimTls};
 use tokio::net::TcpListener;
 
 use crate::BoxError;
+use crate::serve::{millis, secs};
 
 /// The P/D KV protocol of a simulated engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -258,35 +258,6 @@ fn tls(args: &SimArgs) -> Result<Option<SimTls>, BoxError> {
     }))
 }
 
-/// The most seconds a time flag of `sim` and `demo` takes: 10^9 s, about 31 years
-/// (a clock reading plus more could overflow, which panics).
-const MAX_SECS: f64 = 1e9;
-
-/// Seconds from a flag, as a duration: refused when negative, not a number, or above
-/// [`MAX_SECS`] (none is taken as 0 or capped silently).
-pub(crate) fn secs(flag: &str, s: f64) -> Result<Duration, BoxError> {
-    if s.is_nan() || s < 0.0 {
-        return Err(format!("{flag} must be a non-negative number of seconds, not {s}").into());
-    }
-    if s > MAX_SECS {
-        return Err(format!("{flag} is too large: {s} seconds (at most {MAX_SECS})").into());
-    }
-    Duration::try_from_secs_f64(s).map_err(|e| format!("{flag}: {e}").into())
-}
-
-/// Milliseconds from a flag, as a duration: refused as [`secs`] refuses seconds.
-pub(crate) fn millis(flag: &str, ms: f64) -> Result<Duration, BoxError> {
-    if ms.is_nan() || ms < 0.0 {
-        return Err(
-            format!("{flag} must be a non-negative number of milliseconds, not {ms}").into(),
-        );
-    }
-    if ms / 1e3 > MAX_SECS {
-        return Err(format!("{flag} is too large: {ms} milliseconds").into());
-    }
-    Duration::try_from_secs_f64(ms / 1e3).map_err(|e| format!("{flag}: {e}").into())
-}
-
 /// The engine configuration the flags describe.
 fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
     if args.lmcache_init_ports.len() != args.lmcache_alloc_ports.len() {
@@ -313,19 +284,19 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
         model: args.model.clone(),
         engine_id: args.engine_id.clone(),
         advertised_host: args.advertised_host.clone(),
-        prefill_delay_per_token: millis("--prefill-ms-per-token", args.prefill_ms_per_token)?,
-        inter_token_delay: millis("--inter-token-ms", args.inter_token_ms)?,
+        prefill_delay_per_token: millis(args.prefill_ms_per_token, "prefill-ms-per-token")?,
+        inter_token_delay: millis(args.inter_token_ms, "inter-token-ms")?,
         kv_mode: args.kv_mode.into(),
-        bootstrap_timeout: secs("--bootstrap-timeout", args.bootstrap_timeout)?,
-        request_delay: millis("--request-delay-ms", args.request_delay_ms)?,
+        bootstrap_timeout: secs(args.bootstrap_timeout, "bootstrap-timeout")?,
+        request_delay: millis(args.request_delay_ms, "request-delay-ms")?,
         dp_size: args.dp_size.max(1),
         max_num_seqs: args.max_num_seqs,
         max_logprobs: args.max_logprobs,
         max_model_len: args.max_model_len,
         lmcache_prefill_tp_size: args.lmcache_prefill_tp_size,
-        kv_lease: secs("--kv-lease", args.kv_lease)?,
+        kv_lease: secs(args.kv_lease, "kv-lease")?,
         decode_handoff: args.decode_handoff,
-        decoder_kv_blocks_ttl: secs("--decoder-kv-blocks-ttl", args.decoder_kv_blocks_ttl)?,
+        decoder_kv_blocks_ttl: secs(args.decoder_kv_blocks_ttl, "decoder-kv-blocks-ttl")?,
         kv_recompute_threshold: args.kv_recompute_threshold,
         lmcache_proxy: args.lmcache_proxy.clone(),
         lmcache_receiver: LmcacheReceiver {
@@ -358,7 +329,7 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             drop_after_chunks: args.drop_after_chunks,
             stall_after_chunks: args.stall_after_chunks,
             malformed_kv_params: args.malformed_kv_params,
-            notify_delay: millis("--notify-delay-ms", args.notify_delay_ms)?,
+            notify_delay: millis(args.notify_delay_ms, "notify-delay-ms")?,
             notify_loss: args.notify_loss,
             notify_duplicates: args.notify_duplicates,
             admin_status: args.fail_admin_status,
@@ -425,6 +396,7 @@ pub(crate) async fn run(args: SimArgs) -> Result<(), BoxError> {
 mod tests {
     use super::*;
     use clap::Parser;
+    use std::time::Duration;
 
     #[derive(Debug, Parser)]
     struct Cli {

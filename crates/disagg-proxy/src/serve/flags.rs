@@ -865,19 +865,41 @@ pub(crate) fn parse_prefills(values: &[String]) -> Result<Vec<(&str, Option<u16>
 pub(crate) const MAX_SECS: f64 = 1e9;
 
 /// `--{flag}`'s value in seconds, as a duration: refused when negative, not a number,
-/// or above [`MAX_SECS`].
-pub(crate) fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+/// or above 10^9 seconds, about 31 years (none is taken as 0 or capped silently: a
+/// clock reading plus a larger one could overflow, which panics). Every subcommand's
+/// time flags are read with it or [`millis`].
+///
+/// # Errors
+///
+/// A message naming the flag.
+pub fn secs(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    duration(v, 1.0, "seconds", flag)
+}
+
+/// `--{flag}`'s value in milliseconds, as a duration: refused as [`secs`] refuses
+/// seconds.
+///
+/// # Errors
+///
+/// A message naming the flag.
+pub fn millis(v: f64, flag: &str) -> Result<Duration, BoxError> {
+    duration(v, 1e3, "milliseconds", flag)
+}
+
+/// `v` of `unit`, `per_second` of which make a second, as a duration.
+fn duration(v: f64, per_second: f64, unit: &str, flag: &str) -> Result<Duration, BoxError> {
+    let negative = || format!("--{flag} must be a non-negative number of {unit}").into();
     if v.is_nan() || v < 0.0 {
-        return Err(format!("--{flag} must be a non-negative number of seconds").into());
+        return Err(negative());
     }
-    if v > MAX_SECS {
+    let s = v / per_second;
+    if s > MAX_SECS {
         return Err(format!(
-            "--{flag} is too large: {v} seconds (at most {MAX_SECS}, about 31 years)"
+            "--{flag} is too large: {v} {unit} (at most {MAX_SECS} seconds, about 31 years)"
         )
         .into());
     }
-    Duration::try_from_secs_f64(v)
-        .map_err(|_| format!("--{flag} must be a non-negative number of seconds").into())
+    Duration::try_from_secs_f64(s).map_err(|_| negative())
 }
 
 impl ServeArgs {
