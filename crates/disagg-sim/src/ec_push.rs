@@ -73,26 +73,23 @@ impl Pushed {
         };
         let now = Instant::now();
         if held.len() >= MAX_HELD {
-            held.retain(|_, item| item.expires > now);
+            drop_expired(&mut held, now);
         }
         if held.len() >= MAX_HELD {
             return false;
         }
+        let item = Held {
+            hash,
+            bytes,
+            expires: now + lease,
+        };
         match held.entry(transfer_id) {
-            Entry::Occupied(mut taken) if taken.get().expires <= now => {
-                taken.insert(Held {
-                    hash,
-                    bytes,
-                    expires: now + lease,
-                });
+            Entry::Occupied(live) if live.get().expires > now => return false,
+            Entry::Occupied(mut expired) => {
+                expired.insert(item);
             }
-            Entry::Occupied(_) => return false,
             Entry::Vacant(free) => {
-                free.insert(Held {
-                    hash,
-                    bytes,
-                    expires: now + lease,
-                });
+                free.insert(item);
             }
         }
         drop(held);
@@ -108,9 +105,8 @@ impl Pushed {
 
     /// Drops the items whose lease ran out.
     pub(crate) fn sweep(&self) {
-        let now = Instant::now();
         if let Ok(mut held) = self.held.lock() {
-            held.retain(|_, item| item.expires > now);
+            drop_expired(&mut held, Instant::now());
         }
     }
 
@@ -127,6 +123,11 @@ impl Pushed {
             }
         }
     }
+}
+
+/// Drops from `held` the items whose lease ran out by `now`.
+fn drop_expired(held: &mut HashMap<String, Held>, now: Instant) {
+    held.retain(|_, item| item.expires > now);
 }
 
 async fn read_field(stream: &mut TcpStream, max: usize) -> std::io::Result<Option<Vec<u8>>> {
