@@ -5,11 +5,14 @@
 //! - `NAME:PORT`: every A and AAAA address of `NAME` is an engine at `PORT`; a
 //!   Kubernetes headless Service (`prefill.llm.svc.cluster.local:8100`) is the common
 //!   case;
-//! - `_service._proto.name` (an SRV name): every SRV record of the lowest priority value
-//!   (higher values are fallbacks, RFC 2782) names a target host and port; each address
-//!   of each target is an engine at that port, weighing the record's weight
-//!   ([`srv_weight`]: a weight of 0 weighs 0.01, RFC 2782's "very small chance" next to
-//!   records of positive weight).
+//! - `_service._proto.name` (an SRV name, without a port: its records give the ports):
+//!   every SRV record of the lowest priority value (higher values are fallbacks, RFC
+//!   2782) names a target host and port; each address of each target is an engine at
+//!   that port, weighing the record's weight ([`srv_weight`]: a weight of 0 weighs 0.01,
+//!   RFC 2782's "very small chance" next to records of positive weight). A target and
+//!   port named by several records is resolved once (the first record's weight), and at
+//!   most [`MAX_SRV_TARGETS`] distinct targets are resolved per name and refresh: the
+//!   rest are left out, logged.
 //!
 //! Every answer becomes an endpoint only within the merged source's bounds: an address
 //! that is link-local or a cloud metadata service's makes no endpoint
@@ -21,7 +24,10 @@
 //! [`DnsConfig::max_refresh`] (`--dns-refresh`) above and [`DnsConfig::min_refresh`]
 //! below (a TTL of 0 would otherwise mean a query loop).
 //!
-//! What a lookup's outcome does:
+//! The source publishes its first list once every name has had an answer (records, or
+//! an answer without records): until then it publishes nothing (`None`, not an empty
+//! list), as a name whose lookups fail would otherwise count as one without engines.
+//! Then, what a lookup's outcome does:
 //!
 //! - an answer with records replaces the name's engines;
 //! - an answer without records (NXDOMAIN, or the name without addresses) is an answer:
@@ -55,6 +61,15 @@ use crate::spec::{EndpointSpec, ModelsError, model_names};
 /// The default source name of DNS discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "dns";
 
+/// The most distinct SRV targets (host and port) resolved for one name in one refresh.
+///
+/// Each target is one more lookup (two, A and AAAA) in the refresh, and an SRV answer of
+/// a few kilobytes can name thousands of them. 256 is far above the engines one
+/// service's SRV records name (a record per engine pod or host), and bounds a refresh
+/// of a name to 256 target lookups; the targets past it (in the answer's order) are
+/// left out, logged. Records naming a target and port already named count once.
+pub const MAX_SRV_TARGETS: usize = 256;
+
 /// A DNS name to find engines under.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DnsName {
@@ -72,26 +87,34 @@ pub enum DnsName {
 impl FromStr for DnsName {
     type Err = DnsNameError;
 
-    /// `_service._proto.name` (a name starting with `_`) is an SRV name; anything else
-    /// must be `NAME:PORT`.
+    /// `_service._proto.name` (a name starting with `_`) is an SRV name, without a
+    /// port (its records give the ports); anything else must be `NAME:PORT`.
     fn from_str(s: &str) -> Result<Self, DnsNameError> {
         let s = s.trim();
+        let neither = || DnsNameError {
+            name: s.to_owned(),
+            reason: NameError::Neither,
+        };
         if s.starts_with('_') {
+            if s.contains(':') {
+                return Err(DnsNameError {
+                    name: s.to_owned(),
+                    reason: NameError::SrvPort,
+                });
+            }
             let labels: Vec<&str> = s.trim_end_matches('.').split('.').collect();
             if labels.len() < 3
                 || !labels[1].starts_with('_')
                 || labels.iter().any(|l| l.is_empty())
             {
-                return Err(DnsNameError(s.to_owned()));
+                return Err(neither());
             }
             return Ok(DnsName::Srv(s.to_owned()));
         }
-        let (name, port) = s
-            .rsplit_once(':')
-            .ok_or_else(|| DnsNameError(s.to_owned()))?;
-        let port = port.parse().map_err(|_| DnsNameError(s.to_owned()))?;
+        let (name, port) = s.rsplit_once(':').ok_or_else(neither)?;
+        let port = port.parse().map_err(|_| neither())?;
         if name.is_empty() || name.contains(':') {
-            return Err(DnsNameError(s.to_owned()));
+            return Err(neither());
         }
         Ok(DnsName::Host {
             name: name.to_owned(),
@@ -109,10 +132,23 @@ impl std::fmt::Display for DnsName {
     }
 }
 
-/// A DNS name that is neither `NAME:PORT` nor `_service._proto.name`.
+/// A DNS name that is neither `NAME:PORT` nor `_service._proto.name` (an SRV name
+/// written with a port included).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{0}` is neither NAME:PORT nor an SRV name _service._proto.name")]
-pub struct DnsNameError(String);
+#[error("`{name}` {reason}")]
+pub struct DnsNameError {
+    name: String,
+    reason: NameError,
+}
+
+/// Why a [`DnsNameError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum NameError {
+    #[error("is neither NAME:PORT nor an SRV name _service._proto.name")]
+    Neither,
+    #[error("is an SRV name with a port: an SRV name takes none (its records give the ports)")]
+    SrvPort,
+}
 
 /// One name and the role (and fixed attributes) of the engines found under it.
 #[derive(Debug, Clone)]
@@ -168,6 +204,12 @@ pub struct DnsConfig {
     /// lookup, as a server error does (its last good engines are kept), before the rest
     /// of its targets are resolved.
     pub max_endpoints: usize,
+    /// How long the first list waits for every name's first answer: 30 s by default.
+    /// Until every name has answered (with records or without), the source publishes
+    /// nothing, as a name whose lookups fail is not one without engines; past this wait
+    /// it publishes the names that answered, and a name that answers later joins them.
+    /// One name that never answers thus holds the others back this long, not forever.
+    pub first_list_wait: Duration,
 }
 
 impl DnsConfig {
@@ -181,6 +223,7 @@ impl DnsConfig {
             timeout: Duration::from_secs(5),
             name: SOURCE_NAME.to_owned(),
             max_endpoints: crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
+            first_list_wait: Duration::from_secs(30),
         }
     }
 }
@@ -238,8 +281,10 @@ pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
             failures: 0,
         })
         .collect();
-    refresh_due(&resolver, &config, &publisher, &mut names).await;
-    let task = tokio::spawn(run(resolver, config, publisher, names));
+    // A wait past any clock's reach is no wait's end (Duration::MAX would overflow).
+    let first_list_by = Instant::now().checked_add(config.first_list_wait);
+    refresh_due(&resolver, &config, &publisher, &mut names, first_list_by).await;
+    let task = tokio::spawn(run(resolver, config, publisher, names, first_list_by));
     Ok(source.with_task(task))
 }
 
@@ -306,13 +351,20 @@ async fn run(
     config: DnsConfig,
     publisher: SpecPublisher,
     mut names: Vec<NameState>,
+    first_list_by: Option<Instant>,
 ) {
     while !publisher.is_closed() {
-        let Some(next) = names.iter().map(|n| n.due).min() else {
+        let Some(mut next) = names.iter().map(|n| n.due).min() else {
             return;
         };
+        // Before the first list, its deadline is a wake-up too.
+        if !publisher.has_published()
+            && let Some(by) = first_list_by
+        {
+            next = next.min(by);
+        }
         tokio::time::sleep_until(next).await;
-        refresh_due(&resolver, &config, &publisher, &mut names).await;
+        refresh_due(&resolver, &config, &publisher, &mut names, first_list_by).await;
     }
 }
 
@@ -322,6 +374,7 @@ async fn refresh_due(
     config: &DnsConfig,
     publisher: &SpecPublisher,
     names: &mut [NameState],
+    first_list_by: Option<Instant>,
 ) {
     let now = Instant::now();
     // Each refresh asks the server: the resolver's cache would answer within the TTL
@@ -358,6 +411,13 @@ async fn refresh_due(
                 state.due = Instant::now() + bound(wait);
             }
         }
+    }
+    // No partial first list: nothing until every name has had an answer (a name whose
+    // lookups all failed so far is not one without engines), for at most
+    // `first_list_wait`; then the names that answered.
+    let waiting = names.iter().any(|n| n.last.is_none());
+    if waiting && !publisher.has_published() && first_list_by.is_none_or(|by| Instant::now() < by) {
+        return;
     }
     let specs = names
         .iter()
@@ -446,22 +506,53 @@ async fn resolve(
             let Some(best) = records.iter().map(|s| s.priority).min() else {
                 return Err(Failure::NoRecords { negative_ttl: None });
             };
-            let mut specs = Vec::new();
+            // Each target and port once (the first record's weight), at most
+            // MAX_SRV_TARGETS of them.
+            let mut targets: Vec<(String, u16, u16)> = Vec::new();
+            let mut named = std::collections::HashSet::new();
+            let mut cut = 0usize;
             for srv in records.iter().filter(|s| s.priority == best) {
+                let key = (srv.target.to_lowercase().to_utf8(), srv.port);
+                if named.contains(&key) {
+                    continue;
+                }
+                if targets.len() >= MAX_SRV_TARGETS {
+                    cut += 1;
+                    continue;
+                }
+                targets.push((key.0.clone(), key.1, srv.weight));
+                named.insert(key);
+            }
+            if cut > 0 {
+                tracing::warn!(
+                    name = %name,
+                    resolved = MAX_SRV_TARGETS,
+                    records_left_out = cut,
+                    "SRV answer names more targets than are resolved per name and refresh; the rest are left out"
+                );
+            }
+            let mut specs = Vec::new();
+            let mut found = std::collections::HashSet::new();
+            for (host, port, weight) in targets {
                 // A target without addresses contributes nothing; one whose lookup
                 // fails fails the whole name, so that its engines are kept.
-                let (ips, until) = match lookup_ip(resolver, &srv.target.to_utf8()).await {
+                let (ips, until) = match lookup_ip(resolver, &host).await {
                     Ok(found) => found,
                     Err(Failure::NoRecords { .. }) => continue,
                     Err(e) => return Err(e),
                 };
                 valid_until = valid_until.min(until);
-                if let Some(e) = too_many(specs.len() + ips.len()) {
+                // An address two targets share at one port is one engine, counted once.
+                let new: Vec<IpAddr> = ips
+                    .into_iter()
+                    .filter(|ip| found.insert((*ip, port)))
+                    .collect();
+                if let Some(e) = too_many(specs.len() + new.len()) {
                     return Err(e);
                 }
-                specs.extend(ips.into_iter().map(|ip| {
-                    let mut s = spec(target, ip, srv.port);
-                    s.weight = Some(srv_weight(srv.weight));
+                specs.extend(new.into_iter().map(|ip| {
+                    let mut s = spec(target, ip, port);
+                    s.weight = Some(srv_weight(weight));
                     s
                 }));
             }
@@ -537,6 +628,16 @@ mod tests {
             "a:b:1",
         ] {
             assert!(bad.parse::<DnsName>().is_err(), "{bad}");
+        }
+    }
+
+    /// An SRV name carries no port (its records give the ports): one written with a
+    /// port is refused, saying so.
+    #[test]
+    fn an_srv_name_with_a_port_is_refused() {
+        for bad in ["_http._tcp.decode.llm:8200", "_http._tcp.decode.llm.:8200"] {
+            let err = bad.parse::<DnsName>().unwrap_err().to_string();
+            assert!(err.contains(bad) && err.contains("port"), "{err}");
         }
     }
 

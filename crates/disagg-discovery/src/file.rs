@@ -5,18 +5,19 @@
 //! [[prefill]]
 //! url = "http://10.0.0.5:8100"
 //! bootstrap_port = 8998                 # as the second value of --prefill
-//! model = "llama-3-8b"                  # or a list: ["a", "b"] (--served-model)
+//! model = "llama-3-8b"                  # or a list: ["a", "b"] (--served-model), trimmed
 //!                                       # (at most 256 names of at most 512 bytes)
 //! ranks = "0-1"                         # data-parallel ranks: URL@0, URL@1
 //! weight = 2.0                          # for weighted_random (--weight)
 //! kv_profile = "NixlConnector,kv_producer,8"   # as --kv-profile, or a table:
 //! # kv_profile = { connector = "NixlConnector", role = "kv_producer", tp = 8 }
-//! kv_events = "tcp://10.0.0.5:5557"     # the engine's KV-events publisher
+//! kv_events = "tcp://10.0.0.5:5557"     # the engine's KV-events publisher (tcp://HOST:PORT)
 //! facts = { my_engine_id = "p-0" }      # protocol facts for a connector (Endpoint::facts)
 //!
 //! [[decode]]
 //! url = "http://10.0.0.7:8200"
-//! lmcache_receiver = "10.0.0.7:7300:7400"      # as --lmcache-receiver (decode only)
+//! lmcache_receiver = "10.0.0.7:7300:7400"      # as --lmcache-receiver (decode only;
+//!                                               # an IPv6 host in brackets: [fd00::7]:7300:7400)
 //!
 //! [[encode]]                            # an encoder-only engine (E/P/D), as --encode
 //! url = "http://10.0.0.9:8300"
@@ -38,7 +39,9 @@
 //!
 //! - An edit that does not parse, or names an engine that makes no endpoint (a bad URL,
 //!   a link-local or cloud metadata address, a decode with a bootstrap port, an LMCache
-//!   receiver whose port lists differ), is refused whole: the last good list stays, the
+//!   receiver whose port lists differ, a `kv_events` that is not `tcp://HOST:PORT`, a
+//!   connector name past [`MAX_CONNECTOR_NAME_BYTES`](crate::MAX_CONNECTOR_NAME_BYTES)
+//!   bytes), or lists one engine twice, is refused whole: the last good list stays, the
 //!   error is logged and counted ([`SourceStats::errors`](crate::SourceStats::errors))
 //!   once per distinct content.
 //! - So is an edit past a ceiling ([`FileConfig::bounds`]): an engine with more
@@ -72,7 +75,7 @@ use serde::Deserialize;
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{
     Bounds, DistinctNames, EndpointSpec, MAX_MODEL_NAME_BYTES, ModelsError, Ranks, endpoint_count,
-    model_names, parse_kv_profile, parse_kv_role, parse_tp,
+    identity_or_id, model_names, parse_kv_profile, parse_kv_role, parse_tp,
 };
 
 /// The default source name of the endpoints file (the `source` label of its metrics).
@@ -154,8 +157,11 @@ pub enum FileError {
 ///
 /// [`FileError::Invalid`] naming the first problem: TOML syntax, an unknown key, a bad
 /// URL (a link-local or cloud metadata address included), ranks, weight, KV profile or
-/// LMCache receiver, a bootstrap port on a decode or an LMCache receiver on a prefill,
-/// or one URL listed twice for one role; [`FileError::OverLimit`] for an engine with
+/// LMCache receiver, KV-events endpoint or connector name, a bootstrap port on an engine
+/// other than a prefill or an LMCache receiver on one other than a decode (as a named
+/// key or in `facts`), or one engine listed twice for one role (its URL, however
+/// spelled: `http://d:08200` is `http://d:8200`, or one of its ranks, in a range or
+/// after an `@`); [`FileError::OverLimit`] for an engine with
 /// more ranks, or a file with more endpoints, than the bounds allow, or an engine
 /// declaring more models, or a longer model name, than
 /// [`MAX_MODELS_PER_ENGINE`](crate::spec::MAX_MODELS_PER_ENGINE) and
@@ -213,7 +219,9 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
                     .within(bounds.max_ranks)
                     .map_err(|e| FileError::OverLimit(format!("{place}: {e}")))?;
             }
-            if !seen.insert((table, spec.url.trim_end_matches('/').to_owned())) {
+            // One URL twice, however spelled (its ranks are compared below, once the
+            // endpoints are known to be few enough to list).
+            if !seen.insert((table, identity_or_id(&spec.url))) {
                 return Err(invalid(format!("{} is listed twice", spec.url)));
             }
             specs.push(spec);
@@ -228,14 +236,23 @@ pub fn parse_within(text: &str, bounds: &Bounds) -> Result<Vec<EndpointSpec>, Fi
     }
     // Each entry checked as it will be built: every endpoint made is within bounds now.
     let mut places = [0usize; 3];
+    let mut endpoints = std::collections::HashSet::new();
     for spec in &specs {
         let (table, k) = (
             spec.role.as_str(),
             usize::from(crate::source::role_order(spec.role)),
         );
         places[k] += 1;
+        let invalid =
+            |what: String| FileError::Invalid(format!("[[{table}]] #{}: {what}", places[k]));
+        // A rank in two entries (`ranks = "0-1"` beside `URL@1`) is listed twice too.
+        for id in spec.endpoint_urls() {
+            if !endpoints.insert((table, identity_or_id(&id))) {
+                return Err(invalid(format!("{id} is listed twice")));
+            }
+        }
         spec.to_endpoints_within(bounds)
-            .map_err(|e| FileError::Invalid(format!("[[{table}]] #{}: {e}", places[k])))?;
+            .map_err(|e| invalid(e.to_string()))?;
     }
     Ok(specs)
 }
@@ -294,7 +311,7 @@ impl<'de> serde::de::Visitor<'de> for ModelFieldVisitor {
     }
 
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ModelField, E> {
-        Ok(ModelField(model_names([v])))
+        Ok(ModelField(model_names([v.trim()])))
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<ModelField, A::Error> {
@@ -321,7 +338,8 @@ impl<'de> serde::de::Visitor<'de> for ModelFieldVisitor {
     }
 }
 
-/// One name of a `model` list: copied only within [`MAX_MODEL_NAME_BYTES`].
+/// One name of a `model` list, trimmed (as the `disagg.io/models` annotation and
+/// `--served-model` are): copied only within [`MAX_MODEL_NAME_BYTES`].
 enum ModelName {
     Name(String),
     TooLong(usize),
@@ -338,6 +356,7 @@ impl<'de> Deserialize<'de> for ModelName {
             }
 
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ModelName, E> {
+                let v = v.trim();
                 Ok(match v.len() {
                     len if len > MAX_MODEL_NAME_BYTES => ModelName::TooLong(len),
                     _ => ModelName::Name(v.to_owned()),
@@ -345,9 +364,11 @@ impl<'de> Deserialize<'de> for ModelName {
             }
 
             fn visit_string<E: serde::de::Error>(self, v: String) -> Result<ModelName, E> {
-                Ok(match v.len() {
+                let trimmed = v.trim();
+                Ok(match trimmed.len() {
                     len if len > MAX_MODEL_NAME_BYTES => ModelName::TooLong(len),
-                    _ => ModelName::Name(v),
+                    len if len == v.len() => ModelName::Name(v),
+                    _ => ModelName::Name(trimmed.to_owned()),
                 })
             }
         }
@@ -392,7 +413,8 @@ impl EntryModel {
             // Refused by `parse_within` before an entry is made into a spec.
             Some(ModelField(Err(e))) => return Err(e.to_string()),
         };
-        if spec.models.iter().any(|m| m.trim().is_empty()) {
+        // Trimmed as they were read.
+        if spec.models.iter().any(String::is_empty) {
             return Err("a model name is empty".into());
         }
         spec.ranks = self
@@ -436,11 +458,8 @@ impl EntryModel {
                 .insert(Facts::KV_RECEIVER, r)
                 .map_err(|e| e.to_string())?;
         }
-        if let Some(events) = &self.kv_events
-            && !events.starts_with("tcp://")
-        {
-            return Err(format!("kv_events `{events}` is not tcp://HOST:PORT"));
-        }
+        // Checked, with the profiles' connector names and the facts' roles, where every
+        // source's specs are (`EndpointSpec::extensions`, from `parse_within`).
         spec.kv_events = self.kv_events;
         crate::spec::check_facts(&spec.facts).map_err(|e| e.to_string())?;
         Ok(spec)
@@ -774,6 +793,116 @@ mod tests {
             };
             assert_eq!(parse_within(&text, &open).unwrap().len(), 1);
         }
+    }
+
+    /// What every rank's endpoint copies is bounded: a kv_events that is not
+    /// `tcp://HOST:PORT` (a 5,000-byte host) and an over-long connector name refuse the
+    /// file, however many ranks the engine has.
+    #[test]
+    fn unbounded_strings_copied_per_rank_refuse_the_file() {
+        let entry = |extra: &str| {
+            format!("[[decode]]\nurl = \"http://d:1\"\nranks = \"0-1023\"\n{extra}\n")
+        };
+        let long = "a".repeat(5000);
+        let err = parse(&entry(&format!("kv_events = \"tcp://{long}:5557\""))).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("[[decode]] #1") && text.contains("kv_events"),
+            "{text}"
+        );
+        assert!(
+            text.len() < 1024,
+            "the error quotes a bounded part: {}",
+            text.len()
+        );
+        let connector = "c".repeat(129);
+        for extra in [
+            format!("kv_profile = \"{connector},kv_consumer,1\""),
+            format!("kv_profile = {{ connector = \"{connector}\" }}"),
+            format!("ec_profile = \"{connector},ec_consumer\""),
+        ] {
+            let err = parse(&entry(&extra)).unwrap_err().to_string();
+            assert!(
+                err.contains("[[decode]] #1") && err.contains("128"),
+                "{err}"
+            );
+        }
+        let ok = "c".repeat(128);
+        let specs = parse(&entry(&format!(
+            "kv_profile = \"{ok},kv_consumer,1\"\nkv_events = \"tcp://d:5557\""
+        )))
+        .unwrap();
+        assert_eq!(specs[0].kv_events.as_deref(), Some("tcp://d:5557"));
+    }
+
+    /// One engine written two ways in one file (a leading zero in the port, the host's
+    /// case, IPv6 text, a rank both in a range and in a URL) is listed twice.
+    #[test]
+    fn one_engine_written_two_ways_is_listed_twice() {
+        let two =
+            |a: &str, b: &str| format!("[[decode]]\nurl = \"{a}\"\n[[decode]]\nurl = \"{b}\"\n");
+        for (a, b) in [
+            ("http://d:8200", "http://d:08200"),
+            ("http://D:8200", "http://d:8200"),
+            ("http://[FD00::1]:8200", "http://[fd00::1]:8200"),
+            ("http://d:8200@1", "http://d:8200/@01"),
+        ] {
+            let err = parse(&two(a, b)).unwrap_err().to_string();
+            assert!(err.contains("listed twice"), "{a} {b}: {err}");
+        }
+        let overlap = "[[decode]]\nurl = \"http://d:1\"\nranks = \"0-1\"\n\
+                       [[decode]]\nurl = \"http://d:1@1\"\n";
+        let err = parse(overlap).unwrap_err().to_string();
+        assert!(err.contains("listed twice") && err.contains("@1"), "{err}");
+        // Other ranks, or the same URL in two roles: distinct endpoints.
+        let apart = "[[decode]]\nurl = \"http://d:1\"\nranks = \"0-1\"\n\
+                     [[decode]]\nurl = \"http://d:1@2\"\n\
+                     [[prefill]]\nurl = \"http://d:1\"\n";
+        assert_eq!(parse(apart).unwrap().len(), 3);
+        assert_eq!(
+            parse(&two("http://d:1@0", "http://d:1@1")).unwrap().len(),
+            2
+        );
+    }
+
+    /// The generic `facts` table is held to the role rules of the named keys.
+    #[test]
+    fn facts_of_another_role_refuse_the_file() {
+        for text in [
+            "[[prefill]]\nurl = \"http://p:1\"\nfacts = { kv_receiver = \"h:1,2:3,4\" }\n",
+            "[[decode]]\nurl = \"http://d:1\"\nfacts = { bootstrap_port = \"8998\" }\n",
+            "[[encode]]\nurl = \"http://e:1\"\nfacts = { bootstrap_port = \"8998\" }\n",
+            "[[encode]]\nurl = \"http://e:1\"\nfacts = { kv_receiver = \"h:1:2\" }\n",
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(err.contains("engines only"), "{text}: {err}");
+        }
+    }
+
+    /// Model names are trimmed as the annotation and `--served-model` trim them.
+    #[test]
+    fn model_names_are_trimmed() {
+        let entry = |model: &str| format!("[[decode]]\nurl = \"http://d:1\"\nmodel = {model}\n");
+        assert_eq!(parse(&entry("\" llama \"")).unwrap()[0].models, ["llama"]);
+        assert_eq!(
+            parse(&entry("[\" llama\", \"llama \", \"qwen\"]")).unwrap()[0].models,
+            ["llama", "qwen"]
+        );
+    }
+
+    /// An IPv6 LMCache receiver host goes in brackets, as the Kubernetes source writes
+    /// it and the LMCache connector reads it.
+    #[test]
+    fn an_ipv6_lmcache_receiver_is_bracketed() {
+        let entry =
+            |r: &str| format!("[[decode]]\nurl = \"http://d:1\"\nlmcache_receiver = \"{r}\"\n");
+        let specs = parse(&entry("[fd00::1]:7300:7400")).unwrap();
+        assert_eq!(
+            specs[0].facts.get(Facts::KV_RECEIVER),
+            Some("[fd00::1]:7300:7400")
+        );
+        let err = parse(&entry("fd00::1:7300:7400")).unwrap_err().to_string();
+        assert!(err.contains("brackets"), "{err}");
     }
 
     #[test]

@@ -28,7 +28,7 @@
 //! | `disagg.io/kv-role` | annotation | its `kv_role` (`kv_producer`, `kv_consumer`, `kv_both`) |
 //! | `disagg.io/tp-size` | annotation | its tensor-parallel size |
 //! | `disagg.io/ec-profile` | annotation | its encoder-output transfer (E/P/D), `CONNECTOR,ROLE` as `--ec-profile` (`ECExampleConnector,ec_producer`) |
-//! | `disagg.io/lmcache-init-ports` | annotation | a decode's LMCache `pd_peer_init_port`s, comma-separated, one per TP rank (the host is the pod IP) |
+//! | `disagg.io/lmcache-init-ports` | annotation | a decode's LMCache `pd_peer_init_port`s, comma-separated, one per TP rank (the host is the pod IP, an IPv6 one in brackets: `[fd00::7]:7300:7400`) |
 //! | `disagg.io/lmcache-alloc-ports` | annotation | its `pd_peer_alloc_port`s, likewise |
 //! | `disagg.io/kv-events` | annotation | its KV-events publisher: a port (`tcp://POD_IP:PORT`) or `tcp://HOST:PORT` |
 //!
@@ -45,7 +45,10 @@
 //! 30 s) and are counted ([`SourceStats::errors`](crate::SourceStats::errors)); the
 //! reflector's store keeps the last good pods meanwhile, and a relist replaces them only
 //! once it is complete. The source publishes its first list once every selector's first
-//! list is complete.
+//! list is complete; so that a selector the API server refuses (`400 Bad Request`, on
+//! every retry) cannot hold back the other roles' pods, every selector is checked
+//! against Kubernetes' label-selector syntax at start ([`spawn`],
+//! [`KubernetesError::Selector`]).
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
@@ -197,6 +200,18 @@ pub enum KubernetesError {
     /// The client could not be built.
     #[error("cannot build the kubernetes client")]
     Client(#[source] kube::Error),
+    /// A label selector is not of Kubernetes' label-selector syntax: the API server
+    /// would answer every list of it `400 Bad Request`, and the other roles' pods would
+    /// never be published either (the source publishes once every selector has listed).
+    #[error("the {role} label selector `{selector}` is invalid: {reason}")]
+    Selector {
+        /// The role it selects.
+        role: Role,
+        /// The selector.
+        selector: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 /// Connects to the API server as `config` says and starts watching the pods.
@@ -206,19 +221,16 @@ pub enum KubernetesError {
 ///
 /// # Errors
 ///
-/// [`KubernetesError`] when no selector is set or the client cannot be configured. An
-/// API server that does not answer is no error: the watcher retries with backoff.
+/// [`KubernetesError`] when no selector is set, a selector is not of Kubernetes'
+/// label-selector syntax ([`KubernetesError::Selector`], checked before the client is
+/// configured) or the client cannot be configured. An API server that does not answer
+/// is no error: the watcher retries with backoff.
 ///
 /// # Panics
 ///
 /// When called outside a tokio runtime.
 pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesError> {
-    if config.prefill_selector.is_none()
-        && config.decode_selector.is_none()
-        && config.encode_selector.is_none()
-    {
-        return Err(KubernetesError::NoSelector);
-    }
+    check_selectors(&config)?;
     let kube_config = match &config.client {
         ClientConfig::Infer => kube::Config::infer()
             .await
@@ -240,7 +252,8 @@ pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesErr
 ///
 /// # Errors
 ///
-/// [`KubernetesError::NoSelector`] when no selector is set.
+/// [`KubernetesError::NoSelector`] when no selector is set,
+/// [`KubernetesError::Selector`] when one is not of Kubernetes' label-selector syntax.
 ///
 /// # Panics
 ///
@@ -249,6 +262,7 @@ pub fn spawn_with_client(
     client: kube::Client,
     config: KubernetesConfig,
 ) -> Result<SpecSource, KubernetesError> {
+    check_selectors(&config)?;
     // The client's default namespace is the pod's own in a cluster (kube-rs reads the
     // service account's namespace file), the kubeconfig context's otherwise, else
     // `default`.
@@ -294,6 +308,262 @@ pub fn spawn_with_client(
         futures::stream::select_all(streams),
     ));
     Ok(source.with_task(task))
+}
+
+/// Checks that `config` has a selector and that each is of Kubernetes' label-selector
+/// syntax ([`check_selector`]).
+fn check_selectors(config: &KubernetesConfig) -> Result<(), KubernetesError> {
+    let selectors = [
+        (Role::Prefill, &config.prefill_selector),
+        (Role::Decode, &config.decode_selector),
+        (Role::Encode, &config.encode_selector),
+    ];
+    if selectors.iter().all(|(_, s)| s.is_none()) {
+        return Err(KubernetesError::NoSelector);
+    }
+    for (role, selector) in selectors {
+        if let Some(selector) = selector {
+            check_selector(selector).map_err(|reason| KubernetesError::Selector {
+                role,
+                selector: selector.clone(),
+                reason,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks `selector` against Kubernetes' label-selector syntax, as the API server
+/// parses a `labelSelector` (apimachinery's `labels.Parse`): requirements separated
+/// by `,`, each one of `KEY`, `!KEY`, `KEY=VALUE`, `KEY==VALUE`, `KEY!=VALUE`,
+/// `KEY in (V1,V2...)`, `KEY notin (V1,V2...)`, `KEY>N` and `KEY<N` (N an integer),
+/// with spaces allowed between the parts. A KEY is `[PREFIX/]NAME`: NAME 1 to 63
+/// characters of letters, digits, `-`, `_` and `.`, beginning and ending with a letter
+/// or digit; PREFIX a lowercase DNS subdomain of at most 253 characters. A VALUE is
+/// empty or as a NAME. An empty selector selects every pod.
+///
+/// # Errors
+///
+/// What is wrong, naming the part.
+fn check_selector(selector: &str) -> Result<(), String> {
+    let tokens = selector_tokens(selector)?;
+    let mut tokens = tokens.iter().peekable();
+    if tokens.peek().is_none() {
+        return Ok(());
+    }
+    loop {
+        match tokens.next() {
+            Some(Token::Not) => match tokens.next() {
+                Some(Token::Word(key)) => check_key(key)?,
+                other => return Err(format!("expected a key after `!`, found {}", shown(other))),
+            },
+            Some(Token::Word(key)) => {
+                check_key(key)?;
+                match tokens.peek() {
+                    None | Some(Token::Comma) => {}
+                    Some(Token::Eq | Token::DoubleEq | Token::NotEq) => {
+                        tokens.next();
+                        match tokens.peek() {
+                            None | Some(Token::Comma) => {}
+                            Some(Token::Word(value)) => {
+                                check_value(value)?;
+                                tokens.next();
+                            }
+                            other => {
+                                return Err(format!(
+                                    "expected a value after the operator, found {}",
+                                    shown(other.copied())
+                                ));
+                            }
+                        }
+                    }
+                    Some(Token::Gt | Token::Lt) => {
+                        tokens.next();
+                        match tokens.next() {
+                            Some(Token::Word(n)) if n.parse::<i64>().is_ok() => {}
+                            other => {
+                                return Err(format!(
+                                    "expected an integer after `>` or `<`, found {}",
+                                    shown(other)
+                                ));
+                            }
+                        }
+                    }
+                    Some(Token::Word(op)) if *op == "in" || *op == "notin" => {
+                        tokens.next();
+                        values(&mut tokens, op)?;
+                    }
+                    other => {
+                        return Err(format!(
+                            "expected `=`, `==`, `!=`, `in`, `notin`, `>`, `<`, `,` or the end after key `{key}`, found {}",
+                            shown(other.copied())
+                        ));
+                    }
+                }
+            }
+            other => return Err(format!("expected a key or `!KEY`, found {}", shown(other))),
+        }
+        match tokens.next() {
+            None => return Ok(()),
+            Some(Token::Comma) if tokens.peek().is_some() => {}
+            Some(Token::Comma) => return Err("a `,` ends the selector".into()),
+            other => return Err(format!("expected `,` or the end, found {}", shown(other))),
+        }
+    }
+}
+
+/// `(V1, V2...)` after `in` or `notin`: values, possibly empty, separated by `,`.
+fn values<'a>(
+    tokens: &mut std::iter::Peekable<impl Iterator<Item = &'a Token<'a>>>,
+    op: &str,
+) -> Result<(), String> {
+    match tokens.next() {
+        Some(Token::Open) => {}
+        other => return Err(format!("expected `(` after `{op}`, found {}", shown(other))),
+    }
+    // After `(` or `,`: a value or not, then `,` or `)`.
+    loop {
+        if let Some(Token::Word(value)) = tokens.peek() {
+            check_value(value)?;
+            tokens.next();
+        }
+        match tokens.next() {
+            Some(Token::Comma) => {}
+            Some(Token::Close) => return Ok(()),
+            other => {
+                return Err(format!(
+                    "expected `,` or `)` in `{op} (...)`, found {}",
+                    shown(other)
+                ));
+            }
+        }
+    }
+}
+
+/// One token of a label selector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Token<'a> {
+    /// A key, a value, `in` or `notin`: a run of characters that are neither spaces nor
+    /// one of `!=(),<>`.
+    Word(&'a str),
+    Not,
+    Eq,
+    DoubleEq,
+    NotEq,
+    Gt,
+    Lt,
+    Open,
+    Close,
+    Comma,
+}
+
+/// How a token (or the end) is named in an error.
+fn shown(token: Option<&Token<'_>>) -> String {
+    match token {
+        None => "the end".into(),
+        Some(Token::Word(w)) => format!("`{w}`"),
+        Some(t) => format!(
+            "`{}`",
+            match t {
+                Token::Not => "!",
+                Token::Eq => "=",
+                Token::DoubleEq => "==",
+                Token::NotEq => "!=",
+                Token::Gt => ">",
+                Token::Lt => "<",
+                Token::Open => "(",
+                Token::Close => ")",
+                _ => ",",
+            }
+        ),
+    }
+}
+
+/// `selector`'s tokens, as apimachinery's lexer reads them.
+fn selector_tokens(selector: &str) -> Result<Vec<Token<'_>>, String> {
+    const SPECIAL: &[u8] = b"!=(),<>";
+    let bytes = selector.as_bytes();
+    let mut tokens = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let b = bytes[i];
+        let next = bytes.get(i + 1).copied();
+        let (token, len) = match b {
+            b if b.is_ascii_whitespace() => {
+                i += 1;
+                continue;
+            }
+            b'!' if next == Some(b'=') => (Token::NotEq, 2),
+            b'!' => (Token::Not, 1),
+            b'=' if next == Some(b'=') => (Token::DoubleEq, 2),
+            b'=' => (Token::Eq, 1),
+            b'(' => (Token::Open, 1),
+            b')' => (Token::Close, 1),
+            b',' => (Token::Comma, 1),
+            b'<' => (Token::Lt, 1),
+            b'>' => (Token::Gt, 1),
+            _ => {
+                let len = bytes[i..]
+                    .iter()
+                    .position(|c| c.is_ascii_whitespace() || SPECIAL.contains(c))
+                    .unwrap_or(bytes.len() - i);
+                // Split at ASCII bytes only: `i..i + len` are character boundaries.
+                let word = selector.get(i..i + len).ok_or("not UTF-8 boundaries")?;
+                (Token::Word(word), len)
+            }
+        };
+        tokens.push(token);
+        i += len;
+    }
+    Ok(tokens)
+}
+
+/// A label key: `[PREFIX/]NAME`.
+fn check_key(key: &str) -> Result<(), String> {
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    if let Some(prefix) = prefix {
+        let label = |l: &str| {
+            (1..=63).contains(&l.len())
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if prefix.len() > 253 || !prefix.split('.').all(label) {
+            return Err(format!(
+                "key `{key}`: the prefix before `/` must be a lowercase DNS subdomain of at most 253 characters"
+            ));
+        }
+    }
+    if name.is_empty() || !is_label_name(name) {
+        return Err(format!(
+            "key `{key}`: a name is 1 to 63 letters, digits, `-`, `_` and `.`, beginning and ending with a letter or digit"
+        ));
+    }
+    Ok(())
+}
+
+/// A label value: empty, or as a name.
+fn check_value(value: &str) -> Result<(), String> {
+    if !value.is_empty() && !is_label_name(value) {
+        return Err(format!(
+            "value `{value}`: a value is at most 63 letters, digits, `-`, `_` and `.`, beginning and ending with a letter or digit"
+        ));
+    }
+    Ok(())
+}
+
+/// 1 to 63 characters of `[A-Za-z0-9_.-]`, beginning and ending with a letter or digit.
+fn is_label_name(s: &str) -> bool {
+    let ends = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    (1..=63).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && ends(s.bytes().next())
+        && ends(s.bytes().last())
 }
 
 /// Every selector's watch events, tagged with the index of its [`Watched`].
@@ -483,8 +753,13 @@ pub fn pod_spec(
         (None, None) => {}
         (Some(init), Some(alloc)) if role == Role::Decode => {
             let keys = format!("{LMCACHE_INIT_PORTS} and {LMCACHE_ALLOC_PORTS}");
-            let receiver =
-                lmcache_receiver(&ip.to_string(), init, alloc).map_err(|e| bad(&keys, &e))?;
+            // An IPv6 host in brackets, as the file writes it: the one form whose port
+            // lists cannot be read as part of the address.
+            let host = match ip {
+                IpAddr::V4(v4) => v4.to_string(),
+                IpAddr::V6(v6) => format!("[{v6}]"),
+            };
+            let receiver = lmcache_receiver(&host, init, alloc).map_err(|e| bad(&keys, &e))?;
             spec.facts
                 .insert(Facts::KV_RECEIVER, receiver)
                 .map_err(|e| bad(&keys, &e))?;
@@ -733,6 +1008,151 @@ mod tests {
         let err = pod_spec(&p, Role::Decode, &config()).unwrap_err();
         assert!(err.contains(LMCACHE_INIT_PORTS), "{err}");
         assert!(err.contains("longer than the 4096 allowed"), "{err}");
+    }
+
+    /// What every rank's endpoint copies is bounded: a KV-events annotation that is not
+    /// `tcp://HOST:PORT` (a 5,000-byte host) and over-long connector names leave the pod
+    /// out, however many ranks it has.
+    #[test]
+    fn unbounded_strings_copied_per_rank_leave_the_pod_out() {
+        let long = format!("tcp://{}:5557", "a".repeat(5000));
+        let connector = "c".repeat(129);
+        let ec = format!("{connector},ec_consumer");
+        for annotation in [
+            (KV_EVENTS, long.as_str()),
+            (KV_EVENTS, "tcp://*:5557"),
+            (KV_CONNECTOR, connector.as_str()),
+            (EC_PROFILE, ec.as_str()),
+        ] {
+            let p = pod(true, &[annotation, (DP_RANKS, "0-1023")]);
+            let err = pod_spec(&p, Role::Decode, &config()).unwrap_err();
+            assert!(
+                err.len() < 1024,
+                "the reason quotes a bounded part: {}",
+                err.len()
+            );
+        }
+        let p = pod(
+            true,
+            &[
+                (KV_EVENTS, "tcp://engine.llm.svc:5557"),
+                (DP_RANKS, "0-1023"),
+            ],
+        );
+        assert!(pod_spec(&p, Role::Decode, &config()).unwrap().is_some());
+    }
+
+    /// An IPv6 pod's LMCache receiver host is bracketed, as the file writes it, and the
+    /// LMCache connector reads the same host and ports from either.
+    #[test]
+    fn an_ipv6_pods_lmcache_receiver_is_bracketed_as_the_file_writes_it() {
+        use disagg_connectors::lmcache::LmcacheReceiver;
+        let mut p = pod(
+            true,
+            &[
+                (LMCACHE_INIT_PORTS, "7300,7301"),
+                (LMCACHE_ALLOC_PORTS, "7400,7401"),
+                (KV_EVENTS, "5557"),
+            ],
+        );
+        if let Some(status) = p.status.as_mut() {
+            status.pod_ip = Some("fd00::1".into());
+        }
+        let spec = pod_spec(&p, Role::Decode, &config()).unwrap().unwrap();
+        assert_eq!(spec.url, "http://[fd00::1]:8100");
+        assert_eq!(
+            spec.facts.get(Facts::KV_RECEIVER),
+            Some("[fd00::1]:7300,7301:7400,7401")
+        );
+        assert_eq!(spec.kv_events.as_deref(), Some("tcp://[fd00::1]:5557"));
+        let from_pod = LmcacheReceiver::from_facts(spec.to_endpoints().unwrap()[0].facts())
+            .unwrap()
+            .unwrap();
+        assert_eq!(from_pod.host(), "[fd00::1]");
+        assert_eq!(from_pod.init_ports(), [7300, 7301]);
+        assert_eq!(from_pod.alloc_ports(), [7400, 7401]);
+        let file = crate::file::parse(
+            "[[decode]]\nurl = \"http://[fd00::1]:8100\"\n\
+             lmcache_receiver = \"[fd00::1]:7300,7301:7400,7401\"\n",
+        )
+        .unwrap();
+        let from_file = LmcacheReceiver::from_facts(&file[0].facts)
+            .unwrap()
+            .unwrap();
+        assert_eq!(from_file, from_pod);
+    }
+
+    /// A selector the API server would answer 400 forever is refused at start, naming
+    /// it; what the API server accepts is accepted.
+    #[tokio::test]
+    async fn label_selectors_are_checked_at_spawn() {
+        let client = || {
+            let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+            kube::Client::try_from(config).unwrap()
+        };
+        for bad in [
+            "role in encode",
+            "role notin encode",
+            "role in (a,b",
+            "role in (a b)",
+            "=x",
+            "role=a b",
+            "role!",
+            "a,,b",
+            "a,",
+            ",a",
+            "!",
+            "!a=b",
+            "role=prefill;x",
+            "role=a/b",
+            "-role=x",
+            "role-=x",
+            "example.com/=x",
+            "Example.com/role=x",
+            "a/b/c=x",
+            "gpu>x",
+        ] {
+            let mut config = KubernetesConfig::new(None, None);
+            config.encode_selector = Some(bad.into());
+            let err = spawn_with_client(client(), config).unwrap_err().to_string();
+            assert!(
+                err.contains("selector") && err.contains(bad),
+                "{bad}: {err}"
+            );
+            // Before the client is configured: the selector is named, not the kubeconfig.
+            let mut config = KubernetesConfig::new(Some(bad.into()), None);
+            config.client = ClientConfig::Kubeconfig("/nonexistent/kubeconfig".into());
+            let err = spawn(config).await.unwrap_err().to_string();
+            assert!(err.contains("selector"), "{bad}: {err}");
+        }
+        let long_name = format!("{}=x", "n".repeat(64));
+        let long_value = format!("a={}", "v".repeat(64));
+        for bad in [long_name.as_str(), &long_value] {
+            let config = KubernetesConfig::new(Some(bad.into()), None);
+            assert!(spawn_with_client(client(), config).is_err(), "{bad}");
+        }
+        for good in [
+            "",
+            "app=vllm,role=prefill",
+            "app = vllm , role == prefill",
+            "role!=canary",
+            "tier in (a,b)",
+            "tier in (a, b), env notin (dev)",
+            "tier in(a)",
+            "tier in ()",
+            "gpu",
+            "!preview",
+            "! preview",
+            "app.kubernetes.io/name=vllm",
+            "disagg.io/role=decode,app.kubernetes.io/part-of",
+            "role=",
+            "role==",
+            "gpu>2,gpu<9",
+            "Role_1.x-y=A_b.c-D",
+        ] {
+            let config = KubernetesConfig::new(Some(good.into()), Some("role=decode".into()));
+            assert!(spawn_with_client(client(), config).is_ok(), "{good}");
+        }
     }
 
     #[test]

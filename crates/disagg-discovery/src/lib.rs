@@ -89,6 +89,7 @@ pub use merge::{MergedSource, MergedSourceBuilder, STATIC_SOURCE};
 pub use source::{SourceStats, SpecPublisher, SpecSource, Specs};
 pub use spec::{
     Bounds, DEFAULT_MAX_DP_RANKS, DEFAULT_MAX_ENDPOINTS_PER_SOURCE, EndpointSpec, KvEventsEndpoint,
-    MAX_MODEL_NAME_BYTES, MAX_MODELS_PER_ENGINE, ModelsError, ProfileError, Ranks, RanksError,
-    SpecError, check_facts, endpoint_count, model_names, parse_kv_profile,
+    MAX_CONNECTOR_NAME_BYTES, MAX_MODEL_NAME_BYTES, MAX_MODELS_PER_ENGINE, ModelsError,
+    ProfileError, Ranks, RanksError, SpecError, check_facts, endpoint_count, model_names,
+    parse_kv_profile,
 };

@@ -24,7 +24,11 @@
 //!
 //! When two sources name the same endpoint (role and id), the earlier one in the merge
 //! order wins: the command line's endpoints first, then the sources in the order they
-//! were added.
+//! were added. Ids are compared as the engines they name, however their URLs are
+//! spelled: the scheme and host in lowercase, an IPv6 address in its canonical text,
+//! the port and the rank as numbers (`http://D:08200/@03` is `http://d:8200@3`); so are
+//! a spec's endpoints looked up in the current set, so that a URL the core writes
+//! otherwise in the endpoint's id keeps its endpoint from one merge to the next.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -36,7 +40,7 @@ use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::source::{SourceStats, SpecSource, Specs};
-use crate::spec::{Bounds, EndpointSpec, endpoint_count};
+use crate::spec::{Bounds, EndpointSpec, endpoint_count, identity_or_id};
 
 /// Adds connector data of the embedder's own to the extensions a spec's endpoints get
 /// (after the spec's own [`EndpointSpec::extensions`]). An `Err` leaves the spec out,
@@ -417,7 +421,8 @@ async fn run(
     }
 }
 
-/// (role, endpoint id): one endpoint of the set.
+/// (role, the engine and rank the endpoint's id names, [`identity_or_id`]): one
+/// endpoint of the set.
 type Key = (Role, Arc<str>);
 
 /// One endpoint of the current set: the spec it was built from, and who contributed it.
@@ -585,13 +590,16 @@ impl Merger {
             self.reject(i, spec, &e, rejected);
             return None;
         }
+        // The ids the core gives the spec's endpoints, looked up as the engines they
+        // name, as `key_of` keys the set.
         let urls = spec.endpoint_urls();
         // The ranks of one spec share its copy: compared once, not once per rank.
         let mut same: Option<&Arc<EndpointSpec>> = None;
         let reused: Option<Vec<Arc<Endpoint>>> = urls
             .iter()
             .map(|url| {
-                let entry = self.current.get(&(spec.role, Arc::from(url.as_str())))?;
+                let key = (spec.role, Arc::from(identity_or_id(url)));
+                let entry = self.current.get(&key)?;
                 let equal =
                     same.is_some_and(|s| Arc::ptr_eq(s, &entry.spec)) || *entry.spec == *spec;
                 if equal {
@@ -646,7 +654,10 @@ impl Merger {
 }
 
 fn key_of(endpoint: &Endpoint) -> Key {
-    (endpoint.role(), Arc::from(endpoint.id().as_str()))
+    (
+        endpoint.role(),
+        Arc::from(identity_or_id(endpoint.id().as_str())),
+    )
 }
 
 #[cfg(test)]
@@ -795,6 +806,51 @@ mod tests {
         }));
         // The same spec published again (a new copy): the same endpoints, no new set.
         assert!(m.merge(&[list(vec![spec])]).is_none());
+    }
+
+    /// A URL the core writes otherwise in the endpoint's id (a rank with a leading zero,
+    /// a `/` before the `@`) is the same endpoint at the next merge, not a new one.
+    #[test]
+    fn a_url_the_core_rewrites_keeps_its_endpoint_across_merges() {
+        for url in [
+            "http://d1:1@03",
+            "http://d1:1/@3",
+            "http://d1:1/",
+            "HTTP://D1:01",
+        ] {
+            let mut m = merger(1);
+            let first = m.merge(&[list(vec![decode(url)])]).unwrap();
+            assert_eq!(first.by_role(Role::Decode).len(), 1, "{url}");
+            assert!(
+                m.merge(&[list(vec![decode(url)])]).is_none(),
+                "{url}: the same spec again is no new set"
+            );
+            let stats = &m.source_stats[0];
+            assert_eq!((stats.added(), stats.replaced()), (1, 0), "{url}");
+        }
+    }
+
+    /// One engine found under two spellings of its URL (host case, IPv6 text, leading
+    /// zeros in the port) is one endpoint: the earlier source's.
+    #[test]
+    fn one_engine_under_two_spellings_is_one_endpoint() {
+        for (a, b) in [
+            ("http://[FD00::1]:8200", "http://[fd00::1]:8200"),
+            ("http://d:8200", "http://d:08200"),
+            ("http://D:8200", "http://d:8200"),
+        ] {
+            let mut m = merger(2);
+            let set = m
+                .merge(&[list(vec![decode(a)]), list(vec![decode(b)])])
+                .unwrap();
+            assert_eq!(set.by_role(Role::Decode).len(), 1, "{a} {b}");
+            assert_eq!(set.by_role(Role::Decode)[0].id().as_str(), a);
+            assert_eq!(m.source_stats[1].duplicates(), 1, "{a} {b}");
+            // Within one source too.
+            let mut m = merger(1);
+            let set = m.merge(&[list(vec![decode(a), decode(b)])]).unwrap();
+            assert_eq!(set.by_role(Role::Decode).len(), 1, "{a} {b}");
+        }
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! a background task that publishes its whole current list of [`EndpointSpec`]s through
 //! a [`tokio::sync::watch`] channel whenever it changes, and never a partial one: a
 //! failed watch, lookup or reload publishes nothing, so the last good list stays in
-//! force. The task lives as long as the handle: dropping the [`SpecSource`] (or the
+//! force (the one bounded exception: DNS waits for every name's first answer at most
+//! `dns::DnsConfig::first_list_wait`, then publishes the names that answered). The
+//! task lives as long as the handle: dropping the [`SpecSource`] (or the
 //! [`MergedSource`](crate::MergedSource) that owns it) stops it.
 
 use std::sync::Arc;
@@ -169,6 +171,11 @@ impl SpecPublisher {
     /// Whether nobody reads this source any more (its handle dropped): the task can end.
     pub fn is_closed(&self) -> bool {
         self.tx.is_closed()
+    }
+
+    /// Whether a first list has been published.
+    pub(crate) fn has_published(&self) -> bool {
+        self.tx.borrow().is_some()
     }
 }
 

@@ -15,11 +15,15 @@
 //! anything is allocated for it: ranks per engine, endpoints per source, and the
 //! addresses an engine may have; and to the fixed ceilings on the models an engine
 //! declares ([`MAX_MODELS_PER_ENGINE`], [`MAX_MODEL_NAME_BYTES`]), which every source
-//! checks as it reads the names ([`model_names`]).
+//! checks as it reads the names ([`model_names`]). What every rank's endpoint holds a
+//! copy of is bounded in [`EndpointSpec::extensions`], the one place every source's
+//! specs go through: a KV-events endpoint is `tcp://HOST:PORT`, a connector name at most
+//! [`MAX_CONNECTOR_NAME_BYTES`]; the protocol facts are shared by the ranks, not copied.
 
 use std::collections::HashSet;
 use std::fmt;
 use std::hash::Hash;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -53,6 +57,17 @@ pub const MAX_MODELS_PER_ENGINE: usize = 256;
 /// caps neither. 512 bytes is five times a repository id and room for deep paths, while
 /// [`MAX_MODELS_PER_ENGINE`] names of it stay within 128 KiB per engine.
 pub const MAX_MODEL_NAME_BYTES: usize = 512;
+
+/// The longest KV or EC connector name an engine may declare, in bytes (a
+/// [`KvProfile::connector`] or [`EcProfile::connector`], from an endpoints file's
+/// `kv_profile` and `ec_profile` or a pod's `disagg.io/kv-connector` and
+/// `disagg.io/ec-profile`).
+///
+/// A connector name is a class name (`LMCacheConnectorV1`, `ECMooncakeConnector`: about
+/// 20 bytes) or a disagg connector's name (`vllm-mooncake`). 128 bytes is six times the
+/// longest of them, and bounds what the name costs: every rank's endpoint keeps a copy
+/// of its engine's profile.
+pub const MAX_CONNECTOR_NAME_BYTES: usize = 128;
 
 /// Model names past [`MAX_MODELS_PER_ENGINE`] or [`MAX_MODEL_NAME_BYTES`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -309,7 +324,9 @@ pub const DEFAULT_MAX_ENDPOINTS_PER_SOURCE: usize = 4096;
 /// Beside them, fixed as the protocol facts' ceilings are ([`Facts`]: 32 entries of at
 /// most 4 KiB), every engine's declared models are held to [`MAX_MODELS_PER_ENGINE`]
 /// distinct names of at most [`MAX_MODEL_NAME_BYTES`] bytes: by each source as it reads
-/// them ([`model_names`]), and again when endpoints are made.
+/// them ([`model_names`]), and again when endpoints are made; its connector names to
+/// [`MAX_CONNECTOR_NAME_BYTES`] and its KV-events endpoint to `tcp://HOST:PORT`
+/// ([`EndpointSpec::extensions`]).
 ///
 /// # Examples
 ///
@@ -405,8 +422,11 @@ pub struct EndpointSpec {
     /// What the engine declares about its encoder-output transfer (E/P/D), checked for
     /// every encoder and consumer by the core's pairing validation.
     pub ec_profile: Option<EcProfile>,
-    /// The engine's KV-cache events publisher (`tcp://host:port`, its
-    /// `--kv-events-config` endpoint); kept in the extensions as [`KvEventsEndpoint`].
+    /// The engine's KV-cache events publisher (`tcp://HOST:PORT`, its
+    /// `--kv-events-config` endpoint: HOST a DNS name of at most 253 bytes, an IPv4
+    /// address or a bracketed IPv6 address); kept in the extensions as
+    /// [`KvEventsEndpoint`]. Anything else makes no endpoint
+    /// ([`extensions`](Self::extensions)).
     pub kv_events: Option<String>,
 }
 
@@ -431,14 +451,18 @@ impl EndpointSpec {
         self.ranks.map_or(1, |r| r.count())
     }
 
-    /// The ids of the endpoints this spec stands for: the URL, or `URL@RANK` per rank.
-    /// One string per rank: check [`endpoint_count`](Self::endpoint_count) (or the
-    /// ranks against [`Bounds::max_ranks`]) before calling it on a spec from outside.
+    /// The ids of the endpoints this spec stands for, as [`Endpoint::id`] writes them:
+    /// the URL, or `URL@RANK` per rank (a trailing `/` left out, a rank written in the
+    /// URL reprinted: `http://h:1/@03` is `http://h:1@3`). One string per rank: check
+    /// [`endpoint_count`](Self::endpoint_count) (or the ranks against
+    /// [`Bounds::max_ranks`]) before calling it on a spec from outside.
     pub fn endpoint_urls(&self) -> Vec<String> {
-        let base = self.url.trim_end_matches('/');
         match self.ranks {
-            None => vec![base.to_owned()],
-            Some(ranks) => ranks.into_iter().map(|r| format!("{base}@{r}")).collect(),
+            None => vec![core_id(&self.url)],
+            Some(ranks) => {
+                let base = self.url.trim_end_matches('/');
+                ranks.into_iter().map(|r| format!("{base}@{r}")).collect()
+            }
         }
     }
 
@@ -449,15 +473,87 @@ impl EndpointSpec {
     /// `serve --lmcache-receiver` does, so that pair validation refuses a prefill of
     /// another declared size.
     ///
+    /// Every source's specs go through here before an endpoint is made, and every rank's
+    /// endpoint gets a copy of what it returns, so its parts are bounded here: the
+    /// KV-events endpoint is `tcp://HOST:PORT` (HOST a DNS name of at most 253 bytes, an
+    /// IPv4 address or a bracketed IPv6 address; PORT from 1 to 65535), and a connector
+    /// name has at most [`MAX_CONNECTOR_NAME_BYTES`]. The well-known facts are held to
+    /// their roles as the sources' named keys are: a [`Facts::BOOTSTRAP_PORT`] on a
+    /// prefill only, a [`Facts::KV_RECEIVER`] on a decode only.
+    ///
     /// # Errors
     ///
-    /// [`SpecError`] when a well-known fact is malformed ([`check_facts`]) or an LMCache
-    /// receiver's port count contradicts the declared TP size.
+    /// [`SpecError`] when a well-known fact is malformed ([`check_facts`]) or on an
+    /// engine of another role ([`SpecError::FactRole`]), an LMCache receiver's port
+    /// count contradicts the declared TP size, the KV-events endpoint is not
+    /// `tcp://HOST:PORT` ([`SpecError::KvEvents`]), or a connector name is too long
+    /// ([`SpecError::ConnectorName`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_core::Role;
+    /// use disagg_core::endpoint::Facts;
+    /// use disagg_discovery::{EndpointSpec, SpecError};
+    ///
+    /// let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+    /// spec.kv_events = Some("tcp://[fd00::7]:5557".into());
+    /// assert!(spec.extensions().is_ok());
+    /// spec.kv_events = Some("tcp://*:5557".into());
+    /// assert!(matches!(spec.extensions(), Err(SpecError::KvEvents(_))));
+    /// spec.kv_events = None;
+    /// spec.facts.insert(Facts::BOOTSTRAP_PORT, "8998")?;
+    /// assert!(matches!(spec.extensions(), Err(SpecError::FactRole { .. })));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn extensions(&self) -> Result<http::Extensions, SpecError> {
+        if let Some(events) = &self.kv_events {
+            check_kv_events(events)?;
+        }
+        let connectors = [
+            (
+                "kv",
+                self.kv_profile
+                    .as_ref()
+                    .and_then(|p| p.connector.as_deref()),
+            ),
+            (
+                "ec",
+                self.ec_profile
+                    .as_ref()
+                    .and_then(|p| p.connector.as_deref()),
+            ),
+        ];
+        for (kind, name) in connectors {
+            if let Some(name) = name
+                && name.len() > MAX_CONNECTOR_NAME_BYTES
+            {
+                return Err(SpecError::ConnectorName {
+                    kind,
+                    len: name.len(),
+                    max: MAX_CONNECTOR_NAME_BYTES,
+                });
+            }
+        }
         check_facts(&self.facts)?;
+        for (key, role) in [
+            (Facts::BOOTSTRAP_PORT, Role::Prefill),
+            (Facts::KV_RECEIVER, Role::Decode),
+        ] {
+            if self.role != role && self.facts.get(key).is_some() {
+                return Err(SpecError::FactRole {
+                    key,
+                    applies_to: role,
+                    role: self.role,
+                });
+            }
+        }
         let mut ext = http::Extensions::new();
         let mut profile = self.kv_profile.clone();
-        if let Some(receiver) = self.facts.get(Facts::KV_RECEIVER) {
+        // A decode's receiver (no other role has one now) declares its TP size.
+        if let Some(receiver) = self.facts.get(Facts::KV_RECEIVER)
+            && self.role == Role::Decode
+        {
             let ranks = receiver_ranks(receiver)?;
             let tp = u32::try_from(ranks).unwrap_or(u32::MAX);
             let p = profile.get_or_insert_with(KvProfile::default);
@@ -602,6 +698,154 @@ pub enum SpecError {
     /// A protocol fact is refused (too long, too many, a bad key).
     #[error(transparent)]
     Fact(#[from] FactError),
+    /// A well-known fact on an engine of a role it does not apply to (a bootstrap port
+    /// on a decode, an LMCache receiver on a prefill).
+    #[error("fact `{key}` applies to {applies_to} engines only, not to {role} engines")]
+    FactRole {
+        /// The key.
+        key: &'static str,
+        /// The role it applies to.
+        applies_to: Role,
+        /// The engine's role.
+        role: Role,
+    },
+    /// The KV-events endpoint is not `tcp://HOST:PORT`; the value quoted is cut to its
+    /// first 64 characters.
+    #[error(
+        "kv_events {0} is not tcp://HOST:PORT (HOST a DNS name of at most 253 bytes, an IPv4 \
+         address or a bracketed IPv6 address; PORT 1-65535)"
+    )]
+    KvEvents(String),
+    /// A KV or EC connector name is longer than [`MAX_CONNECTOR_NAME_BYTES`].
+    #[error("a {kind} connector name of {len} bytes is longer than the {max} allowed")]
+    ConnectorName {
+        /// `kv` or `ec`.
+        kind: &'static str,
+        /// The name's length in bytes.
+        len: usize,
+        /// The ceiling ([`MAX_CONNECTOR_NAME_BYTES`]).
+        max: usize,
+    },
+}
+
+/// `value` quoted for an error: whole when short, else its first 64 characters and its
+/// length (a value from outside may be megabytes long).
+fn quoted(value: &str) -> String {
+    const SHOWN: usize = 64;
+    match value.char_indices().nth(SHOWN) {
+        None => format!("`{value}`"),
+        Some((end, _)) => format!("`{}...` ({} bytes)", &value[..end], value.len()),
+    }
+}
+
+/// Checks a KV-events endpoint: `tcp://HOST:PORT`, HOST a DNS name of at most 253
+/// bytes (labels of 1 to 63 letters, digits and `-`, not at either end), an IPv4
+/// address or a bracketed IPv6 address, PORT a decimal number from 1 to 65535.
+fn check_kv_events(events: &str) -> Result<(), SpecError> {
+    let bad = || SpecError::KvEvents(quoted(events));
+    let (host, port) = events
+        .strip_prefix("tcp://")
+        .and_then(|rest| rest.rsplit_once(':'))
+        .ok_or_else(bad)?;
+    let port_ok = (1..=5).contains(&port.len())
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p > 0);
+    if !port_ok || !is_host(host) {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// Whether `host` is a DNS name of at most 253 bytes, an IPv4 address or a bracketed
+/// IPv6 address.
+fn is_host(host: &str) -> bool {
+    if let Some(inner) = host.strip_prefix('[') {
+        return inner
+            .strip_suffix(']')
+            .is_some_and(|ip| ip.parse::<Ipv6Addr>().is_ok());
+    }
+    if host.parse::<Ipv4Addr>().is_ok() {
+        return true;
+    }
+    let label = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    // A last label of digits only would make an IPv4 address, which did not parse.
+    let numeric = host
+        .rsplit('.')
+        .next()
+        .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
+    host.len() <= 253 && !numeric && host.split('.').all(label)
+}
+
+/// `url` without a trailing `@RANK`, and the rank, as the core reads it: an `@` whose
+/// tail is not digits is no rank (the URL check refuses it); `None` for digits past
+/// `u32` (no endpoint either).
+fn split_rank(url: &str) -> Option<(&str, Option<u32>)> {
+    match url.rsplit_once('@') {
+        Some((base, rank)) if !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
+            Some((base, Some(rank.parse().ok()?)))
+        }
+        _ => Some((url, None)),
+    }
+}
+
+/// The id the core gives the endpoint at `url` (`Endpoint::id`): the URL before its
+/// rank without a trailing `/`, and the rank reprinted; `url` as given when its rank
+/// does not fit (it makes no endpoint).
+fn core_id(url: &str) -> String {
+    match split_rank(url) {
+        Some((base, Some(rank))) => format!("{}@{rank}", base.trim_end_matches('/')),
+        Some((base, None)) => base.trim_end_matches('/').to_owned(),
+        None => url.to_owned(),
+    }
+}
+
+/// Which engine (and rank) the endpoint at `url` (`URL` or `URL@RANK`, as the core
+/// reads it) stands for, however its URL is spelled: `SCHEME://HOST:PORT[@RANK]` with
+/// the scheme and the host in lowercase, an IPv6 address in its canonical text, the
+/// port as a number (the scheme's default when none is written) and the rank as a
+/// number. `http://D:08200/@03` and `http://d:8200@3` are one engine's rank 3. `None`
+/// for a URL that makes no endpoint.
+pub(crate) fn endpoint_identity(url: &str) -> Option<String> {
+    let (base, rank) = split_rank(url)?;
+    let uri: http::Uri = base.trim_end_matches('/').parse().ok()?;
+    if uri
+        .path_and_query()
+        .is_some_and(|p| !p.as_str().is_empty() && p.as_str() != "/")
+    {
+        return None;
+    }
+    let scheme = uri.scheme_str()?.to_ascii_lowercase();
+    let default_port = match scheme.as_str() {
+        "http" => 80,
+        "https" => 443,
+        _ => return None,
+    };
+    let authority = uri.authority()?;
+    let host = authority.host();
+    let host = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => format!("[{}]", v6.parse::<Ipv6Addr>().ok()?),
+        None => host.to_ascii_lowercase(),
+    };
+    // What follows the host: nothing, or `:PORT` (no user information: no endpoint).
+    let port = match authority.as_str().get(authority.host().len()..)? {
+        "" | ":" => default_port,
+        tail => tail.strip_prefix(':')?.parse::<u16>().ok()?,
+    };
+    Some(match rank {
+        Some(rank) => format!("{scheme}://{host}:{port}@{rank}"),
+        None => format!("{scheme}://{host}:{port}"),
+    })
+}
+
+/// [`endpoint_identity`], or `id` itself for one that has none (never two endpoints
+/// of one set: the core made it).
+pub(crate) fn identity_or_id(id: &str) -> String {
+    endpoint_identity(id).unwrap_or_else(|| id.to_owned())
 }
 
 /// Where an engine publishes its KV-cache events (`tcp://host:port`, vLLM's and SGLang's
@@ -613,7 +857,10 @@ pub struct KvEventsEndpoint(pub String);
 /// Checks the well-known facts whose form discovery knows (the core documents them
 /// with [`Facts`]'s keys): a [`Facts::BOOTSTRAP_PORT`] is a port number, a
 /// [`Facts::KV_RECEIVER`] is `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` with one port
-/// of each kind per rank. A spec with a malformed one makes no endpoint, so the
+/// of each kind per rank, an IPv6 HOST in brackets (`[fd00::7]:7300:7400`, the form
+/// the Kubernetes source writes for an IPv6 pod: the one whose port lists cannot be
+/// read as part of the address). Which role each applies to is the spec's business
+/// ([`EndpointSpec::extensions`]). A spec with a malformed one makes no endpoint, so the
 /// connector never meets it; other keys are kept as they are, for the connector that
 /// reads them.
 ///
@@ -646,7 +893,7 @@ pub fn check_facts(facts: &Facts) -> Result<(), SpecError> {
 }
 
 /// An LMCache receiver's text, `HOST:INIT[,INIT...]:ALLOC[,ALLOC...]` (the form of
-/// `--lmcache-receiver`), checked: its rank count.
+/// `--lmcache-receiver`, an IPv6 HOST in brackets), checked: its rank count.
 fn receiver_ranks(s: &str) -> Result<usize, SpecError> {
     let syntax = || SpecError::Lmcache(format!("`{s}` is not HOST:INIT[,INIT]:ALLOC[,ALLOC]"));
     let mut parts = s.rsplitn(3, ':');
@@ -655,6 +902,19 @@ fn receiver_ranks(s: &str) -> Result<usize, SpecError> {
     };
     if host.is_empty() {
         return Err(syntax());
+    }
+    // An IPv6 host goes in brackets: unbracketed, a missing port list would be read
+    // as part of the address (`fd00::1:7300` as host `fd00:`, ports 1 and 7300).
+    if host.contains(':') || host.starts_with('[') {
+        let v6 = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .is_some_and(|ip| ip.parse::<Ipv6Addr>().is_ok());
+        if !v6 {
+            return Err(SpecError::Lmcache(format!(
+                "`{s}`: an IPv6 host goes in brackets, [ADDRESS]:INIT[,INIT]:ALLOC[,ALLOC]"
+            )));
+        }
     }
     let init = parse_ports(init).map_err(|_| syntax())?;
     let alloc = parse_ports(alloc).map_err(|_| syntax())?;
@@ -668,8 +928,8 @@ fn receiver_ranks(s: &str) -> Result<usize, SpecError> {
     Ok(init.len())
 }
 
-/// An LMCache receiver's fact value from its parts (a pod's IP and its annotations'
-/// port lists), checked as [`check_facts`] does.
+/// An LMCache receiver's fact value from its parts (a pod's IP, an IPv6 one in
+/// brackets, and its annotations' port lists), checked as [`check_facts`] does.
 #[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
 pub(crate) fn lmcache_receiver(host: &str, init: &str, alloc: &str) -> Result<String, SpecError> {
     let list = |l: &str| l.split(',').map(str::trim).collect::<Vec<_>>().join(",");
@@ -1047,6 +1307,205 @@ mod tests {
             let err = spec.to_endpoints().unwrap_err();
             assert!(matches!(err, SpecError::Malformed { .. }), "{bad}: {err}");
             assert!(err.to_string().contains("`bootstrap_port`"), "{err}");
+        }
+    }
+
+    /// A KV-events endpoint is copied into every rank's extensions: only
+    /// `tcp://HOST:PORT` of bounded size is kept, whatever source declared it.
+    #[test]
+    fn kv_events_must_be_tcp_host_port() {
+        let with = |events: &str| {
+            let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+            spec.ranks = Some(Ranks::new(0, 1023).unwrap());
+            spec.kv_events = Some(events.to_owned());
+            spec
+        };
+        let long_host = format!("tcp://{}:5557", "a".repeat(5000));
+        let label = "a".repeat(63);
+        let name_253 = format!("{label}.{label}.{label}.{}", "b".repeat(61));
+        assert_eq!(name_253.len(), 253);
+        for bad in [
+            long_host.as_str(),
+            &format!("tcp://{name_253}x:5557"),
+            &format!("tcp://{}.x:5557", "a".repeat(64)),
+            "tcp://*:5557",
+            "tcp://h:0",
+            "tcp://h:65536",
+            "tcp://h:+1",
+            "tcp://h:",
+            "tcp://h",
+            "tcp://:5557",
+            "tcp://fd00::1:5557",
+            "tcp://[fd00::zz]:5557",
+            "tcp://[10.0.0.1]:5557",
+            "tcp://10.0.0.256:5557",
+            "tcp://a..b:5557",
+            "tcp://-a:5557",
+            "tcp://a-:5557",
+            "tcp://h/x:5557",
+            "tcp://h:5557/",
+            "tcp://user@h:5557",
+            "udp://h:5557",
+            "h:5557",
+        ] {
+            let err = with(bad).extensions().unwrap_err();
+            assert!(matches!(err, SpecError::KvEvents(_)), "{bad}: {err}");
+            let text = err.to_string();
+            assert!(text.contains("kv_events"), "{text}");
+            assert!(text.len() < 512, "the error quotes a bounded part: {text}");
+            assert!(with(bad).to_endpoints().is_err(), "{bad}");
+        }
+        for good in [
+            "tcp://10.0.0.7:5557",
+            "tcp://[fd00::1]:5557",
+            "tcp://engine-0.decode.llm.svc.cluster.local:65535",
+            "tcp://localhost:1",
+            &format!("tcp://{name_253}:5557"),
+        ] {
+            let ext = with(good).extensions().unwrap();
+            assert_eq!(
+                ext.get::<KvEventsEndpoint>().map(|e| e.0.as_str()),
+                Some(good)
+            );
+        }
+    }
+
+    /// A connector name is copied into every rank's extensions: past 128 bytes it is no
+    /// connector's.
+    #[test]
+    fn over_long_connector_names_are_refused() {
+        let mut spec = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+        spec.ranks = Some(Ranks::new(0, 1023).unwrap());
+        let profile = |connector: String| KvProfile {
+            connector: Some(connector),
+            ..KvProfile::default()
+        };
+        spec.kv_profile = Some(profile("c".repeat(129)));
+        let err = spec.extensions().unwrap_err();
+        assert!(err.to_string().contains("128"), "{err}");
+        assert!(spec.to_endpoints().is_err());
+        spec.kv_profile = Some(profile("c".repeat(128)));
+        assert!(spec.extensions().is_ok());
+        spec.ec_profile = Some(EcProfile {
+            connector: Some("c".repeat(129)),
+            role: None,
+        });
+        let err = spec.extensions().unwrap_err();
+        assert!(err.to_string().contains("128"), "{err}");
+        spec.ec_profile = Some(EcProfile {
+            connector: Some("c".repeat(128)),
+            role: None,
+        });
+        assert!(spec.extensions().is_ok());
+    }
+
+    /// Every rank's endpoint holds the engine's facts: one copy, not one per rank.
+    #[test]
+    fn the_ranks_of_a_spec_share_one_copy_of_its_facts() {
+        let mut spec = EndpointSpec::new("http://10.0.0.5:8100", Role::Decode);
+        spec.ranks = Some(Ranks::new(0, 1023).unwrap());
+        spec.facts.insert("note", "n".repeat(4096)).unwrap();
+        let eps = spec.to_endpoints().unwrap();
+        let first = eps[0].facts().get("note").map(str::as_ptr);
+        assert!(first.is_some());
+        assert!(
+            eps.iter()
+                .all(|e| e.facts().get("note").map(str::as_ptr) == first)
+        );
+    }
+
+    /// The named keys' role rules hold for the same keys given as generic facts.
+    #[test]
+    fn facts_of_another_role_make_no_endpoint() {
+        let mut p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
+        p.facts.insert(Facts::KV_RECEIVER, "h:1,2:3,4").unwrap();
+        let err = p.extensions().unwrap_err();
+        assert!(err.to_string().contains("kv_receiver"), "{err}");
+        assert!(p.to_endpoints().is_err());
+        let mut d = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+        d.facts.insert(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+        let err = d.extensions().unwrap_err();
+        assert!(err.to_string().contains("bootstrap_port"), "{err}");
+        let mut e = EndpointSpec::new("http://10.0.0.9:8300", Role::Encode);
+        e.facts.insert(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+        assert!(e.extensions().is_err());
+        let mut e = EndpointSpec::new("http://10.0.0.9:8300", Role::Encode);
+        e.facts.insert(Facts::KV_RECEIVER, "h:1:2").unwrap();
+        assert!(e.extensions().is_err());
+        // On their own roles: kept.
+        let mut p = EndpointSpec::new("http://10.0.0.5:8100", Role::Prefill);
+        p.facts.insert(Facts::BOOTSTRAP_PORT, "8998").unwrap();
+        assert!(p.extensions().is_ok());
+    }
+
+    /// An IPv6 receiver host is written in brackets, the one form whose two port lists
+    /// cannot be mistaken for part of the address.
+    #[test]
+    fn an_ipv6_receiver_host_is_bracketed() {
+        let spec = |receiver: &str| {
+            let mut d = EndpointSpec::new("http://10.0.0.7:8200", Role::Decode);
+            d.facts.insert(Facts::KV_RECEIVER, receiver).unwrap();
+            d
+        };
+        assert!(spec("[fd00::1]:7300,7301:7400,7401").extensions().is_ok());
+        for bad in [
+            "fd00::1:7300:7400",
+            "fd00::1:7300",
+            "[fd00::zz]:7300:7400",
+            "[10.0.0.7]:7300:7400",
+            "[fd00::1:7300:7400",
+        ] {
+            assert!(
+                matches!(spec(bad).extensions(), Err(SpecError::Lmcache(_))),
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            lmcache_receiver("[fd00::1]", "7300", "7400").unwrap(),
+            "[fd00::1]:7300:7400"
+        );
+    }
+
+    #[test]
+    fn endpoint_urls_are_the_ids_the_core_makes() {
+        for url in [
+            "http://d1:1@03",
+            "http://d1:1/@3",
+            "http://d1:1/",
+            "http://d1:1",
+            "HTTP://D1:01",
+        ] {
+            let spec = EndpointSpec::new(url, Role::Decode);
+            let ids: Vec<String> = spec
+                .to_endpoints()
+                .unwrap()
+                .iter()
+                .map(|e| e.id().as_str().to_owned())
+                .collect();
+            assert_eq!(spec.endpoint_urls(), ids, "{url}");
+        }
+    }
+
+    #[test]
+    fn one_engine_written_two_ways_has_one_identity() {
+        for (a, b) in [
+            ("http://d:8200", "http://d:08200"),
+            ("http://D:8200", "http://d:8200/"),
+            ("HTTP://d:8200", "http://d:8200"),
+            ("http://[FD00::1]:8200", "http://[fd00:0::1]:8200"),
+            ("http://d:8200@3", "http://d:8200/@03"),
+            ("http://d", "http://d:80"),
+            ("https://d", "https://d:443"),
+        ] {
+            assert_eq!(endpoint_identity(a), endpoint_identity(b), "{a} {b}");
+        }
+        for (a, b) in [
+            ("http://d:8200", "http://d:8201"),
+            ("http://d:8200", "https://d:8200"),
+            ("http://d:8200", "http://d:8200@0"),
+            ("http://d:8200@1", "http://d:8200@2"),
+        ] {
+            assert_ne!(endpoint_identity(a), endpoint_identity(b), "{a} {b}");
         }
     }
 

@@ -198,6 +198,10 @@ impl DiscoveryArgs {
         c.max_refresh = crate::serve::secs(self.dns_refresh, "dns-refresh")?;
         c.server = self.dns_server;
         c.max_endpoints = self.max_endpoints_per_source;
+        // The DNS names' first answers are waited for as long as every source's first
+        // list is: then the names that answered are served.
+        c.first_list_wait =
+            crate::serve::secs(self.discovery_sync_timeout, "discovery-sync-timeout")?;
         Ok(Some(c))
     }
 

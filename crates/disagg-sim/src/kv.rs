@@ -31,7 +31,13 @@ const MAX_IDLE_PER_PEER: usize = 64;
 
 pub(crate) async fn connect(host: &str, port: u16) -> Result<TcpStream, KvTransferError> {
     let addr = format!("{host}:{port}");
-    let stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((host, port))).await {
+    // An IPv6 host may come bracketed (`[fd00::1]`, as LMCache receivers are written
+    // and as ZeroMQ's `tcp://[fd00::1]:port` takes it); the socket wants the address.
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((bare, port))).await {
         Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
         Ok(Err(source)) => return Err(KvTransferError::Connect { addr, source }),
         Ok(Ok(s)) => s,
@@ -902,5 +908,22 @@ pub(crate) fn check_kv(remote: &KvDigest, own: &KvDigest) -> Result<(), KvTransf
         Err(KvTransferError::Mismatch("block contents differ"))
     } else {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod connect_tests {
+    /// A bracketed IPv6 host (an LMCache receiver's, a NIXL `remote_host`) reaches the
+    /// address inside the brackets, as ZeroMQ's `tcp://[ADDR]:PORT` does.
+    #[tokio::test]
+    async fn a_bracketed_ipv6_host_is_connected_to() {
+        let Ok(listener) = tokio::net::TcpListener::bind("[::1]:0").await else {
+            eprintln!("no IPv6 loopback here: nothing to check");
+            return;
+        };
+        let port = listener.local_addr().unwrap().port();
+        let stream = super::connect("[::1]", port).await.unwrap();
+        assert_eq!(stream.peer_addr().unwrap().port(), port);
+        assert!(super::connect("::1", port).await.is_ok());
     }
 }

@@ -12,6 +12,7 @@
 //! bytes from `[a-z0-9_.-]`, values of 4096 bytes without control characters.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// An endpoint's protocol facts: ordered string keys to string values, filled by
 /// whoever makes the endpoint (the command line, a discovery source, an embedder) and
@@ -45,8 +46,11 @@ use std::fmt;
 /// ```
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
 pub struct Facts {
-    /// Sorted by key, keys unique.
-    entries: Vec<(Box<str>, Box<str>)>,
+    /// Sorted by key, keys unique. Shared: an engine's facts go to each of its rank
+    /// endpoints (up to 1,024 of them, 128 KiB of facts each at the ceilings), so a
+    /// clone is a reference count, and a change copies the entries first
+    /// ([`Arc::make_mut`]) when another copy holds them.
+    entries: Arc<Vec<(Box<str>, Box<str>)>>,
 }
 
 impl Facts {
@@ -94,14 +98,14 @@ impl Facts {
             });
         }
         match self.entries.binary_search_by(|(k, _)| (**k).cmp(key)) {
-            Ok(i) => self.entries[i].1 = value.into_boxed_str(),
+            Ok(i) => Arc::make_mut(&mut self.entries)[i].1 = value.into_boxed_str(),
             Err(i) => {
                 if self.entries.len() >= Self::MAX_ENTRIES {
                     return Err(FactError::TooMany {
                         max: Self::MAX_ENTRIES,
                     });
                 }
-                self.entries.insert(i, (key.into(), value.into_boxed_str()));
+                Arc::make_mut(&mut self.entries).insert(i, (key.into(), value.into_boxed_str()));
             }
         }
         Ok(())
@@ -132,7 +136,7 @@ impl Facts {
             .entries
             .binary_search_by(|(k, _)| (**k).cmp(key))
             .ok()?;
-        Some(self.entries.remove(i).1.into_string())
+        Some(Arc::make_mut(&mut self.entries).remove(i).1.into_string())
     }
 
     /// The entries, in key order.
@@ -230,6 +234,25 @@ mod tests {
         assert_eq!(f.get("c").map(str::parse::<u16>), None);
         assert_eq!(f.remove("a").as_deref(), Some("1"));
         assert_eq!(f.len(), 1);
+    }
+
+    /// An engine's facts go to each of its rank endpoints (up to 1,024 of them): a clone
+    /// shares the entries, and a change to one copy leaves the others as they were.
+    #[test]
+    fn a_clone_shares_the_entries_until_one_copy_changes() {
+        let a = Facts::default()
+            .with("note", "v".repeat(Facts::MAX_VALUE_LEN))
+            .unwrap();
+        let mut b = a.clone();
+        let value = |f: &Facts| f.get("note").map(str::as_ptr);
+        assert_eq!(value(&a), value(&b), "one copy of the value, not two");
+        b.insert("other", "x").unwrap();
+        assert_eq!(a.get("other"), None);
+        assert_eq!(b.get("other"), Some("x"));
+        assert_eq!(a.get("note"), b.get("note"));
+        b.insert("note", "w").unwrap();
+        assert_eq!(a.get("note").map(str::len), Some(Facts::MAX_VALUE_LEN));
+        assert_eq!(b.get("note"), Some("w"));
     }
 
     #[test]

@@ -484,3 +484,137 @@ async fn a_failed_lookup_keeps_the_last_good_engines() {
     })
     .await;
 }
+
+/// A name none of whose lookups answered yet makes the source publish nothing (`None`,
+/// not an empty list): the source's first list is a complete one.
+#[tokio::test]
+async fn a_name_that_never_answered_publishes_nothing() {
+    // A closed port on loopback: every lookup fails (refused or timed out).
+    let mut config = DnsConfig::new([target("d.disagg.test:8200", Role::Decode)]);
+    config.server = Some(([127, 0, 0, 1], free_port()).into());
+    config.timeout = Duration::from_millis(300);
+    config.min_refresh = Duration::from_millis(100);
+    config.max_refresh = Duration::from_millis(400);
+    config.first_list_wait = Duration::from_secs(3600);
+    let source = dns::spawn(config).await.unwrap();
+    assert!(
+        source.watch().borrow().is_none(),
+        "nothing after the first round"
+    );
+    assert!(source.stats().errors() >= 1);
+    eventually(Duration::from_secs(15), "more failed rounds", || {
+        source.stats().errors() >= 3
+    })
+    .await;
+    assert!(
+        source.watch().borrow().is_none(),
+        "nothing after later rounds"
+    );
+    assert_eq!(source.stats().updates(), 0);
+}
+
+/// One name that never answers holds the others' engines back for `first_list_wait`,
+/// not for ever: then the names that answered are published, and the failing one
+/// joins when it answers.
+#[tokio::test]
+async fn a_name_that_never_answers_holds_the_first_list_back_for_a_bounded_wait() {
+    let dir = TempDir::new("dns-first-wait");
+    // `good` has one address; `bad` has three, past a ceiling of two: its lookup fails
+    // as a server error does, on every refresh.
+    let hosts = "127.0.0.81 good.disagg.test\n127.0.0.82 bad.disagg.test\n\
+                 127.0.0.83 bad.disagg.test\n127.0.0.84 bad.disagg.test\n";
+    let Some(mut server) = Dnsmasq::start(&dir, hosts, &[], 1).await else {
+        return;
+    };
+    let mut config = config(
+        &server,
+        vec![
+            target("good.disagg.test:8200", Role::Decode),
+            target("bad.disagg.test:8200", Role::Decode),
+        ],
+    );
+    config.max_endpoints = 2;
+    config.min_refresh = Duration::from_millis(200);
+    config.max_refresh = Duration::from_secs(1);
+    config.first_list_wait = Duration::from_secs(2);
+    let started = std::time::Instant::now();
+    let source = dns::spawn(config).await.unwrap();
+    assert!(
+        source.watch().borrow().is_none(),
+        "no partial first list while the wait runs"
+    );
+    let merged = MergedSource::builder().source(source).build();
+    tokio::time::timeout(SEEN, merged.synced())
+        .await
+        .expect("a first list once the wait is over");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "not before the wait is over"
+    );
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.81:8200"]
+    );
+    // The failing name answers within the ceiling: it joins.
+    server
+        .set_hosts("127.0.0.81 good.disagg.test\n127.0.0.82 bad.disagg.test\n")
+        .await;
+    wait_for(&merged, SEEN, "the late name's engine", |s| {
+        ids(s, Role::Decode) == ["http://127.0.0.81:8200", "http://127.0.0.82:8200"]
+    })
+    .await;
+}
+
+/// SRV records naming one target (and port) many times resolve it once and count its
+/// engines once against the ceiling.
+#[tokio::test]
+async fn srv_records_naming_one_target_many_times_resolve_it_once() {
+    let dir = TempDir::new("dns-srv-repeat");
+    let srv: Vec<String> = (1..=10)
+        .map(|w| format!("_rep._tcp.disagg.test,r1.disagg.test,8201,0,{w}"))
+        .collect();
+    let srv: Vec<&str> = srv.iter().map(String::as_str).collect();
+    let Some(server) = Dnsmasq::start(&dir, "127.0.0.71 r1.disagg.test\n", &srv, 1).await else {
+        return;
+    };
+    let mut config = config(&server, vec![target("_rep._tcp.disagg.test", Role::Decode)]);
+    config.max_endpoints = 5;
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    tokio::time::timeout(SEEN, merged.synced())
+        .await
+        .expect("the name's first list");
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.71:8201"]
+    );
+    assert_eq!(errors(&merged), 0, "not refused as too many");
+}
+
+/// An SRV answer naming more distinct targets than are resolved per name and round
+/// (256) is cut there: the first 256 targets' engines, no error.
+#[tokio::test]
+async fn srv_targets_past_the_cap_are_cut() {
+    let dir = TempDir::new("dns-srv-cap");
+    let hosts: String = (0..300)
+        .map(|i| format!("127.0.{}.{} t{i}.disagg.test\n", 2 + i / 250, 1 + i % 250))
+        .collect();
+    let srv: Vec<String> = (0..300)
+        .map(|i| format!("_cap._tcp.disagg.test,t{i}.disagg.test,8201,0,10"))
+        .collect();
+    let srv: Vec<&str> = srv.iter().map(String::as_str).collect();
+    let Some(server) = Dnsmasq::start(&dir, &hosts, &srv, 60).await else {
+        return;
+    };
+    let mut config = config(&server, vec![target("_cap._tcp.disagg.test", Role::Decode)]);
+    config.max_refresh = Duration::from_secs(60);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    tokio::time::timeout(Duration::from_secs(60), merged.synced())
+        .await
+        .expect("the name's first list");
+    assert_eq!(merged.snapshot().by_role(Role::Decode).len(), 256);
+    assert_eq!(errors(&merged), 0);
+}
