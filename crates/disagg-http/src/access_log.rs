@@ -48,7 +48,7 @@
 //! | `error` | the OpenAI error code when the request failed or its stream broke |
 //! | `trace_id` | the request's trace id, when it is traced |
 //! | `key` | the API key that admitted the request, by its short hash (`KeyId`: the first 8 hex digits of its SHA-256; never the key), with `--api-key` |
-//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`RouteListener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
+//! | `route` | how it was served: `orchestrated`, or for the requests the orchestrator does not serve ([`RouteSummary`], [`RouteListener::on_route`]) `forward`, `direct`, `fanout`, `key_refused`, `refused`; their lines have the method, path, status, outcome, the engine a forward went to, `duration_ms`, `bytes` and `key`, the rest absent |
 
 use std::fmt::{self, Write as _};
 use std::io::{self, Write};

@@ -26,8 +26,10 @@
 //! the client's `x-request-id` (an engine-side id is the proxy's to give: these routes
 //! send one of theirs) and `accept-encoding` (the proxy reads the answers it relays). What
 //! comes back too: the engine's KV handoff is overwritten in its answer
-//! ([`PdBody::scrubbed`]), and a redirect to the engine's own address or an encoding the
-//! client did not accept is answered 502 naming the engine ([`unrelayable`]).
+//! ([`PdBody::scrubbed`]), and a redirect to the engine's own address, an encoding the
+//! client did not accept, a `connection` header naming a `content-*` header, or more
+//! than one `content-type` or `content-encoding` is answered 502 naming the engine
+//! ([`unrelayable`], decided on the headers as the engine sent them).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -352,15 +354,11 @@ impl Inner {
             }
         };
         let (mut parts, body) = head.into_parts();
+        // Decided on the engine's headers as it sent them: those its `connection` names
+        // are stripped only after.
         if let Some(why) = unrelayable(parts.status, &parts.headers, &client_accepts) {
             // The body goes with the head: the engine's connection closes.
             return not_relayed(side, &endpoint, &why);
-        }
-        strip(&mut parts.headers);
-        if direct {
-            parts
-                .headers
-                .insert(disagg_core::proto::HANDOFF_HEADER, DIRECT);
         }
         let sse = parts
             .headers
@@ -378,6 +376,12 @@ impl Inner {
             route,
         );
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
+        strip(&mut parts.headers);
+        if direct {
+            parts
+                .headers
+                .insert(disagg_core::proto::HANDOFF_HEADER, DIRECT);
+        }
         Response::from_parts(parts, body)
     }
 

@@ -12,7 +12,13 @@
 //! normal path, and the inner service receives it (the query as it came), so
 //! `/v1/chat//completions` is orchestrated like `/v1/chat/completions` and never served
 //! by the inner service behind P/D's back. A path with no one meaning (an encoded `/`,
-//! `%00`, a `..` above the root) is answered 400 `invalid_path` and reaches neither.
+//! `%00`, a `..` above the root) is answered 400 `invalid_path` and reaches neither,
+//! but for a model card's id with an encoded `/` (`GET /v1/models/org%2Fmodel`, as SDKs
+//! escape an id), which reaches the inner service as it came, as
+//! `/v1/models/org/model` does. The layer's own refusals (that 400, a refused
+//! prefiller header) are summarized to its
+//! [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) as
+//! [`RouteKind::Refused`](crate::routed::RouteKind::Refused).
 //!
 //! | mode | prefill leg | decode leg | built with |
 //! |---|---|---|---|
@@ -278,8 +284,15 @@ where
         // One path for the decision and for the inner service (`crate::path`): an oddly
         // spelled chat route is orchestrated, never served by the inner service alone.
         if let Err(err) = crate::path::normalize_request(&mut req) {
-            drop(inner);
-            return ResponseFuture::pd(std::future::ready(crate::service::invalid_path(err)));
+            // A model card's id with an encoded `/` goes where its plain spelling goes
+            // (the service inside), as it came; any other such path goes nowhere.
+            let card = crate::path::escaped_model_card(req.uri().path(), err)
+                .is_some_and(|c| self.api(req.method(), &c.plain).is_none());
+            if !card {
+                drop(inner);
+                let resp = self.pd.refused(&req, crate::service::invalid_path(err));
+                return ResponseFuture::pd(std::future::ready(resp));
+            }
         }
         let Some(api) = self.api(req.method(), req.uri().path()) else {
             if let Some(check) = &self.prefiller {
@@ -301,6 +314,7 @@ where
                     "invalid_request_error",
                     e.code(),
                 );
+                let resp = self.pd.refused(&req, resp);
                 return ResponseFuture::pd(std::future::ready(resp));
             }
         }

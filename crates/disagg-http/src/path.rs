@@ -207,6 +207,46 @@ fn normalize_slow(path: &str) -> Result<String, PathError> {
     String::from_utf8(out).map_err(|_| PathError::InvalidEscape)
 }
 
+/// A model card asked for with an encoded `/` in its id (`GET /v1/models/org%2Fmodel`,
+/// as SDKs escape an id in a path): the one kind of path with no normal form that is
+/// served. Every layer gives it what the plain spelling (`/v1/models/org/model`) gets:
+/// the key check its keys, [`PdService`](crate::PdService) its route's answer (the card
+/// itself, the id one opaque segment, never forwarded), [`PdLayer`](crate::PdLayer)
+/// the service inside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EscapedCard<'a> {
+    /// The id as sent, still escaped (the model list decodes it).
+    pub(crate) id: &'a str,
+    /// The path it stands for, in its normal form: its `%2F` escapes made `/`.
+    pub(crate) plain: String,
+}
+
+/// `path` as an [`EscapedCard`], when `err` (why `path` has no normal form) is only an
+/// encoded `/` in a model card's id: one segment below `/v1/models/`, whose decoded id
+/// holds no `\`, no NUL and no empty, `.` or `..` segment (so it cannot stand for
+/// another route).
+pub(crate) fn escaped_model_card(path: &str, err: PathError) -> Option<EscapedCard<'_>> {
+    if err != PathError::Separator {
+        return None;
+    }
+    let id = path.strip_prefix("/v1/models/")?;
+    let decoded = crate::models::percent_decode(id);
+    let one_id = !id.contains(['/', '\\'])
+        && !decoded.contains(['\\', '\0'])
+        && !decoded
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == "..");
+    if !one_id {
+        return None;
+    }
+    // Only the encoded `/` made plain: every other escape is normalised as anywhere.
+    let slashes = id.replace("%2F", "/").replace("%2f", "/");
+    let plain = normalize(&format!("/v1/models/{slashes}"))
+        .ok()?
+        .into_owned();
+    Some(EscapedCard { id, plain })
+}
+
 /// Put the normal form of `req`'s path in its URI, the query kept as it came; nothing
 /// changes (and nothing is allocated) when the path is already normal.
 pub(crate) fn normalize_request<B>(req: &mut Request<B>) -> Result<(), PathError> {
@@ -325,6 +365,38 @@ mod tests {
         assert_eq!(plain.uri().to_string(), "/v1/models?a=b");
         let mut bad = Request::get("/a%2Fb?c").body(()).unwrap();
         assert_eq!(normalize_request(&mut bad), Err(PathError::Separator));
+    }
+
+    #[test]
+    fn an_escaped_slash_in_a_model_card_id_stands_for_the_plain_path() {
+        let card = |p: &str| {
+            let err = normalize(p).err()?;
+            escaped_model_card(p, err).map(|c| (c.id.to_owned(), c.plain))
+        };
+        assert_eq!(
+            card("/v1/models/org%2Fmodel"),
+            Some(("org%2Fmodel".into(), "/v1/models/org/model".into()))
+        );
+        assert_eq!(
+            card("/v1/models/org%2fm%6Fdel%3Av1"),
+            Some((
+                "org%2fm%6Fdel%3Av1".into(),
+                "/v1/models/org/model%3Av1".into()
+            ))
+        );
+        for other in [
+            "/v1/models/org%2F..%2Fhealth",
+            "/v1/models/org%2F%2Fmodel",
+            "/v1/models/%2Fmodel",
+            "/v1/models/org%5Cmodel",
+            "/v1/models/a/org%2Fmodel",
+            "/v1/models/org%2Fmodel%00",
+            "/v1/models%2Forg",
+            "/v2/models/org%2Fmodel",
+            "/v1/models/org%2Fmodel%zz",
+        ] {
+            assert_eq!(card(other), None, "{other}");
+        }
     }
 
     /// Path-ish strings: segments of unreserved characters, dots, escapes (some of

@@ -2,9 +2,10 @@
 //! hears how each ended.
 //!
 //! A request the orchestrator does not serve (forwarded unchanged to one engine, sent
-//! to a decode engine directly, fanned out to every engine of its model, or refused by
-//! the key check in front, [`RouteKind`]) has a [`RouteSummary`], made by the service
-//! or the layer that served it and told once, when its response ended, to every
+//! to a decode engine directly, fanned out to every engine of its model, refused by the
+//! key check in front, or refused by the service itself, [`RouteKind`]) has a
+//! [`RouteSummary`], made by the service or the layer that served it and told once,
+//! when its response ended, to every
 //! [`RouteListener`] of [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners)
 //! (and of the key layer's, `auth::ApiKeyLayer::tell_refusals`, for refusals): its kind, status, duration and bytes. The orchestrator's own requests
 //! have a [`Summary`](disagg_core::outcome::Summary) instead, told to the orchestrator's
@@ -38,25 +39,32 @@ pub enum RouteKind {
     /// Refused by the API-key check (401, or 429 for a key over its limits) before any
     /// route was taken.
     KeyRefused,
+    /// Answered with an error by the service itself, no engine asked: a closed admin
+    /// route (403 `admin_route_closed`), a path with no route (404 `not_found`), a
+    /// method the route does not take (405 `method_not_allowed`), a path with no one
+    /// meaning (400 `invalid_path`).
+    Refused,
 }
 
 impl RouteKind {
     /// Every kind, in the order of the metrics' series.
     #[cfg(feature = "metrics")]
-    pub(crate) const ALL: [RouteKind; 4] = [
+    pub(crate) const ALL: [RouteKind; 5] = [
         RouteKind::Forward,
         RouteKind::Direct,
         RouteKind::FanOut,
         RouteKind::KeyRefused,
+        RouteKind::Refused,
     ];
 
-    /// The kind in one word: `forward`, `direct`, `fanout`, `key_refused`.
+    /// The kind in one word: `forward`, `direct`, `fanout`, `key_refused`, `refused`.
     pub fn as_str(self) -> &'static str {
         match self {
             RouteKind::Forward => "forward",
             RouteKind::Direct => "direct",
             RouteKind::FanOut => "fanout",
             RouteKind::KeyRefused => "key_refused",
+            RouteKind::Refused => "refused",
         }
     }
 
@@ -68,14 +76,15 @@ impl RouteKind {
             RouteKind::Direct => 1,
             RouteKind::FanOut => 2,
             RouteKind::KeyRefused => 3,
+            RouteKind::Refused => 4,
         }
     }
 }
 
 /// How a request that the orchestrator did not serve ended: forwarded to one engine,
-/// fanned out to all, or refused by the key check ([`RouteKind`]). Made by the service
-/// or layer that served it and told to every [`RouteListener`] once, when its response
-/// ended.
+/// fanned out to all, refused by the key check or by the service ([`RouteKind`]). Made
+/// by the service or layer that served it and told to every [`RouteListener`] once,
+/// when its response ended.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RouteSummary {
@@ -165,7 +174,7 @@ impl RouteSummary {
 /// Called on the request path: must be cheap and must not block.
 pub trait RouteListener: Send + Sync + 'static {
     /// `summary` is how a request the orchestrator did not serve ended (forwarded,
-    /// fanned out, refused by the key check).
+    /// fanned out, refused by the key check or by the service).
     fn on_route(&self, summary: &RouteSummary);
 }
 

@@ -184,6 +184,14 @@ impl RouteRule {
     }
 }
 
+/// A rule's `path` in its normal form (borrowed as it came when it is normal already).
+fn normal_rule_path(path: Cow<'static, str>) -> Result<Cow<'static, str>, crate::path::PathError> {
+    match crate::path::normalize(&path)? {
+        Cow::Borrowed(_) => Ok(path),
+        Cow::Owned(normal) => Ok(Cow::Owned(normal)),
+    }
+}
+
 /// The route table of a [`PdService`](crate::PdService): an action per path, and
 /// [`Forwarded`](RouteAction::Forwarded) for every path it does not name. See the
 /// [module docs](self) for the default table.
@@ -263,14 +271,61 @@ impl RouteTable {
     /// ending in another `*` every longer path that starts with what precedes it),
     /// replacing its rule if it had one. An exact path's rule wins over the others, and
     /// among those the longest that matches.
+    ///
+    /// The rule is set on the path's normal form ([`crate::path::normalize`]), the one
+    /// requests are routed on: `//tokenize` and `/%74okenize` set `/tokenize`'s rule. A
+    /// path with no normal form (`/a%2Fb`, `/../x`, one without a leading `/`) sets no
+    /// rule and is logged at `warn`: no request is routed on such a path (the service
+    /// answers it 400 `invalid_path`; a model card's id with an encoded `/` takes the
+    /// rule of its plain spelling, `/v1/models/org/model`). [`try_set`](Self::try_set)
+    /// says so as an error instead.
     #[must_use]
     pub fn set(mut self, path: impl Into<Cow<'static, str>>, action: RouteAction) -> Self {
         let path = path.into();
+        if let Err(err) = self.try_set(path.clone(), action) {
+            tracing::warn!(
+                path = %path,
+                error = %err,
+                "route rule not set: its path has no normal form, so no request is routed on it"
+            );
+        }
+        self
+    }
+
+    /// Give `path` the `action` in place, as [`set`](Self::set) does, or say why it
+    /// cannot have a rule (the table is then unchanged).
+    ///
+    /// # Errors
+    ///
+    /// [`PathError`](crate::path::PathError) when `path` has no normal form.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use disagg_http::path::PathError;
+    /// use disagg_http::routes::{RouteAction, RouteTable};
+    ///
+    /// let mut t = RouteTable::default();
+    /// t.try_set("//tokenize", RouteAction::Refused)?;
+    /// assert_eq!(t.action("/tokenize"), RouteAction::Refused);
+    /// assert_eq!(t.try_set("/a%2Fb", RouteAction::Refused), Err(PathError::Separator));
+    /// # Ok::<(), PathError>(())
+    /// ```
+    pub fn try_set(
+        &mut self,
+        path: impl Into<Cow<'static, str>>,
+        action: RouteAction,
+    ) -> Result<(), crate::path::PathError> {
+        self.put(normal_rule_path(path.into())?, action);
+        Ok(())
+    }
+
+    /// Give the normal `path` the `action`, replacing its rule if it had one.
+    fn put(&mut self, path: Cow<'static, str>, action: RouteAction) {
         match self.rules.iter_mut().find(|r| r.path == path) {
             Some(rule) => rule.action = action,
             None => self.rules.push(RouteRule { path, action }),
         }
-        self
     }
 
     /// The action for a request on `path`, compared as given: give it the path's normal
@@ -354,5 +409,46 @@ mod tests {
         let t = RouteTable::default().set("/v1/responses/keep", RouteAction::Refused);
         assert_eq!(t.action("/v1/responses/keep"), RouteAction::Refused);
         assert_eq!(t.action("/v1/responses/other"), RouteAction::Direct);
+    }
+
+    #[test]
+    fn a_rule_is_set_on_the_paths_normal_form() {
+        for spelling in [
+            "//tokenize",
+            "/%74okenize",
+            "/./tokenize",
+            "/v1/../tokenize",
+        ] {
+            let t = RouteTable::default().set(spelling, RouteAction::Refused);
+            assert_eq!(t.action("/tokenize"), RouteAction::Refused, "{spelling}");
+            let mut t = RouteTable::default();
+            t.try_set(spelling, RouteAction::Refused).unwrap();
+            assert_eq!(t.action("/tokenize"), RouteAction::Refused, "{spelling}");
+        }
+        // One rule per normal form: a second spelling replaces the first's action.
+        let t = RouteTable::default()
+            .set("//score", RouteAction::Refused)
+            .set("/score", RouteAction::Direct);
+        assert_eq!(t.action("/score"), RouteAction::Direct);
+        assert_eq!(t.rules().iter().filter(|r| r.path == "/score").count(), 1);
+        // Prefixes too.
+        let t = RouteTable::default().set("//metrics/engine//*", RouteAction::Forwarded);
+        assert_eq!(t.action("/metrics/engine/0"), RouteAction::Forwarded);
+    }
+
+    #[test]
+    fn a_path_with_no_normal_form_is_refused_as_a_rule() {
+        for (path, err) in [
+            ("/a%2Fb", crate::path::PathError::Separator),
+            ("/../tokenize", crate::path::PathError::AboveRoot),
+            ("tokenize", crate::path::PathError::NotAbsolute),
+        ] {
+            let mut t = RouteTable::default();
+            assert_eq!(t.try_set(path, RouteAction::Refused), Err(err), "{path}");
+            assert_eq!(t, RouteTable::default(), "{path}");
+            // `set` adds no rule that no request could match, and does not panic.
+            let t = RouteTable::default().set(path, RouteAction::Refused);
+            assert_eq!(t, RouteTable::default(), "{path}");
+        }
     }
 }

@@ -7,6 +7,11 @@
 //! With the `tls` feature, [`Builder::tls`] serves HTTPS: each connection's TLS
 //! handshake runs in the connection's own task (within [`TLS_HANDSHAKE_TIMEOUT`]), so a
 //! slow handshake holds neither the accept loop nor other clients.
+//!
+//! At most [`Builder::max_connections`] connections are open at once; past it, new ones
+//! wait in the listen backlog until one closes. An accept that fails for want of file
+//! descriptors (or memory) pauses the loop, 100 ms doubling to 1 s while it goes on, and
+//! is logged once per [`ACCEPT_ERROR_LOG_EVERY`], never retried in a busy loop.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,6 +31,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulConnection;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::stall::SendTimeout;
@@ -57,6 +63,24 @@ pub const READ_BUFFER_MAX: usize = 32 * 1024;
 /// How long a write to a client may wait with no byte taken before the connection is
 /// closed, by default ([`Builder::send_timeout`]): nginx's `send_timeout` default.
 pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The most client connections a server keeps open at once, by default
+/// ([`Builder::max_connections`]): 16,384, far above the requests one proxy's engines
+/// serve at a time. A process whose open-file limit is lower (`ulimit -n`) runs out of
+/// descriptors first: lower it to fit, or raise the limit.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16_384;
+
+/// The first pause of the accept loop after an accept fails in a way that is not about
+/// one connection (out of file descriptors, out of memory): it doubles while the
+/// failures go on, up to [`ACCEPT_PAUSE_MAX`].
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(100);
+
+/// The longest pause of the accept loop between failed accepts.
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+
+/// How often, at most, each accept loop logs its failed accepts (at `error`, with the
+/// number of failures since the last line): 10 s.
+pub const ACCEPT_ERROR_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// How often each of [`Builder::serve_threads`]'s event loops wakes its timer driver while
 /// it serves: 1 s (see [`timer_heartbeat`]).
@@ -145,6 +169,7 @@ pub struct Builder {
     drain_timeout: Duration,
     send_timeout: Duration,
     threads: usize,
+    max_connections: usize,
     #[cfg(feature = "tls")]
     tls: Option<crate::tls::ServerTls>,
 }
@@ -155,6 +180,7 @@ impl Default for Builder {
             drain_timeout: Duration::from_secs(30),
             send_timeout: DEFAULT_SEND_TIMEOUT,
             threads: 1,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -190,6 +216,29 @@ impl Builder {
     /// `send_timeout`: a slow reader that keeps reading is served.
     pub fn send_timeout(mut self, timeout: Duration) -> Self {
         self.send_timeout = timeout;
+        self
+    }
+
+    /// The most client connections open at once, all of
+    /// [`serve_threads`](Builder::serve_threads)' threads together (default
+    /// [`DEFAULT_MAX_CONNECTIONS`], 16,384; 0 counts as 1).
+    ///
+    /// A connection holds its place from its acceptance to its close: its TLS handshake
+    /// (at most [`TLS_HANDSHAKE_TIMEOUT`]), the wait for its request heads (at most 30 s
+    /// each) and its answers. With every place taken the server accepts nothing more:
+    /// new connections wait in the listen backlog ([`LISTEN_BACKLOG`], capped by the
+    /// kernel's `net.core.somaxconn`), and are accepted, first come first served, as
+    /// places free up; past the backlog the kernel drops their SYNs and the clients
+    /// retry. Waiting rather than closing them at once keeps a burst of clients from
+    /// being refused, and costs the server no file descriptor for a connection it
+    /// cannot serve.
+    ///
+    /// Keep it under the process's open-file limit (`ulimit -n`, `RLIMIT_NOFILE`) less
+    /// the engine connections (one or two per request in flight, pooled) and the files
+    /// the process reads: past that limit accepts fail, and the loop pauses (see [the
+    /// module docs](self)) rather than take more.
+    pub fn max_connections(mut self, max: usize) -> Self {
+        self.max_connections = max;
         self
     }
 
@@ -244,7 +293,8 @@ impl Builder {
         B::Error: Into<BoxError>,
     {
         let tracker = Arc::new(DrainTracker::default());
-        let drained = serve_until(listener, service, shutdown, &self, &tracker).await;
+        let places = self.places();
+        let drained = serve_until(listener, service, shutdown, &self, &tracker, &places).await;
         drained.log();
         Ok(())
     }
@@ -291,12 +341,15 @@ impl Builder {
         let threads = if cfg!(unix) { self.threads.max(1) } else { 1 };
         let make_service = Arc::new(make_service);
         let tracker = Arc::new(DrainTracker::default());
+        // One limit for every thread's connections.
+        let places = self.places();
         let mut handles = Vec::with_capacity(threads);
         let mut bound = addr;
         for i in 0..threads {
             let (tx, rx) = std::sync::mpsc::channel();
             let make_service = Arc::clone(&make_service);
             let tracker = Arc::clone(&tracker);
+            let places = Arc::clone(&places);
             let config = self.clone();
             let mut shutdown = shutdown.clone();
             let handle = std::thread::Builder::new()
@@ -319,7 +372,9 @@ impl Builder {
                         let stop = async move {
                             let _ = shutdown.wait_for(|stop| *stop).await;
                         };
-                        Ok(serve_until(listener, make_service(), stop, &config, &tracker).await)
+                        let served =
+                            serve_until(listener, make_service(), stop, &config, &tracker, &places);
+                        Ok(served.await)
                     })
                 })?;
             handles.push(handle);
@@ -342,6 +397,12 @@ impl Builder {
         }
         drained.log();
         result
+    }
+
+    /// The places of [`max_connections`](Builder::max_connections) connections.
+    fn places(&self) -> Arc<Semaphore> {
+        let max = self.max_connections.clamp(1, Semaphore::MAX_PERMITS);
+        Arc::new(Semaphore::new(max))
     }
 }
 
@@ -380,19 +441,87 @@ struct DrainTracker {
     announced: AtomicBool,
 }
 
-/// Counts one open connection until dropped (with its connection's task).
-struct OpenConnection(Arc<DrainTracker>);
+/// Counts one open connection, and holds its place among
+/// [`max_connections`](Builder::max_connections), until dropped (with its connection's
+/// task).
+struct OpenConnection {
+    tracker: Arc<DrainTracker>,
+    _place: OwnedSemaphorePermit,
+}
 
 impl OpenConnection {
-    fn new(tracker: &Arc<DrainTracker>) -> Self {
+    fn new(tracker: &Arc<DrainTracker>, place: OwnedSemaphorePermit) -> Self {
         tracker.open.fetch_add(1, Ordering::Relaxed);
-        OpenConnection(Arc::clone(tracker))
+        OpenConnection {
+            tracker: Arc::clone(tracker),
+            _place: place,
+        }
     }
 }
 
 impl Drop for OpenConnection {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        self.tracker.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The failed accepts of one accept loop that are not about one connection (out of
+/// file descriptors, `EMFILE`/`ENFILE`; out of memory, `ENOBUFS`/`ENOMEM`): the pause
+/// before the next accept, and when they were last logged.
+///
+/// Such a failure repeats at once (the connection waiting stays in the backlog) until
+/// the resource is back: a loop that retried every few milliseconds, logging each time,
+/// would spin a core and flood the log while the process is already in trouble.
+#[derive(Debug)]
+struct AcceptFailures {
+    /// The pause after the next failure.
+    pause: Duration,
+    /// Failures not yet logged.
+    unlogged: u64,
+    /// When the last line was logged.
+    logged: Option<Instant>,
+}
+
+impl Default for AcceptFailures {
+    fn default() -> Self {
+        AcceptFailures {
+            pause: ACCEPT_PAUSE_MIN,
+            unlogged: 0,
+            logged: None,
+        }
+    }
+}
+
+impl AcceptFailures {
+    /// An accept failed with `e`: logged when the last line is older than
+    /// [`ACCEPT_ERROR_LOG_EVERY`]; the pause to take before accepting again.
+    fn failed(&mut self, e: &std::io::Error) -> Duration {
+        let now = Instant::now();
+        let pause = self.pause;
+        self.pause = (self.pause * 2).min(ACCEPT_PAUSE_MAX);
+        self.unlogged += 1;
+        if self
+            .logged
+            .is_none_or(|at| now.duration_since(at) >= ACCEPT_ERROR_LOG_EVERY)
+        {
+            let pause_ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+            tracing::error!(
+                error = %e,
+                failures = self.unlogged,
+                pause_ms,
+                "accept failed (out of file descriptors or memory?): pausing new connections; \
+                 raise the open-file limit or lower max connections"
+            );
+            self.unlogged = 0;
+            self.logged = Some(now);
+        }
+        pause
+    }
+
+    /// An accept succeeded: the next failure pauses briefly again (its line still waits
+    /// for its turn).
+    fn recovered(&mut self) {
+        self.pause = ACCEPT_PAUSE_MIN;
     }
 }
 
@@ -521,13 +650,15 @@ impl<C: GracefulConnection> Future for Watched<C> {
     }
 }
 
-/// The accept loop and the drain of one listener; the caller logs the outcome.
+/// The accept loop and the drain of one listener, each connection holding one of
+/// `places`; the caller logs the outcome.
 async fn serve_until<S, B>(
     listener: TcpListener,
     service: S,
     shutdown: impl Future<Output = ()>,
     config: &Builder,
     tracker: &Arc<DrainTracker>,
+    places: &Arc<Semaphore>,
 ) -> Drained
 where
     S: HttpService<B>,
@@ -543,31 +674,62 @@ where
     http.header_read_timeout(Duration::from_secs(30));
     http.max_buf_size(READ_BUFFER_MAX);
     tokio::pin!(shutdown);
+    let mut failures = AcceptFailures::default();
+    // The place the next connection takes, held before it is accepted: with none free,
+    // nothing is accepted and new connections wait in the backlog.
+    let mut place: Option<OwnedSemaphorePermit> = None;
     loop {
+        let Some(held) = place.take() else {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                taken = Arc::clone(places).acquire_owned() => match taken {
+                    Ok(p) => place = Some(p),
+                    // Never closed: were it, the server would have no place to give.
+                    Err(_) => break,
+                },
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            }
+            continue;
+        };
         let (stream, _peer) = tokio::select! {
             // A stop asked under a flood of connections is not delayed by them.
             biased;
             () = &mut shutdown => break,
             res = listener.accept() => match res {
-                Ok(conn) => conn,
-                Err(e) if is_per_connection(&e) => continue,
+                Ok(conn) => {
+                    failures.recovered();
+                    conn
+                }
+                Err(e) if is_per_connection(&e) => {
+                    place = Some(held);
+                    continue;
+                }
                 Err(e) => {
-                    // Out of file descriptors and the like: back off, do not spin.
-                    tracing::error!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Out of file descriptors and the like: pause, do not spin.
+                    place = Some(held);
+                    let pause = failures.failed(&e);
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        () = tokio::time::sleep(pause) => {}
+                    }
                     continue;
                 }
             },
             // Reap ended connections so the set holds only live ones.
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {
+                place = Some(held);
+                continue;
+            }
         };
+        let open = OpenConnection::new(tracker, held);
         let _ = stream.set_nodelay(true);
         let stream = SendTimeout::new(stream, config.send_timeout);
         #[cfg(feature = "tls")]
         if let Some(tls) = &config.tls {
             let (acceptor, drain) = (tls.acceptor().clone(), Arc::clone(&drain));
             let (http, service) = (http.clone(), service.clone());
-            let open = OpenConnection::new(tracker);
             connections.spawn(async move {
                 let _open = open;
                 let stream = match tokio::time::timeout(
@@ -601,7 +763,6 @@ where
             TowerToHyperService::new(service.clone()),
         );
         let conn = drain.watch(conn);
-        let open = OpenConnection::new(tracker);
         connections.spawn(async move {
             let _open = open;
             if let Err(e) = conn.await {

@@ -16,9 +16,13 @@
 //!
 //! Every decision is made on the path's normal form ([`crate::path::normalize`]), which
 //! is also the path an engine receives; a path with none is answered 400
-//! `invalid_path`. Every failure is an OpenAI-format error response, so the service
-//! never fails (`Error = Infallible`) and fits `axum`'s routers and hyper's servers as
-//! it is.
+//! `invalid_path`, but for a model card's id with an encoded `/`
+//! (`GET /v1/models/org%2Fmodel`), answered as its plain spelling is. The service's own
+//! refusals (400, 403, 404, 405) are summarized to the
+//! [`route_listeners`](PdServiceConfig::route_listeners) as
+//! [`RouteKind::Refused`]. Every failure is an OpenAI-format error response, so the
+//! service never fails (`Error = Infallible`) and fits `axum`'s routers and hyper's
+//! servers as it is.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -82,9 +86,10 @@ pub struct PdServiceConfig {
     /// fanned out. Default [`RouteTable::default`]: admin routes refused.
     pub routes: RouteTable,
     /// Who hears how each request the orchestrator does not serve ended (forwarded,
-    /// direct, fanned out: a [`RouteSummary`]); default none. The orchestrator's own
-    /// requests go to its [`Listener`](disagg_core::outcome::Listener)s; the
-    /// [`metrics`](Self::metrics), an access log and a tracer listen to both.
+    /// direct, fanned out, refused by the service itself: a [`RouteSummary`]); default
+    /// none. The orchestrator's own requests go to its
+    /// [`Listener`](disagg_core::outcome::Listener)s; the [`metrics`](Self::metrics), an
+    /// access log and a tracer listen to both.
     pub route_listeners: RouteListeners,
     /// The request and leg metrics of `GET /metrics`: the same [`Metrics`] that listens
     /// to the orchestrator ([`OrchestratorBuilder::listener`]); default none, when
@@ -190,6 +195,12 @@ impl PdService {
         &self.inner.orchestrator
     }
 
+    /// A layer's own error answer `resp` to `req`, summarized once to this service's
+    /// route listeners, as the service's own refusals are.
+    pub(crate) fn refused<B>(&self, req: &Request<B>, resp: Response<PdBody>) -> Response<PdBody> {
+        self.inner.refused(req, resp)
+    }
+
     /// The metrics `GET /metrics` serves, for an embedder that serves them elsewhere
     /// (encode with [`metrics::encode`](crate::metrics::encode)).
     #[cfg(feature = "metrics")]
@@ -265,23 +276,36 @@ impl Inner {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
+        let get = req.method() == Method::GET;
         // One path for every decision below and for the engine: see `crate::path`.
         if let Err(err) = crate::path::normalize_request(&mut req) {
-            return match self.model_card_id(&req, err) {
-                Some(id) => self.models(Some(&id)).await,
-                None => invalid_path(err),
+            // A model card's id with an encoded `/` is the one such path served: it is
+            // answered as the path it stands for would be, never forwarded.
+            let card = crate::path::escaped_model_card(req.uri().path(), err).map(|c| {
+                (
+                    self.config.routes.action(&c.plain),
+                    c.id.to_owned(),
+                    c.plain,
+                )
+            });
+            return match card {
+                Some((RouteAction::Proxy, id, _)) if get => self.models(Some(&id)).await,
+                Some((RouteAction::Proxy, ..)) => self.refused(&req, method_not_allowed()),
+                Some((RouteAction::Refused, _, plain)) => self.refused(&req, closed(&plain)),
+                _ => self.refused(&req, invalid_path(err)),
             };
         }
         let path = req.uri().path();
-        let get = req.method() == Method::GET;
+        // The service's own refusals are summarized (`RouteKind::Refused`); its own
+        // answers (`/health`, `/metrics`, the model list and cards) are not.
         match self.config.routes.action(path) {
             RouteAction::Orchestrated => match Api::from_path(path) {
                 Some(api) if req.method() == Method::POST => {
                     self.completion_response(api, req).await
                 }
-                Some(_) => method_not_allowed(),
+                Some(_) => self.refused(&req, method_not_allowed()),
                 // A path the table orchestrates that no API serves.
-                None => not_found(),
+                None => self.refused(&req, not_found()),
             },
             RouteAction::Proxy => match path {
                 "/v1/models" if get => self.models(None).await,
@@ -289,15 +313,15 @@ impl Inner {
                 #[cfg(feature = "metrics")]
                 "/metrics" if get => self.metrics(req.headers().get(http::header::ACCEPT)),
                 #[cfg(feature = "metrics")]
-                "/metrics" => method_not_allowed(),
-                "/v1/models" | "/health" => method_not_allowed(),
+                "/metrics" => self.refused(&req, method_not_allowed()),
+                "/v1/models" | "/health" => self.refused(&req, method_not_allowed()),
                 _ => match path.strip_prefix("/v1/models/") {
                     Some(id) if get => {
                         let id = id.to_owned();
                         self.models(Some(&id)).await
                     }
-                    Some(_) => method_not_allowed(),
-                    None => not_found(),
+                    Some(_) => self.refused(&req, method_not_allowed()),
+                    None => self.refused(&req, not_found()),
                 },
             },
             RouteAction::Forwarded => self.forwarded(req, false).await,
@@ -308,16 +332,15 @@ impl Inner {
                 route.answered(&resp);
                 resp
             }
-            RouteAction::Refused => error_response(
-                StatusCode::FORBIDDEN,
-                &format!(
-                    "{path} changes the engines' state and is closed on this proxy; \
-                     its operator can open the admin routes (disagg-proxy serve --admin-routes)"
-                ),
-                "permission_error",
-                "admin_route_closed",
-            ),
+            RouteAction::Refused => self.refused(&req, closed(path)),
         }
+    }
+
+    /// The service's own error answer `resp` to `req`, no engine asked, summarized once
+    /// as [`RouteKind::Refused`] (it ends as it is sent: it is whole in memory).
+    pub(crate) fn refused<B>(&self, req: &Request<B>, resp: Response<PdBody>) -> Response<PdBody> {
+        self.route_end(RouteKind::Refused, req).answered(&resp);
+        resp
     }
 
     /// A forwarded request (to a decode only when `direct`), told when its answer ends.
@@ -356,27 +379,6 @@ impl Inner {
                 .map(|k| Arc::<str>::from(k.to_string()));
         }
         RouteEnd::new(self.config.route_listeners.clone(), summary)
-    }
-
-    /// The id (still escaped) of a model card asked for with an encoded `/` in it
-    /// (`GET /v1/models/org%2Fmodel`, as SDKs escape an id in a path), when `err` is
-    /// only that escape and the table answers model cards itself: the card is the
-    /// proxy's own answer, never forwarded, and the id one opaque segment.
-    fn model_card_id<B>(&self, req: &Request<B>, err: crate::path::PathError) -> Option<String> {
-        if err != crate::path::PathError::Separator || req.method() != Method::GET {
-            return None;
-        }
-        let id = req.uri().path().strip_prefix("/v1/models/")?;
-        let decoded = crate::models::percent_decode(id);
-        let plain = !id.contains(['/', '\\'])
-            && !decoded.contains('\\')
-            && !decoded.contains('\0')
-            && !decoded
-                .split('/')
-                .any(|s| s.is_empty() || s == "." || s == "..");
-        let proxied = self.config.routes.action("/v1/models/x") == RouteAction::Proxy;
-        // Raw: `models` decodes it.
-        (plain && proxied).then(|| id.to_owned())
     }
 
     /// A chat or completion request, whatever its path, answered: the decode's
@@ -530,6 +532,19 @@ pub(crate) fn invalid_path(err: crate::path::PathError) -> Response<PdBody> {
         &format!("invalid request path: {err}"),
         "invalid_request_error",
         "invalid_path",
+    )
+}
+
+/// The answer to a request on a closed route (403 `admin_route_closed`).
+fn closed(path: &str) -> Response<PdBody> {
+    error_response(
+        StatusCode::FORBIDDEN,
+        &format!(
+            "{path} changes the engines' state and is closed on this proxy; \
+             its operator can open the admin routes (disagg-proxy serve --admin-routes)"
+        ),
+        "permission_error",
+        "admin_route_closed",
     )
 }
 

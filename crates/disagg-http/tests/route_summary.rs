@@ -149,3 +149,75 @@ async fn a_client_leaving_a_forwarded_stream_makes_it_cancelled() {
     assert!(s.bytes > 0);
     assert!(s.duration < Duration::from_secs(3), "{:?}", s.duration);
 }
+
+/// The proxy's own refusals (a closed admin route, a path with no route, a method the
+/// route does not take, a path with no one meaning) are summarized once each, with
+/// their status, as `refused`: the key check in front admits them and tells nothing.
+#[cfg(feature = "auth")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxys_own_refusals_are_told_once() {
+    use disagg_http::auth::{ApiKeyLayer, ApiKeys};
+    // No engine is asked: the addresses are never dialled.
+    let source = StaticSource::new([
+        Endpoint::new("http://127.0.0.1:9", Role::Prefill).unwrap(),
+        Endpoint::new("http://127.0.0.1:9", Role::Decode).unwrap(),
+    ]);
+    let orchestrator =
+        Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new()).build();
+    let heard = Heard::default();
+    let mut config = PdServiceConfig::default();
+    config.route_listeners.push(heard.clone());
+    config.routes = RouteTable::default().set("/v1/other", RouteAction::Orchestrated);
+    let layer = ApiKeyLayer::new(ApiKeys::new(["sk-ok"]).unwrap())
+        .tell_refusals(orchestrator.clone(), config.route_listeners.clone());
+    let service = tower::Layer::layer(&layer, PdService::with_config(orchestrator, config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(Builder::new().serve(listener, service, std::future::pending()));
+    let cases = [
+        ("POST", "/%72eset_prefix_cache", 403, "/reset_prefix_cache"),
+        ("POST", "/v1/other", 404, "/v1/other"),
+        ("GET", "/v1/completions", 405, "/v1/completions"),
+        ("POST", "/health", 405, "/health"),
+        ("GET", "/a%2Fb", 400, "/a%2Fb"),
+    ];
+    for (i, (method, path, status, logged)) in cases.into_iter().enumerate() {
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-ok\r\n\
+             x-request-id: req-{i}\r\ncontent-type: application/json\r\n\
+             connection: close\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        tcp.read_to_end(&mut got).await.unwrap();
+        let text = String::from_utf8_lossy(&got).into_owned();
+        assert!(
+            text.starts_with(&format!("HTTP/1.1 {status}")),
+            "{path}: {text}"
+        );
+        let body_len = got.len() - text.find("\r\n\r\n").unwrap() - 4;
+        let all = heard.wait_for(i + 1).await;
+        assert_eq!(all.len(), i + 1, "{path}: {all:?}");
+        let s = &all[i];
+        assert_eq!(s.kind, RouteKind::Refused, "{path}");
+        assert_eq!(s.kind.as_str(), "refused");
+        assert_eq!(s.status, status, "{path}");
+        assert_eq!(s.path.as_ref(), logged);
+        assert_eq!(s.method.as_str(), method);
+        assert_eq!(s.request_id.as_ref().unwrap(), &format!("req-{i}"));
+        // `/health` is open: no key is checked there, none named.
+        let client = (path != "/health").then_some(KEY_ID_OF_SK_OK);
+        assert_eq!(s.client.as_deref(), client, "{path}");
+        assert_eq!(s.outcome, "client_error");
+        assert_eq!(s.bytes, body_len as u64, "{path}");
+        assert!(s.endpoint.is_none());
+    }
+    // Told once each: nothing more comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(heard.all().len(), cases.len());
+}
+
+/// `printf %s sk-ok | sha256sum | cut -c1-8`.
+#[cfg(feature = "auth")]
+const KEY_ID_OF_SK_OK: &str = "8fb94ae1";

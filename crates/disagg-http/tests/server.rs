@@ -241,3 +241,45 @@ async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
         "held while the client stays"
     );
 }
+
+/// Whether `s` gets the start of an answer within `wait`.
+async fn answered_within(s: &mut TcpStream, wait: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    match tokio::time::timeout(wait, s.read(&mut buf)).await {
+        Ok(Ok(n)) => n > 0 && buf.starts_with(b"HTTP/1.1 200"),
+        Ok(Err(_)) | Err(_) => false,
+    }
+}
+
+/// With `max_connections(2)`, two idle connections hold both places: a third is not
+/// served (it waits in the listen backlog, unaccepted) until one of them closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_wait_for_a_place() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = tower::service_fn(|_req: Request<Incoming>| async {
+        Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from("ok"))))
+    });
+    let (_stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(
+        Builder::new()
+            .max_connections(2)
+            .serve(listener, service, async {
+                let _ = stopped.await;
+            }),
+    );
+    let first = TcpStream::connect(addr).await.unwrap();
+    let _second = TcpStream::connect(addr).await.unwrap();
+    // Both accepted (the accept queue is first in, first out) before the third comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut third = get(addr).await;
+    assert!(
+        !answered_within(&mut third, Duration::from_millis(500)).await,
+        "a third connection was served past the limit of 2"
+    );
+    drop(first);
+    assert!(
+        answered_within(&mut third, Duration::from_secs(5)).await,
+        "the third connection was not served once a place was free"
+    );
+}

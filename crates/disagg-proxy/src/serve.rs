@@ -509,6 +509,7 @@ pub fn run(
         .threads(threads)
         .drain_timeout(secs(args.drain_timeout, "drain-timeout")?)
         .send_timeout(secs(args.client_send_timeout, "client-send-timeout")?)
+        .max_connections(args.max_connections)
         .tls(shared.edge.server_tls.clone());
     // The key file and certificates, re-read on a small thread of their own.
     let reloader = match shared.edge.reloads() {

@@ -1,5 +1,6 @@
 //! What of an engine's answer reaches the client: never the engine's own KV handoff, an
-//! internal redirect or an encoding the client did not accept.
+//! internal redirect, an encoding the client did not accept, or a head that hides what
+//! its body is.
 //!
 //! vLLM 0.33 writes a finished request's `kv_transfer_params` (and `ec_transfer_params`)
 //! as a top-level key of every non-streamed answer and of the terminal chunk of a
@@ -26,9 +27,12 @@
 //!   other bytes, its event boundaries included, are the engine's own.
 //! - Other answers (no JSON, no event stream) pass untouched.
 //!
-//! [`unrelayable`](crate::proto::unrelayable) says which answer heads are not relayed at all: a redirect whose
-//! `Location` names the engine's internal address, and a `content-encoding` the client
-//! did not accept (or one on an answer the proxy must read for the keys above).
+//! [`unrelayable`](crate::proto::unrelayable) says which answer heads are not relayed
+//! at all: a redirect whose `Location` names the engine's internal address, a
+//! `content-encoding` the client did not accept (or one on an answer the proxy must
+//! read for the keys above), a `connection` header naming a `content-*` header, and
+//! more than one `content-type` or `content-encoding` line (either would hide from the
+//! scrubber what the body is).
 
 use std::sync::{Arc, LazyLock};
 

@@ -174,11 +174,18 @@ fn is_engine_directive(name: &HeaderName) -> bool {
 ///
 /// - a redirect (3xx) with a `Location`: it names the engine's own address, which is
 ///   not the client's to follow (nor to know);
+/// - a `connection` header naming a `content-*` header: those describe the body, not
+///   one connection, and a relay that dropped them as hop-by-hop would hand the client
+///   a body it cannot read (no `content-encoding`), or hide from the proxy what it must
+///   read (no `content-type`);
+/// - more than one `content-type` or `content-encoding` header: which one a client
+///   heeds is not the proxy's to guess (the proxy reads the first);
 /// - a `content-encoding` (other than `identity`) the client's `accept-encoding` does
 ///   not allow, or any on an event stream or a JSON answer, which the proxy must read
 ///   to keep the engine's handoff from the client.
 ///
-/// The reason never quotes the `Location`.
+/// Decide on the answer's headers as the engine sent them, before any is removed. The
+/// reason never quotes the `Location`.
 pub fn unrelayable(
     status: StatusCode,
     headers: &HeaderMap,
@@ -189,6 +196,16 @@ pub fn unrelayable(
             "a redirect ({}) to an address of its own",
             status.as_u16()
         ));
+    }
+    if let Some(name) = connection_names(headers).find(|n| n.as_str().starts_with("content-")) {
+        return Some(format!(
+            "a `connection` header naming `{name}`, which describes the body, not one connection"
+        ));
+    }
+    for name in [header::CONTENT_TYPE, header::CONTENT_ENCODING] {
+        if headers.get_all(&name).iter().nth(1).is_some() {
+            return Some(format!("more than one `{name}` header"));
+        }
     }
     let coding = headers.get(header::CONTENT_ENCODING)?;
     let coding = coding.to_str().unwrap_or("?").trim();
@@ -323,5 +340,35 @@ mod tests {
             HeaderValue::from_static("identity"),
         );
         assert!(unrelayable(StatusCode::OK, &h, None).is_none());
+    }
+
+    #[test]
+    fn heads_that_hide_what_their_body_is_are_not_relayed() {
+        let unrelayable = |h: &HeaderMap| unrelayable(StatusCode::OK, h, &client(None));
+        let json = HeaderValue::from_static("application/json");
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, json.clone());
+        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        assert!(unrelayable(&h).is_none());
+        for named in ["content-type", "close, Content-Encoding", "content-length"] {
+            h.insert(header::CONNECTION, HeaderValue::from_static(named));
+            let why = unrelayable(&h).unwrap_or_default();
+            assert!(
+                why.contains("`connection` header naming `content-"),
+                "{named}: {why}"
+            );
+        }
+        let mut h = HeaderMap::new();
+        h.append(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        h.append(header::CONTENT_TYPE, json.clone());
+        assert!(unrelayable(&h).is_some_and(|w| w.contains("more than one `content-type`")));
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, json);
+        h.append(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
+        h.append(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert!(unrelayable(&h).is_some_and(|w| w.contains("more than one `content-encoding`")));
     }
 }

@@ -110,8 +110,10 @@ struct Shared {
     /// The set in force; the lock is held to read the set or to swap the pointer.
     set: RwLock<Arc<KeySet>>,
     /// Taken by a reload for its whole work, so that two reloads cannot lose each
-    /// other's carried-over state; never taken by a check.
-    reloading: Mutex<()>,
+    /// other's carried-over state; never taken by a check. It holds the digests of the
+    /// reloadable keys in force (a key file's), sorted, for [`ApiKeys::watch`]'s first
+    /// look at the file.
+    reloading: Mutex<Vec<Digest>>,
     limits: KeyLimits,
     counters: Counters,
 }
@@ -235,7 +237,7 @@ impl ApiKeys {
             salt: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &salt),
             fixed: Vec::new(),
             set: RwLock::new(Arc::new(KeySet::default())),
-            reloading: Mutex::new(()),
+            reloading: Mutex::new(Vec::new()),
             limits,
             counters: Counters::default(),
         };
@@ -265,7 +267,7 @@ impl ApiKeys {
     {
         let shared = &*self.shared;
         let loaded = digests(shared, keys, |i| format!("key #{}", i + 1))?;
-        let _one_at_a_time = shared
+        let mut in_force = shared
             .reloading
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -274,7 +276,22 @@ impl ApiKeys {
         // The write lock for the pointer swap only; the old set drops after it.
         let old = std::mem::replace(&mut *write(&shared.set), Arc::new(set));
         drop(old);
+        *in_force = sorted(&loaded);
         Ok(())
+    }
+
+    /// Whether `keys` are the reloadable keys in force (in any order, each once or
+    /// more), so that reloading them would change nothing.
+    fn in_force(&self, keys: &[String]) -> bool {
+        let shared = &*self.shared;
+        let Ok(given) = digests(shared, keys, |i| format!("key #{}", i + 1)) else {
+            return false;
+        };
+        let in_force = shared
+            .reloading
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        sorted(&given) == *in_force
     }
 
     /// Keys in force (a key given twice counts once).
@@ -395,22 +412,25 @@ impl ApiKeys {
     /// Poll `file` every [`KeyFile::poll_interval`] and [`reload`](Self::reload) its
     /// keys when its content changes, until the future is dropped.
     ///
-    /// The file as it is now is taken as already loaded (load it first with
-    /// [`KeyFile::read`]). A change is logged at `info` with the number of keys; a file
-    /// that cannot be read, or that holds an invalid key, keeps the keys in force and
-    /// is logged at `warn` and counted ([`KeyStats::file_errors`]) once per distinct
-    /// state. The file must be a regular file (a FIFO or a device is refused without a
-    /// blocking read), read on a thread of its own within [`KeyFile::read_timeout`]: a
-    /// read that does not finish is such an error, never a watch that stops
-    /// ([`disagg_files`]).
+    /// The file is read at once and compared with the keys in force (load it first
+    /// with [`KeyFile::read`] and [`reload`](Self::reload)): an edit made since they
+    /// were loaded (while the caller was still starting up) is applied then, not at the
+    /// file's next change; a file that holds the keys in force (in any order or
+    /// spelling) changes nothing and is not counted. A change is logged at `info` with
+    /// the number of keys; a file that cannot be read, or that holds an invalid key,
+    /// keeps the keys in force and is logged at `warn` and counted
+    /// ([`KeyStats::file_errors`]) once per distinct state. The file must be a regular
+    /// file (a FIFO or a device is refused without a blocking read), read on a thread of
+    /// its own within [`KeyFile::read_timeout`]: a read that does not finish is such an
+    /// error, never a watch that stops ([`disagg_files`]).
     pub fn watch(&self, file: KeyFile) -> impl Future<Output = ()> + Send + 'static {
         let keys = self.clone();
         async move {
             let reader = TimedReader::new();
-            let mut seen = match timed_read(&file, &reader).await {
-                Ok(bytes) => Seen::Content(bytes),
-                Err(_) => Seen::Unreadable,
-            };
+            // The file against the keys in force, not against itself: it may have been
+            // edited since they were loaded.
+            let mut seen = Seen::Start;
+            keys.poll_once(&file, &reader, &mut seen).await;
             let mut tick = tokio::time::interval(file.poll_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
@@ -437,8 +457,16 @@ impl ApiKeys {
         if matches!(seen, Seen::Content(b) if *b == bytes) {
             return;
         }
-        let loaded =
-            parse_key_file(&bytes).and_then(|keys| self.reload(&keys).map(|()| keys.len()));
+        let parsed = parse_key_file(&bytes);
+        if *seen == Seen::Start
+            && let Ok(keys) = &parsed
+            && self.in_force(keys)
+        {
+            // The keys loaded before the watch: nothing to apply, nothing to tell.
+            *seen = Seen::Content(bytes);
+            return;
+        }
+        let loaded = parsed.and_then(|keys| self.reload(&keys).map(|()| keys.len()));
         match loaded {
             Ok(n) => {
                 c.reloads.fetch_add(1, Ordering::Relaxed);
@@ -460,8 +488,18 @@ impl ApiKeys {
 /// What the key file's last poll saw, so that each state is logged and counted once.
 #[derive(PartialEq)]
 enum Seen {
+    /// Nothing yet: the first poll compares the file with the keys in force.
+    Start,
     Content(Vec<u8>),
     Unreadable,
+}
+
+/// The digests of `keys`, sorted, each once.
+fn sorted(keys: &[(Digest, KeyId)]) -> Vec<Digest> {
+    let mut d: Vec<Digest> = keys.iter().map(|(d, _)| *d).collect();
+    d.sort_unstable();
+    d.dedup();
+    d
 }
 
 /// Each key's keyed digest and id, the keys checked first (`what` names a bad one).

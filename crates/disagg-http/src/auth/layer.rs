@@ -36,11 +36,18 @@ struct Policy {
 impl Policy {
     /// The keys a request on `path` needs, decided on its normal form
     /// ([`crate::path::normalize`], as the service routes it: `//metrics` is `/metrics`).
-    /// A path with no normal form needs what the most guarded path needs; the service
-    /// refuses it anyway.
+    /// A model card's id with an encoded `/` (`/v1/models/org%2Fmodel`) needs what the
+    /// plain spelling needs, as the service answers it as that; any other path with no
+    /// normal form needs what the most guarded path needs (the service refuses it).
     fn keys_for(&self, path: &str) -> Option<&ApiKeys> {
-        let Ok(path) = crate::path::normalize(path) else {
-            return self.clients.as_ref().or(self.metrics.as_ref());
+        let path = match crate::path::normalize(path) {
+            Ok(p) => p,
+            Err(err) => {
+                return match crate::path::escaped_model_card(path, err) {
+                    Some(card) => self.keys_for(&card.plain),
+                    None => self.clients.as_ref().or(self.metrics.as_ref()),
+                };
+            }
         };
         let path = &*path;
         if path == "/metrics"
@@ -364,5 +371,34 @@ mod tests {
         }
         let opened = ApiKeyLayer::new(ApiKeys::new(["sk-a"]).unwrap()).open_path("//ping/.");
         assert!(opened.policy.keys_for("/ping/").is_none());
+    }
+
+    #[test]
+    fn an_escaped_model_card_id_is_guarded_as_its_plain_spelling() {
+        let clients = ApiKeys::new(["sk-client"]).unwrap();
+        let metrics = ApiKeys::new(["sk-metrics"]).unwrap();
+        let layers = [
+            ApiKeyLayer::metrics_only(metrics.clone()),
+            ApiKeyLayer::new(clients.clone()),
+            ApiKeyLayer::new(clients).metrics_keys(metrics),
+            ApiKeyLayer::new(ApiKeys::new(["sk-a"]).unwrap()).open_path("/v1/models/org/model"),
+        ];
+        for layer in layers {
+            let p = &layer.policy;
+            let needs = |path: &str| p.keys_for(path).map(std::ptr::from_ref);
+            let plain = needs("/v1/models/org/model");
+            for escaped in ["/v1/models/org%2Fmodel", "/v1/models/org%2fmodel"] {
+                assert_eq!(needs(escaped), plain, "{escaped}: {layer:?}");
+            }
+        }
+        // Only a model card's id: anything else with no normal form needs the most.
+        let layer = ApiKeyLayer::metrics_only(ApiKeys::new(["sk-metrics"]).unwrap());
+        for path in [
+            "/v1/models/org%2F..%2Fx",
+            "/v1/models%2Fx",
+            "/v1/models/a%2F%2Fb",
+        ] {
+            assert!(layer.policy.keys_for(path).is_some(), "{path}");
+        }
     }
 }

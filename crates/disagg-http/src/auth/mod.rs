@@ -15,8 +15,9 @@
 //!   forwards to engines alike: a path nobody thought of is closed, not open.
 //! - Paths are compared in the normal form the service routes
 //!   ([`crate::path::normalize`]): `//metrics` and `/%6detrics` need the metrics key as
-//!   `/metrics` does. A path with no normal form needs a client key (the service then
-//!   refuses it with 400).
+//!   `/metrics` does. A model card's id with an encoded `/` (`/v1/models/org%2Fmodel`)
+//!   needs what `/v1/models/org/model` needs; any other path with no normal form needs
+//!   a client key (the service then refuses it with 400).
 //! - The scheme is matched case-insensitively (RFC 9110 §11.1), as vLLM does.
 //!
 //! The 401 is OpenAI's: `{"error": {"message", "type": "invalid_request_error", "param":
@@ -62,8 +63,10 @@
 //! [`ApiKeys::watch`] polls a key file ([`KeyFile`]: one key per line, `#` comments and
 //! blank lines ignored) and swaps the keys when its content changes. Polling rather than
 //! inotify: a Kubernetes Secret or ConfigMap volume swaps a symlink to a new directory,
-//! which an inotify watch on the file never sees. An unreadable or invalid file keeps
-//! the keys in force, logged and counted once per distinct state.
+//! which an inotify watch on the file never sees. Its first read is compared with the
+//! keys in force, not taken as loaded: a key revoked between the load and the watch's
+//! start (while a proxy probes its engines) is revoked then. An unreadable or invalid
+//! file keeps the keys in force, logged and counted once per distinct state.
 //!
 //! # Engines
 //!

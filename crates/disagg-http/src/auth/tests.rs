@@ -268,3 +268,67 @@ fn a_fifo_key_file_is_refused_not_waited_on() {
     assert!(chain.contains("FIFO"), "{chain}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A directory of its own for a test's key file.
+fn key_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("disagg-keys-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Waits (at most 5 s) until `keys` refuses `key`; whether it did.
+async fn refused_within(keys: &ApiKeys, key: &str) -> bool {
+    let value = header(&format!("Bearer {key}"));
+    for _ in 0..250 {
+        if keys.check(Some(&value)).is_err() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn a_key_revoked_between_the_load_and_the_watch_is_revoked() {
+    let dir = key_dir("revoked-at-start");
+    let path = dir.join("keys");
+    std::fs::write(&path, "sk-a\nsk-b\n").unwrap();
+    let mut file = KeyFile::new(&path);
+    file.poll_interval = Duration::from_millis(20);
+    let keys = ApiKeys::new(Vec::<String>::new()).unwrap();
+    keys.reload(file.read().unwrap()).unwrap();
+    assert!(keys.check(Some(&header("Bearer sk-b"))).is_ok());
+    // Revoked while the proxy was still starting (probing engines, discovery): the
+    // watch starts after the edit, and the file does not change again.
+    std::fs::write(&path, "sk-a\n").unwrap();
+    let watch = tokio::spawn(keys.watch(file));
+    assert!(refused_within(&keys, "sk-b").await, "sk-b still admitted");
+    assert!(keys.check(Some(&header("Bearer sk-a"))).is_ok());
+    assert_eq!(keys.stats().reloads, 1);
+    watch.abort();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_watch_started_on_the_loaded_file_reloads_nothing() {
+    let dir = key_dir("unchanged-at-start");
+    let path = dir.join("keys");
+    std::fs::write(&path, "sk-a\nsk-b\n").unwrap();
+    let mut file = KeyFile::new(&path);
+    file.poll_interval = Duration::from_millis(20);
+    let keys = ApiKeys::new(Vec::<String>::new()).unwrap();
+    keys.reload(file.read().unwrap()).unwrap();
+    // The same keys, spelled differently (order, comment, spaces): nothing to apply.
+    std::fs::write(&path, "# team\n sk-b \nsk-a\n").unwrap();
+    let watch = tokio::spawn(keys.watch(file));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let s = keys.stats();
+    assert_eq!((s.keys, s.reloads, s.file_errors), (2, 0, 0));
+    // A later edit is applied as ever.
+    std::fs::write(&path, "sk-a\n").unwrap();
+    assert!(refused_within(&keys, "sk-b").await, "sk-b still admitted");
+    assert_eq!(keys.stats().reloads, 1);
+    watch.abort();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

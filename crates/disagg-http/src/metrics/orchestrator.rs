@@ -18,7 +18,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 ///
 /// | metric | type | meaning |
 /// |---|---|---|
-/// | `disagg_requests_total{route}` | counter | requests served, by how: `orchestrated` (the orchestrator's), `forward`, `direct`, `fanout`, `key_refused` ([`RouteKind`](crate::routed::RouteKind); these four counted by [`Metrics`](super::Metrics) as a [`RouteListener`](crate::routed::RouteListener), so only with it) |
+/// | `disagg_requests_total{route}` | counter | requests served, by how: `orchestrated` (the orchestrator's), `forward`, `direct`, `fanout`, `key_refused`, `refused` ([`RouteKind`](crate::routed::RouteKind); these five counted by [`Metrics`](super::Metrics) as a [`RouteListener`](crate::routed::RouteListener), so only with it) |
 /// | `disagg_requests_in_flight` | gauge | requests admitted and not yet ended |
 /// | `disagg_queue_waiting` | gauge | requests waiting for admission |
 /// | `disagg_queued_total` | counter | requests that had to wait for admission |
@@ -43,7 +43,7 @@ pub struct OrchestratorCollector {
     orchestrator: Orchestrator,
     /// The requests the orchestrator did not serve, by [`RouteKind::index`](crate::routed::RouteKind),
     /// when [`Metrics`](super::Metrics) counts them.
-    routed: Option<Arc<[AtomicU64; 4]>>,
+    routed: Option<Arc<[AtomicU64; 5]>>,
 }
 
 impl OrchestratorCollector {
@@ -56,7 +56,7 @@ impl OrchestratorCollector {
     }
 
     /// With the counts of the requests the orchestrator did not serve.
-    pub(super) fn with_routed(mut self, routed: Arc<[AtomicU64; 4]>) -> Self {
+    pub(super) fn with_routed(mut self, routed: Arc<[AtomicU64; 5]>) -> Self {
         self.routed = Some(routed);
         self
     }

@@ -92,7 +92,7 @@ struct Inner {
     endpoints: Arc<Endpoints>,
     families: Families,
     /// Requests the orchestrator did not serve, by [`RouteKind::index`](crate::routed::RouteKind).
-    routed: Arc<[AtomicU64; 4]>,
+    routed: Arc<[AtomicU64; 5]>,
 }
 
 impl fmt::Debug for Metrics {

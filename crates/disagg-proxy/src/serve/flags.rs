@@ -244,6 +244,11 @@ pub struct ServeArgs {
     /// otherwise hold its engine's slot for as long as it stays connected.
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub(crate) client_send_timeout: f64,
+    /// Client connections open at once, all threads together (at least 1). Past it, new
+    /// connections wait in the listen backlog until one closes. Keep it under the
+    /// process's open-file limit (`ulimit -n`) less the engine connections.
+    #[arg(long, value_name = "N", default_value_t = disagg_http::server::DEFAULT_MAX_CONNECTIONS, value_parser = at_least_one)]
+    pub(crate) max_connections: usize,
 }
 
 /// Flags that hold client request bodies in time and in memory (docs/reliability.md).

@@ -211,3 +211,35 @@ fn kv_events_flags_without_the_policy_stop_the_proxy() {
         "{err}"
     );
 }
+
+#[test]
+fn max_connections_is_a_count_of_at_least_one() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let parse = |extra: &[&str]| {
+        let args = [
+            "x",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+        ];
+        Cli::try_parse_from(args.iter().chain(extra))
+    };
+    let default = parse(&[]).unwrap().serve.max_connections;
+    assert_eq!(default, disagg_http::server::DEFAULT_MAX_CONNECTIONS);
+    let set = parse(&["--max-connections", "64"])
+        .unwrap()
+        .serve
+        .max_connections;
+    assert_eq!(set, 64);
+    let err = parse(&["--max-connections", "0"])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("at least 1"), "{err}");
+}
