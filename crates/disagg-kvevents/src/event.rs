@@ -5,7 +5,9 @@
 //! over a ZMQ `PUB` socket: each message is three frames, `[topic, seq, payload]`,
 //! where `seq` is a big-endian `u64` that grows by one per message and `payload` is
 //! msgpack of an array-like batch, `[ts, events, data_parallel_rank]` (trailing fields
-//! left at their default may be omitted; SGLang calls the third `attn_dp_rank`).
+//! left at their default may be omitted; SGLang calls the third `attn_dp_rank`). A batch
+//! encoded as a map (`{"ts": .., "events": [..], "data_parallel_rank": ..}`, a struct
+//! without `array_like`) is read too, by its keys; its other keys are skipped.
 //!
 //! Events come in two encodings, both decoded here:
 //!
@@ -40,8 +42,9 @@ pub enum DecodeError {
     /// The payload is not msgpack (or is truncated).
     #[error("payload is not valid msgpack: {0}")]
     Msgpack(String),
-    /// The payload is msgpack, but not a `[ts, events, ...]` array.
-    #[error("event batch is not an array of [ts, events, ...]")]
+    /// The payload is msgpack, but neither a `[ts, events, ...]` array nor a map with
+    /// a numeric `"ts"` and an `"events"` array.
+    #[error("event batch is neither an array of [ts, events, ...] nor a map of ts and events")]
     Batch,
     /// A known event has a field of the wrong shape.
     #[error("{event} event: field {field} is missing or malformed")]
@@ -55,8 +58,8 @@ pub enum DecodeError {
     #[error("event is neither a tagged map nor a tagged array")]
     Untagged,
     /// A count or the decoded size over [`DecodeLimits`] (`what`: `events`, `items`,
-    /// `decoded bytes`), or an event map of more than [`MAX_EVENT_FIELDS`] entries
-    /// (`fields`).
+    /// `decoded bytes`), or an event's or a batch's map of more than
+    /// [`MAX_EVENT_FIELDS`] entries (`fields`).
     #[error("event batch over the decoding limit on {what}")]
     Limit {
         /// Which limit.
@@ -209,10 +212,10 @@ pub fn split_frames<'a>(frames: &[&'a [u8]]) -> Result<Frames<'a>, DecodeError> 
 /// its products with block counts must not overflow.
 pub const MAX_BLOCK_SIZE: usize = 1 << 20;
 
-/// The most entries an event's map may have: 256. An event class has about a dozen
-/// fields (this crate reads ten of `BlockStored`'s, newer optional ones included); a
-/// map of thousands is a broken or hostile publisher, refused before its entries are
-/// walked.
+/// The most entries an event's map (or a batch's, in the map encoding) may have: 256.
+/// An event class has about a dozen fields (this crate reads ten of `BlockStored`'s,
+/// newer optional ones included), a batch three; a map of thousands is a broken or
+/// hostile publisher, refused before its entries are walked.
 pub const MAX_EVENT_FIELDS: usize = 256;
 
 /// The default ceiling on one message's bytes that [`DecodeLimits::default`] is
@@ -306,7 +309,8 @@ impl Budget {
     }
 }
 
-/// Decodes a batch payload, in either encoding, within [`DecodeLimits::default`].
+/// Decodes a batch payload (an array, or a map), its events in either encoding, within
+/// [`DecodeLimits::default`].
 ///
 /// # Errors
 ///
@@ -338,27 +342,15 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
 pub fn decode_batch_with(payload: &[u8], limits: &DecodeLimits) -> Result<EventBatch, DecodeError> {
     let mut r = Reader::new(payload);
     let mut budget = Budget(limits.max_decoded_bytes);
+    if let Some(entries) = r.map()? {
+        return batch_map(&mut r, entries, limits, &mut budget);
+    }
     let fields = r.array()?.ok_or(DecodeError::Batch)?;
     if fields < 2 {
         return Err(DecodeError::Batch);
     }
-    let ts = if let Some(f) = r.float()? {
-        f
-    } else if let Some(i) = r.int()? {
-        // A timestamp sent as an integer (no engine does, but nothing forbids it).
-        i.as_f64()
-    } else {
-        return Err(DecodeError::Batch);
-    };
-    let count = r.array()?.ok_or(DecodeError::Batch)?;
-    if count > limits.max_events {
-        return Err(DecodeError::Limit { what: "events" });
-    }
-    let mut events = Vec::new();
-    for _ in 0..count {
-        budget.take(1, std::mem::size_of::<KvEvent>())?;
-        events.push(decode_event(&mut r, limits, &mut budget)?);
-    }
+    let ts = batch_ts(&mut r)?;
+    let events = batch_events(&mut r, limits, &mut budget)?;
     let dp_rank = if fields > 2 {
         r.int()?
             .and_then(Int::as_u64)
@@ -371,6 +363,70 @@ pub fn decode_batch_with(payload: &[u8], limits: &DecodeLimits) -> Result<EventB
         events,
         dp_rank,
     })
+}
+
+/// A batch encoded as a map of `entries`: `"ts"` and `"events"` required, the rank
+/// under vLLM's or SGLang's name, other keys skipped; the first of duplicate keys
+/// counts.
+fn batch_map(
+    r: &mut Reader<'_>,
+    entries: usize,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<EventBatch, DecodeError> {
+    if entries > MAX_EVENT_FIELDS {
+        return Err(DecodeError::Limit { what: "fields" });
+    }
+    let (mut ts, mut events, mut dp_rank) = (None, None, None);
+    for _ in 0..entries {
+        match r.str()? {
+            Some(b"ts") if ts.is_none() => ts = Some(batch_ts(r)?),
+            Some(b"events") if events.is_none() => events = Some(batch_events(r, limits, budget)?),
+            Some(b"data_parallel_rank" | b"attn_dp_rank") if dp_rank.is_none() => {
+                dp_rank = Some(small_u32(r)?);
+            }
+            Some(_) => r.skip()?,
+            None => {
+                r.skip()?;
+                r.skip()?;
+            }
+        }
+    }
+    Ok(EventBatch {
+        ts: ts.ok_or(DecodeError::Batch)?,
+        events: events.ok_or(DecodeError::Batch)?,
+        dp_rank: dp_rank.flatten(),
+    })
+}
+
+/// A batch's timestamp: a float, or an integer (no engine sends one, but nothing
+/// forbids it).
+fn batch_ts(r: &mut Reader<'_>) -> Result<f64, DecodeError> {
+    if let Some(f) = r.float()? {
+        Ok(f)
+    } else if let Some(i) = r.int()? {
+        Ok(i.as_f64())
+    } else {
+        Err(DecodeError::Batch)
+    }
+}
+
+/// A batch's events, within the limits.
+fn batch_events(
+    r: &mut Reader<'_>,
+    limits: &DecodeLimits,
+    budget: &mut Budget,
+) -> Result<Vec<KvEvent>, DecodeError> {
+    let count = r.array()?.ok_or(DecodeError::Batch)?;
+    if count > limits.max_events {
+        return Err(DecodeError::Limit { what: "events" });
+    }
+    let mut events = Vec::new();
+    for _ in 0..count {
+        budget.take(1, std::mem::size_of::<KvEvent>())?;
+        events.push(decode_event(r, limits, budget)?);
+    }
+    Ok(events)
 }
 
 /// Where an event's fields are: a map's entries or an array's positions after the tag.

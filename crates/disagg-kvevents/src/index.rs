@@ -13,8 +13,10 @@
 //! matches KV it could not use: blocks of a LoRA adapter or under a cache salt, blocks
 //! from the first non-nil `extra_keys` entry on (multimodal input), blocks of a KV cache
 //! group other than the first (hybrid models), a block size other than the holder's
-//! first one, and blocks whose parent the index does not know (its events were lost and
-//! the entries dropped). They are counted in [`Applied::skipped`].
+//! (set by its first `BlockStored`, and again by its first one after its entries were
+//! cleared: an engine restarted with another block size), and blocks whose parent the
+//! index does not know (its events were lost and the entries dropped). They are counted
+//! in [`Applied::skipped`].
 //!
 //! # Lookup
 //!
@@ -492,7 +494,8 @@ impl KvIndex {
     }
 
     /// Drops every block of one holder (lost events: its state is unknown), keeping the
-    /// holder and its block size.
+    /// holder; its block size is forgotten with its blocks and taken again from its
+    /// next `BlockStored` (a restarted engine may use another).
     pub fn clear(&self, engine: &str, dp_rank: u32) {
         let holder = lock(&self.table)
             .by_name
@@ -768,7 +771,8 @@ impl KvIndex {
                 });
             }
             // A block of another size (vLLM's partial blocks of hybrid models) would
-            // never match a lookup cut at the holder's block size.
+            // never match a lookup cut at the holder's block size. (A holder cleared
+            // by a restart or `AllBlocksCleared` has no size: its next block sets it.)
             Some(b) if b != block_size => {
                 applied.skipped += n;
                 return;
@@ -876,10 +880,19 @@ impl KvIndex {
         }
     }
 
+    /// Drops every block of a holder, and its block size (the next `BlockStored` sets
+    /// it again).
     fn clear_state(&self, state: &mut HolderState) {
         let slot = state.slot;
         for (_, b) in state.current.drain().chain(state.older.drain()) {
             self.shard_remove(b.key, slot);
+        }
+        if state.block_size.take().is_some() && !state.removed {
+            self.update_registry(|r| {
+                if let Some(Some(s)) = r.slots.get_mut(slot as usize) {
+                    s.block_size = None;
+                }
+            });
         }
     }
 

@@ -11,7 +11,7 @@
 //!   memory, read without blocking while the subscriber writes;
 //! - [`subscriber`]: [`Subscriber`], one task per engine and rank feeding the index,
 //!   with replay on sequence gaps, resubscription of silent or restarted engines, and
-//!   entries dropped for engines that leave;
+//!   entries dropped for engines that leave or stay unreachable;
 //! - [`load`]: the engines' own load reports (SGLang's load publisher), kept per rank
 //!   next to the index, so that every router prices the same queues;
 //! - [`score`]: [`KvScorer`], the routing decision: the candidate engine whose cached

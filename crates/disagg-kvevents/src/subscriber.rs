@@ -21,12 +21,15 @@
 //! * **A gap** (batches lost: the `PUB` socket drops messages for a slow subscriber,
 //!   or the connection broke): with a replay endpoint, the missing batches are asked
 //!   for (a `DEALER` sends the first missing seq as 8 big-endian bytes after an empty
-//!   delimiter; the engine answers `[empty, topic, seq, payload]` per buffered batch,
-//!   then `[empty, empty, -1 as 8 bytes, empty]`) and applied in order before the new
-//!   one. Without a replay endpoint, or when the engine's buffer no longer holds them,
-//!   the rank's entries are dropped: stale entries would send requests to an engine
-//!   that evicted their prefix, while an empty holder fills again from the next
-//!   events (vLLM re-announces the prefix-cache hits of each request).
+//!   delimiter) and applied in order before the new one. The engine answers each
+//!   buffered batch as `[empty, seq, payload]` (vLLM's and SGLang's `ROUTER`) or
+//!   `[empty, topic, seq, payload]`, and ends with the same form carrying seq -1 (8
+//!   bytes of `0xff`) and an empty payload, or with `[empty, empty]` (older vLLM);
+//!   anything else is a malformed answer. Without a replay endpoint, when the engine's
+//!   buffer no longer holds them, or when the replay fails, the rank's entries are
+//!   dropped: stale entries would send requests to an engine that evicted their
+//!   prefix, while an empty holder fills again from the next events (vLLM re-announces
+//!   the prefix-cache hits of each request).
 //! * **A lower one** (or the same one again after a reconnection): the engine
 //!   restarted, so its cache is empty: the rank's entries are dropped and the new
 //!   sequence is followed.
@@ -37,10 +40,13 @@
 //!   (stale entries would route requests to a cache that no longer holds them).
 //! * **The first batch after subscribing**, with a replay endpoint: the engine's
 //!   buffered history before it is replayed, so a subscriber started late (or a proxy
-//!   restarted) learns what the engines already hold.
+//!   restarted) learns what the engines already hold. The buffer may no longer start
+//!   at 0 (what it holds still teaches something), but a replay that fails (silent,
+//!   refused, malformed, over its budget) drops the rank's entries, those it applied
+//!   included: the batches after them, which may have removed them, never came.
 //!
-//! A batch that cannot be decoded is a lost batch without a replay: the rank's entries
-//! are dropped.
+//! A batch that cannot be decoded, or a message that is not `[topic, seq, payload]`,
+//! is a lost batch without a replay: the rank's entries are dropped.
 //!
 //! # Silence and restarts
 //!
@@ -50,6 +56,13 @@
 //! socket is closed and a new one subscribes (counted in [`RankStatus::resubscribes`]);
 //! a receive error (the engine closed the connection) does the same at once. A
 //! restarted engine is then recognized by its sequence numbers.
+//!
+//! A rank that stays without a working subscription (its publisher gone, refusing, or
+//! breaking every subscription before a well-formed message) for
+//! [`SubscriberConfig::disconnected_grace`] (30 s) has its entries dropped
+//! ([`RankStatus::expiries`]): an engine that disappeared must not steer requests for
+//! as long as it stays in the set. Its subscription is still tried; when it comes back
+//! the rank starts afresh, its history replayed as on a first subscription.
 //!
 //! # Load reports
 //!
@@ -68,8 +81,10 @@
 //! (8 MiB; load reports [`SubscriberConfig::max_load_message`], 64 KiB), more than 16
 //! frames, or bytes that are not ZMTP disconnect the publisher at the frame header,
 //! before anything is stored; a payload is decoded within
-//! [`DecodeLimits::for_message`] of the same size. Every refusal is counted per socket
-//! and reason in [`RankStatus::malformed`]. A publisher at fault is subscribed to
+//! [`DecodeLimits::for_message`] of the same size; a peer that accepts the connection
+//! and does not finish the ZMTP handshake within the connect timeout is disconnected
+//! too. Every refusal is counted per socket and reason in [`RankStatus::malformed`]
+//! ([`Malformed`]). A publisher at fault is subscribed to
 //! again after a pause that starts at the connect timeout and doubles per failure in a
 //! row up to [`SubscriberConfig::max_backoff`] (30 s); one that is not there is tried
 //! again after 100 ms, doubling up to the connect timeout.
@@ -142,6 +157,12 @@ pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// 10,000 batches by default, most of them a few KB).
 pub const DEFAULT_REPLAY_MAX_BYTES: usize = 64 << 20;
 
+/// The default time a rank may stay without a live subscription before its entries are
+/// dropped: 30 s ([`SubscriberConfig::disconnected_grace`]). Long enough to ride out
+/// a publisher's brief absence (a connection reset, a resubscription), short enough
+/// that an engine gone for good stops steering requests soon after.
+pub const DEFAULT_DISCONNECTED_GRACE: Duration = Duration::from_secs(30);
+
 /// The first pause before connecting again to a publisher that was not there.
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 
@@ -174,6 +195,12 @@ pub struct SubscriberConfig {
     pub max_message: usize,
     /// The largest load report ([`DEFAULT_MAX_LOAD_MESSAGE`]).
     pub max_load_message: usize,
+    /// How long a rank that had a subscription may stay without a working one (its
+    /// publisher gone, refusing, or breaking every subscription before a well-formed
+    /// message) before its entries are dropped ([`DEFAULT_DISCONNECTED_GRACE`]);
+    /// counted in [`RankStatus::expiries`]. When it subscribes again it starts afresh,
+    /// as on its first subscription.
+    pub disconnected_grace: Duration,
 }
 
 impl Default for SubscriberConfig {
@@ -187,6 +214,7 @@ impl Default for SubscriberConfig {
             replay_max_bytes: DEFAULT_REPLAY_MAX_BYTES,
             max_message: DEFAULT_MAX_MESSAGE,
             max_load_message: DEFAULT_MAX_LOAD_MESSAGE,
+            disconnected_grace: DEFAULT_DISCONNECTED_GRACE,
         }
     }
 }
@@ -241,20 +269,26 @@ pub enum Malformed {
     Oversized,
     /// Not ZMTP 3 as a publisher (or replay `ROUTER`) speaks it: disconnected.
     Protocol,
-    /// Not `[topic, seq (8 bytes), payload]` (replay: with its empty delimiter first).
+    /// Not `[topic, seq (8 bytes), payload]`; on the replay socket, none of the answer
+    /// forms (`[empty, seq, payload]`, `[empty, topic, seq, payload]`, `[empty,
+    /// empty]`).
     Shape,
     /// A payload that does not decode (within [`DecodeLimits`]).
     Undecodable,
+    /// A peer that accepted the connection but did not finish the ZMTP handshake
+    /// within the connect timeout (`Limits::handshake_timeout`): disconnected.
+    Timeout,
 }
 
 impl Malformed {
-    /// `oversized`, `protocol`, `shape` or `undecodable`.
+    /// `oversized`, `protocol`, `shape`, `undecodable` or `timeout`.
     pub fn as_str(self) -> &'static str {
         match self {
             Malformed::Oversized => "oversized",
             Malformed::Protocol => "protocol",
             Malformed::Shape => "shape",
             Malformed::Undecodable => "undecodable",
+            Malformed::Timeout => "timeout",
         }
     }
 
@@ -265,11 +299,13 @@ impl Malformed {
         }
     }
 
-    /// The connection-level reason of a ZMTP error, if it is the peer's fault.
+    /// The connection-level reason of a ZMTP error, if it is the peer's fault (a peer
+    /// that does not answer the TCP connection at all is not: nobody is there).
     fn of_zmtp(e: &disagg_zmtp::Error) -> Option<Malformed> {
         match e.reject() {
             disagg_zmtp::Reject::Oversized => Some(Malformed::Oversized),
             disagg_zmtp::Reject::Protocol => Some(Malformed::Protocol),
+            disagg_zmtp::Reject::Timeout => Some(Malformed::Timeout),
             _ => None,
         }
     }
@@ -302,8 +338,17 @@ pub struct RankStatus {
     pub resubscribes: u64,
     /// Messages that could not be decoded.
     pub decode_errors: u64,
-    /// Times the rank's entries were dropped (gap without replay, restart, bad batch).
+    /// Times the rank's entries were dropped (gap without replay, failed replay,
+    /// restart, bad message, publisher gone past the grace).
     pub drops: u64,
+    /// Times the rank's entries were dropped because it stayed without a subscription
+    /// past [`SubscriberConfig::disconnected_grace`] (also counted in
+    /// [`drops`](Self::drops)).
+    pub expiries: u64,
+    /// Blocks of `BlockStored` events applied but not indexed (a LoRA or salted hash,
+    /// another KV cache group, another block size than the holder's, an unknown parent:
+    /// see [`Applied::skipped`](crate::index::Applied::skipped)).
+    pub skipped_blocks: u64,
     /// Whether the load-report `SUB` socket is connected now (`false` without a load
     /// endpoint).
     pub load_connected: bool,
@@ -456,6 +501,7 @@ impl Subscriber {
                             last_seq: None,
                             replay_failures: 0,
                             replay_after: None,
+                            disconnected_since: None,
                         };
                         move || task.run()
                     },
@@ -620,14 +666,16 @@ impl Shared {
     }
 
     /// A receive error on `kind`'s socket: counted when the peer is at fault (then the
-    /// next subscription backs off).
-    fn receive_failed(&self, kind: SocketKind, e: &disagg_zmtp::Error, failures: &mut u32) {
+    /// next subscription backs off); whether it is.
+    fn receive_failed(&self, kind: SocketKind, e: &disagg_zmtp::Error, failures: &mut u32) -> bool {
         if let Some(why) = Malformed::of_zmtp(e) {
             self.malformed(kind, why);
             *failures = failures.saturating_add(1);
             tracing::warn!(engine = %self.engine, rank = self.rank, socket = kind.as_str(), error = %e, "kv events: peer disconnected");
+            true
         } else {
             tracing::debug!(engine = %self.engine, rank = self.rank, socket = kind.as_str(), error = %e, "kv events: receive failed, resubscribing");
+            false
         }
     }
 }
@@ -716,6 +764,43 @@ struct RankTask {
     /// Replays failed in a row, and when the next may be tried.
     replay_failures: u32,
     replay_after: Option<tokio::time::Instant>,
+    /// When the rank's last subscription ended (`None` before the first ended). A
+    /// subscription the publisher broke (over a ceiling, not ZMTP) before a
+    /// well-formed message does not count: the rank has been without a working one
+    /// since the one before.
+    disconnected_since: Option<tokio::time::Instant>,
+}
+
+/// One message of a replay answer, as the `DEALER` receives it.
+#[derive(Debug, PartialEq, Eq)]
+enum ReplayMessage<'a> {
+    /// A buffered batch.
+    Batch { seq: u64, payload: &'a [u8] },
+    /// The end marker.
+    End,
+}
+
+/// Reads one message of a replay answer (the `ROUTER` strips the identity it leads
+/// with): `[empty, seq, payload]` (vLLM's and SGLang's), `[empty, topic, seq,
+/// payload]`, the end as either with seq -1, or `[empty, empty]` (older vLLM's end).
+fn replay_message(frames: &[Bytes]) -> Result<ReplayMessage<'_>, ReplayError> {
+    let (seq, payload) = match frames {
+        [delimiter, end] if delimiter.is_empty() && end.is_empty() => {
+            return Ok(ReplayMessage::End);
+        }
+        [delimiter, seq, payload] | [delimiter, _, seq, payload] if delimiter.is_empty() => {
+            (seq, payload)
+        }
+        _ => return Err(ReplayError::Malformed),
+    };
+    let seq = <[u8; 8]>::try_from(&seq[..])
+        .map(u64::from_be_bytes)
+        .map_err(|_| ReplayError::Malformed)?;
+    Ok(if seq == END_SEQ {
+        ReplayMessage::End
+    } else {
+        ReplayMessage::Batch { seq, payload }
+    })
 }
 
 impl RankTask {
@@ -731,25 +816,69 @@ impl RankTask {
                 self.status(|s| s.resubscribes += 1);
             }
             first = false;
-            let topic = self.shared.config.topic.clone();
-            let socket = self
-                .shared
-                .subscribe(
-                    &self.publisher,
-                    topic.as_bytes(),
-                    SocketKind::Events,
-                    self.shared.config.max_message,
-                    &mut failures,
-                )
-                .await;
+            let socket = self.subscribe(&mut failures).await;
             self.status(|s| s.connected = true);
-            self.receive(socket, &mut failures).await;
+            let worked = self.receive(socket, &mut failures).await;
             self.status(|s| s.connected = false);
+            if worked || self.disconnected_since.is_none() {
+                self.disconnected_since = Some(tokio::time::Instant::now());
+            }
         }
     }
 
-    /// Receives until silence or an error.
-    async fn receive(&mut self, mut socket: Sub, failures: &mut u32) {
+    /// A new subscription. While it is being tried, a rank that holds entries has them
+    /// dropped once it has been without a working subscription for
+    /// [`SubscriberConfig::disconnected_grace`]; it then starts afresh.
+    async fn subscribe(&mut self, failures: &mut u32) -> Sub {
+        let topic = self.shared.config.topic.clone();
+        let max_message = self.shared.config.max_message;
+        let expiry = self
+            .disconnected_since
+            .filter(|_| self.last_seq.is_some())
+            .map(|since| since + self.shared.config.disconnected_grace);
+        if let Some(expiry) = expiry {
+            let attempt = self.shared.subscribe(
+                &self.publisher,
+                topic.as_bytes(),
+                SocketKind::Events,
+                max_message,
+                failures,
+            );
+            match tokio::time::timeout_at(expiry, attempt).await {
+                Ok(socket) => return socket,
+                Err(_) => self.expire(),
+            }
+        }
+        self.shared
+            .subscribe(
+                &self.publisher,
+                topic.as_bytes(),
+                SocketKind::Events,
+                max_message,
+                failures,
+            )
+            .await
+    }
+
+    /// Drops the entries of a rank left without a subscription past the grace, and
+    /// forgets its sequence: its next subscription starts as the first did.
+    fn expire(&mut self) {
+        tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, grace = ?self.shared.config.disconnected_grace, "kv events: publisher unreachable past the grace, dropping the rank's entries");
+        self.shared
+            .index
+            .clear(&self.shared.engine, self.shared.rank);
+        self.last_seq = None;
+        self.status(|s| {
+            s.expiries += 1;
+            s.drops += 1;
+            s.last_seq = None;
+        });
+    }
+
+    /// Receives until silence or an error; whether the subscription worked: not broken
+    /// by the publisher's fault before a well-formed message.
+    async fn receive(&mut self, mut socket: Sub, failures: &mut u32) -> bool {
+        let mut delivered = false;
         // The first batch of this subscription catches up on the engine's history.
         let mut catch_up = true;
         let silence = self.shared.config.silence_timeout;
@@ -757,25 +886,34 @@ impl RankTask {
             let message = match tokio::time::timeout(silence, socket.recv()).await {
                 Ok(Ok(message)) => message,
                 Ok(Err(e)) => {
-                    self.shared.receive_failed(SocketKind::Events, &e, failures);
-                    return;
+                    let fault = self.shared.receive_failed(SocketKind::Events, &e, failures);
+                    return delivered || !fault;
                 }
                 Err(_) => {
                     tracing::debug!(engine = %self.shared.engine, rank = self.shared.rank, "kv events: silent, resubscribing");
-                    return;
+                    return true;
                 }
             };
             let views: Vec<&[u8]> = message.iter().map(|f| &f[..]).collect();
             let parsed = match split_frames(&views) {
                 Ok(parsed) => parsed,
                 Err(e) => {
+                    // A lost batch, whatever it was: what it said is unknown.
+                    tracing::warn!(engine = %self.shared.engine, rank = self.shared.rank, error = %e, "kv events: message of the wrong shape, dropping the rank's entries");
+                    self.shared
+                        .index
+                        .clear(&self.shared.engine, self.shared.rank);
                     self.shared
                         .malformed(SocketKind::Events, Malformed::of_decode(&e));
-                    self.status(|s| s.decode_errors += 1);
+                    self.status(|s| {
+                        s.decode_errors += 1;
+                        s.drops += 1;
+                    });
                     continue;
                 }
             };
             *failures = 0;
+            delivered = true;
             let seq = parsed.seq;
             match self.last_seq {
                 Some(last) if seq <= last => {
@@ -804,8 +942,7 @@ impl RankTask {
                         s.drops += 1;
                     });
                     if self.replay.is_some() && self.replay_allowed() {
-                        let replayed = self.replay_range(0, seq, false).await;
-                        self.replay_done(replayed.is_ok());
+                        self.catch_up(seq).await;
                     }
                 }
                 Some(last) if seq > last.saturating_add(1) => {
@@ -815,8 +952,7 @@ impl RankTask {
                 // Best effort: a history the buffer no longer starts at 0 for still
                 // teaches what it holds.
                 None if catch_up && seq > 0 && self.replay.is_some() && self.replay_allowed() => {
-                    let replayed = self.replay_range(0, seq, false).await;
-                    self.replay_done(replayed.is_ok());
+                    self.catch_up(seq).await;
                 }
                 _ => {}
             }
@@ -834,8 +970,12 @@ impl RankTask {
                 if batch.dp_rank.is_some_and(|r| r != rank) {
                     tracing::debug!(engine = %engine, rank, batch_rank = ?batch.dp_rank, "kv events: batch names another rank than its port");
                 }
-                self.shared.index.apply(engine, rank, &batch);
-                self.status(|s| s.batches += 1);
+                let applied = self.shared.index.apply(engine, rank, &batch);
+                let skipped = u64::try_from(applied.skipped).unwrap_or(u64::MAX);
+                self.status(|s| {
+                    s.batches += 1;
+                    s.skipped_blocks = s.skipped_blocks.saturating_add(skipped);
+                });
             }
             Err(e) => {
                 tracing::warn!(engine = %engine, rank, seq, error = %e, "kv events: undecodable batch, dropping the rank's entries");
@@ -869,6 +1009,24 @@ impl RankTask {
         }
     }
 
+    /// Replays the engine's history before `until`, as much as its buffer holds. A
+    /// replay that fails drops the rank's entries, the ones it applied included: the
+    /// batches after them (which may have removed them) are unknown.
+    async fn catch_up(&mut self, until: u64) {
+        let replayed = self.replay_range(0, until, false).await;
+        self.replay_done(replayed.is_ok());
+        if let Err(e) = replayed {
+            tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, until, error = %e, "kv events: catch-up replay failed, dropping the rank's entries");
+            self.shared
+                .index
+                .clear(&self.shared.engine, self.shared.rank);
+            self.status(|s| {
+                s.replay_failures += 1;
+                s.drops += 1;
+            });
+        }
+    }
+
     /// Fills the gap `[from, until)` by replay, or drops the rank's entries.
     async fn recover(&mut self, from: u64, until: u64) {
         if self.replay.is_some() {
@@ -896,9 +1054,9 @@ impl RankTask {
     /// Asks the replay socket for `[from, until)` and applies what it returns, in
     /// order, as it comes: one message at a time in memory, the connection closed as
     /// soon as `until - 1` arrived, at most [`SubscriberConfig::replay_max_bytes`]
-    /// read. With `exact`, fails unless every batch came back in order (what it
+    /// read. With `exact`, fails unless every batch came back in order. What it
     /// applied before failing is dropped by the caller with the rest of the rank's
-    /// entries).
+    /// entries.
     async fn replay_range(
         &mut self,
         from: u64,
@@ -946,17 +1104,10 @@ impl RankTask {
         let mut bytes = 0usize;
         while expected < until {
             let frames = dealer.recv().await?;
-            // [empty, topic, seq, payload]
-            let [_, topic, seq, payload] = frames.as_slice() else {
-                return Err(ReplayError::Malformed);
+            let (seq, payload) = match replay_message(&frames)? {
+                ReplayMessage::Batch { seq, payload } => (seq, payload),
+                ReplayMessage::End => break,
             };
-            let views = [&topic[..], &seq[..], &payload[..]];
-            let seq = split_frames(&views)
-                .map_err(|_| ReplayError::Malformed)?
-                .seq;
-            if seq == END_SEQ {
-                break;
-            }
             bytes = bytes.saturating_add(frames.iter().map(Bytes::len).sum());
             if bytes > config.replay_max_bytes {
                 return Err(ReplayError::Budget(config.replay_max_bytes));

@@ -74,7 +74,8 @@ pub enum Error {
     /// The peer closed the connection.
     #[error("the peer closed the connection")]
     Closed,
-    /// The handshake did not finish in time.
+    /// The peer accepted the TCP connection but the ZMTP handshake (greeting and
+    /// READY) did not finish within [`Limits::handshake_timeout`].
     #[error("the handshake took longer than {0:?}")]
     HandshakeTimeout(Duration),
     /// The peer does not speak ZMTP 3 as expected.
@@ -432,8 +433,11 @@ pub fn tcp_address(endpoint: &str) -> Result<&str, Error> {
 ///
 /// # Errors
 ///
-/// As [`Connection::handshake`], [`Error::Endpoint`], or [`Error::HandshakeTimeout`]
-/// when the TCP connection takes longer than `timeout`.
+/// As [`Connection::handshake`], [`Error::Endpoint`], or [`Error::Io`] of kind
+/// [`TimedOut`](std::io::ErrorKind::TimedOut) when the TCP connection takes longer
+/// than `timeout` (nobody answering at that address, [`Reject::Disconnected`]; a peer
+/// that accepts and then does not finish the ZMTP handshake in time is
+/// [`Error::HandshakeTimeout`], [`Reject::Timeout`]).
 pub async fn connect(
     endpoint: &str,
     ours: SocketType,
@@ -444,6 +448,11 @@ pub async fn connect(
     // IPv6 hosts come bracketed (`tcp://[::1]:5557`), as `TcpStream::connect` wants.
     let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
         .await
-        .map_err(|_| Error::HandshakeTimeout(timeout))??;
+        .map_err(|_| {
+            Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no TCP connection to {addr} within {timeout:?}"),
+            ))
+        })??;
     Connection::handshake(stream, ours, false, limits).await
 }

@@ -229,19 +229,19 @@ fn ready_socket_type(mut data: &[u8]) -> Result<Option<&[u8]>, ProtocolError> {
     let bad = ProtocolError::Command("READY");
     let mut socket_type = None;
     while let Some((&name_len, rest)) = data.split_first() {
-        let name_len = usize::from(name_len);
-        let name = rest.get(..name_len).ok_or(bad.clone())?;
-        let rest = &rest[name_len..];
-        let value_len = rest.get(..4).ok_or(bad.clone())?;
-        let value_len =
-            u32::from_be_bytes([value_len[0], value_len[1], value_len[2], value_len[3]]);
-        let value_len = usize::try_from(value_len).map_err(|_| bad.clone())?;
-        let value = rest.get(4..4 + value_len).ok_or(bad.clone())?;
+        let (name, rest) = rest
+            .split_at_checked(usize::from(name_len))
+            .ok_or(bad.clone())?;
+        let (value_len, rest) = rest.split_first_chunk::<4>().ok_or(bad.clone())?;
+        // A length past the body is refused without adding to it: on a 32-bit target
+        // `u32::MAX` bytes do not fit a `usize` offset.
+        let value_len = usize::try_from(u32::from_be_bytes(*value_len)).map_err(|_| bad.clone())?;
+        let (value, rest) = rest.split_at_checked(value_len).ok_or(bad.clone())?;
         // Property names are case-insensitive.
         if name.eq_ignore_ascii_case(b"Socket-Type") && socket_type.is_none() {
             socket_type = Some(value);
         }
-        data = &rest[4 + value_len..];
+        data = rest;
     }
     Ok(socket_type)
 }
@@ -342,6 +342,27 @@ mod tests {
         assert!(parse_command(b"\x09READY").is_err());
         // A property whose value runs past the body.
         assert!(parse_command(b"\x05READY\x01x\x00\x00\x00\xff").is_err());
+    }
+
+    /// A READY property announcing a value of `u32::MAX` bytes: refused as a malformed
+    /// command. `4 + value_len` overflowed `usize` on 32-bit targets (a panic in debug
+    /// builds); the end of the value is now computed with checked arithmetic.
+    #[test]
+    fn a_property_of_u32_max_bytes_is_refused() {
+        let mut body = b"\x05READY\x0bSocket-Type".to_vec();
+        body.extend_from_slice(&u32::MAX.to_be_bytes());
+        body.extend_from_slice(b"PUB");
+        assert_eq!(parse_command(&body), Err(ProtocolError::Command("READY")));
+        // The same property announcing its real length is read.
+        let mut body = b"\x05READY\x0bSocket-Type".to_vec();
+        body.extend_from_slice(&3u32.to_be_bytes());
+        body.extend_from_slice(b"PUB");
+        assert_eq!(
+            parse_command(&body),
+            Ok(Command::Ready {
+                socket_type: Some(&b"PUB"[..])
+            })
+        );
     }
 
     proptest! {

@@ -621,3 +621,55 @@ async fn sub_answers_ping_and_refuses_the_wrong_peer_type() {
         .expect_err("refused");
     assert_eq!(error.reject(), Reject::Protocol, "{error}");
 }
+
+/// A host that never completes the TCP handshake (here a listener whose accept queue
+/// is full: the kernel drops the SYNs) is nobody there, an I/O time-out that callers
+/// retry soon ([`Reject::Disconnected`]); a peer that accepts and never greets is
+/// slow in the ZMTP handshake ([`Reject::Timeout`]), which callers count against it.
+/// Before, both were [`Error::HandshakeTimeout`].
+#[tokio::test]
+async fn a_tcp_connect_timeout_is_not_a_handshake_timeout() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let full = socket.listen(0).unwrap();
+    let addr = full.local_addr().unwrap();
+    // Fill the accept queue (never accepted): connections until one no longer
+    // completes.
+    let mut queued = Vec::new();
+    for _ in 0..64 {
+        match timeout(Duration::from_millis(100), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => queued.push(s),
+            _ => break,
+        }
+    }
+    assert!(
+        !queued.is_empty() && queued.len() < 64,
+        "{} queued",
+        queued.len()
+    );
+    let endpoint = format!("tcp://{addr}");
+    let error = Sub::connect(&endpoint, b"", limits(), Duration::from_millis(200))
+        .await
+        .expect_err("no TCP connection");
+    assert!(
+        matches!(&error, Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut),
+        "{error:?}"
+    );
+    assert_eq!(error.reject(), Reject::Disconnected);
+
+    // Accepts, and never greets.
+    let mute = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("tcp://{}", mute.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = mute.accept().await {
+            held.push(s);
+        }
+    });
+    let error = Dealer::connect(&endpoint, limits(), CONNECT)
+        .await
+        .expect_err("no greeting");
+    assert!(matches!(error, Error::HandshakeTimeout(_)), "{error:?}");
+    assert_eq!(error.reject(), Reject::Timeout);
+    drop(full);
+}

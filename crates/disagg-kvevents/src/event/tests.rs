@@ -50,6 +50,69 @@ fn malformed_known_event_fails_the_batch() {
     assert_eq!(decode_batch(&encode(&untagged)), Err(DecodeError::Untagged));
 }
 
+/// A batch encoded as a map (a msgspec struct without `array_like`) is read by its
+/// keys, in any order, unknown ones skipped; before, only the array was accepted.
+#[test]
+fn a_batch_as_a_map_is_read_by_its_keys() {
+    let stored = Value::Map(vec![
+        ("type".into(), "BlockStored".into()),
+        ("block_hashes".into(), Value::Array(vec![5.into()])),
+        (
+            "token_ids".into(),
+            Value::Array((1..=4).map(Value::from).collect()),
+        ),
+        ("block_size".into(), 4.into()),
+    ]);
+    let cleared = Value::Map(vec![("type".into(), "AllBlocksCleared".into())]);
+    let map = Value::Map(vec![
+        ("events".into(), Value::Array(vec![stored, cleared])),
+        ("future_field".into(), Value::Array(vec![Value::Nil])),
+        ("ts".into(), Value::F64(2.5)),
+        ("data_parallel_rank".into(), 3.into()),
+    ]);
+    let batch = decode_batch(&encode(&map)).unwrap();
+    assert_eq!((batch.ts, batch.dp_rank), (2.5, Some(3)));
+    assert_eq!(batch.events.len(), 2);
+    assert!(matches!(&batch.events[0], KvEvent::BlockStored(s) if s.token_ids == [1, 2, 3, 4]));
+    assert_eq!(batch.events[1], KvEvent::AllBlocksCleared);
+    // SGLang's name for the rank, an integer timestamp; or no rank at all.
+    let sglang = Value::Map(vec![
+        ("ts".into(), 7.into()),
+        ("events".into(), Value::Array(vec![])),
+        ("attn_dp_rank".into(), 1.into()),
+    ]);
+    let batch = decode_batch(&encode(&sglang)).unwrap();
+    assert_eq!(
+        (batch.ts, batch.dp_rank, batch.events.len()),
+        (7.0, Some(1), 0)
+    );
+    let bare = Value::Map(vec![
+        ("ts".into(), Value::F64(1.0)),
+        ("events".into(), Value::Array(vec![])),
+    ]);
+    assert_eq!(decode_batch(&encode(&bare)).unwrap().dp_rank, None);
+    // Without its timestamp or its events, or with them of the wrong type: not a batch.
+    for fields in [
+        vec![("ts", Value::F64(1.0))],
+        vec![("events", Value::Array(vec![]))],
+        vec![("ts", "t".into()), ("events", Value::Array(vec![]))],
+        vec![("ts", Value::F64(1.0)), ("events", 3.into())],
+    ] {
+        let map = Value::Map(fields.into_iter().map(|(k, v)| (k.into(), v)).collect());
+        assert_eq!(
+            decode_batch(&encode(&map)),
+            Err(DecodeError::Batch),
+            "{map}"
+        );
+    }
+    // A malformed event fails it as in the array form.
+    let bad = Value::Map(vec![
+        ("ts".into(), Value::F64(1.0)),
+        ("events".into(), Value::Array(vec![Value::from(5)])),
+    ]);
+    assert_eq!(decode_batch(&encode(&bad)), Err(DecodeError::Untagged));
+}
+
 #[test]
 fn numbers_out_of_range_fail_the_event_not_the_process() {
     // A block size of 2^63 (and 0) is refused at decoding: the index multiplies it.

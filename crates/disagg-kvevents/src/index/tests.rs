@@ -113,6 +113,48 @@ fn unkeyable_blocks_are_skipped() {
     assert_eq!(index.block_size("a"), Some(4));
 }
 
+/// `stored` with `block_size` tokens per block.
+fn stored_sized(hashes: &[u64], tokens: &[u32], block_size: usize) -> KvEvent {
+    let mut e = stored(hashes, None, tokens);
+    if let KvEvent::BlockStored(s) = &mut e {
+        s.block_size = block_size;
+    }
+    e
+}
+
+/// An engine restarted with another `--block-size`: the restart (or the engine's own
+/// `AllBlocksCleared`) clears its holder, and the new size is taken from its next
+/// `BlockStored`. Before, the first size was kept through the clear and every later
+/// block skipped for good.
+#[test]
+fn a_cleared_holder_takes_the_block_size_of_its_next_blocks() {
+    let index = KvIndex::new(IndexConfig::default());
+    let p: Vec<u32> = (100..164).collect(); // 2 blocks of 32, 4 of 16
+    index.apply("a", 0, &batch(vec![stored_sized(&[1], &p[..32], 32)]));
+    assert_eq!(index.cached_tokens("a", &p), 32);
+    assert_eq!(index.block_size("a"), Some(32));
+    // Restart detected by the subscriber.
+    index.clear("a", 0);
+    assert_eq!(index.block_size("a"), None);
+    let applied = index.apply("a", 0, &batch(vec![stored_sized(&[2, 3], &p[..32], 16)]));
+    assert_eq!((applied.stored, applied.skipped), (2, 0));
+    assert_eq!(index.cached_tokens("a", &p), 32);
+    assert_eq!(index.block_size("a"), Some(16));
+    // The engine's own AllBlocksCleared, then a third size in the same batch.
+    let applied = index.apply(
+        "a",
+        0,
+        &batch(vec![
+            KvEvent::AllBlocksCleared,
+            stored_sized(&[4, 5, 6, 7], &p[..32], 8),
+        ]),
+    );
+    assert_eq!((applied.stored, applied.skipped), (4, 0));
+    assert_eq!(index.cached_tokens("a", &p), 32);
+    assert_eq!(index.block_size("a"), Some(8));
+    assert_eq!(index.match_prefix(&p).holders().len(), 1);
+}
+
 #[test]
 fn a_block_size_out_of_range_is_skipped_not_a_panic() {
     // A holder's first BlockStored naming 2^63 tokens per block (a caller that

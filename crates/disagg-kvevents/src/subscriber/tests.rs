@@ -96,3 +96,45 @@ async fn a_panicking_task_is_restarted_with_backoff_and_counted() {
     assert_eq!(status.panics, 3);
     assert!(!status.connected);
 }
+
+#[test]
+fn replay_answers_in_every_form_the_engines_send() {
+    let b = |bytes: &[u8]| Bytes::copy_from_slice(bytes);
+    let seq = 7u64.to_be_bytes();
+    let end = END_SEQ.to_be_bytes();
+    let batch = ReplayMessage::Batch {
+        seq: 7,
+        payload: b"p",
+    };
+    // vLLM's and SGLang's: [empty, seq, payload], ended by [empty, -1, empty].
+    let three = [b(b""), b(&seq), b(b"p")];
+    assert_eq!(replay_message(&three).unwrap(), batch);
+    let three_end = [b(b""), b(&end), b(b"")];
+    assert_eq!(replay_message(&three_end).unwrap(), ReplayMessage::End);
+    // With the topic: [empty, topic, seq, payload], ended by [empty, topic, -1, empty].
+    let four = [b(b""), b(b"kv"), b(&seq), b(b"p")];
+    assert_eq!(replay_message(&four).unwrap(), batch);
+    let four_end = [b(b""), b(b""), b(&end), b(b"")];
+    assert_eq!(replay_message(&four_end).unwrap(), ReplayMessage::End);
+    // Older vLLM's end: [empty, empty].
+    assert_eq!(
+        replay_message(&[b(b""), b(b"")]).unwrap(),
+        ReplayMessage::End
+    );
+    // Anything else.
+    for frames in [
+        vec![],
+        vec![b(b"")],
+        vec![b(b""), b(b"x")],
+        vec![b(b"id"), b(&seq), b(b"p")],
+        vec![b(b"id"), b(b""), b(&seq), b(b"p")],
+        vec![b(b""), b(&seq[..7]), b(b"p")],
+        vec![b(b""), b(b""), b(b"1234"), b(b"p")],
+        vec![b(b""), b(b""), b(b""), b(&seq), b(b"p")],
+    ] {
+        assert!(
+            matches!(replay_message(&frames), Err(ReplayError::Malformed)),
+            "{frames:?}"
+        );
+    }
+}
