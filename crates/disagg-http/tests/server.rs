@@ -283,3 +283,37 @@ async fn connections_past_the_limit_wait_for_a_place() {
         "the third connection was not served once a place was free"
     );
 }
+
+/// The one kind of error not in OpenAI's format (docs/reliability.md): a request head
+/// hyper refuses before the service sees it, here a head three times the 32 KiB read
+/// buffer, gets hyper's own 431 with an empty body, and the service is never called.
+#[tokio::test]
+async fn a_head_past_the_read_buffer_gets_hypers_own_431_with_no_body() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let called = Arc::new(AtomicBool::new(false));
+    let seen = Arc::clone(&called);
+    let service = tower::service_fn(move |_req: Request<Incoming>| {
+        seen.store(true, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(http_body_util::Empty::<Bytes>::new())) }
+    });
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(Builder::new().serve(listener, service, async {
+        let _ = stopped.await;
+    }));
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    // hyper checks its limit when its buffer is full, and one read may take more than
+    // 32 KiB: a head well past it is refused however it arrives.
+    let big = "a".repeat(3 * disagg_http::server::READ_BUFFER_MAX);
+    let head = format!("GET /v1/models HTTP/1.1\r\nhost: {addr}\r\nx-a: {big}\r\n\r\n");
+    // hyper may answer and close before it has read the whole head.
+    let _ = s.write_all(head.as_bytes()).await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 431"), "{text}");
+    assert!(text.contains("content-length: 0"), "no body: {text}");
+    assert!(!called.load(Ordering::SeqCst), "the service never saw it");
+    let _ = stop.send(());
+    returns_within_2s(server, "the drain").await;
+}
