@@ -3,11 +3,14 @@
 //! With a session key, candidates are ranked by their weighted rendezvous score
 //! ([`hrw`](crate::hrw)) and the best one *under the load cap* is picked, following
 //! "Consistent Hashing with Bounded Loads" (Mirrokni, Thorup and Zadimoghaddam, SODA
-//! 2018): counting this request, no endpoint may carry more than
-//! `ceil(c × (in flight + 1) / N)` requests. A session therefore stays on its engine
-//! while that engine is not overloaded, spills to its next-ranked engine (the same one
-//! every time, for every proxy) when it is, and returns when load falls. With `c ≥ 1` at
-//! least one endpoint is always under the cap.
+//! 2018): counting this request, no endpoint may carry more than `c` times its fair
+//! share of the load, `ceil(c × (in flight + 1) × w / Σw)` requests for an endpoint of
+//! weight `w` (the share of the sessions its weight draws; `ceil(c × (in flight + 1) /
+//! N)` when all weigh the same, the paper's cap). A session therefore stays on its
+//! engine while that engine is not overloaded, spills to its next-ranked engine (the
+//! same one every time, for every proxy) when it is, and returns when load falls. With
+//! `c ≥ 1` at least one endpoint is always under its cap (the caps add up to more than
+//! the load).
 //!
 //! Without a key the request has nothing to stick to, and a fallback [`Pick`] decides
 //! (least in flight by default).
@@ -45,7 +48,8 @@ pub enum LoadFactorError {
 ///
 /// Cost: one key lookup (a scan of the headers, then at most one top-level body field),
 /// then the key hashed once and one hash of the endpoint's id and one logarithm per
-/// candidate; no allocation unless a JSON string key holds escapes.
+/// candidate (and, when the weights differ, one division more); no allocation unless a
+/// JSON string key holds escapes.
 ///
 /// Measured cost: ~0.6 µs / 4.4 µs / 38 µs per pick at 8 / 64 / 512 endpoints, a session
 /// key in a header (criterion, this repo's `cargo bench -p disagg-affinity`, 2-core VM;
@@ -114,8 +118,10 @@ impl ConsistentHash {
         self
     }
 
-    /// The load factor `c`: an endpoint may carry at most `ceil(c × average)` requests,
-    /// counting this one. `f64::INFINITY` disables the bound (pure consistent hashing).
+    /// The load factor `c`: an endpoint may carry at most `ceil(c × its fair share)`
+    /// requests, counting this one, its fair share the load times its weight's share
+    /// of the candidates' weights (the average, when they weigh the same).
+    /// `f64::INFINITY` disables the bound (pure consistent hashing).
     ///
     /// # Errors
     ///
@@ -145,8 +151,9 @@ impl ConsistentHash {
     }
 
     /// The most requests in flight an endpoint may already carry and still take one
-    /// more: `ceil(c × (total + 1) / n) - 1`, where `total` is the in-flight sum over
-    /// `n` candidates. `usize::MAX` when unbounded.
+    /// more, when all `n` candidates weigh the same: `ceil(c × (total + 1) / n) - 1`,
+    /// where `total` is the in-flight sum over them. `usize::MAX` when unbounded. See
+    /// [`weighted_cap`](Self::weighted_cap) for candidates of different weights.
     pub fn cap(&self, total_in_flight: usize, candidates: usize) -> usize {
         if self.load_factor.is_infinite() || candidates == 0 {
             return usize::MAX;
@@ -161,36 +168,93 @@ impl ConsistentHash {
         }
     }
 
+    /// The most requests in flight an endpoint of weight `weight` may already carry and
+    /// still take one more, among candidates weighing `total_weight` together:
+    /// `ceil(c × (total + 1) × weight / total_weight) - 1`, where `total` is the
+    /// in-flight sum over the candidates: `c` times the endpoint's share of the load,
+    /// the share of the sessions its weight draws. `usize::MAX` when unbounded; `0`
+    /// (room for this one request only) for a weight that is not positive and finite,
+    /// or a total that is not.
+    ///
+    /// The caps of all candidates add up to at least `c × (total + 1)`, more than the
+    /// `total` they carry, so (with `c ≥ 1`) one is always under its cap. With equal
+    /// weights this is [`cap`](Self::cap).
+    pub fn weighted_cap(&self, total_in_flight: usize, weight: f64, total_weight: f64) -> usize {
+        if self.load_factor.is_infinite() {
+            return usize::MAX;
+        }
+        let share = weight / total_weight;
+        if !(share.is_finite() && share > 0.0) {
+            return 0;
+        }
+        let fair = (total_in_flight as f64 + 1.0) * share;
+        // At least 1, so the subtraction cannot wrap.
+        let limit = (self.load_factor * fair).ceil().max(1.0);
+        if limit >= usize::MAX as f64 {
+            usize::MAX
+        } else {
+            limit as usize - 1
+        }
+    }
+
     /// The candidate for session `key`: the highest-scoring one whose in-flight count is
-    /// at most [`cap`](Self::cap). `candidates` must not be empty (then `0`).
+    /// at most its cap: [`weighted_cap`](Self::weighted_cap) of its weight, or, when all
+    /// candidates weigh the same, [`cap`](Self::cap). `candidates` must not be empty
+    /// (then `0`).
     pub fn pick_key(&self, key: &[u8], candidates: &[Arc<Endpoint>]) -> usize {
-        let (total, max_weight) = candidates.iter().fold((0usize, 0.0f64), |(n, w), e| {
-            (
-                n.saturating_add(e.in_flight()),
-                w.max(self.weights.weight_of(e)),
+        let (total, max_weight, min_weight) =
+            candidates
+                .iter()
+                .fold((0usize, 0.0f64, f64::INFINITY), |(n, hi, lo), e| {
+                    let w = self.weights.weight_of(e);
+                    (n.saturating_add(e.in_flight()), hi.max(w), lo.min(w))
+                });
+        // Weights near `f64::MAX` would score infinity, and sum to it (see
+        // `weight_scale`): scaled, they sum and divide exactly as unscaled ones.
+        let scale = weight_scale(max_weight);
+        // Equal weights: one cap for all, as the paper's. Else each endpoint's share.
+        let caps = if max_weight == min_weight {
+            Caps::Equal(self.cap(total, candidates.len()))
+        } else {
+            Caps::Weighted(
+                candidates
+                    .iter()
+                    .map(|e| self.weights.weight_of(e) * scale)
+                    .sum(),
             )
-        });
-        let cap = self.cap(total, candidates.len());
+        };
         // The key is hashed once; each candidate adds only its id (see `KeyHash`).
         let key = KeyHash::new(key);
-        // Weights near `f64::MAX` would score infinity (see `weight_scale`).
-        let scale = weight_scale(max_weight);
-        // The best under the cap, and the best overall should in-flight counts move
-        // under us between the sum and this scan and leave none under it.
+        // The best under its cap, and the best overall should in-flight counts move
+        // under us between the sum and this scan and leave none under theirs.
         let mut best: Option<(f64, &str, usize)> = None;
         let mut any: Option<(f64, &str, usize)> = None;
         for (i, e) in candidates.iter().enumerate() {
             let id = e.id().as_str();
-            let s = score(key.with_id(id), self.weights.weight_of(e) * scale);
+            let weight = self.weights.weight_of(e) * scale;
+            let s = score(key.with_id(id), weight);
             if any.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
                 any = Some((s, id, i));
             }
+            let cap = match caps {
+                Caps::Equal(cap) => cap,
+                Caps::Weighted(total_weight) => self.weighted_cap(total, weight, total_weight),
+            };
             if e.in_flight() <= cap && best.is_none_or(|(ts, tid, _)| beats(s, id, ts, tid)) {
                 best = Some((s, id, i));
             }
         }
         best.or(any).map_or(0, |(_, _, i)| i)
     }
+}
+
+/// The load caps of one pick.
+#[derive(Clone, Copy)]
+enum Caps {
+    /// Every candidate weighs the same: this cap for all.
+    Equal(usize),
+    /// Each candidate's cap is its weight's share of this total (scaled weights).
+    Weighted(f64),
 }
 
 impl Pick for ConsistentHash {
@@ -369,6 +433,105 @@ mod tests {
             .collect();
         // Idle endpoints: the pure HRW choice, pinned like `hrw`'s golden values.
         assert_eq!(got, [3, 3, 0, 5], "{got:?}");
+    }
+
+    /// Endpoints `A` (weight 1) and `B` (weight 4), the default policy, and a key whose
+    /// rendezvous home is `home` (0 for `A`, 1 for `B`).
+    fn weighted_pair(home: usize) -> (Vec<Arc<Endpoint>>, ConsistentHash, Vec<u8>) {
+        let c: Vec<_> = [1.0, 4.0]
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                let e = Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
+                    .expect("valid url");
+                Arc::new(e.with_weight(w).expect("valid weight"))
+            })
+            .collect();
+        let weights = Weights::new()
+            .with_weight(c[0].id().as_str(), 1.0)
+            .and_then(|w| w.with_weight(c[1].id().as_str(), 4.0))
+            .expect("valid weights");
+        let key = (0u32..)
+            .map(|k| format!("session-{k}").into_bytes())
+            .find(|k| best(k, &ids(&c), &weights) == Some(home))
+            .expect("a key homed there");
+        (c, ConsistentHash::default(), key)
+    }
+
+    /// A weight-4 endpoint takes 4/5 of the sessions, so its fair share of 81 requests
+    /// in flight (80 and this one) is 64.8, its cap 1.25 times that: 81 counting this
+    /// one. At 70 it is under its cap and keeps its session; an equal cap (50, half of
+    /// 1.25 × 81) spilled it to the weight-1 endpoint. That one's share is 16.2, its
+    /// cap 21 counting this one: at 21 already its session spills, at 20 it stays (an
+    /// equal cap kept it up to 50).
+    #[test]
+    fn each_endpoint_is_capped_by_its_weights_share() {
+        let load = |c: &[Arc<Endpoint>], a: usize, b: usize| -> Vec<_> {
+            (0..a)
+                .map(|_| c[0].track())
+                .chain((0..b).map(|_| c[1].track()))
+                .collect()
+        };
+        let (c, p, key) = weighted_pair(1);
+        let guards = load(&c, 10, 70);
+        assert_eq!(p.pick_key(&key, &c), 1);
+        drop(guards);
+        let (c, p, key) = weighted_pair(0);
+        let guards = load(&c, 21, 60);
+        assert_eq!(p.pick_key(&key, &c), 1);
+        drop(guards);
+        let guards = load(&c, 20, 60);
+        assert_eq!(p.pick_key(&key, &c), 0);
+        drop(guards);
+        // Idle, each key is at home.
+        assert_eq!(p.pick_key(&key, &c), 0);
+    }
+
+    proptest! {
+        /// With weights, each endpoint's cap is its weight's share: one is always under
+        /// its own, the pick is under its own, and it is the key's rendezvous home
+        /// whenever that one is under its own.
+        #[test]
+        fn weighted_bounded_load_respects_each_cap(
+            loads_weights in proptest::collection::vec((0usize..40, 1u32..8), 1..8),
+            key in any::<Vec<u8>>(),
+            c in prop_oneof![Just(1.0), Just(1.25), 1.0f64..3.0],
+        ) {
+            let cands: Vec<_> = loads_weights
+                .iter()
+                .enumerate()
+                .map(|(i, &(_, w))| {
+                    let e = Endpoint::new(&format!("http://10.0.0.{i}:8200"), Role::Decode)
+                        .expect("valid url");
+                    Arc::new(e.with_weight(f64::from(w)).expect("valid weight"))
+                })
+                .collect();
+            let _guards: Vec<_> = loads_weights
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &(l, _))| (0..l).map(move |_| i))
+                .map(|i| cands[i].track())
+                .collect();
+            let p = ConsistentHash::new().with_load_factor(c).expect("c >= 1");
+            let total: usize = loads_weights.iter().map(|&(l, _)| l).sum();
+            let total_weight: f64 = loads_weights.iter().map(|&(_, w)| f64::from(w)).sum();
+            let caps: Vec<usize> = loads_weights
+                .iter()
+                .map(|&(_, w)| p.weighted_cap(total, f64::from(w), total_weight))
+                .collect();
+            let fits = |i: usize| loads_weights[i].0 <= caps[i];
+            prop_assert!((0..cands.len()).any(fits), "someone fits: {:?} {:?}", loads_weights, caps);
+            let i = p.pick_key(&key, &cands);
+            prop_assert!(fits(i), "picked {} over its cap: {:?} {:?}", i, loads_weights, caps);
+            let mut weights = Weights::new();
+            for (e, &(_, w)) in cands.iter().zip(&loads_weights) {
+                weights = weights.with_weight(e.id().as_str(), f64::from(w)).expect("valid");
+            }
+            let home = best(&key, &ids(&cands), &weights).expect("non-empty");
+            if fits(home) {
+                prop_assert_eq!(i, home);
+            }
+        }
     }
 
     proptest! {

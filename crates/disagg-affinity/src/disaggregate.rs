@@ -7,11 +7,13 @@
 //! take.
 
 use disagg_core::policy::{Decision, Disaggregate};
+use disagg_core::request::Api;
 use disagg_core::router::RequestView;
 
 /// Disaggregate only requests whose prompt is estimated at `min_tokens` or more.
 ///
-/// The estimate reads the raw JSON of the prompt field, with no parse:
+/// The estimate reads the raw JSON of the prompt field the request's API reads
+/// ([`estimate`](Self::estimate)), with no parse:
 ///
 /// - a completions `prompt` that is an array of numbers is a token-id list: its tokens
 ///   are counted exactly (one more than its commas);
@@ -21,8 +23,8 @@ use disagg_core::router::RequestView;
 ///   around chat text (`{"role":"user","content":""}`, about 30 bytes a message) and
 ///   escapes make the estimate a little high, which errs towards disaggregating.
 ///
-/// A request with no prompt field is disaggregated (the engines answer it as they
-/// would).
+/// A request with no prompt field (or one set to `null`, or an API without one) is
+/// disaggregated (the engines answer it as they would).
 ///
 /// # Examples
 ///
@@ -60,14 +62,19 @@ impl PromptThreshold {
     }
 
     /// The estimated prompt length of `req`, in tokens; `None` when it has no prompt.
+    ///
+    /// The prompt is the field the request's API reads, whatever else the body holds:
+    /// `messages` for chat (OpenAI's, Anthropic's Messages, Cohere's), `prompt` for
+    /// completions, `text` or else `input_ids` for SGLang's `/generate`; other APIs have
+    /// none. A field set to `null` is absent.
     pub fn estimate(req: &RequestView<'_>) -> Option<usize> {
-        let raw = req
-            .body
-            .get("messages")
-            .or_else(|| req.body.get("prompt"))
-            // SGLang's `/generate`.
-            .or_else(|| req.body.get("text"))
-            .or_else(|| req.body.get("input_ids"))?;
+        let field = |key: &str| req.body.get(key).filter(|raw| raw.trim_ascii() != b"null");
+        let raw = match req.api {
+            Api::Chat | Api::Messages | Api::CohereChat => field("messages"),
+            Api::Completions => field("prompt"),
+            Api::Generate => field("text").or_else(|| field("input_ids")),
+            _ => None,
+        }?;
         if is_token_ids(raw) {
             return Some(raw.iter().filter(|b| **b == b',').count() + 1);
         }
@@ -104,7 +111,7 @@ mod tests {
     use http::HeaderMap;
 
     use super::*;
-    use disagg_core::{json::JsonBody, request::Api};
+    use disagg_core::json::JsonBody;
 
     fn estimate(api: Api, body: &str) -> Option<usize> {
         let (h, b) = (HeaderMap::new(), JsonBody::parse(body.as_bytes()).unwrap());
@@ -134,6 +141,41 @@ mod tests {
             Some(br#"["12","34"]"#.len() / 4)
         );
         assert_eq!(estimate(Api::Chat, r#"{"model":"m"}"#), None);
+    }
+
+    /// The prompt is the field the request's API reads: a completions request's
+    /// `prompt`, whatever `messages` it carries (here an empty list, which estimated a
+    /// 100 KB prompt at 0 tokens and sent it to a decode engine alone), and a chat's
+    /// `messages`, whatever `prompt`. `null` is no prompt.
+    #[test]
+    fn the_prompt_is_the_field_the_api_reads() {
+        let text = "x".repeat(100_000);
+        let body = format!(r#"{{"prompt":"{text}","messages":[]}}"#);
+        assert_eq!(estimate(Api::Completions, &body), Some(100_002 / 4));
+        assert_eq!(estimate(Api::Chat, &body), Some(0));
+        let body =
+            format!(r#"{{"messages":[{{"role":"user","content":"{text}"}}],"prompt":"hi"}}"#);
+        assert!(estimate(Api::Chat, &body) > Some(25_000));
+        assert_eq!(estimate(Api::Completions, &body), Some(1));
+        // SGLang's `/generate`: `text`, else `input_ids`; a null one is absent.
+        let body = r#"{"text":null,"input_ids":[1,2,3],"prompt":"x","messages":"x"}"#;
+        assert_eq!(estimate(Api::Generate, body), Some(3));
+        assert_eq!(estimate(Api::Generate, r#"{"text":"12345678"}"#), Some(2));
+        for (api, body) in [
+            (Api::Completions, r#"{"prompt":null,"messages":[]}"#),
+            (Api::Chat, r#"{"messages":null,"prompt":"a long prompt"}"#),
+            (Api::Generate, r#"{"text":null,"input_ids":null}"#),
+        ] {
+            assert_eq!(estimate(api, body), None, "{body}");
+        }
+        let hook = PromptThreshold::new(256);
+        let h = HeaderMap::new();
+        let body = format!(r#"{{"prompt":"{text}","messages":[]}}"#);
+        let b = JsonBody::parse(body.as_bytes()).unwrap();
+        assert_eq!(
+            hook.decide(&RequestView::new(Api::Completions, None, &h, &b)),
+            Decision::Disaggregate
+        );
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //! underscored headers depending on `underscores_in_headers`, and some gateways turn
 //! `x-session-id` into `x_session_id` (a failure users of other PD routers report).
 //!
+//! A header sent more than once (under one spelling or several) names a session only
+//! when its non-empty values are all the same; two different values are no key from
+//! that header (the next source is tried, then the policy's fallback), since which one
+//! the client meant cannot be told. One line `a, b` is taken whole, as the value
+//! `a, b`.
+//!
 //! Body fields are top-level only and decoded lazily: [`JsonBody::get`] hands back the
 //! field's raw JSON text and only that one value is looked at. A JSON string yields its
 //! contents (unescaped only when it holds an escape); any other JSON value (a number, an
@@ -29,7 +35,8 @@ pub const USER_FIELD: &str = "user";
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeySource {
-    /// A request header, matched ignoring ASCII case and `-`/`_` differences.
+    /// A request header, matched ignoring ASCII case and `-`/`_` differences; sent
+    /// with different values, it is absent.
     Header(Box<str>),
     /// A top-level field of the JSON body.
     BodyField(Box<str>),
@@ -122,14 +129,19 @@ pub(crate) fn same_header(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).all(|(x, y)| fold(x) == fold(y))
 }
 
+/// The one non-empty value of header `name` under any spelling; `None` when there is
+/// none, or when it is sent more than once with different values (which of them names
+/// the session is anyone's guess: a map's order is not the client's meaning).
 fn header_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a [u8]> {
     // A linear scan: a request has few headers, and `HeaderMap::get` cannot match
-    // `_` against `-`. The first non-empty value under any spelling wins.
-    headers
+    // `_` against `-`.
+    let mut values = headers
         .iter()
         .filter(|(k, _)| same_header(k.as_str(), name))
         .map(|(_, v)| v.as_bytes())
-        .find(|v| !v.iter().all(u8::is_ascii_whitespace))
+        .filter(|v| !v.iter().all(u8::is_ascii_whitespace));
+    let first = values.next()?;
+    values.all(|v| v == first).then_some(first)
 }
 
 fn body_value<'a>(body: &'a JsonBody, name: &str) -> Option<Cow<'a, [u8]>> {
@@ -264,6 +276,46 @@ mod tests {
             Some(&b"sess"[..])
         );
         assert_eq!(pick(&[], r#"{"user":"u"}"#), None);
+    }
+
+    /// A session header sent twice with different values names no session: the first
+    /// in the map's order is no better a key than the last, and one line `a, b` is its
+    /// own key. The header is then absent (the next source is tried, then the policy's
+    /// fallback); repeats of one value, and empty lines, still name it.
+    #[test]
+    fn a_header_repeated_with_different_values_is_no_key() {
+        assert_eq!(
+            key_of(&[("x-session-id", "a"), ("x-session-id", "b")], "{}"),
+            None
+        );
+        assert_eq!(
+            key_of(&[("x-session-id", "a"), ("X_Session_Id", "b")], "{}"),
+            None
+        );
+        assert_eq!(
+            key_of(
+                &[("x-session-id", "a"), ("x-session-id", "b")],
+                r#"{"user":"u"}"#
+            )
+            .as_deref(),
+            Some(&b"u"[..])
+        );
+        assert_eq!(
+            key_of(
+                &[
+                    ("x-session-id", "a"),
+                    ("x-session-id", ""),
+                    ("x_session_id", "a")
+                ],
+                "{}"
+            )
+            .as_deref(),
+            Some(&b"a"[..])
+        );
+        assert_eq!(
+            key_of(&[("x-session-id", "a, b")], "{}").as_deref(),
+            Some(&b"a, b"[..])
+        );
     }
 
     #[test]

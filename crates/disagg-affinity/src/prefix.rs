@@ -18,13 +18,16 @@
 //! | request | stream |
 //! |---|---|
 //! | chat message | `0xFF`, the role, then each content part |
-//! | text content (a string, or a part `{"type":"text","text":…}`) | `0xFC`, the text |
+//! | text content (a string, a part `{"type":"text","text":…}`, or a string in a content list) | `0xFC`, the text |
 //! | any other content part (image, audio, file) | `0xFD`, 16 hex digits of a stable hash of the part's raw JSON |
 //! | completions `prompt` string | `0xFB`, the text |
 //! | completions `prompt` of token ids | `0xFA`, each id as 4 little-endian bytes |
 //!
-//! Strings are unescaped (`"\u00e9"` and `"é"` are the same text). A string content and a
-//! single text part are the same stream, as chat templates render them alike. Other
+//! Strings are unescaped (`"\u00e9"` and `"é"` are the same text), and so are the keys
+//! and the part's `type` (`"\u0074ext"` is `"text"`); a key repeated in a message or a
+//! part counts by its last value, as Python's `json` (and so the engine) reads it. A
+//! string content and a single text part are the same stream, as chat templates render
+//! them alike. Other
 //! message fields (`name`, `tool_calls`, ...) are not part of the stream: a false match
 //! costs only a cache miss, and routing must stay cheap.
 //!
@@ -380,21 +383,87 @@ where
 }
 
 /// One chat message: only the fields that make the stream.
-#[derive(Deserialize)]
 struct Message<'a> {
-    #[serde(borrow, default)]
     role: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     content: Option<&'a RawValue>,
 }
 
+impl<'de> Deserialize<'de> for Message<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let [role, content] = d.deserialize_map(Members(&["role", "content"]))?;
+        Ok(Message { role, content })
+    }
+}
+
 /// One content part, read after the part's raw JSON was taken.
-#[derive(Deserialize)]
 struct Part<'a> {
-    #[serde(rename = "type", borrow, default)]
     kind: Option<&'a RawValue>,
-    #[serde(borrow, default)]
     text: Option<&'a RawValue>,
+}
+
+impl<'de> Deserialize<'de> for Part<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let [kind, text] = d.deserialize_map(Members(&["type", "text"]))?;
+        Ok(Part { kind, text })
+    }
+}
+
+/// The raw values of the named members of a JSON object (`None`: absent or `null`),
+/// each the last of its repeats, as Python's `json` (and so the engine) keeps it; keys
+/// are compared unescaped, the other members skipped unbuilt.
+struct Members<const N: usize>(&'static [&'static str; N]);
+
+impl<'de, const N: usize> Visitor<'de> for Members<N> {
+    type Value = [Option<&'de RawValue>; N];
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object")
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = [None; N];
+        while let Some(key) = map.next_key_seed(KeyIn(self.0))? {
+            match key {
+                Some(i) => found[i] = map.next_value::<Option<&'de RawValue>>()?,
+                None => {
+                    map.next_value::<de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// A member's key, as its index among the names (`None`: another key).
+struct KeyIn(&'static [&'static str]);
+
+impl<'de> de::DeserializeSeed<'de> for KeyIn {
+    type Value = Option<usize>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<usize>, D::Error> {
+        d.deserialize_identifier(self)
+    }
+}
+
+impl Visitor<'_> for KeyIn {
+    type Value = Option<usize>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a key")
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<Option<usize>, E> {
+        Ok(self.0.iter().position(|name| *name == key))
+    }
+}
+
+/// Whether the raw JSON `raw` is the string `want`, however escaped.
+fn is_json_str(raw: &str, want: &str) -> bool {
+    match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+        Some(inner) if !inner.contains('\\') => inner == want,
+        Some(_) => serde_json::from_str::<String>(raw).is_ok_and(|s| s == want),
+        None => false,
+    }
 }
 
 fn write_messages(raw: &[u8], s: &mut Stream) -> Flow {
@@ -418,11 +487,16 @@ fn write_messages(raw: &[u8], s: &mut Stream) -> Flow {
 }
 
 fn write_part(part: &RawValue, s: &mut Stream) -> Flow {
+    // A string in a content list is text, as vLLM reads it.
+    if part.get().starts_with('"') {
+        s.push(&[TEXT])?;
+        return push_json_str(s, part.get().as_bytes());
+    }
     if let Ok(Part {
         kind: Some(kind),
         text: Some(text),
     }) = serde_json::from_str::<Part<'_>>(part.get())
-        && kind.get() == r#""text""#
+        && is_json_str(kind.get(), "text")
         && text.get().starts_with('"')
     {
         s.push(&[TEXT])?;
@@ -653,6 +727,57 @@ mod tests {
         );
     }
 
+    /// A repeated key counts by its last value, as Python's `json` (and so the engine)
+    /// reads it: the stream is that of the message or part without the earlier ones
+    /// (a derived reader refused the repeat, and the prompt gave no blocks).
+    #[test]
+    fn a_repeated_key_counts_by_its_last_value() {
+        let plain = canonical(
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"b"}]}]}"#,
+        );
+        assert_eq!(plain, b"\xffuser\xfcb");
+        for repeated in [
+            r#"{"messages":[{"role":"system","content":"a","role":"user","content":"b"}]}"#,
+            r#"{"messages":[{"content":"a","role":"user","content":[{"type":"text","text":"b"}]}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"type":"image","text":"a","type":"text","text":"b"}]}]}"#,
+            r#"{"messages":[{"role":"user","\u0063ontent":"b"}]}"#,
+        ] {
+            assert_eq!(canonical(Api::Chat, repeated), plain, "{repeated}");
+        }
+        // A last `null` content is no content.
+        assert_eq!(
+            canonical(
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"a","content":null}]}"#
+            ),
+            b"\xffuser"
+        );
+    }
+
+    /// A part's `type` is read unescaped (`"\u0074ext"` is `"text"`), and a bare string
+    /// in a content list is text, as vLLM reads it: both give the text's stream, not a
+    /// hash of the part.
+    #[test]
+    fn text_parts_are_text_however_spelled() {
+        let plain = chat(serde_json::json!([{"role": "user", "content": "hi"}]));
+        for spelled in [
+            r#"{"messages":[{"role":"user","content":[{"type":"\u0074ext","text":"hi"}]}]}"#,
+            r#"{"messages":[{"role":"user","content":[{"\u0074ype":"text","text":"hi"}]}]}"#,
+            r#"{"messages":[{"role":"user","content":["hi"]}]}"#,
+            r#"{"messages":[{"role":"user","content":["h\u0069"]}]}"#,
+        ] {
+            assert_eq!(canonical(Api::Chat, spelled), plain, "{spelled}");
+        }
+        assert_eq!(
+            canonical(
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":["a",{"type":"text","text":"b"}]}]}"#
+            ),
+            b"\xffuser\xfca\xfcb"
+        );
+    }
+
     #[test]
     fn different_images_differ() {
         let img = |url: &str| {
@@ -732,7 +857,6 @@ mod tests {
             r#"{"messages":[1]}"#,
             r#"{"messages":[{"role":1,"content":"a"}]}"#,
             r#"{"messages":[{"role":"user","content":5}]}"#,
-            r#"{"messages":[{"role":"user","role":"x"}]}"#,
         ] {
             assert!(canonical(Api::Chat, bad).is_empty(), "{bad}");
         }

@@ -77,8 +77,10 @@ pub struct KvEventsArgs {
     #[arg(long, value_name = "N")]
     kv_miss_weight: Option<u64>,
     /// The model's tokenizer, to tokenize prompts as the engine does: a directory with
-    /// `tokenizer.json` (and `tokenizer_config.json` for the chat template), or a
-    /// `tokenizer.json` file (its directory's `tokenizer_config.json` is read too).
+    /// `tokenizer.json` (and `tokenizer_config.json` for the chat template, or
+    /// `chat_template.jinja`, which takes priority), or a `tokenizer.json` file (its
+    /// directory's `tokenizer_config.json`, `chat_template.jinja` and
+    /// `additional_chat_templates/` are read too).
     #[arg(long, value_name = "PATH", conflicts_with = "tokenize")]
     tokenizer: Option<PathBuf>,
     /// Tokenize prompts through an engine's own `POST /tokenize` (one round trip per
@@ -163,8 +165,9 @@ impl KvEventsArgs {
             let hf = if path.is_dir() {
                 HfTokenizer::from_dir(path)
             } else {
-                let config = path.with_file_name("tokenizer_config.json");
-                HfTokenizer::from_files(path, config.exists().then_some(config.as_path()))
+                // The file's directory is read as a model directory is: its config and
+                // its standalone chat templates.
+                HfTokenizer::from_tokenizer_file(path)
             }
             .map_err(|e| format!("--tokenizer {}: {e}", path.display()))?;
             return Ok(Some(Arc::new(hf)));
@@ -383,12 +386,14 @@ fn load_on_engine_host(
 /// | `disagg_kv_events_gaps_total` | counter | sequence gaps seen |
 /// | `disagg_kv_events_replayed_total` | counter | batches recovered from the replay sockets |
 /// | `disagg_kv_events_replay_failures_total` | counter | replays that failed or could not cover a gap |
-/// | `disagg_kv_events_drops_total` | counter | times a rank's entries were dropped |
+/// | `disagg_kv_events_drops_total` | counter | times a rank's entries were dropped (a gap without replay, a failed replay, a restart, a bad message, a publisher gone past the grace) |
+/// | `disagg_kv_events_expiries_total` | counter | times a rank's entries were dropped because it stayed without a subscription past `disconnected_grace` (counted in drops too) |
+/// | `disagg_kv_events_skipped_blocks_total` | counter | stored blocks the index did not index (LoRA or salted hash, another KV-cache group or block size, an unknown parent) |
 /// | `disagg_kv_events_resubscribes_total` | counter | subscriptions renewed after silence or an error |
 /// | `disagg_kv_events_index_blocks` | gauge | blocks the index holds, over all engines |
 /// | `disagg_kv_events_replays_skipped_total` | counter | gaps not replayed because the rank's replays were backing off after failures |
 /// | `disagg_kv_events_panics_total` | counter | subscription tasks that panicked (each restarted after a pause) |
-/// | `disagg_kv_events_malformed_total{engine,rank,socket,reason}` | counter | messages and connections refused: `socket` `events`, `replay` or `load`; `reason` `oversized` (over a ceiling: disconnected), `protocol` (not ZMTP: disconnected), `shape` (not `[topic, seq, payload]`), `undecodable` |
+/// | `disagg_kv_events_malformed_total{engine,rank,socket,reason}` | counter | messages and connections refused: `socket` `events`, `replay` or `load`; `reason` `oversized` (over a ceiling: disconnected), `protocol` (not ZMTP: disconnected), `shape` (not `[topic, seq, payload]`), `undecodable`, `timeout` (a peer silent in its handshake) |
 /// | `disagg_kv_scorer_candidates` | gauge | engines (or ranks) the scorer keeps a history of its picks for: at most the followed set's |
 struct KvEventsCollector(Arc<Subscriber>, Arc<KvScorer>);
 
@@ -411,7 +416,7 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
         let sum = |f: fn(&disagg_kvevents::RankStatus) -> u64| ranks.iter().map(f).sum::<u64>();
         // (name, help, gauge, value); counters are named without `_total`: the encoders
         // append it.
-        let rows: [(&str, &str, bool, u64); 10] = [
+        let rows: [(&str, &str, bool, u64); 12] = [
             (
                 "disagg_kv_events_ranks_connected",
                 "Engine ranks whose KV-event subscription is connected.",
@@ -444,9 +449,21 @@ impl prometheus_client::collector::Collector for KvEventsCollector {
             ),
             (
                 "disagg_kv_events_drops",
-                "Times an engine rank's index entries were dropped (a gap without replay, a restart, a bad batch).",
+                "Times an engine rank's index entries were dropped (a gap without replay, a failed replay, a restart, a bad message, a publisher gone past the grace).",
                 false,
                 sum(|r| r.drops),
+            ),
+            (
+                "disagg_kv_events_expiries",
+                "Times an engine rank's index entries were dropped because it stayed without a KV-event subscription past the grace.",
+                false,
+                sum(|r| r.expiries),
+            ),
+            (
+                "disagg_kv_events_skipped_blocks",
+                "Stored blocks the KV-event index did not index (LoRA or salted hash, another KV-cache group or block size, an unknown parent).",
+                false,
+                sum(|r| r.skipped_blocks),
             ),
             (
                 "disagg_kv_events_resubscribes",
@@ -743,6 +760,52 @@ mod tests {
             err.contains("cannot subscribe to http://10.0.0.2:8000: port 65535 plus 2 ranks"),
             "{err}"
         );
+    }
+
+    /// `--tokenizer` naming a `tokenizer.json` file reads its directory as a model
+    /// directory is read: `chat_template.jinja` beside it takes priority over the
+    /// config's template (as in transformers 5), as it does with `--tokenizer DIR`.
+    #[tokio::test]
+    async fn a_tokenizer_file_brings_its_directorys_chat_template() {
+        let dir =
+            std::env::temp_dir().join(format!("disagg-proxy-kv-tokenizer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tokenizer = r#"{
+          "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+          "added_tokens": [], "pre_tokenizer": {"type": "Whitespace"},
+          "post_processor": null, "decoder": null,
+          "model": {"type": "WordLevel", "unk_token": "<unk>",
+                    "vocab": {"<unk>": 0, "config": 1, "file": 2, "hello": 3}}
+        }"#;
+        std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": "config {% for m in messages %}{{ m.content }}{% endfor %}"}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("chat_template.jinja"),
+            "file {% for m in messages %}{{ m.content }}{% endfor %}",
+        )
+        .unwrap();
+        let body = JsonBody::parse(br#"{"messages":[{"role":"user","content":"hello"}]}"#).unwrap();
+        for path in [dir.clone(), dir.join("tokenizer.json")] {
+            let cli = Cli::try_parse_from(["x", "--tokenizer", path.to_str().unwrap()]).unwrap();
+            let source: Arc<dyn EndpointSource> =
+                Arc::new(disagg_core::source::StaticSource::new([]));
+            let tokenizer = cli
+                .kv
+                .tokenizer(source, HttpTransportConfig::default())
+                .unwrap()
+                .unwrap();
+            let ids = tokenizer
+                .token_ids(Api::Chat, &body)
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(&ids[..], [2, 3], "{}", path.display());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -798,4 +798,10 @@ async fn kv_events_and_load_reports_from_libzmq_publishers_steer_the_proxy() {
         0
     );
     assert_eq!(proxy.metric("disagg_kv_events_drops_total").await, 0);
+    // Exposed with the rest: a healthy publisher expires nothing and skips no block.
+    assert_eq!(proxy.metric("disagg_kv_events_expiries_total").await, 0);
+    assert_eq!(
+        proxy.metric("disagg_kv_events_skipped_blocks_total").await,
+        0
+    );
 }

@@ -20,8 +20,10 @@
 //! `/tokenize` hangs is ejected like one whose legs fail.
 //!
 //! What the engine's route does not see: vLLM's `/tokenize` ignores `documents` and
-//! `reasoning_effort`, which its chat route passes to the template; a request setting
-//! them may tokenize differently there.
+//! `reasoning_effort`, which its chat route passes to the template (the latter with the
+//! `enable_thinking` it implies), so its ids for a chat that sets either would be those
+//! of another render. Such a chat is [not supported](TokenizeError::NotSupported): it is
+//! routed without ids, and the engine is not asked.
 
 use std::fmt;
 use std::sync::Arc;
@@ -224,7 +226,22 @@ fn plan(prompt: &Prompt) -> Result<Plan, TokenizeError> {
         PromptInput::Text {
             add_special_tokens, ..
         } => *add_special_tokens,
-        PromptInput::Chat(chat) => chat.add_special_tokens,
+        PromptInput::Chat(chat) => {
+            // vLLM's chat route passes these to the template (`documents`, and
+            // `reasoning_effort` with the `enable_thinking` it implies); its `/tokenize`
+            // ignores them, so its ids would be those of another render.
+            if chat.documents.is_some() {
+                return Err(TokenizeError::not_supported(
+                    "documents, through the engine",
+                ));
+            }
+            if chat.reasoning_effort.is_some() {
+                return Err(TokenizeError::not_supported(
+                    "reasoning_effort, through the engine",
+                ));
+            }
+            chat.add_special_tokens
+        }
     };
     // Without an explicit side vLLM truncates text inside the tokenizer, which keeps the
     // special tokens it adds; which of the answer's ids those are is not known here.

@@ -124,6 +124,35 @@ async fn an_engine_error_is_typed_with_its_status_and_message() {
     assert_eq!(e.stats().tokenize_requests, 1);
 }
 
+/// `documents` and `reasoning_effort` reach the template on vLLM's chat route, but its
+/// `/tokenize` ignores them: its ids would be those of another render. Such a chat is
+/// not supported (routed without ids), and the engine is not asked; set to `null`
+/// they are absent.
+#[tokio::test]
+async fn fields_the_engines_tokenize_route_ignores_are_not_supported() {
+    let e = engine().await;
+    let t = tokenizer(&e.url());
+    let messages = r#""messages":[{"role":"user","content":"hello there"}]"#;
+    for extra in [
+        r#""documents":[{"title":"a","text":"b"}]"#,
+        r#""reasoning_effort":"high""#,
+        r#""reasoning_effort":"none""#,
+    ] {
+        let err = tokenize(&t, Api::Chat, &format!("{{{messages},{extra}}}"))
+            .await
+            .unwrap_err();
+        assert!(err.is_not_supported(), "{extra}: {err:?}");
+    }
+    assert_eq!(e.stats().tokenize_requests, 0);
+    for extra in [r#""documents":null"#, r#""reasoning_effort":null"#] {
+        let ids = tokenize(&t, Api::Chat, &format!("{{{messages},{extra}}}"))
+            .await
+            .unwrap();
+        assert_eq!(ids, disagg_sim::tokenize("hello there\n"), "{extra}");
+    }
+    assert_eq!(e.stats().tokenize_requests, 2);
+}
+
 #[tokio::test]
 async fn an_engine_that_is_gone_is_a_transport_error() {
     let e = engine().await;

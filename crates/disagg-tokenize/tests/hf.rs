@@ -140,6 +140,111 @@ async fn token_id_prompts_are_taken_as_they_are_and_truncated_as_vllm() {
     assert_eq!(ids, [BOS, chat[chat.len() - 2], chat[chat.len() - 1]]);
 }
 
+/// `truncate_prompt_tokens` without a side gives, for text and chat, with and without
+/// special tokens, the ids a copy of the tokenizer set to truncate from the left (room
+/// kept for the special tokens) gives: what vLLM's tokenizer gives.
+#[tokio::test]
+async fn truncation_inside_the_tokenizer_matches_a_truncating_tokenizer() {
+    use tokenizers::utils::truncation::{
+        TruncationDirection, TruncationParams, TruncationStrategy,
+    };
+    let truncating = |keep: usize| {
+        let mut t = raw();
+        t.with_truncation(Some(TruncationParams {
+            direction: TruncationDirection::Left,
+            max_length: keep,
+            strategy: TruncationStrategy::LongestFirst,
+            stride: 0,
+        }))
+        .unwrap();
+        t
+    };
+    let t = hf();
+    let texts = [
+        "hello".to_owned(),
+        "the model and the engine and the cache".to_owned(),
+        "<|eot_id|>Café über naïve 12345678!\n\n  spaces  ".to_owned(),
+        fixture::text(3000, 5),
+    ];
+    for text in &texts {
+        let full = encode(text, true).len();
+        for keep in [1, 2, 3, 7, full - 1, full, full + 4] {
+            for special in [true, false] {
+                let want = truncating(keep)
+                    .encode(text.as_str(), special)
+                    .unwrap()
+                    .get_ids()
+                    .to_vec();
+                let got = tokenize(
+                    &t,
+                    Api::Completions,
+                    &completion(
+                        text,
+                        &format!(
+                            r#","truncate_prompt_tokens":{keep},"add_special_tokens":{special}"#
+                        ),
+                    ),
+                )
+                .await
+                .unwrap();
+                assert_eq!(got, want, "{keep} of {text:?}, special {special}");
+            }
+        }
+    }
+    // A chat's rendered text, with the tokenizer's special tokens added.
+    for keep in [1, 4, 9, 100] {
+        let want = truncating(keep)
+            .encode(rendered(true), true)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        let got = tokenize(
+            &t,
+            Api::Chat,
+            &format!(
+                r#"{{"messages":{CHAT},"add_special_tokens":true,"truncate_prompt_tokens":{keep}}}"#
+            ),
+        )
+        .await
+        .unwrap();
+        assert_eq!(got, want, "chat, {keep}");
+    }
+}
+
+/// The truncation and padding a `tokenizer.json` sets are not applied: transformers
+/// turns them off for every call that does not ask for them
+/// (`set_truncation_and_padding`), as vLLM's calls do not.
+#[tokio::test]
+async fn the_tokenizer_files_truncation_and_padding_are_not_applied() {
+    let mut json: serde_json::Value = serde_json::from_str(tokenizer_json()).unwrap();
+    json["truncation"] = serde_json::json!({
+        "direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0
+    });
+    json["padding"] = serde_json::json!({
+        "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null,
+        "pad_id": 1, "pad_type_id": 0, "pad_token": "<|end_of_text|>"
+    });
+    let config = fixture::config(Some(fixture::TEMPLATE));
+    let t = HfTokenizer::from_bytes(json.to_string().as_bytes(), Some(config.as_bytes())).unwrap();
+    let text = "the model and the engine and the cache";
+    let full = encode(text, true);
+    assert_eq!(
+        tokenize(&t, Api::Completions, &completion(text, ""))
+            .await
+            .unwrap(),
+        full
+    );
+    let ids = tokenize(
+        &t,
+        Api::Completions,
+        &completion(text, r#","truncate_prompt_tokens":5"#),
+    )
+    .await
+    .unwrap();
+    assert_eq!(ids[0], BOS);
+    assert_eq!(ids[1..], full[full.len() - 4..]);
+}
+
 /// The text the template must render for `CHAT` (its content stripped, headers and
 /// `<|eot_id|>` around each message).
 fn rendered(generation_prompt: bool) -> String {
@@ -352,6 +457,31 @@ async fn shapes_it_cannot_reproduce_are_not_supported() {
     );
 }
 
+/// A `tokenizer.json` given by its path (named as it may be) is loaded with what lies
+/// beside it, as a directory is: `tokenizer_config.json`, and `chat_template.jinja`,
+/// which takes priority over the config's template, as in transformers 5.
+#[tokio::test]
+async fn a_tokenizer_file_brings_its_directorys_templates() {
+    let dir = fixture::temp_dir("file");
+    fixture::write_model(&dir, &raw(), Some(fixture::TEMPLATE));
+    std::fs::rename(dir.join("tokenizer.json"), dir.join("my-tokenizer.json")).unwrap();
+    let body = r#"{"messages":[{"role":"user","content":"hello"}]}"#;
+    let t = HfTokenizer::from_tokenizer_file(dir.join("my-tokenizer.json")).unwrap();
+    let ids = tokenize(&t, Api::Chat, body).await.unwrap();
+    assert_eq!(ids, tokenize(&hf(), Api::Chat, body).await.unwrap());
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}",
+    )
+    .unwrap();
+    let t = HfTokenizer::from_tokenizer_file(dir.join("my-tokenizer.json")).unwrap();
+    let ids = tokenize(&t, Api::Chat, body).await.unwrap();
+    assert_eq!(ids, encode("USER: hello\n", false));
+    // A file that is not there is a read error.
+    let err = HfTokenizer::from_tokenizer_file(dir.join("tokenizer.json")).unwrap_err();
+    assert!(matches!(err, LoadError::Read { .. }), "{err:?}");
+}
+
 #[tokio::test]
 async fn a_standalone_chat_template_file_takes_priority() {
     let dir = fixture::temp_dir("jinja");
@@ -370,6 +500,54 @@ async fn a_standalone_chat_template_file_takes_priority() {
     .await
     .unwrap();
     assert_eq!(ids, encode("USER: hello\n", false));
+}
+
+/// A chat template written as Gemma 3's: the content a string or a list of parts, the
+/// parts' loop with whitespace control on both ends (`{%- for ... -%}`), each text part
+/// trimmed, no separator between them.
+const GEMMA3: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first = messages[0]['content'] if messages[0]['content'] is string else messages[0]['content'][0]['text'] -%}
+    {%- set prefix = first + '\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set prefix = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' + (prefix if loop.first else '') }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"#;
+
+/// A template written as Gemma 3's loops over the content (`{%- for item in
+/// message['content'] -%}`): vLLM gives it the parts (the OpenAI format), each trimmed
+/// and written with no separator; as a string (the parts joined with newlines) the
+/// words would run on another line.
+#[tokio::test]
+async fn gemma3s_template_gets_the_content_parts() {
+    let t = hf().with_chat_template(GEMMA3).unwrap();
+    let body = r#"{"messages":[{"role":"system","content":[{"type":"text","text":"Be terse."}]},{"role":"user","content":[{"type":"text","text":" What is "},{"type":"text","text":"the weather? "}]}]}"#;
+    let ids = tokenize(&t, Api::Chat, body).await.unwrap();
+    assert_eq!(
+        ids,
+        encode(
+            "<|begin_of_text|><start_of_turn>user\nBe terse.\n\nWhat isthe weather?<end_of_turn>\n<start_of_turn>model\n",
+            false
+        )
+    );
 }
 
 #[tokio::test]

@@ -417,8 +417,13 @@ mod tests {
                 .map(Fields::into_value)
                 .collect::<Vec<_>>(),
         );
-        t.render("default", minijinja::context! { m => m }, usize::MAX)
-            .unwrap()
+        t.render(
+            "default",
+            minijinja::context! { m => m },
+            usize::MAX,
+            u64::MAX,
+        )
+        .unwrap()
     }
 
     #[test]

@@ -42,7 +42,7 @@ use disagg_core::request::Api;
 use minijinja::value::Value;
 use serde_json::Value as Json;
 use tokenizers::tokenizer::{AddedToken, PostProcessor};
-use tokenizers::utils::truncation::{TruncationDirection, TruncationParams, TruncationStrategy};
+use tokenizers::utils::truncation::TruncationDirection;
 
 use self::template::{Fields, RenderError, Templates};
 use crate::error::TokenizeError;
@@ -107,6 +107,41 @@ pub fn render_ceiling(input: usize) -> usize {
     input
         .saturating_mul(RENDER_CEILING_FACTOR)
         .max(RENDER_CEILING_FLOOR)
+}
+
+/// The least work a chat's render may do (see [`render_fuel`]), in minijinja's fuel:
+/// one per instruction the template runs, one per 64 bytes of values it makes or
+/// writes. 32 Ki: some twenty times what a conversation of twenty short turns takes
+/// (about 1,400 for a template that walks the messages twice, as Qwen 3's does; a
+/// single turn about 100), so that no real short chat meets it.
+pub const RENDER_FUEL_FLOOR: u64 = 32 * 1024;
+
+/// How much fuel a chat's render may use per byte of its template inputs
+/// (`messages`, `tools`, `documents`, `chat_template_kwargs`), above the floor (see
+/// [`render_fuel`]): 16, some eight times what templates take (1 to 2 per byte,
+/// measured with a template that walks the messages twice and one that lists each
+/// tool parameter through a macro, on conversations of 1 to 2,000 turns and on 1 to
+/// 50 tools of 1 to 20 parameters).
+pub const RENDER_FUEL_PER_BYTE: u64 = 16;
+
+/// The most work a chat's render may do, for template inputs of `input` bytes:
+/// `RENDER_FUEL_FLOOR + RENDER_FUEL_PER_BYTE * input` of minijinja's fuel. A render
+/// that needs more stops there and is [not supported](TokenizeError::NotSupported):
+/// the chat is routed without token ids, as for a render past its
+/// [`render_ceiling`].
+///
+/// The fuel bounds the time a template may take whatever it does (a loop that never
+/// ends in a model's template, a template whose work grows faster than its input):
+/// without it such a render held the event loop (a small chat is rendered there) or a
+/// place on the blocking pool for ever. A chat rendered on the event loop (template
+/// inputs under [`DEFAULT_OFF_LOOP_FROM`]) has at most `32 Ki + 16 × 4 Ki` = 96 Ki of
+/// fuel: about 4.5 ms of a template looping on nothing (some 45 ns per fuel, release
+/// build, one core of a 2-core x86-64 VM), where a real one needs a few thousand.
+pub fn render_fuel(input: usize) -> u64 {
+    u64::try_from(input)
+        .unwrap_or(u64::MAX)
+        .saturating_mul(RENDER_FUEL_PER_BYTE)
+        .saturating_add(RENDER_FUEL_FLOOR)
 }
 
 /// The client's fields a chat's render builds as template values: `messages`, and
@@ -289,9 +324,30 @@ impl HfTokenizer {
     /// [`LoadError`] when `tokenizer.json` is missing or any file is invalid.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<HfTokenizer, LoadError> {
         let dir = dir.as_ref();
+        HfTokenizer::from_file_in(&dir.join("tokenizer.json"), dir)
+    }
+
+    /// Load the `tokenizer.json` file at `path` (whatever its name) with what its
+    /// directory holds beside it, as [`from_dir`](Self::from_dir) loads a model
+    /// directory: `tokenizer_config.json`, `chat_template.jinja` and
+    /// `additional_chat_templates/*.jinja` when present (the standalone templates
+    /// taking priority over the config's, as in transformers 5).
+    ///
+    /// # Errors
+    ///
+    /// [`LoadError`] when `path` is missing or any file is invalid.
+    pub fn from_tokenizer_file(path: impl AsRef<Path>) -> Result<HfTokenizer, LoadError> {
+        let path = path.as_ref();
+        // A bare file name's directory is the current one.
+        let dir = path.parent().unwrap_or(Path::new(""));
+        HfTokenizer::from_file_in(path, dir)
+    }
+
+    /// `tokenizer_json`, with the config and templates of `dir`.
+    fn from_file_in(tokenizer_json: &Path, dir: &Path) -> Result<HfTokenizer, LoadError> {
         let config = dir.join("tokenizer_config.json");
         let config = config.exists().then_some(config);
-        let mut tokenizer = HfTokenizer::from_files(dir.join("tokenizer.json"), config.as_deref())?;
+        let mut tokenizer = HfTokenizer::from_files(tokenizer_json, config.as_deref())?;
         // Standalone template files take priority over the config's, as in
         // transformers 5 (`PreTrainedTokenizerBase.from_pretrained`).
         let mut files = Vec::new();
@@ -440,7 +496,8 @@ impl HfTokenizer {
     ///
     /// # Errors
     ///
-    /// [`TokenizeError::NotSupported`] without a chat template or for non-text content,
+    /// [`TokenizeError::NotSupported`] without a chat template, for non-text content, or
+    /// for a render past its [`render_ceiling`] or its [`render_fuel`];
     /// [`TokenizeError::Invalid`] for malformed messages, [`TokenizeError::Template`]
     /// when the template fails or raises.
     pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, TokenizeError> {
@@ -551,33 +608,43 @@ impl Inner {
         add_special_tokens: bool,
         max_length: Option<usize>,
     ) -> Result<Vec<u32>, TokenizeError> {
+        let added = match (add_special_tokens, self.tokenizer.get_post_processor()) {
+            (true, Some(p)) => p.added_tokens(false),
+            _ => 0,
+        };
         // The `tokenizers` crate computes `max_length - added tokens` unchecked (a
         // panic in debug builds, a wrap to "no limit" in Python's release wheels). vLLM,
         // on those wheels, then gets the text's full ids and keeps their last
         // `max_length` (`TokenizeParams._token_truncation`); so does the caller's
-        // `Truncation::apply` when the tokenizer truncates nothing here.
-        let max_length = max_length.filter(|&m| {
-            let added = self.tokenizer.get_post_processor();
-            m >= added.map_or(0, |p| p.added_tokens(false))
-        });
-        let encoding = match max_length {
-            None => self.tokenizer.encode_fast(text, add_special_tokens),
-            Some(max_length) => {
-                // Rare (a request with `truncate_prompt_tokens`): a copy of the
-                // tokenizer truncates from the left as vLLM's does, room kept for the
-                // special tokens.
-                let mut t = self.tokenizer.clone();
-                t.with_truncation(Some(TruncationParams {
-                    direction: TruncationDirection::Left,
-                    max_length,
-                    strategy: TruncationStrategy::LongestFirst,
-                    stride: 0,
-                }))
-                .map_err(TokenizeError::Tokenizer)?;
-                t.encode_fast(text, add_special_tokens)
-            }
+        // `Truncation::apply` when the tokenizer truncates nothing here. Without special
+        // tokens, truncating inside the tokenizer keeps the last `max_length` ids: the
+        // caller's `Truncation::apply` does that too.
+        let Some(content) = max_length
+            .filter(|&m| add_special_tokens && m >= added)
+            .map(|m| m - added)
+        else {
+            return self
+                .tokenizer
+                .encode_fast(text, add_special_tokens)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(TokenizeError::Tokenizer);
         };
-        encoding
+        // What a tokenizer set to truncate from the left to `max_length` gives, as
+        // vLLM's does (`truncation_side="left"`): the text's ids without special
+        // tokens, their last `max_length - added` kept, then the post-processor's
+        // special tokens around them. With this shared tokenizer, not a copy of it set
+        // to truncate: a copy, made per request, rebuilt the vocabulary and the
+        // patterns, and started a cache of merged words of its own on each thread it
+        // ran on, never dropped.
+        let mut encoding = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(TokenizeError::Tokenizer)?;
+        encoding.truncate(content, 0, TruncationDirection::Left);
+        // The parts cut off (which the tokenizer would post-process too) are not used.
+        drop(encoding.take_overflowing());
+        self.tokenizer
+            .post_process(encoding, None, true)
             .map(|e| e.get_ids().to_vec())
             .map_err(TokenizeError::Tokenizer)
     }
@@ -597,7 +664,9 @@ impl Inner {
             ));
         }
         let mut containers = MAX_TEMPLATE_CONTAINERS - held;
-        let ceiling = render_ceiling(template_inputs(chat).map(Bytes::len).sum());
+        let input = template_inputs(chat).map(Bytes::len).sum();
+        let ceiling = render_ceiling(input);
+        let fuel = render_fuel(input);
         // Tools: the request's, unless its chat_template_kwargs carry their own.
         let mut kwargs = self.default_kwargs.clone();
         let mut request_kwargs: Vec<(String, Value)> = Vec::new();
@@ -708,13 +777,16 @@ impl Inner {
         context.set("documents", documents);
         context.set("add_generation_prompt", add_generation_prompt);
         let rendered = templates
-            .render(&entry.name, context.into_value(), ceiling)
+            .render(&entry.name, context.into_value(), ceiling, fuel)
             .map_err(|e| match e {
                 RenderError::Template(e) => TokenizeError::Template {
                     message: template_message(&e),
                 },
                 RenderError::TooLarge => TokenizeError::not_supported(
                     "a chat whose rendered text is larger than its render's ceiling",
+                ),
+                RenderError::OutOfFuel => TokenizeError::not_supported(
+                    "a chat whose render takes more work than its budget",
                 ),
             })?;
         if !chat.continue_final_message {
@@ -808,9 +880,19 @@ fn load(
 ) -> Result<HfTokenizer, LoadError> {
     let mut tokenizer =
         tokenizers::Tokenizer::from_bytes(json).map_err(|source| LoadError::Tokenizer {
+            path: json_path.clone(),
+            source,
+        })?;
+    // The truncation and padding the file may set are off, as transformers turns them
+    // off for every call that does not ask for them (`set_truncation_and_padding`), and
+    // vLLM's calls do not: `truncate_prompt_tokens` is applied per request (`encode`).
+    tokenizer
+        .with_truncation(None)
+        .map_err(|source| LoadError::Tokenizer {
             path: json_path,
             source,
         })?;
+    tokenizer.with_padding(None);
     let mut special = Vec::new();
     let mut templates = None;
     if let Some((path, bytes)) = config {
@@ -994,5 +1076,140 @@ mod tests {
             probes <= 40 * n as u64,
             "{probes} key comparisons and look-ups for objects of {n} keys"
         );
+    }
+
+    /// Templates of the kinds models ship use a small part of their fuel: an eighth at
+    /// most, on conversations of 1 to 2,000 turns (a turn as small as a message gets)
+    /// and on 1 to 50 tools of 1 to 20 parameters.
+    #[test]
+    fn templates_use_a_small_part_of_their_fuel() {
+        // Walks the messages twice (finding the last user turn first), as Qwen 3's.
+        let two_pass = r#"{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages[::-1] %}
+    {%- if ns.last_user < 0 and message.role == 'user' %}
+        {%- set ns.last_user = messages | length - 1 - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- if tools %}<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>{% endif %}
+{%- for message in messages %}
+    {%- if message.role == 'assistant' and loop.index0 > ns.last_user %}<think>{% endif %}
+    {{- '<|' + message.role + '|>\n' + message.content.strip() + '<|end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"#;
+        // Lists each tool parameter and its other keys through a macro, as
+        // Qwen3-Coder's.
+        let parameters = r#"{%- macro extra(d, skip) %}
+    {%- for k in d if k not in skip %}
+        {{- '<' ~ k ~ '>' ~ (d[k] | tojson if d[k] is mapping or (d[k] is sequence and d[k] is not string) else d[k] | string) ~ '</' ~ k ~ '>' }}
+    {%- endfor %}
+{%- endmacro %}
+{%- for tool in tools or [] %}
+    {%- set f = tool.function %}
+    {{- '<function><name>' ~ f.name ~ '</name>' }}
+    {%- for name, p in f.parameters.properties | items %}
+        {{- '<parameter><name>' ~ name ~ '</name><type>' ~ (p.type | string) ~ '</type>' }}
+        {{- extra(p, ['type']) }}
+        {{- '</parameter>' }}
+    {%- endfor %}
+    {{- extra(f.parameters, ['type', 'properties']) ~ '</function>\n' }}
+{%- endfor %}
+{%- for message in messages %}<|{{ message.role }}|>{{ message.content }}<|end|>{% endfor %}"#;
+        let chat = |messages: usize, words: usize, tools: usize, params: usize| {
+            let messages: Vec<Json> = (0..messages)
+                .map(|i| {
+                    let role = if i % 2 == 0 { "user" } else { "assistant" };
+                    serde_json::json!({"role": role, "content": "word ".repeat(words)})
+                })
+                .collect();
+            let mut body = serde_json::json!({ "messages": messages });
+            if tools > 0 {
+                let tools: Vec<Json> = (0..tools)
+                    .map(|t| {
+                        let properties: serde_json::Map<String, Json> = (0..params)
+                            .map(|p| {
+                                let field = serde_json::json!({
+                                    "type": "string", "description": "a parameter",
+                                    "enum": ["a", "b"]
+                                });
+                                (format!("p{p}"), field)
+                            })
+                            .collect();
+                        serde_json::json!({"type": "function", "function": {
+                            "name": format!("f{t}"), "description": "does a thing",
+                            "parameters": {"type": "object", "properties": properties,
+                                           "required": ["p0"]}}})
+                    })
+                    .collect();
+                body["tools"] = tools.into();
+            }
+            body.to_string()
+        };
+        for template in [two_pass, parameters] {
+            let t = HfTokenizer::from_bytes(TOKENIZER.as_bytes(), None)
+                .unwrap()
+                .with_chat_template(template)
+                .unwrap();
+            for (messages, words, tools, params) in [
+                (1, 3, 0, 0),
+                (20, 3, 0, 0),
+                (2000, 0, 0, 0),
+                (200, 1, 1, 1),
+                (2, 3, 10, 5),
+                (2, 3, 50, 20),
+            ] {
+                let body = chat(messages, words, tools, params);
+                let body = JsonBody::parse(body.as_bytes()).unwrap();
+                let PromptInput::Chat(chat) = Prompt::read(Api::Chat, &body).unwrap().input else {
+                    panic!("a chat");
+                };
+                let input = template_inputs(&chat).map(Bytes::len).sum();
+                template::FUEL_USED.set(None);
+                t.render_chat(&chat).unwrap();
+                let used = template::FUEL_USED.get().unwrap();
+                assert!(
+                    used.saturating_mul(8) <= render_fuel(input),
+                    "{messages} messages, {tools} tools of {params}: {used} fuel of {}",
+                    render_fuel(input)
+                );
+            }
+        }
+    }
+
+    /// A template that would loop for ever (10^10 iterations) runs out of fuel: the
+    /// chat is not supported (routed without ids), rendered on the event loop or off
+    /// it. (The bound on the wait only turns a hang into a failure.)
+    #[test]
+    fn a_template_that_would_run_for_ever_is_not_supported() {
+        let t = HfTokenizer::from_bytes(TOKENIZER.as_bytes(), None)
+            .unwrap()
+            .with_chat_template(
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            )
+            .unwrap();
+        let small = JsonBody::parse(br#"{"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let large = serde_json::json!({
+            "messages": [{"role": "user", "content": "hello ".repeat(2000)}]
+        })
+        .to_string();
+        let large = JsonBody::parse(large.as_bytes()).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            for body in [&small, &large] {
+                let _ = tx.send(runtime.block_on(t.tokenize(Api::Chat, body)));
+            }
+        });
+        for _ in 0..2 {
+            let err = rx
+                .recv_timeout(Duration::from_secs(300))
+                .expect("an answer, not a hang")
+                .unwrap_err();
+            assert!(err.is_not_supported(), "{err}");
+        }
     }
 }

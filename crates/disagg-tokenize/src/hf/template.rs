@@ -82,13 +82,24 @@ impl Templates {
     /// ([`RenderError::TooLarge`]), so that a client's value a template expands (a
     /// deeply nested list dumped with an indent: some 250 bytes out for each 2 in)
     /// costs at most the ceiling, never what the expansion would reach.
+    ///
+    /// The render's work is bounded by `fuel` (minijinja's: one per instruction run,
+    /// one per 64 bytes of values made or written): a template that loops for longer
+    /// stops there ([`RenderError::OutOfFuel`]) instead of holding its thread for
+    /// ever.
     pub(crate) fn render(
         &self,
         name: &str,
         context: Value,
         ceiling: usize,
+        fuel: u64,
     ) -> Result<String, RenderError> {
-        let template = self.env.get_template(name).map_err(RenderError::Template)?;
+        // The environment with this render's fuel. A copy shares the compiled
+        // templates, filters and globals (reference-counted): it copies a map of a
+        // handle per template.
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel));
+        let template = env.get_template(name).map_err(RenderError::Template)?;
         let budget = DumpBudget::install(ceiling);
         let mut out = Capped {
             buf: Vec::new(),
@@ -99,8 +110,13 @@ impl Templates {
         if out.over || budget.exceeded() {
             return Err(RenderError::TooLarge);
         }
-        if let Err(e) = rendered {
-            return Err(RenderError::Template(e));
+        match rendered {
+            Err(e) if out_of_fuel(&e) => return Err(RenderError::OutOfFuel),
+            Err(e) => return Err(RenderError::Template(e)),
+            #[cfg(test)]
+            Ok(captured) => FUEL_USED.set(captured.state().fuel_levels().map(|(used, _)| used)),
+            #[cfg(not(test))]
+            Ok(_) => {}
         }
         String::from_utf8(out.buf).map_err(|_| {
             RenderError::Template(Error::new(
@@ -111,6 +127,26 @@ impl Templates {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The fuel the last successful render on this thread used.
+    pub(crate) static FUEL_USED: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// Whether `e`, or an error it wraps, is minijinja's out of fuel.
+fn out_of_fuel(e: &Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<Error>()
+            .is_some_and(|e| e.kind() == ErrorKind::OutOfFuel)
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// Why a render gave no text.
 #[derive(Debug)]
 pub(crate) enum RenderError {
@@ -118,6 +154,8 @@ pub(crate) enum RenderError {
     Template(Error),
     /// The output, or what `tojson` wrote, went past the render's ceiling.
     TooLarge,
+    /// The render did more work than its fuel pays for.
+    OutOfFuel,
 }
 
 /// A render's output, refused from the first byte past `ceiling`.
@@ -197,8 +235,10 @@ impl Drop for DumpBudget {
 /// list-of-parts content.
 ///
 /// vLLM decides this from the template's syntax tree (`_detect_content_format`); this
-/// recognises the loop as written in the models' templates. Set the format explicitly
-/// ([`ContentFormat`](super::ContentFormat)) for a template it misreads.
+/// recognises the loop as written in the models' templates: the iterated expression
+/// read up to the block's end, its whitespace control (`-%}`, `+%}`) left out, or up
+/// to a loop filter (`if`) or `recursive`, whichever comes first. Set the format
+/// explicitly ([`ContentFormat`](super::ContentFormat)) for a template it misreads.
 fn iterates_content(source: &str) -> bool {
     let mut rest = source;
     while let Some(at) = rest.find("for ") {
@@ -214,7 +254,14 @@ fn iterates_content(source: &str) -> bool {
         }
         let expr = &after[in_at + 4..];
         let end = expr.find("%}").unwrap_or(expr.len());
-        let expr: String = expr[..end].chars().filter(|c| !c.is_whitespace()).collect();
+        // The block's whitespace control (`-%}`, `+%}`) is not the expression's.
+        let expr = expr[..end].trim_end().trim_end_matches(['-', '+']);
+        // Jinja2's `for`: `for <target> in <iter> [if <test>] [recursive]`; the
+        // iterated expression ends at the first word `if` or `recursive`.
+        let expr: String = expr
+            .split_whitespace()
+            .take_while(|word| !matches!(*word, "if" | "recursive"))
+            .collect();
         let head = expr.split('|').next().unwrap_or("");
         if head.ends_with("['content']")
             || head.ends_with("[\"content\"]")
@@ -254,7 +301,20 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         Some(v) if v.is_none() => None,
         Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or("").to_owned()),
         Some(v) => match v.as_i64() {
-            Some(n) => Some(" ".repeat(usize::try_from(n).unwrap_or(0))),
+            Some(n) => {
+                // Python's `" " * indent` (a negative indent: none). The template's
+                // number, refused before it is made when larger than what the dump may
+                // still write (`indent=10**12`: a terabyte): any use of it would be.
+                let n = usize::try_from(n).unwrap_or(0);
+                if n > DumpBudget::left() {
+                    DumpBudget::overrun();
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: the indent is larger than the render may write",
+                    ));
+                }
+                Some(" ".repeat(n))
+            }
             None => {
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
@@ -682,10 +742,12 @@ mod tests {
 
     fn render(source: &str, ctx: Value) -> Result<String, Error> {
         let t = Templates::new(vec![("default".into(), source.into())]).map_err(|e| e.1)?;
-        t.render("default", ctx, usize::MAX).map_err(|e| match e {
-            RenderError::Template(e) => e,
-            RenderError::TooLarge => Error::new(ErrorKind::InvalidOperation, "too large"),
-        })
+        t.render("default", ctx, usize::MAX, u64::MAX)
+            .map_err(|e| match e {
+                RenderError::Template(e) => e,
+                RenderError::TooLarge => Error::new(ErrorKind::InvalidOperation, "too large"),
+                RenderError::OutOfFuel => Error::from(ErrorKind::OutOfFuel),
+            })
     }
 
     #[test]
@@ -757,6 +819,33 @@ mod tests {
         ));
     }
 
+    /// The loop's end may trim whitespace (`-%}`, `+%}`), filter (`if`) and recurse
+    /// (`recursive`): the iterated expression is what comes before them, as Jinja2
+    /// parses a `for` (vLLM reads the loop's `iter` from the syntax tree).
+    #[test]
+    fn content_loops_with_whitespace_control_filters_and_recursion_are_recognised() {
+        for source in [
+            // Gemma 3's.
+            "{%- for item in message['content'] -%}{%- endfor -%}",
+            "{% for item in message['content'] +%}{% endfor %}",
+            "{%- for item in message[\"content\"]-%}{%- endfor -%}",
+            "{% for part in message.content if part.type == 'text' %}{% endfor %}",
+            "{%- for part in message.content if part['type'] == 'text' -%}{%- endfor -%}",
+            "{% for part in message.content\n    if part.text %}{% endfor %}",
+            "{% for part in message['content'] recursive %}{% endfor %}",
+            "{% for part in message.content | selectattr('type', 'equalto', 'text') if part %}{% endfor %}",
+        ] {
+            assert!(iterates_content(source), "{source}");
+        }
+        for source in [
+            "{%- for item in message['content_parts'] -%}{%- endfor -%}",
+            "{% for m in messages if m.content %}{% endfor %}",
+            "{% for m in messages recursive %}{{ m.content }}{% endfor %}",
+        ] {
+            assert!(!iterates_content(source), "{source}");
+        }
+    }
+
     #[test]
     fn fields_keep_their_order_and_fold_repeats() {
         let f: Fields = serde_json::from_str(r#"{"z":1,"a":2,"z":3}"#).unwrap();
@@ -801,18 +890,92 @@ mod tests {
         .unwrap();
         let v = nested(100, 1000);
         let ctx = || minijinja::context! { v => v.clone() };
-        let full = t.render("out", ctx(), usize::MAX).unwrap();
+        let full = t.render("out", ctx(), usize::MAX, u64::MAX).unwrap();
         assert!(full.len() > 200_000, "{}", full.len());
         for name in ["out", "kept"] {
-            let err = t.render(name, ctx(), 64 * 1024).unwrap_err();
+            let err = t.render(name, ctx(), 64 * 1024, u64::MAX).unwrap_err();
             assert!(matches!(err, RenderError::TooLarge), "{name}: {err:?}");
-            assert!(t.render(name, ctx(), full.len() + 10).is_ok(), "{name}");
+            assert!(
+                t.render(name, ctx(), full.len() + 10, u64::MAX).is_ok(),
+                "{name}"
+            );
         }
         // The dumps of one render share one budget.
-        assert!(t.render("twice", ctx(), 2 * full.len()).is_err());
-        assert!(t.render("twice", ctx(), 4 * full.len()).is_ok());
+        assert!(t.render("twice", ctx(), 2 * full.len(), u64::MAX).is_err());
+        assert!(t.render("twice", ctx(), 4 * full.len(), u64::MAX).is_ok());
         // No budget is left behind on the thread.
         assert_eq!(DUMP_LEFT.get(), None);
+    }
+
+    /// An indent larger than what the render may still write is refused before it is
+    /// made (`" " * 10**12` would be a terabyte: the allocation failed and aborted the
+    /// process), whatever is dumped: Python's `json.dumps` makes it first too (and
+    /// fails). An indent that fits is used.
+    #[test]
+    fn an_indent_larger_than_the_render_may_write_is_refused() {
+        let t = Templates::new(vec![
+            ("list".into(), "{{ v | tojson(indent=10**12) }}".into()),
+            ("scalar".into(), "{{ 1 | tojson(indent=10**12) }}".into()),
+            ("fits".into(), "{{ v | tojson(indent=1000) }}".into()),
+        ])
+        .map_err(|e| e.1)
+        .unwrap();
+        let ctx = || minijinja::context! { v => vec![1, 2] };
+        for name in ["list", "scalar"] {
+            let err = t.render(name, ctx(), 1 << 20, u64::MAX).unwrap_err();
+            assert!(matches!(err, RenderError::TooLarge), "{name}: {err:?}");
+        }
+        let pad = " ".repeat(1000);
+        assert_eq!(
+            t.render("fits", ctx(), 1 << 20, u64::MAX).unwrap(),
+            format!("[\n{pad}1,\n{pad}2\n]")
+        );
+        // Past what is left of the render's budget.
+        let err = t.render("fits", ctx(), 999, u64::MAX).unwrap_err();
+        assert!(matches!(err, RenderError::TooLarge), "{err:?}");
+    }
+
+    /// A render stops when its fuel is spent, however long the template would run (here
+    /// 10^10 loop iterations, 2^40 macro calls): out of fuel, not a template error. A
+    /// loop of 10^4 iterations runs out of 10^4 fuel, and renders with 10^6.
+    #[test]
+    fn a_render_that_would_run_for_ever_runs_out_of_fuel() {
+        let t = Templates::new(vec![
+            (
+                "nested".into(),
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                    .into(),
+            ),
+            (
+                "macro".into(),
+                "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(40) }}"
+                    .into(),
+            ),
+            (
+                "short".into(),
+                "{% for i in range(100) %}{% for j in range(100) %}{% endfor %}{% endfor %}ok"
+                    .into(),
+            ),
+        ])
+        .map_err(|e| e.1)
+        .unwrap();
+        for name in ["nested", "macro"] {
+            let err = t
+                .render(name, Value::UNDEFINED, usize::MAX, 10_000)
+                .unwrap_err();
+            assert!(matches!(err, RenderError::OutOfFuel), "{name}: {err:?}");
+        }
+        let err = t
+            .render("short", Value::UNDEFINED, usize::MAX, 10_000)
+            .unwrap_err();
+        assert!(matches!(err, RenderError::OutOfFuel), "{err:?}");
+        assert_eq!(
+            t.render("short", Value::UNDEFINED, usize::MAX, 1_000_000)
+                .unwrap(),
+            "ok"
+        );
+        let used = FUEL_USED.get().unwrap();
+        assert!((10_000..1_000_000).contains(&used), "{used}");
     }
 
     /// Building, reading, setting and dumping an object of `n` distinct keys costs a

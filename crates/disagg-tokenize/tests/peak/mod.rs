@@ -1,6 +1,8 @@
-//! The peak-memory harness of `memory.rs` and `render_memory.rs`: each case in a
-//! process of its own, measured as the process's peak resident memory (`VmHWM`),
-//! reset through `/proc/self/clear_refs`. Linux only.
+//! The peak-memory harness of `memory.rs`, `render_memory.rs` and
+//! `truncation_memory.rs`: each case in a process of its own, measured as the process's
+//! peak resident memory (`VmHWM`), reset through `/proc/self/clear_refs`. Linux only.
+
+#![allow(dead_code)] // Each test binary uses a part.
 
 use std::process::Command;
 
