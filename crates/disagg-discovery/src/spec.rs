@@ -767,9 +767,13 @@ fn is_host(host: &str) -> bool {
     if host.parse::<Ipv4Addr>().is_ok() {
         return true;
     }
+    // A fully qualified name may end in a dot; names such as docker-compose's service
+    // names (`vllm_decode`) hold `_`, which resolvers take.
+    let host = host.strip_suffix('.').unwrap_or(host);
     let label = |l: &str| {
         (1..=63).contains(&l.len())
-            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
             && !l.starts_with('-')
             && !l.ends_with('-')
     };
@@ -1360,6 +1364,8 @@ mod tests {
             "tcp://[fd00::1]:5557",
             "tcp://engine-0.decode.llm.svc.cluster.local:65535",
             "tcp://localhost:1",
+            "tcp://vllm_decode:5557",
+            "tcp://engine-0.decode.llm.svc.cluster.local.:5557",
             &format!("tcp://{name_253}:5557"),
         ] {
             let ext = with(good).extensions().unwrap();

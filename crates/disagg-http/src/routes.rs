@@ -184,11 +184,21 @@ impl RouteRule {
     }
 }
 
-/// A rule's `path` in its normal form (borrowed as it came when it is normal already).
+/// A rule's `path` in its normal form (borrowed as it came when it is normal already):
+/// of a pattern ending in `*`, the part before it (`*` alone covers every path).
 fn normal_rule_path(path: Cow<'static, str>) -> Result<Cow<'static, str>, crate::path::PathError> {
-    match crate::path::normalize(&path)? {
+    let prefix = path.strip_suffix('*').unwrap_or(&path);
+    if prefix.is_empty() {
+        return Ok(path);
+    }
+    match crate::path::normalize(prefix)? {
         Cow::Borrowed(_) => Ok(path),
-        Cow::Owned(normal) => Ok(Cow::Owned(normal)),
+        Cow::Owned(mut normal) => {
+            if path.ends_with('*') {
+                normal.push('*');
+            }
+            Ok(Cow::Owned(normal))
+        }
     }
 }
 
@@ -434,6 +444,14 @@ mod tests {
         // Prefixes too.
         let t = RouteTable::default().set("//metrics/engine//*", RouteAction::Forwarded);
         assert_eq!(t.action("/metrics/engine/0"), RouteAction::Forwarded);
+        // `*` alone covers every path without a rule of its own (a deny-all), and a
+        // prefix pattern's part before its `*` is normalized alone.
+        let t = RouteTable::default().set("*", RouteAction::Refused);
+        assert_eq!(t.action("/anything/at/all"), RouteAction::Refused);
+        assert_eq!(t.action("/v1/chat/completions"), RouteAction::Orchestrated);
+        let t = RouteTable::default().set("//x%79*", RouteAction::Refused);
+        assert_eq!(t.rules().iter().filter(|r| r.path == "/xy*").count(), 1);
+        assert_eq!(t.action("/xyz"), RouteAction::Refused);
     }
 
     #[test]

@@ -225,13 +225,14 @@ impl Builder {
     ///
     /// A connection holds its place from its acceptance to its close: its TLS handshake
     /// (at most [`TLS_HANDSHAKE_TIMEOUT`]), the wait for its request heads (at most 30 s
-    /// each) and its answers. With every place taken the server accepts nothing more:
-    /// new connections wait in the listen backlog ([`LISTEN_BACKLOG`], capped by the
-    /// kernel's `net.core.somaxconn`), and are accepted, first come first served, as
-    /// places free up; past the backlog the kernel drops their SYNs and the clients
-    /// retry. Waiting rather than closing them at once keeps a burst of clients from
-    /// being refused, and costs the server no file descriptor for a connection it
-    /// cannot serve.
+    /// each) and its answers. With every place taken, each thread holds the one
+    /// connection it accepted last, unserved, until a place frees up (the threads wait
+    /// for places in one queue, first come first served), and accepts nothing more: new
+    /// connections wait in the listen backlog ([`LISTEN_BACKLOG`], capped by the
+    /// kernel's `net.core.somaxconn`); past it the kernel drops their SYNs and the
+    /// clients retry. Waiting rather than closing them at once keeps a burst of clients
+    /// from being refused, and costs the server at most one file descriptor per thread
+    /// beyond the limit.
     ///
     /// Keep it under the process's open-file limit (`ulimit -n`, `RLIMIT_NOFILE`) less
     /// the engine connections (one or two per request in flight, pooled) and the files
@@ -675,23 +676,7 @@ where
     http.max_buf_size(READ_BUFFER_MAX);
     tokio::pin!(shutdown);
     let mut failures = AcceptFailures::default();
-    // The place the next connection takes, held before it is accepted: with none free,
-    // nothing is accepted and new connections wait in the backlog.
-    let mut place: Option<OwnedSemaphorePermit> = None;
     loop {
-        let Some(held) = place.take() else {
-            tokio::select! {
-                biased;
-                () = &mut shutdown => break,
-                taken = Arc::clone(places).acquire_owned() => match taken {
-                    Ok(p) => place = Some(p),
-                    // Never closed: were it, the server would have no place to give.
-                    Err(_) => break,
-                },
-                Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            }
-            continue;
-        };
         let (stream, _peer) = tokio::select! {
             // A stop asked under a flood of connections is not delayed by them.
             biased;
@@ -701,13 +686,9 @@ where
                     failures.recovered();
                     conn
                 }
-                Err(e) if is_per_connection(&e) => {
-                    place = Some(held);
-                    continue;
-                }
+                Err(e) if is_per_connection(&e) => continue,
                 Err(e) => {
                     // Out of file descriptors and the like: pause, do not spin.
-                    place = Some(held);
                     let pause = failures.failed(&e);
                     tokio::select! {
                         biased;
@@ -718,9 +699,30 @@ where
                 }
             },
             // Reap ended connections so the set holds only live ones.
-            Some(_) = connections.join_next(), if !connections.is_empty() => {
-                place = Some(held);
-                continue;
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        // The connection's place, taken after it is accepted: every thread's loop waits
+        // in one queue for the places all threads share (first come, first served), so
+        // a thread whose socket is quiet holds no place idle. Meanwhile this thread
+        // accepts nothing more: new connections wait in its backlog.
+        let held = match Arc::clone(places).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                let mut waiting = std::pin::pin!(Arc::clone(places).acquire_owned());
+                let taken = loop {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break None,
+                        taken = &mut waiting => break taken.ok(),
+                        Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                    }
+                };
+                match taken {
+                    Some(p) => p,
+                    // Stopping (the places are never closed): this connection is closed
+                    // unserved, as those in the backlog are.
+                    None => break,
+                }
             }
         };
         let open = OpenConnection::new(tracker, held);

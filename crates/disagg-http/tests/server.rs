@@ -317,3 +317,46 @@ async fn a_head_past_the_read_buffer_gets_hypers_own_431_with_no_body() {
     let _ = stop.send(());
     returns_within_2s(server, "the drain").await;
 }
+
+/// Places are shared by every serve thread and taken once a connection is accepted: a
+/// thread whose socket is quiet holds no place idle while clients wait on another
+/// thread's socket. With one place and two threads, a run of clients one after another
+/// (each spread by the kernel to either socket) is each served.
+#[test]
+fn one_place_over_two_threads_serves_every_client_in_turn() {
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let server = std::thread::spawn(move || {
+        Builder::new().threads(2).max_connections(1).serve_threads(
+            "127.0.0.1:0".parse().unwrap(),
+            || {
+                tower::service_fn(|_req: Request<Incoming>| async {
+                    Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from("ok"))))
+                })
+            },
+            shutdown,
+            move |addr| bound_tx.send(addr).unwrap(),
+        )
+    });
+    let addr = bound_rx.recv().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for i in 0..16 {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(
+                format!("GET / HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+            let mut got = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got));
+            assert!(read.await.is_ok(), "client {i} was not served");
+            assert!(got.starts_with(b"HTTP/1.1 200"), "client {i}");
+        }
+    });
+    stop.send(true).unwrap();
+    server.join().unwrap().unwrap();
+}

@@ -1013,18 +1013,31 @@ impl RankTask {
     /// replay that fails drops the rank's entries, the ones it applied included: the
     /// batches after them (which may have removed them) are unknown.
     async fn catch_up(&mut self, until: u64) {
+        let replayed_before = self.replayed();
         let replayed = self.replay_range(0, until, false).await;
         self.replay_done(replayed.is_ok());
         if let Err(e) = replayed {
-            tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, until, error = %e, "kv events: catch-up replay failed, dropping the rank's entries");
+            // Entries to drop only if the replay applied some (the caller may have just
+            // dropped the rank's, and a drop is counted once).
+            let partial = self.replayed() > replayed_before;
+            tracing::info!(engine = %self.shared.engine, rank = self.shared.rank, until, error = %e, partial, "kv events: catch-up replay failed, dropping what it applied");
             self.shared
                 .index
                 .clear(&self.shared.engine, self.shared.rank);
             self.status(|s| {
                 s.replay_failures += 1;
-                s.drops += 1;
+                if partial {
+                    s.drops += 1;
+                }
             });
         }
+    }
+
+    /// The batches replayed into this rank so far.
+    fn replayed(&self) -> u64 {
+        lock(&self.shared.statuses)
+            .get(&(self.shared.engine.clone(), self.shared.rank))
+            .map_or(0, |s| s.replayed)
     }
 
     /// Fills the gap `[from, until)` by replay, or drops the rank's entries.

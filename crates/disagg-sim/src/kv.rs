@@ -29,15 +29,23 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle side-channel connections a decode keeps per prefill.
 const MAX_IDLE_PER_PEER: usize = 64;
 
+/// `host` without the brackets an IPv6 address may come in (`[fd00::1]`, as LMCache
+/// receivers and URLs write it, and as ZeroMQ's `tcp://[fd00::1]:port` takes it): the
+/// socket wants the address.
+pub(crate) fn unbracketed(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
 pub(crate) async fn connect(host: &str, port: u16) -> Result<TcpStream, KvTransferError> {
     let addr = format!("{host}:{port}");
-    // An IPv6 host may come bracketed (`[fd00::1]`, as LMCache receivers are written
-    // and as ZeroMQ's `tcp://[fd00::1]:port` takes it); the socket wants the address.
-    let bare = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    let stream = match timeout(CONNECT_TIMEOUT, TcpStream::connect((bare, port))).await {
+    let stream = match timeout(
+        CONNECT_TIMEOUT,
+        TcpStream::connect((unbracketed(host), port)),
+    )
+    .await
+    {
         Err(_) => return Err(KvTransferError::ConnectTimeout(addr)),
         Ok(Err(source)) => return Err(KvTransferError::Connect { addr, source }),
         Ok(Ok(s)) => s,

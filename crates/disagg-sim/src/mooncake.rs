@@ -98,10 +98,7 @@ pub(crate) struct Remote {
 /// Splits `HOST:PORT` (the host possibly bracketed).
 fn host_port(authority: &str) -> Option<(String, u16)> {
     let (host, port) = authority.rsplit_once(':')?;
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
+    let host = crate::kv::unbracketed(host);
     let port = port.parse::<u16>().ok().filter(|p| *p != 0)?;
     (!host.is_empty()).then(|| (host.to_owned(), port))
 }

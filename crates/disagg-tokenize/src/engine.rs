@@ -8,9 +8,9 @@
 //!   "add_special_tokens"}` or `{"model", "messages", "add_generation_prompt",
 //!   "continue_final_message", "add_special_tokens", "chat_template_kwargs", "tools"}`;
 //! - SGLang 0.5.23 (`sglang/srt/entrypoints/openai/protocol.py`, `TokenizeRequest`, at
-//!   `/tokenize` and `/v1/tokenize`): the same, plus `reasoning_effort`; an absent
-//!   `add_generation_prompt` renders the messages as for a chat completion, so it is
-//!   sent only when the client sent it.
+//!   `/tokenize` and `/v1/tokenize`): the same, plus `reasoning_effort` (never sent:
+//!   see below); an absent `add_generation_prompt` renders the messages as for a chat
+//!   completion, so it is sent only when the client sent it.
 //!
 //! Both answer `{"tokens": [...], "count": n, "max_model_len": m}`.
 //!
@@ -23,7 +23,9 @@
 //! `reasoning_effort`, which its chat route passes to the template (the latter with the
 //! `enable_thinking` it implies), so its ids for a chat that sets either would be those
 //! of another render. Such a chat is [not supported](TokenizeError::NotSupported): it is
-//! routed without ids, and the engine is not asked.
+//! routed without ids, and the engine is not asked. The tokenizer does not know which
+//! engine answers, so this holds for SGLang too, whose `/tokenize` would read
+//! `reasoning_effort`: such a chat routes without ids there as well.
 
 use std::fmt;
 use std::sync::Arc;
@@ -634,11 +636,6 @@ pub fn request_body(prompt: &Prompt) -> Result<Option<Bytes>, TokenizeError> {
                     field(&mut out, key, raw);
                 }
             }
-            if let Some(effort) = &chat.reasoning_effort {
-                let effort = serde_json::to_vec(effort)
-                    .map_err(|_| TokenizeError::invalid("reasoning_effort", "cannot be encoded"))?;
-                field(&mut out, "reasoning_effort", &effort);
-            }
         }
     }
     out.push(b'}');
@@ -745,7 +742,8 @@ mod tests {
                 r#"{"model":"m","messages":[],"add_generation_prompt":false,"continue_final_message":true,"add_special_tokens":"yes","tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"enable_thinking":false},"reasoning_effort":"low"}"#
             )
             .unwrap(),
-            r#"{"model":"m","messages":[],"add_generation_prompt":false,"continue_final_message":true,"add_special_tokens":true,"tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"enable_thinking":false},"reasoning_effort":"low"}"#
+            // `reasoning_effort` is never sent: such a chat is not asked of the engine.
+            r#"{"model":"m","messages":[],"add_generation_prompt":false,"continue_final_message":true,"add_special_tokens":true,"tools":[{"type":"function","function":{"name":"f"}}],"chat_template_kwargs":{"enable_thinking":false}}"#
         );
     }
 
