@@ -576,6 +576,31 @@ async fn a_failed_catch_up_replay_leaves_no_partial_history() {
     sub.shutdown().await;
 }
 
+/// A catch-up replay that fails before applying anything leaves nothing to drop: it is
+/// counted as a failed replay, not as a drop (a drop the caller just made, after a
+/// resubscription past a gap, is not counted twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_replay_that_applied_nothing_counts_no_drop() {
+    let (events, events_at) = listener().await;
+    let (replay, replay_at) = listener().await;
+    let engine = "http://empty-replay:8000";
+    let (index, sub) = follow(engine, events_at, Some(replay_at), subscriber_config()).await;
+    let mut publisher = subscribed(&events).await;
+    publisher.write_all(&message(2, &stored(2))).await.unwrap();
+    let (router, start) = replay_request(&replay).await;
+    assert_eq!(start, 0);
+    // The replay socket goes away without answering.
+    drop(router);
+    eventually("seq 2 applied", &sub, || {
+        status(&sub, engine).last_seq == Some(2)
+    })
+    .await;
+    let s = status(&sub, engine);
+    assert_eq!(index.cached_tokens(engine, &prompt(2)), 16, "{s:?}");
+    assert_eq!((s.drops, s.replay_failures), (0, 1), "{s:?}");
+    sub.shutdown().await;
+}
+
 /// A publisher that disappears (its port refuses connections): before, the rank's
 /// entries steered requests for as long as the proxy ran. Now they are dropped once the
 /// rank has been without a subscription past the grace, and when the publisher comes
