@@ -83,6 +83,21 @@ pub struct KvEventsArgs {
     /// `additional_chat_templates/` are read too).
     #[arg(long, value_name = "PATH", conflicts_with = "tokenize")]
     tokenizer: Option<PathBuf>,
+    /// The chat template file the engines were started with (vLLM's `--chat-template`),
+    /// in place of the model's: --tokenizer renders chats with it, as the engines do.
+    /// At most 16 MiB.
+    #[arg(long, value_name = "PATH", requires = "tokenizer")]
+    chat_template: Option<PathBuf>,
+    /// How --tokenizer passes a message's content to the template, as the engines'
+    /// `--chat-template-content-format`: `auto` (by the template: a list of parts when
+    /// it loops over the content), `string` or `openai` (a list of parts).
+    #[arg(long, value_enum, value_name = "FORMAT", requires = "tokenizer")]
+    chat_template_content_format: Option<ContentFormatArg>,
+    /// The engines' default chat template arguments (vLLM's
+    /// `--default-chat-template-kwargs`), a JSON object; a request's own
+    /// `chat_template_kwargs` override them.
+    #[arg(long, value_name = "JSON", requires = "tokenizer")]
+    default_chat_template_kwargs: Option<String>,
     /// Tokenize prompts through an engine's own `POST /tokenize` (one round trip per
     /// request; exact by construction).
     #[arg(long, value_enum)]
@@ -92,6 +107,17 @@ pub struct KvEventsArgs {
     /// health ejects an engine whose /tokenize keeps failing, as one whose legs do).
     #[arg(long, value_name = "SECS", default_value_t = 2.0)]
     tokenize_timeout: f64,
+}
+
+/// `--chat-template-content-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ContentFormatArg {
+    /// By the template: a list of parts when it loops over a message's content.
+    Auto,
+    /// A string (text parts joined with newlines).
+    String,
+    /// A list of parts, as OpenAI's API writes them.
+    Openai,
 }
 
 /// Where token ids come from, besides `--tokenizer`.
@@ -155,6 +181,33 @@ impl KvEventsArgs {
         crate::serve::secs(self.tokenize_timeout, "tokenize-timeout")
     }
 
+    /// `hf` set to render chats as the engines were started to (`--chat-template`,
+    /// `--chat-template-content-format`, `--default-chat-template-kwargs`).
+    fn engine_render(&self, mut hf: HfTokenizer) -> Result<HfTokenizer, BoxError> {
+        if let Some(path) = &self.chat_template {
+            let bytes = disagg_files::read_regular_within(path, 16 * 1024 * 1024)
+                .map_err(|e| format!("--chat-template {}: {e}", path.display()))?;
+            let text = String::from_utf8(bytes)
+                .map_err(|_| format!("--chat-template {}: not UTF-8", path.display()))?;
+            hf = hf
+                .with_chat_template(text)
+                .map_err(|e| format!("--chat-template {}: {e}", path.display()))?;
+        }
+        if let Some(format) = self.chat_template_content_format {
+            hf = hf.with_content_format(match format {
+                ContentFormatArg::Auto => disagg_tokenize::hf::ContentFormat::Auto,
+                ContentFormatArg::String => disagg_tokenize::hf::ContentFormat::String,
+                ContentFormatArg::Openai => disagg_tokenize::hf::ContentFormat::OpenAi,
+            });
+        }
+        if let Some(json) = &self.default_chat_template_kwargs {
+            hf = hf
+                .with_default_chat_template_kwargs(json)
+                .map_err(|e| format!("--default-chat-template-kwargs: {e}"))?;
+        }
+        Ok(hf)
+    }
+
     /// The tokenizer the flags ask for (`None`: neither flag).
     pub(crate) fn tokenizer(
         &self,
@@ -170,6 +223,7 @@ impl KvEventsArgs {
                 HfTokenizer::from_tokenizer_file(path)
             }
             .map_err(|e| format!("--tokenizer {}: {e}", path.display()))?;
+            let hf = self.engine_render(hf)?;
             return Ok(Some(Arc::new(hf)));
         }
         Ok(match self.tokenize {
@@ -805,6 +859,130 @@ mod tests {
                 .unwrap();
             assert_eq!(&ids[..], [2, 3], "{}", path.display());
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The engines' own render settings reach the proxy's tokenizer: a chat template
+    /// file in place of the model's, the default template arguments, the content
+    /// format; and none of them is taken without --tokenizer (nothing would read it).
+    #[tokio::test]
+    async fn the_engines_render_flags_set_the_tokenizers_render() {
+        let dir = std::env::temp_dir().join(format!(
+            "disagg-proxy-kv-render-flags-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let tokenizer = r#"{
+          "version": "1.0", "truncation": null, "padding": null, "normalizer": null,
+          "added_tokens": [], "pre_tokenizer": {"type": "Whitespace"},
+          "post_processor": null, "decoder": null,
+          "model": {"type": "WordLevel", "unk_token": "<unk>",
+                    "vocab": {"<unk>": 0, "config": 1, "file": 2, "hello": 3, "on": 4,
+                              "a": 5, "b": 6}}
+        }"#;
+        std::fs::write(dir.join("tokenizer.json"), tokenizer).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": "config {% for m in messages %}{{ m.content }}{% endfor %}"}"#,
+        )
+        .unwrap();
+        let engines = dir.join("engines.jinja");
+        std::fs::write(
+            &engines,
+            "file {% if flag %}on {% endif %}{% for m in messages %}             {% if m.content is string %}{{ m.content }}             {% else %}{% for p in m.content %}config {{ p.text }} {% endfor %}{% endif %}             {% endfor %}",
+        )
+        .unwrap();
+        let ids = |args: &[&str], body: &'static [u8]| {
+            let mut argv = vec!["x", "--tokenizer", dir.to_str().unwrap()];
+            argv.extend_from_slice(args);
+            let cli = Cli::try_parse_from(argv).unwrap();
+            let source: Arc<dyn EndpointSource> =
+                Arc::new(disagg_core::source::StaticSource::new([]));
+            let tokenizer = cli
+                .kv
+                .tokenizer(source, HttpTransportConfig::default())
+                .unwrap()
+                .unwrap();
+            async move {
+                let body = JsonBody::parse(body).unwrap();
+                tokenizer
+                    .token_ids(Api::Chat, &body)
+                    .await
+                    .unwrap()
+                    .unwrap()
+                    .to_vec()
+            }
+        };
+        let hello: &[u8] = br#"{"messages":[{"role":"user","content":"hello"}]}"#;
+        assert_eq!(ids(&[], hello).await, [1, 3], "the model's own template");
+        let template = engines.to_str().unwrap();
+        // `auto`: this template loops over a message's content, so the content is a
+        // list of parts to it, as vLLM decides.
+        assert_eq!(ids(&["--chat-template", template], hello).await, [2, 1, 3]);
+        let flag = [
+            "--chat-template",
+            template,
+            "--default-chat-template-kwargs",
+            r#"{"flag":true}"#,
+        ];
+        assert_eq!(ids(&flag, hello).await, [2, 4, 1, 3]);
+        // Two text parts: a list to the template in `openai`, joined text in `string`.
+        let parts: &[u8] = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#;
+        let openai = [
+            "--chat-template",
+            template,
+            "--chat-template-content-format",
+            "openai",
+        ];
+        assert_eq!(ids(&openai, parts).await, [2, 1, 5, 1, 6]);
+        let string = [
+            "--chat-template",
+            template,
+            "--chat-template-content-format",
+            "string",
+        ];
+        assert_eq!(ids(&string, parts).await, [2, 5, 6]);
+        // Nothing reads them without --tokenizer.
+        for flag in [
+            vec!["x", "--chat-template", template],
+            vec!["x", "--chat-template-content-format", "string"],
+            vec!["x", "--default-chat-template-kwargs", "{}"],
+        ] {
+            assert!(Cli::try_parse_from(&flag).is_err(), "{flag:?}");
+        }
+        // A template file that is not there, or kwargs that are no object, stop the start.
+        let missing = Cli::try_parse_from([
+            "x",
+            "--tokenizer",
+            dir.to_str().unwrap(),
+            "--chat-template",
+            "/nonexistent/t.jinja",
+        ])
+        .unwrap();
+        let source: Arc<dyn EndpointSource> = Arc::new(disagg_core::source::StaticSource::new([]));
+        let err = missing
+            .kv
+            .tokenizer(Arc::clone(&source), HttpTransportConfig::default())
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("--chat-template"), "{err}");
+        let bad = Cli::try_parse_from([
+            "x",
+            "--tokenizer",
+            dir.to_str().unwrap(),
+            "--default-chat-template-kwargs",
+            "[1]",
+        ])
+        .unwrap();
+        let err = bad
+            .kv
+            .tokenizer(source, HttpTransportConfig::default())
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("--default-chat-template-kwargs"),
+            "{err}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
