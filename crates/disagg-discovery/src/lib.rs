@@ -73,6 +73,7 @@ pub mod dns;
 #[cfg(feature = "file")]
 #[cfg_attr(docsrs, doc(cfg(feature = "file")))]
 pub mod file;
+mod identity;
 #[cfg(feature = "kubernetes")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kubernetes")))]
 pub mod kubernetes;

@@ -174,6 +174,7 @@ impl SpecPublisher {
     }
 
     /// Whether a first list has been published.
+    #[cfg(feature = "dns")]
     pub(crate) fn has_published(&self) -> bool {
         self.tx.borrow().is_some()
     }

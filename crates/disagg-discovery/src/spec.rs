@@ -23,13 +23,16 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::hash::Hash;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::Ipv6Addr;
 use std::str::FromStr;
 use std::sync::Arc;
 
 use disagg_core::endpoint::{AddressPolicy, EndpointError, FactError, Facts};
 use disagg_core::{Endpoint, Role};
 use disagg_pairing::{EcProfile, KvProfile, KvRole};
+
+use crate::identity::check_kv_events;
+pub(crate) use crate::identity::{core_id, identity_or_id};
 
 /// The most data-parallel ranks one engine may be given by default (`URL@FIRST-LAST`,
 /// an endpoints file's `ranks`, the `disagg.io/dp-ranks` annotation): far above any
@@ -728,130 +731,6 @@ pub enum SpecError {
     },
 }
 
-/// `value` quoted for an error: whole when short, else its first 64 characters and its
-/// length (a value from outside may be megabytes long).
-fn quoted(value: &str) -> String {
-    const SHOWN: usize = 64;
-    match value.char_indices().nth(SHOWN) {
-        None => format!("`{value}`"),
-        Some((end, _)) => format!("`{}...` ({} bytes)", &value[..end], value.len()),
-    }
-}
-
-/// Checks a KV-events endpoint: `tcp://HOST:PORT`, HOST a DNS name of at most 253
-/// bytes (labels of 1 to 63 letters, digits and `-`, not at either end), an IPv4
-/// address or a bracketed IPv6 address, PORT a decimal number from 1 to 65535.
-fn check_kv_events(events: &str) -> Result<(), SpecError> {
-    let bad = || SpecError::KvEvents(quoted(events));
-    let (host, port) = events
-        .strip_prefix("tcp://")
-        .and_then(|rest| rest.rsplit_once(':'))
-        .ok_or_else(bad)?;
-    let port_ok = (1..=5).contains(&port.len())
-        && port.bytes().all(|b| b.is_ascii_digit())
-        && port.parse::<u16>().is_ok_and(|p| p > 0);
-    if !port_ok || !is_host(host) {
-        return Err(bad());
-    }
-    Ok(())
-}
-
-/// Whether `host` is a DNS name of at most 253 bytes, an IPv4 address or a bracketed
-/// IPv6 address.
-fn is_host(host: &str) -> bool {
-    if let Some(inner) = host.strip_prefix('[') {
-        return inner
-            .strip_suffix(']')
-            .is_some_and(|ip| ip.parse::<Ipv6Addr>().is_ok());
-    }
-    if host.parse::<Ipv4Addr>().is_ok() {
-        return true;
-    }
-    // A fully qualified name may end in a dot; names such as docker-compose's service
-    // names (`vllm_decode`) hold `_`, which resolvers take.
-    let host = host.strip_suffix('.').unwrap_or(host);
-    let label = |l: &str| {
-        (1..=63).contains(&l.len())
-            && l.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    // A last label of digits only would make an IPv4 address, which did not parse.
-    let numeric = host
-        .rsplit('.')
-        .next()
-        .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
-    host.len() <= 253 && !numeric && host.split('.').all(label)
-}
-
-/// `url` without a trailing `@RANK`, and the rank, as the core reads it: an `@` whose
-/// tail is not digits is no rank (the URL check refuses it); `None` for digits past
-/// `u32` (no endpoint either).
-fn split_rank(url: &str) -> Option<(&str, Option<u32>)> {
-    match url.rsplit_once('@') {
-        Some((base, rank)) if !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()) => {
-            Some((base, Some(rank.parse().ok()?)))
-        }
-        _ => Some((url, None)),
-    }
-}
-
-/// The id the core gives the endpoint at `url` (`Endpoint::id`): the URL before its
-/// rank without a trailing `/`, and the rank reprinted; `url` as given when its rank
-/// does not fit (it makes no endpoint).
-fn core_id(url: &str) -> String {
-    match split_rank(url) {
-        Some((base, Some(rank))) => format!("{}@{rank}", base.trim_end_matches('/')),
-        Some((base, None)) => base.trim_end_matches('/').to_owned(),
-        None => url.to_owned(),
-    }
-}
-
-/// Which engine (and rank) the endpoint at `url` (`URL` or `URL@RANK`, as the core
-/// reads it) stands for, however its URL is spelled: `SCHEME://HOST:PORT[@RANK]` with
-/// the scheme and the host in lowercase, an IPv6 address in its canonical text, the
-/// port as a number (the scheme's default when none is written) and the rank as a
-/// number. `http://D:08200/@03` and `http://d:8200@3` are one engine's rank 3. `None`
-/// for a URL that makes no endpoint.
-pub(crate) fn endpoint_identity(url: &str) -> Option<String> {
-    let (base, rank) = split_rank(url)?;
-    let uri: http::Uri = base.trim_end_matches('/').parse().ok()?;
-    if uri
-        .path_and_query()
-        .is_some_and(|p| !p.as_str().is_empty() && p.as_str() != "/")
-    {
-        return None;
-    }
-    let scheme = uri.scheme_str()?.to_ascii_lowercase();
-    let default_port = match scheme.as_str() {
-        "http" => 80,
-        "https" => 443,
-        _ => return None,
-    };
-    let authority = uri.authority()?;
-    let host = authority.host();
-    let host = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => format!("[{}]", v6.parse::<Ipv6Addr>().ok()?),
-        None => host.to_ascii_lowercase(),
-    };
-    // What follows the host: nothing, or `:PORT` (no user information: no endpoint).
-    let port = match authority.as_str().get(authority.host().len()..)? {
-        "" | ":" => default_port,
-        tail => tail.strip_prefix(':')?.parse::<u16>().ok()?,
-    };
-    Some(match rank {
-        Some(rank) => format!("{scheme}://{host}:{port}@{rank}"),
-        None => format!("{scheme}://{host}:{port}"),
-    })
-}
-
-/// [`endpoint_identity`], or `id` itself for one that has none (never two endpoints
-/// of one set: the core made it).
-pub(crate) fn identity_or_id(id: &str) -> String {
-    endpoint_identity(id).unwrap_or_else(|| id.to_owned())
-}
-
 /// Where an engine publishes its KV-cache events (`tcp://host:port`, vLLM's and SGLang's
 /// `--kv-events-config` `endpoint`, its `*` replaced by the engine's address), kept in
 /// its endpoints' extensions for a KV-event subscriber.
@@ -1003,6 +882,7 @@ pub struct ProfileError(String);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::endpoint_identity;
 
     #[test]
     fn ranks_parse_count_and_are_capped() {

@@ -13,10 +13,10 @@
 //! matches KV it could not use: blocks of a LoRA adapter or under a cache salt, blocks
 //! from the first non-nil `extra_keys` entry on (multimodal input), blocks of a KV cache
 //! group other than the first (hybrid models), a block size other than the holder's
-//! (set by its first `BlockStored`, and again by its first one after its entries were
-//! cleared: an engine restarted with another block size), and blocks whose parent the
-//! index does not know (its events were lost and the entries dropped). They are counted
-//! in [`Applied::skipped`].
+//! (set by its first `BlockStored`, and again after [`KvIndex::reset`]: an engine
+//! restarted with another block size), and blocks whose parent the index does not know
+//! (its events were lost and the entries dropped). They are counted in
+//! [`Applied::skipped`].
 //!
 //! # Lookup
 //!
@@ -68,8 +68,6 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
-
-use smallvec::SmallVec;
 
 use journal::Journal;
 
@@ -245,116 +243,6 @@ impl fmt::Debug for KvIndex {
     }
 }
 
-/// The holders of one key, by slot: a list inline up to [`FEW`] holders (most blocks
-/// of most prompts sit on one or two engines), a bit set beyond (a system prompt cached
-/// by hundreds of engines), so that a lookup intersects sets a word at a time.
-#[derive(Debug, Clone)]
-enum HolderSet {
-    Few(SmallVec<[u32; FEW]>),
-    /// Bit `s` set when slot `s` holds the key.
-    Many(Box<[u64]>),
-}
-
-/// Holders kept as a list before a key's set turns into a bit set.
-const FEW: usize = 4;
-
-impl Default for HolderSet {
-    fn default() -> Self {
-        HolderSet::Few(SmallVec::new())
-    }
-}
-
-impl HolderSet {
-    fn insert(&mut self, slot: u32) {
-        match self {
-            HolderSet::Few(list) if list.contains(&slot) => {}
-            HolderSet::Few(list) if list.len() < FEW => list.push(slot),
-            HolderSet::Few(list) => {
-                let mut bits = Bits::default();
-                for &s in list.iter().chain(std::iter::once(&slot)) {
-                    bits.set(s);
-                }
-                *self = HolderSet::Many(bits.0.into_boxed_slice());
-            }
-            HolderSet::Many(words) => {
-                let mut bits = Bits(std::mem::take(words).into_vec());
-                bits.set(slot);
-                *words = bits.0.into_boxed_slice();
-            }
-        }
-    }
-
-    /// Removes `slot`; whether the set is now empty.
-    fn remove(&mut self, slot: u32) -> bool {
-        match self {
-            HolderSet::Few(list) => {
-                list.retain(|s| *s != slot);
-                list.is_empty()
-            }
-            HolderSet::Many(words) => {
-                let (w, b) = (slot as usize / 64, slot % 64);
-                if let Some(word) = words.get_mut(w) {
-                    *word &= !(1u64 << b);
-                }
-                words.iter().all(|w| *w == 0)
-            }
-        }
-    }
-
-    #[cfg(test)]
-    fn contains(&self, slot: u32) -> bool {
-        match self {
-            HolderSet::Few(list) => list.contains(&slot),
-            HolderSet::Many(words) => words
-                .get(slot as usize / 64)
-                .is_some_and(|w| w & (1u64 << (slot % 64)) != 0),
-        }
-    }
-}
-
-/// A growable bit set of slots.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-struct Bits(Vec<u64>);
-
-impl Bits {
-    fn zeroed(words: usize) -> Self {
-        Bits(vec![0; words])
-    }
-
-    fn set(&mut self, slot: u32) {
-        let w = slot as usize / 64;
-        if self.0.len() <= w {
-            self.0.resize(w + 1, 0);
-        }
-        self.0[w] |= 1u64 << (slot % 64);
-    }
-
-    fn has(&self, slot: u32) -> bool {
-        self.0
-            .get(slot as usize / 64)
-            .is_some_and(|w| w & (1u64 << (slot % 64)) != 0)
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.iter().all(|w| *w == 0)
-    }
-
-    /// The slots set, in order.
-    fn slots(&self) -> impl Iterator<Item = u32> + '_ {
-        self.0.iter().enumerate().flat_map(|(i, &word)| {
-            let mut w = word;
-            std::iter::from_fn(move || {
-                if w == 0 {
-                    return None;
-                }
-                let b = w.trailing_zeros();
-                w &= w - 1;
-                u32::try_from(i * 64).ok().map(|base| base + b)
-            })
-        })
-    }
-}
-
 /// Holders as readers see them: an immutable snapshot, replaced on change.
 #[derive(Debug, Clone, Default)]
 struct Registry {
@@ -480,7 +368,7 @@ impl KvIndex {
                 KvEvent::BlockStored(e) => self.store(&mut state, e, &mut applied),
                 KvEvent::BlockRemoved(e) => self.remove(&mut state, e, &mut applied, &mut gone),
                 KvEvent::AllBlocksCleared => {
-                    self.clear_state(&mut state);
+                    self.clear_state(&mut state, false);
                     applied.cleared += 1;
                 }
                 KvEvent::Unknown(_) => applied.unknown += 1,
@@ -494,16 +382,26 @@ impl KvIndex {
     }
 
     /// Drops every block of one holder (lost events: its state is unknown), keeping the
-    /// holder; its block size is forgotten with its blocks and taken again from its
-    /// next `BlockStored` (a restarted engine may use another).
+    /// holder and its block size.
     pub fn clear(&self, engine: &str, dp_rank: u32) {
+        self.drop_blocks(engine, dp_rank, false);
+    }
+
+    /// [`clear`](Self::clear), and forgets the holder's block size, which its next
+    /// `BlockStored` sets again: for an engine that restarted (or may have), which may
+    /// use another block size now.
+    pub fn reset(&self, engine: &str, dp_rank: u32) {
+        self.drop_blocks(engine, dp_rank, true);
+    }
+
+    fn drop_blocks(&self, engine: &str, dp_rank: u32, forget_size: bool) {
         let holder = lock(&self.table)
             .by_name
             .get(&(Arc::from(engine), dp_rank))
             .cloned();
         if let Some(holder) = holder {
             let mut state = lock(&holder);
-            self.clear_state(&mut state);
+            self.clear_state(&mut state, forget_size);
         }
     }
 
@@ -531,7 +429,7 @@ impl KvIndex {
         for holder in removed {
             let slot = {
                 let mut state = lock(&holder);
-                self.clear_state(&mut state);
+                self.clear_state(&mut state, false);
                 state.removed = true;
                 state.slot
             };
@@ -771,8 +669,7 @@ impl KvIndex {
                 });
             }
             // A block of another size (vLLM's partial blocks of hybrid models) would
-            // never match a lookup cut at the holder's block size. (A holder cleared
-            // by a restart or `AllBlocksCleared` has no size: its next block sets it.)
+            // never match a lookup cut at the holder's block size.
             Some(b) if b != block_size => {
                 applied.skipped += n;
                 return;
@@ -880,14 +777,13 @@ impl KvIndex {
         }
     }
 
-    /// Drops every block of a holder, and its block size (the next `BlockStored` sets
-    /// it again).
-    fn clear_state(&self, state: &mut HolderState) {
+    /// Drops every block of a holder, and with `forget_size` its block size.
+    fn clear_state(&self, state: &mut HolderState, forget_size: bool) {
         let slot = state.slot;
         for (_, b) in state.current.drain().chain(state.older.drain()) {
             self.shard_remove(b.key, slot);
         }
-        if state.block_size.take().is_some() && !state.removed {
+        if forget_size && state.block_size.take().is_some() && !state.removed {
             self.update_registry(|r| {
                 if let Some(Some(s)) = r.slots.get_mut(slot as usize) {
                     s.block_size = None;
@@ -1005,6 +901,8 @@ impl HolderState {
 }
 
 mod journal;
+mod sets;
+use sets::{Bits, HolderSet};
 
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,8 @@
 //! Unit tests of `subscriber`.
 
+use super::replay::{ReplayError, ReplayMessage, replay_message};
 use super::*;
+use bytes::Bytes;
 
 #[test]
 fn endpoint_specs() {
