@@ -784,11 +784,13 @@ impl RankTask {
     async fn subscribe(&mut self, failures: &mut u32) -> Sub {
         let topic = self.shared.config.topic.clone();
         let max_message = self.shared.config.max_message;
-        let expiry = self
-            .disconnected_since
-            .filter(|_| self.last_seq.is_some())
-            .map(|since| since + self.shared.config.disconnected_grace);
-        if let Some(expiry) = expiry {
+        loop {
+            // Past the grace, once: `expire` forgets the sequence, so the next attempt
+            // has no deadline.
+            let expiry = self
+                .disconnected_since
+                .filter(|_| self.last_seq.is_some())
+                .map(|since| since + self.shared.config.disconnected_grace);
             let attempt = self.shared.subscribe(
                 &self.publisher,
                 topic.as_bytes(),
@@ -796,20 +798,14 @@ impl RankTask {
                 max_message,
                 failures,
             );
+            let Some(expiry) = expiry else {
+                return attempt.await;
+            };
             match tokio::time::timeout_at(expiry, attempt).await {
                 Ok(socket) => return socket,
                 Err(_) => self.expire(),
             }
         }
-        self.shared
-            .subscribe(
-                &self.publisher,
-                topic.as_bytes(),
-                SocketKind::Events,
-                max_message,
-                failures,
-            )
-            .await
     }
 
     /// Drops the entries of a rank left without a subscription past the grace, and
@@ -852,15 +848,7 @@ impl RankTask {
                 Err(e) => {
                     // A lost batch, whatever it was: what it said is unknown.
                     tracing::warn!(engine = %self.shared.engine, rank = self.shared.rank, error = %e, "kv events: message of the wrong shape, dropping the rank's entries");
-                    self.shared
-                        .index
-                        .clear(&self.shared.engine, self.shared.rank);
-                    self.shared
-                        .malformed(SocketKind::Events, Malformed::of_decode(&e));
-                    self.status(|s| {
-                        s.decode_errors += 1;
-                        s.drops += 1;
-                    });
+                    self.lost(SocketKind::Events, &e);
                     continue;
                 }
             };
@@ -931,16 +919,24 @@ impl RankTask {
             }
             Err(e) => {
                 tracing::warn!(engine = %engine, rank, seq, error = %e, "kv events: undecodable batch, dropping the rank's entries");
-                self.shared.index.clear(engine, rank);
-                self.shared.malformed(kind, Malformed::of_decode(&e));
-                self.status(|s| {
-                    s.decode_errors += 1;
-                    s.drops += 1;
-                });
+                self.lost(kind, &e);
             }
         }
         self.last_seq = Some(seq);
         self.status(|s| s.last_seq = Some(seq));
+    }
+
+    /// A message whose content is unknown (its frames or its batch did not decode): a
+    /// lost batch, so the rank's entries are dropped, and the fault counted.
+    fn lost(&self, kind: SocketKind, e: &DecodeError) {
+        self.shared
+            .index
+            .clear(&self.shared.engine, self.shared.rank);
+        self.shared.malformed(kind, Malformed::of_decode(e));
+        self.status(|s| {
+            s.decode_errors += 1;
+            s.drops += 1;
+        });
     }
 }
 
