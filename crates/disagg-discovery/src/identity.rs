@@ -2,7 +2,7 @@
 //! share (compared by the merge and the endpoints file), the core's endpoint id of a
 //! URL, and the form a KV-events endpoint must have.
 
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::Ipv6Addr;
 
 use crate::spec::SpecError;
 
@@ -16,51 +16,14 @@ fn quoted(value: &str) -> String {
     }
 }
 
-/// Checks a KV-events endpoint: `tcp://HOST:PORT`, HOST a DNS name of at most 253
-/// bytes (labels of 1 to 63 letters, digits and `-`, not at either end), an IPv4
-/// address or a bracketed IPv6 address, PORT a decimal number from 1 to 65535.
+/// Checks a KV-events endpoint as the socket that connects to it will:
+/// `tcp://HOST:PORT`, HOST a DNS name of at most 253 bytes, an IPv4 address or a
+/// bracketed IPv6 address, PORT a decimal number from 1 to 65535
+/// ([`disagg_zmtp::conn::tcp_address`], the one rule for this form).
 pub(crate) fn check_kv_events(events: &str) -> Result<(), SpecError> {
-    let bad = || SpecError::KvEvents(quoted(events));
-    let (host, port) = events
-        .strip_prefix("tcp://")
-        .and_then(|rest| rest.rsplit_once(':'))
-        .ok_or_else(bad)?;
-    let port_ok = (1..=5).contains(&port.len())
-        && port.bytes().all(|b| b.is_ascii_digit())
-        && port.parse::<u16>().is_ok_and(|p| p > 0);
-    if !port_ok || !is_host(host) {
-        return Err(bad());
-    }
-    Ok(())
-}
-
-/// Whether `host` is a DNS name of at most 253 bytes, an IPv4 address or a bracketed
-/// IPv6 address.
-fn is_host(host: &str) -> bool {
-    if let Some(inner) = host.strip_prefix('[') {
-        return inner
-            .strip_suffix(']')
-            .is_some_and(|ip| ip.parse::<Ipv6Addr>().is_ok());
-    }
-    if host.parse::<Ipv4Addr>().is_ok() {
-        return true;
-    }
-    // A fully qualified name may end in a dot; names such as docker-compose's service
-    // names (`vllm_decode`) hold `_`, which resolvers take.
-    let host = host.strip_suffix('.').unwrap_or(host);
-    let label = |l: &str| {
-        (1..=63).contains(&l.len())
-            && l.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    // A last label of digits only would make an IPv4 address, which did not parse.
-    let numeric = host
-        .rsplit('.')
-        .next()
-        .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
-    host.len() <= 253 && !numeric && host.split('.').all(label)
+    disagg_zmtp::conn::tcp_address(events)
+        .map(drop)
+        .map_err(|_| SpecError::KvEvents(quoted(events)))
 }
 
 /// `url` without a trailing `@RANK`, and the rank, as the core reads it: an `@` whose

@@ -413,7 +413,15 @@ fn command_len(len: u64) -> Result<usize, Error> {
         })
 }
 
-/// `HOST:PORT` of `tcp://HOST:PORT`.
+/// `HOST:PORT` of `tcp://HOST:PORT`: the one form a connecting socket reads (an
+/// engine's publisher, replay or load socket, whether from the command line, a
+/// discovery source or an engine's own answer).
+///
+/// HOST is a DNS name of at most 253 bytes (labels of 1 to 63 letters, digits, `-` and
+/// `_`, not starting or ending with `-`, an optional trailing dot), an IPv4 address or
+/// a bracketed IPv6 address; PORT is 1 to 65535 in decimal digits. A bind wildcard
+/// (`*`, as in an engine's own `tcp://*:5557`), port 0 or an unbracketed IPv6 address
+/// is refused here rather than retried against an address no socket reaches.
 ///
 /// # Errors
 ///
@@ -422,10 +430,42 @@ pub fn tcp_address(endpoint: &str) -> Result<&str, Error> {
     let bad = || Error::Endpoint(endpoint.to_owned());
     let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
     let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-    if host.is_empty() || port.parse::<u16>().is_err() {
+    let port_ok = (1..=5).contains(&port.len())
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p > 0);
+    if !port_ok || !is_host(host) {
         return Err(bad());
     }
     Ok(rest)
+}
+
+/// Whether `host` is a DNS name of at most 253 bytes, an IPv4 address or a bracketed
+/// IPv6 address.
+fn is_host(host: &str) -> bool {
+    if let Some(inner) = host.strip_prefix('[') {
+        return inner
+            .strip_suffix(']')
+            .is_some_and(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok());
+    }
+    if host.parse::<std::net::Ipv4Addr>().is_ok() {
+        return true;
+    }
+    // A fully qualified name may end in a dot; names such as docker-compose's service
+    // names (`vllm_decode`) hold `_`, which resolvers take.
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let label = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    // A last label of digits only would make an IPv4 address, which did not parse.
+    let numeric = host
+        .rsplit('.')
+        .next()
+        .is_some_and(|l| l.bytes().all(|b| b.is_ascii_digit()));
+    host.len() <= 253 && !numeric && host.split('.').all(label)
 }
 
 /// Connects to `endpoint` (`tcp://HOST:PORT`) as a `ours` socket, within `timeout`
@@ -455,4 +495,55 @@ pub async fn connect(
             ))
         })??;
     Connection::handshake(stream, ours, false, limits).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tcp_address;
+
+    /// The spellings an engine's publisher can have: a DNS name (with `_` as
+    /// docker-compose names hold, a trailing dot), IPv4, bracketed IPv6.
+    #[test]
+    fn tcp_address_takes_names_and_addresses() {
+        for ok in [
+            "tcp://10.0.0.5:5557",
+            "tcp://engine.llm.svc:5557",
+            "tcp://engine.llm.svc.:5557",
+            "tcp://vllm_decode:1",
+            "tcp://[::1]:65535",
+            "tcp://[fd00::7]:5557",
+        ] {
+            assert_eq!(tcp_address(ok).ok(), ok.strip_prefix("tcp://"), "{ok}");
+        }
+    }
+
+    /// A connect address that no resolver or socket could use is refused where it is
+    /// read, not retried for ever: a bind wildcard copied from the engine's flags, port
+    /// 0 or past 65535, a signed port, an unbracketed IPv6 address, a host past 253
+    /// bytes, spaces, an empty label.
+    #[test]
+    fn tcp_address_refuses_what_cannot_be_connected_to() {
+        let long = format!("tcp://{}:5557", "a".repeat(5000));
+        let long_label = format!("tcp://{}.svc:5557", "a".repeat(64));
+        for bad in [
+            "tcp://*:5557",
+            "tcp://h:0",
+            "tcp://h:65536",
+            "tcp://h:+5557",
+            "tcp://h:",
+            "tcp://:5557",
+            "tcp://::1:5557",
+            "tcp://[::1:5557",
+            "tcp://a b:5557",
+            "tcp://a..b:5557",
+            "tcp://-a:5557",
+            "tcp://10.0.0.256:5557",
+            "ipc:///tmp/kv",
+            "http://h:5557",
+            long.as_str(),
+            long_label.as_str(),
+        ] {
+            assert!(tcp_address(bad).is_err(), "{bad} was taken");
+        }
+    }
 }

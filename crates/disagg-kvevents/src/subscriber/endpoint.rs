@@ -11,7 +11,9 @@ pub enum EndpointError {
         "kv-events endpoint {0:?} is not ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,load=tcp://HOST:PORT][,dp-size=N]"
     )]
     Spec(String),
-    /// Not `tcp://HOST:PORT` with a port number.
+    /// Not `tcp://HOST:PORT` with a host a resolver takes (a DNS name, an IPv4 address,
+    /// a bracketed IPv6 address; not a bind wildcard such as `*`) and a port from 1 to
+    /// 65535.
     #[error("{0:?} is not tcp://HOST:PORT")]
     Tcp(String),
     /// An engine URL without a host.
@@ -197,14 +199,13 @@ impl EngineEndpoint {
     }
 }
 
-/// The port of `tcp://HOST:PORT`.
+/// The port of `tcp://HOST:PORT`, checked as the socket that connects to it reads it
+/// ([`disagg_zmtp::conn::tcp_address`]: a host a resolver takes, a port from 1 to
+/// 65535).
 fn tcp_port(endpoint: &str) -> Result<u16, EndpointError> {
     let bad = || EndpointError::Tcp(endpoint.to_owned());
-    let rest = endpoint.strip_prefix("tcp://").ok_or_else(bad)?;
-    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-    if host.is_empty() {
-        return Err(bad());
-    }
+    let address = disagg_zmtp::conn::tcp_address(endpoint).map_err(|_| bad())?;
+    let (_, port) = address.rsplit_once(':').ok_or_else(bad)?;
     port.parse().map_err(|_| bad())
 }
 

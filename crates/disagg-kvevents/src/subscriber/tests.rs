@@ -28,6 +28,29 @@ fn endpoint_specs() {
     assert_eq!(e.replay_of(2), None);
 }
 
+/// `--kv-events-endpoint` reads its addresses by the rule discovery's `kv_events` and
+/// the connecting socket share: an engine's bind wildcard, port 0 or an unbracketed
+/// IPv6 address is refused at start, not retried for ever.
+#[test]
+fn endpoint_specs_refuse_addresses_no_socket_reaches() {
+    for spec in [
+        "e=tcp://*:5557",
+        "e=tcp://h:0",
+        "e=tcp://h:+5557",
+        "e=tcp://::1:5557",
+        "e=tcp://h:1,replay=tcp://*:5558",
+        "e=tcp://h:1,load=tcp://h:0",
+    ] {
+        assert!(
+            matches!(EngineEndpoint::parse(spec), Err(EndpointError::Tcp(_))),
+            "{spec}"
+        );
+    }
+    let e = EngineEndpoint::parse("e=tcp://[fd00::7]:5557,replay=tcp://vllm_decode.:5558").unwrap();
+    assert_eq!(e.publisher_of(1), "tcp://[fd00::7]:5558");
+    assert_eq!(e.replay_of(1).as_deref(), Some("tcp://vllm_decode.:5559"));
+}
+
 #[test]
 fn engine_host_form() {
     let e = EngineEndpoint::on_engine_host("http://user@10.1.2.3:8000/v1", 5557, None).unwrap();
