@@ -3,14 +3,16 @@
 //!
 //! The orchestrator never reads these facts: they are declared by whoever makes the
 //! endpoints (`disagg-discovery`, the proxy's flags, a connector's helper), checked by
-//! [`check_pair`] against the connector's rules ([`KvConnector::bridges_tp`],
-//! [`KvConnector::equal_versions`]) and enforced, optionally, by `disagg-resilience`.
+//! [`check_pair`] against the connector's rule for TP sizes ([`KvConnector::bridges_tp`])
+//! and enforced, optionally, by `disagg-resilience`, which also compares the engines'
+//! versions for the connectors whose [`KvConnector::equal_versions`] asks.
 //!
 //! An endpoint may declare, in a [`KvProfile`] kept in its
 //! [`Endpoint::ext`](disagg_core::Endpoint::ext), the KV connector its engine runs
 //! (vLLM's `kv_connector`, or `sglang`), its `kv_role` and its tensor-parallel size.
 //! [`check_pair`] checks one pair of profiles against the orchestrator's connector and
-//! names the [`Mismatch`]:
+//! names the [`Mismatch`] (the first three below; the fourth, [`Mismatch::Versions`], is
+//! named by `disagg_resilience::pairing::check_versions`, not by [`check_pair`]):
 //!
 //! - a declared connector that differs from the other engine's or from the proxy's
 //!   (engines of different connectors never meet: a NIXL decode cannot read from a
