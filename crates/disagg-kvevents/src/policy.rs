@@ -63,10 +63,18 @@ impl Pick for FewestInFlight {
 /// Load is the work queued on each endpoint ([`KvScorer`]'s module docs): the uncached
 /// tokens of the requests this pick sent there and still in flight, by the endpoint's
 /// own in-flight count ([`Endpoint::in_flight`], held by the orchestrator for the leg),
-/// or the engine's own load report when it publishes one and it says more. Nothing is
-/// kept per request, so nothing outlives one. The chosen engine gets a provisional
-/// entry for the prompt's blocks (until its own events arrive), so the next request
-/// with the same prefix follows it.
+/// or the engine's own load report when it publishes one and it says more. The chosen
+/// engine gets a provisional entry for the prompt's blocks (until its own events
+/// arrive), so the next request with the same prefix follows it.
+///
+/// A pick is recorded when it is made, not when its leg is sent: nothing of it is kept
+/// per request, but a route that is picked and then never sent (a request that leaves
+/// while waiting for a per-endpoint place, whose wait picks again at each wake-up; a
+/// decode hold that refuses the pick; an encoder stage that fails) leaves its
+/// provisional entry until [`ScorerConfig::provisional_ttl`](crate::ScorerConfig::provisional_ttl)
+/// (5 s) and its pick among the engine's last [`RECENT_PICKS`](crate::score::RECENT_PICKS),
+/// counted only while the engine's in-flight count says it is queued. The cost is a
+/// routing estimate a few seconds too warm for that prefix, never a request lost.
 ///
 /// For a whole-engine endpoint the scorer also knows which data-parallel rank holds
 /// most; the route names no rank then, and the engine picks one.
