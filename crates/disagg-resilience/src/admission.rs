@@ -31,11 +31,14 @@
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
 //! timeout (or past its deadline) gets 503 `queue_timeout`. Both are OpenAI-format
 //! errors. No request is dropped silently, and a waiting request that its client
-//! abandons leaves the queue at once.
+//! abandons leaves the queue at once. A request takes one place in the queue however
+//! many of these waits it passes through (held, then waiting for a per-endpoint
+//! place, or the reverse): it is counted once, and a queue full of others does not
+//! refuse it once it waits.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use disagg_core::endpoint::Role;
@@ -148,12 +151,84 @@ fn give_back<K: std::hash::Hash + Eq>(places: &mut HashMap<K, usize>, endpoint: 
     }
 }
 
-/// Counts a request as waiting while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
+/// Counts a request as waiting while it lives; `None` when its place in the queue is
+/// its routing's [`Queued`], which counts it.
+struct Waiting<'a>(Option<&'a AtomicUsize>);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(waiting) = self.0 {
+            waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+tokio::task_local! {
+    /// The place in the queue of the request a [`DecodeHold`] is routing, while its
+    /// routing runs: the router it wraps (a [`PerEndpointLimit`]) reads it there, so
+    /// a request is counted once however many of this admission's waits it passes
+    /// through (see [`State::enqueue`]).
+    static QUEUED: Arc<Queued>;
+}
+
+/// One request's place in an admission's queue across the routers that wrap each
+/// other, for one routing: the first of them that makes it wait counts it (and
+/// refuses it with 429 when the queue is full); the others find it counted. Given
+/// back when the routing ends (the request is routed or refused), or is abandoned.
+///
+/// A decode hold passes it to the router it wraps in [`QUEUED`] rather than through
+/// the [`Router`] seam: [`Ask`] is the orchestrator's, and a place in this crate's
+/// queue means nothing to any other router.
+#[derive(Debug)]
+struct Queued {
+    state: Arc<State>,
+    counted: AtomicBool,
+}
+
+impl Queued {
+    /// The place of the routing under way in `state`'s queue (when a hold wrapping
+    /// this one routes the request), or a new one.
+    fn for_routing(state: &Arc<State>) -> Arc<Queued> {
+        QUEUED
+            .try_with(|q| q.is_in(state).then(|| Arc::clone(q)))
+            .ok()
+            .flatten()
+            .unwrap_or_else(|| {
+                Arc::new(Queued {
+                    state: Arc::clone(state),
+                    counted: AtomicBool::new(false),
+                })
+            })
+    }
+
+    /// Whether this is a place in `state`'s queue.
+    fn is_in(&self, state: &State) -> bool {
+        std::ptr::eq(Arc::as_ptr(&self.state), state)
+    }
+
+    /// The request counted in the queue, if it was not yet; 429 when the queue is
+    /// full.
+    fn enqueue(&self) -> Result<(), PdError> {
+        if self.counted.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.state.count()?;
+        self.counted.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The request no longer counted as waiting (routed, or refused), if it was.
+    fn leave(&self) {
+        if self.counted.swap(false, Ordering::Relaxed) {
+            self.state.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Queued {
+    // A routing abandoned while it waits.
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 
@@ -236,9 +311,15 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// their order of arrival, and a new request waits behind them: behind those of its own
 /// model, when endpoints declare models (they wait for other decodes).
 ///
-/// Cost per request: a boxed routing future, two short locks (the check, then the
-/// count), a snapshot of the endpoint set and one `load` per decode endpoint of the
-/// model; one more lock when the attempt ends.
+/// A request it holds, then lets go to wait for a per-endpoint place (or that waited
+/// for one, then is held), keeps one place in the queue throughout: it is counted
+/// once in `waiting` and `queued`, and never refused with 429 for a wait it is
+/// already in.
+///
+/// Cost per request: a boxed routing future with its place in the queue (one small
+/// allocation), two short locks (the check, then the count), a snapshot of the
+/// endpoint set and one `load` per decode endpoint of the model; one more lock when
+/// the attempt ends.
 #[derive(Debug)]
 pub struct DecodeHold<R> {
     inner: R,
@@ -402,6 +483,47 @@ impl<R: Router> DecodeHold<R> {
         };
         Some(route.with_holds(None, Some(Permit::new(place))))
     }
+
+    /// Routes the request once the decodes of its model have room, holding it in the
+    /// queue meanwhile, in its routing's place `queued`.
+    async fn route_with_room(&self, ask: Ask<'_>, queued: &Queued) -> Result<Route, PdError> {
+        let since = Instant::now();
+        let until = {
+            let by_hold = crate::after(since, self.wait);
+            ask.deadline.map_or(by_hold, |d| d.min(by_hold))
+        };
+        // Once held: its place in the hold's line (its place in the queue is
+        // `queued`'s, counted then or already, when the router it wraps made it wait).
+        let mut held: Option<Ticket<'_>> = None;
+        loop {
+            let ticket = held.as_ref();
+            let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
+            if room {
+                // The policy chooses the decode (a saturated one too, when it
+                // prefers it: the hold only keeps requests back while every decode
+                // is full); the place is counted if room is still left.
+                let route = self.inner.route(ask).await?;
+                if let Some(route) = self.admit(&ask, route, ticket) {
+                    return Ok(route);
+                }
+            }
+            if held.is_none() {
+                queued.enqueue()?;
+                let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
+                let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
+                let ticket = Ticket {
+                    routed: &self.routed,
+                    line,
+                    ticket,
+                };
+                held = Some(ticket);
+            }
+            if Instant::now() >= until {
+                return Err(self.state.timed_out(since));
+            }
+            tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
+        }
+    }
 }
 
 impl<R: Router> Router for DecodeHold<R> {
@@ -414,43 +536,17 @@ impl<R: Router> Router for DecodeHold<R> {
     }
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        Either::Right(Box::pin(async move {
-            let since = Instant::now();
-            let until = {
-                let by_hold = crate::after(since, self.wait);
-                ask.deadline.map_or(by_hold, |d| d.min(by_hold))
-            };
-            // Once held: its place in the admission queue and in the hold's line.
-            let mut held: Option<(Waiting<'_>, Ticket<'_>)> = None;
-            loop {
-                let ticket = held.as_ref().map(|(_, t)| t);
-                let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
-                if room {
-                    // The policy chooses the decode (a saturated one too, when it
-                    // prefers it: the hold only keeps requests back while every decode
-                    // is full); the place is counted if room is still left.
-                    let route = self.inner.route(ask).await?;
-                    if let Some(route) = self.admit(&ask, route, ticket) {
-                        return Ok(route);
-                    }
-                }
-                if held.is_none() {
-                    let waiting = self.state.enqueue()?;
-                    let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
-                    let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
-                    let ticket = Ticket {
-                        routed: &self.routed,
-                        line,
-                        ticket,
-                    };
-                    held = Some((waiting, ticket));
-                }
-                if Instant::now() >= until {
-                    return Err(self.state.timed_out(since));
-                }
-                tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
-            }
-        }))
+        // Its one place in the queue, whether it waits here or in the router it wraps
+        // (which finds it in `QUEUED`).
+        let queued = Queued::for_routing(&self.state);
+        let scoped = Arc::clone(&queued);
+        let routing = async move {
+            let routed = self.route_with_room(ask, &queued).await;
+            // Not when the future is dropped: a caller may keep it after it is ready.
+            queued.leave();
+            routed
+        };
+        Either::Right(Box::pin(QUEUED.scope(scoped, routing)))
     }
 
     // A request sent to one engine by an adapter is not held (it has no prefill to
@@ -473,18 +569,31 @@ impl<R: Router> Router for DecodeHold<R> {
 }
 
 impl State {
-    /// A place in the queue, or 429 when it is full.
+    /// A place in the queue, or 429 when it is full. A request a [`DecodeHold`] of
+    /// this queue is routing has one place for its routing ([`Queued`]): it takes
+    /// that one (counted at its first wait), not another.
     fn enqueue(&self) -> Result<Waiting<'_>, PdError> {
+        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue()));
+        if let Ok(Some(counted)) = routing {
+            return counted.map(|()| Waiting(None));
+        }
+        self.count()?;
+        Ok(Waiting(Some(&self.waiting)))
+    }
+
+    /// One more request counted as waiting, and in `queued`; none and 429 when the
+    /// queue is full.
+    fn count(&self) -> Result<(), PdError> {
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
-        let guard = Waiting(&self.waiting);
         if before >= self.config.max_queue {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
             self.queue_full.fetch_add(1, Ordering::Relaxed);
             return Err(PdError::from(Overload::QueueFull {
                 retry_after: self.config.retry_after,
             }));
         }
         self.queued.fetch_add(1, Ordering::Relaxed);
-        Ok(guard)
+        Ok(())
     }
 
     /// When a wait that started at `since` must end: the queue timeout or the request's
@@ -587,7 +696,8 @@ impl<R: Router> PerEndpointLimit<R> {
         deadline: Option<Instant>,
     ) -> Result<Route, PdError> {
         let since = Instant::now();
-        // One place in the queue (and one `queued`) however often it routes again.
+        // One place in the queue (and one `queued`) however often it routes again; the
+        // place the decode hold wrapping it holds, when it is held.
         let _waiting = self.state.enqueue()?;
         let until = self.state.wait_until(since, deadline);
         loop {
@@ -1125,6 +1235,153 @@ mod tests {
         assert!(router.route(ask_b).now_or_never().is_none());
         tokio::time::advance(HOLD_POLL).await;
         let _older = (&mut older).now_or_never().expect("oldest first").unwrap();
+    }
+
+    /// The decode hold over the per-endpoint limit, both in `limits`' queue (as the
+    /// proxy builds them), over a prefill and two decodes; the first decode and the
+    /// second, in the set's order.
+    fn held_over_per_endpoint(
+        limits: &Limits,
+    ) -> (
+        DecodeHold<PerEndpointLimit<First>>,
+        disagg_core::source::StaticSource,
+        [Arc<Endpoint>; 2],
+    ) {
+        use disagg_core::source::{EndpointSource, StaticSource};
+
+        let router = limits.decode_hold(limits.per_endpoint(First, 1), 1, Duration::from_secs(60));
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d1:1", Role::Decode),
+            endpoint("http://d2:1", Role::Decode),
+        ]);
+        let set = source.snapshot();
+        let decodes = set.by_role(Role::Decode);
+        let decodes = [Arc::clone(&decodes[0]), Arc::clone(&decodes[1])];
+        (router, source, decodes)
+    }
+
+    /// A held request let go by the hold, that then waited for a per-endpoint place,
+    /// was queued a second time: `queued_now` showed 2 for it, and with a queue of
+    /// one it was refused with 429 `queue_full` though it had already waited.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_request_waiting_for_a_per_endpoint_place_is_queued_once() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            max_queue: 1,
+            ..AdmissionConfig::default()
+        });
+        let (router, source, [d1, d2]) = held_over_per_endpoint(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // The second decode runs another request; the first is this hold's.
+        let other = d2.track();
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        assert_eq!(first.decode.id(), d1.id());
+        let mut second = Box::pin(router.route(ask));
+        assert!(
+            (&mut second).now_or_never().is_none(),
+            "every decode is full"
+        );
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // The second decode frees up: the hold lets it go, and it waits for the
+        // prefill's place, still in its one place in the queue.
+        drop(other);
+        tokio::time::advance(HOLD_POLL).await;
+        let r = (&mut second).now_or_never();
+        assert!(
+            r.is_none(),
+            "waits for the prefill's place: {:?}",
+            r.map(|r| r.map(drop).map_err(|e| e.http().code))
+        );
+        let stats = limits.stats();
+        assert_eq!((stats.waiting, stats.queued, stats.queue_full), (1, 1, 0));
+        // The first request's legs end: it is routed.
+        drop(first);
+        let second = (&mut second)
+            .now_or_never()
+            .expect("woken when the prefill's place was given back")
+            .unwrap();
+        assert!(second.prefill.is_some());
+        let stats = limits.stats();
+        assert_eq!((stats.waiting, stats.queued, stats.queue_full), (0, 1, 0));
+    }
+
+    /// A request that waited for a per-endpoint place, then found every decode full
+    /// (the engines' counts rose meanwhile) and was held, was queued a second time.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_held_after_its_per_endpoint_wait_is_queued_once() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, source, [d1, d2]) = held_over_per_endpoint(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        // The second decode has room: the hold lets it go, and it waits for the
+        // prefill's place.
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none());
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // Both decodes fill up with other routers' requests, as their engines say;
+        // the prefill's place is given back.
+        d1.set_engine_load(Some(1));
+        d2.set_engine_load(Some(1));
+        drop(first);
+        assert!((&mut second).now_or_never().is_none(), "held now");
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // A decode frees up: it is routed, counted once.
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        let second = (&mut second).now_or_never().expect("room").unwrap();
+        assert_eq!(second.decode.id(), d1.id(), "its router's choice");
+        assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
+    }
+
+    /// A request its client abandons leaves the queue once, wherever it waits: held,
+    /// or for a per-endpoint place after the hold let it go.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_request_leaves_the_queue_from_the_hold_or_the_per_endpoint_wait() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, source, [_, d2]) = held_over_per_endpoint(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let other = d2.track();
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        // Held, then abandoned.
+        let mut held = Box::pin(router.route(ask));
+        assert!((&mut held).now_or_never().is_none());
+        assert_eq!(waiting(&limits), 1);
+        drop(held);
+        assert_eq!(waiting(&limits), 0);
+        // Held, let go into the per-endpoint wait, then abandoned.
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none());
+        drop(other);
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut second).now_or_never().is_none());
+        assert_eq!(waiting(&limits), 1);
+        drop(second);
+        assert_eq!(waiting(&limits), 0);
+        // Its ticket left the hold's line, and the first's places are intact.
+        assert!(crate::lock(&router.routed.0).unnamed.is_empty());
+        drop(first);
+        assert!(crate::lock(&router.inner.places.0).is_empty());
     }
 
     /// `Duration::MAX`, a common "forever", overflowed the clock and panicked.

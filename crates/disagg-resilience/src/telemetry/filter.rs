@@ -7,7 +7,8 @@
 //! lines of the metrics `names.rs` reads ([`READ`]): their samples (with the `_bucket`,
 //! `_sum` and `_count` lines a histogram or summary of that name writes) and their
 //! `# HELP` and `# TYPE` lines, at most [`MAX_KEPT_LINES`] of them and
-//! [`MAX_KEPT_BYTES`], copied into one string allocated once at the text's size.
+//! [`MAX_KEPT_BYTES`], copied into one string allocated once at the text's size or
+//! at that ceiling, whichever is smaller.
 //!
 //! The parser also holds a sample's labels as a vector of strings: some 20 to 30 times
 //! the bytes of a line of one-letter labels. So no sample line longer than
@@ -99,7 +100,10 @@ enum Kind<'a> {
 /// [`MAX_SAMPLE_LINE`].
 pub(super) fn filter(text: &str) -> Result<Kept<'_>, ScrapeError> {
     let mut kept = Kept {
-        text: String::with_capacity(text.len()),
+        // Never more than either: the kept text is no longer than the text (see
+        // [`BREAK`]), and a line that would take it past the ceiling is refused before
+        // it is copied.
+        text: String::with_capacity(text.len().min(MAX_KEPT_BYTES)),
         family: None,
         samples: false,
         descriptor: None,

@@ -361,6 +361,34 @@ fn lines_of_the_names_read_have_a_ceiling() {
     same_as_unfiltered(&text);
 }
 
+/// The kept text was allocated at the body's size, up to `--engine-metrics-max-bytes`
+/// at every scrape, though no more than `MAX_KEPT_BYTES` of it is ever kept.
+#[test]
+fn the_kept_text_is_allocated_at_its_ceiling_at_most() {
+    // Metrics read, just under the ceiling, then 2 MiB of blank lines.
+    let long = format!(
+        "vllm:num_requests_running{{info=\"{}\"}} 1\n",
+        "x".repeat(2000)
+    );
+    let read = long.repeat(filter::MAX_KEPT_BYTES / long.len());
+    let text = format!("{read}{}", repeated("\n", 2 << 20));
+    assert!(text.len() > 2 * filter::MAX_KEPT_BYTES - long.len());
+    let kept = filter::filter(&text).unwrap();
+    assert_eq!(kept.text, read);
+    // One allocation, at the ceiling, never grown.
+    assert_eq!(
+        kept.text.capacity(),
+        String::with_capacity(filter::MAX_KEPT_BYTES).capacity()
+    );
+    // A smaller body: at its size.
+    let text = format!("{}{VLLM}", repeated("\n", 1 << 20));
+    let kept = filter::filter(&text).unwrap();
+    assert_eq!(
+        kept.text.capacity(),
+        String::with_capacity(text.len()).capacity()
+    );
+}
+
 /// Lines of every kind the parser tells apart, some not the format.
 const FRAGMENTS: &[&str] = &[
     "",
