@@ -201,6 +201,19 @@ pub struct SimConfig {
     /// `None`: plain HTTP). Needs the crate's `tls` feature. The side channel and the
     /// bootstrap servers stay plain, as they are in the engines.
     pub tls: Option<SimTls>,
+    /// How long a client of the OpenAI server (and of a Mooncake prefill's bootstrap
+    /// server) may take to send a request head, counted from when the connection is
+    /// ready for one: its opening, or the end of the previous answer on a kept-alive
+    /// connection (default 30 s, hyper's own default). Past it the connection is closed
+    /// without an answer, so it also closes a kept-alive connection idle that long
+    /// (vLLM's uvicorn closes one idle for 5 s, its `timeout_keep_alive`, and has no
+    /// limit on a head: set 5 s here to model its keep-alive).
+    pub header_read_timeout: Duration,
+    /// How long a client may take to send a request's whole body, counted from its
+    /// head (default 30 s). Past it the request is answered 408 in OpenAI's error shape
+    /// with `connection: close`, and it was never counted as running. vLLM's uvicorn
+    /// has no such limit (it waits for the body as long as the client takes).
+    pub body_read_timeout: Duration,
 }
 
 /// The certificate an engine serves HTTPS with ([`SimConfig::tls`]), as PEM.
@@ -300,6 +313,8 @@ impl Default for SimConfig {
             ec_push_wait: Duration::from_secs(60),
             version: crate::surface::VERSION.to_owned(),
             tls: None,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(30),
         }
     }
 }

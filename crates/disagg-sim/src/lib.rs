@@ -718,6 +718,7 @@ mod native;
 mod prefix_cache;
 mod received;
 mod rendezvous;
+mod request_body;
 mod reuse;
 mod server;
 mod sglang;

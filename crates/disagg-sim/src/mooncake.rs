@@ -10,7 +10,7 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -41,8 +41,13 @@ pub(crate) fn query_body(engine_ids: &[String], worker_addr: &str) -> Result<Byt
         .map_err(|e| e.to_string())
 }
 
-/// Serves one connection of a prefill's bootstrap HTTP server.
-pub(crate) async fn serve_bootstrap(query: Bytes, stream: TcpStream) {
+/// Serves one connection of a prefill's bootstrap HTTP server, closing it when a
+/// request head takes longer than `header_read_timeout` (an idle connection too).
+pub(crate) async fn serve_bootstrap(
+    query: Bytes,
+    header_read_timeout: Duration,
+    stream: TcpStream,
+) {
     let _ = stream.set_nodelay(true);
     let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         let query = query.clone();
@@ -63,6 +68,8 @@ pub(crate) async fn serve_bootstrap(query: Bytes, stream: TcpStream) {
         }
     });
     if let Err(e) = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
         .serve_connection(TokioIo::new(stream), service)
         .await
     {

@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use http::header::{CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
@@ -36,6 +36,7 @@ use crate::kv_events::Publishers;
 use crate::lmcache::{self, DisaggSpec, LossRng, Notifier, TakeError};
 use crate::prefix_cache::PrefixCache;
 use crate::rendezvous::WithdrawOnDrop;
+use crate::request_body::{self, MAX_BODY};
 use crate::stats::{ConnectionGuard, Counters, RequestGuard, Stats, bump};
 use crate::{mooncake, sglang, surface};
 
@@ -46,8 +47,6 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// SSE stream generated frame by frame), boxed.
 pub type SimServiceBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
 
-/// Largest request body accepted.
-const MAX_BODY: usize = 64 << 20;
 const X_REQUEST_ID: &str = "x-request-id";
 
 /// A completion request as the engine received it.
@@ -488,10 +487,13 @@ impl SimEngine {
                 )));
             }
             (KvMode::Mooncake(SimRole::Prefill), Some(listener)) => {
+                let header_read_timeout = inner.config.header_read_timeout;
                 tasks.push(tokio::spawn(accept_loop(
                     listener,
                     stop_rx.clone(),
-                    move |stream, _| mooncake::serve_bootstrap(query_body.clone(), stream),
+                    move |stream, _| {
+                        mooncake::serve_bootstrap(query_body.clone(), header_read_timeout, stream)
+                    },
                 )));
             }
             _ => {}
@@ -990,11 +992,15 @@ async fn serve_io<I>(inner: Arc<Inner>, io: I)
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    let header_read_timeout = inner.config.header_read_timeout;
     let service = service_fn(move |req| {
         let inner = inner.clone();
         async move { Ok::<_, Infallible>(route(&inner, req).await) }
     });
+    // The timer makes the head's time limit hold (hyper has none without one).
     if let Err(e) = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
         .keep_alive(true)
         .serve_connection(io, service)
         .await
@@ -1020,6 +1026,16 @@ pub(crate) fn json_response(
 
 fn error_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBody> {
     json_response(error.status, SimBody::full(error.body()), request_id)
+}
+
+/// The answer to a request whose body could not be read: the connection closes after
+/// it, as what is left of the body is never read.
+fn unread_body_response(error: &ApiError, request_id: Option<&str>) -> Response<SimBody> {
+    let mut response = error_response(error, request_id);
+    response
+        .headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// Whether `headers` carry `key` as vLLM's `AuthenticationMiddleware` reads it: the
@@ -1157,19 +1173,32 @@ enum Route {
     Gen(GenApi),
 }
 
-/// Read a request body as JSON, within the engine's limit.
-async fn read_json<B>(body: B) -> Result<Value, ApiError>
+/// Why a body is no JSON value: it could not be read ([`unread_body_response`]), or
+/// it is not one (or past the parse's budget).
+enum BodyError {
+    Unread(ApiError),
+    Json(ApiError),
+}
+
+impl BodyError {
+    fn response(&self) -> Response<SimBody> {
+        match self {
+            BodyError::Unread(e) => unread_body_response(e, None),
+            BodyError::Json(e) => error_response(e, None),
+        }
+    }
+}
+
+/// Read a request body as JSON, within the engine's limits.
+async fn read_json<B>(inner: &Inner, body: B) -> Result<Value, BodyError>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    match Limited::new(body, MAX_BODY).collect().await {
-        Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
-            .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}"))),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "cannot read the request body: {e}"
-        ))),
-    }
+    let bytes = request_body::read(body, inner.config.body_read_timeout)
+        .await
+        .map_err(BodyError::Unread)?;
+    request_body::json(&bytes).map_err(BodyError::Json)
 }
 
 /// `POST /detokenize` and `/v1/embeddings`, in every mode and whatever the
@@ -1180,9 +1209,9 @@ where
     B::Error: Into<BoxError>,
 {
     let counters = &inner.counters;
-    let json = match read_json(req.into_body()).await {
+    let json = match read_json(inner, req.into_body()).await {
         Ok(json) => json,
-        Err(e) => return error_response(&e, None),
+        Err(e) => return e.response(),
     };
     let request_id = format!(
         "{:016x}{:016x}",
@@ -1219,11 +1248,11 @@ where
 {
     bump(&inner.counters.admin_requests);
     let (parts, body) = req.into_parts();
-    let json = match read_json(body).await {
+    let json = match read_json(inner, body).await {
         Ok(json) => json,
         // vLLM's `/reset_prefix_cache` takes no body.
         Err(_) if path == "/reset_prefix_cache" => Value::Null,
-        Err(e) => return error_response(&e, None),
+        Err(e) => return e.response(),
     };
     record(
         inner,
@@ -1267,26 +1296,21 @@ where
         // Held until the client leaves, as a hung engine holds it.
         std::future::pending::<()>().await;
     }
-    let answer = match Limited::new(req.into_body(), MAX_BODY).collect().await {
-        Ok(collected) => serde_json::from_slice::<Value>(&collected.to_bytes())
-            .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
-            .and_then(|json| {
-                // Remember the words, so that `/detokenize` can give them back.
-                if let Some(Value::String(p)) = json.get("prompt") {
-                    inner.vocab.learn(p);
-                } else if let Ok(text) = crate::api::chat_prompt(json.get("messages")) {
-                    inner.vocab.learn(&text);
-                }
-                crate::api::tokenize_request(&json, &inner.config, &inner.loras)
-            })
-            .and_then(|answer| {
-                serde_json::to_vec(&answer)
-                    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
-            }),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "cannot read the request body: {e}"
-        ))),
+    let json = match read_json(inner, req.into_body()).await {
+        Ok(json) => json,
+        Err(e) => return e.response(),
     };
+    // Remember the words, so that `/detokenize` can give them back.
+    if let Some(Value::String(p)) = json.get("prompt") {
+        inner.vocab.learn(p);
+    } else if let Ok(text) = crate::api::chat_prompt(json.get("messages")) {
+        inner.vocab.learn(&text);
+    }
+    let answer =
+        crate::api::tokenize_request(&json, &inner.config, &inner.loras).and_then(|answer| {
+            serde_json::to_vec(&answer)
+                .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+        });
     match answer {
         Ok(body) => json_response(StatusCode::OK, SimBody::full(body), None),
         Err(e) => error_response(&e, None),
@@ -1446,12 +1470,6 @@ where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let mut guard = RequestGuard::new(inner.counters.clone());
-    match route {
-        Route::Native => bump(&inner.counters.generate_requests),
-        Route::Gen(GenApi::Responses) => bump(&inner.counters.responses_requests),
-        _ => {}
-    }
     let (parts, body) = req.into_parts();
     let header_id = parts
         .headers
@@ -1459,29 +1477,29 @@ where
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let header_id = header_id.as_deref();
-    let bytes = match Limited::new(body, MAX_BODY).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) => {
-            guard.complete();
-            return error_response(
-                &ApiError::bad_request(format!("cannot read the request body: {e}")),
-                header_id,
-            );
-        }
+    let bytes = match request_body::read(body, inner.config.body_read_timeout).await {
+        Ok(bytes) => bytes,
+        Err(e) => return unread_body_response(&e, header_id),
     };
+    // A request counts (and runs, for `/metrics`) once its body is in, as vLLM's
+    // handler starts once the body was read: a client trickling it loads nothing.
+    let mut guard = RequestGuard::new(inner.counters.clone());
+    match route {
+        Route::Native => bump(&inner.counters.generate_requests),
+        Route::Gen(GenApi::Responses) => bump(&inner.counters.responses_requests),
+        _ => {}
+    }
     // The request, and its JSON for the fields of the concurrent protocols.
-    let parsed = serde_json::from_slice::<Value>(&bytes)
-        .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
-        .and_then(|json| {
-            let request = match route {
-                Route::Openai(endpoint) => {
-                    CompletionRequest::parse(endpoint, &json, &inner.config, &inner.loras)?
-                }
-                Route::Native => crate::native::parse(&json, &inner.config)?,
-                Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config, &inner.loras)?,
-            };
-            Ok((request, json))
-        });
+    let parsed = request_body::json(&bytes).and_then(|json| {
+        let request = match route {
+            Route::Openai(endpoint) => {
+                CompletionRequest::parse(endpoint, &json, &inner.config, &inner.loras)?
+            }
+            Route::Native => crate::native::parse(&json, &inner.config)?,
+            Route::Gen(api) => crate::gen_apis::parse(api, &json, &inner.config, &inner.loras)?,
+        };
+        Ok((request, json))
+    });
     record(inner, parts.uri.path(), &parts.headers, &bytes);
 
     if is_dead(inner) {

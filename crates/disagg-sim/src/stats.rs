@@ -12,7 +12,11 @@ use serde::{Deserialize, Serialize};
 /// [`SimEngine::stats`]: crate::SimEngine::stats
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Stats {
-    /// Completion and chat requests received.
+    /// Completion and chat requests received (counted once their body is in: one
+    /// whose body never came whole, [`SimConfig::body_read_timeout`] or a client that
+    /// left, is not a request here).
+    ///
+    /// [`SimConfig::body_read_timeout`]: crate::SimConfig::body_read_timeout
     pub requests: u64,
     /// Requests that came with `kv_transfer_params.do_remote_decode` set
     /// (this engine acted as the prefill); in the other modes, requests a
@@ -53,7 +57,8 @@ pub struct Stats {
     /// transfers counted in [`Stats::kv_transfers_pending`] (freed with
     /// them). See the crate's "KV block lifetime" section.
     pub blocks_held: u64,
-    /// Completion requests currently being processed.
+    /// Completion requests currently being processed (from when their body is in:
+    /// what `/metrics` reports running).
     pub active_requests: u64,
     /// Of those, the ones waiting for their rank's prefill slot
     /// ([`SimConfig::serial_prefill`](crate::SimConfig::serial_prefill)): its
