@@ -22,15 +22,22 @@
 //! policies, health, retries, admission, metrics, validation of the client's fields,
 //! access log, edge rules. The ratio disagg / floor is the price of those.
 //!
-//! Like `proxy`, it prints its bound address on one stdout line and serves until its
-//! stdin closes.
+//! It runs as the disagg proxy's server does: `--threads N` OS threads (`floor-0`,
+//! `floor-1`, ...), each a single-threaded Tokio runtime with its own listening socket on
+//! the one port (`SO_REUSEPORT`: the kernel spreads new connections over them, with the
+//! same backlog as the proxy's) and its own client pool, so that a request, its two legs
+//! and their pooled connections stay on one thread.
+//!
+//! Like `proxy`, it prints its bound address on one stdout line once every thread
+//! listens, and serves until its stdin closes.
 
 use std::convert::Infallible;
 use std::fmt;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use clap::Args;
@@ -42,7 +49,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::watch;
 
 use crate::BoxError;
 use crate::proxy::is_loopback_url;
@@ -62,8 +70,13 @@ pub(crate) struct FloorArgs {
     /// The decode engine, `http://127.0.0.1:PORT`.
     #[arg(long)]
     decode: String,
-    /// Tokio worker threads; 1 runs one event loop (a current-thread runtime).
-    #[arg(long, default_value_t = 1)]
+    /// Event-loop threads, each a single-threaded Tokio runtime with its own listening
+    /// socket (`SO_REUSEPORT`) and client pool, as the disagg proxy's `--threads`.
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     threads: usize,
     /// Listen here (on 127.0.0.1) and serve until SIGTERM, instead of on a port of its
     /// own until stdin closes (how the bench runs it); for `scripts/instructions.sh`.
@@ -74,75 +87,157 @@ pub(crate) struct FloorArgs {
 /// The pooled client both legs go through.
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// The floor's state: its two engines and its client.
+/// One thread's floor: the two engines, its own client (and so connection pool), and
+/// its request counter.
 struct Floor {
     prefill: String,
     decode: String,
     client: HttpClient,
+    thread: usize,
     next_id: AtomicU64,
 }
 
-/// Run the floor proxy until stdin closes.
+/// Run the floor proxy until stdin closes (or SIGTERM with `--listen`).
 pub(crate) fn main(args: FloorArgs) -> Result<(), BoxError> {
     for url in [&args.prefill, &args.decode] {
         if !is_loopback_url(url) {
             return Err(format!("engine URLs must be http://127.0.0.1:PORT, not {url}").into());
         }
     }
-    let rt = if args.threads <= 1 {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?
-    } else {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(args.threads)
-            .enable_all()
-            .build()?
-    };
-    rt.block_on(serve(args))
-}
-
-async fn serve(args: FloorArgs) -> Result<(), BoxError> {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    let client = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(1024)
-        .build(connector);
-    let floor = Arc::new(Floor {
-        prefill: args.prefill.trim_end_matches('/').to_owned(),
-        decode: args.decode.trim_end_matches('/').to_owned(),
-        client,
-        next_id: AtomicU64::new(0),
-    });
     let listen = args
         .listen
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     if !listen.ip().is_loopback() {
         return Err(format!("--listen must be on 127.0.0.1, not {listen}").into());
     }
-    let listener = TcpListener::bind(listen).await?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut threads = Vec::with_capacity(args.threads);
+    let mut bound = listen;
+    for i in 0..args.threads.max(1) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let prefill = args.prefill.trim_end_matches('/').to_owned();
+        let decode = args.decode.trim_end_matches('/').to_owned();
+        let stop = stop_rx.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("floor-{i}"))
+            .spawn(move || -> Result<(), BoxError> {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                rt.block_on(async move {
+                    let listener = match listen_shared(bound) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = tx.send(Err(e.to_string()));
+                            return Err(e.into());
+                        }
+                    };
+                    let _ = tx.send(listener.local_addr().map_err(|e| e.to_string()));
+                    let floor = Arc::new(Floor::new(prefill, decode, i));
+                    serve(listener, floor, stop).await;
+                    Ok(())
+                })
+            })?;
+        // The first thread picks the port (when 0 was asked); the others share it.
+        match rx.recv() {
+            Ok(Ok(addr)) => bound = addr,
+            Ok(Err(e)) => return Err(format!("floor thread {i} cannot listen: {e}").into()),
+            Err(_) => {
+                return Err(match thread.join() {
+                    Ok(Err(e)) => e,
+                    _ => format!("floor thread {i} ended at start").into(),
+                });
+            }
+        }
+        threads.push(thread);
+    }
     {
         let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", listener.local_addr()?)?;
+        writeln!(out, "{bound}")?;
         out.flush()?;
     }
-    let by_stdin = args.listen.is_none();
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let stdin_closed = async move {
-        if by_stdin {
-            crate::proxy::stdin_closed().await;
-        } else {
-            std::future::pending::<()>().await;
+    wait_for_the_end(args.listen.is_none())?;
+    let _ = stop_tx.send(true);
+    for (i, thread) in threads.into_iter().enumerate() {
+        match thread.join() {
+            Ok(result) => result?,
+            Err(_) => return Err(format!("floor thread {i} panicked").into()),
         }
+    }
+    Ok(())
+}
+
+/// A listening socket on `addr` that other threads can bind too (`SO_REUSEPORT`), with
+/// the disagg proxy's backlog.
+fn listen_shared(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
     };
-    tokio::pin!(stdin_closed);
-    loop {
-        let (stream, _) = tokio::select! {
-            accepted = listener.accept() => accepted?,
-            () = &mut stdin_closed => return Ok(()),
-            _ = terminate.recv() => return Ok(()),
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(disagg_http::server::LISTEN_BACKLOG)
+}
+
+/// Block until stdin closes (`by_stdin`) or SIGTERM comes.
+fn wait_for_the_end(by_stdin: bool) -> Result<(), BoxError> {
+    let stdin_closed = if by_stdin {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("stdin-watch".into())
+            .spawn(move || {
+                let mut stdin = std::io::stdin().lock();
+                let mut buf = [0u8; 64];
+                while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+                let _ = tx.send(());
+            })?;
+        Some(rx)
+    } else {
+        None
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let closed = async move {
+            match stdin_closed {
+                Some(rx) => {
+                    let _ = rx.await;
+                }
+                None => std::future::pending::<()>().await,
+            }
         };
-        stream.set_nodelay(true)?;
+        tokio::select! {
+            () = closed => {}
+            _ = terminate.recv() => {}
+        }
+        Ok(())
+    })
+}
+
+/// Serve `listener` on this thread until `stop` turns `true`.
+async fn serve(listener: TcpListener, floor: Arc<Floor>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|stop| *stop) => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            // Out of descriptors, or a connection reset before it was accepted: the
+            // listener itself is fine, so keep on after a breath.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if stream.set_nodelay(true).is_err() {
+            continue;
+        }
         let floor = Arc::clone(&floor);
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
@@ -171,6 +266,23 @@ fn error(status: StatusCode, message: impl fmt::Display) -> Response<FloorBody> 
 }
 
 impl Floor {
+    /// Thread `thread`'s floor. Its client spawns its connections on the runtime it is
+    /// first used on: this thread's.
+    fn new(prefill: String, decode: String, thread: usize) -> Floor {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(1024)
+            .build(connector);
+        Floor {
+            prefill,
+            decode,
+            client,
+            thread,
+            next_id: AtomicU64::new(0),
+        }
+    }
+
     async fn handle(&self, req: Request<Incoming>) -> Response<FloorBody> {
         if req.method() != Method::POST || req.uri().path() != "/v1/chat/completions" {
             return error(
@@ -187,7 +299,7 @@ impl Floor {
             Err(e) => return error(StatusCode::BAD_REQUEST, e),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let request_id = match HeaderValue::try_from(format!("floor-{id}")) {
+        let request_id = match HeaderValue::try_from(format!("floor-{}-{id}", self.thread)) {
             Ok(v) => v,
             Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
         };

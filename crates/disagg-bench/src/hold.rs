@@ -16,7 +16,7 @@
 //!
 //! Run: `cargo run --release -p disagg-bench -- hold [--clients 24] [--requests 240]
 //! [--max-num-seqs 4] [--tokens 16] [--inter-token-ms 20] [--kv-lease 1.5]
-//! [--proxy-args "--load-source engine-metrics"]`.
+//! [--timeout SECS] [--proxy-args "--load-source engine-metrics"]`.
 
 use std::time::Duration;
 
@@ -53,6 +53,12 @@ pub(crate) struct HoldArgs {
     /// The hold's --decode-admission-wait, in seconds.
     #[arg(long, default_value_t = 120.0)]
     wait: f64,
+    /// Seconds within which a mode must have sent every request (the last answers get
+    /// 15 s more), or the run fails. Default: twice the decode's own time for the work
+    /// (`--requests` / `--max-num-seqs` rounds of `--tokens` × `--inter-token-ms`),
+    /// plus 30 s.
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
     /// Proxy worker threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -70,12 +76,41 @@ struct Measured {
     decode: Stats,
 }
 
+impl HoldArgs {
+    /// How long a mode may take to send its requests: `--timeout`, or what the
+    /// workload needs on the decode, twice, plus 30 s.
+    fn timeout(&self) -> Result<Duration, BoxError> {
+        if let Some(secs) = self.timeout {
+            return Duration::try_from_secs_f64(secs)
+                .map_err(|e| format!("--timeout {secs}: {e}").into());
+        }
+        let rounds = self
+            .requests
+            .div_ceil(u64::try_from(self.max_num_seqs.max(1)).unwrap_or(u64::MAX));
+        let per_round =
+            Duration::from_millis(self.inter_token_ms).saturating_mul(self.tokens.max(1));
+        let work = per_round.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX));
+        Ok(work
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(30)))
+    }
+}
+
 pub(crate) fn main(args: HoldArgs) -> Result<bool, BoxError> {
     let lease = Duration::try_from_secs_f64(args.kv_lease)
         .map_err(|e| format!("--kv-lease {}: {e}", args.kv_lease))?;
     if args.max_num_seqs == 0 || args.clients == 0 || args.requests == 0 {
         return Err("--max-num-seqs, --clients and --requests must be at least 1".into());
     }
+    if args.requests < args.clients as u64 {
+        return Err(format!(
+            "--requests ({}) must be at least --clients ({}): with fewer, fewer clients \
+             would send than the run says",
+            args.requests, args.clients
+        )
+        .into());
+    }
+    let timeout = args.timeout()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -100,7 +135,7 @@ pub(crate) fn main(args: HoldArgs) -> Result<bool, BoxError> {
         );
         let mut all_ok = true;
         for hold in [false, true] {
-            let m = run(&args, lease, hold).await?;
+            let m = run(&args, lease, hold, timeout).await?;
             let o = &m.outcome;
             println!(
                 "{:<5} {:>5} {:>6} {:>8.1} {:>10.1} {:>11.1} {:>10} {:>10} {:>10}",
@@ -127,7 +162,12 @@ pub(crate) fn main(args: HoldArgs) -> Result<bool, BoxError> {
     })
 }
 
-async fn run(args: &HoldArgs, lease: Duration, hold: bool) -> Result<Measured, BoxError> {
+async fn run(
+    args: &HoldArgs,
+    lease: Duration,
+    hold: bool,
+    timeout: Duration,
+) -> Result<Measured, BoxError> {
     let prefill = SimEngine::start(SimConfig {
         engine_id: Some("prefill-0".into()),
         kv_mode: KvMode::Nixl,
@@ -170,18 +210,21 @@ async fn run(args: &HoldArgs, lease: Duration, hold: bool) -> Result<Measured, B
         claims: std::sync::Arc::new(Claims::default()),
     };
     let client = load::client();
-    let outcome = load::run(
-        &client,
-        &target,
-        args.clients,
-        Duration::from_secs(3600),
-        args.requests,
-        None,
-    )
-    .await;
+    let outcome = load::run(&client, &target, args.clients, timeout, args.requests, None).await;
     let stopped = proxy.stop().await;
     let outcome = outcome?;
     stopped?;
+    let sent = outcome.ok + outcome.errors;
+    if sent < args.requests {
+        return Err(format!(
+            "the run with the hold {} did not finish within {:?} (--timeout): {sent} of {} \
+             requests sent",
+            if hold { "on" } else { "off" },
+            timeout,
+            args.requests
+        )
+        .into());
+    }
     // Let every lease still running end, so that the prefill's count is final.
     tokio::time::sleep(lease + Duration::from_millis(200)).await;
     Ok(Measured {
@@ -189,4 +232,42 @@ async fn run(args: &HoldArgs, lease: Duration, hold: bool) -> Result<Measured, B
         prefill: prefill.stats(),
         decode: decode.stats(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: HoldArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<HoldArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("hold").chain(args.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn the_default_timeout_follows_the_workload() -> Result<(), BoxError> {
+        // 240 requests, 4 at a time, 16 tokens 20 ms apart: 60 rounds of 320 ms.
+        let default = parse(&[])?.timeout()?;
+        assert_eq!(
+            default,
+            Duration::from_millis(2 * 60 * 320) + Duration::from_secs(30)
+        );
+        let longer = parse(&["--requests", "2400"])?.timeout()?;
+        assert_eq!(
+            longer,
+            Duration::from_millis(2 * 600 * 320) + Duration::from_secs(30)
+        );
+        assert_eq!(
+            parse(&["--timeout", "2.5"])?.timeout()?,
+            Duration::from_millis(2500)
+        );
+        assert!(parse(&["--timeout", "inf"])?.timeout().is_err());
+        Ok(())
+    }
 }

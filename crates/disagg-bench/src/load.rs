@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Method, Request, StatusCode, Uri};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -21,6 +21,12 @@ pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// How a stream must end.
 const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The most of an error answer's body read (its first 300 characters are shown).
+const MAX_ERROR_BODY: usize = 1 << 20;
+
+/// The most of a non-streamed answer read: far above any answer the bench asks for.
+const MAX_ANSWER: usize = 16 << 20;
 
 /// Past the phase's own duration, how long its last requests may take before the phase
 /// is declared stuck.
@@ -178,6 +184,11 @@ pub(crate) struct Hold {
 /// `duration` has passed or `max_requests` were sent in all; the requests in flight
 /// when time is up complete. With `hold`, the tasks start staggered and the open
 /// streams are counted.
+///
+/// # Errors
+///
+/// When `max_requests` is below `concurrency` (fewer tasks would run than asked), a
+/// task fails, or answers are still missing [`GRACE`] after `duration`.
 pub(crate) async fn run(
     client: &HttpClient,
     target: &Target,
@@ -188,6 +199,13 @@ pub(crate) async fn run(
 ) -> Result<Outcome, BoxError> {
     let concurrency = concurrency.max(1);
     let n = concurrency as u64;
+    if max_requests < n {
+        return Err(format!(
+            "{max_requests} requests cannot keep concurrency {concurrency}: at most \
+             {max_requests} clients would run"
+        )
+        .into());
+    }
     let start = Instant::now();
     let deadline = start + duration;
     let mut tasks = JoinSet::new();
@@ -298,12 +316,14 @@ async fn one(
         target.claims.kv.fetch_add(1, Ordering::Relaxed);
     }
     if status != StatusCode::OK {
-        let body = resp.into_body().collect().await.map(|c| c.to_bytes());
-        let text = body
-            .as_deref()
-            .map(String::from_utf8_lossy)
-            .unwrap_or_default();
-        let text: String = text.chars().take(300).collect();
+        let body = Limited::new(resp.into_body(), MAX_ERROR_BODY)
+            .collect()
+            .await
+            .map(|c| c.to_bytes());
+        let text = match &body {
+            Ok(bytes) => String::from_utf8_lossy(bytes).chars().take(300).collect(),
+            Err(e) => format!("(body unread: {})", limited_error(&**e, MAX_ERROR_BODY)),
+        };
         return Err(format!("status {status}: {text}"));
     }
     if target.expect_kv && !claims_kv {
@@ -313,10 +333,10 @@ async fn one(
     }
     let mut body = resp.into_body();
     if !target.stream {
-        let bytes = body
+        let bytes = Limited::new(body, MAX_ANSWER)
             .collect()
             .await
-            .map_err(|e| format!("answer body broke: {}", chain(&e)))?
+            .map_err(|e| format!("answer body broke: {}", limited_error(&*e, MAX_ANSWER)))?
             .to_bytes();
         if !bytes.starts_with(b"{") {
             return Err("the answer is not a JSON object".to_owned());
@@ -360,6 +380,15 @@ async fn one(
     })
 }
 
+/// A [`Limited`] body's error: its ceiling named, or the error and its sources.
+fn limited_error(e: &(dyn std::error::Error + 'static), limit: usize) -> String {
+    if e.is::<http_body_util::LengthLimitError>() {
+        format!("larger than {limit} bytes")
+    } else {
+        chain(e)
+    }
+}
+
 /// An error and its sources, on one line.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -374,7 +403,88 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::quantile_ms;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A server that answers every connection with `head` and then a chunked body
+    /// that never ends.
+    async fn endless(head: &'static str) -> Result<Uri, BoxError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    let chunk = format!("10000\r\n{}\r\n", "x".repeat(0x10000));
+                    if conn.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    while conn.write_all(chunk.as_bytes()).await.is_ok() {}
+                });
+            }
+        });
+        Ok(format!("http://{addr}/v1/chat/completions").parse()?)
+    }
+
+    fn target(uri: Uri) -> Target {
+        Target {
+            uri,
+            body: Bytes::from_static(b"{}"),
+            stream: false,
+            expect_kv: false,
+            claims: Arc::new(Claims::default()),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_endless_error_body_is_cut_at_its_ceiling() -> Result<(), BoxError> {
+        let uri = endless(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\n\
+             transfer-encoding: chunked\r\n\r\n",
+        )
+        .await?;
+        let answer =
+            tokio::time::timeout(Duration::from_secs(20), one(&client(), &target(uri), None)).await;
+        let err = match answer {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => panic!("a 500 passed"),
+            Err(_) => panic!("the error body was read past 20 s"),
+        };
+        assert!(err.starts_with("status 500"), "{err}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_at_its_ceiling() -> Result<(), BoxError> {
+        let uri = endless(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+             transfer-encoding: chunked\r\n\r\n",
+        )
+        .await?;
+        let answer =
+            tokio::time::timeout(Duration::from_secs(20), one(&client(), &target(uri), None)).await;
+        let err = match answer {
+            Ok(Err(e)) => e,
+            Ok(Ok(_)) => panic!("an endless answer passed"),
+            Err(_) => panic!("the answer was read past 20 s"),
+        };
+        assert!(err.contains("larger than"), "{err}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn fewer_requests_than_clients_are_refused() {
+        // Nothing listens there: the run must refuse before sending anything.
+        let uri = Uri::from_static("http://127.0.0.1:9/v1/chat/completions");
+        let out = run(&client(), &target(uri), 4, Duration::from_secs(1), 3, None).await;
+        let err = out.err().map(|e| e.to_string());
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("concurrency")),
+            "{err:?}"
+        );
+    }
 
     #[test]
     fn nearest_rank_quantiles() {

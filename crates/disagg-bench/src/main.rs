@@ -25,7 +25,8 @@
 //!   after the other with a prebuilt `Bytes` body and recording its latencies in its
 //!   own vector (no lock on the hot path); the vectors are merged when the phase ends.
 //!   A phase ends after `--duration` seconds or `--max-requests` requests, whichever
-//!   comes first; requests in flight then complete.
+//!   comes first; requests in flight then complete. `--max-requests` is at least 64,
+//!   the largest concurrency, so that every phase runs as many clients as it says.
 //!
 //! # Phases
 //!
@@ -56,19 +57,24 @@
 //! - **Added latency**: proxy p50 − direct p50 at concurrency 1. It includes the
 //!   disaggregation itself (the prefill round trip and the KV pull), not only the
 //!   proxy's own work.
-//! - **Proxy CPU per request**: the proxy process's `utime + stime` from
-//!   `/proc/<pid>/stat`, read before and after the measured phase, in clock ticks
-//!   (`getconf CLK_TCK`, 100 assumed if it cannot be read), divided by the successful
-//!   requests: CPU seconds per 1,000 requests × 1000 = µs per request. The bench
-//!   process's own CPU per request (engines and load generator) is shown beside it.
+//! - **Proxy CPU per request**: the proxy process's on-CPU time in the measured phase,
+//!   divided by the successful requests: CPU seconds per 1,000 requests × 1000 = µs per
+//!   request. Read before and after the phase as the sum over its threads of the
+//!   scheduler's nanoseconds (`/proc/<pid>/task/<tid>/schedstat`), checked against the
+//!   whole process's `utime + stime` (`/proc/<pid>/stat`, clock ticks: `getconf
+//!   CLK_TCK`, 100 assumed if it cannot be read), which keep the time of threads that
+//!   ended; the ticks are taken instead, and the phase marked, when a thread ended during
+//!   the phase (the ticks more than 2 ticks ahead of the nanoseconds, or a thread of the
+//!   first reading gone) or the kernel keeps no schedstat. The bench process's own CPU
+//!   per request (engines and load generator) is shown beside it, in ticks.
 //! - **Idle RSS**: `VmRSS` of the proxy after start-up and a warm-up at concurrency 1;
 //!   **peak RSS**: its `VmHWM` after every phase.
 //! - **Memory per stream**: a second proxy process in front of the slow decode engine
 //!   (default 50 ms × 16 tokens); after a small warm-up its `VmRSS` is the idle figure;
 //!   then `--streams` (256) streams are started, spread over a quarter of a stream's
-//!   time (all at once, they overflow the proxy's listen backlog of 128 and the
-//!   dropped connections wait for a SYN retransmission), and `VmRSS` is sampled every
-//!   5 ms: (RSS with the most streams open − idle RSS) / streams open.
+//!   time (the figure is memory per open stream, not how the proxy takes a burst of
+//!   connections at one instant), and `VmRSS` is sampled every 5 ms: (RSS with the most
+//!   streams open − idle RSS) / streams open.
 //!
 //! The 2-core machine this was written for is shared by the proxy, the engines and the
 //! load generator: throughput figures are those of the whole set-up, and the proxy's

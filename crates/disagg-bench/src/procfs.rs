@@ -9,6 +9,7 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 use crate::BoxError;
+use crate::report::CpuClock;
 
 /// CPU time a process spent, all threads, in clock ticks: `utime` and `stime`, fields
 /// 14 and 15 of `/proc/<pid>/stat`.
@@ -58,8 +59,10 @@ fn parse_cpu_ticks(stat: &str) -> Option<CpuTicks> {
 /// `/proc/<pid>/stat` reports the same sum rounded to clock ticks (10 ms at the usual
 /// 100 Hz), which is 2-3% of a 2-second phase's proxy CPU; this reading is exact to the
 /// scheduler's last update of each thread. It sees live threads only: a thread that ends
-/// takes its time with it, so [`ThreadClocks::since`] gives no figure then, and the
-/// caller falls back to the ticks (which keep a dead thread's time).
+/// takes its time with it, so [`ThreadClocks::since`] gives no figure when a thread of
+/// the first reading is gone, and misses a thread born and ended between the two
+/// readings altogether; [`CpuReading::since`] checks it against the ticks (which keep
+/// a dead thread's time) for that.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct ThreadClocks(Vec<(u32, u64)>);
 
@@ -113,6 +116,69 @@ pub(crate) fn thread_clocks(pid: u32) -> io::Result<Option<ThreadClocks>> {
 
 fn parse_schedstat(stat: &str) -> Option<u64> {
     stat.split_whitespace().next()?.parse().ok()
+}
+
+/// One reading of a process's CPU time: the whole process's clock ticks and its live
+/// threads' nanoseconds.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CpuReading {
+    ticks: CpuTicks,
+    clocks: Option<ThreadClocks>,
+}
+
+/// What a process spent between two [`CpuReading`]s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct CpuUsed {
+    /// CPU seconds, user and kernel.
+    pub(crate) secs: f64,
+    /// Which clock `secs` comes from.
+    pub(crate) clock: CpuClock,
+    /// The clock ticks (the only reading that splits user from kernel time).
+    pub(crate) ticks: CpuTicks,
+}
+
+/// How far the ticks may be ahead of the threads' nanoseconds before the difference
+/// is taken for a thread that ended unseen: `utime` and `stime` are each rounded down
+/// to a tick, so their sum's growth is within 2 ticks of the true growth.
+const TICKS_SLACK: f64 = 2.0;
+
+/// [`CpuReading`] of `pid`: its ticks, then its threads' clocks.
+pub(crate) fn cpu_reading(pid: u32) -> io::Result<CpuReading> {
+    Ok(CpuReading {
+        ticks: cpu_ticks(pid)?,
+        clocks: thread_clocks(pid)?,
+    })
+}
+
+impl CpuReading {
+    /// The CPU spent since `earlier`, with `ticks_per_sec` clock ticks a second.
+    ///
+    /// The threads' nanoseconds when every thread of `earlier` is still there and the
+    /// ticks, which count the whole process with its dead threads, are not more than
+    /// [`TICKS_SLACK`] ticks ahead of them; the ticks otherwise, as [`CpuClock::Ticks`]:
+    /// then a thread ended during the interval (or the kernel keeps no schedstat), and
+    /// its time is only in the ticks. Time of a thread born and ended in between that
+    /// stays under the slack goes uncounted: no more than the ticks' own error.
+    pub(crate) fn since(&self, earlier: &CpuReading, ticks_per_sec: f64) -> CpuUsed {
+        let ticks = self.ticks.since(earlier.ticks);
+        let ticks_secs = ticks.total() as f64 / ticks_per_sec;
+        let ns = match (&earlier.clocks, &self.clocks) {
+            (Some(before), Some(after)) => after.since(before),
+            _ => None,
+        };
+        match ns {
+            Some(ns) if ticks_secs <= ns as f64 / 1e9 + TICKS_SLACK / ticks_per_sec => CpuUsed {
+                secs: ns as f64 / 1e9,
+                clock: CpuClock::Scheduler,
+                ticks,
+            },
+            _ => CpuUsed {
+                secs: ticks_secs,
+                clock: CpuClock::Ticks,
+                ticks,
+            },
+        }
+    }
 }
 
 /// A process's resident memory, from `/proc/<pid>/status`.
@@ -293,6 +359,30 @@ impl ProxyProcess {
         self.addr
     }
 
+    /// Its [`Memory`]; that it exited, if it did.
+    pub(crate) fn memory(&mut self) -> Result<Memory, BoxError> {
+        self.read(memory)
+    }
+
+    /// Its [`CpuReading`]; that it exited, if it did.
+    pub(crate) fn cpu(&mut self) -> Result<CpuReading, BoxError> {
+        self.read(cpu_reading)
+    }
+
+    /// `read` of its pid, after checking that it still runs; when the read fails, that
+    /// it exited meanwhile if it did (an exited child's `/proc` files lose their
+    /// figures, or go), the read's own error otherwise.
+    fn read<T>(&mut self, read: impl FnOnce(u32) -> io::Result<T>) -> Result<T, BoxError> {
+        self.check_alive()?;
+        match read(self.pid) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                self.check_alive()?;
+                Err(e.into())
+            }
+        }
+    }
+
     /// Fails if the child has exited.
     pub(crate) fn check_alive(&mut self) -> Result<(), BoxError> {
         match self.child.try_wait()? {
@@ -378,6 +468,34 @@ mod tests {
     }
 
     #[test]
+    fn ticks_ahead_of_the_clocks_by_more_than_their_rounding_are_taken() {
+        let reading = |ticks: u64, ns: u64| CpuReading {
+            ticks: CpuTicks {
+                user: ticks,
+                system: 0,
+            },
+            clocks: Some(ThreadClocks(vec![(1, ns)])),
+        };
+        let before = reading(100, 0);
+        // 30 ms by both: the nanoseconds.
+        let used = reading(103, 30_000_000).since(&before, 100.0);
+        assert_eq!((used.clock, used.secs), (CpuClock::Scheduler, 0.03));
+        // The ticks round down each of utime and stime: 2 ticks ahead is still rounding.
+        let used = reading(105, 30_000_000).since(&before, 100.0);
+        assert_eq!(used.clock, CpuClock::Scheduler);
+        // 3 ticks ahead: a thread ran and ended unseen, and the ticks have its time.
+        let used = reading(106, 30_000_000).since(&before, 100.0);
+        assert_eq!((used.clock, used.secs), (CpuClock::Ticks, 0.06));
+        // No schedstat: the ticks.
+        let used = CpuReading {
+            clocks: None,
+            ..reading(103, 0)
+        }
+        .since(&before, 100.0);
+        assert_eq!(used.clock, CpuClock::Ticks);
+    }
+
+    #[test]
     fn own_threads_clock_grows_with_work() -> io::Result<()> {
         let pid = std::process::id();
         // This thread alone: the harness's other test threads come and go meanwhile.
@@ -416,6 +534,98 @@ mod tests {
         let pid = std::process::id();
         cpu_ticks(pid)?;
         assert!(memory(pid)?.rss_kib > 0);
+        Ok(())
+    }
+
+    /// This thread's own CPU time, in ns: its schedstat, or its clock ticks.
+    fn this_thread_cpu_ns(ticks_per_sec: f64) -> io::Result<u64> {
+        if let Ok(stat) = std::fs::read_to_string("/proc/thread-self/schedstat")
+            && let Some(ns) = parse_schedstat(&stat)
+        {
+            return Ok(ns);
+        }
+        let stat = std::fs::read_to_string("/proc/thread-self/stat")?;
+        let ticks = parse_cpu_ticks(&stat).ok_or_else(|| io::Error::other(stat.clone()))?;
+        Ok((ticks.total() as f64 / ticks_per_sec * 1e9) as u64)
+    }
+
+    #[test]
+    fn a_thread_born_and_ended_between_two_readings_is_counted() -> io::Result<()> {
+        let (ticks_per_sec, _) = clock_ticks();
+        let pid = std::process::id();
+        let before = cpu_reading(pid)?;
+        // A thread that lives only between the two readings, and runs 50 ms of CPU.
+        let spun = std::thread::spawn(move || -> io::Result<u64> {
+            let start = this_thread_cpu_ns(ticks_per_sec)?;
+            let mut x = 0u64;
+            loop {
+                for _ in 0..10_000 {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+                let ran = this_thread_cpu_ns(ticks_per_sec)?.saturating_sub(start);
+                if ran >= 50_000_000 {
+                    return Ok(ran);
+                }
+            }
+        })
+        .join()
+        .map_err(|_| io::Error::other("the spinning thread panicked"))??;
+        let after = cpu_reading(pid)?;
+        let used = after.since(&before, ticks_per_sec);
+        // Nanoseconds count it whole; the ticks' fallback to within their own 2 ticks.
+        let floor = match used.clock {
+            CpuClock::Scheduler => spun as f64 / 1e9,
+            CpuClock::Ticks => spun as f64 / 1e9 - 2.0 / ticks_per_sec,
+        };
+        assert!(used.secs >= floor, "{used:?}, the thread ran {spun} ns");
+        Ok(())
+    }
+
+    /// A proxy process that has exited but is not reaped yet (a zombie: its
+    /// `/proc/<pid>/status` has no memory lines).
+    async fn exited_proxy() -> Result<ProxyProcess, BoxError> {
+        let mut child = Command::new("true")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
+        let pid = child.id().ok_or("no pid")?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        // Wait for the zombie state (field 3 of its stat) without reaping it.
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next());
+            if state == Some("Z") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok(ProxyProcess {
+            child,
+            stdin,
+            _stdout: BufReader::new(stdout).lines(),
+            pid,
+            addr: SocketAddr::from(([127, 0, 0, 1], 9)),
+        })
+    }
+
+    #[tokio::test]
+    async fn reading_a_dead_proxy_says_it_exited() -> Result<(), BoxError> {
+        let mut proxy = exited_proxy().await?;
+        let err = proxy.memory().err().map(|e| e.to_string());
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("exited")),
+            "{err:?}"
+        );
+        let mut proxy = exited_proxy().await?;
+        let err = proxy.cpu().err().map(|e| e.to_string());
+        assert!(
+            err.as_deref().is_some_and(|e| e.contains("exited")),
+            "{err:?}"
+        );
         Ok(())
     }
 }

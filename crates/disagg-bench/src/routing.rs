@@ -47,23 +47,43 @@ use crate::BoxError;
 
 const BLOCK: usize = 16;
 
+/// How long a prefill leg may take, queueing on its engine included.
+const PREFILL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How long a read of an engine's `/metrics` may take.
+const METRICS_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The most of an engine's answer read (a prefill's, or its `/metrics`).
+const MAX_ANSWER: u64 = 1 << 20;
+
+/// A count flag of at least 1.
+fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+}
+
+/// Seconds, as a finite non-negative [`Duration`].
+fn seconds(v: &str) -> Result<Duration, String> {
+    let secs: f64 = v.parse().map_err(|e| format!("{e}"))?;
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{e}"))
+}
+
 /// `disagg-bench routing`'s flags.
 #[derive(Debug, Clone, Copy, Args)]
 pub(crate) struct RoutingArgs {
     /// Prefill engines.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = at_least_one())]
     engines: usize,
     /// Chat sessions in all.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = at_least_one())]
     sessions: usize,
     /// Turns per session.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = at_least_one())]
     turns: usize,
     /// Requests in flight.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, value_parser = at_least_one())]
     clients: usize,
     /// System prompts the sessions share.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = at_least_one())]
     systems: usize,
     /// Tokens per system prompt.
     #[arg(long, default_value_t = 1024)]
@@ -76,7 +96,7 @@ pub(crate) struct RoutingArgs {
     delay_us: u64,
     /// Sessions in conversation at once: a session's next turn waits behind one turn
     /// of every other active session (users reading and typing in between).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = at_least_one())]
     window: usize,
     /// Proxy replicas sharing the engines; requests alternate between them.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
@@ -88,8 +108,8 @@ pub(crate) struct RoutingArgs {
     /// Seconds between reads of the engines' `/metrics` for `kv_events, engine
     /// metrics` (the proxy's --engine-metrics-interval; its default of 5 s is longer
     /// than a whole run here).
-    #[arg(long, default_value_t = 0.1)]
-    engine_metrics_interval: f64,
+    #[arg(long, value_name = "SECS", default_value = "0.1", value_parser = seconds)]
+    engine_metrics_interval: Duration,
 }
 
 type Settings = RoutingArgs;
@@ -285,17 +305,48 @@ async fn read_engine_loads(
     }
 }
 
-/// An engine's waiting plus running requests by its `/metrics`.
+/// An engine's waiting plus running requests by its `/metrics`; `None` when it does not
+/// answer within [`METRICS_TIMEOUT`] or its answer is not a figure.
 async fn engine_requests(addr: std::net::SocketAddr) -> Option<u64> {
-    let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: sim\r\nconnection: close\r\n\r\n")
+    let request = b"GET /metrics HTTP/1.1\r\nhost: sim\r\nconnection: close\r\n\r\n";
+    let answer = tokio::time::timeout(METRICS_TIMEOUT, exchange(addr, request))
         .await
+        .ok()?
         .ok()?;
-    let mut answer = Vec::new();
-    conn.read_to_end(&mut answer).await.ok()?;
     let text = String::from_utf8_lossy(&answer);
-    let body = text.split_once("\r\n\r\n")?.1;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    if status_code(head) != Some(200) {
+        return None;
+    }
     disagg_resilience::telemetry::parse(body).ok()?.requests()
+}
+
+/// Send `request` to `addr` on a connection of its own and read the answer until the
+/// engine closes it, at most [`MAX_ANSWER`] bytes.
+async fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut conn = tokio::net::TcpStream::connect(addr).await?;
+    conn.set_nodelay(true)?;
+    conn.write_all(request).await?;
+    let mut answer = Vec::new();
+    (&mut conn)
+        .take(MAX_ANSWER + 1)
+        .read_to_end(&mut answer)
+        .await?;
+    if answer.len() as u64 > MAX_ANSWER {
+        return Err(std::io::Error::other(format!(
+            "the answer is larger than {MAX_ANSWER} bytes"
+        )));
+    }
+    Ok(answer)
+}
+
+/// The status code of an HTTP/1 answer's head.
+fn status_code(head: &str) -> Option<u16> {
+    head.strip_prefix("HTTP/1.")?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// A prefill leg's body for `prompt`: a completion with `max_tokens: 1`.
@@ -305,30 +356,48 @@ fn completion_body(prompt: &[u32]) -> String {
 
 /// One prefill leg: POST `body`; the time to its answer and the answer's
 /// `cached_tokens`.
-async fn prefill(url_addr: std::net::SocketAddr, body: &str) -> (Duration, u64) {
+///
+/// # Errors
+///
+/// When the engine cannot be reached, does not answer within `timeout`, answers other
+/// than 200 (its status and message then), or without `cached_tokens`.
+async fn prefill(
+    addr: std::net::SocketAddr,
+    body: &str,
+    timeout: Duration,
+) -> Result<(Duration, u64), BoxError> {
     let request = format!(
         "POST /v1/completions HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     let started = Instant::now();
-    let mut conn = tokio::net::TcpStream::connect(url_addr)
+    let answer = tokio::time::timeout(timeout, exchange(addr, request.as_bytes()))
         .await
-        .expect("engine listens");
-    conn.set_nodelay(true).ok();
-    conn.write_all(request.as_bytes())
-        .await
-        .expect("request sent");
-    let mut answer = Vec::new();
-    conn.read_to_end(&mut answer).await.expect("answer read");
+        .map_err(|_| format!("engine {addr}: no answer within {timeout:?}"))?
+        .map_err(|e| format!("engine {addr}: {e}"))?;
     let elapsed = started.elapsed();
     let text = String::from_utf8_lossy(&answer);
-    let json = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    let v: serde_json::Value = serde_json::from_str(json).expect("JSON answer");
+    let (head, json) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("engine {addr}: an answer without a body"))?;
+    match status_code(head) {
+        Some(200) => {}
+        Some(status) => {
+            let message: String = json.chars().take(500).collect();
+            return Err(format!("engine {addr} answered {status}: {message}").into());
+        }
+        None => return Err(format!("engine {addr}: not an HTTP/1 answer").into()),
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("engine {addr}: {e}"))?;
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
-        .expect("cached_tokens in the answer");
-    (elapsed, cached)
+        .ok_or_else(|| {
+            let start: String = json.chars().take(300).collect();
+            format!("engine {addr}: no cached_tokens in {start}")
+        })?;
+    Ok((elapsed, cached))
 }
 
 struct Outcome {
@@ -370,24 +439,20 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
             // Each replica subscribes on its own, as separate proxies would.
             let index = Arc::new(KvIndex::new(IndexConfig::default()));
             let sub = Subscriber::new(index.clone(), SubscriberConfig::default());
-            let endpoints = engines
-                .iter()
-                .map(|e| {
-                    let ep =
-                        EngineEndpoint::new(e.url(), e.kv_events_endpoint().expect("publishes"))
-                            .expect("tcp endpoint");
-                    let ep = match e.kv_events_replay_endpoint() {
-                        Some(r) => ep.with_replay(r).expect("tcp endpoint"),
-                        None => ep,
-                    };
-                    match e.load_endpoint() {
-                        Some(l) if policy == Policy::KvEvents => {
-                            ep.with_load(l).expect("tcp endpoint")
-                        }
-                        _ => ep,
-                    }
-                })
-                .collect();
+            let mut endpoints = Vec::with_capacity(engines.len());
+            for e in engines.iter() {
+                let events = e
+                    .kv_events_endpoint()
+                    .ok_or("a simulated engine publishes no KV events")?;
+                let mut ep = EngineEndpoint::new(e.url(), events)?;
+                if let Some(r) = e.kv_events_replay_endpoint() {
+                    ep = ep.with_replay(r)?;
+                }
+                if let Some(l) = e.load_endpoint().filter(|_| policy == Policy::KvEvents) {
+                    ep = ep.with_load(l)?;
+                }
+                endpoints.push(ep);
+            }
             sub.set_endpoints(endpoints).await;
             subscribers.push(sub);
             let scorer = KvScorer::new(
@@ -440,7 +505,7 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
     let (stop_reads, reads) = tokio::sync::watch::channel(false);
     let reader = (policy == Policy::KvEventsEngineMetrics).then(|| {
         let router = router.clone();
-        let period = Duration::from_secs_f64(s.engine_metrics_interval.max(0.001));
+        let period = s.engine_metrics_interval.max(Duration::from_millis(1));
         tokio::spawn(read_engine_loads(router, period, reads))
     });
     let sent = Arc::new(AtomicUsize::new(0));
@@ -454,7 +519,7 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
     let done = Arc::new(AtomicUsize::new(0));
     let results = Arc::new(Mutex::new(Vec::new()));
     let started = Instant::now();
-    let mut clients = Vec::new();
+    let mut clients = tokio::task::JoinSet::new();
     for _ in 0..s.clients {
         let (router, queue, joined, done, results, sent, s) = (
             router.clone(),
@@ -465,7 +530,7 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
             sent.clone(),
             *s,
         );
-        clients.push(tokio::spawn(async move {
+        clients.spawn(async move {
             loop {
                 let next = queue.lock().ok().and_then(|mut q| q.pop_front());
                 let Some((session, turn)) = next else {
@@ -476,16 +541,19 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     continue;
                 };
-                let prompt = session_prompts(&s, session).swap_remove(turn);
+                let Some(prompt) = session_prompts(&s, session).into_iter().nth(turn) else {
+                    return Err(format!("session {session} has no turn {turn}").into());
+                };
                 let body = completion_body(&prompt);
                 let replica = sent.fetch_add(1, Ordering::Relaxed) % usize::from(s.replicas);
-                let parsed = JsonBody::parse(body.as_bytes()).expect("a JSON object");
+                let parsed = JsonBody::parse(body.as_bytes())?;
                 let (i, held) = router.route(replica, &prompt, &parsed);
                 // The replica's in-flight count, as the proxy holds it for a prefill leg.
                 let guard = router.replicas[replica].endpoints[i].track();
-                let (ttft, cached) = prefill(router.engines[i].addr(), &body).await;
+                let answer = prefill(router.engines[i].addr(), &body, PREFILL_TIMEOUT).await;
                 drop(guard);
                 router.release(held);
+                let (ttft, cached) = answer?;
                 if let Ok(mut r) = results.lock() {
                     r.push((ttft, prompt.len() as u64, cached));
                 }
@@ -500,21 +568,36 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
                     q.push_back(item);
                 }
             }
-        }));
+            Ok::<(), BoxError>(())
+        });
     }
-    for c in clients {
-        c.await.expect("client task");
+    // The first failure ends the run (its session's next turn would never come, and the
+    // other clients would wait for it for ever).
+    let mut failed: Option<BoxError> = None;
+    while let Some(client) = clients.join_next().await {
+        let err = match client {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e,
+            Err(e) if e.is_cancelled() => continue,
+            Err(e) => format!("a client task failed: {e}").into(),
+        };
+        if failed.is_none() {
+            failed = Some(err);
+            clients.abort_all();
+        }
     }
     let wall = started.elapsed();
     let _ = stop_reads.send(true);
-    if let Some(reader) = reader {
-        reader.await.expect("metrics reader");
+    if let Some(reader) = reader
+        && let Err(e) = reader.await
+    {
+        failed.get_or_insert_with(|| format!("the metrics reader failed: {e}").into());
     }
     let mut results = results.lock().map(|r| r.clone()).unwrap_or_default();
     results.sort_by_key(|r| r.0);
     let pct = |p: f64| {
-        let i = ((results.len() as f64 * p).ceil() as usize).clamp(1, results.len()) - 1;
-        results[i].0
+        let i = ((results.len() as f64 * p).ceil() as usize).clamp(1, results.len().max(1)) - 1;
+        results.get(i).map_or(Duration::ZERO, |r| r.0)
     };
     let prompt: u64 = results.iter().map(|r| r.1).sum();
     let cached: u64 = results.iter().map(|r| r.2).sum();
@@ -533,6 +616,9 @@ async fn run(policy: Policy, s: &Settings) -> Result<Outcome, BoxError> {
         for e in engines {
             e.shutdown().await;
         }
+    }
+    if let Some(e) = failed {
+        return Err(e);
     }
     Ok(Outcome {
         policy,
@@ -610,4 +696,115 @@ async fn bench(s: RoutingArgs) -> Result<(), BoxError> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: RoutingArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<RoutingArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("routing").chain(args.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn counts_of_zero_and_endless_intervals_are_refused() {
+        assert!(parse(&[]).is_ok());
+        for flag in [
+            "--engines",
+            "--sessions",
+            "--turns",
+            "--clients",
+            "--systems",
+            "--window",
+        ] {
+            assert!(parse(&[flag, "0"]).is_err(), "{flag} 0");
+            assert!(parse(&[flag, "1"]).is_ok(), "{flag} 1");
+        }
+        for bad in ["inf", "NaN", "-1", "1e300"] {
+            assert!(
+                parse(&["--engine-metrics-interval", bad]).is_err(),
+                "--engine-metrics-interval {bad}"
+            );
+        }
+        assert!(parse(&["--engine-metrics-interval", "0.5"]).is_ok());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_prompt_past_the_engines_context_is_the_engines_error() -> Result<(), BoxError> {
+        // One session of 40 turns: its prompt outgrows the simulator's 8,192 tokens.
+        let s = parse(&[
+            "--engines",
+            "1",
+            "--sessions",
+            "1",
+            "--turns",
+            "40",
+            "--clients",
+            "1",
+            "--systems",
+            "1",
+            "--window",
+            "1",
+            "--delay-us",
+            "0",
+            "--replicas",
+            "1",
+        ])?;
+        let err = run(Policy::RoundRobin, &s)
+            .await
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("400") && e.contains("maximum context length")),
+            "{err:?}"
+        );
+        Ok(())
+    }
+
+    /// A listener that accepts and never answers.
+    async fn silent_engine() -> Result<std::net::SocketAddr, BoxError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        Ok(addr)
+    }
+
+    #[tokio::test]
+    async fn a_silent_engine_fails_the_prefill_within_its_timeout() -> Result<(), BoxError> {
+        let addr = silent_engine().await?;
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            prefill(addr, "{}", Duration::from_millis(200)),
+        )
+        .await;
+        let err = match answer {
+            Ok(Err(e)) => e.to_string(),
+            Ok(Ok(a)) => panic!("a silent engine answered {a:?}"),
+            Err(_) => panic!("the prefill waited past 10 s"),
+        };
+        assert!(err.contains("no answer within"), "{err}");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_silent_metrics_endpoint_gives_no_figure() -> Result<(), BoxError> {
+        let addr = silent_engine().await?;
+        let read = tokio::time::timeout(Duration::from_secs(10), engine_requests(addr)).await;
+        assert_eq!(read.ok(), Some(None), "the read waited past 10 s");
+        Ok(())
+    }
 }

@@ -13,7 +13,7 @@ use crate::BoxError;
 use crate::load::{self, Claims, Gauge, Hold, HttpClient, Outcome, Target};
 use crate::procfs::{self, ProxyProcess};
 use crate::report::{
-    CpuClock, HandoffCheck, HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via,
+    HandoffCheck, HoldStats, MemoryStats, PhaseStats, ProxyCpu, Report, RunConfig, Via,
 };
 
 /// The concurrencies of the latency phases.
@@ -31,7 +31,8 @@ pub(crate) struct RunArgs {
     /// Seconds of warm-up (same load, not measured) before each measured phase.
     #[arg(long, value_name = "SECS", default_value_t = 0.5)]
     warmup: f64,
-    /// Most requests sent in one measured phase (and in one warm-up).
+    /// Most requests sent in one measured phase (and in one warm-up); at least 64, the
+    /// largest concurrency.
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     max_requests: u64,
     /// Tokio worker threads of the proxy process.
@@ -57,8 +58,8 @@ pub(crate) struct RunArgs {
     stream_delay_ms: f64,
     /// Also measure the floor: the smallest correct NIXL proxy (the hidden `floor`
     /// subcommand, hyper and a top-level scan; see `floor.rs`), in a process of its own
-    /// with `--proxy-threads` threads, phase by phase beside the disagg proxy; the report
-    /// then gives disagg / floor.
+    /// with `--proxy-threads` event-loop threads as the proxy's, phase by phase beside the
+    /// disagg proxy; the report then gives disagg / floor.
     #[arg(long)]
     floor: bool,
     /// More flags for the disagg proxy processes, as one whitespace-separated string
@@ -105,8 +106,15 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
     let warmup = secs(args.warmup, "warmup")?;
     let delay = Duration::try_from_secs_f64(args.stream_delay_ms / 1e3)
         .map_err(|_| "--stream-delay-ms must be a non-negative number")?;
-    if duration.is_zero() || args.max_requests == 0 {
-        return Err("--duration and --max-requests must be positive".into());
+    if duration.is_zero() {
+        return Err("--duration must be positive".into());
+    }
+    if args.max_requests < THROUGHPUT_CONCURRENCY as u64 {
+        return Err(format!(
+            "--max-requests must be at least {THROUGHPUT_CONCURRENCY}, the largest \
+             concurrency: with fewer, fewer clients would run than the phase says"
+        )
+        .into());
     }
     let (ticks_per_sec, ticks_read) = procfs::clock_ticks();
     let (cpus, cpu_model, mem_total_kib) = procfs::machine();
@@ -316,7 +324,8 @@ async fn bench(
         &extra,
     )
     .await?;
-    let held = hold(&config, &client, &hold_proxy, &bodies[1], &hold_claims).await;
+    let mut hold_proxy = hold_proxy;
+    let held = hold(&config, &client, &mut hold_proxy, &bodies[1], &hold_claims).await;
     let stopped = hold_proxy.stop().await;
     let hold = held?;
     stopped?;
@@ -393,8 +402,6 @@ async fn phases(
             Via::Floor => Arc::clone(&claims.floor),
         },
     };
-    let pid = proxy.pid();
-    let floor_pid = floor.as_ref().map(|f| f.pid());
     let me = std::process::id();
     let measured_vias: &[Via] = if floor.is_some() {
         &[Via::Direct, Via::Proxy, Via::Floor]
@@ -422,17 +429,19 @@ async fn phases(
         }
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let idle = procfs::memory(pid)?;
+    let idle = proxy.memory()?;
     eprintln!(
-        "proxy pid {pid} on {}: idle RSS {:.1} MiB after warm-up",
+        "proxy pid {} on {}: idle RSS {:.1} MiB after warm-up",
+        proxy.pid(),
         proxy.addr(),
         idle.rss_kib as f64 / 1024.0
     );
-    let floor_idle = match floor_pid {
-        Some(fpid) => {
-            let m = procfs::memory(fpid)?;
+    let floor_idle = match floor.as_deref_mut() {
+        Some(f) => {
+            let m = f.memory()?;
             eprintln!(
-                "floor pid {fpid}: idle RSS {:.1} MiB after warm-up",
+                "floor pid {}: idle RSS {:.1} MiB after warm-up",
+                f.pid(),
                 m.rss_kib as f64 / 1024.0
             );
             Some(m)
@@ -449,10 +458,6 @@ async fn phases(
         for concurrency in concurrencies {
             for &via in measured_vias {
                 let t = target(via, stream);
-                let measured_pid = match via {
-                    Via::Floor => floor_pid.unwrap_or(pid),
-                    _ => pid,
-                };
                 let warm = load::run(
                     client,
                     &t,
@@ -462,8 +467,11 @@ async fn phases(
                     None,
                 )
                 .await?;
-                let proxy0 = procfs::cpu_ticks(measured_pid)?;
-                let proxy_clock0 = procfs::thread_clocks(measured_pid)?;
+                let measured = match (via, floor.as_deref_mut()) {
+                    (Via::Floor, Some(f)) => &mut *f,
+                    _ => &mut *proxy,
+                };
+                let proxy0 = measured.cpu()?;
                 let me0 = procfs::cpu_ticks(me)?;
                 let out = load::run(
                     client,
@@ -474,17 +482,13 @@ async fn phases(
                     None,
                 )
                 .await?;
-                let proxy_ticks = procfs::cpu_ticks(measured_pid)?.since(proxy0);
-                // The scheduler's nanoseconds when every thread lived through the
-                // phase; the ticks' 10 ms steps otherwise.
-                let proxy_ns = match (proxy_clock0, procfs::thread_clocks(measured_pid)?) {
-                    (Some(before), Some(after)) => after.since(&before),
-                    _ => None,
+                let measured = match (via, floor.as_deref_mut()) {
+                    (Via::Floor, Some(f)) => &mut *f,
+                    _ => &mut *proxy,
                 };
-                let (proxy_secs, clock) = match proxy_ns {
-                    Some(ns) => (ns as f64 / 1e9, CpuClock::Scheduler),
-                    None => (ticks_secs(proxy_ticks.total(), config), CpuClock::Ticks),
-                };
+                // The scheduler's nanoseconds when they account for every thread's
+                // time; the ticks' 10 ms steps otherwise.
+                let used = measured.cpu()?.since(&proxy0, config.ticks_per_sec);
                 let me_ticks = procfs::cpu_ticks(me)?.since(me0);
                 proxy.check_alive()?;
                 if let Some(f) = floor.as_deref_mut() {
@@ -502,9 +506,9 @@ async fn phases(
                     warm.first_error,
                     warmup_errors,
                     (via != Via::Direct).then(|| ProxyCpu {
-                        us_per_req: per_request_us(proxy_secs, &out),
-                        clock,
-                        system_share: share(proxy_ticks.system, proxy_ticks.total()),
+                        us_per_req: per_request_us(used.secs, &out),
+                        clock: used.clock,
+                        system_share: share(used.ticks.system, used.ticks.total()),
                     }),
                     per_request_us(ticks_secs(me_ticks.total(), config), &out),
                 );
@@ -513,7 +517,7 @@ async fn phases(
             }
         }
     }
-    let peak = procfs::memory(pid)?;
+    let peak = proxy.memory()?;
     Ok((phases, idle, peak, floor_idle))
 }
 
@@ -544,11 +548,10 @@ fn share(part: u64, total: u64) -> f64 {
 async fn hold(
     config: &RunConfig,
     client: &HttpClient,
-    proxy: &ProxyProcess,
+    proxy: &mut ProxyProcess,
     body: &Bytes,
     claims: &Arc<Claims>,
 ) -> Result<HoldStats, BoxError> {
-    let pid = proxy.pid();
     let target = Target {
         uri: chat_uri(&format!("http://{}", proxy.addr()))?,
         body: body.clone(),
@@ -562,13 +565,13 @@ async fn hold(
     // Warm-up: a few streams, as the idle figure of the main proxy.
     let warm = load::run(client, &target, 4, window, 4, None).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let idle = procfs::memory(pid)?;
+    let idle = proxy.memory()?;
 
     let gauge = Arc::new(Gauge::default());
     let streams = config.streams;
-    // Streams started all at once overflow the proxy's accept queue (a listen backlog
-    // of 128, Tokio's default), and the connections dropped wait for a SYN
-    // retransmission: start them over a quarter of a stream's time instead.
+    // Streams are started over a quarter of a stream's time rather than at one
+    // instant: the figure is memory per open stream, not how the proxy takes a burst
+    // of connections.
     let stagger = (stream_time / 4) / u32::try_from(streams).unwrap_or(u32::MAX);
     let started = Instant::now();
     let task = {
@@ -597,7 +600,7 @@ async fn hold(
         while !task.is_finished() {
             ticker.tick().await;
             let open = gauge.open();
-            let rss = procfs::memory(pid)?.rss_kib;
+            let rss = proxy.memory()?.rss_kib;
             if (open, rss) > (best.0, best.1) {
                 best = (open, rss, started.elapsed());
             }
@@ -610,7 +613,7 @@ async fn hold(
         return Err(e);
     }
     let out = task.await??;
-    let after = procfs::memory(pid)?;
+    let after = proxy.memory()?;
     let (open, during, at) = best;
     Ok(HoldStats {
         streams,
