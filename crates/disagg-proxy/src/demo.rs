@@ -13,10 +13,12 @@ use disagg_connectors::vllm::rewrite::check::VllmLimits;
 use disagg_core::endpoint::Facts;
 use disagg_core::{Endpoint, Orchestrator, Role, source::StaticSource};
 use disagg_http::{HttpTransport, PdService};
+use disagg_pairing::{EcProfile, EcRole, KvProfile, KvRole};
 use disagg_resilience::pairing::ValidatedSource;
 use disagg_sim::{KvMode, SimConfig, SimEngine, SimRole};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 
@@ -46,9 +48,45 @@ pub(crate) struct DemoArgs {
     connector: ConnectorArg,
     /// E/P/D: send an image with the message, encoded first by a simulated encoder-only
     /// engine whose output the prefill reads from a shared directory (vLLM's encoder
-    /// protocol; `--connector nixl` or `mooncake`).
+    /// protocol, the stage `serve --encode` runs). With `--connector nixl` or
+    /// `mooncake`; refused with `sglang`, whose prefill calls its encoders itself (so
+    /// `serve` runs no encoder stage), and with `lmcache`, whose legs carry the prompt's
+    /// token ids, not its media.
     #[arg(long)]
     encode: bool,
+}
+
+/// The flag combinations the demo cannot show, refused before any engine starts.
+fn check(args: &DemoArgs) -> Result<(), BoxError> {
+    if !args.encode {
+        return Ok(());
+    }
+    match args.connector {
+        ConnectorArg::Nixl | ConnectorArg::Mooncake => Ok(()),
+        ConnectorArg::Sglang => Err(
+            "--encode needs --connector nixl or mooncake: with sglang the prefill calls its encoders itself (--language-only --encoder-urls), so the proxy, as `serve` does, runs no encoder stage to show"
+                .into(),
+        ),
+        ConnectorArg::Lmcache => Err(
+            "--encode needs --connector nixl or mooncake: lmcache's legs carry the prompt's token ids (/tokenize, then /v1/completions), not its media, so the prefill never reads the encoder's output"
+                .into(),
+        ),
+    }
+}
+
+/// The TP size of the LMCache demo's engines: the decode's receiver ports per kind, and
+/// the prefill's ranks pushing to them.
+const LMCACHE_TP: usize = 2;
+
+/// The KV connector the demo's engines run, as they name it (vLLM's `kv_connector`, or
+/// `sglang`), for their declared profiles.
+fn engine_connector(connector: ConnectorArg) -> &'static str {
+    match connector {
+        ConnectorArg::Nixl => "NixlConnector",
+        ConnectorArg::Sglang => "sglang",
+        ConnectorArg::Mooncake => "MooncakeConnector",
+        ConnectorArg::Lmcache => "LMCacheConnectorV1",
+    }
 }
 
 /// The simulated engines' common settings: the flags' delays, refused when negative,
@@ -62,6 +100,7 @@ fn sim_config(args: &DemoArgs) -> Result<SimConfig, BoxError> {
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
+    check(&args)?;
     let sim = sim_config(&args)?;
     let (p_mode, d_mode) = match args.connector {
         ConnectorArg::Nixl => (KvMode::Nixl, KvMode::Nixl),
@@ -111,10 +150,14 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     if let Some(e) = &encoder {
         println!("encoder engine  {}  (encoder-only)", e.url());
     }
+    // LMCache: the prefill runs as many TP ranks as the decode has receiver ports, each
+    // pushing to the port of its rank (what the pair check below holds it to).
+    let lmcache = args.connector == ConnectorArg::Lmcache;
     let prefill = start_planned(
         SimConfig {
             kv_mode: p_mode,
             lmcache_proxy,
+            lmcache_prefill_tp_size: lmcache.then_some(LMCACHE_TP),
             ec: ec_store.clone().map(|store| disagg_sim::EcConfig {
                 role: disagg_sim::EcRole::Consumer,
                 store,
@@ -127,7 +170,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let decode = start_planned(
         SimConfig {
             kv_mode: d_mode,
-            lmcache_receiver: disagg_sim::LmcacheReceiver::ephemeral(2),
+            lmcache_receiver: disagg_sim::LmcacheReceiver::ephemeral(LMCACHE_TP),
             ..sim
         },
         &plan.engines[1],
@@ -145,7 +188,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             prefill.side_channel_addr()
         ),
     }
-    let mut decode_facts = Facts::default();
+    let mut receiver = None;
     if let Some(n) = &notifications {
         let (init, alloc) = (decode.lmcache_init_ports(), decode.lmcache_alloc_ports());
         println!(
@@ -154,15 +197,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             n.local_addr()
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
         );
-        let receiver = LmcacheReceiver::new("127.0.0.1", init, alloc)?;
-        decode_facts.insert(Facts::KV_RECEIVER, receiver.to_string())?;
+        receiver = Some(LmcacheReceiver::new("127.0.0.1", init, alloc)?);
     } else {
         println!("decode engine   {}", decode.url());
-    }
-
-    let mut prefill_facts = Facts::default();
-    if let Some(b) = prefill.bootstrap_addr() {
-        prefill_facts.insert(Facts::BOOTSTRAP_PORT, b.port().to_string())?;
     }
     let connector = args.connector.connector(
         notifications.clone(),
@@ -171,14 +208,23 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         (crate::serve::ReuseArg::Auto, Arc::default()),
         None,
     )?;
-    // Every prefill/decode pair is checked before the first request.
-    let mut endpoints = vec![
-        Endpoint::new(&prefill.url(), Role::Prefill)?.with_facts(prefill_facts),
-        Endpoint::new(&decode.url(), Role::Decode)?.with_facts(decode_facts),
-    ];
-    if let Some(e) = &encoder {
-        endpoints.push(Endpoint::new(&e.url(), Role::Encode)?);
-    }
+    let endpoints = declared_endpoints(
+        args.connector,
+        (
+            &prefill.url(),
+            prefill.bootstrap_addr().map(|b| b.port()),
+            if lmcache {
+                u32::try_from(LMCACHE_TP)?
+            } else {
+                1
+            },
+        ),
+        (&decode.url(), receiver.as_ref()),
+        encoder.as_ref().map(SimEngine::url).as_deref(),
+    )?;
+    // Every prefill/decode pair, and the encoder with its consumer, is checked before
+    // the first request on what they declare: a demo whose engines could not hand over
+    // stops here, as `serve` does.
     let source = ValidatedSource::new(StaticSource::new(endpoints), Arc::clone(&connector))?;
     let mut builder = Orchestrator::builder(source, HttpTransport::default(), connector);
     if encoder.is_some() {
@@ -203,7 +249,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
 
     let body = body_json(&args, true);
     println!("> {}\n", args.prompt);
-    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
     let started = Instant::now();
     let req = http::Request::post(format!("{proxy}/v1/chat/completions"))
         .header("content-type", "application/json")
@@ -323,16 +370,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
         ..decode.config().clone()
     })
     .await?;
-    let direct = body_json(&args, false);
-    let req = http::Request::post(format!("{}/v1/chat/completions", plain.url()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(direct.to_string())))?;
-    let resp = client.request(req).await?;
-    let bytes = resp.into_body().collect().await?.to_bytes();
-    let answer: serde_json::Value = serde_json::from_slice(&bytes)?;
-    let direct_text = answer["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default();
+    let direct_text = direct_text(&client, &plain.url(), &body_json(&args, false)).await?;
     if direct_text != text {
         return Err(
             format!("disaggregated text differs from a direct run: {direct_text:?}").into(),
@@ -347,6 +385,99 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let _ = stop_tx.send(());
     server.await??;
     Ok(())
+}
+
+/// The text the plain engine at `url` answers the chat request `body` with.
+///
+/// # Errors
+///
+/// The engine's status and error body when it answers an error; an answer that is not
+/// a chat completion.
+async fn direct_text(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: &str,
+    body: &serde_json::Value,
+) -> Result<String, BoxError> {
+    let req = http::Request::post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    // The demo's own engine, read within a ceiling all the same.
+    let bytes = Limited::new(resp.into_body(), DIRECT_ANSWER_MAX)
+        .collect()
+        .await
+        .map_err(|e| format!("the direct run's answer (status {status}): {e}"))?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "the direct run's engine answered {status}: {}",
+            String::from_utf8_lossy(&bytes)
+        )
+        .into());
+    }
+    let answer: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("the direct run's answer is not JSON: {e}"))?;
+    match answer["choices"][0]["message"]["content"].as_str() {
+        Some(text) => Ok(text.to_owned()),
+        None => Err(format!("the direct run's answer has no message content: {answer}").into()),
+    }
+}
+
+/// The largest answer of the direct run read (a chat completion of a few dozen tokens).
+const DIRECT_ANSWER_MAX: usize = 1 << 20;
+
+/// The demo's engines as endpoints, each declaring what `serve --kv-profile` and
+/// `--ec-profile` would: its KV connector (as the engine names it), its role and TP
+/// size, and (E/P/D) its EC connector and role. The prefill's bootstrap port goes into
+/// its facts; an LMCache decode's receiver is installed with
+/// [`LmcacheReceiver::insert_into`], which declares its TP size (one port of each kind
+/// per rank): the pair check then holds it to the prefill's `prefill_tp`.
+fn declared_endpoints(
+    connector: ConnectorArg,
+    (prefill, bootstrap_port, prefill_tp): (&str, Option<u16>, u32),
+    (decode, receiver): (&str, Option<&LmcacheReceiver>),
+    encoder: Option<&str>,
+) -> Result<Vec<Endpoint>, BoxError> {
+    let kv_profile = |role, tp_size| KvProfile {
+        connector: Some(engine_connector(connector).to_owned()),
+        role: Some(role),
+        tp_size,
+    };
+    let ec_profile = |role| EcProfile {
+        connector: Some("ECExampleConnector".to_owned()),
+        role: Some(role),
+    };
+    let mut prefill_ext = http::Extensions::new();
+    prefill_ext.insert(kv_profile(KvRole::Producer, Some(prefill_tp)));
+    if encoder.is_some() {
+        prefill_ext.insert(ec_profile(EcRole::Consumer));
+    }
+    let mut prefill_facts = Facts::default();
+    if let Some(port) = bootstrap_port {
+        prefill_facts.insert(Facts::BOOTSTRAP_PORT, port.to_string())?;
+    }
+    let mut decode_ext = http::Extensions::new();
+    let mut decode_facts = Facts::default();
+    match receiver {
+        Some(r) => {
+            decode_ext.insert(kv_profile(KvRole::Consumer, None));
+            r.insert_into(&mut decode_facts, &mut decode_ext)?;
+        }
+        None => {
+            decode_ext.insert(kv_profile(KvRole::Consumer, Some(1)));
+        }
+    }
+    let mut endpoints = vec![
+        Endpoint::with_extensions(prefill, Role::Prefill, prefill_ext)?.with_facts(prefill_facts),
+        Endpoint::with_extensions(decode, Role::Decode, decode_ext)?.with_facts(decode_facts),
+    ];
+    if let Some(url) = encoder {
+        let mut ext = http::Extensions::new();
+        ext.insert(ec_profile(EcRole::Producer));
+        endpoints.push(Endpoint::with_extensions(url, Role::Encode, ext)?);
+    }
+    Ok(endpoints)
 }
 
 /// The side-channel ports and engine ids of the demo's engines, from the NIXL planner as
@@ -432,5 +563,119 @@ mod tests {
         let c = sim(&["--inter-token-ms", "25", "--prefill-ms-per-token", "0"]).expect("valid");
         assert_eq!(c.inter_token_delay, Duration::from_millis(25));
         assert_eq!(c.prefill_delay_per_token, Duration::ZERO);
+    }
+
+    #[tokio::test]
+    async fn the_demo_engines_declare_what_the_pair_check_reads() {
+        use disagg_core::endpoint::EndpointSet;
+        use disagg_resilience::pairing::check_pairs;
+        let set = |endpoints: Vec<Endpoint>| EndpointSet::new(endpoints.into_iter().map(Arc::new));
+        let receiver = |n: u16| {
+            LmcacheReceiver::new(
+                "127.0.0.1",
+                (0..n).map(|i| 7300 + i).collect(),
+                (0..n).map(|i| 7400 + i).collect(),
+            )
+            .unwrap()
+        };
+        let notifications = Notifications::bind("127.0.0.1:0", NotifyConfig::default())
+            .await
+            .unwrap();
+        let connector = |c: ConnectorArg| {
+            c.connector(
+                Some(notifications.clone()),
+                VllmLimits::default(),
+                (crate::serve::ReuseArg::Off, Arc::default()),
+                None,
+            )
+            .unwrap()
+        };
+        let (p, d, e) = (
+            "http://127.0.0.1:1",
+            "http://127.0.0.1:2",
+            "http://127.0.0.1:3",
+        );
+        for c in [
+            ConnectorArg::Nixl,
+            ConnectorArg::Sglang,
+            ConnectorArg::Mooncake,
+        ] {
+            let endpoints =
+                set(declared_endpoints(c, (p, Some(8998), 1), (d, None), Some(e)).unwrap());
+            check_pairs(&endpoints, &*connector(c)).expect("the demo's pair");
+            // What is declared is checked: the same engines under another protocol are
+            // refused.
+            let other = match c {
+                ConnectorArg::Nixl => ConnectorArg::Mooncake,
+                _ => ConnectorArg::Nixl,
+            };
+            let err = check_pairs(&endpoints, &*connector(other)).unwrap_err();
+            assert!(err.to_string().contains(engine_connector(c)), "{err}");
+        }
+        // LMCache: the decode's receiver declares its TP size, which must be the
+        // prefill's.
+        let lmcache = connector(ConnectorArg::Lmcache);
+        let two = receiver(2);
+        let endpoints =
+            declared_endpoints(ConnectorArg::Lmcache, (p, None, 2), (d, Some(&two)), None).unwrap();
+        let tp = endpoints[1]
+            .ext()
+            .get::<KvProfile>()
+            .and_then(|k| k.tp_size);
+        assert_eq!(tp, Some(2));
+        assert!(endpoints[1].facts().get(Facts::KV_RECEIVER).is_some());
+        check_pairs(&set(endpoints), &*lmcache).expect("TP 2 to 2 ports");
+        let three = receiver(3);
+        let endpoints =
+            declared_endpoints(ConnectorArg::Lmcache, (p, None, 2), (d, Some(&three)), None)
+                .unwrap();
+        let err = check_pairs(&set(endpoints), &*lmcache).unwrap_err();
+        assert!(
+            err.to_string().contains("tensor-parallel size 2 to 3"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn encode_with_sglang_is_refused_before_any_engine_starts() {
+        let cli = Cli::try_parse_from(["demo", "--encode", "--connector", "sglang"]).unwrap();
+        let err = run(cli.demo).await.expect_err("refused").to_string();
+        assert!(
+            err.contains("--encode") && err.contains("sglang") && err.contains("encoders itself"),
+            "{err}"
+        );
+        // LMCache's legs carry token ids: its prefill never reads an encoder's output.
+        let cli = Cli::try_parse_from(["demo", "--encode", "--connector", "lmcache"]).unwrap();
+        let err = run(cli.demo).await.expect_err("refused").to_string();
+        assert!(
+            err.contains("lmcache") && err.contains("token ids"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_engine_error_in_the_direct_run_is_reported_with_its_body() {
+        let engine = SimEngine::start(SimConfig {
+            faults: disagg_sim::Faults {
+                status: Some(503),
+                ..disagg_sim::Faults::default()
+            },
+            ..SimConfig::default()
+        })
+        .await
+        .unwrap();
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let cli = Cli::try_parse_from(["demo"]).unwrap();
+        let err = direct_text(&client, &engine.url(), &body_json(&cli.demo, false))
+            .await
+            .expect_err("an engine error is no text")
+            .to_string();
+        // The status, and the engine's own error body.
+        assert!(
+            err.contains("503") && err.contains("Simulated fault: the engine answers 503"),
+            "{err}"
+        );
+        engine.shutdown().await;
     }
 }

@@ -146,6 +146,15 @@ impl DiscoveryArgs {
             || self.endpoints_file.is_some()
     }
 
+    /// The discovery time flags, by name, for the checks made before anything is built
+    /// (read again where they are used).
+    pub(crate) fn time_flags(&self) -> [(&'static str, f64); 2] {
+        [
+            ("dns-refresh", self.dns_refresh),
+            ("discovery-sync-timeout", self.discovery_sync_timeout),
+        ]
+    }
+
     /// A flag that only a source not asked for would read, refused rather than
     /// ignored: `--dns-server` without a `--*-dns` name, `--k8s-namespace` or
     /// `--k8s-port` without a `--k8s-*-selector`.

@@ -115,7 +115,8 @@ pub struct EdgeArgs {
     /// The key sent to engines as `Authorization: Bearer KEY` (their --api-key), on
     /// both legs, GET /v1/models, health checks, Mooncake's /query and LMCache's
     /// /tokenize; URL=KEY gives one engine its own key (every rank of it). Repeatable.
-    /// A client's own authorization never reaches an engine.
+    /// A client's own authorization never reaches an engine. At most one KEY, and one
+    /// URL=KEY per engine.
     #[arg(long = "engine-api-key", value_name = "[URL=]KEY", value_parser = parse_engine_key)]
     engine_api_keys: Vec<EngineKeyArg>,
     /// Verify https:// engines against the CA certificates of this PEM file only
@@ -151,6 +152,38 @@ impl EdgeArgs {
     /// Whether clients need a key.
     pub(crate) fn client_keys(&self) -> bool {
         !self.api_keys.is_empty() || self.api_key_file.is_some()
+    }
+
+    /// The edge's time flags, by name, for the checks made before anything is built.
+    pub(crate) fn time_flags(&self) -> [(&'static str, f64); 1] {
+        [("reload-interval", self.reload_interval)]
+    }
+
+    /// `--engine-api-key` names each engine (compared without `@RANK` and trailing `/`,
+    /// as the keys are looked up) at most once, and gives at most one default key: a
+    /// second value would silently replace the first. The keys themselves are never
+    /// shown.
+    pub(crate) fn check_once_per_engine(&self) -> Result<(), BoxError> {
+        if self
+            .engine_api_keys
+            .iter()
+            .filter(|k| k.url.is_none())
+            .count()
+            > 1
+        {
+            return Err(
+                "--engine-api-key KEY (the key of every engine not named) is given twice: give it once"
+                    .into(),
+            );
+        }
+        let urls = self.engine_api_keys.iter().filter_map(|k| k.url.as_deref());
+        match crate::serve::repeated(urls.map(base)) {
+            Some(url) => Err(format!(
+                "--engine-api-key is given twice for {url}: give it once per engine"
+            )
+            .into()),
+            None => Ok(()),
+        }
     }
 
     /// Build the edge for engines at `engine_urls`; `discovery` says whether more engines

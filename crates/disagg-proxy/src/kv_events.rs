@@ -39,9 +39,12 @@ use crate::BoxError;
 pub struct KvEventsArgs {
     /// Where an engine publishes its KV-cache events (its `--kv-events-config`
     /// `endpoint`, `*` replaced by its address), as
-    /// URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,dp-size=N]; data-parallel rank r
-    /// publishes on PORT + r, for every rank of the engine (those given as URL@RANK or
-    /// URL@FIRST-LAST, or N when more). Repeatable.
+    /// URL=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,load=tcp://HOST:PORT][,dp-size=N]:
+    /// `replay` its `replay_endpoint`, `load` where it publishes its load (SGLang's
+    /// `--load-publish-endpoint`; in place of --kv-load-port). Data-parallel rank r
+    /// publishes (and replays, and reports its load) on each PORT + r, for every rank of
+    /// the engine (those given as URL@RANK or URL@FIRST-LAST, or N when more). Once per
+    /// engine; repeatable for several.
     #[arg(long = "kv-events-endpoint", value_name = "URL=tcp://HOST:PORT", value_parser = parse_endpoint)]
     kv_events_endpoints: Vec<EngineEndpoint>,
     /// Every engine publishes its KV-cache events on its own host at this port (rank
@@ -55,7 +58,7 @@ pub struct KvEventsArgs {
     #[arg(long, value_name = "PORT")]
     kv_events_replay_port: Option<u16>,
     /// The engines' KV block size in tokens, for engines whose events have not told it
-    /// yet (events carry it).
+    /// yet (events carry it). At least 1.
     #[arg(long, value_name = "N", default_value_t = disagg_kvevents::index::DEFAULT_BLOCK_SIZE)]
     block_size: usize,
     /// Every engine publishes its load on its own host at this port (SGLang's
@@ -67,7 +70,8 @@ pub struct KvEventsArgs {
     /// The largest KV-event message an engine may send (its frames together, on the
     /// events and replay sockets), in bytes: a publisher sending a larger one is
     /// disconnected and counted (`disagg_kv_events_malformed_total{reason="oversized"}`).
-    /// Raise it only for engines whose single steps store more than ~1M tokens.
+    /// At least 1024. Raise it only for engines whose single steps store more than ~1M
+    /// tokens.
     #[arg(long, value_name = "BYTES", default_value_t = disagg_kvevents::subscriber::DEFAULT_MAX_MESSAGE)]
     kv_events_max_message: usize,
     /// `kv_events`: what one uncached prompt token costs against one token of work
@@ -174,6 +178,16 @@ impl KvEventsArgs {
         } else {
             disagg_kvevents::score::DEFAULT_MISS_WEIGHT
         })
+    }
+
+    /// The time flags, by name, for the checks made before anything is built.
+    pub(crate) fn time_flags(&self) -> [(&'static str, f64); 1] {
+        [("tokenize-timeout", self.tokenize_timeout)]
+    }
+
+    /// The engine each `--kv-events-endpoint` names, as given (without a trailing `/`).
+    pub(crate) fn endpoint_engines(&self) -> impl Iterator<Item = &str> {
+        self.kv_events_endpoints.iter().map(|e| e.engine.as_str())
     }
 
     /// `--tokenize-timeout`.

@@ -29,10 +29,12 @@ use crate::BoxError;
 use crate::edge::spawn_until;
 
 mod bidi;
+mod checks;
 mod connectors;
 mod flags;
 
 pub use bidi::BidiArgs;
+pub(crate) use checks::repeated;
 use connectors::*;
 use flags::*;
 pub use flags::{ClientBodyArgs, ConnectorArg, LmcacheArgs, ReliabilityArgs, ReuseArg, ServeArgs};
@@ -67,6 +69,8 @@ impl Shared {
         notifications: Option<Notifications>,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<Self, BoxError> {
+        // Every time flag and every per-engine flag, whether or not its feature is on.
+        checks::check_flags(args)?;
         if args.decode.is_empty() && !args.discovery.may_find_decode() {
             return Err(
                 "no decode engine: give --decode, or a discovery source that can find one \
@@ -79,8 +83,13 @@ impl Shared {
         let e_pd = args.prefill.is_empty()
             && !args.discovery.may_find_prefill()
             && (!args.encode.is_empty() || args.discovery.may_find_encode());
-        if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only_fallback && !e_pd {
-            return Err("no prefill engine: give --prefill, or a discovery source".into());
+        // Under decode-only a request with no prefill endpoint is served by a decode
+        // alone, none configured included.
+        if args.prefill.is_empty() && !args.discovery.any() && !args.decode_only() && !e_pd {
+            return Err(
+                "no prefill engine: give --prefill, a discovery source, or --prefill-failure decode-only"
+                    .into(),
+            );
         }
         // The telemetry and EC flags are checked before any engine is asked anything.
         let telemetry_config = args.reliability.telemetry()?;
@@ -323,7 +332,7 @@ impl Shared {
         config.tokenize_timeout = args.kv_events.tokenize_timeout()?;
         let resilience = args.reliability.apply(&mut config, args.retries)?;
         let observe = args.observe.start(args.connector.name(), &mut config)?;
-        if args.decode_only_fallback || e_pd {
+        if args.decode_only() || e_pd {
             config.prefill_failure = PrefillFailure::DecodeOnly;
         }
         config.missing_kv = match args.missing_kv {
@@ -642,8 +651,7 @@ fn check_ec_flags(args: &ServeArgs, e_pd: bool) -> Result<(), BoxError> {
             let push = mooncake_push(args);
             let decodes_alone = e_pd
                 || args.min_prefill_tokens.is_some()
-                || args.decode_only_fallback
-                || args.reliability.decode_only_on_prefill_failure();
+                || args.decode_only();
             let prefills = parse_prefills(&args.prefill)?.into_iter().map(|(u, _)| u);
             let decodes = args.decode.iter().filter(|_| decodes_alone);
             let max_ranks = args.discovery.bounds().max_ranks;

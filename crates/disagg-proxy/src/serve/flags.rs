@@ -80,7 +80,7 @@ pub struct ServeArgs {
     /// With `--ec-connector mooncake`: where a consumer engine (its URL without @RANK)
     /// listens for its encoders, its vLLM `ec_ip` and `ec_port`, as URL=HOST:PORT
     /// (default 127.0.0.1:14579, vLLM's). Rank D listens at PORT + D·`--ec-tp-size`.
-    /// Repeatable.
+    /// Once per engine; repeatable for several.
     #[arg(long = "ec-address", value_name = "URL=HOST:PORT", value_parser = parse_ec_address)]
     pub(crate) ec_addresses: Vec<(String, String, u16)>,
     /// With `--ec-connector mooncake`: the consumers' tensor-parallel size (default 1).
@@ -97,7 +97,7 @@ pub struct ServeArgs {
     /// rank). Once any engine declares models, requests are routed by their `model` to
     /// the engines serving it, an unknown model is answered 404 naming the served ones,
     /// and GET /v1/models lists the declared models. Engines declaring none serve any
-    /// other name. Repeatable.
+    /// other name. Once per engine (all its names in one); repeatable for several.
     #[arg(long = "served-model", value_name = "URL=NAME[,NAME]", value_parser = parse_models)]
     pub(crate) served_models: Vec<(String, Vec<String>)>,
     /// Disaggregate only requests whose prompt is estimated at N tokens or more (one
@@ -133,7 +133,8 @@ pub struct ServeArgs {
     /// `http://p:8100=NixlConnector,kv_producer,8` or `http://d:8200=,,4`). A pair whose
     /// connectors differ, whose roles cannot hand over, or whose TP sizes the connector
     /// cannot bridge stops the proxy with an error naming both engines (LMCache: equal
-    /// sizes only, a decode's size being its --lmcache-receiver port count). Repeatable.
+    /// sizes only, a decode's size being its --lmcache-receiver port count). Once per
+    /// engine; repeatable for several.
     #[arg(long = "kv-profile", value_name = "URL=CONNECTOR,ROLE,TP", value_parser = parse_profile)]
     pub(crate) kv_profiles: Vec<(String, KvProfile)>,
     /// What an engine declares about its encoder-output transfer (E/P/D; vLLM
@@ -141,7 +142,8 @@ pub struct ServeArgs {
     /// `ec_producer`, `ec_consumer`, `ec_both` (e.g. `http://e:8300=ECExampleConnector,ec_producer`,
     /// `http://p:8100=example,ec_consumer`). An encoder whose consumer (the prefill, or
     /// the decode when there is no prefill) runs another EC connector, or roles that
-    /// cannot hand over, stop the proxy with an error naming both engines. Repeatable.
+    /// cannot hand over, stop the proxy with an error naming both engines. Once per
+    /// engine; repeatable for several.
     #[arg(long = "ec-profile", value_name = "URL=CONNECTOR,ROLE", value_parser = parse_ec_profile)]
     pub(crate) ec_profiles: Vec<(String, EcProfile)>,
     /// Further attempts, on a newly picked pair (and a new room or transfer id), after a
@@ -181,7 +183,7 @@ pub struct ServeArgs {
     /// An engine's weight for `weighted_random` and `consistent_hash`, as URL=WEIGHT
     /// (default 1): URL without @RANK weighs every rank endpoint of the engine (each
     /// draws W), URL@RANK one rank. It overrides a weight discovery found for the same
-    /// engine. Repeatable.
+    /// engine. Once per engine or rank; repeatable for several.
     #[arg(long = "weight", value_name = "URL=WEIGHT", value_parser = parse_weight)]
     pub(crate) weights: Vec<(String, f64)>,
     /// Seconds for the whole prefill exchange (connect, head and answer); past it, 504.
@@ -199,7 +201,8 @@ pub struct ServeArgs {
     /// Time and memory limits on client request bodies.
     #[command(flatten)]
     pub(crate) client_body: ClientBodyArgs,
-    /// Same as `--prefill-failure decode-only`.
+    /// Same as `--prefill-failure decode-only` (the proxy then starts with no prefill
+    /// engine too).
     #[arg(long, hide = true)]
     pub(crate) decode_only_fallback: bool,
     /// What to do when the prefill answers without `kv_transfer_params`: let the decode
@@ -301,7 +304,8 @@ pub struct LmcacheArgs {
     /// decode leg waits for one notification per rank). Required for every --decode
     /// engine with `--connector lmcache`. The port count is the decode's TP size: a
     /// prefill whose --kv-profile declares another TP size is refused at start-up (each
-    /// prefill rank pushes to the port of its own rank). Repeatable.
+    /// prefill rank pushes to the port of its own rank). Once per engine; repeatable for
+    /// several.
     #[arg(long = "lmcache-receiver", value_name = "URL=HOST:INIT:ALLOC", value_parser = parse_receiver)]
     pub(crate) lmcache_receivers: Vec<(String, LmcacheReceiver)>,
     /// LMCache: seconds after which a request still waiting for notifications is
@@ -349,7 +353,8 @@ pub struct ReliabilityArgs {
     /// When the prefill cannot be had (no prefill engine available, or its leg failed
     /// on the engine's side after retries): `fail` (503 or the prefill's error), or
     /// `decode-only` (serve on a decode engine alone, marked `x-disagg-handoff:
-    /// decode-only` and `x-disagg-fallback: REASON`, counted in /metrics).
+    /// decode-only` and `x-disagg-fallback: REASON`, counted in /metrics; the proxy then
+    /// starts with decode engines only, too).
     #[arg(long, value_enum, default_value_t = PrefillFailureArg::Fail)]
     pub(crate) prefill_failure: PrefillFailureArg,
     /// Requests served at once, all engines together (default: no limit); more wait in
@@ -489,6 +494,34 @@ impl ReliabilityArgs {
         matches!(self.prefill_failure, PrefillFailureArg::DecodeOnly)
     }
 
+    /// The time flags, by name, for the checks made before anything is built (read
+    /// again where they are used; 0 is a duration too, where it means "off").
+    pub(crate) fn time_flags(&self) -> Vec<(&'static str, f64)> {
+        let mut flags = vec![
+            ("handoff-timeout", self.handoff_timeout),
+            ("decode-idle-timeout", self.decode_idle_timeout),
+            ("decode-admission-wait", self.decode_admission_wait),
+            ("queue-timeout", self.queue_timeout),
+            ("ejection-time", self.ejection_time),
+            ("max-ejection-time", self.max_ejection_time),
+            ("health-check-interval", self.health_check_interval),
+            ("health-check-timeout", self.health_check_timeout),
+            ("engine-metrics-interval", self.engine_metrics_interval),
+            ("engine-metrics-timeout", self.engine_metrics_timeout),
+        ];
+        flags.extend(self.deadline.map(|d| ("deadline", d)));
+        flags
+    }
+
+    /// `--receipt-threshold` is a ratio, whether or not the engines' `/metrics` are read.
+    pub(crate) fn check_receipt_threshold(&self) -> Result<(), BoxError> {
+        if (0.0..=1.0).contains(&self.receipt_threshold) {
+            Ok(())
+        } else {
+            Err("--receipt-threshold must be between 0 and 1".into())
+        }
+    }
+
     /// The health settings, and whether active checks run.
     pub(crate) fn health(&self) -> Result<(HealthConfig, bool), BoxError> {
         let mut config = HealthConfig::default();
@@ -512,6 +545,8 @@ impl ReliabilityArgs {
     /// The engine telemetry settings, when `/metrics` is read at all.
     pub(crate) fn telemetry(&self) -> Result<Option<disagg_resilience::TelemetryConfig>, BoxError> {
         let engine_load = self.load_source == LoadSourceArg::EngineMetrics;
+        self.check_receipt_threshold()?;
+        let timeout = secs(self.engine_metrics_timeout, "engine-metrics-timeout")?;
         if self.engine_metrics_interval == 0.0 {
             if engine_load {
                 return Err(
@@ -520,12 +555,9 @@ impl ReliabilityArgs {
             }
             return Ok(None);
         }
-        if !(0.0..=1.0).contains(&self.receipt_threshold) {
-            return Err("--receipt-threshold must be between 0 and 1".into());
-        }
         let mut config = disagg_resilience::TelemetryConfig::default();
         config.interval = secs(self.engine_metrics_interval, "engine-metrics-interval")?;
-        config.timeout = secs(self.engine_metrics_timeout, "engine-metrics-timeout")?;
+        config.timeout = timeout;
         config.max_body = self.engine_metrics_max_bytes;
         config.receipt_threshold = self.receipt_threshold;
         config.suspect_windows = self.receipt_windows;
@@ -911,6 +943,12 @@ impl ServeArgs {
     /// The address to listen on.
     pub fn listen(&self) -> SocketAddr {
         self.listen
+    }
+
+    /// Whether a decode may serve a request alone when its prefill cannot be had:
+    /// `--prefill-failure decode-only`, or its hidden alias `--decode-only-fallback`.
+    pub(crate) fn decode_only(&self) -> bool {
+        self.decode_only_fallback || self.reliability.decode_only_on_prefill_failure()
     }
 
     /// Every engine URL given, prefill then decode.

@@ -243,3 +243,210 @@ fn max_connections_is_a_count_of_at_least_one() {
         .to_string();
     assert!(err.contains("at least 1"), "{err}");
 }
+
+/// Whether `serve` gets past its start-up checks with `args` (after the program name):
+/// the shared parts are built (engines unreachable are not contacted further).
+fn starts<const N: usize>(args: [&str; N]) -> Result<(), String> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let cli = Cli::try_parse_from(std::iter::once("x").chain(args)).map_err(|e| e.to_string())?;
+    Shared::from_args(&cli.serve, None, tokio::sync::watch::channel(false).1)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn decode_only_starts_without_a_prefill_engine() {
+    // `--prefill-failure decode-only` serves a request with no prefill endpoint on a
+    // decode alone, none configured included, as its hidden alias always did.
+    starts([
+        "--decode",
+        "http://127.0.0.1:2",
+        "--prefill-failure",
+        "decode-only",
+    ])
+    .expect("decode-only starts with no prefill engine");
+    starts(["--decode", "http://127.0.0.1:2", "--decode-only-fallback"])
+        .expect("the hidden alias starts too");
+    // Under `fail` there is nothing to serve a request with.
+    let err = refused_start(["--decode", "http://127.0.0.1:2"]);
+    assert!(err.contains("no prefill engine"), "{err}");
+}
+
+/// The engines every start-up check below is given.
+const PD: [&str; 4] = [
+    "--prefill",
+    "http://127.0.0.1:1",
+    "--decode",
+    "http://127.0.0.1:2",
+];
+
+#[test]
+fn every_time_flag_is_checked_whether_or_not_its_feature_is_on() {
+    // None of these flags' features is on: no DNS target, no discovery, another
+    // connector than LMCache, no --bidirectional-kv, no encoder, no engine telemetry.
+    let flags = [
+        "--dns-refresh",
+        "--discovery-sync-timeout",
+        "--lmcache-notify-ttl",
+        "--decoder-kv-blocks-ttl",
+        "--encode-timeout",
+        "--engine-metrics-timeout",
+        "--drain-timeout",
+        "--client-send-timeout",
+        "--deadline",
+        "--tokenize-timeout",
+        "--health-check-timeout",
+    ];
+    for flag in flags {
+        for value in ["-5", "nan", "1e300"] {
+            let arg = format!("{flag}={value}");
+            let [p, pu, d, du] = PD;
+            let err = refused_start([p, pu, d, du, "--engine-metrics-interval", "0", &arg]);
+            assert!(err.contains(flag), "{arg}: {err}");
+        }
+    }
+    // The audit's trigger, all at once.
+    let [p, pu, d, du] = PD;
+    let err = refused_start([
+        p,
+        pu,
+        d,
+        du,
+        "--dns-refresh=-5",
+        "--encode-timeout",
+        "nan",
+        "--decoder-kv-blocks-ttl",
+        "1e300",
+    ]);
+    assert!(err.contains("--"), "{err}");
+    // Valid values still start.
+    starts([p, pu, d, du, "--dns-refresh", "5", "--encode-timeout", "0"]).expect("valid");
+}
+
+#[test]
+fn the_receipt_threshold_is_a_ratio_whether_or_not_telemetry_runs() {
+    for value in ["1.5", "-0.1", "nan"] {
+        let [p, pu, d, du] = PD;
+        let arg = format!("--receipt-threshold={value}");
+        let err = refused_start([p, pu, d, du, "--engine-metrics-interval", "0", &arg]);
+        assert!(err.contains("--receipt-threshold"), "{arg}: {err}");
+    }
+    let [p, pu, d, du] = PD;
+    starts([
+        p,
+        pu,
+        d,
+        du,
+        "--engine-metrics-interval",
+        "0",
+        "--receipt-threshold",
+        "1",
+    ])
+    .expect("1 is a ratio");
+}
+
+#[test]
+fn a_per_engine_flag_given_twice_for_one_engine_stops_the_proxy() {
+    let [p, pu, d, du] = PD;
+    // Each flag twice for the decode engine, the second time with a trailing `/`: the
+    // proxy takes both for the same engine.
+    let cases: [(&str, &str, &str); 7] = [
+        (
+            "--served-model",
+            "http://127.0.0.1:2=a",
+            "http://127.0.0.1:2/=b",
+        ),
+        (
+            "--kv-profile",
+            "http://127.0.0.1:2=,,1",
+            "http://127.0.0.1:2/=,,2",
+        ),
+        (
+            "--ec-profile",
+            "http://127.0.0.1:2=example,ec_consumer",
+            "http://127.0.0.1:2/=example,ec_both",
+        ),
+        (
+            "--lmcache-receiver",
+            "http://127.0.0.1:2=127.0.0.1:7300:7400",
+            "http://127.0.0.1:2/@0=127.0.0.1:7301:7401",
+        ),
+        (
+            "--ec-address",
+            "http://127.0.0.1:2=127.0.0.1:14579",
+            "http://127.0.0.1:2/=127.0.0.1:14580",
+        ),
+        ("--weight", "http://127.0.0.1:2=1", "http://127.0.0.1:2/=3"),
+        (
+            "--kv-events-endpoint",
+            "http://127.0.0.1:2=tcp://127.0.0.1:5557",
+            "http://127.0.0.1:2/=tcp://127.0.0.1:5558",
+        ),
+    ];
+    for (flag, first, second) in cases {
+        let err = refused_start([p, pu, d, du, flag, first, flag, second]);
+        assert!(
+            err.contains(flag) && err.contains("http://127.0.0.1:2") && err.contains("twice"),
+            "{flag}: {err}"
+        );
+    }
+    let err = refused_start([
+        p,
+        pu,
+        d,
+        du,
+        "--engine-api-key",
+        "http://127.0.0.1:2=k1",
+        "--engine-api-key",
+        "http://127.0.0.1:2/=k2",
+    ]);
+    assert!(
+        err.contains("--engine-api-key")
+            && err.contains("http://127.0.0.1:2")
+            && err.contains("twice"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("k1") && !err.contains("k2"),
+        "a key is never shown: {err}"
+    );
+    let err = refused_start([
+        p,
+        pu,
+        d,
+        du,
+        "--engine-api-key",
+        "k1",
+        "--engine-api-key",
+        "k2",
+    ]);
+    assert!(
+        err.contains("--engine-api-key") && err.contains("twice"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("k1") && !err.contains("k2"),
+        "a key is never shown: {err}"
+    );
+    // One rank's weight and its engine's are two settings, not one given twice.
+    starts([
+        p,
+        pu,
+        "--decode",
+        "http://127.0.0.1:2@0-1",
+        "--weight",
+        "http://127.0.0.1:2=2",
+        "--weight",
+        "http://127.0.0.1:2@1=3",
+        "--served-model",
+        "http://127.0.0.1:1=a",
+        "--served-model",
+        "http://127.0.0.1:2=a",
+    ])
+    .expect("distinct engines and ranks start");
+}
