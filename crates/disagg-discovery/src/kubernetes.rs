@@ -49,11 +49,21 @@
 //! every retry) cannot hold back the other roles' pods, every selector is checked
 //! against Kubernetes' label-selector syntax at start ([`spawn`],
 //! [`KubernetesError::Selector`]).
+//!
+//! No request waits for ever: [`spawn`]'s client gives up a connection on which the API
+//! server sends nothing for [`KubernetesConfig::read_timeout`] (a half-open connection:
+//! an API server gone without a reset, a load balancer that failed over), ends a list
+//! page that takes longer than [`KubernetesConfig::request_timeout`], its body included,
+//! and refuses a list page or a watch event larger than
+//! [`KubernetesConfig::max_response_bytes`] before reading more; each is an error as
+//! above, retried with backoff. Lists ask for pages of [`KubernetesConfig::page_size`]
+//! pods.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use disagg_core::Role;
 use disagg_core::endpoint::Facts;
@@ -67,10 +77,24 @@ use kube::runtime::{WatchStreamExt, watcher};
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, model_names, parse_kv_role, parse_tp};
 
+mod bounds;
+
 /// The default source name of Kubernetes discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "kubernetes";
 /// The label holding a pod's model, unless configured otherwise (production-stack's).
 pub const DEFAULT_MODEL_LABEL: &str = "model";
+
+/// [`KubernetesConfig::request_timeout`] by default: the API server's own limit on a
+/// request (`--request-timeout`, 60 s by default), and a margin.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(90);
+/// How much longer than the server's end of a watch the read timeout is by default.
+const READ_TIMEOUT_MARGIN: Duration = Duration::from_secs(30);
+/// [`KubernetesConfig::max_response_bytes`] by default: 64 MiB, room for a page of
+/// [`DEFAULT_PAGE_SIZE`] pods of 640 KiB each (a pod's annotations alone may hold
+/// 256 KiB; a whole object, 1.5 MiB in etcd by default).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
+/// [`KubernetesConfig::page_size`] by default.
+pub const DEFAULT_PAGE_SIZE: u32 = 100;
 
 /// SGLang's bootstrap-port annotation (sgl-project/sglang
 /// `sgl-model-gateway/src/service_discovery.rs`, `bootstrap_port_annotation`).
@@ -162,6 +186,31 @@ pub struct KubernetesConfig {
     /// The `timeoutSeconds` of each watch request (the server ends the watch then and
     /// the watcher resumes it); `None`: kube-rs's 290 s.
     pub watch_timeout: Option<u32>,
+    /// How long a request may wait for the API server's next bytes (kube-rs's
+    /// `Config::read_timeout`, counted from the request's last write): past it the
+    /// connection is given up and the request fails (logged, counted, retried with
+    /// backoff). This is what ends a request on a half-open connection (an API server
+    /// gone without a reset, a load balancer that failed over). `None`: 30 s more than
+    /// the watch timeout ([`watch_timeout`](Self::watch_timeout); 320 s with kube-rs's
+    /// 290 s; with `Some(0)`, which leaves a watch's length to the API server, 3,630 s,
+    /// its longest watch by default): a watch that stays silent to its end is never cut.
+    /// A shorter one cuts a silent watch, which then resumes from its version (counted
+    /// as an error). Not used by [`spawn_with_client`].
+    pub read_timeout: Option<Duration>,
+    /// The longest a list request may take, its whole body included, and a watch
+    /// request until its response headers (a watch's events are bounded by
+    /// [`read_timeout`](Self::read_timeout) and the watch timeout instead):
+    /// [`DEFAULT_REQUEST_TIMEOUT`] by default. Not used by [`spawn_with_client`].
+    pub request_timeout: Duration,
+    /// The most bytes taken from the API server for a list response's body, and for one
+    /// event of a watch (a line of its stream): a response or an event past it fails
+    /// the request (logged, counted, retried with backoff) before more is read.
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`] by default. Not used by [`spawn_with_client`].
+    pub max_response_bytes: usize,
+    /// The pods asked for in one list page (`limit`; at least 1):
+    /// [`DEFAULT_PAGE_SIZE`] by default, so that a page of large pods stays well under
+    /// [`max_response_bytes`](Self::max_response_bytes).
+    pub page_size: u32,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
 }
@@ -179,6 +228,10 @@ impl KubernetesConfig {
             model_label: DEFAULT_MODEL_LABEL.to_owned(),
             client: ClientConfig::Infer,
             watch_timeout: None,
+            read_timeout: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            page_size: DEFAULT_PAGE_SIZE,
             name: SOURCE_NAME.to_owned(),
         }
     }
@@ -243,12 +296,52 @@ pub async fn spawn(config: KubernetesConfig) -> Result<SpecSource, KubernetesErr
                 .map_err(KubernetesError::Kubeconfig)?
         }
     };
-    let client = kube::Client::try_from(kube_config).map_err(KubernetesError::Client)?;
+    let client = bounded_client(kube_config, &config)?;
     spawn_with_client(client, config)
 }
 
+/// The watch timeout the API server ends each watch at: [`KubernetesConfig::watch_timeout`],
+/// else kube-rs's; `0` leaves it to the server, whose longest is twice its
+/// `--min-request-timeout` (1,800 s by default).
+fn server_watch_timeout(config: &KubernetesConfig) -> Duration {
+    match config.watch_timeout {
+        None => Duration::from_secs(290),
+        Some(0) => Duration::from_secs(3600),
+        Some(t) => Duration::from_secs(u64::from(t)),
+    }
+}
+
+/// kube-rs's client for `kube_config`, within `config`'s read timeout, request timeout
+/// and byte ceiling.
+fn bounded_client(
+    mut kube_config: kube::Config,
+    config: &KubernetesConfig,
+) -> Result<kube::Client, KubernetesError> {
+    // A read timeout past the server's end of a silent watch never cuts a healthy one;
+    // kube-rs's own default is none, so a half-open connection would be waited on for
+    // ever. Counted from the request's last write, not from when its pooled connection
+    // went idle.
+    kube_config.read_timeout = Some(
+        config
+            .read_timeout
+            .unwrap_or_else(|| server_watch_timeout(config) + READ_TIMEOUT_MARGIN),
+    );
+    kube_config.reset_reader_on_write = true;
+    let bounds = bounds::Bounds {
+        request_timeout: config.request_timeout,
+        max_bytes: config.max_response_bytes,
+    };
+    Ok(kube::client::ClientBuilder::try_from(kube_config)
+        .map_err(KubernetesError::Client)?
+        .with_layer(&bounds)
+        .build())
+}
+
 /// Like [`spawn`], with a client the embedder built (its own credentials, timeouts or
-/// middleware); [`KubernetesConfig::client`] is not used.
+/// middleware); [`KubernetesConfig::client`], [`read_timeout`](KubernetesConfig::read_timeout),
+/// [`request_timeout`](KubernetesConfig::request_timeout) and
+/// [`max_response_bytes`](KubernetesConfig::max_response_bytes) are not used: the client's
+/// own bounds apply (kube-rs's default client has no read timeout and no byte ceiling).
 ///
 /// # Errors
 ///
@@ -279,7 +372,9 @@ pub fn spawn_with_client(
         (Role::Encode, &config.encode_selector),
     ] {
         let Some(selector) = selector else { continue };
-        let mut wc = watcher::Config::default().labels(selector);
+        let mut wc = watcher::Config::default()
+            .labels(selector)
+            .page_size(config.page_size.max(1));
         if let Some(t) = config.watch_timeout {
             wc = wc.timeout(t);
         }

@@ -22,6 +22,15 @@
 //!   event holding a `Status` of code 410 (reason `Expired`); the client must relist;
 //! - requests without the bearer token of the kubeconfig are refused with 401.
 //!
+//! A test can also make the transport under the API fail, as a network does rather than
+//! as the API says (these are not API behaviour, and the documented API is followed for
+//! everything else): [`FakeApiServer::fault_lists`] answers the next list requests with a
+//! [`ListFault`]: the status line, the headers and half the list's JSON, then nothing
+//! more on a connection left open (an API server killed without a reset, a load balancer
+//! that failed over: a half-open connection); the list without its closing brace, then
+//! one space every 100 ms for ever (a response that trickles); or the whole list followed
+//! by a run of spaces (JSON whitespace: a valid list larger than the client accepts).
+//!
 //! The test drives it directly: [`FakeApiServer::apply`] and
 //! [`FakeApiServer::delete`] change pods, [`FakeApiServer::compact`] drops history,
 //! [`FakeApiServer::end_watches`] closes every open watch (as a server restart or a
@@ -30,13 +39,14 @@
 //! test waits for [`FakeApiServer::open_watches`] before it ends watches or asks for
 //! bookmarks, so that every watch sees the request.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
@@ -76,6 +86,19 @@ struct State {
     failing: bool,
     /// Watch streams open now.
     open_watches: usize,
+    /// How the next list requests are answered, one each.
+    list_faults: VecDeque<ListFault>,
+}
+
+/// How a list request is answered instead of normally (see the module's documentation).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ListFault {
+    /// The headers and half the JSON, then nothing more, the connection left open.
+    Stall,
+    /// The JSON without its closing brace, then one space every 100 ms for ever.
+    Drip,
+    /// The whole JSON, then this many spaces.
+    Pad(usize),
 }
 
 /// Counts one open watch stream while it lives.
@@ -262,6 +285,12 @@ impl FakeApiServer {
         }
     }
 
+    /// Answers the next `n` list requests with `fault`.
+    pub(crate) fn fault_lists(&self, fault: ListFault, n: usize) {
+        let mut s = self.state.lock().unwrap();
+        s.list_faults.extend(std::iter::repeat_n(fault, n));
+    }
+
     /// Watch streams open now (each sees every later end, bookmark and change).
     pub(crate) fn open_watches(&self) -> usize {
         self.state.lock().unwrap().open_watches
@@ -389,7 +418,8 @@ fn list_pods(
     selector: &Selector,
     params: &BTreeMap<String, String>,
 ) -> Response<Body> {
-    let s = shared.state.lock().unwrap();
+    let mut s = shared.state.lock().unwrap();
+    let fault = s.list_faults.pop_front();
     // Pagination: `continue` is the last name served; `limit` bounds the page.
     let after = params.get("continue").cloned().unwrap_or_default();
     let limit = params
@@ -410,10 +440,53 @@ fn list_pods(
     {
         metadata["continue"] = last["metadata"]["name"].clone();
     }
-    full(
-        StatusCode::OK,
-        json!({ "kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": page }),
-    )
+    let list =
+        json!({ "kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": page });
+    match fault {
+        None => full(StatusCode::OK, list),
+        Some(fault) => faulty(list.to_string(), fault),
+    }
+}
+
+/// A list response that fails as `fault` says, sent chunked as the API server sends a
+/// large list.
+fn faulty(text: String, fault: ListFault) -> Response<Body> {
+    type Frames = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send + Sync>,
+    >;
+    fn data(b: Bytes) -> Result<Frame<Bytes>, Infallible> {
+        Ok(Frame::data(b))
+    }
+    let body: Frames = match fault {
+        ListFault::Stall => {
+            let half = text.len() / 2;
+            let half = Bytes::from(text).slice(..half);
+            Box::pin(futures::stream::iter([data(half)]).chain(futures::stream::pending()))
+        }
+        ListFault::Drip => {
+            let open = Bytes::from(text.strip_suffix('}').unwrap_or(&text).to_owned());
+            let drip = futures::stream::unfold((), |()| async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Some((data(Bytes::from_static(b" ")), ()))
+            });
+            Box::pin(futures::stream::iter([data(open)]).chain(drip))
+        }
+        ListFault::Pad(n) => {
+            const CHUNK: usize = 64 * 1024;
+            let spaces = Bytes::from(vec![b' '; CHUNK]);
+            let pad =
+                (0..n.div_ceil(CHUNK)).map(move |i| data(spaces.slice(..CHUNK.min(n - i * CHUNK))));
+            Box::pin(futures::stream::iter(
+                std::iter::once(data(Bytes::from(text))).chain(pad),
+            ))
+        }
+    };
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .header("transfer-encoding", "chunked")
+        .body(BodyExt::boxed(StreamBody::new(body)))
+        .unwrap()
 }
 
 async fn watch_pods(

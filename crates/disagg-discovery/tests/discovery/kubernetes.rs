@@ -10,7 +10,7 @@ use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
 use disagg_pairing::KvProfile;
 
-use crate::apiserver::{FakeApiServer, PodDesc};
+use crate::apiserver::{FakeApiServer, ListFault, PodDesc};
 use crate::support::{TempDir, eventually, ids, serves, wait_for};
 
 /// Generous: a watch error backs off up to a few seconds before the retry.
@@ -495,4 +495,185 @@ async fn encoder_pods_join_as_encoders_with_their_ec_profile() {
     })
     .await;
     assert_eq!(ids(&set, Role::Encode), ["http://127.0.3.3:8000"]);
+}
+
+/// Makes every selector relist with `change` in the new list only: the watches end
+/// while new ones wait, `change` is made and the history compacted, so the versions the
+/// watches resume from are gone (`410 Gone`) and the change reaches the client only
+/// through a relist.
+fn relist_with(h: &Harness, change: impl FnOnce(&FakeApiServer)) {
+    h.server.hold_watches(true);
+    h.server.end_watches();
+    change(&h.server);
+    h.server.compact();
+    h.server.hold_watches(false);
+}
+
+/// A list whose response stops halfway on a connection left open (an API server gone
+/// without a reset, a load balancer that failed over) fails once the read timeout
+/// passes, and is retried: a relist in that window no longer stops every later change
+/// from being published.
+#[tokio::test]
+async fn a_list_that_stalls_halfway_fails_after_the_read_timeout_and_is_retried() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| {
+            // The server ends each watch after 1 s, before the read timeout would.
+            c.watch_timeout = Some(1);
+            c.read_timeout = Some(Duration::from_secs(3));
+        },
+    )
+    .await;
+    // The relists' first lists stall; the default request timeout (90 s) is past WAIT:
+    // only the read timeout ends them in time.
+    h.server.fault_lists(ListFault::Stall, 2);
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    });
+    wait_for(&h.merged, WAIT, "d2 through the retried relist", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.1:8000", "http://127.0.2.2:8000"]
+    })
+    .await;
+    // Two first lists, two failed ones, two retried: each failure is counted before
+    // its selector lists again.
+    eventually(WAIT, "both selectors listed again", || {
+        h.server.lists() >= 6
+    })
+    .await;
+    assert!(stats(&h).errors() >= 2, "the stalled lists are counted");
+}
+
+/// A list that trickles (a byte now and then, so no read timeout fires) fails once the
+/// request timeout passes, and is retried.
+#[tokio::test]
+async fn a_list_that_trickles_fails_after_the_request_timeout_and_is_retried() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.request_timeout = Duration::from_secs(2),
+    )
+    .await;
+    watching(&h).await;
+    h.server.fault_lists(ListFault::Drip, 2);
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    });
+    wait_for(&h.merged, WAIT, "d2 through the retried relist", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+    // Two first lists, two failed ones, two retried: each failure is counted before
+    // its selector lists again.
+    eventually(WAIT, "both selectors listed again", || {
+        h.server.lists() >= 6
+    })
+    .await;
+    assert!(stats(&h).errors() >= 2, "the trickling lists are counted");
+}
+
+/// A list response past the byte ceiling is refused (counted, retried), not taken, and
+/// lists ask for pages of 100 pods.
+#[tokio::test]
+async fn a_list_past_the_byte_ceiling_is_refused_and_retried() {
+    const MIB: usize = 1024 * 1024;
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.max_response_bytes = MIB,
+    )
+    .await;
+    watching(&h).await;
+    // Valid lists, 2 MiB of JSON whitespace each.
+    h.server.fault_lists(ListFault::Pad(2 * MIB), 2);
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    });
+    wait_for(&h.merged, WAIT, "d2 through the retried relist", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+    // Two first lists, two failed ones, two retried: each failure is counted before
+    // its selector lists again.
+    eventually(WAIT, "both selectors listed again", || {
+        h.server.lists() >= 6
+    })
+    .await;
+    assert!(stats(&h).errors() >= 2, "the oversized lists are counted");
+    let requests = h.server.requests();
+    assert!(
+        requests
+            .iter()
+            .filter(|(w, _)| !w)
+            .all(|(_, q)| q.contains("limit=100")),
+        "{requests:?}"
+    );
+}
+
+/// A pod whose containers carry `env_bytes` of environment (a pod object may be up to
+/// etcd's 1.5 MiB; its annotations alone up to 256 KiB).
+fn with_env(desc: PodDesc<'_>, env_bytes: usize) -> serde_json::Value {
+    let mut json = desc.json();
+    let env: Vec<serde_json::Value> = (0..env_bytes.div_ceil(1024))
+        .map(|i| serde_json::json!({"name": format!("V{i}"), "value": "x".repeat(1024)}))
+        .collect();
+    json["spec"]["containers"][0]["env"] = serde_json::Value::Array(env);
+    json
+}
+
+/// One watch event past the byte ceiling fails the watch (counted; the set is kept)
+/// rather than being buffered; a watch carrying more than the ceiling in all, each event
+/// under it, is not cut; a relist recovers.
+#[tokio::test]
+async fn a_watch_event_past_the_byte_ceiling_fails_the_watch_and_a_relist_recovers() {
+    const KIB: usize = 1024;
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.max_response_bytes = 256 * KIB,
+    )
+    .await;
+    watching(&h).await;
+    // 20 events of 20 KiB on the decode watch: 400 KiB in all.
+    for i in 0..20 {
+        h.server.apply(with_env(
+            pod("d2", "decode", "127.0.2.2", i == 19),
+            20 * KIB,
+        ));
+    }
+    wait_for(&h.merged, WAIT, "d2 after twenty events", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+    assert_eq!(stats(&h).errors(), 0, "no watch was cut");
+    let before = h.merged.snapshot();
+
+    // One event of 512 KiB.
+    h.server
+        .apply(with_env(pod("d3", "decode", "127.0.2.3", true), 512 * KIB));
+    eventually(WAIT, "the oversized event fails the watch", || {
+        stats(&h).errors() >= 1
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
+
+    // d3 shrinks and the history is compacted: the relist brings it as it is now.
+    relist_with(&h, |s| {
+        s.apply(pod("d3", "decode", "127.0.2.3", true).json())
+    });
+    wait_for(&h.merged, WAIT, "d3 through the relist", |s| {
+        s.by_role(Role::Decode).len() == 3
+    })
+    .await;
 }

@@ -1,0 +1,408 @@
+//! Bounds on what the kube client takes from the API server, a tower layer over kube-rs's
+//! own stack ([`kube::client::ClientBuilder::with_layer`]):
+//!
+//! - a list request (any request but a watch) has [`Bounds::request_timeout`] for its
+//!   response, its whole body included; a watch has it for its response headers only
+//!   (its events are bounded by the read timeout and the watch timeout);
+//! - a list response's body may hold at most [`Bounds::max_bytes`] bytes, refused at once
+//!   when its `Content-Length` says more; one watch event (a line of the stream) at most
+//!   as many.
+//!
+//! kube-rs collects a list's body whole and splits a watch's stream into lines with no
+//! length limit; these bounds end such a request with an error (the watcher logs it,
+//! counts it and retries with backoff) before more is read.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use http::{Request, Response, Uri};
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::{Instant, Sleep};
+use tower::{BoxError, Layer, Service};
+
+/// The bounds, as a [`Layer`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Bounds {
+    /// The longest a list request may take, body included; a watch until its headers.
+    pub(super) request_timeout: Duration,
+    /// The most bytes of a list's body, and of one watch event.
+    pub(super) max_bytes: usize,
+}
+
+impl<S> Layer<S> for Bounds {
+    type Service = Bounded<S>;
+
+    fn layer(&self, inner: S) -> Bounded<S> {
+        Bounded {
+            inner,
+            bounds: *self,
+        }
+    }
+}
+
+/// What a bounded request failed of.
+#[derive(Debug, thiserror::Error)]
+enum BoundError {
+    /// The request took longer than the request timeout.
+    #[error("the API server's response took longer than {0:?}")]
+    TimedOut(Duration),
+    /// A list response's body is larger than the ceiling.
+    #[error("the API server's response is larger than {0} bytes")]
+    TooLarge(usize),
+    /// A watch event is longer than the ceiling.
+    #[error("a watch event from the API server is longer than {0} bytes")]
+    EventTooLong(usize),
+}
+
+/// The service [`Bounds`] makes of kube-rs's.
+#[derive(Debug)]
+pub(super) struct Bounded<S> {
+    inner: S,
+    bounds: Bounds,
+}
+
+impl<S, B, RB> Service<Request<B>> for Bounded<S>
+where
+    S: Service<Request<B>, Response = Response<RB>>,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    RB: Body<Data = Bytes> + Unpin,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<BoundedBody<RB>>;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<Self::Response, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let Bounds {
+            request_timeout,
+            max_bytes,
+        } = self.bounds;
+        let watch = is_watch(request.uri());
+        // No deadline for a timeout too large to be one.
+        let deadline = Instant::now().checked_add(request_timeout);
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, response)
+                    .await
+                    .map_err(|_| BoundError::TimedOut(request_timeout))?,
+                None => response.await,
+            }
+            .map_err(Into::into)?;
+            Ok(response.map(|inner| BoundedBody {
+                inner,
+                kind: if watch { Kind::Watch } else { Kind::List },
+                seen: 0,
+                max_bytes,
+                deadline: deadline
+                    .filter(|_| !watch)
+                    .map(|d| Box::pin(tokio::time::sleep_until(d))),
+                request_timeout,
+                done: false,
+            }))
+        })
+    }
+}
+
+/// Whether `uri` asks for a watch (`watch=true`, or `1`, in its query).
+fn is_watch(uri: &Uri) -> bool {
+    uri.query()
+        .is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"))
+}
+
+/// What a response's body is bounded as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Its whole length and time.
+    List,
+    /// Each line's length.
+    Watch,
+}
+
+/// A response body within [`Bounds`].
+#[derive(Debug)]
+pub(super) struct BoundedBody<B> {
+    inner: B,
+    kind: Kind,
+    /// A list's bytes so far; a watch's since its last newline.
+    seen: usize,
+    max_bytes: usize,
+    /// A list's deadline.
+    deadline: Option<Pin<Box<Sleep>>>,
+    request_timeout: Duration,
+    /// Failed or ended: nothing more is read.
+    done: bool,
+}
+
+impl<B> BoundedBody<B> {
+    fn fail(&mut self, error: BoundError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        Poll::Ready(Some(Err(error.into())))
+    }
+}
+
+impl<B> Body for BoundedBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if this.deadline.as_ref().is_some_and(|d| d.is_elapsed()) {
+            return this.fail(BoundError::TimedOut(this.request_timeout));
+        }
+        // What the response says is still to come counts before it is read.
+        let announced = usize::try_from(this.inner.size_hint().lower()).unwrap_or(usize::MAX);
+        if this.kind == Kind::List && this.seen.saturating_add(announced) > this.max_bytes {
+            return this.fail(BoundError::TooLarge(this.max_bytes));
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    let longest = match this.kind {
+                        Kind::List => {
+                            this.seen = this.seen.saturating_add(data.len());
+                            this.seen
+                        }
+                        Kind::Watch => {
+                            // Each line the frame ends, the one left open included,
+                            // with what came of it before.
+                            let mut longest = 0;
+                            let mut lines = data.split(|&b| b == b'\n').peekable();
+                            while let Some(line) = lines.next() {
+                                this.seen = this.seen.saturating_add(line.len());
+                                longest = longest.max(this.seen);
+                                if lines.peek().is_some() {
+                                    this.seen = 0;
+                                }
+                            }
+                            longest
+                        }
+                    };
+                    if longest > this.max_bytes {
+                        return this.fail(match this.kind {
+                            Kind::List => BoundError::TooLarge(this.max_bytes),
+                            Kind::Watch => BoundError::EventTooLong(this.max_bytes),
+                        });
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => {
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                let elapsed = this
+                    .deadline
+                    .as_mut()
+                    .is_some_and(|d| d.as_mut().poll(cx).is_ready());
+                if elapsed {
+                    this.fail(BoundError::TimedOut(this.request_timeout))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.done {
+            SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::{BodyExt, Full, StreamBody};
+
+    type TestBody = Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>;
+
+    type Inner = tower::util::BoxService<Request<()>, Response<TestBody>, BoxError>;
+
+    /// A service answering every request with the body `make` builds.
+    fn bounded(
+        bounds: Bounds,
+        make: impl Fn() -> TestBody + Send + Clone + 'static,
+    ) -> Bounded<Inner> {
+        let inner = tower::service_fn(move |_: Request<()>| {
+            let make = make.clone();
+            async move { Ok::<_, BoxError>(Response::new(make())) }
+        });
+        bounds.layer(Inner::new(inner))
+    }
+
+    fn request(uri: &str) -> Request<()> {
+        Request::builder().uri(uri).body(()).unwrap()
+    }
+
+    /// Frames after a delay each: `(delay, bytes)`.
+    fn timed(frames: Vec<(Duration, &'static [u8])>) -> TestBody {
+        let stream = futures::stream::unfold(frames.into_iter(), |mut rest| async move {
+            let (delay, bytes) = rest.next()?;
+            tokio::time::sleep(delay).await;
+            Some((
+                Ok::<_, BoxError>(Frame::data(Bytes::from_static(bytes))),
+                rest,
+            ))
+        });
+        Box::pin(StreamBody::new(stream))
+    }
+
+    async fn collect(service: &mut Bounded<Inner>, uri: &str) -> Result<Bytes, String> {
+        let response = service
+            .call(request(uri))
+            .await
+            .map_err(|e| e.to_string())?;
+        let body = response.into_body().collect().await;
+        body.map(|b| b.to_bytes()).map_err(|e| e.to_string())
+    }
+
+    const LIST: &str = "http://api/api/v1/namespaces/llm/pods?&labelSelector=a&limit=100";
+    const WATCH: &str = "http://api/api/v1/namespaces/llm/pods?&watch=true&timeoutSeconds=290";
+
+    #[test]
+    fn watches_are_told_by_their_query() {
+        assert!(is_watch(&WATCH.parse().unwrap()));
+        assert!(is_watch(&"http://a/p?watch=1".parse().unwrap()));
+        assert!(!is_watch(&LIST.parse().unwrap()));
+        assert!(!is_watch(&"http://a/p?watch=false".parse().unwrap()));
+        assert!(!is_watch(
+            &"http://a/p?allowWatchBookmarks=true".parse().unwrap()
+        ));
+    }
+
+    /// A list announced past the ceiling fails before its body is read; one within it,
+    /// at the ceiling exactly, passes; one sent chunked past it fails once it passes.
+    #[tokio::test]
+    async fn a_list_past_the_ceiling_fails() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 1000,
+        };
+        let announced = |n: usize| -> TestBody {
+            Box::pin(Full::new(Bytes::from(vec![b' '; n])).map_err(|e| match e {}))
+        };
+        let mut at = bounded(bounds, move || announced(1000));
+        assert_eq!(collect(&mut at, LIST).await.unwrap().len(), 1000);
+        let mut past = bounded(bounds, move || announced(1001));
+        let err = collect(&mut past, LIST).await.unwrap_err();
+        assert!(err.contains("larger than 1000 bytes"), "{err}");
+        let chunked = || timed(vec![(Duration::ZERO, &[b' '; 600]); 2]);
+        let mut chunked = bounded(bounds, chunked);
+        let err = collect(&mut chunked, LIST).await.unwrap_err();
+        assert!(err.contains("larger than 1000 bytes"), "{err}");
+        // A watch is bounded by the line, not by its length in all.
+        let lines = || timed(vec![(Duration::ZERO, b"{\"type\":\"ADDED\"}\n"); 100]);
+        let mut lines = bounded(bounds, lines);
+        assert_eq!(collect(&mut lines, WATCH).await.unwrap().len(), 1700);
+    }
+
+    /// A watch line past the ceiling fails, however it is split into frames.
+    #[tokio::test]
+    async fn a_watch_event_past_the_ceiling_fails() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 10,
+        };
+        let split = || {
+            timed(vec![
+                (Duration::ZERO, b"0123456789\n0123"),
+                (Duration::ZERO, b"45678"),
+                (Duration::ZERO, b"9A"),
+            ])
+        };
+        let mut service = bounded(bounds, split);
+        let err = collect(&mut service, WATCH).await.unwrap_err();
+        assert!(err.contains("longer than 10 bytes"), "{err}");
+        // The frame that ends the line too long, or holds it whole.
+        for frames in [
+            vec![
+                (Duration::ZERO, &b"0123"[..]),
+                (Duration::ZERO, b"456789A\n"),
+            ],
+            vec![(Duration::ZERO, &b"01\n0123456789A\n01"[..])],
+        ] {
+            let mut service = bounded(bounds, move || timed(frames.clone()));
+            let err = collect(&mut service, WATCH).await.unwrap_err();
+            assert!(err.contains("longer than 10 bytes"), "{err}");
+        }
+        let fits = || {
+            timed(vec![
+                (Duration::ZERO, b"0123456789\n0123"),
+                (Duration::ZERO, b"456789\n01234"),
+                (Duration::ZERO, b"56789\n"),
+            ])
+        };
+        let mut service = bounded(bounds, fits);
+        assert!(collect(&mut service, WATCH).await.is_ok());
+    }
+
+    /// A list has the request timeout for its whole body; a watch's events are not under
+    /// it (paused time: the delays are virtual).
+    #[tokio::test(start_paused = true)]
+    async fn only_a_lists_body_is_under_the_request_timeout() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(2),
+            max_bytes: 1 << 20,
+        };
+        let slow = || {
+            timed(vec![
+                (Duration::from_secs(1), b"{\"a\":\n"),
+                (Duration::from_secs(10), b"1}\n"),
+            ])
+        };
+        let mut service = bounded(bounds, slow);
+        let err = collect(&mut service, LIST).await.unwrap_err();
+        assert!(err.contains("took longer than 2s"), "{err}");
+        assert_eq!(
+            collect(&mut service, WATCH).await.unwrap(),
+            &b"{\"a\":\n1}\n"[..]
+        );
+    }
+
+    /// Response headers later than the request timeout fail the request, a watch's too.
+    #[tokio::test(start_paused = true)]
+    async fn late_headers_fail_the_request() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(2),
+            max_bytes: 1 << 20,
+        };
+        let inner = tower::service_fn(|_: Request<()>| async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Ok::<_, BoxError>(Response::new(timed(Vec::new())))
+        });
+        let mut service = bounds.layer(Inner::new(inner));
+        for uri in [LIST, WATCH] {
+            let err = collect(&mut service, uri).await.unwrap_err();
+            assert!(err.contains("took longer than 2s"), "{err}");
+        }
+    }
+}
