@@ -27,6 +27,7 @@
 //! engine answers, so this holds for SGLang too, whose `/tokenize` would read
 //! `reasoning_effort`: such a chat routes without ids there as well.
 
+use std::cell::Cell;
 use std::fmt;
 use std::sync::Arc;
 
@@ -38,7 +39,9 @@ use disagg_core::request::Api;
 use disagg_core::tokens::Asked;
 use disagg_core::transport::{Transport, read_limited};
 use http::{HeaderValue, header};
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{
+    Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
+};
 use serde_json::value::RawValue;
 
 use crate::error::{EngineError, TokenizeError};
@@ -642,38 +645,278 @@ pub fn request_body(prompt: &Prompt) -> Result<Option<Bytes>, TokenizeError> {
     Ok(Some(Bytes::from(out)))
 }
 
-/// A `/tokenize` answer: one list of ids (a batch answer's list of lists is refused).
-#[derive(serde::Deserialize)]
-struct Answer {
-    tokens: Vec<u32>,
+/// The bytes a `/tokenize` answer of at most `max_ids` token ids takes at most, the
+/// most [`request_tokens`] reads: 12 per id (a `u32`'s ten digits and a separator,
+/// `", "` included) and 4 KiB for the rest of the answer (`count`, `max_model_len`, a
+/// `token_strs: null`), saturating.
+pub fn answer_limit(max_ids: usize) -> usize {
+    max_ids.saturating_mul(12).saturating_add(4 * 1024)
 }
 
-/// `POST body` to `uri` (an engine's `/tokenize`) and read the token ids it answers.
+/// Why [`request_tokens`] or [`read_ids`] gave no token ids.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IdsError {
+    /// The list names more than `max` ids: it was read no further than the first id
+    /// past the ceiling.
+    #[error("more than {max} token ids")]
+    TooMany {
+        /// The ceiling.
+        max: usize,
+    },
+    /// The `/tokenize` exchange failed, or its answer is not a `/tokenize` answer
+    /// ([`EngineError::Decode`]).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The JSON given to [`read_ids`] is not a list of token ids.
+    #[error("not a list of token ids")]
+    Invalid(#[source] serde_json::Error),
+    /// The decoding handed to the blocking pool was lost (the runtime shutting down).
+    #[error("decoding the token ids on the blocking pool failed")]
+    Blocking(#[source] TokenizeError),
+}
+
+/// The most bytes of an engine's error answer read, for the start of it kept in
+/// [`EngineError::Status`].
+const ERROR_READ: usize = 64 * 1024;
+
+/// `POST body` to `uri` (an engine's `/tokenize`) and read the token ids it answers, at
+/// most `max_ids` of them.
 ///
-/// At most `max_answer` bytes of answer are read. The engine's error answers keep their
-/// status and the start of their body.
+/// A successful answer is read up to [`answer_limit`]`(max_ids)` bytes: one longer
+/// names more ids than that, or is not one an engine writes, and is read no further
+/// ([`EngineError::Body`], whose source is `http_body_util`'s `LengthLimitError`). An
+/// answer naming more than `max_ids` ids is [`IdsError::TooMany`] at the first id past
+/// the ceiling, and no more than `max_ids` ids are held. An answer of
+/// [`READ_OFF_LOOP_FROM`] bytes or more is decoded on the blocking pool, within
+/// `blocking` (as [`EngineTokenizer`] decodes one). An error answer keeps its status and
+/// the start of its body (of at most 64 KiB read).
 ///
 /// # Errors
 ///
-/// [`EngineError`] for no answer, an error status, an unreadable or oversized body, or
-/// one that is not a `/tokenize` answer.
+/// [`IdsError::TooMany`] past the ceiling; [`IdsError::Engine`] for no answer, an
+/// error status, an unreadable or oversized body, or one that is not a `/tokenize`
+/// answer; [`IdsError::Blocking`] when the blocking pool's job is lost.
 pub async fn request_tokens(
     transport: &dyn Transport,
     uri: http::Uri,
     body: Bytes,
-    max_answer: usize,
-) -> Result<Vec<u32>, EngineError> {
-    decode_answer(&fetch_answer(transport, uri, body, max_answer).await?)
+    max_ids: usize,
+    blocking: &BlockingLimit,
+) -> Result<Vec<u32>, IdsError> {
+    let resp = send(transport, uri, body).await?;
+    let status = resp.status();
+    if !status.is_success() {
+        let start = read_limited(resp.into_body(), ERROR_READ)
+            .await
+            .unwrap_or_default();
+        let message = shown(&start);
+        return Err(EngineError::Status { status, message }.into());
+    }
+    let bytes = read_limited(resp.into_body(), answer_limit(max_ids))
+        .await
+        .map_err(EngineError::Body)?;
+    let decode = move |bytes: &[u8]| {
+        let over = Cell::new(false);
+        let read = whole(
+            bytes,
+            AnswerSeed {
+                max: max_ids,
+                over: &over,
+            },
+        );
+        finished(read, &over, max_ids).map_err(|e| match e {
+            IdsError::Invalid(e) => IdsError::Engine(EngineError::Decode(e)),
+            e => e,
+        })
+    };
+    if bytes.len() < READ_OFF_LOOP_FROM {
+        return decode(&bytes);
+    }
+    off_loop(blocking, move || Ok(decode(&bytes)))
+        .await
+        .map_err(IdsError::Blocking)?
 }
 
-/// The body of a successful answer to `POST body` at `uri`, at most `max_answer` bytes
-/// ([`request_tokens`] without the decoding).
-async fn fetch_answer(
+/// The token ids of `json`, a JSON list of at most `max_ids` of them (a client's
+/// prompt, say): the list is read no further than its first id past the ceiling, and
+/// no more than `max_ids` ids are held. From [`READ_OFF_LOOP_FROM`] bytes on the list
+/// is decoded on the blocking pool, within `blocking`.
+///
+/// # Errors
+///
+/// [`IdsError::TooMany`] past the ceiling, [`IdsError::Invalid`] when `json` is not
+/// a list of `T`, [`IdsError::Blocking`] when the blocking pool's job is lost.
+pub async fn read_ids<T>(
+    json: Bytes,
+    max_ids: usize,
+    blocking: &BlockingLimit,
+) -> Result<Vec<T>, IdsError>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+{
+    let decode = move |json: &[u8]| {
+        let over = Cell::new(false);
+        let read = whole(json, AtMost::<T>::new(max_ids, &over));
+        finished(read, &over, max_ids)
+    };
+    if json.len() < READ_OFF_LOOP_FROM {
+        return decode(&json);
+    }
+    off_loop(blocking, move || Ok(decode(&json)))
+        .await
+        .map_err(IdsError::Blocking)?
+}
+
+/// `seed`'s reading of the JSON text `bytes`, which nothing but whitespace may follow.
+fn whole<'de, S: DeserializeSeed<'de>>(bytes: &'de [u8], seed: S) -> serde_json::Result<S::Value> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value = seed.deserialize(&mut de)?;
+    de.end()?;
+    Ok(value)
+}
+
+/// What a bounded decoding (`read`, whose seed set `over` past `max`) gives.
+fn finished<T>(
+    read: Result<T, serde_json::Error>,
+    over: &Cell<bool>,
+    max: usize,
+) -> Result<T, IdsError> {
+    match read {
+        Err(_) if over.get() => Err(IdsError::TooMany { max }),
+        Err(e) => Err(IdsError::Invalid(e)),
+        Ok(v) => Ok(v),
+    }
+}
+
+/// Reads a JSON list of ids into a `Vec` of at most `max` of them: at the list's
+/// `max + 1`th id it sets `over` and fails, and the rest of the list is not read. The
+/// `Vec` grows by at most doubling and never past `max` ids of capacity.
+struct AtMost<'a, T> {
+    max: usize,
+    over: &'a Cell<bool>,
+    id: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<'a, T> AtMost<'a, T> {
+    fn new(max: usize, over: &'a Cell<bool>) -> Self {
+        AtMost {
+            max,
+            over,
+            id: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<'de, T: Deserialize<'de>> DeserializeSeed<'de> for AtMost<'_, T> {
+    type Value = Vec<T>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<T>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for AtMost<'_, T> {
+    type Value = Vec<T>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a list of at most {} token ids", self.max)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+        let mut ids = Vec::new();
+        while let Some(id) = seq.next_element::<T>()? {
+            if ids.len() == self.max {
+                self.over.set(true);
+                return Err(serde::de::Error::custom(format_args!(
+                    "more than {} token ids",
+                    self.max
+                )));
+            }
+            if ids.len() == ids.capacity() {
+                ids.reserve_exact(ids.len().max(64).min(self.max - ids.len()));
+            }
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+}
+
+/// Reads a `/tokenize` answer (`{"tokens": [...], ...}`, the other members skipped)
+/// into its ids, at most `max` of them ([`AtMost`]). A repeated or missing `tokens` is
+/// refused, as a derived reading refuses them; a batch answer's list of lists is
+/// refused too.
+struct AnswerSeed<'a> {
+    max: usize,
+    over: &'a Cell<bool>,
+}
+
+impl<'de> DeserializeSeed<'de> for AnswerSeed<'_> {
+    type Value = Vec<u32>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for AnswerSeed<'_> {
+    type Value = Vec<u32>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a /tokenize answer")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Vec<u32>, A::Error> {
+        use serde::de::Error;
+        let mut tokens = None;
+        while let Some(key) = map.next_key::<AnswerKey>()? {
+            match key {
+                AnswerKey::Tokens if tokens.is_some() => {
+                    return Err(A::Error::duplicate_field("tokens"));
+                }
+                AnswerKey::Tokens => {
+                    tokens = Some(map.next_value_seed(AtMost::<u32>::new(self.max, self.over))?);
+                }
+                AnswerKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        tokens.ok_or_else(|| A::Error::missing_field("tokens"))
+    }
+}
+
+/// A key of a `/tokenize` answer: `tokens` (escapes decoded) or another.
+enum AnswerKey {
+    Tokens,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for AnswerKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<AnswerKey, D::Error> {
+        struct Key;
+        impl Visitor<'_> for Key {
+            type Value = AnswerKey;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<AnswerKey, E> {
+                Ok(match s {
+                    "tokens" => AnswerKey::Tokens,
+                    _ => AnswerKey::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Key)
+    }
+}
+
+/// `POST body` to `uri` (an engine's `/tokenize`): the answer's head.
+async fn send(
     transport: &dyn Transport,
     uri: http::Uri,
     body: Bytes,
-    max_answer: usize,
-) -> Result<Bytes, EngineError> {
+) -> Result<http::Response<disagg_core::transport::BoxBody>, EngineError> {
     let mut req = http::Request::new(body);
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
@@ -681,25 +924,49 @@ async fn fetch_answer(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    let resp = transport.send(req).await.map_err(EngineError::Transport)?;
-    let status = resp.status();
-    let bytes = read_limited(resp.into_body(), max_answer)
-        .await
-        .map_err(EngineError::Body)?;
+    transport.send(req).await.map_err(EngineError::Transport)
+}
+
+/// `bytes`, the body of an answer of `status`, when the status is a success; else the
+/// engine's error, keeping its status and the start of its body.
+fn judged(status: http::StatusCode, bytes: Bytes) -> Result<Bytes, EngineError> {
     if !status.is_success() {
-        let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(512)]).into_owned();
         return Err(EngineError::Status {
             status,
-            message: shown,
+            message: shown(&bytes),
         });
     }
     Ok(bytes)
 }
 
-/// The token ids of a `/tokenize` answer.
+/// The start of an error answer's body (512 bytes), as text.
+fn shown(body: &[u8]) -> String {
+    String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned()
+}
+
+/// The body of a successful answer to `POST body` at `uri`, at most `max_answer` bytes.
+async fn fetch_answer(
+    transport: &dyn Transport,
+    uri: http::Uri,
+    body: Bytes,
+    max_answer: usize,
+) -> Result<Bytes, EngineError> {
+    let resp = send(transport, uri, body).await?;
+    let status = resp.status();
+    let bytes = read_limited(resp.into_body(), max_answer)
+        .await
+        .map_err(EngineError::Body)?;
+    judged(status, bytes)
+}
+
+/// The token ids of a `/tokenize` answer, however many.
 fn decode_answer(bytes: &[u8]) -> Result<Vec<u32>, EngineError> {
-    let answer: Answer = serde_json::from_slice(bytes).map_err(EngineError::Decode)?;
-    Ok(answer.tokens)
+    let over = Cell::new(false);
+    let seed = AnswerSeed {
+        max: usize::MAX,
+        over: &over,
+    };
+    whole(bytes, seed).map_err(EngineError::Decode)
 }
 
 #[cfg(test)]
@@ -967,6 +1234,163 @@ mod tests {
         assert_eq!(
             &*t.tokenize(Api::Completions, &large).await.unwrap(),
             &ids[..]
+        );
+    }
+
+    /// A reader that counts the bytes taken from it (`serde_json` reads one at a time).
+    struct Counted<'a> {
+        rest: &'a [u8],
+        read: usize,
+    }
+
+    impl std::io::Read for Counted<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(self.rest.len());
+            buf[..n].copy_from_slice(&self.rest[..n]);
+            self.rest = &self.rest[n..];
+            self.read += n;
+            Ok(n)
+        }
+    }
+
+    /// The bounded decoder fails at the first id past its ceiling and reads no further:
+    /// of a list (or an answer) of 100,001 ids, a ceiling of 4 reads the first five and
+    /// the byte or two that end the fifth.
+    #[test]
+    fn the_id_decoder_stops_at_the_first_id_past_its_ceiling() {
+        let list = format!("[{}0]", "0,".repeat(100_000));
+        let over = Cell::new(false);
+        let mut r = Counted {
+            rest: list.as_bytes(),
+            read: 0,
+        };
+        let got = AtMost::<u64>::new(4, &over)
+            .deserialize(&mut serde_json::Deserializer::from_reader(&mut r));
+        assert!(got.is_err() && over.get(), "{got:?}");
+        // The parser may look a byte or two ahead.
+        assert!(r.read <= "[0,0,0,0,0,".len() + 2, "{} bytes", r.read);
+
+        let answer = format!(r#"{{"count":100001,"tokens":{list},"max_model_len":8}}"#);
+        let over = Cell::new(false);
+        let mut r = Counted {
+            rest: answer.as_bytes(),
+            read: 0,
+        };
+        let seed = AnswerSeed {
+            max: 4,
+            over: &over,
+        };
+        let got = seed.deserialize(&mut serde_json::Deserializer::from_reader(&mut r));
+        assert!(got.is_err() && over.get(), "{got:?}");
+        assert!(
+            r.read <= r#"{"count":100001,"tokens":[0,0,0,0,0,"#.len() + 2,
+            "{} bytes",
+            r.read
+        );
+    }
+
+    /// At the ceiling every id is kept, in a `Vec` whose capacity never passes the
+    /// ceiling; one more is refused as too many, whatever follows; what is no list of
+    /// ids, or no answer, is refused as such.
+    #[tokio::test]
+    async fn bounded_lists_hold_at_most_their_ceiling() {
+        let limit = BlockingLimit::default();
+        for (n, max) in [(4, 4), (70, 70), (70, 100), (0, 0), (1000, 1000)] {
+            let ids: Vec<u64> = (0..n).collect();
+            let json = Bytes::from(serde_json::to_vec(&ids).unwrap());
+            let over = Cell::new(false);
+            let got = whole(&json, AtMost::<u64>::new(max, &over)).unwrap();
+            assert_eq!(got, ids);
+            assert!(got.capacity() <= max, "{n} of {max}");
+            assert_eq!(read_ids::<u64>(json, max, &limit).await.unwrap(), ids);
+        }
+        for json in ["[1,2,3,4,5]", "[1,2,3,4,5,\"x\"]", "[1,2,3,4,5,"] {
+            let got = read_ids::<u64>(Bytes::from(json), 4, &limit).await;
+            assert!(
+                matches!(got, Err(IdsError::TooMany { max: 4 })),
+                "{json}: {got:?}"
+            );
+        }
+        for json in ["[1,\"x\"]", "[1,2] 3", "{}", "[-1]", "[1,2"] {
+            let got = read_ids::<u64>(Bytes::from(json), 4, &limit).await;
+            assert!(matches!(got, Err(IdsError::Invalid(_))), "{json}: {got:?}");
+        }
+        // A `/tokenize` answer: `tokens` once, the other members skipped.
+        let answer = |json: &str| decode_answer(json.as_bytes());
+        assert_eq!(
+            answer(r#"{"count":2,"tok\u0065ns":[7,8],"x":{"tokens":[]}}"#).unwrap(),
+            [7, 8]
+        );
+        for bad in [
+            r#"{"tokens":[1],"tokens":[2]}"#,
+            r#"{"count":1}"#,
+            r#"{"tokens":[[1]]}"#,
+            r#"[[1]]"#,
+            r#"{"tokens":[4294967296]}"#,
+            r#"{"tokens":[1]} x"#,
+        ] {
+            assert!(answer(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Answers `/tokenize` with `.0` under the status `.1`.
+    struct Answering(&'static str, http::StatusCode);
+
+    impl Transport for Answering {
+        fn send(&self, _: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+            use http_body_util::BodyExt;
+            let body = http_body_util::Full::new(Bytes::from_static(self.0.as_bytes()))
+                .map_err(|never| match never {})
+                .boxed();
+            let mut resp = http::Response::new(body);
+            *resp.status_mut() = self.1;
+            Box::pin(std::future::ready(Ok(resp)))
+        }
+    }
+
+    /// `request_tokens` reads a successful answer up to `answer_limit(max_ids)` bytes
+    /// (the widest answer of `max_ids` ids fits), refuses one naming more ids as too
+    /// many, and keeps an error answer's status and start, however long the answer.
+    #[tokio::test]
+    async fn request_tokens_holds_the_answer_to_the_id_ceiling() {
+        let limit = BlockingLimit::default();
+        let uri: http::Uri = "http://127.0.0.1:9/tokenize".parse().unwrap();
+        let ask = |answer: &'static str, status| {
+            let uri = uri.clone();
+            let limit = limit.clone();
+            async move {
+                let t = Answering(answer, status);
+                request_tokens(&t, uri, Bytes::new(), 4, &limit).await
+            }
+        };
+        let widest = r#"{"count":4, "max_model_len":131072, "tokens":[4294967295, 4294967295, 4294967295, 4294967295], "token_strs":null}"#;
+        assert_eq!(
+            ask(widest, http::StatusCode::OK).await.unwrap(),
+            [u32::MAX; 4]
+        );
+        let five = r#"{"tokens":[1,2,3,4,5]}"#;
+        let got = ask(five, http::StatusCode::OK).await;
+        assert!(matches!(got, Err(IdsError::TooMany { max: 4 })), "{got:?}");
+        let long: &'static str =
+            Box::leak(format!(r#"{{"tokens":[{}0]}}"#, "0,".repeat(4096)).into_boxed_str());
+        assert!(long.len() > answer_limit(4));
+        match ask(long, http::StatusCode::OK).await {
+            Err(IdsError::Engine(EngineError::Body(e))) => {
+                assert!(e.is::<http_body_util::LengthLimitError>(), "{e}");
+            }
+            got => panic!("{got:?}"),
+        }
+        match ask(long, http::StatusCode::BAD_REQUEST).await {
+            Err(IdsError::Engine(EngineError::Status { status, message })) => {
+                assert_eq!(status, http::StatusCode::BAD_REQUEST);
+                assert_eq!(message, &long[..512]);
+            }
+            got => panic!("{got:?}"),
+        }
+        let got = ask("[1]", http::StatusCode::OK).await;
+        assert!(
+            matches!(got, Err(IdsError::Engine(EngineError::Decode(_)))),
+            "{got:?}"
         );
     }
 }

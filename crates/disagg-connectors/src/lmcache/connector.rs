@@ -7,7 +7,11 @@
 //!    ids is not tokenized again, nor one the orchestrator's tokenizer already turned
 //!    into ids ([`PdRequest::tokens`]: a router reading tokens asked for them).
 //!    A prompt of more token ids than the connector carries
-//!    ([`MAX_PROMPT_TOKENS`] by default) fails the request (400) before any leg is sent.
+//!    ([`MAX_PROMPT_TOKENS`] by default) fails the request (400) before any leg is sent:
+//!    the ids are decoded no further than the first one past the ceiling, and the
+//!    `/tokenize` answer is read no further than an answer of that many ids can take
+//!    ([`answer_limit`](disagg_tokenize::engine::answer_limit)). Lists of 256 KiB or
+//!    more are decoded on Tokio's blocking pool, not on the event loop.
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
@@ -49,6 +53,7 @@ use disagg_core::transport::Transport;
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_pairing::{KvProfile, Mismatch, PairError};
+use disagg_tokenize::prompt::BlockingLimit;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
@@ -56,15 +61,15 @@ use serde_json::{Value, json};
 use super::notify::{Notifications, Pending};
 use super::reshape::{lead, reshaper};
 
-/// The largest `/tokenize` answer and non-streaming decode answer read, in bytes.
+/// The largest non-streaming decode answer read, in bytes.
 pub(super) const MAX_BODY: usize = 64 * 1024 * 1024;
 
 /// The most token ids a prompt may have to be carried by the [`Lmcache`] connector
 /// by default (2^20, as many as vLLM prompt-token reuse carries,
 /// [`DEFAULT_MAX_IDS`](crate::vllm::reuse::DEFAULT_MAX_IDS); above the context of the
 /// models LMCache serves). The ids are held for the request's life and written into
-/// both legs: without a ceiling, a `/tokenize` answer of 64 MiB (the most read) could
-/// name some 30 million of them. See [`Lmcache::with_max_prompt_tokens`].
+/// both legs: without a ceiling, a `/tokenize` answer of 64 MiB could name some 30
+/// million of them. See [`Lmcache::with_max_prompt_tokens`].
 pub const MAX_PROMPT_TOKENS: usize = crate::vllm::reuse::DEFAULT_MAX_IDS;
 
 /// Chat-only request fields a completions leg does not carry.
@@ -368,6 +373,8 @@ pub struct Lmcache {
     next: AtomicU64,
     limits: VllmLimits,
     max_prompt_tokens: usize,
+    /// Bounds the decodings of large id lists on the blocking pool.
+    blocking: BlockingLimit,
 }
 
 impl Lmcache {
@@ -382,13 +389,18 @@ impl Lmcache {
             next: AtomicU64::new(0),
             limits: VllmLimits::default(),
             max_prompt_tokens: MAX_PROMPT_TOKENS,
+            blocking: BlockingLimit::default(),
         }
     }
 
     /// Carry prompts of at most `max` token ids (the default is
     /// [`MAX_PROMPT_TOKENS`]): a longer one, whether the client sent the ids or the
     /// prefill's `/tokenize` answered them, fails the request with a 400
-    /// ([`ConnectorError::Unsupported`]) naming the count, before either leg is sent.
+    /// ([`ConnectorError::Unsupported`]) naming the ceiling, before either leg is sent.
+    /// The ids are decoded no further than the first past `max`, and the prefill's
+    /// `/tokenize` answer is read up to
+    /// [`answer_limit`](disagg_tokenize::engine::answer_limit)`(max)` bytes (a longer one
+    /// fails the request the same way).
     #[must_use]
     pub fn with_max_prompt_tokens(mut self, max: usize) -> Self {
         self.max_prompt_tokens = max;
@@ -700,31 +712,9 @@ impl KvConnector for Lmcache {
             });
         };
         let max = self.max_prompt_tokens;
-        let too_long = |n: usize| ConnectorError::Unsupported {
-            connector: "lmcache",
-            what: format!("a prompt of {n} token ids (at most {max} are carried)"),
-        };
-        let tokens: Arc<[u64]> = match (&plan.tokenize, handoff.prefill.body.get("prompt")) {
-            (Some(t), _) => {
-                let ids = tokenize(transport, &ep, t.clone())
-                    .await
-                    .map_err(|e| engine_error(&ep, "/tokenize", e))?;
-                // Counted before they are widened and written into both legs.
-                if ids.len() > max {
-                    return Err(too_long(ids.len()));
-                }
-                ids.into_iter().map(u64::from).collect()
-            }
-            (None, Some(raw)) => {
-                let ids = serde_json::from_slice::<Vec<u64>>(raw)
-                    .map_err(|e| engine_error(&ep, "reading the prompt's token ids", e.into()))?;
-                if ids.len() > max {
-                    return Err(too_long(ids.len()));
-                }
-                ids.into()
-            }
-            (None, None) => return Err(engine_error(&ep, "/tokenize", "no prompt".into())),
-        };
+        let prompt = handoff.prefill.body.get_bytes("prompt");
+        let tokens =
+            ids::prompt_ids(transport, &ep, plan.tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
             return Err(engine_error(
                 &ep,
@@ -961,22 +951,7 @@ fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> Connecto
     }
 }
 
-/// The prompt's token ids, from the prefill engine's `/tokenize` (the exchange
-/// `disagg-tokenize`'s `EngineTokenizer` makes too).
-async fn tokenize(
-    transport: &dyn Transport,
-    ep: &Arc<Endpoint>,
-    body: Bytes,
-) -> Result<Vec<u32>, BoxError> {
-    let uri = ep.uri("/tokenize").map_err(boxed)?;
-    disagg_tokenize::engine::request_tokens(transport, uri, body, MAX_BODY)
-        .await
-        .map_err(boxed)
-}
-
-fn boxed<E: std::error::Error + Send + Sync + 'static>(e: E) -> BoxError {
-    Box::new(e)
-}
+mod ids;
 
 #[cfg(test)]
 mod tests;

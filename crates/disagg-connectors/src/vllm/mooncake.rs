@@ -53,6 +53,7 @@ use disagg_core::router::Route;
 use disagg_core::transport::{Transport, read_limited};
 use disagg_json::InvalidParam;
 use disagg_json::write_json_str;
+use serde_json::value::RawValue;
 
 /// The bootstrap port of a prefill endpoint that configures none
 /// (`VLLM_MOONCAKE_BOOTSTRAP_PORT`'s default).
@@ -258,22 +259,21 @@ const MAX_ENGINE_ID: usize = 256;
 /// The engine ids of a `GET /query` answer, by rank. The engine id goes into every
 /// decode leg over that rank (`remote_engine_id`, which the decode's connector looks
 /// up on the bootstrap server), so it is checked as the handoff it feeds: a non-empty
-/// string of at most [`MAX_ENGINE_ID`] bytes, for at most [`MAX_RANKS`] ranks. Each
-/// rank is written as the engine writes it (`str(dp_rank)`: digits, no sign, no leading
-/// zero) and listed once: `"0"`, `"00"` and `"+0"` would all name rank 0, and which of
-/// their engine ids the decode were given would be chance.
+/// string of at most [`MAX_ENGINE_ID`] bytes, for at most [`MAX_RANKS`] ranks (the
+/// answer is read no further than its first member past them: a refused answer is not
+/// cached, so every request to that prefill asks again). Each rank is written as the
+/// engine writes it (`str(dp_rank)`: digits, no sign, no leading zero) and listed once:
+/// `"0"`, `"00"` and `"+0"` would all name rank 0, and which of their engine ids the
+/// decode were given would be chance.
 fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
     #[derive(serde::Deserialize)]
     struct Rank {
         engine_id: String,
     }
     let text = std::str::from_utf8(bytes)?;
-    // Every member in order, keys decoded, repeats kept (a map would keep one of them).
-    let mut members = Vec::new();
-    disagg_json::raw::members(text, |rank, value| members.push((rank, value)))?;
-    if members.len() > MAX_RANKS {
-        return Err(format!("it lists {} ranks, more than {MAX_RANKS}", members.len()).into());
-    }
+    let Some(members) = members_at_most(text, MAX_RANKS)? else {
+        return Err(format!("it lists more than {MAX_RANKS} ranks").into());
+    };
     let mut ranks = HashMap::with_capacity(members.len());
     for (key, value) in members {
         let rank = canonical_rank(&key).ok_or_else(|| {
@@ -294,6 +294,48 @@ fn parse_query(bytes: &[u8]) -> Result<HashMap<u32, Arc<str>>, BoxError> {
         }
     }
     Ok(ranks)
+}
+
+/// The members of the JSON object `text` in order, keys decoded, repeats kept (a map
+/// would keep one of them), or `None` when it has more than `max`: the reading stops at
+/// the `max + 1`th member, and nothing after it is read.
+fn members_at_most(
+    text: &str,
+    max: usize,
+) -> Result<Option<Vec<(String, &RawValue)>>, serde_json::Error> {
+    use serde::de::{Deserializer as _, Error as _, MapAccess, Visitor};
+    struct Members<'a> {
+        max: usize,
+        over: &'a mut bool,
+    }
+    impl<'de> Visitor<'de> for Members<'_> {
+        type Value = Vec<(String, &'de RawValue)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut members = Vec::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if members.len() == self.max {
+                    *self.over = true;
+                    return Err(A::Error::custom("too many members"));
+                }
+                members.push((key, map.next_value::<&'de RawValue>()?));
+            }
+            Ok(members)
+        }
+    }
+    let mut over = false;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let read = (&mut de).deserialize_map(Members {
+        max,
+        over: &mut over,
+    });
+    match read {
+        Err(_) if over => Ok(None),
+        Err(e) => Err(e),
+        Ok(members) => de.end().map(|()| Some(members)),
+    }
 }
 
 /// `key` as a rank when it is one written canonically: decimal digits without a sign
@@ -753,6 +795,36 @@ mod tests {
         let ok = parse_query(br#"{"0":{"engine_id":"a"},"1\u0030":{"engine_id":"b"}}"#).unwrap();
         assert_eq!(ok.len(), 2);
         assert_eq!(ok.get(&10).map(|e| &**e), Some("b"));
+    }
+
+    /// A `/query` answer listing more than `MAX_RANKS` ranks is refused at the first
+    /// member past the ceiling: nothing after it is read (here it is not even JSON),
+    /// and an answer of 1 MiB of `"":0` members is refused as too many, not gathered
+    /// whole first (some 175,000 of them).
+    #[test]
+    fn a_query_answer_is_refused_at_its_first_rank_past_the_ceiling() {
+        let member = |r: usize| format!(r#""{r}":{{"engine_id":"e{r}"}}"#);
+        let listed = (0..=MAX_RANKS).map(member).collect::<Vec<_>>().join(",");
+        let cut = format!("{{{listed}, this is not JSON");
+        let err = parse_query(cut.as_bytes()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("more than {MAX_RANKS} ranks")),
+            "{err}"
+        );
+        let n = (MAX_QUERY_ANSWER - 2) / 5;
+        let empty = format!("{{{}\"\":0}}", "\"\":0,".repeat(n - 1));
+        assert!(empty.len() <= MAX_QUERY_ANSWER);
+        let err = parse_query(empty.as_bytes()).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("more than {MAX_RANKS} ranks")),
+            "{err}"
+        );
+        // At the ceiling, every rank is kept.
+        let full = format!(
+            "{{{}}}",
+            (0..MAX_RANKS).map(member).collect::<Vec<_>>().join(",")
+        );
+        assert_eq!(parse_query(full.as_bytes()).unwrap().len(), MAX_RANKS);
     }
 
     #[test]

@@ -871,9 +871,10 @@ async fn a_prompt_past_the_token_ceiling_fails_before_any_leg() {
         let before = h.decode.body.get("prompt").map(<[u8]>::to_vec);
         let err = c.resolve(&mut h, &five).await.unwrap_err();
         assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+        // Counted no further than the first id past the ceiling.
         assert!(
             err.to_string()
-                .contains("a prompt of 5 token ids (at most 4"),
+                .contains("a prompt of more than 4 token ids"),
             "{err}"
         );
         let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
@@ -886,4 +887,122 @@ async fn a_prompt_past_the_token_ceiling_fails_before_any_leg() {
     let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
     c.resolve(&mut h, &four).await.unwrap();
     assert_eq!(h.decode.body.get("prompt"), Some(&b"[1,2,3,4]"[..]));
+}
+
+/// Answers `/tokenize` with `{"tokens":[0,0,...]}` of `chunks` frames of 1 KiB of ids,
+/// counting the bytes the reader pulled.
+struct Streaming {
+    chunks: usize,
+    polled: Arc<AtomicU64>,
+}
+
+impl Transport for Streaming {
+    fn send(&self, _req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+        use futures::StreamExt as _;
+        let ids = Bytes::from("0,".repeat(512));
+        let polled = Arc::clone(&self.polled);
+        let parts = std::iter::once(Bytes::from_static(br#"{"count":1,"tokens":["#))
+            .chain(std::iter::repeat_n(ids, self.chunks))
+            .chain(std::iter::once(Bytes::from_static(b"0]}")));
+        let frames = futures::stream::iter(parts).map(move |b| {
+            polled.fetch_add(b.len() as u64, Ordering::Relaxed);
+            Ok::<_, BoxError>(Frame::data(b))
+        });
+        let body = BoxBody::new(http_body_util::StreamBody::new(frames));
+        Box::pin(
+            async move { Ok::<_, disagg_core::error::TransportError>(http::Response::new(body)) },
+        )
+    }
+}
+
+/// A `/tokenize` answer of more ids than the connector carries is refused (400) after
+/// reading a few KiB of it, not the whole answer: what may be read is derived from the
+/// ceiling (`disagg_tokenize::engine::answer_limit`). An answer of as many ids as the
+/// ceiling, each of a `u32`'s ten digits and written with `", "`, is carried.
+#[tokio::test]
+async fn a_tokenize_answer_past_the_ceiling_is_refused_after_a_few_kib() {
+    let c = connector().with_max_prompt_tokens(4);
+    let text = request(
+        Api::Completions,
+        r#"{"model":"m","prompt":"hi there","max_tokens":5}"#,
+    );
+    let polled = Arc::new(AtomicU64::new(0));
+    // 8 MiB of ids: some four million.
+    let engine = Streaming {
+        chunks: 8 * 1024,
+        polled: Arc::clone(&polled),
+    };
+    let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
+    let err = c.resolve(&mut h, &engine).await.unwrap_err();
+    let read = polled.load(Ordering::Relaxed);
+    assert!(read <= 8 * 1024, "{read} bytes read");
+    assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains("a prompt of more than 4 token ids"),
+        "{err}"
+    );
+    let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
+    assert_eq!(pd.http().status.as_u16(), 400);
+    assert!(h.gate.is_none());
+
+    let widest = Tokenizer(
+        r#"{"count":4, "max_model_len":131072, "tokens":[4294967295, 4294967295, 4294967295, 4294967295], "token_strs":null}"#,
+    );
+    let mut h = c.prepare(&route(Some(receiver())), &text).unwrap();
+    c.resolve(&mut h, &widest).await.unwrap();
+    assert_eq!(
+        h.decode.body.get("prompt"),
+        Some(&b"[4294967295,4294967295,4294967295,4294967295]"[..])
+    );
+}
+
+/// `work`'s output, and how many turns another task of the same (current-thread) event
+/// loop took while it ran: none when the work never waits, some when it hands work to
+/// the blocking pool and waits for it.
+fn ticks_while<F: std::future::Future>(work: F) -> (F::Output, u64) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let ticks = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&ticks);
+        let ticker = tokio::spawn(async move {
+            loop {
+                counted.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        });
+        let out = work.await;
+        let seen = ticks.load(Ordering::Relaxed);
+        ticker.abort();
+        (out, seen)
+    })
+}
+
+/// Prompt token ids from 256 KiB of JSON on, the `/tokenize` answer's or the client's,
+/// are decoded on the blocking pool, not on the event loop; fewer inline. The ids are
+/// the same either way.
+#[test]
+fn large_id_lists_are_decoded_off_the_event_loop() {
+    for (n, off_loop) in [(100_u64, false), (80_000, true)] {
+        let ids: Vec<u64> = (0..n).map(|i| i * 7 % 128_000).collect();
+        let list = serde_json::to_string(&ids).unwrap();
+        assert_eq!(list.len() >= 256 * 1024, off_loop, "{n} ids");
+        let answer: &'static str =
+            Box::leak(format!(r#"{{"count":{n},"tokens":{list}}}"#).into_boxed_str());
+        let text = request(Api::Completions, r#"{"model":"m","prompt":"hi there"}"#);
+        let client = request(
+            Api::Completions,
+            &format!(r#"{{"model":"m","prompt":{list}}}"#),
+        );
+        for req in [&text, &client] {
+            let c = connector();
+            let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
+            let (got, ticks) = ticks_while(c.resolve(&mut h, &Tokenizer(answer)));
+            got.unwrap();
+            assert_eq!(ticks > 0, off_loop, "{n} ids: {ticks} ticks");
+            assert_eq!(h.decode.body.get("prompt"), Some(list.as_bytes()));
+        }
+    }
 }
