@@ -588,6 +588,13 @@ fn encode_stage(
     if args.connector == ConnectorArg::Sglang {
         return Ok(None);
     }
+    if args.connector == ConnectorArg::Lmcache {
+        // Its legs are token-id completions: an encoder's output would reach no engine.
+        if !args.encode.is_empty() {
+            return Err("--encode is not read with --connector lmcache: its legs are token-id completions, which carry no media (a chat with media parts is refused with 400)".into());
+        }
+        return Ok(None);
+    }
     let mut config = disagg_core::encode::EncodeConfig::default();
     config.timeout = secs(args.encode_timeout, "encode-timeout")?;
     let connector = disagg_connectors::vllm::VllmEncoder::new()
@@ -607,7 +614,7 @@ fn encode_stage(
 /// prefill calls them.
 fn calls_encoders(args: &ServeArgs) -> bool {
     (!args.encode.is_empty() || args.discovery.may_find_encode())
-        && args.connector != ConnectorArg::Sglang
+        && !matches!(args.connector, ConnectorArg::Sglang | ConnectorArg::Lmcache)
 }
 
 /// `--ec-connector mooncake`'s consumer addresses and sizes, from its flags.
@@ -644,7 +651,7 @@ fn check_ec_flags(args: &ServeArgs, e_pd: bool) -> Result<(), BoxError> {
             None => Ok(()),
         },
         flags::EcConnectorArg::Mooncake if !calls_encoders(args) => Err(
-            "--ec-connector mooncake needs encoders the proxy calls: --encode, or a discovery source that can find encoders, with a --connector other than sglang (whose prefill calls its encoders itself)"
+            "--ec-connector mooncake needs encoders the proxy calls: --encode, or a discovery source that can find encoders, with a --connector other than sglang (whose prefill calls its encoders itself) or lmcache (whose legs carry no media)"
                 .into(),
         ),
         flags::EcConnectorArg::Mooncake => {

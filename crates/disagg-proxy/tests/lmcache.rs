@@ -157,6 +157,27 @@ fn refused_at_start(args: &[&str]) -> String {
     err
 }
 
+/// `--encode` with LMCache is refused at start: its legs are token-id completions, so
+/// the encoders' output would reach no engine (a chat with media is refused per
+/// request instead, 400).
+#[test]
+fn encoders_with_lmcache_are_refused_at_start() {
+    let err = refused_at_start(&[
+        "--prefill",
+        "http://127.0.0.1:1",
+        "--decode",
+        "http://127.0.0.1:2",
+        "--lmcache-receiver",
+        "http://127.0.0.1:2=127.0.0.1:7300:7400",
+        "--encode",
+        "http://127.0.0.1:3",
+    ]);
+    assert!(
+        err.contains("--encode is not read with --connector lmcache"),
+        "{err}"
+    );
+}
+
 #[test]
 fn an_lmcache_pair_of_unequal_tp_is_refused_at_start() {
     // The decode's two receiver ports make it TP 2, though it declares no profile.

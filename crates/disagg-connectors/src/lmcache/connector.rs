@@ -587,6 +587,14 @@ impl KvConnector for Lmcache {
             return Err(unsupported("more than one choice (n, best_of)"));
         }
         let chat = req.api() == Api::Chat;
+        if let Some(kind) = chat
+            .then(|| body.get("messages").and_then(media::media_part))
+            .flatten()
+        {
+            return Err(unsupported(&format!(
+                "media in a chat (a `{kind}` part): its legs carry token ids, not media"
+            )));
+        }
         if !chat && matches!(body.get("prompt"), Some(p) if is_batch(p)) {
             return Err(unsupported("a batch of prompts"));
         }
@@ -952,6 +960,7 @@ fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> Connecto
 }
 
 mod ids;
+mod media;
 
 #[cfg(test)]
 mod tests;

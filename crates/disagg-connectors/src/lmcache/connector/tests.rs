@@ -1006,3 +1006,25 @@ fn large_id_lists_are_decoded_off_the_event_loop() {
         }
     }
 }
+
+/// A chat with media parts is refused (400) before any leg: LMCache's legs are
+/// token-id completions, so the image would reach neither engine and the answer would
+/// be made without it. A text chat is prepared as before.
+#[test]
+fn a_chat_with_media_is_refused_before_any_leg() {
+    let c = connector();
+    let image = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"what is it?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AA=="}}]}]}"#,
+    );
+    let err = c.prepare(&route(Some(receiver())), &image).unwrap_err();
+    assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+    assert!(err.to_string().contains("image_url"), "{err}");
+    let pd = disagg_core::error::PdError::connector(disagg_core::error::Side::Prefill, err);
+    assert_eq!(pd.http().status.as_u16(), 400);
+    let text = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"the word \"image_url\""}]}]}"#,
+    );
+    assert!(c.prepare(&route(Some(receiver())), &text).is_ok());
+}
