@@ -13,14 +13,18 @@
 //! Each of these answers closes the connection (`connection: close`): the rest of the
 //! body is never read.
 //!
-//! A body that declares its length (`content-length`) takes its share of the budget at
-//! once, before a byte of it is read, so a flood of large bodies is refused while it
-//! costs nothing; it is then read into one buffer of that size, from [`MAP_FROM`] on a
-//! memory mapping of its own, which goes back to the system when the body is freed (the
-//! allocator's heap would keep it), unless the budget keeps it for the next large body
-//! (at most [`SPARE_BYTES`] of them, each up to [`SPARE_MAX`]).
-//! A chunked body takes its share as its buffer grows. A body that arrives in one piece,
-//! as small ones do, is used as it came, without a copy.
+//! A body takes its share of the budget as its bytes arrive, never for bytes it has only
+//! declared: a client that declares a large body and sends none of it holds no room that
+//! others need. A body that declares its length (`content-length`) is read into one
+//! buffer of that size, from [`MAP_FROM`] on a memory mapping of its own, whose pages
+//! cost memory only once written: its share is what has been written to it (and what
+//! earlier bodies wrote to a kept mapping), checked before each copy, so a body whose
+//! next bytes would take the budget past its limit is cut there. The mapping goes back
+//! to the system when the body is freed (the allocator's heap would keep it), unless
+//! the budget keeps it for the next large body (at most [`SPARE_BYTES`] of them, each up
+//! to [`SPARE_MAX`]). A buffer on the heap (under [`MAP_FROM`], or a chunked body's
+//! first ones) takes its whole capacity once allocated. A body that arrives in one
+//! piece, as small ones do, is used as it came, without a copy.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -60,13 +64,27 @@ pub const PARSE_OFF_LOOP_FROM: usize = 256 * 1024;
 /// `work` on Tokio's blocking pool (see [`PARSE_OFF_LOOP_FROM`]), or here when there
 /// is no runtime: its panic is raised again here, and a runtime shutting down is 503
 /// `server_busy` (no answer will reach the client anyway).
+///
+/// `share` is the share of the budget of the body `work` holds: it goes with the job
+/// and is given back when the job ends. Dropped before the job has started (its client
+/// left), the job never runs, and the body and its share go at once; dropped while it
+/// runs, the job ends first (a thread is not stopped), holding the body and its share
+/// until then.
 pub(crate) async fn on_blocking_pool<T: Send + 'static>(
+    share: Share<'_>,
     work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
 ) -> Result<T, PdError> {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return work();
+        let done = work();
+        drop(share);
+        return done;
     };
-    match runtime.spawn_blocking(work).await {
+    let share = share.into_owned();
+    let job = AbortOnDrop(runtime.spawn_blocking(move || {
+        let _share = share;
+        work()
+    }));
+    match job.await {
         Ok(done) => done,
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => Err(PdError::from(Overload::ServerBusy {
@@ -75,13 +93,32 @@ pub(crate) async fn on_blocking_pool<T: Send + 'static>(
     }
 }
 
+/// A blocking job that is aborted when its handle is dropped: one the pool has not
+/// started then never runs (one running finishes).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Future for AbortOnDrop<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        // A no-op once the job has ended.
+        self.0.abort();
+    }
+}
+
 /// The bytes that request bodies being received may hold at once, shared by every clone.
 ///
-/// A body takes its share when its reading starts (its declared length) or as it grows
-/// (a chunked body), and gives it back once it has been read and parsed. A body that
-/// would take the total past the limit is refused at once with 503 `server_busy`, and
-/// never buffered. Clones share one count: give every service of a server (one per
-/// event loop) a clone of the same budget, as cloning one
+/// A body takes its share as its bytes arrive (see [the module](self)), and gives it
+/// back once it has been read and parsed. A body whose next bytes would take the total
+/// past the limit is cut there with 503 `server_busy`, the rest of it never read.
+/// Clones share one count: give every service of a server (one per event loop) a clone
+/// of the same budget, as cloning one
 /// [`PdServiceConfig`](crate::PdServiceConfig) does.
 ///
 /// # Examples
@@ -136,7 +173,9 @@ impl BodyBudget {
     }
 
     /// Take `bytes` more, if the total stays within the limit. One atomic
-    /// read-modify-write, the only cost the budget adds to a request.
+    /// read-modify-write, the only cost the budget adds to a request: once for a body
+    /// that arrives in one piece; for one in several, once more for its buffer, then
+    /// once for each piece that takes it past what the buffer held before.
     fn take(&self, bytes: usize) -> bool {
         bytes == 0
             || self
@@ -168,8 +207,19 @@ pub(crate) struct Share<'a> {
 }
 
 impl<'a> Share<'a> {
-    fn new(budget: &'a BodyBudget) -> Self {
+    /// A share of nothing yet.
+    pub(crate) fn new(budget: &'a BodyBudget) -> Self {
         Share { budget, bytes: 0 }
+    }
+
+    /// The same share, holding its budget rather than borrowing it: one that can go
+    /// with the body to another thread.
+    fn into_owned(mut self) -> OwnedShare {
+        let bytes = std::mem::take(&mut self.bytes);
+        OwnedShare {
+            budget: self.budget.clone(),
+            bytes,
+        }
     }
 
     /// Hold `total` bytes in all; false (and nothing more held) past the budget.
@@ -186,6 +236,18 @@ impl<'a> Share<'a> {
 }
 
 impl Drop for Share<'_> {
+    fn drop(&mut self) {
+        self.budget.give_back(self.bytes);
+    }
+}
+
+/// A [`Share`] that holds its budget: given back when dropped, wherever that is.
+struct OwnedShare {
+    budget: BodyBudget,
+    bytes: usize,
+}
+
+impl Drop for OwnedShare {
     fn drop(&mut self) {
         self.budget.give_back(self.bytes);
     }
@@ -227,24 +289,17 @@ where
     B::Error: Into<BoxError>,
 {
     let hint = body.size_hint();
-    let mut share = Share::new(limits.budget);
     let start = if hint.lower() > limits.max_bytes as u64 {
         Err(PdError::body(BodyError::TooLarge {
             limit: limits.max_bytes,
         }))
     } else {
-        // A declared length is taken from the budget now, before any of it is read.
-        let declared = hint.exact().and_then(|n| usize::try_from(n).ok());
-        match declared {
-            Some(n) if !share.grow_to(n) => Err(PdError::from(Overload::ServerBusy {
-                retry_after: BUSY_RETRY_AFTER,
-            })),
-            _ => Ok(declared),
-        }
+        // The declared length sizes the buffer; the budget is taken as bytes arrive.
+        Ok(hint.exact().and_then(|n| usize::try_from(n).ok()))
     };
     ReadBody {
         body,
-        start: Some(start.map(|declared| (declared, share))),
+        start: Some(start.map(|declared| (declared, Share::new(limits.budget)))),
         state: State::Empty,
         received: 0,
         limits,
@@ -300,8 +355,15 @@ struct Spare {
 
 #[derive(Debug, Default)]
 struct SpareMaps {
-    by_class: Vec<Vec<memmap2::MmapMut>>,
+    by_class: Vec<Vec<Kept>>,
     bytes: usize,
+}
+
+/// A kept mapping, and how many of its first bytes bodies wrote (memory it holds).
+#[derive(Debug)]
+struct Kept {
+    map: memmap2::MmapMut,
+    written: usize,
 }
 
 /// The size class of a mapping of at least `capacity` bytes, if one is kept at all.
@@ -325,25 +387,21 @@ impl Spare {
         self.lock().bytes
     }
 
-    /// A mapping for a body of `capacity` bytes: a kept one of its class, or a new one
-    /// of the whole class (so that it can be kept when freed).
-    fn take(&self, capacity: usize) -> std::io::Result<memmap2::MmapMut> {
-        let Some(class) = class_of(capacity) else {
-            return memmap2::MmapMut::map_anon(capacity);
-        };
-        {
+    /// A mapping for a body of `capacity` bytes: a kept one of its class, or a new one.
+    fn take(&self, capacity: usize) -> std::io::Result<Kept> {
+        if let Some(class) = class_of(capacity) {
             let mut kept = self.lock();
             if let Some(map) = kept.by_class.get_mut(class).and_then(Vec::pop) {
-                kept.bytes -= map.len();
+                kept.bytes -= map.map.len();
                 return Ok(map);
             }
         }
-        memmap2::MmapMut::map_anon(MAP_FROM << class)
+        fresh(capacity)
     }
 
-    /// Keep `map` for a later body if it is of a class and there is room; otherwise it
-    /// is unmapped.
-    fn put(&self, map: memmap2::MmapMut) {
+    /// Keep `map`, whose first `written` bytes were written, for a later body if it is
+    /// of a class and there is room; otherwise it is unmapped.
+    fn put(&self, map: memmap2::MmapMut, written: usize) {
         let Some(class) = class_of(map.len()).filter(|&c| map.len() == MAP_FROM << c) else {
             return;
         };
@@ -355,14 +413,25 @@ impl Spare {
             kept.by_class.resize_with(class + 1, Vec::new);
         }
         kept.bytes += map.len();
-        kept.by_class[class].push(map);
+        let written = written.min(map.len());
+        kept.by_class[class].push(Kept { map, written });
     }
+}
+
+/// A new mapping for a body of `capacity` bytes, of its whole class when it has one (so
+/// that it can be kept when freed); nothing written to it yet.
+fn fresh(capacity: usize) -> std::io::Result<Kept> {
+    let size = class_of(capacity).map_or(capacity, |class| MAP_FROM << class);
+    let map = memmap2::MmapMut::map_anon(size)?;
+    Ok(Kept { map, written: 0 })
 }
 
 /// A body's mapping, given back to the budget's [`Spare`] when the last slice of the
 /// body is dropped.
 struct Recycled {
     map: Option<memmap2::MmapMut>,
+    /// Its first bytes written, by this body or earlier ones.
+    written: usize,
     budget: BodyBudget,
 }
 
@@ -375,13 +444,17 @@ impl AsRef<[u8]> for Recycled {
 impl Drop for Recycled {
     fn drop(&mut self) {
         if let Some(map) = self.map.take() {
-            self.budget.inner.spare.put(map);
+            self.budget.inner.spare.put(map, self.written);
         }
     }
 }
 
 /// A body's buffer of a fixed capacity: on the heap when small, a memory mapping from
 /// [`MAP_FROM`] on (one the budget kept, if it has one).
+///
+/// What it holds of memory, and so of the budget ([`held`](Buffer::held)): a heap
+/// buffer, its capacity (the allocator may hand out pages already in use); a mapping,
+/// the pages written to it, by this body or by the earlier ones of a kept mapping.
 enum Buffer {
     Heap(Vec<u8>),
     Mapped {
@@ -389,21 +462,54 @@ enum Buffer {
         len: usize,
         /// What the body may fill: the mapping may be larger (its size class).
         capacity: usize,
+        /// The bytes earlier bodies wrote to the mapping, when it was kept for reuse.
+        written: usize,
         budget: BodyBudget,
     },
 }
 
 impl Buffer {
-    fn with_capacity(capacity: usize, budget: &BodyBudget) -> std::io::Result<Buffer> {
-        if capacity < MAP_FROM {
+    /// A buffer of `wanted` bytes, `least` at worst when the budget has no room for
+    /// more on the heap, for a body that will hold `needed` bytes once it is filled:
+    /// `share` grows to what it holds then ([`held`](Buffer::held)); 503 `server_busy`
+    /// when the budget has no room for that, or the system no memory.
+    fn new(
+        share: &mut Share<'_>,
+        wanted: usize,
+        least: usize,
+        needed: usize,
+    ) -> Result<Buffer, PdError> {
+        if wanted < MAP_FROM {
+            let capacity = grow(share, wanted, least).ok_or_else(busy)?;
             return Ok(Buffer::Heap(Vec::with_capacity(capacity)));
         }
+        let spare = &share.budget.inner.spare;
+        let mut kept = spare.take(wanted).map_err(|_| busy())?;
+        if !share.grow_to(needed.max(kept.written)) {
+            // A kept mapping's written pages may be what leaves no room: a new one has
+            // none.
+            let room = kept.written > needed && share.grow_to(needed);
+            spare.put(kept.map, kept.written);
+            if !room {
+                return Err(busy());
+            }
+            kept = fresh(wanted).map_err(|_| busy())?;
+        }
         Ok(Buffer::Mapped {
-            map: budget.inner.spare.take(capacity)?,
+            map: kept.map,
             len: 0,
-            capacity,
-            budget: budget.clone(),
+            capacity: wanted,
+            written: kept.written,
+            budget: share.budget.clone(),
         })
+    }
+
+    /// The memory this buffer holds once it holds `len` bytes, as the budget counts it.
+    fn held(&self, len: usize) -> usize {
+        match self {
+            Buffer::Heap(v) => v.capacity(),
+            Buffer::Mapped { written, .. } => len.max(*written),
+        }
     }
 
     fn len(&self) -> usize {
@@ -444,9 +550,14 @@ impl Buffer {
             // The mapping lives until the last slice of the body (a JSON value of the
             // request) is dropped, then is kept for another body or unmapped.
             Buffer::Mapped {
-                map, len, budget, ..
+                map,
+                len,
+                written,
+                budget,
+                ..
             } => Bytes::from_owner(Recycled {
                 map: Some(map),
+                written: written.max(len),
                 budget,
             })
             .slice(..len),
@@ -537,8 +648,15 @@ where
     }
 }
 
-/// Add `data` to what was received, taking from the budget what a chunked body's buffer
-/// grows by.
+/// 503 `server_busy`: no room in the budget (or no memory) for a body.
+fn busy() -> PdError {
+    PdError::from(Overload::ServerBusy {
+        retry_after: BUSY_RETRY_AFTER,
+    })
+}
+
+/// Add `data` to what was received, taking from the budget what the body holds once it
+/// is added ([`Buffer::held`]), before it is copied.
 fn append(
     state: &mut State,
     data: Bytes,
@@ -546,14 +664,9 @@ fn append(
     share: &mut Share<'_>,
     max_bytes: usize,
 ) -> Result<(), PdError> {
-    let busy = || {
-        PdError::from(Overload::ServerBusy {
-            retry_after: BUSY_RETRY_AFTER,
-        })
-    };
     match state {
         State::Empty => {
-            // A chunked body's first chunk is already in memory; it counts from now.
+            // The first chunk is already in memory; it counts from now.
             if !share.grow_to(data.len()) {
                 return Err(busy());
             }
@@ -566,9 +679,7 @@ fn append(
             let capacity = declared
                 .unwrap_or(needed.saturating_mul(2))
                 .clamp(needed, max_bytes.max(needed));
-            let capacity = grow(share, capacity, needed).ok_or_else(busy)?;
-            // No memory for the buffer is the same answer as no room in the budget.
-            let mut buf = Buffer::with_capacity(capacity, share.budget).map_err(|_| busy())?;
+            let mut buf = Buffer::new(share, capacity, needed, needed)?;
             buf.push(first);
             buf.push(&data);
             *state = State::Many(buf);
@@ -584,14 +695,22 @@ fn append(
                 let least = needed
                     .max(buf.capacity().saturating_add(buf.capacity() / 4))
                     .min(most);
-                let capacity = grow(share, capacity, least).ok_or_else(busy)?;
-                let mut bigger =
-                    Buffer::with_capacity(capacity, share.budget).map_err(|_| busy())?;
+                let mut bigger = Buffer::new(share, capacity, least, needed)?;
                 bigger.push(buf.as_slice());
                 // The smaller buffer's mapping, if any, is kept for another body.
-                if let Buffer::Mapped { map, budget, .. } = std::mem::replace(buf, bigger) {
-                    budget.inner.spare.put(map);
+                if let Buffer::Mapped {
+                    map,
+                    len,
+                    written,
+                    budget,
+                    ..
+                } = std::mem::replace(buf, bigger)
+                {
+                    budget.inner.spare.put(map, written.max(len));
                 }
+            } else if !share.grow_to(buf.held(needed)) {
+                // A declared body's mapping is taken from the budget as it is written.
+                return Err(busy());
             }
             buf.push(&data);
         }
@@ -803,8 +922,34 @@ mod tests {
         assert_eq!(budget.in_use(), 0);
     }
 
+    /// A kept mapping whose written pages the budget has no room for is left kept, and
+    /// the body reads into a new one, taking only what it sent.
     #[tokio::test]
-    async fn a_declared_length_past_the_budget_is_refused_before_reading() {
+    async fn a_kept_mapping_that_leaves_no_room_is_passed_over() {
+        let budget = BodyBudget::new(200 * 1024);
+        let limits = Limits {
+            max_bytes: 1 << 22,
+            ..limits(&budget)
+        };
+        let len = 128 * 1024 + 3;
+        let (first, share) = read(declared(len), limits).await.unwrap();
+        drop((first, share));
+        assert_eq!(budget.spare_bytes(), 256 * 1024);
+        let other = budget.clone();
+        assert!(other.take(100 * 1024));
+        let frames = vec![Bytes::from_static(b"{\"a\""), Bytes::from_static(b":1")];
+        let (tx, body) = stalled(200 * 1024, frames);
+        let mut held = Box::pin(read(body, limits));
+        assert!(futures::poll!(held.as_mut()).is_pending());
+        assert_eq!(budget.in_use(), 100 * 1024 + 6);
+        assert_eq!(budget.spare_bytes(), 256 * 1024, "still kept");
+        drop((held, tx));
+        other.give_back(100 * 1024);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_past_the_budget_is_refused_at_its_first_bytes() {
         let budget = BodyBudget::new(100);
         let other = budget.clone();
         assert!(other.take(60));
@@ -823,6 +968,106 @@ mod tests {
             .unwrap();
         assert_eq!(budget.in_use(), 50);
         drop(share);
+    }
+
+    /// A client body that sends `frames` (each its own frame), declaring `declared`
+    /// bytes, then stalls until `tx` is dropped or sends more.
+    fn stalled(
+        declared: usize,
+        frames: Vec<Bytes>,
+    ) -> (
+        futures::channel::mpsc::UnboundedSender<Result<http_body::Frame<Bytes>, BoxError>>,
+        impl Body<Data = Bytes, Error = BoxError> + Send + Unpin + 'static,
+    ) {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        for f in frames {
+            tx.unbounded_send(Ok(http_body::Frame::data(f))).unwrap();
+        }
+        (tx, Declared(StreamBody::new(rx), declared as u64))
+    }
+
+    /// A declared length takes nothing from the budget before its bytes arrive: a
+    /// client that declares a large body and sends none of it holds no room that
+    /// others' bodies need.
+    #[tokio::test]
+    async fn a_declared_length_takes_nothing_before_its_bytes_arrive() {
+        let budget = BodyBudget::new(100);
+        let (tx, body) = stalled(100, Vec::new());
+        let mut waiting = Box::pin(read(body, limits(&budget)));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        assert_eq!(budget.in_use(), 0, "nothing arrived, nothing taken");
+        let (bytes, share) = read(
+            Full::new(Bytes::from_static(b"0123456789")),
+            limits(&budget),
+        )
+        .await
+        .unwrap();
+        assert_eq!(&bytes[..], b"0123456789");
+        assert_eq!(budget.in_use(), 10);
+        drop((share, waiting, tx));
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A declared body is read into one buffer of its declared size, but takes from
+    /// the budget only what has arrived; one whose next bytes would pass the budget
+    /// is cut there with 503 `server_busy`, and gives its share back.
+    #[tokio::test]
+    async fn a_declared_body_is_charged_as_it_arrives_and_cut_at_the_ceiling() {
+        const KIB: usize = 1024;
+        let budget = BodyBudget::new(1024 * KIB);
+        let limits = Limits {
+            max_bytes: 1 << 22,
+            ..limits(&budget)
+        };
+        let piece = || Bytes::from(vec![b' '; 300 * KIB]);
+        // 600 KiB of 900 arrived: 600 KiB taken.
+        let (tx, body) = stalled(900 * KIB, vec![piece(), piece()]);
+        let mut held = Box::pin(read(body, limits));
+        assert!(futures::poll!(held.as_mut()).is_pending());
+        assert_eq!(budget.in_use(), 600 * KIB);
+        // Another of 500 KiB: its first 250 KiB fit, the next 250 would not.
+        let half = Bytes::from(vec![b' '; 250 * KIB]);
+        let (other_tx, other) = stalled(500 * KIB, vec![half.clone(), half]);
+        let err = read(other, limits).await.unwrap_err();
+        assert_eq!(
+            (err.http().status.as_u16(), err.http().code),
+            (503, "server_busy")
+        );
+        assert_eq!(err.http().retry_after, Some(BUSY_RETRY_AFTER));
+        assert_eq!(budget.in_use(), 600 * KIB, "the cut body's share is back");
+        // The first one's last 300 KiB arrive, within the budget: read whole.
+        tx.unbounded_send(Ok(http_body::Frame::data(piece())))
+            .unwrap();
+        drop(tx);
+        let (bytes, share) = held.await.unwrap();
+        assert_eq!(bytes.len(), 900 * KIB);
+        assert_eq!(budget.in_use(), 900 * KIB);
+        drop((share, other_tx));
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A kept mapping's pages that an earlier body wrote are memory held: a body that
+    /// reads into it takes them from the budget at once, whatever it has sent.
+    #[tokio::test]
+    async fn a_kept_mapping_is_charged_what_earlier_bodies_wrote_to_it() {
+        let budget = BodyBudget::new(1 << 24);
+        let limits = Limits {
+            max_bytes: 1 << 22,
+            ..limits(&budget)
+        };
+        let len = 128 * 1024 + 3;
+        let (first, share) = read(declared(len), limits).await.unwrap();
+        drop((first, share));
+        assert_eq!(budget.spare_bytes(), 256 * 1024);
+        // Two small frames of a body of the same class: it reads into the kept mapping.
+        let frames = vec![Bytes::from_static(b"{\"a\""), Bytes::from_static(b":1")];
+        let (tx, body) = stalled(200 * 1024, frames);
+        let mut held = Box::pin(read(body, limits));
+        assert!(futures::poll!(held.as_mut()).is_pending());
+        assert_eq!(budget.spare_bytes(), 0, "the kept mapping is in use");
+        assert_eq!(budget.in_use(), len);
+        drop((held, tx));
+        assert_eq!(budget.in_use(), 0);
     }
 
     #[tokio::test]
@@ -885,5 +1130,90 @@ mod tests {
         ]));
         let err = read(body, limits(&budget)).await.unwrap_err();
         assert_eq!(err.http().status.as_u16(), 400);
+    }
+
+    /// A runtime whose blocking pool has one thread: jobs run one after the other, in
+    /// the order they were spawned.
+    fn one_blocking_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap()
+    }
+
+    /// A body of `len` bytes read whole under `budget`: its bytes and its share.
+    async fn whole(budget: &BodyBudget, len: usize) -> (Bytes, Share<'_>) {
+        let limits = Limits {
+            max_bytes: 1 << 22,
+            ..limits(budget)
+        };
+        read(Full::new(Bytes::from(vec![b' '; len])), limits)
+            .await
+            .unwrap()
+    }
+
+    /// A large body's parse goes on with its bytes when its client leaves (a thread is
+    /// not stopped): its share of the budget goes with it, held until it ends.
+    #[test]
+    fn a_parse_its_client_left_holds_its_share_until_it_ends() {
+        let runtime = one_blocking_thread();
+        let budget = BodyBudget::new(1 << 20);
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let during = runtime.block_on(async {
+            let (bytes, share) = whole(&budget, 300 * 1024).await;
+            let job_gate = Arc::clone(&gate);
+            let parse = on_blocking_pool(share, move || {
+                let _ = started_tx.send(());
+                job_gate.wait();
+                Ok(bytes.len())
+            });
+            let mut parse = Box::pin(parse);
+            assert!(futures::poll!(parse.as_mut()).is_pending());
+            started.recv().unwrap();
+            drop(parse);
+            budget.in_use()
+        });
+        gate.wait();
+        // The pool's one thread runs this once the parse has ended.
+        runtime.block_on(runtime.spawn_blocking(|| ())).unwrap();
+        assert_eq!(
+            during,
+            300 * 1024,
+            "the running parse holds the body's share"
+        );
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A large body's parse that has not started when its client leaves never runs,
+    /// and gives its share back.
+    #[test]
+    fn a_parse_its_client_left_before_it_started_never_runs() {
+        let runtime = one_blocking_thread();
+        let budget = BodyBudget::new(1 << 20);
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        runtime.block_on(async {
+            // The pool's one thread is busy until the gate opens.
+            let job_gate = Arc::clone(&gate);
+            let busy = tokio::task::spawn_blocking(move || {
+                job_gate.wait();
+            });
+            let (bytes, share) = whole(&budget, 300 * 1024).await;
+            let job_ran = Arc::clone(&ran);
+            let parse = on_blocking_pool(share, move || {
+                job_ran.store(true, Ordering::Relaxed);
+                Ok(bytes.len())
+            });
+            let mut parse = Box::pin(parse);
+            assert!(futures::poll!(parse.as_mut()).is_pending());
+            drop(parse);
+            gate.wait();
+            busy.await.unwrap();
+            // Run after the parse's job, whether it ran or was dropped unstarted.
+            tokio::task::spawn_blocking(|| ()).await.unwrap();
+        });
+        assert!(!ran.load(Ordering::Relaxed), "a dropped parse ran");
+        assert_eq!(budget.in_use(), 0);
     }
 }

@@ -226,8 +226,7 @@ impl Inner {
                     Ok(read) => read,
                     Err(err) => return body_refused(failed.get().unwrap_or(&err)),
                 };
-                let engine = engine_body_off_loop(bytes).await;
-                drop(share);
+                let engine = engine_body_off_loop(bytes, share).await;
                 let (bytes, named) = match engine {
                     Ok(b) => b,
                     Err(err) => return pd_error_response(&err),
@@ -428,10 +427,7 @@ impl Inner {
             Ok(read) => read,
             Err(err) => return body_refused(&err),
         };
-        // The body's share of the budget is held until it is parsed (and copied).
-        let engine = engine_body_off_loop(bytes).await;
-        drop(share);
-        let (bytes, model) = match engine {
+        let (bytes, model) = match engine_body_off_loop(bytes, share).await {
             Ok(b) => b,
             Err(err) => return pd_error_response(&err),
         };
@@ -513,24 +509,28 @@ async fn sniff_start(
     }
 }
 
-/// [`engine_body`], on Tokio's blocking pool for a body of
-/// [`PARSE_OFF_LOOP_FROM`](body::PARSE_OFF_LOOP_FROM) bytes or more, as the
-/// orchestrated routes parse theirs: a large body (or a hostile one of many keys) would
-/// otherwise hold the event loop, and every connection on it, for its parse and copy.
-async fn engine_body_off_loop(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
-    off_loop(bytes.len(), move || engine_body(bytes)).await
+/// [`engine_body`], through [`off_loop`] (as the orchestrated routes parse theirs): a
+/// large body (or a hostile one of many keys) would otherwise hold the event loop, and
+/// every connection on it, for its parse and copy.
+async fn engine_body_off_loop(
+    bytes: Bytes,
+    share: body::Share<'_>,
+) -> Result<(Bytes, Option<String>), PdError> {
+    off_loop(bytes.len(), share, move || engine_body(bytes)).await
 }
 
-/// `work` on a body of `len` bytes: on Tokio's blocking pool from
-/// [`PARSE_OFF_LOOP_FROM`](body::PARSE_OFF_LOOP_FROM) on (see there for the threshold
-/// and why the blocking pool), else here.
+/// `work` on a body of `len` bytes, holding its `share` of the budget until it ends: on
+/// Tokio's blocking pool from [`PARSE_OFF_LOOP_FROM`](body::PARSE_OFF_LOOP_FROM) on (see
+/// there for the threshold and why the blocking pool), else here.
 async fn off_loop<T: Send + 'static>(
     len: usize,
+    share: body::Share<'_>,
     work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
 ) -> Result<T, PdError> {
     if len >= body::PARSE_OFF_LOOP_FROM {
-        return body::on_blocking_pool(work).await;
+        return body::on_blocking_pool(share, work).await;
     }
+    // `share` is dropped once `work` has ended.
     work()
 }
 
@@ -1023,18 +1023,21 @@ mod tests {
     async fn large_bodies_are_parsed_off_the_event_loop() {
         // A current-thread runtime: its one thread is the event loop.
         let here = std::thread::current().id();
-        let on = |len| off_loop(len, || Ok(std::thread::current().id()));
+        let budget = crate::body::BodyBudget::new(1 << 20);
+        let share = || body::Share::new(&budget);
+        let on = |len| off_loop(len, share(), || Ok(std::thread::current().id()));
         assert_eq!(on(body::PARSE_OFF_LOOP_FROM - 1).await.unwrap(), here);
         assert_ne!(on(body::PARSE_OFF_LOOP_FROM).await.unwrap(), here);
         // The same result there as here.
         let prompt = "a".repeat(body::PARSE_OFF_LOOP_FROM);
         let large = format!(r#"{{"model":"m","prompt":"{prompt}","bootstrap_host":"h"}}"#);
-        let (bytes, model) = engine_body_off_loop(Bytes::from(large)).await.unwrap();
+        let (bytes, model) = engine_body_off_loop(Bytes::from(large), share())
+            .await
+            .unwrap();
         assert_eq!(bytes, format!(r#"{{"model":"m","prompt":"{prompt}"}}"#));
         assert_eq!(model.as_deref(), Some("m"));
-        let err = engine_body_off_loop(Bytes::from(format!(r#"{{"p":"{prompt}","x":NaN}}"#)))
-            .await
-            .unwrap_err();
+        let bad = Bytes::from(format!(r#"{{"p":"{prompt}","x":NaN}}"#));
+        let err = engine_body_off_loop(bad, share()).await.unwrap_err();
         assert_eq!(err.http().status, StatusCode::BAD_REQUEST);
     }
 

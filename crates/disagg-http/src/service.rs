@@ -72,8 +72,9 @@ pub struct PdServiceConfig {
     /// Default 30 s: at the default body limit that asks a client for about 1 MB/s.
     pub body_timeout: Duration,
     /// Bytes that the bodies being received may hold at once, shared by every clone of
-    /// this config; a body that would take them past the limit is answered 503
-    /// `server_busy` (with `retry-after`) at once, unread, and its connection closed.
+    /// this config, taken as their bytes arrive; a body whose next bytes would take them
+    /// past the limit is answered 503 `server_busy` (with `retry-after`) there, the rest
+    /// of it unread, and its connection closed.
     /// Default [`DEFAULT_BODY_BUDGET`](crate::body::DEFAULT_BODY_BUDGET) (1 GiB).
     pub body_budget: BodyBudget,
     /// Time to gather the models of every decode endpoint for `GET /v1/models`.
@@ -421,10 +422,9 @@ impl Inner {
             .map(|k| Arc::<str>::from(k.to_string()));
         #[cfg(not(feature = "auth"))]
         let client: Option<Arc<str>> = None;
-        let parsed = self.parse(api, parts.headers, bytes).await;
-        // The body's bytes are in the request now (or gone): its share of the budget,
-        // which covers receiving and parsing, is given back.
-        drop(share);
+        // The body's share of the budget covers receiving and parsing: it is given back
+        // once the parse has ended (its bytes are in the request then, or gone).
+        let parsed = self.parse(api, parts.headers, bytes, share).await;
         let served = match parsed {
             Ok(mut req) => {
                 req.set_received(arrival, client);
@@ -438,28 +438,31 @@ impl Inner {
         served.unwrap_or_else(|err| failed(api, error_id.as_ref(), &err))
     }
 
-    /// Parse a client's body into a request, off the event loop when it is large.
+    /// Parse a client's body into a request, off the event loop when it is large; the
+    /// body's `share` of the budget is given back once the parse has ended (on the
+    /// blocking pool it goes with the parse, which outlives a client that left).
     async fn parse(
         &self,
         api: Api,
         headers: HeaderMap,
         bytes: Bytes,
+        share: body::Share<'_>,
     ) -> Result<PdRequest, PdError> {
         // A large body (or a hostile one of many keys) would hold the event loop, and
         // every connection on it, for as long as its parse takes; see
         // `PARSE_OFF_LOOP_FROM` for the threshold and why the blocking pool.
         if bytes.len() >= body::PARSE_OFF_LOOP_FROM {
             let orchestrator = self.orchestrator.clone();
-            return body::on_blocking_pool(move || {
+            return body::on_blocking_pool(share, move || {
                 orchestrator
                     .request(api, headers, &bytes)
                     .map_err(PdError::body)
             })
             .await;
         }
-        self.orchestrator
-            .request(api, headers, &bytes)
-            .map_err(PdError::body)
+        let parsed = self.orchestrator.request(api, headers, &bytes);
+        drop(share);
+        parsed.map_err(PdError::body)
     }
 
     #[cfg(feature = "metrics")]

@@ -1,11 +1,12 @@
 //! `disagg-proxy serve` holds against hostile clients: a body of very many keys is parsed
 //! without stalling the event loop it came on, a body that stops half way is cut by
-//! `--body-timeout`, and a flood of large bodies is held under `--max-buffered-bytes`,
-//! its memory given back after it; on the forwarded routes, a body of very many frames
-//! of whitespace is read once and held to the same budget, and a client's `x-request-id`
-//! reaches no engine. The real binary runs as a child process (its memory is read from
-//! `/proc/PID/status`), against simulated engines (or raw ones written here) in this
-//! process, over raw loopback sockets.
+//! `--body-timeout`, a flood of large bodies is held under `--max-buffered-bytes`, its
+//! memory given back after it, and bodies declared but not sent hold none of it; on the
+//! forwarded routes, a body of very many frames of whitespace is read once and held to
+//! the same budget, and a client's `x-request-id` reaches no engine. The real binary
+//! runs as a child process (its memory is read from `/proc/PID/status`), against
+//! simulated engines (or raw ones written here) in this process, over raw loopback
+//! sockets.
 
 #![allow(missing_docs)] // a test binary
 
@@ -322,6 +323,48 @@ async fn a_body_sent_in_pieces_within_the_timeout_is_served() {
     assert_eq!(d.requests()[0].body["prompt"], "in three pieces");
 }
 
+/// A body takes its share of `--max-buffered-bytes` as its bytes arrive, not at its
+/// declared length: with the defaults (1 GiB, bodies up to 32 MiB), 32 clients that each
+/// declare the largest body and send none of it hold no room, and a small request beside
+/// them is served (it was 503 `server_busy` for as long as the body timeout held them).
+#[tokio::test]
+async fn clients_that_declare_large_bodies_and_send_nothing_hold_no_room() {
+    let (p, d) = engines().await;
+    let proxy = Proxy::start(&p, &d, &[]).await;
+    let addr = proxy.addr;
+    let mut silent = Vec::new();
+    for _ in 0..32 {
+        let mut sock = TcpStream::connect(addr).await.expect("connect");
+        let head =
+            head(addr, 32 * MIB as usize).replace("\r\n\r\n", "\r\nexpect: 100-continue\r\n\r\n");
+        sock.write_all(head.as_bytes())
+            .await
+            .expect("send the head");
+        // The proxy asks for the body once it has started reading it.
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        while !got.ends_with(b"\r\n\r\n") {
+            let n = tokio::time::timeout(Duration::from_secs(10), sock.read(&mut buf))
+                .await
+                .expect("a 100 Continue within 10 s")
+                .expect("read");
+            assert!(n > 0, "closed before asking for the body");
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert!(
+            got.starts_with(b"HTTP/1.1 100"),
+            "{}",
+            String::from_utf8_lossy(&got)
+        );
+        silent.push(sock);
+    }
+    let body = br#"{"model":"sim-model","prompt":"beside them","max_tokens":2}"#;
+    let (answer, _) = post_timed(addr, body).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(d.requests().len(), 1);
+    drop(silent);
+}
+
 /// The budget of the flood test: the proxy may hold this many bytes of bodies at once.
 const CAP: u64 = 256 * MIB;
 
@@ -337,11 +380,13 @@ struct Flood {
 
 /// Flood the proxy with `clients` that each declare `declared` bytes of body, send
 /// `sent` of them and stall until the flood ends. Checks that every client over the cap
-/// is answered 503 `server_busy` at once and that the others are held.
+/// is answered 503 `server_busy` at once (as its bytes would pass it) and that the
+/// others are held.
 async fn flood(proxy: &Proxy, clients: usize, declared: usize, sent: usize, idle: u64) -> Flood {
     let addr = proxy.addr;
-    // Each admitted body takes its declared length from the budget before it is read.
-    let admitted = (CAP / declared as u64) as usize;
+    // Each admitted body takes from the budget the bytes it has sent: the clients whose
+    // next bytes would pass it are cut, and give theirs back, until those left fit.
+    let admitted = (CAP / sent as u64) as usize;
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel();
     let wrote_all = Arc::new(AtomicUsize::new(0));
@@ -455,7 +500,7 @@ async fn floods_of_stalled_bodies_are_held_under_the_cap_and_their_memory_given_
     tokio::time::sleep(Duration::from_millis(300)).await;
     let idle = proxy.rss();
 
-    // 64 clients of 31 MB (8 held), then 64 of 12 MB (21 held): the second flood's
+    // 64 clients of 31 MB (8 held), then 64 of 12 MB (23 held): the second flood's
     // bodies are of a size the allocator would by then have kept on its heap.
     for (declared, sent) in [(31_000_000, 30_000_000), (12_000_000, 11_500_000)] {
         let f = flood(&proxy, 64, declared, sent, idle).await;
@@ -654,13 +699,16 @@ async fn forwarded_whitespace_is_held_to_the_body_budget() {
         .proxy(&["--max-body-bytes", mib, "--max-buffered-bytes", mib])
         .await;
     let addr = proxy.addr;
-    // An orchestrated body declaring the whole budget takes it at once, and stalls.
+    // An orchestrated body that sends all of the budget but a byte holds that, and
+    // stalls.
     let mut occupant = TcpStream::connect(addr).await.expect("connect");
     occupant
         .write_all(head(addr, 1024 * 1024).as_bytes())
         .await
         .expect("send the head");
-    occupant.write_all(b"{").await.expect("send a byte");
+    let mut held = vec![b' '; 1024 * 1024 - 1];
+    held[0] = b'{';
+    occupant.write_all(&held).await.expect("send the bytes");
     // Taken once a small forwarded body is refused for it.
     let probe = |target: &'static str| async move {
         let mut sock = TcpStream::connect(addr).await.expect("connect");

@@ -262,9 +262,9 @@ pub struct ClientBodyArgs {
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub(crate) body_timeout: f64,
     /// Bytes that the request bodies being received may hold at once, all connections
-    /// together (default 1 GiB; at least --max-body-bytes). A body that would go past it
-    /// is answered 503 `server_busy` with `retry-after` at once, unread, and its
-    /// connection closed.
+    /// together, taken as their bytes arrive (default 1 GiB; at least --max-body-bytes).
+    /// A body whose next bytes would go past it is answered 503 `server_busy` with
+    /// `retry-after` there, the rest unread, and its connection closed.
     #[arg(long, value_name = "BYTES", default_value_t = disagg_http::body::DEFAULT_BODY_BUDGET)]
     pub(crate) max_buffered_bytes: usize,
 }
