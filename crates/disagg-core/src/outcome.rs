@@ -14,18 +14,23 @@
 //! result: [`HandoffFound`](crate::connector::HandoffFound).
 //!
 //! Every attempt the orchestrator makes (a request makes one, or more when it is
-//! retried) ends exactly once: when it fails before any answer reached the client, or
-//! when the client's response body ends, breaks or is dropped. At that moment one report
-//! is made and handed to the router's and the connector's `observe`, then to every
-//! listener: passive health, metrics, tracing. Nothing else reports outcomes, so a
-//! listener sees each attempt once and sees them all.
+//! retried) ends exactly once: when it fails before any answer reached the client, when
+//! the client's response body ends, breaks or is dropped, or, once routed, when the
+//! client leaves before the response head (the `serve` future is dropped: the attempt
+//! is [`Outcome::Cancelled`], each leg [`LegOutcome::NotSent`], `Abandoned` or
+//! `Answered` as far as it went). At that moment one report is made and handed to the
+//! router's and the connector's `observe`, then to every listener: passive health,
+//! metrics, tracing. Nothing else reports outcomes, so a listener sees each attempt
+//! once and sees them all.
 //!
 //! Every request the orchestrator parsed or refused ends exactly once too, after its
 //! last attempt's report: one [`Summary`] (what the client got, when each byte went,
 //! the phases of the attempt that answered) goes to every listener, for request
 //! metrics, the request's trace span and an access log. A request refused before any
 //! attempt (a malformed body, an invalid parameter, a full queue) has a summary and no
-//! report.
+//! report; so has one whose client left before any attempt was routed (while it was
+//! tokenized or queued). A client that leaves before the response head makes the
+//! summary [`Delivery::Cancelled`] with status 499.
 //!
 //! A request the orchestrator does not serve (forwarded to one engine, fanned out to
 //! all, refused by the key check in front) is the server's business: `disagg-http`
@@ -311,7 +316,8 @@ pub struct Summary {
     pub client: Option<Arc<str>>,
     /// The engine-side request id of the attempt that answered.
     pub engine_request_id: Option<HeaderValue>,
-    /// The status the client got.
+    /// The status the client got (499, nginx's "client closed request", when the
+    /// client left before the response head).
     pub status: StatusCode,
     /// The error code (OpenAI's `code`) when the request failed or its stream broke.
     pub error: Option<&'static str>,

@@ -15,7 +15,7 @@ use crate::router::{Ask, RequestView, Route};
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::leg_outcome;
+use super::report::{Reporter, leg_outcome};
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -67,22 +67,100 @@ impl Failure {
     }
 }
 
+/// An attempt under way. Once routed, dropped before it ended (the client left while it
+/// ran: the server dropped the `serve` future), it reports the attempt
+/// [`Outcome::Cancelled`] (to the router's and the connector's `observe`, then to every
+/// listener), each leg as far as its timeline went: not sent, abandoned while it ran,
+/// or answered; and leaves that report for the request's summary.
+pub(super) struct Watch<'a> {
+    reporter: &'a Reporter,
+    trace: Option<&'a TraceIds>,
+    /// Which attempt of its request this is.
+    number: u32,
+    /// A copy of the attempt's route, once routed (holding nothing of the router's).
+    route: Option<Route>,
+    /// The attempt's steps.
+    pub(super) tl: Timeline,
+    /// Where the report of a cancelled attempt goes.
+    cancelled: &'a mut Option<Box<Report>>,
+}
+
+impl<'a> Watch<'a> {
+    /// The watch of attempt `number` (0 for the first), traced as `trace`, its report
+    /// left in `cancelled` if it is cancelled.
+    pub(super) fn new(
+        reporter: &'a Reporter,
+        trace: Option<&'a TraceIds>,
+        number: u32,
+        cancelled: &'a mut Option<Box<Report>>,
+    ) -> Self {
+        Watch {
+            reporter,
+            trace,
+            number,
+            route: None,
+            tl: Timeline::starting(),
+            cancelled,
+        }
+    }
+
+    /// The attempt goes over `route`: from now on, a drop reports it.
+    pub(super) fn routed(&mut self, route: &Route) {
+        self.route = Some(route.clone());
+    }
+
+    /// The attempt ended (its outcome is the caller's to tell): its steps.
+    pub(super) fn ended(mut self) -> Timeline {
+        self.route = None;
+        self.tl
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        let Some(route) = self.route.take() else {
+            return;
+        };
+        if std::thread::panicking() {
+            return;
+        }
+        let tl = &mut self.tl;
+        tl.end = Some(now());
+        let prefill = match (tl.prefill_sent, tl.prefill_done) {
+            (None, _) => LegOutcome::NotSent,
+            (Some(_), Some(_)) => LegOutcome::Answered,
+            (Some(_), None) => LegOutcome::Abandoned,
+        };
+        let decode = match tl.decode_sent {
+            None => LegOutcome::NotSent,
+            Some(_) => LegOutcome::Abandoned,
+        };
+        let mut report = Report::new(route, Outcome::Cancelled, prefill, decode, *tl);
+        report.attempt = self.number;
+        report.trace = self.trace.cloned();
+        self.reporter.report(&mut report);
+        *self.cancelled = Some(Box::new(report));
+    }
+}
+
 impl Inner {
     /// One attempt for `req`, its legs carrying the engine-side request `id` and, when
-    /// tracing, the trace context of their spans; its steps timed.
+    /// tracing, the trace context of their spans; its steps timed, and reported
+    /// cancelled by `watch` if it is dropped once routed.
     pub(super) async fn attempt(
         &self,
         req: &PdRequest,
         id: HeaderValue,
-        trace: Option<&TraceIds>,
         decision: Decision,
         clock: Clock,
         pinned: Option<Route>,
+        mut watch: Watch<'_>,
     ) -> Result<Exchange, Failure> {
-        let mut tl = Timeline::starting();
+        let trace = watch.trace;
         let result = self
-            .attempt_timed(req, id, trace, decision, clock, pinned, &mut tl)
+            .attempt_timed(req, id, trace, decision, clock, pinned, &mut watch)
             .await;
+        let mut tl = watch.ended();
         match result {
             Ok(mut ex) => {
                 ex.timeline = tl;
@@ -110,7 +188,7 @@ impl Inner {
         decision: Decision,
         clock: Clock,
         pinned: Option<Route>,
-        tl: &mut Timeline,
+        watch: &mut Watch<'_>,
     ) -> Result<Exchange, Failure> {
         let route = match pinned {
             // Routed before the encoder stage (a push protocol's consumer).
@@ -122,6 +200,8 @@ impl Inner {
                     .map_err(Failure::unrouted)?
             }
         };
+        watch.routed(&route);
+        let tl = &mut watch.tl;
         tl.start = now();
         if let Decision::Direct { reason } = decision {
             tracing::debug!(

@@ -329,34 +329,77 @@ pub(super) fn end_to_end(mut headers: HeaderMap) -> HeaderMap {
     headers
 }
 
-/// The message of an engine's error answer, for the client's error text.
+/// The message of an engine's error answer, for the client's error text: OpenAI's
+/// `error.message` or vLLM's older top-level `message`, else the body as text; trimmed,
+/// at most [`MAX_MESSAGE`] bytes (cut at a character, then `…`).
+///
+/// Only what is kept is copied: a JSON message is borrowed from the body when it has no
+/// escapes, and a body that is not JSON is decoded from its first bytes alone (an error
+/// body may be megabytes).
 pub(super) fn upstream_message(bytes: &Bytes) -> Option<String> {
-    const MAX: usize = 512;
     if bytes.is_empty() {
         return None;
     }
     #[derive(serde::Deserialize)]
-    struct Wrapped {
-        error: Inner,
+    struct Wrapped<'a> {
+        #[serde(borrow)]
+        error: Inner<'a>,
     }
     #[derive(serde::Deserialize)]
-    struct Inner {
-        message: String,
+    struct Inner<'a> {
+        #[serde(borrow)]
+        message: std::borrow::Cow<'a, str>,
     }
-    let msg = serde_json::from_slice::<Wrapped>(bytes)
+    let json = serde_json::from_slice::<Wrapped<'_>>(bytes)
         .map(|w| w.error.message)
-        .or_else(|_| serde_json::from_slice::<Inner>(bytes).map(|i| i.message))
-        .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned());
-    let mut msg = msg.trim().to_owned();
-    if msg.len() > MAX {
-        let mut cut = MAX;
-        while !msg.is_char_boundary(cut) {
-            cut -= 1;
+        .or_else(|_| serde_json::from_slice::<Inner<'_>>(bytes).map(|i| i.message));
+    Some(match json {
+        Ok(msg) => cut_message(msg.trim()),
+        Err(_) => {
+            // The spaces before the text (however many), then as many bytes as may be
+            // kept and one character more: what decodes from them starts as the whole
+            // body's decoding does (a character cut at their end becomes a replacement
+            // past what is kept, and a text that goes on is cut with `…`).
+            let text = bytes.trim_ascii_start();
+            let head = &text[..text.len().min(MAX_MESSAGE + 4)];
+            let decoded = String::from_utf8_lossy(head);
+            if head.len() == text.len() {
+                cut_message(decoded.trim())
+            } else {
+                cut_message(decoded.trim_start())
+            }
         }
-        msg.truncate(cut);
-        msg.push('…');
+    })
+}
+
+/// The message of an engine's error answer `body` (at most `limit` bytes of it), read
+/// within `budget`, what is left of the step that brought its head: none when the body
+/// does not end in time (an engine that trickles it holds nothing), breaks, or is
+/// longer.
+pub(super) async fn error_message(body: BoxBody, limit: usize, budget: Duration) -> Option<String> {
+    match tokio::time::timeout(budget, read_limited(body, limit)).await {
+        Ok(Ok(bytes)) => upstream_message(&bytes),
+        Ok(Err(_)) | Err(_) => None,
     }
-    Some(msg)
+}
+
+/// Most bytes of an engine's message kept for the client's error text.
+const MAX_MESSAGE: usize = 512;
+
+/// `msg` cut to [`MAX_MESSAGE`] bytes at a character (then `…`), in a string of its own
+/// size.
+fn cut_message(msg: &str) -> String {
+    if msg.len() <= MAX_MESSAGE {
+        return msg.to_owned();
+    }
+    let mut cut = MAX_MESSAGE;
+    while !msg.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out = String::with_capacity(cut + '…'.len_utf8());
+    out.push_str(&msg[..cut]);
+    out.push('…');
+    out
 }
 
 #[cfg(test)]
@@ -441,5 +484,41 @@ mod tests {
         let m = upstream_message(&Bytes::from("é".repeat(600))).unwrap();
         assert!(m.len() <= 515 && m.ends_with('…'));
         assert_eq!(upstream_message(&Bytes::new()), None);
+    }
+
+    /// The message of a long error body keeps nothing of the rest: its text is at most
+    /// 512 bytes (and the ellipsis), in a string no larger, whatever shape the body has.
+    #[test]
+    fn a_long_error_body_leaves_only_a_short_message() {
+        let long = "x".repeat(1 << 20);
+        let bodies = [
+            long.clone(),
+            format!("  \n {long}"),
+            serde_json::json!({"error": {"message": long}}).to_string(),
+            serde_json::json!({"object": "error", "message": long}).to_string(),
+        ];
+        for body in bodies {
+            let m = upstream_message(&Bytes::from(body)).unwrap();
+            assert!(m.starts_with('x') && m.len() <= 515 && m.ends_with('…'));
+            assert!(m.capacity() < 1024, "{} bytes kept", m.capacity());
+        }
+        // Spaces before a short text are still trimmed, however many.
+        let spaced = format!("{}boom \n", " ".repeat(4096));
+        assert_eq!(
+            upstream_message(&Bytes::from(spaced)).as_deref(),
+            Some("boom")
+        );
+        assert_eq!(
+            upstream_message(&Bytes::from(" ".repeat(4096))).as_deref(),
+            Some("")
+        );
+        // Escapes in a JSON message are read as JSON reads them.
+        let m = upstream_message(&Bytes::from_static(
+            br#"{"error":{"message":"a\"b\u00e9"}}"#,
+        ));
+        assert_eq!(m.as_deref(), Some("a\"bé"));
+        // A cut inside a character keeps the whole characters before it.
+        let m = upstream_message(&Bytes::from(format!("x{}", "é".repeat(600)))).unwrap();
+        assert!(m.len() <= 515 && m.ends_with('…') && m.starts_with("xé"));
     }
 }

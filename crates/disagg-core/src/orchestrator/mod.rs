@@ -481,7 +481,10 @@ impl Orchestrator {
     ///
     /// Resolves to the decode engine's response, whose body streams as the engine writes
     /// it, or to the prefill's answer when that is a client error (4xx, passed through).
-    /// The returned future owns everything it needs; dropping it cancels both legs.
+    /// The returned future owns everything it needs; dropping it cancels both legs, and
+    /// before the response head tells the listeners the request's end as
+    /// [`Delivery::Cancelled`](crate::outcome::Delivery::Cancelled) (and its attempt's as
+    /// [`Outcome::Cancelled`](crate::outcome::Outcome::Cancelled), once routed).
     ///
     /// # Errors
     ///
@@ -491,8 +494,7 @@ impl Orchestrator {
         &self,
         req: PdRequest,
     ) -> impl Future<Output = Result<Response<PdBody>, PdError>> + Send + 'static {
-        let inner = Arc::clone(&self.inner);
-        async move { inner.serve(req).await }
+        Arc::clone(&self.inner).serve(req)
     }
 }
 

@@ -197,6 +197,24 @@ pub(super) struct RequestMeta {
     pub(super) encode: Option<crate::outcome::EncodeSummary>,
 }
 
+impl RequestMeta {
+    /// Nothing known yet: no attempt (and no engine-side id, which is empty).
+    pub(super) fn none() -> Self {
+        RequestMeta {
+            attempts: 0,
+            queued: None,
+            engine_id: HeaderValue::from_static(""),
+            trace: None,
+            encode: None,
+        }
+    }
+
+    /// What is known, leaving [`none`](Self::none) in its place.
+    pub(super) fn take(&mut self) -> Self {
+        std::mem::replace(self, Self::none())
+    }
+}
+
 impl Inner {
     /// A summary of `req` answered with `status`, its body not yet sent (the caller, or
     /// the body's end, completes it).

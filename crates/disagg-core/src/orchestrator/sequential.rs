@@ -14,7 +14,7 @@ use crate::outcome::now;
 use crate::outcome::{LegOutcome, Timeline};
 use crate::request::PdRequest;
 use crate::router::Route;
-use crate::transport::{BoxBody, read_limited};
+use crate::transport::BoxBody;
 
 use super::Inner;
 use super::attempt::Failure;
@@ -22,7 +22,7 @@ use super::body::empty_body;
 use super::clock::{Clock, out_of_time};
 use super::config::{KvRelease, MissingKv};
 use super::lead::{LeadBody, PendingDecode};
-use super::legs::{PrefillResult, kv_ready, send_decode, sse_head, upstream_message};
+use super::legs::{PrefillResult, error_message, kv_ready, send_decode, sse_head};
 use super::release::{KvHold, Release};
 use super::respond::{Exchange, LateMarks, Stand};
 use super::stats::bump;
@@ -202,16 +202,19 @@ impl Inner {
             kv_ready(&handoff, clock, gate_budget).await?;
             let _ = marked.decode_sent.set(now());
             let decode_ep = &handoff.decode.endpoint;
+            let sent = tokio::time::Instant::now();
             let head = send_decode(&*transport, http_req, decode_ep, clock, head_budget).await?;
             let _ = marked.decode_head.set(now());
             if !head.status().is_success() {
+                // Its message within what is left of the head's budget (and the
+                // deadline): a body that never ends holds neither stream nor count.
+                let (left, _) = clock.budget(head_budget.saturating_sub(sent.elapsed()));
                 let (parts, body) = head.into_parts();
-                let bytes = read_limited(body, limit).await.unwrap_or_default();
                 return Err(PdError::upstream_status(
                     Side::Decode,
                     decode_ep.id().clone(),
                     parts.status,
-                    upstream_message(&bytes),
+                    error_message(body, limit, left).await,
                 ));
             }
             hold.taken();

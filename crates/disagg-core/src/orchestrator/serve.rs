@@ -15,54 +15,78 @@ use crate::router::RequestView;
 use disagg_json::BodyError;
 
 use super::Inner;
-use super::attempt::{Failure, decode_alone};
+use super::attempt::{Failure, Watch, decode_alone};
 use super::body::PdBody;
 use super::clock::Clock;
 use super::config::PrefillFailure;
 use super::respond::RequestMeta;
-use crate::outcome::{EngineCall, LegOutcome, Report, Timeline};
+use crate::outcome::{Delivery, EngineCall, LegOutcome, Report};
 
 impl Inner {
-    pub(super) async fn serve(
+    /// Serve `req` (see [`Orchestrator::serve`](super::Orchestrator::serve)).
+    ///
+    /// Not an `async fn`: the request goes into its [`Serving`] here, once, rather than
+    /// into the future's arguments and then again into the guard inside it (a moved
+    /// argument keeps its place in the future).
+    pub(super) fn serve(
         self: Arc<Self>,
-        mut req: PdRequest,
-    ) -> Result<Response<PdBody>, PdError> {
+        req: PdRequest,
+    ) -> impl Future<Output = Result<Response<PdBody>, PdError>> + Send + 'static {
         bump(&self.counters.requests);
-        let mut trace = self
+        let mut serving = Serving {
+            inner: self,
+            state: State::new(req),
+        };
+        async move {
+            let Serving { inner, state } = &mut serving;
+            let result = inner.serve_in(state).await;
+            // Told by now: by the failure's summary, or by the answer's body when it
+            // ends.
+            state.told = true;
+            result
+        }
+    }
+
+    /// The request `s` holds: every way it returns tells its summary (a failure's at
+    /// once, an answer's when its body ends); dropped before, its [`Serving`] tells it
+    /// cancelled.
+    async fn serve_in(&self, s: &mut State) -> Result<Response<PdBody>, PdError> {
+        s.meta.trace = self
             .config
             .trace_ratio
-            .map(|ratio| self.spans.request(req.headers(), ratio));
-        let checked = match self.check(&req) {
+            .map(|ratio| self.spans.request(s.req.headers(), ratio));
+        let checked = match self.check(&s.req) {
             Ok(d) => d,
-            Err(e) => return Err(self.failed(&req, e, None, None)),
+            Err(e) => return Err(self.failed(&s.req, e, None, None)),
         };
         // The deadline counts from the request's arrival: a body that took longer to
         // come in leaves no time for tokenizing, queueing or any leg.
-        let clock = self.clock(&req);
+        let clock = self.clock(&s.req);
         if clock.expired() {
-            return Err(self.out_of_time(&req));
+            return Err(self.out_of_time(&s.req));
         }
         if let Some(tokenizer) = &self.tokenizer
-            && req.tokens().is_none()
+            && s.req.tokens().is_none()
         {
-            self.tokenize(&**tokenizer, &mut req, clock).await;
+            self.tokenize(&**tokenizer, &mut s.req, clock).await;
         }
-        let mut decision = self.decide(&req, checked);
+        let mut decision = self.decide(&s.req, checked);
         if let Some(retry) = &self.retry {
             retry.deposit();
         }
-        let mut queued = None;
         let permit = match &self.admission {
             None => None,
             Some(admission) => Some(match admission.try_admit() {
                 Some(permit) => permit,
                 None => {
                     let since = now();
+                    s.queuing = Some(since);
                     let admitted = admission.admit(clock.deadline).await;
-                    queued = Some(since.elapsed());
+                    s.queuing = None;
+                    s.meta.queued = Some(now().saturating_duration_since(since));
                     match admitted {
                         Ok(permit) => permit,
-                        Err(e) => return Err(self.failed(&req, e, None, None)),
+                        Err(e) => return Err(self.failed(&s.req, e, None, None)),
                     }
                 }
             }),
@@ -71,21 +95,20 @@ impl Inner {
         // leaves no time for any leg, and none is sent (a step with no time left would
         // still be polled once, which writes its request).
         if clock.expired() {
-            return Err(self.out_of_time(&req));
+            return Err(self.out_of_time(&s.req));
         }
         let in_flight = InFlight::new(&self.counters);
         // The first attempt's engine-side id is the request's own when the proxy drew it
         // (fresh and unique already); a client's id gets a new one. The encoder legs
         // carry it too (with `-enc<leg>`): an engine never sees the client's id.
-        let first_id = if req.has_generated_id() {
-            req.request_id().clone()
+        let first_id = if s.req.has_generated_id() {
+            s.req.request_id().clone()
         } else {
             self.ids.next_id()
         };
         // E/P/D: a request with media items has them encoded first (a byte search of
         // its messages decides; nothing at all without an encoder stage), by the
         // encoders of the current snapshot that serve its model (none: no stage).
-        let mut encoded = None;
         // A push protocol names the consumer to the encoders: the request is routed
         // first, and its first attempt takes that route (the items wait there only).
         let mut pinned = None;
@@ -96,21 +119,23 @@ impl Inner {
         // for it).
         let mut unencoded = None;
         if let Some(stage) = &self.encode
-            && stage.wants(&req)
-            && let Some((pool, decodes_consume)) = self.encoders(stage, &req)
-            && self.direct_consumes(stage, &req, decision, decodes_consume)
+            && stage.wants(&s.req)
+            && let Some((pool, decodes_consume)) = self.encoders(stage, &s.req)
+            && self.direct_consumes(stage, &s.req, decision, decodes_consume)
         {
             if self.config.prefill_failure == PrefillFailure::DecodeOnly
                 && matches!(decision, Decision::Disaggregate)
                 && (!decodes_consume || stage.connector.consumer_first())
             {
                 unencoded = Some(Unencoded {
-                    body: req.body().clone(),
+                    body: s.req.body().clone(),
                     encode_again: decodes_consume,
                 });
             }
             if stage.connector.consumer_first() {
-                let routed = self.route(&RequestView::from(&req), decision, clock).await;
+                let routed = self
+                    .route(&RequestView::from(&s.req), decision, clock)
+                    .await;
                 match routed {
                     Ok(route) => {
                         // No prefill on the route: the consumer is the decode serving
@@ -130,7 +155,7 @@ impl Inner {
                     }
                     Err(e) => {
                         drop(in_flight);
-                        return Err(self.failed(&req, e, None, None));
+                        return Err(self.failed(&s.req, e, None, None));
                     }
                 }
             }
@@ -138,19 +163,19 @@ impl Inner {
                 .encode(
                     stage,
                     &pool,
-                    &mut req,
+                    &mut s.req,
                     pinned.as_mut(),
                     clock,
-                    trace.as_ref(),
+                    s.meta.trace.as_ref(),
                     &first_id,
                     None,
                 )
                 .await
             {
-                Ok(e) => encoded = e,
+                Ok(e) => s.meta.encode = e,
                 Err(e) => {
                     drop(in_flight);
-                    return Err(self.failed(&req, e, None, None));
+                    return Err(self.failed(&s.req, e, None, None));
                 }
             }
         }
@@ -164,31 +189,31 @@ impl Inner {
                 self.ids.next_id()
             };
             if retries > 0
-                && let Some(t) = &mut trace
+                && let Some(t) = &mut s.meta.trace
             {
                 self.spans.next_attempt(t);
             }
+            s.meta.attempts = retries + 1;
+            s.meta.engine_id = id.clone();
+            // Made in the call: a local moved into the attempt would keep its place in
+            // this future as well.
             let mut failure = match self
                 .attempt(
-                    &req,
-                    id.clone(),
-                    trace.as_ref(),
+                    &s.req,
+                    id,
                     decision,
                     clock,
                     pinned.take(),
+                    Watch::new(
+                        &self.reporter,
+                        s.meta.trace.as_ref(),
+                        retries,
+                        &mut s.cancelled,
+                    ),
                 )
                 .await
             {
-                Ok(ex) => {
-                    let meta = RequestMeta {
-                        attempts: retries + 1,
-                        queued,
-                        engine_id: id,
-                        trace,
-                        encode: encoded,
-                    };
-                    break Ok(self.respond(&req, ex, clock, meta));
-                }
+                Ok(ex) => break Ok(self.respond(&s.req, ex, clock, s.meta.take())),
                 Err(f) => f,
             };
             if let Some(report) = &mut failure.report {
@@ -199,7 +224,7 @@ impl Inner {
             let wait = if was_pinned {
                 None
             } else {
-                self.retry_wait(&req, &failure.error, retries, clock)
+                self.retry_wait(&s.req, &failure.error, retries, clock)
             };
             match wait {
                 Some(wait) => {
@@ -207,15 +232,8 @@ impl Inner {
                     tokio::time::sleep(wait).await;
                 }
                 None => {
-                    let meta = RequestMeta {
-                        attempts: retries + 1,
-                        queued,
-                        engine_id: id,
-                        trace,
-                        encode: encoded,
-                    };
                     break self
-                        .after_failure(&req, unencoded.take(), failure, clock, meta)
+                        .after_failure(s, unencoded.take(), failure, clock)
                         .await;
                 }
             }
@@ -470,11 +488,10 @@ impl Inner {
     /// it as the consumer.
     async fn after_failure(
         &self,
-        req: &PdRequest,
+        s: &mut State,
         unencoded: Option<Unencoded>,
         failure: Failure,
         clock: Clock,
-        mut meta: RequestMeta,
     ) -> Result<Response<PdBody>, PdError> {
         let Failure { error: e, report } = failure;
         let prefill_missing = e.side() == crate::error::Side::Prefill || e.is_no_prefill();
@@ -483,18 +500,18 @@ impl Inner {
             || e.is_deadline()
             || clock.expired()
         {
-            return Err(self.failed(req, e, report, Some(meta)));
+            return Err(self.failed(&s.req, e, report, Some(s.meta.take())));
         }
         bump(&self.counters.prefill_fallbacks);
         tracing::warn!(
-            request_id = ?req.request_id(),
+            request_id = ?s.req.request_id(),
             reason = e.code(),
             error = %crate::error::error_chain(&e),
             "prefill unavailable: serving decode-only, as configured"
         );
         let (mut plain, encode_again) = match unencoded {
             Some(u) => {
-                let mut r = req.clone();
+                let mut r = s.req.clone();
                 *r.body_mut() = u.body;
                 (Some(r), u.encode_again)
             }
@@ -504,11 +521,11 @@ impl Inner {
         let decision = Decision::Direct {
             reason: "decode_only",
         };
-        let view = RequestView::from(plain.as_ref().unwrap_or(req));
+        let view = RequestView::from(plain.as_ref().unwrap_or(&s.req));
         let routed = self.route(&view, decision, clock).await;
         let mut route = match routed {
             Ok(r) => r,
-            Err(e) => return Err(self.failed(req, e, None, Some(meta))),
+            Err(e) => return Err(self.failed(&s.req, e, None, Some(s.meta.take()))),
         };
         let id = self.ids.next_id();
         // Pushed to the prefill, the items are not at this decode: it is the consumer of
@@ -525,45 +542,123 @@ impl Inner {
                     r,
                     Some(&mut route),
                     clock,
-                    meta.trace.as_ref(),
+                    s.meta.trace.as_ref(),
                     &id,
-                    meta.encode.as_ref(),
+                    s.meta.encode.as_ref(),
                 )
                 .await;
             match encoded {
-                Ok(Some(summary)) => meta.encode = Some(summary),
+                Ok(Some(summary)) => s.meta.encode = Some(summary),
                 Ok(None) => {}
-                Err(e) => return Err(self.failed(req, e, None, Some(meta))),
+                Err(e) => return Err(self.failed(&s.req, e, None, Some(s.meta.take()))),
             }
         }
-        let req = plain.as_ref().unwrap_or(req);
+        let req = plain.as_ref().unwrap_or(&s.req);
         let mut leg = decode_alone(&route, req, id.clone());
-        if let Some(t) = &mut meta.trace {
+        if let Some(t) = &mut s.meta.trace {
             self.spans.next_attempt(t);
             t.inject(&t.decode, &mut leg.headers);
         }
-        meta.attempts += 1;
-        meta.engine_id = id;
-        let mut tl = Timeline::starting();
-        match self
-            .alone(req, route, leg, Some(e.code()), clock, &mut tl)
-            .await
-        {
+        s.meta.attempts += 1;
+        s.meta.engine_id = id;
+        let attempt = s.meta.attempts - 1;
+        let mut watch = Watch::new(
+            &self.reporter,
+            s.meta.trace.as_ref(),
+            attempt,
+            &mut s.cancelled,
+        );
+        watch.routed(&route);
+        let fallback = Some(e.code());
+        let result = self
+            .alone(req, route, leg, fallback, clock, &mut watch.tl)
+            .await;
+        let mut tl = watch.ended();
+        match result {
             Ok(mut ex) => {
                 ex.timeline = tl;
-                Ok(self.respond(req, ex, clock, meta))
+                Ok(self.respond(req, ex, clock, s.meta.take()))
             }
             Err(Failure { error, mut report }) => {
                 if let Some(r) = &mut report {
                     tl.end = Some(now());
                     r.timeline = tl;
-                    r.attempt = meta.attempts - 1;
-                    r.trace = meta.trace.clone();
+                    r.attempt = attempt;
+                    r.trace = s.meta.trace.clone();
                     self.reporter.report(r);
                 }
-                Err(self.failed(req, error, report, Some(meta)))
+                Err(self.failed(req, error, report, Some(s.meta.take())))
             }
         }
+    }
+}
+
+/// A request being served: the orchestrator, and the request with what its summary
+/// needs, kept as the serving goes ([`State`]). Dropped before its answer or its failure
+/// took over (the client left before the response head: the server dropped the
+/// `serve` future), it tells the request's summary, once, as [`Delivery::Cancelled`]
+/// (status 499, nginx's "client closed request"), after the report of an attempt
+/// cancelled with it ([`Watch`]).
+struct Serving {
+    inner: Arc<Inner>,
+    state: State,
+}
+
+/// A request being served, and what its summary needs.
+struct State {
+    req: PdRequest,
+    /// Attempts made, and the last one's engine-side id (while `attempts` is 0, none).
+    meta: RequestMeta,
+    /// When the wait for admission began, while it lasts.
+    queuing: Option<std::time::Instant>,
+    /// The report of the attempt cancelled with the request, for its route and steps.
+    cancelled: Option<Box<Report>>,
+    /// The answer or the failure told the summary (or its body will).
+    told: bool,
+}
+
+/// The status of a request whose client left before its response head: none went out;
+/// the access log and the request span say 499, as nginx does.
+const CLIENT_CLOSED: http::StatusCode = match http::StatusCode::from_u16(499) {
+    Ok(status) => status,
+    Err(_) => http::StatusCode::BAD_REQUEST,
+};
+
+impl State {
+    fn new(req: PdRequest) -> Self {
+        State {
+            req,
+            meta: RequestMeta::none(),
+            queuing: None,
+            cancelled: None,
+            told: false,
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let (reporter, state) = (&self.inner.reporter, &mut self.state);
+        if state.told || !reporter.listening() || std::thread::panicking() {
+            return;
+        }
+        let meta = state.meta.take();
+        let mut s = self.inner.summary(&state.req, CLIENT_CLOSED, None);
+        s.delivery = Delivery::Cancelled;
+        s.attempts = meta.attempts;
+        s.engine_request_id = (meta.attempts > 0).then_some(meta.engine_id);
+        s.queued = meta.queued.or_else(|| {
+            state
+                .queuing
+                .map(|since| now().saturating_duration_since(since))
+        });
+        s.trace = meta.trace;
+        s.encode = meta.encode;
+        if let Some(r) = state.cancelled.take() {
+            s.route = Some(r.route);
+            s.timeline = Some(r.timeline);
+        }
+        reporter.summarize(&mut s);
     }
 }
 

@@ -9,6 +9,7 @@
 //! engine-side id, when it was sent, and whether the orchestrator read it to its end or
 //! abandoned it, and when).
 
+mod error_body;
 mod fake;
 mod observe;
 mod tokens;

@@ -8,20 +8,23 @@ use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 
 use super::*;
 
-/// Every report and summary an orchestrator told.
+/// Every report and summary an orchestrator told, and in which order.
 #[derive(Default)]
 struct Heard {
     reports: Mutex<Vec<Report>>,
     summaries: Mutex<Vec<Summary>>,
+    order: Mutex<Vec<&'static str>>,
 }
 
 impl Listener for Heard {
     fn on_report(&self, report: &Report) {
         self.reports.lock().unwrap().push(report.clone());
+        self.order.lock().unwrap().push("report");
     }
 
     fn on_request(&self, summary: &Summary) {
         self.summaries.lock().unwrap().push(summary.clone());
+        self.order.lock().unwrap().push("summary");
     }
 }
 
@@ -32,6 +35,10 @@ impl Heard {
 
     fn summaries(&self) -> Vec<Summary> {
         self.summaries.lock().unwrap().clone()
+    }
+
+    fn order(&self) -> Vec<&'static str> {
+        self.order.lock().unwrap().clone()
     }
 
     /// The one summary told; fails if there were none or several.
@@ -258,6 +265,145 @@ async fn a_client_leaving_mid_stream_is_summarized_as_cancelled() {
     assert_eq!(s.bytes, first.len() as u64);
     assert_eq!(s.duration, std_ms(100));
     assert_eq!(heard.reports()[0].outcome, Outcome::Cancelled);
+}
+
+/// A client that leaves before the response head (the server drops the `serve`
+/// future) ends its request once, as cancelled, and its attempt once, as cancelled, each
+/// leg as far as it went; the report comes first.
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_before_the_head_is_summarized_and_its_attempt_reported_as_cancelled() {
+    // While the prefill runs.
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::hang());
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    let req = chat_with(&orch, &[("x-request-id", "client-9")]);
+    assert!(timeout(ms(10), orch.serve(req)).await.is_err());
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("one report: {reports:?}")
+    };
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode, r.attempt),
+        (
+            Outcome::Cancelled,
+            LegOutcome::Abandoned,
+            LegOutcome::NotSent,
+            0
+        )
+    );
+    assert_eq!(r.route.prefill.as_ref().unwrap().id().as_str(), P1);
+    assert_eq!(r.timeline.end.unwrap() - r.timeline.start, std_ms(10));
+    let s = heard.summary();
+    assert_eq!((s.delivery, s.outcome), (Delivery::Cancelled, "cancelled"));
+    assert_eq!((s.attempts, s.error, s.bytes), (1, None, 0));
+    assert_eq!(s.status.as_u16(), 499, "nginx's `client closed request`");
+    assert_eq!(s.request_id.as_ref().unwrap(), "client-9");
+    assert_eq!(s.engine_request_id.as_ref().unwrap(), fake.calls()[0].id());
+    assert_eq!(s.duration, std_ms(10));
+    assert_eq!(s.time_to_first_byte, None);
+    assert_eq!(s.route.unwrap().prefill.unwrap().id().as_str(), P1);
+    assert_eq!(
+        s.phases.unwrap().prefill,
+        None,
+        "the prefill never answered"
+    );
+    assert_eq!(heard.order(), ["report", "summary"]);
+    assert!(fake.calls()[0].abandoned_at().is_some());
+    assert_settled(&orch);
+
+    // While the decode's head is awaited: the prefill had answered.
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer().after(ms(4)));
+    fake.on(D1, CHAT, Reply::hang());
+    let (orch, heard) = self::heard(&fake, &[P1], VllmNixl::new(), |_| {});
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    let [r] = &heard.reports()[..] else { panic!() };
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::Cancelled,
+            LegOutcome::Answered,
+            LegOutcome::Abandoned
+        )
+    );
+    let s = heard.summary();
+    assert_eq!(s.delivery, Delivery::Cancelled);
+    assert_eq!(s.phases.unwrap().prefill, Some(std_ms(4)));
+    assert_settled(&orch);
+}
+
+/// A client that leaves while the decode-only fallback's decode is awaited: the failed
+/// attempt was reported as it failed, the fallback is reported cancelled, then the
+/// request is summarized once with both attempts.
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_during_the_decode_only_fallback_cancels_the_fallback_attempt() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, Reply::refuse());
+    fake.on(D1, CHAT, Reply::hang());
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |c| {
+        c.prefill_failure = PrefillFailure::DecodeOnly
+    });
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    let reports = heard.reports();
+    let [failed, fallback] = &reports[..] else {
+        panic!("{reports:?}")
+    };
+    assert_eq!(
+        (failed.attempt, failed.outcome),
+        (0, Outcome::PrefillFailed)
+    );
+    assert_eq!(
+        (
+            fallback.attempt,
+            fallback.outcome,
+            fallback.prefill,
+            fallback.decode
+        ),
+        (
+            1,
+            Outcome::Cancelled,
+            LegOutcome::NotSent,
+            LegOutcome::Abandoned
+        )
+    );
+    let s = heard.summary();
+    assert_eq!((s.delivery, s.attempts), (Delivery::Cancelled, 2));
+    assert_eq!(
+        s.engine_request_id.as_ref().unwrap(),
+        fake.calls_to(D1)[0].id()
+    );
+    assert_eq!(heard.order(), ["report", "report", "summary"]);
+    assert_settled(&orch);
+}
+
+/// A client that leaves while its request waits for admission ends it once, as
+/// cancelled, with the time it waited; no attempt was routed, so none is reported.
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_while_queued_is_summarized_as_cancelled_without_a_report() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let (decode, feed) = Reply::sse().fed();
+    fake.on(D1, CHAT, decode);
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |c| {
+        c.admission.max_in_flight = Some(1)
+    });
+    // The first request holds the one place while its body streams.
+    let first = serve(&orch, chat(&orch)).await.unwrap();
+    assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+    assert!(heard.reports().is_empty(), "no attempt was routed");
+    let s = heard.summary();
+    assert_eq!((s.delivery, s.outcome), (Delivery::Cancelled, "cancelled"));
+    assert_eq!((s.attempts, s.engine_request_id.as_ref()), (0, None));
+    assert_eq!(s.queued, Some(std_ms(10)));
+    assert!(s.route.is_none() && s.timeline.is_none());
+    assert_eq!(orch.stats().queued_now, 0);
+    assert_eq!(fake.calls().len(), 2, "only the first request's legs");
+
+    feed.send(DONE);
+    drop(feed);
+    within(first.into_body().collect()).await.unwrap();
+    assert_eq!(heard.summaries().len(), 2);
+    assert_settled(&orch);
 }
 
 #[tokio::test(start_paused = true)]

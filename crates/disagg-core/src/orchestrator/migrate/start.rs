@@ -13,7 +13,7 @@ use crate::error::{PdError, Side, TransportError};
 use crate::outcome::{LegOutcome, Timeline};
 use crate::request::{Api, PdRequest, REQUEST_ID};
 use crate::router::Route;
-use crate::transport::{BoxBody, read_limited};
+use crate::transport::BoxBody;
 
 use super::Ctx;
 
@@ -275,6 +275,7 @@ async fn send(
     if let (Some((trace, _)), Some(span)) = (&ctx.trace, span) {
         trace.inject(&span, h);
     }
+    let sent = tokio::time::Instant::now();
     let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
         Ok(Ok(head)) => head,
         Ok(Err(e)) => return Err(transport_err(e)),
@@ -282,10 +283,10 @@ async fn send(
     };
     let status = head.status();
     if !status.is_success() {
-        let detail = read_limited(head.into_body(), 64 * 1024)
-            .await
-            .ok()
-            .and_then(|b| super::super::legs::upstream_message(&b));
+        // Its message within what is left of the head's budget: a body that never ends
+        // holds the client's stream no longer than a head that never comes.
+        let left = ctx.head_timeout.saturating_sub(sent.elapsed());
+        let detail = super::super::legs::error_message(head.into_body(), 64 * 1024, left).await;
         return Err(PdError::upstream_status(Side::Decode, id, status, detail));
     }
     Ok((head.into_body(), guard))
