@@ -603,6 +603,14 @@ async fn power_of_two_decode_avoids_the_engine_holding_a_stream() {
         post(&url, "/v1/chat/completions", chat("long", 20, true), &[]).await
     });
     assert!(eventually(std::time::Duration::from_secs(2), || stack.in_flight() == 1).await);
+    // The engine counts the request once its body is in, a moment after the proxy
+    // counts the leg.
+    assert!(
+        eventually(std::time::Duration::from_secs(2), || {
+            stack.decode.iter().any(|d| d.stats().active_requests == 1)
+        })
+        .await
+    );
     let busy = if stack.decode[0].stats().active_requests == 1 {
         0
     } else {

@@ -129,9 +129,11 @@ async fn least_in_flight_counts_a_streaming_decode_until_its_last_chunk() {
         post(&url, "/v1/chat/completions", chat("long", 30, true), &[]).await
     });
     assert!(eventually(Duration::from_secs(2), || stack.in_flight() == 1).await);
-    let busy = (0..3)
-        .find(|&i| stack.decode[i].stats().active_requests == 1)
-        .expect("one engine streams");
+    // The engine counts the request once its body is in, a moment after the proxy
+    // counts the leg.
+    let streaming = |i: usize| stack.decode[i].stats().active_requests == 1;
+    assert!(eventually(Duration::from_secs(2), || (0..3).any(streaming)).await);
+    let busy = (0..3).find(|&i| streaming(i)).expect("one engine streams");
     // While it streams, nine short requests avoid it and still spread over the others.
     for i in 0..9 {
         let a = post(
