@@ -35,7 +35,8 @@ pub(crate) struct RunArgs {
     /// largest concurrency.
     #[arg(long, value_name = "N", default_value_t = 1_000_000)]
     max_requests: u64,
-    /// Tokio worker threads of the proxy process.
+    /// Serving threads of the proxy process (and of the floor): one single-threaded
+    /// event loop each, as `disagg-proxy serve --threads`.
     #[arg(long, value_name = "N", default_value_t = 2)]
     proxy_threads: usize,
     /// Tokio worker threads of the simulated engines' runtime (in the bench process).
