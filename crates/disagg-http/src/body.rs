@@ -67,9 +67,10 @@ pub const PARSE_OFF_LOOP_FROM: usize = 256 * 1024;
 ///
 /// `share` is the share of the budget of the body `work` holds: it goes with the job
 /// and is given back when the job ends. Dropped before the job has started (its client
-/// left), the job never runs, and the body and its share go at once; dropped while it
-/// runs, the job ends first (a thread is not stopped), holding the body and its share
-/// until then.
+/// left), the job never runs, and the body and its share go when a pool thread takes
+/// the cancelled job off the queue (at once unless every pool thread is busy); dropped
+/// while it runs, the job ends first (a thread is not stopped), holding the body and its
+/// share until then.
 pub(crate) async fn on_blocking_pool<T: Send + 'static>(
     share: Share<'_>,
     work: impl FnOnce() -> Result<T, PdError> + Send + 'static,
