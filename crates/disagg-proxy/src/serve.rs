@@ -582,17 +582,11 @@ mod tests;
 fn encode_stage(
     args: &ServeArgs,
 ) -> Result<Option<Arc<disagg_core::encode::EncodeStage>>, BoxError> {
-    if args.encode.is_empty() && !args.discovery.may_find_encode() {
-        return Ok(None);
-    }
-    if args.connector == ConnectorArg::Sglang {
-        return Ok(None);
-    }
-    if args.connector == ConnectorArg::Lmcache {
+    if args.connector == ConnectorArg::Lmcache && !args.encode.is_empty() {
         // Its legs are token-id completions: an encoder's output would reach no engine.
-        if !args.encode.is_empty() {
-            return Err("--encode is not read with --connector lmcache: its legs are token-id completions, which carry no media (a chat with media parts is refused with 400)".into());
-        }
+        return Err("--encode is not read with --connector lmcache: its legs are token-id completions, which carry no media (a chat with media parts is refused with 400)".into());
+    }
+    if !calls_encoders(args) {
         return Ok(None);
     }
     let mut config = disagg_core::encode::EncodeConfig::default();
