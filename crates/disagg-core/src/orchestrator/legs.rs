@@ -356,11 +356,11 @@ pub(super) fn upstream_message(bytes: &Bytes) -> Option<String> {
     Some(match json {
         Ok(msg) => cut_message(msg.trim()),
         Err(_) => {
-            // The spaces before the text (however many), then as many bytes as may be
+            // The spaces around the text (however many), then as many bytes as may be
             // kept and one character more: what decodes from them starts as the whole
             // body's decoding does (a character cut at their end becomes a replacement
             // past what is kept, and a text that goes on is cut with `…`).
-            let text = bytes.trim_ascii_start();
+            let text = bytes.trim_ascii();
             let head = &text[..text.len().min(MAX_MESSAGE + 4)];
             let decoded = String::from_utf8_lossy(head);
             if head.len() == text.len() {
@@ -502,6 +502,12 @@ mod tests {
             assert!(m.starts_with('x') && m.len() <= 515 && m.ends_with('…'));
             assert!(m.capacity() < 1024, "{} bytes kept", m.capacity());
         }
+        // Spaces after a short text are trimmed too, however many.
+        let trailing = format!("boom{}", " ".repeat(4096));
+        assert_eq!(
+            upstream_message(&Bytes::from(trailing)).as_deref(),
+            Some("boom")
+        );
         // Spaces before a short text are still trimmed, however many.
         let spaced = format!("{}boom \n", " ".repeat(4096));
         assert_eq!(
