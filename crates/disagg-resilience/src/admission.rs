@@ -31,10 +31,22 @@
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
 //! timeout (or past its deadline) gets 503 `queue_timeout`. Both are OpenAI-format
 //! errors. No request is dropped silently, and a waiting request that its client
-//! abandons leaves the queue at once. A request takes one place in the queue however
-//! many of these waits it passes through (held, then waiting for a per-endpoint
-//! place, or the reverse): it is counted once, and a queue full of others does not
-//! refuse it once it waits.
+//! abandons leaves the queue at once, giving back everything it took there. A request
+//! takes one place in the queue however many of these waits its routing passes
+//! through (held, then waiting for a per-endpoint place, or the reverse): it is
+//! counted once, and a queue full of others does not refuse it once it waits.
+//!
+//! Those waits also end together: each ends at the earliest end any of them set (a
+//! wait's start plus its timeout — the hold's own wait for a held request, the queue
+//! timeout for one waiting for a per-endpoint place — or the request's deadline). A
+//! routing thus waits at most its first wait's timeout in all, and one that runs out
+//! gets the same 503 `queue_timeout`, its wait counted from that first wait's start.
+//!
+//! The wait for a global permit comes before the routing and keeps its own timeout
+//! (the request's deadline bounds both). A request admitted after that wait is
+//! counted in `queued` by it: a wait of its routing afterwards takes a place in the
+//! queue again (counted in `waiting`, refused with 429 when the queue is full) but
+//! does not count it in `queued` a second time.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -62,7 +74,10 @@ pub struct AdmissionConfig {
     /// 1024).
     pub max_queue: usize,
     /// Longest wait in the queue before 503 `queue_timeout` (default 10 s). A request's
-    /// deadline, when shorter, bounds the wait too.
+    /// deadline, when shorter, bounds the wait too. A routing's waits (for a
+    /// per-endpoint place, in a decode hold) end at the earliest end any of them set:
+    /// one request waits one timeout, the first wait's, across them (see the
+    /// [module](self) docs).
     pub queue_timeout: Duration,
     /// The `retry-after` a refused client is given (default 1 s).
     pub retry_after: Duration,
@@ -93,6 +108,9 @@ struct State {
     global: Option<Arc<Semaphore>>,
     /// Requests waiting, for either limit.
     waiting: AtomicUsize,
+    /// The tasks running a request that waited for its global permit and holds it,
+    /// with how many such permits each holds (see [`Admitted`]).
+    admitted: std::sync::Mutex<HashMap<tokio::task::Id, usize>>,
     /// Rung when a leg holding a per-endpoint place ends, for waiters on a
     /// per-endpoint limit.
     ended: Notify,
@@ -104,6 +122,46 @@ struct State {
 /// A request's place among the running ones, inside its [`Permit`].
 struct Place {
     _global: Option<OwnedSemaphorePermit>,
+    /// Its task's mark, when it waited for the global permit.
+    _admitted: Option<Admitted>,
+}
+
+/// The mark a request admitted after a wait for a global permit leaves on its task
+/// while it holds the permit: that wait counted it in `queued`, and a wait of its
+/// routing ([`DecodeHold`], [`PerEndpointLimit`]) takes it in the queue again (a
+/// place in `waiting`, 429 when the queue is full) without counting it in `queued`
+/// a second time.
+///
+/// Keyed by the tokio task, as the only thing the admission's wait (a future of its
+/// own, over before the routing starts) and the routing share: a tokio task-local
+/// lives only inside a scope its caller opens, and none encloses both. The proxy
+/// serves a connection's requests one after another on one task, and the permit is
+/// given back when the answer's last byte is sent, before the next request is read.
+/// A caller that polls several requests on one task at once may see one of them not
+/// counted in `queued` while another holds such a permit; outside a task (a
+/// `block_on`) no mark is left, and the routing's wait counts again. Only the count
+/// reads the mark: no wait, refusal or timeout depends on it.
+struct Admitted {
+    state: Arc<State>,
+    task: tokio::task::Id,
+}
+
+impl Admitted {
+    /// The current task marked in `state`, when there is one.
+    fn mark(state: &Arc<State>) -> Option<Admitted> {
+        let task = tokio::task::try_id()?;
+        take(&mut crate::lock(&state.admitted), task);
+        Some(Admitted {
+            state: Arc::clone(state),
+            task,
+        })
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        give_back(&mut crate::lock(&self.state.admitted), &self.task);
+    }
 }
 
 /// A leg's place under the per-endpoint limit, inside the [`Permit`] its route holds:
@@ -176,6 +234,10 @@ tokio::task_local! {
 /// refuses it with 429 when the queue is full); the others find it counted. Given
 /// back when the routing ends (the request is routed or refused), or is abandoned.
 ///
+/// It also keeps when the routing's waits must end ([`Bound`]): each wait ends at the
+/// earliest end any of them set, so that the request waits at most one timeout in all
+/// (the first wait's), however many of these waits it passes through.
+///
 /// A decode hold passes it to the router it wraps in [`QUEUED`] rather than through
 /// the [`Router`] seam: [`Ask`] is the orchestrator's, and a place in this crate's
 /// queue means nothing to any other router.
@@ -183,22 +245,59 @@ tokio::task_local! {
 struct Queued {
     state: Arc<State>,
     counted: AtomicBool,
+    /// The routing's waits so far, merged; `None` before the first.
+    bound: std::sync::Mutex<Option<Bound>>,
+}
+
+/// When a wait started and when it must end (its timeout from its start, or the
+/// request's deadline, whichever comes first).
+#[derive(Debug, Clone, Copy)]
+struct Bound {
+    since: Instant,
+    until: Instant,
+}
+
+impl Bound {
+    /// A wait from `since`, for `timeout` at most, within `deadline`.
+    fn new(since: Instant, timeout: Duration, deadline: Option<Instant>) -> Bound {
+        let by_timeout = crate::after(since, timeout);
+        Bound {
+            since,
+            until: deadline.map_or(by_timeout, |d| d.min(by_timeout)),
+        }
+    }
+
+    /// The two waits of one routing as one: from the first's start to the earliest
+    /// end.
+    fn and(self, other: Bound) -> Bound {
+        Bound {
+            since: self.since.min(other.since),
+            until: self.until.min(other.until),
+        }
+    }
 }
 
 impl Queued {
     /// The place of the routing under way in `state`'s queue (when a hold wrapping
-    /// this one routes the request), or a new one.
-    fn for_routing(state: &Arc<State>) -> Arc<Queued> {
-        QUEUED
+    /// this one routes the request), or a new one; `true` when new: the routing that
+    /// made it gives it back when it ends (one wrapped in it, whose routing ends
+    /// first, does not).
+    fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool) {
+        let under_way = QUEUED
             .try_with(|q| q.is_in(state).then(|| Arc::clone(q)))
             .ok()
-            .flatten()
-            .unwrap_or_else(|| {
-                Arc::new(Queued {
+            .flatten();
+        match under_way {
+            Some(q) => (q, false),
+            None => {
+                let q = Queued {
                     state: Arc::clone(state),
                     counted: AtomicBool::new(false),
-                })
-            })
+                    bound: std::sync::Mutex::new(None),
+                };
+                (Arc::new(q), true)
+            }
+        }
     }
 
     /// Whether this is a place in `state`'s queue.
@@ -206,15 +305,18 @@ impl Queued {
         std::ptr::eq(Arc::as_ptr(&self.state), state)
     }
 
-    /// The request counted in the queue, if it was not yet; 429 when the queue is
-    /// full.
-    fn enqueue(&self) -> Result<(), PdError> {
-        if self.counted.load(Ordering::Relaxed) {
-            return Ok(());
+    /// The request counted in the queue, if it was not yet (429 when the queue is
+    /// full), for a wait `wait`: the bound of the routing's waits, this one's with
+    /// those before it.
+    fn enqueue(&self, wait: Bound) -> Result<Bound, PdError> {
+        if !self.counted.load(Ordering::Relaxed) {
+            self.state.count(!self.state.admitted_here())?;
+            self.counted.store(true, Ordering::Relaxed);
         }
-        self.state.count()?;
-        self.counted.store(true, Ordering::Relaxed);
-        Ok(())
+        let mut bound = crate::lock(&self.bound);
+        let merged = bound.map_or(wait, |b| b.and(wait));
+        *bound = Some(merged);
+        Ok(merged)
     }
 
     /// The request no longer counted as waiting (routed, or refused), if it was.
@@ -240,6 +342,7 @@ impl Limits {
                 global: config.max_in_flight.map(|n| Arc::new(Semaphore::new(n))),
                 config,
                 waiting: AtomicUsize::new(0),
+                admitted: std::sync::Mutex::default(),
                 ended: Notify::new(),
                 queue_full: AtomicU64::new(0),
                 queue_timeouts: AtomicU64::new(0),
@@ -281,6 +384,11 @@ impl Limits {
     /// in this admission's queue (429 when full), looking again every
     /// [`HOLD_POLL`], until a decode has room (then `router` routes it), or for `wait`
     /// at most (or past its deadline): then 503 `queue_timeout`.
+    ///
+    /// `wait` counts from the start of the request's routing and bounds the whole of
+    /// it: a held request that `router` then makes wait for a per-endpoint place
+    /// waits no later than `wait` from that start; one `router` made wait first is held
+    /// no later than the end of that wait (the queue timeout from its start).
     pub fn decode_hold<R: Router>(
         &self,
         router: R,
@@ -314,7 +422,10 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// A request it holds, then lets go to wait for a per-endpoint place (or that waited
 /// for one, then is held), keeps one place in the queue throughout: it is counted
 /// once in `waiting` and `queued`, and never refused with 429 for a wait it is
-/// already in.
+/// already in. Its waits end at the earliest end any of them set (this hold's `wait`
+/// from the routing's start, the queue timeout from the per-endpoint wait's start, or
+/// the deadline), with 503 `queue_timeout`: at most one timeout in all. A request that
+/// waited for its global permit before is not counted in `queued` again.
 ///
 /// Cost per request: a boxed routing future with its place in the queue (one small
 /// allocation), two short locks (the check, then the count), a snapshot of the
@@ -487,11 +598,9 @@ impl<R: Router> DecodeHold<R> {
     /// Routes the request once the decodes of its model have room, holding it in the
     /// queue meanwhile, in its routing's place `queued`.
     async fn route_with_room(&self, ask: Ask<'_>, queued: &Queued) -> Result<Route, PdError> {
-        let since = Instant::now();
-        let until = {
-            let by_hold = crate::after(since, self.wait);
-            ask.deadline.map_or(by_hold, |d| d.min(by_hold))
-        };
+        // The hold's own wait, from the routing's start; once it holds the request,
+        // its routing's waits end at the earliest end any of them set.
+        let own = Bound::new(Instant::now(), self.wait, ask.deadline);
         // Once held: its place in the hold's line (its place in the queue is
         // `queued`'s, counted then or already, when the router it wraps made it wait).
         let mut held: Option<Ticket<'_>> = None;
@@ -507,8 +616,10 @@ impl<R: Router> DecodeHold<R> {
                     return Ok(route);
                 }
             }
+            // Every time: a wait of the router it wraps, since the last look, may have
+            // brought the end nearer.
+            let Bound { since, until } = queued.enqueue(own)?;
             if held.is_none() {
-                queued.enqueue()?;
                 let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
                 let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
                 let ticket = Ticket {
@@ -538,12 +649,16 @@ impl<R: Router> Router for DecodeHold<R> {
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
         // Its one place in the queue, whether it waits here or in the router it wraps
         // (which finds it in `QUEUED`).
-        let queued = Queued::for_routing(&self.state);
+        let (queued, new) = Queued::for_routing(&self.state);
         let scoped = Arc::clone(&queued);
         let routing = async move {
             let routed = self.route_with_room(ask, &queued).await;
             // Not when the future is dropped: a caller may keep it after it is ready.
-            queued.leave();
+            // Only by the routing that made the place: a hold wrapping this one of
+            // the same queue may still hold the request.
+            if new {
+                queued.leave();
+            }
             routed
         };
         Either::Right(Box::pin(QUEUED.scope(scoped, routing)))
@@ -569,21 +684,23 @@ impl<R: Router> Router for DecodeHold<R> {
 }
 
 impl State {
-    /// A place in the queue, or 429 when it is full. A request a [`DecodeHold`] of
-    /// this queue is routing has one place for its routing ([`Queued`]): it takes
-    /// that one (counted at its first wait), not another.
-    fn enqueue(&self) -> Result<Waiting<'_>, PdError> {
-        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue()));
+    /// A routing's place in the queue for a wait `wait`, or 429 when it is full; and
+    /// when the wait must end. A request a [`DecodeHold`] of this queue is routing has
+    /// one place for its routing ([`Queued`]): it takes that one (counted at its first
+    /// wait), not another, and its wait ends at the earliest end of its routing's
+    /// waits.
+    fn enqueue(&self, wait: Bound) -> Result<(Waiting<'_>, Bound), PdError> {
+        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue(wait)));
         if let Ok(Some(counted)) = routing {
-            return counted.map(|()| Waiting(None));
+            return counted.map(|bound| (Waiting(None), bound));
         }
-        self.count()?;
-        Ok(Waiting(Some(&self.waiting)))
+        self.count(!self.admitted_here())?;
+        Ok((Waiting(Some(&self.waiting)), wait))
     }
 
-    /// One more request counted as waiting, and in `queued`; none and 429 when the
-    /// queue is full.
-    fn count(&self) -> Result<(), PdError> {
+    /// One more request counted as waiting, and in `queued` when `first` (its first
+    /// wait); none and 429 when the queue is full.
+    fn count(&self, first: bool) -> Result<(), PdError> {
         let before = self.waiting.fetch_add(1, Ordering::Relaxed);
         if before >= self.config.max_queue {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -592,15 +709,22 @@ impl State {
                 retry_after: self.config.retry_after,
             }));
         }
-        self.queued.fetch_add(1, Ordering::Relaxed);
+        if first {
+            self.queued.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
-    /// When a wait that started at `since` must end: the queue timeout or the request's
-    /// deadline, whichever comes first.
-    fn wait_until(&self, since: Instant, deadline: Option<Instant>) -> Instant {
-        let by_queue = crate::after(since, self.config.queue_timeout);
-        deadline.map_or(by_queue, |d| d.min(by_queue))
+    /// Whether the request on this task was admitted after a wait for the global
+    /// permit it holds ([`Admitted`]): counted in `queued` by then. Asked only by a
+    /// request about to wait.
+    fn admitted_here(&self) -> bool {
+        tokio::task::try_id().is_some_and(|task| crate::lock(&self.admitted).contains_key(&task))
+    }
+
+    /// A wait in this queue from `since`: for the queue timeout, within `deadline`.
+    fn wait(&self, since: Instant, deadline: Option<Instant>) -> Bound {
+        Bound::new(since, self.config.queue_timeout, deadline)
     }
 
     fn timed_out(&self, since: Instant) -> PdError {
@@ -610,8 +734,11 @@ impl State {
         })
     }
 
-    fn permit(global: Option<OwnedSemaphorePermit>) -> Permit {
-        Permit::new(Place { _global: global })
+    fn permit(global: Option<OwnedSemaphorePermit>, admitted: Option<Admitted>) -> Permit {
+        Permit::new(Place {
+            _global: global,
+            _admitted: admitted,
+        })
     }
 }
 
@@ -621,31 +748,29 @@ impl Admission for Limits {
             None => None,
             Some(sem) => Some(Arc::clone(sem).try_acquire_owned().ok()?),
         };
-        Some(State::permit(global))
+        Some(State::permit(global, None))
     }
 
     /// Wait in the queue for the global limit.
     fn admit(&self, deadline: Option<Instant>) -> BoxFuture<'static, Result<Permit, PdError>> {
         let state = Arc::clone(&self.state);
         Box::pin(async move {
-            let global = match &state.global {
-                None => None,
-                Some(sem) => match Arc::clone(sem).try_acquire_owned() {
-                    Ok(p) => Some(p),
-                    Err(_) => {
-                        let _waiting = state.enqueue()?;
-                        let since = Instant::now();
-                        let until = state.wait_until(since, deadline);
-                        match tokio::time::timeout_at(until, Arc::clone(sem).acquire_owned()).await
-                        {
-                            Ok(Ok(p)) => Some(p),
-                            // Closed never happens: the semaphore is never closed.
-                            Ok(Err(_)) | Err(_) => return Err(state.timed_out(since)),
-                        }
-                    }
-                },
+            let Some(sem) = &state.global else {
+                return Ok(State::permit(None, None));
             };
-            Ok(State::permit(global))
+            if let Ok(p) = Arc::clone(sem).try_acquire_owned() {
+                return Ok(State::permit(Some(p), None));
+            }
+            // The request's first wait: counted in `queued`.
+            state.count(true)?;
+            let _waiting = Waiting(Some(&state.waiting));
+            let Bound { since, until } = state.wait(Instant::now(), deadline);
+            match tokio::time::timeout_at(until, Arc::clone(sem).acquire_owned()).await {
+                // Its task marked: its routing's waits do not count it again.
+                Ok(Ok(p)) => Ok(State::permit(Some(p), Admitted::mark(&state))),
+                // Closed never happens: the semaphore is never closed.
+                Ok(Err(_)) | Err(_) => Err(state.timed_out(since)),
+            }
         })
     }
 
@@ -665,7 +790,9 @@ impl Admission for Limits {
 ///
 /// When the route its router chose has an endpoint at the limit, [`route`](Router::route)
 /// waits in the [`Limits`]' queue (429 when full, 503 past the queue timeout or the
-/// request's deadline) until a leg that held a place ends, and routes again. An
+/// request's deadline) until a leg that held a place ends, and routes again. Under a
+/// [`DecodeHold`] of the same queue that held the request first, the wait also ends
+/// when the hold's would have (the first wait's end bounds the routing's). An
 /// endpoint's count is the larger of its own in-flight count (a prefill endpoint's
 /// prefill exchanges, a decode endpoint's streams) and the places this limit handed
 /// out on it that were not given back: a request counts from its routing, before its
@@ -695,11 +822,11 @@ impl<R: Router> PerEndpointLimit<R> {
         choose: impl Fn() -> Result<Route, PdError>,
         deadline: Option<Instant>,
     ) -> Result<Route, PdError> {
-        let since = Instant::now();
         // One place in the queue (and one `queued`) however often it routes again; the
-        // place the decode hold wrapping it holds, when it is held.
-        let _waiting = self.state.enqueue()?;
-        let until = self.state.wait_until(since, deadline);
+        // place the decode hold wrapping it holds, when it is held, and then no later
+        // than the end of the hold's wait.
+        let wait = self.state.wait(Instant::now(), deadline);
+        let (_waiting, Bound { since, until }) = self.state.enqueue(wait)?;
         loop {
             // Listening before looking: a leg that ends between the look and the wait
             // still wakes it.
@@ -1247,9 +1374,21 @@ mod tests {
         disagg_core::source::StaticSource,
         [Arc<Endpoint>; 2],
     ) {
+        held_over_per_endpoint_for(limits, Duration::from_secs(60))
+    }
+
+    /// [`held_over_per_endpoint`], the hold waiting `wait` at most.
+    fn held_over_per_endpoint_for(
+        limits: &Limits,
+        wait: Duration,
+    ) -> (
+        DecodeHold<PerEndpointLimit<First>>,
+        disagg_core::source::StaticSource,
+        [Arc<Endpoint>; 2],
+    ) {
         use disagg_core::source::{EndpointSource, StaticSource};
 
-        let router = limits.decode_hold(limits.per_endpoint(First, 1), 1, Duration::from_secs(60));
+        let router = limits.decode_hold(limits.per_endpoint(First, 1), 1, wait);
         let source = StaticSource::new([
             endpoint("http://p:1", Role::Prefill),
             endpoint("http://d1:1", Role::Decode),
@@ -1382,6 +1521,241 @@ mod tests {
         assert!(crate::lock(&router.routed.0).unnamed.is_empty());
         drop(first);
         assert!(crate::lock(&router.inner.places.0).is_empty());
+    }
+
+    /// A request that waited `ms` milliseconds in the queue and was not admitted.
+    fn timed_out_after(e: &PdError, ms: u64) -> bool {
+        e.http().code == "queue_timeout" && e.to_string().contains(&format!("waited {ms} ms"))
+    }
+
+    /// A held request let go by the hold after most of the hold's wait, then waiting
+    /// for a per-endpoint place, waited the queue timeout again: 19 s in all for a
+    /// hold and a queue of 10 s each.
+    #[tokio::test(start_paused = true)]
+    async fn a_per_endpoint_wait_after_the_hold_ends_within_the_holds_wait() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            queue_timeout: Duration::from_secs(10),
+            ..AdmissionConfig::default()
+        });
+        let (router, source, [d1, d2]) =
+            held_over_per_endpoint_for(&limits, Duration::from_secs(10));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let other = d2.track();
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        assert_eq!(first.decode.id(), d1.id());
+        let start = Instant::now();
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none(), "held");
+        // 9 s later the second decode frees up: the hold lets it go, and it waits
+        // for the prefill's place, which the first request holds.
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!((&mut second).now_or_never().is_none(), "still held");
+        drop(other);
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut second).now_or_never().is_none(), "waits for a place");
+        // The hold's 10 s are up: its wait ends there, with the hold's error.
+        tokio::time::advance(start + Duration::from_secs(10) - Instant::now()).await;
+        let e = (&mut second)
+            .now_or_never()
+            .expect("the routing's waits end with the first one's")
+            .unwrap_err();
+        assert!(timed_out_after(&e, 10_000), "{e}");
+        let stats = limits.stats();
+        assert_eq!(
+            (stats.waiting, stats.queued, stats.queue_timeouts),
+            (0, 1, 1)
+        );
+        drop(first);
+        assert!(crate::lock(&router.inner.places.0).is_empty());
+    }
+
+    /// A request that waited for a per-endpoint place most of the queue timeout, then
+    /// found every decode full and was held, waited the hold's own wait again.
+    #[tokio::test(start_paused = true)]
+    async fn a_hold_after_a_per_endpoint_wait_ends_within_the_queue_timeout() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            queue_timeout: Duration::from_secs(10),
+            ..AdmissionConfig::default()
+        });
+        let (router, source, [d1, d2]) =
+            held_over_per_endpoint_for(&limits, Duration::from_secs(60));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        let start = Instant::now();
+        // The second decode has room: the hold lets it go, and it waits for the
+        // prefill's place.
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none());
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!((&mut second).now_or_never().is_none(), "still waits");
+        // Both decodes fill up, as their engines say; the prefill's place is given
+        // back: it is held.
+        d1.set_engine_load(Some(1));
+        d2.set_engine_load(Some(1));
+        drop(first);
+        assert!((&mut second).now_or_never().is_none(), "held now");
+        // The queue timeout from its first wait is up.
+        tokio::time::advance(start + Duration::from_secs(10) - Instant::now()).await;
+        let e = (&mut second)
+            .now_or_never()
+            .expect("the routing's waits end with the first one's")
+            .unwrap_err();
+        assert!(timed_out_after(&e, 10_000), "{e}");
+        let stats = limits.stats();
+        assert_eq!(
+            (stats.waiting, stats.queued, stats.queue_timeouts),
+            (0, 1, 1)
+        );
+        assert!(crate::lock(&router.routed.0).unnamed.is_empty());
+    }
+
+    /// Lets the spawned tasks run until `done` holds of `limits`' stats (the test
+    /// runtime is one thread: each yield runs the tasks that are ready).
+    async fn settle(limits: &Limits, done: impl Fn(AdmissionStats) -> bool) -> AdmissionStats {
+        for _ in 0..1000 {
+            if done(limits.stats()) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        limits.stats()
+    }
+
+    /// A request that waited for a global permit, then for a per-endpoint place (a
+    /// routed one, or an adapter's direct place), was counted in `queued` twice.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_admitted_after_a_wait_then_waiting_for_a_place_is_queued_once() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Arc::new(Limits::new(AdmissionConfig {
+            max_in_flight: Some(1),
+            ..AdmissionConfig::default()
+        }));
+        let router = Arc::new(limits.per_endpoint(First, 1));
+        let source = Arc::new(StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let mut running = limits.admit(None).now_or_never().unwrap().unwrap();
+        let mut route = router
+            .route(Ask::new(&view, &*source, false, None))
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        let decode = Arc::clone(&route.decode);
+        let spawn = |direct: bool| {
+            let (limits, router, source) = (
+                Arc::clone(&limits),
+                Arc::clone(&router),
+                Arc::clone(&source),
+            );
+            let decode = Arc::clone(&decode);
+            tokio::spawn(async move {
+                let permit = limits.admit(None).await?;
+                let route = if direct {
+                    let pick = move || Ok(Arc::clone(&decode));
+                    router.place(&pick, None).await?
+                } else {
+                    let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+                    let view = RequestView::new(Api::Chat, None, &headers, &body);
+                    router.route(Ask::new(&view, &*source, false, None)).await?
+                };
+                Ok::<_, PdError>((permit, route))
+            })
+        };
+        let mut queued = 0;
+        for direct in [false, true] {
+            let task = spawn(direct);
+            let stats = settle(&limits, |s| s.waiting == 1).await;
+            queued += 1;
+            assert_eq!(
+                (stats.waiting, stats.queued),
+                (1, queued),
+                "waits for a permit"
+            );
+            // The permit is given back; the routed request's places are not.
+            drop(running);
+            let stats = settle(&limits, |s| s.queued > queued).await;
+            assert_eq!(
+                (stats.waiting, stats.queued),
+                (1, queued),
+                "waiting for a place, it is still one request that had to wait"
+            );
+            drop(route);
+            let (permit, next) = task.await.unwrap().unwrap();
+            assert_eq!(limits.stats().waiting, 0);
+            (running, route) = (permit, next);
+        }
+        assert_eq!(limits.stats().queued, 2);
+        // Every permit given back, no task is marked any more.
+        drop((running, route));
+        assert!(crate::lock(&limits.state.admitted).is_empty());
+    }
+
+    /// A request held by an inner decode hold of the same queue, let go by it, then
+    /// held by the outer one, was counted again: the inner hold gave its place in
+    /// the queue back when its own routing ended, though the outer routing went on.
+    #[tokio::test(start_paused = true)]
+    async fn nested_holds_of_one_queue_count_a_request_once() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let inner = Arc::new(limits.decode_hold(First, 1, Duration::from_secs(60)));
+        let outer = limits.decode_hold(Arc::clone(&inner), 1, Duration::from_secs(60));
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // A request routed by the inner hold alone fills the decode for it.
+        let r0 = inner.route(ask).now_or_never().unwrap().unwrap();
+        // X passes the outer hold, and is held by the inner one.
+        let mut x = Box::pin(outer.route(ask));
+        assert!((&mut x).now_or_never().is_none());
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // The decode's engine says it is full: Z is held by the outer hold.
+        decode.set_engine_load(Some(1));
+        let mut z = Box::pin(outer.route(ask));
+        assert!((&mut z).now_or_never().is_none());
+        assert_eq!((waiting(&limits), limits.stats().queued), (2, 2));
+        // The decode frees up. Z, oldest in the outer line, passes it, and waits
+        // behind X in the inner line; X passes the inner hold, and finds Z ahead of
+        // it in the outer line: held again.
+        decode.set_engine_load(Some(0));
+        drop(r0);
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut z).now_or_never().is_none());
+        assert!((&mut x).now_or_never().is_none());
+        let stats = limits.stats();
+        assert_eq!((stats.waiting, stats.queued), (2, 2), "each counted once");
+        drop((x, z));
+        assert_eq!(waiting(&limits), 0);
     }
 
     /// `Duration::MAX`, a common "forever", overflowed the clock and panicked.
