@@ -139,12 +139,18 @@ where
 /// `work` on the current runtime's blocking pool, once `limit` has a place for it (see
 /// [`BlockingLimit`]); on the calling thread outside a runtime. Its panic resumes here;
 /// a runtime shutting down (the task cancelled) is a [`TokenizeError::Tokenizer`].
+/// Public for a caller's own walk of a large prompt within the same limit (the LMCache
+/// connector's telling a batch from a list of ids, say).
 ///
 /// Dropped while it waits for a place, nothing is spawned; dropped once spawned, the
 /// job is aborted, which keeps it from starting if the pool has not started it yet.
 /// The place goes with the job, and comes back when the job ends (or is dropped
 /// unstarted).
-pub(crate) async fn off_loop<T, F>(limit: &BlockingLimit, work: F) -> Result<T, TokenizeError>
+///
+/// # Errors
+///
+/// `work`'s own, and [`TokenizeError::Tokenizer`] when the job was lost.
+pub async fn off_loop<T, F>(limit: &BlockingLimit, work: F) -> Result<T, TokenizeError>
 where
     T: Send + 'static,
     F: FnOnce() -> Result<T, TokenizeError> + Send + 'static,

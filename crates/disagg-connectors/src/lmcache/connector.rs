@@ -11,7 +11,11 @@
 //!    the ids are decoded no further than the first one past the ceiling, and the
 //!    `/tokenize` answer is read no further than an answer of that many ids can take
 //!    ([`answer_limit`](disagg_tokenize::engine::answer_limit)). Lists of 256 KiB or
-//!    more are decoded on Tokio's blocking pool, not on the event loop.
+//!    more are decoded on Tokio's blocking pool, not on the event loop; a completions
+//!    prompt of that size is told apart there too (a batch, which is refused, the
+//!    client's ids, or text), the event loop looking no further than its first
+//!    element, and a chat's messages of that size are looked through for media parts
+//!    (refused) there.
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
@@ -53,11 +57,12 @@ use disagg_core::transport::Transport;
 use disagg_json::InvalidParam;
 use disagg_json::JsonBody;
 use disagg_pairing::{KvProfile, Mismatch, PairError};
-use disagg_tokenize::prompt::BlockingLimit;
+use disagg_tokenize::prompt::{BlockingLimit, READ_OFF_LOOP_FROM};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use self::prompt::{Kind, Unchecked};
 use super::notify::{Notifications, Pending};
 use super::reshape::{lead, reshaper};
 
@@ -451,8 +456,11 @@ pub(super) struct Plan {
     pub(super) min_tokens: Option<u64>,
     /// How many decode ranks notify.
     pub(super) ranks: usize,
-    /// The `/tokenize` request, unless the prompt is token ids already.
+    /// The `/tokenize` request, unless the prompt is token ids already (or is a
+    /// completions prompt still `unchecked`).
     pub(super) tokenize: Option<Bytes>,
+    /// The check of a large prompt `prepare` left to `resolve`, off the event loop.
+    pub(super) unchecked: Option<Unchecked>,
     /// The prompt's token ids, once tokenized.
     pub(super) tokens: Option<Arc<[u64]>>,
     /// The prefill's first token, once it answered with one.
@@ -587,16 +595,30 @@ impl KvConnector for Lmcache {
             return Err(unsupported("more than one choice (n, best_of)"));
         }
         let chat = req.api() == Api::Chat;
-        if let Some(kind) = chat
-            .then(|| body.get("messages").and_then(media::media_part))
-            .flatten()
-        {
-            return Err(unsupported(&format!(
-                "media in a chat (a `{kind}` part): its legs carry token ids, not media"
-            )));
-        }
-        if !chat && matches!(body.get("prompt"), Some(p) if is_batch(p)) {
-            return Err(unsupported("a batch of prompts"));
+        // The prompt is checked here when that is cheap (see `prompt`), else by
+        // `resolve`, off the event loop: a chat for media parts, a completions prompt
+        // for what it is.
+        let (mut client_ids, mut unchecked) = (false, None);
+        if chat {
+            if let Some(messages) = body.get_bytes("messages") {
+                if messages.len() >= READ_OFF_LOOP_FROM {
+                    unchecked = Some(Unchecked::Messages(messages));
+                } else if let Some(kind) = media::media_part(&messages) {
+                    return Err(prompt::with_media(kind));
+                }
+            }
+        } else if let Some(p) = body.get("prompt") {
+            match prompt::on_the_loop(p) {
+                Some(Kind::Batch) => return Err(prompt::batch()),
+                Some(kind) => client_ids = kind == Kind::Ids,
+                None => {
+                    unchecked = body.get_bytes("prompt").map(|prompt| Unchecked::Prompt {
+                        prompt,
+                        model: body.get_bytes("model").filter(|m| &m[..] != b"null"),
+                        known: req.tokens().is_some(),
+                    });
+                }
+            }
         }
         let max_tokens = if chat {
             int_field(body, "max_completion_tokens").or_else(|| int_field(body, "max_tokens"))
@@ -613,10 +635,9 @@ impl KvConnector for Lmcache {
         // The ids the orchestrator already has (its tokenizer ran for a router that
         // reads them) spare the prefill engine's `/tokenize` round trip.
         let known = req.tokens();
-        let tokenize = match known {
-            Some(_) => None,
-            None => tokenize_request(body, chat)?,
-        };
+        let completion_unchecked = matches!(unchecked, Some(Unchecked::Prompt { .. }));
+        let tokenize = (known.is_none() && !client_ids && !completion_unchecked)
+            .then(|| tokenize_request(body, chat));
 
         // The completions form both legs share.
         let mut base = body.clone();
@@ -682,6 +703,7 @@ impl KvConnector for Lmcache {
             min_tokens: int_field(body, "min_tokens"),
             ranks: receiver.ranks(),
             tokenize,
+            unchecked,
             tokens: None,
             first: None,
         });
@@ -719,10 +741,13 @@ impl KvConnector for Lmcache {
                 reason: "the plan was not prepared by this connector".into(),
             });
         };
+        let tokenize = match plan.unchecked {
+            None => plan.tokenize,
+            Some(u) => prompt::check_off_loop(u, plan.tokenize, &ep, &self.blocking).await?,
+        };
         let max = self.max_prompt_tokens;
         let prompt = handoff.prefill.body.get_bytes("prompt");
-        let tokens =
-            ids::prompt_ids(transport, &ep, plan.tokenize, prompt, max, &self.blocking).await?;
+        let tokens = ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
             return Err(engine_error(
                 &ep,
@@ -889,66 +914,49 @@ fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
         .flatten()
 }
 
-/// Whether a completions `prompt` is a batch: a list holding a string or a list. Its
-/// elements are looked at, not built (a client's prompt of millions of token ids is
-/// one prompt, and no `Value` per id).
-fn is_batch(raw: &[u8]) -> bool {
-    let Ok(text) = std::str::from_utf8(raw) else {
-        return false;
-    };
-    let mut batch = false;
-    let listed = disagg_json::raw::elements(text, |x| {
-        batch |= matches!(x.get().as_bytes().first(), Some(b'"' | b'['));
-    });
-    listed.is_ok() && batch
-}
-
-/// Whether `raw` is a list of token ids (integers that fit a `u64`), looked at one by
-/// one, not collected.
-fn is_token_ids(raw: &[u8]) -> bool {
-    let Some(text) = std::str::from_utf8(raw).ok().filter(|t| t.starts_with('[')) else {
-        return false;
-    };
-    let mut ids = true;
-    let listed = disagg_json::raw::elements(text, |v| {
-        ids &= disagg_json::raw::u64_of(v).is_some();
-    });
-    listed.is_ok() && ids
-}
-
-/// The `/tokenize` body for a client's request (`None`: its prompt is token ids).
-fn tokenize_request(body: &JsonBody, chat: bool) -> Result<Option<Bytes>, ConnectorError> {
+/// The `/tokenize` body for a client's request (a completions prompt of text: see
+/// [`Kind`]).
+fn tokenize_request(body: &JsonBody, chat: bool) -> Bytes {
     // The client's values as it wrote them: copied, never built (a `Value` of a
     // message list costs up to ~95 bytes per byte).
     let raw = |key: &str| body.get(key).filter(|v| *v != b"null");
+    if !chat {
+        return completion_tokenize(raw("model"), body.get("prompt").unwrap_or(b"null"));
+    }
     let mut out = Vec::with_capacity(256);
     let mut o = disagg_json::raw::Object::open(&mut out);
     if let Some(m) = raw("model") {
         o.raw("model", m);
     }
-    if chat {
-        o.raw("messages", raw("messages").unwrap_or(b"[]"));
-        o.raw(
-            "add_generation_prompt",
-            raw("add_generation_prompt").unwrap_or(b"true"),
-        );
-        for key in [
-            "continue_final_message",
-            "chat_template",
-            "chat_template_kwargs",
-        ] {
-            if let Some(v) = raw(key) {
-                o.raw(key, v);
-            }
-        }
-    } else {
-        match body.get("prompt") {
-            Some(p) if is_token_ids(p) => return Ok(None),
-            p => o.raw("prompt", p.unwrap_or(b"null")),
+    o.raw("messages", raw("messages").unwrap_or(b"[]"));
+    o.raw(
+        "add_generation_prompt",
+        raw("add_generation_prompt").unwrap_or(b"true"),
+    );
+    for key in [
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+    ] {
+        if let Some(v) = raw(key) {
+            o.raw(key, v);
         }
     }
     o.close();
-    Ok(Some(Bytes::from(out)))
+    Bytes::from(out)
+}
+
+/// The `/tokenize` body for a completions `prompt` (and the client's `model`, not
+/// `null`), both as written.
+fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(prompt.len() + 64);
+    let mut o = disagg_json::raw::Object::open(&mut out);
+    if let Some(m) = model {
+        o.raw("model", m);
+    }
+    o.raw("prompt", prompt);
+    o.close();
+    Bytes::from(out)
 }
 
 fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> ConnectorError {
@@ -961,6 +969,7 @@ fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> Connecto
 
 mod ids;
 mod media;
+mod prompt;
 
 #[cfg(test)]
 mod tests;

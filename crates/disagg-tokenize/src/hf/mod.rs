@@ -14,6 +14,11 @@
 //! - `chat_template.jinja` beside it, and `additional_chat_templates/<name>.jinja`,
 //!   which take priority over the config's templates, as in transformers 5.
 //!
+//! Each within a ceiling before it is held: `tokenizer.json` 256 MiB, the config and
+//! each template 16 MiB, at most [`MAX_CHAT_TEMPLATES`] templates from one source and
+//! [`MAX_CHAT_TEMPLATE_BYTES`] of template files in all; of the config only the members
+//! above are built.
+//!
 //! The `tokenizers` crate is built with the pure-Rust `fancy-regex` engine instead of
 //! its default Oniguruma (a C library built from source) and without `esaxx_fast` (C++,
 //! only for training), so the crate builds with the Rust toolchain alone. The
@@ -27,6 +32,7 @@
 //! `legacy` settings), and chat templates that need Jinja2 features minijinja lacks.
 //! For those, tokenize through the engine ([`EngineTokenizer`](crate::EngineTokenizer)).
 
+mod load;
 mod messages;
 mod template;
 
@@ -40,10 +46,10 @@ use bytes::Bytes;
 use disagg_core::json::{JsonBody, raw};
 use disagg_core::request::Api;
 use minijinja::value::Value;
-use serde_json::Value as Json;
-use tokenizers::tokenizer::{AddedToken, PostProcessor};
+use tokenizers::tokenizer::PostProcessor;
 use tokenizers::utils::truncation::TruncationDirection;
 
+pub use self::load::{MAX_CHAT_TEMPLATE_BYTES, MAX_CHAT_TEMPLATES};
 use self::template::{Fields, RenderError, Templates};
 use crate::error::TokenizeError;
 use crate::prompt::{BlockingLimit, ChatPrompt, Prompt, PromptInput, off_loop, read_off_loop};
@@ -154,17 +160,6 @@ fn template_inputs(chat: &ChatPrompt) -> impl Iterator<Item = &Bytes> {
     )
 }
 
-/// The named special tokens of transformers' `SPECIAL_TOKENS_ATTRIBUTES`, in its order.
-const SPECIAL_TOKENS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
-
 /// Keyword arguments of transformers' `apply_chat_template` that it consumes itself:
 /// given in `chat_template_kwargs`, they never reach the template.
 const CONSUMED_KWARGS: [&str; 12] = [
@@ -230,6 +225,30 @@ pub enum LoadError {
         path: PathBuf,
         /// What is wrong.
         reason: Cow<'static, str>,
+    },
+    /// More chat templates than are loaded ([`MAX_CHAT_TEMPLATES`]): `.jinja` files in
+    /// a model's `additional_chat_templates` directory, or entries of a
+    /// `tokenizer_config.json`'s `chat_template` list. Refused before more are read.
+    #[error("{} holds more than {limit} chat templates", path.display())]
+    TooManyTemplates {
+        /// The `additional_chat_templates` directory, or the `tokenizer_config.json`.
+        path: PathBuf,
+        /// The ceiling.
+        limit: usize,
+    },
+    /// A model directory's chat template files (`chat_template.jinja` and
+    /// `additional_chat_templates/*.jinja`) total more bytes than are loaded
+    /// ([`MAX_CHAT_TEMPLATE_BYTES`]), each within its own ceiling. Refused before the
+    /// file past the total is read.
+    #[error(
+        "the chat template files of {} total more than {limit} bytes",
+        dir.display()
+    )]
+    TemplatesTooLarge {
+        /// The model directory.
+        dir: PathBuf,
+        /// The ceiling, in bytes.
+        limit: u64,
     },
     /// A chat template does not compile.
     #[error("invalid chat template `{name}`")]
@@ -321,7 +340,9 @@ impl HfTokenizer {
     ///
     /// # Errors
     ///
-    /// [`LoadError`] when `tokenizer.json` is missing or any file is invalid.
+    /// [`LoadError`] when `tokenizer.json` is missing or any file is invalid, or the
+    /// templates pass their ceilings ([`MAX_CHAT_TEMPLATES`],
+    /// [`MAX_CHAT_TEMPLATE_BYTES`]).
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<HfTokenizer, LoadError> {
         let dir = dir.as_ref();
         HfTokenizer::from_file_in(&dir.join("tokenizer.json"), dir)
@@ -350,27 +371,7 @@ impl HfTokenizer {
         let mut tokenizer = HfTokenizer::from_files(tokenizer_json, config.as_deref())?;
         // Standalone template files take priority over the config's, as in
         // transformers 5 (`PreTrainedTokenizerBase.from_pretrained`).
-        let mut files = Vec::new();
-        let single = dir.join("chat_template.jinja");
-        if single.exists() {
-            files.push(("default".to_owned(), read(&single)?));
-        }
-        let extra = dir.join("additional_chat_templates");
-        if let Ok(entries) = std::fs::read_dir(&extra) {
-            let mut paths: Vec<PathBuf> = entries
-                .filter_map(Result::ok)
-                .map(|e| e.path())
-                .filter(|p| p.extension().is_some_and(|x| x == "jinja"))
-                .collect();
-            paths.sort();
-            for path in paths {
-                let name = path
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                files.push((name, read(&path)?));
-            }
-        }
+        let files = load::template_files(dir)?;
         if !files.is_empty() {
             tokenizer = tokenizer.with_templates(files)?;
         }
@@ -387,12 +388,12 @@ impl HfTokenizer {
         tokenizer_config: Option<&Path>,
     ) -> Result<HfTokenizer, LoadError> {
         let tokenizer_json = tokenizer_json.as_ref();
-        let json = read_file(tokenizer_json, MAX_TOKENIZER_FILE)?;
+        let json = load::read_file(tokenizer_json, load::MAX_TOKENIZER_FILE)?;
         let config = match tokenizer_config {
             None => None,
-            Some(p) => Some((p.to_owned(), read_file(p, MAX_CONFIG_FILE)?)),
+            Some(p) => Some((p.to_owned(), load::read_file(p, load::MAX_CONFIG_FILE)?)),
         };
-        load(
+        load::load(
             (tokenizer_json.to_owned(), &json),
             config.as_ref().map(|(p, b)| (p.clone(), &b[..])),
         )
@@ -408,7 +409,7 @@ impl HfTokenizer {
         tokenizer_json: &[u8],
         tokenizer_config: Option<&[u8]>,
     ) -> Result<HfTokenizer, LoadError> {
-        load(
+        load::load(
             (PathBuf::from("tokenizer.json"), tokenizer_json),
             tokenizer_config.map(|c| (PathBuf::from("tokenizer_config.json"), c)),
         )
@@ -849,126 +850,6 @@ fn template_message(e: &minijinja::Error) -> String {
     }
 }
 
-/// The largest `tokenizer.json` read (the largest published ones are tens of MB).
-const MAX_TOKENIZER_FILE: u64 = 256 * 1024 * 1024;
-
-/// The largest `tokenizer_config.json` or chat template read.
-const MAX_CONFIG_FILE: u64 = 16 * 1024 * 1024;
-
-/// The bytes of `path`, a regular file of at most `limit` bytes: a FIFO or a device is
-/// refused before it is opened (reading one would block start-up), a longer file
-/// before it is held whole ([`disagg_files::read_regular`]).
-fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
-    disagg_files::read_regular_within(path, limit).map_err(|source| LoadError::Read {
-        path: path.to_owned(),
-        source,
-    })
-}
-
-/// A chat template's text (UTF-8), read as [`read_file`] reads.
-fn read(path: &Path) -> Result<String, LoadError> {
-    let bytes = read_file(path, MAX_CONFIG_FILE)?;
-    String::from_utf8(bytes).map_err(|e| LoadError::Read {
-        path: path.to_owned(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-    })
-}
-
-fn load(
-    (json_path, json): (PathBuf, &[u8]),
-    config: Option<(PathBuf, &[u8])>,
-) -> Result<HfTokenizer, LoadError> {
-    let mut tokenizer =
-        tokenizers::Tokenizer::from_bytes(json).map_err(|source| LoadError::Tokenizer {
-            path: json_path.clone(),
-            source,
-        })?;
-    // The truncation and padding the file may set are off, as transformers turns them
-    // off for every call that does not ask for them (`set_truncation_and_padding`), and
-    // vLLM's calls do not: `truncate_prompt_tokens` is applied per request (`encode`).
-    tokenizer
-        .with_truncation(None)
-        .map_err(|source| LoadError::Tokenizer {
-            path: json_path,
-            source,
-        })?;
-    tokenizer.with_padding(None);
-    let mut special = Vec::new();
-    let mut templates = None;
-    if let Some((path, bytes)) = config {
-        let bad = |reason: &'static str| LoadError::Config {
-            path: path.clone(),
-            reason: reason.into(),
-        };
-        let config: serde_json::Map<String, Json> =
-            serde_json::from_slice(bytes).map_err(|_| bad("not a JSON object"))?;
-        for name in SPECIAL_TOKENS {
-            let content = match config.get(name) {
-                None | Some(Json::Null) => continue,
-                Some(Json::String(s)) => s.clone(),
-                Some(Json::Object(o)) => match o.get("content") {
-                    Some(Json::String(s)) => s.clone(),
-                    _ => return Err(bad("a special token object without content")),
-                },
-                Some(_) => return Err(bad("a special token must be a string or an object")),
-            };
-            special.push((name, content));
-        }
-        // Named special tokens missing from tokenizer.json are added as special
-        // tokens, as transformers' `TokenizersBackend` does when it loads.
-        let missing: Vec<AddedToken> = special
-            .iter()
-            .filter(|(_, c)| tokenizer.token_to_id(c).is_none())
-            .map(|(_, c)| AddedToken::from(c.clone(), true))
-            .collect();
-        if !missing.is_empty() {
-            tokenizer
-                .add_special_tokens(missing)
-                .map_err(|source| LoadError::Tokenizer {
-                    path: path.clone(),
-                    source,
-                })?;
-        }
-        if config.get("split_special_tokens") == Some(&Json::Bool(true)) {
-            tokenizer.set_encode_special_tokens(true);
-        }
-        templates = match config.get("chat_template") {
-            None | Some(Json::Null) => None,
-            Some(Json::String(s)) => Some(vec![("default".to_owned(), s.clone())]),
-            Some(Json::Array(list)) => {
-                let mut named = Vec::with_capacity(list.len());
-                for item in list {
-                    match (item.get("name"), item.get("template")) {
-                        (Some(Json::String(n)), Some(Json::String(t))) => {
-                            named.push((n.clone(), t.clone()));
-                        }
-                        _ => return Err(bad("a chat template entry needs a name and a template")),
-                    }
-                }
-                Some(named)
-            }
-            Some(_) => return Err(bad("chat_template must be a string or a list")),
-        };
-    }
-    let templates = match templates {
-        None => None,
-        Some(t) => {
-            Some(Templates::new(t).map_err(|(name, source)| LoadError::Template { name, source })?)
-        }
-    };
-    Ok(HfTokenizer {
-        inner: Arc::new(Inner {
-            tokenizer,
-            templates,
-            special,
-            content_format: ContentFormat::Auto,
-            default_kwargs: Fields::default(),
-            off_loop_from: DEFAULT_OFF_LOOP_FROM,
-            blocking: BlockingLimit::default(),
-        }),
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -976,6 +857,7 @@ mod tests {
     use tokio::time::timeout;
 
     use super::*;
+    use serde_json::Value as Json;
 
     /// A word-level tokenizer whose post-processor adds `<s>` (id 0).
     const TOKENIZER: &str = r#"{

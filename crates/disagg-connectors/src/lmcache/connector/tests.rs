@@ -680,7 +680,11 @@ fn a_completions_batch_is_a_list_holding_a_string_or_a_list() {
         ("[]", false),
         ("[1,", false),
     ] {
-        assert_eq!(is_batch(prompt.as_bytes()), batch, "{prompt}");
+        assert_eq!(
+            prompt::kind(prompt.as_bytes()) == Kind::Batch,
+            batch,
+            "{prompt}"
+        );
     }
 }
 
@@ -692,13 +696,13 @@ fn the_tokenize_body_copies_the_clients_values() {
         br#"{"model":"m","messages":[{"role":"user","content":"hi","x":1e400}],"chat_template_kwargs":{"a":[0, 0]},"add_generation_prompt":null}"#,
     )
     .unwrap();
-    let out = tokenize_request(&chat, true).unwrap().unwrap();
+    let out = tokenize_request(&chat, true);
     assert_eq!(
         std::str::from_utf8(&out).unwrap(),
         r#"{"model":"m","messages":[{"role":"user","content":"hi","x":1e400}],"add_generation_prompt":true,"chat_template_kwargs":{"a":[0, 0]}}"#
     );
     let text = JsonBody::parse(br#"{"model":"m","prompt":"hello"}"#).unwrap();
-    let out = tokenize_request(&text, false).unwrap().unwrap();
+    let out = tokenize_request(&text, false);
     assert_eq!(&out[..], br#"{"model":"m","prompt":"hello"}"#);
     for (prompt, ids) in [
         ("[1,2,3]", true),
@@ -708,13 +712,20 @@ fn the_tokenize_body_copies_the_clients_values() {
         (r#"[1,"a"]"#, false),
         ("[18446744073709551616]", false),
     ] {
-        assert_eq!(is_token_ids(prompt.as_bytes()), ids, "{prompt}");
-        let body = JsonBody::parse(format!(r#"{{"prompt":{prompt}}}"#).as_bytes()).unwrap();
         assert_eq!(
-            tokenize_request(&body, false).unwrap().is_none(),
+            prompt::kind(prompt.as_bytes()) == Kind::Ids,
             ids,
             "{prompt}"
         );
+        let req = request(Api::Completions, &format!(r#"{{"prompt":{prompt}}}"#));
+        match connector().prepare(&route(Some(receiver())), &req) {
+            Ok(h) => {
+                let plan = h.ext.get::<Plan>().unwrap();
+                assert_eq!(plan.tokenize.is_none(), ids, "{prompt}");
+            }
+            // A batch, refused before any `/tokenize` body is made.
+            Err(e) => assert!(!ids && e.to_string().contains("batch"), "{prompt}: {e}"),
+        }
     }
 }
 
@@ -1028,3 +1039,5 @@ fn a_chat_with_media_is_refused_before_any_leg() {
     );
     assert!(c.prepare(&route(Some(receiver())), &text).is_ok());
 }
+
+mod kinds;
