@@ -168,6 +168,12 @@ pub trait ReturnedHandoff: Send + Sync + std::fmt::Debug + 'static {
     /// bytes: validate before keeping. Called on the response body's poll: must be
     /// cheap and must not block.
     fn returned(&self, value: &[u8]);
+
+    /// The plan's prefill leg certainly never reached its engine (no connection could
+    /// be made): what `prepare` took for it (a kept handoff, used once) may be kept
+    /// for the request's next attempt. Called at most once, before the attempt is
+    /// reported; the default does nothing.
+    fn unsent(&self) {}
 }
 
 /// The change of form from the decode's answer body to the client's, for a plan whose

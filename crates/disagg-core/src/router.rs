@@ -166,6 +166,12 @@ impl Route {
         self.holds.prefill.take()
     }
 
+    /// The decode leg's place, for whatever holds the decode's stream (a migrating
+    /// body, which gives it back when that stream is abandoned).
+    pub(crate) fn take_decode_hold(&mut self) -> Option<Permit> {
+        self.holds.decode.take()
+    }
+
     /// The same route with data-parallel ranks named for each leg.
     pub(crate) fn with_ranks(
         mut self,
@@ -223,7 +229,8 @@ pub trait Router: Send + Sync + 'static {
 
     /// The route of a request an adapter sends to one engine itself rather than
     /// through the orchestrator (generation on a direct route of `disagg-http`: audio,
-    /// `/invocations`, whose bodies a router cannot read): no prefill, and as its
+    /// `/invocations`, whose bodies a router cannot read), and of a mid-stream
+    /// migration's continuation (the decode it goes on on): no prefill, and as its
     /// decode the engine `pick` chooses over the endpoints as they stand when it is
     /// called. A router that limits the requests per endpoint
     /// (`disagg_resilience::PerEndpointLimit`) waits, within `deadline`, while the

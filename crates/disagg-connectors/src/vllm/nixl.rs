@@ -181,10 +181,12 @@ impl KvConnector for VllmNixl {
         let mut prefill = self.rewriter.rewrite(req.api(), req.body());
         // The conversation's last decode handoff, if kept: the prefill pulls that prefix.
         let conversation = self.bidi.as_ref().and_then(|s| Some((s, s.key(req)?)));
-        let params = conversation
+        let taken = conversation
             .as_ref()
-            .and_then(|(store, key)| store.take(key))
-            .unwrap_or(Bytes::from_static(PREFILL_PARAMS));
+            .and_then(|(store, key)| store.take(key));
+        let params = taken
+            .as_ref()
+            .map_or(Bytes::from_static(PREFILL_PARAMS), |t| t.dict.clone());
         prefill.set_raw(KV_TRANSFER_PARAMS, params);
         if req.api() == Api::Chat && self.reuse.applies(&route.decode) {
             prefill.set_raw(reuse::RETURN_TOKEN_IDS, Bytes::from_static(b"true"));
@@ -199,6 +201,7 @@ impl KvConnector for VllmNixl {
                 store: Arc::clone(store),
                 key,
                 host: route.decode.host().into(),
+                taken: std::sync::Mutex::new(taken),
             }));
         }
         Ok(handoff)

@@ -359,14 +359,7 @@ impl PdError {
     /// only ever made before the first byte of an answer reached the client.
     pub fn is_retryable(&self) -> bool {
         match &self.kind {
-            Kind::Transport { .. } => {
-                self.side == Side::Prefill
-                    || self
-                        .source
-                        .as_deref()
-                        .and_then(|e| e.downcast_ref::<TransportError>())
-                        .is_some_and(TransportError::is_connect)
-            }
+            Kind::Transport { .. } => self.side == Side::Prefill || self.never_sent(),
             Kind::UpstreamStatus { status, .. } => {
                 self.side == Side::Prefill && matches!(status.as_u16(), 502..=504)
             }
@@ -387,6 +380,17 @@ impl PdError {
             Kind::UpstreamStatus { status, .. } => Some(*status),
             _ => None,
         }
+    }
+
+    /// Whether the leg this error ended certainly never reached its engine: no
+    /// connection could be made ([`TransportError::Connect`]).
+    pub(crate) fn never_sent(&self) -> bool {
+        matches!(self.kind, Kind::Transport { .. })
+            && self
+                .source
+                .as_deref()
+                .and_then(|e| e.downcast_ref::<TransportError>())
+                .is_some_and(TransportError::is_connect)
     }
 
     /// Whether the request's total deadline passed (`deadline_exceeded`).

@@ -20,7 +20,10 @@
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
-//!   the dead one is reported failed, which is what passive health hears): `POST
+//!   the dead one is reported failed, which is what passive health hears, and its
+//!   in-flight count and the router's place on it are given back as its stream is
+//!   abandoned), placed by the router (`Router::place`: a per-endpoint limit waits
+//!   for room within the decode head timeout, and holds a place while it streams): `POST
 //!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
 //!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
 //!   parameters and stops, `stream`, `return_token_ids`. Up to
@@ -53,7 +56,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -64,7 +67,7 @@ use http_body::{Body, Frame};
 use serde_json::value::RawValue;
 use sync_wrapper::SyncWrapper;
 
-use crate::endpoint::{Endpoint, EndpointId};
+use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
 use crate::error::BoxError;
 use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline, now};
 use crate::request::PdRequest;
@@ -74,10 +77,12 @@ use crate::transport::{BoxBody, Transport};
 
 mod generate;
 mod head;
+mod moved;
 mod plan;
 mod start;
 
 use head::{FirstChunk, Head};
+pub(crate) use moved::Moved;
 pub(crate) use start::ThroughPrefill;
 use start::{Continuation, Current, NotStarted, Started, start};
 mod scan;
@@ -156,80 +161,6 @@ impl Reason {
     }
 }
 
-/// What a migration shares with the attempt's report: where the answer moved to, so
-/// that the attempt is reported against the decode that finished it (the dead one was
-/// reported failed when it broke), and how many times.
-#[derive(Debug, Default)]
-pub(crate) struct Moved {
-    inner: Mutex<MovedState>,
-}
-
-#[derive(Debug, Default)]
-struct MovedState {
-    to: Option<Arc<Endpoint>>,
-    migrations: u32,
-    carried: u64,
-    /// Each continuation tried, for the request's summary.
-    log: Vec<Migration>,
-}
-
-impl Moved {
-    /// Point `route` at the decode that finished the answer; the migrations and the
-    /// tokens carried over.
-    pub(crate) fn apply(&self, route: &mut Route) -> (u32, u64) {
-        let Ok(s) = self.inner.lock() else {
-            return (0, 0);
-        };
-        if let Some(to) = &s.to {
-            route.decode = Arc::clone(to);
-            route.decode_rank = None;
-        }
-        (s.migrations, s.carried)
-    }
-
-    /// The migrations tried, for the request's summary (taken once).
-    pub(crate) fn take_log(&self) -> Vec<Migration> {
-        self.inner
-            .lock()
-            .map(|mut s| std::mem::take(&mut s.log))
-            .unwrap_or_default()
-    }
-
-    /// A continuation is being started for `m`.
-    fn begin(&self, m: Migration) {
-        if let Ok(mut s) = self.inner.lock() {
-            s.log.push(m);
-        }
-    }
-
-    /// The last continuation went to `to` (`started`: its head came; else it failed).
-    fn sent_to(&self, to: Option<&Arc<Endpoint>>, prefill: Option<&Arc<Endpoint>>) {
-        if let Ok(mut s) = self.inner.lock()
-            && let Some(m) = s.log.last_mut()
-        {
-            m.to = to.cloned();
-            m.prefill = prefill.cloned();
-        }
-    }
-
-    /// The last continuation's first byte went to the client at `at`: the migration,
-    /// for the log line.
-    fn resumed(&self, at: Instant) -> Option<Migration> {
-        let mut s = self.inner.lock().ok()?;
-        let m = s.log.last_mut()?;
-        m.resumed(at);
-        Some(m.clone())
-    }
-
-    fn moved(&self, to: &Arc<Endpoint>, carried: u64) {
-        if let Ok(mut s) = self.inner.lock() {
-            s.to = Some(Arc::clone(to));
-            s.migrations += 1;
-            s.carried += carried;
-        }
-    }
-}
-
 /// What a [`Migrating`] body needs from the orchestrator to continue a stream.
 pub(crate) struct Ctx {
     pub(crate) config: MigrationConfig,
@@ -244,8 +175,14 @@ pub(crate) struct Ctx {
     pub(crate) engine_id: HeaderValue,
     /// The client headers the legs carry.
     pub(crate) forwarded: Vec<(HeaderName, HeaderValue)>,
-    /// Time from sending a continuation to its head.
+    /// Time from sending a continuation to its head (a wait for room on its decode
+    /// included).
     pub(crate) head_timeout: Duration,
+    /// The request's deadline, if it has one.
+    pub(crate) deadline: Option<tokio::time::Instant>,
+    /// Who sent the request, as the server named it: a continuation through a fresh
+    /// prefill is the same client's request.
+    pub(crate) client: Option<Arc<str>>,
     pub(crate) moved: Arc<Moved>,
     /// Continuations go through a fresh prefill (the request was disaggregated and the
     /// policy allows it); `None`: decode-only.
@@ -265,7 +202,8 @@ const MAX_EVENT: usize = 1 << 20;
 pub(crate) struct Migrating {
     inner: BoxBody,
     ctx: Arc<Ctx>,
-    /// The current leg's endpoint (and in-flight count, for a continuation).
+    /// The current leg's endpoint, its in-flight count and the router's place on it,
+    /// given back when its stream ends or is abandoned.
     leg: Current,
     pending: Option<SyncWrapper<Continuation>>,
     /// A partial event of the current leg.
@@ -339,12 +277,19 @@ impl fmt::Debug for Migrating {
 }
 
 impl Migrating {
-    /// The body relaying `inner`, the first leg's, under `ctx`.
-    pub(crate) fn new(inner: BoxBody, ctx: Ctx) -> Self {
+    /// The body relaying `inner`, the first leg's, under `ctx`; the first leg's decode
+    /// is held by `guard` and the router's `hold` on it.
+    pub(crate) fn new(
+        inner: BoxBody,
+        ctx: Ctx,
+        guard: InFlightGuard,
+        hold: Option<crate::policy::Permit>,
+    ) -> Self {
         let tried = vec![ctx.route.decode.id().clone()];
         let leg = Current {
             endpoint: Arc::clone(&ctx.route.decode),
-            _guard: None,
+            guard: Some(guard),
+            hold,
         };
         let prompt = ctx.plan.generate.clone();
         Migrating {
@@ -641,6 +586,7 @@ impl Migrating {
             // Every token is out, only the end is missing: the proxy writes it.
             self.tail = Some(self.end_of_stream());
             self.inner = super::body::empty_body();
+            self.leg.release();
             return true;
         }
         if !migratable || self.finished || self.migrations >= ctx.config.limit {
@@ -682,7 +628,10 @@ impl Migrating {
         self.carried = generated;
         self.migrations += 1;
         self.held.clear();
+        // The broken leg's stream is abandoned: its decode no longer counts it (nor
+        // holds the router's place for it) while the continuation runs.
         self.inner = super::body::empty_body();
+        self.leg.release();
         let broke = *self.stalled.get_or_insert_with(now);
         let span = ctx.trace.as_ref().map(|(_, ids)| ids.span());
         ctx.moved.begin(Migration {
@@ -844,6 +793,21 @@ impl Body for Migrating {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        let polled = this.poll_next(cx);
+        if let Poll::Ready(None | Some(Err(_))) = polled {
+            // The stream ended: its leg's endpoint is free before the attempt is
+            // reported.
+            this.leg.release();
+        }
+        polled
+    }
+}
+
+impl Migrating {
+    /// The next frame for the client (the body's whole logic; `poll_frame` gives the
+    /// leg back when it ends).
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self;
         loop {
             if let Some(tail) = this.tail.take() {
                 this.ended = true;
@@ -969,19 +933,24 @@ impl Body for Migrating {
 
 impl super::Inner {
     /// The client's body for the decode's `body` on `route`: a [`Migrating`] body when
-    /// `req` may migrate (with what it shares with the attempt's report), else `body`
-    /// itself.
+    /// `req` may migrate (with what it shares with the attempt's report), which then
+    /// holds the decode's in-flight `guard` and the route's place on it (each given
+    /// back when the decode's stream ends or is abandoned); else `body` itself, and
+    /// `guard` back.
+    // The answer's parts, each from a different place in `respond`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn migrating(
         &self,
         req: &PdRequest,
-        route: &Route,
+        route: &mut Route,
         meta: &super::respond::RequestMeta,
         disaggregated: bool,
         clock: super::clock::Clock,
         body: BoxBody,
-    ) -> (BoxBody, Option<Arc<Moved>>) {
+        guard: InFlightGuard,
+    ) -> (BoxBody, Option<Arc<Moved>>, Option<InFlightGuard>) {
         let Some(plan) = plan(&self.config.migration, req) else {
-            return (body, None);
+            return (body, None, Some(guard));
         };
         let moved = Arc::new(Moved::default());
         let ctx = Ctx {
@@ -997,6 +966,8 @@ impl super::Inner {
                 .map(|(n, v)| (n.clone(), v.clone()))
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
+            deadline: clock.deadline,
+            client: req.client(),
             moved: Arc::clone(&moved),
             trace: meta
                 .trace
@@ -1009,10 +980,9 @@ impl super::Inner {
                 }
             }),
         };
-        (
-            http_body_util::BodyExt::boxed(Migrating::new(body, ctx)),
-            Some(moved),
-        )
+        let hold = route.take_decode_hold();
+        let body = Migrating::new(body, ctx, guard, hold);
+        (http_body_util::BodyExt::boxed(body), Some(moved), None)
     }
 }
 

@@ -333,13 +333,6 @@ impl Inner {
         let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
         // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
         // body is the decode's, as it always was).
-        let (body, moved) = if sse && status.is_success() && guard.is_some() {
-            // Continued through a fresh prefill only when this answer's KV came from one.
-            let disaggregated = mark == Some("kv");
-            self.migrating(req, &route, &meta, disaggregated, clock, body)
-        } else {
-            (body, None)
-        };
         let timer = guard.as_ref().and_then(|g| {
             StreamTimer::new(
                 self.config.decode_idle_timeout,
@@ -347,6 +340,18 @@ impl Inner {
                 g.endpoint().id(),
             )
         });
+        // A migrating body holds the decode (its in-flight count, the router's place),
+        // which it gives back when the decode's stream ends or is abandoned.
+        let mut route = route;
+        let (body, moved, guard) = match guard {
+            Some(guard) if sse && status.is_success() => {
+                // Continued through a fresh prefill only when this answer's KV came
+                // from one.
+                let disaggregated = mark == Some("kv");
+                self.migrating(req, &mut route, &meta, disaggregated, clock, body, guard)
+            }
+            guard => (body, None, guard),
+        };
         let mut report = Report::new(route, outcome, prefill, decode, timeline);
         report.attempt = meta.attempts.saturating_sub(1);
         report.trace = meta.trace.clone();

@@ -55,7 +55,15 @@ impl Inner {
                 body,
                 ..
             }) => return Ok(prefill_refused(route, status, headers, body)),
-            Err(e) => return Err(Failure::prefill(&route, e, LegOutcome::NotSent)),
+            Err(e) => {
+                if e.never_sent()
+                    && let Some(to) = &handoff.returned
+                {
+                    // The prefill never got what the plan took for it.
+                    to.unsent();
+                }
+                return Err(Failure::prefill(&route, e, LegOutcome::NotSent));
+            }
         };
         let prefilled = now();
         tl.prefill_done = Some(prefilled);

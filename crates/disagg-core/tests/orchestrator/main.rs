@@ -9,8 +9,10 @@
 //! engine-side id, when it was sent, and whether the orchestrator read it to its end or
 //! abandoned it, and when).
 
+mod bidi;
 mod error_body;
 mod fake;
+mod migrate;
 mod observe;
 mod tokens;
 

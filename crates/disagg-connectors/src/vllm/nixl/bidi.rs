@@ -331,15 +331,42 @@ impl BidiStore {
 
     /// Take the handoff kept for `key` (used once), if its TTL has not ended; counted
     /// as a reuse.
-    pub(crate) fn take(&self, key: &str) -> Option<Bytes> {
+    pub(crate) fn take(&self, key: &str) -> Option<Taken> {
+        let now = Instant::now();
         let entry = {
             let mut e = self.lock();
-            self.sweep(&mut e, Instant::now());
+            self.sweep(&mut e, now);
             e.remove(key)?
         };
+        // An entry put back after others were stored is checked on its own.
+        if now.saturating_duration_since(entry.stored) >= self.config.ttl {
+            self.expired.fetch_add(1, Relaxed);
+            return None;
+        }
         self.reused.fetch_add(1, Relaxed);
         self.reused_tokens.fetch_add(entry.tokens, Relaxed);
-        Some(entry.dict)
+        Some(Taken {
+            dict: entry.dict,
+            tokens: entry.tokens,
+            stored: entry.stored,
+        })
+    }
+
+    /// Keep again for `key` a handoff [`take`](Self::take) gave, whose prefill leg
+    /// never reached its engine: its TTL still counts from when it was first stored,
+    /// and its reuse is no longer counted. A newer turn's handoff kept since wins.
+    pub(crate) fn put_back(&self, key: &str, taken: Taken) {
+        self.reused.fetch_sub(1, Relaxed);
+        self.reused_tokens.fetch_sub(taken.tokens, Relaxed);
+        let now = Instant::now();
+        if now.saturating_duration_since(taken.stored) >= self.config.ttl {
+            self.expired.fetch_add(1, Relaxed);
+            return;
+        }
+        if self.lock().map.contains_key(key) {
+            return;
+        }
+        self.insert(key, taken.dict, taken.tokens, taken.stored, now);
     }
 
     /// Keep the decode's handoff `raw` for `key`, its `remote_host` made `host`, if it
@@ -354,7 +381,17 @@ impl BidiStore {
             return;
         };
         let now = Instant::now();
+        if self.insert(key, dict, tokens, now, now) {
+            self.captured.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Keep `dict` (naming `tokens`, first stored at `stored`) for `key`, replacing
+    /// what was kept for it, within the bounds (the oldest entries go first); whether
+    /// it was kept.
+    fn insert(&self, key: &str, dict: Bytes, tokens: u64, stored: Instant, now: Instant) -> bool {
         let (mut expired, mut evicted) = (0, 0);
+        let mut kept = false;
         {
             let mut e = self.lock();
             let seq = e.next;
@@ -363,7 +400,7 @@ impl BidiStore {
             let entry = Entry {
                 dict,
                 tokens,
-                stored: now,
+                stored,
                 seq,
             };
             let size = Entries::size(key, &entry);
@@ -389,7 +426,7 @@ impl BidiStore {
                 e.bytes += size;
                 e.order.push_back((key.clone(), seq));
                 e.map.insert(key, entry);
-                self.captured.fetch_add(1, Relaxed);
+                kept = true;
             }
             // Places of replaced entries pile up at most as long as the entries do.
             if e.order.len() > 2 * e.map.len() + 16 {
@@ -399,6 +436,7 @@ impl BidiStore {
         }
         self.expired.fetch_add(expired, Relaxed);
         self.evicted.fetch_add(evicted, Relaxed);
+        kept
     }
 
     /// `raw` as the dict to keep (its `remote_host` made `host`) and its
@@ -439,18 +477,41 @@ impl BidiStore {
     }
 }
 
-/// One request's receiver of its decode's handoff: the store, the conversation and the
-/// decode endpoint's host. Dropped with the request.
+/// A kept handoff [`BidiStore::take`] gave to a prefill leg.
+#[derive(Debug)]
+pub(crate) struct Taken {
+    pub(crate) dict: Bytes,
+    tokens: u64,
+    stored: Instant,
+}
+
+/// One request's receiver of its decode's handoff: the store, the conversation, the
+/// decode endpoint's host, and the handoff its prefill leg was given, if any (kept
+/// again when that leg never reached its engine). Dropped with the request.
 #[derive(Debug)]
 pub(crate) struct Capture {
     pub(crate) store: Arc<BidiStore>,
     pub(crate) key: Box<str>,
     pub(crate) host: Box<str>,
+    pub(crate) taken: Mutex<Option<Taken>>,
 }
 
 impl ReturnedHandoff for Capture {
     fn returned(&self, value: &[u8]) {
         self.store.put(&self.key, &self.host, value);
+    }
+
+    /// The prefill leg never reached its engine: the handoff it was given is kept
+    /// again for the conversation's next attempt (the retry of this request).
+    fn unsent(&self) {
+        let taken = self
+            .taken
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(taken) = taken {
+            self.store.put_back(&self.key, taken);
+        }
     }
 }
 
@@ -473,13 +534,44 @@ mod tests {
         let s = store(BidiConfig::default());
         s.put("c1", "10.0.0.9", dict(100).as_bytes());
         assert!(s.take("c2").is_none());
-        let got: Map<String, Value> = serde_json::from_slice(&s.take("c1").unwrap()).unwrap();
+        let got: Map<String, Value> = serde_json::from_slice(&s.take("c1").unwrap().dict).unwrap();
         assert_eq!(got["remote_host"], "10.0.0.9");
         assert_eq!(got["remote_num_tokens"], 100);
         assert!(s.take("c1").is_none());
         let st = s.stats();
         assert_eq!((st.captured, st.reused, st.reused_tokens), (1, 1, 100));
         assert_eq!((st.entries, st.bytes), (0, 0));
+    }
+
+    /// A handoff whose prefill leg never reached its engine is kept again, once, with
+    /// its reuse no longer counted, unless a newer turn's was kept since or its TTL
+    /// ended.
+    #[test]
+    fn a_handoff_put_back_is_found_again_unless_a_newer_one_was_kept() {
+        let s = store(BidiConfig::default());
+        s.put("c", "h", dict(100).as_bytes());
+        let taken = s.take("c").unwrap();
+        s.put_back("c", taken);
+        let st = s.stats();
+        assert_eq!((st.reused, st.reused_tokens, st.entries), (0, 0, 1));
+        let again = s.take("c").unwrap();
+        assert_eq!(s.stats().reused, 1);
+        // A newer turn kept its own meanwhile: it stays.
+        s.put("c", "h", dict(200).as_bytes());
+        s.put_back("c", again);
+        let got: Map<String, Value> = serde_json::from_slice(&s.take("c").unwrap().dict).unwrap();
+        assert_eq!(got["remote_num_tokens"], 200);
+        // Past its TTL, nothing is kept again.
+        let s = store(BidiConfig {
+            ttl: Duration::from_millis(1),
+            ..BidiConfig::default()
+        });
+        s.put("c", "h", dict(100).as_bytes());
+        let taken = s.take("c").unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        s.put_back("c", taken);
+        assert!(s.take("c").is_none());
+        assert_eq!(s.stats().expired, 1);
     }
 
     #[test]

@@ -10,11 +10,14 @@ use http::header::{self, HeaderValue};
 
 use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
 use crate::error::{PdError, Side, TransportError};
-use crate::outcome::{LegOutcome, Timeline};
+use crate::outcome::LegOutcome;
+use crate::policy::Permit;
 use crate::request::{Api, PdRequest, REQUEST_ID};
 use crate::router::Route;
 use crate::transport::BoxBody;
 
+use super::super::attempt::{Failure, Watch};
+use super::super::body::{Finish, PdBody};
 use super::Ctx;
 
 /// What a continuation through a fresh prefill needs: the orchestrator's attempt
@@ -49,10 +52,22 @@ impl NotStarted {
     }
 }
 
-/// The leg relayed now: its endpoint, held in flight.
+/// The leg relayed now: its endpoint, held in flight, and the router's place on it
+/// ([`Route::with_holds`]), both given back when its stream ends or is abandoned.
 pub(super) struct Current {
     pub(super) endpoint: Arc<Endpoint>,
-    pub(super) _guard: Option<InFlightGuard>,
+    /// Dropped before `hold`: a place given back wakes requests waiting for room on
+    /// this endpoint, which must find its count already down.
+    pub(super) guard: Option<InFlightGuard>,
+    pub(super) hold: Option<Permit>,
+}
+
+impl Current {
+    /// The leg's stream ended or was abandoned: its endpoint no longer counts it.
+    pub(super) fn release(&mut self) {
+        self.guard = None;
+        self.hold = None;
+    }
 }
 
 /// How a continuation went through a fresh prefill, when it did not start.
@@ -71,7 +86,10 @@ pub(super) struct Started {
 }
 
 /// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
-/// request's model; its head within the decode head timeout.
+/// request's model, placed by the router as the decode of a request sent to one engine
+/// ([`Router::place`](crate::router::Router::place): a router that counts places per
+/// endpoint waits for room, within the continuation's head budget, and holds one on
+/// it); its head within the decode head timeout.
 pub(super) async fn start(
     ctx: Arc<Ctx>,
     body: Bytes,
@@ -79,37 +97,53 @@ pub(super) async fn start(
     n: u32,
     span: Option<[u8; 8]>,
 ) -> Result<Started, NotStarted> {
-    let set = ctx.source.snapshot();
     let model = ctx
         .plan
         .body
         .get("model")
         .and_then(|m| serde_json::from_slice::<String>(m).ok());
-    let set = set
-        .for_model(model.as_deref())
-        .map_err(|e| NotStarted::unrouted(PdError::from(e)))?;
-    let endpoint = set
-        .decode()
-        .iter()
-        .filter(|e| !tried.contains(e.id()))
-        .min_by_key(|e| e.in_flight())
-        .cloned()
-        .ok_or_else(|| NotStarted::unrouted(PdError::from(crate::error::RouteError::NoDecode)))?;
+    // Picked again on a fresh snapshot after each wait for room.
+    let pick = || -> Result<Arc<Endpoint>, PdError> {
+        let all = ctx.source.snapshot();
+        let set = all.for_model(model.as_deref()).map_err(PdError::from)?;
+        set.decode()
+            .iter()
+            .filter(|e| !tried.contains(e.id()))
+            .min_by_key(|e| e.in_flight())
+            .cloned()
+            .ok_or_else(|| PdError::from(crate::error::RouteError::NoDecode))
+    };
+    let by = tokio::time::Instant::now() + ctx.head_timeout;
+    let until = Some(ctx.deadline.map_or(by, |d| d.min(by)));
+    let mut placed = ctx
+        .reporter
+        .router
+        .place(&pick, until)
+        .await
+        .map_err(NotStarted::unrouted)?;
+    let hold = placed.take_decode_hold();
+    let endpoint = Arc::clone(&placed.decode);
+    let held = |mut started: Started| {
+        started.current.hold = hold;
+        started
+    };
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
     // least busy one. Decode-only when none is, or when the prefill side fails.
     let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
     if let Some(inner) = inner {
-        let prefill = ctx
-            .route
-            .prefill
-            .as_ref()
-            .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
-            .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
-            .cloned();
+        let all = ctx.source.snapshot();
+        let prefill = all.for_model(model.as_deref()).ok().and_then(|set| {
+            ctx.route
+                .prefill
+                .as_ref()
+                .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
+                .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
+                .cloned()
+        });
         if let Some(prefill) = prefill {
             match through_prefill(&ctx, &inner, &body, &prefill, &endpoint, n, span).await {
-                Ok(started) => return Ok(started),
+                Ok(started) => return Ok(held(started)),
                 Err(PrefillFell::Decode(error)) => {
                     return Err(NotStarted {
                         tried: Some(endpoint),
@@ -124,13 +158,16 @@ pub(super) async fn start(
     }
     send(&ctx, body, &endpoint, n, span)
         .await
-        .map(|(body, guard)| Started {
-            current: Current {
-                endpoint: Arc::clone(&endpoint),
-                _guard: Some(guard),
-            },
-            body,
-            prefill: None,
+        .map(|(body, guard)| {
+            held(Started {
+                current: Current {
+                    endpoint: Arc::clone(&endpoint),
+                    guard: Some(guard),
+                    hold: None,
+                },
+                body,
+                prefill: None,
+            })
         })
         .map_err(|error| NotStarted {
             tried: Some(Arc::clone(&endpoint)),
@@ -161,9 +198,12 @@ async fn through_prefill(
     for (name, value) in &ctx.forwarded {
         headers.append(name.clone(), value.clone());
     }
-    let Ok(req) = PdRequest::new(api(ctx), headers, body) else {
+    let Ok(mut req) = PdRequest::new(api(ctx), headers, body) else {
         return Err(PrefillFell::Prefill);
     };
+    // The original request's client: a connector keeping state per client (a
+    // conversation's KV) scopes the continuation's as the original's.
+    req.set_received(crate::outcome::now(), ctx.client.clone());
     let id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
     let id = HeaderValue::from_str(&id).unwrap_or_else(|_| ctx.engine_id.clone());
     // Both legs' engine spans sit under the migration's.
@@ -178,57 +218,79 @@ async fn through_prefill(
         _ => None,
     };
     let route = Route::new(Some(Arc::clone(prefill)), Arc::clone(decode));
-    let mut tl = Timeline::starting();
+    // An attempt of its own: dropped once under way (the client left), it is reported
+    // cancelled, its legs as far as they went.
+    let mut cancelled = None;
+    let mut watch = Watch::new(&ctx.reporter, trace.as_ref(), n, &mut cancelled);
+    watch.routed(&route);
+    watch.tl.start = crate::outcome::now();
     let attempt = inner.attempt_on(
         &req,
         route.clone(),
         id,
         trace.as_ref(),
         through.clock,
-        &mut tl,
+        &mut watch.tl,
     );
-    let mut failure = match attempt.await {
-        Ok(ex) => match ex.into_decoded() {
-            Ok((head, guard, pending)) => {
-                let body = match pending {
-                    // A concurrent prefill still running rides along, as in any answer.
-                    Some(pending) => {
-                        http_body_util::BodyExt::boxed(super::super::body::PdBody::stream(
-                            head.into_body(),
-                            true,
-                            super::super::body::Finish::holding(None, None),
-                            Some(pending),
-                            None,
-                        ))
-                    }
-                    None => head.into_body(),
-                };
-                return Ok(Started {
-                    current: Current {
-                        endpoint: Arc::clone(decode),
-                        _guard: Some(guard),
-                    },
-                    body,
-                    prefill: Some(Arc::clone(prefill)),
-                });
-            }
-            // The prefill's own answer (a 4xx, or the whole answer): decode-only.
-            Err(Side::Prefill) => return Err(PrefillFell::Prefill),
-            // A decode's error status: not a continuation.
-            Err(_) => super::super::attempt::Failure::decode(
-                &route,
-                PdError::upstream_status(
-                    Side::Decode,
-                    decode.id().clone(),
-                    http::StatusCode::BAD_GATEWAY,
-                    None,
+    let result = attempt.await;
+    let mut tl = watch.ended();
+    let mut failure = match result {
+        Ok(mut ex) => {
+            // The decode's own handoff, kept by the plan (a conversation's KV), is
+            // given to it as the continuation's stream is scrubbed.
+            let returned = ex.returned.take();
+            match ex.into_decoded() {
+                Ok((head, guard, pending)) => {
+                    let body = if pending.is_some() || returned.is_some() {
+                        // A concurrent prefill still running rides along, as in any
+                        // answer.
+                        let scrub = returned.is_some();
+                        http_body_util::BodyExt::boxed(
+                            PdBody::stream(
+                                head.into_body(),
+                                true,
+                                Finish::holding(None, None),
+                                pending,
+                                None,
+                            )
+                            .scrubbing(scrub)
+                            .capturing(returned),
+                        )
+                    } else {
+                        head.into_body()
+                    };
+                    return Ok(Started {
+                        current: Current {
+                            endpoint: Arc::clone(decode),
+                            guard: Some(guard),
+                            hold: None,
+                        },
+                        body,
+                        prefill: Some(Arc::clone(prefill)),
+                    });
+                }
+                // The prefill's own answer (a 4xx, or the whole answer): decode-only.
+                Err(Side::Prefill) => return Err(PrefillFell::Prefill),
+                // A decode's error status: not a continuation.
+                Err(_) => Failure::decode(
+                    &route,
+                    PdError::upstream_status(
+                        Side::Decode,
+                        decode.id().clone(),
+                        http::StatusCode::BAD_GATEWAY,
+                        None,
+                    ),
+                    LegOutcome::Answered,
                 ),
-                LegOutcome::Answered,
-            ),
-        },
+            }
+        }
         Err(f) => f,
     };
     if let Some(report) = &mut failure.report {
+        tl.end = Some(crate::outcome::now());
+        report.timeline = tl;
+        report.trace = trace;
+        report.attempt = n;
         ctx.reporter.report(report);
     }
     tracing::warn!(
