@@ -111,6 +111,7 @@ pub(crate) fn main(args: HoldArgs) -> Result<bool, BoxError> {
         .into());
     }
     let timeout = args.timeout()?;
+    crate::proxy::check_proxy_args(&args.proxy_args.split_whitespace().collect::<Vec<_>>())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

@@ -311,6 +311,9 @@ impl ProxyProcess {
             .args(["--prefill", prefill, "--decode", decode])
             .args(["--threads", &threads.to_string()])
             .args(extra)
+            // Traces go to --otlp-endpoint only, which --proxy-args may give on
+            // 127.0.0.1: never to a collector the environment names.
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

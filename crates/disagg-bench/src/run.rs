@@ -117,6 +117,7 @@ pub(crate) fn main(args: RunArgs) -> Result<bool, BoxError> {
         )
         .into());
     }
+    crate::proxy::check_proxy_args(&args.proxy_args.split_whitespace().collect::<Vec<_>>())?;
     let (ticks_per_sec, ticks_read) = procfs::clock_ticks();
     let (cpus, cpu_model, mem_total_kib) = procfs::machine();
     let config = RunConfig {

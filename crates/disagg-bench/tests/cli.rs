@@ -66,3 +66,77 @@ fn hold_gives_up_at_its_timeout() -> std::io::Result<()> {
     assert!(err.contains("did not finish within"), "{err}");
     Ok(())
 }
+
+/// The load tests address 127.0.0.1 only: `--proxy-args` that would make the proxy (or
+/// an engine, told by the proxy) listen on or connect to another host, or find engines
+/// at run time wherever a discovery source says, are refused before anything starts,
+/// naming the flag.
+#[test]
+fn proxy_args_addressing_other_hosts_are_refused() -> std::io::Result<()> {
+    let run = [
+        "--duration",
+        "0.01",
+        "--warmup",
+        "0",
+        "--max-requests",
+        "64",
+        "--streams",
+        "4",
+        "--stream-delay-ms",
+        "1",
+    ];
+    let hold = ["hold", "--clients", "1", "--requests", "1", "--tokens", "1"];
+    for (base, extra, says) in [
+        (
+            &run[..],
+            "--otlp-endpoint http://10.255.255.1:4318",
+            "--otlp-endpoint",
+        ),
+        (
+            &run[..],
+            "--policy kv_events --kv-events-endpoint http://127.0.0.1:1=tcp://10.255.255.1:5557",
+            "--kv-events-endpoint",
+        ),
+        (
+            &run[..],
+            "--lmcache-notify tcp://*:7500",
+            "--lmcache-notify",
+        ),
+        (
+            &run[..],
+            "--prefill-dns engines.example:8000",
+            "--prefill-dns",
+        ),
+        (
+            &run[..],
+            "--endpoints-file /nonexistent.toml",
+            "--endpoints-file",
+        ),
+        (
+            &hold[..],
+            "--otlp-endpoint http://collector:4318",
+            "--otlp-endpoint",
+        ),
+        (
+            &hold[..],
+            "--decode http://10.255.255.1:8000",
+            "http://10.255.255.1:8000",
+        ),
+    ] {
+        let out = bench(&[base, &["--proxy-args", extra]].concat())?;
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{extra}: {err}");
+        assert!(
+            err.contains(says) && err.contains("127.0.0.1"),
+            "{extra}: {err}"
+        );
+        // Refused before any engine or proxy started.
+        assert!(
+            out.stdout.is_empty(),
+            "{extra}: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(!err.contains("proxy pid"), "{extra}: {err}");
+    }
+    Ok(())
+}

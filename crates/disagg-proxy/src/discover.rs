@@ -55,6 +55,24 @@ pub struct DiscoveryArgs {
     /// Kubernetes: the pod label naming its model.
     #[arg(long, value_name = "LABEL", default_value = kubernetes::DEFAULT_MODEL_LABEL)]
     k8s_model_label: String,
+    /// Kubernetes: how long a request to the API server may wait for its next bytes, in
+    /// seconds, before its connection is given up (a half-open connection) and the
+    /// request retried with backoff (default: 30 s past the end of a watch, 320 s, so a
+    /// quiet watch is never cut).
+    #[arg(long, value_name = "SECS")]
+    k8s_read_timeout: Option<f64>,
+    /// Kubernetes: the longest a list request may take, its body included, and a watch
+    /// until its response headers, in seconds [default: 90].
+    #[arg(long, value_name = "SECS")]
+    k8s_request_timeout: Option<f64>,
+    /// Kubernetes: the most bytes taken for a list response, and for one watch event;
+    /// past it the request fails (retried with backoff) before more is read. 1 MiB to
+    /// 1 GiB [default: 67108864, 64 MiB].
+    #[arg(long, value_name = "BYTES")]
+    k8s_max_response_bytes: Option<usize>,
+    /// Kubernetes: the pods asked for in one list page, 1 to 10,000 [default: 100].
+    #[arg(long, value_name = "N")]
+    k8s_page_size: Option<u32>,
     /// DNS: prefill engines at every A/AAAA address of NAME:PORT (a headless Service),
     /// or at the targets of an SRV name `_service._proto.name`. Repeatable.
     #[arg(long, value_name = "NAME:PORT|SRV")]
@@ -124,6 +142,31 @@ impl DiscoveryArgs {
             || self.endpoints_file.is_some()
     }
 
+    /// `--dns-server`, if given.
+    pub(crate) fn dns_server(&self) -> Option<std::net::SocketAddr> {
+        self.dns_server
+    }
+
+    /// The flags of each discovery source asked for: its engines are known only once it
+    /// runs.
+    pub(crate) fn sources_given(&self) -> Vec<&'static str> {
+        [
+            (
+                "--k8s-prefill-selector",
+                self.k8s_prefill_selector.is_some(),
+            ),
+            ("--k8s-decode-selector", self.k8s_decode_selector.is_some()),
+            ("--k8s-encode-selector", self.k8s_encode_selector.is_some()),
+            ("--prefill-dns", !self.prefill_dns.is_empty()),
+            ("--decode-dns", !self.decode_dns.is_empty()),
+            ("--encode-dns", !self.encode_dns.is_empty()),
+            ("--endpoints-file", self.endpoints_file.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(flag, given)| given.then_some(flag))
+        .collect()
+    }
+
     /// Whether encoder engines may come from discovery (so the encoder stage is made
     /// though `--encode` is absent).
     pub fn may_find_encode(&self) -> bool {
@@ -156,8 +199,8 @@ impl DiscoveryArgs {
     }
 
     /// A flag that only a source not asked for would read, refused rather than
-    /// ignored: `--dns-server` without a `--*-dns` name, `--k8s-namespace` or
-    /// `--k8s-port` without a `--k8s-*-selector`.
+    /// ignored: `--dns-server` without a `--*-dns` name, `--k8s-namespace`,
+    /// `--k8s-port` or a Kubernetes client bound without a `--k8s-*-selector`.
     pub(crate) fn check_needs(&self) -> Result<(), BoxError> {
         let dns = !self.prefill_dns.is_empty()
             || !self.decode_dns.is_empty()
@@ -171,13 +214,19 @@ impl DiscoveryArgs {
         let k8s = self.k8s_prefill_selector.is_some()
             || self.k8s_decode_selector.is_some()
             || self.k8s_encode_selector.is_some();
-        let k8s_flag = if self.k8s_namespace.is_some() {
-            Some("--k8s-namespace")
-        } else if self.k8s_port.is_some() {
-            Some("--k8s-port")
-        } else {
-            None
-        };
+        let k8s_flag = [
+            ("--k8s-namespace", self.k8s_namespace.is_some()),
+            ("--k8s-port", self.k8s_port.is_some()),
+            ("--k8s-read-timeout", self.k8s_read_timeout.is_some()),
+            ("--k8s-request-timeout", self.k8s_request_timeout.is_some()),
+            (
+                "--k8s-max-response-bytes",
+                self.k8s_max_response_bytes.is_some(),
+            ),
+            ("--k8s-page-size", self.k8s_page_size.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag));
         match k8s_flag {
             Some(flag) if !k8s => Err(format!(
                 "{flag} is read only by Kubernetes discovery: add --k8s-prefill-selector, --k8s-decode-selector or --k8s-encode-selector"
@@ -214,13 +263,14 @@ impl DiscoveryArgs {
         Ok(Some(c))
     }
 
-    fn kubernetes(&self) -> Option<KubernetesConfig> {
+    fn kubernetes(&self) -> Result<Option<KubernetesConfig>, BoxError> {
         if self.k8s_prefill_selector.is_none()
             && self.k8s_decode_selector.is_none()
             && self.k8s_encode_selector.is_none()
         {
-            return None;
+            return Ok(None);
         }
+        let bounds = self.k8s_bounds()?;
         let mut c = KubernetesConfig::new(
             self.k8s_prefill_selector.clone(),
             self.k8s_decode_selector.clone(),
@@ -232,8 +282,99 @@ impl DiscoveryArgs {
             Err(never) => match never {},
         });
         c.model_label = self.k8s_model_label.clone();
-        Some(c)
+        c.read_timeout = bounds.read_timeout;
+        c.request_timeout = bounds.request_timeout;
+        c.max_response_bytes = bounds.max_response_bytes;
+        c.page_size = bounds.page_size;
+        if let Some(read) = c.read_timeout
+            && read <= WATCH_TIMEOUT
+        {
+            tracing::warn!(
+                read_timeout_secs = read.as_secs_f64(),
+                watch_timeout_secs = WATCH_TIMEOUT.as_secs_f64(),
+                "--k8s-read-timeout is not longer than a watch: a quiet watch is cut, and resumed, each time it runs out (counted as an error)"
+            );
+        }
+        Ok(Some(c))
     }
+
+    /// The Kubernetes client's bounds the flags give, checked: whether or not a
+    /// selector is set, so that a bad value stops the proxy at start.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the flag: a time that [`secs`](crate::serve::secs) refuses or
+    /// is 0, a byte ceiling outside [`K8S_MAX_RESPONSE_BYTES`], a page size outside
+    /// [`K8S_PAGE_SIZE`].
+    pub(crate) fn check_k8s_bounds(&self) -> Result<(), BoxError> {
+        self.k8s_bounds().map(drop)
+    }
+
+    fn k8s_bounds(&self) -> Result<K8sBounds, BoxError> {
+        let time = |v: f64, flag: &str| {
+            let d = crate::serve::secs(v, flag)?;
+            if d.is_zero() {
+                return Err(BoxError::from(format!(
+                    "--{flag} must be more than 0 seconds"
+                )));
+            }
+            Ok(d)
+        };
+        let read_timeout = self
+            .k8s_read_timeout
+            .map(|v| time(v, "k8s-read-timeout"))
+            .transpose()?;
+        let request_timeout = match self.k8s_request_timeout {
+            Some(v) => time(v, "k8s-request-timeout")?,
+            None => kubernetes::DEFAULT_REQUEST_TIMEOUT,
+        };
+        let max_response_bytes = self
+            .k8s_max_response_bytes
+            .unwrap_or(kubernetes::DEFAULT_MAX_RESPONSE_BYTES);
+        if !K8S_MAX_RESPONSE_BYTES.contains(&max_response_bytes) {
+            return Err(format!(
+                "--k8s-max-response-bytes must be between {} (1 MiB: one pod may take 1.5 MiB) and {} (1 GiB), not {max_response_bytes}",
+                K8S_MAX_RESPONSE_BYTES.start(),
+                K8S_MAX_RESPONSE_BYTES.end()
+            )
+            .into());
+        }
+        let page_size = self.k8s_page_size.unwrap_or(kubernetes::DEFAULT_PAGE_SIZE);
+        if !K8S_PAGE_SIZE.contains(&page_size) {
+            return Err(format!(
+                "--k8s-page-size must be between {} and {} pods, not {page_size}",
+                K8S_PAGE_SIZE.start(),
+                K8S_PAGE_SIZE.end()
+            )
+            .into());
+        }
+        Ok(K8sBounds {
+            read_timeout,
+            request_timeout,
+            max_response_bytes,
+            page_size,
+        })
+    }
+}
+
+/// The `--k8s-max-response-bytes` accepted: from 1 MiB (a pod object may take 1.5 MiB
+/// in etcd; a ceiling far below would refuse one pod's list or event each time) to
+/// 1 GiB (held whole while it is parsed).
+pub(crate) const K8S_MAX_RESPONSE_BYTES: std::ops::RangeInclusive<usize> = (1 << 20)..=(1 << 30);
+
+/// The `--k8s-page-size` accepted.
+pub(crate) const K8S_PAGE_SIZE: std::ops::RangeInclusive<u32> = 1..=10_000;
+
+/// How long the API server holds a watch (kube-rs's `timeoutSeconds`, 290 s): a read
+/// timeout no longer cuts a quiet watch.
+const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
+
+/// The Kubernetes client's bounds, as the flags give them.
+struct K8sBounds {
+    read_timeout: Option<Duration>,
+    request_timeout: Duration,
+    max_response_bytes: usize,
+    page_size: u32,
 }
 
 /// How long an engine has to answer `GET /version` when it is paired.
@@ -285,7 +426,7 @@ pub(crate) fn start(
     transport: HttpTransportConfig,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Discovered, BoxError> {
-    let kubernetes = args.kubernetes();
+    let kubernetes = args.kubernetes()?;
     let dns = args.dns()?;
     let bounds = args.bounds();
     let file = args.endpoints_file.clone().map(|path| {
@@ -477,4 +618,107 @@ pub(crate) fn with_decode_versions(
             }
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        discovery: DiscoveryArgs,
+    }
+
+    fn args(flags: &[&str]) -> DiscoveryArgs {
+        Cli::try_parse_from(std::iter::once("x").chain(flags.iter().copied()))
+            .unwrap()
+            .discovery
+    }
+
+    const SELECTOR: [&str; 2] = ["--k8s-decode-selector", "app=vllm"];
+
+    /// The Kubernetes client's bounds, as flags, reach the config discovery starts with;
+    /// without them, the library's defaults.
+    #[test]
+    fn k8s_bound_flags_reach_the_kubernetes_config() {
+        let a = args(
+            &[
+                &SELECTOR[..],
+                &[
+                    "--k8s-read-timeout",
+                    "400",
+                    "--k8s-request-timeout",
+                    "2.5",
+                    "--k8s-max-response-bytes",
+                    "8388608",
+                    "--k8s-page-size",
+                    "20",
+                ],
+            ]
+            .concat(),
+        );
+        a.check_k8s_bounds().unwrap();
+        let c = a.kubernetes().unwrap().expect("kubernetes discovery");
+        assert_eq!(c.read_timeout, Some(Duration::from_secs(400)));
+        assert_eq!(c.request_timeout, Duration::from_millis(2500));
+        assert_eq!(c.max_response_bytes, 8 << 20);
+        assert_eq!(c.page_size, 20);
+
+        let c = args(&SELECTOR).kubernetes().unwrap().expect("kubernetes");
+        assert_eq!(c.read_timeout, None);
+        assert_eq!(c.request_timeout, kubernetes::DEFAULT_REQUEST_TIMEOUT);
+        assert_eq!(c.max_response_bytes, kubernetes::DEFAULT_MAX_RESPONSE_BYTES);
+        assert_eq!(c.page_size, kubernetes::DEFAULT_PAGE_SIZE);
+        // No selector, no Kubernetes discovery.
+        assert!(args(&[]).kubernetes().unwrap().is_none());
+    }
+
+    /// 0, a value that is no duration, and values no API server needs are refused,
+    /// naming the flag and what it takes.
+    #[test]
+    fn k8s_bound_flags_refuse_zero_and_absurd_values() {
+        for (flag, value, says) in [
+            ("--k8s-read-timeout", "0", "more than 0"),
+            ("--k8s-read-timeout", "-1", "non-negative"),
+            ("--k8s-read-timeout", "nan", "non-negative"),
+            ("--k8s-read-timeout", "1e300", "too large"),
+            ("--k8s-request-timeout", "0", "more than 0"),
+            ("--k8s-request-timeout", "1e300", "too large"),
+            ("--k8s-max-response-bytes", "0", "between"),
+            ("--k8s-max-response-bytes", "1024", "between"),
+            ("--k8s-max-response-bytes", "1099511627776", "between"),
+            ("--k8s-page-size", "0", "between"),
+            ("--k8s-page-size", "1000000", "between"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let a = args(&[&SELECTOR[..], &[&arg]].concat());
+            let err = a.check_k8s_bounds().expect_err(&arg).to_string();
+            assert!(err.contains(flag) && err.contains(says), "{arg}: {err}");
+            assert!(a.kubernetes().is_err(), "{arg}");
+        }
+    }
+
+    /// Like --k8s-namespace, the bounds are read only by Kubernetes discovery: given
+    /// without a selector, refused rather than ignored.
+    #[test]
+    fn k8s_bound_flags_need_a_selector() {
+        for flag in [
+            "--k8s-read-timeout=10",
+            "--k8s-request-timeout=10",
+            "--k8s-max-response-bytes=8388608",
+            "--k8s-page-size=10",
+        ] {
+            let err = args(&[flag]).check_needs().expect_err(flag).to_string();
+            let name = flag.split('=').next().unwrap_or(flag);
+            assert!(
+                err.contains(name) && err.contains("read only by Kubernetes discovery"),
+                "{flag}: {err}"
+            );
+            args(&[&SELECTOR[..], &[flag]].concat())
+                .check_needs()
+                .unwrap();
+        }
+    }
 }

@@ -190,6 +190,16 @@ impl KvEventsArgs {
         self.kv_events_endpoints.iter().map(|e| e.engine.as_str())
     }
 
+    /// Every `tcp://HOST:PORT` the --kv-events-endpoint values name (publisher, replay
+    /// and load sockets).
+    pub(crate) fn addresses(&self) -> impl Iterator<Item = &str> {
+        self.kv_events_endpoints.iter().flat_map(|e| {
+            std::iter::once(e.publisher.as_str())
+                .chain(e.replay.as_deref())
+                .chain(e.load.as_deref())
+        })
+    }
+
     /// `--tokenize-timeout`.
     pub(crate) fn tokenize_timeout(&self) -> Result<std::time::Duration, BoxError> {
         crate::serve::secs(self.tokenize_timeout, "tokenize-timeout")

@@ -74,6 +74,11 @@ impl Finish {
 }
 
 impl ObserveArgs {
+    /// `--otlp-endpoint`, if given.
+    pub(crate) fn otlp_endpoint(&self) -> Option<&str> {
+        self.otlp_endpoint.as_deref()
+    }
+
     /// Start what the flags ask for, for an orchestrator whose connector is named
     /// `connector`; sets `config.trace_ratio` when tracing.
     pub(crate) fn start(

@@ -34,6 +34,7 @@ mod connectors;
 mod flags;
 
 pub use bidi::BidiArgs;
+pub use checks::Addressed;
 pub(crate) use checks::repeated;
 use connectors::*;
 use flags::*;

@@ -215,6 +215,17 @@ pub(crate) struct SimArgs {
     /// implies --ec-push. Default: free ports, logged at start.
     #[arg(long, value_name = "PORT", requires = "ec_role")]
     ec_push_port: Option<u16>,
+    /// How long a client may take to send a request head, in seconds, counted from the
+    /// connection's opening or the end of the previous answer: past it the connection
+    /// closes without an answer, so a kept-alive connection idle that long closes too
+    /// (vLLM's uvicorn closes one idle for 5 s and has no limit on a head). More than 0.
+    #[arg(long, value_name = "SECS", default_value_t = SimConfig::default().header_read_timeout.as_secs_f64())]
+    header_read_timeout: f64,
+    /// How long a client may take to send a request's whole body, in seconds, counted
+    /// from its head: past it the request is answered 408 and the connection closed
+    /// (vLLM's uvicorn waits for ever). More than 0.
+    #[arg(long, value_name = "SECS", default_value_t = SimConfig::default().body_read_timeout.as_secs_f64())]
+    body_read_timeout: f64,
     /// Serve HTTPS with this certificate chain (PEM), as vLLM's --ssl-certfile.
     #[arg(long, value_name = "PATH", requires = "tls_key")]
     tls_cert: Option<std::path::PathBuf>,
@@ -256,6 +267,16 @@ fn tls(args: &SimArgs) -> Result<Option<SimTls>, BoxError> {
             .map(|p| read("--tls-client-ca", p))
             .transpose()?,
     }))
+}
+
+/// `--{flag}` in seconds, as [`secs`] reads it, and more than 0: a read limit of 0
+/// would cut every connection (or body) at once.
+fn read_limit(v: f64, flag: &str) -> Result<std::time::Duration, BoxError> {
+    let limit = secs(v, flag)?;
+    if limit.is_zero() {
+        return Err(format!("--{flag} must be more than 0 seconds").into());
+    }
+    Ok(limit)
 }
 
 /// The engine configuration the flags describe.
@@ -310,6 +331,8 @@ fn config(args: &SimArgs) -> Result<SimConfig, BoxError> {
             .engine_version
             .clone()
             .unwrap_or_else(|| SimConfig::default().version),
+        header_read_timeout: read_limit(args.header_read_timeout, "header-read-timeout")?,
+        body_read_timeout: read_limit(args.body_read_timeout, "body-read-timeout")?,
         tls: tls(args)?,
         ec: match (args.ec_role, &args.ec_store) {
             (Some(role), Some(store)) => Some(disagg_sim::EcConfig {
@@ -429,6 +452,30 @@ mod tests {
         let c = parse(&["--inter-token-ms", "0", "--kv-lease", "0.5"]).expect("valid");
         assert_eq!(c.inter_token_delay, Duration::ZERO);
         assert_eq!(c.kv_lease, Duration::from_millis(500));
+    }
+
+    /// `--header-read-timeout` and `--body-read-timeout` reach the engine's config;
+    /// a value that is no duration, or 0 (every connection or body cut at once), is
+    /// refused naming the flag.
+    #[test]
+    fn read_timeout_flags_reach_the_config() {
+        let c = parse(&["--header-read-timeout", "5", "--body-read-timeout", "0.25"]).unwrap();
+        assert_eq!(c.header_read_timeout, Duration::from_secs(5));
+        assert_eq!(c.body_read_timeout, Duration::from_millis(250));
+        // Defaults: the engine's own.
+        let c = parse(&[]).unwrap();
+        let d = SimConfig::default();
+        assert_eq!(
+            (c.header_read_timeout, c.body_read_timeout),
+            (d.header_read_timeout, d.body_read_timeout)
+        );
+        for flag in ["--header-read-timeout", "--body-read-timeout"] {
+            for value in ["0", "-1", "NaN", "1e19"] {
+                let arg = format!("{flag}={value}");
+                let err = parse(&[&arg]).expect_err(&arg).to_string();
+                assert!(err.starts_with(flag), "{arg}: {err}");
+            }
+        }
     }
 
     #[test]

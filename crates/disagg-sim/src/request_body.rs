@@ -2,6 +2,12 @@
 //! [`SimConfig::body_read_timeout`](crate::SimConfig::body_read_timeout), at most
 //! [`MAX_BODY`] bytes, and its JSON built within [`JSON_BUDGET`] bytes of memory.
 //!
+//! A body over [`MAX_BODY`] is answered 413 in OpenAI's error shape (type
+//! `PayloadTooLargeError`), with `connection: close`: at once when its
+//! `content-length` says so, else once what arrived passes the ceiling. 413 is the
+//! status FastAPI's own body ceiling (`max_body_size`) answers; vLLM sets none by
+//! default, so a real engine reads a body of any size.
+//!
 //! `serde_json::Value` costs far more than the text it is parsed from: 32 bytes per
 //! array element (16 per byte of `[0,0,...]`), and a B-tree node of some 630 bytes per
 //! object (about 80 per byte of `[{"a":0},...]`). Unbounded, a 64 MiB body took a
@@ -15,14 +21,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::StatusCode;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
 use crate::api::ApiError;
 use crate::server::BoxError;
 
-/// Largest request body read (a larger one is answered 400). Above the proxy's own
+/// Largest request body read (a larger one is answered 413). Above the proxy's own
 /// 32 MiB ceiling, which a handoff it adds may take a request past.
 pub(crate) const MAX_BODY: usize = 64 << 20;
 
@@ -35,14 +41,20 @@ pub(crate) const MAX_BODY: usize = 64 << 20;
 pub(crate) const JSON_BUDGET: usize = 256 << 20;
 
 /// Reads `body` whole: 408 past `limit` (the client may be trickling it or have
-/// stopped), 400 past [`MAX_BODY`] or when the body fails.
+/// stopped), 413 past [`MAX_BODY`] (before a byte of it is read when its declared
+/// length is), 400 when the body fails.
 pub(crate) async fn read<B>(body: B, limit: Duration) -> Result<Bytes, ApiError>
 where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    // hyper's hint is exact for a `content-length` body.
+    if usize::try_from(body.size_hint().lower()).map_or(true, |n| n > MAX_BODY) {
+        return Err(too_large());
+    }
     match tokio::time::timeout(limit, Limited::new(body, MAX_BODY).collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => Err(too_large()),
         Ok(Err(e)) => Err(ApiError::bad_request(format!(
             "cannot read the request body: {e}"
         ))),
@@ -51,6 +63,17 @@ where
             format!("the request body did not arrive whole within {limit:?}"),
         )),
     }
+}
+
+/// The answer to a body over [`MAX_BODY`].
+fn too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "the request body is larger than {} MiB, the most this engine reads",
+            MAX_BODY >> 20
+        ),
+    )
 }
 
 /// Parses `bytes` as JSON within [`JSON_BUDGET`]: 400 if it is not JSON, 413 past

@@ -268,3 +268,94 @@ async fn large_bodies_of_text_and_ids_are_still_served() {
         assert_eq!(reply.status, 200, "{len} B: {}", reply.text());
     }
 }
+
+/// The engine's ceiling on a request body (`request_body::MAX_BODY`).
+const MAX_BODY: usize = 64 << 20;
+
+/// Asserts an answer is a 413 in OpenAI's error shape that closes the connection.
+fn assert_refused_413(raw: &[u8]) {
+    let (status, head, body) = split_answer(raw);
+    assert_eq!(status, 413, "{head}");
+    assert!(head.contains("\r\nconnection: close"), "{head}");
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], 413, "{v}");
+    assert_eq!(v["error"]["type"], "PayloadTooLargeError", "{v}");
+    assert!(v["error"]["param"].is_null(), "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("64 MiB"), "{message}");
+}
+
+/// A body declared (`content-length`) over the ceiling is refused 413 from its head,
+/// without waiting for bytes that would only be thrown away, and never runs.
+#[tokio::test]
+async fn a_body_declared_over_the_ceiling_is_refused_413_at_once() {
+    // The body never comes: were it waited for, the answer would be this 408.
+    let e = engine_with(SimConfig {
+        body_read_timeout: NEVER * 3,
+        ..SimConfig::default()
+    })
+    .await;
+    for path in ["/v1/completions", "/v1/chat/completions", "/tokenize"] {
+        let mut stream = TcpStream::connect(e.addr()).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{{",
+            MAX_BODY + 1
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        assert_refused_413(&until_closed(&mut stream).await);
+    }
+    let s = wait_for(&e, |s| s.open_connections == 0).await;
+    assert_eq!((s.active_requests, s.requests), (0, 0), "{s:?}");
+}
+
+/// A chunked body (no length declared) is refused 413 once what arrived passes the
+/// ceiling, in OpenAI's error shape, and the connection closes.
+#[tokio::test]
+async fn a_chunked_body_past_the_ceiling_is_refused_413() {
+    let e = engine_with(SimConfig::default()).await;
+    let stream = TcpStream::connect(e.addr()).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        let head = "POST /v1/completions HTTP/1.1\r\nhost: sim\r\n\
+            content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+        wr.write_all(head.as_bytes()).await?;
+        let chunk = vec![b' '; 1 << 20];
+        let framed = [format!("{:x}\r\n", chunk.len()).as_bytes(), &chunk, b"\r\n"].concat();
+        // One MiB past the ceiling, then the last chunk; the engine may close first.
+        for _ in 0..(MAX_BODY >> 20) + 1 {
+            wr.write_all(&framed).await?;
+        }
+        wr.write_all(b"0\r\n\r\n").await
+    });
+    let mut raw = Vec::new();
+    match timeout(NEVER, rd.read_to_end(&mut raw)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Ok(Err(e)) => panic!("read failed: {e}"),
+        Err(_) => panic!("no answer within {NEVER:?}"),
+    }
+    assert_refused_413(&raw);
+    // The writer ends either way (done, or cut off by the close).
+    let _ = writer.await.unwrap();
+    let s = wait_for(&e, |s| s.open_connections == 0).await;
+    assert_eq!((s.active_requests, s.requests), (0, 0), "{s:?}");
+}
+
+/// A body of exactly the ceiling is still read and served.
+#[tokio::test]
+async fn a_body_at_the_ceiling_is_served() {
+    let e = engine_with(SimConfig::default()).await;
+    let frame = r#"{"prompt":"hi","max_tokens":1,"pad":""}"#;
+    let text = "a".repeat(MAX_BODY - frame.len());
+    let body = format!(r#"{{"prompt":"hi","max_tokens":1,"pad":"{text}"}}"#);
+    assert_eq!(body.len(), MAX_BODY);
+    let reply = request(
+        e.addr(),
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(body.into_bytes()),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}

@@ -1,6 +1,6 @@
 //! The checks every `serve` start makes of its flags before anything is built or any
-//! engine asked: each time flag (whether or not its feature is on) and each per-engine
-//! flag given at most once per engine.
+//! engine asked: each time flag (whether or not its feature is on), the Kubernetes
+//! client's bounds, and each per-engine flag given at most once per engine.
 
 use std::collections::HashSet;
 
@@ -13,6 +13,7 @@ use super::flags::{ServeArgs, secs};
 /// twice for one engine is refused rather than one of its values silently kept.
 pub(super) fn check_flags(args: &ServeArgs) -> Result<(), BoxError> {
     check_time_flags(args)?;
+    args.discovery.check_k8s_bounds()?;
     check_once_per_engine(args)
 }
 
@@ -86,4 +87,170 @@ fn urls<T>(values: &[(String, T)]) -> Vec<&str> {
 pub(crate) fn repeated<'a>(items: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let mut seen = HashSet::new();
     items.into_iter().find(|item| !seen.insert(*item))
+}
+
+/// A host the flags make the proxy listen on or connect to, or tell an engine to
+/// connect to: what [`ServeArgs::other_addresses`] lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Addressed {
+    /// The flag that gives it (`--kv-events-endpoint`).
+    pub flag: &'static str,
+    /// The host as given (an IPv6 address without its brackets; `*` for every
+    /// interface); `None` for a discovery source, whose engines are known only once
+    /// it runs, at any host.
+    pub host: Option<String>,
+}
+
+impl ServeArgs {
+    /// Every host these flags address besides `--listen` ([`listen`](Self::listen))
+    /// and the engine URLs ([`engine_urls`](Self::engine_urls)): the sockets the
+    /// proxy binds or connects to for a connector, KV events or traces, the addresses
+    /// it hands the engines to connect to (`--ec-address`, `--lmcache-receiver`), and
+    /// the discovery sources, whose engines may be anywhere. A default that follows
+    /// `--listen` (`--lmcache-notify` unset) or the engines' hosts
+    /// (`--kv-events-port`) adds none. `OTEL_EXPORTER_OTLP_ENDPOINT`, read when
+    /// `--otlp-endpoint` is not given, is not a flag and not listed.
+    pub fn other_addresses(&self) -> Vec<Addressed> {
+        let given = |flag, host: &str| Addressed {
+            flag,
+            host: Some(host_of(host).to_owned()),
+        };
+        let mut out = Vec::new();
+        if let Some(notify) = &self.lmcache.lmcache_notify {
+            out.push(given("--lmcache-notify", notify));
+        }
+        for (_, receiver) in &self.lmcache.lmcache_receivers {
+            out.push(given("--lmcache-receiver", receiver.host()));
+        }
+        for (_, host, _) in &self.ec_addresses {
+            out.push(given("--ec-address", host));
+        }
+        for address in self.kv_events.addresses() {
+            out.push(given("--kv-events-endpoint", address));
+        }
+        if let Some(url) = self.observe.otlp_endpoint() {
+            out.push(given("--otlp-endpoint", url));
+        }
+        if let Some(server) = self.discovery.dns_server() {
+            out.push(Addressed {
+                flag: "--dns-server",
+                host: Some(server.ip().to_string()),
+            });
+        }
+        for flag in self.discovery.sources_given() {
+            out.push(Addressed { flag, host: None });
+        }
+        out
+    }
+}
+
+/// The host of `address`: a URL (`http://host:port/path`, `tcp://host:port`), or
+/// `host:port`, or a bare host; an IPv6 address without its brackets.
+fn host_of(address: &str) -> &str {
+    let rest = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or(rest);
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split(']').next().unwrap_or(v6);
+    }
+    match authority.rsplit_once(':') {
+        // One colon: `host:port`; more: an IPv6 address without brackets.
+        Some((host, _)) if !host.contains(':') => host,
+        _ => authority,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn addresses(flags: &[&str]) -> Vec<Addressed> {
+        let args = ["x", "--decode", "http://127.0.0.1:2"].into_iter();
+        Cli::try_parse_from(args.chain(flags.iter().copied()))
+            .unwrap()
+            .serve
+            .other_addresses()
+    }
+
+    fn host(flag: &'static str, host: &str) -> Addressed {
+        Addressed {
+            flag,
+            host: Some(host.to_owned()),
+        }
+    }
+
+    #[test]
+    fn hosts_are_read_from_every_form() {
+        for (address, host) in [
+            ("http://collector:4318", "collector"),
+            ("http://10.0.0.1:4318/base?x#y", "10.0.0.1"),
+            ("tcp://*:7500", "*"),
+            ("tcp://[::1]:5557", "::1"),
+            ("127.0.0.1:7500", "127.0.0.1"),
+            ("http://user@10.0.0.2:80", "10.0.0.2"),
+            ("fe80::1", "fe80::1"),
+            ("engine", "engine"),
+        ] {
+            assert_eq!(host_of(address), host, "{address}");
+        }
+    }
+
+    /// Every flag that addresses a host of its own is listed with that host, and each
+    /// discovery source with none; the defaults list nothing.
+    #[test]
+    fn every_other_address_is_listed() {
+        assert_eq!(addresses(&[]), []);
+        // Defaults that follow --listen or the engines' hosts add none.
+        assert_eq!(addresses(&["--kv-events-port", "5557"]), []);
+        let listed = addresses(&[
+            "--lmcache-notify",
+            "tcp://*:7500",
+            "--lmcache-receiver",
+            "http://127.0.0.1:2=10.0.0.3:7300:7400",
+            "--ec-address",
+            "http://127.0.0.1:2=10.0.0.4:14579",
+            "--kv-events-endpoint",
+            "http://127.0.0.1:2=tcp://10.0.0.5:5557",
+            "--otlp-endpoint",
+            "http://collector:4318",
+            "--dns-server",
+            "10.0.0.6:53",
+            "--decode-dns",
+            "engines:8000",
+            "--endpoints-file",
+            "/e.toml",
+            "--k8s-prefill-selector",
+            "app=vllm",
+        ]);
+        assert_eq!(
+            listed,
+            [
+                host("--lmcache-notify", "*"),
+                host("--lmcache-receiver", "10.0.0.3"),
+                host("--ec-address", "10.0.0.4"),
+                host("--kv-events-endpoint", "10.0.0.5"),
+                host("--otlp-endpoint", "collector"),
+                host("--dns-server", "10.0.0.6"),
+                Addressed {
+                    flag: "--k8s-prefill-selector",
+                    host: None
+                },
+                Addressed {
+                    flag: "--decode-dns",
+                    host: None
+                },
+                Addressed {
+                    flag: "--endpoints-file",
+                    host: None
+                },
+            ]
+        );
+    }
 }

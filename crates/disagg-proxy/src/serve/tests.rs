@@ -328,6 +328,23 @@ fn every_time_flag_is_checked_whether_or_not_its_feature_is_on() {
     starts([p, pu, d, du, "--dns-refresh", "5", "--encode-timeout", "0"]).expect("valid");
 }
 
+/// The Kubernetes client's bounds are checked at start, before discovery is built:
+/// 0 is refused with a message naming the flag.
+#[test]
+fn k8s_bound_flags_are_checked_at_start() {
+    for flag in [
+        "--k8s-read-timeout=0",
+        "--k8s-request-timeout=0",
+        "--k8s-max-response-bytes=0",
+        "--k8s-page-size=0",
+    ] {
+        let [p, pu, d, du] = PD;
+        let err = refused_start([p, pu, d, du, "--k8s-decode-selector", "app=vllm", flag]);
+        let name = flag.split('=').next().unwrap_or(flag);
+        assert!(err.contains(name), "{flag}: {err}");
+    }
+}
+
 #[test]
 fn the_receipt_threshold_is_a_ratio_whether_or_not_telemetry_runs() {
     for value in ["1.5", "-0.1", "nan"] {
