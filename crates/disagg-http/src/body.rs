@@ -23,8 +23,11 @@
 //! to the system when the body is freed (the allocator's heap would keep it), unless
 //! the budget keeps it for the next large body (at most [`SPARE_BYTES`] of them, each up
 //! to [`SPARE_MAX`]). A buffer on the heap (under [`MAP_FROM`], or a chunked body's
-//! first ones) takes its whole capacity once allocated. A body that arrives in one
-//! piece, as small ones do, is used as it came, without a copy.
+//! first ones) takes its whole capacity once allocated, so a declared body's starts at
+//! no more than four times what has arrived, and grows (doubling, up to the declared
+//! size) as more does: one whose second piece brings a quarter of it or more gets its
+//! declared size at once. A body that arrives in one piece, as small ones do, is used
+//! as it came, without a copy.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -254,6 +257,42 @@ impl Drop for OwnedShare {
     }
 }
 
+/// Whether `err`, a client body's failure, says that its client left: the connection
+/// ended (closed, or reset) before the body did, or [`ClientLeft`] says so. No answer
+/// reaches such a client: its request ends cancelled, with status 499, as one whose
+/// client leaves at any other time before the answer's head.
+///
+/// A body cut by a limit of [`read`] (its size, its time, the budget) is the proxy's
+/// answer to a client still there, and is not this.
+pub(crate) fn client_left(err: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind;
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if e.is::<ClientLeft>() {
+            return true;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                ErrorKind::UnexpectedEof
+                    | ErrorKind::ConnectionReset
+                    | ErrorKind::ConnectionAborted
+                    | ErrorKind::BrokenPipe
+            )
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// A client that left in the middle of its body ([`client_left`]), told where the
+/// body's own error cannot go (a forwarded body's, which the transport takes).
+#[derive(Debug, thiserror::Error)]
+#[error("the client closed its connection before its body ended")]
+pub(crate) struct ClientLeft;
+
 /// The limits a client body is read under.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits<'a> {
@@ -278,8 +317,9 @@ pub(crate) struct Limits<'a> {
 ///
 /// 413 `request_too_large` past `limits.max_bytes` (declared or received), 503
 /// `server_busy` when the body would take the budget past its limit, 408
-/// `request_timeout` when it did not arrive in time, 400 when the client broke off.
-/// After any of them the rest of the body is unread, so the connection must close.
+/// `request_timeout` when it did not arrive in time, 400 when the client broke off
+/// (its connection ended: [`client_left`] says so of the error). After any of them the
+/// rest of the body is unread, so the connection must close.
 pub(crate) fn read<B>(
     body: B,
     limits: Limits<'_>,
@@ -331,6 +371,19 @@ enum State {
 /// written; a kept one, nothing. Smaller bodies, the many usual requests, stay on the
 /// heap.
 pub const MAP_FROM: usize = 64 * 1024;
+
+/// A declared body's buffer on the heap (under [`MAP_FROM`]) starts at most this many
+/// times what has arrived, and grows as more does, up to the declared size.
+///
+/// A heap buffer costs its whole capacity at once (of memory, and of the budget), so a
+/// buffer of the declared size let a client that declared a body just under
+/// [`MAP_FROM`] and sent two bytes of it hold 64 KiB: about 16,400 of them filled the
+/// default budget. Four times covers the bodies that arrive at once: the server reads
+/// them 8, then 16, then 32 KiB at a time (hyper's reads), so the second piece brings a
+/// quarter of the body or more, and its buffer is of its declared size at once, as
+/// before. A body that comes slower grows by doubling: copies of at most about its own
+/// size in all.
+const HEAP_AHEAD: usize = 4;
 
 /// Freed bodies' mappings up to this size are kept for the next bodies (the larger
 /// ones are unmapped): 1 MiB.
@@ -675,11 +728,16 @@ fn append(
         }
         State::One(first) => {
             let needed = first.len() + data.len();
-            // One buffer of the declared size, so it never moves; a chunked body's
-            // buffer starts at twice what came and doubles from there.
-            let capacity = declared
-                .unwrap_or(needed.saturating_mul(2))
-                .clamp(needed, max_bytes.max(needed));
+            // A declared body's buffer is of the declared size, so it never moves (a
+            // mapping costs only the pages written), but on the heap, where it costs
+            // its whole capacity, at most `HEAP_AHEAD` times what came; a chunked
+            // body's starts at twice what came. Either doubles from there.
+            let capacity = match declared {
+                Some(size) if size < MAP_FROM => size.min(needed.saturating_mul(HEAP_AHEAD)),
+                Some(size) => size,
+                None => needed.saturating_mul(2),
+            }
+            .clamp(needed, max_bytes.max(needed));
             let mut buf = Buffer::new(share, capacity, needed, needed)?;
             buf.push(first);
             buf.push(&data);
@@ -688,7 +746,12 @@ fn append(
         State::Many(buf) => {
             let needed = buf.len() + data.len();
             if needed > buf.capacity() {
-                let most = max_bytes.max(needed);
+                // A declared body's buffer grows to its declared size at most.
+                let most = match declared {
+                    Some(size) if needed <= size => size.min(max_bytes),
+                    _ => max_bytes,
+                }
+                .max(needed);
                 let capacity = needed.max(buf.capacity().saturating_mul(2)).min(most);
                 // Short of room for twice the buffer, a quarter more at least: growth
                 // by what one frame needs would copy all that is held for every frame
@@ -1068,6 +1131,110 @@ mod tests {
         assert_eq!(budget.spare_bytes(), 0, "the kept mapping is in use");
         assert_eq!(budget.in_use(), len);
         drop((held, tx));
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A declared body under [`MAP_FROM`] (on the heap, where a buffer costs its whole
+    /// capacity at once) that trickles in holds a bounded multiple of what arrived, not
+    /// its declared size: its buffer grows as its bytes come, never past that size.
+    #[tokio::test]
+    async fn a_trickling_declared_body_on_the_heap_holds_what_arrived() {
+        let budget = BodyBudget::new(1 << 20);
+        let limits = Limits {
+            max_bytes: 1 << 20,
+            ..limits(&budget)
+        };
+        let declared = MAP_FROM - 1;
+        let whole = Bytes::from(pattern(declared));
+        let (tx, body) = stalled(declared, vec![whole.slice(..1), whole.slice(1..2)]);
+        let mut held = Box::pin(read(body, limits));
+        assert!(futures::poll!(held.as_mut()).is_pending());
+        assert!(
+            budget.in_use() <= 2 * HEAP_AHEAD,
+            "two bytes arrived, {} taken",
+            budget.in_use()
+        );
+        // The rest in pieces of 1,000 bytes: its buffer grows with them.
+        let mut at = 2;
+        while at < declared {
+            let end = (at + 1000).min(declared);
+            tx.unbounded_send(Ok(http_body::Frame::data(whole.slice(at..end))))
+                .unwrap();
+            at = end;
+            assert!(futures::poll!(held.as_mut()).is_pending() || at == declared);
+            assert!(budget.in_use() <= (at * HEAP_AHEAD).min(declared));
+        }
+        drop(tx);
+        let (bytes, share) = held.await.unwrap();
+        assert_eq!(bytes, whole);
+        assert!(budget.in_use() <= declared);
+        drop(share);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// Clients that declare bodies just under [`MAP_FROM`] and send a byte or two of
+    /// them hold a few bytes each: many of them leave the budget to everyone else
+    /// (each held its whole declared size before: 16 of these filled 1 MiB).
+    #[tokio::test]
+    async fn declared_but_silent_clients_do_not_fill_the_budget() {
+        let budget = BodyBudget::new(1 << 20);
+        let limits = Limits {
+            max_bytes: 1 << 20,
+            ..limits(&budget)
+        };
+        let mut held = Vec::new();
+        for _ in 0..256 {
+            let frames = vec![Bytes::from_static(b"{"), Bytes::from_static(b" ")];
+            let (tx, body) = stalled(MAP_FROM - 1, frames);
+            let mut reading = Box::pin(read(body, limits));
+            assert!(
+                futures::poll!(reading.as_mut()).is_pending(),
+                "refused with {} of {} taken",
+                budget.in_use(),
+                budget.limit()
+            );
+            held.push((reading, tx));
+        }
+        assert!(budget.in_use() <= 256 * 2 * HEAP_AHEAD);
+        drop(held);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A declared body on the heap whose second piece brings a quarter of it or more
+    /// is copied into one buffer of its declared size, which never moves: one
+    /// allocation, as when the whole size was taken at once.
+    #[test]
+    fn a_declared_body_in_big_pieces_gets_one_buffer_of_its_size() {
+        let budget = BodyBudget::new(1 << 20);
+        let mut share = Share::new(&budget);
+        let declared = 50_000;
+        let whole = Bytes::from(pattern(declared));
+        let mut state = State::Empty;
+        let mut add = |range: std::ops::Range<usize>, state: &mut State| {
+            append(
+                state,
+                whole.slice(range),
+                Some(declared),
+                &mut share,
+                1 << 20,
+            )
+            .unwrap();
+        };
+        add(0..5_000, &mut state);
+        add(5_000..12_500, &mut state);
+        let State::Many(buf) = &state else {
+            panic!("not gathered")
+        };
+        assert_eq!(buf.capacity(), declared);
+        let at = buf.as_slice().as_ptr();
+        add(12_500..declared, &mut state);
+        let State::Many(buf) = &state else {
+            panic!("not gathered")
+        };
+        assert_eq!(buf.as_slice().as_ptr(), at, "the buffer moved");
+        assert_eq!(buf.as_slice(), &whole[..]);
+        drop(state);
+        drop(share);
         assert_eq!(budget.in_use(), 0);
     }
 

@@ -38,10 +38,10 @@ use std::sync::{Arc, OnceLock};
 use std::task::Context;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
-use disagg_core::json::{BodyError, JsonBody};
+use disagg_core::json::JsonBody;
 use disagg_core::outcome::Delivery;
 use disagg_core::policy::Permit;
 use disagg_core::proto::{forwardable_header, unrelayable};
@@ -49,16 +49,18 @@ use disagg_core::transport::{BoxBody, Transport};
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 
 use crate::body;
 use crate::error::{error_response, pd_error_response};
-use crate::routed::{RouteListeners, RouteSummary};
+use crate::routed::RouteEnd;
 use crate::service::{Inner, collect_limited, json_response};
-use crate::tap::{Hooks, Tap, Unshared};
+use crate::tap::{Hooks, Tap};
 
+mod client;
 mod sniff;
+use client::{ClientBody, Started, StreamLimits};
 use sniff::json_object_start;
 
 /// The answer's marker for a generation served by a decode engine alone.
@@ -212,7 +214,7 @@ impl Inner {
                         let whole = object || start.len() > STREAMED_START_MAX;
                         (start, rest, whole)
                     }
-                    Err(err) => return body_refused(failed.get().unwrap_or(&err)),
+                    Err(err) => return body_refused(failed.get().unwrap_or(&err), route),
                 }
             };
             let started = Started {
@@ -224,7 +226,7 @@ impl Inner {
                 // handoff was removed, copied: as on the orchestrated routes.
                 let (bytes, share) = match body::read(started, self.limits()).await {
                     Ok(read) => read,
-                    Err(err) => return body_refused(failed.get().unwrap_or(&err)),
+                    Err(err) => return body_refused(failed.get().unwrap_or(&err), route),
                 };
                 let engine = engine_body_off_loop(bytes, share).await;
                 let (bytes, named) = match engine {
@@ -321,7 +323,10 @@ impl Inner {
                 let (parts, body) = out.into_parts();
                 match collect_limited(body, self.config.max_body_bytes).await {
                     Ok(bytes) => transport.send(Request::from_parts(parts, bytes)),
-                    Err(e) => return pd_error_response(&PdError::body(e)),
+                    Err(e) => {
+                        let err = PdError::body(e);
+                        return body_refused(failed.get().unwrap_or(&err), route);
+                    }
                 }
             }
         };
@@ -342,7 +347,7 @@ impl Inner {
             Ok(Err(err)) => {
                 // The client's body failed the exchange (too slow, too large): its error.
                 if let Some(client) = failed.get() {
-                    return body_refused(client);
+                    return body_refused(client, route);
                 }
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
@@ -365,7 +370,7 @@ impl Inner {
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let mut route = route.take();
         if let Some(r) = route.as_mut() {
-            r.summary.status = parts.status;
+            r.head(parts.status);
         }
         let body = EngineBody::watch(
             body,
@@ -416,7 +421,14 @@ impl Inner {
     /// none; one request per server, however many DP ranks it was listed with) and
     /// answer with each engine's result: 200 when all succeeded; the engines' status
     /// when they all refused alike; else 502 `fan_out_failed`.
-    pub(crate) async fn fan_out<B>(&self, req: Request<B>) -> Response<PdBody>
+    ///
+    /// `route` is told that the client left when its body broke off with its
+    /// connection; left in place otherwise.
+    pub(crate) async fn fan_out<B>(
+        &self,
+        req: Request<B>,
+        route: &mut Option<RouteEnd>,
+    ) -> Response<PdBody>
     where
         B: Body + Send + 'static,
         B::Data: Send,
@@ -425,7 +437,7 @@ impl Inner {
         let (parts, body) = req.into_parts();
         let (bytes, share) = match body::read(body, self.limits()).await {
             Ok(read) => read,
-            Err(err) => return body_refused(&err),
+            Err(err) => return body_refused(&err, route),
         };
         let (bytes, model) = match engine_body_off_loop(bytes, share).await {
             Ok(b) => b,
@@ -535,8 +547,16 @@ async fn off_loop<T: Send + 'static>(
 }
 
 /// The answer to a client body that could not be read (too large, too slow, over the
-/// budget): its error, and the connection closed, as the rest of the body is unread.
-fn body_refused(err: &PdError) -> Response<PdBody> {
+/// budget, broken off): its error, and the connection closed, as the rest of the body is
+/// unread. A body that broke off with its client's connection
+/// ([`client_left`](body::client_left)) tells `route` that the client left (499): the
+/// answer reaches no one.
+fn body_refused(err: &PdError, route: &mut Option<RouteEnd>) -> Response<PdBody> {
+    if body::client_left(err)
+        && let Some(route) = route.take()
+    {
+        route.left();
+    }
     let mut resp = pd_error_response(err);
     resp.headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -685,158 +705,6 @@ fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
     Ok((bytes, model))
 }
 
-/// A client's body after its first bytes were read: those bytes, then the rest. Its
-/// size hint is the rest's, which ([`ClientBody`]'s) is the whole body's.
-struct Started {
-    start: Option<Bytes>,
-    rest: ClientBody,
-}
-
-impl Body for Started {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(start) = self.start.take().filter(|s| !s.is_empty()) {
-            return std::task::Poll::Ready(Some(Ok(Frame::data(start))));
-        }
-        Pin::new(&mut self.rest).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.start.as_ref().is_none_or(Bytes::is_empty) && self.rest.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.rest.size_hint()
-    }
-}
-
-/// The limits of a client body streamed to an engine, and where a breach is told.
-struct StreamLimits {
-    /// The largest body (413 past it).
-    max_bytes: usize,
-    /// Time for the whole body, from when it is first waited for (408 past it).
-    timeout: Duration,
-    /// Set to the client's error when the body breaks a limit: the exchange then fails,
-    /// and the forwarding answers with this instead of the engine's failure.
-    failed: Arc<OnceLock<PdError>>,
-}
-
-/// A client's request body on its way to the engine: streamed frame by frame (cut past
-/// the body limit, and past the body timeout, which runs as
-/// [`body::read`](crate::body)'s does: from the first wait, for the whole body), or
-/// whole when it was read to find its model.
-///
-/// `Sync` as the transport's body must be, though the client's body need not be: it
-/// is [`Unshared`], reached only through `&mut`.
-type ClientBody = Tap<Unshared<DynBody>, ClientLimits>;
-
-type DynBody = Pin<Box<dyn Body<Data = Bytes, Error = BoxError> + Send>>;
-
-/// [`ClientBody`]'s own: the bytes it may still send, its limits, its size hint and end
-/// (kept on the side: the body is [`Unshared`]).
-struct ClientLimits {
-    hint: SizeHint,
-    left: u64,
-    ended: bool,
-    limits: Option<StreamLimits>,
-    /// Armed at the first wait for the client.
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl ClientBody {
-    fn stream<B>(body: B, limits: StreamLimits) -> Self
-    where
-        B: Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
-    {
-        let left = limits.max_bytes as u64;
-        Self::client(body, left, Some(limits))
-    }
-
-    fn client<B>(body: B, left: u64, limits: Option<StreamLimits>) -> Self
-    where
-        B: Body + Send + 'static,
-        B::Data: Send,
-        B::Error: Into<BoxError>,
-    {
-        let hint = body.size_hint();
-        let ended = body.is_end_stream();
-        let body = body
-            .map_frame(|f| f.map_data(|mut d| d.copy_to_bytes(d.remaining())))
-            .map_err(Into::into);
-        let limits = ClientLimits {
-            hint,
-            left,
-            ended,
-            limits,
-            timer: None,
-        };
-        Tap::new(Unshared::new(Box::pin(body) as DynBody), limits)
-    }
-
-    fn whole(bytes: Bytes) -> Self {
-        let len = bytes.len() as u64;
-        Self::client(http_body_util::Full::new(bytes), len, None)
-    }
-}
-
-impl ClientLimits {
-    /// The body broke a limit: `err` for the forwarding, an error for the transport.
-    fn fail(&mut self, err: PdError) -> BoxError {
-        let message = err.to_string();
-        if let Some(limits) = &self.limits {
-            let _ = limits.failed.set(err);
-        }
-        self.ended = true;
-        message.into()
-    }
-}
-
-impl Hooks<Unshared<DynBody>> for ClientLimits {
-    fn frame(&mut self, frame: &Frame<Bytes>, _body: &Unshared<DynBody>) -> Result<(), BoxError> {
-        if let Some(data) = frame.data_ref() {
-            let len = data.len() as u64;
-            if len > self.left {
-                let max = self.limits.as_ref().map_or(0, |l| l.max_bytes);
-                return Err(self.fail(PdError::body(BodyError::TooLarge { limit: max })));
-            }
-            self.left -= len;
-        }
-        Ok(())
-    }
-
-    fn end(&mut self) {
-        self.ended = true;
-    }
-
-    fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
-        let Some(timeout) = self.limits.as_ref().map(|l| l.timeout) else {
-            return Ok(());
-        };
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        if timer.as_mut().poll(cx).is_ready() {
-            return Err(self.fail(PdError::body(BodyError::TimedOut { after: timeout })));
-        }
-        Ok(())
-    }
-
-    fn is_end_stream(&self, _body: &Unshared<DynBody>) -> bool {
-        self.ended
-    }
-
-    fn size_hint(&self, _body: &Unshared<DynBody>) -> SizeHint {
-        self.hint
-    }
-}
-
 /// An engine's answer on its way to the client: holds the engine's place in the
 /// in-flight count (and a direct request's admission permit) until it ends, and ends
 /// with an error after `idle` without a frame.
@@ -877,50 +745,6 @@ impl EngineBody {
             route,
         };
         Tap::new(body.map_err(Into::into).boxed(), watch)
-    }
-}
-
-/// A request the orchestrator does not serve, on its way: its summary is told to the
-/// service's [`RouteListeners`] once, when its answer ends, breaks, or is dropped
-/// unfinished (the client left).
-pub(crate) struct RouteEnd {
-    listeners: RouteListeners,
-    pub(crate) summary: RouteSummary,
-    told: bool,
-}
-
-impl RouteEnd {
-    pub(crate) fn new(listeners: RouteListeners, summary: RouteSummary) -> Self {
-        RouteEnd {
-            listeners,
-            summary,
-            told: false,
-        }
-    }
-
-    /// The answer ended now, as `delivery` says, with the summary's status.
-    pub(crate) fn tell(&mut self, delivery: Delivery) {
-        if std::mem::replace(&mut self.told, true) {
-            return;
-        }
-        let status = self.summary.status;
-        self.summary.ended(status, delivery);
-        self.listeners.tell(&self.summary);
-    }
-
-    /// The proxy's own answer `resp` (whole in memory: it ends as it is sent) ends the
-    /// request.
-    pub(crate) fn answered(mut self, resp: &Response<PdBody>) {
-        self.summary.status = resp.status();
-        self.summary.bytes = resp.body().size_hint().exact().unwrap_or(0);
-        self.tell(Delivery::Complete);
-    }
-}
-
-impl Drop for RouteEnd {
-    fn drop(&mut self) {
-        // Not told by now: the answer was dropped before its end.
-        self.tell(Delivery::Cancelled);
     }
 }
 
@@ -972,7 +796,7 @@ impl Hooks<BoxBody> for EngineWatch {
         }
     }
 
-    fn error(&mut self) {
+    fn error(&mut self, _err: &BoxError) {
         self.answered();
         if let Some(r) = self.route.as_mut() {
             r.tell(Delivery::Broken);

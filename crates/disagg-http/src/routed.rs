@@ -11,6 +11,11 @@
 //! have a [`Summary`](disagg_core::outcome::Summary) instead, told to the orchestrator's
 //! [`Listener`](disagg_core::outcome::Listener)s.
 //!
+//! A client that leaves before its response head (while its body is read, broken off
+//! with its connection, or before the engine answered) makes the summary `cancelled`
+//! with status 499, nginx's "client closed request", as the orchestrator's summaries
+//! say; one that leaves later keeps the status that went out.
+//!
 //! `metrics::Metrics` counts them (`disagg_requests_total{route}`),
 //! `access_log::AccessLog` writes a line for each, and
 //! `disagg-otel`'s `Tracer` exports a server span for each one traced. Listeners run on
@@ -21,8 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use disagg_core::endpoint::Endpoint;
+use disagg_core::orchestrator::PdBody;
 use disagg_core::outcome::{Delivery, TraceIds};
-use http::{HeaderValue, Method, StatusCode};
+use http::{HeaderValue, Method, Response, StatusCode};
+use http_body::Body;
 
 /// How a request the orchestrator did not serve was served: the `route` label of
 /// `disagg_requests_total` and the access log's `route` field (the orchestrator's own
@@ -100,7 +107,9 @@ pub struct RouteSummary {
     pub client: Option<Arc<str>>,
     /// The engine it was forwarded to (none for a fan-out or a refusal).
     pub endpoint: Option<Arc<Endpoint>>,
-    /// The status the client got.
+    /// The status the client got (499, nginx's "client closed request", when the
+    /// client left before the response head, as the orchestrator's
+    /// [`Summary::status`](disagg_core::outcome::Summary::status) says).
     pub status: StatusCode,
     /// When the request arrived.
     pub arrival: Instant,
@@ -166,6 +175,79 @@ impl RouteSummary {
         self.arrival_wall = wall
             .checked_sub(end.saturating_duration_since(self.arrival))
             .unwrap_or(wall);
+    }
+}
+
+/// The status of a request whose client left before its response head: none went out;
+/// the summary says 499, nginx's "client closed request", as the orchestrator's do.
+pub(crate) const CLIENT_CLOSED: StatusCode = match StatusCode::from_u16(499) {
+    Ok(status) => status,
+    Err(_) => StatusCode::BAD_REQUEST,
+};
+
+/// A request the orchestrator does not serve, on its way: its summary is told to the
+/// service's [`RouteListeners`] once, when its answer ends, breaks, or is dropped
+/// unfinished (the client left: before the answer's head, with status
+/// [`CLIENT_CLOSED`]).
+pub(crate) struct RouteEnd {
+    listeners: RouteListeners,
+    pub(crate) summary: RouteSummary,
+    told: bool,
+    /// The answer's head is known (the engine's, or the proxy's own answer): the
+    /// summary's status is the one the client got.
+    headed: bool,
+}
+
+impl RouteEnd {
+    pub(crate) fn new(listeners: RouteListeners, summary: RouteSummary) -> Self {
+        RouteEnd {
+            listeners,
+            summary,
+            told: false,
+            headed: false,
+        }
+    }
+
+    /// The answer's head has `status`.
+    pub(crate) fn head(&mut self, status: StatusCode) {
+        self.summary.status = status;
+        self.headed = true;
+    }
+
+    /// The answer ended now, as `delivery` says, with the summary's status.
+    pub(crate) fn tell(&mut self, delivery: Delivery) {
+        if std::mem::replace(&mut self.told, true) {
+            return;
+        }
+        let status = self.summary.status;
+        self.summary.ended(status, delivery);
+        self.listeners.tell(&self.summary);
+    }
+
+    /// The proxy's own answer `resp` (whole in memory: it ends as it is sent) ends the
+    /// request.
+    pub(crate) fn answered(mut self, resp: &Response<PdBody>) {
+        self.head(resp.status());
+        self.summary.bytes = resp.body().size_hint().exact().unwrap_or(0);
+        self.tell(Delivery::Complete);
+    }
+
+    /// The client left before the answer's head (its body broke off with its
+    /// connection): told now, cancelled, 499.
+    pub(crate) fn left(self) {
+        // Unheaded, its drop tells it so.
+        drop(self);
+    }
+}
+
+impl Drop for RouteEnd {
+    fn drop(&mut self) {
+        // Not told by now: the answer was dropped before its end, or before its head,
+        // when no status went out.
+        if !self.told && !self.headed {
+            self.summary.status = CLIENT_CLOSED;
+        }
+        self.tell(Delivery::Cancelled);
     }
 }
 

@@ -46,11 +46,10 @@ use http_body_util::{BodyExt, Limited};
 
 use crate::body::{self, BodyBudget};
 use crate::error::error_response;
-use crate::forward::RouteEnd;
 #[cfg(feature = "metrics")]
 use crate::metrics::{ExtraMetrics, Metrics};
 use crate::models::Catalog;
-use crate::routed::{RouteKind, RouteListeners, RouteSummary};
+use crate::routed::{RouteEnd, RouteKind, RouteListeners, RouteSummary};
 use crate::routes::{RouteAction, RouteTable};
 
 /// The request id header a client may send (`x-request-id`).
@@ -328,9 +327,12 @@ impl Inner {
             RouteAction::Forwarded => self.forwarded(req, false).await,
             RouteAction::Direct => self.forwarded(req, true).await,
             RouteAction::FannedOut => {
-                let route = self.route_end(RouteKind::FanOut, &req);
-                let resp = self.fan_out(req).await;
-                route.answered(&resp);
+                let mut route = Some(self.route_end(RouteKind::FanOut, &req));
+                let resp = self.fan_out(req, &mut route).await;
+                // Still here: the client did not leave while its body was read.
+                if let Some(route) = route {
+                    route.answered(&resp);
+                }
                 resp
             }
             RouteAction::Refused => self.refused(&req, closed(path)),

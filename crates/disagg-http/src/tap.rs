@@ -24,8 +24,8 @@ pub(crate) trait Hooks<B: Body> {
     /// The inner body ended.
     fn end(&mut self) {}
 
-    /// The inner body failed (its error is handed on).
-    fn error(&mut self) {}
+    /// The inner body failed with `err` (which is handed on).
+    fn error(&mut self, _err: &B::Error) {}
 
     /// The inner body has nothing yet. `Err` ends the wait with that error (a timer
     /// that ran out); `cx` is for registering such a timer.
@@ -77,7 +77,7 @@ impl<B: Body, H: Hooks<B>> Body for Tap<B, H> {
                     return Poll::Ready(Some(Err(e)));
                 }
             }
-            Poll::Ready(Some(Err(_))) => this.hooks.error(),
+            Poll::Ready(Some(Err(e))) => this.hooks.error(e),
             Poll::Ready(None) => this.hooks.end(),
             Poll::Pending => {
                 if let Err(e) = this.hooks.pending(cx) {

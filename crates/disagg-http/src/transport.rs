@@ -491,7 +491,7 @@ impl Hooks<Incoming> for Returning {
         self.release();
     }
 
-    fn error(&mut self) {
+    fn error(&mut self, _err: &hyper::Error) {
         // A broken body leaves the connection unusable: drop it.
         self.0.take();
     }
