@@ -250,6 +250,27 @@ pub trait Router: Send + Sync + 'static {
         Box::pin(async move { Ok(Route::new(None, pick()?)) })
     }
 
+    /// [`place`](Self::place) for a request that, when `queued`, already waited in the
+    /// admission queue and was counted there (as [`Ask::queued`](Ask#structfield.queued)
+    /// says of a routed one): a router whose waits share that queue does not count it
+    /// as queued a second time. The orchestrator calls this for a mid-stream
+    /// migration's continuation; an adapter that admitted the request itself may too.
+    /// The default calls `place`, and the fact is lost; a router that counts its waits
+    /// overrides it (and `place` as `place_queued` with `false`), and decorators pass
+    /// it on to the router they wrap.
+    ///
+    /// # Errors
+    ///
+    /// As [`place`](Self::place).
+    fn place_queued<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+        _queued: bool,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        self.place(pick, deadline)
+    }
+
     /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). The
     /// default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
@@ -284,6 +305,15 @@ impl<T: Router + ?Sized> Router for Arc<T> {
         (**self).place(pick, deadline)
     }
 
+    fn place_queued<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+        queued: bool,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        (**self).place_queued(pick, deadline, queued)
+    }
+
     fn observe(&self, route: &Route, outcome: Outcome) {
         (**self).observe(route, outcome)
     }
@@ -311,6 +341,14 @@ pub struct Ask<'a> {
     pub direct: bool,
     /// When a wait for room must end: the request's deadline, if it has one.
     pub deadline: Option<Instant>,
+    /// Whether the request already waited in the admission queue before this routing
+    /// (the orchestrator's [`Admission::admit`](crate::policy::Admission::admit), once
+    /// `try_admit` gave nothing), and was counted there: a router whose waits share
+    /// that queue (`disagg_resilience`'s `DecodeHold`, `PerEndpointLimit`) does not
+    /// count it as queued a second time. The orchestrator sets it on every routing of
+    /// such a request, its retries included ([`with_queued`](Self::with_queued));
+    /// [`new`](Self::new) leaves it `false`.
+    pub queued: bool,
 }
 
 impl std::fmt::Debug for Ask<'_> {
@@ -319,6 +357,7 @@ impl std::fmt::Debug for Ask<'_> {
             .field("view", self.view)
             .field("direct", &self.direct)
             .field("deadline", &self.deadline)
+            .field("queued", &self.queued)
             .finish_non_exhaustive()
     }
 }
@@ -339,7 +378,16 @@ impl<'a> Ask<'a> {
             source,
             direct,
             deadline,
+            queued: false,
         }
+    }
+
+    /// The same ask, saying whether the request already waited in the admission queue
+    /// ([`queued`](Self#structfield.queued)).
+    #[must_use]
+    pub fn with_queued(mut self, queued: bool) -> Self {
+        self.queued = queued;
+        self
     }
 
     /// `router`'s choice over a fresh snapshot of the endpoints, narrowed to the

@@ -250,13 +250,19 @@ impl Inner {
         // orchestrated one does (it queues, 429 `queue_full`, 503 `queue_timeout`), and
         // holds it until its answer's last byte.
         let mut permit = None;
+        // Whether it waited for that place (and was counted queued there): its wait for
+        // an engine's place, below, does not count it again.
+        let mut queued = false;
         if generation && let Some(admission) = self.orchestrator.admission() {
             permit = match admission.try_admit() {
                 Some(p) => Some(p),
-                None => match admission.admit(deadline).await {
-                    Ok(p) => Some(p),
-                    Err(err) => return pd_error_response(&err),
-                },
+                None => {
+                    queued = true;
+                    match admission.admit(deadline).await {
+                        Ok(p) => Some(p),
+                        Err(err) => return pd_error_response(&err),
+                    }
+                }
             };
         }
         // The client's `accept-encoding`, which the engine's request goes without.
@@ -274,7 +280,12 @@ impl Inner {
                 self.pick(&set, model.as_deref(), direct)
                     .map_err(PdError::from)
             };
-            match self.orchestrator.router().place(&pick, deadline).await {
+            match self
+                .orchestrator
+                .router()
+                .place_queued(&pick, deadline, queued)
+                .await
+            {
                 Ok(placed) => {
                     let ep = Arc::clone(&placed.decode);
                     // The route holds the engine's place: kept with the global one.

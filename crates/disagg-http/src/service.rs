@@ -399,22 +399,6 @@ impl Inner {
             timeout: self.config.body_timeout,
             budget: &self.config.body_budget,
         };
-        let (bytes, share) = match body::read(body, limits).await {
-            Ok(read) => read,
-            Err(err) => {
-                let id = parts.headers.get(REQUEST_ID).cloned();
-                let mut resp = failed(api, id.as_ref(), &err);
-                self.orchestrator.refused(api, id, arrival, &err);
-                // The rest of the body is unread: the connection cannot carry another
-                // request, and a client that stalled or flooded should not keep it.
-                resp.headers_mut()
-                    .insert(CONNECTION, HeaderValue::from_static("close"));
-                return resp;
-            }
-        };
-        let id = parts.headers.get(REQUEST_ID).cloned();
-        // Cohere's error body names the request (the client's id, when it sent one).
-        let error_id = (api == Api::CohereChat).then(|| id.clone()).flatten();
         // An [`ApiKeyLayer`](crate::auth::ApiKeyLayer) in front names the key that
         // admitted the request: logs name the client by it.
         #[cfg(feature = "auth")]
@@ -424,16 +408,43 @@ impl Inner {
             .map(|k| Arc::<str>::from(k.to_string()));
         #[cfg(not(feature = "auth"))]
         let client: Option<Arc<str>> = None;
+        // Told once whatever happens before the orchestrator has the request, the
+        // client's leaving (this future dropped) included.
+        let untold = Untold {
+            orchestrator: &self.orchestrator,
+            api,
+            id: parts.headers.get(REQUEST_ID).cloned(),
+            arrival,
+            client,
+            told: false,
+        };
+        let (bytes, share) = match body::read(body, limits).await {
+            Ok(read) => read,
+            Err(err) => {
+                let mut resp = failed(api, untold.id.as_ref(), &err);
+                untold.refused(&err);
+                // The rest of the body is unread: the connection cannot carry another
+                // request, and a client that stalled or flooded should not keep it.
+                resp.headers_mut()
+                    .insert(CONNECTION, HeaderValue::from_static("close"));
+                return resp;
+            }
+        };
+        // Cohere's error body names the request (the client's id, when it sent one).
+        let error_id = (api == Api::CohereChat)
+            .then(|| untold.id.clone())
+            .flatten();
         // The body's share of the budget covers receiving and parsing: it is given back
         // once the parse has ended (its bytes are in the request then, or gone).
         let parsed = self.parse(api, parts.headers, bytes, share).await;
         let served = match parsed {
             Ok(mut req) => {
-                req.set_received(arrival, client);
+                // The orchestrator tells the request's end from here on.
+                req.set_received(arrival, untold.taken());
                 self.orchestrator.serve(req).await
             }
             Err(err) => {
-                self.orchestrator.refused(api, id, arrival, &err);
+                untold.refused(&err);
                 Err(err)
             }
         };
@@ -494,6 +505,55 @@ impl Inner {
                 "not_ready",
             )
         }
+    }
+}
+
+/// An orchestrated request from its arrival until the orchestrator has it, or its
+/// refusal is told: dropped before either (its client left while its body was read or
+/// parsed, on the blocking pool too), it tells the orchestrator's listeners that the
+/// request ended cancelled, with status 499, as the orchestrator tells one whose client
+/// leaves later, before the response head. Told once, either way.
+struct Untold<'a> {
+    orchestrator: &'a Orchestrator,
+    api: Api,
+    /// The client's `x-request-id`.
+    id: Option<HeaderValue>,
+    arrival: std::time::Instant,
+    /// Who sent it, when a key layer in front named the client.
+    client: Option<Arc<str>>,
+    told: bool,
+}
+
+impl Untold<'_> {
+    /// The request is refused with `err` (its body could not be read or parsed): told
+    /// so, or as cancelled when its body broke off with its client's connection
+    /// ([`client_left`](body::client_left): no answer reaches that client).
+    fn refused(mut self, err: &PdError) {
+        self.told = true;
+        let (id, client) = (self.id.take(), self.client.take());
+        if body::client_left(err) {
+            self.orchestrator
+                .cancelled(self.api, id, self.arrival, client);
+        } else {
+            self.orchestrator.refused(self.api, id, self.arrival, err);
+        }
+    }
+
+    /// The orchestrator has the request now, and tells its end: who sent it.
+    fn taken(mut self) -> Option<Arc<str>> {
+        self.told = true;
+        self.client.take()
+    }
+}
+
+impl Drop for Untold<'_> {
+    fn drop(&mut self) {
+        if self.told || std::thread::panicking() {
+            return;
+        }
+        let (id, client) = (self.id.take(), self.client.take());
+        self.orchestrator
+            .cancelled(self.api, id, self.arrival, client);
     }
 }
 

@@ -241,3 +241,131 @@ async fn a_streamed_body_whose_client_left_is_499_not_the_engines_failure() {
     let s = one_summary(&mut summaries).await;
     assert_left(&s, RouteKind::Forward);
 }
+
+/// Every orchestrated request's summary told, in order.
+struct HeardCore(mpsc::UnboundedSender<disagg_core::outcome::Summary>);
+
+impl disagg_core::outcome::Listener for HeardCore {
+    fn on_request(&self, summary: &disagg_core::outcome::Summary) {
+        let _ = self.0.send(summary.clone());
+    }
+}
+
+/// A proxy that orchestrates `/v1/completions` over engines that are never reached,
+/// its orchestrator's summaries on the channel, its body budget to watch.
+async fn orchestrating_proxy() -> (
+    SocketAddr,
+    mpsc::UnboundedReceiver<disagg_core::outcome::Summary>,
+    disagg_http::body::BodyBudget,
+) {
+    // No engine is asked: the addresses are never dialled.
+    let source = StaticSource::new([
+        Endpoint::new("http://127.0.0.1:9", Role::Prefill).unwrap(),
+        Endpoint::new("http://127.0.0.1:9", Role::Decode).unwrap(),
+    ]);
+    let (heard, summaries) = mpsc::unbounded_channel();
+    let orchestrator = Orchestrator::builder(source, HttpTransport::default(), VllmNixl::new())
+        .listener(HeardCore(heard))
+        .build();
+    let config = PdServiceConfig::default();
+    let budget = config.body_budget.clone();
+    let service = PdService::with_config(orchestrator, config);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(Builder::new().serve(listener, service, std::future::pending()));
+    (addr, summaries, budget)
+}
+
+/// The one orchestrated summary told, within 5 s (a bound on a failure), and no other.
+async fn one_core_summary(
+    summaries: &mut mpsc::UnboundedReceiver<disagg_core::outcome::Summary>,
+) -> disagg_core::outcome::Summary {
+    let s = tokio::time::timeout(Duration::from_secs(5), summaries.recv())
+        .await
+        .expect("no summary was told")
+        .expect("the listener is gone");
+    assert!(summaries.try_recv().is_err(), "told more than once");
+    s
+}
+
+fn assert_core_left(s: &disagg_core::outcome::Summary) {
+    assert_eq!(s.delivery, Delivery::Cancelled, "{s:?}");
+    assert_eq!(s.outcome, "cancelled", "{s:?}");
+    assert_eq!(s.status.as_u16(), 499, "{s:?}");
+    assert_eq!(s.error, None);
+    assert_eq!(s.attempts, 0);
+    assert_eq!(s.request_id.as_ref().unwrap(), "client-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrated_request_left_while_its_body_is_read_is_499() {
+    let (addr, mut summaries, budget) = orchestrating_proxy().await;
+    let tcp = post(
+        addr,
+        "/v1/completions",
+        "application/json",
+        1000,
+        r#"{"model":"#,
+    )
+    .await;
+    drop(tcp);
+    let s = one_core_summary(&mut summaries).await;
+    assert_core_left(&s);
+    assert_eq!(budget.in_use(), 0);
+}
+
+/// A large body is parsed on the blocking pool; its client leaving while the parse
+/// waits there for a thread ends the request cancelled (the parse never runs).
+#[test]
+fn an_orchestrated_request_left_while_its_body_is_parsed_on_the_pool_is_499() {
+    // One blocking thread, kept busy until the client has left.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let gate = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let busy_gate = std::sync::Arc::clone(&gate);
+    let busy = runtime.spawn_blocking(move || {
+        busy_gate.wait();
+    });
+    // Opens the gate when dropped: at the end, or when an assertion fails before it
+    // (the runtime waits for its blocking thread as it shuts down).
+    let opener = Opener(gate);
+    runtime.block_on(async {
+        let (addr, mut summaries, budget) = orchestrating_proxy().await;
+        let prompt = "a".repeat(disagg_http::body::PARSE_OFF_LOOP_FROM);
+        let body = format!(r#"{{"model":"m","prompt":"{prompt}","max_tokens":1}}"#);
+        let tcp = post(
+            addr,
+            "/v1/completions",
+            "application/json",
+            body.len(),
+            &body,
+        )
+        .await;
+        // The whole body is in: its share is held by the parse that waits for a thread.
+        while budget.in_use() < body.len() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(summaries.try_recv().is_err(), "told before the client left");
+        drop(tcp);
+        let s = one_core_summary(&mut summaries).await;
+        assert_core_left(&s);
+        drop(opener);
+        busy.await.unwrap();
+        // The cancelled parse's share goes when the pool's thread takes it off the queue.
+        tokio::task::spawn_blocking(|| ()).await.unwrap();
+        assert_eq!(budget.in_use(), 0);
+    });
+}
+
+/// Waits at its barrier when dropped.
+struct Opener(std::sync::Arc<std::sync::Barrier>);
+
+impl Drop for Opener {
+    fn drop(&mut self) {
+        self.0.wait();
+    }
+}

@@ -1185,6 +1185,85 @@ async fn direct_generation_takes_its_engines_place_under_the_per_endpoint_limit(
     assert!(begun.elapsed() < Duration::from_secs(3));
 }
 
+/// Generation sent direct that waited for a global place (`--max-in-flight`) and then
+/// waits for its engine's place (`--max-in-flight-per-endpoint`) is counted once in
+/// `disagg_queued_total`, as an orchestrated request is: the proxy tells the router it
+/// was queued already (`Router::place_queued`).
+#[tokio::test]
+async fn direct_generation_that_waited_for_admission_is_queued_once() {
+    let engine = holding_engine().await;
+    let url = engine.url();
+    let args: Vec<String> = [
+        "--prefill",
+        &url,
+        "--decode",
+        &url,
+        "--client-deadline",
+        "--max-in-flight",
+        "2",
+        "--max-in-flight-per-endpoint",
+        "1",
+        "--queue-timeout",
+        "30",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let proxy = Proxy::start_args(&args).await;
+    let addr = proxy.addr;
+    let ask = |prompt: &str| streamed_with_deadline("/invocations", prompt, 20_000);
+    let queued_reaches = |n: u64| {
+        let proxy = &proxy;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while proxy.metric("disagg_queued_total").await != n {
+                assert!(
+                    Instant::now() < deadline,
+                    "disagg_queued_total never reached {n}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // The first stream takes a global place and the engine's one place.
+    let first = held_stream(addr, &ask("hold me")).await;
+    // The second takes the other global place and waits for the engine's.
+    let mut second = TcpStream::connect(addr).await.unwrap();
+    second.write_all(ask("p").as_bytes()).await.unwrap();
+    queued_reaches(1).await;
+    // The third waits for a global place.
+    let third = tokio::spawn({
+        let request = ask("p");
+        async move { raw(addr, &request).await }
+    });
+    queued_reaches(2).await;
+    // The second's client leaves: the third takes the global place it gave back, and
+    // waits for the engine's place, which the first still holds.
+    drop(second);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric("disagg_queue_waiting").await != 1 {
+        assert!(Instant::now() < deadline, "the second never left the queue");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!third.is_finished(), "served while the engine was full");
+    assert_eq!(proxy.metric("disagg_queue_waiting").await, 1);
+    assert_eq!(
+        proxy.metric("disagg_queued_total").await,
+        2,
+        "the third request was counted again when it waited for the engine's place"
+    );
+    drop(first);
+    let served = third.await.unwrap();
+    assert_eq!(
+        served.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&served.body)
+    );
+    assert_eq!(proxy.metric("disagg_queued_total").await, 2);
+}
+
 /// Generation sent direct keeps the request's deadline, as an orchestrated request
 /// does: its wait for a place, the engine's response head and its whole answer end
 /// there (`--deadline`, shortened by the client's `x-disagg-deadline-ms` with

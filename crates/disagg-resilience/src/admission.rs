@@ -46,7 +46,13 @@
 //! (the request's deadline bounds both). A request admitted after that wait is
 //! counted in `queued` by it: a wait of its routing afterwards takes a place in the
 //! queue again (counted in `waiting`, refused with 429 when the queue is full) but
-//! does not count it in `queued` a second time.
+//! does not count it in `queued` a second time. The routing learns of that wait from
+//! its caller, which made it: the orchestrator says so in [`Ask::queued`] on every
+//! routing of the request (its retries included) and to
+//! [`Router::place_queued`] for a mid-stream migration's continuation. A caller that
+//! does not (an adapter calling [`Router::place`], an application building its own
+//! [`Ask`]) has such a request counted in `queued` again when its routing waits; no
+//! wait, refusal or timeout depends on it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -108,9 +114,6 @@ struct State {
     global: Option<Arc<Semaphore>>,
     /// Requests waiting, for either limit.
     waiting: AtomicUsize,
-    /// The tasks running a request that waited for its global permit and holds it,
-    /// with how many such permits each holds (see [`Admitted`]).
-    admitted: std::sync::Mutex<HashMap<tokio::task::Id, usize>>,
     /// Rung when a leg holding a per-endpoint place ends, for waiters on a
     /// per-endpoint limit.
     ended: Notify,
@@ -122,46 +125,6 @@ struct State {
 /// A request's place among the running ones, inside its [`Permit`].
 struct Place {
     _global: Option<OwnedSemaphorePermit>,
-    /// Its task's mark, when it waited for the global permit.
-    _admitted: Option<Admitted>,
-}
-
-/// The mark a request admitted after a wait for a global permit leaves on its task
-/// while it holds the permit: that wait counted it in `queued`, and a wait of its
-/// routing ([`DecodeHold`], [`PerEndpointLimit`]) takes it in the queue again (a
-/// place in `waiting`, 429 when the queue is full) without counting it in `queued`
-/// a second time.
-///
-/// Keyed by the tokio task, as the only thing the admission's wait (a future of its
-/// own, over before the routing starts) and the routing share: a tokio task-local
-/// lives only inside a scope its caller opens, and none encloses both. The proxy
-/// serves a connection's requests one after another on one task, and the permit is
-/// given back when the answer's last byte is sent, before the next request is read.
-/// A caller that polls several requests on one task at once may see one of them not
-/// counted in `queued` while another holds such a permit; outside a task (a
-/// `block_on`) no mark is left, and the routing's wait counts again. Only the count
-/// reads the mark: no wait, refusal or timeout depends on it.
-struct Admitted {
-    state: Arc<State>,
-    task: tokio::task::Id,
-}
-
-impl Admitted {
-    /// The current task marked in `state`, when there is one.
-    fn mark(state: &Arc<State>) -> Option<Admitted> {
-        let task = tokio::task::try_id()?;
-        take(&mut crate::lock(&state.admitted), task);
-        Some(Admitted {
-            state: Arc::clone(state),
-            task,
-        })
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        give_back(&mut crate::lock(&self.state.admitted), &self.task);
-    }
 }
 
 /// A leg's place under the per-endpoint limit, inside the [`Permit`] its route holds:
@@ -306,11 +269,11 @@ impl Queued {
     }
 
     /// The request counted in the queue, if it was not yet (429 when the queue is
-    /// full), for a wait `wait`: the bound of the routing's waits, this one's with
-    /// those before it.
-    fn enqueue(&self, wait: Bound) -> Result<Bound, PdError> {
+    /// full; in `queued` unless it already `queued` for admission), for a wait `wait`:
+    /// the bound of the routing's waits, this one's with those before it.
+    fn enqueue(&self, wait: Bound, queued: bool) -> Result<Bound, PdError> {
         if !self.counted.load(Ordering::Relaxed) {
-            self.state.count(!self.state.admitted_here())?;
+            self.state.count(!queued)?;
             self.counted.store(true, Ordering::Relaxed);
         }
         let mut bound = crate::lock(&self.bound);
@@ -342,7 +305,6 @@ impl Limits {
                 global: config.max_in_flight.map(|n| Arc::new(Semaphore::new(n))),
                 config,
                 waiting: AtomicUsize::new(0),
-                admitted: std::sync::Mutex::default(),
                 ended: Notify::new(),
                 queue_full: AtomicU64::new(0),
                 queue_timeouts: AtomicU64::new(0),
@@ -425,7 +387,8 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// already in. Its waits end at the earliest end any of them set (this hold's `wait`
 /// from the routing's start, the queue timeout from the per-endpoint wait's start, or
 /// the deadline), with 503 `queue_timeout`: at most one timeout in all. A request that
-/// waited for its global permit before is not counted in `queued` again.
+/// waited for its global permit before ([`Ask::queued`]) is not counted in `queued`
+/// again.
 ///
 /// Cost per request: a boxed routing future with its place in the queue (one small
 /// allocation), two short locks (the check, then the count), a snapshot of the
@@ -618,7 +581,7 @@ impl<R: Router> DecodeHold<R> {
             }
             // Every time: a wait of the router it wraps, since the last look, may have
             // brought the end nearer.
-            let Bound { since, until } = queued.enqueue(own)?;
+            let Bound { since, until } = queued.enqueue(own, ask.queued)?;
             if held.is_none() {
                 let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
                 let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
@@ -674,6 +637,15 @@ impl<R: Router> Router for DecodeHold<R> {
         self.inner.place(pick, deadline)
     }
 
+    fn place_queued<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+        queued: bool,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        self.inner.place_queued(pick, deadline, queued)
+    }
+
     fn observe(&self, route: &Route, outcome: Outcome) {
         self.inner.observe(route, outcome)
     }
@@ -688,13 +660,14 @@ impl State {
     /// when the wait must end. A request a [`DecodeHold`] of this queue is routing has
     /// one place for its routing ([`Queued`]): it takes that one (counted at its first
     /// wait), not another, and its wait ends at the earliest end of its routing's
-    /// waits.
-    fn enqueue(&self, wait: Bound) -> Result<(Waiting<'_>, Bound), PdError> {
-        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue(wait)));
+    /// waits. A request that already `queued` for admission ([`Ask::queued`]) is not
+    /// counted in `queued` again.
+    fn enqueue(&self, wait: Bound, queued: bool) -> Result<(Waiting<'_>, Bound), PdError> {
+        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue(wait, queued)));
         if let Ok(Some(counted)) = routing {
             return counted.map(|bound| (Waiting(None), bound));
         }
-        self.count(!self.admitted_here())?;
+        self.count(!queued)?;
         Ok((Waiting(Some(&self.waiting)), wait))
     }
 
@@ -715,13 +688,6 @@ impl State {
         Ok(())
     }
 
-    /// Whether the request on this task was admitted after a wait for the global
-    /// permit it holds ([`Admitted`]): counted in `queued` by then. Asked only by a
-    /// request about to wait.
-    fn admitted_here(&self) -> bool {
-        tokio::task::try_id().is_some_and(|task| crate::lock(&self.admitted).contains_key(&task))
-    }
-
     /// A wait in this queue from `since`: for the queue timeout, within `deadline`.
     fn wait(&self, since: Instant, deadline: Option<Instant>) -> Bound {
         Bound::new(since, self.config.queue_timeout, deadline)
@@ -734,11 +700,8 @@ impl State {
         })
     }
 
-    fn permit(global: Option<OwnedSemaphorePermit>, admitted: Option<Admitted>) -> Permit {
-        Permit::new(Place {
-            _global: global,
-            _admitted: admitted,
-        })
+    fn permit(global: Option<OwnedSemaphorePermit>) -> Permit {
+        Permit::new(Place { _global: global })
     }
 }
 
@@ -748,7 +711,7 @@ impl Admission for Limits {
             None => None,
             Some(sem) => Some(Arc::clone(sem).try_acquire_owned().ok()?),
         };
-        Some(State::permit(global, None))
+        Some(State::permit(global))
     }
 
     /// Wait in the queue for the global limit.
@@ -756,18 +719,19 @@ impl Admission for Limits {
         let state = Arc::clone(&self.state);
         Box::pin(async move {
             let Some(sem) = &state.global else {
-                return Ok(State::permit(None, None));
+                return Ok(State::permit(None));
             };
             if let Ok(p) = Arc::clone(sem).try_acquire_owned() {
-                return Ok(State::permit(Some(p), None));
+                return Ok(State::permit(Some(p)));
             }
             // The request's first wait: counted in `queued`.
             state.count(true)?;
             let _waiting = Waiting(Some(&state.waiting));
             let Bound { since, until } = state.wait(Instant::now(), deadline);
             match tokio::time::timeout_at(until, Arc::clone(sem).acquire_owned()).await {
-                // Its task marked: its routing's waits do not count it again.
-                Ok(Ok(p)) => Ok(State::permit(Some(p), Admitted::mark(&state))),
+                // Its routing's waits do not count it again: the orchestrator tells
+                // them it waited here (`Ask::queued`).
+                Ok(Ok(p)) => Ok(State::permit(Some(p))),
                 // Closed never happens: the semaphore is never closed.
                 Ok(Err(_)) | Err(_) => Err(state.timed_out(since)),
             }
@@ -816,17 +780,19 @@ pub struct PerEndpointLimit<R> {
 
 impl<R: Router> PerEndpointLimit<R> {
     /// Wait in the queue, as a request that found no room, until a leg that held a
-    /// place ends; then `choose` again, until its route has room.
+    /// place ends; then `choose` again, until its route has room. Not counted in
+    /// `queued` when it already `queued` for admission.
     async fn wait_for_room(
         &self,
         choose: impl Fn() -> Result<Route, PdError>,
         deadline: Option<Instant>,
+        queued: bool,
     ) -> Result<Route, PdError> {
         // One place in the queue (and one `queued`) however often it routes again; the
         // place the decode hold wrapping it holds, when it is held, and then no later
         // than the end of the hold's wait.
         let wait = self.state.wait(Instant::now(), deadline);
-        let (_waiting, Bound { since, until }) = self.state.enqueue(wait)?;
+        let (_waiting, Bound { since, until }) = self.state.enqueue(wait, queued)?;
         loop {
             // Listening before looking: a leg that ends between the look and the wait
             // still wakes it.
@@ -896,7 +862,11 @@ impl<R: Router> Router for PerEndpointLimit<R> {
             return Either::Left(ready(Ok(route)));
         }
         let choose = move || ask.select(&self.inner);
-        Either::Right(Box::pin(self.wait_for_room(choose, ask.deadline)))
+        Either::Right(Box::pin(self.wait_for_room(
+            choose,
+            ask.deadline,
+            ask.queued,
+        )))
     }
 
     /// The engine `pick` chooses, holding a place under the limit: while it has no
@@ -906,12 +876,23 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
         deadline: Option<Instant>,
     ) -> BoxFuture<'a, Result<Route, PdError>> {
+        self.place_queued(pick, deadline, false)
+    }
+
+    /// As [`place`](Router::place); a request that already `queued` for admission is
+    /// not counted in `queued` again when it waits.
+    fn place_queued<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+        queued: bool,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
         let choose = move || Ok(Route::new(None, pick()?));
         Box::pin(async move {
             if let Some(route) = self.with_room(choose()?) {
                 return Ok(route);
             }
-            self.wait_for_room(choose, deadline).await
+            self.wait_for_room(choose, deadline, queued).await
         })
     }
 
@@ -1636,7 +1617,9 @@ mod tests {
     }
 
     /// A request that waited for a global permit, then for a per-endpoint place (a
-    /// routed one, or an adapter's direct place), was counted in `queued` twice.
+    /// routed one, or an adapter's direct place), was counted in `queued` twice. Its
+    /// caller says it waited ([`Ask::queued`], [`Router::place_queued`]), as the
+    /// orchestrator does.
     #[tokio::test(start_paused = true)]
     async fn a_request_admitted_after_a_wait_then_waiting_for_a_place_is_queued_once() {
         use disagg_core::json::JsonBody;
@@ -1673,11 +1656,12 @@ mod tests {
                 let permit = limits.admit(None).await?;
                 let route = if direct {
                     let pick = move || Ok(Arc::clone(&decode));
-                    router.place(&pick, None).await?
+                    router.place_queued(&pick, None, true).await?
                 } else {
                     let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
                     let view = RequestView::new(Api::Chat, None, &headers, &body);
-                    router.route(Ask::new(&view, &*source, false, None)).await?
+                    let ask = Ask::new(&view, &*source, false, None).with_queued(true);
+                    router.route(ask).await?
                 };
                 Ok::<_, PdError>((permit, route))
             })
@@ -1706,9 +1690,7 @@ mod tests {
             (running, route) = (permit, next);
         }
         assert_eq!(limits.stats().queued, 2);
-        // Every permit given back, no task is marked any more.
         drop((running, route));
-        assert!(crate::lock(&limits.state.admitted).is_empty());
     }
 
     /// A request held by an inner decode hold of the same queue, let go by it, then

@@ -180,6 +180,8 @@ pub(crate) struct Ctx {
     pub(crate) head_timeout: Duration,
     /// The request's deadline, if it has one.
     pub(crate) deadline: Option<tokio::time::Instant>,
+    /// The request waited in the admission queue: its continuations' places say so.
+    pub(crate) queued: bool,
     /// Who sent the request, as the server named it: a continuation through a fresh
     /// prefill is the same client's request.
     pub(crate) client: Option<Arc<str>>,
@@ -967,6 +969,7 @@ impl super::Inner {
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             deadline: clock.deadline,
+            queued: meta.queued.is_some(),
             client: req.client(),
             moved: Arc::clone(&moved),
             trace: meta

@@ -372,6 +372,32 @@ impl Orchestrator {
         reporter.summarize(&mut summary);
     }
 
+    /// Tell the listeners of a request for `api` whose client left before the server
+    /// could parse it into a [`PdRequest`] (while its body was read or parsed): the
+    /// summary of a request no attempt was made for,
+    /// [`Delivery::Cancelled`](crate::outcome::Delivery::Cancelled) with status 499, as
+    /// [`serve`](Self::serve) tells one whose client left before the response head.
+    /// `arrival` is when its head came in; `request_id` is the client's `x-request-id`,
+    /// if it sent one; `client` names who sent it, when the server identified the
+    /// client (see [`PdRequest::set_received`]).
+    pub fn cancelled(
+        &self,
+        api: crate::request::Api,
+        request_id: Option<HeaderValue>,
+        arrival: std::time::Instant,
+        client: Option<Arc<str>>,
+    ) {
+        let reporter = &self.inner.reporter;
+        if !reporter.listening() {
+            return;
+        }
+        let mut summary = crate::outcome::Summary::new(api, arrival, serve::CLIENT_CLOSED);
+        summary.request_id = request_id;
+        summary.client = client;
+        summary.delivery = crate::outcome::Delivery::Cancelled;
+        reporter.summarize(&mut summary);
+    }
+
     /// The trace ids of a request this orchestrator does not serve (one a server
     /// forwards, fans out or refuses itself, as `disagg-http`'s `RouteSummary` records),
     /// when requests are traced (`trace_ratio`): continuing the trace of `headers`'

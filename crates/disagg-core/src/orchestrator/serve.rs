@@ -78,6 +78,8 @@ impl Inner {
             None => None,
             Some(admission) => Some(match admission.try_admit() {
                 Some(permit) => permit,
+                // Waited in the admission queue: every routing of the request says so
+                // (`s.meta.queued`, read as `queued` below).
                 None => {
                     let since = now();
                     s.queuing = Some(since);
@@ -97,6 +99,9 @@ impl Inner {
         if clock.expired() {
             return Err(self.out_of_time(&s.req));
         }
+        // Whether the request waited for admission, and was counted as queued then:
+        // its routings tell the router ([`Ask::queued`](crate::router::Ask)).
+        let queued = s.meta.queued.is_some();
         let in_flight = InFlight::new(&self.counters);
         // The first attempt's engine-side id is the request's own when the proxy drew it
         // (fresh and unique already); a client's id gets a new one. The encoder legs
@@ -134,7 +139,7 @@ impl Inner {
             }
             if stage.connector.consumer_first() {
                 let routed = self
-                    .route(&RequestView::from(&s.req), decision, clock)
+                    .route(&RequestView::from(&s.req), decision, clock, queued)
                     .await;
                 match routed {
                     Ok(route) => {
@@ -203,6 +208,7 @@ impl Inner {
                     id,
                     decision,
                     clock,
+                    queued,
                     pinned.take(),
                     Watch::new(
                         &self.reporter,
@@ -522,7 +528,9 @@ impl Inner {
             reason: "decode_only",
         };
         let view = RequestView::from(plain.as_ref().unwrap_or(&s.req));
-        let routed = self.route(&view, decision, clock).await;
+        let routed = self
+            .route(&view, decision, clock, s.meta.queued.is_some())
+            .await;
         let mut route = match routed {
             Ok(r) => r,
             Err(e) => return Err(self.failed(&s.req, e, None, Some(s.meta.take()))),
@@ -619,7 +627,7 @@ struct State {
 
 /// The status of a request whose client left before its response head: none went out;
 /// the access log and the request span say 499, as nginx does.
-const CLIENT_CLOSED: http::StatusCode = match http::StatusCode::from_u16(499) {
+pub(super) const CLIENT_CLOSED: http::StatusCode = match http::StatusCode::from_u16(499) {
     Ok(status) => status,
     Err(_) => http::StatusCode::BAD_REQUEST,
 };

@@ -14,6 +14,7 @@ mod error_body;
 mod fake;
 mod migrate;
 mod observe;
+mod queued;
 mod tokens;
 
 use std::future::Future;

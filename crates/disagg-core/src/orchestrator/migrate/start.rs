@@ -87,9 +87,10 @@ pub(super) struct Started {
 
 /// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
 /// request's model, placed by the router as the decode of a request sent to one engine
-/// ([`Router::place`](crate::router::Router::place): a router that counts places per
-/// endpoint waits for room, within the continuation's head budget, and holds one on
-/// it); its head within the decode head timeout.
+/// ([`Router::place_queued`](crate::router::Router::place_queued), told whether the
+/// request waited in the admission queue: a router that counts places per endpoint
+/// waits for room, within the continuation's head budget, and holds one on it); its
+/// head within the decode head timeout.
 pub(super) async fn start(
     ctx: Arc<Ctx>,
     body: Bytes,
@@ -118,7 +119,7 @@ pub(super) async fn start(
     let mut placed = ctx
         .reporter
         .router
-        .place(&pick, until)
+        .place_queued(&pick, until, ctx.queued)
         .await
         .map_err(NotStarted::unrouted)?;
     let hold = placed.take_decode_hold();
