@@ -722,6 +722,10 @@ impl Admission for Limits {
                 return Ok(State::permit(None));
             };
             if let Ok(p) = Arc::clone(sem).try_acquire_owned() {
+                // A place freed since `try_admit` found none: the orchestrator still
+                // tells its routing it was queued (`Ask::queued`), so that routing's
+                // waits do not count it; it is counted here, once.
+                state.queued.fetch_add(1, Ordering::Relaxed);
                 return Ok(State::permit(Some(p)));
             }
             // The request's first wait: counted in `queued`.
@@ -1557,6 +1561,30 @@ mod tests {
         assert!(crate::lock(&router.inner.places.0).is_empty());
     }
 
+    /// A request that found no place in `try_admit` but one freed before `admit` ran is
+    /// counted in `queued` by `admit` (its routing, told it was queued, does not count
+    /// it): it was counted nowhere.
+    #[tokio::test]
+    async fn a_place_freed_between_try_admit_and_admit_is_counted_queued_once() {
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            max_in_flight: Some(1),
+            ..AdmissionConfig::default()
+        });
+        let running = limits.try_admit().expect("the only place");
+        assert!(limits.try_admit().is_none(), "full");
+        drop(running);
+        let permit = limits
+            .admit(None)
+            .now_or_never()
+            .expect("a place is free")
+            .expect("admitted");
+        let stats = limits.stats();
+        assert_eq!((stats.waiting, stats.queued), (0, 1));
+        drop(permit);
+    }
+
     /// A request that waited for a per-endpoint place most of the queue timeout, then
     /// found every decode full and was held, waited the hold's own wait again.
     #[tokio::test(start_paused = true)]
@@ -1638,7 +1666,7 @@ mod tests {
         ]));
         let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
         let view = RequestView::new(Api::Chat, None, &headers, &body);
-        let mut running = limits.admit(None).now_or_never().unwrap().unwrap();
+        let mut running = limits.try_admit().unwrap();
         let mut route = router
             .route(Ask::new(&view, &*source, false, None))
             .now_or_never()
@@ -1768,7 +1796,7 @@ mod tests {
         assert!((&mut held).now_or_never().is_none(), "held");
         drop(route);
         // The global queue's timeout.
-        let _first = limits.admit(None).now_or_never().unwrap().unwrap();
+        let _first = limits.try_admit().unwrap();
         let mut queued = limits.admit(None);
         assert!((&mut queued).now_or_never().is_none(), "queued");
         // The per-endpoint limit's, through the same queue.

@@ -175,8 +175,8 @@ pub(crate) struct Ctx {
     pub(crate) engine_id: HeaderValue,
     /// The client headers the legs carry.
     pub(crate) forwarded: Vec<(HeaderName, HeaderValue)>,
-    /// Time from sending a continuation to its head (a wait for room on its decode
-    /// included).
+    /// Time from sending a continuation to its head; its wait for room on its decode,
+    /// before it is sent, is bounded by the same length.
     pub(crate) head_timeout: Duration,
     /// The request's deadline, if it has one.
     pub(crate) deadline: Option<tokio::time::Instant>,

@@ -363,3 +363,44 @@ async fn a_continuation_through_a_prefill_cut_off_by_the_client_is_reported_canc
     );
     assert_settled(&orch);
 }
+
+/// A decode head timeout past what the clock can hold is no limit for a continuation's
+/// wait for room on its decode, as it is for the first decode's head: the stream moves
+/// on (the sum `now + timeout` panicked the body's poll).
+#[tokio::test(start_paused = true)]
+async fn a_continuation_under_a_head_timeout_the_clock_cannot_hold_moves_on() {
+    for decode_only in [true, false] {
+        let fake = Fake::new();
+        let places = Places::default();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(D1, CHAT, dying());
+        fake.on(
+            D2,
+            COMPLETIONS,
+            Reply::sse()
+                .frame(ms(0), continued("B", 8, Some("length")))
+                .frame(ms(0), DONE),
+        );
+        let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+        let mut config = OrchestratorConfig::default();
+        config.decode_idle_timeout = None;
+        config.decode_head_timeout = Duration::MAX;
+        config.migration.limit = 1;
+        config.migration.decode_only = decode_only;
+        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+            .router(Placing::new(&places))
+            .config(config)
+            .build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let mut frames = Vec::new();
+        while let Some(frame) = next(&mut body).await {
+            frames.push(frame.unwrap());
+        }
+        let all = frames.concat();
+        assert!(all.contains("\"A\"") && all.contains("\"B\""), "{all}");
+        assert!(all.ends_with(DONE), "{all}");
+        drop(body);
+        assert_settled(&orch);
+    }
+}

@@ -363,10 +363,8 @@ impl BidiStore {
             self.expired.fetch_add(1, Relaxed);
             return;
         }
-        if self.lock().map.contains_key(key) {
-            return;
-        }
-        self.insert(key, taken.dict, taken.tokens, taken.stored, now);
+        // Checked under the lock that inserts: a turn's handoff kept in between wins.
+        self.insert_if(key, taken.dict, taken.tokens, taken.stored, now, false);
     }
 
     /// Keep the decode's handoff `raw` for `key`, its `remote_host` made `host`, if it
@@ -390,10 +388,27 @@ impl BidiStore {
     /// what was kept for it, within the bounds (the oldest entries go first); whether
     /// it was kept.
     fn insert(&self, key: &str, dict: Bytes, tokens: u64, stored: Instant, now: Instant) -> bool {
+        self.insert_if(key, dict, tokens, stored, now, true)
+    }
+
+    /// [`insert`](Self::insert), or nothing when `key` holds an entry and `replace` is
+    /// false (decided under the lock that inserts).
+    fn insert_if(
+        &self,
+        key: &str,
+        dict: Bytes,
+        tokens: u64,
+        stored: Instant,
+        now: Instant,
+        replace: bool,
+    ) -> bool {
         let (mut expired, mut evicted) = (0, 0);
         let mut kept = false;
         {
             let mut e = self.lock();
+            if !replace && e.map.contains_key(key) {
+                return false;
+            }
             let seq = e.next;
             e.next += 1;
             e.remove(key);

@@ -114,8 +114,12 @@ pub(super) async fn start(
             .cloned()
             .ok_or_else(|| PdError::from(crate::error::RouteError::NoDecode))
     };
-    let by = tokio::time::Instant::now() + ctx.head_timeout;
-    let until = Some(ctx.deadline.map_or(by, |d| d.min(by)));
+    // A head timeout past what the clock can hold is no limit (as a deadline is).
+    let by = tokio::time::Instant::now().checked_add(ctx.head_timeout);
+    let until = match (ctx.deadline, by) {
+        (Some(d), Some(b)) => Some(d.min(b)),
+        (d, b) => d.or(b),
+    };
     let mut placed = ctx
         .reporter
         .router
