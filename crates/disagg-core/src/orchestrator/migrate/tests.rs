@@ -1,3 +1,4 @@
+use disagg_json::raw;
 use serde_json::Value;
 
 use super::*;
