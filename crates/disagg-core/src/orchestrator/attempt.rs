@@ -146,24 +146,19 @@ impl Drop for Watch<'_> {
 impl Inner {
     /// One attempt for `req`, its legs carrying the engine-side request `id` and, when
     /// tracing, the trace context of their spans; its steps timed, and reported
-    /// cancelled by `watch` if it is dropped once routed; routed as a request that
-    /// already waited in the admission queue when `queued`.
-    // The attempt's inputs, each from a different place in `serve`: a struct would only
-    // move the list.
-    #[allow(clippy::too_many_arguments)]
+    /// cancelled by `watch` if it is dropped once routed.
     pub(super) async fn attempt(
         &self,
         req: &PdRequest,
         id: HeaderValue,
         decision: Decision,
         clock: Clock,
-        queued: bool,
         pinned: Option<Route>,
         mut watch: Watch<'_>,
     ) -> Result<Exchange, Failure> {
         let trace = watch.trace;
         let result = self
-            .attempt_timed(req, id, trace, decision, clock, queued, pinned, &mut watch)
+            .attempt_timed(req, id, trace, decision, clock, pinned, &mut watch)
             .await;
         let mut tl = watch.ended();
         match result {
@@ -192,7 +187,6 @@ impl Inner {
         trace: Option<&TraceIds>,
         decision: Decision,
         clock: Clock,
-        queued: bool,
         pinned: Option<Route>,
         watch: &mut Watch<'_>,
     ) -> Result<Exchange, Failure> {
@@ -201,7 +195,7 @@ impl Inner {
             Some(route) => route,
             None => {
                 let view = RequestView::from(req);
-                self.route(&view, decision, clock, queued)
+                self.route(&view, decision, clock)
                     .await
                     .map_err(Failure::unrouted)?
             }
@@ -285,17 +279,16 @@ impl Inner {
     }
 
     /// The route for `req`: the router's, which may wait for room (a per-endpoint
-    /// limit) within the request's deadline; told that the request already waited in
-    /// the admission queue when `queued` ([`Ask::queued`](Ask#structfield.queued)).
+    /// limit) within the request's deadline; told whether the request already waited
+    /// in the admission queue ([`Ask::queued`](Ask#structfield.queued)).
     pub(super) async fn route(
         &self,
         view: &RequestView<'_>,
         decision: Decision,
         clock: Clock,
-        queued: bool,
     ) -> Result<Route, PdError> {
         let direct = matches!(decision, Decision::Direct { .. });
-        let ask = Ask::new(view, &*self.source, direct, clock.deadline).with_queued(queued);
+        let ask = Ask::new(view, &*self.source, direct, clock.deadline).with_queued(clock.queued);
         self.router.route(ask).await
     }
 

@@ -67,10 +67,13 @@ fn write_millis(out: &mut Vec<u8>, d: Duration) {
     out.extend_from_slice(&buf[at..]);
 }
 
-/// When a request must be done by.
+/// When a request must be done by, and whether it already waited for admission.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Clock {
     pub(super) deadline: Option<TokioInstant>,
+    /// It waited in the admission queue (and was counted there): every routing of it
+    /// tells the router so ([`Ask::queued`](crate::router::Ask#structfield.queued)).
+    pub(super) queued: bool,
 }
 
 impl Clock {
@@ -149,6 +152,7 @@ mod tests {
         let budget = Duration::from_secs(5);
         let passed = Clock {
             deadline: Some(TokioInstant::now()),
+            queued: false,
         };
         let e = within(passed, budget, Side::Prefill, &ep, Phase::Prefill, step())
             .await
@@ -157,6 +161,7 @@ mod tests {
         assert!(!polled.load(Relaxed), "the step was started");
         let left = Clock {
             deadline: Some(TokioInstant::now() + Duration::from_secs(1)),
+            queued: false,
         };
         within(left, budget, Side::Prefill, &ep, Phase::Prefill, step())
             .await

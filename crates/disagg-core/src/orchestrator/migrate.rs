@@ -837,7 +837,7 @@ impl super::Inner {
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             deadline: clock.deadline,
-            queued: meta.queued.is_some(),
+            queued: clock.queued,
             client: req.client(),
             moved: Arc::clone(&moved),
             trace: meta

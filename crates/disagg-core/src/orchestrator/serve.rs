@@ -79,7 +79,7 @@ impl Inner {
             Some(admission) => Some(match admission.try_admit() {
                 Some(permit) => permit,
                 // Waited in the admission queue: every routing of the request says so
-                // (`s.meta.queued`, read as `queued` below).
+                // (`s.meta.queued`, read into the clock below).
                 None => {
                     let since = now();
                     s.queuing = Some(since);
@@ -101,7 +101,10 @@ impl Inner {
         }
         // Whether the request waited for admission, and was counted as queued then:
         // its routings tell the router ([`Ask::queued`](crate::router::Ask)).
-        let queued = s.meta.queued.is_some();
+        let clock = Clock {
+            queued: s.meta.queued.is_some(),
+            ..clock
+        };
         let in_flight = InFlight::new(&self.counters);
         // The first attempt's engine-side id is the request's own when the proxy drew it
         // (fresh and unique already); a client's id gets a new one. The encoder legs
@@ -139,7 +142,7 @@ impl Inner {
             }
             if stage.connector.consumer_first() {
                 let routed = self
-                    .route(&RequestView::from(&s.req), decision, clock, queued)
+                    .route(&RequestView::from(&s.req), decision, clock)
                     .await;
                 match routed {
                     Ok(route) => {
@@ -208,7 +211,6 @@ impl Inner {
                     id,
                     decision,
                     clock,
-                    queued,
                     pinned.take(),
                     Watch::new(
                         &self.reporter,
@@ -438,6 +440,7 @@ impl Inner {
         let arrival = tokio::time::Instant::from_std(req.arrival());
         Clock {
             deadline: self.config.deadline_for(req.headers(), arrival),
+            queued: false,
         }
     }
 
@@ -528,9 +531,7 @@ impl Inner {
             reason: "decode_only",
         };
         let view = RequestView::from(plain.as_ref().unwrap_or(&s.req));
-        let routed = self
-            .route(&view, decision, clock, s.meta.queued.is_some())
-            .await;
+        let routed = self.route(&view, decision, clock).await;
         let mut route = match routed {
             Ok(r) => r,
             Err(e) => return Err(self.failed(&s.req, e, None, Some(s.meta.take()))),
