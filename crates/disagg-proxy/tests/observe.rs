@@ -184,8 +184,10 @@ async fn prometheus_scrapes_the_proxy_and_computes_a_quantile_of_every_pd_histog
     let mut values = Vec::new();
     for q in &queries {
         loop {
-            // Prometheus takes a moment to start and to scrape.
+            // Prometheus takes a moment to start and to scrape: its listener answers
+            // 503 to every query until the storage is open, so wait for `/-/ready`.
             if tokio::net::TcpStream::connect(web).await.is_ok()
+                && get(&base, "/-/ready").await.status == 200
                 && let Some(v) = promql(&base, q).await
             {
                 values.push(v);
