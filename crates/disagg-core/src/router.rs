@@ -97,6 +97,12 @@ pub struct Route {
     /// The decode engine's data-parallel rank, when the router picked one (SGLang
     /// `data_parallel_rank_decode`).
     pub decode_rank: Option<u32>,
+    /// The routing made the request wait in an admission queue that counts the
+    /// requests that had to wait (`disagg_resilience`'s `DecodeHold`,
+    /// `PerEndpointLimit`); [`new`](Self::new) leaves it `false`. The orchestrator
+    /// tells the request's later routings so ([`Ask::queued`](Ask#structfield.queued)):
+    /// a retry whose routing waits again is not counted a second time.
+    pub queued: bool,
     /// What the router holds for each leg while it runs ([`with_holds`](Self::with_holds)).
     holds: Holds,
 }
@@ -135,6 +141,7 @@ impl Route {
             decode_rank: decode.rank(),
             prefill,
             decode,
+            queued: false,
             holds: Holds::default(),
         }
     }
@@ -218,7 +225,10 @@ pub trait Router: Send + Sync + 'static {
     /// or `select_direct` for a request served without a prefill leg, over a fresh
     /// snapshot narrowed to the request's model). A decorator that may find no room
     /// (`disagg_resilience::PerEndpointLimit`) waits here, within [`Ask::deadline`](Ask#structfield.deadline), and
-    /// routes again; it answers without allocating when it need not wait.
+    /// routes again; it answers without allocating when it need not wait. A router
+    /// whose waits count the requests that had to wait sets [`Route::queued`] when it
+    /// made this one wait. A decorator should route through the `route` of the router
+    /// it wraps, not its `select`: a router that waits still waits when wrapped.
     ///
     /// # Errors
     ///
@@ -253,8 +263,9 @@ pub trait Router: Send + Sync + 'static {
     /// [`place`](Self::place) for a request that, when `queued`, already waited in the
     /// admission queue and was counted there (as [`Ask::queued`](Ask#structfield.queued)
     /// says of a routed one): a router whose waits share that queue does not count it
-    /// as queued a second time. The orchestrator calls this for a mid-stream
-    /// migration's continuation; an adapter that admitted the request itself may too.
+    /// as queued a second time, and says in [`Route::queued`] when it made it wait.
+    /// The orchestrator calls this for a mid-stream migration's continuation; an
+    /// adapter that admitted the request itself may too.
     /// The default calls `place`, and the fact is lost; a router that counts its waits
     /// overrides it (and `place` as `place_queued` with `false`), and decorators pass
     /// it on to the router they wrap.
@@ -343,10 +354,11 @@ pub struct Ask<'a> {
     pub deadline: Option<Instant>,
     /// Whether the request already waited in the admission queue before this routing
     /// (the orchestrator's [`Admission::admit`](crate::policy::Admission::admit), once
-    /// `try_admit` gave nothing), and was counted there: a router whose waits share
-    /// that queue (`disagg_resilience`'s `DecodeHold`, `PerEndpointLimit`) does not
-    /// count it as queued a second time. The orchestrator sets it on every routing of
-    /// such a request, its retries included ([`with_queued`](Self::with_queued));
+    /// `try_admit` gave nothing, or an earlier routing of it that said so in
+    /// [`Route::queued`]), and was counted there: a router whose waits share that
+    /// queue (`disagg_resilience`'s `DecodeHold`, `PerEndpointLimit`) does not count it
+    /// as queued a second time. The orchestrator sets it on every routing of such a
+    /// request, its retries included ([`with_queued`](Self::with_queued));
     /// [`new`](Self::new) leaves it `false`.
     pub queued: bool,
 }

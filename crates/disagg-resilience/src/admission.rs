@@ -33,8 +33,9 @@
 //! errors. No request is dropped silently, and a waiting request that its client
 //! abandons leaves the queue at once, giving back everything it took there. A request
 //! takes one place in the queue however many of these waits its routing passes
-//! through (held, then waiting for a per-endpoint place, or the reverse): it is
-//! counted once, and a queue full of others does not refuse it once it waits.
+//! through (held, then waiting for a per-endpoint place, or the reverse), whichever of
+//! the two decorators wraps the other: it is counted once, and a queue full of others
+//! does not refuse it once it waits.
 //!
 //! Those waits also end together: each ends at the earliest end any of them set (a
 //! wait's start plus its timeout — the hold's own wait for a held request, the queue
@@ -49,10 +50,13 @@
 //! does not count it in `queued` a second time. The routing learns of that wait from
 //! its caller, which made it: the orchestrator says so in [`Ask::queued`] on every
 //! routing of the request (its retries included) and to
-//! [`Router::place_queued`] for a mid-stream migration's continuation. A caller that
-//! does not (an adapter calling [`Router::place`], an application building its own
-//! [`Ask`]) has such a request counted in `queued` again when its routing waits; no
-//! wait, refusal or timeout depends on it.
+//! [`Router::place_queued`] for a mid-stream migration's continuation. A routing that
+//! made the request wait says so in the route it gives ([`Route::queued`]), and the
+//! orchestrator tells the request's later routings (a retry's, a decode-only
+//! fallback's) in the same way: a request is counted in `queued` once over its life. A
+//! caller that does not (an adapter calling [`Router::place`], an application building
+//! its own [`Ask`]) has such a request counted in `queued` again when its routing
+//! waits; no wait, refusal or timeout depends on it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -65,7 +69,7 @@ use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::{Admission, AdmissionStats, Permit};
 use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
-use futures::future::{BoxFuture, Either, ready};
+use futures::future::{BoxFuture, Either, Ready, ready};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -172,23 +176,22 @@ fn give_back<K: std::hash::Hash + Eq>(places: &mut HashMap<K, usize>, endpoint: 
     }
 }
 
-/// Counts a request as waiting while it lives; `None` when its place in the queue is
-/// its routing's [`Queued`], which counts it.
-struct Waiting<'a>(Option<&'a AtomicUsize>);
+/// Counts a request waiting for a global permit as waiting while it lives (a
+/// routing's waits are counted by its [`Queued`]).
+struct Waiting<'a>(&'a AtomicUsize);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        if let Some(waiting) = self.0 {
-            waiting.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 tokio::task_local! {
-    /// The place in the queue of the request a [`DecodeHold`] is routing, while its
-    /// routing runs: the router it wraps (a [`PerEndpointLimit`]) reads it there, so
-    /// a request is counted once however many of this admission's waits it passes
-    /// through (see [`State::enqueue`]).
+    /// The place in the queue of the request a [`DecodeHold`] or a waiting
+    /// [`PerEndpointLimit`] is routing, while its routing runs: the routers it wraps
+    /// find it there when they route (a future reads it when first polled), so a
+    /// request is counted once however many of this admission's waits it passes
+    /// through, in whichever order they wrap each other.
     static QUEUED: Arc<Queued>;
 }
 
@@ -201,9 +204,10 @@ tokio::task_local! {
 /// earliest end any of them set, so that the request waits at most one timeout in all
 /// (the first wait's), however many of these waits it passes through.
 ///
-/// A decode hold passes it to the router it wraps in [`QUEUED`] rather than through
-/// the [`Router`] seam: [`Ask`] is the orchestrator's, and a place in this crate's
-/// queue means nothing to any other router.
+/// A decode hold (or a per-endpoint limit that waits) passes it to the router it wraps
+/// in [`QUEUED`] rather than through the [`Router`] seam: [`Ask`] is the
+/// orchestrator's, and a place in this crate's queue means nothing to any other
+/// router.
 #[derive(Debug)]
 struct Queued {
     state: Arc<State>,
@@ -241,10 +245,10 @@ impl Bound {
 }
 
 impl Queued {
-    /// The place of the routing under way in `state`'s queue (when a hold wrapping
-    /// this one routes the request), or a new one; `true` when new: the routing that
-    /// made it gives it back when it ends (one wrapped in it, whose routing ends
-    /// first, does not).
+    /// The place of the routing under way in `state`'s queue (when a hold, or a
+    /// per-endpoint limit that waits, wrapping this router routes the request), or a
+    /// new one; `true` when new: the routing that made it gives it back when it ends
+    /// (one wrapped in it, whose routing ends first, does not).
     fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool) {
         let under_way = QUEUED
             .try_with(|q| q.is_in(state).then(|| Arc::clone(q)))
@@ -327,6 +331,10 @@ impl Limits {
     /// not a setting of [`AdmissionConfig`] that a router left undecorated would
     /// silently ignore.
     ///
+    /// It routes through `router`'s [`route`](Router::route), so `router` may wait
+    /// too: a [`DecodeHold`] inside it still holds, and works as it does around it
+    /// (one place in the queue, one timeout for the routing's waits).
+    ///
     /// ```compile_fail
     /// # use disagg_resilience::AdmissionConfig;
     /// let mut config = AdmissionConfig::default();
@@ -382,13 +390,14 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// model, when endpoints declare models (they wait for other decodes).
 ///
 /// A request it holds, then lets go to wait for a per-endpoint place (or that waited
-/// for one, then is held), keeps one place in the queue throughout: it is counted
-/// once in `waiting` and `queued`, and never refused with 429 for a wait it is
-/// already in. Its waits end at the earliest end any of them set (this hold's `wait`
-/// from the routing's start, the queue timeout from the per-endpoint wait's start, or
-/// the deadline), with 503 `queue_timeout`: at most one timeout in all. A request that
-/// waited for its global permit before ([`Ask::queued`]) is not counted in `queued`
-/// again.
+/// for one, then is held), keeps one place in the queue throughout, whether this hold
+/// wraps the [`PerEndpointLimit`] or is wrapped by it: it is counted once in `waiting`
+/// and `queued`, and never refused with 429 for a wait it is already in. Its waits end
+/// at the earliest end any of them set (this hold's `wait` from the routing's start,
+/// the queue timeout from the per-endpoint wait's start, or the deadline), with 503
+/// `queue_timeout`: at most one timeout in all. A request that waited before, for its
+/// global permit or in an earlier routing ([`Ask::queued`]), is not counted in
+/// `queued` again; the route of one it held says so ([`Route::queued`]).
 ///
 /// Cost per request: a boxed routing future with its place in the queue (one small
 /// allocation), two short locks (the check, then the count), a snapshot of the
@@ -575,7 +584,10 @@ impl<R: Router> DecodeHold<R> {
                 // prefers it: the hold only keeps requests back while every decode
                 // is full); the place is counted if room is still left.
                 let route = self.inner.route(ask).await?;
-                if let Some(route) = self.admit(&ask, route, ticket) {
+                if let Some(mut route) = self.admit(&ask, route, ticket) {
+                    // Held: counted as queued (now or before), which later routings
+                    // of the request are told.
+                    route.queued |= held.is_some();
                     return Ok(route);
                 }
             }
@@ -610,21 +622,24 @@ impl<R: Router> Router for DecodeHold<R> {
     }
 
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        // Its one place in the queue, whether it waits here or in the router it wraps
-        // (which finds it in `QUEUED`).
-        let (queued, new) = Queued::for_routing(&self.state);
-        let scoped = Arc::clone(&queued);
-        let routing = async move {
-            let routed = self.route_with_room(ask, &queued).await;
+        Either::Right(Box::pin(async move {
+            // Its one place in the queue, whether it waits here or in the router it
+            // wraps (which finds it in `QUEUED`); looked up when first polled, so that
+            // a per-endpoint limit wrapping this hold, polling it in its own place,
+            // shares that place.
+            let (queued, new) = Queued::for_routing(&self.state);
+            let scoped = Arc::clone(&queued);
+            let routed = QUEUED
+                .scope(scoped, self.route_with_room(ask, &queued))
+                .await;
             // Not when the future is dropped: a caller may keep it after it is ready.
-            // Only by the routing that made the place: a hold wrapping this one of
+            // Only by the routing that made the place: a router wrapping this one of
             // the same queue may still hold the request.
             if new {
                 queued.leave();
             }
             routed
-        };
-        Either::Right(Box::pin(QUEUED.scope(scoped, routing)))
+        }))
     }
 
     // A request sent to one engine by an adapter is not held (it has no prefill to
@@ -656,21 +671,6 @@ impl<R: Router> Router for DecodeHold<R> {
 }
 
 impl State {
-    /// A routing's place in the queue for a wait `wait`, or 429 when it is full; and
-    /// when the wait must end. A request a [`DecodeHold`] of this queue is routing has
-    /// one place for its routing ([`Queued`]): it takes that one (counted at its first
-    /// wait), not another, and its wait ends at the earliest end of its routing's
-    /// waits. A request that already `queued` for admission ([`Ask::queued`]) is not
-    /// counted in `queued` again.
-    fn enqueue(&self, wait: Bound, queued: bool) -> Result<(Waiting<'_>, Bound), PdError> {
-        let routing = QUEUED.try_with(|q| q.is_in(self).then(|| q.enqueue(wait, queued)));
-        if let Ok(Some(counted)) = routing {
-            return counted.map(|bound| (Waiting(None), bound));
-        }
-        self.count(!queued)?;
-        Ok((Waiting(Some(&self.waiting)), wait))
-    }
-
     /// One more request counted as waiting, and in `queued` when `first` (its first
     /// wait); none and 429 when the queue is full.
     fn count(&self, first: bool) -> Result<(), PdError> {
@@ -730,7 +730,7 @@ impl Admission for Limits {
             }
             // The request's first wait: counted in `queued`.
             state.count(true)?;
-            let _waiting = Waiting(Some(&state.waiting));
+            let _waiting = Waiting(&state.waiting);
             let Bound { since, until } = state.wait(Instant::now(), deadline);
             match tokio::time::timeout_at(until, Arc::clone(sem).acquire_owned()).await {
                 // Its routing's waits do not count it again: the orchestrator tells
@@ -756,11 +756,14 @@ impl Admission for Limits {
 /// A [`Router`] whose routes go only to endpoints below its limit of requests in
 /// flight, made by [`Limits::per_endpoint`].
 ///
-/// When the route its router chose has an endpoint at the limit, [`route`](Router::route)
-/// waits in the [`Limits`]' queue (429 when full, 503 past the queue timeout or the
-/// request's deadline) until a leg that held a place ends, and routes again. Under a
-/// [`DecodeHold`] of the same queue that held the request first, the wait also ends
-/// when the hold's would have (the first wait's end bounds the routing's). An
+/// When the route its router chose (through the router's own
+/// [`route`](Router::route), which may wait: a [`DecodeHold`] inside this limit holds)
+/// has an endpoint at the limit, [`route`](Router::route) waits in the [`Limits`]'
+/// queue (429 when full, 503 past the queue timeout or the request's deadline) until
+/// a leg that held a place ends, and routes again; the route it then gives says it
+/// waited ([`Route::queued`]). With a [`DecodeHold`] of the same queue, around this
+/// limit or inside it, that held the request first, the wait also ends when the
+/// hold's would have (the first wait's end bounds the routing's). An
 /// endpoint's count is the larger of its own in-flight count (a prefill endpoint's
 /// prefill exchanges, a decode endpoint's streams) and the places this limit handed
 /// out on it that were not given back: a request counts from its routing, before its
@@ -783,33 +786,58 @@ pub struct PerEndpointLimit<R> {
 }
 
 impl<R: Router> PerEndpointLimit<R> {
-    /// Wait in the queue, as a request that found no room, until a leg that held a
-    /// place ends; then `choose` again, until its route has room. Not counted in
-    /// `queued` when it already `queued` for admission.
-    async fn wait_for_room(
+    /// The route `first` gives, if it has room (a routing of the router this limit
+    /// wraps that is under way: a hold's), else `choose`'s once it has: meanwhile the
+    /// request waits in the queue, as one that found no room, until a leg that held a
+    /// place ends. Its one place in the queue for its routing is the routing's
+    /// ([`Queued`]: that of a hold wrapping this limit, or a new one), where a hold
+    /// this limit wraps finds it too. Not counted in `queued` when it already `queued`.
+    async fn wait_for_room<C, F>(
         &self,
-        choose: impl Fn() -> Result<Route, PdError>,
+        first: Option<C>,
+        choose: F,
         deadline: Option<Instant>,
         queued: bool,
-    ) -> Result<Route, PdError> {
-        // One place in the queue (and one `queued`) however often it routes again; the
-        // place the decode hold wrapping it holds, when it is held, and then no later
-        // than the end of the hold's wait.
-        let wait = self.state.wait(Instant::now(), deadline);
-        let (_waiting, Bound { since, until }) = self.state.enqueue(wait, queued)?;
-        loop {
-            // Listening before looking: a leg that ends between the look and the wait
-            // still wakes it.
-            let ended = self.state.ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            if let Some(route) = self.with_room(choose()?) {
+    ) -> Result<Route, PdError>
+    where
+        C: Future<Output = Result<Route, PdError>>,
+        F: Fn() -> C,
+    {
+        let (place, new) = Queued::for_routing(&self.state);
+        let scoped = Arc::clone(&place);
+        let waiting = async {
+            if let Some(first) = first
+                && let Some(route) = self.with_room(first.await?)
+            {
                 return Ok(route);
             }
-            if tokio::time::timeout_at(until, ended).await.is_err() {
-                return Err(self.state.timed_out(since));
+            let wait = self.state.wait(Instant::now(), deadline);
+            let mut waited = false;
+            loop {
+                // Listening before looking: a leg that ends between the look and the
+                // wait still wakes it.
+                let ended = self.state.ended.notified();
+                tokio::pin!(ended);
+                ended.as_mut().enable();
+                if let Some(mut route) = self.with_room(choose().await?) {
+                    route.queued |= waited;
+                    return Ok(route);
+                }
+                // Counted at its first wait (or already, by a hold of the routing);
+                // its waits end at the earliest end any of them set, a hold's that
+                // `choose` went through included.
+                let Bound { since, until } = place.enqueue(wait, queued)?;
+                waited = true;
+                if tokio::time::timeout_at(until, ended).await.is_err() {
+                    return Err(self.state.timed_out(since));
+                }
             }
+        };
+        let routed = QUEUED.scope(scoped, waiting).await;
+        if new {
+            place.leave();
         }
+        routed
     }
 
     /// `route` holding a place per leg, when both its endpoints are below the limit:
@@ -857,20 +885,29 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         self.inner.select_direct(req, set)
     }
 
+    /// The route the router it wraps gives ([`Router::route`]: one that waits, a
+    /// [`DecodeHold`], still waits), once it has room.
     fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        let first = match ask.select(&self.inner) {
+        let choose = move || self.inner.route(ask);
+        let first = match choose() {
+            Either::Left(now) => now.into_inner(),
+            // Waited for in the request's place in the queue, which it shares.
+            routing => {
+                let waiting = self.wait_for_room(Some(routing), choose, ask.deadline, ask.queued);
+                return Either::Right(Box::pin(waiting));
+            }
+        };
+        let first = match first {
             Ok(route) => route,
             Err(e) => return Either::Left(ready(Err(e))),
         };
-        if let Some(route) = self.with_room(first) {
-            return Either::Left(ready(Ok(route)));
+        match self.with_room(first) {
+            Some(route) => Either::Left(ready(Ok(route))),
+            None => {
+                let waiting = self.wait_for_room(None, choose, ask.deadline, ask.queued);
+                Either::Right(Box::pin(waiting))
+            }
         }
-        let choose = move || ask.select(&self.inner);
-        Either::Right(Box::pin(self.wait_for_room(
-            choose,
-            ask.deadline,
-            ask.queued,
-        )))
     }
 
     /// The engine `pick` chooses, holding a place under the limit: while it has no
@@ -896,7 +933,9 @@ impl<R: Router> Router for PerEndpointLimit<R> {
             if let Some(route) = self.with_room(choose()?) {
                 return Ok(route);
             }
-            self.wait_for_room(choose, deadline, queued).await
+            let choose = || ready(choose());
+            self.wait_for_room(None::<Ready<_>>, choose, deadline, queued)
+                .await
         })
     }
 
@@ -1559,6 +1598,114 @@ mod tests {
         );
         drop(first);
         assert!(crate::lock(&router.inner.places.0).is_empty());
+    }
+
+    /// The per-endpoint limit wrapped around the decode hold (the proxy builds them the
+    /// other way round) routed through the hold's `select`, which holds nothing: a
+    /// request went at once to a decode its engine reported full.
+    #[tokio::test(start_paused = true)]
+    async fn a_decode_hold_wrapped_in_a_per_endpoint_limit_holds() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let hold = limits.decode_hold(First, 1, Duration::from_secs(60));
+        let router = limits.per_endpoint(hold, 8);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        decode.set_engine_load(Some(1));
+        let mut held = Box::pin(router.route(ask));
+        assert!(
+            (&mut held).now_or_never().is_none(),
+            "every decode is full: held"
+        );
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        decode.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        let route = (&mut held).now_or_never().expect("room").unwrap();
+        assert!(route.queued, "the routing says it waited");
+        assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
+        // Each holds its places until the legs end.
+        assert_eq!(crate::lock(&router.inner.routed.0).places.len(), 1);
+        assert_eq!(crate::lock(&router.places.0).len(), 2);
+        drop(route);
+        assert!(crate::lock(&router.inner.routed.0).places.is_empty());
+        assert!(crate::lock(&router.places.0).is_empty());
+    }
+
+    /// The hold inside the per-endpoint limit, in reverse of the proxy's order: a held
+    /// request that the hold lets go to wait for a per-endpoint place keeps its one
+    /// place in the queue (counted once, not refused by a queue of one), and its waits
+    /// end together, at the hold's end.
+    #[tokio::test(start_paused = true)]
+    async fn a_hold_inside_a_per_endpoint_limit_shares_its_place_in_the_queue() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            max_queue: 1,
+            queue_timeout: Duration::from_secs(10),
+            ..AdmissionConfig::default()
+        });
+        let hold = limits.decode_hold(First, 1, Duration::from_secs(10));
+        let router = limits.per_endpoint(hold, 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d1:1", Role::Decode),
+            endpoint("http://d2:1", Role::Decode),
+        ]);
+        let d2 = Arc::clone(&source.snapshot().by_role(Role::Decode)[1]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let other = d2.track();
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        let start = Instant::now();
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none());
+        assert_eq!(crate::lock(&router.inner.routed.0).unnamed.len(), 1, "held");
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // 9 s later the second decode frees up: the hold lets it go, and it waits for
+        // the prefill's place, which the first request holds.
+        tokio::time::advance(Duration::from_secs(9)).await;
+        drop(other);
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut second).now_or_never().is_none(), "waits for a place");
+        assert!(crate::lock(&router.inner.routed.0).unnamed.is_empty());
+        let stats = limits.stats();
+        assert_eq!((stats.waiting, stats.queued, stats.queue_full), (1, 1, 0));
+        // The hold's 10 s are up: its wait ends there.
+        tokio::time::advance(start + Duration::from_secs(10) - Instant::now()).await;
+        let e = (&mut second)
+            .now_or_never()
+            .expect("the routing's waits end with the first one's")
+            .unwrap_err();
+        assert!(timed_out_after(&e, 10_000), "{e}");
+        let stats = limits.stats();
+        assert_eq!(
+            (
+                stats.waiting,
+                stats.queued,
+                stats.queue_full,
+                stats.queue_timeouts
+            ),
+            (0, 1, 0, 1)
+        );
+        drop(first);
+        assert!(crate::lock(&router.places.0).is_empty());
+        assert!(crate::lock(&router.inner.routed.0).places.is_empty());
     }
 
     /// A request that found no place in `try_admit` but one freed before `admit` ran is

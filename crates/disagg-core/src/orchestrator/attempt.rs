@@ -146,13 +146,14 @@ impl Drop for Watch<'_> {
 impl Inner {
     /// One attempt for `req`, its legs carrying the engine-side request `id` and, when
     /// tracing, the trace context of their spans; its steps timed, and reported
-    /// cancelled by `watch` if it is dropped once routed.
+    /// cancelled by `watch` if it is dropped once routed. A routing that made the
+    /// request wait says so in `clock`, for the routings after it.
     pub(super) async fn attempt(
         &self,
         req: &PdRequest,
         id: HeaderValue,
         decision: Decision,
-        clock: Clock,
+        clock: &mut Clock,
         pinned: Option<Route>,
         mut watch: Watch<'_>,
     ) -> Result<Exchange, Failure> {
@@ -186,7 +187,7 @@ impl Inner {
         id: HeaderValue,
         trace: Option<&TraceIds>,
         decision: Decision,
-        clock: Clock,
+        clock: &mut Clock,
         pinned: Option<Route>,
         watch: &mut Watch<'_>,
     ) -> Result<Exchange, Failure> {
@@ -200,6 +201,7 @@ impl Inner {
                     .map_err(Failure::unrouted)?
             }
         };
+        let clock = *clock;
         watch.routed(&route);
         let tl = &mut watch.tl;
         tl.start = now();
@@ -280,16 +282,20 @@ impl Inner {
 
     /// The route for `req`: the router's, which may wait for room (a per-endpoint
     /// limit) within the request's deadline; told whether the request already waited
-    /// in the admission queue ([`Ask::queued`](Ask#structfield.queued)).
+    /// in the admission queue ([`Ask::queued`](Ask#structfield.queued)), and telling
+    /// `clock` when it made it wait ([`Route::queued`]): the request is counted as
+    /// queued once over all its routings.
     pub(super) async fn route(
         &self,
         view: &RequestView<'_>,
         decision: Decision,
-        clock: Clock,
+        clock: &mut Clock,
     ) -> Result<Route, PdError> {
         let direct = matches!(decision, Decision::Direct { .. });
         let ask = Ask::new(view, &*self.source, direct, clock.deadline).with_queued(clock.queued);
-        self.router.route(ask).await
+        let route = self.router.route(ask).await?;
+        clock.queued |= route.queued;
+        Ok(route)
     }
 
     /// A decode leg alone (direct, or decode-only because of the prefill failure coded

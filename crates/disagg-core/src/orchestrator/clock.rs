@@ -67,12 +67,15 @@ fn write_millis(out: &mut Vec<u8>, d: Duration) {
     out.extend_from_slice(&buf[at..]);
 }
 
-/// When a request must be done by, and whether it already waited for admission.
+/// When a request must be done by, and whether it already waited in the admission
+/// queue.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Clock {
     pub(super) deadline: Option<TokioInstant>,
-    /// It waited in the admission queue (and was counted there): every routing of it
-    /// tells the router so ([`Ask::queued`](crate::router::Ask#structfield.queued)).
+    /// It waited in the admission queue (and was counted there): for admission, or in
+    /// a routing that said so ([`Route::queued`](crate::router::Route::queued)). Every
+    /// routing after that tells the router so
+    /// ([`Ask::queued`](crate::router::Ask#structfield.queued)).
     pub(super) queued: bool,
 }
 

@@ -100,8 +100,9 @@ impl Inner {
             return Err(self.out_of_time(&s.req));
         }
         // Whether the request waited for admission, and was counted as queued then:
-        // its routings tell the router ([`Ask::queued`](crate::router::Ask)).
-        let clock = Clock {
+        // its routings tell the router ([`Ask::queued`](crate::router::Ask)). A routing
+        // that made it wait says so in the clock too, for the routings after it.
+        let mut clock = Clock {
             queued: s.meta.queued.is_some(),
             ..clock
         };
@@ -142,7 +143,7 @@ impl Inner {
             }
             if stage.connector.consumer_first() {
                 let routed = self
-                    .route(&RequestView::from(&s.req), decision, clock)
+                    .route(&RequestView::from(&s.req), decision, &mut clock)
                     .await;
                 match routed {
                     Ok(route) => {
@@ -210,7 +211,7 @@ impl Inner {
                     &s.req,
                     id,
                     decision,
-                    clock,
+                    &mut clock,
                     pinned.take(),
                     Watch::new(
                         &self.reporter,
@@ -500,7 +501,7 @@ impl Inner {
         s: &mut State,
         unencoded: Option<Unencoded>,
         failure: Failure,
-        clock: Clock,
+        mut clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
         let Failure { error: e, report } = failure;
         let prefill_missing = e.side() == crate::error::Side::Prefill || e.is_no_prefill();
@@ -531,7 +532,7 @@ impl Inner {
             reason: "decode_only",
         };
         let view = RequestView::from(plain.as_ref().unwrap_or(&s.req));
-        let routed = self.route(&view, decision, clock).await;
+        let routed = self.route(&view, decision, &mut clock).await;
         let mut route = match routed {
             Ok(r) => r,
             Err(e) => return Err(self.failed(&s.req, e, None, Some(s.meta.take()))),
