@@ -187,3 +187,61 @@ async fn a_continuation_whose_prefill_fails_goes_decode_only() {
             .is_none_or(|v| v.is_null())
     );
 }
+
+/// The value of `disagg_endpoint_requests_total` for `role`'s leg on `endpoint` that
+/// ended as `outcome` in the exposition `text` (0 when it has no series).
+fn legs(text: &str, role: &str, endpoint: &str, outcome: &str) -> u64 {
+    let labels = [
+        format!("role=\"{role}\""),
+        format!("endpoint=\"{endpoint}\""),
+        format!("outcome=\"{outcome}\""),
+    ];
+    text.lines()
+        .filter(|l| l.starts_with("disagg_endpoint_requests_total{"))
+        .filter(|l| labels.iter().all(|label| l.contains(label.as_str())))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// A continuation's fresh prefill leg is counted as any prefill leg is: the prefill
+/// answered two legs (the request's and the continuation's); each decode's leg is
+/// counted once (the one that broke failed, the one that finished answered).
+#[tokio::test]
+async fn a_continuations_fresh_prefill_leg_is_counted_like_any_prefill_leg() {
+    let metrics = disagg_http::metrics::Metrics::new("nixl");
+    let m = metrics.clone();
+    let s = Stack::builder()
+        .prefill(vec![SimConfig {
+            prefix_cache_blocks: 256,
+            ..SimConfig::default()
+        }])
+        .decode(vec![dying(6), dying(6)])
+        .config(|c| c.migration.limit = 1)
+        .service(move |c| c.metrics = Some(m))
+        .listener(metrics)
+        .build()
+        .await;
+    let body = chat_body(&long_prompt(), 8, json!({}));
+    let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
+    assert_one_answer(&a, true);
+    assert_eq!(s.p().stats().requests, 2, "through a fresh prefill");
+    // The request's report is told once its stream ended on the proxy's side.
+    let p = s.p().url();
+    let [d1, d2] = [s.decode[0].url(), s.decode[1].url()];
+    let mut text = String::new();
+    for _ in 0..200 {
+        text = get(&s.url, "/metrics").await.text();
+        if legs(&text, "decode", &d1, "answered") + legs(&text, "decode", &d2, "answered") > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(legs(&text, "prefill", &p, "answered"), 2, "{text}");
+    assert_eq!(legs(&text, "prefill", &p, "failed"), 0, "{text}");
+    let decoded =
+        [d1, d2].map(|d| ["answered", "failed", "abandoned"].map(|o| legs(&text, "decode", &d, o)));
+    assert!(
+        decoded == [[0, 1, 0], [1, 0, 0]] || decoded == [[1, 0, 0], [0, 1, 0]],
+        "each decode's leg once: {decoded:?}\n{text}"
+    );
+}

@@ -23,7 +23,8 @@
 //!   the dead one is reported failed, which is what passive health hears, and its
 //!   in-flight count and the router's place on it are given back as its stream is
 //!   abandoned), placed by the router (`Router::place`: a per-endpoint limit waits
-//!   for room within the decode head timeout, and holds a place while it streams): `POST
+//!   for room, and holds a place while it streams); its waits for room, any fresh
+//!   prefill, and its head end within one decode head timeout from its start: `POST
 //!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
 //!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
 //!   parameters and stops, `stream`, `return_token_ids`. Up to
@@ -31,10 +32,11 @@
 //!   handoff mark `kv`) is continued through a fresh prefill leg as an attempt of its
 //!   own (the connector's plan, the prefill, the handoff, the decode:
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
-//!   the set (its prefix cache holds the prompt), else the least busy one; decode-only
-//!   with [`MigrationConfig::decode_only`], for a request served by a decode alone
-//!   (direct, decode-only fallback), when no prefill is left, or when the prefill side
-//!   of the continuation fails.
+//!   the set (its prefix cache holds the prompt), else the least busy one, placed by
+//!   the router too (a place held until the prefill leg ends); decode-only with
+//!   [`MigrationConfig::decode_only`], for a request served by a decode alone (direct,
+//!   decode-only fallback), when no prefill is left or has room, or when the prefill
+//!   side of the continuation fails.
 //! * **Splice.** The continuation's chunks are rewritten with the first leg's `id`,
 //!   `object`, `created` and `model`, chat-shaped (`delta.content`) for a chat request,
 //!   with no second role chunk; a usage chunk counts the original prompt and the
@@ -44,7 +46,10 @@
 //! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
 //!   (from, to, tokens carried, when the stream broke and when the continuation's first
 //!   byte went out: the time lost), with a span id drawn when the request is traced;
-//!   the continuation's leg carries a `traceparent` naming that span.
+//!   the continuation's leg carries a `traceparent` naming that span. A fresh
+//!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`); one that
+//!   fails while riding in the continuation's stream is blamed for the break, not the
+//!   decode.
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -73,6 +78,7 @@ use crate::router::Route;
 use crate::source::EndpointSource;
 use crate::transport::{BoxBody, Transport};
 
+mod fresh;
 mod generate;
 mod head;
 mod moved;
@@ -175,8 +181,10 @@ pub(crate) struct Ctx {
     pub(crate) engine_id: HeaderValue,
     /// The client headers the legs carry.
     pub(crate) forwarded: Vec<(HeaderName, HeaderValue)>,
-    /// Time from sending a continuation to its head; its wait for room on its decode,
-    /// before it is sent, is bounded by the same length.
+    /// How long a continuation may take to start, from when it begins: its waits for
+    /// room (its decode's place, and its fresh prefill's), a fresh prefill leg and its
+    /// handoff, and its decode's response head all end by this much later (or by the
+    /// request's deadline, when sooner): one end, not one per wait.
     pub(crate) head_timeout: Duration,
     /// The request's deadline, if it has one.
     pub(crate) deadline: Option<tokio::time::Instant>,
@@ -292,6 +300,7 @@ impl Migrating {
             endpoint: Arc::clone(&ctx.route.decode),
             guard: Some(guard),
             hold,
+            prefill_failed: None,
         };
         let prompt = ctx.plan.generate.clone();
         Migrating {
@@ -753,7 +762,7 @@ impl Migrating {
                             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                         }
                         Err((reason, event)) => {
-                            let dead = Some(Arc::clone(&this.leg.endpoint));
+                            let dead = this.leg.to_blame();
                             if this.migrate(reason, dead, false) {
                                 if out.is_empty() {
                                     continue;
@@ -782,7 +791,7 @@ impl Migrating {
                 }
                 Poll::Ready(None) => Reason::Eof,
             };
-            if this.migrate(reason, Some(Arc::clone(&this.leg.endpoint)), false) {
+            if this.migrate(reason, this.leg.to_blame(), false) {
                 continue;
             }
             // Not migrated: end as today (what is held goes first, then the error or

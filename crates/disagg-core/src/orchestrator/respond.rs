@@ -130,11 +130,21 @@ impl Exchange {
     }
 }
 
+/// What answered an exchange that is not a decode's 2xx answer after a prefill leg
+/// ([`Exchange::into_decoded`]).
+pub(super) enum NotDecoded {
+    /// The prefill refused its leg (a 4xx, the client's fault): no decode leg was sent.
+    PrefillRefused,
+    /// The prefill's answer is the whole answer: no decode leg was sent.
+    PrefillAnswered,
+    /// The decode: an error status, or a decode sent alone.
+    Decode,
+}
+
 impl Exchange {
     /// The decode's 2xx answer after a prefill leg, with the decode's in-flight count
-    /// and a concurrent prefill still running; for any other answer (dropped), the side
-    /// that gave it: the prefill's (its 4xx, or its answer being the whole answer) or
-    /// the decode's (an error status, or a decode alone).
+    /// and a concurrent prefill still running; for any other answer (dropped), what
+    /// gave it.
     pub(super) fn into_decoded(
         self,
     ) -> Result<
@@ -143,14 +153,15 @@ impl Exchange {
             InFlightGuard,
             Option<super::body::PendingPrefill>,
         ),
-        Side,
+        NotDecoded,
     > {
         match self.stand {
             Stand::Decoded { guard, pending, .. } if self.head.status().is_success() => {
                 Ok((self.head, guard, pending))
             }
-            Stand::PrefillRefused | Stand::PrefillAnswered { .. } => Err(Side::Prefill),
-            _ => Err(Side::Decode),
+            Stand::PrefillRefused => Err(NotDecoded::PrefillRefused),
+            Stand::PrefillAnswered { .. } => Err(NotDecoded::PrefillAnswered),
+            _ => Err(NotDecoded::Decode),
         }
     }
 }

@@ -4,13 +4,16 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
+use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
-use crate::error::{PdError, Side, TransportError};
-use crate::outcome::LegOutcome;
+use crate::error::{PdError, Phase, RouteError, Side, TransportError};
+use crate::outcome::{LegOutcome, Timeline};
 use crate::policy::Permit;
 use crate::request::{Api, PdRequest, REQUEST_ID};
 use crate::router::Route;
@@ -18,7 +21,9 @@ use crate::transport::BoxBody;
 
 use super::super::attempt::{Failure, Watch};
 use super::super::body::{Finish, PdBody};
+use super::super::respond::NotDecoded;
 use super::Ctx;
+use super::fresh::PrefillLeg;
 
 /// What a continuation through a fresh prefill needs: the orchestrator's attempt
 /// machinery and the request's deadline.
@@ -60,6 +65,9 @@ pub(super) struct Current {
     /// this endpoint, which must find its count already down.
     pub(super) guard: Option<InFlightGuard>,
     pub(super) hold: Option<Permit>,
+    /// Set when the concurrent prefill riding in this leg's stream failed (a
+    /// continuation's fresh prefill, reported failed then): the stream ended for it.
+    pub(super) prefill_failed: Option<Arc<AtomicBool>>,
 }
 
 impl Current {
@@ -67,6 +75,76 @@ impl Current {
     pub(super) fn release(&mut self) {
         self.guard = None;
         self.hold = None;
+    }
+
+    /// The engine to blame for this leg's stream breaking: its decode, unless the
+    /// prefill riding in the stream failed first (which ended it, and was blamed).
+    pub(super) fn to_blame(&self) -> Option<Arc<Endpoint>> {
+        match &self.prefill_failed {
+            Some(failed) if failed.load(Ordering::Relaxed) => None,
+            _ => Some(Arc::clone(&self.endpoint)),
+        }
+    }
+}
+
+/// When a continuation must have started by: one end for its waits for room (its
+/// decode's place, its fresh prefill's), a fresh prefill leg and its handoff, and its
+/// decode's response head.
+#[derive(Debug, Clone, Copy)]
+struct End {
+    at: Option<Instant>,
+    /// The request's deadline is what sets it.
+    deadline: bool,
+}
+
+impl End {
+    /// The end of a continuation that begins now: one decode head timeout on, or the
+    /// request's deadline when sooner. A head timeout past what the clock can hold is
+    /// no limit (as a deadline is).
+    fn of(ctx: &Ctx) -> Self {
+        let own = Instant::now().checked_add(ctx.head_timeout);
+        match (ctx.deadline, own) {
+            (Some(d), Some(own)) if own < d => End {
+                at: Some(own),
+                deadline: false,
+            },
+            (Some(d), _) => End {
+                at: Some(d),
+                deadline: true,
+            },
+            (None, own) => End {
+                at: own,
+                deadline: false,
+            },
+        }
+    }
+
+    fn passed(self) -> bool {
+        self.at.is_some_and(|at| Instant::now() >= at)
+    }
+
+    /// The error of a step of `side` on `endpoint` in `phase` still under way at the
+    /// end: the request's deadline passed, or the continuation's time ran out (a
+    /// timeout of the step's engine, as a step's own budget is).
+    fn error(self, side: Side, endpoint: &Endpoint, phase: Phase) -> PdError {
+        if self.deadline {
+            PdError::deadline(side, phase)
+        } else {
+            PdError::timeout(side, endpoint.id().clone(), phase)
+        }
+    }
+
+    /// The end at which the continuation cuts an attempt through a fresh prefill
+    /// itself: its own, when the request's deadline (which the attempt's clock holds,
+    /// and its steps keep) is not sooner.
+    fn own(self) -> Option<Instant> {
+        if self.deadline { None } else { self.at }
+    }
+
+    /// The time left until the end; `all` when there is none.
+    fn left(self, all: Duration) -> Duration {
+        self.at
+            .map_or(all, |at| at.saturating_duration_since(Instant::now()))
     }
 }
 
@@ -89,8 +167,10 @@ pub(super) struct Started {
 /// request's model, placed by the router as the decode of a request sent to one engine
 /// ([`Router::place_queued`](crate::router::Router::place_queued), told whether the
 /// request waited in the admission queue: a router that counts places per endpoint
-/// waits for room, within the continuation's head budget, and holds one on it); its
-/// head within the decode head timeout.
+/// waits for room, and holds one on it); through a fresh prefill, placed the same way
+/// (its place held until its leg ends), when the request was disaggregated. One end
+/// for it all ([`End`]): the waits for room, a fresh prefill and its handoff, and the
+/// decode's head come within one decode head timeout (or the request's deadline).
 pub(super) async fn start(
     ctx: Arc<Ctx>,
     body: Bytes,
@@ -98,6 +178,7 @@ pub(super) async fn start(
     n: u32,
     span: Option<[u8; 8]>,
 ) -> Result<Started, NotStarted> {
+    let end = End::of(&ctx);
     let model = ctx
         .plan
         .body
@@ -114,18 +195,14 @@ pub(super) async fn start(
             .cloned()
             .ok_or_else(|| PdError::from(crate::error::RouteError::NoDecode))
     };
-    // A head timeout past what the clock can hold is no limit (as a deadline is).
-    let by = tokio::time::Instant::now().checked_add(ctx.head_timeout);
-    let until = match (ctx.deadline, by) {
-        (Some(d), Some(b)) => Some(d.min(b)),
-        (d, b) => d.or(b),
-    };
-    let mut placed = ctx
-        .reporter
-        .router
-        .place_queued(&pick, until, ctx.queued)
+    let router = &ctx.reporter.router;
+    let mut placed = router
+        .place_queued(&pick, end.at, ctx.queued)
         .await
         .map_err(NotStarted::unrouted)?;
+    // A wait for its decode's place that was counted as queued was the request's: a
+    // wait for its prefill's is not counted again.
+    let queued = ctx.queued || placed.queued;
     let hold = placed.take_decode_hold();
     let endpoint = Arc::clone(&placed.decode);
     let held = |mut started: Started| {
@@ -134,34 +211,62 @@ pub(super) async fn start(
     };
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
-    // least busy one. Decode-only when none is, or when the prefill side fails.
+    // least busy one, placed by the router as any prefill leg is (picked again after
+    // each wait for room). Decode-only when none is, when none has room, or when the
+    // prefill side fails.
     let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
     if let Some(inner) = inner {
-        let all = ctx.source.snapshot();
-        let prefill = all.for_model(model.as_deref()).ok().and_then(|set| {
+        let pick_prefill = || -> Result<Arc<Endpoint>, PdError> {
+            let all = ctx.source.snapshot();
+            let set = all.for_model(model.as_deref()).map_err(PdError::from)?;
             ctx.route
                 .prefill
                 .as_ref()
                 .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
                 .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
                 .cloned()
-        });
-        if let Some(prefill) = prefill {
-            match through_prefill(&ctx, &inner, &body, &prefill, &endpoint, n, span).await {
-                Ok(started) => return Ok(held(started)),
-                Err(PrefillFell::Decode(error)) => {
-                    return Err(NotStarted {
-                        tried: Some(endpoint),
-                        blame: None,
-                        prefill: Some(prefill),
-                        error,
-                    });
+                .ok_or_else(|| PdError::from(RouteError::NoPrefill))
+        };
+        let placed = router.place_queued(&pick_prefill, end.at, queued).await;
+        match placed {
+            Ok(mut room) => {
+                let fresh = Fresh {
+                    prefill: Arc::clone(&room.decode),
+                    place: room.take_decode_hold(),
+                };
+                let prefill = Arc::clone(&fresh.prefill);
+                match through_prefill(&ctx, &inner, &body, fresh, &endpoint, n, span, end).await {
+                    Ok(started) => return Ok(held(started)),
+                    Err(PrefillFell::Decode(error)) => {
+                        return Err(NotStarted {
+                            tried: Some(endpoint),
+                            blame: None,
+                            prefill: Some(prefill),
+                            error,
+                        });
+                    }
+                    Err(PrefillFell::Prefill) => {}
                 }
-                Err(PrefillFell::Prefill) => {}
             }
+            Err(e) if e.is_no_prefill() => {}
+            Err(e) => tracing::warn!(
+                error = %crate::error::error_chain(&e),
+                "no prefill for a continuation: continuing decode-only"
+            ),
         }
     }
-    send(&ctx, body, &endpoint, n, span)
+    if end.passed() {
+        // Its time went on waits for room and a prefill side that failed: the decode
+        // is not sent (nor counted as tried), nor blamed.
+        let error = end.error(Side::Decode, &endpoint, Phase::DecodeHead);
+        return Err(NotStarted {
+            tried: None,
+            blame: None,
+            prefill: None,
+            error,
+        });
+    }
+    send(&ctx, body, &endpoint, n, span, end)
         .await
         .map(|(body, guard)| {
             held(Started {
@@ -169,6 +274,7 @@ pub(super) async fn start(
                     endpoint: Arc::clone(&endpoint),
                     guard: Some(guard),
                     hold: None,
+                    prefill_failed: None,
                 },
                 body,
                 prefill: None,
@@ -176,26 +282,38 @@ pub(super) async fn start(
         })
         .map_err(|error| NotStarted {
             tried: Some(Arc::clone(&endpoint)),
-            blame: Some(endpoint),
+            // The request's deadline is no engine's fault.
+            blame: (!error.is_deadline()).then_some(endpoint),
             prefill: None,
             error,
         })
 }
 
-/// The continuation `body` as a disaggregated attempt of its own, on `prefill` and
-/// `decode`: the connector's plan, the prefill leg, the handoff and the decode leg, as
-/// for any request (`/v1/completions` with the token prompt). The attempt is reported
-/// when it fails; its 2xx decode answer is the continuation.
+/// A continuation's fresh prefill, and the router's place on it.
+struct Fresh {
+    prefill: Arc<Endpoint>,
+    place: Option<Permit>,
+}
+
+/// The continuation `body` as a disaggregated attempt of its own, on the `fresh`
+/// prefill (holding its place until its leg ends) and `decode`: the connector's plan,
+/// the prefill leg, the handoff and the decode leg, as for any request
+/// (`/v1/completions` with the token prompt), within the request's deadline and the
+/// continuation's `end`. The attempt is reported when it fails; its 2xx decode answer
+/// is the continuation, and its prefill leg is reported when it ends ([`PrefillLeg`]).
 #[allow(clippy::too_many_arguments)] // private; the continuation's parts
 async fn through_prefill(
     ctx: &Ctx,
     inner: &super::super::Inner,
     body: &Bytes,
-    prefill: &Arc<Endpoint>,
+    fresh: Fresh,
     decode: &Arc<Endpoint>,
     n: u32,
     span: Option<[u8; 8]>,
+    end: End,
 ) -> Result<Started, PrefillFell> {
+    let Fresh { prefill, place } = fresh;
+    let prefill = &prefill;
     let Some(through) = &ctx.through_prefill else {
         return Err(PrefillFell::Prefill);
     };
@@ -229,15 +347,25 @@ async fn through_prefill(
     let mut watch = Watch::new(&ctx.reporter, trace.as_ref(), n, &mut cancelled);
     watch.routed(&route);
     watch.tl.start = crate::outcome::now();
+    // The attempt's route holds the prefill's place, given back when its prefill leg
+    // ends (its clones, the reports', hold nothing).
+    let placed = route.clone().with_holds(place, None);
     let attempt = inner.attempt_on(
         &req,
-        route.clone(),
+        placed,
         id,
         trace.as_ref(),
         through.clock,
         &mut watch.tl,
     );
-    let result = attempt.await;
+    let result = match end.own() {
+        Some(at) => match tokio::time::timeout_at(at, attempt).await {
+            Ok(result) => result,
+            // The continuation's time ran out: the step under way is out of it.
+            Err(_) => Err(cut(&route, &watch.tl, end)),
+        },
+        None => attempt.await,
+    };
     let mut tl = watch.ended();
     let mut failure = match result {
         Ok(mut ex) => {
@@ -246,6 +374,19 @@ async fn through_prefill(
             let returned = ex.returned.take();
             match ex.into_decoded() {
                 Ok((head, guard, pending)) => {
+                    // The fresh prefill's leg, told now that its answer is in, or when
+                    // it answers if it still runs (riding in the stream).
+                    let leg = PrefillLeg::new(&ctx.reporter, &route, n, &tl);
+                    let (pending, prefill_failed) = match pending {
+                        Some(pending) => {
+                            let (riding, failed) = leg.riding(pending);
+                            (Some(riding), Some(failed))
+                        }
+                        None => {
+                            leg.answered();
+                            (None, None)
+                        }
+                    };
                     let body = if pending.is_some() || returned.is_some() {
                         // A concurrent prefill still running rides along, as in any
                         // answer.
@@ -269,15 +410,24 @@ async fn through_prefill(
                             endpoint: Arc::clone(decode),
                             guard: Some(guard),
                             hold: None,
+                            prefill_failed,
                         },
                         body,
                         prefill: Some(Arc::clone(prefill)),
                     });
                 }
-                // The prefill's own answer (a 4xx, or the whole answer): decode-only.
-                Err(Side::Prefill) => return Err(PrefillFell::Prefill),
+                // The prefill's own answer (a 4xx, or the whole answer): its leg is
+                // told, and the continuation goes decode-only.
+                Err(NotDecoded::PrefillRefused) => {
+                    PrefillLeg::new(&ctx.reporter, &route, n, &tl).refused();
+                    return Err(PrefillFell::Prefill);
+                }
+                Err(NotDecoded::PrefillAnswered) => {
+                    PrefillLeg::new(&ctx.reporter, &route, n, &tl).answered();
+                    return Err(PrefillFell::Prefill);
+                }
                 // A decode's error status: not a continuation.
-                Err(_) => Failure::decode(
+                Err(NotDecoded::Decode) => Failure::decode(
                     &route,
                     PdError::upstream_status(
                         Side::Decode,
@@ -309,13 +459,39 @@ async fn through_prefill(
     }
 }
 
-/// Send a continuation's `body` to `endpoint`; its 2xx head's body.
+/// The failure of an attempt through a fresh prefill cut off at the continuation's
+/// `end` (its own, before the request's deadline): the leg under way, as its steps in
+/// `tl` say, is out of time (the decode's head, or the prefill's answer or handoff).
+fn cut(route: &Route, tl: &Timeline, end: End) -> Failure {
+    if tl.decode_sent.is_some() {
+        let prefill = match tl.prefill_done {
+            Some(_) => LegOutcome::Answered,
+            None => LegOutcome::Abandoned,
+        };
+        let e = end.error(Side::Decode, &route.decode, Phase::DecodeHead);
+        return Failure::decode(route, e, prefill);
+    }
+    let phase = match (tl.prefill_sent, tl.prefill_done) {
+        (Some(_), None) => Phase::Prefill,
+        _ => Phase::Handoff,
+    };
+    let ep = route.prefill.as_ref().unwrap_or(&route.decode);
+    Failure::prefill(
+        route,
+        end.error(Side::Prefill, ep, phase),
+        LegOutcome::NotSent,
+    )
+}
+
+/// Send a continuation's `body` to `endpoint`; its 2xx head's body, by the
+/// continuation's `end`.
 async fn send(
     ctx: &Ctx,
     body: Bytes,
     endpoint: &Arc<Endpoint>,
     n: u32,
     span: Option<[u8; 8]>,
+    end: End,
 ) -> Result<(BoxBody, InFlightGuard), PdError> {
     let guard = endpoint.track();
     let id = endpoint.id().clone();
@@ -342,17 +518,20 @@ async fn send(
     if let (Some((trace, _)), Some(span)) = (&ctx.trace, span) {
         trace.inject(&span, h);
     }
-    let sent = tokio::time::Instant::now();
-    let head = match tokio::time::timeout(ctx.head_timeout, ctx.transport.send(req)).await {
-        Ok(Ok(head)) => head,
-        Ok(Err(e)) => return Err(transport_err(e)),
-        Err(_) => return Err(transport_err(TransportError::Timeout)),
+    let sent = ctx.transport.send(req);
+    let head = match end.at {
+        Some(at) => match tokio::time::timeout_at(at, sent).await {
+            Ok(head) => head,
+            Err(_) => return Err(end.error(Side::Decode, endpoint, Phase::DecodeHead)),
+        },
+        None => sent.await,
     };
+    let head = head.map_err(transport_err)?;
     let status = head.status();
     if !status.is_success() {
-        // Its message within what is left of the head's budget: a body that never ends
-        // holds the client's stream no longer than a head that never comes.
-        let left = ctx.head_timeout.saturating_sub(sent.elapsed());
+        // Its message within what is left of the continuation's time: a body that
+        // never ends holds the client's stream no longer than a head that never comes.
+        let left = end.left(ctx.head_timeout);
         let detail = super::super::legs::error_message(head.into_body(), 64 * 1024, left).await;
         return Err(PdError::upstream_status(Side::Decode, id, status, detail));
     }

@@ -1,0 +1,481 @@
+//! A continuation's own legs: one end for its waits for room and its head, a router
+//! place for its fresh prefill as for any prefill leg, that leg reported when it ends,
+//! and a concurrent prefill that fails mid-stream blamed for it (not the decode).
+
+use disagg_core::error::Overload;
+use disagg_resilience::{AdmissionConfig, Limits};
+
+use super::*;
+
+const D3: &str = "http://d3:8200";
+const GENERATE: &str = "/generate";
+
+/// [`Placing`], whose every place waits `room` first (a router that finds no room at
+/// once), within the wait's deadline.
+struct Slow {
+    placing: Placing,
+    room: Duration,
+}
+
+impl Router for Slow {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        self.placing.select(req, set)
+    }
+
+    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+        self.placing.route(ask)
+    }
+
+    fn place<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        deadline: Option<Instant>,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        Box::pin(async move {
+            let since = Instant::now();
+            let room = since + self.room;
+            if let Some(d) = deadline.filter(|d| *d < room) {
+                tokio::time::sleep_until(d).await;
+                let waited = since.elapsed();
+                return Err(PdError::from(Overload::QueueTimeout { waited }));
+            }
+            tokio::time::sleep_until(room).await;
+            self.placing.place(pick, deadline).await
+        })
+    }
+}
+
+/// A continuation waits for room (40 ms on each place), then its decode's head never
+/// comes: the client's stream ends one head timeout (100 ms) after it broke, the waits
+/// for room included, not a head timeout after the continuation was sent.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_waits_for_room_and_its_head_share_one_end() {
+    for decode_only in [true, false] {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(D1, CHAT, dying());
+        fake.on(D2, COMPLETIONS, Reply::hang());
+        let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+        let mut config = OrchestratorConfig::default();
+        config.decode_idle_timeout = None;
+        config.decode_head_timeout = ms(100);
+        config.migration.limit = 1;
+        config.migration.decode_only = decode_only;
+        let router = Slow {
+            placing: Placing::new(&Places::default()),
+            room: ms(40),
+        };
+        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+            .router(router)
+            .config(config)
+            .build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        until(&mut body, "\"A\"").await;
+        // The stream breaks 5 ms after its last frame was taken.
+        let broke = Instant::now() + ms(5);
+        let mut ended = None;
+        while let Some(frame) = next(&mut body).await {
+            if frame.as_ref().is_err() || frame.as_ref().is_ok_and(|f| f.contains("error")) {
+                ended = Some(Instant::now());
+            }
+        }
+        assert_eq!(fake.calls_to(D2).len(), 1, "decode-only: {decode_only}");
+        assert_eq!(
+            ended.map(|t| t - broke),
+            Some(ms(100)),
+            "decode-only: {decode_only}"
+        );
+        drop(body);
+        assert_settled(&orch);
+    }
+}
+
+/// Routes to the first prefill and the decode a request's `x-decode` header names (the
+/// first decode when it names none).
+struct Named;
+
+impl Router for Named {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let want = req.headers.get("x-decode").and_then(|v| v.to_str().ok());
+        let decode = set
+            .by_role(Role::Decode)
+            .iter()
+            .find(|d| want.is_none_or(|w| d.id().as_str() == w))
+            .cloned()
+            .ok_or(RouteError::NoDecode)?;
+        Ok(Route::new(
+            set.by_role(Role::Prefill).first().cloned(),
+            decode,
+        ))
+    }
+}
+
+/// Under a per-endpoint limit of one, a continuation's fresh prefill waits for room on
+/// its prefill as any prefill leg does: another request's prefill holds the one place
+/// on P1 until it answers, and only then is the continuation's prefill sent.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_fresh_prefill_waits_for_room_under_a_per_endpoint_limit() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    // The other request's prefill: P1's one place, for 100 ms.
+    fake.on(P1, CHAT, prefill_answer().after(ms(100)));
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    fake.on(D1, CHAT, dying());
+    fake.on(D3, CHAT, Reply::sse().frame(ms(0), DONE));
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let limits = Limits::new(AdmissionConfig::default());
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .router(limits.per_endpoint(Named, 1))
+        .config(config)
+        .build();
+    let t0 = Instant::now();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let other = orch.clone();
+    let other = tokio::spawn(async move {
+        let req = chat_with(&other, &[("x-decode", D3)]);
+        let body = other.serve(req).await.unwrap().into_body();
+        body.collect().await.map(drop).unwrap();
+    });
+    turns().await;
+    assert_eq!(
+        fake.calls_to(P1).len(),
+        2,
+        "the other request's prefill runs"
+    );
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(text.contains("\"B\"") && text.ends_with(DONE), "{text}");
+    let calls = fake.calls_to(P1);
+    let continuation = calls
+        .iter()
+        .find(|c| c.uri.path() == COMPLETIONS)
+        .expect("the continuation's prefill");
+    assert_eq!(
+        continuation.at - t0,
+        ms(100),
+        "sent once the other prefill gave its place back"
+    );
+    within(other).await.unwrap();
+    drop(body);
+    assert_settled(&orch);
+}
+
+/// A continuation's fresh prefill holds a router place on its prefill while its leg
+/// runs, as a routed prefill leg does, and gives it back when the leg ends (not when the
+/// continuation's stream does).
+#[tokio::test(start_paused = true)]
+async fn a_continuations_fresh_prefill_holds_a_place_until_its_leg_ends() {
+    let fake = Fake::new();
+    let places = Places::default();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, prefill_answer().after(ms(10)));
+    fake.on(D1, CHAT, dying());
+    let (rest, feed) = Reply::sse().fed();
+    fake.on(D2, COMPLETIONS, rest);
+    let orch = migrating(&fake, &places, false);
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    until(&mut body, "\"A\"").await;
+    let polled = timeout(ms(8), body.frame()).await;
+    assert!(polled.is_err(), "nothing comes while the prefill runs");
+    assert_eq!((in_flight(&orch, P1), places.held(P1)), (1, 1));
+    feed.send(continued("B", 8, None));
+    until(&mut body, "\"B\"").await;
+    assert_eq!((in_flight(&orch, P1), places.held(P1)), (0, 0));
+    assert_eq!(places.held(D2), 1, "the decode's place, while it streams");
+    feed.send(continued("C", 9, Some("length")));
+    feed.send(DONE);
+    feed.end();
+    while let Some(frame) = next(&mut body).await {
+        frame.unwrap();
+    }
+    drop(body);
+    assert_settled(&orch);
+}
+
+impl Reports {
+    fn all(&self) -> Vec<Report> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A continuation through a fresh prefill that streams: its prefill leg is reported
+/// once, as answered, when it answered (the decode leg is the original attempt's
+/// report's, told when the client's stream ends).
+#[tokio::test(start_paused = true)]
+async fn a_continuations_fresh_prefill_leg_is_reported_when_it_answered() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, prefill_answer().after(ms(10)));
+    fake.on(D1, CHAT, dying());
+    let (rest, feed) = Reply::sse().fed();
+    fake.on(D2, COMPLETIONS, rest);
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .listener(reports.clone())
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    until(&mut body, "\"A\"").await;
+    feed.send(continued("B", 8, None));
+    until(&mut body, "\"B\"").await;
+    let sent = fake
+        .calls_to(P1)
+        .into_iter()
+        .find(|c| c.uri.path() == COMPLETIONS)
+        .expect("the continuation's prefill")
+        .at;
+    let fresh = |r: &Report| r.decode == LegOutcome::NotSent;
+    let told: Vec<Report> = reports.over(D2).into_iter().filter(fresh).collect();
+    let [leg] = &told[..] else {
+        panic!("one report of the fresh prefill's leg: {:?}", reports.all())
+    };
+    assert_eq!(
+        leg.route.prefill.as_ref().map(|p| p.id().as_str()),
+        Some(P1)
+    );
+    assert_eq!(
+        (leg.outcome, leg.prefill, leg.attempt),
+        (Outcome::Success, LegOutcome::Answered, 1)
+    );
+    let tl = leg.timeline;
+    assert_eq!(tl.prefill_sent, Some(sent.into_std()));
+    assert_eq!(tl.prefill_done, Some((sent + ms(10)).into_std()));
+    feed.send(continued("C", 9, Some("length")));
+    feed.send(DONE);
+    feed.end();
+    while let Some(frame) = next(&mut body).await {
+        frame.unwrap();
+    }
+    drop(body);
+    // Then the original attempt's report, against the decode that finished it; the
+    // fresh prefill's leg told once.
+    let over = reports.over(D2);
+    assert_eq!(over.len(), 2, "{over:?}");
+    assert_eq!(over.iter().filter(|r| fresh(r)).count(), 1);
+    let last = &over[1];
+    assert_eq!(
+        (last.outcome, last.decode, last.attempt),
+        (Outcome::Success, LegOutcome::Answered, 0)
+    );
+    assert_settled(&orch);
+}
+
+/// SGLang's `/generate` with token ids (a migratable request), streamed.
+fn generate(orch: &Orchestrator) -> PdRequest {
+    let body = r#"{"input_ids":[1,2,3],"sampling_params":{"max_new_tokens":4,"temperature":0},"stream":true}"#;
+    orch.request(
+        Api::Generate,
+        HeaderMap::new(),
+        &Bytes::from_static(body.as_bytes()),
+    )
+    .unwrap()
+}
+
+/// A `/generate` event: the text and ids so far (cumulative), unfinished.
+fn generated(text: &str, ids: &[u32]) -> String {
+    let v = json!({
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {"id": "g-1", "finish_reason": null, "prompt_tokens": 3, "completion_tokens": ids.len()},
+    });
+    format!("data: {v}\n\n")
+}
+
+/// SGLang (both legs at once): the first continuation's decode streams while its fresh
+/// prefill, still running, fails. The stream moves on again (a second continuation),
+/// and the failure is the prefill's: reported failed on its leg, the decode not blamed.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(
+        P1,
+        GENERATE,
+        engine_error(503, "KV transfer failed").after(ms(20)),
+    );
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(
+        D1,
+        GENERATE,
+        Reply::sse()
+            .frame(ms(0), generated(" a", &[5]))
+            .fail(ms(5), "reset"),
+    );
+    // The first continuation streams one token, then nothing until its prefill fails.
+    fake.on(
+        D2,
+        GENERATE,
+        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
+    );
+    fake.on(
+        D3,
+        GENERATE,
+        Reply::sse()
+            .frame(ms(0), generated(" c d", &[7, 8]))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 2;
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = Orchestrator::builder(source, fake.clone(), connector)
+        .listener(reports.clone())
+        .config(config)
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(text.contains(" a b c d") && text.ends_with(DONE), "{text}");
+    assert_eq!(fake.calls_to(D3).len(), 1, "continued twice");
+    let all = reports.all();
+    let blamed = |r: &Report, url: &str| {
+        let on = |ep: &Endpoint| ep.id().as_str() == url;
+        (r.route.prefill.as_deref().is_some_and(on) && r.prefill == LegOutcome::Failed)
+            || (on(&r.route.decode) && r.decode == LegOutcome::Failed)
+    };
+    assert!(
+        !all.iter().any(|r| blamed(r, D2)),
+        "the decode is not to blame: {all:?}"
+    );
+    let failed: Vec<&Report> = all.iter().filter(|r| blamed(r, P1)).collect();
+    let [failed] = &failed[..] else {
+        panic!("the fresh prefill reported failed once: {all:?}")
+    };
+    assert_eq!(
+        (failed.outcome, failed.route.decode.id().as_str()),
+        (Outcome::PrefillFailed, D2)
+    );
+    // The second continuation's prefill answered: its leg reported too.
+    assert!(
+        all.iter().any(|r| r.route.decode.id().as_str() == D3
+            && r.prefill == LegOutcome::Answered
+            && r.decode == LegOutcome::NotSent),
+        "{all:?}"
+    );
+    drop(body);
+    assert_settled(&orch);
+}
+
+/// SGLang: the client leaves while a continuation streams and its fresh prefill still
+/// runs. The prefill's leg is reported once, abandoned (no engine to blame).
+#[tokio::test(start_paused = true)]
+async fn a_continuations_concurrent_prefill_cut_off_by_the_client_is_reported_abandoned() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(P1, GENERATE, Reply::hang());
+    fake.on(
+        D1,
+        GENERATE,
+        Reply::sse()
+            .frame(ms(0), generated(" a", &[5]))
+            .fail(ms(5), "reset"),
+    );
+    fake.on(
+        D2,
+        GENERATE,
+        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = Orchestrator::builder(source, fake.clone(), connector)
+        .listener(reports.clone())
+        .config(config)
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    until(&mut body, " a b").await;
+    let fresh = |r: &Report| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2;
+    assert!(!reports.all().iter().any(fresh), "told before it ended");
+    drop(body);
+    let all = reports.all();
+    let told: Vec<&Report> = all.iter().filter(|r| fresh(r)).collect();
+    let [leg] = &told[..] else {
+        panic!("the fresh prefill's leg told once: {all:?}")
+    };
+    assert_eq!(
+        (leg.outcome, leg.prefill),
+        (Outcome::Cancelled, LegOutcome::Abandoned)
+    );
+    assert_settled(&orch);
+}
+
+/// A continuation's fresh prefill that refuses its leg (a 4xx: the continuation's token
+/// prompt, say, one token past the model's length) is reported as a refused prefill leg
+/// is (answered, the attempt failed on its prefill), and the continuation goes on
+/// decode-only.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode_only() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, engine_error(400, "prompt too long"));
+    fake.on(D1, CHAT, dying());
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .listener(reports.clone())
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(text.contains("\"B\"") && text.ends_with(DONE), "{text}");
+    let leg = fake
+        .calls_to(D2)
+        .pop()
+        .expect("the continuation's decode leg");
+    assert!(
+        leg.json().get("kv_transfer_params").is_none(),
+        "decode-only: {}",
+        leg.text()
+    );
+    drop(body);
+    let all = reports.all();
+    let fresh: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2)
+        .collect();
+    let [refused] = &fresh[..] else {
+        panic!("the fresh prefill's leg told once: {all:?}")
+    };
+    assert_eq!(
+        (refused.outcome, refused.prefill, refused.attempt),
+        (Outcome::PrefillFailed, LegOutcome::Answered, 1)
+    );
+    assert_settled(&orch);
+}
