@@ -24,7 +24,9 @@
 //!   in-flight count and the router's place on it are given back as its stream is
 //!   abandoned), placed by the router (`Router::place`: a per-endpoint limit waits
 //!   for room, and holds a place while it streams); its waits for room, any fresh
-//!   prefill, and its head end within one decode head timeout from its start: `POST
+//!   prefill, and its head end within one decode head timeout from the break (a
+//!   continuation that could not start leaves the next no new window; a step cut at
+//!   that end blames no engine, as the request's deadline does not): `POST
 //!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
 //!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
 //!   parameters and stops, `stream`, `return_token_ids`. Up to
@@ -32,11 +34,13 @@
 //!   handoff mark `kv`) is continued through a fresh prefill leg as an attempt of its
 //!   own (the connector's plan, the prefill, the handoff, the decode:
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
-//!   the set (its prefix cache holds the prompt), else the least busy one, placed by
-//!   the router too (a place held until the prefill leg ends); decode-only with
-//!   [`MigrationConfig::decode_only`], for a request served by a decode alone (direct,
-//!   decode-only fallback), when no prefill is left or has room, or when the prefill
-//!   side of the continuation fails.
+//!   the set (its prefix cache holds the prompt), else the least busy one, never one
+//!   that failed riding in an earlier continuation's stream, placed by the router too
+//!   (its wait given half the time left; a place held until the prefill leg ends);
+//!   decode-only with [`MigrationConfig::decode_only`], for a request served by a
+//!   decode alone (direct, decode-only fallback), when no prefill is left or has room
+//!   in that time, or when the prefill side of the continuation fails. A request a
+//!   continuation's wait counted as queued is not counted again by the next.
 //! * **Splice.** The continuation's chunks are rewritten with the first leg's `id`,
 //!   `object`, `created` and `model`, chat-shaped (`delta.content`) for a chat request,
 //!   with no second role chunk; a usage chunk counts the original prompt and the
@@ -47,9 +51,10 @@
 //!   (from, to, tokens carried, when the stream broke and when the continuation's first
 //!   byte went out: the time lost), with a span id drawn when the request is traced;
 //!   the continuation's leg carries a `traceparent` naming that span. A fresh
-//!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`); one that
-//!   fails while riding in the continuation's stream is blamed for the break, not the
-//!   decode.
+//!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`), with the
+//!   request's trace; one that fails while riding in the continuation's stream is
+//!   blamed for the break, not the decode, which may be chosen again (after the
+//!   decodes not tried yet).
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -89,7 +94,7 @@ use head::{FirstChunk, Head};
 pub(crate) use moved::Moved;
 use splice::{splice_chunk, usage_chunk};
 pub(crate) use start::ThroughPrefill;
-use start::{Continuation, Current, NotStarted, Started, start};
+use start::{Bounds, Continuation, Current, End, NotStarted, Started, start};
 mod scan;
 mod splice;
 
@@ -181,15 +186,18 @@ pub(crate) struct Ctx {
     pub(crate) engine_id: HeaderValue,
     /// The client headers the legs carry.
     pub(crate) forwarded: Vec<(HeaderName, HeaderValue)>,
-    /// How long a continuation may take to start, from when it begins: its waits for
-    /// room (its decode's place, and its fresh prefill's), a fresh prefill leg and its
-    /// handoff, and its decode's response head all end by this much later (or by the
-    /// request's deadline, when sooner): one end, not one per wait.
+    /// How long a continuation may take to start, from the break it continues: its
+    /// waits for room (its decode's place, and its fresh prefill's), a fresh prefill
+    /// leg and its handoff, and its decode's response head all end by this much later
+    /// (or by the request's deadline, when sooner): one end, not one per wait nor one
+    /// per continuation of the same break.
     pub(crate) head_timeout: Duration,
     /// The request's deadline, if it has one.
     pub(crate) deadline: Option<tokio::time::Instant>,
-    /// The request waited in the admission queue: its continuations' places say so.
-    pub(crate) queued: bool,
+    /// The request was counted as queued: it waited in the admission queue, or a
+    /// continuation's wait for room counted it. Each continuation's places say so, and
+    /// one that counts it sets it for the next.
+    pub(crate) queued: std::sync::atomic::AtomicBool,
     /// Who sent the request, as the server named it: a continuation through a fresh
     /// prefill is the same client's request.
     pub(crate) client: Option<Arc<str>>,
@@ -237,6 +245,14 @@ pub(crate) struct Migrating {
     migrations: u32,
     /// Endpoints tried, the first leg's included.
     tried: Vec<EndpointId>,
+    /// Fresh prefills that failed riding in a continuation's stream: not picked again.
+    failed_prefills: Vec<EndpointId>,
+    /// Decodes whose stream ended for the prefill riding in it: picked again, after
+    /// those never tried.
+    again: Vec<EndpointId>,
+    /// When the stream last broke: the continuations of that break (a continuation
+    /// that could not start, then the next) all start within one window from it.
+    window: Option<tokio::time::Instant>,
     /// Completion tokens of the legs before the current one.
     carried: u64,
     /// The error that broke the last leg, returned when migration is not possible.
@@ -300,7 +316,7 @@ impl Migrating {
             endpoint: Arc::clone(&ctx.route.decode),
             guard: Some(guard),
             hold,
-            prefill_failed: None,
+            riding: None,
         };
         let prompt = ctx.plan.generate.clone();
         Migrating {
@@ -323,6 +339,9 @@ impl Migrating {
             tail: None,
             migrations: 0,
             tried,
+            failed_prefills: Vec::new(),
+            again: Vec::new(),
+            window: None,
             carried: 0,
             broke: None,
             stalled: None,
@@ -586,6 +605,18 @@ impl Migrating {
             );
             ctx.reporter.report(&mut report);
         };
+        if !always {
+            // A break: the continuations that follow it start within one window.
+            self.window = Some(tokio::time::Instant::now());
+            if let Some(prefill) = self.leg.failed_prefill() {
+                // The stream ended for its riding prefill, not for its decode: the
+                // prefill is not picked again, the decode may be (after the others).
+                let decode = self.leg.endpoint.id();
+                self.tried.retain(|t| t != decode);
+                self.again.push(decode.clone());
+                self.failed_prefills.push(prefill.clone());
+            }
+        }
         if ctx.plan.generate.is_some() {
             self.generate_prefix();
         }
@@ -615,6 +646,14 @@ impl Migrating {
             if always {
                 report_dead(dead);
             }
+            return false;
+        }
+        let broke_at = *self.window.get_or_insert_with(tokio::time::Instant::now);
+        let end = End::of(&ctx, broke_at);
+        if always && end.passed() {
+            // A continuation that could not start used the break's window up: no other
+            // gets a new one.
+            report_dead(dead);
             return false;
         }
         report_dead(dead);
@@ -657,8 +696,15 @@ impl Migrating {
             span,
         });
         let n = self.migrations;
-        let tried = self.tried.clone();
-        self.pending = Some(SyncWrapper::new(Box::pin(start(ctx, body, tried, n, span))));
+        let bounds = Bounds {
+            tried: self.tried.clone(),
+            again: self.again.clone(),
+            failed_prefills: self.failed_prefills.clone(),
+            end,
+        };
+        self.pending = Some(SyncWrapper::new(Box::pin(start(
+            ctx, body, bounds, n, span,
+        ))));
         true
     }
 }
@@ -846,7 +892,7 @@ impl super::Inner {
                 .collect(),
             head_timeout: self.config.decode_head_timeout,
             deadline: clock.deadline,
-            queued: clock.queued,
+            queued: std::sync::atomic::AtomicBool::new(clock.queued),
             client: req.client(),
             moved: Arc::clone(&moved),
             trace: meta

@@ -17,6 +17,8 @@ use futures::future::{BoxFuture, Either, ready};
 use super::*;
 
 mod continuation;
+mod counted;
+mod window;
 
 const D2: &str = "http://d2:8200";
 const COMPLETIONS: &str = "/v1/completions";

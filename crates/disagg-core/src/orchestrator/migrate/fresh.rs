@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::outcome::{LegOutcome, Outcome, Report, Timeline, now};
+use crate::outcome::{LegOutcome, Outcome, Report, Timeline, TraceIds, now};
 use crate::router::Route;
 
 use super::super::body::PendingPrefill;
@@ -29,12 +29,14 @@ pub(super) struct PrefillLeg {
 
 impl PrefillLeg {
     /// The prefill leg of continuation `attempt` over `route`, whose steps so far are
-    /// `tl`'s (its prefill's are kept; the decode's are the original attempt's report's).
+    /// `tl`'s (its prefill's are kept; the decode's are the original attempt's report's),
+    /// traced as `trace` (the request's, its legs under the migration's span).
     pub(super) fn new(
         reporter: &Arc<Reporter>,
         route: &Route,
         attempt: u32,
         tl: &Timeline,
+        trace: Option<TraceIds>,
     ) -> Self {
         let mut steps = Timeline::starting();
         steps.start = tl.start;
@@ -48,6 +50,7 @@ impl PrefillLeg {
             steps,
         );
         report.attempt = attempt;
+        report.trace = trace;
         PrefillLeg {
             reporter: Arc::clone(reporter),
             report: Some(report),

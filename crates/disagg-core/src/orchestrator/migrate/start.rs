@@ -65,9 +65,10 @@ pub(super) struct Current {
     /// this endpoint, which must find its count already down.
     pub(super) guard: Option<InFlightGuard>,
     pub(super) hold: Option<Permit>,
-    /// Set when the concurrent prefill riding in this leg's stream failed (a
-    /// continuation's fresh prefill, reported failed then): the stream ended for it.
-    pub(super) prefill_failed: Option<Arc<AtomicBool>>,
+    /// The concurrent prefill riding in this leg's stream (a continuation's fresh
+    /// prefill), and the flag set when it failed (reported failed then): the stream
+    /// ended for it.
+    pub(super) riding: Option<(EndpointId, Arc<AtomicBool>)>,
 }
 
 impl Current {
@@ -80,29 +81,40 @@ impl Current {
     /// The engine to blame for this leg's stream breaking: its decode, unless the
     /// prefill riding in the stream failed first (which ended it, and was blamed).
     pub(super) fn to_blame(&self) -> Option<Arc<Endpoint>> {
-        match &self.prefill_failed {
-            Some(failed) if failed.load(Ordering::Relaxed) => None,
-            _ => Some(Arc::clone(&self.endpoint)),
+        match self.failed_prefill() {
+            Some(_) => None,
+            None => Some(Arc::clone(&self.endpoint)),
+        }
+    }
+
+    /// The prefill riding in this leg's stream, when it failed (and ended the stream):
+    /// not to be picked again for the request, while the decode may be.
+    pub(super) fn failed_prefill(&self) -> Option<&EndpointId> {
+        match &self.riding {
+            Some((prefill, failed)) if failed.load(Ordering::Relaxed) => Some(prefill),
+            _ => None,
         }
     }
 }
 
 /// When a continuation must have started by: one end for its waits for room (its
 /// decode's place, its fresh prefill's), a fresh prefill leg and its handoff, and its
-/// decode's response head.
+/// decode's response head, counted from the break it continues (a continuation that
+/// could not start leaves the next one no new window). A step cut at this end ran out
+/// of the continuation's time, not of its own budget: its engine is not blamed.
 #[derive(Debug, Clone, Copy)]
-struct End {
+pub(super) struct End {
     at: Option<Instant>,
     /// The request's deadline is what sets it.
     deadline: bool,
 }
 
 impl End {
-    /// The end of a continuation that begins now: one decode head timeout on, or the
-    /// request's deadline when sooner. A head timeout past what the clock can hold is
-    /// no limit (as a deadline is).
-    fn of(ctx: &Ctx) -> Self {
-        let own = Instant::now().checked_add(ctx.head_timeout);
+    /// The end of a continuation of a stream that broke at `broke`: one decode head
+    /// timeout on, or the request's deadline when sooner. A head timeout past what the
+    /// clock can hold is no limit (as a deadline is).
+    pub(super) fn of(ctx: &Ctx, broke: Instant) -> Self {
+        let own = broke.checked_add(ctx.head_timeout);
         match (ctx.deadline, own) {
             (Some(d), Some(own)) if own < d => End {
                 at: Some(own),
@@ -119,13 +131,21 @@ impl End {
         }
     }
 
-    fn passed(self) -> bool {
+    pub(super) fn passed(self) -> bool {
         self.at.is_some_and(|at| Instant::now() >= at)
     }
 
+    /// The end of a wait for a fresh prefill's room begun now: half the time left,
+    /// the rest the decode's (to go on decode-only when the prefill finds no room).
+    fn share(self) -> Option<Instant> {
+        let now = Instant::now();
+        self.at
+            .map(|at| now + at.saturating_duration_since(now) / 2)
+    }
+
     /// The error of a step of `side` on `endpoint` in `phase` still under way at the
-    /// end: the request's deadline passed, or the continuation's time ran out (a
-    /// timeout of the step's engine, as a step's own budget is).
+    /// end: the request's deadline passed, or the continuation's time ran out (told as
+    /// a timeout of the step, though its engine is not blamed for it).
     fn error(self, side: Side, endpoint: &Endpoint, phase: Phase) -> PdError {
         if self.deadline {
             PdError::deadline(side, phase)
@@ -163,22 +183,43 @@ pub(super) struct Started {
     pub(super) prefill: Option<Arc<Endpoint>>,
 }
 
+/// What a continuation excludes, and when it must have started.
+pub(super) struct Bounds {
+    /// The decodes tried (never chosen again for the request).
+    pub(super) tried: Vec<EndpointId>,
+    /// Decodes whose stream ended for the prefill riding in it, not for their own
+    /// fault: chosen again, after those never tried.
+    pub(super) again: Vec<EndpointId>,
+    /// The fresh prefills that failed riding in a continuation's stream (never chosen
+    /// again for the request).
+    pub(super) failed_prefills: Vec<EndpointId>,
+    /// The continuation's end, from the break it continues.
+    pub(super) end: End,
+}
+
 /// `POST /v1/completions` on the least busy decode endpoint not tried yet, for the
 /// request's model, placed by the router as the decode of a request sent to one engine
 /// ([`Router::place_queued`](crate::router::Router::place_queued), told whether the
-/// request waited in the admission queue: a router that counts places per endpoint
+/// request was already counted as queued: a router that counts places per endpoint
 /// waits for room, and holds one on it); through a fresh prefill, placed the same way
-/// (its place held until its leg ends), when the request was disaggregated. One end
-/// for it all ([`End`]): the waits for room, a fresh prefill and its handoff, and the
-/// decode's head come within one decode head timeout (or the request's deadline).
+/// (its place held until its leg ends; its wait given half the time left, so that the
+/// decode may still go on alone), when the request was disaggregated. One end for it
+/// all ([`End`]): the waits for room, a fresh prefill and its handoff, and the
+/// decode's head come within one decode head timeout from the break (or the request's
+/// deadline).
 pub(super) async fn start(
     ctx: Arc<Ctx>,
     body: Bytes,
-    tried: Vec<EndpointId>,
+    bounds: Bounds,
     n: u32,
     span: Option<[u8; 8]>,
 ) -> Result<Started, NotStarted> {
-    let end = End::of(&ctx);
+    let Bounds {
+        tried,
+        again,
+        failed_prefills,
+        end,
+    } = bounds;
     let model = ctx
         .plan
         .body
@@ -191,18 +232,13 @@ pub(super) async fn start(
         set.decode()
             .iter()
             .filter(|e| !tried.contains(e.id()))
-            .min_by_key(|e| e.in_flight())
+            .min_by_key(|e| (again.contains(e.id()), e.in_flight()))
             .cloned()
             .ok_or_else(|| PdError::from(crate::error::RouteError::NoDecode))
     };
     let router = &ctx.reporter.router;
-    let mut placed = router
-        .place_queued(&pick, end.at, ctx.queued)
-        .await
-        .map_err(NotStarted::unrouted)?;
-    // A wait for its decode's place that was counted as queued was the request's: a
-    // wait for its prefill's is not counted again.
-    let queued = ctx.queued || placed.queued;
+    let placed = router.place_queued(&pick, end.at, ctx.queued()).await;
+    let mut placed = ctx.counted(placed).map_err(NotStarted::unrouted)?;
     let hold = placed.take_decode_hold();
     let endpoint = Arc::clone(&placed.decode);
     let held = |mut started: Started| {
@@ -211,24 +247,33 @@ pub(super) async fn start(
     };
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
-    // least busy one, placed by the router as any prefill leg is (picked again after
-    // each wait for room). Decode-only when none is, when none has room, or when the
+    // least busy one (never one that failed riding in a continuation's stream), placed
+    // by the router as any prefill leg is (picked again after each wait for room).
+    // Decode-only when none is, when none has room in half the time left, or when the
     // prefill side fails.
     let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
-    if let Some(inner) = inner {
+    if let Some(inner) = inner.filter(|_| !end.passed()) {
         let pick_prefill = || -> Result<Arc<Endpoint>, PdError> {
             let all = ctx.source.snapshot();
             let set = all.for_model(model.as_deref()).map_err(PdError::from)?;
+            let fit = set
+                .prefill()
+                .iter()
+                .filter(|e| !failed_prefills.contains(e.id()));
             ctx.route
                 .prefill
                 .as_ref()
-                .and_then(|p| set.prefill().iter().find(|e| e.id() == p.id()))
-                .or_else(|| set.prefill().iter().min_by_key(|e| e.in_flight()))
+                .and_then(|p| fit.clone().find(|e| e.id() == p.id()))
+                .or_else(|| fit.min_by_key(|e| e.in_flight()))
                 .cloned()
                 .ok_or_else(|| PdError::from(RouteError::NoPrefill))
         };
-        let placed = router.place_queued(&pick_prefill, end.at, queued).await;
-        match placed {
+        let placed = router
+            .place_queued(&pick_prefill, end.share(), ctx.queued())
+            .await;
+        match ctx.counted(placed) {
+            // Its time went on the waits: the prefill is not sent.
+            Ok(_) if end.passed() => {}
             Ok(mut room) => {
                 let fresh = Fresh {
                     prefill: Arc::clone(&room.decode),
@@ -274,19 +319,42 @@ pub(super) async fn start(
                     endpoint: Arc::clone(&endpoint),
                     guard: Some(guard),
                     hold: None,
-                    prefill_failed: None,
+                    riding: None,
                 },
                 body,
                 prefill: None,
             })
         })
-        .map_err(|error| NotStarted {
+        .map_err(|Unsent { error, cut }| NotStarted {
             tried: Some(Arc::clone(&endpoint)),
-            // The request's deadline is no engine's fault.
-            blame: (!error.is_deadline()).then_some(endpoint),
+            // The request's deadline, or the continuation's own end (its time went on
+            // waits), is no engine's fault.
+            blame: (!cut && !error.is_deadline()).then_some(endpoint),
             prefill: None,
             error,
         })
+}
+
+impl Ctx {
+    /// Whether the request was counted as queued: it waited for admission, or a
+    /// continuation's wait for room counted it.
+    fn queued(&self) -> bool {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// `placed`, a continuation's place, its wait noted when it counted the request as
+    /// queued (a place that made it wait, or a wait that ran out: counted before it
+    /// did), so that no later wait counts it again.
+    fn counted(&self, placed: Result<Route, PdError>) -> Result<Route, PdError> {
+        let counted = match &placed {
+            Ok(route) => route.queued,
+            Err(e) => e.code() == "queue_timeout",
+        };
+        if counted {
+            self.queued.store(true, Ordering::Relaxed);
+        }
+        placed
+    }
 }
 
 /// A continuation's fresh prefill, and the router's place on it.
@@ -376,11 +444,11 @@ async fn through_prefill(
                 Ok((head, guard, pending)) => {
                     // The fresh prefill's leg, told now that its answer is in, or when
                     // it answers if it still runs (riding in the stream).
-                    let leg = PrefillLeg::new(&ctx.reporter, &route, n, &tl);
-                    let (pending, prefill_failed) = match pending {
+                    let leg = PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace.clone());
+                    let (pending, riding) = match pending {
                         Some(pending) => {
-                            let (riding, failed) = leg.riding(pending);
-                            (Some(riding), Some(failed))
+                            let (pending, failed) = leg.riding(pending);
+                            (Some(pending), Some((prefill.id().clone(), failed)))
                         }
                         None => {
                             leg.answered();
@@ -410,7 +478,7 @@ async fn through_prefill(
                             endpoint: Arc::clone(decode),
                             guard: Some(guard),
                             hold: None,
-                            prefill_failed,
+                            riding,
                         },
                         body,
                         prefill: Some(Arc::clone(prefill)),
@@ -419,11 +487,11 @@ async fn through_prefill(
                 // The prefill's own answer (a 4xx, or the whole answer): its leg is
                 // told, and the continuation goes decode-only.
                 Err(NotDecoded::PrefillRefused) => {
-                    PrefillLeg::new(&ctx.reporter, &route, n, &tl).refused();
+                    PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).refused();
                     return Err(PrefillFell::Prefill);
                 }
                 Err(NotDecoded::PrefillAnswered) => {
-                    PrefillLeg::new(&ctx.reporter, &route, n, &tl).answered();
+                    PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).answered();
                     return Err(PrefillFell::Prefill);
                 }
                 // A decode's error status: not a continuation.
@@ -460,27 +528,50 @@ async fn through_prefill(
 }
 
 /// The failure of an attempt through a fresh prefill cut off at the continuation's
-/// `end` (its own, before the request's deadline): the leg under way, as its steps in
-/// `tl` say, is out of time (the decode's head, or the prefill's answer or handoff).
+/// `end` (its own, before the request's deadline): the step under way, as its steps in
+/// `tl` say, is out of the continuation's time (the decode's head, or the prefill's
+/// answer or the handoff). No engine is blamed: the time went on waits for room as much
+/// as on the step. The prefill leg is told as far as it went (not sent, answered, or
+/// abandoned while it ran), the decode leg abandoned if it was sent.
 fn cut(route: &Route, tl: &Timeline, end: End) -> Failure {
-    if tl.decode_sent.is_some() {
-        let prefill = match tl.prefill_done {
-            Some(_) => LegOutcome::Answered,
-            None => LegOutcome::Abandoned,
-        };
-        let e = end.error(Side::Decode, &route.decode, Phase::DecodeHead);
-        return Failure::decode(route, e, prefill);
-    }
-    let phase = match (tl.prefill_sent, tl.prefill_done) {
-        (Some(_), None) => Phase::Prefill,
-        _ => Phase::Handoff,
+    let prefill = match (tl.prefill_sent, tl.prefill_done) {
+        (_, Some(_)) => LegOutcome::Answered,
+        (Some(_), None) => LegOutcome::Abandoned,
+        (None, None) => LegOutcome::NotSent,
     };
-    let ep = route.prefill.as_ref().unwrap_or(&route.decode);
-    Failure::prefill(
-        route,
-        end.error(Side::Prefill, ep, phase),
-        LegOutcome::NotSent,
-    )
+    let mut failure = if tl.decode_sent.is_some() {
+        let e = end.error(Side::Decode, &route.decode, Phase::DecodeHead);
+        let mut failure = Failure::decode(route, e, prefill);
+        if let Some(report) = &mut failure.report {
+            report.decode = LegOutcome::Abandoned;
+        }
+        failure
+    } else {
+        let phase = match prefill {
+            LegOutcome::Abandoned => Phase::Prefill,
+            _ => Phase::Handoff,
+        };
+        let ep = route.prefill.as_ref().unwrap_or(&route.decode);
+        let e = end.error(Side::Prefill, ep, phase);
+        Failure::prefill(route, e, LegOutcome::NotSent)
+    };
+    if let Some(report) = &mut failure.report {
+        report.prefill = prefill;
+    }
+    failure
+}
+
+/// Why a continuation's decode gave no 2xx head: the error, and whether it was cut by
+/// the continuation's own end (no engine to blame).
+struct Unsent {
+    error: PdError,
+    cut: bool,
+}
+
+impl From<PdError> for Unsent {
+    fn from(error: PdError) -> Self {
+        Unsent { error, cut: false }
+    }
 }
 
 /// Send a continuation's `body` to `endpoint`; its 2xx head's body, by the
@@ -492,7 +583,7 @@ async fn send(
     n: u32,
     span: Option<[u8; 8]>,
     end: End,
-) -> Result<(BoxBody, InFlightGuard), PdError> {
+) -> Result<(BoxBody, InFlightGuard), Unsent> {
     let guard = endpoint.track();
     let id = endpoint.id().clone();
     let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
@@ -522,7 +613,12 @@ async fn send(
     let head = match end.at {
         Some(at) => match tokio::time::timeout_at(at, sent).await {
             Ok(head) => head,
-            Err(_) => return Err(end.error(Side::Decode, endpoint, Phase::DecodeHead)),
+            Err(_) => {
+                return Err(Unsent {
+                    error: end.error(Side::Decode, endpoint, Phase::DecodeHead),
+                    cut: true,
+                });
+            }
         },
         None => sent.await,
     };
@@ -533,7 +629,7 @@ async fn send(
         // never ends holds the client's stream no longer than a head that never comes.
         let left = end.left(ctx.head_timeout);
         let detail = super::super::legs::error_message(head.into_body(), 64 * 1024, left).await;
-        return Err(PdError::upstream_status(Side::Decode, id, status, detail));
+        return Err(PdError::upstream_status(Side::Decode, id, status, detail).into());
     }
     Ok((head.into_body(), guard))
 }

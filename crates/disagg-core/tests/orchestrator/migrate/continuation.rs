@@ -206,7 +206,7 @@ async fn a_continuations_fresh_prefill_holds_a_place_until_its_leg_ends() {
 }
 
 impl Reports {
-    fn all(&self) -> Vec<Report> {
+    pub(super) fn all(&self) -> Vec<Report> {
         self.0.lock().unwrap().clone()
     }
 }
@@ -299,8 +299,9 @@ fn generated(text: &str, ids: &[u32]) -> String {
 }
 
 /// SGLang (both legs at once): the first continuation's decode streams while its fresh
-/// prefill, still running, fails. The stream moves on again (a second continuation),
-/// and the failure is the prefill's: reported failed on its leg, the decode not blamed.
+/// prefill, still running, fails. The stream moves on again (a second continuation, on a
+/// decode not tried yet, through another prefill), and the failure is the prefill's:
+/// reported failed on its leg, the decode not blamed.
 #[tokio::test(start_paused = true)]
 async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode() {
     let fake = Fake::new();
@@ -311,7 +312,8 @@ async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode(
         GENERATE,
         engine_error(503, "KV transfer failed").after(ms(20)),
     );
-    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    // The second continuation's prefill: not P1, which failed.
+    fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
     fake.on(
         D1,
         GENERATE,
@@ -332,12 +334,13 @@ async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode(
             .frame(ms(0), generated(" c d", &[7, 8]))
             .frame(ms(0), DONE),
     );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2, D3]));
     let mut config = OrchestratorConfig::default();
     config.decode_idle_timeout = None;
     config.migration.limit = 2;
     let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
     let orch = Orchestrator::builder(source, fake.clone(), connector)
+        .router(Named)
         .listener(reports.clone())
         .config(config)
         .build();
@@ -477,5 +480,115 @@ async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode
         (refused.outcome, refused.prefill, refused.attempt),
         (Outcome::PrefillFailed, LegOutcome::Answered, 1)
     );
+    assert_settled(&orch);
+}
+
+/// SGLang: the first continuation's fresh prefill (on P1, the prompt's) fails while its
+/// decode (D2) streams. The decode is not to blame, and stays a candidate; the prefill
+/// that failed is not picked again. With D1 and D2 only, the second continuation goes
+/// on D2 through P2, and the request is served.
+#[tokio::test(start_paused = true)]
+async fn after_a_concurrent_prefill_fails_its_decode_stays_and_another_prefill_is_picked() {
+    let fake = Fake::new();
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(
+        P1,
+        GENERATE,
+        engine_error(503, "KV transfer failed").after(ms(20)),
+    );
+    fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(
+        D1,
+        GENERATE,
+        Reply::sse()
+            .frame(ms(0), generated(" a", &[5]))
+            .fail(ms(5), "reset"),
+    );
+    fake.on(
+        D2,
+        GENERATE,
+        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
+    );
+    fake.on(
+        D2,
+        GENERATE,
+        Reply::sse()
+            .frame(ms(0), generated(" c d", &[7, 8]))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 2;
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = Orchestrator::builder(source, fake.clone(), connector)
+        .router(Named)
+        .config(config)
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(text.contains(" a b c d") && text.ends_with(DONE), "{text}");
+    assert_eq!(fake.calls_to(D2).len(), 2, "both continuations on D2");
+    assert_eq!(fake.calls_to(P1).len(), 2, "P1 not picked again");
+    assert_eq!(
+        fake.calls_to(P2).len(),
+        1,
+        "the second continuation's prefill"
+    );
+    drop(body);
+    assert_settled(&orch);
+}
+
+/// A traced request's continuation through a fresh prefill: the prefill's leg report
+/// carries the request's trace (its OTel leg span is drawn from it), as the attempt's
+/// report of a fresh prefill that failed does.
+#[tokio::test(start_paused = true)]
+async fn a_traced_continuations_fresh_prefill_leg_report_carries_the_trace() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    fake.on(D1, CHAT, dying());
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    config.trace_ratio = Some(1.0);
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .listener(reports.clone())
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    while let Some(frame) = next(&mut body).await {
+        frame.unwrap();
+    }
+    drop(body);
+    let all = reports.all();
+    // The original attempt's report, told when the client's stream ended.
+    let first = all.last().expect("the attempt's report");
+    assert_eq!((first.attempt, first.outcome), (0, Outcome::Success));
+    let trace_id = first.trace.as_ref().expect("traced").trace_id;
+    let fresh: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2)
+        .collect();
+    let [leg] = &fresh[..] else {
+        panic!("the fresh prefill's leg told once: {all:?}")
+    };
+    let trace = leg
+        .trace
+        .as_ref()
+        .expect("the fresh prefill's leg is traced");
+    assert_eq!(trace.trace_id, trace_id);
     assert_settled(&orch);
 }

@@ -1,0 +1,112 @@
+//! A request is counted queued once over all its continuations: a continuation whose
+//! wait for room was counted tells the next continuation's place so.
+
+use std::sync::Mutex as StdMutex;
+
+use disagg_core::policy::Admission;
+
+use super::*;
+
+const D3: &str = "http://d3:8200";
+
+/// An admission that admits every request at once.
+struct Open;
+
+impl Admission for Open {
+    fn try_admit(&self) -> Option<Permit> {
+        Some(Permit::new(()))
+    }
+
+    fn admit(&self, _: Option<Instant>) -> BoxFuture<'static, Result<Permit, PdError>> {
+        Box::pin(ready(Ok(Permit::new(()))))
+    }
+}
+
+/// Round robin over the prefills and the decodes, whose every place says it made the
+/// request wait (and was counted: [`Route::queued`]); records each place's `queued`.
+#[derive(Clone, Default)]
+struct Waiting {
+    asked: Arc<StdMutex<Vec<bool>>>,
+    placing: Arc<Turn>,
+}
+
+#[derive(Default)]
+struct Turn {
+    turn: std::sync::atomic::AtomicUsize,
+}
+
+impl Router for Waiting {
+    fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let n = self
+            .placing
+            .turn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let decodes = set.by_role(Role::Decode);
+        let decode = decodes
+            .get(n % decodes.len().max(1))
+            .cloned()
+            .ok_or(RouteError::NoDecode)?;
+        Ok(Route::new(
+            set.by_role(Role::Prefill).first().cloned(),
+            decode,
+        ))
+    }
+
+    fn place_queued<'a>(
+        &'a self,
+        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
+        _deadline: Option<Instant>,
+        queued: bool,
+    ) -> BoxFuture<'a, Result<Route, PdError>> {
+        self.asked.lock().unwrap().push(queued);
+        Box::pin(async move {
+            let mut route = Route::new(None, pick()?);
+            route.queued = true;
+            Ok(route)
+        })
+    }
+}
+
+/// The first continuation's place made the request wait (counted then); its decode
+/// breaks too: the second continuation's place is told the request was counted, so
+/// a router counting its waits does not count it again.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_after_one_that_waited_is_placed_as_queued() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, dying());
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, None))
+            .fail(ms(5), "reset"),
+    );
+    fake.on(
+        D3,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("C", 9, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let router = Waiting::default();
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 2;
+    config.migration.decode_only = true;
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .router(router.clone())
+        .admission(Open)
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(text.contains("\"B\"") && text.contains("\"C\""), "{text}");
+    assert_eq!(*router.asked.lock().unwrap(), [false, true]);
+    drop(body);
+    assert_settled(&orch);
+}
