@@ -225,10 +225,12 @@ pub trait Router: Send + Sync + 'static {
     /// or `select_direct` for a request served without a prefill leg, over a fresh
     /// snapshot narrowed to the request's model). A decorator that may find no room
     /// (`disagg_resilience::PerEndpointLimit`) waits here, within [`Ask::deadline`](Ask#structfield.deadline), and
-    /// routes again; it answers without allocating when it need not wait. A router
-    /// whose waits count the requests that had to wait sets [`Route::queued`] when it
-    /// made this one wait. A decorator should route through the `route` of the router
-    /// it wraps, not its `select`: a router that waits still waits when wrapped.
+    /// routes again; it answers without allocating when it need not wait, unless the
+    /// router it wraps routes with a future itself (`disagg_resilience::DecodeHold`
+    /// does, always): then it boxes its own routing around that one on every request.
+    /// A router whose waits count the requests that had to wait sets [`Route::queued`]
+    /// when it made this one wait. A decorator should route through the `route` of the
+    /// router it wraps, not its `select`: a router that waits still waits when wrapped.
     ///
     /// # Errors
     ///
@@ -240,9 +242,10 @@ pub trait Router: Send + Sync + 'static {
     /// The route of a request an adapter sends to one engine itself rather than
     /// through the orchestrator (generation on a direct route of `disagg-http`: audio,
     /// `/invocations`, whose bodies a router cannot read), and of a mid-stream
-    /// migration's continuation (the decode it goes on on): no prefill, and as its
-    /// decode the engine `pick` chooses over the endpoints as they stand when it is
-    /// called. A router that limits the requests per endpoint
+    /// migration's continuation (for its decode, and again for its fresh prefill:
+    /// `pick` may then choose a prefill endpoint, which the route names in
+    /// [`Route::decode`]): no prefill, and as `decode` the engine `pick` chooses over
+    /// the endpoints as they stand when it is called. A router that limits the requests per endpoint
     /// (`disagg_resilience::PerEndpointLimit`) waits, within `deadline`, while the
     /// engine picked has no room, picks again after each wait, and gives the route
     /// holding a place ([`Route::with_holds`]) for the adapter to keep until the
@@ -268,7 +271,8 @@ pub trait Router: Send + Sync + 'static {
     /// adapter that admitted the request itself may too.
     /// The default calls `place`, and the fact is lost; a router that counts its waits
     /// overrides it (and `place` as `place_queued` with `false`), and decorators pass
-    /// it on to the router they wrap.
+    /// it on to the router they wrap. A router must not assume the engine picked is a
+    /// decode.
     ///
     /// # Errors
     ///

@@ -58,7 +58,12 @@
 //! its own [`Ask`]) has such a request counted in `queued` again when its routing
 //! waits; no wait, refusal or timeout depends on it.
 
-use std::collections::{BTreeSet, HashMap};
+mod hold;
+
+pub use hold::DecodeHold;
+use hold::{Kept, Routed};
+
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -192,7 +197,18 @@ tokio::task_local! {
     /// find it there when they route (a future reads it when first polled), so a
     /// request is counted once however many of this admission's waits it passes
     /// through, in whichever order they wrap each other.
-    static QUEUED: Arc<Queued>;
+    static QUEUED: Scoped;
+}
+
+/// What a router of this admission finds in [`QUEUED`] when a router of it wrapping
+/// this one routes the request.
+struct Scoped {
+    /// The routing's place in the queue.
+    queued: Arc<Queued>,
+    /// Whether a [`DecodeHold`] routing the request keeps the ticket of a request it
+    /// lets go in `queued` ([`Kept`]): a per-endpoint limit wrapping it routes the
+    /// request through it again when the route has no room.
+    keep: bool,
 }
 
 /// One request's place in an admission's queue across the routers that wrap each
@@ -214,6 +230,9 @@ struct Queued {
     counted: AtomicBool,
     /// The routing's waits so far, merged; `None` before the first.
     bound: std::sync::Mutex<Option<Bound>>,
+    /// The ticket of the request in a hold's line, while a per-endpoint limit wrapping
+    /// that hold routes it again; it leaves the line when the routing ends.
+    kept: std::sync::Mutex<Option<Kept>>,
 }
 
 /// When a wait started and when it must end (its timeout from its start, or the
@@ -248,21 +267,27 @@ impl Queued {
     /// The place of the routing under way in `state`'s queue (when a hold, or a
     /// per-endpoint limit that waits, wrapping this router routes the request), or a
     /// new one; `true` when new: the routing that made it gives it back when it ends
-    /// (one wrapped in it, whose routing ends first, does not).
-    fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool) {
+    /// (one wrapped in it, whose routing ends first, does not). Then whether a hold
+    /// keeps its tickets there ([`Scoped::keep`]).
+    fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool, bool) {
         let under_way = QUEUED
-            .try_with(|q| q.is_in(state).then(|| Arc::clone(q)))
+            .try_with(|s| {
+                s.queued
+                    .is_in(state)
+                    .then(|| (Arc::clone(&s.queued), s.keep))
+            })
             .ok()
             .flatten();
         match under_way {
-            Some(q) => (q, false),
+            Some((q, keep)) => (q, false, keep),
             None => {
                 let q = Queued {
                     state: Arc::clone(state),
                     counted: AtomicBool::new(false),
                     bound: std::sync::Mutex::new(None),
+                    kept: std::sync::Mutex::new(None),
                 };
-                (Arc::new(q), true)
+                (Arc::new(q), true, false)
             }
         }
     }
@@ -284,6 +309,31 @@ impl Queued {
         let merged = bound.map_or(wait, |b| b.and(wait));
         *bound = Some(merged);
         Ok(merged)
+    }
+
+    /// Keeps `kept`, a hold's ticket for the request, unless a ticket of another hold
+    /// is kept already (this one then leaves its line).
+    fn keep(&self, kept: Kept) {
+        let mut slot = crate::lock(&self.kept);
+        if slot.is_none() {
+            *slot = Some(kept);
+        }
+        // Otherwise `kept` leaves its line once the lock is released.
+    }
+
+    /// The ticket kept for the request by the hold whose lines are `routed`'s, if any.
+    fn take_kept(&self, routed: &Arc<Routed>) -> Option<Kept> {
+        let mut slot = crate::lock(&self.kept);
+        match &*slot {
+            Some(kept) if kept.is_of(routed) => slot.take(),
+            _ => None,
+        }
+    }
+
+    /// The ticket kept for the request, if any, leaves its line.
+    fn drop_kept(&self) {
+        let kept = crate::lock(&self.kept).take();
+        drop(kept);
     }
 
     /// The request no longer counted as waiting (routed, or refused), if it was.
@@ -333,7 +383,9 @@ impl Limits {
     ///
     /// It routes through `router`'s [`route`](Router::route), so `router` may wait
     /// too: a [`DecodeHold`] inside it still holds, and works as it does around it
-    /// (one place in the queue, one timeout for the routing's waits).
+    /// (one place in the queue, one timeout for the routing's waits, and a request the
+    /// hold lets go keeps its place in the hold's line while this limit has no room
+    /// for it). That order costs an allocation per request more ([`PerEndpointLimit`]).
     ///
     /// ```compile_fail
     /// # use disagg_resilience::AdmissionConfig;
@@ -378,297 +430,6 @@ impl Limits {
 /// How often a request held by [`DecodeHold`] looks at the decodes again: the engines'
 /// counts change at each read of their `/metrics`, this proxy's at each request's end.
 pub const HOLD_POLL: Duration = Duration::from_millis(10);
-
-/// A [`Router`] that holds a request while every decode endpoint of its model is
-/// saturated, made by [`Limits::decode_hold`] (see the [module](self) docs).
-///
-/// A decode's count is the larger of its
-/// [`Endpoint::load`](disagg_core::endpoint::Endpoint::load) and the requests this hold
-/// routed to it whose attempt has not ended (a request counts from its routing, before
-/// its prefill runs; the place is the route's decode hold). Held requests get room in
-/// their order of arrival, and a new request waits behind them: behind those of its own
-/// model, when endpoints declare models (they wait for other decodes).
-///
-/// A request it holds, then lets go to wait for a per-endpoint place (or that waited
-/// for one, then is held), keeps one place in the queue throughout, whether this hold
-/// wraps the [`PerEndpointLimit`] or is wrapped by it: it is counted once in `waiting`
-/// and `queued`, and never refused with 429 for a wait it is already in. Its waits end
-/// at the earliest end any of them set (this hold's `wait` from the routing's start,
-/// the queue timeout from the per-endpoint wait's start, or the deadline), with 503
-/// `queue_timeout`: at most one timeout in all. A request that waited before, for its
-/// global permit or in an earlier routing ([`Ask::queued`]), is not counted in
-/// `queued` again; the route of one it held says so ([`Route::queued`]).
-///
-/// Cost per request: a boxed routing future with its place in the queue (one small
-/// allocation), two short locks (the check, then the count), a snapshot of the
-/// endpoint set and one `load` per decode endpoint of the model; one more lock when
-/// the attempt ends.
-#[derive(Debug)]
-pub struct DecodeHold<R> {
-    inner: R,
-    state: Arc<State>,
-    max_running: usize,
-    wait: Duration,
-    /// This proxy's requests routed to each decode endpoint whose attempt has not ended.
-    routed: Arc<Routed>,
-}
-
-/// The requests this hold let through, per decode endpoint, counted from the moment
-/// they are routed to the end of their attempt. An endpoint's in-flight count takes a
-/// request only once its decode leg is sent, after the prefill: without this, every
-/// request whose prefill is running would be invisible to the hold, and requests
-/// released at the same poll would all find the same free place.
-///
-/// It also keeps the held requests of each model in their order of arrival (see
-/// [`line`]): room goes to the oldest first, and a new request waits behind them.
-#[derive(Debug, Default)]
-struct Routed(std::sync::Mutex<Counts>);
-
-#[derive(Debug, Default)]
-struct Counts {
-    /// Places per decode endpoint.
-    places: HashMap<EndpointId, usize>,
-    /// The tickets of the requests held, oldest first, per named line; a line leaves
-    /// with its last ticket.
-    held: HashMap<Box<str>, BTreeSet<u64>>,
-    /// The tickets of the unnamed line (see [`line`]).
-    unnamed: BTreeSet<u64>,
-    /// The next ticket.
-    next: u64,
-}
-
-impl Counts {
-    /// The tickets held in `line`, if any.
-    fn line(&self, line: Option<&str>) -> Option<&BTreeSet<u64>> {
-        match line {
-            None => Some(&self.unnamed),
-            Some(model) => self.held.get(model),
-        }
-    }
-
-    /// A new ticket, held at the end of `line`.
-    fn hold(&mut self, line: Option<&str>) -> u64 {
-        let ticket = self.next;
-        self.next += 1;
-        match line {
-            None => self.unnamed.insert(ticket),
-            Some(model) => self.held.entry(model.into()).or_default().insert(ticket),
-        };
-        ticket
-    }
-
-    /// `ticket` leaves `line`.
-    fn leave(&mut self, line: Option<&str>, ticket: u64) {
-        match line {
-            None => {
-                self.unnamed.remove(&ticket);
-            }
-            Some(model) => {
-                if let Some(tickets) = self.held.get_mut(model) {
-                    tickets.remove(&ticket);
-                    if tickets.is_empty() {
-                        self.held.remove(model);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The line a request for `model` waits in over `set` (every model's endpoints): held
-/// requests wait only behind those held for the same model, whose decodes they wait
-/// for. When no endpoint declares a model, every request goes to the same decodes and
-/// waits in one line (`None`); a request naming no model is the one model served's, if
-/// there is just one.
-fn line<'s>(set: &'s EndpointSet, model: Option<&'s str>) -> Option<&'s str> {
-    match set.served_models() {
-        [] => None,
-        [only] if model.is_none() => Some(only),
-        _ => model,
-    }
-}
-
-/// A held request's ticket in its line, leaving it when the request is routed or
-/// gives up.
-struct Ticket<'a> {
-    routed: &'a Routed,
-    line: Option<Box<str>>,
-    ticket: u64,
-}
-
-impl Drop for Ticket<'_> {
-    fn drop(&mut self) {
-        crate::lock(&self.routed.0).leave(self.line.as_deref(), self.ticket);
-    }
-}
-
-/// One request's place in [`Routed`], given back when the attempt ends (the route's
-/// decode hold is dropped). An endpoint's entry leaves with its last place.
-struct RoutedPlace {
-    routed: Arc<Routed>,
-    decode: EndpointId,
-}
-
-impl Drop for RoutedPlace {
-    fn drop(&mut self) {
-        give_back(&mut crate::lock(&self.routed.0).places, &self.decode);
-    }
-}
-
-impl<R: Router> DecodeHold<R> {
-    /// Whether the decodes of the request's model have room for it: more free places
-    /// than requests held ahead of it in its model's [`line`] (the whole line, for one
-    /// not yet held; true when the model has no decode: routing says why). A decode's
-    /// count is the larger of its [load](disagg_core::endpoint::Endpoint::load) and the
-    /// requests this hold routed to it that have not ended.
-    fn has_room(&self, ask: &Ask<'_>, counts: &Counts, ticket: Option<&Ticket<'_>>) -> bool {
-        let all = ask.source.snapshot();
-        let Ok(set) = all.for_model(ask.view.model) else {
-            return true;
-        };
-        let decodes = set.by_role(Role::Decode);
-        if decodes.is_empty() {
-            return true;
-        }
-        let free: usize = decodes
-            .iter()
-            .map(|d| {
-                let ours = counts.places.get(d.id()).copied().unwrap_or(0);
-                self.max_running.saturating_sub(d.load().max(ours))
-            })
-            .sum();
-        let ahead = match ticket {
-            None => counts
-                .line(line(&all, ask.view.model))
-                .map_or(0, BTreeSet::len),
-            Some(t) => counts
-                .line(t.line.as_deref())
-                .map_or(0, |held| held.range(..t.ticket).count()),
-        };
-        free > ahead
-    }
-
-    /// `route` with a place counted on its decode, when the decodes of the model still
-    /// have room for the request: checked and counted under one lock, so that requests
-    /// let through at the same time cannot all take the same free place. `None` when
-    /// they filled up since the request was routed.
-    fn admit(&self, ask: &Ask<'_>, route: Route, ticket: Option<&Ticket<'_>>) -> Option<Route> {
-        let mut counts = crate::lock(&self.routed.0);
-        if !self.has_room(ask, &counts, ticket) {
-            return None;
-        }
-        let decode = route.decode.id().clone();
-        take(&mut counts.places, decode.clone());
-        drop(counts);
-        let place = RoutedPlace {
-            routed: Arc::clone(&self.routed),
-            decode,
-        };
-        Some(route.with_holds(None, Some(Permit::new(place))))
-    }
-
-    /// Routes the request once the decodes of its model have room, holding it in the
-    /// queue meanwhile, in its routing's place `queued`.
-    async fn route_with_room(&self, ask: Ask<'_>, queued: &Queued) -> Result<Route, PdError> {
-        // The hold's own wait, from the routing's start; once it holds the request,
-        // its routing's waits end at the earliest end any of them set.
-        let own = Bound::new(Instant::now(), self.wait, ask.deadline);
-        // Once held: its place in the hold's line (its place in the queue is
-        // `queued`'s, counted then or already, when the router it wraps made it wait).
-        let mut held: Option<Ticket<'_>> = None;
-        loop {
-            let ticket = held.as_ref();
-            let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
-            if room {
-                // The policy chooses the decode (a saturated one too, when it
-                // prefers it: the hold only keeps requests back while every decode
-                // is full); the place is counted if room is still left.
-                let route = self.inner.route(ask).await?;
-                if let Some(mut route) = self.admit(&ask, route, ticket) {
-                    // Held: counted as queued (now or before), which later routings
-                    // of the request are told.
-                    route.queued |= held.is_some();
-                    return Ok(route);
-                }
-            }
-            // Every time: a wait of the router it wraps, since the last look, may have
-            // brought the end nearer.
-            let Bound { since, until } = queued.enqueue(own, ask.queued)?;
-            if held.is_none() {
-                let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
-                let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
-                let ticket = Ticket {
-                    routed: &self.routed,
-                    line,
-                    ticket,
-                };
-                held = Some(ticket);
-            }
-            if Instant::now() >= until {
-                return Err(self.state.timed_out(since));
-            }
-            tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
-        }
-    }
-}
-
-impl<R: Router> Router for DecodeHold<R> {
-    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.inner.select(req, set)
-    }
-
-    fn select_direct(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        self.inner.select_direct(req, set)
-    }
-
-    fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
-        Either::Right(Box::pin(async move {
-            // Its one place in the queue, whether it waits here or in the router it
-            // wraps (which finds it in `QUEUED`); looked up when first polled, so that
-            // a per-endpoint limit wrapping this hold, polling it in its own place,
-            // shares that place.
-            let (queued, new) = Queued::for_routing(&self.state);
-            let scoped = Arc::clone(&queued);
-            let routed = QUEUED
-                .scope(scoped, self.route_with_room(ask, &queued))
-                .await;
-            // Not when the future is dropped: a caller may keep it after it is ready.
-            // Only by the routing that made the place: a router wrapping this one of
-            // the same queue may still hold the request.
-            if new {
-                queued.leave();
-            }
-            routed
-        }))
-    }
-
-    // A request sent to one engine by an adapter is not held (it has no prefill to
-    // keep back); the router it wraps places it.
-    fn place<'a>(
-        &'a self,
-        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
-        deadline: Option<Instant>,
-    ) -> BoxFuture<'a, Result<Route, PdError>> {
-        self.inner.place(pick, deadline)
-    }
-
-    fn place_queued<'a>(
-        &'a self,
-        pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
-        deadline: Option<Instant>,
-        queued: bool,
-    ) -> BoxFuture<'a, Result<Route, PdError>> {
-        self.inner.place_queued(pick, deadline, queued)
-    }
-
-    fn observe(&self, route: &Route, outcome: Outcome) {
-        self.inner.observe(route, outcome)
-    }
-
-    fn wants_tokens(&self) -> bool {
-        self.inner.wants_tokens()
-    }
-}
 
 impl State {
     /// One more request counted as waiting, and in `queued` when `first` (its first
@@ -774,7 +535,12 @@ impl Admission for Limits {
 ///
 /// Cost per request with room: one short lock, a hash lookup per leg, an entry made
 /// for an endpoint that had no place (an endpoint's entry leaves with its last place)
-/// and its two places; one short lock when each leg ends.
+/// and its two places; one short lock when each leg ends. Around a router whose
+/// routing is itself a future (a [`DecodeHold`]), it also boxes its own routing around
+/// that one on every request, room or not, and makes the request's place in the queue
+/// there (which the hold then shares): one small allocation more per request than the
+/// hold alone. The other order, the hold around this limit (as the proxy builds them),
+/// costs no more than the hold.
 #[derive(Debug)]
 pub struct PerEndpointLimit<R> {
     inner: R,
@@ -791,7 +557,9 @@ impl<R: Router> PerEndpointLimit<R> {
     /// request waits in the queue, as one that found no room, until a leg that held a
     /// place ends. Its one place in the queue for its routing is the routing's
     /// ([`Queued`]: that of a hold wrapping this limit, or a new one), where a hold
-    /// this limit wraps finds it too. Not counted in `queued` when it already `queued`.
+    /// this limit wraps finds it too, and keeps its ticket in its line between looks
+    /// ([`Kept`]). Not counted in `queued` when it already `queued`; the route says
+    /// when this routing made it wait ([`Route::queued`]), here or in a hold of `first`.
     async fn wait_for_room<C, F>(
         &self,
         first: Option<C>,
@@ -803,16 +571,27 @@ impl<R: Router> PerEndpointLimit<R> {
         C: Future<Output = Result<Route, PdError>>,
         F: Fn() -> C,
     {
-        let (place, new) = Queued::for_routing(&self.state);
-        let scoped = Arc::clone(&place);
+        let (place, new, _) = Queued::for_routing(&self.state);
+        // The router it wraps may wait (its routing is a future): a hold's.
+        let inner_waits = first.is_some();
+        let scoped = Scoped {
+            queued: Arc::clone(&place),
+            keep: true,
+        };
         let waiting = async {
-            if let Some(first) = first
-                && let Some(route) = self.with_room(first.await?)
-            {
-                return Ok(route);
-            }
-            let wait = self.state.wait(Instant::now(), deadline);
+            // Whether this routing made the request wait (a hold of `first`'s that held
+            // it, then this limit): the route it gives says so.
             let mut waited = false;
+            if let Some(first) = first {
+                let route = first.await?;
+                waited = route.queued;
+                if let Some(route) = self.with_room(route) {
+                    return Ok(route);
+                }
+            }
+            // This limit's own wait, from when it first waits: not from before a look
+            // that a hold of `choose` held.
+            let mut wait = None;
             loop {
                 // Listening before looking: a leg that ends between the look and the
                 // wait still wakes it.
@@ -826,6 +605,7 @@ impl<R: Router> PerEndpointLimit<R> {
                 // Counted at its first wait (or already, by a hold of the routing);
                 // its waits end at the earliest end any of them set, a hold's that
                 // `choose` went through included.
+                let wait = *wait.get_or_insert_with(|| self.state.wait(Instant::now(), deadline));
                 let Bound { since, until } = place.enqueue(wait, queued)?;
                 waited = true;
                 if tokio::time::timeout_at(until, ended).await.is_err() {
@@ -835,7 +615,12 @@ impl<R: Router> PerEndpointLimit<R> {
         };
         let routed = QUEUED.scope(scoped, waiting).await;
         if new {
+            // The ticket kept, if any, leaves its line with the place (dropped here).
             place.leave();
+        } else if inner_waits && routed.as_ref().is_ok_and(|route| route.queued) {
+            // A router wrapping this limit may still hold the request: a ticket kept
+            // for it leaves its line now (one is kept only for a request held).
+            place.drop_kept();
         }
         routed
     }
@@ -1683,7 +1468,8 @@ mod tests {
         drop(other);
         tokio::time::advance(HOLD_POLL).await;
         assert!((&mut second).now_or_never().is_none(), "waits for a place");
-        assert!(crate::lock(&router.inner.routed.0).unnamed.is_empty());
+        // Still first in the hold's line: a request held after it waits behind it.
+        assert_eq!(crate::lock(&router.inner.routed.0).unnamed.len(), 1);
         let stats = limits.stats();
         assert_eq!((stats.waiting, stats.queued, stats.queue_full), (1, 1, 0));
         // The hold's 10 s are up: its wait ends there.
@@ -1703,9 +1489,235 @@ mod tests {
             ),
             (0, 1, 0, 1)
         );
+        assert!(crate::lock(&router.inner.routed.0).unnamed.is_empty());
         drop(first);
         assert!(crate::lock(&router.places.0).is_empty());
         assert!(crate::lock(&router.inner.routed.0).places.is_empty());
+    }
+
+    /// A step of a test, run by a [`Hook`].
+    type Step = Box<dyn FnOnce() + Send>;
+
+    /// `inner`, running a step of a test just before one of its routings (the step
+    /// armed with [`on_call`](Self::on_call)), then routing as `inner` does.
+    struct Hook<R> {
+        inner: R,
+        calls: AtomicUsize,
+        step: std::sync::Mutex<Option<(usize, Step)>>,
+    }
+
+    impl<R> Hook<R> {
+        fn new(inner: R) -> Self {
+            Hook {
+                inner,
+                calls: AtomicUsize::new(0),
+                step: std::sync::Mutex::new(None),
+            }
+        }
+
+        /// `step` runs just before the `n`th routing from now (from 1).
+        fn on_call(&self, n: usize, step: impl FnOnce() + Send + 'static) {
+            let at = self.calls.load(Ordering::Relaxed) + n;
+            *crate::lock(&self.step) = Some((at, Box::new(step)));
+        }
+    }
+
+    impl<R: Router> Router for Hook<R> {
+        fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+            self.inner.select(req, set)
+        }
+
+        fn route<'a>(&'a self, ask: Ask<'a>) -> Routing<'a> {
+            let call = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+            let step = {
+                let mut step = crate::lock(&self.step);
+                match step.take() {
+                    Some((at, step)) if at == call => Some(step),
+                    other => {
+                        *step = other;
+                        None
+                    }
+                }
+            };
+            if let Some(step) = step {
+                step();
+            }
+            self.inner.route(ask)
+        }
+    }
+
+    /// The per-endpoint limit (of 1) around a decode hold (of 1 running request per
+    /// decode, waiting `hold` at most), through a [`Hook`], over a prefill and two
+    /// decodes: the router, its source, the prefill and the decodes.
+    #[allow(clippy::type_complexity)]
+    fn limit_over_hook_over_hold(
+        limits: &Limits,
+        hold: Duration,
+    ) -> (
+        PerEndpointLimit<Hook<DecodeHold<First>>>,
+        disagg_core::source::StaticSource,
+        Arc<Endpoint>,
+        [Arc<Endpoint>; 2],
+    ) {
+        use disagg_core::source::{EndpointSource, StaticSource};
+
+        let router = limits.per_endpoint(Hook::new(limits.decode_hold(First, 1, hold)), 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d1:1", Role::Decode),
+            endpoint("http://d2:1", Role::Decode),
+        ]);
+        let set = source.snapshot();
+        let prefill = Arc::clone(&set.by_role(Role::Prefill)[0]);
+        let decodes = set.by_role(Role::Decode);
+        let decodes = [Arc::clone(&decodes[0]), Arc::clone(&decodes[1])];
+        (router, source, prefill, decodes)
+    }
+
+    /// A limit around a hold: a request the hold held (and counted), let go by it,
+    /// refused by the limit, then routed when it looked again (the prefill's place
+    /// given back in between), was given a route saying it had not waited: a retry
+    /// of it that waited would be counted in `queued` again.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_held_inside_a_per_endpoint_limit_is_routed_as_queued() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, source, _, [d1, d2]) =
+            limit_over_hook_over_hold(&limits, Duration::from_secs(60));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // The first request holds the prefill's place and the first decode; the
+        // second decode's engine is full: X is held, and counted.
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        assert_eq!(first.decode.id(), d1.id());
+        d2.set_engine_load(Some(1));
+        let mut x = Box::pin(router.route(ask));
+        assert!((&mut x).now_or_never().is_none(), "held");
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+        // The second decode frees up: the hold lets X go, the limit finds the
+        // prefill's place taken, and the first request's legs end just before X
+        // looks again.
+        router.inner.on_call(1, move || drop(first));
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        let route = (&mut x).now_or_never().expect("room").unwrap();
+        assert!(route.queued, "it was held, and counted");
+        assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
+    }
+
+    /// A limit around a hold: the limit's own wait counted from before the look that
+    /// the hold held again, so a request held 30 s in that look then found the
+    /// prefill's place taken was refused with 503 at once ("waited 30000 ms") instead
+    /// of waiting its queue timeout for the place.
+    #[tokio::test(start_paused = true)]
+    async fn a_limit_around_a_hold_counts_its_wait_from_when_it_waits() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig {
+            queue_timeout: Duration::from_secs(10),
+            ..AdmissionConfig::default()
+        });
+        let (router, source, _, [d1, d2]) =
+            limit_over_hook_over_hold(&limits, Duration::from_secs(60));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        assert_eq!(first.decode.id(), d1.id());
+        d2.set_engine_load(Some(1));
+        let mut x = Box::pin(router.route(ask));
+        assert!((&mut x).now_or_never().is_none(), "held");
+        // The second decode frees up: the hold lets X go, and the limit finds the
+        // prefill's place taken; the decode fills up again before X looks again.
+        let fills = Arc::clone(&d2);
+        router
+            .inner
+            .on_call(1, move || fills.set_engine_load(Some(1)));
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut x).now_or_never().is_none(), "held again");
+        // 30 s later the decode frees up: the hold lets X go, and the limit makes it
+        // wait for the prefill's place, from now.
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!((&mut x).now_or_never().is_none(), "still held");
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        let r = (&mut x).now_or_never();
+        assert!(
+            r.is_none(),
+            "waits for the prefill's place: {:?}",
+            r.map(|r| r.map(drop).map_err(|e| e.to_string()))
+        );
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(
+            (&mut x).now_or_never().is_none(),
+            "within its queue timeout"
+        );
+        assert_eq!(limits.stats().queue_timeouts, 0);
+        // The first request's legs end: X is routed, counted once.
+        drop(first);
+        let route = (&mut x).now_or_never().expect("a place").unwrap();
+        assert!(route.queued);
+        assert_eq!((waiting(&limits), limits.stats().queued), (0, 1));
+    }
+
+    /// A limit around a hold: a held request let go by the hold and refused by the
+    /// limit lost its place in the hold's line, and was held again behind a request
+    /// that came after it, which then got the room before it.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_let_go_inside_a_per_endpoint_limit_keeps_its_place_in_the_holds_line() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, source, prefill, [d1, d2]) =
+            limit_over_hook_over_hold(&limits, Duration::from_secs(60));
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // The first request holds the prefill's place and the first decode; the
+        // second decode's engine is full: X, then Y, are held.
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        assert_eq!(first.decode.id(), d1.id());
+        d2.set_engine_load(Some(1));
+        let mut x = Box::pin(router.route(ask));
+        assert!((&mut x).now_or_never().is_none(), "X held");
+        let mut y = Box::pin(router.route(ask));
+        assert!((&mut y).now_or_never().is_none(), "Y held");
+        assert_eq!(crate::lock(&router.inner.inner.routed.0).unnamed.len(), 2);
+        // The second decode frees up: room for one, X's (the oldest). The hold lets
+        // X go; the limit finds the prefill's place taken.
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut y).now_or_never().is_none(), "Y waits behind X");
+        assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+        // The first request's legs end (the first decode's engine still runs one):
+        // X, not Y, gets the room.
+        drop(first);
+        d1.set_engine_load(Some(1));
+        tokio::time::advance(HOLD_POLL).await;
+        let r = (&mut y).now_or_never();
+        assert!(
+            r.is_none(),
+            "Y came after X: {:?}",
+            r.map(|r| r.map(|r| r.decode.id().clone()).map_err(|e| e.to_string()))
+        );
+        let x = (&mut x).now_or_never().expect("X first").unwrap();
+        assert_eq!(x.prefill.as_ref().map(|p| p.id()), Some(prefill.id()));
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 2));
+        drop((x, y));
+        assert_eq!(waiting(&limits), 0);
+        assert!(crate::lock(&router.inner.inner.routed.0).unnamed.is_empty());
     }
 
     /// A request that found no place in `try_admit` but one freed before `admit` ran is
@@ -1911,6 +1923,55 @@ mod tests {
         assert!((&mut x).now_or_never().is_none());
         let stats = limits.stats();
         assert_eq!((stats.waiting, stats.queued), (2, 2), "each counted once");
+        drop((x, z));
+        assert_eq!(waiting(&limits), 0);
+    }
+
+    /// A hold around a limit around a hold, all of one queue: the inner hold's ticket
+    /// kept for a request while the limit routes it must leave the inner line once the
+    /// limit gives its route. Kept while the outer hold held that request behind
+    /// another held in the inner line behind it, each would wait for the other.
+    #[tokio::test(start_paused = true)]
+    async fn a_ticket_kept_inside_a_limit_leaves_the_line_when_the_limit_routes() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let inner = Arc::new(limits.decode_hold(First, 1, Duration::from_secs(60)));
+        let limit = limits.per_endpoint(Arc::clone(&inner), 8);
+        let outer = limits.decode_hold(limit, 1, Duration::from_secs(60));
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        // A request routed by the inner hold alone fills the decode for it: X passes
+        // the outer hold, and is held by the inner one. The decode's engine says it
+        // is full: Z is held by the outer hold.
+        let r0 = inner.route(ask).now_or_never().unwrap().unwrap();
+        let mut x = Box::pin(outer.route(ask));
+        assert!((&mut x).now_or_never().is_none());
+        decode.set_engine_load(Some(1));
+        let mut z = Box::pin(outer.route(ask));
+        assert!((&mut z).now_or_never().is_none());
+        assert_eq!((waiting(&limits), limits.stats().queued), (2, 2));
+        // The decode frees up: the inner hold lets X go, the limit routes it, and the
+        // outer hold holds it behind Z. X's ticket left the inner line.
+        decode.set_engine_load(Some(0));
+        drop(r0);
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut x).now_or_never().is_none(), "held behind Z");
+        assert!(crate::lock(&inner.routed.0).unnamed.is_empty());
+        // Z, first in the outer line, passes all three.
+        let z = (&mut z).now_or_never().expect("Z first").unwrap();
+        assert!(z.queued);
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 2));
         drop((x, z));
         assert_eq!(waiting(&limits), 0);
     }
