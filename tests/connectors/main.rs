@@ -480,12 +480,13 @@ async fn ttft_engines_alone(protocol: Protocol, p: &SimEngine, d: &SimEngine, n:
 async fn concurrent_dispatch_overlaps(protocol: Protocol) {
     // A 200 ms prefill, and a decode that spends 150 ms of its own before it asks for
     // the KV. Overlapped: first token after about 200 ms; one after the other: 350 ms.
+    // Medians of 5, so that a run slowed by a loaded machine does not decide.
     let p = slow(Duration::from_millis(200));
     let d = slow(Duration::from_millis(150));
     let s = stack(protocol, p, d).await;
     let mut alone = Vec::new();
     let mut proxied = Vec::new();
-    for n in 0..3 {
+    for n in 0..5 {
         alone.push(ttft_engines_alone(protocol, s.p(), s.d(), n).await);
         proxied.push(
             ttft(
@@ -498,13 +499,15 @@ async fn concurrent_dispatch_overlaps(protocol: Protocol) {
     }
     alone.sort();
     proxied.sort();
-    let (alone, proxied) = (alone[1], proxied[1]);
+    let (alone, proxied) = (alone[2], proxied[2]);
     assert!(
         alone >= Duration::from_millis(200) && alone < Duration::from_millis(340),
         "{protocol:?}: the engines alone took {alone:?}"
     );
+    // The proxy's hop costs a few ms; legs one after the other would cost the decode's
+    // 150 ms more.
     assert!(
-        proxied.as_secs_f64() < 1.2 * alone.as_secs_f64(),
+        proxied < alone + Duration::from_millis(100),
         "{protocol:?}: through the proxy {proxied:?}, engines alone {alone:?}"
     );
 }
@@ -600,11 +603,12 @@ async fn a_retry_picks_a_new_pair_and_a_new_room() {
 #[tokio::test]
 async fn a_retry_passes_over_an_unreachable_prefill() {
     for protocol in CONCURRENT {
+        let (dead, _held) = held_dead_url();
         let s = Stack::builder()
             .protocol(protocol)
             .prefill(vec![engine()])
             .decode(vec![engine()])
-            .dead_prefill(dead_url().await)
+            .dead_prefill(dead)
             .router(DeadFirst(Default::default()))
             .retry(RetryPolicy::retries(1))
             .build()
@@ -625,11 +629,12 @@ async fn a_retry_passes_over_an_unreachable_prefill() {
 #[tokio::test]
 async fn without_retries_an_unreachable_prefill_is_502() {
     for protocol in CONCURRENT {
+        let (dead, _held) = held_dead_url();
         let s = Stack::builder()
             .protocol(protocol)
             .prefill(vec![])
             .decode(vec![engine()])
-            .dead_prefill(dead_url().await)
+            .dead_prefill(dead)
             .build()
             .await;
         let a = post(

@@ -520,7 +520,8 @@ async fn upstream_connections_are_kept_alive_and_reused() {
 }
 
 /// Two side-channel bases free on this machine now: tests never use fixed ports, so the
-/// plan's bases are taken from the OS and handed to the planner as explicit bases.
+/// plan's bases are taken from the OS and handed to the planner as explicit bases. The
+/// listeners hold them, and become the engines' side channels.
 fn free_ports() -> (std::net::TcpListener, std::net::TcpListener) {
     let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -545,14 +546,15 @@ async fn side_channel_ports_come_from_the_nixl_planner() {
         .expect("a plan with disjoint bases");
     let [p_plan, d_plan] = [&plan.engines[0], &plan.engines[1]];
     assert_eq!((p_plan.port, d_plan.port), (base_p, base_d));
-    drop((hold_p, hold_d));
 
+    // The side channels listen on the planned ports through the sockets that held them
+    // since they were drawn: never released, so nothing else can take them meanwhile.
     let mut engines = Vec::new();
-    for e in [p_plan, d_plan] {
+    for (e, hold) in [(p_plan, hold_p), (d_plan, hold_d)] {
+        hold.set_nonblocking(true).unwrap();
+        let side = tokio::net::TcpListener::from_std(hold).unwrap();
+        assert_eq!(side.local_addr().unwrap().port(), e.port);
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let side = tokio::net::TcpListener::bind(("127.0.0.1", e.port))
-            .await
-            .unwrap();
         let config = disagg_sim::SimConfig {
             engine_id: Some(e.engine_id.clone()),
             ..Default::default()

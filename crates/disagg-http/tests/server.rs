@@ -80,6 +80,18 @@ async fn read_until(s: &mut TcpStream, got: &mut Vec<u8>, want: &[u8]) -> bool {
     true
 }
 
+/// Whether connecting to `addr` is refused within `limit` (polled every 10 ms).
+async fn refused_within(addr: SocketAddr, limit: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        match TcpStream::connect(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return true,
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    false
+}
+
 /// `serve` returned, without an error, within 2 s (`why` says what it waited for).
 async fn returns_within_2s(server: JoinHandle<std::io::Result<()>>, why: &str) {
     tokio::time::timeout(Duration::from_secs(2), server)
@@ -91,27 +103,25 @@ async fn returns_within_2s(server: JoinHandle<std::io::Result<()>>, why: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_in_flight_streams_to_its_end() {
-    // 6 frames, 100 ms apart: 0.5 s of answer, well within the 10 s drain.
-    let (addr, stop, server) = start(6, Duration::from_millis(100), Duration::from_secs(10)).await;
+    // 20 frames, 100 ms apart: 1.9 s of answer, well within the 10 s drain, and long
+    // past the listener's closing.
+    let (addr, stop, server) = start(20, Duration::from_millis(100), Duration::from_secs(10)).await;
     let mut s = get(addr).await;
     let mut got = Vec::new();
     assert!(read_until(&mut s, &mut got, b"frame 0").await);
     stop.send(()).unwrap();
 
-    // The listener is closed at once (one listener: no race to retry).
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let refused = TcpStream::connect(addr).await;
+    // The listener is closed at once (one listener: no race to retry), once the server
+    // task has run.
     assert!(
-        refused
-            .as_ref()
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused),
-        "{refused:?}"
+        refused_within(addr, Duration::from_secs(1)).await,
+        "the listener still accepts after the stop"
     );
     assert!(!server.is_finished(), "returned before the answer ended");
 
     // The answer arrives whole, its last chunk included.
     assert!(
-        read_until(&mut s, &mut got, b"frame 5\n\r\n0\r\n\r\n").await,
+        read_until(&mut s, &mut got, b"frame 19\n\r\n0\r\n\r\n").await,
         "cut: {}",
         String::from_utf8_lossy(&got)
     );

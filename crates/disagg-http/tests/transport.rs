@@ -128,9 +128,11 @@ async fn idle_connections_expire() {
 
 #[tokio::test]
 async fn refused_connections_are_connect_errors() {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    drop(l);
+    // Bound, never listening: refused, and no listener of a test running beside this
+    // one can take the port meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = held.local_addr().unwrap();
     let mut req = http::Request::new(Bytes::from_static(b"{}"));
     *req.uri_mut() = format!("http://{addr}/v1/completions").parse().unwrap();
     let err = HttpTransport::default().send(req).await.unwrap_err();

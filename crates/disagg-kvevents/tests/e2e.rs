@@ -51,8 +51,25 @@ fn sub_config() -> SubscriberConfig {
 }
 
 async fn subscribe(engines: &[&SimEngine]) -> (Arc<KvIndex>, Subscriber) {
+    subscribe_with(engines, sub_config()).await
+}
+
+/// [`sub_config`] without the resubscription after 500 ms of silence, for tests that
+/// count what one subscription saw: lost events publish nothing, and a loaded machine
+/// may take longer than that between two published batches.
+fn patient_config() -> SubscriberConfig {
+    SubscriberConfig {
+        silence_timeout: Duration::from_secs(60),
+        ..sub_config()
+    }
+}
+
+async fn subscribe_with(
+    engines: &[&SimEngine],
+    config: SubscriberConfig,
+) -> (Arc<KvIndex>, Subscriber) {
     let index = Arc::new(KvIndex::new(IndexConfig::default()));
-    let subscriber = Subscriber::new(index.clone(), sub_config());
+    let subscriber = Subscriber::new(index.clone(), config);
     subscriber
         .set_endpoints(engines.iter().map(|e| endpoint(e)).collect())
         .await;
@@ -228,7 +245,7 @@ async fn two_replicas_on_the_same_engines_agree() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_filled_by_replay() {
     let e = engine(64, true).await;
-    let (index, subscriber) = subscribe(&[&e]).await;
+    let (index, subscriber) = subscribe_with(&[&e], patient_config()).await;
     warm_up(&subscriber, &e, 900).await;
     // Warm-up batches published before the subscription reached the engine are
     // caught up by replay too: count only what the gap below adds.
@@ -262,7 +279,7 @@ async fn a_gap_is_filled_by_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_without_replay_drops_the_engines_entries() {
     let e = engine(64, false).await;
-    let (index, subscriber) = subscribe(&[&e]).await;
+    let (index, subscriber) = subscribe_with(&[&e], patient_config()).await;
     warm_up(&subscriber, &e, 900).await;
     let (p1, p2, p3) = (prompt(1, 2), prompt(2, 2), prompt(3, 2));
     complete(&e, &p1, &[]).await;

@@ -69,19 +69,23 @@ async fn libzmq_publishers_are_indexed_and_a_24_mb_batch_is_refused() {
         Value::Nil,
         777.into(),
     ]));
-    // The PUBs publish every 20 ms; after 2 s the events PUB sends one 24 MB batch
-    // `[1.0, [0] * 24M]`, then good batches again.
+    // The PUBs publish every 20 ms; once the subscriber subscribed to its events (an
+    // `XPUB`, a `PUB` that hears subscriptions: a `PUB` drops what it sends before),
+    // the events socket sends one 24 MB batch `[1.0, [0] * 24M]`, then good batches
+    // again.
     let script = r#"
 import struct, sys, time, zmq
 batch, load = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2])
 huge = b"\x92\xcb" + struct.pack(">d", 1.0) + b"\xdd" + struct.pack(">I", 24_000_000) + bytes(24_000_000)
 ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB); ep = pub.bind_to_random_port("tcp://127.0.0.1")
+pub = ctx.socket(zmq.XPUB); ep = pub.bind_to_random_port("tcp://127.0.0.1")
 lpub = ctx.socket(zmq.PUB); lp = lpub.bind_to_random_port("tcp://127.0.0.1")
 print(ep, lp, flush=True)
-seq, start, sent_huge = 0, time.time(), False
-while time.time() - start < 15:
-    if not sent_huge and time.time() - start > 2:
+seq, start, subscribed, sent_huge = 0, time.time(), False, False
+while time.time() - start < 30:
+    while not subscribed and pub.poll(0):
+        subscribed = pub.recv().startswith(b"\x01")
+    if subscribed and not sent_huge:
         pub.send_multipart([b"", struct.pack(">Q", seq), huge]); seq += 1; sent_huge = True
     pub.send_multipart([b"", struct.pack(">Q", seq), batch]); seq += 1
     lpub.send_multipart([b"load", struct.pack(">Q", seq), load])
@@ -114,7 +118,7 @@ while time.time() - start < 15:
     );
     subscriber.set_endpoints(vec![endpoint]).await;
     let prompt: Vec<u32> = (1..=17).collect();
-    let deadline = Instant::now() + Duration::from_secs(12);
+    let deadline = Instant::now() + Duration::from_secs(20);
     let oversized = |s: &Subscriber| {
         s.status()[0]
             .malformed

@@ -878,11 +878,17 @@ async fn a_client_that_leaves_cancels_its_encoder_legs() {
     let body = chat(9, true);
     let url = format!("{}/v1/chat/completions", epd.proxy.url());
     let client = tokio::spawn(async move {
-        let _ = tokio::time::timeout(std::time::Duration::from_millis(300), post(&url, "", &body))
-            .await;
+        post(&url, "", &body).await;
     });
-    client.await.unwrap();
+    // The client leaves once both encoder legs reached their (hung) encoders.
     let encoders = &epd.encoders;
+    let sent = common::eventually(std::time::Duration::from_secs(20), || {
+        encoders.iter().map(|e| e.stats().requests).sum::<u64>() == 2
+    })
+    .await;
+    assert!(sent, "the encoder legs were not sent");
+    client.abort();
+    let _ = client.await;
     let gone = common::eventually(std::time::Duration::from_secs(5), || {
         encoders.iter().map(|e| e.stats().cancelled).sum::<u64>() == 2
     })

@@ -192,10 +192,10 @@ async fn the_consumer_is_chosen_first_and_its_leg_goes_to_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_consumer_address_fails_visibly() {
-    // A port nothing listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = closed.local_addr().unwrap().port();
-    drop(closed);
+    // A port nothing listens on, held (bound, never listening) so that no engine
+    // started meanwhile takes it.
+    let (_, held) = common::held_dead_url();
+    let port = held.local_addr().unwrap().port();
     let epd = Epd::start(1, Some(port)).await;
     let a = post(&epd.proxy.url(), "/v1/chat/completions", &chat(1, false)).await;
     a.assert_error(502, "encode_failed");

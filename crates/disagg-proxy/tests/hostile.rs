@@ -250,9 +250,10 @@ async fn a_body_of_many_keys_is_answered_promptly_while_its_loop_serves_others()
     let done = ticker.await.expect("the ticker");
 
     // Bounds against the quadratic fold this test guards (13 s of one event loop), not
-    // a performance goal: loose enough for a debug build on a loaded 2-core machine.
+    // a performance goal: loose enough for a debug build on a loaded 2-core machine,
+    // under half of what the fold took.
     assert!(
-        took < Duration::from_secs(4),
+        took < Duration::from_secs(6),
         "the 120k-key body was answered after {took:?}"
     );
     // Gaps between the small answers from when the big body was sent to the end.
@@ -465,7 +466,10 @@ async fn flood(proxy: &Proxy, clients: usize, declared: usize, sent: usize, idle
                 assert_eq!(err["type"], "server_error");
                 assert_eq!(answer.header("retry-after"), Some("1"));
                 assert_eq!(answer.header("connection"), Some("close"));
-                assert!(after < Duration::from_secs(2), "503 after {after:?}");
+                // At once, not once the body stalled: the others stall until the flood
+                // ends, after every refused client was answered. A bound for a loaded
+                // machine, where 64 clients push their bodies at once.
+                assert!(after < Duration::from_secs(5), "503 after {after:?}");
             }
         }
     }
@@ -682,8 +686,8 @@ async fn a_forwarded_body_of_many_frames_of_whitespace_is_read_once_while_its_lo
 
     // Bounds against the quadratic rescan this test guards (minutes of one event
     // loop), not a performance goal: loose enough for a debug build on a loaded
-    // 2-core machine.
-    assert!(took < Duration::from_secs(6), "answered after {took:?}");
+    // 2-core machine (the answer has 10 s).
+    assert!(took < Duration::from_secs(8), "answered after {took:?}");
     assert_the_loop_kept_serving(&done, started);
 }
 
@@ -855,8 +859,9 @@ async fn a_clients_request_id_reaches_no_engine_on_the_forwarded_routes() {
 }
 
 /// The small answers `done` (when each came) went on while the big body was read,
-/// from `started`: at least three, and none waited more than a second for the one
-/// before.
+/// from `started`: at least three, and none waited more than 3 s for the one before
+/// (a loaded debug build may pause a while; the loop the tests guard against stalled
+/// 13 s and minutes).
 fn assert_the_loop_kept_serving(done: &[Instant], started: Instant) {
     let gaps: Vec<Duration> = done
         .windows(2)
@@ -866,7 +871,7 @@ fn assert_the_loop_kept_serving(done: &[Instant], started: Instant) {
     assert!(gaps.len() >= 3, "few small answers meanwhile: {gaps:?}");
     let worst = gaps.iter().max().copied().unwrap_or_default();
     assert!(
-        worst <= Duration::from_secs(1),
+        worst <= Duration::from_secs(3),
         "the other connection waited {worst:?} for an answer"
     );
 }

@@ -135,10 +135,13 @@ fn tokenizer_dir(texts: &[&str]) -> PathBuf {
         "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
     });
+    // One directory per call: tests of this process run at once, each with its own
+    // vocabulary.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let dir = std::env::temp_dir().join(format!(
         "disagg-kv-events-tokenizer-{}-{}",
         std::process::id(),
-        Instant::now().elapsed().as_nanos()
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();

@@ -13,6 +13,7 @@
 #![allow(missing_docs)] // a test binary
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -120,6 +121,44 @@ async fn promql(base: &str, query: &str) -> Option<f64> {
     (!n.is_nan()).then_some(n)
 }
 
+/// Prometheus with `config` and its storage in `data`, serving on a port drawn by
+/// `free_addr`, once it answers `/-/ready`; its address. Drawn again when it exits
+/// first: another process took the port between the draw and Prometheus's bind.
+async fn start_prometheus(binary: &Path, config: &Path, data: &Path) -> (Killed, SocketAddr) {
+    for _ in 0..5 {
+        let web = free_addr();
+        let mut server = Killed(
+            Command::new(binary)
+                .arg(format!("--config.file={}", config.display()))
+                .arg(format!("--storage.tsdb.path={}", data.display()))
+                .arg(format!("--web.listen-address={web}"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start prometheus"),
+        );
+        let start = Instant::now();
+        loop {
+            if server.0.try_wait().expect("poll prometheus").is_some() {
+                break;
+            }
+            // Its listener answers 503 until the storage is open.
+            if tokio::net::TcpStream::connect(web).await.is_ok()
+                && get(&format!("http://{web}"), "/-/ready").await.status == 200
+            {
+                return (server, web);
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "prometheus not ready on {web} after 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    panic!("prometheus exited at start on each of 5 ports")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_scrapes_the_proxy_and_computes_a_quantile_of_every_pd_histogram() {
     let Some(prometheus) = prometheus_binary() else {
@@ -153,21 +192,7 @@ async fn prometheus_scrapes_the_proxy_and_computes_a_quantile_of_every_pd_histog
         ),
     )
     .unwrap();
-    let web = free_addr();
-    let _server = Killed(
-        Command::new(prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={web}"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start prometheus"),
-    );
+    let (_server, web) = start_prometheus(&prometheus, &config, &dir.join("data")).await;
     let base = format!("http://{web}");
     let quantile = |metric: &str, by: &str| {
         format!("histogram_quantile(0.9, sum by (le{by}) ({metric}_bucket))")
@@ -699,24 +724,33 @@ impl Receiver {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("start the OTLP receiver");
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut first = String::new();
-        out.read_line(&mut first).unwrap();
-        let port = first
-            .trim()
-            .strip_prefix("PORT ")
-            .unwrap_or_else(|| panic!("the receiver said {first:?}"));
+        let out = BufReader::new(child.stdout.take().unwrap());
+        // Killed with the test, even if it never says its port.
+        let child = Killed(child);
+        // Its first line, the port, read on the thread that then reads the spans: a
+        // receiver that never starts fails the test instead of hanging it.
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let into = Arc::clone(&spans);
         std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
+            let mut lines = out.lines().map_while(Result::ok);
+            let _ = first_tx.send(lines.next());
+            for line in lines {
                 into.lock()
                     .unwrap()
                     .push(serde_json::from_str(&line).unwrap());
             }
         });
+        let first = first_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the OTLP receiver says its port within 20 s")
+            .expect("the OTLP receiver says its port before it exits");
+        let port = first
+            .trim()
+            .strip_prefix("PORT ")
+            .unwrap_or_else(|| panic!("the receiver said {first:?}"));
         Receiver {
-            _child: Killed(child),
+            _child: child,
             url: format!("http://127.0.0.1:{port}"),
             spans,
         }
@@ -873,7 +907,7 @@ async fn traces_continue_the_clients_trace_across_both_legs() {
 async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
     let receiver = Receiver::start();
     let slow = SimConfig {
-        // 200 tokens at 20 ms: a 4 s stream, left after its first chunk.
+        // 500 tokens at 20 ms: a 10 s stream, left after its first chunk.
         inter_token_delay: Duration::from_millis(20),
         ..SimConfig::default()
     };
@@ -891,7 +925,7 @@ async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
     .collect();
     let proxy = Proxy::start_env(&args, &[("OTEL_BSP_SCHEDULE_DELAY", "50")]).await;
 
-    let body = completion("hello", 200, true);
+    let body = completion("hello", 500, true);
     let mut tcp = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let head = format!(
         "POST {COMPLETIONS} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
@@ -914,7 +948,8 @@ async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
     let decode = named(&spans, "decode");
     assert_eq!(request["attributes"]["disagg.outcome"], "cancelled");
     assert_eq!(decode["attributes"]["disagg.leg.verdict"], "abandoned");
-    // Both ended about when the client left, long before the stream's 4 s.
+    // Both ended about when the client left (within 3 s on a loaded machine), long
+    // before the stream's 10 s.
     let left_ns = left
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -922,7 +957,7 @@ async fn a_cancelled_streams_spans_end_when_the_client_leaves() {
     for s in [request, decode] {
         let end = s["end"].as_u64().unwrap();
         assert!(
-            end < left_ns + 1_000_000_000,
+            end < left_ns + 3_000_000_000,
             "{} ended {} ms after the client left",
             s["name"],
             (end.saturating_sub(left_ns)) / 1_000_000

@@ -481,9 +481,13 @@ fn load_on(engine: &SimEngine, n: usize, tokens: u32) -> Vec<tokio::task::JoinHa
         .collect()
 }
 
+/// The gap between two tokens of the busy decode of [`held_behind_a_busy_decode`].
+const BUSY_TOKEN: Duration = Duration::from_millis(50);
+
 /// A proxy over one prefill and one slow decode, holding requests while the decode
 /// runs 2 or more by its `/metrics`, for at most `wait` seconds; the decode is busy
-/// with 2 requests of `tokens` tokens (50 ms each) from another router once it returns.
+/// with 2 requests of `tokens` tokens ([`BUSY_TOKEN`] apart) from another router once
+/// it returns, since the instant returned last.
 async fn held_behind_a_busy_decode(
     wait: &str,
     tokens: u32,
@@ -492,10 +496,11 @@ async fn held_behind_a_busy_decode(
     SimEngine,
     Proxy,
     Vec<tokio::task::JoinHandle<()>>,
+    Instant,
 ) {
     let p = engine(SimConfig::default()).await;
     let d = engine(SimConfig {
-        inter_token_delay: Duration::from_millis(50),
+        inter_token_delay: BUSY_TOKEN,
         ..SimConfig::default()
     })
     .await;
@@ -514,22 +519,26 @@ async fn held_behind_a_busy_decode(
         ],
     )
     .await;
+    let busy_since = Instant::now();
     let load = load_on(&d, 2, tokens);
-    let start = Instant::now();
     while series(&proxy, "disagg_engine_requests_running", &at(&d.url())).await < Some(2.0) {
-        assert!(start.elapsed() < Duration::from_secs(5), "never read busy");
+        assert!(
+            busy_since.elapsed() < Duration::from_secs(5),
+            "never read busy"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    (p, d, proxy, load)
+    (p, d, proxy, load, busy_since)
 }
 
 #[tokio::test]
 async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
-    // The decode is busy for about a second (20 tokens of 50 ms).
-    let (p, d, proxy, _load) = held_behind_a_busy_decode("10", 20).await;
+    // The decode is busy for about 3 s (60 tokens of 50 ms): long past the checks
+    // below, however long reading it busy took.
+    const TOKENS: u32 = 60;
+    let (p, d, proxy, _load, busy_since) = held_behind_a_busy_decode("10", TOKENS).await;
     let prefills = p.stats().requests;
     let url = proxy.url();
-    let sent = Instant::now();
     let held =
         tokio::spawn(async move { post(&url, COMPLETIONS, &completion("after", 2, false)).await });
     // Held: the prefill is not sent while the decode cannot take the request.
@@ -538,10 +547,12 @@ async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
     assert!(!held.is_finished());
     let a = held.await.expect("the request task");
     assert_eq!(a.status, 200, "{}", a.text());
+    // Not before the decode had room again: one of its requests ended.
+    let busy = BUSY_TOKEN * (TOKENS - 1);
     assert!(
-        sent.elapsed() >= Duration::from_millis(500),
-        "{:?}",
-        sent.elapsed()
+        busy_since.elapsed() >= busy,
+        "answered {:?} after the decode got busy for {busy:?}",
+        busy_since.elapsed()
     );
     assert_eq!(p.stats().requests, prefills + 1);
     assert_eq!(d.stats().active_requests, 0);
@@ -552,7 +563,7 @@ async fn a_request_is_held_while_every_decode_is_saturated_then_proceeds() {
 #[tokio::test]
 async fn a_request_held_too_long_is_refused_without_running_its_prefill() {
     // The decode is busy for 5 s; the hold lasts 0.3 s.
-    let (p, _d, proxy, load) = held_behind_a_busy_decode("0.3", 100).await;
+    let (p, _d, proxy, load, _) = held_behind_a_busy_decode("0.3", 100).await;
     let prefills = p.stats().requests;
     let sent = Instant::now();
     let a = post(&proxy.url(), COMPLETIONS, &completion("after", 2, false)).await;

@@ -161,10 +161,8 @@ async fn wrong_params_fail_the_pull() {
     let (p, d) = pair().await;
     let params = prefill(&p, PROMPT).await;
 
-    // Nobody listening on that port.
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let closed_port = closed.local_addr().unwrap().port();
-    drop(closed);
+    // Nobody listening on that port (held, so no engine started meanwhile takes it).
+    let (closed_port, _held) = unused_port();
     let mut bad = params.clone();
     bad["remote_port"] = json!(closed_port);
     assert_pull_fails(&d, &with_params(chat(PROMPT, 4), bad), "wrong port").await;

@@ -429,11 +429,12 @@ async fn notifications_before_the_answer_or_after_the_delay() {
     let d = decode(1).await;
     let ids = tokenize(PROMPT);
 
-    // Delay 0: already there when the answer is.
+    // Delay 0: already there when the answer is (sent before it: read at once, unless
+    // a loaded machine holds this test's thread; well before the 700 ms delay below).
     let reply = post(p.addr(), COMPLETIONS, &prefill_body(&ids, spec("now", &d))).await;
     assert_eq!(reply.status, 200);
     assert_eq!(
-        proxy.next(Duration::from_millis(100)).await.as_deref(),
+        proxy.next(Duration::from_millis(500)).await.as_deref(),
         Some("now")
     );
 
@@ -472,7 +473,7 @@ async fn wrong_receiver_address_fails_the_prefill_without_notification() {
     let d = decode(2).await;
     let ids = tokenize(PROMPT);
     let (init, alloc) = (d.lmcache_init_ports(), d.lmcache_alloc_ports());
-    let dead = unused_port().await;
+    let (dead, _held) = unused_port();
     let cases = [
         (
             "dead init port",
@@ -783,7 +784,8 @@ async fn prefill_without_spec_or_without_proxy() {
 
 #[tokio::test]
 async fn a_missing_proxy_does_not_hang_the_prefill() {
-    let nobody = format!("127.0.0.1:{}", unused_port().await);
+    let (nobody, _held) = unused_port();
+    let nobody = format!("127.0.0.1:{nobody}");
     let p = prefill_with(Some(&nobody), Faults::default()).await;
     let d = decode(2).await;
     let ids = tokenize(PROMPT);

@@ -416,6 +416,11 @@ async fn pull_closes_peers_beyond_its_maximum() {
     assert_eq!(pull.stats().refused, 1);
 }
 
+/// How long a peer must be idle before a newcomer may take its place, in the eviction
+/// tests: long enough that the steps meant to come "too soon" (a few connections and
+/// handshakes) come within it on a loaded machine.
+const EVICT_IDLE_AFTER: Duration = Duration::from_secs(2);
+
 /// At its maximum, a newcomer takes the place of the peer idle longest once that one
 /// has been idle past `evict_idle_after`; a peer heard from since keeps its place.
 #[tokio::test]
@@ -423,7 +428,7 @@ async fn pull_makes_room_by_closing_its_longest_idle_peer() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let config = PullConfig {
         max_peers: 2,
-        evict_idle_after: Duration::from_millis(300),
+        evict_idle_after: EVICT_IDLE_AFTER,
         ..PullConfig::new(Limits {
             handshake_timeout: PATIENCE,
             ..limits()
@@ -442,7 +447,7 @@ async fn pull_makes_room_by_closing_its_longest_idle_peer() {
     let mut early = TcpStream::connect(addr).await.unwrap();
     assert!(closed_by_peer(&mut early).await);
     assert_eq!(pull.stats().refused, 1);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(EVICT_IDLE_AFTER + Duration::from_millis(100)).await;
     live.send(ZmqMessage::from(b"still here".to_vec()))
         .await
         .unwrap();
@@ -496,7 +501,7 @@ async fn pull_limits_the_peers_of_one_host() {
     let config = PullConfig {
         max_peers: 8,
         max_peers_per_host: 2,
-        evict_idle_after: Duration::from_millis(300),
+        evict_idle_after: EVICT_IDLE_AFTER,
         ..PullConfig::new(Limits {
             handshake_timeout: PATIENCE,
             ..limits()
@@ -522,7 +527,7 @@ async fn pull_limits_the_peers_of_one_host() {
     );
     // Idle now: host A's next takes the place of host A's idlest, and host B's
     // (idle longer) keeps its own.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(EVICT_IDLE_AFTER + Duration::from_millis(100)).await;
     let mut a4 = push_from("127.0.0.2", addr).await;
     assert!(
         closed_by_peer(&mut a1).await,

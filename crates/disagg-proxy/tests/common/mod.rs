@@ -370,14 +370,25 @@ fn serving_addr(log: &str) -> Option<SocketAddr> {
 /// later (the proxy's): drawn in 10000-19999, where the system never hands out a port
 /// to `bind(0)` or `connect` (Linux's ephemeral range starts at 32768) and the
 /// simulator draws none (its runs of rank ports are in 20000-31999), so the engines a
-/// test starts in between cannot take it.
+/// test starts in between cannot take it. Never the same port twice in one test
+/// process, so two tests running at once never draw the same one; another process
+/// drawing in the same range (a test binary run beside this one) may still take it
+/// first, and a caller that can tell (a child that exits at start) draws again.
 pub fn free_addr() -> SocketAddr {
     use std::hash::{BuildHasher, Hasher};
+    static DRAWN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     let mut draw = std::collections::hash_map::RandomState::new().build_hasher();
     for attempt in 0..1000_usize {
         draw.write_usize(attempt);
         let port = 10_000 + u16::try_from(draw.finish() % 10_000).expect("under 10000");
+        let mut drawn = DRAWN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if drawn.contains(&port) {
+            continue;
+        }
         if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            drawn.push(port);
             return l.local_addr().expect("its address");
         }
     }

@@ -181,10 +181,13 @@ pub async fn raw_post(
     stream
 }
 
-/// A loopback port nobody listens on (bound, then released).
-pub async fn unused_port() -> u16 {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap().port()
+/// A loopback port nobody listens on (connection refused), and the socket that holds
+/// it: bound, never listening, so no listener the test starts meanwhile (an engine's
+/// ephemeral port) can take it while the socket lives. Keep the socket to the end.
+pub fn unused_port() -> (u16, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    (socket.local_addr().unwrap().port(), socket)
 }
 
 /// The `error.message` of an error answer in vLLM's shape (status and code

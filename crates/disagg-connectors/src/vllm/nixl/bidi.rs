@@ -576,14 +576,22 @@ mod tests {
         s.put_back("c", again);
         let got: Map<String, Value> = serde_json::from_slice(&s.take("c").unwrap().dict).unwrap();
         assert_eq!(got["remote_num_tokens"], 200);
-        // Past its TTL, nothing is kept again.
+        // Past its TTL, nothing is kept again: the handoff taken is made as old as the
+        // TTL (a TTL short enough to sleep past could also end between put and take).
+        let ttl = Duration::from_secs(10);
         let s = store(BidiConfig {
-            ttl: Duration::from_millis(1),
+            ttl,
             ..BidiConfig::default()
         });
         s.put("c", "h", dict(100).as_bytes());
         let taken = s.take("c").unwrap();
-        std::thread::sleep(Duration::from_millis(2));
+        let taken = Taken {
+            stored: taken
+                .stored
+                .checked_sub(ttl)
+                .expect("the monotonic clock is past the TTL"),
+            ..taken
+        };
         s.put_back("c", taken);
         assert!(s.take("c").is_none());
         assert_eq!(s.stats().expired, 1);
