@@ -196,19 +196,10 @@ tokio::task_local! {
     /// [`PerEndpointLimit`] is routing, while its routing runs: the routers it wraps
     /// find it there when they route (a future reads it when first polled), so a
     /// request is counted once however many of this admission's waits it passes
-    /// through, in whichever order they wrap each other.
-    static QUEUED: Scoped;
-}
-
-/// What a router of this admission finds in [`QUEUED`] when a router of it wrapping
-/// this one routes the request.
-struct Scoped {
-    /// The routing's place in the queue.
-    queued: Arc<Queued>,
-    /// Whether a [`DecodeHold`] routing the request keeps the ticket of a request it
-    /// lets go in `queued` ([`Kept`]): a per-endpoint limit wrapping it routes the
-    /// request through it again when the route has no room.
-    keep: bool,
+    /// through, in whichever order they wrap each other. A hold that finds it there
+    /// keeps its ticket in it when it lets the request go ([`Kept`]): the router
+    /// wrapping it may route the request through it again.
+    static QUEUED: Arc<Queued>;
 }
 
 /// One request's place in an admission's queue across the routers that wrap each
@@ -230,9 +221,12 @@ struct Queued {
     counted: AtomicBool,
     /// The routing's waits so far, merged; `None` before the first.
     bound: std::sync::Mutex<Option<Bound>>,
-    /// The ticket of the request in a hold's line, while a per-endpoint limit wrapping
-    /// that hold routes it again; it leaves the line when the routing ends.
-    kept: std::sync::Mutex<Option<Kept>>,
+    /// The request's tickets in the lines of the holds that let it go, one per hold,
+    /// while a router of this admission wrapping them may route it through them again
+    /// (a per-endpoint limit with no room, an outer hold); each leaves its line when
+    /// its hold takes it back, when another hold holds the request, or when the
+    /// routing ends.
+    kept: std::sync::Mutex<Vec<Kept>>,
 }
 
 /// When a wait started and when it must end (its timeout from its start, or the
@@ -266,28 +260,24 @@ impl Bound {
 impl Queued {
     /// The place of the routing under way in `state`'s queue (when a hold, or a
     /// per-endpoint limit that waits, wrapping this router routes the request), or a
-    /// new one; `true` when new: the routing that made it gives it back when it ends
-    /// (one wrapped in it, whose routing ends first, does not). Then whether a hold
-    /// keeps its tickets there ([`Scoped::keep`]).
-    fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool, bool) {
+    /// new one; `true` when new (no router of this admission wraps this one): the
+    /// routing that made it gives it back when it ends (one wrapped in it, whose
+    /// routing ends first, does not).
+    fn for_routing(state: &Arc<State>) -> (Arc<Queued>, bool) {
         let under_way = QUEUED
-            .try_with(|s| {
-                s.queued
-                    .is_in(state)
-                    .then(|| (Arc::clone(&s.queued), s.keep))
-            })
+            .try_with(|q| q.is_in(state).then(|| Arc::clone(q)))
             .ok()
             .flatten();
         match under_way {
-            Some((q, keep)) => (q, false, keep),
+            Some(q) => (q, false),
             None => {
                 let q = Queued {
                     state: Arc::clone(state),
                     counted: AtomicBool::new(false),
                     bound: std::sync::Mutex::new(None),
-                    kept: std::sync::Mutex::new(None),
+                    kept: std::sync::Mutex::new(Vec::new()),
                 };
-                (Arc::new(q), true, false)
+                (Arc::new(q), true)
             }
         }
     }
@@ -311,28 +301,30 @@ impl Queued {
         Ok(merged)
     }
 
-    /// Keeps `kept`, a hold's ticket for the request, unless a ticket of another hold
-    /// is kept already (this one then leaves its line).
+    /// Keeps `kept`, a hold's ticket for the request, beside those of other holds;
+    /// unless one of the same hold is kept already (the older place: `kept` then
+    /// leaves its line).
     fn keep(&self, kept: Kept) {
         let mut slot = crate::lock(&self.kept);
-        if slot.is_none() {
-            *slot = Some(kept);
+        if slot.iter().any(|k| k.same_hold(&kept)) {
+            drop(slot);
+            drop(kept);
+            return;
         }
-        // Otherwise `kept` leaves its line once the lock is released.
+        slot.push(kept);
     }
 
     /// The ticket kept for the request by the hold whose lines are `routed`'s, if any.
     fn take_kept(&self, routed: &Arc<Routed>) -> Option<Kept> {
         let mut slot = crate::lock(&self.kept);
-        match &*slot {
-            Some(kept) if kept.is_of(routed) => slot.take(),
-            _ => None,
-        }
+        let at = slot.iter().position(|k| k.is_of(routed))?;
+        Some(slot.swap_remove(at))
     }
 
-    /// The ticket kept for the request, if any, leaves its line.
+    /// The tickets kept for the request leave their lines (outside the lock: each
+    /// takes its hold's).
     fn drop_kept(&self) {
-        let kept = crate::lock(&self.kept).take();
+        let kept = std::mem::take(&mut *crate::lock(&self.kept));
         drop(kept);
     }
 
@@ -571,13 +563,7 @@ impl<R: Router> PerEndpointLimit<R> {
         C: Future<Output = Result<Route, PdError>>,
         F: Fn() -> C,
     {
-        let (place, new, _) = Queued::for_routing(&self.state);
-        // The router it wraps may wait (its routing is a future): a hold's.
-        let inner_waits = first.is_some();
-        let scoped = Scoped {
-            queued: Arc::clone(&place),
-            keep: true,
-        };
+        let (place, new) = Queued::for_routing(&self.state);
         let waiting = async {
             // Whether this routing made the request wait (a hold of `first`'s that held
             // it, then this limit): the route it gives says so.
@@ -613,14 +599,13 @@ impl<R: Router> PerEndpointLimit<R> {
                 }
             }
         };
-        let routed = QUEUED.scope(scoped, waiting).await;
+        let routed = QUEUED.scope(Arc::clone(&place), waiting).await;
         if new {
-            // The ticket kept, if any, leaves its line with the place (dropped here).
+            // The tickets kept, if any, leave their lines with the place (dropped
+            // here). Otherwise a router wrapping this limit may route the request
+            // through it again: they are kept (a hold that holds the request gives
+            // up those of the holds inside it).
             place.leave();
-        } else if inner_waits && routed.as_ref().is_ok_and(|route| route.queued) {
-            // A router wrapping this limit may still hold the request: a ticket kept
-            // for it leaves its line now (one is kept only for a request held).
-            place.drop_kept();
         }
         routed
     }
@@ -1929,8 +1914,9 @@ mod tests {
 
     /// A hold around a limit around a hold, all of one queue: the inner hold's ticket
     /// kept for a request while the limit routes it must leave the inner line once the
-    /// limit gives its route. Kept while the outer hold held that request behind
-    /// another held in the inner line behind it, each would wait for the other.
+    /// limit gives its route and the outer hold holds the request. Kept while the
+    /// outer hold held that request behind another held in the inner line behind it,
+    /// each would wait for the other.
     #[tokio::test(start_paused = true)]
     async fn a_ticket_kept_inside_a_limit_leaves_the_line_when_the_limit_routes() {
         use disagg_core::json::JsonBody;
@@ -2016,5 +2002,220 @@ mod tests {
         tokio::time::advance(Duration::from_secs(3600)).await;
         assert!((&mut queued).now_or_never().is_none());
         assert!((&mut waiting_route).now_or_never().is_none());
+    }
+
+    /// A per-endpoint limit (of 1) around two decode holds of one queue, one inside
+    /// the other (each of 1 running request per decode), over a prefill and two
+    /// decodes, the policy choosing the first: the router, the inner hold (also
+    /// reachable alone), its source, the prefill and the decodes.
+    #[allow(clippy::type_complexity)]
+    fn limit_over_two_holds(
+        limits: &Limits,
+    ) -> (
+        PerEndpointLimit<DecodeHold<Arc<DecodeHold<First>>>>,
+        Arc<DecodeHold<First>>,
+        disagg_core::source::StaticSource,
+        Arc<Endpoint>,
+        [Arc<Endpoint>; 2],
+    ) {
+        use disagg_core::source::{EndpointSource, StaticSource};
+
+        let wait = Duration::from_secs(60);
+        let inner = Arc::new(limits.decode_hold(First, 1, wait));
+        let router = limits.per_endpoint(limits.decode_hold(Arc::clone(&inner), 1, wait), 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d1:1", Role::Decode),
+            endpoint("http://d2:1", Role::Decode),
+        ]);
+        let set = source.snapshot();
+        let prefill = Arc::clone(&set.by_role(Role::Prefill)[0]);
+        let decodes = set.by_role(Role::Decode);
+        let decodes = [Arc::clone(&decodes[0]), Arc::clone(&decodes[1])];
+        (router, inner, source, prefill, decodes)
+    }
+
+    /// The tickets in the unnamed line of the hold whose lines are `routed`.
+    fn line_len(routed: &Routed) -> usize {
+        crate::lock(&routed.0).unnamed.len()
+    }
+
+    /// Runs [`limit_over_two_holds`] to where X, held by both holds in turn, was let
+    /// go by both and waits for the prefill's per-endpoint place (taken by
+    /// `blocker`), and Y, which came after X, passed the outer hold. Returns the
+    /// router, the inner hold, X, Y, the blocker and the request routed by the inner
+    /// hold alone that fills its first decode.
+    async fn x_kept_by_two_holds_waits_in_the_limit<'a>(
+        limits: &Limits,
+        router: &'a PerEndpointLimit<DecodeHold<Arc<DecodeHold<First>>>>,
+        inner: &'a DecodeHold<First>,
+        ask: Ask<'a>,
+        prefill: &Arc<Endpoint>,
+        [d1, d2]: &[Arc<Endpoint>; 2],
+    ) -> (Routing<'a>, Routing<'a>, Route, Route) {
+        use futures::FutureExt;
+
+        // A request routed by the inner hold alone fills the first decode for it (not
+        // for the outer hold); a place on the prefill taken under the limit.
+        let r0 = inner.route(ask).now_or_never().unwrap().unwrap();
+        let pick = || -> Result<Arc<Endpoint>, PdError> { Ok(Arc::clone(prefill)) };
+        let blocker = router.place(&pick, None).now_or_never().unwrap().unwrap();
+        // Every decode's engine is full: X, then Y, are held by the outer hold.
+        d1.set_engine_load(Some(1));
+        d2.set_engine_load(Some(1));
+        let mut x = router.route(ask);
+        assert!((&mut x).now_or_never().is_none(), "X held");
+        let mut y = router.route(ask);
+        assert!((&mut y).now_or_never().is_none(), "Y held");
+        assert_eq!((waiting(limits), limits.stats().queued), (2, 2));
+        // The first decode's engine frees up: room for one in the outer hold, X's
+        // (the oldest); the inner hold counts its own request there: X is held by it.
+        d1.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        assert!(
+            (&mut x).now_or_never().is_none(),
+            "X held by the inner hold"
+        );
+        assert!((&mut y).now_or_never().is_none(), "Y behind X");
+        assert_eq!(line_len(&router.inner.routed), 2);
+        assert_eq!(line_len(&inner.routed), 1);
+        // The second decode frees up: both holds let X go; the limit finds the
+        // prefill's place taken. Y passes the outer hold.
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+        assert!((&mut y).now_or_never().is_none(), "Y waits too");
+        assert_eq!((waiting(limits), limits.stats().queued), (2, 2));
+        (x, y, blocker, r0)
+    }
+
+    /// Two holds of one queue, one inside the other, inside a limit: only the outer
+    /// hold kept the ticket of a request it let go while the limit found no room; the
+    /// inner one's left its line, and the request was held again there behind one
+    /// that came after it, which then got the room before it.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_let_go_by_two_holds_inside_a_limit_keeps_its_place_in_each_line() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, inner, source, prefill, decodes) = limit_over_two_holds(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let (mut x, mut y, blocker, r0) = x_kept_by_two_holds_waits_in_the_limit(
+            &limits, &router, &inner, ask, &prefill, &decodes,
+        )
+        .await;
+        // X keeps its place in both lines: Y waits behind it in the inner one.
+        assert_eq!(line_len(&router.inner.routed), 2, "X's ticket and Y's");
+        assert_eq!(line_len(&inner.routed), 2, "X's ticket and Y's");
+        // The prefill's place is given back: X, not Y, gets it.
+        drop(blocker);
+        let r = (&mut y).now_or_never();
+        assert!(
+            r.is_none(),
+            "Y came after X: {:?}",
+            r.map(|r| r.map(|r| r.decode.id().clone()).map_err(|e| e.to_string()))
+        );
+        let x = (&mut x).now_or_never().expect("X first").unwrap();
+        assert_eq!(x.prefill.as_ref().map(|p| p.id()), Some(prefill.id()));
+        assert!(x.queued);
+        assert_eq!((waiting(&limits), limits.stats().queued), (1, 2));
+        drop((x, y, r0));
+        assert_eq!(waiting(&limits), 0);
+        assert_eq!(line_len(&router.inner.routed), 0);
+        assert_eq!(line_len(&inner.routed), 0);
+    }
+
+    /// A request waiting in a limit with tickets kept in two holds' lines, that its
+    /// client abandons, leaves both lines and the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_abandoned_in_a_limit_leaves_every_holds_line() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, inner, source, prefill, decodes) = limit_over_two_holds(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let (x, y, blocker, r0) = x_kept_by_two_holds_waits_in_the_limit(
+            &limits, &router, &inner, ask, &prefill, &decodes,
+        )
+        .await;
+        drop(x);
+        assert_eq!(waiting(&limits), 1, "Y only");
+        assert_eq!(line_len(&router.inner.routed), 1, "Y's ticket");
+        assert_eq!(line_len(&inner.routed), 1, "Y's ticket");
+        drop(y);
+        assert_eq!(waiting(&limits), 0);
+        assert_eq!(line_len(&router.inner.routed), 0);
+        assert_eq!(line_len(&inner.routed), 0);
+        drop((blocker, r0));
+        assert!(crate::lock(&router.places.0).is_empty());
+        assert!(crate::lock(&inner.routed.0).places.is_empty());
+    }
+
+    /// Two holds of one queue inside a limit: a request whose inner hold's ticket is
+    /// kept while the limit has no room, then held by the outer hold when the limit
+    /// routes it again, gives that ticket up. Kept, it would stand ahead of a request
+    /// that the outer hold let through before it, which would wait for it in the
+    /// inner line while it waits for that request in the outer one.
+    #[tokio::test(start_paused = true)]
+    async fn an_inner_holds_ticket_leaves_its_line_when_an_outer_hold_holds_the_request() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let (router, inner, source, prefill, [d1, d2]) = limit_over_two_holds(&limits);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let _r0 = inner.route(ask).now_or_never().unwrap().unwrap();
+        let pick = || -> Result<Arc<Endpoint>, PdError> { Ok(Arc::clone(&prefill)) };
+        let blocker = router.place(&pick, None).now_or_never().unwrap().unwrap();
+        // The second decode's engine is full: the outer hold lets X through, the inner
+        // one (which counts its own request on the first decode) holds it.
+        d2.set_engine_load(Some(1));
+        let mut x = router.route(ask);
+        assert!(
+            (&mut x).now_or_never().is_none(),
+            "X held by the inner hold"
+        );
+        assert_eq!(line_len(&inner.routed), 1);
+        // It frees up: the inner hold lets X go, and the limit finds no room.
+        d2.set_engine_load(Some(0));
+        tokio::time::advance(HOLD_POLL).await;
+        assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+        // Every decode's engine is full: Z is held by the outer hold.
+        d1.set_engine_load(Some(1));
+        d2.set_engine_load(Some(1));
+        let mut z = router.route(ask);
+        assert!((&mut z).now_or_never().is_none(), "Z held");
+        // Room for one in either hold; the prefill's place is given back: X looks
+        // again, and is held by the outer hold behind Z.
+        d2.set_engine_load(Some(0));
+        drop(blocker);
+        assert!((&mut x).now_or_never().is_none(), "X held behind Z");
+        assert_eq!(line_len(&router.inner.routed), 2);
+        assert_eq!(line_len(&inner.routed), 0, "X's inner ticket left");
+        // Z passes both holds (not held behind X in the inner line) and the limit.
+        tokio::time::advance(HOLD_POLL).await;
+        let z = (&mut z)
+            .now_or_never()
+            .expect("Z is not held behind X")
+            .unwrap();
+        assert!(z.queued);
+        assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+        drop((x, z));
+        assert_eq!(waiting(&limits), 0);
+        assert_eq!(line_len(&router.inner.routed), 0);
+        assert_eq!(line_len(&inner.routed), 0);
     }
 }

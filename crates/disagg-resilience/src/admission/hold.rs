@@ -13,7 +13,7 @@ use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
 use futures::future::{BoxFuture, Either};
 use tokio::time::Instant;
 
-use super::{Bound, HOLD_POLL, QUEUED, Queued, Scoped, State, give_back, take};
+use super::{Bound, HOLD_POLL, QUEUED, Queued, State, give_back, take};
 
 /// A [`Router`] that holds a request while every decode endpoint of its model is
 /// saturated, made by [`Limits::decode_hold`](super::Limits::decode_hold) (see the
@@ -27,7 +27,11 @@ use super::{Bound, HOLD_POLL, QUEUED, Queued, Scoped, State, give_back, take};
 /// model, when endpoints declare models (they wait for other decodes). Inside a
 /// [`PerEndpointLimit`](super::PerEndpointLimit), a request it lets go keeps its place in
 /// the line while the limit finds no room for its route and routes it again through
-/// this hold: it is not held behind requests that came after it.
+/// this hold: it is not held behind requests that came after it. Each hold of the queue
+/// that the request passes (one inside another) keeps its own place for it so, until
+/// a hold around it holds the request again: then the request gives up its places in
+/// the lines of the holds inside that one, so that no two requests wait for each other
+/// in two lines.
 ///
 /// A request it holds, then lets go to wait for a per-endpoint place (or that waited
 /// for one, then is held), keeps one place in the queue throughout, whether this hold
@@ -44,7 +48,9 @@ use super::{Bound, HOLD_POLL, QUEUED, Queued, Scoped, State, give_back, take};
 /// endpoint set and one `load` per decode endpoint of the model; one more lock when
 /// the attempt ends. Inside a per-endpoint limit, the place in the queue is the
 /// limit's, which boxes its own routing around this one (see
-/// [`PerEndpointLimit`](super::PerEndpointLimit)).
+/// [`PerEndpointLimit`](super::PerEndpointLimit)); a request held there and let go
+/// keeps its ticket in the place's list of kept tickets (one small allocation, for
+/// the first ticket kept).
 #[derive(Debug)]
 pub struct DecodeHold<R> {
     pub(super) inner: R,
@@ -176,6 +182,11 @@ impl Kept {
         Arc::ptr_eq(&self.routed, routed)
     }
 
+    /// Whether `other` is a ticket of the same hold.
+    pub(super) fn same_hold(&self, other: &Kept) -> bool {
+        self.is_of(&other.routed)
+    }
+
     /// The ticket back in the hold whose lines are `routed` (this ticket's), still in
     /// its line.
     fn into_ticket(mut self, routed: &Routed) -> Option<Ticket<'_>> {
@@ -262,10 +273,12 @@ impl<R: Router> DecodeHold<R> {
     }
 
     /// Routes the request once the decodes of its model have room, holding it in the
-    /// queue meanwhile, in its routing's place `queued`. When `keep` (a per-endpoint
-    /// limit wrapping this hold routes the request again when its route has no room),
-    /// the ticket of a request it held is kept in `queued` when it lets it go, and
-    /// found there when it is routed again ([`Kept`]).
+    /// queue meanwhile, in its routing's place `queued`. When `keep` (a router of this
+    /// admission wraps this hold, and may route the request through it again: a
+    /// per-endpoint limit whose route has no room, an outer hold), the ticket of a
+    /// request it held is kept in `queued` when it lets it go, beside those of other
+    /// holds, and taken back when it is routed again ([`Kept`]). When it holds the
+    /// request, the tickets kept for it in other holds' lines leave them.
     async fn route_with_room(
         &self,
         ask: Ask<'_>,
@@ -277,7 +290,14 @@ impl<R: Router> DecodeHold<R> {
         let own = Bound::new(Instant::now(), self.wait, ask.deadline);
         // Once held: its place in the hold's line (its place in the queue is
         // `queued`'s, counted then or already, when the router it wraps made it wait).
-        let mut held: Option<Ticket<'_>> = None;
+        // Held before in this routing, and let go: that place, where it looks at once.
+        let mut held: Option<Ticket<'_>> = if keep {
+            queued
+                .take_kept(&self.routed)
+                .and_then(|kept| kept.into_ticket(&self.routed))
+        } else {
+            None
+        };
         loop {
             let ticket = held.as_ref();
             let room = self.has_room(&ask, &crate::lock(&self.routed.0), ticket);
@@ -300,15 +320,6 @@ impl<R: Router> DecodeHold<R> {
             // brought the end nearer.
             let Bound { since, until } = queued.enqueue(own, ask.queued)?;
             if held.is_none() {
-                // Held before in this routing, and let go: its place in the line, where
-                // it looks again at once.
-                if keep
-                    && let Some(kept) = queued.take_kept(&self.routed)
-                    && let Some(ticket) = kept.into_ticket(&self.routed)
-                {
-                    held = Some(ticket);
-                    continue;
-                }
                 let line = line(&ask.source.snapshot(), ask.view.model).map(Box::from);
                 let ticket = crate::lock(&self.routed.0).hold(line.as_deref());
                 let ticket = Ticket {
@@ -321,6 +332,13 @@ impl<R: Router> DecodeHold<R> {
             if Instant::now() >= until {
                 return Err(self.state.timed_out(since));
             }
+            // Held here: the tickets kept for it in other holds' lines leave them.
+            // They are those of the holds inside this one (which it reaches after
+            // this one; the holds around it have taken theirs back), and of holds
+            // beside it that a router routed it through first. Kept, one would stand
+            // ahead of a request this hold let through before it, which could then
+            // wait behind it in that line while it waits behind that request here.
+            queued.drop_kept();
             tokio::time::sleep_until((Instant::now() + HOLD_POLL).min(until)).await;
         }
     }
@@ -339,15 +357,15 @@ impl<R: Router> Router for DecodeHold<R> {
         Either::Right(Box::pin(async move {
             // Its one place in the queue, whether it waits here or in the router it
             // wraps (which finds it in `QUEUED`); looked up when first polled, so that
-            // a per-endpoint limit wrapping this hold, polling it in its own place,
-            // shares that place (and has this hold keep its tickets).
-            let (queued, new, keep) = Queued::for_routing(&self.state);
-            let scoped = Scoped {
-                queued: Arc::clone(&queued),
-                keep: false,
-            };
+            // a router of the same queue wrapping this hold (a per-endpoint limit, a
+            // hold), polling it in its own place, shares that place; this hold then
+            // keeps its ticket there when it lets the request go.
+            let (queued, new) = Queued::for_routing(&self.state);
             let routed = QUEUED
-                .scope(scoped, self.route_with_room(ask, &queued, keep))
+                .scope(
+                    Arc::clone(&queued),
+                    self.route_with_room(ask, &queued, !new),
+                )
                 .await;
             // Not when the future is dropped: a caller may keep it after it is ready.
             // Only by the routing that made the place: a router wrapping this one of
