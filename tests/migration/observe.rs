@@ -200,3 +200,38 @@ async fn an_unbroken_stream_has_no_migration() {
         "{text}"
     );
 }
+
+/// Every span of a migrated request has an id of its own: the continuation's fresh
+/// prefill leg span is not the migration's (whose id its engine's `traceparent` names),
+/// nor the first attempt's prefill leg's.
+#[tokio::test]
+async fn a_migrated_requests_spans_each_have_an_id_of_their_own() {
+    let spans = Spans::default();
+    let summaries = Summaries::default();
+    let s = Stack::builder()
+        .decode(vec![dying(6), dying(6)])
+        .config(|c| {
+            c.migration.limit = 1;
+            c.trace_ratio = Some(1.0);
+        })
+        .listener(disagg_otel::Tracer::with_processor(spans.clone()))
+        .listener(summaries.clone())
+        .build()
+        .await;
+    let body = chat_body("tell me a long story", 8, json!({}));
+    let a = post(&s.url, "/v1/chat/completions", body, &[]).await;
+    assert_eq!(a.status, 200);
+    assert_one_answer(&a, true);
+    let summary = summaries.first().await;
+    assert_eq!(summary.migrated.len(), 1, "{:?}", summary.migrated);
+    let all = spans.0.lock().unwrap().clone();
+    let names = |name: &str| all.iter().filter(|s| s.name == name).count();
+    // The request, the migration, and a prefill leg span per attempt: the first
+    // attempt's and the continuation's fresh prefill's.
+    assert_eq!((names("migration"), names("prefill")), (1, 2), "{all:#?}");
+    let mut ids: Vec<_> = all.iter().map(|s| s.span_context.span_id()).collect();
+    ids.sort_unstable_by_key(|id| id.to_bytes());
+    let spans_n = ids.len();
+    ids.dedup();
+    assert_eq!(ids.len(), spans_n, "spans sharing an id: {all:#?}");
+}

@@ -20,27 +20,28 @@
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
-//!   the dead one is reported failed, which is what passive health hears, and its
-//!   in-flight count and the router's place on it are given back as its stream is
-//!   abandoned), placed by the router (`Router::place`: a per-endpoint limit waits
-//!   for room, and holds a place while it streams); its waits for room, any fresh
-//!   prefill, and its head end within one decode head timeout from the break (a
-//!   continuation that could not start leaves the next no new window; a step cut at
-//!   that end blames no engine, as the request's deadline does not): `POST
-//!   /v1/completions` with `prompt` = the prompt's ids and the generated ids,
-//!   `max_tokens` (and `min_tokens`) less what was generated, the client's sampling
-//!   parameters and stops, `stream`, `return_token_ids`. Up to
+//!   the dead one is reported failed, which is what passive health hears, in the
+//!   request's trace when it is traced, and its in-flight count and the router's place
+//!   on it are given back as its stream is abandoned), placed by the router
+//!   (`Router::place`: a per-endpoint limit waits for room, and holds a place while it
+//!   streams); its waits for room, any fresh prefill, and its head end within one
+//!   decode head timeout from the break (a continuation that could not start leaves the
+//!   next no new window; a step cut at that end blames no engine, as the request's
+//!   deadline does not): `POST /v1/completions` with `prompt` = the prompt's ids and
+//!   the generated ids, `max_tokens` (and `min_tokens`) less what was generated, the
+//!   client's sampling parameters and stops, `stream`, `return_token_ids`. Up to
 //!   [`MigrationConfig::limit`] times. A request whose KV came from a prefill (the
 //!   handoff mark `kv`) is continued through a fresh prefill leg as an attempt of its
 //!   own (the connector's plan, the prefill, the handoff, the decode:
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
 //!   the set (its prefix cache holds the prompt), else the least busy one, never one
-//!   that failed riding in an earlier continuation's stream, placed by the router too
-//!   (its wait given half the time left; a place held until the prefill leg ends);
-//!   decode-only with [`MigrationConfig::decode_only`], for a request served by a
-//!   decode alone (direct, decode-only fallback), when no prefill is left or has room
-//!   in that time, or when the prefill side of the continuation fails. A request a
-//!   continuation's wait counted as queued is not counted again by the next.
+//!   that failed in an earlier continuation (riding in its stream, or before its decode
+//!   started, refusing its leg included), placed by the router too (its wait given half
+//!   the time left; a place held until the prefill leg ends); decode-only with
+//!   [`MigrationConfig::decode_only`], for a request served by a decode alone (direct,
+//!   decode-only fallback), when no prefill is left or has room in that time, or when
+//!   the prefill side of the continuation fails. A request a continuation's wait
+//!   counted as queued is not counted again by the next.
 //! * **Splice.** The continuation's chunks are rewritten with the first leg's `id`,
 //!   `object`, `created` and `model`, chat-shaped (`delta.content`) for a chat request,
 //!   with no second role chunk; a usage chunk counts the original prompt and the
@@ -50,11 +51,12 @@
 //! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
 //!   (from, to, tokens carried, when the stream broke and when the continuation's first
 //!   byte went out: the time lost), with a span id drawn when the request is traced;
-//!   the continuation's leg carries a `traceparent` naming that span. A fresh
-//!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`), with the
-//!   request's trace; one that fails while riding in the continuation's stream is
-//!   blamed for the break, not the decode, which may be chosen again (after the
-//!   decodes not tried yet).
+//!   the continuation's legs carry a `traceparent` naming that span. A fresh
+//!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`), and a
+//!   continuation through it that fails as an attempt, each with the request's trace
+//!   and leg span ids of its own (never the migration's span's); one that fails while
+//!   riding in the continuation's stream is blamed for the break, not the decode,
+//!   which may be chosen again (after the decodes not tried yet).
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -75,7 +77,7 @@ use http::header::{HeaderName, HeaderValue};
 use http_body::{Body, Frame};
 use sync_wrapper::SyncWrapper;
 
-use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
+use crate::endpoint::{Endpoint, InFlightGuard};
 use crate::error::BoxError;
 use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline, now};
 use crate::request::PdRequest;
@@ -88,6 +90,7 @@ mod generate;
 mod head;
 mod moved;
 mod plan;
+mod seen;
 mod start;
 
 use head::{FirstChunk, Head};
@@ -107,6 +110,7 @@ use scan::parse_ids;
 use scan::{
     Held, IDS_KEY, IdsKey, event_end, is_error, next_ids, parse_ids_into, payload, trailing,
 };
+use seen::Seen;
 
 /// Mid-stream migration settings (`--migration-limit`, `--migration-max-seq-len`,
 /// `--migration-allow-seed`, `--migration-decode-only`). See [docs/reliability.md] for
@@ -243,13 +247,11 @@ pub(crate) struct Migrating {
     tail: Option<Bytes>,
     /// Continuations started.
     migrations: u32,
-    /// Endpoints tried, the first leg's included.
-    tried: Vec<EndpointId>,
-    /// Fresh prefills that failed riding in a continuation's stream: not picked again.
-    failed_prefills: Vec<EndpointId>,
-    /// Decodes whose stream ended for the prefill riding in it: picked again, after
-    /// those never tried.
-    again: Vec<EndpointId>,
+    /// The decodes tried (the first leg's included), those to pick again after the
+    /// others (their stream ended for the prefill riding in it), and the fresh
+    /// prefills that failed (riding in a continuation's stream, or before its decode
+    /// started): not picked again.
+    seen: Seen,
     /// When the stream last broke: the continuations of that break (a continuation
     /// that could not start, then the next) all start within one window from it.
     window: Option<tokio::time::Instant>,
@@ -311,7 +313,7 @@ impl Migrating {
         guard: InFlightGuard,
         hold: Option<crate::policy::Permit>,
     ) -> Self {
-        let tried = vec![ctx.route.decode.id().clone()];
+        let seen = Seen::first(ctx.route.decode.id());
         let leg = Current {
             endpoint: Arc::clone(&ctx.route.decode),
             guard: Some(guard),
@@ -338,9 +340,7 @@ impl Migrating {
             usage_seen: false,
             tail: None,
             migrations: 0,
-            tried,
-            failed_prefills: Vec::new(),
-            again: Vec::new(),
+            seen,
             window: None,
             carried: 0,
             broke: None,
@@ -603,6 +603,8 @@ impl Migrating {
                 LegOutcome::Failed,
                 Timeline::starting(),
             );
+            // In the request's trace, as the attempt's report is.
+            report.trace = ctx.own_trace();
             ctx.reporter.report(&mut report);
         };
         if !always {
@@ -611,10 +613,8 @@ impl Migrating {
             if let Some(prefill) = self.leg.failed_prefill() {
                 // The stream ended for its riding prefill, not for its decode: the
                 // prefill is not picked again, the decode may be (after the others).
-                let decode = self.leg.endpoint.id();
-                self.tried.retain(|t| t != decode);
-                self.again.push(decode.clone());
-                self.failed_prefills.push(prefill.clone());
+                self.seen.again(self.leg.endpoint.id());
+                self.seen.failed_prefill(prefill);
             }
         }
         if ctx.plan.generate.is_some() {
@@ -697,9 +697,7 @@ impl Migrating {
         });
         let n = self.migrations;
         let bounds = Bounds {
-            tried: self.tried.clone(),
-            again: self.again.clone(),
-            failed_prefills: self.failed_prefills.clone(),
+            seen: self.seen.clone(),
             end,
         };
         self.pending = Some(SyncWrapper::new(Box::pin(start(
@@ -752,8 +750,12 @@ impl Migrating {
                         current,
                         body,
                         prefill,
+                        failed_prefill,
                     }) => {
-                        this.tried.push(current.endpoint.id().clone());
+                        if let Some(prefill) = &failed_prefill {
+                            this.seen.failed_prefill(prefill);
+                        }
+                        this.seen.tried(current.endpoint.id());
                         this.ctx
                             .moved
                             .sent_to(Some(&current.endpoint), prefill.as_ref());
@@ -767,11 +769,15 @@ impl Migrating {
                         tried,
                         blame,
                         prefill,
+                        failed_prefill,
                         error: e,
                     }) => {
                         tracing::warn!(error = %crate::error::error_chain(&e), "continuation failed");
+                        if let Some(prefill) = &failed_prefill {
+                            this.seen.failed_prefill(prefill);
+                        }
                         if let Some(ep) = &tried {
-                            this.tried.push(ep.id().clone());
+                            this.seen.tried(ep.id());
                         }
                         this.ctx.moved.sent_to(tried.as_ref(), prefill.as_ref());
                         // The client hears of the break, not of the continuation's

@@ -18,6 +18,7 @@ use super::*;
 
 mod continuation;
 mod counted;
+mod traced;
 mod window;
 
 const D2: &str = "http://d2:8200";

@@ -30,7 +30,8 @@ pub(super) struct PrefillLeg {
 impl PrefillLeg {
     /// The prefill leg of continuation `attempt` over `route`, whose steps so far are
     /// `tl`'s (its prefill's are kept; the decode's are the original attempt's report's),
-    /// traced as `trace` (the request's, its legs under the migration's span).
+    /// traced as `trace` (the request's, with leg span ids of the continuation's own:
+    /// its engines' spans sit under the migration's, which their `traceparent` names).
     pub(super) fn new(
         reporter: &Arc<Reporter>,
         route: &Route,

@@ -43,6 +43,9 @@ pub(super) struct NotStarted {
     pub(super) blame: Option<Arc<Endpoint>>,
     /// The prefill it went through.
     pub(super) prefill: Option<Arc<Endpoint>>,
+    /// Its fresh prefill, when that failed before the decode started (never chosen
+    /// again for this request).
+    pub(super) failed_prefill: Option<EndpointId>,
     pub(super) error: PdError,
 }
 
@@ -52,6 +55,7 @@ impl NotStarted {
             tried: None,
             blame: None,
             prefill: None,
+            failed_prefill: None,
             error,
         }
     }
@@ -170,8 +174,10 @@ impl End {
 
 /// How a continuation went through a fresh prefill, when it did not start.
 enum PrefillFell {
-    /// The prefill side failed (reported): the continuation goes decode-only.
-    Prefill,
+    /// The prefill side failed (reported): the continuation goes decode-only. `failed`:
+    /// the prefill failed or refused its leg (not the continuation's time running out),
+    /// and is not chosen again for the request.
+    Prefill { failed: bool },
     /// The decode side failed (reported).
     Decode(PdError),
 }
@@ -181,18 +187,16 @@ pub(super) struct Started {
     pub(super) body: BoxBody,
     /// The prefill of a continuation through a fresh prefill leg.
     pub(super) prefill: Option<Arc<Endpoint>>,
+    /// The fresh prefill that failed before the decode started, which went on
+    /// decode-only (never chosen again for this request).
+    pub(super) failed_prefill: Option<EndpointId>,
 }
 
 /// What a continuation excludes, and when it must have started.
 pub(super) struct Bounds {
-    /// The decodes tried (never chosen again for the request).
-    pub(super) tried: Vec<EndpointId>,
-    /// Decodes whose stream ended for the prefill riding in it, not for their own
-    /// fault: chosen again, after those never tried.
-    pub(super) again: Vec<EndpointId>,
-    /// The fresh prefills that failed riding in a continuation's stream (never chosen
-    /// again for the request).
-    pub(super) failed_prefills: Vec<EndpointId>,
+    /// The decodes tried (never chosen again for the request), those chosen again
+    /// after the others, and the fresh prefills that failed (never chosen again).
+    pub(super) seen: super::Seen,
     /// The continuation's end, from the break it continues.
     pub(super) end: End,
 }
@@ -214,12 +218,7 @@ pub(super) async fn start(
     n: u32,
     span: Option<[u8; 8]>,
 ) -> Result<Started, NotStarted> {
-    let Bounds {
-        tried,
-        again,
-        failed_prefills,
-        end,
-    } = bounds;
+    let Bounds { seen, end } = bounds;
     let model = ctx
         .plan
         .body
@@ -231,9 +230,9 @@ pub(super) async fn start(
         let set = all.for_model(model.as_deref()).map_err(PdError::from)?;
         set.decode()
             .iter()
-            .filter(|e| !tried.contains(e.id()))
-            .min_by_key(|e| (again.contains(e.id()), e.in_flight()))
-            .cloned()
+            .filter_map(|e| seen.decode_rank(e.id()).map(|again| (again, e)))
+            .min_by_key(|(again, e)| (*again, e.in_flight()))
+            .map(|(_, e)| Arc::clone(e))
             .ok_or_else(|| PdError::from(crate::error::RouteError::NoDecode))
     };
     let router = &ctx.reporter.router;
@@ -247,19 +246,18 @@ pub(super) async fn start(
     };
     // Through a fresh prefill when the request was disaggregated: the prefill that
     // computed the prompt (its prefix cache holds it) if it is still there, else the
-    // least busy one (never one that failed riding in a continuation's stream), placed
+    // least busy one (never one that failed in an earlier continuation), placed
     // by the router as any prefill leg is (picked again after each wait for room).
     // Decode-only when none is, when none has room in half the time left, or when the
     // prefill side fails.
     let inner = ctx.through_prefill.as_ref().and_then(|t| t.inner.upgrade());
+    // A fresh prefill that failed: the continuation goes decode-only, and says so.
+    let mut failed_prefill = None;
     if let Some(inner) = inner.filter(|_| !end.passed()) {
         let pick_prefill = || -> Result<Arc<Endpoint>, PdError> {
             let all = ctx.source.snapshot();
             let set = all.for_model(model.as_deref()).map_err(PdError::from)?;
-            let fit = set
-                .prefill()
-                .iter()
-                .filter(|e| !failed_prefills.contains(e.id()));
+            let fit = set.prefill().iter().filter(|e| seen.may_prefill(e.id()));
             ctx.route
                 .prefill
                 .as_ref()
@@ -287,10 +285,13 @@ pub(super) async fn start(
                             tried: Some(endpoint),
                             blame: None,
                             prefill: Some(prefill),
+                            failed_prefill: None,
                             error,
                         });
                     }
-                    Err(PrefillFell::Prefill) => {}
+                    Err(PrefillFell::Prefill { failed }) => {
+                        failed_prefill = failed.then(|| prefill.id().clone());
+                    }
                 }
             }
             Err(e) if e.is_no_prefill() => {}
@@ -308,6 +309,7 @@ pub(super) async fn start(
             tried: None,
             blame: None,
             prefill: None,
+            failed_prefill,
             error,
         });
     }
@@ -323,6 +325,7 @@ pub(super) async fn start(
                 },
                 body,
                 prefill: None,
+                failed_prefill: failed_prefill.clone(),
             })
         })
         .map_err(|Unsent { error, cut }| NotStarted {
@@ -331,11 +334,23 @@ pub(super) async fn start(
             // waits), is no engine's fault.
             blame: (!cut && !error.is_deadline()).then_some(endpoint),
             prefill: None,
+            failed_prefill,
             error,
         })
 }
 
 impl Ctx {
+    /// The request's trace for a report of the migration's own (a dead decode's, a
+    /// continuation's attempt), with leg span ids drawn for it (as a retry's are): a
+    /// span built from it shares no id with the attempt's legs nor a migration's span.
+    pub(super) fn own_trace(&self) -> Option<crate::outcome::TraceIds> {
+        self.trace.as_ref().map(|(t, spans)| {
+            let mut t = t.clone();
+            spans.next_attempt(&mut t);
+            t
+        })
+    }
+
     /// Whether the request was counted as queued: it waited for admission, or a
     /// continuation's wait for room counted it.
     fn queued(&self) -> bool {
@@ -383,22 +398,22 @@ async fn through_prefill(
     let Fresh { prefill, place } = fresh;
     let prefill = &prefill;
     let Some(through) = &ctx.through_prefill else {
-        return Err(PrefillFell::Prefill);
+        return Err(PrefillFell::Prefill { failed: false });
     };
     let mut headers = http::HeaderMap::new();
     for (name, value) in &ctx.forwarded {
         headers.append(name.clone(), value.clone());
     }
     let Ok(mut req) = PdRequest::new(api(ctx), headers, body) else {
-        return Err(PrefillFell::Prefill);
+        return Err(PrefillFell::Prefill { failed: false });
     };
     // The original request's client: a connector keeping state per client (a
     // conversation's KV) scopes the continuation's as the original's.
     req.set_received(crate::outcome::now(), ctx.client.clone());
     let id = format!("{}-m{n}", String::from_utf8_lossy(ctx.engine_id.as_bytes()));
     let id = HeaderValue::from_str(&id).unwrap_or_else(|_| ctx.engine_id.clone());
-    // Both legs' engine spans sit under the migration's.
-    let trace = match (&ctx.trace, span) {
+    // Both legs' engine spans sit under the migration's: their `traceparent` names it.
+    let legs = match (&ctx.trace, span) {
         (Some((t, _)), Some(span)) => {
             let mut t = t.clone();
             t.prefill = span;
@@ -408,6 +423,9 @@ async fn through_prefill(
         }
         _ => None,
     };
+    // Its reports name leg spans of their own, as any attempt's do: a span built from
+    // them never takes the migration's id.
+    let trace = ctx.own_trace();
     let route = Route::new(Some(Arc::clone(prefill)), Arc::clone(decode));
     // An attempt of its own: dropped once under way (the client left), it is reported
     // cancelled, its legs as far as they went.
@@ -422,15 +440,20 @@ async fn through_prefill(
         &req,
         placed,
         id,
-        trace.as_ref(),
+        legs.as_ref(),
         through.clock,
         &mut watch.tl,
     );
+    // Cut at the continuation's own end: no engine is to blame.
+    let mut was_cut = false;
     let result = match end.own() {
         Some(at) => match tokio::time::timeout_at(at, attempt).await {
             Ok(result) => result,
             // The continuation's time ran out: the step under way is out of it.
-            Err(_) => Err(cut(&route, &watch.tl, end)),
+            Err(_) => {
+                was_cut = true;
+                Err(cut(&route, &watch.tl, end))
+            }
         },
         None => attempt.await,
     };
@@ -482,17 +505,20 @@ async fn through_prefill(
                         },
                         body,
                         prefill: Some(Arc::clone(prefill)),
+                        failed_prefill: None,
                     });
                 }
                 // The prefill's own answer (a 4xx, or the whole answer): its leg is
-                // told, and the continuation goes decode-only.
+                // told, and the continuation goes decode-only. A prefill that refused
+                // the continuation's prompt would refuse the next, longer one: it is not
+                // chosen again.
                 Err(NotDecoded::PrefillRefused) => {
                     PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).refused();
-                    return Err(PrefillFell::Prefill);
+                    return Err(PrefillFell::Prefill { failed: true });
                 }
                 Err(NotDecoded::PrefillAnswered) => {
                     PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).answered();
-                    return Err(PrefillFell::Prefill);
+                    return Err(PrefillFell::Prefill { failed: false });
                 }
                 // A decode's error status: not a continuation.
                 Err(NotDecoded::Decode) => Failure::decode(
@@ -523,7 +549,10 @@ async fn through_prefill(
     );
     match failure.error.side() {
         Side::Decode => Err(PrefillFell::Decode(failure.error)),
-        _ => Err(PrefillFell::Prefill),
+        // The request's deadline, or the continuation's own end, is no prefill's fault.
+        _ => Err(PrefillFell::Prefill {
+            failed: !was_cut && !failure.error.is_deadline(),
+        }),
     }
 }
 

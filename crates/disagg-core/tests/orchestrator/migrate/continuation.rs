@@ -592,3 +592,73 @@ async fn a_traced_continuations_fresh_prefill_leg_report_carries_the_trace() {
     assert_eq!(trace.trace_id, trace_id);
     assert_settled(&orch);
 }
+
+/// The first continuation's fresh prefill (on P1, the prompt's) fails before its decode
+/// starts: the continuation goes decode-only on D2 (which streams, then breaks, or
+/// refuses it), and the prefill is not picked again for the request, as one that failed
+/// riding in a continuation's stream is not: the second continuation goes on D3 through
+/// P2.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_that_failed_before_its_decode_started_is_not_picked_again() {
+    for decode_refuses in [false, true] {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(P1, COMPLETIONS, engine_error(503, "KV cache full"));
+        // Were P1 picked again, it would answer: only the count tells.
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(P2, COMPLETIONS, prefill_answer());
+        fake.on(D1, CHAT, dying());
+        let first = if decode_refuses {
+            engine_error(503, "busy")
+        } else {
+            Reply::sse()
+                .frame(ms(0), continued("B", 8, None))
+                .fail(ms(5), "reset")
+        };
+        fake.on(D2, COMPLETIONS, first);
+        fake.on(
+            D3,
+            COMPLETIONS,
+            Reply::sse()
+                .frame(ms(0), continued("C", 9, Some("length")))
+                .frame(ms(0), DONE),
+        );
+        let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2, D3]));
+        let mut config = OrchestratorConfig::default();
+        config.decode_idle_timeout = None;
+        config.migration.limit = 2;
+        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+            .router(Named)
+            .config(config)
+            .build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let mut text = String::new();
+        while let Some(frame) = next(&mut body).await {
+            text.push_str(&frame.unwrap());
+        }
+        assert!(
+            text.contains("\"C\"") && text.ends_with(DONE),
+            "decode refuses: {decode_refuses}: {text}"
+        );
+        let d2 = fake.calls_to(D2);
+        assert_eq!(d2.len(), 1, "decode refuses: {decode_refuses}");
+        assert!(
+            d2[0].json().get("kv_transfer_params").is_none(),
+            "the first continuation went decode-only: {}",
+            d2[0].text()
+        );
+        assert_eq!(
+            fake.calls_to(P1).len(),
+            2,
+            "P1 not picked again (decode refuses: {decode_refuses})"
+        );
+        assert_eq!(
+            fake.calls_to(P2).len(),
+            1,
+            "the second continuation's prefill (decode refuses: {decode_refuses})"
+        );
+        assert_eq!(fake.calls_to(D3).len(), 1);
+        drop(body);
+        assert_settled(&orch);
+    }
+}

@@ -1,0 +1,203 @@
+//! A traced request's migration: every report it makes is in the request's trace, and
+//! names leg spans of its own (never the migration's span, nor the attempt's legs'),
+//! so that no two spans built from them share an id.
+
+use disagg_core::outcome::{Summary, TraceIds};
+
+use super::*;
+
+/// Every report and the request's summary, kept.
+#[derive(Clone, Default)]
+struct Told {
+    reports: Arc<Mutex<Vec<Report>>>,
+    summaries: Arc<Mutex<Vec<Summary>>>,
+}
+
+impl Listener for Told {
+    fn on_report(&self, report: &Report) {
+        self.reports.lock().unwrap().push(report.clone());
+    }
+
+    fn on_request(&self, summary: &Summary) {
+        self.summaries.lock().unwrap().push(summary.clone());
+    }
+}
+
+impl Told {
+    fn reports(&self) -> Vec<Report> {
+        self.reports.lock().unwrap().clone()
+    }
+
+    /// The one request's summary.
+    fn summary(&self) -> Summary {
+        let all = self.summaries.lock().unwrap();
+        let [summary] = &all[..] else {
+            panic!("one request: {} summaries", all.len())
+        };
+        summary.clone()
+    }
+}
+
+/// NIXL over [`P1`] and [`D1`], [`D2`], every request traced, continuing once
+/// (decode-only when `decode_only`), what it tells kept.
+fn traced(fake: &Fake, decode_only: bool, told: &Told) -> Orchestrator {
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 1;
+    config.migration.decode_only = decode_only;
+    config.trace_ratio = Some(1.0);
+    Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .listener(told.clone())
+        .config(config)
+        .build()
+}
+
+/// The client's stream, read to its end (an error ends it too).
+async fn drain(orch: &Orchestrator) {
+    let mut body = serve(orch, chat(orch)).await.unwrap().into_body();
+    while let Some(frame) = next(&mut body).await {
+        if frame.is_err() {
+            break;
+        }
+    }
+}
+
+/// The leg span ids a report names.
+fn legs(t: &TraceIds) -> [[u8; 8]; 3] {
+    [t.prefill, t.handoff, t.decode]
+}
+
+/// The report the dead decode is told failed with, when its stream breaks, is in the
+/// request's trace (a listener that follows traces sees it), and names leg spans of its
+/// own: the attempt's decode span is the attempt report's.
+#[tokio::test(start_paused = true)]
+async fn the_dead_decodes_report_is_in_the_requests_trace() {
+    for decode_only in [true, false] {
+        let fake = Fake::new();
+        let told = Told::default();
+        fake.on(P1, CHAT, prefill_answer());
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(D1, CHAT, dying());
+        fake.on(
+            D2,
+            COMPLETIONS,
+            Reply::sse()
+                .frame(ms(0), continued("B", 8, Some("length")))
+                .frame(ms(0), DONE),
+        );
+        let orch = traced(&fake, decode_only, &told);
+        drain(&orch).await;
+        let summary = told.summary();
+        let request = summary.trace.as_ref().expect("traced");
+        let all = told.reports();
+        let dead: Vec<&Report> = all
+            .iter()
+            .filter(|r| r.route.decode.id().as_str() == D1 && r.decode == LegOutcome::Failed)
+            .collect();
+        let [dead] = &dead[..] else {
+            panic!("the dead decode told failed once: {all:?}")
+        };
+        assert_eq!(dead.outcome, Outcome::DecodeFailed);
+        let trace = dead.trace.as_ref().unwrap_or_else(|| {
+            panic!("the dead decode's report is traced (decode-only: {decode_only})")
+        });
+        assert_eq!(
+            (trace.trace_id, trace.request, trace.sampled),
+            (request.trace_id, request.request, request.sampled)
+        );
+        let attempt = all
+            .iter()
+            .find(|r| r.attempt == 0 && r.outcome == Outcome::Success)
+            .and_then(|r| r.trace.as_ref())
+            .expect("the attempt's report, traced");
+        for own in legs(trace) {
+            assert!(
+                !legs(attempt).contains(&own),
+                "the dead decode's report names the attempt's leg spans: {trace:?} {attempt:?}"
+            );
+        }
+        assert_settled(&orch);
+    }
+}
+
+/// A continuation through a fresh prefill that fails (its prefill, or its decode) is
+/// reported as an attempt of its own: its legs' spans have ids of their own, not the
+/// migration's span (which its engines' `traceparent` names), nor each other's, nor the
+/// first attempt's. The same for the fresh prefill's leg report when it answers.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_reports_name_leg_spans_of_their_own() {
+    for case in ["prefill fails", "decode fails", "prefill answers"] {
+        let fake = Fake::new();
+        let told = Told::default();
+        fake.on(P1, CHAT, prefill_answer());
+        if case == "prefill fails" {
+            fake.on(P1, COMPLETIONS, engine_error(503, "KV cache full"));
+        } else {
+            fake.on(P1, COMPLETIONS, prefill_answer());
+        }
+        fake.on(D1, CHAT, dying());
+        if case == "decode fails" {
+            fake.on(D2, COMPLETIONS, engine_error(503, "busy"));
+        } else {
+            fake.on(
+                D2,
+                COMPLETIONS,
+                Reply::sse()
+                    .frame(ms(0), continued("B", 8, Some("length")))
+                    .frame(ms(0), DONE),
+            );
+        }
+        let orch = traced(&fake, false, &told);
+        drain(&orch).await;
+        let summary = told.summary();
+        let request = summary.trace.as_ref().expect("traced");
+        let [migration] = &summary.migrated[..] else {
+            panic!("one migration: {:?}", summary.migrated)
+        };
+        let span = migration.span.expect("the migration's span");
+        // The continuation's prefill leg names the migration's span.
+        let leg = fake
+            .calls_to(P1)
+            .into_iter()
+            .find(|c| c.uri.path() == COMPLETIONS)
+            .expect("the fresh prefill's leg");
+        let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let want = format!("00-{}-{}-01", hex(&request.trace_id), hex(&span));
+        assert_eq!(leg.header("traceparent"), Some(want.as_str()), "{case}");
+        let all = told.reports();
+        let continuation: Vec<&Report> = all
+            .iter()
+            .filter(|r| r.attempt == 1 && r.route.prefill.is_some())
+            .collect();
+        let [report] = &continuation[..] else {
+            panic!("{case}: the continuation reported once: {all:?}")
+        };
+        match case {
+            "prefill fails" => assert_eq!(report.outcome, Outcome::PrefillFailed),
+            "decode fails" => assert_eq!(report.outcome, Outcome::DecodeFailed),
+            _ => assert_eq!(
+                (report.outcome, report.decode),
+                (Outcome::Success, LegOutcome::NotSent)
+            ),
+        }
+        let trace = report.trace.as_ref().expect("traced");
+        assert_eq!(trace.trace_id, request.trace_id, "{case}");
+        let ids = legs(trace);
+        assert!(
+            !ids.contains(&span),
+            "{case}: a leg span with the migration's id: {trace:?}, migration {span:?}"
+        );
+        assert!(
+            ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2],
+            "{case}: leg spans sharing an id: {trace:?}"
+        );
+        for own in ids {
+            assert!(
+                !legs(request).contains(&own) && own != request.request,
+                "{case}: {trace:?} names a span of the first attempt's {request:?}"
+            );
+        }
+        assert_settled(&orch);
+    }
+}
