@@ -7,7 +7,9 @@
 
 #![allow(missing_docs)] // a test binary
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use disagg_sim::{SimConfig, SimEngine};
 
@@ -75,7 +77,11 @@ async fn the_proxy_routes_over_an_endpoints_file_and_follows_its_edits() {
 
     // An invalid edit keeps the set in force, and is counted.
     replace(&path, "[[decode]\nurl = ");
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let refused = eventually(Duration::from_secs(5), || {
+        proxy.log().contains("endpoints file edit refused")
+    })
+    .await;
+    assert!(refused, "the invalid edit was never read: {}", proxy.log());
     let a = post(&proxy.url(), COMPLETIONS, &completion("four", 3, false)).await;
     assert_eq!(a.status, 200, "{}", proxy.log());
     let metrics = get(&proxy.url(), "/metrics").await.text();
@@ -166,6 +172,21 @@ fn endpoint_labels(metrics: &str) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
+/// How many times the proxy has read a new endpoints file (its log says so at each).
+fn reloads(proxy: &Proxy) -> usize {
+    proxy.log().matches("endpoints file reloaded").count()
+}
+
+/// Replace the endpoints file with `text` and wait until the proxy has read it (the
+/// file is polled every second); the instant it was seen.
+async fn replace_and_wait(proxy: &Proxy, path: &std::path::Path, text: &str) -> Instant {
+    let before = reloads(proxy);
+    replace(path, text);
+    let read = eventually(Duration::from_secs(10), || reloads(proxy) > before).await;
+    assert!(read, "the edit was never read: {}", proxy.log());
+    Instant::now()
+}
+
 /// Issue #33 item 6: a thousand endpoints appear and leave through the endpoints file
 /// (the same two engines under ever new addresses, as pods rescheduled under new IPs)
 /// while requests flow under the `kv_events` policy and nothing scrapes `/metrics`.
@@ -177,6 +198,16 @@ fn endpoint_labels(metrics: &str) -> std::collections::BTreeSet<String> {
 async fn a_thousand_endpoints_that_came_and_went_leave_no_state_behind() {
     const PER_ROUND: usize = 25;
     const ROUNDS: usize = 20;
+    const CLIENTS: u64 = 4;
+    // Engine telemetry reads every endpoint's `/metrics` at this interval, holding the
+    // set it read until its next round.
+    const TELEMETRY_EVERY: &str = "0.5";
+    // The metrics' pass over the endpoints that left and are no longer held runs at
+    // each change of the set and every 5 s after it (disagg-http's `Metrics::follow`):
+    // with telemetry done with the last set well within those 5 s, the series are gone
+    // 5 s after the last change. Nothing outside `/metrics` shows that pass, and a
+    // scrape would drop them itself: the first scrape comes this long after the change.
+    const SERIES_GONE_AFTER: Duration = Duration::from_secs(7);
     let ((p, p_port), (d, d_port)) = (
         engine_on_all_addresses().await,
         engine_on_all_addresses().await,
@@ -203,39 +234,49 @@ async fn a_thousand_endpoints_that_came_and_went_leave_no_state_behind() {
             "kv_events",
             "--tokenize",
             "engine",
+            "--engine-metrics-interval",
+            TELEMETRY_EVERY,
         ]
         .map(String::from),
     )
     .await;
 
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    let answered = Arc::new(AtomicU64::new(0));
     let mut clients = Vec::new();
-    for c in 0..4 {
-        let (url, done) = (proxy.url(), std::sync::Arc::clone(&done));
+    for c in 0..CLIENTS {
+        let (url, done, answered) = (proxy.url(), Arc::clone(&done), Arc::clone(&answered));
         clients.push(tokio::spawn(async move {
             let mut n = 0u64;
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+            while !done.load(Ordering::Relaxed) {
                 let prompt = format!("client {c} asks its question number {n}");
                 let a = post(&url, COMPLETIONS, &completion(&prompt, 2, true)).await;
                 assert_eq!(a.status, 200, "{}", a.text());
+                answered.fetch_add(1, Ordering::Relaxed);
                 n += 1;
             }
             n
         }));
     }
-    // Memory is measured from round 8 on: by then the first rounds' idle connections
-    // have passed their idle timeout (4 s) and gone, and the proxy is warm.
+    // Each round is the set until the proxy reads the next one, a poll of the file
+    // (about a second) later, with requests answered in it. Memory is measured from
+    // round 8 on: by then the first rounds' idle connections have passed their idle
+    // timeout (4 s) and gone, and the proxy is warm.
     let mut rss_warm = 0;
     for r in 1..ROUNDS {
         if r == 8 {
             rss_warm = proxy.rss();
         }
         let (ps, ds) = round(r);
-        replace(&path, &aliases_file(&ps, &ds));
-        // The file is polled every second.
-        tokio::time::sleep(Duration::from_millis(1300)).await;
+        replace_and_wait(&proxy, &path, &aliases_file(&ps, &ds)).await;
+        let now = answered.load(Ordering::Relaxed);
+        let flowed = eventually(Duration::from_secs(10), || {
+            answered.load(Ordering::Relaxed) >= now + CLIENTS
+        })
+        .await;
+        assert!(flowed, "no requests answered in round {r}: {}", proxy.log());
     }
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    done.store(true, Ordering::Relaxed);
     let mut served = 0;
     for c in clients {
         served += c.await.expect("every request answered");
@@ -244,11 +285,12 @@ async fn a_thousand_endpoints_that_came_and_went_leave_no_state_behind() {
     // A last, small set, with no request in flight on the endpoints that left; then a
     // few requests on it.
     let last = (alias(5000, p_port), alias(5000, d_port));
-    replace(
+    let changed = replace_and_wait(
+        &proxy,
         &path,
         &aliases_file(std::slice::from_ref(&last.0), std::slice::from_ref(&last.1)),
-    );
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    )
+    .await;
     for n in 0..4 {
         let a = post(
             &proxy.url(),
@@ -258,9 +300,7 @@ async fn a_thousand_endpoints_that_came_and_went_leave_no_state_behind() {
         .await;
         assert_eq!(a.status, 200, "{}", proxy.log());
     }
-    // Engine telemetry lets go of the endpoints that left at its next round (5 s), and
-    // the series follow at the next pass (5 s) after.
-    tokio::time::sleep(Duration::from_secs(11)).await;
+    tokio::time::sleep_until((changed + SERIES_GONE_AFTER).into()).await;
     let rss_after = proxy.rss();
 
     // The first scrape of the run.

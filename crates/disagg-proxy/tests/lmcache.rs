@@ -108,6 +108,64 @@ async fn serve_with_the_lmcache_connector() {
     );
 }
 
+/// Makes [`two_test_processes_never_draw_the_same_port`] a drawing child.
+const DRAWING_CHILD: &str = "DISAGG_TEST_DRAWING_CHILD";
+
+/// The ports each child draws: over 10,000 ports, two processes drawing this many
+/// each, independently, share one with a probability of 1 - e^-9.
+const DRAWS: usize = 300;
+
+/// `--lmcache-notify` takes a port the test draws before the proxy starts (the
+/// prefill engines are told it first): two test processes running at once
+/// (cargo-nextest runs each test in a process of its own, `cargo test` each binary)
+/// never draw the same one while the first is alive.
+#[test]
+fn two_test_processes_never_draw_the_same_port() {
+    use std::io::{BufRead, BufReader, Read};
+    if std::env::var_os(DRAWING_CHILD).is_some() {
+        let ports: Vec<String> = (0..DRAWS).map(|_| free_addr().port().to_string()).collect();
+        println!("drawn: {}", ports.join(","));
+        // Alive, as a test using its ports is, until the parent closes stdin.
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        return;
+    }
+    let draw = || {
+        let mut child = Command::new(std::env::current_exe().expect("this test binary"))
+            .args([
+                "--exact",
+                "two_test_processes_never_draw_the_same_port",
+                "--nocapture",
+            ])
+            .env(DRAWING_CHILD, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run this test binary");
+        let mut out = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        let ports: std::collections::BTreeSet<u16> = loop {
+            line.clear();
+            let n = out.read_line(&mut line).expect("the child's output");
+            assert!(n > 0, "the child ended before drawing");
+            if let Some(p) = line.trim_end().strip_prefix("drawn: ") {
+                break p.split(',').map(|n| n.parse().expect("a port")).collect();
+            }
+        };
+        assert_eq!(ports.len(), DRAWS, "one process draws a port once");
+        (child, out, ports)
+    };
+    let (mut first, first_out, a) = draw();
+    let (mut second, second_out, b) = draw();
+    for (child, mut out) in [(&mut first, first_out), (&mut second, second_out)] {
+        drop(child.stdin.take());
+        let _ = out.read_to_end(&mut Vec::new());
+        assert!(child.wait().expect("the child ends").success());
+    }
+    let both: Vec<&u16> = a.intersection(&b).collect();
+    assert!(both.is_empty(), "both processes drew {both:?}");
+}
+
 #[test]
 fn a_decode_without_a_receiver_is_refused_at_start() {
     let out = Command::new(env!("CARGO_BIN_EXE_disagg-proxy"))

@@ -457,7 +457,7 @@ async fn a_failed_lookup_keeps_the_last_good_engines() {
     let mut config = config(&server, vec![target("d.disagg.test:8200", Role::Decode)]);
     config.max_refresh = Duration::from_secs(1);
     config.min_refresh = Duration::from_millis(200);
-    config.timeout = Duration::from_millis(500);
+    config.timeout = Duration::from_millis(200);
     let merged = MergedSource::builder()
         .source(dns::spawn(config).await.unwrap())
         .build();
@@ -492,7 +492,7 @@ async fn a_name_that_never_answered_publishes_nothing() {
     // A closed port on loopback: every lookup fails (refused or timed out).
     let mut config = DnsConfig::new([target("d.disagg.test:8200", Role::Decode)]);
     config.server = Some(([127, 0, 0, 1], free_port()).into());
-    config.timeout = Duration::from_millis(300);
+    config.timeout = Duration::from_millis(100);
     config.min_refresh = Duration::from_millis(100);
     config.max_refresh = Duration::from_millis(400);
     config.first_list_wait = Duration::from_secs(3600);

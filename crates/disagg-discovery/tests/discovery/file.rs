@@ -14,6 +14,13 @@ use crate::support::{TempDir, eventually, ids, serves, wait_for};
 /// The issue's bound: a change is in force within 2 s (the default poll is 1 s).
 const RELOAD: Duration = Duration::from_secs(2);
 
+/// The poll of the tests that are not about the default's bound: ten a second.
+const FAST_POLL: Duration = Duration::from_millis(100);
+
+/// Five polls at [`FAST_POLL`]: long enough to see that polls of unchanged content
+/// count and publish nothing.
+const SEVERAL_POLLS: Duration = Duration::from_millis(500);
+
 /// Replaces the file as editors and ConfigMap volumes do: a new file renamed over it.
 fn replace(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
@@ -30,10 +37,16 @@ bootstrap_port = 8998
 url = "http://10.0.0.7:8200"
 "#;
 
-async fn start(dir: &TempDir) -> (std::path::PathBuf, MergedSource) {
+/// The file at [`FIRST`] and a merged source over it, polled every `poll` (`None`: the
+/// default poll).
+async fn start(dir: &TempDir, poll: Option<Duration>) -> (std::path::PathBuf, MergedSource) {
     let path = dir.path().join("endpoints.toml");
     replace(&path, FIRST);
-    let source = file::spawn(FileConfig::new(&path)).await.unwrap();
+    let mut config = FileConfig::new(&path);
+    if let Some(poll) = poll {
+        config.poll_interval = poll;
+    }
+    let source = file::spawn(config).await.unwrap();
     let merged = MergedSource::builder().source(source).build();
     merged.synced().await;
     let set = merged.snapshot();
@@ -49,7 +62,8 @@ fn errors(merged: &MergedSource) -> u64 {
 #[tokio::test]
 async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
     let dir = TempDir::new("file-edit");
-    let (path, merged) = start(&dir).await;
+    // The default poll: the bound under test.
+    let (path, merged) = start(&dir, None).await;
     let before = merged.snapshot();
 
     // A new decode, and the prefill's bootstrap port changes.
@@ -105,7 +119,7 @@ async fn an_edit_is_in_force_within_two_seconds_and_unchanged_engines_stay() {
 #[tokio::test]
 async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
     let dir = TempDir::new("file-invalid");
-    let (path, merged) = start(&dir).await;
+    let (path, merged) = start(&dir, Some(FAST_POLL)).await;
     let before = merged.snapshot();
 
     // A typo in a key: the whole edit is refused.
@@ -118,7 +132,7 @@ async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
     })
     .await;
     // Polls of the same invalid content count nothing more, and publish nothing.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(SEVERAL_POLLS).await;
     assert_eq!(errors(&merged), 1);
     let now = merged.snapshot();
     assert!(Arc::ptr_eq(&now, &before), "the set was not republished");
@@ -140,7 +154,7 @@ async fn an_invalid_edit_keeps_the_last_good_engines_and_is_counted_once() {
 #[tokio::test]
 async fn a_deleted_file_keeps_the_last_good_engines_until_it_is_back() {
     let dir = TempDir::new("file-deleted");
-    let (path, merged) = start(&dir).await;
+    let (path, merged) = start(&dir, Some(FAST_POLL)).await;
     let before = merged.snapshot();
 
     std::fs::remove_file(&path).unwrap();
@@ -148,7 +162,7 @@ async fn a_deleted_file_keeps_the_last_good_engines_until_it_is_back() {
         errors(&merged) == 1
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    tokio::time::sleep(SEVERAL_POLLS).await;
     assert_eq!(errors(&merged), 1, "a missing file is counted once");
     assert!(Arc::ptr_eq(&merged.snapshot(), &before));
 
@@ -185,7 +199,7 @@ async fn a_missing_or_invalid_file_at_start_is_an_error() {
 #[tokio::test]
 async fn encode_entries_are_encoder_endpoints_and_follow_edits() {
     let dir = TempDir::new("file-encode");
-    let (path, merged) = start(&dir).await;
+    let (path, merged) = start(&dir, Some(FAST_POLL)).await;
     assert!(merged.snapshot().by_role(Role::Encode).is_empty());
     replace(
         &path,

@@ -523,7 +523,7 @@ async fn a_list_that_stalls_halfway_fails_after_the_read_timeout_and_is_retried(
         |c| {
             // The server ends each watch after 1 s, before the read timeout would.
             c.watch_timeout = Some(1);
-            c.read_timeout = Some(Duration::from_secs(3));
+            c.read_timeout = Some(Duration::from_secs(2));
         },
     )
     .await;
@@ -555,7 +555,7 @@ async fn a_list_that_trickles_fails_after_the_request_timeout_and_is_retried() {
             pod("p1", "prefill", "127.0.1.1", true),
             pod("d1", "decode", "127.0.2.1", true),
         ],
-        |c| c.request_timeout = Duration::from_secs(2),
+        |c| c.request_timeout = Duration::from_secs(1),
     )
     .await;
     watching(&h).await;

@@ -370,13 +370,22 @@ fn serving_addr(log: &str) -> Option<SocketAddr> {
 /// later (the proxy's): drawn in 10000-19999, where the system never hands out a port
 /// to `bind(0)` or `connect` (Linux's ephemeral range starts at 32768) and the
 /// simulator draws none (its runs of rank ports are in 20000-31999), so the engines a
-/// test starts in between cannot take it. Never the same port twice in one test
-/// process, so two tests running at once never draw the same one; another process
-/// drawing in the same range (a test binary run beside this one) may still take it
-/// first, and a caller that can tell (a child that exits at start) draws again.
+/// test starts in between cannot take it.
+///
+/// Each port drawn is reserved until this process ends, by an exclusive lock on the
+/// file `disagg-test-ports/PORT.lock` under the system's temporary directory (the
+/// system drops the lock when the process ends, however it ends): a port locked by
+/// another process is not drawn. So no two test processes drawing here at once (the
+/// binaries of `cargo test`, the one-test processes of cargo-nextest) draw the same
+/// port, and one process never draws a port twice. (A program outside the tests may
+/// still bind the port first; a caller that can tell, a child that exits at start,
+/// draws again.)
 pub fn free_addr() -> SocketAddr {
     use std::hash::{BuildHasher, Hasher};
-    static DRAWN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    // The ports this process drew, with the locks that reserve them.
+    static DRAWN: Mutex<Vec<(u16, std::fs::File)>> = Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("disagg-test-ports");
+    std::fs::create_dir_all(&dir).expect("create the port locks' directory");
     let mut draw = std::collections::hash_map::RandomState::new().build_hasher();
     for attempt in 0..1000_usize {
         draw.write_usize(attempt);
@@ -384,15 +393,32 @@ pub fn free_addr() -> SocketAddr {
         let mut drawn = DRAWN
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if drawn.contains(&port) {
+        if drawn.iter().any(|(p, _)| *p == port) {
+            continue;
+        }
+        // Never removed: a file unlinked while another process locks it would let a
+        // third lock a new file of the same name.
+        let Ok(lock) = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(format!("{port}.lock")))
+        else {
+            continue;
+        };
+        if lock.try_lock().is_err() {
+            // Another test process drew it.
             continue;
         }
         if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
-            drawn.push(port);
+            drawn.push((port, lock));
             return l.local_addr().expect("its address");
         }
     }
-    panic!("no free port in 10000-19999")
+    panic!(
+        "no free port in 10000-19999 (or no lock under {})",
+        dir.display()
+    )
 }
 
 /// The Python the tests drive (`$DISAGG_PYTHON`, else the repository's `.venv`, which
