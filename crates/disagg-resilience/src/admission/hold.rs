@@ -165,10 +165,12 @@ impl Ticket<'_> {
 }
 
 /// A held request's ticket in a hold's line, kept in its routing's [`Queued`] from the
-/// moment the hold lets it go until the routing ends, when the hold is inside a
-/// per-endpoint limit: the limit may find no room for the route and route the request
-/// again through the hold, which then finds its place in its line (it is not held
-/// behind requests that came after it). It leaves the line when dropped.
+/// moment the hold lets it go, when a router of the same admission wraps the hold (a
+/// per-endpoint limit, another hold): that router may route the request through the
+/// hold again (a limit that finds no room for the route), which then finds its place
+/// in its line (it is not held behind requests that came after it). It leaves the line
+/// when dropped: when its hold takes it back, when another hold holds the request
+/// ([`Queued`]'s `drop_kept`), or when the routing ends.
 #[derive(Debug)]
 pub(super) struct Kept {
     routed: Arc<Routed>,
