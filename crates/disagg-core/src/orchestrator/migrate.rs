@@ -35,13 +35,14 @@
 //!   own (the connector's plan, the prefill, the handoff, the decode:
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
 //!   the set (its prefix cache holds the prompt), else the least busy one, never one
-//!   that failed in an earlier continuation (riding in its stream, or before its decode
-//!   started, refusing its leg included), placed by the router too (its wait given half
-//!   the time left; a place held until the prefill leg ends); decode-only with
-//!   [`MigrationConfig::decode_only`], for a request served by a decode alone (direct,
-//!   decode-only fallback), when no prefill is left or has room in that time, or when
-//!   the prefill side of the continuation fails. A request a continuation's wait
-//!   counted as queued is not counted again by the next.
+//!   that failed in an earlier continuation (its leg or its handoff, riding in its
+//!   stream or before its decode started; not a refusal of its leg, a 4xx, nor the
+//!   connector's work on the plan before the leg was sent), placed by the router too
+//!   (its wait given half the time left; a place held until the prefill leg ends);
+//!   decode-only with [`MigrationConfig::decode_only`], for a request served by a
+//!   decode alone (direct, decode-only fallback), when no prefill is left or has room
+//!   in that time, or when the prefill side of the continuation fails. A request a
+//!   continuation's wait counted as queued is not counted again by the next.
 //! * **Splice.** The continuation's chunks are rewritten with the first leg's `id`,
 //!   `object`, `created` and `model`, chat-shaped (`delta.content`) for a chat request,
 //!   with no second role chunk; a usage chunk counts the original prompt and the

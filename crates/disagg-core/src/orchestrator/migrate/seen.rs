@@ -12,8 +12,8 @@ enum Why {
     /// A decode whose stream ended for the fresh prefill riding in it, not for its own
     /// fault: chosen again, after the decodes never tried.
     Again,
-    /// A fresh prefill that failed (riding in a continuation's stream, or before its
-    /// decode started): never chosen again.
+    /// A fresh prefill whose leg or handoff failed (riding in a continuation's stream,
+    /// or before its decode started; not one that refused its leg): never chosen again.
     FailedPrefill,
 }
 

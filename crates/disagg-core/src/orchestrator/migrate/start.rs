@@ -175,8 +175,12 @@ impl End {
 /// How a continuation went through a fresh prefill, when it did not start.
 enum PrefillFell {
     /// The prefill side failed (reported): the continuation goes decode-only. `failed`:
-    /// the prefill failed or refused its leg (not the continuation's time running out),
-    /// and is not chosen again for the request.
+    /// the prefill was at fault, its leg or its handoff failed, and it is not chosen
+    /// again for the request. Not when the attempt failed before its prefill leg was
+    /// sent (the connector's work on the plan, often no prefill's fault: a decode it
+    /// cannot serve, a request it cannot carry), nor when the prefill refused its leg
+    /// (a 4xx: the request's fault, or a busy moment's, not its engine's), nor when the
+    /// continuation's time or the request's ran out.
     Prefill { failed: bool },
     /// The decode side failed (reported).
     Decode(PdError),
@@ -509,12 +513,13 @@ async fn through_prefill(
                     });
                 }
                 // The prefill's own answer (a 4xx, or the whole answer): its leg is
-                // told, and the continuation goes decode-only. A prefill that refused
-                // the continuation's prompt would refuse the next, longer one: it is not
-                // chosen again.
+                // told, and the continuation goes decode-only. A refusal is the
+                // request's fault (or a busy moment's: 429, 408), not the engine's: the
+                // prefill may be chosen again (a prompt every prefill refuses is
+                // refused by any of them, within the migration limit).
                 Err(NotDecoded::PrefillRefused) => {
                     PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).refused();
-                    return Err(PrefillFell::Prefill { failed: true });
+                    return Err(PrefillFell::Prefill { failed: false });
                 }
                 Err(NotDecoded::PrefillAnswered) => {
                     PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).answered();
@@ -549,9 +554,13 @@ async fn through_prefill(
     );
     match failure.error.side() {
         Side::Decode => Err(PrefillFell::Decode(failure.error)),
-        // The request's deadline, or the continuation's own end, is no prefill's fault.
+        // The prefill is at fault when its leg was sent (the leg, or its handoff,
+        // failed): not for a failure before it, the connector's work on the plan (told
+        // as the prefill side's, though its build contacts no engine and fails for a
+        // decode it cannot serve or a request it cannot carry), nor when the request's
+        // deadline or the continuation's own end cut the attempt.
         _ => Err(PrefillFell::Prefill {
-            failed: !was_cut && !failure.error.is_deadline(),
+            failed: tl.prefill_sent.is_some() && !was_cut && !failure.error.is_deadline(),
         }),
     }
 }

@@ -662,3 +662,172 @@ async fn a_fresh_prefill_that_failed_before_its_decode_started_is_not_picked_aga
         assert_settled(&orch);
     }
 }
+
+/// vLLM NIXL's plan, except that the connector's own build of a continuation's plan
+/// (`prepare`, which contacts no engine) fails for the decode D2: it lacks what the
+/// connector needs (as an LMCache decode without receiver ports does).
+struct NoPlanForD2(VllmNixl);
+
+#[async_trait]
+impl KvConnector for NoPlanForD2 {
+    fn name(&self) -> &'static str {
+        "nixl-no-plan-for-d2"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        if req.api() == Api::Completions && route.decode.id().as_str() == D2 {
+            return Err(ConnectorError::NotConfigured {
+                endpoint: route.decode.id().clone(),
+                what: "receiver ports",
+            });
+        }
+        self.0.prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        self.0.complete(handoff, answer).await
+    }
+}
+
+/// The first continuation's plan through P1 (the prompt's prefill, the only one) fails
+/// in the connector's own build, for its decode D2: no leg is sent, and P1 is not at
+/// fault. The continuation goes decode-only on D2, which streams a chunk and breaks;
+/// the second continuation goes on D3 through P1 again, with the prefill's handoff.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_again() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    fake.on(D1, CHAT, dying());
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, None))
+            .fail(ms(5), "reset"),
+    );
+    fake.on(
+        D3,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("C", 9, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 2;
+    let orch = Orchestrator::builder(source, fake.clone(), NoPlanForD2(VllmNixl::new()))
+        .router(Named)
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(
+        text.contains("\"B\"") && text.contains("\"C\"") && text.ends_with(DONE),
+        "{text}"
+    );
+    let d2 = fake.calls_to(D2);
+    let [d2] = &d2[..] else {
+        panic!("the first continuation on D2: {n}", n = d2.len())
+    };
+    assert!(
+        d2.json().get("kv_transfer_params").is_none(),
+        "the first continuation went decode-only: {}",
+        d2.text()
+    );
+    let p1: Vec<_> = fake
+        .calls_to(P1)
+        .into_iter()
+        .filter(|c| c.uri.path() == COMPLETIONS)
+        .collect();
+    assert_eq!(p1.len(), 1, "the second continuation went through P1");
+    let d3 = fake.calls_to(D3);
+    let [d3] = &d3[..] else {
+        panic!("the second continuation on D3: {n}", n = d3.len())
+    };
+    assert!(
+        d3.json().get("kv_transfer_params").is_some(),
+        "the second continuation carries P1's handoff: {}",
+        d3.text()
+    );
+    drop(body);
+    assert_settled(&orch);
+}
+
+/// The first continuation's fresh prefill (P1, the only one) refuses its leg for now
+/// (429, busy): a refusal is the request's or the moment's, not the engine's fault, so
+/// the continuation goes decode-only on D2 (which streams a chunk and breaks), and the
+/// second continuation goes on D3 through P1 again, with the prefill's handoff.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_that_refused_a_continuation_is_picked_again() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(P1, COMPLETIONS, engine_error(429, "busy"));
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    fake.on(D1, CHAT, dying());
+    fake.on(
+        D2,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("B", 8, None))
+            .fail(ms(5), "reset"),
+    );
+    fake.on(
+        D3,
+        COMPLETIONS,
+        Reply::sse()
+            .frame(ms(0), continued("C", 9, Some("length")))
+            .frame(ms(0), DONE),
+    );
+    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = 2;
+    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        .router(Named)
+        .config(config)
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        text.push_str(&frame.unwrap());
+    }
+    assert!(
+        text.contains("\"B\"") && text.contains("\"C\"") && text.ends_with(DONE),
+        "{text}"
+    );
+    let d2 = fake.calls_to(D2);
+    let [d2] = &d2[..] else {
+        panic!("the first continuation on D2: {n}", n = d2.len())
+    };
+    assert!(
+        d2.json().get("kv_transfer_params").is_none(),
+        "the first continuation went decode-only: {}",
+        d2.text()
+    );
+    let p1: Vec<_> = fake
+        .calls_to(P1)
+        .into_iter()
+        .filter(|c| c.uri.path() == COMPLETIONS)
+        .collect();
+    assert_eq!(p1.len(), 2, "the second continuation went through P1 again");
+    let d3 = fake.calls_to(D3);
+    let [d3] = &d3[..] else {
+        panic!("the second continuation on D3: {n}", n = d3.len())
+    };
+    assert!(
+        d3.json().get("kv_transfer_params").is_some(),
+        "the second continuation carries P1's handoff: {}",
+        d3.text()
+    );
+    drop(body);
+    assert_settled(&orch);
+}
