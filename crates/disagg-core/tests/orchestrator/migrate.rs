@@ -22,6 +22,7 @@ mod traced;
 mod window;
 
 const D2: &str = "http://d2:8200";
+const D3: &str = "http://d3:8200";
 const COMPLETIONS: &str = "/v1/completions";
 
 /// The first chunk of a chat stream carrying token ids, then one token.
@@ -47,6 +48,101 @@ fn continued(text: &str, id: u32, finish: Option<&str>) -> String {
     format!(
         r#"data: {{"id":"cmpl-2","object":"text_completion","created":2,"model":"m","choices":[{{"index":0,"text":"{text}","token_ids":[{id}],"finish_reason":{finish}}}]}}"#
     ) + "\n\n"
+}
+
+/// A continuation's decode that streams `text` (token `id`), its last, and ends.
+fn to_the_end(text: &str, id: u32) -> Reply {
+    Reply::sse()
+        .frame(ms(0), continued(text, id, Some("length")))
+        .frame(ms(0), DONE)
+}
+
+/// A continuation's decode that streams `text` (token `id`), then breaks.
+fn then_breaks(text: &str, id: u32) -> Reply {
+    Reply::sse()
+        .frame(ms(0), continued(text, id, None))
+        .fail(ms(5), "reset")
+}
+
+/// The prompt's legs: P1 prefills it, D1 streams [`first_leg`] and breaks ([`dying`]).
+fn breaks(fake: &Fake) -> &Fake {
+    fake.on(P1, CHAT, prefill_answer()).on(D1, CHAT, dying())
+}
+
+/// [`breaks`], then one continuation: its fresh prefill on P1 answers `fresh`, its
+/// decode on D2 answers `rest`.
+fn continued_once(fake: &Fake, fresh: Reply, rest: Reply) -> &Fake {
+    breaks(fake)
+        .on(P1, COMPLETIONS, fresh)
+        .on(D2, COMPLETIONS, rest)
+}
+
+/// [`breaks`], then two continuations: the first's decode (D2) answers `first`, the
+/// second's (D3) streams "C" to the end. Their fresh prefills are the test's to script.
+fn continued_twice(fake: &Fake, first: Reply) -> &Fake {
+    breaks(fake)
+        .on(D2, COMPLETIONS, first)
+        .on(D3, COMPLETIONS, to_the_end("C", 9))
+}
+
+/// Settings that continue a broken stream up to `limit` times (decode-only when
+/// `decode_only`), with no decode idle timeout (a stream may wait on what the test feeds).
+fn continuing(limit: u32, decode_only: bool) -> OrchestratorConfig {
+    let mut config = OrchestratorConfig::default();
+    config.decode_idle_timeout = None;
+    config.migration.limit = limit;
+    config.migration.decode_only = decode_only;
+    config
+}
+
+/// An orchestrator's builder over `prefills` and `decodes`, sending through `fake`, with
+/// `connector` and `config`.
+fn over(
+    fake: &Fake,
+    prefills: &[&str],
+    decodes: &[&str],
+    connector: impl KvConnector,
+    config: OrchestratorConfig,
+) -> OrchestratorBuilder {
+    let source = StaticSource::new(endpoints(prefills, decodes));
+    Orchestrator::builder(source, fake.clone(), connector).config(config)
+}
+
+/// NIXL over [`P1`] and [`D1`], [`D2`] with `config`, telling `listener` how each
+/// attempt ended.
+fn listened(fake: &Fake, config: OrchestratorConfig, listener: impl Listener) -> Orchestrator {
+    over(fake, &[P1], &[D1, D2], VllmNixl::new(), config)
+        .listener(listener)
+        .build()
+}
+
+/// The client's stream read to its end, every frame data: the frames, joined.
+async fn read_to_end(body: &mut PdBody) -> String {
+    let mut text = String::new();
+    while let Some(frame) = next(body).await {
+        text.push_str(&frame.unwrap());
+    }
+    text
+}
+
+/// The body read to its end: when the error (an error frame or event) came.
+async fn ended(body: &mut PdBody) -> Option<Instant> {
+    let mut ended = None;
+    while let Some(frame) = next(body).await {
+        if frame.as_ref().is_err() || frame.as_ref().is_ok_and(|f| f.contains("error")) {
+            ended = Some(Instant::now());
+        }
+    }
+    ended
+}
+
+/// The fed continuation's last token ("C") and its end, then the client's stream read
+/// to its end.
+async fn finish(feed: fake::Feed, body: &mut PdBody) {
+    feed.send(continued("C", 9, Some("length")));
+    feed.send(DONE);
+    feed.end();
+    read_to_end(body).await;
 }
 
 /// The places a router handed out and not yet got back, per endpoint.
@@ -137,14 +233,9 @@ impl Router for Placing {
 /// NIXL over [`P1`], [`D1`] and [`D2`], routed by [`Placing`], continuing once
 /// (decode-only when `decode_only`).
 fn migrating(fake: &Fake, places: &Places, decode_only: bool) -> Orchestrator {
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    config.migration.decode_only = decode_only;
-    Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+    let config = continuing(1, decode_only);
+    over(fake, &[P1], &[D1, D2], VllmNixl::new(), config)
         .router(Placing::new(places))
-        .config(config)
         .build()
 }
 
@@ -166,11 +257,8 @@ async fn the_decode_a_stream_broke_on_is_free_once_the_stream_moved_on() {
     for decode_only in [true, false] {
         let fake = Fake::new();
         let places = Places::default();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer());
-        fake.on(D1, CHAT, dying());
         let (rest, feed) = Reply::sse().fed();
-        fake.on(D2, COMPLETIONS, rest);
+        continued_once(&fake, prefill_answer(), rest);
         let orch = migrating(&fake, &places, decode_only);
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
         until(&mut body, "\"A\"").await;
@@ -183,12 +271,7 @@ async fn the_decode_a_stream_broke_on_is_free_once_the_stream_moved_on() {
             (0, 0),
             "decode-only: {decode_only}"
         );
-        feed.send(continued("C", 9, Some("length")));
-        feed.send(DONE);
-        feed.end();
-        while let Some(frame) = next(&mut body).await {
-            frame.unwrap();
-        }
+        finish(feed, &mut body).await;
         drop(body);
         assert_settled(&orch);
     }
@@ -203,11 +286,8 @@ async fn a_continuation_holds_its_decodes_count_and_place_while_it_streams() {
     for decode_only in [true, false] {
         let fake = Fake::new();
         let places = Places::default();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer().after(ms(10)));
-        fake.on(D1, CHAT, dying());
         let (rest, feed) = Reply::sse().fed();
-        fake.on(D2, COMPLETIONS, rest);
+        continued_once(&fake, prefill_answer().after(ms(10)), rest);
         let orch = migrating(&fake, &places, decode_only);
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
         until(&mut body, "\"A\"").await;
@@ -224,12 +304,7 @@ async fn a_continuation_holds_its_decodes_count_and_place_while_it_streams() {
             (0, 1, 1),
             "decode-only: {decode_only}"
         );
-        feed.send(continued("C", 9, Some("length")));
-        feed.send(DONE);
-        feed.end();
-        while let Some(frame) = next(&mut body).await {
-            frame.unwrap();
-        }
+        finish(feed, &mut body).await;
         assert_eq!((in_flight(&orch, D2), places.held(D2)), (0, 0));
         drop(body);
         assert_settled(&orch);
@@ -281,9 +356,7 @@ async fn a_continuations_handoff_is_kept_for_the_clients_conversation() {
         req
     };
     let mut body = serve(&orch, turn(&orch)).await.unwrap().into_body();
-    while let Some(frame) = next(&mut body).await {
-        frame.unwrap();
-    }
+    read_to_end(&mut body).await;
     drop(body);
     assert_eq!(store.stats().captured, 1, "{:?}", store.stats());
     // The next turn of the same client's conversation sends it on its prefill leg.
@@ -314,6 +387,11 @@ impl Listener for Reports {
 }
 
 impl Reports {
+    /// Every report, in order.
+    fn all(&self) -> Vec<Report> {
+        self.0.lock().unwrap().clone()
+    }
+
     /// The reports naming `prefill` and `decode`.
     fn over(&self, decode: &str) -> Vec<Report> {
         self.0
@@ -326,6 +404,19 @@ impl Reports {
     }
 }
 
+/// Whether `r` blames the engine at `url`: reports it failed (on either leg).
+fn blamed(r: &Report, url: &str) -> bool {
+    let on = |ep: &Endpoint| ep.id().as_str() == url;
+    (r.route.prefill.as_deref().is_some_and(on) && r.prefill == LegOutcome::Failed)
+        || (on(&r.route.decode) && r.decode == LegOutcome::Failed)
+}
+
+/// Whether `r` reports a continuation's fresh prefill leg alone (its decode not sent),
+/// for a continuation on the decode at `url`.
+fn fresh_leg(r: &Report, url: &str) -> bool {
+    r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == url
+}
+
 /// A continuation through a fresh prefill is an attempt of its own: cut off by the
 /// client before its decode answered, it is reported cancelled, once, its prefill leg
 /// as far as it went.
@@ -333,18 +424,8 @@ impl Reports {
 async fn a_continuation_through_a_prefill_cut_off_by_the_client_is_reported_cancelled() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(D2, COMPLETIONS, Reply::hang());
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .listener(reports.clone())
-        .config(config)
-        .build();
+    continued_once(&fake, prefill_answer(), Reply::hang());
+    let orch = listened(&fake, continuing(1, false), reports.clone());
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     until(&mut body, "\"A\"").await;
     // The continuation's decode leg goes out, and its head never comes: the client
@@ -377,32 +458,14 @@ async fn a_continuation_under_a_head_timeout_the_clock_cannot_hold_moves_on() {
     for decode_only in [true, false] {
         let fake = Fake::new();
         let places = Places::default();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer());
-        fake.on(D1, CHAT, dying());
-        fake.on(
-            D2,
-            COMPLETIONS,
-            Reply::sse()
-                .frame(ms(0), continued("B", 8, Some("length")))
-                .frame(ms(0), DONE),
-        );
-        let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-        let mut config = OrchestratorConfig::default();
-        config.decode_idle_timeout = None;
+        continued_once(&fake, prefill_answer(), to_the_end("B", 8));
+        let mut config = continuing(1, decode_only);
         config.decode_head_timeout = Duration::MAX;
-        config.migration.limit = 1;
-        config.migration.decode_only = decode_only;
-        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config)
             .router(Placing::new(&places))
-            .config(config)
             .build();
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-        let mut frames = Vec::new();
-        while let Some(frame) = next(&mut body).await {
-            frames.push(frame.unwrap());
-        }
-        let all = frames.concat();
+        let all = read_to_end(&mut body).await;
         assert!(all.contains("\"A\"") && all.contains("\"B\""), "{all}");
         assert!(all.ends_with(DONE), "{all}");
         drop(body);

@@ -7,7 +7,6 @@ use disagg_resilience::{AdmissionConfig, Limits};
 
 use super::*;
 
-const D3: &str = "http://d3:8200";
 const GENERATE: &str = "/generate";
 
 /// [`Placing`], whose every place waits `room` first (a router that finds no room at
@@ -52,34 +51,21 @@ impl Router for Slow {
 async fn a_continuations_waits_for_room_and_its_head_share_one_end() {
     for decode_only in [true, false] {
         let fake = Fake::new();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer());
-        fake.on(D1, CHAT, dying());
-        fake.on(D2, COMPLETIONS, Reply::hang());
-        let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-        let mut config = OrchestratorConfig::default();
-        config.decode_idle_timeout = None;
+        continued_once(&fake, prefill_answer(), Reply::hang());
+        let mut config = continuing(1, decode_only);
         config.decode_head_timeout = ms(100);
-        config.migration.limit = 1;
-        config.migration.decode_only = decode_only;
         let router = Slow {
             placing: Placing::new(&Places::default()),
             room: ms(40),
         };
-        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        let orch = over(&fake, &[P1], &[D1, D2], VllmNixl::new(), config)
             .router(router)
-            .config(config)
             .build();
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
         until(&mut body, "\"A\"").await;
         // The stream breaks 5 ms after its last frame was taken.
         let broke = Instant::now() + ms(5);
-        let mut ended = None;
-        while let Some(frame) = next(&mut body).await {
-            if frame.as_ref().is_err() || frame.as_ref().is_ok_and(|f| f.contains("error")) {
-                ended = Some(Instant::now());
-            }
-        }
+        let ended = ended(&mut body).await;
         assert_eq!(fake.calls_to(D2).len(), 1, "decode-only: {decode_only}");
         assert_eq!(
             ended.map(|t| t - broke),
@@ -117,27 +103,14 @@ impl Router for Named {
 #[tokio::test(start_paused = true)]
 async fn a_continuations_fresh_prefill_waits_for_room_under_a_per_endpoint_limit() {
     let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
+    continued_once(&fake, prefill_answer(), to_the_end("B", 8));
     // The other request's prefill: P1's one place, for 100 ms.
     fake.on(P1, CHAT, prefill_answer().after(ms(100)));
-    fake.on(P1, COMPLETIONS, prefill_answer());
-    fake.on(D1, CHAT, dying());
     fake.on(D3, CHAT, Reply::sse().frame(ms(0), DONE));
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, Some("length")))
-            .frame(ms(0), DONE),
-    );
     let limits = Limits::new(AdmissionConfig::default());
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+    let config = continuing(1, false);
+    let orch = over(&fake, &[P1], &[D1, D2, D3], VllmNixl::new(), config)
         .router(limits.per_endpoint(Named, 1))
-        .config(config)
         .build();
     let t0 = Instant::now();
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
@@ -153,10 +126,7 @@ async fn a_continuations_fresh_prefill_waits_for_room_under_a_per_endpoint_limit
         2,
         "the other request's prefill runs"
     );
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains("\"B\"") && text.ends_with(DONE), "{text}");
     let calls = fake.calls_to(P1);
     let continuation = calls
@@ -180,11 +150,8 @@ async fn a_continuations_fresh_prefill_waits_for_room_under_a_per_endpoint_limit
 async fn a_continuations_fresh_prefill_holds_a_place_until_its_leg_ends() {
     let fake = Fake::new();
     let places = Places::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, prefill_answer().after(ms(10)));
-    fake.on(D1, CHAT, dying());
     let (rest, feed) = Reply::sse().fed();
-    fake.on(D2, COMPLETIONS, rest);
+    continued_once(&fake, prefill_answer().after(ms(10)), rest);
     let orch = migrating(&fake, &places, false);
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     until(&mut body, "\"A\"").await;
@@ -195,20 +162,9 @@ async fn a_continuations_fresh_prefill_holds_a_place_until_its_leg_ends() {
     until(&mut body, "\"B\"").await;
     assert_eq!((in_flight(&orch, P1), places.held(P1)), (0, 0));
     assert_eq!(places.held(D2), 1, "the decode's place, while it streams");
-    feed.send(continued("C", 9, Some("length")));
-    feed.send(DONE);
-    feed.end();
-    while let Some(frame) = next(&mut body).await {
-        frame.unwrap();
-    }
+    finish(feed, &mut body).await;
     drop(body);
     assert_settled(&orch);
-}
-
-impl Reports {
-    pub(super) fn all(&self) -> Vec<Report> {
-        self.0.lock().unwrap().clone()
-    }
 }
 
 /// A continuation through a fresh prefill that streams: its prefill leg is reported
@@ -218,19 +174,9 @@ impl Reports {
 async fn a_continuations_fresh_prefill_leg_is_reported_when_it_answered() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, prefill_answer().after(ms(10)));
-    fake.on(D1, CHAT, dying());
     let (rest, feed) = Reply::sse().fed();
-    fake.on(D2, COMPLETIONS, rest);
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .listener(reports.clone())
-        .config(config)
-        .build();
+    continued_once(&fake, prefill_answer().after(ms(10)), rest);
+    let orch = listened(&fake, continuing(1, false), reports.clone());
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
     until(&mut body, "\"A\"").await;
     feed.send(continued("B", 8, None));
@@ -257,12 +203,7 @@ async fn a_continuations_fresh_prefill_leg_is_reported_when_it_answered() {
     let tl = leg.timeline;
     assert_eq!(tl.prefill_sent, Some(sent.into_std()));
     assert_eq!(tl.prefill_done, Some((sent + ms(10)).into_std()));
-    feed.send(continued("C", 9, Some("length")));
-    feed.send(DONE);
-    feed.end();
-    while let Some(frame) = next(&mut body).await {
-        frame.unwrap();
-    }
+    finish(feed, &mut body).await;
     drop(body);
     // Then the original attempt's report, against the decode that finished it; the
     // fresh prefill's leg told once.
@@ -298,6 +239,33 @@ fn generated(text: &str, ids: &[u32]) -> String {
     format!("data: {v}\n\n")
 }
 
+/// SGLang's prompt and first continuation: P1 answers the prompt's prefill, D1 streams
+/// " a" and breaks; the continuation's fresh prefill on P1 answers `fresh`, and its
+/// decode on D2 streams " b", then nothing.
+fn generate_continued(fake: &Fake, fresh: Reply) -> &Fake {
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#))
+        .on(P1, GENERATE, fresh)
+        .on(
+            D1,
+            GENERATE,
+            Reply::sse()
+                .frame(ms(0), generated(" a", &[5]))
+                .fail(ms(5), "reset"),
+        )
+        .on(
+            D2,
+            GENERATE,
+            Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
+        )
+}
+
+/// A `/generate` decode that streams " c d" to the end.
+fn generated_to_the_end() -> Reply {
+    Reply::sse()
+        .frame(ms(0), generated(" c d", &[7, 8]))
+        .frame(ms(0), DONE)
+}
+
 /// SGLang (both legs at once): the first continuation's decode streams while its fresh
 /// prefill, still running, fails. The stream moves on again (a second continuation, on a
 /// decode not tried yet, through another prefill), and the failure is the prefill's:
@@ -306,57 +274,22 @@ fn generated(text: &str, ids: &[u32]) -> String {
 async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
-    fake.on(
-        P1,
-        GENERATE,
-        engine_error(503, "KV transfer failed").after(ms(20)),
-    );
+    // The first continuation streams one token, then nothing until its prefill fails.
+    generate_continued(&fake, engine_error(503, "KV transfer failed").after(ms(20)));
     // The second continuation's prefill: not P1, which failed.
     fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
-    fake.on(
-        D1,
-        GENERATE,
-        Reply::sse()
-            .frame(ms(0), generated(" a", &[5]))
-            .fail(ms(5), "reset"),
-    );
-    // The first continuation streams one token, then nothing until its prefill fails.
-    fake.on(
-        D2,
-        GENERATE,
-        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
-    );
-    fake.on(
-        D3,
-        GENERATE,
-        Reply::sse()
-            .frame(ms(0), generated(" c d", &[7, 8]))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2, D3]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 2;
+    fake.on(D3, GENERATE, generated_to_the_end());
     let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
-    let orch = Orchestrator::builder(source, fake.clone(), connector)
+    let config = continuing(2, false);
+    let orch = over(&fake, &[P1, P2], &[D1, D2, D3], connector, config)
         .router(Named)
         .listener(reports.clone())
-        .config(config)
         .build();
     let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains(" a b c d") && text.ends_with(DONE), "{text}");
     assert_eq!(fake.calls_to(D3).len(), 1, "continued twice");
     let all = reports.all();
-    let blamed = |r: &Report, url: &str| {
-        let on = |ep: &Endpoint| ep.id().as_str() == url;
-        (r.route.prefill.as_deref().is_some_and(on) && r.prefill == LegOutcome::Failed)
-            || (on(&r.route.decode) && r.decode == LegOutcome::Failed)
-    };
     assert!(
         !all.iter().any(|r| blamed(r, D2)),
         "the decode is not to blame: {all:?}"
@@ -386,32 +319,14 @@ async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode(
 async fn a_continuations_concurrent_prefill_cut_off_by_the_client_is_reported_abandoned() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
-    fake.on(P1, GENERATE, Reply::hang());
-    fake.on(
-        D1,
-        GENERATE,
-        Reply::sse()
-            .frame(ms(0), generated(" a", &[5]))
-            .fail(ms(5), "reset"),
-    );
-    fake.on(
-        D2,
-        GENERATE,
-        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
-    );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
+    generate_continued(&fake, Reply::hang());
     let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
-    let orch = Orchestrator::builder(source, fake.clone(), connector)
+    let orch = over(&fake, &[P1], &[D1, D2], connector, continuing(1, false))
         .listener(reports.clone())
-        .config(config)
         .build();
     let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
     until(&mut body, " a b").await;
-    let fresh = |r: &Report| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2;
+    let fresh = |r: &Report| fresh_leg(r, D2);
     assert!(!reports.all().iter().any(fresh), "told before it ended");
     drop(body);
     let all = reports.all();
@@ -434,29 +349,11 @@ async fn a_continuations_concurrent_prefill_cut_off_by_the_client_is_reported_ab
 async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode_only() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, engine_error(400, "prompt too long"));
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, Some("length")))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .listener(reports.clone())
-        .config(config)
-        .build();
+    let refusal = engine_error(400, "prompt too long");
+    continued_once(&fake, refusal, to_the_end("B", 8));
+    let orch = listened(&fake, continuing(1, false), reports.clone());
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains("\"B\"") && text.ends_with(DONE), "{text}");
     let leg = fake
         .calls_to(D2)
@@ -469,10 +366,7 @@ async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode
     );
     drop(body);
     let all = reports.all();
-    let fresh: Vec<&Report> = all
-        .iter()
-        .filter(|r| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2)
-        .collect();
+    let fresh: Vec<&Report> = all.iter().filter(|r| fresh_leg(r, D2)).collect();
     let [refused] = &fresh[..] else {
         panic!("the fresh prefill's leg told once: {all:?}")
     };
@@ -490,46 +384,15 @@ async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode
 #[tokio::test(start_paused = true)]
 async fn after_a_concurrent_prefill_fails_its_decode_stays_and_another_prefill_is_picked() {
     let fake = Fake::new();
-    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
-    fake.on(
-        P1,
-        GENERATE,
-        engine_error(503, "KV transfer failed").after(ms(20)),
-    );
+    generate_continued(&fake, engine_error(503, "KV transfer failed").after(ms(20)));
     fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
-    fake.on(
-        D1,
-        GENERATE,
-        Reply::sse()
-            .frame(ms(0), generated(" a", &[5]))
-            .fail(ms(5), "reset"),
-    );
-    fake.on(
-        D2,
-        GENERATE,
-        Reply::sse().frame(ms(0), generated(" b", &[6])).stall(),
-    );
-    fake.on(
-        D2,
-        GENERATE,
-        Reply::sse()
-            .frame(ms(0), generated(" c d", &[7, 8]))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 2;
+    fake.on(D2, GENERATE, generated_to_the_end());
     let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
-    let orch = Orchestrator::builder(source, fake.clone(), connector)
+    let orch = over(&fake, &[P1, P2], &[D1, D2], connector, continuing(2, false))
         .router(Named)
-        .config(config)
         .build();
     let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains(" a b c d") && text.ends_with(DONE), "{text}");
     assert_eq!(fake.calls_to(D2).len(), 2, "both continuations on D2");
     assert_eq!(fake.calls_to(P1).len(), 2, "P1 not picked again");
@@ -549,39 +412,19 @@ async fn after_a_concurrent_prefill_fails_its_decode_stays_and_another_prefill_i
 async fn a_traced_continuations_fresh_prefill_leg_report_carries_the_trace() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, Some("length")))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
+    continued_once(&fake, prefill_answer(), to_the_end("B", 8));
+    let mut config = continuing(1, false);
     config.trace_ratio = Some(1.0);
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .listener(reports.clone())
-        .config(config)
-        .build();
+    let orch = listened(&fake, config, reports.clone());
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    while let Some(frame) = next(&mut body).await {
-        frame.unwrap();
-    }
+    read_to_end(&mut body).await;
     drop(body);
     let all = reports.all();
     // The original attempt's report, told when the client's stream ended.
     let first = all.last().expect("the attempt's report");
     assert_eq!((first.attempt, first.outcome), (0, Outcome::Success));
     let trace_id = first.trace.as_ref().expect("traced").trace_id;
-    let fresh: Vec<&Report> = all
-        .iter()
-        .filter(|r| r.decode == LegOutcome::NotSent && r.route.decode.id().as_str() == D2)
-        .collect();
+    let fresh: Vec<&Report> = all.iter().filter(|r| fresh_leg(r, D2)).collect();
     let [leg] = &fresh[..] else {
         panic!("the fresh prefill's leg told once: {all:?}")
     };
@@ -602,40 +445,22 @@ async fn a_traced_continuations_fresh_prefill_leg_report_carries_the_trace() {
 async fn a_fresh_prefill_that_failed_before_its_decode_started_is_not_picked_again() {
     for decode_refuses in [false, true] {
         let fake = Fake::new();
-        fake.on(P1, CHAT, prefill_answer());
+        let first = if decode_refuses {
+            engine_error(503, "busy")
+        } else {
+            then_breaks("B", 8)
+        };
+        continued_twice(&fake, first);
         fake.on(P1, COMPLETIONS, engine_error(503, "KV cache full"));
         // Were P1 picked again, it would answer: only the count tells.
         fake.on(P1, COMPLETIONS, prefill_answer());
         fake.on(P2, COMPLETIONS, prefill_answer());
-        fake.on(D1, CHAT, dying());
-        let first = if decode_refuses {
-            engine_error(503, "busy")
-        } else {
-            Reply::sse()
-                .frame(ms(0), continued("B", 8, None))
-                .fail(ms(5), "reset")
-        };
-        fake.on(D2, COMPLETIONS, first);
-        fake.on(
-            D3,
-            COMPLETIONS,
-            Reply::sse()
-                .frame(ms(0), continued("C", 9, Some("length")))
-                .frame(ms(0), DONE),
-        );
-        let source = StaticSource::new(endpoints(&[P1, P2], &[D1, D2, D3]));
-        let mut config = OrchestratorConfig::default();
-        config.decode_idle_timeout = None;
-        config.migration.limit = 2;
-        let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+        let config = continuing(2, false);
+        let orch = over(&fake, &[P1, P2], &[D1, D2, D3], VllmNixl::new(), config)
             .router(Named)
-            .config(config)
             .build();
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-        let mut text = String::new();
-        while let Some(frame) = next(&mut body).await {
-            text.push_str(&frame.unwrap());
-        }
+        let text = read_to_end(&mut body).await;
         assert!(
             text.contains("\"C\"") && text.ends_with(DONE),
             "decode refuses: {decode_refuses}: {text}"
@@ -693,43 +518,21 @@ impl KvConnector for NoPlanForD2 {
     }
 }
 
-/// The first continuation's plan through P1 (the prompt's prefill, the only one) fails
-/// in the connector's own build, for its decode D2: no leg is sent, and P1 is not at
-/// fault. The continuation goes decode-only on D2, which streams a chunk and breaks;
-/// the second continuation goes on D3 through P1 again, with the prefill's handoff.
-#[tokio::test(start_paused = true)]
-async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_again() {
-    let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(P1, COMPLETIONS, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, None))
-            .fail(ms(5), "reset"),
-    );
-    fake.on(
-        D3,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("C", 9, Some("length")))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 2;
-    let orch = Orchestrator::builder(source, fake.clone(), NoPlanForD2(VllmNixl::new()))
+/// Two breaks over P1 (the only prefill) and D1, D2, D3, routed by [`Named`], with
+/// `connector`: the first continuation's decode, D2, streams "B" and breaks, the
+/// second's, D3, streams "C" to the end. The client gets both, the first continuation
+/// went decode-only and the second carries a prefill's handoff; the continuations'
+/// prefill legs on P1 are given back.
+async fn continued_twice_over_one_prefill(
+    fake: &Fake,
+    connector: impl KvConnector,
+) -> Vec<fake::Call> {
+    continued_twice(fake, then_breaks("B", 8));
+    let orch = over(fake, &[P1], &[D1, D2, D3], connector, continuing(2, false))
         .router(Named)
-        .config(config)
         .build();
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(
         text.contains("\"B\"") && text.contains("\"C\"") && text.ends_with(DONE),
         "{text}"
@@ -743,12 +546,6 @@ async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_agai
         "the first continuation went decode-only: {}",
         d2.text()
     );
-    let p1: Vec<_> = fake
-        .calls_to(P1)
-        .into_iter()
-        .filter(|c| c.uri.path() == COMPLETIONS)
-        .collect();
-    assert_eq!(p1.len(), 1, "the second continuation went through P1");
     let d3 = fake.calls_to(D3);
     let [d3] = &d3[..] else {
         panic!("the second continuation on D3: {n}", n = d3.len())
@@ -760,6 +557,22 @@ async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_agai
     );
     drop(body);
     assert_settled(&orch);
+    fake.calls_to(P1)
+        .into_iter()
+        .filter(|c| c.uri.path() == COMPLETIONS)
+        .collect()
+}
+
+/// The first continuation's plan through P1 (the prompt's prefill, the only one) fails
+/// in the connector's own build, for its decode D2: no leg is sent, and P1 is not at
+/// fault. The continuation goes decode-only on D2, which streams a chunk and breaks;
+/// the second continuation goes on D3 through P1 again, with the prefill's handoff.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_again() {
+    let fake = Fake::new();
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    let p1 = continued_twice_over_one_prefill(&fake, NoPlanForD2(VllmNixl::new())).await;
+    assert_eq!(p1.len(), 1, "the second continuation went through P1");
 }
 
 /// The first continuation's fresh prefill (P1, the only one) refuses its leg for now
@@ -769,65 +582,8 @@ async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_agai
 #[tokio::test(start_paused = true)]
 async fn a_fresh_prefill_that_refused_a_continuation_is_picked_again() {
     let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
     fake.on(P1, COMPLETIONS, engine_error(429, "busy"));
     fake.on(P1, COMPLETIONS, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, None))
-            .fail(ms(5), "reset"),
-    );
-    fake.on(
-        D3,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("C", 9, Some("length")))
-            .frame(ms(0), DONE),
-    );
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 2;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .router(Named)
-        .config(config)
-        .build();
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
-    assert!(
-        text.contains("\"B\"") && text.contains("\"C\"") && text.ends_with(DONE),
-        "{text}"
-    );
-    let d2 = fake.calls_to(D2);
-    let [d2] = &d2[..] else {
-        panic!("the first continuation on D2: {n}", n = d2.len())
-    };
-    assert!(
-        d2.json().get("kv_transfer_params").is_none(),
-        "the first continuation went decode-only: {}",
-        d2.text()
-    );
-    let p1: Vec<_> = fake
-        .calls_to(P1)
-        .into_iter()
-        .filter(|c| c.uri.path() == COMPLETIONS)
-        .collect();
+    let p1 = continued_twice_over_one_prefill(&fake, VllmNixl::new()).await;
     assert_eq!(p1.len(), 2, "the second continuation went through P1 again");
-    let d3 = fake.calls_to(D3);
-    let [d3] = &d3[..] else {
-        panic!("the second continuation on D3: {n}", n = d3.len())
-    };
-    assert!(
-        d3.json().get("kv_transfer_params").is_some(),
-        "the second continuation carries P1's handoff: {}",
-        d3.text()
-    );
-    drop(body);
-    assert_settled(&orch);
 }

@@ -7,8 +7,6 @@ use disagg_core::policy::Admission;
 
 use super::*;
 
-const D3: &str = "http://d3:8200";
-
 /// An admission that admits every request at once.
 struct Open;
 
@@ -73,38 +71,15 @@ impl Router for Waiting {
 #[tokio::test(start_paused = true)]
 async fn a_continuation_after_one_that_waited_is_placed_as_queued() {
     let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, None))
-            .fail(ms(5), "reset"),
-    );
-    fake.on(
-        D3,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("C", 9, Some("length")))
-            .frame(ms(0), DONE),
-    );
+    continued_twice(&fake, then_breaks("B", 8));
     let router = Waiting::default();
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2, D3]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 2;
-    config.migration.decode_only = true;
-    let orch = Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+    let config = continuing(2, true);
+    let orch = over(&fake, &[P1], &[D1, D2, D3], VllmNixl::new(), config)
         .router(router.clone())
         .admission(Open)
-        .config(config)
         .build();
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains("\"B\"") && text.contains("\"C\""), "{text}");
     assert_eq!(*router.asked.lock().unwrap(), [false, true]);
     drop(body);

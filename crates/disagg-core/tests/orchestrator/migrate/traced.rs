@@ -41,16 +41,9 @@ impl Told {
 /// NIXL over [`P1`] and [`D1`], [`D2`], every request traced, continuing once
 /// (decode-only when `decode_only`), what it tells kept.
 fn traced(fake: &Fake, decode_only: bool, told: &Told) -> Orchestrator {
-    let source = StaticSource::new(endpoints(&[P1], &[D1, D2]));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
-    config.migration.limit = 1;
-    config.migration.decode_only = decode_only;
+    let mut config = continuing(1, decode_only);
     config.trace_ratio = Some(1.0);
-    Orchestrator::builder(source, fake.clone(), VllmNixl::new())
-        .listener(told.clone())
-        .config(config)
-        .build()
+    listened(fake, config, told.clone())
 }
 
 /// The client's stream, read to its end (an error ends it too).
@@ -76,16 +69,7 @@ async fn the_dead_decodes_report_is_in_the_requests_trace() {
     for decode_only in [true, false] {
         let fake = Fake::new();
         let told = Told::default();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer());
-        fake.on(D1, CHAT, dying());
-        fake.on(
-            D2,
-            COMPLETIONS,
-            Reply::sse()
-                .frame(ms(0), continued("B", 8, Some("length")))
-                .frame(ms(0), DONE),
-        );
+        continued_once(&fake, prefill_answer(), to_the_end("B", 8));
         let orch = traced(&fake, decode_only, &told);
         drain(&orch).await;
         let summary = told.summary();
@@ -130,24 +114,17 @@ async fn a_continuations_reports_name_leg_spans_of_their_own() {
     for case in ["prefill fails", "decode fails", "prefill answers"] {
         let fake = Fake::new();
         let told = Told::default();
-        fake.on(P1, CHAT, prefill_answer());
-        if case == "prefill fails" {
-            fake.on(P1, COMPLETIONS, engine_error(503, "KV cache full"));
+        let fresh = if case == "prefill fails" {
+            engine_error(503, "KV cache full")
         } else {
-            fake.on(P1, COMPLETIONS, prefill_answer());
-        }
-        fake.on(D1, CHAT, dying());
-        if case == "decode fails" {
-            fake.on(D2, COMPLETIONS, engine_error(503, "busy"));
+            prefill_answer()
+        };
+        let rest = if case == "decode fails" {
+            engine_error(503, "busy")
         } else {
-            fake.on(
-                D2,
-                COMPLETIONS,
-                Reply::sse()
-                    .frame(ms(0), continued("B", 8, Some("length")))
-                    .frame(ms(0), DONE),
-            );
-        }
+            to_the_end("B", 8)
+        };
+        continued_once(&fake, fresh, rest);
         let orch = traced(&fake, false, &told);
         drain(&orch).await;
         let summary = told.summary();

@@ -7,8 +7,6 @@ use disagg_core::error::Overload;
 
 use super::*;
 
-const D3: &str = "http://d3:8200";
-
 /// [`Placing`], whose places on endpoints of `role` (every one when `None`) wait
 /// `room` first (a router that finds no room at once), within the wait's deadline.
 struct Roomy {
@@ -68,35 +66,12 @@ fn windowed(
     decode_only: bool,
     reports: &Reports,
 ) -> Orchestrator {
-    let source = StaticSource::new(endpoints(&[P1], decodes));
-    let mut config = OrchestratorConfig::default();
-    config.decode_idle_timeout = None;
+    let mut config = continuing(limit, decode_only);
     config.decode_head_timeout = ms(100);
-    config.migration.limit = limit;
-    config.migration.decode_only = decode_only;
-    Orchestrator::builder(source, fake.clone(), VllmNixl::new())
+    over(fake, &[P1], decodes, VllmNixl::new(), config)
         .router(router)
         .listener(reports.clone())
-        .config(config)
         .build()
-}
-
-/// Whether `r` reports the engine at `url` failed (on either leg).
-fn failed(r: &Report, url: &str) -> bool {
-    let on = |ep: &Endpoint| ep.id().as_str() == url;
-    (r.route.prefill.as_deref().is_some_and(on) && r.prefill == LegOutcome::Failed)
-        || (on(&r.route.decode) && r.decode == LegOutcome::Failed)
-}
-
-/// The body read to its end: when the error (an error frame or event) came.
-async fn ended(body: &mut PdBody) -> Option<Instant> {
-    let mut ended = None;
-    while let Some(frame) = next(body).await {
-        if frame.as_ref().is_err() || frame.as_ref().is_ok_and(|f| f.contains("error")) {
-            ended = Some(Instant::now());
-        }
-    }
-    ended
 }
 
 /// A decode-only continuation waits 95 ms of its 100 for room, and its decode, sent
@@ -107,9 +82,7 @@ async fn ended(body: &mut PdBody) -> Option<Instant> {
 async fn a_decode_cut_by_the_continuations_window_is_not_blamed() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(D2, COMPLETIONS, Reply::hang());
+    breaks(&fake).on(D2, COMPLETIONS, Reply::hang());
     let router = Roomy::new(ms(95), None);
     let orch = windowed(&fake, &[D1, D2], router, 1, true, &reports);
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
@@ -118,7 +91,7 @@ async fn a_decode_cut_by_the_continuations_window_is_not_blamed() {
     drop(body);
     let all = reports.all();
     assert!(
-        !all.iter().any(|r| failed(r, D2)),
+        !all.iter().any(|r| blamed(r, D2)),
         "D2 is not to blame: {all:?}"
     );
     assert_settled(&orch);
@@ -133,10 +106,7 @@ async fn a_fresh_prefill_or_decode_cut_by_the_continuations_window_is_not_blamed
     for prefill_takes in [ms(50), ms(0)] {
         let fake = Fake::new();
         let reports = Reports::default();
-        fake.on(P1, CHAT, prefill_answer());
-        fake.on(P1, COMPLETIONS, prefill_answer().after(prefill_takes));
-        fake.on(D1, CHAT, dying());
-        fake.on(D2, COMPLETIONS, Reply::hang());
+        continued_once(&fake, prefill_answer().after(prefill_takes), Reply::hang());
         let router = Roomy::new(ms(30), None);
         let orch = windowed(&fake, &[D1, D2], router, 1, false, &reports);
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
@@ -149,7 +119,7 @@ async fn a_fresh_prefill_or_decode_cut_by_the_continuations_window_is_not_blamed
         drop(body);
         let all = reports.all();
         assert!(
-            !all.iter().any(|r| failed(r, P1) || failed(r, D2)),
+            !all.iter().any(|r| blamed(r, P1) || blamed(r, D2)),
             "no engine is to blame ({prefill_takes:?}): {all:?}"
         );
         assert_settled(&orch);
@@ -163,8 +133,7 @@ async fn a_fresh_prefill_or_decode_cut_by_the_continuations_window_is_not_blamed
 async fn a_continuation_that_could_not_start_leaves_the_next_no_new_window() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(D1, CHAT, dying());
+    breaks(&fake);
     let router = Roomy::new(ms(1000), Some(Role::Decode));
     let orch = windowed(&fake, &[D1, D2, D3], router, 2, true, &reports);
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
@@ -183,22 +152,11 @@ async fn a_continuation_that_could_not_start_leaves_the_next_no_new_window() {
 async fn a_fresh_prefill_without_room_leaves_the_decode_time_to_go_on_alone() {
     let fake = Fake::new();
     let reports = Reports::default();
-    fake.on(P1, CHAT, prefill_answer());
-    fake.on(D1, CHAT, dying());
-    fake.on(
-        D2,
-        COMPLETIONS,
-        Reply::sse()
-            .frame(ms(0), continued("B", 8, Some("length")))
-            .frame(ms(0), DONE),
-    );
+    breaks(&fake).on(D2, COMPLETIONS, to_the_end("B", 8));
     let router = Roomy::new(ms(150), Some(Role::Prefill));
     let orch = windowed(&fake, &[D1, D2], router, 1, false, &reports);
     let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    let mut text = String::new();
-    while let Some(frame) = next(&mut body).await {
-        text.push_str(&frame.unwrap());
-    }
+    let text = read_to_end(&mut body).await;
     assert!(text.contains("\"B\"") && text.ends_with(DONE), "{text}");
     assert!(
         !fake
