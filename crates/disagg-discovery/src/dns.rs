@@ -12,7 +12,8 @@
 //!   RFC 2782's "very small chance" next to records of positive weight). A target and
 //!   port named by several records is resolved once (the first record's weight), and at
 //!   most [`MAX_SRV_TARGETS`] distinct targets are resolved per name and refresh: the
-//!   rest are left out, logged.
+//!   rest are left out, logged. The targets are looked up [`SRV_LOOKUPS_IN_FLIGHT`] at
+//!   a time, their answers taken in the records' order.
 //!
 //! Every answer becomes an endpoint only within the merged source's bounds: an address
 //! that is link-local or a cloud metadata service's makes no endpoint
@@ -48,6 +49,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use disagg_core::Role;
+use futures::{Stream, StreamExt};
 use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
@@ -69,6 +71,17 @@ pub const SOURCE_NAME: &str = "dns";
 /// of a name to 256 target lookups; the targets past it (in the answer's order) are
 /// left out, logged. Records naming a target and port already named count once.
 pub const MAX_SRV_TARGETS: usize = 256;
+
+/// The most SRV target lookups (each an A and an AAAA query) under way at once for one
+/// name.
+///
+/// One after another, a name's [`MAX_SRV_TARGETS`] targets would take as many round
+/// trips to the server; 16 at a time take a sixteenth of them and ask at most 32
+/// queries of the server at once. The answers are taken in the records' order,
+/// whichever comes first: a target's weight, the engines two targets share and the
+/// failure that fails the name are those of the earlier record, as one after another;
+/// a lookup under way when the name fails is dropped, its answer unused.
+pub const SRV_LOOKUPS_IN_FLIGHT: usize = 16;
 
 /// A DNS name to find engines under.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,7 +215,8 @@ pub struct DnsConfig {
     /// default): an SRV answer's targets each resolve to many addresses, so a few
     /// kilobytes of answers can name millions of engines. A name past it fails its
     /// lookup, as a server error does (its last good engines are kept), before the rest
-    /// of its targets are resolved.
+    /// of its targets are resolved (the lookups already under way, at most
+    /// [`SRV_LOOKUPS_IN_FLIGHT`], are dropped).
     pub max_endpoints: usize,
     /// How long the first list waits for every name's first answer: 30 s by default.
     /// Until every name has answered (with records or without), the source publishes
@@ -533,10 +547,17 @@ async fn resolve(
             }
             let mut specs = Vec::new();
             let mut found = std::collections::HashSet::new();
-            for (host, port, weight) in targets {
+            // Looked up SRV_LOOKUPS_IN_FLIGHT at a time, the answers taken in the
+            // targets' order; returning drops the lookups still under way. A host
+            // named at several ports is still asked once: the resolver shares a query
+            // under way among identical lookups, and answers later ones from its cache.
+            let mut answers = in_order(targets, |(host, port, weight)| async move {
+                (lookup_ip(resolver, &host).await, port, weight)
+            });
+            while let Some((answer, port, weight)) = answers.next().await {
                 // A target without addresses contributes nothing; one whose lookup
                 // fails fails the whole name, so that its engines are kept.
-                let (ips, until) = match lookup_ip(resolver, &host).await {
+                let (ips, until) = match answer {
                     Ok(found) => found,
                     Err(Failure::NoRecords { .. }) => continue,
                     Err(e) => return Err(e),
@@ -562,6 +583,20 @@ async fn resolve(
             })
         }
     }
+}
+
+/// `lookup` of each of `items`, at most [`SRV_LOOKUPS_IN_FLIGHT`] under way at a time,
+/// the outcomes in the items' order: an outcome ready before an earlier item's is held
+/// until that one's, so at most `SRV_LOOKUPS_IN_FLIGHT - 1` are held (each one
+/// target's addresses, from one answer per family).
+fn in_order<T, F, Fut>(items: Vec<T>, lookup: F) -> impl Stream<Item = Fut::Output>
+where
+    F: FnMut(T) -> Fut,
+    Fut: Future,
+{
+    futures::stream::iter(items)
+        .map(lookup)
+        .buffered(SRV_LOOKUPS_IN_FLIGHT)
 }
 
 async fn lookup_ip(
@@ -684,6 +719,29 @@ mod tests {
         t.models = vec!["llama".into(), "llama".into(), "qwen".into()];
         let ok = checked(DnsConfig::new([t])).unwrap();
         assert_eq!(ok.targets[0].models, ["llama", "qwen"]);
+    }
+
+    /// The targets' lookups run [`SRV_LOOKUPS_IN_FLIGHT`] at a time, no more, and
+    /// their outcomes come in the targets' order even when later ones finish first.
+    #[tokio::test(start_paused = true)]
+    async fn lookups_run_a_bounded_number_at_a_time_in_order() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let in_flight = AtomicUsize::new(0);
+        let most = AtomicUsize::new(0);
+        let outcomes: Vec<u64> = in_order((0..40).collect(), |i: u64| {
+            let (in_flight, most) = (&in_flight, &most);
+            async move {
+                most.fetch_max(in_flight.fetch_add(1, SeqCst) + 1, SeqCst);
+                // Later items finish first.
+                tokio::time::sleep(Duration::from_millis(100 - i)).await;
+                in_flight.fetch_sub(1, SeqCst);
+                i
+            }
+        })
+        .collect()
+        .await;
+        assert_eq!(outcomes, (0..40).collect::<Vec<_>>());
+        assert_eq!(most.load(SeqCst), SRV_LOOKUPS_IN_FLIGHT);
     }
 
     #[test]

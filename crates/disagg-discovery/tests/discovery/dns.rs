@@ -60,10 +60,23 @@ struct Dnsmasq {
     hosts: PathBuf,
     srv: Vec<String>,
     ttl: u32,
+    /// More command-line options (`--server=/zone/IP#PORT` forwarding).
+    extra: Vec<String>,
 }
 
 impl Dnsmasq {
     async fn start(dir: &TempDir, hosts: &str, srv: &[&str], ttl: u32) -> Option<Dnsmasq> {
+        Dnsmasq::start_with(dir, hosts, srv, ttl, &[]).await
+    }
+
+    /// As [`Dnsmasq::start`], with more command-line options.
+    async fn start_with(
+        dir: &TempDir,
+        hosts: &str,
+        srv: &[&str],
+        ttl: u32,
+        extra: &[String],
+    ) -> Option<Dnsmasq> {
         let binary = dnsmasq_binary()?;
         let path = dir.path().join("hosts");
         std::fs::write(&path, hosts).unwrap();
@@ -74,6 +87,7 @@ impl Dnsmasq {
             hosts: path,
             srv: srv.iter().map(|s| (*s).to_owned()).collect(),
             ttl,
+            extra: extra.to_vec(),
         };
         // A port free for both UDP and TCP now; another process may take it before
         // dnsmasq binds, so try a few.
@@ -106,6 +120,7 @@ impl Dnsmasq {
         for srv in &self.srv {
             cmd.arg(format!("--srv-host={srv}"));
         }
+        cmd.args(&self.extra);
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -616,5 +631,148 @@ async fn srv_targets_past_the_cap_are_cut() {
         .await
         .expect("the name's first list");
     assert_eq!(merged.snapshot().by_role(Role::Decode).len(), 256);
+    assert_eq!(errors(&merged), 0);
+}
+
+/// A DNS server on a loopback UDP port for the zone dnsmasq forwards to it, which holds
+/// every query until it has been asked about `names` distinct names, then answers them
+/// all, and every later query at once: a name `gN.gate.test` has the address
+/// 127.0.9.(N+1) (and no AAAA record).
+struct Gate {
+    port: u16,
+    seen: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Gate {
+    async fn start(names: usize) -> Gate {
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+        let task = tokio::spawn({
+            let seen = seen.clone();
+            async move {
+                let mut held = Vec::new();
+                let mut buf = [0u8; 1500];
+                while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                    let Some((name, reply)) = gate_reply(&buf[..n]) else {
+                        continue;
+                    };
+                    held.push((from, reply));
+                    let open = {
+                        let mut seen = seen.lock().unwrap();
+                        seen.insert(name);
+                        seen.len() >= names
+                    };
+                    if open {
+                        for (to, reply) in held.drain(..) {
+                            let _ = socket.send_to(&reply, to).await;
+                        }
+                    }
+                }
+            }
+        });
+        Gate { port, seen, task }
+    }
+
+    fn seen(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The query's name (lowercase) and the gate's answer to it: for `gN.gate.test` type A,
+/// the address 127.0.9.(N+1); for anything else, no records. `None` for what is no
+/// query.
+fn gate_reply(query: &[u8]) -> Option<(String, Vec<u8>)> {
+    if query.len() < 12 || query[2] & 0x80 != 0 || query[4..6] != [0, 1] {
+        return None;
+    }
+    let mut at = 12;
+    let mut labels = Vec::new();
+    loop {
+        let len = usize::from(*query.get(at)?);
+        at += 1;
+        if len == 0 {
+            break;
+        }
+        if len & 0xC0 != 0 {
+            return None;
+        }
+        labels.push(String::from_utf8_lossy(query.get(at..at + len)?).to_lowercase());
+        at += len;
+    }
+    let question_end = at + 4;
+    let qtype = query.get(at..at + 2)?;
+    let name = labels.join(".");
+    let address = labels
+        .first()
+        .and_then(|l| l.strip_prefix('g'))
+        .and_then(|n| n.parse::<u8>().ok())
+        .filter(|_| qtype == [0, 1] && labels.len() == 3 && labels[1..] == ["gate", "test"]);
+    let mut reply = Vec::with_capacity(question_end + 16);
+    reply.extend_from_slice(&query[..2]);
+    // A response (QR), the query's opcode and RD, authoritative (AA); RA, no error.
+    reply.push(0x80 | (query[2] & 0x79) | 0x04);
+    reply.push(0x80);
+    reply.extend_from_slice(&[0, 1, 0, u8::from(address.is_some()), 0, 0, 0, 0]);
+    reply.extend_from_slice(query.get(12..question_end)?);
+    if let Some(n) = address {
+        // The question's name (a pointer to offset 12), type A, class IN, TTL 60.
+        reply.extend_from_slice(&[0xC0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+        reply.extend_from_slice(&[127, 0, 9, n + 1]);
+    }
+    Some((name, reply))
+}
+
+/// An SRV name's targets are looked up together, not one after another: their
+/// addresses come from a server (dnsmasq forwards their zone to it) that answers none
+/// of the eight targets until it has been asked about all of them, so a resolution that
+/// waits for one target's answer before asking about the next never completes (its
+/// lookups' time limit is past the test's wait).
+#[tokio::test]
+async fn srv_targets_are_looked_up_together() {
+    let dir = TempDir::new("dns-srv-together");
+    let gate = Gate::start(8).await;
+    let srv: Vec<String> = (0..8)
+        .map(|i| format!("_gate._tcp.disagg.test,g{i}.gate.test,8201,0,10"))
+        .collect();
+    let srv: Vec<&str> = srv.iter().map(String::as_str).collect();
+    let forward = format!("--server=/gate.test/127.0.0.1#{}", gate.port);
+    let Some(server) = Dnsmasq::start_with(&dir, "", &srv, 60, &[forward]).await else {
+        return;
+    };
+    let mut config = config(
+        &server,
+        vec![target("_gate._tcp.disagg.test", Role::Decode)],
+    );
+    // A lookup held at the gate is no failure within the test's wait: one after
+    // another, the first target's lookup waits there until the test gives up.
+    config.timeout = Duration::from_secs(60);
+    config.max_refresh = Duration::from_secs(60);
+    let resolved = tokio::time::timeout(SEEN, async {
+        let merged = MergedSource::builder()
+            .source(dns::spawn(config).await.unwrap())
+            .build();
+        merged.synced().await;
+        merged
+    })
+    .await;
+    let Ok(merged) = resolved else {
+        panic!(
+            "the name's first list not within {SEEN:?}: the gate was asked about {} of the 8 \
+             targets at once",
+            gate.seen()
+        );
+    };
+    let want: Vec<String> = (1..=8)
+        .map(|n| format!("http://127.0.9.{n}:8201"))
+        .collect();
+    assert_eq!(ids(&merged.snapshot(), Role::Decode), want);
     assert_eq!(errors(&merged), 0);
 }
