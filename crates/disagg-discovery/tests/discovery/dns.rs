@@ -103,7 +103,16 @@ impl Dnsmasq {
     /// Starts dnsmasq on `self.port`; whether it started.
     async fn spawn(&mut self) -> bool {
         let mut cmd = Command::new(&self.binary);
-        cmd.arg("--no-daemon")
+        // In the foreground but not in debug mode (`--no-daemon`): in debug mode dnsmasq
+        // serves a TCP connection in its one process, answering nothing else until the
+        // client closes it, where a deployed dnsmasq forks a process per connection. An
+        // SRV answer too large for UDP is asked again over TCP, and the resolver keeps
+        // that connection open: in debug mode the targets' lookups after it went
+        // unanswered until the lookup timeout had passed. `--user=root` keeps it from
+        // changing user (dnsmasq changes to no user with uid 0): it stays the user who
+        // started it, who can read the hosts file.
+        cmd.arg("--keep-in-foreground")
+            .arg("--user=root")
             .arg(format!("--port={}", self.port))
             .arg("--listen-address=127.0.0.1")
             .arg("--bind-interfaces")
@@ -631,6 +640,39 @@ async fn srv_targets_past_the_cap_are_cut() {
         .await
         .expect("the name's first list");
     assert_eq!(merged.snapshot().by_role(Role::Decode).len(), 256);
+    assert_eq!(errors(&merged), 0);
+}
+
+/// An SRV answer too large for UDP (asked again over TCP) and its targets' lookups
+/// after it finish within a round trip's time, not after the lookup timeout: the
+/// first list arrives well before `timeout` has passed once.
+#[tokio::test]
+async fn an_srv_answer_over_tcp_does_not_hold_its_targets_lookups_for_the_timeout() {
+    let dir = TempDir::new("dns-srv-tcp");
+    let hosts: String = (0..100)
+        .map(|i| format!("127.0.3.{} u{i}.disagg.test\n", 1 + i))
+        .collect();
+    let srv: Vec<String> = (0..100)
+        .map(|i| format!("_big._tcp.disagg.test,u{i}.disagg.test,8201,0,10"))
+        .collect();
+    let srv: Vec<&str> = srv.iter().map(String::as_str).collect();
+    let Some(server) = Dnsmasq::start(&dir, &hosts, &srv, 60).await else {
+        return;
+    };
+    let mut config = config(&server, vec![target("_big._tcp.disagg.test", Role::Decode)]);
+    config.max_refresh = Duration::from_secs(60);
+    config.timeout = Duration::from_secs(10);
+    // `spawn` returns once the first refresh is done (or its bounded wait is over).
+    let merged = tokio::time::timeout(Duration::from_secs(4), async {
+        let merged = MergedSource::builder()
+            .source(dns::spawn(config).await.unwrap())
+            .build();
+        merged.synced().await;
+        merged
+    })
+    .await
+    .expect("the name's first list, well before the 10 s lookup timeout");
+    assert_eq!(merged.snapshot().by_role(Role::Decode).len(), 100);
     assert_eq!(errors(&merged), 0);
 }
 
