@@ -264,6 +264,14 @@ impl Drop for OwnedShare {
 ///
 /// A body cut by a limit of [`read`] (its size, its time, the budget) is the proxy's
 /// answer to a client still there, and is not this.
+///
+/// The server speaks HTTP/1.1 only ([`server`](crate::server); its TLS offers ALPN
+/// `http/1.1` alone), and hyper tells a body whose connection broke by the socket's own
+/// error under its `Body` error: `UnexpectedEof` for a close (a declared length short,
+/// or a chunk cut, or a chunk's size line missing), `ConnectionReset` for a reset.
+/// hyper's `IncompleteMessage` reaches a body only when the server dropped its
+/// connection itself, and the request's future with it. A server that spoke HTTP/2 would
+/// have to add h2's stream resets and `GOAWAY` here.
 pub(crate) fn client_left(err: &(dyn std::error::Error + 'static)) -> bool {
     use std::io::ErrorKind;
     let mut next = Some(err);

@@ -369,3 +369,63 @@ impl Drop for Opener {
         self.0.wait();
     }
 }
+
+/// Closes `tcp` with a reset (RST) rather than a close (FIN): `SO_LINGER` zero.
+fn reset(tcp: TcpStream) {
+    tcp.set_zero_linger().unwrap();
+    drop(tcp);
+}
+
+/// A client that resets its connection in the middle of its body left, as one that
+/// closes it does (hyper tells the body's error as the socket's `ConnectionReset`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrated_request_reset_while_its_body_is_read_is_499() {
+    let (addr, mut summaries, budget) = orchestrating_proxy().await;
+    let tcp = post(
+        addr,
+        "/v1/completions",
+        "application/json",
+        1000,
+        r#"{"model":"#,
+    )
+    .await;
+    reset(tcp);
+    let s = one_core_summary(&mut summaries).await;
+    assert_core_left(&s);
+    assert_eq!(budget.in_use(), 0);
+}
+
+/// A chunked body whose client leaves between two chunks: the body ends where a
+/// chunk's size line was due, which is the client leaving too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orchestrated_chunked_request_left_while_its_body_is_read_is_499() {
+    let (addr, mut summaries, budget) = orchestrating_proxy().await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                x-request-id: client-1\r\ntransfer-encoding: chunked\r\n\r\n9\r\n{\"model\":\r\n";
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    drop(tcp);
+    let s = one_core_summary(&mut summaries).await;
+    assert_core_left(&s);
+    assert_eq!(budget.in_use(), 0);
+}
+
+/// A streamed body's client resetting its connection once the engine has the head: the
+/// client left (499), the engine did not fail (502).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_whose_client_reset_is_499_not_the_engines_failure() {
+    let path = "/v1/audio/transcriptions";
+    let (addr, mut summaries, mut asked) = proxy(path, RouteAction::Forwarded).await;
+    let tcp = post(
+        addr,
+        path,
+        "multipart/form-data; boundary=x",
+        1000,
+        "--x\r\n",
+    )
+    .await;
+    asked.recv().await.unwrap();
+    reset(tcp);
+    let s = one_summary(&mut summaries).await;
+    assert_left(&s, RouteKind::Forward);
+}
