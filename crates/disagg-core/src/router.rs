@@ -101,7 +101,9 @@ pub struct Route {
     /// requests that had to wait (`disagg_resilience`'s `DecodeHold`,
     /// `PerEndpointLimit`); [`new`](Self::new) leaves it `false`. The orchestrator
     /// tells the request's later routings so ([`Ask::queued`](Ask#structfield.queued)):
-    /// a retry whose routing waits again is not counted a second time.
+    /// a retry whose routing waits again is not counted a second time. A routing that
+    /// made the request wait and then failed says so in its error instead
+    /// ([`PdError::with_queued`]).
     pub queued: bool,
     /// What the router holds for each leg while it runs ([`with_holds`](Self::with_holds)).
     holds: Holds,
@@ -229,8 +231,10 @@ pub trait Router: Send + Sync + 'static {
     /// router it wraps routes with a future itself (`disagg_resilience::DecodeHold`
     /// does, always): then it boxes its own routing around that one on every request.
     /// A router whose waits count the requests that had to wait sets [`Route::queued`]
-    /// when it made this one wait. A decorator should route through the `route` of the
-    /// router it wraps, not its `select`: a router that waits still waits when wrapped.
+    /// when it made this one wait, and marks its error so ([`PdError::with_queued`])
+    /// when it made it wait and then failed. A decorator should route through the
+    /// `route` of the router it wraps, not its `select`: a router that waits still
+    /// waits when wrapped.
     ///
     /// # Errors
     ///
@@ -266,9 +270,10 @@ pub trait Router: Send + Sync + 'static {
     /// [`place`](Self::place) for a request that, when `queued`, already waited in the
     /// admission queue and was counted there (as [`Ask::queued`](Ask#structfield.queued)
     /// says of a routed one): a router whose waits share that queue does not count it
-    /// as queued a second time, and says in [`Route::queued`] when it made it wait.
-    /// The orchestrator calls this for a mid-stream migration's continuation; an
-    /// adapter that admitted the request itself may too.
+    /// as queued a second time, and says in [`Route::queued`] when it made it wait (in
+    /// its error, [`PdError::with_queued`], when it then failed). The orchestrator
+    /// calls this for a mid-stream migration's continuation; an adapter that admitted
+    /// the request itself may too.
     /// The default calls `place`, and the fact is lost; a router that counts its waits
     /// overrides it (and `place` as `place_queued` with `false`), and decorators pass
     /// it on to the router they wrap. A router must not assume the engine picked is a
@@ -359,11 +364,12 @@ pub struct Ask<'a> {
     /// Whether the request already waited in the admission queue before this routing
     /// (the orchestrator's [`Admission::admit`](crate::policy::Admission::admit), once
     /// `try_admit` gave nothing, or an earlier routing of it that said so in
-    /// [`Route::queued`]), and was counted there: a router whose waits share that
-    /// queue (`disagg_resilience`'s `DecodeHold`, `PerEndpointLimit`) does not count it
-    /// as queued a second time. The orchestrator sets it on every routing of such a
-    /// request, its retries included ([`with_queued`](Self::with_queued));
-    /// [`new`](Self::new) leaves it `false`.
+    /// [`Route::queued`], or in its error: [`PdError::with_queued`]), and was counted
+    /// there: a router whose waits share that queue (`disagg_resilience`'s
+    /// `DecodeHold`, `PerEndpointLimit`) does not count it as queued a second time.
+    /// The orchestrator sets it on every routing of such a request, its retries
+    /// included ([`with_queued`](Self::with_queued)); [`new`](Self::new) leaves it
+    /// `false`.
     pub queued: bool,
 }
 

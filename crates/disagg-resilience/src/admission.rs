@@ -51,9 +51,11 @@
 //! its caller, which made it: the orchestrator says so in [`Ask::queued`] on every
 //! routing of the request (its retries included) and to
 //! [`Router::place_queued`] for a mid-stream migration's continuation. A routing that
-//! made the request wait says so in the route it gives ([`Route::queued`]), and the
-//! orchestrator tells the request's later routings (a retry's, a decode-only
-//! fallback's) in the same way: a request is counted in `queued` once over its life. A
+//! made the request wait says so in the route it gives ([`Route::queued`]), or, when
+//! it then failed (no prefill or no decode once it had room, its wait ran out), in
+//! its error ([`PdError::with_queued`]); the orchestrator tells the request's later
+//! routings (a retry's, a decode-only fallback's, a continuation's next place) in the
+//! same way: a request is counted in `queued` once over its life. A
 //! caller that does not (an adapter calling [`Router::place`], an application building
 //! its own [`Ask`]) has such a request counted in `queued` again when its routing
 //! waits; no wait, refusal or timeout depends on it.
@@ -328,11 +330,25 @@ impl Queued {
         drop(kept);
     }
 
-    /// The request no longer counted as waiting (routed, or refused), if it was.
-    fn leave(&self) {
-        if self.counted.swap(false, Ordering::Relaxed) {
+    /// The request no longer counted as waiting (routed, or refused), if it was:
+    /// `true` then (the routing made it wait, and it was counted as queued, now or
+    /// before it).
+    fn leave(&self) -> bool {
+        let counted = self.counted.swap(false, Ordering::Relaxed);
+        if counted {
             self.state.waiting.fetch_sub(1, Ordering::Relaxed);
         }
+        counted
+    }
+
+    /// `routed`, the end of the routing that made this place: an error says whether
+    /// the routing made the request wait ([`PdError::with_queued`]), as a route does
+    /// ([`Route::queued`]): held, or waiting for a per-endpoint place, then no route
+    /// (no prefill, no decode) or no room in time. The request is no longer counted as
+    /// waiting.
+    fn end(&self, routed: Result<Route, PdError>) -> Result<Route, PdError> {
+        let waited = self.leave();
+        routed.map_err(|e| e.with_queued(waited))
     }
 }
 
@@ -551,7 +567,8 @@ impl<R: Router> PerEndpointLimit<R> {
     /// ([`Queued`]: that of a hold wrapping this limit, or a new one), where a hold
     /// this limit wraps finds it too, and keeps its ticket in its line between looks
     /// ([`Kept`]). Not counted in `queued` when it already `queued`; the route says
-    /// when this routing made it wait ([`Route::queued`]), here or in a hold of `first`.
+    /// when this routing made it wait ([`Route::queued`]), here or in a hold of `first`,
+    /// and so does the error of one that waited, then failed ([`PdError::with_queued`]).
     async fn wait_for_room<C, F>(
         &self,
         first: Option<C>,
@@ -604,8 +621,8 @@ impl<R: Router> PerEndpointLimit<R> {
             // The tickets kept, if any, leave their lines with the place (dropped
             // here). Otherwise a router wrapping this limit may route the request
             // through it again: they are kept (a hold that holds the request gives
-            // up those of the holds inside it).
-            place.leave();
+            // up those of the holds inside it), and that router's routing ends it.
+            return place.end(routed);
         }
         routed
     }

@@ -2,7 +2,8 @@
 //! waited for a global permit ([`Limits`] as the admission) and is then held by the
 //! [`DecodeHold`](disagg_resilience::DecodeHold) routing it is counted once, and is
 //! counted waiting once at a time; so is one whose routing waits, whose attempt fails,
-//! and whose retry's routing waits again.
+//! and whose retry's routing waits again; and one whose routing waits, then fails,
+//! and whose decode-only fallback's routing waits again.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use disagg_connectors::vllm::VllmNixl;
-use disagg_core::endpoint::EndpointSet;
+use disagg_core::endpoint::{EndpointSet, InFlightGuard};
 use disagg_core::error::{RouteError, TransportError};
 use disagg_core::orchestrator::{OrchestratorConfig, PrefillFailure};
 use disagg_core::policy::{Admission, AdmissionStats};
@@ -344,4 +345,140 @@ async fn a_decode_only_fallback_held_again_is_queued_once() {
         ),
         (0, 1, 0, 0)
     );
+}
+
+/// [`First`], except its routing number `fail` (from 0): it finds no prefill, and
+/// meanwhile another request starts on the decode `fills` (held in `taken` until the
+/// test gives it back).
+struct NoPrefillOnce {
+    fail: usize,
+    calls: AtomicUsize,
+    fills: Arc<Endpoint>,
+    taken: std::sync::Mutex<Option<InFlightGuard>>,
+}
+
+impl Router for NoPrefillOnce {
+    fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        if self.calls.fetch_add(1, Ordering::Relaxed) == self.fail {
+            *self.taken.lock().unwrap() = Some(self.fills.track());
+            return Err(RouteError::NoPrefill);
+        }
+        First.select(req, set)
+    }
+}
+
+/// A request whose routing waits (for the decode's per-endpoint place, or held by the
+/// decode hold: `wrap` around the inner router), whose routing then fails (no prefill
+/// left) while another request takes the decode, served decode-only as configured:
+/// the fallback's routing waits again. Before, the failed routing's error did not say
+/// that it had made the request wait, and `queued` counted it a second time.
+///
+/// `fail`: the inner router's call that finds no prefill, the first after the wait
+/// (the running request's routing is call 0; a per-endpoint limit looks twice before
+/// it waits).
+async fn a_fallback_after_a_routing_that_waited_then_failed_is_queued_once<W: Router>(
+    limits: Limits,
+    fail: usize,
+    wrap: impl FnOnce(Arc<NoPrefillOnce>) -> W,
+) {
+    let source = StaticSource::new([
+        Endpoint::new("http://p:1", Role::Prefill).unwrap(),
+        Endpoint::new("http://d:1", Role::Decode).unwrap(),
+    ]);
+    let prefill = Arc::clone(&source.snapshot().by_role(Role::Prefill)[0]);
+    let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+    let inner = Arc::new(NoPrefillOnce {
+        fail,
+        calls: AtomicUsize::new(0),
+        fills: Arc::clone(&decode),
+        taken: std::sync::Mutex::new(None),
+    });
+    let router = Arc::new(wrap(Arc::clone(&inner)));
+    let mut config = OrchestratorConfig::default();
+    config.prefill_failure = PrefillFailure::DecodeOnly;
+    let orchestrator = Orchestrator::builder(source, Engines, VllmNixl::new())
+        .router(Arc::clone(&router))
+        .admission(limits.clone())
+        .config(config)
+        .build();
+
+    // The first request runs: its answer, unread, holds the decode.
+    let running = orchestrator.serve(request()).await.unwrap();
+    assert!(running.status().is_success(), "{}", running.status());
+    // The second waits in its routing: counted once.
+    let second = tokio::spawn({
+        let orchestrator = orchestrator.clone();
+        async move {
+            let resp = orchestrator.serve(request()).await?;
+            let status = resp.status();
+            let _ = resp.into_body().collect().await;
+            Ok::<_, disagg_core::PdError>(status)
+        }
+    });
+    let stats = settle(&limits, |s| s.waiting == 1).await;
+    assert_eq!(
+        (stats.waiting, stats.queued),
+        (1, 1),
+        "waits in its routing"
+    );
+    assert!(
+        inner.taken.lock().unwrap().is_none(),
+        "its routing has not failed yet"
+    );
+    // The decode frees up: the routing finds no prefill, and another request takes the
+    // decode meanwhile. The decode-only fallback's routing waits for it.
+    drop(running);
+    tokio::time::advance(HOLD_POLL).await;
+    for _ in 0..1000 {
+        if orchestrator.stats().prefill_fallbacks == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(orchestrator.stats().prefill_fallbacks, 1, "falling back");
+    let stats = settle(&limits, |s| s.waiting == 1 && s.queued > 1).await;
+    assert_eq!(
+        (stats.waiting, stats.queued),
+        (1, 1),
+        "the fallback waits, counted once"
+    );
+    // The other request ends (a leg's place given back wakes a per-endpoint wait; the
+    // hold looks again after its poll): the fallback is served decode-only.
+    drop(inner.taken.lock().unwrap().take());
+    let pick = || -> Result<Arc<Endpoint>, disagg_core::PdError> { Ok(Arc::clone(&prefill)) };
+    drop(router.place(&pick, None).await.unwrap());
+    tokio::time::advance(HOLD_POLL).await;
+    let status = second.await.unwrap().unwrap();
+    assert!(status.is_success(), "{status}");
+    let stats = limits.stats();
+    assert_eq!(
+        (
+            stats.waiting,
+            stats.queued,
+            stats.queue_full,
+            stats.queue_timeouts
+        ),
+        (0, 1, 0, 0)
+    );
+    assert_eq!(orchestrator.stats().queued, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_held_routing_that_failed_is_queued_once() {
+    let limits = Limits::new(AdmissionConfig::default());
+    let hold = limits.clone();
+    a_fallback_after_a_routing_that_waited_then_failed_is_queued_once(limits, 1, move |inner| {
+        hold.decode_hold(inner, 1, Duration::from_secs(60))
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_per_endpoint_wait_that_failed_is_queued_once() {
+    let limits = Limits::new(AdmissionConfig::default());
+    let limit = limits.clone();
+    a_fallback_after_a_routing_that_waited_then_failed_is_queued_once(limits, 3, move |inner| {
+        limit.per_endpoint(inner, 1)
+    })
+    .await;
 }

@@ -170,11 +170,38 @@ pub struct PdError {
     kind: Kind,
     side: Side,
     source: Option<BoxError>,
+    /// The routing that gave it counted the request as queued
+    /// ([`with_queued`](Self::with_queued)).
+    queued: bool,
 }
 
 impl PdError {
     fn new(kind: Kind, side: Side, source: Option<BoxError>) -> Self {
-        PdError { kind, side, source }
+        PdError {
+            kind,
+            side,
+            source,
+            queued: false,
+        }
+    }
+
+    /// The same error, saying, when `queued`, that the routing (or the place) that gave
+    /// it made the request wait in an admission queue that counts the requests that had
+    /// to wait, and counted it there, as [`Route::queued`](crate::router::Route::queued)
+    /// says of a route: a routing that waited, then failed (no prefill, no decode, the
+    /// wait ran out). The orchestrator tells the request's later routings so (a
+    /// decode-only fallback's, a retry's, a mid-stream migration's next place): their
+    /// waits do not count it a second time. A mark already set stays.
+    #[must_use]
+    pub fn with_queued(mut self, queued: bool) -> Self {
+        self.queued |= queued;
+        self
+    }
+
+    /// Whether the routing that gave this error counted the request as queued
+    /// ([`with_queued`](Self::with_queued)).
+    pub(crate) fn queued(&self) -> bool {
+        self.queued
     }
 
     /// The client's body was not usable ([`BodyError`]), or could not be read (the
@@ -454,6 +481,7 @@ impl fmt::Debug for PdError {
             .field("kind", &self.kind)
             .field("side", &self.side)
             .field("source", &self.source)
+            .field("queued", &self.queued)
             .finish()
     }
 }

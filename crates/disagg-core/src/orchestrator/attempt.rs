@@ -283,8 +283,9 @@ impl Inner {
     /// The route for `req`: the router's, which may wait for room (a per-endpoint
     /// limit) within the request's deadline; told whether the request already waited
     /// in the admission queue ([`Ask::queued`](Ask#structfield.queued)), and telling
-    /// `clock` when it made it wait ([`Route::queued`]): the request is counted as
-    /// queued once over all its routings.
+    /// `clock` when it made it wait ([`Route::queued`], or, for a routing that waited
+    /// and then failed, its error: [`PdError::with_queued`]): the request is counted
+    /// as queued once over all its routings.
     pub(super) async fn route(
         &self,
         view: &RequestView<'_>,
@@ -293,9 +294,14 @@ impl Inner {
     ) -> Result<Route, PdError> {
         let direct = matches!(decision, Decision::Direct { .. });
         let ask = Ask::new(view, &*self.source, direct, clock.deadline).with_queued(clock.queued);
-        let route = self.router.route(ask).await?;
-        clock.queued |= route.queued;
-        Ok(route)
+        let routed = self.router.route(ask).await;
+        clock.queued |= match &routed {
+            Ok(route) => route.queued,
+            // A routing that waited, then failed: the decode-only fallback's routing
+            // (or a retry's) is not to count the request again.
+            Err(e) => e.queued(),
+        };
+        routed
     }
 
     /// A decode leg alone (direct, or decode-only because of the prefill failure coded

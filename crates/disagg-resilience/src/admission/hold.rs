@@ -41,7 +41,9 @@ use super::{Bound, HOLD_POLL, QUEUED, Queued, State, give_back, take};
 /// from the routing's start, the queue timeout from the per-endpoint wait's start, or
 /// the deadline), with 503 `queue_timeout`: at most one timeout in all. A request that waited before, for its
 /// global permit or in an earlier routing ([`Ask::queued`]), is not counted in
-/// `queued` again; the route of one it held says so ([`Route::queued`]).
+/// `queued` again; the route of one it held says so ([`Route::queued`]), and so does
+/// the error of one it held that then got no route (the router it wraps found no
+/// prefill, say) or timed out ([`PdError::with_queued`]).
 ///
 /// Cost per request: a boxed routing future with its place in the queue (one small
 /// allocation), two short locks (the check, then the count), a snapshot of the
@@ -371,9 +373,10 @@ impl<R: Router> Router for DecodeHold<R> {
                 .await;
             // Not when the future is dropped: a caller may keep it after it is ready.
             // Only by the routing that made the place: a router wrapping this one of
-            // the same queue may still hold the request.
+            // the same queue may still hold the request (its routing ends the place,
+            // and marks an error of one that waited).
             if new {
-                queued.leave();
+                return queued.end(routed);
             }
             routed
         }))

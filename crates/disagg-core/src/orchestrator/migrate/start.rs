@@ -362,12 +362,13 @@ impl Ctx {
     }
 
     /// `placed`, a continuation's place, its wait noted when it counted the request as
-    /// queued (a place that made it wait, or a wait that ran out: counted before it
-    /// did), so that no later wait counts it again.
+    /// queued (a place that made it wait, or one that waited and then failed: a wait
+    /// that ran out, no engine left to pick; as its error says,
+    /// [`PdError::with_queued`]), so that no later wait counts it again.
     fn counted(&self, placed: Result<Route, PdError>) -> Result<Route, PdError> {
         let counted = match &placed {
             Ok(route) => route.queued,
-            Err(e) => e.code() == "queue_timeout",
+            Err(e) => e.queued(),
         };
         if counted {
             self.queued.store(true, Ordering::Relaxed);
