@@ -23,7 +23,10 @@
 //! Each name is resolved again when its records' time to live runs out (the smallest
 //! TTL among the answers, the SRV records' and their targets'), bounded by
 //! [`DnsConfig::max_refresh`] (`--dns-refresh`) above and [`DnsConfig::min_refresh`]
-//! below (a TTL of 0 would otherwise mean a query loop).
+//! below (a TTL of 0 would otherwise mean a query loop). The names due are looked up
+//! together, each on its own: a name whose lookup waits out [`DnsConfig::timeout`]
+//! holds back no other name's refresh, and each name's outcome is published as it
+//! comes (every name's engines merged in the configured order of the names).
 //!
 //! The source publishes its first list once every name has had an answer (records, or
 //! an answer without records): until then it publishes nothing (`None`, not an empty
@@ -45,10 +48,12 @@
 //! cached between refreshes: each refresh asks the server.
 
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::str::FromStr;
 use std::time::Duration;
 
 use disagg_core::Role;
+use futures::stream::FuturesUnordered;
 use futures::{Stream, StreamExt};
 use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
 use hickory_resolver::net::NetError;
@@ -284,7 +289,7 @@ pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
     let config = checked(config)?;
     let resolver = resolver(&config)?;
     let (publisher, source) = SpecSource::channel(config.name.as_str());
-    let mut names: Vec<NameState> = config
+    let names: Vec<NameState> = config
         .targets
         .iter()
         .cloned()
@@ -293,12 +298,25 @@ pub async fn spawn(config: DnsConfig) -> Result<SpecSource, DnsError> {
             last: None,
             due: Instant::now(),
             failures: 0,
+            looking_up: false,
         })
         .collect();
     // A wait past any clock's reach is no wait's end (Duration::MAX would overflow).
     let first_list_by = Instant::now().checked_add(config.first_list_wait);
-    refresh_due(&resolver, &config, &publisher, &mut names, first_list_by).await;
-    let task = tokio::spawn(run(resolver, config, publisher, names, first_list_by));
+    let mut refresher = Refresher {
+        resolver,
+        config,
+        publisher,
+        names,
+        first_list_by,
+        lookups: FuturesUnordered::new(),
+    };
+    // Every name's first lookup done, each having answered or failed (a name answering
+    // sooner may be looked up again meanwhile, as its TTL runs out).
+    while !refresher.names.iter().all(NameState::tried) {
+        refresher.step().await;
+    }
+    let task = tokio::spawn(refresher.run());
     Ok(source.with_task(task))
 }
 
@@ -358,45 +376,103 @@ struct NameState {
     due: Instant,
     /// Failed lookups in a row.
     failures: u32,
+    /// Whether its lookup is under way.
+    looking_up: bool,
 }
 
-async fn run(
-    resolver: TokioResolver,
-    config: DnsConfig,
-    publisher: SpecPublisher,
-    mut names: Vec<NameState>,
-    first_list_by: Option<Instant>,
-) {
-    while !publisher.is_closed() {
-        let Some(mut next) = names.iter().map(|n| n.due).min() else {
-            return;
-        };
-        // Before the first list, its deadline is a wake-up too.
-        if !publisher.has_published()
-            && let Some(by) = first_list_by
-        {
-            next = next.min(by);
-        }
-        tokio::time::sleep_until(next).await;
-        refresh_due(&resolver, &config, &publisher, &mut names, first_list_by).await;
+impl NameState {
+    /// Whether a lookup of the name has been done: it answered, or failed.
+    fn tried(&self) -> bool {
+        self.last.is_some() || self.failures > 0
     }
 }
 
-/// Resolves the names that are due and publishes every name's engines.
-async fn refresh_due(
-    resolver: &TokioResolver,
-    config: &DnsConfig,
-    publisher: &SpecPublisher,
-    names: &mut [NameState],
+/// One name's lookup under way: the name's index, and the lookup's outcome.
+type Lookup = Pin<Box<dyn Future<Output = (usize, Result<Resolved, Failure>)> + Send>>;
+
+/// The names, their lookups under way, and where their engines go.
+///
+/// Each name is looked up on its own as it comes due, all the names due at once (they
+/// are the operator's configured names, a few): a lookup waiting out the timeout holds
+/// no other name's refresh back, and each outcome is published as it comes.
+struct Refresher {
+    resolver: TokioResolver,
+    config: DnsConfig,
+    publisher: SpecPublisher,
+    names: Vec<NameState>,
     first_list_by: Option<Instant>,
-) {
-    let now = Instant::now();
-    // Each refresh asks the server: the resolver's cache would answer within the TTL
-    // (or past it, for a bound shorter than the TTL) with what it already has.
-    resolver.clear_cache();
-    let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
-    for state in names.iter_mut().filter(|n| n.due <= now) {
-        match resolve(resolver, &state.target, config.max_endpoints).await {
+    lookups: FuturesUnordered<Lookup>,
+}
+
+impl Refresher {
+    async fn run(mut self) {
+        while !self.publisher.is_closed() {
+            self.step().await;
+        }
+    }
+
+    /// Starts the lookups of the names due, then waits for one outcome (taken and
+    /// published), for the next name to come due, or for the first list's deadline.
+    async fn step(&mut self) {
+        self.start_due();
+        // The names not under way; before the first list, its deadline is a wake-up too.
+        let mut next = self
+            .names
+            .iter()
+            .filter(|n| !n.looking_up)
+            .map(|n| n.due)
+            .min();
+        if !self.publisher.has_published()
+            && let Some(by) = self.first_list_by
+        {
+            next = Some(next.map_or(by, |n| n.min(by)));
+        }
+        let wake = async {
+            match next {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            Some((i, outcome)) = self.lookups.next() => self.settle(i, outcome),
+            () = wake => {}
+        }
+        self.publish();
+    }
+
+    /// Starts a lookup of each name that is due and not under way.
+    fn start_due(&mut self) {
+        let now = Instant::now();
+        let due = |n: &NameState| !n.looking_up && n.due <= now;
+        if !self.names.iter().any(due) {
+            return;
+        }
+        // Each refresh asks the server: the resolver's cache would answer within the TTL
+        // (or past it, for a bound shorter than the TTL) with what it already has.
+        self.resolver.clear_cache();
+        let max = self.config.max_endpoints;
+        for (i, state) in self.names.iter_mut().enumerate() {
+            if !due(state) {
+                continue;
+            }
+            state.looking_up = true;
+            let resolver = self.resolver.clone();
+            let target = state.target.clone();
+            self.lookups.push(Box::pin(async move {
+                (i, resolve(&resolver, &target, max).await)
+            }));
+        }
+    }
+
+    /// Takes the outcome of name `i`'s lookup: its engines, its next due time.
+    fn settle(&mut self, i: usize, outcome: Result<Resolved, Failure>) {
+        let config = &self.config;
+        let Some(state) = self.names.get_mut(i) else {
+            return;
+        };
+        state.looking_up = false;
+        let bound = |d: Duration| d.clamp(config.min_refresh, config.max_refresh);
+        match outcome {
             Ok(Resolved { specs, ttl }) => {
                 state.last = Some(specs);
                 state.failures = 0;
@@ -411,7 +487,7 @@ async fn refresh_due(
             }
             // A lookup that failed, or answers past the ceiling.
             Err(failed) => {
-                publisher.record_error();
+                self.publisher.record_error();
                 state.failures = state.failures.saturating_add(1);
                 // 1, 2, 4 ... times min_refresh, up to max_refresh.
                 let factor = 1u32 << state.failures.saturating_sub(1).min(16);
@@ -426,18 +502,26 @@ async fn refresh_due(
             }
         }
     }
-    // No partial first list: nothing until every name has had an answer (a name whose
-    // lookups all failed so far is not one without engines), for at most
-    // `first_list_wait`; then the names that answered.
-    let waiting = names.iter().any(|n| n.last.is_none());
-    if waiting && !publisher.has_published() && first_list_by.is_none_or(|by| Instant::now() < by) {
-        return;
+
+    /// Publishes every name's engines, in the configured order of the names.
+    fn publish(&self) {
+        // No partial first list: nothing until every name has had an answer (a name
+        // whose lookups all failed so far is not one without engines), for at most
+        // `first_list_wait`; then the names that answered.
+        let waiting = self.names.iter().any(|n| n.last.is_none());
+        if waiting
+            && !self.publisher.has_published()
+            && self.first_list_by.is_none_or(|by| Instant::now() < by)
+        {
+            return;
+        }
+        let specs = self
+            .names
+            .iter()
+            .flat_map(|n| n.last.iter().flatten().cloned())
+            .collect::<Vec<_>>();
+        self.publisher.publish(dedup(specs));
     }
-    let specs = names
-        .iter()
-        .flat_map(|n| n.last.iter().flatten().cloned())
-        .collect::<Vec<_>>();
-    publisher.publish(dedup(specs));
 }
 
 /// One engine once, when two names (or an SRV name's targets) give the same address.

@@ -818,3 +818,69 @@ async fn srv_targets_are_looked_up_together() {
     assert_eq!(ids(&merged.snapshot(), Role::Decode), want);
     assert_eq!(errors(&merged), 0);
 }
+
+/// A name whose server never answers holds no other name's refresh back: while its
+/// lookup waits out the lookup timeout (8 s), a change of another name's records is
+/// published within a few of that name's refreshes (its TTL is 1 s), not after the
+/// timeout. The silent server is a loopback UDP socket that dnsmasq forwards the
+/// `hole.test` zone to; it counts the queries it is sent and answers none.
+#[tokio::test]
+async fn a_name_that_never_answers_holds_no_other_names_refresh_back() {
+    let dir = TempDir::new("dns-never-alongside");
+    let hole = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let forward = format!(
+        "--server=/hole.test/127.0.0.1#{}",
+        hole.local_addr().unwrap().port()
+    );
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let silent = tokio::spawn({
+        let asked = asked.clone();
+        async move {
+            let mut buf = [0u8; 1500];
+            while hole.recv_from(&mut buf).await.is_ok() {
+                asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    let Some(mut server) =
+        Dnsmasq::start_with(&dir, "127.0.0.91 good.disagg.test\n", &[], 1, &[forward]).await
+    else {
+        return;
+    };
+    let mut config = config(
+        &server,
+        vec![
+            target("never.hole.test:8200", Role::Decode),
+            target("good.disagg.test:8200", Role::Decode),
+        ],
+    );
+    config.timeout = Duration::from_secs(8);
+    config.min_refresh = Duration::from_millis(200);
+    config.max_refresh = Duration::from_secs(1);
+    config.first_list_wait = Duration::from_millis(500);
+    let merged = MergedSource::builder()
+        .source(dns::spawn(config).await.unwrap())
+        .build();
+    merged.synced().await;
+    assert_eq!(
+        ids(&merged.snapshot(), Role::Decode),
+        ["http://127.0.0.91:8200"]
+    );
+    // The silent name's first lookup has failed (`spawn` returned): once it is asked
+    // again, its next lookup is under way for the next 8 s.
+    let before = asked.load(std::sync::atomic::Ordering::SeqCst);
+    eventually(SEEN, "the silent name asked again", || {
+        asked.load(std::sync::atomic::Ordering::SeqCst) > before
+    })
+    .await;
+    server.set_hosts("127.0.0.92 good.disagg.test\n").await;
+    wait_for(
+        &merged,
+        Duration::from_secs(3),
+        "the good name's change while the silent one's lookup waits",
+        |s| ids(s, Role::Decode) == ["http://127.0.0.92:8200"],
+    )
+    .await;
+    assert!(errors(&merged) >= 1, "the silent name's lookup failed");
+    silent.abort();
+}
