@@ -21,8 +21,9 @@
 //!   error event.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
 //!   the dead one is reported failed, which is what passive health hears, in the
-//!   request's trace when it is traced, and its in-flight count and the router's place
-//!   on it are given back as its stream is abandoned), placed by the router
+//!   request's trace when it is traced, its leg timed from its send past its head and
+//!   first byte to the break, and its in-flight count and the router's place on it are
+//!   given back as its stream is abandoned), placed by the router
 //!   (`Router::place`: a per-endpoint limit waits for room, and holds a place while it
 //!   streams); its waits for room, any fresh prefill, and its head end within one
 //!   decode head timeout from the break (a continuation that could not start leaves the
@@ -80,7 +81,7 @@ use sync_wrapper::SyncWrapper;
 
 use crate::endpoint::{Endpoint, InFlightGuard};
 use crate::error::BoxError;
-use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline, now};
+use crate::outcome::{LegOutcome, Migration, Outcome, Report, now};
 use crate::request::PdRequest;
 use crate::router::Route;
 use crate::source::EndpointSource;
@@ -93,12 +94,14 @@ mod moved;
 mod plan;
 mod seen;
 mod start;
+mod times;
 
 use head::{FirstChunk, Head};
 pub(crate) use moved::Moved;
 use splice::{splice_chunk, usage_chunk};
 pub(crate) use start::ThroughPrefill;
 use start::{Bounds, Continuation, Current, End, NotStarted, Started, start};
+use times::LegTimes;
 mod scan;
 mod splice;
 
@@ -307,12 +310,13 @@ impl fmt::Debug for Migrating {
 
 impl Migrating {
     /// The body relaying `inner`, the first leg's, under `ctx`; the first leg's decode
-    /// is held by `guard` and the router's `hold` on it.
-    pub(crate) fn new(
+    /// is held by `guard` and the router's `hold` on it, its steps timed in `times`.
+    fn new(
         inner: BoxBody,
         ctx: Ctx,
         guard: InFlightGuard,
         hold: Option<crate::policy::Permit>,
+        times: LegTimes,
     ) -> Self {
         let seen = Seen::first(ctx.route.decode.id());
         let leg = Current {
@@ -320,6 +324,7 @@ impl Migrating {
             guard: Some(guard),
             hold,
             riding: None,
+            times,
         };
         let prompt = ctx.plan.generate.clone();
         Migrating {
@@ -354,13 +359,19 @@ impl Migrating {
         self.migrations > 0
     }
 
-    /// Bytes of the current leg go to the client: if they are a continuation's first,
-    /// the migration ends here (its time lost is known; it is logged).
+    /// Bytes of the current leg go to the client: if they are its first, their time is
+    /// the leg's first byte, and if it is a continuation the migration ends here (its
+    /// time lost is known; it is logged).
     fn resumed(&mut self) {
+        if self.leg.times.first.is_some() {
+            return;
+        }
+        let at = now();
+        self.leg.times.first = Some(at);
         if self.stalled.take().is_none() {
             return;
         }
-        let Some(m) = self.ctx.moved.resumed(now()) else {
+        let Some(m) = self.ctx.moved.resumed(at) else {
             return;
         };
         tracing::info!(
@@ -587,11 +598,18 @@ impl Migrating {
     /// still migrate (`true`), else not. `dead` is the engine to blame, reported failed
     /// (which passive health hears) when the stream moves on, or at once when
     /// `always` (a continuation that could not start: no report of the attempt names
-    /// it).
-    fn migrate(&mut self, reason: Reason, dead: Option<Arc<Endpoint>>, always: bool) -> bool {
+    /// it), its leg timed from what is known of it (its send, its head, its first byte)
+    /// to now, the break.
+    fn migrate(
+        &mut self,
+        reason: Reason,
+        dead: Option<(Arc<Endpoint>, LegTimes)>,
+        always: bool,
+    ) -> bool {
         let ctx = Arc::clone(&self.ctx);
-        let report_dead = |dead: Option<Arc<Endpoint>>| {
-            let Some(dead) = dead else {
+        let at = now();
+        let report_dead = |dead: Option<(Arc<Endpoint>, LegTimes)>| {
+            let Some((dead, times)) = dead else {
                 return;
             };
             let mut route = ctx.route.clone();
@@ -602,7 +620,7 @@ impl Migrating {
                 Outcome::DecodeFailed,
                 LegOutcome::NotSent,
                 LegOutcome::Failed,
-                Timeline::starting(),
+                times.timeline(at),
             );
             // In the request's trace, as the attempt's report is.
             report.trace = ctx.own_trace();
@@ -683,7 +701,7 @@ impl Migrating {
         // holds the router's place for it) while the continuation runs.
         self.inner = super::body::empty_body();
         self.leg.release();
-        let broke = *self.stalled.get_or_insert_with(now);
+        let broke = *self.stalled.get_or_insert(at);
         let span = ctx.trace.as_ref().map(|(_, ids)| ids.span());
         ctx.moved.begin(Migration {
             reason: reason.as_str(),
@@ -771,6 +789,7 @@ impl Migrating {
                         blame,
                         prefill,
                         failed_prefill,
+                        times,
                         error: e,
                     }) => {
                         tracing::warn!(error = %crate::error::error_chain(&e), "continuation failed");
@@ -786,7 +805,7 @@ impl Migrating {
                         if this.broke.is_none() {
                             this.broke = Some(Box::new(e));
                         }
-                        if this.migrate(Reason::Reset, blame, true) {
+                        if this.migrate(Reason::Reset, blame.map(|b| (b, times)), true) {
                             continue;
                         }
                         this.ended = true;
@@ -815,7 +834,7 @@ impl Migrating {
                             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                         }
                         Err((reason, event)) => {
-                            let dead = this.leg.to_blame();
+                            let dead = this.leg.take_blame();
                             if this.migrate(reason, dead, false) {
                                 if out.is_empty() {
                                     continue;
@@ -844,7 +863,8 @@ impl Migrating {
                 }
                 Poll::Ready(None) => Reason::Eof,
             };
-            if this.migrate(reason, this.leg.to_blame(), false) {
+            let dead = this.leg.take_blame();
+            if this.migrate(reason, dead, false) {
                 continue;
             }
             // Not migrated: end as today (what is held goes first, then the error or
@@ -880,6 +900,10 @@ impl super::Inner {
         clock: super::clock::Clock,
         body: BoxBody,
         guard: InFlightGuard,
+        steps: (
+            &crate::outcome::Timeline,
+            Option<&Arc<super::respond::LateMarks>>,
+        ),
     ) -> (BoxBody, Option<Arc<Moved>>, Option<InFlightGuard>) {
         let Some(plan) = plan(&self.config.migration, req) else {
             return (body, None, Some(guard));
@@ -914,7 +938,8 @@ impl super::Inner {
             }),
         };
         let hold = route.take_decode_hold();
-        let body = Migrating::new(body, ctx, guard, hold);
+        let times = LegTimes::first_leg(steps.0, steps.1);
+        let body = Migrating::new(body, ctx, guard, hold, times);
         (http_body_util::BodyExt::boxed(body), Some(moved), None)
     }
 }

@@ -359,7 +359,18 @@ impl Inner {
                 // Continued through a fresh prefill only when this answer's KV came
                 // from one.
                 let disaggregated = mark == Some("kv");
-                self.migrating(req, &mut route, &meta, disaggregated, clock, body, guard)
+                // The first leg's steps, for the report of its decode if it breaks.
+                let steps = (&timeline, late.as_ref());
+                self.migrating(
+                    req,
+                    &mut route,
+                    &meta,
+                    disaggregated,
+                    clock,
+                    body,
+                    guard,
+                    steps,
+                )
             }
             guard => (body, None, guard),
         };

@@ -24,6 +24,7 @@ use super::super::body::{Finish, PdBody};
 use super::super::respond::NotDecoded;
 use super::Ctx;
 use super::fresh::PrefillLeg;
+use super::times::LegTimes;
 
 /// What a continuation through a fresh prefill needs: the orchestrator's attempt
 /// machinery and the request's deadline.
@@ -46,6 +47,8 @@ pub(super) struct NotStarted {
     /// Its fresh prefill, when that failed before the decode started (never chosen
     /// again for this request).
     pub(super) failed_prefill: Option<EndpointId>,
+    /// What is known of the time of the decode leg `blame` names.
+    pub(super) times: LegTimes,
     pub(super) error: PdError,
 }
 
@@ -56,6 +59,7 @@ impl NotStarted {
             blame: None,
             prefill: None,
             failed_prefill: None,
+            times: LegTimes::default(),
             error,
         }
     }
@@ -73,6 +77,8 @@ pub(super) struct Current {
     /// prefill), and the flag set when it failed (reported failed then): the stream
     /// ended for it.
     pub(super) riding: Option<(EndpointId, Arc<AtomicBool>)>,
+    /// What is known of the leg's time, for the report that tells its decode failed.
+    pub(super) times: LegTimes,
 }
 
 impl Current {
@@ -82,12 +88,13 @@ impl Current {
         self.hold = None;
     }
 
-    /// The engine to blame for this leg's stream breaking: its decode, unless the
-    /// prefill riding in the stream failed first (which ended it, and was blamed).
-    pub(super) fn to_blame(&self) -> Option<Arc<Endpoint>> {
+    /// The engine to blame for this leg's stream breaking, and what is known of the
+    /// leg's time (taken: the leg is done): its decode, unless the prefill riding in
+    /// the stream failed first (which ended it, and was blamed).
+    pub(super) fn take_blame(&mut self) -> Option<(Arc<Endpoint>, LegTimes)> {
         match self.failed_prefill() {
             Some(_) => None,
-            None => Some(Arc::clone(&self.endpoint)),
+            None => Some((Arc::clone(&self.endpoint), std::mem::take(&mut self.times))),
         }
     }
 
@@ -290,6 +297,7 @@ pub(super) async fn start(
                             blame: None,
                             prefill: Some(prefill),
                             failed_prefill: None,
+                            times: LegTimes::default(),
                             error,
                         });
                     }
@@ -314,31 +322,34 @@ pub(super) async fn start(
             blame: None,
             prefill: None,
             failed_prefill,
+            times: LegTimes::default(),
             error,
         });
     }
     send(&ctx, body, &endpoint, n, span, end)
         .await
-        .map(|(body, guard)| {
+        .map(|(body, guard, times)| {
             held(Started {
                 current: Current {
                     endpoint: Arc::clone(&endpoint),
                     guard: Some(guard),
                     hold: None,
                     riding: None,
+                    times,
                 },
                 body,
                 prefill: None,
                 failed_prefill: failed_prefill.clone(),
             })
         })
-        .map_err(|Unsent { error, cut }| NotStarted {
+        .map_err(|Unsent { error, cut, times }| NotStarted {
             tried: Some(Arc::clone(&endpoint)),
             // The request's deadline, or the continuation's own end (its time went on
             // waits), is no engine's fault.
             blame: (!cut && !error.is_deadline()).then_some(endpoint),
             prefill: None,
             failed_prefill,
+            times,
             error,
         })
 }
@@ -501,12 +512,16 @@ async fn through_prefill(
                     } else {
                         head.into_body()
                     };
+                    // Its decode leg's steps (sent inside the body after a lead of the
+                    // proxy's own: its stream starts now).
+                    let sent = tl.decode_sent.or_else(|| Some(crate::outcome::now()));
                     return Ok(Started {
                         current: Current {
                             endpoint: Arc::clone(decode),
                             guard: Some(guard),
                             hold: None,
                             riding,
+                            times: LegTimes::sent(sent, tl.decode_head),
                         },
                         body,
                         prefill: Some(Arc::clone(prefill)),
@@ -600,21 +615,27 @@ fn cut(route: &Route, tl: &Timeline, end: End) -> Failure {
     failure
 }
 
-/// Why a continuation's decode gave no 2xx head: the error, and whether it was cut by
-/// the continuation's own end (no engine to blame).
+/// Why a continuation's decode gave no 2xx head: the error, whether it was cut by the
+/// continuation's own end (no engine to blame), and when its leg was sent and its head
+/// came.
 struct Unsent {
     error: PdError,
     cut: bool,
+    times: LegTimes,
 }
 
 impl From<PdError> for Unsent {
     fn from(error: PdError) -> Self {
-        Unsent { error, cut: false }
+        Unsent {
+            error,
+            cut: false,
+            times: LegTimes::default(),
+        }
     }
 }
 
 /// Send a continuation's `body` to `endpoint`; its 2xx head's body, by the
-/// continuation's `end`.
+/// continuation's `end`, and when the leg was sent and its head came.
 async fn send(
     ctx: &Ctx,
     body: Bytes,
@@ -622,7 +643,7 @@ async fn send(
     n: u32,
     span: Option<[u8; 8]>,
     end: End,
-) -> Result<(BoxBody, InFlightGuard), Unsent> {
+) -> Result<(BoxBody, InFlightGuard, LegTimes), Unsent> {
     let guard = endpoint.track();
     let id = endpoint.id().clone();
     let transport_err = |e| PdError::transport(Side::Decode, id.clone(), e);
@@ -648,6 +669,7 @@ async fn send(
     if let (Some((trace, _)), Some(span)) = (&ctx.trace, span) {
         trace.inject(&span, h);
     }
+    let mut times = LegTimes::sent(Some(crate::outcome::now()), None);
     let sent = ctx.transport.send(req);
     let head = match end.at {
         Some(at) => match tokio::time::timeout_at(at, sent).await {
@@ -656,21 +678,36 @@ async fn send(
                 return Err(Unsent {
                     error: end.error(Side::Decode, endpoint, Phase::DecodeHead),
                     cut: true,
+                    times,
                 });
             }
         },
         None => sent.await,
     };
-    let head = head.map_err(transport_err)?;
+    let head = match head {
+        Ok(head) => head,
+        Err(e) => {
+            return Err(Unsent {
+                error: transport_err(e),
+                cut: false,
+                times,
+            });
+        }
+    };
+    times.head = Some(crate::outcome::now());
     let status = head.status();
     if !status.is_success() {
         // Its message within what is left of the continuation's time: a body that
         // never ends holds the client's stream no longer than a head that never comes.
         let left = end.left(ctx.head_timeout);
         let detail = super::super::legs::error_message(head.into_body(), 64 * 1024, left).await;
-        return Err(PdError::upstream_status(Side::Decode, id, status, detail).into());
+        return Err(Unsent {
+            error: PdError::upstream_status(Side::Decode, id, status, detail),
+            cut: false,
+            times,
+        });
     }
-    Ok((head.into_body(), guard))
+    Ok((head.into_body(), guard, times))
 }
 
 /// The API a continuation is posted to: SGLang's `/generate` for a `/generate`

@@ -178,3 +178,105 @@ async fn a_continuations_reports_name_leg_spans_of_their_own() {
         assert_settled(&orch);
     }
 }
+
+/// The one report that tells the decode at `url` failed.
+fn dead<'a>(all: &'a [Report], url: &str) -> &'a Report {
+    let dead: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.route.decode.id().as_str() == url && r.decode == LegOutcome::Failed)
+        .collect();
+    let [dead] = &dead[..] else {
+        panic!("{url} told failed once: {all:?}")
+    };
+    dead
+}
+
+/// The report of a decode whose stream broke at `broke` times its leg, as a trace draws
+/// it: sent, its first byte, then the break (5 ms after its last frame), each phase
+/// from its send.
+fn timed_to_the_break(r: &Report, broke: std::time::Instant, what: &str) {
+    let tl = &r.timeline;
+    let (Some(sent), Some(first), Some(end)) = (tl.decode_sent, tl.decode_first_chunk, tl.end)
+    else {
+        panic!("{what}: the dead decode's leg, untimed: {tl:?}")
+    };
+    assert!(sent <= first && first <= end, "{what}: {tl:?}");
+    assert_eq!(end, broke, "{what}: the leg ends at the break");
+    assert!(end - sent >= ms(5), "{what}: {tl:?}");
+    assert_eq!(
+        r.phases.decode_first_chunk,
+        Some(first - sent),
+        "{what}: its phases"
+    );
+}
+
+/// The report that tells a broken decode failed times its leg, so that a trace draws
+/// the leg that broke (an error span from its send to the break) and not only the
+/// continuation: the first leg from the attempt's decode send, a continuation's leg
+/// from its own send, each past its first byte to the break its migration counts the
+/// client's stream still from.
+#[tokio::test(start_paused = true)]
+async fn the_dead_decodes_report_times_its_leg_from_its_send_to_the_break() {
+    for decode_only in [true, false] {
+        let fake = Fake::new();
+        let told = Told::default();
+        continued_twice(&fake, then_breaks("B", 8));
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        let mut config = continuing(2, decode_only);
+        config.trace_ratio = Some(1.0);
+        let orch = over(&fake, &[P1], &[D1, D2, D3], VllmNixl::new(), config)
+            .listener(told.clone())
+            .build();
+        drain(&orch).await;
+        let summary = told.summary();
+        let [first, second] = &summary.migrated[..] else {
+            panic!("two migrations: {:?}", summary.migrated)
+        };
+        let all = told.reports();
+        let attempt = all
+            .iter()
+            .find(|r| r.attempt == 0 && r.outcome == Outcome::Success)
+            .expect("the attempt's report");
+        let (d1, d2) = (dead(&all, D1), dead(&all, D2));
+        let what = format!("decode-only: {decode_only}");
+        timed_to_the_break(d1, first.broke, &format!("D1, {what}"));
+        assert_eq!(
+            d1.timeline.decode_sent, attempt.timeline.decode_sent,
+            "{what}: the first leg was sent when the attempt's decode was"
+        );
+        timed_to_the_break(d2, second.broke, &format!("D2, {what}"));
+        assert!(
+            d2.timeline.decode_sent >= Some(first.broke),
+            "{what}: the continuation's leg was sent after the break it continues"
+        );
+        assert_settled(&orch);
+    }
+}
+
+/// A continuation whose decode answered 5xx (decode-only) is told failed with its leg
+/// timed: sent after the break, its head, its end.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_that_could_not_start_is_told_failed_with_its_leg_timed() {
+    let fake = Fake::new();
+    let told = Told::default();
+    continued_once(&fake, prefill_answer(), engine_error(503, "busy"));
+    let orch = traced(&fake, true, &told);
+    drain(&orch).await;
+    let summary = told.summary();
+    let [migration] = &summary.migrated[..] else {
+        panic!("one migration: {:?}", summary.migrated)
+    };
+    let all = told.reports();
+    let d2 = dead(&all, D2);
+    let tl = &d2.timeline;
+    let (Some(sent), Some(head), Some(end)) = (tl.decode_sent, tl.decode_head, tl.end) else {
+        panic!("the continuation's decode leg, untimed: {tl:?}")
+    };
+    assert!(
+        migration.broke <= sent && sent <= head && head <= end,
+        "{tl:?}"
+    );
+    assert_eq!(d2.phases.decode_head, Some(head - sent));
+    assert_settled(&orch);
+}
