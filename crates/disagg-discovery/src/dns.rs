@@ -26,7 +26,8 @@
 //! below (a TTL of 0 would otherwise mean a query loop). The names due are looked up
 //! together, each on its own: a name whose lookup waits out [`DnsConfig::timeout`]
 //! holds back no other name's refresh, and each name's outcome is published as it
-//! comes (every name's engines merged in the configured order of the names).
+//! comes (every name's engines merged: an engine two names give is kept as the name
+//! given first has it).
 //!
 //! The source publishes its first list once every name has had an answer (records, or
 //! an answer without records): until then it publishes nothing (`None`, not an empty
@@ -503,7 +504,8 @@ impl Refresher {
         }
     }
 
-    /// Publishes every name's engines, in the configured order of the names.
+    /// Publishes every name's engines (an engine two names give as the name given
+    /// first has it).
     fn publish(&self) {
         // No partial first list: nothing until every name has had an answer (a name
         // whose lookups all failed so far is not one without engines), for at most
