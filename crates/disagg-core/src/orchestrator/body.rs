@@ -145,12 +145,13 @@ impl Finish {
         if report.timeline.decode_first_chunk.is_none() {
             report.timeline.decode_first_chunk = self.first_chunk;
         }
-        // A migrated answer ends on the decode that finished it (the dead one was
-        // reported failed when it broke).
-        let migrations = self
-            .moved
-            .as_ref()
-            .map_or(0, |m| m.apply(&mut report.route).0);
+        // A migrated answer ends on the decode that finished it, timed by its leg (the
+        // dead one was reported failed, with its leg's times, when it broke); the
+        // request's summary keeps the attempt's own steps, as it keeps its route.
+        let (migrations, own) = match &self.moved {
+            Some(m) => m.apply(&mut report),
+            None => (0, None),
+        };
         let migrated = match (&self.moved, &self.summary) {
             (Some(m), Some(_)) => m.take_log(),
             _ => Vec::new(),
@@ -193,10 +194,17 @@ impl Finish {
             summary.end = end;
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
-            // `report` told its phases from this timeline (a summary is made only when
-            // someone listens, and then the report's phases are filled).
-            summary.phases = Some(report.phases);
-            summary.timeline = Some(report.timeline);
+            match own {
+                // The attempt's own steps (its phases follow from them when the
+                // summary is told).
+                Some(own) => summary.timeline = Some(own),
+                // `report` told its phases from this timeline (a summary is made only
+                // when someone listens, and then the report's phases are filled).
+                None => {
+                    summary.phases = Some(report.phases);
+                    summary.timeline = Some(report.timeline);
+                }
+            }
             summary.migrations = migrations;
             summary.migrated = migrated;
             summary.delivery = match outcome {

@@ -21,11 +21,11 @@
 //!   error event.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
 //!   the dead one is reported failed, which is what passive health hears, in the
-//!   request's trace when it is traced, its leg timed from its send past its head and
-//!   first byte to the break, and its in-flight count and the router's place on it are
-//!   given back as its stream is abandoned), placed by the router
-//!   (`Router::place`: a per-endpoint limit waits for room, and holds a place while it
-//!   streams); its waits for room, any fresh prefill, and its head end within one
+//!   request's trace when it is traced, its leg timed from its send, or the handoff
+//!   step before it, past its head and first byte to the break, and its in-flight count
+//!   and the router's place on it are given back as its stream is abandoned), placed
+//!   by the router (`Router::place`: a per-endpoint limit waits for room, and holds a
+//!   place while it streams); its waits for room, any fresh prefill, and its head end within one
 //!   decode head timeout from the break (a continuation that could not start leaves the
 //!   next no new window; a step cut at that end blames no engine, as the request's
 //!   deadline does not): `POST /v1/completions` with `prompt` = the prompt's ids and
@@ -52,13 +52,17 @@
 //!   carried over is copied as the engine wrote it, only ids and counts are read.
 //! * **Report.** Each continuation tried is a [`Migration`] in the request's summary
 //!   (from, to, tokens carried, when the stream broke and when the continuation's first
-//!   byte went out: the time lost), with a span id drawn when the request is traced;
-//!   the continuation's legs carry a `traceparent` naming that span. A fresh
+//!   byte went out: the time lost, ended by a continuation's first bytes even when the
+//!   frame they came in also breaks it), with a span id drawn when the request is
+//!   traced; the continuation's legs carry a `traceparent` naming that span. A fresh
 //!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`), and a
 //!   continuation through it that fails as an attempt, each with the request's trace
 //!   and leg span ids of its own (never the migration's span's); one that fails while
 //!   riding in the continuation's stream is blamed for the break, not the decode,
-//!   which may be chosen again (after the decodes not tried yet).
+//!   which may be chosen again (after the decodes not tried yet). The attempt's report
+//!   names the decode that finished the answer and times its decode leg (and the
+//!   handoff step before it, a fresh prefill's) by that decode's leg, its start and
+//!   prefill leg the attempt's; the request's summary keeps the attempt's own steps.
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -778,7 +782,7 @@ impl Migrating {
                         this.ctx
                             .moved
                             .sent_to(Some(&current.endpoint), prefill.as_ref());
-                        this.ctx.moved.moved(&current.endpoint, this.carried);
+                        this.ctx.moved.moved(&current.endpoint, &current.times);
                         this.leg = current;
                         this.inner = body;
                         this.broke = None;
@@ -834,6 +838,13 @@ impl Migrating {
                             return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
                         }
                         Err((reason, event)) => {
+                            // The events before the one that broke the leg go to the
+                            // client either way: when they are a continuation's first,
+                            // its migration ended (and the leg's first byte is known,
+                            // for the report of its break).
+                            if !out.is_empty() {
+                                this.resumed();
+                            }
                             let dead = this.leg.take_blame();
                             if this.migrate(reason, dead, false) {
                                 if out.is_empty() {

@@ -513,15 +513,19 @@ async fn through_prefill(
                         head.into_body()
                     };
                     // Its decode leg's steps (sent inside the body after a lead of the
-                    // proxy's own: its stream starts now).
+                    // proxy's own: its stream starts now), after its handoff's.
                     let sent = tl.decode_sent.or_else(|| Some(crate::outcome::now()));
+                    let times = LegTimes {
+                        handoff: tl.handoff_start,
+                        ..LegTimes::sent(sent, tl.decode_head)
+                    };
                     return Ok(Started {
                         current: Current {
                             endpoint: Arc::clone(decode),
                             guard: Some(guard),
                             hold: None,
                             riding,
-                            times: LegTimes::sent(sent, tl.decode_head),
+                            times,
                         },
                         body,
                         prefill: Some(Arc::clone(prefill)),

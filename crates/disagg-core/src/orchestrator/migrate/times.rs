@@ -1,5 +1,6 @@
 //! What is known of a decode leg's time ([`LegTimes`]): the report that tells its
-//! decode failed, when its stream breaks, times the leg with it.
+//! decode failed, when its stream breaks, times the leg with it, and after a migration
+//! the attempt's report times the decode that finished the answer with its leg's.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -8,14 +9,19 @@ use crate::outcome::Timeline;
 
 use super::super::respond::LateMarks;
 
-/// When a decode leg of a migrating stream was sent, its head came and its first byte
-/// went to the client: what the report that tells its decode failed (its stream broke,
-/// or a continuation on it could not start) times the leg with, so that a trace draws
-/// the leg that broke (an error span from its send to the break) and the metrics see
-/// its phases. Instants the leg's steps took anyway, kept on the leg (its first byte
-/// read off the clock once per leg).
+/// When a decode leg of a migrating stream was sent (and the handoff step before it
+/// began, when it had one), its head came and its first byte went to the client: what
+/// the report that tells its decode failed (its stream broke, or a continuation on it
+/// could not start) times the leg with, so that a trace draws the leg that broke (an
+/// error span from its send to the break) and the metrics see its phases; and, for the
+/// leg that finished the answer, what the attempt's report times its decode with.
+/// Instants the leg's steps took anyway, kept on the leg (its first byte read off the
+/// clock once per leg).
 #[derive(Debug, Clone, Default)]
 pub(super) struct LegTimes {
+    /// The handoff step before the leg began (the first leg's, after the attempt's
+    /// prefill; a continuation's through a fresh prefill).
+    pub(super) handoff: Option<Instant>,
     /// The leg was sent.
     pub(super) sent: Option<Instant>,
     /// Its response head came.
@@ -32,6 +38,7 @@ impl LegTimes {
     /// `late` marks) have it.
     pub(super) fn first_leg(tl: &Timeline, late: Option<&Arc<LateMarks>>) -> Self {
         LegTimes {
+            handoff: tl.handoff_start,
             sent: tl.decode_sent,
             head: tl.decode_head,
             first: None,
@@ -42,6 +49,7 @@ impl LegTimes {
     /// A continuation's leg, sent at `sent`, its head at `head`.
     pub(super) fn sent(sent: Option<Instant>, head: Option<Instant>) -> Self {
         LegTimes {
+            handoff: None,
             sent,
             head,
             first: None,
@@ -50,8 +58,27 @@ impl LegTimes {
     }
 
     /// The leg's steps as a decode leg's timeline that ended at `end` (the break, or
-    /// its failure): its phases, and the span a trace draws, run from its send.
+    /// its failure): its phases, and the span a trace draws, run from its send (its
+    /// handoff step's from the handoff's start to the send).
     pub(super) fn timeline(&self, end: Instant) -> Timeline {
+        let mut tl = Timeline {
+            start: end,
+            prefill_sent: None,
+            prefill_done: None,
+            handoff_start: None,
+            decode_sent: None,
+            decode_head: None,
+            decode_first_chunk: None,
+            end: Some(end),
+        };
+        self.onto(&mut tl);
+        tl.start = tl.handoff_start.or(tl.decode_sent).unwrap_or(end);
+        tl
+    }
+
+    /// The leg's steps in `tl` in place of its decode leg's (and the handoff step's
+    /// before it: none when the leg had none).
+    pub(super) fn onto(&self, tl: &mut Timeline) {
         let late = |at: &std::sync::OnceLock<Instant>| at.get().copied();
         let (sent, head) = match &self.late {
             Some(l) => (
@@ -62,15 +89,9 @@ impl LegTimes {
         };
         // A first byte before the leg was sent is the proxy's own lead's.
         let first = self.first.filter(|f| sent.is_none_or(|s| *f >= s));
-        Timeline {
-            start: sent.unwrap_or(end),
-            prefill_sent: None,
-            prefill_done: None,
-            handoff_start: None,
-            decode_sent: sent,
-            decode_head: head,
-            decode_first_chunk: first,
-            end: Some(end),
-        }
+        tl.handoff_start = self.handoff;
+        tl.decode_sent = sent;
+        tl.decode_head = head;
+        tl.decode_first_chunk = first;
     }
 }

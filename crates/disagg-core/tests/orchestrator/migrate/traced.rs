@@ -234,15 +234,13 @@ async fn the_dead_decodes_report_times_its_leg_from_its_send_to_the_break() {
             panic!("two migrations: {:?}", summary.migrated)
         };
         let all = told.reports();
-        let attempt = all
-            .iter()
-            .find(|r| r.attempt == 0 && r.outcome == Outcome::Success)
-            .expect("the attempt's report");
+        // The attempt's own steps (its report times the decode that finished it).
+        let attempt = summary.timeline.expect("the attempt's steps");
         let (d1, d2) = (dead(&all, D1), dead(&all, D2));
         let what = format!("decode-only: {decode_only}");
         timed_to_the_break(d1, first.broke, &format!("D1, {what}"));
         assert_eq!(
-            d1.timeline.decode_sent, attempt.timeline.decode_sent,
+            d1.timeline.decode_sent, attempt.decode_sent,
             "{what}: the first leg was sent when the attempt's decode was"
         );
         timed_to_the_break(d2, second.broke, &format!("D2, {what}"));
@@ -279,4 +277,123 @@ async fn a_continuation_that_could_not_start_is_told_failed_with_its_leg_timed()
     );
     assert_eq!(d2.phases.decode_head, Some(head - sent));
     assert_settled(&orch);
+}
+
+/// A continuation whose first bytes come in the frame that breaks it (a token, then an
+/// error event) resumed the client's stream: its migration ends there (its time lost
+/// is known), the next migration counts the stream still from its own break, and the
+/// dead continuation's report has its first byte.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_that_breaks_in_its_first_frame_resumed_the_stream() {
+    let fake = Fake::new();
+    let told = Told::default();
+    let error = r#"data: {"error":{"message":"decode died","type":"Error","code":500}}"#;
+    let frame = continued("B", 8, None) + error + "\n\n";
+    continued_twice(&fake, Reply::sse().frame(ms(5), frame));
+    let orch = over(
+        &fake,
+        &[P1],
+        &[D1, D2, D3],
+        VllmNixl::new(),
+        continuing(2, true),
+    )
+    .listener(told.clone())
+    .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    let text = read_to_end(&mut body).await;
+    assert!(
+        text.contains("\"B\"") && text.contains("\"C\"") && !text.contains("decode died"),
+        "{text}"
+    );
+    let summary = told.summary();
+    let [first, second] = &summary.migrated[..] else {
+        panic!("two migrations: {:?}", summary.migrated)
+    };
+    let Some(resumed) = first.resumed else {
+        panic!("the first continuation's bytes went out: {first:?}")
+    };
+    assert_eq!(first.time_lost, Some(resumed - first.broke));
+    assert!(
+        second.broke > first.broke && second.broke >= resumed,
+        "the second break is D2's, not D1's: {first:?} {second:?}"
+    );
+    assert!(second.resumed.is_some(), "{second:?}");
+    let all = told.reports();
+    assert_eq!(
+        dead(&all, D2).timeline.decode_first_chunk,
+        Some(resumed),
+        "D2's leg, timed to its first byte"
+    );
+    assert_settled(&orch);
+}
+
+/// After a migration the attempt's report tells the decode that finished the answer
+/// with that decode's own leg: sent after the break, its own head (2 ms after its send)
+/// and first byte, and the handoff step before it (a fresh prefill's; none
+/// decode-only). The first leg's decode times and the handoff before it are the dead
+/// decode's report's; the attempt's start and prefill leg stay the attempt's, and the
+/// request's summary keeps the attempt's own steps (its route is the attempt's).
+#[tokio::test(start_paused = true)]
+async fn the_attempts_report_times_the_decode_that_finished_the_answer() {
+    for decode_only in [true, false] {
+        let fake = Fake::new();
+        let told = Told::default();
+        continued_once(&fake, prefill_answer(), to_the_end("B", 8).after(ms(2)));
+        let orch = traced(&fake, decode_only, &told);
+        drain(&orch).await;
+        let what = format!("decode-only: {decode_only}");
+        let summary = told.summary();
+        let [migration] = &summary.migrated[..] else {
+            panic!("{what}: one migration: {:?}", summary.migrated)
+        };
+        let all = told.reports();
+        let attempt = all
+            .iter()
+            .find(|r| r.attempt == 0 && r.outcome == Outcome::Success)
+            .expect("the attempt's report");
+        assert_eq!(attempt.route.decode.id().as_str(), D2, "{what}");
+        let tl = &attempt.timeline;
+        let (Some(sent), Some(head), Some(first)) =
+            (tl.decode_sent, tl.decode_head, tl.decode_first_chunk)
+        else {
+            panic!("{what}: the final decode's leg, untimed: {tl:?}")
+        };
+        assert!(
+            migration.broke <= sent && sent <= head && head <= first,
+            "{what}: sent after the break {migration:?}: {tl:?}"
+        );
+        assert_eq!(attempt.phases.decode_head, Some(ms(2)), "{what}: D2's head");
+        assert_eq!(Some(first), migration.resumed, "{what}: D2's first byte");
+        let own = summary.timeline.expect("the attempt's own steps");
+        let d1 = dead(&all, D1);
+        assert_eq!(
+            (d1.timeline.handoff_start, d1.timeline.decode_sent),
+            (own.handoff_start, own.decode_sent),
+            "{what}: the first leg's handoff and send are the dead decode's report's"
+        );
+        let (Some(handoff), Some(sent_first)) = (own.handoff_start, own.decode_sent) else {
+            panic!("{what}: {own:?}")
+        };
+        let phases = summary.phases.expect("the attempt's phases");
+        assert_eq!(d1.phases.handoff, Some(sent_first - handoff), "{what}");
+        assert_eq!(phases.handoff, d1.phases.handoff, "{what}");
+        assert_eq!(phases.decode_head, d1.phases.decode_head, "{what}");
+        assert_eq!(
+            (tl.start, tl.prefill_sent, tl.prefill_done),
+            (own.start, own.prefill_sent, own.prefill_done),
+            "{what}: the attempt's start and prefill leg"
+        );
+        if decode_only {
+            assert_eq!(tl.handoff_start, None, "{what}");
+        } else {
+            let Some(handoff) = tl.handoff_start else {
+                panic!("{what}: the fresh prefill's handoff: {tl:?}")
+            };
+            assert!(
+                migration.broke <= handoff && handoff <= sent,
+                "{what}: {tl:?}"
+            );
+        }
+        assert_settled(&orch);
+    }
 }
