@@ -146,11 +146,12 @@ impl Finish {
             report.timeline.decode_first_chunk = self.first_chunk;
         }
         // A migrated answer ends on the decode that finished it, timed by its leg (the
-        // dead one was reported failed, with its leg's times, when it broke); the
-        // request's summary keeps the attempt's own steps, as it keeps its route.
-        let (migrations, own) = match &self.moved {
+        // dead one was reported failed, with its leg's times, when the stream moved
+        // on); the request's summary keeps the attempt's own steps, as it keeps its
+        // route.
+        let applied = match &self.moved {
             Some(m) => m.apply(&mut report),
-            None => (0, None),
+            None => super::migrate::Applied::default(),
         };
         let migrated = match (&self.moved, &self.summary) {
             (Some(m), Some(_)) => m.take_log(),
@@ -189,12 +190,21 @@ impl Finish {
                 }
             }
         }
+        if applied.broke {
+            // The leg this report names broke and no continuation took the stream on
+            // (none started, or the client left while one was awaited): this report is
+            // the one that tells its decode failed.
+            report.decode = LegOutcome::Failed;
+            if report.outcome != Outcome::PrefillFailed {
+                report.outcome = Outcome::DecodeFailed;
+            }
+        }
         reporter.report(&mut report);
         if let Some(mut summary) = self.summary.take() {
             summary.end = end;
             summary.first_byte = self.first_byte;
             summary.bytes = self.bytes;
-            match own {
+            match applied.own {
                 // The attempt's own steps (its phases follow from them when the
                 // summary is told).
                 Some(own) => summary.timeline = Some(own),
@@ -205,7 +215,7 @@ impl Finish {
                     summary.timeline = Some(report.timeline);
                 }
             }
-            summary.migrations = migrations;
+            summary.migrations = applied.migrations;
             summary.migrated = migrated;
             summary.delivery = match outcome {
                 Outcome::Success => Delivery::Complete,

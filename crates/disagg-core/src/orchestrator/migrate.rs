@@ -20,10 +20,12 @@
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
 //!   error event.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
-//!   the dead one is reported failed, which is what passive health hears, in the
-//!   request's trace when it is traced, its leg timed from its send, or the handoff
-//!   step before it, past its head and first byte to the break, and its in-flight count
-//!   and the router's place on it are given back as its stream is abandoned), placed
+//!   the dead one is reported failed once, which is what passive health hears: when
+//!   the stream moves on, in the request's trace when it is traced and as the
+//!   attempt's, its leg timed from its send, or the handoff step before it, past its
+//!   head and first byte to the break; when no continuation starts, by the attempt's
+//!   report, which names it; its in-flight count and the router's place on it are
+//!   given back as its stream is abandoned), placed
 //!   by the router (`Router::place`: a per-endpoint limit waits for room, and holds a
 //!   place while it streams); its waits for room, any fresh prefill, and its head end within one
 //!   decode head timeout from the break (a continuation that could not start leaves the
@@ -101,7 +103,8 @@ mod start;
 mod times;
 
 use head::{FirstChunk, Head};
-pub(crate) use moved::Moved;
+use moved::Broken;
+pub(crate) use moved::{Applied, Moved};
 use splice::{splice_chunk, usage_chunk};
 pub(crate) use start::ThroughPrefill;
 use start::{Bounds, Continuation, Current, End, NotStarted, Started, start};
@@ -194,6 +197,9 @@ pub(crate) struct Ctx {
     pub(crate) counters: Arc<Counters>,
     /// The attempt's route (its decode is the first leg's).
     pub(crate) route: Route,
+    /// The attempt's number ([`Report::attempt`]): a dead decode's report is the
+    /// attempt's, as its legs are.
+    pub(crate) attempt: u32,
     /// The engine-side id of the attempt; continuations get `<id>-m<n>`.
     pub(crate) engine_id: HeaderValue,
     /// The client headers the legs carry.
@@ -599,11 +605,13 @@ impl Migrating {
     }
 
     /// The current leg failed for `reason`: start a continuation if the request may
-    /// still migrate (`true`), else not. `dead` is the engine to blame, reported failed
-    /// (which passive health hears) when the stream moves on, or at once when
-    /// `always` (a continuation that could not start: no report of the attempt names
-    /// it), its leg timed from what is known of it (its send, its head, its first byte)
-    /// to now, the break.
+    /// still migrate (`true`), else not. `dead` is the engine to blame, its leg timed
+    /// from what is known of it (its send, its head, its first byte) to now, the break.
+    /// Reported failed (which passive health hears) once: at once when `always` (a
+    /// continuation that could not start: no report of the attempt names it); else,
+    /// when a continuation starts, once the stream moves on (the attempt's report then
+    /// names another decode), and when the stream ends first, or no continuation
+    /// starts, by the attempt's report, which names it.
     fn migrate(
         &mut self,
         reason: Reason,
@@ -612,23 +620,13 @@ impl Migrating {
     ) -> bool {
         let ctx = Arc::clone(&self.ctx);
         let at = now();
-        let report_dead = |dead: Option<(Arc<Endpoint>, LegTimes)>| {
-            let Some((dead, times)) = dead else {
-                return;
-            };
-            let mut route = ctx.route.clone();
-            route.decode = dead;
-            route.decode_rank = None;
-            let mut report = Report::new(
-                route,
-                Outcome::DecodeFailed,
-                LegOutcome::NotSent,
-                LegOutcome::Failed,
-                times.timeline(at),
-            );
-            // In the request's trace, as the attempt's report is.
-            report.trace = ctx.own_trace();
-            ctx.reporter.report(&mut report);
+        let dead = dead.map(|(decode, times)| Broken { decode, times, at });
+        let dead = match dead {
+            Some(dead) if always => {
+                ctx.tell_failed(dead);
+                None
+            }
+            dead => dead,
         };
         if !always {
             // A break: the continuations that follow it start within one window.
@@ -655,9 +653,6 @@ impl Migrating {
             return true;
         }
         if !migratable || self.finished || self.migrations >= ctx.config.limit {
-            if always {
-                report_dead(dead);
-            }
             return false;
         }
         let Some(prompt) = self.prompt.as_ref() else {
@@ -666,9 +661,6 @@ impl Migrating {
         let generated = self.generated.len() as u64;
         let left = ctx.plan.max_tokens.map(|m| m.saturating_sub(generated));
         if left == Some(0) {
-            if always {
-                report_dead(dead);
-            }
             return false;
         }
         let broke_at = *self.window.get_or_insert_with(tokio::time::Instant::now);
@@ -676,10 +668,12 @@ impl Migrating {
         if always && end.passed() {
             // A continuation that could not start used the break's window up: no other
             // gets a new one.
-            report_dead(dead);
             return false;
         }
-        report_dead(dead);
+        if let Some(dead) = dead {
+            // Told when the stream moves on, or by the attempt's report.
+            ctx.moved.broke(dead);
+        }
         bump(&ctx.counters.migrations[reason.index()]);
         ctx.counters
             .migrated_tokens
@@ -779,10 +773,13 @@ impl Migrating {
                             this.seen.failed_prefill(prefill);
                         }
                         this.seen.tried(current.endpoint.id());
-                        this.ctx
-                            .moved
-                            .sent_to(Some(&current.endpoint), prefill.as_ref());
-                        this.ctx.moved.moved(&current.endpoint, &current.times);
+                        let ctx = &this.ctx;
+                        ctx.moved.sent_to(Some(&current.endpoint), prefill.as_ref());
+                        // The attempt's report now names this decode: the one the
+                        // stream broke on is told failed.
+                        if let Some(dead) = ctx.moved.moved(&current.endpoint, &current.times) {
+                            ctx.tell_failed(dead);
+                        }
                         this.leg = current;
                         this.inner = body;
                         this.broke = None;
@@ -928,6 +925,7 @@ impl super::Inner {
             reporter: Arc::clone(&self.reporter),
             counters: Arc::clone(&self.counters),
             route: route.clone(),
+            attempt: meta.attempts.saturating_sub(1),
             engine_id: meta.engine_id.clone(),
             forwarded: super::legs::client_headers(&self.config, req.headers())
                 .map(|(n, v)| (n.clone(), v.clone()))
@@ -952,6 +950,27 @@ impl super::Inner {
         let times = LegTimes::first_leg(steps.0, steps.1);
         let body = Migrating::new(body, ctx, guard, hold, times);
         (http_body_util::BodyExt::boxed(body), Some(moved), None)
+    }
+}
+
+impl Ctx {
+    /// Tell `dead`'s decode failed, its leg timed from what is known of it to its end,
+    /// in the request's trace and as the attempt's, as the attempt's report is.
+    fn tell_failed(&self, dead: Broken) {
+        let Broken { decode, times, at } = dead;
+        let mut route = self.route.clone();
+        route.decode = decode;
+        route.decode_rank = None;
+        let mut report = Report::new(
+            route,
+            Outcome::DecodeFailed,
+            LegOutcome::NotSent,
+            LegOutcome::Failed,
+            times.timeline(at),
+        );
+        report.attempt = self.attempt;
+        report.trace = self.own_trace();
+        self.reporter.report(&mut report);
     }
 }
 

@@ -10,10 +10,11 @@ use super::times::LegTimes;
 
 /// What a migration shares with the attempt's report: where the answer moved to, so
 /// that the attempt is reported against the decode that finished it (the dead one was
-/// reported failed when it broke), timed by that decode's leg, and how many times.
+/// reported failed when the stream moved on), timed by that decode's leg, and how many
+/// times; and whether the leg the report names broke, its decode not told failed yet.
 ///
-/// Locked where a continuation starts, where its first byte goes out and where the
-/// stream ends (never per chunk).
+/// Locked where a stream breaks and a continuation starts, where its first byte goes
+/// out and where the stream ends (never per chunk).
 #[derive(Debug, Default)]
 pub(crate) struct Moved {
     inner: Mutex<MovedState>,
@@ -28,26 +29,61 @@ struct MovedState {
     migrations: u32,
     /// Each continuation tried, for the request's summary.
     log: Vec<Migration>,
+    /// The leg the attempt's report names (the first leg, or the leg on `to`) broke and
+    /// its stream waits on a continuation: its decode is told failed once, when the
+    /// stream moves on (the report then names another decode), else by the report.
+    broken: Option<Broken>,
+}
+
+/// A decode leg that failed: its decode, what is known of its time, and when it ended
+/// (its stream broke, or its continuation could not start).
+#[derive(Debug)]
+pub(super) struct Broken {
+    pub(super) decode: Arc<Endpoint>,
+    pub(super) times: LegTimes,
+    pub(super) at: std::time::Instant,
+}
+
+/// What [`Moved::apply`] did to the attempt's report.
+#[derive(Debug, Default)]
+pub(crate) struct Applied {
+    /// Continuations that started.
+    pub(crate) migrations: u32,
+    /// The attempt's own steps, when the report names the decode the answer moved to
+    /// (`None`: its timeline is the attempt's).
+    pub(crate) own: Option<Timeline>,
+    /// The leg the report names broke and no continuation took the stream on: the
+    /// report is the one that tells its decode failed.
+    pub(crate) broke: bool,
 }
 
 impl Moved {
     /// Point `report` at the decode that finished the answer, its decode leg (and the
     /// handoff step before it) timed by that decode's leg: the first leg's are the
     /// dead decode's report's, the attempt's start and prefill leg stay. The
-    /// migrations, and the attempt's own steps when it moved (`None`: `report` is
-    /// untouched).
-    pub(crate) fn apply(&self, report: &mut Report) -> (u32, Option<Timeline>) {
-        let Ok(s) = self.inner.lock() else {
-            return (0, None);
+    /// migrations, the attempt's own steps when it moved (`None`: `report` is
+    /// untouched), and whether the leg it names broke (no other report tells it).
+    pub(crate) fn apply(&self, report: &mut Report) -> Applied {
+        let Ok(mut s) = self.inner.lock() else {
+            return Applied::default();
         };
+        let broke = s.broken.take().is_some();
         let Some(to) = &s.to else {
-            return (s.migrations, None);
+            return Applied {
+                migrations: s.migrations,
+                own: None,
+                broke,
+            };
         };
         report.route.decode = Arc::clone(to);
         report.route.decode_rank = None;
         let own = report.timeline;
         s.leg.onto(&mut report.timeline);
-        (s.migrations, Some(own))
+        Applied {
+            migrations: s.migrations,
+            own: Some(own),
+            broke,
+        }
     }
 
     /// The migrations tried, for the request's summary (taken once).
@@ -85,12 +121,22 @@ impl Moved {
         Some(m.clone())
     }
 
-    /// The stream moved on to `to`, its leg's steps so far `times`.
-    pub(super) fn moved(&self, to: &Arc<Endpoint>, times: &LegTimes) {
+    /// The leg the attempt's report names broke (`dead`, its decode to blame) and the
+    /// stream waits on a continuation: the report tells it failed unless the stream
+    /// moves on ([`moved`](Self::moved)).
+    pub(super) fn broke(&self, dead: Broken) {
         if let Ok(mut s) = self.inner.lock() {
-            s.to = Some(Arc::clone(to));
-            s.leg = times.clone();
-            s.migrations += 1;
+            s.broken = Some(dead);
         }
+    }
+
+    /// The stream moved on to `to`, its leg's steps so far `times`: the leg it broke
+    /// on, to be told failed now (the attempt's report no longer names it).
+    pub(super) fn moved(&self, to: &Arc<Endpoint>, times: &LegTimes) -> Option<Broken> {
+        let mut s = self.inner.lock().ok()?;
+        s.to = Some(Arc::clone(to));
+        s.leg = times.clone();
+        s.migrations += 1;
+        s.broken.take()
     }
 }

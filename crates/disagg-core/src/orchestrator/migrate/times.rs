@@ -1,6 +1,7 @@
 //! What is known of a decode leg's time ([`LegTimes`]): the report that tells its
-//! decode failed, when its stream breaks, times the leg with it, and after a migration
-//! the attempt's report times the decode that finished the answer with its leg's.
+//! decode failed, when its stream broke and moved on, times the leg with it, and after
+//! a migration the attempt's report times the decode that finished the answer with its
+//! leg's.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,8 +12,8 @@ use super::super::respond::LateMarks;
 
 /// When a decode leg of a migrating stream was sent (and the handoff step before it
 /// began, when it had one), its head came and its first byte went to the client: what
-/// the report that tells its decode failed (its stream broke, or a continuation on it
-/// could not start) times the leg with, so that a trace draws the leg that broke (an
+/// the report that tells its decode failed (its stream broke and moved on, or a
+/// continuation on it could not start) times the leg with, so that a trace draws the leg that broke (an
 /// error span from its send to the break) and the metrics see its phases; and, for the
 /// leg that finished the answer, what the attempt's report times its decode with.
 /// Instants the leg's steps took anyway, kept on the leg (its first byte read off the

@@ -397,3 +397,108 @@ async fn the_attempts_report_times_the_decode_that_finished_the_answer() {
         assert_settled(&orch);
     }
 }
+
+/// The reports naming the decode at `url`, whatever they tell of it.
+fn naming<'a>(all: &'a [Report], url: &str) -> Vec<&'a Report> {
+    all.iter()
+        .filter(|r| r.route.decode.id().as_str() == url)
+        .collect()
+}
+
+/// A stream that breaks on D1 and whose only other decode, D2, refuses the continuation
+/// (503) ends on D1: D1's leg is told failed once (by the attempt's report, which names
+/// it: passive health counts one failure, the metrics see its phases once), D2's once
+/// (its continuation's), and the request's summary once, as an error.
+#[tokio::test(start_paused = true)]
+async fn a_broken_decode_whose_stream_never_moved_on_is_told_failed_once() {
+    for decode_only in [true, false] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let told = Told::default();
+        continued_once(&fake, prefill_answer(), engine_error(503, "busy"));
+        let orch = traced(&fake, decode_only, &told);
+        drain(&orch).await;
+        let summary = told.summary();
+        assert_eq!(summary.outcome, "error", "{what}");
+        assert_eq!(summary.migrated.len(), 1, "{what}: {:?}", summary.migrated);
+        let all = told.reports();
+        let on_d1 = naming(&all, D1);
+        let [d1] = &on_d1[..] else {
+            panic!("{what}: D1 in one report: {all:?}")
+        };
+        assert_eq!(
+            (d1.outcome, d1.decode),
+            (Outcome::DecodeFailed, LegOutcome::Failed),
+            "{what}"
+        );
+        let d2 = dead(&all, D2);
+        assert_eq!(d2.outcome, Outcome::DecodeFailed, "{what}");
+        assert_settled(&orch);
+    }
+}
+
+/// The client leaves while a broken stream's continuation is awaited (its decode gives
+/// no head): the decode the stream broke on is in one report, which tells it failed
+/// (not abandoned besides).
+#[tokio::test(start_paused = true)]
+async fn a_broken_decode_whose_client_left_before_the_stream_moved_on_is_told_failed_once() {
+    for decode_only in [true, false] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let told = Told::default();
+        continued_once(&fake, prefill_answer(), Reply::hang());
+        let orch = traced(&fake, decode_only, &told);
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        until(&mut body, "\"A\"").await;
+        let polled = timeout(ms(50), body.frame()).await;
+        assert!(polled.is_err(), "{what}: the continuation is awaited");
+        assert_eq!(fake.calls_to(D2).len(), 1, "{what}");
+        drop(body);
+        let summary = told.summary();
+        assert_eq!(summary.outcome, "cancelled", "{what}");
+        let all = told.reports();
+        let on_d1 = naming(&all, D1);
+        let [d1] = &on_d1[..] else {
+            panic!("{what}: D1 in one report: {all:?}")
+        };
+        assert_eq!(d1.decode, LegOutcome::Failed, "{what}: {d1:?}");
+        assert_settled(&orch);
+    }
+}
+
+/// A request whose first attempt failed before its answer began (its prefill refused
+/// the connection) and whose retry's stream then broke: the report that tells the
+/// broken decode failed is the retry's, as the attempt's report is.
+#[tokio::test(start_paused = true)]
+async fn the_dead_decodes_report_is_the_attempts_whose_leg_broke() {
+    let fake = Fake::new();
+    let told = Told::default();
+    fake.on(P1, CHAT, Reply::refuse());
+    fake.on(P2, CHAT, prefill_answer());
+    // The retry's decode streams and breaks, the other decode continues it.
+    for decode in [D1, D2] {
+        fake.on(decode, CHAT, dying());
+        fake.on(decode, COMPLETIONS, to_the_end("B", 8));
+    }
+    let config = continuing(1, true);
+    let orch = over(&fake, &[P1, P2], &[D1, D2], VllmNixl::new(), config)
+        .retry(Backoff::new(RetryPolicy::retries(1)))
+        .listener(told.clone())
+        .build();
+    drain(&orch).await;
+    let summary = told.summary();
+    assert_eq!((summary.attempts, summary.migrations), (2, 1));
+    let all = told.reports();
+    let answered = all
+        .iter()
+        .find(|r| r.outcome == Outcome::Success)
+        .expect("the attempt's report");
+    assert_eq!(answered.attempt, 1, "the retry's: {all:?}");
+    let broke = if answered.route.decode.id().as_str() == D1 {
+        D2
+    } else {
+        D1
+    };
+    assert_eq!(dead(&all, broke).attempt, answered.attempt, "{all:?}");
+    assert_settled(&orch);
+}
