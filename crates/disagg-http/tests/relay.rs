@@ -61,24 +61,26 @@ fn answer(request: &str) -> (String, String) {
     (head.to_owned(), json)
 }
 
-/// A raw engine: reads each request whole and answers it as [`answer`] says, then
-/// closes the connection.
+/// A raw engine: reads each request whole and answers it as [`answer`] says, on a
+/// kept-alive connection (as the engines' servers do: one that closed after each answer
+/// without saying so would race the proxy's pool, which may send the next request on
+/// it before it sees the close).
 async fn raw_engine() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let Some(request) = read_message(&mut s).await else {
-                    return;
-                };
-                let (head, body) = answer(&request);
-                let out = format!(
-                    "HTTP/1.1 200 OK\r\n{head}content-length: {}\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(out.as_bytes()).await;
-                let _ = s.shutdown().await;
+                while let Some(request) = read_message(&mut s).await {
+                    let (head, body) = answer(&request);
+                    let out = format!(
+                        "HTTP/1.1 200 OK\r\n{head}content-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(out.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
             });
         }
     });
