@@ -199,6 +199,19 @@ impl Finish {
                 report.outcome = Outcome::DecodeFailed;
             }
         }
+        if applied.exempt && !applied.broke && report.decode == LegOutcome::Failed {
+            // The stream of the decode this report names ended for the fresh prefill
+            // riding in it (told failed by its own report): the decode is not to
+            // blame, its leg cut off.
+            report.decode = LegOutcome::Abandoned;
+        }
+        // A stream whose decode broke (it ended early, or in an error event) and that
+        // was not continued ended as its engine left it: the request's stream broke.
+        let outcome = if applied.broke && outcome == Outcome::Success {
+            Outcome::DecodeFailed
+        } else {
+            outcome
+        };
         reporter.report(&mut report);
         if let Some(mut summary) = self.summary.take() {
             summary.end = end;

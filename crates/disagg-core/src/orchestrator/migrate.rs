@@ -64,7 +64,10 @@
 //!   which may be chosen again (after the decodes not tried yet). The attempt's report
 //!   names the decode that finished the answer and times its decode leg (and the
 //!   handoff step before it, a fresh prefill's) by that decode's leg, its start and
-//!   prefill leg the attempt's; the request's summary keeps the attempt's own steps.
+//!   prefill leg the attempt's, under handoff and decode span ids drawn for it (the
+//!   attempt's are the first decode's, whose `traceparent` named them: the report that
+//!   tells it failed draws them). A broken leg not continued (an early end, an error
+//!   event) is told failed by the attempt's report; the summary says the stream broke.
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -87,7 +90,7 @@ use sync_wrapper::SyncWrapper;
 
 use crate::endpoint::{Endpoint, InFlightGuard};
 use crate::error::BoxError;
-use crate::outcome::{LegOutcome, Migration, Outcome, Report, now};
+use crate::outcome::{Migration, now};
 use crate::request::PdRequest;
 use crate::router::Route;
 use crate::source::EndpointSource;
@@ -107,7 +110,7 @@ use moved::Broken;
 pub(crate) use moved::{Applied, Moved};
 use splice::{splice_chunk, usage_chunk};
 pub(crate) use start::ThroughPrefill;
-use start::{Bounds, Continuation, Current, End, NotStarted, Started, start};
+use start::{Bounds, Continuation, Current, End, NotStarted, Started, failing, start};
 use times::LegTimes;
 mod scan;
 mod splice;
@@ -620,7 +623,14 @@ impl Migrating {
     ) -> bool {
         let ctx = Arc::clone(&self.ctx);
         let at = now();
-        let dead = dead.map(|(decode, times)| Broken { decode, times, at });
+        // A break with no continuation started yet is the first leg's.
+        let first_leg = !always && !self.continuing();
+        let dead = dead.map(|(decode, times)| Broken {
+            decode,
+            times,
+            at,
+            first_leg,
+        });
         let dead = match dead {
             Some(dead) if always => {
                 ctx.tell_failed(dead);
@@ -636,6 +646,10 @@ impl Migrating {
                 // prefill is not picked again, the decode may be (after the others).
                 self.seen.again(self.leg.endpoint.id());
                 self.seen.failed_prefill(prefill);
+                if dead.is_none() && self.continuing() {
+                    // Nor is it blamed by the attempt's report, if that names it last.
+                    ctx.moved.exempt();
+                }
             }
         }
         if ctx.plan.generate.is_some() {
@@ -652,16 +666,30 @@ impl Migrating {
             self.leg.release();
             return true;
         }
+        // Not continued: a broken leg (one that ended early, or in an error event,
+        // even after its last token) is told failed by the attempt's report, which
+        // names it.
+        let stays = |dead: Option<Broken>| {
+            if let Some(dead) = dead {
+                ctx.moved.broke(dead);
+            }
+            false
+        };
         if !migratable || self.finished || self.migrations >= ctx.config.limit {
-            return false;
+            if self.finished && reason != Reason::ErrorFrame {
+                // Every token is out (untracked, or the ids unread): only the end is
+                // missing, the answer whole.
+                return false;
+            }
+            return stays(dead);
         }
         let Some(prompt) = self.prompt.as_ref() else {
-            return false;
+            return stays(dead);
         };
         let generated = self.generated.len() as u64;
         let left = ctx.plan.max_tokens.map(|m| m.saturating_sub(generated));
         if left == Some(0) {
-            return false;
+            return stays(dead);
         }
         let broke_at = *self.window.get_or_insert_with(tokio::time::Instant::now);
         let end = End::of(&ctx, broke_at);
@@ -777,7 +805,16 @@ impl Migrating {
                         ctx.moved.sent_to(Some(&current.endpoint), prefill.as_ref());
                         // The attempt's report now names this decode: the one the
                         // stream broke on is told failed.
-                        if let Some(dead) = ctx.moved.moved(&current.endpoint, &current.times) {
+                        // Its handoff and decode spans are drawn for it: the
+                        // attempt's are the first decode's (its engine's spans sit
+                        // under them), told by its own report.
+                        let spans = ctx.trace.as_ref().map(|(_, ids)| moved::LegSpans {
+                            handoff: ids.span(),
+                            decode: ids.span(),
+                        });
+                        if let Some(dead) =
+                            ctx.moved.moved(&current.endpoint, &current.times, spans)
+                        {
                             ctx.tell_failed(dead);
                         }
                         this.leg = current;
@@ -951,37 +988,6 @@ impl super::Inner {
         let body = Migrating::new(body, ctx, guard, hold, times);
         (http_body_util::BodyExt::boxed(body), Some(moved), None)
     }
-}
-
-impl Ctx {
-    /// Tell `dead`'s decode failed, its leg timed from what is known of it to its end,
-    /// in the request's trace and as the attempt's, as the attempt's report is.
-    fn tell_failed(&self, dead: Broken) {
-        let Broken { decode, times, at } = dead;
-        let mut route = self.route.clone();
-        route.decode = decode;
-        route.decode_rank = None;
-        let mut report = Report::new(
-            route,
-            Outcome::DecodeFailed,
-            LegOutcome::NotSent,
-            LegOutcome::Failed,
-            times.timeline(at),
-        );
-        report.attempt = self.attempt;
-        report.trace = self.own_trace();
-        self.reporter.report(&mut report);
-    }
-}
-
-/// A body that fails at once with `e`.
-fn failing(e: BoxError) -> BoxBody {
-    use http_body_util::BodyExt;
-    let mut once = Some(e);
-    http_body_util::StreamBody::new(futures::stream::poll_fn(move |_| {
-        Poll::Ready(once.take().map(Err::<Frame<Bytes>, BoxError>))
-    }))
-    .boxed()
 }
 
 #[cfg(test)]

@@ -1,10 +1,12 @@
 //! What a migration shares with the attempt's report ([`Moved`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use crate::endpoint::Endpoint;
-use crate::outcome::{Migration, Report, Timeline};
+use crate::outcome::{LegOutcome, Migration, Outcome, Report, Timeline};
+
+use super::Ctx;
 
 use super::times::LegTimes;
 
@@ -29,10 +31,18 @@ struct MovedState {
     migrations: u32,
     /// Each continuation tried, for the request's summary.
     log: Vec<Migration>,
+    /// The span ids of the handoff step and the decode leg the attempt's report names
+    /// once the stream moved on (traced): drawn for it, as the attempt's own are the
+    /// first decode's (its `traceparent` named the attempt's decode span, and the report
+    /// that tells it failed draws that span).
+    spans: Option<LegSpans>,
     /// The leg the attempt's report names (the first leg, or the leg on `to`) broke and
     /// its stream waits on a continuation: its decode is told failed once, when the
     /// stream moves on (the report then names another decode), else by the report.
     broken: Option<Broken>,
+    /// The stream on `to` ended for the fresh prefill riding in it (reported failed
+    /// then), not for its decode: the attempt's report does not blame the decode.
+    exempt: bool,
 }
 
 /// A decode leg that failed: its decode, what is known of its time, and when it ended
@@ -42,6 +52,17 @@ pub(super) struct Broken {
     pub(super) decode: Arc<Endpoint>,
     pub(super) times: LegTimes,
     pub(super) at: std::time::Instant,
+    /// The leg is the attempt's first (its `traceparent` named the attempt's decode
+    /// span): the report that tells it failed draws the attempt's handoff and decode
+    /// spans.
+    pub(super) first_leg: bool,
+}
+
+/// Span ids of a handoff step and a decode leg.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LegSpans {
+    pub(super) handoff: [u8; 8],
+    pub(super) decode: [u8; 8],
 }
 
 /// What [`Moved::apply`] did to the attempt's report.
@@ -55,6 +76,9 @@ pub(crate) struct Applied {
     /// The leg the report names broke and no continuation took the stream on: the
     /// report is the one that tells its decode failed.
     pub(crate) broke: bool,
+    /// The leg the report names ended for the fresh prefill riding in its stream: its
+    /// decode is not to blame.
+    pub(crate) exempt: bool,
 }
 
 impl Moved {
@@ -64,48 +88,45 @@ impl Moved {
     /// migrations, the attempt's own steps when it moved (`None`: `report` is
     /// untouched), and whether the leg it names broke (no other report tells it).
     pub(crate) fn apply(&self, report: &mut Report) -> Applied {
-        let Ok(mut s) = self.inner.lock() else {
-            return Applied::default();
-        };
+        let mut s = self.lock();
         let broke = s.broken.take().is_some();
         let Some(to) = &s.to else {
             return Applied {
                 migrations: s.migrations,
                 own: None,
                 broke,
+                exempt: false,
             };
         };
         report.route.decode = Arc::clone(to);
         report.route.decode_rank = None;
+        if let (Some(spans), Some(trace)) = (s.spans, report.trace.as_mut()) {
+            trace.handoff = spans.handoff;
+            trace.decode = spans.decode;
+        }
         let own = report.timeline;
         s.leg.onto(&mut report.timeline);
         Applied {
             migrations: s.migrations,
             own: Some(own),
             broke,
+            exempt: s.exempt,
         }
     }
 
     /// The migrations tried, for the request's summary (taken once).
     pub(crate) fn take_log(&self) -> Vec<Migration> {
-        self.inner
-            .lock()
-            .map(|mut s| std::mem::take(&mut s.log))
-            .unwrap_or_default()
+        std::mem::take(&mut self.lock().log)
     }
 
     /// A continuation is being started for `m`.
     pub(super) fn begin(&self, m: Migration) {
-        if let Ok(mut s) = self.inner.lock() {
-            s.log.push(m);
-        }
+        self.lock().log.push(m);
     }
 
     /// The last continuation went to `to` (`started`: its head came; else it failed).
     pub(super) fn sent_to(&self, to: Option<&Arc<Endpoint>>, prefill: Option<&Arc<Endpoint>>) {
-        if let Ok(mut s) = self.inner.lock()
-            && let Some(m) = s.log.last_mut()
-        {
+        if let Some(m) = self.lock().log.last_mut() {
             m.to = to.cloned();
             m.prefill = prefill.cloned();
         }
@@ -114,7 +135,7 @@ impl Moved {
     /// The last continuation's first byte went to the client at `at` (its leg's first
     /// byte): the migration, for the log line.
     pub(super) fn resumed(&self, at: Instant) -> Option<Migration> {
-        let mut s = self.inner.lock().ok()?;
+        let mut s = self.lock();
         s.leg.first = Some(at);
         let m = s.log.last_mut()?;
         m.resumed(at);
@@ -125,18 +146,70 @@ impl Moved {
     /// stream waits on a continuation: the report tells it failed unless the stream
     /// moves on ([`moved`](Self::moved)).
     pub(super) fn broke(&self, dead: Broken) {
-        if let Ok(mut s) = self.inner.lock() {
-            s.broken = Some(dead);
-        }
+        self.lock().broken = Some(dead);
     }
 
-    /// The stream moved on to `to`, its leg's steps so far `times`: the leg it broke
+    /// The leg the attempt's report names ended for the fresh prefill riding in its
+    /// stream: its decode is not blamed unless the stream moves on.
+    pub(super) fn exempt(&self) {
+        self.lock().exempt = true;
+    }
+
+    /// The stream moved on to `to`, its leg's steps so far `times`, the attempt's
+    /// report to name its handoff and decode spans `spans` (traced): the leg it broke
     /// on, to be told failed now (the attempt's report no longer names it).
-    pub(super) fn moved(&self, to: &Arc<Endpoint>, times: &LegTimes) -> Option<Broken> {
-        let mut s = self.inner.lock().ok()?;
+    pub(super) fn moved(
+        &self,
+        to: &Arc<Endpoint>,
+        times: &LegTimes,
+        spans: Option<LegSpans>,
+    ) -> Option<Broken> {
+        let mut s = self.lock();
         s.to = Some(Arc::clone(to));
+        s.spans = spans;
+        s.exempt = false;
         s.leg = times.clone();
         s.migrations += 1;
         s.broken.take()
+    }
+
+    /// The state, even if a holder panicked (what it holds is still the request's: a
+    /// report is not lost for it).
+    fn lock(&self) -> MutexGuard<'_, MovedState> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Ctx {
+    /// Tell `dead`'s decode failed, its leg timed from what is known of it to its end,
+    /// in the request's trace and as the attempt's, as the attempt's report is: the
+    /// first leg's under the attempt's handoff and decode spans (its `traceparent`
+    /// named the decode's), a continuation's under spans of its own.
+    pub(super) fn tell_failed(&self, dead: Broken) {
+        let Broken {
+            decode,
+            times,
+            at,
+            first_leg,
+        } = dead;
+        let mut route = self.route.clone();
+        route.decode = decode;
+        route.decode_rank = None;
+        let mut report = Report::new(
+            route,
+            Outcome::DecodeFailed,
+            LegOutcome::NotSent,
+            LegOutcome::Failed,
+            times.timeline(at),
+        );
+        report.attempt = self.attempt;
+        report.trace = self.own_trace();
+        if let (true, Some(trace), Some((attempt, _))) =
+            (first_leg, report.trace.as_mut(), self.trace.as_ref())
+        {
+            trace.handoff = attempt.handoff;
+            trace.decode = attempt.decode;
+        }
+        self.reporter.report(&mut report);
     }
 }

@@ -723,3 +723,16 @@ fn api(ctx: &Ctx) -> Api {
         Api::Completions
     }
 }
+
+/// A body that fails at once with `e`.
+pub(super) fn failing(e: super::BoxError) -> BoxBody {
+    use http_body_util::BodyExt;
+    let mut once = Some(e);
+    http_body_util::StreamBody::new(futures::stream::poll_fn(move |_| {
+        std::task::Poll::Ready(
+            once.take()
+                .map(Err::<http_body::Frame<Bytes>, super::BoxError>),
+        )
+    }))
+    .boxed()
+}

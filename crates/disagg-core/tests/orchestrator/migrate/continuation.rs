@@ -313,6 +313,56 @@ async fn a_continuations_concurrent_prefill_that_fails_is_blamed_not_its_decode(
     assert_settled(&orch);
 }
 
+/// SGLang: the first continuation's fresh prefill fails while its decode (D2) streams,
+/// and the second continuation cannot start (its decode refuses it, the last the limit
+/// allows): the request fails, the attempt's report naming D2, whose stream ended for
+/// its prefill. D2 is not blamed (its leg abandoned), nor told failed by any report.
+#[tokio::test(start_paused = true)]
+async fn a_decode_whose_prefill_failed_is_not_blamed_when_the_next_continuation_fails() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    generate_continued(&fake, engine_error(503, "KV transfer failed").after(ms(20)));
+    fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(D3, GENERATE, engine_error(503, "busy"));
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = over(
+        &fake,
+        &[P1, P2],
+        &[D1, D2, D3],
+        connector,
+        continuing(2, false),
+    )
+    .router(Named)
+    .listener(reports.clone())
+    .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    while let Some(frame) = next(&mut body).await {
+        if frame.is_err() {
+            break;
+        }
+    }
+    drop(body);
+    assert_eq!(fake.calls_to(D3).len(), 1, "the second continuation tried");
+    let all = reports.all();
+    assert!(
+        !all.iter().any(|r| blamed(r, D2)),
+        "the decode is not to blame: {all:?}"
+    );
+    assert!(all.iter().any(|r| blamed(r, D3)), "{all:?}");
+    let attempt: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.attempt == 0 && r.route.decode.id().as_str() == D2)
+        .collect();
+    let [attempt] = &attempt[..] else {
+        panic!("the attempt's report names D2: {all:?}")
+    };
+    assert_eq!(
+        (attempt.outcome, attempt.decode),
+        (Outcome::DecodeFailed, LegOutcome::Abandoned)
+    );
+    assert_settled(&orch);
+}
+
 /// SGLang: the client leaves while a continuation streams and its fresh prefill still
 /// runs. The prefill's leg is reported once, abandoned (no engine to blame).
 #[tokio::test(start_paused = true)]

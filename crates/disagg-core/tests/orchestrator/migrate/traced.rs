@@ -502,3 +502,120 @@ async fn the_dead_decodes_report_is_the_attempts_whose_leg_broke() {
     assert_eq!(dead(&all, broke).attempt, answered.attempt, "{all:?}");
     assert_settled(&orch);
 }
+
+/// A span id as hex, as a `traceparent` has it.
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The first decode's `traceparent` names the attempt's decode span, so a tracing
+/// engine draws its spans under it: the report that draws the span with that id is the
+/// one that tells the first decode failed when its stream broke and moved on (its leg,
+/// its times), not the attempt's report, which names the decode that finished the
+/// answer under a span id of its own.
+#[tokio::test(start_paused = true)]
+async fn the_first_decodes_engine_spans_sit_under_its_dead_report() {
+    for decode_only in [true, false] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let told = Told::default();
+        continued_once(&fake, prefill_answer(), to_the_end("B", 8));
+        let orch = traced(&fake, decode_only, &told);
+        drain(&orch).await;
+        let leg = fake
+            .calls_to(D1)
+            .into_iter()
+            .find(|c| c.uri.path() == CHAT)
+            .expect("the first decode leg");
+        let parent = leg.header("traceparent").expect("traced").to_owned();
+        let parent = &parent[36..52];
+        let all = told.reports();
+        let d1 = dead(&all, D1).trace.as_ref().expect("traced");
+        assert_eq!(
+            parent,
+            hex(&d1.decode),
+            "{what}: D1's span is its dead report's"
+        );
+        let attempt = all
+            .iter()
+            .find(|r| r.attempt == 0 && r.outcome == Outcome::Success)
+            .and_then(|r| r.trace.as_ref())
+            .expect("the attempt's report, traced");
+        assert_ne!(
+            parent,
+            hex(&attempt.decode),
+            "{what}: not the final decode's"
+        );
+        assert_ne!(d1.handoff, attempt.handoff, "{what}");
+        assert_settled(&orch);
+    }
+}
+
+/// An error event: the engine's failure, mid-stream.
+const ERROR_EVENT: &str =
+    "data: {\"error\":{\"message\":\"decode died\",\"type\":\"Error\",\"code\":500}}\n\n";
+
+/// A continuation whose stream ends with an error event, with no migration left to
+/// continue it: its decode is told failed once (by the attempt's report, which names
+/// it), and the request's stream broke.
+#[tokio::test(start_paused = true)]
+async fn a_continuation_that_ends_in_an_error_event_is_told_failed() {
+    for decode_only in [true, false] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let told = Told::default();
+        let rest = Reply::sse()
+            .frame(ms(0), continued("B", 8, None))
+            .frame(ms(0), ERROR_EVENT);
+        continued_once(&fake, prefill_answer(), rest);
+        let orch = traced(&fake, decode_only, &told);
+        drain(&orch).await;
+        let all = told.reports();
+        // Its decode leg's reports (a fresh prefill's leg report names it, unsent).
+        let on_d2: Vec<&Report> = naming(&all, D2)
+            .into_iter()
+            .filter(|r| r.decode != LegOutcome::NotSent)
+            .collect();
+        let [d2] = &on_d2[..] else {
+            panic!("{what}: D2 in one report: {all:?}")
+        };
+        assert_eq!(
+            (d2.outcome, d2.decode),
+            (Outcome::DecodeFailed, LegOutcome::Failed),
+            "{what}"
+        );
+        let summary = told.summary();
+        assert_eq!(summary.outcome, "error", "{what}");
+        assert_eq!(summary.error, Some("decode_stream_failed"), "{what}");
+        dead(&all, D1);
+        assert_settled(&orch);
+    }
+}
+
+/// A first leg that cannot be migrated (its first chunk has no prompt ids) and ends
+/// with an error event, migration on: its decode is told failed by the attempt's
+/// report, the request's stream broke.
+#[tokio::test(start_paused = true)]
+async fn an_unmigratable_stream_that_ends_in_an_error_event_is_told_failed() {
+    let fake = Fake::new();
+    let told = Told::default();
+    let chunk = r#"data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"A"}}]}"#.to_owned() + "\n\n";
+    let reply = Reply::sse().frame(ms(0), chunk).frame(ms(0), ERROR_EVENT);
+    fake.on(P1, CHAT, prefill_answer()).on(D1, CHAT, reply);
+    let orch = traced(&fake, true, &told);
+    drain(&orch).await;
+    let all = told.reports();
+    let on_d1 = naming(&all, D1);
+    let [d1] = &on_d1[..] else {
+        panic!("D1 in one report: {all:?}")
+    };
+    assert_eq!(
+        (d1.outcome, d1.decode),
+        (Outcome::DecodeFailed, LegOutcome::Failed)
+    );
+    let summary = told.summary();
+    assert_eq!((summary.outcome, summary.migrations), ("error", 0));
+    assert_eq!(summary.error, Some("decode_stream_failed"));
+    assert!(fake.calls_to(D2).is_empty());
+    assert_settled(&orch);
+}
