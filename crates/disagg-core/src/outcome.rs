@@ -170,8 +170,13 @@ pub struct Timeline {
 impl Timeline {
     /// A timeline that starts now.
     pub(crate) fn starting() -> Self {
+        Timeline::starting_at(now())
+    }
+
+    /// A timeline that starts at `start`, no step taken yet.
+    pub(crate) fn starting_at(start: Instant) -> Self {
         Timeline {
-            start: now(),
+            start,
             prefill_sent: None,
             prefill_done: None,
             handoff_start: None,

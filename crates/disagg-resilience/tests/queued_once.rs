@@ -105,6 +105,19 @@ fn request() -> PdRequest {
     PdRequest::new(Api::Chat, http::HeaderMap::new(), &body).unwrap()
 }
 
+/// A request served on a task of its own, its answer read to the end: its status.
+fn spawn_request(
+    orchestrator: &Orchestrator,
+) -> tokio::task::JoinHandle<Result<http::StatusCode, disagg_core::PdError>> {
+    let orchestrator = orchestrator.clone();
+    tokio::spawn(async move {
+        let resp = orchestrator.serve(request()).await?;
+        let status = resp.status();
+        let _ = resp.into_body().collect().await;
+        Ok(status)
+    })
+}
+
 /// Lets the spawned requests run until `done` holds of the admission's stats (the
 /// runtime is one thread: each yield runs the tasks that are ready).
 async fn settle(limits: &Limits, done: impl Fn(AdmissionStats) -> bool) -> AdmissionStats {
@@ -140,15 +153,7 @@ async fn a_request_admitted_after_a_wait_then_held_is_queued_once() {
     let running = orchestrator.serve(request()).await.unwrap();
     assert!(running.status().is_success(), "{}", running.status());
     // The second waits for that permit.
-    let second = tokio::spawn({
-        let orchestrator = orchestrator.clone();
-        async move {
-            let resp = orchestrator.serve(request()).await?;
-            let status = resp.status();
-            let _ = resp.into_body().collect().await;
-            Ok::<_, disagg_core::PdError>(status)
-        }
-    });
+    let second = spawn_request(&orchestrator);
     let stats = settle(&limits, |s| s.waiting == 1).await;
     assert_eq!(
         (stats.waiting, stats.queued),
@@ -208,15 +213,7 @@ async fn a_retry_that_waits_again_is_queued_once(limits: Limits, router: impl Ro
     let running = orchestrator.serve(request()).await.unwrap();
     assert!(running.status().is_success(), "{}", running.status());
     // The second waits for it in its routing: counted once.
-    let second = tokio::spawn({
-        let orchestrator = orchestrator.clone();
-        async move {
-            let resp = orchestrator.serve(request()).await?;
-            let status = resp.status();
-            let _ = resp.into_body().collect().await;
-            Ok::<_, disagg_core::PdError>(status)
-        }
-    });
+    let second = spawn_request(&orchestrator);
     let stats = settle(&limits, |s| s.waiting == 1).await;
     assert_eq!(
         (stats.waiting, stats.queued),
@@ -303,15 +300,7 @@ async fn a_decode_only_fallback_held_again_is_queued_once() {
     let running = orchestrator.serve(request()).await.unwrap();
     assert!(running.status().is_success(), "{}", running.status());
     // The second is held: counted once.
-    let second = tokio::spawn({
-        let orchestrator = orchestrator.clone();
-        async move {
-            let resp = orchestrator.serve(request()).await?;
-            let status = resp.status();
-            let _ = resp.into_body().collect().await;
-            Ok::<_, disagg_core::PdError>(status)
-        }
-    });
+    let second = spawn_request(&orchestrator);
     let stats = settle(&limits, |s| s.waiting == 1).await;
     assert_eq!((stats.waiting, stats.queued), (1, 1), "held");
     // The decode frees up: it is routed, its prefill answers 503 and the decode's
@@ -406,15 +395,7 @@ async fn a_fallback_after_a_routing_that_waited_then_failed_is_queued_once<W: Ro
     let running = orchestrator.serve(request()).await.unwrap();
     assert!(running.status().is_success(), "{}", running.status());
     // The second waits in its routing: counted once.
-    let second = tokio::spawn({
-        let orchestrator = orchestrator.clone();
-        async move {
-            let resp = orchestrator.serve(request()).await?;
-            let status = resp.status();
-            let _ = resp.into_body().collect().await;
-            Ok::<_, disagg_core::PdError>(status)
-        }
-    });
+    let second = spawn_request(&orchestrator);
     let stats = settle(&limits, |s| s.waiting == 1).await;
     assert_eq!(
         (stats.waiting, stats.queued),

@@ -63,14 +63,8 @@ impl LegTimes {
     /// handoff step's from the handoff's start to the send).
     pub(super) fn timeline(&self, end: Instant) -> Timeline {
         let mut tl = Timeline {
-            start: end,
-            prefill_sent: None,
-            prefill_done: None,
-            handoff_start: None,
-            decode_sent: None,
-            decode_head: None,
-            decode_first_chunk: None,
             end: Some(end),
+            ..Timeline::starting_at(end)
         };
         self.onto(&mut tl);
         tl.start = tl.handoff_start.or(tl.decode_sent).unwrap_or(end);
