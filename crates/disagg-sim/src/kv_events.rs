@@ -333,6 +333,13 @@ impl RankTask {
                 },
             }
         }
+        // Dropped, a socket leaves its listener to a task that closes it later; closed,
+        // it is gone when the engine's shutdown returns, so a restarted engine can bind
+        // the same ports at once.
+        let _ = publisher.close().await;
+        if let Some(router) = router {
+            let _ = router.close().await;
+        }
     }
 
     async fn publish(&mut self, publisher: &mut PubSocket, events: &[Event]) {
@@ -452,11 +459,13 @@ async fn publish_load(
             tracing::debug!(error = %e, "load report not sent");
         }
         tokio::select! {
-            _ = stop.changed() => return,
-            changed = load.changed() => if changed.is_err() { return },
+            _ = stop.changed() => break,
+            changed = load.changed() => if changed.is_err() { break },
             () = tokio::time::sleep(LOAD_HEARTBEAT) => {}
         }
     }
+    // As the rank's event sockets: the port is free when the engine's shutdown returns.
+    let _ = socket.close().await;
 }
 
 /// The next replay request, or never without a replay socket.
