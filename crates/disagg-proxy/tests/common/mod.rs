@@ -146,13 +146,25 @@ impl Proxy {
 
     /// The process's resident memory (`VmRSS` of `/proc/PID/status`), in bytes.
     pub fn rss(&self) -> u64 {
+        self.status_bytes("VmRSS:")
+    }
+
+    /// The process's private data memory (`VmData` of `/proc/PID/status`: its heap and
+    /// the allocator's arenas as far as they are usable), in bytes: what it asked the
+    /// system for. State kept grows it; the allocator touching more pages of the memory
+    /// it already has grows only [`rss`](Self::rss).
+    pub fn data_size(&self) -> u64 {
+        self.status_bytes("VmData:")
+    }
+
+    fn status_bytes(&self, key: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .expect("read the proxy's /proc status");
         let kib: u64 = status
             .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .find_map(|l| l.strip_prefix(key))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("a VmRSS line");
+            .unwrap_or_else(|| panic!("a {key} line"));
         kib * 1024
     }
 
