@@ -607,6 +607,48 @@ async fn one_answer(
         .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
 }
 
+/// One engine's line in a fan-out answer.
+#[derive(serde::Serialize)]
+struct FanOutResult<'a> {
+    endpoint: &'a str,
+    role: &'static str,
+    /// Its status; `null` when it gave none (unreachable, timed out).
+    status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body: Option<FanOutBody<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// An engine's answer as a fan-out answer lists it: JSON as the engine wrote it
+/// (checked, never parsed into a tree: a tree of a 64 KiB answer of tiny items costs
+/// many times its size), anything else as a string of its text.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum FanOutBody<'a> {
+    Json(&'a serde_json::value::RawValue),
+    Text(std::borrow::Cow<'a, str>),
+}
+
+impl<'a> FanOutBody<'a> {
+    fn of(body: &'a [u8]) -> Self {
+        match serde_json::from_slice(body) {
+            Ok(raw) => FanOutBody::Json(raw),
+            Err(_) => FanOutBody::Text(String::from_utf8_lossy(body)),
+        }
+    }
+}
+
+/// A fan-out answer; with an `error` when not every engine answered 2xx.
+#[derive(serde::Serialize)]
+struct FanOutAnswer<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<serde_json::Value>,
+    object: &'static str,
+    path: &'a str,
+    results: Vec<FanOutResult<'a>>,
+}
+
 fn fan_out_answer(
     path: &str,
     targets: &[&Arc<Endpoint>],
@@ -615,34 +657,39 @@ fn fan_out_answer(
     let mut results = Vec::with_capacity(answers.len());
     let mut statuses = Vec::with_capacity(answers.len());
     let mut failed = Vec::new();
-    for (ep, answer) in targets.iter().zip(answers) {
-        let mut entry = serde_json::Map::new();
-        entry.insert("endpoint".into(), ep.id().as_str().into());
-        entry.insert("role".into(), role(ep).into());
+    for (ep, answer) in targets.iter().zip(&answers) {
+        let mut entry = FanOutResult {
+            endpoint: ep.id().as_str(),
+            role: role(ep),
+            status: None,
+            body: None,
+            error: None,
+        };
         match answer {
             Ok((status, body)) => {
-                let body = serde_json::from_slice(&body).unwrap_or_else(|_| {
-                    serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
-                });
-                entry.insert("status".into(), status.as_u16().into());
-                entry.insert("body".into(), body);
+                entry.status = Some(status.as_u16());
+                entry.body = Some(FanOutBody::of(body));
                 if !status.is_success() {
                     failed.push(format!("{} answered {}", ep.id(), status.as_u16()));
                 }
-                statuses.push(Some(status));
+                statuses.push(Some(*status));
             }
             Err(e) => {
                 failed.push(format!("{}: {e}", ep.id()));
-                entry.insert("status".into(), serde_json::Value::Null);
-                entry.insert("error".into(), e.into());
+                entry.error = Some(e.clone());
                 statuses.push(None);
             }
         }
-        results.push(serde_json::Value::Object(entry));
+        results.push(entry);
     }
+    let mut answer = FanOutAnswer {
+        error: None,
+        object: "fan_out",
+        path,
+        results,
+    };
     if failed.is_empty() {
-        let body = serde_json::json!({"object": "fan_out", "path": path, "results": results});
-        return json_response(StatusCode::OK, Bytes::from(body.to_string()));
+        return json_response(StatusCode::OK, fan_out_bytes(&answer));
     }
     // Every engine refused alike (an adapter already loaded everywhere, a bad path):
     // the client's request was wrong, and the engines' status says so.
@@ -660,13 +707,16 @@ fn fan_out_answer(
         targets.len(),
         failed.join("; ")
     );
-    let body = serde_json::json!({
-        "error": {"message": message, "type": error_type, "param": null, "code": code},
-        "object": "fan_out",
-        "path": path,
-        "results": results,
-    });
-    json_response(status, Bytes::from(body.to_string()))
+    answer.error = Some(serde_json::json!({
+        "message": message, "type": error_type, "param": null, "code": code
+    }));
+    json_response(status, fan_out_bytes(&answer))
+}
+
+/// `answer` written out (it cannot fail: its parts are strings, numbers and checked
+/// JSON).
+fn fan_out_bytes(answer: &FanOutAnswer<'_>) -> Bytes {
+    serde_json::to_vec(answer).map_or_else(|_| Bytes::new(), Bytes::from)
 }
 
 fn role(ep: &Endpoint) -> &'static str {
@@ -852,6 +902,56 @@ mod tests {
         let form = Bytes::from_static(b"--x\r\n\r\n--x--");
         assert_eq!(engine_body(form.clone()).unwrap(), (form, None));
         assert!(engine_body(Bytes::from_static(b"{\"a\":NaN}")).is_err());
+    }
+
+    /// The fan-out answer lists each engine's JSON answer as the engine wrote it (its keys'
+    /// order, its numbers' spelling), not parsed into a tree and written again: a tree
+    /// of a 64 KiB answer of tiny items costs many times its size.
+    #[test]
+    fn a_fanned_out_answer_carries_each_engines_json_as_it_came() {
+        let p = Arc::new(Endpoint::new("http://127.0.0.1:8100", Role::Prefill).unwrap());
+        let d = Arc::new(Endpoint::new("http://127.0.0.1:8200", Role::Decode).unwrap());
+        let json = Bytes::from_static(br#"{"z": 1, "a": [1.50, {}]}"#);
+        let text = Bytes::from_static(b"Success: \xff loaded");
+        let answers = vec![
+            Ok((StatusCode::OK, json.clone())),
+            Ok((StatusCode::OK, text)),
+        ];
+        let resp = fan_out_answer("/v1/load_lora_adapter", &[&p, &d], answers);
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = futures::executor::block_on(resp.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        let body = std::str::from_utf8(&body).unwrap();
+        assert!(
+            body.contains(r#""body":{"z": 1, "a": [1.50, {}]}"#),
+            "{body}"
+        );
+        // Not JSON: a string of its text, invalid UTF-8 replaced.
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["results"][1]["body"], "Success: \u{fffd} loaded");
+        assert_eq!(v["results"][0]["endpoint"], p.id().as_str());
+        assert_eq!(v["results"][1]["role"], "decode");
+        assert_eq!(v["results"][0]["status"], 200);
+        // A failure keeps the same entries, and the error beside them.
+        let answers = vec![
+            Ok((StatusCode::OK, json)),
+            Err("connection refused".to_string()),
+        ];
+        let resp = fan_out_answer("/v1/load_lora_adapter", &[&p, &d], answers);
+        assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+        let body = futures::executor::block_on(resp.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        let body = std::str::from_utf8(&body).unwrap();
+        assert!(
+            body.contains(r#""body":{"z": 1, "a": [1.50, {}]}"#),
+            "{body}"
+        );
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["results"][1]["status"], serde_json::Value::Null);
+        assert_eq!(v["results"][1]["error"], "connection refused");
+        assert_eq!(v["error"]["code"], "fan_out_failed");
     }
 
     #[tokio::test]
