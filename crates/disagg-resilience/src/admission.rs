@@ -14,7 +14,14 @@
 //!   the larger of its in-flight count and the places handed out on it (a request
 //!   counts from its routing, before its legs are sent), and the room is checked and
 //!   taken under one lock. These waiters are woken together and race for the freed
-//!   room, so their order is close to, but not strictly, FIFO.
+//!   room, so their order is close to, but not strictly, FIFO. A waiting request holds
+//!   no place meanwhile: a route it finds no room for is given back, with the places
+//!   the routers inside it took for that route, before the request waits (a place on
+//!   a decode with room is not kept from others while the request waits for its
+//!   prefill's; a held request's turn in a decode hold's line is, see below). Around
+//!   a router that holds places of its own (another limit, a hold), its route keeps
+//!   theirs beside its own until each leg ends, for a routed request and for a
+//!   request placed on one engine ([`Router::place`]) alike.
 //!
 //! - a **decode hold** ([`DecodeHold`], made by [`Limits::decode_hold`]): while every
 //!   decode endpoint of a request's model is saturated (its
@@ -25,7 +32,10 @@
 //!   wait, before any leg is sent: its prefill is not run for a decode that cannot
 //!   take its KV, which would otherwise sit on the prefill until it expires. Held
 //!   requests get room oldest first, each model's behind its own model's only: a
-//!   model with an idle decode is not held behind another's line.
+//!   model with an idle decode is not held behind another's line. A held request it
+//!   lets go keeps its turn while the router it wraps makes it wait (for its
+//!   prefill's per-endpoint place, say), so that room still goes in order of
+//!   arrival; its place on the decode is taken only once that router gave its route.
 //!
 //! The queue is bounded: a request that finds it full is refused at once with 429
 //! `queue_full` and a `retry-after` header, and one that waits longer than the queue
@@ -76,7 +86,7 @@ use disagg_core::error::{Overload, PdError, RouteError};
 use disagg_core::outcome::Outcome;
 use disagg_core::policy::{Admission, AdmissionStats, Permit};
 use disagg_core::router::{Ask, RequestView, Route, Router, Routing};
-use futures::future::{BoxFuture, Either, Ready, ready};
+use futures::future::{BoxFuture, Either, ready};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -128,6 +138,10 @@ struct State {
     /// Rung when a leg holding a per-endpoint place ends, for waiters on a
     /// per-endpoint limit.
     ended: Notify,
+    /// The per-endpoint places given back so far, counted before `ended` is rung: a
+    /// waiter that listens only after giving back the places of a route it found no
+    /// room for learns from it whether another request gave one back meanwhile.
+    ends: AtomicU64,
     queue_full: AtomicU64,
     queue_timeouts: AtomicU64,
     queued: AtomicU64,
@@ -150,6 +164,15 @@ struct LegPlace {
 impl Drop for LegPlace {
     fn drop(&mut self) {
         give_back(&mut crate::lock(&self.places.0), &self.endpoint);
+        self.state.ends.fetch_add(1, Ordering::SeqCst);
+        // Given back by a routing of this admission under way (a route that a limit
+        // found no room for, dropped while the request's routing is polled): the
+        // request's own, which is no reason for it to look again.
+        let _ = QUEUED.try_with(|q| {
+            if q.is_in(&self.state) {
+                q.given_back.fetch_add(1, Ordering::SeqCst);
+            }
+        });
         self.state.ended.notify_waiters();
     }
 }
@@ -229,6 +252,9 @@ struct Queued {
     /// its hold takes it back, when another hold holds the request, or when the
     /// routing ends.
     kept: std::sync::Mutex<Vec<Kept>>,
+    /// The per-endpoint places of this admission that the routing gave back while it
+    /// was polled: those of routes a limit found no room for (see [`State::ends`]).
+    given_back: AtomicU64,
 }
 
 /// When a wait started and when it must end (its timeout from its start, or the
@@ -278,6 +304,7 @@ impl Queued {
                     counted: AtomicBool::new(false),
                     bound: std::sync::Mutex::new(None),
                     kept: std::sync::Mutex::new(Vec::new()),
+                    given_back: AtomicU64::new(0),
                 };
                 (Arc::new(q), true)
             }
@@ -368,6 +395,7 @@ impl Limits {
                 config,
                 waiting: AtomicUsize::new(0),
                 ended: Notify::new(),
+                ends: AtomicU64::new(0),
                 queue_full: AtomicU64::new(0),
                 queue_timeouts: AtomicU64::new(0),
                 queued: AtomicU64::new(0),
@@ -541,9 +569,18 @@ impl Admission for Limits {
 /// holds a place per leg ([`Route::with_holds`]): the prefill's ends with the prefill
 /// exchange, the decode's with the attempt.
 ///
+/// The router it wraps may hold places of its own (another limit, a [`DecodeHold`]):
+/// the route this limit gives keeps them beside its own ([`Route::with_holds`]), and
+/// a route it finds no room for is given back, with them, before the request waits.
+/// A request placed on one engine ([`Router::place`]: an adapter's, a mid-stream
+/// migration's decode or fresh prefill) is placed by the router it wraps first, then
+/// given a place under this limit the same way.
+///
 /// Cost per request with room: one short lock, a hash lookup per leg, an entry made
 /// for an endpoint that had no place (an endpoint's entry leaves with its last place)
-/// and its two places; one short lock when each leg ends. Around a router whose
+/// and its two places; one short lock when each leg ends. A request placed on one
+/// engine also takes a place in the queue, and the router it wraps boxes its own
+/// placing: two small allocations. Around a router whose
 /// routing is itself a future (a [`DecodeHold`]), it also boxes its own routing around
 /// that one on every request, room or not, and makes the request's place in the queue
 /// there (which the hold then shares): one small allocation more per request than the
@@ -596,21 +633,33 @@ impl<R: Router> PerEndpointLimit<R> {
             // that a hold of `choose` held.
             let mut wait = None;
             loop {
-                // Listening before looking: a leg that ends between the look and the
-                // wait still wakes it.
-                let ended = self.state.ended.notified();
-                tokio::pin!(ended);
-                ended.as_mut().enable();
+                // The places given back before the look, the request's own among
+                // them. A route this limit finds no room for gives back the places
+                // that limits inside this one took for it (waking the requests
+                // waiting for room): listening before that, the request would wake
+                // itself, look again, and so on, without ever waiting.
+                let ends = self.state.ends.load(Ordering::SeqCst);
+                let own = place.given_back.load(Ordering::SeqCst);
                 if let Some(mut route) = self.with_room(choose().await?) {
                     route.queued |= waited;
                     return Ok(route);
                 }
+                // Listening from here; a place that another request gave back since
+                // the look, which the counts show, lets it look again at once.
+                let ended = self.state.ended.notified();
+                tokio::pin!(ended);
+                ended.as_mut().enable();
+                let others = self.state.ends.load(Ordering::SeqCst).wrapping_sub(ends)
+                    != place.given_back.load(Ordering::SeqCst).wrapping_sub(own);
                 // Counted at its first wait (or already, by a hold of the routing);
                 // its waits end at the earliest end any of them set, a hold's that
                 // `choose` went through included.
                 let wait = *wait.get_or_insert_with(|| self.state.wait(Instant::now(), deadline));
                 let Bound { since, until } = place.enqueue(wait, queued)?;
                 waited = true;
+                if others {
+                    continue;
+                }
                 if tokio::time::timeout_at(until, ended).await.is_err() {
                     return Err(self.state.timed_out(since));
                 }
@@ -697,8 +746,11 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         }
     }
 
-    /// The engine `pick` chooses, holding a place under the limit: while it has no
-    /// room, the request waits in the queue as a routed one does, and picks again.
+    /// The route the router it wraps places for the engine `pick` chooses
+    /// ([`Router::place_queued`]: a limit inside this one holds a place too, and may
+    /// wait), holding a place under this limit as well: while this limit has no room
+    /// for it, the request gives that route back, waits in the queue as a routed one
+    /// does, and is placed again.
     fn place<'a>(
         &'a self,
         pick: &'a (dyn Fn() -> Result<Arc<Endpoint>, PdError> + Send + Sync),
@@ -715,15 +767,10 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         deadline: Option<Instant>,
         queued: bool,
     ) -> BoxFuture<'a, Result<Route, PdError>> {
-        let choose = move || Ok(Route::new(None, pick()?));
-        Box::pin(async move {
-            if let Some(route) = self.with_room(choose()?) {
-                return Ok(route);
-            }
-            let choose = || ready(choose());
-            self.wait_for_room(None::<Ready<_>>, choose, deadline, queued)
-                .await
-        })
+        // Waited for in the request's place in the queue, which a limit inside this
+        // one shares.
+        let choose = move || self.inner.place_queued(pick, deadline, queued);
+        Box::pin(self.wait_for_room(Some(choose()), choose, deadline, queued))
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {
@@ -2234,5 +2281,346 @@ mod tests {
         assert_eq!(waiting(&limits), 0);
         assert_eq!(line_len(&router.inner.routed), 0);
         assert_eq!(line_len(&inner.routed), 0);
+    }
+
+    /// Runs `test` on a runtime of its own, on a thread of its own, and fails when it
+    /// has not returned within 10 s: a routing that spins never gives its thread back
+    /// to the runtime, so no timeout inside the test could end it.
+    fn returns_in_time<F>(test: impl FnOnce() -> F + Send + 'static)
+    where
+        F: Future<Output = ()>,
+    {
+        let (done, finished) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(test());
+            let _ = done.send(());
+        });
+        match finished.recv_timeout(Duration::from_secs(10)) {
+            // Done, or panicked (the panic is the test's failure).
+            Ok(()) | Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                if let Err(panic) = thread.join() {
+                    std::panic::resume_unwind(panic);
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the routing never returned: it spins")
+            }
+        }
+    }
+
+    /// The places a limit holds on `endpoint`.
+    fn places_on(limit: &Places, endpoint: &Endpoint) -> Option<usize> {
+        crate::lock(&limit.0)
+            .get(&(endpoint.role(), endpoint.id().clone()))
+            .copied()
+    }
+
+    /// A limit around a limit of the same queue, the outer one full: the request's
+    /// route from the inner limit held a place there, which the outer limit gave back
+    /// (waking the requests waiting for room) after it began to listen for ends; it
+    /// woke itself, routed again, and so on without ever waiting: the routing spun on
+    /// its thread.
+    #[test]
+    fn a_limit_around_a_limit_waits_for_its_own_room_without_spinning() {
+        returns_in_time(|| async {
+            use disagg_core::json::JsonBody;
+            use disagg_core::request::Api;
+            use disagg_core::source::{EndpointSource, StaticSource};
+            use futures::FutureExt;
+
+            let limits = Limits::new(AdmissionConfig::default());
+            let inner = Arc::new(limits.per_endpoint(First, 8));
+            let router = limits.per_endpoint(Arc::clone(&inner), 1);
+            let source = StaticSource::new([
+                endpoint("http://p:1", Role::Prefill),
+                endpoint("http://d:1", Role::Decode),
+            ]);
+            let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+            let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+            let view = RequestView::new(Api::Chat, None, &headers, &body);
+            let ask = Ask::new(&view, &source, false, None);
+
+            let first = router.route(ask).now_or_never().unwrap().unwrap();
+            let mut second = Box::pin(router.route(ask));
+            assert!(
+                (&mut second).now_or_never().is_none(),
+                "the outer limit is full: it waits"
+            );
+            assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+            // While it waits, it holds no place in the inner limit.
+            assert_eq!(places_on(&inner.places, &decode), Some(1), "the first's");
+            drop(first);
+            let second = (&mut second)
+                .now_or_never()
+                .expect("woken when the first's places were given back")
+                .unwrap();
+            assert!(second.queued);
+            assert_eq!(places_on(&router.places, &decode), Some(1));
+            assert_eq!(places_on(&inner.places, &decode), Some(1));
+            drop(second);
+            assert!(crate::lock(&router.places.0).is_empty());
+            assert!(crate::lock(&inner.places.0).is_empty());
+        });
+    }
+
+    /// A limit listens for ends only once it gave back the route it found no room
+    /// for (else it woke itself): a place that another request gave back during that
+    /// look (here from another thread, while the route's places are given back) was
+    /// missed, and the request waited for a later end, or timed out.
+    #[tokio::test]
+    async fn a_place_given_back_while_a_limit_looks_lets_it_look_again() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+        use std::sync::Mutex;
+
+        type Stash = Arc<Mutex<Option<Route>>>;
+        /// Given back with its route: drops the route stashed, if any, on another
+        /// thread.
+        struct Hook(Stash);
+        impl Drop for Hook {
+            fn drop(&mut self) {
+                let other = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(other) = other {
+                    std::thread::scope(|s| {
+                        s.spawn(move || drop(other));
+                    });
+                }
+            }
+        }
+        /// [`First`]'s routes, each holding a [`Hook`].
+        struct Hooked(Stash);
+        impl Router for Hooked {
+            fn select(
+                &self,
+                req: &RequestView<'_>,
+                set: &EndpointSet,
+            ) -> Result<Route, RouteError> {
+                let hook = Permit::new(Hook(Arc::clone(&self.0)));
+                Ok(First.select(req, set)?.with_holds(None, Some(hook)))
+            }
+        }
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let stash = Stash::default();
+        let router = limits.per_endpoint(Hooked(Arc::clone(&stash)), 1);
+        // No prefill: `select` routes to the decode alone (`select_direct` would drop
+        // the hook with `select`'s route, before the limit looks).
+        let source = StaticSource::new([endpoint("http://d:1", Role::Decode)]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let first = router.route(ask).now_or_never().unwrap().unwrap();
+        let mut second = Box::pin(router.route(ask));
+        assert!((&mut second).now_or_never().is_none(), "the decode is full");
+        // The first's route is given back during the second's next look, as that
+        // look's route (with no room) is; a place on another engine wakes it.
+        *stash.lock().unwrap() = Some(first);
+        let other = Arc::new(endpoint("http://e:1", Role::Decode));
+        let pick = move || Ok(Arc::clone(&other));
+        drop(router.place(&pick, None).now_or_never().unwrap().unwrap());
+        let second = (&mut second)
+            .now_or_never()
+            .expect("the place given back during the look is seen")
+            .unwrap();
+        assert!(second.queued);
+        assert_eq!(waiting(&limits), 0);
+    }
+
+    /// A limit's place for a request sent to one engine (an adapter's, a
+    /// continuation's decode or fresh prefill) never asked the router it wraps: a
+    /// limit inside it (here through a hold, which passes places on) held no place for
+    /// the request, and let others through past its limit.
+    #[test]
+    fn a_place_through_two_limits_holds_a_place_in_each_until_it_ends() {
+        returns_in_time(|| async {
+            use futures::FutureExt;
+
+            let limits = Limits::new(AdmissionConfig::default());
+            let inner = Arc::new(limits.per_endpoint(First, 1));
+            let hold = limits.decode_hold(Arc::clone(&inner), 100, Duration::from_secs(5));
+            let router = limits.per_endpoint(hold, 8);
+            let decode = Arc::new(endpoint("http://d:1", Role::Decode));
+            let pick = {
+                let decode = Arc::clone(&decode);
+                move || Ok(Arc::clone(&decode))
+            };
+
+            let first = router.place(&pick, None).now_or_never().unwrap().unwrap();
+            assert_eq!(
+                (
+                    places_on(&router.places, &decode),
+                    places_on(&inner.places, &decode)
+                ),
+                (Some(1), Some(1)),
+                "a place in each limit"
+            );
+            // The inner limit is full: the next waits, holding no place meanwhile.
+            let mut second = Box::pin(router.place(&pick, None));
+            assert!(
+                (&mut second).now_or_never().is_none(),
+                "the inner limit has no room: it waits"
+            );
+            assert_eq!((waiting(&limits), limits.stats().queued), (1, 1));
+            assert_eq!(places_on(&router.places, &decode), Some(1), "the first's");
+            drop(first);
+            let second = (&mut second)
+                .now_or_never()
+                .expect("woken when the first's places were given back")
+                .unwrap();
+            assert!(second.queued, "the place says it waited");
+            assert_eq!(waiting(&limits), 0);
+            assert_eq!(places_on(&inner.places, &decode), Some(1));
+            drop(second);
+            assert!(crate::lock(&router.places.0).is_empty());
+            assert!(crate::lock(&inner.places.0).is_empty());
+
+            // The other way round: the outer limit full, the inner one with room. The
+            // waiter gives its inner place back while it waits, and waits.
+            let limits = Limits::new(AdmissionConfig::default());
+            let inner = Arc::new(limits.per_endpoint(First, 8));
+            let router = limits.per_endpoint(Arc::clone(&inner), 1);
+            let first = router.place(&pick, None).now_or_never().unwrap().unwrap();
+            let mut second = Box::pin(router.place(&pick, None));
+            assert!((&mut second).now_or_never().is_none(), "the outer is full");
+            assert_eq!(places_on(&inner.places, &decode), Some(1), "the first's");
+            drop(first);
+            let second = (&mut second).now_or_never().expect("room").unwrap();
+            assert_eq!(places_on(&inner.places, &decode), Some(1));
+            assert_eq!(places_on(&router.places, &decode), Some(1));
+            drop(second);
+            assert!(crate::lock(&inner.places.0).is_empty());
+        });
+    }
+
+    /// Every layer of a router made of holds and limits keeps its own place for a
+    /// route until the route ends: a layer's place added beside the ones the router
+    /// it wraps gave ([`Route::with_holds`]), never in their stead.
+    #[tokio::test(start_paused = true)]
+    async fn each_of_two_holds_and_two_limits_keeps_its_place_until_the_route_ends() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::{EndpointSource, StaticSource};
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let wait = Duration::from_secs(5);
+        let inner_hold = Arc::new(limits.decode_hold(First, 1, wait));
+        let inner_limit = Arc::new(limits.per_endpoint(Arc::clone(&inner_hold), 1));
+        let outer_hold = Arc::new(limits.decode_hold(Arc::clone(&inner_limit), 1, wait));
+        let router = limits.per_endpoint(Arc::clone(&outer_hold), 1);
+        let source = StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]);
+        let set = source.snapshot();
+        let (prefill, decode) = (
+            &set.by_role(Role::Prefill)[0],
+            &set.by_role(Role::Decode)[0],
+        );
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+
+        let route = router.route(ask).await.unwrap();
+        let held = || {
+            [&router.places, &inner_limit.places]
+                .map(|limit| (places_on(limit, prefill), places_on(limit, decode)))
+        };
+        let hold_places = || {
+            [&outer_hold.routed, &inner_hold.routed]
+                .map(|hold| crate::lock(&hold.0).places.get(decode.id()).copied())
+        };
+        assert_eq!(held(), [(Some(1), Some(1)); 2]);
+        assert_eq!(hold_places(), [Some(1); 2]);
+        // Every layer is full: another request waits.
+        let mut next = Box::pin(router.route(ask));
+        assert!((&mut next).now_or_never().is_none());
+        drop(route);
+        assert_eq!(held(), [(None, None); 2]);
+        assert_eq!(hold_places(), [None; 2]);
+        tokio::time::advance(HOLD_POLL).await;
+        let next = (&mut next).now_or_never().expect("room").unwrap();
+        assert_eq!(hold_places(), [Some(1); 2]);
+        drop(next);
+    }
+
+    /// A request whose route has room on its decode but not on its prefill waits
+    /// holding no place on the decode, in either order of a hold and a limit: each
+    /// route's places are taken together (the limit's under one lock, the hold's once
+    /// the router it wraps gave its route), and a route a layer finds no room for is
+    /// given back before the layer waits. A request for that decode alone is not
+    /// held behind it.
+    #[test]
+    fn a_request_waiting_for_its_prefills_place_holds_no_place_on_its_decode() {
+        returns_in_time(|| async {
+            use disagg_core::json::JsonBody;
+            use disagg_core::request::Api;
+            use disagg_core::source::{EndpointSource, StaticSource};
+            use futures::FutureExt;
+
+            let limits = Limits::new(AdmissionConfig::default());
+            let wait = Duration::from_secs(5);
+            let held_limit = Arc::new(limits.per_endpoint(First, 1));
+            let hold_around = limits.decode_hold(Arc::clone(&held_limit), 1, wait);
+            let inner_hold = Arc::new(limits.decode_hold(First, 1, wait));
+            let limit_around = limits.per_endpoint(Arc::clone(&inner_hold), 1);
+            let source = StaticSource::new([
+                endpoint("http://p:1", Role::Prefill),
+                endpoint("http://d:1", Role::Decode),
+            ]);
+            let set = source.snapshot();
+            let (prefill, decode) = (
+                &set.by_role(Role::Prefill)[0],
+                &set.by_role(Role::Decode)[0],
+            );
+            let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+            let view = RequestView::new(Api::Chat, None, &headers, &body);
+            let ask = Ask::new(&view, &source, false, None);
+            let direct = Ask::new(&view, &source, true, None);
+            let pick = || -> Result<Arc<Endpoint>, PdError> { Ok(Arc::clone(prefill)) };
+
+            // The hold around the limit (the proxy's order).
+            let blocker = hold_around
+                .place(&pick, None)
+                .now_or_never()
+                .unwrap()
+                .unwrap();
+            let mut x = Box::pin(hold_around.route(ask));
+            assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+            assert_eq!(places_on(&held_limit.places, decode), None);
+            let d = hold_around.route(direct).now_or_never();
+            let d = d
+                .expect("a request for the decode alone is not held")
+                .unwrap();
+            drop((d, blocker));
+            let x = (&mut x).now_or_never().expect("room").unwrap();
+            drop(x);
+
+            // The limit around the hold.
+            let blocker = limit_around
+                .place(&pick, None)
+                .now_or_never()
+                .unwrap()
+                .unwrap();
+            let mut x = Box::pin(limit_around.route(ask));
+            assert!((&mut x).now_or_never().is_none(), "X waits for the prefill");
+            assert_eq!(places_on(&limit_around.places, decode), None);
+            assert!(crate::lock(&inner_hold.routed.0).places.is_empty());
+            let d = limit_around.route(direct).now_or_never();
+            let d = d
+                .expect("a request for the decode alone is not held")
+                .unwrap();
+            drop((d, blocker));
+            let x = (&mut x).now_or_never().expect("room").unwrap();
+            drop(x);
+            assert_eq!(waiting(&limits), 0);
+        });
     }
 }
