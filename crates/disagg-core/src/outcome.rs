@@ -99,6 +99,12 @@ pub struct Report {
     /// The decode leg.
     pub decode: LegOutcome,
     /// Which attempt of its request this was: 0 for the first, 1 for the first retry...
+    /// A mid-stream migration's continuation through a fresh prefill (an attempt of its
+    /// own: its prefill leg's report, or its failure's) is numbered after the attempt
+    /// whose stream it continues: that attempt's number plus the continuation's index
+    /// (1 for the first), past every number the request's attempts took. The report
+    /// that tells a broken decode failed carries the number of the attempt it belongs
+    /// to.
     pub attempt: u32,
     /// When each of its steps happened.
     pub timeline: Timeline,

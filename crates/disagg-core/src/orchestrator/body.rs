@@ -205,9 +205,17 @@ impl Finish {
             // blame, its leg cut off.
             report.decode = LegOutcome::Abandoned;
         }
+        if applied.prefill_broke && report.outcome == Outcome::Success {
+            // Its stream ended for the fresh prefill riding in it (told failed by its
+            // own report) and was not continued: the attempt failed, its decode's leg
+            // cut off.
+            report.outcome = Outcome::DecodeFailed;
+            report.decode = LegOutcome::Abandoned;
+        }
         // A stream whose decode broke (it ended early, or in an error event) and that
         // was not continued ended as its engine left it: the request's stream broke.
-        let outcome = if applied.broke && outcome == Outcome::Success {
+        let broke = applied.broke || applied.prefill_broke;
+        let outcome = if broke && outcome == Outcome::Success {
             Outcome::DecodeFailed
         } else {
             outcome

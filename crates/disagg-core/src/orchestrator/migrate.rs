@@ -39,8 +39,9 @@
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
 //!   the set (its prefix cache holds the prompt), else the least busy one, never one
 //!   that failed in an earlier continuation (its leg or its handoff, riding in its
-//!   stream or before its decode started; not a refusal of its leg, a 4xx, nor the
-//!   connector's work on the plan before the leg was sent), placed by the router too
+//!   stream or before its decode started, or its engine as the connector resolved the
+//!   plan; not a refusal of its leg, a 4xx, nor the connector's own work on the plan
+//!   before the leg was sent), placed by the router too
 //!   (its wait given half the time left; a place held until the prefill leg ends);
 //!   decode-only with [`MigrationConfig::decode_only`], for a request served by a
 //!   decode alone (direct, decode-only fallback), when no prefill is left or has room
@@ -67,7 +68,8 @@
 //!   prefill leg the attempt's, under handoff and decode span ids drawn for it (the
 //!   attempt's are the first decode's, whose `traceparent` named them: the report that
 //!   tells it failed draws them). A broken leg not continued (an early end, an error
-//!   event) is told failed by the attempt's report; the summary says the stream broke.
+//!   event) is told failed by the attempt's report; the summary says the stream broke,
+//!   as it does when the leg ended for its riding prefill (its decode then not blamed).
 //!
 //! SGLang's `/generate` (`generate.rs`) is tracked by keeping its last event (the
 //! stream's `text` and `output_ids` are cumulative), read only when the stream breaks;
@@ -200,8 +202,8 @@ pub(crate) struct Ctx {
     pub(crate) counters: Arc<Counters>,
     /// The attempt's route (its decode is the first leg's).
     pub(crate) route: Route,
-    /// The attempt's number ([`Report::attempt`]): a dead decode's report is the
-    /// attempt's, as its legs are.
+    /// The attempt's number ([`Report::attempt`]): a dead decode's report carries it; a
+    /// continuation through a fresh prefill is numbered past it (by its index).
     pub(crate) attempt: u32,
     /// The engine-side id of the attempt; continuations get `<id>-m<n>`.
     pub(crate) engine_id: HeaderValue,
@@ -668,11 +670,10 @@ impl Migrating {
         }
         // Not continued: a broken leg (one that ended early, or in an error event,
         // even after its last token) is told failed by the attempt's report, which
-        // names it.
+        // names it; one that ended for its riding prefill fails the request all the same.
+        let riding_failed = self.leg.failed_prefill().is_some();
         let stays = |dead: Option<Broken>| {
-            if let Some(dead) = dead {
-                ctx.moved.broke(dead);
-            }
+            ctx.moved.stays(dead, riding_failed);
             false
         };
         if !migratable || self.finished || self.migrations >= ctx.config.limit {

@@ -28,7 +28,8 @@ pub(super) struct PrefillLeg {
 }
 
 impl PrefillLeg {
-    /// The prefill leg of continuation `attempt` over `route`, whose steps so far are
+    /// The prefill leg of the continuation numbered `attempt` (the number of the attempt
+    /// it continues, plus its migration index) over `route`, whose steps so far are
     /// `tl`'s (its prefill's are kept; the decode's are the original attempt's report's),
     /// traced as `trace` (the request's, with leg span ids of the continuation's own:
     /// its engines' spans sit under the migration's, which their `traceparent` names).

@@ -43,6 +43,9 @@ struct MovedState {
     /// The stream on `to` ended for the fresh prefill riding in it (reported failed
     /// then), not for its decode: the attempt's report does not blame the decode.
     exempt: bool,
+    /// That stream, ended for its riding prefill, was not continued: the request's
+    /// stream broke, though no engine the attempt's report names is to blame.
+    prefill_broke: bool,
 }
 
 /// A decode leg that failed: its decode, what is known of its time, and when it ended
@@ -79,6 +82,9 @@ pub(crate) struct Applied {
     /// The leg the report names ended for the fresh prefill riding in its stream: its
     /// decode is not to blame.
     pub(crate) exempt: bool,
+    /// That leg, ended for its riding prefill, was not continued: the request's stream
+    /// broke (the attempt failed), its decode not to blame.
+    pub(crate) prefill_broke: bool,
 }
 
 impl Moved {
@@ -96,6 +102,7 @@ impl Moved {
                 own: None,
                 broke,
                 exempt: false,
+                prefill_broke: false,
             };
         };
         report.route.decode = Arc::clone(to);
@@ -111,6 +118,7 @@ impl Moved {
             own: Some(own),
             broke,
             exempt: s.exempt,
+            prefill_broke: s.prefill_broke,
         }
     }
 
@@ -149,6 +157,18 @@ impl Moved {
         self.lock().broken = Some(dead);
     }
 
+    /// The leg the attempt's report names broke and the stream is not continued: its
+    /// decode, `dead`, is told failed by the report; else, when the leg ended for the
+    /// fresh prefill riding in its stream (`riding_failed`), the report tells the
+    /// request's stream broke, blaming no engine of its own.
+    pub(super) fn stays(&self, dead: Option<Broken>, riding_failed: bool) {
+        let mut s = self.lock();
+        match dead {
+            Some(dead) => s.broken = Some(dead),
+            None => s.prefill_broke |= riding_failed,
+        }
+    }
+
     /// The leg the attempt's report names ended for the fresh prefill riding in its
     /// stream: its decode is not blamed unless the stream moves on.
     pub(super) fn exempt(&self) {
@@ -168,6 +188,7 @@ impl Moved {
         s.to = Some(Arc::clone(to));
         s.spans = spans;
         s.exempt = false;
+        s.prefill_broke = false;
         s.leg = times.clone();
         s.migrations += 1;
         s.broken.take()

@@ -13,7 +13,8 @@ enum Why {
     /// fault: chosen again, after the decodes never tried.
     Again,
     /// A fresh prefill whose leg or handoff failed (riding in a continuation's stream,
-    /// or before its decode started; not one that refused its leg): never chosen again.
+    /// or before its decode started), or whose engine failed the connector's resolution
+    /// of the plan (not one that refused its leg): never chosen again.
     FailedPrefill,
 }
 

@@ -12,7 +12,7 @@ use http::header::{self, HeaderValue};
 use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
-use crate::error::{PdError, Phase, RouteError, Side, TransportError};
+use crate::error::{ConnectorError, PdError, Phase, RouteError, Side, TransportError};
 use crate::outcome::{LegOutcome, Timeline};
 use crate::policy::Permit;
 use crate::request::{Api, PdRequest, REQUEST_ID};
@@ -182,12 +182,13 @@ impl End {
 /// How a continuation went through a fresh prefill, when it did not start.
 enum PrefillFell {
     /// The prefill side failed (reported): the continuation goes decode-only. `failed`:
-    /// the prefill was at fault, its leg or its handoff failed, and it is not chosen
-    /// again for the request. Not when the attempt failed before its prefill leg was
-    /// sent (the connector's work on the plan, often no prefill's fault: a decode it
-    /// cannot serve, a request it cannot carry), nor when the prefill refused its leg
-    /// (a 4xx: the request's fault, or a busy moment's, not its engine's), nor when the
-    /// continuation's time or the request's ran out.
+    /// the prefill was at fault, its leg or its handoff failed (or, before the leg was
+    /// sent, its engine failed the connector's resolution of the plan: its bootstrap
+    /// server, a call on it), and it is not chosen again for the request. Not for the
+    /// rest of the connector's work on the plan before the leg was sent (often no
+    /// prefill's fault: a decode it cannot serve, a request it cannot carry), nor when
+    /// the prefill refused its leg (a 4xx: the request's fault, or a busy moment's, not
+    /// its engine's), nor when the continuation's time or the request's ran out.
     Prefill { failed: bool },
     /// The decode side failed (reported).
     Decode(PdError),
@@ -443,10 +444,13 @@ async fn through_prefill(
     // them never takes the migration's id.
     let trace = ctx.own_trace();
     let route = Route::new(Some(Arc::clone(prefill)), Arc::clone(decode));
-    // An attempt of its own: dropped once under way (the client left), it is reported
-    // cancelled, its legs as far as they went.
+    // An attempt of its own, numbered after the attempt it continues (`Report::attempt`:
+    // past every number the request's attempts took, as no retry follows an answer that
+    // began). Dropped once under way (the client left), it is reported cancelled, its
+    // legs as far as they went.
+    let number = ctx.attempt.saturating_add(n);
     let mut cancelled = None;
-    let mut watch = Watch::new(&ctx.reporter, trace.as_ref(), n, &mut cancelled);
+    let mut watch = Watch::new(&ctx.reporter, trace.as_ref(), number, &mut cancelled);
     watch.routed(&route);
     watch.tl.start = crate::outcome::now();
     // The attempt's route holds the prefill's place, given back when its prefill leg
@@ -483,7 +487,7 @@ async fn through_prefill(
                 Ok((head, guard, pending)) => {
                     // The fresh prefill's leg, told now that its answer is in, or when
                     // it answers if it still runs (riding in the stream).
-                    let leg = PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace.clone());
+                    let leg = PrefillLeg::new(&ctx.reporter, &route, number, &tl, trace.clone());
                     let (pending, riding) = match pending {
                         Some(pending) => {
                             let (pending, failed) = leg.riding(pending);
@@ -538,11 +542,11 @@ async fn through_prefill(
                 // prefill may be chosen again (a prompt every prefill refuses is
                 // refused by any of them, within the migration limit).
                 Err(NotDecoded::PrefillRefused) => {
-                    PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).refused();
+                    PrefillLeg::new(&ctx.reporter, &route, number, &tl, trace).refused();
                     return Err(PrefillFell::Prefill { failed: false });
                 }
                 Err(NotDecoded::PrefillAnswered) => {
-                    PrefillLeg::new(&ctx.reporter, &route, n, &tl, trace).answered();
+                    PrefillLeg::new(&ctx.reporter, &route, number, &tl, trace).answered();
                     return Err(PrefillFell::Prefill { failed: false });
                 }
                 // A decode's error status: not a continuation.
@@ -564,7 +568,7 @@ async fn through_prefill(
         tl.end = Some(crate::outcome::now());
         report.timeline = tl;
         report.trace = trace;
-        report.attempt = n;
+        report.attempt = number;
         ctx.reporter.report(report);
     }
     tracing::warn!(
@@ -575,13 +579,31 @@ async fn through_prefill(
     match failure.error.side() {
         Side::Decode => Err(PrefillFell::Decode(failure.error)),
         // The prefill is at fault when its leg was sent (the leg, or its handoff,
-        // failed): not for a failure before it, the connector's work on the plan (told
-        // as the prefill side's, though its build contacts no engine and fails for a
-        // decode it cannot serve or a request it cannot carry), nor when the request's
-        // deadline or the continuation's own end cut the attempt.
-        _ => Err(PrefillFell::Prefill {
-            failed: tl.prefill_sent.is_some() && !was_cut && !failure.error.is_deadline(),
-        }),
+        // failed), or when the connector's resolution of the plan, before it, failed on
+        // its engine: not for the rest of the connector's work on the plan (told as the
+        // prefill side's, though its build contacts no engine and fails for a decode it
+        // cannot serve or a request it cannot carry), nor when the request's deadline or
+        // the continuation's own end cut the attempt.
+        _ => {
+            let at_fault = tl.prefill_sent.is_some() || engine_failed(&failure.error, prefill);
+            Err(PrefillFell::Prefill {
+                failed: at_fault && !was_cut && !failure.error.is_deadline(),
+            })
+        }
+    }
+}
+
+/// Whether `e`, the failure of an attempt through the fresh `prefill` before its leg
+/// was sent, was that prefill's engine's: the connector, resolving the plan, found its
+/// bootstrap server gave no usable answer ([`ConnectorError::Bootstrap`]), or a call
+/// on it failed ([`ConnectorError::Engine`]).
+fn engine_failed(e: &PdError, prefill: &Endpoint) -> bool {
+    let cause = std::error::Error::source(e).and_then(|c| c.downcast_ref::<ConnectorError>());
+    match cause {
+        Some(
+            ConnectorError::Bootstrap { endpoint, .. } | ConnectorError::Engine { endpoint, .. },
+        ) => endpoint == prefill.id(),
+        _ => false,
     }
 }
 

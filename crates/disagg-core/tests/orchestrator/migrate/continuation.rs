@@ -2,6 +2,7 @@
 //! place for its fresh prefill as for any prefill leg, that leg reported when it ends,
 //! and a concurrent prefill that fails mid-stream blamed for it (not the decode).
 
+use disagg_core::endpoint::EndpointId;
 use disagg_core::error::Overload;
 use disagg_resilience::{AdmissionConfig, Limits};
 
@@ -363,6 +364,90 @@ async fn a_decode_whose_prefill_failed_is_not_blamed_when_the_next_continuation_
     assert_settled(&orch);
 }
 
+/// SGLang, one continuation allowed: the continuation's fresh prefill, still running
+/// while its decode (D2) streams, fails, and no continuation is left. Whether D2's
+/// stream was still open or had already ended early (no `[DONE]`, no error event), the
+/// client's stream ends with the prefill's error event and the request failed (outcome
+/// `error`, `decode_stream_failed`, as any broken stream not continued), its attempt
+/// failed on D2, whose leg was cut off (not blamed); the prefill is told failed.
+#[tokio::test(start_paused = true)]
+async fn a_stream_ended_by_its_riding_prefill_and_not_continued_fails_its_request() {
+    for ended_early in [false, true] {
+        let what = format!("D2's stream ended early: {ended_early}");
+        let fake = Fake::new();
+        let told = super::traced::Told::default();
+        let d2 = Reply::sse().frame(ms(0), generated(" b", &[6]));
+        let d2 = if ended_early { d2 } else { d2.stall() };
+        fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#))
+            .on(
+                P1,
+                GENERATE,
+                engine_error(503, "KV transfer failed").after(ms(20)),
+            )
+            .on(
+                D1,
+                GENERATE,
+                Reply::sse()
+                    .frame(ms(0), generated(" a", &[5]))
+                    .fail(ms(5), "reset"),
+            )
+            .on(D2, GENERATE, d2);
+        let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+        let orch = over(&fake, &[P1], &[D1, D2], connector, continuing(1, false))
+            .listener(told.clone())
+            .build();
+        let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+        let mut text = String::new();
+        while let Some(frame) = next(&mut body).await {
+            match frame {
+                Ok(frame) => text.push_str(&frame),
+                Err(_) => break,
+            }
+        }
+        drop(body);
+        assert!(text.contains(" a b"), "{what}: {text}");
+        assert!(
+            text.contains("\"error\"") && !text.contains(DONE),
+            "{what}: {text}"
+        );
+        assert_eq!(fake.calls_to(D2).len(), 1, "{what}");
+        let summary = told.summary();
+        assert_eq!(
+            (summary.outcome, summary.error, summary.migrations),
+            ("error", Some("decode_stream_failed"), 1),
+            "{what}"
+        );
+        let all = told.reports();
+        assert!(
+            !all.iter().any(|r| blamed(r, D2)),
+            "{what}: the decode is not to blame: {all:?}"
+        );
+        let attempt: Vec<&Report> = all
+            .iter()
+            .filter(|r| r.attempt == 0 && r.decode != LegOutcome::NotSent)
+            .filter(|r| r.route.decode.id().as_str() == D2)
+            .collect();
+        let [attempt] = &attempt[..] else {
+            panic!("{what}: the attempt's report names D2: {all:?}")
+        };
+        assert_eq!(
+            (attempt.outcome, attempt.decode),
+            (Outcome::DecodeFailed, LegOutcome::Abandoned),
+            "{what}"
+        );
+        let fresh: Vec<&Report> = all.iter().filter(|r| fresh_leg(r, D2)).collect();
+        let [fresh] = &fresh[..] else {
+            panic!("{what}: the fresh prefill's leg told once: {all:?}")
+        };
+        assert_eq!(
+            (fresh.outcome, fresh.prefill),
+            (Outcome::PrefillFailed, LegOutcome::Failed),
+            "{what}"
+        );
+        assert_settled(&orch);
+    }
+}
+
 /// SGLang: the client leaves while a continuation streams and its fresh prefill still
 /// runs. The prefill's leg is reported once, abandoned (no engine to blame).
 #[tokio::test(start_paused = true)]
@@ -623,6 +708,139 @@ async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_agai
     fake.on(P1, COMPLETIONS, prefill_answer());
     let p1 = continued_twice_over_one_prefill(&fake, NoPlanForD2(VllmNixl::new())).await;
     assert_eq!(p1.len(), 1, "the second continuation went through P1");
+}
+
+/// The error a resolution fails with, made of the prefill's id.
+type Failing = fn(EndpointId) -> ConnectorError;
+
+/// vLLM NIXL's plan, except that resolving a continuation's plan (a token prompt) on
+/// P1 fails with what `fail` makes of P1's id; counts those resolutions.
+struct UnresolvedOnP1 {
+    nixl: VllmNixl,
+    fail: Failing,
+    tried: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait]
+impl KvConnector for UnresolvedOnP1 {
+    fn name(&self) -> &'static str {
+        "nixl-unresolved-on-p1"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        self.nixl.prepare(route, req)
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        _transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        let prefill = handoff.prefill.endpoint.id();
+        if prefill.as_str() == P1 && handoff.prefill.body.get("prompt").is_some() {
+            self.tried
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err((self.fail)(prefill.clone()));
+        }
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        self.nixl.complete(handoff, answer).await
+    }
+}
+
+/// The first continuation's plan through P1 (the prompt's prefill) cannot be resolved
+/// (before any leg is sent): when what failed is P1's engine (its bootstrap server gave
+/// no usable answer, a call on it failed), P1 is not picked again for the request, as a
+/// prefill whose leg failed is not, and the second continuation goes through P2; when
+/// it is the connector's own (no engine named), P1 may be picked again. The first
+/// continuation goes decode-only on D2, which streams a chunk and breaks; the second
+/// goes on D3.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_whose_engine_failed_the_plans_resolution_is_not_picked_again() {
+    let cases: [(&str, Failing, bool); 3] = [
+        (
+            "bootstrap",
+            |endpoint| ConnectorError::Bootstrap {
+                endpoint,
+                addr: "p1:8998".into(),
+                source: "connection refused".into(),
+            },
+            true,
+        ),
+        (
+            "engine call",
+            |endpoint| ConnectorError::Engine {
+                endpoint,
+                what: "/tokenize",
+                source: "connection refused".into(),
+            },
+            true,
+        ),
+        (
+            "connector's own",
+            |_| ConnectorError::NotReady {
+                reason: "no room for the notification".into(),
+            },
+            false,
+        ),
+    ];
+    for (what, fail, excluded) in cases {
+        let fake = Fake::new();
+        continued_twice(&fake, then_breaks("B", 8));
+        fake.on(P1, COMPLETIONS, prefill_answer());
+        fake.on(P2, COMPLETIONS, prefill_answer());
+        let tried = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let connector = UnresolvedOnP1 {
+            nixl: VllmNixl::new(),
+            fail,
+            tried: Arc::clone(&tried),
+        };
+        let config = continuing(2, false);
+        let orch = over(&fake, &[P1, P2], &[D1, D2, D3], connector, config)
+            .router(Named)
+            .build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let text = read_to_end(&mut body).await;
+        assert!(
+            text.contains("\"C\"") && text.ends_with(DONE),
+            "{what}: {text}"
+        );
+        let d2 = fake.calls_to(D2);
+        let [d2] = &d2[..] else {
+            panic!("{what}: the first continuation on D2")
+        };
+        assert!(
+            d2.json().get("kv_transfer_params").is_none(),
+            "{what}: the first continuation went decode-only: {}",
+            d2.text()
+        );
+        let resolved = tried.load(std::sync::atomic::Ordering::Relaxed);
+        let p2 = fake.calls_to(P2).len();
+        let expected = if excluded { (1, 1) } else { (2, 0) };
+        assert_eq!(
+            (resolved, p2),
+            expected,
+            "{what}: P1's resolutions, P2's prefill legs"
+        );
+        let d3 = fake.calls_to(D3);
+        let [d3] = &d3[..] else {
+            panic!("{what}: the second continuation on D3")
+        };
+        assert_eq!(
+            d3.json().get("kv_transfer_params").is_some(),
+            excluded,
+            "{what}: the second continuation through P2: {}",
+            d3.text()
+        );
+        drop(body);
+        assert_settled(&orch);
+    }
 }
 
 /// The first continuation's fresh prefill (P1, the only one) refuses its leg for now

@@ -8,7 +8,7 @@ use super::*;
 
 /// Every report and the request's summary, kept.
 #[derive(Clone, Default)]
-struct Told {
+pub(super) struct Told {
     reports: Arc<Mutex<Vec<Report>>>,
     summaries: Arc<Mutex<Vec<Summary>>>,
 }
@@ -24,12 +24,12 @@ impl Listener for Told {
 }
 
 impl Told {
-    fn reports(&self) -> Vec<Report> {
+    pub(super) fn reports(&self) -> Vec<Report> {
         self.reports.lock().unwrap().clone()
     }
 
     /// The one request's summary.
-    fn summary(&self) -> Summary {
+    pub(super) fn summary(&self) -> Summary {
         let all = self.summaries.lock().unwrap();
         let [summary] = &all[..] else {
             panic!("one request: {} summaries", all.len())
@@ -501,6 +501,63 @@ async fn the_dead_decodes_report_is_the_attempts_whose_leg_broke() {
     };
     assert_eq!(dead(&all, broke).attempt, answered.attempt, "{all:?}");
     assert_settled(&orch);
+}
+
+/// A request whose first attempt (0) failed before its answer began and whose retry
+/// (attempt 1) then broke and went on through a fresh prefill: the continuation, an
+/// attempt of its own, is numbered after the attempt it continues (1 + its migration
+/// index 1 = 2), never as one of the request's attempts, whether its prefill answered
+/// (its leg's report) or failed (its attempt's report).
+#[tokio::test(start_paused = true)]
+async fn a_continuations_reports_are_numbered_after_the_attempt_it_continues() {
+    for fresh in ["answers", "fails"] {
+        let fake = Fake::new();
+        let told = Told::default();
+        fake.on(P1, CHAT, Reply::refuse());
+        fake.on(P2, CHAT, prefill_answer());
+        for decode in [D1, D2] {
+            fake.on(decode, CHAT, dying());
+            fake.on(decode, COMPLETIONS, to_the_end("B", 8));
+        }
+        for prefill in [P1, P2] {
+            let reply = if fresh == "answers" {
+                prefill_answer()
+            } else {
+                engine_error(503, "KV cache full")
+            };
+            fake.on(prefill, COMPLETIONS, reply);
+        }
+        let orch = over(
+            &fake,
+            &[P1, P2],
+            &[D1, D2],
+            VllmNixl::new(),
+            continuing(1, false),
+        )
+        .retry(Backoff::new(RetryPolicy::retries(1)))
+        .listener(told.clone())
+        .build();
+        drain(&orch).await;
+        let summary = told.summary();
+        assert_eq!((summary.attempts, summary.migrations), (2, 1), "{fresh}");
+        let all = told.reports();
+        let numbers: Vec<u32> = all.iter().map(|r| r.attempt).collect();
+        // The first attempt's report is told first, as it failed.
+        let (first, rest) = all.split_first().expect("reports");
+        assert_eq!((first.attempt, first.outcome), (0, Outcome::PrefillFailed));
+        // The continuation's own report: its fresh prefill's leg, its decode not sent.
+        let own: Vec<&Report> = rest
+            .iter()
+            .filter(|r| r.prefill != LegOutcome::NotSent && r.decode == LegOutcome::NotSent)
+            .collect();
+        let [own] = &own[..] else {
+            panic!("{fresh}: the continuation's report: {all:?}")
+        };
+        // The request's attempts are 0 and 1 (`summary.attempts`): the continuation's
+        // report is none of theirs.
+        assert_eq!(own.attempt, 2, "{fresh}: {numbers:?}");
+        assert_settled(&orch);
+    }
 }
 
 /// A span id as hex, as a `traceparent` has it.
