@@ -874,3 +874,42 @@ async fn truncation_below_the_special_tokens_keeps_the_last_ids() {
     .unwrap();
     assert_eq!(ids, [BOS]);
 }
+
+/// `f`'s result, run on a thread with the stack the proxy renders chats on: its serving
+/// threads' (a small chat is rendered on the event loop) and Tokio's blocking pool's
+/// (a large one), Rust's default of 2 MiB.
+fn on_render_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::Builder::new()
+        .stack_size(2 * 1024 * 1024)
+        .spawn(f)
+        .unwrap()
+        .join()
+        .unwrap()
+}
+
+/// A template that nests a value 2,000 deep (a namespace's list wrapped in itself in a
+/// loop) and dumps it fails the request with a template error, on the stack the proxy
+/// renders on: `tojson` recursed once per level and overflowed it, aborting the
+/// process. A client's tools nested as deep as a body may be (120 levels) are dumped.
+#[test]
+fn a_template_that_dumps_a_value_nested_too_deep_fails_the_request() {
+    on_render_stack(|| {
+        let template = "{% set ns = namespace(x=[]) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x | tojson }}";
+        let config = fixture::config(Some(template));
+        let t =
+            HfTokenizer::from_bytes(tokenizer_json().as_bytes(), Some(config.as_bytes())).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let body = format!(r#"{{"messages":{CHAT}}}"#);
+        let err = runtime
+            .block_on(tokenize(&t, Api::Chat, &body))
+            .unwrap_err();
+        assert!(
+            matches!(&err, TokenizeError::Template { message } if message.contains("nested deeper than")),
+            "{err:?}"
+        );
+        let nested = runtime.block_on(tokenize(&hf(), Api::Chat, &nested_tools_chat(120, 3)));
+        assert!(nested.is_ok(), "{nested:?}");
+    });
+}

@@ -235,43 +235,130 @@ impl Drop for DumpBudget {
 /// list-of-parts content.
 ///
 /// vLLM decides this from the template's syntax tree (`_detect_content_format`); this
-/// recognises the loop as written in the models' templates: the iterated expression
-/// read up to the block's end, its whitespace control (`-%}`, `+%}`) left out, or up
-/// to a loop filter (`if`) or `recursive`, whichever comes first. Set the format
-/// explicitly ([`ContentFormat`](super::ContentFormat)) for a template it misreads.
+/// recognises the loop as written in the models' templates: a block (`{% ... %}`) that
+/// is a `for`, its iterated expression read up to the block's end, its whitespace
+/// control (`-%}`, `+%}`) left out, or up to a loop filter (`if`) or `recursive`,
+/// whichever comes first. Set the format explicitly
+/// ([`ContentFormat`](super::ContentFormat)) for a template it misreads.
+///
+/// Each byte of the template is read a bounded number of times: blocks are read one
+/// after the other, each within its own `{%` and `%}`, and the scan ends at a block
+/// that does not end (the template would not compile).
 fn iterates_content(source: &str) -> bool {
     let mut rest = source;
-    while let Some(at) = rest.find("for ") {
-        let after = &rest[at + 4..];
-        rest = after;
-        // `for <name> in <expr>`: the iterated expression, up to the block's end.
-        let Some(in_at) = after.find(" in ") else {
-            continue;
+    while let Some(open) = rest.find("{%") {
+        let block = &rest[open + 2..];
+        let Some(close) = block.find("%}") else {
+            scanned(open + 2 + block.len());
+            return false;
         };
-        let target = after[..in_at].trim();
-        if target.is_empty() || !target.chars().all(|c| c.is_alphanumeric() || c == '_') {
-            continue;
-        }
-        let expr = &after[in_at + 4..];
-        let end = expr.find("%}").unwrap_or(expr.len());
-        // The block's whitespace control (`-%}`, `+%}`) is not the expression's.
-        let expr = expr[..end].trim_end().trim_end_matches(['-', '+']);
-        // Jinja2's `for`: `for <target> in <iter> [if <test>] [recursive]`; the
-        // iterated expression ends at the first word `if` or `recursive`.
-        let expr: String = expr
-            .split_whitespace()
-            .take_while(|word| !matches!(*word, "if" | "recursive"))
-            .collect();
-        let head = expr.split('|').next().unwrap_or("");
-        if head.ends_with("['content']")
-            || head.ends_with("[\"content\"]")
-            || head.ends_with(".content")
-        {
+        scanned(open + 2 + close + 2);
+        if loops_over_content(&block[..close]) {
             return true;
         }
+        rest = &block[close + 2..];
     }
+    scanned(rest.len());
     false
 }
+
+/// Whether `block`, what is between a block's `{%` and `%}`, is a `for` over a
+/// message's content.
+fn loops_over_content(block: &str) -> bool {
+    // The block's whitespace control (`{%-`, `{%+`, `-%}`, `+%}`) is not the statement's.
+    let statement = block
+        .strip_prefix(['-', '+'])
+        .unwrap_or(block)
+        .trim_start()
+        .trim_end()
+        .trim_end_matches(['-', '+']);
+    scanned(block.len());
+    // Jinja2's `for`: `for <target> in <iter> [if <test>] [recursive]`.
+    let Some(rest) = statement.strip_prefix("for") else {
+        return false;
+    };
+    let Some((target, rest)) = next_word(rest) else {
+        return false;
+    };
+    if target.is_empty() || !target.chars().all(|c| c.is_alphanumeric() || c == '_') {
+        return false;
+    }
+    let Some(("in", iter)) = next_word(rest) else {
+        return false;
+    };
+    // The iterated expression ends at the first word `if` or `recursive`, and is read
+    // up to its first filter (`|`), its words put together.
+    let mut rest = iter;
+    let end = loop {
+        let word_at = rest.trim_start();
+        let offset = iter.len() - word_at.len();
+        let word_end = word_at.find(char::is_whitespace).unwrap_or(word_at.len());
+        let (word, after) = word_at.split_at(word_end);
+        if word.is_empty() {
+            break iter.len();
+        }
+        if matches!(word, "if" | "recursive") {
+            break offset;
+        }
+        if let Some(bar) = word.find('|') {
+            break offset + bar;
+        }
+        rest = after;
+    };
+    scanned(iter.len() - rest.len());
+    let head = &iter[..end];
+    ["['content']", "[\"content\"]", ".content"]
+        .iter()
+        .any(|suffix| ends_with_outside_whitespace(head, suffix))
+}
+
+/// The word at the start of `text` after its leading whitespace (`text` starts with
+/// some, or the word does not start there: `None`), and what follows it.
+fn next_word(text: &str) -> Option<(&str, &str)> {
+    if !text.is_empty() && !text.starts_with(char::is_whitespace) {
+        return None;
+    }
+    let text = text.trim_start();
+    let end = text.find(char::is_whitespace).unwrap_or(text.len());
+    Some(text.split_at(end))
+}
+
+/// Whether `text`, its whitespace left out, ends with `suffix`.
+fn ends_with_outside_whitespace(text: &str, suffix: &str) -> bool {
+    let mut read = 0;
+    let mut tail = text
+        .chars()
+        .rev()
+        .inspect(|c| read += c.len_utf8())
+        .filter(|c| !c.is_whitespace());
+    let ends = suffix.chars().rev().all(|c| tail.next() == Some(c));
+    drop(tail);
+    scanned(read);
+    ends
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The bytes [`iterates_content`] read on this thread.
+    pub(crate) static SCANNED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// [`iterates_content`] read `n` more bytes.
+#[inline]
+fn scanned(n: usize) {
+    #[cfg(test)]
+    SCANNED.set(SCANNED.get() + n as u64);
+    #[cfg(not(test))]
+    let _ = n;
+}
+
+/// The most containers (lists, maps) `tojson` writes one inside another: 256, twice
+/// the most a client's JSON nests (serde_json's limit, 128, which a request body and a
+/// tool call's `arguments` each meet), so that a template dumping any of a request's
+/// values, or a few levels around it, writes it. A deeper value, which only a template
+/// can build (a namespace's list wrapped in itself in a loop), fails the render: the
+/// writer recurses once per level, on the stack of the thread that renders.
+pub(crate) const MAX_DUMP_DEPTH: usize = 256;
 
 /// `raise_exception(message)`: the template refuses the conversation.
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -410,10 +497,12 @@ impl Dumper {
             }
             ValueKind::String => self.string(out, v.as_str().unwrap_or(""))?,
             ValueKind::Seq | ValueKind::Iterable => {
+                Self::nest(level)?;
                 let items: Vec<Value> = v.try_iter()?.collect();
                 self.seq(out, &items, level)?;
             }
             ValueKind::Map => {
+                Self::nest(level)?;
                 let mut pairs = Vec::new();
                 for k in v.try_iter()? {
                     let val = v.get_item(&k)?;
@@ -432,6 +521,18 @@ impl Dumper {
             }
         }
         self.room(out)
+    }
+
+    /// Fails for a container at `level` (the outermost at 0) past [`MAX_DUMP_DEPTH`]:
+    /// the dump recurses once per level, on the render's stack.
+    fn nest(level: usize) -> Result<(), Error> {
+        if level >= MAX_DUMP_DEPTH {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: the value is nested deeper than {MAX_DUMP_DEPTH} levels"),
+            ));
+        }
+        Ok(())
     }
 
     fn seq(&self, out: &mut String, items: &[Value], level: usize) -> Result<(), Error> {
@@ -976,6 +1077,98 @@ mod tests {
         );
         let used = FUEL_USED.get().unwrap();
         assert!((10_000..1_000_000).contains(&used), "{used}");
+    }
+
+    /// The stack the proxy renders on: its serving threads' and Tokio's blocking pool's
+    /// are Rust's default, 2 MiB.
+    const RENDER_STACK: usize = 2 * 1024 * 1024;
+
+    /// `f`'s result, run on a thread with the proxy's render stack.
+    fn on_render_stack<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new()
+            .stack_size(RENDER_STACK)
+            .spawn(f)
+            .unwrap()
+            .join()
+            .unwrap()
+    }
+
+    /// A list nested `depth` deep around a zero, built level by level.
+    fn deep_list(depth: usize) -> Value {
+        let mut v = Value::from(0);
+        for _ in 0..depth {
+            v = Value::from_iter([v]);
+        }
+        v
+    }
+
+    /// Drops `v`, a [`deep_list`], level by level (minijinja's drop recurses once per
+    /// level).
+    fn drop_level_by_level(v: Value) {
+        let mut next = Some(v);
+        while let Some(v) = next.take() {
+            let Some(items) = v.downcast_object::<Vec<Value>>() else {
+                continue;
+            };
+            drop(v);
+            next = Arc::try_unwrap(items)
+                .ok()
+                .and_then(|i| i.into_iter().next());
+        }
+    }
+
+    /// `tojson` of a value nested deeper than [`MAX_DUMP_DEPTH`] fails the render,
+    /// on the stack the proxy renders on; its writer recursed once per level and
+    /// overflowed the stack, which aborts the process (a template can nest a value as
+    /// deep as its fuel allows: `{% set ns.x = [ns.x] %}` in a loop). A value nested
+    /// to the limit is dumped.
+    #[test]
+    fn tojson_of_a_value_nested_too_deep_fails_the_render() {
+        on_render_stack(|| {
+            let ctx = |v: &Value| Fields::new(vec![("v".into(), v.clone())]).into_value();
+            let deep = deep_list(100_000);
+            let err = render("{{ v | tojson }}", ctx(&deep)).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidOperation, "{err}");
+            assert!(err.to_string().contains("nested deeper than"), "{err}");
+            drop_level_by_level(deep);
+            let limit = deep_list(MAX_DUMP_DEPTH);
+            let got = render("{{ v | tojson(indent=1) }}", ctx(&limit)).unwrap();
+            assert_eq!(got.matches('[').count(), MAX_DUMP_DEPTH);
+            assert!(render("{{ [v] | tojson }}", ctx(&limit)).is_err());
+            drop_level_by_level(limit);
+        });
+    }
+
+    /// Deciding whether a template loops over message content reads each byte of it a
+    /// bounded number of times, whatever the template holds: it read from each `for `
+    /// to the end of the template (and copied it), so that a template of `for x in y `
+    /// repeated, without a block's end, took time and copies quadratic in its size
+    /// (16 MiB: some 10^13 bytes read, at startup).
+    #[test]
+    fn the_content_loop_scan_reads_each_byte_a_bounded_number_of_times() {
+        let n = 5_000;
+        let found = format!(
+            "{}{{% for p in message.content %}}",
+            "for x in y ".repeat(n)
+        );
+        for (source, loops) in [
+            ("for x in y ".repeat(n), false),
+            (format!("{{% {}%}}", "for x in y ".repeat(n)), false),
+            ("{% for x in y ".repeat(n), false),
+            (format!("{{% for x in {}%}}", "a ".repeat(n)), false),
+            ("{% for x in y %}".repeat(n), false),
+            (found, true),
+        ] {
+            SCANNED.set(0);
+            assert_eq!(iterates_content(&source), loops, "{}", &source[..40]);
+            let scanned = SCANNED.get();
+            // A few passes over each byte, at most: finding the blocks, then reading one.
+            assert!(
+                scanned <= 8 * source.len() as u64,
+                "{scanned} bytes read for a template of {}",
+                source.len()
+            );
+        }
     }
 
     /// Building, reading, setting and dumping an object of `n` distinct keys costs a
