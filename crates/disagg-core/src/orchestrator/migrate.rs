@@ -902,6 +902,9 @@ impl Migrating {
                 }
                 Poll::Ready(None) if this.done || this.raw => {
                     this.ended = true;
+                    // A raw leg ended by its riding prefill (its error event relayed) failed.
+                    let riding_failed = this.raw && this.leg.failed_prefill().is_some();
+                    this.ctx.moved.raw_ended(riding_failed);
                     if this.held.is_empty() {
                         return Poll::Ready(None);
                     }

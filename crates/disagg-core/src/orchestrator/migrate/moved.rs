@@ -169,6 +169,20 @@ impl Moved {
         }
     }
 
+    /// The leg the attempt's report names, relayed raw (untracked: an event too long to
+    /// hold), ended: when it ended for the fresh prefill riding in its stream
+    /// (`riding_failed`), whose error event went out as it came, it is not continued
+    /// (a raw leg never is) and the report tells the request's stream broke, its decode
+    /// not blamed, as [`stays`](Self::stays) and [`exempt`](Self::exempt) tell it for
+    /// a tracked leg (which reads the event).
+    pub(super) fn raw_ended(&self, riding_failed: bool) {
+        if riding_failed {
+            let mut s = self.lock();
+            s.exempt = true;
+            s.prefill_broke = true;
+        }
+    }
+
     /// The leg the attempt's report names ended for the fresh prefill riding in its
     /// stream: its decode is not blamed unless the stream moves on.
     pub(super) fn exempt(&self) {

@@ -373,79 +373,108 @@ async fn a_decode_whose_prefill_failed_is_not_blamed_when_the_next_continuation_
 #[tokio::test(start_paused = true)]
 async fn a_stream_ended_by_its_riding_prefill_and_not_continued_fails_its_request() {
     for ended_early in [false, true] {
-        let what = format!("D2's stream ended early: {ended_early}");
-        let fake = Fake::new();
-        let told = super::traced::Told::default();
-        let d2 = Reply::sse().frame(ms(0), generated(" b", &[6]));
-        let d2 = if ended_early { d2 } else { d2.stall() };
-        fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#))
-            .on(
-                P1,
-                GENERATE,
-                engine_error(503, "KV transfer failed").after(ms(20)),
-            )
-            .on(
-                D1,
-                GENERATE,
-                Reply::sse()
-                    .frame(ms(0), generated(" a", &[5]))
-                    .fail(ms(5), "reset"),
-            )
-            .on(D2, GENERATE, d2);
-        let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
-        let orch = over(&fake, &[P1], &[D1, D2], connector, continuing(1, false))
-            .listener(told.clone())
-            .build();
-        let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
-        let mut text = String::new();
-        while let Some(frame) = next(&mut body).await {
-            match frame {
-                Ok(frame) => text.push_str(&frame),
-                Err(_) => break,
-            }
-        }
-        drop(body);
-        assert!(text.contains(" a b"), "{what}: {text}");
-        assert!(
-            text.contains("\"error\"") && !text.contains(DONE),
-            "{what}: {text}"
-        );
-        assert_eq!(fake.calls_to(D2).len(), 1, "{what}");
-        let summary = told.summary();
-        assert_eq!(
-            (summary.outcome, summary.error, summary.migrations),
-            ("error", Some("decode_stream_failed"), 1),
-            "{what}"
-        );
-        let all = told.reports();
-        assert!(
-            !all.iter().any(|r| blamed(r, D2)),
-            "{what}: the decode is not to blame: {all:?}"
-        );
-        let attempt: Vec<&Report> = all
-            .iter()
-            .filter(|r| r.attempt == 0 && r.decode != LegOutcome::NotSent)
-            .filter(|r| r.route.decode.id().as_str() == D2)
-            .collect();
-        let [attempt] = &attempt[..] else {
-            panic!("{what}: the attempt's report names D2: {all:?}")
-        };
-        assert_eq!(
-            (attempt.outcome, attempt.decode),
-            (Outcome::DecodeFailed, LegOutcome::Abandoned),
-            "{what}"
-        );
-        let fresh: Vec<&Report> = all.iter().filter(|r| fresh_leg(r, D2)).collect();
-        let [fresh] = &fresh[..] else {
-            panic!("{what}: the fresh prefill's leg told once: {all:?}")
-        };
-        assert_eq!(
-            (fresh.outcome, fresh.prefill),
-            (Outcome::PrefillFailed, LegOutcome::Failed),
-            "{what}"
-        );
-        assert_settled(&orch);
+        ended_by_its_riding_prefill(ended_early, false).await;
     }
+}
+
+/// As [`a_stream_ended_by_its_riding_prefill_and_not_continued_fails_its_request`], once
+/// the continuation's leg went raw: after " b", D2 sends an event longer than the 1 MiB
+/// the proxy holds whole (an SSE comment, its end in a frame of its own), which ends
+/// tracking (the leg's bytes are relayed as they come, the comment with them). The
+/// riding prefill's error event, relayed as it came, still fails the request, the
+/// decode not blamed.
+#[tokio::test(start_paused = true)]
+async fn a_raw_stream_ended_by_its_riding_prefill_and_not_continued_fails_its_request() {
+    for ended_early in [false, true] {
+        ended_by_its_riding_prefill(ended_early, true).await;
+    }
+}
+
+/// The body of the two tests above: D2's stream ends early or stalls (`ended_early`),
+/// after an event over 1 MiB when `raw`.
+async fn ended_by_its_riding_prefill(ended_early: bool, raw: bool) {
+    let what = format!("D2's stream ended early: {ended_early}, raw: {raw}");
+    let fake = Fake::new();
+    let told = super::traced::Told::default();
+    let d2 = Reply::sse().frame(ms(0), generated(" b", &[6]));
+    // A comment of more than 1 MiB, cut before its end (it then goes raw).
+    let long = format!(": {}", "x".repeat(1 << 20));
+    let d2 = if raw {
+        d2.frame(ms(1), long).frame(ms(1), "\n\n")
+    } else {
+        d2
+    };
+    let d2 = if ended_early { d2 } else { d2.stall() };
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#))
+        .on(
+            P1,
+            GENERATE,
+            engine_error(503, "KV transfer failed").after(ms(20)),
+        )
+        .on(
+            D1,
+            GENERATE,
+            Reply::sse()
+                .frame(ms(0), generated(" a", &[5]))
+                .fail(ms(5), "reset"),
+        )
+        .on(D2, GENERATE, d2);
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = over(&fake, &[P1], &[D1, D2], connector, continuing(1, false))
+        .listener(told.clone())
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let mut text = String::new();
+    while let Some(frame) = next(&mut body).await {
+        match frame {
+            Ok(frame) => text.push_str(&frame),
+            Err(_) => break,
+        }
+    }
+    drop(body);
+    // A continuation's comment is dropped, unless its leg went raw.
+    assert_eq!(text.len() > 1 << 20, raw, "{what}");
+    let text = text.replace(&"x".repeat(1 << 20), "<1 MiB>");
+    assert!(text.contains(" a b"), "{what}: {text}");
+    assert!(
+        text.contains("\"error\"") && !text.contains(DONE),
+        "{what}: {text}"
+    );
+    assert_eq!(fake.calls_to(D2).len(), 1, "{what}");
+    let summary = told.summary();
+    assert_eq!(
+        (summary.outcome, summary.error, summary.migrations),
+        ("error", Some("decode_stream_failed"), 1),
+        "{what}"
+    );
+    let all = told.reports();
+    assert!(
+        !all.iter().any(|r| blamed(r, D2)),
+        "{what}: the decode is not to blame: {all:?}"
+    );
+    let attempt: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.attempt == 0 && r.decode != LegOutcome::NotSent)
+        .filter(|r| r.route.decode.id().as_str() == D2)
+        .collect();
+    let [attempt] = &attempt[..] else {
+        panic!("{what}: the attempt's report names D2: {all:?}")
+    };
+    assert_eq!(
+        (attempt.outcome, attempt.decode),
+        (Outcome::DecodeFailed, LegOutcome::Abandoned),
+        "{what}"
+    );
+    let fresh: Vec<&Report> = all.iter().filter(|r| fresh_leg(r, D2)).collect();
+    let [fresh] = &fresh[..] else {
+        panic!("{what}: the fresh prefill's leg told once: {all:?}")
+    };
+    assert_eq!(
+        (fresh.outcome, fresh.prefill),
+        (Outcome::PrefillFailed, LegOutcome::Failed),
+        "{what}"
+    );
+    assert_settled(&orch);
 }
 
 /// SGLang: the client leaves while a continuation streams and its fresh prefill still
@@ -758,12 +787,13 @@ impl KvConnector for UnresolvedOnP1 {
 /// (before any leg is sent): when what failed is P1's engine (its bootstrap server gave
 /// no usable answer, a call on it failed), P1 is not picked again for the request, as a
 /// prefill whose leg failed is not, and the second continuation goes through P2; when
-/// it is the connector's own (no engine named), P1 may be picked again. The first
+/// it is the connector's own (no engine named), or an engine's other than P1's (a call
+/// on the continuation's decode, D2, failed), P1 may be picked again. The first
 /// continuation goes decode-only on D2, which streams a chunk and breaks; the second
 /// goes on D3.
 #[tokio::test(start_paused = true)]
 async fn a_fresh_prefill_whose_engine_failed_the_plans_resolution_is_not_picked_again() {
-    let cases: [(&str, Failing, bool); 3] = [
+    let cases: [(&str, Failing, bool); 4] = [
         (
             "bootstrap",
             |endpoint| ConnectorError::Bootstrap {
@@ -786,6 +816,15 @@ async fn a_fresh_prefill_whose_engine_failed_the_plans_resolution_is_not_picked_
             "connector's own",
             |_| ConnectorError::NotReady {
                 reason: "no room for the notification".into(),
+            },
+            false,
+        ),
+        (
+            "another engine's call",
+            |_| ConnectorError::Engine {
+                endpoint: EndpointId::from(D2),
+                what: "/tokenize",
+                source: "connection refused".into(),
             },
             false,
         ),
