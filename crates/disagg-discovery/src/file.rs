@@ -61,6 +61,10 @@
 //!   an error; both are unreadable states, logged and counted as above, and the next
 //!   poll tries again. No read can stop the polling, or hold the proxy at shutdown
 //!   ([`disagg_files`]).
+//! - A file larger than [`MAX_FILE_BYTES`] (4 MiB, about twice what 4,096 engines
+//!   written out in full take) is refused before it is parsed, as an unreadable one is
+//!   ([`FileError::TooLarge`]); a file is parsed on a blocking thread, off the runtime's
+//!   workers.
 //! - At start, a missing, unreadable or invalid file is an error of [`spawn`]: the proxy
 //!   should not start on a configuration it cannot read.
 
@@ -81,9 +85,13 @@ use crate::spec::{
 /// The default source name of the endpoints file (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "file";
 
-/// The largest endpoints file read: far above any real list, low enough that a wrong
-/// path (a log file, a device) cannot exhaust memory.
-const MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
+/// The largest endpoints file read, 4 MiB: about twice what the most engines a source
+/// may contribute by default (4,096) take written out in full (every key, long host
+/// names, three models each: 2.2 MB), low enough that a wrong path (a log file, a
+/// device) or a hostile edit cannot exhaust memory (the TOML parser holds a value for
+/// each of the file's values before the file is checked: 4 MiB of empty arrays take
+/// under 300 MB while parsed, on a blocking thread).
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Where the endpoints file is and how often it is checked (`--endpoints-file`).
 #[derive(Debug, Clone)]
@@ -472,8 +480,17 @@ async fn load(
     reader: &TimedReader,
 ) -> Result<(Vec<u8>, Vec<EndpointSpec>), FileError> {
     let bytes = read(config, reader).await?;
-    let specs = parse_bytes(&bytes, &config.bounds)?;
+    let specs = parse_blocking(&bytes, config.bounds).await?;
     Ok((bytes, specs))
+}
+
+/// [`parse_bytes`] on a blocking thread, off the runtime's workers: parsing up to
+/// [`MAX_FILE_BYTES`] of TOML takes a while.
+async fn parse_blocking(bytes: &[u8], bounds: Bounds) -> Result<Vec<EndpointSpec>, FileError> {
+    let bytes = bytes.to_vec();
+    tokio::task::spawn_blocking(move || parse_bytes(&bytes, &bounds))
+        .await
+        .unwrap_or_else(|e| Err(FileError::Invalid(format!("the file's parse failed: {e}"))))
 }
 
 fn parse_bytes(bytes: &[u8], bounds: &Bounds) -> Result<Vec<EndpointSpec>, FileError> {
@@ -555,7 +572,7 @@ async fn poll(config: FileConfig, publisher: SpecPublisher, bytes: Vec<u8>, read
         if matches!(&seen, Seen::Content(b) if *b == bytes) {
             continue;
         }
-        match parse_bytes(&bytes, &config.bounds) {
+        match parse_blocking(&bytes, config.bounds).await {
             Ok(specs) => {
                 let n = specs.len();
                 if publisher.publish(specs) {

@@ -55,9 +55,22 @@
 //! an API server gone without a reset, a load balancer that failed over), ends a list
 //! page that takes longer than [`KubernetesConfig::request_timeout`], its body included,
 //! and refuses a list page or a watch event larger than
-//! [`KubernetesConfig::max_response_bytes`] before reading more; each is an error as
+//! [`KubernetesConfig::max_response_bytes`], or holding more JSON objects than 1,024
+//! for each pod of a page (at least 16,384; 102,400 for the default page of 100 pods:
+//! an empty object decodes into a whole pod), before reading more; each is an error as
 //! above, retried with backoff. Lists ask for pages of [`KubernetesConfig::page_size`]
 //! pods.
+//!
+//! # Ceilings on the pods
+//!
+//! One selector holds at most twice [`KubernetesConfig::max_endpoints`] pods (8,192 by
+//! default): a list past it is given up at the first pod past it, and so is a watch
+//! event adding a pod to a selector that holds as many; the selector relists after a
+//! backoff (0.8 s, doubling to 30 s), keeping its last good pods meanwhile, and each
+//! refusal is logged and counted ([`SourceStats::over_limit`](crate::SourceStats::over_limit),
+//! an error too). Pods making more endpoints than `max_endpoints`, ranks counted, are not
+//! published (specs are made up to the first endpoint past it): the last good list
+//! stays, the refusal logged and counted once until a list within it is published.
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
@@ -72,12 +85,13 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 
 use crate::source::{SpecPublisher, SpecSource};
 use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, model_names, parse_kv_role, parse_tp};
 
 mod bounds;
+mod held;
 
 /// The default source name of Kubernetes discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "kubernetes";
@@ -211,6 +225,14 @@ pub struct KubernetesConfig {
     /// [`DEFAULT_PAGE_SIZE`] by default, so that a page of large pods stays well under
     /// [`max_response_bytes`](Self::max_response_bytes).
     pub page_size: u32,
+    /// The most endpoints the source publishes, every rank counted
+    /// (`--max-endpoints-per-source`, 4,096 by default,
+    /// [`DEFAULT_MAX_ENDPOINTS_PER_SOURCE`](crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE)):
+    /// pods making more are not published, the last good list staying; and one
+    /// selector holds at most twice as many pods, a list or watch past that refused
+    /// (see [Ceilings on the pods](self#ceilings-on-the-pods)). Give it the
+    /// [`MergedSource`](crate::MergedSource)'s `Bounds::max_endpoints`.
+    pub max_endpoints: usize,
     /// The source's name in metrics and logs ([`SOURCE_NAME`] by default).
     pub name: String,
 }
@@ -232,6 +254,7 @@ impl KubernetesConfig {
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             page_size: DEFAULT_PAGE_SIZE,
+            max_endpoints: crate::DEFAULT_MAX_ENDPOINTS_PER_SOURCE,
             name: SOURCE_NAME.to_owned(),
         }
     }
@@ -330,6 +353,7 @@ fn bounded_client(
     let bounds = bounds::Bounds {
         request_timeout: config.request_timeout,
         max_bytes: config.max_response_bytes,
+        max_objects: bounds::max_objects(config.page_size),
     };
     Ok(kube::client::ClientBuilder::try_from(kube_config)
         .map_err(KubernetesError::Client)?
@@ -381,11 +405,15 @@ pub fn spawn_with_client(
         let (reader, writer) = reflector::store();
         let index = watched.len();
         streams.push(
-            watcher(api.clone(), wc)
-                .default_backoff()
-                .reflect(writer)
-                .map(move |event| (index, event))
-                .boxed(),
+            held::pod_events(
+                api.clone(),
+                wc,
+                held::max_pods(&config),
+                reader.clone(),
+                writer,
+            )
+            .map(move |event| (index, event))
+            .boxed(),
         );
         watched.push(Watched {
             role,
@@ -682,6 +710,8 @@ async fn run(
     mut events: PodEvents,
 ) {
     let mut rejected: HashSet<(Role, String, String)> = HashSet::new();
+    // Whether the pods make more endpoints than the ceiling now (refused once).
+    let mut over = false;
     while let Some((index, event)) = events.next().await {
         if publisher.is_closed() {
             return;
@@ -700,34 +730,58 @@ async fn run(
                 continue;
             }
             Err(e) => {
-                tracing::warn!(
-                    selector = %watched[index].selector,
-                    error = %e,
-                    "kubernetes watch failed; keeping the last good pods and retrying"
-                );
-                publisher.record_error();
+                let selector = &watched[index].selector;
+                match held::refused(&e) {
+                    Some(why @ held::Refused::TooManyPods(_)) => {
+                        tracing::warn!(%selector, error = %why, "kubernetes pods refused: over the ceiling");
+                        publisher.record_over_limit();
+                    }
+                    _ => {
+                        tracing::warn!(%selector, error = %e, "kubernetes watch failed; keeping the last good pods and retrying");
+                        publisher.record_error();
+                    }
+                }
                 continue;
             }
         }
         if watched.iter().all(|w| w.listed) {
-            publish(&config, &publisher, &watched, &mut rejected);
+            publish(&config, &publisher, &watched, &mut rejected, &mut over);
         }
     }
 }
 
 /// Publishes the routable pods of every role; logs and counts pods newly rejected.
+/// Pods making more endpoints than [`KubernetesConfig::max_endpoints`] (counted as
+/// their specs are made, which stops at the first past it) publish nothing: the last
+/// good list stays, the refusal logged and counted once until a list is published.
 fn publish(
     config: &KubernetesConfig,
     publisher: &SpecPublisher,
     watched: &[Watched],
     rejected: &mut HashSet<(Role, String, String)>,
+    over: &mut bool,
 ) {
     let mut specs = Vec::new();
+    let mut endpoints = 0u64;
     let mut now_rejected = HashSet::new();
     for w in watched {
         for pod in w.store.state() {
             match pod_spec(&pod, w.role, config) {
-                Ok(Some(spec)) => specs.push(spec),
+                Ok(Some(spec)) => {
+                    endpoints = endpoints.saturating_add(spec.endpoint_count());
+                    if endpoints > config.max_endpoints as u64 {
+                        if !*over {
+                            tracing::warn!(
+                                max = config.max_endpoints,
+                                "kubernetes pods refused: more endpoints than the ceiling per source (--max-endpoints-per-source); keeping the last good endpoints"
+                            );
+                            publisher.record_over_limit();
+                            *over = true;
+                        }
+                        return;
+                    }
+                    specs.push(spec);
+                }
                 Ok(None) => {}
                 Err(why) => {
                     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -742,6 +796,7 @@ fn publish(
         }
     }
     *rejected = now_rejected;
+    *over = false;
     publisher.publish(specs);
 }
 

@@ -286,6 +286,7 @@ impl DiscoveryArgs {
         c.request_timeout = bounds.request_timeout;
         c.max_response_bytes = bounds.max_response_bytes;
         c.page_size = bounds.page_size;
+        c.max_endpoints = self.max_endpoints_per_source;
         if let Some(read) = c.read_timeout
             && read <= WATCH_TIMEOUT
         {

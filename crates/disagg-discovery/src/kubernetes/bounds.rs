@@ -6,7 +6,12 @@
 //!   (its events are bounded by the read timeout and the watch timeout);
 //! - a list response's body may hold at most [`Bounds::max_bytes`] bytes, refused at once
 //!   when its `Content-Length` says more; one watch event (a line of the stream) at most
-//!   as many.
+//!   as many;
+//! - a list response's body may hold at most [`Bounds::max_objects`] JSON objects (`{`
+//!   outside strings, counted as the bytes come), one watch event at most as many: what
+//!   the bytes decode into is bounded too, not only their length (an empty object, 2
+//!   bytes, decodes into a whole k8s-openapi `Pod` of about 2.4 KB; a `Volume` is
+//!   3.2 KB).
 //!
 //! kube-rs collects a list's body whole and splits a watch's stream into lines with no
 //! length limit; these bounds end such a request with an error (the watcher logs it,
@@ -31,6 +36,27 @@ pub(super) struct Bounds {
     pub(super) request_timeout: Duration,
     /// The most bytes of a list's body, and of one watch event.
     pub(super) max_bytes: usize,
+    /// The most JSON objects in a list's body, and in one watch event ([`max_objects`]).
+    pub(super) max_objects: usize,
+}
+
+/// The JSON objects a pod of a list page may have on average: a real pod has a few
+/// hundred (its `managedFields` most of them), about 800 with two containers of 40
+/// environment variables each.
+pub(super) const OBJECTS_PER_POD: usize = 1024;
+
+/// The least page size [`max_objects`] counts for, so that one large pod (a watch event,
+/// a page of one) has room: 16,384 objects.
+const MIN_PAGE_FOR_OBJECTS: u32 = 16;
+
+/// The most JSON objects in a list response or a watch event for pages of `page_size`
+/// pods: [`OBJECTS_PER_POD`] for each pod of a page, the page counted as at least 16
+/// pods (102,400 objects for the default page of 100). What a page decodes into is
+/// then at most a few hundred megabytes, whatever its bytes.
+pub(super) fn max_objects(page_size: u32) -> usize {
+    usize::try_from(page_size.max(MIN_PAGE_FOR_OBJECTS))
+        .unwrap_or(usize::MAX)
+        .saturating_mul(OBJECTS_PER_POD)
 }
 
 impl<S> Layer<S> for Bounds {
@@ -56,6 +82,12 @@ enum BoundError {
     /// A watch event is longer than the ceiling.
     #[error("a watch event from the API server is longer than {0} bytes")]
     EventTooLong(usize),
+    /// A list response's body holds more JSON objects than the ceiling.
+    #[error("the API server's response holds more than {0} JSON objects")]
+    TooManyObjects(usize),
+    /// A watch event holds more JSON objects than the ceiling.
+    #[error("a watch event from the API server holds more than {0} JSON objects")]
+    EventTooManyObjects(usize),
 }
 
 /// The service [`Bounds`] makes of kube-rs's.
@@ -85,6 +117,7 @@ where
         let Bounds {
             request_timeout,
             max_bytes,
+            max_objects,
         } = self.bounds;
         let watch = is_watch(request.uri());
         // No deadline for a timeout too large to be one.
@@ -103,6 +136,8 @@ where
                 kind: if watch { Kind::Watch } else { Kind::List },
                 seen: 0,
                 max_bytes,
+                objects: Objects::default(),
+                max_objects,
                 deadline: deadline
                     .filter(|_| !watch)
                     .map(|d| Box::pin(tokio::time::sleep_until(d))),
@@ -136,6 +171,9 @@ pub(super) struct BoundedBody<B> {
     /// A list's bytes so far; a watch's since its last newline.
     seen: usize,
     max_bytes: usize,
+    /// A list's JSON objects so far; a watch's since its last newline.
+    objects: Objects,
+    max_objects: usize,
     /// A list's deadline.
     deadline: Option<Pin<Box<Sleep>>>,
     request_timeout: Duration,
@@ -177,30 +215,40 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    let longest = match this.kind {
+                    let (longest, most_objects) = match this.kind {
                         Kind::List => {
                             this.seen = this.seen.saturating_add(data.len());
-                            this.seen
+                            this.objects.scan(data);
+                            (this.seen, this.objects.count)
                         }
                         Kind::Watch => {
                             // Each line the frame ends, the one left open included,
                             // with what came of it before.
-                            let mut longest = 0;
+                            let (mut longest, mut most) = (0, 0);
                             let mut lines = data.split(|&b| b == b'\n').peekable();
                             while let Some(line) = lines.next() {
                                 this.seen = this.seen.saturating_add(line.len());
+                                this.objects.scan(line);
                                 longest = longest.max(this.seen);
+                                most = most.max(this.objects.count);
                                 if lines.peek().is_some() {
                                     this.seen = 0;
+                                    this.objects = Objects::default();
                                 }
                             }
-                            longest
+                            (longest, most)
                         }
                     };
                     if longest > this.max_bytes {
                         return this.fail(match this.kind {
                             Kind::List => BoundError::TooLarge(this.max_bytes),
                             Kind::Watch => BoundError::EventTooLong(this.max_bytes),
+                        });
+                    }
+                    if most_objects > this.max_objects {
+                        return this.fail(match this.kind {
+                            Kind::List => BoundError::TooManyObjects(this.max_objects),
+                            Kind::Watch => BoundError::EventTooManyObjects(this.max_objects),
                         });
                     }
                 }
@@ -234,6 +282,36 @@ where
             SizeHint::with_exact(0)
         } else {
             self.inner.size_hint()
+        }
+    }
+}
+
+/// The JSON objects of a text read in pieces: each `{` outside a string, a string's
+/// state (and an escape in it) carried from one piece to the next.
+#[derive(Debug, Default, Clone, Copy)]
+struct Objects {
+    count: usize,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl Objects {
+    /// Counts the objects `bytes` open.
+    fn scan(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                } else if b == b'\\' {
+                    self.escaped = true;
+                } else if b == b'"' {
+                    self.in_string = false;
+                }
+            } else if b == b'"' {
+                self.in_string = true;
+            } else if b == b'{' {
+                self.count = self.count.saturating_add(1);
+            }
         }
     }
 }
@@ -306,6 +384,7 @@ mod tests {
         let bounds = Bounds {
             request_timeout: Duration::from_secs(60),
             max_bytes: 1000,
+            max_objects: usize::MAX,
         };
         let announced = |n: usize| -> TestBody {
             Box::pin(Full::new(Bytes::from(vec![b' '; n])).map_err(|e| match e {}))
@@ -331,6 +410,7 @@ mod tests {
         let bounds = Bounds {
             request_timeout: Duration::from_secs(60),
             max_bytes: 10,
+            max_objects: usize::MAX,
         };
         let split = || {
             timed(vec![
@@ -372,6 +452,7 @@ mod tests {
         let bounds = Bounds {
             request_timeout: Duration::from_secs(2),
             max_bytes: 1 << 20,
+            max_objects: usize::MAX,
         };
         let slow = || {
             timed(vec![
@@ -394,6 +475,7 @@ mod tests {
         let bounds = Bounds {
             request_timeout: Duration::from_secs(2),
             max_bytes: 1 << 20,
+            max_objects: usize::MAX,
         };
         let inner = tower::service_fn(|_: Request<()>| async {
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -403,6 +485,83 @@ mod tests {
         for uri in [LIST, WATCH] {
             let err = collect(&mut service, uri).await.unwrap_err();
             assert!(err.contains("took longer than 2s"), "{err}");
+        }
+    }
+    /// Objects as `{"items":[{},{},...]}` holds them: `n` empty items and the list's own.
+    fn items(n: usize) -> Vec<u8> {
+        let mut body = b"{\"items\":[".to_vec();
+        for i in 0..n {
+            if i > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(b"{}");
+        }
+        body.extend_from_slice(b"]}");
+        body
+    }
+
+    /// Frames of `body`, `size` bytes each.
+    fn chunks(body: &[u8], size: usize) -> TestBody {
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = body
+            .chunks(size)
+            .map(|c| Ok(Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
+        Box::pin(StreamBody::new(futures::stream::iter(frames)))
+    }
+
+    /// A list's JSON objects are counted however its body is split, those in strings
+    /// (escaped quotes included) not: past the ceiling, the list fails.
+    #[tokio::test]
+    async fn a_list_of_too_many_objects_fails() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 1 << 20,
+            max_objects: 10,
+        };
+        for size in [1, 3, 1000] {
+            let at = items(9);
+            let mut service = bounded(bounds, move || chunks(&at, size));
+            assert!(collect(&mut service, LIST).await.is_ok(), "{size}");
+            let past = items(10);
+            let mut service = bounded(bounds, move || chunks(&past, size));
+            let err = collect(&mut service, LIST).await.unwrap_err();
+            assert!(err.contains("more than 10 JSON objects"), "{size}: {err}");
+            // Braces in strings, after escaped quotes and backslashes, are no objects.
+            let strings =
+                br#"{"a":"{{{{{{{{{{{{","b\"{{{{{{{{{{":"\\","c":{"d":"\\\"{{{{{{{{{{{"}}"#;
+            let mut service = bounded(bounds, move || chunks(strings, size));
+            assert!(collect(&mut service, LIST).await.is_ok(), "{size}");
+        }
+    }
+
+    /// A watch's JSON objects are counted per line: many lines within the ceiling pass,
+    /// one line past it fails, however it is split; a line left in a string does not
+    /// hide the next line's objects.
+    #[tokio::test]
+    async fn a_watch_event_of_too_many_objects_fails() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 1 << 20,
+            max_objects: 10,
+        };
+        for size in [1, 4, 1000] {
+            let mut lines = Vec::new();
+            for _ in 0..100 {
+                lines.extend_from_slice(&items(9));
+                lines.push(b'\n');
+            }
+            let fits = lines.clone();
+            let mut service = bounded(bounds, move || chunks(&fits, size));
+            assert!(collect(&mut service, WATCH).await.is_ok(), "{size}");
+            lines.extend_from_slice(&items(10));
+            let mut service = bounded(bounds, move || chunks(&lines, size));
+            let err = collect(&mut service, WATCH).await.unwrap_err();
+            assert!(err.contains("more than 10 JSON objects"), "{size}: {err}");
+            let mut unclosed = b"{\"a\":\"{{\n".to_vec();
+            unclosed.extend_from_slice(&items(10));
+            let mut service = bounded(bounds, move || chunks(&unclosed, size));
+            let err = collect(&mut service, WATCH).await.unwrap_err();
+            assert!(err.contains("more than 10 JSON objects"), "{size}: {err}");
         }
     }
 }

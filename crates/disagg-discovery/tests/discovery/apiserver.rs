@@ -30,6 +30,9 @@
 //! that failed over: a half-open connection); the list without its closing brace, then
 //! one space every 100 ms for ever (a response that trickles); or the whole list followed
 //! by a run of spaces (JSON whitespace: a valid list larger than the client accepts).
+//! [`ListFault::Empties`] answers instead as a broken or hostile API server could, which
+//! no real one does: a list whose items are empty objects (`{}`, a pod without even a
+//! name), a few bytes each.
 //!
 //! The test drives it directly: [`FakeApiServer::apply`] and
 //! [`FakeApiServer::delete`] change pods, [`FakeApiServer::compact`] drops history,
@@ -99,6 +102,8 @@ pub(crate) enum ListFault {
     Drip,
     /// The whole JSON, then this many spaces.
     Pad(usize),
+    /// The list with this many empty objects (`{}`) as its items.
+    Empties(usize),
 }
 
 /// Counts one open watch stream while it lives.
@@ -444,6 +449,14 @@ fn list_pods(
         json!({ "kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": page });
     match fault {
         None => full(StatusCode::OK, list),
+        Some(ListFault::Empties(n)) => {
+            let metadata = json!({ "resourceVersion": s.rv.to_string() });
+            let items = vec![json!({}); n];
+            full(
+                StatusCode::OK,
+                json!({ "kind": "PodList", "apiVersion": "v1", "metadata": metadata, "items": items }),
+            )
+        }
         Some(fault) => faulty(list.to_string(), fault),
     }
 }
@@ -458,6 +471,8 @@ fn faulty(text: String, fault: ListFault) -> Response<Body> {
         Ok(Frame::data(b))
     }
     let body: Frames = match fault {
+        // Answered whole by `list_pods`.
+        ListFault::Empties(_) => Box::pin(futures::stream::iter([data(Bytes::from(text))])),
         ListFault::Stall => {
             let half = text.len() / 2;
             let half = Bytes::from(text).slice(..half);

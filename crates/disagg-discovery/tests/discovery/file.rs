@@ -237,3 +237,101 @@ async fn encode_entries_are_encoder_endpoints_and_follow_edits() {
     let bad = "[[encode]]\nurl = \"http://10.0.0.9:8300\"\nec_profile = \"cpu,ec_maybe\"\n";
     assert!(file::parse(bad).is_err());
 }
+
+/// The ceiling on an endpoints file's size: what 4,096 engines written out in full take
+/// (about 2.2 MB, [`fleet`]), with room to spare.
+const CEILING: usize = 4 * 1024 * 1024;
+
+/// `text` padded with a comment to `len` bytes.
+fn padded(text: &str, len: usize) -> String {
+    let mut padded = format!("{text}\n# ");
+    padded.push_str(&"x".repeat(len - padded.len() - 1));
+    padded.push('\n');
+    assert_eq!(padded.len(), len);
+    padded
+}
+
+/// A file past the ceiling on its size is refused with the error naming the ceiling, at
+/// start and on reload (the last good engines stay); one at the ceiling is read.
+#[tokio::test]
+async fn a_file_past_the_size_ceiling_is_refused() {
+    let dir = TempDir::new("file-size");
+    let path = dir.path().join("endpoints.toml");
+    replace(&path, &padded(FIRST, CEILING + 1));
+    let err = file::spawn(FileConfig::new(&path)).await.unwrap_err();
+    assert!(matches!(err, FileError::TooLarge { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("larger than {CEILING} bytes")),
+        "{err}"
+    );
+    replace(&path, &padded(FIRST, CEILING));
+    let source = file::spawn(FileConfig::new(&path)).await.unwrap();
+    assert_eq!(source.watch().borrow().as_ref().map(|s| s.len()), Some(2));
+    drop(source);
+
+    let (path, merged) = start(&dir, Some(FAST_POLL)).await;
+    let before = merged.snapshot();
+    replace(&path, &padded(FIRST, CEILING + 1));
+    eventually(RELOAD, "the oversized edit refused", || {
+        errors(&merged) == 1
+    })
+    .await;
+    assert!(Arc::ptr_eq(&merged.snapshot(), &before), "the set was kept");
+    assert_eq!(file::MAX_FILE_BYTES, CEILING as u64);
+}
+
+/// 4,096 engines (the most one source may contribute by default) written out in full:
+/// long host names, three models each, every optional key.
+fn fleet() -> String {
+    let mut text = String::from("# the production fleet\n");
+    for (role, n) in [("prefill", 2048), ("decode", 2048)] {
+        for i in 0..n {
+            let host = format!(
+                "vllm-{role}-{i:04}.vllm-{role}-headless.inference-production.svc.cluster.local"
+            );
+            text.push_str(&format!("[[{role}]]\nurl = \"http://{host}:8000\"\n"));
+            if role == "prefill" {
+                text.push_str("bootstrap_port = 8998\n");
+            }
+            text.push_str(
+                "model = [\"meta-llama/Llama-3.1-70B-Instruct\", \"meta-llama/Llama-3.1-70B-Instruct-FP8\", \"customer-a/llama-3.1-70b-lora-support-v2\"]\n\
+                 weight = 1.5\n\
+                 kv_profile = { connector = \"NixlConnector\", role = \"kv_both\", tp = 4 }\n",
+            );
+            text.push_str(&format!("kv_events = \"tcp://{host}:5557\"\n"));
+            if role == "decode" {
+                text.push_str(&format!(
+                    "lmcache_receiver = \"10.{}.{}.7:7300,7301,7302,7303:7400,7401,7402,7403\"\n",
+                    i / 256,
+                    i % 256
+                ));
+            }
+            text.push_str(&format!(
+                "facts = {{ my_engine_id = \"{role}-{i:04}\", zone = \"us-east-1a\" }}\n\n"
+            ));
+        }
+    }
+    text
+}
+
+/// A file of 4,096 engines written out in full is well within the ceiling and read.
+#[tokio::test]
+async fn a_file_of_the_most_engines_written_out_in_full_is_read() {
+    let text = fleet();
+    assert!(text.len() < CEILING * 2 / 3, "{} bytes", text.len());
+    let dir = TempDir::new("file-fleet");
+    let path = dir.path().join("endpoints.toml");
+    replace(&path, &text);
+    let source = file::spawn(FileConfig::new(&path)).await.unwrap();
+    let merged = MergedSource::builder().source(source).build();
+    merged.synced().await;
+    let set = merged.snapshot();
+    assert_eq!(
+        (
+            set.by_role(Role::Prefill).len(),
+            set.by_role(Role::Decode).len()
+        ),
+        (2048, 2048)
+    );
+}

@@ -42,8 +42,17 @@ struct Harness {
 }
 
 /// The server with `pods`, and a merged source watching it through a kubeconfig whose
-/// context's namespace is `llm`.
+/// context's namespace is `llm`, once it has published its first lists.
 async fn start(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -> Harness {
+    let h = launch(pods, tune).await;
+    tokio::time::timeout(WAIT, h.merged.synced())
+        .await
+        .expect("the first lists");
+    h
+}
+
+/// As [`start`], without waiting for the first lists.
+async fn launch(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -> Harness {
     let server = FakeApiServer::start().await;
     for p in pods {
         server.apply(p.json());
@@ -59,9 +68,6 @@ async fn start(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -
     tune(&mut config);
     let source = kubernetes::spawn(config).await.unwrap();
     let merged = MergedSource::builder().source(source).build();
-    tokio::time::timeout(WAIT, merged.synced())
-        .await
-        .expect("the first lists");
     Harness {
         server,
         _dir: dir,
@@ -674,6 +680,183 @@ async fn a_watch_event_past_the_byte_ceiling_fails_the_watch_and_a_relist_recove
     });
     wait_for(&h.merged, WAIT, "d3 through the relist", |s| {
         s.by_role(Role::Decode).len() == 3
+    })
+    .await;
+}
+
+/// A selector matching more pods than it may hold (twice `max_endpoints`) is refused
+/// whole, not held, logged and counted as over its ceiling; the source stays up, keeps
+/// its last good pods, and takes the list once it is within the ceiling again. A watch
+/// that adds pods past it is refused the same way.
+#[tokio::test]
+async fn a_selector_past_its_pod_ceiling_is_refused_and_the_source_stays_up() {
+    // 4 endpoints: 8 pods per selector. 30 decode pods, 3 of them ready.
+    let names: Vec<String> = (0..30).map(|i| format!("d{i:02}")).collect();
+    let ips: Vec<String> = (0..30).map(|i| format!("127.0.2.{}", i + 1)).collect();
+    let mut pods = vec![pod("p1", "prefill", "127.0.1.1", true)];
+    pods.extend((0..30).map(|i| pod(&names[i], "decode", &ips[i], i < 3)));
+    let h = launch(&pods, |c| c.max_endpoints = 4).await;
+    eventually(WAIT, "the decode list refused", || {
+        stats(&h).over_limit() >= 1
+    })
+    .await;
+    assert!(stats(&h).errors() >= 1);
+    assert_eq!(
+        h.merged.snapshot().iter().count(),
+        0,
+        "nothing published before every selector listed"
+    );
+    // The pods beyond the first five go: the retried list is taken.
+    for name in &names[5..] {
+        h.server.delete(NS, name);
+    }
+    let set = wait_for(&h.merged, WAIT, "the list within the ceiling", |s| {
+        s.by_role(Role::Decode).len() == 3
+    })
+    .await;
+    assert_eq!(ids(&set, Role::Prefill), ["http://127.0.1.1:8000"]);
+
+    // Four more pods through the watch: 9 for the decode selector.
+    watching(&h).await;
+    let over = stats(&h).over_limit();
+    for i in 5..9 {
+        h.server
+            .apply(pod(&names[i], "decode", &ips[i], false).json());
+    }
+    eventually(WAIT, "the watch refused", || stats(&h).over_limit() > over).await;
+    assert!(Arc::ptr_eq(&h.merged.snapshot(), &set), "the set was kept");
+    // One goes: the relist is taken (d07 turned ready and d02 not, within 4 endpoints).
+    h.server.delete(NS, &names[8]);
+    h.server
+        .apply(pod(&names[7], "decode", &ips[7], true).json());
+    h.server
+        .apply(pod(&names[2], "decode", &ips[2], false).json());
+    wait_for(&h.merged, WAIT, "the relist within the ceiling", |s| {
+        ids(s, Role::Decode)
+            == [
+                "http://127.0.2.1:8000",
+                "http://127.0.2.2:8000",
+                "http://127.0.2.8:8000",
+            ]
+    })
+    .await;
+}
+
+/// Pods making more endpoints than `max_endpoints`, ranks counted, are not published:
+/// the source keeps its last good list and counts the refusal once; a list within the
+/// ceiling is published again.
+#[tokio::test]
+async fn pods_past_the_endpoint_ceiling_are_not_published() {
+    let ranked = |name: &'static str, ip: &'static str, ready: bool| PodDesc {
+        annotations: &[("disagg.io/dp-ranks", "0-1")],
+        ..pod(name, "decode", ip, ready)
+    };
+    // 5 endpoints: p1, and d1 and d2 of two ranks each.
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            ranked("d1", "127.0.2.1", true),
+            ranked("d2", "127.0.2.2", true),
+        ],
+        |c| c.max_endpoints = 5,
+    )
+    .await;
+    let before = h.merged.snapshot();
+    assert_eq!(before.iter().count(), 5);
+    watching(&h).await;
+    // d3: 7 endpoints.
+    h.server.apply(ranked("d3", "127.0.2.3", true).json());
+    eventually(WAIT, "the list refused", || stats(&h).over_limit() == 1).await;
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
+    // A change that leaves it over the ceiling is not counted again; d2 goes: 5
+    // endpoints again, published.
+    h.server.apply(ranked("d4", "127.0.2.4", false).json());
+    h.server.delete(NS, "d2");
+    let set = wait_for(&h.merged, WAIT, "the list within the ceiling", |s| {
+        ids(s, Role::Decode)
+            == [
+                "http://127.0.2.1:8000@0",
+                "http://127.0.2.1:8000@1",
+                "http://127.0.2.3:8000@0",
+                "http://127.0.2.3:8000@1",
+            ]
+    })
+    .await;
+    assert_eq!(set.iter().count(), 5);
+    assert_eq!(stats(&h).over_limit(), 1);
+}
+
+/// A list page within the byte ceiling but made of empty objects (`{}`, each of which
+/// would decode into a whole pod) is refused by its count of JSON objects (counted,
+/// retried), and a normal page still passes.
+#[tokio::test]
+async fn a_list_of_many_empty_objects_is_refused_and_retried() {
+    // Pages of 16 pods: 16,384 JSON objects.
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.page_size = 16,
+    )
+    .await;
+    watching(&h).await;
+    // 20,000 `{}`: 60 KB of a 64 MiB ceiling.
+    h.server.fault_lists(ListFault::Empties(20_000), 2);
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json());
+    });
+    wait_for(&h.merged, WAIT, "d2 through the retried relist", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+    eventually(WAIT, "both selectors listed again", || {
+        h.server.lists() >= 6
+    })
+    .await;
+    assert!(stats(&h).errors() >= 2, "the refused lists are counted");
+    assert_eq!(
+        ids(&h.merged.snapshot(), Role::Prefill),
+        ["http://127.0.1.1:8000"]
+    );
+}
+
+/// A watch event within the byte ceiling but holding more JSON objects than a page may
+/// fails the watch (counted; the set is kept).
+#[tokio::test]
+async fn a_watch_event_of_too_many_objects_fails_the_watch() {
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.page_size = 16,
+    )
+    .await;
+    watching(&h).await;
+    let before = h.merged.snapshot();
+    let mut heavy = pod("d2", "decode", "127.0.2.2", true).json();
+    heavy["metadata"]["managedFields"] =
+        serde_json::Value::Array(vec![serde_json::json!({}); 20_000]);
+    h.server.apply(heavy);
+    eventually(WAIT, "the event fails the watch", || {
+        stats(&h).errors() >= 1
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
+    // d2 as a real pod is: the watch resumes past it (its event refused) only through a
+    // relist, which takes it as it is now.
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json())
+    });
+    wait_for(&h.merged, WAIT, "d2 through the relist", |s| {
+        s.by_role(Role::Decode).len() == 2
     })
     .await;
 }
