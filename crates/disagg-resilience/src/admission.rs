@@ -14,14 +14,17 @@
 //!   the larger of its in-flight count and the places handed out on it (a request
 //!   counts from its routing, before its legs are sent), and the room is checked and
 //!   taken under one lock. These waiters are woken together and race for the freed
-//!   room, so their order is close to, but not strictly, FIFO. A waiting request holds
-//!   no place meanwhile: a route it finds no room for is given back, with the places
-//!   the routers inside it took for that route, before the request waits (a place on
-//!   a decode with room is not kept from others while the request waits for its
-//!   prefill's; a held request's turn in a decode hold's line is, see below). Around
-//!   a router that holds places of its own (another limit, a hold), its route keeps
-//!   theirs beside its own until each leg ends, for a routed request and for a
-//!   request placed on one engine ([`Router::place`]) alike.
+//!   room, so their order is close to, but not strictly, FIFO. A place taken and given
+//!   back within another request's look (a route that a limit around a limit found no
+//!   room for) wakes them too, but frees no room a leg held: a waiter it woke looks
+//!   again 10 ms later, not at once. A waiting request holds no place meanwhile: a
+//!   route it finds no room for is given back, with the places the routers inside it
+//!   took for that route, before the request waits (a place on a decode with room is
+//!   not kept from others while the request waits for its prefill's; a held
+//!   request's turn in a decode hold's line is, see below). Around a router that
+//!   holds places of its own (another limit, a hold), its route keeps theirs beside
+//!   its own until each leg ends, for a routed request and for a request placed on
+//!   one engine ([`Router::place`]) alike.
 //!
 //! - a **decode hold** ([`DecodeHold`], made by [`Limits::decode_hold`]): while every
 //!   decode endpoint of a request's model is saturated (its
@@ -135,13 +138,23 @@ struct State {
     global: Option<Arc<Semaphore>>,
     /// Requests waiting, for either limit.
     waiting: AtomicUsize,
-    /// Rung when a leg holding a per-endpoint place ends, for waiters on a
-    /// per-endpoint limit.
+    /// Rung when a per-endpoint place is given back (at a leg's end, or by a look
+    /// that found no room), for waiters on a per-endpoint limit.
     ended: Notify,
-    /// The per-endpoint places given back so far, counted before `ended` is rung: a
-    /// waiter that listens only after giving back the places of a route it found no
-    /// room for learns from it whether another request gave one back meanwhile.
+    /// The per-endpoint places given back at a leg's end so far (not by a look: see
+    /// `returns`), counted before `ended` is rung: a waiter that listens only after
+    /// giving back the places of a route it found no room for learns from it whether
+    /// a leg ended meanwhile (then it looks again at once).
     ends: AtomicU64,
+    /// The per-endpoint places given back by a routing under way so far: those of a
+    /// route that a limit (or a hold) found no room for, taken and given back within
+    /// one look. Counted before `ended` is rung, which they ring too: another
+    /// request's look may have found such a place taken. They free no room that a leg
+    /// held, though: a waiter woken by them alone, or that saw another request's
+    /// during its look, looks again once [`RETURN_POLL`] has passed, not at once; two
+    /// waiters would otherwise wake each other without end, each look giving back a
+    /// place that woke the other.
+    returns: AtomicU64,
     queue_full: AtomicU64,
     queue_timeouts: AtomicU64,
     queued: AtomicU64,
@@ -164,17 +177,49 @@ struct LegPlace {
 impl Drop for LegPlace {
     fn drop(&mut self) {
         give_back(&mut crate::lock(&self.places.0), &self.endpoint);
-        self.state.ends.fetch_add(1, Ordering::SeqCst);
         // Given back by a routing of this admission under way (a route that a limit
-        // found no room for, dropped while the request's routing is polled): the
-        // request's own, which is no reason for it to look again.
-        let _ = QUEUED.try_with(|q| {
-            if q.is_in(&self.state) {
-                q.given_back.fetch_add(1, Ordering::SeqCst);
-            }
-        });
+        // or a hold found no room for, dropped while the request's routing is
+        // polled): the request's own, which is no reason for it to look again.
+        let own = QUEUED
+            .try_with(|q| {
+                let own = q.is_in(&self.state);
+                if own {
+                    q.given_back.fetch_add(1, Ordering::SeqCst);
+                }
+                own
+            })
+            .unwrap_or(false);
+        // Taken for one look and given back (the request's own, or a route a limit
+        // found no room for outside a routing's wait: a new request's), or a leg's.
+        let counted = if own || GIVING_BACK.get() {
+            &self.state.returns
+        } else {
+            &self.state.ends
+        };
+        counted.fetch_add(1, Ordering::SeqCst);
         self.state.ended.notify_waiters();
     }
+}
+
+std::thread_local! {
+    /// Whether this thread is giving back a route that a [`PerEndpointLimit`] found
+    /// no room for ([`give_back_route`]): the places in it, which the routers inside
+    /// the limit took for that look, are counted in [`State::returns`], not as ends.
+    static GIVING_BACK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Gives back `route`, which a limit found no room for: its places (taken for this
+/// look by the routers the limit wraps) count as given back by a look.
+fn give_back_route(route: Route) {
+    /// Puts back what [`GIVING_BACK`] was, when dropped.
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            GIVING_BACK.set(self.0);
+        }
+    }
+    let _reset = Reset(GIVING_BACK.replace(true));
+    drop(route);
 }
 
 /// An endpoint in [`Places`]: its role and id (an engine serving both roles is two
@@ -253,7 +298,7 @@ struct Queued {
     /// routing ends.
     kept: std::sync::Mutex<Vec<Kept>>,
     /// The per-endpoint places of this admission that the routing gave back while it
-    /// was polled: those of routes a limit found no room for (see [`State::ends`]).
+    /// was polled: those of routes a limit found no room for (see [`State::returns`]).
     given_back: AtomicU64,
 }
 
@@ -396,6 +441,7 @@ impl Limits {
                 waiting: AtomicUsize::new(0),
                 ended: Notify::new(),
                 ends: AtomicU64::new(0),
+                returns: AtomicU64::new(0),
                 queue_full: AtomicU64::new(0),
                 queue_timeouts: AtomicU64::new(0),
                 queued: AtomicU64::new(0),
@@ -466,6 +512,10 @@ impl Limits {
 /// How often a request held by [`DecodeHold`] looks at the decodes again: the engines'
 /// counts change at each read of their `/metrics`, this proxy's at each request's end.
 pub const HOLD_POLL: Duration = Duration::from_millis(10);
+
+/// How soon a request waiting for a per-endpoint place looks again after a place
+/// that another request's look took and gave back at once (see [`State::returns`]).
+const RETURN_POLL: Duration = Duration::from_millis(10);
 
 impl State {
     /// One more request counted as waiting, and in `queued` when `first` (its first
@@ -579,8 +629,10 @@ impl Admission for Limits {
 /// Cost per request with room: one short lock, a hash lookup per leg, an entry made
 /// for an endpoint that had no place (an endpoint's entry leaves with its last place)
 /// and its two places; one short lock when each leg ends. A request placed on one
-/// engine also takes a place in the queue, and the router it wraps boxes its own
-/// placing: two small allocations. Around a router whose
+/// engine costs three small allocations more: its placing, boxed here; its place in
+/// the queue (unless a router of the same queue wrapping this limit made it); and the
+/// placing of the router it wraps, which that router boxes (again at each look, for a
+/// request that waits). Around a router whose
 /// routing is itself a future (a [`DecodeHold`]), it also boxes its own routing around
 /// that one on every request, room or not, and makes the request's place in the queue
 /// there (which the hold then shares): one small allocation more per request than the
@@ -598,14 +650,25 @@ pub struct PerEndpointLimit<R> {
 
 impl<R: Router> PerEndpointLimit<R> {
     /// The route `first` gives, if it has room (a routing of the router this limit
-    /// wraps that is under way: a hold's), else `choose`'s once it has: meanwhile the
-    /// request waits in the queue, as one that found no room, until a leg that held a
-    /// place ends. Its one place in the queue for its routing is the routing's
-    /// ([`Queued`]: that of a hold wrapping this limit, or a new one), where a hold
-    /// this limit wraps finds it too, and keeps its ticket in its line between looks
-    /// ([`Kept`]). Not counted in `queued` when it already `queued`; the route says
-    /// when this routing made it wait ([`Route::queued`]), here or in a hold of `first`,
-    /// and so does the error of one that waited, then failed ([`PdError::with_queued`]).
+    /// wraps that [`route`](Router::route) began: a future, a hold's), else `choose`'s
+    /// once it has (a look through the router it wraps: its
+    /// [`route`](Router::route), or its [`place_queued`](Router::place_queued) for a
+    /// request placed on one engine, which passes no `first`): meanwhile the request
+    /// waits in the queue, as one that found no room, until a leg that held a place
+    /// ends. Its one place in the queue for its routing is the routing's ([`Queued`]:
+    /// that of a hold wrapping this limit, or a new one), where a hold this limit wraps
+    /// finds it too, and keeps its ticket in its line between looks ([`Kept`]). Not
+    /// counted in `queued` when it already `queued`; the route says when this routing
+    /// made it wait ([`Route::queued`]), here or in a hold of `first`, and so does the
+    /// error of one that waited, then failed ([`PdError::with_queued`]).
+    ///
+    /// A look reads the places given back before it: when it finds no room, a leg's
+    /// end during it ([`State::ends`]) lets the request look again at once (within its
+    /// wait's end); a place that another request's look took and gave back
+    /// ([`State::returns`]), during it or during the wait that follows, lets it look
+    /// again once [`RETURN_POLL`] has passed; else it waits for a leg's end. `first`
+    /// began before those counts could be read: when it finds no room, `choose` looks
+    /// at once.
     async fn wait_for_room<C, F>(
         &self,
         first: Option<C>,
@@ -639,29 +702,66 @@ impl<R: Router> PerEndpointLimit<R> {
                 // waiting for room): listening before that, the request would wake
                 // itself, look again, and so on, without ever waiting.
                 let ends = self.state.ends.load(Ordering::SeqCst);
+                let returns = self.state.returns.load(Ordering::SeqCst);
                 let own = place.given_back.load(Ordering::SeqCst);
                 if let Some(mut route) = self.with_room(choose().await?) {
                     route.queued |= waited;
                     return Ok(route);
                 }
-                // Listening from here; a place that another request gave back since
-                // the look, which the counts show, lets it look again at once.
+                // Listening from here; what was given back since the look began, which
+                // the counts show, was not heard.
+                let looked = Instant::now();
                 let ended = self.state.ended.notified();
                 tokio::pin!(ended);
                 ended.as_mut().enable();
-                let others = self.state.ends.load(Ordering::SeqCst).wrapping_sub(ends)
-                    != place.given_back.load(Ordering::SeqCst).wrapping_sub(own);
                 // Counted at its first wait (or already, by a hold of the routing);
                 // its waits end at the earliest end any of them set, a hold's that
                 // `choose` went through included.
-                let wait = *wait.get_or_insert_with(|| self.state.wait(Instant::now(), deadline));
+                let wait = *wait.get_or_insert_with(|| self.state.wait(looked, deadline));
                 let Bound { since, until } = place.enqueue(wait, queued)?;
                 waited = true;
-                if others {
+                let leg_ended = || self.state.ends.load(Ordering::SeqCst) != ends;
+                if leg_ended() {
+                    // A leg ended during the look: look again at once, unless the
+                    // wait is over (on a busy limit a leg may end during every look,
+                    // and this way does not wait), giving the thread up when the task
+                    // has used its budget.
+                    if looked >= until {
+                        return Err(self.state.timed_out(since));
+                    }
+                    tokio::task::consume_budget().await;
                     continue;
                 }
-                if tokio::time::timeout_at(until, ended).await.is_err() {
-                    return Err(self.state.timed_out(since));
+                // Another request's look gave a place back during this one, which may
+                // have found it taken: look again, but not at once (see
+                // `State::returns`).
+                let others = self
+                    .state
+                    .returns
+                    .load(Ordering::SeqCst)
+                    .wrapping_sub(returns)
+                    != place.given_back.load(Ordering::SeqCst).wrapping_sub(own);
+                let mut again = others.then(|| looked + RETURN_POLL);
+                loop {
+                    let end = again.map_or(until, |again| again.min(until));
+                    if tokio::time::timeout_at(end, ended.as_mut()).await.is_err() {
+                        if end == until {
+                            return Err(self.state.timed_out(since));
+                        }
+                        break;
+                    }
+                    if leg_ended() {
+                        break;
+                    }
+                    // Woken by places another request's look gave back alone: look
+                    // again once the poll has passed, listening meanwhile for a leg's
+                    // end.
+                    again.get_or_insert_with(|| Instant::now() + RETURN_POLL);
+                    ended.set(self.state.ended.notified());
+                    ended.as_mut().enable();
+                    if leg_ended() {
+                        break;
+                    }
                 }
             }
         };
@@ -693,6 +793,8 @@ impl<R: Router> PerEndpointLimit<R> {
                 .zip(prefill.as_ref())
                 .is_none_or(|(p, key)| count(p, key) < self.limit);
         if !room {
+            drop(places);
+            give_back_route(route);
             return None;
         }
         if let Some(key) = &prefill {
@@ -768,9 +870,9 @@ impl<R: Router> Router for PerEndpointLimit<R> {
         queued: bool,
     ) -> BoxFuture<'a, Result<Route, PdError>> {
         // Waited for in the request's place in the queue, which a limit inside this
-        // one shares.
+        // one shares; its first look too, once the counts it reads before are read.
         let choose = move || self.inner.place_queued(pick, deadline, queued);
-        Box::pin(self.wait_for_room(Some(choose()), choose, deadline, queued))
+        Box::pin(self.wait_for_room(None, choose, deadline, queued))
     }
 
     fn observe(&self, route: &Route, outcome: Outcome) {
@@ -2290,12 +2392,26 @@ mod tests {
     where
         F: Future<Output = ()>,
     {
+        returns_in_time_on(
+            || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+            },
+            test,
+        )
+    }
+
+    /// [`returns_in_time`] on the runtime `runtime` builds.
+    fn returns_in_time_on<F>(
+        runtime: fn() -> std::io::Result<tokio::runtime::Runtime>,
+        test: impl FnOnce() -> F + Send + 'static,
+    ) where
+        F: Future<Output = ()>,
+    {
         let (done, finished) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let rt = runtime().unwrap();
             rt.block_on(test());
             let _ = done.send(());
         });
@@ -2622,5 +2738,173 @@ mod tests {
             drop(x);
             assert_eq!(waiting(&limits), 0);
         });
+    }
+
+    /// A limit of 1 around a limit of 8 of the same queue, over a prefill and a decode,
+    /// the inner one routing through a [`Hook`] (which counts its routings): the outer
+    /// limit, the inner one and the source.
+    #[allow(clippy::type_complexity)]
+    fn limit_around_counted_limit(
+        limits: &Limits,
+    ) -> (
+        Arc<PerEndpointLimit<Arc<PerEndpointLimit<Hook<First>>>>>,
+        Arc<PerEndpointLimit<Hook<First>>>,
+        Arc<disagg_core::source::StaticSource>,
+    ) {
+        let inner = Arc::new(limits.per_endpoint(Hook::new(First), 8));
+        let router = Arc::new(limits.per_endpoint(Arc::clone(&inner), 1));
+        let source = Arc::new(disagg_core::source::StaticSource::new([
+            endpoint("http://p:1", Role::Prefill),
+            endpoint("http://d:1", Role::Decode),
+        ]));
+        (router, inner, source)
+    }
+
+    /// A task routing a request through `router` over `source`, which gives its route
+    /// back at once.
+    fn route_and_drop(
+        router: &Arc<PerEndpointLimit<Arc<PerEndpointLimit<Hook<First>>>>>,
+        source: &Arc<disagg_core::source::StaticSource>,
+    ) -> tokio::task::JoinHandle<Result<(), PdError>> {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+
+        let (router, source) = (Arc::clone(router), Arc::clone(source));
+        tokio::spawn(async move {
+            let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+            let view = RequestView::new(Api::Chat, None, &headers, &body);
+            let ask = Ask::new(&view, &*source, false, None);
+            router.route(ask).await.map(drop)
+        })
+    }
+
+    /// Two requests wait behind a limit around a limit of the same queue, the outer
+    /// one full (a long stream holds its place). Each look of one took a place in the
+    /// inner limit and gave it back, which woke the other; its look woke the first,
+    /// and so on: they routed without end, thousands of times, and held the runtime's
+    /// thread until the stream ended. A place given back by a look, which frees no
+    /// room a leg held, lets a waiter look again once a poll has passed, not at once.
+    #[test]
+    fn waiters_behind_a_limit_around_a_limit_do_not_wake_each_other_without_end() {
+        returns_in_time_on(
+            || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .start_paused(true)
+                    .build()
+            },
+            || async {
+                use disagg_core::json::JsonBody;
+                use disagg_core::request::Api;
+                use futures::FutureExt;
+
+                let limits = Limits::new(AdmissionConfig::default());
+                let (router, inner, source) = limit_around_counted_limit(&limits);
+                let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+                let view = RequestView::new(Api::Chat, None, &headers, &body);
+                let ask = Ask::new(&view, &*source, false, None);
+                let stream = router.route(ask).now_or_never().unwrap().unwrap();
+                let (a, b) = (
+                    route_and_drop(&router, &source),
+                    route_and_drop(&router, &source),
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                assert_eq!(waiting(&limits), 2);
+                // The stream's routing, two each to start (one in `route`, one in the
+                // wait), then one for each waiter every poll at most.
+                let picks = inner.inner.calls.load(Ordering::Relaxed);
+                let most = 5 + 2 * (50 / RETURN_POLL.as_millis() as usize + 1);
+                assert!(picks <= most, "{picks} routings in 50 ms");
+                // The stream ends: one gets its room, then the other.
+                drop(stream);
+                a.await.unwrap().unwrap();
+                b.await.unwrap().unwrap();
+                assert_eq!(waiting(&limits), 0);
+                assert!(crate::lock(&inner.places.0).is_empty());
+            },
+        );
+    }
+
+    /// As above, on a runtime of two threads: each waiter also routed again at once
+    /// when the other gave a place back during its look, without waiting and without
+    /// looking at its timeout, so the two routed some 80 times a millisecond until
+    /// their queue timeout. A waiter looks again at once only when a leg ended during
+    /// its look, and not past its timeout.
+    #[test]
+    fn waiters_behind_a_limit_around_a_limit_time_out_on_two_threads() {
+        returns_in_time_on(
+            || {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+            },
+            || async {
+                use disagg_core::json::JsonBody;
+                use disagg_core::request::Api;
+                use futures::FutureExt;
+
+                let limits = Limits::new(AdmissionConfig {
+                    queue_timeout: Duration::from_millis(200),
+                    ..AdmissionConfig::default()
+                });
+                let (router, inner, source) = limit_around_counted_limit(&limits);
+                let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+                let view = RequestView::new(Api::Chat, None, &headers, &body);
+                let ask = Ask::new(&view, &*source, false, None);
+                let _stream = router.route(ask).now_or_never().unwrap().unwrap();
+                let start = std::time::Instant::now();
+                let (a, b) = (
+                    route_and_drop(&router, &source),
+                    route_and_drop(&router, &source),
+                );
+                for waiter in [a, b] {
+                    let e = waiter.await.unwrap().unwrap_err();
+                    assert_eq!(e.http().code, "queue_timeout");
+                }
+                let elapsed = start.elapsed();
+                assert!(elapsed < Duration::from_secs(2), "{elapsed:?}");
+                assert_eq!(waiting(&limits), 0);
+                // The stream's routing, two each to start (one in `route`, one in the
+                // wait), then one for each waiter every poll at most.
+                let picks = inner.inner.calls.load(Ordering::Relaxed);
+                let polls = elapsed.as_millis() / RETURN_POLL.as_millis() + 1;
+                let most = 5 + 2 * usize::try_from(polls).unwrap();
+                assert!(picks <= most, "{picks} routings in {elapsed:?}");
+            },
+        );
+    }
+
+    /// A request placed on one engine without room picked it, found no room, and
+    /// picked it again at once (placing it in the router it wraps again) before it
+    /// waited: the counts read before its first look tell it whether to look again.
+    #[tokio::test]
+    async fn a_place_without_room_picks_once_before_it_waits() {
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let router = limits.per_endpoint(First, 1);
+        let decode = Arc::new(endpoint("http://d:1", Role::Decode));
+        let picks = Arc::new(AtomicUsize::new(0));
+        let pick = {
+            let (decode, picks) = (Arc::clone(&decode), Arc::clone(&picks));
+            move || {
+                picks.fetch_add(1, Ordering::Relaxed);
+                Ok(Arc::clone(&decode))
+            }
+        };
+        let first = router.place(&pick, None).now_or_never().unwrap().unwrap();
+        assert_eq!(picks.swap(0, Ordering::Relaxed), 1);
+        let mut second = Box::pin(router.place(&pick, None));
+        assert!((&mut second).now_or_never().is_none(), "no room: it waits");
+        assert_eq!(
+            picks.swap(0, Ordering::Relaxed),
+            1,
+            "one look, then the wait"
+        );
+        drop(first);
+        let second = (&mut second).now_or_never().expect("room").unwrap();
+        assert!(second.queued);
+        assert_eq!(picks.load(Ordering::Relaxed), 1);
     }
 }
