@@ -17,14 +17,16 @@
 //!   room, so their order is close to, but not strictly, FIFO. A place taken and given
 //!   back within another request's look (a route that a limit around a limit found no
 //!   room for) wakes them too, but frees no room a leg held: a waiter it woke looks
-//!   again 10 ms later, not at once. A waiting request holds no place meanwhile: a
-//!   route it finds no room for is given back, with the places the routers inside it
-//!   took for that route, before the request waits (a place on a decode with room is
-//!   not kept from others while the request waits for its prefill's; a held
-//!   request's turn in a decode hold's line is, see below). Around a router that
-//!   holds places of its own (another limit, a hold), its route keeps theirs beside
-//!   its own until each leg ends, for a routed request and for a request placed on
-//!   one engine ([`Router::place`]) alike.
+//!   again 10 ms later, not at once, and such places wake a waiter once at most
+//!   between two of its looks. A leg that ends during a look (its route dropped by a
+//!   permit of the route the look gives back) still counts as a leg's end. A waiting
+//!   request holds no place meanwhile: a route it finds no room for is given back,
+//!   with the places the routers inside it took for that route, before the request
+//!   waits (a place on a decode with room is not kept from others while the request
+//!   waits for its prefill's; a held request's turn in a decode hold's line is, see
+//!   below). Around a router that holds places of its own (another limit, a hold),
+//!   its route keeps theirs beside its own until each leg ends, for a routed request
+//!   and for a request placed on one engine ([`Router::place`]) alike.
 //!
 //! - a **decode hold** ([`DecodeHold`], made by [`Limits::decode_hold`]): while every
 //!   decode endpoint of a request's model is saturated (its
@@ -81,6 +83,7 @@ use hold::{Kept, Routed};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use disagg_core::endpoint::Role;
@@ -138,22 +141,26 @@ struct State {
     global: Option<Arc<Semaphore>>,
     /// Requests waiting, for either limit.
     waiting: AtomicUsize,
-    /// Rung when a per-endpoint place is given back (at a leg's end, or by a look
-    /// that found no room), for waiters on a per-endpoint limit.
+    /// Rung when a per-endpoint place is given back at a leg's end, for waiters on a
+    /// per-endpoint limit.
     ended: Notify,
     /// The per-endpoint places given back at a leg's end so far (not by a look: see
     /// `returns`), counted before `ended` is rung: a waiter that listens only after
     /// giving back the places of a route it found no room for learns from it whether
     /// a leg ended meanwhile (then it looks again at once).
     ends: AtomicU64,
+    /// Rung when a per-endpoint place is given back by a look (see `returns`).
+    returned: Notify,
     /// The per-endpoint places given back by a routing under way so far: those of a
     /// route that a limit (or a hold) found no room for, taken and given back within
-    /// one look. Counted before `ended` is rung, which they ring too: another
-    /// request's look may have found such a place taken. They free no room that a leg
-    /// held, though: a waiter woken by them alone, or that saw another request's
-    /// during its look, looks again once [`RETURN_POLL`] has passed, not at once; two
-    /// waiters would otherwise wake each other without end, each look giving back a
-    /// place that woke the other.
+    /// one look. Counted before `returned` is rung: another request's look may have
+    /// found such a place taken. They free no room that a leg held, though: a waiter
+    /// woken by them alone, or that saw another request's during its look, looks
+    /// again once [`RETURN_POLL`] has passed, not at once; two waiters would
+    /// otherwise wake each other without end, each look giving back a place that
+    /// woke the other. A waiter listens for them only while no look of its own is
+    /// due: woken by them at most once a look, not by each of every other waiter's
+    /// looks.
     returns: AtomicU64,
     queue_full: AtomicU64,
     queue_timeouts: AtomicU64,
@@ -172,32 +179,40 @@ struct LegPlace {
     state: Arc<State>,
     places: Arc<Places>,
     endpoint: PlaceKey,
+    /// The [`Queued::id`] of the routing of this admission that made it (0 when
+    /// made outside any).
+    routing: u64,
 }
 
 impl Drop for LegPlace {
     fn drop(&mut self) {
         give_back(&mut crate::lock(&self.places.0), &self.endpoint);
-        // Given back by a routing of this admission under way (a route that a limit
-        // or a hold found no room for, dropped while the request's routing is
-        // polled): the request's own, which is no reason for it to look again.
+        // Dropped while a routing of this admission is polled: taken and given back
+        // by it when it made the place (a route that a limit or a hold found no room
+        // for), which is no reason for the request to look again; otherwise a leg's
+        // end (another request's route, dropped by something the routing dropped).
         let own = QUEUED
             .try_with(|q| {
-                let own = q.is_in(&self.state);
-                if own {
-                    q.given_back.fetch_add(1, Ordering::SeqCst);
-                }
-                own
+                q.is_in(&self.state).then(|| {
+                    let own = q.id == self.routing;
+                    if own {
+                        q.given_back.fetch_add(1, Ordering::SeqCst);
+                    }
+                    own
+                })
             })
-            .unwrap_or(false);
-        // Taken for one look and given back (the request's own, or a route a limit
-        // found no room for outside a routing's wait: a new request's), or a leg's.
-        let counted = if own || GIVING_BACK.get() {
-            &self.state.returns
+            .ok()
+            .flatten();
+        // Outside a routing: given back by a limit that found no room for a route
+        // made outside one too (a new request's first look), or a leg's end.
+        let returned = own.unwrap_or_else(|| self.routing == 0 && GIVING_BACK.get());
+        let (counted, rung) = if returned {
+            (&self.state.returns, &self.state.returned)
         } else {
-            &self.state.ends
+            (&self.state.ends, &self.state.ended)
         };
         counted.fetch_add(1, Ordering::SeqCst);
-        self.state.ended.notify_waiters();
+        rung.notify_waiters();
     }
 }
 
@@ -288,6 +303,10 @@ tokio::task_local! {
 #[derive(Debug)]
 struct Queued {
     state: Arc<State>,
+    /// A number no other routing's place has had, never 0 ([`routing_id`]): the
+    /// per-endpoint places made during this routing carry it ([`LegPlace`]), so that
+    /// the routing tells those it gives back from legs that end while it is polled.
+    id: u64,
     counted: AtomicBool,
     /// The routing's waits so far, merged; `None` before the first.
     bound: std::sync::Mutex<Option<Bound>>,
@@ -330,6 +349,29 @@ impl Bound {
     }
 }
 
+/// A number for a routing's place in a queue that no other has had in this process,
+/// never 0 (a place made outside any routing): each thread takes its numbers from a
+/// block of its own, so that a routing costs no atomic operation (one a block).
+fn routing_id() -> u64 {
+    const BLOCK: u64 = 1 << 20;
+    /// The first number of the next block.
+    static NEXT_BLOCK: AtomicU64 = AtomicU64::new(1);
+    std::thread_local! {
+        /// This thread's next number, and the end of its block.
+        static NEXT: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+    }
+    NEXT.with(|next| {
+        let (mut id, mut end) = next.get();
+        if id == end {
+            // 2^44 blocks: never used up.
+            id = NEXT_BLOCK.fetch_add(BLOCK, Ordering::Relaxed);
+            end = id.wrapping_add(BLOCK);
+        }
+        next.set((id.wrapping_add(1), end));
+        id
+    })
+}
+
 impl Queued {
     /// The place of the routing under way in `state`'s queue (when a hold, or a
     /// per-endpoint limit that waits, wrapping this router routes the request), or a
@@ -346,6 +388,7 @@ impl Queued {
             None => {
                 let q = Queued {
                     state: Arc::clone(state),
+                    id: routing_id(),
                     counted: AtomicBool::new(false),
                     bound: std::sync::Mutex::new(None),
                     kept: std::sync::Mutex::new(Vec::new()),
@@ -441,6 +484,7 @@ impl Limits {
                 waiting: AtomicUsize::new(0),
                 ended: Notify::new(),
                 ends: AtomicU64::new(0),
+                returned: Notify::new(),
                 returns: AtomicU64::new(0),
                 queue_full: AtomicU64::new(0),
                 queue_timeouts: AtomicU64::new(0),
@@ -516,6 +560,14 @@ pub const HOLD_POLL: Duration = Duration::from_millis(10);
 /// How soon a request waiting for a per-endpoint place looks again after a place
 /// that another request's look took and gave back at once (see [`State::returns`]).
 const RETURN_POLL: Duration = Duration::from_millis(10);
+
+/// What woke a request waiting for a per-endpoint place.
+enum Heard {
+    /// A place given back at a leg's end ([`State::ended`]).
+    End,
+    /// A place given back by a look ([`State::returned`]).
+    Return,
+}
 
 impl State {
     /// One more request counted as waiting, and in `queued` when `first` (its first
@@ -666,9 +718,11 @@ impl<R: Router> PerEndpointLimit<R> {
     /// end during it ([`State::ends`]) lets the request look again at once (within its
     /// wait's end); a place that another request's look took and gave back
     /// ([`State::returns`]), during it or during the wait that follows, lets it look
-    /// again once [`RETURN_POLL`] has passed; else it waits for a leg's end. `first`
-    /// began before those counts could be read: when it finds no room, `choose` looks
-    /// at once.
+    /// again once [`RETURN_POLL`] has passed (the request then listens for legs' ends
+    /// only, so that those places wake it once a look at most); else it waits for a
+    /// leg's end. A place the routing did not make ([`Queued::id`]), dropped while it
+    /// looks, is a leg's end. `first` began before those counts could be read: when it
+    /// finds no room, `choose` looks at once.
     async fn wait_for_room<C, F>(
         &self,
         first: Option<C>,
@@ -712,8 +766,10 @@ impl<R: Router> PerEndpointLimit<R> {
                 // the counts show, was not heard.
                 let looked = Instant::now();
                 let ended = self.state.ended.notified();
-                tokio::pin!(ended);
+                let returned = self.state.returned.notified();
+                tokio::pin!(ended, returned);
                 ended.as_mut().enable();
+                returned.as_mut().enable();
                 // Counted at its first wait (or already, by a hold of the routing);
                 // its waits end at the earliest end any of them set, a hold's that
                 // `choose` went through included.
@@ -744,23 +800,37 @@ impl<R: Router> PerEndpointLimit<R> {
                 let mut again = others.then(|| looked + RETURN_POLL);
                 loop {
                     let end = again.map_or(until, |again| again.min(until));
-                    if tokio::time::timeout_at(end, ended.as_mut()).await.is_err() {
-                        if end == until {
-                            return Err(self.state.timed_out(since));
+                    // Places given back by looks are heard only while no look is due:
+                    // once it is, they could only wake the request for nothing, once
+                    // for each of them.
+                    let hear_returns = again.is_none();
+                    let heard = std::future::poll_fn(|cx| {
+                        if ended.as_mut().poll(cx).is_ready() {
+                            Poll::Ready(Heard::End)
+                        } else if hear_returns && returned.as_mut().poll(cx).is_ready() {
+                            Poll::Ready(Heard::Return)
+                        } else {
+                            Poll::Pending
                         }
-                        break;
-                    }
-                    if leg_ended() {
-                        break;
-                    }
-                    // Woken by places another request's look gave back alone: look
-                    // again once the poll has passed, listening meanwhile for a leg's
-                    // end.
-                    again.get_or_insert_with(|| Instant::now() + RETURN_POLL);
-                    ended.set(self.state.ended.notified());
-                    ended.as_mut().enable();
-                    if leg_ended() {
-                        break;
+                    });
+                    let heard = tokio::time::timeout_at(end, heard).await;
+                    match heard {
+                        Err(_) if end == until => return Err(self.state.timed_out(since)),
+                        Err(_) => break,
+                        // Rung for an end the counts showed before the look, or after.
+                        Ok(Heard::End) => {
+                            if leg_ended() {
+                                break;
+                            }
+                            ended.set(self.state.ended.notified());
+                            ended.as_mut().enable();
+                            if leg_ended() {
+                                break;
+                            }
+                        }
+                        // Places another request's look gave back: look again once the
+                        // poll has passed, listening meanwhile for a leg's end only.
+                        Ok(Heard::Return) => again = Some(Instant::now() + RETURN_POLL),
                     }
                 }
             }
@@ -802,11 +872,17 @@ impl<R: Router> PerEndpointLimit<R> {
         }
         take(&mut places, decode.clone());
         drop(places);
+        // Made during this admission's routing under way, if any (none for a request
+        // with room when no router of this admission wraps this limit).
+        let routing = QUEUED
+            .try_with(|q| if q.is_in(&self.state) { q.id } else { 0 })
+            .unwrap_or(0);
         let place = |endpoint| {
             Permit::new(LegPlace {
                 state: Arc::clone(&self.state),
                 places: Arc::clone(&self.places),
                 endpoint,
+                routing,
             })
         };
         let prefill = prefill.map(place);
@@ -2483,6 +2559,45 @@ mod tests {
         });
     }
 
+    /// A route stashed by a test, for a [`DropsStashed`] to drop.
+    type Stash = Arc<std::sync::Mutex<Option<Route>>>;
+
+    /// Given back with its route: drops the route stashed, if any, on this thread or
+    /// on another.
+    struct DropsStashed {
+        stash: Stash,
+        same_thread: bool,
+    }
+
+    impl Drop for DropsStashed {
+        fn drop(&mut self) {
+            let other = self.stash.lock().unwrap_or_else(|e| e.into_inner()).take();
+            match other {
+                Some(other) if self.same_thread => drop(other),
+                Some(other) => std::thread::scope(|s| {
+                    s.spawn(move || drop(other));
+                }),
+                None => {}
+            }
+        }
+    }
+
+    /// [`First`]'s routes, each holding a [`DropsStashed`].
+    struct Stashing {
+        stash: Stash,
+        same_thread: bool,
+    }
+
+    impl Router for Stashing {
+        fn select(&self, req: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+            let hook = Permit::new(DropsStashed {
+                stash: Arc::clone(&self.stash),
+                same_thread: self.same_thread,
+            });
+            Ok(First.select(req, set)?.with_holds(None, Some(hook)))
+        }
+    }
+
     /// A limit listens for ends only once it gave back the route it found no room
     /// for (else it woke itself): a place that another request gave back during that
     /// look (here from another thread, while the route's places are given back) was
@@ -2493,38 +2608,16 @@ mod tests {
         use disagg_core::request::Api;
         use disagg_core::source::StaticSource;
         use futures::FutureExt;
-        use std::sync::Mutex;
-
-        type Stash = Arc<Mutex<Option<Route>>>;
-        /// Given back with its route: drops the route stashed, if any, on another
-        /// thread.
-        struct Hook(Stash);
-        impl Drop for Hook {
-            fn drop(&mut self) {
-                let other = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
-                if let Some(other) = other {
-                    std::thread::scope(|s| {
-                        s.spawn(move || drop(other));
-                    });
-                }
-            }
-        }
-        /// [`First`]'s routes, each holding a [`Hook`].
-        struct Hooked(Stash);
-        impl Router for Hooked {
-            fn select(
-                &self,
-                req: &RequestView<'_>,
-                set: &EndpointSet,
-            ) -> Result<Route, RouteError> {
-                let hook = Permit::new(Hook(Arc::clone(&self.0)));
-                Ok(First.select(req, set)?.with_holds(None, Some(hook)))
-            }
-        }
 
         let limits = Limits::new(AdmissionConfig::default());
         let stash = Stash::default();
-        let router = limits.per_endpoint(Hooked(Arc::clone(&stash)), 1);
+        let router = limits.per_endpoint(
+            Stashing {
+                stash: Arc::clone(&stash),
+                same_thread: false,
+            },
+            1,
+        );
         // No prefill: `select` routes to the decode alone (`select_direct` would drop
         // the hook with `select`'s route, before the limit looks).
         let source = StaticSource::new([endpoint("http://d:1", Role::Decode)]);
@@ -2547,6 +2640,66 @@ mod tests {
             .unwrap();
         assert!(second.queued);
         assert_eq!(waiting(&limits), 0);
+    }
+
+    /// As above, the first request's route dropped on the waiting request's own
+    /// thread, by a permit of the route its look gives back: that leg's end was
+    /// counted as a place the look had taken and given back itself, and the request
+    /// waited for another leg's end, or timed out. Whether the first's place was
+    /// made outside any routing's place in the queue (`route` with room) or in one
+    /// gone since (`place`, which makes one), it is a leg's end.
+    #[tokio::test]
+    async fn a_leg_that_ends_on_the_limits_thread_while_it_gives_back_a_route_lets_it_look_again() {
+        use disagg_core::json::JsonBody;
+        use disagg_core::request::Api;
+        use disagg_core::source::StaticSource;
+        use futures::FutureExt;
+
+        let limits = Limits::new(AdmissionConfig::default());
+        let stash = Stash::default();
+        let router = limits.per_endpoint(
+            Stashing {
+                stash: Arc::clone(&stash),
+                same_thread: true,
+            },
+            1,
+        );
+        let source = StaticSource::new([endpoint("http://d:1", Role::Decode)]);
+        let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+        let view = RequestView::new(Api::Chat, None, &headers, &body);
+        let ask = Ask::new(&view, &source, false, None);
+        let decode = Arc::new(endpoint("http://d:1", Role::Decode));
+        let on_decode = move || Ok(Arc::clone(&decode));
+        let other = Arc::new(endpoint("http://e:1", Role::Decode));
+        let on_other = move || Ok(Arc::clone(&other));
+
+        for placed in [false, true] {
+            let first = if placed {
+                router.place(&on_decode, None).now_or_never()
+            } else {
+                router.route(ask).now_or_never()
+            };
+            let first = first.unwrap().unwrap();
+            let mut second = Box::pin(router.route(ask));
+            assert!((&mut second).now_or_never().is_none(), "the decode is full");
+            *stash.lock().unwrap() = Some(first);
+            // A place on another engine wakes it; its look drops the first's route.
+            drop(
+                router
+                    .place(&on_other, None)
+                    .now_or_never()
+                    .unwrap()
+                    .unwrap(),
+            );
+            let second = (&mut second).now_or_never().unwrap_or_else(|| {
+                panic!("the leg that ended during the look is seen (placed: {placed})")
+            });
+            let second = second.unwrap();
+            assert!(second.queued);
+            assert_eq!(waiting(&limits), 0);
+            drop(second);
+            assert!(crate::lock(&router.places.0).is_empty());
+        }
     }
 
     /// A limit's place for a request sent to one engine (an adapter's, a
@@ -2766,16 +2919,29 @@ mod tests {
         router: &Arc<PerEndpointLimit<Arc<PerEndpointLimit<Hook<First>>>>>,
         source: &Arc<disagg_core::source::StaticSource>,
     ) -> tokio::task::JoinHandle<Result<(), PdError>> {
+        route_and_drop_counted(router, source, Arc::default())
+    }
+
+    /// [`route_and_drop`], counting in `polls` each time the task is polled.
+    fn route_and_drop_counted(
+        router: &Arc<PerEndpointLimit<Arc<PerEndpointLimit<Hook<First>>>>>,
+        source: &Arc<disagg_core::source::StaticSource>,
+        polls: Arc<AtomicUsize>,
+    ) -> tokio::task::JoinHandle<Result<(), PdError>> {
         use disagg_core::json::JsonBody;
         use disagg_core::request::Api;
 
         let (router, source) = (Arc::clone(router), Arc::clone(source));
-        tokio::spawn(async move {
+        let mut routing = Box::pin(async move {
             let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
             let view = RequestView::new(Api::Chat, None, &headers, &body);
             let ask = Ask::new(&view, &*source, false, None);
             router.route(ask).await.map(drop)
-        })
+        });
+        tokio::spawn(std::future::poll_fn(move |cx| {
+            polls.fetch_add(1, Ordering::Relaxed);
+            routing.as_mut().poll(cx)
+        }))
     }
 
     /// Two requests wait behind a limit around a limit of the same queue, the outer
@@ -2821,6 +2987,79 @@ mod tests {
                 b.await.unwrap().unwrap();
                 assert_eq!(waiting(&limits), 0);
                 assert!(crate::lock(&inner.places.0).is_empty());
+            },
+        );
+    }
+
+    /// Many requests wait behind a limit around a limit of the same queue, the outer
+    /// one full. Each look of one gave back the places the inner limit took for it,
+    /// and each place given back woke every other waiter (which then only noted that
+    /// it would look again after the poll): W waiters each looking once a poll woke
+    /// each other up to W² times a poll (here 5,166 polls in 100 ms; 981 now).
+    /// A waiter now hears places that looks gave back only while no look of its own is
+    /// due: it is polled when its look is due, and at most once more before the next
+    /// (the first such place after its look, which sets that look).
+    #[test]
+    fn waiters_behind_a_limit_around_a_limit_are_woken_by_returned_places_once_a_look() {
+        returns_in_time_on(
+            || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .start_paused(true)
+                    .build()
+            },
+            || async {
+                use disagg_core::json::JsonBody;
+                use disagg_core::request::Api;
+                use futures::FutureExt;
+
+                const WAITERS: usize = 50;
+                const FOR: Duration = Duration::from_millis(100);
+                let limits = Limits::new(AdmissionConfig::default());
+                let (router, inner, source) = limit_around_counted_limit(&limits);
+                let (headers, body) = (http::HeaderMap::new(), JsonBody::default());
+                let view = RequestView::new(Api::Chat, None, &headers, &body);
+                let ask = Ask::new(&view, &*source, false, None);
+                let stream = router.route(ask).now_or_never().unwrap().unwrap();
+                let polls = Arc::new(AtomicUsize::new(0));
+                let start = Instant::now();
+                let mut waiters = Vec::new();
+                for i in 0..WAITERS {
+                    waiters.push(route_and_drop_counted(&router, &source, Arc::clone(&polls)));
+                    // Arriving across a poll period (the timer counts whole
+                    // milliseconds: 10 groups of 5), they look at different times, as
+                    // requests do; looking all at once, each look would find the
+                    // others already woken, by their own timers.
+                    if i % 5 == 4 {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+                tokio::time::sleep_until(start + FOR).await;
+                assert_eq!(waiting(&limits), WAITERS as u64);
+                // Each waiter: its first poll and one return heard before its first
+                // look is due, then two polls a poll period (its look, the first
+                // return after it), over at most one period more than fit in the
+                // time (a look due at its end): 2 + 2 * 11 = 24 polls, c = 2.4 for
+                // `polls <= c * waiters * periods`; 3 leaves room for a stray wake.
+                let periods = (FOR.as_millis() / RETURN_POLL.as_millis()) as usize;
+                let most = 3 * WAITERS * periods;
+                let polled = polls.load(Ordering::Relaxed);
+                assert!(
+                    polled <= most,
+                    "{polled} polls of {WAITERS} waiters in {FOR:?}"
+                );
+                // Their looks, as before: one a poll period each at most.
+                let picks = inner.inner.calls.load(Ordering::Relaxed);
+                let looks = 1 + 2 * WAITERS + WAITERS * (periods + 1);
+                assert!(picks <= looks, "{picks} routings in {FOR:?}");
+                // The stream ends: each gets its room in turn.
+                drop(stream);
+                for waiter in waiters {
+                    waiter.await.unwrap().unwrap();
+                }
+                assert_eq!(waiting(&limits), 0);
+                assert!(crate::lock(&inner.places.0).is_empty());
+                assert!(crate::lock(&router.places.0).is_empty());
             },
         );
     }
