@@ -61,10 +61,11 @@
 //!   an error; both are unreadable states, logged and counted as above, and the next
 //!   poll tries again. No read can stop the polling, or hold the proxy at shutdown
 //!   ([`disagg_files`]).
-//! - A file larger than [`MAX_FILE_BYTES`] (4 MiB, about twice what 4,096 engines
-//!   written out in full take) is refused before it is parsed, as an unreadable one is
-//!   ([`FileError::TooLarge`]); a file is parsed on a blocking thread, off the runtime's
-//!   workers.
+//! - A file larger than [`FileConfig::max_file_bytes`] (1 KiB for each endpoint
+//!   allowed, at least [`MAX_FILE_BYTES`]: 4 MiB by default, about twice what 4,096
+//!   engines written out in full take) is refused before it is parsed, as an unreadable
+//!   one is ([`FileError::TooLarge`]); a file is parsed on a blocking thread, off the
+//!   runtime's workers.
 //! - At start, a missing, unreadable or invalid file is an error of [`spawn`]: the proxy
 //!   should not start on a configuration it cannot read.
 
@@ -85,13 +86,18 @@ use crate::spec::{
 /// The default source name of the endpoints file (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "file";
 
-/// The largest endpoints file read, 4 MiB: about twice what the most engines a source
+/// The largest endpoints file read by default, and the least ceiling
+/// ([`FileConfig::max_file_bytes`]), 4 MiB: about twice what the most engines a source
 /// may contribute by default (4,096) take written out in full (every key, long host
 /// names, three models each: 2.2 MB), low enough that a wrong path (a log file, a
 /// device) or a hostile edit cannot exhaust memory (the TOML parser holds a value for
 /// each of the file's values before the file is checked: 4 MiB of empty arrays take
 /// under 300 MB while parsed, on a blocking thread).
 pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The bytes of file [`FileConfig::max_file_bytes`] allows for each endpoint: about
+/// twice what an engine written out in full takes (540 bytes).
+const FILE_BYTES_PER_ENDPOINT: u64 = 1024;
 
 /// Where the endpoints file is and how often it is checked (`--endpoints-file`).
 #[derive(Debug, Clone)]
@@ -123,6 +129,18 @@ impl FileConfig {
             read_timeout: Duration::from_secs(5),
         }
     }
+
+    /// The largest file read: 1 KiB for each endpoint the bounds allow
+    /// ([`Bounds::max_endpoints`]), at least [`MAX_FILE_BYTES`] (4 MiB, the ceiling for
+    /// the default 4,096 endpoints), so that a file within a raised endpoint ceiling is
+    /// not refused for its size. What parsing the file may take grows with it (about
+    /// 70 bytes for each byte of a file of empty arrays).
+    pub fn max_file_bytes(&self) -> u64 {
+        u64::try_from(self.bounds.max_endpoints)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(FILE_BYTES_PER_ENDPOINT)
+            .max(MAX_FILE_BYTES)
+    }
 }
 
 /// The endpoints file could not be used.
@@ -138,11 +156,14 @@ pub enum FileError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is larger than any endpoints file should be.
-    #[error("endpoints file {path} is larger than {MAX_FILE_BYTES} bytes")]
+    /// The file is larger than any endpoints file should be
+    /// ([`FileConfig::max_file_bytes`]).
+    #[error("endpoints file {path} is larger than {max_bytes} bytes")]
     TooLarge {
         /// The file.
         path: PathBuf,
+        /// The ceiling it is past.
+        max_bytes: u64,
     },
     /// The content is not a valid endpoints file.
     #[error("invalid endpoints file: {0}")]
@@ -485,7 +506,7 @@ async fn load(
 }
 
 /// [`parse_bytes`] on a blocking thread, off the runtime's workers: parsing up to
-/// [`MAX_FILE_BYTES`] of TOML takes a while.
+/// [`FileConfig::max_file_bytes`] of TOML takes a while.
 async fn parse_blocking(bytes: &[u8], bounds: Bounds) -> Result<Vec<EndpointSpec>, FileError> {
     let bytes = bytes.to_vec();
     tokio::task::spawn_blocking(move || parse_bytes(&bytes, &bounds))
@@ -503,16 +524,18 @@ fn parse_bytes(bytes: &[u8], bounds: &Bounds) -> Result<Vec<EndpointSpec>, FileE
 /// timeout (the file may sit on a slow or network file system, or be a FIFO).
 async fn read(config: &FileConfig, reader: &TimedReader) -> Result<Vec<u8>, FileError> {
     let path = &config.path;
+    let max_bytes = config.max_file_bytes();
     let bytes = reader
-        .read(path, MAX_FILE_BYTES, config.read_timeout)
+        .read(path, max_bytes, config.read_timeout)
         .await
         .map_err(|source| FileError::Read {
             path: path.clone(),
             source,
         })?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
+    if bytes.len() as u64 > max_bytes {
         return Err(FileError::TooLarge {
             path: path.to_owned(),
+            max_bytes,
         });
     }
     Ok(bytes)

@@ -55,18 +55,24 @@
 //! an API server gone without a reset, a load balancer that failed over), ends a list
 //! page that takes longer than [`KubernetesConfig::request_timeout`], its body included,
 //! and refuses a list page or a watch event larger than
-//! [`KubernetesConfig::max_response_bytes`], or holding more JSON objects than 1,024
-//! for each pod of a page (at least 16,384; 102,400 for the default page of 100 pods:
-//! an empty object decodes into a whole pod), before reading more; each is an error as
-//! above, retried with backoff. Lists ask for pages of [`KubernetesConfig::page_size`]
-//! pods.
+//! [`KubernetesConfig::max_response_bytes`], or holding more than 4,096 JSON objects or
+//! 16,384 JSON values (array elements, object members) for each pod of a page, the page
+//! counted as at least 16 pods (a smaller page lowers them no further), before reading
+//! more: bytes alone do not bound what a page decodes into (`{}` is a whole pod;
+//! `[0,0,...]` in a pod's free-form `managedFields[].fieldsV1`, a `serde_json::Value`
+//! per zero). The counts bound how many typed objects and values a page decodes into,
+//! not their size: the default page of 100 can still take about 1.6 GB at worst (1.3 GB
+//! of it `{"name":""},`s of 12 bytes each decoding into `Volume`s of 3.2 KB), a page of
+//! 16 about 0.3 GB. Each is an error as above, retried with backoff. Lists ask for
+//! pages of [`KubernetesConfig::page_size`] pods.
 //!
 //! # Ceilings on the pods
 //!
 //! One selector holds at most twice [`KubernetesConfig::max_endpoints`] pods (8,192 by
 //! default): a list past it is given up at the first pod past it, and so is a watch
 //! event adding a pod to a selector that holds as many; the selector relists after a
-//! backoff (0.8 s, doubling to 30 s), keeping its last good pods meanwhile, and each
+//! backoff (0.8 s, doubling to 30 s across lists taken, starting over after 2 minutes
+//! without a refusal), keeping its last good pods meanwhile, and each
 //! refusal is logged and counted ([`SourceStats::over_limit`](crate::SourceStats::over_limit),
 //! an error too). Pods making more endpoints than `max_endpoints`, ranks counted, are not
 //! published (specs are made up to the first endpoint past it): the last good list
@@ -223,7 +229,8 @@ pub struct KubernetesConfig {
     pub max_response_bytes: usize,
     /// The pods asked for in one list page (`limit`; at least 1):
     /// [`DEFAULT_PAGE_SIZE`] by default, so that a page of large pods stays well under
-    /// [`max_response_bytes`](Self::max_response_bytes).
+    /// [`max_response_bytes`](Self::max_response_bytes). A page or a watch event may hold
+    /// 4,096 JSON objects and 16,384 values for each pod of a page, at least 16 pods'.
     pub page_size: u32,
     /// The most endpoints the source publishes, every rank counted
     /// (`--max-endpoints-per-source`, 4,096 by default,
@@ -354,6 +361,7 @@ fn bounded_client(
         request_timeout: config.request_timeout,
         max_bytes: config.max_response_bytes,
         max_objects: bounds::max_objects(config.page_size),
+        max_values: bounds::max_values(config.page_size),
     };
     Ok(kube::client::ClientBuilder::try_from(kube_config)
         .map_err(KubernetesError::Client)?

@@ -107,6 +107,8 @@ pub struct DiscoveryArgs {
     /// Endpoints one discovery source may contribute, ranks counted. A list (a file
     /// edit, a watch, a lookup) with more is refused whole, logged and counted
     /// (`disagg_discovery_over_limit_total`), and that source's last good endpoints stay.
+    /// Each Kubernetes selector also holds at most twice as many pods (ready or not), and
+    /// the endpoints file may be 1 KiB per endpoint (at least 4 MiB).
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_ENDPOINTS_PER_SOURCE)]
     max_endpoints_per_source: usize,
     /// Allow engines at link-local and cloud metadata addresses (169.254.0.0/16,

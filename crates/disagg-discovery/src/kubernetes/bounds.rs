@@ -8,10 +8,15 @@
 //!   when its `Content-Length` says more; one watch event (a line of the stream) at most
 //!   as many;
 //! - a list response's body may hold at most [`Bounds::max_objects`] JSON objects (`{`
-//!   outside strings, counted as the bytes come), one watch event at most as many: what
-//!   the bytes decode into is bounded too, not only their length (an empty object, 2
-//!   bytes, decodes into a whole k8s-openapi `Pod` of about 2.4 KB; a `Volume` is
-//!   3.2 KB).
+//!   outside strings) and [`Bounds::max_values`] JSON values (`[` and `,` outside
+//!   strings), counted as the bytes come; one watch event at most as many. Bytes alone
+//!   do not bound what a page decodes into: an empty object, 2 bytes, decodes into a
+//!   whole k8s-openapi `Pod` of about 2.4 KB (`{"name":""}` into a `Volume` of 3.2 KB),
+//!   and a `0,` in a free-form field (`managedFields[].fieldsV1` is
+//!   `FieldsV1(serde_json::Value)`) into a `serde_json::Value` of 32 bytes, 41 with its
+//!   array's growth: 64 MiB of `[0,0,...]`, 4 objects, would decode into 33 M values,
+//!   about 1.4 GB (20 bytes for each byte). What these counts leave is in
+//!   [`max_objects`] and [`max_values`].
 //!
 //! kube-rs collects a list's body whole and splits a watch's stream into lines with no
 //! length limit; these bounds end such a request with an error (the watcher logs it,
@@ -38,25 +43,54 @@ pub(super) struct Bounds {
     pub(super) max_bytes: usize,
     /// The most JSON objects in a list's body, and in one watch event ([`max_objects`]).
     pub(super) max_objects: usize,
+    /// The most JSON values in a list's body, and in one watch event ([`max_values`]).
+    pub(super) max_values: usize,
 }
 
-/// The JSON objects a pod of a list page may have on average: a real pod has a few
-/// hundred (its `managedFields` most of them), about 800 with two containers of 40
-/// environment variables each.
-pub(super) const OBJECTS_PER_POD: usize = 1024;
+/// The JSON objects a pod of a list page may have on average, 4,096: a real pod has a
+/// few hundred (its `managedFields` most of them, with an object at every leaf), one
+/// with three containers of 60 environment variables each about 1,700, and service-mesh
+/// sidecars add more.
+pub(super) const OBJECTS_PER_POD: usize = 4096;
 
-/// The least page size [`max_objects`] counts for, so that one large pod (a watch event,
-/// a page of one) has room: 16,384 objects.
-const MIN_PAGE_FOR_OBJECTS: u32 = 16;
+/// The JSON values a pod of a list page may have on average, 16,384: a real pod has
+/// about as many as it has objects (the pod above: 1,711), under a ninth of this.
+pub(super) const VALUES_PER_POD: usize = 16_384;
+
+/// The least page size the counts are made for, so that one large pod (a watch event,
+/// a page of one) has room: a smaller page lowers them no further.
+const MIN_PAGE_FOR_COUNTS: u32 = 16;
+
+/// `per_pod` for each pod of a page of `page_size`, counted as at least
+/// [`MIN_PAGE_FOR_COUNTS`].
+fn per_page(page_size: u32, per_pod: usize) -> usize {
+    usize::try_from(page_size.max(MIN_PAGE_FOR_COUNTS))
+        .unwrap_or(usize::MAX)
+        .saturating_mul(per_pod)
+}
 
 /// The most JSON objects in a list response or a watch event for pages of `page_size`
 /// pods: [`OBJECTS_PER_POD`] for each pod of a page, the page counted as at least 16
-/// pods (102,400 objects for the default page of 100). What a page decodes into is
-/// then at most a few hundred megabytes, whatever its bytes.
+/// pods (65,536 objects; 409,600 for the default page of 100).
+///
+/// This bounds the typed objects a page decodes into, not their size: each is at most
+/// about 3.2 KB (a `Volume`, written `{"name":""},` in 12 bytes), so the default page's
+/// objects take at worst about 1.3 GB, those of a page of 16 or fewer pods about 210 MB.
 pub(super) fn max_objects(page_size: u32) -> usize {
-    usize::try_from(page_size.max(MIN_PAGE_FOR_OBJECTS))
-        .unwrap_or(usize::MAX)
-        .saturating_mul(OBJECTS_PER_POD)
+    per_page(page_size, OBJECTS_PER_POD)
+}
+
+/// The most JSON values in a list response or a watch event for pages of `page_size`
+/// pods: [`VALUES_PER_POD`] for each pod of a page, the page counted as at least 16
+/// pods (262,144 values; 1,638,400 for the default page of 100). Every value but the
+/// outermost follows a `{`, a `[` or a `,`: with [`max_objects`], this bounds the values
+/// free-form fields hold (`fieldsV1`), each at most about 140 bytes decoded (a map's
+/// member, its key's allocation included; an array's element, 41): about 230 MB for the
+/// default page at worst, 37 MB for a page of 16. What a default page decodes into is
+/// then at most about 1.6 GB with its strings' bytes (1.3 GB of it typed objects), its
+/// text besides; 100 of the heavy real pods above, 4.5 MB, decode into about 41 MB.
+pub(super) fn max_values(page_size: u32) -> usize {
+    per_page(page_size, VALUES_PER_POD)
 }
 
 impl<S> Layer<S> for Bounds {
@@ -88,6 +122,12 @@ enum BoundError {
     /// A watch event holds more JSON objects than the ceiling.
     #[error("a watch event from the API server holds more than {0} JSON objects")]
     EventTooManyObjects(usize),
+    /// A list response's body holds more JSON values than the ceiling.
+    #[error("the API server's response holds more than {0} JSON values")]
+    TooManyValues(usize),
+    /// A watch event holds more JSON values than the ceiling.
+    #[error("a watch event from the API server holds more than {0} JSON values")]
+    EventTooManyValues(usize),
 }
 
 /// The service [`Bounds`] makes of kube-rs's.
@@ -118,6 +158,7 @@ where
             request_timeout,
             max_bytes,
             max_objects,
+            max_values,
         } = self.bounds;
         let watch = is_watch(request.uri());
         // No deadline for a timeout too large to be one.
@@ -138,6 +179,7 @@ where
                 max_bytes,
                 objects: Objects::default(),
                 max_objects,
+                max_values,
                 deadline: deadline
                     .filter(|_| !watch)
                     .map(|d| Box::pin(tokio::time::sleep_until(d))),
@@ -171,9 +213,10 @@ pub(super) struct BoundedBody<B> {
     /// A list's bytes so far; a watch's since its last newline.
     seen: usize,
     max_bytes: usize,
-    /// A list's JSON objects so far; a watch's since its last newline.
+    /// A list's JSON objects and values so far; a watch's since its last newline.
     objects: Objects,
     max_objects: usize,
+    max_values: usize,
     /// A list's deadline.
     deadline: Option<Pin<Box<Sleep>>>,
     request_timeout: Duration,
@@ -215,28 +258,29 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
-                    let (longest, most_objects) = match this.kind {
+                    let (longest, most_objects, most_values) = match this.kind {
                         Kind::List => {
                             this.seen = this.seen.saturating_add(data.len());
                             this.objects.scan(data);
-                            (this.seen, this.objects.count)
+                            (this.seen, this.objects.count, this.objects.values)
                         }
                         Kind::Watch => {
                             // Each line the frame ends, the one left open included,
                             // with what came of it before.
-                            let (mut longest, mut most) = (0, 0);
+                            let (mut longest, mut most, mut values) = (0, 0, 0);
                             let mut lines = data.split(|&b| b == b'\n').peekable();
                             while let Some(line) = lines.next() {
                                 this.seen = this.seen.saturating_add(line.len());
                                 this.objects.scan(line);
                                 longest = longest.max(this.seen);
                                 most = most.max(this.objects.count);
+                                values = values.max(this.objects.values);
                                 if lines.peek().is_some() {
                                     this.seen = 0;
                                     this.objects = Objects::default();
                                 }
                             }
-                            (longest, most)
+                            (longest, most, values)
                         }
                     };
                     if longest > this.max_bytes {
@@ -249,6 +293,12 @@ where
                         return this.fail(match this.kind {
                             Kind::List => BoundError::TooManyObjects(this.max_objects),
                             Kind::Watch => BoundError::EventTooManyObjects(this.max_objects),
+                        });
+                    }
+                    if most_values > this.max_values {
+                        return this.fail(match this.kind {
+                            Kind::List => BoundError::TooManyValues(this.max_values),
+                            Kind::Watch => BoundError::EventTooManyValues(this.max_values),
                         });
                     }
                 }
@@ -286,17 +336,20 @@ where
     }
 }
 
-/// The JSON objects of a text read in pieces: each `{` outside a string, a string's
-/// state (and an escape in it) carried from one piece to the next.
+/// The JSON objects and values of a text read in pieces: each `{` outside a string an
+/// object, each `[` and `,` outside one a value (an array's first element or a value
+/// after another), a string's state (and an escape in it) carried from one piece to the
+/// next.
 #[derive(Debug, Default, Clone, Copy)]
 struct Objects {
     count: usize,
+    values: usize,
     in_string: bool,
     escaped: bool,
 }
 
 impl Objects {
-    /// Counts the objects `bytes` open.
+    /// Counts the objects and values `bytes` open.
     fn scan(&mut self, bytes: &[u8]) {
         for &b in bytes {
             if self.in_string {
@@ -311,6 +364,8 @@ impl Objects {
                 self.in_string = true;
             } else if b == b'{' {
                 self.count = self.count.saturating_add(1);
+            } else if b == b'[' || b == b',' {
+                self.values = self.values.saturating_add(1);
             }
         }
     }
@@ -385,6 +440,7 @@ mod tests {
             request_timeout: Duration::from_secs(60),
             max_bytes: 1000,
             max_objects: usize::MAX,
+            max_values: usize::MAX,
         };
         let announced = |n: usize| -> TestBody {
             Box::pin(Full::new(Bytes::from(vec![b' '; n])).map_err(|e| match e {}))
@@ -411,6 +467,7 @@ mod tests {
             request_timeout: Duration::from_secs(60),
             max_bytes: 10,
             max_objects: usize::MAX,
+            max_values: usize::MAX,
         };
         let split = || {
             timed(vec![
@@ -453,6 +510,7 @@ mod tests {
             request_timeout: Duration::from_secs(2),
             max_bytes: 1 << 20,
             max_objects: usize::MAX,
+            max_values: usize::MAX,
         };
         let slow = || {
             timed(vec![
@@ -476,6 +534,7 @@ mod tests {
             request_timeout: Duration::from_secs(2),
             max_bytes: 1 << 20,
             max_objects: usize::MAX,
+            max_values: usize::MAX,
         };
         let inner = tower::service_fn(|_: Request<()>| async {
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -517,6 +576,7 @@ mod tests {
             request_timeout: Duration::from_secs(60),
             max_bytes: 1 << 20,
             max_objects: 10,
+            max_values: usize::MAX,
         };
         for size in [1, 3, 1000] {
             let at = items(9);
@@ -543,6 +603,7 @@ mod tests {
             request_timeout: Duration::from_secs(60),
             max_bytes: 1 << 20,
             max_objects: 10,
+            max_values: usize::MAX,
         };
         for size in [1, 4, 1000] {
             let mut lines = Vec::new();
@@ -562,6 +623,128 @@ mod tests {
             let mut service = bounded(bounds, move || chunks(&unclosed, size));
             let err = collect(&mut service, WATCH).await.unwrap_err();
             assert!(err.contains("more than 10 JSON objects"), "{size}: {err}");
+        }
+    }
+
+    /// A list's JSON values (`[` and `,` outside strings) are counted however its body
+    /// is split, those in strings not: past the ceiling, the list fails; a watch's per
+    /// line.
+    #[tokio::test]
+    async fn a_list_of_too_many_values_fails() {
+        let bounds = Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 1 << 20,
+            max_objects: usize::MAX,
+            max_values: 10,
+        };
+        let zeros = |n: usize| format!("{{\"a\":[{}]}}", vec!["0"; n].join(",")).into_bytes();
+        for size in [1, 3, 1000] {
+            let at = zeros(10);
+            let mut service = bounded(bounds, move || chunks(&at, size));
+            assert!(collect(&mut service, LIST).await.is_ok(), "{size}");
+            let past = zeros(11);
+            let mut service = bounded(bounds, move || chunks(&past, size));
+            let err = collect(&mut service, LIST).await.unwrap_err();
+            assert!(err.contains("more than 10 JSON values"), "{size}: {err}");
+            let strings =
+                br#"{"a":"[,,,,,,,,,,,,","b\",[[[[[[[[[[":"\\","c":{"d":"\\\",,,,,,,,,,,,"}}"#;
+            let mut service = bounded(bounds, move || chunks(strings, size));
+            assert!(collect(&mut service, LIST).await.is_ok(), "{size}");
+            let mut lines = Vec::new();
+            for _ in 0..100 {
+                lines.extend_from_slice(&zeros(10));
+                lines.push(b'\n');
+            }
+            let fits = lines.clone();
+            let mut service = bounded(bounds, move || chunks(&fits, size));
+            assert!(collect(&mut service, WATCH).await.is_ok(), "{size}");
+            lines.extend_from_slice(&zeros(11));
+            let mut service = bounded(bounds, move || chunks(&lines, size));
+            let err = collect(&mut service, WATCH).await.unwrap_err();
+            assert!(err.contains("watch event"), "{size}: {err}");
+            assert!(err.contains("more than 10 JSON values"), "{size}: {err}");
+        }
+    }
+
+    /// The bounds of a client with the default page (100 pods) and byte ceiling.
+    fn defaults() -> Bounds {
+        Bounds {
+            request_timeout: Duration::from_secs(60),
+            max_bytes: 64 << 20,
+            max_objects: max_objects(100),
+            max_values: max_values(100),
+        }
+    }
+
+    /// A pod as heavy as a real one with sidecars gets: three containers of 60
+    /// environment variables each, and the `managedFields` covering them.
+    fn heavy_pod(i: usize) -> serde_json::Value {
+        let name = format!("d{i:03}");
+        let pod = super::super::held::apiserver::PodDesc {
+            namespace: "llm",
+            name: &name,
+            labels: &[("app", "vllm")],
+            annotations: &[],
+            ip: "10.0.0.1",
+            port: 8000,
+            phase: "Running",
+            ready: true,
+        };
+        super::super::held::apiserver::heavy(pod.json(), 3, 60)
+    }
+
+    /// A heavy real pod is far within a pod's budgets: under half its objects (it was
+    /// past the 1,024 once allowed), under an eighth of its values.
+    #[test]
+    fn a_heavy_real_pod_is_far_within_the_budgets() {
+        let mut counts = Objects::default();
+        counts.scan(heavy_pod(0).to_string().as_bytes());
+        assert!(
+            (1500..OBJECTS_PER_POD / 2).contains(&counts.count),
+            "{counts:?}"
+        );
+        assert!(
+            (1500..VALUES_PER_POD / 8).contains(&counts.values),
+            "{counts:?}"
+        );
+    }
+
+    /// Within the default bounds, a page of 100 heavy real pods passes, as a list and as
+    /// watch events; a pod whose free-form `fieldsV1` is an array of 2,000,000 zeros
+    /// (4 MB of a 64 MiB ceiling and a handful of objects, but 2,000,000
+    /// `serde_json::Value`s decoded, about 80 MB) fails, as a list and as a watch event.
+    #[tokio::test]
+    async fn a_huge_free_form_array_is_refused_and_real_pods_pass() {
+        let list = |items: Vec<serde_json::Value>| {
+            serde_json::json!({
+                "kind": "PodList", "apiVersion": "v1",
+                "metadata": {"resourceVersion": "1"}, "items": items,
+            })
+            .to_string()
+            .into_bytes()
+        };
+        let events = |items: &[serde_json::Value]| -> Vec<u8> {
+            let mut lines = Vec::new();
+            for pod in items {
+                let event = serde_json::json!({"type": "ADDED", "object": pod});
+                lines.extend_from_slice(event.to_string().as_bytes());
+                lines.push(b'\n');
+            }
+            lines
+        };
+        let pods: Vec<_> = (0..100).map(heavy_pod).collect();
+        let mut flood = heavy_pod(100);
+        flood["metadata"]["managedFields"][0]["fieldsV1"] = serde_json::json!(vec![0; 2_000_000]);
+        let limit = format!("more than {} JSON values", max_values(100));
+        for (uri, real, flooded) in [
+            (LIST, list(pods.clone()), list(vec![flood.clone()])),
+            (WATCH, events(&pods), events(&[flood.clone()])),
+        ] {
+            let mut service = bounded(defaults(), move || chunks(&real, 1 << 16));
+            assert!(collect(&mut service, uri).await.is_ok(), "{uri}");
+            let mut service = bounded(defaults(), move || chunks(&flooded, 1 << 16));
+            let err = collect(&mut service, uri).await.unwrap_err();
+            assert!(err.contains(&limit), "{uri}: {err}");
         }
     }
 }

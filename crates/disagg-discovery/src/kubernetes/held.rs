@@ -5,11 +5,16 @@
 //! `InitDone`) and every pod a watch adds; the reflector keeps them all (a list's in a
 //! buffer until it is complete, then in its store). [`pod_events`] counts them first: a
 //! list past [`max_pods`] is given up at the first pod past it, as is a watch event that
-//! would add a pod to a store already holding as many; the watcher is then dropped (its
-//! list or watch with it) and a new one relists after a backoff (0.8 s, doubling to 30 s,
-//! as kube-rs's own), so that one selector holds at most `max_pods` pods in its store and
-//! as many in a list under way. A pod without a `metadata.name` (which the reflector's
-//! store would panic on; no API server sends one) is refused the same way.
+//! would add a pod to a store already holding as many (a pod counts as held only if the
+//! store holds it in its own namespace); the watcher is then dropped (its list or watch
+//! with it) and a new one relists after a backoff (0.8 s, doubling to 30 s, as kube-rs's
+//! own), so that one selector holds at most `max_pods` pods in its store and as many in
+//! a list under way. The backoff starts over only after [`QUIET`] without a refusal, not
+//! at each list taken: a rolling update at the ceiling relists less and less often. A
+//! pod without a `metadata.name` (which the reflector's store would panic on) or without
+//! a `metadata.namespace` (pods always have one; kube-rs's `Store::get` finds a pod held
+//! without one for its name in any namespace) is refused the same way; no API server
+//! sends either.
 //!
 //! Each refusal is a [`watcher::Error`] holding a [`Refused`] (see [`refused`]): the
 //! source logs it and counts it, the store keeping its last good pods meanwhile.
@@ -25,7 +30,7 @@ use kube::Api;
 use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube::runtime::watcher::Event;
 use kube::runtime::{WatchStreamExt, watcher};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 use super::KubernetesConfig;
 
@@ -33,6 +38,9 @@ use super::KubernetesConfig;
 const FIRST_RETRY: Duration = Duration::from_millis(800);
 /// The longest wait before a refused selector lists again.
 const LAST_RETRY: Duration = Duration::from_secs(30);
+/// How long without a refusal before the wait starts over from [`FIRST_RETRY`] (as
+/// kube-rs's own backoff does).
+const QUIET: Duration = Duration::from_secs(120);
 
 /// The most pods one selector's watch holds: twice
 /// [`KubernetesConfig::max_endpoints`], room for as many pods that make no endpoint
@@ -52,6 +60,9 @@ pub(super) enum Refused {
     /// A pod without `metadata.name`.
     #[error("the API server sent a pod without metadata.name")]
     Nameless,
+    /// A pod without `metadata.namespace`.
+    #[error("the API server sent a pod without metadata.namespace")]
+    Namespaceless,
 }
 
 /// The refusal `error` is, if it is one.
@@ -72,15 +83,11 @@ pub(super) fn pod_events(
     store: Store<Pod>,
     writer: Writer<Pod>,
 ) -> impl Stream<Item = watcher::Result<Event<Pod>>> + Send + 'static {
-    Held {
-        watch: move || watcher(api.clone(), config.clone()).boxed(),
-        watcher: None,
-        store,
+    Held::new(
+        move || watcher(api.clone(), config.clone()).boxed(),
         max_pods,
-        listed: 0,
-        retry: None,
-        refusals: 0,
-    }
+        store,
+    )
     .default_backoff()
     .reflect(writer)
 }
@@ -98,15 +105,40 @@ struct Held<F> {
     listed: usize,
     /// When the refused watcher's successor starts.
     retry: Option<Pin<Box<Sleep>>>,
-    /// Refusals since the last list taken whole.
+    /// Refusals in a row, none more than [`QUIET`] after the one before.
     refusals: u32,
+    /// When the last refusal was.
+    refused_at: Option<Instant>,
 }
 
 impl<F> Held<F> {
+    /// The events of the watchers `watch` makes, within `max_pods`, `store` being the
+    /// store they are reflected into.
+    fn new(watch: F, max_pods: usize, store: Store<Pod>) -> Self {
+        Held {
+            watch,
+            watcher: None,
+            store,
+            max_pods,
+            listed: 0,
+            retry: None,
+            refusals: 0,
+            refused_at: None,
+        }
+    }
+
     /// Gives the watcher up and returns the error saying why, the retry set.
     fn refuse(&mut self, why: Refused, listing: bool) -> watcher::Error {
         self.watcher = None;
         self.listed = 0;
+        let now = Instant::now();
+        if self
+            .refused_at
+            .is_some_and(|at| now.duration_since(at) > QUIET)
+        {
+            self.refusals = 0;
+        }
+        self.refused_at = Some(now);
         let wait = FIRST_RETRY
             .saturating_mul(1 << self.refusals.min(6))
             .min(LAST_RETRY);
@@ -140,10 +172,6 @@ where
                 this.listed = 0;
                 None
             }
-            Some(Ok(Event::InitDone)) => {
-                this.refusals = 0;
-                None
-            }
             Some(Ok(Event::InitApply(pod) | Event::Apply(pod) | Event::Delete(pod))) => Some(pod),
             _ => None,
         };
@@ -152,15 +180,23 @@ where
             if pod.metadata.name.is_none() {
                 return Poll::Ready(Some(Err(this.refuse(Refused::Nameless, listing))));
             }
+            if pod.metadata.namespace.is_none() {
+                return Poll::Ready(Some(Err(this.refuse(Refused::Namespaceless, listing))));
+            }
             let more = match item {
                 Some(Ok(Event::InitApply(_))) => {
                     this.listed += 1;
                     this.listed > this.max_pods
                 }
-                // A pod the store does not hold yet, to a store already full.
+                // A pod the store does not hold yet, to a store already full. `get`
+                // falls back to the name without a namespace: the pod found must be
+                // this one, in its namespace.
                 Some(Ok(Event::Apply(_))) => {
                     this.store.len() >= this.max_pods
-                        && this.store.get(&ObjectRef::from_obj(pod)).is_none()
+                        && this
+                            .store
+                            .get(&ObjectRef::from_obj(pod))
+                            .is_none_or(|held| held.metadata.namespace != pod.metadata.namespace)
                 }
                 _ => false,
             };
@@ -177,7 +213,7 @@ where
 #[cfg(test)]
 #[allow(dead_code, unreachable_pub)]
 #[path = "../../tests/discovery/apiserver.rs"]
-mod apiserver;
+pub(super) mod apiserver;
 
 #[cfg(test)]
 mod tests {
@@ -301,6 +337,144 @@ mod tests {
             "{error}"
         );
         assert_eq!(store.len(), MAX, "the pods held before the refusal stay");
+    }
+
+    /// A pod named `name` in `namespace` (`None`: without `metadata.namespace`).
+    fn pod_in(name: &str, namespace: Option<&str>) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some(name.to_owned());
+        pod.metadata.namespace = namespace.map(str::to_owned);
+        pod
+    }
+
+    /// One watcher's events, each sent after its delay.
+    type Script = Vec<(Duration, Event<Pod>)>;
+
+    /// `events`, each sent at once.
+    fn at_once(events: Vec<Event<Pod>>) -> Script {
+        events.into_iter().map(|e| (Duration::ZERO, e)).collect()
+    }
+
+    /// [`Held`] within [`MAX`] pods over one watcher per script, in turn (then watchers
+    /// that send nothing), reflected into `writer`'s store, as [`pod_events`] does
+    /// (without kube-rs's backoff, so that [`Held`]'s own waits are seen whole).
+    fn scripted(scripts: Vec<Script>, store: &Store<Pod>, writer: Writer<Pod>) -> Events {
+        let mut scripts = scripts.into_iter();
+        let watch = move || -> Events {
+            match scripts.next() {
+                Some(script) => futures::stream::iter(script)
+                    .then(|(delay, event)| async move {
+                        tokio::time::sleep(delay).await;
+                        Ok(event)
+                    })
+                    .boxed(),
+                None => futures::stream::pending().boxed(),
+            }
+        };
+        Held::new(watch, MAX, store.clone()).reflect(writer).boxed()
+    }
+
+    /// Every event of `events` with the (paused) time it came at, until none comes for
+    /// an hour, checking after each that the store holds at most [`MAX`] pods.
+    async fn drain(
+        events: &mut Events,
+        store: &Store<Pod>,
+    ) -> Vec<(tokio::time::Instant, watcher::Result<Event<Pod>>)> {
+        let mut seen = Vec::new();
+        while let Ok(Some(event)) =
+            tokio::time::timeout(Duration::from_secs(3600), events.next()).await
+        {
+            assert!(store.len() <= MAX, "the store holds {} pods", store.len());
+            seen.push((tokio::time::Instant::now(), event));
+        }
+        seen
+    }
+
+    /// The refusals among `events`, in order.
+    fn refusals(events: &[(tokio::time::Instant, watcher::Result<Event<Pod>>)]) -> Vec<String> {
+        events
+            .iter()
+            .filter_map(|(_, e)| e.as_ref().err())
+            .map(|e| match refused(e) {
+                Some(why) => format!("{why:?}"),
+                None => format!("not a refusal: {e}"),
+            })
+            .collect()
+    }
+
+    /// A pod without a namespace is refused as a nameless one is: held, kube-rs's store
+    /// would find it for a pod of its name in any namespace (`Store::get` looks a key up
+    /// again without its namespace), so that a watch adding that name in namespace after
+    /// namespace would pass the ceiling without end.
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_without_a_namespace_is_refused() {
+        let mut list = vec![Event::Init, Event::InitApply(pod_in("a", None))];
+        list.extend((1..MAX).map(|i| Event::InitApply(pod_in(&format!("p{i}"), Some(NS)))));
+        list.push(Event::InitDone);
+        list.extend((0..3 * MAX).map(|i| Event::Apply(pod_in("a", Some(&format!("ns{i}"))))));
+        let (store, writer) = reflector::store();
+        let mut events = scripted(vec![at_once(list)], &store, writer);
+        let seen = drain(&mut events, &store).await;
+        assert_eq!(refusals(&seen), ["Namespaceless"]);
+        assert!(store.is_empty(), "the list was not taken");
+    }
+
+    /// A watch event's pod counts as held only if the store holds it in its own
+    /// namespace: a pod held without one (however it got there) is not a pod of its name
+    /// in every namespace.
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_is_held_only_in_its_own_namespace() {
+        let (store, mut writer) = reflector::store();
+        writer.apply_watcher_event(&Event::Apply(pod_in("a", None)));
+        for i in 1..MAX {
+            writer.apply_watcher_event(&Event::Apply(pod_in(&format!("p{i}"), Some(NS))));
+        }
+        // A pod held, changed at the ceiling: taken; then "a" in other namespaces.
+        let mut script = vec![Event::Apply(pod_in("p1", Some(NS)))];
+        script.extend((0..3 * MAX).map(|i| Event::Apply(pod_in("a", Some(&format!("ns{i}"))))));
+        let mut events = scripted(vec![at_once(script)], &store, writer);
+        let seen = drain(&mut events, &store).await;
+        assert!(matches!(seen[0].1, Ok(Event::Apply(_))), "{:?}", seen[0].1);
+        assert_eq!(refusals(&seen), [format!("TooManyPods({MAX})")]);
+        assert_eq!(store.len(), MAX);
+    }
+
+    /// The wait before a refused selector lists again doubles across refusals even
+    /// with good lists between them (a rolling update at the ceiling: each relist is
+    /// taken, then the surge's next pod refused), and starts over after two minutes
+    /// without a refusal.
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_grows_across_good_lists_and_starts_over_after_a_quiet_time() {
+        // A list of MAX pods, taken; after `quiet`, one pod more through the watch.
+        let at_ceiling = |quiet: Duration| -> Script {
+            let mut list = vec![Event::Init];
+            list.extend((0..MAX).map(|i| Event::InitApply(pod_in(&format!("p{i}"), Some(NS)))));
+            list.push(Event::InitDone);
+            let mut script = at_once(list);
+            script.push((quiet, Event::Apply(pod_in("surge", Some(NS)))));
+            script
+        };
+        let (second, quiet) = (Duration::from_secs(1), Duration::from_secs(121));
+        let scripts = [second, second, second, quiet, second, second];
+        let (store, writer) = reflector::store();
+        let mut events = scripted(scripts.map(at_ceiling).to_vec(), &store, writer);
+        let seen = drain(&mut events, &store).await;
+        assert_eq!(refusals(&seen).len(), 6);
+        // From each refusal to the next list's start, in tens of milliseconds.
+        let mut waits = Vec::new();
+        let mut refused_at = None;
+        for (at, event) in &seen {
+            match event {
+                Err(_) => refused_at = Some(*at),
+                Ok(Event::Init) => {
+                    if let Some(r) = refused_at.take() {
+                        waits.push((at.duration_since(r).as_millis() + 5) / 10 * 10);
+                    }
+                }
+                _ => {}
+            }
+        }
+        assert_eq!(waits, [800, 1600, 3200, 800, 1600]);
     }
 
     /// A pod without a name (kube-rs's store would panic on it) ends the list as an

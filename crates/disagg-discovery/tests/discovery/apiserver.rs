@@ -799,6 +799,168 @@ impl PodDesc<'_> {
     }
 }
 
+/// `pod` (a [`PodDesc::json`]) made as heavy as a real pod with sidecars gets: its
+/// engine container and `containers - 1` more, each with `env` environment variables
+/// (a quarter of them from the downward API), a dozen arguments, three ports, eight
+/// volume mounts, three probes, resources and a security context; eight volumes; a
+/// status for each container; and the `managedFields` a controller and the kubelet
+/// write for all of it (an object for every field, `{}` at every leaf). Three
+/// containers of 60 variables each make about 1,700 JSON objects and as many values.
+pub(crate) fn heavy(mut pod: Value, containers: usize, env: usize) -> Value {
+    let port = pod["spec"]["containers"][0]["ports"][0]["containerPort"].clone();
+    let probe = json!({
+        "httpGet": {"path": "/health", "port": port, "scheme": "HTTP"},
+        "initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSeconds": 1,
+        "successThreshold": 1, "failureThreshold": 3,
+    });
+    let probe_fields = json!({
+        ".": {}, "f:httpGet": {".": {}, "f:path": {}, "f:port": {}, "f:scheme": {}},
+        "f:initialDelaySeconds": {}, "f:periodSeconds": {}, "f:timeoutSeconds": {},
+        "f:successThreshold": {}, "f:failureThreshold": {},
+    });
+    let mut specs = Vec::new();
+    let mut statuses = Vec::new();
+    let mut container_fields = serde_json::Map::new();
+    for c in 0..containers {
+        let name = if c == 0 {
+            "engine".to_owned()
+        } else {
+            format!("sidecar-{c}")
+        };
+        let mut vars = Vec::new();
+        let mut var_fields = serde_json::Map::new();
+        var_fields.insert(".".into(), json!({}));
+        for i in 0..env {
+            let var = format!("{}_SETTING_{i}", name.to_uppercase().replace('-', "_"));
+            let (spec, fields) = if i % 4 == 0 {
+                (
+                    json!({"name": var, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}}),
+                    json!({".": {}, "f:name": {}, "f:valueFrom": {".": {}, "f:fieldRef": {}}}),
+                )
+            } else {
+                (
+                    json!({"name": var, "value": format!("value-{i}-of-a-realistic-length")}),
+                    json!({".": {}, "f:name": {}, "f:value": {}}),
+                )
+            };
+            vars.push(spec);
+            var_fields.insert(format!("k:{{\"name\":\"{var}\"}}"), fields);
+        }
+        let mut ports = Vec::new();
+        let mut port_fields = serde_json::Map::new();
+        port_fields.insert(".".into(), json!({}));
+        for p in 0..3 {
+            let (pname, number) = if c == 0 && p == 0 {
+                ("http".to_owned(), port.clone())
+            } else {
+                (format!("p{p}"), json!(9000 + 10 * c + p))
+            };
+            port_fields.insert(
+                format!("k:{{\"containerPort\":{number},\"protocol\":\"TCP\"}}"),
+                json!({".": {}, "f:containerPort": {}, "f:name": {}, "f:protocol": {}}),
+            );
+            ports.push(json!({"name": pname, "containerPort": number, "protocol": "TCP"}));
+        }
+        let mut mounts = Vec::new();
+        let mut mount_fields = serde_json::Map::new();
+        mount_fields.insert(".".into(), json!({}));
+        for v in 0..8 {
+            mounts.push(json!({"name": format!("vol{v}"), "mountPath": format!("/mnt/{name}/v{v}"), "readOnly": true}));
+            mount_fields.insert(
+                format!("k:{{\"mountPath\":\"/mnt/{name}/v{v}\"}}"),
+                json!({".": {}, "f:mountPath": {}, "f:name": {}, "f:readOnly": {}}),
+            );
+        }
+        let image = format!("registry.example.com/{name}:v1.2.3");
+        specs.push(json!({
+            "name": name, "image": image, "imagePullPolicy": "IfNotPresent",
+            "args": (0..12).map(|a| format!("--setting-{a}=value")).collect::<Vec<_>>(),
+            "ports": ports, "env": vars,
+            "resources": {
+                "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"},
+                "requests": {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "1"},
+            },
+            "volumeMounts": mounts,
+            "readinessProbe": probe, "livenessProbe": probe, "startupProbe": probe,
+            "securityContext": {
+                "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
+                "runAsNonRoot": true, "runAsUser": 1337, "readOnlyRootFilesystem": true,
+            },
+            "terminationMessagePath": "/dev/termination-log",
+            "terminationMessagePolicy": "File",
+        }));
+        let resources = json!({".": {}, "f:cpu": {}, "f:memory": {}, "f:nvidia.com/gpu": {}});
+        container_fields.insert(
+            format!("k:{{\"name\":\"{name}\"}}"),
+            json!({
+                ".": {}, "f:name": {}, "f:image": {}, "f:imagePullPolicy": {}, "f:args": {},
+                "f:env": var_fields, "f:ports": port_fields, "f:volumeMounts": mount_fields,
+                "f:resources": {".": {}, "f:limits": resources, "f:requests": resources},
+                "f:readinessProbe": probe_fields, "f:livenessProbe": probe_fields,
+                "f:startupProbe": probe_fields,
+                "f:securityContext": {
+                    ".": {}, "f:allowPrivilegeEscalation": {},
+                    "f:capabilities": {".": {}, "f:drop": {}}, "f:runAsNonRoot": {},
+                    "f:runAsUser": {}, "f:readOnlyRootFilesystem": {},
+                },
+                "f:terminationMessagePath": {}, "f:terminationMessagePolicy": {},
+            }),
+        );
+        statuses.push(json!({
+            "name": name, "image": image, "imageID": format!("sha256:{:064}", c),
+            "containerID": format!("containerd://{:064}", c), "ready": true,
+            "restartCount": 0, "started": true,
+            "state": {"running": {"startedAt": "2026-11-24T00:00:10Z"}}, "lastState": {},
+        }));
+    }
+    let mut volumes = Vec::new();
+    let mut volume_fields = serde_json::Map::new();
+    volume_fields.insert(".".into(), json!({}));
+    for v in 0..8 {
+        volumes.push(json!({"name": format!("vol{v}"), "configMap": {"name": format!("config-{v}"), "defaultMode": 420}}));
+        volume_fields.insert(
+            format!("k:{{\"name\":\"vol{v}\"}}"),
+            json!({".": {}, "f:configMap": {".": {}, "f:defaultMode": {}, "f:name": {}}, "f:name": {}}),
+        );
+    }
+    let mut condition_fields = serde_json::Map::new();
+    for c in pod["status"]["conditions"].as_array().into_iter().flatten() {
+        condition_fields.insert(
+            format!("k:{{\"type\":\"{}\"}}", c["type"].as_str().unwrap_or_default()),
+            json!({".": {}, "f:lastProbeTime": {}, "f:lastTransitionTime": {}, "f:status": {}, "f:type": {}}),
+        );
+    }
+    pod["spec"]["containers"] = json!(specs);
+    pod["spec"]["volumes"] = json!(volumes);
+    pod["spec"]["tolerations"] = json!([
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+    ]);
+    pod["status"]["containerStatuses"] = json!(statuses);
+    pod["metadata"]["managedFields"] = json!([
+        {
+            "manager": "kube-controller-manager", "operation": "Update", "apiVersion": "v1",
+            "time": "2026-11-24T00:00:00Z", "fieldsType": "FieldsV1",
+            "fieldsV1": {
+                "f:metadata": {"f:labels": {".": {}, "f:app": {}, "f:role": {}, "f:model": {}}},
+                "f:spec": {
+                    "f:containers": container_fields, "f:volumes": volume_fields,
+                    "f:tolerations": {}, "f:restartPolicy": {}, "f:dnsPolicy": {},
+                },
+            },
+        },
+        {
+            "manager": "kubelet", "operation": "Update", "apiVersion": "v1",
+            "time": "2026-11-24T00:00:10Z", "fieldsType": "FieldsV1", "subresource": "status",
+            "fieldsV1": {"f:status": {
+                "f:conditions": condition_fields, "f:containerStatuses": {}, "f:phase": {},
+                "f:podIP": {}, "f:podIPs": {".": {}, "k:{\"ip\":\"10.0.0.1\"}": {".": {}, "f:ip": {}}},
+            }},
+        },
+    ]);
+    pod
+}
+
 #[test]
 fn selectors_parse_and_match() {
     let pod = json!({"metadata": {"labels": {"app": "vllm", "role": "prefill"}}});

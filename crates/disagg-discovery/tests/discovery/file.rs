@@ -281,6 +281,53 @@ async fn a_file_past_the_size_ceiling_is_refused() {
     assert_eq!(file::MAX_FILE_BYTES, CEILING as u64);
 }
 
+/// The ceiling on a file's size follows the ceiling on its endpoints, 1 KiB for each
+/// (about twice what an engine written out in full takes), 4 MiB at least: with
+/// 8,192 endpoints allowed, a file of 6 MiB is read and one past 8 MiB refused, at start
+/// and on reload.
+#[tokio::test]
+async fn the_size_ceiling_follows_the_endpoint_ceiling() {
+    const RAISED: usize = 8 * 1024 * 1024;
+    let dir = TempDir::new("file-size-raised");
+    let path = dir.path().join("endpoints.toml");
+    let config = || {
+        let mut config = FileConfig::new(&path);
+        config.bounds.max_endpoints = 8192;
+        config.poll_interval = FAST_POLL;
+        config
+    };
+    assert_eq!(config().max_file_bytes(), RAISED as u64);
+    assert_eq!(
+        FileConfig::new(&path).max_file_bytes(),
+        file::MAX_FILE_BYTES
+    );
+    replace(&path, &padded(FIRST, RAISED + 1));
+    let err = file::spawn(config()).await.unwrap_err();
+    assert!(matches!(err, FileError::TooLarge { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("larger than {RAISED} bytes")),
+        "{err}"
+    );
+    replace(&path, &padded(FIRST, 6 * 1024 * 1024));
+    let source = file::spawn(config()).await.unwrap();
+    let merged = MergedSource::builder().source(source).build();
+    merged.synced().await;
+    assert_eq!(merged.snapshot().iter().count(), 2);
+    let before = merged.snapshot();
+    replace(&path, &padded(FIRST, RAISED + 1));
+    eventually(RELOAD, "the oversized edit refused", || {
+        errors(&merged) == 1
+    })
+    .await;
+    assert!(Arc::ptr_eq(&merged.snapshot(), &before), "the set was kept");
+    replace(&path, &padded(&FIRST.replace("8200", "8201"), RAISED));
+    wait_for(&merged, RELOAD, "the edit at the ceiling", |s| {
+        ids(s, Role::Decode) == ["http://10.0.0.7:8201"]
+    })
+    .await;
+}
+
 /// 4,096 engines (the most one source may contribute by default) written out in full:
 /// long host names, three models each, every optional key.
 fn fleet() -> String {

@@ -10,7 +10,7 @@ use disagg_discovery::MergedSource;
 use disagg_discovery::kubernetes::{self, ClientConfig, KubernetesConfig, PortRef};
 use disagg_pairing::KvProfile;
 
-use crate::apiserver::{FakeApiServer, ListFault, PodDesc};
+use crate::apiserver::{FakeApiServer, ListFault, PodDesc, heavy};
 use crate::support::{TempDir, eventually, ids, serves, wait_for};
 
 /// Generous: a watch error backs off up to a few seconds before the retry.
@@ -53,9 +53,17 @@ async fn start(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -
 
 /// As [`start`], without waiting for the first lists.
 async fn launch(pods: &[PodDesc<'_>], tune: impl FnOnce(&mut KubernetesConfig)) -> Harness {
+    launch_with(pods.iter().map(PodDesc::json).collect(), tune).await
+}
+
+/// As [`launch`], with the pods' JSON.
+async fn launch_with(
+    pods: Vec<serde_json::Value>,
+    tune: impl FnOnce(&mut KubernetesConfig),
+) -> Harness {
     let server = FakeApiServer::start().await;
     for p in pods {
-        server.apply(p.json());
+        server.apply(p);
     }
     let dir = TempDir::new("k8s");
     let kubeconfig = dir.path().join("kubeconfig");
@@ -794,7 +802,7 @@ async fn pods_past_the_endpoint_ceiling_are_not_published() {
 /// retried), and a normal page still passes.
 #[tokio::test]
 async fn a_list_of_many_empty_objects_is_refused_and_retried() {
-    // Pages of 16 pods: 16,384 JSON objects.
+    // Pages of 16 pods: 65,536 JSON objects.
     let h = start(
         &[
             pod("p1", "prefill", "127.0.1.1", true),
@@ -804,8 +812,8 @@ async fn a_list_of_many_empty_objects_is_refused_and_retried() {
     )
     .await;
     watching(&h).await;
-    // 20,000 `{}`: 60 KB of a 64 MiB ceiling.
-    h.server.fault_lists(ListFault::Empties(20_000), 2);
+    // 70,000 `{}`: 210 KB of a 64 MiB ceiling.
+    h.server.fault_lists(ListFault::Empties(70_000), 2);
     relist_with(&h, |s| {
         s.apply(pod("d2", "decode", "127.0.2.2", true).json());
     });
@@ -840,7 +848,7 @@ async fn a_watch_event_of_too_many_objects_fails_the_watch() {
     let before = h.merged.snapshot();
     let mut heavy = pod("d2", "decode", "127.0.2.2", true).json();
     heavy["metadata"]["managedFields"] =
-        serde_json::Value::Array(vec![serde_json::json!({}); 20_000]);
+        serde_json::Value::Array(vec![serde_json::json!({}); 70_000]);
     h.server.apply(heavy);
     eventually(WAIT, "the event fails the watch", || {
         stats(&h).errors() >= 1
@@ -859,4 +867,68 @@ async fn a_watch_event_of_too_many_objects_fails_the_watch() {
         s.by_role(Role::Decode).len() == 2
     })
     .await;
+}
+
+/// A watch event within the byte and object ceilings but holding more JSON values than
+/// a page may (a `managedFields` entry's free-form `fieldsV1` of 300,000 zeros, 600 KB:
+/// 300,000 `serde_json::Value`s of 32 bytes and more each) fails the watch (counted; the
+/// set is kept); real pods are taken again through the relist.
+#[tokio::test]
+async fn a_watch_event_of_a_huge_free_form_array_fails_the_watch() {
+    // Pages of 16 pods: 262,144 JSON values.
+    let h = start(
+        &[
+            pod("p1", "prefill", "127.0.1.1", true),
+            pod("d1", "decode", "127.0.2.1", true),
+        ],
+        |c| c.page_size = 16,
+    )
+    .await;
+    watching(&h).await;
+    let before = h.merged.snapshot();
+    let mut flood = pod("d2", "decode", "127.0.2.2", true).json();
+    flood["metadata"]["managedFields"] = serde_json::json!([{
+        "manager": "m", "operation": "Update", "fieldsType": "FieldsV1",
+        "fieldsV1": vec![0; 300_000],
+    }]);
+    h.server.apply(flood);
+    eventually(WAIT, "the event fails the watch", || {
+        stats(&h).errors() >= 1
+    })
+    .await;
+    assert!(
+        Arc::ptr_eq(&h.merged.snapshot(), &before),
+        "the set was kept"
+    );
+    relist_with(&h, |s| {
+        s.apply(pod("d2", "decode", "127.0.2.2", true).json())
+    });
+    wait_for(&h.merged, WAIT, "d2 through the relist", |s| {
+        s.by_role(Role::Decode).len() == 2
+    })
+    .await;
+}
+
+/// A page of 100 pods as heavy as real ones with sidecars get (three containers of 60
+/// environment variables each, and the `managedFields` covering them: about 1,700 JSON
+/// objects a pod, past the 1,024 a pod of a page was once allowed) is taken whole.
+#[tokio::test]
+async fn a_page_of_heavy_realistic_pods_is_taken() {
+    let names: Vec<String> = (0..100).map(|i| format!("d{i:03}")).collect();
+    let ips: Vec<String> = (0..100)
+        .map(|i| format!("127.0.{}.{}", 2 + i / 200, 1 + i % 200))
+        .collect();
+    let mut pods = vec![pod("p1", "prefill", "127.0.1.1", true).json()];
+    pods.extend((0..100).map(|i| heavy(pod(&names[i], "decode", &ips[i], true).json(), 3, 60)));
+    let h = launch_with(pods, |_| {}).await;
+    tokio::time::timeout(WAIT, h.merged.synced())
+        .await
+        .expect("the first lists");
+    assert_eq!(h.merged.snapshot().by_role(Role::Decode).len(), 100);
+    assert_eq!(stats(&h).errors(), 0);
+    assert_eq!(
+        h.server.lists(),
+        2,
+        "one page for each selector, none retried"
+    );
 }
