@@ -605,24 +605,34 @@ mod tests {
     #[tokio::test]
     async fn lmcache_decode_binds_the_flagged_ports() {
         let port = |l: &std::net::TcpListener| l.local_addr().unwrap().port();
-        // Free ports, released for the engine to bind.
-        let listeners: Vec<_> = (0..4)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect();
-        let ports: Vec<String> = listeners.iter().map(|l| port(l).to_string()).collect();
-        drop(listeners);
-        let init = format!("{},{}", ports[0], ports[1]);
-        let alloc = format!("{},{}", ports[2], ports[3]);
-        let c = parse(&[
-            "--kv-mode",
-            "lmcache-decode",
-            "--lmcache-init-ports",
-            &init,
-            "--lmcache-alloc-ports",
-            &alloc,
-        ])
-        .unwrap();
-        let engine = SimEngine::start(c).await.unwrap();
+        // Free ports, released for the engine to bind: a test running beside this one
+        // may take one in between (a CI run saw it), so a port found taken is drawn again.
+        let mut attempts = 0;
+        let (engine, ports) = loop {
+            let listeners: Vec<_> = (0..4)
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+                .collect();
+            let ports: Vec<String> = listeners.iter().map(|l| port(l).to_string()).collect();
+            drop(listeners);
+            let init = format!("{},{}", ports[0], ports[1]);
+            let alloc = format!("{},{}", ports[2], ports[3]);
+            let c = parse(&[
+                "--kv-mode",
+                "lmcache-decode",
+                "--lmcache-init-ports",
+                &init,
+                "--lmcache-alloc-ports",
+                &alloc,
+            ])
+            .unwrap();
+            match SimEngine::start(c).await {
+                Ok(engine) => break (engine, ports),
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempts < 5 => {
+                    attempts += 1;
+                }
+                Err(e) => panic!("the engine did not start: {e}"),
+            }
+        };
         let as_strings = |v: Vec<u16>| v.iter().map(u16::to_string).collect::<Vec<_>>();
         assert_eq!(as_strings(engine.lmcache_init_ports()), ports[..2]);
         assert_eq!(as_strings(engine.lmcache_alloc_ports()), ports[2..]);
