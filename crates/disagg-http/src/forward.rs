@@ -952,6 +952,25 @@ mod tests {
         assert_eq!(v["results"][1]["status"], serde_json::Value::Null);
         assert_eq!(v["results"][1]["error"], "connection refused");
         assert_eq!(v["error"]["code"], "fan_out_failed");
+        // An engine's answer nested as deep as its 64 KiB allow: checked without
+        // recursion (serde_json skips a raw value with a loop) and carried as it came,
+        // as a forwarded answer is; the proxy builds no tree of it.
+        let deep = format!("{}{}", "[".repeat(32_768), "]".repeat(32_768));
+        let answers = vec![
+            Ok((StatusCode::OK, Bytes::from(deep.clone()))),
+            Ok((StatusCode::OK, Bytes::from_static(br#"{"z": 1}"#))),
+        ];
+        let resp = fan_out_answer("/v1/load_lora_adapter", &[&p, &d], answers);
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = futures::executor::block_on(resp.into_body().collect())
+            .unwrap()
+            .to_bytes();
+        let body = std::str::from_utf8(&body).unwrap();
+        assert!(
+            body.contains(&format!(r#""body":{deep}}}"#)),
+            "the deep answer as it came"
+        );
+        assert!(body.contains(r#""body":{"z": 1}"#), "{body}");
     }
 
     #[tokio::test]
