@@ -79,10 +79,15 @@ pub enum LegOutcome {
     /// for a decode, its stream ended.
     Answered,
     /// The engine is to blame: it could not be reached, answered 5xx, broke its stream,
-    /// ran out of its own time budget or answered something unusable.
+    /// ran out of its own time budget or answered something unusable (for a prefill, an
+    /// answer without a usable KV handoff), or a call the handoff made on it failed (its
+    /// bootstrap server, its `/tokenize`).
     Failed,
     /// The leg did not finish, through no fault of its engine: the client left, the
-    /// request's total deadline passed, the other leg failed first.
+    /// request's total deadline passed, the other leg failed first, or the handoff
+    /// failed for a reason not its engine's (an endpoint without the configuration the
+    /// connector needs, a value it could not encode, KV the connector says will not be
+    /// ready, a call on another engine).
     Abandoned,
 }
 

@@ -234,6 +234,38 @@ pub enum ConnectorError {
     },
 }
 
+impl ConnectorError {
+    /// Whether this failure is the fault of the engine at `engine`: an answer of its
+    /// that carried no usable handoff (missing, incomplete, malformed, naming a sequence
+    /// the request does not have, not a JSON object), its bootstrap server that gave no
+    /// usable answer, or a call on it that failed. The variants that name an engine
+    /// blame it only when it is `engine` (a failure of the other leg's engine is not
+    /// this one's). The others blame no engine: a route without a prefill, a client's
+    /// request the connector cannot carry, an endpoint without the configuration the
+    /// connector needs (the operator's), KV that will not be ready (the LMCache
+    /// connector's declared-TP mismatch, its notification registry full or closed, a
+    /// registration past its time to live: the proxy's side or its configuration; a
+    /// gate that waits out the handoff budget is a timeout, not this), an encoder's
+    /// answer, or a value the connector could not encode.
+    pub(crate) fn blames(&self, engine: &EndpointId) -> bool {
+        match self {
+            ConnectorError::MissingHandoff { endpoint, .. }
+            | ConnectorError::IncompleteHandoff { endpoint, .. }
+            | ConnectorError::OutOfRange { endpoint, .. }
+            | ConnectorError::InvalidHandoff { endpoint, .. }
+            | ConnectorError::InvalidAnswer { endpoint, .. }
+            | ConnectorError::Bootstrap { endpoint, .. }
+            | ConnectorError::Engine { endpoint, .. } => endpoint == engine,
+            ConnectorError::NeedsPrefill { .. }
+            | ConnectorError::Unsupported { .. }
+            | ConnectorError::NotConfigured { .. }
+            | ConnectorError::NotReady { .. }
+            | ConnectorError::InvalidEncoderAnswer { .. }
+            | ConnectorError::Encode { .. } => false,
+        }
+    }
+}
+
 /// The transport could not complete an exchange with an endpoint.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -280,5 +312,78 @@ mod tests {
         assert!(TransportError::Connect("refused".into()).is_connect());
         assert!(!TransportError::Timeout.is_connect());
         assert!(!TransportError::Io("reset".into()).is_connect());
+    }
+
+    #[test]
+    fn a_connector_error_blames_only_the_engine_whose_fault_it_is() {
+        let p = EndpointId::from("http://p:1");
+        let d = EndpointId::from("http://d:1");
+        let named = |endpoint: &EndpointId| {
+            let endpoint = endpoint.clone();
+            [
+                ConnectorError::MissingHandoff {
+                    endpoint: endpoint.clone(),
+                    field: "kv handoff",
+                },
+                ConnectorError::IncompleteHandoff {
+                    endpoint: endpoint.clone(),
+                    field: "kv_transfer_params",
+                    problem: "no remote_block_ids",
+                },
+                ConnectorError::OutOfRange {
+                    endpoint: endpoint.clone(),
+                    what: "index",
+                    found: "9".into(),
+                    sequences: 1,
+                },
+                ConnectorError::InvalidHandoff {
+                    endpoint: endpoint.clone(),
+                    field: "kv_transfer_params",
+                },
+                ConnectorError::InvalidAnswer {
+                    endpoint: endpoint.clone(),
+                    source: BodyError::NotAnObject,
+                },
+                ConnectorError::Bootstrap {
+                    endpoint: endpoint.clone(),
+                    addr: "p:8998".into(),
+                    source: "refused".into(),
+                },
+                ConnectorError::Engine {
+                    endpoint,
+                    what: "/tokenize",
+                    source: "refused".into(),
+                },
+            ]
+        };
+        for e in named(&p) {
+            assert!(e.blames(&p), "{e:?}");
+            assert!(!e.blames(&d), "another engine's: {e:?}");
+        }
+        let blameless = [
+            ConnectorError::NeedsPrefill { connector: "nixl" },
+            ConnectorError::Unsupported {
+                connector: "lmcache",
+                what: "n > 1".into(),
+            },
+            ConnectorError::NotConfigured {
+                endpoint: p.clone(),
+                what: "receiver ports",
+            },
+            ConnectorError::NotReady {
+                reason: "notification listener closed".into(),
+            },
+            ConnectorError::InvalidEncoderAnswer {
+                problem: "no items",
+                source: None,
+            },
+            ConnectorError::Encode {
+                field: "bootstrap_host",
+                source: serde_json::from_str::<u8>("x").unwrap_err(),
+            },
+        ];
+        for e in blameless {
+            assert!(!e.blames(&p) && !e.blames(&d), "{e:?}");
+        }
     }
 }

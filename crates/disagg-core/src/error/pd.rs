@@ -368,11 +368,25 @@ impl PdError {
     /// ([`ConnectorError::Unsupported`]): the client's fault, answered 400.
     fn is_unsupported(&self) -> bool {
         matches!(
-            self.source
-                .as_deref()
-                .and_then(|e| e.downcast_ref::<ConnectorError>()),
+            self.connector_error(),
             Some(ConnectorError::Unsupported { .. })
         )
+    }
+
+    /// The connector's error this is, when it is one ([`PdError::connector`]).
+    fn connector_error(&self) -> Option<&ConnectorError> {
+        match self.kind {
+            Kind::Connector => self.source.as_deref()?.downcast_ref::<ConnectorError>(),
+            _ => None,
+        }
+    }
+
+    /// When this is a connector's error, whether it is the fault of the engine at
+    /// `engine` (none: a leg without an engine, which nothing blames), as
+    /// [`ConnectorError::blames`] says; `None` for any other error.
+    pub(crate) fn connector_blames(&self, engine: Option<&EndpointId>) -> Option<bool> {
+        let e = self.connector_error()?;
+        Some(engine.is_some_and(|id| e.blames(id)))
     }
 
     /// Whether the same request could succeed on another prefill/decode pair, and may be
@@ -392,9 +406,7 @@ impl PdError {
             }
             // An unreachable bootstrap server is another prefill's chance.
             Kind::Connector => matches!(
-                self.source
-                    .as_deref()
-                    .and_then(|e| e.downcast_ref::<ConnectorError>()),
+                self.connector_error(),
                 Some(ConnectorError::Bootstrap { .. })
             ),
             _ => false,

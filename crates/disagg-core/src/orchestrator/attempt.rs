@@ -40,7 +40,7 @@ impl Failure {
         let report = Report::new(
             route.clone(),
             Outcome::PrefillFailed,
-            leg_outcome(&error),
+            leg_outcome(&error, route.prefill.as_deref().map(|p| p.id())),
             decode,
             Timeline::starting(),
         );
@@ -57,7 +57,7 @@ impl Failure {
             route.clone(),
             Outcome::DecodeFailed,
             prefill,
-            leg_outcome(&error),
+            leg_outcome(&error, Some(route.decode.id())),
             Timeline::starting(),
         );
         Failure {

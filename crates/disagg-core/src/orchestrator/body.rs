@@ -175,12 +175,16 @@ impl Finish {
             }
             Outcome::PrefillFailed => {
                 report.outcome = Outcome::PrefillFailed;
-                report.prefill = failed.map_or(LegOutcome::Failed, super::leg_outcome);
+                let prefill = report.route.prefill.as_deref().map(|p| p.id());
+                report.prefill =
+                    failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
                 report.decode = LegOutcome::Abandoned;
             }
             Outcome::DecodeFailed => {
                 report.outcome = Outcome::DecodeFailed;
-                report.decode = failed.map_or(LegOutcome::Failed, super::leg_outcome);
+                let decode = Some(report.route.decode.id());
+                report.decode =
+                    failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, decode));
             }
             _ => {
                 report.outcome = Outcome::Cancelled;

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::connector::KvConnector;
+use crate::endpoint::EndpointId;
 use crate::error::PdError;
 use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
 use crate::router::Router;
@@ -58,15 +59,22 @@ impl Reporter {
     }
 }
 
-/// How the leg that failed with `e` ended: an engine that answered 4xx worked (the
-/// request was the client's fault); otherwise its engine is to blame when the error is a
-/// server error that is not the request's own deadline (it could not be reached,
-/// failed, timed out on its own budget, or answered something unusable); the deadline,
-/// or a client's error, blames no engine.
-pub(crate) fn leg_outcome(e: &PdError) -> LegOutcome {
+/// How the leg that failed with `e` ended, its engine being `engine` (none: a prefill
+/// leg of a route without one): an engine that answered 4xx worked (the request was the
+/// client's fault); a connector's error blames the engine only when it is that engine's
+/// fault ([`ConnectorError::blames`](crate::error::ConnectorError::blames): an answer of
+/// its without a usable handoff, its bootstrap server, a call on it), not when it is the
+/// configuration's, the proxy's, the client's or another engine's; otherwise its engine
+/// is to blame when the error is a server error that is not the request's own deadline
+/// (it could not be reached, failed, timed out on its own budget, or answered something
+/// unusable); the deadline, or a client's error, blames no engine.
+pub(crate) fn leg_outcome(e: &PdError, engine: Option<&EndpointId>) -> LegOutcome {
     if e.engine_status().is_some_and(|s| s.is_client_error()) {
         LegOutcome::Answered
-    } else if e.status().is_server_error() && !e.is_deadline() {
+    } else if e.status().is_server_error()
+        && !e.is_deadline()
+        && e.connector_blames(engine) != Some(false)
+    {
         LegOutcome::Failed
     } else {
         LegOutcome::Abandoned

@@ -3,6 +3,9 @@
 
 use std::sync::Mutex;
 
+use disagg_core::connector::KvGate;
+use disagg_core::endpoint::EndpointId;
+use disagg_core::orchestrator::MissingKv;
 use disagg_core::outcome::Outcome;
 use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 
@@ -536,4 +539,273 @@ async fn without_tracing_the_clients_traceparent_goes_to_the_legs_as_it_came() {
         assert_eq!(call.header("traceparent"), Some(CLIENT_TRACE));
     }
     assert_eq!(heard.summary().trace, None);
+}
+
+/// Where [`FailsAt`] fails its plan: in its own build (`prepare`), in its resolution
+/// before any leg is sent (`resolve`), or at the KV gate after the prefill answered
+/// (`Lead`: the gate is waited for in the client's stream, after the plan's lead).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Prepare,
+    Resolve,
+    Gate,
+    Lead,
+}
+
+/// The connector error a plan over a prefill and a decode fails with.
+type Fails = fn(prefill: &EndpointId, decode: &EndpointId) -> ConnectorError;
+
+/// vLLM NIXL's plan, failing at `step` with what `fail` makes of the route's engines.
+struct FailsAt {
+    step: Step,
+    fail: Fails,
+}
+
+/// A gate that never opens: it fails with `fail`'s error.
+#[derive(Debug)]
+struct ShutGate {
+    fail: Fails,
+    prefill: EndpointId,
+    decode: EndpointId,
+}
+
+#[async_trait]
+impl KvGate for ShutGate {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        Err((self.fail)(&self.prefill, &self.decode))
+    }
+}
+
+#[async_trait]
+impl KvConnector for FailsAt {
+    fn name(&self) -> &'static str {
+        "nixl-fails-at"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        if let (Step::Prepare, Some(p)) = (self.step, &route.prefill) {
+            return Err((self.fail)(p.id(), route.decode.id()));
+        }
+        VllmNixl::new().prepare(route, req)
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        _transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        match self.step {
+            Step::Resolve => Err((self.fail)(
+                handoff.prefill.endpoint.id(),
+                handoff.decode.endpoint.id(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        let found = VllmNixl::new().complete(handoff, answer).await?;
+        if self.step == Step::Lead {
+            handoff.lead = Some(Bytes::from(event(0)));
+        }
+        if let Step::Gate | Step::Lead = self.step {
+            handoff.gate = Some(Arc::new(ShutGate {
+                fail: self.fail,
+                prefill: handoff.prefill.endpoint.id().clone(),
+                decode: handoff.decode.endpoint.id().clone(),
+            }));
+        }
+        Ok(found)
+    }
+}
+
+/// The one report an attempt over [`P1`] and [`D1`] with `connector` made, its request
+/// having failed 502 `prefill_failed` before any answer.
+async fn failed_report(connector: FailsAt) -> Report {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+    let e = serve(&orch, chat(&orch)).await.unwrap_err();
+    assert_error(&e, 502, "prefill_failed");
+    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("one report: {reports:?}")
+    };
+    assert_settled(&orch);
+    r.clone()
+}
+
+/// A handoff that fails for what is not the prefill engine's fault (an endpoint that
+/// lacks the connector's configuration, a value the connector could not encode, KV
+/// that will not be ready for reasons of the proxy's own, a call on the other leg's
+/// engine that failed) fails the attempt on the prefill side without blaming the
+/// prefill: its leg is reported abandoned, so passive health and a breaker do not
+/// count it against a healthy engine.
+#[tokio::test(start_paused = true)]
+async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
+    let cases: [(&str, Step, Fails, bool); 6] = [
+        (
+            "decode not configured",
+            Step::Prepare,
+            |_, decode| ConnectorError::NotConfigured {
+                endpoint: decode.clone(),
+                what: "receiver ports",
+            },
+            false,
+        ),
+        (
+            "unencodable value",
+            Step::Prepare,
+            |_, _| ConnectorError::Encode {
+                field: "bootstrap_host",
+                source: serde_json::from_str::<u8>("x").unwrap_err(),
+            },
+            false,
+        ),
+        (
+            "declared TP sizes disagree",
+            Step::Prepare,
+            |_, decode| ConnectorError::NotReady {
+                reason: format!("decode endpoint {decode}: declared tp_size 2, 1 rank"),
+            },
+            false,
+        ),
+        (
+            "no room to register for the KV",
+            Step::Resolve,
+            |_, _| ConnectorError::NotReady {
+                reason: "the notification registry is full".into(),
+            },
+            false,
+        ),
+        (
+            "a call on the decode's engine",
+            Step::Resolve,
+            |_, decode| ConnectorError::Engine {
+                endpoint: decode.clone(),
+                what: "/tokenize",
+                source: "connection refused".into(),
+            },
+            false,
+        ),
+        (
+            "the notification listener closed",
+            Step::Gate,
+            |_, _| ConnectorError::NotReady {
+                reason: "notification listener closed".into(),
+            },
+            true,
+        ),
+    ];
+    for (what, step, fail, prefilled) in cases {
+        let r = failed_report(FailsAt { step, fail }).await;
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::PrefillFailed,
+                LegOutcome::Abandoned,
+                LegOutcome::NotSent
+            ),
+            "{what}"
+        );
+        assert_eq!(r.timeline.prefill_sent.is_some(), prefilled, "{what}");
+    }
+
+    // The gate waited for in the client's stream, after the plan's lead: the stream
+    // ends with the handoff's error, and the prefill is not blamed.
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let connector = FailsAt {
+        step: Step::Lead,
+        fail: |_, _| ConnectorError::NotReady {
+            reason: "notification listener closed".into(),
+        },
+    };
+    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert_eq!(data(&mut body).await, event(0), "the lead");
+    let frame = data(&mut body).await;
+    assert_eq!(error_event(&frame)["code"], "prefill_failed", "{frame}");
+    drop(body);
+    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
+    let [r] = &heard.reports()[..] else { panic!() };
+    assert_eq!(
+        (r.outcome, r.prefill),
+        (Outcome::PrefillFailed, LegOutcome::Abandoned)
+    );
+    assert_settled(&orch);
+}
+
+/// A handoff that fails for the prefill engine's fault still blames it: its bootstrap
+/// server gave no usable answer, a call on it failed, or its answer carried a handoff
+/// the decode cannot use.
+#[tokio::test(start_paused = true)]
+async fn a_handoff_failing_through_the_prefills_fault_blames_it() {
+    let cases: [(&str, Step, Fails); 3] = [
+        ("its bootstrap server", Step::Resolve, |prefill, _| {
+            ConnectorError::Bootstrap {
+                endpoint: prefill.clone(),
+                addr: "p1:8998".into(),
+                source: "connection refused".into(),
+            }
+        }),
+        ("a call on it", Step::Resolve, |prefill, _| {
+            ConnectorError::Engine {
+                endpoint: prefill.clone(),
+                what: "/tokenize",
+                source: "connection refused".into(),
+            }
+        }),
+        (
+            "a malformed handoff at the gate",
+            Step::Gate,
+            |prefill, _| ConnectorError::InvalidHandoff {
+                endpoint: prefill.clone(),
+                field: "kv_transfer_params",
+            },
+        ),
+    ];
+    for (what, step, fail) in cases {
+        let r = failed_report(FailsAt { step, fail }).await;
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::PrefillFailed,
+                LegOutcome::Failed,
+                LegOutcome::NotSent
+            ),
+            "{what}"
+        );
+    }
+
+    // An answer without the handoff, when a missing handoff fails the request.
+    let fake = Fake::new();
+    fake.on(
+        P1,
+        CHAT,
+        Reply::json(
+            200,
+            r#"{"id":"chatcmpl-p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"A"},"finish_reason":"length"}]}"#,
+        ),
+    );
+    let (orch, heard) = heard(&fake, &[P1], VllmNixl::new(), |c| {
+        c.missing_kv = MissingKv::Fail;
+    });
+    let e = serve(&orch, chat(&orch)).await.unwrap_err();
+    assert_error(&e, 502, "prefill_failed");
+    let [r] = &heard.reports()[..] else { panic!() };
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::PrefillFailed,
+            LegOutcome::Failed,
+            LegOutcome::NotSent
+        )
+    );
 }

@@ -86,7 +86,12 @@ impl PrefillLeg {
                 Err(e) => {
                     // Read by the stream's reader, on the one task that polls both.
                     flag.store(true, Ordering::Relaxed);
-                    self.tell(Outcome::PrefillFailed, leg_outcome(e));
+                    let prefill = self
+                        .report
+                        .as_ref()
+                        .and_then(|r| r.route.prefill.as_deref());
+                    let verdict = leg_outcome(e, prefill.map(|p| p.id()));
+                    self.tell(Outcome::PrefillFailed, verdict);
                 }
             }
             result

@@ -12,7 +12,7 @@ use http::header::{self, HeaderValue};
 use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, EndpointId, InFlightGuard};
-use crate::error::{ConnectorError, PdError, Phase, RouteError, Side, TransportError};
+use crate::error::{PdError, Phase, RouteError, Side, TransportError};
 use crate::outcome::{LegOutcome, Timeline};
 use crate::policy::Permit;
 use crate::request::{Api, PdRequest, REQUEST_ID};
@@ -578,14 +578,17 @@ async fn through_prefill(
     );
     match failure.error.side() {
         Side::Decode => Err(PrefillFell::Decode(failure.error)),
-        // The prefill is at fault when its leg was sent (the leg, or its handoff,
-        // failed), or when the connector's resolution of the plan, before it, failed on
-        // its engine: not for the rest of the connector's work on the plan (told as the
-        // prefill side's, though its build contacts no engine and fails for a decode it
-        // cannot serve or a request it cannot carry), nor when the request's deadline or
-        // the continuation's own end cut the attempt.
+        // The prefill is at fault when the connector's work on the plan failed on its
+        // engine (its answer's handoff, its bootstrap server, a call on it), and, for
+        // any other failure, when its leg was sent (the leg, or its handoff, failed):
+        // not for the rest of the connector's work on the plan (told as the prefill
+        // side's, though it fails for a decode it cannot serve, a request it cannot
+        // carry, KV that will not be ready for the proxy's reasons, another engine's
+        // call), as its leg's report says, nor when the request's deadline or the
+        // continuation's own end cut the attempt.
         _ => {
-            let at_fault = tl.prefill_sent.is_some() || engine_failed(&failure.error, prefill);
+            let at_fault =
+                engine_failed(&failure.error, prefill).unwrap_or(tl.prefill_sent.is_some());
             Err(PrefillFell::Prefill {
                 failed: at_fault && !was_cut && !failure.error.is_deadline(),
             })
@@ -593,18 +596,13 @@ async fn through_prefill(
     }
 }
 
-/// Whether `e`, the failure of an attempt through the fresh `prefill` before its leg
-/// was sent, was that prefill's engine's: the connector, resolving the plan, found its
-/// bootstrap server gave no usable answer ([`ConnectorError::Bootstrap`]), or a call
-/// on it failed ([`ConnectorError::Engine`]).
-fn engine_failed(e: &PdError, prefill: &Endpoint) -> bool {
-    let cause = std::error::Error::source(e).and_then(|c| c.downcast_ref::<ConnectorError>());
-    match cause {
-        Some(
-            ConnectorError::Bootstrap { endpoint, .. } | ConnectorError::Engine { endpoint, .. },
-        ) => endpoint == prefill.id(),
-        _ => false,
-    }
+/// When `e`, the failure of an attempt through the fresh `prefill`, is the connector's,
+/// whether it was that prefill's engine's
+/// ([`ConnectorError::blames`](crate::error::ConnectorError::blames)): its answer
+/// carried no usable handoff, its bootstrap server gave no usable answer, or a call on it
+/// failed. `None` for any other failure.
+fn engine_failed(e: &PdError, prefill: &Endpoint) -> Option<bool> {
+    e.connector_blames(Some(prefill.id()))
 }
 
 /// The failure of an attempt through a fresh prefill cut off at the continuation's

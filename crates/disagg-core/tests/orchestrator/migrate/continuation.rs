@@ -739,6 +739,68 @@ async fn a_fresh_prefill_whose_plan_the_connector_could_not_build_is_picked_agai
     assert_eq!(p1.len(), 1, "the second continuation went through P1");
 }
 
+/// vLLM NIXL's plan, except that the first continuation's KV never becomes ready for
+/// reasons of the proxy's own (its gate fails, after the fresh prefill answered).
+struct FirstGateShut {
+    nixl: VllmNixl,
+    shut: std::sync::atomic::AtomicBool,
+}
+
+/// A gate that fails: the notification listener closed.
+#[derive(Debug)]
+struct Closed;
+
+#[async_trait]
+impl disagg_core::connector::KvGate for Closed {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        Err(ConnectorError::NotReady {
+            reason: "notification listener closed".into(),
+        })
+    }
+}
+
+#[async_trait]
+impl KvConnector for FirstGateShut {
+    fn name(&self) -> &'static str {
+        "nixl-first-gate-shut"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        self.nixl.prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        let found = self.nixl.complete(handoff, answer).await?;
+        let continuation = handoff.prefill.body.get("prompt").is_some();
+        if continuation && !self.shut.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            handoff.gate = Some(Arc::new(Closed));
+        }
+        Ok(found)
+    }
+}
+
+/// The first continuation's fresh prefill (P1, the only one) answers, and its KV never
+/// becomes ready for reasons of the proxy's own (the gate fails: not the engine's
+/// fault, and its leg's report does not blame it): the continuation goes decode-only
+/// on D2 (which streams a chunk and breaks), and the second continuation goes on D3
+/// through P1 again, with the prefill's handoff.
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefill_whose_kv_the_proxy_could_not_wait_for_is_picked_again() {
+    let fake = Fake::new();
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    fake.on(P1, COMPLETIONS, prefill_answer());
+    let connector = FirstGateShut {
+        nixl: VllmNixl::new(),
+        shut: std::sync::atomic::AtomicBool::new(false),
+    };
+    let p1 = continued_twice_over_one_prefill(&fake, connector).await;
+    assert_eq!(p1.len(), 2, "the second continuation went through P1 again");
+}
+
 /// The error a resolution fails with, made of the prefill's id.
 type Failing = fn(EndpointId) -> ConnectorError;
 
