@@ -588,23 +588,46 @@ fn not_relayed(side: Side, endpoint: &Endpoint, why: &str) -> Response<PdBody> {
     error_response(StatusCode::BAD_GATEWAY, &message, "server_error", code)
 }
 
-/// One engine's answer to a fanned-out request: its status and body, or why none came.
+/// Why one engine's answer to a fanned-out request is not listed whole, and its status
+/// when its head came (its body past [`FAN_OUT_ANSWER_LIMIT`], cut off or late): the
+/// engine may have done what it was asked, and its line says so.
+struct Unread {
+    status: Option<StatusCode>,
+    why: String,
+}
+
+impl From<String> for Unread {
+    /// No answer at all: `why`.
+    fn from(why: String) -> Self {
+        Unread { status: None, why }
+    }
+}
+
+/// One engine's answer to a fanned-out request, within `timeout` from head to end: its
+/// status and body, or why it is not listed whole.
 async fn one_answer(
     transport: &dyn Transport,
     req: Request<Bytes>,
     timeout: Duration,
-) -> Result<(StatusCode, Bytes), String> {
-    let exchange = async {
-        let resp = transport.send(req).await.map_err(|e| e.to_string())?;
-        let status = resp.status();
-        let body = collect_limited(resp.into_body(), FAN_OUT_ANSWER_LIMIT)
-            .await
-            .map_err(|e| format!("reading the answer: {e}"))?;
-        Ok((status, body))
+) -> Result<(StatusCode, Bytes), Unread> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let ms = timeout.as_millis();
+    let resp = match tokio::time::timeout_at(deadline, transport.send(req)).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => return Err(e.to_string().into()),
+        Err(_) => return Err(format!("no answer within {ms} ms").into()),
     };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
+    let status = resp.status();
+    let body = collect_limited(resp.into_body(), FAN_OUT_ANSWER_LIMIT);
+    let why = match tokio::time::timeout_at(deadline, body).await {
+        Ok(Ok(body)) => return Ok((status, body)),
+        Ok(Err(e)) => format!("reading the answer: {e}"),
+        Err(_) => format!("the answer did not end within {ms} ms"),
+    };
+    Err(Unread {
+        status: Some(status),
+        why,
+    })
 }
 
 /// One engine's line in a fan-out answer.
@@ -612,7 +635,7 @@ async fn one_answer(
 struct FanOutResult<'a> {
     endpoint: &'a str,
     role: &'static str,
-    /// Its status; `null` when it gave none (unreachable, timed out).
+    /// Its status; `null` when it gave none (unreachable, timed out before its head).
     status: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     body: Option<FanOutBody<'a>>,
@@ -652,7 +675,7 @@ struct FanOutAnswer<'a> {
 fn fan_out_answer(
     path: &str,
     targets: &[&Arc<Endpoint>],
-    answers: Vec<Result<(StatusCode, Bytes), String>>,
+    answers: Vec<Result<(StatusCode, Bytes), Unread>>,
 ) -> Response<PdBody> {
     let mut results = Vec::with_capacity(answers.len());
     let mut statuses = Vec::with_capacity(answers.len());
@@ -675,8 +698,10 @@ fn fan_out_answer(
                 statuses.push(Some(*status));
             }
             Err(e) => {
-                failed.push(format!("{}: {e}", ep.id()));
-                entry.error = Some(e.clone());
+                failed.push(format!("{}: {}", ep.id(), e.why));
+                entry.status = e.status.map(|s| s.as_u16());
+                entry.error = Some(e.why.clone());
+                // Not listed whole: a failure, whatever its status.
                 statuses.push(None);
             }
         }
@@ -936,7 +961,7 @@ mod tests {
         // A failure keeps the same entries, and the error beside them.
         let answers = vec![
             Ok((StatusCode::OK, json)),
-            Err("connection refused".to_string()),
+            Err("connection refused".to_string().into()),
         ];
         let resp = fan_out_answer("/v1/load_lora_adapter", &[&p, &d], answers);
         assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
