@@ -10,7 +10,10 @@
 //!    ([`MAX_PROMPT_TOKENS`] by default) fails the request (400) before any leg is sent:
 //!    the ids are decoded no further than the first one past the ceiling, and the
 //!    `/tokenize` answer is read no further than an answer of that many ids can take
-//!    ([`answer_limit`](disagg_tokenize::engine::answer_limit)). Lists of 256 KiB or
+//!    ([`answer_limit`](disagg_tokenize::engine::answer_limit)). A prompt of no ids, or
+//!    one `/tokenize` refuses as the client's (400, 422), fails it the same way; no
+//!    engine is blamed for either (only a failure of `/tokenize` itself names the
+//!    prefill, [`ConnectorError::Engine`]). Lists of 256 KiB or
 //!    more are decoded on Tokio's blocking pool, not on the event loop; a completions
 //!    prompt of that size is told apart there too (a batch, which is refused, the
 //!    client's ids, or text), the event loop looking no further than its first
@@ -49,7 +52,7 @@ use disagg_core::connector::{
     Dispatch, Handoff, HandoffFound, KvConnector, KvGate, Leg, PrefillAnswer,
 };
 use disagg_core::endpoint::{Endpoint, FactError, Facts};
-use disagg_core::error::{BoxError, ConnectorError};
+use disagg_core::error::ConnectorError;
 use disagg_core::policy::Decision;
 use disagg_core::request::{Api, PdRequest};
 use disagg_core::router::Route;
@@ -743,17 +746,13 @@ impl KvConnector for Lmcache {
         };
         let tokenize = match plan.unchecked {
             None => plan.tokenize,
-            Some(u) => prompt::check_off_loop(u, plan.tokenize, &ep, &self.blocking).await?,
+            Some(u) => prompt::check_off_loop(u, plan.tokenize, &self.blocking).await?,
         };
         let max = self.max_prompt_tokens;
         let prompt = handoff.prefill.body.get_bytes("prompt");
         let tokens = ids::prompt_ids(transport, &ep, tokenize, prompt, max, &self.blocking).await?;
         if tokens.is_empty() {
-            return Err(engine_error(
-                &ep,
-                "/tokenize",
-                "the prompt tokenized to nothing".into(),
-            ));
+            return Err(ids::empty());
         }
         handoff.prefill.body.set("prompt", &*tokens);
         handoff.decode.body.set("prompt", &*tokens);
@@ -957,14 +956,6 @@ fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
     o.raw("prompt", prompt);
     o.close();
     Bytes::from(out)
-}
-
-fn engine_error(ep: &Endpoint, what: &'static str, source: BoxError) -> ConnectorError {
-    ConnectorError::Engine {
-        endpoint: ep.id().clone(),
-        what,
-        source,
-    }
 }
 
 mod ids;

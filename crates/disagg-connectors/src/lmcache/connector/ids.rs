@@ -1,17 +1,17 @@
 //! The prompt's token ids, within the connector's ceiling
-//! ([`Lmcache::with_max_prompt_tokens`](super::Lmcache::with_max_prompt_tokens)).
+//! ([`Lmcache::with_max_prompt_tokens`](super::Lmcache::with_max_prompt_tokens)), and
+//! whose fault it is when there are none: the client's (its prompt), the proxy's (its
+//! blocking pool), or the prefill engine's (its `/tokenize`).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use disagg_core::endpoint::Endpoint;
-use disagg_core::error::ConnectorError;
+use disagg_core::error::{ConnectorError, error_chain};
 use disagg_core::transport::Transport;
 use disagg_tokenize::EngineError;
 use disagg_tokenize::engine::{IdsError, read_ids, request_tokens};
 use disagg_tokenize::prompt::BlockingLimit;
-
-use super::engine_error;
 
 /// The prompt's token ids, at most `max` of them: the prefill engine's `/tokenize`
 /// answer to `tokenize` (the exchange `disagg-tokenize`'s `EngineTokenizer` makes too)
@@ -22,8 +22,12 @@ use super::engine_error;
 ///
 /// # Errors
 ///
-/// [`ConnectorError::Unsupported`] (400) for more than `max` ids, else
-/// [`ConnectorError::Engine`] naming the step that failed.
+/// The client's faults are [`ConnectorError::Unsupported`] (400): more than `max` ids,
+/// a prompt `/tokenize` refuses as the client's (400 or 422: no prompt, a malformed
+/// message), no prompt at all, ids that are no list of token ids. A job the blocking
+/// pool lost is [`ConnectorError::NotReady`] (the proxy's, no engine's); an endpoint
+/// whose address makes no `/tokenize` URI is [`ConnectorError::NotConfigured`]; any
+/// other failure of `/tokenize` is the prefill engine's, [`ConnectorError::Engine`].
 pub(super) async fn prompt_ids(
     transport: &dyn Transport,
     ep: &Arc<Endpoint>,
@@ -36,35 +40,86 @@ pub(super) async fn prompt_ids(
         (Some(body), _) => {
             let uri = ep
                 .uri("/tokenize")
-                .map_err(|e| engine_error(ep, "/tokenize", Box::new(e)))?;
+                .map_err(|_| ConnectorError::NotConfigured {
+                    endpoint: ep.id().clone(),
+                    what: "address that makes a `/tokenize` URI",
+                })?;
             let ids = request_tokens(transport, uri, body, max, blocking)
                 .await
-                .map_err(|e| ids_error(ep, "/tokenize", e, max))?;
+                .map_err(|e| tokenize_error(ep, e, max))?;
             // Widened once counted: at most `max` of them.
             Ok(ids.into_iter().map(u64::from).collect())
         }
         (None, Some(raw)) => read_ids::<u64>(raw, max, blocking)
             .await
             .map(Arc::from)
-            .map_err(|e| ids_error(ep, "reading the prompt's token ids", e, max)),
-        (None, None) => Err(engine_error(ep, "/tokenize", "no prompt".into())),
+            .map_err(|e| match e {
+                IdsError::TooMany { .. } => too_long(max),
+                IdsError::Blocking(e) => lost("reading the prompt's token ids", &e),
+                // `Invalid`: the client's prompt is no list of token ids.
+                _ => refused("a prompt that is not a list of token ids".to_owned()),
+            }),
+        (None, None) => Err(refused("a request without a prompt".to_owned())),
     }
 }
 
-/// The request's failure when `what` on `ep` gave no ids: a prompt of more than `max`
-/// ids (or a `/tokenize` answer longer than one of `max` ids can be) is the client's
-/// (400, [`ConnectorError::Unsupported`]), anything else the engine's.
-fn ids_error(ep: &Endpoint, what: &'static str, e: IdsError, max: usize) -> ConnectorError {
-    let too_long = match &e {
-        IdsError::TooMany { .. } => true,
-        IdsError::Engine(EngineError::Body(b)) => b.is::<http_body_util::LengthLimitError>(),
-        _ => false,
-    };
-    if too_long {
-        return ConnectorError::Unsupported {
-            connector: "lmcache",
-            what: format!("a prompt of more than {max} token ids"),
-        };
+/// The request's failure when the prefill's `/tokenize` on `ep` gave no ids: an answer
+/// of more than `max` ids (or longer than one of `max` ids can be) or a refusal of the
+/// client's prompt (400, 422) is the client's, a job the blocking pool lost the
+/// proxy's, anything else the engine's.
+fn tokenize_error(ep: &Endpoint, e: IdsError, max: usize) -> ConnectorError {
+    match e {
+        IdsError::TooMany { .. } => too_long(max),
+        IdsError::Engine(EngineError::Body(b)) if b.is::<http_body_util::LengthLimitError>() => {
+            too_long(max)
+        }
+        // vLLM answers 400 for a prompt it cannot take (none, a malformed message, an
+        // unknown chat template field) and FastAPI 422 for a body off its schema: the
+        // engine worked, the request was the client's fault.
+        IdsError::Engine(EngineError::Status { status, message })
+            if matches!(status.as_u16(), 400 | 422) =>
+        {
+            refused(format!(
+                "a prompt its prefill engine refused to tokenize ({status}: {message})"
+            ))
+        }
+        IdsError::Blocking(e) => lost("reading the prefill's `/tokenize` answer", &e),
+        e => ConnectorError::Engine {
+            endpoint: ep.id().clone(),
+            what: "/tokenize",
+            source: Box::new(e),
+        },
     }
-    engine_error(ep, what, Box::new(e))
+}
+
+/// The refusal (400) of a prompt of more than `max` token ids.
+fn too_long(max: usize) -> ConnectorError {
+    refused(format!("a prompt of more than {max} token ids"))
+}
+
+/// The refusal (400, [`ConnectorError::Unsupported`]) of the client's prompt, `what`
+/// it is.
+fn refused(what: String) -> ConnectorError {
+    ConnectorError::Unsupported {
+        connector: "lmcache",
+        what,
+    }
+}
+
+/// The refusal (400) of a prompt of no token ids: the client's `[]`, or text the
+/// prefill tokenized to nothing (vLLM refuses an empty prompt itself).
+pub(super) fn empty() -> ConnectorError {
+    refused("an empty prompt (no token ids)".to_owned())
+}
+
+/// The failure of `what` when the blocking pool lost its job (`e`): the proxy's
+/// runtime shutting down, no engine's fault ([`ConnectorError::NotReady`], which blames
+/// none).
+pub(super) fn lost(what: &str, e: &(dyn std::error::Error + 'static)) -> ConnectorError {
+    ConnectorError::NotReady {
+        reason: format!(
+            "{what}: its job on the proxy's blocking pool was lost (the runtime shutting down): {}",
+            error_chain(e)
+        ),
+    }
 }

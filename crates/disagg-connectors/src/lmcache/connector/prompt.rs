@@ -9,14 +9,11 @@
 //! what that does not settle, like a larger chat's media, is left to `resolve`, on the
 //! blocking pool ([`check_off_loop`]).
 
-use std::sync::Arc;
-
 use bytes::Bytes;
-use disagg_core::endpoint::Endpoint;
 use disagg_core::error::ConnectorError;
 use disagg_tokenize::prompt::{BlockingLimit, READ_OFF_LOOP_FROM, off_loop};
 
-use super::{completion_tokenize, engine_error, media};
+use super::{completion_tokenize, ids, media};
 
 /// What a completions `prompt` is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,15 +125,14 @@ pub(super) fn with_media(kind: &str) -> ConnectorError {
 /// # Errors
 ///
 /// The refusals of `prepare` ([`batch`], [`with_media`]), and
-/// [`ConnectorError::Engine`] when the blocking pool lost the job (the runtime
-/// shutting down).
+/// [`ConnectorError::NotReady`] when the blocking pool lost the job (the proxy's
+/// runtime shutting down: no engine's fault).
 pub(super) async fn check_off_loop(
     unchecked: Unchecked,
     tokenize: Option<Bytes>,
-    ep: &Arc<Endpoint>,
     blocking: &BlockingLimit,
 ) -> Result<Option<Bytes>, ConnectorError> {
-    let lost = |e| engine_error(ep, "reading the prompt", Box::new(e));
+    let lost = |e: disagg_tokenize::TokenizeError| ids::lost("reading the prompt", &e);
     match unchecked {
         Unchecked::Prompt {
             prompt,

@@ -6,6 +6,7 @@ use crate::lmcache::reshape::*;
 use bytes::BytesMut;
 use disagg_core::Role;
 use disagg_core::endpoint::{Endpoint, Facts};
+use disagg_core::error::BoxError;
 use disagg_core::transport::BoxBody;
 use disagg_pairing::KvRole;
 use http::HeaderMap;
@@ -1040,4 +1041,5 @@ fn a_chat_with_media_is_refused_before_any_leg() {
     assert!(c.prepare(&route(Some(receiver())), &text).is_ok());
 }
 
+mod fault;
 mod kinds;

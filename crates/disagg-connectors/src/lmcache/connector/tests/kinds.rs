@@ -90,6 +90,7 @@ fn pad() -> String {
 }
 
 const BATCH: &str = "the lmcache connector cannot serve a batch of prompts";
+const EMPTY: &str = "the lmcache connector cannot serve an empty prompt (no token ids)";
 
 fn refused() -> Outcome {
     Outcome::Refused(BATCH.to_owned())
@@ -143,15 +144,9 @@ async fn every_prompt_shape_keeps_its_outcome() {
         (r#""hi""#.into(), tokenized(r#""hi""#)),
         (text.clone(), tokenized(&text)),
         ("7".into(), tokenized("7")),
-        // No ids at all: the prompt is empty.
-        (
-            "[]".into(),
-            Outcome::Failed("the prompt tokenized to nothing".into()),
-        ),
-        (
-            spaced,
-            Outcome::Failed("the prompt tokenized to nothing".into()),
-        ),
+        // No ids at all: the prompt is empty, the client's fault.
+        ("[]".into(), Outcome::Refused(EMPTY.into())),
+        (spaced, Outcome::Refused(EMPTY.into())),
     ];
     let c = connector();
     for (prompt, want) in cases {

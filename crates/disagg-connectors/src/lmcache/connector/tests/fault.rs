@@ -1,0 +1,209 @@
+//! Whose fault a failed `resolve` is: the client's own prompt is answered 4xx in
+//! OpenAI's error format (no prefill engine is blamed, and none fails); a lost job of
+//! the proxy's blocking pool blames no engine; only a call on the prefill that failed
+//! on the prefill's side names it ([`ConnectorError::Engine`]).
+
+use disagg_core::error::{PdError, Side, error_chain};
+
+use super::*;
+
+/// Answers every request with `status` and `body`, as a prefill's `/tokenize` would.
+struct Answers(http::StatusCode, &'static str);
+
+impl Transport for Answers {
+    fn send(&self, _req: http::Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+        let body = http_body_util::Full::new(Bytes::from_static(self.1.as_bytes()))
+            .map_err(|never| match never {})
+            .boxed();
+        let mut resp = http::Response::new(body);
+        *resp.status_mut() = self.0;
+        Box::pin(async move { Ok::<_, disagg_core::error::TransportError>(resp) })
+    }
+}
+
+/// `req` through `prepare` then `resolve` against `engine`: the error it ends with.
+async fn resolve_err(req: &PdRequest, engine: &dyn Transport) -> ConnectorError {
+    let c = connector();
+    let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
+    let err = c.resolve(&mut h, engine).await.unwrap_err();
+    assert!(h.gate.is_none(), "registered before failing: {err}");
+    err
+}
+
+/// The client's answer for `err`, a prefill-side connector error, as the HTTP layer
+/// renders it: its status, and OpenAI's error body.
+fn answered(err: ConnectorError) -> (u16, Value) {
+    let pd = PdError::connector(Side::Prefill, err);
+    let facts = pd.http();
+    let body = disagg_json::openai_error_body(
+        &error_chain(&pd),
+        facts.error_type,
+        facts.param,
+        facts.code,
+    );
+    (
+        facts.status.as_u16(),
+        serde_json::from_slice(&body).unwrap(),
+    )
+}
+
+/// vLLM's answer to a `/tokenize` request it refuses for its content.
+const REFUSED: &str = r#"{"object":"error","message":"Either prompt or messages must be provided","type":"BadRequestError","param":null,"code":400}"#;
+
+/// A prompt the prefill's `/tokenize` refuses as the client's (400, or 422 for a
+/// body that fails its schema), like a completions request without a prompt, is the
+/// client's fault: it gets a 400 in OpenAI's format carrying the engine's words, and
+/// the error names no engine. An engine's own failure (500) still names the prefill.
+#[tokio::test]
+async fn a_prompt_the_prefill_refuses_to_tokenize_is_the_clients_400() {
+    let no_prompt = request(Api::Completions, r#"{"model":"m","max_tokens":5}"#);
+    let bad_chat = request(
+        Api::Chat,
+        r#"{"model":"m","messages":[{"content":"no role"}]}"#,
+    );
+    for status in [
+        http::StatusCode::BAD_REQUEST,
+        http::StatusCode::UNPROCESSABLE_ENTITY,
+    ] {
+        for req in [&no_prompt, &bad_chat] {
+            let err = resolve_err(req, &Answers(status, REFUSED)).await;
+            assert!(matches!(err, ConnectorError::Unsupported { .. }), "{err:?}");
+            let (code, body) = answered(err);
+            assert_eq!(code, 400, "{body}");
+            let e = &body["error"];
+            assert_eq!(e["type"], "invalid_request_error", "{body}");
+            assert_eq!(e["code"], "unsupported_by_connector", "{body}");
+            let message = e["message"].as_str().unwrap();
+            assert!(
+                message.contains("Either prompt or messages must be provided"),
+                "{message}"
+            );
+        }
+    }
+    let err = resolve_err(
+        &no_prompt,
+        &Answers(http::StatusCode::INTERNAL_SERVER_ERROR, "boom"),
+    )
+    .await;
+    assert!(
+        matches!(&err, ConnectorError::Engine { endpoint, what: "/tokenize", .. } if endpoint.as_str() == "http://p:7100"),
+        "{err:?}"
+    );
+    assert_eq!(answered(err).0, 502);
+}
+
+/// An empty prompt, the client's `[]` or text that tokenizes to no ids, is the
+/// client's fault (vLLM refuses an empty prompt itself): a 400 in OpenAI's format, no
+/// engine named.
+#[tokio::test]
+async fn an_empty_prompt_is_the_clients_400() {
+    let none = Answers(
+        http::StatusCode::OK,
+        r#"{"count":0,"max_model_len":8,"tokens":[]}"#,
+    );
+    for prompt in ["[]", "[ ]", r#""""#] {
+        let req = request(
+            Api::Completions,
+            &format!(r#"{{"model":"m","prompt":{prompt},"max_tokens":5}}"#),
+        );
+        let err = resolve_err(&req, &none).await;
+        assert!(
+            matches!(err, ConnectorError::Unsupported { .. }),
+            "{prompt}: {err:?}"
+        );
+        let (code, body) = answered(err);
+        assert_eq!(code, 400, "{prompt}: {body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("an empty prompt"),
+            "{body}"
+        );
+    }
+}
+
+/// `work` polled with the blocking pool of a runtime already shut down: every job
+/// handed to that pool is lost, as in a proxy shutting down.
+fn with_a_lost_pool<F: std::future::Future>(work: F) -> F::Output {
+    let gone = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .build()
+        .unwrap();
+    let handle = gone.handle().clone();
+    gone.shutdown_background();
+    let _entered = handle.enter();
+    futures::executor::block_on(work)
+}
+
+/// A job the proxy's blocking pool lost (the runtime shutting down) is the proxy's
+/// failure, not the prefill's: whether it was telling a large prompt apart or reading
+/// a large `/tokenize` answer, the error names no engine
+/// ([`ConnectorError::NotReady`], which blames none).
+#[test]
+fn a_lost_blocking_job_blames_no_engine() {
+    // A prompt whose shape its first element does not tell: walked on the pool.
+    let large = request(
+        Api::Completions,
+        &format!(r#"{{"model":"m","prompt":[{}1]}}"#, "0,".repeat(140_000)),
+    );
+    // A small text prompt whose `/tokenize` answer is decoded on the pool.
+    let ids = format!("[{}0]", "100000,".repeat(40_000));
+    let answer: &'static str =
+        Box::leak(format!(r#"{{"count":40001,"tokens":{ids}}}"#).into_boxed_str());
+    assert!(answer.len() >= READ_OFF_LOOP_FROM);
+    let text = request(Api::Completions, r#"{"model":"m","prompt":"hi"}"#);
+    for (req, engine, step) in [
+        (
+            &large,
+            Answers(http::StatusCode::OK, "unused"),
+            "reading the prompt:",
+        ),
+        (
+            &text,
+            Answers(http::StatusCode::OK, answer),
+            "reading the prefill's `/tokenize` answer:",
+        ),
+    ] {
+        let c = connector();
+        let mut h = c.prepare(&route(Some(receiver())), req).unwrap();
+        let err = with_a_lost_pool(c.resolve(&mut h, &engine)).unwrap_err();
+        assert!(matches!(err, ConnectorError::NotReady { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains(step), "{message}");
+        assert!(message.contains("blocking pool was lost"), "{message}");
+        assert!(h.gate.is_none());
+    }
+}
+
+/// `prompt_ids`' own refusals, which `prepare` keeps it from meeting: no prompt at
+/// all, or client ids that are not a list of token ids, are the client's (400), not
+/// the prefill's.
+#[tokio::test]
+async fn ids_that_are_not_a_prompt_are_the_clients() {
+    let ep = Arc::new(Endpoint::new("http://p:7100", Role::Prefill).unwrap());
+    let engine = Answers(http::StatusCode::OK, "unused");
+    let blocking = BlockingLimit::default();
+    for prompt in [None, Some(Bytes::from_static(b"[1,-2]"))] {
+        let err = ids::prompt_ids(&engine, &ep, None, prompt.clone(), 8, &blocking)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ConnectorError::Unsupported { .. }),
+            "{prompt:?}: {err:?}"
+        );
+        assert_eq!(answered(err).0, 400, "{prompt:?}");
+    }
+    let ok = ids::prompt_ids(
+        &engine,
+        &ep,
+        None,
+        Some(Bytes::from_static(b"[1,2]")),
+        8,
+        &blocking,
+    )
+    .await
+    .unwrap();
+    assert_eq!(&*ok, [1, 2]);
+}
