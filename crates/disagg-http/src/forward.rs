@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use disagg_core::endpoint::InFlightGuard;
-use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError};
+use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError, error_chain};
 use disagg_core::json::JsonBody;
 use disagg_core::outcome::Delivery;
 use disagg_core::policy::Permit;
@@ -50,7 +50,7 @@ use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::body;
 use crate::error::{error_response, pd_error_response};
@@ -621,7 +621,11 @@ async fn one_answer(
     let body = collect_limited(resp.into_body(), FAN_OUT_ANSWER_LIMIT);
     let why = match tokio::time::timeout_at(deadline, body).await {
         Ok(Ok(body)) => return Ok((status, body)),
-        Ok(Err(e)) => format!("reading the answer: {e}"),
+        // Past the ceiling, by its `content-length` or as it came: `Limited`'s own error.
+        Ok(Err(e)) if e.is::<LengthLimitError>() => {
+            format!("the answer is longer than {FAN_OUT_ANSWER_LIMIT} bytes")
+        }
+        Ok(Err(e)) => format!("reading the answer: {}", error_chain(&*e)),
         Err(_) => format!("the answer did not end within {ms} ms"),
     };
     Err(Unread {
