@@ -58,12 +58,13 @@
 //! [`KubernetesConfig::max_response_bytes`], or holding more than 4,096 JSON objects or
 //! 16,384 JSON values (array elements, object members) for each pod of a page, the page
 //! counted as at least 16 pods (a smaller page lowers them no further), before reading
-//! more: bytes alone do not bound what a page decodes into (`{}` is a whole pod;
-//! `[0,0,...]` in a pod's free-form `managedFields[].fieldsV1`, a `serde_json::Value`
-//! per zero). The counts bound how many typed objects and values a page decodes into,
-//! not their size: the default page of 100 can still take about 1.6 GB at worst (1.3 GB
-//! of it `{"name":""},`s of 12 bytes each decoding into `Volume`s of 3.2 KB), a page of
-//! 16 about 0.3 GB. Each is an error as above, retried with backoff. Lists ask for
+//! more; each is an error as above, retried with backoff. Pods are decoded into the
+//! fields discovery reads ([`EnginePod`]), the rest skipped unread (`managedFields`,
+//! volumes: nothing), but bytes alone do not bound what a page decodes into: `{}` is a
+//! pod of 456 bytes, `"k":"v",` a label of about 160. The counts bound it: the default
+//! page of 100 takes at worst about 0.5 GB (409,600 empty pods, 240 MB with their
+//! vector's growth; 1.2 million labels, 200 MB; 50 MB of longer strings), a page of 16
+//! about 0.13 GB (most of it the strings 64 MiB hold), its text besides. Lists ask for
 //! pages of [`KubernetesConfig::page_size`] pods.
 //!
 //! # Ceilings on the pods
@@ -88,7 +89,6 @@ use disagg_core::Role;
 use disagg_core::endpoint::Facts;
 use disagg_pairing::KvProfile;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
@@ -98,6 +98,11 @@ use crate::spec::{EndpointSpec, Ranks, lmcache_receiver, model_names, parse_kv_r
 
 mod bounds;
 mod held;
+mod pod;
+pub use pod::{
+    EngineContainer, EngineContainerPort, EnginePod, EnginePodCondition, EnginePodSpec,
+    EnginePodStatus,
+};
 
 /// The default source name of Kubernetes discovery (the `source` label of its metrics).
 pub const SOURCE_NAME: &str = "kubernetes";
@@ -395,7 +400,7 @@ pub fn spawn_with_client(
         .namespace
         .clone()
         .unwrap_or_else(|| client.default_namespace().to_owned());
-    let api: Api<Pod> = Api::namespaced(client, &namespace);
+    let api: Api<EnginePod> = Api::namespaced(client, &namespace);
     let mut watched = Vec::new();
     let mut streams = Vec::new();
     for (role, selector) in [
@@ -699,14 +704,14 @@ fn is_label_name(s: &str) -> bool {
 
 /// Every selector's watch events, tagged with the index of its [`Watched`].
 type PodEvents = futures::stream::SelectAll<
-    futures::stream::BoxStream<'static, (usize, Result<watcher::Event<Pod>, watcher::Error>)>,
+    futures::stream::BoxStream<'static, (usize, Result<watcher::Event<EnginePod>, watcher::Error>)>,
 >;
 
 /// One role's watch.
 struct Watched {
     role: Role,
     selector: String,
-    store: Store<Pod>,
+    store: Store<EnginePod>,
     /// Whether its first list is complete.
     listed: bool,
 }
@@ -815,7 +820,7 @@ fn publish(
 ///
 /// The reason, when the pod has no port to use or an annotation does not parse.
 pub fn pod_spec(
-    pod: &Pod,
+    pod: &EnginePod,
     role: Role,
     config: &KubernetesConfig,
 ) -> Result<Option<EndpointSpec>, String> {
@@ -952,7 +957,7 @@ pub fn pod_spec(
 }
 
 /// The pod's IP while it is routable: Running, Ready, not being deleted.
-fn routable_ip(pod: &Pod) -> Option<IpAddr> {
+fn routable_ip(pod: &EnginePod) -> Option<IpAddr> {
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
@@ -972,7 +977,7 @@ fn routable_ip(pod: &Pod) -> Option<IpAddr> {
 }
 
 /// The port to use on `pod`.
-fn pod_port(pod: &Pod, port: Option<&PortRef>) -> Result<u16, String> {
+fn pod_port(pod: &EnginePod, port: Option<&PortRef>) -> Result<u16, String> {
     let declared = || {
         pod.spec
             .iter()
@@ -997,7 +1002,7 @@ fn pod_port(pod: &Pod, port: Option<&PortRef>) -> Result<u16, String> {
 mod tests {
     use super::*;
 
-    fn pod(ready: bool, annotations: &[(&str, &str)]) -> Pod {
+    fn pod(ready: bool, annotations: &[(&str, &str)]) -> EnginePod {
         let annotations: BTreeMap<&str, &str> = annotations.iter().copied().collect();
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "p", "labels": {"model": "llama"}, "annotations": annotations},

@@ -9,13 +9,16 @@
 //!   as many;
 //! - a list response's body may hold at most [`Bounds::max_objects`] JSON objects (`{`
 //!   outside strings) and [`Bounds::max_values`] JSON values (`[` and `,` outside
-//!   strings), counted as the bytes come; one watch event at most as many. Bytes alone
-//!   do not bound what a page decodes into: an empty object, 2 bytes, decodes into a
-//!   whole k8s-openapi `Pod` of about 2.4 KB (`{"name":""}` into a `Volume` of 3.2 KB),
-//!   and a `0,` in a free-form field (`managedFields[].fieldsV1` is
-//!   `FieldsV1(serde_json::Value)`) into a `serde_json::Value` of 32 bytes, 41 with its
-//!   array's growth: 64 MiB of `[0,0,...]`, 4 objects, would decode into 33 M values,
-//!   about 1.4 GB (20 bytes for each byte). What these counts leave is in
+//!   strings), counted as the bytes come; one watch event at most as many. Pods are
+//!   decoded into [`EnginePod`](super::EnginePod)s: what they hold besides the fields
+//!   discovery reads is skipped unread (a `{"name":""}` volume, a free-form
+//!   `managedFields[].fieldsV1`: nothing), and what it keeps (a pod, a container, a
+//!   port, a condition) is read from a JSON object only, never from an array. Bytes
+//!   alone still do not bound what a page decodes into: an empty object in its `items`,
+//!   2 bytes, decodes into a whole pod of 456 bytes (an empty `ObjectMeta` of 360, no
+//!   spec, no status), and a member of a pod's labels or annotations, `"k":"",` in 7
+//!   bytes, into a `BTreeMap` entry of about 130 bytes with its key's allocation (64 MiB
+//!   of such members would take about 1.2 GB). What these counts leave is in
 //!   [`max_objects`] and [`max_values`].
 //!
 //! kube-rs collects a list's body whole and splits a watch's stream into lines with no
@@ -73,9 +76,12 @@ fn per_page(page_size: u32, per_pod: usize) -> usize {
 /// pods: [`OBJECTS_PER_POD`] for each pod of a page, the page counted as at least 16
 /// pods (65,536 objects; 409,600 for the default page of 100).
 ///
-/// This bounds the typed objects a page decodes into, not their size: each is at most
-/// about 3.2 KB (a `Volume`, written `{"name":""},` in 12 bytes), so the default page's
-/// objects take at worst about 1.3 GB, those of a page of 16 or fewer pods about 210 MB.
+/// Each pod, container, port and condition a page decodes into stands for a JSON object
+/// (each is read from one only; objects in what a pod holds besides are skipped, not
+/// decoded), the largest a pod: 456 bytes however little it holds (`{}`, 3 bytes with
+/// its comma). The default page's objects take at worst about 240 MB (409,600 empty
+/// pods, in a vector grown to 524,288), those of a page of 16 or fewer pods about 30 MB
+/// (65,536).
 pub(super) fn max_objects(page_size: u32) -> usize {
     per_page(page_size, OBJECTS_PER_POD)
 }
@@ -83,12 +89,16 @@ pub(super) fn max_objects(page_size: u32) -> usize {
 /// The most JSON values in a list response or a watch event for pages of `page_size`
 /// pods: [`VALUES_PER_POD`] for each pod of a page, the page counted as at least 16
 /// pods (262,144 values; 1,638,400 for the default page of 100). Every value but the
-/// outermost follows a `{`, a `[` or a `,`: with [`max_objects`], this bounds the values
-/// free-form fields hold (`fieldsV1`), each at most about 140 bytes decoded (a map's
-/// member, its key's allocation included; an array's element, 41): about 230 MB for the
-/// default page at worst, 37 MB for a page of 16. What a default page decodes into is
-/// then at most about 1.6 GB with its strings' bytes (1.3 GB of it typed objects), its
-/// text besides; 100 of the heavy real pods above, 4.5 MB, decode into about 41 MB.
+/// outermost follows a `{`, a `[` or a `,`: with [`max_objects`], this bounds the
+/// members of the pods' labels and annotations, the one thing a pod keeps that needs no
+/// JSON object of its own, each at most about 160 bytes decoded (its `BTreeMap` entry,
+/// and its key and value of up to 24 bytes each in allocations of 32): about 200 MB for
+/// the 1.2 million values the empty pods above leave of the default page, 31 MB for a
+/// page of 16. What a default page decodes into is then at most about 0.5 GB with its
+/// longer strings (whose bytes decode into as many: about 50 MB; measured, 485 MB in
+/// all), a page of 16 about 0.13 GB (most of it the strings its 64 MiB hold), its text
+/// besides; 100 of the heavy real pods above, 4.5 MB, decode into about 0.2 MB (about
+/// 41 MB as k8s-openapi's `Pod`s).
 pub(super) fn max_values(page_size: u32) -> usize {
     per_page(page_size, VALUES_PER_POD)
 }
@@ -711,8 +721,9 @@ mod tests {
 
     /// Within the default bounds, a page of 100 heavy real pods passes, as a list and as
     /// watch events; a pod whose free-form `fieldsV1` is an array of 2,000,000 zeros
-    /// (4 MB of a 64 MiB ceiling and a handful of objects, but 2,000,000
-    /// `serde_json::Value`s decoded, about 80 MB) fails, as a list and as a watch event.
+    /// (4 MB of a 64 MiB ceiling and a handful of objects, but 2,000,000 JSON values:
+    /// skipped unread, but the count cannot tell them from as many labels, which would
+    /// decode into about 300 MB) fails, as a list and as a watch event.
     #[tokio::test]
     async fn a_huge_free_form_array_is_refused_and_real_pods_pass() {
         let list = |items: Vec<serde_json::Value>| {

@@ -25,14 +25,13 @@ use std::time::Duration;
 
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::runtime::reflector::{ObjectRef, Store, store::Writer};
 use kube::runtime::watcher::Event;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::time::{Instant, Sleep};
 
-use super::KubernetesConfig;
+use super::{EnginePod, KubernetesConfig};
 
 /// The first wait before a refused selector lists again.
 const FIRST_RETRY: Duration = Duration::from_millis(800);
@@ -77,12 +76,12 @@ pub(super) fn refused(error: &watcher::Error) -> Option<&Refused> {
 /// One selector's watch events through kube-rs's watcher (with its default backoff),
 /// within `max_pods`, its pods kept in `writer`'s store (`store` reads it).
 pub(super) fn pod_events(
-    api: Api<Pod>,
+    api: Api<EnginePod>,
     config: watcher::Config,
     max_pods: usize,
-    store: Store<Pod>,
-    writer: Writer<Pod>,
-) -> impl Stream<Item = watcher::Result<Event<Pod>>> + Send + 'static {
+    store: Store<EnginePod>,
+    writer: Writer<EnginePod>,
+) -> impl Stream<Item = watcher::Result<Event<EnginePod>>> + Send + 'static {
     Held::new(
         move || watcher(api.clone(), config.clone()).boxed(),
         max_pods,
@@ -97,9 +96,9 @@ struct Held<F> {
     /// Makes a new watcher (one that lists first).
     watch: F,
     /// The watcher; `None` once refused, until the retry.
-    watcher: Option<BoxStream<'static, watcher::Result<Event<Pod>>>>,
+    watcher: Option<BoxStream<'static, watcher::Result<Event<EnginePod>>>>,
     /// The reflector's store, read to count the pods held.
-    store: Store<Pod>,
+    store: Store<EnginePod>,
     max_pods: usize,
     /// The pods of the list under way.
     listed: usize,
@@ -114,7 +113,7 @@ struct Held<F> {
 impl<F> Held<F> {
     /// The events of the watchers `watch` makes, within `max_pods`, `store` being the
     /// store they are reflected into.
-    fn new(watch: F, max_pods: usize, store: Store<Pod>) -> Self {
+    fn new(watch: F, max_pods: usize, store: Store<EnginePod>) -> Self {
         Held {
             watch,
             watcher: None,
@@ -155,9 +154,9 @@ impl<F> Held<F> {
 
 impl<F> Stream for Held<F>
 where
-    F: FnMut() -> BoxStream<'static, watcher::Result<Event<Pod>>> + Unpin,
+    F: FnMut() -> BoxStream<'static, watcher::Result<Event<EnginePod>>> + Unpin,
 {
-    type Item = watcher::Result<Event<Pod>>;
+    type Item = watcher::Result<Event<EnginePod>>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
@@ -231,7 +230,7 @@ mod tests {
     const NS: &str = "llm";
     const MAX: usize = 8;
 
-    type Events = BoxStream<'static, watcher::Result<Event<Pod>>>;
+    type Events = BoxStream<'static, watcher::Result<Event<EnginePod>>>;
 
     fn pod(name: &str) -> serde_json::Value {
         PodDesc {
@@ -249,13 +248,13 @@ mod tests {
 
     /// `server`'s pods labelled `app=vllm`, watched through kube-rs's client within
     /// [`MAX`] pods; the store they are kept in.
-    async fn watch(server: &FakeApiServer) -> (Store<Pod>, Events) {
+    async fn watch(server: &FakeApiServer) -> (Store<EnginePod>, Events) {
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&server.kubeconfig(NS)).unwrap();
         let options = kube::config::KubeConfigOptions::default();
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &options)
             .await
             .unwrap();
-        let api: Api<Pod> = Api::namespaced(kube::Client::try_from(config).unwrap(), NS);
+        let api: Api<EnginePod> = Api::namespaced(kube::Client::try_from(config).unwrap(), NS);
         let (store, writer) = reflector::store();
         let wc = watcher::Config::default().labels("app=vllm").page_size(10);
         let events = pod_events(api, wc, MAX, store.clone(), writer).boxed();
@@ -266,9 +265,9 @@ mod tests {
     /// progress (`listed`: its pods so far) holds more than [`MAX`] pods.
     async fn next(
         events: &mut Events,
-        store: &Store<Pod>,
+        store: &Store<EnginePod>,
         listed: &mut usize,
-    ) -> watcher::Result<Event<Pod>> {
+    ) -> watcher::Result<Event<EnginePod>> {
         let event = tokio::time::timeout(WAIT, events.next())
             .await
             .expect("an event in time")
@@ -286,7 +285,7 @@ mod tests {
     }
 
     /// Polls `events` until an error; the error.
-    async fn until_refused(events: &mut Events, store: &Store<Pod>) -> watcher::Error {
+    async fn until_refused(events: &mut Events, store: &Store<EnginePod>) -> watcher::Error {
         let mut listed = 0;
         loop {
             match next(events, store, &mut listed).await {
@@ -298,7 +297,7 @@ mod tests {
     }
 
     /// Polls `events` until a list is complete.
-    async fn until_listed(events: &mut Events, store: &Store<Pod>) {
+    async fn until_listed(events: &mut Events, store: &Store<EnginePod>) {
         let mut listed = 0;
         while !matches!(next(events, store, &mut listed).await, Ok(Event::InitDone)) {}
     }
@@ -340,25 +339,29 @@ mod tests {
     }
 
     /// A pod named `name` in `namespace` (`None`: without `metadata.namespace`).
-    fn pod_in(name: &str, namespace: Option<&str>) -> Pod {
-        let mut pod = Pod::default();
+    fn pod_in(name: &str, namespace: Option<&str>) -> EnginePod {
+        let mut pod = EnginePod::default();
         pod.metadata.name = Some(name.to_owned());
         pod.metadata.namespace = namespace.map(str::to_owned);
         pod
     }
 
     /// One watcher's events, each sent after its delay.
-    type Script = Vec<(Duration, Event<Pod>)>;
+    type Script = Vec<(Duration, Event<EnginePod>)>;
 
     /// `events`, each sent at once.
-    fn at_once(events: Vec<Event<Pod>>) -> Script {
+    fn at_once(events: Vec<Event<EnginePod>>) -> Script {
         events.into_iter().map(|e| (Duration::ZERO, e)).collect()
     }
 
     /// [`Held`] within [`MAX`] pods over one watcher per script, in turn (then watchers
     /// that send nothing), reflected into `writer`'s store, as [`pod_events`] does
     /// (without kube-rs's backoff, so that [`Held`]'s own waits are seen whole).
-    fn scripted(scripts: Vec<Script>, store: &Store<Pod>, writer: Writer<Pod>) -> Events {
+    fn scripted(
+        scripts: Vec<Script>,
+        store: &Store<EnginePod>,
+        writer: Writer<EnginePod>,
+    ) -> Events {
         let mut scripts = scripts.into_iter();
         let watch = move || -> Events {
             match scripts.next() {
@@ -378,8 +381,8 @@ mod tests {
     /// an hour, checking after each that the store holds at most [`MAX`] pods.
     async fn drain(
         events: &mut Events,
-        store: &Store<Pod>,
-    ) -> Vec<(tokio::time::Instant, watcher::Result<Event<Pod>>)> {
+        store: &Store<EnginePod>,
+    ) -> Vec<(tokio::time::Instant, watcher::Result<Event<EnginePod>>)> {
         let mut seen = Vec::new();
         while let Ok(Some(event)) =
             tokio::time::timeout(Duration::from_secs(3600), events.next()).await
@@ -391,7 +394,9 @@ mod tests {
     }
 
     /// The refusals among `events`, in order.
-    fn refusals(events: &[(tokio::time::Instant, watcher::Result<Event<Pod>>)]) -> Vec<String> {
+    fn refusals(
+        events: &[(tokio::time::Instant, watcher::Result<Event<EnginePod>>)],
+    ) -> Vec<String> {
         events
             .iter()
             .filter_map(|(_, e)| e.as_ref().err())

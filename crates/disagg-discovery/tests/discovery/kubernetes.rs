@@ -871,8 +871,8 @@ async fn a_watch_event_of_too_many_objects_fails_the_watch() {
 
 /// A watch event within the byte and object ceilings but holding more JSON values than
 /// a page may (a `managedFields` entry's free-form `fieldsV1` of 300,000 zeros, 600 KB:
-/// 300,000 `serde_json::Value`s of 32 bytes and more each) fails the watch (counted; the
-/// set is kept); real pods are taken again through the relist.
+/// skipped unread, but the count cannot tell them from 300,000 labels) fails the watch
+/// (counted; the set is kept); real pods are taken again through the relist.
 #[tokio::test]
 async fn a_watch_event_of_a_huge_free_form_array_fails_the_watch() {
     // Pages of 16 pods: 262,144 JSON values.
@@ -931,4 +931,74 @@ async fn a_page_of_heavy_realistic_pods_is_taken() {
         2,
         "one page for each selector, none retried"
     );
+}
+
+/// `desc`'s pod carrying far more than discovery reads: 20,000 empty volumes
+/// (`{"name":""}`) and a `managedFields` entry whose free-form `fieldsV1` has 50,000
+/// members and a chain 100 deep: about 0.9 MB and 70,000 JSON objects, within the
+/// default byte, object and value ceilings (64 MiB; 409,600 objects and 1,638,400 values
+/// a page).
+fn bulky(desc: PodDesc<'_>) -> serde_json::Value {
+    let mut json = desc.json();
+    json["spec"]["volumes"] = serde_json::json!(vec![serde_json::json!({"name": ""}); 20_000]);
+    let mut deep = serde_json::json!({});
+    for _ in 0..100 {
+        deep = serde_json::json!({ "f:a": deep });
+    }
+    let mut fields = serde_json::Map::new();
+    for i in 0..50_000 {
+        fields.insert(format!("f:k{i}"), serde_json::json!({}));
+    }
+    fields.insert("f:deep".into(), deep);
+    json["metadata"]["managedFields"] = serde_json::json!([{
+        "manager": "m", "operation": "Update", "apiVersion": "v1",
+        "fieldsType": "FieldsV1", "fieldsV1": fields,
+    }]);
+    json
+}
+
+/// Pods carrying huge fields discovery does not read are discovered with their specs,
+/// through the first list and through a watch event: what discovery reads is intact.
+#[tokio::test]
+async fn pods_with_huge_unread_fields_are_discovered_with_their_specs() {
+    let mut d1 = pod("d1", "decode", "127.0.2.1", true);
+    d1.annotations = &[
+        ("disagg.io/kv-connector", "NixlConnector"),
+        ("disagg.io/tp-size", "2"),
+        ("disagg.io/weight", "3"),
+    ];
+    let mut p1 = pod("p1", "prefill", "127.0.1.1", true);
+    p1.annotations = &[("vllm.ai/bootstrap-port", "8998")];
+    p1.port = 8100;
+    let h = launch_with(vec![bulky(p1), bulky(d1)], |_| {}).await;
+    tokio::time::timeout(WAIT, h.merged.synced())
+        .await
+        .expect("the first lists");
+    let set = h.merged.snapshot();
+    assert_eq!(ids(&set, Role::Prefill), ["http://127.0.1.1:8100"]);
+    assert_eq!(ids(&set, Role::Decode), ["http://127.0.2.1:8000"]);
+    let p1 = find(&set, Role::Prefill, "http://127.0.1.1:8100");
+    assert_eq!(p1.facts().get(Facts::BOOTSTRAP_PORT), Some("8998"));
+    assert!(serves(&p1, "llama"));
+    let d1 = find(&set, Role::Decode, "http://127.0.2.1:8000");
+    let profile = d1.ext().get::<KvProfile>().unwrap();
+    assert_eq!(
+        (profile.connector.as_deref(), profile.tp_size),
+        (Some("NixlConnector"), Some(2))
+    );
+    assert_eq!(d1.weight(), 3.0);
+    assert!(serves(&d1, "llama"));
+
+    // Through the watch: d2 joins, not ready first, then ready.
+    watching(&h).await;
+    h.server
+        .apply(bulky(pod("d2", "decode", "127.0.2.2", false)));
+    h.server
+        .apply(bulky(pod("d2", "decode", "127.0.2.2", true)));
+    wait_for(&h.merged, WAIT, "d2 through the watch", |s| {
+        ids(s, Role::Decode) == ["http://127.0.2.1:8000", "http://127.0.2.2:8000"]
+    })
+    .await;
+    let s = stats(&h);
+    assert_eq!((s.errors(), s.rejected()), (0, 0));
 }
