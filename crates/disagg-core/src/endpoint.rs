@@ -41,6 +41,19 @@ impl EndpointId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// Whether this id and `other` name the same engine: the same id, or data-parallel
+    /// ranks of one engine (`URL@RANK` and `URL`, or `URL@RANK` and `URL@OTHER`), as a
+    /// connector that picks the rank after routing makes them
+    /// ([`proto::dp_rank`](crate::proto::dp_rank)).
+    pub(crate) fn same_engine(&self, other: &EndpointId) -> bool {
+        self == other || engine_url(self.as_str()) == engine_url(other.as_str())
+    }
+}
+
+/// The engine's URL in an endpoint id: the id without a trailing `@RANK`.
+fn engine_url(id: &str) -> &str {
+    split_rank(id).map_or(id, |(base, _)| base)
 }
 
 impl From<&str> for EndpointId {

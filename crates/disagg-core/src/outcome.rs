@@ -73,21 +73,27 @@ pub enum Outcome {
 #[non_exhaustive]
 pub enum LegOutcome {
     /// The leg was not sent (no prefill endpoint, a direct request, an attempt that
-    /// failed before it).
+    /// failed before it: for a prefill, a plan the connector could not build or resolve
+    /// through no fault of its engine, or the request's deadline passing first).
     NotSent,
     /// The engine answered (its 4xx included: the client's fault, not the engine's) and,
-    /// for a decode, its stream ended.
+    /// for a decode, its stream ended. A prefill that answered is told so when the
+    /// handoff then failed through no fault of its engine (the connector's
+    /// configuration, KV it says will not be ready, a call on another engine, the
+    /// request's deadline).
     Answered,
     /// The engine is to blame: it could not be reached, answered 5xx, broke its stream,
-    /// ran out of its own time budget or answered something unusable (for a prefill, an
-    /// answer without a usable KV handoff), or a call the handoff made on it failed (its
-    /// bootstrap server, its `/tokenize`).
+    /// ran out of its own time budget (for a prefill, the handoff's included: a plan's
+    /// resolution or a KV gate that never ended) or answered something unusable (for a
+    /// prefill, an answer without a usable KV handoff), or a call the handoff made on
+    /// it failed (its bootstrap server, its `/tokenize`). A failure naming a
+    /// data-parallel rank of the engine (one a connector picked after routing) is the
+    /// engine's.
     Failed,
     /// The leg did not finish, through no fault of its engine: the client left, the
-    /// request's total deadline passed, the other leg failed first, or the handoff
-    /// failed for a reason not its engine's (an endpoint without the configuration the
-    /// connector needs, a value it could not encode, KV the connector says will not be
-    /// ready, a call on another engine).
+    /// request's total deadline passed, the other leg failed first, or (a concurrent
+    /// prefill still running as the decode's answer began) its failure was not its
+    /// engine's.
     Abandoned,
 }
 

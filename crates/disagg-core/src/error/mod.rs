@@ -240,8 +240,11 @@ impl ConnectorError {
     /// the request does not have, not a JSON object), its bootstrap server that gave no
     /// usable answer, or a call on it that failed. The variants that name an engine
     /// blame it only when it is `engine` (a failure of the other leg's engine is not
-    /// this one's). The others blame no engine: a route without a prefill, a client's
-    /// request the connector cannot carry, an endpoint without the configuration the
+    /// this one's), or a data-parallel rank of the same engine (a connector that picks
+    /// the rank after routing sends the leg to a rank endpoint,
+    /// [`proto::dp_rank`](crate::proto::dp_rank), and its errors name that). The
+    /// others blame no engine: a route without a prefill, a client's request the
+    /// connector cannot carry, an endpoint without the configuration the
     /// connector needs (the operator's), KV that will not be ready (the LMCache
     /// connector's declared-TP mismatch, its notification registry full or closed, a
     /// registration past its time to live: the proxy's side or its configuration; a
@@ -255,7 +258,7 @@ impl ConnectorError {
             | ConnectorError::InvalidHandoff { endpoint, .. }
             | ConnectorError::InvalidAnswer { endpoint, .. }
             | ConnectorError::Bootstrap { endpoint, .. }
-            | ConnectorError::Engine { endpoint, .. } => endpoint == engine,
+            | ConnectorError::Engine { endpoint, .. } => endpoint.same_engine(engine),
             ConnectorError::NeedsPrefill { .. }
             | ConnectorError::Unsupported { .. }
             | ConnectorError::NotConfigured { .. }
@@ -359,6 +362,19 @@ mod tests {
         for e in named(&p) {
             assert!(e.blames(&p), "{e:?}");
             assert!(!e.blames(&d), "another engine's: {e:?}");
+        }
+        // A data-parallel rank of the engine (a connector that picked the rank after
+        // routing names it) is the same engine, whichever rank the route named; an
+        // engine whose URL merely starts the same is not.
+        let rank = EndpointId::from("http://p:1@1");
+        for e in named(&rank) {
+            assert!(e.blames(&p), "the routed engine: {e:?}");
+            assert!(e.blames(&EndpointId::from("http://p:1@0")), "{e:?}");
+            assert!(!e.blames(&EndpointId::from("http://p:10")), "{e:?}");
+            assert!(!e.blames(&EndpointId::from("http://d:1@1")), "{e:?}");
+        }
+        for e in named(&p) {
+            assert!(e.blames(&EndpointId::from("http://p:1@2")), "{e:?}");
         }
         let blameless = [
             ConnectorError::NeedsPrefill { connector: "nixl" },

@@ -15,7 +15,7 @@ use crate::router::{Ask, RequestView, Route};
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::{Reporter, leg_outcome};
+use super::report::{Reporter, as_far_as_it_went, leg_outcome};
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -48,6 +48,17 @@ impl Failure {
             error,
             report: Some(Box::new(report)),
         }
+    }
+
+    /// The attempt's steps were `tl`, and it ended now: its report's timeline, by which
+    /// its prefill leg is told as far as it went ([`as_far_as_it_went`]). The report, if
+    /// any, for the caller's last touches.
+    pub(super) fn timed(&mut self, mut tl: Timeline) -> Option<&mut Report> {
+        let report = self.report.as_deref_mut()?;
+        tl.end = Some(now());
+        report.prefill = as_far_as_it_went(report.prefill, &tl);
+        report.timeline = tl;
+        Some(report)
     }
 
     /// The decode leg failed with `error` over `route`, the prefill leg having gone as
@@ -161,16 +172,14 @@ impl Inner {
         let result = self
             .attempt_timed(req, id, trace, decision, clock, pinned, &mut watch)
             .await;
-        let mut tl = watch.ended();
+        let tl = watch.ended();
         match result {
             Ok(mut ex) => {
                 ex.timeline = tl;
                 Ok(ex)
             }
             Err(mut f) => {
-                if let Some(r) = &mut f.report {
-                    tl.end = Some(now());
-                    r.timeline = tl;
+                if let Some(r) = f.timed(tl) {
                     r.trace = trace.cloned();
                 }
                 Err(f)

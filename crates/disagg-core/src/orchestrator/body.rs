@@ -176,8 +176,12 @@ impl Finish {
             Outcome::PrefillFailed => {
                 report.outcome = Outcome::PrefillFailed;
                 let prefill = report.route.prefill.as_deref().map(|p| p.id());
-                report.prefill =
-                    failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
+                let verdict = failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
+                // A prefill that had answered (a lead stream's gate failed after it)
+                // stays answered unless the failure is its engine's.
+                if !(report.prefill == LegOutcome::Answered && verdict == LegOutcome::Abandoned) {
+                    report.prefill = verdict;
+                }
                 report.decode = LegOutcome::Abandoned;
             }
             Outcome::DecodeFailed => {

@@ -268,8 +268,8 @@ pub(crate) struct Migrating {
     migrations: u32,
     /// The decodes tried (the first leg's included), those to pick again after the
     /// others (their stream ended for the prefill riding in it), and the fresh
-    /// prefills that failed (riding in a continuation's stream, or before its decode
-    /// started): not picked again.
+    /// prefills whose legs were told failed (riding in a continuation's stream, or
+    /// before its decode started): not picked again.
     seen: Seen,
     /// When the stream last broke: the continuations of that break (a continuation
     /// that could not start, then the next) all start within one window from it.
@@ -643,11 +643,14 @@ impl Migrating {
         if !always {
             // A break: the continuations that follow it start within one window.
             self.window = Some(tokio::time::Instant::now());
-            if let Some(prefill) = self.leg.failed_prefill() {
+            if self.leg.failed_prefill().is_some() {
                 // The stream ended for its riding prefill, not for its decode: the
-                // prefill is not picked again, the decode may be (after the others).
+                // decode may be picked again (after the others), the prefill not when
+                // its engine was to blame (its leg told failed).
                 self.seen.again(self.leg.endpoint.id());
-                self.seen.failed_prefill(prefill);
+                if let Some(prefill) = self.leg.blamed_prefill() {
+                    self.seen.failed_prefill(prefill);
+                }
                 if dead.is_none() && self.continuing() {
                     // Nor is it blamed by the attempt's report, if that names it last.
                     ctx.moved.exempt();

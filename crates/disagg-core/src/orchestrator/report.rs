@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::connector::KvConnector;
 use crate::endpoint::EndpointId;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary, Timeline};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -78,5 +78,21 @@ pub(crate) fn leg_outcome(e: &PdError, engine: Option<&EndpointId>) -> LegOutcom
         LegOutcome::Failed
     } else {
         LegOutcome::Abandoned
+    }
+}
+
+/// The prefill leg of an attempt that failed, judged `verdict` by [`leg_outcome`], told
+/// as far as it went by the attempt's steps `tl` when its engine is not blamed: a leg
+/// never sent (the plan failed before it, in the connector's build or resolution, or
+/// the request's deadline passed first) is [`LegOutcome::NotSent`]; one its engine had
+/// answered (the handoff failed after its answer, for a reason not its engine's) is
+/// [`LegOutcome::Answered`], as a leg cut off by the client is told
+/// ([`Watch`](super::attempt::Watch)). A failed leg stays failed, and one still
+/// running when the attempt failed stays abandoned.
+pub(crate) fn as_far_as_it_went(verdict: LegOutcome, tl: &Timeline) -> LegOutcome {
+    match (verdict, tl.prefill_sent, tl.prefill_done) {
+        (LegOutcome::Abandoned, None, _) => LegOutcome::NotSent,
+        (LegOutcome::Abandoned, Some(_), Some(_)) => LegOutcome::Answered,
+        (verdict, _, _) => verdict,
     }
 }

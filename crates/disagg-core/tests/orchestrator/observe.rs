@@ -641,12 +641,39 @@ async fn failed_report(connector: FailsAt) -> Report {
     r.clone()
 }
 
+/// The one report of a streamed attempt over [`P1`] and [`D1`] whose plan has a lead
+/// and whose gate, waited for in the client's stream after the lead, fails with what
+/// `fail` makes of the route's engines: the stream ends with the handoff's error event
+/// (`prefill_failed`), and no decode leg is sent.
+async fn lead_report(fail: Fails) -> Report {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let connector = FailsAt {
+        step: Step::Lead,
+        fail,
+    };
+    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert_eq!(data(&mut body).await, event(0), "the lead");
+    let frame = data(&mut body).await;
+    assert_eq!(error_event(&frame)["code"], "prefill_failed", "{frame}");
+    drop(body);
+    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("one report: {reports:?}")
+    };
+    assert_settled(&orch);
+    r.clone()
+}
+
 /// A handoff that fails for what is not the prefill engine's fault (an endpoint that
 /// lacks the connector's configuration, a value the connector could not encode, KV
 /// that will not be ready for reasons of the proxy's own, a call on the other leg's
 /// engine that failed) fails the attempt on the prefill side without blaming the
-/// prefill: its leg is reported abandoned, so passive health and a breaker do not
-/// count it against a healthy engine.
+/// prefill, so passive health and a breaker do not count it against a healthy engine:
+/// its leg is reported as far as it went, not sent when the plan failed before it (its
+/// build, its resolution), answered when the gate failed after its answer.
 #[tokio::test(start_paused = true)]
 async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
     let cases: [(&str, Step, Fails, bool); 6] = [
@@ -705,41 +732,48 @@ async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
     ];
     for (what, step, fail, prefilled) in cases {
         let r = failed_report(FailsAt { step, fail }).await;
+        let prefill = if prefilled {
+            LegOutcome::Answered
+        } else {
+            LegOutcome::NotSent
+        };
         assert_eq!(
             (r.outcome, r.prefill, r.decode),
-            (
-                Outcome::PrefillFailed,
-                LegOutcome::Abandoned,
-                LegOutcome::NotSent
-            ),
+            (Outcome::PrefillFailed, prefill, LegOutcome::NotSent),
             "{what}"
         );
         assert_eq!(r.timeline.prefill_sent.is_some(), prefilled, "{what}");
     }
 
     // The gate waited for in the client's stream, after the plan's lead: the stream
-    // ends with the handoff's error, and the prefill is not blamed.
-    let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
-    let connector = FailsAt {
-        step: Step::Lead,
-        fail: |_, _| ConnectorError::NotReady {
-            reason: "notification listener closed".into(),
-        },
-    };
-    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    assert_eq!(data(&mut body).await, event(0), "the lead");
-    let frame = data(&mut body).await;
-    assert_eq!(error_event(&frame)["code"], "prefill_failed", "{frame}");
-    drop(body);
-    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
-    let [r] = &heard.reports()[..] else { panic!() };
-    assert_eq!(
-        (r.outcome, r.prefill),
-        (Outcome::PrefillFailed, LegOutcome::Abandoned)
-    );
-    assert_settled(&orch);
+    // ends with the handoff's error, and the prefill, which answered, is not blamed
+    // (whether the error names no engine or the decode's).
+    let cases: [(&str, Fails); 2] = [
+        ("the notification listener closed", |_, _| {
+            ConnectorError::NotReady {
+                reason: "notification listener closed".into(),
+            }
+        }),
+        (
+            "a handoff the decode's engine found malformed",
+            |_, decode| ConnectorError::InvalidHandoff {
+                endpoint: decode.clone(),
+                field: "kv_transfer_params",
+            },
+        ),
+    ];
+    for (what, fail) in cases {
+        let r = lead_report(fail).await;
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::PrefillFailed,
+                LegOutcome::Answered,
+                LegOutcome::Abandoned
+            ),
+            "{what}"
+        );
+    }
 }
 
 /// A handoff that fails for the prefill engine's fault still blames it: its bootstrap
@@ -784,6 +818,22 @@ async fn a_handoff_failing_through_the_prefills_fault_blames_it() {
         );
     }
 
+    // The same malformed handoff at the gate waited for in the client's stream, after
+    // the plan's lead.
+    let r = lead_report(|prefill, _| ConnectorError::InvalidHandoff {
+        endpoint: prefill.clone(),
+        field: "kv_transfer_params",
+    })
+    .await;
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::PrefillFailed,
+            LegOutcome::Failed,
+            LegOutcome::Abandoned
+        )
+    );
+
     // An answer without the handoff, when a missing handoff fails the request.
     let fake = Fake::new();
     fake.on(
@@ -808,4 +858,77 @@ async fn a_handoff_failing_through_the_prefills_fault_blames_it() {
             LegOutcome::NotSent
         )
     );
+}
+
+/// vLLM NIXL's plan, whose resolution picks the prefill's data-parallel rank 1 after
+/// routing (as vLLM Mooncake does): the prefill leg goes to `URL@1`, a rank endpoint
+/// made by [`proto::dp_rank`](disagg_core::proto::dp_rank), not the routed endpoint.
+struct Ranked(VllmNixl);
+
+#[async_trait]
+impl KvConnector for Ranked {
+    fn name(&self) -> &'static str {
+        "nixl-ranked"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        self.0.prepare(route, req)
+    }
+
+    async fn resolve(
+        &self,
+        handoff: &mut Handoff,
+        _transport: &dyn Transport,
+    ) -> Result<(), ConnectorError> {
+        let rank = disagg_core::proto::dp_rank(&handoff.prefill.endpoint, 1);
+        handoff.prefill.endpoint = Arc::new(rank);
+        Ok(())
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        self.0.complete(handoff, answer).await
+    }
+}
+
+/// A prefill leg sent to a rank of the routed prefill's engine (its endpoint swapped by
+/// the connector for `URL@1`) whose answer carries no handoff, when a missing handoff
+/// fails the request: the error names the rank, and the routed prefill, the same
+/// engine, is still blamed.
+#[tokio::test(start_paused = true)]
+async fn a_missing_handoff_from_a_rank_of_the_prefills_engine_blames_the_prefill() {
+    let fake = Fake::new();
+    fake.on(
+        P1,
+        CHAT,
+        Reply::json(
+            200,
+            r#"{"id":"chatcmpl-p","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"A"},"finish_reason":"length"}]}"#,
+        ),
+    );
+    let (orch, heard) = heard(&fake, &[P1], Ranked(VllmNixl::new()), |c| {
+        c.missing_kv = MissingKv::Fail;
+    });
+    let e = serve(&orch, chat(&orch)).await.unwrap_err();
+    assert_error(&e, 502, "prefill_failed");
+    let chain = disagg_core::error::error_chain(&e);
+    assert!(
+        chain.contains(&format!("{P1}@1")),
+        "the error names the rank: {chain}"
+    );
+    assert_eq!(fake.calls_to(P1).len(), 1, "the leg went to P1's engine");
+    let [r] = &heard.reports()[..] else { panic!() };
+    assert_eq!(r.route.prefill.as_ref().unwrap().id().as_str(), P1);
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::PrefillFailed,
+            LegOutcome::Failed,
+            LegOutcome::NotSent
+        )
+    );
+    assert_settled(&orch);
 }

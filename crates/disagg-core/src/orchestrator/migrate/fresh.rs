@@ -11,7 +11,7 @@
 //! abandoned when the stream is dropped first.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::outcome::{LegOutcome, Outcome, Report, Timeline, TraceIds, now};
 use crate::router::Route;
@@ -71,11 +71,12 @@ impl PrefillLeg {
     }
 
     /// The prefill still running as the decode's stream began, `pending`, as it rides in
-    /// that stream: the leg is told when it ends, and the flag returned is set when it
-    /// failed (the stream then ends for the prefill's fault, not its decode's).
-    pub(super) fn riding(mut self, pending: PendingPrefill) -> (PendingPrefill, Arc<AtomicBool>) {
-        let failed = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&failed);
+    /// that stream: the leg is told when it ends, and the [`RidingEnd`] returned says
+    /// whether it failed (the stream then ends for the prefill, not for its decode) and
+    /// whether its leg was told failed (its engine to blame).
+    pub(super) fn riding(mut self, pending: PendingPrefill) -> (PendingPrefill, Arc<RidingEnd>) {
+        let end = Arc::new(RidingEnd::default());
+        let told = Arc::clone(&end);
         let riding = Box::pin(async move {
             let result = pending.await;
             if let Some(r) = &mut self.report {
@@ -84,19 +85,18 @@ impl PrefillLeg {
             match &result {
                 Ok(()) => self.tell(Outcome::Success, LegOutcome::Answered),
                 Err(e) => {
-                    // Read by the stream's reader, on the one task that polls both.
-                    flag.store(true, Ordering::Relaxed);
                     let prefill = self
                         .report
                         .as_ref()
                         .and_then(|r| r.route.prefill.as_deref());
                     let verdict = leg_outcome(e, prefill.map(|p| p.id()));
+                    told.failed(verdict);
                     self.tell(Outcome::PrefillFailed, verdict);
                 }
             }
             result
         });
-        (riding, failed)
+        (riding, end)
     }
 
     fn tell(&mut self, outcome: Outcome, prefill: LegOutcome) {
@@ -110,12 +110,180 @@ impl PrefillLeg {
     }
 }
 
+/// How a prefill riding in a continuation's stream ended, when it failed: set as it
+/// fails, read by the stream's reader (on the one task that polls both).
+#[derive(Debug, Default)]
+pub(super) struct RidingEnd(AtomicU8);
+
+/// [`RidingEnd`]: the prefill failed, and the stream ended for it.
+const FAILED: u8 = 1;
+/// [`RidingEnd`]: its leg was told [`LegOutcome::Failed`], its engine to blame.
+const BLAMED: u8 = 2;
+
+impl RidingEnd {
+    /// The prefill failed, its leg told `verdict`.
+    fn failed(&self, verdict: LegOutcome) {
+        let blamed = if verdict == LegOutcome::Failed {
+            BLAMED
+        } else {
+            0
+        };
+        self.0.store(FAILED | blamed, Ordering::Relaxed);
+    }
+
+    /// Whether the prefill failed (whoever is to blame): the stream ended for it, not
+    /// for its decode.
+    pub(super) fn ended_it(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & FAILED != 0
+    }
+
+    /// Whether the prefill failed through its engine's fault (its leg told failed), not
+    /// by refusing its leg (a 4xx) or running into the request's deadline.
+    pub(super) fn blamed(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & BLAMED != 0
+    }
+}
+
 impl Drop for PrefillLeg {
     /// Dropped before it was told: the stream the prefill rode in was dropped (the
     /// client left, or the stream moved on) while it ran.
     fn drop(&mut self) {
         if !std::thread::panicking() {
             self.tell(Outcome::Cancelled, LegOutcome::Abandoned);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+    use http::StatusCode;
+
+    use super::*;
+    use crate::connector::{Handoff, KvConnector};
+    use crate::endpoint::{Endpoint, EndpointId, Role};
+    use crate::error::{ConnectorError, PdError, Phase, Side, TransportError};
+    use crate::outcome::Listener;
+    use crate::request::PdRequest;
+    use crate::router::DefaultRouter;
+
+    /// A connector never asked for a plan here.
+    struct NoPlan;
+
+    #[async_trait]
+    impl KvConnector for NoPlan {
+        fn name(&self) -> &'static str {
+            "no-plan"
+        }
+
+        fn prepare(&self, _: &Route, _: &PdRequest) -> Result<Handoff, ConnectorError> {
+            Err(ConnectorError::NeedsPrefill {
+                connector: "no-plan",
+            })
+        }
+    }
+
+    /// Every report told.
+    #[derive(Default)]
+    struct Told(Mutex<Vec<Report>>);
+
+    impl Listener for Told {
+        fn on_report(&self, report: &Report) {
+            self.0.lock().unwrap().push(report.clone());
+        }
+    }
+
+    /// A fresh prefill riding in a continuation's stream that fails is told failed, and
+    /// shut out of the request's later continuations ([`RidingEnd::blamed`]), only when
+    /// its engine is to blame (unreachable, 5xx, a handoff error naming it); a
+    /// connector's error that is no engine's or another engine's, a refusal (4xx) or
+    /// the request's deadline is not its engine's fault. Whatever the cause, the stream
+    /// ended for it ([`RidingEnd::ended_it`]: its decode is not blamed).
+    #[tokio::test]
+    async fn a_riding_prefill_is_blamed_only_for_its_engines_fault() {
+        let p = Arc::new(Endpoint::new("http://p:1", Role::Prefill).unwrap());
+        let d = Arc::new(Endpoint::new("http://d:1", Role::Decode).unwrap());
+        let route = Route::new(Some(Arc::clone(&p)), d);
+        let (pid, did) = (p.id().clone(), EndpointId::from("http://d:1"));
+        let cases = [
+            (
+                "a connector's error blaming no engine",
+                PdError::connector(
+                    Side::Prefill,
+                    ConnectorError::NotReady {
+                        reason: "notification listener closed".into(),
+                    },
+                ),
+                LegOutcome::Abandoned,
+            ),
+            (
+                "a call on another engine",
+                PdError::connector(
+                    Side::Prefill,
+                    ConnectorError::Engine {
+                        endpoint: did,
+                        what: "/tokenize",
+                        source: "connection refused".into(),
+                    },
+                ),
+                LegOutcome::Abandoned,
+            ),
+            (
+                "a refusal",
+                PdError::upstream_status(Side::Prefill, pid.clone(), StatusCode::BAD_REQUEST, None),
+                LegOutcome::Answered,
+            ),
+            (
+                "the request's deadline",
+                PdError::deadline(Side::Prefill, Phase::Prefill),
+                LegOutcome::Abandoned,
+            ),
+            (
+                "a malformed handoff from it",
+                PdError::connector(
+                    Side::Prefill,
+                    ConnectorError::InvalidHandoff {
+                        endpoint: pid.clone(),
+                        field: "kv_transfer_params",
+                    },
+                ),
+                LegOutcome::Failed,
+            ),
+            (
+                "a transport failure",
+                PdError::transport(
+                    Side::Prefill,
+                    pid,
+                    TransportError::Connect("connection refused".into()),
+                ),
+                LegOutcome::Failed,
+            ),
+        ];
+        for (what, error, verdict) in cases {
+            let told = Arc::new(Told::default());
+            let listener: Arc<dyn Listener> = told.clone();
+            let reporter = Arc::new(Reporter {
+                router: Arc::new(DefaultRouter::default()),
+                connector: Arc::new(NoPlan),
+                listeners: vec![listener],
+            });
+            let leg = PrefillLeg::new(&reporter, &route, 1, &Timeline::starting(), None);
+            let (riding, end) = leg.riding(Box::pin(std::future::ready(Err(error))));
+            assert!(!end.ended_it(), "{what}: not before it ended");
+            assert!(riding.await.is_err(), "{what}");
+            assert!(end.ended_it(), "{what}: the stream ended for it");
+            assert_eq!(end.blamed(), verdict == LegOutcome::Failed, "{what}");
+            let reports = told.0.lock().unwrap();
+            let [r] = &reports[..] else {
+                panic!("{what}: told once: {reports:?}")
+            };
+            assert_eq!(
+                (r.outcome, r.prefill, r.decode),
+                (Outcome::PrefillFailed, verdict, LegOutcome::NotSent),
+                "{what}"
+            );
         }
     }
 }

@@ -12,9 +12,12 @@ enum Why {
     /// A decode whose stream ended for the fresh prefill riding in it, not for its own
     /// fault: chosen again, after the decodes never tried.
     Again,
-    /// A fresh prefill whose leg or handoff failed (riding in a continuation's stream,
-    /// or before its decode started), or whose engine failed the connector's resolution
-    /// of the plan (not one that refused its leg): never chosen again.
+    /// A fresh prefill whose leg was told [`LegOutcome::Failed`], its engine to blame
+    /// (its leg or its handoff failed, riding in a continuation's stream or before its
+    /// decode started, the plan's resolution included; not one that refused its leg or
+    /// ran into the request's deadline): never chosen again, as passive health counts it.
+    ///
+    /// [`LegOutcome::Failed`]: crate::outcome::LegOutcome::Failed
     FailedPrefill,
 }
 
@@ -49,7 +52,7 @@ impl Seen {
         self.decode(id, Why::Again);
     }
 
-    /// The fresh prefill `id` failed: never chosen again.
+    /// The fresh prefill `id` failed through its engine's fault: never chosen again.
     pub(super) fn failed_prefill(&mut self, id: &EndpointId) {
         if self.may_prefill(id) {
             self.0.push((id.clone(), Why::FailedPrefill));

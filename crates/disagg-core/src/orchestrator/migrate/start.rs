@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,7 +23,7 @@ use super::super::attempt::{Failure, Watch};
 use super::super::body::{Finish, PdBody};
 use super::super::respond::NotDecoded;
 use super::Ctx;
-use super::fresh::PrefillLeg;
+use super::fresh::{PrefillLeg, RidingEnd};
 use super::times::LegTimes;
 
 /// What a continuation through a fresh prefill needs: the orchestrator's attempt
@@ -44,8 +44,8 @@ pub(super) struct NotStarted {
     pub(super) blame: Option<Arc<Endpoint>>,
     /// The prefill it went through.
     pub(super) prefill: Option<Arc<Endpoint>>,
-    /// Its fresh prefill, when that failed before the decode started (never chosen
-    /// again for this request).
+    /// Its fresh prefill, when that failed before the decode started through its
+    /// engine's fault, its leg told failed (never chosen again for this request).
     pub(super) failed_prefill: Option<EndpointId>,
     /// What is known of the time of the decode leg `blame` names.
     pub(super) times: LegTimes,
@@ -74,9 +74,8 @@ pub(super) struct Current {
     pub(super) guard: Option<InFlightGuard>,
     pub(super) hold: Option<Permit>,
     /// The concurrent prefill riding in this leg's stream (a continuation's fresh
-    /// prefill), and the flag set when it failed (reported failed then): the stream
-    /// ended for it.
-    pub(super) riding: Option<(EndpointId, Arc<AtomicBool>)>,
+    /// prefill), and how it ended once it failed (the stream ended for it).
+    pub(super) riding: Option<(EndpointId, Arc<RidingEnd>)>,
     /// What is known of the leg's time, for the report that tells its decode failed.
     pub(super) times: LegTimes,
 }
@@ -98,11 +97,21 @@ impl Current {
         }
     }
 
-    /// The prefill riding in this leg's stream, when it failed (and ended the stream):
-    /// not to be picked again for the request, while the decode may be.
+    /// The prefill riding in this leg's stream, when it failed (and ended the stream,
+    /// whoever is to blame): the decode may be picked again for the request.
     pub(super) fn failed_prefill(&self) -> Option<&EndpointId> {
         match &self.riding {
-            Some((prefill, failed)) if failed.load(Ordering::Relaxed) => Some(prefill),
+            Some((prefill, end)) if end.ended_it() => Some(prefill),
+            _ => None,
+        }
+    }
+
+    /// The prefill riding in this leg's stream, when it failed through its engine's
+    /// fault (its leg told failed): not to be picked again for the request. One that
+    /// refused its leg (a 4xx) or ran into the request's deadline may be.
+    pub(super) fn blamed_prefill(&self) -> Option<&EndpointId> {
+        match &self.riding {
+            Some((prefill, end)) if end.blamed() => Some(prefill),
             _ => None,
         }
     }
@@ -182,13 +191,13 @@ impl End {
 /// How a continuation went through a fresh prefill, when it did not start.
 enum PrefillFell {
     /// The prefill side failed (reported): the continuation goes decode-only. `failed`:
-    /// the prefill was at fault, its leg or its handoff failed (or, before the leg was
-    /// sent, its engine failed the connector's resolution of the plan: its bootstrap
-    /// server, a call on it), and it is not chosen again for the request. Not for the
-    /// rest of the connector's work on the plan before the leg was sent (often no
-    /// prefill's fault: a decode it cannot serve, a request it cannot carry), nor when
-    /// the prefill refused its leg (a 4xx: the request's fault, or a busy moment's, not
-    /// its engine's), nor when the continuation's time or the request's ran out.
+    /// the prefill was at fault, its leg reported [`LegOutcome::Failed`] (its leg or
+    /// its handoff failed for its engine's fault, before the leg was sent or after),
+    /// and it is not chosen again for the request. Not when the connector's work on the
+    /// plan failed for another reason (often no prefill's fault: a decode it cannot
+    /// serve, a request it cannot carry), nor when the prefill refused its leg (a 4xx:
+    /// the request's fault, or a busy moment's, not its engine's), nor when the
+    /// continuation's time or the request's ran out.
     Prefill { failed: bool },
     /// The decode side failed (reported).
     Decode(PdError),
@@ -199,15 +208,17 @@ pub(super) struct Started {
     pub(super) body: BoxBody,
     /// The prefill of a continuation through a fresh prefill leg.
     pub(super) prefill: Option<Arc<Endpoint>>,
-    /// The fresh prefill that failed before the decode started, which went on
-    /// decode-only (never chosen again for this request).
+    /// The fresh prefill that failed before the decode started through its engine's
+    /// fault (its leg told failed), which went on decode-only (never chosen again for
+    /// this request).
     pub(super) failed_prefill: Option<EndpointId>,
 }
 
 /// What a continuation excludes, and when it must have started.
 pub(super) struct Bounds {
     /// The decodes tried (never chosen again for the request), those chosen again
-    /// after the others, and the fresh prefills that failed (never chosen again).
+    /// after the others, and the fresh prefills whose legs were told failed (never
+    /// chosen again).
     pub(super) seen: super::Seen,
     /// The continuation's end, from the break it continues.
     pub(super) end: End,
@@ -477,7 +488,7 @@ async fn through_prefill(
         },
         None => attempt.await,
     };
-    let mut tl = watch.ended();
+    let tl = watch.ended();
     let mut failure = match result {
         Ok(mut ex) => {
             // The decode's own handoff, kept by the plan (a conversation's KV), is
@@ -564,9 +575,7 @@ async fn through_prefill(
         }
         Err(f) => f,
     };
-    if let Some(report) = &mut failure.report {
-        tl.end = Some(crate::outcome::now());
-        report.timeline = tl;
+    if let Some(report) = failure.timed(tl) {
         report.trace = trace;
         report.attempt = number;
         ctx.reporter.report(report);
@@ -578,31 +587,24 @@ async fn through_prefill(
     );
     match failure.error.side() {
         Side::Decode => Err(PrefillFell::Decode(failure.error)),
-        // The prefill is at fault when the connector's work on the plan failed on its
-        // engine (its answer's handoff, its bootstrap server, a call on it), and, for
-        // any other failure, when its leg was sent (the leg, or its handoff, failed):
-        // not for the rest of the connector's work on the plan (told as the prefill
-        // side's, though it fails for a decode it cannot serve, a request it cannot
-        // carry, KV that will not be ready for the proxy's reasons, another engine's
-        // call), as its leg's report says, nor when the request's deadline or the
-        // continuation's own end cut the attempt.
+        // The prefill is at fault exactly when its leg's report says it failed (what
+        // passive health counts): its leg failed, its answer carried no usable
+        // handoff, its bootstrap server or a call on it failed, or a step of the
+        // handoff ran out of its own budget, before its leg was sent (the plan's
+        // resolution) or after; not for the rest of the connector's work on the plan
+        // (a decode it cannot serve, a request it cannot carry, KV that will not be
+        // ready for the proxy's reasons, another engine's call), nor when the
+        // request's deadline or the continuation's own end cut the attempt.
         _ => {
-            let at_fault =
-                engine_failed(&failure.error, prefill).unwrap_or(tl.prefill_sent.is_some());
+            let failed = failure
+                .report
+                .as_ref()
+                .is_some_and(|r| r.prefill == LegOutcome::Failed);
             Err(PrefillFell::Prefill {
-                failed: at_fault && !was_cut && !failure.error.is_deadline(),
+                failed: failed && !was_cut && !failure.error.is_deadline(),
             })
         }
     }
-}
-
-/// When `e`, the failure of an attempt through the fresh `prefill`, is the connector's,
-/// whether it was that prefill's engine's
-/// ([`ConnectorError::blames`](crate::error::ConnectorError::blames)): its answer
-/// carried no usable handoff, its bootstrap server gave no usable answer, or a call on it
-/// failed. `None` for any other failure.
-fn engine_failed(e: &PdError, prefill: &Endpoint) -> Option<bool> {
-    e.connector_blames(Some(prefill.id()))
 }
 
 /// The failure of an attempt through a fresh prefill cut off at the continuation's

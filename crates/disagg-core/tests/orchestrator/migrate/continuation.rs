@@ -569,6 +569,45 @@ async fn after_a_concurrent_prefill_fails_its_decode_stays_and_another_prefill_i
     assert_settled(&orch);
 }
 
+/// SGLang: the first continuation's fresh prefill (on P1, the prompt's) refuses its leg
+/// (a 4xx) while its decode (D2) streams: the stream ends for the prefill (the decode is
+/// not blamed, and stays a candidate), but the refusal is the request's fault, not the
+/// engine's (its leg is reported answered): P1 is not shut out, and the second
+/// continuation goes on D2 through P1 again.
+#[tokio::test(start_paused = true)]
+async fn after_a_concurrent_prefill_refuses_mid_stream_it_may_be_picked_again() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    generate_continued(&fake, engine_error(400, "prompt too long").after(ms(20)));
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    // Were P1 shut out, P2 would answer: only the count tells.
+    fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(D2, GENERATE, generated_to_the_end());
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = over(&fake, &[P1, P2], &[D1, D2], connector, continuing(2, false))
+        .router(Named)
+        .listener(reports.clone())
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let text = read_to_end(&mut body).await;
+    assert!(text.contains(" a b c d") && text.ends_with(DONE), "{text}");
+    assert_eq!(fake.calls_to(D2).len(), 2, "both continuations on D2");
+    assert_eq!(fake.calls_to(P1).len(), 3, "P1 picked again");
+    assert_eq!(fake.calls_to(P2).len(), 0, "P2 not needed");
+    drop(body);
+    let all = reports.all();
+    assert!(!all.iter().any(|r| blamed(r, D2)), "{all:?}");
+    let refused: Vec<&Report> = all
+        .iter()
+        .filter(|r| fresh_leg(r, D2) && r.outcome == Outcome::PrefillFailed)
+        .collect();
+    let [refused] = &refused[..] else {
+        panic!("the refusing prefill's leg told once: {all:?}")
+    };
+    assert_eq!(refused.prefill, LegOutcome::Answered);
+    assert_settled(&orch);
+}
+
 /// A traced request's continuation through a fresh prefill: the prefill's leg report
 /// carries the request's trace (its OTel leg span is drawn from it), as the attempt's
 /// report of a fresh prefill that failed does.
@@ -801,11 +840,13 @@ async fn a_fresh_prefill_whose_kv_the_proxy_could_not_wait_for_is_picked_again()
     assert_eq!(p1.len(), 2, "the second continuation went through P1 again");
 }
 
-/// The error a resolution fails with, made of the prefill's id.
-type Failing = fn(EndpointId) -> ConnectorError;
+/// The error a resolution fails with, made of the prefill's id; `None`: it never ends
+/// (the handoff budget runs out, as when Mooncake's bootstrap server or LMCache's
+/// `/tokenize` hangs).
+type Failing = fn(EndpointId) -> Option<ConnectorError>;
 
 /// vLLM NIXL's plan, except that resolving a continuation's plan (a token prompt) on
-/// P1 fails with what `fail` makes of P1's id; counts those resolutions.
+/// P1 fails with what `fail` makes of P1's id, or never ends; counts those resolutions.
 struct UnresolvedOnP1 {
     nixl: VllmNixl,
     fail: Failing,
@@ -831,7 +872,10 @@ impl KvConnector for UnresolvedOnP1 {
         if prefill.as_str() == P1 && handoff.prefill.body.get("prompt").is_some() {
             self.tried
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err((self.fail)(prefill.clone()));
+            return match (self.fail)(prefill.clone()) {
+                Some(e) => Err(e),
+                None => std::future::pending().await,
+            };
         }
         Ok(())
     }
@@ -847,52 +891,64 @@ impl KvConnector for UnresolvedOnP1 {
 
 /// The first continuation's plan through P1 (the prompt's prefill) cannot be resolved
 /// (before any leg is sent): when what failed is P1's engine (its bootstrap server gave
-/// no usable answer, a call on it failed), P1 is not picked again for the request, as a
+/// no usable answer, a call on it failed, or the resolution ran out of the handoff
+/// budget: its leg is reported failed), P1 is not picked again for the request, as a
 /// prefill whose leg failed is not, and the second continuation goes through P2; when
 /// it is the connector's own (no engine named), or an engine's other than P1's (a call
-/// on the continuation's decode, D2, failed), P1 may be picked again. The first
+/// on the continuation's decode, D2, failed), P1 may be picked again. Either way the
+/// shut-out is what the prefill leg's report says (failed or not). The first
 /// continuation goes decode-only on D2, which streams a chunk and breaks; the second
 /// goes on D3.
 #[tokio::test(start_paused = true)]
 async fn a_fresh_prefill_whose_engine_failed_the_plans_resolution_is_not_picked_again() {
-    let cases: [(&str, Failing, bool); 4] = [
+    let cases: [(&str, Failing, bool); 5] = [
         (
             "bootstrap",
-            |endpoint| ConnectorError::Bootstrap {
-                endpoint,
-                addr: "p1:8998".into(),
-                source: "connection refused".into(),
+            |endpoint| {
+                Some(ConnectorError::Bootstrap {
+                    endpoint,
+                    addr: "p1:8998".into(),
+                    source: "connection refused".into(),
+                })
             },
             true,
         ),
         (
             "engine call",
-            |endpoint| ConnectorError::Engine {
-                endpoint,
-                what: "/tokenize",
-                source: "connection refused".into(),
+            |endpoint| {
+                Some(ConnectorError::Engine {
+                    endpoint,
+                    what: "/tokenize",
+                    source: "connection refused".into(),
+                })
             },
             true,
         ),
+        ("out of the handoff budget", |_| None, true),
         (
             "connector's own",
-            |_| ConnectorError::NotReady {
-                reason: "no room for the notification".into(),
+            |_| {
+                Some(ConnectorError::NotReady {
+                    reason: "no room for the notification".into(),
+                })
             },
             false,
         ),
         (
             "another engine's call",
-            |_| ConnectorError::Engine {
-                endpoint: EndpointId::from(D2),
-                what: "/tokenize",
-                source: "connection refused".into(),
+            |_| {
+                Some(ConnectorError::Engine {
+                    endpoint: EndpointId::from(D2),
+                    what: "/tokenize",
+                    source: "connection refused".into(),
+                })
             },
             false,
         ),
     ];
     for (what, fail, excluded) in cases {
         let fake = Fake::new();
+        let reports = Reports::default();
         continued_twice(&fake, then_breaks("B", 8));
         fake.on(P1, COMPLETIONS, prefill_answer());
         fake.on(P2, COMPLETIONS, prefill_answer());
@@ -902,15 +958,31 @@ async fn a_fresh_prefill_whose_engine_failed_the_plans_resolution_is_not_picked_
             fail,
             tried: Arc::clone(&tried),
         };
-        let config = continuing(2, false);
+        let mut config = continuing(2, false);
+        config.handoff_timeout = ms(50);
         let orch = over(&fake, &[P1, P2], &[D1, D2, D3], connector, config)
             .router(Named)
+            .listener(reports.clone())
             .build();
         let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
         let text = read_to_end(&mut body).await;
         assert!(
             text.contains("\"C\"") && text.ends_with(DONE),
             "{what}: {text}"
+        );
+        // The first continuation's attempt through P1, reported when it failed.
+        let all = reports.all();
+        let unresolved: Vec<&Report> = all
+            .iter()
+            .filter(|r| r.attempt == 1 && r.outcome == Outcome::PrefillFailed)
+            .collect();
+        let [unresolved] = &unresolved[..] else {
+            panic!("{what}: the unresolved continuation reported once: {all:?}")
+        };
+        assert_eq!(
+            unresolved.prefill == LegOutcome::Failed,
+            excluded,
+            "{what}: its prefill leg blamed as it is shut out: {unresolved:?}"
         );
         let d2 = fake.calls_to(D2);
         let [d2] = &d2[..] else {
