@@ -77,10 +77,10 @@ pub enum LegOutcome {
     /// through no fault of its engine, or the request's deadline passing first).
     NotSent,
     /// The engine answered (its 4xx included: the client's fault, not the engine's) and,
-    /// for a decode, its stream ended. A prefill that answered is told so when the
-    /// handoff then failed through no fault of its engine (the connector's
-    /// configuration, KV it says will not be ready, a call on another engine, the
-    /// request's deadline).
+    /// for a decode, its stream ended: the engine worked (passive health counts it a
+    /// success, which ends a run of failures). A prefill whose handoff then failed,
+    /// through no fault of its engine, is not answered but
+    /// [`Abandoned`](Self::Abandoned): its KV was left behind.
     Answered,
     /// The engine is to blame: it could not be reached, answered 5xx, broke its stream,
     /// ran out of its own time budget (for a prefill, the handoff's included: a plan's
@@ -91,9 +91,13 @@ pub enum LegOutcome {
     /// engine's.
     Failed,
     /// The leg did not finish, through no fault of its engine: the client left, the
-    /// request's total deadline passed, the other leg failed first, or (a concurrent
-    /// prefill still running as the decode's answer began) its failure was not its
-    /// engine's.
+    /// request's total deadline passed, the other leg failed or refused first (both
+    /// legs sent at once, this one was dropped), a concurrent prefill still running as
+    /// the decode's answer began failed for a reason not its engine's, or, for a
+    /// prefill that answered, the handoff then failed for a reason not its engine's
+    /// (the connector's configuration, KV it says will not be ready, a call on another
+    /// engine, the request's deadline): its KV was computed and left behind, never
+    /// pulled by a decode. Passive health counts it neither way.
     Abandoned,
 }
 

@@ -162,10 +162,10 @@ impl Finish {
                 if report.decode == LegOutcome::Failed {
                     report.outcome = Outcome::DecodeFailed;
                 } else {
+                    // The decode leg stays as its head told it: answered, not sent (the
+                    // prefill's answer was the whole answer), or abandoned (dropped
+                    // for a refusal of the prefill's, passed through).
                     report.outcome = Outcome::Success;
-                    if report.decode != LegOutcome::NotSent {
-                        report.decode = LegOutcome::Answered;
-                    }
                 }
                 if report.prefill == LegOutcome::Abandoned {
                     // A concurrent prefill still running at the head: the stream ends
@@ -176,13 +176,12 @@ impl Finish {
             Outcome::PrefillFailed => {
                 report.outcome = Outcome::PrefillFailed;
                 let prefill = report.route.prefill.as_deref().map(|p| p.id());
-                let verdict = failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
                 // A prefill that had answered (a lead stream's gate failed after it)
-                // stays answered unless the failure is its engine's.
-                if !(report.prefill == LegOutcome::Answered && verdict == LegOutcome::Abandoned) {
-                    report.prefill = verdict;
-                }
-                report.decode = LegOutcome::Abandoned;
+                // is abandoned when the failure is not its engine's: its KV computed
+                // and left behind, no success of its engine's.
+                report.prefill =
+                    failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
+                report.decode = unsent_or_abandoned(&report.timeline);
             }
             Outcome::DecodeFailed => {
                 report.outcome = Outcome::DecodeFailed;
@@ -192,9 +191,10 @@ impl Finish {
             }
             _ => {
                 report.outcome = Outcome::Cancelled;
-                // A concurrent prefill still running stays abandoned with it.
+                // A concurrent prefill still running stays abandoned with it; a decode
+                // leg a lead stream had not sent yet stays unsent.
                 if report.decode != LegOutcome::NotSent {
-                    report.decode = LegOutcome::Abandoned;
+                    report.decode = unsent_or_abandoned(&report.timeline);
                 }
             }
         }
@@ -209,14 +209,15 @@ impl Finish {
         }
         if applied.exempt && !applied.broke && report.decode == LegOutcome::Failed {
             // The stream of the decode this report names ended for the fresh prefill
-            // riding in it (told failed by its own report): the decode is not to
-            // blame, its leg cut off.
+            // riding in it (which failed, its leg told by its own report: failed only
+            // when its engine is to blame, not for a 4xx nor the request's deadline):
+            // the decode is not to blame, its leg cut off.
             report.decode = LegOutcome::Abandoned;
         }
         if applied.prefill_broke && report.outcome == Outcome::Success {
-            // Its stream ended for the fresh prefill riding in it (told failed by its
-            // own report) and was not continued: the attempt failed, its decode's leg
-            // cut off.
+            // Its stream ended for the fresh prefill riding in it (which failed, told
+            // by its own report, whoever is to blame) and was not continued: the
+            // attempt failed, its decode's leg cut off.
             report.outcome = Outcome::DecodeFailed;
             report.decode = LegOutcome::Abandoned;
         }
@@ -723,6 +724,16 @@ impl PdBody {
             }
             return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
         }
+    }
+}
+
+/// A decode leg that did not finish, as far as it went by the attempt's steps `tl`:
+/// [`LegOutcome::NotSent`] when it was never sent (a lead stream whose gate failed, or
+/// whose client left, before it), else [`LegOutcome::Abandoned`].
+fn unsent_or_abandoned(tl: &crate::outcome::Timeline) -> LegOutcome {
+    match tl.decode_sent {
+        None => LegOutcome::NotSent,
+        Some(_) => LegOutcome::Abandoned,
     }
 }
 

@@ -38,10 +38,12 @@
 //!   own (the connector's plan, the prefill, the handoff, the decode:
 //!   `Inner::attempt_on`), on the prefill that computed the prompt when it is still in
 //!   the set (its prefix cache holds the prompt), else the least busy one, never one
-//!   that failed in an earlier continuation (its leg or its handoff, riding in its
-//!   stream or before its decode started, or its engine as the connector resolved the
-//!   plan; not a refusal of its leg, a 4xx, nor the connector's own work on the plan
-//!   before the leg was sent), placed by the router too
+//!   whose leg an earlier continuation reported failed (its engine to blame: its leg
+//!   or its handoff, riding in its stream or before its decode started, its engine as
+//!   the connector resolved the plan, a step out of the handoff's own budget; not a
+//!   refusal of its leg, a 4xx, nor the request's deadline or the continuation's own
+//!   end, nor the connector's own work failing for a reason not its engine's, before
+//!   or after the leg was sent), placed by the router too
 //!   (its wait given half the time left; a place held until the prefill leg ends);
 //!   decode-only with [`MigrationConfig::decode_only`], for a request served by a
 //!   decode alone (direct, decode-only fallback), when no prefill is left or has room
@@ -61,13 +63,14 @@
 //!   prefill's leg is reported when it ends, as any prefill leg (`fresh.rs`), and a
 //!   continuation through it that fails as an attempt, each with the request's trace
 //!   and leg span ids of its own (never the migration's span's); one that fails while
-//!   riding in the continuation's stream is blamed for the break, not the decode,
-//!   which may be chosen again (after the decodes not tried yet). The attempt's report
-//!   names the decode that finished the answer and times its decode leg (and the
-//!   handoff step before it, a fresh prefill's) by that decode's leg, its start and
-//!   prefill leg the attempt's, under handoff and decode span ids drawn for it (the
-//!   attempt's are the first decode's, whose `traceparent` named them: the report that
-//!   tells it failed draws them). A broken leg not continued (an early end, an error
+//!   riding in the continuation's stream is what the stream broke for, not the decode,
+//!   which is not blamed and may be chosen again (after the decodes not tried yet); its
+//!   own leg is told as its failure says (failed only when its engine is to blame).
+//!   The attempt's report names the decode that finished the answer and times its
+//!   decode leg (and the handoff step before it, a fresh prefill's) by that decode's
+//!   leg, its start and prefill leg the attempt's, under handoff and decode span ids
+//!   drawn for it (the attempt's are the first decode's, whose `traceparent` named
+//!   them: the report that tells it failed draws them). A broken leg not continued (an early end, an error
 //!   event) is told failed by the attempt's report; the summary says the stream broke,
 //!   as it does when the leg ended for its riding prefill (its decode then not blamed).
 //!

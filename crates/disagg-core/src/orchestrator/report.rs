@@ -84,15 +84,14 @@ pub(crate) fn leg_outcome(e: &PdError, engine: Option<&EndpointId>) -> LegOutcom
 /// The prefill leg of an attempt that failed, judged `verdict` by [`leg_outcome`], told
 /// as far as it went by the attempt's steps `tl` when its engine is not blamed: a leg
 /// never sent (the plan failed before it, in the connector's build or resolution, or
-/// the request's deadline passed first) is [`LegOutcome::NotSent`]; one its engine had
-/// answered (the handoff failed after its answer, for a reason not its engine's) is
-/// [`LegOutcome::Answered`], as a leg cut off by the client is told
-/// ([`Watch`](super::attempt::Watch)). A failed leg stays failed, and one still
-/// running when the attempt failed stays abandoned.
+/// the request's deadline passed first) is [`LegOutcome::NotSent`]. One that was sent
+/// stays [`LegOutcome::Abandoned`], its engine's answer in or not: a handoff that failed
+/// after the prefill's answer, for a reason not its engine's (the KV gate, `complete`),
+/// left its KV computed and never pulled, which is no success of the engine's either
+/// (passive health counts an answered leg as one). A failed leg stays failed.
 pub(crate) fn as_far_as_it_went(verdict: LegOutcome, tl: &Timeline) -> LegOutcome {
-    match (verdict, tl.prefill_sent, tl.prefill_done) {
-        (LegOutcome::Abandoned, None, _) => LegOutcome::NotSent,
-        (LegOutcome::Abandoned, Some(_), Some(_)) => LegOutcome::Answered,
-        (verdict, _, _) => verdict,
+    match (verdict, tl.prefill_sent) {
+        (LegOutcome::Abandoned, None) => LegOutcome::NotSent,
+        (verdict, _) => verdict,
     }
 }

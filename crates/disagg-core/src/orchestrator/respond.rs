@@ -63,7 +63,8 @@ fn relayable(
 /// matches on it and guesses nothing.
 pub(super) enum Stand {
     /// The prefill engine refused its leg with a 4xx (the client's fault), passed
-    /// through as the engine wrote it: no decode leg was sent.
+    /// through as the engine wrote it: no decode leg was sent, or (both legs at once)
+    /// the one sent was dropped.
     PrefillRefused,
     /// The prefill's answer is the whole answer
     /// ([`HandoffFound::Finished`](crate::connector::HandoffFound::Finished)): no decode
@@ -138,7 +139,14 @@ pub(super) enum NotDecoded {
     /// The prefill's answer is the whole answer: no decode leg was sent.
     PrefillAnswered,
     /// The decode: an error status, or a decode sent alone.
-    Decode,
+    Decode {
+        /// The status the decode answered.
+        status: http::StatusCode,
+        /// The prefill leg, as far as it went: a concurrent prefill still running
+        /// when the decode answered an error is dropped with the answer (abandoned),
+        /// and a decode sent alone had none (not sent).
+        prefill: LegOutcome,
+    },
 }
 
 impl Exchange {
@@ -155,13 +163,18 @@ impl Exchange {
         ),
         NotDecoded,
     > {
+        let status = self.head.status();
         match self.stand {
-            Stand::Decoded { guard, pending, .. } if self.head.status().is_success() => {
+            Stand::Decoded { guard, pending, .. } if status.is_success() => {
                 Ok((self.head, guard, pending))
             }
             Stand::PrefillRefused => Err(NotDecoded::PrefillRefused),
             Stand::PrefillAnswered { .. } => Err(NotDecoded::PrefillAnswered),
-            _ => Err(NotDecoded::Decode),
+            Stand::Decoded { prefill, .. } => Err(NotDecoded::Decode { status, prefill }),
+            Stand::DecodeAlone { .. } => Err(NotDecoded::Decode {
+                status,
+                prefill: LegOutcome::NotSent,
+            }),
         }
     }
 }
@@ -280,10 +293,15 @@ impl Inner {
         let (parts, body) = relayable(req, &route, decoded, head);
         let status = parts.status;
         let (outcome, prefill, decode, mark, fallback, guard, late, pending) = match stand {
+            // A decode leg sent at once with the prefill's was dropped: abandoned.
             Stand::PrefillRefused => (
                 Outcome::PrefillFailed,
                 LegOutcome::Answered,
-                LegOutcome::NotSent,
+                if timeline.decode_sent.is_some() {
+                    LegOutcome::Abandoned
+                } else {
+                    LegOutcome::NotSent
+                },
                 None,
                 None,
                 None,

@@ -443,6 +443,33 @@ async fn a_concurrent_prefill_answering_after_the_decode_head_is_timed_when_it_a
     assert_eq!(tl.prefill_sent, tl.decode_sent, "both legs at once");
 }
 
+/// Both legs at once (SGLang): the prefill refuses its leg (a 4xx, passed through)
+/// before the decode's head, and the decode leg, already sent, is dropped. The report
+/// tells the prefill answered and the decode abandoned (it was sent: its span and its
+/// per-leg count are real), not "not sent".
+#[tokio::test(start_paused = true)]
+async fn a_concurrent_decode_dropped_for_a_prefill_refusal_is_reported_abandoned() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, engine_error(400, "prompt too long").after(ms(5)));
+    fake.on(D1, CHAT, Reply::sse().after(ms(50)).frame(ms(0), DONE));
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+    let resp = serve(&orch, chat(&orch)).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "passed through");
+    within(resp.into_body().collect()).await.unwrap();
+    assert_eq!(fake.calls_to(D1).len(), 1, "the decode leg was sent");
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("one report: {reports:?}")
+    };
+    assert!(r.timeline.decode_sent.is_some());
+    assert_eq!(
+        (r.prefill, r.decode),
+        (LegOutcome::Answered, LegOutcome::Abandoned)
+    );
+    assert_settled(&orch);
+}
+
 const CLIENT_TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 fn hex(b: &[u8]) -> String {
@@ -672,8 +699,9 @@ async fn lead_report(fail: Fails) -> Report {
 /// that will not be ready for reasons of the proxy's own, a call on the other leg's
 /// engine that failed) fails the attempt on the prefill side without blaming the
 /// prefill, so passive health and a breaker do not count it against a healthy engine:
-/// its leg is reported as far as it went, not sent when the plan failed before it (its
-/// build, its resolution), answered when the gate failed after its answer.
+/// its leg is reported not sent when the plan failed before it (its build, its
+/// resolution), and abandoned when the gate failed after its answer (its KV computed
+/// and left behind: neither a failure of its engine nor a success).
 #[tokio::test(start_paused = true)]
 async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
     let cases: [(&str, Step, Fails, bool); 6] = [
@@ -733,7 +761,7 @@ async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
     for (what, step, fail, prefilled) in cases {
         let r = failed_report(FailsAt { step, fail }).await;
         let prefill = if prefilled {
-            LegOutcome::Answered
+            LegOutcome::Abandoned
         } else {
             LegOutcome::NotSent
         };
@@ -747,7 +775,8 @@ async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
 
     // The gate waited for in the client's stream, after the plan's lead: the stream
     // ends with the handoff's error, and the prefill, which answered, is not blamed
-    // (whether the error names no engine or the decode's).
+    // (whether the error names no engine or the decode's): its KV was left behind. The
+    // decode leg, never sent, is not sent.
     let cases: [(&str, Fails); 2] = [
         ("the notification listener closed", |_, _| {
             ConnectorError::NotReady {
@@ -768,8 +797,8 @@ async fn a_handoff_failing_through_no_fault_of_the_prefill_does_not_blame_it() {
             (r.outcome, r.prefill, r.decode),
             (
                 Outcome::PrefillFailed,
-                LegOutcome::Answered,
-                LegOutcome::Abandoned
+                LegOutcome::Abandoned,
+                LegOutcome::NotSent
             ),
             "{what}"
         );
@@ -819,7 +848,7 @@ async fn a_handoff_failing_through_the_prefills_fault_blames_it() {
     }
 
     // The same malformed handoff at the gate waited for in the client's stream, after
-    // the plan's lead.
+    // the plan's lead (the decode leg never sent).
     let r = lead_report(|prefill, _| ConnectorError::InvalidHandoff {
         endpoint: prefill.clone(),
         field: "kv_transfer_params",
@@ -830,7 +859,7 @@ async fn a_handoff_failing_through_the_prefills_fault_blames_it() {
         (
             Outcome::PrefillFailed,
             LegOutcome::Failed,
-            LegOutcome::Abandoned
+            LegOutcome::NotSent
         )
     );
 
@@ -927,6 +956,70 @@ async fn a_missing_handoff_from_a_rank_of_the_prefills_engine_blames_the_prefill
         (
             Outcome::PrefillFailed,
             LegOutcome::Failed,
+            LegOutcome::NotSent
+        )
+    );
+    assert_settled(&orch);
+}
+
+/// vLLM NIXL's plan with a lead, whose KV gate never opens (nor fails).
+struct LeadStalls(VllmNixl);
+
+/// A gate that never opens.
+#[derive(Debug)]
+struct Stalled;
+
+#[async_trait]
+impl KvGate for Stalled {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        std::future::pending().await
+    }
+}
+
+#[async_trait]
+impl KvConnector for LeadStalls {
+    fn name(&self) -> &'static str {
+        "nixl-lead-stalls"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        self.0.prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        let found = self.0.complete(handoff, answer).await?;
+        handoff.lead = Some(Bytes::from(event(0)));
+        handoff.gate = Some(Arc::new(Stalled));
+        Ok(found)
+    }
+}
+
+/// A client that leaves a lead stream while its gate is still shut: the attempt is
+/// cancelled, its prefill (which answered) answered, and its decode leg, never sent,
+/// not sent (not abandoned: no decode span, no decode count).
+#[tokio::test(start_paused = true)]
+async fn a_lead_stream_left_before_its_decode_was_sent_reports_the_decode_not_sent() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let (orch, heard) = heard(&fake, &[P1], LeadStalls(VllmNixl::new()), |_| {});
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert_eq!(data(&mut body).await, event(0), "the lead");
+    drop(body);
+    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
+    let reports = heard.reports();
+    let [r] = &reports[..] else {
+        panic!("one report: {reports:?}")
+    };
+    assert_eq!(r.timeline.decode_sent, None);
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::Cancelled,
+            LegOutcome::Answered,
             LegOutcome::NotSent
         )
     );

@@ -40,8 +40,9 @@ struct MovedState {
     /// its stream waits on a continuation: its decode is told failed once, when the
     /// stream moves on (the report then names another decode), else by the report.
     broken: Option<Broken>,
-    /// The stream on `to` ended for the fresh prefill riding in it (reported failed
-    /// then), not for its decode: the attempt's report does not blame the decode.
+    /// The stream on `to` ended for the fresh prefill riding in it (which failed, its
+    /// leg reported then, as its failure says), not for its decode: the attempt's
+    /// report does not blame the decode.
     exempt: bool,
     /// That stream, ended for its riding prefill, was not continued: the request's
     /// stream broke, though no engine the attempt's report names is to blame.

@@ -21,6 +21,7 @@ use crate::transport::BoxBody;
 
 use super::super::attempt::{Failure, Watch};
 use super::super::body::{Finish, PdBody};
+use super::super::leg_outcome;
 use super::super::respond::NotDecoded;
 use super::Ctx;
 use super::fresh::{PrefillLeg, RidingEnd};
@@ -357,8 +358,10 @@ pub(super) async fn start(
         .map_err(|Unsent { error, cut, times }| NotStarted {
             tried: Some(Arc::clone(&endpoint)),
             // The request's deadline, or the continuation's own end (its time went on
-            // waits), is no engine's fault.
-            blame: (!cut && !error.is_deadline()).then_some(endpoint),
+            // waits), is no engine's fault; nor is a refusal (a 4xx: the request's
+            // fault, as on any attempt).
+            blame: (!cut && leg_outcome(&error, Some(endpoint.id())) == LegOutcome::Failed)
+                .then_some(endpoint),
             prefill: None,
             failed_prefill,
             times,
@@ -560,16 +563,16 @@ async fn through_prefill(
                     PrefillLeg::new(&ctx.reporter, &route, number, &tl, trace).answered();
                     return Err(PrefillFell::Prefill { failed: false });
                 }
-                // A decode's error status: not a continuation.
-                Err(NotDecoded::Decode) => Failure::decode(
+                // A decode's error status: not a continuation (a bad gateway for the
+                // client, whatever the status: the continuation's prompt is the
+                // proxy's). Its leg is judged by the status it answered, as on any
+                // attempt (a 4xx, a prompt past the model's length say, is the
+                // request's fault, not its engine's), and its prefill leg as far as
+                // it went (one still running, dropped with the answer, abandoned).
+                Err(NotDecoded::Decode { status, prefill }) => Failure::decode(
                     &route,
-                    PdError::upstream_status(
-                        Side::Decode,
-                        decode.id().clone(),
-                        http::StatusCode::BAD_GATEWAY,
-                        None,
-                    ),
-                    LegOutcome::Answered,
+                    PdError::upstream_status(Side::Decode, decode.id().clone(), status, None),
+                    prefill,
                 ),
             }
         }

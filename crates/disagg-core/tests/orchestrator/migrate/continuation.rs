@@ -1028,3 +1028,111 @@ async fn a_fresh_prefill_that_refused_a_continuation_is_picked_again() {
     let p1 = continued_twice_over_one_prefill(&fake, VllmNixl::new()).await;
     assert_eq!(p1.len(), 2, "the second continuation went through P1 again");
 }
+
+/// The client's stream read until it ends or fails: what came before.
+async fn read_until_it_fails(body: &mut PdBody) -> String {
+    let mut text = String::new();
+    while let Some(frame) = next(body).await {
+        match frame {
+            Ok(frame) => text.push_str(&frame),
+            Err(_) => break,
+        }
+    }
+    text
+}
+
+/// SGLang (both legs at once), one continuation allowed: the continuation's decode (D2)
+/// answers 503 before its fresh prefill (P1) answered, and the prefill, still running,
+/// is dropped with the attempt. The continuation's report tells that prefill abandoned
+/// (it never answered: nothing for passive health to count), not answered, and blames
+/// the decode.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_prefill_dropped_for_its_decodes_error_is_reported_abandoned() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    fake.on(P1, GENERATE, Reply::json(200, r#"{"id":"p"}"#))
+        .on(
+            P1,
+            GENERATE,
+            Reply::json(200, r#"{"id":"p"}"#).after(ms(20)),
+        )
+        .on(
+            D1,
+            GENERATE,
+            Reply::sse()
+                .frame(ms(0), generated(" a", &[5]))
+                .fail(ms(5), "reset"),
+        )
+        .on(D2, GENERATE, engine_error(503, "busy"));
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = over(&fake, &[P1], &[D1, D2], connector, continuing(1, false))
+        .listener(reports.clone())
+        .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let text = read_until_it_fails(&mut body).await;
+    assert!(text.contains(" a") && !text.contains(DONE), "{text}");
+    drop(body);
+    assert_eq!(fake.calls_to(P1).len(), 2, "the fresh prefill was sent");
+    assert_eq!(fake.calls_to(D2).len(), 1, "the continuation's decode");
+    let all = reports.all();
+    let continuation: Vec<&Report> = all.iter().filter(|r| r.attempt == 1).collect();
+    let [c] = &continuation[..] else {
+        panic!("the continuation reported once: {all:?}")
+    };
+    assert_eq!(c.route.decode.id().as_str(), D2);
+    assert_eq!(c.timeline.prefill_done, None, "the prefill never answered");
+    assert_eq!(
+        (c.outcome, c.prefill, c.decode),
+        (
+            Outcome::DecodeFailed,
+            LegOutcome::Abandoned,
+            LegOutcome::Failed
+        ),
+        "{c:?}"
+    );
+    assert_settled(&orch);
+}
+
+/// One continuation allowed, whose decode (D2) refuses it with a 400 (its token prompt
+/// past the model's length, say): the refusal is the request's, not the engine's, so
+/// no report tells D2 failed, whether the continuation went through a fresh prefill
+/// (its attempt's report tells the decode answered, as a decode's 4xx is told on any
+/// attempt) or decode-only. The client's stream ends as when any continuation fails.
+#[tokio::test(start_paused = true)]
+async fn a_continuations_decode_that_refuses_it_is_not_blamed() {
+    for decode_only in [false, true] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let reports = Reports::default();
+        breaks(&fake).on(D2, COMPLETIONS, engine_error(400, "prompt too long"));
+        if !decode_only {
+            fake.on(P1, COMPLETIONS, prefill_answer());
+        }
+        let orch = listened(&fake, continuing(1, decode_only), reports.clone());
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let text = read_until_it_fails(&mut body).await;
+        assert!(
+            text.contains("\"A\"") && !text.contains(DONE),
+            "{what}: {text}"
+        );
+        drop(body);
+        assert_eq!(fake.calls_to(D2).len(), 1, "{what}: the continuation");
+        let all = reports.all();
+        assert!(
+            !all.iter().any(|r| blamed(r, D2)),
+            "{what}: the decode is not to blame: {all:?}"
+        );
+        if !decode_only {
+            let continuation: Vec<&Report> = all.iter().filter(|r| r.attempt == 1).collect();
+            let [c] = &continuation[..] else {
+                panic!("{what}: the continuation reported once: {all:?}")
+            };
+            assert_eq!(
+                (c.route.decode.id().as_str(), c.prefill, c.decode),
+                (D2, LegOutcome::Answered, LegOutcome::Answered),
+                "{what}: {c:?}"
+            );
+        }
+        assert_settled(&orch);
+    }
+}
