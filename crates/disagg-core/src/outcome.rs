@@ -57,9 +57,12 @@ use crate::router::Route;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Outcome {
-    /// The decode answer was delivered in full.
+    /// The decode answer was delivered in full (or the prefill's, when it was the
+    /// whole answer and no decode leg was needed).
     Success,
-    /// The attempt failed on the prefill leg.
+    /// The attempt failed on the prefill leg. A prefill's refusal (a 4xx, the client's
+    /// fault) is one, passed through to the client whole or not: no decode answered.
+    /// The prefill's [`LegOutcome`] tells whether its engine is to blame.
     PrefillFailed,
     /// The attempt failed on the decode leg.
     DecodeFailed,
@@ -96,8 +99,9 @@ pub enum LegOutcome {
     /// the decode's answer began failed for a reason not its engine's, or, for a
     /// prefill that answered, the handoff then failed for a reason not its engine's
     /// (the connector's configuration, KV it says will not be ready, a call on another
-    /// engine, the request's deadline): its KV was computed and left behind, never
-    /// pulled by a decode. Passive health counts it neither way.
+    /// engine, the request's deadline, a migration continuation's own time): its KV was
+    /// computed and left behind, never pulled by a decode. Passive health counts it
+    /// neither way.
     Abandoned,
 }
 

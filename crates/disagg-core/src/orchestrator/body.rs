@@ -161,12 +161,15 @@ impl Finish {
             Outcome::Success => {
                 if report.decode == LegOutcome::Failed {
                     report.outcome = Outcome::DecodeFailed;
-                } else {
-                    // The decode leg stays as its head told it: answered, not sent (the
-                    // prefill's answer was the whole answer), or abandoned (dropped
-                    // for a refusal of the prefill's, passed through).
+                } else if report.outcome != Outcome::PrefillFailed {
+                    // The decode leg stays as its head told it: answered, or not sent
+                    // (the prefill's answer was the whole answer).
                     report.outcome = Outcome::Success;
                 }
+                // A refusal of the prefill's (a 4xx), passed through whole, stays the
+                // prefill's failure: no decode answered (its leg not sent, or dropped
+                // when both were sent at once), whatever a router learns from a
+                // success.
                 if report.prefill == LegOutcome::Abandoned {
                     // A concurrent prefill still running at the head: the stream ends
                     // only once it answered well.

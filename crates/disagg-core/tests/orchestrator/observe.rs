@@ -5,9 +5,12 @@ use std::sync::Mutex;
 
 use disagg_core::connector::KvGate;
 use disagg_core::endpoint::EndpointId;
+use disagg_core::endpoint::EndpointSet;
+use disagg_core::error::RouteError;
 use disagg_core::orchestrator::MissingKv;
 use disagg_core::outcome::Outcome;
 use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
+use disagg_core::router::{RequestView, Router};
 
 use super::*;
 
@@ -468,6 +471,97 @@ async fn a_concurrent_decode_dropped_for_a_prefill_refusal_is_reported_abandoned
         (LegOutcome::Answered, LegOutcome::Abandoned)
     );
     assert_settled(&orch);
+}
+
+/// Routes to the first prefill and the first decode, recording each attempt's outcome
+/// as its `observe` hears it (what a router that learns from outcomes learns).
+#[derive(Default)]
+struct Observing(Mutex<Vec<Outcome>>);
+
+impl Router for Observing {
+    fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
+        let decode = set
+            .by_role(Role::Decode)
+            .first()
+            .cloned()
+            .ok_or(RouteError::NoDecode)?;
+        Ok(Route::new(
+            set.by_role(Role::Prefill).first().cloned(),
+            decode,
+        ))
+    }
+
+    fn observe(&self, _route: &Route, outcome: Outcome) {
+        self.0.lock().unwrap().push(outcome);
+    }
+}
+
+/// A prefill that refuses its leg (a 4xx, passed through to the client whole) with
+/// `connector`'s dispatch; the router's view of it, and what the listener heard.
+async fn refused(connector: impl KvConnector) -> (Vec<Outcome>, Arc<Heard>, Vec<fake::Call>) {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, engine_error(400, "prompt too long").after(ms(5)));
+    fake.on(D1, CHAT, Reply::sse().after(ms(50)).frame(ms(0), DONE));
+    let router = Arc::new(Observing::default());
+    let heard = Arc::new(Heard::default());
+    let source = StaticSource::new(endpoints(&[P1], &[D1]));
+    let orch = Orchestrator::builder(source, fake.clone(), connector)
+        .router(Arc::clone(&router))
+        .listener(Arc::clone(&heard))
+        .build();
+    let resp = serve(&orch, chat(&orch)).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "passed through");
+    let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
+    let err: Value = serde_json::from_slice(&all).unwrap();
+    assert_eq!(err["error"]["message"], "prompt too long", "whole");
+    assert_settled(&orch);
+    let seen = router.0.lock().unwrap().clone();
+    (seen, heard, fake.calls_to(D1))
+}
+
+/// A prefill that refuses its leg (a 4xx, the client's fault, passed through whole)
+/// ends its attempt as a prefill failure: no decode answer was delivered, so the
+/// router's `observe` (and the connector's, told the same) must not hear a success of
+/// the route (one that learns from outcomes would credit a decode that never ran).
+/// The prefill's leg answered (its engine worked), the decode's was not sent (one leg
+/// after the other) or dropped (both at once); the request is a complete client error.
+#[tokio::test(start_paused = true)]
+async fn a_prefill_refusal_passed_through_ends_its_attempt_as_a_prefill_failure() {
+    let sequential = refused(VllmNixl::new()).await;
+    let concurrent = refused(SglangBootstrap::with_rooms(Rooms::from_seed(7))).await;
+    let cases = [
+        (sequential, "sequential", 0, LegOutcome::NotSent),
+        (concurrent, "concurrent", 1, LegOutcome::Abandoned),
+    ];
+    for ((seen, heard, decodes), dispatch, sent, decode) in cases {
+        assert_eq!(decodes.len(), sent, "{dispatch}: decode legs sent");
+        let reports = heard.reports();
+        let [r] = &reports[..] else {
+            panic!("{dispatch}: one report: {reports:?}")
+        };
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (Outcome::PrefillFailed, LegOutcome::Answered, decode),
+            "{dispatch}"
+        );
+        assert_eq!(
+            seen,
+            [Outcome::PrefillFailed],
+            "{dispatch}: the router heard"
+        );
+        let s = heard.summary();
+        assert_eq!(
+            (s.status, s.delivery, s.outcome, s.attempts),
+            (
+                StatusCode::BAD_REQUEST,
+                Delivery::Complete,
+                "client_error",
+                1
+            ),
+            "{dispatch}"
+        );
+        assert_eq!(heard.order(), ["report", "summary"], "{dispatch}");
+    }
 }
 
 const CLIENT_TRACE: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

@@ -614,10 +614,12 @@ async fn through_prefill(
 /// `end` (its own, before the request's deadline): the step under way, as its steps in
 /// `tl` say, is out of the continuation's time (the decode's head, or the prefill's
 /// answer or the handoff). No engine is blamed: the time went on waits for room as much
-/// as on the step. The prefill leg is told as far as it went (not sent, answered, or
-/// abandoned while it ran), the decode leg abandoned if it was sent.
+/// as on the step. The prefill leg is told as far as it went: not sent, abandoned while
+/// it ran, answered when its decode was sent, or abandoned when its handoff was cut
+/// after its answer (its KV computed and left behind, as when the request's deadline
+/// cuts a handoff); the decode leg abandoned if it was sent.
 fn cut(route: &Route, tl: &Timeline, end: End) -> Failure {
-    let prefill = match (tl.prefill_sent, tl.prefill_done) {
+    let mut prefill = match (tl.prefill_sent, tl.prefill_done) {
         (_, Some(_)) => LegOutcome::Answered,
         (Some(_), None) => LegOutcome::Abandoned,
         (None, None) => LegOutcome::NotSent,
@@ -634,6 +636,9 @@ fn cut(route: &Route, tl: &Timeline, end: End) -> Failure {
             LegOutcome::Abandoned => Phase::Prefill,
             _ => Phase::Handoff,
         };
+        if prefill == LegOutcome::Answered {
+            prefill = LegOutcome::Abandoned;
+        }
         let ep = route.prefill.as_ref().unwrap_or(&route.decode);
         let e = end.error(Side::Prefill, ep, phase);
         Failure::prefill(route, e, LegOutcome::NotSent)

@@ -126,6 +126,97 @@ async fn a_fresh_prefill_or_decode_cut_by_the_continuations_window_is_not_blamed
     }
 }
 
+/// A KV gate that never opens.
+#[derive(Debug)]
+struct Stalled;
+
+#[async_trait]
+impl disagg_core::connector::KvGate for Stalled {
+    async fn ready(&self) -> Result<(), ConnectorError> {
+        std::future::pending().await
+    }
+}
+
+/// vLLM NIXL's plan, except that a continuation's KV is never said ready (its gate
+/// stays shut, within a handoff budget far longer than the continuation's window).
+struct ContinuationGateStalls(VllmNixl);
+
+#[async_trait]
+impl KvConnector for ContinuationGateStalls {
+    fn name(&self) -> &'static str {
+        "nixl-continuation-gate-stalls"
+    }
+
+    fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        self.0.prepare(route, req)
+    }
+
+    async fn complete(
+        &self,
+        handoff: &mut Handoff,
+        answer: &PrefillAnswer,
+    ) -> Result<HandoffFound, ConnectorError> {
+        let found = self.0.complete(handoff, answer).await?;
+        if handoff.prefill.body.get("prompt").is_some() {
+            handoff.gate = Some(Arc::new(Stalled));
+        }
+        Ok(found)
+    }
+}
+
+/// A continuation's fresh prefill answers, and its handoff (a KV gate that never opens)
+/// is cut by the continuation's window before its decode is sent: the prefill's leg is
+/// abandoned (its KV computed and left behind, never pulled by a decode), as when the
+/// request's deadline cuts a handoff, not answered (passive health would count a
+/// success of its engine's), and not failed (its engine is not to blame).
+#[tokio::test(start_paused = true)]
+async fn a_fresh_prefills_handoff_cut_by_the_continuations_window_leaves_it_abandoned() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    continued_once(&fake, prefill_answer(), to_the_end("B", 8));
+    let mut config = continuing(1, false);
+    config.decode_head_timeout = ms(100);
+    let connector = ContinuationGateStalls(VllmNixl::new());
+    let orch = over(&fake, &[P1], &[D1, D2], connector, config)
+        .listener(reports.clone())
+        .build();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert!(ended(&mut body).await.is_some(), "the stream ends in error");
+    assert!(
+        fake.calls_to(P1)
+            .iter()
+            .any(|c| c.uri.path() == COMPLETIONS),
+        "the fresh prefill was sent"
+    );
+    assert!(
+        !fake
+            .calls_to(D2)
+            .iter()
+            .any(|c| c.uri.path() == COMPLETIONS),
+        "the continuation's decode was not sent"
+    );
+    drop(body);
+    let all = reports.all();
+    let cut: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.attempt == 1 && r.route.prefill.is_some())
+        .collect();
+    let [cut] = &cut[..] else {
+        panic!("the continuation through P1 reported once: {all:?}")
+    };
+    assert!(cut.timeline.prefill_done.is_some(), "P1 answered: {cut:?}");
+    assert_eq!(
+        (cut.outcome, cut.prefill, cut.decode),
+        (
+            Outcome::PrefillFailed,
+            LegOutcome::Abandoned,
+            LegOutcome::NotSent
+        ),
+        "{cut:?}"
+    );
+    assert_settled(&orch);
+}
+
 /// A continuation finds no room for its decode within its window (100 ms): the next
 /// continuation has no new window of its own. The client's stream ends one head
 /// timeout after the break, not two.
