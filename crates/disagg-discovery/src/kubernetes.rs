@@ -59,13 +59,13 @@
 //! 16,384 JSON values (array elements, object members) for each pod of a page, the page
 //! counted as at least 16 pods (a smaller page lowers them no further), before reading
 //! more; each is an error as above, retried with backoff. Pods are decoded into the
-//! fields discovery reads ([`EnginePod`]), the rest skipped unread (`managedFields`,
-//! volumes: nothing), but bytes alone do not bound what a page decodes into: `{}` is a
-//! pod of 456 bytes, `"k":"v",` a label of about 160. The counts bound it: the default
-//! page of 100 takes at worst about 0.5 GB (409,600 empty pods, 240 MB with their
-//! vector's growth; 1.2 million labels, 200 MB; 50 MB of longer strings), a page of 16
-//! about 0.13 GB (most of it the strings 64 MiB hold), its text besides. Lists ask for
-//! pages of [`KubernetesConfig::page_size`] pods.
+//! fields discovery reads ([`EnginePod`]), the rest skipped unread (but for what
+//! kube-rs buffers: `bounds.rs`); bytes do not bound what that makes: `{}` is a pod of
+//! 456 bytes, `"k":"v",` a label of about 160 (a lone one a B-tree leaf of 544, needing
+//! a pod and metadata). The counts bound it per page or watch event, not per process (a
+//! relist keeps clones beside the store): a default page of 100 holds at worst 0.47 GB,
+//! peaking at 0.52 (an escaped string's scratch copy), one of 16 0.13 and 0.19 GB, its
+//! text besides. Lists ask for [`KubernetesConfig::page_size`] pods a page.
 //!
 //! # Ceilings on the pods
 //!

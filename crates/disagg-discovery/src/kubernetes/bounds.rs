@@ -13,12 +13,21 @@
 //!   decoded into [`EnginePod`](super::EnginePod)s: what they hold besides the fields
 //!   discovery reads is skipped unread (a `{"name":""}` volume, a free-form
 //!   `managedFields[].fieldsV1`: nothing), and what it keeps (a pod, a container, a
-//!   port, a condition) is read from a JSON object only, never from an array. Bytes
-//!   alone still do not bound what a page decodes into: an empty object in its `items`,
-//!   2 bytes, decodes into a whole pod of 456 bytes (an empty `ObjectMeta` of 360, no
-//!   spec, no status), and a member of a pod's labels or annotations, `"k":"",` in 7
-//!   bytes, into a `BTreeMap` entry of about 130 bytes with its key's allocation (64 MiB
-//!   of such members would take about 1.2 GB). What these counts leave is in
+//!   port, a condition) is read from a JSON object only, never from an array. Two things
+//!   serde's derives make are buffered whole before that, each JSON object of them into
+//!   up to 256 bytes of serde's `Content` and each value into up to 128 (a one-member
+//!   object, a one-element array; `tests/pod_memory.rs`): a watch event whose `object`
+//!   comes before its `type` (kube-rs's `WatchEvent` is adjacently tagged; the API
+//!   server writes `type` first), and a list's members besides `metadata` and `items`
+//!   (`ObjectList` flattens its `TypeMeta`; the API server sends only `kind` and
+//!   `apiVersion`). Bytes alone still do not bound what a page decodes into: an empty
+//!   object in its `items`, 2 bytes, decodes into a whole pod of 456 bytes (an empty
+//!   `ObjectMeta` of 360, no spec, no status), and a member of a pod's labels or
+//!   annotations, `"k":"",` in 7 bytes, into about 130 bytes, its share of the map's
+//!   B-tree nodes and its key's allocation, rounded up by the allocator (a map's keys
+//!   are distinct, a later duplicate replacing the one before, so that 64 MiB of
+//!   members in one map are 6.8 million, most with keys of 4 bytes, `"abcd":"",`: about
+//!   0.9 GB, 0.67 GB of it asked of the allocator). What these counts leave is in
 //!   [`max_objects`] and [`max_values`].
 //!
 //! kube-rs collects a list's body whole and splits a watch's stream into lines with no
@@ -78,10 +87,12 @@ fn per_page(page_size: u32, per_pod: usize) -> usize {
 ///
 /// Each pod, container, port and condition a page decodes into stands for a JSON object
 /// (each is read from one only; objects in what a pod holds besides are skipped, not
-/// decoded), the largest a pod: 456 bytes however little it holds (`{}`, 3 bytes with
-/// its comma). The default page's objects take at worst about 240 MB (409,600 empty
-/// pods, in a vector grown to 524,288), those of a page of 16 or fewer pods about 30 MB
-/// (65,536).
+/// decoded), and so does each map of labels or annotations: the largest a map, whose
+/// B-tree takes a leaf of 544 bytes for a single member, and a pod, 456 bytes however
+/// little it holds (`{}`, 3 bytes with its comma), in a vector that may have grown to
+/// twice as many slots. The default page's objects take at worst about 290 MB (262,147
+/// pods in a vector of 524,288 slots, 239 MB, and 98,300 maps of one member, 53 MB),
+/// those of a page of 16 or fewer pods about 42 MB (see [`max_values`]).
 pub(super) fn max_objects(page_size: u32) -> usize {
     per_page(page_size, OBJECTS_PER_POD)
 }
@@ -91,13 +102,27 @@ pub(super) fn max_objects(page_size: u32) -> usize {
 /// pods (262,144 values; 1,638,400 for the default page of 100). Every value but the
 /// outermost follows a `{`, a `[` or a `,`: with [`max_objects`], this bounds the
 /// members of the pods' labels and annotations, the one thing a pod keeps that needs no
-/// JSON object of its own, each at most about 160 bytes decoded (its `BTreeMap` entry,
-/// and its key and value of up to 24 bytes each in allocations of 32): about 200 MB for
-/// the 1.2 million values the empty pods above leave of the default page, 31 MB for a
-/// page of 16. What a default page decodes into is then at most about 0.5 GB with its
-/// longer strings (whose bytes decode into as many: about 50 MB; measured, 485 MB in
-/// all), a page of 16 about 0.13 GB (most of it the strings its 64 MiB hold), its text
-/// besides; 100 of the heavy real pods above, 4.5 MB, decode into about 0.2 MB (about
+/// JSON object of its own, each about 160 bytes decoded (its share of the map's B-tree
+/// nodes, and its key and value of up to 24 bytes each in allocations of 32): about
+/// 210 MB for the 1.3 million values the objects leave of the default page, 35 MB for a
+/// page of 16. A map of one member takes a whole B-tree leaf (544 bytes) for its one
+/// JSON object, but needs a pod and the pod's metadata, a JSON object each (shared by
+/// the pod's two maps): the worst page has one pod more than a power of two (its vector
+/// of pods grown to twice as many slots), as many of them with two maps of one member
+/// as its objects allow.
+///
+/// The worst page `tests/pod_memory.rs` builds (its `#[ignore]`d tests print these
+/// figures) holds 0.47 GB once decoded for the default page (262,147 pods, 49,150 of
+/// them with two maps of one member; 1,327,104 labels, 56 MB of them strings, whose
+/// bytes decode into as many) and 0.13 GB for a page of 16 (65 MB of it the strings its
+/// 64 MiB hold). Each peaks higher while it decodes when those strings are
+/// one with an escape, which serde_json assembles in its scratch buffer and keeps until
+/// the parse ends (up to 64 MiB more): at 0.52 GB and 0.19 GB. A watch event within the
+/// default page's counts whose pod is buffered whole first (above) peaks at 0.49 GB.
+/// These are bytes asked of the allocator, the text besides, and they are per page or
+/// watch event, not for the process: kube-rs's reflector keeps a clone of each pod it
+/// takes, during a relist those listed so far beside its store, for each of up to three
+/// selectors. 100 of the heavy real pods above, 4.5 MB, decode into about 0.2 MB (about
 /// 41 MB as k8s-openapi's `Pod`s).
 pub(super) fn max_values(page_size: u32) -> usize {
     per_page(page_size, VALUES_PER_POD)

@@ -7,7 +7,15 @@
 //! namespace, uid, resourceVersion, labels, annotations, deletionTimestamp}`,
 //! `spec.containers[].ports[].{name, containerPort}`, `status.{phase, podIP,
 //! conditions[].{type, status}}`); every other member of a pod is skipped as it is read
-//! (serde's `IgnoredAny`: serde_json steps over it without allocating).
+//! (serde's `IgnoredAny`: serde_json steps over it without allocating). That holds of a
+//! pod read from the text; two of kube-rs's wrappers buffer what they read first, into
+//! serde's `Content` (up to 256 bytes for each JSON object, 128 for each value): a
+//! `WatchEvent`, adjacently tagged, whose `object` comes before its `type` is read whole,
+//! the members skipped here included, before the pod is decoded from it, and an
+//! `ObjectList`, which flattens its `TypeMeta`, keeps each of a list's members besides
+//! `metadata` and `items` until the list ends. The API server sends neither (`type`
+//! comes first; a list's other members are `kind` and `apiVersion`), and the client's
+//! counts of JSON objects and values bound both (`bounds.rs`, `tests/pod_memory.rs`).
 //!
 //! Each type is read from a JSON object only, as k8s-openapi's are: serde's derive would
 //! also take an array of a struct's fields in order, so that `[]` (2 bytes, no JSON
