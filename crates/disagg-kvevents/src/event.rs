@@ -883,7 +883,10 @@ pub(crate) mod reference {
                     .iter()
                     .position(|(k, v)| k.as_str() == Some("type") && v.is_str())
                     .ok_or(DecodeError::Untagged)?;
-                let (_, tag) = entries.swap_remove(at);
+                // `remove`, not `swap_remove`: a map that repeats a key counts its
+                // first value (as `walk_fields` does), which moving the last entry
+                // into the tag's place would change (a proptest found it).
+                let (_, tag) = entries.remove(at);
                 (tag, Fields::Map(entries))
             }
             Value::Array(mut values) if values.first().is_some_and(Value::is_str) => {
