@@ -326,9 +326,14 @@ pub trait KvConnector: Send + Sync + 'static {
         Ok(HandoffFound::Handed)
     }
 
-    /// Optional feedback: how a request over `route` ended (a connector that caches what
-    /// it learned from an engine forgets it when that engine's leg fails). The default
-    /// does nothing. Called once per attempt; must be cheap and must not block.
+    /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). A
+    /// connector that caches what it learned from the route's engines forgets it when
+    /// the attempt failed ([`Outcome::PrefillFailed`], [`Outcome::DecodeFailed`]; which
+    /// leg's engine is to blame is the report's [`LegOutcome`](crate::outcome::LegOutcome),
+    /// heard by a [`Listener`](crate::outcome::Listener)), not when the prefill refused
+    /// the request ([`Outcome::PrefillRefused`]: a 4xx, the request's fault, which every
+    /// bad prompt gets) nor when the client left. The default does nothing. Called once
+    /// per attempt; must be cheap and must not block.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// The body of the leg that releases the KV a prefill handed over for `decode`, when

@@ -60,10 +60,20 @@ pub enum Outcome {
     /// The decode answer was delivered in full (or the prefill's, when it was the
     /// whole answer and no decode leg was needed).
     Success,
-    /// The attempt failed on the prefill leg. A prefill's refusal (a 4xx, the client's
-    /// fault) is one, passed through to the client whole or not: no decode answered.
-    /// The prefill's [`LegOutcome`] tells whether its engine is to blame.
+    /// The attempt failed on the prefill side: its leg, or the handoff step after it
+    /// (not a refusal: [`PrefillRefused`](Self::PrefillRefused)). The prefill's
+    /// [`LegOutcome`] tells whether its engine is to blame.
     PrefillFailed,
+    /// The prefill refused its leg with a 4xx (the request's fault, not an engine's)
+    /// and no decode answer was delivered: the refusal passed through to the client
+    /// (whole, or broken on its way: its body held a KV handoff the proxy could not
+    /// keep from the client), or, both legs sent at once, one that came after the
+    /// decode's head and ended its stream (the decode leg dropped). Neither a success
+    /// of the route nor a failure of an engine: the prefill's leg is
+    /// [`Answered`](LegOutcome::Answered), the decode's
+    /// [`NotSent`](LegOutcome::NotSent) or [`Abandoned`](LegOutcome::Abandoned). A
+    /// mid-stream migration's fresh prefill that refuses its leg is told so too.
+    PrefillRefused,
     /// The attempt failed on the decode leg.
     DecodeFailed,
     /// The client went away first.
@@ -82,8 +92,8 @@ pub enum LegOutcome {
     /// The engine answered (its 4xx included: the client's fault, not the engine's) and,
     /// for a decode, its stream ended: the engine worked (passive health counts it a
     /// success, which ends a run of failures). A prefill whose handoff then failed,
-    /// through no fault of its engine, is not answered but
-    /// [`Abandoned`](Self::Abandoned): its KV was left behind.
+    /// through no fault of its engine, or whose client left before the decode leg was
+    /// sent, is not answered but [`Abandoned`](Self::Abandoned): its KV was left behind.
     Answered,
     /// The engine is to blame: it could not be reached, answered 5xx, broke its stream,
     /// ran out of its own time budget (for a prefill, the handoff's included: a plan's
@@ -99,9 +109,9 @@ pub enum LegOutcome {
     /// the decode's answer began failed for a reason not its engine's, or, for a
     /// prefill that answered, the handoff then failed for a reason not its engine's
     /// (the connector's configuration, KV it says will not be ready, a call on another
-    /// engine, the request's deadline, a migration continuation's own time): its KV was
-    /// computed and left behind, never pulled by a decode. Passive health counts it
-    /// neither way.
+    /// engine, the request's deadline, a migration continuation's own time) or the
+    /// client left before the decode leg was sent: its KV was computed and left behind,
+    /// never pulled by a decode. Passive health counts it neither way.
     Abandoned,
 }
 

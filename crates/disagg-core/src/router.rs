@@ -291,8 +291,10 @@ pub trait Router: Send + Sync + 'static {
         self.place(pick, deadline)
     }
 
-    /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). The
-    /// default does nothing.
+    /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). A
+    /// prefill's refusal ([`Outcome::PrefillRefused`]: a 4xx, the request's fault) is
+    /// neither a success of the route (no decode answered) nor a failure of its
+    /// engines. The default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// Whether this router reads [`RequestView::tokens`]: the orchestrator tokenizes a

@@ -15,7 +15,7 @@ use crate::router::{Ask, RequestView, Route};
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::{Reporter, as_far_as_it_went, leg_outcome};
+use super::report::{Reporter, as_far_as_it_went, leg_outcome, prefill_end};
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -35,12 +35,14 @@ impl Failure {
         }
     }
 
-    /// The prefill side failed with `error` over `route`; the decode leg was `decode`.
+    /// The prefill side failed with `error` over `route` (a refusal, a 4xx, is
+    /// [`Outcome::PrefillRefused`]); the decode leg was `decode`.
     pub(super) fn prefill(route: &Route, error: PdError, decode: LegOutcome) -> Self {
+        let verdict = leg_outcome(&error, route.prefill.as_deref().map(|p| p.id()));
         let report = Report::new(
             route.clone(),
-            Outcome::PrefillFailed,
-            leg_outcome(&error, route.prefill.as_deref().map(|p| p.id())),
+            prefill_end(verdict),
+            verdict,
             decode,
             Timeline::starting(),
         );
@@ -81,8 +83,9 @@ impl Failure {
 /// An attempt under way. Once routed, dropped before it ended (the client left while it
 /// ran: the server dropped the `serve` future), it reports the attempt
 /// [`Outcome::Cancelled`] (to the router's and the connector's `observe`, then to every
-/// listener), each leg as far as its timeline went: not sent, abandoned while it ran,
-/// or answered; and leaves that report for the request's summary.
+/// listener), each leg as far as its timeline went: not sent, abandoned while it ran
+/// (a prefill also once it answered, while its decode leg was not sent yet: its KV left
+/// behind), or answered; and leaves that report for the request's summary.
 pub(super) struct Watch<'a> {
     reporter: &'a Reporter,
     trace: Option<&'a TraceIds>,
@@ -137,10 +140,13 @@ impl Drop for Watch<'_> {
         }
         let tl = &mut self.tl;
         tl.end = Some(now());
-        let prefill = match (tl.prefill_sent, tl.prefill_done) {
-            (None, _) => LegOutcome::NotSent,
-            (Some(_), Some(_)) => LegOutcome::Answered,
-            (Some(_), None) => LegOutcome::Abandoned,
+        // A prefill that answered before its decode leg was sent (the handoff under
+        // way) left its KV computed and never pulled: abandoned, as when the request's
+        // deadline cuts the handoff, not answered (no success of its engine's).
+        let prefill = match (tl.prefill_sent, tl.prefill_done, tl.decode_sent) {
+            (None, _, _) => LegOutcome::NotSent,
+            (Some(_), Some(_), Some(_)) => LegOutcome::Answered,
+            (Some(_), _, _) => LegOutcome::Abandoned,
         };
         let decode = match tl.decode_sent {
             None => LegOutcome::NotSent,

@@ -40,7 +40,7 @@ use crate::policy::Permit;
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};
-use super::report::Reporter;
+use super::report::{Reporter, prefill_end};
 use super::respond::LateMarks;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
@@ -161,29 +161,40 @@ impl Finish {
             Outcome::Success => {
                 if report.decode == LegOutcome::Failed {
                     report.outcome = Outcome::DecodeFailed;
-                } else if report.outcome != Outcome::PrefillFailed {
+                } else if report.outcome != Outcome::PrefillRefused {
                     // The decode leg stays as its head told it: answered, or not sent
                     // (the prefill's answer was the whole answer).
                     report.outcome = Outcome::Success;
                 }
                 // A refusal of the prefill's (a 4xx), passed through whole, stays the
-                // prefill's failure: no decode answered (its leg not sent, or dropped
+                // prefill's refusal: no decode answered (its leg not sent, or dropped
                 // when both were sent at once), whatever a router learns from a
                 // success.
-                if report.prefill == LegOutcome::Abandoned {
+                if report.prefill == LegOutcome::Abandoned && report.timeline.prefill_done.is_some()
+                {
                     // A concurrent prefill still running at the head: the stream ends
-                    // only once it answered well.
+                    // only once it answered well. One dropped with a decode's error
+                    // status never answered: it stays abandoned.
                     report.prefill = LegOutcome::Answered;
                 }
             }
-            Outcome::PrefillFailed => {
-                report.outcome = Outcome::PrefillFailed;
+            Outcome::PrefillFailed | Outcome::PrefillRefused => {
                 let prefill = report.route.prefill.as_deref().map(|p| p.id());
                 // A prefill that had answered (a lead stream's gate failed after it)
                 // is abandoned when the failure is not its engine's: its KV computed
-                // and left behind, no success of its engine's.
+                // and left behind, no success of its engine's. One that refused its
+                // leg after the decode's head (both legs at once) answered: the
+                // attempt is its refusal.
                 report.prefill =
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
+                report.outcome = prefill_end(report.prefill);
+                report.decode = unsent_or_abandoned(&report.timeline);
+            }
+            Outcome::DecodeFailed if report.outcome == Outcome::PrefillRefused => {
+                // The prefill's refusal, passed through, broke on its way to the client
+                // (its body held a handoff the scrubber could not keep from it): the
+                // attempt stays the refusal, and no decode is to blame (none was sent,
+                // or the one sent at once was dropped before its head).
                 report.decode = unsent_or_abandoned(&report.timeline);
             }
             Outcome::DecodeFailed => {
@@ -192,19 +203,27 @@ impl Finish {
                 report.decode =
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, decode));
             }
-            _ => {
+            Outcome::Cancelled => {
                 report.outcome = Outcome::Cancelled;
                 // A concurrent prefill still running stays abandoned with it; a decode
-                // leg a lead stream had not sent yet stays unsent.
+                // leg a lead stream had not sent yet stays unsent, and the prefill that
+                // answered before it is abandoned (its KV computed and left behind, as
+                // when the request's deadline cuts the handoff).
                 if report.decode != LegOutcome::NotSent {
                     report.decode = unsent_or_abandoned(&report.timeline);
+                    if report.decode == LegOutcome::NotSent
+                        && report.prefill == LegOutcome::Answered
+                    {
+                        report.prefill = LegOutcome::Abandoned;
+                    }
                 }
             }
         }
         if applied.broke {
             // The leg this report names broke and no continuation took the stream on
             // (none started, or the client left while one was awaited): this report is
-            // the one that tells its decode failed.
+            // the one that tells its decode failed (an attempt that was a refusal is
+            // then the decode's failure: a refusal blames no engine).
             report.decode = LegOutcome::Failed;
             if report.outcome != Outcome::PrefillFailed {
                 report.outcome = Outcome::DecodeFailed;
@@ -253,7 +272,9 @@ impl Finish {
             summary.delivery = match outcome {
                 Outcome::Success => Delivery::Complete,
                 Outcome::Cancelled => Delivery::Cancelled,
-                _ => Delivery::Broken,
+                Outcome::PrefillFailed | Outcome::PrefillRefused | Outcome::DecodeFailed => {
+                    Delivery::Broken
+                }
             };
             if summary.delivery == Delivery::Broken {
                 summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::connector::KvConnector;
 use crate::endpoint::EndpointId;
 use crate::error::PdError;
-use crate::outcome::{EngineCall, LegOutcome, Listener, Report, Summary, Timeline};
+use crate::outcome::{EngineCall, LegOutcome, Listener, Outcome, Report, Summary, Timeline};
 use crate::router::Router;
 
 /// Who hears how each attempt ended.
@@ -78,6 +78,18 @@ pub(crate) fn leg_outcome(e: &PdError, engine: Option<&EndpointId>) -> LegOutcom
         LegOutcome::Failed
     } else {
         LegOutcome::Abandoned
+    }
+}
+
+/// How an attempt that ended on its prefill side ended, its prefill leg judged
+/// `verdict` by [`leg_outcome`]: [`Outcome::PrefillRefused`] when the prefill answered
+/// (a 4xx: the request's fault, no engine's), else [`Outcome::PrefillFailed`]. The one
+/// rule for a refusal passed through, one that ends a stream whose decode began (both
+/// legs at once), a failed attempt's, and a continuation's fresh prefill's.
+pub(super) fn prefill_end(verdict: LegOutcome) -> Outcome {
+    match verdict {
+        LegOutcome::Answered => Outcome::PrefillRefused,
+        _ => Outcome::PrefillFailed,
     }
 }
 

@@ -288,14 +288,15 @@ impl Inner {
         } = ex;
         // One match: the leg that answered, the outcome, the marks and what the body
         // holds. The decode's own 5xx is its failure, whatever its body; a prefill's 4xx
-        // passed through ends the attempt as the prefill's.
+        // passed through ends the attempt as the prefill's refusal.
         let decoded = !matches!(stand, Stand::PrefillRefused);
         let (parts, body) = relayable(req, &route, decoded, head);
         let status = parts.status;
         let (outcome, prefill, decode, mark, fallback, guard, late, pending) = match stand {
-            // A decode leg sent at once with the prefill's was dropped: abandoned.
+            // The prefill's refusal: no decode answered, no engine to blame. A decode
+            // leg sent at once with the prefill's was dropped: abandoned.
             Stand::PrefillRefused => (
-                Outcome::PrefillFailed,
+                Outcome::PrefillRefused,
                 LegOutcome::Answered,
                 if timeline.decode_sent.is_some() {
                     LegOutcome::Abandoned

@@ -5,14 +5,13 @@ use std::sync::Mutex;
 
 use disagg_core::connector::KvGate;
 use disagg_core::endpoint::EndpointId;
-use disagg_core::endpoint::EndpointSet;
-use disagg_core::error::RouteError;
 use disagg_core::orchestrator::MissingKv;
 use disagg_core::outcome::Outcome;
 use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
-use disagg_core::router::{RequestView, Router};
 
 use super::*;
+
+mod refusals;
 
 /// Every report and summary an orchestrator told, and in which order.
 #[derive(Default)]
@@ -473,94 +472,43 @@ async fn a_concurrent_decode_dropped_for_a_prefill_refusal_is_reported_abandoned
     assert_settled(&orch);
 }
 
-/// Routes to the first prefill and the first decode, recording each attempt's outcome
-/// as its `observe` hears it (what a router that learns from outcomes learns).
-#[derive(Default)]
-struct Observing(Mutex<Vec<Outcome>>);
-
-impl Router for Observing {
-    fn select(&self, _: &RequestView<'_>, set: &EndpointSet) -> Result<Route, RouteError> {
-        let decode = set
-            .by_role(Role::Decode)
-            .first()
-            .cloned()
-            .ok_or(RouteError::NoDecode)?;
-        Ok(Route::new(
-            set.by_role(Role::Prefill).first().cloned(),
-            decode,
-        ))
-    }
-
-    fn observe(&self, _route: &Route, outcome: Outcome) {
-        self.0.lock().unwrap().push(outcome);
-    }
-}
-
-/// A prefill that refuses its leg (a 4xx, passed through to the client whole) with
-/// `connector`'s dispatch; the router's view of it, and what the listener heard.
-async fn refused(connector: impl KvConnector) -> (Vec<Outcome>, Arc<Heard>, Vec<fake::Call>) {
-    let fake = Fake::new();
-    fake.on(P1, CHAT, engine_error(400, "prompt too long").after(ms(5)));
-    fake.on(D1, CHAT, Reply::sse().after(ms(50)).frame(ms(0), DONE));
-    let router = Arc::new(Observing::default());
-    let heard = Arc::new(Heard::default());
-    let source = StaticSource::new(endpoints(&[P1], &[D1]));
-    let orch = Orchestrator::builder(source, fake.clone(), connector)
-        .router(Arc::clone(&router))
-        .listener(Arc::clone(&heard))
-        .build();
-    let resp = serve(&orch, chat(&orch)).await.unwrap();
-    assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "passed through");
-    let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
-    let err: Value = serde_json::from_slice(&all).unwrap();
-    assert_eq!(err["error"]["message"], "prompt too long", "whole");
-    assert_settled(&orch);
-    let seen = router.0.lock().unwrap().clone();
-    (seen, heard, fake.calls_to(D1))
-}
-
-/// A prefill that refuses its leg (a 4xx, the client's fault, passed through whole)
-/// ends its attempt as a prefill failure: no decode answer was delivered, so the
-/// router's `observe` (and the connector's, told the same) must not hear a success of
-/// the route (one that learns from outcomes would credit a decode that never ran).
-/// The prefill's leg answered (its engine worked), the decode's was not sent (one leg
-/// after the other) or dropped (both at once); the request is a complete client error.
+/// Both legs at once (SGLang): the decode answers an error status (relayed) at once,
+/// while the prefill still runs (it would answer after 50 ms). The prefill is dropped
+/// with the decode's answer, so the report tells it abandoned once the client's body
+/// ended, not answered (which passive health would count a success of an engine that
+/// never answered): after the decode's 503, its engine's failure; after its 400, a
+/// refusal that blames no engine.
 #[tokio::test(start_paused = true)]
-async fn a_prefill_refusal_passed_through_ends_its_attempt_as_a_prefill_failure() {
-    let sequential = refused(VllmNixl::new()).await;
-    let concurrent = refused(SglangBootstrap::with_rooms(Rooms::from_seed(7))).await;
+async fn a_concurrent_prefill_dropped_for_the_decodes_error_status_is_reported_abandoned() {
     let cases = [
-        (sequential, "sequential", 0, LegOutcome::NotSent),
-        (concurrent, "concurrent", 1, LegOutcome::Abandoned),
+        (503, Outcome::DecodeFailed, LegOutcome::Failed),
+        (400, Outcome::Success, LegOutcome::Answered),
     ];
-    for ((seen, heard, decodes), dispatch, sent, decode) in cases {
-        assert_eq!(decodes.len(), sent, "{dispatch}: decode legs sent");
+    for (status, outcome, decode) in cases {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, Reply::json(200, r#"{"id":"p"}"#).after(ms(50)));
+        fake.on(D1, CHAT, engine_error(status, "no"));
+        let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+        let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+        let resp = serve(&orch, chat(&orch)).await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "relayed");
+        within(resp.into_body().collect()).await.unwrap();
+        let p1 = fake.calls_to(P1);
+        assert!(
+            p1[0].abandoned_at().is_some(),
+            "{status}: the prefill was dropped"
+        );
         let reports = heard.reports();
         let [r] = &reports[..] else {
-            panic!("{dispatch}: one report: {reports:?}")
+            panic!("{status}: one report: {reports:?}")
         };
+        assert_eq!(r.timeline.prefill_done, None, "{status}: it never answered");
         assert_eq!(
             (r.outcome, r.prefill, r.decode),
-            (Outcome::PrefillFailed, LegOutcome::Answered, decode),
-            "{dispatch}"
+            (outcome, LegOutcome::Abandoned, decode),
+            "{status}"
         );
-        assert_eq!(
-            seen,
-            [Outcome::PrefillFailed],
-            "{dispatch}: the router heard"
-        );
-        let s = heard.summary();
-        assert_eq!(
-            (s.status, s.delivery, s.outcome, s.attempts),
-            (
-                StatusCode::BAD_REQUEST,
-                Delivery::Complete,
-                "client_error",
-                1
-            ),
-            "{dispatch}"
-        );
-        assert_eq!(heard.order(), ["report", "summary"], "{dispatch}");
+        assert_settled(&orch);
     }
 }
 
@@ -1056,8 +1004,13 @@ async fn a_missing_handoff_from_a_rank_of_the_prefills_engine_blames_the_prefill
     assert_settled(&orch);
 }
 
-/// vLLM NIXL's plan with a lead, whose KV gate never opens (nor fails).
-struct LeadStalls(VllmNixl);
+/// vLLM NIXL's plan whose KV gate never opens (nor fails), with a lead (the gate then
+/// waited for in the client's stream) or without one (waited for before the response
+/// head).
+struct GateStalls {
+    nixl: VllmNixl,
+    lead: bool,
+}
 
 /// A gate that never opens.
 #[derive(Debug)]
@@ -1071,13 +1024,13 @@ impl KvGate for Stalled {
 }
 
 #[async_trait]
-impl KvConnector for LeadStalls {
+impl KvConnector for GateStalls {
     fn name(&self) -> &'static str {
-        "nixl-lead-stalls"
+        "nixl-gate-stalls"
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
-        self.0.prepare(route, req)
+        self.nixl.prepare(route, req)
     }
 
     async fn complete(
@@ -1085,37 +1038,57 @@ impl KvConnector for LeadStalls {
         handoff: &mut Handoff,
         answer: &PrefillAnswer,
     ) -> Result<HandoffFound, ConnectorError> {
-        let found = self.0.complete(handoff, answer).await?;
-        handoff.lead = Some(Bytes::from(event(0)));
+        let found = self.nixl.complete(handoff, answer).await?;
+        if self.lead {
+            handoff.lead = Some(Bytes::from(event(0)));
+        }
         handoff.gate = Some(Arc::new(Stalled));
         Ok(found)
     }
 }
 
-/// A client that leaves a lead stream while its gate is still shut: the attempt is
-/// cancelled, its prefill (which answered) answered, and its decode leg, never sent,
-/// not sent (not abandoned: no decode span, no decode count).
+/// A client that leaves after the prefill's 200 answer, while the KV gate is still
+/// shut, before the decode leg was sent: in a lead stream (the body dropped after the
+/// lead) and before the response head (the `serve` future dropped). The attempt is
+/// cancelled, its decode leg, never sent, not sent (not abandoned: no decode span, no
+/// decode count), and its prefill abandoned, as when the deadline or a continuation's
+/// window cuts the handoff: its KV was computed and left behind, never pulled, which is
+/// no success of its engine's (an answered leg would be one for passive health).
 #[tokio::test(start_paused = true)]
-async fn a_lead_stream_left_before_its_decode_was_sent_reports_the_decode_not_sent() {
-    let fake = Fake::new();
-    fake.on(P1, CHAT, prefill_answer());
-    let (orch, heard) = heard(&fake, &[P1], LeadStalls(VllmNixl::new()), |_| {});
-    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
-    assert_eq!(data(&mut body).await, event(0), "the lead");
-    drop(body);
-    assert!(fake.calls_to(D1).is_empty(), "no decode leg was sent");
-    let reports = heard.reports();
-    let [r] = &reports[..] else {
-        panic!("one report: {reports:?}")
-    };
-    assert_eq!(r.timeline.decode_sent, None);
-    assert_eq!(
-        (r.outcome, r.prefill, r.decode),
-        (
-            Outcome::Cancelled,
-            LegOutcome::Answered,
-            LegOutcome::NotSent
-        )
-    );
-    assert_settled(&orch);
+async fn a_client_leaving_before_the_decode_was_sent_leaves_the_answered_prefill_abandoned() {
+    for lead in [true, false] {
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer());
+        let connector = GateStalls {
+            nixl: VllmNixl::new(),
+            lead,
+        };
+        let (orch, heard) = heard(&fake, &[P1], connector, |_| {});
+        if lead {
+            let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+            assert_eq!(data(&mut body).await, event(0), "the lead");
+            drop(body);
+        } else {
+            assert!(timeout(ms(10), orch.serve(chat(&orch))).await.is_err());
+        }
+        assert!(fake.calls_to(P1)[0].finished(), "lead {lead}: answered");
+        assert!(fake.calls_to(D1).is_empty(), "lead {lead}: no decode leg");
+        let reports = heard.reports();
+        let [r] = &reports[..] else {
+            panic!("lead {lead}: one report: {reports:?}")
+        };
+        assert!(r.timeline.prefill_done.is_some(), "lead {lead}");
+        assert_eq!(r.timeline.decode_sent, None, "lead {lead}");
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::Cancelled,
+                LegOutcome::Abandoned,
+                LegOutcome::NotSent
+            ),
+            "lead {lead}"
+        );
+        assert_eq!(heard.summary().delivery, Delivery::Cancelled, "lead {lead}");
+        assert_settled(&orch);
+    }
 }

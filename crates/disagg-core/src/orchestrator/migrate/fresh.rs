@@ -18,7 +18,7 @@ use crate::router::Route;
 
 use super::super::body::PendingPrefill;
 use super::super::leg_outcome;
-use super::super::report::Reporter;
+use super::super::report::{Reporter, prefill_end};
 
 /// A continuation's fresh prefill leg, told once (see the [module docs](self)).
 pub(super) struct PrefillLeg {
@@ -65,9 +65,9 @@ impl PrefillLeg {
     }
 
     /// The prefill refused its leg (a 4xx, the request's fault, not its engine's): told
-    /// now, as a refused prefill leg is (answered; the attempt failed on it).
+    /// now, as a refused prefill leg is (answered; the attempt a refusal).
     pub(super) fn refused(mut self) {
-        self.tell(Outcome::PrefillFailed, LegOutcome::Answered);
+        self.tell(Outcome::PrefillRefused, LegOutcome::Answered);
     }
 
     /// The prefill still running as the decode's stream began, `pending`, as it rides in
@@ -91,7 +91,8 @@ impl PrefillLeg {
                         .and_then(|r| r.route.prefill.as_deref());
                     let verdict = leg_outcome(e, prefill.map(|p| p.id()));
                     told.failed(verdict);
-                    self.tell(Outcome::PrefillFailed, verdict);
+                    // A refusal (a 4xx) is told as one, as on any attempt.
+                    self.tell(prefill_end(verdict), verdict);
                 }
             }
             result
@@ -200,7 +201,8 @@ mod tests {
     /// its engine is to blame (unreachable, 5xx, a handoff error naming it); a
     /// connector's error that is no engine's or another engine's, a refusal (4xx) or
     /// the request's deadline is not its engine's fault. Whatever the cause, the stream
-    /// ended for it ([`RidingEnd::ended_it`]: its decode is not blamed).
+    /// ended for it ([`RidingEnd::ended_it`]: its decode is not blamed); a refusal is
+    /// told as the attempt's refusal ([`Outcome::PrefillRefused`]), not a failure.
     #[tokio::test]
     async fn a_riding_prefill_is_blamed_only_for_its_engines_fault() {
         let p = Arc::new(Endpoint::new("http://p:1", Role::Prefill).unwrap());
@@ -279,9 +281,15 @@ mod tests {
             let [r] = &reports[..] else {
                 panic!("{what}: told once: {reports:?}")
             };
+            // A refusal is told as one, not as a failure.
+            let outcome = if verdict == LegOutcome::Answered {
+                Outcome::PrefillRefused
+            } else {
+                Outcome::PrefillFailed
+            };
             assert_eq!(
                 (r.outcome, r.prefill, r.decode),
-                (Outcome::PrefillFailed, verdict, LegOutcome::NotSent),
+                (outcome, verdict, LegOutcome::NotSent),
                 "{what}"
             );
         }

@@ -507,8 +507,8 @@ async fn a_continuations_concurrent_prefill_cut_off_by_the_client_is_reported_ab
 
 /// A continuation's fresh prefill that refuses its leg (a 4xx: the continuation's token
 /// prompt, say, one token past the model's length) is reported as a refused prefill leg
-/// is (answered, the attempt failed on its prefill), and the continuation goes on
-/// decode-only.
+/// is (answered, the attempt a refusal: no failure of the engine's), and the
+/// continuation goes on decode-only.
 #[tokio::test(start_paused = true)]
 async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode_only() {
     let fake = Fake::new();
@@ -536,7 +536,7 @@ async fn a_continuations_fresh_prefill_that_refuses_is_reported_then_goes_decode
     };
     assert_eq!(
         (refused.outcome, refused.prefill, refused.attempt),
-        (Outcome::PrefillFailed, LegOutcome::Answered, 1)
+        (Outcome::PrefillRefused, LegOutcome::Answered, 1)
     );
     assert_settled(&orch);
 }
@@ -599,7 +599,7 @@ async fn after_a_concurrent_prefill_refuses_mid_stream_it_may_be_picked_again() 
     assert!(!all.iter().any(|r| blamed(r, D2)), "{all:?}");
     let refused: Vec<&Report> = all
         .iter()
-        .filter(|r| fresh_leg(r, D2) && r.outcome == Outcome::PrefillFailed)
+        .filter(|r| fresh_leg(r, D2) && r.outcome == Outcome::PrefillRefused)
         .collect();
     let [refused] = &refused[..] else {
         panic!("the refusing prefill's leg told once: {all:?}")
@@ -1133,6 +1133,65 @@ async fn a_continuations_decode_that_refuses_it_is_not_blamed() {
                 "{what}: {c:?}"
             );
         }
+        assert_settled(&orch);
+    }
+}
+
+/// Two continuations allowed: the first's decode (D2) refuses it with a 400 (its token
+/// prompt past the model's length, say). A refusal blames no decode, but the
+/// continuation did not start: the second goes on to yet another decode (D3, never D2
+/// again), through a fresh prefill or decode-only, and the client's stream ends whole.
+#[tokio::test(start_paused = true)]
+async fn after_a_continuations_decode_refuses_it_the_next_decode_is_tried() {
+    for decode_only in [false, true] {
+        let what = format!("decode-only: {decode_only}");
+        let fake = Fake::new();
+        let reports = Reports::default();
+        continued_twice(&fake, engine_error(400, "prompt too long"));
+        if !decode_only {
+            fake.on(P1, COMPLETIONS, prefill_answer());
+            fake.on(P1, COMPLETIONS, prefill_answer());
+        }
+        let config = continuing(2, decode_only);
+        let orch = over(&fake, &[P1], &[D1, D2, D3], VllmNixl::new(), config)
+            .router(Named)
+            .listener(reports.clone())
+            .build();
+        let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+        let text = read_to_end(&mut body).await;
+        assert!(
+            text.contains("\"A\"") && text.contains("\"C\"") && text.ends_with(DONE),
+            "{what}: {text}"
+        );
+        drop(body);
+        assert_eq!(fake.calls_to(D2).len(), 1, "{what}: the first continuation");
+        let d3 = fake.calls_to(D3);
+        assert_eq!(d3.len(), 1, "{what}: the second continuation");
+        assert_eq!(
+            d3[0].json().get("kv_transfer_params").is_some(),
+            !decode_only,
+            "{what}: {}",
+            d3[0].text()
+        );
+        let all = reports.all();
+        assert!(
+            !all.iter().any(|r| blamed(r, D2)),
+            "{what}: the decode that refused is not to blame: {all:?}"
+        );
+        // The attempt's report names the decode that finished the answer (the one the
+        // stream broke on, D1, was told failed by a report of its own).
+        let answered: Vec<&Report> = all
+            .iter()
+            .filter(|r| r.attempt == 0 && r.route.decode.id().as_str() != D1)
+            .collect();
+        let [answered] = &answered[..] else {
+            panic!("{what}: the attempt reported once: {all:?}")
+        };
+        assert_eq!(
+            (answered.outcome, answered.route.decode.id().as_str()),
+            (Outcome::Success, D3),
+            "{what}: the attempt ended on D3"
+        );
         assert_settled(&orch);
     }
 }
