@@ -64,15 +64,20 @@ pub enum Outcome {
     /// (not a refusal: [`PrefillRefused`](Self::PrefillRefused)). The prefill's
     /// [`LegOutcome`] tells whether its engine is to blame.
     PrefillFailed,
-    /// The prefill refused its leg with a 4xx (the request's fault, not an engine's)
-    /// and no decode answer was delivered: the refusal passed through to the client
+    /// The request was refused on the prefill side as the client's fault, not an
+    /// engine's: the prefill's 4xx, or the connector's own refusal before any leg was
+    /// sent (a request it cannot carry,
+    /// [`ConnectorError::Unsupported`](crate::error::ConnectorError::Unsupported),
+    /// answered 400; its prefill leg [`NotSent`](LegOutcome::NotSent)). No decode
+    /// answer was delivered. A prefill's 4xx either passed through to the client
     /// (whole, or broken on its way: its body held a KV handoff the proxy could not
     /// keep from the client), or, both legs sent at once, one that came after the
     /// decode's head and ended its stream (the decode leg dropped). Neither a success
     /// of the route nor a failure of an engine: the prefill's leg is
-    /// [`Answered`](LegOutcome::Answered), the decode's
-    /// [`NotSent`](LegOutcome::NotSent) or [`Abandoned`](LegOutcome::Abandoned). A
-    /// mid-stream migration's fresh prefill that refuses its leg is told so too.
+    /// [`Answered`](LegOutcome::Answered) (or not sent, refused by the connector), the
+    /// decode's [`NotSent`](LegOutcome::NotSent) or
+    /// [`Abandoned`](LegOutcome::Abandoned). A mid-stream migration's fresh prefill
+    /// that refuses its leg is told so too.
     PrefillRefused,
     /// The attempt failed on the decode leg.
     DecodeFailed,

@@ -646,8 +646,11 @@ mod tests {
             lock(&t.seen)[0],
             format!("http://10.1.2.3:{DEFAULT_BOOTSTRAP_PORT}/query")
         );
+        // Neither a success, a client gone nor a refusal (the client's fault) says
+        // the engine changed: the cache is kept.
         c.observe(&r, Outcome::Success);
         c.observe(&r, Outcome::Cancelled);
+        c.observe(&r, Outcome::PrefillRefused);
         assert!(
             c.cached_engine_ids(r.prefill.as_ref().unwrap().id())
                 .is_some()
@@ -660,6 +663,15 @@ mod tests {
         let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
         c.resolve(&mut h, &t).await.unwrap();
         assert_eq!(t.queries.load(Ordering::Relaxed), 2);
+        // A prefill's failure forgets it too.
+        c.observe(&r, Outcome::PrefillFailed);
+        assert!(
+            c.cached_engine_ids(r.prefill.as_ref().unwrap().id())
+                .is_none()
+        );
+        let mut h = c.prepare(&r, &req(r#"{"messages":[]}"#)).unwrap();
+        c.resolve(&mut h, &t).await.unwrap();
+        assert_eq!(t.queries.load(Ordering::Relaxed), 3);
     }
 
     /// The cache is bounded by the ranks it holds, not only by its maps: sixteen

@@ -35,13 +35,14 @@ impl Failure {
         }
     }
 
-    /// The prefill side failed with `error` over `route` (a refusal, a 4xx, is
-    /// [`Outcome::PrefillRefused`]); the decode leg was `decode`.
+    /// The prefill side failed with `error` over `route` (a refusal, the prefill's 4xx
+    /// or the connector's own `Unsupported`, is [`Outcome::PrefillRefused`]:
+    /// [`prefill_end`]); the decode leg was `decode`.
     pub(super) fn prefill(route: &Route, error: PdError, decode: LegOutcome) -> Self {
         let verdict = leg_outcome(&error, route.prefill.as_deref().map(|p| p.id()));
         let report = Report::new(
             route.clone(),
-            prefill_end(verdict),
+            prefill_end(&error, verdict),
             verdict,
             decode,
             Timeline::starting(),

@@ -128,6 +128,13 @@ impl Finish {
         }
     }
 
+    /// Whether the answer relayed is the prefill's refusal (a 4xx passed through).
+    fn refusal(&self) -> bool {
+        self.report
+            .as_ref()
+            .is_some_and(|(_, r)| r.outcome == Outcome::PrefillRefused)
+    }
+
     /// The attempt ended as `outcome`; the legs' outcomes follow from it unless the
     /// report already holds one (a decode that answered 5xx failed when its head came).
     fn done(&mut self, outcome: Outcome, failed: Option<&PdError>) {
@@ -187,7 +194,8 @@ impl Finish {
                 // attempt is its refusal.
                 report.prefill =
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, prefill));
-                report.outcome = prefill_end(report.prefill);
+                report.outcome =
+                    failed.map_or(Outcome::PrefillFailed, |e| prefill_end(e, report.prefill));
                 report.decode = unsent_or_abandoned(&report.timeline);
             }
             Outcome::DecodeFailed if report.outcome == Outcome::PrefillRefused => {
@@ -277,7 +285,13 @@ impl Finish {
                 }
             };
             if summary.delivery == Delivery::Broken {
-                summary.error = Some(failed.map_or("decode_stream_failed", PdError::code));
+                summary.error = Some(match failed {
+                    Some(e) => e.code(),
+                    // The prefill's refusal, passed through, broke on its way: its
+                    // answer could not be relayed (no decode stream failed).
+                    None if report.outcome == Outcome::PrefillRefused => "prefill_failed",
+                    None => "decode_stream_failed",
+                });
             }
             reporter.summarize(&mut summary);
         }
@@ -773,8 +787,16 @@ fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Box<Finis
         }
         Tail::Error(err) => {
             *done = true;
-            let message = format!("decode stream broke: {}", error_chain(&*err));
-            tracing::warn!(%message, "decode stream failed mid-response");
+            let chain = error_chain(&*err);
+            let (message, code) = if finish.as_ref().is_some_and(|f| f.refusal()) {
+                let message = format!("prefill refusal broke: {chain}");
+                tracing::warn!(%message, "the prefill's answer could not be relayed");
+                (message, "prefill_failed")
+            } else {
+                let message = format!("decode stream broke: {chain}");
+                tracing::warn!(%message, "decode stream failed mid-response");
+                (message, "decode_stream_failed")
+            };
             if let Some(mut f) = finish.take() {
                 f.done(Outcome::DecodeFailed, None);
             }
@@ -782,7 +804,7 @@ fn end_with(end: Tail, sse: bool, done: &mut bool, finish: &mut Option<Box<Finis
                 Poll::Ready(Some(Ok(Frame::data(sse_error_event(
                     &message,
                     "server_error",
-                    "decode_stream_failed",
+                    code,
                 )))))
             } else {
                 Poll::Ready(Some(Err(err)))

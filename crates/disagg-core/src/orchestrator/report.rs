@@ -81,15 +81,22 @@ pub(crate) fn leg_outcome(e: &PdError, engine: Option<&EndpointId>) -> LegOutcom
     }
 }
 
-/// How an attempt that ended on its prefill side ended, its prefill leg judged
-/// `verdict` by [`leg_outcome`]: [`Outcome::PrefillRefused`] when the prefill answered
-/// (a 4xx: the request's fault, no engine's), else [`Outcome::PrefillFailed`]. The one
-/// rule for a refusal passed through, one that ends a stream whose decode began (both
-/// legs at once), a failed attempt's, and a continuation's fresh prefill's.
-pub(super) fn prefill_end(verdict: LegOutcome) -> Outcome {
-    match verdict {
-        LegOutcome::Answered => Outcome::PrefillRefused,
-        _ => Outcome::PrefillFailed,
+/// How an attempt that ended on its prefill side with `error` ended, its prefill leg
+/// judged `verdict` by [`leg_outcome`]: [`Outcome::PrefillRefused`] when the request was
+/// refused as the client's fault: the prefill answered (a 4xx: no engine's fault), or
+/// the error is the client's own (a 4xx of the proxy's: the connector's refusal,
+/// `Unsupported`, before any leg was sent; not a full queue); else
+/// [`Outcome::PrefillFailed`]. The one rule for a refusal passed through, one that ends
+/// a stream whose decode began (both legs at once), a failed attempt's, and a
+/// continuation's fresh prefill's.
+pub(super) fn prefill_end(error: &PdError, verdict: LegOutcome) -> Outcome {
+    // A full queue (429) is overload, not a refusal: it alone of the 4xx says when to
+    // come back.
+    let clients = error.status().is_client_error() && error.retry_after().is_none();
+    if verdict == LegOutcome::Answered || clients {
+        Outcome::PrefillRefused
+    } else {
+        Outcome::PrefillFailed
     }
 }
 

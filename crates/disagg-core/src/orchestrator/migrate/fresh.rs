@@ -92,7 +92,7 @@ impl PrefillLeg {
                     let verdict = leg_outcome(e, prefill.map(|p| p.id()));
                     told.failed(verdict);
                     // A refusal (a 4xx) is told as one, as on any attempt.
-                    self.tell(prefill_end(verdict), verdict);
+                    self.tell(prefill_end(e, verdict), verdict);
                 }
             }
             result

@@ -2,7 +2,8 @@
 //! the client's fault): [`Outcome::PrefillRefused`], never a success of the route (no
 //! decode answered) nor a failure (no engine is to blame), whether the refusal was
 //! passed through whole, ended a stream whose decode had begun, or broke on its way to
-//! the client.
+//! the client; and when the connector refuses the client's request itself, before any
+//! leg is sent.
 
 use disagg_core::connector::Leg;
 use disagg_core::endpoint::EndpointSet;
@@ -37,10 +38,13 @@ impl Router for Observing {
 }
 
 /// The connector `C`, recording each attempt's outcome as its `observe` hears it (what
-/// a connector that caches what it learned from an engine reacts to).
+/// a connector that caches what it learned from an engine reacts to); one that
+/// `refuses` cannot carry any request (its `prepare` fails `Unsupported`, as LMCache's
+/// for n > 1 or Mooncake's for `/generate`).
 struct Told<C> {
     inner: C,
     heard: Arc<Mutex<Vec<Outcome>>>,
+    refuses: bool,
 }
 
 #[async_trait]
@@ -54,6 +58,12 @@ impl<C: KvConnector> KvConnector for Told<C> {
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
+        if self.refuses {
+            return Err(ConnectorError::Unsupported {
+                connector: self.inner.name(),
+                what: "this request".into(),
+            });
+        }
         self.inner.prepare(route, req)
     }
 
@@ -104,6 +114,15 @@ struct Observed {
 
 impl Observed {
     fn new(fake: &Fake, dispatch: Dispatch) -> Self {
+        Observed::with(fake, dispatch, false)
+    }
+
+    /// As [`new`](Self::new), its connector refusing every request in `prepare`.
+    fn refusing(fake: &Fake, dispatch: Dispatch) -> Self {
+        Observed::with(fake, dispatch, true)
+    }
+
+    fn with(fake: &Fake, dispatch: Dispatch, refuses: bool) -> Self {
         let router = Arc::new(Observing::default());
         let connector = Arc::new(Mutex::new(Vec::new()));
         let heard = Arc::new(Heard::default());
@@ -115,6 +134,7 @@ impl Observed {
                 Told {
                     inner: VllmNixl::new(),
                     heard: Arc::clone(&connector),
+                    refuses,
                 },
             ),
             Dispatch::Concurrent => Orchestrator::builder(
@@ -123,6 +143,7 @@ impl Observed {
                 Told {
                     inner: SglangBootstrap::with_rooms(Rooms::from_seed(7)),
                     heard: Arc::clone(&connector),
+                    refuses,
                 },
             ),
         };
@@ -279,6 +300,50 @@ async fn a_prefill_refusal_whose_body_cannot_be_scrubbed_does_not_blame_the_deco
                 (StatusCode::BAD_REQUEST, Delivery::Broken),
                 "{what}"
             );
+            // The prefill's answer could not be relayed; no decode stream failed.
+            assert_eq!(s.error, Some("prefill_failed"), "{what}");
         }
+    }
+}
+
+/// A request the connector refuses itself (`Unsupported`: the client's fault, answered
+/// 400) before any leg is sent ends its attempt as a refusal too: a connector that
+/// forgets what it cached of the route's engines when their attempt failed must not
+/// forget it for every request it cannot carry. No engine is to blame: the prefill's
+/// leg was not sent, nor the decode's.
+#[tokio::test(start_paused = true)]
+async fn a_request_the_connector_refuses_is_told_as_a_refusal() {
+    for dispatch in [Dispatch::Sequential, Dispatch::Concurrent] {
+        let what = format!("{dispatch:?}");
+        let fake = Fake::new();
+        fake.on(P1, CHAT, Reply::json(200, "{}"));
+        fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+        let o = Observed::refusing(&fake, dispatch);
+        let err = serve(&o.orch, chat(&o.orch)).await.unwrap_err();
+        assert_eq!(err.http().status, StatusCode::BAD_REQUEST, "{what}: {err}");
+        assert_eq!(err.http().code, "unsupported_by_connector", "{what}");
+        assert_settled(&o.orch);
+        assert!(fake.calls_to(P1).is_empty(), "{what}: no prefill leg");
+        assert!(fake.calls_to(D1).is_empty(), "{what}: no decode leg");
+        let r = o.report(&what);
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::PrefillRefused,
+                LegOutcome::NotSent,
+                LegOutcome::NotSent
+            ),
+            "{what}"
+        );
+        let s = o.heard.summary();
+        assert_eq!(
+            (s.status, s.outcome, s.error),
+            (
+                StatusCode::BAD_REQUEST,
+                "client_error",
+                Some("unsupported_by_connector")
+            ),
+            "{what}"
+        );
     }
 }
