@@ -292,7 +292,8 @@ pub trait Router: Send + Sync + 'static {
     }
 
     /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). A
-    /// prefill's refusal ([`Outcome::PrefillRefused`]: a 4xx, the request's fault) is
+    /// refusal on the prefill side ([`Outcome::PrefillRefused`]: the prefill's 4xx, or
+    /// the connector's own refusal before any leg was sent; the request's fault) is
     /// neither a success of the route (no decode answered) nor a failure of its
     /// engines. The default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}

@@ -504,7 +504,12 @@ impl Inner {
         mut clock: Clock,
     ) -> Result<Response<PdBody>, PdError> {
         let Failure { error: e, report } = failure;
-        let prefill_missing = e.side() == crate::error::Side::Prefill || e.is_no_prefill();
+        // The prefill side's engine could not be had; not a request refused on it as
+        // the client's fault (the connector's `Unsupported`, a 400): no decode serves
+        // what the client must change.
+        let engine_failed =
+            e.side() == crate::error::Side::Prefill && !e.status().is_client_error();
+        let prefill_missing = engine_failed || e.is_no_prefill();
         if self.config.prefill_failure != PrefillFailure::DecodeOnly
             || !prefill_missing
             || e.is_deadline()

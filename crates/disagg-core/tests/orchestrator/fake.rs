@@ -225,6 +225,12 @@ impl Reply {
         r
     }
 
+    /// The same reply answered with `status` instead.
+    pub(crate) fn status(mut self, status: u16) -> Self {
+        self.head = Head::Status(status_code(status));
+        self
+    }
+
     /// The head (or the refusal) comes `delay` after the request.
     pub(crate) fn after(mut self, delay: Duration) -> Self {
         self.delay = delay;

@@ -1299,6 +1299,43 @@ async fn a_failed_prefill_is_served_decode_only_when_configured() {
     assert_eq!(orch.stats().prefill_fallbacks, 0);
 }
 
+/// A connector that cannot carry any request: its `prepare` refuses it `Unsupported`
+/// (as Mooncake's for `/generate`, LMCache's for n > 1).
+#[derive(Debug)]
+struct Refusing;
+
+#[async_trait]
+impl KvConnector for Refusing {
+    fn name(&self) -> &'static str {
+        "refusing"
+    }
+
+    fn prepare(&self, _: &Route, _: &PdRequest) -> Result<Handoff, ConnectorError> {
+        Err(ConnectorError::Unsupported {
+            connector: "refusing",
+            what: "this request".into(),
+        })
+    }
+}
+
+/// The decode-only fallback is for a prefill side whose engine failed, not for a
+/// request the connector refuses itself (the client's fault, a 400): that refusal
+/// reaches the client as it is, and no decode leg is sent.
+#[tokio::test(start_paused = true)]
+async fn a_request_the_connector_refuses_is_not_served_decode_only() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
+    let orch = orchestrator(&fake, &[P1], Refusing, |c| {
+        c.prefill_failure = PrefillFailure::DecodeOnly;
+    });
+    let e = serve(&orch, chat(&orch)).await.unwrap_err();
+    assert_error(&e, 400, "unsupported_by_connector");
+    assert!(fake.calls().is_empty(), "no leg sent: {:?}", fake.calls());
+    assert_eq!(orch.stats().prefill_fallbacks, 0);
+    assert_settled(&orch);
+}
+
 // === possible bugs: each test asserts what the documentation says ===
 
 #[tokio::test(start_paused = true)]

@@ -306,6 +306,59 @@ async fn a_prefill_refusal_whose_body_cannot_be_scrubbed_does_not_blame_the_deco
     }
 }
 
+/// A prefill's refusal (a 4xx) answered as an event stream whose one event holds a
+/// handoff the scrubber cannot read: the client's stream, begun with the refusal's
+/// head, ends with an in-band error event that names the prefill's answer, not a
+/// decode stream (none ran): `prefill_failed`, as the request's summary says.
+#[tokio::test(start_paused = true)]
+async fn a_streamed_prefill_refusal_that_cannot_be_scrubbed_ends_with_prefill_failed() {
+    let event =
+        "data: {\"error\":{\"message\":\"prompt too long\"},\"kv_transfer_params\":nope}\n\n";
+    let dispatches = [
+        (Dispatch::Sequential, LegOutcome::NotSent),
+        (Dispatch::Concurrent, LegOutcome::Abandoned),
+    ];
+    for (dispatch, decode) in dispatches {
+        let what = format!("{dispatch:?}");
+        let fake = Fake::new();
+        let refusal = Reply::sse().status(400).after(ms(5)).frame(ms(0), event);
+        fake.on(P1, CHAT, refusal);
+        fake.on(D1, CHAT, Reply::sse().after(ms(50)).frame(ms(0), DONE));
+        let o = Observed::new(&fake, dispatch);
+        let resp = serve(&o.orch, chat(&o.orch)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{what}");
+        let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
+        let text = std::str::from_utf8(&all).unwrap();
+        let last = text.rsplit("\n\n").find(|e| !e.trim().is_empty()).unwrap();
+        let err = error_event(last);
+        assert_eq!(err["code"], "prefill_failed", "{what}: {text}");
+        assert!(
+            err["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("prefill refusal broke: "),
+            "{what}: {err}"
+        );
+        assert_settled(&o.orch);
+        let r = o.report(&what);
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (Outcome::PrefillRefused, LegOutcome::Answered, decode),
+            "{what}"
+        );
+        let s = o.heard.summary();
+        assert_eq!(
+            (s.status, s.delivery, s.error),
+            (
+                StatusCode::BAD_REQUEST,
+                Delivery::Broken,
+                Some("prefill_failed")
+            ),
+            "{what}"
+        );
+    }
+}
+
 /// A request the connector refuses itself (`Unsupported`: the client's fault, answered
 /// 400) before any leg is sent ends its attempt as a refusal too: a connector that
 /// forgets what it cached of the route's engines when their attempt failed must not
