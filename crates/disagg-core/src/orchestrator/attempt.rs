@@ -15,7 +15,7 @@ use crate::router::{Ask, RequestView, Route};
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::{Reporter, as_far_as_it_went, leg_outcome, prefill_end};
+use super::report::{Reporter, as_far_as_it_went, leg_outcome, prefill_end, unsent_or_abandoned};
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -149,10 +149,7 @@ impl Drop for Watch<'_> {
             (Some(_), Some(_), Some(_)) => LegOutcome::Answered,
             (Some(_), _, _) => LegOutcome::Abandoned,
         };
-        let decode = match tl.decode_sent {
-            None => LegOutcome::NotSent,
-            Some(_) => LegOutcome::Abandoned,
-        };
+        let decode = unsent_or_abandoned(tl);
         let mut report = Report::new(route, Outcome::Cancelled, prefill, decode, *tl);
         report.attempt = self.number;
         report.trace = self.trace.cloned();

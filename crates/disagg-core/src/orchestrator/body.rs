@@ -40,7 +40,7 @@ use crate::policy::Permit;
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};
-use super::report::{Reporter, prefill_end};
+use super::report::{Reporter, prefill_end, unsent_or_abandoned};
 use super::respond::LateMarks;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
@@ -762,16 +762,6 @@ impl PdBody {
             }
             return Poll::Ready(Some(Ok(Frame::data(this.joined.split().freeze()))));
         }
-    }
-}
-
-/// A decode leg that did not finish, as far as it went by the attempt's steps `tl`:
-/// [`LegOutcome::NotSent`] when it was never sent (a lead stream whose gate failed, or
-/// whose client left, before it), else [`LegOutcome::Abandoned`].
-fn unsent_or_abandoned(tl: &crate::outcome::Timeline) -> LegOutcome {
-    match tl.decode_sent {
-        None => LegOutcome::NotSent,
-        Some(_) => LegOutcome::Abandoned,
     }
 }
 

@@ -114,3 +114,14 @@ pub(crate) fn as_far_as_it_went(verdict: LegOutcome, tl: &Timeline) -> LegOutcom
         (verdict, _) => verdict,
     }
 }
+
+/// A decode leg that did not finish, as far as it went by the attempt's steps `tl`:
+/// [`LegOutcome::NotSent`] when it was never sent (a lead stream whose gate failed, or
+/// whose client left, before it; a prefill refusing alone), else
+/// [`LegOutcome::Abandoned`].
+pub(super) fn unsent_or_abandoned(tl: &Timeline) -> LegOutcome {
+    match tl.decode_sent {
+        None => LegOutcome::NotSent,
+        Some(_) => LegOutcome::Abandoned,
+    }
+}

@@ -23,6 +23,7 @@ use super::body::{Finish, PdBody, PendingPrefill, StreamTimer};
 use super::clock::{Clock, server_timing};
 use super::config::{FAILED_LEG_HEADER, FALLBACK_HEADER, SERVER_TIMING};
 use super::legs::end_to_end;
+use super::report::unsent_or_abandoned;
 use crate::proto::HANDOFF_HEADER;
 use crate::proto::unrelayable;
 
@@ -298,11 +299,7 @@ impl Inner {
             Stand::PrefillRefused => (
                 Outcome::PrefillRefused,
                 LegOutcome::Answered,
-                if timeline.decode_sent.is_some() {
-                    LegOutcome::Abandoned
-                } else {
-                    LegOutcome::NotSent
-                },
+                unsent_or_abandoned(&timeline),
                 None,
                 None,
                 None,
