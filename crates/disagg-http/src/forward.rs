@@ -614,7 +614,8 @@ async fn one_answer(
     let ms = timeout.as_millis();
     let resp = match tokio::time::timeout_at(deadline, transport.send(req)).await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) => return Err(e.to_string().into()),
+        // With its causes: the transport's own words say only that it failed.
+        Ok(Err(e)) => return Err(error_chain(&e).into()),
         Err(_) => return Err(format!("no answer within {ms} ms").into()),
     };
     let status = resp.status();

@@ -550,3 +550,34 @@ async fn an_answer_stalled_mid_body_is_cut_at_the_engine_timeout() {
         assert_eq!(report.written, 7, "{what}: {report:?}");
     }
 }
+
+/// An engine that cannot be reached is listed with no status and the transport's error
+/// with its causes (the operator tells a refused connection from a name that does not
+/// resolve), on every fanned-out route kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_engine_is_listed_with_the_cause_of_its_failure() {
+    let (_answered, watching) = watch::channel(0u64);
+    let (p, _) = raw_engine(good(), watching).await;
+    // A port nothing listens on: bound, then closed.
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let d = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let addr = proxy(&p, &d, LONG_ENGINE_TIMEOUT).await;
+    for (method, path, body) in REQUESTS {
+        let got = request(addr, method, path, body).await;
+        let v = &got.json;
+        assert_eq!(got.status, 502, "{path}: {}", got.text);
+        assert_eq!(v["error"]["code"], "fan_out_failed", "{path}: {v}");
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results[0]["status"], 200, "{path}: {v}");
+        assert_eq!(results[1]["endpoint"], d.as_str(), "{path}: {v}");
+        assert_eq!(results[1]["status"], Value::Null, "{path}: no head came: {v}");
+        let error = results[1]["error"].as_str().unwrap();
+        // The transport's own words, then its cause (the OS's, which differs by
+        // platform: only its presence is asserted).
+        let cause = error.strip_prefix("connection failed: ");
+        assert!(cause.is_some_and(|c| !c.trim().is_empty()), "{path}: {error}");
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(message.contains(error), "{path}: the message names the cause: {message}");
+    }
+}
