@@ -474,7 +474,8 @@ pub fn run(
     let (stop_listener, listener_stop) = tokio::sync::watch::channel(false);
     let (notifications, listener) = match args.connector {
         ConnectorArg::Lmcache => {
-            let (n, thread) = lmcache_listener(&args.lmcache, args.listen, listener_stop)?;
+            let (n, thread) =
+                lmcache_listener(&args.lmcache, notify_ttl(args)?, args.listen, listener_stop)?;
             (Some(n), Some(thread))
         }
         _ => (None, None),

@@ -102,6 +102,18 @@ const CHAT_ONLY: &[&str] = &[
     "audio",
 ];
 
+/// The connector's name ([`Lmcache`]'s `name`), as its errors give it.
+const NAME: &str = "lmcache";
+
+/// The refusal (400, [`ConnectorError::Unsupported`]) of a request the connector
+/// cannot serve, `what` it is: every client refusal of the connector is made here.
+fn refused(what: impl Into<String>) -> ConnectorError {
+    ConnectorError::Unsupported {
+        connector: NAME,
+        what: what.into(),
+    }
+}
+
 /// Why a grammar-constrained request is served by a decode engine alone (see
 /// [`Lmcache`]'s `check`).
 pub(crate) const GRAMMAR: &str = "grammar";
@@ -518,7 +530,7 @@ fn check_tp(
             prefill: prefill.id().clone(),
             decode: decode.id().clone(),
             mismatch: Mismatch::TpSize {
-                connector: "lmcache",
+                connector: NAME,
                 prefill: p,
                 decode: ranks,
             },
@@ -546,7 +558,7 @@ impl KvGate for Gate {
 #[async_trait]
 impl KvConnector for Lmcache {
     fn name(&self) -> &'static str {
-        "lmcache"
+        NAME
     }
 
     /// The legs are vLLM's: the prefill gets other `max_tokens`, `min_tokens`, `stream`
@@ -582,20 +594,16 @@ impl KvConnector for Lmcache {
         let receiver = &receiver;
         check_tp(prefill_ep, &route.decode, receiver)?;
         let body = req.body();
-        let unsupported = |what: &str| ConnectorError::Unsupported {
-            connector: self.name(),
-            what: what.to_owned(),
-        };
         if req.api() == Api::Generate {
             // LMCache's legs are vLLM's OpenAI routes; SGLang's API has no place there.
-            return Err(unsupported("SGLang's native /generate API"));
+            return Err(refused("SGLang's native /generate API"));
         }
         // Its legs are built for chat and completions bodies only.
         crate::common::carries(self.name(), req.api(), &[Api::Chat, Api::Completions])?;
         if int_field(body, "n").is_some_and(|n| n > 1)
             || int_field(body, "best_of").is_some_and(|n| n > 1)
         {
-            return Err(unsupported("more than one choice (n, best_of)"));
+            return Err(refused("more than one choice (n, best_of)"));
         }
         let chat = req.api() == Api::Chat;
         // The prompt is checked here when that is cheap (see `prompt`), else by

@@ -80,8 +80,12 @@ const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(24 * 60 * 60);
 #[derive(Debug, Clone)]
 pub struct NotifyConfig {
     /// Age after which a registration is evicted, whatever its state (default 120 s). A
-    /// safety net for registrations whose owner forgot them; keep it above the longest
-    /// prefill plus KV transfer.
+    /// safety net for registrations whose owner forgot them, not a timeout: an evicted
+    /// waiter fails ([`WaitError::Evicted`]). [`Lmcache`](super::Lmcache) registers a
+    /// request before its prefill leg is sent and waits once the prefill answered, so
+    /// an embedder keeps this above its prefill budget plus its KV-ready wait
+    /// (`OrchestratorConfig::prefill_timeout` plus `handoff_timeout`: 310 s with theirs
+    /// by default, above this default); `disagg-proxy serve` derives it from them.
     pub ttl: Duration,
     /// How often the sweeper looks for expired registrations (default 1 s; kept between
     /// 1 ms and one day). Expired registrations are also removed by [`Notifications::register`].

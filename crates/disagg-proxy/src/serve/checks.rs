@@ -1,6 +1,7 @@
 //! The checks every `serve` start makes of its flags before anything is built or any
-//! engine asked: each time flag (whether or not its feature is on), the Kubernetes
-//! client's bounds, and each per-engine flag given at most once per engine.
+//! engine asked: each time flag (whether or not its feature is on), LMCache's
+//! registration TTL against the budgets it must outlive, the Kubernetes client's
+//! bounds, and each per-engine flag given at most once per engine.
 
 use std::collections::HashSet;
 
@@ -13,6 +14,9 @@ use super::flags::{ServeArgs, secs};
 /// twice for one engine is refused rather than one of its values silently kept.
 pub(super) fn check_flags(args: &ServeArgs) -> Result<(), BoxError> {
     check_time_flags(args)?;
+    // LMCache's registrations outlive the budgets they are waited on within, whether or
+    // not the connector is LMCache.
+    super::connectors::notify_ttl(args)?;
     args.discovery.check_k8s_bounds()?;
     check_once_per_engine(args)
 }
@@ -28,9 +32,13 @@ fn check_time_flags(args: &ServeArgs) -> Result<(), BoxError> {
         ("drain-timeout", args.drain_timeout),
         ("client-send-timeout", args.client_send_timeout),
         ("body-timeout", args.client_body.body_timeout),
-        ("lmcache-notify-ttl", args.lmcache.lmcache_notify_ttl),
         ("decoder-kv-blocks-ttl", args.bidi.decoder_kv_blocks_ttl),
     ];
+    flags.extend(
+        args.lmcache
+            .lmcache_notify_ttl
+            .map(|t| ("lmcache-notify-ttl", t)),
+    );
     flags.extend(args.reliability.time_flags());
     flags.extend(args.discovery.time_flags());
     flags.extend(args.kv_events.time_flags());

@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use disagg_connectors::lmcache::{Lmcache, Notifications, NotifyConfig};
 use disagg_connectors::sglang::SglangBootstrap;
@@ -16,7 +17,7 @@ use disagg_core::KvConnector;
 
 use crate::BoxError;
 
-use super::flags::{ConnectorArg, LmcacheArgs, ReuseArg, secs};
+use super::flags::{ConnectorArg, LmcacheArgs, ReuseArg, ServeArgs, secs};
 
 impl ConnectorArg {
     /// The protocol's name, as on the command line.
@@ -77,18 +78,71 @@ pub(super) fn notify_address(args: &LmcacheArgs, listen: SocketAddr) -> String {
         .unwrap_or_else(|| SocketAddr::new(listen.ip(), 7500).to_string())
 }
 
+/// What an unset `--lmcache-notify-ttl` adds to `--prefill-timeout` plus
+/// `--handoff-timeout` ([`notify_ttl`]): room for the steps between them that have no
+/// budget of their own and await nothing (the end of the plan's resolution, the fold
+/// of the prefill's answer), so a registration is never evicted from a request still
+/// within its budgets.
+const NOTIFY_TTL_MARGIN: Duration = Duration::from_secs(10);
+
+/// How long LMCache's notification registry keeps a request's registration
+/// (`NotifyConfig::ttl`): `--lmcache-notify-ttl` as given, or else `--prefill-timeout`
+/// plus `--handoff-timeout` plus [`NOTIFY_TTL_MARGIN`] (320 s with their defaults).
+///
+/// The connector registers a request as its plan's resolution ends, before the
+/// prefill leg is sent, and the decode leg waits for the notifications once the prefill
+/// answered, within the handoff budget: the registration is waited on for up to the
+/// prefill's budget and one handoff budget after it was made. A TTL shorter than their
+/// sum evicts it from a request still within its budgets, which then fails (`NotReady`,
+/// no engine blamed) though nothing went wrong. A mid-stream migration's continuation
+/// through a fresh prefill registers anew, under the same budgets (and is cut at one
+/// decode head timeout from the break): no registration is waited on longer. A 0
+/// budget is a step given no time (it fails at once), not "no limit": the sum is
+/// bounded whatever the flags, at least the margin.
+///
+/// # Errors
+///
+/// A TTL or budget that is no duration ([`secs`]), or a TTL given shorter than the
+/// sum of the budgets (refused at start whatever the connector, as the time flags are).
+pub(super) fn notify_ttl(args: &ServeArgs) -> Result<Duration, BoxError> {
+    let prefill = secs(args.prefill_timeout, "prefill-timeout")?;
+    let handoff = secs(args.reliability.handoff_timeout, "handoff-timeout")?;
+    // Each at most 10^9 s: the sum cannot overflow.
+    let budgets = prefill + handoff;
+    let Some(given) = args.lmcache.lmcache_notify_ttl else {
+        return Ok(budgets + NOTIFY_TTL_MARGIN);
+    };
+    let ttl = secs(given, "lmcache-notify-ttl")?;
+    if ttl < budgets {
+        return Err(format!(
+            "--lmcache-notify-ttl ({given} s) is shorter than --prefill-timeout ({} s) plus \
+             --handoff-timeout ({} s): a request's LMCache registration would be forgotten \
+             while it still waits within them, and the request fail; give at least {} s, or \
+             leave it unset ({} s, their sum plus {} s)",
+            prefill.as_secs_f64(),
+            handoff.as_secs_f64(),
+            budgets.as_secs_f64(),
+            (budgets + NOTIFY_TTL_MARGIN).as_secs_f64(),
+            NOTIFY_TTL_MARGIN.as_secs(),
+        )
+        .into());
+    }
+    Ok(ttl)
+}
+
 /// Binds LMCache's notification socket on a thread of its own, which runs the socket
 /// until `stop` turns `true` or its sender is dropped. Not the proxy's shutdown signal:
 /// requests draining after it still wait for their notifications here, so `run` stops
 /// the listener only once the serving threads have returned.
 pub(super) fn lmcache_listener(
     args: &LmcacheArgs,
+    ttl: Duration,
     listen: SocketAddr,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(Notifications, std::thread::JoinHandle<()>), BoxError> {
     let notify = notify_address(args, listen);
     let config = NotifyConfig {
-        ttl: secs(args.lmcache_notify_ttl, "lmcache-notify-ttl")?,
+        ttl,
         ..NotifyConfig::default()
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

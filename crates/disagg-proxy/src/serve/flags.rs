@@ -308,10 +308,14 @@ pub struct LmcacheArgs {
     /// several.
     #[arg(long = "lmcache-receiver", value_name = "URL=HOST:INIT:ALLOC", value_parser = parse_receiver)]
     pub(crate) lmcache_receivers: Vec<(String, LmcacheReceiver)>,
-    /// LMCache: seconds after which a request still waiting for notifications is
-    /// forgotten (the handoff budget, --handoff-timeout, normally ends the wait first).
-    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
-    pub(crate) lmcache_notify_ttl: f64,
+    /// LMCache: seconds after which a request's registration for its notifications,
+    /// made before its prefill leg is sent, is forgotten (the prefill and handoff
+    /// budgets normally end the wait first). Default: --prefill-timeout plus
+    /// --handoff-timeout plus 10 s (320 s with their defaults; at least 10 s, a 0 budget
+    /// being no time for its step, not "no limit"). Shorter than --prefill-timeout plus
+    /// --handoff-timeout is refused at start: a slow prefill's request would fail.
+    #[arg(long, value_name = "SECS")]
+    pub(crate) lmcache_notify_ttl: Option<f64>,
 }
 
 pub(crate) fn parse_receiver(s: &str) -> Result<(String, LmcacheReceiver), String> {

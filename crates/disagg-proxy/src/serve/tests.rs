@@ -2,13 +2,14 @@
 
 use super::*;
 use disagg_pairing::KvProfile;
+use std::time::Duration;
 
 #[test]
 fn the_lmcache_socket_defaults_to_the_listen_host() {
     let args = |notify: Option<&str>| LmcacheArgs {
         lmcache_notify: notify.map(str::to_owned),
         lmcache_receivers: Vec::new(),
-        lmcache_notify_ttl: 120.0,
+        lmcache_notify_ttl: None,
     };
     let local: SocketAddr = "127.0.0.1:8000".parse().unwrap();
     assert_eq!(notify_address(&args(None), local), "127.0.0.1:7500");
@@ -466,4 +467,69 @@ fn a_per_engine_flag_given_twice_for_one_engine_stops_the_proxy() {
         "http://127.0.0.1:2=a",
     ])
     .expect("distinct engines and ranks start");
+}
+
+/// The flags `args` parse to.
+fn parsed<const N: usize>(args: [&str; N]) -> ServeArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    Cli::try_parse_from(std::iter::once("x").chain(args))
+        .unwrap()
+        .serve
+}
+
+/// Unset, `--lmcache-notify-ttl` is `--prefill-timeout` plus `--handoff-timeout` plus
+/// 10 s, as its help says: a registration outlives the prefill and the KV-ready wait
+/// it is kept through. Given, it is kept as given.
+#[test]
+fn the_lmcache_ttl_is_the_prefill_and_handoff_budgets_and_10_seconds_unless_given() {
+    let ttl = |args: ServeArgs| notify_ttl(&args).unwrap();
+    let s = Duration::from_secs_f64;
+    // The defaults: 300 + 10 + 10.
+    assert_eq!(ttl(parsed([])), s(320.0));
+    let (p, h) = ("--prefill-timeout", "--handoff-timeout");
+    assert_eq!(ttl(parsed([p, "600", h, "30"])), s(640.0));
+    assert_eq!(ttl(parsed([p, "0.5", h, "0.25"])), s(10.75));
+    // 0 is a budget of no time (every such step fails at once), not "no limit": the
+    // sum stays bounded, 10 s.
+    assert_eq!(ttl(parsed([p, "0", h, "0"])), s(10.0));
+    // Given: kept, the sum of the budgets included.
+    let t = "--lmcache-notify-ttl";
+    assert_eq!(ttl(parsed([t, "400"])), s(400.0));
+    assert_eq!(ttl(parsed([t, "310"])), s(310.0));
+    assert_eq!(ttl(parsed([p, "100", h, "20", t, "120"])), s(120.0));
+}
+
+/// A `--lmcache-notify-ttl` shorter than `--prefill-timeout` plus `--handoff-timeout`
+/// would evict a request's registration while it still waits within those budgets:
+/// refused at start, whatever the connector (as the time flags are), naming the three
+/// flags and their values.
+#[test]
+fn an_lmcache_ttl_below_the_prefill_and_handoff_budgets_stops_the_proxy() {
+    let [p, pu, d, du] = PD;
+    let t = "--lmcache-notify-ttl";
+    for connector in ["nixl", "lmcache"] {
+        let err = refused_start([p, pu, d, du, "--connector", connector, t, "120"]);
+        for part in [
+            "--lmcache-notify-ttl (120 s)",
+            "--prefill-timeout (300 s)",
+            "--handoff-timeout (10 s)",
+            "310 s",
+        ] {
+            assert!(err.contains(part), "{connector}: {part}: {err}");
+        }
+    }
+    let (pt, ht) = ("--prefill-timeout", "--handoff-timeout");
+    let err = refused_start([p, pu, d, du, pt, "100", ht, "20", t, "119.5"]);
+    assert!(
+        err.contains("--lmcache-notify-ttl (119.5 s)") && err.contains("120 s"),
+        "{err}"
+    );
+    // The sum itself is long enough.
+    starts([p, pu, d, du, pt, "100", ht, "20", t, "120"]).expect("the sum is enough");
+    starts([p, pu, d, du, pt, "100", ht, "20"]).expect("unset, it is derived");
 }

@@ -13,6 +13,8 @@ use disagg_tokenize::EngineError;
 use disagg_tokenize::engine::{IdsError, read_ids, request_tokens};
 use disagg_tokenize::prompt::BlockingLimit;
 
+use super::refused;
+
 /// The prompt's token ids, at most `max` of them: the prefill engine's `/tokenize`
 /// answer to `tokenize` (the exchange `disagg-tokenize`'s `EngineTokenizer` makes too)
 /// when the prompt is to be tokenized, else the client's own ids (`prompt`, a JSON
@@ -57,9 +59,9 @@ pub(super) async fn prompt_ids(
                 IdsError::TooMany { .. } => too_long(max),
                 IdsError::Blocking(e) => lost("reading the prompt's token ids", &e),
                 // `Invalid`: the client's prompt is no list of token ids.
-                _ => refused("a prompt that is not a list of token ids".to_owned()),
+                _ => refused("a prompt that is not a list of token ids"),
             }),
-        (None, None) => Err(refused("a request without a prompt".to_owned())),
+        (None, None) => Err(refused("a request without a prompt")),
     }
 }
 
@@ -97,19 +99,10 @@ fn too_long(max: usize) -> ConnectorError {
     refused(format!("a prompt of more than {max} token ids"))
 }
 
-/// The refusal (400, [`ConnectorError::Unsupported`]) of the client's prompt, `what`
-/// it is.
-fn refused(what: String) -> ConnectorError {
-    ConnectorError::Unsupported {
-        connector: "lmcache",
-        what,
-    }
-}
-
 /// The refusal (400) of a prompt of no token ids: the client's `[]`, or text the
 /// prefill tokenized to nothing (vLLM refuses an empty prompt itself).
 pub(super) fn empty() -> ConnectorError {
-    refused("an empty prompt (no token ids)".to_owned())
+    refused("an empty prompt (no token ids)")
 }
 
 /// The failure of `what` when the blocking pool lost its job (`e`): the proxy's

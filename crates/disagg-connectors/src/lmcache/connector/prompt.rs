@@ -13,7 +13,7 @@ use bytes::Bytes;
 use disagg_core::error::ConnectorError;
 use disagg_tokenize::prompt::{BlockingLimit, READ_OFF_LOOP_FROM, off_loop};
 
-use super::{completion_tokenize, ids, media};
+use super::{completion_tokenize, ids, media, refused};
 
 /// What a completions `prompt` is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,18 +104,14 @@ pub(crate) enum Unchecked {
 
 /// The refusal (400) of a batch of completions prompts.
 pub(super) fn batch() -> ConnectorError {
-    ConnectorError::Unsupported {
-        connector: "lmcache",
-        what: "a batch of prompts".to_owned(),
-    }
+    refused("a batch of prompts")
 }
 
 /// The refusal (400) of a chat with a media part of `kind`.
 pub(super) fn with_media(kind: &str) -> ConnectorError {
-    ConnectorError::Unsupported {
-        connector: "lmcache",
-        what: format!("media in a chat (a `{kind}` part): its legs carry token ids, not media"),
-    }
+    refused(format!(
+        "media in a chat (a `{kind}` part): its legs carry token ids, not media"
+    ))
 }
 
 /// `unchecked`, checked on Tokio's blocking pool within `blocking`, as `prepare` checks
