@@ -331,10 +331,11 @@ pub trait KvConnector: Send + Sync + 'static {
     /// the attempt failed ([`Outcome::PrefillFailed`], [`Outcome::DecodeFailed`]; which
     /// leg's engine is to blame is the report's [`LegOutcome`](crate::outcome::LegOutcome),
     /// heard by a [`Listener`](crate::outcome::Listener)), not when the request was
-    /// refused on the prefill side ([`Outcome::PrefillRefused`]: the prefill's 4xx, or
-    /// the connector's own refusal before any leg was sent; the request's fault, which
-    /// every bad prompt gets) nor when the client left. The default does nothing. Called once
-    /// per attempt; must be cheap and must not block.
+    /// refused ([`Outcome::PrefillRefused`]: the prefill's 4xx, or the connector's own
+    /// refusal before any leg was sent; [`Outcome::DecodeRefused`]: the decode's own
+    /// 4xx; the request's fault, which every bad prompt gets) nor when the client left.
+    /// The default does nothing. Called once per attempt; must be cheap and must not
+    /// block.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// The body of the leg that releases the KV a prefill handed over for `decode`, when

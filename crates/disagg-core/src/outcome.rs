@@ -57,8 +57,9 @@ use crate::router::Route;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Outcome {
-    /// The decode answer was delivered in full (or the prefill's, when it was the
-    /// whole answer and no decode leg was needed).
+    /// The decode's answer (a 2xx: its 4xx is [`DecodeRefused`](Self::DecodeRefused))
+    /// was delivered in full (or the prefill's, when it was the whole answer and no
+    /// decode leg was needed).
     Success,
     /// The attempt failed on the prefill side: its leg, or the handoff step after it
     /// (not a refusal: [`PrefillRefused`](Self::PrefillRefused)). The prefill's
@@ -79,8 +80,22 @@ pub enum Outcome {
     /// [`Abandoned`](LegOutcome::Abandoned). A mid-stream migration's fresh prefill
     /// that refuses its leg is told so too.
     PrefillRefused,
-    /// The attempt failed on the decode leg.
+    /// The attempt failed on the decode leg (not a refusal:
+    /// [`DecodeRefused`](Self::DecodeRefused)). The decode's [`LegOutcome`] tells whether
+    /// its engine is to blame.
     DecodeFailed,
+    /// The request was refused on the decode side as the client's fault, not an
+    /// engine's: the decode's own 4xx (a prompt too long for it, say), passed through to
+    /// the client as the engine wrote it, or, on a stream the orchestrator began before
+    /// the decode leg was sent (a plan's lead), one that ended that stream. No decode
+    /// answer was delivered. Neither a success of the route nor a failure of an engine:
+    /// the decode's leg is [`Answered`](LegOutcome::Answered) (its engine worked), the
+    /// prefill's as far as it went ([`Answered`](LegOutcome::Answered),
+    /// [`NotSent`](LegOutcome::NotSent) for a decode served alone, or, both legs sent at
+    /// once, [`Abandoned`](LegOutcome::Abandoned): dropped with the answer). A mid-stream
+    /// migration's continuation through a fresh prefill whose decode refuses its leg is
+    /// told so too.
+    DecodeRefused,
     /// The client went away first.
     Cancelled,
 }
@@ -190,7 +205,8 @@ pub struct Timeline {
     /// The prefill leg was sent.
     pub prefill_sent: Option<Instant>,
     /// The prefill engine answered (for a concurrent handoff whose prefill was still
-    /// running at the decode's head: when it answered, before the stream ended).
+    /// running at the decode's head: when its exchange ended, before the stream did,
+    /// whether it answered, refused or failed).
     pub prefill_done: Option<Instant>,
     /// The handoff step began: the prefill's answer (sequential), or the plan's
     /// resolution (concurrent).

@@ -293,9 +293,10 @@ pub trait Router: Send + Sync + 'static {
 
     /// Optional feedback: how an attempt over `route` ended (see [`Outcome`]). A
     /// refusal on the prefill side ([`Outcome::PrefillRefused`]: the prefill's 4xx, or
-    /// the connector's own refusal before any leg was sent; the request's fault) is
-    /// neither a success of the route (no decode answered) nor a failure of its
-    /// engines. The default does nothing.
+    /// the connector's own refusal before any leg was sent) or on the decode side
+    /// ([`Outcome::DecodeRefused`]: the decode's own 4xx), the request's fault, is
+    /// neither a success of the route (no decode answer was delivered) nor a failure of
+    /// its engines. The default does nothing.
     fn observe(&self, _route: &Route, _outcome: Outcome) {}
 
     /// Whether this router reads [`RequestView::tokens`]: the orchestrator tokenizes a

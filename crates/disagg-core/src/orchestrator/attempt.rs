@@ -15,7 +15,9 @@ use crate::router::{Ask, RequestView, Route};
 
 use super::Inner;
 use super::clock::{Clock, within};
-use super::report::{Reporter, as_far_as_it_went, leg_outcome, prefill_end, unsent_or_abandoned};
+use super::report::{
+    Reporter, as_far_as_it_went, decode_end, leg_outcome, prefill_end, unsent_or_abandoned,
+};
 use super::respond::{Exchange, Stand};
 
 /// How an attempt ended without an answer for the client.
@@ -64,14 +66,16 @@ impl Failure {
         Some(report)
     }
 
-    /// The decode leg failed with `error` over `route`, the prefill leg having gone as
+    /// The decode leg failed with `error` over `route` (its refusal, a 4xx, is
+    /// [`Outcome::DecodeRefused`]: [`decode_end`]), the prefill leg having gone as
     /// `prefill`.
     pub(super) fn decode(route: &Route, error: PdError, prefill: LegOutcome) -> Self {
+        let verdict = leg_outcome(&error, Some(route.decode.id()));
         let report = Report::new(
             route.clone(),
-            Outcome::DecodeFailed,
+            decode_end(verdict),
             prefill,
-            leg_outcome(&error, Some(route.decode.id())),
+            verdict,
             Timeline::starting(),
         );
         Failure {

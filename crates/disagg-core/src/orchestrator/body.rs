@@ -40,7 +40,7 @@ use crate::policy::Permit;
 use crate::transport::BoxBody;
 
 use super::answer::{Scrubber, scrubbed_kind};
-use super::report::{Reporter, prefill_end, unsent_or_abandoned};
+use super::report::{Reporter, decode_end, prefill_end, unsent_or_abandoned};
 use super::respond::LateMarks;
 
 /// The prefill exchange of a concurrent handoff, still running when the decode's head
@@ -164,27 +164,23 @@ impl Finish {
             (Some(m), Some(_)) => m.take_log(),
             _ => Vec::new(),
         };
+        if report.prefill == LegOutcome::Abandoned
+            && self.late.as_ref().is_some_and(|l| l.answered())
+        {
+            // A concurrent prefill still running at the decode's head that then answered
+            // well: its engine worked, whatever became of the decode afterwards (its
+            // stream broke, ran out of time, or the client left). One dropped before it
+            // answered (with a decode's error status, a decode that broke first) stays
+            // abandoned.
+            report.prefill = LegOutcome::Answered;
+        }
         match outcome {
-            Outcome::Success => {
-                if report.decode == LegOutcome::Failed {
-                    report.outcome = Outcome::DecodeFailed;
-                } else if report.outcome != Outcome::PrefillRefused {
-                    // The decode leg stays as its head told it: answered, or not sent
-                    // (the prefill's answer was the whole answer).
-                    report.outcome = Outcome::Success;
-                }
-                // A refusal of the prefill's (a 4xx), passed through whole, stays the
-                // prefill's refusal: no decode answered (its leg not sent, or dropped
-                // when both were sent at once), whatever a router learns from a
-                // success.
-                if report.prefill == LegOutcome::Abandoned && report.timeline.prefill_done.is_some()
-                {
-                    // A concurrent prefill still running at the head: the stream ends
-                    // only once it answered well. One dropped with a decode's error
-                    // status never answered: it stays abandoned.
-                    report.prefill = LegOutcome::Answered;
-                }
-            }
+            // The attempt stays as the head told it: a success (the decode leg answered,
+            // or not sent: the prefill's answer was the whole answer), the decode's
+            // failure (a 5xx), or a refusal passed through whole, the prefill's (no
+            // decode answered: its leg not sent, or dropped when both were sent at once)
+            // or the decode's own (a 4xx), whatever a router learns from a success.
+            Outcome::Success => {}
             Outcome::PrefillFailed | Outcome::PrefillRefused => {
                 let prefill = report.route.prefill.as_deref().map(|p| p.id());
                 // A prefill that had answered (a lead stream's gate failed after it)
@@ -205,11 +201,13 @@ impl Finish {
                 // or the one sent at once was dropped before its head).
                 report.decode = unsent_or_abandoned(&report.timeline);
             }
-            Outcome::DecodeFailed => {
-                report.outcome = Outcome::DecodeFailed;
+            Outcome::DecodeFailed | Outcome::DecodeRefused => {
+                // A decode that refused its leg (a 4xx) after a lead of the proxy's own
+                // ended the stream with its refusal: its leg answered.
                 let decode = Some(report.route.decode.id());
                 report.decode =
                     failed.map_or(LegOutcome::Failed, |e| super::leg_outcome(e, decode));
+                report.outcome = decode_end(report.decode);
             }
             Outcome::Cancelled => {
                 report.outcome = Outcome::Cancelled;
@@ -244,10 +242,13 @@ impl Finish {
             // the decode is not to blame, its leg cut off.
             report.decode = LegOutcome::Abandoned;
         }
-        if applied.prefill_broke && report.outcome == Outcome::Success {
+        if applied.prefill_broke
+            && matches!(report.outcome, Outcome::Success | Outcome::DecodeRefused)
+        {
             // Its stream ended for the fresh prefill riding in it (which failed, told
             // by its own report, whoever is to blame) and was not continued: the
-            // attempt failed, its decode's leg cut off.
+            // attempt failed, its decode's leg cut off (a refusal the stream then ended
+            // with is a later continuation's decode's, told by that one's report).
             report.outcome = Outcome::DecodeFailed;
             report.decode = LegOutcome::Abandoned;
         }
@@ -280,9 +281,10 @@ impl Finish {
             summary.delivery = match outcome {
                 Outcome::Success => Delivery::Complete,
                 Outcome::Cancelled => Delivery::Cancelled,
-                Outcome::PrefillFailed | Outcome::PrefillRefused | Outcome::DecodeFailed => {
-                    Delivery::Broken
-                }
+                Outcome::PrefillFailed
+                | Outcome::PrefillRefused
+                | Outcome::DecodeFailed
+                | Outcome::DecodeRefused => Delivery::Broken,
             };
             if summary.delivery == Delivery::Broken {
                 summary.error = Some(match failed {
@@ -317,8 +319,8 @@ enum Tail {
     Abort(PdError),
 }
 
-/// The time limits of a decode stream: the longest silence between two chunks, and the
-/// request's deadline.
+/// The time limits of a decode stream: the longest silence between two chunks once the
+/// decode's head came, and the request's deadline.
 ///
 /// One timer for both, moved only when it fires: a chunk just notes the time it came
 /// (no timer reset per chunk), and a timer that fires early is set again to the true
@@ -327,16 +329,22 @@ pub(crate) struct StreamTimer {
     sleep: Pin<Box<tokio::time::Sleep>>,
     idle: Option<Duration>,
     deadline: Option<Instant>,
-    last: Instant,
+    /// When the last chunk came (or the timer started); `None` while the stream waits
+    /// for its decode's head after a lead of the proxy's own: no limit runs then. The
+    /// wait for the KV gate and for that head is the proxy's, each step within a budget
+    /// of its own and the deadline, not a silence of the decode's.
+    last: Option<Instant>,
     endpoint: EndpointId,
 }
 
 impl StreamTimer {
-    /// A timer for a stream from `endpoint`, or `None` when it has no limit.
+    /// A timer for a stream from `endpoint`, or `None` when it has no limit; `held`
+    /// until the decode's head came when the stream began before it (a lead).
     pub(crate) fn new(
         idle: Option<Duration>,
         deadline: Option<Instant>,
         endpoint: &EndpointId,
+        held: bool,
     ) -> Option<Self> {
         if idle.is_none() && deadline.is_none() {
             return None;
@@ -346,7 +354,7 @@ impl StreamTimer {
             sleep: Box::pin(tokio::time::sleep_until(now)),
             idle,
             deadline,
-            last: now,
+            last: (!held).then_some(now),
             endpoint: endpoint.clone(),
         };
         let at = t.limit();
@@ -356,25 +364,43 @@ impl StreamTimer {
 
     /// When the stream must have said something (or ended) by.
     fn limit(&self) -> Instant {
-        let idle = self.idle.and_then(|i| self.last.checked_add(i));
+        let idle = self
+            .idle
+            .zip(self.last)
+            .and_then(|(i, last)| last.checked_add(i));
         match (idle, self.deadline) {
             (Some(i), Some(d)) => i.min(d),
             (Some(i), None) => i,
             (None, Some(d)) => d,
-            // Not built without a limit; far away if it were.
-            (None, None) => self.last + Duration::from_secs(86_400 * 365),
+            // Held, or (never) built without a limit: far away.
+            (None, None) => Instant::now() + Duration::from_secs(86_400 * 365),
         }
     }
 
     /// A chunk arrived.
     fn chunk(&mut self) {
-        if self.idle.is_some() {
-            self.last = Instant::now();
+        if let (Some(_), Some(last)) = (self.idle, self.last.as_mut()) {
+            *last = Instant::now();
         }
     }
 
-    /// The error, once a limit has passed; registers the wake-up otherwise.
-    fn poll_expired(&mut self, cx: &mut Context<'_>) -> Option<PdError> {
+    /// The error, once a limit has passed; registers the wake-up otherwise. A held
+    /// timer starts once `head_came` (asked only while it is held) says the decode's
+    /// head came, its silence counted from then (this poll, after the head and any
+    /// chunk that followed it); until then no limit runs.
+    fn poll_expired(
+        &mut self,
+        cx: &mut Context<'_>,
+        head_came: impl FnOnce() -> bool,
+    ) -> Option<PdError> {
+        if self.last.is_none() {
+            if !head_came() {
+                return None;
+            }
+            self.last = Some(Instant::now());
+            let limit = self.limit();
+            self.sleep.as_mut().reset(limit);
+        }
         loop {
             if self.sleep.as_mut().poll(cx).is_pending() {
                 return None;
@@ -730,10 +756,15 @@ impl PdBody {
                 },
                 Poll::Pending => {
                     if this.joined.is_empty() {
+                        let finish = &*this.finish;
+                        let head_came = || {
+                            let late = finish.as_ref().and_then(|f| f.late.as_ref());
+                            late.is_some_and(|l| l.decode_head.get().is_some())
+                        };
                         let expired = this
                             .timer
                             .as_mut()
-                            .and_then(|t| t.get_mut().poll_expired(cx));
+                            .and_then(|t| t.get_mut().poll_expired(cx, head_came));
                         let Some(e) = expired else {
                             return Poll::Pending;
                         };

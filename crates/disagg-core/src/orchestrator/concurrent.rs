@@ -10,6 +10,7 @@
 //! folds into the plan (the reshape of the decode's answer) before the head goes out.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use futures::FutureExt;
 use futures::future::{Either, select};
@@ -106,7 +107,11 @@ impl Inner {
         let pending: Option<PendingPrefill> = pending.filter(|_| success).map(|p| {
             Box::pin(p.map(move |r| {
                 let _ = marked.prefill_done.set(now());
-                r.and_then(PrefillResult::into_late)
+                let r = r.and_then(PrefillResult::into_late);
+                if r.is_ok() {
+                    marked.prefill_answered.store(true, Ordering::Relaxed);
+                }
+                r
             })) as PendingPrefill
         });
         let stand = Stand::Decoded {

@@ -131,7 +131,11 @@ pub struct OrchestratorConfig {
     pub decode_head_timeout: Duration,
     /// Longest silence between two chunks of the decode's body once its head arrived
     /// (default 120 s; `None`: no limit). A non-streaming decode is silent until its
-    /// answer is complete, so this must exceed the longest generation of those.
+    /// answer is complete, so this must exceed the longest generation of those. A
+    /// stream the proxy begins before the decode leg is sent (a plan's lead) does not
+    /// count its wait for the KV gate and the decode's head, which have budgets of
+    /// their own ([`handoff_timeout`](Self::handoff_timeout),
+    /// [`decode_head_timeout`](Self::decode_head_timeout)).
     pub decode_idle_timeout: Option<Duration>,
     /// Largest prefill answer read, in bytes.
     pub max_prefill_answer: usize,

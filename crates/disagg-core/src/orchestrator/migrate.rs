@@ -902,6 +902,20 @@ impl Migrating {
                         }
                     }
                 }
+                // The proxy's own step before the decode's body failed (a lead stream's
+                // KV gate, its decode's head): no decode stream broke, and the error
+                // carries its own verdict, which the attempt's report tells. It ends
+                // the stream, after what is held.
+                Poll::Ready(Some(Err(e))) if e.is::<crate::error::PdError>() => {
+                    this.ended = true;
+                    this.raw = true;
+                    if this.held.is_empty() {
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                    this.inner = failing(e);
+                    this.ended = false;
+                    return Poll::Ready(Some(Ok(Frame::data(this.held.take().freeze()))));
+                }
                 Poll::Ready(Some(Err(e))) => {
                     this.broke = Some(e);
                     Reason::Reset

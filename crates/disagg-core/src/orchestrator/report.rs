@@ -100,6 +100,21 @@ pub(super) fn prefill_end(error: &PdError, verdict: LegOutcome) -> Outcome {
     }
 }
 
+/// How an attempt that ended on its decode side ended, its decode leg judged `verdict`
+/// by [`leg_outcome`]: [`Outcome::DecodeRefused`] when the decode answered a 4xx (the
+/// client's fault: its leg answered), else [`Outcome::DecodeFailed`]. The one rule for a
+/// refusal that ends a stream begun before the decode leg was sent (a plan's lead), a
+/// failed attempt's (a migration's continuation through a fresh prefill), and a stream
+/// that broke; a decode head relayed as it came is judged by its status alike
+/// (`respond`).
+pub(super) fn decode_end(verdict: LegOutcome) -> Outcome {
+    if verdict == LegOutcome::Answered {
+        Outcome::DecodeRefused
+    } else {
+        Outcome::DecodeFailed
+    }
+}
+
 /// The prefill leg of an attempt that failed, judged `verdict` by [`leg_outcome`], told
 /// as far as it went by the attempt's steps `tl` when its engine is not blamed: a leg
 /// never sent (the plan failed before it, in the connector's build or resolution, or

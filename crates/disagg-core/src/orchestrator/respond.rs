@@ -1,6 +1,7 @@
 //! The one place the client's response is built: from the [`Exchange`] an attempt
 //! produced, its engine answer made relayable ([`answer`](super::answer)).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -187,12 +188,22 @@ pub(crate) struct LateMarks {
     /// Whether the body leads with a part of the proxy's own (LMCache's first token)
     /// before the decode's: its first chunk is not the decode's.
     pub(crate) lead: bool,
+    /// When a concurrent prefill still running at the decode's head ended (answered
+    /// well, refused or failed): its leg's end, for the timeline.
     pub(crate) prefill_done: OnceLock<Instant>,
+    /// That prefill answered well (a 2xx, read whole; not a refusal nor a failure): its
+    /// leg answered, whatever became of the decode afterwards.
+    pub(super) prefill_answered: AtomicBool,
     pub(super) decode_sent: OnceLock<Instant>,
     pub(super) decode_head: OnceLock<Instant>,
 }
 
 impl LateMarks {
+    /// Whether a concurrent prefill still running at the decode's head answered well.
+    pub(crate) fn answered(&self) -> bool {
+        self.prefill_answered.load(Ordering::Relaxed)
+    }
+
     /// Put the steps that happened into `tl`.
     pub(crate) fn apply(&self, tl: &mut Timeline) {
         if let Some(t) = self.prefill_done.get() {
@@ -288,8 +299,9 @@ impl Inner {
             returned,
         } = ex;
         // One match: the leg that answered, the outcome, the marks and what the body
-        // holds. The decode's own 5xx is its failure, whatever its body; a prefill's 4xx
-        // passed through ends the attempt as the prefill's refusal.
+        // holds. The decode's own 5xx is its failure, whatever its body, and its own 4xx
+        // its refusal; a prefill's 4xx passed through ends the attempt as the prefill's
+        // refusal.
         let decoded = !matches!(stand, Stand::PrefillRefused);
         let (parts, body) = relayable(req, &route, decoded, head);
         let status = parts.status;
@@ -317,7 +329,7 @@ impl Inner {
                 None,
             ),
             Stand::DecodeAlone { guard, fallback } => {
-                let (outcome, decode) = decode_end(status);
+                let (outcome, decode) = head_end(status);
                 let mark = if fallback.is_some() {
                     "decode-only"
                 } else {
@@ -342,7 +354,7 @@ impl Inner {
                 late,
                 pending,
             } => {
-                let (outcome, decode) = decode_end(status);
+                let (outcome, decode) = head_end(status);
                 (
                     outcome,
                     prefill,
@@ -360,11 +372,14 @@ impl Inner {
         let scrub = sse || content_type.is_some_and(|v| scrubbed_type(v.as_bytes()));
         // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
         // body is the decode's, as it always was).
+        // Under a lead of the proxy's own, the stream's limits wait for the decode's
+        // head: the KV gate and the head before it have budgets of their own.
         let timer = guard.as_ref().and_then(|g| {
             StreamTimer::new(
                 self.config.decode_idle_timeout,
                 clock.deadline,
                 g.endpoint().id(),
+                late.as_ref().is_some_and(|l| l.lead),
             )
         });
         // A migrating body holds the decode (its in-flight count, the router's place),
@@ -443,10 +458,14 @@ impl Inner {
 }
 
 /// How an attempt whose decode leg answered `status` ended, and its decode leg: the
-/// decode's own 5xx is its failure, whatever its body.
-fn decode_end(status: http::StatusCode) -> (Outcome, LegOutcome) {
+/// decode's own 5xx is its failure, whatever its body; its own 4xx (the client's fault)
+/// its refusal, its leg answered, as [`decode_end`](super::report::decode_end) tells a
+/// refusal that ends a stream.
+fn head_end(status: http::StatusCode) -> (Outcome, LegOutcome) {
     if status.is_server_error() {
         (Outcome::DecodeFailed, LegOutcome::Failed)
+    } else if status.is_client_error() {
+        (Outcome::DecodeRefused, LegOutcome::Answered)
     } else {
         (Outcome::Success, LegOutcome::Answered)
     }

@@ -12,6 +12,7 @@ use disagg_core::outcome::{Delivery, LegOutcome, Listener, Report, Summary};
 use super::*;
 
 mod refusals;
+mod verdicts;
 
 /// Every report and summary an orchestrator told, and in which order.
 #[derive(Default)]
@@ -482,7 +483,7 @@ async fn a_concurrent_decode_dropped_for_a_prefill_refusal_is_reported_abandoned
 async fn a_concurrent_prefill_dropped_for_the_decodes_error_status_is_reported_abandoned() {
     let cases = [
         (503, Outcome::DecodeFailed, LegOutcome::Failed),
-        (400, Outcome::Success, LegOutcome::Answered),
+        (400, Outcome::DecodeRefused, LegOutcome::Answered),
     ];
     for (status, outcome, decode) in cases {
         let fake = Fake::new();

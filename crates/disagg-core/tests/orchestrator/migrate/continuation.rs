@@ -1096,8 +1096,9 @@ async fn a_continuations_prefill_dropped_for_its_decodes_error_is_reported_aband
 /// One continuation allowed, whose decode (D2) refuses it with a 400 (its token prompt
 /// past the model's length, say): the refusal is the request's, not the engine's, so
 /// no report tells D2 failed, whether the continuation went through a fresh prefill
-/// (its attempt's report tells the decode answered, as a decode's 4xx is told on any
-/// attempt) or decode-only. The client's stream ends as when any continuation fails.
+/// (its attempt's report tells the decode's refusal, its leg answered, as a decode's
+/// 4xx is told on any attempt) or decode-only. The client's stream ends as when any
+/// continuation fails.
 #[tokio::test(start_paused = true)]
 async fn a_continuations_decode_that_refuses_it_is_not_blamed() {
     for decode_only in [false, true] {
@@ -1128,8 +1129,13 @@ async fn a_continuations_decode_that_refuses_it_is_not_blamed() {
                 panic!("{what}: the continuation reported once: {all:?}")
             };
             assert_eq!(
-                (c.route.decode.id().as_str(), c.prefill, c.decode),
-                (D2, LegOutcome::Answered, LegOutcome::Answered),
+                (c.route.decode.id().as_str(), c.outcome, c.prefill, c.decode),
+                (
+                    D2,
+                    Outcome::DecodeRefused,
+                    LegOutcome::Answered,
+                    LegOutcome::Answered
+                ),
                 "{what}: {c:?}"
             );
         }
@@ -1194,4 +1200,68 @@ async fn after_a_continuations_decode_refuses_it_the_next_decode_is_tried() {
         );
         assert_settled(&orch);
     }
+}
+
+/// SGLang, two continuations allowed: the first's decode (D2) streams while its fresh
+/// prefill, riding in its stream, fails (its leg told failed: the stream ended for it,
+/// not for D2); the second's decode (D3) refuses it with a 400. The request's stream
+/// broke, and the attempt's report, which names D2 (the decode the answer moved to),
+/// tells the attempt failed with D2's leg cut off: neither the refusal of another
+/// decode (D3's, told by the continuation's own report) nor an answer of D2's. No decode
+/// is blamed.
+#[tokio::test(start_paused = true)]
+async fn a_decode_refusing_a_continuation_after_a_riding_prefill_failed_is_not_the_attempts() {
+    let fake = Fake::new();
+    let reports = Reports::default();
+    generate_continued(&fake, engine_error(503, "KV transfer failed").after(ms(20)));
+    fake.on(P2, GENERATE, Reply::json(200, r#"{"id":"p"}"#));
+    fake.on(D3, GENERATE, engine_error(400, "prompt too long"));
+    let connector = SglangBootstrap::with_rooms(Rooms::from_seed(7));
+    let orch = over(
+        &fake,
+        &[P1, P2],
+        &[D1, D2, D3],
+        connector,
+        continuing(2, false),
+    )
+    .router(Named)
+    .listener(reports.clone())
+    .build();
+    let mut body = serve(&orch, generate(&orch)).await.unwrap().into_body();
+    let text = read_until_it_fails(&mut body).await;
+    assert!(text.contains(" a b") && !text.contains(DONE), "{text}");
+    drop(body);
+    assert_eq!(fake.calls_to(D3).len(), 1, "the second continuation");
+    let all = reports.all();
+    assert!(
+        !all.iter().any(|r| blamed(r, D2) || blamed(r, D3)),
+        "no decode is to blame: {all:?}"
+    );
+    let refused: Vec<&Report> = all
+        .iter()
+        .filter(|r| r.route.decode.id().as_str() == D3)
+        .collect();
+    let [refused] = &refused[..] else {
+        panic!("the second continuation reported once: {all:?}")
+    };
+    assert_eq!(
+        (refused.outcome, refused.prefill, refused.decode),
+        (
+            Outcome::DecodeRefused,
+            LegOutcome::Answered,
+            LegOutcome::Answered
+        )
+    );
+    let attempt = all.last().expect("the attempt's report");
+    assert_eq!(
+        (
+            attempt.attempt,
+            attempt.route.decode.id().as_str(),
+            attempt.outcome,
+            attempt.decode
+        ),
+        (0, D2, Outcome::DecodeFailed, LegOutcome::Abandoned),
+        "{all:?}"
+    );
+    assert_settled(&orch);
 }

@@ -3,7 +3,7 @@
 //! decode answered) nor a failure (no engine is to blame), whether the refusal was
 //! passed through whole, ended a stream whose decode had begun, or broke on its way to
 //! the client; and when the connector refuses the client's request itself, before any
-//! leg is sent.
+//! leg is sent. A decode that refuses its leg is told [`Outcome::DecodeRefused`] alike.
 
 use disagg_core::connector::Leg;
 use disagg_core::endpoint::EndpointSet;
@@ -395,6 +395,37 @@ async fn a_request_the_connector_refuses_is_told_as_a_refusal() {
                 StatusCode::BAD_REQUEST,
                 "client_error",
                 Some("unsupported_by_connector")
+            ),
+            "{what}"
+        );
+    }
+}
+
+/// A decode that refuses its leg (a 4xx, the client's fault, passed through whole) ends
+/// its attempt as the decode's refusal: the router's and the connector's `observe` hear
+/// neither a success of the route (no answer was delivered: a router that learns from
+/// outcomes would credit a decode for every bad prompt) nor a failure (a connector that
+/// forgets what it cached of an engine whose attempt failed would forget it for every
+/// bad prompt). The decode's leg answered (its engine worked).
+#[tokio::test(start_paused = true)]
+async fn a_decode_refusal_passed_through_is_told_as_a_decode_refusal() {
+    for dispatch in [Dispatch::Sequential, Dispatch::Concurrent] {
+        let what = format!("{dispatch:?}");
+        let fake = Fake::new();
+        fake.on(P1, CHAT, prefill_answer().after(ms(5)));
+        fake.on(D1, CHAT, engine_error(400, "prompt too long").after(ms(10)));
+        let o = Observed::new(&fake, dispatch);
+        let resp = serve(&o.orch, chat(&o.orch)).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{what}");
+        within(resp.into_body().collect()).await.unwrap();
+        assert_settled(&o.orch);
+        let r = o.report(&what);
+        assert_eq!(
+            (r.outcome, r.prefill, r.decode),
+            (
+                Outcome::DecodeRefused,
+                LegOutcome::Answered,
+                LegOutcome::Answered
             ),
             "{what}"
         );
