@@ -69,18 +69,52 @@ pub fn api_error_response(api: Api, request_id: Option<&str>, err: &PdError) -> 
         err.http().code,
         "invalid_parameter" | "invalid_request_body"
     );
+    let mut resp = pd_error_response(err);
+    if request_model {
+        return resp;
+    }
+    if let Some(body) = api_body(api, request_id, err.http().status, &error_chain(err)) {
+        *resp.body_mut() = PdBody::from(body);
+    }
+    resp
+}
+
+/// A response with `status` and an error body in the shape `api`'s route answers with,
+/// as [`api_error_response`] writes it (Anthropic's on `/v1/messages`, Cohere's on
+/// `/cohere/v2/chat`), OpenAI's with `error_type` and `code` on every other route and
+/// when `api` is `None` (a route no API serves: forwarded, direct, fanned out).
+pub(crate) fn api_error(
+    api: Option<Api>,
+    request_id: Option<&str>,
+    status: StatusCode,
+    message: &str,
+    error_type: &str,
+    code: &str,
+) -> Response<PdBody> {
+    let mut resp = error_response(status, message, error_type, code);
+    if let Some(body) = api.and_then(|api| api_body(api, request_id, status, message)) {
+        *resp.body_mut() = PdBody::from(body);
+    }
+    resp
+}
+
+/// The error body of `api`'s route when its engines answer another shape than OpenAI's
+/// (see [`api_error_response`]); `None` on the routes that answer OpenAI's.
+fn api_body(
+    api: Api,
+    request_id: Option<&str>,
+    status: StatusCode,
+    message: &str,
+) -> Option<Bytes> {
     let body = match api {
-        _ if request_model => return pd_error_response(err),
         Api::Messages => serde_json::json!({
             "type": "error",
-            "error": {"type": anthropic_type(err.http().status), "message": error_chain(err)},
+            "error": {"type": anthropic_type(status), "message": message},
         }),
-        Api::CohereChat => serde_json::json!({"message": error_chain(err), "id": request_id}),
-        _ => return pd_error_response(err),
+        Api::CohereChat => serde_json::json!({"message": message, "id": request_id}),
+        _ => return None,
     };
-    let mut resp = pd_error_response(err);
-    *resp.body_mut() = PdBody::from(Bytes::from(body.to_string()));
-    resp
+    Some(Bytes::from(body.to_string()))
 }
 
 /// Anthropic's error `type` for `status`, as vLLM 0.33 maps it.

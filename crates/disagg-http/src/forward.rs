@@ -24,7 +24,9 @@
 //! engines' routing headers ([`forwardable_header`]: `authorization` only with
 //! [`forward_authorization`](disagg_core::orchestrator::OrchestratorConfig::forward_authorization)),
 //! the client's `x-request-id` (an engine-side id is the proxy's to give: these routes
-//! send one of theirs) and `accept-encoding` (the proxy reads the answers it relays). What
+//! send one of theirs), `accept-encoding` (the proxy reads the answers it relays) and
+//! `content-encoding` / `x-body-compressed` (a compressed body is refused before it gets
+//! here, 415 `unsupported_content_encoding`: the proxy could not strip it). What
 //! comes back too: the engine's KV handoff is overwritten in its answer
 //! ([`PdBody::scrubbed`]), and a redirect to the engine's own address, an encoding the
 //! client did not accept, a `connection` header naming a `content-*` header, or more
@@ -122,8 +124,9 @@ impl EngineIds {
 /// connection, without what [`forwardable_header`] keeps from every engine (the client's
 /// credentials unless `forward_authorization` says otherwise for `authorization`, the
 /// engines' routing and identity headers), without `accept-encoding` (the proxy reads
-/// the answers it relays, so it asks for them unencoded), and without the client's
-/// `x-request-id`.
+/// the answers it relays, so it asks for them unencoded), without `content-encoding` and
+/// `x-body-compressed` (a body that gets this far is not encoded: the service refuses
+/// any other, `crate::coding`), and without the client's `x-request-id`.
 ///
 /// vLLM takes `X-Request-Id` as the engine-side id of the request, which must be unique
 /// among its requests in flight: the orchestrated legs carry an id of the proxy's in its
@@ -135,6 +138,7 @@ fn strip_request(headers: &mut HeaderMap, forward_authorization: bool) {
         hop_by_hop(n)
             || *n == header::ACCEPT_ENCODING
             || *n == REQUEST_ID
+            || crate::coding::coding_header(n)
             || !forwardable_header(n, forward_authorization)
     });
 }
@@ -763,7 +767,7 @@ fn side(ep: &Endpoint) -> Side {
 
 /// Whether a request with `headers` may carry a body (one saying `content-length: 0`
 /// does not; one without the header may be chunked).
-fn may_have_body(headers: &HeaderMap) -> bool {
+pub(crate) fn may_have_body(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_LENGTH)
         .is_none_or(|v| v.as_bytes() != b"0")

@@ -16,7 +16,8 @@
 //! but for a model card's id with an encoded `/` (`GET /v1/models/org%2Fmodel`, as SDKs
 //! escape an id), which reaches the inner service as it came, as
 //! `/v1/models/org/model` does. The layer's own refusals (that 400, a refused
-//! prefiller header) are summarized to its
+//! prefiller header, a compressed body on an orchestrated route: 415
+//! `unsupported_content_encoding`, as [`PdService`] answers it) are summarized to its
 //! [`PdServiceConfig::route_listeners`](crate::PdServiceConfig::route_listeners) as
 //! [`RouteKind::Refused`](crate::routed::RouteKind::Refused).
 //!

@@ -45,6 +45,7 @@ pub mod access_log;
 #[cfg_attr(docsrs, doc(cfg(feature = "auth")))]
 pub mod auth;
 pub mod body;
+mod coding;
 mod connect;
 pub mod error;
 pub mod forward;

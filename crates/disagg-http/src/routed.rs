@@ -49,7 +49,8 @@ pub enum RouteKind {
     /// Answered with an error by the service itself, no engine asked: a closed admin
     /// route (403 `admin_route_closed`), a path with no route (404 `not_found`), a
     /// method the route does not take (405 `method_not_allowed`), a path with no one
-    /// meaning (400 `invalid_path`).
+    /// meaning (400 `invalid_path`), a compressed body on any route that reads or
+    /// forwards one (415 `unsupported_content_encoding`, decided on the head).
     Refused,
 }
 

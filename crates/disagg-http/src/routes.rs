@@ -342,15 +342,19 @@ impl RouteTable {
     /// form ([`crate::path::normalize`]), as [`PdService`](crate::PdService) does, or
     /// `/%72eset_prefix_cache` is not `/reset_prefix_cache`.
     pub fn action(&self, path: &str) -> RouteAction {
+        self.rule(path).map_or(RouteAction::Forwarded, |r| r.action)
+    }
+
+    /// The rule that gives `path` its action, as [`action`](Self::action) picks it;
+    /// `None` when no rule matches (the path is forwarded).
+    pub(crate) fn rule(&self, path: &str) -> Option<&RouteRule> {
         let exact = self.rules.iter().find(|r| r.path == path);
-        exact
-            .or_else(|| {
-                self.rules
-                    .iter()
-                    .filter(|r| r.matches(path))
-                    .max_by_key(|r| r.path.len())
-            })
-            .map_or(RouteAction::Forwarded, |r| r.action)
+        exact.or_else(|| {
+            self.rules
+                .iter()
+                .filter(|r| r.matches(path))
+                .max_by_key(|r| r.path.len())
+        })
     }
 
     /// The rules, in the order they were added.

@@ -17,8 +17,12 @@
 //! Every decision is made on the path's normal form ([`crate::path::normalize`]), which
 //! is also the path an engine receives; a path with none is answered 400
 //! `invalid_path`, but for a model card's id with an encoded `/`
-//! (`GET /v1/models/org%2Fmodel`), answered as its plain spelling is. The service's own
-//! refusals (400, 403, 404, 405) are summarized to the
+//! (`GET /v1/models/org%2Fmodel`), answered as its plain spelling is. A request whose
+//! head says its body is compressed (a `content-encoding` but `identity`, or
+//! `x-body-compressed`) is answered 415 `unsupported_content_encoding` on every route
+//! that reads or forwards a body, before the body is read: the proxy reads every body
+//! to strip the KV handoff no client may send an engine, and does not decompress
+//! bodies. The service's own refusals (400, 403, 404, 405, 415) are summarized to the
 //! [`route_listeners`](PdServiceConfig::route_listeners) as
 //! [`RouteKind::Refused`]. Every failure is an OpenAI-format error response, so the
 //! service never fails (`Error = Infallible`) and fits `axum`'s routers and hyper's
@@ -291,14 +295,28 @@ impl Inner {
             return match card {
                 Some((RouteAction::Proxy, id, _)) if get => self.models(Some(&id)).await,
                 Some((RouteAction::Proxy, ..)) => self.refused(&req, method_not_allowed()),
-                Some((RouteAction::Refused, _, plain)) => self.refused(&req, closed(&plain)),
+                Some((RouteAction::Refused, _, plain)) => {
+                    let resp = closed(&self.config.routes, &plain);
+                    self.refused(&req, resp)
+                }
                 _ => self.refused(&req, invalid_path(err)),
             };
         }
         let path = req.uri().path();
+        let action = self.config.routes.action(path);
+        // A compressed body is refused on every route that reads or forwards a body,
+        // before it is read (the orchestrated routes refuse it in
+        // `completion_response`, the one path of the service and the layer).
+        if matches!(
+            action,
+            RouteAction::Forwarded | RouteAction::Direct | RouteAction::FannedOut
+        ) && let Some(resp) = self.refuse_compressed(&req, None)
+        {
+            return resp;
+        }
         // The service's own refusals are summarized (`RouteKind::Refused`); its own
         // answers (`/health`, `/metrics`, the model list and cards) are not.
-        match self.config.routes.action(path) {
+        match action {
             RouteAction::Orchestrated => match Api::from_path(path) {
                 Some(api) if req.method() == Method::POST => {
                     self.completion_response(api, req).await
@@ -335,8 +353,19 @@ impl Inner {
                 }
                 resp
             }
-            RouteAction::Refused => self.refused(&req, closed(path)),
+            RouteAction::Refused => self.refused(&req, closed(&self.config.routes, path)),
         }
+    }
+
+    /// The 415 `unsupported_content_encoding` for `req` when its head says its body is
+    /// compressed ([`crate::coding`]), in `api`'s error shape (none: OpenAI's),
+    /// summarized as the service's own refusal; `None` for any other request. Its body
+    /// is never read.
+    fn refuse_compressed<B>(&self, req: &Request<B>, api: Option<Api>) -> Option<Response<PdBody>> {
+        let coding = crate::coding::compressed(req.headers())?;
+        let id = req.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok());
+        let body = crate::forward::may_have_body(req.headers());
+        Some(self.refused(req, coding.response(api, id, body)))
     }
 
     /// The service's own error answer `resp` to `req`, no engine asked, summarized once
@@ -392,6 +421,11 @@ impl Inner {
         B::Data: Send,
         B::Error: Into<BoxError>,
     {
+        // Refused on its head, as on the routes of every other kind: the orchestrator
+        // never has it.
+        if let Some(resp) = self.refuse_compressed(&req, Some(api)) {
+            return resp;
+        }
         let arrival = tokio::time::Instant::now().into_std();
         let (parts, body) = req.into_parts();
         let limits = body::Limits {
@@ -600,14 +634,29 @@ pub(crate) fn invalid_path(err: crate::path::PathError) -> Response<PdBody> {
     )
 }
 
-/// The answer to a request on a closed route (403 `admin_route_closed`).
-fn closed(path: &str) -> Response<PdBody> {
-    error_response(
-        StatusCode::FORBIDDEN,
-        &format!(
+/// The answer to a request on a route `routes` closes (403 `admin_route_closed`), its
+/// message saying why by the rule that closes it: an admin route (which
+/// `--admin-routes` opens), a path below the engines' metrics mount (which nothing
+/// opens: the proxy's own metrics are its `GET /metrics`), or a rule of the embedder's.
+fn closed(routes: &RouteTable, path: &str) -> Response<PdBody> {
+    let rule = routes.rule(path).map(|r| &*r.path);
+    let message = if rule.is_some_and(|r| crate::routes::ADMIN_ROUTES.contains(&r)) {
+        format!(
             "{path} changes the engines' state and is closed on this proxy; \
              its operator can open the admin routes (disagg-proxy serve --admin-routes)"
-        ),
+        )
+    } else if path.starts_with("/metrics") {
+        format!(
+            "{path} is closed on this proxy and no flag opens it: the engines answer \
+             every path that starts with /metrics with their own metrics, which are not \
+             the proxy's to serve; the proxy's metrics are at GET /metrics"
+        )
+    } else {
+        format!("{path} is closed on this proxy by its route table")
+    };
+    error_response(
+        StatusCode::FORBIDDEN,
+        &message,
         "permission_error",
         "admin_route_closed",
     )
