@@ -19,11 +19,15 @@
 //! in [`PairingStats`]), and the rest of the change goes through.
 //!
 //! Versions are read by a [`VersionProbe`] ([`ValidatedSource::with_versions`]): at
-//! start-up for every engine of the set, later for each engine that joins (once per
-//! engine, its ranks sharing it), each within the probe's timeout. An engine that does
-//! not tell its version (unreachable, another status, no usable body) is paired as one
-//! that declares no TP size is: unchecked, with a warning logged once; it is asked
-//! again when it leaves and comes back, or until it answers, on each later change.
+//! start-up for every engine of the set, later for each engine that joins, before the
+//! set with it is published (once per engine, its ranks sharing it), each within the
+//! probe's timeout. An engine that does not tell its version (unreachable, another
+//! status, no usable body) is paired as one that declares no TP size is: unchecked,
+//! with a warning logged once. No change of the set waits for it again: it is asked
+//! again in the background, 10 s later, then at intervals doubling up to 5 minutes,
+//! until it answers or leaves (what is kept for it leaves with it; one that comes back
+//! is asked as a new engine). A version learned so is compared with the engines that
+//! join after it; the endpoints in force stay, as at any change.
 //!
 //! # Examples
 //!
@@ -52,6 +56,7 @@
 //! # let _ = orchestrator; Ok(()) }
 //! ```
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,6 +73,8 @@ use disagg_pairing::{
 };
 use futures::StreamExt;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::lock;
 
@@ -223,13 +230,40 @@ fn engine_of(e: &Endpoint) -> Option<String> {
     e.uri(VERSION_PATH).ok().map(|u| u.to_string())
 }
 
+/// How long after an engine did not tell its version it is asked again (in the
+/// background); doubled at each failure in a row, up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_secs(10);
+
+/// The longest wait before a silent engine is asked again.
+const RETRY_MAX: Duration = Duration::from_secs(300);
+
+/// The wait before asking again an engine that did not tell its version `failures`
+/// times in a row.
+fn retry_after(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    RETRY_FIRST.saturating_mul(1 << doublings).min(RETRY_MAX)
+}
+
+/// An engine that did not tell its version.
+#[derive(Debug, Clone)]
+struct Silent {
+    /// The askings in a row that got no version.
+    failures: u32,
+    /// When it is asked again.
+    retry_at: Instant,
+}
+
+/// What one asking of engines got: each engine's key, the endpoint asked and the answer.
+type Answers = Vec<(String, Arc<Endpoint>, Result<String, VersionError>)>;
+
 /// Engine versions read from `GET /version`, by engine (the ranks of one engine share
 /// its version).
 #[derive(Debug, Clone, Default)]
 pub struct Versions {
     by_engine: HashMap<String, Arc<str>>,
-    /// Engines that did not tell their version, warned about once.
-    silent: HashSet<String>,
+    /// Engines that did not tell their version (warned about once), and when each is
+    /// asked again.
+    silent: HashMap<String, Silent>,
 }
 
 impl Versions {
@@ -266,7 +300,78 @@ impl Versions {
     fn retain_engines_of(&mut self, set: &EndpointSet) {
         let engines: HashSet<String> = all(set).filter_map(|e| engine_of(e)).collect();
         self.by_engine.retain(|k, _| engines.contains(k));
-        self.silent.retain(|k| engines.contains(k));
+        self.silent.retain(|k, _| engines.contains(k));
+    }
+
+    /// Takes `answers` in: a version is known, a failure makes the engine silent (with
+    /// a warning the first time) or puts its next asking further off.
+    fn record(&mut self, answers: Answers) {
+        let now = Instant::now();
+        for (k, e, answer) in answers {
+            match answer {
+                Ok(v) => {
+                    tracing::debug!(endpoint = %e.id(), version = %v, "engine version read");
+                    self.silent.remove(&k);
+                    self.by_engine.insert(k, Arc::from(v));
+                }
+                Err(err) => match self.silent.entry(k) {
+                    Entry::Occupied(mut o) => {
+                        let s = o.get_mut();
+                        s.failures = s.failures.saturating_add(1);
+                        s.retry_at = now + retry_after(s.failures);
+                        tracing::debug!(
+                            endpoint = %e.id(),
+                            error = %disagg_core::error::error_chain(&err),
+                            "engine version still unknown"
+                        );
+                    }
+                    Entry::Vacant(v) => {
+                        tracing::warn!(
+                            endpoint = %e.id(),
+                            error = %disagg_core::error::error_chain(&err),
+                            "engine version unknown: its pairs are not checked for version"
+                        );
+                        v.insert(Silent {
+                            failures: 1,
+                            retry_at: now + retry_after(1),
+                        });
+                    }
+                },
+            }
+        }
+    }
+
+    /// Takes in the `answers` of a background asking, for the engines still silent
+    /// (one that left meanwhile keeps nothing; one that came back was asked anew).
+    fn record_retries(&mut self, mut answers: Answers) {
+        answers.retain(|(k, _, _)| self.silent.contains_key(k));
+        self.record(answers);
+    }
+
+    /// When the next silent engine is due to be asked again.
+    fn next_retry(&self) -> Option<Instant> {
+        self.silent.values().map(|s| s.retry_at).min()
+    }
+
+    /// The silent engines due at `now`, each with an endpoint of `set` to ask; their
+    /// next asking is put off as if this one fails (whatever becomes of it).
+    fn due(&mut self, set: &EndpointSet, now: Instant) -> HashMap<String, Arc<Endpoint>> {
+        let mut due = HashSet::new();
+        for (k, s) in &mut self.silent {
+            if s.retry_at <= now {
+                s.retry_at = now + retry_after(s.failures.saturating_add(1));
+                due.insert(k.clone());
+            }
+        }
+        let mut wanted = HashMap::new();
+        for e in all(set).filter(|e| e.role() != Role::Encode) {
+            if let Some(k) = engine_of(e)
+                && due.contains(&k)
+            {
+                wanted.entry(k).or_insert_with(|| Arc::clone(e));
+            }
+        }
+        wanted
     }
 }
 
@@ -306,16 +411,43 @@ impl VersionProbe {
     /// up to 32 at once, each within the timeout) into `known`. An engine that does not
     /// answer stays unknown, with a warning the first time.
     pub async fn probe(&self, set: &EndpointSet, known: &mut Versions) {
+        let wanted = Self::lacking(set, known, true);
+        known.record(self.ask(wanted).await);
+    }
+
+    /// Like [`probe`](Self::probe), for the engines `known` has not asked yet: those
+    /// known to be silent are asked again in the background, not here.
+    async fn probe_new(&self, set: &EndpointSet, known: &mut Versions) {
+        let wanted = Self::lacking(set, known, false);
+        if !wanted.is_empty() {
+            known.record(self.ask(wanted).await);
+        }
+    }
+
+    /// The engines of `set` whose version `known` lacks, the silent ones too if `silent`,
+    /// each with an endpoint to ask.
+    fn lacking(
+        set: &EndpointSet,
+        known: &Versions,
+        silent: bool,
+    ) -> HashMap<String, Arc<Endpoint>> {
         let mut wanted: HashMap<String, Arc<Endpoint>> = HashMap::new();
         // Encoders hand no KV over: their version is never compared.
         for e in all(set).filter(|e| e.role() != Role::Encode) {
             if let Some(k) = engine_of(e)
                 && !known.by_engine.contains_key(&k)
+                && (silent || !known.silent.contains_key(&k))
             {
                 wanted.entry(k).or_insert_with(|| Arc::clone(e));
             }
         }
-        let answers: Vec<_> = futures::stream::iter(wanted)
+        wanted
+    }
+
+    /// Asks each of `wanted`'s engines its version, up to 32 at once, each within the
+    /// timeout.
+    async fn ask(&self, wanted: HashMap<String, Arc<Endpoint>>) -> Answers {
+        futures::stream::iter(wanted)
             .map(|(k, e)| {
                 let transport = Arc::clone(&self.transport);
                 let timeout = self.timeout;
@@ -326,25 +458,7 @@ impl VersionProbe {
             })
             .buffer_unordered(PROBES_AT_ONCE)
             .collect()
-            .await;
-        for (k, e, answer) in answers {
-            match answer {
-                Ok(v) => {
-                    tracing::debug!(endpoint = %e.id(), version = %v, "engine version read");
-                    known.silent.remove(&k);
-                    known.by_engine.insert(k, Arc::from(v));
-                }
-                Err(err) => {
-                    if known.silent.insert(k) {
-                        tracing::warn!(
-                            endpoint = %e.id(),
-                            error = %disagg_core::error::error_chain(&err),
-                            "engine version unknown: its pairs are not checked for version"
-                        );
-                    }
-                }
-            }
-        }
+            .await
     }
 }
 
@@ -511,13 +625,13 @@ impl ValidatedSource {
         inner: impl EndpointSource,
         connector: Arc<dyn KvConnector>,
         probe: Option<VersionProbe>,
-        mut versions: Versions,
+        versions: Versions,
     ) -> Result<Self, PairingError> {
         let mut rx = inner.watch();
         let listener = inner.listener();
         let first = rx.borrow_and_update().clone();
         check_pairs_with(&first, &*connector, &versions)?;
-        let (tx, _) = watch::channel(first);
+        let (tx, _) = watch::channel(Arc::clone(&first));
         let shared = Arc::new(Shared {
             tx,
             last_error: Mutex::new(None),
@@ -529,25 +643,7 @@ impl ValidatedSource {
             rt.spawn(async move {
                 // The inner source is kept alive while its sets are followed.
                 let _inner = inner;
-                let mut left_out: HashSet<(Role, EndpointId)> = HashSet::new();
-                while rx.changed().await.is_ok() {
-                    let set = rx.borrow_and_update().clone();
-                    if let Some(probe) = &probe {
-                        versions.retain_engines_of(&set);
-                        probe.probe(&set, &mut versions).await;
-                    }
-                    let current = shared.tx.borrow().clone();
-                    let admitted = admit(&current, &set, &*connector, &versions);
-                    left_out = count(&shared.stats, &admitted, left_out);
-                    match admitted.refused {
-                        None => *lock(&shared.last_error) = None,
-                        Some(e) => {
-                            tracing::error!(error = %e, "endpoints left out of the set: they cannot hand KV over");
-                            *lock(&shared.last_error) = Some(e);
-                        }
-                    }
-                    shared.tx.send_replace(admitted.set);
-                }
+                follow(rx, first, &shared, &*connector, probe, versions).await;
             })
         });
         Ok(ValidatedSource {
@@ -568,6 +664,88 @@ impl ValidatedSource {
     pub fn last_error(&self) -> Option<PairingError> {
         lock(&self.shared.last_error).clone()
     }
+}
+
+/// Follows the inner source's sets (`rx`, `first` the one in force) until it ends:
+/// each is checked and published once the engines that joined in it have been asked
+/// their version (by `probe`, if versions are compared). Engines known to be silent are
+/// asked again in the background (one asking at a time, on a task of its own, ended
+/// with this one): no set waits for them.
+async fn follow(
+    mut rx: watch::Receiver<Arc<EndpointSet>>,
+    first: Arc<EndpointSet>,
+    shared: &Shared,
+    connector: &dyn KvConnector,
+    probe: Option<VersionProbe>,
+    mut versions: Versions,
+) {
+    let mut latest = first;
+    let mut left_out: HashSet<(Role, EndpointId)> = HashSet::new();
+    let mut retries: JoinSet<Answers> = JoinSet::new();
+    loop {
+        let retry_at = match probe {
+            Some(_) if retries.is_empty() => versions.next_retry(),
+            _ => None,
+        };
+        let retry = async move {
+            match retry_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            changed = rx.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let set = rx.borrow_and_update().clone();
+                if let Some(probe) = &probe {
+                    versions.retain_engines_of(&set);
+                    probe.probe_new(&set, &mut versions).await;
+                }
+                left_out = publish(shared, &set, connector, &versions, left_out);
+                latest = set;
+            }
+            () = retry => {
+                if let Some(probe) = &probe {
+                    let due = versions.due(&latest, Instant::now());
+                    let probe = probe.clone();
+                    retries.spawn(async move { probe.ask(due).await });
+                }
+            }
+            Some(done) = retries.join_next() => {
+                // A version learned now is compared with the engines that join after
+                // it: those in force stay (see `admit`), so nothing is published again.
+                if let Ok(answers) = done {
+                    versions.record_retries(answers);
+                }
+            }
+        }
+    }
+}
+
+/// Checks `set`, the inner source's new set, against the set in force and publishes
+/// what is admitted; `left_out` is what the previous change left out. Returns what is
+/// left out now.
+fn publish(
+    shared: &Shared,
+    set: &Arc<EndpointSet>,
+    connector: &dyn KvConnector,
+    versions: &Versions,
+    left_out: HashSet<(Role, EndpointId)>,
+) -> HashSet<(Role, EndpointId)> {
+    let current = shared.tx.borrow().clone();
+    let admitted = admit(&current, set, connector, versions);
+    let left_out = count(&shared.stats, &admitted, left_out);
+    match admitted.refused {
+        None => *lock(&shared.last_error) = None,
+        Some(e) => {
+            tracing::error!(error = %e, "endpoints left out of the set: they cannot hand KV over");
+            *lock(&shared.last_error) = Some(e);
+        }
+    }
+    shared.tx.send_replace(admitted.set);
+    left_out
 }
 
 /// What [`admit`] decided.

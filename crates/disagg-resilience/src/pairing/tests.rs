@@ -141,20 +141,68 @@ async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start(
 }
 
 /// Engines' `/version` answers by authority; an authority not listed refuses the
-/// connection. Counts the probes.
-#[derive(Default, Clone)]
+/// connection, one marked hanging accepts and never answers. Counts the probes and
+/// notes each one's authority and time.
+#[derive(Clone)]
 struct VersionServer {
     versions: Arc<Mutex<std::collections::HashMap<String, String>>>,
+    hanging: Arc<Mutex<HashSet<String>>>,
     probes: Arc<AtomicU64>,
+    asked: Arc<Mutex<Vec<(String, tokio::time::Instant)>>>,
+    /// The number of probes so far, to await.
+    bell: Arc<watch::Sender<u64>>,
 }
 
 impl VersionServer {
     fn with(pairs: &[(&str, &str)]) -> Self {
-        let s = VersionServer::default();
+        let s = VersionServer {
+            versions: Arc::default(),
+            hanging: Arc::default(),
+            probes: Arc::default(),
+            asked: Arc::default(),
+            bell: Arc::new(watch::channel(0).0),
+        };
         for (a, v) in pairs {
-            lock(&s.versions).insert((*a).to_owned(), (*v).to_owned());
+            s.answer(a, v);
         }
         s
+    }
+
+    /// `authority` answers `version` from now on.
+    fn answer(&self, authority: &str, version: &str) {
+        lock(&self.hanging).remove(authority);
+        lock(&self.versions).insert(authority.to_owned(), version.to_owned());
+    }
+
+    /// `authority` accepts and never answers from now on.
+    fn hang(&self, authority: &str) {
+        lock(&self.hanging).insert(authority.to_owned());
+    }
+
+    /// When `authority` was asked, in order.
+    fn asked(&self, authority: &str) -> Vec<tokio::time::Instant> {
+        lock(&self.asked)
+            .iter()
+            .filter(|(a, _)| a == authority)
+            .map(|(_, t)| *t)
+            .collect()
+    }
+
+    /// Waits (at most 10 minutes, of paused time in the tests that use it) until
+    /// `authority` has been asked `n` times, and returns when it was.
+    async fn asked_times(&self, authority: &str, n: usize) -> Vec<tokio::time::Instant> {
+        let mut rx = self.bell.subscribe();
+        let waited = tokio::time::timeout(
+            std::time::Duration::from_secs(600),
+            rx.wait_for(|_| self.asked(authority).len() >= n),
+        )
+        .await;
+        assert!(
+            matches!(waited, Ok(Ok(_))),
+            "{authority} asked {} times, not {n}",
+            self.asked(authority).len()
+        );
+        self.asked(authority)
     }
 }
 
@@ -164,6 +212,11 @@ impl Transport for VersionServer {
         assert_eq!(req.uri().path(), "/version");
         self.probes.fetch_add(1, Ordering::Relaxed);
         let authority = req.uri().authority().unwrap().to_string();
+        lock(&self.asked).push((authority.clone(), tokio::time::Instant::now()));
+        self.bell.send_modify(|n| *n += 1);
+        if lock(&self.hanging).contains(&authority) {
+            return Box::pin(std::future::pending());
+        }
         let version = lock(&self.versions).get(&authority).cloned();
         Box::pin(async move {
             let Some(v) = version else {
@@ -380,5 +433,149 @@ async fn an_encoder_joining_with_the_wrong_ec_connector_is_left_out() {
     assert!(
         err.contains("http://e2:1") && err.contains("http://p:1"),
         "{err}"
+    );
+}
+
+/// An engine known silent that then hung on `GET /version` held every change of the set
+/// for the whole probe timeout: it was asked again, and waited for, at each change.
+#[tokio::test]
+async fn a_change_is_published_without_waiting_for_an_engine_known_silent() {
+    // d:1 refuses at start (its version unknown), then accepts and never answers.
+    let server = VersionServer::with(&[("p:1", "0.33.0"), ("d:2", "0.33.0")]);
+    let set = |decodes: &[&str]| {
+        let mut all = vec![plain("http://p:1", Role::Prefill)];
+        all.extend(decodes.iter().map(|d| plain(d, Role::Decode)));
+        Arc::new(EndpointSet::new(all))
+    };
+    let (tx, _) = watch::channel(set(&["http://d:1"]));
+    let timeout = std::time::Duration::from_secs(30);
+    let src = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        VersionProbe::new(server.clone(), timeout),
+    )
+    .await
+    .unwrap();
+    server.hang("d:1");
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+
+    // A healthy decode joins: published at once, not after d:1's 30 s.
+    tx.send_replace(set(&["http://d:1", "http://d:2"]));
+    let published = tokio::time::timeout(std::time::Duration::from_secs(3), rx.changed()).await;
+    assert!(
+        matches!(published, Ok(Ok(()))),
+        "the change waited for the silent engine"
+    );
+    assert_eq!(
+        ids(&src.snapshot(), Role::Decode),
+        ["http://d:1", "http://d:2"]
+    );
+    // And a removal.
+    tx.send_replace(set(&["http://d:2"]));
+    let published = tokio::time::timeout(std::time::Duration::from_secs(3), rx.changed()).await;
+    assert!(matches!(published, Ok(Ok(()))), "the removal waited");
+    assert_eq!(ids(&src.snapshot(), Role::Decode), ["http://d:2"]);
+    assert_eq!(server.asked("d:1").len(), 1, "asked at start only");
+}
+
+/// A silent engine is asked again in the background, 10 s after, then at doubling
+/// intervals, not at each change; one that leaves and returns is asked at once, its
+/// backoff started afresh; a version learned so is compared with engines joining later.
+#[tokio::test(start_paused = true)]
+async fn a_silent_engine_is_asked_again_backing_off_not_at_each_change() {
+    let server = VersionServer::with(&[("p:1", "0.33.0"), ("p:2", "0.33.0"), ("d:2", "0.33.0")]);
+    let set = |urls: &[&str]| {
+        Arc::new(EndpointSet::new(urls.iter().map(|u| {
+            let role = if u.contains("//p") {
+                Role::Prefill
+            } else {
+                Role::Decode
+            };
+            plain(u, role)
+        })))
+    };
+    let (tx, _) = watch::channel(set(&["http://p:1", "http://d:1"]));
+    let src = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        probe(&server),
+    )
+    .await
+    .unwrap();
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    // Changes in a row: d:1 is not asked again at each.
+    for urls in [
+        &["http://p:1", "http://d:1", "http://d:2"][..],
+        &["http://p:1", "http://d:1"],
+        &["http://p:1", "http://d:1", "http://d:2"],
+    ] {
+        tx.send_replace(set(urls));
+        next_set(&mut rx).await;
+    }
+    assert_eq!(server.asked("d:1").len(), 1, "asked again at a change");
+    // In the background: 10 s after, then 20 s after that.
+    let at = server.asked_times("d:1", 3).await;
+    let gaps = [at[1] - at[0], at[2] - at[1]];
+    assert_eq!(gaps.map(|g| g.as_secs()), [10, 20], "{gaps:?}");
+
+    // It leaves and returns: asked at once, before the set with it is published, and
+    // 10 s after that again (what was kept for it left with it).
+    tx.send_replace(set(&["http://p:1", "http://d:2"]));
+    next_set(&mut rx).await;
+    tx.send_replace(set(&["http://p:1", "http://d:1", "http://d:2"]));
+    next_set(&mut rx).await;
+    assert_eq!(server.asked("d:1").len(), 4);
+    server.answer("d:1", "0.32.1");
+    let at = server.asked_times("d:1", 5).await;
+    assert_eq!((at[4] - at[3]).as_secs(), 10);
+    // Its version known, it is not asked again.
+    tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
+    assert_eq!(server.asked("d:1").len(), 5);
+    // A prefill of another version joining is checked against it.
+    tx.send_replace(set(&[
+        "http://p:1",
+        "http://p:2",
+        "http://d:1",
+        "http://d:2",
+    ]));
+    next_set(&mut rx).await;
+    assert_eq!(ids(&src.snapshot(), Role::Prefill), ["http://p:1"]);
+    let err = src.last_error().unwrap().to_string();
+    assert!(
+        err.contains("http://p:2") && err.contains("0.32.1"),
+        "{err}"
+    );
+}
+
+/// A silent engine asked again in the background that hangs holds no change of the set.
+#[tokio::test(start_paused = true)]
+async fn a_silent_engine_hanging_when_asked_again_holds_no_change() {
+    let server = VersionServer::with(&[("p:1", "0.33.0"), ("d:2", "0.33.0")]);
+    let set = |decodes: &[&str]| {
+        let mut all = vec![plain("http://p:1", Role::Prefill)];
+        all.extend(decodes.iter().map(|d| plain(d, Role::Decode)));
+        Arc::new(EndpointSet::new(all))
+    };
+    let (tx, _) = watch::channel(set(&["http://d:1"]));
+    let src = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        VersionProbe::new(server.clone(), std::time::Duration::from_secs(30)),
+    )
+    .await
+    .unwrap();
+    server.hang("d:1");
+    let at = server.asked_times("d:1", 2).await;
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    tx.send_replace(set(&["http://d:1", "http://d:2"]));
+    next_set(&mut rx).await;
+    // Paused time moves only when every task waits on it: the change waited for nothing.
+    assert_eq!(tokio::time::Instant::now(), at[1]);
+    assert_eq!(
+        ids(&src.snapshot(), Role::Decode),
+        ["http://d:1", "http://d:2"]
     );
 }
