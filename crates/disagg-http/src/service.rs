@@ -361,10 +361,17 @@ impl Inner {
     /// compressed ([`crate::coding`]), in `api`'s error shape (none: OpenAI's),
     /// summarized as the service's own refusal; `None` for any other request. Its body
     /// is never read.
-    fn refuse_compressed<B>(&self, req: &Request<B>, api: Option<Api>) -> Option<Response<PdBody>> {
+    fn refuse_compressed<B: Body>(
+        &self,
+        req: &Request<B>,
+        api: Option<Api>,
+    ) -> Option<Response<PdBody>> {
         let coding = crate::coding::compressed(req.headers())?;
         let id = req.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok());
-        let body = crate::forward::may_have_body(req.headers());
+        // A body known to be empty (hyper's for a request without `content-length` nor
+        // chunking) leaves nothing unread: the connection is kept.
+        let body =
+            crate::forward::may_have_body(req.headers()) && !req.body().is_end_stream();
         Some(self.refused(req, coding.response(api, id, body)))
     }
 
@@ -645,11 +652,18 @@ fn closed(routes: &RouteTable, path: &str) -> Response<PdBody> {
             "{path} changes the engines' state and is closed on this proxy; \
              its operator can open the admin routes (disagg-proxy serve --admin-routes)"
         )
-    } else if path.starts_with("/metrics") {
+    } else if rule == Some("/metrics*") {
+        // The default rule (an embedder's own rule under `/metrics`, or one closing
+        // `/metrics` itself, is the route table's).
+        let own = if cfg!(feature = "metrics") {
+            "; the proxy's metrics are at GET /metrics"
+        } else {
+            ""
+        };
         format!(
             "{path} is closed on this proxy and no flag opens it: the engines answer \
              every path that starts with /metrics with their own metrics, which are not \
-             the proxy's to serve; the proxy's metrics are at GET /metrics"
+             the proxy's to serve{own}"
         )
     } else {
         format!("{path} is closed on this proxy by its route table")

@@ -62,9 +62,34 @@ async fn a_path_below_the_metrics_mount_says_no_flag_opens_it() {
             let m = closed_message(addr, method, path).await;
             assert!(!m.contains("--admin-routes"), "{path} (open: {open}): {m}");
             assert!(m.contains("no flag opens it"), "{path}: {m}");
-            assert!(m.contains("GET /metrics"), "{path}: {m}");
+            // (Pointed at only where the proxy serves its own metrics.)
+            assert_eq!(
+                m.contains("GET /metrics"),
+                cfg!(feature = "metrics"),
+                "{path}: {m}"
+            );
         }
     }
+}
+
+/// A rule of the embedder's under `/metrics` (closing the proxy's own `/metrics`, or a
+/// path below it) is the route table's: its message does not point at the path it
+/// closes, nor say the engines' mount closed it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedders_rule_under_metrics_says_the_route_table_closed_it() {
+    let routes = RouteTable::default()
+        .set("/metrics", RouteAction::Refused)
+        .set("/metrics/custom", RouteAction::Refused);
+    let addr = serve(routes).await;
+    for path in ["/metrics", "/metrics/custom"] {
+        let m = closed_message(addr, "GET", path).await;
+        assert!(m.contains("closed on this proxy by its route table"), "{path}: {m}");
+        assert!(!m.contains("GET /metrics"), "{path}: {m}");
+        assert!(!m.contains("no flag opens it"), "{path}: {m}");
+    }
+    // The default rule still says its own.
+    let m = closed_message(addr, "GET", "/metricsx").await;
+    assert!(m.contains("no flag opens it"), "{m}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -361,8 +361,8 @@ async fn a_compressed_body_is_refused_before_it_is_read() {
 }
 
 /// An uncompressed body says so as it likes (`identity`, in a list, repeated): it is
-/// served, and the engine gets no `content-encoding` (nor `x-body-compressed`, which is
-/// never let through) and no client handoff.
+/// served on the forwarded, direct and fanned-out routes, and no engine gets a
+/// `content-encoding` (nor `x-body-compressed`, which is never let through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_is_served_and_no_coding_header_reaches_an_engine() {
     let p = SimEngine::start(SimConfig::default()).await.unwrap();
@@ -373,20 +373,54 @@ async fn identity_is_served_and_no_coding_header_reaches_an_engine() {
         "Content-Encoding: Identity , identity\r\n",
         "content-encoding: identity\r\ncontent-encoding: IDENTITY\r\n",
     ];
-    for extra in spellings {
-        let a = post(addr, "/tokenize", extra, HANDOFF.as_bytes(), HANDOFF.len()).await;
-        assert_eq!(a.status, 200, "{extra:?}: {a:?}");
-        let s = heard.try_recv().unwrap();
-        assert_eq!(s.kind, RouteKind::Forward, "{extra:?}");
+    let kinds = [
+        ("/tokenize", RouteKind::Forward),
+        ("/invocations", RouteKind::Direct),
+        ("/v1/load_lora_adapter", RouteKind::FanOut),
+    ];
+    for (path, kind) in kinds {
+        for extra in spellings {
+            let what = format!("{path} {extra:?}");
+            let a = post(addr, path, extra, HANDOFF.as_bytes(), HANDOFF.len()).await;
+            // Served (whatever the simulated engine makes of it): not refused.
+            assert_ne!(a.status, 415, "{what}: {a:?}");
+            let s = heard.try_recv().unwrap();
+            assert_eq!(s.kind, kind, "{what}");
+        }
+        let got: Vec<_> = [&p, &d]
+            .iter()
+            .flat_map(|e| e.received())
+            .filter(|r| r.path == path)
+            .collect();
+        // Each spelling reached an engine (the fan-out reaches both).
+        let per = if kind == RouteKind::FanOut { 2 } else { 1 };
+        assert_eq!(got.len(), spellings.len() * per, "{path}: {got:?}");
+        for r in got {
+            assert_eq!(r.header("content-encoding"), None, "{r:?}");
+            assert_eq!(r.header("x-body-compressed"), None, "{r:?}");
+        }
     }
-    let got = d.received();
-    assert_eq!(got.len(), spellings.len(), "{got:?}");
-    for r in got {
-        assert_eq!(r.path, "/tokenize");
-        assert_eq!(r.header("content-encoding"), None, "{r:?}");
-        assert_eq!(r.header("x-body-compressed"), None, "{r:?}");
+}
+
+/// A request without a body (neither `content-length` nor chunking: HTTP/1.1 says it
+/// has none) leaves nothing unread: its 415 keeps the connection, which serves the next
+/// request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_without_a_body_keeps_its_connection() {
+    let p = SimEngine::start(SimConfig::default()).await.unwrap();
+    let d = SimEngine::start(SimConfig::default()).await.unwrap();
+    let (addr, _heard) = proxy(&p, &d, false).await;
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    for _ in 0..2 {
+        let head = "POST /tokenize HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n\r\n";
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let a = tokio::time::timeout(ANSWER_WITHIN, read_answer(&mut tcp))
+            .await
+            .unwrap();
+        assert_eq!(a.status, 415, "{a:?}");
+        assert_eq!(a.header("connection"), None, "{a:?}");
     }
-    assert!(p.received().is_empty());
+    assert_eq!(reached(&[&p, &d]), Vec::<String>::new());
 }
 
 /// The key check comes first, as for the proxy's other refusals: a client without a
