@@ -26,8 +26,18 @@
 //! with a warning logged once. No change of the set waits for it again: it is asked
 //! again in the background, 10 s later, then at intervals doubling up to 5 minutes,
 //! until it answers or leaves (what is kept for it leaves with it; one that comes back
-//! is asked as a new engine). A version learned so is compared with the engines that
-//! join after it; the endpoints in force stay, as at any change.
+//! is asked as a new engine, and an answer to an asking made before it left is not
+//! taken for it). A version learned so is compared with the engines that join after
+//! it; the endpoints in force stay, as at any change, and one in force it conflicts
+//! with is only logged, as a warning naming both endpoints and versions.
+//!
+//! The inner source's sets are followed through a watch channel, which keeps only the
+//! latest set: an engine that leaves and returns while the watcher is busy (asking
+//! joining engines their version) looks like no change, and keeps what was kept for it
+//! (its version, or its backoff). And as each return is asked as a new engine, before
+//! the set with it is published, an engine that hangs on `GET /version` and goes in and
+//! out of the set holds each of its returns (and the changes behind it) back by up to
+//! one version timeout.
 //!
 //! # Examples
 //!
@@ -251,6 +261,19 @@ struct Silent {
     failures: u32,
     /// When it is asked again.
     retry_at: Instant,
+    /// The number of this silence, new each time an engine becomes silent: an answer
+    /// to an asking made in another (before the engine left and came back, another
+    /// instance at the same address) is not this one's.
+    generation: u64,
+}
+
+/// Silent engines to ask again ([`Versions::due`]).
+#[derive(Debug)]
+struct Due {
+    /// Each engine's key, with an endpoint of it to ask.
+    wanted: HashMap<String, Arc<Endpoint>>,
+    /// Each engine's key, with the number of its silence ([`Silent::generation`]).
+    generations: HashMap<String, u64>,
 }
 
 /// What one asking of engines got: each engine's key, the endpoint asked and the answer.
@@ -264,6 +287,8 @@ pub struct Versions {
     /// Engines that did not tell their version (warned about once), and when each is
     /// asked again.
     silent: HashMap<String, Silent>,
+    /// The number given to the latest silence ([`Silent::generation`]).
+    generations: u64,
 }
 
 impl Versions {
@@ -331,9 +356,11 @@ impl Versions {
                             error = %disagg_core::error::error_chain(&err),
                             "engine version unknown: its pairs are not checked for version"
                         );
+                        self.generations = self.generations.wrapping_add(1);
                         v.insert(Silent {
                             failures: 1,
                             retry_at: now + retry_after(1),
+                            generation: self.generations,
                         });
                     }
                 },
@@ -341,11 +368,29 @@ impl Versions {
         }
     }
 
-    /// Takes in the `answers` of a background asking, for the engines still silent
-    /// (one that left meanwhile keeps nothing; one that came back was asked anew).
-    fn record_retries(&mut self, mut answers: Answers) {
-        answers.retain(|(k, _, _)| self.silent.contains_key(k));
+    /// Takes in the `answers` of a background asking of engines silent with the
+    /// numbers `generations`, for those still in the same silence: one that left
+    /// meanwhile keeps nothing, and one that came back (another instance, maybe) was
+    /// asked anew, so the old answer is not its. Returns the engines whose version is now
+    /// known.
+    fn record_retries(
+        &mut self,
+        generations: &HashMap<String, u64>,
+        mut answers: Answers,
+    ) -> Vec<String> {
+        answers.retain(|(k, _, _)| {
+            matches!(
+                (self.silent.get(k), generations.get(k)),
+                (Some(s), Some(g)) if s.generation == *g
+            )
+        });
+        let learned = answers
+            .iter()
+            .filter(|(_, _, answer)| answer.is_ok())
+            .map(|(k, _, _)| k.clone())
+            .collect();
         self.record(answers);
+        learned
     }
 
     /// When the next silent engine is due to be asked again.
@@ -353,25 +398,29 @@ impl Versions {
         self.silent.values().map(|s| s.retry_at).min()
     }
 
-    /// The silent engines due at `now`, each with an endpoint of `set` to ask; their
-    /// next asking is put off as if this one fails (whatever becomes of it).
-    fn due(&mut self, set: &EndpointSet, now: Instant) -> HashMap<String, Arc<Endpoint>> {
-        let mut due = HashSet::new();
+    /// The silent engines due at `now`, each with an endpoint of `set` to ask and the
+    /// number of its silence; their next asking is put off as if this one fails
+    /// (whatever becomes of it).
+    fn due(&mut self, set: &EndpointSet, now: Instant) -> Due {
+        let mut generations = HashMap::new();
         for (k, s) in &mut self.silent {
             if s.retry_at <= now {
                 s.retry_at = now + retry_after(s.failures.saturating_add(1));
-                due.insert(k.clone());
+                generations.insert(k.clone(), s.generation);
             }
         }
         let mut wanted = HashMap::new();
         for e in all(set).filter(|e| e.role() != Role::Encode) {
             if let Some(k) = engine_of(e)
-                && due.contains(&k)
+                && generations.contains_key(&k)
             {
                 wanted.entry(k).or_insert_with(|| Arc::clone(e));
             }
         }
-        wanted
+        Due {
+            wanted,
+            generations,
+        }
     }
 }
 
@@ -597,7 +646,9 @@ impl ValidatedSource {
         inner: impl EndpointSource,
         connector: Arc<dyn KvConnector>,
     ) -> Result<Self, PairingError> {
-        Self::start(inner, connector, None, Versions::default())
+        let mut rx = inner.watch();
+        let first = rx.borrow_and_update().clone();
+        Self::start(inner, rx, first, connector, None, Versions::default())
     }
 
     /// Like [`new`](Self::new), the engines' versions read by `probe` and compared when
@@ -613,23 +664,27 @@ impl ValidatedSource {
         connector: Arc<dyn KvConnector>,
         probe: VersionProbe,
     ) -> Result<Self, PairingError> {
+        // The set probed is the one checked and put in force: a change while the probe
+        // is out stays pending on `rx`, for the watcher to take as any other.
+        let mut rx = inner.watch();
+        let first = rx.borrow_and_update().clone();
         let mut versions = Versions::default();
         if connector.equal_versions() {
-            let first = inner.watch().borrow().clone();
             probe.probe(&first, &mut versions).await;
         }
-        Self::start(inner, connector, Some(probe), versions)
+        Self::start(inner, rx, first, connector, Some(probe), versions)
     }
 
+    /// Checks `first`, the inner source's set last seen on `rx`, and follows `rx`.
     fn start(
         inner: impl EndpointSource,
+        rx: watch::Receiver<Arc<EndpointSet>>,
+        first: Arc<EndpointSet>,
         connector: Arc<dyn KvConnector>,
         probe: Option<VersionProbe>,
         versions: Versions,
     ) -> Result<Self, PairingError> {
-        let mut rx = inner.watch();
         let listener = inner.listener();
-        let first = rx.borrow_and_update().clone();
         check_pairs_with(&first, &*connector, &versions)?;
         let (tx, _) = watch::channel(Arc::clone(&first));
         let shared = Arc::new(Shared {
@@ -681,7 +736,7 @@ async fn follow(
 ) {
     let mut latest = first;
     let mut left_out: HashSet<(Role, EndpointId)> = HashSet::new();
-    let mut retries: JoinSet<Answers> = JoinSet::new();
+    let mut retries: JoinSet<(HashMap<String, u64>, Answers)> = JoinSet::new();
     loop {
         let retry_at = match probe {
             Some(_) if retries.is_empty() => versions.next_retry(),
@@ -710,18 +765,57 @@ async fn follow(
                 if let Some(probe) = &probe {
                     let due = versions.due(&latest, Instant::now());
                     let probe = probe.clone();
-                    retries.spawn(async move { probe.ask(due).await });
+                    retries.spawn(async move { (due.generations, probe.ask(due.wanted).await) });
                 }
             }
             Some(done) = retries.join_next() => {
                 // A version learned now is compared with the engines that join after
-                // it: those in force stay (see `admit`), so nothing is published again.
-                if let Ok(answers) = done {
-                    versions.record_retries(answers);
+                // it: those in force stay (see `admit`), so nothing is published again;
+                // a conflict with one of them is only logged.
+                if let Ok((generations, answers)) = done {
+                    let learned = versions.record_retries(&generations, answers);
+                    let current = shared.tx.borrow().clone();
+                    for e in conflicts(&current, &learned, connector, &versions) {
+                        tracing::warn!(
+                            error = %e,
+                            "a version learned late conflicts with an endpoint in force: \
+                             both stay, the handoffs between them may fail"
+                        );
+                    }
                 }
             }
         }
     }
+}
+
+/// The prefill/decode pairs of `set` with an engine of `learned` whose `versions`
+/// differ (for a connector that [`KvConnector::equal_versions`]).
+fn conflicts(
+    set: &EndpointSet,
+    learned: &[String],
+    connector: &dyn KvConnector,
+    versions: &Versions,
+) -> Vec<PairError> {
+    let mut found = Vec::new();
+    if learned.is_empty() {
+        return found;
+    }
+    let is_learned = |e: &Endpoint| engine_of(e).is_some_and(|k| learned.contains(&k));
+    for p in set.by_role(Role::Prefill) {
+        for d in set.by_role(Role::Decode) {
+            if !(is_learned(p) || is_learned(d)) {
+                continue;
+            }
+            if let Err(mismatch) = check_versions(versions.get(p), versions.get(d), connector) {
+                found.push(PairError {
+                    prefill: p.id().clone(),
+                    decode: d.id().clone(),
+                    mismatch,
+                });
+            }
+        }
+    }
+    found
 }
 
 /// Checks `set`, the inner source's new set, against the set in force and publishes

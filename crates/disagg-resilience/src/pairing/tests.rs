@@ -147,6 +147,9 @@ async fn endpoints_that_cannot_pair_are_left_out_on_change_and_refused_at_start(
 struct VersionServer {
     versions: Arc<Mutex<std::collections::HashMap<String, String>>>,
     hanging: Arc<Mutex<HashSet<String>>>,
+    /// Authorities whose next probe is answered after a delay (with the version known
+    /// when it was asked).
+    slow: Arc<Mutex<std::collections::HashMap<String, std::time::Duration>>>,
     probes: Arc<AtomicU64>,
     asked: Arc<Mutex<Vec<(String, tokio::time::Instant)>>>,
     /// The number of probes so far, to await.
@@ -158,6 +161,7 @@ impl VersionServer {
         let s = VersionServer {
             versions: Arc::default(),
             hanging: Arc::default(),
+            slow: Arc::default(),
             probes: Arc::default(),
             asked: Arc::default(),
             bell: Arc::new(watch::channel(0).0),
@@ -177,6 +181,17 @@ impl VersionServer {
     /// `authority` accepts and never answers from now on.
     fn hang(&self, authority: &str) {
         lock(&self.hanging).insert(authority.to_owned());
+    }
+
+    /// `authority` refuses the connection from now on.
+    fn refuse(&self, authority: &str) {
+        lock(&self.hanging).remove(authority);
+        lock(&self.versions).remove(authority);
+    }
+
+    /// `authority`'s next probe is answered `delay` after it is asked.
+    fn slow_next(&self, authority: &str, delay: std::time::Duration) {
+        lock(&self.slow).insert(authority.to_owned(), delay);
     }
 
     /// When `authority` was asked, in order.
@@ -218,7 +233,11 @@ impl Transport for VersionServer {
             return Box::pin(std::future::pending());
         }
         let version = lock(&self.versions).get(&authority).cloned();
+        let delay = lock(&self.slow).remove(&authority);
         Box::pin(async move {
+            if let Some(d) = delay {
+                tokio::time::sleep(d).await;
+            }
             let Some(v) = version else {
                 return Err(disagg_core::error::TransportError::Connect(
                     "refused".into(),
@@ -578,4 +597,184 @@ async fn a_silent_engine_hanging_when_asked_again_holds_no_change() {
         ids(&src.snapshot(), Role::Decode),
         ["http://d:1", "http://d:2"]
     );
+}
+
+/// A set of the endpoints at `urls`, prefills those whose host starts with `p`, the others
+/// decodes.
+fn pd(urls: &[&str]) -> Arc<EndpointSet> {
+    Arc::new(EndpointSet::new(urls.iter().map(|u| {
+        let role = if u.starts_with("http://p") {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+        plain(u, role)
+    })))
+}
+
+/// A background asking of d:1 still out when d:1 left and came back (a pod restarted at
+/// the same address, refusing): the old asking's failure was taken as the new instance's
+/// second, putting its next asking off 20 s after that failure instead of 10 s after its
+/// first.
+#[tokio::test(start_paused = true)]
+async fn a_stale_failed_asking_does_not_put_off_an_engine_that_came_back() {
+    let server = VersionServer::with(&[("p:1", "0.33.0")]);
+    let (tx, _) = watch::channel(pd(&["http://p:1", "http://d:1"]));
+    let src = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        VersionProbe::new(server.clone(), std::time::Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    // Asked again 10 s after start, it hangs (for the 5 s timeout)...
+    server.hang("d:1");
+    server.asked_times("d:1", 2).await;
+    // ... while it leaves and comes back refusing.
+    server.refuse("d:1");
+    tx.send_replace(pd(&["http://p:1"]));
+    next_set(&mut rx).await;
+    tx.send_replace(pd(&["http://p:1", "http://d:1"]));
+    next_set(&mut rx).await;
+    let at = server.asked_times("d:1", 3).await;
+    assert_eq!(at[2], at[1], "asked at once on its return");
+    let at = server.asked_times("d:1", 4).await;
+    assert_eq!((at[3] - at[2]).as_secs(), 10, "{at:?}");
+}
+
+/// A background asking of d:1 still out when d:1 left and came back refusing: the old
+/// instance's version, answered late, was given to the new one.
+#[tokio::test(start_paused = true)]
+async fn a_stale_version_is_not_given_to_an_engine_that_came_back() {
+    let server = VersionServer::with(&[("p:1", "0.33.0"), ("p:2", "0.33.0")]);
+    let (tx, _) = watch::channel(pd(&["http://p:1", "http://d:1"]));
+    let src = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        VersionProbe::new(server.clone(), std::time::Duration::from_secs(5)),
+    )
+    .await
+    .unwrap();
+    let mut rx = src.watch();
+    rx.borrow_and_update();
+    // Asked again 10 s after start, it answers 0.32.1, 3 s late...
+    server.answer("d:1", "0.32.1");
+    server.slow_next("d:1", std::time::Duration::from_secs(3));
+    let at = server.asked_times("d:1", 2).await;
+    // ... while it leaves and comes back refusing.
+    server.refuse("d:1");
+    tx.send_replace(pd(&["http://p:1"]));
+    next_set(&mut rx).await;
+    tx.send_replace(pd(&["http://p:1", "http://d:1"]));
+    next_set(&mut rx).await;
+    assert_eq!(server.asked("d:1").len(), 3);
+    // Past the late answer: d:1's version is still unknown, so a prefill joining is not
+    // compared with 0.32.1.
+    tokio::time::sleep_until(at[1] + std::time::Duration::from_secs(5)).await;
+    tx.send_replace(pd(&["http://p:1", "http://p:2", "http://d:1"]));
+    next_set(&mut rx).await;
+    assert_eq!(
+        ids(&src.snapshot(), Role::Prefill),
+        ["http://p:1", "http://p:2"],
+        "{:?}",
+        src.last_error()
+    );
+    // And it is asked again, 10 s after its return.
+    let at = server.asked_times("d:1", 4).await;
+    assert_eq!((at[3] - at[2]).as_secs(), 10, "{at:?}");
+}
+
+/// The inner source changed while the start-up probe was out: the set put in force was
+/// the changed one, its newcomers never asked their version nor checked (and, in force,
+/// never refused later).
+#[tokio::test(start_paused = true)]
+async fn a_change_while_the_start_up_probe_is_out_is_checked() {
+    let server = VersionServer::with(&[
+        ("p:1", "0.33.0"),
+        ("d:1", "0.33.0"),
+        ("d:2", "0.32.1"),
+        ("d:3", "0.33.0"),
+    ]);
+    server.slow_next("p:1", std::time::Duration::from_millis(500));
+    let (tx, _) = watch::channel(pd(&["http://p:1", "http://d:1"]));
+    let build = ValidatedSource::with_versions(
+        Dynamic(tx.clone()),
+        Arc::new(VllmNixl::new()),
+        probe(&server),
+    );
+    let change = async {
+        server.asked_times("p:1", 1).await;
+        tx.send_replace(pd(&[
+            "http://p:1",
+            "http://d:1",
+            "http://d:2",
+            "http://d:3",
+        ]));
+    };
+    let (src, ()) = tokio::join!(build, change);
+    let src = src.unwrap();
+    let mut rx = src.watch();
+    let changed = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        rx.wait_for(|s| ids(s, Role::Decode).contains(&"http://d:3".to_owned())),
+    )
+    .await;
+    assert!(matches!(changed, Ok(Ok(_))), "the change was not published");
+    assert_eq!(
+        ids(&src.snapshot(), Role::Decode),
+        ["http://d:1", "http://d:3"]
+    );
+    assert_eq!(server.asked("d:2").len(), 1, "the newcomer was not asked");
+    let err = src.last_error().expect("d:2 is left out").to_string();
+    assert!(
+        err.contains("http://d:2") && err.contains("0.32.1"),
+        "{err}"
+    );
+}
+
+/// A version learned in the background is compared with the endpoints in force: the pairs
+/// it conflicts with are named (for the warning), only those with the engine learned.
+#[test]
+fn a_version_learned_late_names_the_pairs_in_force_it_conflicts_with() {
+    let set = pd(&[
+        "http://p:1@0",
+        "http://p:1@1",
+        "http://p:2",
+        "http://d:1",
+        "http://d:2",
+    ]);
+    let [p1, _, p2] = set.by_role(Role::Prefill) else {
+        panic!("three prefills");
+    };
+    let [d1, d2] = set.by_role(Role::Decode) else {
+        panic!("two decodes");
+    };
+    let mut versions = Versions::new();
+    versions.insert(p1, "0.33.0");
+    versions.insert(p2, "0.32.1");
+    versions.insert(d1, "0.32.1");
+    versions.insert(d2, "0.33.0");
+    // d:1 learned: it conflicts with both ranks of p:1; p:2 and d:2 conflict too, but
+    // neither is new.
+    let learned = [engine_of(d1).unwrap()];
+    let found = conflicts(&set, &learned, &VllmNixl::new(), &versions);
+    let pairs: Vec<(&str, &str)> = found
+        .iter()
+        .map(|p| (p.prefill.as_str(), p.decode.as_str()))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            ("http://p:1@0", "http://d:1"),
+            ("http://p:1@1", "http://d:1")
+        ]
+    );
+    let text = found[0].to_string();
+    assert!(text.contains("0.33.0") && text.contains("0.32.1"), "{text}");
+    // Nothing learned, or a connector that does not compare versions: nothing named.
+    assert!(conflicts(&set, &[], &VllmNixl::new(), &versions).is_empty());
+    let sglang = disagg_connectors::sglang::SglangBootstrap::new();
+    assert!(conflicts(&set, &learned, &sglang, &versions).is_empty());
 }
