@@ -500,7 +500,7 @@ impl Inner {
         });
         let answers = futures::future::join_all(sends).await;
         // An adapter loaded or unloaded changes the model list.
-        self.config.models.invalidate().await;
+        self.config.models.invalidate();
         fan_out_answer(parts.uri.path(), &targets, answers)
     }
 

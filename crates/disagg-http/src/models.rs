@@ -8,22 +8,33 @@
 //! under the declared name, so `root` and `max_model_len` stay the engine's. The list is
 //! cached for [`PdServiceConfig::models_ttl`](crate::PdServiceConfig::models_ttl) and
 //! dropped after a fanned-out admin request (an adapter may have come or gone); an
-//! engine that does not answer within
-//! [`models_timeout`](crate::PdServiceConfig::models_timeout) is left out of it.
+//! engine whose answer (head and body) has not ended within
+//! [`models_timeout`](crate::PdServiceConfig::models_timeout), or that fails, is left
+//! out of it, and the others' lists are used.
+//!
+//! Requests that find the list stale while it is being fetched wait for that fetch
+//! rather than starting another (or waiting for one another). The fetch runs as a task
+//! of its own, so it ends within the timeout even when every request waiting for it has
+//! left. Dropping the list never waits for a fetch: a fetch begun before the list was
+//! dropped still answers the requests already waiting for it, but its list is not kept,
+//! and the next request starts another. When no engine answers (and no endpoint declares
+//! a model), nothing is kept: the next request asks the engines again.
 //!
 //! vLLM itself has no `GET /v1/models/{id}`; the proxy answers it from the list (the
 //! card whose `id` is the rest of the path, percent-decoded), and 404
 //! `model_not_found` in OpenAI's format for an unknown id, as OpenAI does.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use disagg_core::Role;
 use disagg_core::error::{PdError, RouteError};
 use disagg_core::json::raw;
+use disagg_core::transport::Transport;
+use disagg_core::{Endpoint, Role};
 use disagg_core::{endpoint::EndpointSet, orchestrator::PdBody};
+use futures::future::{BoxFuture, FutureExt, Shared};
 use http::{Request, StatusCode};
 use serde_json::value::RawValue;
 
@@ -70,85 +81,194 @@ const LIST_LIMIT: usize = 4 * 1024 * 1024;
 /// held. vLLM lists its model and one card per LoRA adapter.
 const MAX_CARDS: usize = 65_536;
 
-/// The cached model list.
-#[derive(Debug, Default)]
+/// The cards of one fetch: `None` when no engine answered and no endpoint declares a
+/// model.
+type Listed = Option<Arc<Vec<Card>>>;
+
+/// A fetch in flight, awaited by every request that found the list stale meanwhile.
+type Fetch = Shared<BoxFuture<'static, Listed>>;
+
+/// The cached model list, and the fetch in flight.
+#[derive(Default)]
 pub(crate) struct Catalog {
-    cached: tokio::sync::Mutex<Option<(Instant, Arc<Vec<Card>>)>>,
+    /// Locked for moments, never across an await; shared (weakly) with the fetch in
+    /// flight, which keeps its list when it ends.
+    state: Arc<Mutex<State>>,
+}
+
+impl std::fmt::Debug for Catalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("Catalog");
+        // Not waited for: a `Debug` written while the state is held must not hang.
+        if let Ok(state) = self.state.try_lock() {
+            d.field("cards", &state.cached.as_ref().map(|(_, c)| c.len()))
+                .field("fetching", &state.in_flight.is_some());
+        }
+        d.finish_non_exhaustive()
+    }
+}
+
+#[derive(Default)]
+struct State {
+    /// The list, and when its fetch ended.
+    cached: Option<(Instant, Arc<Vec<Card>>)>,
+    /// The fetch in flight whose list will be kept, and its number. A fetch begun
+    /// before the list was last dropped is no longer here.
+    in_flight: Option<(u64, Fetch)>,
+    /// The number of the next fetch.
+    next: u64,
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // Nothing panics while holding it; a poisoned lock still holds a whole state.
+    state.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl State {
+    /// The cached list when younger than `ttl`, else the fetch in flight.
+    fn current(&self, ttl: Duration) -> Option<Result<Arc<Vec<Card>>, Fetch>> {
+        if let Some((at, cards)) = &self.cached
+            && at.elapsed() < ttl
+        {
+            return Some(Ok(Arc::clone(cards)));
+        }
+        self.in_flight.as_ref().map(|(_, f)| Err(f.clone()))
+    }
 }
 
 impl Catalog {
-    /// Forget the list: the next request builds it anew.
-    pub(crate) async fn invalidate(&self) {
-        *self.cached.lock().await = None;
+    /// Forget the list: the next request builds it anew. Does not wait: a fetch in
+    /// flight still answers the requests waiting for it, but its list is not kept.
+    pub(crate) fn invalidate(&self) {
+        let mut state = lock(&self.state);
+        state.cached = None;
+        state.in_flight = None;
     }
 
-    /// The cards, from the cache when younger than `ttl`; `None` when no engine
-    /// answered and no endpoint declares a model.
+    /// The cards, from the cache when younger than `ttl`, else from the fetch in
+    /// flight, else from a new one; `None` when no engine answered and no endpoint
+    /// declares a model.
     async fn cards(
         &self,
-        set: &EndpointSet,
-        transport: &dyn disagg_core::transport::Transport,
+        set: Arc<EndpointSet>,
+        transport: &dyn Transport,
         ttl: Duration,
         timeout: Duration,
-    ) -> Option<Arc<Vec<Card>>> {
-        // Held across the fetch: requests that find the list stale wait for one fetch
-        // instead of each asking every engine.
-        let mut cached = self.cached.lock().await;
-        if let Some((at, cards)) = &*cached
-            && at.elapsed() < ttl
-        {
-            return Some(Arc::clone(cards));
+    ) -> Listed {
+        let found = lock(&self.state).current(ttl);
+        let fetch = match found {
+            Some(Ok(cards)) => return Some(cards),
+            Some(Err(fetch)) => fetch,
+            None => self.start(fetch(set, transport, timeout), ttl),
+        };
+        // A task that ended without its list (the runtime shutting down) answered none.
+        fetch.await
+    }
+
+    /// `fetch` started as a task of its own and put in flight, unless another request
+    /// has put one there (or kept a list) since this one looked.
+    fn start(
+        &self,
+        fetch: impl Future<Output = Option<Vec<Card>>> + Send + 'static,
+        ttl: Duration,
+    ) -> Fetch {
+        let mut state = lock(&self.state);
+        match state.current(ttl) {
+            Some(Ok(cards)) => return futures::future::ready(Some(cards)).boxed().shared(),
+            Some(Err(fetch)) => return fetch,
+            None => {}
         }
-        let cards = Arc::new(fetch(set, transport, timeout).await?);
-        *cached = Some((Instant::now(), Arc::clone(&cards)));
-        Some(cards)
+        let id = state.next;
+        state.next += 1;
+        let catalog: Weak<Mutex<State>> = Arc::downgrade(&self.state);
+        let task = tokio::spawn(async move {
+            let cards = fetch.await.map(Arc::new);
+            if let Some(catalog) = catalog.upgrade() {
+                let mut state = lock(&catalog);
+                // Kept only when still the one in flight: not when the list was dropped
+                // since it began.
+                if state.in_flight.as_ref().is_some_and(|(i, _)| *i == id) {
+                    state.in_flight = None;
+                    if let Some(cards) = &cards {
+                        state.cached = Some((Instant::now(), Arc::clone(cards)));
+                    }
+                }
+            }
+            cards
+        });
+        let fetch = task.map(|ended| ended.ok().flatten()).boxed().shared();
+        state.in_flight = Some((id, fetch.clone()));
+        fetch
     }
 }
 
-/// Each decode server's list, merged, then the declared models no engine listed.
-async fn fetch(
-    set: &EndpointSet,
-    transport: &dyn disagg_core::transport::Transport,
+/// Each decode server's list, merged, then the declared models no engine listed. Each
+/// server's answer, head and body, has until `timeout` from now; one late or failed is
+/// left out.
+fn fetch(
+    set: Arc<EndpointSet>,
+    transport: &dyn Transport,
     timeout: Duration,
-) -> Option<Vec<Card>> {
+) -> impl Future<Output = Option<Vec<Card>>> + Send + 'static {
+    // A timeout too large for the clock is none, as `tokio::time::timeout` has it.
+    let deadline = tokio::time::Instant::now().checked_add(timeout);
     // One fetch per server (the ranks of an engine share it): one hash per endpoint.
-    let mut seen: HashSet<&http::uri::Authority> = HashSet::new();
-    let servers: Vec<&Arc<disagg_core::Endpoint>> = set
-        .by_role(Role::Decode)
+    let servers: Vec<Arc<Endpoint>> = {
+        let mut seen: HashSet<&http::uri::Authority> = HashSet::new();
+        set.by_role(Role::Decode)
+            .iter()
+            .filter(|ep| seen.insert(ep.authority()))
+            .cloned()
+            .collect()
+    };
+    let fetches: Vec<_> = servers
         .iter()
-        .filter(|ep| seen.insert(ep.authority()))
-        .collect();
-    let fetches = servers.iter().map(|ep| {
-        let sent = ep.uri("/v1/models").map(|uri| {
-            let mut r = Request::new(Bytes::new());
-            *r.uri_mut() = uri;
-            transport.send(r)
-        });
-        async move {
-            let resp = sent.ok()?.await.ok()?;
-            if !resp.status().is_success() {
-                return None;
+        .map(|ep| {
+            let sent = ep.uri("/v1/models").map(|uri| {
+                let mut r = Request::new(Bytes::new());
+                *r.uri_mut() = uri;
+                transport.send(r)
+            });
+            let list = async move {
+                let resp = sent.ok()?.await.ok()?;
+                if !resp.status().is_success() {
+                    return None;
+                }
+                let body = collect_limited(resp.into_body(), LIST_LIMIT).await.ok()?;
+                let list: ModelList = serde_json::from_slice(&body).ok()?;
+                Some(list.data)
+            };
+            async move {
+                match deadline {
+                    Some(at) => tokio::time::timeout_at(at, list).await.ok().flatten(),
+                    None => list.await,
+                }
             }
-            let body = collect_limited(resp.into_body(), LIST_LIMIT).await.ok()?;
-            let list: ModelList = serde_json::from_slice(&body).ok()?;
-            Some(list.data)
-        }
-    });
-    let lists = tokio::time::timeout(timeout, futures::future::join_all(fetches))
-        .await
-        .unwrap_or_default();
+        })
+        .collect();
+    async move {
+        let lists = futures::future::join_all(fetches).await;
+        merge(&set, &servers, lists)
+    }
+}
+
+/// The lists of `servers` (`None` for one that did not answer), merged by `id` in
+/// order, then a card for each model declared in `set` that no engine listed; `None`
+/// when no server answered and no model is declared.
+fn merge(
+    set: &EndpointSet,
+    servers: &[Arc<Endpoint>],
+    lists: Vec<Option<Vec<Card>>>,
+) -> Option<Vec<Card>> {
     let mut answered = false;
     let mut cards: Vec<Card> = Vec::new();
     // The ids of `cards`, for the merge's "already listed": one hash per card, where a
     // scan of the list per card was quadratic in an engine's answer (a 4 MiB list holds
-    // ~260k ids), under the catalog's lock.
+    // ~260k ids).
     let mut ids: HashSet<IdKey> = HashSet::new();
     // Each server's base model card, by its authority.
     let mut base_of: HashMap<&http::uri::Authority, Card> = HashMap::new();
-    for (ep, list) in servers
-        .iter()
-        .zip(lists.into_iter().chain(std::iter::repeat(None)))
-    {
+    for (ep, list) in servers.iter().zip(lists) {
         let Some(list) = list else {
             continue;
         };
@@ -315,7 +435,7 @@ impl crate::service::Inner {
             .config
             .models
             .cards(
-                &set,
+                set,
                 self.orchestrator.transport(),
                 self.config.models_ttl,
                 self.config.models_timeout,
@@ -484,7 +604,9 @@ mod tests {
                     .with_models(["alias", "m3"]),
             ),
         ]);
-        let cards = fetch(&set, &lists, Duration::from_secs(60)).await.unwrap();
+        let cards = fetch(Arc::new(set), &lists, Duration::from_secs(60))
+            .await
+            .unwrap();
         assert_eq!(cards.len(), 75_001);
         // a's cards in its order, then b's it did not list, then the declared one.
         for (i, card) in cards[..75_000].iter().enumerate() {
@@ -521,7 +643,9 @@ mod tests {
             ep("http://c:1@1", &["x", "y"]),
             ep("http://a:1", &["y", "z"]),
         ]);
-        let cards = fetch(&set, &lists, Duration::from_secs(60)).await.unwrap();
+        let cards = fetch(Arc::new(set), &lists, Duration::from_secs(60))
+            .await
+            .unwrap();
         let owner = |id: &str| {
             cards
                 .iter()

@@ -80,7 +80,10 @@ pub struct PdServiceConfig {
     /// of it unread, and its connection closed.
     /// Default [`DEFAULT_BODY_BUDGET`](crate::body::DEFAULT_BODY_BUDGET) (1 GiB).
     pub body_budget: BodyBudget,
-    /// Time to gather the models of every decode endpoint for `GET /v1/models`.
+    /// Time each decode server has for its whole answer (head and body) to the proxy's
+    /// `GET /v1/models`; one whose answer has not ended by then is left out of the list,
+    /// and the others' are used. Requests finding the list stale meanwhile wait for
+    /// that one fetch, so none waits much longer than this (default 5 s).
     pub models_timeout: Duration,
     /// How long the model list gathered from the engines is reused (default 10 s: a
     /// client listing models before each request does not ask every engine each time,
@@ -370,8 +373,7 @@ impl Inner {
         let id = req.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok());
         // A body known to be empty (hyper's for a request without `content-length` nor
         // chunking) leaves nothing unread: the connection is kept.
-        let body =
-            crate::forward::may_have_body(req.headers()) && !req.body().is_end_stream();
+        let body = crate::forward::may_have_body(req.headers()) && !req.body().is_end_stream();
         Some(self.refused(req, coding.response(api, id, body)))
     }
 

@@ -83,7 +83,10 @@ async fn an_embedders_rule_under_metrics_says_the_route_table_closed_it() {
     let addr = serve(routes).await;
     for path in ["/metrics", "/metrics/custom"] {
         let m = closed_message(addr, "GET", path).await;
-        assert!(m.contains("closed on this proxy by its route table"), "{path}: {m}");
+        assert!(
+            m.contains("closed on this proxy by its route table"),
+            "{path}: {m}"
+        );
         assert!(!m.contains("GET /metrics"), "{path}: {m}");
         assert!(!m.contains("no flag opens it"), "{path}: {m}");
     }

@@ -571,13 +571,23 @@ async fn an_unreachable_engine_is_listed_with_the_cause_of_its_failure() {
         let results = v["results"].as_array().unwrap();
         assert_eq!(results[0]["status"], 200, "{path}: {v}");
         assert_eq!(results[1]["endpoint"], d.as_str(), "{path}: {v}");
-        assert_eq!(results[1]["status"], Value::Null, "{path}: no head came: {v}");
+        assert_eq!(
+            results[1]["status"],
+            Value::Null,
+            "{path}: no head came: {v}"
+        );
         let error = results[1]["error"].as_str().unwrap();
         // The transport's own words, then its cause (the OS's, which differs by
         // platform: only its presence is asserted).
         let cause = error.strip_prefix("connection failed: ");
-        assert!(cause.is_some_and(|c| !c.trim().is_empty()), "{path}: {error}");
+        assert!(
+            cause.is_some_and(|c| !c.trim().is_empty()),
+            "{path}: {error}"
+        );
         let message = v["error"]["message"].as_str().unwrap();
-        assert!(message.contains(error), "{path}: the message names the cause: {message}");
+        assert!(
+            message.contains(error),
+            "{path}: the message names the cause: {message}"
+        );
     }
 }
