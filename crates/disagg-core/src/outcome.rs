@@ -65,9 +65,9 @@ pub enum Outcome {
     /// (not a refusal: [`PrefillRefused`](Self::PrefillRefused)). The prefill's
     /// [`LegOutcome`] tells whether its engine is to blame.
     PrefillFailed,
-    /// The request was refused on the prefill side as the client's fault, not an
-    /// engine's: the prefill's 4xx, or the connector's own refusal before any leg was
-    /// sent (a request it cannot carry,
+    /// The request was refused on the prefill side as the client's fault (or a busy
+    /// moment's: 429, 408), not an engine's: the prefill's 4xx, or the connector's own
+    /// refusal before any leg was sent (a request it cannot carry,
     /// [`ConnectorError::Unsupported`](crate::error::ConnectorError::Unsupported),
     /// answered 400; its prefill leg [`NotSent`](LegOutcome::NotSent)). No decode
     /// answer was delivered. A prefill's 4xx either passed through to the client
@@ -84,11 +84,12 @@ pub enum Outcome {
     /// [`DecodeRefused`](Self::DecodeRefused)). The decode's [`LegOutcome`] tells whether
     /// its engine is to blame.
     DecodeFailed,
-    /// The request was refused on the decode side as the client's fault, not an
-    /// engine's: the decode's own 4xx (a prompt too long for it, say), passed through to
-    /// the client as the engine wrote it, or, on a stream the orchestrator began before
-    /// the decode leg was sent (a plan's lead), one that ended that stream. No decode
-    /// answer was delivered. Neither a success of the route nor a failure of an engine:
+    /// The request was refused on the decode side as the client's fault (or a busy
+    /// moment's: 429, 408), not an engine's: the decode's own 4xx (a prompt too long for
+    /// it, say; every 4xx of its engine is told so), passed through to the client as the
+    /// engine wrote it, or, on a stream the orchestrator began before the decode leg was
+    /// sent (a plan's lead), one that ended that stream. No decode answer was
+    /// delivered. Neither a success of the route nor a failure of an engine:
     /// the decode's leg is [`Answered`](LegOutcome::Answered) (its engine worked), the
     /// prefill's as far as it went ([`Answered`](LegOutcome::Answered),
     /// [`NotSent`](LegOutcome::NotSent) for a decode served alone, or, both legs sent at

@@ -646,11 +646,12 @@ mod tests {
             lock(&t.seen)[0],
             format!("http://10.1.2.3:{DEFAULT_BOOTSTRAP_PORT}/query")
         );
-        // Neither a success, a client gone nor a refusal (the client's fault) says
-        // the engine changed: the cache is kept.
+        // Neither a success, a client gone nor a refusal on either side (the client's
+        // fault) says the engine changed: the cache is kept.
         c.observe(&r, Outcome::Success);
         c.observe(&r, Outcome::Cancelled);
         c.observe(&r, Outcome::PrefillRefused);
+        c.observe(&r, Outcome::DecodeRefused);
         assert!(
             c.cached_engine_ids(r.prefill.as_ref().unwrap().id())
                 .is_some()

@@ -320,7 +320,7 @@ enum Tail {
 }
 
 /// The time limits of a decode stream: the longest silence between two chunks once the
-/// decode's head came, and the request's deadline.
+/// decode's body flows, and the request's deadline.
 ///
 /// One timer for both, moved only when it fires: a chunk just notes the time it came
 /// (no timer reset per chunk), and a timer that fires early is set again to the true
@@ -330,16 +330,17 @@ pub(crate) struct StreamTimer {
     idle: Option<Duration>,
     deadline: Option<Instant>,
     /// When the last chunk came (or the timer started); `None` while the stream waits
-    /// for its decode's head after a lead of the proxy's own: no limit runs then. The
-    /// wait for the KV gate and for that head is the proxy's, each step within a budget
-    /// of its own and the deadline, not a silence of the decode's.
+    /// for its decode's body after a lead of the proxy's own: no limit runs then. The
+    /// wait for the KV gate, for the decode's head and, when that is an error, for its
+    /// message, is the proxy's, each step within a budget of its own and the deadline,
+    /// not a silence of the decode's stream.
     last: Option<Instant>,
     endpoint: EndpointId,
 }
 
 impl StreamTimer {
     /// A timer for a stream from `endpoint`, or `None` when it has no limit; `held`
-    /// until the decode's head came when the stream began before it (a lead).
+    /// until the decode's body flows when the stream began before it (a lead).
     pub(crate) fn new(
         idle: Option<Duration>,
         deadline: Option<Instant>,
@@ -385,16 +386,16 @@ impl StreamTimer {
     }
 
     /// The error, once a limit has passed; registers the wake-up otherwise. A held
-    /// timer starts once `head_came` (asked only while it is held) says the decode's
-    /// head came, its silence counted from then (this poll, after the head and any
-    /// chunk that followed it); until then no limit runs.
+    /// timer starts once `flowing` (asked only while it is held) says the decode's body
+    /// flows (its head a 2xx), its silence counted from then (this poll, after the head
+    /// and any chunk that followed it); until then no limit runs.
     fn poll_expired(
         &mut self,
         cx: &mut Context<'_>,
-        head_came: impl FnOnce() -> bool,
+        flowing: impl FnOnce() -> bool,
     ) -> Option<PdError> {
         if self.last.is_none() {
-            if !head_came() {
+            if !flowing() {
                 return None;
             }
             self.last = Some(Instant::now());
@@ -757,14 +758,14 @@ impl PdBody {
                 Poll::Pending => {
                     if this.joined.is_empty() {
                         let finish = &*this.finish;
-                        let head_came = || {
+                        let flowing = || {
                             let late = finish.as_ref().and_then(|f| f.late.as_ref());
-                            late.is_some_and(|l| l.decode_head.get().is_some())
+                            late.is_some_and(|l| l.flowing())
                         };
                         let expired = this
                             .timer
                             .as_mut()
-                            .and_then(|t| t.get_mut().poll_expired(cx, head_came));
+                            .and_then(|t| t.get_mut().poll_expired(cx, flowing));
                         let Some(e) = expired else {
                             return Poll::Pending;
                         };
@@ -865,7 +866,7 @@ pub(crate) fn empty_body() -> BoxBody {
 
 /// One SSE event carrying an OpenAI-format error. It starts with a blank line, which
 /// ends an event the broken stream may have left half-written.
-fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
+pub(super) fn sse_error_event(message: &str, error_type: &str, code: &str) -> Bytes {
     let json = disagg_json::openai_error_body(message, error_type, None, code);
     let mut out = Vec::with_capacity(json.len() + 10);
     out.extend_from_slice(b"\n\ndata: ");

@@ -135,7 +135,8 @@ pub struct OrchestratorConfig {
     /// stream the proxy begins before the decode leg is sent (a plan's lead) does not
     /// count its wait for the KV gate and the decode's head, which have budgets of
     /// their own ([`handoff_timeout`](Self::handoff_timeout),
-    /// [`decode_head_timeout`](Self::decode_head_timeout)).
+    /// [`decode_head_timeout`](Self::decode_head_timeout)), nor, when that head is an
+    /// error, the read of its message (within what is left of the head's budget).
     pub decode_idle_timeout: Option<Duration>,
     /// Largest prefill answer read, in bytes.
     pub max_prefill_answer: usize,

@@ -18,7 +18,10 @@
 //!   event's bytes are held. Past [`MigrationConfig::max_seq_len`] tokens the ids are
 //!   dropped and the request is no longer migratable.
 //! * **Detect.** The decode's body breaks, ends before `data: [DONE]`, or sends an
-//!   error event.
+//!   error event; after a plan's lead, its decode leg fails before its body (its
+//!   connection, a 5xx, its head's budget). Not when the first leg's KV gate fails,
+//!   its decode refuses it (a 4xx), or the deadline passes before its body: the
+//!   stream ends with that error.
 //! * **Continue.** A continuation on another decode endpoint (never one already tried;
 //!   the dead one is reported failed once, which is what passive health hears: when
 //!   the stream moves on, in the request's trace when it is traced and as the
@@ -115,7 +118,7 @@ use moved::Broken;
 pub(crate) use moved::{Applied, Moved};
 use splice::{splice_chunk, usage_chunk};
 pub(crate) use start::ThroughPrefill;
-use start::{Bounds, Continuation, Current, End, NotStarted, Started, failing, start};
+use start::{Bounds, Continuation, Current, End, NotStarted, Started, failing, not_a_break, start};
 use times::LegTimes;
 mod scan;
 mod splice;
@@ -859,6 +862,7 @@ impl Migrating {
                 }
             }
             let polled = Pin::new(&mut this.inner).poll_frame(cx);
+            let mut blame = true;
             let reason = match polled {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
@@ -902,11 +906,14 @@ impl Migrating {
                         }
                     }
                 }
-                // The proxy's own step before the decode's body failed (a lead stream's
-                // KV gate, its decode's head): no decode stream broke, and the error
-                // carries its own verdict, which the attempt's report tells. It ends
-                // the stream, after what is held.
-                Poll::Ready(Some(Err(e))) if e.is::<crate::error::PdError>() => {
+                // A first leg begun with a lead of the proxy's own: its KV gate failed,
+                // its decode refused the leg (a 4xx), or the deadline passed before the
+                // decode's body. No decode stream broke, and the error carries its own
+                // verdict, which the attempt's report tells: it ends the stream, after
+                // what is held. The decode's own failure (its connection, a 5xx, its
+                // head's budget) is a broken stream, continued; a continuation's gate
+                // failure is its fresh prefill's (`fresh::Gated`).
+                Poll::Ready(Some(Err(e))) if !this.continuing() && not_a_break(&e) => {
                     this.ended = true;
                     this.raw = true;
                     if this.held.is_empty() {
@@ -917,6 +924,9 @@ impl Migrating {
                     return Poll::Ready(Some(Ok(Frame::data(this.held.take().freeze()))));
                 }
                 Poll::Ready(Some(Err(e))) => {
+                    // A break; a continuation's decode that refused its leg after its
+                    // lead (a 4xx), or the request's deadline, blames no engine.
+                    blame = !not_a_break(&e);
                     this.broke = Some(e);
                     Reason::Reset
                 }
@@ -932,7 +942,7 @@ impl Migrating {
                 }
                 Poll::Ready(None) => Reason::Eof,
             };
-            let dead = this.leg.take_blame();
+            let dead = this.leg.take_blame().filter(|_| blame);
             if this.migrate(reason, dead, false) {
                 continue;
             }

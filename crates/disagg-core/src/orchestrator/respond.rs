@@ -151,25 +151,36 @@ pub(super) enum NotDecoded {
     },
 }
 
+/// A decode's 2xx answer after a prefill leg ([`Exchange::into_decoded`]).
+pub(super) struct Decoded {
+    pub(super) head: Response<BoxBody>,
+    /// The decode endpoint's in-flight count.
+    pub(super) guard: InFlightGuard,
+    /// A concurrent prefill still running when the decode's head came.
+    pub(super) pending: Option<super::body::PendingPrefill>,
+    /// Steps of the attempt inside its body: a stream begun with the plan's lead
+    /// ([`LateMarks::lead`]) sends its decode leg there, after its KV gate.
+    pub(super) late: Option<Arc<LateMarks>>,
+}
+
 impl Exchange {
-    /// The decode's 2xx answer after a prefill leg, with the decode's in-flight count
-    /// and a concurrent prefill still running; for any other answer (dropped), what
-    /// gave it.
-    pub(super) fn into_decoded(
-        self,
-    ) -> Result<
-        (
-            Response<BoxBody>,
-            InFlightGuard,
-            Option<super::body::PendingPrefill>,
-        ),
-        NotDecoded,
-    > {
+    /// The decode's 2xx answer after a prefill leg, with the decode's in-flight count, a
+    /// concurrent prefill still running and the steps inside the body; for any other
+    /// answer (dropped), what gave it.
+    pub(super) fn into_decoded(self) -> Result<Decoded, NotDecoded> {
         let status = self.head.status();
         match self.stand {
-            Stand::Decoded { guard, pending, .. } if status.is_success() => {
-                Ok((self.head, guard, pending))
-            }
+            Stand::Decoded {
+                guard,
+                pending,
+                late,
+                ..
+            } if status.is_success() => Ok(Decoded {
+                head: self.head,
+                guard,
+                pending,
+                late,
+            }),
             Stand::PrefillRefused => Err(NotDecoded::PrefillRefused),
             Stand::PrefillAnswered { .. } => Err(NotDecoded::PrefillAnswered),
             Stand::Decoded { prefill, .. } => Err(NotDecoded::Decode { status, prefill }),
@@ -196,12 +207,23 @@ pub(crate) struct LateMarks {
     pub(super) prefill_answered: AtomicBool,
     pub(super) decode_sent: OnceLock<Instant>,
     pub(super) decode_head: OnceLock<Instant>,
+    /// The decode's body flows to the client: its head was a 2xx (a lead stream's
+    /// pending decode resolved into its body). Not at the head: a refusal's message is
+    /// read after it, within what is left of the head's budget, and no decode body
+    /// follows.
+    pub(super) decode_flowing: AtomicBool,
 }
 
 impl LateMarks {
     /// Whether a concurrent prefill still running at the decode's head answered well.
     pub(crate) fn answered(&self) -> bool {
         self.prefill_answered.load(Ordering::Relaxed)
+    }
+
+    /// Whether the decode's body flows to the client (its head a 2xx): the idle time
+    /// of a stream begun before its decode leg was sent counts from then.
+    pub(crate) fn flowing(&self) -> bool {
+        self.decode_flowing.load(Ordering::Relaxed)
     }
 
     /// Put the steps that happened into `tl`.
@@ -373,7 +395,8 @@ impl Inner {
         // Mid-stream migration: an eligible stream's body tracks its tokens (off: the
         // body is the decode's, as it always was).
         // Under a lead of the proxy's own, the stream's limits wait for the decode's
-        // head: the KV gate and the head before it have budgets of their own.
+        // body: the KV gate, the head and an error head's message have budgets of their
+        // own.
         let timer = guard.as_ref().and_then(|g| {
             StreamTimer::new(
                 self.config.decode_idle_timeout,

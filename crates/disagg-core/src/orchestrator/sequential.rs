@@ -2,6 +2,7 @@
 //! leg, its answer folded into the decode leg, then the decode leg.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -226,6 +227,8 @@ impl Inner {
                 ));
             }
             hold.taken();
+            // The decode's body flows from here: its idle time counts from now.
+            marked.decode_flowing.store(true, Ordering::Relaxed);
             Ok(reshaped(&handoff, head).into_body())
         });
         let body = BoxBody::new(LeadBody::deferred(lead, pending));

@@ -18,6 +18,7 @@ use super::*;
 
 mod continuation;
 mod counted;
+mod lead;
 mod traced;
 mod window;
 

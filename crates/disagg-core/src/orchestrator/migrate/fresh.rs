@@ -8,17 +8,28 @@
 //! its answer is in (or it refused its leg, or its answer was the whole answer: then
 //! the continuation goes decode-only), else (a concurrent prefill still running as the
 //! decode's stream began, which rides in that stream) when it answers or fails, or as
-//! abandoned when the stream is dropped first.
+//! abandoned when the stream is dropped first. A plan whose stream begins with a lead
+//! of the proxy's own, before its decode leg is sent, waits for its KV gate inside that
+//! stream: the prefill's handoff rides in it as a running prefill does, told answered
+//! once the gate opened, or failed when it did not ([`Gated`]).
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::task::{Context, Poll};
 
+use bytes::Bytes;
+use http_body::{Body, Frame};
+
+use crate::error::{BoxError, PdError, error_chain};
 use crate::outcome::{LegOutcome, Outcome, Report, Timeline, TraceIds, now};
 use crate::router::Route;
+use crate::transport::BoxBody;
 
-use super::super::body::PendingPrefill;
+use super::super::body::{PendingPrefill, sse_error_event};
 use super::super::leg_outcome;
 use super::super::report::{Reporter, prefill_end};
+use super::super::respond::LateMarks;
 
 /// A continuation's fresh prefill leg, told once (see the [module docs](self)).
 pub(super) struct PrefillLeg {
@@ -84,20 +95,42 @@ impl PrefillLeg {
             }
             match &result {
                 Ok(()) => self.tell(Outcome::Success, LegOutcome::Answered),
-                Err(e) => {
-                    let prefill = self
-                        .report
-                        .as_ref()
-                        .and_then(|r| r.route.prefill.as_deref());
-                    let verdict = leg_outcome(e, prefill.map(|p| p.id()));
-                    told.failed(verdict);
-                    // A refusal (a 4xx) is told as one, as on any attempt.
-                    self.tell(prefill_end(e, verdict), verdict);
-                }
+                Err(e) => self.failed(e, &told),
             }
             result
         });
         (riding, end)
+    }
+
+    /// The continuation's stream `body`, begun with its plan's lead before its decode
+    /// leg was sent, its KV gate waited for inside it (`marks` say when the decode leg
+    /// went out): the leg is told answered once the gate opened, or failed as the
+    /// gate's error says when it did not (the [`RidingEnd`] returned says so: the
+    /// stream ends for the prefill, not for its decode), or abandoned when the stream
+    /// is dropped first (its KV computed and left behind).
+    pub(super) fn gated(self, body: BoxBody, marks: Arc<LateMarks>) -> (BoxBody, Arc<RidingEnd>) {
+        let end = Arc::new(RidingEnd::default());
+        let gated = Gated {
+            inner: body,
+            marks,
+            leg: Some(self),
+            end: Arc::clone(&end),
+            ended: false,
+        };
+        (BoxBody::new(gated), end)
+    }
+
+    /// The prefill's side failed with `e` after its answer (the stream then ends for
+    /// it, as `end` says): its leg told as `e` judges it, a refusal (a 4xx) as one, as
+    /// on any attempt.
+    fn failed(&mut self, e: &PdError, end: &RidingEnd) {
+        let prefill = self
+            .report
+            .as_ref()
+            .and_then(|r| r.route.prefill.as_deref());
+        let verdict = leg_outcome(e, prefill.map(|p| p.id()));
+        end.failed(verdict);
+        self.tell(prefill_end(e, verdict), verdict);
     }
 
     fn tell(&mut self, outcome: Outcome, prefill: LegOutcome) {
@@ -108,6 +141,64 @@ impl PrefillLeg {
         report.prefill = prefill;
         report.timeline.end = Some(now());
         self.reporter.report(&mut report);
+    }
+}
+
+/// A continuation's stream begun with its plan's lead, whose KV gate is waited for
+/// inside it ([`PrefillLeg::gated`]): the stream as it comes, but for the gate's
+/// failure, which is its fresh prefill's: its leg is told failed, and the stream ends
+/// with an error event carrying the gate's error (as a riding prefill's failure ends
+/// its stream), for the migrating body to take as the stream ended for its prefill,
+/// not for its decode, and never as the attempt's first prefill's failure.
+struct Gated {
+    inner: BoxBody,
+    marks: Arc<LateMarks>,
+    /// `None` once told.
+    leg: Option<PrefillLeg>,
+    end: Arc<RidingEnd>,
+    /// The gate's failure went out: nothing follows.
+    ended: bool,
+}
+
+impl Body for Gated {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        let Some(leg) = this.leg.as_mut() else {
+            return polled;
+        };
+        if this.marks.decode_sent.get().is_some() {
+            // The gate opened (the decode leg went out): the prefill's handoff is done,
+            // whatever the decode does next.
+            if let Some(leg) = this.leg.take() {
+                leg.answered();
+            }
+            return polled;
+        }
+        let Poll::Ready(Some(Err(e))) = polled else {
+            return polled;
+        };
+        // Before the decode leg went out, only the gate fails.
+        let e = match e.downcast::<PdError>() {
+            Ok(e) => e,
+            Err(e) => return Poll::Ready(Some(Err(e))),
+        };
+        leg.failed(&e, &this.end);
+        this.leg = None;
+        this.ended = true;
+        let message = error_chain(&*e);
+        tracing::warn!(%message, "a continuation's KV handoff failed after its lead");
+        let event = sse_error_event(&message, e.error_type(), e.code());
+        Poll::Ready(Some(Ok(Frame::data(event))))
     }
 }
 

@@ -22,7 +22,7 @@ use crate::transport::BoxBody;
 use super::super::attempt::{Failure, Watch};
 use super::super::body::{Finish, PdBody};
 use super::super::leg_outcome;
-use super::super::respond::NotDecoded;
+use super::super::respond::{Decoded, NotDecoded};
 use super::Ctx;
 use super::fresh::{PrefillLeg, RidingEnd};
 use super::times::LegTimes;
@@ -498,16 +498,30 @@ async fn through_prefill(
             // given to it as the continuation's stream is scrubbed.
             let returned = ex.returned.take();
             match ex.into_decoded() {
-                Ok((head, guard, pending)) => {
+                Ok(Decoded {
+                    head,
+                    guard,
+                    pending,
+                    late,
+                }) => {
                     // The fresh prefill's leg, told now that its answer is in, or when
-                    // it answers if it still runs (riding in the stream).
+                    // it answers if it still runs (riding in the stream), or, its
+                    // stream begun with the plan's lead, once its KV gate opened
+                    // (its handoff riding in the stream).
                     let leg = PrefillLeg::new(&ctx.reporter, &route, number, &tl, trace.clone());
-                    let (pending, riding) = match pending {
-                        Some(pending) => {
+                    let mut body = head.into_body();
+                    let lead = late.filter(|l| l.lead);
+                    let (pending, riding) = match (pending, lead) {
+                        (Some(pending), _) => {
                             let (pending, failed) = leg.riding(pending);
                             (Some(pending), Some((prefill.id().clone(), failed)))
                         }
-                        None => {
+                        (None, Some(marks)) => {
+                            let (gated, failed) = leg.gated(body, marks);
+                            body = gated;
+                            (None, Some((prefill.id().clone(), failed)))
+                        }
+                        (None, None) => {
                             leg.answered();
                             (None, None)
                         }
@@ -517,18 +531,12 @@ async fn through_prefill(
                         // answer.
                         let scrub = returned.is_some();
                         http_body_util::BodyExt::boxed(
-                            PdBody::stream(
-                                head.into_body(),
-                                true,
-                                Finish::holding(None, None),
-                                pending,
-                                None,
-                            )
-                            .scrubbing(scrub)
-                            .capturing(returned),
+                            PdBody::stream(body, true, Finish::holding(None, None), pending, None)
+                                .scrubbing(scrub)
+                                .capturing(returned),
                         )
                     } else {
-                        head.into_body()
+                        body
                     };
                     // Its decode leg's steps (sent inside the body after a lead of the
                     // proxy's own: its stream starts now), after its handoff's.
@@ -752,6 +760,18 @@ fn api(ctx: &Ctx) -> Api {
     } else {
         Api::Completions
     }
+}
+
+/// Whether `e`, ending a leg's stream before the decode's body (one begun with a plan's
+/// lead), is no break of a decode stream: the proxy's own step failed (the KV gate, the
+/// prefill's side), the decode refused its leg (its 4xx), or the request's deadline
+/// passed. The decode's own failure (its connection, a 5xx, its head's budget) is.
+pub(super) fn not_a_break(e: &super::BoxError) -> bool {
+    e.downcast_ref::<PdError>().is_some_and(|e| {
+        e.side() == Side::Prefill
+            || e.is_deadline()
+            || e.engine_status().is_some_and(|s| s.is_client_error())
+    })
 }
 
 /// A body that fails at once with `e`.

@@ -20,7 +20,9 @@ fn one(heard: &Heard, what: &str) -> Report {
 /// prefill failure (decode-only fallback), and both legs at once (SGLang, the prefill
 /// still running, dropped with the answer). The attempt is the decode's refusal, not a
 /// success of the route (no answer was delivered) nor a failure (its engine worked:
-/// its leg answered); the request stays a complete client error, and no retry is made.
+/// its leg answered); the request stays a complete client error. (A relayed head is
+/// the attempt's answer, never its failure: no retry is asked for, whatever the
+/// policy, so none is set here.)
 #[tokio::test(start_paused = true)]
 async fn a_decodes_own_refusal_is_told_as_a_decode_refusal() {
     let cases = [
@@ -36,14 +38,9 @@ async fn a_decodes_own_refusal_is_told_as_a_decode_refusal() {
             _ => fake.on(P1, CHAT, prefill_answer()),
         };
         fake.on(D1, CHAT, engine_error(400, "prompt too long"));
-        fake.on(D1, CHAT, Reply::sse().frame(ms(0), DONE));
-        // A retry policy, which a decode's refusal must not set off (a decode-only
-        // fallback is the second attempt of its request already).
         let config = |c: &mut Setup| {
             if what == "decode-only" {
                 c.prefill_failure = PrefillFailure::DecodeOnly;
-            } else {
-                c.retry = RetryPolicy::retries(1);
             }
         };
         let (orch, heard) = if what == "concurrent" {
@@ -57,7 +54,6 @@ async fn a_decodes_own_refusal_is_told_as_a_decode_refusal() {
         let all = within(resp.into_body().collect()).await.unwrap().to_bytes();
         let err: Value = serde_json::from_slice(&all).unwrap();
         assert_eq!(err["error"]["message"], "prompt too long", "{what}: whole");
-        assert_eq!(fake.calls_to(D1).len(), 1, "{what}: not retried");
         assert_settled(&orch);
         // The decode-only fallback is its request's second attempt (the first failed on
         // its prefill, reported as it failed).
@@ -367,4 +363,47 @@ async fn a_lead_streams_decode_refusal_is_told_as_a_decode_refusal() {
         );
         assert_settled(&orch);
     }
+}
+
+/// A lead stream whose decode refuses its leg with a 400 whose error body comes 300 ms
+/// after its head: longer than the decode idle limit (100 ms), within what is left of
+/// the head's budget. The body is the refusal's message, read within that budget, not
+/// a decode stream gone silent: the client's stream ends with the engine's message
+/// once it came, and the attempt is the decode's refusal.
+#[tokio::test(start_paused = true)]
+async fn a_lead_streams_decode_refusal_with_a_slow_message_is_not_a_silent_decode() {
+    let fake = Fake::new();
+    fake.on(P1, CHAT, prefill_answer());
+    let message = json!({"error": {"message": "prompt too long", "type": "Error", "code": 400}});
+    let refusal = Reply::sse().status(400).frame(ms(300), message.to_string());
+    fake.on(D1, CHAT, refusal);
+    let connector = LeadGate {
+        opens: Some(ms(10)),
+    };
+    let (orch, heard) = heard(&fake, &[P1], connector, |c| {
+        c.decode_idle_timeout = Some(ms(100));
+        c.decode_head_timeout = ms(1000);
+    });
+    let t0 = Instant::now();
+    let mut body = serve(&orch, chat(&orch)).await.unwrap().into_body();
+    assert_eq!(data(&mut body).await, event(0), "the lead");
+    let err = error_event(&data(&mut body).await);
+    assert!(
+        err["message"].as_str().unwrap().contains("prompt too long"),
+        "the engine's message: {err}"
+    );
+    assert_eq!(t0.elapsed(), ms(310), "once the message came");
+    assert!(next(&mut body).await.is_none());
+    let r = one(&heard, "slow message");
+    assert_eq!(
+        (r.outcome, r.prefill, r.decode),
+        (
+            Outcome::DecodeRefused,
+            LegOutcome::Answered,
+            LegOutcome::Answered
+        )
+    );
+    let s = heard.summary();
+    assert_eq!(s.delivery, Delivery::Broken);
+    assert_settled(&orch);
 }
