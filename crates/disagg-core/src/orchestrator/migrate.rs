@@ -104,6 +104,7 @@ use crate::router::Route;
 use crate::source::EndpointSource;
 use crate::transport::{BoxBody, Transport};
 
+mod entry;
 mod fresh;
 mod generate;
 mod head;
@@ -959,68 +960,6 @@ impl Migrating {
             }
             return Poll::Ready(this.broke.take().map(Err));
         }
-    }
-}
-
-impl super::Inner {
-    /// The client's body for the decode's `body` on `route`: a [`Migrating`] body when
-    /// `req` may migrate (with what it shares with the attempt's report), which then
-    /// holds the decode's in-flight `guard` and the route's place on it (each given
-    /// back when the decode's stream ends or is abandoned); else `body` itself, and
-    /// `guard` back.
-    // The answer's parts, each from a different place in `respond`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn migrating(
-        &self,
-        req: &PdRequest,
-        route: &mut Route,
-        meta: &super::respond::RequestMeta,
-        disaggregated: bool,
-        clock: super::clock::Clock,
-        body: BoxBody,
-        guard: InFlightGuard,
-        steps: (
-            &crate::outcome::Timeline,
-            Option<&Arc<super::respond::LateMarks>>,
-        ),
-    ) -> (BoxBody, Option<Arc<Moved>>, Option<InFlightGuard>) {
-        let Some(plan) = plan(&self.config.migration, req) else {
-            return (body, None, Some(guard));
-        };
-        let moved = Arc::new(Moved::default());
-        let ctx = Ctx {
-            config: self.config.migration.clone(),
-            plan,
-            transport: Arc::clone(&self.transport),
-            source: Arc::clone(&self.source),
-            reporter: Arc::clone(&self.reporter),
-            counters: Arc::clone(&self.counters),
-            route: route.clone(),
-            attempt: meta.attempts.saturating_sub(1),
-            engine_id: meta.engine_id.clone(),
-            forwarded: super::legs::client_headers(&self.config, req.headers())
-                .map(|(n, v)| (n.clone(), v.clone()))
-                .collect(),
-            head_timeout: self.config.decode_head_timeout,
-            deadline: clock.deadline,
-            queued: std::sync::atomic::AtomicBool::new(clock.queued),
-            client: req.client(),
-            moved: Arc::clone(&moved),
-            trace: meta
-                .trace
-                .as_ref()
-                .map(|t| (t.clone(), Arc::clone(&self.spans))),
-            through_prefill: (disaggregated && !self.config.migration.decode_only).then(|| {
-                ThroughPrefill {
-                    inner: self.me.clone(),
-                    clock,
-                }
-            }),
-        };
-        let hold = route.take_decode_hold();
-        let times = LegTimes::first_leg(steps.0, steps.1);
-        let body = Migrating::new(body, ctx, guard, hold, times);
-        (http_body_util::BodyExt::boxed(body), Some(moved), None)
     }
 }
 
