@@ -498,9 +498,11 @@ impl Inner {
                 one_answer(transport, out, timeout).await
             }
         });
+        // An adapter loaded or unloaded changes the model list: dropped when the engines
+        // have answered, or when the client leaves before (they may still apply it).
+        let invalidate = self.config.models.invalidate_on_drop();
         let answers = futures::future::join_all(sends).await;
-        // An adapter loaded or unloaded changes the model list.
-        self.config.models.invalidate();
+        drop(invalidate);
         fan_out_answer(parts.uri.path(), &targets, answers)
     }
 

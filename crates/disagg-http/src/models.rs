@@ -14,11 +14,25 @@
 //!
 //! Requests that find the list stale while it is being fetched wait for that fetch
 //! rather than starting another (or waiting for one another). The fetch runs as a task
-//! of its own, so it ends within the timeout even when every request waiting for it has
-//! left. Dropping the list never waits for a fetch: a fetch begun before the list was
+//! of its own, so it goes on when every request waiting for it has left; it ends within
+//! the timeout, unless the timeout is too large for the clock (then the fetch has no
+//! deadline, and neither have the requests waiting for it). A request gives up on a
+//! fetch not ended a second past its deadline (its task's runtime no longer driven), as
+//! on one that failed; a fetch whose task panicked or was dropped with its runtime
+//! failed, and is not waited for again.
+//!
+//! Dropping the list never waits for a fetch: a fetch begun before the list was
 //! dropped still answers the requests already waiting for it, but its list is not kept,
-//! and the next request starts another. When no engine answers (and no endpoint declares
-//! a model), nothing is kept: the next request asks the engines again.
+//! and the next request starts another. While three such forgotten fetches still run
+//! (an engine holds them), a request that finds no list joins the newest of them
+//! instead, and is answered its list (begun before the drop), which is not kept either:
+//! an engine that holds its answer is asked at most three times at once, however often
+//! the list is dropped. When no engine answers (and no endpoint declares a model),
+//! nothing is kept: the next request asks the engines again.
+//!
+//! The list is dropped when a fanned-out request's engines have answered, or when its
+//! client leaves before they have (an engine may still apply the change after that: a
+//! list fetched in between is kept until it is older than the TTL).
 //!
 //! vLLM itself has no `GET /v1/models/{id}`; the proxy answers it from the list (the
 //! card whose `id` is the rest of the path, percent-decoded), and 404
@@ -81,18 +95,51 @@ const LIST_LIMIT: usize = 4 * 1024 * 1024;
 /// held. vLLM lists its model and one card per LoRA adapter.
 const MAX_CARDS: usize = 65_536;
 
+/// The most fetches running at once, the one in flight and those forgotten by a drop of
+/// the list: when that many forgotten ones run, a request that finds no list joins the
+/// newest of them rather than starting another, so an engine that holds its
+/// `GET /v1/models` is sent at most this many at once, however often the list is
+/// dropped.
+const MAX_RUNNING: usize = 3;
+
+/// How long past its deadline a request waits for a fetch before it gives up on it, as
+/// on a fetch that failed: the fetch's own work after its deadline (the merge), and its
+/// task's turn.
+const WAIT_SLACK: Duration = Duration::from_secs(1);
+
 /// The cards of one fetch: `None` when no engine answered and no endpoint declares a
 /// model.
 type Listed = Option<Arc<Vec<Card>>>;
 
-/// A fetch in flight, awaited by every request that found the list stale meanwhile.
+/// A fetch's answer, awaited by every request that found the list stale meanwhile:
+/// `None` as well when its task ended without one (it panicked, or its runtime dropped
+/// it).
 type Fetch = Shared<BoxFuture<'static, Listed>>;
 
-/// The cached model list, and the fetch in flight.
+/// A fetch started, as the requests that wait for it see it.
+#[derive(Clone)]
+struct Flight {
+    /// Its number.
+    id: u64,
+    fetch: Fetch,
+    /// When a request waiting for it gives up on it: its deadline and [`WAIT_SLACK`];
+    /// none when the timeout is too large for the clock (then the fetch has no
+    /// deadline either).
+    until: Option<tokio::time::Instant>,
+}
+
+impl Flight {
+    /// Still worth waiting for at `now`.
+    fn live(&self, now: tokio::time::Instant) -> bool {
+        self.until.is_none_or(|until| now < until)
+    }
+}
+
+/// The cached model list, and the fetches running.
 #[derive(Default)]
 pub(crate) struct Catalog {
-    /// Locked for moments, never across an await; shared (weakly) with the fetch in
-    /// flight, which keeps its list when it ends.
+    /// Locked for moments, never across an await; shared (weakly) with each fetch's
+    /// task, which keeps its list when it ends.
     state: Arc<Mutex<State>>,
 }
 
@@ -102,7 +149,8 @@ impl std::fmt::Debug for Catalog {
         // Not waited for: a `Debug` written while the state is held must not hang.
         if let Ok(state) = self.state.try_lock() {
             d.field("cards", &state.cached.as_ref().map(|(_, c)| c.len()))
-                .field("fetching", &state.in_flight.is_some());
+                .field("fetching", &state.in_flight.is_some())
+                .field("forgotten", &state.forgotten.len());
         }
         d.finish_non_exhaustive()
     }
@@ -112,9 +160,13 @@ impl std::fmt::Debug for Catalog {
 struct State {
     /// The list, and when its fetch ended.
     cached: Option<(Instant, Arc<Vec<Card>>)>,
-    /// The fetch in flight whose list will be kept, and its number. A fetch begun
-    /// before the list was last dropped is no longer here.
-    in_flight: Option<(u64, Fetch)>,
+    /// The fetch in flight whose list will be kept. A fetch begun before the list was
+    /// last dropped is no longer here.
+    in_flight: Option<Flight>,
+    /// The fetches forgotten by a drop of the list and still running (not yet past
+    /// their waiters' deadline), oldest first: with the one in flight, at most
+    /// [`MAX_RUNNING`].
+    forgotten: Vec<Flight>,
     /// The number of the next fetch.
     next: u64,
 }
@@ -125,14 +177,79 @@ fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 impl State {
-    /// The cached list when younger than `ttl`, else the fetch in flight.
-    fn current(&self, ttl: Duration) -> Option<Result<Arc<Vec<Card>>, Fetch>> {
+    /// The cached list when younger than `ttl`, else the fetch to wait for: the one in
+    /// flight, else the newest forgotten one when [`MAX_RUNNING`] still run; `None`
+    /// when a fetch is to start. A fetch past its waiters' deadline (its runtime no
+    /// longer driven) is forgotten, as a request that gave up on it forgets it.
+    fn current(&mut self, ttl: Duration) -> Option<Result<Arc<Vec<Card>>, Flight>> {
         if let Some((at, cards)) = &self.cached
             && at.elapsed() < ttl
         {
             return Some(Ok(Arc::clone(cards)));
         }
-        self.in_flight.as_ref().map(|(_, f)| Err(f.clone()))
+        let now = tokio::time::Instant::now();
+        if self.in_flight.as_ref().is_some_and(|f| !f.live(now)) {
+            self.in_flight = None;
+        }
+        self.forgotten.retain(|f| f.live(now));
+        if let Some(flight) = &self.in_flight {
+            return Some(Err(flight.clone()));
+        }
+        if self.forgotten.len() >= MAX_RUNNING {
+            return self.forgotten.last().cloned().map(Err);
+        }
+        None
+    }
+
+    /// Fetch `id` ended or given up on: no longer in flight nor running. Whether it was
+    /// the one in flight.
+    fn end(&mut self, id: u64) -> bool {
+        self.forgotten.retain(|f| f.id != id);
+        let in_flight = self.in_flight.as_ref().is_some_and(|f| f.id == id);
+        if in_flight {
+            self.in_flight = None;
+        }
+        in_flight
+    }
+}
+
+/// The end of a fetch's task, however it ends: its list, kept when it is still the
+/// fetch in flight ([`Ended::kept`]), or nothing (dropped: the fetch panicked, or its
+/// runtime dropped it before it ended). Either way the fetch is no longer in flight: a
+/// task that never gives its answer is not waited for again.
+struct Ended {
+    /// Emptied once the end is told.
+    state: Weak<Mutex<State>>,
+    id: u64,
+}
+
+impl Ended {
+    /// The fetch ended with `cards`: kept, when it is still the one in flight.
+    fn kept(&mut self, cards: Option<&Arc<Vec<Card>>>) {
+        let Some(state) = std::mem::take(&mut self.state).upgrade() else {
+            return;
+        };
+        let mut state = lock(&state);
+        if state.end(self.id)
+            && let Some(cards) = cards
+        {
+            state.cached = Some((Instant::now(), Arc::clone(cards)));
+        }
+    }
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.kept(None);
+    }
+}
+
+/// Drops the model list when it is dropped: see [`Catalog::invalidate_on_drop`].
+pub(crate) struct InvalidateOnDrop<'a>(&'a Catalog);
+
+impl Drop for InvalidateOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.invalidate();
     }
 }
 
@@ -142,12 +259,24 @@ impl Catalog {
     pub(crate) fn invalidate(&self) {
         let mut state = lock(&self.state);
         state.cached = None;
-        state.in_flight = None;
+        if let Some(flight) = state.in_flight.take() {
+            // None starts while `MAX_RUNNING` forgotten ones run: at most that many.
+            state.forgotten.push(flight);
+        }
+    }
+
+    /// A guard that forgets the list when it is dropped: after a fanned-out admin
+    /// request's answers, or when its client leaves before them (the engines may
+    /// still apply it).
+    pub(crate) fn invalidate_on_drop(&self) -> InvalidateOnDrop<'_> {
+        InvalidateOnDrop(self)
     }
 
     /// The cards, from the cache when younger than `ttl`, else from the fetch in
-    /// flight, else from a new one; `None` when no engine answered and no endpoint
-    /// declares a model.
+    /// flight (or the newest forgotten one, at [`MAX_RUNNING`]), else from a new
+    /// one; `None` when no engine answered and no endpoint declares a model, when the
+    /// fetch ended without an answer, or when it has not ended [`WAIT_SLACK`] past its
+    /// deadline.
     async fn cards(
         &self,
         set: Arc<EndpointSet>,
@@ -155,63 +284,68 @@ impl Catalog {
         ttl: Duration,
         timeout: Duration,
     ) -> Listed {
-        let found = lock(&self.state).current(ttl);
-        let fetch = match found {
-            Some(Ok(cards)) => return Some(cards),
-            Some(Err(fetch)) => fetch,
-            None => self.start(fetch(set, transport, timeout), ttl),
-        };
-        // A task that ended without its list (the runtime shutting down) answered none.
-        fetch.await
-    }
-
-    /// `fetch` started as a task of its own and put in flight, unless another request
-    /// has put one there (or kept a list) since this one looked.
-    fn start(
-        &self,
-        fetch: impl Future<Output = Option<Vec<Card>>> + Send + 'static,
-        ttl: Duration,
-    ) -> Fetch {
-        let mut state = lock(&self.state);
-        match state.current(ttl) {
-            Some(Ok(cards)) => return futures::future::ready(Some(cards)).boxed().shared(),
-            Some(Err(fetch)) => return fetch,
-            None => {}
-        }
-        let id = state.next;
-        state.next += 1;
-        let catalog: Weak<Mutex<State>> = Arc::downgrade(&self.state);
-        let task = tokio::spawn(async move {
-            let cards = fetch.await.map(Arc::new);
-            if let Some(catalog) = catalog.upgrade() {
-                let mut state = lock(&catalog);
-                // Kept only when still the one in flight: not when the list was dropped
-                // since it began.
-                if state.in_flight.as_ref().is_some_and(|(i, _)| *i == id) {
-                    state.in_flight = None;
-                    if let Some(cards) = &cards {
-                        state.cached = Some((Instant::now(), Arc::clone(cards)));
-                    }
+        let deadline = deadline(timeout);
+        let (flight, starts) = {
+            let mut state = lock(&self.state);
+            match state.current(ttl) {
+                Some(Ok(cards)) => return Some(cards),
+                Some(Err(flight)) => (flight, None),
+                None => {
+                    let id = state.next;
+                    state.next += 1;
+                    let (tx, rx) = futures::channel::oneshot::channel::<Listed>();
+                    // A task that ended without its list answered none.
+                    let fetch = rx.map(|got| got.ok().flatten()).boxed().shared();
+                    let until = deadline.and_then(|d| d.checked_add(WAIT_SLACK));
+                    let flight = Flight { id, fetch, until };
+                    state.in_flight = Some(flight.clone());
+                    (flight, Some(tx))
                 }
             }
-            cards
-        });
-        let fetch = task.map(|ended| ended.ok().flatten()).boxed().shared();
-        state.in_flight = Some((id, fetch.clone()));
-        fetch
+        };
+        if let Some(tx) = starts {
+            // Made before the fetch: a `send` that panics drops it too.
+            let mut ended = Ended {
+                state: Arc::downgrade(&self.state),
+                id: flight.id,
+            };
+            let fetch = fetch(set, transport, deadline);
+            // Spawned with the state unlocked: on a runtime shutting down `spawn` drops
+            // the task at once, and `ended` locks the state.
+            tokio::spawn(async move {
+                let cards = fetch.await.map(Arc::new);
+                ended.kept(cards.as_ref());
+                let _ = tx.send(cards);
+            });
+        }
+        let Some(until) = flight.until else {
+            return flight.fetch.await;
+        };
+        // A fetch on another runtime that is no longer driven never ends.
+        match tokio::time::timeout_at(until, flight.fetch).await {
+            Ok(cards) => cards,
+            Err(_) => {
+                lock(&self.state).end(flight.id);
+                None
+            }
+        }
     }
 }
 
+/// `timeout` from now; none when too large for the clock, as `tokio::time::timeout`
+/// has it.
+fn deadline(timeout: Duration) -> Option<tokio::time::Instant> {
+    tokio::time::Instant::now().checked_add(timeout)
+}
+
 /// Each decode server's list, merged, then the declared models no engine listed. Each
-/// server's answer, head and body, has until `timeout` from now; one late or failed is
-/// left out.
+/// server's answer, head and body, has until `deadline` (none: no limit); one late or
+/// failed is left out.
 fn fetch(
     set: Arc<EndpointSet>,
     transport: &dyn Transport,
-    timeout: Duration,
+    deadline: Option<tokio::time::Instant>,
 ) -> impl Future<Output = Option<Vec<Card>>> + Send + 'static {
-    // A timeout too large for the clock is none, as `tokio::time::timeout` has it.
-    let deadline = tokio::time::Instant::now().checked_add(timeout);
     // One fetch per server (the ranks of an engine share it): one hash per endpoint.
     let servers: Vec<Arc<Endpoint>> = {
         let mut seen: HashSet<&http::uri::Authority> = HashSet::new();
@@ -604,7 +738,7 @@ mod tests {
                     .with_models(["alias", "m3"]),
             ),
         ]);
-        let cards = fetch(Arc::new(set), &lists, Duration::from_secs(60))
+        let cards = fetch(Arc::new(set), &lists, deadline(Duration::from_secs(60)))
             .await
             .unwrap();
         assert_eq!(cards.len(), 75_001);
@@ -643,7 +777,7 @@ mod tests {
             ep("http://c:1@1", &["x", "y"]),
             ep("http://a:1", &["y", "z"]),
         ]);
-        let cards = fetch(Arc::new(set), &lists, Duration::from_secs(60))
+        let cards = fetch(Arc::new(set), &lists, deadline(Duration::from_secs(60)))
             .await
             .unwrap();
         let owner = |id: &str| {
@@ -696,5 +830,183 @@ mod tests {
         let bare = built(&declared("alias", None));
         assert_eq!(bare["root"], "alias");
         assert!(bare["parent"].is_null());
+    }
+
+    /// One decode server whose `GET /v1/models` does as `act` says for the `n`th
+    /// request (from 0), each counted as it is sent.
+    struct Scripted {
+        sent: std::sync::atomic::AtomicUsize,
+        act: Box<dyn Fn(usize) -> Act + Send + Sync>,
+    }
+
+    enum Act {
+        /// Answers `{"data":[{"id":"m"}]}`.
+        Answer,
+        /// Answers so once it has taken a permit of the semaphore.
+        Gated(Arc<tokio::sync::Semaphore>),
+        /// Panics in `send` itself.
+        PanicInSend,
+    }
+
+    impl Scripted {
+        fn new(act: impl Fn(usize) -> Act + Send + Sync + 'static) -> Self {
+            Scripted {
+                sent: std::sync::atomic::AtomicUsize::new(0),
+                act: Box::new(act),
+            }
+        }
+
+        fn sent(&self) -> usize {
+            self.sent.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl disagg_core::transport::Transport for Scripted {
+        fn send(&self, _: Request<Bytes>) -> disagg_core::transport::ResponseFuture {
+            use http_body_util::BodyExt;
+            let n = self.sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let gate = match (self.act)(n) {
+                Act::Answer => None,
+                Act::Gated(gate) => Some(gate),
+                Act::PanicInSend => panic!("a transport's bug, in send"),
+            };
+            Box::pin(async move {
+                if let Some(gate) = gate {
+                    gate.acquire().await.unwrap().forget();
+                }
+                let body = http_body_util::Full::new(Bytes::from(r#"{"data":[{"id":"m"}]}"#))
+                    .map_err(|never| match never {})
+                    .boxed();
+                Ok(http::Response::new(body))
+            })
+        }
+    }
+
+    /// One decode server.
+    fn one_server() -> Arc<EndpointSet> {
+        let ep = disagg_core::Endpoint::new("http://e:1", Role::Decode).unwrap();
+        Arc::new(EndpointSet::new([Arc::new(ep)]))
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    const TTL: Duration = Duration::from_secs(300);
+
+    /// A fetch started on a runtime that is then dropped (a `serve_threads` thread
+    /// that drained) is cancelled with it: the next request, on another runtime,
+    /// fetches again rather than being answered its end.
+    #[test]
+    fn a_fetch_cancelled_with_its_runtime_is_not_answered_again() {
+        let catalog = Catalog::default();
+        let engine = Scripted::new(|_| Act::Answer);
+        let timeout = Duration::from_secs(60);
+        runtime().block_on(async {
+            let first = catalog.cards(one_server(), &engine, TTL, timeout);
+            assert!(first.now_or_never().is_none());
+        });
+        let cards = runtime().block_on(catalog.cards(one_server(), &engine, TTL, timeout));
+        assert_eq!(
+            cards.map(|c| c.len()),
+            Some(1),
+            "the cancelled fetch was answered"
+        );
+        assert_eq!(engine.sent(), 2);
+    }
+
+    /// A transport that panics in `send` fails that request, and leaves no fetch in
+    /// flight behind it.
+    #[test]
+    fn a_send_that_panicked_leaves_no_fetch_in_flight() {
+        let catalog = Catalog::default();
+        let engine = Scripted::new(|n| {
+            if n == 0 {
+                Act::PanicInSend
+            } else {
+                Act::Answer
+            }
+        });
+        let timeout = Duration::from_secs(60);
+        let rt = runtime();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rt.block_on(catalog.cards(one_server(), &engine, TTL, timeout))
+        }));
+        assert!(panicked.is_err());
+        let cards = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                catalog.cards(one_server(), &engine, TTL, timeout),
+            )
+            .await
+            .expect("the next request waited on the fetch that panicked")
+        });
+        assert_eq!(cards.map(|c| c.len()), Some(1));
+    }
+
+    /// A fetch on a runtime that is no longer driven (but not dropped) never ends: a
+    /// request on another runtime that waits for it gives up a little after its
+    /// deadline, as a failed fetch, and the next one fetches again.
+    #[test]
+    fn a_waiter_gives_up_on_a_fetch_that_is_never_driven() {
+        let catalog = Catalog::default();
+        let engine = Scripted::new(|_| Act::Answer);
+        let timeout = Duration::from_millis(200);
+        let stopped = runtime();
+        stopped.block_on(async {
+            let first = catalog.cards(one_server(), &engine, TTL, timeout);
+            assert!(first.now_or_never().is_none());
+        });
+        // `stopped` is not driven from here on: its fetch task never runs.
+        runtime().block_on(async {
+            let waited = tokio::time::timeout(
+                Duration::from_secs(20),
+                catalog.cards(one_server(), &engine, TTL, timeout),
+            )
+            .await
+            .expect("the waiter hung with a fetch never driven");
+            assert!(waited.is_none());
+            let cards = catalog.cards(one_server(), &engine, TTL, timeout).await;
+            assert_eq!(cards.map(|c| c.len()), Some(1));
+        });
+        assert_eq!(engine.sent(), 2);
+        drop(stopped);
+    }
+
+    /// Each drop of the list forgets the fetch in flight, which still runs against an
+    /// engine that holds it: the fetches running at once are bounded, whatever the
+    /// rate of drops and requests. A request past the bound is answered the newest
+    /// fetch's list; once that one has ended, the next request fetches again.
+    #[tokio::test]
+    async fn fetches_forgotten_by_drops_are_bounded() {
+        let catalog = Catalog::default();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = Arc::clone(&gate);
+        let engine = Scripted::new(move |_| Act::Gated(Arc::clone(&held)));
+        let timeout = Duration::from_secs(300);
+        for _ in 0..8 {
+            let asking = catalog.cards(one_server(), &engine, TTL, timeout);
+            assert!(asking.now_or_never().is_none());
+            catalog.invalidate();
+        }
+        assert_eq!(engine.sent(), MAX_RUNNING);
+        let mut joined = std::pin::pin!(catalog.cards(one_server(), &engine, TTL, timeout));
+        assert!((&mut joined).now_or_never().is_none());
+        assert_eq!(engine.sent(), MAX_RUNNING);
+        // The engine answers them all.
+        gate.add_permits(MAX_RUNNING);
+        assert_eq!(joined.await.map(|c| c.len()), Some(1));
+        assert_eq!(engine.sent(), MAX_RUNNING);
+        gate.add_permits(1);
+        let cards = catalog.cards(one_server(), &engine, TTL, timeout).await;
+        assert_eq!(cards.map(|c| c.len()), Some(1));
+        assert_eq!(engine.sent(), MAX_RUNNING + 1);
+        // That one's list is kept.
+        let cards = catalog.cards(one_server(), &engine, TTL, timeout).await;
+        assert_eq!(cards.map(|c| c.len()), Some(1));
+        assert_eq!(engine.sent(), MAX_RUNNING + 1);
     }
 }

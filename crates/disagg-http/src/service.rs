@@ -83,7 +83,9 @@ pub struct PdServiceConfig {
     /// Time each decode server has for its whole answer (head and body) to the proxy's
     /// `GET /v1/models`; one whose answer has not ended by then is left out of the list,
     /// and the others' are used. Requests finding the list stale meanwhile wait for
-    /// that one fetch, so none waits much longer than this (default 5 s).
+    /// that one fetch, and give it up (502) a second past its deadline; when the
+    /// timeout is too large for the clock, neither the fetch nor they have a deadline
+    /// (default 5 s).
     pub models_timeout: Duration,
     /// How long the model list gathered from the engines is reused (default 10 s: a
     /// client listing models before each request does not ask every engine each time,
