@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `room.rs` | [`Rooms`]: handoff ids that never repeat within a process and cannot be predicted from the ones seen (SGLang's `bootstrap_room`, vLLM Mooncake's `transfer_id`) |
 //! | `sse.rs` | [`sse::MapEvents`]: a decode stream rewritten event by event (SGLang's logprob merge, LMCache's chat reshape) |
-//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts; `lock`: a mutex locked through poisoning |
+//! | `mod.rs` | `openai_only`: the refusal of SGLang's native `/generate` by the connectors whose engines do not serve it; `carries`: the refusal of any API outside a connector's list; `bootstrap_port`: a prefill's bootstrap port read from its facts; `completion_batch`: how many prompts a completions `prompt` lists; `lock`: a mutex locked through poisoning |
 
 use disagg_core::endpoint::{Endpoint, Facts};
 use disagg_core::error::ConnectorError;
@@ -86,4 +86,24 @@ pub(crate) fn bootstrap_port(ep: &Endpoint) -> Result<Option<u16>, ConnectorErro
             endpoint: ep.id().clone(),
             what: BAD_BOOTSTRAP_PORT,
         })
+}
+
+/// How many prompts a completions request's `prompt` lists when it is a batch: a list
+/// whose first element is a string or a list (vLLM and SGLang read `["a","b"]` and
+/// `[[1],[2]]` as one prompt per element; a flat list of token ids is one prompt).
+/// `None` for anything else. A list whose first element is a number is told at a
+/// glance, never walked (a client's prompt of millions of ids); a batch is walked at
+/// its own level only, its prompts left raw.
+#[cfg_attr(not(any(feature = "vllm", feature = "sglang")), allow(dead_code))]
+pub(crate) fn completion_batch(body: &disagg_json::JsonBody) -> Option<usize> {
+    let raw = body.get("prompt")?;
+    let first = raw
+        .strip_prefix(b"[")?
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())?;
+    if !matches!(first, b'"' | b'[') {
+        return None;
+    }
+    let list = disagg_json::raw::list_head(raw)?;
+    matches!(list.first, Some(b'"' | b'[')).then_some(list.len)
 }

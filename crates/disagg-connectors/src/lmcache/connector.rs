@@ -22,16 +22,21 @@
 //! 2. The prompt's id is registered with [`Notifications`] (before any leg is sent: a
 //!    notification may beat the prefill's HTTP answer).
 //! 3. Prefill: `POST /v1/completions` with the token ids, `max_tokens: 1`, `stream: false`
-//!    and `kv_transfer_params: {ret_first_tok: true, disagg_spec: {req_id, receiver_host,
-//!    receiver_init_port, receiver_alloc_port}}`, the receiver being the chosen decode
+//!    (`min_tokens: 1` when the client's is 1 or more, `n` and `best_of` 1; `echo` as
+//!    the client's: this token is the answer's first) and `kv_transfer_params:
+//!    {ret_first_tok: true, disagg_spec: {req_id, receiver_host, receiver_init_port,
+//!    receiver_alloc_port}}`, the receiver being the chosen decode
 //!    endpoint's [`LmcacheReceiver`]. The engine pushes the KV there, each of its TP ranks
 //!    notifies, and it answers the first token (`kv_transfer_params.first_tok`).
 //! 4. A streaming client gets the first token as its first chunk at once
 //!    ([`Handoff::lead`]); the decode leg waits for one notification per decode TP rank
 //!    ([`Handoff::gate`], within the handoff budget).
-//! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`,
-//!    streaming as the client asked. When the first token already ended the answer
-//!    (`finish_reason: stop`, or `max_tokens: 1`), no decode leg is sent.
+//! 5. Decode: `POST /v1/completions` with the ids plus the first token, `max_tokens - 1`
+//!    (16, vLLM's default, for completions without one), `min_tokens - 1`, no `echo`
+//!    (the prefill's answer put the prompt in front), streaming as the client asked.
+//!    The numbers are read as vLLM reads them (`"5"`, `5.0`: `disagg_json::lax`).
+//!    When the first token already ended the answer (`finish_reason: stop`, or
+//!    `max_tokens: 1`), no decode leg is sent.
 //! 6. The decode's answer is turned into the client's (the plan's [`Reshape`]): the first
 //!    token is put in front of a non-streaming answer, usage counts the prompt and every
 //!    generated token once, and a chat client gets the chat form (chunks and body).
@@ -114,35 +119,8 @@ fn refused(what: impl Into<String>) -> ConnectorError {
     }
 }
 
-/// Why a grammar-constrained request is served by a decode engine alone (see
-/// [`Lmcache`]'s `check`).
-pub(crate) const GRAMMAR: &str = "grammar";
-
-/// Whether `body` asks for a grammar: a `response_format` other than `text`,
-/// `structured_outputs`, or one of the older `guided_*` fields.
-fn has_grammar(body: &JsonBody) -> bool {
-    let present = |k: &str| !body.is_null_or_absent(k);
-    // Read, not built: only its `type` counts.
-    let format = body
-        .get("response_format")
-        .filter(|f| *f != b"null")
-        .and_then(|f| std::str::from_utf8(f).ok())
-        .is_some_and(|f| {
-            disagg_json::raw::member(f, "type")
-                .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
-                != Some("text".to_owned())
-        });
-    format
-        || present("structured_outputs")
-        || [
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-        ]
-        .iter()
-        .any(|k| present(k))
-}
+/// vLLM's `max_tokens` of a completions request that sets none (or `null`).
+const COMPLETIONS_MAX_TOKENS: u64 = 16;
 
 /// Where a decode engine receives LMCache's KV pushes (its `pd_peer_host`,
 /// `pd_peer_init_port` and `pd_peer_alloc_port`), kept in the decode endpoint's
@@ -572,10 +550,15 @@ impl KvConnector for Lmcache {
     /// but vLLM feeds only generated tokens to a request's grammar
     /// (`StructuredOutputManager.accept_tokens` in `vllm/v1/structured_output`), so the
     /// decode's grammar would start over after a token already emitted.
+    ///
+    /// So is a chat with `echo` true: vLLM then puts the last message in front of the
+    /// answer when it is the assistant's, which the completions legs cannot say (their
+    /// `echo` would repeat the whole templated prompt), and dropping it would change the
+    /// answer asked for. A false `echo` is dropped from the legs.
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
         let decision = crate::vllm::rewrite::check::check_request(req, &self.limits)?;
-        if decision == Decision::Disaggregate && has_grammar(req.body()) {
-            return Ok(Decision::Direct { reason: GRAMMAR });
+        if decision == Decision::Disaggregate {
+            return Ok(direct::reason(req).map_or(decision, |reason| Decision::Direct { reason }));
         }
         Ok(decision)
     }
@@ -634,8 +617,9 @@ impl KvConnector for Lmcache {
         let max_tokens = if chat {
             int_field(body, "max_completion_tokens").or_else(|| int_field(body, "max_tokens"))
         } else {
-            int_field(body, "max_tokens")
+            Some(int_field(body, "max_tokens").unwrap_or(COMPLETIONS_MAX_TOKENS))
         };
+        let min_tokens = int_field(body, "min_tokens");
         let stream_options = body.get_bytes("stream_options");
         let include_usage = body
             .get("stream_options")
@@ -657,12 +641,26 @@ impl KvConnector for Lmcache {
         }
         base.remove("kv_transfer_params");
         base.remove("stream_options");
+        if chat {
+            // A true one is served direct (`check`); a false one says nothing.
+            base.remove("echo");
+        }
 
         let req_id = self.next_req_id();
         let mut prefill = base.clone();
         prefill.set("max_tokens", &1);
         prefill.set("stream", &false);
+        // Its token is the client's first: a `min_tokens` holds for it (valid with
+        // `max_tokens: 1`), the decode owing the rest (`complete`).
         prefill.remove("min_tokens");
+        if min_tokens.is_some_and(|m| m >= 1) {
+            prefill.set("min_tokens", &1);
+        }
+        for field in ["n", "best_of"] {
+            if prefill.get(field).is_some() {
+                prefill.set(field, &1);
+            }
+        }
         let spec = json!({
             "ret_first_tok": true,
             "disagg_spec": {
@@ -711,7 +709,7 @@ impl KvConnector for Lmcache {
             stream: req.is_stream(),
             include_usage,
             max_tokens,
-            min_tokens: int_field(body, "min_tokens"),
+            min_tokens,
             ranks: receiver.ranks(),
             tokenize,
             unchecked,
@@ -730,11 +728,7 @@ impl KvConnector for Lmcache {
     /// The decode leg as a one-token, non-streaming prefill, as vLLM NIXL's: the decode
     /// engine takes the KV LMCache pushed for it and frees it once that token is made.
     fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
-        Some(
-            crate::vllm::rewrite::PrefillRewriter::new()
-                .rewrite(api, &decode.body)
-                .to_bytes(),
-        )
+        Some(crate::vllm::rewrite::release_body(api, &decode.body).to_bytes())
     }
 
     fn bridges_tp(&self, prefill_tp: u32, decode_tp: u32) -> bool {
@@ -837,6 +831,8 @@ impl KvConnector for Lmcache {
         prompt.extend_from_slice(&tokens);
         prompt.push(first_tok);
         decode.set("prompt", &prompt);
+        // A completions `echo` put the prompt in front of the prefill's token already.
+        decode.remove("echo");
         if let Some(m) = plan.max_tokens {
             decode.set("max_tokens", &(m - 1));
         }
@@ -914,11 +910,11 @@ struct KvParamsIn {
     first_tok: Option<u64>,
 }
 
+/// `key` read as vLLM reads it, pydantic's lax `int` (`"5"`, `5.0`): `None` when absent,
+/// `null`, below 0 or no integer (the check refused those where vLLM would).
 fn int_field(body: &JsonBody, key: &str) -> Option<u64> {
-    body.get(key)
-        .map(serde_json::from_slice::<Option<u64>>)
-        .and_then(Result::ok)
-        .flatten()
+    let n = disagg_json::lax::int_value(body.get(key)?).ok()??;
+    u64::try_from(n).ok()
 }
 
 /// The `/tokenize` body for a client's request (a completions prompt of text: see
@@ -966,6 +962,7 @@ fn completion_tokenize(model: Option<&[u8]>, prompt: &[u8]) -> Bytes {
     Bytes::from(out)
 }
 
+mod direct;
 mod ids;
 mod media;
 mod prompt;

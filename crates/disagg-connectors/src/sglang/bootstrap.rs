@@ -133,7 +133,7 @@ pub const MAX_SEQUENCES: usize = 65_536;
 pub(crate) fn expansion(api: Api, body: &disagg_json::JsonBody) -> Option<usize> {
     let (prompts, samples) = match api {
         Api::Chat => (None, openai_n(body)),
-        Api::Completions => (completion_batch(body), openai_n(body)),
+        Api::Completions => (crate::common::completion_batch(body), openai_n(body)),
         Api::Generate => (generate::batch_size(body), generate::samples(body)),
         _ => (None, openai_n(body)),
     };
@@ -151,15 +151,6 @@ fn openai_n(body: &disagg_json::JsonBody) -> usize {
         .and_then(|n| usize::try_from(n).ok())
         .filter(|n| *n > 0)
         .unwrap_or(1)
-}
-
-/// How many prompts a completions request's `prompt` lists, when it is a batch.
-fn completion_batch(body: &disagg_json::JsonBody) -> Option<usize> {
-    // Only the list's own level is read; the prompts stay raw.
-    let list = disagg_json::raw::list_head(body.get("prompt")?)?;
-    // A flat list of token ids is one prompt; a list of strings or of token-id lists
-    // is a batch.
-    matches!(list.first, Some(b'"' | b'[')).then_some(list.len)
 }
 
 #[async_trait]
@@ -188,7 +179,13 @@ impl KvConnector for SglangBootstrap {
             });
         }
         let samples = match req.api() {
-            Api::Generate => generate::samples(req.body()),
+            Api::Generate => generate::sample_count(req.body()).map_err(|_| {
+                InvalidParam::new(
+                    "sampling_params.n",
+                    "sampling_params.n must be an integer (SGLang compares it with 1 as \
+                     written)",
+                )
+            })?,
             _ => openai_n(req.body()),
         };
         if samples > 1 {
@@ -527,6 +524,38 @@ mod tests {
         assert_eq!(err.param, "prompt");
         let ok = req(Api::Completions, &batch(MAX_SEQUENCES));
         assert_eq!(c.check(&ok).unwrap(), Decision::Disaggregate);
+    }
+
+    /// `sampling_params.n` is read as SGLang's parser reads it (the last of a repeated
+    /// key), and a value that is no integer is refused rather than taken for 1: SGLang
+    /// reads the raw value (`sampling_params.get("n", 1)`), so `"2"` or `null` is no
+    /// single sample there.
+    #[test]
+    fn generate_samples_are_read_as_sglang_reads_them() {
+        let c = SglangBootstrap::new();
+        let check = |body: &str| c.check(&req(Api::Generate, body));
+        for refused in [
+            r#"{"text":"a","sampling_params":{"n":1,"n":2}}"#,
+            r#"{"text":["a","b"],"sampling_params":[{"n":1,"n":3},{"n":3}]}"#,
+            r#"{"text":"a","sampling_params":{"n":"2"}}"#,
+            r#"{"text":"a","sampling_params":{"n":"1"}}"#,
+            r#"{"text":"a","sampling_params":{"n":null}}"#,
+            r#"{"text":"a","sampling_params":{"n":1.5}}"#,
+            r#"{"text":"a","sampling_params":{"n":[2]}}"#,
+        ] {
+            let err = check(refused).unwrap_err();
+            assert_eq!(err.param, "sampling_params.n", "{refused}");
+        }
+        for one in [
+            r#"{"text":"a","sampling_params":{"n":2,"n":1}}"#,
+            r#"{"text":"a","sampling_params":{"n":1.0}}"#,
+            r#"{"text":"a","sampling_params":{"max_new_tokens":3}}"#,
+            r#"{"text":"a","sampling_params":null}"#,
+            r#"{"text":"a"}"#,
+            r#"{"text":["a","b"],"sampling_params":[{"n":1},{"n":1}]}"#,
+        ] {
+            assert_eq!(check(one).unwrap(), Decision::Disaggregate, "{one}");
+        }
     }
 
     #[test]

@@ -79,32 +79,65 @@ pub(crate) fn sequences(body: &JsonBody) -> usize {
     batch_size(body).unwrap_or(1).saturating_mul(samples(body))
 }
 
-/// `sampling_params.n` of a `/generate` request (1 when absent, or not a positive
-/// integer the engine would take).
+/// `sampling_params.n` of a `/generate` request, 1 when [`sample_count`] cannot read it
+/// (the check refuses such a request before any leg is planned).
 pub(crate) fn samples(body: &JsonBody) -> usize {
-    #[derive(serde::Deserialize)]
-    struct Sampling {
-        #[serde(default)]
-        n: Option<u64>,
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(untagged)]
-    enum Params {
-        One(Sampling),
-        PerPrompt(Vec<Sampling>),
-    }
-    let Some(raw) = body.get("sampling_params") else {
-        return 1;
-    };
-    let n = match serde_json::from_slice::<Params>(raw) {
-        Ok(Params::One(s)) => s.n,
-        Ok(Params::PerPrompt(list)) => list.first().and_then(|s| s.n),
-        Err(_) => None,
-    };
-    n.and_then(|n| usize::try_from(n).ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(1)
+    sample_count(body).unwrap_or(1)
 }
+
+/// `sampling_params.n` as SGLang 0.5.23 reads it (`io_struct.py`
+/// `GenerateReqInput._handle_parallel_sampling`: `sampling_params.get("n", 1)`, of the
+/// first element of a per-prompt list), the raw value, parsed by Python's `json`: the
+/// last of a repeated key. 1 when `sampling_params` is absent or `null`, lacks `n`, or
+/// is not an object (nor a list starting with one: the engine refuses those itself),
+/// and for an integer below 1 (left to the engine, as before).
+///
+/// # Errors
+///
+/// [`Unreadable`] when `n` is there but no integer (a string, `null`, a boolean, a
+/// fraction, a container): SGLang compares the raw value with 1 (`"2" > 1` raises), so
+/// such a value is no single sample, and the proxy cannot tell how many rooms it needs.
+pub(crate) fn sample_count(body: &JsonBody) -> Result<usize, Unreadable> {
+    let Some(params) = body
+        .get("sampling_params")
+        .and_then(|raw| std::str::from_utf8(raw).ok())
+    else {
+        return Ok(1);
+    };
+    let first = if json::is_list(params) {
+        let mut first = None;
+        let _ = json::elements(params, |v| {
+            first.get_or_insert(v);
+        });
+        match first {
+            Some(v) => v.get(),
+            None => return Ok(1),
+        }
+    } else {
+        params
+    };
+    let Some(n) = json::member(first, "n") else {
+        return Ok(1);
+    };
+    let n: serde_json::Number = serde_json::from_str(n.get()).map_err(|_| Unreadable)?;
+    let n = match (n.as_u64(), n.as_i64(), n.as_f64()) {
+        (Some(n), _, _) => n,
+        (None, Some(_), _) => return Ok(1),
+        (None, None, Some(f)) if f.fract() == 0.0 => {
+            if f < 1.0 {
+                return Ok(1);
+            }
+            // Saturating: every count past the ceiling is refused alike.
+            f as u64
+        }
+        _ => return Err(Unreadable),
+    };
+    Ok(usize::try_from(n).unwrap_or(usize::MAX).max(1))
+}
+
+/// A `sampling_params.n` that is no integer ([`sample_count`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Unreadable;
 
 /// What the plan of a `/generate` request with logprobs remembers until the prefill
 /// answered (kept in [`Handoff::ext`](super::Handoff::ext)): whether the client

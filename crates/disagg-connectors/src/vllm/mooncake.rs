@@ -358,9 +358,10 @@ impl KvConnector for VllmMooncake {
 
     /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
-    /// served direct.
+    /// served direct; so is a completions request of several prompts (reason `batch`:
+    /// the prefill's answer carries one handoff, prompt 0's).
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::vllm::rewrite::check::check_request(req, self.rewriter.limits())
+        crate::vllm::rewrite::check::check_one_handoff(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
@@ -838,6 +839,29 @@ mod tests {
             (0..MAX_RANKS).map(member).collect::<Vec<_>>().join(",")
         );
         assert_eq!(parse_query(full.as_bytes()).unwrap().len(), MAX_RANKS);
+    }
+
+    /// A completions request of several prompts would share one `transfer_id` over
+    /// all of them, and the prefill's answer names prompt 0's transfer only: it is
+    /// served on one engine. A list of one prompt stays disaggregated.
+    #[test]
+    fn several_completions_prompts_are_served_on_one_engine() {
+        let decided = |prompt: &str| {
+            let body = format!(r#"{{"model":"m","prompt":{prompt},"max_tokens":32}}"#);
+            let req =
+                PdRequest::new(Api::Completions, HeaderMap::new(), &Bytes::from(body)).unwrap();
+            VllmMooncake::new().check(&req).unwrap()
+        };
+        for several in [r#"["A","B"]"#, "[[1,2],[3]]"] {
+            assert_eq!(
+                decided(several),
+                Decision::Direct { reason: "batch" },
+                "{several}"
+            );
+        }
+        for one in [r#""A""#, r#"["A"]"#, "[[1,2]]", "[1,2,3]"] {
+            assert_eq!(decided(one), Decision::Disaggregate, "{one}");
+        }
     }
 
     #[test]

@@ -168,9 +168,10 @@ impl KvConnector for VllmNixl {
 
     /// [`check_request`](crate::vllm::rewrite::check::check_request) with the rewriter's
     /// limits: what vLLM refuses in the fields the prefill leg changes, and beam search
-    /// served direct.
+    /// served direct; so is a completions request of several prompts (reason `batch`:
+    /// the prefill's answer carries one handoff, prompt 0's).
     fn check(&self, req: &PdRequest) -> Result<Decision, InvalidParam> {
-        crate::vllm::rewrite::check::check_request(req, self.rewriter.limits())
+        crate::vllm::rewrite::check::check_one_handoff(req, self.rewriter.limits())
     }
 
     fn prepare(&self, route: &Route, req: &PdRequest) -> Result<Handoff, ConnectorError> {
@@ -257,10 +258,11 @@ impl KvConnector for VllmNixl {
     }
 
     /// The decode leg as a one-token, non-streaming prefill (the [default
-    /// rewriter](PrefillRewriter::new)'s body): the decode engine pulls the KV the
-    /// handoff names and frees it once that token is made.
+    /// rewriter](PrefillRewriter::new)'s body, a Messages body without an `enabled`
+    /// `thinking` block, which vLLM would refuse at one token): the decode engine pulls
+    /// the KV the handoff names and frees it once that token is made.
     fn release_leg(&self, api: Api, decode: &Leg) -> Option<bytes::Bytes> {
-        Some(PrefillRewriter::new().rewrite(api, &decode.body).to_bytes())
+        Some(crate::vllm::rewrite::release_body(api, &decode.body).to_bytes())
     }
 
     /// NIXL's handshake refuses a peer whose compatibility hash differs, and the hash

@@ -1043,3 +1043,4 @@ fn a_chat_with_media_is_refused_before_any_leg() {
 
 mod fault;
 mod kinds;
+mod legs;

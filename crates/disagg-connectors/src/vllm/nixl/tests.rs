@@ -744,3 +744,57 @@ async fn hosts_ids_and_ports_the_decode_cannot_use_are_refused() {
         );
     }
 }
+
+/// What the connector's check decides for a completions request with `prompt`.
+fn decided(prompt: &str) -> Decision {
+    let body = format!(r#"{{"model":"m","prompt":{prompt},"max_tokens":32}}"#);
+    VllmNixl::new()
+        .check(&req(Api::Completions, &body))
+        .unwrap()
+}
+
+/// A completions request of several prompts runs them all on the prefill, whose answer
+/// carries prompt 0's handoff only (vLLM 0.33 `final_res_batch[0]`): it is served on one
+/// engine. A list of one prompt is one prompt, and stays disaggregated.
+#[test]
+fn several_completions_prompts_are_served_on_one_engine() {
+    let direct = Decision::Direct { reason: "batch" };
+    for several in [r#"["A","B"]"#, "[[1,2],[3]]", r#"[ "A" , "B" , "C" ]"#] {
+        assert_eq!(decided(several), direct, "{several}");
+    }
+    for one in [r#""A""#, r#"["A"]"#, "[[1,2]]", "[1,2,3]", "[ [1] ]"] {
+        assert_eq!(decided(one), Decision::Disaggregate, "{one}");
+    }
+    // Chat has one prompt, whatever its messages.
+    let chat =
+        r#"{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}]}"#;
+    assert_eq!(
+        VllmNixl::new().check(&req(Api::Chat, chat)).unwrap(),
+        Decision::Disaggregate
+    );
+}
+
+/// The release leg of a Messages request with an enabled `thinking` block: the decode's
+/// body at one token, whose `kv_transfer_params` (the prefill's answer) hold no truthy
+/// `do_remote_decode`, so vLLM 0.33 would check `budget_tokens < max_tokens` (1) and
+/// answer 400, releasing nothing. The block is dropped there; the rest is the prefill
+/// rewrite.
+#[test]
+fn the_release_leg_of_a_messages_request_drops_an_enabled_thinking_block() {
+    let handoff = r#"{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1],"remote_engine_id":"e","remote_request_id":"r","remote_host":"h","remote_port":5}"#;
+    let release = |thinking: &str| {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"max_tokens":300,"thinking":{thinking},"kv_transfer_params":{handoff}}}"#
+        );
+        let leg = Leg::new(route().decode, JsonBody::parse(body.as_bytes()).unwrap());
+        let out = VllmNixl::new().release_leg(Api::Messages, &leg).unwrap();
+        JsonBody::parse(&out[..]).unwrap()
+    };
+    let out = release(r#"{"type":"enabled","budget_tokens":100}"#);
+    assert_eq!(out.get("thinking"), None, "{}", text(&out));
+    assert_eq!(out.get("max_tokens"), Some(&b"1"[..]));
+    assert_eq!(out.get("kv_transfer_params"), Some(handoff.as_bytes()));
+    // A block vLLM does not check is left as the client wrote it.
+    let disabled = r#"{"type":"disabled"}"#;
+    assert_eq!(release(disabled).get("thinking"), Some(disabled.as_bytes()));
+}

@@ -160,6 +160,32 @@ pub(crate) const BEAM_SEARCH: &str = "beam_search";
 /// there is no decode for a KV handoff to feed.
 pub(crate) const PROMPT_ONLY: &str = "prompt_only";
 
+/// Why the proxy serves a request on a decode engine alone: a completions request of
+/// several prompts (`prompt` a list of strings or of token-id lists) runs them all on
+/// the prefill, whose non-streaming answer carries only prompt 0's
+/// `kv_transfer_params` (vLLM 0.33 `completion/serving.py`: `final_res_batch[0]`), so
+/// the other prompts' KV would be pinned on the prefill for nothing while the decode
+/// read prompt 0's handoff for all of them (Mooncake: one `transfer_id` for all).
+pub(crate) const BATCH: &str = "batch";
+
+/// [`check_request`] as the vLLM connectors whose handoff is one dict per request
+/// (NIXL, Mooncake) take it: a completions request of more than one prompt is served
+/// on one engine too ([`BATCH`]); a list of one prompt is one prompt. The field checks
+/// come first, as for any request.
+pub(crate) fn check_one_handoff(
+    req: &PdRequest,
+    limits: &VllmLimits,
+) -> Result<Decision, InvalidParam> {
+    let decision = check_request(req, limits)?;
+    if decision == Decision::Disaggregate
+        && req.api() == Api::Completions
+        && crate::common::completion_batch(req.body()).is_some_and(|n| n > 1)
+    {
+        return Ok(Decision::Direct { reason: BATCH });
+    }
+    Ok(decision)
+}
+
 /// The raw values of the fields the checks read, gathered in one pass over the body
 /// (a search per field would cost more than the checks).
 #[derive(Default)]

@@ -13,7 +13,7 @@
 //! | `max_tokens` | `1` |
 //! | `stream` | `false` |
 //! | `stop_sequences` | removed (chat's `stop`) |
-//! | `thinking` | kept: vLLM skips its `budget_tokens < max_tokens` check only on a leg whose `kv_transfer_params` hold a truthy `do_remote_decode`, which both vLLM connectors' prefill legs do |
+//! | `thinking` | kept: vLLM skips its `budget_tokens < max_tokens` check only on a leg whose `kv_transfer_params` hold a truthy `do_remote_decode`, which both vLLM connectors' prefill legs do (a KV release leg, whose handoff is the prefill's answer, drops an `enabled` block: [`release_body`](super::release_body)) |
 //!
 //! Everything else (`messages`, `system`, `tools`, `tool_choice`, `model`, the sampling
 //! fields) passes unchanged and in order.
@@ -84,10 +84,7 @@ pub(crate) fn check(body: &JsonBody) -> Result<Decision, InvalidParam> {
         })?;
         let [kind, budget] =
             json::members_named(thinking, ["type", "budget_tokens"]).unwrap_or_default();
-        let enabled = kind
-            .and_then(|t| serde_json::from_str::<String>(t.get()).ok())
-            .is_some_and(|t| t == "enabled");
-        if enabled
+        if enabled(kind)
             && let Some(budget) = budget.and_then(|b| serde_json::from_str::<i64>(b.get()).ok())
             && budget >= max_tokens
         {
@@ -100,6 +97,26 @@ pub(crate) fn check(body: &JsonBody) -> Result<Decision, InvalidParam> {
         }
     }
     Ok(Decision::Disaggregate)
+}
+
+/// Whether a `thinking` block's `type` is `"enabled"`, the one vLLM checks.
+fn enabled(kind: Option<&serde_json::value::RawValue>) -> bool {
+    kind.and_then(|t| serde_json::from_str::<String>(t.get()).ok())
+        .is_some_and(|t| t == "enabled")
+}
+
+/// Removes `body`'s `thinking` when it is an `enabled` block: for a leg whose
+/// `kv_transfer_params` hold no truthy `do_remote_decode` and whose `max_tokens` is 1,
+/// which vLLM would refuse with it (see [`release_body`](super::release_body)).
+pub(super) fn drop_enabled_thinking(body: &mut JsonBody) {
+    let on = body
+        .get("thinking")
+        .and_then(|raw| std::str::from_utf8(raw).ok())
+        .and_then(|raw| json::member(raw, "type"))
+        .is_some_and(|kind| enabled(Some(kind)));
+    if on {
+        body.remove("thinking");
+    }
 }
 
 #[cfg(test)]

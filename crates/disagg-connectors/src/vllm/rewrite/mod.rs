@@ -177,6 +177,22 @@ impl PrefillRewriter {
 
 static ONE: bytes::Bytes = bytes::Bytes::from_static(b"1");
 
+/// The body of a leg that releases the KV a prefill handed over (a connector's
+/// `release_leg`): the decode leg's `body` of `api`, with its handoff, rewritten as a
+/// [default](PrefillRewriter::new) prefill leg, so that the decode engine takes the KV
+/// and frees it after one token. Its handoff is the prefill's answer, whose
+/// `do_remote_decode` is not truthy, so a Messages body also loses an `enabled`
+/// `thinking` block: vLLM 0.33 would check its `budget_tokens` against the leg's
+/// `max_tokens` of 1 and refuse the leg (PROTOCOLS §9.3; the leg's token is discarded,
+/// and the block only sets a sampling budget).
+pub(crate) fn release_body(api: Api, body: &JsonBody) -> JsonBody {
+    let mut out = PrefillRewriter::new().rewrite(api, body);
+    if api == Api::Messages {
+        messages::drop_enabled_thinking(&mut out);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

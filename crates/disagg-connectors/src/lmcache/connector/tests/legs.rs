@@ -1,0 +1,166 @@
+//! The sampling fields of the two legs: each read as vLLM reads it (lax numbers), and
+//! split between the prefill, whose token is the client's first, and the decode, which
+//! makes the rest, so that the client gets what one engine would have answered.
+
+use super::*;
+
+/// `body` of `api` prepared and resolved (the prompt's ids known, as `resolve` leaves
+/// them), then completed with a prefill's answer of one token ending `finish` (`None`:
+/// an answer without a first token).
+async fn completed(api: Api, body: &str, finish: Option<&str>) -> (Handoff, HandoffFound) {
+    let c = connector();
+    let mut h = c
+        .prepare(&route(Some(receiver())), &request(api, body))
+        .unwrap();
+    h.ext.get_mut::<Plan>().unwrap().tokens = Some(vec![1, 2, 3].into());
+    let answer = match finish {
+        Some(finish) => format!(
+            r#"{{"id":"cmpl-p","created":1,"model":"m","choices":[{{"index":0,"text":" a","finish_reason":"{finish}","stop_reason":null}}],"usage":null,"kv_transfer_params":{{"first_tok":7}}}}"#
+        ),
+        None => r#"{"id":"cmpl-p","choices":[{"index":0,"text":" a","finish_reason":"length"}],"usage":null}"#.to_owned(),
+    };
+    let found = c.complete(&mut h, &prefill_answer(answer)).await.unwrap();
+    (h, found)
+}
+
+fn json_of(b: &JsonBody) -> Value {
+    serde_json::from_slice(&b.to_bytes()).unwrap()
+}
+
+/// vLLM reads `n`, `best_of`, `max_tokens` and `min_tokens` as pydantic's lax `int`
+/// (`"2"`, `5.0`): so does the connector. A string `n` above 1 is refused as a number
+/// would be; the prefill leg asks for one choice; a string `max_tokens` is the budget
+/// the decode continues within, and a `"1"` ends the answer at the prefill's token.
+#[tokio::test]
+async fn sampling_numbers_are_read_as_vllm_reads_them() {
+    for several in [
+        r#"{"prompt":"p","n":"2"}"#,
+        r#"{"prompt":"p","n":2.0}"#,
+        r#"{"prompt":"p","best_of":"3"}"#,
+    ] {
+        let err = connector()
+            .prepare(
+                &route(Some(receiver())),
+                &request(Api::Completions, several),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, ConnectorError::Unsupported { .. }),
+            "{several}: {err:?}"
+        );
+    }
+    let (h, found) = completed(
+        Api::Completions,
+        r#"{"prompt":[1,2,3],"max_tokens":"5","n":"1","best_of":1.0}"#,
+        Some("length"),
+    )
+    .await;
+    assert_eq!(found, HandoffFound::Handed);
+    let p = json_of(&h.prefill.body);
+    assert_eq!((&p["n"], &p["best_of"]), (&json!(1), &json!(1)), "{p}");
+    assert_eq!(json_of(&h.decode.body)["max_tokens"], 4);
+    let (_, found) = completed(
+        Api::Completions,
+        r#"{"prompt":[1,2,3],"max_tokens":"1"}"#,
+        Some("length"),
+    )
+    .await;
+    assert_eq!(found, HandoffFound::Finished);
+    let (h, _) = completed(
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":"6.0"}"#,
+        Some("length"),
+    )
+    .await;
+    assert_eq!(json_of(&h.decode.body)["max_tokens"], 5);
+}
+
+/// The prefill's token is the client's first: a client's `min_tokens` of 1 or more
+/// holds for it (an EOS or a stop there would end the answer after one token), and the
+/// decode owes one token less, as its `max_tokens` is one less.
+#[tokio::test]
+async fn min_tokens_hold_for_the_prefills_token_and_the_decode_owes_the_rest() {
+    for min in ["5", "\"5\"", "5.0"] {
+        let body = format!(r#"{{"prompt":[1,2,3],"max_tokens":20,"min_tokens":{min}}}"#);
+        let (h, found) = completed(Api::Completions, &body, Some("length")).await;
+        assert_eq!(found, HandoffFound::Handed);
+        assert_eq!(json_of(&h.prefill.body)["min_tokens"], 1, "{min}");
+        let d = json_of(&h.decode.body);
+        assert_eq!(
+            (&d["min_tokens"], &d["max_tokens"]),
+            (&json!(4), &json!(19))
+        );
+    }
+    for none in [r#","min_tokens":0"#, ""] {
+        let body = format!(r#"{{"prompt":[1,2,3],"max_tokens":20{none}}}"#);
+        let (h, _) = completed(Api::Completions, &body, Some("length")).await;
+        assert!(
+            json_of(&h.prefill.body).get("min_tokens").is_none(),
+            "{body}"
+        );
+    }
+}
+
+/// vLLM's completions default is 16 tokens: without `max_tokens` (or with `null`) the
+/// decode makes 15 after the prefill's one. Chat's default is the rest of the context,
+/// which the decode's prompt (one token longer) leaves one less of: no value is set.
+#[tokio::test]
+async fn completions_without_max_tokens_make_vllms_sixteen() {
+    for body in [
+        r#"{"prompt":[1,2,3]}"#,
+        r#"{"prompt":[1,2,3],"max_tokens":null}"#,
+    ] {
+        let (h, _) = completed(Api::Completions, body, Some("length")).await;
+        assert_eq!(json_of(&h.decode.body)["max_tokens"], 15, "{body}");
+    }
+    let (h, _) = completed(
+        Api::Chat,
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        Some("length"),
+    )
+    .await;
+    assert!(json_of(&h.decode.body).get("max_tokens").is_none());
+}
+
+/// Completions `echo` puts the prompt in front of the answer: the prefill's answer,
+/// relayed first, carries it, and a decode continuing after the prefill's token does
+/// not repeat it. A decode that computes the whole answer (no first token) keeps it.
+#[tokio::test]
+async fn a_completions_echo_shows_the_prompt_once() {
+    let body = r#"{"prompt":[1,2,3],"max_tokens":5,"echo":true}"#;
+    let (h, found) = completed(Api::Completions, body, Some("length")).await;
+    assert_eq!(found, HandoffFound::Handed);
+    assert_eq!(json_of(&h.prefill.body)["echo"], true);
+    assert!(json_of(&h.decode.body).get("echo").is_none());
+    let (h, found) = completed(Api::Completions, body, None).await;
+    assert_eq!(found, HandoffFound::Missing);
+    assert_eq!(json_of(&h.decode.body)["echo"], true);
+}
+
+/// Chat's `echo` puts the last message in front of the answer when it is the
+/// assistant's: the completions legs cannot say that (theirs would repeat the whole
+/// templated prompt), so such a request is served by a decode alone. A false `echo` is
+/// dropped from both legs.
+#[tokio::test]
+async fn a_chat_echo_is_served_by_a_decode_alone() {
+    let chat = |echo: &str| {
+        request(
+            Api::Chat,
+            &format!(
+                r#"{{"messages":[{{"role":"assistant","content":"Once"}}],"add_generation_prompt":false,"continue_final_message":true,"echo":{echo}}}"#
+            ),
+        )
+    };
+    let c = connector();
+    for on in ["true", "\"yes\"", "1"] {
+        assert_eq!(
+            c.check(&chat(on)).unwrap(),
+            Decision::Direct { reason: "echo" },
+            "{on}"
+        );
+    }
+    assert_eq!(c.check(&chat("false")).unwrap(), Decision::Disaggregate);
+    let h = c.prepare(&route(Some(receiver())), &chat("false")).unwrap();
+    assert!(json_of(&h.prefill.body).get("echo").is_none());
+    assert!(json_of(&h.decode.body).get("echo").is_none());
+}
