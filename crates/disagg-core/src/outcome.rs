@@ -36,7 +36,10 @@
 //! all, refused by the key check in front) is the server's business: `disagg-http`
 //! records it in its own `RouteSummary`, told to its own route listeners. The core
 //! only draws its trace ids ([`Orchestrator::route_trace`](crate::Orchestrator::route_trace)),
-//! and its one-word outcome follows the same rule ([`Delivery::outcome`]).
+//! its one-word outcome follows the same rule ([`Delivery::outcome`]), and how its
+//! engine did is told to the listeners as an [`EngineCall`]
+//! ([`Orchestrator::engine_call`](crate::Orchestrator::engine_call)), so that passive
+//! health hears every route.
 //!
 //! Listeners run on the request path (at the end of a body, on the task that polls
 //! it): they must be cheap, must not block, and must not hold a lock across anything
@@ -504,10 +507,12 @@ pub trait Listener: Send + Sync + 'static {
         let _ = summary;
     }
 
-    /// `call` is how a call the orchestrator made of an engine outside the legs ended
-    /// (its `/tokenize`, for the [`tokens`](crate::tokens) seam): the engine answered,
-    /// or failed through its own fault (unreachable, 5xx, an unusable answer, no answer
-    /// within the budget).
+    /// `call` is how a call of an engine outside the legs ended: one the orchestrator
+    /// made (its `/tokenize`, for the [`tokens`](crate::tokens) seam; an encoder leg),
+    /// or a request an adapter sent to one engine itself and told
+    /// ([`Orchestrator::engine_call`](crate::Orchestrator::engine_call)): the engine
+    /// answered, or failed through its own fault (unreachable, 5xx, an unusable answer,
+    /// no answer within the budget, an answer that broke off or went silent).
     fn on_engine_call(&self, call: &EngineCall) {
         let _ = call;
     }
@@ -534,10 +539,17 @@ impl<T: Listener + ?Sized> Listener for Arc<T> {
 pub struct EngineCall {
     /// The engine, as the set the call picked it from has it (its role included).
     pub endpoint: Arc<crate::endpoint::Endpoint>,
-    /// The call (`/tokenize`).
+    /// The call: a fixed name, never a client's path (`/tokenize`, an encoder's
+    /// `/v1/chat/completions`, `disagg-http`'s route kinds `forwarded`, `direct`,
+    /// `fanned out`).
     pub call: &'static str,
     /// [`LegOutcome::Answered`] or [`LegOutcome::Failed`].
     pub outcome: LegOutcome,
+    /// Whether the call was a request the engine served for a client (an encoder leg,
+    /// a request an adapter forwarded to it): its answer shows the engine at work, as
+    /// an answered leg does. `false` for a call made for the proxy's own ends
+    /// (`/tokenize`), whose answer says nothing of how the engine serves requests.
+    pub served: bool,
 }
 
 /// The W3C trace identities of one request's spans (or of one attempt's, in its report),

@@ -25,6 +25,18 @@ pub trait EndpointSource: Send + Sync + 'static {
         self.watch().borrow().clone()
     }
 
+    /// The current snapshot before any filtering by health: every endpoint the source
+    /// knows, those it leaves out of [`snapshot`](Self::snapshot) because they failed
+    /// (ejected by passive health, down by active checks) included. For what must
+    /// reach every engine of the fleet whatever its health (`disagg-http`'s fanned-out
+    /// admin requests: a LoRA adapter loaded while an engine was ejected must be on it
+    /// when it returns), never for routing. A source that filters by health returns the
+    /// set it filters; one that decorates another without filtering by health need not
+    /// implement it. The default: [`snapshot`](Self::snapshot).
+    fn unfiltered_snapshot(&self) -> Arc<EndpointSet> {
+        self.snapshot()
+    }
+
     /// What of this source must hear how each attempt ended, if anything: a source
     /// that keeps per-endpoint state from the requests' outcomes (passive health) says
     /// so here, and an orchestrator built over it adds it to its listeners, so the two
@@ -42,6 +54,10 @@ impl<T: EndpointSource + ?Sized> EndpointSource for Arc<T> {
 
     fn snapshot(&self) -> Arc<EndpointSet> {
         (**self).snapshot()
+    }
+
+    fn unfiltered_snapshot(&self) -> Arc<EndpointSet> {
+        (**self).unfiltered_snapshot()
     }
 
     fn listener(&self) -> Option<Arc<dyn crate::outcome::Listener>> {

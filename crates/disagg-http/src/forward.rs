@@ -3,8 +3,11 @@
 //!
 //! A forwarded request takes the legs' road: the orchestrator's transport (its pooled
 //! connections), the decode head timeout for the engine's head and the decode idle
-//! timeout between chunks of its answer, the healthy endpoints of the source, and
-//! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow.
+//! timeout between chunks of its answer, the healthy endpoints of the source,
+//! OpenAI-format 502/503/504 answers for an engine that fails, is missing or is slow,
+//! and passive health, which hears how the engine did (`watch::Verdict`: an engine
+//! that fails forwarded or direct requests is ejected as one failing its legs is). A
+//! fanned-out request goes to every engine, healthy or not (`Inner::fan_out`).
 //! The client's body is held to
 //! [`PdServiceConfig::max_body_bytes`](crate::PdServiceConfig::max_body_bytes) and
 //! [`PdServiceConfig::body_timeout`](crate::PdServiceConfig::body_timeout) (past them,
@@ -17,7 +20,9 @@
 //! when large, as theirs are); so is a direct request's body, which takes a place under
 //! the orchestrator's admission once it is in and holds it until the answer ends. Any
 //! other body streams to the engine as it arrives; a fanned-out body is always read
-//! whole. The engine's answer goes to the client frame by frame.
+//! whole. A direct `multipart/form-data` body (an audio transcription) names its
+//! model in its `model` field (`forward::form`). The engine's answer goes to the client
+//! frame by frame.
 //!
 //! What goes to the engine is the proxy's to decide, as on the legs: the client's
 //! headers lose those that describe one connection, the client's credentials and the
@@ -33,37 +38,36 @@
 //! than one `content-type` or `content-encoding` is answered 502 naming the engine
 //! ([`unrelayable`], decided on the headers as the engine sent them).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
-use disagg_core::endpoint::InFlightGuard;
 use disagg_core::error::{BoxError, PdError, RouteError, Side, TransportError, error_chain};
 use disagg_core::json::JsonBody;
-use disagg_core::outcome::Delivery;
+use disagg_core::outcome::LegOutcome;
 use disagg_core::policy::Permit;
 use disagg_core::proto::{forwardable_header, unrelayable};
-use disagg_core::transport::{BoxBody, Transport};
+use disagg_core::transport::Transport;
 use disagg_core::{Endpoint, Role, endpoint::EndpointSet, orchestrator::PdBody};
 use http::header::{self, CONTENT_TYPE, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError};
 
 use crate::body;
 use crate::error::{error_response, pd_error_response};
 use crate::routed::RouteEnd;
+use crate::routes::RouteAction;
 use crate::service::{Inner, collect_limited, json_response};
-use crate::tap::{Hooks, Tap};
 
 mod client;
+mod form;
 mod sniff;
+mod watch;
 use client::{ClientBody, Started, StreamLimits};
 use sniff::json_object_start;
+use watch::{EngineBody, Verdict};
 
 /// The answer's marker for a generation served by a decode engine alone.
 const DIRECT: HeaderValue = HeaderValue::from_static("direct");
@@ -204,6 +208,10 @@ impl Inner {
         // without, retrieving or cancelling a stored response, is not).
         let mut generation = false;
         if may_have_body(&parts.headers) {
+            // A direct form names its model in a field: read as a JSON body's `model`.
+            let form = direct
+                .then(|| parts.headers.get(CONTENT_TYPE).and_then(form::boundary))
+                .flatten();
             // Direct generation is read whole whatever it is: its first bytes need no
             // look. It takes its place among the running requests once its body is in,
             // as an orchestrated request does (a slow upload holds no place).
@@ -232,7 +240,7 @@ impl Inner {
                     Ok(read) => read,
                     Err(err) => return body_refused(failed.get().unwrap_or(&err), route),
                 };
-                let engine = engine_body_off_loop(bytes, share).await;
+                let engine = engine_body_off_loop(bytes, form, share).await;
                 let (bytes, named) = match engine {
                     Ok(b) => b,
                     Err(err) => return pd_error_response(&err),
@@ -357,6 +365,17 @@ impl Inner {
             Some(at) => tokio::time::timeout_at(at, sent).await,
             None => Ok(sent.await),
         };
+        // How the engine did, told once to passive health (`Verdict`): not for the
+        // client's faults, its leaving or the request's deadline.
+        let verdict = Verdict {
+            orchestrator: self.orchestrator.clone(),
+            endpoint: Arc::clone(&endpoint),
+            call: if direct {
+                RouteAction::Direct.name()
+            } else {
+                RouteAction::Forwarded.name()
+            },
+        };
         let head = match waited {
             Ok(Ok(head)) => head,
             Ok(Err(err)) => {
@@ -364,10 +383,12 @@ impl Inner {
                 if let Some(client) = failed.get() {
                     return body_refused(client, route);
                 }
+                verdict.tell(LegOutcome::Failed);
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
             Err(_) if by_deadline => return pd_error_response(&PdError::deadline_exceeded(side)),
             Err(_) => {
+                verdict.tell(LegOutcome::Failed);
                 let err = TransportError::Timeout;
                 return pd_error_response(&PdError::transport(side, endpoint.id().clone(), err));
             }
@@ -376,9 +397,18 @@ impl Inner {
         // Decided on the engine's headers as it sent them: those its `connection` names
         // are stripped only after.
         if let Some(why) = unrelayable(parts.status, &parts.headers, &client_accepts) {
+            verdict.tell(LegOutcome::Failed);
             // The body goes with the head: the engine's connection closes.
             return not_relayed(side, &endpoint, &why);
         }
+        // A 5xx is the engine's failure, told at its head (its body is relayed); any
+        // other answer is judged at its end.
+        let verdict = if parts.status.is_server_error() {
+            verdict.tell(LegOutcome::Failed);
+            None
+        } else {
+            Some(verdict)
+        };
         let sse = parts
             .headers
             .get(CONTENT_TYPE)
@@ -392,7 +422,7 @@ impl Inner {
             (guard, permit),
             config.decode_idle_timeout,
             deadline,
-            route,
+            (route, verdict),
         );
         let body = PdBody::forward(body.boxed(), sse).scrubbed(&parts.headers);
         strip(&mut parts.headers);
@@ -437,6 +467,16 @@ impl Inner {
     /// answer with each engine's result: 200 when all succeeded; the engines' status
     /// when they all refused alike; else 502 `fan_out_failed`.
     ///
+    /// Every engine is the source's whole set, before health filtering
+    /// ([`unfiltered_snapshot`](disagg_core::EndpointSource::unfiltered_snapshot)): an
+    /// engine ejected or down is asked too (a LoRA adapter loaded while it was out must
+    /// be on it when it returns), and one that cannot be reached fails the fan-out. Each
+    /// engine's request counts in its in-flight number until its answer is read. Only a
+    /// connection that could not be made is told to passive health, as the engine's
+    /// failure: an admin request's error status or slow answer may be the request's
+    /// own (a route the engine does not serve, a weight update that takes its time),
+    /// and it reaches every engine at once.
+    ///
     /// `route` is told that the client left when its body broke off with its
     /// connection; left in place otherwise.
     pub(crate) async fn fan_out<B>(
@@ -454,11 +494,11 @@ impl Inner {
             Ok(read) => read,
             Err(err) => return body_refused(&err, route),
         };
-        let (bytes, model) = match engine_body_off_loop(bytes, share).await {
+        let (bytes, model) = match engine_body_off_loop(bytes, None, share).await {
             Ok(b) => b,
             Err(err) => return pd_error_response(&err),
         };
-        let set = self.orchestrator.source().snapshot();
+        let set = self.orchestrator.source().unfiltered_snapshot();
         let set = match model.as_deref() {
             Some(m) => match set.for_model(Some(m)) {
                 Ok(s) => s.clone(),
@@ -487,15 +527,27 @@ impl Inner {
         headers.insert(REQUEST_ID, self.engine_ids.next_id());
         let timeout = config.decode_head_timeout;
         let transport = self.orchestrator.transport();
+        let orchestrator = &self.orchestrator;
         let sends = targets.iter().map(|ep| {
             let mut out = Request::new(bytes.clone());
             *out.method_mut() = parts.method.clone();
             *out.headers_mut() = headers.clone();
             let uri = ep.uri(path);
             async move {
+                // The engine's place, held until its answer is read (or the client
+                // leaves and this is dropped).
+                let _place = ep.track();
                 let uri = uri.map_err(|e| e.to_string())?;
                 *out.uri_mut() = uri;
-                one_answer(transport, out, timeout).await
+                let answer = one_answer(transport, out, timeout).await;
+                if let Err(Unread {
+                    unreachable: true, ..
+                }) = &answer
+                {
+                    let call = RouteAction::FannedOut.name();
+                    orchestrator.engine_call(ep, call, LegOutcome::Failed);
+                }
+                answer
             }
         });
         // An adapter loaded or unloaded changes the model list: dropped when the engines
@@ -543,9 +595,10 @@ async fn sniff_start(
 /// every connection on it, for its parse and copy.
 async fn engine_body_off_loop(
     bytes: Bytes,
+    form: Option<Vec<u8>>,
     share: body::Share<'_>,
 ) -> Result<(Bytes, Option<String>), PdError> {
-    off_loop(bytes.len(), share, move || engine_body(bytes)).await
+    off_loop(bytes.len(), share, move || engine_body(bytes, form)).await
 }
 
 /// `work` on a body of `len` bytes, holding its `share` of the budget until it ends: on
@@ -600,12 +653,18 @@ fn not_relayed(side: Side, endpoint: &Endpoint, why: &str) -> Response<PdBody> {
 struct Unread {
     status: Option<StatusCode>,
     why: String,
+    /// No connection to the engine could be made.
+    unreachable: bool,
 }
 
 impl From<String> for Unread {
     /// No answer at all: `why`.
     fn from(why: String) -> Self {
-        Unread { status: None, why }
+        Unread {
+            status: None,
+            why,
+            unreachable: false,
+        }
     }
 }
 
@@ -621,7 +680,11 @@ async fn one_answer(
     let resp = match tokio::time::timeout_at(deadline, transport.send(req)).await {
         Ok(Ok(resp)) => resp,
         // With its causes: the transport's own words say only that it failed.
-        Ok(Err(e)) => return Err(error_chain(&e).into()),
+        Ok(Err(e)) => {
+            let mut unread = Unread::from(error_chain(&e));
+            unread.unreachable = matches!(e, TransportError::Connect(_));
+            return Err(unread);
+        }
         Err(_) => return Err(format!("no answer within {ms} ms").into()),
     };
     let status = resp.status();
@@ -638,6 +701,7 @@ async fn one_answer(
     Err(Unread {
         status: Some(status),
         why,
+        unreachable: false,
     })
 }
 
@@ -778,7 +842,9 @@ pub(crate) fn may_have_body(headers: &HeaderMap) -> bool {
 /// A client's whole body as an engine may get it, and the `model` it names: a JSON
 /// object loses the handoff fields no client may send
 /// ([`strip_client_handoff`](disagg_core::proto::strip_client_handoff)), as on every
-/// leg; anything else is passed as it came.
+/// leg; anything else is passed as it came, a form delimited by `form` (a direct
+/// request's `multipart/form-data` boundary) naming its model in its `model` field
+/// ([`form::model`]).
 ///
 /// # Errors
 ///
@@ -786,10 +852,15 @@ pub(crate) fn may_have_body(headers: &HeaderMap) -> bool {
 /// parse as one in UTF-8 (a byte-order mark, UTF-16 or -32, `NaN`): the engines'
 /// Python reads those, the proxy could not strip them, so it refuses them as the
 /// orchestrated routes do; the same for one whose nested handoff objects it cannot walk
-/// (a key holding a lone surrogate).
-fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
+/// (a key holding a lone surrogate), and for a form whose `model` field is longer than
+/// [`form::MODEL_FIELD_MAX`] or not UTF-8.
+fn engine_body(bytes: Bytes, form: Option<Vec<u8>>) -> Result<(Bytes, Option<String>), PdError> {
     if !json_object_start(&bytes, true).unwrap_or(false) {
-        return Ok((bytes, None));
+        let model = match form {
+            Some(boundary) => form::model(&bytes, &boundary).map_err(PdError::body)?,
+            None => None,
+        };
+        return Ok((bytes, model));
     }
     let mut json = JsonBody::parse_bytes(&bytes).map_err(PdError::body)?;
     let model = match json.get_as::<String>("model") {
@@ -802,142 +873,45 @@ fn engine_body(bytes: Bytes) -> Result<(Bytes, Option<String>), PdError> {
     Ok((bytes, model))
 }
 
-/// An engine's answer on its way to the client: holds the engine's place in the
-/// in-flight count (and a direct request's admission permit) until it ends, and ends
-/// with an error after `idle` without a frame.
-type EngineBody = Tap<BoxBody, EngineWatch>;
-
-/// [`EngineBody`]'s own: the engine's place and the request's admission, the idle
-/// timer, and the request's summary until the answer ends.
-struct EngineWatch {
-    _places: (InFlightGuard, Option<Permit>),
-    idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
-    /// The request's deadline (generation sent direct): the answer ends there.
-    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
-    route: Option<RouteEnd>,
-}
-
-impl EngineBody {
-    fn watch<B>(
-        body: B,
-        places: (InFlightGuard, Option<Permit>),
-        idle: Option<Duration>,
-        deadline: Option<tokio::time::Instant>,
-        mut route: Option<RouteEnd>,
-    ) -> Self
-    where
-        B: Body<Data = Bytes> + Send + Sync + 'static,
-        B::Error: Into<BoxError>,
-    {
-        // An empty answer may never be polled: it has ended already.
-        if body.is_end_stream()
-            && let Some(r) = route.as_mut()
-        {
-            r.tell(Delivery::Complete);
-        }
-        let watch = EngineWatch {
-            _places: places,
-            idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
-            deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            route,
-        };
-        Tap::new(body.map_err(Into::into).boxed(), watch)
-    }
-}
-
-impl EngineWatch {
-    /// The engine answered something: the idle time starts again.
-    fn answered(&mut self) {
-        // An idle time too large for the clock never ends (no panic).
-        if let Some((d, sleep)) = &mut self.idle
-            && let Some(next) = tokio::time::Instant::now().checked_add(*d)
-        {
-            sleep.as_mut().reset(next);
-        }
-    }
-
-    /// The request's deadline passed: the answer ends broken.
-    fn past_deadline(&mut self) -> Result<(), BoxError> {
-        let Some(deadline) = &self.deadline else {
-            return Ok(());
-        };
-        if tokio::time::Instant::now() < deadline.deadline() {
-            return Ok(());
-        }
-        if let Some(r) = self.route.as_mut() {
-            r.tell(Delivery::Broken);
-        }
-        Err("the request's deadline passed".into())
-    }
-}
-
-impl Hooks<BoxBody> for EngineWatch {
-    fn frame(&mut self, frame: &Frame<Bytes>, body: &BoxBody) -> Result<(), BoxError> {
-        // An engine that streams without pause is cut at the deadline too.
-        self.past_deadline()?;
-        self.answered();
-        if let Some(r) = self.route.as_mut() {
-            r.summary.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
-            // The server stops polling a body that says it has ended.
-            if body.is_end_stream() {
-                r.tell(Delivery::Complete);
-            }
-        }
-        Ok(())
-    }
-
-    fn end(&mut self) {
-        self.answered();
-        if let Some(r) = self.route.as_mut() {
-            r.tell(Delivery::Complete);
-        }
-    }
-
-    fn error(&mut self, _err: &BoxError) {
-        self.answered();
-        if let Some(r) = self.route.as_mut() {
-            r.tell(Delivery::Broken);
-        }
-    }
-
-    fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
-        if let Some(deadline) = &mut self.deadline
-            && deadline.as_mut().poll(cx).is_ready()
-        {
-            return self.past_deadline();
-        }
-        if let Some((d, sleep)) = &mut self.idle
-            && sleep.as_mut().poll(cx).is_ready()
-        {
-            if let Some(r) = self.route.as_mut() {
-                r.tell(Delivery::Broken);
-            }
-            let msg = format!("the engine sent nothing for {} ms", d.as_millis());
-            return Err(msg.into());
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use http_body::Frame;
+
     use super::*;
 
     #[test]
     fn the_engines_body_keeps_its_bytes_unless_a_handoff_was_removed() {
         let plain = Bytes::from_static(br#"{"model":"m", "prompt" : "p"}"#);
-        let (bytes, model) = engine_body(plain.clone()).unwrap();
+        let (bytes, model) = engine_body(plain.clone(), None).unwrap();
         assert_eq!(bytes.as_ptr(), plain.as_ptr(), "no copy");
         assert_eq!(model.as_deref(), Some("m"));
-        let (bytes, model) = engine_body(Bytes::from_static(
-            br#"{"model":"m","bootstrap_host":"h","vllm_xargs":{"kv_transfer_params":1}}"#,
-        ))
+        let (bytes, model) = engine_body(
+            Bytes::from_static(
+                br#"{"model":"m","bootstrap_host":"h","vllm_xargs":{"kv_transfer_params":1}}"#,
+            ),
+            None,
+        )
         .unwrap();
         assert_eq!(&bytes[..], br#"{"model":"m","vllm_xargs":{}}"#);
         assert_eq!(model.as_deref(), Some("m"));
         let form = Bytes::from_static(b"--x\r\n\r\n--x--");
-        assert_eq!(engine_body(form.clone()).unwrap(), (form, None));
-        assert!(engine_body(Bytes::from_static(b"{\"a\":NaN}")).is_err());
+        assert_eq!(
+            engine_body(form.clone(), None).unwrap(),
+            (form.clone(), None)
+        );
+        assert!(engine_body(Bytes::from_static(b"{\"a\":NaN}"), None).is_err());
+        // A direct form's `model` field; a JSON body's `model` whatever the type says.
+        let named = Bytes::from_static(
+            b"--x\r\ncontent-disposition: form-data; name=model\r\n\r\nw\r\n--x--",
+        );
+        let (bytes, model) = engine_body(named.clone(), Some(b"x".to_vec())).unwrap();
+        assert_eq!((bytes, model.as_deref()), (named, Some("w")));
+        assert_eq!(
+            engine_body(form.clone(), Some(b"x".to_vec())).unwrap(),
+            (form, None)
+        );
+        let (_, model) = engine_body(plain, Some(b"x".to_vec())).unwrap();
+        assert_eq!(model.as_deref(), Some("m"));
     }
 
     /// The fan-out answer lists each engine's JSON answer as the engine wrote it (its keys'
@@ -1021,13 +995,13 @@ mod tests {
         // The same result there as here.
         let prompt = "a".repeat(body::PARSE_OFF_LOOP_FROM);
         let large = format!(r#"{{"model":"m","prompt":"{prompt}","bootstrap_host":"h"}}"#);
-        let (bytes, model) = engine_body_off_loop(Bytes::from(large), share())
+        let (bytes, model) = engine_body_off_loop(Bytes::from(large), None, share())
             .await
             .unwrap();
         assert_eq!(bytes, format!(r#"{{"model":"m","prompt":"{prompt}"}}"#));
         assert_eq!(model.as_deref(), Some("m"));
         let bad = Bytes::from(format!(r#"{{"p":"{prompt}","x":NaN}}"#));
-        let err = engine_body_off_loop(bad, share()).await.unwrap_err();
+        let err = engine_body_off_loop(bad, None, share()).await.unwrap_err();
         assert_eq!(err.http().status, StatusCode::BAD_REQUEST);
     }
 

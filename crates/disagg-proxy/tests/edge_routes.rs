@@ -1446,12 +1446,15 @@ async fn trickle(addr: SocketAddr, target: &str) -> (Raw, Duration) {
 async fn a_trickled_body_is_cut_by_the_body_timeout_on_every_route() {
     let (p, d) = plain_pair().await;
     let proxy = start(&p, &d, &["--body-timeout", "0.5", "--admin-routes"]).await;
-    // Forwarded, direct, fanned out, orchestrated.
+    // Forwarded (two), direct (two), fanned out, orchestrated (two: `/v1/responses`
+    // is orchestrated, the paths below it are direct).
     for target in [
         "/tokenize",
         "/v1/embeddings",
-        "/v1/responses",
+        "/invocations",
+        "/v1/responses/resp_1/cancel",
         "/v1/load_lora_adapter",
+        "/v1/responses",
         "/v1/completions",
     ] {
         let (a, took) = trickle(proxy.addr, target).await;
@@ -1467,6 +1470,8 @@ async fn a_trickled_body_is_cut_by_the_body_timeout_on_every_route() {
     // The bodies read whole before anything is sent reached no engine.
     assert_eq!(d.stats().admin_requests + p.stats().admin_requests, 0);
     assert_eq!(p.stats().requests, 0);
+    let reached: Vec<String> = received(&[&p, &d]).into_iter().map(|r| r.path).collect();
+    assert!(reached.is_empty(), "{reached:?}");
 }
 
 #[tokio::test]
@@ -1477,7 +1482,13 @@ async fn a_forwarded_body_past_the_size_limit_is_413() {
         r#"{{"model":"sim-model","prompt":"{}"}}"#,
         "a ".repeat(2000)
     );
-    for target in ["/tokenize", "/v1/responses"] {
+    // Forwarded, direct (two), orchestrated.
+    for target in [
+        "/tokenize",
+        "/invocations",
+        "/v1/responses/resp_1/cancel",
+        "/v1/responses",
+    ] {
         let a = raw_request(proxy.addr, "POST", target, &big).await;
         a.assert_error(413, "request_too_large");
         assert_eq!(a.header("connection"), Some("close"), "{}", a.head);
@@ -1527,6 +1538,49 @@ async fn a_silent_or_stalled_engine_is_cut_on_a_forwarded_route() {
     let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert_eq!(last["error"]["code"], "decode_stream_failed", "{last}");
     assert!(start.elapsed() < Duration::from_secs(3));
+}
+
+/// Passive health hears the forwarded and direct routes: a decode engine that refuses
+/// connections behind them is ejected after five failures in a row (the default
+/// threshold), and the fewest-in-flight pick stops sending it every other request (a
+/// refused connection fails at once, so its in-flight count stays 0). The simulated
+/// engine serves `/v1/embeddings` and has no `/invocations` (its 404 is its answer).
+#[tokio::test]
+async fn a_decode_refusing_connections_is_ejected_from_forwarded_and_direct_routes() {
+    for (target, answered) in [("/v1/embeddings", 200), ("/invocations", 404)] {
+        let (p, d) = plain_pair().await;
+        let refusing = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        };
+        let proxy = Proxy::start_args(&[
+            "--prefill".to_owned(),
+            p.url(),
+            "--decode".to_owned(),
+            d.url(),
+            "--decode".to_owned(),
+            refusing.clone(),
+        ])
+        .await;
+        let body = r#"{"model":"sim-model","input":"x"}"#;
+        let mut failures = 0;
+        for _ in 0..30 {
+            let a = post(&proxy.url(), target, body).await;
+            match a.status.as_u16() {
+                502 => failures += 1,
+                s if s == answered => {}
+                _ => panic!("{target}: {}", a.text()),
+            }
+            if failures == 5 {
+                break;
+            }
+        }
+        assert_eq!(failures, 5, "{target}");
+        for _ in 0..10 {
+            let a = post(&proxy.url(), target, body).await;
+            assert_eq!(a.status, answered, "{target}: asked again: {}", a.text());
+        }
+    }
 }
 
 // === 5. answers stay the proxy's ===

@@ -311,6 +311,7 @@ impl Inner {
             endpoint: Arc::clone(encoder),
             call: ENCODER_CALL,
             outcome,
+            served: true,
         });
     }
 }

@@ -163,8 +163,9 @@ pub struct OrchestratorStats {
     /// many bytes of legs (512 MiB): those requests' KV is left to the engine's own
     /// expiry.
     pub kv_releases_skipped: u64,
-    /// Requests served by a decode engine alone, by reason (`beam_search` and
-    /// `prompt_only`, which the connector cannot carry; `short_prompt` from
+    /// Requests served by a decode engine alone, by reason (`beam_search`,
+    /// `prompt_only`, `batch`, `echo` and the like, which the connector cannot carry;
+    /// `short_prompt` from
     /// `disagg_affinity::PromptThreshold`; a custom hook's own),
     /// in the order the reasons were first seen.
     pub direct: Vec<(&'static str, u64)>,
@@ -410,6 +411,74 @@ impl Orchestrator {
         i.config
             .trace_ratio
             .map(|ratio| i.spans.request(headers, ratio))
+    }
+
+    /// Tell the listeners how a request this orchestrator does not serve went on the
+    /// engine it was sent to (`disagg-http`'s forwarded, direct and fanned-out
+    /// requests), as an [`EngineCall`](crate::outcome::EngineCall) the engine
+    /// [`served`](crate::outcome::EngineCall::served): `endpoint` as picked from
+    /// [`source`](Self::source), `call` a fixed name for the kind of request (never the
+    /// client's path: a listener may label by it), and
+    /// [`LegOutcome::Answered`](crate::outcome::LegOutcome::Answered) (the engine
+    /// answered, a 4xx included, and its answer ended) or
+    /// [`Failed`](crate::outcome::LegOutcome::Failed) (through the engine's own fault).
+    /// Passive health counts it as it counts a leg; the adapter tells nothing for a
+    /// request whose client left or whose deadline passed. The core's own calls
+    /// (`/tokenize`, encoder legs) are told by the orchestrator itself.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use disagg_connectors::vllm::VllmNixl;
+    /// use disagg_core::endpoint::{Endpoint, Role};
+    /// use disagg_core::error::TransportError;
+    /// use disagg_core::outcome::{EngineCall, LegOutcome, Listener};
+    /// use disagg_core::source::{EndpointSource, StaticSource};
+    /// use disagg_core::transport::{ResponseFuture, Transport};
+    /// use disagg_core::Orchestrator;
+    ///
+    /// struct Unused;
+    /// impl Transport for Unused {
+    ///     fn send(&self, _: http::Request<bytes::Bytes>) -> ResponseFuture {
+    ///         Box::pin(async { Err(TransportError::Timeout) })
+    ///     }
+    /// }
+    /// #[derive(Default)]
+    /// struct Heard(Mutex<Vec<(&'static str, LegOutcome, bool)>>);
+    /// impl Listener for Heard {
+    ///     fn on_engine_call(&self, c: &EngineCall) {
+    ///         self.0.lock().unwrap().push((c.call, c.outcome, c.served));
+    ///     }
+    /// }
+    ///
+    /// let source = Arc::new(StaticSource::new([
+    ///     Endpoint::new("http://127.0.0.1:8200", Role::Decode)?,
+    /// ]));
+    /// let heard = Arc::new(Heard::default());
+    /// let orchestrator = Orchestrator::builder(Arc::clone(&source), Unused, VllmNixl::new())
+    ///     .listener(Arc::clone(&heard))
+    ///     .build();
+    /// let decode = Arc::clone(&source.snapshot().by_role(Role::Decode)[0]);
+    /// // A request forwarded to `decode` could not reach it.
+    /// orchestrator.engine_call(&decode, "forwarded", LegOutcome::Failed);
+    /// assert_eq!(*heard.0.lock().unwrap(), [("forwarded", LegOutcome::Failed, true)]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn engine_call(
+        &self,
+        endpoint: &Arc<crate::Endpoint>,
+        call: &'static str,
+        outcome: crate::outcome::LegOutcome,
+    ) {
+        self.inner
+            .reporter
+            .engine_call(&crate::outcome::EngineCall {
+                endpoint: Arc::clone(endpoint),
+                call,
+                outcome,
+                served: true,
+            });
     }
 
     /// An orchestrator that sends its legs through `transport` and shares everything

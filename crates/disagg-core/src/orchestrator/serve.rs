@@ -406,6 +406,7 @@ impl Inner {
                 endpoint: Arc::clone(engine),
                 call: "/tokenize",
                 outcome,
+                served: false,
             });
         }
         match result {

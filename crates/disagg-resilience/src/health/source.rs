@@ -44,6 +44,12 @@ impl EndpointSource for HealthSource {
         self.health.tx.borrow().clone()
     }
 
+    /// The inner source's set, before health filtering: the ejected and down
+    /// endpoints included.
+    fn unfiltered_snapshot(&self) -> Arc<EndpointSet> {
+        self.health.inner.snapshot()
+    }
+
     fn listener(&self) -> Option<Arc<dyn Listener>> {
         Some(Arc::clone(&self.health) as Arc<dyn Listener>)
     }
@@ -53,20 +59,20 @@ impl EndpointSource for HealthSource {
 /// that answered (its 4xx included) works; one to blame failed; a leg that was not sent
 /// or was abandoned through no fault of its engine counts for nothing.
 ///
-/// A call of an engine outside the legs (its `/tokenize`) that failed counts as a
-/// failure of that endpoint in its role, like a failed leg: an engine whose `/tokenize`
-/// hangs is ejected after `failure_threshold` of them, and the set the tokenizer picks
-/// from leaves it out. One that answered counts for nothing: an engine answering
-/// `/tokenize` may still fail its legs, and a success would reset their count. An
-/// encoder's calls (E/P/D) are its legs: one that answered counts as a success.
+/// A call of an engine outside the legs that failed counts as a failure of that
+/// endpoint in its role, like a failed leg: an engine whose `/tokenize` hangs is
+/// ejected after `failure_threshold` of them, and the set the tokenizer picks from
+/// leaves it out; so is one that refuses the requests `disagg-http` forwards to it or
+/// sends it direct. One that answered counts as a success when the engine
+/// [`served`](EngineCall::served) a client's request (an encoder's calls, E/P/D, are
+/// its legs; a forwarded or direct request answered to its end), and for nothing
+/// otherwise: an engine answering `/tokenize` may still fail its legs, and a success
+/// would reset their count.
 impl Listener for Health {
     fn on_engine_call(&self, call: &EngineCall) {
         match call.outcome {
             LegOutcome::Failed => self.record(&call.endpoint, false),
-            // An encoder's calls are its legs (E/P/D): one that answered works.
-            LegOutcome::Answered if call.endpoint.role() == Role::Encode => {
-                self.record(&call.endpoint, true);
-            }
+            LegOutcome::Answered if call.served => self.record(&call.endpoint, true),
             _ => {}
         }
     }

@@ -495,3 +495,27 @@ async fn an_engine_published_before_the_checks_start_is_checked() {
     assert_eq!(source.health().state(&c), Some(EndpointHealth::Down));
     assert!(source.snapshot().by_role(Role::Decode).is_empty());
 }
+
+/// The unfiltered snapshot is the inner source's set: an ejected endpoint stays in it
+/// (what must reach every engine, a fanned-out admin request, reads it), as through an
+/// `Arc` of the source.
+#[tokio::test(start_paused = true)]
+async fn the_unfiltered_snapshot_keeps_the_ejected_endpoints() {
+    let (inner, source) = source(HealthConfig::default());
+    let a = find(&source, "http://a:1", Role::Prefill);
+    assert!(source.health().eject(&a, "a test's verdict"));
+    assert_eq!(
+        ids(source.snapshot().by_role(Role::Prefill)),
+        ["http://b:1"]
+    );
+    let direct = source.unfiltered_snapshot();
+    for set in [direct, Arc::new(source).unfiltered_snapshot()] {
+        assert!(Arc::ptr_eq(&set, &inner.snapshot()));
+        assert_eq!(
+            ids(set.by_role(Role::Prefill)),
+            ["http://a:1", "http://b:1"]
+        );
+    }
+    // A source that does not filter by health gives its snapshot.
+    assert!(Arc::ptr_eq(&inner.unfiltered_snapshot(), &inner.snapshot()));
+}

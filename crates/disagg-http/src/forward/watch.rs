@@ -1,0 +1,173 @@
+//! An engine's answer to a forwarded or direct request on its way to the client
+//! ([`EngineBody`]): the engine's places held until it ends, its idle time and the
+//! request's deadline watched, and how it ended told to the request's summary and, as
+//! the engine's doing, to passive health ([`Verdict`]).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Context;
+use std::time::Duration;
+
+use bytes::Bytes;
+use disagg_core::endpoint::InFlightGuard;
+use disagg_core::error::BoxError;
+use disagg_core::outcome::{Delivery, LegOutcome};
+use disagg_core::policy::Permit;
+use disagg_core::transport::BoxBody;
+use disagg_core::{Endpoint, Orchestrator};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+
+use crate::routed::RouteEnd;
+use crate::tap::{Hooks, Tap};
+
+/// How an engine did on a request sent to it alone, told once to the orchestrator's
+/// listeners as an engine call ([`Orchestrator::engine_call`]; passive health hears
+/// it): [`LegOutcome::Failed`] when the engine could not be reached, gave no head in
+/// time, answered 5xx or something unusable, or broke off or went silent in its
+/// answer; [`LegOutcome::Answered`] when its answer ended. Nothing when the client left
+/// or the request's deadline passed: no fault of the engine's.
+pub(super) struct Verdict {
+    pub(super) orchestrator: Orchestrator,
+    pub(super) endpoint: Arc<Endpoint>,
+    /// The route kind (`forwarded`, `direct`): never the client's path.
+    pub(super) call: &'static str,
+}
+
+impl Verdict {
+    pub(super) fn tell(self, outcome: LegOutcome) {
+        self.orchestrator
+            .engine_call(&self.endpoint, self.call, outcome);
+    }
+}
+
+/// An engine's answer on its way to the client: holds the engine's place in the
+/// in-flight count (and a direct request's admission permit) until it ends, and ends
+/// with an error after `idle` without a frame.
+pub(super) type EngineBody = Tap<BoxBody, EngineWatch>;
+
+/// [`EngineBody`]'s own: the engine's place and the request's admission, the idle
+/// timer, the request's summary and the engine's verdict until the answer ends.
+pub(super) struct EngineWatch {
+    _places: (InFlightGuard, Option<Permit>),
+    idle: Option<(Duration, Pin<Box<tokio::time::Sleep>>)>,
+    /// The request's deadline (generation sent direct): the answer ends there.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    route: Option<RouteEnd>,
+    /// Told when the answer ends or breaks; dropped untold when the client leaves or
+    /// the deadline passes. `None` when it was told at the head (a 5xx).
+    verdict: Option<Verdict>,
+}
+
+impl EngineBody {
+    pub(super) fn watch<B>(
+        body: B,
+        places: (InFlightGuard, Option<Permit>),
+        idle: Option<Duration>,
+        deadline: Option<tokio::time::Instant>,
+        (route, verdict): (Option<RouteEnd>, Option<Verdict>),
+    ) -> Self
+    where
+        B: Body<Data = Bytes> + Send + Sync + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let mut watch = EngineWatch {
+            _places: places,
+            idle: idle.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+            deadline: deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            route,
+            verdict,
+        };
+        // An empty answer may never be polled: it has ended already.
+        if body.is_end_stream() {
+            watch.ended(Delivery::Complete);
+        }
+        Tap::new(body.map_err(Into::into).boxed(), watch)
+    }
+}
+
+impl EngineWatch {
+    /// The engine answered something: the idle time starts again.
+    fn answered(&mut self) {
+        // An idle time too large for the clock never ends (no panic).
+        if let Some((d, sleep)) = &mut self.idle
+            && let Some(next) = tokio::time::Instant::now().checked_add(*d)
+        {
+            sleep.as_mut().reset(next);
+        }
+    }
+
+    /// The answer ended as `delivery` says, through the engine's doing: the summary
+    /// and passive health are told (the engine answered when it is complete, failed
+    /// when it broke).
+    fn ended(&mut self, delivery: Delivery) {
+        if let Some(r) = self.route.as_mut() {
+            r.tell(delivery);
+        }
+        if let Some(v) = self.verdict.take() {
+            v.tell(match delivery {
+                Delivery::Complete => LegOutcome::Answered,
+                _ => LegOutcome::Failed,
+            });
+        }
+    }
+
+    /// The request's deadline passed: the answer ends broken, no fault of the
+    /// engine's.
+    fn past_deadline(&mut self) -> Result<(), BoxError> {
+        let Some(deadline) = &self.deadline else {
+            return Ok(());
+        };
+        if tokio::time::Instant::now() < deadline.deadline() {
+            return Ok(());
+        }
+        self.verdict = None;
+        if let Some(r) = self.route.as_mut() {
+            r.tell(Delivery::Broken);
+        }
+        Err("the request's deadline passed".into())
+    }
+}
+
+impl Hooks<BoxBody> for EngineWatch {
+    fn frame(&mut self, frame: &Frame<Bytes>, body: &BoxBody) -> Result<(), BoxError> {
+        // An engine that streams without pause is cut at the deadline too.
+        self.past_deadline()?;
+        self.answered();
+        if let Some(r) = self.route.as_mut() {
+            r.summary.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
+        }
+        // The server stops polling a body that says it has ended.
+        if body.is_end_stream() {
+            self.ended(Delivery::Complete);
+        }
+        Ok(())
+    }
+
+    fn end(&mut self) {
+        self.answered();
+        self.ended(Delivery::Complete);
+    }
+
+    fn error(&mut self, _err: &BoxError) {
+        self.answered();
+        self.ended(Delivery::Broken);
+    }
+
+    fn pending(&mut self, cx: &mut Context<'_>) -> Result<(), BoxError> {
+        if let Some(deadline) = &mut self.deadline
+            && deadline.as_mut().poll(cx).is_ready()
+        {
+            return self.past_deadline();
+        }
+        if let Some((d, sleep)) = &mut self.idle
+            && sleep.as_mut().poll(cx).is_ready()
+        {
+            let msg = format!("the engine sent nothing for {} ms", d.as_millis());
+            self.ended(Delivery::Broken);
+            return Err(msg.into());
+        }
+        Ok(())
+    }
+}
